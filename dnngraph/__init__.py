@@ -1,0 +1,15 @@
+"""dnngraph: deep-learning operation graphs compiled into fused Triton kernels."""
+from . import runtime  # noqa: F401  (chooses CUDA or the interpreter before kernels exist)
+from .dtypes import (DataType, bfloat16, float8_e4m3, float8_e5m2, float16, float32, int32, int64)
+from .dtypes import bool_ as bool  # noqa: A001  (the public name is dg.bool)
+from .errors import (ExecutionError, GraphError, SerializationError, UnsupportedError,
+                     ValidationError)
+from .graph import Graph, Node
+from .tensor import Tensor
+
+__version__ = "0.1.0"
+__all__ = [
+    "Graph", "Node", "Tensor", "DataType", "float32", "float16", "bfloat16", "float8_e4m3",
+    "float8_e5m2", "int32", "int64", "bool", "GraphError", "ValidationError", "UnsupportedError",
+    "ExecutionError", "SerializationError",
+]

@@ -1,0 +1,524 @@
+"""The frontend: a Graph of op nodes over Tensor values, with eager shape inference.
+
+Every op call validates its inputs and attributes, infers the output dims, data types and
+strides, and only then adds the node: a failed call leaves the graph as it was.
+"""
+from __future__ import annotations
+
+import inspect
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import networkx as nx
+import torch
+
+from . import dtypes
+from .errors import ExecutionError, ValidationError
+from .ops import REGISTRY, lookup
+from .ops.conv import ConvAttrs
+from .ops.dropout import DropoutAttrs
+from .ops.matmul import MatmulAttrs
+from .ops.norm import NormAttrs
+from .ops.pointwise import POINTWISE_OPS, PointwiseAttrs
+from .ops.pooling import PoolingAttrs
+from .ops.reduction import ReductionAttrs
+from .ops.sdpa import SdpaAttrs
+from .ops.shape import ConcatAttrs, ReshapeAttrs, SliceAttrs, TransposeAttrs, normalize_slices
+from .ops.softmax import SoftmaxAttrs
+from .ops.base import normalize_axes
+from .tensor import (Tensor, check_dims, check_strides, contiguous_strides, dense_strides,
+                     stride_order)
+
+
+@dataclass(eq=False)
+class Node:
+    """One op application: inputs and outputs are Tensors (None where optional and absent)."""
+
+    uid: int
+    op: str
+    name: str
+    inputs: tuple
+    outputs: tuple
+    attrs: object
+
+    @property
+    def opdef(self):
+        return REGISTRY[self.op]
+
+    def input_tensors(self):
+        return [t for t in self.inputs if t is not None]
+
+    def output_tensors(self):
+        return [t for t in self.outputs if t is not None]
+
+    def __repr__(self) -> str:
+        ins = ", ".join(t.name if t is not None else "-" for t in self.inputs)
+        outs = ", ".join(t.name if t is not None else "-" for t in self.outputs)
+        return f"{self.op} {self.name!r}({ins}) -> ({outs})"
+
+
+def _triple(values, spatial: int, default: int, what: str):
+    if values is None:
+        return (default,) * spatial
+    return tuple(values)
+
+
+class Graph:
+    """A deep-learning operation graph: declare tensors and ops, mark outputs, build, execute."""
+
+    def __init__(self, name: str = "graph", io_data_type=dtypes.float32,
+                 intermediate_data_type=dtypes.float32, compute_data_type=dtypes.float32,
+                 allow_tf32: bool = False):
+        self.name = name
+        self.io_data_type = dtypes.resolve(io_data_type)
+        self.intermediate_data_type = dtypes.resolve(intermediate_data_type)
+        self.compute_data_type = dtypes.resolve(compute_data_type)
+        self.allow_tf32 = bool(allow_tf32)
+        self._tensors: dict[int, Tensor] = {}
+        self._names: dict[str, Tensor] = {}
+        self._nodes: list[Node] = []
+        self._node_names: set[str] = set()
+        self._uids = itertools.count(1)
+        self._plan = None
+
+    # --- bookkeeping -----------------------------------------------------------------------------
+    @property
+    def tensors(self) -> list[Tensor]:
+        return list(self._tensors.values())
+
+    @property
+    def nodes(self) -> list[Node]:
+        return list(self._nodes)
+
+    @property
+    def plan(self):
+        return self._plan
+
+    def inputs(self) -> list[Tensor]:
+        """Tensors the user binds as inputs."""
+        return [t for t in self._tensors.values() if t.producer is None]
+
+    def outputs(self) -> list[Tensor]:
+        """Tensors marked as outputs."""
+        return [t for t in self._tensors.values() if t.is_output]
+
+    def consumers(self, tensor: Tensor) -> list[Node]:
+        return [n for n in self._nodes if any(t is tensor for t in n.inputs)]
+
+    def tensor_by_name(self, name: str) -> Tensor:
+        try:
+            return self._names[name]
+        except KeyError:
+            raise ValidationError(f"graph {self.name!r} has no tensor named {name!r}") from None
+
+    def _invalidate(self):
+        self._plan = None
+
+    def _fresh_name(self, base: str) -> str:
+        name, counter = base, itertools.count(1)
+        while name in self._names or name in self._node_names:
+            name = f"{base}_{next(counter)}"
+        return name
+
+    def _rename_tensor(self, tensor: Tensor, name: str):
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"tensor names must be non-empty strings, got {name!r}")
+        if name == tensor.name:
+            return
+        if name in self._names:
+            raise ValidationError(f"duplicate tensor name {name!r} in graph {self.name!r}")
+        del self._names[tensor.name]
+        tensor._name = name
+        self._names[name] = tensor
+        self._invalidate()
+
+    def to_networkx(self) -> nx.DiGraph:
+        """The node DAG (edges producer -> consumer), nodes keyed by Node."""
+        dag = nx.DiGraph()
+        dag.add_nodes_from(self._nodes)
+        for node in self._nodes:
+            for t in node.input_tensors():
+                if t.producer is not None:
+                    dag.add_edge(t.producer, node)
+        return dag
+
+    # --- tensors -------------------------------------------------------------------------------
+    def tensor(self, name: Optional[str] = None, dim=None, stride=None, data_type=None) -> Tensor:
+        """Declare an input tensor: logical dims, physical strides (None: contiguous), type."""
+        name = self._fresh_name("tensor") if name is None else name
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"tensor names must be non-empty strings, got {name!r}")
+        if name in self._names:
+            raise ValidationError(f"duplicate tensor name {name!r} in graph {self.name!r}")
+        if dim is None:
+            raise ValidationError(f"tensor {name!r} needs dims")
+        dims = check_dims(dim, f"tensor {name!r}")
+        strides = contiguous_strides(dims) if stride is None else \
+            check_strides(stride, dims, f"tensor {name!r}")
+        data_type = self.io_data_type if data_type is None else dtypes.resolve(data_type)
+        tensor = Tensor(self, next(self._uids), name, dims, strides, data_type)
+        self._tensors[tensor.uid] = tensor
+        self._names[name] = tensor
+        self._invalidate()
+        return tensor
+
+    def tensor_like(self, like: torch.Tensor, name: Optional[str] = None) -> Tensor:
+        """Declare an input with the dims, strides and data type of a torch tensor."""
+        if not isinstance(like, torch.Tensor):
+            raise ValidationError(f"tensor_like needs a torch.Tensor, got {type(like).__name__}")
+        if like.dim() == 0:
+            raise ValidationError("tensor_like needs a tensor of rank >= 1 (reshape scalars to [1])")
+        return self.tensor(name=name, dim=list(like.shape), stride=list(like.stride()),
+                           data_type=dtypes.from_torch(like.dtype))
+
+    # --- adding ops ------------------------------------------------------------------------------
+    def _check_input(self, op: str, role: str, value) -> Tensor:
+        if not isinstance(value, Tensor):
+            raise ValidationError(f"{op}: {role} must be a dnngraph Tensor, got {type(value).__name__}")
+        if value.graph is not self or self._tensors.get(value.uid) is not value:
+            raise ValidationError(f"{op}: {role} {value.name!r} belongs to graph {value.graph.name!r}, "
+                                  f"not {self.name!r}")
+        return value
+
+    def _add_op(self, op: str, inputs: Sequence, attrs, name: Optional[str] = None):
+        """Validate, infer, then add node `op`; returns its output tensors (a tuple)."""
+        opdef = lookup(op)
+        if name is not None and (name in self._node_names or name in self._names):
+            raise ValidationError(f"{op}: duplicate name {name!r}")
+        roles = [f"{opdef.input_names[0]}[{i}]" for i in range(len(inputs))] if opdef.variadic \
+            else opdef.input_names
+        checked = []
+        for role, value in zip(roles, inputs):
+            if value is None and role in opdef.optional:
+                checked.append(None)
+            elif value is None:
+                raise ValidationError(f"{op}: input {role} is required")
+            else:
+                checked.append(self._check_input(op, role, value))
+        node_name = name or self._fresh_name(op)
+        try:
+            specs = opdef.infer(checked, attrs)
+        except ValidationError as error:
+            names = ", ".join(t.name for t in checked if t is not None)
+            raise ValidationError(f"node {node_name!r} ({op} of {names}): {error}") from None
+        node = Node(next(self._uids), op, node_name, tuple(checked), (), attrs)
+        outputs = []
+        for out_name, spec in zip(opdef.output_names, specs):
+            if spec is None:
+                outputs.append(None)
+                continue
+            tensor_name = self._fresh_name(f"{node_name}.{out_name}")
+            stride = spec.stride or self._inferred_strides(spec, checked)
+            tensor = Tensor(self, next(self._uids), tensor_name, tuple(spec.dim), stride, None,
+                            producer=node, fixed_data_type=spec.data_type)
+            outputs.append(tensor)
+        node.outputs = tuple(outputs)
+        for tensor in node.output_tensors():  # commit only once everything succeeded
+            self._tensors[tensor.uid] = tensor
+            self._names[tensor.name] = tensor
+        self._nodes.append(node)
+        self._node_names.add(node_name)
+        self._invalidate()
+        return node.outputs
+
+    @staticmethod
+    def _inferred_strides(spec, inputs) -> tuple:
+        """The stride order of the layout source (same rank), densely packed; else row-major."""
+        source = inputs[spec.layout_source] if spec.layout_source is not None else None
+        if source is not None and len(source.dim) == len(spec.dim):
+            return dense_strides(spec.dim, stride_order(source.dim, source.stride))
+        return contiguous_strides(spec.dim)
+
+    # --- ops: matmul, conv ---------------------------------------------------------------------
+    def matmul(self, a: Tensor, b: Tensor, allow_tf32: Optional[bool] = None, name=None) -> Tensor:
+        """C = A @ B over [..., M, K] x [..., K, N] with broadcast batch dims."""
+        tf32 = self.allow_tf32 if allow_tf32 is None else bool(allow_tf32)
+        return self._add_op("matmul", [a, b], MatmulAttrs(tf32), name)[0]
+
+    def _conv_attrs(self, spatial, padding, stride, dilation, groups, mode, shape=()):
+        return ConvAttrs(_triple(padding, spatial, 0, "padding"), _triple(stride, spatial, 1, "stride"),
+                         _triple(dilation, spatial, 1, "dilation"), int(groups), mode, tuple(shape))
+
+    def conv_fprop(self, x, w, padding=None, stride=None, dilation=None, groups=1,
+                   mode="cross_correlation", name=None) -> Tensor:
+        """Convolution forward: y[N, K, *O] from x[N, C, *S] and w[K, C/groups, *R]."""
+        spatial = len(w.dim) - 2 if isinstance(w, Tensor) else 0
+        attrs = self._conv_attrs(spatial, padding, stride, dilation, groups, mode)
+        return self._add_op("conv_fprop", [x, w], attrs, name)[0]
+
+    def conv_dgrad(self, dy, w, x_dim, padding=None, stride=None, dilation=None, groups=1,
+                   mode="cross_correlation", name=None) -> Tensor:
+        """Convolution data gradient: dx of dims x_dim from dy and w."""
+        x_dim = check_dims(x_dim, "conv_dgrad x_dim")
+        attrs = self._conv_attrs(len(x_dim) - 2, padding, stride, dilation, groups, mode, x_dim)
+        return self._add_op("conv_dgrad", [dy, w], attrs, name)[0]
+
+    def conv_wgrad(self, dy, x, w_dim, padding=None, stride=None, dilation=None, groups=1,
+                   mode="cross_correlation", name=None) -> Tensor:
+        """Convolution weight gradient: dw of dims w_dim from dy and x."""
+        w_dim = check_dims(w_dim, "conv_wgrad w_dim")
+        attrs = self._conv_attrs(len(w_dim) - 2, padding, stride, dilation, groups, mode, w_dim)
+        return self._add_op("conv_wgrad", [dy, x], attrs, name)[0]
+
+    # --- ops: reductions, softmax ---------------------------------------------------------------
+    def reduction(self, x, mode, axes, name=None) -> Tensor:
+        """Reduce x over `axes` with `mode`; reduced axes are kept with size 1."""
+        x = self._check_input("reduction", "x", x)
+        axes = normalize_axes("reduction", axes, len(x.dim))
+        return self._add_op("reduction", [x], ReductionAttrs(mode, axes), name)[0]
+
+    def softmax(self, x, axis=-1, log=False, name=None) -> Tensor:
+        """Softmax (log-softmax with log=True) along `axis`."""
+        x = self._check_input("softmax", "x", x)
+        (axis,) = normalize_axes("softmax", axis, len(x.dim))
+        return self._add_op("softmax", [x], SoftmaxAttrs(axis, bool(log)), name)[0]
+
+    def softmax_backward(self, dy, y, axis=-1, log=False, name=None) -> Tensor:
+        """dx of softmax from dy and the forward output y."""
+        y = self._check_input("softmax_backward", "y", y)
+        (axis,) = normalize_axes("softmax_backward", axis, len(y.dim))
+        return self._add_op("softmax_backward", [dy, y], SoftmaxAttrs(axis, bool(log)), name)[0]
+
+    # --- ops: normalizations --------------------------------------------------------------------
+    def layernorm(self, x, scale, bias, epsilon=1e-5, norm_forward_phase="training", name=None):
+        """(y, mean, inv_variance) normalized over the trailing axes where scale is not 1."""
+        return self._add_op("layernorm", [x, scale, bias], NormAttrs(epsilon, norm_forward_phase), name)
+
+    def rmsnorm(self, x, scale, bias=None, epsilon=1e-5, norm_forward_phase="training", name=None):
+        """(y, inv_variance): y = x * rsqrt(mean(x^2) + eps) * scale (+ bias)."""
+        return self._add_op("rmsnorm", [x, scale, bias], NormAttrs(epsilon, norm_forward_phase), name)
+
+    def batchnorm(self, x, scale, bias, in_running_mean=None, in_running_var=None, epsilon=1e-5,
+                  momentum=0.1, name=None):
+        """(y, mean, inv_variance, next_running_mean, next_running_var) over batch and space."""
+        attrs = NormAttrs(epsilon, "training", momentum)
+        return self._add_op("batchnorm", [x, scale, bias, in_running_mean, in_running_var], attrs, name)
+
+    def batchnorm_inference(self, x, mean, inv_variance, scale, bias, name=None) -> Tensor:
+        """y = (x - mean) * inv_variance * scale + bias with given per-channel statistics."""
+        return self._add_op("batchnorm_inference", [x, mean, inv_variance, scale, bias],
+                            NormAttrs(), name)[0]
+
+    def instancenorm(self, x, scale, bias, epsilon=1e-5, norm_forward_phase="training", name=None):
+        """(y, mean, inv_variance) per sample and channel over spatial axes."""
+        return self._add_op("instancenorm", [x, scale, bias], NormAttrs(epsilon, norm_forward_phase),
+                            name)
+
+    def groupnorm(self, x, scale, bias, groups, epsilon=1e-5, norm_forward_phase="training",
+                  name=None):
+        """(y, mean, inv_variance) per sample over groups of channels and spatial axes."""
+        attrs = NormAttrs(epsilon, norm_forward_phase, groups=int(groups))
+        return self._add_op("groupnorm", [x, scale, bias], attrs, name)
+
+    def genstats(self, x, name=None):
+        """(sum, sq_sum) per channel over batch and spatial axes."""
+        return self._add_op("genstats", [x], NormAttrs(), name)
+
+    def layernorm_backward(self, dy, x, scale, mean, inv_variance, name=None):
+        """(dx, dscale, dbias) of layernorm."""
+        return self._add_op("layernorm_backward", [dy, x, scale, mean, inv_variance], NormAttrs(), name)
+
+    def rmsnorm_backward(self, dy, x, scale, inv_variance, has_dbias=False, name=None):
+        """(dx, dscale, dbias) of rmsnorm; dbias is None unless has_dbias."""
+        attrs = NormAttrs(has_dbias=bool(has_dbias))
+        return self._add_op("rmsnorm_backward", [dy, x, scale, inv_variance], attrs, name)
+
+    def batchnorm_backward(self, dy, x, scale, mean, inv_variance, name=None):
+        """(dx, dscale, dbias) of batchnorm training."""
+        return self._add_op("batchnorm_backward", [dy, x, scale, mean, inv_variance], NormAttrs(), name)
+
+    def instancenorm_backward(self, dy, x, scale, mean, inv_variance, name=None):
+        """(dx, dscale, dbias) of instancenorm."""
+        return self._add_op("instancenorm_backward", [dy, x, scale, mean, inv_variance], NormAttrs(),
+                            name)
+
+    def groupnorm_backward(self, dy, x, scale, mean, inv_variance, groups, name=None):
+        """(dx, dscale, dbias) of groupnorm."""
+        return self._add_op("groupnorm_backward", [dy, x, scale, mean, inv_variance],
+                            NormAttrs(groups=int(groups)), name)
+
+    # --- ops: pooling, dropout, attention ------------------------------------------------------
+    def _pool_attrs(self, mode, window, stride, padding):
+        window = tuple(window)
+        return PoolingAttrs(mode, window, _triple(stride, len(window), 1, "stride") if stride is None
+                            else tuple(stride), _triple(padding, len(window), 0, "padding"))
+
+    def pooling(self, x, mode, window, stride=None, padding=None, name=None) -> Tensor:
+        """Max or average pooling over the spatial axes of [N, C, *S]."""
+        return self._add_op("pooling", [x], self._pool_attrs(mode, window, stride, padding), name)[0]
+
+    def pooling_backward(self, dy, x, mode, window, stride=None, padding=None, name=None) -> Tensor:
+        """dx of pooling from dy and the forward input x."""
+        attrs = self._pool_attrs(mode, window, stride, padding)
+        return self._add_op("pooling_backward", [dy, x], attrs, name)[0]
+
+    def dropout(self, x, p, seed, offset=0, return_mask=False, name=None):
+        """y = x * keep / (1 - p); with return_mask=True returns (y, mask)."""
+        y, mask = self._add_op("dropout", [x], DropoutAttrs(float(p), int(seed), int(offset),
+                                                            bool(return_mask)), name)
+        return (y, mask) if return_mask else y
+
+    def sdpa(self, q, k, v, attn_scale=None, is_inference=True, use_causal_mask=False, bias=None,
+             dropout=None, seq_len_q=None, seq_len_kv=None, name=None):
+        """(o, stats) of softmax(q k^T * scale + bias) v; stats None when is_inference."""
+        attrs = SdpaAttrs(None if attn_scale is None else float(attn_scale), bool(is_inference),
+                          bool(use_causal_mask), None if dropout is None else tuple(dropout))
+        return self._add_op("sdpa", [q, k, v, bias, seq_len_q, seq_len_kv], attrs, name)
+
+    def sdpa_backward(self, q, k, v, o, dO, stats, attn_scale=None, use_causal_mask=False,
+                      bias=None, dropout=None, seq_len_q=None, seq_len_kv=None, name=None):
+        """(dq, dk, dv) of sdpa from the forward tensors, dO and the stats."""
+        attrs = SdpaAttrs(None if attn_scale is None else float(attn_scale), False,
+                          bool(use_causal_mask), None if dropout is None else tuple(dropout))
+        return self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv],
+                            attrs, name)
+
+    # --- ops: layout ----------------------------------------------------------------------------
+    def reshape(self, x, dim, name=None) -> Tensor:
+        """The same elements in row-major order with new dims."""
+        return self._add_op("reshape", [x], ReshapeAttrs(tuple(dim)), name)[0]
+
+    def transpose(self, x, permutation, name=None) -> Tensor:
+        """Permute the logical axes."""
+        return self._add_op("transpose", [x], TransposeAttrs(tuple(int(a) for a in permutation)), name)[0]
+
+    def slice(self, x, slices, name=None) -> Tensor:
+        """Slice every axis with a Python slice or (start, stop[, step])."""
+        x = self._check_input("slice", "x", x)
+        return self._add_op("slice", [x], SliceAttrs(normalize_slices(slices, x.dim)), name)[0]
+
+    def concatenate(self, tensors, axis, name=None) -> Tensor:
+        """Join tensors along `axis`."""
+        tensors = list(tensors)
+        rank = len(tensors[0].dim) if tensors and isinstance(tensors[0], Tensor) else 1
+        (axis,) = normalize_axes("concatenate", axis, rank)
+        return self._add_op("concatenate", tensors, ConcatAttrs(axis), name)[0]
+
+    # --- pipeline -------------------------------------------------------------------------------
+    def validate(self) -> "Graph":
+        """Graph-level checks that op calls cannot make: outputs exist, no unused virtual tensor."""
+        if not self._nodes:
+            raise ValidationError(f"graph {self.name!r} has no ops")
+        if not self.outputs():
+            raise ValidationError(f"graph {self.name!r} has no outputs: mark one with set_output(True)")
+        used = {t.uid for n in self._nodes for t in n.input_tensors()}
+        for node in self._nodes:
+            for tensor in node.output_tensors():
+                if not tensor.is_output and tensor.uid not in used:
+                    raise ValidationError(
+                        f"virtual tensor {tensor.name!r} (output of {node.op} {node.name!r}) is never "
+                        f"used: mark it as an output or remove the op")
+        return self
+
+    def build(self, autotune: bool = False) -> "Graph":
+        """Validate, fuse, pick configs and generate kernels; execute() then runs the plan."""
+        from .plan import build_plan  # the plan is the last pipeline stage
+
+        self.validate()
+        self._plan = build_plan(self, autotune=autotune)
+        return self
+
+    def execute(self, bindings: dict, workspace=None) -> None:
+        """Run the built plan; bindings map Tensors or names to torch tensors, outputs in place."""
+        if self._plan is None:
+            raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build()")
+        self._plan.execute(bindings)
+
+    def explain(self) -> str:
+        """Groups, kernels, configs with their reasons, and generated source paths."""
+        if self._plan is None:
+            from .fusion import partition
+
+            self.validate()
+            groups = partition(self)
+            return "not built; fusion groups:\n" + "\n".join(g.describe() for g in groups)
+        return self._plan.explain()
+
+    def reference(self, bindings: dict, dtype=torch.float64, all_tensors: bool = False) -> dict:
+        """Outputs computed op by op in torch (floats upcast to `dtype`): dict name -> tensor."""
+        values = {}
+        for tensor in self.inputs():
+            if not any(tensor in n.inputs for n in self._nodes):
+                continue
+            value = self._lookup_binding(bindings, tensor)
+            if value is None:
+                raise ExecutionError(f"reference: no binding for input {tensor.name!r}")
+            values[tensor.uid] = value.to(dtype) if value.is_floating_point() else value
+        for node in self._nodes:
+            inputs = [None if t is None else values[t.uid] for t in node.inputs]
+            results = node.opdef.reference(inputs, node.attrs)
+            for tensor, result in zip(node.outputs, results):
+                if tensor is not None:
+                    if result.is_floating_point():
+                        result = result.to(dtype)
+                    values[tensor.uid] = result
+        chosen = self._tensors.values() if all_tensors else self.outputs()
+        return {t.name: values[t.uid] for t in chosen if t.uid in values}
+
+    def _lookup_binding(self, bindings: dict, tensor: Tensor):
+        value = bindings.get(tensor)
+        return bindings.get(tensor.name) if value is None else value
+
+    # --- serialization --------------------------------------------------------------------------
+    def to_json(self) -> str:
+        """The graph as a JSON document (schema-versioned)."""
+        from .serialization import graph_to_json
+
+        return graph_to_json(self)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Graph":
+        """Rebuild a graph from to_json's document; raises SerializationError when malformed."""
+        from .serialization import graph_from_json
+
+        return graph_from_json(text)
+
+    def __repr__(self) -> str:
+        return f"Graph({self.name!r}, {len(self._nodes)} ops, {len(self._tensors)} tensors)"
+
+
+# --- pointwise methods, one per catalog entry ----------------------------------------------------
+_PARAM_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "beta": 1.0, "threshold": 20.0}
+
+
+def _pointwise_method(op_name: str):
+    entry = POINTWISE_OPS[op_name]
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    parameters += [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in entry.operand_names]
+    for param in entry.params:
+        default = _PARAM_DEFAULTS.get(param, inspect.Parameter.empty)
+        parameters.append(inspect.Parameter(param, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default))
+    parameters.append(inspect.Parameter("name", inspect.Parameter.KEYWORD_ONLY, default=None))
+    signature = inspect.Signature(parameters)
+
+    def method(*args, **kwargs):
+        try:
+            bound = signature.bind(*args, **kwargs)
+        except TypeError as error:
+            raise ValidationError(f"{op_name}: {error}") from None
+        bound.apply_defaults()
+        graph, arguments = bound.arguments["self"], bound.arguments
+        operands, constants = [], []
+        for position, operand_name in enumerate(entry.operand_names):
+            value = arguments[operand_name]
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                constants.append((position, float(value)))
+                value = None
+            elif value is None:
+                raise ValidationError(f"{op_name}: operand {operand_name} is required")
+            operands.append(value)
+        params = {p: arguments[p] for p in entry.params}
+        if "data_type" in params:
+            params["data_type"] = dtypes.resolve(params["data_type"]).name
+        attrs = PointwiseAttrs(constants=tuple(constants), **params)
+        return graph._add_op(op_name, operands, attrs, arguments["name"])[0]
+
+    method.__name__ = op_name
+    method.__signature__ = signature
+    method.__doc__ = f"Pointwise {op_name} of {', '.join(entry.operand_names)} (numpy broadcasting)."
+    return method
+
+
+for _op_name in POINTWISE_OPS:
+    setattr(Graph, _op_name, _pointwise_method(_op_name))

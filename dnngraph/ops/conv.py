@@ -1,0 +1,113 @@
+"""Convolution family: fprop, dgrad, wgrad over [N, C, (D,) H, W], 1D/2D/3D, grouped.
+
+mode="cross_correlation" is what deep-learning frameworks call convolution; mode="convolution"
+flips the filter spatially.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import OpDef, OutputSpec, fail, int_tuple, register
+
+MODES = ("cross_correlation", "convolution")
+
+
+@dataclass(frozen=True)
+class ConvAttrs:
+    padding: tuple
+    stride: tuple
+    dilation: tuple
+    groups: int = 1
+    mode: str = "cross_correlation"
+    shape: tuple = ()  # x_dim for dgrad, w_dim for wgrad
+
+    def __post_init__(self):
+        spatial = len(self.padding)
+        if not 1 <= spatial <= 3:
+            fail("conv", f"padding must have 1 to 3 values, got {list(self.padding)}")
+        int_tuple("conv", "padding", self.padding, spatial, minimum=0)
+        int_tuple("conv", "stride", self.stride, spatial, minimum=1)
+        int_tuple("conv", "dilation", self.dilation, spatial, minimum=1)
+        if self.groups < 1:
+            fail("conv", f"groups must be >= 1, got {self.groups}")
+        if self.mode not in MODES:
+            fail("conv", f"mode must be one of {MODES}, got {self.mode!r}")
+
+
+def output_dims(op, x_dim, w_dim, attrs: ConvAttrs) -> tuple[int, ...]:
+    """fprop output dims [N, K, *O]; validates channels, groups and sizes."""
+    spatial = len(attrs.padding)
+    if len(x_dim) != spatial + 2 or len(w_dim) != spatial + 2:
+        fail(op, f"x {list(x_dim)} and w {list(w_dim)} must have rank {spatial + 2} "
+                 f"for {spatial} spatial dims")
+    channels, filters = x_dim[1], w_dim[0]
+    if channels % attrs.groups or filters % attrs.groups:
+        fail(op, f"groups={attrs.groups} must divide input channels {channels} and filters {filters}")
+    if w_dim[1] * attrs.groups != channels:
+        fail(op, f"w {list(w_dim)} has {w_dim[1]} channels per group; x has {channels} channels "
+                 f"in {attrs.groups} groups")
+    out = []
+    for size, r, p, s, d in zip(x_dim[2:], w_dim[2:], attrs.padding, attrs.stride, attrs.dilation):
+        extent = size + 2 * p - d * (r - 1) - 1
+        if extent < 0:
+            fail(op, f"filter {list(w_dim[2:])} (dilation {list(attrs.dilation)}) is larger than the "
+                     f"padded input {list(x_dim[2:])}")
+        out.append(extent // s + 1)
+    return (x_dim[0], filters) + tuple(out)
+
+
+def infer_fprop(inputs, attrs):
+    x, w = inputs
+    return [OutputSpec(output_dims("conv_fprop", x.dim, w.dim, attrs), layout_source=0)]
+
+
+def infer_dgrad(inputs, attrs):
+    dy, w = inputs
+    expected = output_dims("conv_dgrad", attrs.shape, w.dim, attrs)
+    if tuple(dy.dim) != expected:
+        fail("conv_dgrad", f"dy must be {list(expected)} for x_dim {list(attrs.shape)}, got {list(dy.dim)}")
+    return [OutputSpec(tuple(attrs.shape), layout_source=0)]
+
+
+def infer_wgrad(inputs, attrs):
+    dy, x = inputs
+    expected = output_dims("conv_wgrad", x.dim, attrs.shape, attrs)
+    if tuple(dy.dim) != expected:
+        fail("conv_wgrad", f"dy must be {list(expected)} for w_dim {list(attrs.shape)}, got {list(dy.dim)}")
+    return [OutputSpec(tuple(attrs.shape), layout_source=1)]
+
+
+def _flip(w, attrs):
+    return w.flip(tuple(range(2, w.dim()))) if attrs.mode == "convolution" else w
+
+
+def _args(attrs):
+    return dict(stride=attrs.stride, padding=attrs.padding, dilation=attrs.dilation, groups=attrs.groups)
+
+
+def reference_fprop(values, attrs):
+    x, w = values
+    fn = (F.conv1d, F.conv2d, F.conv3d)[len(attrs.padding) - 1]
+    return [fn(x, _flip(w, attrs), **_args(attrs))]
+
+
+def reference_dgrad(values, attrs):
+    dy, w = values
+    fn = (torch.nn.grad.conv1d_input, torch.nn.grad.conv2d_input,
+          torch.nn.grad.conv3d_input)[len(attrs.padding) - 1]
+    return [fn(list(attrs.shape), _flip(w, attrs), dy, **_args(attrs))]
+
+
+def reference_wgrad(values, attrs):
+    dy, x = values
+    fn = (torch.nn.grad.conv1d_weight, torch.nn.grad.conv2d_weight,
+          torch.nn.grad.conv3d_weight)[len(attrs.padding) - 1]
+    return [_flip(fn(x, list(attrs.shape), dy, **_args(attrs)), attrs)]
+
+
+register(OpDef("conv_fprop", "conv", "anchor", ConvAttrs, ("x", "w"), ("y",), infer_fprop, reference_fprop))
+register(OpDef("conv_dgrad", "conv", "anchor", ConvAttrs, ("dy", "w"), ("dx",), infer_dgrad, reference_dgrad))
+register(OpDef("conv_wgrad", "conv", "anchor", ConvAttrs, ("dy", "x"), ("dw",), infer_wgrad, reference_wgrad))

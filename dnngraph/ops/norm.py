@@ -1,0 +1,256 @@
+"""Normalization family: layernorm, rmsnorm, batchnorm (training and inference), instancenorm,
+groupnorm, genstats, and their backward forms.
+
+Every norm is "normalize x over some axes of a (possibly grouped) view, then scale and shift per
+element of `scale`". The geometry below says, per op, which axes and which statistics shape.
+Statistics are float32 and keep the rank of x.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import dtypes
+from .base import OpDef, OutputSpec, fail, register
+
+PHASES = ("training", "inference")
+
+
+@dataclass(frozen=True)
+class NormAttrs:
+    epsilon: float = 1e-5
+    norm_forward_phase: str = "training"
+    momentum: float = 0.1  # batchnorm running statistics
+    groups: int = 1  # groupnorm
+    has_dbias: bool = True  # rmsnorm_backward
+
+    def __post_init__(self):
+        if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
+            fail("norm", f"epsilon must be a positive number, got {self.epsilon}")
+        if self.norm_forward_phase not in PHASES:
+            fail("norm", f"norm_forward_phase must be one of {PHASES}, got {self.norm_forward_phase!r}")
+        if not 0.0 <= self.momentum <= 1.0:
+            fail("norm", f"momentum must be in [0, 1], got {self.momentum}")
+        if self.groups < 1:
+            fail("norm", f"groups must be >= 1, got {self.groups}")
+
+
+@dataclass(frozen=True)
+class NormGeometry:
+    """Where statistics are taken: `groups` splits channels (None: no grouped view)."""
+
+    stat_axes: tuple  # axes of the (grouped) view that are reduced
+    stats_dim: tuple  # statistics dims, rank of x
+    param_dim: tuple  # dims of scale / bias
+    groups: int | None = None
+
+
+def _feature_geometry(op, x, scale) -> NormGeometry:
+    """layernorm / rmsnorm: the trailing axes from the first one where scale is not 1."""
+    if scale is None or len(scale.dim) != len(x.dim):
+        fail(op, f"scale must have the rank of x {list(x.dim)}")
+    first = next((a for a, s in enumerate(scale.dim) if s != 1), len(x.dim) - 1)
+    for axis in range(first, len(x.dim)):
+        if scale.dim[axis] != x.dim[axis]:
+            fail(op, f"scale {list(scale.dim)} does not match x {list(x.dim)} on normalized axis {axis}")
+    stats = tuple(x.dim[:first]) + (1,) * (len(x.dim) - first)
+    return NormGeometry(tuple(range(first, len(x.dim))), stats, tuple(scale.dim))
+
+
+def _channel_geometry(op, x, attrs) -> NormGeometry:
+    """batchnorm / instancenorm / groupnorm / genstats over [N, C, *spatial]."""
+    if len(x.dim) < 2:
+        fail(op, f"x must be [N, C, ...], got {list(x.dim)}")
+    batch, channels, rank = x.dim[0], x.dim[1], len(x.dim)
+    param = (1, channels) + (1,) * (rank - 2)
+    if op.startswith(("batchnorm", "genstats")):
+        return NormGeometry((0,) + tuple(range(2, rank)), param, param)
+    if op.startswith("instancenorm"):
+        return NormGeometry(tuple(range(2, rank + 1)), (batch, channels) + (1,) * (rank - 2),
+                            param, groups=channels)
+    if channels % attrs.groups:
+        fail(op, f"groups={attrs.groups} does not divide the {channels} channels of x")
+    return NormGeometry(tuple(range(2, rank + 1)), (batch, attrs.groups) + (1,) * (rank - 2),
+                        param, groups=attrs.groups)
+
+
+def geometry(op: str, x, scale, attrs) -> NormGeometry:
+    """Statistics geometry of norm op `op` (forward or backward) for input x."""
+    if op.startswith(("layernorm", "rmsnorm")):
+        return _feature_geometry(op, x, scale)
+    return _channel_geometry(op, x, attrs)
+
+
+def _check(op, what, tensor, dim):
+    if tensor is not None and tuple(tensor.dim) != tuple(dim):
+        fail(op, f"{what} {tensor.name!r} must be {list(dim)}, got {list(tensor.dim)}")
+
+
+# --- shape rules --------------------------------------------------------------------------------
+def _stats(geo):
+    return OutputSpec(geo.stats_dim, dtypes.float32)
+
+
+def _infer_forward(op, stats_count):
+    def infer(inputs, attrs: NormAttrs):
+        x, scale, bias = inputs[:3]
+        geo = geometry(op, x, scale, attrs)
+        _check(op, "scale", scale, geo.param_dim)
+        _check(op, "bias", bias, geo.param_dim)
+        y = OutputSpec(x.dim, layout_source=0)
+        training = attrs.norm_forward_phase == "training"
+        outputs = [y] + [_stats(geo) if training else None for _ in range(stats_count)]
+        if op == "batchnorm":
+            for running in inputs[3:5]:
+                _check(op, "running statistics", running, geo.param_dim)
+            outputs += [OutputSpec(geo.param_dim, dtypes.float32) if r is not None and training else None
+                        for r in inputs[3:5]]
+        return outputs
+    return infer
+
+
+def _infer_batchnorm_inference(inputs, attrs):
+    x, mean, inv_variance, scale, bias = inputs
+    geo = geometry("batchnorm_inference", x, scale, attrs)
+    for what, tensor in (("mean", mean), ("inv_variance", inv_variance), ("scale", scale), ("bias", bias)):
+        _check("batchnorm_inference", what, tensor, geo.param_dim)
+    return [OutputSpec(x.dim, layout_source=0)]
+
+
+def _infer_genstats(inputs, attrs):
+    geo = geometry("genstats", inputs[0], None, attrs)
+    return [_stats(geo), _stats(geo)]
+
+
+def _infer_backward(op):
+    def infer(inputs, attrs: NormAttrs):
+        dy, x, scale, *stats = inputs
+        geo = geometry(op, x, scale, attrs)
+        if dy.dim != x.dim:
+            fail(op, f"dy {list(dy.dim)} and x {list(x.dim)} differ")
+        _check(op, "scale", scale, geo.param_dim)
+        for tensor in stats:
+            _check(op, "statistics", tensor, geo.stats_dim)
+        dbias = op != "rmsnorm_backward" or attrs.has_dbias
+        params = OutputSpec(geo.param_dim, layout_source=2)
+        return [OutputSpec(x.dim, layout_source=1), params, params if dbias else None]
+    return infer
+
+
+# --- reference ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Shape:
+    dim: tuple
+    name: str = "value"
+
+
+def _spec(value):
+    return None if value is None else _Shape(tuple(value.shape))
+
+
+def _view(t, geo: NormGeometry):
+    """The grouped view [N, G, C/G, *spatial] where the norm groups channels."""
+    if geo.groups is None or t is None:
+        return t
+    return t.reshape(t.shape[0], geo.groups, -1, *t.shape[2:])
+
+
+def _unview(t, like):
+    return t.reshape(like.shape)
+
+
+def _moments(x, axes):
+    mean = x.mean(axes, keepdim=True)
+    return mean, (x - mean).square().mean(axes, keepdim=True)
+
+
+def _reference_forward(op):
+    def reference(values, attrs: NormAttrs):
+        x, scale, bias = values[:3]
+        geo = geometry(op, _spec(x), _spec(scale), attrs)
+        grouped = _view(x, geo)
+        if op == "rmsnorm":
+            mean = None
+            inv = (grouped.square().mean(geo.stat_axes, keepdim=True) + attrs.epsilon).rsqrt()
+            normalized = grouped * inv
+        else:
+            mean, var = _moments(grouped, geo.stat_axes)
+            inv = (var + attrs.epsilon).rsqrt()
+            normalized = (grouped - mean) * inv
+        y = _unview(normalized, x) * scale
+        if bias is not None:
+            y = y + bias
+        if attrs.norm_forward_phase == "inference":
+            return [y] + [None] * (len(specs_out[op]) - 1)
+        stats = [inv] if op == "rmsnorm" else [mean, inv]
+        outputs = [y] + [s.reshape(geo.stats_dim) for s in stats]
+        if op == "batchnorm":
+            count = x.numel() // x.shape[1]
+            unbiased = var * count / max(count - 1, 1)
+            outputs += [None if running is None else
+                        (1 - attrs.momentum) * running + attrs.momentum * update
+                        for running, update in zip(values[3:5], (mean, unbiased))]
+        return outputs
+    return reference
+
+
+def _reference_batchnorm_inference(values, attrs):
+    x, mean, inv_variance, scale, bias = values
+    return [(x - mean) * inv_variance * scale + bias]
+
+
+def _reference_genstats(values, attrs):
+    (x,) = values
+    axes = (0,) + tuple(range(2, x.dim()))
+    return [x.sum(axes, keepdim=True), x.square().sum(axes, keepdim=True)]
+
+
+def _reference_backward(op):
+    def reference(values, attrs: NormAttrs):
+        dy, x, scale, *stats = values
+        geo = geometry(op, _spec(x), _spec(scale), attrs)
+        centered = op != "rmsnorm_backward"
+        mean, inv = (stats if centered else (None, stats[0]))
+        view_shape = _view(x, geo).shape
+        stat_shape = [view_shape[a] if a not in geo.stat_axes else 1 for a in range(len(view_shape))]
+        inv = inv.reshape(stat_shape)
+        grouped = _view(x, geo)
+        xhat = (grouped - mean.reshape(stat_shape)) * inv if centered else grouped * inv
+        g = _view(dy * scale, geo)
+        correction = xhat * (g * xhat).mean(geo.stat_axes, keepdim=True)
+        if centered:
+            correction = correction + g.mean(geo.stat_axes, keepdim=True)
+        dx = _unview(inv * (g - correction), x)
+        param_axes = tuple(a for a, s in enumerate(geo.param_dim) if s == 1)
+        dscale = (dy * _unview(xhat, x)).sum(param_axes, keepdim=True)
+        has_dbias = op != "rmsnorm_backward" or attrs.has_dbias
+        dbias = dy.sum(param_axes, keepdim=True) if has_dbias else None
+        return [dx, dscale, dbias]
+    return reference
+
+
+specs_out = {
+    "layernorm": ("y", "mean", "inv_variance"),
+    "rmsnorm": ("y", "inv_variance"),
+    "instancenorm": ("y", "mean", "inv_variance"),
+    "groupnorm": ("y", "mean", "inv_variance"),
+    "batchnorm": ("y", "mean", "inv_variance", "next_running_mean", "next_running_var"),
+}
+_FORWARD_INPUTS = {"batchnorm": ("x", "scale", "bias", "in_running_mean", "in_running_var")}
+_BACKWARD_STATS = {"rmsnorm_backward": ("inv_variance",)}
+
+for _op, _outs in specs_out.items():
+    register(OpDef(_op, "norm", "anchor", NormAttrs, _FORWARD_INPUTS.get(_op, ("x", "scale", "bias")),
+                   _outs, _infer_forward(_op, 2 if _op != "rmsnorm" else 1), _reference_forward(_op),
+                   optional=("bias", "in_running_mean", "in_running_var")))
+    _bwd = _op + "_backward"
+    register(OpDef(_bwd, "norm", "anchor", NormAttrs,
+                   ("dy", "x", "scale") + _BACKWARD_STATS.get(_bwd, ("mean", "inv_variance")),
+                   ("dx", "dscale", "dbias"), _infer_backward(_bwd), _reference_backward(_bwd)))
+register(OpDef("batchnorm_inference", "norm", "anchor", NormAttrs,
+               ("x", "mean", "inv_variance", "scale", "bias"), ("y",),
+               _infer_batchnorm_inference, _reference_batchnorm_inference))
+register(OpDef("genstats", "norm", "anchor", NormAttrs, ("x",), ("sum", "sq_sum"),
+               _infer_genstats, _reference_genstats))

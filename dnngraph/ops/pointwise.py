@@ -1,0 +1,200 @@
+"""Pointwise family: elementwise unary/binary/ternary ops, comparisons, logic, casts.
+
+Operands broadcast numpy-style over logical dims. A Python number may stand for an operand:
+it is kept in the attributes as a constant. The Triton side of each op lives in
+codegen/expressions.py, keyed by the same names.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from .. import dtypes
+from .base import OpDef, OutputSpec, broadcast_dims, fail, register
+
+
+@dataclass(frozen=True)
+class PointwiseAttrs:
+    constants: tuple = ()  # ((operand position, value), ...) for scalar operands
+    negative_slope: float = 0.01  # leaky_relu
+    alpha: float = 1.0  # elu
+    beta: float = 1.0  # softplus
+    threshold: float = 20.0  # softplus: linear above beta * x > threshold
+    data_type: Optional[str] = None  # cast target
+
+    def __post_init__(self):
+        if self.data_type is not None:
+            dtypes.by_name(self.data_type)
+        if self.beta == 0:
+            fail("softplus", "beta must be non-zero")
+
+
+@dataclass(frozen=True)
+class PointwiseOp:
+    """Catalog entry of one pointwise op."""
+
+    arity: int
+    result: str  # "float", "bool", or "cast" (type from attrs.data_type)
+    reference: Callable  # (operands, attrs) -> torch.Tensor
+    params: tuple[str, ...] = ()  # attribute names the op takes
+    operand_names: tuple[str, ...] = ()
+
+
+def as_float(value: torch.Tensor) -> torch.Tensor:
+    return value.to(torch.float64) if value.dtype == torch.bool else value
+
+
+def as_bool(value: torch.Tensor) -> torch.Tensor:
+    return value if value.dtype == torch.bool else value != 0
+
+
+def _floats(fn):
+    return lambda args, attrs: fn(*[as_float(a) for a in args], attrs)
+
+
+def _bools(fn):
+    return lambda args, attrs: fn(*[as_bool(a) for a in args])
+
+
+def _gelu(x, _):
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def _gelu_tanh(x, _):
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _softplus(x, attrs):
+    return torch.nn.functional.softplus(x, beta=attrs.beta, threshold=attrs.threshold)
+
+
+def _cast(x, attrs):
+    target = dtypes.by_name(attrs.data_type)
+    if target is dtypes.bool_:
+        return as_bool(x)
+    x = as_float(x)
+    if target.is_floating:
+        return x.to(target.torch_dtype).to(x.dtype)
+    return torch.trunc(x)
+
+
+FORWARD_UNARY = {
+    "neg": lambda x, _: -x,
+    "abs": lambda x, _: x.abs(),
+    "exp": lambda x, _: x.exp(),
+    "log": lambda x, _: x.log(),
+    "sqrt": lambda x, _: x.sqrt(),
+    "rsqrt": lambda x, _: x.rsqrt(),
+    "reciprocal": lambda x, _: x.reciprocal(),
+    "sin": lambda x, _: x.sin(),
+    "cos": lambda x, _: x.cos(),
+    "tanh": lambda x, _: x.tanh(),
+    "sigmoid": lambda x, _: x.sigmoid(),
+    "relu": lambda x, _: x.clamp_min(0.0),
+    "leaky_relu": lambda x, a: torch.where(x > 0, x, x * a.negative_slope),
+    "elu": lambda x, a: torch.where(x > 0, x, a.alpha * (x.exp() - 1.0)),
+    "gelu": _gelu,
+    "gelu_tanh": _gelu_tanh,
+    "silu": lambda x, _: x * x.sigmoid(),
+    "softplus": _softplus,
+    "erf": lambda x, _: torch.erf(x),
+    "floor": lambda x, _: x.floor(),
+    "ceil": lambda x, _: x.ceil(),
+}
+UNARY_PARAMS = {"leaky_relu": ("negative_slope",), "elu": ("alpha",),
+                "softplus": ("beta", "threshold")}
+# Ops whose backward form takes (dy, x) and returns dy * f'(x).
+DIFFERENTIABLE = ("relu", "leaky_relu", "elu", "gelu", "gelu_tanh", "silu", "softplus",
+                  "sigmoid", "tanh")
+
+
+def _backward_reference(forward):
+    def reference(dy, x, attrs):
+        with torch.enable_grad():
+            leaf = x.detach().clone().requires_grad_(True)
+            (grad,) = torch.autograd.grad(forward(leaf, attrs), leaf, dy)
+        return grad
+    return reference
+
+
+POINTWISE_OPS: dict[str, PointwiseOp] = {}
+for _name, _fn in FORWARD_UNARY.items():
+    POINTWISE_OPS[_name] = PointwiseOp(1, "float", _floats(_fn), UNARY_PARAMS.get(_name, ()), ("x",))
+for _name in DIFFERENTIABLE:
+    POINTWISE_OPS[_name + "_backward"] = PointwiseOp(
+        2, "float", _floats(_backward_reference(FORWARD_UNARY[_name])),
+        UNARY_PARAMS.get(_name, ()), ("dy", "x"))
+
+_BINARY = {
+    "add": lambda a, b, _: a + b,
+    "sub": lambda a, b, _: a - b,
+    "mul": lambda a, b, _: a * b,
+    "div": lambda a, b, _: a / b,
+    "pow": lambda a, b, _: torch.pow(a, b),
+    "maximum": lambda a, b, _: torch.maximum(a, b),
+    "minimum": lambda a, b, _: torch.minimum(a, b),
+    "scale": lambda a, b, _: a * b,
+}
+for _name, _fn in _BINARY.items():
+    POINTWISE_OPS[_name] = PointwiseOp(2, "float", _floats(_fn), (), ("a", "b"))
+_COMPARE = {"cmp_eq": torch.eq, "cmp_ne": torch.ne, "cmp_lt": torch.lt, "cmp_le": torch.le,
+            "cmp_gt": torch.gt, "cmp_ge": torch.ge}
+for _name, _fn in _COMPARE.items():
+    POINTWISE_OPS[_name] = PointwiseOp(2, "bool", _floats(lambda a, b, _, f=_fn: f(a, b)), (), ("a", "b"))
+POINTWISE_OPS["logical_and"] = PointwiseOp(2, "bool", _bools(torch.logical_and), (), ("a", "b"))
+POINTWISE_OPS["logical_or"] = PointwiseOp(2, "bool", _bools(torch.logical_or), (), ("a", "b"))
+POINTWISE_OPS["logical_not"] = PointwiseOp(1, "bool", _bools(torch.logical_not), (), ("x",))
+POINTWISE_OPS["where"] = PointwiseOp(
+    3, "float",
+    lambda args, attrs: torch.where(as_bool(args[0]), as_float(args[1]), as_float(args[2])),
+    (), ("condition", "a", "b"))
+POINTWISE_OPS["cast"] = PointwiseOp(1, "cast", lambda args, attrs: _cast(args[0], attrs),
+                                    ("data_type",), ("x",))
+
+
+def operand_values(inputs, attrs: PointwiseAttrs, arity: int):
+    """Merge tensor inputs and scalar constants into the operand list, by position."""
+    constants = dict(attrs.constants)
+    return [constants[i] if i in constants else inputs[i] for i in range(arity)]
+
+
+def _infer(op_name: str):
+    entry = POINTWISE_OPS[op_name]
+
+    def infer(inputs, attrs: PointwiseAttrs):
+        tensors = [(entry.operand_names[i], t.dim) for i, t in enumerate(inputs) if t is not None]
+        if not tensors:
+            fail(op_name, "needs at least one tensor operand")
+        dim = broadcast_dims(op_name, tensors)
+        fixed = None
+        if entry.result == "bool":
+            fixed = dtypes.bool_
+        elif entry.result == "cast":
+            if attrs.data_type is None:
+                fail(op_name, "needs data_type")
+            fixed = dtypes.by_name(attrs.data_type)
+        layout = next(i for i, t in enumerate(inputs) if t is not None and t.dim == dim) \
+            if any(t is not None and t.dim == dim for t in inputs) else None
+        return [OutputSpec(dim, fixed, layout_source=layout)]
+    return infer
+
+
+def _reference(op_name: str):
+    entry = POINTWISE_OPS[op_name]
+
+    def reference(values, attrs: PointwiseAttrs):
+        operands = []
+        for value in operand_values(values, attrs, entry.arity):
+            if not isinstance(value, torch.Tensor):
+                value = torch.tensor(float(value), dtype=torch.float64)
+            operands.append(value)
+        return [entry.reference(operands, attrs)]
+    return reference
+
+
+for _name, _entry in POINTWISE_OPS.items():
+    register(OpDef(_name, "pointwise", "pointwise", PointwiseAttrs, _entry.operand_names, ("y",),
+                   _infer(_name), _reference(_name), optional=_entry.operand_names))

@@ -1,0 +1,87 @@
+"""Pooling family: max / average (padding counted or not), 1D/2D/3D, and its backward."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import OpDef, OutputSpec, fail, int_tuple, register
+
+MODES = ("max", "avg_include_pad", "avg_exclude_pad")
+
+
+@dataclass(frozen=True)
+class PoolingAttrs:
+    mode: str
+    window: tuple
+    stride: tuple
+    padding: tuple
+
+    def __post_init__(self):
+        op = "pooling"
+        if self.mode not in MODES:
+            fail(op, f"unknown mode {self.mode!r}; modes: {', '.join(MODES)}")
+        spatial = len(self.window)
+        if not 1 <= spatial <= 3:
+            fail(op, f"window must have 1 to 3 values, got {list(self.window)}")
+        int_tuple(op, "window", self.window, spatial, minimum=1)
+        int_tuple(op, "stride", self.stride, spatial, minimum=1)
+        int_tuple(op, "padding", self.padding, spatial, minimum=0)
+        if any(2 * p > w for p, w in zip(self.padding, self.window)):
+            fail(op, f"padding {list(self.padding)} must be at most half the window {list(self.window)}")
+
+
+def output_spatial(op, x_dim, attrs: PoolingAttrs) -> tuple[int, ...]:
+    """Pooled spatial sizes; fails when the window is larger than the padded input."""
+    spatial = x_dim[2:]
+    if len(spatial) != len(attrs.window):
+        fail(op, f"x {list(x_dim)} has {len(spatial)} spatial dims, window {list(attrs.window)}")
+    sizes = []
+    for size, w, s, p in zip(spatial, attrs.window, attrs.stride, attrs.padding):
+        if size + 2 * p < w:
+            fail(op, f"window {list(attrs.window)} is larger than the padded input {list(spatial)}")
+        sizes.append((size + 2 * p - w) // s + 1)
+    return tuple(sizes)
+
+
+def infer_forward(inputs, attrs):
+    (x,) = inputs
+    return [OutputSpec(tuple(x.dim[:2]) + output_spatial("pooling", x.dim, attrs), layout_source=0)]
+
+
+def infer_backward(inputs, attrs):
+    dy, x = inputs
+    expected = tuple(x.dim[:2]) + output_spatial("pooling_backward", x.dim, attrs)
+    if tuple(dy.dim) != expected:
+        fail("pooling_backward", f"dy must be {list(expected)}, got {list(dy.dim)}")
+    return [OutputSpec(x.dim, layout_source=1)]
+
+
+def pool(x: torch.Tensor, attrs: PoolingAttrs) -> torch.Tensor:
+    """Reference pooling in torch."""
+    spatial = len(attrs.window)
+    if attrs.mode == "max":
+        fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[spatial - 1]
+        return fn(x, attrs.window, attrs.stride, attrs.padding)
+    fn = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)[spatial - 1]
+    return fn(x, attrs.window, attrs.stride, attrs.padding,
+              count_include_pad=attrs.mode == "avg_include_pad")
+
+
+def reference_forward(values, attrs):
+    return [pool(values[0], attrs)]
+
+
+def reference_backward(values, attrs):
+    dy, x = values
+    with torch.enable_grad():
+        leaf = x.detach().clone().requires_grad_(True)
+        (dx,) = torch.autograd.grad(pool(leaf, attrs), leaf, dy)
+    return [dx]
+
+
+register(OpDef("pooling", "pooling", "anchor", PoolingAttrs, ("x",), ("y",),
+               infer_forward, reference_forward))
+register(OpDef("pooling_backward", "pooling", "anchor", PoolingAttrs, ("dy", "x"), ("dx",),
+               infer_backward, reference_backward))

@@ -1,0 +1,56 @@
+"""Reduction family: sum mean max min amax prod norm1 norm2 over any axes, rank kept."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import OpDef, OutputSpec, fail, register
+
+MODES = ("sum", "mean", "max", "min", "amax", "prod", "norm1", "norm2")
+
+
+@dataclass(frozen=True)
+class ReductionAttrs:
+    mode: str
+    axes: tuple
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            fail("reduction", f"unknown mode {self.mode!r}; modes: {', '.join(MODES)}")
+        if not self.axes:
+            fail("reduction", "needs at least one axis")
+
+
+def infer(inputs, attrs: ReductionAttrs):
+    (x,) = inputs
+    if any(not 0 <= a < len(x.dim) for a in attrs.axes):
+        fail("reduction", f"axes {list(attrs.axes)} out of range for {x.name!r} of rank {len(x.dim)}")
+    dim = tuple(1 if axis in attrs.axes else size for axis, size in enumerate(x.dim))
+    return [OutputSpec(dim, layout_source=0)]
+
+
+_REDUCE = {
+    "sum": lambda x, axes: x.sum(axes, keepdim=True),
+    "mean": lambda x, axes: x.mean(axes, keepdim=True),
+    "max": lambda x, axes: x.amax(axes, keepdim=True),
+    "min": lambda x, axes: x.amin(axes, keepdim=True),
+    "amax": lambda x, axes: x.abs().amax(axes, keepdim=True),
+    "prod": lambda x, axes: _prod(x, axes),
+    "norm1": lambda x, axes: x.abs().sum(axes, keepdim=True),
+    "norm2": lambda x, axes: x.square().sum(axes, keepdim=True).sqrt(),
+}
+
+
+def _prod(x: torch.Tensor, axes) -> torch.Tensor:
+    for axis in axes:
+        x = x.prod(axis, keepdim=True)
+    return x
+
+
+def reference(values, attrs: ReductionAttrs):
+    (x,) = values
+    return [_REDUCE[attrs.mode](x.to(torch.float64) if x.dtype == torch.bool else x, attrs.axes)]
+
+
+register(OpDef("reduction", "reduction", "anchor", ReductionAttrs, ("x",), ("y",), infer, reference))

@@ -1,0 +1,52 @@
+"""Softmax family: softmax / log-softmax along one axis, and its backward."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import OpDef, OutputSpec, fail, register
+
+
+@dataclass(frozen=True)
+class SoftmaxAttrs:
+    axis: int
+    log: bool = False
+
+
+def _check_axis(op, x, attrs):
+    if not 0 <= attrs.axis < len(x.dim):
+        fail(op, f"axis {attrs.axis} out of range for {x.name!r} of rank {len(x.dim)}")
+
+
+def infer_forward(inputs, attrs: SoftmaxAttrs):
+    (x,) = inputs
+    _check_axis("softmax", x, attrs)
+    return [OutputSpec(x.dim, layout_source=0)]
+
+
+def infer_backward(inputs, attrs: SoftmaxAttrs):
+    dy, y = inputs
+    _check_axis("softmax_backward", y, attrs)
+    if dy.dim != y.dim:
+        fail("softmax_backward", f"dy {list(dy.dim)} and y {list(y.dim)} differ")
+    return [OutputSpec(y.dim, layout_source=0)]
+
+
+def reference_forward(values, attrs: SoftmaxAttrs):
+    (x,) = values
+    fn = torch.log_softmax if attrs.log else torch.softmax
+    return [fn(x, attrs.axis)]
+
+
+def reference_backward(values, attrs: SoftmaxAttrs):
+    dy, y = values
+    if attrs.log:  # y = log softmax(x): dx = dy - softmax(x) * sum(dy)
+        return [dy - y.exp() * dy.sum(attrs.axis, keepdim=True)]
+    return [y * (dy - (dy * y).sum(attrs.axis, keepdim=True))]
+
+
+register(OpDef("softmax", "softmax", "anchor", SoftmaxAttrs, ("x",), ("y",),
+               infer_forward, reference_forward))
+register(OpDef("softmax_backward", "softmax", "anchor", SoftmaxAttrs, ("dy", "y"), ("dx",),
+               infer_backward, reference_backward))
