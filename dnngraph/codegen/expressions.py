@@ -1,0 +1,87 @@
+"""Op -> Triton expression: the one table every family's prologues and epilogues render from.
+
+Operands are `{0}`, `{1}`, `{2}`; attributes by name (`{negative_slope}`). Each entry says the
+kinds it takes and gives: "f" (a value in the compute type) or "b" (a predicate, int1).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Expression:
+    template: str
+    inputs: str  # one kind letter per operand
+    result: str
+
+
+def _unary(template):
+    return Expression(template, "f", "f")
+
+
+def _binary(template):
+    return Expression(template, "ff", "f")
+
+
+def _compare(symbol):
+    return Expression("{0} %s {1}" % symbol, "ff", "b")
+
+
+EXPRESSIONS: dict[str, Expression] = {
+    "neg": _unary("-{0}"),
+    "abs": _unary("tl.abs({0})"),
+    "exp": _unary("tl.exp({0})"),
+    "log": _unary("tl.log({0})"),
+    "sqrt": _unary("tl.sqrt({0})"),
+    "rsqrt": _unary("tl.rsqrt({0})"),
+    "reciprocal": _unary("1.0 / {0}"),
+    "sin": _unary("tl.sin({0})"),
+    "cos": _unary("tl.cos({0})"),
+    "tanh": _unary("tm.tanh({0})"),
+    "sigmoid": _unary("tl.sigmoid({0})"),
+    "relu": _unary("tl.where({0} < 0, 0.0, {0})"),  # keeps NaN, as torch does
+    "leaky_relu": _unary("tl.where({0} > 0, {0}, {0} * {negative_slope})"),
+    "elu": _unary("tl.where({0} > 0, {0}, {alpha} * (tl.exp({0}) - 1.0))"),
+    "gelu": _unary("tm.gelu({0})"),
+    "gelu_tanh": _unary("tm.gelu_tanh({0})"),
+    "silu": _unary("{0} * tl.sigmoid({0})"),
+    "softplus": _unary("tm.softplus({0}, {beta}, {threshold})"),
+    "erf": _unary("tl.erf({0})"),
+    "floor": _unary("tl.floor({0})"),
+    "ceil": _unary("tl.ceil({0})"),
+    "add": _binary("{0} + {1}"),
+    "sub": _binary("{0} - {1}"),
+    "mul": _binary("{0} * {1}"),
+    "scale": _binary("{0} * {1}"),
+    "div": _binary("{0} / {1}"),
+    "pow": _binary("tm.pow_({0}, {1})"),
+    "maximum": _binary("tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"),
+    "minimum": _binary("tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"),
+    "cmp_eq": _compare("=="),
+    "cmp_ne": _compare("!="),
+    "cmp_lt": _compare("<"),
+    "cmp_le": _compare("<="),
+    "cmp_gt": _compare(">"),
+    "cmp_ge": _compare(">="),
+    "logical_and": Expression("{0} & {1}", "bb", "b"),
+    "logical_or": Expression("{0} | {1}", "bb", "b"),
+    "logical_not": Expression("{0} == 0", "b", "b"),
+    "where": Expression("tl.where({0}, {1}, {2})", "bff", "f"),
+    "relu_backward": _binary("tm.relu_backward({0}, {1})"),
+    "leaky_relu_backward": _binary("tm.leaky_relu_backward({0}, {1}, {negative_slope})"),
+    "elu_backward": _binary("tm.elu_backward({0}, {1}, {alpha})"),
+    "gelu_backward": _binary("tm.gelu_backward({0}, {1})"),
+    "gelu_tanh_backward": _binary("tm.gelu_tanh_backward({0}, {1})"),
+    "silu_backward": _binary("tm.silu_backward({0}, {1})"),
+    "softplus_backward": _binary("tm.softplus_backward({0}, {1}, {beta}, {threshold})"),
+    "sigmoid_backward": _binary("tm.sigmoid_backward({0}, {1})"),
+    "tanh_backward": _binary("tm.tanh_backward({0}, {1})"),
+}
+
+# cast: by the target type's kind
+CAST_TO_FLOAT = Expression("{0}.to({target}).to({compute})", "f", "f")  # rounds like a store
+CAST_TO_INT = Expression("tm.trunc({0})", "f", "f")
+CAST_TO_BOOL = Expression("{0} != 0", "f", "b")
+
+# kind conversions the emitter inserts between producer and consumer
+CONVERT = {("b", "f"): "{0}.to({compute})", ("f", "b"): "({0} != 0)"}

@@ -1,0 +1,105 @@
+"""Triton device functions the expression table calls where an op needs more than one line.
+
+Only core triton.language is used (no libdevice) so the same source runs in the interpreter.
+"""
+import triton
+import triton.language as tl
+
+SQRT_HALF = tl.constexpr(0.7071067811865476)
+INV_SQRT_2PI = tl.constexpr(0.3989422804014327)
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+GELU_TANH_CUBIC = tl.constexpr(0.044715)
+
+
+@triton.jit
+def tanh(x):
+    # exp of a non-positive argument cannot overflow: tanh|x| = (1 - e) / (1 + e), e = exp(-2|x|)
+    e = tl.exp(-2.0 * tl.abs(x))
+    magnitude = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -magnitude, magnitude)
+
+
+@triton.jit
+def trunc(x):
+    return tl.where(x < 0, tl.ceil(x), tl.floor(x))
+
+
+@triton.jit
+def pow_(a, b):
+    magnitude = tl.exp2(b * tl.log2(tl.abs(a)))
+    b_integral = tl.floor(b) == b
+    b_odd = b_integral & (tl.floor(b * 0.5) * 2.0 != b)
+    negative = a < 0
+    result = tl.where(negative & b_odd, -magnitude, magnitude)
+    result = tl.where(negative & (b_integral == 0), tl.sqrt(a - tl.abs(a) - 1.0), result)  # NaN
+    return tl.where(b == 0, 1.0, result)
+
+
+@triton.jit
+def gelu(x):
+    return 0.5 * x * (1.0 + tl.erf(x * SQRT_HALF))
+
+
+@triton.jit
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + tanh(SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)))
+
+
+@triton.jit
+def softplus(x, beta, threshold):
+    bx = beta * x
+    smooth = (tl.maximum(bx, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(bx)))) / beta
+    return tl.where(bx > threshold, x, smooth)
+
+
+@triton.jit
+def relu_backward(dy, x):
+    return tl.where(x > 0, dy, 0.0)
+
+
+@triton.jit
+def leaky_relu_backward(dy, x, negative_slope):
+    return tl.where(x > 0, dy, dy * negative_slope)
+
+
+@triton.jit
+def elu_backward(dy, x, alpha):
+    return tl.where(x > 0, dy, dy * alpha * tl.exp(x))
+
+
+@triton.jit
+def gelu_backward(dy, x):
+    cdf = 0.5 * (1.0 + tl.erf(x * SQRT_HALF))
+    pdf = tl.exp(-0.5 * x * x) * INV_SQRT_2PI
+    return dy * (cdf + x * pdf)
+
+
+@triton.jit
+def gelu_tanh_backward(dy, x):
+    t = tanh(SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x))
+    inner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_TANH_CUBIC * x * x)
+    return dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * inner)
+
+
+@triton.jit
+def silu_backward(dy, x):
+    s = tl.sigmoid(x)
+    return dy * s * (1.0 + x * (1.0 - s))
+
+
+@triton.jit
+def softplus_backward(dy, x, beta, threshold):
+    bx = beta * x
+    return tl.where(bx > threshold, dy, dy * tl.sigmoid(bx))
+
+
+@triton.jit
+def sigmoid_backward(dy, x):
+    s = tl.sigmoid(x)
+    return dy * s * (1.0 - s)
+
+
+@triton.jit
+def tanh_backward(dy, x):
+    t = tanh(x)
+    return dy * (1.0 - t * t)

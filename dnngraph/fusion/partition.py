@@ -1,0 +1,238 @@
+"""Partition a graph into kernel groups.
+
+Passes, in order:
+  1. attention chains (matmul -> scale/mask -> softmax -> matmul) become one group;
+  2. each remaining anchor, in topological order, absorbs pointwise prologues and epilogues;
+  3. leftover pointwise nodes merge into groups along producer -> consumer edges.
+A group is accepted only while it stays convex (no path leaves it and comes back), so the
+groups always form a DAG. Values made inside a group that are graph outputs or read by other
+groups are stored by its kernel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import networkx as nx
+
+from ..errors import ValidationError
+from ..ops.base import broadcast_dims
+from .patterns import ANCHOR_RULES, ATTENTION_SCORE_OPS
+
+
+@dataclass(eq=False)
+class FusionGroup:
+    """A set of nodes that one kernel runs, with what it reads and writes."""
+
+    kind: str  # kernel family: "pointwise", "matmul", "sdpa", ...
+    anchor: Optional[object]  # the anchor Node (None for pointwise groups)
+    nodes: list = field(default_factory=list)  # topological order
+    prologue: list = field(default_factory=list)
+    epilogue: list = field(default_factory=list)
+    inputs: list = field(default_factory=list)  # tensors read from memory
+    outputs: list = field(default_factory=list)  # tensors written to memory
+
+    def describe(self) -> str:
+        ops = ", ".join(f"{n.op}({n.name})" for n in self.nodes)
+        reads = ", ".join(t.name for t in self.inputs)
+        writes = ", ".join(t.name for t in self.outputs)
+        return f"[{self.kind}] {ops} | reads {reads} | writes {writes}"
+
+
+def _is_pointwise(node) -> bool:
+    return node.opdef.role == "pointwise"
+
+
+class _Partitioner:
+    def __init__(self, graph):
+        self.graph = graph
+        self.dag = graph.to_networkx()
+        try:
+            self.order = list(nx.topological_sort(self.dag))
+        except nx.NetworkXUnfeasible:
+            raise ValidationError(f"graph {graph.name!r} has a cycle") from None
+        self.position = {node: i for i, node in enumerate(self.order)}
+        self.group_of: dict = {}
+        self.groups: list[FusionGroup] = []
+
+    # --- helpers ---------------------------------------------------------------------------------
+    def consumers(self, tensor):
+        return [n for n in self.dag.successors(tensor.producer) if tensor in n.inputs] \
+            if tensor.producer is not None else []
+
+    def convex(self, members: set) -> bool:
+        """No path from the set leaves it and re-enters it."""
+        frontier = [s for m in members for s in self.dag.successors(m) if s not in members]
+        seen = set()
+        while frontier:
+            node = frontier.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            for succ in self.dag.successors(node):
+                if succ in members:
+                    return False
+                frontier.append(succ)
+        return True
+
+    def claim(self, group: FusionGroup, nodes):
+        for node in nodes:
+            self.group_of[node] = group
+
+    def free_pointwise(self, node) -> bool:
+        return node is not None and node not in self.group_of and _is_pointwise(node)
+
+    # --- pass 1: attention chains ----------------------------------------------------------------
+    def attention_chains(self):
+        for node in self.order:
+            chain = self._attention_chain(node)
+            if chain is not None and self.convex(set(chain)):
+                group = FusionGroup("sdpa", chain[0], list(chain))
+                self.claim(group, chain)
+                self.groups.append(group)
+
+    def _single_virtual_consumer(self, tensor):
+        consumers = self.consumers(tensor)
+        if tensor.is_output or len(consumers) != 1 or consumers[0] in self.group_of:
+            return None
+        return consumers[0]
+
+    def _attention_chain(self, first):
+        if first.op != "matmul" or first in self.group_of:
+            return None
+        chain, current = [first], first
+        while True:
+            nxt = self._single_virtual_consumer(current.outputs[0])
+            if nxt is None:
+                return None
+            if nxt.op == "softmax":
+                if nxt.attrs.axis != len(nxt.outputs[0].dim) - 1 or nxt.attrs.log:
+                    return None
+                chain.append(nxt)
+                break
+            if nxt.op not in ATTENTION_SCORE_OPS or nxt.outputs[0].dim != first.outputs[0].dim:
+                return None
+            chain.append(nxt)
+            current = nxt
+        second = self._single_virtual_consumer(chain[-1].outputs[0])
+        if second is None or second.op != "matmul" or second.inputs[0] is not chain[-1].outputs[0]:
+            return None
+        return chain + [second]
+
+    # --- pass 2: anchors -------------------------------------------------------------------------
+    def anchors(self):
+        for node in self.order:
+            if node in self.group_of or _is_pointwise(node):
+                continue
+            rule = ANCHOR_RULES.get(node.op)
+            group = FusionGroup(node.opdef.family, node, [node])
+            self.claim(group, [node])
+            self.groups.append(group)
+            if rule is None:
+                continue
+            for position in rule.prologue_inputs:
+                if position < len(node.inputs) and node.inputs[position] is not None:
+                    self._grow_prologue(group, node.inputs[position].dim, node.inputs[position])
+            if rule.epilogue_output is not None:
+                self._grow_epilogue(group, node.outputs[rule.epilogue_output])
+
+    def _grow_prologue(self, group, operand_dim, tensor):
+        producer = tensor.producer
+        if not self.free_pointwise(producer) or tensor.dim != operand_dim:
+            return
+        members = set(group.nodes) | {producer}
+        outside = [c for c in self.consumers(tensor) if c not in members]
+        if outside or not self.convex(members):
+            return
+        group.prologue.insert(0, producer)
+        group.nodes.insert(0, producer)
+        self.claim(group, [producer])
+        for source in producer.input_tensors():
+            self._grow_prologue(group, operand_dim, source)
+
+    def _grow_epilogue(self, group, tile_tensor):
+        tile_dim = tile_tensor.dim
+        visible = {tile_tensor.uid}
+        start = self.position[tile_tensor.producer] + 1
+        for node in self.order[start:]:
+            if not self.free_pointwise(node) or node.outputs[0].dim != tile_dim:
+                continue
+            if not any(t.uid in visible for t in node.input_tensors()):
+                continue
+            members = set(group.nodes) | {node}
+            if not self.convex(members):
+                continue
+            group.epilogue.append(node)
+            group.nodes.append(node)
+            self.claim(group, [node])
+            visible.add(node.outputs[0].uid)
+
+    # --- pass 3: leftover pointwise --------------------------------------------------------------
+    def pointwise(self):
+        for node in self.order:
+            if node in self.group_of or not _is_pointwise(node):
+                continue
+            producer_groups = []
+            for tensor in node.input_tensors():
+                group = self.group_of.get(tensor.producer)
+                if group is not None and group.kind == "pointwise" and group not in producer_groups:
+                    producer_groups.append(group)
+            if not self._join(node, producer_groups) and not any(
+                    self._join(node, [g]) for g in producer_groups):
+                group = FusionGroup("pointwise", None, [node])
+                self.claim(group, [node])
+                self.groups.append(group)
+
+    def _join(self, node, groups) -> bool:
+        if not groups:
+            return False
+        members = {node}.union(*(set(g.nodes) for g in groups))
+        try:
+            broadcast_dims("fusion", [(n.name, n.outputs[0].dim) for n in members])
+        except ValidationError:
+            return False
+        if not self.convex(members):
+            return False
+        target = groups[0]
+        for other in groups[1:]:
+            target.nodes.extend(other.nodes)
+            self.claim(target, other.nodes)
+            self.groups.remove(other)
+        target.nodes.append(node)
+        target.nodes.sort(key=self.position.__getitem__)
+        self.claim(target, [node])
+        return True
+
+    # --- result ----------------------------------------------------------------------------------
+    def finish(self) -> list[FusionGroup]:
+        for group in self.groups:
+            members = set(group.nodes)
+            group.nodes.sort(key=self.position.__getitem__)
+            inputs, outputs = {}, {}
+            for node in group.nodes:
+                for tensor in node.input_tensors():
+                    if tensor.producer not in members:
+                        inputs.setdefault(tensor.uid, tensor)
+                for tensor in node.output_tensors():
+                    if tensor.is_output or any(c not in members for c in self.consumers(tensor)):
+                        outputs.setdefault(tensor.uid, tensor)
+            group.inputs, group.outputs = list(inputs.values()), list(outputs.values())
+        group_dag = nx.DiGraph()
+        group_dag.add_nodes_from(range(len(self.groups)))
+        index = {id(g): i for i, g in enumerate(self.groups)}
+        for u, v in self.dag.edges:
+            gu, gv = index[id(self.group_of[u])], index[id(self.group_of[v])]
+            if gu != gv:
+                group_dag.add_edge(gu, gv)
+        first_node = {i: min(self.position[n] for n in g.nodes) for i, g in enumerate(self.groups)}
+        ordered = nx.lexicographical_topological_sort(group_dag, key=first_node.__getitem__)
+        return [self.groups[i] for i in ordered]
+
+
+def partition(graph) -> list[FusionGroup]:
+    """Kernel groups of `graph`, in an order that respects every dependency."""
+    partitioner = _Partitioner(graph)
+    partitioner.attention_chains()
+    partitioner.anchors()
+    partitioner.pointwise()
+    return partitioner.finish()

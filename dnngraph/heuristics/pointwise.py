@@ -1,0 +1,125 @@
+"""Configs for elementwise kernels: tile shape and warps, ranked by a bandwidth model."""
+from __future__ import annotations
+
+import keyword
+import re
+from dataclasses import dataclass
+
+from ..ops.base import broadcast_dims
+from .device import DeviceModel
+from .layout import IterationSpace, iteration_space, operand_strides
+
+# Columns per tile: 16-byte vectors need >= 8 bf16 columns per thread group; wider than 2048
+# adds registers without more bytes in flight per warp.
+MAX_BLOCK_COLS = 2048
+# Elements per program: 4096 keeps two 16-byte bf16 loads in flight per thread at 8 warps.
+TILE_ELEMENTS = (1024, 2048, 4096, 8192)
+MAX_BLOCK_ROWS = 256
+THREADS_PER_SM = 2048
+ELEMENTS_PER_THREAD = 16
+# Fixed cost of one program (launch slot, index math, tail of its loads), in seconds.
+PROGRAM_OVERHEAD = 0.4e-6
+
+
+@dataclass(frozen=True)
+class PointwiseConfig:
+    block_rows: int
+    block_cols: int
+    num_warps: int
+    estimate_us: float  # model time
+
+
+def _pow2_at_least(value: int) -> int:
+    result = 1
+    while result < value:
+        result *= 2
+    return result
+
+
+def candidates(space: IterationSpace) -> list[tuple[int, int, int]]:
+    """(block_rows, block_cols, num_warps) triples worth ranking for this space."""
+    cols_cap = min(_pow2_at_least(space.cols), MAX_BLOCK_COLS)
+    rows_cap = min(_pow2_at_least(space.rows), MAX_BLOCK_ROWS)
+    result = set()
+    for tile in TILE_ELEMENTS:
+        block_cols = min(cols_cap, tile)
+        block_rows = max(1, min(rows_cap, tile // block_cols))
+        elements = block_rows * block_cols
+        warps = max(1, min(8, elements // (32 * ELEMENTS_PER_THREAD)))
+        result.add((block_rows, block_cols, warps))
+    return sorted(result)
+
+
+def estimate(space: IterationSpace, block_rows: int, block_cols: int, num_warps: int,
+             bytes_per_element: int, device: DeviceModel) -> float:
+    """Model time in seconds: padded bytes at full bandwidth plus per-program cost over waves."""
+    row_tiles = -(-space.rows // block_rows)
+    col_tiles = -(-space.cols // block_cols)
+    programs = row_tiles * col_tiles
+    padded = row_tiles * block_rows * col_tiles * block_cols
+    resident = device.sms * max(1, THREADS_PER_SM // (32 * num_warps))
+    waves = -(-programs // resident)
+    return padded * bytes_per_element / device.bandwidth + waves * PROGRAM_OVERHEAD
+
+
+def rank(space: IterationSpace, bytes_per_element: int, device: DeviceModel) -> list[PointwiseConfig]:
+    """Candidate configs, best model time first."""
+    configs = [PointwiseConfig(r, c, w, 1e6 * estimate(space, r, c, w, bytes_per_element, device))
+               for r, c, w in candidates(space)]
+    return sorted(configs, key=lambda cfg: (cfg.estimate_us, -cfg.block_rows * cfg.block_cols))
+
+
+@dataclass(frozen=True)
+class OperandPlan:
+    """One tensor a pointwise kernel reads or writes, with its strides over the space."""
+
+    uid: int
+    identifier: str  # its name in generated source
+    is_output: bool
+    data_type: object  # DataType
+    strides: tuple
+
+
+@dataclass(frozen=True)
+class PointwiseSchedule:
+    space: IterationSpace
+    operands: tuple  # inputs first, then outputs
+    config: PointwiseConfig
+    candidates: int
+    reason: str
+
+    @property
+    def programs(self) -> int:
+        return -(-self.space.rows // self.config.block_rows) * -(-self.space.cols // self.config.block_cols)
+
+
+def _identifiers(tensors) -> list[str]:
+    names, seen = [], set()
+    for tensor in tensors:
+        base = re.sub(r"\W", "_", tensor.name).strip("_") or "t"
+        base = base if not base[0].isdigit() else "t_" + base
+        name, count = base, 1
+        while name in seen or keyword.iskeyword(name):
+            name, count = f"{base}_{count}", count + 1
+        seen.add(name)
+        names.append(name)
+    return names
+
+
+def schedule(group, device: DeviceModel) -> PointwiseSchedule:
+    """Iteration space, operand strides and the best-ranked config of a pointwise group."""
+    tensors = list(group.inputs) + list(group.outputs)
+    domain = broadcast_dims("pointwise", [(n.name, n.outputs[0].dim) for n in group.nodes])
+    strides = [operand_strides(domain, t.dim, t.stride) for t in tensors]
+    space = iteration_space(domain, strides, order_operand=len(group.inputs))
+    if len(space.sizes) == 1:  # the kernel always walks rows x columns
+        space = IterationSpace((1,) + space.sizes, tuple((0,) + s for s in space.strides), space.index_64)
+    operands = tuple(OperandPlan(t.uid, ident, i >= len(group.inputs), t.data_type, s)
+                     for i, (t, ident, s) in enumerate(zip(tensors, _identifiers(tensors), space.strides)))
+    bytes_per_element = sum(t.data_type.itemsize for t in tensors if tuple(t.dim) == tuple(domain)) or 1
+    ranked = rank(space, bytes_per_element, device)
+    best = ranked[0]
+    reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
+              f"{device.bandwidth / 1e12:.1f} TB/s for {bytes_per_element} B/element over "
+              f"{space.rows}x{space.cols}")
+    return PointwiseSchedule(space, operands, best, len(ranked), reason)
