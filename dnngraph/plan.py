@@ -162,7 +162,8 @@ class Plan:
         for tensor in graph.tensors:
             self.key_to_uid[tensor] = tensor.uid
             self.key_to_uid[tensor.name] = tensor.uid
-        self.bindable = {s.uid for s in self.specs}
+        # unused inputs may be bound (and are ignored); virtual tensors may not
+        self.bindable = {s.uid for s in self.specs} | {t.uid for t in graph.inputs()}
         self.names = {t.uid: t.name for t in graph.tensors}
         self.dtypes = {t.uid: t.data_type.torch_dtype for t in graph.tensors}
         self.workspace_tensors, self.workspace_bytes = self._layout_workspace(groups)
@@ -192,7 +193,8 @@ class Plan:
             if uid is None:
                 raise ExecutionError(f"binding key {key!r} is not a tensor of graph {self.graph_name!r}")
             if uid not in self.bindable:
-                raise ExecutionError(f"tensor {self.names[uid]!r} is virtual or unused: it takes no binding")
+                raise ExecutionError(f"tensor {self.names[uid]!r} is virtual: it lives inside the plan and "
+                                     f"takes no binding (mark it with set_output(True) to read it)")
             resolved[uid] = value
         return resolved
 

@@ -114,7 +114,9 @@ DIFFERENTIABLE = ("relu", "leaky_relu", "elu", "gelu", "gelu_tanh", "silu", "sof
 def _backward_reference(forward):
     def reference(dy, x, attrs):
         with torch.enable_grad():
-            leaf = x.detach().clone().requires_grad_(True)
+            shape = torch.broadcast_shapes(dy.shape, x.shape)
+            leaf = x.detach().expand(shape).clone().requires_grad_(True)
+            dy = dy.expand(shape)
             (grad,) = torch.autograd.grad(forward(leaf, attrs), leaf, dy)
         return grad
     return reference

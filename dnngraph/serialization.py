@@ -1,0 +1,185 @@
+"""JSON round trip of graphs. Loading replays the op calls, so every shape rule and attribute
+check runs again; nothing is evaluated or unpickled.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import networkx as nx
+
+from . import dtypes
+from .errors import GraphError, SerializationError
+from .ops import REGISTRY
+
+FORMAT = "dnngraph"
+SCHEMA_VERSION = 1
+
+
+def _jsonable(value):
+    if isinstance(value, tuple):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _from_jsonable(value):
+    if isinstance(value, list):
+        return tuple(_from_jsonable(v) for v in value)
+    return value
+
+
+def graph_to_json(graph) -> str:
+    """Serialize tensors (with explicit settings) and nodes in creation order."""
+    tensors = []
+    for tensor in graph.tensors:
+        tensors.append({
+            "uid": tensor.uid, "name": tensor.name, "dim": list(tensor.dim), "stride": list(tensor.stride),
+            "data_type": tensor._data_type.name if tensor._data_type is not None else None,
+            "is_output": tensor.is_output,
+        })
+    nodes = []
+    for node in graph.nodes:
+        attrs = {f.name: _jsonable(getattr(node.attrs, f.name)) for f in dataclasses.fields(node.attrs)}
+        nodes.append({"op": node.op, "name": node.name,
+                      "inputs": [None if t is None else t.uid for t in node.inputs],
+                      "outputs": [None if t is None else t.uid for t in node.outputs],
+                      "attrs": attrs})
+    document = {
+        "format": FORMAT, "version": SCHEMA_VERSION,
+        "graph": {"name": graph.name, "io_data_type": graph.io_data_type.name,
+                  "intermediate_data_type": graph.intermediate_data_type.name,
+                  "compute_data_type": graph.compute_data_type.name, "allow_tf32": graph.allow_tf32},
+        "tensors": tensors, "nodes": nodes,
+    }
+    return json.dumps(document, indent=1)
+
+
+def _require(condition, message):
+    if not condition:
+        raise SerializationError(message)
+
+
+def _field(record, key, kind, where):
+    _require(isinstance(record, dict), f"{where} must be an object")
+    _require(key in record, f"{where} lacks {key!r}")
+    value = record[key]
+    _require(isinstance(value, kind) and not (kind is int and isinstance(value, bool)),
+             f"{where}.{key} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _check_header(document):
+    _require(isinstance(document, dict), "the document must be a JSON object")
+    _require(document.get("format") == FORMAT, "not a dnngraph document (format field)")
+    version = document.get("version")
+    _require(isinstance(version, int) and not isinstance(version, bool), "version must be an integer")
+    _require(version <= SCHEMA_VERSION,
+             f"document version {version} is newer than this dnngraph reads ({SCHEMA_VERSION})")
+    _require(version >= 1, f"unknown document version {version}")
+
+
+def _node_order(nodes, producer_of):
+    """Node indices in dependency order; a cycle or dangling reference is an error."""
+    dag = nx.DiGraph()
+    dag.add_nodes_from(range(len(nodes)))
+    for index, record in enumerate(nodes):
+        for uid in record["inputs"]:
+            if uid in producer_of:
+                dag.add_edge(producer_of[uid], index)
+    try:
+        return list(nx.lexicographical_topological_sort(dag))
+    except nx.NetworkXUnfeasible:
+        raise SerializationError("the nodes form a cycle") from None
+
+
+def _attrs(record, opdef, where):
+    raw = _field(record, "attrs", dict, where)
+    known = {f.name for f in dataclasses.fields(opdef.attrs_type)}
+    unknown = set(raw) - known
+    _require(not unknown, f"{where}: unknown attribute(s) {sorted(unknown)} for op {opdef.name!r}")
+    try:
+        return opdef.attrs_type(**{k: _from_jsonable(v) for k, v in raw.items()})
+    except (GraphError, TypeError, ValueError) as error:
+        raise SerializationError(f"{where}: bad attributes for {opdef.name!r}: {error}") from None
+
+
+def graph_from_json(text: str):
+    """Rebuild a Graph; every problem is a SerializationError naming what is wrong."""
+    from .graph import Graph
+
+    try:
+        document = json.loads(text)
+    except (TypeError, ValueError) as error:
+        raise SerializationError(f"not valid JSON: {error}") from None
+    _check_header(document)
+    header = _field(document, "graph", dict, "document")
+    try:
+        graph = Graph(name=_field(header, "name", str, "graph"),
+                      io_data_type=dtypes.by_name(_field(header, "io_data_type", str, "graph")),
+                      intermediate_data_type=dtypes.by_name(_field(header, "intermediate_data_type", str, "graph")),
+                      compute_data_type=dtypes.by_name(_field(header, "compute_data_type", str, "graph")),
+                      allow_tf32=bool(header.get("allow_tf32", False)))
+    except GraphError as error:
+        raise SerializationError(f"graph header: {error}") from None
+    tensors = _field(document, "tensors", list, "document")
+    nodes = _field(document, "nodes", list, "document")
+    records = {}
+    for i, record in enumerate(tensors):
+        uid = _field(record, "uid", int, f"tensors[{i}]")
+        _require(uid not in records, f"tensors[{i}]: duplicate uid {uid}")
+        records[uid] = record
+    producer_of = {}
+    for index, record in enumerate(nodes):
+        where = f"nodes[{index}]"
+        for key in ("inputs", "outputs"):
+            for uid in _field(record, key, list, where):
+                _require(uid is None or (isinstance(uid, int) and uid in records),
+                         f"{where}.{key} refers to unknown tensor {uid!r}")
+        for uid in record["outputs"]:
+            if uid is not None:
+                _require(uid not in producer_of, f"{where}: tensor {uid} has two producers")
+                producer_of[uid] = index
+    handles = {}
+    try:
+        for uid, record in records.items():
+            if uid not in producer_of:
+                where = f"tensor {uid}"
+                handles[uid] = graph.tensor(name=_field(record, "name", str, where),
+                                            dim=_field(record, "dim", list, where),
+                                            stride=_field(record, "stride", list, where),
+                                            data_type=record.get("data_type"))
+        for index in _node_order(nodes, producer_of):
+            _replay(graph, nodes[index], f"nodes[{index}]", handles, records)
+    except SerializationError:
+        raise
+    except GraphError as error:
+        raise SerializationError(f"inconsistent document: {error}") from None
+    return graph
+
+
+def _replay(graph, record, where, handles, records):
+    opdef = REGISTRY.get(_field(record, "op", str, where))
+    _require(opdef is not None, f"{where}: unknown op {record['op']!r}")
+    attrs = _attrs(record, opdef, where)
+    inputs = []
+    for uid in record["inputs"]:
+        _require(uid is None or uid in handles, f"{where}: input {uid} is not produced before use")
+        inputs.append(None if uid is None else handles[uid])
+    outputs = graph._add_op(opdef.name, inputs, attrs, _field(record, "name", str, where))
+    _require(len(record["outputs"]) == len(outputs), f"{where}: {len(record['outputs'])} outputs listed, "
+                                                     f"op {opdef.name!r} has {len(outputs)}")
+    for uid, tensor in zip(record["outputs"], outputs):
+        _require((uid is None) == (tensor is None), f"{where}: output presence does not match the op")
+        if tensor is None:
+            continue
+        saved = records[uid]
+        tensor.set_name(_field(saved, "name", str, f"tensor {uid}"))
+        if list(tensor.dim) != saved.get("dim"):
+            raise SerializationError(f"tensor {uid}: dims {saved.get('dim')} disagree with the op's "
+                                     f"{list(tensor.dim)}")
+        tensor.set_stride(_field(saved, "stride", list, f"tensor {uid}"))
+        if saved.get("data_type") is not None:
+            tensor.set_data_type(saved["data_type"])
+        if saved.get("is_output"):
+            tensor.set_output(True)
+        handles[uid] = tensor

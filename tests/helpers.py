@@ -1,0 +1,51 @@
+"""Shared test helpers: poisoned outputs, float64 comparison, graph execution."""
+import torch
+
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(out).any() or torch.isnan(ref).any(), "NaN in output (unwritten?)"
+    denom = ref.norm().item() or 1.0
+    return (out - ref).norm().item() / denom
+
+
+def poisoned(tensor_handle, device="cpu") -> torch.Tensor:
+    """An output buffer with the handle's dims, strides and dtype, filled with poison."""
+    t = torch.empty_strided(tensor_handle.dim, tensor_handle.stride,
+                            dtype=tensor_handle.data_type.torch_dtype, device=device)
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.copy_(torch.randint(0, 2, t.shape, device=device).bool())
+    else:
+        t.fill_(-12345)
+    return t
+
+
+def run(graph, inputs: dict, device="cpu") -> dict:
+    """Build (if needed) and execute with poisoned outputs; returns name -> output tensor."""
+    if graph.plan is None:
+        graph.build()
+    outputs = {t.name: poisoned(t, device) for t in graph.outputs()}
+    graph.execute({**inputs, **outputs})
+    return outputs
+
+
+def check(graph, inputs: dict, dtype=torch.float32, device="cpu", tolerance=None):
+    """Execute and compare every output with the float64 reference."""
+    outputs = run(graph, inputs, device)
+    refs = graph.reference({k: v.cpu() for k, v in inputs.items()})
+    limit = tolerance or TOLERANCE[dtype]
+    for name, out in outputs.items():
+        ref = refs[name]
+        if ref.dtype == torch.bool:
+            assert torch.equal(out.cpu().bool(), ref), name
+            continue
+        both_nan = torch.isnan(out.double().cpu()) & torch.isnan(ref)
+        out_c = torch.where(both_nan, 0.0, out.double().cpu())
+        ref_c = torch.where(both_nan, 0.0, ref)
+        err = rel_err(out_c, ref_c)
+        assert err < limit, f"{name}: relative error {err:.3g} >= {limit}"
+    return outputs
