@@ -1,0 +1,10 @@
+"""Run every benchmark in one process (one device call): python benchmarks/run_all.py"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import bench_pointwise  # noqa: E402
+
+if __name__ == "__main__":
+    bench_pointwise.main()

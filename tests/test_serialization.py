@@ -1,0 +1,148 @@
+"""JSON round trip over the whole catalog, and rejection of bad documents."""
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import dnngraph as dg
+from dnngraph.ops import REGISTRY
+from dnngraph.ops.pointwise import POINTWISE_OPS
+
+
+def build_family_ops(g, n, c, size, draw_int):
+    """One call of every non-pointwise op of the catalog, sized by the drawn numbers."""
+    x = g.tensor(name="x", dim=[n, c, size, size])
+    s = g.tensor(name="s", dim=[1, c, 1, 1])
+    b = g.tensor(name="b", dim=[1, c, 1, 1])
+    w = g.tensor(name="w", dim=[c, 1, 3, 3])
+    feat_s = g.tensor(name="fs", dim=[1, 1, 1, size])
+    y = g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=c)
+    g.conv_dgrad(y, w, x_dim=[n, c, size, size], padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=c)
+    g.conv_wgrad(y, x, w_dim=[c, 1, 3, 3], padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=c,
+                 mode="convolution")
+    g.matmul(x, g.tensor(name="m", dim=[size, 3]))
+    g.reduction(x, "norm2", [1, 3])
+    sm = g.softmax(x, axis=draw_int(0, 3), log=True)
+    g.softmax_backward(x, sm, axis=1)
+    ln = g.layernorm(x, feat_s, feat_s, epsilon=1e-3)
+    g.layernorm_backward(x, x, feat_s, ln[1], ln[2])
+    rm = g.rmsnorm(x, feat_s, norm_forward_phase="inference")
+    rt = g.rmsnorm(x, feat_s)
+    g.rmsnorm_backward(x, x, feat_s, rt[1], has_dbias=True)
+    bn = g.batchnorm(x, s, b, s, b, momentum=0.2)
+    g.batchnorm_backward(x, x, s, bn[1], bn[2])
+    g.batchnorm_inference(x, s, b, s, b)
+    inn = g.instancenorm(x, s, b)
+    g.instancenorm_backward(x, x, s, inn[1], inn[2])
+    gn = g.groupnorm(x, s, b, groups=1)
+    g.groupnorm_backward(x, x, s, gn[1], gn[2], groups=1)
+    g.genstats(x)
+    g.pooling(x, "max", [2, 2], [1, 1], [1, 1])
+    g.pooling_backward(g.pooling(x, "avg_include_pad", [3, 3], [2, 2], [1, 1]), x, "avg_include_pad", [3, 3], [2, 2], [1, 1])
+    g.dropout(x, p=0.1, seed=draw_int(0, 2**40), offset=3, return_mask=True)
+    q = g.tensor(name="q", dim=[n, 2, size, 4])
+    o, stats = g.sdpa(q, q, q, attn_scale=0.5, is_inference=False, use_causal_mask=True,
+                      bias=g.tensor(name="bias", dim=[1, 1, size, size]), dropout=(0.1, 5, 6))
+    g.sdpa_backward(q, q, q, o, o, stats, use_causal_mask=True)
+    g.reshape(x, [n * c, size * size])
+    g.transpose(x, [0, 2, 3, 1])
+    g.slice(x, [slice(None), slice(0, 1), slice(None), slice(0, size, 2)])
+    g.concatenate([x, x], axis=1)
+
+
+@st.composite
+def catalog_graphs(draw):
+    g = dg.Graph(name="random", io_data_type=draw(st.sampled_from([dg.float16, dg.bfloat16, dg.float32])))
+    n, c, size = draw(st.integers(1, 3)), draw(st.integers(1, 4)), draw(st.integers(3, 6))
+    build_family_ops(g, n, c, size, lambda lo, hi: draw(st.integers(lo, hi)))
+    x = g.tensor_by_name("x")
+    values = [x]
+    for op in draw(st.lists(st.sampled_from(sorted(POINTWISE_OPS)), min_size=1, max_size=12)):
+        entry = POINTWISE_OPS[op]
+        operands = [draw(st.sampled_from(values)) if draw(st.booleans()) or i == 0 else draw(st.floats(-3, 3))
+                    for i in range(entry.arity)]
+        kwargs = {"data_type": draw(st.sampled_from([dg.float16, dg.int32, dg.bool]))} if op == "cast" else {}
+        if "negative_slope" in entry.params:
+            kwargs["negative_slope"] = draw(st.floats(0, 1))
+        values.append(getattr(g, op)(*operands, **kwargs))
+    for t in g.tensors:
+        if t.producer is not None and draw(st.booleans()):
+            t.set_output(True)
+    values[-1].set_output(True).set_data_type(dg.float32)
+    return g
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(catalog_graphs())
+def test_round_trip_preserves_everything(g):
+    text = g.to_json()
+    again = dg.Graph.from_json(text)
+    assert dg.Graph.from_json(again.to_json()).to_json() == again.to_json()  # a fixed point
+    assert [(n.op, n.name, n.attrs) for n in again.nodes] == [(n.op, n.name, n.attrs) for n in g.nodes]
+    def described(graph):
+        return {t.name: (t.dim, t.stride, t.data_type, t.is_output, t.producer and t.producer.name)
+                for t in graph.tensors}
+    assert described(again) == described(g)
+
+
+def test_catalog_is_covered_by_the_round_trip_graph():
+    g = dg.Graph()
+    build_family_ops(g, 2, 2, 4, lambda lo, hi: lo)
+    used = {n.op for n in g.nodes} | set(POINTWISE_OPS)
+    assert used == set(REGISTRY)
+
+
+def test_round_tripped_graph_builds_and_executes():
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[5, 7])
+    g.softplus(g.mul(x, 2.0), beta=2.0).set_output(True).set_name("y")
+    again = dg.Graph.from_json(g.to_json())
+    again.build()
+    x_t, y_t = torch.randn(5, 7), torch.full((5, 7), float("nan"))
+    again.execute({"x": x_t, "y": y_t})
+    assert torch.allclose(y_t, torch.nn.functional.softplus(2 * x_t, beta=2.0), atol=1e-6)
+
+
+def _doc():
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[2, 3])
+    g.exp(g.relu(x)).set_output(True)
+    return json.loads(g.to_json())
+
+
+def _mutations():
+    def cycle(d):
+        d["nodes"][0]["inputs"] = [d["nodes"][1]["outputs"][0]]
+    return {
+        "truncated": lambda d: json.dumps(d)[:40],
+        "not an object": lambda d: "[1, 2]",
+        "wrong format": lambda d: {**d, "format": "other"},
+        "newer version": lambda d: {**d, "version": 2},
+        "unknown op": lambda d: d["nodes"][0].update(op="conv9d"),
+        "unknown attribute": lambda d: d["nodes"][0]["attrs"].update(bogus=1),
+        "bad attribute value": lambda d: d["nodes"][0]["attrs"].update(data_type="float128"),
+        "dangling reference": lambda d: d["nodes"][1].update(inputs=[999]),
+        "cycle": cycle,
+        "missing tensors": lambda d: d.pop("tensors"),
+        "bad dims": lambda d: d["tensors"][0].update(dim=[2, -3]),
+        "wrong output count": lambda d: d["nodes"][0].update(outputs=[]),
+        "bad data type": lambda d: d["graph"].update(io_data_type="complex"),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_mutations()))
+def test_bad_documents_raise_serialization_error(name):
+    doc = _doc()
+    result = _mutations()[name](doc)
+    text = result if isinstance(result, str) else json.dumps(result if isinstance(result, dict) else doc)
+    with pytest.raises(dg.SerializationError):
+        dg.Graph.from_json(text)
+
+
+def test_loading_never_evaluates_code():
+    doc = _doc()
+    doc["nodes"][0]["attrs"]["data_type"] = "__import__('os').system('false')"
+    with pytest.raises(dg.SerializationError):
+        dg.Graph.from_json(json.dumps(doc))
