@@ -3,7 +3,7 @@
 set -uo pipefail
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 DNNGRAPH_CACHE_DIR=/tmp/dnngraph-cache
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || export PYTHONPATH=$PWD
+export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -m pytest tests -m gpu -q -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
 python3 benchmarks/run_all.py 2>&1 | tee "$OUT/bench.txt"
