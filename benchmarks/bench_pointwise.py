@@ -97,14 +97,44 @@ def bench_host_overhead():
     jit_args = launch.values({x.uid: x_t, y.uid: y_t})
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        torch.relu(x_t, out=y_t)
+        torch.neg(x_t, out=y_t)
     rows = [
         ["dnngraph execute (checks + bound launch)", f"{host_overhead_us(lambda: g.execute(bindings)):.1f}"],
         ["Triton JIT launch of the same kernel", f"{host_overhead_us(lambda: launch.kernel[(launch.programs,)](*jit_args)):.1f}"],
-        ["torch eager torch.relu(x, out=y)", f"{host_overhead_us(lambda: torch.relu(x_t, out=y_t)):.1f}"],
+        ["torch eager torch.neg(x, out=y)", f"{host_overhead_us(lambda: torch.relu(x_t, out=y_t)):.1f}"],
         ["CUDA graph replay", f"{host_overhead_us(graph.replay):.1f}"],
     ]
     return rows
+
+
+def sweep_configs(make):
+    """Time every candidate config of the ranking model (the model's pick is rank 1)."""
+    import dnngraph.heuristics.pointwise as heuristics
+
+    original = heuristics.rank
+    rows = []
+    try:
+        g, data, outputs, _ = make()
+        g.build()
+        space = heuristics.schedule(g.plan.groups[0], heuristics_device()).space
+        ranked = original(space, 6, heuristics_device())
+        for position, config in enumerate(ranked):
+            heuristics.rank = lambda *args, _c=config: [_c]
+            g2, data, outputs, _ = make()
+            g2.build()
+            outs = {t.name: torch.empty(t.dim, device="cuda", dtype=BF16) for t in outputs}
+            bindings = {**data, **outs}
+            ms = median_ms(lambda: g2.execute(bindings))
+            rows.append([position + 1, g2.plan.launches[0].config_text.split(" grid")[0],
+                         f"{config.estimate_us:.0f}", f"{ms * 1e3:.0f}"])
+    finally:
+        heuristics.rank = original
+    return rows
+
+
+def heuristics_device():
+    from dnngraph.heuristics import device_model
+    return device_model()
 
 
 def main():
@@ -115,6 +145,8 @@ def main():
     print_table("Fused pointwise, 16384x8192 bf16 (TB/s over minimal bytes)",
                 ["graph", "dnngraph us", "dnngraph TB/s", "of copy", "eager TB/s", "compile TB/s",
                  "vs compile", "vs eager", "config"], rows)
+    print_table("Config sweep, bias_gelu_residual (model rank vs measured)",
+                ["model rank", "config", "model us", "measured us"], sweep_configs(case_bias_gelu_residual))
     print_table("Host time per call, one-kernel graph (us, CPU-bound loop)", ["path", "us/call"],
                 bench_host_overhead())
 

@@ -47,6 +47,7 @@ def candidates(space: IterationSpace) -> list[tuple[int, int, int]]:
         elements = block_rows * block_cols
         warps = max(1, min(8, elements // (32 * ELEMENTS_PER_THREAD)))
         result.add((block_rows, block_cols, warps))
+        result.add((block_rows, block_cols, max(1, warps // 2)))
     return sorted(result)
 
 
