@@ -49,7 +49,8 @@ def candidates(space: IterationSpace) -> list[tuple[int, int, int]]:
         elements = block_rows * block_cols
         warps = max(1, min(8, elements // (32 * ELEMENTS_PER_THREAD)))
         result.add((block_rows, block_cols, warps))
-        result.add((block_rows, block_cols, max(1, warps // 2)))
+        # fewer warps than 2 measured slower at 1024-wide tiles (285 vs 273 us, H100)
+        result.add((block_rows, block_cols, max(min(warps, 2), warps // 2)))
     return sorted(result)
 
 
