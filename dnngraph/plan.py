@@ -6,6 +6,7 @@ On CPU tensors the same kernels run through Triton's interpreter.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,30 @@ class BindingSpec:
     checked_axes: tuple  # axes whose stride matters (size > 1)
     extent_bytes: int
     is_output: bool
+
+
+@dataclass(frozen=True)
+class Scratch:
+    """A kernel-private buffer in the workspace (split-reduction partials); negative uid."""
+
+    uid: int
+    dim: tuple
+    torch_dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.dim:
+            count *= size
+        return count * self.torch_dtype.itemsize
+
+
+_scratch_ids = itertools.count(-1, -1)
+
+
+def scratch(dim, torch_dtype=torch.float32) -> Scratch:
+    """A new scratch buffer of `dim` (contiguous), for one plan's workspace."""
+    return Scratch(next(_scratch_ids), tuple(int(d) for d in dim), torch_dtype)
 
 
 def _extent_bytes(tensor) -> int:
@@ -67,8 +92,10 @@ class BoundLaunch:
 class KernelLaunch:
     """One kernel of the plan: source, config, grid and how to fill its arguments."""
 
-    def __init__(self, group, kernel, source_path, arguments, programs, num_warps, config_text, reason):
+    def __init__(self, group, kernel, source_path, arguments, programs, num_warps, config_text, reason,
+                 scratch=()):
         self.group, self.kernel, self.source_path = group, kernel, source_path
+        self.scratch = tuple(scratch)
         self.arguments, self.programs, self.num_warps = arguments, programs, num_warps
         self.config_text, self.reason = config_text, reason
         self.slots = tuple((i, a.value) for i, a in enumerate(arguments) if a.kind == "tensor")
@@ -145,7 +172,8 @@ def build_plan(graph, autotune: bool = False) -> "Plan":
             raise UnsupportedError(
                 f"node {anchor.name!r} ({anchor.op}): no {group.kind} kernel exists yet, so the group "
                 f"[{', '.join(n.name for n in group.nodes)}] cannot run; graph.reference() computes it")
-        launches.append(builder(graph, group, index))
+        built = builder(graph, group, index)
+        launches.extend(built if isinstance(built, list) else [built])
     return Plan(graph, groups, launches)
 
 
@@ -166,20 +194,23 @@ class Plan:
         self.bindable = {s.uid for s in self.specs} | {t.uid for t in graph.inputs()}
         self.names = {t.uid: t.name for t in graph.tensors}
         self.dtypes = {t.uid: t.data_type.torch_dtype for t in graph.tensors}
-        self.workspace_tensors, self.workspace_bytes = self._layout_workspace(groups)
+        self.dtypes.update({s.uid: s.torch_dtype for launch in launches for s in launch.scratch})
+        self.workspace_tensors, self.workspace_bytes = self._layout_workspace(groups, launches)
         self._workspaces: dict = {}
         if torch.cuda.is_available() and not interpreting():
             for launch in launches:
                 launch.bind(torch.cuda.current_device(), self.dtypes)
 
     @staticmethod
-    def _layout_workspace(groups):
+    def _layout_workspace(groups, launches):
+        """(uid, dim, stride, torch dtype, byte offset) of every workspace tensor, total bytes."""
+        buffers = [(t.uid, tuple(t.dim), tuple(t.stride), t.data_type.torch_dtype, _extent_bytes(t))
+                   for g in groups for t in g.outputs if t.is_virtual]
+        buffers += [(s.uid, s.dim, None, s.torch_dtype, s.nbytes) for launch in launches for s in launch.scratch]
         placed, offset = [], 0
-        for group in groups:
-            for tensor in group.outputs:
-                if tensor.is_virtual:
-                    placed.append((tensor, offset))
-                    offset += -(-_extent_bytes(tensor) // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
+        for uid, dim, stride, torch_dtype, nbytes in buffers:
+            placed.append((uid, dim, stride, torch_dtype, nbytes, offset))
+            offset += -(-max(nbytes, 1) // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
         return placed, offset
 
     # --- execute ---------------------------------------------------------------------------------
@@ -234,9 +265,9 @@ class Plan:
         if views is None:
             buffer = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
             views = {}
-            for tensor, offset in self.workspace_tensors:
-                typed = buffer[offset:offset + _extent_bytes(tensor)].view(tensor.data_type.torch_dtype)
-                views[tensor.uid] = typed.as_strided(tensor.dim, tensor.stride)
+            for uid, dim, stride, torch_dtype, nbytes, offset in self.workspace_tensors:
+                typed = buffer[offset:offset + nbytes].view(torch_dtype)
+                views[uid] = typed.view(dim) if stride is None else typed.as_strided(dim, stride)
             self._workspaces[device] = views
         tensors.update(views)
 
