@@ -7,21 +7,30 @@ where a consumer needs the other kind.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from .. import dtypes
-from ..ops.pointwise import PointwiseAttrs
+from ..errors import UnsupportedError
 from .expressions import CAST_TO_BOOL, CAST_TO_FLOAT, CAST_TO_INT, CONVERT, EXPRESSIONS
 
 
 class ExpressionEmitter:
-    """Collects statements; `values` maps tensor uid -> (variable, kind)."""
+    """Collects statements; `values` maps tensor uid -> (variable, kind).
 
-    def __init__(self, compute_type: str):
+    `counter` names the variable holding each element's logical row-major index, where the
+    kernel computes one (the pointwise family); `scalars` lists (argument name, int) that the
+    kernel must take as runtime integer arguments.
+    """
+
+    def __init__(self, compute_type: str, counter: Optional[str] = None):
         self.compute = compute_type
+        self.counter = counter
         self.lines: list[str] = []
         self.globals: list[str] = []  # module-level constexprs (non-finite constants)
+        self.scalars: list[tuple[str, int]] = []
         self.values: dict[int, tuple[str, str]] = {}
         self._count = 0
+        self._scalar_nodes = 0
 
     def bind(self, uid: int, variable: str, kind: str):
         self.values[uid] = (variable, kind)
@@ -48,11 +57,8 @@ class ExpressionEmitter:
             return CAST_TO_BOOL
         return CAST_TO_FLOAT if target.is_floating else CAST_TO_INT
 
-    def emit(self, node) -> str:
-        """Emit the statement of one pointwise node; returns its variable."""
-        expression = self._expression(node)
-        attrs: PointwiseAttrs = node.attrs
-        constants = dict(attrs.constants)
+    def _operands(self, node, expression) -> list[str]:
+        constants = dict(getattr(node.attrs, "constants", ()))
         operands = []
         for position, kind in enumerate(expression.inputs):
             if position in constants:
@@ -60,13 +66,34 @@ class ExpressionEmitter:
                                 else str(constants[position] != 0))
             else:
                 operands.append(self.value(node.inputs[position].uid, kind))
-        fields = {name: self.literal(getattr(attrs, name))
-                  for name in ("negative_slope", "alpha", "beta", "threshold")}
-        if node.op == "cast":
-            fields["target"] = dtypes.by_name(attrs.data_type).triton_type
-        variable = f"v{self._count}"
-        self._count += 1
+        return operands
+
+    def _fields(self, node, expression) -> dict:
+        fields = {name: self.literal(value) if isinstance(value, float) else str(value)
+                  for name, value in expression.fields(node.attrs).items()}
+        if expression.scalars is not None:
+            suffix = f"_{self._scalar_nodes}"  # seed_0, offset_0 for the first dropout
+            self._scalar_nodes += 1
+            for name, value in expression.scalars(node.attrs).items():
+                self.scalars.append((name + suffix, int(value)))
+                fields[name] = name + suffix
+        if expression.counter:
+            if self.counter is None:
+                raise UnsupportedError(f"node {node.name!r} ({node.op}) needs each element's logical "
+                                       f"index, which only pointwise kernels compute")
+            fields["counter"] = self.counter
+        return fields
+
+    def emit(self, node) -> str:
+        """Emit the statement of one pointwise node; returns the variable of its first output."""
+        expression = self._expression(node)
+        operands = self._operands(node, expression)
+        fields = self._fields(node, expression)
+        variables = [f"v{self._count + k}" for k in range(len(expression.result))]
+        self._count += len(variables)
         text = expression.template.format(*operands, compute=self.compute, **fields)
-        self.lines.append(f"{variable} = {text}  # {node.op} {node.name}")
-        self.bind(node.outputs[0].uid, variable, expression.result)
-        return variable
+        self.lines.append(f"{', '.join(variables)} = {text}  # {node.op} {node.name}")
+        for tensor, variable, kind in zip(node.outputs, variables, expression.result):
+            if tensor is not None:
+                self.bind(tensor.uid, variable, kind)
+        return variables[0]

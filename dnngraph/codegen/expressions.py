@@ -1,18 +1,37 @@
 """Op -> Triton expression: the one table every family's prologues and epilogues render from.
 
 Operands are `{0}`, `{1}`, `{2}`; attributes by name (`{negative_slope}`). Each entry says the
-kinds it takes and gives: "f" (a value in the compute type) or "b" (a predicate, int1).
+kinds it takes and gives: "f" (a value in the compute type) or "b" (a predicate, int1); an op
+with several outputs gives one kind per output (dropout: its value and its keep-mask).
+Besides literal fields, an entry may read runtime kernel integers (`scalars`: dropout's seed and
+offset, so a new seed reuses the compiled kernel) and `{counter}`, the element's logical
+row-major index, which only the pointwise kernel provides.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Optional
+
+from .. import dtypes
+from ..ops.dropout import keep_threshold
+
+
+def _pointwise_fields(attrs) -> dict:
+    return {name: getattr(attrs, name) for name in ("negative_slope", "alpha", "beta", "threshold")}
+
+
+def _cast_fields(attrs) -> dict:
+    return {"target": dtypes.by_name(attrs.data_type).triton_type}
 
 
 @dataclass(frozen=True)
 class Expression:
     template: str
     inputs: str  # one kind letter per operand
-    result: str
+    result: str  # one kind letter per output
+    fields: Callable = _pointwise_fields  # attrs -> {name: float, int or source text}
+    scalars: Optional[Callable] = None  # attrs -> {name: int} passed as runtime kernel ints
+    counter: bool = False  # the template reads {counter}
 
 
 def _unary(template):
@@ -76,10 +95,14 @@ EXPRESSIONS: dict[str, Expression] = {
     "softplus_backward": _binary("tm.softplus_backward({0}, {1}, {beta}, {threshold})"),
     "sigmoid_backward": _binary("tm.sigmoid_backward({0}, {1})"),
     "tanh_backward": _binary("tm.tanh_backward({0}, {1})"),
+    "dropout": Expression(
+        "tm.dropout({0}, {seed}, {offset}, {counter}, {keep_threshold}, {keep_scale})", "f", "fb",
+        fields=lambda attrs: {"keep_threshold": keep_threshold(attrs.p), "keep_scale": 1.0 / (1.0 - attrs.p)},
+        scalars=lambda attrs: {"seed": attrs.seed, "offset": attrs.offset}, counter=True),
 }
 
 # cast: by the target type's kind
-CAST_TO_FLOAT = Expression("{0}.to({target}).to({compute})", "f", "f")  # rounds like a store
+CAST_TO_FLOAT = Expression("{0}.to({target}).to({compute})", "f", "f", _cast_fields)  # rounds like a store
 CAST_TO_INT = Expression("tm.trunc({0})", "f", "f")
 CAST_TO_BOOL = Expression("{0} != 0", "f", "b")
 

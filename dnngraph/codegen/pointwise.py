@@ -2,7 +2,9 @@
 
 The kernel walks a rows x columns tile space: the column axis is the innermost merged axis
 (vectorized loads and stores), rows decompose into the outer axes. Broadcast operands load a
-[1, BLOCK_C] or [BLOCK_R, 1] tile, or a scalar, instead of repeating reads.
+[1, BLOCK_C] or [BLOCK_R, 1] tile, or a scalar, instead of repeating reads. Groups with counter
+ops (dropout) also compute `counter`, each element's logical row-major index, from the strides
+of a virtual operand that the schedule merged with the real ones.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ def _offsets(operand, rank: int):
     return " + ".join(row_terms) or None, col
 
 
-def _pointer(operand, rank: int, lines: list, full: bool):
-    """Pointer expression and mask for an operand; full=True forces a [BLOCK_R, BLOCK_C] tile."""
+def _offset_tile(operand, rank: int, lines: list, full: bool):
+    """Offset expression and mask of an operand's tile; full=True forces [BLOCK_R, BLOCK_C]."""
     row, col = _offsets(operand, rank)
     ident = operand.identifier
     if full:
@@ -42,12 +44,19 @@ def _pointer(operand, rank: int, lines: list, full: bool):
     if col:
         lines.append(f"{ident}_col = {col}")
     if row and col:
-        return f"{ident}_ptr + {ident}_row[:, None] + {ident}_col[None, :]", "mask"
+        return f"{ident}_row[:, None] + {ident}_col[None, :]", "mask"
     if col:
-        return f"{ident}_ptr + {ident}_col[None, :]", "col_mask[None, :]"
+        return f"{ident}_col[None, :]", "col_mask[None, :]"
     if row:
-        return f"{ident}_ptr + {ident}_row[:, None]", "row_mask[:, None]"
-    return f"{ident}_ptr", None
+        return f"{ident}_row[:, None]", "row_mask[:, None]"
+    return None, None
+
+
+def _pointer(operand, rank: int, lines: list, full: bool):
+    """Pointer expression and mask for an operand; full=True forces a [BLOCK_R, BLOCK_C] tile."""
+    offset, mask = _offset_tile(operand, rank, lines, full)
+    ident = operand.identifier
+    return (f"{ident}_ptr + {offset}" if offset else f"{ident}_ptr"), mask
 
 
 def _store_mask(operand, rank: int, sizes) -> str:
@@ -60,18 +69,9 @@ def _store_mask(operand, rank: int, sizes) -> str:
     return f"({' & '.join(row_terms)})[:, None] & ({' & '.join(col_terms)})[None, :]"
 
 
-def render(kernel_name: str, schedule, nodes, compute_type, description: str):
-    """(source, arguments) of the kernel running `nodes` under `schedule`."""
-    space, operands, rank = schedule.space, schedule.operands, len(schedule.space.sizes)
-    args = [KernelArgument("tensor", f"{op.identifier}_ptr", op.uid) for op in operands]
-    args.append(KernelArgument("int", "rows", space.rows))
-    args += [KernelArgument("int", f"size_{k}", space.sizes[k]) for k in range(1, rank - 1)]
-    args.append(KernelArgument("int", "cols", space.cols))
-    for op in operands:
-        args += [KernelArgument("int", f"{op.identifier}_stride_{k}", s) for k, s in enumerate(op.strides) if s]
-    args += [KernelArgument("constexpr", "BLOCK_R", schedule.config.block_rows),
-             KernelArgument("constexpr", "BLOCK_C", schedule.config.block_cols)]
-
+def _tile_indices(space) -> list[str]:
+    """Statements giving rows_idx, cols_idx, the masks and idx_k of every outer axis."""
+    rank = len(space.sizes)
     body = ["pid = tl.program_id(0)" + (".to(tl.int64)" if space.index_64 else ""),
             "col_tiles = tl.cdiv(cols, BLOCK_C)",
             "rows_idx = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)",
@@ -86,8 +86,20 @@ def render(kernel_name: str, schedule, nodes, compute_type, description: str):
         for k in range(rank - 2, 0, -1):
             body += [f"idx_{k} = rest % size_{k}", f"rest = rest // size_{k}"]
         body.append("idx_0 = rest")
+    return body
 
-    emitter = ExpressionEmitter(compute_type.triton_type)
+
+def _counter_tile(schedule, rank: int) -> list[str]:
+    """Statements giving `counter`, each element's logical row-major index, as a full tile."""
+    lines = []
+    offset, _ = _offset_tile(schedule.counter, rank, lines, full=True)
+    # below 2^31 elements the index math is int32; offset + index may still pass 2^31
+    widen = ".to(tl.int64)" if schedule.counter_64 and not schedule.space.index_64 else ""
+    return lines + [f"counter = ({offset}){widen}"]
+
+
+def _loads(operands, rank: int, emitter: ExpressionEmitter) -> list[str]:
+    body = []
     for op in operands:
         if op.is_output:
             continue
@@ -99,9 +111,11 @@ def render(kernel_name: str, schedule, nodes, compute_type, description: str):
         else:
             body.append(f"{op.identifier} = {load}.to({emitter.compute})")
             emitter.bind(op.uid, op.identifier, "f")
-    for node in nodes:
-        emitter.emit(node)
-    body += emitter.lines
+    return body
+
+
+def _stores(operands, space, emitter: ExpressionEmitter) -> list[str]:
+    rank, body = len(space.sizes), []
     for op in operands:
         if not op.is_output:
             continue
@@ -109,6 +123,37 @@ def render(kernel_name: str, schedule, nodes, compute_type, description: str):
         value = emitter.value(op.uid, "b" if op.data_type is dtypes.bool_ else "f")
         body.append(f"tl.store({pointer}, ({value}).to({op.data_type.triton_type}), "
                     f"mask={_store_mask(op, rank, space.sizes)})")
+    return body
+
+
+def _arguments(schedule, scalars) -> list[KernelArgument]:
+    space, rank = schedule.space, len(schedule.space.sizes)
+    strided = list(schedule.operands) + ([schedule.counter] if schedule.counter else [])
+    args = [KernelArgument("tensor", f"{op.identifier}_ptr", op.uid) for op in schedule.operands]
+    args.append(KernelArgument("int", "rows", space.rows))
+    args += [KernelArgument("int", f"size_{k}", space.sizes[k]) for k in range(1, rank - 1)]
+    args.append(KernelArgument("int", "cols", space.cols))
+    for op in strided:
+        args += [KernelArgument("int", f"{op.identifier}_stride_{k}", s) for k, s in enumerate(op.strides) if s]
+    # seeds and offsets are runtime values: a new seed reuses the compiled kernel
+    args += [KernelArgument("int", name, value) for name, value in scalars]
+    args += [KernelArgument("constexpr", "BLOCK_R", schedule.config.block_rows),
+             KernelArgument("constexpr", "BLOCK_C", schedule.config.block_cols)]
+    return args
+
+
+def render(kernel_name: str, schedule, nodes, compute_type, description: str):
+    """(source, arguments) of the kernel running `nodes` under `schedule`."""
+    space, rank = schedule.space, len(schedule.space.sizes)
+    emitter = ExpressionEmitter(compute_type.triton_type,
+                                counter="counter" if schedule.counter is not None else None)
+    body = _tile_indices(space) + _loads(schedule.operands, rank, emitter)
+    if schedule.counter is not None:
+        body += _counter_tile(schedule, rank)
+    for node in nodes:
+        emitter.emit(node)
+    body += emitter.lines + _stores(schedule.operands, space, emitter)
+    args = _arguments(schedule, emitter.scalars)
 
     params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
     source = HEADER.format(description=description)

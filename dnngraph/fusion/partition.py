@@ -4,6 +4,7 @@ Passes, in order:
   1. attention chains (matmul -> scale/mask -> softmax -> matmul) become one group;
   2. each remaining anchor, in topological order, absorbs pointwise prologues and epilogues;
   3. leftover pointwise nodes merge into groups along producer -> consumer edges.
+Counter ops (dropout) join only pointwise groups, and only groups whose domain is their shape.
 A group is accepted only while it stays convex (no path leaves it and comes back), so the
 groups always form a DAG. Values made inside a group that are graph outputs or read by other
 groups are stored by its kernel.
@@ -17,7 +18,7 @@ import networkx as nx
 
 from ..errors import ValidationError
 from ..ops.base import broadcast_dims
-from .patterns import ANCHOR_RULES, ATTENTION_SCORE_OPS
+from .patterns import ANCHOR_RULES, ATTENTION_SCORE_OPS, COUNTER_OPS
 
 
 @dataclass(eq=False)
@@ -41,6 +42,18 @@ class FusionGroup:
 
 def _is_pointwise(node) -> bool:
     return node.opdef.role == "pointwise"
+
+
+def _numel(dim) -> int:
+    count = 1
+    for size in dim:
+        count *= size
+    return count
+
+
+def _counters_well_defined(members, domain) -> bool:
+    """Every counter op spans the whole domain, so its logical index is the kernel's index."""
+    return all(_numel(n.outputs[0].dim) == _numel(domain) for n in members if n.op in COUNTER_OPS)
 
 
 class _Partitioner:
@@ -80,7 +93,9 @@ class _Partitioner:
             self.group_of[node] = group
 
     def free_pointwise(self, node) -> bool:
-        return node is not None and node not in self.group_of and _is_pointwise(node)
+        """May an anchor absorb `node`? Anchor kernels know no logical index: no counter ops."""
+        return (node is not None and node not in self.group_of and _is_pointwise(node)
+                and node.op not in COUNTER_OPS)
 
     # --- pass 1: attention chains ----------------------------------------------------------------
     def attention_chains(self):
@@ -188,10 +203,10 @@ class _Partitioner:
             return False
         members = {node}.union(*(set(g.nodes) for g in groups))
         try:
-            broadcast_dims("fusion", [(n.name, n.outputs[0].dim) for n in members])
+            domain = broadcast_dims("fusion", [(n.name, n.outputs[0].dim) for n in members])
         except ValidationError:
             return False
-        if not self.convex(members):
+        if not _counters_well_defined(members, domain) or not self.convex(members):
             return False
         target = groups[0]
         for other in groups[1:]:

@@ -1,8 +1,8 @@
 """Fusion rules: what each anchor op may absorb, and multi-anchor patterns (attention).
 
-An anchor (matmul, conv, sdpa, reduction, norm, softmax, pooling, dropout) absorbs pointwise
-producers of some inputs as prologues (applied at load) and pointwise consumers of one output as
-epilogues (applied before the store). Pure data: partition.py applies it.
+An anchor (matmul, conv, sdpa, reduction, norm, softmax, pooling) absorbs pointwise producers
+of some inputs as prologues (applied at load) and pointwise consumers of one output as epilogues
+(applied before the store). Pure data: partition.py applies it.
 """
 from __future__ import annotations
 
@@ -32,13 +32,17 @@ ANCHOR_RULES: dict[str, AnchorRule] = {
     "softmax_backward": AnchorRule((0,), 0),
     "pooling": AnchorRule((0,), 0),
     "pooling_backward": AnchorRule((0,), 0),
-    "dropout": AnchorRule((0,), 0),
     "genstats": AnchorRule((0,), None),
     "batchnorm_inference": _NORM_FORWARD,
 }
 for _norm in ("layernorm", "rmsnorm", "batchnorm", "instancenorm", "groupnorm"):
     ANCHOR_RULES[_norm] = _NORM_FORWARD
     ANCHOR_RULES[_norm + "_backward"] = _NORM_BACKWARD
+
+# Pointwise ops whose value depends on the element's logical row-major index (the Philox counter
+# of dropout is offset + that index). Only the pointwise kernel computes that index, so these
+# never ride in an anchor's prologue or epilogue, and their group's domain is their own shape.
+COUNTER_OPS = frozenset({"dropout"})
 
 # Attention written as ops: matmul(q, k^T) -> pointwise (scale, bias, mask) -> softmax over the
 # last axis -> matmul(probabilities, v). The whole chain becomes one flash-attention kernel.

@@ -36,6 +36,19 @@ def operand_strides(domain: tuple, dim: tuple, stride: tuple) -> tuple:
     return tuple(0 if size == 1 else s for size, s in zip(full_dim, full_stride))
 
 
+def row_major_index_strides(domain: tuple) -> tuple:
+    """Strides of the logical row-major element index over the domain (a virtual operand).
+
+    Passed to iteration_space with the real operands, it merges and orders with them, so the
+    kernel recovers each element's logical index whatever the physical layouts are.
+    """
+    strides, step = [], 1
+    for size in reversed(domain):
+        strides.append(0 if size == 1 else step)
+        step *= size
+    return tuple(reversed(strides))
+
+
 def iteration_space(domain: tuple, operands: list, order_operand: int = 0) -> IterationSpace:
     """Merge and order the domain axes for operands given as domain-aligned stride tuples."""
     key_strides = operands[order_operand]

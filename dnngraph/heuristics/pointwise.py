@@ -4,10 +4,12 @@ from __future__ import annotations
 import keyword
 import re
 from dataclasses import dataclass
+from typing import Optional
 
+from ..fusion.patterns import COUNTER_OPS
 from ..ops.base import broadcast_dims
 from .device import DeviceModel
-from .layout import IterationSpace, iteration_space, operand_strides
+from .layout import INT32_LIMIT, IterationSpace, iteration_space, operand_strides, row_major_index_strides
 
 # Columns per tile. Rows at least this wide get one row segment per program: on the H100 at
 # 16384x8192 bf16 with a broadcast bias, [1, 1024] tiles ran 273 us (2.95 TB/s) and
@@ -91,14 +93,21 @@ class PointwiseSchedule:
     config: PointwiseConfig
     candidates: int
     reason: str
+    counter: Optional[OperandPlan] = None  # logical row-major index, where counter ops need it
+    counter_64: bool = False  # offset + index may pass 2^31: the counter in int64
 
     @property
     def programs(self) -> int:
         return -(-self.space.rows // self.config.block_rows) * -(-self.space.cols // self.config.block_cols)
 
 
+# names the kernel itself defines (pointwise codegen): a tensor called so is renamed
+KERNEL_NAMES = frozenset({"pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask",
+                          "rest", "rows", "cols", "counter", "tl", "triton", "tm"})
+
+
 def _identifiers(tensors) -> list[str]:
-    names, seen = [], set()
+    names, seen = [], set(KERNEL_NAMES)
     for tensor in tensors:
         base = re.sub(r"\W", "_", tensor.name).strip("_") or "t"
         base = base if not base[0].isdigit() else "t_" + base
@@ -110,20 +119,35 @@ def _identifiers(tensors) -> list[str]:
     return names
 
 
+def _counter_needs_int64(counter_nodes, domain, space: IterationSpace) -> bool:
+    numel = 1
+    for size in domain:
+        numel *= size
+    last_counter = max(n.attrs.offset for n in counter_nodes) + numel - 1
+    return space.index_64 or last_counter > INT32_LIMIT
+
+
 def schedule(group, device: DeviceModel) -> PointwiseSchedule:
     """Iteration space, operand strides and the best-ranked config of a pointwise group."""
     tensors = list(group.inputs) + list(group.outputs)
     domain = broadcast_dims("pointwise", [(n.name, n.outputs[0].dim) for n in group.nodes])
     strides = [operand_strides(domain, t.dim, t.stride) for t in tensors]
+    counter_nodes = [n for n in group.nodes if n.op in COUNTER_OPS]
+    if counter_nodes:  # the partitioner made the domain their shape: one index serves them all
+        strides.append(row_major_index_strides(domain))
     space = iteration_space(domain, strides, order_operand=len(group.inputs))
     if len(space.sizes) == 1:  # the kernel always walks rows x columns
         space = IterationSpace((1,) + space.sizes, tuple((0,) + s for s in space.strides), space.index_64)
     operands = tuple(OperandPlan(t.uid, ident, i >= len(group.inputs), t.data_type, s)
                      for i, (t, ident, s) in enumerate(zip(tensors, _identifiers(tensors), space.strides)))
+    counter, counter_64 = None, False
+    if counter_nodes:
+        counter = OperandPlan(None, "counter", False, None, space.strides[len(tensors)])
+        counter_64 = _counter_needs_int64(counter_nodes, domain, space)
     bytes_per_element = sum(t.data_type.itemsize for t in tensors if tuple(t.dim) == tuple(domain)) or 1
     ranked = rank(space, bytes_per_element, device)
     best = ranked[0]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
               f"{device.bandwidth / 1e12:.1f} TB/s for {bytes_per_element} B/element over "
               f"{space.rows}x{space.cols}")
-    return PointwiseSchedule(space, operands, best, len(ranked), reason)
+    return PointwiseSchedule(space, operands, best, len(ranked), reason, counter, counter_64)

@@ -1,10 +1,13 @@
 """Dropout: y = x * keep / (1 - p), keep drawn by the counter-based generator of ops/random.py.
 
 The same (seed, offset) regenerates the same mask, so backward recomputes it instead of
-storing it; the mask is an output only when asked for (return_mask=True).
+storing it: dropout(dy, p, seed, offset) is the gradient. The mask is an output only when asked
+for (return_mask=True). Dropout runs in pointwise kernels, which know each element's logical
+row-major index (its counter is offset + that index); no anchor kernel absorbs it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +31,13 @@ class DropoutAttrs:
             fail("dropout", "seed and offset must be non-negative 64-bit integers")
 
 
+def keep_threshold(p: float) -> int:
+    """The integer k0 with: uniform >= p exactly when the uniform's 24-bit numerator k >= k0."""
+    # uniform = k * 2^-24, and p * 2^24 is exact in float64 (a power-of-two scaling), so the
+    # comparison needs no float rounding in the kernel: keep = (bits >> 8) >= ceil(p * 2^24)
+    return math.ceil(p * (1 << 24))
+
+
 def infer(inputs, attrs: DropoutAttrs):
     (x,) = inputs
     mask = OutputSpec(x.dim, dtypes.bool_, layout_source=0) if attrs.return_mask else None
@@ -41,4 +51,4 @@ def reference(values, attrs: DropoutAttrs):
     return [y, keep if attrs.return_mask else None]
 
 
-register(OpDef("dropout", "dropout", "anchor", DropoutAttrs, ("x",), ("y", "mask"), infer, reference))
+register(OpDef("dropout", "pointwise", "pointwise", DropoutAttrs, ("x",), ("y", "mask"), infer, reference))
