@@ -1,0 +1,17 @@
+"""Combine functions row kernels reduce with (tl.reduce and the split combine loop)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def mul_combine(a, b):
+    return a * b
+
+
+@triton.jit
+def welford_merge(count_a, mean_a, m2_a, count_b, mean_b, m2_b):
+    """Chan's parallel update: (count, mean, sum of squared deviations) of the union."""
+    count = count_a + count_b
+    weight_b = tl.where(count > 0, count_b / tl.maximum(count, 1.0), 0.0)
+    delta = mean_b - mean_a
+    return count, mean_a + delta * weight_b, m2_a + m2_b + delta * delta * count_a * weight_b

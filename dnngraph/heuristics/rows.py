@@ -1,0 +1,273 @@
+"""Row kernels (reductions, softmax, norms): geometry and configs ranked by a bandwidth model.
+
+A row kernel sees its domain as kept axes K (one output row each) times reduced axes R. Both
+sides are ordered by the main input's strides and merged like pointwise iteration spaces, so an
+NHWC batchnorm is K=[C] x R=[N*H*W] and a layernorm is K=[rows] x R=[hidden]. Each program
+owns BLOCK_K rows and walks R in one tile (one-pass: the row lives in registers), in a loop
+(looped: statistics loops, then an output loop whose re-reads hit L2), or split over several
+programs whose partials a second kernel combines in a fixed order (split: few rows, long R).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ops.norm import geometry as norm_geometry
+from .device import DeviceModel
+from .layout import INT32_LIMIT, iteration_space, operand_strides
+
+# fp32 values a program holds per live tile in one-pass mode: 16384 at 16 warps is 32 registers
+# per thread and value; wider rows spill, so they loop instead.
+ONE_PASS_MAX = 16384
+# Tile of the looped and split modes: 4096 fp32 values, eight 16-byte bf16 loads per thread at 8
+# warps in flight per loop trip.
+LOOP_TILE = 4096
+# A tile of at least this many elements per program keeps enough loads in flight at 3 TB/s.
+MIN_TILE = 2048
+MAX_WARPS = 16
+# Split when one program per row block leaves more than half the SMs idle and R is long.
+SPLIT_MIN_REDUCED = 8192
+PROGRAMS_PER_SM = 4
+# Fixed cost of one program, seconds (index math, reduction tree, tail of its loads).
+PROGRAM_OVERHEAD = 0.6e-6
+# Bytes re-read from L2 cost this fraction of HBM bytes (looped statistics passes).
+L2_REREAD_COST = 0.25
+# Tests set this to "one_pass", "looped" or "split" to exercise a mode on small shapes.
+FORCE_MODE = None
+
+
+def _pow2_at_least(value: int) -> int:
+    result = 1
+    while result < value:
+        result *= 2
+    return result
+
+
+@dataclass(frozen=True)
+class RowOperand:
+    """A tensor a row kernel reads or writes, with strides over the merged K and R axes."""
+
+    uid: int
+    identifier: str
+    data_type: object  # DataType, or None for float32 scratch
+    k_strides: tuple
+    r_strides: tuple
+    is_output: bool
+
+    @property
+    def kind(self) -> str:
+        """'tile' (varies over K and R), 'row' (over K only), 'col' (over R only) or 'scalar'."""
+        over_k, over_r = any(self.k_strides), any(self.r_strides)
+        return {(True, True): "tile", (True, False): "row", (False, True): "col",
+                (False, False): "scalar"}[(over_k, over_r)]
+
+
+@dataclass(frozen=True)
+class RowGeometry:
+    k_sizes: tuple
+    r_sizes: tuple
+    operands: tuple  # RowOperand
+    index_64: bool
+    r_contiguous: bool  # the main input's smallest stride is on R (rows are vectorized)
+
+    @property
+    def rows(self) -> int:
+        return _product(self.k_sizes)
+
+    @property
+    def reduced(self) -> int:
+        return _product(self.r_sizes)
+
+    def operand(self, uid: int) -> RowOperand:
+        return next(op for op in self.operands if op.uid == uid)
+
+
+def _product(sizes) -> int:
+    total = 1
+    for size in sizes:
+        total *= size
+    return total
+
+
+def geometry(domain: tuple, reduced_axes: tuple, operands: list, main: int) -> RowGeometry:
+    """Split `domain` into merged K and R axes; operands are (uid, identifier, dtype, strides,
+    is_output) with strides over the domain, `main` the index of the input that orders axes."""
+    kept = [a for a in range(len(domain)) if a not in reduced_axes]
+    reduced = [a for a in range(len(domain)) if a in reduced_axes]
+    strides = [op[3] for op in operands]
+
+    def side(axes):
+        space = iteration_space(tuple(domain[a] for a in axes) or (1,),
+                                [tuple(s[a] for a in axes) or (0,) for s in strides], main)
+        return space
+
+    k_space, r_space = side(kept), side(reduced)
+    planned = tuple(RowOperand(uid, ident, dtype, ks, rs, out)
+                    for (uid, ident, dtype, _, out), ks, rs in zip(operands, k_space.strides, r_space.strides))
+    reach = max(sum((n - 1) * s for n, s in zip(k_space.sizes, op.k_strides))
+                + sum((n - 1) * s for n, s in zip(r_space.sizes, op.r_strides)) for op in planned)
+    main_op = planned[main]
+    smallest_r = min((s for s in main_op.r_strides if s), default=None)
+    smallest_k = min((s for s in main_op.k_strides if s), default=None)
+    r_contiguous = smallest_k is None or (smallest_r is not None and smallest_r < smallest_k)
+    total = _product(k_space.sizes) * _product(r_space.sizes)
+    return RowGeometry(k_space.sizes, r_space.sizes, planned,
+                       reach > INT32_LIMIT or total > INT32_LIMIT, r_contiguous)
+
+
+@dataclass(frozen=True)
+class RowConfig:
+    mode: str  # "one_pass", "looped" or "split"
+    block_k: int
+    block_r: int
+    num_warps: int
+    splits: int  # programs per row block (split mode), else 1
+    estimate_us: float
+
+
+@dataclass(frozen=True)
+class RowTraits:
+    """What the recipe tells the model: passes over R and whether it may split."""
+
+    stat_passes: int  # statistics loops over R before the output pass (looped mode)
+    has_tile_outputs: bool
+    can_split: bool
+    live_tiles: int  # tile values alive at once in one-pass mode
+
+
+def _warps(elements: int) -> int:
+    return max(1, min(MAX_WARPS, _pow2_at_least(elements // (32 * 8) or 1)))
+
+
+def candidates(geo: RowGeometry, traits: RowTraits, device: DeviceModel) -> list[tuple]:
+    """(mode, block_k, block_r, splits) tuples worth ranking."""
+    rows, reduced = geo.rows, geo.reduced
+    r_pow2 = _pow2_at_least(reduced)
+    k_pow2 = _pow2_at_least(rows)
+    result = []
+    one_pass_budget = ONE_PASS_MAX // max(1, traits.live_tiles // 2)
+    if geo.r_contiguous:
+        if r_pow2 <= one_pass_budget:
+            for tile in (MIN_TILE, 2 * MIN_TILE, 4 * MIN_TILE):
+                block_k = max(1, min(k_pow2, tile // r_pow2))
+                result.append(("one_pass", block_k, r_pow2, 1))
+        for block_r in (LOOP_TILE // 2, LOOP_TILE, 2 * LOOP_TILE):
+            if block_r <= r_pow2:
+                result.append(("looped", 1, block_r, 1))
+    else:  # K is the vectorized side: wide K blocks, a loop down R
+        for block_k in (64, 128, 256):
+            block_k = min(block_k, k_pow2)
+            block_r = max(1, min(r_pow2, LOOP_TILE // block_k))
+            mode = "one_pass" if r_pow2 <= block_r else "looped"
+            result.append((mode, block_k, block_r, 1))
+    if traits.can_split and reduced >= SPLIT_MIN_REDUCED:
+        for mode, block_k, block_r, _ in list(result):
+            if mode == "one_pass" and block_k > 1 and geo.r_contiguous:
+                continue
+            blocks = -(-rows // block_k)
+            for target in (1, 2, 4):
+                splits = min(-(-target * device.sms * PROGRAMS_PER_SM // blocks), reduced // block_r)
+                if splits >= 2:
+                    result.append(("split", block_k, block_r, splits))
+    return sorted(set(result))
+
+
+def estimate(geo: RowGeometry, traits: RowTraits, mode, block_k, block_r, splits,
+             bytes_main: int, bytes_rows: int, device: DeviceModel) -> float:
+    """Model seconds: HBM bytes (padded tiles, re-reads) plus per-program cost over waves."""
+    rows_padded = -(-geo.rows // block_k) * block_k
+    if mode == "one_pass" or (mode == "looped" and not geo.r_contiguous):
+        r_padded = -(-geo.reduced // block_r) * block_r
+    else:
+        r_padded = -(-geo.reduced // block_r) * block_r
+    tile_bytes = rows_padded * r_padded * bytes_main
+    rereads = 0.0
+    if mode == "looped":
+        rereads = traits.stat_passes * tile_bytes * L2_REREAD_COST
+    if mode == "split":
+        # statistics pass reads the inputs, the apply pass reads them again (too big for L2)
+        rereads = tile_bytes if traits.has_tile_outputs else 0.0
+    programs = -(-geo.rows // block_k) * splits
+    warps = _warps(block_k * block_r)
+    resident = device.sms * max(1, 64 // warps)
+    waves = -(-programs // resident)
+    # a program streams its share serially: few programs cannot fill HBM
+    fill = min(1.0, programs / (device.sms * 2))
+    seconds = (tile_bytes + rereads + geo.rows * bytes_rows) / (device.bandwidth * max(fill, 0.05))
+    return seconds + waves * PROGRAM_OVERHEAD * (1 + (mode == "split"))
+
+
+@dataclass(frozen=True)
+class RowSchedule:
+    geometry: RowGeometry
+    config: RowConfig
+    candidates: int
+    reason: str
+
+    @property
+    def programs(self) -> int:
+        return -(-self.geometry.rows // self.config.block_k) * self.config.splits
+
+
+def schedule(geo: RowGeometry, traits: RowTraits, bytes_main: int, bytes_rows: int,
+             device: DeviceModel) -> RowSchedule:
+    """The best-ranked config for a row kernel of this geometry."""
+    ranked = []
+    for mode, block_k, block_r, splits in candidates(geo, traits, device):
+        seconds = estimate(geo, traits, mode, block_k, block_r, splits, bytes_main, bytes_rows, device)
+        ranked.append(RowConfig(mode, block_k, block_r, _warps(block_k * block_r), splits, seconds * 1e6))
+    ranked.sort(key=lambda c: (c.estimate_us, c.mode != "one_pass", -c.block_k * c.block_r))
+    if FORCE_MODE is not None:
+        ranked = [c for c in ranked if c.mode == FORCE_MODE] or ranked
+    best = ranked[0]
+    reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us for K={geo.rows} rows x "
+              f"R={geo.reduced} reduced, {bytes_main} B/element at {device.bandwidth / 1e12:.1f} TB/s")
+    return RowSchedule(geo, best, len(ranked), reason)
+
+
+# --- the problem a row anchor poses -------------------------------------------------------------
+@dataclass(frozen=True)
+class RowProblem:
+    """The domain a row anchor reduces over: x's dims, channels split into groups if grouped."""
+
+    x_dim: tuple
+    domain: tuple
+    reduced_axes: tuple
+    groups: int | None  # channels split as [G, C/G] (groupnorm, instancenorm)
+
+    def strides(self, tensor) -> tuple:
+        """Strides of `tensor` over the domain (0 where it broadcasts)."""
+        strides = operand_strides(self.x_dim, tensor.dim, tensor.stride)
+        if self.groups is None:
+            return strides
+        sizes = (1,) * (len(self.x_dim) - len(tensor.dim)) + tuple(tensor.dim)
+        channels, stride = self.x_dim[1], strides[1]
+        if sizes[1] == channels:
+            split = (stride * (channels // self.groups), stride)
+        elif sizes[1] == self.groups:  # per-group statistics
+            split = (stride, 0)
+        else:
+            split = (0, 0)
+        return strides[:1] + split + strides[2:]
+
+    def with_reduced(self, axes) -> "RowProblem":
+        return RowProblem(self.x_dim, self.domain, tuple(axes), self.groups)
+
+
+def row_problem(anchor) -> RowProblem:
+    """Domain and reduced axes of a reduction, softmax or norm node."""
+    backward_norm = anchor.op.endswith("_backward") and anchor.opdef.family == "norm"
+    x = anchor.inputs[1] if backward_norm else anchor.inputs[0]
+    x_dim = tuple(x.dim)
+    if anchor.op == "reduction":
+        return RowProblem(x_dim, x_dim, tuple(anchor.attrs.axes), None)
+    if anchor.op.startswith("softmax"):
+        return RowProblem(x_dim, x_dim, (anchor.attrs.axis,), None)
+    if anchor.op == "batchnorm_inference":
+        inner = min((a for a in range(len(x_dim)) if x_dim[a] > 1), key=lambda a: x.stride[a], default=0)
+        return RowProblem(x_dim, x_dim, (inner,), None)
+    scale = None if anchor.op == "genstats" else anchor.inputs[2 if anchor.op.endswith("_backward") else 1]
+    geo = norm_geometry(anchor.op, x, scale, anchor.attrs)
+    if geo.groups is None:
+        return RowProblem(x_dim, x_dim, geo.stat_axes, None)
+    domain = x_dim[:1] + (geo.groups, x_dim[1] // geo.groups) + x_dim[2:]
+    return RowProblem(x_dim, domain, geo.stat_axes, geo.groups)

@@ -1,0 +1,75 @@
+"""Reduction kernels: every mode, inner / outer / several axes, one-pass, looped and split."""
+import pytest
+import torch
+
+import dnngraph as dg
+from helpers import check
+from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
+
+MODES = ("sum", "mean", "max", "min", "amax", "prod", "norm1", "norm2")
+DTYPES = {torch.float32: dg.float32, torch.float16: dg.float16}
+
+
+def sample(shape, mode, dtype=torch.float32):
+    if mode == "prod":  # products of values near 1 stay finite and meaningful
+        return (1 + 0.05 * torch.randn(*shape)).to(dtype)
+    return (torch.randn(*shape) * 2 + 3).to(dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("axes", [[2], [0], [1], [0, 2], [0, 1, 2]])
+def test_every_mode_and_axes(mode, dtype, axes):
+    g = dg.Graph(io_data_type=DTYPES[dtype])
+    x = g.tensor(name="x", dim=[5, 37, 3])
+    g.reduction(x, mode, axes).set_output(True)
+    check(g, {x: sample([5, 37, 3], mode, dtype)}, dtype)
+
+
+@pytest.mark.parametrize("mode", ["sum", "max", "mean", "prod", "norm2"])
+@pytest.mark.parametrize("axes", [[1], [0]])
+def test_looped_and_split(row_mode, mode, axes):
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[6, 75])
+    g.reduction(x, mode, axes).set_output(True)
+    check(g, {x: sample([6, 75], mode)})
+    if axes == [1]:
+        assert row_mode in modes_used(g)
+
+
+@pytest.mark.parametrize("layout", ["transposed", "channels_last", "sliced"])
+def test_layouts(layout, row_mode):
+    base = torch.randn(3, 7, 5, 6) * 2 + 3
+    x_t = {"transposed": base.transpose(1, 3), "sliced": base[:, 1:6:2],
+           "channels_last": base.contiguous(memory_format=torch.channels_last)}[layout]
+    g = dg.Graph()
+    x = g.tensor_like(x_t, "x")
+    g.reduction(x, "sum", [0, 2, 3]).set_output(True)
+    g.reduction(x, "max", [1]).set_output(True)
+    check(g, {x: x_t})
+
+
+def test_float32_output_of_half_input():
+    g = dg.Graph(io_data_type=dg.float16)
+    x = g.tensor(name="x", dim=[9, 301])
+    g.reduction(x, "sum", [1]).set_output(True).set_data_type(dg.float32)
+    check(g, {x: sample([9, 301], "sum", torch.float16)}, torch.float16)
+
+
+def test_prologue_and_epilogue_fuse_into_one_kernel():
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[11, 29])
+    b = g.tensor(name="b", dim=[11, 1])
+    total = g.reduction(g.mul(x, x), "sum", [1])
+    g.add(g.sqrt(total), b).set_output(True).set_name("norm_plus_b")
+    check(g, {x: sample([11, 29], "sum"), b: torch.randn(11, 1)})
+    assert len(g.plan.launches) == 1
+
+
+def test_bad_axes_are_validation_errors():
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[4, 5])
+    with pytest.raises(dg.ValidationError):
+        g.reduction(x, "sum", [2])
+    with pytest.raises(dg.ValidationError):
+        g.reduction(x, "median", [1])
