@@ -397,18 +397,19 @@ class Graph:
 
     # --- pipeline -------------------------------------------------------------------------------
     def validate(self) -> "Graph":
-        """Graph-level checks that op calls cannot make: outputs exist, no unused virtual tensor."""
+        """Graph-level checks that op calls cannot make: outputs exist, no op whose results are all
+        unused (a statistics output nobody reads is fine: it is simply not stored)."""
         if not self._nodes:
             raise ValidationError(f"graph {self.name!r} has no ops")
         if not self.outputs():
             raise ValidationError(f"graph {self.name!r} has no outputs: mark one with set_output(True)")
         used = {t.uid for n in self._nodes for t in n.input_tensors()}
         for node in self._nodes:
-            for tensor in node.output_tensors():
-                if not tensor.is_output and tensor.uid not in used:
-                    raise ValidationError(
-                        f"virtual tensor {tensor.name!r} (output of {node.op} {node.name!r}) is never "
-                        f"used: mark it as an output or remove the op")
+            results = node.output_tensors()
+            if all(not t.is_output and t.uid not in used for t in results):
+                raise ValidationError(
+                    f"virtual tensor {results[0].name!r} (output of {node.op} {node.name!r}) is never "
+                    f"used: mark it as an output or remove the op")
         return self
 
     def build(self, autotune: bool = False) -> "Graph":

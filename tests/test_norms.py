@@ -1,0 +1,251 @@
+"""Normalization kernels forward and backward: layernorm, rmsnorm, batchnorm (training and
+inference), instancenorm, groupnorm, genstats; NCHW and NHWC; fused prologues and epilogues."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import dnngraph as dg
+from helpers import check
+from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
+
+DTYPES = {torch.float32: dg.float32, torch.float16: dg.float16}
+
+
+def shifted(*shape, dtype=torch.float32):
+    """Scaled and shifted so means and variances are far from 0 and 1."""
+    return (torch.randn(*shape) * 2.5 + 4).to(dtype)
+
+
+def layout(t, nhwc):
+    return t.contiguous(memory_format=torch.channels_last) if nhwc else t
+
+
+# --- layernorm / rmsnorm -------------------------------------------------------------------------
+def _feature_graph(op, dtype, shape, phase="training", bias=True):
+    g = dg.Graph(io_data_type=DTYPES[dtype])
+    x = g.tensor(name="x", dim=list(shape))
+    param = [1] * (len(shape) - 1) + [shape[-1]]
+    s = g.tensor(name="scale", dim=param)
+    b = g.tensor(name="bias", dim=param) if bias else None
+    outs = getattr(g, op)(x, s, b, epsilon=1e-5, norm_forward_phase=phase)
+    for out in outs:
+        if out is not None:
+            out.set_output(True)
+    inputs = {x: shifted(*shape, dtype=dtype), s: shifted(*param, dtype=dtype)}
+    if bias:
+        inputs[b] = torch.randn(*param).to(dtype)
+    return g, inputs
+
+
+@pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("phase", ["training", "inference"])
+def test_feature_norm_forward(op, dtype, phase):
+    g, inputs = _feature_graph(op, dtype, (3, 5, 77), phase, bias=op == "layernorm")
+    outputs = check(g, inputs, dtype)
+    assert len(outputs) == (1 if phase == "inference" else 3 if op == "layernorm" else 2)
+
+
+@pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
+def test_feature_norm_every_mode(row_mode, op):
+    g, inputs = _feature_graph(op, torch.float32, (6, 130))
+    check(g, inputs)
+    assert row_mode in modes_used(g)
+
+
+def _feature_backward(op, dtype, shape):
+    x_t = shifted(*shape, dtype=torch.float64)
+    w_t = shifted(1, shape[-1], dtype=torch.float64)
+    dy_t = torch.randn(*shape, dtype=torch.float64)
+    leaf_x, leaf_w = x_t.clone().requires_grad_(True), w_t.clone().requires_grad_(True)
+    leaf_b = torch.randn(1, shape[-1], dtype=torch.float64).requires_grad_(True)
+    if op == "layernorm_backward":
+        y = F.layer_norm(leaf_x, shape[-1:], leaf_w.view(-1), leaf_b.view(-1), 1e-5)
+        mean = x_t.mean(-1, keepdim=True)
+        inv = (x_t.var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+        stats = [mean, inv]
+    else:
+        y = F.rms_norm(leaf_x, shape[-1:], leaf_w.view(-1), 1e-5) + leaf_b
+        inv = (x_t.square().mean(-1, keepdim=True) + 1e-5).rsqrt()
+        stats = [inv]
+    expected = torch.autograd.grad(y, (leaf_x, leaf_w, leaf_b), dy_t)
+    g = dg.Graph(io_data_type=DTYPES[dtype])
+    dy, x = g.tensor(name="dy", dim=list(shape)), g.tensor(name="x", dim=list(shape))
+    s = g.tensor(name="scale", dim=[1, shape[-1]])
+    stat_handles = [g.tensor(name=f"stat{i}", dim=[shape[0], 1], data_type=dg.float32) for i in range(len(stats))]
+    extra = {"has_dbias": True} if op == "rmsnorm_backward" else {}
+    dx, ds, db = getattr(g, op)(dy, x, s, *stat_handles, **extra)
+    for out, name in ((dx, "dx"), (ds, "dscale"), (db, "dbias")):
+        out.set_output(True).set_name(name)
+    inputs = {dy: dy_t.to(dtype), x: x_t.to(dtype), s: w_t.to(dtype)}
+    inputs.update({h: v.float() for h, v in zip(stat_handles, stats)})
+    return g, inputs, expected
+
+
+@pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_feature_norm_backward_matches_autograd(op, dtype):
+    g, inputs, expected = _feature_backward(op, dtype, (37, 83))
+    outputs = check(g, inputs, dtype, tolerance=5e-5 if dtype == torch.float32 else 5e-3)
+    for name, want in zip(("dx", "dscale", "dbias"), expected):
+        got = outputs[name].double().reshape(want.shape)
+        assert (got - want).norm() / want.norm() < (5e-5 if dtype == torch.float32 else 5e-3), name
+    assert len(g.plan.launches) >= 2  # dx kernel, then the dscale/dbias column reduction
+
+
+@pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
+def test_feature_norm_backward_every_mode(row_mode, op):
+    g, inputs, _ = _feature_backward(op, torch.float32, (5, 150))
+    check(g, inputs, tolerance=5e-5)
+
+
+# --- channel norms -------------------------------------------------------------------------------
+def _channel_forward(op, shape, nhwc, dtype=torch.float32, groups=None, running=False):
+    g = dg.Graph(io_data_type=DTYPES[dtype])
+    x_t = layout(shifted(*shape, dtype=dtype), nhwc)
+    x = g.tensor_like(x_t, "x")
+    param = [1, shape[1]] + [1] * (len(shape) - 2)
+    s, b = g.tensor(name="scale", dim=param), g.tensor(name="bias", dim=param)
+    inputs = {x: x_t, s: shifted(*param, dtype=dtype), b: torch.randn(*param).to(dtype)}
+    if op == "batchnorm":
+        rm = g.tensor(name="rm", dim=param, data_type=dg.float32) if running else None
+        rv = g.tensor(name="rv", dim=param, data_type=dg.float32) if running else None
+        if running:
+            inputs[rm], inputs[rv] = torch.randn(*param), torch.rand(*param) + 0.5
+        outs = g.batchnorm(x, s, b, rm, rv, epsilon=1e-5, momentum=0.1)
+    elif op == "groupnorm":
+        outs = g.groupnorm(x, s, b, groups)
+    else:
+        outs = g.instancenorm(x, s, b)
+    for out in outs:
+        if out is not None:
+            out.set_output(True)
+    return g, inputs
+
+
+@pytest.mark.parametrize("nhwc", [False, True])
+@pytest.mark.parametrize("op,groups", [("batchnorm", None), ("instancenorm", None), ("groupnorm", 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_channel_norm_forward(op, groups, nhwc, dtype):
+    g, inputs = _channel_forward(op, (3, 6, 5, 7), nhwc, dtype, groups, running=True)
+    check(g, inputs, dtype)
+
+
+@pytest.mark.parametrize("nhwc", [False, True])
+def test_batchnorm_every_mode(row_mode, nhwc):
+    g, inputs = _channel_forward("batchnorm", (4, 5, 6, 7), nhwc, running=True)
+    check(g, inputs)
+    assert row_mode in modes_used(g) or row_mode == "one_pass"
+
+
+def test_batchnorm_3d_and_1d():
+    for shape in ((2, 3, 4, 5, 3), (4, 3, 9)):
+        g, inputs = _channel_forward("batchnorm", shape, False, running=False)
+        check(g, inputs)
+
+
+def _channel_backward(op, shape, nhwc, dtype=torch.float32, groups=None):
+    x64 = shifted(*shape, dtype=torch.float64)
+    channels = shape[1]
+    w64, b64 = shifted(channels, dtype=torch.float64), torch.randn(channels, dtype=torch.float64)
+    dy64 = torch.randn(*shape, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (x64, w64, b64)]
+    if op == "batchnorm_backward":
+        y = F.batch_norm(leaves[0], None, None, leaves[1], leaves[2], training=True, eps=1e-5)
+        axes = (0,) + tuple(range(2, len(shape)))
+        mean = x64.mean(axes, keepdim=True)
+        inv = (x64.var(axes, unbiased=False, keepdim=True) + 1e-5).rsqrt()
+    else:
+        g_count = channels if op == "instancenorm_backward" else groups
+        y = F.group_norm(leaves[0], g_count, leaves[1], leaves[2], eps=1e-5)
+        grouped = x64.reshape(shape[0], g_count, -1)
+        stat_shape = (shape[0], g_count) + (1,) * (len(shape) - 2)
+        mean = grouped.mean(-1).reshape(stat_shape)
+        inv = (grouped.var(-1, unbiased=False) + 1e-5).rsqrt().reshape(stat_shape)
+    expected = torch.autograd.grad(y, leaves, dy64)
+    g = dg.Graph(io_data_type=DTYPES[dtype])
+    dy_t, x_t = layout(dy64.to(dtype), nhwc), layout(x64.to(dtype), nhwc)
+    dy, x = g.tensor_like(dy_t, "dy"), g.tensor_like(x_t, "x")
+    param = [1, channels] + [1] * (len(shape) - 2)
+    s = g.tensor(name="scale", dim=param)
+    m = g.tensor(name="mean", dim=list(mean.shape), data_type=dg.float32)
+    i = g.tensor(name="inv", dim=list(inv.shape), data_type=dg.float32)
+    extra = (groups,) if op == "groupnorm_backward" else ()
+    outs = getattr(g, op)(dy, x, s, m, i, *extra)
+    for out, name in zip(outs, ("dx", "dscale", "dbias")):
+        out.set_output(True).set_name(name)
+    inputs = {dy: dy_t, x: x_t, s: w64.view(param).to(dtype), m: mean.float(), i: inv.float()}
+    return g, inputs, expected
+
+
+@pytest.mark.parametrize("nhwc", [False, True])
+@pytest.mark.parametrize("op,groups", [("batchnorm_backward", None), ("instancenorm_backward", None),
+                                       ("groupnorm_backward", 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_channel_norm_backward_matches_autograd(op, groups, nhwc, dtype):
+    g, inputs, expected = _channel_backward(op, (3, 6, 5, 7), nhwc, dtype, groups)
+    limit = 5e-5 if dtype == torch.float32 else 5e-3
+    outputs = check(g, inputs, dtype, tolerance=limit)
+    for name, want in zip(("dx", "dscale", "dbias"), expected):
+        got = outputs[name].double().reshape(want.shape)
+        assert (got - want).norm() / want.norm() < limit, name
+
+
+@pytest.mark.parametrize("nhwc", [False, True])
+def test_batchnorm_backward_every_mode(row_mode, nhwc):
+    g, inputs, _ = _channel_backward("batchnorm_backward", (4, 5, 6, 7), nhwc)
+    check(g, inputs, tolerance=5e-5)
+
+
+@pytest.mark.parametrize("nhwc", [False, True])
+def test_batchnorm_inference_and_genstats(nhwc):
+    g = dg.Graph()
+    x_t = layout(shifted(3, 6, 5, 7), nhwc)
+    x = g.tensor_like(x_t, "x")
+    params = [g.tensor(name=n, dim=[1, 6, 1, 1]) for n in ("mean", "inv", "scale", "bias")]
+    g.batchnorm_inference(x, *params).set_output(True)
+    for out in g.genstats(x):
+        out.set_output(True)
+    values = [torch.randn(1, 6, 1, 1), torch.rand(1, 6, 1, 1) + 0.5, torch.randn(1, 6, 1, 1),
+              torch.randn(1, 6, 1, 1)]
+    check(g, {x: x_t, **dict(zip(params, values))})
+
+
+# --- fusion ---------------------------------------------------------------------------------------
+def test_residual_add_rmsnorm_scale_cast_is_one_kernel():
+    g = dg.Graph(io_data_type=dg.float16)
+    x, r = g.tensor(name="x", dim=[9, 200]), g.tensor(name="residual", dim=[9, 200])
+    w = g.tensor(name="w", dim=[1, 200])
+    h = g.add(x, r).set_output(True).set_name("h")
+    y, _ = g.rmsnorm(h, w, None, norm_forward_phase="training")
+    g.cast(g.mul(y, 0.5), dg.float16).set_output(True).set_name("y16")
+    check(g, {x: shifted(9, 200, dtype=torch.float16), r: shifted(9, 200, dtype=torch.float16),
+              w: shifted(1, 200, dtype=torch.float16)}, torch.float16)
+    assert len(g.plan.launches) == 1
+
+
+def test_norm_then_activation_is_one_kernel(row_mode):
+    g = dg.Graph()
+    x, s, b = g.tensor(name="x", dim=[7, 40]), g.tensor(name="s", dim=[1, 40]), g.tensor(name="b", dim=[1, 40])
+    y, _, _ = g.layernorm(x, s, b, norm_forward_phase="training")
+    g.gelu(y).set_output(True)
+    check(g, {x: shifted(7, 40), s: shifted(1, 40), b: torch.randn(1, 40)})
+    assert len(g.plan.launches) == (3 if row_mode == "split" else 1)
+
+
+# --- validation -----------------------------------------------------------------------------------
+def test_bad_inputs_are_validation_errors():
+    g = dg.Graph()
+    x, s, b = g.tensor(name="x", dim=[4, 8]), g.tensor(name="s", dim=[1, 8]), g.tensor(name="b", dim=[1, 8])
+    with pytest.raises(dg.ValidationError):
+        g.layernorm(x, s, b, epsilon=0.0)
+    with pytest.raises(dg.ValidationError):
+        g.layernorm(x, s, b, epsilon=-1e-5)
+    dy = g.tensor(name="dy", dim=[4, 8])
+    wrong_mean = g.tensor(name="mean", dim=[1, 8], data_type=dg.float32)
+    inv = g.tensor(name="inv", dim=[4, 1], data_type=dg.float32)
+    with pytest.raises(dg.ValidationError):
+        g.layernorm_backward(dy, x, s, wrong_mean, inv)
+    with pytest.raises(dg.ValidationError):
+        g.groupnorm(g.tensor(name="img", dim=[2, 6, 3, 3]), g.tensor(name="gs", dim=[1, 6, 1, 1]),
+                    g.tensor(name="gb", dim=[1, 6, 1, 1]), groups=4)
