@@ -13,12 +13,19 @@ import torch
 
 from .codegen.cache import load_kernel
 from .codegen.pointwise import render as render_pointwise
+from .codegen.pooling import prologue_values_to_store, render as render_pooling
+from .codegen.recipes import RECIPES, norm_parameter_grads
+from .codegen.rows import RowKernelSpec, WELFORD_PARTS, render as render_rows
 from .errors import ExecutionError, UnsupportedError, ValidationError
 from .fusion import partition
 from .heuristics import device_model
-from .heuristics.pointwise import schedule as schedule_pointwise
+from .heuristics.pointwise import _identifiers, schedule as schedule_pointwise
+from .heuristics.pooling import schedule as schedule_pooling
+from .heuristics.rows import RowTraits, geometry as row_geometry, row_problem, schedule as schedule_rows
 from .runtime import interpreting
 
+# The split combine kernel folds [SPLITS, BLOCK_K] partials: a few hundred values per program.
+COMBINE_WARPS = 4
 POINTER_ALIGNMENT = 16  # bytes; Triton specializes pointers on it (vectorized access)
 WORKSPACE_ALIGNMENT = 256
 
@@ -149,7 +156,107 @@ def _build_pointwise(graph, group, index):
                         sched.reason)
 
 
-KERNEL_BUILDERS = {"pointwise": _build_pointwise}
+def _row_kinds(problem, group) -> dict:
+    """uid -> 'tile' | 'row' | 'col' | 'scalar' for every tensor a row group touches."""
+    kinds = {}
+    tensors = list(group.inputs) + [t for n in group.nodes for t in n.output_tensors()]
+    for tensor in tensors:
+        strides = problem.strides(tensor)
+        over_r = any(s for a, s in enumerate(strides) if a in problem.reduced_axes)
+        over_k = any(s for a, s in enumerate(strides) if a not in problem.reduced_axes)
+        kinds[tensor.uid] = {(True, True): "tile", (True, False): "row", (False, True): "col",
+                             (False, False): "scalar"}[(over_k, over_r)]
+    return kinds
+
+
+def _row_launch(spec, programs, num_warps, scratch_buffers=()):
+    source, arguments = render_rows(spec)
+    kernel, path = load_kernel(source, spec.name)
+    cfg, geo = spec.schedule.config, spec.schedule.geometry
+    config_text = (f"{spec.shape} ({cfg.mode}) BLOCK_K={cfg.block_k} BLOCK_R={cfg.block_r} "
+                   f"SPLITS={cfg.splits} num_warps={num_warps} grid={programs} "
+                   f"K={list(geo.k_sizes)} R={list(geo.r_sizes)}" + (" int64-index" if geo.index_64 else ""))
+    return KernelLaunch(spec.group, kernel, path, arguments, programs, num_warps, config_text,
+                        spec.schedule.reason, scratch_buffers)
+
+
+def _row_launches(graph, group, name, problem, recipe_of, stores):
+    """The launches of one row problem: one kernel, or partial + combine (+ apply) when split."""
+    kinds = _row_kinds(problem, group)
+    tensors = list(group.inputs) + [t for t in group.outputs if t.uid in stores]
+    operands = [(t.uid, ident, t.data_type, problem.strides(t), t.uid in stores)
+                for t, ident in zip(tensors, _identifiers(tensors))]
+    main = next((i for i, t in enumerate(group.inputs) if kinds[t.uid] == "tile"), 0)
+    geo = row_geometry(problem.domain, problem.reduced_axes, operands, main)
+    recipe = recipe_of(group.anchor, kinds)
+    tile_stores = tuple(u for u in stores if kinds[u] in ("tile", "col"))
+    row_stores = tuple(u for u in stores if u not in tile_stores)
+    traits = RowTraits(len(recipe.stages_for("looped")), bool(tile_stores), recipe.splittable,
+                       recipe.live_tiles)
+    bytes_of = lambda wanted: sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in wanted)
+    sched = schedule_rows(geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
+                          device_model())
+    cfg = sched.config
+    common = dict(schedule=sched, recipe=recipe, group=group, kinds=kinds,
+                  loads=tuple(t.uid for t in group.inputs), compute=graph.compute_data_type.triton_type,
+                  description=group.describe())
+    if cfg.mode != "split":
+        spec = RowKernelSpec(name, "main", stores=tuple(stores), **common)
+        return [_row_launch(spec, sched.programs, cfg.num_warps)]
+    (accumulators, _), = recipe.stages_for("split")
+    names = [f"{a.name}_{p}" if a.combine == "welford" else a.name
+             for a in accumulators for p in (WELFORD_PARTS if a.combine == "welford" else ("",))]
+    partials = {n: scratch((cfg.splits, geo.rows)) for n in names}
+    stash = {n: scratch((geo.rows,)) for n in recipe.stash} if tile_stores else {}
+    row_blocks = sched.programs // cfg.splits
+    launches = [
+        _row_launch(RowKernelSpec(name + "_partial", "partial", stores=(),
+                                  partials={n: s.uid for n, s in partials.items()}, **common),
+                    sched.programs, cfg.num_warps, partials.values()),
+        _row_launch(RowKernelSpec(name + "_combine", "combine", stores=row_stores,
+                                  partials={n: s.uid for n, s in partials.items()},
+                                  stash={n: s.uid for n, s in stash.items()}, **common),
+                    row_blocks, COMBINE_WARPS, stash.values())]
+    if tile_stores:
+        launches.append(_row_launch(RowKernelSpec(name + "_apply", "apply", stores=tile_stores,
+                                                  stash={n: s.uid for n, s in stash.items()}, **common),
+                                    sched.programs, cfg.num_warps))
+    return launches
+
+
+def _build_rows(graph, group, index):
+    """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
+    are per-row sums of the dx kernel (batchnorm)."""
+    anchor, name = group.anchor, _kernel_name(group, index)
+    problem = row_problem(anchor)
+    stores = [t.uid for t in group.outputs]
+    if anchor.opdef.family == "norm" and anchor.op.endswith("_backward"):
+        params = {t.uid for t in anchor.outputs[1:] if t is not None}
+        scale_strides = problem.strides(anchor.inputs[2])
+        kept = [a for a, size in enumerate(problem.domain) if a not in problem.reduced_axes and size > 1]
+        if not all(scale_strides[a] for a in kept):  # dscale is not one value per dx row
+            param_problem = problem.with_reduced(a for a, s in enumerate(scale_strides) if s == 0)
+            return (_row_launches(graph, group, name, problem, RECIPES[anchor.op],
+                                  [u for u in stores if u not in params])
+                    + _row_launches(graph, group, name + "_params", param_problem, norm_parameter_grads,
+                                    [u for u in stores if u in params]))
+    return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores)
+
+
+def _build_pooling(graph, group, index):
+    """The pooling kernel of a group; first a pointwise kernel when prologue values are outputs."""
+    sched = schedule_pooling(group, device_model())
+    name = _kernel_name(group, index)
+    source, arguments = render_pooling(name, sched, group, graph.compute_data_type, group.describe())
+    kernel, path = load_kernel(source, name)
+    launch = KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps,
+                          sched.config_text, sched.reason)
+    stored = prologue_values_to_store(group)
+    return launch if stored is None else [_build_pointwise(graph, stored, index), launch]
+
+
+KERNEL_BUILDERS = {"pointwise": _build_pointwise, "reduction": _build_rows, "softmax": _build_rows,
+                   "norm": _build_rows, "pooling": _build_pooling}
 
 
 def _check_outputs_dense(graph):

@@ -8,7 +8,7 @@ import dnngraph as dg
 from helpers import check
 from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
 
-DTYPES = {torch.float32: dg.float32, torch.float16: dg.float16}
+DTYPES = {torch.float32: dg.float32, torch.float16: dg.float16, torch.bfloat16: dg.bfloat16}
 
 
 def shifted(*shape, dtype=torch.float32):

@@ -247,7 +247,8 @@ class RowProblem:
             split = (stride, 0)
         else:
             split = (0, 0)
-        return strides[:1] + split + strides[2:]
+        grouped = strides[:1] + split + strides[2:]
+        return tuple(0 if size == 1 else st for size, st in zip(self.domain, grouped))
 
     def with_reduced(self, axes) -> "RowProblem":
         return RowProblem(self.x_dim, self.domain, tuple(axes), self.groups)

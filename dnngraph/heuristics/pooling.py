@@ -1,0 +1,190 @@
+"""Configs for pooling kernels: a [BLOCK_R, BLOCK_C] tile ranked by a bandwidth + wave model.
+
+The tile covers the pooled output (forward) or dx (backward). Its columns walk the axis with
+the smallest stride in x (channels for NHWC, width for NCHW) so every window load is a run of
+contiguous elements; its rows decompose into the other logical axes, outermost first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .device import DeviceModel
+from .layout import INT32_LIMIT
+
+# Columns per tile: 128 bf16 channels are 256 bytes, two 16-byte vectors per row segment.
+# Wider rows buy nothing once a row segment is a few full cache lines.
+MAX_BLOCK_COLS = 128
+# Elements per program. Every window position is one unrolled load of the whole tile, so a
+# 3x3 window keeps 9 tile loads in flight: 4096 elements at 8 warps is 9 x 16 values a thread.
+TILE_ELEMENTS = (512, 1024, 2048, 4096)
+# Values a thread holds per tile load, at most: the unrolled window keeps several tile loads
+# live at once (9 for 3x3), and more than 16 values each pushes registers past 128 a thread.
+ELEMENTS_PER_THREAD = 16
+THREADS_PER_SM = 2048
+# Hopper keeps at most 32 resident blocks per SM, whatever their size.
+MAX_PROGRAMS_PER_SM = 32
+# Assumed (not yet measured for pooling): a streaming kernel reaches full DRAM bandwidth with
+# about half the SM's warps resident; fewer warps in flight get a proportional share.
+SATURATING_WARPS_PER_SM = 32
+# Fixed cost of one wave of programs (assumed too): the first loads' DRAM latency, which
+# nothing hides at a wave's edge. It breaks ties toward fewer, larger programs.
+WAVE_OVERHEAD = 1.0e-6
+
+AXIS_NAMES = {3: ("n", "c", "w"), 4: ("n", "c", "h", "w"), 5: ("n", "c", "d", "h", "w")}
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    block_rows: int
+    block_cols: int
+    num_warps: int
+    estimate_us: float  # model time
+
+
+@dataclass(frozen=True)
+class PoolingSchedule:
+    """Everything codegen needs to write one pooling kernel: problem, tile layout, config."""
+
+    backward: bool
+    mode: str
+    window: tuple
+    stride: tuple
+    padding: tuple
+    x_dims: tuple  # the windowed tensor, [N, C, *spatial]
+    y_dims: tuple  # the pooled tensor
+    vector_axis: int  # logical axis the tile columns walk
+    row_axes: tuple  # the other logical axes, outermost first; they decompose the row index
+    index_64: bool  # some offset may pass 2^31: index math in int64
+    config: PoolingConfig
+    candidates: int
+    reason: str
+
+    @property
+    def tile_dims(self) -> tuple:
+        return self.x_dims if self.backward else self.y_dims
+
+    @property
+    def cols(self) -> int:
+        return self.tile_dims[self.vector_axis]
+
+    @property
+    def rows(self) -> int:
+        count = 1
+        for axis in self.row_axes:
+            count *= self.tile_dims[axis]
+        return count
+
+    @property
+    def programs(self) -> int:
+        return -(-self.rows // self.config.block_rows) * -(-self.cols // self.config.block_cols)
+
+    @property
+    def config_text(self) -> str:
+        names = AXIS_NAMES[len(self.x_dims)]
+        return (f"BLOCK_R={self.config.block_rows} BLOCK_C={self.config.block_cols} "
+                f"num_warps={self.config.num_warps} grid={self.programs} "
+                f"vector={names[self.vector_axis]} rows={''.join(names[a] for a in self.row_axes)}"
+                + (" int64-index" if self.index_64 else ""))
+
+
+def _pow2_at_least(value: int) -> int:
+    result = 1
+    while result < value:
+        result *= 2
+    return result
+
+
+def candidates(rows: int, cols: int) -> list[tuple[int, int, int]]:
+    """(block_rows, block_cols, num_warps) triples worth ranking for a rows x cols tile space."""
+    block_cols = min(_pow2_at_least(cols), MAX_BLOCK_COLS)
+    rows_cap = _pow2_at_least(rows)
+    result = set()
+    for tile in TILE_ELEMENTS:
+        block_rows = max(1, min(rows_cap, tile // block_cols))
+        # the fewest warps that keep a tile load within ELEMENTS_PER_THREAD, and twice as many
+        # (shorter per-thread load queues, more warps to hide latency)
+        elements = block_rows * block_cols
+        warps = max(1, min(8, elements // (32 * ELEMENTS_PER_THREAD)))
+        result.add((block_rows, block_cols, warps))
+        if 2 * warps * 32 <= elements:  # every thread still holds an element
+            result.add((block_rows, block_cols, min(8, 2 * warps)))
+    return sorted(result)
+
+
+def _wave_time(programs: int, num_warps: int, program_bytes: float, device: DeviceModel) -> float:
+    """Seconds for one wave: its bytes at the bandwidth its warps can draw, plus a fixed cost."""
+    share = min(1.0, programs * num_warps / (device.sms * SATURATING_WARPS_PER_SM))
+    return programs * program_bytes / (device.bandwidth * share) + WAVE_OVERHEAD
+
+
+def estimate(rows: int, cols: int, block_rows: int, block_cols: int, num_warps: int,
+             bytes_per_element: float, device: DeviceModel) -> float:
+    """Model time in seconds: full waves of resident programs, then the partial last wave,
+    each moving its padded tiles' bytes."""
+    programs = -(-rows // block_rows) * -(-cols // block_cols)
+    program_bytes = block_rows * block_cols * bytes_per_element
+    per_sm = min(MAX_PROGRAMS_PER_SM, max(1, THREADS_PER_SM // (32 * num_warps)))
+    resident = device.sms * per_sm
+    full_waves, last_wave = divmod(programs, resident)
+    time = full_waves * _wave_time(resident, num_warps, program_bytes, device)
+    return time + (_wave_time(last_wave, num_warps, program_bytes, device) if last_wave else 0.0)
+
+
+def rank(rows: int, cols: int, bytes_per_element: float, device: DeviceModel) -> list[PoolingConfig]:
+    """Candidate configs, best model time first; ties go to the larger tile, whose neighbouring
+    windows share more of their loads through L1."""
+    configs = [PoolingConfig(r, c, w, 1e6 * estimate(rows, cols, r, c, w, bytes_per_element, device))
+               for r, c, w in candidates(rows, cols)]
+    return sorted(configs, key=lambda cfg: (cfg.estimate_us, -cfg.block_rows * cfg.block_cols,
+                                            -cfg.num_warps))
+
+
+def tile_axes(tile_dims: tuple, x_stride: tuple) -> tuple[int, tuple]:
+    """(vector axis, row axes outermost first), ordered by the strides of x.
+
+    The vector axis is the smallest-stride axis of size > 1 (NHWC: channels, NCHW: width);
+    rows follow the remaining strides, largest first, so consecutive rows are close in memory.
+    """
+    rank_ = len(tile_dims)
+    sized = [a for a in range(rank_) if tile_dims[a] > 1] or [rank_ - 1]
+    vector_axis = min(sized, key=lambda a: (x_stride[a], -a))
+    rows = sorted((a for a in range(rank_) if a != vector_axis), key=lambda a: (-x_stride[a], a))
+    return vector_axis, tuple(rows)
+
+
+def _span(tensor) -> int:
+    return sum((size - 1) * stride for size, stride in zip(tensor.dim, tensor.stride)) + 1
+
+
+def _numel(dims) -> int:
+    count = 1
+    for size in dims:
+        count *= size
+    return count
+
+
+def schedule(group, device: DeviceModel) -> PoolingSchedule:
+    """Tile layout and best-ranked config of a pooling or pooling_backward group."""
+    anchor = group.anchor
+    backward = anchor.op == "pooling_backward"
+    x = anchor.inputs[1] if backward else anchor.inputs[0]
+    y_dims = tuple(anchor.inputs[0].dim) if backward else tuple(anchor.outputs[0].dim)
+    attrs = anchor.attrs
+    tile_dims = tuple(x.dim) if backward else y_dims
+    vector_axis, row_axes = tile_axes(tile_dims, tuple(x.stride))
+    tensors = list(group.inputs) + list(group.outputs)
+    index_64 = max(max(_span(t) for t in tensors), _numel(x.dim)) > INT32_LIMIT
+    traffic = sum(_numel(t.dim) * t.data_type.itemsize for t in tensors)
+    tile_elements = _numel(tile_dims)
+    cols = tile_dims[vector_axis]
+    rows = tile_elements // cols
+    ranked = rank(rows, cols, traffic / tile_elements, device)
+    best = ranked[0]
+    names = AXIS_NAMES[len(tile_dims)]
+    reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
+              f"{device.bandwidth / 1e12:.1f} TB/s for {traffic} bytes over {rows}x{cols} "
+              f"({'dx' if backward else 'y'} positions x {names[vector_axis]}); vector axis "
+              f"{names[vector_axis]} has the smallest stride of x ({x.stride[vector_axis]})")
+    return PoolingSchedule(backward, attrs.mode, tuple(attrs.window), tuple(attrs.stride),
+                           tuple(attrs.padding), tuple(x.dim), y_dims, vector_axis, row_axes,
+                           index_64, best, len(ranked), reason)

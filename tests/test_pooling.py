@@ -1,0 +1,222 @@
+"""Pooling family: forward and backward kernels on CPU (interpreter), fusion, validation; GPU bf16."""
+import pytest
+import torch
+
+import dnngraph as dg
+from helpers import check, run
+
+MODES = ["max", "avg_include_pad", "avg_exclude_pad"]
+# (shape, window, stride, padding) per spatial rank: odd sizes, stride != window, some padding
+PROBLEMS = {
+    1: ((2, 5, 13), [3], [2], [1]),
+    2: ((2, 5, 13, 11), [3, 2], [2, 1], [1, 1]),
+    3: ((2, 3, 5, 7, 6), [3, 2, 2], [2, 1, 2], [1, 0, 1]),
+}
+IO_TYPES = {torch.float32: dg.float32, torch.float16: dg.float16, torch.bfloat16: dg.bfloat16}
+
+
+def channels_last(tensor: torch.Tensor) -> torch.Tensor:
+    """The same values with channels innermost in memory (NWC, NHWC, NDHWC)."""
+    order = [0] + list(range(2, tensor.dim())) + [1]
+    return tensor.permute(order).contiguous().permute(
+        [0, tensor.dim() - 1] + list(range(1, tensor.dim() - 1)))
+
+
+def sample(shape, dtype, layout="nchw", device="cpu") -> torch.Tensor:
+    """Fresh random values (never zeros) in the requested layout."""
+    value = (torch.randn(shape) + 0.1).to(device=device, dtype=dtype)
+    return channels_last(value) if layout == "nhwc" else value
+
+
+def output_dims(shape, window, stride, padding):
+    spatial = [(s + 2 * p - w) // st + 1 for s, w, st, p in zip(shape[2:], window, stride, padding)]
+    return tuple(shape[:2]) + tuple(spatial)
+
+
+def forward_graph(x_value, mode, window, stride, padding):
+    g = dg.Graph(io_data_type=IO_TYPES[x_value.dtype])
+    x = g.tensor_like(x_value, "x")
+    y = g.pooling(x, mode, window, stride, padding).set_output(True)
+    return g, x, y
+
+
+def backward_graph(x_value, dy_value, mode, window, stride, padding):
+    g = dg.Graph(io_data_type=IO_TYPES[x_value.dtype])
+    x, dy = g.tensor_like(x_value, "x"), g.tensor_like(dy_value, "dy")
+    dx = g.pooling_backward(dy, x, mode, window, stride, padding).set_output(True)
+    return g, x, dy, dx
+
+
+# --- forward -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("spatial", [1, 2, 3])
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_every_mode_rank_and_layout(mode, spatial, layout):
+    shape, window, stride, padding = PROBLEMS[spatial]
+    x_t = sample(shape, torch.float32, layout)
+    g, x, y = forward_graph(x_t, mode, window, stride, padding)
+    check(g, {x: x_t})
+    assert len(g.plan.launches) == 1
+    if layout == "nhwc":
+        assert "vector=c" in g.plan.launches[0].config_text, "channels are the vectorized axis"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_float16_nhwc(mode):
+    shape, window, stride, padding = PROBLEMS[2]
+    x_t = sample(shape, torch.float16, "nhwc")
+    g, x, y = forward_graph(x_t, mode, window, stride, padding)
+    assert y.data_type is dg.float16
+    check(g, {x: x_t}, torch.float16)
+
+
+def test_forward_sliced_input_and_window_equal_to_padded_input():
+    base = torch.randn(3, 9, 15, 14)
+    x_t = base[1:, 2:7, 1::2, 3:]  # non-contiguous on every axis but the last
+    g, x, y = forward_graph(x_t, "avg_exclude_pad", [3, 3], [3, 2], [1, 0])
+    check(g, {x: x_t})
+    g, x, y = forward_graph(x_t, "max", [9, 11], [1, 1], [1, 0])  # one window per plane
+    assert list(y.dim) == [2, 5, 1, 1]
+    check(g, {x: x_t})
+
+
+def test_max_ties_and_nan_follow_torch():
+    x_t = torch.randint(0, 3, (2, 4, 9, 8)).float()  # many ties: the first maximum wins
+    x_t[0, 1, 4, 4] = float("nan")
+    g, x, y = forward_graph(x_t, "max", [3, 3], [2, 2], [1, 1])
+    out = check(g, {x: x_t})[y.name]
+    assert torch.isnan(out[0, 1, 2, 2]) and not torch.isnan(out[1]).any()
+    dy_t = torch.randn(2, 4, 5, 4)
+    g, x, dy, dx = backward_graph(x_t, dy_t, "max", [3, 3], [2, 2], [1, 1])
+    check(g, {x: x_t, dy: dy_t})
+
+
+# --- backward ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spatial,layout", [(1, "nchw"), (2, "nhwc"), (3, "nhwc"), (2, "nchw")])
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_every_mode_against_autograd(mode, spatial, layout):
+    shape, window, stride, padding = PROBLEMS[spatial]
+    x_t = sample(shape, torch.float32, layout)
+    dy_t = sample(output_dims(shape, window, stride, padding), torch.float32, layout)
+    g, x, dy, dx = backward_graph(x_t, dy_t, mode, window, stride, padding)
+    check(g, {x: x_t, dy: dy_t})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_float16_overlapping_windows(mode):
+    shape, window, stride, padding = (2, 3, 7, 9), [3, 3], [1, 2], [1, 1]
+    x_t, dy_t = sample(shape, torch.float16, "nhwc"), sample((2, 3, 7, 5), torch.float16, "nhwc")
+    g, x, dy, dx = backward_graph(x_t, dy_t, mode, window, stride, padding)
+    check(g, {x: x_t, dy: dy_t}, torch.float16)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_backward_stride_larger_than_window_leaves_gaps(mode):
+    x_t = sample((2, 3, 11, 10), torch.float32, "nhwc")
+    dy_t = sample(output_dims(x_t.shape, [2, 3], [3, 4], [1, 0]), torch.float32, "nhwc")
+    g, x, dy, dx = backward_graph(x_t, dy_t, mode, [2, 3], [3, 4], [1, 0])
+    out = check(g, {x: x_t, dy: dy_t})[dx.name]
+    assert (out[:, :, 1::3] == 0).all(), "rows no window covers (1, 4, 7, 10) get zero gradient"
+
+
+def test_backward_is_deterministic():
+    shape, window, stride, padding = PROBLEMS[2]
+    x_t = sample(shape, torch.float32)
+    dy_t = sample(output_dims(shape, window, stride, padding), torch.float32)
+    g, x, dy, dx = backward_graph(x_t, dy_t, "avg_include_pad", window, stride, padding)
+    first, second = run(g, {x: x_t, dy: dy_t})[dx.name], run(g, {x: x_t, dy: dy_t})[dx.name]
+    assert torch.equal(first, second)
+    assert "atomic" not in g.plan.launches[0].source_path.read_text()
+
+
+# --- fusion --------------------------------------------------------------------------------------
+def test_prologue_bias_relu_then_max_pool_is_one_kernel():
+    x_t = sample((2, 5, 13, 11), torch.float32, "nhwc")
+    b_t = torch.randn(1, 5, 1, 1)
+    g = dg.Graph()
+    x, b = g.tensor_like(x_t, "x"), g.tensor_like(b_t, "b")
+    y = g.pooling(g.relu(g.add(x, b)), "max", [3, 3], [2, 2], [1, 1]).set_output(True)
+    g.build()
+    assert len(g.plan.launches) == 1
+    check(g, {x: x_t, b: b_t})
+
+
+def test_epilogue_scale_and_cast_with_pooled_output_stored():
+    x_t = sample((2, 4, 11, 13), torch.float32)
+    g = dg.Graph()
+    x = g.tensor_like(x_t, "x")
+    pooled = g.pooling(x, "avg_exclude_pad", [2, 3], [2, 2], [1, 1]).set_output(True)
+    scaled = g.cast(g.mul(pooled, 0.5), dg.float16).set_output(True)
+    g.build()
+    assert len(g.plan.launches) == 1
+    outputs = check(g, {x: x_t}, torch.float16)
+    assert outputs[scaled.name].dtype == torch.float16
+
+
+def test_prologue_value_that_is_an_output_gets_its_own_kernel():
+    x_t = sample((2, 3, 9, 9), torch.float32, "nhwc")
+    g = dg.Graph()
+    x = g.tensor_like(x_t, "x")
+    activated = g.relu(x).set_output(True)  # stride > window: the pool never reads some of it
+    g.pooling(activated, "max", [2, 2], [3, 3], [0, 0]).set_output(True)
+    check(g, {x: x_t})
+    assert [launch.group.kind for launch in g.plan.launches] == ["pointwise", "pooling"]
+
+
+def test_backward_with_prologue_on_dy_and_epilogue_on_dx():
+    x_t = sample((2, 4, 9, 10), torch.float32, "nhwc")
+    dy_t, r_t = sample((2, 4, 5, 5), torch.float32, "nhwc"), sample((2, 4, 9, 10), torch.float32, "nhwc")
+    g = dg.Graph()
+    x, dy, r = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy"), g.tensor_like(r_t, "r")
+    dx = g.pooling_backward(g.mul(dy, 3.0), x, "max", [3, 2], [2, 2], [1, 0])
+    g.add(dx, r).set_output(True)
+    g.build()
+    assert len(g.plan.launches) == 1
+    check(g, {x: x_t, dy: dy_t, r: r_t})
+
+
+# --- validation and schedule ---------------------------------------------------------------------
+def test_window_larger_than_padded_input_fails_at_the_op_call():
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[2, 3, 4, 6])
+    with pytest.raises(dg.ValidationError, match="larger than the padded input"):
+        g.pooling(x, "max", [7, 3], [1, 1], [1, 1])
+    with pytest.raises(dg.ValidationError, match="larger than the padded input"):
+        dy = g.tensor(name="dy", dim=[2, 3, 1, 1])
+        g.pooling_backward(dy, x, "avg_include_pad", [3, 9], [1, 1], [0, 1])
+
+
+def test_offsets_past_two_to_the_31_use_int64_indexing():
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[64, 64, 768, 768])  # 2.4e9 elements: built, never run
+    g.pooling(x, "max", [3, 3], [2, 2], [1, 1]).set_output(True)
+    g.build()
+    launch = g.plan.launches[0]
+    assert "int64-index" in launch.config_text
+    assert "tl.program_id(0).to(tl.int64)" in launch.source_path.read_text()
+
+
+# --- GPU (bf16, benchmark-like layouts) ----------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_bf16_nhwc_2d_forward_and_backward(mode):
+    shape, window, stride, padding = (8, 32, 57, 57), [3, 3], [2, 2], [1, 1]
+    x_t = sample(shape, torch.bfloat16, "nhwc", "cuda")
+    g, x, y = forward_graph(x_t, mode, window, stride, padding)
+    check(g, {x: x_t}, torch.bfloat16, device="cuda")
+    assert g.plan.launches[0]._bound, "went through the bound launcher"
+    dy_t = sample(output_dims(shape, window, stride, padding), torch.bfloat16, "nhwc", "cuda")
+    g, x, dy, dx = backward_graph(x_t, dy_t, mode, window, stride, padding)
+    check(g, {x: x_t, dy: dy_t}, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["max", "avg_exclude_pad"])
+def test_gpu_bf16_3d_forward_and_backward(mode):
+    shape, window, stride, padding = (2, 16, 9, 17, 15), [3, 3, 3], [2, 2, 1], [1, 1, 1]
+    x_t = sample(shape, torch.bfloat16, "nhwc", "cuda")
+    g, x, y = forward_graph(x_t, mode, window, stride, padding)
+    check(g, {x: x_t}, torch.bfloat16, device="cuda")
+    dy_t = sample(output_dims(shape, window, stride, padding), torch.bfloat16, "nhwc", "cuda")
+    g, x, dy, dx = backward_graph(x_t, dy_t, mode, window, stride, padding)
+    check(g, {x: x_t, dy: dy_t}, torch.bfloat16, device="cuda")

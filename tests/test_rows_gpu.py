@@ -1,0 +1,65 @@
+"""Row kernels on the GPU: bf16, realistic and very wide rows, split reductions, bound launches."""
+import pytest
+import torch
+
+import dnngraph as dg
+from helpers import check
+from rowmodes import modes_used
+from test_norms import _channel_backward, _channel_forward, _feature_backward, _feature_graph
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+
+
+def _to_cuda(inputs):
+    return {k: v.to(CUDA) for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("shape", [(257, 4096), (33, 14336), (3, 70001)])
+def test_feature_norm_forward_bf16(op, shape):
+    g, inputs = _feature_graph(op, torch.bfloat16, shape, bias=op == "layernorm")
+    check(g, _to_cuda(inputs), torch.bfloat16, device=CUDA)
+    assert g.plan.launches[0]._bound
+
+
+@pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
+@pytest.mark.parametrize("shape", [(129, 4096), (5, 70001)])
+def test_feature_norm_backward_gpu(op, shape):
+    g, inputs, _ = _feature_backward(op, torch.float16, shape)
+    check(g, _to_cuda(inputs), torch.float16, device=CUDA, tolerance=5e-3)
+
+
+@pytest.mark.parametrize("nhwc", [False, True])
+@pytest.mark.parametrize("op,groups", [("batchnorm", None), ("groupnorm", 4), ("instancenorm", None)])
+def test_channel_norms_gpu(op, groups, nhwc):
+    g, inputs = _channel_forward(op, (8, 64, 28, 28), nhwc, torch.float16, groups, running=True)
+    check(g, _to_cuda(inputs), torch.float16, device=CUDA)
+    g, inputs, _ = _channel_backward(op + "_backward", (8, 64, 28, 28), nhwc, torch.float16, groups)
+    check(g, _to_cuda(inputs), torch.float16, device=CUDA, tolerance=5e-3)
+
+
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("cols", [1000, 8192, 50001])
+def test_softmax_bf16(log, cols):
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[37, cols])
+    g.softmax(x, axis=1, log=log).set_output(True)
+    check(g, {x: (torch.randn(37, cols) * 3).to(CUDA, torch.bfloat16)}, torch.bfloat16, device=CUDA)
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    dy, y = g.tensor(name="dy", dim=[37, cols]), g.tensor(name="y", dim=[37, cols])
+    g.softmax_backward(dy, y, axis=1, log=log).set_output(True)
+    y_t = torch.softmax(torch.randn(37, cols, device=CUDA), 1)
+    check(g, {dy: torch.randn(37, cols, device=CUDA).bfloat16(),
+              y: (y_t.log() if log else y_t).bfloat16()}, torch.bfloat16, device=CUDA)
+
+
+@pytest.mark.parametrize("mode", ["sum", "max", "norm2", "mean"])
+@pytest.mark.parametrize("shape,axes", [((3, 1000003), [1]), ((8192, 777), [0]), ((16, 4096, 9), [0, 2])])
+def test_reductions_gpu(mode, shape, axes):
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=list(shape))
+    g.reduction(x, mode, axes).set_output(True).set_data_type(dg.float32)
+    check(g, {x: (torch.randn(*shape) + 1).to(CUDA, torch.bfloat16)}, torch.bfloat16, device=CUDA)
+    if shape == (3, 1000003):
+        assert "split" in modes_used(g)
