@@ -23,3 +23,26 @@ def print_table(title, header, rows):
     print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(str(c) for c in row) + " |")
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 over the logical elements (NaN when out has NaN)."""
+    if out.numel() != ref.numel():
+        raise ValueError(f"{out.numel()} elements against a reference of {ref.numel()}")
+    out, ref = out.detach().reshape(-1).double(), ref.detach().to(out.device).reshape(-1).double()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def write_json(filename: str, payload) -> str | None:
+    """Write payload as JSON to $OUT/filename when OUT is set; returns the path written."""
+    import json
+    import os
+
+    folder = os.environ.get("OUT")
+    if not folder:
+        return None
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, filename)
+    with open(path, "w") as handle:
+        json.dump(payload, handle, indent=1, default=str)
+    return path

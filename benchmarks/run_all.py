@@ -4,7 +4,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import bench_memory_bound  # noqa: E402
 import bench_pointwise  # noqa: E402
 
 if __name__ == "__main__":
     bench_pointwise.main()
+    bench_memory_bound.main([])
