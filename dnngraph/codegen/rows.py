@@ -226,16 +226,20 @@ def _accumulate_loop(src, top, used, accumulators, start, stop):
             src.line(f"{acc.name}_lanes = tl.full([BLOCK_K, BLOCK_R], {IDENTITY[acc.combine]}, tl.float32)")
     src.line(f"for r_start in range({start}, {stop}, BLOCK_R):")
     src.depth += 1
+    if any(acc.combine == "welford" for acc in accumulators):
+        src.line(f"trip_weight = 1.0 / ((r_start - {start}) // BLOCK_R + 1.0)")
     tile = _tile_scope(src, top, used, "r_start", stop)
     roles = _roles(src.spec, tile)
     for acc in accumulators:
         element = acc.element.format(**roles)
         if acc.combine == "welford":
             n, mean, m2 = (f"{acc.name}_{p}_lanes" for p in WELFORD_PARTS)
+            # every live lane has seen the same number of trips (only the last trip is ragged),
+            # so one scalar reciprocal per trip replaces a division per element
             src.line(f"{acc.name}_value = {_masked(element, '0.0')}")
             src.line(f"{n} += tile_mask.to(tl.float32)")
             src.line(f"{acc.name}_delta = {acc.name}_value - {mean}")
-            src.line(f"{mean} += tl.where(tile_mask, {acc.name}_delta / tl.maximum({n}, 1.0), 0.0)")
+            src.line(f"{mean} += tl.where(tile_mask, {acc.name}_delta * trip_weight, 0.0)")
             src.line(f"{m2} += tl.where(tile_mask, {acc.name}_delta * ({acc.name}_value - {mean}), 0.0)")
         else:
             lanes = f"{acc.name}_lanes"

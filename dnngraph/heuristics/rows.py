@@ -33,6 +33,8 @@ PROGRAM_OVERHEAD = 0.6e-6
 L2_REREAD_COST = 0.25
 # Tests set this to "one_pass", "looped" or "split" to exercise a mode on small shapes.
 FORCE_MODE = None
+# Sweeps set this to (mode, block_k, block_r, num_warps, splits) to time one config.
+FORCE_CONFIG = None
 
 
 def _pow2_at_least(value: int) -> int:
@@ -218,6 +220,8 @@ def schedule(geo: RowGeometry, traits: RowTraits, bytes_main: int, bytes_rows: i
     ranked.sort(key=lambda c: (c.estimate_us, c.mode != "one_pass", -c.block_k * c.block_r))
     if FORCE_MODE is not None:
         ranked = [c for c in ranked if c.mode == FORCE_MODE] or ranked
+    if FORCE_CONFIG is not None:
+        ranked.insert(0, RowConfig(*FORCE_CONFIG, estimate_us=0.0))
     best = ranked[0]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us for K={geo.rows} rows x "
               f"R={geo.reduced} reduced, {bytes_main} B/element at {device.bandwidth / 1e12:.1f} TB/s")
