@@ -38,6 +38,7 @@ FORCE_CONFIG = None
 
 
 def _pow2_at_least(value: int) -> int:
+    """The smallest power of two >= value."""
     result = 1
     while result < value:
         result *= 2
@@ -136,8 +137,23 @@ class RowTraits:
     live_tiles: int  # tile values alive at once in one-pass mode
 
 
-def _warps(elements: int) -> int:
-    return max(1, min(MAX_WARPS, _pow2_at_least(elements // (32 * 8) or 1)))
+# Values per thread of a tile, by what the H100 sweep (benchmarks/sweep_rows.py) measured best:
+# one-pass forward rows hold 32 (layernorm 16384x8192 bf16: 184 us at 8 warps, 205 at 16), as
+# do split column tiles (batchnorm NHWC partials: 85 us at 4 warps, 101 at 8); loops over rows
+# and register-heavy backward rows keep 8 (layernorm 4096x14336 looped by 2048: 108 us at 8
+# warps, 126 at 4).
+DENSE_VALUES_PER_THREAD = 32
+LIGHT_VALUES_PER_THREAD = 8
+
+
+def _warps(elements: int, values_per_thread: int = LIGHT_VALUES_PER_THREAD) -> int:
+    return max(1, min(MAX_WARPS, _pow2_at_least(elements // (32 * values_per_thread) or 1)))
+
+
+def _values_per_thread(geo: RowGeometry, traits: RowTraits, mode: str) -> int:
+    dense = (mode == "one_pass" and geo.r_contiguous and traits.live_tiles <= 2) or \
+            (mode == "split" and not geo.r_contiguous)
+    return DENSE_VALUES_PER_THREAD if dense else LIGHT_VALUES_PER_THREAD
 
 
 def candidates(geo: RowGeometry, traits: RowTraits, device: DeviceModel) -> list[tuple]:
@@ -189,7 +205,7 @@ def estimate(geo: RowGeometry, traits: RowTraits, mode, block_k, block_r, splits
         # statistics pass reads the inputs, the apply pass reads them again (too big for L2)
         rereads = tile_bytes if traits.has_tile_outputs else 0.0
     programs = -(-geo.rows // block_k) * splits
-    warps = _warps(block_k * block_r)
+    warps = _warps(block_k * block_r, _values_per_thread(geo, traits, mode))
     resident = device.sms * max(1, 64 // warps)
     waves = -(-programs // resident)
     # a program streams its share serially: few programs cannot fill HBM
@@ -216,7 +232,8 @@ def schedule(geo: RowGeometry, traits: RowTraits, bytes_main: int, bytes_rows: i
     ranked = []
     for mode, block_k, block_r, splits in candidates(geo, traits, device):
         seconds = estimate(geo, traits, mode, block_k, block_r, splits, bytes_main, bytes_rows, device)
-        ranked.append(RowConfig(mode, block_k, block_r, _warps(block_k * block_r), splits, seconds * 1e6))
+        warps = _warps(block_k * block_r, _values_per_thread(geo, traits, mode))
+        ranked.append(RowConfig(mode, block_k, block_r, warps, splits, seconds * 1e6))
     ranked.sort(key=lambda c: (c.estimate_us, c.mode != "one_pass", -c.block_k * c.block_r))
     if FORCE_MODE is not None:
         ranked = [c for c in ranked if c.mode == FORCE_MODE] or ranked
