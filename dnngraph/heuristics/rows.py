@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ..ops.norm import geometry as norm_geometry
 from .device import DeviceModel
 from .layout import INT32_LIMIT, iteration_space, operand_strides
+from .pointwise import _pow2_at_least
 
 # fp32 values a program holds per live tile in one-pass mode: 16384 at 16 warps is 32 registers
 # per thread and value; wider rows spill, so they loop instead.
@@ -35,14 +36,6 @@ L2_REREAD_COST = 0.25
 FORCE_MODE = None
 # Sweeps set this to (mode, block_k, block_r, num_warps, splits) to time one config.
 FORCE_CONFIG = None
-
-
-def _pow2_at_least(value: int) -> int:
-    """The smallest power of two >= value."""
-    result = 1
-    while result < value:
-        result *= 2
-    return result
 
 
 @dataclass(frozen=True)
@@ -193,10 +186,7 @@ def estimate(geo: RowGeometry, traits: RowTraits, mode, block_k, block_r, splits
              bytes_main: int, bytes_rows: int, device: DeviceModel) -> float:
     """Model seconds: HBM bytes (padded tiles, re-reads) plus per-program cost over waves."""
     rows_padded = -(-geo.rows // block_k) * block_k
-    if mode == "one_pass" or (mode == "looped" and not geo.r_contiguous):
-        r_padded = -(-geo.reduced // block_r) * block_r
-    else:
-        r_padded = -(-geo.reduced // block_r) * block_r
+    r_padded = -(-geo.reduced // block_r) * block_r
     tile_bytes = rows_padded * r_padded * bytes_main
     rereads = 0.0
     if mode == "looped":
