@@ -231,10 +231,12 @@ class Graph:
         return contiguous_strides(spec.dim)
 
     # --- ops: matmul, conv ---------------------------------------------------------------------
-    def matmul(self, a: Tensor, b: Tensor, allow_tf32: Optional[bool] = None, name=None) -> Tensor:
-        """C = A @ B over [..., M, K] x [..., K, N] with broadcast batch dims."""
+    def matmul(self, a: Tensor, b: Tensor, allow_tf32: Optional[bool] = None, name=None,
+               scale_a: Optional[Tensor] = None, scale_b: Optional[Tensor] = None) -> Tensor:
+        """C = A @ B over [..., M, K] x [..., K, N] with broadcast batch dims; fp8 operands may
+        carry per-tensor scales (one-element tensors): C = (A @ B) * scale_a * scale_b."""
         tf32 = self.allow_tf32 if allow_tf32 is None else bool(allow_tf32)
-        return self._add_op("matmul", [a, b], MatmulAttrs(tf32), name)[0]
+        return self._add_op("matmul", [a, b, scale_a, scale_b], MatmulAttrs(tf32), name)[0]
 
     def _conv_attrs(self, spatial, padding, stride, dilation, groups, mode, shape=()):
         return ConvAttrs(_triple(padding, spatial, 0, "padding"), _triple(stride, spatial, 1, "stride"),

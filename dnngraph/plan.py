@@ -1,12 +1,9 @@
-"""The plan: kernels and their launch arguments bound at build, run in order by execute().
+"""The plan: the build passes (partition, then one builder per kernel family) and execute().
 
-On CUDA each kernel is compiled at build and launched through Triton's compiled launcher with
-pre-built arguments: no Python JIT dispatch per call (about 25 us a launch on the H100 here).
-On CPU tensors the same kernels run through Triton's interpreter.
+Launches are bound at build (see launch.py); execute() checks bindings and runs them in order.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
@@ -19,9 +16,12 @@ from .codegen.rows import RowKernelSpec, WELFORD_PARTS, render as render_rows
 from .errors import ExecutionError, UnsupportedError, ValidationError
 from .fusion import partition
 from .heuristics import device_model
+from .heuristics.autotune import Tuner
 from .heuristics.pointwise import _identifiers, schedule as schedule_pointwise
 from .heuristics.pooling import schedule as schedule_pooling
 from .heuristics.rows import RowTraits, geometry as row_geometry, row_problem, schedule as schedule_rows
+from .launch import KernelLaunch, kernel_name, run_launches, scratch
+from .matmul_plan import build_matmul
 from .runtime import interpreting
 
 # The split combine kernel folds [SPLITS, BLOCK_K] partials: a few hundred values per program.
@@ -44,30 +44,6 @@ class BindingSpec:
     is_output: bool
 
 
-@dataclass(frozen=True)
-class Scratch:
-    """A kernel-private buffer in the workspace (split-reduction partials); negative uid."""
-
-    uid: int
-    dim: tuple
-    torch_dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        count = 1
-        for size in self.dim:
-            count *= size
-        return count * self.torch_dtype.itemsize
-
-
-_scratch_ids = itertools.count(-1, -1)
-
-
-def scratch(dim, torch_dtype=torch.float32) -> Scratch:
-    """A new scratch buffer of `dim` (contiguous), for one plan's workspace."""
-    return Scratch(next(_scratch_ids), tuple(int(d) for d in dim), torch_dtype)
-
-
 def _extent_bytes(tensor) -> int:
     span = sum((size - 1) * stride for size, stride in zip(tensor.dim, tensor.stride)) + 1
     return span * tensor.data_type.itemsize
@@ -79,75 +55,12 @@ def _binding_spec(tensor) -> BindingSpec:
                        tensor.data_type.torch_dtype, axes, _extent_bytes(tensor), tensor.is_output)
 
 
-class BoundLaunch:
-    """A compiled kernel with its grid and argument template, launched without the JIT."""
-
-    __slots__ = ("run", "function", "metadata", "grid", "template", "slots")
-
-    def __init__(self, compiled, grid, template, slots):
-        compiled._init_handles()
-        self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
-        self.grid, self.template, self.slots = grid, template, slots
-
-    def __call__(self, tensors, stream):
-        args = list(self.template)
-        for position, uid in self.slots:
-            args[position] = tensors[uid]
-        self.run(self.grid, 1, 1, stream, self.function, self.metadata, None, None, None, *args)
-
-
-class KernelLaunch:
-    """One kernel of the plan: source, config, grid and how to fill its arguments."""
-
-    def __init__(self, group, kernel, source_path, arguments, programs, num_warps, config_text, reason,
-                 scratch=()):
-        self.group, self.kernel, self.source_path = group, kernel, source_path
-        self.scratch = tuple(scratch)
-        self.arguments, self.programs, self.num_warps = arguments, programs, num_warps
-        self.config_text, self.reason = config_text, reason
-        self.slots = tuple((i, a.value) for i, a in enumerate(arguments) if a.kind == "tensor")
-        self.template = [None if a.kind == "tensor" else a.value for a in arguments]
-        self._bound: dict = {}  # (device index, aligned) -> BoundLaunch
-
-    def values(self, tensors):
-        args = list(self.template)
-        for position, uid in self.slots:
-            args[position] = tensors[uid]
-        return args
-
-    def interpret(self, tensors):
-        self.kernel[(self.programs,)](*self.values(tensors))
-
-    def bind(self, device_index: int, dtypes_of) -> BoundLaunch:
-        """Compile for a device (pointers assumed 16-byte aligned) and keep the launcher."""
-        key = device_index
-        bound = self._bound.get(key)
-        if bound is None:
-            args = list(self.template)
-            for position, uid in self.slots:
-                args[position] = dtypes_of[uid]  # Triton's warmup takes dtypes for pointers
-            with torch.cuda.device(device_index):
-                compiled = self.kernel.warmup(*args, grid=(self.programs,), num_warps=self.num_warps)
-            compiled = compiled.result() if hasattr(compiled, "result") else compiled
-            bound = BoundLaunch(compiled, self.programs, self.template, self.slots)
-            self._bound[key] = bound
-        return bound
-
-    def launch_unaligned(self, tensors):
-        """Through the JIT, which specializes on the actual pointer alignment."""
-        self.kernel[(self.programs,)](*self.values(tensors), num_warps=self.num_warps)
-
-
-def _kernel_name(group, index: int) -> str:
-    return f"dnngraph_{group.kind}_{index}_{group.nodes[-1].op}"
-
-
-def _build_pointwise(graph, group, index):
+def _build_pointwise(graph, group, index, tuner=None):
     sched = schedule_pointwise(group, device_model())
     description = group.describe()
-    source, arguments = render_pointwise(_kernel_name(group, index), sched, group.nodes,
+    source, arguments = render_pointwise(kernel_name(group, index), sched, group.nodes,
                                          graph.compute_data_type, description)
-    kernel, path = load_kernel(source, _kernel_name(group, index))
+    kernel, path = load_kernel(source, kernel_name(group, index))
     cfg = sched.config
     config_text = (f"BLOCK_R={cfg.block_rows} BLOCK_C={cfg.block_cols} num_warps={cfg.num_warps} "
                    f"grid={sched.programs} space={list(sched.space.sizes)}"
@@ -224,10 +137,10 @@ def _row_launches(graph, group, name, problem, recipe_of, stores):
     return launches
 
 
-def _build_rows(graph, group, index):
+def _build_rows(graph, group, index, tuner=None):
     """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
     are per-row sums of the dx kernel (batchnorm)."""
-    anchor, name = group.anchor, _kernel_name(group, index)
+    anchor, name = group.anchor, kernel_name(group, index)
     problem = row_problem(anchor)
     stores = [t.uid for t in group.outputs]
     if anchor.opdef.family == "norm" and anchor.op.endswith("_backward"):
@@ -243,20 +156,22 @@ def _build_rows(graph, group, index):
     return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores)
 
 
-def _build_pooling(graph, group, index):
-    """The pooling kernel of a group; first a pointwise kernel when prologue values are outputs."""
+def _build_pooling(graph, group, index, tuner=None):
+    """The pooling kernel of a group."""
     sched = schedule_pooling(group, device_model())
-    name = _kernel_name(group, index)
+    name = kernel_name(group, index)
     source, arguments = render_pooling(name, sched, group, graph.compute_data_type, group.describe())
     kernel, path = load_kernel(source, name)
-    launch = KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps,
-                          sched.config_text, sched.reason)
-    stored = prologue_values_to_store(group)
-    return launch if stored is None else [_build_pointwise(graph, stored, index), launch]
+    return KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps,
+                        sched.config_text, sched.reason)
 
+
+# Families whose loads may visit an input element several times (or never): prologue values that
+# are outputs are written first by a pointwise kernel of the prologue.
+PROLOGUE_STORED_APART = frozenset({"pooling", "matmul"})
 
 KERNEL_BUILDERS = {"pointwise": _build_pointwise, "reduction": _build_rows, "softmax": _build_rows,
-                   "norm": _build_rows, "pooling": _build_pooling}
+                   "norm": _build_rows, "pooling": _build_pooling, "matmul": build_matmul}
 
 
 def _check_outputs_dense(graph):
@@ -268,9 +183,10 @@ def _check_outputs_dense(graph):
 
 
 def build_plan(graph, autotune: bool = False) -> "Plan":
-    """Partition, schedule and generate every kernel of a validated graph."""
+    """Partition, schedule (or autotune) and generate every kernel of a validated graph."""
     _check_outputs_dense(graph)
     groups = partition(graph)
+    tuner = Tuner(device_model()) if autotune else None
     launches = []
     for index, group in enumerate(groups):
         builder = KERNEL_BUILDERS.get(group.kind)
@@ -279,7 +195,10 @@ def build_plan(graph, autotune: bool = False) -> "Plan":
             raise UnsupportedError(
                 f"node {anchor.name!r} ({anchor.op}): no {group.kind} kernel exists yet, so the group "
                 f"[{', '.join(n.name for n in group.nodes)}] cannot run; graph.reference() computes it")
-        built = builder(graph, group, index)
+        stored = prologue_values_to_store(group) if group.kind in PROLOGUE_STORED_APART else None
+        if stored is not None:
+            launches.append(_build_pointwise(graph, stored, index))
+        built = builder(graph, group, index, tuner)
         launches.extend(built if isinstance(built, list) else [built])
     return Plan(graph, groups, launches)
 
@@ -384,18 +303,11 @@ class Plan:
         device = self._check(tensors)
         if self.workspace_tensors:
             self._workspace_views(device, tensors)
+        aligned = all(tensors[s.uid].data_ptr() % POINTER_ALIGNMENT == 0 for s in self.specs)
         if device.type == "cuda" and not interpreting():
-            stream = torch._C._cuda_getCurrentRawStream(device.index)
-            aligned = all(tensors[s.uid].data_ptr() % POINTER_ALIGNMENT == 0 for s in self.specs)
-            for launch in self.launches:
-                if aligned:
-                    launch.bind(device.index, self.dtypes)(tensors, stream)
-                else:
-                    with torch.cuda.device(device.index):
-                        launch.launch_unaligned(tensors)
+            run_launches(self.launches, tensors, device, self.dtypes, aligned)
         elif interpreting():
-            for launch in self.launches:
-                launch.interpret(tensors)
+            run_launches(self.launches, tensors, torch.device("cpu"), self.dtypes, aligned)
         else:
             raise ExecutionError(f"tensors are on {device}, but kernels compile for CUDA here; "
                                  f"set TRITON_INTERPRET=1 before importing dnngraph to run on CPU")

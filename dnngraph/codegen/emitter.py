@@ -22,8 +22,9 @@ class ExpressionEmitter:
     kernel must take as runtime integer arguments.
     """
 
-    def __init__(self, compute_type: str, counter: Optional[str] = None):
+    def __init__(self, compute_type: str, counter: Optional[str] = None, prefix: str = "v"):
         self.compute = compute_type
+        self.prefix = prefix  # variable names: several emitters may share one kernel
         self.counter = counter
         self.lines: list[str] = []
         self.globals: list[str] = []  # module-level constexprs (non-finite constants)
@@ -89,7 +90,7 @@ class ExpressionEmitter:
         expression = self._expression(node)
         operands = self._operands(node, expression)
         fields = self._fields(node, expression)
-        variables = [f"v{self._count + k}" for k in range(len(expression.result))]
+        variables = [f"{self.prefix}{self._count + k}" for k in range(len(expression.result))]
         self._count += len(variables)
         text = expression.template.format(*operands, compute=self.compute, **fields)
         self.lines.append(f"{', '.join(variables)} = {text}  # {node.op} {node.name}")

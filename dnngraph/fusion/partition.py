@@ -30,6 +30,7 @@ class FusionGroup:
     nodes: list = field(default_factory=list)  # topological order
     prologue: list = field(default_factory=list)
     epilogue: list = field(default_factory=list)
+    exits: list = field(default_factory=list)  # reductions of epilogue values (last axis)
     inputs: list = field(default_factory=list)  # tensors read from memory
     outputs: list = field(default_factory=list)  # tensors written to memory
 
@@ -149,7 +150,7 @@ class _Partitioner:
                 if position < len(node.inputs) and node.inputs[position] is not None:
                     self._grow_prologue(group, node.inputs[position].dim, node.inputs[position])
             if rule.epilogue_output is not None:
-                self._grow_epilogue(group, node.outputs[rule.epilogue_output])
+                self._grow_epilogue(group, node.outputs[rule.epilogue_output], rule.exit_modes)
 
     def _grow_prologue(self, group, operand_dim, tensor):
         producer = tensor.producer
@@ -165,14 +166,22 @@ class _Partitioner:
         for source in producer.input_tensors():
             self._grow_prologue(group, operand_dim, source)
 
-    def _grow_epilogue(self, group, tile_tensor):
+    def _grow_epilogue(self, group, tile_tensor, exit_modes=frozenset()):
         tile_dim = tile_tensor.dim
         visible = {tile_tensor.uid}
         start = self.position[tile_tensor.producer] + 1
         for node in self.order[start:]:
+            if self._is_exit(node, tile_dim, visible, exit_modes) and self.convex(set(group.nodes) | {node}):
+                group.exits.append(node)
+                group.nodes.append(node)
+                self.claim(group, [node])
+                continue
             if not self.free_pointwise(node) or node.outputs[0].dim != tile_dim:
                 continue
             if not any(t.uid in visible for t in node.input_tensors()):
+                continue
+            # values made inside the group but outside the epilogue (prologues) are not at hand
+            if any(t.producer in group.nodes and t.uid not in visible for t in node.input_tensors()):
                 continue
             members = set(group.nodes) | {node}
             if not self.convex(members):
@@ -181,6 +190,14 @@ class _Partitioner:
             group.nodes.append(node)
             self.claim(group, [node])
             visible.add(node.outputs[0].uid)
+
+    def _is_exit(self, node, tile_dim, visible, exit_modes) -> bool:
+        """A reduction over the last axis of an epilogue value, of a mode the anchor folds."""
+        if node.op != "reduction" or node in self.group_of or node.attrs.mode not in exit_modes:
+            return False
+        source = node.inputs[0]
+        return (source.uid in visible and tuple(source.dim) == tuple(tile_dim)
+                and tuple(node.attrs.axes) == (len(tile_dim) - 1,))
 
     # --- pass 3: leftover pointwise --------------------------------------------------------------
     def pointwise(self):

@@ -14,13 +14,15 @@ from typing import Optional
 class AnchorRule:
     prologue_inputs: tuple[int, ...]  # input positions whose pointwise producers fuse in
     epilogue_output: Optional[int]  # output whose pointwise consumers fuse in (None: none)
+    exit_modes: frozenset = frozenset()  # reductions over the last axis that ride the epilogue
 
 
 _NORM_FORWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0)
 _NORM_BACKWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0)
 
 ANCHOR_RULES: dict[str, AnchorRule] = {
-    "matmul": AnchorRule((0, 1), 0),
+    # row amax (fp8 scaling) or row sums of the epilogue value, folded across N tiles
+    "matmul": AnchorRule((0, 1), 0, frozenset({"sum", "mean", "max", "min", "amax", "norm1", "norm2"})),
     # conv input prologue: the scale-bias-relu of a preceding batchnorm applied at load
     "conv_fprop": AnchorRule((0,), 0),
     "conv_dgrad": AnchorRule((0,), 0),

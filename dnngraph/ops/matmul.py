@@ -1,12 +1,20 @@
-"""Matmul family: [..., M, K] @ [..., K, N] with broadcast batch dims; output row-major."""
+"""Matmul family: [..., M, K] @ [..., K, N] with broadcast batch dims; output row-major.
+
+fp8 operands carry optional per-tensor scales (one-element float tensors): the result is
+(A @ B) * scale_a * scale_b, the dequantization a scaled fp8 GEMM applies after accumulation.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from .. import dtypes
 from ..tensor import contiguous_strides
 from .base import OpDef, OutputSpec, broadcast_dims, fail, register
+
+MATMUL_TYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.float8_e4m3, dtypes.float8_e5m2)
+FP8_TYPES = (dtypes.float8_e4m3, dtypes.float8_e5m2)
 
 
 @dataclass(frozen=True)
@@ -14,12 +22,30 @@ class MatmulAttrs:
     allow_tf32: bool = False  # fp32 inputs: IEEE math unless the graph opts in
 
 
+def _check_scale(name: str, scale):
+    if scale is None:
+        return
+    count = 1
+    for size in scale.dim:
+        count *= size
+    if count != 1:
+        fail("matmul", f"{name} must hold one value (a per-tensor scale), got dims {list(scale.dim)}")
+    if not scale.data_type.is_floating:
+        fail("matmul", f"{name} must be floating point, got {scale.data_type.name}")
+
+
 def infer(inputs, attrs: MatmulAttrs):
-    a, b = inputs
+    a, b, scale_a, scale_b = (list(inputs) + [None, None])[:4]
     if len(a.dim) < 2 or len(b.dim) < 2:
         fail("matmul", f"operands need rank >= 2: a {list(a.dim)}, b {list(b.dim)}")
     if a.dim[-1] != b.dim[-2]:
         fail("matmul", f"inner dims differ: a {list(a.dim)} (K={a.dim[-1]}) @ b {list(b.dim)} (K={b.dim[-2]})")
+    for role, operand in (("a", a), ("b", b)):
+        if operand.producer is None and operand.data_type not in MATMUL_TYPES:
+            fail("matmul", f"{role} {operand.name!r} is {operand.data_type.name}; matmul takes "
+                           f"{', '.join(t.name for t in MATMUL_TYPES)}")
+    _check_scale("scale_a", scale_a)
+    _check_scale("scale_b", scale_b)
     batch = broadcast_dims("matmul", [("a batch", a.dim[:-2]), ("b batch", b.dim[:-2])]) \
         if len(a.dim) > 2 or len(b.dim) > 2 else ()
     dim = tuple(batch) + (a.dim[-2], b.dim[-1])
@@ -27,8 +53,13 @@ def infer(inputs, attrs: MatmulAttrs):
 
 
 def reference(values, attrs: MatmulAttrs):
-    a, b = values
-    return [torch.matmul(a, b)]
+    a, b, scale_a, scale_b = (list(values) + [None, None])[:4]
+    result = torch.matmul(a, b)
+    for scale in (scale_a, scale_b):
+        if scale is not None:
+            result = result * scale.reshape(())
+    return [result]
 
 
-register(OpDef("matmul", "matmul", "anchor", MatmulAttrs, ("a", "b"), ("c",), infer, reference))
+register(OpDef("matmul", "matmul", "anchor", MatmulAttrs, ("a", "b", "scale_a", "scale_b"), ("c",), infer,
+               reference, optional=("scale_a", "scale_b")))

@@ -1,0 +1,101 @@
+"""build(autotune=True): time the model's top candidates, keep the fastest, remember it.
+
+The family supplies its ranked candidates (plain data) and a way to time one; this module picks
+how many to time, shows progress, and reads and writes the persistent tuning cache, so a second
+build of the same problem (in any process) times nothing.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import triton
+
+from .device import DeviceModel
+from .tuning_cache import TuningCache, default_cache, tuning_key
+
+# Candidates timed per problem: the model's top 6 held the tuned best on 30 of 32 problems of
+# bench_matmul_heuristics.py (H100); DNNGRAPH_AUTOTUNE_TOP=all times every candidate.
+DEFAULT_TOP = 6
+
+
+@dataclass
+class TuningRecord:
+    """How a kernel's config was chosen: "model", "tuned" (timed now) or "cache" (timed before).
+
+    timings: (config text, model rank, milliseconds) of every candidate timed, fastest first.
+    """
+
+    source: str
+    chosen: str
+    timings: tuple = ()
+
+    def describe(self) -> str:
+        if self.source == "model" or not self.timings:
+            return ""
+        text, rank, ms = self.timings[0]
+        origin = "cached autotune result" if self.source == "cache" else "autotuned"
+        return (f"{origin}: {ms * 1e3:.1f} us, fastest of {len(self.timings)} timed candidates "
+                f"(model rank {rank + 1})")
+
+
+def top_count(total: int) -> int:
+    """How many ranked candidates to time ($DNNGRAPH_AUTOTUNE_TOP: a number or "all")."""
+    wanted = os.environ.get("DNNGRAPH_AUTOTUNE_TOP", str(DEFAULT_TOP)).strip().lower()
+    if wanted == "all":
+        return total
+    try:
+        return max(1, min(total, int(wanted)))
+    except ValueError:
+        return min(total, DEFAULT_TOP)
+
+
+class Tuner:
+    """Chooses configs by timing; one per build(autotune=True)."""
+
+    def __init__(self, device: DeviceModel, cache: Optional[TuningCache] = None, progress: bool = True):
+        self.device = device
+        self.cache = cache or default_cache()
+        self.progress = progress and os.environ.get("DNNGRAPH_AUTOTUNE_QUIET", "0") in ("", "0")
+        self.timed = 0  # candidates timed by this tuner (0 when everything came from the cache)
+
+    def _say(self, text: str):
+        if self.progress:
+            print(f"dnngraph autotune: {text}", file=sys.stderr, flush=True)
+
+    def choose(self, family: str, signature: str, ranked: list, to_record: Callable, from_record: Callable,
+               text_of: Callable, time_config: Callable):
+        """(config, TuningRecord): the cached winner for this problem, else the fastest of the
+        top-ranked candidates, timed with time_config(config) -> milliseconds."""
+        key = tuning_key(self.device.name, triton.__version__, family, signature)
+        cached = self.cache.lookup(key)
+        if cached is not None:
+            try:
+                config = from_record(cached["config"])
+                timings = tuple((str(t), int(r), float(ms)) for t, r, ms in cached.get("timings", ()))
+                return config, TuningRecord("cache", text_of(config), timings)
+            except (KeyError, TypeError, ValueError):
+                pass  # a record of another layout: tune again and overwrite it
+        count = top_count(len(ranked))
+        self._say(f"{family} {signature}: timing {count} of {len(ranked)} candidates")
+        results = []
+        for rank, config in enumerate(ranked[:count]):
+            try:
+                ms = time_config(config)
+            except Exception as error:  # a candidate that fails to compile or run is skipped
+                self._say(f"  [{rank + 1}/{count}] {text_of(config)}: failed ({type(error).__name__}: "
+                          f"{str(error).splitlines()[0] if str(error) else ''})")
+                continue
+            self.timed += 1
+            results.append((text_of(config), rank, ms, config))
+            self._say(f"  [{rank + 1}/{count}] {text_of(config)}: {ms * 1e3:.1f} us")
+        if not results:
+            return ranked[0], TuningRecord("model", text_of(ranked[0]))
+        results.sort(key=lambda r: r[2])
+        best = results[0]
+        timings = tuple(r[:3] for r in results)
+        self.cache.store(key, {"config": to_record(best[3]), "timings": [list(t) for t in timings]})
+        self._say(f"  chose {best[0]} (model rank {best[1] + 1})")
+        return best[3], TuningRecord("tuned", best[0], timings)

@@ -1,0 +1,251 @@
+"""Matmul configs: the candidate space per problem and an analytic model that ranks it.
+
+A config picks a kernel variant and its tiles:
+  tiled       one program per output tile, grouped tile order for L2 reuse, pointer loads (any
+              strides, any alignment);
+  persistent  one program per SM walking tiles, operands through TMA tensor descriptors
+              (Hopper; unit stride on one of the two matrix axes, 16-byte aligned rows);
+  split_k     K cut into SPLIT_K chunks written as fp32 partials, then a combine kernel that
+              adds them in a fixed order (deterministic) and runs the epilogue; for small M*N
+              with a long K, where output tiles alone cannot fill the SMs;
+  small_m     decode shapes (M <= 64): 16-row tiles, wide K steps, split-K when N is short.
+The model is a roofline over waves: per program, the time of its tile's flops at the tensor-core
+rate (scaled by how well the tile shape feeds the cores) or its bytes at one SM's share of
+bandwidth, whichever is longer; waves quantized over SMs x programs per SM (shared memory and
+registers decide how many fit); then the whole problem's HBM bytes as a floor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from .device import DeviceModel
+
+# Tensor-core rate per dot type (dense flop/s). bf16/fp16: cuBLAS reaches 710 TF/s at 8192^3
+# on the H100 here, the model's peak is set a little above it; fp8 doubles it, tf32 halves it;
+# IEEE fp32 runs on FMA units (67 TF/s peak, about 50 sustained).
+PEAK_FLOPS = {"bf16": 7.6e14, "fp16": 7.6e14, "fp8": 1.5e15, "tf32": 3.7e14, "fp32": 5.0e13}
+# A tile of BM x BN does BM*BN*2 flops per (BM + BN) loaded values each k step; wgmma keeps the
+# cores busy from about 85 flops per loaded value (128x256 tiles). Smaller tiles starve.
+FULL_RATE_INTENSITY = 85.0
+# One SM alone streams about 4x its fair share of HBM bandwidth (decode shapes are limited by
+# how many SMs pull bytes, not by HBM).
+SM_BANDWIDTH_SHARE = 4.0
+L2_BANDWIDTH = 1.0e13  # bytes/s, operand re-reads across tiles hit L2 (H100: ~10-12 TB/s)
+SHARED_MEMORY = 232448  # bytes per SM usable by one block (H100: 227 KB opt-in)
+REGISTERS = 65536  # 32-bit registers per SM
+MAX_REGISTERS_PER_THREAD = 255
+OPERAND_REGISTERS = 64  # per thread besides the accumulator: addresses, fragments, epilogue
+LAUNCH_SECONDS = 3.0e-6  # one extra kernel (split-K combine, row-exit fold)
+K_STEP_SECONDS = 0.08e-6  # issue and barrier cost of one k step of a program
+# Pointer loads (address math, cp.async) feed wgmma less well than TMA: measured 0.85-0.9 of
+# the persistent TMA kernel at 4096^3 bf16 on the H100 here.
+VARIANT_EFFICIENCY = {"persistent": 1.0, "tiled": 0.88, "split_k": 0.88, "small_m": 0.88}
+GROUP_M = 8  # tiles per group in the grouped order: 8 row tiles share B columns in L2
+SPLIT_COMBINE_BLOCK = (64, 128)  # combine kernel tile (BLOCK_M, BLOCK_N): a copy-like pass
+SMALL_M_LIMIT = 64
+SPLIT_CHOICES = (2, 3, 4, 6, 8, 12, 16)
+
+# (BLOCK_M, BLOCK_N, BLOCK_K for 2-byte types, warps, stages): tiles seen best in Triton's
+# tutorials and in sweeps here; BLOCK_K scales with the element size (fp8 x2, fp32 /2).
+TILES = (
+    (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
+    (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 256, 64, 8, 4),
+)
+PERSISTENT_TILES = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4))
+SPLIT_TILES = ((64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4))
+SMALL_M_TILES = ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4),
+                 (16, 32, 256, 4, 3), (32, 128, 64, 4, 4))
+
+
+@dataclass(frozen=True)
+class MatmulProblem:
+    """What the model needs to know of one matmul kernel (plain data; the cache key)."""
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    dot: str  # "bf16" | "fp16" | "fp8" | "tf32" | "fp32"
+    a_bytes: int  # element sizes in memory
+    b_bytes: int
+    out_bytes: int  # bytes written and read per output element by the epilogue (stores, operands)
+    tma: bool  # descriptors legal for A and B (layout, alignment) on this device
+    a_layout: str  # "row" (K contiguous) | "col" (M contiguous) | "strided"
+    b_layout: str  # "row" (N contiguous) | "col" (K contiguous) | "strided"
+    epilogue: str = ""  # a short text of the fused work (part of the signature only)
+
+    def signature(self) -> str:
+        """A stable text naming everything that changes the best config."""
+        return (f"b{self.batch} m{self.m} n{self.n} k{self.k} {self.dot} a{self.a_bytes}{self.a_layout} "
+                f"b{self.b_bytes}{self.b_layout} o{self.out_bytes} tma{int(self.tma)} {self.epilogue}").strip()
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    variant: str  # "tiled" | "persistent" | "split_k" | "small_m"
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 1
+    group_m: int = GROUP_M
+    estimate_us: float = 0.0
+
+    @property
+    def text(self) -> str:
+        split = f" SPLIT_K={self.split_k}" if self.split_k > 1 else ""
+        return (f"{self.variant} {self.block_m}x{self.block_n}x{self.block_k} warps={self.num_warps} "
+                f"stages={self.num_stages}{split}")
+
+    def key(self) -> tuple:
+        return (self.variant, self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages,
+                self.split_k)
+
+    def to_record(self) -> dict:
+        return {"variant": self.variant, "block_m": self.block_m, "block_n": self.block_n,
+                "block_k": self.block_k, "num_warps": self.num_warps, "num_stages": self.num_stages,
+                "split_k": self.split_k}
+
+    @staticmethod
+    def from_record(record: dict) -> "MatmulConfig":
+        return MatmulConfig(str(record["variant"]), int(record["block_m"]), int(record["block_n"]),
+                            int(record["block_k"]), int(record["num_warps"]), int(record["num_stages"]),
+                            int(record.get("split_k", 1)))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dot_bytes(problem: MatmulProblem) -> int:
+    return {"fp8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}[problem.dot]
+
+
+def _scaled_k(block_k: int, problem: MatmulProblem) -> int:
+    """BLOCK_K for the dot type: the same bytes per k step as 64 two-byte values."""
+    return max(16, block_k * 2 // _dot_bytes(problem))
+
+
+def _shrink(config_tile, problem: MatmulProblem):
+    """Clamp tiles to the problem (no 256-row tile for 100 rows) keeping powers of two >= 16."""
+    bm, bn, bk, warps, stages = config_tile
+    bk = _scaled_k(bk, problem)
+    while bm > 16 and bm // 2 >= problem.m:
+        bm //= 2
+    while bn > 16 and bn // 2 >= problem.n:
+        bn //= 2
+    while bk > 16 and bk // 2 >= problem.k:
+        bk //= 2
+    return bm, bn, bk, warps, stages
+
+
+def shared_bytes(config: MatmulConfig, problem: MatmulProblem) -> int:
+    """Operand staging buffers: num_stages copies of an A tile and a B tile."""
+    per_stage = config.block_m * config.block_k * problem.a_bytes + config.block_k * config.block_n * problem.b_bytes
+    return config.num_stages * per_stage
+
+
+def programs_per_sm(config: MatmulConfig, problem: MatmulProblem) -> int:
+    """How many programs fit on one SM at once (0: the config does not fit at all)."""
+    by_shared = SHARED_MEMORY // max(1, shared_bytes(config, problem))
+    threads = config.num_warps * 32
+    accumulator = config.block_m * config.block_n // threads
+    per_thread = accumulator + OPERAND_REGISTERS
+    if per_thread > MAX_REGISTERS_PER_THREAD:
+        return 0
+    by_registers = REGISTERS // (per_thread * threads)
+    return max(0, min(by_shared, by_registers, 2048 // threads))
+
+
+def candidates(problem: MatmulProblem) -> list[MatmulConfig]:
+    """Every config worth ranking for `problem` (deduplicated, all fitting the SM)."""
+    found: dict = {}
+
+    def add(variant, tile, split=1):
+        bm, bn, bk, warps, stages = _shrink(tile, problem)
+        config = MatmulConfig(variant, bm, bn, bk, warps, stages, split)
+        if programs_per_sm(config, problem) >= 1 and config.key() not in found:
+            found[config.key()] = config
+
+    small = problem.m <= SMALL_M_LIMIT
+    for tile in (SMALL_M_TILES if small else TILES):
+        add("small_m" if small else "tiled", tile)
+    if problem.tma and not small:
+        for tile in PERSISTENT_TILES:
+            add("persistent", tile)
+    for tile in (SMALL_M_TILES if small else SPLIT_TILES):
+        bk = _scaled_k(tile[2], problem)
+        for split in SPLIT_CHOICES:
+            if problem.k >= split * bk * 4:  # each split keeps >= 4 k steps
+                add("small_m" if small else "split_k", tile, split)
+    return list(found.values())
+
+
+def estimate(config: MatmulConfig, problem: MatmulProblem, device: DeviceModel) -> float:
+    """Model seconds for `config` on `problem`."""
+    tiles = _cdiv(problem.m, config.block_m) * _cdiv(problem.n, config.block_n) * problem.batch
+    units = tiles * config.split_k
+    k_chunk = _cdiv(_cdiv(problem.k, config.split_k), config.block_k) * config.block_k
+    intensity = config.block_m * config.block_n / (config.block_m + config.block_n)
+    feed = min(1.0, intensity / FULL_RATE_INTENSITY) * VARIANT_EFFICIENCY[config.variant]
+    # 4-warp programs issue one warpgroup of wgmma: a 128x256 accumulator needs 8 warps
+    sm_rate = PEAK_FLOPS[problem.dot] / device.sms * feed
+    unit_flops = 2.0 * config.block_m * config.block_n * k_chunk
+    unit_bytes = (config.block_m * problem.a_bytes + config.block_n * problem.b_bytes) * k_chunk
+    sm_bandwidth = device.bandwidth / device.sms * SM_BANDWIDTH_SHARE
+    steps = k_chunk // config.block_k
+    unit_seconds = max(unit_flops / sm_rate, unit_bytes / sm_bandwidth) + steps * K_STEP_SECONDS
+    per_sm = programs_per_sm(config, problem)
+    if config.variant == "persistent":
+        per_sm = 1  # one program per SM walks the tiles
+    slots = device.sms * per_sm
+    # programs sharing an SM split its rate: a wave of `slots` programs takes per_sm unit times
+    compute = _cdiv(units, slots) * unit_seconds * per_sm
+    a_total = problem.batch * problem.m * problem.k * problem.a_bytes
+    b_total = problem.batch * problem.k * problem.n * problem.b_bytes
+    c_total = problem.batch * problem.m * problem.n * problem.out_bytes
+    partials = 0.0
+    seconds_extra = 0.0
+    if config.split_k > 1:
+        partials = 2.0 * config.split_k * problem.batch * problem.m * problem.n * 4
+        seconds_extra = LAUNCH_SECONDS
+    dram = (a_total + b_total + c_total + partials) / device.bandwidth
+    l2 = (a_total * _cdiv(problem.n, config.block_n) + b_total * _cdiv(problem.m, config.block_m)) / L2_BANDWIDTH
+    return max(compute, dram, l2) + seconds_extra
+
+
+@dataclass(frozen=True)
+class MatmulSchedule:
+    problem: MatmulProblem
+    ranked: tuple  # MatmulConfig, best first
+    config: MatmulConfig
+    reason: str
+
+
+FORCE_CONFIG: Optional[MatmulConfig] = None  # tests: run this config whatever the model says
+
+
+def rank(problem: MatmulProblem, device: DeviceModel) -> list[MatmulConfig]:
+    """Candidates with their model time, best first."""
+    ranked = [replace(c, estimate_us=estimate(c, problem, device) * 1e6) for c in candidates(problem)]
+    # ties: prefer no split (no partials), then bigger tiles
+    ranked.sort(key=lambda c: (round(c.estimate_us, 3), c.split_k, -c.block_m * c.block_n))
+    return ranked
+
+
+def schedule(problem: MatmulProblem, device: DeviceModel) -> MatmulSchedule:
+    """The model's choice for `problem`, with the ranked list autotuning draws from."""
+    ranked = rank(problem, device)
+    if FORCE_CONFIG is not None:
+        forced = FORCE_CONFIG
+        if forced.variant == "persistent" and not problem.tma:  # descriptors illegal here
+            forced = replace(forced, variant="tiled")
+        ranked.insert(0, forced)
+    best = ranked[0]
+    tflops = 2.0 * problem.batch * problem.m * problem.n * problem.k / max(best.estimate_us, 1e-3) / 1e6
+    reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us "
+              f"(~{tflops:.0f} TFLOP/s) for batch {problem.batch} x {problem.m}x{problem.n}x{problem.k} "
+              f"{problem.dot}")
+    return MatmulSchedule(problem, tuple(ranked), best, reason)

@@ -1,0 +1,280 @@
+"""Build the launches of a matmul group: pose the problem, choose a config, render, bind.
+
+A group is a matmul node with pointwise prologues on A and B, a pointwise epilogue chain and
+row-reduction exits. The problem (sizes, dot type, layouts, TMA legality) is plain data for the
+heuristics; autotuning times whole launch lists of candidate configs on scratch tensors.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import dtypes
+from .codegen.cache import load_kernel
+from .codegen.matmul import ExitPlan, MatmulKernelSpec, MatmulOperand, render
+from .errors import UnsupportedError
+from .heuristics import device_model
+from .heuristics.autotune import TuningRecord
+from .heuristics.layout import INT32_LIMIT, operand_strides
+from .heuristics.matmul import SPLIT_COMBINE_BLOCK, MatmulConfig, MatmulProblem, schedule
+from .heuristics.pointwise import _identifiers
+from .launch import KernelLaunch, kernel_name, scratch, time_launches
+from .runtime import interpreting
+
+TMA_ALIGNMENT = 16  # bytes: descriptor base addresses and row pitches
+EXIT_FOLD_WARPS = 4
+COMBINE_WARPS = 4
+_DOT_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3": "fp8", "float8_e5m2": "fp8"}
+
+
+def _leaves(tensor, members) -> list:
+    """Group inputs a prologue chain ending in `tensor` reads (the tensor itself if no chain)."""
+    if tensor.producer is None or tensor.producer not in members:
+        return [tensor]
+    found = []
+    for source in tensor.producer.input_tensors():
+        found += [t for t in _leaves(source, members) if all(t is not f for f in found)]
+    return found
+
+
+def _dot_types(a, b, allow_tf32: bool):
+    """(dot type of A, of B, model name, input precision) for the matmul's input types."""
+    ta, tb = a.data_type, b.data_type
+    if ta is tb and ta is not dtypes.float32:
+        return ta.triton_type, tb.triton_type, _DOT_NAMES[ta.name], ""
+    fp8 = (dtypes.float8_e4m3, dtypes.float8_e5m2)
+    if ta in fp8 and tb in fp8:  # e4m3 x e5m2: both widen exactly to fp16
+        return "tl.float16", "tl.float16", "fp16", ""
+    for t in (ta, tb):
+        if not t.is_floating:
+            raise UnsupportedError(f"matmul of {ta.name} x {tb.name}: no kernel takes {t.name} operands")
+    # fp32 or mixed widths: both in fp32, IEEE unless the graph opted into tf32
+    return "tl.float32", "tl.float32", "tf32" if allow_tf32 else "fp32", "tf32" if allow_tf32 else "ieee"
+
+
+def _layout(row_stride: int, col_stride: int) -> str:
+    if col_stride == 1:
+        return "row"
+    if row_stride == 1:
+        return "col"
+    return "strided"
+
+
+def _tma_ok(operand: MatmulOperand, layout: str, dot_type: str, cuda_capability) -> bool:
+    """A descriptor needs unit stride on one axis, 16-byte pitches and a matching type."""
+    if layout == "strided" or operand.data_type.triton_type != dot_type:
+        return False
+    if cuda_capability is not None and cuda_capability < (9, 0):
+        return False
+    itemsize = operand.data_type.itemsize
+    pitch = operand.row_stride if layout == "row" else operand.col_stride
+    pitches = [pitch] + [s for s in operand.batch_strides if s]
+    # a size-1 matrix axis has stride 0 here: nothing for a descriptor to walk
+    return pitch > 0 and all(p * itemsize % TMA_ALIGNMENT == 0 for p in pitches)
+
+
+class MatmulBuild:
+    """Everything about one matmul group that does not depend on the config."""
+
+    def __init__(self, graph, group, index):
+        self.graph, self.group, self.index = graph, group, index
+        node = self.node = group.anchor
+        a, b, scale_a, scale_b = node.inputs
+        c = node.outputs[0]
+        self.a, self.b, self.c = a, b, c
+        self.scales = [s for s in (scale_a, scale_b) if s is not None]
+        batch_dims = tuple(c.dim[:-2])
+        self.batch_axes = tuple(i for i, size in enumerate(batch_dims) if size > 1)
+        self.batch_sizes = tuple(batch_dims[i] for i in self.batch_axes)
+        m, n, k = c.dim[-2], c.dim[-1], a.dim[-1]
+        members = set(group.nodes)
+        prologue = set(group.prologue)
+        self.prologue_a = tuple(x for x in group.prologue if x in self._chain(a, prologue))
+        self.prologue_b = tuple(x for x in group.prologue if x in self._chain(b, prologue))
+        stored = {t.uid for t in group.outputs}
+        exit_outputs = {x.outputs[0].uid for x in group.exits}
+        epilogue_inputs = []
+        for x in group.epilogue:
+            epilogue_inputs += [t for t in x.input_tensors() if t.producer not in members]
+        operands = []
+        self._add(operands, "a", _leaves(a, members), batch_dims + (m, k))
+        self._add(operands, "b", _leaves(b, members), batch_dims + (k, n))
+        self._add(operands, "c", _unique(epilogue_inputs), tuple(c.dim))
+        # prologue values that are outputs are written by a pointwise kernel run first
+        stored_values = [t for t in group.outputs if t.uid not in exit_outputs and t.producer not in prologue]
+        self._add(operands, "c", stored_values, tuple(c.dim), is_output=True)
+        self._add(operands, "scalar", self.scales, ())
+        self.exit_operands = []
+        self._add(self.exit_operands, "exit", [x.outputs[0] for x in group.exits], tuple(c.dim[:-1]) + (1,),
+                  is_output=True)
+        self.operands = tuple(operands)
+        self.dot_a, self.dot_b, dot, self.precision = _dot_types(a, b, node.attrs.allow_tf32)
+        (a_op,) = [o for o in operands if o.side == "a"] if not self.prologue_a else [None]
+        (b_op,) = [o for o in operands if o.side == "b"] if not self.prologue_b else [None]
+        device = device_model()
+        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() and not interpreting() else None
+        a_layout = _layout(a_op.row_stride, a_op.col_stride) if a_op else "strided"
+        b_layout = _layout(b_op.row_stride, b_op.col_stride) if b_op else "strided"
+        tma = (a_op is not None and b_op is not None and _tma_ok(a_op, a_layout, self.dot_a, capability)
+               and _tma_ok(b_op, b_layout, self.dot_b, capability))
+        if dot == "fp8" and (a_layout, b_layout) != ("row", "col"):
+            tma = False  # fp8 wgmma reads both operands K-major from shared memory
+        epilogue_text = ",".join(x.op for x in group.epilogue + group.exits)
+        out_bytes = sum(t.data_type.itemsize for t in stored_values)
+        out_bytes += sum(t.data_type.itemsize for t in _unique(epilogue_inputs) if tuple(t.dim[-2:]) == (m, n))
+        batch = 1
+        for size in self.batch_sizes:
+            batch *= size
+        self.problem = MatmulProblem(batch, m, n, k, dot, a.data_type.itemsize if a_op else 4,
+                                     b.data_type.itemsize if b_op else 4, max(out_bytes, 1), tma,
+                                     a_layout, b_layout, epilogue_text)
+        self.index_64 = any(_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
+        self.device = device
+        self.name = kernel_name(group, index)
+
+    @staticmethod
+    def _chain(tensor, prologue) -> set:
+        found, stack = set(), [tensor]
+        while stack:
+            t = stack.pop()
+            if t.producer in prologue and t.producer not in found:
+                found.add(t.producer)
+                stack += t.producer.input_tensors()
+        return found
+
+    def _add(self, operands, side, tensors, domain, is_output=False):
+        identifiers = _identifiers(tensors)
+        for tensor, ident in zip(tensors, identifiers):
+            strides = operand_strides(domain, tuple(tensor.dim), tuple(tensor.stride)) if domain else ()
+            nb = len(domain) - 2 if len(domain) >= 2 else 0
+            batch = tuple(strides[i] for i in self.batch_axes) if nb else ()
+            row, col = (strides[-2], strides[-1]) if len(domain) >= 2 else (0, 0)
+            operands.append(MatmulOperand(tensor.uid, f"{side}_{ident}", tensor.data_type, side, batch,
+                                          row, col, is_output))
+
+    # --- launches for one config --------------------------------------------------------------
+    def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> MatmulKernelSpec:
+        return MatmulKernelSpec(
+            name=self.name + suffix, config=config, problem=self.problem, batch_sizes=self.batch_sizes,
+            a_uid=self.a.uid, b_uid=self.b.uid, c_uid=self.c.uid, operands=self.operands,
+            prologue_a=self.prologue_a, prologue_b=self.prologue_b, epilogue=tuple(self.group.epilogue),
+            exits=extra.pop("exits", ()), scale_uids=tuple(s.uid for s in self.scales), dot_a=self.dot_a,
+            dot_b=self.dot_b, precision=self.precision, compute=self.graph.compute_data_type.triton_type,
+            index_64=self.index_64, description=self.group.describe(), **extra)
+
+    def _launch(self, spec, body, grid, warps, stages, config_text, reason, scratch_buffers=()):
+        source, arguments = render(spec, body)
+        kernel, path = load_kernel(source, spec.name)
+        return KernelLaunch(self.group, kernel, path, arguments, grid, warps, config_text, reason,
+                            scratch_buffers, num_stages=stages)
+
+    def launches(self, config: MatmulConfig, reason: str) -> list[KernelLaunch]:
+        """The kernels of this group under `config`: main (+ combine) (+ exit fold)."""
+        p = self.problem
+        tiles = -(-p.m // config.block_m) * -(-p.n // config.block_n)
+        epilogue_block = (config.block_m, config.block_n)
+        split = config.split_k > 1
+        if split:
+            epilogue_block = SPLIT_COMBINE_BLOCK
+        exit_scratch = [scratch((p.batch, -(-p.n // epilogue_block[1]), p.m)) for _ in self.group.exits]
+        exits = [ExitPlan(x, x.inputs[0].uid, s.uid, op)
+                 for x, op, s in zip(self.group.exits, self.exit_operands, exit_scratch)]
+        common = dict(exits=tuple(exits), epilogue_block=epilogue_block)
+        text = config.text
+        launches = []
+        if config.variant == "persistent":
+            programs = min(tiles * p.batch, self.device.sms)  # one program per SM
+            spec = self.spec(config, persistent_programs=programs, flatten=not interpreting(), **common)
+            launches.append(self._launch(spec, "persistent", (programs,), config.num_warps, config.num_stages,
+                                         text + f" grid={programs}", reason, exit_scratch))
+            # pointers below 16-byte alignment cannot feed a descriptor: the tiled kernel runs then
+            fallback = MatmulConfig("tiled", config.block_m, config.block_n, config.block_k, config.num_warps,
+                                    config.num_stages)
+            launches[0].alternative = self._launch(self.spec(fallback, "_unaligned", **common), "tiled",
+                                                   (tiles, p.batch), config.num_warps, config.num_stages,
+                                                   fallback.text, reason)
+        elif split:
+            partial = scratch((config.split_k, p.batch, p.m, p.n))
+            spec = self.spec(config, partial_uid=partial.uid, **common)
+            launches.append(self._launch(spec, config.variant, (tiles, p.batch, config.split_k), config.num_warps,
+                                         config.num_stages, text, reason, [partial]))
+            combine_tiles = -(-p.m // epilogue_block[0]) * -(-p.n // epilogue_block[1])
+            launches.append(self._launch(self.spec(config, "_combine", partial_uid=partial.uid, **common),
+                                         "combine", (combine_tiles, p.batch), COMBINE_WARPS, None,
+                                         f"split-K combine {epilogue_block[0]}x{epilogue_block[1]}",
+                                         "adds the SPLIT_K partials in order (deterministic)", exit_scratch))
+        else:
+            spec = self.spec(config, **common)
+            launches.append(self._launch(spec, config.variant, (tiles, p.batch), config.num_warps,
+                                         config.num_stages, text + f" grid={tiles}x{p.batch}", reason,
+                                         exit_scratch))
+        if exits:
+            rows = -(-(p.batch * p.m) // 128)
+            launches.append(self._launch(self.spec(config, "_exits", **common), "exit_fold", (rows,),
+                                         EXIT_FOLD_WARPS, None, "row-exit fold",
+                                         "folds per-tile row partials in tile order (deterministic)"))
+        return launches
+
+    # --- autotuning -----------------------------------------------------------------------------
+    def time_config(self, config: MatmulConfig, tensors, device) -> float:
+        launches = self.launches(config, "autotune candidate")
+        dtypes_of = {uid: t.dtype for uid, t in tensors.items()}
+        for launch in launches:
+            for buffer in launch.scratch:
+                if buffer.uid not in tensors:
+                    tensors[buffer.uid] = torch.empty(buffer.dim, dtype=buffer.torch_dtype, device=device)
+                dtypes_of[buffer.uid] = buffer.torch_dtype
+        return time_launches(launches, tensors, device, dtypes_of)
+
+    def sample_tensors(self, device) -> dict:
+        """Random inputs and empty outputs with the group's dims, strides and types."""
+        tensors = {}
+        for tensor in self.group.inputs:
+            tensors[tensor.uid] = _random_like(tensor, device)
+        for tensor in self.group.outputs:
+            tensors[tensor.uid] = torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype,
+                                                      device=device)
+        return tensors
+
+
+def _unique(tensors) -> list:
+    seen, result = set(), []
+    for t in tensors:
+        if t.uid not in seen:
+            seen.add(t.uid)
+            result.append(t)
+    return result
+
+
+def _span(tensor) -> int:
+    """Elements from the first to the last one a tensor's strides reach."""
+    return sum((size - 1) * stride for size, stride in zip(tensor.dim, tensor.stride)) + 1
+
+
+def _random_like(tensor, device) -> torch.Tensor:
+    span = _span(tensor)
+    dtype = tensor.data_type.torch_dtype
+    if tensor.data_type.is_floating:
+        flat = torch.randn(span, device=device).to(dtype)
+    elif dtype == torch.bool:
+        flat = torch.rand(span, device=device) < 0.5
+    else:
+        flat = torch.randint(0, 7, (span,), device=device, dtype=dtype)
+    return flat.as_strided(tensor.dim, tensor.stride)
+
+
+def build_matmul(graph, group, index, tuner=None) -> list[KernelLaunch]:
+    """The launches of a matmul group: model choice, or the autotuned one with `tuner`."""
+    build = MatmulBuild(graph, group, index)
+    sched = schedule(build.problem, build.device)
+    config, record = sched.config, TuningRecord("model", sched.config.text)
+    if tuner is not None:
+        device = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
+        tensors = build.sample_tensors(device)
+        config, record = tuner.choose("matmul", build.problem.signature(), list(sched.ranked),
+                                      MatmulConfig.to_record, MatmulConfig.from_record, lambda c: c.text,
+                                      lambda c: build.time_config(c, tensors, device))
+    reason = record.describe() or sched.reason
+    launches = build.launches(config, reason)
+    for launch in launches:
+        launch.tuning = record
+    return launches

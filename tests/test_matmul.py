@@ -1,0 +1,279 @@
+"""Matmul family on CPU (interpreter): layouts, batch broadcast, prologues, epilogues, extra
+outputs, row exits, every variant, errors, autotune and its cache."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import dnngraph as dg
+from dnngraph.heuristics import matmul as mm
+from helpers import check, poisoned
+
+VARIANTS = {
+    "tiled": mm.MatmulConfig("tiled", 32, 32, 16, 4, 2),
+    "small_m": mm.MatmulConfig("small_m", 16, 32, 32, 4, 2),
+    "split_k": mm.MatmulConfig("split_k", 32, 16, 16, 4, 2, split_k=3),
+    "persistent": mm.MatmulConfig("persistent", 32, 32, 16, 4, 2),
+}
+
+
+@pytest.fixture(params=sorted(VARIANTS))
+def variant(request, monkeypatch):
+    """Force one kernel variant whatever the model would pick."""
+    monkeypatch.setattr(mm, "FORCE_CONFIG", VARIANTS[request.param])
+    return request.param
+
+
+def _storage(shape, layout, dtype):
+    """A tensor of `shape` stored row-major, column-major (last two axes), row- or column-major
+    inside a wider buffer (16-byte pitches: descriptors are legal at odd sizes), or strided."""
+    rows, cols = shape[-2], shape[-1]
+    if layout == "row":
+        return torch.randn(shape).to(dtype)
+    if layout == "col":
+        return torch.randn(shape[:-2] + [cols, rows]).to(dtype).transpose(-1, -2)
+    if layout == "padded_row":
+        return torch.randn(shape[:-2] + [rows, 64]).to(dtype)[..., :cols]
+    if layout == "padded_col":
+        return torch.randn(shape[:-2] + [cols, 64]).to(dtype)[..., :rows].transpose(-1, -2)
+    if layout == "offset_row":  # 16-byte pitch, base 4 bytes past alignment: no TMA on the GPU
+        return torch.randn(shape[:-2] + [rows, 64]).to(dtype)[..., 1:cols + 1]
+    return torch.randn(shape[:-2] + [rows * 2, cols * 2]).to(dtype)[..., ::2, ::2]
+
+
+def _graph(dtype=dg.float32, **kwargs):
+    return dg.Graph(name="mm", io_data_type=dtype, intermediate_data_type=dg.float32,
+                    compute_data_type=dg.float32, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("a_layout,b_layout", [("row", "row"), ("col", "row"), ("row", "col"),
+                                               ("padded_col", "padded_col"), ("padded_row", "padded_row"),
+                                               ("offset_row", "padded_row"), ("sliced", "sliced")])
+def test_layouts_every_variant(variant, dtype, a_layout, b_layout):
+    a_t, b_t = _storage([37, 53], a_layout, dtype), _storage([53, 45], b_layout, dtype)
+    g = _graph(dg.dtypes.from_torch(dtype))
+    a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
+    g.matmul(a, b).set_output(True).set_name("c")
+    g.build()
+    expected = VARIANTS[variant].variant
+    if variant == "persistent" and a_layout not in ("padded_row", "padded_col", "offset_row"):
+        expected = "tiled"  # odd pitches: no tensor descriptor, the tiled kernel runs
+    assert g.plan.launches[0].config_text.startswith(expected)
+    check(g, {"a": a_t, "b": b_t}, dtype)
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [([3, 1, 19, 23], [4, 23, 17]), ([2, 19, 23], [23, 17]),
+                                             ([19, 23], [2, 3, 23, 17])])
+def test_broadcast_batch(variant, a_shape, b_shape):
+    a_t, b_t = torch.randn(a_shape), _storage(b_shape, "col", torch.float32)
+    g = _graph()
+    a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
+    c = g.matmul(a, b).set_output(True)
+    assert c.dim == torch.broadcast_shapes(a_t.shape[:-2], b_t.shape[:-2]) + (a_t.shape[-2], b_t.shape[-1])
+    check(g, {"a": a_t, "b": b_t})
+
+
+BIASES = {"row": [29, 1], "col": [1, 31], "full": [29, 31], "scalar": [1, 1]}
+ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "elu", "leaky_relu"]
+
+
+@pytest.mark.parametrize("bias_kind", sorted(BIASES))
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_bias_activation_epilogue(bias_kind, activation):
+    g = _graph()
+    a, b = g.tensor(name="a", dim=[29, 40]), g.tensor(name="b", dim=[40, 31])
+    bias = g.tensor(name="bias", dim=BIASES[bias_kind])
+    getattr(g, activation)(g.add(g.matmul(a, b), bias)).set_output(True).set_name("y")
+    g.build()
+    assert len(g.plan.launches) == 1
+    check(g, {"a": torch.randn(29, 40), "b": torch.randn(40, 31), "bias": torch.randn(BIASES[bias_kind])})
+
+
+def test_residual_scale_cast_and_extra_outputs(variant):
+    """pre-activation and the fp32 product stored beside the fp16 result, one main kernel."""
+    g = _graph()
+    a, b = g.tensor(name="a", dim=[2, 33, 40]), g.tensor(name="b", dim=[40, 35])
+    bias, residual = g.tensor(name="bias", dim=[1, 35]), g.tensor(name="residual", dim=[2, 33, 35])
+    alpha = g.tensor(name="alpha", dim=[1, 1, 1])
+    product = g.matmul(a, b).set_output(True).set_name("product")
+    pre = g.add(product, bias).set_output(True).set_name("pre")
+    y = g.add(g.mul(g.gelu(pre), alpha), residual)
+    g.cast(y, data_type=dg.float16).set_output(True).set_name("y16")
+    g.build()
+    assert [l.group.kind for l in g.plan.launches].count("matmul") == len(g.plan.launches)
+    assert len({id(l.group) for l in g.plan.launches}) == 1
+    inputs = {"a": torch.randn(2, 33, 40), "b": torch.randn(40, 35), "bias": torch.randn(1, 35),
+              "residual": torch.randn(2, 33, 35), "alpha": torch.tensor([[[0.7]]])}
+    outputs = check(g, inputs, tolerance=2e-3)
+    assert outputs["y16"].dtype == torch.float16
+
+
+@pytest.mark.parametrize("mode", ["amax", "sum", "mean", "max", "norm2"])
+def test_row_reduction_exit(variant, mode):
+    """A reduction over N of an epilogue value rides the matmul: partials per N tile, one fold."""
+    g = _graph()
+    a, b = g.tensor(name="a", dim=[2, 37, 24]), g.tensor(name="b", dim=[24, 70])
+    y = g.silu(g.matmul(a, b)).set_output(True).set_name("y")
+    g.reduction(y, mode, [2]).set_output(True).set_name("row")
+    g.build()
+    assert len(g.plan.groups) == 1 and g.plan.groups[0].exits
+    check(g, {"a": torch.randn(2, 37, 24), "b": torch.randn(24, 70)})
+
+
+def test_row_exit_of_a_value_not_stored():
+    g = _graph()
+    a, b = g.tensor(name="a", dim=[20, 24]), g.tensor(name="b", dim=[24, 90])
+    g.reduction(g.matmul(a, b), "amax", [1]).set_output(True).set_name("amax")
+    g.build()
+    assert len(g.plan.groups) == 1
+    check(g, {"a": torch.randn(20, 24), "b": torch.randn(24, 90)})
+
+
+def test_prologues_scale_cast_activation(variant):
+    """A: per-column scale then cast to fp16; B: relu of an fp16 input. Odd K: padding past K must
+    stay zero through the prologue (exp(0) = 1 would leak into the sum)."""
+    g = _graph(dg.float16)
+    x = g.tensor(name="x", dim=[27, 45], data_type=dg.float32)
+    s = g.tensor(name="s", dim=[1, 45], data_type=dg.float32)
+    w = g.tensor(name="w", dim=[45, 38])
+    a = g.cast(g.exp(g.mul(x, s)), data_type=dg.float16)
+    g.matmul(a, g.relu(w)).set_output(True).set_name("y")
+    g.build()
+    assert len(g.plan.launches) == (2 if variant == "split_k" else 1)
+    assert g.plan.groups[0].prologue
+    inputs = {"x": torch.randn(27, 45) * 0.5, "s": torch.rand(1, 45), "w": torch.randn(45, 38).half()}
+    check(g, inputs, torch.float16)
+
+
+def test_prologue_value_stored_by_its_own_kernel():
+    g = _graph()
+    x, w = g.tensor(name="x", dim=[17, 20]), g.tensor(name="w", dim=[20, 9])
+    act = g.relu(x).set_output(True).set_name("act")
+    g.matmul(act, w).set_output(True).set_name("y")
+    g.build()
+    assert [l.group.kind for l in g.plan.launches] == ["pointwise", "matmul"]
+    check(g, {"x": torch.randn(17, 20), "w": torch.randn(20, 9)})
+
+
+def test_tf32_is_opt_in():
+    for allow, precision in ((False, "ieee"), (True, "tf32")):
+        g = _graph(allow_tf32=allow)
+        g.matmul(g.tensor(name="a", dim=[16, 16]), g.tensor(name="b", dim=[16, 16])).set_output(True)
+        g.build()
+        assert f'input_precision="{precision}"' in g.plan.launches[0].source_path.read_text()
+
+
+def test_split_k_is_deterministic(monkeypatch):
+    monkeypatch.setattr(mm, "FORCE_CONFIG", VARIANTS["split_k"])
+    g = _graph()
+    a, b = g.tensor(name="a", dim=[20, 200]), g.tensor(name="b", dim=[200, 24])
+    g.matmul(a, b).set_output(True).set_name("c")
+    g.build()
+    assert "SPLIT_K=3" in g.explain() and "combine" in g.explain()
+    inputs = {"a": torch.randn(20, 200), "b": torch.randn(200, 24)}
+    first = check(g, inputs)["c"]
+    second = check(g, inputs)["c"]
+    assert torch.equal(first, second)
+
+
+def test_errors_are_typed_and_write_nothing():
+    g = _graph()
+    with pytest.raises(dg.ValidationError, match="inner dims"):
+        g.matmul(g.tensor(name="a", dim=[4, 5]), g.tensor(name="b", dim=[6, 7]))
+    with pytest.raises(dg.ValidationError, match="int32"):
+        g.matmul(g.tensor(name="i", dim=[4, 5], data_type=dg.int32), g.tensor(name="f", dim=[5, 7]))
+    with pytest.raises(dg.ValidationError, match="one value"):
+        g.matmul(g.tensor(name="p", dim=[4, 5]), g.tensor(name="q", dim=[5, 7]),
+                 scale_a=g.tensor(name="sa", dim=[1, 2]))
+    with pytest.raises(dg.ValidationError, match="broadcast"):
+        g.matmul(g.tensor(name="x3", dim=[2, 4, 5]), g.tensor(name="y3", dim=[3, 5, 7]))
+    h = _graph()
+    c = h.matmul(h.tensor(name="a", dim=[8, 5]), h.tensor(name="b", dim=[5, 7])).set_output(True)
+    h.build()
+    out = poisoned(c)
+    with pytest.raises(dg.ExecutionError, match="shape"):
+        h.execute({"a": torch.randn(8, 6), "b": torch.randn(5, 7), c: out})
+    assert torch.isnan(out).all()
+
+
+def test_explain_names_config_and_reason():
+    g = _graph()
+    g.matmul(g.tensor(name="a", dim=[64, 64]), g.tensor(name="b", dim=[64, 64])).set_output(True)
+    g.build()
+    text = g.explain()
+    assert "config:" in text and "warps=" in text and "model rank 1 of" in text
+
+
+def test_model_ranks_sensible_choices():
+    """Big squares get big tiles, decode shapes get 16-row tiles, skinny outputs with long K split."""
+    device = dg.heuristics.DeviceModel("H100", 132, 3.0e12)
+
+    def best(m, n, k, tma=True):
+        problem = mm.MatmulProblem(1, m, n, k, "bf16", 2, 2, 2, tma, "row", "row")
+        return mm.schedule(problem, device).config
+
+    big = best(8192, 8192, 8192)
+    assert big.block_m * big.block_n >= 128 * 128 and big.variant == "persistent"
+    assert best(1, 4096, 4096).block_m == 16
+    assert best(256, 256, 65536).split_k > 1
+    assert all(mm.programs_per_sm(c, mm.MatmulProblem(1, 4096, 4096, 4096, "bf16", 2, 2, 2, True, "row", "row")) >= 1
+               for c in mm.candidates(mm.MatmulProblem(1, 4096, 4096, 4096, "bf16", 2, 2, 2, True, "row", "row")))
+
+
+AUTOTUNE_SCRIPT = textwrap.dedent("""
+    import torch, dnngraph as dg
+    g = dg.Graph(name="tune")
+    a, b = g.tensor(name="a", dim=[24, 40]), g.tensor(name="b", dim=[40, 20])
+    g.relu(g.matmul(a, b)).set_output(True).set_name("y")
+    g.build(autotune=True)
+    launch = g.plan.launches[0]
+    y = torch.empty(24, 20)
+    at, bt = torch.randn(24, 40), torch.randn(40, 20)
+    g.execute({"a": at, "b": bt, "y": y})
+    assert torch.allclose(y, torch.relu(at @ bt), atol=1e-4)
+    print(launch.tuning.source, len(launch.tuning.timings), launch.tuning.chosen)
+    print("why", launch.reason)
+""")
+
+
+def test_autotune_then_cache_in_a_new_process(tmp_path):
+    env = {**os.environ, "DNNGRAPH_CACHE_DIR": str(tmp_path), "DNNGRAPH_AUTOTUNE_TOP": "2",
+           "PYTHONPATH": os.getcwd()}
+    first = subprocess.run([sys.executable, "-c", AUTOTUNE_SCRIPT], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("tuned 2 ")
+    assert "[1/2]" in first.stderr and "[2/2]" in first.stderr  # progress
+    second = subprocess.run([sys.executable, "-c", AUTOTUNE_SCRIPT], env=env, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.startswith("cache 2 ") and "timing" not in second.stderr
+    assert first.stdout.split()[2:4] == second.stdout.split()[2:4]  # the same config
+    assert "cached autotune result" in second.stdout
+
+
+def test_autotune_survives_a_corrupt_cache(tmp_path, monkeypatch):
+    from dnngraph.heuristics.tuning_cache import TuningCacheWarning
+
+    monkeypatch.setenv("DNNGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DNNGRAPH_AUTOTUNE_TOP", "1")
+    (tmp_path / "tuning.json").write_bytes(b"{\"format\": \"dnngraph-tun")
+    g = _graph()
+    g.matmul(g.tensor(name="a", dim=[16, 16]), g.tensor(name="b", dim=[16, 16])).set_output(True)
+    with pytest.warns(TuningCacheWarning):
+        g.build(autotune=True)
+    assert g.plan.launches[0].tuning.source == "tuned"
+    g.build(autotune=True)
+    assert g.plan.launches[0].tuning.source == "cache"
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 45, 29), (37, 1, 29), (37, 45, 1), (1, 1, 70)])
+def test_size_one_axes(variant, m, n, k):
+    """Size-1 axes have stride 0 after broadcasting rules; dot tiles and stores stay full."""
+    g = _graph()
+    a, b = g.tensor(name="a", dim=[m, k]), g.tensor(name="b", dim=[k, n])
+    bias = g.tensor(name="bias", dim=[1, n])
+    g.relu(g.add(g.matmul(a, b), bias)).set_output(True).set_name("y")
+    check(g, {"a": torch.randn(m, k), "b": torch.randn(k, n), "bias": torch.randn(1, n)})
