@@ -183,7 +183,7 @@ class MatmulBuild:
         launches = []
         if config.variant == "persistent":
             programs = min(tiles * p.batch, self.device.sms)  # one program per SM
-            spec = self.spec(config, persistent_programs=programs, flatten=not interpreting(), **common)
+            spec = self.spec(config, persistent_programs=programs, **common)
             launches.append(self._launch(spec, "persistent", (programs,), config.num_warps, config.num_stages,
                                          text + f" grid={programs}", reason, exit_scratch))
             # pointers below 16-byte alignment cannot feed a descriptor: the tiled kernel runs then
@@ -268,7 +268,8 @@ def build_matmul(graph, group, index, tuner=None) -> list[KernelLaunch]:
     sched = schedule(build.problem, build.device)
     config, record = sched.config, TuningRecord("model", sched.config.text)
     if tuner is not None:
-        device = torch.device("cuda" if torch.cuda.is_available() and not interpreting() else "cpu")
+        on_gpu = torch.cuda.is_available() and not interpreting()
+        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         tensors = build.sample_tensors(device)
         config, record = tuner.choose("matmul", build.problem.signature(), list(sched.ranked),
                                       MatmulConfig.to_record, MatmulConfig.from_record, lambda c: c.text,

@@ -27,21 +27,22 @@ def variant(request, monkeypatch):
     return request.param
 
 
-def _storage(shape, layout, dtype):
+def _storage(shape, layout, dtype, device="cpu"):
     """A tensor of `shape` stored row-major, column-major (last two axes), row- or column-major
     inside a wider buffer (16-byte pitches: descriptors are legal at odd sizes), or strided."""
     rows, cols = shape[-2], shape[-1]
     if layout == "row":
-        return torch.randn(shape).to(dtype)
+        return torch.randn(shape, device=device).to(dtype)
     if layout == "col":
-        return torch.randn(shape[:-2] + [cols, rows]).to(dtype).transpose(-1, -2)
+        return torch.randn(shape[:-2] + [cols, rows], device=device).to(dtype).transpose(-1, -2)
+    pitch = -(-(max(rows, cols) + 1) // 64) * 64
     if layout == "padded_row":
-        return torch.randn(shape[:-2] + [rows, 64]).to(dtype)[..., :cols]
+        return torch.randn(shape[:-2] + [rows, pitch], device=device).to(dtype)[..., :cols]
     if layout == "padded_col":
-        return torch.randn(shape[:-2] + [cols, 64]).to(dtype)[..., :rows].transpose(-1, -2)
+        return torch.randn(shape[:-2] + [cols, pitch], device=device).to(dtype)[..., :rows].transpose(-1, -2)
     if layout == "offset_row":  # 16-byte pitch, base 4 bytes past alignment: no TMA on the GPU
-        return torch.randn(shape[:-2] + [rows, 64]).to(dtype)[..., 1:cols + 1]
-    return torch.randn(shape[:-2] + [rows * 2, cols * 2]).to(dtype)[..., ::2, ::2]
+        return torch.randn(shape[:-2] + [rows, pitch], device=device).to(dtype)[..., 1:cols + 1]
+    return torch.randn(shape[:-2] + [rows * 2, cols * 2], device=device).to(dtype)[..., ::2, ::2]
 
 
 def _graph(dtype=dg.float32, **kwargs):

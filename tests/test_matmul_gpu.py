@@ -32,13 +32,14 @@ def gpu_variant(request, monkeypatch):
                                      ("sliced", "row")])
 def test_bf16_bias_gelu_every_variant(gpu_variant, layouts):
     m, n, k = 1000, 777, 1003
-    a_t, b_t = _storage([m, k], layouts[0], torch.bfloat16), _storage([k, n], layouts[1], torch.bfloat16)
+    a_t = _storage([m, k], layouts[0], torch.bfloat16, "cuda")
+    b_t = _storage([k, n], layouts[1], torch.bfloat16, "cuda")
     g = dg.Graph(name="mm", io_data_type=dg.bfloat16)
     a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
     bias = g.tensor(name="bias", dim=[1, n])
     pre = g.add(g.matmul(a, b), bias).set_output(True).set_name("pre")
     g.gelu(pre).set_output(True).set_name("y")
-    check(g, _cuda({"a": a_t, "b": b_t, "bias": torch.randn(1, n).bfloat16()}), torch.bfloat16, "cuda")
+    check(g, {"a": a_t, "b": b_t, "bias": torch.randn(1, n, device="cuda").bfloat16()}, torch.bfloat16, "cuda")
 
 
 def test_model_choice_large_square_and_batched():
@@ -73,16 +74,17 @@ def test_persistent_tma_is_chosen_and_unaligned_bindings_fall_back():
 @pytest.mark.parametrize("m", [1, 300, 2048])
 def test_fp8_with_per_tensor_scales(types, m):
     n, k = 1024, 2048
-    a_t = (torch.randn(m, k) * 4).to(types[0].torch_dtype)
-    b_t = (torch.randn(n, k) * 4).to(types[1].torch_dtype).t()  # K-major B, as fp8 GEMMs store it
+    a_t = (torch.randn(m, k, device="cuda") * 4).to(types[0].torch_dtype)
+    b_t = (torch.randn(n, k, device="cuda") * 4).to(types[1].torch_dtype).t()  # K-major B, as fp8 GEMMs store it
     g = dg.Graph(name="fp8", io_data_type=dg.bfloat16)
     a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
     sa = g.tensor(name="sa", dim=[1, 1], data_type=dg.float32)
     sb = g.tensor(name="sb", dim=[1, 1], data_type=dg.float32)
     y = g.matmul(a, b, scale_a=sa, scale_b=sb).set_output(True).set_name("y")
     g.reduction(y, "amax", [1]).set_output(True).set_name("amax")
-    inputs = {"a": a_t, "b": b_t, "sa": torch.tensor([[0.05]]), "sb": torch.tensor([[0.02]])}
-    check(g, _cuda(inputs), torch.bfloat16, "cuda")
+    inputs = {"a": a_t, "b": b_t, "sa": torch.tensor([[0.05]], device="cuda"),
+              "sb": torch.tensor([[0.02]], device="cuda")}
+    check(g, inputs, torch.bfloat16, "cuda")
 
 
 def test_fp16_and_tf32():

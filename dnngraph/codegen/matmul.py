@@ -78,7 +78,6 @@ class MatmulKernelSpec:
     partial_uid: int = 0  # split-K scratch [SPLIT_K, batches, M, N]
     epilogue_block: tuple = ()  # (BLOCK_M, BLOCK_N) of the kernel running the epilogue
     persistent_programs: int = 0  # grid of the persistent variant
-    flatten: bool = True  # persistent: software-pipeline across tile boundaries
 
     def side(self, side: str) -> list:
         return [op for op in self.operands if op.side == side]
@@ -320,8 +319,10 @@ def _main_persistent(spec, w: _Writer):
     if not batched:
         _descriptor(spec, "a", w)
         _descriptor(spec, "b", w)
-    # flatten: the pipeliner overlaps the next tile's first loads with this tile's epilogue
-    w("for tile_id in tl.range(start, tiles_per_batch * batches, PROGRAMS, flatten=FLATTEN):")
+    # FLATTEN: the pipeliner overlaps the next tile's first loads with this tile's epilogue;
+    # WARP_SPECIALIZE: producer warps issue TMA loads while consumer warpgroups run wgmma
+    w("for tile_id in tl.range(start, tiles_per_batch * batches, PROGRAMS, flatten=FLATTEN, "
+      "warp_specialize=WARP_SPECIALIZE):")
     w.indent()
     w("batch = tile_id // tiles_per_batch", "tile = tile_id % tiles_per_batch")
     _grouped_order(w, "tile")
@@ -430,7 +431,8 @@ def _constexprs(spec, body: str) -> list:
         result.append(KernelArgument("constexpr", "SPLIT_K", cfg.split_k))
     if body == "persistent":
         result += [KernelArgument("constexpr", "PROGRAMS", spec.persistent_programs),
-                   KernelArgument("constexpr", "FLATTEN", spec.flatten)]
+                   KernelArgument("constexpr", "FLATTEN", cfg.flatten),
+                   KernelArgument("constexpr", "WARP_SPECIALIZE", cfg.warp_specialize)]
     return result
 
 

@@ -26,8 +26,12 @@ from .device import DeviceModel
 # IEEE fp32 runs on FMA units (67 TF/s peak, about 50 sustained).
 PEAK_FLOPS = {"bf16": 7.6e14, "fp16": 7.6e14, "fp8": 1.5e15, "tf32": 3.7e14, "fp32": 5.0e13}
 # A tile of BM x BN does BM*BN*2 flops per (BM + BN) loaded values each k step; wgmma keeps the
-# cores busy from about 85 flops per loaded value (128x256 tiles). Smaller tiles starve.
+# cores busy from about 85 flops per loaded value (128x256 tiles). Smaller tiles starve, less than
+# linearly: 128x128 (64) ran at 0.89 of 128x256 at 4096^3 bf16 on the H100 here, hence ^0.4.
 FULL_RATE_INTENSITY = 85.0
+FEED_EXPONENT = 0.4
+# A 128x128 accumulator on one warpgroup (4 warps) ran at 0.90 of the same tile on 8 warps.
+ONE_WARPGROUP_PENALTY = 0.9
 # One SM alone streams about 4x its fair share of HBM bandwidth (decode shapes are limited by
 # how many SMs pull bytes, not by HBM).
 SM_BANDWIDTH_SHARE = 4.0
@@ -38,13 +42,13 @@ MAX_REGISTERS_PER_THREAD = 255
 OPERAND_REGISTERS = 64  # per thread besides the accumulator: addresses, fragments, epilogue
 LAUNCH_SECONDS = 3.0e-6  # one extra kernel (split-K combine, row-exit fold)
 K_STEP_SECONDS = 0.08e-6  # issue and barrier cost of one k step of a program
-# Pointer loads (address math, cp.async) feed wgmma less well than TMA: measured 0.85-0.9 of
-# the persistent TMA kernel at 4096^3 bf16 on the H100 here.
-VARIANT_EFFICIENCY = {"persistent": 1.0, "tiled": 0.88, "split_k": 0.88, "small_m": 0.88}
+# Pointer loads (address math, cp.async) feed wgmma a little less well than TMA: the tiled
+# 128x256 kernel ran at 0.985 and 0.966 of the persistent one at 4096^3 and 8192^3 (H100 here).
+VARIANT_EFFICIENCY = {"persistent": 1.0, "tiled": 0.97, "split_k": 0.97, "small_m": 0.97}
 GROUP_M = 8  # tiles per group in the grouped order: 8 row tiles share B columns in L2
 SPLIT_COMBINE_BLOCK = (64, 128)  # combine kernel tile (BLOCK_M, BLOCK_N): a copy-like pass
 SMALL_M_LIMIT = 64
-SPLIT_CHOICES = (2, 3, 4, 6, 8, 12, 16)
+SPLIT_CHOICES = (2, 4, 8, 16)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K for 2-byte types, warps, stages): tiles seen best in Triton's
 # tutorials and in sweeps here; BLOCK_K scales with the element size (fp8 x2, fp32 /2).
@@ -52,7 +56,10 @@ TILES = (
     (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4),
     (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4), (64, 256, 64, 8, 4),
 )
-PERSISTENT_TILES = ((128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4))
+# Persistent: 128x256 at 3 stages led the sweep (632/643 TFLOP/s at 4096^3/8192^3 with bias+gelu);
+# 256x128 needs 4 stages (576 -> 627). Flattening the tile loop won on 4096x11008x4096 (584 -> 601)
+# and lost on the squares (632 -> 613): both are candidates, the model cannot tell them apart.
+PERSISTENT_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4))
 SPLIT_TILES = ((64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4))
 SMALL_M_TILES = ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (32, 64, 128, 4, 4), (64, 64, 64, 4, 4),
                  (16, 32, 256, 4, 3), (32, 128, 64, 4, 4))
@@ -90,29 +97,34 @@ class MatmulConfig:
     num_warps: int
     num_stages: int
     split_k: int = 1
+    flatten: bool = False  # persistent: one software pipeline across tile boundaries
+    warp_specialize: bool = False  # persistent: TMA producer warps apart from the wgmma warps
     group_m: int = GROUP_M
     estimate_us: float = 0.0
 
     @property
     def text(self) -> str:
-        split = f" SPLIT_K={self.split_k}" if self.split_k > 1 else ""
+        extras = f" SPLIT_K={self.split_k}" if self.split_k > 1 else ""
+        extras += " flatten" if self.flatten else ""
+        extras += " warp-specialized" if self.warp_specialize else ""
         return (f"{self.variant} {self.block_m}x{self.block_n}x{self.block_k} warps={self.num_warps} "
-                f"stages={self.num_stages}{split}")
+                f"stages={self.num_stages}{extras}")
 
     def key(self) -> tuple:
         return (self.variant, self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages,
-                self.split_k)
+                self.split_k, self.flatten, self.warp_specialize)
 
     def to_record(self) -> dict:
         return {"variant": self.variant, "block_m": self.block_m, "block_n": self.block_n,
                 "block_k": self.block_k, "num_warps": self.num_warps, "num_stages": self.num_stages,
-                "split_k": self.split_k}
+                "split_k": self.split_k, "flatten": self.flatten, "warp_specialize": self.warp_specialize}
 
     @staticmethod
     def from_record(record: dict) -> "MatmulConfig":
         return MatmulConfig(str(record["variant"]), int(record["block_m"]), int(record["block_n"]),
                             int(record["block_k"]), int(record["num_warps"]), int(record["num_stages"]),
-                            int(record.get("split_k", 1)))
+                            int(record.get("split_k", 1)), bool(record.get("flatten", False)),
+                            bool(record.get("warp_specialize", False)))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -159,13 +171,13 @@ def programs_per_sm(config: MatmulConfig, problem: MatmulProblem) -> int:
     return max(0, min(by_shared, by_registers, 2048 // threads))
 
 
-def candidates(problem: MatmulProblem) -> list[MatmulConfig]:
+def candidates(problem: MatmulProblem, sms: int = 132) -> list[MatmulConfig]:
     """Every config worth ranking for `problem` (deduplicated, all fitting the SM)."""
     found: dict = {}
 
-    def add(variant, tile, split=1):
+    def add(variant, tile, split=1, flatten=False):
         bm, bn, bk, warps, stages = _shrink(tile, problem)
-        config = MatmulConfig(variant, bm, bn, bk, warps, stages, split)
+        config = MatmulConfig(variant, bm, bn, bk, warps, stages, split, flatten=flatten)
         if programs_per_sm(config, problem) >= 1 and config.key() not in found:
             found[config.key()] = config
 
@@ -175,8 +187,12 @@ def candidates(problem: MatmulProblem) -> list[MatmulConfig]:
     if problem.tma and not small:
         for tile in PERSISTENT_TILES:
             add("persistent", tile)
+            add("persistent", tile, flatten=True)
     for tile in (SMALL_M_TILES if small else SPLIT_TILES):
-        bk = _scaled_k(tile[2], problem)
+        bm, bn, bk, _, _ = _shrink(tile, problem)
+        output_tiles = _cdiv(problem.m, bm) * _cdiv(problem.n, bn) * problem.batch
+        if output_tiles >= 2 * sms:  # two full waves of output tiles: nothing to gain from splitting
+            continue
         for split in SPLIT_CHOICES:
             if problem.k >= split * bk * 4:  # each split keeps >= 4 k steps
                 add("small_m" if small else "split_k", tile, split)
@@ -189,8 +205,9 @@ def estimate(config: MatmulConfig, problem: MatmulProblem, device: DeviceModel) 
     units = tiles * config.split_k
     k_chunk = _cdiv(_cdiv(problem.k, config.split_k), config.block_k) * config.block_k
     intensity = config.block_m * config.block_n / (config.block_m + config.block_n)
-    feed = min(1.0, intensity / FULL_RATE_INTENSITY) * VARIANT_EFFICIENCY[config.variant]
-    # 4-warp programs issue one warpgroup of wgmma: a 128x256 accumulator needs 8 warps
+    feed = min(1.0, intensity / FULL_RATE_INTENSITY) ** FEED_EXPONENT * VARIANT_EFFICIENCY[config.variant]
+    if config.num_warps == 4 and config.block_m * config.block_n >= 128 * 128:
+        feed *= ONE_WARPGROUP_PENALTY
     sm_rate = PEAK_FLOPS[problem.dot] / device.sms * feed
     unit_flops = 2.0 * config.block_m * config.block_n * k_chunk
     unit_bytes = (config.block_m * problem.a_bytes + config.block_n * problem.b_bytes) * k_chunk
@@ -229,9 +246,12 @@ FORCE_CONFIG: Optional[MatmulConfig] = None  # tests: run this config whatever t
 
 def rank(problem: MatmulProblem, device: DeviceModel) -> list[MatmulConfig]:
     """Candidates with their model time, best first."""
-    ranked = [replace(c, estimate_us=estimate(c, problem, device) * 1e6) for c in candidates(problem)]
-    # ties: prefer no split (no partials), then bigger tiles
-    ranked.sort(key=lambda c: (round(c.estimate_us, 3), c.split_k, -c.block_m * c.block_n))
+    ranked = [replace(c, estimate_us=estimate(c, problem, device) * 1e6)
+              for c in candidates(problem, device.sms)]
+    # ties: no split (no partials), bigger tiles, wide-N tiles (128x256 beat 256x128 at 3 stages),
+    # no flattening (it lost on the squares)
+    ranked.sort(key=lambda c: (round(c.estimate_us, 3), c.split_k, -c.block_m * c.block_n,
+                               c.block_m > c.block_n, c.flatten))
     return ranked
 
 
