@@ -217,8 +217,10 @@ def _dot(spec) -> str:
 
 
 def _k_loop_pointer(spec, w: _Writer, k_first: str, k_last: str):
-    w("rows_a = offs_m % M  # wrapped: loads need no row mask, stores mask the tail",
-      "cols_b = offs_n % N",
+    # wrapped indices: loads need no M/N masks (stores mask the tail); the hints keep 16-byte
+    # vector loads along a contiguous M or N axis: without them 3000x5000x1000 ran 9x slower
+    w("rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)",
+      "cols_b = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)",
       "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
       f"for kt in range({k_first}, {k_last}):")
     w.indent()
@@ -372,7 +374,8 @@ def _exit_fold(spec, w: _Writer):
           f"value_{index} = " + fold.format(f"value_{index}", "part"))
         w.dedent()
         op = plan.output
-        terms = [t for t in (_batch_offset(op), f"offs_m * {op.ident}_stride_r" if op.row_stride else "") if t]
+        row = f"offs_m * {op.ident}_stride_r" if op.row_stride else "offs_m * 0"  # keep the block shape
+        terms = [t for t in (_batch_offset(op), row) if t]
         value = finalize.format(f"value_{index}")
         w(f"tl.store({op.ident}_ptr + {' + '.join(terms) or '0'}, ({value}).to({op.data_type.triton_type}), "
           f"mask=row_mask)")

@@ -41,6 +41,7 @@ REGISTERS = 65536  # 32-bit registers per SM
 MAX_REGISTERS_PER_THREAD = 255
 OPERAND_REGISTERS = 64  # per thread besides the accumulator: addresses, fragments, epilogue
 LAUNCH_SECONDS = 3.0e-6  # one extra kernel (split-K combine, row-exit fold)
+LOAD_LATENCY = 1.0e-6  # seconds from issuing a tile load to using it, under load (H100 HBM)
 K_STEP_SECONDS = 0.08e-6  # issue and barrier cost of one k step of a program
 # Pointer loads (address math, cp.async) feed wgmma a little less well than TMA: the tiled
 # 128x256 kernel ran at 0.985 and 0.966 of the persistent one at 4096^3 and 8192^3 (H100 here).
@@ -208,29 +209,30 @@ def estimate(config: MatmulConfig, problem: MatmulProblem, device: DeviceModel) 
     feed = min(1.0, intensity / FULL_RATE_INTENSITY) ** FEED_EXPONENT * VARIANT_EFFICIENCY[config.variant]
     if config.num_warps == 4 and config.block_m * config.block_n >= 128 * 128:
         feed *= ONE_WARPGROUP_PENALTY
-    sm_rate = PEAK_FLOPS[problem.dot] / device.sms * feed
-    unit_flops = 2.0 * config.block_m * config.block_n * k_chunk
-    unit_bytes = (config.block_m * problem.a_bytes + config.block_n * problem.b_bytes) * k_chunk
+    unit_compute = 2.0 * config.block_m * config.block_n * k_chunk / (PEAK_FLOPS[problem.dot] / device.sms * feed)
+    stage_bytes = (config.block_m * problem.a_bytes + config.block_n * problem.b_bytes) * config.block_k
+    unit_bytes = stage_bytes * (k_chunk // config.block_k)
+    # programs resident on one SM share its tensor cores and its bandwidth; one program keeps
+    # num_stages tiles of loads in flight (Little's law over the load latency)
+    fits = 1 if config.variant == "persistent" else max(1, programs_per_sm(config, problem))
+    resident = max(1, min(fits, _cdiv(units, device.sms)))
+    rounds = _cdiv(units, device.sms * resident)
     sm_bandwidth = device.bandwidth / device.sms * SM_BANDWIDTH_SHARE
+    program_bandwidth = min(config.num_stages * stage_bytes / LOAD_LATENCY, sm_bandwidth / resident)
     steps = k_chunk // config.block_k
-    unit_seconds = max(unit_flops / sm_rate, unit_bytes / sm_bandwidth) + steps * K_STEP_SECONDS
-    per_sm = programs_per_sm(config, problem)
-    if config.variant == "persistent":
-        per_sm = 1  # one program per SM walks the tiles
-    slots = device.sms * per_sm
-    # programs sharing an SM split its rate: a wave of `slots` programs takes per_sm unit times
-    compute = _cdiv(units, slots) * unit_seconds * per_sm
+    fill = 0.0 if config.variant == "persistent" else config.num_stages * LOAD_LATENCY
+    round_seconds = max(resident * unit_compute, unit_bytes / program_bandwidth) + steps * K_STEP_SECONDS + fill
+    compute = rounds * round_seconds
     a_total = problem.batch * problem.m * problem.k * problem.a_bytes
     b_total = problem.batch * problem.k * problem.n * problem.b_bytes
     c_total = problem.batch * problem.m * problem.n * problem.out_bytes
-    partials = 0.0
-    seconds_extra = 0.0
+    partials, extra = 0.0, 0.0
     if config.split_k > 1:
         partials = 2.0 * config.split_k * problem.batch * problem.m * problem.n * 4
-        seconds_extra = LAUNCH_SECONDS
+        extra = LAUNCH_SECONDS
     dram = (a_total + b_total + c_total + partials) / device.bandwidth
     l2 = (a_total * _cdiv(problem.n, config.block_n) + b_total * _cdiv(problem.m, config.block_m)) / L2_BANDWIDTH
-    return max(compute, dram, l2) + seconds_extra
+    return max(compute, dram, l2) + extra
 
 
 @dataclass(frozen=True)
@@ -248,10 +250,20 @@ def rank(problem: MatmulProblem, device: DeviceModel) -> list[MatmulConfig]:
     """Candidates with their model time, best first."""
     ranked = [replace(c, estimate_us=estimate(c, problem, device) * 1e6)
               for c in candidates(problem, device.sms)]
-    # ties: no split (no partials), bigger tiles, wide-N tiles (128x256 beat 256x128 at 3 stages),
-    # no flattening (it lost on the squares)
-    ranked.sort(key=lambda c: (round(c.estimate_us, 3), c.split_k, -c.block_m * c.block_n,
-                               c.block_m > c.block_n, c.flatten))
+    floor_us = min(c.estimate_us for c in ranked)
+
+    def tie_break(c):
+        # at the HBM floor, more programs pull bytes from more SMs (12544x64x576: 64x64 tiles ran
+        # 14.0 us, 256x64 17.9 us); otherwise bigger tiles, wide-N first (128x256 beat 256x128
+        # at 3 stages), no split (no partials), no flattening (it lost on the squares)
+        tiles = _cdiv(problem.m, c.block_m) * _cdiv(problem.n, c.block_n) * problem.batch * c.split_k
+        slots = device.sms * (1 if c.variant == "persistent" else max(1, programs_per_sm(c, problem)))
+        programs = min(tiles, slots)
+        at_floor = c.estimate_us <= floor_us * 1.001 and c.split_k == 1
+        return (round(c.estimate_us, 3), c.split_k, -programs if at_floor else 0, -c.block_m * c.block_n,
+                c.block_m > c.block_n, c.flatten)
+
+    ranked.sort(key=tie_break)
     return ranked
 
 
