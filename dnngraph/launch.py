@@ -166,3 +166,48 @@ def time_launches(launches, tensors, device, dtypes_of) -> float:
         run_launches(launches, tensors, device, dtypes_of)
         samples.append((time.perf_counter() - start) * 1e3)
     return sorted(samples)[1]
+
+
+def element_span(tensor) -> int:
+    """Elements from the first to the last one a tensor's strides reach."""
+    return sum((size - 1) * stride for size, stride in zip(tensor.dim, tensor.stride)) + 1
+
+
+def _random_like(tensor, device) -> torch.Tensor:
+    dtype = tensor.data_type.torch_dtype
+    if tensor.data_type.is_floating:
+        flat = torch.randn(element_span(tensor), device=device).to(dtype)
+    elif dtype == torch.bool:
+        flat = torch.rand(element_span(tensor), device=device) < 0.5
+    else:
+        flat = torch.randint(0, 7, (element_span(tensor),), device=device, dtype=dtype)
+    return flat.as_strided(tensor.dim, tensor.stride)
+
+
+def tuning_device() -> torch.device:
+    """Where autotuning times candidates: the current GPU, else the interpreter on CPU."""
+    from .runtime import interpreting
+
+    if torch.cuda.is_available() and not interpreting():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sample_tensors(group, device) -> dict:
+    """Random inputs (never zeros) and empty outputs with a group's dims, strides and types."""
+    tensors = {t.uid: _random_like(t, device) for t in group.inputs}
+    for tensor in group.outputs:
+        tensors[tensor.uid] = torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype,
+                                                  device=device)
+    return tensors
+
+
+def time_candidate(launches, tensors, device) -> float:
+    """Milliseconds of one candidate's launches on sample tensors (scratch allocated here)."""
+    dtypes_of = {uid: t.dtype for uid, t in tensors.items()}
+    for launch in launches:
+        for buffer in launch.scratch:
+            if buffer.uid not in tensors:
+                tensors[buffer.uid] = torch.empty(buffer.dim, dtype=buffer.torch_dtype, device=device)
+            dtypes_of[buffer.uid] = buffer.torch_dtype
+    return time_launches(launches, tensors, device, dtypes_of)

@@ -17,7 +17,8 @@ from .heuristics.autotune import TuningRecord
 from .heuristics.layout import INT32_LIMIT, operand_strides
 from .heuristics.matmul import SPLIT_COMBINE_BLOCK, MatmulConfig, MatmulProblem, schedule
 from .heuristics.pointwise import _identifiers
-from .launch import KernelLaunch, kernel_name, scratch, time_launches
+from .launch import (KernelLaunch, element_span, kernel_name, sample_tensors, scratch, time_candidate,
+                     tuning_device)
 from .runtime import interpreting
 
 TMA_ALIGNMENT = 16  # bytes: descriptor base addresses and row pitches
@@ -127,7 +128,7 @@ class MatmulBuild:
         self.problem = MatmulProblem(batch, m, n, k, dot, a.data_type.itemsize if a_op else 4,
                                      b.data_type.itemsize if b_op else 4, max(out_bytes, 1), tma,
                                      a_layout, b_layout, epilogue_text)
-        self.index_64 = any(_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
+        self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
         self.device = device
         self.name = kernel_name(group, index)
 
@@ -214,27 +215,6 @@ class MatmulBuild:
                                          "folds per-tile row partials in tile order (deterministic)"))
         return launches
 
-    # --- autotuning -----------------------------------------------------------------------------
-    def time_config(self, config: MatmulConfig, tensors, device) -> float:
-        launches = self.launches(config, "autotune candidate")
-        dtypes_of = {uid: t.dtype for uid, t in tensors.items()}
-        for launch in launches:
-            for buffer in launch.scratch:
-                if buffer.uid not in tensors:
-                    tensors[buffer.uid] = torch.empty(buffer.dim, dtype=buffer.torch_dtype, device=device)
-                dtypes_of[buffer.uid] = buffer.torch_dtype
-        return time_launches(launches, tensors, device, dtypes_of)
-
-    def sample_tensors(self, device) -> dict:
-        """Random inputs and empty outputs with the group's dims, strides and types."""
-        tensors = {}
-        for tensor in self.group.inputs:
-            tensors[tensor.uid] = _random_like(tensor, device)
-        for tensor in self.group.outputs:
-            tensors[tensor.uid] = torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype,
-                                                      device=device)
-        return tensors
-
 
 def _unique(tensors) -> list:
     seen, result = set(), []
@@ -245,35 +225,18 @@ def _unique(tensors) -> list:
     return result
 
 
-def _span(tensor) -> int:
-    """Elements from the first to the last one a tensor's strides reach."""
-    return sum((size - 1) * stride for size, stride in zip(tensor.dim, tensor.stride)) + 1
-
-
-def _random_like(tensor, device) -> torch.Tensor:
-    span = _span(tensor)
-    dtype = tensor.data_type.torch_dtype
-    if tensor.data_type.is_floating:
-        flat = torch.randn(span, device=device).to(dtype)
-    elif dtype == torch.bool:
-        flat = torch.rand(span, device=device) < 0.5
-    else:
-        flat = torch.randint(0, 7, (span,), device=device, dtype=dtype)
-    return flat.as_strided(tensor.dim, tensor.stride)
-
-
 def build_matmul(graph, group, index, tuner=None) -> list[KernelLaunch]:
     """The launches of a matmul group: model choice, or the autotuned one with `tuner`."""
     build = MatmulBuild(graph, group, index)
     sched = schedule(build.problem, build.device)
     config, record = sched.config, TuningRecord("model", sched.config.text)
     if tuner is not None:
-        on_gpu = torch.cuda.is_available() and not interpreting()
-        device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        tensors = build.sample_tensors(device)
-        config, record = tuner.choose("matmul", build.problem.signature(), list(sched.ranked),
-                                      MatmulConfig.to_record, MatmulConfig.from_record, lambda c: c.text,
-                                      lambda c: build.time_config(c, tensors, device))
+        device = tuning_device()
+        tensors = sample_tensors(group, device)
+        config, record = tuner.choose(
+            "matmul", build.problem.signature(), list(sched.ranked), MatmulConfig.to_record,
+            MatmulConfig.from_record, lambda c: c.text,
+            lambda c: time_candidate(build.launches(c, "autotune candidate"), tensors, device))
     reason = record.describe() or sched.reason
     launches = build.launches(config, reason)
     for launch in launches:

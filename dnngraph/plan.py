@@ -4,7 +4,7 @@ Launches are bound at build (see launch.py); execute() checks bindings and runs 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -16,11 +16,13 @@ from .codegen.rows import RowKernelSpec, WELFORD_PARTS, render as render_rows
 from .errors import ExecutionError, UnsupportedError, ValidationError
 from .fusion import partition
 from .heuristics import device_model
-from .heuristics.autotune import Tuner
+from .heuristics.autotune import Tuner, TuningRecord
 from .heuristics.pointwise import _identifiers, schedule as schedule_pointwise
 from .heuristics.pooling import schedule as schedule_pooling
-from .heuristics.rows import RowTraits, geometry as row_geometry, row_problem, schedule as schedule_rows
-from .launch import KernelLaunch, kernel_name, run_launches, scratch
+from .heuristics.rows import (RowConfig, RowTraits, geometry as row_geometry, row_problem,
+                              schedule as schedule_rows)
+from .launch import (KernelLaunch, kernel_name, run_launches, sample_tensors, scratch, time_candidate,
+                     tuning_device)
 from .matmul_plan import build_matmul
 from .runtime import interpreting
 
@@ -93,8 +95,9 @@ def _row_launch(spec, programs, num_warps, scratch_buffers=()):
                         spec.schedule.reason, scratch_buffers)
 
 
-def _row_launches(graph, group, name, problem, recipe_of, stores):
-    """The launches of one row problem: one kernel, or partial + combine (+ apply) when split."""
+def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None):
+    """The launches of one row problem: one kernel, or partial + combine (+ apply) when split;
+    the model's config, or with `tuner` the fastest of its top candidates."""
     kinds = _row_kinds(problem, group)
     tensors = list(group.inputs) + [t for t in group.outputs if t.uid in stores]
     operands = [(t.uid, ident, t.data_type, problem.strides(t), t.uid in stores)
@@ -109,7 +112,25 @@ def _row_launches(graph, group, name, problem, recipe_of, stores):
     bytes_of = lambda wanted: sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in wanted)
     sched = schedule_rows(geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
                           device_model())
-    cfg = sched.config
+    record = TuningRecord("model", sched.config.text)
+    build = lambda chosen: _row_schedule_launches(graph, group, name, chosen, recipe, stores, kinds,
+                                                  tile_stores, row_stores)
+    if tuner is not None:
+        device = tuning_device()
+        tensors = sample_tensors(group, device)
+        config, record = tuner.choose(
+            "rows", f"{group.anchor.op} {sched.signature(traits)}", list(sched.ranked), RowConfig.to_record,
+            RowConfig.from_record, lambda c: c.text,
+            lambda c: time_candidate(build(replace(sched, config=c)), tensors, device))
+        sched = replace(sched, config=config, reason=record.describe() or sched.reason)
+    launches = build(sched)
+    for launch in launches:
+        launch.tuning = record
+    return launches
+
+
+def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, tile_stores, row_stores):
+    cfg, geo = sched.config, sched.geometry
     common = dict(schedule=sched, recipe=recipe, group=group, kinds=kinds,
                   loads=tuple(t.uid for t in group.inputs), compute=graph.compute_data_type.triton_type,
                   description=group.describe())
@@ -150,10 +171,10 @@ def _build_rows(graph, group, index, tuner=None):
         if not all(scale_strides[a] for a in kept):  # dscale is not one value per dx row
             param_problem = problem.with_reduced(a for a, s in enumerate(scale_strides) if s == 0)
             return (_row_launches(graph, group, name, problem, RECIPES[anchor.op],
-                                  [u for u in stores if u not in params])
+                                  [u for u in stores if u not in params], tuner)
                     + _row_launches(graph, group, name + "_params", param_problem, norm_parameter_grads,
-                                    [u for u in stores if u in params]))
-    return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores)
+                                    [u for u in stores if u in params], tuner))
+    return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores, tuner)
 
 
 def _build_pooling(graph, group, index, tuner=None):

@@ -119,6 +119,20 @@ class RowConfig:
     splits: int  # programs per row block (split mode), else 1
     estimate_us: float
 
+    @property
+    def text(self) -> str:
+        return (f"{self.mode} BLOCK_K={self.block_k} BLOCK_R={self.block_r} SPLITS={self.splits} "
+                f"warps={self.num_warps}")
+
+    def to_record(self) -> dict:
+        return {"mode": self.mode, "block_k": self.block_k, "block_r": self.block_r,
+                "num_warps": self.num_warps, "splits": self.splits}
+
+    @staticmethod
+    def from_record(record: dict) -> "RowConfig":
+        return RowConfig(str(record["mode"]), int(record["block_k"]), int(record["block_r"]),
+                         int(record["num_warps"]), int(record["splits"]), 0.0)
+
 
 @dataclass(frozen=True)
 class RowTraits:
@@ -210,6 +224,13 @@ class RowSchedule:
     config: RowConfig
     candidates: int
     reason: str
+    ranked: tuple = ()  # every candidate, best first (autotuning draws from it)
+
+    def signature(self, traits: "RowTraits") -> str:
+        """The problem as the tuning cache keys it: merged sizes, strides and types, no uids."""
+        operands = ";".join(f"{o.kind}:{o.data_type.name if o.data_type else 'f32'}:{o.k_strides}:{o.r_strides}"
+                            f"{':out' if o.is_output else ''}" for o in self.geometry.operands)
+        return f"K{self.geometry.k_sizes} R{self.geometry.r_sizes} {traits} {operands}"
 
     @property
     def programs(self) -> int:
@@ -232,7 +253,7 @@ def schedule(geo: RowGeometry, traits: RowTraits, bytes_main: int, bytes_rows: i
     best = ranked[0]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us for K={geo.rows} rows x "
               f"R={geo.reduced} reduced, {bytes_main} B/element at {device.bandwidth / 1e12:.1f} TB/s")
-    return RowSchedule(geo, best, len(ranked), reason)
+    return RowSchedule(geo, best, len(ranked), reason, tuple(ranked))
 
 
 # --- the problem a row anchor poses -------------------------------------------------------------
