@@ -91,7 +91,6 @@ class MatmulBuild:
         prologue = set(group.prologue)
         self.prologue_a = tuple(x for x in group.prologue if x in self._chain(a, prologue))
         self.prologue_b = tuple(x for x in group.prologue if x in self._chain(b, prologue))
-        stored = {t.uid for t in group.outputs}
         exit_outputs = {x.outputs[0].uid for x in group.exits}
         epilogue_inputs = []
         for x in group.epilogue:

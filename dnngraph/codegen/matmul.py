@@ -9,7 +9,7 @@ the expression emitter's chain, stores of every stored value, and row-exit parti
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .. import dtypes
 from .emitter import ExpressionEmitter
