@@ -432,9 +432,10 @@ class Graph:
         """Groups, kernels, configs with their reasons, and generated source paths."""
         if self._plan is None:
             from .fusion import partition
+            from .plan import KERNEL_BUILDERS
 
             self.validate()
-            groups = partition(self)
+            groups = partition(self, frozenset(KERNEL_BUILDERS))
             return "not built; fusion groups:\n" + "\n".join(g.describe() for g in groups)
         return self._plan.explain()
 

@@ -206,7 +206,7 @@ def _check_outputs_dense(graph):
 def build_plan(graph, autotune: bool = False) -> "Plan":
     """Partition, schedule (or autotune) and generate every kernel of a validated graph."""
     _check_outputs_dense(graph)
-    groups = partition(graph)
+    groups = partition(graph, frozenset(KERNEL_BUILDERS))
     tuner = Tuner(device_model()) if autotune else None
     launches = []
     for index, group in enumerate(groups):

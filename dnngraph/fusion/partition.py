@@ -1,7 +1,9 @@
 """Partition a graph into kernel groups.
 
 Passes, in order:
-  1. attention chains (matmul -> scale/mask -> softmax -> matmul) become one group;
+  1. attention chains (matmul -> scale/mask -> softmax -> matmul) become one group, only where
+     the caller has a kernel for that pattern (a group with no kernel behind it would turn a
+     runnable graph, whose ops each run alone, into an unrunnable one);
   2. each remaining anchor, in topological order, absorbs pointwise prologues and epilogues;
   3. leftover pointwise nodes merge into groups along producer -> consumer edges.
 Counter ops (dropout) join only pointwise groups, and only groups whose domain is their shape.
@@ -58,8 +60,9 @@ def _counters_well_defined(members, domain) -> bool:
 
 
 class _Partitioner:
-    def __init__(self, graph):
+    def __init__(self, graph, kernel_kinds=None):
         self.graph = graph
+        self.kernel_kinds = kernel_kinds
         self.dag = graph.to_networkx()
         try:
             self.order = list(nx.topological_sort(self.dag))
@@ -99,7 +102,12 @@ class _Partitioner:
                 and node.op not in COUNTER_OPS)
 
     # --- pass 1: attention chains ----------------------------------------------------------------
+    def has_kernel(self, kind: str) -> bool:
+        return self.kernel_kinds is None or kind in self.kernel_kinds
+
     def attention_chains(self):
+        if not self.has_kernel("sdpa"):
+            return
         for node in self.order:
             chain = self._attention_chain(node)
             if chain is not None and self.convex(set(chain)):
@@ -261,9 +269,13 @@ class _Partitioner:
         return [self.groups[i] for i in ordered]
 
 
-def partition(graph) -> list[FusionGroup]:
-    """Kernel groups of `graph`, in an order that respects every dependency."""
-    partitioner = _Partitioner(graph)
+def partition(graph, kernel_kinds=None) -> list[FusionGroup]:
+    """Kernel groups of `graph`, in an order that respects every dependency.
+
+    `kernel_kinds` names the group kinds the caller can build (None: every pattern); patterns
+    that fuse several anchors into one group form only where their kind is among them.
+    """
+    partitioner = _Partitioner(graph, kernel_kinds)
     partitioner.attention_chains()
     partitioner.anchors()
     partitioner.pointwise()
