@@ -50,9 +50,14 @@ GROUP_M = 8  # tiles per group in the grouped order: 8 row tiles share B columns
 SPLIT_COMBINE_BLOCK = (64, 128)  # combine kernel tile (BLOCK_M, BLOCK_N): a copy-like pass
 # tf32 operands that are not K-major go through registers (see register_sides).
 TF32_REGISTER_RELAYOUT = True
-# Operands converted at load (a mixed dot, a tf32 relayout) pass through registers on their way
-# to shared memory: a little issue work per k step.
-CONVERTED_OPERAND_EFFICIENCY = 0.95
+# Operands converted at load (a mixed dot, a tf32 relayout) pass through registers, so the rate
+# falls with the converted side's share of the tile: efficiency ** (2 * side / (BM + BN)). A feeds
+# wgmma from registers; B goes back to shared memory, which costs more. H100, 2048x4096x4096:
+# fp32 x bf16 ran at 0.81 of bf16 x bf16 (128x256 tiles), bf16 x fp32 at 0.56 (256x128).
+CONVERTED_A_EFFICIENCY = 0.78
+CONVERTED_B_EFFICIENCY = 0.44
+# IEEE fp32 FMA tiles on 8 warps ran at 0.94-0.95 of the 4-warp ones (128x128 against 64x128).
+FMA_EIGHT_WARP_EFFICIENCY = 0.95
 SMALL_M_LIMIT = 64
 SPLIT_CHOICES = (2, 4, 8, 16)
 
@@ -196,7 +201,9 @@ def register_sides(problem: MatmulProblem) -> str:
     through registers the copy stays 16 bytes wide and the relayout happens on the store."""
     if problem.dot != "tf32" or not TF32_REGISTER_RELAYOUT:
         return ""
-    return ("a" if problem.a_layout != "row" else "") + ("b" if problem.b_layout != "col" else "")
+    # a strided operand has no wide axis to copy along (and a select on it hit misaligned
+    # addresses on the H100): only unit-stride M- or N-major operands take the register path
+    return ("a" if problem.a_layout == "col" else "") + ("b" if problem.b_layout == "row" else "")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -272,11 +279,15 @@ def candidates(problem: MatmulProblem, sms: int = 132) -> list[MatmulConfig]:
     return list(found.values())
 
 
-def _converted_sides(problem: MatmulProblem) -> int:
-    """Operands converted on their way to the dot (a mixed dot, a tf32 relayout)."""
-    dot_bytes = _dot_bytes(problem)
-    converted = (problem.a_bytes != dot_bytes) + (problem.b_bytes != dot_bytes)
-    return max(converted, len(register_sides(problem)))
+def _conversion_efficiency(config: MatmulConfig, problem: MatmulProblem) -> float:
+    """The rate left after converting operands on their way to the dot (mixed dot, tf32 relayout)."""
+    dot_bytes, relayout = _dot_bytes(problem), register_sides(problem)
+    efficiency = 1.0
+    if problem.a_bytes != dot_bytes or "a" in relayout:
+        efficiency *= CONVERTED_A_EFFICIENCY ** (2 * config.block_m / (config.block_m + config.block_n))
+    if problem.b_bytes != dot_bytes or "b" in relayout:
+        efficiency *= CONVERTED_B_EFFICIENCY ** (2 * config.block_n / (config.block_m + config.block_n))
+    return efficiency
 
 
 def _feed(config: MatmulConfig, problem: MatmulProblem) -> float:
@@ -284,12 +295,13 @@ def _feed(config: MatmulConfig, problem: MatmulProblem) -> float:
     if problem.dot == "fp32":  # FMA units: accumulators per thread decide the operand traffic
         outputs = config.block_m * config.block_n / (config.num_warps * 32)
         feed = min(1.0, outputs / FMA_FULL_RATE_OUTPUTS) ** 0.5
+        feed *= FMA_EIGHT_WARP_EFFICIENCY if config.num_warps == 8 else 1.0
     else:
         intensity = config.block_m * config.block_n / (config.block_m + config.block_n)
         feed = min(1.0, intensity / FULL_RATE_INTENSITY) ** FEED_EXPONENT
         if config.num_warps == 4 and config.block_m * config.block_n >= 128 * 128:
             feed *= ONE_WARPGROUP_PENALTY
-    return feed * VARIANT_EFFICIENCY[config.variant] * CONVERTED_OPERAND_EFFICIENCY ** _converted_sides(problem)
+    return feed * VARIANT_EFFICIENCY[config.variant] * _conversion_efficiency(config, problem)
 
 
 def estimate(config: MatmulConfig, problem: MatmulProblem, device: DeviceModel) -> float:
