@@ -64,7 +64,9 @@ def test_tf32_candidates_use_half_k_steps_and_wgmma_tiles():
 @pytest.mark.parametrize("layouts,sides", [(("row", "col"), ""), (("row", "row"), "b"), (("col", "col"), "a"),
                                            (("col", "row"), "ab"), (("strided", "col"), ""),
                                            (("col", "strided"), "a")])
-def test_tf32_operands_not_k_major_go_through_registers(layouts, sides):
+def test_tf32_operands_not_k_major_go_through_registers(monkeypatch, layouts, sides):
+    assert mm.register_sides(_problem("tf32", 4, 4, layouts)) == ""  # off by default
+    monkeypatch.setattr(mm, "TF32_REGISTER_RELAYOUT", True)
     assert mm.register_sides(_problem("tf32", 4, 4, layouts)) == sides
     assert mm.register_sides(_problem("fp32", 4, 4, layouts)) == ""
     assert mm.register_sides(_problem("bf16", 2, 2, layouts)) == ""
@@ -139,7 +141,8 @@ def test_mixed_keeps_fp16_accuracy_not_fp32():
     assert torch.allclose(out, rounded, rtol=1e-4, atol=1e-3)  # what the rule computes
 
 
-def test_tf32_relayout_renders_a_select_and_stays_exact_on_cpu():
+def test_tf32_relayout_renders_a_select_and_stays_exact_on_cpu(monkeypatch):
+    monkeypatch.setattr(mm, "TF32_REGISTER_RELAYOUT", True)
     g = dg.Graph(name="tf32", io_data_type=dg.float32, allow_tf32=True)
     at, bt = _storage([29, 40], "col", torch.float32), torch.randn(40, 33)
     c = g.matmul(g.tensor_like(at, name="a"), g.tensor_like(bt, name="b")).set_output(True).set_name("c")
