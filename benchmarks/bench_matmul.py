@@ -19,6 +19,8 @@ on the same inputs (its own GELU flavour) before it is timed; errors past TOLERA
     python benchmarks/bench_matmul.py --quick                # 4096^3 and 8192^3 only
     python benchmarks/bench_matmul.py --shapes 4096x4096x4096,16x8192x8192 --epilogue relu
     python benchmarks/bench_matmul.py --check-cpu            # tiny fp32 shapes through dnngraph on CPU
+    python benchmarks/bench_matmul.py --table dtypes         # bf16, fp16, tf32, IEEE fp32, mixed pairs
+                                                             # vs torch; the Llama MLP block ($OUT/dtypes.json)
 
 By default the dnngraph builds use a fresh DNNGRAPH_CACHE_DIR (a temporary folder), so the tuned
 build really tunes in this run and the heuristics build cannot pick up a winner cached by an
@@ -538,6 +540,193 @@ def failure_notes(rows):
     return [f"- {name}: {reason} [{'; '.join(labels)}]" for (name, reason), labels in reasons.items()]
 
 
+# --- the dtypes table: every dot type and mixed pair, and the Llama MLP block ----------------------
+DTYPE_SHAPES = [(2048, 4096, 4096), (4096, 4096, 4096)]
+MLP_SIZES = (4096, 4096, 11008)  # T, H, I (Llama-2-7B)
+# (label, A dtype, B dtype, B layout, allow_tf32, output dtype); layout "col": B stored K-major
+DTYPE_CASES = [
+    ("bf16", BF16, BF16, "row", False, BF16),
+    ("fp16", torch.float16, torch.float16, "row", False, torch.float16),
+    ("tf32", F32, F32, "row", True, F32),
+    ("tf32 B K-major", F32, F32, "col", True, F32),
+    ("fp32 IEEE", F32, F32, "row", False, F32),
+    ("fp32 x bf16", F32, BF16, "row", False, BF16),
+    ("bf16 x fp32", BF16, F32, "row", False, BF16),
+]
+# (anchor label, torch function of (a, b), allow_tf32 in torch) per case label
+DTYPE_TOLERANCE = {"tf32": 2e-3, "fp32": 2e-5, "bf16": 1.6e-2, "fp16": 2e-3}
+
+
+def _dtype_inputs(m, n, k, a_type, b_type, b_layout, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(m, k, generator=gen, device="cuda").to(a_type)
+    b = (torch.randn(k, n, generator=gen, device="cuda") / math.sqrt(k))
+    b = (b.t().contiguous().t() if b_layout == "col" else b).to(b_type)
+    return a, b
+
+
+def _dtype_anchor(label, a, b):
+    """(torch callable, anchor name): what torch runs for the same problem."""
+    if label in ("bf16", "fp16", "fp32 IEEE"):
+        return (lambda: a @ b), "torch " + label
+    if label.startswith("tf32"):
+        return (lambda: a @ b), "torch tf32"
+    return (lambda: a.to(BF16) @ b.to(BF16)), "torch cast + bf16 mm"
+
+
+def _dg_matmul(a, b, allow_tf32, out_dtype, autotune):
+    g = dg.Graph(name="dtypes", io_data_type=dg.dtypes.from_torch(out_dtype), intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32, allow_tf32=allow_tf32)
+    ta, tb = g.tensor_like(a, name="a"), g.tensor_like(b, name="b")
+    c = g.matmul(ta, tb).set_output(True).set_name("c")
+    g.build(autotune=autotune)
+    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=out_dtype, device="cuda")
+    bindings = {ta: a, tb: b, c: out}
+    return g, (lambda: g.execute(bindings)), out
+
+
+def _timed(fn, flops, rep_ms):
+    ms = median_ms(fn, warmup=25, rep=rep_ms)
+    return {"ms": ms, "tflops": flops / ms / 1e9}
+
+
+def run_dtypes(args, cache_dir):
+    """The dtypes table: dnngraph (model choice, autotuned) against torch per dot type."""
+    rows = []
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    for shape in args.shapes or DTYPE_SHAPES:
+        m, n, k = shape
+        flops = 2.0 * m * n * k
+        for label, a_type, b_type, b_layout, tf32, out_dtype in DTYPE_CASES:
+            row = {"label": "x".join(map(str, shape)), "case": label}
+            try:
+                a, b = _dtype_inputs(m, n, k, a_type, b_type, b_layout)
+                reference = a.double() @ b.double()
+                torch.backends.cuda.matmul.allow_tf32 = label.startswith("tf32")
+                anchor, row["anchor"] = _dtype_anchor(label, a, b)
+                row["anchor_error"] = rel_error(anchor(), reference)
+                row["torch"] = _timed(anchor, flops, args.rep_ms)
+                torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+                for key, autotune in (("dg_heur", False), ("dg_tuned", True)):
+                    g, run, out = _dg_matmul(a, b, tf32, out_dtype, autotune)
+                    run()
+                    torch.cuda.synchronize()
+                    row[key] = {"error": rel_error(out, reference), "plan": plan_summary(g.plan),
+                                **_timed(run, flops, args.rep_ms)}
+                    del g, run, out
+            except Exception as error:  # noqa: BLE001 - one case failing leaves the others measured
+                row["failed"] = _short(error, 300)
+            finally:
+                torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+            rows.append(row)
+            print(f"{row['label']} {label}: " + (row.get("failed") or
+                  f"torch {row['torch']['tflops']:.0f}, dg {row['dg_heur']['tflops']:.0f} / "
+                  f"{row['dg_tuned']['tflops']:.0f} TFLOP/s"), flush=True)
+            write_json("dtypes.json", {"rows": rows})
+            torch.cuda.empty_cache()
+    mlp_rows = run_mlp(args)
+    report_dtypes(rows, mlp_rows)
+    write_json("dtypes.json", {"rows": rows, "mlp": mlp_rows, "cache_dir": cache_dir})
+    return rows, mlp_rows
+
+
+def _rate(result) -> str:
+    return _tflops(result["tflops"]) if result and "tflops" in result else "-"
+
+
+def report_dtypes(rows, mlp_rows):
+    by_key = {(r["label"], r["case"]): r for r in rows}
+    table = []
+    for r in rows:
+        if "failed" in r:
+            table.append([r["label"], r["case"], f"failed: {r['failed'][:120]}"] + ["-"] * 7)
+            continue
+        bf16 = by_key.get((r["label"], "bf16"), {})
+        versus_bf16 = "-"
+        if "x" in r["case"] and "dg_tuned" in bf16:
+            versus_bf16 = f"{r['dg_tuned']['tflops'] / bf16['dg_tuned']['tflops']:.2f}"
+        table.append([r["label"], r["case"], r["anchor"], _rate(r["torch"]), _rate(r["dg_heur"]),
+                      _rate(r["dg_tuned"]), f"{r['dg_tuned']['tflops'] / r['torch']['tflops']:.2f}", versus_bf16,
+                      f"{r['dg_tuned']['error']:.1e} ({r['anchor_error']:.1e})",
+                      r["dg_tuned"]["plan"]["matmul_config"]])
+    print_table("dtypes: matmul TFLOP/s per dot type (2*M*N*K; plain matmul, no epilogue)",
+                ["M x N x K", "case", "anchor", "anchor TF/s", "dg heur", "dg tuned", "tuned / anchor",
+                 "tuned / dg bf16", "dg error (anchor)", "dg tuned config"], table)
+    if mlp_rows:
+        print_table("Llama MLP block (rmsnorm -> gate/up -> silu * up -> down + residual), bf16 io, "
+                    f"T={MLP_SIZES[0]} H={MLP_SIZES[1]} I={MLP_SIZES[2]}",
+                    ["provider", "ms", "TFLOP/s", "vs dg bf16 intermediates", "rel error vs float64 graph ref",
+                     "kernels"],
+                    [[r["provider"], f"{r['ms']:.3f}" if "ms" in r else r.get("failed", "-")[:120],
+                      _rate(r), r.get("versus", "-"), f"{r['error']:.1e}" if "error" in r else "-",
+                      str(r.get("kernels", "-"))] for r in mlp_rows])
+
+
+def build_mlp(tokens, hidden, inner, intermediate):
+    """The Llama MLP block as one graph: x + down(silu(gate(n)) * up(n)), n = rmsnorm(x)."""
+    g = dg.Graph(name="llama_mlp", io_data_type=dg.bfloat16, intermediate_data_type=intermediate,
+                 compute_data_type=dg.float32)
+    x = g.tensor(name="x", dim=[tokens, hidden])
+    scale = g.tensor(name="scale", dim=[1, hidden])
+    w_gate, w_up = g.tensor(name="w_gate", dim=[hidden, inner]), g.tensor(name="w_up", dim=[hidden, inner])
+    w_down = g.tensor(name="w_down", dim=[inner, hidden])
+    normed = g.rmsnorm(x, scale, epsilon=1e-5, norm_forward_phase="inference")[0]
+    hidden_act = g.mul(g.silu(g.matmul(normed, w_gate)), g.matmul(normed, w_up))
+    g.add(g.matmul(hidden_act, w_down), x).set_output(True).set_name("y")
+    return g
+
+
+def mlp_inputs(tokens, hidden, inner, device, dtype=BF16):
+    gen = torch.Generator(device=device).manual_seed(1)
+    return {"x": torch.randn(tokens, hidden, generator=gen, device=device).to(dtype),
+            "scale": (1 + 0.1 * torch.randn(1, hidden, generator=gen, device=device)).to(dtype),
+            "w_gate": (torch.randn(hidden, inner, generator=gen, device=device) / math.sqrt(hidden)).to(dtype),
+            "w_up": (torch.randn(hidden, inner, generator=gen, device=device) / math.sqrt(hidden)).to(dtype),
+            "w_down": (torch.randn(inner, hidden, generator=gen, device=device) / math.sqrt(inner)).to(dtype)}
+
+
+def mlp_eager(x, scale, w_gate, w_up, w_down):
+    """The Hugging Face Llama MLP with its RMSNorm (fp32 statistics, bf16 matmuls)."""
+    variance = x.float().pow(2).mean(-1, keepdim=True)
+    normed = (x.float() * torch.rsqrt(variance + 1e-5)).to(x.dtype) * scale
+    return x + (F.silu(normed @ w_gate) * (normed @ w_up)) @ w_down
+
+
+def run_mlp(args):
+    tokens, hidden, inner = MLP_SIZES
+    flops = 2.0 * tokens * hidden * inner * 3
+    inputs = mlp_inputs(tokens, hidden, inner, "cuda")
+    reference = build_mlp(tokens, hidden, inner, dg.float32).reference(inputs)["y"].double()  # float64, GPU
+    rows = []
+    for provider, intermediate in (("dg fp32 intermediates", dg.float32), ("dg bf16 intermediates", dg.bfloat16)):
+        try:
+            g = build_mlp(tokens, hidden, inner, intermediate)
+            g.build()
+            y = torch.full((tokens, hidden), float("nan"), dtype=BF16, device="cuda")
+            bindings = {**inputs, "y": y}
+            run = lambda: g.execute(bindings)  # noqa: E731
+            run()
+            torch.cuda.synchronize()
+            rows.append({"provider": provider, "error": rel_error(y, reference), "kernels": len(g.plan.launches),
+                         "configs": [l.config_text for l in g.plan.launches], **_timed(run, flops, args.rep_ms)})
+        except Exception as error:  # noqa: BLE001
+            rows.append({"provider": provider, "failed": _short(error, 300)})
+    args_list = [inputs[k] for k in ("x", "scale", "w_gate", "w_up", "w_down")]
+    for provider, fn in (("torch eager", mlp_eager), ("torch.compile", torch.compile(mlp_eager, dynamic=False))):
+        try:
+            out = fn(*args_list)
+            torch.cuda.synchronize()
+            rows.append({"provider": provider, "error": rel_error(out, reference),
+                         **_timed(lambda: fn(*args_list), flops, args.rep_ms)})
+        except Exception as error:  # noqa: BLE001
+            rows.append({"provider": provider, "failed": _short(error, 300)})
+    base = next((r for r in rows if r["provider"] == "dg bf16 intermediates" and "ms" in r), None)
+    for r in rows:
+        if base and "ms" in r:
+            r["versus"] = f"{r['ms'] / base['ms']:.2f}x"
+    return rows
+
+
 # --- main ----------------------------------------------------------------------------------------
 def parse_shapes(text):
     shapes = []
@@ -578,6 +767,9 @@ def main(argv=None):
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement")
     parser.add_argument("--compile-budget-s", type=float, default=300.0,
                         help="skip torch.compile once the run has spent this many seconds")
+    parser.add_argument("--table", default="epilogue", choices=("epilogue", "dtypes"),
+                        help="epilogue: matmul + bias + activation per shape (default); dtypes: every dot "
+                             "type and mixed pair against torch, and the Llama MLP block")
     parser.add_argument("--check-cpu", action="store_true",
                         help="tiny fp32 shapes through dnngraph on CPU (interpreter), numbers only")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -587,6 +779,10 @@ def main(argv=None):
     try:
         if args.check_cpu:
             return check_cpu(args)
+        if args.table == "dtypes":
+            if not torch.cuda.is_available():
+                sys.exit("no CUDA device: the dtypes table times kernels on the GPU")
+            return run_dtypes(args, cache_dir)
         return run_gpu(args, cache_dir)
     finally:
         if remove_cache:

@@ -15,7 +15,8 @@ from .errors import UnsupportedError
 from .heuristics import device_model
 from .heuristics.autotune import TuningRecord
 from .heuristics.layout import INT32_LIMIT, operand_strides
-from .heuristics.matmul import SPLIT_COMBINE_BLOCK, MatmulConfig, MatmulProblem, schedule
+from .heuristics.matmul import (SPLIT_COMBINE_BLOCK, MatmulConfig, MatmulProblem, choose_dot, register_sides,
+                                schedule)
 from .heuristics.pointwise import _identifiers
 from .launch import (KernelLaunch, element_span, kernel_name, sample_tensors, scratch, time_candidate,
                      tuning_device)
@@ -24,7 +25,6 @@ from .runtime import interpreting
 TMA_ALIGNMENT = 16  # bytes: descriptor base addresses and row pitches
 EXIT_FOLD_WARPS = 4
 COMBINE_WARPS = 4
-_DOT_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3": "fp8", "float8_e5m2": "fp8"}
 
 
 def _leaves(tensor, members) -> list:
@@ -38,18 +38,15 @@ def _leaves(tensor, members) -> list:
 
 
 def _dot_types(a, b, allow_tf32: bool):
-    """(dot type of A, of B, model name, input precision) for the matmul's input types."""
-    ta, tb = a.data_type, b.data_type
-    if ta is tb and ta is not dtypes.float32:
-        return ta.triton_type, tb.triton_type, _DOT_NAMES[ta.name], ""
-    fp8 = (dtypes.float8_e4m3, dtypes.float8_e5m2)
-    if ta in fp8 and tb in fp8:  # e4m3 x e5m2: both widen exactly to fp16
-        return "tl.float16", "tl.float16", "fp16", ""
-    for t in (ta, tb):
+    """(dot type of A, of B, model name, input precision) for the matmul's input types: the
+    precision rule lives in heuristics.matmul.choose_dot."""
+    for t in (a.data_type, b.data_type):
         if not t.is_floating:
-            raise UnsupportedError(f"matmul of {ta.name} x {tb.name}: no kernel takes {t.name} operands")
-    # fp32 or mixed widths: both in fp32, IEEE unless the graph opted into tf32
-    return "tl.float32", "tl.float32", "tf32" if allow_tf32 else "fp32", "tf32" if allow_tf32 else "ieee"
+            raise UnsupportedError(f"matmul of {a.data_type.name} x {b.data_type.name}: no kernel takes "
+                                   f"{t.name} operands")
+    choice = choose_dot(a.data_type.name, b.data_type.name, a.data_type.triton_type, b.data_type.triton_type,
+                        allow_tf32)
+    return choice.a_type, choice.b_type, choice.dot, choice.precision
 
 
 def _layout(row_stride: int, col_stride: int) -> str:
@@ -61,7 +58,8 @@ def _layout(row_stride: int, col_stride: int) -> str:
 
 
 def _tma_ok(operand: MatmulOperand, layout: str, dot_type: str, cuda_capability) -> bool:
-    """A descriptor needs unit stride on one axis, 16-byte pitches and a matching type."""
+    """A descriptor needs unit stride on one axis, 16-byte pitches and a matching type (an
+    operand converted at load, as in a mixed-type dot, takes the pointer-load kernels)."""
     if layout == "strided" or operand.data_type.triton_type != dot_type:
         return False
     if cuda_capability is not None and cuda_capability < (9, 0):
@@ -116,8 +114,8 @@ class MatmulBuild:
         b_layout = _layout(b_op.row_stride, b_op.col_stride) if b_op else "strided"
         tma = (a_op is not None and b_op is not None and _tma_ok(a_op, a_layout, self.dot_a, capability)
                and _tma_ok(b_op, b_layout, self.dot_b, capability))
-        if dot == "fp8" and (a_layout, b_layout) != ("row", "col"):
-            tma = False  # fp8 wgmma reads both operands K-major from shared memory
+        if dot in ("fp8", "tf32") and (a_layout, b_layout) != ("row", "col"):
+            tma = False  # fp8 and tf32 wgmma read both operands K-major from shared memory
         epilogue_text = ",".join(x.op for x in group.epilogue + group.exits)
         out_bytes = sum(t.data_type.itemsize for t in stored_values)
         out_bytes += sum(t.data_type.itemsize for t in _unique(epilogue_inputs) if tuple(t.dim[-2:]) == (m, n))
@@ -159,7 +157,8 @@ class MatmulBuild:
             prologue_a=self.prologue_a, prologue_b=self.prologue_b, epilogue=tuple(self.group.epilogue),
             exits=extra.pop("exits", ()), scale_uids=tuple(s.uid for s in self.scales), dot_a=self.dot_a,
             dot_b=self.dot_b, precision=self.precision, compute=self.graph.compute_data_type.triton_type,
-            index_64=self.index_64, description=self.group.describe(), **extra)
+            index_64=self.index_64, description=self.group.describe(),
+            register_sides=register_sides(self.problem), **extra)
 
     def _launch(self, spec, body, grid, warps, stages, config_text, reason, scratch_buffers=()):
         source, arguments = render(spec, body)

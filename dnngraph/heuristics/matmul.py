@@ -16,6 +16,7 @@ registers decide how many fit); then the whole problem's HBM bytes as a floor.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -48,6 +49,18 @@ K_STEP_SECONDS = 0.08e-6  # issue and barrier cost of one k step of a program
 VARIANT_EFFICIENCY = {"persistent": 1.0, "tiled": 0.97, "split_k": 0.97, "small_m": 0.97}
 GROUP_M = 8  # tiles per group in the grouped order: 8 row tiles share B columns in L2
 SPLIT_COMBINE_BLOCK = (64, 128)  # combine kernel tile (BLOCK_M, BLOCK_N): a copy-like pass
+# tf32 operands that are not K-major through registers (see register_sides): row-major tf32 went
+# from 75 to 118 TFLOP/s at 2048x4096x4096 on the H100 here, but an M-major A inside a padded
+# buffer then faulted with a misaligned address, so it stays off unless DNNGRAPH_TF32_RELAYOUT=1.
+TF32_REGISTER_RELAYOUT = os.environ.get("DNNGRAPH_TF32_RELAYOUT", "0") == "1"
+# Operands converted at load (a mixed dot, a tf32 relayout) pass through registers, so the rate
+# falls with the converted side's share of the tile: efficiency ** (2 * side / (BM + BN)). A feeds
+# wgmma from registers; B goes back to shared memory, which costs more. H100, 2048x4096x4096:
+# fp32 x bf16 ran at 0.81 of bf16 x bf16 (128x256 tiles), bf16 x fp32 at 0.56 (256x128).
+CONVERTED_A_EFFICIENCY = 0.78
+CONVERTED_B_EFFICIENCY = 0.44
+# IEEE fp32 FMA tiles on 8 warps ran at 0.94-0.95 of the 4-warp ones (128x128 against 64x128).
+FMA_EIGHT_WARP_EFFICIENCY = 0.95
 SMALL_M_LIMIT = 64
 SPLIT_CHOICES = (2, 4, 8, 16)
 
@@ -62,10 +75,65 @@ TILES = (
 # and lost on the squares (632 -> 613): both are candidates, the model cannot tell them apart.
 PERSISTENT_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4))
 SPLIT_TILES = ((64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4))
+# IEEE fp32 runs tl.dot on the FMA units: operands go shared -> registers and each thread owns
+# BLOCK_M*BLOCK_N/threads accumulators. Resource reports of sm_90 builds here: 128x128x32 on 8
+# warps 184 registers, 128x64 / 64x128 on 4 warps 165-195, 64x64 on 4 warps 96, no spills;
+# 128x256 on 8 warps and 128x128 on 4 warps spill (255 registers + stack), so they are left out.
+FMA_TILES = ((128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+             (64, 64, 64, 4, 3))
+# Accumulators per thread from which FMA tiles run at the full FMA rate (fewer: more shared-memory
+# operand loads per FMA).
+FMA_FULL_RATE_OUTPUTS = 64
 # Decode tiles. 16x32x256 was dropped: the model liked its 4x more programs, but it never won on
 # the H100 (1x11008x4096: 54 us vs 45 us for 16x128x128).
 SMALL_M_TILES = ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 128, 64, 4, 4), (32, 64, 128, 4, 4),
                  (64, 64, 64, 4, 4), (32, 128, 64, 4, 4))
+
+
+# --- the dot type: which tensor cores a matmul runs on (plain data; codegen only renders it) ----
+# A matmul whose floating operands differ computes on the tensor cores of the narrower type with
+# fp32 accumulation; the wider operand is converted as its tile is loaded, before tl.dot:
+#   fp32 x fp32        tf32 when the graph allows it, else IEEE fp32 (FMA units, no tensor cores)
+#   fp32 x bf16        bf16 (the fp32 side is rounded to bf16 at load: bf16 accuracy)
+#   fp32 x fp16        fp16 (rounded to fp16 at load: fp16 accuracy and range)
+#   fp16 x bf16        bf16: every fp16 value lies inside bf16's range, while a bf16 value past
+#                      65504 would become inf in fp16; the 3 mantissa bits the fp16 side loses
+#                      leave it as accurate as the bf16 side already is
+#   fp8 x fp8          the type itself; e4m3 x e5m2 widens both to fp16 (exact for both)
+#   fp8 x fp16|bf16    the 16-bit type (fp8 widens exactly to either)
+#   fp8 x fp32         bf16: fp8 widens exactly and fp32 rounds as in fp32 x bf16 (rounding an
+#                      unscaled fp32 operand to fp8 would keep 3 mantissa bits and overflow at 448)
+_DOT_OF_TYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3": "fp8",
+                "float8_e5m2": "fp8"}
+_TRITON_OF_DOT = {"fp32": "tl.float32", "tf32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16"}
+_MIXED_DOTS = {frozenset(("fp32", "bf16")): "bf16", frozenset(("fp32", "fp16")): "fp16",
+               frozenset(("fp16", "bf16")): "bf16", frozenset(("fp8", "fp16")): "fp16",
+               frozenset(("fp8", "bf16")): "bf16", frozenset(("fp8", "fp32")): "bf16"}
+
+
+@dataclass(frozen=True)
+class DotChoice:
+    """How a matmul's operands reach tl.dot: the Triton type each side is converted to at load,
+    the model's dot name (its peak rate) and tl.dot's input_precision ("" for 16-bit and fp8)."""
+
+    a_type: str
+    b_type: str
+    dot: str  # "bf16" | "fp16" | "fp8" | "tf32" | "fp32"
+    precision: str  # "ieee" | "tf32" | ""
+
+
+def choose_dot(a_type: str, b_type: str, a_triton: str, b_triton: str, allow_tf32: bool) -> DotChoice:
+    """The dot of a matmul of `a_type` x `b_type` (dtype names; `*_triton` their Triton types),
+    by the precision rule above. Raises KeyError for a type no matmul kernel takes."""
+    a_dot, b_dot = _DOT_OF_TYPE[a_type], _DOT_OF_TYPE[b_type]
+    if a_type == b_type and a_dot == "fp8":
+        return DotChoice(a_triton, b_triton, "fp8", "")
+    if a_dot == b_dot == "fp8":  # e4m3 x e5m2: both widen exactly to fp16
+        return DotChoice("tl.float16", "tl.float16", "fp16", "")
+    if a_dot == b_dot == "fp32":
+        return DotChoice("tl.float32", "tl.float32", *(("tf32", "tf32") if allow_tf32 else ("fp32", "ieee")))
+    dot = a_dot if a_dot == b_dot else _MIXED_DOTS[frozenset((a_dot, b_dot))]
+    return DotChoice(_TRITON_OF_DOT[dot], _TRITON_OF_DOT[dot], dot, "")
 
 
 @dataclass(frozen=True)
@@ -130,6 +198,17 @@ class MatmulConfig:
                             bool(record.get("warp_specialize", False)))
 
 
+def register_sides(problem: MatmulProblem) -> str:
+    """Operand sides a tf32 dot routes through registers: tf32 wgmma reads both operands K-major
+    from shared memory, so a copy straight from an M- or N-major operand moves 4 bytes at a time;
+    through registers the copy stays 16 bytes wide and the relayout happens on the store."""
+    if problem.dot != "tf32" or not TF32_REGISTER_RELAYOUT:
+        return ""
+    # a strided operand has no wide axis to copy along (and a select on it hit misaligned
+    # addresses on the H100): only unit-stride M- or N-major operands take the register path
+    return ("a" if problem.a_layout == "col" else "") + ("b" if problem.b_layout == "row" else "")
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -185,9 +264,10 @@ def candidates(problem: MatmulProblem, sms: int = 132) -> list[MatmulConfig]:
             found[config.key()] = config
 
     small = problem.m <= SMALL_M_LIMIT
-    for tile in (SMALL_M_TILES if small else TILES):
+    fma = problem.dot == "fp32"
+    for tile in (SMALL_M_TILES if small else FMA_TILES if fma else TILES):
         add("small_m" if small else "tiled", tile)
-    if problem.tma and not small:
+    if problem.tma and not small and not fma:  # the persistent tiles are wgmma tiles
         for tile in PERSISTENT_TILES:
             add("persistent", tile)
             add("persistent", tile, flatten=True)
@@ -202,15 +282,37 @@ def candidates(problem: MatmulProblem, sms: int = 132) -> list[MatmulConfig]:
     return list(found.values())
 
 
+def _conversion_efficiency(config: MatmulConfig, problem: MatmulProblem) -> float:
+    """The rate left after converting operands on their way to the dot (mixed dot, tf32 relayout)."""
+    dot_bytes, relayout = _dot_bytes(problem), register_sides(problem)
+    efficiency = 1.0
+    if problem.a_bytes != dot_bytes or "a" in relayout:
+        efficiency *= CONVERTED_A_EFFICIENCY ** (2 * config.block_m / (config.block_m + config.block_n))
+    if problem.b_bytes != dot_bytes or "b" in relayout:
+        efficiency *= CONVERTED_B_EFFICIENCY ** (2 * config.block_n / (config.block_m + config.block_n))
+    return efficiency
+
+
+def _feed(config: MatmulConfig, problem: MatmulProblem) -> float:
+    """The fraction of the dot type's peak rate the tile shape sustains."""
+    if problem.dot == "fp32":  # FMA units: accumulators per thread decide the operand traffic
+        outputs = config.block_m * config.block_n / (config.num_warps * 32)
+        feed = min(1.0, outputs / FMA_FULL_RATE_OUTPUTS) ** 0.5
+        feed *= FMA_EIGHT_WARP_EFFICIENCY if config.num_warps == 8 else 1.0
+    else:
+        intensity = config.block_m * config.block_n / (config.block_m + config.block_n)
+        feed = min(1.0, intensity / FULL_RATE_INTENSITY) ** FEED_EXPONENT
+        if config.num_warps == 4 and config.block_m * config.block_n >= 128 * 128:
+            feed *= ONE_WARPGROUP_PENALTY
+    return feed * VARIANT_EFFICIENCY[config.variant] * _conversion_efficiency(config, problem)
+
+
 def estimate(config: MatmulConfig, problem: MatmulProblem, device: DeviceModel) -> float:
     """Model seconds for `config` on `problem`."""
     tiles = _cdiv(problem.m, config.block_m) * _cdiv(problem.n, config.block_n) * problem.batch
     units = tiles * config.split_k
     k_chunk = _cdiv(_cdiv(problem.k, config.split_k), config.block_k) * config.block_k
-    intensity = config.block_m * config.block_n / (config.block_m + config.block_n)
-    feed = min(1.0, intensity / FULL_RATE_INTENSITY) ** FEED_EXPONENT * VARIANT_EFFICIENCY[config.variant]
-    if config.num_warps == 4 and config.block_m * config.block_n >= 128 * 128:
-        feed *= ONE_WARPGROUP_PENALTY
+    feed = _feed(config, problem)
     unit_compute = 2.0 * config.block_m * config.block_n * k_chunk / (PEAK_FLOPS[problem.dot] / device.sms * feed)
     stage_bytes = (config.block_m * problem.a_bytes + config.block_n * problem.b_bytes) * config.block_k
     unit_bytes = stage_bytes * (k_chunk // config.block_k)
