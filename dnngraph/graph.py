@@ -127,7 +127,7 @@ class Graph:
     def tensor_by_name(self, name: str) -> Tensor:
         try:
             return self._names[name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable non-name
             raise ValidationError(f"graph {self.name!r} has no tensor named {name!r}") from None
 
     def _invalidate(self):

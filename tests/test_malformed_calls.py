@@ -259,7 +259,7 @@ def test_broadcast_input_graph_runs():
 
 # --- random malformed calls ------------------------------------------------------------------------
 SKIPPED_METHODS = {"build", "execute", "explain", "validate", "to_json", "from_json", "as_function",
-                   "to_networkx", "inputs", "outputs", "consumers", "tensor_by_name"}
+                   "to_networkx", "inputs", "outputs"}
 METHODS = sorted(name for name, member in inspect.getmembers(dg.Graph, inspect.isfunction)
                  if not name.startswith("_") and name not in SKIPPED_METHODS)
 TENSOR_SETTERS = ["set_output", "set_name", "set_data_type", "set_stride"]
