@@ -7,7 +7,6 @@ Statistics are float32 and keep the rank of x.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
