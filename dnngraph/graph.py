@@ -26,9 +26,9 @@ from .ops.reduction import ReductionAttrs
 from .ops.sdpa import SdpaAttrs
 from .ops.shape import ConcatAttrs, ReshapeAttrs, SliceAttrs, TransposeAttrs, normalize_slices
 from .ops.softmax import SoftmaxAttrs
-from .ops.base import normalize_axes
-from .tensor import (Tensor, check_dims, check_strides, contiguous_strides, dense_strides,
-                     stride_order)
+from .ops.base import boolean, normalize_axes, per_axis, real
+from .tensor import (Tensor, check_dims, check_not_overlapping, check_strides, contiguous_strides,
+                     dense_strides, stride_order)
 
 
 @dataclass(eq=False)
@@ -58,10 +58,27 @@ class Node:
         return f"{self.op} {self.name!r}({ins}) -> ({outs})"
 
 
-def _triple(values, spatial: int, default: int, what: str):
-    if values is None:
-        return (default,) * spatial
-    return tuple(values)
+def _graph_data_types(io_data_type, intermediate_data_type, compute_data_type):
+    """The graph's three data types, resolved and checked."""
+    io_type = dtypes.resolve(io_data_type)
+    intermediate = dtypes.resolve(intermediate_data_type)
+    compute = dtypes.resolve(compute_data_type)
+    if not intermediate.is_floating:
+        raise ValidationError(f"intermediate_data_type must be a floating type, got {intermediate.name}")
+    if compute is not dtypes.float32:
+        # every kernel computes in float32 registers (integer kinds stay exact separately)
+        raise ValidationError(f"compute_data_type must be float32, the type the kernels compute "
+                              f"in; got {compute.name}")
+    return io_type, intermediate, compute
+
+
+def _spatial_rank(op: str, role: str, tensor: Tensor, extra: int = 2) -> int:
+    """Spatial axes of a [N, C, *S] tensor: 1 to 3."""
+    spatial = len(tensor.dim) - extra
+    if not 1 <= spatial <= 3:
+        raise ValidationError(f"{op}: {role} {tensor.name!r} {list(tensor.dim)} must have 1 to 3 "
+                              f"spatial dims after [N, C]")
+    return spatial
 
 
 class Graph:
@@ -70,11 +87,12 @@ class Graph:
     def __init__(self, name: str = "graph", io_data_type=dtypes.float32,
                  intermediate_data_type=dtypes.float32, compute_data_type=dtypes.float32,
                  allow_tf32: bool = False):
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"graph names must be non-empty strings, got {name!r}")
         self.name = name
-        self.io_data_type = dtypes.resolve(io_data_type)
-        self.intermediate_data_type = dtypes.resolve(intermediate_data_type)
-        self.compute_data_type = dtypes.resolve(compute_data_type)
-        self.allow_tf32 = bool(allow_tf32)
+        self.io_data_type, self.intermediate_data_type, self.compute_data_type = \
+            _graph_data_types(io_data_type, intermediate_data_type, compute_data_type)
+        self.allow_tf32 = boolean("Graph", "allow_tf32", allow_tf32)
         self._tensors: dict[int, Tensor] = {}
         self._names: dict[str, Tensor] = {}
         self._nodes: list[Node] = []
@@ -109,7 +127,7 @@ class Graph:
     def tensor_by_name(self, name: str) -> Tensor:
         try:
             return self._names[name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable non-name
             raise ValidationError(f"graph {self.name!r} has no tensor named {name!r}") from None
 
     def _invalidate(self):
@@ -184,10 +202,14 @@ class Graph:
     def _add_op(self, op: str, inputs: Sequence, attrs, name: Optional[str] = None):
         """Validate, infer, then add node `op`; returns its output tensors (a tuple)."""
         opdef = lookup(op)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValidationError(f"{op}: node names must be non-empty strings, got {name!r}")
         if name is not None and (name in self._node_names or name in self._names):
             raise ValidationError(f"{op}: duplicate name {name!r}")
         roles = [f"{opdef.input_names[0]}[{i}]" for i in range(len(inputs))] if opdef.variadic \
             else opdef.input_names
+        if len(inputs) != len(roles):
+            raise ValidationError(f"{op}: takes inputs {list(roles)}, got {len(inputs)} inputs")
         checked = []
         for role, value in zip(roles, inputs):
             if value is None and role in opdef.optional:
@@ -235,32 +257,42 @@ class Graph:
                scale_a: Optional[Tensor] = None, scale_b: Optional[Tensor] = None) -> Tensor:
         """C = A @ B over [..., M, K] x [..., K, N] with broadcast batch dims; fp8 operands may
         carry per-tensor scales (one-element tensors): C = (A @ B) * scale_a * scale_b."""
-        tf32 = self.allow_tf32 if allow_tf32 is None else bool(allow_tf32)
+        tf32 = self.allow_tf32 if allow_tf32 is None else allow_tf32
         return self._add_op("matmul", [a, b, scale_a, scale_b], MatmulAttrs(tf32), name)[0]
 
-    def _conv_attrs(self, spatial, padding, stride, dilation, groups, mode, shape=()):
-        return ConvAttrs(_triple(padding, spatial, 0, "padding"), _triple(stride, spatial, 1, "stride"),
-                         _triple(dilation, spatial, 1, "dilation"), int(groups), mode, tuple(shape))
+    @staticmethod
+    def _conv_attrs(op, spatial, padding, stride, dilation, groups, mode, shape=()):
+        """Padding, stride and dilation: None (the default), one int for every axis, or a list."""
+        return ConvAttrs(per_axis(op, "padding", padding, spatial, 0, minimum=0),
+                         per_axis(op, "stride", stride, spatial, 1, minimum=1),
+                         per_axis(op, "dilation", dilation, spatial, 1, minimum=1), groups, mode, shape)
 
     def conv_fprop(self, x, w, padding=None, stride=None, dilation=None, groups=1,
                    mode="cross_correlation", name=None) -> Tensor:
         """Convolution forward: y[N, K, *O] from x[N, C, *S] and w[K, C/groups, *R]."""
-        spatial = len(w.dim) - 2 if isinstance(w, Tensor) else 0
-        attrs = self._conv_attrs(spatial, padding, stride, dilation, groups, mode)
+        self._check_input("conv_fprop", "x", x)
+        spatial = _spatial_rank("conv_fprop", "w", self._check_input("conv_fprop", "w", w))
+        attrs = self._conv_attrs("conv_fprop", spatial, padding, stride, dilation, groups, mode)
         return self._add_op("conv_fprop", [x, w], attrs, name)[0]
 
     def conv_dgrad(self, dy, w, x_dim, padding=None, stride=None, dilation=None, groups=1,
                    mode="cross_correlation", name=None) -> Tensor:
         """Convolution data gradient: dx of dims x_dim from dy and w."""
         x_dim = check_dims(x_dim, "conv_dgrad x_dim")
-        attrs = self._conv_attrs(len(x_dim) - 2, padding, stride, dilation, groups, mode, x_dim)
+        spatial = len(x_dim) - 2
+        if not 1 <= spatial <= 3:
+            raise ValidationError(f"conv_dgrad: x_dim {list(x_dim)} must have 1 to 3 spatial dims")
+        attrs = self._conv_attrs("conv_dgrad", spatial, padding, stride, dilation, groups, mode, x_dim)
         return self._add_op("conv_dgrad", [dy, w], attrs, name)[0]
 
     def conv_wgrad(self, dy, x, w_dim, padding=None, stride=None, dilation=None, groups=1,
                    mode="cross_correlation", name=None) -> Tensor:
         """Convolution weight gradient: dw of dims w_dim from dy and x."""
         w_dim = check_dims(w_dim, "conv_wgrad w_dim")
-        attrs = self._conv_attrs(len(w_dim) - 2, padding, stride, dilation, groups, mode, w_dim)
+        spatial = len(w_dim) - 2
+        if not 1 <= spatial <= 3:
+            raise ValidationError(f"conv_wgrad: w_dim {list(w_dim)} must have 1 to 3 spatial dims")
+        attrs = self._conv_attrs("conv_wgrad", spatial, padding, stride, dilation, groups, mode, w_dim)
         return self._add_op("conv_wgrad", [dy, x], attrs, name)[0]
 
     # --- ops: reductions, softmax ---------------------------------------------------------------
@@ -274,13 +306,13 @@ class Graph:
         """Softmax (log-softmax with log=True) along `axis`."""
         x = self._check_input("softmax", "x", x)
         (axis,) = normalize_axes("softmax", axis, len(x.dim))
-        return self._add_op("softmax", [x], SoftmaxAttrs(axis, bool(log)), name)[0]
+        return self._add_op("softmax", [x], SoftmaxAttrs(axis, log), name)[0]
 
     def softmax_backward(self, dy, y, axis=-1, log=False, name=None) -> Tensor:
         """dx of softmax from dy and the forward output y."""
         y = self._check_input("softmax_backward", "y", y)
         (axis,) = normalize_axes("softmax_backward", axis, len(y.dim))
-        return self._add_op("softmax_backward", [dy, y], SoftmaxAttrs(axis, bool(log)), name)[0]
+        return self._add_op("softmax_backward", [dy, y], SoftmaxAttrs(axis, log), name)[0]
 
     # --- ops: normalizations --------------------------------------------------------------------
     def layernorm(self, x, scale, bias, epsilon=1e-5, norm_forward_phase="training", name=None):
@@ -310,7 +342,7 @@ class Graph:
     def groupnorm(self, x, scale, bias, groups, epsilon=1e-5, norm_forward_phase="training",
                   name=None):
         """(y, mean, inv_variance) per sample over groups of channels and spatial axes."""
-        attrs = NormAttrs(epsilon, norm_forward_phase, groups=int(groups))
+        attrs = NormAttrs(epsilon, norm_forward_phase, groups=groups)
         return self._add_op("groupnorm", [x, scale, bias], attrs, name)
 
     def genstats(self, x, name=None):
@@ -323,7 +355,7 @@ class Graph:
 
     def rmsnorm_backward(self, dy, x, scale, inv_variance, has_dbias=False, name=None):
         """(dx, dscale, dbias) of rmsnorm; dbias is None unless has_dbias."""
-        attrs = NormAttrs(has_dbias=bool(has_dbias))
+        attrs = NormAttrs(has_dbias=has_dbias)
         return self._add_op("rmsnorm_backward", [dy, x, scale, inv_variance], attrs, name)
 
     def batchnorm_backward(self, dy, x, scale, mean, inv_variance, name=None):
@@ -338,52 +370,55 @@ class Graph:
     def groupnorm_backward(self, dy, x, scale, mean, inv_variance, groups, name=None):
         """(dx, dscale, dbias) of groupnorm."""
         return self._add_op("groupnorm_backward", [dy, x, scale, mean, inv_variance],
-                            NormAttrs(groups=int(groups)), name)
+                            NormAttrs(groups=groups), name)
 
     # --- ops: pooling, dropout, attention ------------------------------------------------------
-    def _pool_attrs(self, mode, window, stride, padding):
-        window = tuple(window)
-        return PoolingAttrs(mode, window, _triple(stride, len(window), 1, "stride") if stride is None
-                            else tuple(stride), _triple(padding, len(window), 0, "padding"))
+    def _pool_attrs(self, op, x, mode, window, stride, padding):
+        """Window, stride and padding: one int for every spatial axis of x, or a list; the
+        stride defaults to 1 and the padding to 0."""
+        spatial = _spatial_rank(op, "x", self._check_input(op, "x", x))
+        if window is None:
+            raise ValidationError(f"{op}: window is required (an int or one value per spatial axis)")
+        return PoolingAttrs(mode, per_axis(op, "window", window, spatial, 1, minimum=1),
+                            per_axis(op, "stride", stride, spatial, 1, minimum=1),
+                            per_axis(op, "padding", padding, spatial, 0, minimum=0))
 
     def pooling(self, x, mode, window, stride=None, padding=None, name=None) -> Tensor:
         """Max or average pooling over the spatial axes of [N, C, *S]."""
-        return self._add_op("pooling", [x], self._pool_attrs(mode, window, stride, padding), name)[0]
+        attrs = self._pool_attrs("pooling", x, mode, window, stride, padding)
+        return self._add_op("pooling", [x], attrs, name)[0]
 
     def pooling_backward(self, dy, x, mode, window, stride=None, padding=None, name=None) -> Tensor:
         """dx of pooling from dy and the forward input x."""
-        attrs = self._pool_attrs(mode, window, stride, padding)
+        attrs = self._pool_attrs("pooling_backward", x, mode, window, stride, padding)
         return self._add_op("pooling_backward", [dy, x], attrs, name)[0]
 
     def dropout(self, x, p, seed, offset=0, return_mask=False, name=None):
         """y = x * keep / (1 - p); with return_mask=True returns (y, mask)."""
-        y, mask = self._add_op("dropout", [x], DropoutAttrs(float(p), int(seed), int(offset),
-                                                            bool(return_mask)), name)
+        y, mask = self._add_op("dropout", [x], DropoutAttrs(p, seed, offset, return_mask), name)
         return (y, mask) if return_mask else y
 
     def sdpa(self, q, k, v, attn_scale=None, is_inference=True, use_causal_mask=False, bias=None,
              dropout=None, seq_len_q=None, seq_len_kv=None, name=None):
         """(o, stats) of softmax(q k^T * scale + bias) v; stats None when is_inference."""
-        attrs = SdpaAttrs(None if attn_scale is None else float(attn_scale), bool(is_inference),
-                          bool(use_causal_mask), None if dropout is None else tuple(dropout))
+        attrs = SdpaAttrs(attn_scale, is_inference, use_causal_mask, dropout)
         return self._add_op("sdpa", [q, k, v, bias, seq_len_q, seq_len_kv], attrs, name)
 
     def sdpa_backward(self, q, k, v, o, dO, stats, attn_scale=None, use_causal_mask=False,
                       bias=None, dropout=None, seq_len_q=None, seq_len_kv=None, name=None):
         """(dq, dk, dv) of sdpa from the forward tensors, dO and the stats."""
-        attrs = SdpaAttrs(None if attn_scale is None else float(attn_scale), False,
-                          bool(use_causal_mask), None if dropout is None else tuple(dropout))
+        attrs = SdpaAttrs(attn_scale, False, use_causal_mask, dropout)
         return self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv],
                             attrs, name)
 
     # --- ops: layout ----------------------------------------------------------------------------
     def reshape(self, x, dim, name=None) -> Tensor:
         """The same elements in row-major order with new dims."""
-        return self._add_op("reshape", [x], ReshapeAttrs(tuple(dim)), name)[0]
+        return self._add_op("reshape", [x], ReshapeAttrs(dim), name)[0]
 
     def transpose(self, x, permutation, name=None) -> Tensor:
         """Permute the logical axes."""
-        return self._add_op("transpose", [x], TransposeAttrs(tuple(int(a) for a in permutation)), name)[0]
+        return self._add_op("transpose", [x], TransposeAttrs(permutation), name)[0]
 
     def slice(self, x, slices, name=None) -> Tensor:
         """Slice every axis with a Python slice or (start, stop[, step])."""
@@ -392,8 +427,10 @@ class Graph:
 
     def concatenate(self, tensors, axis, name=None) -> Tensor:
         """Join tensors along `axis`."""
+        if not isinstance(tensors, (list, tuple)) or not tensors:
+            raise ValidationError(f"concatenate: tensors must be a non-empty list, got {tensors!r}")
         tensors = list(tensors)
-        rank = len(tensors[0].dim) if tensors and isinstance(tensors[0], Tensor) else 1
+        rank = len(self._check_input("concatenate", "tensors[0]", tensors[0]).dim)
         (axis,) = normalize_axes("concatenate", axis, rank)
         return self._add_op("concatenate", tensors, ConcatAttrs(axis), name)[0]
 
@@ -405,6 +442,8 @@ class Graph:
             raise ValidationError(f"graph {self.name!r} has no ops")
         if not self.outputs():
             raise ValidationError(f"graph {self.name!r} has no outputs: mark one with set_output(True)")
+        for tensor in self.outputs():
+            check_not_overlapping(tensor)
         used = {t.uid for n in self._nodes for t in n.input_tensors()}
         for node in self._nodes:
             results = node.output_tensors()
@@ -440,25 +479,46 @@ class Graph:
         return self._plan.explain()
 
     def reference(self, bindings: dict, dtype=torch.float64, all_tensors: bool = False) -> dict:
-        """Outputs computed op by op in torch (floats upcast to `dtype`): dict name -> tensor."""
+        """Outputs computed op by op in torch: dict name -> tensor. Floating tensors are computed
+        and returned in `dtype`; integer and bool tensors hold their own data type (a float
+        result stored as an integer is truncated toward zero, as the kernels store it)."""
+        if not isinstance(bindings, dict):
+            raise ExecutionError(f"reference: bindings must be a dict, got {type(bindings).__name__}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ExecutionError(f"reference: dtype must be a floating torch dtype, got {dtype!r}")
         values = {}
         for tensor in self.inputs():
-            if not any(tensor in n.inputs for n in self._nodes):
-                continue
-            value = self._lookup_binding(bindings, tensor)
-            if value is None:
-                raise ExecutionError(f"reference: no binding for input {tensor.name!r}")
-            values[tensor.uid] = value.to(dtype) if value.is_floating_point() else value
+            if any(tensor in n.inputs for n in self._nodes):
+                value = self._reference_input(bindings, tensor)
+                values[tensor.uid] = value.to(dtype) if value.is_floating_point() else value
         for node in self._nodes:
             inputs = [None if t is None else values[t.uid] for t in node.inputs]
             results = node.opdef.reference(inputs, node.attrs)
             for tensor, result in zip(node.outputs, results):
                 if tensor is not None:
-                    if result.is_floating_point():
-                        result = result.to(dtype)
-                    values[tensor.uid] = result
+                    values[tensor.uid] = _as_stored(result, tensor.data_type, dtype)
         chosen = self._tensors.values() if all_tensors else self.outputs()
         return {t.name: values[t.uid] for t in chosen if t.uid in values}
+
+    def _reference_input(self, bindings: dict, tensor: Tensor) -> torch.Tensor:
+        """The bound value of input `tensor`: a torch tensor of its dims and data type."""
+        value = self._lookup_binding(bindings, tensor)
+        if value is None:
+            raise ExecutionError(f"reference: no binding for input {tensor.name!r}")
+        if not isinstance(value, torch.Tensor):
+            raise ExecutionError(f"reference: input {tensor.name!r} must be a torch.Tensor, "
+                                 f"got {type(value).__name__}")
+        if tuple(value.shape) != tuple(tensor.dim):
+            raise ExecutionError(f"reference: input {tensor.name!r} has dims {list(tensor.dim)}, "
+                                 f"got a tensor of shape {list(value.shape)}")
+        # a floating input may come in any floating dtype (float64 values give an exact reference
+        # of the math); integer and bool inputs must have their own type
+        matches = value.is_floating_point() if tensor.data_type.is_floating \
+            else value.dtype == tensor.data_type.torch_dtype
+        if not matches:
+            raise ExecutionError(f"reference: input {tensor.name!r} is {tensor.data_type.name}, "
+                                 f"got a tensor of {value.dtype}")
+        return value
 
     def _lookup_binding(self, bindings: dict, tensor: Tensor):
         value = bindings.get(tensor)
@@ -480,6 +540,17 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, {len(self._nodes)} ops, {len(self._tensors)} tensors)"
+
+
+def _as_stored(result: torch.Tensor, data_type: dtypes.DataType, float_dtype) -> torch.Tensor:
+    """A reference result as its tensor holds it: floats in `float_dtype`, else the own type."""
+    if data_type is dtypes.bool_:
+        return result if result.dtype == torch.bool else result != 0
+    if not data_type.is_floating:
+        if result.is_floating_point():
+            result = torch.trunc(result)
+        return result.to(data_type.torch_dtype)
+    return result.to(float_dtype)
 
 
 # --- pointwise methods, one per catalog entry ----------------------------------------------------
@@ -507,6 +578,7 @@ def _pointwise_method(op_name: str):
         for position, operand_name in enumerate(entry.operand_names):
             value = arguments[operand_name]
             if isinstance(value, (int, float)) and not isinstance(value, bool):
+                real(op_name, operand_name, value, finite=False)  # a float, not an overflow
                 constants.append((position, float(value)))
                 value = None
             elif value is None:

@@ -105,22 +105,19 @@ def _attrs(record, opdef, where):
 
 def graph_from_json(text: str):
     """Rebuild a Graph; every problem is a SerializationError naming what is wrong."""
-    from .graph import Graph
+    try:
+        return _load(text)
+    except RecursionError:  # nesting deeper than the parser (or a tuple conversion) can follow
+        raise SerializationError("the document nests too deeply") from None
 
+
+def _load(text):
     try:
         document = json.loads(text)
     except (TypeError, ValueError) as error:
         raise SerializationError(f"not valid JSON: {error}") from None
     _check_header(document)
-    header = _field(document, "graph", dict, "document")
-    try:
-        graph = Graph(name=_field(header, "name", str, "graph"),
-                      io_data_type=dtypes.by_name(_field(header, "io_data_type", str, "graph")),
-                      intermediate_data_type=dtypes.by_name(_field(header, "intermediate_data_type", str, "graph")),
-                      compute_data_type=dtypes.by_name(_field(header, "compute_data_type", str, "graph")),
-                      allow_tf32=bool(header.get("allow_tf32", False)))
-    except GraphError as error:
-        raise SerializationError(f"graph header: {error}") from None
+    graph = _graph_from_header(_field(document, "graph", dict, "document"))
     tensors = _field(document, "tensors", list, "document")
     nodes = _field(document, "nodes", list, "document")
     records = {}
@@ -133,7 +130,7 @@ def graph_from_json(text: str):
         where = f"nodes[{index}]"
         for key in ("inputs", "outputs"):
             for uid in _field(record, key, list, where):
-                _require(uid is None or (isinstance(uid, int) and uid in records),
+                _require(uid is None or (type(uid) is int and uid in records),
                          f"{where}.{key} refers to unknown tensor {uid!r}")
         for uid in record["outputs"]:
             if uid is not None:
@@ -144,10 +141,11 @@ def graph_from_json(text: str):
         for uid, record in records.items():
             if uid not in producer_of:
                 where = f"tensor {uid}"
+                _require(_is_output(record, where) is False, f"{where}: a graph input cannot be an output")
                 handles[uid] = graph.tensor(name=_field(record, "name", str, where),
                                             dim=_field(record, "dim", list, where),
                                             stride=_field(record, "stride", list, where),
-                                            data_type=record.get("data_type"))
+                                            data_type=_data_type(record, where))
         for index in _node_order(nodes, producer_of):
             _replay(graph, nodes[index], f"nodes[{index}]", handles, records)
     except SerializationError:
@@ -155,6 +153,36 @@ def graph_from_json(text: str):
     except GraphError as error:
         raise SerializationError(f"inconsistent document: {error}") from None
     return graph
+
+
+def _graph_from_header(header):
+    from .graph import Graph
+
+    allow_tf32 = header.get("allow_tf32", False)
+    _require(isinstance(allow_tf32, bool), f"graph.allow_tf32 must be true or false, got {allow_tf32!r}")
+    try:
+        return Graph(name=_field(header, "name", str, "graph"),
+                     io_data_type=dtypes.by_name(_field(header, "io_data_type", str, "graph")),
+                     intermediate_data_type=dtypes.by_name(_field(header, "intermediate_data_type", str,
+                                                                  "graph")),
+                     compute_data_type=dtypes.by_name(_field(header, "compute_data_type", str, "graph")),
+                     allow_tf32=allow_tf32)
+    except GraphError as error:
+        raise SerializationError(f"graph header: {error}") from None
+
+
+def _is_output(record, where) -> bool:
+    value = record.get("is_output", False)
+    _require(isinstance(value, bool), f"{where}.is_output must be true or false, got {value!r}")
+    return value
+
+
+def _data_type(record, where):
+    """The explicit data type name of a tensor record, or None."""
+    value = record.get("data_type")
+    _require(value is None or isinstance(value, str), f"{where}.data_type must be a type name or null, "
+                                                      f"got {value!r}")
+    return value
 
 
 def _replay(graph, record, where, handles, records):
@@ -172,14 +200,14 @@ def _replay(graph, record, where, handles, records):
         _require((uid is None) == (tensor is None), f"{where}: output presence does not match the op")
         if tensor is None:
             continue
-        saved = records[uid]
-        tensor.set_name(_field(saved, "name", str, f"tensor {uid}"))
-        if list(tensor.dim) != saved.get("dim"):
-            raise SerializationError(f"tensor {uid}: dims {saved.get('dim')} disagree with the op's "
-                                     f"{list(tensor.dim)}")
-        tensor.set_stride(_field(saved, "stride", list, f"tensor {uid}"))
-        if saved.get("data_type") is not None:
+        saved, saved_where = records[uid], f"tensor {uid}"
+        tensor.set_name(_field(saved, "name", str, saved_where))
+        dims = _field(saved, "dim", list, saved_where)
+        _require(dims == list(tensor.dim) and all(type(d) is int for d in dims),
+                 f"{saved_where}: dims {dims} disagree with the op's {list(tensor.dim)}")
+        tensor.set_stride(_field(saved, "stride", list, saved_where))
+        if _data_type(saved, saved_where) is not None:
             tensor.set_data_type(saved["data_type"])
-        if saved.get("is_output"):
+        if _is_output(saved, saved_where):
             tensor.set_output(True)
         handles[uid] = tensor

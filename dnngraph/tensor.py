@@ -1,10 +1,20 @@
 """Tensor handles: logical dims, physical strides, a data type, and who produces them."""
 from __future__ import annotations
 
+import math
+import numbers
 from typing import TYPE_CHECKING, Optional, Sequence
+
+import numpy
 
 from . import dtypes
 from .errors import ValidationError
+
+INT64_MAX = 2**63 - 1
+# Element counts, spans and strides stay far inside int64 (2**48) so that index math in the
+# kernels (an index times a stride, plus a tile offset, in int64) can never overflow.
+MAX_EXTENT = 2**48
+MAX_RANK = 16
 
 if TYPE_CHECKING:  # pragma: no cover
     from .graph import Graph, Node
@@ -20,8 +30,19 @@ def contiguous_strides(dim: Sequence[int]) -> tuple[int, ...]:
 
 
 def stride_order(dim: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
-    """Axes from outermost to innermost; ties (size-1 axes) keep the logical order."""
-    return tuple(sorted(range(len(dim)), key=lambda axis: (-stride[axis], axis)))
+    """Axes from outermost to innermost by stride.
+
+    Broadcast axes (stride 0) and size-1 axes say nothing about the layout: they keep their
+    logical positions and only the other axes are ordered by stride (ties keep the logical
+    order), so an expanded input does not turn its op's output around.
+    """
+    free = [axis for axis in range(len(dim)) if stride[axis] == 0 or dim[axis] == 1]
+    placed = sorted((axis for axis in range(len(dim)) if axis not in free),
+                    key=lambda axis: (-stride[axis], axis))
+    order, ranked = [], iter(placed)
+    for axis in range(len(dim)):
+        order.append(axis if axis in free else next(ranked))
+    return tuple(order)
 
 
 def dense_strides(dim: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
@@ -34,28 +55,68 @@ def dense_strides(dim: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
     return tuple(strides)
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, numpy.bool_))
+
+
+def _int_list(values, what: str, kind: str) -> tuple[int, ...]:
+    if not isinstance(values, (list, tuple)) or not all(_is_int(v) for v in values):
+        raise ValidationError(f"{what}: {kind} must be a list of integers, got {values!r}")
+    return tuple(int(v) for v in values)
+
+
 def check_dims(dim, what: str) -> tuple[int, ...]:
-    """Validate a dims list: a non-empty sequence of positive ints."""
-    try:
-        dims = tuple(int(d) for d in dim)
-    except (TypeError, ValueError):
-        raise ValidationError(f"{what}: dims must be a list of integers, got {dim!r}") from None
-    if any(d <= 0 for d in dims) or any(int(d) != d for d in dim):
-        raise ValidationError(f"{what}: dims must be positive integers, got {list(dim)}")
+    """Validate a dims list: 1 to MAX_RANK positive ints, at most MAX_EXTENT elements in all."""
+    dims = _int_list(dim, what, "dims")
+    if not 1 <= len(dims) <= MAX_RANK:
+        raise ValidationError(f"{what}: needs 1 to {MAX_RANK} dims, got {list(dims)} "
+                              f"(declare a scalar as [1])")
+    if any(d <= 0 for d in dims):
+        raise ValidationError(f"{what}: dims must be positive integers, got {list(dims)}")
+    if math.prod(dims) > MAX_EXTENT:
+        raise ValidationError(f"{what}: dims {list(dims)} hold more than 2**48 elements; element "
+                              f"counts must stay well inside int64 index math")
     return dims
 
 
+def span(dim: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements from the first to one past the last element a layout addresses."""
+    return sum((size - 1) * step for size, step in zip(dim, stride)) + 1
+
+
 def check_strides(stride, dims: tuple[int, ...], what: str) -> tuple[int, ...]:
-    """Validate strides against dims: same rank, non-negative ints."""
-    try:
-        strides = tuple(int(s) for s in stride)
-    except (TypeError, ValueError):
-        raise ValidationError(f"{what}: strides must be a list of integers, got {stride!r}") from None
+    """Validate strides against dims: same rank, non-negative ints, a span inside int64 math."""
+    strides = _int_list(stride, what, "strides")
     if len(strides) != len(dims):
         raise ValidationError(f"{what}: {len(strides)} strides for {len(dims)} dims {list(dims)}")
     if any(s < 0 for s in strides):
         raise ValidationError(f"{what}: strides must be non-negative, got {list(strides)}")
+    if any(s > MAX_EXTENT for s in strides) or span(dims, strides) > MAX_EXTENT:
+        raise ValidationError(f"{what}: strides {list(strides)} span more than 2**48 elements; "
+                              f"spans must stay well inside int64 index math")
     return strides
+
+
+def overlaps(dim: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether two elements of the layout share an address.
+
+    Axes of size > 1 taken from the smallest stride up: each stride must reach past everything
+    the axes inside it span, else two index tuples meet.
+    """
+    axes = sorted((stride[a], dim[a]) for a in range(len(dim)) if dim[a] > 1)
+    extent = 1
+    for step, size in axes:
+        if step < extent:
+            return True
+        extent += (size - 1) * step
+    return False
+
+
+def check_not_overlapping(tensor: "Tensor"):
+    """Outputs are written: reject a layout whose elements share memory."""
+    if overlaps(tensor.dim, tensor.stride):
+        raise ValidationError(f"output {tensor.name!r} of dims {list(tensor.dim)} has overlapping "
+                              f"strides {list(tensor.stride)}: elements would share memory")
 
 
 class Tensor:
@@ -142,9 +203,13 @@ class Tensor:
     # --- setters (chainable) ------------------------------------------------------------------
     def set_output(self, is_output: bool = True) -> "Tensor":
         """Mark the tensor as a graph output: the user binds it and the plan writes it."""
+        if not isinstance(is_output, (bool, numpy.bool_)):
+            raise ValidationError(f"set_output of {self._name!r}: needs True or False, got {is_output!r}")
         if is_output and self.producer is None:
             raise ValidationError(
                 f"tensor {self._name!r} is a graph input and cannot also be an output")
+        if is_output:
+            check_not_overlapping(self)
         self._graph._invalidate()
         self._is_output = bool(is_output)
         return self
@@ -156,14 +221,19 @@ class Tensor:
 
     def set_data_type(self, data_type) -> "Tensor":
         """Set the stored data type (for op outputs: the type written to memory)."""
+        data_type = dtypes.resolve(data_type)
         self._graph._invalidate()
-        self._data_type = dtypes.resolve(data_type)
+        self._data_type = data_type
         return self
 
     def set_stride(self, stride) -> "Tensor":
         """Override the physical strides (logical dims stay)."""
+        stride = check_strides(stride, self._dim, f"tensor {self._name!r}")
+        if self._is_output and overlaps(self._dim, stride):
+            raise ValidationError(f"output {self._name!r} of dims {list(self._dim)} cannot take "
+                                  f"overlapping strides {list(stride)}: elements would share memory")
         self._graph._invalidate()
-        self._stride = check_strides(stride, self._dim, f"tensor {self._name!r}")
+        self._stride = stride
         return self
 
     def __repr__(self) -> str:

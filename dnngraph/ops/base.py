@@ -2,10 +2,16 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+import numpy
+
 from ..errors import ValidationError
+
+from ..tensor import INT64_MAX, MAX_EXTENT, MAX_RANK
 
 
 @dataclass(frozen=True)
@@ -79,16 +85,62 @@ def broadcast_dims(op: str, named_dims: Sequence[tuple[str, tuple[int, ...]]]) -
     return tuple(result)
 
 
+def _is_integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, numpy.bool_))
+
+
+def integer(op: str, what: str, value, minimum: Optional[int] = None, maximum: int = INT64_MAX) -> int:
+    """`value` as a Python int (bools and floats are not integers), within the bounds."""
+    if not _is_integer(value):
+        fail(op, f"{what} must be an integer, got {value!r}")
+    value = int(value)
+    if minimum is not None and value < minimum:
+        fail(op, f"{what} must be >= {minimum}, got {value}")
+    if value > maximum:
+        fail(op, f"{what} must be <= {maximum}, got {value}")
+    return value
+
+
+def real(op: str, what: str, value, finite: bool = True) -> float:
+    """`value` as a Python float: an int or a float, never a bool or a string."""
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, numpy.bool_)):
+        fail(op, f"{what} must be a number, got {value!r}")
+    try:
+        value = float(value)
+    except OverflowError:
+        fail(op, f"{what} is too large for a float: {value!r}")
+    if finite and not math.isfinite(value):
+        fail(op, f"{what} must be finite, got {value}")
+    return value
+
+
+def boolean(op: str, what: str, value) -> bool:
+    """`value` as a Python bool: True or False only (no truthy strings or numbers)."""
+    if not isinstance(value, (bool, numpy.bool_)):
+        fail(op, f"{what} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def choice(op: str, what: str, value, options: Sequence[str]) -> str:
+    """`value` when it is one of the names in `options`."""
+    if not isinstance(value, str) or value not in options:
+        fail(op, f"{what} must be one of {', '.join(options)}; got {value!r}")
+    return value
+
+
+def sequence(op: str, what: str, values) -> tuple:
+    """A list or tuple as a tuple (strings, dicts, sets and scalars are not sequences here)."""
+    if not isinstance(values, (list, tuple)):
+        fail(op, f"{what} must be a list, got {values!r}")
+    return tuple(values)
+
+
 def normalize_axes(op: str, axes, rank: int) -> tuple[int, ...]:
     """Axes as sorted non-negative ints; negative axes count from the end."""
-    if isinstance(axes, int):
-        axes = (axes,)
-    try:
-        raw = [int(a) for a in axes]
-    except (TypeError, ValueError):
-        fail(op, f"axes must be integers, got {axes!r}")
+    raw = (axes,) if _is_integer(axes) else sequence(op, "axes", axes)
     normalized = []
     for axis in raw:
+        axis = integer(op, "axis", axis, maximum=rank)
         if not -rank <= axis < rank:
             fail(op, f"axis {axis} out of range for rank {rank}")
         normalized.append(axis % rank)
@@ -97,19 +149,41 @@ def normalize_axes(op: str, axes, rank: int) -> tuple[int, ...]:
     return tuple(sorted(normalized))
 
 
-def int_tuple(op: str, what: str, values, length: Optional[int] = None, minimum: Optional[int] = None):
-    """A tuple of ints, validated for length and lower bound."""
-    try:
-        result = tuple(int(v) for v in values)
-    except (TypeError, ValueError):
-        fail(op, f"{what} must be a list of integers, got {values!r}")
-    if any(int(v) != v for v in values):
-        fail(op, f"{what} must be integers, got {list(values)}")
+def canonical_axes(op: str, what: str, axes) -> tuple[int, ...]:
+    """Axes in the canonical form normalize_axes gives: distinct non-negative ints, ascending.
+
+    Attributes hold axes this way; the Graph methods normalize user input (negative axes,
+    any order) with the rank in hand, so a document with axes [-1] or [1, 1] is rejected here
+    instead of meaning something the method call could not have produced.
+    """
+    axes = tuple(integer(op, what, a, minimum=0, maximum=MAX_RANK) for a in sequence(op, what, axes))
+    if list(axes) != sorted(set(axes)):
+        fail(op, f"{what} must be distinct and ascending (canonical form), got {list(axes)}")
+    return axes
+
+
+def int_tuple(op: str, what: str, values, length: Optional[int] = None, minimum: Optional[int] = None,
+              maximum: int = INT64_MAX):
+    """A tuple of ints, validated for length and bounds."""
+    result = tuple(integer(op, f"{what} value", v, minimum, maximum) for v in sequence(op, what, values))
     if length is not None and len(result) != length:
         fail(op, f"{what} needs {length} values, got {list(result)}")
-    if minimum is not None and any(v < minimum for v in result):
-        fail(op, f"{what} must be >= {minimum}, got {list(result)}")
     return result
+
+
+def per_axis(op: str, what: str, values, spatial: int, default: int, minimum: int) -> tuple:
+    """One int per spatial axis: None gives the default, an int applies to every axis."""
+    if values is None:
+        return (default,) * spatial
+    if _is_integer(values):
+        values = (values,) * spatial
+    return int_tuple(op, what, values, spatial, minimum, maximum=MAX_EXTENT)
+
+
+def freeze(attrs, **values):
+    """Store normalized field values on a frozen attrs dataclass (from its __post_init__)."""
+    for name, value in values.items():
+        object.__setattr__(attrs, name, value)
 
 
 def attrs_to_dict(attrs) -> dict:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import OpDef, OutputSpec, fail, int_tuple, register
+from ..tensor import MAX_EXTENT
+from .base import OpDef, OutputSpec, choice, fail, freeze, int_tuple, integer, register
 
 MODES = ("cross_correlation", "convolution")
 
@@ -25,16 +26,19 @@ class ConvAttrs:
     shape: tuple = ()  # x_dim for dgrad, w_dim for wgrad
 
     def __post_init__(self):
-        spatial = len(self.padding)
+        padding = int_tuple("conv", "padding", self.padding, minimum=0, maximum=MAX_EXTENT)
+        spatial = len(padding)
         if not 1 <= spatial <= 3:
-            fail("conv", f"padding must have 1 to 3 values, got {list(self.padding)}")
-        int_tuple("conv", "padding", self.padding, spatial, minimum=0)
-        int_tuple("conv", "stride", self.stride, spatial, minimum=1)
-        int_tuple("conv", "dilation", self.dilation, spatial, minimum=1)
-        if self.groups < 1:
-            fail("conv", f"groups must be >= 1, got {self.groups}")
-        if self.mode not in MODES:
-            fail("conv", f"mode must be one of {MODES}, got {self.mode!r}")
+            fail("conv", f"padding must have 1 to 3 values, got {list(padding)}")
+        shape = int_tuple("conv", "shape", self.shape, minimum=1, maximum=MAX_EXTENT)
+        if shape and len(shape) != spatial + 2:
+            fail("conv", f"shape {list(shape)} must have rank {spatial + 2} for {spatial} spatial dims")
+        freeze(self, padding=padding,
+               stride=int_tuple("conv", "stride", self.stride, spatial, minimum=1, maximum=MAX_EXTENT),
+               dilation=int_tuple("conv", "dilation", self.dilation, spatial, minimum=1,
+                                  maximum=MAX_EXTENT),
+               groups=integer("conv", "groups", self.groups, minimum=1, maximum=MAX_EXTENT),
+               mode=choice("conv", "mode", self.mode, MODES), shape=shape)
 
 
 def output_dims(op, x_dim, w_dim, attrs: ConvAttrs) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import dtypes
-from .base import OpDef, OutputSpec, fail, register
+from .base import OpDef, OutputSpec, boolean, fail, freeze, integer, real, register
 from .random import keep_mask
 
 
@@ -25,10 +25,12 @@ class DropoutAttrs:
     return_mask: bool = False
 
     def __post_init__(self):
-        if not 0.0 <= self.p < 1.0:
-            fail("dropout", f"p must be in [0, 1), got {self.p}")
-        if not 0 <= self.seed < 2**64 or not 0 <= self.offset < 2**63:
-            fail("dropout", "seed and offset must be non-negative 64-bit integers")
+        p = real("dropout", "p", self.p)
+        if not 0.0 <= p < 1.0:
+            fail("dropout", f"p must be in [0, 1), got {p}")
+        freeze(self, p=p, seed=integer("dropout", "seed", self.seed, 0, 2**64 - 1),
+               offset=integer("dropout", "offset", self.offset, 0, 2**63 - 1),
+               return_mask=boolean("dropout", "return_mask", self.return_mask))
 
 
 def keep_threshold(p: float) -> int:

@@ -11,7 +11,7 @@ import torch
 
 from .. import dtypes
 from ..tensor import contiguous_strides
-from .base import OpDef, OutputSpec, broadcast_dims, fail, register
+from .base import OpDef, OutputSpec, boolean, broadcast_dims, fail, freeze, register
 
 MATMUL_TYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.float8_e4m3, dtypes.float8_e5m2)
 FP8_TYPES = (dtypes.float8_e4m3, dtypes.float8_e5m2)
@@ -20,6 +20,9 @@ FP8_TYPES = (dtypes.float8_e4m3, dtypes.float8_e5m2)
 @dataclass(frozen=True)
 class MatmulAttrs:
     allow_tf32: bool = False  # fp32 inputs: IEEE math unless the graph opts in
+
+    def __post_init__(self):
+        freeze(self, allow_tf32=boolean("matmul", "allow_tf32", self.allow_tf32))
 
 
 def _check_scale(name: str, scale):

@@ -7,13 +7,13 @@ Statistics are float32 and keep the rank of x.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from .. import dtypes
-from .base import OpDef, OutputSpec, fail, register
+from ..tensor import MAX_EXTENT
+from .base import OpDef, OutputSpec, boolean, choice, fail, freeze, integer, real, register
 
 PHASES = ("training", "inference")
 
@@ -27,14 +27,16 @@ class NormAttrs:
     has_dbias: bool = True  # rmsnorm_backward
 
     def __post_init__(self):
-        if not (self.epsilon > 0 and math.isfinite(self.epsilon)):
-            fail("norm", f"epsilon must be a positive number, got {self.epsilon}")
-        if self.norm_forward_phase not in PHASES:
-            fail("norm", f"norm_forward_phase must be one of {PHASES}, got {self.norm_forward_phase!r}")
-        if not 0.0 <= self.momentum <= 1.0:
-            fail("norm", f"momentum must be in [0, 1], got {self.momentum}")
-        if self.groups < 1:
-            fail("norm", f"groups must be >= 1, got {self.groups}")
+        epsilon = real("norm", "epsilon", self.epsilon)
+        if not epsilon > 0:
+            fail("norm", f"epsilon must be a positive number, got {epsilon}")
+        momentum = real("norm", "momentum", self.momentum)
+        if not 0.0 <= momentum <= 1.0:
+            fail("norm", f"momentum must be in [0, 1], got {momentum}")
+        freeze(self, epsilon=epsilon, momentum=momentum,
+               norm_forward_phase=choice("norm", "norm_forward_phase", self.norm_forward_phase, PHASES),
+               groups=integer("norm", "groups", self.groups, minimum=1, maximum=MAX_EXTENT),
+               has_dbias=boolean("norm", "has_dbias", self.has_dbias))
 
 
 @dataclass(frozen=True)

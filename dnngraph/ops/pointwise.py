@@ -7,13 +7,16 @@ codegen/expressions.py, keyed by the same names.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+import numpy
 import torch
 
 from .. import dtypes
-from .base import OpDef, OutputSpec, broadcast_dims, fail, register
+from ..tensor import INT64_MAX
+from .base import OpDef, OutputSpec, broadcast_dims, fail, freeze, integer, real, register, sequence
 
 
 @dataclass(frozen=True)
@@ -26,10 +29,38 @@ class PointwiseAttrs:
     data_type: Optional[str] = None  # cast target
 
     def __post_init__(self):
+        if self.data_type is not None and not isinstance(self.data_type, str):
+            fail("pointwise", f"data_type must be a data type name, got {self.data_type!r}")
         if self.data_type is not None:
             dtypes.by_name(self.data_type)
-        if self.beta == 0:
+        params = {name: real("pointwise", name, getattr(self, name))
+                  for name in ("negative_slope", "alpha", "beta", "threshold")}
+        if params["beta"] == 0:
             fail("softplus", "beta must be non-zero")
+        freeze(self, constants=_checked_constants(self.constants), **params)
+
+
+def _checked_constants(constants) -> tuple:
+    """((position, number), ...) with distinct positions; a number is an int or a float.
+
+    Ints stay ints (integer operands compute exactly); non-finite floats are allowed (a -inf
+    bound is a fine constant). Positions are checked against the op's operands by its infer.
+    """
+    pairs = []
+    for pair in sequence("pointwise", "constants", constants):
+        pair = sequence("pointwise", "constants entry", pair)
+        if len(pair) != 2:
+            fail("pointwise", f"constants entries are (position, value), got {list(pair)}")
+        position = integer("pointwise", "constant position", pair[0], minimum=0, maximum=2)
+        value = pair[1]
+        if isinstance(value, numbers.Integral) and not isinstance(value, (bool, numpy.bool_)):
+            value = integer("pointwise", "constant", value, minimum=-INT64_MAX - 1)
+        else:
+            value = real("pointwise", "constant", value, finite=False)
+        pairs.append((position, value))
+    if len({position for position, _ in pairs}) != len(pairs):
+        fail("pointwise", f"constants name a position twice: {pairs}")
+    return tuple(pairs)
 
 
 @dataclass(frozen=True)
@@ -163,10 +194,24 @@ def operand_values(inputs, attrs: PointwiseAttrs, arity: int):
     return [constants[i] if i in constants else inputs[i] for i in range(arity)]
 
 
+def _check_operands(op_name: str, entry: PointwiseOp, inputs, attrs: PointwiseAttrs):
+    """Every operand is exactly one of a tensor or a constant."""
+    constant_positions = {position for position, _ in attrs.constants}
+    for position, operand_name in enumerate(entry.operand_names):
+        given = inputs[position] is not None
+        if given and position in constant_positions:
+            fail(op_name, f"operand {operand_name} is both a tensor and a constant")
+        if not given and position not in constant_positions:
+            fail(op_name, f"operand {operand_name} is required")
+    if any(position >= entry.arity for position in constant_positions):
+        fail(op_name, f"constants {list(attrs.constants)} name positions past its {entry.arity} operands")
+
+
 def _infer(op_name: str):
     entry = POINTWISE_OPS[op_name]
 
     def infer(inputs, attrs: PointwiseAttrs):
+        _check_operands(op_name, entry, inputs, attrs)
         tensors = [(entry.operand_names[i], t.dim) for i, t in enumerate(inputs) if t is not None]
         if not tensors:
             fail(op_name, "needs at least one tensor operand")

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import OpDef, OutputSpec, fail, int_tuple, register
+from ..tensor import MAX_EXTENT
+from .base import OpDef, OutputSpec, choice, fail, freeze, int_tuple, register
 
 MODES = ("max", "avg_include_pad", "avg_exclude_pad")
 
@@ -20,16 +21,15 @@ class PoolingAttrs:
 
     def __post_init__(self):
         op = "pooling"
-        if self.mode not in MODES:
-            fail(op, f"unknown mode {self.mode!r}; modes: {', '.join(MODES)}")
-        spatial = len(self.window)
+        window = int_tuple(op, "window", self.window, minimum=1, maximum=MAX_EXTENT)
+        spatial = len(window)
         if not 1 <= spatial <= 3:
-            fail(op, f"window must have 1 to 3 values, got {list(self.window)}")
-        int_tuple(op, "window", self.window, spatial, minimum=1)
-        int_tuple(op, "stride", self.stride, spatial, minimum=1)
-        int_tuple(op, "padding", self.padding, spatial, minimum=0)
-        if any(2 * p > w for p, w in zip(self.padding, self.window)):
-            fail(op, f"padding {list(self.padding)} must be at most half the window {list(self.window)}")
+            fail(op, f"window must have 1 to 3 values, got {list(window)}")
+        padding = int_tuple(op, "padding", self.padding, spatial, minimum=0, maximum=MAX_EXTENT)
+        if any(2 * p > w for p, w in zip(padding, window)):
+            fail(op, f"padding {list(padding)} must be at most half the window {list(window)}")
+        freeze(self, mode=choice(op, "mode", self.mode, MODES), window=window, padding=padding,
+               stride=int_tuple(op, "stride", self.stride, spatial, minimum=1, maximum=MAX_EXTENT))
 
 
 def output_spatial(op, x_dim, attrs: PoolingAttrs) -> tuple[int, ...]:

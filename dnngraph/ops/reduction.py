@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import OpDef, OutputSpec, fail, register
+from .base import OpDef, OutputSpec, canonical_axes, choice, fail, freeze, register
 
 MODES = ("sum", "mean", "max", "min", "amax", "prod", "norm1", "norm2")
 
@@ -16,10 +16,10 @@ class ReductionAttrs:
     axes: tuple
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            fail("reduction", f"unknown mode {self.mode!r}; modes: {', '.join(MODES)}")
-        if not self.axes:
+        axes = canonical_axes("reduction", "axes", self.axes)
+        if not axes:
             fail("reduction", "needs at least one axis")
+        freeze(self, mode=choice("reduction", "mode", self.mode, MODES), axes=axes)
 
 
 def infer(inputs, attrs: ReductionAttrs):

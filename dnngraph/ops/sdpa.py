@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from .. import dtypes
-from .base import OpDef, OutputSpec, broadcast_dims, fail, register
+from .base import OpDef, OutputSpec, boolean, broadcast_dims, fail, freeze, integer, real, register
 from .random import keep_mask
 
 
@@ -27,9 +27,23 @@ class SdpaAttrs:
     dropout: Optional[tuple] = None  # (p, seed, offset)
 
     def __post_init__(self):
-        if self.dropout is not None:
-            if len(self.dropout) != 3 or not 0.0 <= self.dropout[0] < 1.0:
-                fail("sdpa", f"dropout must be (p, seed, offset) with p in [0, 1), got {self.dropout}")
+        attn_scale = None if self.attn_scale is None else real("sdpa", "attn_scale", self.attn_scale)
+        freeze(self, attn_scale=attn_scale, dropout=_dropout_triple(self.dropout),
+               is_inference=boolean("sdpa", "is_inference", self.is_inference),
+               use_causal_mask=boolean("sdpa", "use_causal_mask", self.use_causal_mask))
+
+
+def _dropout_triple(dropout) -> Optional[tuple]:
+    """sdpa's dropout as (p, seed, offset), checked as dropout checks its own attributes."""
+    if dropout is None:
+        return None
+    if not isinstance(dropout, (list, tuple)) or len(dropout) != 3:
+        fail("sdpa", f"dropout must be (p, seed, offset) or None, got {dropout!r}")
+    p = real("sdpa", "dropout p", dropout[0])
+    if not 0.0 <= p < 1.0:
+        fail("sdpa", f"dropout p must be in [0, 1), got {p}")
+    return (p, integer("sdpa", "dropout seed", dropout[1], 0, 2**64 - 1),
+            integer("sdpa", "dropout offset", dropout[2], 0, 2**63 - 1))
 
 
 def _check_qkv(op, q, k, v, bias, seq_len_q, seq_len_kv):

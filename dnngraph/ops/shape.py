@@ -5,27 +5,46 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import OpDef, OutputSpec, fail, int_tuple, register
+from ..tensor import MAX_EXTENT, MAX_RANK
+from .base import (OpDef, OutputSpec, canonical_axes, fail, freeze, int_tuple, integer, register,
+                   sequence)
 
 
 @dataclass(frozen=True)
 class ReshapeAttrs:
     dim: tuple
 
+    def __post_init__(self):
+        freeze(self, dim=int_tuple("reshape", "dim", self.dim, minimum=1, maximum=MAX_EXTENT))
+
 
 @dataclass(frozen=True)
 class TransposeAttrs:
     permutation: tuple
+
+    def __post_init__(self):
+        freeze(self, permutation=int_tuple("transpose", "permutation", self.permutation, minimum=0,
+                                           maximum=MAX_RANK))
 
 
 @dataclass(frozen=True)
 class SliceAttrs:
     slices: tuple  # ((start, stop, step), ...) per axis, normalized to the input dims
 
+    def __post_init__(self):
+        slices = sequence("slice", "slices", self.slices)
+        freeze(self, slices=tuple(int_tuple("slice", f"slices[{axis}]", item, 3, minimum=0,
+                                            maximum=MAX_EXTENT)
+                                  for axis, item in enumerate(slices)))
+
 
 @dataclass(frozen=True)
 class ConcatAttrs:
     axis: int
+
+    def __post_init__(self):
+        (axis,) = canonical_axes("concatenate", "axis", (self.axis,))
+        freeze(self, axis=axis)
 
 
 def _numel(dim):
@@ -81,16 +100,26 @@ def infer_concatenate(inputs, attrs):
 
 def normalize_slices(slices, dim) -> tuple:
     """Python slices (or (start, stop[, step]) tuples) as ((start, stop, step), ...)."""
+    slices = sequence("slice", "slices", slices)
     if len(slices) != len(dim):
         fail("slice", f"{len(slices)} slices for rank {len(dim)}")
-    normalized = []
-    for item, size in zip(slices, dim):
-        if isinstance(item, slice):
-            normalized.append(item.indices(size))
-        else:
-            start, stop, *step = item
-            normalized.append((int(start), int(stop), int(step[0]) if step else 1))
-    return tuple(normalized)
+    return tuple(_normalize_slice(axis, item, size) for axis, (item, size) in enumerate(zip(slices, dim)))
+
+
+def _normalize_slice(axis: int, item, size: int) -> tuple:
+    what = f"slices[{axis}]"
+    if isinstance(item, slice):
+        for bound in (item.start, item.stop, item.step):
+            if bound is not None:
+                integer("slice", what, bound, -MAX_EXTENT, MAX_EXTENT)
+        if item.step is not None and item.step < 1:
+            fail("slice", f"{what}: step must be >= 1, got {item.step}")
+        return item.indices(size)
+    item = sequence("slice", what, item)
+    if len(item) not in (2, 3):
+        fail("slice", f"{what} must be a slice or (start, stop[, step]), got {list(item)}")
+    start, stop, *step = (integer("slice", what, v, -MAX_EXTENT, MAX_EXTENT) for v in item)
+    return (start, stop, step[0] if step else 1)
 
 
 register(OpDef("reshape", "layout", "opaque", ReshapeAttrs, ("x",), ("y",), infer_reshape,

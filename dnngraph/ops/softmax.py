@@ -5,13 +5,17 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import OpDef, OutputSpec, fail, register
+from .base import OpDef, OutputSpec, boolean, canonical_axes, fail, freeze, register
 
 
 @dataclass(frozen=True)
 class SoftmaxAttrs:
     axis: int
     log: bool = False
+
+    def __post_init__(self):
+        (axis,) = canonical_axes("softmax", "axis", (self.axis,))
+        freeze(self, axis=axis, log=boolean("softmax", "log", self.log))
 
 
 def _check_axis(op, x, attrs):
