@@ -261,10 +261,12 @@ class _Partitioner:
         return [self.groups[i] for i in ordered]
 
 
-def partition(graph) -> list[FusionGroup]:
-    """Kernel groups of `graph`, in an order that respects every dependency."""
+def partition(graph, families=None) -> list[FusionGroup]:
+    """Kernel groups of `graph`, in an order that respects every dependency; `families` (None:
+    all) names the group kinds that have kernels, so no group forms that could not run."""
     partitioner = _Partitioner(graph)
-    partitioner.attention_chains()
+    if families is None or "sdpa" in families:
+        partitioner.attention_chains()
     partitioner.anchors()
     partitioner.pointwise()
     return partitioner.finish()
