@@ -159,3 +159,68 @@ def test_pooling_window_one(mode):
     x = g.tensor(name="x", dim=[2, 3, 5, 1])
     g.pooling(x, mode, window=[1, 1], stride=[2, 1], padding=[0, 0]).set_output(True)
     check(g, {x: sample(2, 3, 5, 1)})
+
+
+# --- NaN and inf through max, min and amax --------------------------------------------------------
+def compare_specials(graph, inputs, tolerance=1e-5):
+    """Execute with poisoned outputs; NaN where the reference has NaN, equal infinities."""
+    outputs = run(graph, inputs)
+    refs = graph.reference(inputs)
+    for name, out in outputs.items():
+        torch.testing.assert_close(out.double(), refs[name].double(), rtol=tolerance, atol=tolerance,
+                                   equal_nan=True, msg=lambda text: f"{name}: {text}")
+    return outputs
+
+
+def special_rows(rows=7, cols=37):
+    """Rows partly NaN, wholly NaN, with +inf, -inf, all -inf, NaN next to inf, and plain."""
+    x = sample(rows, cols)
+    nan, inf = float("nan"), float("inf")
+    x[0, 5] = nan
+    x[1, :] = nan
+    x[2, 3] = inf
+    x[3, 30] = -inf
+    x[4, :] = -inf
+    x[5, 0], x[5, 36] = inf, nan
+    return x
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_reductions_propagate_nan(row_mode, axis):
+    x_t = special_rows()
+    x_t = x_t if axis == 1 else x_t.t().contiguous()
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=list(x_t.shape))
+    for mode in REDUCTION_MODES:
+        g.reduction(x, mode, [axis]).set_output(True).set_name(mode)
+    outputs = compare_specials(g, {x: x_t})
+    assert torch.isnan(outputs["max"].flatten()[[0, 1, 5]]).all()
+    assert row_mode in modes_used(g) or axis == 0  # columns of a row-major x never run one-pass
+
+
+def test_softmax_and_norms_propagate_nan(row_mode):
+    x_t = special_rows()
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[7, 37])
+    g.softmax(x, axis=1).set_output(True).set_name("softmax")
+    g.softmax(x, axis=1, log=True).set_output(True).set_name("log_softmax")
+    g.rmsnorm(x, g.tensor(name="s", dim=[1, 37]), None)[0].set_output(True).set_name("rms")
+    compare_specials(g, {x: x_t, "s": sample(1, 37)})
+
+
+@pytest.mark.parametrize("variant", ["tiled", "split_k", "persistent"])
+def test_matmul_row_exits_propagate_nan(monkeypatch, variant):
+    configs = {"tiled": mm.MatmulConfig("tiled", 16, 16, 16, 4, 2),
+               "split_k": mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=2),
+               "persistent": mm.MatmulConfig("persistent", 16, 16, 16, 4, 2)}
+    monkeypatch.setattr(mm, "FORCE_CONFIG", configs[variant])
+    g = dg.Graph()
+    a, b = g.tensor(name="a", dim=[7, 9]), g.tensor(name="b", dim=[9, 37])
+    e = g.tensor(name="e", dim=[7, 37])
+    y = g.add(g.matmul(a, b), e)  # the specials come in through the epilogue operand
+    for mode in ("max", "min", "amax", "sum"):
+        g.reduction(y, mode, [1]).set_output(True).set_name(mode)
+    g.build()
+    assert len(g.plan.groups) == 1 and g.plan.groups[0].exits
+    outputs = compare_specials(g, {a: sample(7, 9), b: sample(9, 37), e: special_rows()}, tolerance=1e-4)
+    assert torch.isnan(outputs["max"][1]).all() and torch.isnan(outputs["amax"][0]).all()

@@ -27,11 +27,12 @@ from dnngraph.codegen import triton_reduce as tr
 '''
 
 IDENTITY = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")', "prod": "1.0"}
+# max and min propagate NaN as torch does, in tiles, loop lanes and split combines alike
 REDUCE_TILE = {"sum": "tl.sum({0}, axis=1, keep_dims=True)",
-               "max": "tl.max({0}, axis=1, keep_dims=True)",
-               "min": "tl.min({0}, axis=1, keep_dims=True)",
+               "max": "tl.reduce({0}, 1, tr.max_combine, keep_dims=True)",
+               "min": "tl.reduce({0}, 1, tr.min_combine, keep_dims=True)",
                "prod": "tl.reduce({0}, 1, tr.mul_combine, keep_dims=True)"}
-COMBINE = {"sum": "{0} + {1}", "max": "tl.maximum({0}, {1})", "min": "tl.minimum({0}, {1})",
+COMBINE = {"sum": "{0} + {1}", "max": "tr.max_combine({0}, {1})", "min": "tr.min_combine({0}, {1})",
            "prod": "{0} * {1}"}
 WELFORD_PARTS = ("count", "mean", "m2")
 TILE_KINDS = ("tile", "col")  # values over R: made and stored where the tile is
