@@ -506,7 +506,7 @@ def _pointwise_method(op_name: str):
         for position, operand_name in enumerate(entry.operand_names):
             value = arguments[operand_name]
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                constants.append((position, float(value)))
+                constants.append((position, value if isinstance(value, int) else float(value)))  # ints stay exact
                 value = None
             elif value is None:
                 raise ValidationError(f"{op_name}: operand {operand_name} is required")

@@ -180,10 +180,21 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
     return launches
 
 
+def _require_floating_inputs(anchor):
+    """Row and pooling kernels accumulate in floating point: integer inputs would be rounded."""
+    for tensor in anchor.input_tensors():
+        if not tensor.data_type.is_floating:
+            raise UnsupportedError(
+                f"node {anchor.name!r} ({anchor.op}) reads {tensor.name!r} of type {tensor.data_type.name}: "
+                f"its kernel computes in floating point and would round integers; cast the input to a "
+                f"floating type first")
+
+
 def _build_rows(graph, group, index, tuner=None):
     """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
     are per-row sums of the dx kernel (batchnorm)."""
     anchor, name = group.anchor, kernel_name(group, index)
+    _require_floating_inputs(anchor)
     problem = row_problem(anchor)
     stores = [t.uid for t in group.outputs]
     if anchor.opdef.family == "norm" and anchor.op.endswith("_backward"):
@@ -202,6 +213,7 @@ def _build_rows(graph, group, index, tuner=None):
 
 def _build_pooling(graph, group, index, tuner=None):
     """The pooling kernel of a group."""
+    _require_floating_inputs(group.anchor)
     sched = schedule_pooling(group, device_model())
     name = kernel_name(group, index)
     source, arguments = render_pooling(name, sched, group, graph.compute_data_type, group.describe())

@@ -11,8 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .. import dtypes
-from .emitter import ExpressionEmitter
+from .emitter import ExpressionEmitter, kind_of
 from .pointwise import HEADER, KernelArgument
 
 # Row-exit reductions riding on the epilogue: (value transform, combine, identity, finalize).
@@ -156,12 +155,12 @@ def _load(op: MatmulOperand, rows: str, cols: str, mask: str, compute: str) -> s
     pointer = f"{op.ident}_ptr + {_offset_2d(op, rows, cols)}"
     other = "0.0" if op.data_type.is_floating else "0"
     masked = f", mask={mask}, other={other}" if mask else ""
-    cast = "" if op.data_type is dtypes.bool_ else f".to({compute})"
+    cast = f".to({compute})" if kind_of(op.data_type) == "f" else ""
     return f"tl.load({pointer}{masked}){cast}"
 
 
 def _bind_load(emitter: ExpressionEmitter, op: MatmulOperand, variable: str):
-    emitter.bind(op.uid, variable, "b" if op.data_type is dtypes.bool_ else "f")
+    emitter.bind(op.uid, variable, kind_of(op.data_type))
 
 
 def _grouped_order(w: _Writer, tile: str):
@@ -255,9 +254,8 @@ def _epilogue(spec, w: _Writer):
     w(*emitter.lines)
     for op in spec.side("c"):
         if op.is_output:
-            value = emitter.value(op.uid, "b" if op.data_type is dtypes.bool_ else "f")
             w(f"tl.store({op.ident}_ptr + {_offset_2d(op, 'offs_m', 'offs_n', full=True)}, "
-              f"({value}).to({op.data_type.triton_type}), mask=mask)")
+              f"{emitter.stored(op.uid, op.data_type)}, mask=mask)")
     for index, plan in enumerate(spec.exits):
         transform, combine, identity, _ = EXIT_MODES[plan.node.attrs.mode]
         value = transform.format(emitter.value(plan.source_uid, "f"))

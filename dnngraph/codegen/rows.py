@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import dtypes
-from .emitter import ExpressionEmitter
+from .emitter import ExpressionEmitter, kind_of
 from ..heuristics.rows import _pow2_at_least
 from .pointwise import KernelArgument
 
@@ -163,12 +162,8 @@ def _pointer(op, kind: str):
 def _load(src: _Source, emitter, op, kind: str):
     pointer, mask = _pointer(op, kind)
     load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer})"
-    if op.data_type is dtypes.bool_:
-        src.line(f"{op.identifier} = {load}")
-        emitter.bind(op.uid, op.identifier, "b")
-    else:
-        src.line(f"{op.identifier} = {load}.to({emitter.compute})")
-        emitter.bind(op.uid, op.identifier, "f")
+    src.line(f"{op.identifier} = {emitter.loaded(load, op.data_type)}")
+    emitter.bind(op.uid, op.identifier, kind_of(op.data_type))
 
 
 def _load_inputs(src: _Source, emitter, used, scope_kinds):
@@ -194,8 +189,7 @@ def _store(src: _Source, emitter, op, kind: str):
     pointer, mask = _pointer(op, kind if kind != "scalar" else "row")
     if not any(op.k_strides) and not any(op.r_strides):  # one element: a block pointer all the same
         pointer += " + k_idx[:, None] * 0"
-    value = emitter.value(op.uid, "b" if op.data_type is dtypes.bool_ else "f")
-    src.line(f"tl.store({pointer}, ({value}).to({op.data_type.triton_type}), mask={mask})")
+    src.line(f"tl.store({pointer}, {emitter.stored(op.uid, op.data_type)}, mask={mask})")
 
 
 def _tile_scope(src, parent, used, start, stop):
