@@ -224,3 +224,110 @@ def test_matmul_row_exits_propagate_nan(monkeypatch, variant):
     assert len(g.plan.groups) == 1 and g.plan.groups[0].exits
     outputs = compare_specials(g, {a: sample(7, 9), b: sample(9, 37), e: special_rows()}, tolerance=1e-4)
     assert torch.isnan(outputs["max"][1]).all() and torch.isnan(outputs["amax"][0]).all()
+
+
+# --- exact integer arithmetic ---------------------------------------------------------------------
+def big_ints(n, dtype, low, high):
+    return torch.randint(low, high, (n,), dtype=dtype)
+
+
+def test_int64_add_past_float_precision():
+    g = dg.Graph(io_data_type=dg.int64)
+    x = g.tensor(name="x", dim=[3])
+    g.add(x, 0).set_output(True).set_name("y")
+    x_t = torch.tensor([2**40 + 1, 2**62 - 1, -(2**53) - 3])
+    assert torch.equal(run(g, {x: x_t})["y"], x_t)
+
+
+@pytest.mark.parametrize("dtype", [dg.int32, dg.int64])
+def test_integer_ops_are_exact(dtype):
+    """Every op closed over the integers, on values whose results float32 would round."""
+    torch_dtype = dtype.torch_dtype
+    limit = 2**15 if dtype is dg.int32 else 2**31
+    g = dg.Graph(io_data_type=dtype)
+    a, b = g.tensor(name="a", dim=[5, 13]), g.tensor(name="b", dim=[1, 13])
+    keep = g.tensor(name="keep", dim=[5, 13], data_type=dg.bool)
+    results = {
+        "mul": g.mul(a, b), "add": g.add(a, 16777217), "sub": g.sub(b, a), "neg": g.neg(a),
+        "abs": g.abs(g.sub(a, 3)), "max": g.maximum(a, b), "min": g.minimum(a, b),
+        "where": g.where(keep, a, g.scale(b, 3)), "floor": g.floor(g.mul(a, 7)), "ceil": g.ceil(a),
+        "lt": g.cmp_lt(g.mul(a, 3), g.add(b, 1)), "eq": g.cmp_eq(g.add(a, 1), g.add(a, 1)),
+    }
+    for name, tensor in results.items():
+        tensor.set_output(True).set_name(name)
+    a_t = torch.randint(-limit, limit, (5, 13), dtype=torch_dtype)
+    b_t = torch.randint(-limit, limit, (1, 13), dtype=torch_dtype)
+    keep_t = torch.rand(5, 13) < 0.5
+    expected = {"mul": a_t * b_t, "add": a_t + 16777217, "sub": b_t - a_t, "neg": -a_t,
+                "abs": (a_t - 3).abs(), "max": torch.maximum(a_t, b_t), "min": torch.minimum(a_t, b_t),
+                "where": torch.where(keep_t, a_t, b_t * 3), "floor": a_t * 7, "ceil": a_t,
+                "lt": a_t * 3 < b_t + 1, "eq": torch.ones(5, 13, dtype=torch.bool)}
+    outputs = run(g, {a: a_t, b: b_t, keep: keep_t})
+    for name, want in expected.items():
+        assert torch.equal(outputs[name], want.to(outputs[name].dtype)), name
+
+
+def test_integer_promotion_division_and_casts():
+    """int32 with int64 computes in int64; division and float constants go to the float;
+    floats stored to integers truncate toward zero; integers stored to floats convert once."""
+    g = dg.Graph(io_data_type=dg.int64)
+    small = g.tensor(name="small", dim=[6], data_type=dg.int32)
+    wide = g.tensor(name="wide", dim=[6], data_type=dg.int64)
+    real = g.tensor(name="real", dim=[6], data_type=dg.float32)
+    g.add(small, wide).set_output(True).set_name("sum")
+    g.div(small, 4).set_output(True).set_name("quotient").set_data_type(dg.float32)
+    g.mul(small, 0.5).set_output(True).set_name("half").set_data_type(dg.float32)
+    g.add(real, 0.0).set_output(True).set_name("truncated").set_data_type(dg.int32)
+    g.cast(wide, dg.int32).set_output(True).set_name("narrowed")
+    g.cast(small, dg.float32).set_output(True).set_name("as_float")
+    small_t = torch.tensor([7, -7, 2**30, -(2**31), 5, 0], dtype=torch.int32)
+    wide_t = torch.tensor([2**40, 3, 2**35 + 1, -1, -(2**50), 9])
+    real_t = torch.tensor([2.9, -2.9, 0.5, -0.5, 1e6 + 0.75, -3.0])
+    out = run(g, {small: small_t, wide: wide_t, real: real_t})
+    assert torch.equal(out["sum"], small_t.long() + wide_t)
+    assert torch.equal(out["quotient"], small_t / 4)
+    assert torch.equal(out["half"], small_t * 0.5)
+    assert torch.equal(out["truncated"], real_t.to(torch.int32))
+    assert torch.equal(out["narrowed"], wide_t.to(torch.int32))
+    assert torch.equal(out["as_float"], small_t.float())
+
+
+def test_integer_constants_survive_json():
+    g = dg.Graph(io_data_type=dg.int64)
+    x = g.tensor(name="x", dim=[4])
+    g.add(x, 2**40 + 3).set_output(True).set_name("y")
+    g2 = dg.Graph.from_json(g.to_json())
+    x_t = torch.tensor([1, -1, 2**50, 0])
+    assert torch.equal(run(g2, {"x": x_t})["y"], x_t + 2**40 + 3)
+
+
+def test_integer_epilogues_of_row_and_matmul_kernels():
+    """Integer operands of fused epilogues stay integers; the anchor's float value converts."""
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[4, 9])
+    offset = g.tensor(name="offset", dim=[4, 1], data_type=dg.int64)
+    total = g.reduction(x, "sum", [1])
+    picked = g.where(g.cmp_gt(total, 0.0), offset, 7)
+    g.add(picked, 1).set_output(True).set_name("row").set_data_type(dg.int64)
+    a, b = g.tensor(name="a", dim=[5, 3]), g.tensor(name="b", dim=[3, 6])
+    bias = g.tensor(name="bias", dim=[1, 6], data_type=dg.int64)
+    g.add(g.matmul(a, b), g.mul(bias, bias)).set_output(True).set_name("mm")
+    x_t, offset_t = sample(4, 9), torch.tensor([[2**40], [1], [-(2**41) - 1], [3]])
+    x_t[:2] = x_t[:2].abs()  # both sides of the comparison
+    a_t, b_t, bias_t = sample(5, 3), sample(3, 6), torch.randint(-3000, 3000, (1, 6))
+    out = run(g, {x: x_t, offset: offset_t, a: a_t, b: b_t, bias: bias_t})
+    assert torch.equal(out["row"], torch.where(x_t.sum(1, keepdim=True) > 0, offset_t, 7) + 1)
+    torch.testing.assert_close(out["mm"], a_t @ b_t + (bias_t * bias_t).float())
+
+
+@pytest.mark.parametrize("build", [
+    lambda g, x: g.reduction(x, "sum", [3]),
+    lambda g, x: g.softmax(x, axis=2),
+    lambda g, x: g.pooling(x, "max", window=[2, 2]),
+])
+def test_row_and_pooling_kernels_reject_integers(build):
+    g = dg.Graph(io_data_type=dg.int64)
+    x = g.tensor(name="x", dim=[1, 1, 4, 9])
+    build(g, x).set_output(True)
+    with pytest.raises(dg.UnsupportedError, match="int64"):
+        g.build()
