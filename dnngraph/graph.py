@@ -579,7 +579,7 @@ def _pointwise_method(op_name: str):
             value = arguments[operand_name]
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 real(op_name, operand_name, value, finite=False)  # a float, not an overflow
-                constants.append((position, float(value)))
+                constants.append((position, value if isinstance(value, int) else float(value)))  # ints stay exact
                 value = None
             elif value is None:
                 raise ValidationError(f"{op_name}: operand {operand_name} is required")

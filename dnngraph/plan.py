@@ -71,17 +71,39 @@ def _build_pointwise(graph, group, index, tuner=None):
                         sched.reason)
 
 
-def _row_kinds(problem, group) -> dict:
-    """uid -> 'tile' | 'row' | 'col' | 'scalar' for every tensor a row group touches."""
-    kinds = {}
-    tensors = list(group.inputs) + [t for n in group.nodes for t in n.output_tensors()]
-    for tensor in tensors:
-        strides = problem.strides(tensor)
-        over_r = any(s for a, s in enumerate(strides) if a in problem.reduced_axes)
-        over_k = any(s for a, s in enumerate(strides) if a not in problem.reduced_axes)
-        kinds[tensor.uid] = {(True, True): "tile", (True, False): "row", (False, True): "col",
-                             (False, False): "scalar"}[(over_k, over_r)]
-    return kinds
+KIND_OF_SPAN = {(True, True): "tile", (True, False): "row", (False, True): "col", (False, False): "scalar"}
+
+
+def _row_kinds(problem, group, tile_outputs=()) -> dict:
+    """uid -> 'tile' | 'row' | 'col' | 'scalar' for every tensor a row group touches.
+
+    A tensor spans a side (kept K, reduced R) when it walks an axis of size > 1 there; its size-1
+    axes say nothing, so spans are also inherited: the anchor's element outputs (`tile_outputs`,
+    from the recipe) span R, and a fused node's output spans what its operands span. Otherwise a
+    softmax over an axis of size 1 would be taken for a row output and never stored.
+    """
+    spans = {}
+    for tensor in group.inputs:
+        spans[tensor.uid] = _strided_span(problem, tensor)
+    for node in group.nodes:
+        inherited = [spans.get(t.uid, (False, False)) for t in node.input_tensors()]
+        for tensor in node.output_tensors():
+            over_k, over_r = _strided_span(problem, tensor)
+            if node is not group.anchor:
+                over_k = over_k or any(k for k, _ in inherited)
+                over_r = over_r or any(r for _, r in inherited)
+            elif tensor.uid in tile_outputs:
+                over_r = True
+            spans[tensor.uid] = (over_k, over_r)
+    return {uid: KIND_OF_SPAN[span] for uid, span in spans.items()}
+
+
+def _strided_span(problem, tensor) -> tuple:
+    """(walks a kept axis, walks a reduced axis) of size > 1."""
+    strides = problem.strides(tensor)
+    over_r = any(s for a, s in enumerate(strides) if a in problem.reduced_axes)
+    over_k = any(s for a, s in enumerate(strides) if a not in problem.reduced_axes)
+    return over_k, over_r
 
 
 def _row_launch(spec, programs, num_warps, scratch_buffers=()):
@@ -98,13 +120,13 @@ def _row_launch(spec, programs, num_warps, scratch_buffers=()):
 def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None):
     """The launches of one row problem: one kernel, or partial + combine (+ apply) when split;
     the model's config, or with `tuner` the fastest of its top candidates."""
-    kinds = _row_kinds(problem, group)
+    recipe = recipe_of(group.anchor, _row_kinds(problem, group))
+    kinds = _row_kinds(problem, group, tuple(recipe.tile_outputs))
     tensors = list(group.inputs) + [t for t in group.outputs if t.uid in stores]
     operands = [(t.uid, ident, t.data_type, problem.strides(t), t.uid in stores)
                 for t, ident in zip(tensors, _identifiers(tensors))]
     main = next((i for i, t in enumerate(group.inputs) if kinds[t.uid] == "tile"), 0)
     geo = row_geometry(problem.domain, problem.reduced_axes, operands, main)
-    recipe = recipe_of(group.anchor, kinds)
     tile_stores = tuple(u for u in stores if kinds[u] in ("tile", "col"))
     row_stores = tuple(u for u in stores if u not in tile_stores)
     traits = RowTraits(len(recipe.stages_for("looped")), bool(tile_stores), recipe.splittable,
@@ -158,17 +180,29 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
     return launches
 
 
+def _require_floating_inputs(anchor):
+    """Row and pooling kernels accumulate in floating point: integer inputs would be rounded."""
+    for tensor in anchor.input_tensors():
+        if not tensor.data_type.is_floating:
+            raise UnsupportedError(
+                f"node {anchor.name!r} ({anchor.op}) reads {tensor.name!r} of type {tensor.data_type.name}: "
+                f"its kernel computes in floating point and would round integers; cast the input to a "
+                f"floating type first")
+
+
 def _build_rows(graph, group, index, tuner=None):
     """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
     are per-row sums of the dx kernel (batchnorm)."""
     anchor, name = group.anchor, kernel_name(group, index)
+    _require_floating_inputs(anchor)
     problem = row_problem(anchor)
     stores = [t.uid for t in group.outputs]
     if anchor.opdef.family == "norm" and anchor.op.endswith("_backward"):
         params = {t.uid for t in anchor.outputs[1:] if t is not None}
         scale_strides = problem.strides(anchor.inputs[2])
         kept = [a for a, size in enumerate(problem.domain) if a not in problem.reduced_axes and size > 1]
-        if not all(scale_strides[a] for a in kept):  # dscale is not one value per dx row
+        per_row = all(scale_strides[a] for a in kept) and not any(scale_strides[a] for a in problem.reduced_axes)
+        if not per_row:  # dscale is not one value per dx row
             param_problem = problem.with_reduced(a for a, s in enumerate(scale_strides) if s == 0)
             return (_row_launches(graph, group, name, problem, RECIPES[anchor.op],
                                   [u for u in stores if u not in params], tuner)
@@ -179,6 +213,7 @@ def _build_rows(graph, group, index, tuner=None):
 
 def _build_pooling(graph, group, index, tuner=None):
     """The pooling kernel of a group."""
+    _require_floating_inputs(group.anchor)
     sched = schedule_pooling(group, device_model())
     name = kernel_name(group, index)
     source, arguments = render_pooling(name, sched, group, graph.compute_data_type, group.describe())

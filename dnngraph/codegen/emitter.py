@@ -11,7 +11,19 @@ from typing import Optional
 
 from .. import dtypes
 from ..errors import UnsupportedError
-from .expressions import CAST_TO_BOOL, CAST_TO_FLOAT, CAST_TO_INT, CONVERT, EXPRESSIONS
+from .expressions import (CAST_TO_BOOL, CAST_TO_FLOAT, CAST_TO_INT32, CAST_TO_INT64, CONVERT, EXPRESSIONS,
+                          INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES)
+
+
+def kind_of(data_type) -> str:
+    """The kind a value of `data_type` is held in once loaded: integers stay integers."""
+    if data_type is dtypes.bool_:
+        return "b"
+    return {dtypes.int32: "i", dtypes.int64: "l"}.get(data_type, "f")
+
+
+def _integral(constant) -> bool:
+    return isinstance(constant, int) and not isinstance(constant, bool)
 
 
 class ExpressionEmitter:
@@ -36,6 +48,17 @@ class ExpressionEmitter:
     def bind(self, uid: int, variable: str, kind: str):
         self.values[uid] = (variable, kind)
 
+    def loaded(self, load: str, data_type) -> str:
+        """The text of a load of `data_type`: floats convert to the compute type, others stay."""
+        return f"{load}.to({self.compute})" if kind_of(data_type) == "f" else load
+
+    def stored(self, uid: int, data_type) -> str:
+        """Tensor `uid` converted for a store to `data_type`: integers go straight to the
+        target type, floats stored to integers truncate toward zero (as torch's .to does)."""
+        have = self.values[uid][1]
+        kind = "b" if data_type is dtypes.bool_ else (have if have in INTEGER_TYPES else "f")
+        return f"({self.value(uid, kind)}).to({data_type.triton_type})"
+
     def literal(self, value: float) -> str:
         if math.isfinite(value):
             return repr(float(value))
@@ -56,15 +79,46 @@ class ExpressionEmitter:
         target = dtypes.by_name(node.attrs.data_type)
         if target is dtypes.bool_:
             return CAST_TO_BOOL
-        return CAST_TO_FLOAT if target.is_floating else CAST_TO_INT
+        if target.is_floating:
+            return CAST_TO_FLOAT
+        return CAST_TO_INT64 if target is dtypes.int64 else CAST_TO_INT32
 
-    def _operands(self, node, expression) -> list[str]:
+    def _integer_kind(self, node, expression):
+        """"i" or "l" when `node` computes in integers, else None."""
+        constants = dict(getattr(node.attrs, "constants", ()))
+        if node.op == "cast":
+            have = self.values[node.inputs[0].uid][1]
+            return have if have in INTEGER_TYPES else None
+        if node.op not in INTEGER_CLOSED:
+            return None
+        kinds = set()
+        for position, kind in enumerate(expression.inputs):
+            if kind != "f":
+                continue
+            if position in constants:
+                if not _integral(constants[position]):
+                    return None  # a float constant makes the op a float op, as in torch
+                continue
+            have = self.values[node.inputs[position].uid][1]
+            if have == "f":
+                return None
+            kinds.add(have)
+        if not kinds & set(INTEGER_TYPES):
+            return None  # predicates alone keep the float path
+        return "l" if "l" in kinds else "i"
+
+    def _operands(self, node, expression, integer) -> list[str]:
         constants = dict(getattr(node.attrs, "constants", ()))
         operands = []
         for position, kind in enumerate(expression.inputs):
+            if integer and kind == "f":
+                kind = integer
             if position in constants:
-                operands.append(self.literal(constants[position]) if kind == "f"
-                                else str(constants[position] != 0))
+                constant = constants[position]
+                if kind in INTEGER_TYPES:
+                    operands.append(str(int(constant)))
+                else:
+                    operands.append(self.literal(constant) if kind == "f" else str(constant != 0))
             else:
                 operands.append(self.value(node.inputs[position].uid, kind))
         return operands
@@ -88,13 +142,19 @@ class ExpressionEmitter:
     def emit(self, node) -> str:
         """Emit the statement of one pointwise node; returns the variable of its first output."""
         expression = self._expression(node)
-        operands = self._operands(node, expression)
+        integer = self._integer_kind(node, expression)
+        operands = self._operands(node, expression, integer)
         fields = self._fields(node, expression)
         variables = [f"{self.prefix}{self._count + k}" for k in range(len(expression.result))]
         self._count += len(variables)
-        text = expression.template.format(*operands, compute=self.compute, **fields)
+        template = expression.template
+        results = expression.result
+        if integer and node.op != "cast":
+            template = INTEGER_TEMPLATES.get(node.op, template)
+            results = "".join(integer if kind == "f" else kind for kind in results)
+        text = template.format(*operands, compute=self.compute, **fields)
         self.lines.append(f"{', '.join(variables)} = {text}  # {node.op} {node.name}")
-        for tensor, variable, kind in zip(node.outputs, variables, expression.result):
+        for tensor, variable, kind in zip(node.outputs, variables, results):
             if tensor is not None:
                 self.bind(tensor.uid, variable, kind)
         return variables[0]

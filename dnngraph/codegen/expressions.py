@@ -101,10 +101,25 @@ EXPRESSIONS: dict[str, Expression] = {
         scalars=lambda attrs: {"seed": attrs.seed, "offset": attrs.offset}, counter=True),
 }
 
-# cast: by the target type's kind
+# cast: by the target type's kind; integer operands are cast as they are (no float on the way)
 CAST_TO_FLOAT = Expression("{0}.to({target}).to({compute})", "f", "f", _cast_fields)  # rounds like a store
-CAST_TO_INT = Expression("tm.trunc({0})", "f", "f")
+CAST_TO_INT32 = Expression("{0}.to({target})", "f", "i", _cast_fields)  # floats truncate toward zero
+CAST_TO_INT64 = Expression("{0}.to({target})", "f", "l", _cast_fields)
 CAST_TO_BOOL = Expression("{0} != 0", "f", "b")
 
+# Ops closed over the integers: when every numeric operand is an integer value or an integral
+# constant, they compute in the wider integer type (int64 if any operand is), as torch does;
+# every other op takes integers converted to the compute float (div is true division).
+INTEGER_CLOSED = frozenset({"add", "sub", "mul", "scale", "neg", "abs", "maximum", "minimum", "where",
+                            "cmp_eq", "cmp_ne", "cmp_lt", "cmp_le", "cmp_gt", "cmp_ge", "floor", "ceil"})
+INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}"}  # integers are their own floor and ceiling
+
+# Value kinds: "f" compute float, "b" predicate, "i" int32, "l" int64.
+INTEGER_TYPES = {"i": "tl.int32", "l": "tl.int64"}
+
 # kind conversions the emitter inserts between producer and consumer
-CONVERT = {("b", "f"): "{0}.to({compute})", ("f", "b"): "({0} != 0)"}
+CONVERT = {("b", "f"): "{0}.to({compute})", ("f", "b"): "({0} != 0)",
+           ("i", "f"): "{0}.to({compute})", ("l", "f"): "{0}.to({compute})",
+           ("i", "b"): "({0} != 0)", ("l", "b"): "({0} != 0)",
+           ("b", "i"): "{0}.to(tl.int32)", ("b", "l"): "{0}.to(tl.int64)",
+           ("i", "l"): "{0}.to(tl.int64)", ("l", "i"): "{0}.to(tl.int32)"}

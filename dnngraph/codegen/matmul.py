@@ -11,8 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .. import dtypes
-from .emitter import ExpressionEmitter
+from .emitter import ExpressionEmitter, kind_of
 from .pointwise import HEADER, KernelArgument
 
 # Row-exit reductions riding on the epilogue: (value transform, combine, identity, finalize).
@@ -25,6 +24,10 @@ EXIT_MODES = {
     "min": ("{0}", "min", "float('inf')", "{0}"),
     "amax": ("tl.abs({0})", "max", "0.0", "{0}"),
 }
+# max and min propagate NaN as torch does (tl.max and the default tl.maximum drop it)
+EXIT_REDUCE = {"sum": "tl.sum({0}, axis=1)", "max": "tl.reduce({0}, 1, tr.max_combine)",
+               "min": "tl.reduce({0}, 1, tr.min_combine)"}
+EXIT_FOLD = {"sum": "{0} + {1}", "max": "tr.max_combine({0}, {1})", "min": "tr.min_combine({0}, {1})"}
 EXIT_FOLD_BLOCK = 128  # rows per program of the exit fold: a few KB of partials each
 
 
@@ -153,12 +156,12 @@ def _load(op: MatmulOperand, rows: str, cols: str, mask: str, compute: str) -> s
     pointer = f"{op.ident}_ptr + {_offset_2d(op, rows, cols)}"
     other = "0.0" if op.data_type.is_floating else "0"
     masked = f", mask={mask}, other={other}" if mask else ""
-    cast = "" if op.data_type is dtypes.bool_ else f".to({compute})"
+    cast = f".to({compute})" if kind_of(op.data_type) == "f" else ""
     return f"tl.load({pointer}{masked}){cast}"
 
 
 def _bind_load(emitter: ExpressionEmitter, op: MatmulOperand, variable: str):
-    emitter.bind(op.uid, variable, "b" if op.data_type is dtypes.bool_ else "f")
+    emitter.bind(op.uid, variable, kind_of(op.data_type))
 
 
 def _grouped_order(w: _Writer, tile: str):
@@ -257,13 +260,12 @@ def _epilogue(spec, w: _Writer):
     w(*emitter.lines)
     for op in spec.side("c"):
         if op.is_output:
-            value = emitter.value(op.uid, "b" if op.data_type is dtypes.bool_ else "f")
             w(f"tl.store({op.ident}_ptr + {_offset_2d(op, 'offs_m', 'offs_n', full=True)}, "
-              f"({value}).to({op.data_type.triton_type}), mask=mask)")
+              f"{emitter.stored(op.uid, op.data_type)}, mask=mask)")
     for index, plan in enumerate(spec.exits):
         transform, combine, identity, _ = EXIT_MODES[plan.node.attrs.mode]
         value = transform.format(emitter.value(plan.source_uid, "f"))
-        w(f"exit_{index} = tl.{combine}(tl.where(mask, {value}, {identity}), axis=1)",
+        w(f"exit_{index} = {EXIT_REDUCE[combine].format(f'tl.where(mask, {value}, {identity})')}",
           f"tl.store(exit{index}_partial_ptr + (batch * tl.cdiv(N, BLOCK_N) + pid_n) * M + offs_m, "
           f"exit_{index}, mask=mask_m)")
     return emitter
@@ -373,7 +375,7 @@ def _exit_fold(spec, w: _Writer):
     _batch_lines(spec, w)
     for index, plan in enumerate(spec.exits):
         _, combine, identity, finalize = EXIT_MODES[plan.node.attrs.mode]
-        fold = "{0} + {1}" if combine == "sum" else f"tl.{combine}imum({{0}}, {{1}})"
+        fold = EXIT_FOLD[combine]
         w(f"value_{index} = tl.full((BLOCK_ROWS,), {identity}, tl.float32)", "for tile in range(EXIT_TILES):")
         w.indent()
         w(f"part = tl.load(exit{index}_partial_ptr + (batch * EXIT_TILES + tile) * M + offs_m, mask=row_mask)",
@@ -457,7 +459,7 @@ def render(spec, body: str):
     # drop arguments the body never names (stride args of broadcast axes are already absent)
     args = [a for a in args if a.kind == "constexpr" or re.search(rf"\b{a.name}\b", used)]
     params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = HEADER.format(description=spec.description)
+    source = HEADER.format(description=spec.description) + "from dnngraph.codegen import triton_reduce as tr\n"
     if emitter is not None and emitter.globals:
         source += "\n" + "\n".join(emitter.globals) + "\n"
     source += f"\n\n@triton.jit\ndef {spec.name}(\n" + "".join(f"    {p},\n" for p in params) + "):\n"

@@ -12,13 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .. import dtypes
 from ..errors import UnsupportedError
 from ..fusion import FusionGroup
 from ..heuristics.layout import operand_strides
 from ..heuristics.pointwise import _identifiers
 from ..heuristics.pooling import AXIS_NAMES
-from .emitter import ExpressionEmitter
+from .emitter import ExpressionEmitter, kind_of
 from .pointwise import HEADER, KernelArgument
 
 INDENT = "    "
@@ -172,12 +171,8 @@ class _KernelWriter:
         pointer, mask = self.pointer(operand, coords)
         load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer})"
         variable = f"{operand.identifier}_val"
-        if tensor.data_type is dtypes.bool_:
-            self.line(f"{variable} = {load}")
-            self.emitter.bind(tensor.uid, variable, "b")
-        else:
-            self.line(f"{variable} = {load}.to({self.compute})")
-            self.emitter.bind(tensor.uid, variable, "f")
+        self.line(f"{variable} = {self.emitter.loaded(load, tensor.data_type)}")
+        self.emitter.bind(tensor.uid, variable, kind_of(tensor.data_type))
 
     def emit(self, node):
         start = len(self.emitter.lines)
@@ -335,8 +330,7 @@ class _KernelWriter:
             self.emit(node)
         for tensor in self.outputs:
             pointer, _ = self.pointer(self.operands[tensor.uid], tile, full=True)
-            value = self.emitter.value(tensor.uid, "b" if tensor.data_type is dtypes.bool_ else "f")
-            self.line(f"tl.store({pointer}, ({value}).to({tensor.data_type.triton_type}), mask=mask)")
+            self.line(f"tl.store({pointer}, {self.emitter.stored(tensor.uid, tensor.data_type)}, mask=mask)")
 
     # --- signature -------------------------------------------------------------------------------
     def arguments(self) -> list:

@@ -155,7 +155,7 @@ def norm_backward(node, kinds) -> Recipe:
         accumulators.append(Accumulator("g_sum", "sum", g))
         correction = f"(g_sum + {correction})"
     rows = {}
-    if kinds.get(outs["dscale"]) == "row":
+    if kinds.get(outs["dscale"]) in ("row", "scalar"):  # one value per dx row (plan.py decides)
         accumulators.append(Accumulator("dscale_sum", "sum", f"{{dy}} * {xhat}"))
         rows[outs["dscale"]] = "dscale_sum"
         if "dbias" in outs:

@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .. import dtypes
-from .emitter import ExpressionEmitter
+from .emitter import ExpressionEmitter, kind_of
 from ..heuristics.rows import _pow2_at_least
 from .pointwise import KernelArgument
 
@@ -27,13 +26,15 @@ from dnngraph.codegen import triton_reduce as tr
 '''
 
 IDENTITY = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")', "prod": "1.0"}
+# max and min propagate NaN as torch does, in tiles, loop lanes and split combines alike
 REDUCE_TILE = {"sum": "tl.sum({0}, axis=1, keep_dims=True)",
-               "max": "tl.max({0}, axis=1, keep_dims=True)",
-               "min": "tl.min({0}, axis=1, keep_dims=True)",
+               "max": "tl.reduce({0}, 1, tr.max_combine, keep_dims=True)",
+               "min": "tl.reduce({0}, 1, tr.min_combine, keep_dims=True)",
                "prod": "tl.reduce({0}, 1, tr.mul_combine, keep_dims=True)"}
-COMBINE = {"sum": "{0} + {1}", "max": "tl.maximum({0}, {1})", "min": "tl.minimum({0}, {1})",
+COMBINE = {"sum": "{0} + {1}", "max": "tr.max_combine({0}, {1})", "min": "tr.min_combine({0}, {1})",
            "prod": "{0} * {1}"}
 WELFORD_PARTS = ("count", "mean", "m2")
+TILE_KINDS = ("tile", "col")  # values over R: made and stored where the tile is
 SPLIT_TILE = 64  # partials the combine kernel folds per trip
 
 
@@ -161,12 +162,8 @@ def _pointer(op, kind: str):
 def _load(src: _Source, emitter, op, kind: str):
     pointer, mask = _pointer(op, kind)
     load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer})"
-    if op.data_type is dtypes.bool_:
-        src.line(f"{op.identifier} = {load}")
-        emitter.bind(op.uid, op.identifier, "b")
-    else:
-        src.line(f"{op.identifier} = {load}.to({emitter.compute})")
-        emitter.bind(op.uid, op.identifier, "f")
+    src.line(f"{op.identifier} = {emitter.loaded(load, op.data_type)}")
+    emitter.bind(op.uid, op.identifier, kind_of(op.data_type))
 
 
 def _load_inputs(src: _Source, emitter, used, scope_kinds):
@@ -190,10 +187,9 @@ def _roles(spec, emitter) -> dict:
 
 def _store(src: _Source, emitter, op, kind: str):
     pointer, mask = _pointer(op, kind if kind != "scalar" else "row")
-    if kind == "scalar":
+    if not any(op.k_strides) and not any(op.r_strides):  # one element: a block pointer all the same
         pointer += " + k_idx[:, None] * 0"
-    value = emitter.value(op.uid, "b" if op.data_type is dtypes.bool_ else "f")
-    src.line(f"tl.store({pointer}, ({value}).to({op.data_type.triton_type}), mask={mask})")
+    src.line(f"tl.store({pointer}, {emitter.stored(op.uid, op.data_type)}, mask={mask})")
 
 
 def _tile_scope(src, parent, used, start, stop):
@@ -280,7 +276,7 @@ def _row_outputs(src, emitter, used):
         variable = f"row_out_{len(src.lines)}"
         src.line(f"{variable} = {template.format(**roles)}")
         emitter.bind(uid, variable, "f")
-    _emit_nodes(src, emitter, [n for n in spec.group.epilogue if spec.kinds[n.outputs[0].uid] != "tile"])
+    _emit_nodes(src, emitter, [n for n in spec.group.epilogue if spec.kinds[n.outputs[0].uid] not in TILE_KINDS])
     for op in used:
         if op.uid in spec.stores and spec.kinds[op.uid] in ("row", "scalar") and op.uid in emitter.values:
             _store(src, emitter, op, spec.kinds[op.uid])
@@ -293,7 +289,7 @@ def _tile_outputs(src, tile, used):
         variable = f"tile_out_{len(src.lines)}"
         src.line(f"{variable} = {template.format(**roles)}")
         tile.bind(uid, variable, "f")
-    _emit_nodes(src, tile, [n for n in spec.group.epilogue if spec.kinds[n.outputs[0].uid] == "tile"])
+    _emit_nodes(src, tile, [n for n in spec.group.epilogue if spec.kinds[n.outputs[0].uid] in TILE_KINDS])
     for op in used:
         if op.uid in spec.stores and spec.kinds[op.uid] in ("tile", "col") and op.uid in tile.values:
             _store(src, tile, op, "tile")
@@ -311,8 +307,9 @@ def _main_body(src, used):
     top = src.emitter()
     _k_prelude(src, used)
     _load_inputs(src, top, used, ("row", "scalar"))
-    stages = spec.recipe.stages_for(mode)
-    if spec.schedule.config.block_r >= spec.schedule.geometry.reduced:
+    one_tile = spec.schedule.config.block_r >= spec.schedule.geometry.reduced
+    stages = spec.recipe.stages_for("one_pass" if one_tile else mode)  # a looped config may fit one tile
+    if one_tile:
         tile = _tile_scope(src, top, used, "0", "reduced")
         _stats_one_pass(src, tile, stages)
         _row_outputs(src, tile, used)

@@ -9,6 +9,17 @@ def mul_combine(a, b):
 
 
 @triton.jit
+def max_combine(a, b):
+    # NaN wins, as in torch (tl.max and the default tl.maximum drop it)
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def min_combine(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def welford_merge(count_a, mean_a, m2_a, count_b, mean_b, m2_b):
     """Chan's parallel update: (count, mean, sum of squared deviations) of the union."""
     count = count_a + count_b
