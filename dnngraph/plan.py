@@ -504,4 +504,4 @@ def _kernel_device(device: torch.device) -> torch.device:
     if device.type != "cuda":
         raise ExecutionError(f"tensors are on {device}, but kernels compile for CUDA here; "
                              f"set TRITON_INTERPRET=1 before importing dnngraph to run on CPU")
-    return device
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
