@@ -462,10 +462,12 @@ class Graph:
         return self
 
     def execute(self, bindings: dict, workspace=None) -> None:
-        """Run the built plan; bindings map Tensors or names to torch tensors, outputs in place."""
+        """Run the built plan; bindings map Tensors or names to torch tensors, outputs in place.
+        `workspace`: a uint8 tensor of at least plan.workspace_size() bytes on the tensors' device
+        for the values between kernels; without it each (device, stream) uses one of its own."""
         if self._plan is None:
             raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build()")
-        self._plan.execute(bindings)
+        self._plan.execute(bindings, workspace)
 
     def explain(self) -> str:
         """Groups, kernels, configs with their reasons, and generated source paths."""

@@ -3,16 +3,22 @@
 On CUDA a launch is compiled at build and run through Triton's compiled launcher with a
 pre-built argument list: no JIT dispatch per call (about 25 us of CPU a launch on the H100 here).
 On CPU tensors it runs through Triton's interpreter.
+
+Launches are shared by every thread that executes a plan: binding happens once per device under
+a lock, and nothing a launch holds is written while it runs (the TMA descriptor scratch lives in
+the caller's workspace, one per stream).
 """
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from .errors import ExecutionError
 from .heuristics.autotune import TuningRecord
 
 
@@ -50,23 +56,30 @@ def _grid3(programs) -> tuple:
     return grid + (1,) * (3 - len(grid))
 
 
+def global_scratch_need(compiled, grid) -> tuple:
+    """(bytes, alignment) of the global scratch a compiled kernel needs for `grid` ((0, 1): none).
+
+    Device-side TMA descriptors are written there, one slot per program: every launch running
+    at the same time needs its own, so the plan places it in the workspace."""
+    size = getattr(compiled.metadata, "global_scratch_size", 0)
+    if not size:
+        return 0, 1
+    programs = grid[0] * grid[1] * grid[2] * compiled.metadata.num_ctas
+    return programs * size, max(1, getattr(compiled.metadata, "global_scratch_align", 1))
+
+
 class BoundLaunch:
     """A compiled kernel with its grid and argument template, launched without the JIT."""
 
-    __slots__ = ("run", "launch", "function", "metadata", "grid", "template", "slots", "global_scratch",
+    __slots__ = ("run", "launch", "function", "metadata", "grid", "template", "slots", "scratch_uid",
                  "cooperative", "pdl")
 
-    def __init__(self, compiled, grid, template, slots, device_index: int):
+    def __init__(self, compiled, grid, template, slots, scratch_uid: Optional[int]):
         compiled._init_handles()
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         self.grid, self.template, self.slots = grid, template, slots
-        self.global_scratch = None
-        size = getattr(compiled.metadata, "global_scratch_size", 0)
-        if size:
-            # device-side TMA descriptors live here: one slot per program, allocated once
-            programs = grid[0] * grid[1] * grid[2] * compiled.metadata.num_ctas
-            self.global_scratch = torch.empty(programs * size + 256, dtype=torch.uint8,
-                                              device=f"cuda:{device_index}")
+        self.scratch_uid = scratch_uid  # the workspace tensor holding this kernel's global scratch
+        if scratch_uid is not None:
             self.launch = self.run.launch
             self.cooperative, self.pdl = self.run.launch_cooperative_grid, self.run.launch_pdl
 
@@ -75,11 +88,11 @@ class BoundLaunch:
         for position, uid in self.slots:
             args[position] = tensors[uid]
         gx, gy, gz = self.grid
-        if self.global_scratch is None:
+        if self.scratch_uid is None:
             self.run(gx, gy, gz, stream, self.function, self.metadata, None, None, None, *args)
         else:
-            self.launch(gx, gy, gz, stream, self.function, self.cooperative, self.pdl, self.global_scratch, None,
-                        self.metadata, None, None, None, *args)
+            self.launch(gx, gy, gz, stream, self.function, self.cooperative, self.pdl, tensors[self.scratch_uid],
+                        None, self.metadata, None, None, None, *args)
 
 
 class KernelLaunch:
@@ -97,7 +110,12 @@ class KernelLaunch:
         self.tuning: Optional[TuningRecord] = None
         self.slots = tuple((i, a.value) for i, a in enumerate(arguments) if a.kind == "tensor")
         self.template = [None if a.kind == "tensor" else a.value for a in arguments]
-        self._bound: dict = {}  # device index -> BoundLaunch
+        # Set by the first bind: the kernel's global scratch (TMA descriptors), a workspace buffer.
+        # A launch is bound only on devices of one model, which all compile it alike.
+        self.global_scratch: Optional[Scratch] = None
+        self.global_scratch_align = 1
+        self._bound: dict = {}  # device index -> BoundLaunch; written under _bind_lock
+        self._bind_lock = threading.Lock()
 
     def values(self, tensors):
         args = list(self.template)
@@ -115,18 +133,33 @@ class KernelLaunch:
         self.kernel[self.grid](*self.values(tensors))
 
     def bind(self, device_index: int, dtypes_of) -> BoundLaunch:
-        """Compile for a device (pointers assumed 16-byte aligned) and keep the launcher."""
+        """Compile for a device (pointers assumed 16-byte aligned) and keep the launcher; safe to
+        call from any number of threads (one compile per device)."""
         bound = self._bound.get(device_index)
-        if bound is None:
-            args = list(self.template)
-            for position, uid in self.slots:
-                args[position] = dtypes_of[uid]  # Triton's warmup takes dtypes for pointers
-            with torch.cuda.device(device_index):
-                compiled = self.kernel.warmup(*args, grid=self.grid, **self._options())
-            compiled = compiled.result() if hasattr(compiled, "result") else compiled
-            bound = BoundLaunch(compiled, self.grid, self.template, self.slots, device_index)
-            self._bound[device_index] = bound
+        if bound is not None:
+            return bound
+        with self._bind_lock:
+            bound = self._bound.get(device_index)
+            if bound is None:
+                bound = self._compile(device_index, dtypes_of)
+                self._bound[device_index] = bound
         return bound
+
+    def _compile(self, device_index: int, dtypes_of) -> BoundLaunch:
+        args = list(self.template)
+        for position, uid in self.slots:
+            args[position] = dtypes_of[uid]  # Triton's warmup takes dtypes for pointers
+        with torch.cuda.device(device_index):
+            compiled = self.kernel.warmup(*args, grid=self.grid, **self._options())
+        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        nbytes, align = global_scratch_need(compiled, self.grid)
+        if nbytes and self.global_scratch is None:
+            self.global_scratch, self.global_scratch_align = scratch((nbytes,), torch.uint8), align
+        elif nbytes and self.global_scratch.nbytes < nbytes:
+            raise ExecutionError(f"{self.source_path}: global scratch of {nbytes} bytes on device {device_index}, "
+                               f"{self.global_scratch.nbytes} on the device it was first bound on")
+        uid = self.global_scratch.uid if nbytes else None
+        return BoundLaunch(compiled, self.grid, self.template, self.slots, uid)
 
     def launch_unaligned(self, tensors):
         """Through the JIT, which specializes on the actual pointer alignment."""
@@ -136,14 +169,22 @@ class KernelLaunch:
         self.kernel[self.grid](*self.values(tensors), **self._options())
 
 
-def run_launches(launches, tensors, device, dtypes_of, aligned: bool = True):
-    """Launch in order on `device` (CUDA: bound launchers; CPU: the interpreter)."""
+# Triton's interpreter patches triton.language while a kernel runs, so two interpreted kernels
+# must not overlap (threads executing plans on CPU take turns, a whole launch list at a time).
+INTERPRETER_LOCK = threading.RLock()
+
+
+def run_launches(launches, tensors, device, dtypes_of, aligned: bool = True, stream: Optional[int] = None):
+    """Launch in order on `device` (CUDA: bound launchers on `stream`, by default the current
+    stream; CPU: the interpreter)."""
     if device.type != "cuda":
-        for launch in launches:
-            chosen = launch.alternative if not aligned and launch.alternative is not None else launch
-            chosen.interpret(tensors)
+        with INTERPRETER_LOCK:
+            for launch in launches:
+                chosen = launch.alternative if not aligned and launch.alternative is not None else launch
+                chosen.interpret(tensors)
         return
-    stream = torch._C._cuda_getCurrentRawStream(device.index)
+    if stream is None:
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
     for launch in launches:
         if aligned:
             launch.bind(device.index, dtypes_of)(tensors, stream)
@@ -184,10 +225,13 @@ def _random_like(tensor, device) -> torch.Tensor:
     return flat.as_strided(tensor.dim, tensor.stride)
 
 
-def tuning_device() -> torch.device:
-    """Where autotuning times candidates: the current GPU, else the interpreter on CPU."""
+def tuning_device(device: Optional[torch.device] = None) -> torch.device:
+    """Where autotuning times candidates: `device` (the device a plan is built for), by default
+    the current GPU, else the interpreter on CPU."""
     from .runtime import interpreting
 
+    if device is not None:
+        return device
     if torch.cuda.is_available() and not interpreting():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -210,4 +254,10 @@ def time_candidate(launches, tensors, device) -> float:
             if buffer.uid not in tensors:
                 tensors[buffer.uid] = torch.empty(buffer.dim, dtype=buffer.torch_dtype, device=device)
             dtypes_of[buffer.uid] = buffer.torch_dtype
+    if device.type == "cuda":
+        for launch in launches:
+            launch.bind(device.index, dtypes_of)  # learns the kernel's global scratch
+            buffer = launch.global_scratch
+            if buffer is not None and buffer.uid not in tensors:
+                tensors[buffer.uid] = torch.empty(buffer.dim, dtype=buffer.torch_dtype, device=device)
     return time_launches(launches, tensors, device, dtypes_of)

@@ -74,7 +74,7 @@ def _tma_ok(operand: MatmulOperand, layout: str, dot_type: str, cuda_capability)
 class MatmulBuild:
     """Everything about one matmul group that does not depend on the config."""
 
-    def __init__(self, graph, group, index):
+    def __init__(self, graph, group, index, device=None):
         self.graph, self.group, self.index = graph, group, index
         node = self.node = group.anchor
         a, b, scale_a, scale_b = node.inputs
@@ -108,8 +108,8 @@ class MatmulBuild:
         self.dot_a, self.dot_b, dot, self.precision = _dot_types(a, b, node.attrs.allow_tf32)
         (a_op,) = [o for o in operands if o.side == "a"] if not self.prologue_a else [None]
         (b_op,) = [o for o in operands if o.side == "b"] if not self.prologue_b else [None]
-        device = device_model()
-        capability = torch.cuda.get_device_capability() if torch.cuda.is_available() and not interpreting() else None
+        device = device_model(device)  # the device the launches are for, not the current one
+        capability = device.capability
         a_layout = _layout(a_op.row_stride, a_op.col_stride) if a_op else "strided"
         b_layout = _layout(b_op.row_stride, b_op.col_stride) if b_op else "strided"
         tma = (a_op is not None and b_op is not None and _tma_ok(a_op, a_layout, self.dot_a, capability)
@@ -223,13 +223,14 @@ def _unique(tensors) -> list:
     return result
 
 
-def build_matmul(graph, group, index, tuner=None) -> list[KernelLaunch]:
-    """The launches of a matmul group: model choice, or the autotuned one with `tuner`."""
-    build = MatmulBuild(graph, group, index)
+def build_matmul(graph, group, index, tuner=None, device=None) -> list[KernelLaunch]:
+    """The launches of a matmul group for `device` (default: the current one): model choice, or
+    the autotuned one with `tuner`."""
+    build = MatmulBuild(graph, group, index, device)
     sched = schedule(build.problem, build.device)
     config, record = sched.config, TuningRecord("model", sched.config.text)
     if tuner is not None:
-        device = tuning_device()
+        device = tuning_device(device)
         tensors = sample_tensors(group, device)
         config, record = tuner.choose(
             "matmul", build.problem.signature(), list(sched.ranked), MatmulConfig.to_record,

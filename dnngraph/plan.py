@@ -1,9 +1,12 @@
 """The plan: the build passes (partition, then one builder per kernel family) and execute().
 
 Launches are bound at build (see launch.py); execute() checks bindings and runs them in order.
+A plan may be executed from many threads and streams at once: each (device, stream) gets its own
+workspace (or the caller passes one), and each device model its own launches.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, replace
 
 import torch
@@ -57,8 +60,8 @@ def _binding_spec(tensor) -> BindingSpec:
                        tensor.data_type.torch_dtype, axes, _extent_bytes(tensor), tensor.is_output)
 
 
-def _build_pointwise(graph, group, index, tuner=None):
-    sched = schedule_pointwise(group, device_model())
+def _build_pointwise(graph, group, index, tuner=None, device=None):
+    sched = schedule_pointwise(group, device_model(device))
     description = group.describe()
     source, arguments = render_pointwise(kernel_name(group, index), sched, group.nodes,
                                          graph.compute_data_type, description)
@@ -117,7 +120,7 @@ def _row_launch(spec, programs, num_warps, scratch_buffers=()):
                         spec.schedule.reason, scratch_buffers)
 
 
-def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None):
+def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, device=None):
     """The launches of one row problem: one kernel, or partial + combine (+ apply) when split;
     the model's config, or with `tuner` the fastest of its top candidates."""
     recipe = recipe_of(group.anchor, _row_kinds(problem, group))
@@ -133,12 +136,12 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None):
                        recipe.live_tiles)
     bytes_of = lambda wanted: sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in wanted)
     sched = schedule_rows(geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
-                          device_model())
+                          device_model(device))
     record = TuningRecord("model", sched.config.text)
     build = lambda chosen: _row_schedule_launches(graph, group, name, chosen, recipe, stores, kinds,
                                                   tile_stores, row_stores)
     if tuner is not None:
-        device = tuning_device()
+        device = tuning_device(device)
         tensors = sample_tensors(group, device)
         config, record = tuner.choose(
             "rows", f"{group.anchor.op} {sched.signature(traits)}", list(sched.ranked), RowConfig.to_record,
@@ -190,7 +193,7 @@ def _require_floating_inputs(anchor):
                 f"floating type first")
 
 
-def _build_rows(graph, group, index, tuner=None):
+def _build_rows(graph, group, index, tuner=None, device=None):
     """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
     are per-row sums of the dx kernel (batchnorm)."""
     anchor, name = group.anchor, kernel_name(group, index)
@@ -205,16 +208,16 @@ def _build_rows(graph, group, index, tuner=None):
         if not per_row:  # dscale is not one value per dx row
             param_problem = problem.with_reduced(a for a, s in enumerate(scale_strides) if s == 0)
             return (_row_launches(graph, group, name, problem, RECIPES[anchor.op],
-                                  [u for u in stores if u not in params], tuner)
+                                  [u for u in stores if u not in params], tuner, device)
                     + _row_launches(graph, group, name + "_params", param_problem, norm_parameter_grads,
-                                    [u for u in stores if u in params], tuner))
-    return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores, tuner)
+                                    [u for u in stores if u in params], tuner, device))
+    return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores, tuner, device)
 
 
-def _build_pooling(graph, group, index, tuner=None):
+def _build_pooling(graph, group, index, tuner=None, device=None):
     """The pooling kernel of a group."""
     _require_floating_inputs(group.anchor)
-    sched = schedule_pooling(group, device_model())
+    sched = schedule_pooling(group, device_model(device))
     name = kernel_name(group, index)
     source, arguments = render_pooling(name, sched, group, graph.compute_data_type, group.describe())
     kernel, path = load_kernel(source, name)
@@ -242,7 +245,21 @@ def build_plan(graph, autotune: bool = False) -> "Plan":
     """Partition, schedule (or autotune) and generate every kernel of a validated graph."""
     _check_outputs_dense(graph)
     groups = partition(graph, frozenset(KERNEL_BUILDERS))
-    tuner = Tuner(device_model()) if autotune else None
+    device = _build_device()
+    return Plan(graph, groups, build_launches(graph, groups, device, autotune), device, autotune)
+
+
+def _build_device() -> torch.device:
+    """The device a plan is first built for: the current GPU, else the interpreter (CPU). Only a
+    first guess: a plan executed on a device of another model builds launches for that one."""
+    if torch.cuda.is_available() and not interpreting():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_launches(graph, groups, device: torch.device, autotune: bool = False) -> list:
+    """The launches of every group, scheduled for `device`'s model (autotuned on `device`)."""
+    tuner = Tuner(device_model(device)) if autotune else None
     launches = []
     for index, group in enumerate(groups):
         builder = KERNEL_BUILDERS.get(group.kind)
@@ -253,16 +270,70 @@ def build_plan(graph, autotune: bool = False) -> "Plan":
                 f"[{', '.join(n.name for n in group.nodes)}] cannot run; graph.reference() computes it")
         stored = prologue_values_to_store(group) if group.kind in PROLOGUE_STORED_APART else None
         if stored is not None:
-            launches.append(_build_pointwise(graph, stored, index))
-        built = builder(graph, group, index, tuner)
+            launches.append(_build_pointwise(graph, stored, index, device=device))
+        built = builder(graph, group, index, tuner, device)
         launches.extend(built if isinstance(built, list) else [built])
-    return Plan(graph, groups, launches)
+    return launches
+
+
+class DeviceLaunches:
+    """A plan's launches for one device model (SM count, compute capability) and the workspace
+    layout they need: (uid, dim, stride, torch dtype, bytes, byte offset) of every tensor in it."""
+
+    def __init__(self, model, launches, groups, graph_dtypes):
+        self.model, self.launches = model, launches
+        self.dtypes = dict(graph_dtypes)
+        self.dtypes.update({s.uid: s.torch_dtype for launch in launches for s in launch.scratch})
+        self.layout(groups)
+
+    def bind(self, device_index: int):
+        """Compile every launch for a CUDA device (one of this model), then lay the workspace out:
+        compiling tells which kernels need global scratch in it."""
+        for launch in self.launches:
+            launch.bind(device_index, self.dtypes)
+
+    def layout(self, groups):
+        """Place virtual tensors, split partials and kernels' global scratch in one buffer."""
+        buffers = [(t.uid, tuple(t.dim), tuple(t.stride), t.data_type.torch_dtype, _extent_bytes(t))
+                   for g in groups for t in g.outputs if t.is_virtual]
+        buffers += [(s.uid, s.dim, None, s.torch_dtype, s.nbytes) for launch in self.launches for s in launch.scratch]
+        buffers += [(launch.global_scratch.uid, launch.global_scratch.dim, None, torch.uint8,
+                     launch.global_scratch.nbytes) for launch in self.launches if launch.global_scratch is not None]
+        # the base address a workspace needs: what kernels assume of pointers and of global scratch
+        self.alignment = max([POINTER_ALIGNMENT] + [launch.global_scratch_align for launch in self.launches])
+        unit = max(WORKSPACE_ALIGNMENT, self.alignment)
+        placed, offset = [], 0
+        for uid, dim, stride, torch_dtype, nbytes in buffers:
+            placed.append((uid, dim, stride, torch_dtype, nbytes, offset))
+            offset += -(-max(nbytes, 1) // unit) * unit
+        self.workspace_tensors, self.workspace_bytes = placed, offset
+
+    def views(self, buffer: torch.Tensor) -> dict:
+        """uid -> the tensor each workspace entry is, inside a flat uint8 `buffer`."""
+        views = {}
+        for uid, dim, stride, torch_dtype, nbytes, offset in self.workspace_tensors:
+            typed = buffer[offset:offset + nbytes].view(torch_dtype)
+            views[uid] = typed.view(dim) if stride is None else typed.as_strided(dim, stride)
+        return views
+
+
+@dataclass
+class StreamWorkspace:
+    """The workspace of one (device, stream): the lock keeps one execute's launches together on
+    the stream, so two threads sharing a stream cannot interleave kernels over it."""
+
+    buffer: torch.Tensor
+    views: dict
+    lock: threading.Lock
 
 
 class Plan:
-    """Launches in order over bound tensors and one workspace for values between kernels."""
+    """Launches in order over bound tensors and one workspace for values between kernels.
 
-    def __init__(self, graph, groups, launches):
+    Safe to execute from many threads and streams at once: workspaces are per (device, stream) or
+    the caller's, launches are per device model and built or bound once under a lock."""
+
+    def __init__(self, graph, groups, launches, device=None, autotune: bool = False):
         self.graph_name = graph.name
         self.groups, self.launches = groups, launches
         used = {t.uid for g in groups for t in g.inputs}
@@ -275,25 +346,59 @@ class Plan:
         # unused inputs may be bound (and are ignored); virtual tensors may not
         self.bindable = {s.uid for s in self.specs} | {t.uid for t in graph.inputs()}
         self.names = {t.uid: t.name for t in graph.tensors}
-        self.dtypes = {t.uid: t.data_type.torch_dtype for t in graph.tensors}
-        self.dtypes.update({s.uid: s.torch_dtype for launch in launches for s in launch.scratch})
-        self.workspace_tensors, self.workspace_bytes = self._layout_workspace(groups, launches)
-        self._workspaces: dict = {}
-        if torch.cuda.is_available() and not interpreting():
-            for launch in launches:
-                launch.bind(torch.cuda.current_device(), self.dtypes)
+        self._graph, self._autotune = graph, autotune
+        self._graph_dtypes = {t.uid: t.data_type.torch_dtype for t in graph.tensors}
+        self._lock = threading.Lock()  # guards the three dicts below when they grow
+        self._by_model: dict = {}  # DeviceModel -> DeviceLaunches
+        self._by_device: dict = {}  # (device type, index) -> DeviceLaunches
+        self._streams: dict = {}  # (device type, index, raw stream) -> StreamWorkspace
+        device = torch.device("cpu") if device is None else device
+        built = self._derive(device, launches)
+        self.dtypes = built.dtypes
+        self.workspace_tensors, self.workspace_bytes = built.workspace_tensors, built.workspace_bytes
 
-    @staticmethod
-    def _layout_workspace(groups, launches):
-        """(uid, dim, stride, torch dtype, byte offset) of every workspace tensor, total bytes."""
-        buffers = [(t.uid, tuple(t.dim), tuple(t.stride), t.data_type.torch_dtype, _extent_bytes(t))
-                   for g in groups for t in g.outputs if t.is_virtual]
-        buffers += [(s.uid, s.dim, None, s.torch_dtype, s.nbytes) for launch in launches for s in launch.scratch]
-        placed, offset = [], 0
-        for uid, dim, stride, torch_dtype, nbytes in buffers:
-            placed.append((uid, dim, stride, torch_dtype, nbytes, offset))
-            offset += -(-max(nbytes, 1) // WORKSPACE_ALIGNMENT) * WORKSPACE_ALIGNMENT
-        return placed, offset
+    # --- one set of launches per device model ----------------------------------------------------
+    def _derive(self, device, launches=None) -> DeviceLaunches:
+        """Build (unless given) and bind the launches for `device`'s model; caller holds the lock
+        or is the constructor."""
+        model = device_model(device)
+        if launches is None:
+            if self._graph.plan is not self:
+                raise ExecutionError(f"graph {self.graph_name!r} changed since this plan was built, and "
+                                     f"{device} needs launches of its own: build the graph again")
+            launches = build_launches(self._graph, self.groups, device, self._autotune)
+        built = DeviceLaunches(model, launches, self.groups, self._graph_dtypes)
+        if device.type == "cuda":
+            built.bind(device.index)
+            built.layout(self.groups)
+        self._by_model[model] = built
+        self._by_device[(device.type, device.index)] = built
+        return built
+
+    def _launches_for(self, device) -> DeviceLaunches:
+        """The launches for `device` (the interpreter's for CPU), built or bound on first use."""
+        found = self._by_device.get((device.type, device.index))
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._by_device.get((device.type, device.index))
+            if found is not None:
+                return found
+            found = self._by_model.get(device_model(device))
+            if found is None:
+                return self._derive(device)
+            if device.type == "cuda":
+                found.bind(device.index)
+            self._by_device[(device.type, device.index)] = found
+            return found
+
+    def workspace_size(self, device=None) -> int:
+        """Bytes of workspace an execute on `device` (a torch.device or name; default: the device
+        the plan was built for) needs: allocate `torch.empty(n, dtype=torch.uint8)` there and pass
+        it as execute(..., workspace=)."""
+        if device is None:
+            return self.workspace_bytes
+        return self._launches_for(_kernel_device(torch.device(device))).workspace_bytes
 
     # --- execute ---------------------------------------------------------------------------------
     def _resolve(self, bindings) -> dict:
@@ -342,31 +447,68 @@ class Plan:
                     raise ExecutionError(f"output {spec.name!r} overlaps {other.name!r} in memory")
         return device
 
-    def _workspace_views(self, device, tensors):
-        views = self._workspaces.get(device)
-        if views is None:
-            buffer = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
-            views = {}
-            for uid, dim, stride, torch_dtype, nbytes, offset in self.workspace_tensors:
-                typed = buffer[offset:offset + nbytes].view(torch_dtype)
-                views[uid] = typed.view(dim) if stride is None else typed.as_strided(dim, stride)
-            self._workspaces[device] = views
-        tensors.update(views)
+    def _stream_workspace(self, built: DeviceLaunches, device, stream) -> StreamWorkspace:
+        """The workspace of (device, stream), created once; allocated on that stream, so torch's
+        caching allocator never hands its memory to another stream while kernels use it."""
+        key = (device.type, device.index, stream)
+        found = self._streams.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._streams.get(key)
+            if found is None:
+                buffer = torch.empty(built.workspace_bytes, dtype=torch.uint8, device=device)
+                found = StreamWorkspace(buffer, built.views(buffer), threading.Lock())
+                self._streams[key] = found
+        return found
 
-    def execute(self, bindings):
-        """Check every binding, then launch every kernel; nothing is written on error."""
+    def _caller_workspace(self, workspace, built: DeviceLaunches, device, tensors) -> dict:
+        """Views into a workspace the caller passed, after checking it can hold them."""
+        where = "the workspace"
+        if not isinstance(workspace, torch.Tensor):
+            raise ExecutionError(f"{where} must be a torch.Tensor of uint8, got {type(workspace).__name__}")
+        if workspace.dtype != torch.uint8:
+            raise ExecutionError(f"{where} must be uint8, got {workspace.dtype}")
+        if workspace.device != device:
+            raise ExecutionError(f"{where} is on {workspace.device}, the bound tensors on {device}")
+        if not workspace.is_contiguous():
+            raise ExecutionError(f"{where} must be contiguous")
+        if workspace.numel() < built.workspace_bytes:
+            raise ExecutionError(f"{where} holds {workspace.numel()} bytes; graph {self.graph_name!r} needs "
+                                 f"{built.workspace_bytes} on {device} (plan.workspace_size())")
+        start = workspace.data_ptr()
+        if built.workspace_bytes and start % built.alignment:
+            raise ExecutionError(f"{where} must start at a multiple of {built.alignment} bytes "
+                                 f"(a fresh torch.empty does)")
+        end = start + built.workspace_bytes
+        for spec in self.specs:
+            other = tensors[spec.uid].data_ptr()
+            if built.workspace_bytes and other < end and start < other + spec.extent_bytes:
+                raise ExecutionError(f"{where} overlaps {spec.name!r} in memory")
+        return built.views(workspace.view(-1))
+
+    def execute(self, bindings, workspace=None):
+        """Check every binding (and `workspace`, if given), then launch every kernel on the current
+        stream of the tensors' device; nothing is written on error.
+
+        Internal tensors live in `workspace` (uint8, contiguous, at least workspace_size() bytes,
+        on the tensors' device) when given: the caller then keeps concurrent executes apart.
+        Without it each (device, stream) uses a workspace of its own, made on first use."""
         tensors = self._resolve(bindings)
         device = self._check(tensors)
-        if self.workspace_tensors:
-            self._workspace_views(device, tensors)
+        kernel_device = _kernel_device(device)
+        built = self._launches_for(kernel_device)
         aligned = all(tensors[s.uid].data_ptr() % POINTER_ALIGNMENT == 0 for s in self.specs)
-        if device.type == "cuda" and not interpreting():
-            run_launches(self.launches, tensors, device, self.dtypes, aligned)
-        elif interpreting():
-            run_launches(self.launches, tensors, torch.device("cpu"), self.dtypes, aligned)
-        else:
-            raise ExecutionError(f"tensors are on {device}, but kernels compile for CUDA here; "
-                                 f"set TRITON_INTERPRET=1 before importing dnngraph to run on CPU")
+        stream = torch._C._cuda_getCurrentRawStream(device.index) if kernel_device.type == "cuda" else None
+        if workspace is not None:
+            tensors.update(self._caller_workspace(workspace, built, device, tensors))
+        elif built.workspace_tensors:
+            shared = self._stream_workspace(built, device, stream)
+            with shared.lock:
+                tensors.update(shared.views)
+                run_launches(built.launches, tensors, kernel_device, built.dtypes, aligned, stream)
+            return
+        run_launches(built.launches, tensors, kernel_device, built.dtypes, aligned, stream)
 
     # --- explain ---------------------------------------------------------------------------------
     def explain(self) -> str:
@@ -388,3 +530,13 @@ class Plan:
 def _describe(tensor) -> str:
     where = "workspace" if tensor.is_virtual else ("output" if tensor.is_output else "input")
     return f"{tensor.name} {list(tensor.dim)} {tensor.data_type.name} stride {list(tensor.stride)} ({where})"
+
+
+def _kernel_device(device: torch.device) -> torch.device:
+    """Where kernels for tensors on `device` run: that GPU, or the interpreter (on CPU)."""
+    if interpreting():
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ExecutionError(f"tensors are on {device}, but kernels compile for CUDA here; "
+                             f"set TRITON_INTERPRET=1 before importing dnngraph to run on CPU")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
@@ -16,12 +17,34 @@ class DeviceModel:
     name: str
     sms: int
     bandwidth: float  # bytes per second, read + write
+    capability: Optional[tuple] = None  # (major, minor) of a CUDA device; None in the interpreter
+
+
+INTERPRETER = DeviceModel("interpreter", DEFAULT_SMS, DEFAULT_BANDWIDTH)
+
+
+def _cuda_index(device) -> Optional[int]:
+    """The CUDA device index `device` names (None for the CPU); None names the current GPU."""
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def device_model(device=None) -> DeviceModel:
+    """The model of `device` (a torch.device, a name like "cuda:1" or a CUDA index): its SM count
+    and compute capability; the interpreter's model for the CPU. None: the current CUDA device,
+    or the interpreter's model without one."""
+    return _model_of_index(_cuda_index(device))
 
 
 @lru_cache(maxsize=None)
-def device_model(index: int | None = None) -> DeviceModel:
-    """The model of the current CUDA device, or the H100 defaults without one."""
-    if not torch.cuda.is_available():
-        return DeviceModel("interpreter", DEFAULT_SMS, DEFAULT_BANDWIDTH)
-    props = torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index)
-    return DeviceModel(props.name, props.multi_processor_count, DEFAULT_BANDWIDTH)
+def _model_of_index(index: Optional[int]) -> DeviceModel:
+    if index is None:
+        return INTERPRETER
+    props = torch.cuda.get_device_properties(index)
+    return DeviceModel(props.name, props.multi_processor_count, DEFAULT_BANDWIDTH, (props.major, props.minor))
