@@ -78,6 +78,7 @@ class Case:
     io: str
     row_mode: object
     steps: list = field(default_factory=list)
+    generation_error: str = ""  # an op call or reference that failed on a valid graph
 
     def describe(self) -> str:
         head = f"seed {self.seed}: io {self.io}, row mode {self.row_mode}"
@@ -606,17 +607,21 @@ def generate(seed: int, device: str = "cpu", max_ops: int = 6, io: str | None = 
     builder = GraphBuilder(seed, device, io)
     row_mode = builder.rng.choice(ROW_MODES)
     target = builder.rng.randint(1, max_ops)
-    attempts = 0
-    while sum(1 for _ in builder.graph.nodes) < target and attempts < 40:
+    attempts, failure = 0, ""
+    while len(builder.graph.nodes) < target and attempts < 40 and not failure:
         attempts += 1
         family = builder.family()
         try:
             getattr(builder, family)()
         except _Skip:
             continue
-    builder.finish()
+        except Exception as error:  # noqa: BLE001 - a valid op the frontend or reference rejects
+            failure = f"{family}: {type(error).__name__}: {error}"
+            builder.steps.append(f"FAILED {failure}")
+    if builder.graph.nodes and not failure:
+        builder.finish()
     inputs = {name: value.to(device) for name, value in builder.inputs.items()}
-    return Case(seed, builder.graph, inputs, builder.io, row_mode, builder.steps)
+    return Case(seed, builder.graph, inputs, builder.io, row_mode, builder.steps, failure)
 
 
 # --- running and judging -------------------------------------------------------------------------
@@ -673,6 +678,8 @@ def noisy_reference(graph, inputs: dict, trials: int = 3, seed: int = 0) -> list
 def compare(name, out: torch.Tensor, ref: torch.Tensor, noisy: list, depth_eps: float) -> str:
     """'' when `out` matches the float64 reference, else what differs."""
     out = out.cpu()
+    if tuple(ref.shape) != tuple(out.shape):
+        return f"{name}: the reference has shape {list(ref.shape)}, the output {list(out.shape)}"
     if not ref.is_floating_point() or not out.is_floating_point():
         if ref.is_floating_point():  # integer or bool output of a float reference
             ref = torch.trunc(ref) if out.dtype != torch.bool else ref != 0
@@ -701,6 +708,8 @@ def compare(name, out: torch.Tensor, ref: torch.Tensor, noisy: list, depth_eps: 
 def run_case(case: Case, device: str = "cpu") -> Verdict:
     """Build and execute `case` with poisoned outputs; compare every output with the reference."""
     graph = case.graph
+    if case.generation_error:
+        return Verdict("error:generate " + case.generation_error.split(":")[1].strip(), case.generation_error)
     try:
         with forced_row_mode(case.row_mode):
             graph.build()
