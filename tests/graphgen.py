@@ -63,9 +63,11 @@ class Value:
 
     @property
     def kind(self) -> str:
-        if self.data.dtype == torch.bool:
+        """bool, int or float: the tensor's data type (a cast's reference may hold floats)."""
+        data_type = self.tensor.data_type
+        if data_type.name == "bool":
             return "bool"
-        return "float" if self.data.is_floating_point() else "int"
+        return "float" if data_type.is_floating else "int"
 
 
 @dataclass
@@ -100,12 +102,15 @@ class _Skip(Exception):
 class GraphBuilder:
     """Grows one random graph; one method per op family."""
 
-    def __init__(self, seed: int, device: str = "cpu", io: str | None = None, nan_inputs=None):
+    def __init__(self, seed: int, device: str = "cpu", io: str | None = None, nan_inputs=None,
+                 plain_names: bool = False):
         self.rng = random.Random(seed)
+        self.plain_names = plain_names  # same draws, but names no kernel could confuse (triage)
         self.gen = torch.Generator().manual_seed(seed)
         self.device = device
         self.io = io or self.rng.choice(["float32", "float16"] + (["bfloat16"] if device != "cpu" else []))
-        self.graph = dg.Graph(name=self.rng.choice(("fuzz",) + KERNEL_NAMES + ODD_NAMES),
+        graph_name = self.rng.choice(("fuzz",) + KERNEL_NAMES + ODD_NAMES)
+        self.graph = dg.Graph(name="fuzz" if plain_names else graph_name,
                               io_data_type=FLOAT_IO[self.io])
         self.nan_inputs = self.rng.random() < 0.2 if nan_inputs is None else nan_inputs
         self.rank = self.rng.choice((1, 2, 2, 3, 3, 4))
@@ -128,7 +133,7 @@ class GraphBuilder:
             count += 1
             candidate = f"{base}_{count}" if self.rng.random() < 0.5 else f"{base}{'_' * count}"
         self.used_names.add(candidate)
-        return candidate
+        return f"plain{len(self.used_names)}" if self.plain_names else candidate
 
     def _draw_world(self):
         budget = 320 if self.device == "cpu" else 4096
@@ -207,13 +212,15 @@ class GraphBuilder:
         data = data.to(dtype.torch_dtype)
         if special and not positive and not distinct:
             data = self._sprinkle(data)
+        special_values = data.is_floating_point() and not bool(torch.isfinite(data).all())
         view, layout = self._layout(data, allow_broadcast)
         tensor = self.graph.tensor_like(view, name=self.name())
         self.inputs[tensor.name] = view
         exact = view.double() if view.is_floating_point() else view.clone()
         value = Value(tensor, exact, 0)
         self.values.append(value)
-        self.steps.append(f"input {tensor.name!r} {dims} {dtype.name} {layout}")
+        self.steps.append(f"input {tensor.name!r} {dims} {dtype.name} {layout}"
+                          + (" with NaN/inf" if special_values else ""))
         return value
 
     # --- picking operands ---------------------------------------------------------------------
@@ -602,9 +609,11 @@ def _separated(a: torch.Tensor, b: torch.Tensor, margin: float) -> bool:
     return bool((gap[finite] > margin * (1 + a.abs()[finite] + b.abs()[finite])).all())
 
 
-def generate(seed: int, device: str = "cpu", max_ops: int = 6, io: str | None = None) -> Case:
-    """The random graph of `seed`, with its input data (on `device`) and row mode."""
-    builder = GraphBuilder(seed, device, io)
+def generate(seed: int, device: str = "cpu", max_ops: int = 6, io: str | None = None,
+             plain_names: bool = False) -> Case:
+    """The random graph of `seed`, with its input data (on `device`) and row mode; with
+    `plain_names` the same graph under names no kernel could confuse (to triage a failure)."""
+    builder = GraphBuilder(seed, device, io, plain_names=plain_names)
     row_mode = builder.rng.choice(ROW_MODES)
     target = builder.rng.randint(1, max_ops)
     attempts, failure = 0, ""
