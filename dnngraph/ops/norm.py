@@ -209,6 +209,11 @@ def _reference_genstats(values, attrs):
     return [x.sum(axes, keepdim=True), x.square().sum(axes, keepdim=True)]
 
 
+def _sum_over(value, axes):
+    """Sum over `axes`, keeping them; no axes is no sum (torch would sum every axis)."""
+    return value.sum(axes, keepdim=True) if axes else value
+
+
 def _reference_backward(op):
     def reference(values, attrs: NormAttrs):
         dy, x, scale, *stats = values
@@ -226,9 +231,9 @@ def _reference_backward(op):
             correction = correction + g.mean(geo.stat_axes, keepdim=True)
         dx = _unview(inv * (g - correction), x)
         param_axes = tuple(a for a, s in enumerate(geo.param_dim) if s == 1)
-        dscale = (dy * _unview(xhat, x)).sum(param_axes, keepdim=True)
+        dscale = _sum_over(dy * _unview(xhat, x), param_axes)
         has_dbias = op != "rmsnorm_backward" or attrs.has_dbias
-        dbias = dy.sum(param_axes, keepdim=True) if has_dbias else None
+        dbias = _sum_over(dy, param_axes) if has_dbias else None
         return [dx, dscale, dbias]
     return reference
 

@@ -1,6 +1,7 @@
 """Pooling family: max / average (padding counted or not), 1D/2D/3D, and its backward."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -64,9 +65,16 @@ def pool(x: torch.Tensor, attrs: PoolingAttrs) -> torch.Tensor:
     if attrs.mode == "max":
         fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[spatial - 1]
         return fn(x, attrs.window, attrs.stride, attrs.padding)
+    # zero-pad explicitly: torch's 3D average pooling rejects inputs smaller than the window
+    # even where the padding makes the window fit
     fn = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)[spatial - 1]
-    return fn(x, attrs.window, attrs.stride, attrs.padding,
-              count_include_pad=attrs.mode == "avg_include_pad")
+    pads = [p for pad in reversed(attrs.padding) for p in (pad, pad)]
+    window_sums = fn(F.pad(x, pads), attrs.window, attrs.stride) * math.prod(attrs.window)
+    if attrs.mode == "avg_include_pad":
+        return window_sums / math.prod(attrs.window)
+    ones = torch.ones((1, 1) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
+    counts = fn(F.pad(ones, pads), attrs.window, attrs.stride) * math.prod(attrs.window)
+    return window_sums / counts
 
 
 def reference_forward(values, attrs):

@@ -1,0 +1,744 @@
+"""Random valid dnngraph graphs across every family with kernels, and their verdicts.
+
+`generate(seed)` draws one graph (with its input data) from a seed alone, so a seed reproduces
+its case. Every op added is evaluated at once in float64 (the op's own reference), and the
+drawn values steer later choices: comparisons, floors and integer casts see no near-ties,
+logs and reciprocals see positive values, exps see no overflow. `run_case` builds and executes
+the graph with poisoned outputs and compares each output with `Graph.reference`.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+import dnngraph as dg
+from dnngraph.errors import GraphError, UnsupportedError
+from dnngraph.ops.pointwise import DIFFERENTIABLE, FORWARD_UNARY
+from dnngraph.ops.pooling import PoolingAttrs, output_spatial
+from dnngraph.tensor import dense_strides
+
+# Identifiers the codegen renderers write (collected from their generated sources), and names
+# that break quoting, comments or source lines.
+KERNEL_NAMES = (
+    "acc", "pid", "pid_m", "pid_n", "mask", "row_mask", "col_mask", "tile_mask", "x_ptr", "y_ptr",
+    "tl", "triton", "tm", "tr", "BLOCK_K", "BLOCK_R", "BLOCK_C", "BLOCK_M", "BLOCK_N", "SPLITS",
+    "rows", "cols", "k_idx", "r_idx", "counter", "row_max", "row_sum", "mean", "inv", "var",
+    "inv_variance", "x", "y", "dy", "dx", "scale", "bias", "tile", "tile_a", "tile_b", "offs_m",
+    "offs_n", "k_mask", "r_mask", "seed_0", "seed_1", "stats_mean", "stats_m2", "stats_count",
+    "sq_sum", "g_sum", "g_xhat", "dscale_sum", "dbias_sum", "partial_ptr", "n_reduced", "K", "M",
+    "N", "T", "a", "b", "c", "p", "q", "r", "e0", "e1", "idx_0", "offset_0", "size_1", "float",
+    "range", "max", "sum", "exp", "where", "other", "rest", "start", "zeros", "full", "load",
+    "store", "program_id", "dot", "inf", "stash_mean_ptr", "part_idx", "trip_weight",
+)
+ODD_NAMES = (
+    'x"""', "x'''", "a\nb", "name with spaces", "tab\there", "back\\slash", "#comment",
+    "'); import os; ('", "{braces}", "ünïcødé", "名前", "Ω", "emoji😀", "0starts_with_digit",
+    "a.b", "-", "\"", "'", "__init__", "None", "True", "lambda", "class",
+)
+
+ROW_MODES = (None, "one_pass", "looped", "split")
+SIZES = (1, 1, 2, 3, 4, 5, 7, 8, 13, 16)
+FLOAT_IO = {"float32": dg.float32, "float16": dg.float16, "bfloat16": dg.bfloat16}
+UNARY_OPS = tuple(FORWARD_UNARY)
+POSITIVE_DOMAIN = ("log", "sqrt", "rsqrt", "reciprocal")
+DISCONTINUOUS = ("floor", "ceil")
+BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "scale")
+COMPARE_OPS = ("cmp_eq", "cmp_ne", "cmp_lt", "cmp_le", "cmp_gt", "cmp_ge")
+REDUCTION_MODES = ("sum", "mean", "max", "min", "amax", "prod", "norm1", "norm2")
+EXIT_MODES = ("sum", "mean", "max", "min", "amax", "norm1", "norm2")
+MAGNITUDE_LIMIT = 1e3  # values stay well inside fp16 range, so conditioning stays sane
+
+
+@dataclass
+class Value:
+    """A tensor of the graph with its float64 (or exact integer/bool) value."""
+
+    tensor: object
+    data: torch.Tensor
+    depth: int  # ops between the graph inputs and this value
+
+    @property
+    def kind(self) -> str:
+        """bool, int or float: the tensor's data type (a cast's reference may hold floats)."""
+        data_type = self.tensor.data_type
+        if data_type.name == "bool":
+            return "bool"
+        return "float" if data_type.is_floating else "int"
+
+
+@dataclass
+class Case:
+    """One generated graph, its input data and a readable description."""
+
+    seed: int
+    graph: object
+    inputs: dict  # tensor name -> torch tensor
+    io: str
+    row_mode: object
+    steps: list = field(default_factory=list)
+    generation_error: str = ""  # an op call or reference that failed on a valid graph
+
+    def describe(self) -> str:
+        head = f"seed {self.seed}: io {self.io}, row mode {self.row_mode}"
+        return "\n".join([head] + [f"  {s}" for s in self.steps])
+
+
+@dataclass
+class Verdict:
+    """The outcome of one case: passed, mismatch, unsupported or error:<type>."""
+
+    status: str
+    detail: str = ""
+
+
+class _Skip(Exception):
+    """A family could not add an op to this graph (no fitting operand): draw another."""
+
+
+class GraphBuilder:
+    """Grows one random graph; one method per op family."""
+
+    def __init__(self, seed: int, device: str = "cpu", io: str | None = None, nan_inputs=None,
+                 plain_names: bool = False):
+        self.rng = random.Random(seed)
+        self.plain_names = plain_names  # same draws, but names no kernel could confuse (triage)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.device = device
+        self.io = io or self.rng.choice(["float32", "float16"] + (["bfloat16"] if device != "cpu" else []))
+        graph_name = self.rng.choice(("fuzz",) + KERNEL_NAMES + ODD_NAMES)
+        self.graph = dg.Graph(name="fuzz" if plain_names else graph_name,
+                              io_data_type=FLOAT_IO[self.io])
+        self.nan_inputs = self.rng.random() < 0.2 if nan_inputs is None else nan_inputs
+        self.rank = self.rng.choice((1, 2, 2, 3, 3, 4))
+        self.world = self._draw_world()
+        self.values: list[Value] = []
+        self.inputs: dict = {}
+        self.steps: list[str] = []
+        self.used_names: set = set()
+
+    # --- names, shapes, inputs ---------------------------------------------------------------
+    def name(self):
+        """A fresh name: often one a kernel uses, sometimes one that breaks source text."""
+        roll = self.rng.random()
+        base = self.rng.choice(KERNEL_NAMES) if roll < 0.5 else \
+            self.rng.choice(ODD_NAMES) if roll < 0.7 else None
+        if base is None:
+            return None
+        candidate, count = base, 0
+        while candidate in self.used_names:
+            count += 1
+            candidate = f"{base}_{count}" if self.rng.random() < 0.5 else f"{base}{'_' * count}"
+        self.used_names.add(candidate)
+        return f"plain{len(self.used_names)}" if self.plain_names else candidate
+
+    def _draw_world(self):
+        budget = 320 if self.device == "cpu" else 4096
+        while True:
+            dims = [self.rng.choice(SIZES) for _ in range(self.rank)]
+            if math.prod(dims) <= budget:
+                return dims
+
+    def broadcast_dims(self, dims=None):
+        """`dims` (default the world) with some axes set to 1."""
+        dims = list(self.world if dims is None else dims)
+        return [1 if self.rng.random() < 0.3 else d for d in dims]
+
+    def _layout(self, data: torch.Tensor, allow_broadcast=True) -> tuple[torch.Tensor, str]:
+        """The same values in a random layout: contiguous, permuted, sliced, padded, expanded."""
+        choice = self.rng.choice(("contiguous", "contiguous", "permuted", "sliced", "padded",
+                                  "expanded" if allow_broadcast else "contiguous"))
+        shape = list(data.shape)
+        if choice == "permuted" and data.dim() > 1:
+            order = list(range(data.dim()))
+            self.rng.shuffle(order)
+            storage = data.permute(order).contiguous()
+            inverse = [order.index(a) for a in range(data.dim())]
+            return storage.permute(inverse), f"permuted{order}"
+        if choice == "sliced":
+            axis = self.rng.randrange(data.dim())
+            big = shape.copy()
+            big[axis] = 2 * shape[axis] + 1
+            storage = torch.zeros(big, dtype=data.dtype)
+            index = [slice(None)] * data.dim()
+            index[axis] = slice(1, None, 2)
+            view = storage[tuple(index)]
+            view.copy_(data)
+            return view, f"sliced(axis {axis}, step 2)"
+        if choice == "padded":
+            storage = torch.zeros(shape[:-1] + [shape[-1] + 3], dtype=data.dtype)
+            view = storage[..., :shape[-1]]
+            view.copy_(data)
+            return view, "padded(+3 last)"
+        if choice == "expanded":
+            axes = [a for a, s in enumerate(shape) if s > 1]
+            if axes:
+                axis = self.rng.choice(axes)
+                index = [slice(None)] * data.dim()
+                index[axis] = slice(0, 1)
+                return data[tuple(index)].expand(shape), f"expanded(axis {axis})"
+        return data.contiguous(), "contiguous"
+
+    def _sprinkle(self, data: torch.Tensor) -> torch.Tensor:
+        if not self.nan_inputs or not data.is_floating_point() or data.numel() < 2:
+            return data
+        flat = data.clone().reshape(-1)
+        for _ in range(self.rng.randint(1, 3)):
+            flat[self.rng.randrange(flat.numel())] = self.rng.choice((math.nan, math.inf, -math.inf))
+        return flat.reshape(data.shape)
+
+    def new_input(self, dims, kind="float", positive=False, distinct=False, data_type=None,
+                  allow_broadcast=True, special=True) -> Value:
+        """Declare an input with random data in a random layout and add it to the pool."""
+        dims = [int(d) for d in dims]
+        dtype = (data_type or (dg.int32 if kind == "int" else dg.bool if kind == "bool"
+                               else FLOAT_IO[self.io]))
+        if kind == "bool":
+            data = torch.rand(dims, generator=self.gen) < 0.5
+        elif kind == "int":
+            limit = 2**40 if dtype is dg.int64 else 2**15
+            data = torch.randint(-limit, limit, dims, generator=self.gen, dtype=torch.int64)
+        elif distinct:
+            count = math.prod(dims)
+            data = (torch.randperm(count, generator=self.gen).double() - count / 2) / max(count / 4, 1)
+            data = data.reshape(dims)
+        else:
+            data = torch.randn(dims, generator=self.gen, dtype=torch.float64)
+            if positive:
+                data = data.abs() + 0.5
+        data = data.to(dtype.torch_dtype)
+        if special and not positive and not distinct:
+            data = self._sprinkle(data)
+        special_values = data.is_floating_point() and not bool(torch.isfinite(data).all())
+        view, layout = self._layout(data, allow_broadcast)
+        tensor = self.graph.tensor_like(view, name=self.name())
+        self.inputs[tensor.name] = view
+        exact = view.double() if view.is_floating_point() else view.clone()
+        value = Value(tensor, exact, 0)
+        self.values.append(value)
+        self.steps.append(f"input {tensor.name!r} {dims} {dtype.name} {layout}"
+                          + (" with NaN/inf" if special_values else ""))
+        return value
+
+    # --- picking operands ---------------------------------------------------------------------
+    def pick(self, kind="float", dims=None, predicate=None, fresh=0.25, **fresh_args) -> Value:
+        """A pooled value of `kind` (and `dims`) satisfying `predicate`, or a new input."""
+        fits = [v for v in self.values if v.kind == kind and (dims is None or list(v.tensor.dim) == list(dims))
+                and (predicate is None or predicate(v))]
+        if fits and self.rng.random() > fresh:
+            # prefer recent values so chains (and fusion groups) form
+            return fits[-1] if self.rng.random() < 0.5 else self.rng.choice(fits)
+        shape = dims if dims is not None else self.broadcast_dims()
+        return self.new_input(shape, kind, **fresh_args)
+
+    def pick_world(self, kind="float", predicate=None, **kwargs) -> Value:
+        """A value whose dims broadcast against the world (and satisfies `predicate`)."""
+        return self.pick(kind, predicate=lambda v: self._world_compatible(v.tensor.dim) and
+                         (predicate is None or predicate(v)), **kwargs)
+
+    def _world_compatible(self, dims) -> bool:
+        return len(dims) == len(self.world) and all(d in (1, w) for d, w in zip(dims, self.world))
+
+    # --- recording ----------------------------------------------------------------------------
+    def record(self, results, label: str, operands) -> list:
+        """Evaluate the new node in float64, pool its outputs, describe it."""
+        results = results if isinstance(results, tuple) else (results,)
+        first = next(r for r in results if r is not None)
+        node = first.producer
+        by_tensor = {id(v.tensor): v for v in self.values}
+        inputs = [None if t is None else by_tensor[id(t)].data for t in node.inputs]
+        datas = node.opdef.reference(inputs, node.attrs)
+        depth = 1 + max((by_tensor[id(t)].depth for t in node.input_tensors()), default=0)
+        added = []
+        for tensor, data in zip(node.outputs, datas):
+            if tensor is None:
+                continue
+            new_name = self.name()
+            if new_name is not None:
+                tensor.set_name(new_name)
+            data = data.double() if data.is_floating_point() else data
+            value = Value(tensor, data, depth)
+            self.values.append(value)
+            added.append(value)
+        names = ", ".join(repr(v.tensor.name) if hasattr(v, "tensor") else repr(v) for v in operands)
+        outs = ", ".join(repr(v.tensor.name) for v in added)
+        self.steps.append(f"{label}({names}) node {node.name!r} -> {outs}")
+        return added
+
+    # --- families -----------------------------------------------------------------------------
+    def unary(self):
+        op = self.rng.choice(UNARY_OPS)
+        if op in DISCONTINUOUS:  # exact only on stored inputs
+            x = self.pick_world(predicate=lambda v: v.depth == 0)
+        elif op in POSITIVE_DOMAIN:
+            x = self.pick_world(predicate=lambda v: _positive(v.data), positive=True)
+        elif op == "exp":
+            x = self.pick_world(predicate=lambda v: _finite_max(v.data) < 6)
+        else:
+            x = self.pick_world()
+        params = {}
+        if op == "leaky_relu":
+            params["negative_slope"] = round(self.rng.uniform(-0.5, 0.5), 3)
+        elif op == "elu":
+            params["alpha"] = round(self.rng.uniform(0.1, 2.0), 3)
+        elif op == "softplus":
+            params["beta"] = round(self.rng.choice((0.5, 1.0, 2.0)), 3)
+            params["threshold"] = self.rng.choice((5.0, 20.0))
+        out = getattr(self.graph, op)(x.tensor, name=self.name(), **params)
+        return self.record(out, f"{op}{params or ''}", [x])
+
+    def unary_backward(self):
+        forward = self.rng.choice(DIFFERENTIABLE)
+        dy = self.pick_world()
+        # the derivative jumps at 0 (relu, leaky_relu, elu): x must be exact, so an input
+        at_input = forward in ("relu", "leaky_relu", "elu")
+        x = self.pick(dims=dy.tensor.dim, predicate=(lambda v: v.depth == 0) if at_input else None)
+        params = {"leaky_relu": {"negative_slope": 0.2}, "elu": {"alpha": 0.7},
+                  "softplus": {"beta": 1.0, "threshold": 20.0}}.get(forward, {})
+        out = getattr(self.graph, forward + "_backward")(dy.tensor, x.tensor, name=self.name(), **params)
+        return self.record(out, forward + "_backward", [dy, x])
+
+    def binary(self):
+        op = self.rng.choice(BINARY_OPS)
+        a = self.pick_world(predicate=(lambda v: _positive(v.data)) if op == "pow" else None,
+                            positive=op == "pow")
+        if op in ("div", "pow") or self.rng.random() < 0.7:
+            b_pred = (lambda v: _positive(v.data)) if op == "div" else \
+                (lambda v: _finite_max(v.data.abs()) < 3) if op == "pow" else None
+            b = self.pick_world(predicate=b_pred, positive=op == "div")
+            operands = [a.tensor, b.tensor]
+            label_operands = [a, b]
+        else:
+            constant = self.rng.choice((0.5, -1.25, 2.0, 3.0, 1e-3, 7.0))
+            operands = [a.tensor, constant] if self.rng.random() < 0.5 else [constant, a.tensor]
+            label_operands = [a if o is a.tensor else o for o in operands]
+        out = getattr(self.graph, op)(*operands, name=self.name())
+        if _finite_max(self._peek(out, operands)) > MAGNITUDE_LIMIT:
+            raise _Skip()
+        return self.record(out, op, label_operands)
+
+    def integer_chain(self):
+        """Exact integer arithmetic: int32 products past 2**24, int64 values past 2**53."""
+        dtype = self.rng.choice((dg.int32, dg.int64))
+        a = self.new_input(self.broadcast_dims(), "int", data_type=dtype)
+        op = self.rng.choice(("add", "sub", "mul", "maximum", "minimum", "neg", "abs"))
+        if op in ("neg", "abs"):
+            out, operands = getattr(self.graph, op)(a.tensor, name=self.name()), [a]
+        else:
+            b = self.new_input(self.broadcast_dims(), "int", data_type=dtype) \
+                if op != "mul" or dtype is dg.int32 else self.new_input(self.broadcast_dims(), "int",
+                                                                         data_type=dg.int32)
+            out, operands = getattr(self.graph, op)(a.tensor, b.tensor, name=self.name()), [a, b]
+        out.set_data_type(dtype)
+        return self.record(out, f"{op}[{dtype.name}]", operands)
+
+    def compare(self):
+        op = self.rng.choice(COMPARE_OPS)
+        a = self.pick_world()
+        b = self.pick_world(predicate=lambda v: _separated(a.data, v.data, self._margin(a, v)))
+        if not _separated(a.data, b.data, self._margin(a, b)):
+            raise _Skip()
+        out = getattr(self.graph, op)(a.tensor, b.tensor, name=self.name())
+        return self.record(out, op, [a, b])
+
+    def logic(self):
+        op = self.rng.choice(("logical_and", "logical_or", "logical_not"))
+        a = self.pick_world("bool")
+        if op == "logical_not":
+            return self.record(self.graph.logical_not(a.tensor, name=self.name()), op, [a])
+        b = self.pick_world("bool")
+        return self.record(getattr(self.graph, op)(a.tensor, b.tensor, name=self.name()), op, [a, b])
+
+    def where(self):
+        condition = self.pick_world("bool")
+        a = self.pick_world()
+        b = self.pick_world() if self.rng.random() < 0.7 else self.rng.choice((0.0, -2.5))
+        operands = [condition.tensor, a.tensor, b if isinstance(b, float) else b.tensor]
+        return self.record(self.graph.where(*operands, name=self.name()), "where", [condition, a, b])
+
+    def cast(self):
+        source_kind = self.rng.choice(("float", "float", "bool", "int"))
+        if source_kind == "float":
+            target = self.rng.choice(("float16", "float32", "bool", "int32") +
+                                     (("bfloat16",) if self.device != "cpu" else ()))
+            # truncation and != 0 jump: only on exactly stored inputs
+            exact = target in ("bool", "int32")
+            x = self.pick_world(predicate=(lambda v: v.depth == 0) if exact else None)
+        else:
+            x = self.pick_world(source_kind)
+            target = self.rng.choice(("float32", "float16", "int64" if source_kind == "int" else "int32"))
+        out = self.graph.cast(x.tensor, getattr(dg, "bool" if target == "bool" else target), name=self.name())
+        return self.record(out, f"cast[{target}]", [x])
+
+    def reduction(self):
+        x = self.pick_world(kind=self.rng.choice(("float",) * 5 + ("int",)))
+        modes = ("sum", "max", "min") if x.kind == "int" else REDUCTION_MODES
+        mode = self.rng.choice(modes)
+        axes = self._axes(len(x.tensor.dim))
+        out = self.graph.reduction(x.tensor, mode, axes, name=self.name())
+        if x.kind == "int":
+            out.set_data_type(dg.int64)
+        if _finite_max(self._peek(out, [x.tensor])) > MAGNITUDE_LIMIT and x.kind == "float":
+            raise _Skip()
+        return self.record(out, f"reduction[{mode}, axes {axes}]", [x])
+
+    def softmax(self):
+        x = self.pick_world()
+        axis = self.rng.randrange(len(x.tensor.dim))
+        log = self.rng.random() < 0.4
+        y = self.graph.softmax(x.tensor, axis=axis, log=log, name=self.name())
+        added = self.record(y, f"softmax[axis {axis}, log {log}]", [x])
+        if self.rng.random() < 0.4:
+            dy = self.pick(dims=y.dim)
+            dx = self.graph.softmax_backward(dy.tensor, y, axis=axis, log=log, name=self.name())
+            added += self.record(dx, f"softmax_backward[axis {axis}, log {log}]", [dy, added[0]])
+        return added
+
+    def feature_norm(self):
+        """layernorm / rmsnorm over trailing axes, forward and (sometimes) backward."""
+        op = self.rng.choice(("layernorm", "rmsnorm"))
+        x = self.pick(dims=self.world)
+        rank = len(x.tensor.dim)
+        first = self.rng.randrange(rank)
+        param = [1] * first + list(x.tensor.dim[first:])
+        scale = self.new_input(param, special=False)
+        bias = self.new_input(param, special=False) if op == "layernorm" or self.rng.random() < 0.5 else None
+        phase = self.rng.choice(("training", "training", "inference"))
+        eps = self.rng.choice((1e-5, 1e-3, 0.1))
+        call = getattr(self.graph, op)
+        outs = call(x.tensor, scale.tensor, None if bias is None else bias.tensor, epsilon=eps,
+                    norm_forward_phase=phase, name=self.name())
+        added = self.record(outs, f"{op}[{phase}, eps {eps}, scale {param}]", [x, scale] + ([bias] if bias else []))
+        if phase == "training" and self.rng.random() < 0.5:
+            added += self._norm_backward(op, x, scale, added[1:])
+        return added
+
+    def _norm_backward(self, op, x, scale, stats, groups=None):
+        dy = self.pick(dims=x.tensor.dim)
+        extra = {} if groups is None else {"groups": groups}
+        if op == "rmsnorm" and self.rng.random() < 0.5:
+            extra["has_dbias"] = True
+        call = getattr(self.graph, op + "_backward")
+        outs = call(dy.tensor, x.tensor, scale.tensor, *[s.tensor for s in stats], name=self.name(), **extra)
+        return self.record(outs, f"{op}_backward{extra or ''}", [dy, x, scale] + list(stats))
+
+    def channel_norm(self):
+        """batchnorm / instancenorm / groupnorm / batchnorm_inference / genstats on [N, C, ...]."""
+        if len(self.world) < 2:
+            raise _Skip()
+        op = self.rng.choice(("batchnorm", "instancenorm", "groupnorm", "batchnorm_inference", "genstats"))
+        x = self.pick(dims=self.world)
+        channels, rank = x.tensor.dim[1], len(x.tensor.dim)
+        param = [1, channels] + [1] * (rank - 2)
+        if op == "genstats":
+            return self.record(self.graph.genstats(x.tensor, name=self.name()), "genstats", [x])
+        scale, bias = self.new_input(param, special=False), self.new_input(param, special=False)
+        if op == "batchnorm_inference":
+            mean = self.new_input(param, special=False)
+            inv = self.new_input(param, positive=True)
+            out = self.graph.batchnorm_inference(x.tensor, mean.tensor, inv.tensor, scale.tensor,
+                                                 bias.tensor, name=self.name())
+            return self.record(out, op, [x, mean, inv, scale, bias])
+        eps = self.rng.choice((1e-5, 1e-2))
+        if op == "batchnorm":
+            running = [self.new_input(param, data_type=dg.float32, special=False),
+                       self.new_input(param, data_type=dg.float32, positive=True)] \
+                if self.rng.random() < 0.5 else [None, None]
+            outs = self.graph.batchnorm(x.tensor, scale.tensor, bias.tensor,
+                                        *[None if r is None else r.tensor for r in running],
+                                        epsilon=eps, momentum=self.rng.choice((0.1, 0.5)), name=self.name())
+            added = self.record(outs, f"batchnorm[eps {eps}]", [x, scale, bias] + [r for r in running if r])
+            groups = None
+        else:
+            groups = self.rng.choice([g for g in range(1, channels + 1) if channels % g == 0]) \
+                if op == "groupnorm" else None
+            extra = {} if groups is None else {"groups": groups}
+            phase = self.rng.choice(("training", "training", "inference"))
+            outs = getattr(self.graph, op)(x.tensor, scale.tensor, bias.tensor, epsilon=eps,
+                                           norm_forward_phase=phase, name=self.name(), **extra)
+            added = self.record(outs, f"{op}[{phase}, eps {eps}, groups {groups}]", [x, scale, bias])
+            if phase == "inference":
+                return added
+        if self.rng.random() < 0.5:
+            added += self._norm_backward(op, x, scale, added[1:3], groups)
+        return added
+
+    def pooling(self):
+        spatial = self.rng.randint(1, 3)
+        dims = [self.rng.choice((1, 2, 3)), self.rng.choice((1, 2, 3))] + \
+            [self.rng.choice((1, 2, 4, 5, 7)) for _ in range(spatial)]
+        mode = self.rng.choice(("max", "avg_include_pad", "avg_exclude_pad"))
+        window = [self.rng.randint(1, min(3, s + 2)) for s in dims[2:]]
+        padding = [self.rng.randint(0, w // 2) for w in window]
+        window = [min(w, s + 2 * p) for w, s, p in zip(window, dims[2:], padding)]
+        padding = [min(p, w // 2) for p, w in zip(padding, window)]
+        stride = [self.rng.randint(1, 2) for _ in window]
+        backward = self.rng.random() < 0.3
+        # max-pooling gradients go to the window's maximum: ties would be ambiguous, so distinct
+        x = self.new_input(dims, distinct=backward and mode == "max") if backward else \
+            self.pick(dims=dims, fresh=0.5)
+        if not backward and self.rng.random() < 0.4:  # a prologue for the pooling kernel
+            x = self.record(self.graph.mul(x.tensor, 0.5, name=self.name()), "mul", [x, 0.5])[0]
+        label = f"[{mode}, window {window}, stride {stride}, padding {padding}]"
+        if not backward:
+            y = self.graph.pooling(x.tensor, mode, window, stride, padding, name=self.name())
+            return self.record(y, "pooling" + label, [x])
+        attrs = PoolingAttrs(mode, tuple(window), tuple(stride), tuple(padding))
+        shape = dims[:2] + list(output_spatial("pooling", dims, attrs))
+        dy = self.new_input(shape)
+        dx = self.graph.pooling_backward(dy.tensor, x.tensor, mode, window, stride, padding, name=self.name())
+        return self.record(dx, "pooling_backward" + label, [dy, x])
+
+    def dropout(self):
+        x = self.pick_world()
+        p = self.rng.choice((0.0, 0.1, 0.5, 0.9))
+        seed, offset = self.rng.randrange(2**64), self.rng.randrange(2**40)
+        with_mask = self.rng.random() < 0.3
+        out = self.graph.dropout(x.tensor, p, seed, offset, return_mask=with_mask, name=self.name())
+        return self.record(out, f"dropout[p {p}, seed {seed}, offset {offset}, mask {with_mask}]", [x])
+
+    def matmul(self):
+        """[..., M, K] @ [..., K, N] onto the world's last two axes, broadcast batch, an epilogue
+        with a bias, sometimes a prologue and a row-reduction exit."""
+        if len(self.world) < 2:
+            raise _Skip()
+        m, n = self.world[-2], self.world[-1]
+        k = self.rng.choice((1, 2, 5, 8, 16, 19))
+        batch = self.world[:-2]
+        batch_a = [b if self.rng.random() < 0.7 else 1 for b in batch]
+        batch_b = [b if self.rng.random() < 0.5 else 1 for b in batch]
+        if self.rng.random() < 0.3 and batch:  # b without batch axes
+            batch_b = []
+        a = self.new_input(batch_a + [m, k], allow_broadcast=False)
+        b = self.new_input(batch_b + [k, n], allow_broadcast=False)
+        if self.rng.random() < 0.3:  # a pointwise prologue on A
+            a = self.record(self.graph.tanh(a.tensor, name=self.name()), "tanh", [a])[0]
+        c = self.record(self.graph.matmul(a.tensor, b.tensor, name=self.name()), "matmul", [a, b])[0]
+        added = [c]
+        if len(c.tensor.dim) == len(self.world) and self.rng.random() < 0.6:
+            bias = self.new_input([1] * (len(self.world) - 1) + [n], special=False)
+            op = self.rng.choice(("add", "sub", "mul"))
+            c = self.record(getattr(self.graph, op)(c.tensor, bias.tensor, name=self.name()), op, [c, bias])[0]
+            added.append(c)
+            if self.rng.random() < 0.5:
+                op = self.rng.choice(("relu", "gelu", "silu", "sigmoid"))
+                c = self.record(getattr(self.graph, op)(c.tensor, name=self.name()), op, [c])[0]
+                added.append(c)
+        if self.rng.random() < 0.4:
+            mode = self.rng.choice(EXIT_MODES)
+            axis = len(c.tensor.dim) - 1
+            exit_value = self.graph.reduction(c.tensor, mode, [axis], name=self.name())
+            added += self.record(exit_value, f"reduction[{mode}, axes [{axis}]]", [c])
+        if len(c.tensor.dim) != len(self.world):
+            # not a pointwise partner of world values: keep it out of later picks, store it
+            c.tensor.set_output(True)
+        return added
+
+    FAMILIES = (("unary", 6), ("unary_backward", 2), ("binary", 6), ("integer_chain", 1),
+                ("compare", 2), ("logic", 1), ("where", 2), ("cast", 2), ("reduction", 4),
+                ("softmax", 3), ("feature_norm", 3), ("channel_norm", 3), ("pooling", 2),
+                ("dropout", 2), ("matmul", 3))
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _axes(self, rank):
+        count = self.rng.randint(1, rank)
+        return sorted(self.rng.sample(range(rank), count))
+
+    def _margin(self, a: Value, b: Value) -> float:
+        eps = torch.finfo(FLOAT_IO[self.io].torch_dtype).eps
+        return 64 * eps * (1 + max(a.depth, b.depth))
+
+    def _peek(self, out, operands) -> torch.Tensor:
+        """The float64 value of a just-added single-output node (before recording it)."""
+        node = out.producer
+        by_tensor = {id(v.tensor): v for v in self.values}
+        inputs = [None if t is None else by_tensor[id(t)].data for t in node.inputs]
+        return node.opdef.reference(inputs, node.attrs)[0]
+
+    def family(self):
+        names, weights = zip(*self.FAMILIES)
+        return self.rng.choices(names, weights)[0]
+
+    def finish(self):
+        """Mark outputs: the last value, some others, and every value nobody reads."""
+        graph = self.graph
+        ops = [v for v in self.values if v.tensor.producer is not None]
+        ops[-1].tensor.set_output(True)
+        for value in ops:
+            if self.rng.random() < 0.25:
+                value.tensor.set_output(True)
+        for node in graph.nodes:
+            results = node.output_tensors()
+            if all(not t.is_output and not graph.consumers(t) for t in results):
+                results[0].set_output(True)
+        for value in ops:
+            tensor = value.tensor
+            if tensor.is_output and value.kind == "float" and tensor.data_type.name != "float32" \
+                    and self.rng.random() < 0.2:
+                tensor.set_data_type(dg.float32)
+            elif tensor.is_output and value.kind == "float" and self.rng.random() < 0.15:
+                tensor.set_data_type(FLOAT_IO[self.rng.choice(["float16"] + (["bfloat16"] if self.device != "cpu" else []))])
+            if tensor.is_output and self.rng.random() < 0.15 and len(tensor.dim) > 1:
+                order = list(range(len(tensor.dim)))
+                self.rng.shuffle(order)
+                tensor.set_stride(dense_strides(tensor.dim, order))
+                self.steps.append(f"output {tensor.name!r} strides {list(tensor.stride)}")
+
+
+def _finite_max(data: torch.Tensor) -> float:
+    finite = data[torch.isfinite(data)] if data.is_floating_point() else data.double()
+    return finite.abs().max().item() if finite.numel() else 0.0
+
+
+def _positive(data: torch.Tensor) -> bool:
+    """Positive and well away from zero wherever finite (NaN and inf may stay)."""
+    if not data.is_floating_point():
+        return False
+    finite = data[torch.isfinite(data)]
+    return bool((data[~torch.isnan(data)] > 0).all()) and (finite.numel() == 0 or finite.min().item() > 0.05)
+
+
+def _separated(a: torch.Tensor, b: torch.Tensor, margin: float) -> bool:
+    """No finite pair of a and b (broadcast) lies within `margin` relative of a tie."""
+    a, b = torch.broadcast_tensors(a.double(), b.double())
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    gap = (a - b).abs()
+    return bool((gap[finite] > margin * (1 + a.abs()[finite] + b.abs()[finite])).all())
+
+
+def generate(seed: int, device: str = "cpu", max_ops: int = 6, io: str | None = None,
+             plain_names: bool = False) -> Case:
+    """The random graph of `seed`, with its input data (on `device`) and row mode; with
+    `plain_names` the same graph under names no kernel could confuse (to triage a failure)."""
+    builder = GraphBuilder(seed, device, io, plain_names=plain_names)
+    row_mode = builder.rng.choice(ROW_MODES)
+    target = builder.rng.randint(1, max_ops)
+    attempts, failure = 0, ""
+    while len(builder.graph.nodes) < target and attempts < 40 and not failure:
+        attempts += 1
+        family = builder.family()
+        try:
+            getattr(builder, family)()
+        except _Skip:
+            continue
+        except Exception as error:  # noqa: BLE001 - a valid op the frontend or reference rejects
+            failure = f"{family}: {type(error).__name__}: {error}"
+            builder.steps.append(f"FAILED {failure}")
+    if builder.graph.nodes and not failure:
+        builder.finish()
+    inputs = {name: value.to(device) for name, value in builder.inputs.items()}
+    return Case(seed, builder.graph, inputs, builder.io, row_mode, builder.steps, failure)
+
+
+# --- running and judging -------------------------------------------------------------------------
+@contextlib.contextmanager
+def forced_row_mode(mode):
+    """Make the row heuristics pick `mode` on small shapes (None: leave the model alone)."""
+    from dnngraph.heuristics import rows
+
+    saved = rows.FORCE_MODE, rows.LOOP_TILE, rows.SPLIT_MIN_REDUCED
+    if mode is not None:
+        rows.FORCE_MODE, rows.LOOP_TILE, rows.SPLIT_MIN_REDUCED = mode, 16, 8
+    try:
+        yield
+    finally:
+        rows.FORCE_MODE, rows.LOOP_TILE, rows.SPLIT_MIN_REDUCED = saved
+
+
+def poisoned(tensor, device) -> torch.Tensor:
+    """An output buffer with the tensor's layout, filled with NaN or sentinel values."""
+    buffer = torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype, device=device)
+    if buffer.is_floating_point():
+        return buffer.fill_(math.nan)
+    if buffer.dtype == torch.bool:
+        return buffer.copy_(torch.rand(buffer.shape, device=device) < 0.5)
+    return buffer.fill_(-12345)
+
+
+def noisy_reference(graph, inputs: dict, trials: int = 3, seed: int = 0) -> list[dict]:
+    """The reference with every op result perturbed by its storage rounding (relative
+    eps of its data type, at least float32's): how far an honest kernel may drift."""
+    gen = torch.Generator().manual_seed(seed)
+    runs = []
+    for _ in range(trials):
+        values = {}
+        for tensor in graph.inputs():
+            if tensor.name in inputs:
+                value = inputs[tensor.name].cpu()
+                values[tensor.uid] = value.double() if value.is_floating_point() else value
+        for node in graph.nodes:
+            results = node.opdef.reference([None if t is None else values[t.uid] for t in node.inputs], node.attrs)
+            for tensor, result in zip(node.outputs, results):
+                if tensor is None:
+                    continue
+                if result.is_floating_point():
+                    eps = max(torch.finfo(tensor.data_type.torch_dtype).eps, torch.finfo(torch.float32).eps) \
+                        if tensor.data_type.is_floating else torch.finfo(torch.float32).eps
+                    noise = (torch.rand(result.shape, generator=gen, dtype=torch.float64) * 2 - 1) * eps
+                    result = result.double() * (1 + noise)
+                values[tensor.uid] = result
+        runs.append({t.name: values[t.uid] for t in graph.outputs()})
+    return runs
+
+
+def compare(name, out: torch.Tensor, ref: torch.Tensor, noisy: list, depth_eps: float) -> str:
+    """'' when `out` matches the float64 reference, else what differs."""
+    out = out.cpu()
+    if tuple(ref.shape) != tuple(out.shape):
+        return f"{name}: the reference has shape {list(ref.shape)}, the output {list(out.shape)}"
+    if not ref.is_floating_point() or not out.is_floating_point():
+        if ref.is_floating_point():  # integer or bool output of a float reference
+            ref = torch.trunc(ref) if out.dtype != torch.bool else ref != 0
+        if not torch.equal(out.to(torch.int64), ref.to(torch.int64)):
+            wrong = (out.to(torch.int64) != ref.to(torch.int64)).sum().item()
+            return f"{name}: {wrong} of {out.numel()} exact values differ"
+        return ""
+    stored = ref.to(out.dtype).double()  # what the output can hold (overflow -> inf)
+    out = out.double()
+    special = ~torch.isfinite(stored) | ~torch.isfinite(out)
+    same_special = torch.isnan(stored) & torch.isnan(out) | (stored == out)
+    if (special & ~same_special).any():
+        count = (special & ~same_special).sum().item()
+        return f"{name}: {count} NaN/inf positions differ"
+    finite = ~special
+    scale = ref[finite].norm().item() or 1.0
+    err = (out[finite] - ref[finite]).norm().item() / scale
+    drift = max(((n[finite] - ref[finite]).norm().item() / scale for n in noisy), default=0.0)
+    eps_out = torch.finfo(out.dtype).eps if out.dtype != torch.float64 else 0.0
+    limit = 8 * drift + 2 * eps_out + depth_eps
+    if not err <= limit:
+        return f"{name}: relative error {err:.3g} > limit {limit:.3g} (rounding drift {drift:.3g})"
+    return ""
+
+
+def run_case(case: Case, device: str = "cpu") -> Verdict:
+    """Build and execute `case` with poisoned outputs; compare every output with the reference."""
+    graph = case.graph
+    if case.generation_error:
+        return Verdict("error:generate " + case.generation_error.split(":")[1].strip(), case.generation_error)
+    try:
+        with forced_row_mode(case.row_mode):
+            graph.build()
+        outputs = {t.name: poisoned(t, device) for t in graph.outputs()}
+        graph.execute({**case.inputs, **outputs})
+        if device != "cpu":
+            torch.cuda.synchronize()
+    except UnsupportedError as error:
+        return Verdict("unsupported", str(error))
+    except Exception as error:  # noqa: BLE001 - every failure is a verdict, typed or not
+        kind = type(error).__name__ + ("" if isinstance(error, GraphError) else " (untyped)")
+        return Verdict(f"error:{kind}", f"{error}"[:2000])
+    cpu_inputs = {k: v.cpu() for k, v in case.inputs.items()}
+    refs = graph.reference(cpu_inputs)
+    noisy = noisy_reference(graph, cpu_inputs, seed=case.seed)
+    depth = len(graph.nodes)
+    problems = []
+    for tensor in graph.outputs():
+        problem = compare(tensor.name, outputs[tensor.name], refs[tensor.name], [n[tensor.name] for n in noisy],
+                          64 * torch.finfo(torch.float32).eps * (1 + depth))
+        if problem:
+            problems.append(problem)
+    return Verdict("mismatch", "; ".join(problems)) if problems else Verdict("passed")

@@ -1,0 +1,70 @@
+"""Random graphs across every family with kernels, compared with the float64 reference.
+
+Each seed is one graph (tests/graphgen.py): reproduce a failure with
+`python -c "import graphgen; c = graphgen.generate(SEED); print(c.describe()); print(graphgen.run_case(c))"`
+from tests/. A graph that no kernel can run yet is skipped with its reason, never passed.
+"""
+import pytest
+
+import graphgen
+
+CPU_GRAPHS = 300
+
+
+@pytest.mark.parametrize("seed", range(CPU_GRAPHS))
+def test_random_graph_matches_reference(seed):
+    case = graphgen.generate(seed)
+    verdict = graphgen.run_case(case)
+    if verdict.status == "unsupported":
+        pytest.skip(f"unsupported: {verdict.detail}")
+    assert verdict.status == "passed", f"{verdict.status}: {verdict.detail}\n{case.describe()}"
+
+
+def test_a_seed_reproduces_its_graph():
+    first, second = graphgen.generate(12345), graphgen.generate(12345)
+    assert first.describe() == second.describe()
+    assert first.graph.to_json() == second.graph.to_json()
+    for name, value in first.inputs.items():
+        assert value.stride() == second.inputs[name].stride()
+        assert graphgen.torch.equal(value.nan_to_num(), second.inputs[name].nan_to_num())
+
+
+def test_the_generator_covers_every_family():
+    ops = set()
+    for seed in range(CPU_GRAPHS):
+        ops.update(node.op for node in graphgen.generate(seed).graph.nodes)
+    expected = {"reduction", "softmax", "softmax_backward", "layernorm", "rmsnorm", "batchnorm",
+                "batchnorm_inference", "instancenorm", "groupnorm", "genstats", "layernorm_backward",
+                "rmsnorm_backward", "batchnorm_backward", "instancenorm_backward",
+                "groupnorm_backward", "pooling", "pooling_backward", "dropout", "matmul", "where",
+                "cast", "logical_and", "logical_or", "logical_not", "cmp_lt", "add", "pow", "div"}
+    assert expected <= ops, sorted(expected - ops)
+
+
+def test_norm_backward_reference_keeps_parameter_shape_when_every_axis_is_normalized():
+    # scale covers every axis of x: dscale and dbias are per element, not summed over everything
+    g = graphgen.dg.Graph()
+    x, s, b = (g.tensor(name=n, dim=[4, 3]) for n in ("x", "s", "b"))
+    y, mean, inv = g.layernorm(x, s, b)
+    dy = g.tensor(name="dy", dim=[4, 3])
+    dx, dscale, dbias = g.layernorm_backward(dy, x, s, mean, inv)
+    for t in (dx, dscale, dbias):
+        t.set_output(True)
+    torch = graphgen.torch
+    xt, st, bt, dyt = (torch.randn(4, 3, dtype=torch.float64) for _ in range(4))
+    refs = g.reference({"x": xt, "s": st, "b": bt, "dy": dyt})
+    leaf_s, leaf_b = st.clone().requires_grad_(True), bt.clone().requires_grad_(True)
+    out = torch.nn.functional.layer_norm(xt, [4, 3], leaf_s, leaf_b, eps=1e-5)
+    grad_s, grad_b = torch.autograd.grad(out, (leaf_s, leaf_b), dyt)
+    assert torch.allclose(refs[dscale.name], grad_s) and torch.allclose(refs[dbias.name], grad_b)
+
+
+def test_average_pooling_reference_takes_inputs_smaller_than_the_window():
+    # valid once padded; torch's 3D average pooling alone would refuse it
+    g = graphgen.dg.Graph()
+    x = g.tensor(name="x", dim=[1, 2, 5, 1, 1])
+    y = g.pooling(x, "avg_exclude_pad", [3, 2, 1], [1, 1, 1], [0, 1, 0]).set_output(True)
+    xt = graphgen.torch.randn(1, 2, 5, 1, 1, dtype=graphgen.torch.float64)
+    ref = g.reference({"x": xt})[y.name]
+    expected = graphgen.torch.nn.functional.avg_pool1d(xt.reshape(1, 2, 5), 3, 1).reshape(1, 2, 3, 1, 1)
+    assert graphgen.torch.allclose(ref, expected.expand(1, 2, 3, 2, 1))
