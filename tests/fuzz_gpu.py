@@ -23,7 +23,7 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _init_worker(cache_root: str, device: str):
+def _init_worker(cache_root: str, device: str, plain_names: bool):
     sys.path.insert(0, HERE)
     sys.path.insert(1, os.path.dirname(HERE))
     # one compile cache per worker: no two processes write the same kernel file
@@ -31,8 +31,8 @@ def _init_worker(cache_root: str, device: str):
     import warnings
 
     warnings.filterwarnings("ignore")
-    global DEVICE
-    DEVICE = device
+    global DEVICE, PLAIN_NAMES
+    DEVICE, PLAIN_NAMES = device, plain_names
 
 
 def _run_seed(seed: int) -> dict:
@@ -40,7 +40,7 @@ def _run_seed(seed: int) -> dict:
 
     started = time.time()
     try:
-        case = graphgen.generate(seed, device=DEVICE)
+        case = graphgen.generate(seed, device=DEVICE, plain_names=PLAIN_NAMES)
         verdict = graphgen.run_case(case, device=DEVICE)
         status, detail, description = verdict.status, verdict.detail, case.describe()
     except Exception:  # noqa: BLE001 - a crash of the harness is a verdict too
@@ -72,6 +72,8 @@ def main(argv=None):
                         help="seeds first..first+graphs-1 (CI on CPU runs 0..299)")
     parser.add_argument("--device", default="auto", help="cuda, cpu or auto")
     parser.add_argument("--out", default="fuzz-out")
+    parser.add_argument("--plain-names", action="store_true",
+                        help="the same graphs with harmless names (tells name defects from others)")
     args = parser.parse_args(argv)
     import torch
 
@@ -83,7 +85,7 @@ def main(argv=None):
     started = time.time()
     context = multiprocessing.get_context("spawn")
     results = []
-    with context.Pool(args.workers, initializer=_init_worker, initargs=(cache_root, device)) as pool:
+    with context.Pool(args.workers, initializer=_init_worker, initargs=(cache_root, device, args.plain_names)) as pool:
         for done, result in enumerate(pool.imap_unordered(_run_seed, seeds, chunksize=1), 1):
             results.append(result)
             if result["status"] != "passed":
