@@ -609,6 +609,15 @@ def _separated(a: torch.Tensor, b: torch.Tensor, margin: float) -> bool:
     return bool((gap[finite] > margin * (1 + a.abs()[finite] + b.abs()[finite])).all())
 
 
+def _to_device(value: torch.Tensor, device: str) -> torch.Tensor:
+    """`value` on `device` with its strides and storage offset kept (`.to` would make a strided
+    view dense, and the graph declared the view's layout)."""
+    if value.device.type == torch.device(device).type:
+        return value
+    storage = torch.empty(0, dtype=value.dtype).set_(value.untyped_storage())
+    return storage.to(device).as_strided(value.shape, value.stride(), value.storage_offset())
+
+
 def generate(seed: int, device: str = "cpu", max_ops: int = 6, io: str | None = None,
              plain_names: bool = False) -> Case:
     """The random graph of `seed`, with its input data (on `device`) and row mode; with
@@ -629,7 +638,7 @@ def generate(seed: int, device: str = "cpu", max_ops: int = 6, io: str | None = 
             builder.steps.append(f"FAILED {failure}")
     if builder.graph.nodes and not failure:
         builder.finish()
-    inputs = {name: value.to(device) for name, value in builder.inputs.items()}
+    inputs = {name: _to_device(value, device) for name, value in builder.inputs.items()}
     return Case(seed, builder.graph, inputs, builder.io, row_mode, builder.steps, failure)
 
 
