@@ -43,7 +43,6 @@ class RowOperand:
     """A tensor a row kernel reads or writes, with strides over the merged K and R axes."""
 
     uid: int
-    identifier: str
     data_type: object  # DataType, or None for float32 scratch
     k_strides: tuple
     r_strides: tuple
@@ -85,11 +84,10 @@ def _product(sizes) -> int:
 
 
 def geometry(domain: tuple, reduced_axes: tuple, operands: list, main: int) -> RowGeometry:
-    """Split `domain` into merged K and R axes; operands are (uid, identifier, dtype, strides,
-    is_output) with strides over the domain, `main` the index of the input that orders axes."""
+    """Split `domain` into merged K and R axes; operands are (uid, dtype, strides, is_output) with strides over the domain, `main` the index of the input that orders axes."""
     kept = [a for a in range(len(domain)) if a not in reduced_axes]
     reduced = [a for a in range(len(domain)) if a in reduced_axes]
-    strides = [op[3] for op in operands]
+    strides = [op[2] for op in operands]
 
     def side(axes):
         space = iteration_space(tuple(domain[a] for a in axes) or (1,),
@@ -97,8 +95,8 @@ def geometry(domain: tuple, reduced_axes: tuple, operands: list, main: int) -> R
         return space
 
     k_space, r_space = side(kept), side(reduced)
-    planned = tuple(RowOperand(uid, ident, dtype, ks, rs, out)
-                    for (uid, ident, dtype, _, out), ks, rs in zip(operands, k_space.strides, r_space.strides))
+    planned = tuple(RowOperand(uid, dtype, ks, rs, out)
+                    for (uid, dtype, _, out), ks, rs in zip(operands, k_space.strides, r_space.strides))
     reach = max(sum((n - 1) * s for n, s in zip(k_space.sizes, op.k_strides))
                 + sum((n - 1) * s for n, s in zip(r_space.sizes, op.r_strides)) for op in planned)
     main_op = planned[main]
