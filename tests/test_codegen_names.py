@@ -236,10 +236,11 @@ def test_allocator_owns_fixed_names_and_stems():
     names.reserve_stems("k")
     assert names.fresh("pid") == "pid1" and names.fresh("tl") == "tl1" and names.fresh("def") == "def1"
     stem = names.prefix("x")
-    assert stem == "x" and names.fresh("x_ptr") != "x_ptr" and names.fresh("k_idx") != "k_idx"
-    assert names.prefix("row") != "row"  # row_max lives inside it
-    with pytest.raises(dg.GraphError):
-        names.fresh("a b")
+    assert stem == "x" and names.prefix("x") == "x1" and names.fresh("x") == "x2"
+    assert names.prefix("row") == "row1"  # row_max would lie inside "row"
+    for inside in ("x_ptr", "k_idx", "a b"):  # a name inside a stem, or not an identifier
+        with pytest.raises(dg.GraphError):
+            names.fresh(inside)
 
 
 def test_comment_text_is_one_safe_line():

@@ -56,6 +56,8 @@ class NameAllocator:
 
     def _allocate(self, hint: str, as_prefix: bool) -> str:
         _check_hint(hint)
+        if self._inside_prefix(hint):  # every name from it would lie inside another stem
+            raise GraphError(f"internal error: hint {hint!r} lies inside a stem of this kernel")
         name, count = hint, 0
         while not self._free(name, as_prefix):
             count += 1
