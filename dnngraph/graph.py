@@ -26,7 +26,7 @@ from .ops.reduction import ReductionAttrs
 from .ops.sdpa import SdpaAttrs
 from .ops.shape import ConcatAttrs, ReshapeAttrs, SliceAttrs, TransposeAttrs, normalize_slices
 from .ops.softmax import SoftmaxAttrs
-from .ops.base import boolean, normalize_axes, per_axis, real
+from .ops.base import boolean, integer, normalize_axes, per_axis, real
 from .tensor import (Tensor, check_dims, check_not_overlapping, check_strides, contiguous_strides,
                      dense_strides, stride_order)
 
@@ -305,13 +305,13 @@ class Graph:
     def softmax(self, x, axis=-1, log=False, name=None) -> Tensor:
         """Softmax (log-softmax with log=True) along `axis`."""
         x = self._check_input("softmax", "x", x)
-        (axis,) = normalize_axes("softmax", axis, len(x.dim))
+        (axis,) = normalize_axes("softmax", integer("softmax", "axis", axis), len(x.dim))
         return self._add_op("softmax", [x], SoftmaxAttrs(axis, log), name)[0]
 
     def softmax_backward(self, dy, y, axis=-1, log=False, name=None) -> Tensor:
         """dx of softmax from dy and the forward output y."""
         y = self._check_input("softmax_backward", "y", y)
-        (axis,) = normalize_axes("softmax_backward", axis, len(y.dim))
+        (axis,) = normalize_axes("softmax_backward", integer("softmax_backward", "axis", axis), len(y.dim))
         return self._add_op("softmax_backward", [dy, y], SoftmaxAttrs(axis, log), name)[0]
 
     # --- ops: normalizations --------------------------------------------------------------------
@@ -431,7 +431,7 @@ class Graph:
             raise ValidationError(f"concatenate: tensors must be a non-empty list, got {tensors!r}")
         tensors = list(tensors)
         rank = len(self._check_input("concatenate", "tensors[0]", tensors[0]).dim)
-        (axis,) = normalize_axes("concatenate", axis, rank)
+        (axis,) = normalize_axes("concatenate", integer("concatenate", "axis", axis), rank)
         return self._add_op("concatenate", tensors, ConcatAttrs(axis), name)[0]
 
     # --- pipeline -------------------------------------------------------------------------------

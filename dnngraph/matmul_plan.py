@@ -17,7 +17,6 @@ from .heuristics.autotune import TuningRecord
 from .heuristics.layout import INT32_LIMIT, operand_strides
 from .heuristics.matmul import (SPLIT_COMBINE_BLOCK, MatmulConfig, MatmulProblem, choose_dot, register_sides,
                                 schedule)
-from .heuristics.pointwise import _identifiers
 from .launch import (KernelLaunch, element_span, kernel_name, sample_tensors, scratch, time_candidate,
                      tuning_device)
 from .runtime import interpreting
@@ -140,13 +139,12 @@ class MatmulBuild:
         return found
 
     def _add(self, operands, side, tensors, domain, is_output=False):
-        identifiers = _identifiers(tensors)
-        for tensor, ident in zip(tensors, identifiers):
+        for tensor in tensors:
             strides = operand_strides(domain, tuple(tensor.dim), tuple(tensor.stride)) if domain else ()
             nb = len(domain) - 2 if len(domain) >= 2 else 0
             batch = tuple(strides[i] for i in self.batch_axes) if nb else ()
             row, col = (strides[-2], strides[-1]) if len(domain) >= 2 else (0, 0)
-            operands.append(MatmulOperand(tensor.uid, f"{side}_{ident}", tensor.data_type, side, batch,
+            operands.append(MatmulOperand(tensor.uid, tensor.data_type, side, batch,
                                           row, col, is_output))
 
     # --- launches for one config --------------------------------------------------------------

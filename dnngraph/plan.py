@@ -20,7 +20,7 @@ from .errors import ExecutionError, UnsupportedError, ValidationError
 from .fusion import partition
 from .heuristics import device_model
 from .heuristics.autotune import Tuner, TuningRecord
-from .heuristics.pointwise import _identifiers, schedule as schedule_pointwise
+from .heuristics.pointwise import schedule as schedule_pointwise
 from .heuristics.pooling import schedule as schedule_pooling
 from .heuristics.rows import (RowConfig, RowTraits, geometry as row_geometry, row_problem,
                               schedule as schedule_rows)
@@ -126,8 +126,7 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, de
     recipe = recipe_of(group.anchor, _row_kinds(problem, group))
     kinds = _row_kinds(problem, group, tuple(recipe.tile_outputs))
     tensors = list(group.inputs) + [t for t in group.outputs if t.uid in stores]
-    operands = [(t.uid, ident, t.data_type, problem.strides(t), t.uid in stores)
-                for t, ident in zip(tensors, _identifiers(tensors))]
+    operands = [(t.uid, t.data_type, problem.strides(t), t.uid in stores) for t in tensors]
     main = next((i for i, t in enumerate(group.inputs) if kinds[t.uid] == "tile"), 0)
     geo = row_geometry(problem.domain, problem.reduced_axes, operands, main)
     tile_stores = tuple(u for u in stores if kinds[u] in ("tile", "col"))

@@ -298,3 +298,83 @@ def test_module_uses_only_the_standard_library():
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
     assert tc.FORMAT == "dnngraph-tuning" and tc.VERSION == 1
+
+
+# --- records: validated before use, keyed by the dnngraph version ----------------------------------
+def _matmul_record(**changes):
+    from dnngraph.heuristics.matmul import MatmulConfig
+    return {**MatmulConfig("tiled", 64, 64, 32, 4, 3).to_record(), **changes}
+
+
+def _row_record(**changes):
+    from dnngraph.heuristics.rows import RowConfig
+    return {**RowConfig("looped", 1, 2048, 8, 1, 0.0).to_record(), **changes}
+
+
+@pytest.mark.parametrize("changes", [{"variant": "fastest"}, {"block_m": 3}, {"block_n": 10**9},
+                                     {"block_k": 1e9}, {"block_m": "64"}, {"num_warps": 3},
+                                     {"num_stages": 0}, {"split_k": -2}, {"flatten": "yes"},
+                                     {"block_m": True}, {"variant": None}])
+def test_matmul_record_rejects_illegal_values(changes):
+    from dnngraph.heuristics.matmul import MatmulConfig
+    assert MatmulConfig.from_record(_matmul_record()).block_m == 64
+    with pytest.raises(ValueError):
+        MatmulConfig.from_record(_matmul_record(**changes))
+
+
+@pytest.mark.parametrize("changes", [{"mode": "turbo"}, {"block_r": 3}, {"block_k": 1e9},
+                                     {"block_r": "2048"}, {"num_warps": 32}, {"splits": 0}])
+def test_row_record_rejects_illegal_values(changes):
+    from dnngraph.heuristics.rows import RowConfig
+    assert RowConfig.from_record(_row_record()).block_r == 2048
+    with pytest.raises(ValueError):
+        RowConfig.from_record(_row_record(**changes))
+
+
+def _tuner_setup(tmp_path):
+    from dnngraph.heuristics import device_model
+    from dnngraph.heuristics.autotune import Tuner
+    from dnngraph.heuristics.rows import RowConfig
+    ranked = [RowConfig("looped", 1, 2048, 8, 1, 1.0), RowConfig("one_pass", 1, 4096, 8, 1, 2.0)]
+    tuner = Tuner(device_model(), TuningCache(tmp_path / "tuning.json"), progress=False)
+    timed = []
+
+    def choose():
+        return tuner.choose("rows", "sig", ranked, RowConfig.to_record, RowConfig.from_record,
+                            lambda c: c.text, lambda c: timed.append(c) or 1.0 + len(timed))
+    return tuner, ranked, timed, choose
+
+
+@pytest.mark.parametrize("record", [{"config": _row_record(mode="unknown")},
+                                    {"config": _row_record(block_r=3)},
+                                    {"config": _row_record(block_k=10**9)},
+                                    {"config": _row_record(block_r="big")},
+                                    {"config": _row_record(block_r=1024)},  # legal, not a candidate
+                                    {"config": "looped"}])
+def test_tuner_ignores_a_bad_record_with_a_warning(tmp_path, record):
+    import triton
+    from dnngraph import __version__
+    tuner, ranked, timed, choose = _tuner_setup(tmp_path)
+    key = tuning_key(tuner.device.name, triton.__version__, "rows", "sig", __version__)
+    tuner.cache.store(key, record)
+    with pytest.warns(TuningCacheWarning, match="ignoring the record"):
+        config, how = choose()
+    assert how.source == "tuned" and timed and config == ranked[0]
+    with warnings.catch_warnings():  # the tuned winner replaced the bad record
+        warnings.simplefilter("error")
+        assert choose()[1].source == "cache"
+
+
+def test_records_of_another_dnngraph_version_are_not_used(tmp_path):
+    import triton
+    from dnngraph import __version__
+    tuner, ranked, timed, choose = _tuner_setup(tmp_path)
+    other = tuning_key(tuner.device.name, triton.__version__, "rows", "sig", "0.0.0-other")
+    tuner.cache.store(other, {"config": ranked[1].to_record()})
+    config, how = choose()
+    assert how.source == "tuned" and timed
+    ours = tuning_key(tuner.device.name, triton.__version__, "rows", "sig", __version__)
+    assert ours != other and "dnngraph " + __version__ in ours
+    assert set(read_document(tuner.cache.path)) == {other, ours}
+    config, how = choose()
+    assert how.source == "cache" and config == ranked[0]

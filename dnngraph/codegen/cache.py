@@ -5,12 +5,15 @@ and a user can read exactly what runs. Writes are atomic (temp file, then rename
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import os
 import sys
 import tempfile
 from pathlib import Path
+
+from ..errors import UnsupportedError
 
 
 def cache_dir() -> Path:
@@ -29,17 +32,35 @@ def _write_atomically(path: Path, text: str):
     os.replace(temp, path)
 
 
+def _import(module_name: str, path: Path, kernel_name: str):
+    """Import the file at `path` as `module_name` and return its kernel; on any failure the
+    module is taken out of sys.modules and the file removed, and a typed error is raised."""
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+        return getattr(module, kernel_name)
+    except Exception as error:  # SyntaxError, NameError, AttributeError, a Triton error...
+        sys.modules.pop(module_name, None)
+        with contextlib.suppress(OSError):
+            path.unlink()  # never reuse a file that failed to load
+        raise UnsupportedError(f"generated kernel {kernel_name!r} failed to load from {path}: "
+                               f"{type(error).__name__}: {error}") from error
+
+
 def load_kernel(source: str, kernel_name: str):
-    """(kernel function, source path) for `source`, written to the cache and imported once."""
+    """(kernel function, source path) for `source`, written to the cache and imported once.
+
+    A source that fails to load raises UnsupportedError naming the kernel and the file, and
+    leaves nothing behind: the next build starts afresh."""
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     module_name = f"dnngraph_kernels.{kernel_name}_{digest}"
-    module = sys.modules.get(module_name)
     path = cache_dir() / f"{kernel_name}_{digest}.py"
-    if module is None:
-        if not path.exists() or path.read_text() != source:
-            _write_atomically(path, source)
-        spec = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[module_name] = module
-        spec.loader.exec_module(module)
-    return getattr(module, kernel_name), path
+    module = sys.modules.get(module_name)
+    if module is not None and hasattr(module, kernel_name):
+        return getattr(module, kernel_name), path
+    sys.modules.pop(module_name, None)  # a half-loaded module is never reused
+    if not path.exists() or path.read_text() != source:
+        _write_atomically(path, source)
+    return _import(module_name, path, kernel_name), path

@@ -7,12 +7,14 @@ where a consumer needs the other kind.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional
 
 from .. import dtypes
-from ..errors import UnsupportedError
+from ..errors import UnsupportedError, ValidationError
 from .expressions import (CAST_TO_BOOL, CAST_TO_FLOAT, CAST_TO_INT32, CAST_TO_INT64, CONVERT, EXPRESSIONS,
                           INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES)
+from .names import NameAllocator, comment_text
 
 
 def kind_of(data_type) -> str:
@@ -29,21 +31,23 @@ def _integral(constant) -> bool:
 class ExpressionEmitter:
     """Collects statements; `values` maps tensor uid -> (variable, kind).
 
-    `counter` names the variable holding each element's logical row-major index, where the
-    kernel computes one (the pointwise family); `scalars` lists (argument name, int) that the
-    kernel must take as runtime integer arguments.
+    Every variable, module constant and scalar argument it introduces comes from `names`, the
+    kernel's allocator (several emitters may share one kernel and one allocator). `counter`
+    names the variable holding each element's logical row-major index, where the kernel
+    computes one (the pointwise family); `scalars` lists (argument name, int) that the kernel
+    must take as runtime integer arguments.
     """
 
-    def __init__(self, compute_type: str, counter: Optional[str] = None, prefix: str = "v"):
+    def __init__(self, compute_type: str, counter: Optional[str] = None, hint: str = "v",
+                 names: Optional[NameAllocator] = None):
         self.compute = compute_type
-        self.prefix = prefix  # variable names: several emitters may share one kernel
+        self.names = names if names is not None else NameAllocator()
+        self.hint = hint  # value variables are hint, hint1, ...
         self.counter = counter
         self.lines: list[str] = []
         self.globals: list[str] = []  # module-level constexprs (non-finite constants)
         self.scalars: list[tuple[str, int]] = []
         self.values: dict[int, tuple[str, str]] = {}
-        self._count = 0
-        self._scalar_nodes = 0
 
     def bind(self, uid: int, variable: str, kind: str):
         self.values[uid] = (variable, kind)
@@ -59,11 +63,21 @@ class ExpressionEmitter:
         kind = "b" if data_type is dtypes.bool_ else (have if have in INTEGER_TYPES else "f")
         return f"({self.value(uid, kind)}).to({data_type.triton_type})"
 
-    def literal(self, value: float) -> str:
+    def literal(self, value) -> str:
+        """Source text of a number: repr of an int or finite float, or a module constant for
+        inf and NaN. Anything else raises ValidationError: attribute values reach the source
+        only as numbers, never as text."""
+        if isinstance(value, bool) or not isinstance(value, (numbers.Integral, numbers.Real)):
+            raise ValidationError(f"a kernel literal must be an int or a float, got "
+                                  f"{type(value).__name__}")
+        if isinstance(value, numbers.Integral):
+            return repr(int(value))
+        value = float(value)
         if math.isfinite(value):
-            return repr(float(value))
-        name = f"CONST_{len(self.globals)}"
-        self.globals.append(f'{name} = tl.constexpr(float("{value}"))')
+            return repr(value)
+        name = self.names.fresh("CONST")
+        text = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        self.globals.append(f'{name} = tl.constexpr(float("{text}"))')
         return name
 
     def value(self, uid: int, kind: str) -> str:
@@ -82,6 +96,12 @@ class ExpressionEmitter:
         if target.is_floating:
             return CAST_TO_FLOAT
         return CAST_TO_INT64 if target is dtypes.int64 else CAST_TO_INT32
+
+    def _literal_of(self, node, what: str, value) -> str:
+        try:
+            return self.literal(value)
+        except ValidationError as error:
+            raise ValidationError(f"node {node.name!r} ({node.op}): {what}: {error}") from None
 
     def _integer_kind(self, node, expression):
         """"i" or "l" when `node` computes in integers, else None."""
@@ -115,23 +135,25 @@ class ExpressionEmitter:
                 kind = integer
             if position in constants:
                 constant = constants[position]
-                if kind in INTEGER_TYPES:
-                    operands.append(str(int(constant)))
-                else:
-                    operands.append(self.literal(constant) if kind == "f" else str(constant != 0))
+                if kind == "f" and _integral(constant):
+                    constant = float(constant)  # a float op: the constant is a float literal
+                text = self._literal_of(node, f"constant operand {position}", constant)
+                operands.append(text if kind == "f" or kind in INTEGER_TYPES else f"({text} != 0)")
             else:
                 operands.append(self.value(node.inputs[position].uid, kind))
         return operands
 
     def _fields(self, node, expression) -> dict:
-        fields = {name: self.literal(value) if isinstance(value, float) else str(value)
-                  for name, value in expression.fields(node.attrs).items()}
+        fields = {}
+        for name, value in expression.fields(node.attrs).items():
+            # a data type is source text from the fixed table of types; the rest are numbers
+            fields[name] = (value.triton_type if isinstance(value, dtypes.DataType)
+                            else self._literal_of(node, f"attribute {name}", value))
         if expression.scalars is not None:
-            suffix = f"_{self._scalar_nodes}"  # seed_0, offset_0 for the first dropout
-            self._scalar_nodes += 1
             for name, value in expression.scalars(node.attrs).items():
-                self.scalars.append((name + suffix, int(value)))
-                fields[name] = name + suffix
+                argument = self.names.fresh(name)  # seed, offset; seed1, offset1 for the next
+                self.scalars.append((argument, int(value)))
+                fields[name] = argument
         if expression.counter:
             if self.counter is None:
                 raise UnsupportedError(f"node {node.name!r} ({node.op}) needs each element's logical "
@@ -145,15 +167,14 @@ class ExpressionEmitter:
         integer = self._integer_kind(node, expression)
         operands = self._operands(node, expression, integer)
         fields = self._fields(node, expression)
-        variables = [f"{self.prefix}{self._count + k}" for k in range(len(expression.result))]
-        self._count += len(variables)
+        variables = [self.names.fresh(self.hint) for _ in expression.result]
         template = expression.template
         results = expression.result
         if integer and node.op != "cast":
             template = INTEGER_TEMPLATES.get(node.op, template)
             results = "".join(integer if kind == "f" else kind for kind in results)
         text = template.format(*operands, compute=self.compute, **fields)
-        self.lines.append(f"{', '.join(variables)} = {text}  # {node.op} {node.name}")
+        self.lines.append(f"{', '.join(variables)} = {text}  # {comment_text(f'{node.op} {node.name}')}")
         for tensor, variable, kind in zip(node.outputs, variables, results):
             if tensor is not None:
                 self.bind(tensor.uid, variable, kind)

@@ -21,7 +21,8 @@ def _pointwise_fields(attrs) -> dict:
 
 
 def _cast_fields(attrs) -> dict:
-    return {"target": dtypes.by_name(attrs.data_type).triton_type}
+    # a DataType: the emitter writes its Triton type from the fixed table of types
+    return {"target": dtypes.by_name(attrs.data_type)}
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Expression:
     template: str
     inputs: str  # one kind letter per operand
     result: str  # one kind letter per output
-    fields: Callable = _pointwise_fields  # attrs -> {name: float, int or source text}
+    fields: Callable = _pointwise_fields  # attrs -> {name: int, float or DataType}
     scalars: Optional[Callable] = None  # attrs -> {name: int} passed as runtime kernel ints
     counter: bool = False  # the template reads {counter}
 

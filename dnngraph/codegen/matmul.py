@@ -8,11 +8,11 @@ the expression emitter's chain, stores of every stored value, and row-exit parti
 """
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .emitter import ExpressionEmitter, kind_of
-from .pointwise import HEADER, KernelArgument
+from .names import NameAllocator
+from .pointwise import KernelArgument, header
 
 # Row-exit reductions riding on the epilogue: (value transform, combine, identity, finalize).
 EXIT_MODES = {
@@ -28,7 +28,17 @@ EXIT_MODES = {
 EXIT_REDUCE = {"sum": "tl.sum({0}, axis=1)", "max": "tl.reduce({0}, 1, tr.max_combine)",
                "min": "tl.reduce({0}, 1, tr.min_combine)"}
 EXIT_FOLD = {"sum": "{0} + {1}", "max": "tr.max_combine({0}, {1})", "min": "tr.min_combine({0}, {1})"}
+EXIT_READS_N = frozenset({"mean"})  # modes whose finalize divides by N
 EXIT_FOLD_BLOCK = 128  # rows per program of the exit fold: a few KB of partials each
+# identifiers the matmul kernels write themselves; the stems own every `stem_*` name too
+# (tile_a, offs_m, bidx_0, batch_size_1, exit_0_partial_ptr, ...)
+FIXED_NAMES = ("split", "rest", "acc", "kt", "ks", "mask", "start", "part", "M", "N", "K", "batches",
+               "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "PROGRAMS", "FLATTEN",
+               "WARP_SPECIALIZE", "BLOCK_ROWS", "EXIT_TILES")
+FIXED_STEMS = ("tile", "tiles", "batch", "bidx", "group", "first", "rows", "cols", "pid", "offs", "mask",
+               "k", "per", "partial", "desc", "row", "exit", "value")
+# operand names by side: matrices A and B, epilogue operands, per-tensor scales, row exits
+SIDE_HINTS = {"a": "a", "b": "b", "c": "c", "scalar": "scale", "exit": "out"}
 
 
 @dataclass(frozen=True)
@@ -40,13 +50,13 @@ class MatmulOperand:
     """
 
     uid: int
-    ident: str
     data_type: object
     side: str
     batch_strides: tuple
     row_stride: int
     col_stride: int
     is_output: bool = False
+    ident: str = ""  # its name in the kernel, given by the kernel's allocator at render
 
 
 @dataclass(frozen=True)
@@ -205,7 +215,7 @@ def _side_tile(spec, side: str, w: _Writer, pointer_loads: bool):
         return
     if not nodes:  # loaded through a tensor descriptor by the caller
         return
-    emitter = ExpressionEmitter(spec.compute, prefix=f"p{side}")
+    emitter = ExpressionEmitter(spec.compute, hint=f"p{side}", names=spec.names)
     for op in operands:
         walks_k = op.col_stride if side == "a" else op.row_stride
         w(f"{op.ident} = {_load(op, rows, cols, k_mask if walks_k else '', spec.compute)}")
@@ -248,7 +258,7 @@ def _epilogue(spec, w: _Writer):
     for uid in spec.scale_uids:
         op = next(o for o in spec.operands if o.uid == uid)
         w(f"acc = acc * tl.load({op.ident}_ptr).to(tl.float32)")
-    emitter = ExpressionEmitter(spec.compute, prefix="e")
+    emitter = ExpressionEmitter(spec.compute, hint="e", names=spec.names)
     emitter.bind(spec.c_uid, "acc", "f")
     w("mask = mask_m[:, None] & mask_n[None, :]")
     for op in spec.side("c"):
@@ -266,7 +276,7 @@ def _epilogue(spec, w: _Writer):
         transform, combine, identity, _ = EXIT_MODES[plan.node.attrs.mode]
         value = transform.format(emitter.value(plan.source_uid, "f"))
         w(f"exit_{index} = {EXIT_REDUCE[combine].format(f'tl.where(mask, {value}, {identity})')}",
-          f"tl.store(exit{index}_partial_ptr + (batch * tl.cdiv(N, BLOCK_N) + pid_n) * M + offs_m, "
+          f"tl.store(exit_{index}_partial_ptr + (batch * tl.cdiv(N, BLOCK_N) + pid_n) * M + offs_m, "
           f"exit_{index}, mask=mask_m)")
     return emitter
 
@@ -378,7 +388,7 @@ def _exit_fold(spec, w: _Writer):
         fold = EXIT_FOLD[combine]
         w(f"value_{index} = tl.full((BLOCK_ROWS,), {identity}, tl.float32)", "for tile in range(EXIT_TILES):")
         w.indent()
-        w(f"part = tl.load(exit{index}_partial_ptr + (batch * EXIT_TILES + tile) * M + offs_m, mask=row_mask)",
+        w(f"part = tl.load(exit_{index}_partial_ptr + (batch * EXIT_TILES + tile) * M + offs_m, mask=row_mask)",
           f"value_{index} = " + fold.format(f"value_{index}", "part"))
         w.dedent()
         op = plan.output
@@ -406,22 +416,46 @@ def _operands_of(spec, body: str) -> list:
     return [o for o in spec.operands if o.side != "exit"]
 
 
+def _sizes_used(spec, body: str) -> tuple:
+    """The problem sizes a kernel body reads."""
+    if body == "exit_fold":
+        reads_n = any(plan.node.attrs.mode in EXIT_READS_N for plan in spec.exits)
+        return ("M", "batches") + (("N",) if reads_n else ())
+    if body == "combine":
+        return ("M", "N", "batches")
+    batched = spec.config.split_k > 1 or body == "persistent"  # partial index, flat tile loop
+    return ("M", "N", "K") + (("batches",) if batched else ())
+
+
+def _strides_used(spec, body: str, op: MatmulOperand) -> list:
+    """(suffix, stride) of the stride arguments the body reads for `op`: batch strides, then
+    the row and column strides its offsets use (a TMA descriptor takes only its pitch; the exit
+    fold walks rows only)."""
+    used = [(f"bstride_{a}", s) for a, s in enumerate(op.batch_strides) if s]
+    if body == "persistent" and op.side in ("a", "b"):
+        layout = spec.problem.a_layout if op.side == "a" else spec.problem.b_layout
+        pitch = ("stride_r", op.row_stride) if layout == "row" else ("stride_c", op.col_stride)
+        return used + [pitch]
+    used += [("stride_r", op.row_stride)] if op.row_stride else []
+    if body != "exit_fold":
+        used += [("stride_c", op.col_stride)] if op.col_stride else []
+    return used
+
+
 def _arguments(spec, body: str, operands: list, scalars) -> list:
+    """Kernel arguments, decided from what the body uses (never from its text)."""
     args = [KernelArgument("tensor", f"{op.ident}_ptr", op.uid) for op in operands]
-    if body in ("combine",) or (body != "exit_fold" and spec.config.split_k > 1):
+    split = spec.config.split_k > 1
+    if body == "combine" or (body != "exit_fold" and split):
         args.append(KernelArgument("tensor", "partial_ptr", spec.partial_uid))
-    if body in ("exit_fold", "combine") or (body != "exit_fold" and spec.config.split_k == 1):
-        args += [KernelArgument("tensor", f"exit{i}_partial_ptr", p.partial_uid) for i, p in enumerate(spec.exits)]
+    if body in ("exit_fold", "combine") or (body != "exit_fold" and not split):
+        args += [KernelArgument("tensor", f"exit_{i}_partial_ptr", p.partial_uid) for i, p in enumerate(spec.exits)]
     problem = spec.problem
-    args += [KernelArgument("int", "M", problem.m), KernelArgument("int", "N", problem.n),
-             KernelArgument("int", "K", problem.k), KernelArgument("int", "batches", spec.batches)]
+    sizes = {"M": problem.m, "N": problem.n, "K": problem.k, "batches": spec.batches}
+    args += [KernelArgument("int", name, sizes[name]) for name in _sizes_used(spec, body)]
     args += [KernelArgument("int", f"batch_size_{a}", s) for a, s in enumerate(spec.batch_sizes) if a > 0]
     for op in operands:
-        args += [KernelArgument("int", f"{op.ident}_bstride_{a}", s) for a, s in enumerate(op.batch_strides) if s]
-        if op.row_stride:
-            args.append(KernelArgument("int", f"{op.ident}_stride_r", op.row_stride))
-        if op.col_stride:
-            args.append(KernelArgument("int", f"{op.ident}_stride_c", op.col_stride))
+        args += [KernelArgument("int", f"{op.ident}_{suffix}", s) for suffix, s in _strides_used(spec, body, op)]
     args += [KernelArgument("int", name, value) for name, value in scalars]
     return args
 
@@ -447,21 +481,40 @@ def _constexprs(spec, body: str) -> list:
     return result
 
 
+@dataclass(frozen=True)
+class _NamedSpec:
+    """A kernel spec whose operands carry the names of one kernel's allocator."""
+
+    spec: MatmulKernelSpec
+    names: NameAllocator
+
+    def __getattr__(self, field):
+        return getattr(self.spec, field)
+
+
+def _named(spec) -> _NamedSpec:
+    """`spec` with every operand named from a fresh allocator (by side, never by tensor name)."""
+    names = NameAllocator(FIXED_NAMES + (spec.name,))
+    names.reserve_stems(*FIXED_STEMS)
+    named = lambda op: replace(op, ident=names.prefix(SIDE_HINTS[op.side]))
+    operands = tuple(named(op) for op in spec.operands)
+    exits = tuple(replace(plan, output=named(plan.output)) for plan in spec.exits)
+    return _NamedSpec(replace(spec, operands=operands, exits=exits), names)
+
+
 def render(spec, body: str):
     """(source, arguments) of one kernel of a matmul group: body is the config's variant,
     "combine" (split-K) or "exit_fold"."""
+    spec = _named(spec)
     w = _Writer()
     emitter = BODIES[body](spec, w)
     scalars = emitter.scalars if emitter is not None else []
     operands = _operands_of(spec, body)
     args = _arguments(spec, body, operands, scalars) + _constexprs(spec, body)
-    used = "\n".join(w.lines)
-    # drop arguments the body never names (stride args of broadcast axes are already absent)
-    args = [a for a in args if a.kind == "constexpr" or re.search(rf"\b{a.name}\b", used)]
     params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = HEADER.format(description=spec.description) + "from dnngraph.codegen import triton_reduce as tr\n"
+    source = header(spec.description) + "from dnngraph.codegen import triton_reduce as tr\n"
     if emitter is not None and emitter.globals:
         source += "\n" + "\n".join(emitter.globals) + "\n"
     source += f"\n\n@triton.jit\ndef {spec.name}(\n" + "".join(f"    {p},\n" for p in params) + "):\n"
-    source += used + "\n"
+    source += "\n".join(w.lines) + "\n"
     return source, args

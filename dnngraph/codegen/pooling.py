@@ -15,12 +15,18 @@ from typing import Optional
 from ..errors import UnsupportedError
 from ..fusion import FusionGroup
 from ..heuristics.layout import operand_strides
-from ..heuristics.pointwise import _identifiers
 from ..heuristics.pooling import AXIS_NAMES
 from .emitter import ExpressionEmitter, kind_of
-from .pointwise import HEADER, KernelArgument
+from .names import NameAllocator
+from .pointwise import KernelArgument, header
 
 INDENT = "    "
+# identifiers the pooling kernel writes itself; the stems own every `stem_*` name too (each
+# axis letter: h_idx, h_start, ...; in_h, out_h, WINDOW_H, ...)
+FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest",
+               "rows", "cols", "batch", "channels", "acc", "value", "result", "grad", "best", "hit",
+               "better", "inside", "covered", "BLOCK_R", "BLOCK_C")
+FIXED_STEMS = ("in", "out", "WINDOW", "STRIDE", "PAD", "COVER")
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,7 @@ class Coord:
 
 @dataclass(frozen=True)
 class Operand:
-    identifier: str  # its name in generated source
+    identifier: str  # its name in generated source (from the kernel's allocator)
     strides: tuple  # over the logical axes; 0 where the operand broadcasts
 
 
@@ -70,19 +76,24 @@ def prologue_values_to_store(group):
 class _KernelWriter:
     """Collects the body of one pooling kernel; one method per part of it."""
 
-    def __init__(self, schedule, group, compute_type):
+    def __init__(self, kernel_name, schedule, group, compute_type):
         self.schedule, self.group = schedule, group
         self.anchor = group.anchor
         self.rank = len(schedule.x_dims)
         self.names = AXIS_NAMES[self.rank]
         self.spatial = range(2, self.rank)
         self.compute = compute_type.triton_type
-        self.emitter = ExpressionEmitter(self.compute)
+        loop_names = [f"{loop}{self.names[a]}" for a in self.spatial for loop in "kj"]
+        self.allocator = NameAllocator(FIXED_NAMES + tuple(loop_names) + (kernel_name,))
+        self.allocator.reserve_stems(*(FIXED_STEMS + self.names))
+        self.emitter = ExpressionEmitter(self.compute, names=self.allocator)
         prologue = set(group.prologue)
         self.outputs = [t for t in group.outputs if t.producer not in prologue]
-        tensors = list(group.inputs) + self.outputs
-        self.operands = {t.uid: Operand(ident, operand_strides(schedule.x_dims, t.dim, t.stride))
-                         for t, ident in zip(tensors, _identifiers(tensors))}
+        # operands are named by whether they are read or written, never by their tensor's name
+        roles = [(t, "x") for t in group.inputs] + [(t, "y") for t in self.outputs]
+        self.operands = {t.uid: Operand(self.allocator.prefix(hint),
+                                        operand_strides(schedule.x_dims, t.dim, t.stride))
+                         for t, hint in roles}
         self.input_uids = {t.uid for t in group.inputs}
         self.body: list[str] = []
         self.depth = 1
@@ -364,7 +375,7 @@ class _KernelWriter:
 
 def render(kernel_name: str, schedule, group, compute_type, description: str):
     """(source, arguments) of the kernel running a pooling group under `schedule`."""
-    writer = _KernelWriter(schedule, group, compute_type)
+    writer = _KernelWriter(kernel_name, schedule, group, compute_type)
     tile = writer.tile_coordinates()
     if schedule.backward:
         writer.backward(tile)
@@ -373,7 +384,7 @@ def render(kernel_name: str, schedule, group, compute_type, description: str):
     writer.epilogue_and_stores(tile)
     args = writer.arguments()
     params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = HEADER.format(description=description)
+    source = header(description)
     if writer.emitter.globals:
         source += "\n" + "\n".join(writer.emitter.globals) + "\n"
     source += "\n\n@triton.jit\ndef " + kernel_name + "(\n"

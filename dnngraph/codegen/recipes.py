@@ -35,6 +35,15 @@ class Recipe:
             return [self.single]
         return self.stages
 
+    def statistic_names(self) -> tuple:
+        """(stems, names) of the identifiers the recipe's statements introduce: each
+        accumulator's name is a stem (its lanes, tiles and parts are `name_*`), each finalize
+        line assigns one name. The kernel's allocator reserves them all."""
+        stages = list(self.stages) + ([self.single] if self.single is not None else [])
+        stems = {acc.name for accumulators, _ in stages for acc in accumulators}
+        assigned = {line.split("=", 1)[0].strip() for _, finalize in stages for line in finalize}
+        return tuple(sorted(stems)), tuple(sorted(assigned | set(self.stash)))
+
     @property
     def splittable(self) -> bool:
         return self.single is not None or len(self.stages) <= 1

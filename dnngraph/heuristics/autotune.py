@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import triton
 
 from .device import DeviceModel
-from .tuning_cache import TuningCache, default_cache, tuning_key
+from .tuning_cache import TuningCache, TuningCacheWarning, default_cache, tuning_key
 
 # Candidates timed per problem: the model's top 6 held the fastest of all candidates on 28 of
 # the 32 problems of bench_matmul_heuristics.py (H100), and came within 0.99 of it on geometric
@@ -40,6 +41,31 @@ class TuningRecord:
         origin = "cached autotune result" if self.source == "cache" else "autotuned"
         return (f"{origin}: {ms * 1e3:.1f} us, fastest of {len(self.timings)} timed candidates "
                 f"(model rank {rank + 1})")
+
+
+def _dnngraph_version() -> str:
+    """This dnngraph's version, part of every tuning key (looked up when the package is loaded)."""
+    from .. import __version__
+    return __version__
+
+
+def _cached_choice(cached, ranked: list, from_record: Callable, text_of: Callable):
+    """(config, TuningRecord) from a cached record, or a str saying why the record is unusable.
+
+    The record must decode (from_record validates variant, mode and sizes) and name one of
+    this problem's candidates: a cache file is data from disk, and only configs the model would
+    offer for this problem may reach a kernel."""
+    try:
+        if not isinstance(cached, dict) or not isinstance(cached.get("config"), dict):
+            raise ValueError("it holds no config object")
+        config = from_record(cached["config"])
+        timings = tuple((str(t), int(r), float(ms)) for t, r, ms in cached.get("timings", ()))
+    except (KeyError, TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    candidate = next((c for c in ranked if text_of(c) == text_of(config)), None)
+    if candidate is None:
+        return f"{text_of(config)} is not a candidate for this problem"
+    return candidate, TuningRecord("cache", text_of(candidate), timings)
 
 
 def top_count(total: int) -> int:
@@ -70,15 +96,15 @@ class Tuner:
                text_of: Callable, time_config: Callable):
         """(config, TuningRecord): the cached winner for this problem, else the fastest of the
         top-ranked candidates, timed with time_config(config) -> milliseconds."""
-        key = tuning_key(self.device.name, triton.__version__, family, signature)
+        key = tuning_key(self.device.name, triton.__version__, family, signature, _dnngraph_version())
         cached = self.cache.lookup(key)
         if cached is not None:
-            try:
-                config = from_record(cached["config"])
-                timings = tuple((str(t), int(r), float(ms)) for t, r, ms in cached.get("timings", ()))
-                return config, TuningRecord("cache", text_of(config), timings)
-            except (KeyError, TypeError, ValueError):
-                pass  # a record of another layout: tune again and overwrite it
+            found = _cached_choice(cached, ranked, from_record, text_of)
+            if isinstance(found, str):  # an unusable record: warn, tune again and overwrite it
+                warnings.warn(f"dnngraph tuning cache {self.cache.path}: ignoring the record of "
+                              f"{family} {signature}: {found}", TuningCacheWarning, stacklevel=4)
+            else:
+                return found
         count = top_count(len(ranked))
         self._say(f"{family} {signature}: timing {count} of {len(ranked)} candidates")
         results = []

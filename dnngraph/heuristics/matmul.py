@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from .device import DeviceModel
+from .tuning_cache import WARPS, record_choice, record_field, record_int
 
 # Tensor-core rate per dot type (dense flop/s). bf16/fp16: cuBLAS reaches 710 TF/s at 8192^3
 # on the H100 here, the model's peak is set a little above it; fp8 doubles it, tf32 halves it;
@@ -63,6 +64,10 @@ CONVERTED_B_EFFICIENCY = 0.44
 FMA_EIGHT_WARP_EFFICIENCY = 0.95
 SMALL_M_LIMIT = 64
 SPLIT_CHOICES = (2, 4, 8, 16)
+# bounds a tuning-cache record must respect (wider than any candidate, far below nonsense)
+MAX_BLOCK = 512
+MAX_STAGES = 8
+MAX_SPLIT_K = 64
 
 # (BLOCK_M, BLOCK_N, BLOCK_K for 2-byte types, warps, stages): tiles seen best in Triton's
 # tutorials and in sweeps here; BLOCK_K scales with the element size (fp8 x2, fp32 /2).
@@ -192,10 +197,18 @@ class MatmulConfig:
 
     @staticmethod
     def from_record(record: dict) -> "MatmulConfig":
-        return MatmulConfig(str(record["variant"]), int(record["block_m"]), int(record["block_n"]),
-                            int(record["block_k"]), int(record["num_warps"]), int(record["num_stages"]),
-                            int(record.get("split_k", 1)), bool(record.get("flatten", False)),
-                            bool(record.get("warp_specialize", False)))
+        """The config a tuning-cache record holds; ValueError for an unknown variant or an
+        illegal value (wrong type, a block size that is not a power of two in range, ...)."""
+        block = lambda name: record_int(record, name, 1, MAX_BLOCK, power_of_two=True)
+        num_warps = record_field(record, "num_warps", int)
+        if num_warps not in WARPS:
+            raise ValueError(f"num_warps {num_warps} is not one of {list(WARPS)}")
+        return MatmulConfig(record_choice(record, "variant", VARIANT_EFFICIENCY), block("block_m"),
+                            block("block_n"), block("block_k"), num_warps,
+                            record_int(record, "num_stages", 1, MAX_STAGES),
+                            record_int(record, "split_k", 1, MAX_SPLIT_K, default=1),
+                            record_field(record, "flatten", bool, default=False),
+                            record_field(record, "warp_specialize", bool, default=False))
 
 
 def register_sides(problem: MatmulProblem) -> str:

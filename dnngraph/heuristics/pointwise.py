@@ -1,8 +1,6 @@
 """Configs for elementwise kernels: tile shape and warps, ranked by a bandwidth model."""
 from __future__ import annotations
 
-import keyword
-import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -80,7 +78,6 @@ class OperandPlan:
     """One tensor a pointwise kernel reads or writes, with its strides over the space."""
 
     uid: int
-    identifier: str  # its name in generated source
     is_output: bool
     data_type: object  # DataType
     strides: tuple
@@ -99,24 +96,6 @@ class PointwiseSchedule:
     @property
     def programs(self) -> int:
         return -(-self.space.rows // self.config.block_rows) * -(-self.space.cols // self.config.block_cols)
-
-
-# names the kernel itself defines (pointwise codegen): a tensor called so is renamed
-KERNEL_NAMES = frozenset({"pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask",
-                          "rest", "rows", "cols", "counter", "tl", "triton", "tm"})
-
-
-def _identifiers(tensors) -> list[str]:
-    names, seen = [], set(KERNEL_NAMES)
-    for tensor in tensors:
-        base = re.sub(r"\W", "_", tensor.name).strip("_") or "t"
-        base = base if not base[0].isdigit() else "t_" + base
-        name, count = base, 1
-        while name in seen or keyword.iskeyword(name):
-            name, count = f"{base}_{count}", count + 1
-        seen.add(name)
-        names.append(name)
-    return names
 
 
 def _counter_needs_int64(counter_nodes, domain, space: IterationSpace) -> bool:
@@ -138,11 +117,11 @@ def schedule(group, device: DeviceModel) -> PointwiseSchedule:
     space = iteration_space(domain, strides, order_operand=len(group.inputs))
     if len(space.sizes) == 1:  # the kernel always walks rows x columns
         space = IterationSpace((1,) + space.sizes, tuple((0,) + s for s in space.strides), space.index_64)
-    operands = tuple(OperandPlan(t.uid, ident, i >= len(group.inputs), t.data_type, s)
-                     for i, (t, ident, s) in enumerate(zip(tensors, _identifiers(tensors), space.strides)))
+    operands = tuple(OperandPlan(t.uid, i >= len(group.inputs), t.data_type, s)
+                     for i, (t, s) in enumerate(zip(tensors, space.strides)))
     counter, counter_64 = None, False
     if counter_nodes:
-        counter = OperandPlan(None, "counter", False, None, space.strides[len(tensors)])
+        counter = OperandPlan(None, False, None, space.strides[len(tensors)])
         counter_64 = _counter_needs_int64(counter_nodes, domain, space)
     bytes_per_element = sum(t.data_type.itemsize for t in tensors if tuple(t.dim) == tuple(domain)) or 1
     ranked = rank(space, bytes_per_element, device)

@@ -15,6 +15,7 @@ from ..ops.norm import geometry as norm_geometry
 from .device import DeviceModel
 from .layout import INT32_LIMIT, iteration_space, operand_strides
 from .pointwise import _pow2_at_least
+from .tuning_cache import WARPS, record_choice, record_field, record_int
 
 # fp32 values a program holds per live tile in one-pass mode: 16384 at 16 warps is 32 registers
 # per thread and value; wider rows spill, so they loop instead.
@@ -36,6 +37,10 @@ L2_REREAD_COST = 0.25
 FORCE_MODE = None
 # Sweeps set this to (mode, block_k, block_r, num_warps, splits) to time one config.
 FORCE_CONFIG = None
+MODES = ("one_pass", "looped", "split")
+# bounds a tuning-cache record must respect (wider than any candidate, far below nonsense)
+MAX_BLOCK = 1 << 17
+MAX_SPLITS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -43,7 +48,6 @@ class RowOperand:
     """A tensor a row kernel reads or writes, with strides over the merged K and R axes."""
 
     uid: int
-    identifier: str
     data_type: object  # DataType, or None for float32 scratch
     k_strides: tuple
     r_strides: tuple
@@ -85,11 +89,10 @@ def _product(sizes) -> int:
 
 
 def geometry(domain: tuple, reduced_axes: tuple, operands: list, main: int) -> RowGeometry:
-    """Split `domain` into merged K and R axes; operands are (uid, identifier, dtype, strides,
-    is_output) with strides over the domain, `main` the index of the input that orders axes."""
+    """Split `domain` into merged K and R axes; operands are (uid, dtype, strides, is_output) with strides over the domain, `main` the index of the input that orders axes."""
     kept = [a for a in range(len(domain)) if a not in reduced_axes]
     reduced = [a for a in range(len(domain)) if a in reduced_axes]
-    strides = [op[3] for op in operands]
+    strides = [op[2] for op in operands]
 
     def side(axes):
         space = iteration_space(tuple(domain[a] for a in axes) or (1,),
@@ -97,8 +100,8 @@ def geometry(domain: tuple, reduced_axes: tuple, operands: list, main: int) -> R
         return space
 
     k_space, r_space = side(kept), side(reduced)
-    planned = tuple(RowOperand(uid, ident, dtype, ks, rs, out)
-                    for (uid, ident, dtype, _, out), ks, rs in zip(operands, k_space.strides, r_space.strides))
+    planned = tuple(RowOperand(uid, dtype, ks, rs, out)
+                    for (uid, dtype, _, out), ks, rs in zip(operands, k_space.strides, r_space.strides))
     reach = max(sum((n - 1) * s for n, s in zip(k_space.sizes, op.k_strides))
                 + sum((n - 1) * s for n, s in zip(r_space.sizes, op.r_strides)) for op in planned)
     main_op = planned[main]
@@ -130,8 +133,15 @@ class RowConfig:
 
     @staticmethod
     def from_record(record: dict) -> "RowConfig":
-        return RowConfig(str(record["mode"]), int(record["block_k"]), int(record["block_r"]),
-                         int(record["num_warps"]), int(record["splits"]), 0.0)
+        """The config a tuning-cache record holds; ValueError for an unknown mode or an illegal
+        value (wrong type, a block size that is not a power of two in range, ...)."""
+        num_warps = record_field(record, "num_warps", int)
+        if num_warps not in WARPS:
+            raise ValueError(f"num_warps {num_warps} is not one of {list(WARPS)}")
+        return RowConfig(record_choice(record, "mode", MODES),
+                         record_int(record, "block_k", 1, MAX_BLOCK, power_of_two=True),
+                         record_int(record, "block_r", 1, MAX_BLOCK, power_of_two=True),
+                         num_warps, record_int(record, "splits", 1, MAX_SPLITS), 0.0)
 
 
 @dataclass(frozen=True)

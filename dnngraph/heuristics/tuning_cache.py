@@ -51,12 +51,46 @@ def tuning_cache_path() -> Path:
     return folder / "tuning.json"
 
 
-def tuning_key(device: str, triton_version: str, family: str, signature: str) -> str:
-    """One readable key, e.g. "NVIDIA H100 80GB HBM3|triton 3.6.0|matmul|<signature>"."""
-    # Escape the separator so that no two different 4-tuples can produce the same key.
+def tuning_key(device: str, triton_version: str, family: str, signature: str,
+               dnngraph_version: str | None = None) -> str:
+    """One readable key, e.g. "NVIDIA H100 80GB HBM3|triton 3.6.0|matmul|<signature>", with
+    "|dnngraph <version>" after the Triton part when `dnngraph_version` is given (the tuner
+    always gives it: a record written by another dnngraph is never used)."""
+    # Escape the separator so that no two different tuples can produce the same key.
     parts = [str(part).replace("\\", "\\\\").replace("|", "\\|")
-             for part in (device, triton_version, family, signature)]
-    return f"{parts[0]}|triton {parts[1]}|{parts[2]}|{parts[3]}"
+             for part in (device, triton_version, family, signature, dnngraph_version or "")]
+    version = f"|dnngraph {parts[4]}" if dnngraph_version is not None else ""
+    return f"{parts[0]}|triton {parts[1]}{version}|{parts[2]}|{parts[3]}"
+
+
+WARPS = (1, 2, 4, 8, 16)
+
+
+def record_field(record: dict, field: str, kind: type, default=None):
+    """`record[field]` checked to be exactly of `kind` (an int is not a bool, a float is not an
+    int); raises ValueError naming the field otherwise. `default` stands in for a missing one."""
+    value = record.get(field, default) if isinstance(record, dict) else None
+    if value is None or type(value) is not kind:
+        raise ValueError(f"{field} is {value!r}, not a {kind.__name__}")
+    return value
+
+
+def record_choice(record: dict, field: str, choices, default=None):
+    """A str field that must be one of `choices`."""
+    value = record_field(record, field, str, default)
+    if value not in choices:
+        raise ValueError(f"{field} {value!r} is not one of {sorted(choices)}")
+    return value
+
+
+def record_int(record: dict, field: str, low: int, high: int, power_of_two: bool = False,
+               default=None) -> int:
+    """An int field in [low, high] (and a power of two where asked)."""
+    value = record_field(record, field, int, default)
+    if not low <= value <= high or (power_of_two and value & (value - 1)):
+        shape = "a power of two " if power_of_two else ""
+        raise ValueError(f"{field} {value} is not {shape}in [{low}, {high}]")
+    return value
 
 
 def default_cache() -> TuningCache:
