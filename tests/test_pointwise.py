@@ -190,3 +190,30 @@ def test_random_pointwise_graphs_match_reference(spec, dtype):
         if t.producer is not None and not g.consumers(t):
             t.set_output(True)
     check(g, inputs, dtype)
+
+
+TORCH_ACTIVATIONS = {
+    "relu": torch.nn.functional.relu, "leaky_relu": torch.nn.functional.leaky_relu,
+    "elu": torch.nn.functional.elu, "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "silu": torch.nn.functional.silu, "softplus": torch.nn.functional.softplus,
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+
+
+@pytest.mark.parametrize("op", DIFFERENTIABLE)
+def test_backward_at_special_values_is_torch(op):
+    """dy * f'(x) at 0, +-inf, NaN, far tails and an infinite dy, as torch's own backward gives
+    it (a reference differentiated through a formula made NaN of 0 * inf: elu at +inf)."""
+    x_values = [float("-inf"), float("inf"), float("nan"), -30.0, -1.5, 0.0, 0.7, 30.0, 100.0]
+    pairs = [(x, dy) for x in x_values for dy in (1.5, float("nan"))]
+    pairs += [(x, float("inf")) for x in (-1.5, 0.0, 0.7, 30.0)]
+    x_t, dy_t = torch.tensor(pairs).T.contiguous()
+    g = dg.Graph()
+    dy, x = g.tensor(name="dy", dim=[len(pairs)]), g.tensor(name="x", dim=[len(pairs)])
+    y = getattr(g, op + "_backward")(dy, x).set_output(True)
+    out = run(g, {dy: dy_t, x: x_t})[y.name].double()
+    ref = g.reference({dy: dy_t, x: x_t})[y.name]
+    leaf = x_t.double().requires_grad_(True)
+    (want,) = torch.autograd.grad(TORCH_ACTIVATIONS[op](leaf), leaf, dy_t.double())
+    torch.testing.assert_close(ref, want, equal_nan=True)
+    torch.testing.assert_close(out, ref, equal_nan=True, rtol=1e-5, atol=1e-6)
