@@ -68,6 +68,19 @@ def test_cast_rounds_like_the_target(target):
     check(g, {x: torch.randn(13, 11)}, tolerance=8e-3 if target is dg.bfloat16 else 1e-6)
 
 
+def test_cast_from_int_is_a_float_rounded_to_the_target():
+    """The op reference of an int -> float cast holds floats (a following mean is defined) with
+    the target's rounding (2049 is 2048 in float16)."""
+    g = dg.Graph(io_data_type=dg.float16)
+    n = g.tensor(name="n", dim=[5, 4], data_type=dg.int32)
+    as_half = g.cast(n, dg.float16)
+    values = torch.tensor([[2049, -3, 7, 65519]], dtype=torch.int32)
+    held = POINTWISE_OPS["cast"].reference([values], as_half.producer.attrs)
+    assert held.is_floating_point() and held.tolist() == [[2048.0, -3.0, 7.0, 65504.0]]
+    g.reduction(as_half, "mean", [0, 1]).set_output(True)
+    check(g, {n: torch.randint(-3000, 3000, (5, 4), dtype=torch.int32)}, torch.float16)
+
+
 @pytest.mark.parametrize("constant", [float("-inf"), 2.5])
 def test_scalar_constants_including_infinities(constant):
     g = dg.Graph()

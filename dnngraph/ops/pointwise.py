@@ -99,8 +99,8 @@ def _cast(x, attrs):
     if target is dtypes.bool_:
         return as_bool(x)
     x = as_float(x)
-    if target.is_floating:
-        return x.to(target.torch_dtype).to(x.dtype)
+    if target.is_floating:  # rounded to the target, held in float64 (or x's own float type)
+        return x.to(target.torch_dtype).to(x.dtype if x.is_floating_point() else torch.float64)
     return torch.trunc(x)
 
 
