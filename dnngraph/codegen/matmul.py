@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .emitter import ExpressionEmitter, kind_of
+from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
 from .pointwise import HEADER, KernelArgument
 
 # Row-exit reductions riding on the epilogue: (value transform, combine, identity, finalize).
@@ -157,7 +157,8 @@ def _load(op: MatmulOperand, rows: str, cols: str, mask: str, compute: str) -> s
     other = "0.0" if op.data_type.is_floating else "0"
     masked = f", mask={mask}, other={other}" if mask else ""
     cast = f".to({compute})" if kind_of(op.data_type) == "f" else ""
-    return f"tl.load({pointer}{masked}){cast}"
+    one_element = "" if mask else SCALAR_AS_TILE
+    return f"tl.load({pointer}{one_element}{masked}){cast}"
 
 
 def _bind_load(emitter: ExpressionEmitter, op: MatmulOperand, variable: str):

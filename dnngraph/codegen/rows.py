@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .emitter import ExpressionEmitter, kind_of
+from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
 from ..heuristics.rows import _pow2_at_least
 from .pointwise import KernelArgument
 
@@ -161,7 +161,7 @@ def _pointer(op, kind: str):
 
 def _load(src: _Source, emitter, op, kind: str):
     pointer, mask = _pointer(op, kind)
-    load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer})"
+    load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer}{SCALAR_AS_TILE})"
     src.line(f"{op.identifier} = {emitter.loaded(load, op.data_type)}")
     emitter.bind(op.uid, op.identifier, kind_of(op.data_type))
 
