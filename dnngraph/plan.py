@@ -201,11 +201,12 @@ def _build_rows(graph, group, index, tuner=None, device=None):
     stores = [t.uid for t in group.outputs]
     if anchor.opdef.family == "norm" and anchor.op.endswith("_backward"):
         params = {t.uid for t in anchor.outputs[1:] if t is not None}
-        scale_strides = problem.strides(anchor.inputs[2])
+        # by the scale's dims, not its strides: an expanded scale is still one parameter per index
+        scale_extent = problem.extent(anchor.inputs[2])
         kept = [a for a, size in enumerate(problem.domain) if a not in problem.reduced_axes and size > 1]
-        per_row = all(scale_strides[a] for a in kept) and not any(scale_strides[a] for a in problem.reduced_axes)
+        per_row = all(scale_extent[a] for a in kept) and not any(scale_extent[a] for a in problem.reduced_axes)
         if not per_row:  # dscale is not one value per dx row
-            param_problem = problem.with_reduced(a for a, s in enumerate(scale_strides) if s == 0)
+            param_problem = problem.with_reduced(a for a, spans in enumerate(scale_extent) if not spans)
             return (_row_launches(graph, group, name, problem, RECIPES[anchor.op],
                                   [u for u in stores if u not in params], tuner, device)
                     + _row_launches(graph, group, name + "_params", param_problem, norm_parameter_grads,

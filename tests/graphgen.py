@@ -17,6 +17,7 @@ import torch
 
 import dnngraph as dg
 from dnngraph.errors import GraphError, UnsupportedError
+from dnngraph.heuristics.matmul import choose_dot
 from dnngraph.ops.pointwise import DIFFERENTIABLE, FORWARD_UNARY
 from dnngraph.ops.pooling import PoolingAttrs, output_spatial
 from dnngraph.tensor import dense_strides
@@ -679,7 +680,10 @@ def noisy_reference(graph, inputs: dict, trials: int = 3, seed: int = 0) -> list
                 value = inputs[tensor.name].cpu()
                 values[tensor.uid] = value.double() if value.is_floating_point() else value
         for node in graph.nodes:
-            results = node.opdef.reference([None if t is None else values[t.uid] for t in node.inputs], node.attrs)
+            operands = [None if t is None else values[t.uid] for t in node.inputs]
+            if node.op == "matmul":
+                operands = _dot_rounding(node, operands, gen)
+            results = node.opdef.reference(operands, node.attrs)
             for tensor, result in zip(node.outputs, results):
                 if tensor is None:
                     continue
@@ -691,6 +695,28 @@ def noisy_reference(graph, inputs: dict, trials: int = 3, seed: int = 0) -> list
                 values[tensor.uid] = result
         runs.append({t.name: values[t.uid] for t in graph.outputs()})
     return runs
+
+
+_TORCH_OF_TRITON = {"tl.float32": torch.float32, "tl.float16": torch.float16, "tl.bfloat16": torch.bfloat16}
+
+
+def _dot_rounding(node, operands, gen) -> list:
+    """A matmul's operands as its dot takes them, by DESIGN.md's precision rule (choose_dot): an
+    operand wider than the dot type (an fp32 virtual tensor times an fp16 weight) is rounded to
+    it at load, so it gets that type's relative noise (tf32: 10 mantissa bits)."""
+    a, b = node.inputs[:2]
+    choice = choose_dot(a.data_type.name, b.data_type.name, a.data_type.triton_type, b.data_type.triton_type,
+                        bool(getattr(node.attrs, "allow_tf32", False)))
+    rounded = []
+    for tensor, value, dot_type in zip((a, b), operands, (choice.a_type, choice.b_type)):
+        dot_dtype = _TORCH_OF_TRITON.get(dot_type)
+        eps = 2.0 ** -10 if choice.precision == "tf32" else \
+            torch.finfo(dot_dtype).eps if dot_dtype is not None else 0.0
+        if value.is_floating_point() and eps > torch.finfo(tensor.data_type.torch_dtype).eps:
+            noise = (torch.rand(value.shape, generator=gen, dtype=torch.float64) * 2 - 1) * eps
+            value = value.double() * (1 + noise)
+        rounded.append(value)
+    return rounded + list(operands[2:])
 
 
 def compare(name, out: torch.Tensor, ref: torch.Tensor, noisy: list, depth_eps: float) -> str:

@@ -161,6 +161,28 @@ def test_pooling_window_one(mode):
 
 
 # --- NaN and inf through max, min and amax --------------------------------------------------------
+# --- one-element operands ---------------------------------------------------------------------------
+@pytest.mark.parametrize("anchor", ["pointwise", "softmax", "matmul"])
+def test_one_element_operands_in_logic_and_pow(anchor):
+    """A [1, 1] operand loads as one element: compared, combined with `&` / `|` against a tile,
+    and as pow's exponent (whose parity test uses `&`) it must act like any broadcast value.
+    Once it was a 0-d value, and the interpreter failed on the bool of its comparison."""
+    g = dg.Graph()
+    x, s, t = (g.tensor(name="x", dim=[6, 9]), g.tensor(name="s", dim=[1, 1]),
+               g.tensor(name="t", dim=[1, 1]))
+    inputs = {x: sample(6, 9), s: torch.tensor([[0.3]]), t: torch.tensor([[3.0]])}
+    if anchor == "softmax":
+        x = g.softmax(x, axis=1)
+    elif anchor == "matmul":
+        w = g.tensor(name="w", dim=[9, 9])
+        inputs[w] = sample(9, 9)
+        x = g.matmul(x, w)
+    both = g.logical_and(g.cmp_lt(s, t), g.cmp_gt(x, 0.0))
+    g.where(both, g.pow(x, t), s).set_output(True)
+    g.logical_or(g.cmp_gt(s, t), g.cmp_lt(x, 0.0)).set_output(True)
+    check(g, inputs, tolerance=1e-5)
+
+
 def compare_specials(graph, inputs, tolerance=1e-5):
     """Execute with poisoned outputs; NaN where the reference has NaN, equal infinities."""
     outputs = run(graph, inputs)

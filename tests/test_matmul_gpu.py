@@ -123,3 +123,19 @@ def test_autotune_on_gpu(tmp_path, monkeypatch):
     check(g, _cuda(inputs), torch.bfloat16, "cuda")
     g.build(autotune=True)
     assert g.plan.launches[0].tuning.source == "cache"
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 13, 1), (4, 5, 1), (13, 1, 16), (16, 13, 16), (3, 20, 7), (37, 3, 5)])
+@pytest.mark.parametrize("layouts", [("row", "row"), ("col", "padded_col"), ("sliced", "row")])
+def test_axes_shorter_than_their_tile(m, n, k, layouts):
+    """M or N below the block: wrapped tile indices carry no contiguity hints (they faulted)."""
+    torch.manual_seed(m * 100 + n)
+    a_t = _storage([3, m, k], layouts[0], torch.bfloat16, "cuda")
+    b_t = _storage([k, n], layouts[1], torch.bfloat16, "cuda")
+    g = dg.Graph(name="mm", io_data_type=dg.bfloat16)
+    a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
+    c = g.tensor(name="c", dim=[1, 1, n])
+    y = g.sigmoid(g.add(g.matmul(a, b), c)).set_output(True)
+    g.reduction(y, "norm1", [2]).set_output(True)
+    check(g, {"a": a_t, "b": b_t, "c": torch.randn(1, 1, n, device="cuda").bfloat16()}, torch.bfloat16,
+          device="cuda")

@@ -249,3 +249,28 @@ def test_bad_inputs_are_validation_errors():
     with pytest.raises(dg.ValidationError):
         g.groupnorm(g.tensor(name="img", dim=[2, 6, 3, 3]), g.tensor(name="gs", dim=[1, 6, 1, 1]),
                     g.tensor(name="gb", dim=[1, 6, 1, 1]), groups=4)
+
+
+# --- expanded (stride-0) parameters ---------------------------------------------------------------
+def _expanded_scale_backward(op, x_shape, param_shape, stats_shape):
+    """A norm backward whose scale is an expanded view: every index holds a parameter, the
+    strides say 0. Its dscale and dbias are per-parameter sums, as for a dense scale."""
+    g = dg.Graph()
+    x_t, dy_t = shifted(*x_shape), torch.randn(*x_shape)
+    scale_t = shifted(*param_shape[:-1], 1).expand(*param_shape)  # stride 0 on the last axis
+    x, dy, s = g.tensor(name="x", dim=list(x_shape)), g.tensor(name="dy", dim=list(x_shape)), g.tensor_like(scale_t, "scale")
+    m = g.tensor(name="mean", dim=list(stats_shape), data_type=dg.float32)
+    i = g.tensor(name="inv", dim=list(stats_shape), data_type=dg.float32)
+    for out in getattr(g, op)(dy, x, s, m, i):
+        out.set_output(True)
+    inputs = {x: x_t, dy: dy_t, s: scale_t, m: torch.randn(*stats_shape), i: torch.rand(*stats_shape) + 0.5}
+    return g, inputs
+
+
+@pytest.mark.parametrize("op,x_shape,param_shape,stats_shape", [
+    ("layernorm_backward", (5, 13), (5, 13), (1, 1)),  # scale over every axis, expanded on one
+    ("instancenorm_backward", (13, 16), (1, 16), (13, 16)),  # channel scale expanded along C
+])
+def test_norm_backward_expanded_scale(row_mode, op, x_shape, param_shape, stats_shape):
+    g, inputs = _expanded_scale_backward(op, x_shape, param_shape, stats_shape)
+    check(g, inputs, tolerance=5e-5)

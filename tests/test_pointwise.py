@@ -68,6 +68,19 @@ def test_cast_rounds_like_the_target(target):
     check(g, {x: torch.randn(13, 11)}, tolerance=8e-3 if target is dg.bfloat16 else 1e-6)
 
 
+def test_cast_from_int_is_a_float_rounded_to_the_target():
+    """The op reference of an int -> float cast holds floats (a following mean is defined) with
+    the target's rounding (2049 is 2048 in float16)."""
+    g = dg.Graph(io_data_type=dg.float16)
+    n = g.tensor(name="n", dim=[5, 4], data_type=dg.int32)
+    as_half = g.cast(n, dg.float16)
+    values = torch.tensor([[2049, -3, 7, 65519]], dtype=torch.int32)
+    held = POINTWISE_OPS["cast"].reference([values], as_half.producer.attrs)
+    assert held.is_floating_point() and held.tolist() == [[2048.0, -3.0, 7.0, 65504.0]]
+    g.reduction(as_half, "mean", [0, 1]).set_output(True)
+    check(g, {n: torch.randint(-3000, 3000, (5, 4), dtype=torch.int32)}, torch.float16)
+
+
 @pytest.mark.parametrize("constant", [float("-inf"), 2.5])
 def test_scalar_constants_including_infinities(constant):
     g = dg.Graph()
@@ -190,3 +203,30 @@ def test_random_pointwise_graphs_match_reference(spec, dtype):
         if t.producer is not None and not g.consumers(t):
             t.set_output(True)
     check(g, inputs, dtype)
+
+
+TORCH_ACTIVATIONS = {
+    "relu": torch.nn.functional.relu, "leaky_relu": torch.nn.functional.leaky_relu,
+    "elu": torch.nn.functional.elu, "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    "silu": torch.nn.functional.silu, "softplus": torch.nn.functional.softplus,
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+
+
+@pytest.mark.parametrize("op", DIFFERENTIABLE)
+def test_backward_at_special_values_is_torch(op):
+    """dy * f'(x) at 0, +-inf, NaN, far tails and an infinite dy, as torch's own backward gives
+    it (a reference differentiated through a formula made NaN of 0 * inf: elu at +inf)."""
+    x_values = [float("-inf"), float("inf"), float("nan"), -30.0, -1.5, 0.0, 0.7, 30.0, 100.0]
+    pairs = [(x, dy) for x in x_values for dy in (1.5, float("nan"))]
+    pairs += [(x, float("inf")) for x in (-1.5, 0.0, 0.7, 30.0)]
+    x_t, dy_t = torch.tensor(pairs).T.contiguous()
+    g = dg.Graph()
+    dy, x = g.tensor(name="dy", dim=[len(pairs)]), g.tensor(name="x", dim=[len(pairs)])
+    y = getattr(g, op + "_backward")(dy, x).set_output(True)
+    out = run(g, {dy: dy_t, x: x_t})[y.name].double()
+    ref = g.reference({dy: dy_t, x: x_t})[y.name]
+    leaf = x_t.double().requires_grad_(True)
+    (want,) = torch.autograd.grad(TORCH_ACTIVATIONS[op](leaf), leaf, dy_t.double())
+    torch.testing.assert_close(ref, want, equal_nan=True)
+    torch.testing.assert_close(out, ref, equal_nan=True, rtol=1e-5, atol=1e-6)

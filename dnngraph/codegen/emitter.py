@@ -17,6 +17,13 @@ from .expressions import (CAST_TO_BOOL, CAST_TO_FLOAT, CAST_TO_INT32, CAST_TO_IN
 from .names import NameAllocator, comment_text
 
 
+# Appended to the pointer of a one-element operand: it loads as a [1, 1] tile, not a 0-d value.
+# Triton's interpreter keeps the operand's type on a 0-d comparison, so a 0-d bool broadcast
+# into a tile became float data, and `&` / `|` with it failed ("bitwise_and not supported");
+# a [1, 1] tile broadcasts like any tile, on the interpreter and on the GPU alike.
+SCALAR_AS_TILE = " + tl.zeros((1, 1), dtype=tl.int32)"
+
+
 def kind_of(data_type) -> str:
     """The kind a value of `data_type` is held in once loaded: integers stay integers."""
     if data_type is dtypes.bool_:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from .emitter import ExpressionEmitter, kind_of
+from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
 from .names import NameAllocator
 from .pointwise import KernelArgument, header
 
@@ -167,7 +167,8 @@ def _load(op: MatmulOperand, rows: str, cols: str, mask: str, compute: str) -> s
     other = "0.0" if op.data_type.is_floating else "0"
     masked = f", mask={mask}, other={other}" if mask else ""
     cast = f".to({compute})" if kind_of(op.data_type) == "f" else ""
-    return f"tl.load({pointer}{masked}){cast}"
+    one_element = "" if mask else SCALAR_AS_TILE
+    return f"tl.load({pointer}{one_element}{masked}){cast}"
 
 
 def _bind_load(emitter: ExpressionEmitter, op: MatmulOperand, variable: str):
@@ -235,11 +236,19 @@ def _dot(spec) -> str:
     return f"acc = tl.dot(tile_a, tile_b, acc{precision})"
 
 
+def _wrapped_index(offsets: str, size: str, block: str, hinted: bool) -> str:
+    """Tile indices wrapped into [0, size); with `hinted`, the contiguity hints of a full block."""
+    wrapped = f"{offsets} % {size}"
+    return f"tl.max_contiguous(tl.multiple_of({wrapped}, {block}), {block})" if hinted else wrapped
+
+
 def _k_loop_pointer(spec, w: _Writer, k_first: str, k_last: str):
     # wrapped indices: loads need no M/N masks (stores mask the tail); the hints keep 16-byte
-    # vector loads along a contiguous M or N axis: without them 3000x5000x1000 ran 9x slower
-    w("rows_a = tl.max_contiguous(tl.multiple_of(offs_m % M, BLOCK_M), BLOCK_M)",
-      "cols_b = tl.max_contiguous(tl.multiple_of(offs_n % N, BLOCK_N), BLOCK_N)",
+    # vector loads along a contiguous M or N axis: without them 3000x5000x1000 ran 9x slower.
+    # An axis shorter than its block wraps inside the first tile, where the hints would be
+    # false: on the H100 an N=13 operand under them faulted with a misaligned address.
+    w(f"rows_a = {_wrapped_index('offs_m', 'M', 'BLOCK_M', spec.problem.m >= spec.config.block_m)}",
+      f"cols_b = {_wrapped_index('offs_n', 'N', 'BLOCK_N', spec.problem.n >= spec.config.block_n)}",
       "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
       f"for kt in range({k_first}, {k_last}):")
     w.indent()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .emitter import ExpressionEmitter, kind_of
+from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
 from ..heuristics.rows import _pow2_at_least
 from .names import NameAllocator, comment_text
 from .pointwise import KernelArgument
@@ -168,7 +168,7 @@ def _pointer(src: _Source, op, kind: str):
 
 def _load(src: _Source, emitter, op, kind: str):
     pointer, mask = _pointer(src, op, kind)
-    load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer})"
+    load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer}{SCALAR_AS_TILE})"
     ident = src.ident[op.uid]
     src.line(f"{ident} = {emitter.loaded(load, op.data_type)}")
     emitter.bind(op.uid, ident, kind_of(op.data_type))

@@ -54,7 +54,8 @@ def softplus(x, beta, threshold):
 
 @triton.jit
 def relu_backward(dy, x):
-    return tl.where(x > 0, dy, 0.0)
+    # as torch's threshold_backward: a NaN x passes dy on
+    return tl.where(x <= 0, 0.0, dy)
 
 
 @triton.jit
@@ -95,8 +96,8 @@ def softplus_backward(dy, x, beta, threshold):
 
 @triton.jit
 def sigmoid_backward(dy, x):
-    s = tl.sigmoid(x)
-    return dy * s * (1.0 - s)
+    # 1 - sigmoid(x) is sigmoid(-x), which keeps its digits where sigmoid(x) rounds to 1
+    return dy * tl.sigmoid(x) * tl.sigmoid(-x)
 
 
 @triton.jit

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ops.norm import geometry as norm_geometry
+from ..tensor import contiguous_strides
 from .device import DeviceModel
 from .layout import INT32_LIMIT, iteration_space, operand_strides
 from .pointwise import _pow2_at_least
@@ -268,6 +269,17 @@ def schedule(geo: RowGeometry, traits: RowTraits, bytes_main: int, bytes_rows: i
 
 # --- the problem a row anchor poses -------------------------------------------------------------
 @dataclass(frozen=True)
+class _Dims:
+    """A densely packed stand-in for a tensor: only its dims matter."""
+
+    dim: tuple
+
+    @property
+    def stride(self) -> tuple:
+        return contiguous_strides(self.dim)
+
+
+@dataclass(frozen=True)
 class RowProblem:
     """The domain a row anchor reduces over: x's dims, channels split into groups if grouped."""
 
@@ -291,6 +303,11 @@ class RowProblem:
             split = (0, 0)
         grouped = strides[:1] + split + strides[2:]
         return tuple(0 if size == 1 else st for size, st in zip(self.domain, grouped))
+
+    def extent(self, tensor) -> tuple:
+        """Per domain axis, whether `tensor` holds distinct elements along it (its size is not 1),
+        whatever its strides: an expanded (stride-0) operand still has one value per index."""
+        return tuple(bool(s) for s in self.strides(_Dims(tuple(tensor.dim))))
 
     def with_reduced(self, axes) -> "RowProblem":
         return RowProblem(self.x_dim, self.domain, tuple(axes), self.groups)

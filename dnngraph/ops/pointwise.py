@@ -6,13 +6,13 @@ codegen/expressions.py, keyed by the same names.
 """
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy
 import torch
+import torch.nn.functional as F
 
 from .. import dtypes
 from ..tensor import INT64_MAX
@@ -90,16 +90,8 @@ def _bools(fn):
     return lambda args, attrs: fn(*[as_bool(a) for a in args])
 
 
-def _gelu(x, _):
-    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
-
-
-def _gelu_tanh(x, _):
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
-
-
 def _softplus(x, attrs):
-    return torch.nn.functional.softplus(x, beta=attrs.beta, threshold=attrs.threshold)
+    return F.softplus(x, beta=attrs.beta, threshold=attrs.threshold)
 
 
 def _cast(x, attrs):
@@ -107,8 +99,8 @@ def _cast(x, attrs):
     if target is dtypes.bool_:
         return as_bool(x)
     x = as_float(x)
-    if target.is_floating:
-        return x.to(target.torch_dtype).to(x.dtype)
+    if target.is_floating:  # rounded to the target, held in float64 (or x's own float type)
+        return x.to(target.torch_dtype).to(x.dtype if x.is_floating_point() else torch.float64)
     return torch.trunc(x)
 
 
@@ -124,12 +116,15 @@ FORWARD_UNARY = {
     "cos": lambda x, _: x.cos(),
     "tanh": lambda x, _: x.tanh(),
     "sigmoid": lambda x, _: x.sigmoid(),
-    "relu": lambda x, _: x.clamp_min(0.0),
-    "leaky_relu": lambda x, a: torch.where(x > 0, x, x * a.negative_slope),
-    "elu": lambda x, a: torch.where(x > 0, x, a.alpha * (x.exp() - 1.0)),
-    "gelu": _gelu,
-    "gelu_tanh": _gelu_tanh,
-    "silu": lambda x, _: x * x.sigmoid(),
+    # torch's own activations, not formulas: their backward rules (which the *_backward
+    # references differentiate) define the derivative at 0, at +-inf and under an infinite dy,
+    # where autograd through a formula makes NaN of 0 * inf or of an untaken where branch
+    "relu": lambda x, _: F.relu(x),
+    "leaky_relu": lambda x, a: F.leaky_relu(x, a.negative_slope),
+    "elu": lambda x, a: F.elu(x, a.alpha),
+    "gelu": lambda x, _: F.gelu(x),
+    "gelu_tanh": lambda x, _: F.gelu(x, approximate="tanh"),
+    "silu": lambda x, _: F.silu(x),
     "softplus": _softplus,
     "erf": lambda x, _: torch.erf(x),
     "floor": lambda x, _: x.floor(),
