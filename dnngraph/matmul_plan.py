@@ -6,20 +6,16 @@ heuristics; autotuning times whole launch lists of candidate configs on scratch 
 """
 from __future__ import annotations
 
-import torch
-
-from . import dtypes
 from .codegen.cache import load_kernel
 from .codegen.matmul import ExitPlan, MatmulKernelSpec, MatmulOperand, render
 from .errors import UnsupportedError
 from .heuristics import device_model
 from .heuristics.autotune import TuningRecord
 from .heuristics.layout import INT32_LIMIT, operand_strides
-from .heuristics.matmul import (SPLIT_COMBINE_BLOCK, MatmulConfig, MatmulProblem, choose_dot, register_sides,
+from .heuristics.matmul import (SPLIT_COMBINE_BLOCK, MatmulConfig, MatmulProblem, choose_dot,
                                 schedule)
 from .launch import (KernelLaunch, element_span, kernel_name, sample_tensors, scratch, time_candidate,
                      tuning_device)
-from .runtime import interpreting
 
 TMA_ALIGNMENT = 16  # bytes: descriptor base addresses and row pitches
 EXIT_FOLD_WARPS = 4
@@ -155,8 +151,7 @@ class MatmulBuild:
             prologue_a=self.prologue_a, prologue_b=self.prologue_b, epilogue=tuple(self.group.epilogue),
             exits=extra.pop("exits", ()), scale_uids=tuple(s.uid for s in self.scales), dot_a=self.dot_a,
             dot_b=self.dot_b, precision=self.precision, compute=self.graph.compute_data_type.triton_type,
-            index_64=self.index_64, description=self.group.describe(),
-            register_sides=register_sides(self.problem), **extra)
+            index_64=self.index_64, description=self.group.describe(), **extra)
 
     def _launch(self, spec, body, grid, warps, stages, config_text, reason, scratch_buffers=()):
         source, arguments = render(spec, body)

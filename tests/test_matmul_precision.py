@@ -61,17 +61,6 @@ def test_tf32_candidates_use_half_k_steps_and_wgmma_tiles():
     assert 250 < tflops < 400
 
 
-@pytest.mark.parametrize("layouts,sides", [(("row", "col"), ""), (("row", "row"), "b"), (("col", "col"), "a"),
-                                           (("col", "row"), "ab"), (("strided", "col"), ""),
-                                           (("col", "strided"), "a")])
-def test_tf32_operands_not_k_major_go_through_registers(monkeypatch, layouts, sides):
-    assert mm.register_sides(_problem("tf32", 4, 4, layouts)) == ""  # off by default
-    monkeypatch.setattr(mm, "TF32_REGISTER_RELAYOUT", True)
-    assert mm.register_sides(_problem("tf32", 4, 4, layouts)) == sides
-    assert mm.register_sides(_problem("fp32", 4, 4, layouts)) == ""
-    assert mm.register_sides(_problem("bf16", 2, 2, layouts)) == ""
-
-
 def test_mixed_problem_ranks_wgmma_tiles_at_the_16_bit_rate():
     """fp32 A x bf16 B: 16-bit K steps, staging sized for the 4-byte A tile, near the bf16 rate."""
     mixed = _problem("bf16", 4, 2, tma=False)
@@ -141,15 +130,3 @@ def test_mixed_keeps_fp16_accuracy_not_fp32():
     assert torch.allclose(out, rounded, rtol=1e-4, atol=1e-3)  # what the rule computes
 
 
-def test_tf32_relayout_renders_a_select_and_stays_exact_on_cpu(monkeypatch):
-    monkeypatch.setattr(mm, "TF32_REGISTER_RELAYOUT", True)
-    g = dg.Graph(name="tf32", io_data_type=dg.float32, allow_tf32=True)
-    at, bt = _storage([29, 40], "col", torch.float32), torch.randn(40, 33)
-    c = g.matmul(g.tensor_like(at, name="a"), g.tensor_like(bt, name="b")).set_output(True).set_name("c")
-    assert c.dim == (29, 33)
-    g.build()
-    source = g.plan.launches[0].source_path.read_text()
-    assert "tile_a = tl.where(ks[None, :] < K, tile_a, 0.0)" in source
-    assert "tile_b = tl.where(ks[:, None] < K, tile_b, 0.0)" in source
-    assert 'input_precision="tf32"' in source
-    check(g, {"a": at, "b": bt}, tolerance=2e-3)

@@ -1,5 +1,5 @@
 """Matmul precision on the GPU: mixed fp32 x bf16 pairs on bf16 tensor cores, tf32 in every
-layout (operands that are not K-major relayout through registers) and IEEE fp32 on FMA units,
+layout and IEEE fp32 on FMA units,
 each against the float64 reference with the tolerance its rule implies."""
 import pytest
 import torch

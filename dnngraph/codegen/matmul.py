@@ -91,7 +91,6 @@ class MatmulKernelSpec:
     partial_uid: int = 0  # split-K scratch [SPLIT_K, batches, M, N]
     epilogue_block: tuple = ()  # (BLOCK_M, BLOCK_N) of the kernel running the epilogue
     persistent_programs: int = 0  # grid of the persistent variant
-    register_sides: str = ""  # operand sides ("a", "b") routed through registers before tl.dot
 
     def side(self, side: str) -> list:
         return [op for op in self.operands if op.side == side]
@@ -208,11 +207,6 @@ def _side_tile(spec, side: str, w: _Writer, pointer_loads: bool):
         load = f"tl.load({pointer}, mask={k_mask}, other=0.0)" if k_mask else f"tl.load({pointer})"
         convert = "" if op.data_type.triton_type == dot_type else f".to({dot_type})"
         w(f"tile_{side} = {load}{convert}")
-        if side in spec.register_sides:
-            # a select on the loaded tile keeps the copy in the operand's own order (16-byte
-            # copies) and moves the relayout to the register -> shared store the dot needs
-            k_axis = "ks[None, :]" if side == "a" else "ks[:, None]"
-            w(f"tile_{side} = tl.where({k_axis} < K, tile_{side}, 0.0)")
         return
     if not nodes:  # loaded through a tensor descriptor by the caller
         return

@@ -16,7 +16,6 @@ registers decide how many fit); then the whole problem's HBM bytes as a floor.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -50,11 +49,7 @@ K_STEP_SECONDS = 0.08e-6  # issue and barrier cost of one k step of a program
 VARIANT_EFFICIENCY = {"persistent": 1.0, "tiled": 0.97, "split_k": 0.97, "small_m": 0.97}
 GROUP_M = 8  # tiles per group in the grouped order: 8 row tiles share B columns in L2
 SPLIT_COMBINE_BLOCK = (64, 128)  # combine kernel tile (BLOCK_M, BLOCK_N): a copy-like pass
-# tf32 operands that are not K-major through registers (see register_sides): row-major tf32 went
-# from 75 to 118 TFLOP/s at 2048x4096x4096 on the H100 here, but an M-major A inside a padded
-# buffer then faulted with a misaligned address, so it stays off unless DNNGRAPH_TF32_RELAYOUT=1.
-TF32_REGISTER_RELAYOUT = os.environ.get("DNNGRAPH_TF32_RELAYOUT", "0") == "1"
-# Operands converted at load (a mixed dot, a tf32 relayout) pass through registers, so the rate
+# Operands converted at load (a mixed dot) pass through registers, so the rate
 # falls with the converted side's share of the tile: efficiency ** (2 * side / (BM + BN)). A feeds
 # wgmma from registers; B goes back to shared memory, which costs more. H100, 2048x4096x4096:
 # fp32 x bf16 ran at 0.81 of bf16 x bf16 (128x256 tiles), bf16 x fp32 at 0.56 (256x128).
@@ -211,17 +206,6 @@ class MatmulConfig:
                             record_field(record, "warp_specialize", bool, default=False))
 
 
-def register_sides(problem: MatmulProblem) -> str:
-    """Operand sides a tf32 dot routes through registers: tf32 wgmma reads both operands K-major
-    from shared memory, so a copy straight from an M- or N-major operand moves 4 bytes at a time;
-    through registers the copy stays 16 bytes wide and the relayout happens on the store."""
-    if problem.dot != "tf32" or not TF32_REGISTER_RELAYOUT:
-        return ""
-    # a strided operand has no wide axis to copy along (and a select on it hit misaligned
-    # addresses on the H100): only unit-stride M- or N-major operands take the register path
-    return ("a" if problem.a_layout == "col" else "") + ("b" if problem.b_layout == "row" else "")
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -296,12 +280,12 @@ def candidates(problem: MatmulProblem, sms: int = 132) -> list[MatmulConfig]:
 
 
 def _conversion_efficiency(config: MatmulConfig, problem: MatmulProblem) -> float:
-    """The rate left after converting operands on their way to the dot (mixed dot, tf32 relayout)."""
-    dot_bytes, relayout = _dot_bytes(problem), register_sides(problem)
+    """The rate left after converting operands on their way to the dot (a mixed dot)."""
+    dot_bytes = _dot_bytes(problem)
     efficiency = 1.0
-    if problem.a_bytes != dot_bytes or "a" in relayout:
+    if problem.a_bytes != dot_bytes:
         efficiency *= CONVERTED_A_EFFICIENCY ** (2 * config.block_m / (config.block_m + config.block_n))
-    if problem.b_bytes != dot_bytes or "b" in relayout:
+    if problem.b_bytes != dot_bytes:
         efficiency *= CONVERTED_B_EFFICIENCY ** (2 * config.block_n / (config.block_m + config.block_n))
     return efficiency
 

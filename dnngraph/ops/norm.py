@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 
 from .. import dtypes
 from ..tensor import MAX_EXTENT
