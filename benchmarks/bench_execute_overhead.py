@@ -8,6 +8,7 @@ import time
 import torch
 
 import dnngraph as dg
+from common import host_overhead_us
 
 EXECUTES = 3000
 THREADS = 8
@@ -20,18 +21,6 @@ def _graph():
     y, _ = g.rmsnorm(g.softmax(x, axis=0), scale)
     y.set_output(True)
     return g.build(), x, scale, y
-
-
-def _host_us(run) -> float:
-    for _ in range(100):
-        run()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(EXECUTES):
-        run()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / EXECUTES * 1e6
 
 
 def _threaded_us(g, bindings) -> float:
@@ -64,7 +53,7 @@ def main():
     print(f"host time per execute, {len(g.plan.launches)} kernels, workspace {size} bytes "
           f"({torch.cuda.get_device_name()})")
     for label, run in rows:
-        print(f"  {label:45s} {_host_us(run):7.1f} us")
+        print(f"  {label:45s} {host_overhead_us(run, EXECUTES):7.1f} us")
     print(f"  {THREADS} threads on own streams (wall / execute)   {_threaded_us(g, bindings):7.1f} us")
 
 

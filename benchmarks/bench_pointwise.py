@@ -10,7 +10,7 @@ import torch
 import triton
 
 import dnngraph as dg
-from common import copy_ceiling_tbs, median_ms, print_table
+from common import copy_ceiling_tbs, host_overhead_us, median_ms, print_table
 
 M, N = 16384, 8192
 BF16 = torch.bfloat16
@@ -71,18 +71,6 @@ def bench_case(make, ceiling):
     return [g.name, f"{t_dg * 1e3:.0f}", f"{tbs(t_dg):.2f}", f"{tbs(t_dg) / ceiling:.0%}",
             f"{tbs(t_eager):.2f}", f"{tbs(t_compile):.2f}", f"{t_compile / t_dg:.2f}x",
             f"{t_eager / t_dg:.2f}x", config]
-
-
-def host_overhead_us(fn, iters=3000) -> float:
-    for _ in range(100):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / iters * 1e6
 
 
 def bench_host_overhead():

@@ -9,6 +9,21 @@ def median_ms(fn, warmup=25, rep=200) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def host_overhead_us(fn, iters=3000) -> float:
+    """Host microseconds per call of `fn` (enqueue only; the device is synchronized around)."""
+    import time
+
+    for _ in range(100):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / iters * 1e6
+
+
 def copy_ceiling_tbs(numel: int, dtype=torch.bfloat16) -> float:
     """Device-to-device copy bandwidth (bytes read + written) on a tensor of `numel` elements."""
     src = torch.randn(numel, device="cuda").to(dtype)
