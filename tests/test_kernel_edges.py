@@ -352,3 +352,45 @@ def test_row_and_pooling_kernels_reject_integers(build):
     build(g, x).set_output(True)
     with pytest.raises(dg.UnsupportedError, match="int64"):
         g.build()
+
+
+@pytest.mark.parametrize("dtype", [dg.int32, dg.int64])
+def test_integer_relu_stays_exact(dtype):
+    g = dg.Graph(io_data_type=dtype)
+    x = g.tensor(name="x", dim=[4])
+    g.relu(x).set_output(True).set_name("y")
+    top = torch.iinfo(dtype.torch_dtype).max
+    x_t = torch.tensor([2**24 + 1, top, -5, 0], dtype=dtype.torch_dtype)
+    assert torch.equal(run(g, {x: x_t})["y"], x_t.clamp_min(0))
+
+
+def test_reference_keeps_integral_constants_exact():
+    g = dg.Graph(io_data_type=dg.int64)
+    x = g.tensor(name="x", dim=[3])
+    g.add(x, 0).set_output(True).set_name("y")
+    g.cmp_eq(x, 2**53).set_output(True).set_name("same")
+    x_t = torch.tensor([2**53 + 1, 2**63 - 1, -(2**62) - 7])
+    refs = g.reference({x: x_t})
+    assert torch.equal(refs["y"], x_t) and not refs["same"].any()
+    outputs = run(g, {x: x_t})
+    assert torch.equal(outputs["y"], x_t) and torch.equal(outputs["same"], refs["same"])
+
+
+def test_integer_constant_must_fit_its_tensor_type():
+    g = dg.Graph(io_data_type=dg.int32)
+    x = g.tensor(name="x", dim=[3])
+    with pytest.raises(dg.ValidationError, match="does not fit int32"):
+        g.add(x, 2**40)
+    assert len(g.nodes) == 0
+    g.add(x, 2**31 - 1).set_output(True)  # the largest int32 is fine
+
+
+@pytest.mark.parametrize("exponent", [3.0, 2.0, 0.5, -1.0, 0.0, 3])
+def test_pow_with_a_constant_exponent(exponent):
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[2, 7])
+    g.pow(x, exponent).set_output(True)
+    g.pow(2.0, x).set_output(True)
+    x_t = torch.randn(2, 7) * 3
+    x_t[0, :3] = torch.tensor([0.0, float("nan"), float("inf")])
+    check(g, {x: x_t})

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from .. import dtypes
 from ..ops.dropout import keep_threshold
+from ..ops.pointwise import INTEGER_CLOSED  # noqa: F401 - the emitter reads it from this table
 
 
 def _pointwise_fields(attrs) -> dict:
@@ -111,9 +112,8 @@ CAST_TO_BOOL = Expression("{0} != 0", "f", "b")
 # Ops closed over the integers: when every numeric operand is an integer value or an integral
 # constant, they compute in the wider integer type (int64 if any operand is), as torch does;
 # every other op takes integers converted to the compute float (div is true division).
-INTEGER_CLOSED = frozenset({"add", "sub", "mul", "scale", "neg", "abs", "maximum", "minimum", "where",
-                            "cmp_eq", "cmp_ne", "cmp_lt", "cmp_le", "cmp_gt", "cmp_ge", "floor", "ceil"})
-INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}"}  # integers are their own floor and ceiling
+# integers are their own floor and ceiling; relu keeps its integer zero
+INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}", "relu": "tl.where({0} < 0, 0, {0})"}
 
 # Value kinds: "f" compute float, "b" predicate, "i" int32, "l" int64.
 INTEGER_TYPES = {"i": "tl.int32", "l": "tl.int64"}

@@ -26,6 +26,11 @@ def trunc(x):
 
 @triton.jit
 def pow_(a, b):
+    # either side may be a constant: give both the broadcast shape first (zeros_like reads
+    # only the shape, so NaN and inf operands stay as they are)
+    shape = tl.zeros_like(a * b)
+    a = a + shape
+    b = b + shape
     magnitude = tl.exp2(b * tl.log2(tl.abs(a)))
     b_integral = tl.floor(b) == b
     b_odd = b_integral & (tl.floor(b * 0.5) * 2.0 != b)

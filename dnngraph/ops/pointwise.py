@@ -189,6 +189,31 @@ def operand_values(inputs, attrs: PointwiseAttrs, arity: int):
     return [constants[i] if i in constants else inputs[i] for i in range(arity)]
 
 
+# Ops that keep integer operands integers, as torch does (an int64 add is exact; div, exp and
+# the rest compute in floating point). Kernels compute these in integers, references too.
+INTEGER_CLOSED = frozenset({"add", "sub", "mul", "scale", "neg", "abs", "relu", "maximum", "minimum",
+                            "where", "cmp_eq", "cmp_ne", "cmp_lt", "cmp_le", "cmp_gt", "cmp_ge",
+                            "floor", "ceil"})
+INTEGER_RANGES = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
+
+
+def _integral(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_integer_constants(op_name: str, inputs, attrs: PointwiseAttrs):
+    """An integral constant meeting only integer tensors must fit their widest type (torch
+    refuses an int32 tensor plus 2**40 too)."""
+    kinds = {t.data_type.name for t in inputs if t is not None}
+    if op_name not in INTEGER_CLOSED or not kinds or not kinds <= set(INTEGER_RANGES):
+        return
+    widest = "int64" if "int64" in kinds else "int32"
+    low, high = INTEGER_RANGES[widest]
+    for position, value in attrs.constants:
+        if _integral(value) and not low <= value <= high:
+            fail(op_name, f"constant {value} does not fit {widest}, the type of its tensor operands")
+
+
 def _check_operands(op_name: str, entry: PointwiseOp, inputs, attrs: PointwiseAttrs):
     """Every operand is exactly one of a tensor or a constant."""
     constant_positions = {position for position, _ in attrs.constants}
@@ -207,6 +232,7 @@ def _infer(op_name: str):
 
     def infer(inputs, attrs: PointwiseAttrs):
         _check_operands(op_name, entry, inputs, attrs)
+        _check_integer_constants(op_name, inputs, attrs)
         tensors = [(entry.operand_names[i], t.dim) for i, t in enumerate(inputs) if t is not None]
         if not tensors:
             fail(op_name, "needs at least one tensor operand")
@@ -227,11 +253,17 @@ def _infer(op_name: str):
 def _reference(op_name: str):
     entry = POINTWISE_OPS[op_name]
 
+    integer_closed = op_name in INTEGER_CLOSED
+
     def reference(values, attrs: PointwiseAttrs):
         operands = []
         for value in operand_values(values, attrs, entry.arity):
             if not isinstance(value, torch.Tensor):
-                value = torch.tensor(float(value), dtype=torch.float64)
+                # an integral constant keeps an integer op exact, as a Python int does in torch
+                exact = integer_closed and _integral(value)
+                value = torch.tensor(value) if exact else torch.tensor(float(value), dtype=torch.float64)
+            elif not integer_closed and not value.is_floating_point() and value.dtype != torch.bool:
+                value = value.to(torch.float64)  # a float op on integers: the reference in float64
             operands.append(value)
         return [entry.reference(operands, attrs)]
     return reference
