@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from helpers import check
+from helpers import check, run
 from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
 
 MODES = ("sum", "mean", "max", "min", "amax", "prod", "norm1", "norm2")
@@ -73,3 +73,16 @@ def test_bad_axes_are_validation_errors():
         g.reduction(x, "sum", [2])
     with pytest.raises(dg.ValidationError):
         g.reduction(x, "median", [1])
+
+
+def test_product_below_the_smallest_normal_half_is_rounded_once(row_mode):
+    # 26 values of size ~1: the product (~1e-6) is an fp16 subnormal. The kernel multiplies in
+    # fp32 and rounds once at the store, so it holds the reference rounded to fp16 exactly.
+    g = dg.Graph(io_data_type=dg.float16)
+    x = g.tensor(name="x", dim=[13, 2])
+    y = g.reduction(x, "prod", [0, 1]).set_output(True)
+    values = torch.tensor([0.5, 0.7] * 13).reshape(13, 2).half()
+    outputs = run(g, {x: values})
+    ref = g.reference({x: values})[y.name]
+    assert 0 < ref.abs().item() < torch.finfo(torch.float16).smallest_normal
+    assert outputs[y.name].double().equal(ref.half().double())
