@@ -110,3 +110,6 @@ def test_verdict_allows_one_storage_step_below_the_smallest_normal_number():
     assert graphgen.compare("y", ref.half(), ref, noisy, 1e-5) == ""
     assert graphgen.compare("y", (ref - 2 * step).half(), ref, noisy, 1e-5) != ""
     assert graphgen.compare("y", (ref * 1.02).float(), ref, noisy, 1e-5) != ""  # fp32 holds it
+    # seed 100329: an fp32 product of -9.05e-47, below fp32's smallest subnormal, is stored as -0
+    tiny = torch.tensor([[-9.053764005559113e-47]], dtype=torch.float64)
+    assert graphgen.compare("y", tiny.float(), tiny, [tiny * (1 + 1e-7)], 1e-5) == ""

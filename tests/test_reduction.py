@@ -86,3 +86,17 @@ def test_product_below_the_smallest_normal_half_is_rounded_once(row_mode):
     ref = g.reference({x: values})[y.name]
     assert 0 < ref.abs().item() < torch.finfo(torch.float16).smallest_normal
     assert outputs[y.name].double().equal(ref.half().double())
+
+
+def test_product_below_float32_range_stores_about_a_signed_zero(row_mode):
+    # 207 values of 0.6 and one of -0.6: the product (-7e-47) is below fp32's smallest subnormal.
+    # Its partial products pass through subnormals in an order the mode picks, so the stored value
+    # is -0 or one step from it, never a normal number or a positive one
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[16, 13])
+    y = g.reduction(x, "prod", [0, 1]).set_output(True)
+    values = torch.full((16, 13), 0.6)
+    values[3, 5] = -0.6
+    outputs = run(g, {x: values})
+    one_step = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
+    assert abs(outputs[y.name].item()) <= one_step and outputs[y.name].signbit().item()
