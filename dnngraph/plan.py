@@ -120,9 +120,10 @@ def _row_launch(spec, programs, num_warps, scratch_buffers=()):
                         spec.schedule.reason, scratch_buffers)
 
 
-def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, device=None):
+def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, device=None, epilogue=None):
     """The launches of one row problem: one kernel, or partial + combine (+ apply) when split;
-    the model's config, or with `tuner` the fastest of its top candidates."""
+    the model's config, or with `tuner` the fastest of its top candidates. `epilogue`: the group's
+    epilogue nodes these kernels run (None: all)."""
     recipe = recipe_of(group.anchor, _row_kinds(problem, group))
     kinds = _row_kinds(problem, group, tuple(recipe.tile_outputs))
     tensors = list(group.inputs) + [t for t in group.outputs if t.uid in stores]
@@ -138,7 +139,7 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, de
                           device_model(device))
     record = TuningRecord("model", sched.config.text)
     build = lambda chosen: _row_schedule_launches(graph, group, name, chosen, recipe, stores, kinds,
-                                                  tile_stores, row_stores)
+                                                  tile_stores, row_stores, epilogue)
     if tuner is not None:
         device = tuning_device(device)
         tensors = sample_tensors(group, device)
@@ -153,11 +154,12 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, de
     return launches
 
 
-def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, tile_stores, row_stores):
+def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, tile_stores, row_stores,
+                           epilogue=None):
     cfg, geo = sched.config, sched.geometry
     common = dict(schedule=sched, recipe=recipe, group=group, kinds=kinds,
-                  loads=tuple(t.uid for t in group.inputs), compute=graph.compute_data_type.triton_type,
-                  description=group.describe())
+                  loads=_row_loads(group, epilogue), compute=graph.compute_data_type.triton_type,
+                  description=group.describe(), epilogue=epilogue)
     if cfg.mode != "split":
         spec = RowKernelSpec(name, "main", stores=tuple(stores), **common)
         return [_row_launch(spec, sched.programs, cfg.num_warps)]
@@ -180,6 +182,15 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
                                                   stash={n: s.uid for n, s in stash.items()}, **common),
                                     sched.programs, cfg.num_warps))
     return launches
+
+
+def _row_loads(group, epilogue) -> tuple:
+    """uids of the group inputs a row kernel reads: all, but those only skipped epilogue nodes read."""
+    if epilogue is None:
+        return tuple(t.uid for t in group.inputs)
+    running = [n for n in group.nodes if n not in group.epilogue or n in epilogue]
+    read = {t.uid for n in running for t in n.input_tensors()}
+    return tuple(t.uid for t in group.inputs if t.uid in read)
 
 
 def _require_floating_inputs(anchor):
@@ -207,10 +218,11 @@ def _build_rows(graph, group, index, tuner=None, device=None):
         per_row = all(scale_extent[a] for a in kept) and not any(scale_extent[a] for a in problem.reduced_axes)
         if not per_row:  # dscale is not one value per dx row
             param_problem = problem.with_reduced(a for a, spans in enumerate(scale_extent) if not spans)
+            # the epilogue consumes dx, which only the first kernel computes
             return (_row_launches(graph, group, name, problem, RECIPES[anchor.op],
                                   [u for u in stores if u not in params], tuner, device)
                     + _row_launches(graph, group, name + "_params", param_problem, norm_parameter_grads,
-                                    [u for u in stores if u in params], tuner, device))
+                                    [u for u in stores if u in params], tuner, device, epilogue=()))
     return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores, tuner, device)
 
 

@@ -98,3 +98,18 @@ def test_verdict_allows_the_rounding_of_a_mixed_matmul_operand_and_no_more():
         noisy = graphgen.noisy_reference(case.graph, inputs)
         drift = max(((n["y"] - ref).norm() / ref.norm()).item() for n in noisy)
         assert low <= drift < high, (case.graph.nodes[1].inputs[1].data_type.name, drift)
+
+
+def test_verdict_allows_one_storage_step_below_the_smallest_normal_number():
+    # seed 100253: an fp16 product of 9.8e-7, correctly rounded to 9.54e-7 (a 2.7% relative
+    # error: subnormal spacing is absolute). One step is allowed there; two are not.
+    torch = graphgen.torch
+    ref = torch.tensor([[9.797803951677808e-07]], dtype=torch.float64)
+    step = torch.finfo(torch.float16).smallest_normal * torch.finfo(torch.float16).eps
+    noisy = [ref * (1 + 1e-3)]
+    assert graphgen.compare("y", ref.half(), ref, noisy, 1e-5) == ""
+    assert graphgen.compare("y", (ref - 2 * step).half(), ref, noisy, 1e-5) != ""
+    assert graphgen.compare("y", (ref * 1.02).float(), ref, noisy, 1e-5) != ""  # fp32 holds it
+    # seed 100329: an fp32 product of -9.05e-47, below fp32's smallest subnormal, is stored as -0
+    tiny = torch.tensor([[-9.053764005559113e-47]], dtype=torch.float64)
+    assert graphgen.compare("y", tiny.float(), tiny, [tiny * (1 + 1e-7)], 1e-5) == ""

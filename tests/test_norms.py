@@ -274,3 +274,37 @@ def _expanded_scale_backward(op, x_shape, param_shape, stats_shape):
 def test_norm_backward_expanded_scale(row_mode, op, x_shape, param_shape, stats_shape):
     g, inputs = _expanded_scale_backward(op, x_shape, param_shape, stats_shape)
     check(g, inputs, tolerance=5e-5)
+
+
+def _norm_backward_with_epilogue(op, x_shape, param_shape):
+    """A feature norm backward whose dx feeds a pointwise epilogue that also reads another input.
+    dscale and dbias come from their own kernel, which computes no dx: it must run no epilogue."""
+    g = dg.Graph()
+    stats_shape = [1 if p > 1 else n for n, p in zip(x_shape, param_shape)]  # normalized axes: 1
+    x, dy = g.tensor(name="x", dim=list(x_shape)), g.tensor(name="dy", dim=list(x_shape))
+    s, shift = g.tensor(name="scale", dim=list(param_shape)), g.tensor(name="shift", dim=list(x_shape))
+    i = g.tensor(name="inv", dim=stats_shape, data_type=dg.float32)
+    inputs = {x: shifted(*x_shape), dy: torch.randn(*x_shape), s: shifted(*param_shape),
+              shift: torch.randn(*x_shape), i: torch.rand(*stats_shape) + 0.5}
+    if op == "layernorm_backward":
+        m = g.tensor(name="mean", dim=stats_shape, data_type=dg.float32)
+        inputs[m] = torch.randn(*stats_shape)
+        dx, dscale, dbias = g.layernorm_backward(dy, x, s, m, i)
+    else:
+        dx, dscale, dbias = g.rmsnorm_backward(dy, x, s, i, has_dbias=True)
+    picked = g.where(g.cmp_ge(i, dx), shift, dx)
+    for out in (g.relu(picked), dscale, dbias):
+        out.set_output(True)
+    return g, inputs
+
+
+@pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
+@pytest.mark.parametrize("x_shape,param_shape", [
+    ((5, 13), (1, 13)),  # dscale sums over rows: dx is a tile of the parameter kernel
+    ((16, 7, 5), (1, 7, 5)),
+    ((6,), (6,)),  # one row: the parameter kernel reduces nothing, dx is a row there
+])
+def test_norm_backward_epilogue_stays_in_the_dx_kernel(row_mode, op, x_shape, param_shape):
+    g, inputs = _norm_backward_with_epilogue(op, x_shape, param_shape)
+    check(g, inputs, tolerance=5e-5)
+    assert len(g.plan.launches) >= 2

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from helpers import check
+from helpers import check, run
 from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
 
 MODES = ("sum", "mean", "max", "min", "amax", "prod", "norm1", "norm2")
@@ -73,3 +73,30 @@ def test_bad_axes_are_validation_errors():
         g.reduction(x, "sum", [2])
     with pytest.raises(dg.ValidationError):
         g.reduction(x, "median", [1])
+
+
+def test_product_below_the_smallest_normal_half_is_rounded_once(row_mode):
+    # 26 values of size ~1: the product (~1e-6) is an fp16 subnormal. The kernel multiplies in
+    # fp32 and rounds once at the store, so it holds the reference rounded to fp16 exactly.
+    g = dg.Graph(io_data_type=dg.float16)
+    x = g.tensor(name="x", dim=[13, 2])
+    y = g.reduction(x, "prod", [0, 1]).set_output(True)
+    values = torch.tensor([0.5, 0.7] * 13).reshape(13, 2).half()
+    outputs = run(g, {x: values})
+    ref = g.reference({x: values})[y.name]
+    assert 0 < ref.abs().item() < torch.finfo(torch.float16).smallest_normal
+    assert outputs[y.name].double().equal(ref.half().double())
+
+
+def test_product_below_float32_range_stores_about_a_signed_zero(row_mode):
+    # 207 values of 0.6 and one of -0.6: the product (-7e-47) is below fp32's smallest subnormal.
+    # Its partial products pass through subnormals in an order the mode picks, so the stored value
+    # is -0 or one step from it, never a normal number or a positive one
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[16, 13])
+    y = g.reduction(x, "prod", [0, 1]).set_output(True)
+    values = torch.full((16, 13), 0.6)
+    values[3, 5] = -0.6
+    outputs = run(g, {x: values})
+    one_step = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
+    assert abs(outputs[y.name].item()) <= one_step and outputs[y.name].signbit().item()

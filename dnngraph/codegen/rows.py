@@ -13,6 +13,7 @@ through the shared expression emitter.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
 from ..heuristics.rows import _pow2_at_least
@@ -60,6 +61,12 @@ class RowKernelSpec:
     description: str
     partials: dict = field(default_factory=dict)  # accumulator part name -> scratch uid
     stash: dict = field(default_factory=dict)  # statistic name -> scratch uid
+    # the group's epilogue nodes this kernel runs (None: all); a kernel that does not compute the
+    # anchor's element output (norm backward's dscale/dbias kernel) runs none of them
+    epilogue: Optional[tuple] = None
+
+    def epilogue_nodes(self) -> tuple:
+        return tuple(self.group.epilogue) if self.epilogue is None else self.epilogue
 
 
 class _Source:
@@ -284,7 +291,7 @@ def _row_outputs(src, emitter, used):
         variable = src.names.fresh("row_out")
         src.line(f"{variable} = {template.format(**roles)}")
         emitter.bind(uid, variable, "f")
-    _emit_nodes(src, emitter, [n for n in spec.group.epilogue if spec.kinds[n.outputs[0].uid] not in TILE_KINDS])
+    _emit_nodes(src, emitter, [n for n in spec.epilogue_nodes() if spec.kinds[n.outputs[0].uid] not in TILE_KINDS])
     for op in used:
         if op.uid in spec.stores and spec.kinds[op.uid] in ("row", "scalar") and op.uid in emitter.values:
             _store(src, emitter, op, spec.kinds[op.uid])
@@ -297,7 +304,7 @@ def _tile_outputs(src, tile, used):
         variable = src.names.fresh("tile_out")
         src.line(f"{variable} = {template.format(**roles)}")
         tile.bind(uid, variable, "f")
-    _emit_nodes(src, tile, [n for n in spec.group.epilogue if spec.kinds[n.outputs[0].uid] in TILE_KINDS])
+    _emit_nodes(src, tile, [n for n in spec.epilogue_nodes() if spec.kinds[n.outputs[0].uid] in TILE_KINDS])
     for op in used:
         if op.uid in spec.stores and spec.kinds[op.uid] in ("tile", "col") and op.uid in tile.values:
             _store(src, tile, op, "tile")
