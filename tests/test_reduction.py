@@ -186,3 +186,17 @@ def test_float_only_modes_over_integers_are_typed_errors(mode, dtype):
     g.reduction(x, mode, [1]).set_output(True)
     with pytest.raises(dg.UnsupportedError, match=f"reduction {mode}.*{INTEGER_DTYPES[dtype].name}"):
         g.build()
+
+
+def test_integer_reduction_of_a_matmul_epilogue_is_its_own_exact_kernel():
+    """A matmul folds row-reduction exits in float: an integer value is reduced by a row kernel."""
+    g = dg.Graph()
+    a, b = g.tensor(name="a", dim=[4, 8]), g.tensor(name="b", dim=[8, 6])
+    product = g.matmul(a, b)
+    g.reduction(product, "max", [1]).set_output(True).set_name("float_max")
+    whole = g.cast(g.mul(product, 2.0**30), dg.int64).set_output(True).set_name("whole")
+    g.reduction(whole, "sum", [1]).set_output(True).set_name("total")
+    a_t, b_t = torch.randn(4, 8), torch.randn(8, 6)
+    out = run(g, {a: a_t, b: b_t})
+    assert [len(group.exits) for group in g.plan.groups if group.kind == "matmul"] == [1]
+    assert torch.equal(out["total"], out["whole"].sum(1, keepdim=True))  # past 2**32: float would round
