@@ -166,7 +166,7 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
     (accumulators, _), = recipe.stages_for("split")
     names = [f"{a.name}_{p}" if a.combine == "welford" else a.name
              for a in accumulators for p in (WELFORD_PARTS if a.combine == "welford" else ("",))]
-    partials = {n: scratch((cfg.splits, geo.rows)) for n in names}
+    partials = {n: scratch((cfg.splits, geo.rows), PARTIAL_TYPES[recipe.kind]) for n in names}
     stash = {n: scratch((geo.rows,)) for n in recipe.stash} if tile_stores else {}
     row_blocks = sched.programs // cfg.splits
     launches = [
@@ -193,6 +193,10 @@ def _row_loads(group, epilogue) -> tuple:
     return tuple(t.uid for t in group.inputs if t.uid in read)
 
 
+# split partials hold the accumulator's type: integer sums and products stay exact in int64
+PARTIAL_TYPES = {"f": torch.float32, "l": torch.int64}
+
+
 def _require_floating_inputs(anchor):
     """Row and pooling kernels accumulate in floating point: integer inputs would be rounded."""
     for tensor in anchor.input_tensors():
@@ -207,7 +211,8 @@ def _build_rows(graph, group, index, tuner=None, device=None):
     """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
     are per-row sums of the dx kernel (batchnorm)."""
     anchor, name = group.anchor, kernel_name(group, index)
-    _require_floating_inputs(anchor)
+    if anchor.op != "reduction":  # the reduction recipe accumulates integers in int64
+        _require_floating_inputs(anchor)
     problem = row_problem(anchor)
     stores = [t.uid for t in group.outputs]
     if anchor.opdef.family == "norm" and anchor.op.endswith("_backward"):

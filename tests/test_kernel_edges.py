@@ -342,8 +342,10 @@ def test_integer_epilogues_of_row_and_matmul_kernels():
 
 
 @pytest.mark.parametrize("build", [
-    lambda g, x: g.reduction(x, "sum", [3]),
+    lambda g, x: g.reduction(x, "mean", [3]),
     lambda g, x: g.softmax(x, axis=2),
+    lambda g, x: g.layernorm(x, g.tensor(name="s", dim=[1, 1, 4, 9], data_type=dg.float32),
+                             g.tensor(name="b", dim=[1, 1, 4, 9], data_type=dg.float32))[0],
     lambda g, x: g.pooling(x, "max", window=[2, 2]),
 ])
 def test_row_and_pooling_kernels_reject_integers(build):

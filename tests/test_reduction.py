@@ -100,3 +100,130 @@ def test_product_below_float32_range_stores_about_a_signed_zero(row_mode):
     outputs = run(g, {x: values})
     one_step = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
     assert abs(outputs[y.name].item()) <= one_step and outputs[y.name].signbit().item()
+
+
+# --- integer and bool inputs: exact in int64 ------------------------------------------------------
+INTEGER_MODES = ("sum", "prod", "max", "min", "amax")
+INTEGER_DTYPES = {"int32": dg.int32, "int64": dg.int64, "bool": dg.bool}
+
+
+def integer_sample(shape, mode, data_type):
+    """Values whose sums pass 2**24 (int32) and 2**40 (int64); products of small factors pass
+    2**40 without wrapping."""
+    if data_type is dg.bool:
+        return torch.rand(*shape) < 0.5
+    if mode == "prod":
+        return torch.randint(-3, 4, shape, dtype=data_type.torch_dtype)
+    limit = 2**30 if data_type is dg.int32 else 2**45
+    return torch.randint(-limit, limit, shape, dtype=data_type.torch_dtype)
+
+
+def exact(graph, inputs):
+    """Execute with poisoned outputs; every output equals the reference exactly."""
+    outputs = run(graph, inputs)
+    refs = graph.reference(inputs)
+    for name, out in outputs.items():
+        want = refs[name] if refs[name].dtype == out.dtype else refs[name].to(out.dtype)
+        assert torch.equal(out, want), f"{name}: {out.flatten()[:4]} != {want.flatten()[:4]}"
+    return outputs
+
+
+@pytest.mark.parametrize("mode", INTEGER_MODES)
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES)
+@pytest.mark.parametrize("shape, axes", [([7, 37], [1]), ([37, 5], [0]), ([5, 37, 3], [0, 2])])
+def test_integer_reductions_are_exact(row_mode, mode, dtype, shape, axes):
+    data_type = INTEGER_DTYPES[dtype]
+    g = dg.Graph(io_data_type=dg.int64)
+    x = g.tensor(name="x", dim=shape, data_type=data_type)
+    g.reduction(x, mode, axes).set_output(True).set_name("y")
+    x_t = integer_sample(shape, mode, data_type)
+    out = exact(g, {x: x_t})
+    if dtype != "bool" and mode == "sum":  # beyond what float32 holds exactly
+        assert out["y"].abs().max() > 2**24
+    if axes == [1]:
+        assert row_mode in modes_used(g)
+
+
+@pytest.mark.parametrize("mode", ["sum", "prod"])
+def test_int64_sums_and_products_wrap_like_torch(row_mode, mode):
+    g = dg.Graph(io_data_type=dg.int64)
+    x = g.tensor(name="x", dim=[3, 41])
+    g.reduction(x, mode, [1]).set_output(True).set_name("y")
+    x_t = torch.randint(2**61, 2**62, (3, 41)) if mode == "sum" else torch.randint(2**20, 2**21, (3, 41))
+    out = exact(g, {x: x_t})
+    assert torch.equal(out["y"], x_t.sum(1, keepdim=True) if mode == "sum" else x_t.prod(1, keepdim=True))
+
+
+@pytest.mark.parametrize("layout", ["transposed", "sliced", "broadcast", "size_one_axes"])
+def test_integer_layouts(row_mode, layout):
+    base = torch.randint(-2**40, 2**40, (3, 7, 5, 6))
+    x_t = {"transposed": base.transpose(1, 3), "sliced": base[:, 1:6:2],
+           "broadcast": base[:, :1].expand(3, 9, 5, 6), "size_one_axes": base[:1, :, :1]}[layout]
+    g = dg.Graph(io_data_type=dg.int64)
+    x = g.tensor_like(x_t, "x")
+    for mode in INTEGER_MODES:
+        g.reduction(x, mode if mode != "prod" else "max", [0, 2, 3]).set_output(True).set_name(f"{mode}_k")
+    g.reduction(x, "sum", [1]).set_output(True).set_name("sum_r")
+    g.reduction(x, "min", [0, 1]).set_output(True).set_name("min_outer")
+    exact(g, {x: x_t})
+
+
+def test_integer_results_stored_to_other_types(row_mode):
+    """The exact int64 value converts once: narrowed (wrapping) to int32, rounded to float32,
+    nonzero to bool."""
+    g = dg.Graph(io_data_type=dg.int64)
+    x = g.tensor(name="x", dim=[4, 23], data_type=dg.int32)
+    total = g.reduction(x, "sum", [1])
+    total.set_output(True).set_name("wide")
+    g.reduction(x, "sum", [1]).set_output(True).set_name("narrow").set_data_type(dg.int32)
+    g.reduction(x, "sum", [1]).set_output(True).set_name("real").set_data_type(dg.float32)
+    g.reduction(x, "max", [1]).set_output(True).set_name("nonzero").set_data_type(dg.bool)
+    x_t = torch.randint(-2**31, 2**31 - 1, (4, 23), dtype=torch.int32)
+    x_t[0] = 2**31 - 1  # sums past int32: the narrow store wraps as torch's .to does
+    x_t[1] = 0
+    out = exact(g, {x: x_t})
+    wide = x_t.sum(1, keepdim=True)
+    assert torch.equal(out["narrow"], wide.to(torch.int32)) and torch.equal(out["real"], wide.float())
+
+
+def test_integer_prologue_and_epilogue_stay_exact(row_mode):
+    """Integer intermediates keep the prologue, the reduction and the epilogue in integers (an
+    intermediate of the float intermediate type would make the reduction a float one, as in the
+    reference)."""
+    g = dg.Graph(io_data_type=dg.int64)
+    x = g.tensor(name="x", dim=[6, 45], data_type=dg.int32)
+    flag = g.tensor(name="flag", dim=[6, 45], data_type=dg.bool)
+    total = g.reduction(g.mul(x, 3).set_data_type(dg.int64), "sum", [1]).set_data_type(dg.int64)
+    g.add(total, 2**40 + 1).set_output(True).set_name("shifted")
+    g.mul(total, 0.5).set_output(True).set_name("halved").set_data_type(dg.float32)
+    g.reduction(flag, "sum", [1]).set_output(True).set_name("count")
+    x_t = torch.randint(-2**29, 2**29, (6, 45), dtype=torch.int32)
+    flag_t = torch.rand(6, 45) < 0.3
+    out = exact(g, {x: x_t, flag: flag_t})
+    assert torch.equal(out["shifted"], (x_t.long() * 3).sum(1, keepdim=True) + 2**40 + 1)
+    assert torch.equal(out["count"], flag_t.sum(1, keepdim=True))
+    assert len(g.plan.groups) == 2  # prologue and epilogues fused into the two reductions
+
+
+@pytest.mark.parametrize("mode", ["mean", "norm1", "norm2"])
+@pytest.mark.parametrize("dtype", INTEGER_DTYPES)
+def test_float_only_modes_over_integers_are_typed_errors(mode, dtype):
+    g = dg.Graph(io_data_type=dg.float32)
+    x = g.tensor(name="x", dim=[4, 9], data_type=INTEGER_DTYPES[dtype])
+    g.reduction(x, mode, [1]).set_output(True)
+    with pytest.raises(dg.UnsupportedError, match=f"reduction {mode}.*{INTEGER_DTYPES[dtype].name}"):
+        g.build()
+
+
+def test_integer_reduction_of_a_matmul_epilogue_is_its_own_exact_kernel():
+    """A matmul folds row-reduction exits in float: an integer value is reduced by a row kernel."""
+    g = dg.Graph()
+    a, b = g.tensor(name="a", dim=[4, 8]), g.tensor(name="b", dim=[8, 6])
+    product = g.matmul(a, b)
+    g.reduction(product, "max", [1]).set_output(True).set_name("float_max")
+    whole = g.cast(g.mul(product, 2.0**30), dg.int64).set_output(True).set_name("whole")
+    g.reduction(whole, "sum", [1]).set_output(True).set_name("total")
+    a_t, b_t = torch.randn(4, 8), torch.randn(8, 6)
+    out = run(g, {a: a_t, b: b_t})
+    assert [len(group.exits) for group in g.plan.groups if group.kind == "matmul"] == [1]
+    assert torch.equal(out["total"], out["whole"].sum(1, keepdim=True))  # past 2**32: float would round

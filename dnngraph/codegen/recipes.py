@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..errors import UnsupportedError
+
 
 @dataclass(frozen=True)
 class Accumulator:
     name: str  # the row value it produces (welford: name_count, name_mean, name_m2)
     combine: str  # "sum", "max", "min", "prod" or "welford"
     element: str  # template of the per-element value
+    kind: str = "f"  # "f": accumulates in the compute float; "l": in int64 (exact, wrapping)
 
 
 @dataclass
@@ -28,6 +31,8 @@ class Recipe:
     live_tiles: int = 1
     # row statistics the tile outputs read (stored between the split kernels)
     stash: tuple = ()
+    # the kind its roles are read in and its row outputs hold: "f" (compute float) or "l" (int64)
+    kind: str = "f"
 
     def stages_for(self, mode: str) -> list:
         """Statistics stages the kernel of `mode` runs."""
@@ -70,10 +75,22 @@ _REDUCTION = {  # mode -> (combine, element, result)
 }
 
 
+# modes torch defines on integer and bool tensors (mean and the norms ask for a float input);
+# amax is abs then max, exact on integers, and on bools the max itself
+INTEGER_MODES = ("sum", "prod", "max", "min", "amax")
+
+
 def reduction(node, kinds) -> Recipe:
-    combine, element, result = _REDUCTION[node.attrs.mode]
-    stage = ([Accumulator("acc", combine, element)], [])
-    return Recipe(_roles(node), [stage], row_outputs={node.outputs[0].uid: result})
+    mode, x = node.attrs.mode, node.inputs[0]
+    combine, element, result = _REDUCTION[mode]
+    kind = "f" if x.data_type.is_floating else "l"
+    if kind == "l" and mode not in INTEGER_MODES:
+        raise UnsupportedError(
+            f"node {node.name!r} (reduction {mode}) reads {x.name!r} of type {x.data_type.name}: "
+            f"{mode} is defined on floating inputs only (as in torch); integer inputs support "
+            f"{', '.join(INTEGER_MODES)}; cast the input to a floating type first")
+    stage = ([Accumulator("acc", combine, element, kind)], [])
+    return Recipe(_roles(node), [stage], row_outputs={node.outputs[0].uid: result}, kind=kind)
 
 
 # --- softmax ------------------------------------------------------------------------------------

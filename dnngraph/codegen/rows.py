@@ -28,6 +28,11 @@ from dnngraph.codegen import triton_reduce as tr
 '''
 
 IDENTITY = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")', "prod": "1.0"}
+# int64 accumulators: the extremes of int64 (its minimum as a difference: the literal
+# 9223372036854775808 would not fit before its negation)
+INTEGER_IDENTITY = {"sum": "0", "max": "(-9223372036854775807 - 1)", "min": "9223372036854775807",
+                    "prod": "1"}
+ACCUMULATOR_TYPES = {"f": "tl.float32", "l": "tl.int64"}
 # max and min propagate NaN as torch does, in tiles, loop lanes and split combines alike
 REDUCE_TILE = {"sum": "tl.sum({0}, axis=1, keep_dims=True)",
                "max": "tl.reduce({0}, 1, tr.max_combine, keep_dims=True)",
@@ -36,6 +41,16 @@ REDUCE_TILE = {"sum": "tl.sum({0}, axis=1, keep_dims=True)",
 COMBINE = {"sum": "{0} + {1}", "max": "tr.max_combine({0}, {1})", "min": "tr.min_combine({0}, {1})",
            "prod": "{0} * {1}"}
 WELFORD_PARTS = ("count", "mean", "m2")
+
+
+def _identity(acc) -> str:
+    """The neutral value of an accumulator, in its kind."""
+    return (INTEGER_IDENTITY if acc.kind == "l" else IDENTITY)[acc.combine]
+
+
+def _filled(acc, shape: str) -> str:
+    """A tile of `shape` holding the accumulator's neutral value, in its type."""
+    return f"tl.full({shape}, {_identity(acc)}, {ACCUMULATOR_TYPES[acc.kind]})"
 TILE_KINDS = ("tile", "col")  # values over R: made and stored where the tile is
 SPLIT_TILE = 64  # partials the combine kernel folds per trip
 # identifiers the row kernels write themselves; the stems own every `stem_*` name too
@@ -196,8 +211,18 @@ def _emit_nodes(src: _Source, emitter, nodes):
 
 
 def _roles(spec, emitter) -> dict:
-    return {role: emitter.value(uid, "f") for role, uid in spec.recipe.roles.items()
+    """Role -> the value's text in the recipe's kind (an integer recipe reads int64)."""
+    kind = spec.recipe.kind
+    return {role: _value_as(emitter, uid, kind) for role, uid in spec.recipe.roles.items()
             if uid in emitter.values}
+
+
+def _value_as(emitter, uid, kind: str) -> str:
+    """The value of `uid` in `kind`; a float read as an integer truncates toward zero, as a
+    float stored to an integer tensor does (a prologue may compute what is typed an integer)."""
+    if kind == "l" and emitter.values[uid][1] == "f":
+        return f"{emitter.values[uid][0]}.to(tl.int64)"
+    return emitter.value(uid, kind)
 
 
 def _store(src: _Source, emitter, op, kind: str):
@@ -225,7 +250,7 @@ def _stats_one_pass(src, tile, stages):
     for accumulators, finalize in stages:
         roles = _roles(src.spec, tile)
         for acc in accumulators:
-            element = _masked(acc.element.format(**roles), IDENTITY[acc.combine])
+            element = _masked(acc.element.format(**roles), _identity(acc))
             src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(element)}")
         for text in finalize:
             src.line(text)
@@ -238,7 +263,7 @@ def _accumulate_loop(src, top, used, accumulators, start, stop):
             for part in WELFORD_PARTS:
                 src.line(f"{acc.name}_{part}_lanes = tl.zeros([BLOCK_K, BLOCK_R], tl.float32)")
         else:
-            src.line(f"{acc.name}_lanes = tl.full([BLOCK_K, BLOCK_R], {IDENTITY[acc.combine]}, tl.float32)")
+            src.line(f"{acc.name}_lanes = {_filled(acc, '[BLOCK_K, BLOCK_R]')}")
     src.line(f"for r_start in range({start}, {stop}, BLOCK_R):")
     src.depth += 1
     if any(acc.combine == "welford" for acc in accumulators):
@@ -258,7 +283,7 @@ def _accumulate_loop(src, top, used, accumulators, start, stop):
             src.line(f"{m2} += tl.where(tile_mask, {acc.name}_delta * ({acc.name}_value - {mean}), 0.0)")
         else:
             lanes = f"{acc.name}_lanes"
-            masked = _masked(element, IDENTITY[acc.combine])
+            masked = _masked(element, _identity(acc))
             src.line(f"{lanes} = {COMBINE[acc.combine].format(lanes, masked)}")
     src.depth -= 1
     for acc in accumulators:
@@ -290,7 +315,7 @@ def _row_outputs(src, emitter, used):
     for uid, template in spec.recipe.row_outputs.items():
         variable = src.names.fresh("row_out")
         src.line(f"{variable} = {template.format(**roles)}")
-        emitter.bind(uid, variable, "f")
+        emitter.bind(uid, variable, spec.recipe.kind)  # an integer result stays exact for epilogues
     _emit_nodes(src, emitter, [n for n in spec.epilogue_nodes() if spec.kinds[n.outputs[0].uid] not in TILE_KINDS])
     for op in used:
         if op.uid in spec.stores and spec.kinds[op.uid] in ("row", "scalar") and op.uid in emitter.values:
@@ -385,7 +410,7 @@ def _combine_body(src, used):
             for part in WELFORD_PARTS:
                 src.line(f"{acc.name}_{part} = tl.zeros([BLOCK_K, 1], tl.float32)")
         else:
-            src.line(f"{acc.name} = tl.full([BLOCK_K, 1], {IDENTITY[acc.combine]}, tl.float32)")
+            src.line(f"{acc.name} = {_filled(acc, '[BLOCK_K, 1]')}")
     # [BLOCK_K, SPLIT_TILE] partials per trip, folded by a fixed tree, then in trip order: a loop
     # of one load per split was latency-bound (132 dependent loads: 110 us of a 128 us batchnorm)
     src.line("for part_start in range(0, SPLITS, SPLIT_TILE):")
@@ -405,7 +430,7 @@ def _combine_body(src, used):
                      f"{', '.join(n + '_part' for n in names)})")
         else:
             src.line(f"{acc.name}_tile = tl.load(part_{acc.name}_ptr + part_offset, mask=part_mask, "
-                     f"other={IDENTITY[acc.combine]})")
+                     f"other={_identity(acc)})")
             part = REDUCE_TILE[acc.combine].format(acc.name + "_tile")
             src.line(f"{acc.name} = {COMBINE[acc.combine].format(acc.name, part)}")
     src.depth -= 1

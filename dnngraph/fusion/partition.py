@@ -204,7 +204,8 @@ class _Partitioner:
         if node.op != "reduction" or node in self.group_of or node.attrs.mode not in exit_modes:
             return False
         source = node.inputs[0]
-        return (source.uid in visible and tuple(source.dim) == tuple(tile_dim)
+        # exits fold in the anchor's float; an integer value is reduced exactly by a row kernel
+        return (source.uid in visible and source.data_type.is_floating and tuple(source.dim) == tuple(tile_dim)
                 and tuple(node.attrs.axes) == (len(tile_dim) - 1,))
 
     # --- pass 3: leftover pointwise --------------------------------------------------------------
