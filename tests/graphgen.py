@@ -367,12 +367,13 @@ class GraphBuilder:
                                      (("bfloat16",) if self.device != "cpu" else ()))
             # truncation and != 0 jump: only on exactly stored inputs; NaN and inf have no
             # integer value (torch itself gives different ones on CPU and CUDA)
-            predicate = None
+            predicate, fresh_args = None, {}
             if target == "bool":
                 predicate = lambda v: v.depth == 0
             elif target == "int32":
                 predicate = lambda v: v.depth == 0 and bool(torch.isfinite(v.data).all())
-            x = self.pick_world(predicate=predicate)
+                fresh_args = {"special": False}  # a new input for it holds no NaN or inf either
+            x = self.pick_world(predicate=predicate, **fresh_args)
         else:
             x = self.pick_world(source_kind)
             target = self.rng.choice(("float32", "float16", "int64" if source_kind == "int" else "int32"))
