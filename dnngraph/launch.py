@@ -99,12 +99,14 @@ class KernelLaunch:
     """One kernel of the plan: source, config, grid and how to fill its arguments."""
 
     def __init__(self, group, kernel, source_path, arguments, programs, num_warps, config_text, reason,
-                 scratch=(), num_stages: Optional[int] = None, alternative: "KernelLaunch" = None):
+                 scratch=(), num_stages: Optional[int] = None, alternative: "KernelLaunch" = None,
+                 fp_fusion: bool = True):
         self.group, self.kernel, self.source_path = group, kernel, source_path
         self.scratch = tuple(scratch)
         self.arguments, self.programs, self.num_warps = arguments, programs, num_warps
         self.grid = _grid3(programs)
         self.num_stages = num_stages
+        self.fp_fusion = fp_fusion  # False: no multiply-add contraction in this kernel
         self.config_text, self.reason = config_text, reason
         self.alternative = alternative  # for pointers below 16-byte alignment (TMA needs it)
         self.tuning: Optional[TuningRecord] = None
@@ -127,6 +129,8 @@ class KernelLaunch:
         options = {"num_warps": self.num_warps}
         if self.num_stages is not None:
             options["num_stages"] = self.num_stages
+        if not self.fp_fusion:
+            options["enable_fp_fusion"] = False
         return options
 
     def interpret(self, tensors):

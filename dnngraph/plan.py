@@ -117,7 +117,7 @@ def _row_launch(spec, programs, num_warps, scratch_buffers=()):
                    f"SPLITS={cfg.splits} num_warps={num_warps} grid={programs} "
                    f"K={list(geo.k_sizes)} R={list(geo.r_sizes)}" + (" int64-index" if geo.index_64 else ""))
     return KernelLaunch(spec.group, kernel, path, arguments, programs, num_warps, config_text,
-                        spec.schedule.reason, scratch_buffers)
+                        spec.schedule.reason, scratch_buffers, fp_fusion=spec.recipe.fp_fusion)
 
 
 def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, device=None, epilogue=None):

@@ -33,6 +33,10 @@ class Recipe:
     stash: tuple = ()
     # the kind its roles are read in and its row outputs hold: "f" (compute float) or "l" (int64)
     kind: str = "f"
+    # False where the element outputs subtract terms that are equal in exact arithmetic: an FMA
+    # would round one side and not the other (norm backward over a one-element group gave
+    # rsqrt(eps)-amplified noise instead of 0 on the H100)
+    fp_fusion: bool = True
 
     def stages_for(self, mode: str) -> list:
         """Statistics stages the kernel of `mode` runs."""
@@ -189,7 +193,8 @@ def norm_backward(node, kinds) -> Recipe:
             rows[outs["dbias"]] = "dbias_sum"
     dx = f"{{inv_variance}} * ({g} - {correction} / n_reduced)"
     stash = ("g_xhat", "g_sum") if centered else ("g_xhat",)
-    return Recipe(roles, [(accumulators, [])], {outs["dx"]: dx}, rows, live_tiles=4, stash=stash)
+    return Recipe(roles, [(accumulators, [])], {outs["dx"]: dx}, rows, live_tiles=4, stash=stash,
+                  fp_fusion=False)
 
 
 def norm_parameter_grads(node, kinds) -> Recipe:
