@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import dnngraph as dg
-import dnngraph.matmul_plan as matmul_plan
 import dnngraph.plan as plan_module
+import dnngraph.plan.matmul as matmul_plan
 from dnngraph.heuristics import DeviceModel, device_model, matmul as mm, rows
 from helpers import check, poisoned, rel_err
 

@@ -18,8 +18,8 @@ from typing import Optional
 
 import torch
 
-from .errors import ExecutionError
-from .heuristics.autotune import TuningRecord
+from ..errors import ExecutionError
+from ..heuristics.autotune import TuningRecord
 
 
 @dataclass(frozen=True)
@@ -232,7 +232,7 @@ def _random_like(tensor, device) -> torch.Tensor:
 def tuning_device(device: Optional[torch.device] = None) -> torch.device:
     """Where autotuning times candidates: `device` (the device a plan is built for), by default
     the current GPU, else the interpreter on CPU."""
-    from .runtime import interpreting
+    from ..runtime import interpreting
 
     if device is not None:
         return device

@@ -6,13 +6,13 @@ heuristics; autotuning times whole launch lists of candidate configs on scratch 
 """
 from __future__ import annotations
 
-from .codegen.cache import load_kernel
-from .codegen.matmul import ExitPlan, MatmulKernelSpec, MatmulOperand, render
-from .errors import UnsupportedError
-from .heuristics import device_model
-from .heuristics.autotune import TuningRecord
-from .heuristics.layout import INT32_LIMIT, operand_strides
-from .heuristics.matmul import (SPLIT_COMBINE_BLOCK, MatmulConfig, MatmulProblem, choose_dot,
+from ..codegen.cache import load_kernel
+from ..codegen.matmul import ExitPlan, MatmulKernelSpec, MatmulOperand, render
+from ..errors import UnsupportedError
+from ..heuristics import device_model
+from ..heuristics.autotune import TuningRecord
+from ..heuristics.layout import INT32_LIMIT, operand_strides
+from ..heuristics.matmul import (SPLIT_COMBINE_BLOCK, MatmulConfig, MatmulProblem, choose_dot,
                                 schedule)
 from .launch import (KernelLaunch, element_span, kernel_name, sample_tensors, scratch, time_candidate,
                      tuning_device)

@@ -1,0 +1,370 @@
+"""The plan: the build passes (partition, then one builder per kernel family: pointwise.py,
+rows.py, pooling.py, matmul.py) and execute().
+
+Launches are bound at build (see launch.py); execute() checks bindings and runs them in order.
+A plan may be executed from many threads and streams at once: each (device, stream) gets its own
+workspace (or the caller passes one), and each device model its own launches.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ..codegen.pooling import prologue_values_to_store
+from ..errors import ExecutionError, UnsupportedError, ValidationError
+from ..fusion import partition
+from ..heuristics import device_model
+from ..heuristics.autotune import Tuner
+from ..runtime import interpreting
+from .launch import run_launches
+from .matmul import build_matmul
+from .pointwise import build_pointwise
+from .pooling import build_pooling
+from .rows import build_rows
+
+POINTER_ALIGNMENT = 16  # bytes; Triton specializes pointers on it (vectorized access)
+WORKSPACE_ALIGNMENT = 256
+
+
+@dataclass(frozen=True)
+class BindingSpec:
+    """What execute() expects of one bound tensor."""
+
+    uid: int
+    name: str
+    shape: tuple
+    stride: tuple
+    torch_dtype: torch.dtype
+    checked_axes: tuple  # axes whose stride matters (size > 1)
+    extent_bytes: int
+    is_output: bool
+
+
+def _extent_bytes(tensor) -> int:
+    span = sum((size - 1) * stride for size, stride in zip(tensor.dim, tensor.stride)) + 1
+    return span * tensor.data_type.itemsize
+
+
+def _binding_spec(tensor) -> BindingSpec:
+    axes = tuple(a for a, size in enumerate(tensor.dim) if size > 1)
+    return BindingSpec(tensor.uid, tensor.name, tuple(tensor.dim), tuple(tensor.stride),
+                       tensor.data_type.torch_dtype, axes, _extent_bytes(tensor), tensor.is_output)
+
+
+# Families whose loads may visit an input element several times (or never): prologue values that
+# are outputs are written first by a pointwise kernel of the prologue.
+PROLOGUE_STORED_APART = frozenset({"pooling", "matmul"})
+
+KERNEL_BUILDERS = {"pointwise": build_pointwise, "reduction": build_rows, "softmax": build_rows,
+                   "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul}
+
+
+def _check_outputs_dense(graph):
+    for tensor in graph.outputs():
+        for size, stride in zip(tensor.dim, tensor.stride):
+            if size > 1 and stride == 0:
+                raise ValidationError(f"output {tensor.name!r} has stride 0 on an axis of size {size}: "
+                                      f"its elements would overlap")
+
+
+def build_plan(graph, autotune: bool = False) -> "Plan":
+    """Partition, schedule (or autotune) and generate every kernel of a validated graph."""
+    _check_outputs_dense(graph)
+    groups = partition(graph, frozenset(KERNEL_BUILDERS))
+    device = _build_device()
+    return Plan(graph, groups, build_launches(graph, groups, device, autotune), device, autotune)
+
+
+def _build_device() -> torch.device:
+    """The device a plan is first built for: the current GPU, else the interpreter (CPU). Only a
+    first guess: a plan executed on a device of another model builds launches for that one."""
+    if torch.cuda.is_available() and not interpreting():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def build_launches(graph, groups, device: torch.device, autotune: bool = False) -> list:
+    """The launches of every group, scheduled for `device`'s model (autotuned on `device`)."""
+    tuner = Tuner(device_model(device)) if autotune else None
+    launches = []
+    for index, group in enumerate(groups):
+        builder = KERNEL_BUILDERS.get(group.kind)
+        if builder is None:
+            anchor = group.anchor or group.nodes[0]
+            raise UnsupportedError(
+                f"node {anchor.name!r} ({anchor.op}): no {group.kind} kernel exists yet, so the group "
+                f"[{', '.join(n.name for n in group.nodes)}] cannot run; graph.reference() computes it")
+        stored = prologue_values_to_store(group) if group.kind in PROLOGUE_STORED_APART else None
+        if stored is not None:
+            launches.append(build_pointwise(graph, stored, index, device=device))
+        built = builder(graph, group, index, tuner, device)
+        launches.extend(built if isinstance(built, list) else [built])
+    return launches
+
+
+class DeviceLaunches:
+    """A plan's launches for one device model (SM count, compute capability) and the workspace
+    layout they need: (uid, dim, stride, torch dtype, bytes, byte offset) of every tensor in it."""
+
+    def __init__(self, model, launches, groups, graph_dtypes):
+        self.model, self.launches = model, launches
+        self.dtypes = dict(graph_dtypes)
+        self.dtypes.update({s.uid: s.torch_dtype for launch in launches for s in launch.scratch})
+        self.layout(groups)
+
+    def bind(self, device_index: int):
+        """Compile every launch for a CUDA device (one of this model), then lay the workspace out:
+        compiling tells which kernels need global scratch in it."""
+        for launch in self.launches:
+            launch.bind(device_index, self.dtypes)
+
+    def layout(self, groups):
+        """Place virtual tensors, split partials and kernels' global scratch in one buffer."""
+        buffers = [(t.uid, tuple(t.dim), tuple(t.stride), t.data_type.torch_dtype, _extent_bytes(t))
+                   for g in groups for t in g.outputs if t.is_virtual]
+        buffers += [(s.uid, s.dim, None, s.torch_dtype, s.nbytes) for launch in self.launches for s in launch.scratch]
+        buffers += [(launch.global_scratch.uid, launch.global_scratch.dim, None, torch.uint8,
+                     launch.global_scratch.nbytes) for launch in self.launches if launch.global_scratch is not None]
+        # the base address a workspace needs: what kernels assume of pointers and of global scratch
+        self.alignment = max([POINTER_ALIGNMENT] + [launch.global_scratch_align for launch in self.launches])
+        unit = max(WORKSPACE_ALIGNMENT, self.alignment)
+        placed, offset = [], 0
+        for uid, dim, stride, torch_dtype, nbytes in buffers:
+            placed.append((uid, dim, stride, torch_dtype, nbytes, offset))
+            offset += -(-max(nbytes, 1) // unit) * unit
+        self.workspace_tensors, self.workspace_bytes = placed, offset
+
+    def views(self, buffer: torch.Tensor) -> dict:
+        """uid -> the tensor each workspace entry is, inside a flat uint8 `buffer`."""
+        views = {}
+        for uid, dim, stride, torch_dtype, nbytes, offset in self.workspace_tensors:
+            typed = buffer[offset:offset + nbytes].view(torch_dtype)
+            views[uid] = typed.view(dim) if stride is None else typed.as_strided(dim, stride)
+        return views
+
+
+@dataclass
+class StreamWorkspace:
+    """The workspace of one (device, stream): the lock keeps one execute's launches together on
+    the stream, so two threads sharing a stream cannot interleave kernels over it."""
+
+    buffer: torch.Tensor
+    views: dict
+    lock: threading.Lock
+
+
+class Plan:
+    """Launches in order over bound tensors and one workspace for values between kernels.
+
+    Safe to execute from many threads and streams at once: workspaces are per (device, stream) or
+    the caller's, launches are per device model and built or bound once under a lock."""
+
+    def __init__(self, graph, groups, launches, device=None, autotune: bool = False):
+        self.graph_name = graph.name
+        self.groups, self.launches = groups, launches
+        used = {t.uid for g in groups for t in g.inputs}
+        self.specs = [_binding_spec(t) for t in graph.inputs() if t.uid in used]
+        self.specs += [_binding_spec(t) for t in graph.outputs()]
+        self.key_to_uid = {}
+        for tensor in graph.tensors:
+            self.key_to_uid[tensor] = tensor.uid
+            self.key_to_uid[tensor.name] = tensor.uid
+        # unused inputs may be bound (and are ignored); virtual tensors may not
+        self.bindable = {s.uid for s in self.specs} | {t.uid for t in graph.inputs()}
+        self.names = {t.uid: t.name for t in graph.tensors}
+        self._graph, self._autotune = graph, autotune
+        self._graph_dtypes = {t.uid: t.data_type.torch_dtype for t in graph.tensors}
+        self._lock = threading.Lock()  # guards the three dicts below when they grow
+        self._by_model: dict = {}  # DeviceModel -> DeviceLaunches
+        self._by_device: dict = {}  # (device type, index) -> DeviceLaunches
+        self._streams: dict = {}  # (device type, index, raw stream) -> StreamWorkspace
+        device = torch.device("cpu") if device is None else device
+        built = self._derive(device, launches)
+        self.dtypes = built.dtypes
+        self.workspace_tensors, self.workspace_bytes = built.workspace_tensors, built.workspace_bytes
+
+    # --- one set of launches per device model ----------------------------------------------------
+    def _derive(self, device, launches=None) -> DeviceLaunches:
+        """Build (unless given) and bind the launches for `device`'s model; caller holds the lock
+        or is the constructor."""
+        model = device_model(device)
+        if launches is None:
+            if self._graph.plan is not self:
+                raise ExecutionError(f"graph {self.graph_name!r} changed since this plan was built, and "
+                                     f"{device} needs launches of its own: build the graph again")
+            launches = build_launches(self._graph, self.groups, device, self._autotune)
+        built = DeviceLaunches(model, launches, self.groups, self._graph_dtypes)
+        if device.type == "cuda":
+            built.bind(device.index)
+            built.layout(self.groups)
+        self._by_model[model] = built
+        self._by_device[(device.type, device.index)] = built
+        return built
+
+    def _launches_for(self, device) -> DeviceLaunches:
+        """The launches for `device` (the interpreter's for CPU), built or bound on first use."""
+        found = self._by_device.get((device.type, device.index))
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._by_device.get((device.type, device.index))
+            if found is not None:
+                return found
+            found = self._by_model.get(device_model(device))
+            if found is None:
+                return self._derive(device)
+            if device.type == "cuda":
+                found.bind(device.index)
+            self._by_device[(device.type, device.index)] = found
+            return found
+
+    def workspace_size(self, device=None) -> int:
+        """Bytes of workspace an execute on `device` (a torch.device or name; default: the device
+        the plan was built for) needs: allocate `torch.empty(n, dtype=torch.uint8)` there and pass
+        it as execute(..., workspace=)."""
+        if device is None:
+            return self.workspace_bytes
+        return self._launches_for(_kernel_device(torch.device(device))).workspace_bytes
+
+    # --- execute ---------------------------------------------------------------------------------
+    def _resolve(self, bindings) -> dict:
+        if not isinstance(bindings, dict):
+            raise ExecutionError(f"bindings must be a dict of Tensor or name -> torch.Tensor, "
+                                 f"got {type(bindings).__name__}")
+        resolved = {}
+        for key, value in bindings.items():
+            uid = self.key_to_uid.get(key)
+            if uid is None:
+                raise ExecutionError(f"binding key {key!r} is not a tensor of graph {self.graph_name!r}")
+            if uid not in self.bindable:
+                raise ExecutionError(f"tensor {self.names[uid]!r} is virtual: it lives inside the plan and "
+                                     f"takes no binding (mark it with set_output(True) to read it)")
+            resolved[uid] = value
+        return resolved
+
+    def _check(self, resolved: dict):
+        device, ranges = None, []
+        for spec in self.specs:
+            value = resolved.get(spec.uid)
+            if value is None:
+                kind = "output" if spec.is_output else "input"
+                raise ExecutionError(f"missing binding for {kind} {spec.name!r}")
+            if not isinstance(value, torch.Tensor):
+                raise ExecutionError(f"{spec.name!r} is bound to {type(value).__name__}, not a torch.Tensor")
+            if value.dtype != spec.torch_dtype:
+                raise ExecutionError(f"{spec.name!r} expects {spec.torch_dtype}, got {value.dtype}")
+            if value.shape != spec.shape:
+                raise ExecutionError(f"{spec.name!r} expects shape {list(spec.shape)}, got {list(value.shape)}")
+            stride = value.stride()
+            if stride != spec.stride and any(stride[a] != spec.stride[a] for a in spec.checked_axes):
+                raise ExecutionError(f"{spec.name!r} expects strides {list(spec.stride)}, got {list(stride)} "
+                                     f"(declare the layout with tensor_like or set_stride)")
+            if device is None:
+                device = value.device
+            elif value.device != device:
+                raise ExecutionError(f"{spec.name!r} is on {value.device}, other tensors on {device}")
+            start = value.data_ptr()
+            ranges.append((start, start + spec.extent_bytes, spec))
+        for start, end, spec in ranges:
+            if not spec.is_output:
+                continue
+            for other_start, other_end, other in ranges:
+                if other is not spec and start < other_end and other_start < end:
+                    raise ExecutionError(f"output {spec.name!r} overlaps {other.name!r} in memory")
+        return device
+
+    def _stream_workspace(self, built: DeviceLaunches, device, stream) -> StreamWorkspace:
+        """The workspace of (device, stream), created once; allocated on that stream, so torch's
+        caching allocator never hands its memory to another stream while kernels use it."""
+        key = (device.type, device.index, stream)
+        found = self._streams.get(key)
+        if found is not None:
+            return found
+        with self._lock:
+            found = self._streams.get(key)
+            if found is None:
+                buffer = torch.empty(built.workspace_bytes, dtype=torch.uint8, device=device)
+                found = StreamWorkspace(buffer, built.views(buffer), threading.Lock())
+                self._streams[key] = found
+        return found
+
+    def _caller_workspace(self, workspace, built: DeviceLaunches, device, tensors) -> dict:
+        """Views into a workspace the caller passed, after checking it can hold them."""
+        where = "the workspace"
+        if not isinstance(workspace, torch.Tensor):
+            raise ExecutionError(f"{where} must be a torch.Tensor of uint8, got {type(workspace).__name__}")
+        if workspace.dtype != torch.uint8:
+            raise ExecutionError(f"{where} must be uint8, got {workspace.dtype}")
+        if workspace.device != device:
+            raise ExecutionError(f"{where} is on {workspace.device}, the bound tensors on {device}")
+        if not workspace.is_contiguous():
+            raise ExecutionError(f"{where} must be contiguous")
+        if workspace.numel() < built.workspace_bytes:
+            raise ExecutionError(f"{where} holds {workspace.numel()} bytes; graph {self.graph_name!r} needs "
+                                 f"{built.workspace_bytes} on {device} (plan.workspace_size())")
+        start = workspace.data_ptr()
+        if built.workspace_bytes and start % built.alignment:
+            raise ExecutionError(f"{where} must start at a multiple of {built.alignment} bytes "
+                                 f"(a fresh torch.empty does)")
+        end = start + built.workspace_bytes
+        for spec in self.specs:
+            other = tensors[spec.uid].data_ptr()
+            if built.workspace_bytes and other < end and start < other + spec.extent_bytes:
+                raise ExecutionError(f"{where} overlaps {spec.name!r} in memory")
+        return built.views(workspace.view(-1))
+
+    def execute(self, bindings, workspace=None):
+        """Check every binding (and `workspace`, if given), then launch every kernel on the current
+        stream of the tensors' device; nothing is written on error.
+
+        Internal tensors live in `workspace` (uint8, contiguous, at least workspace_size() bytes,
+        on the tensors' device) when given: the caller then keeps concurrent executes apart.
+        Without it each (device, stream) uses a workspace of its own, made on first use."""
+        tensors = self._resolve(bindings)
+        device = self._check(tensors)
+        kernel_device = _kernel_device(device)
+        built = self._launches_for(kernel_device)
+        aligned = all(tensors[s.uid].data_ptr() % POINTER_ALIGNMENT == 0 for s in self.specs)
+        stream = torch._C._cuda_getCurrentRawStream(device.index) if kernel_device.type == "cuda" else None
+        if workspace is not None:
+            tensors.update(self._caller_workspace(workspace, built, device, tensors))
+        elif built.workspace_tensors:
+            shared = self._stream_workspace(built, device, stream)
+            with shared.lock:
+                tensors.update(shared.views)
+                run_launches(built.launches, tensors, kernel_device, built.dtypes, aligned, stream)
+            return
+        run_launches(built.launches, tensors, kernel_device, built.dtypes, aligned, stream)
+
+    # --- explain ---------------------------------------------------------------------------------
+    def explain(self) -> str:
+        """Human-readable plan: groups, configs and why, source paths."""
+        lines = [f"graph {self.graph_name!r}: {sum(len(g.nodes) for g in self.groups)} ops in "
+                 f"{len(self.launches)} kernel(s), workspace {self.workspace_bytes} bytes"]
+        for index, launch in enumerate(self.launches):
+            group = launch.group
+            lines.append(f"kernel {index} [{group.kind}] {launch.kernel.__name__ if hasattr(launch.kernel, '__name__') else ''}")
+            lines.append(f"  ops:    {', '.join(f'{n.op}({n.name})' for n in group.nodes)}")
+            lines.append(f"  reads:  {', '.join(_describe(t) for t in group.inputs)}")
+            lines.append(f"  writes: {', '.join(_describe(t) for t in group.outputs)}")
+            lines.append(f"  config: {launch.config_text}")
+            lines.append(f"  why:    {launch.reason}")
+            lines.append(f"  source: {launch.source_path}")
+        return "\n".join(lines)
+
+
+def _describe(tensor) -> str:
+    where = "workspace" if tensor.is_virtual else ("output" if tensor.is_output else "input")
+    return f"{tensor.name} {list(tensor.dim)} {tensor.data_type.name} stride {list(tensor.stride)} ({where})"
+
+
+def _kernel_device(device: torch.device) -> torch.device:
+    """Where kernels for tensors on `device` run: that GPU, or the interpreter (on CPU)."""
+    if interpreting():
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ExecutionError(f"tensors are on {device}, but kernels compile for CUDA here; "
+                             f"set TRITON_INTERPRET=1 before importing dnngraph to run on CPU")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())

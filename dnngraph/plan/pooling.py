@@ -1,0 +1,20 @@
+"""Build the launch of a pooling group: schedule, render, load."""
+from __future__ import annotations
+
+from ..codegen.cache import load_kernel
+from ..codegen.pooling import render as render_pooling
+from ..heuristics import device_model
+from ..heuristics.pooling import schedule as schedule_pooling
+from .launch import KernelLaunch, kernel_name
+from .rows import require_floating_inputs
+
+
+def build_pooling(graph, group, index, tuner=None, device=None):
+    """The pooling kernel of a group."""
+    require_floating_inputs(group.anchor)
+    sched = schedule_pooling(group, device_model(device))
+    name = kernel_name(group, index)
+    source, arguments = render_pooling(name, sched, group, graph.compute_data_type, group.describe())
+    kernel, path = load_kernel(source, name)
+    return KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps,
+                        sched.config_text, sched.reason)

@@ -1,0 +1,177 @@
+"""Build the launches of a row group (reductions, softmax, norms): one kernel, or partial,
+combine and apply kernels in split mode; norm backward adds a dscale/dbias kernel where those
+are not per-row sums of the dx kernel."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..codegen.cache import load_kernel
+from ..codegen.recipes import RECIPES, norm_parameter_grads
+from ..codegen.rows import RowKernelSpec, WELFORD_PARTS, render as render_rows
+from ..errors import UnsupportedError
+from ..heuristics import device_model
+from ..heuristics.autotune import TuningRecord
+from ..heuristics.rows import (RowConfig, RowTraits, geometry as row_geometry, row_problem,
+                               schedule as schedule_rows)
+from .launch import KernelLaunch, kernel_name, sample_tensors, scratch, time_candidate, tuning_device
+
+# The split combine kernel folds [SPLITS, BLOCK_K] partials: a few hundred values per program.
+COMBINE_WARPS = 4
+
+KIND_OF_SPAN = {(True, True): "tile", (True, False): "row", (False, True): "col", (False, False): "scalar"}
+
+
+def _row_kinds(problem, group, tile_outputs=()) -> dict:
+    """uid -> 'tile' | 'row' | 'col' | 'scalar' for every tensor a row group touches.
+
+    A tensor spans a side (kept K, reduced R) when it walks an axis of size > 1 there; its size-1
+    axes say nothing, so spans are also inherited: the anchor's element outputs (`tile_outputs`,
+    from the recipe) span R, and a fused node's output spans what its operands span. Otherwise a
+    softmax over an axis of size 1 would be taken for a row output and never stored.
+    """
+    spans = {}
+    for tensor in group.inputs:
+        spans[tensor.uid] = _strided_span(problem, tensor)
+    for node in group.nodes:
+        inherited = [spans.get(t.uid, (False, False)) for t in node.input_tensors()]
+        for tensor in node.output_tensors():
+            over_k, over_r = _strided_span(problem, tensor)
+            if node is not group.anchor:
+                over_k = over_k or any(k for k, _ in inherited)
+                over_r = over_r or any(r for _, r in inherited)
+            elif tensor.uid in tile_outputs:
+                over_r = True
+            spans[tensor.uid] = (over_k, over_r)
+    return {uid: KIND_OF_SPAN[span] for uid, span in spans.items()}
+
+
+def _strided_span(problem, tensor) -> tuple:
+    """(walks a kept axis, walks a reduced axis) of size > 1."""
+    strides = problem.strides(tensor)
+    over_r = any(s for a, s in enumerate(strides) if a in problem.reduced_axes)
+    over_k = any(s for a, s in enumerate(strides) if a not in problem.reduced_axes)
+    return over_k, over_r
+
+
+def _row_launch(spec, programs, num_warps, scratch_buffers=()):
+    source, arguments = render_rows(spec)
+    kernel, path = load_kernel(source, spec.name)
+    cfg, geo = spec.schedule.config, spec.schedule.geometry
+    config_text = (f"{spec.shape} ({cfg.mode}) BLOCK_K={cfg.block_k} BLOCK_R={cfg.block_r} "
+                   f"SPLITS={cfg.splits} num_warps={num_warps} grid={programs} "
+                   f"K={list(geo.k_sizes)} R={list(geo.r_sizes)}" + (" int64-index" if geo.index_64 else ""))
+    return KernelLaunch(spec.group, kernel, path, arguments, programs, num_warps, config_text,
+                        spec.schedule.reason, scratch_buffers, fp_fusion=spec.recipe.fp_fusion)
+
+
+def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, device=None, epilogue=None):
+    """The launches of one row problem: one kernel, or partial + combine (+ apply) when split;
+    the model's config, or with `tuner` the fastest of its top candidates. `epilogue`: the group's
+    epilogue nodes these kernels run (None: all)."""
+    recipe = recipe_of(group.anchor, _row_kinds(problem, group))
+    kinds = _row_kinds(problem, group, tuple(recipe.tile_outputs))
+    tensors = list(group.inputs) + [t for t in group.outputs if t.uid in stores]
+    operands = [(t.uid, t.data_type, problem.strides(t), t.uid in stores) for t in tensors]
+    main = next((i for i, t in enumerate(group.inputs) if kinds[t.uid] == "tile"), 0)
+    geo = row_geometry(problem.domain, problem.reduced_axes, operands, main)
+    tile_stores = tuple(u for u in stores if kinds[u] in ("tile", "col"))
+    row_stores = tuple(u for u in stores if u not in tile_stores)
+    traits = RowTraits(len(recipe.stages_for("looped")), bool(tile_stores), recipe.splittable,
+                       recipe.live_tiles)
+    bytes_of = lambda wanted: sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in wanted)
+    sched = schedule_rows(geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
+                          device_model(device))
+    record = TuningRecord("model", sched.config.text)
+    build = lambda chosen: _row_schedule_launches(graph, group, name, chosen, recipe, stores, kinds,
+                                                  tile_stores, row_stores, epilogue)
+    if tuner is not None:
+        device = tuning_device(device)
+        tensors = sample_tensors(group, device)
+        config, record = tuner.choose(
+            "rows", f"{group.anchor.op} {sched.signature(traits)}", list(sched.ranked), RowConfig.to_record,
+            RowConfig.from_record, lambda c: c.text,
+            lambda c: time_candidate(build(replace(sched, config=c)), tensors, device))
+        sched = replace(sched, config=config, reason=record.describe() or sched.reason)
+    launches = build(sched)
+    for launch in launches:
+        launch.tuning = record
+    return launches
+
+
+def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, tile_stores, row_stores,
+                           epilogue=None):
+    cfg, geo = sched.config, sched.geometry
+    common = dict(schedule=sched, recipe=recipe, group=group, kinds=kinds,
+                  loads=_row_loads(group, epilogue), compute=graph.compute_data_type.triton_type,
+                  description=group.describe(), epilogue=epilogue)
+    if cfg.mode != "split":
+        spec = RowKernelSpec(name, "main", stores=tuple(stores), **common)
+        return [_row_launch(spec, sched.programs, cfg.num_warps)]
+    (accumulators, _), = recipe.stages_for("split")
+    names = [f"{a.name}_{p}" if a.combine == "welford" else a.name
+             for a in accumulators for p in (WELFORD_PARTS if a.combine == "welford" else ("",))]
+    partials = {n: scratch((cfg.splits, geo.rows), PARTIAL_TYPES[recipe.kind]) for n in names}
+    stash = {n: scratch((geo.rows,)) for n in recipe.stash} if tile_stores else {}
+    row_blocks = sched.programs // cfg.splits
+    launches = [
+        _row_launch(RowKernelSpec(name + "_partial", "partial", stores=(),
+                                  partials={n: s.uid for n, s in partials.items()}, **common),
+                    sched.programs, cfg.num_warps, partials.values()),
+        _row_launch(RowKernelSpec(name + "_combine", "combine", stores=row_stores,
+                                  partials={n: s.uid for n, s in partials.items()},
+                                  stash={n: s.uid for n, s in stash.items()}, **common),
+                    row_blocks, COMBINE_WARPS, stash.values())]
+    if tile_stores:
+        launches.append(_row_launch(RowKernelSpec(name + "_apply", "apply", stores=tile_stores,
+                                                  stash={n: s.uid for n, s in stash.items()}, **common),
+                                    sched.programs, cfg.num_warps))
+    return launches
+
+
+def _row_loads(group, epilogue) -> tuple:
+    """uids of the group inputs a row kernel reads: all, but those only skipped epilogue nodes read."""
+    if epilogue is None:
+        return tuple(t.uid for t in group.inputs)
+    running = [n for n in group.nodes if n not in group.epilogue or n in epilogue]
+    read = {t.uid for n in running for t in n.input_tensors()}
+    return tuple(t.uid for t in group.inputs if t.uid in read)
+
+
+# split partials hold the accumulator's type: integer sums and products stay exact in int64
+PARTIAL_TYPES = {"f": torch.float32, "l": torch.int64}
+
+
+def require_floating_inputs(anchor):
+    """Row and pooling kernels accumulate in floating point: integer inputs would be rounded."""
+    for tensor in anchor.input_tensors():
+        if not tensor.data_type.is_floating:
+            raise UnsupportedError(
+                f"node {anchor.name!r} ({anchor.op}) reads {tensor.name!r} of type {tensor.data_type.name}: "
+                f"its kernel computes in floating point and would round integers; cast the input to a "
+                f"floating type first")
+
+
+def build_rows(graph, group, index, tuner=None, device=None):
+    """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
+    are per-row sums of the dx kernel (batchnorm)."""
+    anchor, name = group.anchor, kernel_name(group, index)
+    if anchor.op != "reduction":  # the reduction recipe accumulates integers in int64
+        require_floating_inputs(anchor)
+    problem = row_problem(anchor)
+    stores = [t.uid for t in group.outputs]
+    if anchor.opdef.family == "norm" and anchor.op.endswith("_backward"):
+        params = {t.uid for t in anchor.outputs[1:] if t is not None}
+        # by the scale's dims, not its strides: an expanded scale is still one parameter per index
+        scale_extent = problem.extent(anchor.inputs[2])
+        kept = [a for a, size in enumerate(problem.domain) if a not in problem.reduced_axes and size > 1]
+        per_row = all(scale_extent[a] for a in kept) and not any(scale_extent[a] for a in problem.reduced_axes)
+        if not per_row:  # dscale is not one value per dx row
+            param_problem = problem.with_reduced(a for a, spans in enumerate(scale_extent) if not spans)
+            # the epilogue consumes dx, which only the first kernel computes
+            return (_row_launches(graph, group, name, problem, RECIPES[anchor.op],
+                                  [u for u in stores if u not in params], tuner, device)
+                    + _row_launches(graph, group, name + "_params", param_problem, norm_parameter_grads,
+                                    [u for u in stores if u in params], tuner, device, epilogue=()))
+    return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores, tuner, device)
