@@ -16,19 +16,16 @@ import torch
 from . import dtypes
 from .errors import ExecutionError, ValidationError
 from .ops import REGISTRY, lookup
-from .ops.conv import ConvAttrs
-from .ops.dropout import DropoutAttrs
-from .ops.matmul import MatmulAttrs
-from .ops.norm import NormAttrs
-from .ops.pointwise import POINTWISE_OPS, PointwiseAttrs
-from .ops.pooling import PoolingAttrs
-from .ops.reduction import ReductionAttrs
-from .ops.sdpa import SdpaAttrs
-from .ops.shape import ConcatAttrs, ReshapeAttrs, SliceAttrs, TransposeAttrs, normalize_slices
-from .ops.softmax import SoftmaxAttrs
+from .ops.pointwise import POINTWISE_OPS
+from .ops.shape import normalize_slices
 from .ops.base import boolean, integer, normalize_axes, per_axis, real
 from .tensor import (Tensor, check_dims, check_not_overlapping, check_strides, contiguous_strides,
                      dense_strides, stride_order)
+
+
+def _attrs_of(op: str, *args, **kwargs):
+    """The validated attributes of `op`, built by the class its catalog entry names."""
+    return lookup(op).attrs_type(*args, **kwargs)
 
 
 @dataclass(eq=False)
@@ -258,14 +255,15 @@ class Graph:
         """C = A @ B over [..., M, K] x [..., K, N] with broadcast batch dims; fp8 operands may
         carry per-tensor scales (one-element tensors): C = (A @ B) * scale_a * scale_b."""
         tf32 = self.allow_tf32 if allow_tf32 is None else allow_tf32
-        return self._add_op("matmul", [a, b, scale_a, scale_b], MatmulAttrs(tf32), name)[0]
+        return self._add_op("matmul", [a, b, scale_a, scale_b], _attrs_of("matmul", tf32), name)[0]
 
     @staticmethod
     def _conv_attrs(op, spatial, padding, stride, dilation, groups, mode, shape=()):
         """Padding, stride and dilation: None (the default), one int for every axis, or a list."""
-        return ConvAttrs(per_axis(op, "padding", padding, spatial, 0, minimum=0),
+        return _attrs_of(op, per_axis(op, "padding", padding, spatial, 0, minimum=0),
                          per_axis(op, "stride", stride, spatial, 1, minimum=1),
-                         per_axis(op, "dilation", dilation, spatial, 1, minimum=1), groups, mode, shape)
+                         per_axis(op, "dilation", dilation, spatial, 1, minimum=1), groups, mode,
+                         shape)
 
     def conv_fprop(self, x, w, padding=None, stride=None, dilation=None, groups=1,
                    mode="cross_correlation", name=None) -> Tensor:
@@ -300,77 +298,77 @@ class Graph:
         """Reduce x over `axes` with `mode`; reduced axes are kept with size 1."""
         x = self._check_input("reduction", "x", x)
         axes = normalize_axes("reduction", axes, len(x.dim))
-        return self._add_op("reduction", [x], ReductionAttrs(mode, axes), name)[0]
+        return self._add_op("reduction", [x], _attrs_of("reduction", mode, axes), name)[0]
 
     def softmax(self, x, axis=-1, log=False, name=None) -> Tensor:
         """Softmax (log-softmax with log=True) along `axis`."""
         x = self._check_input("softmax", "x", x)
         (axis,) = normalize_axes("softmax", integer("softmax", "axis", axis), len(x.dim))
-        return self._add_op("softmax", [x], SoftmaxAttrs(axis, log), name)[0]
+        return self._add_op("softmax", [x], _attrs_of("softmax", axis, log), name)[0]
 
     def softmax_backward(self, dy, y, axis=-1, log=False, name=None) -> Tensor:
         """dx of softmax from dy and the forward output y."""
         y = self._check_input("softmax_backward", "y", y)
         (axis,) = normalize_axes("softmax_backward", integer("softmax_backward", "axis", axis), len(y.dim))
-        return self._add_op("softmax_backward", [dy, y], SoftmaxAttrs(axis, log), name)[0]
+        return self._add_op("softmax_backward", [dy, y], _attrs_of("softmax_backward", axis, log), name)[0]
 
     # --- ops: normalizations --------------------------------------------------------------------
     def layernorm(self, x, scale, bias, epsilon=1e-5, norm_forward_phase="training", name=None):
         """(y, mean, inv_variance) normalized over the trailing axes where scale is not 1."""
-        return self._add_op("layernorm", [x, scale, bias], NormAttrs(epsilon, norm_forward_phase), name)
+        return self._add_op("layernorm", [x, scale, bias], _attrs_of("layernorm", epsilon, norm_forward_phase), name)
 
     def rmsnorm(self, x, scale, bias=None, epsilon=1e-5, norm_forward_phase="training", name=None):
         """(y, inv_variance): y = x * rsqrt(mean(x^2) + eps) * scale (+ bias)."""
-        return self._add_op("rmsnorm", [x, scale, bias], NormAttrs(epsilon, norm_forward_phase), name)
+        return self._add_op("rmsnorm", [x, scale, bias], _attrs_of("rmsnorm", epsilon, norm_forward_phase), name)
 
     def batchnorm(self, x, scale, bias, in_running_mean=None, in_running_var=None, epsilon=1e-5,
                   momentum=0.1, name=None):
         """(y, mean, inv_variance, next_running_mean, next_running_var) over batch and space."""
-        attrs = NormAttrs(epsilon, "training", momentum)
+        attrs = _attrs_of("batchnorm", epsilon, "training", momentum)
         return self._add_op("batchnorm", [x, scale, bias, in_running_mean, in_running_var], attrs, name)
 
     def batchnorm_inference(self, x, mean, inv_variance, scale, bias, name=None) -> Tensor:
         """y = (x - mean) * inv_variance * scale + bias with given per-channel statistics."""
         return self._add_op("batchnorm_inference", [x, mean, inv_variance, scale, bias],
-                            NormAttrs(), name)[0]
+                            _attrs_of("batchnorm_inference"), name)[0]
 
     def instancenorm(self, x, scale, bias, epsilon=1e-5, norm_forward_phase="training", name=None):
         """(y, mean, inv_variance) per sample and channel over spatial axes."""
-        return self._add_op("instancenorm", [x, scale, bias], NormAttrs(epsilon, norm_forward_phase),
+        return self._add_op("instancenorm", [x, scale, bias], _attrs_of("instancenorm", epsilon, norm_forward_phase),
                             name)
 
     def groupnorm(self, x, scale, bias, groups, epsilon=1e-5, norm_forward_phase="training",
                   name=None):
         """(y, mean, inv_variance) per sample over groups of channels and spatial axes."""
-        attrs = NormAttrs(epsilon, norm_forward_phase, groups=groups)
+        attrs = _attrs_of("groupnorm", epsilon, norm_forward_phase, groups=groups)
         return self._add_op("groupnorm", [x, scale, bias], attrs, name)
 
     def genstats(self, x, name=None):
         """(sum, sq_sum) per channel over batch and spatial axes."""
-        return self._add_op("genstats", [x], NormAttrs(), name)
+        return self._add_op("genstats", [x], _attrs_of("genstats"), name)
 
     def layernorm_backward(self, dy, x, scale, mean, inv_variance, name=None):
         """(dx, dscale, dbias) of layernorm."""
-        return self._add_op("layernorm_backward", [dy, x, scale, mean, inv_variance], NormAttrs(), name)
+        return self._add_op("layernorm_backward", [dy, x, scale, mean, inv_variance], _attrs_of("layernorm_backward"), name)
 
     def rmsnorm_backward(self, dy, x, scale, inv_variance, has_dbias=False, name=None):
         """(dx, dscale, dbias) of rmsnorm; dbias is None unless has_dbias."""
-        attrs = NormAttrs(has_dbias=has_dbias)
+        attrs = _attrs_of("rmsnorm_backward", has_dbias=has_dbias)
         return self._add_op("rmsnorm_backward", [dy, x, scale, inv_variance], attrs, name)
 
     def batchnorm_backward(self, dy, x, scale, mean, inv_variance, name=None):
         """(dx, dscale, dbias) of batchnorm training."""
-        return self._add_op("batchnorm_backward", [dy, x, scale, mean, inv_variance], NormAttrs(), name)
+        return self._add_op("batchnorm_backward", [dy, x, scale, mean, inv_variance], _attrs_of("batchnorm_backward"), name)
 
     def instancenorm_backward(self, dy, x, scale, mean, inv_variance, name=None):
         """(dx, dscale, dbias) of instancenorm."""
-        return self._add_op("instancenorm_backward", [dy, x, scale, mean, inv_variance], NormAttrs(),
+        return self._add_op("instancenorm_backward", [dy, x, scale, mean, inv_variance], _attrs_of("instancenorm_backward"),
                             name)
 
     def groupnorm_backward(self, dy, x, scale, mean, inv_variance, groups, name=None):
         """(dx, dscale, dbias) of groupnorm."""
         return self._add_op("groupnorm_backward", [dy, x, scale, mean, inv_variance],
-                            NormAttrs(groups=groups), name)
+                            _attrs_of("groupnorm_backward", groups=groups), name)
 
     # --- ops: pooling, dropout, attention ------------------------------------------------------
     def _pool_attrs(self, op, x, mode, window, stride, padding):
@@ -379,9 +377,9 @@ class Graph:
         spatial = _spatial_rank(op, "x", self._check_input(op, "x", x))
         if window is None:
             raise ValidationError(f"{op}: window is required (an int or one value per spatial axis)")
-        return PoolingAttrs(mode, per_axis(op, "window", window, spatial, 1, minimum=1),
-                            per_axis(op, "stride", stride, spatial, 1, minimum=1),
-                            per_axis(op, "padding", padding, spatial, 0, minimum=0))
+        return _attrs_of(op, mode, per_axis(op, "window", window, spatial, 1, minimum=1),
+                         per_axis(op, "stride", stride, spatial, 1, minimum=1),
+                         per_axis(op, "padding", padding, spatial, 0, minimum=0))
 
     def pooling(self, x, mode, window, stride=None, padding=None, name=None) -> Tensor:
         """Max or average pooling over the spatial axes of [N, C, *S]."""
@@ -395,35 +393,35 @@ class Graph:
 
     def dropout(self, x, p, seed, offset=0, return_mask=False, name=None):
         """y = x * keep / (1 - p); with return_mask=True returns (y, mask)."""
-        y, mask = self._add_op("dropout", [x], DropoutAttrs(p, seed, offset, return_mask), name)
+        y, mask = self._add_op("dropout", [x], _attrs_of("dropout", p, seed, offset, return_mask), name)
         return (y, mask) if return_mask else y
 
     def sdpa(self, q, k, v, attn_scale=None, is_inference=True, use_causal_mask=False, bias=None,
              dropout=None, seq_len_q=None, seq_len_kv=None, name=None):
         """(o, stats) of softmax(q k^T * scale + bias) v; stats None when is_inference."""
-        attrs = SdpaAttrs(attn_scale, is_inference, use_causal_mask, dropout)
+        attrs = _attrs_of("sdpa", attn_scale, is_inference, use_causal_mask, dropout)
         return self._add_op("sdpa", [q, k, v, bias, seq_len_q, seq_len_kv], attrs, name)
 
     def sdpa_backward(self, q, k, v, o, dO, stats, attn_scale=None, use_causal_mask=False,
                       bias=None, dropout=None, seq_len_q=None, seq_len_kv=None, name=None):
         """(dq, dk, dv) of sdpa from the forward tensors, dO and the stats."""
-        attrs = SdpaAttrs(attn_scale, False, use_causal_mask, dropout)
+        attrs = _attrs_of("sdpa_backward", attn_scale, False, use_causal_mask, dropout)
         return self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv],
                             attrs, name)
 
     # --- ops: layout ----------------------------------------------------------------------------
     def reshape(self, x, dim, name=None) -> Tensor:
         """The same elements in row-major order with new dims."""
-        return self._add_op("reshape", [x], ReshapeAttrs(dim), name)[0]
+        return self._add_op("reshape", [x], _attrs_of("reshape", dim), name)[0]
 
     def transpose(self, x, permutation, name=None) -> Tensor:
         """Permute the logical axes."""
-        return self._add_op("transpose", [x], TransposeAttrs(permutation), name)[0]
+        return self._add_op("transpose", [x], _attrs_of("transpose", permutation), name)[0]
 
     def slice(self, x, slices, name=None) -> Tensor:
         """Slice every axis with a Python slice or (start, stop[, step])."""
         x = self._check_input("slice", "x", x)
-        return self._add_op("slice", [x], SliceAttrs(normalize_slices(slices, x.dim)), name)[0]
+        return self._add_op("slice", [x], _attrs_of("slice", normalize_slices(slices, x.dim)), name)[0]
 
     def concatenate(self, tensors, axis, name=None) -> Tensor:
         """Join tensors along `axis`."""
@@ -432,7 +430,7 @@ class Graph:
         tensors = list(tensors)
         rank = len(self._check_input("concatenate", "tensors[0]", tensors[0]).dim)
         (axis,) = normalize_axes("concatenate", integer("concatenate", "axis", axis), rank)
-        return self._add_op("concatenate", tensors, ConcatAttrs(axis), name)[0]
+        return self._add_op("concatenate", tensors, _attrs_of("concatenate", axis), name)[0]
 
     # --- pipeline -------------------------------------------------------------------------------
     def validate(self) -> "Graph":
@@ -589,7 +587,7 @@ def _pointwise_method(op_name: str):
         params = {p: arguments[p] for p in entry.params}
         if "data_type" in params:
             params["data_type"] = dtypes.resolve(params["data_type"]).name
-        attrs = PointwiseAttrs(constants=tuple(constants), **params)
+        attrs = _attrs_of(op_name, constants=tuple(constants), **params)
         return graph._add_op(op_name, operands, attrs, arguments["name"])[0]
 
     method.__name__ = op_name
