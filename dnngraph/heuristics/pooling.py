@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from .device import DeviceModel
 from .layout import INT32_LIMIT
+from .pointwise import _pow2_at_least
 
 # Columns per tile: 128 bf16 channels are 256 bytes, two 16-byte vectors per row segment.
 # Wider rows buy nothing once a row segment is a few full cache lines.
@@ -85,13 +86,6 @@ class PoolingSchedule:
                 f"num_warps={self.config.num_warps} grid={self.programs} "
                 f"vector={names[self.vector_axis]} rows={''.join(names[a] for a in self.row_axes)}"
                 + (" int64-index" if self.index_64 else ""))
-
-
-def _pow2_at_least(value: int) -> int:
-    result = 1
-    while result < value:
-        result *= 2
-    return result
 
 
 def candidates(rows: int, cols: int) -> list[tuple[int, int, int]]:

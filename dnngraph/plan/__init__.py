@@ -18,7 +18,7 @@ from ..fusion import partition
 from ..heuristics import device_model
 from ..heuristics.autotune import Tuner
 from ..runtime import interpreting
-from .launch import run_launches
+from .launch import created_once, run_launches
 from .matmul import build_matmul
 from .pointwise import build_pointwise
 from .pooling import build_pooling
@@ -278,17 +278,11 @@ class Plan:
     def _stream_workspace(self, built: DeviceLaunches, device, stream) -> StreamWorkspace:
         """The workspace of (device, stream), created once; allocated on that stream, so torch's
         caching allocator never hands its memory to another stream while kernels use it."""
-        key = (device.type, device.index, stream)
-        found = self._streams.get(key)
-        if found is not None:
-            return found
-        with self._lock:
-            found = self._streams.get(key)
-            if found is None:
-                buffer = torch.empty(built.workspace_bytes, dtype=torch.uint8, device=device)
-                found = StreamWorkspace(buffer, built.views(buffer), threading.Lock())
-                self._streams[key] = found
-        return found
+        def make() -> StreamWorkspace:
+            buffer = torch.empty(built.workspace_bytes, dtype=torch.uint8, device=device)
+            return StreamWorkspace(buffer, built.views(buffer), threading.Lock())
+
+        return created_once(self._streams, (device.type, device.index, stream), self._lock, make)
 
     def _caller_workspace(self, workspace, built: DeviceLaunches, device, tensors) -> dict:
         """Views into a workspace the caller passed, after checking it can hold them."""

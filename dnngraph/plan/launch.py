@@ -46,6 +46,17 @@ def scratch(dim, torch_dtype=torch.float32) -> Scratch:
     return Scratch(next(_scratch_ids), tuple(int(d) for d in dim), torch_dtype)
 
 
+def created_once(cache: dict, key, lock, make):
+    """cache[key], made by make() under `lock` on first use; later reads take no lock."""
+    found = cache.get(key)
+    if found is None:
+        with lock:
+            found = cache.get(key)
+            if found is None:
+                found = cache[key] = make()
+    return found
+
+
 def kernel_name(group, index: int) -> str:
     """The Triton function name of a group's kernel: family, position, last op."""
     return f"dnngraph_{group.kind}_{index}_{group.nodes[-1].op}"
@@ -139,15 +150,8 @@ class KernelLaunch:
     def bind(self, device_index: int, dtypes_of) -> BoundLaunch:
         """Compile for a device (pointers assumed 16-byte aligned) and keep the launcher; safe to
         call from any number of threads (one compile per device)."""
-        bound = self._bound.get(device_index)
-        if bound is not None:
-            return bound
-        with self._bind_lock:
-            bound = self._bound.get(device_index)
-            if bound is None:
-                bound = self._compile(device_index, dtypes_of)
-                self._bound[device_index] = bound
-        return bound
+        return created_once(self._bound, device_index, self._bind_lock,
+                            lambda: self._compile(device_index, dtypes_of))
 
     def _compile(self, device_index: int, dtypes_of) -> BoundLaunch:
         args = list(self.template)
