@@ -7,7 +7,8 @@ heuristics; autotuning times whole launch lists of candidate configs on scratch 
 from __future__ import annotations
 
 from ..codegen.cache import load_kernel
-from ..codegen.matmul import ExitPlan, MatmulKernelSpec, MatmulOperand, render
+from ..codegen.gemm import ExitPlan, GemmKernelSpec, GemmOperand, render
+from ..codegen.matmul import DescriptorLoader, LinearK, StridedLoader
 from ..errors import UnsupportedError
 from ..heuristics import device_model
 from ..heuristics.autotune import TuningRecord
@@ -52,7 +53,7 @@ def _layout(row_stride: int, col_stride: int) -> str:
     return "strided"
 
 
-def _tma_ok(operand: MatmulOperand, layout: str, dot_type: str, cuda_capability) -> bool:
+def _tma_ok(operand: GemmOperand, layout: str, dot_type: str, cuda_capability) -> bool:
     """A descriptor needs unit stride on one axis, 16-byte pitches and a matching type (an
     operand converted at load, as in a mixed-type dot, takes the pointer-load kernels)."""
     if layout == "strided" or operand.data_type.triton_type != dot_type:
@@ -140,17 +141,24 @@ class MatmulBuild:
             nb = len(domain) - 2 if len(domain) >= 2 else 0
             batch = tuple(strides[i] for i in self.batch_axes) if nb else ()
             row, col = (strides[-2], strides[-1]) if len(domain) >= 2 else (0, 0)
-            operands.append(MatmulOperand(tensor.uid, tensor.data_type, side, batch,
-                                          row, col, is_output))
+            operands.append(GemmOperand(tensor.uid, tensor.data_type, side, batch, (row,), (col,), is_output))
 
     # --- launches for one config --------------------------------------------------------------
-    def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> MatmulKernelSpec:
-        return MatmulKernelSpec(
+    def _loaders(self, config: MatmulConfig) -> tuple:
+        """The operand loaders of `config`'s variant: descriptors for the persistent kernel."""
+        if config.variant == "persistent":
+            return DescriptorLoader("a", self.problem.a_layout), DescriptorLoader("b", self.problem.b_layout)
+        return (StridedLoader("a", self.a.uid, self.dot_a, self.prologue_a),
+                StridedLoader("b", self.b.uid, self.dot_b, self.prologue_b))
+
+    def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> GemmKernelSpec:
+        loader_a, loader_b = self._loaders(config)
+        return GemmKernelSpec(
             name=self.name + suffix, config=config, problem=self.problem, batch_sizes=self.batch_sizes,
-            a_uid=self.a.uid, b_uid=self.b.uid, c_uid=self.c.uid, operands=self.operands,
-            prologue_a=self.prologue_a, prologue_b=self.prologue_b, epilogue=tuple(self.group.epilogue),
-            exits=extra.pop("exits", ()), scale_uids=tuple(s.uid for s in self.scales), dot_a=self.dot_a,
-            dot_b=self.dot_b, precision=self.precision, compute=self.graph.compute_data_type.triton_type,
+            c_uid=self.c.uid, operands=self.operands, k_walk=LinearK(self.problem.k % config.block_k != 0),
+            loader_a=loader_a, loader_b=loader_b, epilogue=tuple(self.group.epilogue),
+            exits=extra.pop("exits", ()), scale_uids=tuple(s.uid for s in self.scales),
+            precision=self.precision, compute=self.graph.compute_data_type.triton_type,
             index_64=self.index_64, description=self.group.describe(), **extra)
 
     def _launch(self, spec, body, grid, warps, stages, config_text, reason, scratch_buffers=()):
