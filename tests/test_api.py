@@ -106,9 +106,9 @@ def test_build_time_validation():
 
 def test_unsupported_family_names_the_node():
     g = dg.Graph()
-    x, w = g.tensor(name="x", dim=[1, 4, 5, 5]), g.tensor(name="w", dim=[2, 4, 3, 3])
-    g.conv_fprop(x, w, padding=[1, 1], name="stem").set_output(True)
-    with pytest.raises(dg.UnsupportedError, match="stem.*conv"):
+    q = g.tensor(name="q", dim=[1, 2, 4, 8])
+    g.sdpa(q, q, q, attn_scale=0.5, name="stem")[0].set_output(True)
+    with pytest.raises(dg.UnsupportedError, match="stem.*sdpa"):
         g.build()
 
 

@@ -19,6 +19,7 @@ from ..heuristics import device_model
 from ..heuristics.autotune import Tuner
 from ..runtime import interpreting
 from .launch import created_once, run_launches
+from .conv import build_conv
 from .matmul import build_matmul
 from .pointwise import build_pointwise
 from .pooling import build_pooling
@@ -58,7 +59,8 @@ def _binding_spec(tensor) -> BindingSpec:
 PROLOGUE_STORED_APART = frozenset({"pooling", "matmul"})
 
 KERNEL_BUILDERS = {"pointwise": build_pointwise, "reduction": build_rows, "softmax": build_rows,
-                   "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul}
+                   "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul,
+                   "conv": build_conv}
 
 
 def _check_outputs_dense(graph):

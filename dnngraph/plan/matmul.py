@@ -6,31 +6,16 @@ heuristics; autotuning times whole launch lists of candidate configs on scratch 
 """
 from __future__ import annotations
 
-from ..codegen.cache import load_kernel
-from ..codegen.gemm import ExitPlan, GemmKernelSpec, GemmOperand, render
+from ..codegen.gemm import GemmKernelSpec, GemmOperand
 from ..codegen.matmul import DescriptorLoader, LinearK, StridedLoader
 from ..errors import UnsupportedError
 from ..heuristics import device_model
-from ..heuristics.autotune import TuningRecord
 from ..heuristics.layout import INT32_LIMIT, operand_strides
-from ..heuristics.matmul import (SPLIT_COMBINE_BLOCK, MatmulConfig, MatmulProblem, choose_dot,
-                                schedule)
-from .launch import (KernelLaunch, element_span, kernel_name, sample_tensors, scratch, time_candidate,
-                     tuning_device)
+from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot, schedule
+from .gemm import GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
+from .launch import KernelLaunch, element_span, kernel_name
 
 TMA_ALIGNMENT = 16  # bytes: descriptor base addresses and row pitches
-EXIT_FOLD_WARPS = 4
-COMBINE_WARPS = 4
-
-
-def _leaves(tensor, members) -> list:
-    """Group inputs a prologue chain ending in `tensor` reads (the tensor itself if no chain)."""
-    if tensor.producer is None or tensor.producer not in members:
-        return [tensor]
-    found = []
-    for source in tensor.producer.input_tensors():
-        found += [t for t in _leaves(source, members) if all(t is not f for f in found)]
-    return found
 
 
 def _dot_types(a, b, allow_tf32: bool):
@@ -67,7 +52,7 @@ def _tma_ok(operand: GemmOperand, layout: str, dot_type: str, cuda_capability) -
     return pitch > 0 and all(p * itemsize % TMA_ALIGNMENT == 0 for p in pitches)
 
 
-class MatmulBuild:
+class MatmulBuild(GemmLaunches):
     """Everything about one matmul group that does not depend on the config."""
 
     def __init__(self, graph, group, index, device=None):
@@ -83,16 +68,14 @@ class MatmulBuild:
         m, n, k = c.dim[-2], c.dim[-1], a.dim[-1]
         members = set(group.nodes)
         prologue = set(group.prologue)
-        self.prologue_a = tuple(x for x in group.prologue if x in self._chain(a, prologue))
-        self.prologue_b = tuple(x for x in group.prologue if x in self._chain(b, prologue))
+        self.prologue_a = tuple(x for x in group.prologue if x in chain(a, prologue))
+        self.prologue_b = tuple(x for x in group.prologue if x in chain(b, prologue))
         exit_outputs = {x.outputs[0].uid for x in group.exits}
-        epilogue_inputs = []
-        for x in group.epilogue:
-            epilogue_inputs += [t for t in x.input_tensors() if t.producer not in members]
+        epilogue_reads = epilogue_inputs(group)
         operands = []
-        self._add(operands, "a", _leaves(a, members), batch_dims + (m, k))
-        self._add(operands, "b", _leaves(b, members), batch_dims + (k, n))
-        self._add(operands, "c", _unique(epilogue_inputs), tuple(c.dim))
+        self._add(operands, "a", leaves(a, members), batch_dims + (m, k))
+        self._add(operands, "b", leaves(b, members), batch_dims + (k, n))
+        self._add(operands, "c", epilogue_reads, tuple(c.dim))
         # prologue values that are outputs are written by a pointwise kernel run first
         stored_values = [t for t in group.outputs if t.uid not in exit_outputs and t.producer not in prologue]
         self._add(operands, "c", stored_values, tuple(c.dim), is_output=True)
@@ -114,7 +97,7 @@ class MatmulBuild:
             tma = False  # fp8 and tf32 wgmma read both operands K-major from shared memory
         epilogue_text = ",".join(x.op for x in group.epilogue + group.exits)
         out_bytes = sum(t.data_type.itemsize for t in stored_values)
-        out_bytes += sum(t.data_type.itemsize for t in _unique(epilogue_inputs) if tuple(t.dim[-2:]) == (m, n))
+        out_bytes += sum(t.data_type.itemsize for t in epilogue_reads if tuple(t.dim[-2:]) == (m, n))
         batch = 1
         for size in self.batch_sizes:
             batch *= size
@@ -124,16 +107,6 @@ class MatmulBuild:
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
         self.device = device
         self.name = kernel_name(group, index)
-
-    @staticmethod
-    def _chain(tensor, prologue) -> set:
-        found, stack = set(), [tensor]
-        while stack:
-            t = stack.pop()
-            if t.producer in prologue and t.producer not in found:
-                found.add(t.producer)
-                stack += t.producer.input_tensors()
-        return found
 
     def _add(self, operands, side, tensors, domain, is_output=False):
         for tensor in tensors:
@@ -161,84 +134,7 @@ class MatmulBuild:
             precision=self.precision, compute=self.graph.compute_data_type.triton_type,
             index_64=self.index_64, description=self.group.describe(), **extra)
 
-    def _launch(self, spec, body, grid, warps, stages, config_text, reason, scratch_buffers=()):
-        source, arguments = render(spec, body)
-        kernel, path = load_kernel(source, spec.name)
-        return KernelLaunch(self.group, kernel, path, arguments, grid, warps, config_text, reason,
-                            scratch_buffers, num_stages=stages)
-
-    def launches(self, config: MatmulConfig, reason: str) -> list[KernelLaunch]:
-        """The kernels of this group under `config`: main (+ combine) (+ exit fold)."""
-        p = self.problem
-        tiles = -(-p.m // config.block_m) * -(-p.n // config.block_n)
-        epilogue_block = (config.block_m, config.block_n)
-        split = config.split_k > 1
-        if split:
-            epilogue_block = SPLIT_COMBINE_BLOCK
-        exit_scratch = [scratch((p.batch, -(-p.n // epilogue_block[1]), p.m)) for _ in self.group.exits]
-        exits = [ExitPlan(x, x.inputs[0].uid, s.uid, op)
-                 for x, op, s in zip(self.group.exits, self.exit_operands, exit_scratch)]
-        common = dict(exits=tuple(exits), epilogue_block=epilogue_block)
-        text = config.text
-        launches = []
-        if config.variant == "persistent":
-            programs = min(tiles * p.batch, self.device.sms)  # one program per SM
-            spec = self.spec(config, persistent_programs=programs, **common)
-            launches.append(self._launch(spec, "persistent", (programs,), config.num_warps, config.num_stages,
-                                         text + f" grid={programs}", reason, exit_scratch))
-            # pointers below 16-byte alignment cannot feed a descriptor: the tiled kernel runs then
-            fallback = MatmulConfig("tiled", config.block_m, config.block_n, config.block_k, config.num_warps,
-                                    config.num_stages)
-            launches[0].alternative = self._launch(self.spec(fallback, "_unaligned", **common), "tiled",
-                                                   (tiles, p.batch), config.num_warps, config.num_stages,
-                                                   fallback.text, reason)
-        elif split:
-            partial = scratch((config.split_k, p.batch, p.m, p.n))
-            spec = self.spec(config, partial_uid=partial.uid, **common)
-            launches.append(self._launch(spec, config.variant, (tiles, p.batch, config.split_k), config.num_warps,
-                                         config.num_stages, text, reason, [partial]))
-            combine_tiles = -(-p.m // epilogue_block[0]) * -(-p.n // epilogue_block[1])
-            launches.append(self._launch(self.spec(config, "_combine", partial_uid=partial.uid, **common),
-                                         "combine", (combine_tiles, p.batch), COMBINE_WARPS, None,
-                                         f"split-K combine {epilogue_block[0]}x{epilogue_block[1]}",
-                                         "adds the SPLIT_K partials in order (deterministic)", exit_scratch))
-        else:
-            spec = self.spec(config, **common)
-            launches.append(self._launch(spec, config.variant, (tiles, p.batch), config.num_warps,
-                                         config.num_stages, text + f" grid={tiles}x{p.batch}", reason,
-                                         exit_scratch))
-        if exits:
-            rows = -(-(p.batch * p.m) // 128)
-            launches.append(self._launch(self.spec(config, "_exits", **common), "exit_fold", (rows,),
-                                         EXIT_FOLD_WARPS, None, "row-exit fold",
-                                         "folds per-tile row partials in tile order (deterministic)"))
-        return launches
-
-
-def _unique(tensors) -> list:
-    seen, result = set(), []
-    for t in tensors:
-        if t.uid not in seen:
-            seen.add(t.uid)
-            result.append(t)
-    return result
-
-
 def build_matmul(graph, group, index, tuner=None, device=None) -> list[KernelLaunch]:
     """The launches of a matmul group for `device` (default: the current one): model choice, or
     the autotuned one with `tuner`."""
-    build = MatmulBuild(graph, group, index, device)
-    sched = schedule(build.problem, build.device)
-    config, record = sched.config, TuningRecord("model", sched.config.text)
-    if tuner is not None:
-        device = tuning_device(device)
-        tensors = sample_tensors(group, device)
-        config, record = tuner.choose(
-            "matmul", build.problem.signature(), list(sched.ranked), MatmulConfig.to_record,
-            MatmulConfig.from_record, lambda c: c.text,
-            lambda c: time_candidate(build.launches(c, "autotune candidate"), tensors, device))
-    reason = record.describe() or sched.reason
-    launches = build.launches(config, reason)
-    for launch in launches:
-        launch.tuning = record
-    return launches
+    return build_gemm(MatmulBuild(graph, group, index, device), "matmul", schedule, tuner, device)

@@ -1,0 +1,220 @@
+"""Render convolutions as implicit GEMMs: the conv family's k walk and loaders for the shared
+GEMM mainloop (codegen/gemm.py).
+
+fprop is C[m, n] = sum_k A[m, k] B[k, n] per group with m = (n, o_1..o_d) the output pixels,
+n the group's filters and k = (filter tap, channel):
+
+  TapWalk          k steps walk the filter taps (outer) and BLOCK_K channels of the group (inner):
+                   per step one scalar tap decomposition, `ks` the channels, `mask_k` their end
+                   (a small channel count is padded in the loader, never in memory)
+  ActivationGather A tiles gathered from the activation: rows decompose into (n, o_1..o_d) once
+                   per tile, the input coordinate of a tap is o * STRIDE - PADDING + tap * DILATION,
+                   out-of-range coordinates load zero (padding), and a pointwise prologue (a
+                   batchnorm's scale-bias-relu) runs at load, zero again where the padding is
+  FilterLoader     B tiles [channels, filters] of the filter at one tap, flipped in
+                   mode="convolution"
+
+Geometry (taps, stride, padding, dilation) is constexpr: the compiler folds the divisions.
+Operands of side "a" have row strides (n, input spatial axes...) and column stride (channel);
+the filter (side "b") has row strides (channel, filter spatial axes...) and column stride
+(filter); the group is the GEMM's batch axis.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .emitter import ExpressionEmitter
+from .gemm import batch_offset, bind_load, kind_of, row_lines, stride_name
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """Filter taps and their placement per spatial axis (plain data, from the plan)."""
+
+    filter_sizes: tuple  # taps per spatial axis
+    stride: tuple
+    padding: tuple  # may be negative where a phase of a strided dgrad starts inside the input
+    dilation: tuple
+    flip: bool  # mode="convolution": the filter is read back to front
+
+    @property
+    def rank(self) -> int:
+        return len(self.filter_sizes)
+
+    @property
+    def taps(self) -> int:
+        count = 1
+        for size in self.filter_sizes:
+            count *= size
+        return count
+
+    def constexprs(self) -> tuple:
+        values = [("TAPS", self.taps)]
+        for axis in range(self.rank):
+            values += [(f"FILTER_{axis}", self.filter_sizes[axis]), (f"STRIDE_{axis}", self.stride[axis]),
+                       (f"PADDING_{axis}", self.padding[axis]), (f"DILATION_{axis}", self.dilation[axis])]
+        return tuple(values)
+
+
+@dataclass(frozen=True)
+class TapWalk:
+    """k steps over (tap, channel block): k_tiles = TAPS * cdiv(CG, BLOCK_K)."""
+
+    geometry: ConvGeometry
+    channels: int  # channels per group (the reduction length at one tap)
+    ragged: bool  # channels % BLOCK_K != 0
+    names = ("c_tiles", "CG", "TAPS")
+    stems = ("tap", "FILTER", "STRIDE", "PADDING", "DILATION")
+    sizes = ("CG",)
+
+    @property
+    def size_values(self) -> dict:
+        return {"CG": self.channels}
+
+    def count(self, spec, w):
+        w("c_tiles = tl.cdiv(CG, BLOCK_K)", "k_tiles = TAPS * c_tiles")
+
+    def step(self, spec, w):
+        w("tap = kt // c_tiles", "ks = (kt - tap * c_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)")
+        if self.ragged:
+            w("mask_k = ks < CG")
+        last = self.geometry.rank - 1
+        if last == 0:
+            w("tap_0 = tap")
+            return
+        w("tap_rest = tap")
+        for axis in range(last, 0, -1):
+            w(f"tap_{axis} = tap_rest % FILTER_{axis}", f"tap_rest = tap_rest // FILTER_{axis}")
+        w("tap_0 = tap_rest")
+
+
+class _ConvLoader:
+    names = ()
+    stems = ()
+    uses_k_offsets = True
+
+    def program_setup(self, spec, w):
+        pass
+
+
+def _k_mask(spec, side: str) -> str:
+    if not spec.k_walk.ragged:
+        return ""
+    return "mask_k[None, :]" if side == "a" else "mask_k[:, None]"
+
+
+def _and(*masks: str) -> str:
+    return " & ".join(m for m in masks if m)
+
+
+@dataclass(frozen=True)
+class ActivationGather(_ConvLoader):
+    """A [BLOCK_M, BLOCK_K]: output pixel rows x channels of one tap, gathered with zero padding."""
+
+    geometry: ConvGeometry
+    input_sizes: tuple  # spatial extents of the activation
+    target_uid: int  # the tensor the conv reads (the prologue's result)
+    dot_type: str
+    prologue: tuple = ()
+    reads_rows = True
+    stems = ("in", "valid", "base")
+
+    def tile_setup(self, spec, w):
+        row_lines(spec, w, "offs_m % M")  # wrapped: loads need no row mask, stores mask the tail
+        for axis in range(self.geometry.rank):
+            w(f"in_{axis} = row_{axis + 1} * STRIDE_{axis} - PADDING_{axis}")
+        for op in spec.side("a"):
+            terms = [f"row_0 * {stride_name(op, 'r', 0)}"] if op.row_strides[0] else []
+            terms += [f"in_{axis} * {stride_name(op, 'r', axis + 1)}"
+                      for axis in range(self.geometry.rank) if op.row_strides[axis + 1]]
+            if terms:
+                w(f"base_{op.ident} = " + " + ".join(terms))
+
+    def _spans_rows(self, op) -> bool:
+        return any(op.row_strides)
+
+    def _offset(self, op) -> str:
+        terms = [t for t in [batch_offset(op)] if t]
+        tap = [f"tap_{axis} * DILATION_{axis} * {stride_name(op, 'r', axis + 1)}"
+               for axis in range(self.geometry.rank) if op.row_strides[axis + 1]]
+        if self._spans_rows(op):
+            rows = [f"base_{op.ident}"] if any(op.row_strides) else []
+            terms.append("(" + " + ".join(rows + tap) + ")[:, None]" if tap else f"base_{op.ident}[:, None]")
+        if op.col_strides[0]:
+            terms.append(f"ks[None, :] * {stride_name(op, 'c', 0)}")
+        return " + ".join(terms) or "0"
+
+    def _valid(self, w):
+        checks = []
+        for axis in range(self.geometry.rank):
+            w(f"in_tap_{axis} = in_{axis} + tap_{axis} * DILATION_{axis}")
+            checks.append(f"(in_tap_{axis} >= 0) & (in_tap_{axis} < in_size_{axis})")
+        w("valid_a = " + " & ".join(checks))
+
+    def step(self, spec, w):
+        self._valid(w)
+        k_mask = _k_mask(spec, "a")
+        inside = _and("valid_a[:, None]", k_mask)
+        if not self.prologue:
+            (op,) = spec.side("a")
+            convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
+            w(f"tile_a = tl.load({op.ident}_ptr + {self._offset(op)}, mask={inside}, other=0.0){convert}")
+            return
+        emitter = ExpressionEmitter(spec.compute, hint="pa", names=spec.names)
+        w.emitters.append(emitter)
+        for op in spec.side("a"):
+            mask = _and("valid_a[:, None]" if self._spans_rows(op) else "", k_mask if op.col_strides[0] else "")
+            other = "0.0" if op.data_type.is_floating else "0"
+            masked = f", mask={mask}, other={other}" if mask else ""
+            cast = f".to({spec.compute})" if kind_of(op.data_type) == "f" else ""
+            w(f"{op.ident} = tl.load({op.ident}_ptr + {self._offset(op)}{masked}){cast}")
+            bind_load(emitter, op, op.ident)
+        for node in self.prologue:
+            emitter.emit(node)
+        w(*emitter.lines)
+        # the padding and the channels past the group are zero after the prologue too
+        value = f"tl.where({inside}, {emitter.value(self.target_uid, 'f')}, 0.0)"
+        w(f"tile_a = tl.broadcast_to(({value}).to({self.dot_type}), (BLOCK_M, BLOCK_K))")
+
+    def arguments(self, spec) -> list:
+        from .pointwise import KernelArgument
+        return [KernelArgument("int", f"in_size_{axis}", size) for axis, size in enumerate(self.input_sizes)]
+
+    def strides_used(self, spec, body, op) -> list:
+        used = [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
+        return used + ([(stride_name(op, "c", 0), op.col_strides[0])] if op.col_strides[0] else [])
+
+
+@dataclass(frozen=True)
+class FilterLoader(_ConvLoader):
+    """B [BLOCK_K, BLOCK_N]: channels x filters of the group at the step's tap."""
+
+    geometry: ConvGeometry
+    dot_type: str
+    reads_rows = False
+
+    def tile_setup(self, spec, w):
+        w("cols_b = offs_n % N")
+
+    def step(self, spec, w):
+        (op,) = spec.side("b")
+        terms = [t for t in [batch_offset(op)] if t]
+        tap = []
+        for axis in range(self.geometry.rank):
+            if op.row_strides[axis + 1]:
+                index = f"(FILTER_{axis} - 1 - tap_{axis})" if self.geometry.flip else f"tap_{axis}"
+                tap.append(f"{index} * {stride_name(op, 'r', axis + 1)}")
+        terms += tap
+        terms.append(f"ks[:, None] * {stride_name(op, 'r', 0)}" if op.row_strides[0] else "ks[:, None] * 0")
+        terms.append(f"cols_b[None, :] * {stride_name(op, 'c', 0)}" if op.col_strides[0] else "cols_b[None, :] * 0")
+        k_mask = _k_mask(spec, "b")
+        masked = f", mask={k_mask}, other=0.0" if k_mask else ""
+        convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
+        w(f"tile_b = tl.load({op.ident}_ptr + {' + '.join(terms)}{masked}){convert}")
+
+    def arguments(self, spec) -> list:
+        return []
+
+    def strides_used(self, spec, body, op) -> list:
+        used = [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
+        return used + ([(stride_name(op, "c", 0), op.col_strides[0])] if op.col_strides[0] else [])

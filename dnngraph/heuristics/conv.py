@@ -1,0 +1,99 @@
+"""Convolution configs: implicit-GEMM candidates per problem, ranked by the matmul model.
+
+fprop per group is a GEMM of M = N * output pixels, N = filters per group and K = taps x
+channels per group, walked tap by tap in BLOCK_K channel steps: channels past the group's end
+are padded in the loader, so a tap costs cdiv(C, BLOCK_K) * BLOCK_K of math. The model is the
+matmul roofline (heuristics/matmul.py) on that padded K with no TMA, times the gather's
+efficiency; small channel counts (the ResNet stem, C = 3) get narrow BLOCK_K candidates so the
+padding stays small.
+
+A 1x1 stride-1 unpadded conv over an activation whose pixels merge into one row axis is a plain
+matmul and is scheduled as one (heuristics/matmul.py, TMA included).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .device import DeviceModel
+from .matmul import MatmulConfig, MatmulProblem, MatmulSchedule, candidates as matmul_candidates, estimate
+
+# The activation gather computes a pixel's coordinates and padding mask per tap and loads
+# through masked pointers (no TMA): the model charges it against the matmul kernels' rate.
+GATHER_EFFICIENCY = 0.85
+NARROW_K = (16, 32)  # extra BLOCK_K choices where the group's channels are few
+
+
+@dataclass(frozen=True)
+class ConvProblem:
+    """What the model needs to know of one conv kernel (plain data; the cache key)."""
+
+    groups: int
+    m: int  # output pixels (N x spatial)
+    n: int  # filters per group
+    channels: int  # channels per group
+    taps: int
+    dot: str
+    a_bytes: int
+    b_bytes: int
+    out_bytes: int
+    layout: str  # a short text of the operands' layouts (part of the signature only)
+    epilogue: str = ""
+
+    @property
+    def batch(self) -> int:
+        return self.groups
+
+    @property
+    def k(self) -> int:
+        return self.taps * self.channels
+
+    def padded(self, block_k: int) -> MatmulProblem:
+        """The GEMM the kernel runs at `block_k`: each tap's channels rounded up to the block."""
+        k = self.taps * -(-self.channels // block_k) * block_k
+        return MatmulProblem(self.groups, self.m, self.n, k, self.dot, self.a_bytes, self.b_bytes, self.out_bytes,
+                             False, "strided", "strided", self.epilogue)
+
+    def signature(self) -> str:
+        return (f"conv g{self.groups} m{self.m} n{self.n} c{self.channels} t{self.taps} {self.dot} "
+                f"a{self.a_bytes} b{self.b_bytes} o{self.out_bytes} {self.layout} {self.epilogue}").strip()
+
+
+def candidates(problem: ConvProblem, sms: int = 132) -> list[MatmulConfig]:
+    """Pointer-load GEMM configs for the conv (no persistent/TMA variant), plus narrow-K twins
+    where the group's channels fill less than a 64-wide step."""
+    found = {}
+    for config in matmul_candidates(problem.padded(1), sms):
+        if config.variant == "persistent":
+            continue
+        block_ks = {config.block_k} | {k for k in NARROW_K if k < config.block_k and problem.channels < config.block_k}
+        for block_k in sorted(block_ks):
+            narrowed = replace(config, block_k=block_k)
+            found.setdefault(narrowed.key(), narrowed)
+    return list(found.values())
+
+
+def conv_estimate(config: MatmulConfig, problem: ConvProblem, device: DeviceModel) -> float:
+    """Model seconds for `config` on `problem`."""
+    return estimate(config, problem.padded(config.block_k), device) / GATHER_EFFICIENCY
+
+
+def rank(problem: ConvProblem, device: DeviceModel) -> list[MatmulConfig]:
+    """Candidates with their model time, best first (ties: bigger tiles, no split)."""
+    ranked = [replace(c, estimate_us=conv_estimate(c, problem, device) * 1e6) for c in candidates(problem, device.sms)]
+    ranked.sort(key=lambda c: (round(c.estimate_us, 3), c.split_k, -c.block_m * c.block_n, -c.block_k))
+    return ranked
+
+
+FORCE_CONFIG = None  # tests: run this config whatever the model says
+
+
+def schedule(problem: ConvProblem, device: DeviceModel) -> MatmulSchedule:
+    """The model's choice for `problem`, with the ranked list autotuning draws from."""
+    ranked = rank(problem, device)
+    if FORCE_CONFIG is not None:
+        ranked.insert(0, FORCE_CONFIG)
+    best = ranked[0]
+    flops = 2.0 * problem.groups * problem.m * problem.n * problem.k
+    reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us (~{flops / max(best.estimate_us, 1e-3) / 1e6:.0f}"
+              f" TFLOP/s) for {problem.groups} group(s) x {problem.m}x{problem.n}x{problem.k} implicit GEMM {problem.dot}")
+    return MatmulSchedule(problem, tuple(ranked), best, reason)

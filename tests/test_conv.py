@@ -1,0 +1,170 @@
+"""Convolution family on CPU (interpreter): fprop, dgrad and wgrad in 1D/2D/3D, NCHW, NHWC and odd
+strides, groups 1, 2 and C, padding past the filter radius, dilation, stride past the filter,
+channel counts of 1 and 3, both modes, fused prologues and epilogues, forced variants, and the
+bad inputs every op must reject."""
+import pytest
+import torch
+
+import dnngraph as dg
+from dnngraph.heuristics import conv as conv_heuristics
+from dnngraph.heuristics import matmul as mm
+from helpers import check
+
+RANKS = {1: dict(x=[2, 6, 13], w=[4, 3, 3], padding=[2], stride=[2], dilation=[2]),
+         2: dict(x=[2, 6, 7, 9], w=[4, 3, 3, 2], padding=[1, 3], stride=[1, 3], dilation=[2, 1]),
+         3: dict(x=[1, 6, 5, 6, 7], w=[6, 3, 3, 1, 2], padding=[1, 0, 2], stride=[2, 1, 1], dilation=[1, 1, 2])}
+
+
+def stored(shape, layout, dtype=torch.float32):
+    """A tensor of logical `shape` stored NCHW (contiguous), NHWC (channels innermost) or with odd
+    strides (every other element of a wider buffer, axes permuted)."""
+    rank = len(shape)
+    if layout == "nchw":
+        return torch.randn(shape).to(dtype)
+    if layout == "nhwc":
+        order = [0] + list(range(2, rank)) + [1]
+        physical = torch.randn([shape[a] for a in order]).to(dtype)
+        return physical.permute([order.index(a) for a in range(rank)])
+    wide = [n * 2 if a % 2 else n for a, n in enumerate(shape)]
+    physical = torch.randn(list(reversed(wide))).to(dtype).permute(list(range(rank - 1, -1, -1)))
+    return physical[tuple(slice(None, None, 2) if a % 2 else slice(None) for a in range(rank))]
+
+
+def graph(dtype=dg.float32, **kwargs):
+    return dg.Graph(name="conv", io_data_type=dtype, intermediate_data_type=dg.float32,
+                    compute_data_type=dg.float32, **kwargs)
+
+
+def grouped(case: dict, groups: int) -> dict:
+    """The case with `groups`: channels 6 and filters 6 divide 1, 2, 3 and 6."""
+    case = dict(case, x=list(case["x"]), w=list(case["w"]))
+    case["w"][0] = 6
+    case["w"][1] = case["x"][1] // groups
+    return case
+
+
+def geometry(case):
+    return dict(padding=case["padding"], stride=case["stride"], dilation=case["dilation"])
+
+
+@pytest.mark.parametrize("rank", sorted(RANKS))
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "odd"])
+@pytest.mark.parametrize("groups", [1, 2, 6])
+def test_fprop(rank, layout, groups):
+    case = grouped(RANKS[rank], groups)
+    x_t, w_t = stored(case["x"], layout), stored(case["w"], layout)
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    g.conv_fprop(x, w, groups=groups, **geometry(case)).set_output(True).set_name("y")
+    check(g, {"x": x_t, "w": w_t})
+    assert len(g.plan.launches) == 1
+
+
+@pytest.mark.parametrize("mode", ["convolution", "cross_correlation"])
+@pytest.mark.parametrize("channels,filters", [(1, 3), (3, 1), (3, 3), (1, 1)])
+def test_fprop_small_channels_and_modes(mode, channels, filters):
+    x_t, w_t = stored([2, channels, 11, 6], "nhwc"), stored([filters, channels, 5, 2], "nchw")
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    # padding larger than the filter radius, stride larger than the filter
+    g.conv_fprop(x, w, padding=[4, 3], stride=[6, 3], dilation=[1, 1], mode=mode).set_output(True).set_name("y")
+    check(g, {"x": x_t, "w": w_t})
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_pointwise_conv_takes_the_matmul_path(layout, groups):
+    x_t, w_t = stored([2, 6, 5, 7], layout), stored([4, 6 // groups, 1, 1], layout)
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    b = g.tensor(name="b", dim=[1, 4, 1, 1])
+    g.relu(g.add(g.conv_fprop(x, w, padding=[0, 0], groups=groups), b)).set_output(True).set_name("y")
+    check(g, {"x": x_t, "w": w_t, "b": torch.randn(1, 4, 1, 1)})
+    source = g.plan.launches[0].source_path.read_text()
+    assert ("TAPS" in source) == (layout == "nchw"), "NHWC 1x1 runs on the matmul loaders, NCHW gathers"
+
+
+@pytest.fixture(params=["tiled", "split_k", "small_m"])
+def variant(request, monkeypatch):
+    configs = {"tiled": mm.MatmulConfig("tiled", 32, 16, 16, 4, 2),
+               "split_k": mm.MatmulConfig("split_k", 32, 16, 16, 4, 2, split_k=3),
+               "small_m": mm.MatmulConfig("small_m", 16, 16, 16, 4, 2)}
+    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", configs[request.param])
+    return request.param
+
+
+def test_fused_epilogue_every_variant(variant):
+    """bias, residual, relu and a cast, with the pre-activation stored as an extra output."""
+    x_t, w_t = stored([2, 5, 6, 7], "nhwc"), stored([7, 5, 3, 3], "odd")
+    residual_t = stored([2, 7, 6, 7], "nchw")
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    b, r = g.tensor(name="b", dim=[1, 7, 1, 1]), g.tensor_like(residual_t, name="r")
+    pre = g.add(g.add(g.conv_fprop(x, w, padding=[1, 1]), b), r).set_output(True).set_name("pre")
+    g.cast(g.relu(pre), data_type=dg.float16).set_output(True).set_name("y")
+    check(g, {"x": x_t, "w": w_t, "b": torch.randn(1, 7, 1, 1), "r": residual_t}, tolerance=1e-3)
+    assert [l.group.kind for l in g.plan.launches][0] == "conv"
+    assert len(g.plan.launches) == (2 if variant == "split_k" else 1)
+
+
+def test_batchnorm_relu_prologue_keeps_padding_zero():
+    """scale * x + bias, relu, applied at load: the padded border contributes 0, not relu(bias)."""
+    x_t, w_t = stored([2, 4, 5, 6], "nhwc"), stored([3, 4, 3, 3], "nchw")
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    scale, bias = g.tensor(name="scale", dim=[1, 4, 1, 1]), g.tensor(name="bias", dim=[1, 4, 1, 1])
+    act = g.relu(g.add(g.mul(x, scale), bias))
+    g.conv_fprop(act, w, padding=[2, 1]).set_output(True).set_name("y")
+    inputs = {"x": x_t, "w": w_t, "scale": torch.randn(1, 4, 1, 1), "bias": torch.rand(1, 4, 1, 1) + 1.0}
+    check(g, inputs)
+    assert len(g.plan.launches) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_mixed_and_half_types(dtype):
+    x_t, w_t = stored([2, 5, 7, 6], "nhwc", dtype), stored([4, 5, 3, 3], "nchw", torch.float16)
+    g = graph(dg.dtypes.from_torch(dtype))
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    g.conv_fprop(x, w, padding=[1, 1]).set_output(True).set_name("y")
+    check(g, {"x": x_t, "w": w_t}, tolerance=2e-3)
+
+
+def test_nan_and_inf_propagate():
+    x_t, w_t = stored([1, 3, 5, 5], "nhwc"), stored([2, 3, 3, 3], "nchw")
+    x_t[0, 1, 2, 2] = float("nan")
+    x_t[0, 0, 0, 0] = float("inf")
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    g.conv_fprop(x, w, padding=[1, 1]).set_output(True).set_name("y")
+    check(g, {"x": x_t, "w": w_t})
+
+
+def test_integer_operands_are_rejected():
+    g = graph()
+    x = g.tensor(name="x", dim=[1, 3, 5, 5], data_type=dg.int32)
+    w = g.tensor(name="w", dim=[2, 3, 3, 3])
+    g.conv_fprop(x, w, padding=[1, 1]).set_output(True)
+    with pytest.raises(dg.UnsupportedError, match="int32"):
+        g.build()
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda g, x, w: g.conv_fprop(x, w, padding=[1, 1], groups=4), "groups"),
+    (lambda g, x, w: g.conv_fprop(x, w, padding=[-1, 1]), "padding"),
+    (lambda g, x, w: g.conv_fprop(x, w, padding=[0, 0], dilation=[9, 1]), "larger than"),
+    (lambda g, x, w: g.conv_fprop(x, w, padding=[1, 1], stride=[0, 1]), "stride"),
+    (lambda g, x, w: g.conv_dgrad(g.tensor(name="dy", dim=[2, 4, 5, 5]), w, x_dim=[2, 6, 9, 9],
+                                  padding=[1, 1]), "dy must be"),
+    (lambda g, x, w: g.conv_wgrad(g.tensor(name="dy", dim=[2, 4, 4, 4]), x, w_dim=[4, 6, 3, 3],
+                                  padding=[1, 1]), "dy must be"),
+    (lambda g, x, w: g.conv_dgrad(g.tensor(name="dy", dim=[2, 4, 5, 5]), w, x_dim=[2, 6, 5],
+                                  padding=[1, 1]), "padding needs 1"),
+])
+def test_bad_input_is_a_validation_error(call, match):
+    g = graph()
+    x, w = g.tensor(name="x", dim=[2, 6, 5, 5]), g.tensor(name="w", dim=[4, 6, 3, 3])
+    nodes = len(g.nodes) if hasattr(g, "nodes") else None
+    with pytest.raises(dg.ValidationError, match=match):
+        call(g, x, w)
+    if nodes is not None:
+        assert len(g.nodes) == nodes
