@@ -168,3 +168,60 @@ def test_bad_input_is_a_validation_error(call, match):
         call(g, x, w)
     if nodes is not None:
         assert len(g.nodes) == nodes
+
+
+def _dgrad_graph(case, groups, layout, mode="cross_correlation", dtype=torch.float32):
+    x_dim, w_dim = case["x"], case["w"]
+    y_dim = torch.nn.functional.conv_nd if False else None
+    w_t = stored(w_dim, layout, dtype)
+    probe = torch.zeros(x_dim)
+    reference = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[len(x_dim) - 3]
+    y_dim = list(reference(probe, torch.zeros(w_dim), groups=groups, **geometry(case)).shape)
+    dy_t = stored(y_dim, layout, dtype)
+    g = graph(dg.dtypes.from_torch(dtype))
+    dy, w = g.tensor_like(dy_t, name="dy"), g.tensor_like(w_t, name="w")
+    dx = g.conv_dgrad(dy, w, x_dim=x_dim, groups=groups, mode=mode, **geometry(case))
+    return g, dx, {"dy": dy_t, "w": w_t}
+
+
+@pytest.mark.parametrize("rank", sorted(RANKS))
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "odd"])
+@pytest.mark.parametrize("groups", [1, 2, 6])
+def test_dgrad(rank, layout, groups):
+    case = grouped(RANKS[rank], groups)
+    g, dx, inputs = _dgrad_graph(case, groups, layout)
+    dx.set_output(True).set_name("dx")
+    check(g, inputs)
+
+
+@pytest.mark.parametrize("stride,dilation,padding", [((2, 3), (1, 1), (1, 0)), ((3, 2), (2, 3), (4, 2)),
+                                                     ((4, 1), (1, 1), (0, 0)), ((2, 2), (2, 2), (3, 3))])
+@pytest.mark.parametrize("mode", ["convolution", "cross_correlation"])
+def test_dgrad_stride_phases_match_autograd(stride, dilation, padding, mode):
+    """Every phase, including those no tap reaches (stride past the filter: dx there is 0), against
+    torch.autograd; a phase costs one kernel, never a zero-inserted dy."""
+    x_t = torch.randn(2, 4, 11, 9, dtype=torch.float64, requires_grad=True)
+    w_t = torch.randn(6, 4, 3, 2, dtype=torch.float64)
+    w_used = w_t.flip((2, 3)) if mode == "convolution" else w_t
+    y = torch.nn.functional.conv2d(x_t, w_used, stride=stride, padding=padding, dilation=dilation)
+    dy_t = torch.randn_like(y)
+    (expected,) = torch.autograd.grad(y, x_t, dy_t)
+    g = graph()
+    dy, w = g.tensor_like(dy_t.float(), name="dy"), g.tensor_like(w_t.float(), name="w")
+    dx = g.conv_dgrad(dy, w, x_dim=[2, 4, 11, 9], padding=list(padding), stride=list(stride),
+                      dilation=list(dilation), mode=mode).set_output(True).set_name("dx")
+    out = check(g, {"dy": dy_t.float(), "w": w_t.float()})["dx"]
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-4)
+    phases = min(stride[0], 11) * min(stride[1], 9)
+    assert len(g.plan.launches) == phases
+
+
+def test_dgrad_drelu_epilogue():
+    """relu_backward(dx, x): the dReLU of the previous layer rides on the dgrad epilogue."""
+    case = grouped(RANKS[2], 1)
+    g, dx, inputs = _dgrad_graph(case, 1, "nhwc")
+    x_t = stored(case["x"], "nhwc")
+    x = g.tensor_like(x_t, name="x")
+    g.relu_backward(dx, x).set_output(True).set_name("dx_relu")
+    check(g, {**inputs, "x": x_t})
+    assert len({l.group.kind for l in g.plan.launches}) == 1 and g.plan.launches[0].group.kind == "conv"

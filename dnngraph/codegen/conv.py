@@ -11,8 +11,8 @@ n the group's filters and k = (filter tap, channel):
                    per tile, the input coordinate of a tap is o * STRIDE - PADDING + tap * DILATION,
                    out-of-range coordinates load zero (padding), and a pointwise prologue (a
                    batchnorm's scale-bias-relu) runs at load, zero again where the padding is
-  FilterLoader     B tiles [channels, filters] of the filter at one tap, flipped in
-                   mode="convolution"
+  FilterLoader     B tiles [channels, filters] of the filter at one tap, read at an affine filter
+                   index (back to front in mode="convolution" and in dgrad)
 
 Geometry (taps, stride, padding, dilation) is constexpr: the compiler folds the divisions.
 Operands of side "a" have row strides (n, input spatial axes...) and column stride (channel);
@@ -31,11 +31,12 @@ from .gemm import batch_offset, bind_load, kind_of, row_lines, stride_name
 class ConvGeometry:
     """Filter taps and their placement per spatial axis (plain data, from the plan)."""
 
-    filter_sizes: tuple  # taps per spatial axis
+    filter_sizes: tuple  # taps walked per spatial axis (0: a dgrad phase no tap reaches)
     stride: tuple
     padding: tuple  # may be negative where a phase of a strided dgrad starts inside the input
     dilation: tuple
-    flip: bool  # mode="convolution": the filter is read back to front
+    filter_base: tuple  # the filter index of tap t is filter_base + filter_step * t per axis:
+    filter_step: tuple  # (0, 1) in fprop, (R - 1, -1) flipped, (r0 + (J-1) q, -q) in a dgrad phase
 
     @property
     def rank(self) -> int:
@@ -51,9 +52,16 @@ class ConvGeometry:
     def constexprs(self) -> tuple:
         values = [("TAPS", self.taps)]
         for axis in range(self.rank):
-            values += [(f"FILTER_{axis}", self.filter_sizes[axis]), (f"STRIDE_{axis}", self.stride[axis]),
-                       (f"PADDING_{axis}", self.padding[axis]), (f"DILATION_{axis}", self.dilation[axis])]
+            values += [(f"FILTER_{axis}", max(1, self.filter_sizes[axis])), (f"STRIDE_{axis}", self.stride[axis]),
+                       (f"PADDING_{axis}", self.padding[axis]), (f"DILATION_{axis}", self.dilation[axis]),
+                       (f"FILTER_BASE_{axis}", self.filter_base[axis]), (f"FILTER_STEP_{axis}", self.filter_step[axis])]
         return tuple(values)
+
+    def filter_index(self, axis: int) -> str:
+        """The filter index along `axis` of the step's tap."""
+        if (self.filter_base[axis], self.filter_step[axis]) == (0, 1):
+            return f"tap_{axis}"
+        return f"(FILTER_BASE_{axis} + FILTER_STEP_{axis} * tap_{axis})"
 
 
 @dataclass(frozen=True)
@@ -202,8 +210,7 @@ class FilterLoader(_ConvLoader):
         tap = []
         for axis in range(self.geometry.rank):
             if op.row_strides[axis + 1]:
-                index = f"(FILTER_{axis} - 1 - tap_{axis})" if self.geometry.flip else f"tap_{axis}"
-                tap.append(f"{index} * {stride_name(op, 'r', axis + 1)}")
+                tap.append(f"{self.geometry.filter_index(axis)} * {stride_name(op, 'r', axis + 1)}")
         terms += tap
         terms.append(f"ks[:, None] * {stride_name(op, 'r', 0)}" if op.row_strides[0] else "ks[:, None] * 0")
         terms.append(f"cols_b[None, :] * {stride_name(op, 'c', 0)}" if op.col_strides[0] else "cols_b[None, :] * 0")

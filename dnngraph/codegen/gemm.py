@@ -69,6 +69,7 @@ class GemmOperand:
     col_strides: tuple
     is_output: bool = False
     ident: str = ""  # its name in the kernel, given by the kernel's allocator at render
+    offset: int = 0  # elements from its base to the first one the kernel walks (a dgrad phase)
 
     @property
     def row_stride(self) -> int:
@@ -160,6 +161,11 @@ def batch_offset(op: GemmOperand) -> str:
     return " + ".join(terms)
 
 
+def start_offset(op: GemmOperand) -> str:
+    """The argument holding op's start offset, where it has one."""
+    return f"{op.ident}_offset" if op.offset else ""
+
+
 def stride_name(op: GemmOperand, axis: str, index: int) -> str:
     """The argument holding op's stride along row (axis "r") or column ("c") axis `index`."""
     count = len(op.row_strides if axis == "r" else op.col_strides)
@@ -183,7 +189,7 @@ def offset_2d(op: GemmOperand, rows, cols, full: bool = False) -> str:
     whole tile even where a size-1 axis has stride 0)."""
     rows = [rows] if isinstance(rows, str) else rows
     cols = [cols] if isinstance(cols, str) else cols
-    terms = [t for t in [batch_offset(op)] if t]
+    terms = [t for t in [batch_offset(op), start_offset(op)] if t]
     terms += axis_terms(op, "r", rows, full, "[:, None]")
     terms += axis_terms(op, "c", cols, full, "[None, :]")
     return " + ".join(terms) or "0"
@@ -426,6 +432,7 @@ def _strides_used(spec, body: str, op: GemmOperand) -> list:
     its loader addresses (sides a and b), or its row and column strides (the exit fold walks
     rows only)."""
     used = [(f"{op.ident}_bstride_{a}", s) for a, s in enumerate(op.batch_strides) if s]
+    used += [(start_offset(op), op.offset)] if op.offset else []
     if op.side in ("a", "b"):
         loader = spec.loader_a if op.side == "a" else spec.loader_b
         return used + loader.strides_used(spec, body, op)

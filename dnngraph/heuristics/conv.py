@@ -97,3 +97,57 @@ def schedule(problem: ConvProblem, device: DeviceModel) -> MatmulSchedule:
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us (~{flops / max(best.estimate_us, 1e-3) / 1e6:.0f}"
               f" TFLOP/s) for {problem.groups} group(s) x {problem.m}x{problem.n}x{problem.k} implicit GEMM {problem.dot}")
     return MatmulSchedule(problem, tuple(ranked), best, reason)
+
+
+# --- dgrad as stride phases ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class DgradPhase:
+    """dx at input positions stride * t + phase (per spatial axis) as a stride-1 conv over dy:
+    tap j reads dy at t - padding + j * dilation and the filter at base + step * j."""
+
+    phase: tuple
+    rows: tuple  # t per axis (cdiv(input - phase, stride))
+    taps: tuple  # filter taps that reach this phase per axis (0: none, dx there is 0)
+    padding: tuple
+    dilation: tuple
+    filter_base: tuple
+    filter_step: tuple
+
+
+def _axis_phase(phase: int, size: int, taps: int, stride: int, padding: int, dilation: int, flip: bool):
+    """(rows, taps, padding, dilation, filter base, filter step) of one axis of a phase.
+
+    Input i = s*t + phase gets dy[o] w[r] where o*s = i + p - r*d: the taps r with
+    (phase + p - r*d) divisible by s, an arithmetic run r0, r0 + q, ... (q = s / gcd(s, d)), each
+    reading dy at t + (phase + p - r*d) / s. Walked last tap first, the dy offset grows by
+    d * q / s per tap: a stride-1 conv with that dilation."""
+    rows = -(-(size - phase) // stride)
+    reaching = [r for r in range(taps) if (phase + padding - r * dilation) % stride == 0]
+    if not reaching:
+        return rows, 0, 0, 1, 0, 1
+    first, count = reaching[0], len(reaching)
+    step = reaching[1] - first if count > 1 else stride
+    offset_first = (phase + padding - first * dilation) // stride
+    tap_dilation = dilation * step // stride
+    base, filter_step = first + (count - 1) * step, -step
+    if flip:  # mode="convolution" reads the filter back to front
+        base, filter_step = taps - 1 - base, step
+    return rows, count, (count - 1) * tap_dilation - offset_first, max(1, tap_dilation), base, filter_step
+
+
+def dgrad_phases(input_sizes, filter_sizes, stride, padding, dilation, flip: bool) -> list[DgradPhase]:
+    """The stride phases of a dgrad that own at least one dx element (every element in one)."""
+    phases = []
+    ranges = [range(min(s, n)) for s, n in zip(stride, input_sizes)]
+    for phase in _product_of(ranges):
+        axes = [_axis_phase(f, n, r, s, p, d, flip)
+                for f, n, r, s, p, d in zip(phase, input_sizes, filter_sizes, stride, padding, dilation)]
+        phases.append(DgradPhase(tuple(phase), *(tuple(a[i] for a in axes) for i in range(6))))
+    return phases
+
+
+def _product_of(ranges) -> list:
+    combos = [()]
+    for values in ranges:
+        combos = [c + (v,) for c in combos for v in values]
+    return combos

@@ -1,14 +1,23 @@
-"""Build the launches of a convolution group: pose the implicit GEMM, choose a config, render.
+"""Build the launches of a convolution group: pose the implicit GEMMs, choose configs, render.
 
-A group is a conv node with a pointwise prologue on its activation (a previous batchnorm's
-scale-bias-relu, applied at load) and a pointwise epilogue chain (bias, activations, residual,
-scale, cast; values inside the chain stored as extra outputs). Per group of the convolution,
-fprop is a GEMM over rows (n, output pixel), columns (filters) and k (tap, channel); the group
-index is the GEMM's batch axis, so every operand carries its group offset as a batch stride.
-A 1x1 stride-1 unpadded conv whose activation pixels merge into one row axis is a matmul and
-takes the matmul loaders and schedule (TMA included).
+A group is a conv node with a pointwise prologue on its gathered operand (a previous
+batchnorm's scale-bias-relu on x, applied at load) and a pointwise epilogue chain (bias,
+activations, residual, scale, cast; values inside the chain stored as extra outputs).
+
+  fprop  one GEMM per group of the convolution: rows (n, output pixel), columns (filters),
+         k (tap, channel) over x gathered and the filter;
+  dgrad  one stride-1 GEMM per stride phase (heuristics/conv.py dgrad_phases): rows (n, phase
+         pixel), columns (channels), k (tap reaching the phase, filter) over dy gathered and the
+         filter read transposed; each phase writes dx at stride * t + phase, so no zero is
+         inserted and no multiply is wasted.
+
+The group index is the GEMM's batch axis: every operand carries its group offset as a batch
+stride. A 1x1 stride-1 unpadded pose whose gathered pixels merge into one row axis is a matmul
+and takes the matmul loaders and schedule (TMA included).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ..codegen.conv import ActivationGather, ConvGeometry, FilterLoader, TapWalk
 from ..codegen.gemm import GemmKernelSpec, GemmOperand
@@ -21,7 +30,7 @@ from ..heuristics.layout import INT32_LIMIT, operand_strides
 from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot
 from .gemm import GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
 from .launch import KernelLaunch, element_span, kernel_name
-from .matmul import _layout, _tma_ok
+from .matmul import layout_of, tma_ok
 
 
 def _product(values) -> int:
@@ -40,137 +49,193 @@ def _merged_rows(sizes: tuple, strides: tuple):
     return live[-1][1] if live else 0
 
 
-class ConvBuild(GemmLaunches):
-    """Everything about one conv fprop group that does not depend on the config."""
+@dataclass(frozen=True)
+class ConvPose:
+    """One implicit GEMM of a conv node (plain data)."""
 
-    def __init__(self, graph, group, index, device=None):
-        self.graph, self.group, self.index = graph, group, index
+    source: object  # the gathered tensor [N, channels * groups, *in]: x (fprop) or dy (dgrad)
+    filter_reduce_axis: int  # the filter axis k walks at a tap: 1 (channels, fprop), 0 (filters, dgrad)
+    geometry: ConvGeometry
+    channels: int  # reduction per tap per group
+    filters: int  # GEMM columns per group
+    rows: tuple  # output rows per spatial axis
+    out_step: tuple  # the output index of row t is out_step * t + out_phase per spatial axis
+    out_phase: tuple
+    suffix: str = ""
+
+
+def _fprop_pose(node) -> ConvPose:
+    x, w = node.inputs
+    attrs = node.attrs
+    flip = attrs.mode == "convolution"
+    filters = tuple(w.dim[2:])
+    geometry = ConvGeometry(filters, attrs.stride, attrs.padding, attrs.dilation,
+                            tuple(r - 1 if flip else 0 for r in filters), tuple(-1 if flip else 1 for _ in filters))
+    out = tuple(node.outputs[0].dim[2:])
+    return ConvPose(x, 1, geometry, x.dim[1] // attrs.groups, w.dim[0] // attrs.groups, out, (1,) * len(out),
+                    (0,) * len(out))
+
+
+def _dgrad_poses(node) -> list:
+    dy, w = node.inputs
+    attrs = node.attrs
+    filters = tuple(w.dim[2:])
+    poses = []
+    phases = conv_heuristics.dgrad_phases(tuple(attrs.shape[2:]), filters, attrs.stride, attrs.padding,
+                                          attrs.dilation, attrs.mode == "convolution")
+    for index, phase in enumerate(phases):
+        geometry = ConvGeometry(phase.taps, (1,) * len(filters), phase.padding, phase.dilation, phase.filter_base,
+                                phase.filter_step)
+        suffix = f"_phase{index}" if len(phases) > 1 else ""
+        poses.append(ConvPose(dy, 0, geometry, w.dim[0] // attrs.groups, w.dim[1], phase.rows, attrs.stride,
+                              phase.phase, suffix))
+    return poses
+
+
+POSES = {"conv_fprop": lambda node: [_fprop_pose(node)], "conv_dgrad": _dgrad_poses}
+
+
+class ConvBuild(GemmLaunches):
+    """Everything about one pose of a conv group that does not depend on the config."""
+
+    def __init__(self, graph, group, index, pose: ConvPose, device=None):
+        self.graph, self.group, self.index, self.pose = graph, group, index, pose
         node = self.node = group.anchor
-        if node.op != "conv_fprop":
-            raise UnsupportedError(f"node {node.name!r} ({node.op}): no kernel for {node.op} exists yet; "
-                                   f"graph.reference() computes it")
-        x, w = node.inputs
-        y = node.outputs[0]
-        self.x, self.w, self.y = x, w, y
-        attrs = node.attrs
-        self.groups = attrs.groups
-        self.channels = x.dim[1] // attrs.groups
-        self.filters = w.dim[0] // attrs.groups
-        self.input_sizes, self.output_sizes = tuple(x.dim[2:]), tuple(y.dim[2:])
-        self.geometry = ConvGeometry(tuple(w.dim[2:]), attrs.stride, attrs.padding, attrs.dilation,
-                                     attrs.mode == "convolution")
-        self.batch_sizes = (attrs.groups,) if attrs.groups > 1 else ()
+        self.w, self.out = node.inputs[1], node.outputs[0]
+        self.groups = node.attrs.groups
+        self.batch_sizes = (self.groups,) if self.groups > 1 else ()
         prologue = set(group.prologue)
-        self.prologue = tuple(n for n in group.prologue if n in chain(x, prologue))
-        members = set(group.nodes)
-        self.x_leaves = leaves(x, members)
+        self.prologue = tuple(n for n in group.prologue if n in chain(pose.source, prologue))
+        self.source_leaves = leaves(pose.source, set(group.nodes))
         self.epilogue_reads = epilogue_inputs(group)
         self.stored = [t for t in group.outputs if t.producer not in prologue]
         self.exit_operands = []
-        self.row_sizes = (x.dim[0],) + self.output_sizes
-        self.dot_a, self.dot_b, dot, self.precision = self._dot(x, w, graph.allow_tf32)
+        self.row_sizes = (self.out.dim[0],) + pose.rows
+        self.dot_a, self.dot_b, dot, self.precision = self._dot(pose.source, self.w, graph.allow_tf32)
         self.device = device_model(device)
-        self.matmul_path = self._is_matmul(attrs)
-        self.operands = tuple(self._activation_operands() + self._filter_operands() + self._output_operands())
+        self.matmul_path = self._is_matmul()
+        self.operands = tuple(self._source_operands() + self._filter_operands() + self._output_operands())
         self.problem = self._problem(dot)
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
-        self.name = kernel_name(group, index)
+        self.name = kernel_name(group, index) + pose.suffix
 
     @staticmethod
-    def _dot(x, w, allow_tf32: bool):
-        for t in (x.data_type, w.data_type):
+    def _dot(source, w, allow_tf32: bool):
+        for t in (source.data_type, w.data_type):
             if not t.is_floating:
-                raise UnsupportedError(f"conv of {x.data_type.name} x {w.data_type.name}: no kernel takes "
+                raise UnsupportedError(f"conv of {source.data_type.name} x {w.data_type.name}: no kernel takes "
                                        f"{t.name} operands")
-        choice = choose_dot(x.data_type.name, w.data_type.name, x.data_type.triton_type, w.data_type.triton_type,
-                            allow_tf32)
+        choice = choose_dot(source.data_type.name, w.data_type.name, source.data_type.triton_type,
+                            w.data_type.triton_type, allow_tf32)
         return choice.a_type, choice.b_type, choice.dot, choice.precision
 
     # --- operands ---------------------------------------------------------------------------------
     def _group_stride(self, per_group: int, stride: int) -> tuple:
         return (per_group * stride,) if self.batch_sizes else ()
 
-    def _is_matmul(self, attrs) -> bool:
-        """1x1, stride 1, no padding, and every activation operand walks its pixels as one axis."""
-        if any(r != 1 for r in self.w.dim[2:]) or any(s != 1 for s in attrs.stride) or any(attrs.padding):
+    def _source_strides(self, leaf) -> tuple:
+        return operand_strides(tuple(self.pose.source.dim), tuple(leaf.dim), tuple(leaf.stride))
+
+    def _is_matmul(self) -> bool:
+        """1x1, stride 1, no padding, and every gathered operand walks its pixels as one axis."""
+        g = self.pose.geometry
+        if any(r != 1 for r in g.filter_sizes) or any(s != 1 for s in g.stride) or any(g.padding):
             return False
-        for leaf in self.x_leaves:
-            strides = operand_strides(tuple(self.x.dim), tuple(leaf.dim), tuple(leaf.stride))
-            if _merged_rows(self.row_sizes, (strides[0],) + strides[2:]) is None:
+        if tuple(self.pose.source.dim[2:]) != self.pose.rows:
+            return False
+        for leaf in self.source_leaves:
+            s = self._source_strides(leaf)
+            if _merged_rows(self.row_sizes, (s[0],) + s[2:]) is None:
                 return False
         return True
 
-    def _activation_operands(self) -> list:
+    def _source_operands(self) -> list:
         operands = []
-        for leaf in self.x_leaves:
-            s = operand_strides(tuple(self.x.dim), tuple(leaf.dim), tuple(leaf.stride))
+        for leaf in self.source_leaves:
+            s = self._source_strides(leaf)
             rows = (s[0],) + s[2:]
             if self.matmul_path:
                 rows = (_merged_rows(self.row_sizes, rows),)
-            operands.append(GemmOperand(leaf.uid, leaf.data_type, "a", self._group_stride(self.channels, s[1]),
+            operands.append(GemmOperand(leaf.uid, leaf.data_type, "a", self._group_stride(self.pose.channels, s[1]),
                                         rows, (s[1],)))
         return operands
 
     def _filter_operands(self) -> list:
         s = operand_strides(tuple(self.w.dim), tuple(self.w.dim), tuple(self.w.stride))
-        rows = (s[1],) if self.matmul_path else (s[1],) + s[2:]
-        return [GemmOperand(self.w.uid, self.w.data_type, "b", self._group_stride(self.filters, s[0]), rows, (s[0],))]
+        reduce_axis = self.pose.filter_reduce_axis
+        rows = (s[reduce_axis],) if self.matmul_path else (s[reduce_axis],) + s[2:]
+        per_group = self.w.dim[0] // self.groups  # the group's filters, whichever axis k walks
+        return [GemmOperand(self.w.uid, self.w.data_type, "b", self._group_stride(per_group, s[0]), rows,
+                            (s[1 - reduce_axis],))]
 
     def _output_operands(self) -> list:
-        operands = []
+        pose, operands = self.pose, []
         for tensor, is_output in [(t, False) for t in self.epilogue_reads] + [(t, True) for t in self.stored]:
-            s = operand_strides(tuple(self.y.dim), tuple(tensor.dim), tuple(tensor.stride))
-            operands.append(GemmOperand(tensor.uid, tensor.data_type, "c", self._group_stride(self.filters, s[1]),
-                                        (s[0],) + s[2:], (s[1],), is_output))
+            s = operand_strides(tuple(self.out.dim), tuple(tensor.dim), tuple(tensor.stride))
+            spatial = tuple(step * stride for step, stride in zip(pose.out_step, s[2:]))
+            offset = sum(phase * stride for phase, stride in zip(pose.out_phase, s[2:]))
+            operands.append(GemmOperand(tensor.uid, tensor.data_type, "c", self._group_stride(pose.filters, s[1]),
+                                        (s[0],) + spatial, (s[1],), is_output, offset=offset))
         return operands
 
     def _problem(self, dot: str):
         m = _product(self.row_sizes)
         out_bytes = max(1, sum(t.data_type.itemsize for t in self.stored)
-                        + sum(t.data_type.itemsize for t in self.epilogue_reads if t.dim[2:] == self.y.dim[2:]))
-        a_bytes, b_bytes = self.x.data_type.itemsize, self.w.data_type.itemsize
-        epilogue = ",".join(n.op for n in self.group.epilogue)
+                        + sum(t.data_type.itemsize for t in self.epilogue_reads if t.dim[2:] == self.out.dim[2:]))
+        a_bytes, b_bytes = self.pose.source.data_type.itemsize, self.w.data_type.itemsize
+        epilogue = self.node.op + " " + ",".join(n.op for n in self.group.epilogue)
         if self.matmul_path:
             a_op, b_op = (next(o for o in self.operands if o.side == side) for side in "ab")
-            a_layout, b_layout = _layout(a_op.row_stride, a_op.col_stride), _layout(b_op.row_stride, b_op.col_stride)
+            a_layout, b_layout = layout_of(a_op.row_stride, a_op.col_stride), layout_of(b_op.row_stride, b_op.col_stride)
             capability = self.device.capability
-            tma = (not self.prologue and _tma_ok(a_op, a_layout, self.dot_a, capability)
-                   and _tma_ok(b_op, b_layout, self.dot_b, capability)
+            tma = (not self.prologue and tma_ok(a_op, a_layout, self.dot_a, capability)
+                   and tma_ok(b_op, b_layout, self.dot_b, capability)
                    and (dot not in ("fp8", "tf32") or (a_layout, b_layout) == ("row", "col")))
-            return MatmulProblem(self.groups, m, self.filters, self.channels, dot, a_bytes, b_bytes, out_bytes, tma,
-                                 a_layout, b_layout, "conv1x1 " + epilogue)
-        layout = "x" + ",".join(map(str, self.x.stride)) + " w" + ",".join(map(str, self.w.stride))
-        return conv_heuristics.ConvProblem(self.groups, m, self.filters, self.channels, self.geometry.taps, dot,
-                                           a_bytes, b_bytes, out_bytes, layout, epilogue)
+            return MatmulProblem(self.groups, m, self.pose.filters, self.pose.channels, dot, a_bytes, b_bytes,
+                                 out_bytes, tma, a_layout, b_layout, "conv1x1 " + epilogue)
+        layout = "x" + ",".join(map(str, self.pose.source.stride)) + " w" + ",".join(map(str, self.w.stride))
+        return conv_heuristics.ConvProblem(self.groups, m, self.pose.filters, self.pose.channels,
+                                           self.pose.geometry.taps, dot, a_bytes, b_bytes, out_bytes, layout,
+                                           epilogue)
 
     # --- launches for one config ----------------------------------------------------------------
     def _walk_and_loaders(self, config: MatmulConfig) -> tuple:
+        source = self.pose.source.uid
         if self.matmul_path:
             if config.variant == "persistent":
                 loaders = DescriptorLoader("a", self.problem.a_layout), DescriptorLoader("b", self.problem.b_layout)
             else:
-                loaders = (StridedLoader("a", self.x.uid, self.dot_a, self.prologue),
+                loaders = (StridedLoader("a", source, self.dot_a, self.prologue),
                            StridedLoader("b", self.w.uid, self.dot_b))
-            return (LinearK(self.channels % config.block_k != 0),) + loaders
-        walk = TapWalk(self.geometry, self.channels, self.channels % config.block_k != 0)
-        gather = ActivationGather(self.geometry, self.input_sizes, self.x.uid, self.dot_a, self.prologue)
-        return walk, gather, FilterLoader(self.geometry, self.dot_b)
+            return (LinearK(self.pose.channels % config.block_k != 0),) + loaders
+        geometry = self.pose.geometry
+        walk = TapWalk(geometry, self.pose.channels, self.pose.channels % config.block_k != 0)
+        gather = ActivationGather(geometry, tuple(self.pose.source.dim[2:]), source, self.dot_a, self.prologue)
+        return walk, gather, FilterLoader(geometry, self.dot_b)
 
     def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> GemmKernelSpec:
         walk, loader_a, loader_b = self._walk_and_loaders(config)
-        constexprs = () if self.matmul_path else self.geometry.constexprs()
+        constexprs = () if self.matmul_path else self.pose.geometry.constexprs()
         return GemmKernelSpec(
             name=self.name + suffix, config=config, problem=self.problem, batch_sizes=self.batch_sizes,
-            c_uid=self.y.uid, operands=self.operands, k_walk=walk, loader_a=loader_a, loader_b=loader_b,
+            c_uid=self.out.uid, operands=self.operands, k_walk=walk, loader_a=loader_a, loader_b=loader_b,
             epilogue=tuple(self.group.epilogue), exits=extra.pop("exits", ()), scale_uids=(),
             precision=self.precision, compute=self.graph.compute_data_type.triton_type, index_64=self.index_64,
             description=self.group.describe(), row_sizes=self.row_sizes, extra_constexprs=constexprs, **extra)
 
 
 def build_conv(graph, group, index, tuner=None, device=None) -> list[KernelLaunch]:
-    """The launches of a conv group for `device` (default: the current one): model choice, or
-    the autotuned one with `tuner`."""
-    build = ConvBuild(graph, group, index, device)
-    if build.matmul_path:
-        return build_gemm(build, "matmul", matmul_heuristics.schedule, tuner, device)
-    return build_gemm(build, "conv", conv_heuristics.schedule, tuner, device)
+    """The launches of a conv group for `device` (default: the current one): per pose, the
+    model's choice or the autotuned one with `tuner`."""
+    node = group.anchor
+    if node.op not in POSES:
+        raise UnsupportedError(f"node {node.name!r} ({node.op}): no kernel for {node.op} exists yet; "
+                               f"graph.reference() computes it")
+    launches = []
+    for pose in POSES[node.op](node):
+        build = ConvBuild(graph, group, index, pose, device)
+        if build.matmul_path:
+            launches += build_gemm(build, "matmul", matmul_heuristics.schedule, tuner, device)
+        else:
+            launches += build_gemm(build, "conv", conv_heuristics.schedule, tuner, device)
+    return launches

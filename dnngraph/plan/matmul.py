@@ -30,7 +30,7 @@ def _dot_types(a, b, allow_tf32: bool):
     return choice.a_type, choice.b_type, choice.dot, choice.precision
 
 
-def _layout(row_stride: int, col_stride: int) -> str:
+def layout_of(row_stride: int, col_stride: int) -> str:
     if col_stride == 1:
         return "row"
     if row_stride == 1:
@@ -38,7 +38,7 @@ def _layout(row_stride: int, col_stride: int) -> str:
     return "strided"
 
 
-def _tma_ok(operand: GemmOperand, layout: str, dot_type: str, cuda_capability) -> bool:
+def tma_ok(operand: GemmOperand, layout: str, dot_type: str, cuda_capability) -> bool:
     """A descriptor needs unit stride on one axis, 16-byte pitches and a matching type (an
     operand converted at load, as in a mixed-type dot, takes the pointer-load kernels)."""
     if layout == "strided" or operand.data_type.triton_type != dot_type:
@@ -89,10 +89,10 @@ class MatmulBuild(GemmLaunches):
         (b_op,) = [o for o in operands if o.side == "b"] if not self.prologue_b else [None]
         device = device_model(device)  # the device the launches are for, not the current one
         capability = device.capability
-        a_layout = _layout(a_op.row_stride, a_op.col_stride) if a_op else "strided"
-        b_layout = _layout(b_op.row_stride, b_op.col_stride) if b_op else "strided"
-        tma = (a_op is not None and b_op is not None and _tma_ok(a_op, a_layout, self.dot_a, capability)
-               and _tma_ok(b_op, b_layout, self.dot_b, capability))
+        a_layout = layout_of(a_op.row_stride, a_op.col_stride) if a_op else "strided"
+        b_layout = layout_of(b_op.row_stride, b_op.col_stride) if b_op else "strided"
+        tma = (a_op is not None and b_op is not None and tma_ok(a_op, a_layout, self.dot_a, capability)
+               and tma_ok(b_op, b_layout, self.dot_b, capability))
         if dot in ("fp8", "tf32") and (a_layout, b_layout) != ("row", "col"):
             tma = False  # fp8 and tf32 wgmma read both operands K-major from shared memory
         epilogue_text = ",".join(x.op for x in group.epilogue + group.exits)
