@@ -225,3 +225,59 @@ def test_dgrad_drelu_epilogue():
     g.relu_backward(dx, x).set_output(True).set_name("dx_relu")
     check(g, {**inputs, "x": x_t})
     assert len({l.group.kind for l in g.plan.launches}) == 1 and g.plan.launches[0].group.kind == "conv"
+
+
+def _wgrad_graph(case, groups, layout, mode="cross_correlation"):
+    x_t = stored(case["x"], layout)
+    reference = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[len(case["x"]) - 3]
+    y_dim = list(reference(torch.zeros(case["x"]), torch.zeros(case["w"]), groups=groups, **geometry(case)).shape)
+    dy_t = stored(y_dim, layout)
+    g = graph()
+    dy, x = g.tensor_like(dy_t, name="dy"), g.tensor_like(x_t, name="x")
+    dw = g.conv_wgrad(dy, x, w_dim=case["w"], groups=groups, mode=mode, **geometry(case))
+    return g, dw, {"dy": dy_t, "x": x_t}
+
+
+@pytest.mark.parametrize("rank", sorted(RANKS))
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "odd"])
+@pytest.mark.parametrize("groups", [1, 2, 6])
+def test_wgrad(rank, layout, groups):
+    case = grouped(RANKS[rank], groups)
+    g, dw, inputs = _wgrad_graph(case, groups, layout)
+    dw.set_output(True).set_name("dw")
+    check(g, inputs)
+
+
+@pytest.mark.parametrize("mode", ["convolution", "cross_correlation"])
+def test_wgrad_matches_autograd_and_is_bitwise_reproducible(mode, monkeypatch):
+    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", None)
+    monkeypatch.setattr(mm, "FORCE_CONFIG", mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=4))
+    x_t = torch.randn(3, 4, 9, 8, dtype=torch.float64)
+    w_t = torch.randn(5, 4, 3, 2, dtype=torch.float64, requires_grad=True)
+    w_used = w_t.flip((2, 3)) if mode == "convolution" else w_t
+    y = torch.nn.functional.conv2d(x_t, w_used, stride=(2, 1), padding=(1, 2), dilation=(1, 2))
+    dy_t = torch.randn_like(y)
+    (expected,) = torch.autograd.grad(y, w_t, dy_t)
+    g = graph()
+    dy, x = g.tensor_like(dy_t.float(), name="dy"), g.tensor_like(x_t.float(), name="x")
+    g.conv_wgrad(dy, x, w_dim=[5, 4, 3, 2], padding=[1, 2], stride=[2, 1], dilation=[1, 2],
+                 mode=mode).set_output(True).set_name("dw")
+    first = check(g, {"dy": dy_t.float(), "x": x_t.float()})["dw"]
+    assert torch.allclose(first.double(), expected, rtol=1e-4, atol=1e-4)
+    assert [l.config_text.split()[0] for l in g.plan.launches] == ["split_k", "split-K"]
+    second = check(g, {"dy": dy_t.float(), "x": x_t.float()})["dw"]
+    assert torch.equal(first, second)
+
+
+def test_wgrad_prologue_on_dy_and_epilogue():
+    """relu_backward(dy, y) as a prologue on dy, a scale and a cast in the epilogue: one kernel."""
+    case = grouped(RANKS[2], 1)
+    x_t = stored(case["x"], "nhwc")
+    y_dim = list(torch.nn.functional.conv2d(torch.zeros(case["x"]), torch.zeros(case["w"]), **geometry(case)).shape)
+    dy_t, y_t = stored(y_dim, "nhwc"), stored(y_dim, "odd")
+    g = graph()
+    dy, y, x = g.tensor_like(dy_t, name="dy"), g.tensor_like(y_t, name="y"), g.tensor_like(x_t, name="x")
+    dw = g.conv_wgrad(g.relu_backward(dy, y), x, w_dim=case["w"], **geometry(case))
+    g.cast(g.scale(dw, 0.5), data_type=dg.float16).set_output(True).set_name("dw")
+    check(g, {"dy": dy_t, "y": y_t, "x": x_t}, tolerance=1e-3)
+    assert len(g.plan.launches) == 1 and g.plan.launches[0].group.kind == "conv"

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .emitter import ExpressionEmitter
-from .gemm import batch_offset, bind_load, kind_of, row_lines, stride_name
+from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
+from .gemm import batch_offset, bind_load, row_lines, stride_name
+from .pointwise import KernelArgument
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,12 @@ class ConvGeometry:
                        (f"FILTER_BASE_{axis}", self.filter_base[axis]), (f"FILTER_STEP_{axis}", self.filter_step[axis])]
         return tuple(values)
 
-    def filter_index(self, axis: int) -> str:
-        """The filter index along `axis` of the step's tap."""
+    def filter_index(self, axis: int, tap: str = "") -> str:
+        """The filter index along `axis` of tap `tap` (default: the step's, tap_<axis>)."""
+        tap = tap or f"tap_{axis}"
         if (self.filter_base[axis], self.filter_step[axis]) == (0, 1):
-            return f"tap_{axis}"
-        return f"(FILTER_BASE_{axis} + FILTER_STEP_{axis} * tap_{axis})"
+            return tap
+        return f"(FILTER_BASE_{axis} + FILTER_STEP_{axis} * {tap})"
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class TapWalk:
     @property
     def size_values(self) -> dict:
         return {"CG": self.channels}
+
+    def arguments(self) -> list:
+        return []
 
     def count(self, spec, w):
         w("c_tiles = tl.cdiv(CG, BLOCK_K)", "k_tiles = TAPS * c_tiles")
@@ -103,6 +108,9 @@ class _ConvLoader:
 
     def program_setup(self, spec, w):
         pass
+
+    def arguments(self, spec) -> list:
+        return []
 
 
 def _k_mask(spec, side: str) -> str:
@@ -185,7 +193,6 @@ class ActivationGather(_ConvLoader):
         w(f"tile_a = tl.broadcast_to(({value}).to({self.dot_type}), (BLOCK_M, BLOCK_K))")
 
     def arguments(self, spec) -> list:
-        from .pointwise import KernelArgument
         return [KernelArgument("int", f"in_size_{axis}", size) for axis, size in enumerate(self.input_sizes)]
 
     def strides_used(self, spec, body, op) -> list:
@@ -219,8 +226,143 @@ class FilterLoader(_ConvLoader):
         convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
         w(f"tile_b = tl.load({op.ident}_ptr + {' + '.join(terms)}{masked}){convert}")
 
+    def strides_used(self, spec, body, op) -> list:
+        used = [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
+        return used + ([(stride_name(op, "c", 0), op.col_strides[0])] if op.col_strides[0] else [])
+
+
+# --- wgrad: the reduction runs over output pixels ---------------------------------------------------
+@dataclass(frozen=True)
+class PixelWalk:
+    """k steps of BLOCK_K output pixels (n, o_1..o_d), decomposed per step (wgrad)."""
+
+    rank: int
+    ragged: bool  # pixels % BLOCK_K != 0
+    pixel_sizes: tuple  # (N, O_1, ..., O_d)
+    names = ()
+    stems = ("pix",)
+    sizes = ("K",)
+
+    @property
+    def size_values(self) -> dict:
+        return {}
+
+    def count(self, spec, w):
+        w("k_tiles = tl.cdiv(K, BLOCK_K)")
+
+    def step(self, spec, w):
+        w("ks = kt * BLOCK_K + tl.arange(0, BLOCK_K)")
+        if self.ragged:
+            w("mask_k = ks < K")
+        w("pix_rest = ks % K" if self.ragged else "pix_rest = ks")  # wrapped: loads stay in range
+        for axis in range(self.rank, 0, -1):
+            w(f"pix_{axis} = pix_rest % pix_size_{axis}", f"pix_rest = pix_rest // pix_size_{axis}")
+        w("pix_0 = pix_rest")
+
+    def arguments(self) -> list:
+        return [KernelArgument("int", f"pix_size_{axis}", size) for axis, size in enumerate(self.pixel_sizes) if axis]
+
+
+def _pixel_terms(op, include_spatial: bool) -> list:
+    """Offset terms of op over the step's pixels: n, and the output pixel when `include_spatial`."""
+    terms = [f"pix_0 * {stride_name(op, 'c' if op.side == 'a' else 'r', 0)}"] if (
+        op.col_strides if op.side == "a" else op.row_strides)[0] else []
+    if include_spatial:
+        strides = op.col_strides if op.side == "a" else op.row_strides
+        axis_name = "c" if op.side == "a" else "r"
+        terms += [f"pix_{i} * {stride_name(op, axis_name, i)}" for i in range(1, len(strides)) if strides[i]]
+    return terms
+
+
+@dataclass(frozen=True)
+class GradientLoader(_ConvLoader):
+    """A [BLOCK_M, BLOCK_K] of wgrad: filters x output pixels of dy (dy's pixels are the
+    columns here), with a pointwise prologue on dy applied at load."""
+
+    target_uid: int
+    dot_type: str
+    prologue: tuple = ()
+    reads_rows = False
+
+    def tile_setup(self, spec, w):
+        w("rows_a = offs_m % M")
+
+    def _offset(self, op) -> str:
+        terms = [t for t in [batch_offset(op)] if t]
+        if op.row_strides[0]:
+            terms.append(f"rows_a[:, None] * {stride_name(op, 'r', 0)}")
+        pixels = _pixel_terms(op, include_spatial=True)
+        if pixels:
+            terms.append("(" + " + ".join(pixels) + ")[None, :]")
+        return " + ".join(terms) or "0"
+
+    def step(self, spec, w):
+        k_mask = _k_mask(spec, "a")
+        if not self.prologue:
+            (op,) = spec.side("a")
+            masked = f", mask={k_mask}, other=0.0" if k_mask else ""
+            full = "" if op.row_strides[0] else " + rows_a[:, None] * 0"
+            convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
+            w(f"tile_a = tl.load({op.ident}_ptr + {self._offset(op)}{full}{masked}){convert}")
+            return
+        emitter = ExpressionEmitter(spec.compute, hint="pa", names=spec.names)
+        w.emitters.append(emitter)
+        for op in spec.side("a"):
+            spans_pixels = any(op.col_strides)
+            masked = f", mask={k_mask}, other=0.0" if k_mask and spans_pixels else ""
+            one = "" if (spans_pixels or op.row_strides[0]) else SCALAR_AS_TILE
+            cast = f".to({spec.compute})" if kind_of(op.data_type) == "f" else ""
+            w(f"{op.ident} = tl.load({op.ident}_ptr + {self._offset(op)}{one}{masked}){cast}")
+            bind_load(emitter, op, op.ident)
+        for node in self.prologue:
+            emitter.emit(node)
+        w(*emitter.lines)
+        value = emitter.value(self.target_uid, "f")
+        if k_mask:  # pixels past the end are zero whatever the prologue maps zero to
+            value = f"tl.where({k_mask}, {value}, 0.0)"
+        w(f"tile_a = tl.broadcast_to(({value}).to({self.dot_type}), (BLOCK_M, BLOCK_K))")
+
+    def strides_used(self, spec, body, op) -> list:
+        used = [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
+        return used + [(stride_name(op, "c", i), s) for i, s in enumerate(op.col_strides) if s]
+
+
+@dataclass(frozen=True)
+class PixelGather(_ConvLoader):
+    """B [BLOCK_K, BLOCK_N] of wgrad: output pixels x channels of x at the program's filter tap
+    (from the batch index), zero where the tap lands in the padding."""
+
+    geometry: ConvGeometry  # filter_sizes, stride, padding, dilation; filter_base/step: the flip
+    input_sizes: tuple
+    tap_axes: tuple  # per spatial axis, the batch axis holding its tap (-1: a filter of size 1)
+    dot_type: str
+    reads_rows = False
+    stems = ("in", "valid")
+
+    def tile_setup(self, spec, w):
+        w("cols_b = offs_n % N")
+        for axis, batch_axis in enumerate(self.tap_axes):
+            tap = f"bidx_{batch_axis}" if batch_axis >= 0 else "0"
+            w(f"tap_{axis} = {self.geometry.filter_index(axis, tap)}")
+
+    def step(self, spec, w):
+        (op,) = spec.side("b")
+        checks = []
+        for axis in range(self.geometry.rank):
+            w(f"in_tap_{axis} = pix_{axis + 1} * STRIDE_{axis} - PADDING_{axis} + tap_{axis} * DILATION_{axis}")
+            checks.append(f"(in_tap_{axis} >= 0) & (in_tap_{axis} < in_size_{axis})")
+        w("valid_b = " + " & ".join(checks))
+        terms = [t for t in [batch_offset(op)] if t]
+        pixels = [f"pix_0 * {stride_name(op, 'r', 0)}"] if op.row_strides[0] else []
+        pixels += [f"in_tap_{i} * {stride_name(op, 'r', i + 1)}" for i in range(self.geometry.rank) if op.row_strides[i + 1]]
+        terms.append("(" + " + ".join(pixels) + ")[:, None]" if pixels else "ks[:, None] * 0")
+        terms.append(f"cols_b[None, :] * {stride_name(op, 'c', 0)}" if op.col_strides[0] else "cols_b[None, :] * 0")
+        mask = _and("valid_b[:, None]", _k_mask(spec, "b"))
+        convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
+        w(f"tile_b = tl.load({op.ident}_ptr + {' + '.join(terms)}, mask={mask}, other=0.0){convert}")
+
     def arguments(self, spec) -> list:
-        return []
+        return [KernelArgument("int", f"in_size_{axis}", size) for axis, size in enumerate(self.input_sizes)]
 
     def strides_used(self, spec, body, op) -> list:
         used = [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]

@@ -458,7 +458,7 @@ def _arguments(spec, body: str, operands: list, scalars) -> list:
     if epilogue or (body in MAIN_BODIES and _loaders_read_rows(spec)):  # rows decomposed
         args += [KernelArgument("int", f"row_size_{a}", s) for a, s in enumerate(spec.row_sizes) if a > 0]
     if body in MAIN_BODIES:
-        args += spec.loader_a.arguments(spec) + spec.loader_b.arguments(spec)
+        args += spec.k_walk.arguments() + spec.loader_a.arguments(spec) + spec.loader_b.arguments(spec)
     for op in operands:
         args += [KernelArgument("int", name, s) for name, s in _strides_used(spec, body, op)]
     args += [KernelArgument("int", name, value) for name, value in scalars]

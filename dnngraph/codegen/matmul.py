@@ -31,6 +31,9 @@ class LinearK:
     def size_values(self) -> dict:
         return {}
 
+    def arguments(self) -> list:
+        return []
+
     def count(self, spec, w):
         w("k_tiles = tl.cdiv(K, BLOCK_K)")
 
