@@ -197,14 +197,18 @@ def test_dgrad(rank, layout, groups):
 @pytest.mark.parametrize("stride,dilation,padding", [((2, 3), (1, 1), (1, 0)), ((3, 2), (2, 3), (4, 2)),
                                                      ((4, 1), (1, 1), (0, 0)), ((2, 2), (2, 2), (3, 3))])
 @pytest.mark.parametrize("mode", ["convolution", "cross_correlation"])
-def test_dgrad_stride_phases_match_autograd(stride, dilation, padding, mode):
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_dgrad_stride_phases_match_autograd(stride, dilation, padding, mode, layout):
     """Every phase, including those no tap reaches (stride past the filter: dx there is 0), against
-    torch.autograd; a phase costs one kernel, never a zero-inserted dy."""
+    torch.autograd; a phase costs one kernel, never a zero-inserted dy. In NHWC the phases with
+    one tap per axis are 1x1 convs on the matmul path, at a tap inside the filter."""
     x_t = torch.randn(2, 4, 11, 9, dtype=torch.float64, requires_grad=True)
     w_t = torch.randn(6, 4, 3, 2, dtype=torch.float64)
     w_used = w_t.flip((2, 3)) if mode == "convolution" else w_t
     y = torch.nn.functional.conv2d(x_t, w_used, stride=stride, padding=padding, dilation=dilation)
     dy_t = torch.randn_like(y)
+    if layout == "nhwc":
+        dy_t = dy_t.contiguous(memory_format=torch.channels_last)
     (expected,) = torch.autograd.grad(y, x_t, dy_t)
     g = graph()
     dy, w = g.tensor_like(dy_t.float(), name="dy"), g.tensor_like(w_t.float(), name="w")

@@ -166,8 +166,10 @@ class ConvBuild(GemmLaunches):
         reduce_axis = self.pose.filter_reduce_axis
         rows = (s[reduce_axis],) if self.matmul_path else (s[reduce_axis],) + s[2:]
         per_group = self.w.dim[0] // self.groups  # the group's filters, whichever axis k walks
+        # on the matmul path the one tap walked may sit anywhere in the filter (a dgrad phase)
+        tap = sum(b * t for b, t in zip(self.pose.geometry.filter_base, s[2:])) if self.matmul_path else 0
         return [GemmOperand(self.w.uid, self.w.data_type, "b", self._group_stride(per_group, s[0]), rows,
-                            (s[1 - reduce_axis],))]
+                            (s[1 - reduce_axis],), offset=tap)]
 
     def _output_operands(self) -> list:
         pose, operands = self.pose, []
@@ -189,7 +191,7 @@ class ConvBuild(GemmLaunches):
             a_op, b_op = (next(o for o in self.operands if o.side == side) for side in "ab")
             a_layout, b_layout = layout_of(a_op.row_stride, a_op.col_stride), layout_of(b_op.row_stride, b_op.col_stride)
             capability = self.device.capability
-            tma = (not self.prologue and tma_ok(a_op, a_layout, self.dot_a, capability)
+            tma = (not self.prologue and not b_op.offset and tma_ok(a_op, a_layout, self.dot_a, capability)
                    and tma_ok(b_op, b_layout, self.dot_b, capability)
                    and (dot not in ("fp8", "tf32") or (a_layout, b_layout) == ("row", "col")))
             return MatmulProblem(self.groups, m, self.pose.filters, self.pose.channels, dot, a_bytes, b_bytes,
