@@ -451,12 +451,16 @@ class Graph:
                     f"used: mark it as an output or remove the op")
         return self
 
-    def build(self, autotune: bool = False) -> "Graph":
-        """Validate, fuse, pick configs and generate kernels; execute() then runs the plan."""
+    def build(self, autotune: bool = False, workspace_limit=None) -> "Graph":
+        """Validate, fuse, pick configs and generate kernels; execute() then runs the plan.
+        `workspace_limit`: bytes of optional scratch the chosen configs may use together (split-K
+        and split-row partials): None prefers the fastest, 0 uses none (cuDNN's strategies)."""
         from .plan import build_plan  # the plan is the last pipeline stage
 
+        if workspace_limit is not None:
+            workspace_limit = integer("build", "workspace_limit", workspace_limit, minimum=0)
         self.validate()
-        self._plan = build_plan(self, autotune=autotune)
+        self._plan = build_plan(self, autotune=autotune, workspace_limit=workspace_limit)
         return self
 
     def execute(self, bindings: dict, workspace=None) -> None:

@@ -285,3 +285,37 @@ def test_wgrad_prologue_on_dy_and_epilogue():
     g.cast(g.scale(dw, 0.5), data_type=dg.float16).set_output(True).set_name("dw")
     check(g, {"dy": dy_t, "y": y_t, "x": x_t}, tolerance=1e-3)
     assert len(g.plan.launches) == 1 and g.plan.launches[0].group.kind == "conv"
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("pointwise", [False, True])
+def test_conv_with_batchnorm_statistics_is_one_group(variant, layout, pointwise):
+    """conv (+ bias) -> genstats: the per-channel sum and sum of squares BatchNorm training needs
+    come out of the conv's epilogue (column partials folded in order), not from a second pass."""
+    x_t, w_t = stored([2, 6, 7, 5], layout), stored([6, 3, 3, 3], layout)
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    y = g.conv_fprop(x, w, padding=[1, 1], groups=2)
+    if pointwise:
+        y = g.add(y, g.tensor(name="b", dim=[1, 6, 1, 1]))
+    y.set_output(True).set_name("y")
+    total, squares = g.genstats(y)
+    total.set_output(True).set_name("sum")
+    squares.set_output(True).set_name("sq_sum")
+    inputs = {"x": x_t, "w": w_t, **({"b": torch.randn(1, 6, 1, 1)} if pointwise else {})}
+    check(g, inputs)
+    assert [grp.kind for grp in g.plan.groups] == ["conv"]
+    main = 2 if variant == "split_k" else 1
+    assert len(g.plan.launches) == main + 1  # + the fold of the column partials
+
+
+def test_pointwise_conv_with_statistics_on_the_matmul_path():
+    x_t, w_t = stored([2, 8, 5, 7], "nhwc"), stored([6, 8, 1, 1], "nhwc")
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    y = g.conv_fprop(x, w, padding=[0, 0]).set_output(True).set_name("y")
+    total, squares = g.genstats(y)
+    total.set_output(True).set_name("sum")
+    squares.set_output(True).set_name("sq_sum")
+    check(g, {"x": x_t, "w": w_t})
+    assert [grp.kind for grp in g.plan.groups] == ["conv"]

@@ -230,3 +230,57 @@ def test_a_stale_plan_does_not_build_from_a_changed_graph(monkeypatch):
     with pytest.raises(dg.ExecutionError, match="build the graph again"):
         plan.execute({**_inputs(x, scale, 3), y: out})
     assert torch.isnan(out).all()
+
+
+# --- workspace_limit: cuDNN's "specify workspace limit" strategy ---------------------------------------
+def _split_k_graph():
+    """A matmul the model splits over K (few output tiles, a long K)."""
+    g = dg.Graph(name="ws", io_data_type=dg.float32)
+    a, b = g.tensor(name="a", dim=[16, 4096]), g.tensor(name="b", dim=[4096, 16])
+    g.matmul(a, b).set_output(True).set_name("c")
+    return g
+
+
+def _partial_bytes(g) -> int:
+    return sum(s.nbytes for launch in g.plan.launches for s in launch.scratch)
+
+
+def test_workspace_limit_zero_leaves_split_k_out():
+    inputs = {"a": torch.randn(16, 4096), "b": torch.randn(4096, 16)}
+    unlimited = _split_k_graph().build()
+    assert _partial_bytes(unlimited) > 0, "the model splits this shape: the test needs it to"
+    limited = _split_k_graph().build(workspace_limit=0)
+    assert _partial_bytes(limited) == 0 and len(limited.plan.launches) == 1
+    assert "workspace 0 bytes (limit 0)" in limited.explain()
+    assert "need more workspace than the limit" in limited.explain()
+    check(limited, inputs)
+    # a limit of exactly what the split needs keeps it
+    exact = _split_k_graph().build(workspace_limit=_partial_bytes(unlimited))
+    assert _partial_bytes(exact) == _partial_bytes(unlimited)
+
+
+def test_workspace_limit_is_shared_by_the_groups():
+    """Two split-K matmuls, room for one: the second takes a config without partials."""
+    g = dg.Graph(name="ws2", io_data_type=dg.float32)
+    a, b = g.tensor(name="a", dim=[16, 4096]), g.tensor(name="b", dim=[4096, 16])
+    g.matmul(a, b).set_output(True).set_name("c")
+    g.matmul(a, b).set_output(True).set_name("d")
+    one = _partial_bytes(_split_k_graph().build())
+    g.build(workspace_limit=one)
+    assert _partial_bytes(g) == one
+    check(g, {"a": torch.randn(16, 4096), "b": torch.randn(4096, 16)})
+
+
+def test_wgrad_without_workspace_runs_unsplit():
+    g = dg.Graph(name="ws3", io_data_type=dg.float32)
+    dy, x = g.tensor(name="dy", dim=[4, 8, 9, 9]), g.tensor(name="x", dim=[4, 3, 9, 9])
+    g.conv_wgrad(dy, x, w_dim=[8, 3, 3, 3], padding=[1, 1]).set_output(True).set_name("dw")
+    g.build(workspace_limit=0)
+    assert len(g.plan.launches) == 1 and _partial_bytes(g) == 0
+    check(g, {"dy": torch.randn(4, 8, 9, 9), "x": torch.randn(4, 3, 9, 9)})
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, "1", True])
+def test_workspace_limit_must_be_a_byte_count(limit):
+    with pytest.raises(dg.ValidationError, match="workspace_limit"):
+        _split_k_graph().build(workspace_limit=limit)

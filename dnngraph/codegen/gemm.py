@@ -33,10 +33,14 @@ EXIT_MODES = {
     "max": ("{0}", "max", "-float('inf')", "{0}"),
     "min": ("{0}", "min", "float('inf')", "{0}"),
     "amax": ("tl.abs({0})", "max", "0.0", "{0}"),
+    "sq_sum": ("{0} * {0}", "sum", "0.0", "{0}"),  # genstats' sum of squares
 }
 # max and min propagate NaN as torch does (tl.max and the default tl.maximum drop it)
 EXIT_REDUCE = {"sum": "tl.sum({0}, axis=1)", "max": "tl.reduce({0}, 1, tr.max_combine)",
                "min": "tl.reduce({0}, 1, tr.min_combine)"}
+# column exits (per-channel statistics of a conv output) reduce the tile's rows instead
+EXIT_REDUCE_COLUMNS = {"sum": "tl.sum({0}, axis=0)", "max": "tl.reduce({0}, 0, tr.max_combine)",
+                       "min": "tl.reduce({0}, 0, tr.min_combine)"}
 EXIT_FOLD = {"sum": "{0} + {1}", "max": "tr.max_combine({0}, {1})", "min": "tr.min_combine({0}, {1})"}
 EXIT_READS_N = frozenset({"mean"})  # modes whose finalize divides by N
 EXIT_FOLD_BLOCK = 128  # rows per program of the exit fold: a few KB of partials each
@@ -84,10 +88,27 @@ class GemmOperand:
 
 @dataclass(frozen=True)
 class ExitPlan:
+    """A reduction riding on the epilogue: over each output row (axis "row": partials
+    [batches, column tiles, M]) or each output column (axis "column": [batches, row tiles, N])."""
+
     node: object  # the reduction node
     source_uid: int  # the epilogue value it reduces
-    partial_uid: int  # scratch [batches, exit tiles, M] fp32
+    partial_uid: int  # fp32 scratch of the per-tile partials
     output: GemmOperand
+    mode: str = ""  # an EXIT_MODES key ("": the reduction node's mode)
+    axis: str = "row"
+
+    @property
+    def reduce_mode(self) -> str:
+        return self.mode or self.node.attrs.mode
+
+
+def exit_axis(spec) -> str:
+    """The axis every exit of the spec reduces ("row" or "column")."""
+    axes = {plan.axis for plan in spec.exits}
+    if len(axes) > 1:
+        raise ValueError(f"exits over rows and columns in one kernel: {sorted(axes)}")
+    return axes.pop() if axes else "row"
 
 
 @dataclass(frozen=True)
@@ -293,9 +314,14 @@ def _epilogue(spec, w: Writer):
             w(f"tl.store({op.ident}_ptr + {offset_2d(op, rows, 'offs_n', full=True)}, "
               f"{emitter.stored(op.uid, op.data_type)}, mask=mask)")
     for index, plan in enumerate(spec.exits):
-        transform, combine, identity, _ = EXIT_MODES[plan.node.attrs.mode]
-        value = transform.format(emitter.value(plan.source_uid, "f"))
-        w(f"exit_{index} = {EXIT_REDUCE[combine].format(f'tl.where(mask, {value}, {identity})')}",
+        transform, combine, identity, _ = EXIT_MODES[plan.reduce_mode]
+        value = f"tl.where(mask, {transform.format(emitter.value(plan.source_uid, 'f'))}, {identity})"
+        if plan.axis == "column":
+            w(f"exit_{index} = {EXIT_REDUCE_COLUMNS[combine].format(value)}",
+              f"tl.store(exit_{index}_partial_ptr + (batch * tl.cdiv(M, BLOCK_M) + pid_m) * N + offs_n, "
+              f"exit_{index}, mask=mask_n)")
+            continue
+        w(f"exit_{index} = {EXIT_REDUCE[combine].format(value)}",
           f"tl.store(exit_{index}_partial_ptr + (batch * tl.cdiv(N, BLOCK_N) + pid_n) * M + offs_m, "
           f"exit_{index}, mask=mask_m)")
     return emitter
@@ -377,26 +403,31 @@ def _combine(spec, w: Writer):
     return _epilogue(spec, w)
 
 
+# the exit fold per axis: (index, valid mask, extent, the index within one batch entry, its stride axis)
+_FOLD_AXES = {"row": ("rows", "row_mask", "M", "offs_m", "r"), "column": ("cols", "col_mask", "N", "offs_n", "c")}
+
+
 def _exit_fold(spec, w: Writer):
-    """Fold each exit's per-tile partials in tile order and store the row result."""
-    w("rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)",
-      "row_mask = rows < batches * M", "batch = rows // M", "offs_m = rows % M")
+    """Fold each exit's per-tile partials in tile order and store the row (or column) result."""
+    flat, valid, extent, inner, stride_axis = _FOLD_AXES[exit_axis(spec)]
+    w(f"{flat} = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)",
+      f"{valid} = {flat} < batches * {extent}", f"batch = {flat} // {extent}", f"{inner} = {flat} % {extent}")
     batch_lines(spec, w)
     for index, plan in enumerate(spec.exits):
-        _, combine, identity, finalize = EXIT_MODES[plan.node.attrs.mode]
+        _, combine, identity, finalize = EXIT_MODES[plan.reduce_mode]
         fold = EXIT_FOLD[combine]
         w(f"value_{index} = tl.full((BLOCK_ROWS,), {identity}, tl.float32)", "for tile in range(EXIT_TILES):")
         w.indent()
-        w(f"part = tl.load(exit_{index}_partial_ptr + (batch * EXIT_TILES + tile) * M + offs_m, mask=row_mask)",
-          f"value_{index} = " + fold.format(f"value_{index}", "part"))
+        w(f"part = tl.load(exit_{index}_partial_ptr + (batch * EXIT_TILES + tile) * {extent} + {inner}, "
+          f"mask={valid})", f"value_{index} = " + fold.format(f"value_{index}", "part"))
         w.dedent()
         op = plan.output
-        row = f"offs_m * {op.ident}_stride_r" if op.row_stride else "offs_m * 0"  # keep the block shape
-        terms = [t for t in (batch_offset(op), row) if t]
+        stride = op.row_stride if stride_axis == "r" else op.col_stride
+        along = f"{inner} * {op.ident}_stride_{stride_axis}" if stride else f"{inner} * 0"  # keep the block shape
+        terms = [t for t in (batch_offset(op), along) if t]
         value = finalize.format(f"value_{index}")
         w(f"tl.store({op.ident}_ptr + {' + '.join(terms) or '0'}, ({value}).to({op.data_type.triton_type}), "
-          f"mask=row_mask)")
-    return None
+          f"mask={valid})")
 
 
 BODIES = {"tiled": _main_tiled, "small_m": _main_tiled, "split_k": _main_tiled,
@@ -418,8 +449,10 @@ def _operands_of(spec, body: str) -> list:
 
 def _sizes_used(spec, body: str) -> tuple:
     """The problem sizes a kernel body reads."""
+    if body == "exit_fold" and exit_axis(spec) == "column":
+        return ("N", "batches")
     if body == "exit_fold":
-        reads_n = any(plan.node.attrs.mode in EXIT_READS_N for plan in spec.exits)
+        reads_n = any(plan.reduce_mode in EXIT_READS_N for plan in spec.exits)
         return ("M", "batches") + (("N",) if reads_n else ())
     if body == "combine":
         return ("M", "N", "batches")
@@ -436,8 +469,9 @@ def _strides_used(spec, body: str, op: GemmOperand) -> list:
     if op.side in ("a", "b"):
         loader = spec.loader_a if op.side == "a" else spec.loader_b
         return used + loader.strides_used(spec, body, op)
-    used += [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
-    if body != "exit_fold":
+    if body != "exit_fold" or exit_axis(spec) == "row":
+        used += [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
+    if body != "exit_fold" or exit_axis(spec) == "column":
         used += [(stride_name(op, "c", i), s) for i, s in enumerate(op.col_strides) if s]
     return used
 
@@ -468,7 +502,8 @@ def _arguments(spec, body: str, operands: list, scalars) -> list:
 def _constexprs(spec, body: str) -> list:
     cfg = spec.config
     if body == "exit_fold":
-        tiles = -(-spec.problem.n // spec.epilogue_block[1])
+        column = exit_axis(spec) == "column"
+        tiles = -(-spec.problem.m // spec.epilogue_block[0]) if column else -(-spec.problem.n // spec.epilogue_block[1])
         return [KernelArgument("constexpr", "BLOCK_ROWS", EXIT_FOLD_BLOCK),
                 KernelArgument("constexpr", "EXIT_TILES", tiles)]
     if body == "combine":

@@ -158,7 +158,7 @@ class _Partitioner:
                 if position < len(node.inputs) and node.inputs[position] is not None:
                     self._grow_prologue(group, node.inputs[position].dim, node.inputs[position])
             if rule.epilogue_output is not None:
-                self._grow_epilogue(group, node.outputs[rule.epilogue_output], rule.exit_modes)
+                self._grow_epilogue(group, node.outputs[rule.epilogue_output], rule)
 
     def _grow_prologue(self, group, operand_dim, tensor):
         producer = tensor.producer
@@ -174,12 +174,12 @@ class _Partitioner:
         for source in producer.input_tensors():
             self._grow_prologue(group, operand_dim, source)
 
-    def _grow_epilogue(self, group, tile_tensor, exit_modes=frozenset()):
+    def _grow_epilogue(self, group, tile_tensor, rule):
         tile_dim = tile_tensor.dim
         visible = {tile_tensor.uid}
         start = self.position[tile_tensor.producer] + 1
         for node in self.order[start:]:
-            if self._is_exit(node, tile_dim, visible, exit_modes) and self.convex(set(group.nodes) | {node}):
+            if self._is_exit(node, tile_dim, visible, rule) and self.convex(set(group.nodes) | {node}):
                 group.exits.append(node)
                 group.nodes.append(node)
                 self.claim(group, [node])
@@ -199,14 +199,20 @@ class _Partitioner:
             self.claim(group, [node])
             visible.add(node.outputs[0].uid)
 
-    def _is_exit(self, node, tile_dim, visible, exit_modes) -> bool:
-        """A reduction over the last axis of an epilogue value, of a mode the anchor folds."""
-        if node.op != "reduction" or node in self.group_of or node.attrs.mode not in exit_modes:
+    def _is_exit(self, node, tile_dim, visible, rule) -> bool:
+        """A reduction over the last axis of an epilogue value, of a mode the anchor folds, or the
+        per-channel statistics (genstats) of one where the anchor folds those."""
+        if node in self.group_of:
             return False
+        if node.op == "genstats":
+            reduces = rule.stats_exit
+        else:
+            reduces = (node.op == "reduction" and node.attrs.mode in rule.exit_modes
+                       and tuple(node.attrs.axes) == (len(tile_dim) - 1,))
         source = node.inputs[0]
         # exits fold in the anchor's float; an integer value is reduced exactly by a row kernel
-        return (source.uid in visible and source.data_type.is_floating and tuple(source.dim) == tuple(tile_dim)
-                and tuple(node.attrs.axes) == (len(tile_dim) - 1,))
+        return (reduces and source.uid in visible and source.data_type.is_floating
+                and tuple(source.dim) == tuple(tile_dim))
 
     # --- pass 3: leftover pointwise --------------------------------------------------------------
     def pointwise(self):

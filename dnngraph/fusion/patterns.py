@@ -15,6 +15,7 @@ class AnchorRule:
     prologue_inputs: tuple[int, ...]  # input positions whose pointwise producers fuse in
     epilogue_output: Optional[int]  # output whose pointwise consumers fuse in (None: none)
     exit_modes: frozenset = frozenset()  # reductions over the last axis that ride the epilogue
+    stats_exit: bool = False  # genstats (per-channel sum, sum of squares) of an epilogue value rides it
 
 
 _NORM_FORWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0)
@@ -23,8 +24,9 @@ _NORM_BACKWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0)
 ANCHOR_RULES: dict[str, AnchorRule] = {
     # row amax (fp8 scaling) or row sums of the epilogue value, folded across N tiles
     "matmul": AnchorRule((0, 1), 0, frozenset({"sum", "mean", "max", "min", "amax", "norm1", "norm2"})),
-    # conv input prologue: the scale-bias-relu of a preceding batchnorm applied at load
-    "conv_fprop": AnchorRule((0,), 0),
+    # conv input prologue: the scale-bias-relu of a preceding batchnorm applied at load; the
+    # batchnorm statistics of the output (genstats) folded from per-tile column sums
+    "conv_fprop": AnchorRule((0,), 0, stats_exit=True),
     "conv_dgrad": AnchorRule((0,), 0),
     "conv_wgrad": AnchorRule((0,), 0),
     "sdpa": AnchorRule((), 0),

@@ -17,6 +17,7 @@ from ..errors import ExecutionError, UnsupportedError, ValidationError
 from ..fusion import partition
 from ..heuristics import device_model
 from ..heuristics.autotune import Tuner
+from ..heuristics.workspace import WorkspaceBudget
 from ..runtime import interpreting
 from .launch import created_once, run_launches
 from .conv import build_conv
@@ -71,12 +72,14 @@ def _check_outputs_dense(graph):
                                       f"its elements would overlap")
 
 
-def build_plan(graph, autotune: bool = False) -> "Plan":
-    """Partition, schedule (or autotune) and generate every kernel of a validated graph."""
+def build_plan(graph, autotune: bool = False, workspace_limit=None) -> "Plan":
+    """Partition, schedule (or autotune) and generate every kernel of a validated graph; the
+    configs' optional scratch together stays within `workspace_limit` bytes (None: no limit)."""
     _check_outputs_dense(graph)
     groups = partition(graph, frozenset(KERNEL_BUILDERS))
     device = _build_device()
-    return Plan(graph, groups, build_launches(graph, groups, device, autotune), device, autotune)
+    budget = WorkspaceBudget(workspace_limit)
+    return Plan(graph, groups, build_launches(graph, groups, device, autotune, budget), device, autotune, budget)
 
 
 def _build_device() -> torch.device:
@@ -87,8 +90,9 @@ def _build_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_launches(graph, groups, device: torch.device, autotune: bool = False) -> list:
-    """The launches of every group, scheduled for `device`'s model (autotuned on `device`)."""
+def build_launches(graph, groups, device: torch.device, autotune: bool = False, budget=None) -> list:
+    """The launches of every group, scheduled for `device`'s model (autotuned on `device`),
+    drawing optional scratch from `budget` (a WorkspaceBudget) in graph order."""
     tuner = Tuner(device_model(device)) if autotune else None
     launches = []
     for index, group in enumerate(groups):
@@ -101,7 +105,7 @@ def build_launches(graph, groups, device: torch.device, autotune: bool = False) 
         stored = prologue_values_to_store(group) if group.kind in PROLOGUE_STORED_APART else None
         if stored is not None:
             launches.append(build_pointwise(graph, stored, index, device=device))
-        built = builder(graph, group, index, tuner, device)
+        built = builder(graph, group, index, tuner, device, budget)
         launches.extend(built if isinstance(built, list) else [built])
     return launches
 
@@ -163,7 +167,7 @@ class Plan:
     Safe to execute from many threads and streams at once: workspaces are per (device, stream) or
     the caller's, launches are per device model and built or bound once under a lock."""
 
-    def __init__(self, graph, groups, launches, device=None, autotune: bool = False):
+    def __init__(self, graph, groups, launches, device=None, autotune: bool = False, budget=None):
         self.graph_name = graph.name
         self.groups, self.launches = groups, launches
         used = {t.uid for g in groups for t in g.inputs}
@@ -177,6 +181,7 @@ class Plan:
         self.bindable = {s.uid for s in self.specs} | {t.uid for t in graph.inputs()}
         self.names = {t.uid: t.name for t in graph.tensors}
         self._graph, self._autotune = graph, autotune
+        self._budget = budget if budget is not None else WorkspaceBudget()
         self._graph_dtypes = {t.uid: t.data_type.torch_dtype for t in graph.tensors}
         self._lock = threading.Lock()  # guards the three dicts below when they grow
         self._by_model: dict = {}  # DeviceModel -> DeviceLaunches
@@ -196,7 +201,7 @@ class Plan:
             if self._graph.plan is not self:
                 raise ExecutionError(f"graph {self.graph_name!r} changed since this plan was built, and "
                                      f"{device} needs launches of its own: build the graph again")
-            launches = build_launches(self._graph, self.groups, device, self._autotune)
+            launches = build_launches(self._graph, self.groups, device, self._autotune, self._budget.fresh())
         built = DeviceLaunches(model, launches, self.groups, self._graph_dtypes)
         if device.type == "cuda":
             built.bind(device.index)

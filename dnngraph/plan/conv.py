@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..codegen.conv import (ActivationGather, ConvGeometry, FilterLoader, GradientLoader, PixelGather, PixelWalk,
                            TapWalk)
-from ..codegen.gemm import GemmKernelSpec, GemmOperand
+from ..codegen.gemm import ExitPlan, GemmKernelSpec, GemmOperand
 from ..codegen.matmul import DescriptorLoader, LinearK, StridedLoader
 from ..errors import UnsupportedError
 from ..heuristics import conv as conv_heuristics
@@ -30,7 +30,7 @@ from ..heuristics import matmul as matmul_heuristics
 from ..heuristics.layout import INT32_LIMIT, operand_strides
 from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot
 from .gemm import GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
-from .launch import KernelLaunch, element_span, kernel_name
+from .launch import KernelLaunch, element_span, kernel_name, scratch
 from .matmul import layout_of, tma_ok
 
 
@@ -109,8 +109,8 @@ class ConvBuild(GemmLaunches):
         self.prologue = tuple(n for n in group.prologue if n in chain(pose.source, prologue))
         self.source_leaves = leaves(pose.source, set(group.nodes))
         self.epilogue_reads = epilogue_inputs(group)
-        self.stored = [t for t in group.outputs if t.producer not in prologue]
-        self.exit_operands = []
+        exit_outputs = {t.uid for node in group.exits for t in node.outputs}
+        self.stored = [t for t in group.outputs if t.producer not in prologue and t.uid not in exit_outputs]
         self.row_sizes = (self.out.dim[0],) + pose.rows
         self.dot_a, self.dot_b, dot, self.precision = self._dot(pose.source, self.w, graph.allow_tf32)
         self.device = device_model(device)
@@ -200,6 +200,19 @@ class ConvBuild(GemmLaunches):
         return conv_heuristics.ConvProblem(self.groups, m, self.pose.filters, self.pose.channels,
                                            self.pose.geometry.taps, dot, a_bytes, b_bytes, out_bytes, layout,
                                            epilogue)
+
+    def exit_plans(self, epilogue_block) -> list:
+        """genstats of an epilogue value: per-channel sum and sum of squares, as column exits
+        (one fp32 partial per row tile, folded in tile order: deterministic)."""
+        p, pairs = self.problem, []
+        for node in self.group.exits:
+            for output, mode in zip(node.outputs, ("sum", "sq_sum")):
+                s = operand_strides(tuple(self.out.dim), tuple(output.dim), tuple(output.stride))
+                operand = GemmOperand(output.uid, output.data_type, "exit", self._group_stride(self.pose.filters, s[1]),
+                                      (), (s[1],), is_output=True)
+                partial = scratch((p.batch, -(-p.m // epilogue_block[0]), p.n))
+                pairs.append((ExitPlan(node, node.inputs[0].uid, partial.uid, operand, mode, "column"), partial))
+        return pairs
 
     # --- launches for one config ----------------------------------------------------------------
     def _walk_and_loaders(self, config: MatmulConfig) -> tuple:
@@ -307,12 +320,13 @@ class WgradBuild(GemmLaunches):
             description=self.group.describe(), extra_constexprs=self.geometry.constexprs(), **extra)
 
 
-def build_conv(graph, group, index, tuner=None, device=None) -> list[KernelLaunch]:
+def build_conv(graph, group, index, tuner=None, device=None, budget=None) -> list[KernelLaunch]:
     """The launches of a conv group for `device` (default: the current one): per pose, the
-    model's choice or the autotuned one with `tuner`."""
+    model's choice or the autotuned one with `tuner`, within the workspace `budget`."""
     node = group.anchor
     if node.op == "conv_wgrad":
-        return build_gemm(WgradBuild(graph, group, index, device), "conv", matmul_heuristics.schedule, tuner, device)
+        return build_gemm(WgradBuild(graph, group, index, device), "conv", matmul_heuristics.schedule, tuner, device,
+                          budget)
     if node.op not in POSES:
         raise UnsupportedError(f"node {node.name!r} ({node.op}): no kernel for {node.op} exists yet; "
                                f"graph.reference() computes it")
@@ -320,7 +334,7 @@ def build_conv(graph, group, index, tuner=None, device=None) -> list[KernelLaunc
     for pose in POSES[node.op](node):
         build = ConvBuild(graph, group, index, pose, device)
         if build.matmul_path:
-            launches += build_gemm(build, "matmul", matmul_heuristics.schedule, tuner, device)
+            launches += build_gemm(build, "matmul", matmul_heuristics.schedule, tuner, device, budget)
         else:
-            launches += build_gemm(build, "conv", conv_heuristics.schedule, tuner, device)
+            launches += build_gemm(build, "conv", conv_heuristics.schedule, tuner, device, budget)
     return launches

@@ -8,7 +8,7 @@ autotunes) it and returns the launches.
 from __future__ import annotations
 
 from ..codegen.cache import load_kernel
-from ..codegen.gemm import ExitPlan, render
+from ..codegen.gemm import EXIT_FOLD_BLOCK, ExitPlan, render
 from ..heuristics.autotune import TuningRecord
 from ..heuristics.matmul import SPLIT_COMBINE_BLOCK, MatmulConfig
 from .launch import KernelLaunch, sample_tensors, scratch, time_candidate, tuning_device
@@ -60,6 +60,17 @@ def epilogue_inputs(group) -> list:
 class GemmLaunches:
     """The launches of one config of a GEMM-shaped group (mixed into each family's build)."""
 
+    def exit_plans(self, epilogue_block) -> list:
+        """(ExitPlan, its partials' scratch) of the row exits (reductions over each output row):
+        one partial per column tile of `epilogue_block`, folded in tile order. A family with
+        other exits overrides this."""
+        p = self.problem
+        pairs = []
+        for node, operand in zip(self.group.exits, self.exit_operands):
+            partial = scratch((p.batch, -(-p.n // epilogue_block[1]), p.m))
+            pairs.append((ExitPlan(node, node.inputs[0].uid, partial.uid, operand), partial))
+        return pairs
+
     def _launch(self, spec, body, grid, warps, stages, config_text, reason, scratch_buffers=()):
         source, arguments = render(spec, body)
         kernel, path = load_kernel(source, spec.name)
@@ -74,9 +85,8 @@ class GemmLaunches:
         split = config.split_k > 1
         if split:
             epilogue_block = SPLIT_COMBINE_BLOCK
-        exit_scratch = [scratch((p.batch, -(-p.n // epilogue_block[1]), p.m)) for _ in self.group.exits]
-        exits = [ExitPlan(x, x.inputs[0].uid, s.uid, op)
-                 for x, op, s in zip(self.group.exits, self.exit_operands, exit_scratch)]
+        pairs = self.exit_plans(epilogue_block)
+        exits, exit_scratch = [plan for plan, _ in pairs], [partial for _, partial in pairs]
         common = dict(exits=tuple(exits), epilogue_block=epilogue_block)
         text = config.text
         launches = []
@@ -107,26 +117,42 @@ class GemmLaunches:
                                          config.num_stages, text + f" grid={tiles}x{p.batch}", reason,
                                          exit_scratch))
         if exits:
-            rows = -(-(p.batch * p.m) // 128)
+            rows = -(-(p.batch * (p.n if exits[0].axis == "column" else p.m)) // EXIT_FOLD_BLOCK)
             launches.append(self._launch(self.spec(config, "_exits", **common), "exit_fold", (rows,),
-                                         EXIT_FOLD_WARPS, None, "row-exit fold",
-                                         "folds per-tile row partials in tile order (deterministic)"))
+                                         EXIT_FOLD_WARPS, None, f"{exits[0].axis}-exit fold",
+                                         "folds per-tile partials in tile order (deterministic)"))
         return launches
 
 
-def build_gemm(build, family: str, schedule, tuner=None, device=None) -> list[KernelLaunch]:
+def split_partial_bytes(config: MatmulConfig, problem) -> int:
+    """Workspace of a config's split-K partials (fp32 [SPLIT_K, batch, M, N])."""
+    return config.split_k * problem.batch * problem.m * problem.n * 4 if config.split_k > 1 else 0
+
+
+def build_gemm(build, family: str, schedule, tuner=None, device=None, budget=None) -> list[KernelLaunch]:
     """The launches of a GEMM-shaped group: the model's choice (`schedule(problem, device)`),
-    or the autotuned one with `tuner`, recorded under `family` in the tuning cache."""
+    or the autotuned one with `tuner`, recorded under `family` in the tuning cache; configs whose
+    split-K partials do not fit `budget` (a WorkspaceBudget) are left out."""
     sched = schedule(build.problem, build.device)
-    config, record = sched.config, TuningRecord("model", sched.config.text)
+    fits = lambda c: budget is None or budget.allows(split_partial_bytes(c, build.problem))
+    ranked = [c for c in sched.ranked if fits(c)]
+    skipped = sched.ranked.index(ranked[0])
+    config, record = ranked[0], TuningRecord("model", ranked[0].text)
     if tuner is not None:
         device = tuning_device(device)
         tensors = sample_tensors(build.group, device)
+        limit = "" if budget is None or budget.limit is None else f" ws{budget.limit}"
         config, record = tuner.choose(
-            family, build.problem.signature(), list(sched.ranked), MatmulConfig.to_record,
+            family, build.problem.signature() + limit, ranked, MatmulConfig.to_record,
             MatmulConfig.from_record, lambda c: c.text,
             lambda c: time_candidate(build.launches(c, "autotune candidate"), tensors, device))
-    reason = record.describe() or sched.reason
+    nbytes = split_partial_bytes(config, build.problem)
+    reason = record.describe() or (sched.reason if not skipped else
+                                   f"model rank {skipped + 1} of {len(sched.ranked)}: the {skipped} ranked "
+                                   f"above need more workspace than the limit")
+    if budget is not None:
+        budget.spend(nbytes)
+        reason += "; " + budget.describe(nbytes)
     launches = build.launches(config, reason)
     for launch in launches:
         launch.tuning = record

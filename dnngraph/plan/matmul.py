@@ -134,7 +134,7 @@ class MatmulBuild(GemmLaunches):
             precision=self.precision, compute=self.graph.compute_data_type.triton_type,
             index_64=self.index_64, description=self.group.describe(), **extra)
 
-def build_matmul(graph, group, index, tuner=None, device=None) -> list[KernelLaunch]:
+def build_matmul(graph, group, index, tuner=None, device=None, budget=None) -> list[KernelLaunch]:
     """The launches of a matmul group for `device` (default: the current one): model choice, or
-    the autotuned one with `tuner`."""
-    return build_gemm(MatmulBuild(graph, group, index, device), "matmul", schedule, tuner, device)
+    the autotuned one with `tuner`, within the workspace `budget`."""
+    return build_gemm(MatmulBuild(graph, group, index, device), "matmul", schedule, tuner, device, budget)

@@ -8,7 +8,7 @@ from ..heuristics.pointwise import schedule as schedule_pointwise
 from .launch import KernelLaunch, kernel_name
 
 
-def build_pointwise(graph, group, index, tuner=None, device=None):
+def build_pointwise(graph, group, index, tuner=None, device=None, budget=None):
     """The pointwise kernel of a group, scheduled for `device`'s model."""
     sched = schedule_pointwise(group, device_model(device))
     description = group.describe()

@@ -9,7 +9,7 @@ from .launch import KernelLaunch, kernel_name
 from .rows import require_floating_inputs
 
 
-def build_pooling(graph, group, index, tuner=None, device=None):
+def build_pooling(graph, group, index, tuner=None, device=None, budget=None):
     """The pooling kernel of a group."""
     require_floating_inputs(group.anchor)
     sched = schedule_pooling(group, device_model(device))

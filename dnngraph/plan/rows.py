@@ -153,7 +153,7 @@ def require_floating_inputs(anchor):
                 f"floating type first")
 
 
-def build_rows(graph, group, index, tuner=None, device=None):
+def build_rows(graph, group, index, tuner=None, device=None, budget=None):
     """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
     are per-row sums of the dx kernel (batchnorm)."""
     anchor, name = group.anchor, kernel_name(group, index)
