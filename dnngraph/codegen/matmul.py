@@ -55,6 +55,7 @@ class _Loader:
     names = ()
     stems = ()
     reads_rows = False
+    reads_cols = False
 
     def program_setup(self, spec, w):
         pass
