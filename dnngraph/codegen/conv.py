@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
-from .gemm import batch_offset, bind_load, col_lines, row_lines, stride_name
+from .gemm import batch_offset, bind_load, row_lines, stride_name
 from .pointwise import KernelArgument
 
 
@@ -105,7 +105,6 @@ class _ConvLoader:
     names = ()
     stems = ()
     uses_k_offsets = True
-    reads_cols = False
 
     def program_setup(self, spec, w):
         pass
@@ -329,48 +328,38 @@ class GradientLoader(_ConvLoader):
 
 
 @dataclass(frozen=True)
-class TapColumnsGather(_ConvLoader):
-    """B [BLOCK_K, BLOCK_N] of wgrad: output pixels x columns (filter tap, channel), x read at
-    o * STRIDE - PADDING + tap * DILATION, zero where that lands in the padding. The columns
-    decompose once per tile (col_<axis>: the taps, then the channel), shared with the epilogue
-    that stores dw[k, c, taps] through the same indices; dy's tile serves every tap."""
+class PixelGather(_ConvLoader):
+    """B [BLOCK_K, BLOCK_N] of wgrad: output pixels x channels of x at the program's filter tap
+    (from the batch index), zero where the tap lands in the padding."""
 
     geometry: ConvGeometry  # filter_sizes, stride, padding, dilation; filter_base/step: the flip
     input_sizes: tuple
+    tap_axes: tuple  # per spatial axis, the batch axis holding its tap (-1: a filter of size 1)
     dot_type: str
     reads_rows = False
-    reads_cols = True
-    stems = ("in", "valid", "shift")
+    stems = ("in", "valid")
 
     def tile_setup(self, spec, w):
-        col_lines(spec, w, "offs_n % N")  # wrapped: loads need no column mask
-        (op,) = spec.side("b")
-        rank = self.geometry.rank
-        for axis in range(rank):
-            w(f"shift_{axis} = {self.geometry.filter_index(axis, f'col_{axis}')} * DILATION_{axis}")
-        # the column part of x's address: tap shifts and channel (added to each pixel's base)
-        terms = [f"shift_{i} * {stride_name(op, 'r', i + 1)}" for i in range(rank) if op.row_strides[i + 1]]
-        terms.append(f"col_{rank} * {stride_name(op, 'c', 0)}" if op.col_strides[0] else f"col_{rank} * 0")
-        w("shift_offset = " + " + ".join(terms))
+        w("cols_b = offs_n % N")
+        for axis, batch_axis in enumerate(self.tap_axes):
+            tap = f"bidx_{batch_axis}" if batch_axis >= 0 else "0"
+            w(f"tap_{axis} = {self.geometry.filter_index(axis, tap)}")
 
     def step(self, spec, w):
         (op,) = spec.side("b")
-        rank = self.geometry.rank
         checks = []
-        for axis in range(rank):
-            w(f"in_{axis} = pix_{axis + 1} * STRIDE_{axis} - PADDING_{axis}",
-              f"in_tap_{axis} = in_{axis}[:, None] + shift_{axis}[None, :]")
-            # one unsigned compare per axis: a negative coordinate wraps past any extent
-            checks.append(f"(in_tap_{axis}.to(tl.uint32) < in_size_{axis})")
+        for axis in range(self.geometry.rank):
+            w(f"in_tap_{axis} = pix_{axis + 1} * STRIDE_{axis} - PADDING_{axis} + tap_{axis} * DILATION_{axis}")
+            checks.append(f"(in_tap_{axis} >= 0) & (in_tap_{axis} < in_size_{axis})")
         w("valid_b = " + " & ".join(checks))
-        base = [t for t in [batch_offset(op)] if t]
-        pixel = [f"pix_0 * {stride_name(op, 'r', 0)}"] if op.row_strides[0] else []
-        pixel += [f"in_{i} * {stride_name(op, 'r', i + 1)}" for i in range(rank) if op.row_strides[i + 1]]
-        pixel_offset = "(" + " + ".join(pixel) + ")[:, None]" if pixel else "pix_0[:, None] * 0"
-        address = " + ".join(base + [pixel_offset, "shift_offset[None, :]"])
-        mask = _and("valid_b", _k_mask(spec, "b"))
+        terms = [t for t in [batch_offset(op)] if t]
+        pixels = [f"pix_0 * {stride_name(op, 'r', 0)}"] if op.row_strides[0] else []
+        pixels += [f"in_tap_{i} * {stride_name(op, 'r', i + 1)}" for i in range(self.geometry.rank) if op.row_strides[i + 1]]
+        terms.append("(" + " + ".join(pixels) + ")[:, None]" if pixels else "ks[:, None] * 0")
+        terms.append(f"cols_b[None, :] * {stride_name(op, 'c', 0)}" if op.col_strides[0] else "cols_b[None, :] * 0")
+        mask = _and("valid_b[:, None]", _k_mask(spec, "b"))
         convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
-        w(f"tile_b = tl.load({op.ident}_ptr + {address}, mask={mask}, other=0.0){convert}")
+        w(f"tile_b = tl.load({op.ident}_ptr + {' + '.join(terms)}, mask={mask}, other=0.0){convert}")
 
     def arguments(self, spec) -> list:
         return [KernelArgument("int", f"in_size_{axis}", size) for axis, size in enumerate(self.input_sizes)]

@@ -132,7 +132,6 @@ class GemmKernelSpec:
     index_64: bool
     description: str
     row_sizes: tuple = ()  # the output rows' axes, outer first (empty: one axis, offs_m)
-    col_sizes: tuple = ()  # the output columns' axes, outer first (empty: one axis, offs_n)
     partial_uid: int = 0  # split-K scratch [SPLIT_K, batches, M, N]
     epilogue_block: tuple = ()  # (BLOCK_M, BLOCK_N) of the kernel running the epilogue
     persistent_programs: int = 0  # grid of the persistent variant
@@ -258,32 +257,18 @@ def _tile_offsets(spec, w: Writer):
     w("mask_m = offs_m < M", "mask_n = offs_n < N")
 
 
-def _index_lines(w: Writer, flat: str, stem: str, sizes: tuple):
-    """Decompose the index vector `flat` into <stem>_<axis> (row-major over `sizes`)."""
-    w(f"rest = {flat}")
-    for axis in range(len(sizes) - 1, 0, -1):
-        w(f"{stem}_{axis} = rest % {stem}_size_{axis}", f"rest = rest // {stem}_size_{axis}")
-    w(f"{stem}_0 = rest")
-
-
 def row_lines(spec, w: Writer, flat: str):
     """Decompose output rows `flat` into row_<axis> (row-major over spec.row_sizes)."""
-    _index_lines(w, flat, "row", spec.row_sizes)
-
-
-def col_lines(spec, w: Writer, flat: str):
-    """Decompose output columns `flat` into col_<axis> (row-major over spec.col_sizes)."""
-    _index_lines(w, flat, "col", spec.col_sizes)
+    last = len(spec.row_sizes) - 1
+    w(f"rest = {flat}")
+    for axis in range(last, 0, -1):
+        w(f"row_{axis} = rest % row_size_{axis}", f"rest = rest // row_size_{axis}")
+    w("row_0 = rest")
 
 
 def output_rows(spec) -> list:
     """Index names of the output's row axes."""
     return [f"row_{axis}" for axis in range(len(spec.row_sizes))] if spec.row_sizes else ["offs_m"]
-
-
-def output_cols(spec) -> list:
-    """Index names of the output's column axes."""
-    return [f"col_{axis}" for axis in range(len(spec.col_sizes))] if spec.col_sizes else ["offs_n"]
 
 
 # --- the k loop -----------------------------------------------------------------------------------
@@ -316,17 +301,17 @@ def _epilogue(spec, w: Writer):
     w.emitters.append(emitter)
     emitter.bind(spec.c_uid, "acc", "f")
     w("mask = mask_m[:, None] & mask_n[None, :]")
-    rows, cols = output_rows(spec), output_cols(spec)
+    rows = output_rows(spec)
     for op in spec.side("c"):
         if not op.is_output:
-            w(f"{op.ident} = {load(op, rows, cols, _tile_mask(op), spec.compute)}")
+            w(f"{op.ident} = {load(op, rows, 'offs_n', _tile_mask(op), spec.compute)}")
             bind_load(emitter, op, op.ident)
     for node in spec.epilogue:
         emitter.emit(node)
     w(*emitter.lines)
     for op in spec.side("c"):
         if op.is_output:
-            w(f"tl.store({op.ident}_ptr + {offset_2d(op, rows, cols, full=True)}, "
+            w(f"tl.store({op.ident}_ptr + {offset_2d(op, rows, 'offs_n', full=True)}, "
               f"{emitter.stored(op.uid, op.data_type)}, mask=mask)")
     for index, plan in enumerate(spec.exits):
         transform, combine, identity, _ = EXIT_MODES[plan.reduce_mode]
@@ -343,20 +328,14 @@ def _epilogue(spec, w: Writer):
 
 
 def _epilogue_rows(spec, w: Writer, decomposed: bool = False):
-    """Decompose the tile's rows and columns where the output's have several axes (unless a
-    loader did already: it decomposes the wrapped indices, the same wherever a store is masked in)."""
-    if spec.row_sizes and not (decomposed and _loaders_read_rows(spec)):
+    """Decompose the tile's rows where the output's rows have several axes (unless a loader
+    did already: it decomposes the wrapped rows, the same indices wherever a store is masked in)."""
+    if spec.row_sizes and not decomposed:
         row_lines(spec, w, "offs_m")
-    if spec.col_sizes and not (decomposed and _loaders_read_cols(spec)):
-        col_lines(spec, w, "offs_n")
 
 
 def _loaders_read_rows(spec) -> bool:
     return spec.loader_a.reads_rows or spec.loader_b.reads_rows
-
-
-def _loaders_read_cols(spec) -> bool:
-    return spec.loader_a.reads_cols or spec.loader_b.reads_cols
 
 
 # --- kernels --------------------------------------------------------------------------------------
@@ -379,7 +358,7 @@ def _main_tiled(spec, w: Writer):
           "tl.store(partial_ptr + partial, acc, mask=mask)")
         return None
     k_loop(spec, w, "0, k_tiles")
-    _epilogue_rows(spec, w, decomposed=True)
+    _epilogue_rows(spec, w, decomposed=_loaders_read_rows(spec))
     return _epilogue(spec, w)
 
 
@@ -512,8 +491,6 @@ def _arguments(spec, body: str, operands: list, scalars) -> list:
     epilogue = body == "combine" or (body in MAIN_BODIES and not split)
     if epilogue or (body in MAIN_BODIES and _loaders_read_rows(spec)):  # rows decomposed
         args += [KernelArgument("int", f"row_size_{a}", s) for a, s in enumerate(spec.row_sizes) if a > 0]
-    if epilogue or (body in MAIN_BODIES and _loaders_read_cols(spec)):  # columns decomposed
-        args += [KernelArgument("int", f"col_size_{a}", s) for a, s in enumerate(spec.col_sizes) if a > 0]
     if body in MAIN_BODIES:
         args += spec.k_walk.arguments() + spec.loader_a.arguments(spec) + spec.loader_b.arguments(spec)
     for op in operands:

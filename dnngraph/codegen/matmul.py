@@ -55,7 +55,6 @@ class _Loader:
     names = ()
     stems = ()
     reads_rows = False
-    reads_cols = False
 
     def program_setup(self, spec, w):
         pass

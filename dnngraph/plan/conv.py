@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..codegen.conv import (ActivationGather, ConvGeometry, FilterLoader, GradientLoader, PixelWalk, TapColumnsGather,
+from ..codegen.conv import (ActivationGather, ConvGeometry, FilterLoader, GradientLoader, PixelGather, PixelWalk,
                            TapWalk)
 from ..codegen.gemm import ExitPlan, GemmKernelSpec, GemmOperand
 from ..codegen.matmul import DescriptorLoader, LinearK, StridedLoader
@@ -241,10 +241,10 @@ class ConvBuild(GemmLaunches):
 
 
 class WgradBuild(GemmLaunches):
-    """wgrad: per group, dw[k, (tap, c)] = sum over output pixels of dy[n, k, o] times x at
-    o * stride - padding + tap * dilation: one GEMM whose columns are every filter tap of every
-    channel, so dy's tile feeds all taps at once. The reduction over N x pixels is long: split-K
-    (partials added in order by the combine kernel: deterministic) fills the machine."""
+    """wgrad: per group and filter tap, dw[k, c] = sum over output pixels of dy[n, k, o] times x
+    at the tap, o * stride - padding + tap * dilation. The taps are batch axes of the GEMM next to
+    the group; the reduction over N x pixels is long, so split-K (partials added in order by
+    the combine kernel: deterministic) fills the machine."""
 
     def __init__(self, graph, group, index, device=None):
         self.graph, self.group, self.index = graph, group, index
@@ -254,8 +254,11 @@ class WgradBuild(GemmLaunches):
         attrs = node.attrs
         self.groups, filters = attrs.groups, tuple(attrs.shape[2:])
         self.filters, self.channels = attrs.shape[0] // attrs.groups, attrs.shape[1]
-        self.batch_sizes = (attrs.groups,) if attrs.groups > 1 else ()
-        self.col_sizes = filters + (self.channels,)
+        batch_dims = (attrs.groups,) + filters
+        self.batch_axes = tuple(i for i, size in enumerate(batch_dims) if size > 1)
+        self.batch_sizes = tuple(batch_dims[i] for i in self.batch_axes)
+        position = {axis: i for i, axis in enumerate(self.batch_axes)}
+        self.tap_axes = tuple(position.get(axis + 1, -1) for axis in range(len(filters)))
         flip = attrs.mode == "convolution"
         self.geometry = ConvGeometry(filters, attrs.stride, attrs.padding, attrs.dilation,
                                      tuple(r - 1 if flip else 0 for r in filters),
@@ -271,48 +274,50 @@ class WgradBuild(GemmLaunches):
         self.device = device_model(device)
         self.operands = tuple(self._dy_operands() + self._x_operands() + self._output_operands())
         out_bytes = max(1, sum(t.data_type.itemsize for t in self.stored))
-        self.problem = MatmulProblem(attrs.groups, self.filters, _product(self.col_sizes),
+        self.problem = MatmulProblem(_product(self.batch_sizes), self.filters, self.channels,
                                      _product(self.pixel_sizes), dot, dy.data_type.itemsize, x.data_type.itemsize,
                                      out_bytes, False, "strided", "strided",
                                      "conv_wgrad " + ",".join(n.op for n in group.epilogue))
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
         self.name = kernel_name(group, index)
 
-    def _group_stride(self, per_group: int, stride: int) -> tuple:
-        return (per_group * stride,) if self.batch_sizes else ()
+    def _batch(self, group_stride: int, tap_strides: tuple) -> tuple:
+        full = (group_stride,) + tap_strides
+        return tuple(full[i] for i in self.batch_axes)
 
     def _dy_operands(self) -> list:
         operands = []
         for leaf in self.dy_leaves:
             s = operand_strides(tuple(self.dy.dim), tuple(leaf.dim), tuple(leaf.stride))
-            operands.append(GemmOperand(leaf.uid, leaf.data_type, "a", self._group_stride(self.filters, s[1]),
+            no_taps = (0,) * self.geometry.rank
+            operands.append(GemmOperand(leaf.uid, leaf.data_type, "a", self._batch(self.filters * s[1], no_taps),
                                         (s[1],), (s[0],) + s[2:]))
         return operands
 
     def _x_operands(self) -> list:
         s = operand_strides(tuple(self.x.dim), tuple(self.x.dim), tuple(self.x.stride))
-        return [GemmOperand(self.x.uid, self.x.data_type, "b", self._group_stride(self.channels, s[1]),
+        no_taps = (0,) * self.geometry.rank
+        return [GemmOperand(self.x.uid, self.x.data_type, "b", self._batch(self.channels * s[1], no_taps),
                             (s[0],) + s[2:], (s[1],))]
 
     def _output_operands(self) -> list:
         operands = []
         for tensor, is_output in [(t, False) for t in self.epilogue_reads] + [(t, True) for t in self.stored]:
             s = operand_strides(tuple(self.out.dim), tuple(tensor.dim), tuple(tensor.stride))
-            operands.append(GemmOperand(tensor.uid, tensor.data_type, "c", self._group_stride(self.filters, s[0]),
-                                        (s[0],), s[2:] + (s[1],), is_output))
+            operands.append(GemmOperand(tensor.uid, tensor.data_type, "c", self._batch(self.filters * s[0], s[2:]),
+                                        (s[0],), (s[1],), is_output))
         return operands
 
     def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> GemmKernelSpec:
         walk = PixelWalk(self.geometry.rank, self.problem.k % config.block_k != 0, self.pixel_sizes)
         loader_a = GradientLoader(self.dy.uid, self.dot_a, self.prologue)
-        loader_b = TapColumnsGather(self.geometry, tuple(self.x.dim[2:]), self.dot_b)
+        loader_b = PixelGather(self.geometry, tuple(self.x.dim[2:]), self.tap_axes, self.dot_b)
         return GemmKernelSpec(
             name=self.name + suffix, config=config, problem=self.problem, batch_sizes=self.batch_sizes,
             c_uid=self.out.uid, operands=self.operands, k_walk=walk, loader_a=loader_a, loader_b=loader_b,
             epilogue=tuple(self.group.epilogue), exits=extra.pop("exits", ()), scale_uids=(),
             precision=self.precision, compute=self.graph.compute_data_type.triton_type, index_64=self.index_64,
-            description=self.group.describe(), col_sizes=self.col_sizes,
-            extra_constexprs=self.geometry.constexprs(), **extra)
+            description=self.group.describe(), extra_constexprs=self.geometry.constexprs(), **extra)
 
 
 def build_conv(graph, group, index, tuner=None, device=None, budget=None) -> list[KernelLaunch]:
