@@ -28,11 +28,17 @@ class TuningRecord:
     """How a kernel's config was chosen: "model", "tuned" (timed now) or "cache" (timed before).
 
     timings: (config text, model rank, milliseconds) of every candidate timed, fastest first.
+    family, signature: the tuning-cache key's family ("matmul", "conv", "rows") and problem
+    signature; candidates: how many the model ranked, so that timed + failed + untimed add up to
+    it. Set by the Tuner ("" and 0 on a model-only record built without one).
     """
 
     source: str
     chosen: str
     timings: tuple = ()
+    family: str = ""
+    signature: str = ""
+    candidates: int = 0
 
     def describe(self) -> str:
         if self.source == "model" or not self.timings:
@@ -49,7 +55,7 @@ def _dnngraph_version() -> str:
     return __version__
 
 
-def _cached_choice(cached, ranked: list, from_record: Callable, text_of: Callable):
+def _cached_choice(cached, ranked: list, from_record: Callable, text_of: Callable, **about):
     """(config, TuningRecord) from a cached record, or a str saying why the record is unusable.
 
     The record must decode (from_record validates variant, mode and sizes) and name one of
@@ -65,7 +71,7 @@ def _cached_choice(cached, ranked: list, from_record: Callable, text_of: Callabl
     candidate = next((c for c in ranked if text_of(c) == text_of(config)), None)
     if candidate is None:
         return f"{text_of(config)} is not a candidate for this problem"
-    return candidate, TuningRecord("cache", text_of(candidate), timings)
+    return candidate, TuningRecord("cache", text_of(candidate), timings, **about)
 
 
 def top_count(total: int) -> int:
@@ -97,9 +103,10 @@ class Tuner:
         """(config, TuningRecord): the cached winner for this problem, else the fastest of the
         top-ranked candidates, timed with time_config(config) -> milliseconds."""
         key = tuning_key(self.device.name, triton.__version__, family, signature, _dnngraph_version())
+        about = dict(family=family, signature=signature, candidates=len(ranked))
         cached = self.cache.lookup(key)
         if cached is not None:
-            found = _cached_choice(cached, ranked, from_record, text_of)
+            found = _cached_choice(cached, ranked, from_record, text_of, **about)
             if isinstance(found, str):  # an unusable record: warn, tune again and overwrite it
                 warnings.warn(f"dnngraph tuning cache {self.cache.path}: ignoring the record of "
                               f"{family} {signature}: {found}", TuningCacheWarning, stacklevel=4)
@@ -119,10 +126,10 @@ class Tuner:
             results.append((text_of(config), rank, ms, config))
             self._say(f"  [{rank + 1}/{count}] {text_of(config)}: {ms * 1e3:.1f} us")
         if not results:
-            return ranked[0], TuningRecord("model", text_of(ranked[0]))
+            return ranked[0], TuningRecord("model", text_of(ranked[0]), **about)
         results.sort(key=lambda r: r[2])
         best = results[0]
         timings = tuple(r[:3] for r in results)
         self.cache.store(key, {"config": to_record(best[3]), "timings": [list(t) for t in timings]})
         self._say(f"  chose {best[0]} (model rank {best[1] + 1})")
-        return best[3], TuningRecord("tuned", best[0], timings)
+        return best[3], TuningRecord("tuned", best[0], timings, **about)
