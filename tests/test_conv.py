@@ -172,7 +172,6 @@ def test_bad_input_is_a_validation_error(call, match):
 
 def _dgrad_graph(case, groups, layout, mode="cross_correlation", dtype=torch.float32):
     x_dim, w_dim = case["x"], case["w"]
-    y_dim = torch.nn.functional.conv_nd if False else None
     w_t = stored(w_dim, layout, dtype)
     probe = torch.zeros(x_dim)
     reference = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[len(x_dim) - 3]
@@ -212,8 +211,8 @@ def test_dgrad_stride_phases_match_autograd(stride, dilation, padding, mode, lay
     (expected,) = torch.autograd.grad(y, x_t, dy_t)
     g = graph()
     dy, w = g.tensor_like(dy_t.float(), name="dy"), g.tensor_like(w_t.float(), name="w")
-    dx = g.conv_dgrad(dy, w, x_dim=[2, 4, 11, 9], padding=list(padding), stride=list(stride),
-                      dilation=list(dilation), mode=mode).set_output(True).set_name("dx")
+    g.conv_dgrad(dy, w, x_dim=[2, 4, 11, 9], padding=list(padding), stride=list(stride),
+                 dilation=list(dilation), mode=mode).set_output(True).set_name("dx")
     out = check(g, {"dy": dy_t.float(), "w": w_t.float()})["dx"]
     assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-4)
     phases = min(stride[0], 11) * min(stride[1], 9)
@@ -254,8 +253,7 @@ def test_wgrad(rank, layout, groups):
 
 @pytest.mark.parametrize("mode", ["convolution", "cross_correlation"])
 def test_wgrad_matches_autograd_and_is_bitwise_reproducible(mode, monkeypatch):
-    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", None)
-    monkeypatch.setattr(mm, "FORCE_CONFIG", mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=4))
+    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=4))
     x_t = torch.randn(3, 4, 9, 8, dtype=torch.float64)
     w_t = torch.randn(5, 4, 3, 2, dtype=torch.float64, requires_grad=True)
     w_used = w_t.flip((2, 3)) if mode == "convolution" else w_t

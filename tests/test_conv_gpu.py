@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import dnngraph as dg
+from dnngraph.heuristics import conv as conv_heuristics
 from dnngraph.heuristics import matmul as mm
 from helpers import check
 from test_conv import geometry, stored
@@ -76,7 +77,7 @@ def test_backward_bf16_against_autograd(name, op):
 
 
 def test_wgrad_split_k_bitwise_reproducible(monkeypatch):
-    monkeypatch.setattr(mm, "FORCE_CONFIG", mm.MatmulConfig("split_k", 64, 64, 64, 4, 4, split_k=16))
+    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", mm.MatmulConfig("split_k", 64, 64, 64, 4, 4, split_k=16))
     case, _ = _case("3x3")
     dy_t = stored([4, 64, 28, 28], "nhwc", torch.bfloat16).cuda()
     x_t = stored(case["x"], "nhwc", torch.bfloat16).cuda()

@@ -250,8 +250,9 @@ def programs_per_sm(config: MatmulConfig, problem: MatmulProblem) -> int:
     return max(0, min(by_shared, by_registers, 2048 // threads))
 
 
-def candidates(problem: MatmulProblem, sms: int = 132) -> list[MatmulConfig]:
-    """Every config worth ranking for `problem` (deduplicated, all fitting the SM)."""
+def candidates(problem: MatmulProblem, sms: int = 132, splits: tuple = SPLIT_CHOICES) -> list[MatmulConfig]:
+    """Every config worth ranking for `problem` (deduplicated, all fitting the SM); `splits`
+    the split-K factors to consider."""
     found: dict = {}
 
     def add(variant, tile, split=1, flatten=False):
@@ -273,7 +274,7 @@ def candidates(problem: MatmulProblem, sms: int = 132) -> list[MatmulConfig]:
         output_tiles = _cdiv(problem.m, bm) * _cdiv(problem.n, bn) * problem.batch
         if output_tiles >= 2 * sms:  # two full waves of output tiles: nothing to gain from splitting
             continue
-        for split in SPLIT_CHOICES:
+        for split in splits:
             if problem.k >= split * bk * 4:  # each split keeps >= 4 k steps
                 add("small_m" if small else "split_k", tile, split)
     return list(found.values())

@@ -325,8 +325,8 @@ def build_conv(graph, group, index, tuner=None, device=None, budget=None) -> lis
     model's choice or the autotuned one with `tuner`, within the workspace `budget`."""
     node = group.anchor
     if node.op == "conv_wgrad":
-        return build_gemm(WgradBuild(graph, group, index, device), "conv", matmul_heuristics.schedule, tuner, device,
-                          budget)
+        return build_gemm(WgradBuild(graph, group, index, device), "conv", conv_heuristics.wgrad_schedule, tuner,
+                          device, budget)
     if node.op not in POSES:
         raise UnsupportedError(f"node {node.name!r} ({node.op}): no kernel for {node.op} exists yet; "
                                f"graph.reference() computes it")
