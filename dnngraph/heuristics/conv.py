@@ -24,6 +24,9 @@ from .matmul import MatmulConfig, MatmulProblem, MatmulSchedule, candidates as m
 # (256@14: 25.8 us against 31.4; 512@7: 31.3 against 38.7 split-K; 256@28/2: 25.6 against 29.9):
 # several one-warpgroup programs per SM hide the masked loads' latency better.
 GATHER_EFFICIENCY = {4: 0.85, 8: 0.65}
+# ... but not a 128x128 accumulator on one warpgroup: with the gather's addresses and masks it ran
+# 30.1 us against 25.0 for 64x128 (256@14) and 35.1 against 28.9 (128@28) in the same sweep.
+GATHER_WIDE_ONE_WARPGROUP = 0.8
 NARROW_K = (16, 32)  # extra BLOCK_K choices where the group's channels are few
 
 
@@ -78,13 +81,18 @@ def candidates(problem: ConvProblem, sms: int = 132) -> list[MatmulConfig]:
 
 def conv_estimate(config: MatmulConfig, problem: ConvProblem, device: DeviceModel) -> float:
     """Model seconds for `config` on `problem`."""
-    return estimate(config, problem.padded(config.block_k), device) / GATHER_EFFICIENCY[config.num_warps]
+    efficiency = GATHER_EFFICIENCY[config.num_warps]
+    if config.num_warps == 4 and config.block_m * config.block_n >= 128 * 128:
+        efficiency *= GATHER_WIDE_ONE_WARPGROUP
+    return estimate(config, problem.padded(config.block_k), device) / efficiency
 
 
 def rank(problem: ConvProblem, device: DeviceModel) -> list[MatmulConfig]:
-    """Candidates with their model time, best first (ties: bigger tiles, no split)."""
+    """Candidates with their model time, best first (ties: no split, bigger tiles, wide N: 64x128
+    ran 31.3 us against 33.9 for 128x64 at 512@7 3x3, where the model cannot tell them apart)."""
     ranked = [replace(c, estimate_us=conv_estimate(c, problem, device) * 1e6) for c in candidates(problem, device.sms)]
-    ranked.sort(key=lambda c: (round(c.estimate_us, 3), c.split_k, -c.block_m * c.block_n, -c.block_k))
+    ranked.sort(key=lambda c: (round(c.estimate_us, 3), c.split_k, -c.block_m * c.block_n, c.block_m > c.block_n,
+                               -c.block_k))
     return ranked
 
 
