@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
-from .gemm import batch_offset, bind_load, row_lines, stride_name
+from .gemm import Loader, batch_offset, bind_load, row_lines, stride_name
 from .pointwise import KernelArgument
 
 
@@ -101,16 +101,9 @@ class TapWalk:
         w("tap_0 = tap_rest")
 
 
-class _ConvLoader:
-    names = ()
-    stems = ()
-    uses_k_offsets = True
-
-    def program_setup(self, spec, w):
-        pass
-
-    def arguments(self, spec) -> list:
-        return []
+def _input_sizes(sizes: tuple) -> list:
+    """The activation's spatial extents, which the padding masks compare against."""
+    return [KernelArgument("int", f"in_size_{axis}", size) for axis, size in enumerate(sizes)]
 
 
 def _k_mask(spec, side: str) -> str:
@@ -124,7 +117,7 @@ def _and(*masks: str) -> str:
 
 
 @dataclass(frozen=True)
-class ActivationGather(_ConvLoader):
+class ActivationGather(Loader):
     """A [BLOCK_M, BLOCK_K]: output pixel rows x channels of one tap, gathered with zero padding."""
 
     geometry: ConvGeometry
@@ -193,15 +186,11 @@ class ActivationGather(_ConvLoader):
         w(f"tile_a = tl.broadcast_to(({value}).to({self.dot_type}), (BLOCK_M, BLOCK_K))")
 
     def arguments(self, spec) -> list:
-        return [KernelArgument("int", f"in_size_{axis}", size) for axis, size in enumerate(self.input_sizes)]
-
-    def strides_used(self, spec, body, op) -> list:
-        used = [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
-        return used + ([(stride_name(op, "c", 0), op.col_strides[0])] if op.col_strides[0] else [])
+        return _input_sizes(self.input_sizes)
 
 
 @dataclass(frozen=True)
-class FilterLoader(_ConvLoader):
+class FilterLoader(Loader):
     """B [BLOCK_K, BLOCK_N]: channels x filters of the group at the step's tap."""
 
     geometry: ConvGeometry
@@ -226,9 +215,6 @@ class FilterLoader(_ConvLoader):
         convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
         w(f"tile_b = tl.load({op.ident}_ptr + {' + '.join(terms)}{masked}){convert}")
 
-    def strides_used(self, spec, body, op) -> list:
-        used = [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
-        return used + ([(stride_name(op, "c", 0), op.col_strides[0])] if op.col_strides[0] else [])
 
 
 # --- wgrad: the reduction runs over output pixels ---------------------------------------------------
@@ -275,7 +261,7 @@ def _pixel_terms(op, include_spatial: bool) -> list:
 
 
 @dataclass(frozen=True)
-class GradientLoader(_ConvLoader):
+class GradientLoader(Loader):
     """A [BLOCK_M, BLOCK_K] of wgrad: filters x output pixels of dy (dy's pixels are the
     columns here), with a pointwise prologue on dy applied at load."""
 
@@ -322,13 +308,10 @@ class GradientLoader(_ConvLoader):
             value = f"tl.where({k_mask}, {value}, 0.0)"
         w(f"tile_a = tl.broadcast_to(({value}).to({self.dot_type}), (BLOCK_M, BLOCK_K))")
 
-    def strides_used(self, spec, body, op) -> list:
-        used = [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
-        return used + [(stride_name(op, "c", i), s) for i, s in enumerate(op.col_strides) if s]
 
 
 @dataclass(frozen=True)
-class PixelGather(_ConvLoader):
+class PixelGather(Loader):
     """B [BLOCK_K, BLOCK_N] of wgrad: output pixels x channels of x at the program's filter tap
     (from the batch index), zero where the tap lands in the padding."""
 
@@ -362,8 +345,4 @@ class PixelGather(_ConvLoader):
         w(f"tile_b = tl.load({op.ident}_ptr + {' + '.join(terms)}, mask={mask}, other=0.0){convert}")
 
     def arguments(self, spec) -> list:
-        return [KernelArgument("int", f"in_size_{axis}", size) for axis, size in enumerate(self.input_sizes)]
-
-    def strides_used(self, spec, body, op) -> list:
-        used = [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
-        return used + ([(stride_name(op, "c", 0), op.col_strides[0])] if op.col_strides[0] else [])
+        return _input_sizes(self.input_sizes)

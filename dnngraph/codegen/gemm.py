@@ -148,6 +148,27 @@ class GemmKernelSpec:
         return count
 
 
+class Loader:
+    """What an operand loader does where it has nothing to do; loaders override the rest:
+    tile_setup(spec, w) and step(spec, w) always, program_setup where they set up per program."""
+
+    names = ()  # identifiers the loader writes itself (reserved in the kernel's allocator)
+    stems = ()  # stems whose `stem_*` names it writes
+    reads_rows = False  # decomposes the tile's rows into row_<axis> (the epilogue reuses them)
+    uses_k_offsets = True  # reads the k walk's per-step offsets (ks, mask_k)
+
+    def program_setup(self, spec, w):
+        pass
+
+    def arguments(self, spec) -> list:
+        return []
+
+    def strides_used(self, spec, body, op) -> list:
+        """(argument name, stride) of every row and column stride of `op` it addresses."""
+        used = [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
+        return used + [(stride_name(op, "c", i), s) for i, s in enumerate(op.col_strides) if s]
+
+
 class Writer:
     """Indented statement lines of a kernel body."""
 

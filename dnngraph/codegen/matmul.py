@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .emitter import ExpressionEmitter
-from .gemm import (GemmKernelSpec, GemmOperand, batch_offset, bind_load, load, offset_2d, render,
-                   stride_name)
+from .gemm import GemmKernelSpec, GemmOperand, Loader, batch_offset, bind_load, load, offset_2d, render
 
 __all__ = ["GemmKernelSpec", "GemmOperand", "LinearK", "StridedLoader", "DescriptorLoader", "render"]
 
@@ -49,22 +48,8 @@ def _wrapped_index(offsets: str, size: str, block: str, hinted: bool) -> str:
     return f"tl.max_contiguous(tl.multiple_of({wrapped}, {block}), {block})" if hinted else wrapped
 
 
-class _Loader:
-    """What a loader does where it has nothing to do."""
-
-    names = ()
-    stems = ()
-    reads_rows = False
-
-    def program_setup(self, spec, w):
-        pass
-
-    def arguments(self, spec) -> list:
-        return []
-
-
 @dataclass(frozen=True)
-class StridedLoader(_Loader):
+class StridedLoader(Loader):
     """Pointer loads of one side's tile ([BLOCK_M, BLOCK_K] for A, [BLOCK_K, BLOCK_N] for B)
     converted to `dot_type`; with a prologue, every leaf operand of the side is loaded (broadcast
     axes once) and the chain runs in the compute type, zero past K whatever it maps zero to."""
@@ -73,8 +58,6 @@ class StridedLoader(_Loader):
     target_uid: int  # the tensor the matmul reads on this side (the prologue's result)
     dot_type: str
     prologue: tuple = ()  # pointwise nodes applied at load
-    uses_k_offsets = True
-
     def tile_setup(self, spec, w):
         # wrapped indices: loads need no M/N masks (stores mask the tail); the hints keep 16-byte
         # vector loads along a contiguous M or N axis: without them 3000x5000x1000 ran 9x slower.
@@ -112,10 +95,6 @@ class StridedLoader(_Loader):
         shape = "(BLOCK_M, BLOCK_K)" if side == "a" else "(BLOCK_K, BLOCK_N)"
         w(f"tile_{side} = tl.broadcast_to(({value}).to({self.dot_type}), {shape})")
 
-    def strides_used(self, spec, body, op: GemmOperand) -> list:
-        return ([(stride_name(op, "r", 0), op.row_stride)] if op.row_stride else []) + (
-            [(stride_name(op, "c", 0), op.col_stride)] if op.col_stride else [])
-
 
 _DESCRIPTORS = {
     # side, layout -> (shape, pitch axis, block, load coordinates, transpose after load)
@@ -127,7 +106,7 @@ _DESCRIPTORS = {
 
 
 @dataclass(frozen=True)
-class DescriptorLoader(_Loader):
+class DescriptorLoader(Loader):
     """A side's tiles through a TMA tensor descriptor over the unit-stride layout `layout`
     ("row": the side's columns contiguous, "col": its rows). One descriptor per program, or one
     per tile when the batch entry moves its base (128 B each, in scratch)."""
