@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
-from .gemm import Loader, batch_offset, bind_load, row_lines, stride_name
+from .emitter import SCALAR_AS_TILE, kind_of
+from .gemm import Loader, batch_offset, converted, prologue_tile, row_lines, stride_name
 from .pointwise import KernelArgument
 
 
@@ -166,24 +166,18 @@ class ActivationGather(Loader):
         inside = _and("valid_a[:, None]", k_mask)
         if not self.prologue:
             (op,) = spec.side("a")
-            convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
+            convert = converted(op, self.dot_type)
             w(f"tile_a = tl.load({op.ident}_ptr + {self._offset(op)}, mask={inside}, other=0.0){convert}")
             return
-        emitter = ExpressionEmitter(spec.compute, hint="pa", names=spec.names)
-        w.emitters.append(emitter)
+        loads = []
         for op in spec.side("a"):
             mask = _and("valid_a[:, None]" if self._spans_rows(op) else "", k_mask if op.col_strides[0] else "")
             other = "0.0" if op.data_type.is_floating else "0"
             masked = f", mask={mask}, other={other}" if mask else ""
             cast = f".to({spec.compute})" if kind_of(op.data_type) == "f" else ""
-            w(f"{op.ident} = tl.load({op.ident}_ptr + {self._offset(op)}{masked}){cast}")
-            bind_load(emitter, op, op.ident)
-        for node in self.prologue:
-            emitter.emit(node)
-        w(*emitter.lines)
+            loads.append((op, f"tl.load({op.ident}_ptr + {self._offset(op)}{masked}){cast}"))
         # the padding and the channels past the group are zero after the prologue too
-        value = f"tl.where({inside}, {emitter.value(self.target_uid, 'f')}, 0.0)"
-        w(f"tile_a = tl.broadcast_to(({value}).to({self.dot_type}), (BLOCK_M, BLOCK_K))")
+        prologue_tile(spec, w, "a", loads, self.prologue, self.target_uid, inside, self.dot_type)
 
     def arguments(self, spec) -> list:
         return _input_sizes(self.input_sizes)
@@ -212,7 +206,7 @@ class FilterLoader(Loader):
         terms.append(f"cols_b[None, :] * {stride_name(op, 'c', 0)}" if op.col_strides[0] else "cols_b[None, :] * 0")
         k_mask = _k_mask(spec, "b")
         masked = f", mask={k_mask}, other=0.0" if k_mask else ""
-        convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
+        convert = converted(op, self.dot_type)
         w(f"tile_b = tl.load({op.ident}_ptr + {' + '.join(terms)}{masked}){convert}")
 
 
@@ -288,25 +282,18 @@ class GradientLoader(Loader):
             (op,) = spec.side("a")
             masked = f", mask={k_mask}, other=0.0" if k_mask else ""
             full = "" if op.row_strides[0] else " + rows_a[:, None] * 0"
-            convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
+            convert = converted(op, self.dot_type)
             w(f"tile_a = tl.load({op.ident}_ptr + {self._offset(op)}{full}{masked}){convert}")
             return
-        emitter = ExpressionEmitter(spec.compute, hint="pa", names=spec.names)
-        w.emitters.append(emitter)
+        loads = []
         for op in spec.side("a"):
             spans_pixels = any(op.col_strides)
             masked = f", mask={k_mask}, other=0.0" if k_mask and spans_pixels else ""
             one = "" if (spans_pixels or op.row_strides[0]) else SCALAR_AS_TILE
             cast = f".to({spec.compute})" if kind_of(op.data_type) == "f" else ""
-            w(f"{op.ident} = tl.load({op.ident}_ptr + {self._offset(op)}{one}{masked}){cast}")
-            bind_load(emitter, op, op.ident)
-        for node in self.prologue:
-            emitter.emit(node)
-        w(*emitter.lines)
-        value = emitter.value(self.target_uid, "f")
-        if k_mask:  # pixels past the end are zero whatever the prologue maps zero to
-            value = f"tl.where({k_mask}, {value}, 0.0)"
-        w(f"tile_a = tl.broadcast_to(({value}).to({self.dot_type}), (BLOCK_M, BLOCK_K))")
+            loads.append((op, f"tl.load({op.ident}_ptr + {self._offset(op)}{one}{masked}){cast}"))
+        # pixels past the end are zero whatever the prologue maps zero to
+        prologue_tile(spec, w, "a", loads, self.prologue, self.target_uid, k_mask, self.dot_type)
 
 
 
@@ -341,7 +328,7 @@ class PixelGather(Loader):
         terms.append("(" + " + ".join(pixels) + ")[:, None]" if pixels else "ks[:, None] * 0")
         terms.append(f"cols_b[None, :] * {stride_name(op, 'c', 0)}" if op.col_strides[0] else "cols_b[None, :] * 0")
         mask = _and("valid_b[:, None]", _k_mask(spec, "b"))
-        convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
+        convert = converted(op, self.dot_type)
         w(f"tile_b = tl.load({op.ident}_ptr + {' + '.join(terms)}, mask={mask}, other=0.0){convert}")
 
     def arguments(self, spec) -> list:

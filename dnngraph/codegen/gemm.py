@@ -261,6 +261,31 @@ def bind_load(emitter: ExpressionEmitter, op: GemmOperand, variable: str):
     emitter.bind(op.uid, variable, kind_of(op.data_type))
 
 
+def converted(op: GemmOperand, dot_type: str) -> str:
+    """The conversion a loaded tile of `op` needs to feed tl.dot as `dot_type` ("" if none)."""
+    return "" if op.data_type.triton_type == dot_type else f".to({dot_type})"
+
+
+def prologue_tile(spec, w: Writer, side: str, loads: list, nodes: tuple, target_uid: int, zero_mask: str,
+                  dot_type: str):
+    """tile_<side> from a pointwise prologue applied at load: `loads` are (operand, load
+    expression) of the leaf operands; the chain runs in the compute type and the result is zero
+    where `zero_mask` is false (padding, K past its end), whatever the chain maps zero to."""
+    emitter = ExpressionEmitter(spec.compute, hint=f"p{side}", names=spec.names)
+    w.emitters.append(emitter)
+    for op, expression in loads:
+        w(f"{op.ident} = {expression}")
+        bind_load(emitter, op, op.ident)
+    for node in nodes:
+        emitter.emit(node)
+    w(*emitter.lines)
+    value = emitter.value(target_uid, "f")
+    if zero_mask:
+        value = f"tl.where({zero_mask}, {value}, 0.0)"
+    shape = "(BLOCK_M, BLOCK_K)" if side == "a" else "(BLOCK_K, BLOCK_N)"
+    w(f"tile_{side} = tl.broadcast_to(({value}).to({dot_type}), {shape})")
+
+
 def _grouped_order(w: Writer, tile: str):
     """pid_m, pid_n of `tile` in grouped order: GROUP_M row tiles share B columns in L2."""
     w("group_size = GROUP_M * tiles_n",

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .emitter import ExpressionEmitter
-from .gemm import GemmKernelSpec, GemmOperand, Loader, batch_offset, bind_load, load, offset_2d, render
+from .gemm import (GemmKernelSpec, GemmOperand, Loader, batch_offset, converted, load, offset_2d, prologue_tile,
+                   render)
 
 __all__ = ["GemmKernelSpec", "GemmOperand", "LinearK", "StridedLoader", "DescriptorLoader", "render"]
 
@@ -58,6 +58,7 @@ class StridedLoader(Loader):
     target_uid: int  # the tensor the matmul reads on this side (the prologue's result)
     dot_type: str
     prologue: tuple = ()  # pointwise nodes applied at load
+
     def tile_setup(self, spec, w):
         # wrapped indices: loads need no M/N masks (stores mask the tail); the hints keep 16-byte
         # vector loads along a contiguous M or N axis: without them 3000x5000x1000 ran 9x slower.
@@ -77,23 +78,12 @@ class StridedLoader(Loader):
             (op,) = operands
             pointer = f"{op.ident}_ptr + {offset_2d(op, rows, cols, full=True)}"
             loaded = f"tl.load({pointer}, mask={k_mask}, other=0.0)" if k_mask else f"tl.load({pointer})"
-            convert = "" if op.data_type.triton_type == self.dot_type else f".to({self.dot_type})"
-            w(f"tile_{side} = {loaded}{convert}")
+            w(f"tile_{side} = {loaded}{converted(op, self.dot_type)}")
             return
-        emitter = ExpressionEmitter(spec.compute, hint=f"p{side}", names=spec.names)
-        w.emitters.append(emitter)
-        for op in operands:
-            walks_k = op.col_stride if side == "a" else op.row_stride
-            w(f"{op.ident} = {load(op, rows, cols, k_mask if walks_k else '', spec.compute)}")
-            bind_load(emitter, op, op.ident)
-        for node in self.prologue:
-            emitter.emit(node)
-        w(*emitter.lines)
-        value = emitter.value(self.target_uid, "f")
-        if k_mask:  # padding past K must stay zero whatever the prologue maps zero to
-            value = f"tl.where({k_mask}, {value}, 0.0)"
-        shape = "(BLOCK_M, BLOCK_K)" if side == "a" else "(BLOCK_K, BLOCK_N)"
-        w(f"tile_{side} = tl.broadcast_to(({value}).to({self.dot_type}), {shape})")
+        loads = [(op, load(op, rows, cols, k_mask if (op.col_stride if side == "a" else op.row_stride) else "",
+                           spec.compute)) for op in operands]
+        # padding past K must stay zero whatever the prologue maps zero to
+        prologue_tile(spec, w, side, loads, self.prologue, self.target_uid, k_mask, self.dot_type)
 
 
 _DESCRIPTORS = {
