@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .emitter import SCALAR_AS_TILE, kind_of
-from .gemm import Loader, batch_offset, converted, prologue_tile, row_lines, stride_name
+from .gemm import LinearK, Loader, batch_offset, converted, prologue_tile, row_lines, stride_name
 from .pointwise import KernelArgument
 
 
@@ -213,27 +213,15 @@ class FilterLoader(Loader):
 
 # --- wgrad: the reduction runs over output pixels ---------------------------------------------------
 @dataclass(frozen=True)
-class PixelWalk:
+class PixelWalk(LinearK):
     """k steps of BLOCK_K output pixels (n, o_1..o_d), decomposed per step (wgrad)."""
 
-    rank: int
-    ragged: bool  # pixels % BLOCK_K != 0
-    pixel_sizes: tuple  # (N, O_1, ..., O_d)
-    names = ()
+    rank: int = 1
+    pixel_sizes: tuple = ()  # (N, O_1, ..., O_d)
     stems = ("pix",)
-    sizes = ("K",)
-
-    @property
-    def size_values(self) -> dict:
-        return {}
-
-    def count(self, spec, w):
-        w("k_tiles = tl.cdiv(K, BLOCK_K)")
 
     def step(self, spec, w):
-        w("ks = kt * BLOCK_K + tl.arange(0, BLOCK_K)")
-        if self.ragged:
-            w("mask_k = ks < K")
+        super().step(spec, w)
         w("pix_rest = ks % K" if self.ragged else "pix_rest = ks")  # wrapped: loads stay in range
         for axis in range(self.rank, 0, -1):
             w(f"pix_{axis} = pix_rest % pix_size_{axis}", f"pix_rest = pix_rest // pix_size_{axis}")

@@ -148,6 +148,31 @@ class GemmKernelSpec:
         return count
 
 
+@dataclass(frozen=True)
+class LinearK:
+    """K walked in steps of BLOCK_K: `ks` the step's offsets, `mask_k` where K is ragged."""
+
+    ragged: bool  # K % BLOCK_K != 0
+    names = ()
+    stems = ()
+    sizes = ("K",)
+
+    @property
+    def size_values(self) -> dict:
+        return {}
+
+    def arguments(self) -> list:
+        return []
+
+    def count(self, spec, w):
+        w("k_tiles = tl.cdiv(K, BLOCK_K)")
+
+    def step(self, spec, w):
+        w("ks = kt * BLOCK_K + tl.arange(0, BLOCK_K)")
+        if self.ragged:
+            w("mask_k = ks < K")
+
+
 class Loader:
     """What an operand loader does where it has nothing to do; loaders override the rest:
     tile_setup(spec, w) and step(spec, w) always, program_setup where they set up per program."""

@@ -1,7 +1,7 @@
 """Render matmul kernels: the matmul family's k walk and operand loaders for the shared GEMM
 mainloop (codegen/gemm.py), which renders the kernels themselves.
 
-  LinearK           k steps of BLOCK_K along one K axis (`ks`, and `mask_k` at a ragged end)
+  LinearK           (codegen/gemm.py) k steps of BLOCK_K along one K axis
   StridedLoader     pointer loads over batch/row/column strides (any layout, any alignment),
                     with the pointwise prologue applied at load where the group has one
   DescriptorLoader  TMA tensor descriptors (Hopper; unit stride on one matrix axis, 16-byte
@@ -11,35 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .gemm import (GemmKernelSpec, GemmOperand, Loader, batch_offset, converted, load, offset_2d, prologue_tile,
-                   render)
+from .gemm import (GemmKernelSpec, GemmOperand, LinearK, Loader, batch_offset, converted, load, offset_2d,
+                   prologue_tile, render)
 
 __all__ = ["GemmKernelSpec", "GemmOperand", "LinearK", "StridedLoader", "DescriptorLoader", "render"]
-
-
-@dataclass(frozen=True)
-class LinearK:
-    """K walked in steps of BLOCK_K: `ks` the step's offsets, `mask_k` where K is ragged."""
-
-    ragged: bool  # K % BLOCK_K != 0
-    names = ()
-    stems = ()
-    sizes = ("K",)
-
-    @property
-    def size_values(self) -> dict:
-        return {}
-
-    def arguments(self) -> list:
-        return []
-
-    def count(self, spec, w):
-        w("k_tiles = tl.cdiv(K, BLOCK_K)")
-
-    def step(self, spec, w):
-        w("ks = kt * BLOCK_K + tl.arange(0, BLOCK_K)")
-        if self.ragged:
-            w("mask_k = ks < K")
 
 
 def _wrapped_index(offsets: str, size: str, block: str, hinted: bool) -> str:

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from ..codegen.conv import (ActivationGather, ConvGeometry, FilterLoader, GradientLoader, PixelGather, PixelWalk,
                            TapWalk)
-from ..codegen.gemm import ExitPlan, GemmKernelSpec, GemmOperand
-from ..codegen.matmul import DescriptorLoader, LinearK, StridedLoader
+from ..codegen.gemm import ExitPlan, GemmKernelSpec, GemmOperand, LinearK
+from ..codegen.matmul import DescriptorLoader, StridedLoader
 from ..errors import UnsupportedError
 from ..heuristics import conv as conv_heuristics
 from ..heuristics import device_model
@@ -309,7 +309,7 @@ class WgradBuild(GemmLaunches):
         return operands
 
     def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> GemmKernelSpec:
-        walk = PixelWalk(self.geometry.rank, self.problem.k % config.block_k != 0, self.pixel_sizes)
+        walk = PixelWalk(self.problem.k % config.block_k != 0, self.geometry.rank, self.pixel_sizes)
         loader_a = GradientLoader(self.dy.uid, self.dot_a, self.prologue)
         loader_b = PixelGather(self.geometry, tuple(self.x.dim[2:]), self.tap_axes, self.dot_b)
         return GemmKernelSpec(

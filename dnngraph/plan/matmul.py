@@ -6,8 +6,8 @@ heuristics; autotuning times whole launch lists of candidate configs on scratch 
 """
 from __future__ import annotations
 
-from ..codegen.gemm import GemmKernelSpec, GemmOperand
-from ..codegen.matmul import DescriptorLoader, LinearK, StridedLoader
+from ..codegen.gemm import GemmKernelSpec, GemmOperand, LinearK
+from ..codegen.matmul import DescriptorLoader, StridedLoader
 from ..errors import UnsupportedError
 from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT, operand_strides
