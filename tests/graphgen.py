@@ -544,10 +544,57 @@ class GraphBuilder:
             c.tensor.set_output(True)
         return added
 
+    def conv(self):
+        """conv_fprop, conv_dgrad or conv_wgrad over [N, C, *spatial] world values: random filter
+        sizes, padding (past the filter too), stride, dilation, groups and mode; the output is a
+        world value when its dims are the world's (later ops fuse as its epilogue), else stored,
+        with genstats of an fprop output now and then."""
+        rank = len(self.world)
+        if not 3 <= rank <= 5:
+            raise _Skip()
+        channels, spatial = self.world[1], list(self.world[2:])
+        groups = self.rng.choice([g for g in range(1, channels + 1) if channels % g == 0])
+        filters = groups * self.rng.choice((1, 2)) if self.rng.random() < 0.5 else channels
+        taps = [self.rng.choice((1, 2, 3)) for _ in spatial]
+        padding = [self.rng.choice((0, 1, 1, 2, 4)) for _ in spatial]
+        stride = [self.rng.choice((1, 1, 2, 3)) for _ in spatial]
+        dilation = [self.rng.choice((1, 1, 2)) for _ in spatial]
+        out = []
+        for size, r, p, st, d in zip(spatial, taps, padding, stride, dilation):
+            extent = size + 2 * p - d * (r - 1) - 1
+            if extent < 0:
+                raise _Skip()
+            out.append(extent // st + 1)
+        y_dims = [self.world[0], filters] + out
+        geometry = dict(padding=padding, stride=stride, dilation=dilation, groups=groups,
+                        mode=self.rng.choice(("cross_correlation", "convolution")))
+        w_dims = [filters, channels // groups] + taps
+        op = self.rng.choices(("conv_fprop", "conv_dgrad", "conv_wgrad"), (3, 1, 1))[0]
+        label = f"{op}[w {w_dims}, {geometry}]"
+        if op == "conv_fprop":
+            x, w = self.pick(dims=self.world), self.new_input(w_dims, allow_broadcast=False, special=False)
+            result = self.record(self.graph.conv_fprop(x.tensor, w.tensor, name=self.name(), **geometry), label, [x, w])
+        elif op == "conv_dgrad":
+            dy, w = self.new_input(y_dims, allow_broadcast=False), self.new_input(w_dims, allow_broadcast=False,
+                                                                                   special=False)
+            result = self.record(self.graph.conv_dgrad(dy.tensor, w.tensor, x_dim=list(self.world), name=self.name(),
+                                                       **geometry), label, [dy, w])
+        else:
+            dy = self.new_input(y_dims, allow_broadcast=False, special=False)
+            x = self.pick(dims=self.world)
+            result = self.record(self.graph.conv_wgrad(dy.tensor, x.tensor, w_dim=w_dims, name=self.name(),
+                                                       **geometry), label, [dy, x])
+        value = result[0]
+        if list(value.tensor.dim) != list(self.world):
+            value.tensor.set_output(True)
+            if op == "conv_fprop" and self.rng.random() < 0.3:
+                result += self.record(self.graph.genstats(value.tensor, name=self.name()), "genstats", [value])
+        return result
+
     FAMILIES = (("unary", 6), ("unary_backward", 2), ("binary", 6), ("integer_chain", 1),
                 ("compare", 2), ("logic", 1), ("where", 2), ("cast", 2), ("reduction", 4),
                 ("softmax", 3), ("feature_norm", 3), ("channel_norm", 3), ("pooling", 2),
-                ("dropout", 2), ("matmul", 3))
+                ("dropout", 2), ("matmul", 3), ("conv", 3))
 
     # --- helpers ------------------------------------------------------------------------------
     def _axes(self, rank):
@@ -687,8 +734,8 @@ def noisy_reference(graph, inputs: dict, trials: int = 3, seed: int = 0) -> list
                 values[tensor.uid] = value.double() if value.is_floating_point() else value
         for node in graph.nodes:
             operands = [None if t is None else values[t.uid] for t in node.inputs]
-            if node.op == "matmul":
-                operands = _dot_rounding(node, operands, gen)
+            if node.op in DOT_OPS:
+                operands = _dot_rounding(node, operands, gen, graph.allow_tf32)
             results = node.opdef.reference(operands, node.attrs)
             for tensor, result in zip(node.outputs, results):
                 if tensor is None:
@@ -706,13 +753,18 @@ def noisy_reference(graph, inputs: dict, trials: int = 3, seed: int = 0) -> list
 _TORCH_OF_TRITON = {"tl.float32": torch.float32, "tl.float16": torch.float16, "tl.bfloat16": torch.bfloat16}
 
 
-def _dot_rounding(node, operands, gen) -> list:
-    """A matmul's operands as its dot takes them, by DESIGN.md's precision rule (choose_dot): an
-    operand wider than the dot type (an fp32 virtual tensor times an fp16 weight) is rounded to
-    it at load, so it gets that type's relative noise (tf32: 10 mantissa bits)."""
+DOT_OPS = frozenset({"matmul", "conv_fprop", "conv_dgrad", "conv_wgrad"})  # operands rounded to the dot type
+
+
+def _dot_rounding(node, operands, gen, graph_tf32: bool = False) -> list:
+    """A matmul's or conv's operands as its dot takes them, by DESIGN.md's precision rule
+    (choose_dot): an operand wider than the dot type (an fp32 virtual tensor times an fp16 weight)
+    is rounded to it at load, so it gets that type's relative noise (tf32: 10 mantissa bits).
+    Convolutions take tf32 from the graph, matmuls from their attribute."""
     a, b = node.inputs[:2]
+    tf32 = getattr(node.attrs, "allow_tf32", graph_tf32)
     choice = choose_dot(a.data_type.name, b.data_type.name, a.data_type.triton_type, b.data_type.triton_type,
-                        bool(getattr(node.attrs, "allow_tf32", False)))
+                        bool(tf32))
     rounded = []
     for tensor, value, dot_type in zip((a, b), operands, (choice.a_type, choice.b_type)):
         dot_dtype = _TORCH_OF_TRITON.get(dot_type)

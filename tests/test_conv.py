@@ -317,3 +317,25 @@ def test_pointwise_conv_with_statistics_on_the_matmul_path():
     squares.set_output(True).set_name("sq_sum")
     check(g, {"x": x_t, "w": w_t})
     assert [grp.kind for grp in g.plan.groups] == ["conv"]
+
+
+@pytest.mark.parametrize("op", ["conv_fprop", "conv_dgrad", "conv_wgrad"])
+def test_every_axis_of_size_one(op):
+    """N = C = K = 1 and a one-pixel input: every stride is 0, the tiles must still be tiles
+    (found by the random-graph test: a scalar pointer with a block mask)."""
+    g = graph()
+    geometry_1d = dict(padding=[1], stride=[2], dilation=[1], mode="convolution")
+    a_t, b_t = torch.randn(1, 1, 1), torch.randn(1, 1, 3)
+    if op == "conv_fprop":
+        a, b = g.tensor_like(a_t, name="x"), g.tensor_like(b_t, name="w")
+        g.exp(g.conv_fprop(g.add(a, g.tensor(name="s", dim=[1, 1, 1])), b, **geometry_1d)).set_output(True)
+        inputs = {"x": a_t, "w": b_t, "s": torch.randn(1, 1, 1)}
+    elif op == "conv_dgrad":
+        a, b = g.tensor_like(a_t, name="dy"), g.tensor_like(b_t, name="w")
+        g.conv_dgrad(a, b, x_dim=[1, 1, 1], **geometry_1d).set_output(True)
+        inputs = {"dy": a_t, "w": b_t}
+    else:
+        a, b = g.tensor_like(a_t, name="dy"), g.tensor_like(torch.randn(1, 1, 1), name="x")
+        g.conv_wgrad(a, b, w_dim=[1, 1, 3], **geometry_1d).set_output(True)
+        inputs = {"dy": a_t, "x": torch.randn(1, 1, 1)}
+    check(g, inputs)

@@ -142,15 +142,20 @@ class ActivationGather(Loader):
     def _spans_rows(self, op) -> bool:
         return any(op.row_strides)
 
-    def _offset(self, op) -> str:
+    def _offset(self, op, full: bool = False) -> str:
+        """op's offsets over the tile; broadcast axes (stride 0) are skipped unless `full` (the
+        operand fed to tl.dot needs the whole [BLOCK_M, BLOCK_K] even where every stride is 0)."""
         terms = [t for t in [batch_offset(op)] if t]
         tap = [f"tap_{axis} * DILATION_{axis} * {stride_name(op, 'r', axis + 1)}"
                for axis in range(self.geometry.rank) if op.row_strides[axis + 1]]
         if self._spans_rows(op):
-            rows = [f"base_{op.ident}"] if any(op.row_strides) else []
-            terms.append("(" + " + ".join(rows + tap) + ")[:, None]" if tap else f"base_{op.ident}[:, None]")
+            terms.append("(" + " + ".join([f"base_{op.ident}"] + tap) + ")[:, None]")
+        elif full:
+            terms.append("row_0[:, None] * 0")
         if op.col_strides[0]:
             terms.append(f"ks[None, :] * {stride_name(op, 'c', 0)}")
+        elif full:
+            terms.append("ks[None, :] * 0")
         return " + ".join(terms) or "0"
 
     def _valid(self, w):
@@ -167,13 +172,13 @@ class ActivationGather(Loader):
         if not self.prologue:
             (op,) = spec.side("a")
             convert = converted(op, self.dot_type)
-            w(f"tile_a = tl.load({op.ident}_ptr + {self._offset(op)}, mask={inside}, other=0.0){convert}")
+            w(f"tile_a = tl.load({op.ident}_ptr + {self._offset(op, full=True)}, mask={inside}, other=0.0){convert}")
             return
         loads = []
         for op in spec.side("a"):
             mask = _and("valid_a[:, None]" if self._spans_rows(op) else "", k_mask if op.col_strides[0] else "")
             other = "0.0" if op.data_type.is_floating else "0"
-            masked = f", mask={mask}, other={other}" if mask else ""
+            masked = f", mask={mask}, other={other}" if mask else SCALAR_AS_TILE  # a [1, 1] tile, not 0-d
             cast = f".to({spec.compute})" if kind_of(op.data_type) == "f" else ""
             loads.append((op, f"tl.load({op.ident}_ptr + {self._offset(op)}{masked}){cast}"))
         # the padding and the channels past the group are zero after the prologue too

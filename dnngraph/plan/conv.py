@@ -205,8 +205,11 @@ class ConvBuild(GemmLaunches):
         """genstats of an epilogue value: per-channel sum and sum of squares, as column exits
         (one fp32 partial per row tile, folded in tile order: deterministic)."""
         p, pairs = self.problem, []
+        written = {t.uid for t in self.group.outputs}  # a statistic nobody reads is not computed
         for node in self.group.exits:
             for output, mode in zip(node.outputs, ("sum", "sq_sum")):
+                if output.uid not in written:
+                    continue
                 s = operand_strides(tuple(self.out.dim), tuple(output.dim), tuple(output.stride))
                 operand = GemmOperand(output.uid, output.data_type, "exit", self._group_stride(self.pose.filters, s[1]),
                                       (), (s[1],), is_output=True)
