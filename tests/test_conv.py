@@ -339,3 +339,41 @@ def test_every_axis_of_size_one(op):
         g.conv_wgrad(a, b, w_dim=[1, 1, 3], **geometry_1d).set_output(True)
         inputs = {"dy": a_t, "x": torch.randn(1, 1, 1)}
     check(g, inputs)
+
+
+@pytest.mark.parametrize("op", ["conv_fprop", "conv_dgrad", "conv_wgrad"])
+def test_a_stored_value_fused_into_the_input_is_written(op):
+    """exp(a) feeds the conv and is an output: the conv fuses it at load, and a pointwise kernel
+    of the prologue stores it (found in review: it was never written)."""
+    g = graph()
+    a_t, b_t = torch.randn(2, 3, 5, 5), torch.randn(3, 4, 3, 3) if op != "conv_wgrad" else torch.randn(2, 4, 5, 5)
+    a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
+    e = g.exp(a).set_output(True).set_name("e")
+    if op == "conv_fprop":
+        b_t = torch.randn(4, 3, 3, 3)
+        b = g.tensor_like(b_t, name="b2")
+        g.conv_fprop(e, b, padding=[1, 1]).set_output(True).set_name("out")
+        inputs = {"a": a_t, "b2": b_t}
+    elif op == "conv_dgrad":
+        g.conv_dgrad(e, b, x_dim=[2, 4, 5, 5], padding=[1, 1]).set_output(True).set_name("out")
+        inputs = {"a": a_t, "b": b_t}
+    else:
+        g.conv_wgrad(e, b, w_dim=[3, 4, 3, 3], padding=[1, 1]).set_output(True).set_name("out")
+        inputs = {"a": a_t, "b": b_t}
+    check(g, inputs)
+
+
+@pytest.mark.parametrize("op", ["conv_fprop", "conv_dgrad", "conv_wgrad"])
+def test_one_computed_tensor_as_both_operands(op):
+    """e = exp(x) read at the input (prologue position) and as the other operand: e stays in
+    memory for the second reader (found in review: a KeyError at execute)."""
+    g = graph()
+    x_t = torch.randn(3, 3, 3, 3)
+    e = g.exp(g.tensor_like(x_t, name="x"))
+    if op == "conv_fprop":
+        g.conv_fprop(e, e, padding=[1, 1]).set_output(True).set_name("out")
+    elif op == "conv_dgrad":
+        g.conv_dgrad(e, e, x_dim=[3, 3, 3, 3], padding=[1, 1]).set_output(True).set_name("out")
+    else:
+        g.conv_wgrad(e, e, w_dim=[3, 3, 3, 3], padding=[1, 1]).set_output(True).set_name("out")
+    check(g, {"x": x_t})

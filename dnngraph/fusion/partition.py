@@ -155,8 +155,11 @@ class _Partitioner:
             if rule is None:
                 continue
             for position in rule.prologue_inputs:
-                if position < len(node.inputs) and node.inputs[position] is not None:
-                    self._grow_prologue(group, node.inputs[position].dim, node.inputs[position])
+                tensor = node.inputs[position] if position < len(node.inputs) else None
+                # a value the anchor also reads at a position without a prologue stays in memory
+                others = [t for i, t in enumerate(node.inputs) if i not in rule.prologue_inputs]
+                if tensor is not None and all(t is not tensor for t in others):
+                    self._grow_prologue(group, tensor.dim, tensor)
             if rule.epilogue_output is not None:
                 self._grow_epilogue(group, node.outputs[rule.epilogue_output], rule)
 
