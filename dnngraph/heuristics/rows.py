@@ -34,6 +34,26 @@ PROGRAMS_PER_SM = 4
 PROGRAM_OVERHEAD = 0.6e-6
 # Bytes re-read from L2 cost this fraction of HBM bytes (looped statistics passes).
 L2_REREAD_COST = 0.25
+# Column splits: split mode where K is the vectorized side (NHWC batchnorm: K=[C] channels
+# contiguous, R=[N*H*W] pixels). Tiles [BLOCK_K channels, BLOCK_R pixels] (block_k, block_r)
+# and resident programs per SM the grid is sized for, from benchmarks/sweep_rows.py on the H100.
+COLUMN_TILES = ((64, 32), (64, 64), (128, 32))
+COLUMN_WARPS = 4
+# Column problems split from 1/COLUMN_SPLIT_SHARE of SPLIT_MIN_REDUCED on: unsplit, they get one
+# program per BLOCK_K rows (C=64 channels: one program for the whole tensor).
+COLUMN_SPLIT_SHARE = 8
+COLUMN_PROGRAMS_PER_SM = 4
+# Column-split partial and apply loops issue the next tile's loads before working on this one
+# (register double buffering: Triton pipelines no plain loads), so a tile is always in flight.
+PREFETCH_COLUMN_TILES = True
+# The apply pass of a split walks programs and chunks last to first (the tiles the partial pass
+# read last may still sit in L2) and, for column splits, loads and stores with evict-first hints
+# (what it writes must not push out what it is about to read again).
+STREAM_APPLY = True
+# The combine kernel folds a [COMBINE_BLOCK_K rows, split_tile] tile of partials per trip, with
+# split_tile up to COMBINE_VALUES // COMBINE_BLOCK_K: one trip for a few hundred splits.
+COMBINE_VALUES = 2048
+COMBINE_BLOCK_K = 8
 # Tests set this to "one_pass", "looped" or "split" to exercise a mode on small shapes.
 FORCE_MODE = None
 # Sweeps set this to (mode, block_k, block_r, num_warps, splits) to time one config.
@@ -195,7 +215,9 @@ def candidates(geo: RowGeometry, traits: RowTraits, device: DeviceModel) -> list
             block_r = max(1, min(r_pow2, LOOP_TILE // block_k))
             mode = "one_pass" if r_pow2 <= block_r else "looped"
             result.append((mode, block_k, block_r, 1))
-    if traits.can_split and reduced >= SPLIT_MIN_REDUCED:
+    if traits.can_split and not geo.r_contiguous and reduced * COLUMN_SPLIT_SHARE >= SPLIT_MIN_REDUCED:
+        result += column_splits(geo, device)
+    elif traits.can_split and reduced >= SPLIT_MIN_REDUCED:
         for mode, block_k, block_r, _ in list(result):
             if mode == "one_pass" and block_k > 1 and geo.r_contiguous:
                 continue
@@ -205,6 +227,50 @@ def candidates(geo: RowGeometry, traits: RowTraits, device: DeviceModel) -> list
                 if splits >= 2:
                     result.append(("split", block_k, block_r, splits))
     return sorted(set(result))
+
+
+def column_splits(geo: RowGeometry, device: DeviceModel) -> list[tuple]:
+    """Split candidates where K is the vectorized side: one tile shape per COLUMN_TILES entry
+    (R widened where K is narrower than the tile, no more than LOOP_TILE values), chunks sized
+    so the programs fill the SMs COLUMN_PROGRAMS_PER_SM deep, and no chunk left empty."""
+    found = []
+    k_pow2, r_pow2 = _pow2_at_least(geo.rows), _pow2_at_least(geo.reduced)
+    for tile_k, tile_r in COLUMN_TILES:
+        block_k = min(tile_k, k_pow2)
+        block_r = max(1, min(r_pow2, min(tile_k * tile_r, LOOP_TILE) // block_k))
+        blocks = -(-geo.rows // block_k)
+        splits = min(-(-device.sms * COLUMN_PROGRAMS_PER_SM // blocks), -(-geo.reduced // block_r))
+        splits = -(-geo.reduced // split_chunk(geo.reduced, splits, block_r))
+        if splits >= 2:
+            found.append(("split", block_k, block_r, splits))
+    return found
+
+
+def split_chunk(reduced: int, splits: int, block_r: int) -> int:
+    """Elements of R one split program walks: whole BLOCK_R tiles (the kernels' `chunk`)."""
+    return -(-(-(-reduced // splits)) // block_r) * block_r
+
+
+def is_column_split(geo: RowGeometry, config) -> bool:
+    """Split mode with K the vectorized side: the partial and apply kernels prefetch."""
+    return config.mode == "split" and not geo.r_contiguous
+
+
+def _column_rank(geo: RowGeometry, mode, block_k, block_r) -> int:
+    """Position of a column split's tile in COLUMN_TILES (measured best first); 0 otherwise."""
+    if mode != "split" or geo.r_contiguous:
+        return 0
+    for index, (tile_k, tile_r) in enumerate(COLUMN_TILES):
+        if block_k * block_r == tile_k * tile_r and block_k == min(tile_k, _pow2_at_least(geo.rows)):
+            return index
+    return len(COLUMN_TILES)
+
+
+def combine_blocks(rows: int, splits: int) -> tuple:
+    """(BLOCK_K, SPLIT_TILE) of the split combine kernel: few rows per program, as many splits
+    per trip as COMBINE_VALUES allows."""
+    block_k = min(COMBINE_BLOCK_K, _pow2_at_least(rows))
+    return block_k, min(_pow2_at_least(splits), max(1, COMBINE_VALUES // block_k))
 
 
 def estimate(geo: RowGeometry, traits: RowTraits, mode, block_k, block_r, splits,
@@ -255,8 +321,11 @@ def schedule(geo: RowGeometry, traits: RowTraits, bytes_main: int, bytes_rows: i
     for mode, block_k, block_r, splits in candidates(geo, traits, device):
         seconds = estimate(geo, traits, mode, block_k, block_r, splits, bytes_main, bytes_rows, device)
         warps = _warps(block_k * block_r, _values_per_thread(geo, traits, mode))
+        if mode == "split" and not geo.r_contiguous:  # at least 4 values per thread
+            warps = max(1, min(COLUMN_WARPS, block_k * block_r // 128))
         ranked.append(RowConfig(mode, block_k, block_r, warps, splits, seconds * 1e6))
-    ranked.sort(key=lambda c: (c.estimate_us, c.mode != "one_pass", -c.block_k * c.block_r))
+    ranked.sort(key=lambda c: (c.estimate_us, c.mode != "one_pass",
+                               _column_rank(geo, c.mode, c.block_k, c.block_r), -c.block_k * c.block_r))
     if FORCE_MODE is not None:
         ranked = [c for c in ranked if c.mode == FORCE_MODE] or ranked
     if FORCE_CONFIG is not None:

@@ -13,8 +13,9 @@ from ..codegen.rows import RowKernelSpec, WELFORD_PARTS, render as render_rows
 from ..errors import UnsupportedError
 from ..heuristics import device_model
 from ..heuristics.autotune import TuningRecord
-from ..heuristics.rows import (RowConfig, RowTraits, geometry as row_geometry, row_problem,
-                               schedule as schedule_rows)
+from ..heuristics import rows as row_heuristics
+from ..heuristics.rows import (RowConfig, RowTraits, combine_blocks, geometry as row_geometry, is_column_split,
+                               row_problem, schedule as schedule_rows)
 from .launch import KernelLaunch, kernel_name, sample_tensors, scratch, time_candidate, tuning_device
 
 # The split combine kernel folds [SPLITS, BLOCK_K] partials: a few hundred values per program.
@@ -114,17 +115,23 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
              for a in accumulators for p in (WELFORD_PARTS if a.combine == "welford" else ("",))]
     partials = {n: scratch((cfg.splits, geo.rows), PARTIAL_TYPES[recipe.kind]) for n in names}
     stash = {n: scratch((geo.rows,)) for n in recipe.stash} if tile_stores else {}
-    row_blocks = sched.programs // cfg.splits
+    column = is_column_split(geo, cfg)
+    prefetch = column and row_heuristics.PREFETCH_COLUMN_TILES
+    combine_k = combine_blocks(geo.rows, cfg.splits)[0]
+    combine_common = dict(common, schedule=replace(sched, config=replace(cfg, block_k=combine_k,
+                                                                          num_warps=COMBINE_WARPS)))
     launches = [
-        _row_launch(RowKernelSpec(name + "_partial", "partial", stores=(),
+        _row_launch(RowKernelSpec(name + "_partial", "partial", stores=(), prefetch=prefetch,
                                   partials={n: s.uid for n, s in partials.items()}, **common),
                     sched.programs, cfg.num_warps, partials.values()),
         _row_launch(RowKernelSpec(name + "_combine", "combine", stores=row_stores,
                                   partials={n: s.uid for n, s in partials.items()},
-                                  stash={n: s.uid for n, s in stash.items()}, **common),
-                    row_blocks, COMBINE_WARPS, stash.values())]
+                                  stash={n: s.uid for n, s in stash.items()}, **combine_common),
+                    -(-geo.rows // combine_k), COMBINE_WARPS, stash.values())]
     if tile_stores:
-        launches.append(_row_launch(RowKernelSpec(name + "_apply", "apply", stores=tile_stores,
+        stream = row_heuristics.STREAM_APPLY
+        launches.append(_row_launch(RowKernelSpec(name + "_apply", "apply", stores=tile_stores, prefetch=prefetch,
+                                                  reverse=stream, streaming=stream and column,
                                                   stash={n: s.uid for n, s in stash.items()}, **common),
                                     sched.programs, cfg.num_warps))
     return launches
