@@ -7,8 +7,8 @@ with its warps, the programs per SM the grid is sized for, whether tile loops pr
 tile, and whether the apply pass walks backwards with evict-first hints. Kernels are compiled in
 worker processes first (Triton's disk cache), then timed here one after the other.
 
-    python benchmarks/sweep_column_split.py            # GPU; table last, JSON in $OUT
-    python benchmarks/sweep_column_split.py --quick    # the model's config and a few others
+    python benchmarks/sweep_column_split.py                # GPU; table last, JSON in $OUT
+    python benchmarks/sweep_column_split.py --grid full    # the first round (72 variants)
 
 Bytes: forward moves x twice (statistics, apply) and y once; backward dy and x twice and dx once
 (the per-channel tensors are noise at this size). TB/s are over those "pass bytes"; the bench's
@@ -37,13 +37,20 @@ SHAPE = (32, 256, 56, 56)
 BF16 = torch.bfloat16
 TILES = ((64, 32, 4), (64, 64, 8), (128, 32, 4))  # block_k, block_r, warps
 PROGRAMS_PER_SM = (4, 6, 8)
+# The second round, around the first's winners: programs per SM and prefetch depth.
+REFINED = ([((64, 32, 4), per_sm, depth, True) for per_sm in (4, 5, 6) for depth in (1, 2)]
+           + [((64, 64, 8), 4, depth, True) for depth in (1, 2)] + [((128, 32, 4), 4, 1, True)])
 
 
-def variants(quick: bool) -> list:
-    """(tile, programs per SM, prefetch, stream) tuples; None first: the model's own choice."""
-    if quick:
-        return [None] + [((64, 32, 4), p, True, True) for p in PROGRAMS_PER_SM]
-    return [None] + list(itertools.product(TILES, PROGRAMS_PER_SM, (True, False), (True, False)))
+def variants(grid: str) -> list:
+    """(tile, programs per SM, tiles prefetched, streaming apply) tuples; None first: the
+    model's own choice. "full": every tile x programs per SM x prefetch on/off x stream on/off
+    (the first round); "refined": the second round; "quick": the model and three others."""
+    if grid == "quick":
+        return [None] + [((64, 32, 4), p, 1, True) for p in PROGRAMS_PER_SM]
+    if grid == "refined":
+        return [None] + REFINED
+    return [None] + list(itertools.product(TILES, PROGRAMS_PER_SM, (1, 0), (True, False)))
 
 
 DEFAULTS = (rows.PREFETCH_COLUMN_TILES, rows.STREAM_APPLY)
@@ -163,7 +170,7 @@ def torch_anchors(backward: bool):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--grid", choices=("refined", "full", "quick"), default="refined")
     parser.add_argument("--workers", type=int, default=12)
     parser.add_argument("--only", choices=("fwd", "bwd"), default=None)
     parser.add_argument("--phase", choices=("compile", "time", "all"), default="all",
@@ -172,7 +179,7 @@ def main(argv=None):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     numel = SHAPE[0] * SHAPE[1] * SHAPE[2] * SHAPE[3]
     directions = [d for d in (False, True) if args.only is None or args.only == ("bwd" if d else "fwd")]
-    jobs = [(backward, v) for backward in directions for v in variants(args.quick)]
+    jobs = [(backward, v) for backward in directions for v in variants(args.grid)]
     if args.phase in ("compile", "all"):
         start = time.perf_counter()
         with multiprocessing.get_context("spawn").Pool(args.workers) as pool:
@@ -194,7 +201,7 @@ def main(argv=None):
         torch_ms = torch_anchors(backward)
         print(f"{name}: torch {torch_ms * 1e3:.1f} us ({pass_bytes / torch_ms / 1e9:.2f} TB/s of pass bytes)", flush=True)
         best = None
-        for variant in variants(args.quick):
+        for variant in variants(args.grid):
             try:
                 ms, errors, configs = time_variant(backward, variant, sms, reference)
             except Exception as error:  # noqa: BLE001

@@ -78,7 +78,7 @@ class RowKernelSpec:
     # the group's epilogue nodes this kernel runs (None: all); a kernel that does not compute the
     # anchor's element output (norm backward's dscale/dbias kernel) runs none of them
     epilogue: Optional[tuple] = None
-    prefetch: bool = False  # tile loops load the next tile before working on this one
+    prefetch: int = 0  # tiles a loop keeps in flight ahead of the one it works on
     reverse: bool = False  # apply: programs and their chunks walked last to first
     streaming: bool = False  # tile loads and stores carry evict-first hints
 
@@ -272,25 +272,39 @@ def _tile_loads(src, used) -> list:
     return [op for op in used if op.uid in src.spec.loads and src.spec.kinds[op.uid] in TILE_KINDS]
 
 
-def _prefetch(src, used, start: str, lower: str, stop: str):
-    """Issue the raw loads of the tile at `start` into `<operand>_next` (masked outside
-    [lower, stop): the tile past the last one costs no memory traffic)."""
+def _slot(ident: str, ahead: int) -> str:
+    """The variable holding an operand's raw tile `ahead` tiles past the one being worked on."""
+    return f"{ident}_next" + (str(ahead) if ahead > 1 else "")
+
+
+def _tiles_ahead(r_start: str, ahead: int, reverse: bool) -> str:
+    return f"{r_start} {'-' if reverse else '+'} {ahead} * BLOCK_R" if ahead else r_start
+
+
+def _prefetch(src, used, start: str, lower: str, stop: str, ahead: int = 1):
+    """Issue the raw loads of the tile at `start` into the operands' slot `ahead` (masked outside
+    [lower, stop): tiles past the last one cost no memory traffic)."""
     tiles = _tile_loads(src, used)
     _r_prelude(src, tiles, start, stop, tag="_next", lower=lower if src.spec.reverse else None)
     for op in tiles:
-        src.line(f"{src.ident[op.uid]}_next = {_load_text(src, op, src.spec.kinds[op.uid], '_next')}")
+        load = _load_text(src, op, src.spec.kinds[op.uid], "_next")
+        src.line(f"{_slot(src.ident[op.uid], ahead)} = {load}")
 
 
 def _trip(src, top, used, r_start: str, start: str, stop: str):
     """One tile of a walk: its indices, values and prologue (with prefetch: the values loaded
-    one trip earlier, and the next tile's loads issued first); returns the tile's emitter."""
+    `spec.prefetch` trips earlier, the slots shifted and the farthest tile's loads issued first);
+    returns the tile's emitter."""
     spec = src.spec
     if not spec.prefetch:
         return _tile_scope(src, top, used, r_start, stop)
     tiles = _tile_loads(src, used)
     for op in tiles:
-        src.line(f"{src.ident[op.uid]}_held = {src.ident[op.uid]}_next")
-    _prefetch(src, used, f"{r_start} - BLOCK_R" if spec.reverse else f"{r_start} + BLOCK_R", start, stop)
+        ident = src.ident[op.uid]
+        src.line(f"{ident}_held = {_slot(ident, 1)}")
+        for ahead in range(1, spec.prefetch):
+            src.line(f"{_slot(ident, ahead)} = {_slot(ident, ahead + 1)}")
+    _prefetch(src, used, _tiles_ahead(r_start, spec.prefetch, spec.reverse), start, stop, spec.prefetch)
     _r_prelude(src, used, r_start, stop)
     emitter = src.emitter(top)
     for op in tiles:
@@ -304,7 +318,7 @@ def _trip(src, top, used, r_start: str, start: str, stop: str):
 def _tile_loop(src, top, used, start: str, stop: str, body, first=None):
     """Walk [start, stop) in BLOCK_R tiles, calling body(tile emitter) inside the loop;
     `first`, when given, is the body of the first tile, peeled out of the loop. A reverse spec
-    walks from the last tile down; a prefetch spec keeps the next tile's loads in flight while it
+    walks from the last tile down; a prefetch spec keeps the next tiles' loads in flight while it
     works on this one (Triton pipelines no plain loads: a program would wait on every tile)."""
     spec = src.spec
     if not (spec.prefetch or spec.reverse or first):
@@ -315,8 +329,8 @@ def _tile_loop(src, top, used, start: str, stop: str, body, first=None):
         return
     src.line(f"trips = tl.cdiv({stop} - {start}, BLOCK_R)")
     src.line(f"r_first = {start} + (trips - 1) * BLOCK_R" if spec.reverse else f"r_first = {start}")
-    if spec.prefetch:
-        _prefetch(src, used, "r_first", start, stop)
+    for ahead in range(1, spec.prefetch + 1):
+        _prefetch(src, used, _tiles_ahead("r_first", ahead - 1, spec.reverse), start, stop, ahead)
     if first is not None:
         first(_trip(src, top, used, "r_first", start, stop))
     src.line(f"for trip in range({1 if first is not None else 0}, trips):")

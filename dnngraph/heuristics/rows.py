@@ -39,13 +39,15 @@ L2_REREAD_COST = 0.25
 # and resident programs per SM the grid is sized for, from benchmarks/sweep_rows.py on the H100.
 COLUMN_TILES = ((64, 32), (64, 64), (128, 32))
 COLUMN_WARPS = 4
+# Resident programs per SM the grid is sized for, by tiles loaded per trip (1, 2 or more): each
+# tile input costs registers (prefetched raw tiles), and a grid past what fits runs a second wave.
+COLUMN_PROGRAMS_PER_SM = (6, 4)
 # Column problems split from 1/COLUMN_SPLIT_SHARE of SPLIT_MIN_REDUCED on: unsplit, they get one
 # program per BLOCK_K rows (C=64 channels: one program for the whole tensor).
 COLUMN_SPLIT_SHARE = 8
-COLUMN_PROGRAMS_PER_SM = 4
-# Column-split partial and apply loops issue the next tile's loads before working on this one
-# (register double buffering: Triton pipelines no plain loads), so a tile is always in flight.
-PREFETCH_COLUMN_TILES = True
+# Column-split partial and apply loops keep this many tiles' loads in flight ahead of the one
+# they work on (register buffering: Triton pipelines no plain loads); 0: none.
+PREFETCH_COLUMN_TILES = 1
 # The apply pass of a split walks programs and chunks last to first (the tiles the partial pass
 # read last may still sit in L2) and, for column splits, loads and stores with evict-first hints
 # (what it writes must not push out what it is about to read again).
@@ -173,6 +175,7 @@ class RowTraits:
     has_tile_outputs: bool
     can_split: bool
     live_tiles: int  # tile values alive at once in one-pass mode
+    tile_inputs: int = 1  # inputs loaded per tile (they vary along R)
 
 
 # Values per thread of a tile, by what the H100 sweep (benchmarks/sweep_rows.py) measured best:
@@ -216,7 +219,7 @@ def candidates(geo: RowGeometry, traits: RowTraits, device: DeviceModel) -> list
             mode = "one_pass" if r_pow2 <= block_r else "looped"
             result.append((mode, block_k, block_r, 1))
     if traits.can_split and not geo.r_contiguous and reduced * COLUMN_SPLIT_SHARE >= SPLIT_MIN_REDUCED:
-        result += column_splits(geo, device)
+        result += column_splits(geo, device, traits.tile_inputs)
     elif traits.can_split and reduced >= SPLIT_MIN_REDUCED:
         for mode, block_k, block_r, _ in list(result):
             if mode == "one_pass" and block_k > 1 and geo.r_contiguous:
@@ -229,17 +232,18 @@ def candidates(geo: RowGeometry, traits: RowTraits, device: DeviceModel) -> list
     return sorted(set(result))
 
 
-def column_splits(geo: RowGeometry, device: DeviceModel) -> list[tuple]:
+def column_splits(geo: RowGeometry, device: DeviceModel, tile_inputs: int = 1) -> list[tuple]:
     """Split candidates where K is the vectorized side: one tile shape per COLUMN_TILES entry
     (R widened where K is narrower than the tile, no more than LOOP_TILE values), chunks sized
-    so the programs fill the SMs COLUMN_PROGRAMS_PER_SM deep, and no chunk left empty."""
+    so the programs fill the SMs as deep as COLUMN_PROGRAMS_PER_SM says, and no chunk empty."""
     found = []
+    per_sm = COLUMN_PROGRAMS_PER_SM[min(max(tile_inputs, 1), len(COLUMN_PROGRAMS_PER_SM)) - 1]
     k_pow2, r_pow2 = _pow2_at_least(geo.rows), _pow2_at_least(geo.reduced)
     for tile_k, tile_r in COLUMN_TILES:
         block_k = min(tile_k, k_pow2)
         block_r = max(1, min(r_pow2, min(tile_k * tile_r, LOOP_TILE) // block_k))
         blocks = -(-geo.rows // block_k)
-        splits = min(-(-device.sms * COLUMN_PROGRAMS_PER_SM // blocks), -(-geo.reduced // block_r))
+        splits = min(-(-device.sms * per_sm // blocks), -(-geo.reduced // block_r))
         splits = -(-geo.reduced // split_chunk(geo.reduced, splits, block_r))
         if splits >= 2:
             found.append(("split", block_k, block_r, splits))

@@ -79,8 +79,9 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, de
     geo = row_geometry(problem.domain, problem.reduced_axes, operands, main)
     tile_stores = tuple(u for u in stores if kinds[u] in ("tile", "col"))
     row_stores = tuple(u for u in stores if u not in tile_stores)
+    tile_inputs = sum(kinds[t.uid] in ("tile", "col") for t in group.inputs)
     traits = RowTraits(len(recipe.stages_for("looped")), bool(tile_stores), recipe.splittable,
-                       recipe.live_tiles)
+                       recipe.live_tiles, tile_inputs)
     bytes_of = lambda wanted: sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in wanted)
     sched = schedule_rows(geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
                           device_model(device))
@@ -116,7 +117,7 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
     partials = {n: scratch((cfg.splits, geo.rows), PARTIAL_TYPES[recipe.kind]) for n in names}
     stash = {n: scratch((geo.rows,)) for n in recipe.stash} if tile_stores else {}
     column = is_column_split(geo, cfg)
-    prefetch = column and row_heuristics.PREFETCH_COLUMN_TILES
+    prefetch = row_heuristics.PREFETCH_COLUMN_TILES if column else 0
     combine_k = combine_blocks(geo.rows, cfg.splits)[0]
     combine_common = dict(common, schedule=replace(sched, config=replace(cfg, block_k=combine_k,
                                                                           num_warps=COMBINE_WARPS)))
