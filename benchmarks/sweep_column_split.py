@@ -8,7 +8,7 @@ tile, and whether the apply pass walks backwards with evict-first hints. Kernels
 worker processes first (Triton's disk cache), then timed here one after the other.
 
     python benchmarks/sweep_column_split.py                # GPU; table last, JSON in $OUT
-    python benchmarks/sweep_column_split.py --grid full    # the first round (72 variants)
+    python benchmarks/sweep_column_split.py --grid full    # the first round (37 per direction)
 
 Bytes: forward moves x twice (statistics, apply) and y once; backward dy and x twice and dx once
 (the per-channel tensors are noise at this size). TB/s are over those "pass bytes"; the bench's
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import multiprocessing
 import os
 import sys
@@ -27,7 +26,6 @@ import time
 import torch
 
 import dnngraph as dg  # first: picks Triton's interpreter on a CPU-only machine
-import triton
 from dnngraph.heuristics import rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +85,8 @@ def make_graph(backward: bool, shape=SHAPE, device="cuda"):
         m = g.tensor(name="mean", dim=p, data_type=dg.float32)
         i = g.tensor(name="inv", dim=p, data_type=dg.float32)
         xf = x_t.float()
-        feeds.update({dy: torch.randn(shape, generator=gen).to(BF16).contiguous(memory_format=torch.channels_last).to(device),
+        dy_t = torch.randn(shape, generator=gen).to(BF16).contiguous(memory_format=torch.channels_last)
+        feeds.update({dy: dy_t.to(device),
                       m: xf.mean((0, 2, 3), keepdim=True),
                       i: (xf.var((0, 2, 3), unbiased=False, keepdim=True) + 1e-5).rsqrt()})
         outs = list(g.batchnorm_backward(dy, x, s, m, i))
@@ -129,8 +128,10 @@ def time_variant(backward, variant, sms, reference):
     bindings = {**feeds, **buffers}
     g.execute(bindings)
     torch.cuda.synchronize()
-    errors = {o.name: ((buffers[o].double() - reference[o.name].double()).norm() / reference[o.name].double().norm()).item()
-              for o in outs}
+    errors = {}
+    for o in outs:
+        want = reference[o.name].double()
+        errors[o.name] = ((buffers[o].double() - want).norm() / want.norm()).item()
     ms = median_ms(lambda: g.execute(bindings), warmup=10, rep=40)
     return ms, errors, [launch.config_text for launch in g.plan.launches]
 
@@ -199,7 +200,8 @@ def main(argv=None):
         reference = g.reference({k: v for k, v in feeds.items()})
         del g
         torch_ms = torch_anchors(backward)
-        print(f"{name}: torch {torch_ms * 1e3:.1f} us ({pass_bytes / torch_ms / 1e9:.2f} TB/s of pass bytes)", flush=True)
+        print(f"{name}: torch {torch_ms * 1e3:.1f} us ({pass_bytes / torch_ms / 1e9:.2f} TB/s of pass bytes)",
+              flush=True)
         best = None
         for variant in variants(args.grid):
             try:

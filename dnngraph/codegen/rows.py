@@ -7,6 +7,8 @@ Kernel shapes, all over [BLOCK_K rows, BLOCK_R reduced] tiles:
   combine  split mode, pass 2: partials combined in split order (deterministic), row outputs
            stored, the statistics the element outputs need stashed;
   apply    split mode, pass 3: element outputs from the stashed statistics.
+Column splits (K contiguous) prefetch tiles in the partial and apply loops, and their apply
+walks programs and chunks last to first, so it starts on what the partial pass read last.
 Fused prologue nodes run wherever the tile is loaded, epilogue nodes before each store, both
 through the shared expression emitter.
 """
@@ -81,7 +83,6 @@ class RowKernelSpec:
     prefetch: int = 0  # tiles a loop keeps in flight ahead of the one it works on
     reverse: bool = False  # apply: programs and their chunks walked last to first
     streaming: bool = False  # tile loads and stores carry evict-first hints
-
 
     def epilogue_nodes(self) -> tuple:
         return tuple(self.group.epilogue) if self.epilogue is None else self.epilogue

@@ -130,9 +130,9 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
                                   stash={n: s.uid for n, s in stash.items()}, **combine_common),
                     -(-geo.rows // combine_k), COMBINE_WARPS, stash.values())]
     if tile_stores:
-        stream = row_heuristics.STREAM_APPLY
+        stream = column and row_heuristics.STREAM_APPLY
         launches.append(_row_launch(RowKernelSpec(name + "_apply", "apply", stores=tile_stores, prefetch=prefetch,
-                                                  reverse=stream, streaming=stream and column,
+                                                  reverse=stream, streaming=stream,
                                                   stash={n: s.uid for n, s in stash.items()}, **common),
                                     sched.programs, cfg.num_warps))
     return launches
