@@ -86,3 +86,26 @@ def test_norm_backward_over_one_element_groups_is_exactly_zero(op):
     inputs.update(scale=torch.randn(1, 1, device="cuda").half(), bias=torch.randn(1, 1, device="cuda").half())
     outputs = check(g, inputs, torch.float16, device="cuda")
     assert torch.count_nonzero(outputs["dx"]).item() == 0
+
+
+@pytest.mark.parametrize("shape", [(16, 96, 40, 40), (8, 120, 33, 35)])
+def test_batchnorm_nhwc_bf16_column_split(shape):
+    """NHWC bf16 batchnorm forward and backward as column splits (partial, combine, apply):
+    checked against float64, and bitwise the same on a second run (a fixed combine order)."""
+    from helpers import run
+    g, inputs = _channel_forward("batchnorm", shape, True, torch.bfloat16, running=True)
+    inputs = _to_cuda(inputs)
+    first = check(g, inputs, torch.bfloat16, device=CUDA)
+    again = run(g, inputs, CUDA)
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert [launch.config_text.split()[:2] for launch in g.plan.launches] == \
+        [["partial", "(split)"], ["combine", "(split)"], ["apply", "(split)"]]
+    g, inputs, expected = _channel_backward("batchnorm_backward", shape, True, torch.bfloat16)
+    inputs = _to_cuda(inputs)
+    first = check(g, inputs, torch.bfloat16, device=CUDA)
+    for name, want in zip(("dx", "dscale", "dbias"), expected):
+        got = first[name].double().cpu().reshape(want.shape)
+        assert (got - want).norm() / want.norm() < 1.6e-2, name
+    again = run(g, inputs, CUDA)
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    assert len(g.plan.launches) == 3

@@ -176,6 +176,8 @@ def _xhat(op) -> str:
 
 def norm_backward(node, kinds) -> Recipe:
     """dx (and dscale, dbias where they are per-row sums of this kernel, as in batchnorm)."""
+    if kinds.get(_outputs(node)["dscale"]) in ("row", "scalar"):  # one value per dx row (plan.py decides)
+        return _norm_backward_per_row(node)
     roles, outs = _roles(node), _outputs(node)
     xhat, g = _xhat(node.op), "{dy} * {scale}"
     centered = node.op != "rmsnorm_backward"
@@ -184,16 +186,31 @@ def norm_backward(node, kinds) -> Recipe:
     if centered:
         accumulators.append(Accumulator("g_sum", "sum", g))
         correction = f"(g_sum + {correction})"
-    rows = {}
-    if kinds.get(outs["dscale"]) in ("row", "scalar"):  # one value per dx row (plan.py decides)
-        accumulators.append(Accumulator("dscale_sum", "sum", f"{{dy}} * {xhat}"))
-        rows[outs["dscale"]] = "dscale_sum"
-        if "dbias" in outs:
-            accumulators.append(Accumulator("dbias_sum", "sum", "{dy}"))
-            rows[outs["dbias"]] = "dbias_sum"
     dx = f"{{inv_variance}} * ({g} - {correction} / n_reduced)"
     stash = ("g_xhat", "g_sum") if centered else ("g_xhat",)
-    return Recipe(roles, [(accumulators, [])], {outs["dx"]: dx}, rows, live_tiles=4, stash=stash,
+    return Recipe(roles, [(accumulators, [])], {outs["dx"]: dx}, {}, live_tiles=4, stash=stash,
+                  fp_fusion=False)
+
+
+def _norm_backward_per_row(node) -> Recipe:
+    """Scale constant along each row (batchnorm): sum(g * xhat) and sum(g) are scale times
+    dscale and dbias, so two sums serve dx and the parameter gradients alike, and the row
+    factors (sums over n, inv * scale) are formed once per row, not per element."""
+    roles, outs = _roles(node), _outputs(node)
+    xhat = _xhat(node.op)
+    centered = node.op != "rmsnorm_backward"
+    accumulators = [Accumulator("dscale_sum", "sum", f"{{dy}} * {xhat}")]
+    rows = {outs["dscale"]: "dscale_sum"}
+    correction = f"{xhat} * (dscale_sum / n_reduced)"
+    if centered or "dbias" in outs:
+        accumulators.append(Accumulator("dbias_sum", "sum", "{dy}"))
+    if "dbias" in outs:
+        rows[outs["dbias"]] = "dbias_sum"
+    if centered:
+        correction = f"(dbias_sum / n_reduced + {correction})"
+    dx = f"({{inv_variance}} * {{scale}}) * ({{dy}} - {correction})"
+    stash = ("dscale_sum", "dbias_sum") if centered else ("dscale_sum",)
+    return Recipe(roles, [(accumulators, [])], {outs["dx"]: dx}, rows, live_tiles=3, stash=stash,
                   fp_fusion=False)
 
 

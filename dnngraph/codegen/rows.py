@@ -7,6 +7,8 @@ Kernel shapes, all over [BLOCK_K rows, BLOCK_R reduced] tiles:
   combine  split mode, pass 2: partials combined in split order (deterministic), row outputs
            stored, the statistics the element outputs need stashed;
   apply    split mode, pass 3: element outputs from the stashed statistics.
+Column splits (K contiguous) prefetch tiles in the partial and apply loops, and their apply
+walks programs and chunks last to first, so it starts on what the partial pass read last.
 Fused prologue nodes run wherever the tile is loaded, epilogue nodes before each store, both
 through the shared expression emitter.
 """
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
-from ..heuristics.rows import _pow2_at_least
+from ..heuristics.rows import combine_blocks
 from .names import NameAllocator, comment_text
 from .pointwise import KernelArgument
 
@@ -52,11 +54,10 @@ def _filled(acc, shape: str) -> str:
     """A tile of `shape` holding the accumulator's neutral value, in its type."""
     return f"tl.full({shape}, {_identity(acc)}, {ACCUMULATOR_TYPES[acc.kind]})"
 TILE_KINDS = ("tile", "col")  # values over R: made and stored where the tile is
-SPLIT_TILE = 64  # partials the combine kernel folds per trip
 # identifiers the row kernels write themselves; the stems own every `stem_*` name too
 # (k_idx, r_mask, kd_0, part_<statistic>_ptr, stash_<statistic>_ptr)
 FIXED_NAMES = ("pid", "split", "n_reduced", "tile_mask", "trip_weight", "chunk", "rows", "reduced",
-               "BLOCK_K", "BLOCK_R", "SPLITS", "SPLIT_TILE")
+               "trip", "trips", "BLOCK_K", "BLOCK_R", "SPLITS", "SPLIT_TILE")
 FIXED_STEMS = ("k", "r", "kd", "rd", "part", "stash")
 
 
@@ -79,6 +80,9 @@ class RowKernelSpec:
     # the group's epilogue nodes this kernel runs (None: all); a kernel that does not compute the
     # anchor's element output (norm backward's dscale/dbias kernel) runs none of them
     epilogue: Optional[tuple] = None
+    prefetch: int = 0  # tiles a loop keeps in flight ahead of the one it works on
+    reverse: bool = False  # apply: programs and their chunks walked last to first
+    streaming: bool = False  # tile loads and stores carry evict-first hints
 
     def epilogue_nodes(self) -> tuple:
         return tuple(self.group.epilogue) if self.epilogue is None else self.epilogue
@@ -127,35 +131,37 @@ def _arguments(src: _Source):
                  KernelArgument("constexpr", "BLOCK_R", cfg.block_r),
                  KernelArgument("constexpr", "SPLITS", cfg.splits)]
     if spec.shape == "combine":
-        src.args.append(KernelArgument("constexpr", "SPLIT_TILE", min(_pow2_at_least(cfg.splits), SPLIT_TILE)))
+        src.args.append(KernelArgument("constexpr", "SPLIT_TILE", combine_blocks(geo.rows, cfg.splits)[1]))
     return used
 
 
-def _decompose(src: _Source, prefix: str, index: str, sizes):
-    """Multi-axis digits of a flat index (innermost axis last)."""
+def _decompose(src: _Source, prefix: str, index: str, sizes, tag: str = ""):
+    """Multi-axis digits of a flat index (innermost axis last); `tag` names a second set."""
     if len(sizes) == 1:
-        src.line(f"{prefix}d_0 = {index}")
+        src.line(f"{prefix}d{tag}_0 = {index}")
         return
-    src.line(f"{prefix}_rest = {index}")
+    src.line(f"{prefix}{tag}_rest = {index}")
     for j in range(len(sizes) - 1, 0, -1):
-        src.line(f"{prefix}d_{j} = {prefix}_rest % {prefix}_size_{j}")
-        src.line(f"{prefix}_rest = {prefix}_rest // {prefix}_size_{j}")
-    src.line(f"{prefix}d_0 = {prefix}_rest")
+        src.line(f"{prefix}d{tag}_{j} = {prefix}{tag}_rest % {prefix}_size_{j}")
+        src.line(f"{prefix}{tag}_rest = {prefix}{tag}_rest // {prefix}_size_{j}")
+    src.line(f"{prefix}d{tag}_0 = {prefix}{tag}_rest")
 
 
-def _offsets(src: _Source, used, side: str):
+def _offsets(src: _Source, used, side: str, tag: str = ""):
     """Per-operand offsets along K ('k') or R ('r')."""
     for op in used:
         strides = op.k_strides if side == "k" else op.r_strides
         ident = src.ident[op.uid]
-        terms = [f"{side}d_{j} * {ident}_{side}s_{j}" for j, s in enumerate(strides) if s]
+        terms = [f"{side}d{tag}_{j} * {ident}_{side}s_{j}" for j, s in enumerate(strides) if s]
         if terms:
-            src.line(f"{ident}_{side} = {' + '.join(terms)}")
+            src.line(f"{ident}_{side}{tag} = {' + '.join(terms)}")
 
 
 def _k_prelude(src: _Source, used):
     geo = src.spec.schedule.geometry
     pid = "tl.program_id(0)" + (".to(tl.int64)" if geo.index_64 else "")
+    if src.spec.reverse:  # last program first: it reads what the partial pass read last
+        pid = f"tl.num_programs(0) - 1 - {pid}"
     src.line(f"pid = {pid}")
     if src.spec.shape in ("partial", "apply"):  # SPLITS programs share one row block
         src.line("k_block = pid // SPLITS")
@@ -169,30 +175,46 @@ def _k_prelude(src: _Source, used):
     _offsets(src, used, "k")
 
 
-def _r_prelude(src: _Source, used, start: str, stop: str):
+def _r_prelude(src: _Source, used, start: str, stop: str, tag: str = "", lower: str | None = None):
+    """R indices, masks and operand offsets of the tile at `start`; `tag` names a second set
+    (the prefetched next tile), `lower` adds a lower bound to the mask (a walk downwards)."""
     geo = src.spec.schedule.geometry
-    src.line(f"r_idx = {start} + tl.arange(0, BLOCK_R)")
-    src.line(f"r_mask = r_idx < {stop}")
-    src.line("tile_mask = k_mask[:, None] & r_mask[None, :]")
-    _decompose(src, "r", "r_idx", geo.r_sizes)
-    _offsets(src, used, "r")
+    index, mask = f"r{tag}_idx", f"r{tag}_mask"
+    src.line(f"{index} = {start} + tl.arange(0, BLOCK_R)")
+    bound = f"{index} < {stop}"
+    src.line(f"{mask} = {bound}" if lower is None else f"{mask} = ({bound}) & ({index} >= {lower})")
+    src.line(f"{_tile_mask(tag)} = k_mask[:, None] & {mask}[None, :]")
+    _decompose(src, "r", index, geo.r_sizes, tag)
+    _offsets(src, used, "r", tag)
 
 
-def _pointer(src: _Source, op, kind: str):
+def _tile_mask(tag: str) -> str:
+    return f"r{tag}_tile_mask" if tag else "tile_mask"
+
+
+def _pointer(src: _Source, op, kind: str, tag: str = ""):
     ident = src.ident[op.uid]
     k = f"{ident}_k[:, None]" if any(op.k_strides) else None
-    r = f"{ident}_r[None, :]" if any(op.r_strides) else None
+    r = f"{ident}_r{tag}[None, :]" if any(op.r_strides) else None
     terms = [t for t in (k, r) if t]
     pointer = " + ".join([f"{ident}_ptr"] + terms)
-    mask = {"tile": "tile_mask", "row": "k_mask[:, None]", "col": "r_mask[None, :]", "scalar": None}[kind]
+    mask = {"tile": _tile_mask(tag), "row": "k_mask[:, None]", "col": f"r{tag}_mask[None, :]",
+            "scalar": None}[kind]
     return pointer, mask
 
 
+def _load_text(src: _Source, op, kind: str, tag: str = "") -> str:
+    """The raw tl.load of an operand (evict-first in a streaming pass's tiles)."""
+    pointer, mask = _pointer(src, op, kind, tag)
+    if not mask:
+        return f"tl.load({pointer}{SCALAR_AS_TILE})"
+    hint = ', eviction_policy="evict_first"' if src.spec.streaming and kind in TILE_KINDS else ""
+    return f"tl.load({pointer}, mask={mask}{hint})"
+
+
 def _load(src: _Source, emitter, op, kind: str):
-    pointer, mask = _pointer(src, op, kind)
-    load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer}{SCALAR_AS_TILE})"
     ident = src.ident[op.uid]
-    src.line(f"{ident} = {emitter.loaded(load, op.data_type)}")
+    src.line(f"{ident} = {emitter.loaded(_load_text(src, op, kind), op.data_type)}")
     emitter.bind(op.uid, ident, kind_of(op.data_type))
 
 
@@ -229,7 +251,8 @@ def _store(src: _Source, emitter, op, kind: str):
     pointer, mask = _pointer(src, op, kind if kind != "scalar" else "row")
     if not any(op.k_strides) and not any(op.r_strides):  # one element: a block pointer all the same
         pointer += " + k_idx[:, None] * 0"
-    src.line(f"tl.store({pointer}, {emitter.stored(op.uid, op.data_type)}, mask={mask})")
+    hint = ', eviction_policy="evict_first"' if src.spec.streaming and kind in TILE_KINDS else ""
+    src.line(f"tl.store({pointer}, {emitter.stored(op.uid, op.data_type)}, mask={mask}{hint})")
 
 
 def _tile_scope(src, parent, used, start, stop):
@@ -243,6 +266,79 @@ def _tile_scope(src, parent, used, start, stop):
 
 def _masked(element: str, identity: str) -> str:
     return f"tl.where(tile_mask, {element}, {identity})"
+
+
+def _tile_loads(src, used) -> list:
+    """Operands this kernel loads per tile (they vary along R)."""
+    return [op for op in used if op.uid in src.spec.loads and src.spec.kinds[op.uid] in TILE_KINDS]
+
+
+def _slot(ident: str, ahead: int) -> str:
+    """The variable holding an operand's raw tile `ahead` tiles past the one being worked on."""
+    return f"{ident}_next" + (str(ahead) if ahead > 1 else "")
+
+
+def _tiles_ahead(r_start: str, ahead: int, reverse: bool) -> str:
+    return f"{r_start} {'-' if reverse else '+'} {ahead} * BLOCK_R" if ahead else r_start
+
+
+def _prefetch(src, used, start: str, lower: str, stop: str, ahead: int = 1):
+    """Issue the raw loads of the tile at `start` into the operands' slot `ahead` (masked outside
+    [lower, stop): tiles past the last one cost no memory traffic)."""
+    tiles = _tile_loads(src, used)
+    _r_prelude(src, tiles, start, stop, tag="_next", lower=lower if src.spec.reverse else None)
+    for op in tiles:
+        load = _load_text(src, op, src.spec.kinds[op.uid], "_next")
+        src.line(f"{_slot(src.ident[op.uid], ahead)} = {load}")
+
+
+def _trip(src, top, used, r_start: str, start: str, stop: str):
+    """One tile of a walk: its indices, values and prologue (with prefetch: the values loaded
+    `spec.prefetch` trips earlier, the slots shifted and the farthest tile's loads issued first);
+    returns the tile's emitter."""
+    spec = src.spec
+    if not spec.prefetch:
+        return _tile_scope(src, top, used, r_start, stop)
+    tiles = _tile_loads(src, used)
+    for op in tiles:
+        ident = src.ident[op.uid]
+        src.line(f"{ident}_held = {_slot(ident, 1)}")
+        for ahead in range(1, spec.prefetch):
+            src.line(f"{_slot(ident, ahead)} = {_slot(ident, ahead + 1)}")
+    _prefetch(src, used, _tiles_ahead(r_start, spec.prefetch, spec.reverse), start, stop, spec.prefetch)
+    _r_prelude(src, used, r_start, stop)
+    emitter = src.emitter(top)
+    for op in tiles:
+        ident = src.ident[op.uid]
+        src.line(f"{ident} = {emitter.loaded(ident + '_held', op.data_type)}")
+        emitter.bind(op.uid, ident, kind_of(op.data_type))
+    _emit_nodes(src, emitter, spec.group.prologue)
+    return emitter
+
+
+def _tile_loop(src, top, used, start: str, stop: str, body, first=None):
+    """Walk [start, stop) in BLOCK_R tiles, calling body(tile emitter) inside the loop;
+    `first`, when given, is the body of the first tile, peeled out of the loop. A reverse spec
+    walks from the last tile down; a prefetch spec keeps the next tiles' loads in flight while it
+    works on this one (Triton pipelines no plain loads: a program would wait on every tile)."""
+    spec = src.spec
+    if not (spec.prefetch or spec.reverse or first):
+        src.line(f"for r_start in range({start}, {stop}, BLOCK_R):")
+        src.depth += 1
+        body(_tile_scope(src, top, used, "r_start", stop))
+        src.depth -= 1
+        return
+    src.line(f"trips = tl.cdiv({stop} - {start}, BLOCK_R)")
+    src.line(f"r_first = {start} + (trips - 1) * BLOCK_R" if spec.reverse else f"r_first = {start}")
+    for ahead in range(1, spec.prefetch + 1):
+        _prefetch(src, used, _tiles_ahead("r_first", ahead - 1, spec.reverse), start, stop, ahead)
+    if first is not None:
+        first(_trip(src, top, used, "r_first", start, stop))
+    src.line(f"for trip in range({1 if first is not None else 0}, trips):")
+    src.depth += 1
+    src.line(f"r_start = r_first {'-' if spec.reverse else '+'} trip * BLOCK_R")
+    body(_trip(src, top, used, "r_start", start, stop))
+    src.depth -= 1
 
 
 # --- statistics ---------------------------------------------------------------------------------
@@ -293,6 +389,54 @@ def _accumulate_loop(src, top, used, accumulators, start, stop):
             src.line(f"{names} = tl.reduce(({lanes}), 1, tr.welford_merge, keep_dims=True)")
         else:
             src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(acc.name + '_lanes')}")
+
+
+def _partial_accumulate(src, top, used, accumulators, start, stop):
+    """A split program's chunk folded into [BLOCK_K, BLOCK_R] lanes, then across. Welford
+    statistics are taken as sums of (value - shift) and their squares, the shift being the first
+    tile's mean per row: two adds per element instead of a running-mean update, and no
+    cancellation where the mean is large against the spread. They leave the chunk as (count,
+    mean, m2) partials for the combine kernel's Chan merges."""
+    for acc in accumulators:
+        if acc.combine == "welford":
+            src.line(f"{acc.name}_sum_lanes = tl.zeros([BLOCK_K, BLOCK_R], tl.float32)")
+            src.line(f"{acc.name}_sq_lanes = tl.zeros([BLOCK_K, BLOCK_R], tl.float32)")
+        else:
+            src.line(f"{acc.name}_lanes = {_filled(acc, '[BLOCK_K, BLOCK_R]')}")
+    welford = [acc for acc in accumulators if acc.combine == "welford"]
+    if welford:
+        src.line(f"{welford[0].name}_count = (tl.zeros([BLOCK_K, 1], tl.float32) + "
+                 f"tl.maximum({stop} - {start}, 0))")
+
+    def fold(tile, first):
+        roles = _roles(src.spec, tile)
+        for acc in accumulators:
+            element = acc.element.format(**roles)
+            if acc.combine != "welford":
+                lanes = f"{acc.name}_lanes"
+                src.line(f"{lanes} = {COMBINE[acc.combine].format(lanes, _masked(element, _identity(acc)))}")
+                continue
+            if first:  # the mean of the tile's valid elements (the tile holds at least one)
+                seen = f"tl.maximum(tl.minimum({welford[0].name}_count, BLOCK_R), 1.0)"
+                src.line(f"{acc.name}_shift = tl.sum({_masked(element, '0.0')}, axis=1, keep_dims=True) / {seen}")
+            src.line(f"{acc.name}_centered = {_masked(f'({element}) - {acc.name}_shift', '0.0')}")
+            src.line(f"{acc.name}_sum_lanes += {acc.name}_centered")
+            src.line(f"{acc.name}_sq_lanes += {acc.name}_centered * {acc.name}_centered")
+
+    _tile_loop(src, top, used, start, stop, lambda tile: fold(tile, False),
+               first=(lambda tile: fold(tile, True)) if welford else None)
+    for acc in accumulators:
+        if acc.combine != "welford":
+            src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(acc.name + '_lanes')}")
+            continue
+        count = f"{welford[0].name}_count"
+        if acc is not welford[0]:
+            src.line(f"{acc.name}_count = {count}")
+        src.line(f"{acc.name}_sum = tl.sum({acc.name}_sum_lanes, axis=1, keep_dims=True)")
+        src.line(f"{acc.name}_sq = tl.sum({acc.name}_sq_lanes, axis=1, keep_dims=True)")
+        src.line(f"{acc.name}_mean = {acc.name}_shift + {acc.name}_sum / tl.maximum({count}, 1.0)")
+        src.line(f"{acc.name}_m2 = tl.maximum({acc.name}_sq - {acc.name}_sum * {acc.name}_sum / "
+                 f"tl.maximum({count}, 1.0), 0.0)")
 
 
 def _stats_looped(src, top, used, stages):
@@ -362,10 +506,7 @@ def _main_body(src, used):
 
 
 def _output_loop(src, top, used, start, stop):
-    src.line(f"for r_start in range({start}, {stop}, BLOCK_R):")
-    src.depth += 1
-    _tile_outputs(src, _tile_scope(src, top, used, "r_start", stop), used)
-    src.depth -= 1
+    _tile_loop(src, top, used, start, stop, lambda tile: _tile_outputs(src, tile, used))
 
 
 def _chunk(src):
@@ -393,7 +534,7 @@ def _partial_body(src, used):
     _load_inputs(src, top, used, ("row", "scalar"))
     _chunk(src)
     (accumulators, _), = spec.recipe.stages_for("split")
-    _accumulate_loop(src, top, used, accumulators, "r_begin", "r_end")
+    _partial_accumulate(src, top, used, accumulators, "r_begin", "r_end")
     for name in spec.partials:
         src.line(f"tl.store(part_{name}_ptr + split * rows + k_idx[:, None], {name}, mask=k_mask[:, None])")
 

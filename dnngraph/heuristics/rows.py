@@ -6,6 +6,8 @@ NHWC batchnorm is K=[C] x R=[N*H*W] and a layernorm is K=[rows] x R=[hidden]. Ea
 owns BLOCK_K rows and walks R in one tile (one-pass: the row lives in registers), in a loop
 (looped: statistics loops, then an output loop whose re-reads hit L2), or split over several
 programs whose partials a second kernel combines in a fixed order (split: few rows, long R).
+Where K is the vectorized side (NHWC batchnorm, column sums) a split is a column split: tiles of
+COLUMN_TILES, a grid of one wave, loops that prefetch, and an apply pass that walks backwards.
 """
 from __future__ import annotations
 
@@ -34,6 +36,38 @@ PROGRAMS_PER_SM = 4
 PROGRAM_OVERHEAD = 0.6e-6
 # Bytes re-read from L2 cost this fraction of HBM bytes (looped statistics passes).
 L2_REREAD_COST = 0.25
+# Column splits: split mode where K is the vectorized side (NHWC batchnorm: K=[C] channels
+# contiguous, R=[N*H*W] pixels). The constants below come from benchmarks/sweep_column_split.py
+# on the H100 (batchnorm 32x256x56x56 NHWC bf16, copy ceiling 2.58 TB/s in the same run; forward
+# / backward microseconds, model config unless said).
+# Tiles [BLOCK_K channels, BLOCK_R pixels], best first: (64, 32) at 4 warps 69.9 / 101.6 us;
+# (128, 32) at 4 warps 69.5 / 106.6 and (64, 64) at 8 warps 72.0 / 107.3 at 4 programs per SM.
+COLUMN_TILES = ((64, 32), (64, 64), (128, 32))
+COLUMN_WARPS = 4
+# Resident programs per SM the grid is sized for, by tiles loaded per trip (1, 2 or more): each
+# tile input costs registers (its raw tiles in flight), and a grid past what fits runs a second
+# wave. Forward (x; 65 registers, 7 programs fit): 69.9 us at 6, 77.0 at 5, 74.1 at 4, 77.9 at 8;
+# backward (dy, x; 95 registers, 5 fit): 101.6 us at 4, 107.9 at 5, 108.2 at 6.
+COLUMN_PROGRAMS_PER_SM = (6, 4)
+# Column problems split from 1/COLUMN_SPLIT_SHARE of SPLIT_MIN_REDUCED on: unsplit, they get one
+# program per BLOCK_K rows (C=64 channels: one program for the whole tensor).
+COLUMN_SPLIT_SHARE = 8
+# Column-split partial and apply loops keep this many tiles' loads in flight ahead of the one
+# they work on (register buffering: Triton pipelines no plain loads); 0: none. First round, 4
+# programs per SM: 74.0 / 103.0 us with one tile ahead, 81.1 / 113.7 without; second round, at
+# the model's 6 / 4 per SM: two ahead 69.4 / 101.5 against 69.9 / 101.6 (noise, more registers).
+PREFETCH_COLUMN_TILES = 1
+# The apply pass of a column split walks programs and chunks last to first (the tiles the
+# partial pass read last may still sit in L2) and loads and stores with evict-first hints (what
+# it writes must not push out what it is about to read again): 74.0 / 103.0 us, against
+# 77.9 / 105.8 without (first round, 4 programs per SM, prefetch on). The apply kernels then run
+# past the copy rate over their bytes (forward 31.7 us for 103 MB).
+STREAM_APPLY = True
+# The combine kernel folds a [COMBINE_BLOCK_K rows, split_tile] tile of partials per trip, with
+# split_tile up to COMBINE_VALUES // COMBINE_BLOCK_K: one trip for a few hundred splits (2-3 us
+# for 256 channels x 196 splits; four programs of three trips each took about 5).
+COMBINE_VALUES = 2048
+COMBINE_BLOCK_K = 8
 # Tests set this to "one_pass", "looped" or "split" to exercise a mode on small shapes.
 FORCE_MODE = None
 # Sweeps set this to (mode, block_k, block_r, num_warps, splits) to time one config.
@@ -153,13 +187,13 @@ class RowTraits:
     has_tile_outputs: bool
     can_split: bool
     live_tiles: int  # tile values alive at once in one-pass mode
+    tile_inputs: int = 1  # inputs loaded per tile (they vary along R)
 
 
 # Values per thread of a tile, by what the H100 sweep (benchmarks/sweep_rows.py) measured best:
-# one-pass forward rows hold 32 (layernorm 16384x8192 bf16: 184 us at 8 warps, 205 at 16), as
-# do split column tiles (batchnorm NHWC partials: 85 us at 4 warps, 101 at 8); loops over rows
-# and register-heavy backward rows keep 8 (layernorm 4096x14336 looped by 2048: 108 us at 8
-# warps, 126 at 4).
+# one-pass forward rows hold 32 (layernorm 16384x8192 bf16: 184 us at 8 warps, 205 at 16);
+# loops over rows and register-heavy backward rows keep 8 (layernorm 4096x14336 looped by 2048:
+# 108 us at 8 warps, 126 at 4). Column splits take COLUMN_WARPS.
 DENSE_VALUES_PER_THREAD = 32
 LIGHT_VALUES_PER_THREAD = 8
 
@@ -169,9 +203,14 @@ def _warps(elements: int, values_per_thread: int = LIGHT_VALUES_PER_THREAD) -> i
 
 
 def _values_per_thread(geo: RowGeometry, traits: RowTraits, mode: str) -> int:
-    dense = (mode == "one_pass" and geo.r_contiguous and traits.live_tiles <= 2) or \
-            (mode == "split" and not geo.r_contiguous)
+    dense = mode == "one_pass" and geo.r_contiguous and traits.live_tiles <= 2
     return DENSE_VALUES_PER_THREAD if dense else LIGHT_VALUES_PER_THREAD
+
+
+def _config_warps(geo: RowGeometry, traits: RowTraits, mode: str, block_k: int, block_r: int) -> int:
+    if mode == "split" and not geo.r_contiguous:  # column split: at least 4 values per thread
+        return max(1, min(COLUMN_WARPS, block_k * block_r // 128))
+    return _warps(block_k * block_r, _values_per_thread(geo, traits, mode))
 
 
 def candidates(geo: RowGeometry, traits: RowTraits, device: DeviceModel) -> list[tuple]:
@@ -195,7 +234,9 @@ def candidates(geo: RowGeometry, traits: RowTraits, device: DeviceModel) -> list
             block_r = max(1, min(r_pow2, LOOP_TILE // block_k))
             mode = "one_pass" if r_pow2 <= block_r else "looped"
             result.append((mode, block_k, block_r, 1))
-    if traits.can_split and reduced >= SPLIT_MIN_REDUCED:
+    if traits.can_split and not geo.r_contiguous and reduced * COLUMN_SPLIT_SHARE >= SPLIT_MIN_REDUCED:
+        result += column_splits(geo, device, traits.tile_inputs)
+    elif traits.can_split and reduced >= SPLIT_MIN_REDUCED:
         for mode, block_k, block_r, _ in list(result):
             if mode == "one_pass" and block_k > 1 and geo.r_contiguous:
                 continue
@@ -205,6 +246,51 @@ def candidates(geo: RowGeometry, traits: RowTraits, device: DeviceModel) -> list
                 if splits >= 2:
                     result.append(("split", block_k, block_r, splits))
     return sorted(set(result))
+
+
+def column_splits(geo: RowGeometry, device: DeviceModel, tile_inputs: int = 1) -> list[tuple]:
+    """Split candidates where K is the vectorized side: one tile shape per COLUMN_TILES entry
+    (R widened where K is narrower than the tile, no more than LOOP_TILE values), chunks sized
+    so the programs fill the SMs as deep as COLUMN_PROGRAMS_PER_SM says, and no chunk empty."""
+    found = []
+    per_sm = COLUMN_PROGRAMS_PER_SM[min(max(tile_inputs, 1), len(COLUMN_PROGRAMS_PER_SM)) - 1]
+    k_pow2, r_pow2 = _pow2_at_least(geo.rows), _pow2_at_least(geo.reduced)
+    for tile_k, tile_r in COLUMN_TILES:
+        block_k = min(tile_k, k_pow2)
+        block_r = max(1, min(r_pow2, min(tile_k * tile_r, LOOP_TILE) // block_k))
+        blocks = -(-geo.rows // block_k)
+        splits = min(-(-device.sms * per_sm // blocks), -(-geo.reduced // block_r))
+        splits = -(-geo.reduced // split_chunk(geo.reduced, splits, block_r))
+        if splits >= 2:
+            found.append(("split", block_k, block_r, splits))
+    return found
+
+
+def split_chunk(reduced: int, splits: int, block_r: int) -> int:
+    """Elements of R one split program walks: whole BLOCK_R tiles (the kernels' `chunk`)."""
+    return -(-(-(-reduced // splits)) // block_r) * block_r
+
+
+def is_column_split(geo: RowGeometry, config) -> bool:
+    """Split mode with K the vectorized side: the partial and apply kernels prefetch."""
+    return config.mode == "split" and not geo.r_contiguous
+
+
+def _column_rank(geo: RowGeometry, mode, block_k, block_r) -> int:
+    """Position of a column split's tile in COLUMN_TILES (measured best first); 0 otherwise."""
+    if mode != "split" or geo.r_contiguous:
+        return 0
+    for index, (tile_k, tile_r) in enumerate(COLUMN_TILES):
+        if block_k * block_r == tile_k * tile_r and block_k == min(tile_k, _pow2_at_least(geo.rows)):
+            return index
+    return len(COLUMN_TILES)
+
+
+def combine_blocks(rows: int, splits: int) -> tuple:
+    """(BLOCK_K, SPLIT_TILE) of the split combine kernel: few rows per program, as many splits
+    per trip as COMBINE_VALUES allows."""
+    block_k = min(COMBINE_BLOCK_K, _pow2_at_least(rows))
+    return block_k, min(_pow2_at_least(splits), max(1, COMBINE_VALUES // block_k))
 
 
 def estimate(geo: RowGeometry, traits: RowTraits, mode, block_k, block_r, splits,
@@ -220,7 +306,7 @@ def estimate(geo: RowGeometry, traits: RowTraits, mode, block_k, block_r, splits
         # statistics pass reads the inputs, the apply pass reads them again (too big for L2)
         rereads = tile_bytes if traits.has_tile_outputs else 0.0
     programs = -(-geo.rows // block_k) * splits
-    warps = _warps(block_k * block_r, _values_per_thread(geo, traits, mode))
+    warps = _config_warps(geo, traits, mode, block_k, block_r)
     resident = device.sms * max(1, 64 // warps)
     waves = -(-programs // resident)
     # a program streams its share serially: few programs cannot fill HBM
@@ -254,9 +340,10 @@ def schedule(geo: RowGeometry, traits: RowTraits, bytes_main: int, bytes_rows: i
     ranked = []
     for mode, block_k, block_r, splits in candidates(geo, traits, device):
         seconds = estimate(geo, traits, mode, block_k, block_r, splits, bytes_main, bytes_rows, device)
-        warps = _warps(block_k * block_r, _values_per_thread(geo, traits, mode))
+        warps = _config_warps(geo, traits, mode, block_k, block_r)
         ranked.append(RowConfig(mode, block_k, block_r, warps, splits, seconds * 1e6))
-    ranked.sort(key=lambda c: (c.estimate_us, c.mode != "one_pass", -c.block_k * c.block_r))
+    ranked.sort(key=lambda c: (c.estimate_us, c.mode != "one_pass",
+                               _column_rank(geo, c.mode, c.block_k, c.block_r), -c.block_k * c.block_r))
     if FORCE_MODE is not None:
         ranked = [c for c in ranked if c.mode == FORCE_MODE] or ranked
     if FORCE_CONFIG is not None:

@@ -13,8 +13,9 @@ from ..codegen.rows import RowKernelSpec, WELFORD_PARTS, render as render_rows
 from ..errors import UnsupportedError
 from ..heuristics import device_model
 from ..heuristics.autotune import TuningRecord
-from ..heuristics.rows import (RowConfig, RowTraits, geometry as row_geometry, row_problem,
-                               schedule as schedule_rows)
+from ..heuristics import rows as row_heuristics
+from ..heuristics.rows import (RowConfig, RowTraits, combine_blocks, geometry as row_geometry, is_column_split,
+                               row_problem, schedule as schedule_rows)
 from .launch import KernelLaunch, kernel_name, sample_tensors, scratch, time_candidate, tuning_device
 
 # The split combine kernel folds [SPLITS, BLOCK_K] partials: a few hundred values per program.
@@ -78,8 +79,9 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, de
     geo = row_geometry(problem.domain, problem.reduced_axes, operands, main)
     tile_stores = tuple(u for u in stores if kinds[u] in ("tile", "col"))
     row_stores = tuple(u for u in stores if u not in tile_stores)
+    tile_inputs = sum(kinds[t.uid] in ("tile", "col") for t in group.inputs)
     traits = RowTraits(len(recipe.stages_for("looped")), bool(tile_stores), recipe.splittable,
-                       recipe.live_tiles)
+                       recipe.live_tiles, tile_inputs)
     bytes_of = lambda wanted: sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in wanted)
     sched = schedule_rows(geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
                           device_model(device))
@@ -114,17 +116,23 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
              for a in accumulators for p in (WELFORD_PARTS if a.combine == "welford" else ("",))]
     partials = {n: scratch((cfg.splits, geo.rows), PARTIAL_TYPES[recipe.kind]) for n in names}
     stash = {n: scratch((geo.rows,)) for n in recipe.stash} if tile_stores else {}
-    row_blocks = sched.programs // cfg.splits
+    column = is_column_split(geo, cfg)
+    prefetch = row_heuristics.PREFETCH_COLUMN_TILES if column else 0
+    combine_k = combine_blocks(geo.rows, cfg.splits)[0]
+    combine_common = dict(common, schedule=replace(sched, config=replace(cfg, block_k=combine_k,
+                                                                          num_warps=COMBINE_WARPS)))
     launches = [
-        _row_launch(RowKernelSpec(name + "_partial", "partial", stores=(),
+        _row_launch(RowKernelSpec(name + "_partial", "partial", stores=(), prefetch=prefetch,
                                   partials={n: s.uid for n, s in partials.items()}, **common),
                     sched.programs, cfg.num_warps, partials.values()),
         _row_launch(RowKernelSpec(name + "_combine", "combine", stores=row_stores,
                                   partials={n: s.uid for n, s in partials.items()},
-                                  stash={n: s.uid for n, s in stash.items()}, **common),
-                    row_blocks, COMBINE_WARPS, stash.values())]
+                                  stash={n: s.uid for n, s in stash.items()}, **combine_common),
+                    -(-geo.rows // combine_k), COMBINE_WARPS, stash.values())]
     if tile_stores:
-        launches.append(_row_launch(RowKernelSpec(name + "_apply", "apply", stores=tile_stores,
+        stream = column and row_heuristics.STREAM_APPLY
+        launches.append(_row_launch(RowKernelSpec(name + "_apply", "apply", stores=tile_stores, prefetch=prefetch,
+                                                  reverse=stream, streaming=stream,
                                                   stash={n: s.uid for n, s in stash.items()}, **common),
                                     sched.programs, cfg.num_warps))
     return launches
