@@ -284,3 +284,22 @@ def test_wgrad_without_workspace_runs_unsplit():
 def test_workspace_limit_must_be_a_byte_count(limit):
     with pytest.raises(dg.ValidationError, match="workspace_limit"):
         _split_k_graph().build(workspace_limit=limit)
+
+
+def test_workspace_limit_zero_leaves_split_rows_out():
+    """A column sum over many rows splits its reduction (partials in the workspace); with no
+    workspace the row kernel runs unsplit, and the result is the same."""
+    x_t = torch.randn(65536, 3)
+
+    def build(**options):
+        g = dg.Graph(name="colsum", io_data_type=dg.float32)
+        x = g.tensor_like(x_t, name="x")
+        g.reduction(x, "sum", [0]).set_output(True).set_name("s")
+        return g.build(**options)
+
+    split = build()
+    assert _partial_bytes(split) > 0, "the model splits this shape: the test needs it to"
+    unsplit = build(workspace_limit=0)
+    assert _partial_bytes(unsplit) == 0
+    assert "need more workspace than the limit" in unsplit.explain()
+    check(unsplit, {"x": x_t})

@@ -67,10 +67,11 @@ def _row_launch(spec, programs, num_warps, scratch_buffers=()):
                         spec.schedule.reason, scratch_buffers, fp_fusion=spec.recipe.fp_fusion)
 
 
-def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, device=None, epilogue=None):
+def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, device=None, epilogue=None,
+                  budget=None):
     """The launches of one row problem: one kernel, or partial + combine (+ apply) when split;
-    the model's config, or with `tuner` the fastest of its top candidates. `epilogue`: the group's
-    epilogue nodes these kernels run (None: all)."""
+    the model's config, or with `tuner` the fastest of its top candidates, within the workspace
+    `budget`. `epilogue`: the group's epilogue nodes these kernels run (None: all)."""
     recipe = recipe_of(group.anchor, _row_kinds(problem, group))
     kinds = _row_kinds(problem, group, tuple(recipe.tile_outputs))
     tensors = list(group.inputs) + [t for t in group.outputs if t.uid in stores]
@@ -85,6 +86,14 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, de
     bytes_of = lambda wanted: sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in wanted)
     sched = schedule_rows(geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
                           device_model(device))
+    scratch_of = lambda c: split_scratch_bytes(c, geo, recipe, tile_stores)
+    ranked = [c for c in sched.ranked if budget is None or budget.allows(scratch_of(c))]
+    if not ranked:  # only where a test forced the split mode: every real ranking has unsplit configs
+        raise UnsupportedError(f"node {group.anchor.name!r}: no row config fits the workspace limit")
+    if ranked[0] is not sched.config:
+        skipped = sched.ranked.index(ranked[0])
+        sched = replace(sched, config=ranked[0], reason=f"model rank {skipped + 1} of {len(sched.ranked)}: the "
+                                                        f"{skipped} ranked above need more workspace than the limit")
     record = TuningRecord("model", sched.config.text)
     build = lambda chosen: _row_schedule_launches(graph, group, name, chosen, recipe, stores, kinds,
                                                   tile_stores, row_stores, epilogue)
@@ -92,14 +101,37 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, de
         device = tuning_device(device)
         tensors = sample_tensors(group, device)
         config, record = tuner.choose(
-            "rows", f"{group.anchor.op} {sched.signature(traits)}", list(sched.ranked), RowConfig.to_record,
+            "rows", f"{group.anchor.op} {sched.signature(traits)}" + _limit_text(budget), ranked, RowConfig.to_record,
             RowConfig.from_record, lambda c: c.text,
             lambda c: time_candidate(build(replace(sched, config=c)), tensors, device))
         sched = replace(sched, config=config, reason=record.describe() or sched.reason)
+    if budget is not None:
+        budget.spend(scratch_of(sched.config))
+        sched = replace(sched, reason=sched.reason + "; " + budget.describe(scratch_of(sched.config)))
     launches = build(sched)
     for launch in launches:
         launch.tuning = record
     return launches
+
+
+def _partial_names(recipe) -> list:
+    """The split partials of a recipe: one per accumulator (a Welford statistic has parts)."""
+    (accumulators, _), = recipe.stages_for("split")
+    return [f"{a.name}_{p}" if a.combine == "welford" else a.name
+            for a in accumulators for p in (WELFORD_PARTS if a.combine == "welford" else ("",))]
+
+
+def split_scratch_bytes(config, geo, recipe, tile_stores) -> int:
+    """Workspace a row config adds: split partials [SPLITS, rows] and the stash the apply reads."""
+    if config.mode != "split":
+        return 0
+    partials = len(_partial_names(recipe)) * config.splits * geo.rows * PARTIAL_TYPES[recipe.kind].itemsize
+    return partials + (len(recipe.stash) * geo.rows * 4 if tile_stores else 0)
+
+
+def _limit_text(budget) -> str:
+    """The workspace limit as part of a tuning key (configs over it are not candidates)."""
+    return "" if budget is None or budget.limit is None else f" ws{budget.limit}"
 
 
 def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, tile_stores, row_stores,
@@ -111,10 +143,7 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
     if cfg.mode != "split":
         spec = RowKernelSpec(name, "main", stores=tuple(stores), **common)
         return [_row_launch(spec, sched.programs, cfg.num_warps)]
-    (accumulators, _), = recipe.stages_for("split")
-    names = [f"{a.name}_{p}" if a.combine == "welford" else a.name
-             for a in accumulators for p in (WELFORD_PARTS if a.combine == "welford" else ("",))]
-    partials = {n: scratch((cfg.splits, geo.rows), PARTIAL_TYPES[recipe.kind]) for n in names}
+    partials = {n: scratch((cfg.splits, geo.rows), PARTIAL_TYPES[recipe.kind]) for n in _partial_names(recipe)}
     stash = {n: scratch((geo.rows,)) for n in recipe.stash} if tile_stores else {}
     column = is_column_split(geo, cfg)
     prefetch = row_heuristics.PREFETCH_COLUMN_TILES if column else 0
@@ -179,7 +208,7 @@ def build_rows(graph, group, index, tuner=None, device=None, budget=None):
             param_problem = problem.with_reduced(a for a, spans in enumerate(scale_extent) if not spans)
             # the epilogue consumes dx, which only the first kernel computes
             return (_row_launches(graph, group, name, problem, RECIPES[anchor.op],
-                                  [u for u in stores if u not in params], tuner, device)
+                                  [u for u in stores if u not in params], tuner, device, budget=budget)
                     + _row_launches(graph, group, name + "_params", param_problem, norm_parameter_grads,
-                                    [u for u in stores if u in params], tuner, device, epilogue=()))
-    return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores, tuner, device)
+                                    [u for u in stores if u in params], tuner, device, epilogue=(), budget=budget))
+    return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores, tuner, device, budget=budget)
