@@ -29,6 +29,7 @@ from ..heuristics import device_model
 from ..heuristics import matmul as matmul_heuristics
 from ..heuristics.layout import INT32_LIMIT, operand_strides
 from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot
+from .depthwise import build_depthwise, takes_depthwise
 from .gemm import GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
 from .launch import KernelLaunch, element_span, kernel_name
 from .matmul import layout_of, tma_ok
@@ -311,6 +312,8 @@ def build_conv(graph, group, index, tuner=None, device=None) -> list[KernelLaunc
     """The launches of a conv group for `device` (default: the current one): per pose, the
     model's choice or the autotuned one with `tuner`."""
     node = group.anchor
+    if takes_depthwise(group):  # one channel per group: direct kernels (plan/depthwise.py)
+        return build_depthwise(graph, group, index, tuner, device)
     if node.op == "conv_wgrad":
         return build_gemm(WgradBuild(graph, group, index, device), "conv", matmul_heuristics.schedule, tuner, device)
     if node.op not in POSES:
