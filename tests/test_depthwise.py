@@ -311,3 +311,16 @@ def test_kernels_compile_for_sm90():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "compiled 7 kernels for sm_90" in result.stdout
 
+
+@pytest.mark.parametrize("groups,w_dim", [(4, [4, 1, 3, 3]), (1, [3, 4, 3, 3])])
+def test_prologue_value_that_is_an_output_is_stored(groups, w_dim):
+    """A conv's loads visit x positions several times (or never): a prologue value the graph
+    outputs is written by a pointwise kernel first, on the depthwise and the GEMM path alike."""
+    x_t, w_t = stored([2, 4, 5, 6], "nhwc"), stored(w_dim, "nchw")
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    scale = g.tensor(name="scale", dim=[1, 4, 1, 1])
+    act = g.relu(g.mul(x, scale)).set_output(True).set_name("act")
+    g.conv_fprop(act, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=groups).set_output(True).set_name("y")
+    check(g, {"x": x_t, "w": w_t, "scale": torch.randn(1, 4, 1, 1)})
+    assert [launch.group.kind for launch in g.plan.launches] == ["pointwise", "conv"]

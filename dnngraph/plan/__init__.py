@@ -56,7 +56,7 @@ def _binding_spec(tensor) -> BindingSpec:
 
 # Families whose loads may visit an input element several times (or never): prologue values that
 # are outputs are written first by a pointwise kernel of the prologue.
-PROLOGUE_STORED_APART = frozenset({"pooling", "matmul"})
+PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv"})
 
 KERNEL_BUILDERS = {"pointwise": build_pointwise, "reduction": build_rows, "softmax": build_rows,
                    "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul,
