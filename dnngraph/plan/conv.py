@@ -29,6 +29,7 @@ from ..heuristics import device_model
 from ..heuristics import matmul as matmul_heuristics
 from ..heuristics.layout import INT32_LIMIT, operand_strides
 from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot
+from .depthwise import build_depthwise, takes_depthwise
 from .gemm import GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
 from .launch import KernelLaunch, element_span, kernel_name, scratch
 from .matmul import layout_of, tma_ok
@@ -327,6 +328,8 @@ def build_conv(graph, group, index, tuner=None, device=None, budget=None) -> lis
     """The launches of a conv group for `device` (default: the current one): per pose, the
     model's choice or the autotuned one with `tuner`, within the workspace `budget`."""
     node = group.anchor
+    if takes_depthwise(group):  # one channel per group: direct kernels (plan/depthwise.py)
+        return build_depthwise(graph, group, index, tuner, device)
     if node.op == "conv_wgrad":
         return build_gemm(WgradBuild(graph, group, index, device), "conv", conv_heuristics.wgrad_schedule, tuner,
                           device, budget)

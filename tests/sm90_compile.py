@@ -1,0 +1,70 @@
+"""Compile a plan's kernels for an sm_90 GPU on a machine without one (Triton's frontend and the
+ptxas in Triton's wheel): catches what only the GPU compiler rejects, such as a loop-carried value
+whose shape changes, which the interpreter runs without complaint.
+
+Triton reads TRITON_INTERPRET when kernels are defined, so this runs in a process of its own:
+
+    TRITON_INTERPRET=0 python tests/sm90_compile.py MODULE:FUNCTION
+
+FUNCTION() (in tests/MODULE.py) yields (label, built graph); every launch of every plan is
+compiled, and the count printed.
+"""
+import importlib
+import os
+import sys
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
+                 torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8"}
+TARGET = GPUTarget("cuda", 90, 32)
+
+
+def compile_launch(launch, dtypes: dict):
+    """The launch's kernel compiled for TARGET (raises what the compiler raises), specialized as
+    Triton's launcher specializes it: integers equal to 1 become constants, integers divisible by
+    16 and pointers (assumed 16-byte aligned) carry that divisibility."""
+    signature, constexprs, attrs = {}, {}, {}
+    for index, argument in enumerate(launch.arguments):
+        if argument.kind == "tensor":
+            signature[argument.name] = POINTER_TYPES[dtypes[argument.value]]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif argument.kind == "int" and argument.value == 1:
+            signature[argument.name] = "constexpr"
+            constexprs[argument.name] = 1
+        elif argument.kind == "int":
+            signature[argument.name] = "i64" if abs(argument.value) >= 2**31 else "i32"
+            if argument.value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[argument.name] = "constexpr"
+            constexprs[argument.name] = argument.value
+    source = ASTSource(launch.kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=TARGET, options={"num_warps": launch.num_warps})
+
+
+def main(spec: str):
+    module_name, function = spec.split(":")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    graphs = getattr(importlib.import_module(module_name), function)
+    count = 0
+    for label, graph in graphs():
+        dtypes = {t.uid: t.data_type.torch_dtype for t in graph.tensors}
+        for launch in graph.plan.launches:
+            dtypes.update({s.uid: s.torch_dtype for s in launch.scratch})
+            try:
+                compile_launch(launch, dtypes)
+            except Exception as error:
+                print(f"{label}: {launch.kernel.__name__} does not compile for sm_90: {error}")
+                raise SystemExit(1)
+            count += 1
+    print(f"compiled {count} kernels for sm_90")
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("set TRITON_INTERPRET=0: the kernels must be compiled, not interpreted")
+    main(sys.argv[1])
