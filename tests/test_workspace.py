@@ -303,3 +303,13 @@ def test_workspace_limit_zero_leaves_split_rows_out():
     assert _partial_bytes(unsplit) == 0
     assert "need more workspace than the limit" in unsplit.explain()
     check(unsplit, {"x": x_t})
+
+
+def test_depthwise_wgrad_states_the_workspace_it_cannot_do_without():
+    g = dg.Graph(name="ws4", io_data_type=dg.float32)
+    dy, x = g.tensor(name="dy", dim=[2, 4, 6, 6]), g.tensor(name="x", dim=[2, 4, 6, 6])
+    g.conv_wgrad(dy, x, w_dim=[4, 1, 3, 3], padding=[1, 1], groups=4).set_output(True).set_name("dw")
+    with pytest.raises(dg.UnsupportedError, match="needs at least 144 bytes"):
+        g.build(workspace_limit=0)
+    g.build(workspace_limit=144 * 64)
+    check(g, {"dy": torch.randn(2, 4, 6, 6), "x": torch.randn(2, 4, 6, 6)})

@@ -329,7 +329,7 @@ def build_conv(graph, group, index, tuner=None, device=None, budget=None) -> lis
     model's choice or the autotuned one with `tuner`, within the workspace `budget`."""
     node = group.anchor
     if takes_depthwise(group):  # one channel per group: direct kernels (plan/depthwise.py)
-        return build_depthwise(graph, group, index, tuner, device)
+        return build_depthwise(graph, group, index, tuner, device, budget)
     if node.op == "conv_wgrad":
         return build_gemm(WgradBuild(graph, group, index, device), "conv", conv_heuristics.wgrad_schedule, tuner,
                           device, budget)

@@ -189,20 +189,36 @@ class DepthwiseBuild:
         return [main, combine]
 
 
-def build_depthwise(graph, group, index, tuner=None, device=None) -> list[KernelLaunch]:
+def _partial_bytes(config, problem) -> int:
+    """Workspace of a wgrad config's per-split partials (fp32 [SPLITS, taps, channels])."""
+    return config.splits * problem.taps * problem.channels * 4 if config.kernel == "wgrad" else 0
+
+
+def build_depthwise(graph, group, index, tuner=None, device=None, budget=None) -> list[KernelLaunch]:
     """The launches of a depthwise conv group for `device`: the model's config, or the autotuned
-    one with `tuner` (recorded under "depthwise" in the tuning cache)."""
+    one with `tuner` (recorded under "depthwise" in the tuning cache), within the workspace
+    `budget` (wgrad's partials; it always needs one split's)."""
     build = DepthwiseBuild(graph, group, index, device)
     sched = depthwise_heuristics.schedule(build.problem, build.device)
-    config, record = sched.config, TuningRecord("model", sched.config.text)
+    ranked = [c for c in sched.ranked if budget is None or budget.allows(_partial_bytes(c, build.problem))]
+    if not ranked:
+        least = min(_partial_bytes(c, build.problem) for c in sched.ranked)
+        raise UnsupportedError(f"node {group.anchor.name!r} (depthwise conv_wgrad) needs at least {least} bytes of "
+                               f"workspace for its partials; the limit leaves {budget.limit - budget.spent}")
+    config, record = ranked[0], TuningRecord("model", ranked[0].text)
     if tuner is not None:
         where = tuning_device(device)
         tensors = sample_tensors(group, where)
+        limit = "" if budget is None or budget.limit is None else f" ws{budget.limit}"
         config, record = tuner.choose(
-            "depthwise", build.problem.signature(), list(sched.ranked), DepthwiseConfig.to_record,
+            "depthwise", build.problem.signature() + limit, ranked, DepthwiseConfig.to_record,
             DepthwiseConfig.from_record, lambda c: c.text,
             lambda c: time_candidate(build.launches(c, "autotune candidate"), tensors, where))
-    launches = build.launches(config, record.describe() or sched.reason)
+    reason = record.describe() or sched.reason
+    if budget is not None:
+        budget.spend(_partial_bytes(config, build.problem))
+        reason += "; " + budget.describe(_partial_bytes(config, build.problem))
+    launches = build.launches(config, reason)
     for launch in launches:
         launch.tuning = record
     return launches
