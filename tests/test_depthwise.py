@@ -324,3 +324,15 @@ def test_prologue_value_that_is_an_output_is_stored(groups, w_dim):
     g.conv_fprop(act, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=groups).set_output(True).set_name("y")
     check(g, {"x": x_t, "w": w_t, "scale": torch.randn(1, 4, 1, 1)})
     assert [launch.group.kind for launch in g.plan.launches] == ["pointwise", "conv"]
+
+
+@pytest.mark.parametrize("mode", ["convolution", "cross_correlation"])
+def test_wgrad_size_one_input_axis_keeps_its_padding_mask(mode):
+    """x of width 1 (its stride is 0 there) under padding 1 and dilation 2: every tap lands in the
+    padding, dw is 0 (found by the random-graph test: the mask of the stride-0 axis was dropped)."""
+    g = dg.Graph(name="w1", io_data_type=dg.float32)
+    dy_t, x_t = torch.randn(4, 1, 5, 1), torch.randn(4, 1, 7, 1)
+    dy, x = g.tensor_like(dy_t, name="dy"), g.tensor_like(x_t, name="x")
+    g.conv_wgrad(dy, x, w_dim=[1, 1, 3, 2], padding=[0, 1], stride=[1, 3], dilation=[1, 2],
+                 mode=mode).set_output(True).set_name("dw")
+    check(g, {"dy": dy_t, "x": x_t})

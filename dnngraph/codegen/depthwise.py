@@ -218,10 +218,13 @@ class _Writer:
         """(offset terms, mask terms) of op at `coords` (one Coord or None per logical axis)."""
         offsets, masks, done = self._merged_terms(op, coords)
         for axis, (coord, stride) in enumerate(zip(coords, op.strides)):
-            if not stride or coord is None or axis in done:
+            if coord is None or axis in done:
                 continue
-            offsets.append((f"{coord.text} * {self.stride(op, axis)}", coord.sides))
+            # a broadcast axis (stride 0) adds no offset, but a position out of its range (the
+            # padding) is still outside: its mask stays
             masks += coord.valid
+            if stride:
+                offsets.append((f"{coord.text} * {self.stride(op, axis)}", coord.sides))
         return offsets, _unique(masks)
 
     def one_element(self) -> str:
@@ -240,6 +243,8 @@ class _Writer:
         if convert is None:
             convert = self.spec.compute if kind_of(op.data_type) == "f" else ""
         cast = f".to({convert})" if convert else ""
+        if masks and not offsets:  # a one-element operand: its out-of-range positions are zero
+            return f"tl.where({_join(masks, self.ndim, '&')}, tl.load({pointer}){cast}, {other})"
         return f"tl.load({pointer}{masked}){cast}"
 
     def store(self, op: Operand, coords, value: str, mask: str, full_terms):

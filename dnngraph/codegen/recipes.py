@@ -55,7 +55,7 @@ class Recipe:
 
     @property
     def splittable(self) -> bool:
-        return self.single is not None or len(self.stages) <= 1
+        return self.single is not None or len(self.stages) == 1  # no statistics: nothing to split
 
 
 def _roles(node) -> dict:

@@ -115,8 +115,12 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, de
 
 
 def _partial_names(recipe) -> list:
-    """The split partials of a recipe: one per accumulator (a Welford statistic has parts)."""
-    (accumulators, _), = recipe.stages_for("split")
+    """The split partials of a recipe: one per accumulator (a Welford statistic has parts); none
+    for a recipe without a reduction (batchnorm_inference), which never splits."""
+    stages = recipe.stages_for("split")
+    if not stages:
+        return []
+    (accumulators, _), = stages
     return [f"{a.name}_{p}" if a.combine == "welford" else a.name
             for a in accumulators for p in (WELFORD_PARTS if a.combine == "welford" else ("",))]
 
