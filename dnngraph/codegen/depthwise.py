@@ -239,13 +239,17 @@ class _Writer:
         pointer = f"{op.ident}_ptr + {_join(offsets, self.ndim, '+')}" if offsets else \
             f"{op.ident}_ptr{self.one_element()}"
         other = "0.0" if op.data_type.is_floating else "0"
-        masked = f", mask={_join(masks, self.ndim, '&')}, other={other}" if masks and offsets else ""
+        # masks over sides the pointer spans go into the load; a coordinate along a side it does
+        # not span (a broadcast operand's padding) zeroes the loaded value afterwards
+        covered = {side for _, sides in offsets for side in sides}
+        in_load = [m for m in masks if set(m[1]) <= covered]
+        after = [m for m in masks if not set(m[1]) <= covered]
+        masked = f", mask={_join(in_load, self.ndim, '&')}, other={other}" if in_load else ""
         if convert is None:
             convert = self.spec.compute if kind_of(op.data_type) == "f" else ""
         cast = f".to({convert})" if convert else ""
-        if masks and not offsets:  # a one-element operand: its out-of-range positions are zero
-            return f"tl.where({_join(masks, self.ndim, '&')}, tl.load({pointer}){cast}, {other})"
-        return f"tl.load({pointer}{masked}){cast}"
+        loaded = f"tl.load({pointer}{masked}){cast}"
+        return f"tl.where({_join(after, self.ndim, '&')}, {loaded}, {other})" if after else loaded
 
     def store(self, op: Operand, coords, value: str, mask: str, full_terms):
         """Store `value` at `coords` over the whole tile (`full_terms` fill sides op skips)."""
