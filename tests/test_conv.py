@@ -377,3 +377,19 @@ def test_one_computed_tensor_as_both_operands(op):
     else:
         g.conv_wgrad(e, e, w_dim=[3, 3, 3, 3], padding=[1, 1]).set_output(True).set_name("out")
     check(g, {"x": x_t})
+
+
+def test_statistics_fold_over_many_row_tiles(monkeypatch):
+    """More row tiles than one chunk of the column fold holds (200 tiles of 16 rows): the chunks
+    fold in order and every tile counts."""
+    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", mm.MatmulConfig("tiled", 16, 16, 16, 4, 2))
+    x_t, w_t = stored([2, 3, 40, 40], "nhwc"), stored([5, 3, 3, 3], "nchw")
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    y = g.conv_fprop(x, w, padding=[1, 1]).set_output(True).set_name("y")
+    total, squares = g.genstats(y)
+    total.set_output(True).set_name("sum")
+    squares.set_output(True).set_name("sq_sum")
+    check(g, {"x": x_t, "w": w_t})
+    fold = g.plan.launches[-1]
+    assert "column-exit fold" in fold.config_text

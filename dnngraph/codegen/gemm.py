@@ -48,7 +48,7 @@ EXIT_FOLD_BLOCK = 128  # rows per program of the exit fold: a few KB of partials
 # (tile_a, offs_m, bidx_0, batch_size_1, exit_0_partial_ptr, row_1, ...); loaders add theirs
 FIXED_NAMES = ("split", "rest", "acc", "kt", "ks", "mask", "start", "part", "M", "N", "K", "batches",
                "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "PROGRAMS", "FLATTEN",
-               "WARP_SPECIALIZE", "BLOCK_ROWS", "EXIT_TILES")
+               "WARP_SPECIALIZE", "BLOCK_ROWS", "EXIT_TILES", "BLOCK_COLS", "FOLD_TILES")
 FIXED_STEMS = ("tile", "tiles", "batch", "bidx", "group", "first", "rows", "cols", "pid", "offs", "mask",
                "k", "per", "partial", "desc", "row", "col", "exit", "value")
 # operand names by side: matrices A and B, epilogue operands, per-tensor scales, row exits
@@ -135,6 +135,7 @@ class GemmKernelSpec:
     partial_uid: int = 0  # split-K scratch [SPLIT_K, batches, M, N]
     epilogue_block: tuple = ()  # (BLOCK_M, BLOCK_N) of the kernel running the epilogue
     persistent_programs: int = 0  # grid of the persistent variant
+    column_fold: tuple = (1, 1)  # (tiles, columns) per chunk of a column-exit fold (heuristics)
     extra_constexprs: tuple = field(default=())  # (name, value) the loaders read
 
     def side(self, side: str) -> list:
@@ -474,12 +475,38 @@ def _combine(spec, w: Writer):
     return _epilogue(spec, w)
 
 
-# the exit fold per axis: (index, valid mask, extent, the index within one batch entry, its stride axis)
-_FOLD_AXES = {"row": ("rows", "row_mask", "M", "offs_m", "r"), "column": ("cols", "col_mask", "N", "offs_n", "c")}
+# the row-exit fold: (index, valid mask, extent, the index within one batch entry, its stride axis)
+_FOLD_AXES = {"row": ("rows", "row_mask", "M", "offs_m", "r")}
+
+
+def _column_fold(spec, w: Writer):
+    """Fold each column exit's per-row-tile partials ([FOLD_TILES, BLOCK_COLS] chunks, chunks in
+    tile order: deterministic) and store the column result."""
+    w("cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)",
+      "col_mask = cols < batches * N", "batch = cols // N", "offs_n = cols % N")
+    batch_lines(spec, w)
+    for index, plan in enumerate(spec.exits):
+        _, combine, identity, finalize = EXIT_MODES[plan.reduce_mode]
+        w(f"value_{index} = tl.full((BLOCK_COLS,), {identity}, tl.float32)",
+          "for first in range(0, EXIT_TILES, FOLD_TILES):")
+        w.indent()
+        w("tiles = first + tl.arange(0, FOLD_TILES)",
+          f"part = tl.load(exit_{index}_partial_ptr + (batch[None, :] * EXIT_TILES + tiles[:, None]) * N "
+          f"+ offs_n[None, :], mask=(tiles < EXIT_TILES)[:, None] & col_mask[None, :], other={identity})",
+          f"value_{index} = " + EXIT_FOLD[combine].format(f"value_{index}", EXIT_REDUCE_COLUMNS[combine].format("part")))
+        w.dedent()
+        op = plan.output
+        along = f"offs_n * {op.ident}_stride_c" if op.col_stride else "offs_n * 0"  # keep the block shape
+        terms = [t for t in (batch_offset(op), along) if t]
+        w(f"tl.store({op.ident}_ptr + {' + '.join(terms)}, ({finalize.format(f'value_{index}')}).to("
+          f"{op.data_type.triton_type}), mask=col_mask)")
 
 
 def _exit_fold(spec, w: Writer):
     """Fold each exit's per-tile partials in tile order and store the row (or column) result."""
+    if exit_axis(spec) == "column":
+        _column_fold(spec, w)
+        return
     flat, valid, extent, inner, stride_axis = _FOLD_AXES[exit_axis(spec)]
     w(f"{flat} = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)",
       f"{valid} = {flat} < batches * {extent}", f"batch = {flat} // {extent}", f"{inner} = {flat} % {extent}")
@@ -572,11 +599,14 @@ def _arguments(spec, body: str, operands: list, scalars) -> list:
 
 def _constexprs(spec, body: str) -> list:
     cfg = spec.config
+    if body == "exit_fold" and exit_axis(spec) == "column":
+        fold_tiles, block_cols = spec.column_fold
+        return [KernelArgument("constexpr", "BLOCK_COLS", block_cols),
+                KernelArgument("constexpr", "EXIT_TILES", -(-spec.problem.m // spec.epilogue_block[0])),
+                KernelArgument("constexpr", "FOLD_TILES", fold_tiles)]
     if body == "exit_fold":
-        column = exit_axis(spec) == "column"
-        tiles = -(-spec.problem.m // spec.epilogue_block[0]) if column else -(-spec.problem.n // spec.epilogue_block[1])
         return [KernelArgument("constexpr", "BLOCK_ROWS", EXIT_FOLD_BLOCK),
-                KernelArgument("constexpr", "EXIT_TILES", tiles)]
+                KernelArgument("constexpr", "EXIT_TILES", -(-spec.problem.n // spec.epilogue_block[1]))]
     if body == "combine":
         block_m, block_n = spec.epilogue_block
         return [KernelArgument("constexpr", "BLOCK_M", block_m), KernelArgument("constexpr", "BLOCK_N", block_n),

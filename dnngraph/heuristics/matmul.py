@@ -49,6 +49,12 @@ K_STEP_SECONDS = 0.08e-6  # issue and barrier cost of one k step of a program
 VARIANT_EFFICIENCY = {"persistent": 1.0, "tiled": 0.97, "split_k": 0.97, "small_m": 0.97}
 GROUP_M = 8  # tiles per group in the grouped order: 8 row tiles share B columns in L2
 SPLIT_COMBINE_BLOCK = (64, 128)  # combine kernel tile (BLOCK_M, BLOCK_N): a copy-like pass
+# Column exits (a conv's per-channel statistics) leave one partial per row tile: 784 of them per
+# channel at 32x56x56 with 128-row tiles. Folding them one tile at a time took one program per
+# 128 channels hundreds of microseconds (stats at 0.2x of conv + batchnorm on the H100 for the
+# 64-channel layers); the fold reads [FOLD_TILES, BLOCK_COLS] chunks instead. Chosen by the
+# count (32 KB of fp32 per chunk, 32 values per thread on 4 warps), not timed yet.
+COLUMN_FOLD_BLOCK = (128, 32)  # (tiles, columns) per chunk of the column-exit fold
 # Operands converted at load (a mixed dot) pass through registers, so the rate
 # falls with the converted side's share of the tile: efficiency ** (2 * side / (BM + BN)). A feeds
 # wgmma from registers; B goes back to shared memory, which costs more. H100, 2048x4096x4096:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..codegen.cache import load_kernel
 from ..codegen.gemm import EXIT_FOLD_BLOCK, ExitPlan, render
 from ..heuristics.autotune import TuningRecord
-from ..heuristics.matmul import SPLIT_COMBINE_BLOCK, MatmulConfig
+from ..heuristics.matmul import COLUMN_FOLD_BLOCK, SPLIT_COMBINE_BLOCK, MatmulConfig
 from .launch import KernelLaunch, sample_tensors, scratch, time_candidate, tuning_device
 
 EXIT_FOLD_WARPS = 4
@@ -87,7 +87,7 @@ class GemmLaunches:
             epilogue_block = SPLIT_COMBINE_BLOCK
         pairs = self.exit_plans(epilogue_block)
         exits, exit_scratch = [plan for plan, _ in pairs], [partial for _, partial in pairs]
-        common = dict(exits=tuple(exits), epilogue_block=epilogue_block)
+        common = dict(exits=tuple(exits), epilogue_block=epilogue_block, column_fold=COLUMN_FOLD_BLOCK)
         text = config.text
         launches = []
         if config.variant == "persistent":
@@ -117,7 +117,8 @@ class GemmLaunches:
                                          config.num_stages, text + f" grid={tiles}x{p.batch}", reason,
                                          exit_scratch))
         if exits:
-            rows = -(-(p.batch * (p.n if exits[0].axis == "column" else p.m)) // EXIT_FOLD_BLOCK)
+            column = exits[0].axis == "column"
+            rows = -(-(p.batch * (p.n if column else p.m)) // (COLUMN_FOLD_BLOCK[1] if column else EXIT_FOLD_BLOCK))
             launches.append(self._launch(self.spec(config, "_exits", **common), "exit_fold", (rows,),
                                          EXIT_FOLD_WARPS, None, f"{exits[0].axis}-exit fold",
                                          "folds per-tile partials in tile order (deterministic)"))
