@@ -67,7 +67,7 @@ import triton
 from bench_conv import (BF16, CPU_TOLERANCE, DEPTHWISE, F32, F64, FLAVOUR, OTHER, TOLERANCE, ConvShape, conv_shape,
                         dg_graph, make_inputs, poisoned, references, resnet50_layers)
 from bench_matmul import _short, timing_entries
-from bench_matmul_heuristics import GOAL_GEOMEAN, GOAL_WORST, _cut, _finite, _fmt, _geomean, quality_of
+from bench_matmul_heuristics import GOAL_GEOMEAN, GOAL_WORST, _cut, _finite, _fmt, _geomean, quality_of, select
 from common import print_table, rel_error, write_json
 from dnngraph.heuristics.autotune import top_count
 
@@ -394,11 +394,6 @@ def report(rows, header, tolerance):
 
 
 # --- main ----------------------------------------------------------------------------------------
-def select(all_problems, args):
-    words = [w.strip() for w in args.only.split(",") if w.strip()]
-    chosen = [p for p in all_problems if not words or any(w in p.label for w in words)]
-    chosen = chosen[args.skip:]
-    return chosen[:args.max_problems] if args.max_problems else chosen
 
 
 def progress_text(row, tolerance) -> str:

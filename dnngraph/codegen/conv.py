@@ -21,6 +21,8 @@ the filter (side "b") has row strides (channel, filter spatial axes...) and colu
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from .emitter import SCALAR_AS_TILE, kind_of
@@ -45,10 +47,7 @@ class ConvGeometry:
 
     @property
     def taps(self) -> int:
-        count = 1
-        for size in self.filter_sizes:
-            count *= size
-        return count
+        return math.prod(self.filter_sizes)
 
     def constexprs(self) -> tuple:
         values = [("TAPS", self.taps)]

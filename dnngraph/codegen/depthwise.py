@@ -24,6 +24,8 @@ coordinates side by side, and its mask joins the validity of exactly those coord
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -98,10 +100,7 @@ class DepthwiseSpec:
 
     @property
     def taps(self) -> int:
-        count = 1
-        for size in self.filter_sizes:
-            count *= size
-        return count
+        return math.prod(self.filter_sizes)
 
 
 @dataclass(frozen=True)
