@@ -197,7 +197,9 @@ class ConvBuild(GemmLaunches):
                    and (dot not in ("fp8", "tf32") or (a_layout, b_layout) == ("row", "col")))
             return MatmulProblem(self.groups, m, self.pose.filters, self.pose.channels, dot, a_bytes, b_bytes,
                                  out_bytes, tma, a_layout, b_layout, "conv1x1 " + epilogue)
-        layout = "x" + ",".join(map(str, self.pose.source.stride)) + " w" + ",".join(map(str, self.w.stride))
+        g = self.pose.geometry  # the tap shape too: two dgrad phases of one GEMM shape are tuned apart
+        layout = ("x" + ",".join(map(str, self.pose.source.stride)) + " w" + ",".join(map(str, self.w.stride))
+                  + f" taps{list(g.filter_sizes)} s{list(g.stride)} d{list(g.dilation)} p{list(g.padding)}")
         return conv_heuristics.ConvProblem(self.groups, m, self.pose.filters, self.pose.channels,
                                            self.pose.geometry.taps, dot, a_bytes, b_bytes, out_bytes, layout,
                                            epilogue)
