@@ -200,3 +200,34 @@ def test_genstats_nhwc(monkeypatch, knobs):
         out.set_output(True)
     check(g, {x: x_t})
     assert_column_split(g, knobs[0], knobs[1], apply=False)
+
+
+def test_an_infinite_element_makes_the_channel_mean_infinite_in_split_mode(monkeypatch):
+    """Shifted sums with a shift of inf were inf - inf = NaN (found in review): the shift falls
+    back to 0 and the Welford merge adds infinite means as a plain sum would."""
+    from dnngraph.heuristics import rows as row_heuristics
+    monkeypatch.setattr(row_heuristics, "FORCE_CONFIG", ("split", 4, 4, 1, 3))
+    x_t = torch.randn(3, 5, 4, 3).contiguous(memory_format=torch.channels_last)
+    x_t[0, 1, 0, 0] = float("inf")
+    g = dg.Graph(name="bn_inf", io_data_type=dg.float32)
+    x = g.tensor_like(x_t, name="x")
+    p = [1, 5, 1, 1]
+    s, b = g.tensor(name="s", dim=p), g.tensor(name="b", dim=p)
+    y, mean, inv = g.batchnorm(x, s, b)[:3]
+    mean.set_output(True).set_name("mean")
+    inv.set_output(True).set_name("inv")
+    y.set_output(True).set_name("y")
+    check(g, {"x": x_t, "s": torch.ones(p), "b": torch.zeros(p)})
+
+
+def test_variance_of_a_large_mean_with_a_small_spread():
+    """mean 1e4, spread 1e-2 in fp32: the second pass takes the rounded mean's residue back out
+    (the plain two-pass variance was 5e-3 off; found in review)."""
+    x_t = (1e4 + 1e-2 * torch.randn(4, 3, 9, 7)).contiguous(memory_format=torch.channels_last)
+    g = dg.Graph(name="bn_big", io_data_type=dg.float32)
+    x = g.tensor_like(x_t, name="x")
+    p = [1, 3, 1, 1]
+    s, b = g.tensor(name="s", dim=p), g.tensor(name="b", dim=p)
+    _, _, inv = g.batchnorm(x, s, b)[:3]
+    inv.set_output(True).set_name("inv")
+    check(g, {"x": x_t, "s": torch.ones(p), "b": torch.zeros(p)}, tolerance=1e-6)

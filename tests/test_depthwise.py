@@ -336,3 +336,16 @@ def test_wgrad_size_one_input_axis_keeps_its_padding_mask(mode):
     g.conv_wgrad(dy, x, w_dim=[1, 1, 3, 2], padding=[0, 1], stride=[1, 3], dilation=[1, 2],
                  mode=mode).set_output(True).set_name("dw")
     check(g, {"dy": dy_t, "x": x_t})
+
+
+def test_dgrad_stride_two_with_an_infinite_tap():
+    """Taps that reach no dy element add nothing (a masked 0 times an inf weight made dx NaN at
+    every other row and column; found in review)."""
+    w_t = torch.randn(2, 1, 3, 3)
+    w_t[1, 0, 1, 1] = float("inf")
+    dy_t = torch.randn(1, 2, 3, 3)
+    g = dg.Graph(name="dw_inf", io_data_type=dg.float32)
+    dy, w = g.tensor_like(dy_t, name="dy"), g.tensor_like(w_t, name="w")
+    g.conv_dgrad(dy, w, x_dim=[1, 2, 6, 6], padding=[1, 1], stride=[2, 2], dilation=[1, 1],
+                 groups=2).set_output(True).set_name("dx")
+    check(g, {"dy": dy_t, "w": w_t})

@@ -305,11 +305,16 @@ def test_workspace_limit_zero_leaves_split_rows_out():
     check(unsplit, {"x": x_t})
 
 
-def test_depthwise_wgrad_states_the_workspace_it_cannot_do_without():
+def test_depthwise_wgrad_without_room_for_its_partials_runs_the_gemm_kernels():
+    """The direct depthwise wgrad always keeps partials; under a limit that cannot hold them the
+    group runs the implicit-GEMM wgrad, which needs no workspace unsplit (found in review: it
+    raised)."""
     g = dg.Graph(name="ws4", io_data_type=dg.float32)
     dy, x = g.tensor(name="dy", dim=[2, 4, 6, 6]), g.tensor(name="x", dim=[2, 4, 6, 6])
     g.conv_wgrad(dy, x, w_dim=[4, 1, 3, 3], padding=[1, 1], groups=4).set_output(True).set_name("dw")
-    with pytest.raises(dg.UnsupportedError, match="needs at least 144 bytes"):
-        g.build(workspace_limit=0)
-    g.build(workspace_limit=144 * 64)
-    check(g, {"dy": torch.randn(2, 4, 6, 6), "x": torch.randn(2, 4, 6, 6)})
+    inputs = {"dy": torch.randn(2, 4, 6, 6), "x": torch.randn(2, 4, 6, 6)}
+    g.build()
+    assert "depthwise" in g.plan.launches[0].source_path.name
+    g.build(workspace_limit=0)
+    assert _partial_bytes(g) == 0 and "depthwise" not in g.plan.launches[0].source_path.name
+    check(g, inputs)

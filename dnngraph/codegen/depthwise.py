@@ -376,20 +376,24 @@ def _gathers_filter_rows(w: _Writer) -> bool:
     return w.spec.merged_axis >= 0 and w.spec.vector_axis == 1 and bool(filter_op.strides[0])
 
 
-def _accumulate(w: _Writer, weight_channel: Coord):
+def _accumulate(w: _Writer, weight_channel: Coord, reaches: str = ""):
+    """acc += value * the tap's weight; with `reaches`, only where that mask holds: dgrad's taps
+    that reach no dy element add nothing (a masked 0 times an inf weight would add NaN)."""
     (filter_op,) = w.role("w")
     taps = [f"t_{axis}" for axis in range(w.spec.rank)]
+    product = "value * weight"
     if not _gathers_filter_rows(w):
         w(f"weight = {w.load(filter_op, _filter_coords(w, weight_channel, taps), convert='tl.float32')}",
-          "acc += value * weight")
+          f"acc += tl.where({reaches}, {product}, 0.0)" if reaches else f"acc += {product}")
         return
     terms = [f"channel_all * {w.stride(filter_op, 0)}"]
     terms += [f"{w.filter_index(axis, tap)} * {w.stride(filter_op, axis + 2)}"
               for axis, tap in enumerate(taps) if filter_op.strides[axis + 2]]
     w(f"weight_row = tl.load({filter_op.ident}_ptr + {' + '.join(terms)}, mask=channel_all < size_1, "
       f"other=0.0).to(tl.float32)",
-      f"acc += value * tl.gather(weight_row, {weight_channel.text}{'.to(tl.int32)' if w.spec.index_64 else ''}, "
-      f"0)[None, :]")
+      f"weight = tl.gather(weight_row, {weight_channel.text}{'.to(tl.int32)' if w.spec.index_64 else ''}, "
+      f"0)[None, :]",
+      f"acc += tl.where({reaches}, {product}, 0.0)" if reaches else f"acc += {product}")
 
 
 def _fprop(w: _Writer, tile: list):
@@ -443,7 +447,8 @@ def _dgrad(w: _Writer, tile: list):
         shift = f"(PADDING_{axis} - t_{axis} * DILATION_{axis})" if spec.stride[axis] == 1 else ""
         coords.append(_spatial(tile[axis + 2], f"in_{axis}", f"ok_{axis}", shift))
     w.gathered(coords, emitter, hoisted, "value")
-    _accumulate(w, channel)
+    reaches = [(f"ok_{axis}", coords[axis + 2].sides) for axis in range(spec.rank)]
+    _accumulate(w, channel, _join(reaches, w.ndim, "&"))
     w.depth -= spec.rank + opened
 
 

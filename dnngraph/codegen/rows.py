@@ -419,6 +419,9 @@ def _partial_accumulate(src, top, used, accumulators, start, stop):
             if first:  # the mean of the tile's valid elements (the tile holds at least one)
                 seen = f"tl.maximum(tl.minimum({welford[0].name}_count, BLOCK_R), 1.0)"
                 src.line(f"{acc.name}_shift = tl.sum({_masked(element, '0.0')}, axis=1, keep_dims=True) / {seen}")
+                # an inf or NaN shift would turn every centered value into NaN: shift by 0 there,
+                # so an infinite element still makes the mean infinite, as a plain sum does
+                src.line(f"{acc.name}_shift = tl.where(tl.abs({acc.name}_shift) < float('inf'), {acc.name}_shift, 0.0)")
             src.line(f"{acc.name}_centered = {_masked(f'({element}) - {acc.name}_shift', '0.0')}")
             src.line(f"{acc.name}_sum_lanes += {acc.name}_centered")
             src.line(f"{acc.name}_sq_lanes += {acc.name}_centered * {acc.name}_centered")

@@ -25,4 +25,9 @@ def welford_merge(count_a, mean_a, m2_a, count_b, mean_b, m2_b):
     count = count_a + count_b
     weight_b = tl.where(count > 0, count_b / tl.maximum(count, 1.0), 0.0)
     delta = mean_b - mean_a
-    return count, mean_a + delta * weight_b, m2_a + m2_b + delta * delta * count_a * weight_b
+    mean = mean_a + delta * weight_b
+    # an infinite mean on a side: the union's is the sum of the two (inf, or NaN for +inf and
+    # -inf), as a plain sum gives; the update would compute inf - inf
+    infinite = (tl.abs(mean_a) == float("inf")) | (tl.abs(mean_b) == float("inf"))
+    mean = tl.where(infinite, mean_a + mean_b, mean)
+    return count, mean, m2_a + m2_b + delta * delta * count_a * weight_b

@@ -331,7 +331,9 @@ def build_conv(graph, group, index, tuner=None, device=None, budget=None) -> lis
     model's choice or the autotuned one with `tuner`, within the workspace `budget`."""
     node = group.anchor
     if takes_depthwise(group):  # one channel per group: direct kernels (plan/depthwise.py)
-        return build_depthwise(graph, group, index, tuner, device, budget)
+        launches = build_depthwise(graph, group, index, tuner, device, budget)
+        if launches is not None:
+            return launches  # else wgrad's partials exceed the workspace limit: the GEMM kernels run
     if node.op == "conv_wgrad":
         return build_gemm(WgradBuild(graph, group, index, device), "conv", conv_heuristics.wgrad_schedule, tuner,
                           device, budget)
