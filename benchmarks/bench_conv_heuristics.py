@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -67,7 +66,8 @@ import triton
 from bench_conv import (BF16, CPU_TOLERANCE, DEPTHWISE, F32, F64, FLAVOUR, OTHER, TOLERANCE, ConvShape, conv_shape,
                         dg_graph, make_inputs, poisoned, references, resnet50_layers)
 from bench_matmul import _short, timing_entries
-from bench_matmul_heuristics import GOAL_GEOMEAN, GOAL_WORST, _cut, _finite, _fmt, _geomean, quality_of, select
+from bench_matmul_heuristics import (GOAL_GEOMEAN, GOAL_WORST, _cut, _finite, _fmt, _geomean, quality_of,
+                                     run_within_budget, select)
 from common import print_table, rel_error, write_json
 from dnngraph.heuristics.autotune import top_count
 
@@ -464,40 +464,21 @@ def main(argv=None):
           f"cache {cache_dir}; ResNet-50 layers: {resnet_source}", flush=True)
     if device == "cpu":
         print("interpreter timings: the quality figures test this script, not the model", flush=True)
-    started = time.perf_counter()
-    rows, stopped_at = [], None
-    try:
-        for index, problem in enumerate(chosen):
-            if args.budget_s and time.perf_counter() - started > args.budget_s:
-                stopped_at = index
-                break
-            row = run_problem(problem, args.skip + index, setting)
-            row["index"] = args.skip + index
-            rows.append(row)
-            print(f"[{time.perf_counter() - started:5.0f} s] {index + 1}/{len(chosen)} {problem.label} "
-                  f"({row.get('seconds', row.get('build_s', 0)):.1f} s): {progress_text(row, setting.tolerance)}",
-                  flush=True)
-            header["seconds"] = time.perf_counter() - started
-            write_json("conv_heuristics.json", {"header": header, "rows": rows})
-            if device == "cuda":
-                torch.cuda.empty_cache()
-    finally:
-        if not args.keep_cache:
-            shutil.rmtree(cache_dir, ignore_errors=True)
-    header["seconds"] = time.perf_counter() - started
-    if stopped_at is not None:
-        header["stopped_at"] = stopped_at
-        header["resume_skip"] = args.skip + stopped_at
-        print(f"\nbudget of {args.budget_s:.0f} s spent: {len(chosen) - stopped_at} problem(s) not run; "
-              f"resume with --skip {args.skip + stopped_at}" + (f" --only {args.only}" if args.only else ""))
+    def run_one(index, problem):
+        row = run_problem(problem, args.skip + index, setting)
+        row["index"] = args.skip + index
+        return row
+
+    rows = run_within_budget(chosen, args, header, "conv_heuristics.json", cache_dir, device, run_one,
+                             lambda row: progress_text(row, setting.tolerance))
     print(f"\ndevice: {header['device']}, torch {header['torch']}, triton {header['triton']}; "
           f"run took {header['seconds']:.0f} s")
     report(rows, header, setting.tolerance)
     path = write_json("conv_heuristics.json", {"header": header, "rows": rows})
     if path:
         print(f"\nresults: {path}")
-    if stopped_at is not None:  # repeated last: the line a resuming caller looks for
-        print(f"resume with --skip {args.skip + stopped_at}" + (f" --only {args.only}" if args.only else ""))
+    if "resume_skip" in header:  # repeated last: the line a resuming caller looks for
+        print(f"resume with --skip {header['resume_skip']}" + (f" --only {args.only}" if args.only else ""))
     if args.check_cpu and not (rows and all(r.get("status") == "ok" and r.get("quality") is not None
                                             for r in rows)):
         sys.exit(1)

@@ -283,6 +283,37 @@ def report(rows, header):
 
 
 # --- main ----------------------------------------------------------------------------------------
+def run_within_budget(problems, args, header, json_name, cache_dir, device, run_one, progress) -> list:
+    """Rows of `run_one(index, problem)` in order until args.budget_s is spent (then the --skip
+    that resumes is printed and kept in `header`); the JSON is rewritten after every problem and
+    the throw-away cache removed at the end."""
+    started = time.perf_counter()
+    rows, stopped_at = [], None
+    try:
+        for index, problem in enumerate(problems):
+            if args.budget_s and time.perf_counter() - started > args.budget_s:
+                stopped_at = index
+                break
+            row = run_one(index, problem)
+            rows.append(row)
+            print(f"[{time.perf_counter() - started:5.0f} s] {index + 1}/{len(problems)} {problem.label} "
+                  f"({row.get('seconds', row.get('build_s', 0)):.1f} s): {progress(row)}", flush=True)
+            header["seconds"] = time.perf_counter() - started
+            write_json(json_name, {"header": header, "rows": rows})
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        if not args.keep_cache:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    header["seconds"] = time.perf_counter() - started
+    if stopped_at is not None:
+        header["stopped_at"] = stopped_at
+        header["resume_skip"] = args.skip + stopped_at
+        print(f"\nbudget of {args.budget_s:.0f} s spent: {len(problems) - stopped_at} problem(s) not run; "
+              f"resume with --skip {args.skip + stopped_at}" + (f" --only {args.only}" if args.only else ""))
+    return rows
+
+
 def select(problems, args):
     words = [w.strip() for w in args.only.split(",") if w.strip()]
     chosen = [p for p in problems if not words or any(w in p.label for w in words)]
@@ -324,37 +355,18 @@ def main(argv=None):
               "goal_worst": GOAL_WORST, "selected": len(problems)}
     print(f"{len(problems)} problem(s) on {header['device']}, DNNGRAPH_AUTOTUNE_TOP={args.top}, "
           f"cache {cache_dir}", flush=True)
-    started = time.perf_counter()
-    rows, stopped_at = [], None
-    try:
-        for index, problem in enumerate(problems):
-            if args.budget_s and time.perf_counter() - started > args.budget_s:
-                stopped_at = index
-                break
-            row = run_problem(problem, device, dtype, check=not args.no_check)
-            rows.append(row)
-            if row.get("status") == "ok":
-                quality = row.get("quality")
-                text = (f"quality {quality:.3f}" if quality is not None else f"quality n/a ({row.get('why')})") + \
-                       f", model {_fmt((row.get('model_ms') or 0) * 1e3, '.1f')} us, best " \
-                       f"{_fmt(row.get('best_ms', 0) * 1e3, '.1f')} us (rank {row.get('best_rank')}), " \
-                       f"{row.get('timed', 0)} timed, source {row.get('source')}"
-            else:
-                text = f"{row.get('status')}: {_cut(row.get('error'), 160)}"
-            print(f"[{time.perf_counter() - started:5.0f} s] {index + 1}/{len(problems)} {problem.label} "
-                  f"({row.get('seconds', row.get('build_s', 0)):.1f} s): {text}", flush=True)
-            header["seconds"] = time.perf_counter() - started
-            write_json("matmul_heuristics.json", {"header": header, "rows": rows})
-            if device == "cuda":
-                torch.cuda.empty_cache()
-    finally:
-        if not args.keep_cache:
-            shutil.rmtree(cache_dir, ignore_errors=True)
-    header["seconds"] = time.perf_counter() - started
-    if stopped_at is not None:
-        header["stopped_at"] = stopped_at
-        print(f"\nbudget of {args.budget_s:.0f} s spent: {len(problems) - stopped_at} problem(s) not run; "
-              f"resume with --skip {args.skip + stopped_at}" + (f" --only {args.only}" if args.only else ""))
+    def progress(row) -> str:
+        if row.get("status") != "ok":
+            return f"{row.get('status')}: {_cut(row.get('error'), 160)}"
+        quality = row.get("quality")
+        return (f"quality {quality:.3f}" if quality is not None else f"quality n/a ({row.get('why')})") + \
+            f", model {_fmt((row.get('model_ms') or 0) * 1e3, '.1f')} us, best " \
+            f"{_fmt(row.get('best_ms', 0) * 1e3, '.1f')} us (rank {row.get('best_rank')}), " \
+            f"{row.get('timed', 0)} timed, source {row.get('source')}"
+
+    rows = run_within_budget(problems, args, header, "matmul_heuristics.json", cache_dir, device,
+                             lambda index, problem: run_problem(problem, device, dtype, check=not args.no_check),
+                             progress)
     print(f"\ndevice: {header['device']}, torch {header['torch']}, triton {header['triton']}; "
           f"run took {header['seconds']:.0f} s")
     report(rows, header)
