@@ -30,16 +30,8 @@ from .gemm import LinearK, Loader, batch_offset, converted, prologue_tile, row_l
 from .pointwise import KernelArgument
 
 
-@dataclass(frozen=True)
-class ConvGeometry:
-    """Filter taps and their placement per spatial axis (plain data, from the plan)."""
-
-    filter_sizes: tuple  # taps walked per spatial axis (0: a dgrad phase no tap reaches)
-    stride: tuple
-    padding: tuple  # may be negative where a phase of a strided dgrad starts inside the input
-    dilation: tuple
-    filter_base: tuple  # the filter index of tap t is filter_base + filter_step * t per axis:
-    filter_step: tuple  # (0, 1) in fprop, (R - 1, -1) flipped, (r0 + (J-1) q, -q) in a dgrad phase
+class FilterShape:
+    """rank and taps of anything holding `filter_sizes` (conv geometry, depthwise specs)."""
 
     @property
     def rank(self) -> int:
@@ -48,6 +40,18 @@ class ConvGeometry:
     @property
     def taps(self) -> int:
         return math.prod(self.filter_sizes)
+
+
+@dataclass(frozen=True)
+class ConvGeometry(FilterShape):
+    """Filter taps and their placement per spatial axis (plain data, from the plan)."""
+
+    filter_sizes: tuple  # taps walked per spatial axis (0: a dgrad phase no tap reaches)
+    stride: tuple
+    padding: tuple  # may be negative where a phase of a strided dgrad starts inside the input
+    dilation: tuple
+    filter_base: tuple  # the filter index of tap t is filter_base + filter_step * t per axis:
+    filter_step: tuple  # (0, 1) in fprop, (R - 1, -1) flipped, (r0 + (J-1) q, -q) in a dgrad phase
 
     def constexprs(self) -> tuple:
         values = [("TAPS", self.taps)]

@@ -24,12 +24,11 @@ coordinates side by side, and its mask joins the validity of exactly those coord
 """
 from __future__ import annotations
 
-import math
-
 from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..heuristics.pointwise import _pow2_at_least
+from .conv import FilterShape
 from .emitter import ExpressionEmitter, kind_of
 from .names import NameAllocator
 from .pointwise import KernelArgument, header
@@ -61,7 +60,7 @@ class Operand:
 
 
 @dataclass(frozen=True)
-class DepthwiseSpec:
+class DepthwiseSpec(FilterShape):
     """Everything one depthwise kernel renders from (plain data, from plan/depthwise.py)."""
 
     name: str
@@ -93,14 +92,6 @@ class DepthwiseSpec:
 
     def role(self, role: str) -> list:
         return [op for op in self.operands if op.role == role]
-
-    @property
-    def rank(self) -> int:
-        return len(self.filter_sizes)
-
-    @property
-    def taps(self) -> int:
-        return math.prod(self.filter_sizes)
 
 
 @dataclass(frozen=True)
