@@ -308,3 +308,41 @@ def test_norm_backward_epilogue_stays_in_the_dx_kernel(row_mode, op, x_shape, pa
     g, inputs = _norm_backward_with_epilogue(op, x_shape, param_shape)
     check(g, inputs, tolerance=5e-5)
     assert len(g.plan.launches) >= 2
+
+
+def _poison_rows(tensor, axis):
+    """NaN, -inf and +inf, each in its own slice along `axis` (0, 1, 2), the rest finite."""
+    for index, value in enumerate([float("nan"), float("-inf"), float("inf")]):
+        position = [1] * tensor.dim()
+        position[axis] = index
+        tensor[tuple(position)] = value
+    return tensor
+
+
+def check_non_finite_feature_norm(op, phase, device):
+    """A row holding NaN or an infinity has the reference's statistics (an infinite mean, NaN
+    variance) in every row mode: the variance clamp at 0 propagates NaN (the GPU's max returns
+    0), and a running mean that is already infinite adds values as a plain sum."""
+    g, inputs = _feature_graph(op, torch.float32, (6, 40), phase, bias=op == "layernorm")
+    x = next(t for t in inputs if t.name == "x")
+    _poison_rows(inputs[x], 0)
+    check(g, {k: v.to(device) for k, v in inputs.items()}, torch.float32, device=device, tolerance=1e-4)
+
+
+def check_non_finite_channel_norm(op, groups, nhwc, device):
+    g, inputs = _channel_forward(op, (4, 6, 5, 7), nhwc, torch.float32, groups)
+    x = next(t for t in inputs if t.name == "x")
+    _poison_rows(inputs[x], 1)
+    check(g, {k: v.to(device) for k, v in inputs.items()}, torch.float32, device=device, tolerance=1e-4)
+
+
+@pytest.mark.parametrize("phase", ["training", "inference"])
+@pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
+def test_feature_norm_stats_of_non_finite_rows(row_mode, op, phase):
+    check_non_finite_feature_norm(op, phase, "cpu")
+
+
+@pytest.mark.parametrize("nhwc", [False, True])
+@pytest.mark.parametrize("op,groups", [("batchnorm", None), ("groupnorm", 2), ("instancenorm", None)])
+def test_channel_norm_stats_of_non_finite_channels(row_mode, op, groups, nhwc):
+    check_non_finite_channel_norm(op, groups, nhwc, "cpu")

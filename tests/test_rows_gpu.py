@@ -4,8 +4,9 @@ import torch
 
 import dnngraph as dg
 from helpers import check
-from rowmodes import modes_used
-from test_norms import _channel_backward, _channel_forward, _feature_backward, _feature_graph
+from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
+from test_norms import (_channel_backward, _channel_forward, _feature_backward, _feature_graph,
+                        check_non_finite_channel_norm, check_non_finite_feature_norm)
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
@@ -109,3 +110,17 @@ def test_batchnorm_nhwc_bf16_column_split(shape):
     again = run(g, inputs, CUDA)
     assert all(torch.equal(first[name], again[name]) for name in first)
     assert len(g.plan.launches) == 3
+
+
+
+@pytest.mark.parametrize("phase", ["training", "inference"])
+@pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
+def test_feature_norm_stats_of_non_finite_rows_gpu(row_mode, op, phase):
+    """On the GPU tl.maximum drops NaN and fast paths differ from numpy: the same checks."""
+    check_non_finite_feature_norm(op, phase, CUDA)
+
+
+@pytest.mark.parametrize("nhwc", [False, True])
+@pytest.mark.parametrize("op,groups", [("batchnorm", None), ("groupnorm", 2), ("instancenorm", None)])
+def test_channel_norm_stats_of_non_finite_channels_gpu(row_mode, op, groups, nhwc):
+    check_non_finite_channel_norm(op, groups, nhwc, CUDA)

@@ -146,7 +146,7 @@ def centered_norm(node, kinds) -> Recipe:
     # variance; at mean 1e4 and spread 1e-2 the plain form was 5e-3 off in fp32)
     stages = [([Accumulator("row_sum", "sum", "{x}")], ["mean = row_sum / n_reduced"]),
               ([Accumulator("sq_dev", "sum", "({x} - mean) * ({x} - mean)"), Accumulator("dev", "sum", "{x} - mean")],
-               ["var = tl.maximum(sq_dev - dev * dev / n_reduced, 0.0) / n_reduced", inv])]
+               ["var = tl.maximum(sq_dev - dev * dev / n_reduced, 0.0, propagate_nan=tl.PropagateNan.ALL) / n_reduced", inv])]
     single = ([Accumulator("stats", "welford", "{x}")],
               ["mean = stats_mean", "var = stats_m2 / n_reduced", inv])
     y = _affine(roles, "({x} - mean) * inv")

@@ -375,7 +375,10 @@ def _accumulate_loop(src, top, used, accumulators, start, stop):
             src.line(f"{acc.name}_value = {_masked(element, '0.0')}")
             src.line(f"{n} += tile_mask.to(tl.float32)")
             src.line(f"{acc.name}_delta = {acc.name}_value - {mean}")
-            src.line(f"{mean} += tl.where(tile_mask, {acc.name}_delta * trip_weight, 0.0)")
+            # a lane whose mean is already infinite adds the value as a plain sum does (inf stays,
+            # -inf or NaN makes NaN); the update would compute inf - inf
+            src.line(f"{mean} += tl.where(tile_mask, tl.where(tl.abs({mean}) == float('inf'), "
+                     f"{acc.name}_value, {acc.name}_delta * trip_weight), 0.0)")
             src.line(f"{m2} += tl.where(tile_mask, {acc.name}_delta * ({acc.name}_value - {mean}), 0.0)")
         else:
             lanes = f"{acc.name}_lanes"
@@ -439,7 +442,7 @@ def _partial_accumulate(src, top, used, accumulators, start, stop):
         src.line(f"{acc.name}_sq = tl.sum({acc.name}_sq_lanes, axis=1, keep_dims=True)")
         src.line(f"{acc.name}_mean = {acc.name}_shift + {acc.name}_sum / tl.maximum({count}, 1.0)")
         src.line(f"{acc.name}_m2 = tl.maximum({acc.name}_sq - {acc.name}_sum * {acc.name}_sum / "
-                 f"tl.maximum({count}, 1.0), 0.0)")
+                 f"tl.maximum({count}, 1.0), 0.0, propagate_nan=tl.PropagateNan.ALL)")
 
 
 def _stats_looped(src, top, used, stages):
