@@ -397,16 +397,26 @@ class Graph:
         return (y, mask) if return_mask else y
 
     def sdpa(self, q, k, v, attn_scale=None, is_inference=True, use_causal_mask=False, bias=None,
-             dropout=None, seq_len_q=None, seq_len_kv=None, name=None):
-        """(o, stats) of softmax(q k^T * scale + bias) v; stats None when is_inference."""
-        attrs = _attrs_of("sdpa", attn_scale, is_inference, use_causal_mask, dropout)
-        return self._add_op("sdpa", [q, k, v, bias, seq_len_q, seq_len_kv], attrs, name)
+             dropout=None, seq_len_q=None, seq_len_kv=None, use_causal_mask_bottom_right=False,
+             diagonal_alignment="top_left", diagonal_band_left_bound=None, diagonal_band_right_bound=None,
+             paged_attention_k_table=None, paged_attention_v_table=None,
+             paged_attention_max_seq_len_kv=None, name=None):
+        """(o, stats) of softmax(q k^T * scale + bias, masked) v; stats None when is_inference."""
+        attrs = _attrs_of("sdpa", attn_scale, is_inference, use_causal_mask, dropout,
+                          use_causal_mask_bottom_right, diagonal_alignment, diagonal_band_left_bound,
+                          diagonal_band_right_bound, paged_attention_max_seq_len_kv)
+        return self._add_op("sdpa", [q, k, v, bias, seq_len_q, seq_len_kv, paged_attention_k_table,
+                                     paged_attention_v_table], attrs, name)
 
     def sdpa_backward(self, q, k, v, o, dO, stats, attn_scale=None, use_causal_mask=False,
-                      bias=None, dropout=None, seq_len_q=None, seq_len_kv=None, name=None):
+                      bias=None, dropout=None, seq_len_q=None, seq_len_kv=None,
+                      use_causal_mask_bottom_right=False, diagonal_alignment="top_left",
+                      diagonal_band_left_bound=None, diagonal_band_right_bound=None, name=None):
         """(dq, dk, dv) of sdpa from the forward tensors, dO and the stats."""
-        attrs = _attrs_of("sdpa_backward", attn_scale, False, use_causal_mask, dropout)
-        return self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv],
+        attrs = _attrs_of("sdpa_backward", attn_scale, False, use_causal_mask, dropout,
+                          use_causal_mask_bottom_right, diagonal_alignment, diagonal_band_left_bound,
+                          diagonal_band_right_bound)
+        return self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv, None, None],
                             attrs, name)
 
     # --- ops: layout ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from .patterns import ANCHOR_RULES, ATTENTION_SCORE_OPS, COUNTER_OPS
 class FusionGroup:
     """A set of nodes that one kernel runs, with what it reads and writes."""
 
-    kind: str  # kernel family: "pointwise", "matmul", "sdpa", ...
+    kind: str  # kernel family: "pointwise", "matmul", "sdpa", "attention" (an op-level chain), ...
     anchor: Optional[object]  # the anchor Node (None for pointwise groups)
     nodes: list = field(default_factory=list)  # topological order
     prologue: list = field(default_factory=list)
@@ -106,12 +106,12 @@ class _Partitioner:
         return self.kernel_kinds is None or kind in self.kernel_kinds
 
     def attention_chains(self):
-        if not self.has_kernel("sdpa"):
+        if not self.has_kernel("attention"):
             return
         for node in self.order:
             chain = self._attention_chain(node)
             if chain is not None and self.convex(set(chain)):
-                group = FusionGroup("sdpa", chain[0], list(chain))
+                group = FusionGroup("attention", chain[0], list(chain))
                 self.claim(group, chain)
                 self.groups.append(group)
 

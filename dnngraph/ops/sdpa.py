@@ -1,10 +1,18 @@
 """Scaled dot-product attention, forward and backward.
 
 q [B, H, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv]; H a multiple of Hkv (grouped-query).
-Masks: causal (top-left aligned: key j is seen by query i when j <= i), padding through
-per-batch lengths seq_len_q / seq_len_kv ([B, 1, 1, 1] int), an additive bias broadcast to
-[B, H, Sq, Skv], dropout on the probabilities with the generator of ops/random.py.
-Padded query rows give zeros; stats are the row log-sum-exp in float32, [B, H, Sq, 1].
+Masks (as the cuDNN frontend names them): key j is visible to query i when
+`j - i' <= right_bound` and `i' - j < left_bound`, with `i' = i` ("top_left") or
+`i' = i + len_kv - len_q` ("bottom_right"), per batch where seq_len_q / seq_len_kv
+([B, 1, 1, 1] int) are given; use_causal_mask is right bound 0 top-left,
+use_causal_mask_bottom_right right bound 0 bottom-right. Padding masks keys j >= seq_len_kv and
+zeroes query rows i >= seq_len_q; a row that sees no key is zero. An additive bias broadcasts to
+[B, H, Sq, Skv]; dropout acts on the probabilities with the generator of ops/random.py, element
+(b, h, i, j) drawing counter offset + ((b * H + h) * Sq + i) * Skv + j.
+Paged K/V: k and v are page pools [pages, Hkv, page_size, D], the tables [B, 1, pages_per_seq, 1]
+int32 page indices, Skv = paged_attention_max_seq_len_kv (default pages_per_seq * page_size),
+seq_len_kv required. stats are the row log-sum-exp in float32, [B, H, Sq, 1] (-inf for a row
+that sees no key).
 """
 from __future__ import annotations
 
@@ -18,6 +26,21 @@ from .. import dtypes
 from .base import OpDef, OutputSpec, boolean, broadcast_dims, fail, freeze, integer, real, register
 from .random import keep_mask
 
+ALIGNMENTS = ("top_left", "bottom_right")
+
+
+@dataclass(frozen=True)
+class AttentionMask:
+    """Plain data the kernels render: bounds (None: unbounded) and the diagonal's alignment."""
+
+    left: Optional[int]
+    right: Optional[int]
+    bottom_right: bool
+
+    @property
+    def banded(self) -> bool:
+        return self.left is not None or self.right is not None
+
 
 @dataclass(frozen=True)
 class SdpaAttrs:
@@ -25,12 +48,50 @@ class SdpaAttrs:
     is_inference: bool = True
     use_causal_mask: bool = False
     dropout: Optional[tuple] = None  # (p, seed, offset)
+    use_causal_mask_bottom_right: bool = False
+    diagonal_alignment: str = "top_left"
+    diagonal_band_left_bound: Optional[int] = None
+    diagonal_band_right_bound: Optional[int] = None
+    paged_attention_max_seq_len_kv: Optional[int] = None
 
     def __post_init__(self):
-        attn_scale = None if self.attn_scale is None else real("sdpa", "attn_scale", self.attn_scale)
+        op = "sdpa"
+        attn_scale = None if self.attn_scale is None else real(op, "attn_scale", self.attn_scale)
+        causal = boolean(op, "use_causal_mask", self.use_causal_mask)
+        causal_br = boolean(op, "use_causal_mask_bottom_right", self.use_causal_mask_bottom_right)
+        if self.diagonal_alignment not in ALIGNMENTS:
+            fail(op, f"diagonal_alignment must be one of {ALIGNMENTS}, got {self.diagonal_alignment!r}")
+        left = _bound("diagonal_band_left_bound", self.diagonal_band_left_bound, 1)
+        right = _bound("diagonal_band_right_bound", self.diagonal_band_right_bound, 0)
+        if causal and causal_br:
+            fail(op, "use_causal_mask and use_causal_mask_bottom_right exclude each other")
+        if (causal or causal_br) and right is not None:
+            fail(op, "a causal mask sets the right bound (0): diagonal_band_right_bound must be None")
+        wanted = "bottom_right" if causal_br else "top_left" if causal else None
+        if wanted is not None and self.diagonal_alignment not in (wanted, "top_left"):
+            fail(op, f"use_causal_mask{'_bottom_right' if causal_br else ''} aligns the diagonal "
+                     f"{wanted}, but diagonal_alignment is {self.diagonal_alignment!r}")
+        max_kv = self.paged_attention_max_seq_len_kv
+        if max_kv is not None:
+            max_kv = integer(op, "paged_attention_max_seq_len_kv", max_kv, 1, 2**31 - 1)
         freeze(self, attn_scale=attn_scale, dropout=_dropout_triple(self.dropout),
-               is_inference=boolean("sdpa", "is_inference", self.is_inference),
-               use_causal_mask=boolean("sdpa", "use_causal_mask", self.use_causal_mask))
+               is_inference=boolean(op, "is_inference", self.is_inference), use_causal_mask=causal,
+               use_causal_mask_bottom_right=causal_br, diagonal_alignment=wanted or self.diagonal_alignment,
+               diagonal_band_left_bound=left, diagonal_band_right_bound=right,
+               paged_attention_max_seq_len_kv=max_kv)
+
+    @property
+    def mask(self) -> AttentionMask:
+        """The visibility rule as bounds and alignment."""
+        causal = self.use_causal_mask or self.use_causal_mask_bottom_right
+        right = 0 if causal else self.diagonal_band_right_bound
+        return AttentionMask(self.diagonal_band_left_bound, right, self.diagonal_alignment == "bottom_right")
+
+
+def _bound(name, value, minimum) -> Optional[int]:
+    if value is None:
+        return None
+    return integer("sdpa", name, value, minimum, 2**31 - 1)
 
 
 def _dropout_triple(dropout) -> Optional[tuple]:
@@ -46,19 +107,53 @@ def _dropout_triple(dropout) -> Optional[tuple]:
             integer("sdpa", "dropout offset", dropout[2], 0, 2**63 - 1))
 
 
-def _check_qkv(op, q, k, v, bias, seq_len_q, seq_len_kv):
+def _check_paged(op, k, v, k_table, v_table, seq_len_kv, batch):
+    """Paged K/V: both tables or neither, [B, 1, pages, 1] int32, seq_len_kv given."""
+    if (k_table is None) != (v_table is None):
+        fail(op, "paged attention needs both paged_attention_k_table and paged_attention_v_table")
+    if k_table is None:
+        return
+    for name, table in (("paged_attention_k_table", k_table), ("paged_attention_v_table", v_table)):
+        if len(table.dim) != 4 or table.dim[0] != batch or table.dim[1] != 1 or table.dim[3] != 1:
+            fail(op, f"{name} must be [{batch}, 1, pages_per_sequence, 1], got {list(table.dim)}")
+        if table.data_type is not dtypes.int32:
+            fail(op, f"{name} must be int32, got {table.data_type.name}")
+    if seq_len_kv is None:
+        fail(op, "paged K/V needs seq_len_kv (the length of each sequence)")
+    if k.dim[2] != v.dim[2]:
+        fail(op, f"k and v pools must share the page size: {k.dim[2]} vs {v.dim[2]}")
+
+
+def kv_length(k, k_table, attrs: SdpaAttrs) -> int:
+    """Skv: k's sequence axis, or for page pools the tables' pages times the page size (or the
+    stated maximum)."""
+    if k_table is None:
+        return k.dim[2]
+    return attrs.paged_attention_max_seq_len_kv or k_table.dim[2] * k.dim[2]
+
+
+def _check_qkv(op, q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if len(t.dim) != 4:
             fail(op, f"{name} must be [B, H, S, D], got {list(t.dim)}")
-    (batch, heads, s_q, head_dim), (kb, kv_heads, s_kv, kd) = q.dim, k.dim
-    if kb != batch or v.dim[0] != batch:
+    (batch, heads, s_q, head_dim), (kb, kv_heads, _, kd) = q.dim, k.dim
+    _check_paged(op, k, v, k_table, v_table, seq_len_kv, batch)
+    if attrs.paged_attention_max_seq_len_kv is not None and k_table is None:
+        fail(op, "paged_attention_max_seq_len_kv needs paged K/V tables")
+    if k_table is None and (kb != batch or v.dim[0] != batch):
         fail(op, f"batch sizes differ: q {list(q.dim)}, k {list(k.dim)}, v {list(v.dim)}")
+    if k_table is not None and v.dim[0] != kb:
+        fail(op, f"k and v pools must hold as many pages: {kb} vs {v.dim[0]}")
     if kd != head_dim:
         fail(op, f"q and k head dims differ: {head_dim} vs {kd}")
-    if v.dim[1] != kv_heads or v.dim[2] != s_kv:
+    if v.dim[1] != kv_heads or (k_table is None and v.dim[2] != k.dim[2]):
         fail(op, f"k {list(k.dim)} and v {list(v.dim)} must agree on heads and sequence")
     if heads % kv_heads:
         fail(op, f"q heads {heads} must be a multiple of k/v heads {kv_heads}")
+    s_kv = kv_length(k, k_table, attrs)
+    if k_table is not None and s_kv > k_table.dim[2] * k.dim[2]:
+        fail(op, f"paged_attention_max_seq_len_kv {s_kv} exceeds the tables' {k_table.dim[2]} pages "
+                 f"of {k.dim[2]}")
     if bias is not None:
         scores = (batch, heads, s_q, s_kv)
         if len(bias.dim) != 4 or broadcast_dims(op, [("bias", bias.dim), ("scores", scores)]) != scores:
@@ -66,19 +161,23 @@ def _check_qkv(op, q, k, v, bias, seq_len_q, seq_len_kv):
     for name, t in (("seq_len_q", seq_len_q), ("seq_len_kv", seq_len_kv)):
         if t is not None and tuple(t.dim) != (batch, 1, 1, 1):
             fail(op, f"{name} must be [{batch}, 1, 1, 1], got {list(t.dim)}")
+        if t is not None and t.data_type not in (dtypes.int32, dtypes.int64):
+            fail(op, f"{name} must be int32 or int64, got {t.data_type.name}")
 
 
 def infer_forward(inputs, attrs: SdpaAttrs):
-    q, k, v, bias, seq_len_q, seq_len_kv = inputs
-    _check_qkv("sdpa", q, k, v, bias, seq_len_q, seq_len_kv)
+    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table = inputs
+    _check_qkv("sdpa", q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs)
     o_dim = q.dim[:3] + (v.dim[3],)
     stats = None if attrs.is_inference else OutputSpec(q.dim[:3] + (1,), dtypes.float32)
     return [OutputSpec(o_dim, layout_source=0), stats]
 
 
 def infer_backward(inputs, attrs: SdpaAttrs):
-    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv = inputs
-    _check_qkv("sdpa_backward", q, k, v, bias, seq_len_q, seq_len_kv)
+    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table = inputs
+    _check_qkv("sdpa_backward", q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs)
+    if k_table is not None:
+        fail("sdpa_backward", "paged K/V is for inference: sdpa_backward takes contiguous k and v")
     o_dim = q.dim[:3] + (v.dim[3],)
     for name, t in (("o", o), ("dO", d_o)):
         if tuple(t.dim) != o_dim:
@@ -89,22 +188,46 @@ def infer_backward(inputs, attrs: SdpaAttrs):
             OutputSpec(v.dim, layout_source=2)]
 
 
-def attention(q, k, v, bias, seq_len_q, seq_len_kv, attrs: SdpaAttrs):
+def gather_pages(pool, table, s_kv: int):
+    """[B, Hkv, s_kv, D] from a page pool [pages, Hkv, page_size, D] and a table [B, 1, P, 1]."""
+    page_size = pool.shape[2]
+    positions = torch.arange(s_kv, device=pool.device)
+    # entries past a sequence's length may hold anything (those keys are masked): clamp them
+    pages = table[:, 0, :, 0].long()[:, positions // page_size].clamp(0, pool.shape[0] - 1)
+    rows = pool[pages, :, (positions % page_size).view(1, -1)]  # [B, s_kv, Hkv, D]
+    return rows.permute(0, 2, 1, 3)
+
+
+def visible_keys(attrs: SdpaAttrs, s_q: int, s_kv: int, seq_len_q, seq_len_kv, device):
+    """[B or 1, 1, Sq, Skv] bool: which keys each query sees (bounds and key padding)."""
+    rows = torch.arange(s_q, device=device).view(1, 1, -1, 1)
+    cols = torch.arange(s_kv, device=device).view(1, 1, 1, -1)
+    len_q = seq_len_q.view(-1, 1, 1, 1).long() if seq_len_q is not None else torch.tensor(s_q, device=device)
+    len_kv = seq_len_kv.view(-1, 1, 1, 1).long() if seq_len_kv is not None else torch.tensor(s_kv, device=device)
+    mask = attrs.mask
+    aligned = rows + (len_kv - len_q) if mask.bottom_right else rows
+    visible = cols < len_kv
+    if mask.right is not None:
+        visible = visible & (cols - aligned <= mask.right)
+    if mask.left is not None:
+        visible = visible & (aligned - cols < mask.left)
+    return visible
+
+
+def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: SdpaAttrs):
     """Reference attention in torch: (o, row log-sum-exp)."""
     batch, heads, s_q, head_dim = q.shape
+    if k_table is not None:
+        s_kv = attrs.paged_attention_max_seq_len_kv or k_table.shape[2] * k.shape[2]
+        k, v = gather_pages(k, k_table, s_kv), gather_pages(v, v_table, s_kv)
     repeat = heads // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(head_dim)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if bias is not None:
         scores = scores + bias
+    visible = visible_keys(attrs, s_q, k.shape[2], seq_len_q, seq_len_kv, q.device)
     rows = torch.arange(s_q, device=q.device).view(1, 1, -1, 1)
-    cols = torch.arange(k.shape[2], device=q.device).view(1, 1, 1, -1)
-    visible = torch.ones_like(scores, dtype=torch.bool)
-    if attrs.use_causal_mask:
-        visible = visible & (cols <= rows)
-    if seq_len_kv is not None:
-        visible = visible & (cols < seq_len_kv.view(-1, 1, 1, 1))
     row_valid = torch.ones((batch, 1, s_q, 1), dtype=torch.bool, device=q.device)
     if seq_len_q is not None:
         row_valid = rows < seq_len_q.view(-1, 1, 1, 1)
@@ -125,17 +248,18 @@ def reference_forward(values, attrs: SdpaAttrs):
 
 
 def reference_backward(values, attrs: SdpaAttrs):
-    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv = values
+    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table = values
     with torch.enable_grad():
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        out, _ = attention(*leaves, bias, seq_len_q, seq_len_kv, attrs)
+        out, _ = attention(*leaves, bias, seq_len_q, seq_len_kv, None, None, attrs)
         return list(torch.autograd.grad(out, leaves, d_o))
 
 
+PAGED = ("paged_attention_k_table", "paged_attention_v_table")
 register(OpDef("sdpa", "sdpa", "anchor", SdpaAttrs,
-               ("q", "k", "v", "bias", "seq_len_q", "seq_len_kv"), ("o", "stats"),
-               infer_forward, reference_forward, optional=("bias", "seq_len_q", "seq_len_kv")))
+               ("q", "k", "v", "bias", "seq_len_q", "seq_len_kv") + PAGED, ("o", "stats"),
+               infer_forward, reference_forward, optional=("bias", "seq_len_q", "seq_len_kv") + PAGED))
 register(OpDef("sdpa_backward", "sdpa", "anchor", SdpaAttrs,
-               ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv"),
+               ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv") + PAGED,
                ("dq", "dk", "dv"), infer_backward, reference_backward,
-               optional=("bias", "seq_len_q", "seq_len_kv")))
+               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED))

@@ -24,6 +24,7 @@ from .conv import build_conv
 from .matmul import build_matmul
 from .pointwise import build_pointwise
 from .pooling import build_pooling
+from .sdpa import build_sdpa
 from .rows import build_rows
 
 POINTER_ALIGNMENT = 16  # bytes; Triton specializes pointers on it (vectorized access)
@@ -61,7 +62,7 @@ PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv"})
 
 KERNEL_BUILDERS = {"pointwise": build_pointwise, "reduction": build_rows, "softmax": build_rows,
                    "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul,
-                   "conv": build_conv}
+                   "conv": build_conv, "sdpa": build_sdpa}
 
 
 def _check_outputs_dense(graph):

@@ -1,0 +1,91 @@
+"""Configs for the flash-attention forward kernel: query tile, key tile, warps and stages.
+
+One program owns BLOCK_M query rows of one (batch, head) and walks the visible key blocks of
+BLOCK_N keys, keeping the running max, the running sum and the output accumulator on chip. The
+tile sizes trade the accumulator's registers ([BLOCK_M, Dv] fp32) and the shared memory of the
+pipelined K/V tiles (stages x BLOCK_N x (D + Dv) x 2 bytes) against the work per key block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from .device import DeviceModel
+from .pointwise import _pow2_at_least
+
+# (head dim at most, BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on a GPU:
+# the shapes triton's own Hopper attention tutorial settles on (128 x 64/128 tiles, 8 warps for
+# the [128, 128] fp32 accumulator); D 256 halves the key tile so two stages of K and V fit in
+# shared memory (2 x 64 x 512 x 2 B = 128 KiB).
+GPU_TILES = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (256, 128, 32, 8, 2))
+# 32-bit inputs hold twice the bytes per tile: one step smaller key tiles.
+GPU_TILES_FP32 = ((64, 64, 64, 4, 2), (128, 64, 32, 4, 2), (256, 64, 16, 4, 2))
+# The interpreter runs every program on the CPU in numpy: small tiles keep tests quick.
+INTERPRETER_TILE = (16, 16, 1, 1)
+# Queries per program for short query sequences (decode, Sq <= 16): the tile is never wider
+# than the query rows that exist (tl.dot needs 16 rows at least).
+MIN_BLOCK_M = 16
+FORCE_CONFIG: Optional["AttentionConfig"] = None  # tests force a config
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class AttentionProblem:
+    """What the schedule depends on (plain numbers, no tensors)."""
+
+    batch: int
+    heads: int
+    kv_heads: int
+    s_q: int
+    s_kv: int
+    head_dim: int
+    value_dim: int
+    element_bytes: int  # of q/k/v
+
+
+@dataclass(frozen=True)
+class AttentionSchedule:
+    problem: AttentionProblem
+    config: AttentionConfig
+    block_d: int  # head dim padded to a power of two (masked loads)
+    block_dv: int
+    programs: tuple  # grid (query tiles, batch x heads)
+    reason: str
+
+    @property
+    def config_text(self) -> str:
+        c = self.config
+        return (f"BLOCK_M={c.block_m} BLOCK_N={c.block_n} BLOCK_D={self.block_d} BLOCK_DV={self.block_dv} "
+                f"num_warps={c.num_warps} num_stages={c.num_stages} grid={list(self.programs)}")
+
+
+def _table_entry(problem: AttentionProblem, model: DeviceModel) -> AttentionConfig:
+    if model.capability is None:
+        return AttentionConfig(*INTERPRETER_TILE)
+    width = max(problem.head_dim, problem.value_dim)
+    table = GPU_TILES if problem.element_bytes <= 2 else GPU_TILES_FP32
+    for limit, block_m, block_n, warps, stages in table:
+        if width <= limit:
+            return AttentionConfig(block_m, block_n, warps, stages)
+    return AttentionConfig(*table[-1][1:])
+
+
+def schedule(problem: AttentionProblem, model: DeviceModel) -> AttentionSchedule:
+    """The forward kernel's tiles and grid for `problem` on `model`."""
+    config = FORCE_CONFIG or _table_entry(problem, model)
+    # short query sequences: no wider tile than the rows (16 at least, for tl.dot)
+    block_m = min(config.block_m, max(MIN_BLOCK_M, _pow2_at_least(problem.s_q)))
+    if block_m != config.block_m:
+        config = AttentionConfig(block_m, config.block_n, config.num_warps, config.num_stages)
+    block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
+    programs = (-(-problem.s_q // config.block_m), problem.batch * problem.heads)
+    reason = (f"head dims {problem.head_dim}/{problem.value_dim} -> [{config.block_m} queries, "
+              f"{config.block_n} keys] tiles from the {'forced' if FORCE_CONFIG else 'table'} config")
+    return AttentionSchedule(problem, config, block_d, block_dv, programs, reason)

@@ -1,0 +1,226 @@
+"""sdpa forward (flash attention) on CPU through the interpreter, against the float64 reference:
+every mask alone and combined, padding, GQA/MQA, head dims that are not powers of two, d_qk != d_v,
+layouts, bias broadcasts, dropout, paged K/V, the fused epilogue, and bad input."""
+import pytest
+import torch
+
+import dnngraph as dg
+from dnngraph.heuristics import sdpa as heur
+from helpers import check
+
+TORCH_TYPES = {torch.float32: dg.float32, torch.float16: dg.float16}
+
+
+def _bhsd(shape, layout, dtype, generator):
+    """A [B, H, S, D] tensor stored BHSD, BSHD (heads inside the sequence) or with odd strides."""
+    b, h, s, d = shape
+    if layout == "bshd":
+        return torch.randn(b, s, h, d, generator=generator).to(dtype).permute(0, 2, 1, 3)
+    if layout == "odd":
+        return torch.randn(b, h, s + 3, 2 * d + 1, generator=generator).to(dtype)[:, :, 2:, 1:2 * d + 1:2]
+    return torch.randn(b, h, s, d, generator=generator).to(dtype)
+
+
+def _graph(dtype, q_t, k_t, v_t, **kwargs):
+    g = dg.Graph(name="attn", io_data_type=TORCH_TYPES[dtype], intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    q, k, v = (g.tensor_like(t, name) for t, name in ((q_t, "q"), (k_t, "k"), (v_t, "v")))
+    return g, {q: q_t, k: k_t, v: v_t}, q, k, v
+
+
+def _run(shape_q, shape_kv, dtype=torch.float32, layout="bhsd", value_dim=None, lens=None, bias_dim=None,
+         seed=0, tolerance=None, **attrs):
+    gen = torch.Generator().manual_seed(seed)
+    b, h, s_q, d = shape_q
+    h_kv, s_kv = shape_kv
+    q_t = _bhsd((b, h, s_q, d), layout, dtype, gen)
+    k_t = _bhsd((b, h_kv, s_kv, d), layout, dtype, gen)
+    v_t = _bhsd((b, h_kv, s_kv, value_dim or d), layout, dtype, gen)
+    g, inputs, q, k, v = _graph(dtype, q_t, k_t, v_t)
+    if lens is not None:
+        for name, values in zip(("seq_len_q", "seq_len_kv"), lens):
+            if values is not None:
+                t = g.tensor(name=name, dim=[b, 1, 1, 1], data_type=dg.int32)
+                inputs[t] = torch.tensor(values, dtype=torch.int32).view(b, 1, 1, 1)
+                attrs[name] = t
+    if bias_dim is not None:
+        bias = g.tensor(name="bias", dim=list(bias_dim))
+        inputs[bias] = torch.randn(bias_dim, generator=gen).to(dtype)
+        attrs["bias"] = bias
+    o, stats = g.sdpa(q, k, v, is_inference=False, **attrs)
+    o.set_output(True)
+    stats.set_output(True)
+    g.build()
+    assert len(g.plan.launches) == 1
+    return check(g, inputs, dtype, tolerance=tolerance)
+
+
+MASKS = {
+    "none": {},
+    "causal": {"use_causal_mask": True},
+    "causal_bottom_right": {"use_causal_mask_bottom_right": True},
+    "window": {"use_causal_mask": True, "diagonal_band_left_bound": 5},
+    "window_bottom_right": {"use_causal_mask_bottom_right": True, "diagonal_band_left_bound": 4},
+    "band": {"diagonal_band_left_bound": 3, "diagonal_band_right_bound": 6},
+    "band_bottom_right": {"diagonal_alignment": "bottom_right", "diagonal_band_left_bound": 2,
+                          "diagonal_band_right_bound": 1},
+    "right_only": {"diagonal_band_right_bound": 2},
+}
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("s_q,s_kv", [(21, 37), (37, 21)])
+def test_masks_sq_not_skv(mask, s_q, s_kv):
+    """Sq > Skv bottom-right leaves the first rows with no key: zeros and -inf stats."""
+    _run((2, 2, s_q, 16), (2, s_kv), **MASKS[mask])
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "causal_bottom_right", "window"])
+def test_padding_masks_with_lengths_of_one_and_zero(mask):
+    """Per-batch lengths: a query length of 1, a key length of 1, a batch with no keys at all."""
+    _run((3, 2, 19, 16), (2, 23), lens=([1, 19, 7], [23, 1, 0]), **MASKS[mask])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (3, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_grouped_query_and_multi_query(heads, kv_heads, dtype):
+    _run((2, heads, 17, 16), (kv_heads, 29), dtype=dtype, use_causal_mask=True)
+
+
+@pytest.mark.parametrize("head_dim,value_dim", [(24, 24), (40, 16), (16, 40), (8, 8)])
+def test_head_dims_not_powers_of_two_and_dqk_not_dv(head_dim, value_dim):
+    _run((2, 2, 18, head_dim), (2, 21), value_dim=value_dim)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "odd"])
+def test_layouts_without_copies(layout):
+    _run((2, 4, 19, 16), (2, 25), layout=layout, use_causal_mask=True)
+
+
+@pytest.mark.parametrize("bias_dim", [(1, 1, 1, 26), (2, 1, 17, 26), (1, 3, 1, 1), (2, 3, 17, 26)])
+def test_bias_broadcast_over_any_axis(bias_dim):
+    _run((2, 3, 17, 16), (3, 26), bias_dim=bias_dim, use_causal_mask_bottom_right=True)
+
+
+def test_scale_and_large_scores_stay_finite():
+    """attn_scale 3 on unit-normal inputs gives scores far past exp's range in a naive softmax."""
+    _run((1, 2, 33, 16), (2, 40), attn_scale=3.0)
+
+
+def test_dropout_matches_the_reference_philox_mask():
+    _run((2, 2, 17, 16), (2, 23), dropout=(0.3, 123456789012, 2**33 + 5), use_causal_mask=True)
+
+
+def test_fp16_io_with_poisoned_outputs():
+    _run((2, 2, 33, 32), (2, 47), dtype=torch.float16, use_causal_mask=True)
+
+
+def test_forced_small_tiles_walk_every_block_run(monkeypatch):
+    """16 x 16 tiles over 70 keys: masked runs before and after the fully visible ones."""
+    monkeypatch.setattr(heur, "FORCE_CONFIG", heur.AttentionConfig(16, 16, 1, 1))
+    _run((1, 2, 70, 16), (2, 70), diagonal_band_left_bound=20, diagonal_band_right_bound=9)
+
+
+def _paged(batch, kv_heads, page, pages_per_seq, head_dim, generator):
+    pool_pages = batch * pages_per_seq + 3
+    k_pool = torch.randn(pool_pages, kv_heads, page, head_dim, generator=generator)
+    v_pool = torch.randn(pool_pages, kv_heads, page, head_dim, generator=generator)
+    order = torch.randperm(pool_pages, generator=generator)[:batch * pages_per_seq]
+    table = order.view(batch, 1, pages_per_seq, 1).to(torch.int32)
+    return k_pool, v_pool, table
+
+
+@pytest.mark.parametrize("s_q", [1, 9])
+def test_paged_kv_pages_out_of_order(s_q):
+    """Decode (Sq 1) and paged prefill; table entries past a sequence's length hold junk."""
+    gen = torch.Generator().manual_seed(3)
+    k_pool, v_pool, table = _paged(3, 2, 4, 5, 16, gen)
+    table[1, 0, 3:, 0] = -7  # past sequence 1's length (9 keys = 3 pages): never read
+    q_t = torch.randn(3, 4, s_q, 16, generator=gen)
+    g, inputs, q, k, v = _graph(torch.float32, q_t, k_pool, v_pool)
+    kt, vt = (g.tensor(name=n, dim=[3, 1, 5, 1], data_type=dg.int32) for n in ("ktab", "vtab"))
+    lens = g.tensor(name="lens", dim=[3, 1, 1, 1], data_type=dg.int32)
+    inputs.update({kt: table, vt: table.clone(), lens: torch.tensor([20, 9, 1], dtype=torch.int32).view(3, 1, 1, 1)})
+    o, stats = g.sdpa(q, k, v, is_inference=False, seq_len_kv=lens, paged_attention_k_table=kt,
+                      paged_attention_v_table=vt, use_causal_mask_bottom_right=True)
+    o.set_output(True)
+    stats.set_output(True)
+    check(g, inputs)
+
+
+def test_epilogue_cast_and_scale_fuse_into_one_kernel():
+    gen = torch.Generator().manual_seed(5)
+    q_t, k_t, v_t = (torch.randn(2, 2, 19, 16, generator=gen) for _ in range(3))
+    g, inputs, q, k, v = _graph(torch.float32, q_t, k_t, v_t)
+    o, _ = g.sdpa(q, k, v, use_causal_mask=True)
+    o.set_output(True).set_name("o_plain")
+    g.cast(g.mul(o, 2.0), data_type=dg.float16).set_output(True).set_name("o16")
+    g.build()
+    assert len(g.plan.launches) == 1 and g.plan.launches[0].group.kind == "sdpa"
+    check(g, inputs, tolerance=2e-3)
+
+
+def test_names_that_look_like_kernel_variables():
+    gen = torch.Generator().manual_seed(6)
+    q_t, k_t, v_t = (torch.randn(1, 2, 17, 16, generator=gen) for _ in range(3))
+    g = dg.Graph(name="acc")
+    q, k, v = (g.tensor_like(t, n) for t, n in ((q_t, "q_tile"), (k_t, "scores"), (v_t, "m_i")))
+    o, stats = g.sdpa(q, k, v, is_inference=False, name="l_i")
+    o.set_output(True).set_name("out")
+    stats.set_output(True).set_name("lse")
+    check(g, {q: q_t, k: k_t, v: v_t})
+
+
+def test_inference_needs_no_stats_buffer():
+    gen = torch.Generator().manual_seed(7)
+    q_t, k_t, v_t = (torch.randn(1, 2, 17, 16, generator=gen) for _ in range(3))
+    g, inputs, q, k, v = _graph(torch.float32, q_t, k_t, v_t)
+    o, stats = g.sdpa(q, k, v)
+    assert stats is None
+    o.set_output(True)
+    check(g, inputs)
+
+
+BAD = {
+    "head dims differ": lambda g, t: g.sdpa(t["q"], t["k16"], t["k16"]),
+    "heads not a multiple": lambda g, t: g.sdpa(t["q"], t["k3"], t["k3"]),
+    "negative left bound": lambda g, t: g.sdpa(t["q"], t["k"], t["k"], diagonal_band_left_bound=-1),
+    "zero left bound": lambda g, t: g.sdpa(t["q"], t["k"], t["k"], diagonal_band_left_bound=0),
+    "negative right bound": lambda g, t: g.sdpa(t["q"], t["k"], t["k"], diagonal_band_right_bound=-2),
+    "two causal masks": lambda g, t: g.sdpa(t["q"], t["k"], t["k"], use_causal_mask=True,
+                                            use_causal_mask_bottom_right=True),
+    "causal with a right bound": lambda g, t: g.sdpa(t["q"], t["k"], t["k"], use_causal_mask=True,
+                                                     diagonal_band_right_bound=3),
+    "unknown alignment": lambda g, t: g.sdpa(t["q"], t["k"], t["k"], diagonal_alignment="center"),
+    "paged table of the wrong shape": lambda g, t: g.sdpa(t["q"], t["pool"], t["pool"], seq_len_kv=t["lens"],
+                                                          paged_attention_k_table=t["bad_table"],
+                                                          paged_attention_v_table=t["bad_table"]),
+    "paged without seq_len_kv": lambda g, t: g.sdpa(t["q"], t["pool"], t["pool"], paged_attention_k_table=t["table"],
+                                                    paged_attention_v_table=t["table"]),
+    "one paged table": lambda g, t: g.sdpa(t["q"], t["pool"], t["pool"], seq_len_kv=t["lens"],
+                                           paged_attention_k_table=t["table"]),
+    "float lengths": lambda g, t: g.sdpa(t["q"], t["k"], t["k"], seq_len_kv=t["flens"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_a_validation_error_at_the_call(case):
+    g = dg.Graph()
+    t = {"q": g.tensor(name="q", dim=[2, 4, 8, 32]), "k": g.tensor(name="k", dim=[2, 2, 8, 32]),
+         "k16": g.tensor(name="k16", dim=[2, 2, 8, 16]), "k3": g.tensor(name="k3", dim=[2, 3, 8, 32]),
+         "pool": g.tensor(name="pool", dim=[9, 2, 4, 32]),
+         "table": g.tensor(name="table", dim=[2, 1, 3, 1], data_type=dg.int32),
+         "bad_table": g.tensor(name="bad_table", dim=[2, 3, 1], data_type=dg.int32),
+         "lens": g.tensor(name="lens", dim=[2, 1, 1, 1], data_type=dg.int32),
+         "flens": g.tensor(name="flens", dim=[2, 1, 1, 1])}
+    with pytest.raises(dg.ValidationError):
+        BAD[case](g, t)
+
+
+def test_backward_without_a_kernel_says_so_at_build():
+    g = dg.Graph()
+    q = g.tensor(name="q", dim=[1, 2, 8, 16])
+    stats = g.tensor(name="stats", dim=[1, 2, 8, 1], data_type=dg.float32)
+    g.sdpa_backward(q, q, q, q, q, stats, name="grad")[0].set_output(True)
+    with pytest.raises(dg.UnsupportedError, match="grad.*sdpa_backward"):
+        g.build()

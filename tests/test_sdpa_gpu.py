@@ -1,0 +1,86 @@
+"""sdpa forward on the GPU: bf16/fp16 at realistic shapes and every head dim class, against the
+float64 reference (computed on the GPU), with the compiled kernel bound at build."""
+import pytest
+import torch
+
+import dnngraph as dg
+from helpers import check
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+TYPES = {torch.bfloat16: dg.bfloat16, torch.float16: dg.float16, torch.float32: dg.float32}
+
+
+def _case(b, h, h_kv, s_q, s_kv, d, dv=None, dtype=torch.bfloat16, layout="bhsd", lens=None, bias=None,
+          **attrs):
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+
+    def make(heads, seq, dim):
+        if layout == "bshd":
+            return torch.randn(b, seq, heads, dim, generator=gen, device=CUDA).to(dtype).permute(0, 2, 1, 3)
+        return torch.randn(b, heads, seq, dim, generator=gen, device=CUDA).to(dtype)
+
+    q_t, k_t, v_t = make(h, s_q, d), make(h_kv, s_kv, d), make(h_kv, s_kv, dv or d)
+    g = dg.Graph(io_data_type=TYPES[dtype], intermediate_data_type=dg.float32, compute_data_type=dg.float32)
+    q, k, v = (g.tensor_like(t, n) for t, n in ((q_t, "q"), (k_t, "k"), (v_t, "v")))
+    inputs = {q: q_t, k: k_t, v: v_t}
+    if lens is not None:
+        t = g.tensor(name="lens", dim=[b, 1, 1, 1], data_type=dg.int32)
+        inputs[t] = torch.tensor(lens, dtype=torch.int32, device=CUDA).view(b, 1, 1, 1)
+        attrs["seq_len_kv"] = t
+    if bias is not None:
+        t = g.tensor(name="bias", dim=list(bias))
+        inputs[t] = torch.randn(bias, generator=gen, device=CUDA).to(dtype)
+        attrs["bias"] = t
+    o, stats = g.sdpa(q, k, v, is_inference=False, **attrs)
+    o.set_output(True)
+    stats.set_output(True)
+    g.build()
+    check(g, inputs, dtype, device=CUDA)
+    return g
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_head_dims_bf16(d, dv, causal):
+    _case(2, 4, 4, 300, 333, d, dv, use_causal_mask=causal)
+
+
+@pytest.mark.parametrize("h,h_kv", [(32, 4), (16, 1)])
+def test_gqa_and_mqa_fp16_bshd(h, h_kv):
+    _case(2, h, h_kv, 257, 257, 128, dtype=torch.float16, layout="bshd", use_causal_mask=True)
+
+
+@pytest.mark.parametrize("attrs", [{"use_causal_mask": True, "diagonal_band_left_bound": 128},
+                                   {"use_causal_mask_bottom_right": True},
+                                   {"diagonal_band_left_bound": 64, "diagonal_band_right_bound": 32}])
+def test_windows_and_bottom_right_with_padding(attrs):
+    _case(3, 4, 2, 411, 700, 64, lens=[700, 1, 333], **attrs)
+
+
+def test_bias_and_dropout():
+    _case(2, 4, 4, 200, 300, 64, bias=(2, 1, 200, 300), dropout=(0.2, 77, 2**40))
+
+
+def test_fp32_inputs_ieee():
+    _case(1, 2, 2, 129, 131, 64, dtype=torch.float32, use_causal_mask=True)
+
+
+@pytest.mark.parametrize("s_q", [1, 16])
+def test_paged_decode(s_q):
+    gen = torch.Generator(device=CUDA).manual_seed(1)
+    b, h, h_kv, page, pages, d = 4, 32, 8, 16, 40, 128
+    k_pool = torch.randn(b * pages + 5, h_kv, page, d, generator=gen, device=CUDA).bfloat16()
+    v_pool = torch.randn(b * pages + 5, h_kv, page, d, generator=gen, device=CUDA).bfloat16()
+    table = torch.randperm(b * pages + 5, generator=gen, device=CUDA)[:b * pages].view(b, 1, pages, 1).int()
+    q_t = torch.randn(b, h, s_q, d, generator=gen, device=CUDA).bfloat16()
+    g = dg.Graph(io_data_type=dg.bfloat16, intermediate_data_type=dg.float32, compute_data_type=dg.float32)
+    q, k, v = g.tensor_like(q_t, "q"), g.tensor_like(k_pool, "k"), g.tensor_like(v_pool, "v")
+    kt, vt = (g.tensor(name=n, dim=[b, 1, pages, 1], data_type=dg.int32) for n in ("kt", "vt"))
+    lens = g.tensor(name="lens", dim=[b, 1, 1, 1], data_type=dg.int32)
+    o, _ = g.sdpa(q, k, v, seq_len_kv=lens, paged_attention_k_table=kt, paged_attention_v_table=vt,
+                  use_causal_mask_bottom_right=True)
+    o.set_output(True)
+    check(g, {q: q_t, k: k_pool, v: v_pool, kt: table, vt: table,
+              lens: torch.tensor([640, 1, 333, 17], dtype=torch.int32, device=CUDA).view(b, 1, 1, 1)},
+          torch.bfloat16, device=CUDA)
