@@ -13,11 +13,14 @@ from typing import Optional
 from .device import DeviceModel
 from .pointwise import _pow2_at_least
 
-# (head dim at most, BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on a GPU:
-# the shapes triton's own Hopper attention tutorial settles on (128 x 64/128 tiles, 8 warps for
-# the [128, 128] fp32 accumulator); D 256 halves the key tile so two stages of K and V fit in
-# shared memory (2 x 64 x 512 x 2 B = 128 KiB).
-GPU_TILES = ((64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (256, 128, 32, 8, 2))
+# (head dim at most, BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on a GPU, first
+# for unmasked attention, then for masked (causal, bands). Chosen on the H100 over 9 configs
+# (.dbg sweep, bf16, TFLOP/s of the best / of the runner-up): D64 B8 H16 S2048: [64, 64] 4 warps
+# 3 stages 401 full / 317 causal ([128, 64] 8 warps: 402 / 245); D128 B4 H32 S4096: [128, 128]
+# 8 warps 464 full, [128, 64] 8 warps 3 stages 407 causal and 424 GQA 32:8 causal; D256 B2 H16
+# S4096: [128, 64] 8 warps 2 stages 501 (3 stages need 256 KiB of shared memory, [128, 32] 331).
+GPU_TILES = {False: ((64, 64, 64, 4, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2)),
+             True: ((64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (256, 128, 64, 8, 2))}
 # 32-bit inputs hold twice the bytes per tile: one step smaller key tiles.
 GPU_TILES_FP32 = ((64, 64, 64, 4, 2), (128, 64, 32, 4, 2), (256, 64, 16, 4, 2))
 # The interpreter runs every program on the CPU in numpy: small tiles keep tests quick.
@@ -48,6 +51,7 @@ class AttentionProblem:
     head_dim: int
     value_dim: int
     element_bytes: int  # of q/k/v
+    masked: bool = False  # a causal mask or a band: the diagonal blocks favour narrower tiles
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ def _table_entry(problem: AttentionProblem, model: DeviceModel) -> AttentionConf
     if model.capability is None:
         return AttentionConfig(*INTERPRETER_TILE)
     width = max(problem.head_dim, problem.value_dim)
-    table = GPU_TILES if problem.element_bytes <= 2 else GPU_TILES_FP32
+    table = GPU_TILES[problem.masked] if problem.element_bytes <= 2 else GPU_TILES_FP32
     for limit, block_m, block_n, warps, stages in table:
         if width <= limit:
             return AttentionConfig(block_m, block_n, warps, stages)

@@ -53,7 +53,7 @@ def problem_of(node) -> AttentionProblem:
     """The plain-number problem of an sdpa node (the heuristics' input)."""
     q, k, v = node.inputs[:3]
     return AttentionProblem(q.dim[0], q.dim[1], k.dim[1], q.dim[2], kv_length(k, node.inputs[6], node.attrs),
-                            q.dim[3], v.dim[3], q.data_type.torch_dtype.itemsize)
+                            q.dim[3], v.dim[3], q.data_type.torch_dtype.itemsize, node.attrs.mask.banded)
 
 
 def build_sdpa(graph, group, index, tuner=None, device=None, budget=None):
