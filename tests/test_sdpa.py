@@ -217,10 +217,85 @@ def test_bad_input_is_a_validation_error_at_the_call(case):
         BAD[case](g, t)
 
 
-def test_backward_without_a_kernel_says_so_at_build():
-    g = dg.Graph()
-    q = g.tensor(name="q", dim=[1, 2, 8, 16])
-    stats = g.tensor(name="stats", dim=[1, 2, 8, 1], data_type=dg.float32)
-    g.sdpa_backward(q, q, q, q, q, stats, name="grad")[0].set_output(True)
-    with pytest.raises(dg.UnsupportedError, match="grad.*sdpa_backward"):
-        g.build()
+# --- backward -------------------------------------------------------------------------------------
+def _forward_values(q_t, k_t, v_t, inputs_extra, attrs):
+    """o and stats of the float64 reference forward (what a training step saved)."""
+    g = dg.Graph(name="fwd")
+    q, k, v = (g.tensor_like(t.double().to(torch.float32), n) for t, n in ((q_t, "q"), (k_t, "k"), (v_t, "v")))
+    extra = {name: g.tensor_like(t, name) for name, t in inputs_extra.items()}
+    o, stats = g.sdpa(q, k, v, is_inference=False, **attrs, **extra)
+    o.set_output(True)
+    stats.set_output(True)
+    refs = g.reference({"q": q_t, "k": k_t, "v": v_t, **inputs_extra})
+    return refs[o.name], refs[stats.name]
+
+
+def _run_backward(shape_q, shape_kv, dtype=torch.float32, layout="bhsd", value_dim=None, lens=None,
+                  bias_dim=None, seed=0, tolerance=None, workspace_limit=None, **attrs):
+    gen = torch.Generator().manual_seed(seed)
+    b, h, s_q, d = shape_q
+    h_kv, s_kv = shape_kv
+    q_t = _bhsd((b, h, s_q, d), layout, dtype, gen)
+    k_t = _bhsd((b, h_kv, s_kv, d), layout, dtype, gen)
+    v_t = _bhsd((b, h_kv, s_kv, value_dim or d), layout, dtype, gen)
+    extra = {}
+    if lens is not None:
+        for name, values in zip(("seq_len_q", "seq_len_kv"), lens):
+            if values is not None:
+                extra[name] = torch.tensor(values, dtype=torch.int32).view(b, 1, 1, 1)
+    if bias_dim is not None:
+        extra["bias"] = torch.randn(bias_dim, generator=gen).to(dtype)
+    o_t, stats_t = _forward_values(q_t, k_t, v_t, extra, attrs)
+    o_t = o_t.to(dtype)
+    do_t = torch.randn(o_t.shape, generator=gen).to(dtype)
+    g, inputs, q, k, v = _graph(dtype, q_t, k_t, v_t)
+    o, d_o = g.tensor_like(o_t, "o"), g.tensor_like(do_t, "dO")
+    stats = g.tensor_like(stats_t.float(), "stats")
+    inputs.update({o: o_t, d_o: do_t, stats: stats_t.float()})
+    for name, t in extra.items():
+        tensor = g.tensor_like(t, name)
+        inputs[tensor] = t
+        attrs[name] = tensor
+    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, **attrs):
+        grad.set_output(True)
+    g.build(workspace_limit=workspace_limit)
+    assert len(g.plan.launches) == (2 if workspace_limit == 0 else 3)
+    return check(g, inputs, dtype, tolerance=tolerance)
+
+
+@pytest.mark.parametrize("mask", sorted(MASKS))
+@pytest.mark.parametrize("s_q,s_kv", [(21, 37), (37, 21)])
+def test_backward_masks_sq_not_skv(mask, s_q, s_kv):
+    _run_backward((2, 2, s_q, 16), (2, s_kv), **MASKS[mask])
+
+
+@pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "window"])
+def test_backward_padding_with_lengths_of_one_and_zero(mask):
+    _run_backward((3, 2, 19, 16), (2, 23), lens=([1, 19, 7], [23, 1, 0]), **MASKS[mask])
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backward_gqa_sums_over_the_group(heads, kv_heads, dtype):
+    _run_backward((2, heads, 17, 16), (kv_heads, 29), dtype=dtype, use_causal_mask=True,
+                  tolerance=5e-3 if dtype == torch.float16 else None)
+
+
+@pytest.mark.parametrize("head_dim,value_dim", [(24, 24), (40, 16)])
+@pytest.mark.parametrize("layout", ["bhsd", "odd"])
+def test_backward_head_dims_and_layouts(head_dim, value_dim, layout):
+    _run_backward((2, 2, 18, head_dim), (2, 21), value_dim=value_dim, layout=layout)
+
+
+def test_backward_bias_dropout_and_no_workspace():
+    """Bias and dropout recomputed from the same Philox counters; workspace 0 takes the row sums
+    inside the dK/dV and dQ kernels instead of the preprocess."""
+    attrs = dict(dropout=(0.25, 99, 2**34 + 1), use_causal_mask=True)
+    _run_backward((2, 3, 17, 16), (3, 26), bias_dim=(1, 3, 17, 26), **attrs)
+    _run_backward((2, 3, 17, 16), (3, 26), bias_dim=(2, 1, 1, 26), workspace_limit=0, **attrs)
+
+
+def test_backward_forced_tiles_walk_every_run(monkeypatch):
+    tile = heur.AttentionConfig(16, 16, 1, 1)
+    monkeypatch.setattr(heur, "FORCE_BACKWARD", {"dkdv": tile, "dq": tile})
+    _run_backward((1, 2, 70, 16), (2, 66), diagonal_band_left_bound=20, diagonal_band_right_bound=9)

@@ -84,3 +84,45 @@ def test_paged_decode(s_q):
     check(g, {q: q_t, k: k_pool, v: v_pool, kt: table, vt: table,
               lens: torch.tensor([640, 1, 333, 17], dtype=torch.int32, device=CUDA).view(b, 1, 1, 1)},
           torch.bfloat16, device=CUDA)
+
+
+def _backward_case(b, h, h_kv, s_q, s_kv, d, dv=None, dtype=torch.bfloat16, **attrs):
+    """Gradients of the reference forward's o and stats (float64 on the GPU, stored as dtype)."""
+    gen = torch.Generator(device=CUDA).manual_seed(2)
+    q_t, k_t, v_t = (torch.randn(b, heads, seq, dim, generator=gen, device=CUDA).to(dtype)
+                     for heads, seq, dim in ((h, s_q, d), (h_kv, s_kv, d), (h_kv, s_kv, dv or d)))
+    fwd = dg.Graph()
+    q, k, v = (fwd.tensor_like(t.float(), n) for t, n in ((q_t, "q"), (k_t, "k"), (v_t, "v")))
+    o, stats = fwd.sdpa(q, k, v, is_inference=False, **attrs)
+    o.set_output(True)
+    stats.set_output(True)
+    refs = fwd.reference({"q": q_t, "k": k_t, "v": v_t})
+    o_t, stats_t = refs[o.name].to(dtype), refs[stats.name].float()
+    do_t = torch.randn(o_t.shape, generator=gen, device=CUDA).to(dtype)
+    g = dg.Graph(io_data_type=TYPES[dtype], intermediate_data_type=dg.float32, compute_data_type=dg.float32)
+    q, k, v, o, d_o = (g.tensor_like(t, n) for t, n in ((q_t, "q"), (k_t, "k"), (v_t, "v"), (o_t, "o"), (do_t, "dO")))
+    stats = g.tensor_like(stats_t, "stats")
+    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, **attrs):
+        grad.set_output(True)
+    inputs = {q: q_t, k: k_t, v: v_t, o: o_t, d_o: do_t, stats: stats_t}
+    return g, inputs, check(g, inputs, dtype, device=CUDA, tolerance=2e-2 if dtype == torch.bfloat16 else None)
+
+
+@pytest.mark.parametrize("d,dv", [(64, 64), (128, 128), (192, 128), (256, 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_head_dims_bf16(d, dv, causal):
+    _backward_case(2, 4, 4, 300, 333, d, dv, use_causal_mask=causal)
+
+
+def test_backward_gqa_window_dropout_fp16():
+    _backward_case(2, 8, 2, 257, 301, 64, dtype=torch.float16, use_causal_mask_bottom_right=True,
+                   diagonal_band_left_bound=100, dropout=(0.1, 5, 7))
+
+
+def test_backward_is_bitwise_reproducible():
+    g, inputs, first = _backward_case(2, 8, 2, 512, 512, 128, use_causal_mask=True)
+    for _ in range(3):
+        outputs = {t: torch.empty_like(first[t.name]) for t in g.outputs()}
+        g.execute({**inputs, **outputs})
+        for t, value in outputs.items():
+            assert torch.equal(value, first[t.name]), t.name

@@ -34,8 +34,13 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          "k_base", "v_base", "q_base", "keep", "counter", "qk_scale", "run_a", "run_b", "o_mask",
          "q_ptr", "k_ptr", "v_ptr", "o_ptr", "stats_ptr", "bias_ptr", "lenq_ptr", "lenkv_ptr",
          "ktab_ptr", "vtab_ptr", "HEADS", "GROUP", "SQ", "SKV", "HEAD_DIM", "VALUE_DIM", "BLOCK_M",
-         "BLOCK_N", "BLOCK_D", "BLOCK_DV", "PAGE", "seed", "offset")
-STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab")
+         "BLOCK_N", "BLOCK_D", "BLOCK_DV", "PAGE", "seed", "offset",
+         # the backward kernels
+         "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "delta_ptr", "pid_n", "q_head", "do_tile", "o_tile",
+         "lse_row", "delta_row", "dq_acc", "dk_acc", "dv_acc", "p_drop", "d_probs", "d_scores", "q_rows",
+         "q_lo", "q_hi", "o_base", "do_base", "dq_base", "stats_base", "delta_base", "bias_base", "start_m")
+STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
+                "delta")
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
 
 
@@ -285,3 +290,214 @@ def _arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
     args += [KernelArgument("constexpr", "BLOCK_M", block_m), KernelArgument("constexpr", "BLOCK_N", block_n),
              KernelArgument("constexpr", "BLOCK_D", block_d), KernelArgument("constexpr", "BLOCK_DV", block_dv)]
     return args
+
+
+# --- backward -------------------------------------------------------------------------------------
+# Three kernels, no atomics (bitwise reproducible): delta = rowsum(o * dO) per query row; dK and
+# dV per key block, walking the query blocks that see it for every query head of its group (GQA
+# sums in registers); dQ per query block, walking its key blocks as the forward does. Scores are
+# recomputed in base 2 against the stored log-sum-exp; dS = P * (dP - delta).
+class _BackwardWriter(_Writer):
+    def lengths(self):
+        w = self.line
+        w("len_q = " + (f"tl.load(lenq_ptr + batch * lenq_s0).to(tl.int32)" if self.has("lenq") else "SQ"))
+        w("len_kv = " + (f"tl.load(lenkv_ptr + batch * lenkv_s0).to(tl.int32)" if self.has("lenkv") else "SKV"))
+        w("len_q = tl.minimum(len_q, SQ)")
+        w("len_kv = tl.minimum(len_kv, SKV)")
+        w("shift = " + ("len_kv - len_q" if self.spec.bottom_right else "0"))
+        w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+
+    def head_offsets(self, head: str, depth: int):
+        """Base offsets of one query head's rows in q, dO, o, stats, delta and bias."""
+        wide = ".to(tl.int64)" if self.spec.wide_index else ""
+        for stem in ("q", "do", "o", "stats", "delta", "bias", "dq"):
+            if self.has(stem):
+                self.line(f"{stem}_base = batch{wide} * {stem}_s0 + {head}{wide} * {stem}_s1", depth)
+
+    def row_loads(self, rows: str, depth: int, masked: bool, transposed: bool):
+        """q, dO, the base-2 lse and delta of query rows `rows`; rows past len_q load dO = 0 and
+        an lse of +inf, so their probabilities are 0 (no NaN from 0 x inf)."""
+        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        row_in = ["row_in[:, None]"] if masked else []
+        w(f"row_in = {rows} < len_q", depth)
+        w(f"q_tile = tl.load(q_ptr + q_base + {rows}[:, None]{wide} * q_s2 + cols_d[None, :] * q_s3"
+          f"{_mask_argument(row_in + self.d_mask('[None, :]'))})", depth)
+        w(f"do_tile = tl.load(do_ptr + do_base + {rows}[:, None]{wide} * do_s2 + cols_dv[None, :] * do_s3"
+          f"{_mask_argument(['row_in[:, None]'] + self.dv_mask('[None, :]'))})", depth)
+        w(f"lse_row = tl.load(stats_ptr + stats_base + {rows} * stats_s2, mask=row_in, other=0.0)", depth)
+        w(f"lse_row = tl.where(row_in & (lse_row > float('-inf')), lse_row * {LOG2E!r}, float('inf'))", depth)
+        if self.has("delta"):
+            w(f"delta_row = tl.load(delta_ptr + delta_base + {rows} * delta_s2, mask=row_in, other=0.0)", depth)
+        else:  # no workspace for the preprocess: the row sums here
+            w(f"o_tile = tl.load(o_ptr + o_base + {rows}[:, None]{wide} * o_s2 + cols_dv[None, :] * o_s3"
+              f"{_mask_argument(['row_in[:, None]'] + self.dv_mask('[None, :]'))})", depth)
+            w("delta_row = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)", depth)
+
+    def scores(self, rows: str, keys: str, transposed: bool, masked: bool, depth: int):
+        """Base-2 scores of (rows, keys), [BLOCK_N, BLOCK_M] when transposed (dK/dV) else
+        [BLOCK_M, BLOCK_N]; masked blocks get -inf where a key is not visible."""
+        w, spec = self.line, self.spec
+        r, c = (f"{rows}[None, :]", f"{keys}[:, None]") if transposed else (f"{rows}[:, None]", f"{keys}[None, :]")
+        product = "tl.dot(k_tile, tl.trans(q_tile)" if transposed else "tl.dot(q_tile, tl.trans(k_tile)"
+        w(f"scores = {product}{self.dot_options}) * qk_scale", depth)
+        if self.has("bias"):
+            # loaded [queries, keys] as in the forward, then transposed for the dK/dV tile
+            w(f"bias_tile = tl.load(bias_ptr + bias_base + {rows}[:, None] * bias_s2 + {keys}[None, :] * bias_s3, "
+              f"mask=({rows}[:, None] < len_q) & ({keys}[None, :] < len_kv), other=0.0)", depth)
+            bias = "tl.trans(bias_tile)" if transposed else "bias_tile"
+            w(f"scores += {bias}.to(tl.float32) * {LOG2E!r}", depth)
+        if masked:
+            w(f"visible = ({c} < len_kv) & ({r} < len_q)", depth)
+            if spec.right is not None:
+                w(f"visible = visible & ({c} - ({r} + shift) <= {spec.right})", depth)
+            if spec.left is not None:
+                w(f"visible = visible & (({r} + shift) - {c} < {spec.left})", depth)
+            w("scores = tl.where(visible, scores, float('-inf'))", depth)
+        lse = "lse_row[None, :]" if transposed else "lse_row[:, None]"
+        w(f"p_tile = tl.math.exp2(scores - {lse})", depth)
+        if spec.dropout is not None:
+            p = spec.dropout[0]
+            w(f"counter = ((batch.to(tl.int64) * HEADS + head) * SQ + {r}) * SKV + {c}", depth)
+            w(f"p_drop, keep = tm.dropout(p_tile, seed, offset, counter, {keep_threshold(p)}, {1.0 / (1.0 - p)!r})",
+              depth)
+
+    def dropped(self, value: str, depth: int):
+        """dP through the dropout mask (kept entries scaled by 1/(1-p), others 0)."""
+        if self.spec.dropout is not None:
+            self.line(f"{value} = tl.where(keep, {value} * {1.0 / (1.0 - self.spec.dropout[0])!r}, 0.0)", depth)
+
+    def dkdv_block(self, masked: bool, depth: int):
+        w = self.line
+        w("q_rows = start_m + tl.arange(0, BLOCK_M)", depth)
+        self.row_loads("q_rows", depth, masked, True)
+        self.scores("q_rows", "keys", True, masked, depth)
+        probs = "p_drop" if self.spec.dropout is not None else "p_tile"
+        w(f"dv_acc += tl.dot({probs}.to(do_tile.dtype), do_tile{self.dot_options})", depth)
+        w(f"d_probs = tl.dot(v_tile, tl.trans(do_tile){self.dot_options})", depth)
+        self.dropped("d_probs", depth)
+        w("d_scores = p_tile * (d_probs - delta_row[None, :])", depth)
+        w(f"dk_acc += tl.dot(d_scores.to(q_tile.dtype), q_tile{self.dot_options})", depth)
+
+    def query_range(self):
+        """lo/hi bound the query blocks that see any key of this block; [run_a, run_b) those
+        whose every row sees every key of it (none when the block passes len_kv)."""
+        w, spec = self.line, self.spec
+        w("q_lo = 0")
+        w("q_hi = len_q")
+        w("full_lo = 0")
+        w("full_hi = len_q")
+        if spec.right is not None:
+            w(f"q_lo = tl.maximum(q_lo, pid_n * BLOCK_N - shift - {spec.right})")
+            w(f"full_lo = tl.maximum(q_lo, pid_n * BLOCK_N + BLOCK_N - 1 - shift - {spec.right})")
+        if spec.left is not None:
+            w(f"q_hi = tl.minimum(q_hi, pid_n * BLOCK_N + BLOCK_N - 1 + {spec.left} - shift)")
+            w(f"full_hi = tl.minimum(full_hi, pid_n * BLOCK_N + {spec.left} - shift)")
+        w("full_hi = tl.where(pid_n * BLOCK_N + BLOCK_N <= len_kv, full_hi, 0)")
+        w("q_hi = tl.maximum(q_hi, 0)")
+        w("lo = tl.minimum(tl.maximum(q_lo, 0), q_hi) // BLOCK_M * BLOCK_M")
+        w("hi = q_hi")
+        w("run_a = tl.minimum(tl.maximum((full_lo + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo), hi)")
+        w("run_b = tl.maximum(tl.minimum(full_hi // BLOCK_M * BLOCK_M, hi), run_a)")
+
+    def dkdv_kernel(self):
+        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        w("pid_n = tl.program_id(0)")
+        w("pid_bh = tl.program_id(1)")
+        w("batch = pid_bh // (HEADS // GROUP)")
+        w("kv_head = pid_bh % (HEADS // GROUP)")
+        self.lengths()
+        w("keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+        w("key_in = keys < len_kv")
+        w("cols_d = tl.arange(0, BLOCK_D)")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        for stem, cols, mask in (("k", "cols_d", self.d_mask("[None, :]")), ("v", "cols_dv", self.dv_mask("[None, :]"))):
+            w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1")
+            w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + "
+              f"{cols}[None, :] * {stem}_s3{_mask_argument(['key_in[:, None]'] + mask)})")
+        w("dk_acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)")
+        w("dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)")
+        self.query_range()
+        w("for q_head in range(GROUP):")
+        w("head = kv_head * GROUP + q_head", 2)
+        self.head_offsets("head", 2)
+        for first, last, masked in (("lo", "run_a", True), ("run_a", "run_b", False), ("run_b", "hi", True)):
+            w(f"for start_m in range({first}, {last}, BLOCK_M):", 2)
+            self.dkdv_block(masked, 3)
+        store = ["(keys < SKV)[:, None]"]
+        for stem, acc, cols, mask, scale in (("dk", "dk_acc", "cols_d", self.d_mask("[None, :]"), True),
+                                             ("dv", "dv_acc", "cols_dv", self.dv_mask("[None, :]"), False)):
+            value = f"{acc} * {self.spec.scale!r}" if scale else acc
+            w(f"tl.store({stem}_ptr + batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1 + keys[:, None]{wide} * "
+              f"{stem}_s2 + {cols}[None, :] * {stem}_s3, ({value}).to({stem}_ptr.dtype.element_ty), "
+              f"mask={' & '.join(store + mask)})")
+
+    def dq_block(self, masked: bool, depth: int):
+        w = self.line
+        w("keys = start_n + tl.arange(0, BLOCK_N)", depth)
+        w("key_in = keys < len_kv", depth)
+        for stem, cols, mask in (("k", "cols_d", self.d_mask("[None, :]")), ("v", "cols_dv", self.dv_mask("[None, :]"))):
+            keys = ["key_in[:, None]"] if masked else []
+            w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None] * {stem}_s2 + {cols}[None, :] * "
+              f"{stem}_s3{_mask_argument(keys + mask)})", depth)
+        self.scores("rows", "keys", False, masked, depth)
+        w(f"d_probs = tl.dot(do_tile, tl.trans(v_tile){self.dot_options})", depth)
+        self.dropped("d_probs", depth)
+        w("d_scores = p_tile * (d_probs - delta_row[:, None])", depth)
+        w(f"dq_acc += tl.dot(d_scores.to(k_tile.dtype), k_tile{self.dot_options})", depth)
+
+    def dq_kernel(self):
+        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        w("pid_m = tl.program_id(0)")
+        w("pid_bh = tl.program_id(1)")
+        w("batch = pid_bh // HEADS")
+        w("head = pid_bh % HEADS")
+        w("kv_head = head // GROUP")
+        self.lengths()
+        w("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        w("cols_d = tl.arange(0, BLOCK_D)")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        self.head_offsets("head", 1)
+        for stem in ("k", "v"):
+            w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1")
+        self.row_loads("rows", 1, True, False)
+        w("dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)")
+        self.key_range()
+        for first, last, masked in (("lo", "run_a", True), ("run_a", "run_b", False), ("run_b", "hi", True)):
+            w(f"for start_n in range({first}, {last}, BLOCK_N):")
+            self.dq_block(masked, 2)
+        w(f"tl.store(dq_ptr + dq_base + rows[:, None]{wide} * dq_s2 + cols_d[None, :] * dq_s3, "
+          f"(dq_acc * {self.spec.scale!r}).to(dq_ptr.dtype.element_ty), "
+          f"mask={' & '.join(['(rows < SQ)[:, None]'] + self.d_mask('[None, :]'))})")
+
+    def delta_kernel(self):
+        w = self.line
+        w("pid_m = tl.program_id(0)")
+        w("pid_bh = tl.program_id(1)")
+        w("batch = pid_bh // HEADS")
+        w("head = pid_bh % HEADS")
+        self.lengths()
+        w("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        self.head_offsets("head", 1)
+        wide = ".to(tl.int64)" if self.spec.wide_index else ""
+        w("row_in = rows < len_q")
+        for stem in ("o", "do"):
+            w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + rows[:, None]{wide} * {stem}_s2 + cols_dv[None, :] * "
+              f"{stem}_s3{_mask_argument(['row_in[:, None]'] + self.dv_mask('[None, :]'))})")
+        w("delta_row = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)")
+        w("tl.store(delta_ptr + delta_base + rows * delta_s2, delta_row, mask=rows < SQ)")
+
+
+BACKWARD_KERNELS = {"delta": _BackwardWriter.delta_kernel, "dkdv": _BackwardWriter.dkdv_kernel,
+                    "dq": _BackwardWriter.dq_kernel}
+
+
+def render_backward(kernel_name: str, which: str, spec: AttentionSpec, compute_type: str, description: str):
+    """(source, arguments) of one of the backward kernels ("delta", "dkdv", "dq") under `spec`."""
+    writer = _BackwardWriter(spec, compute_type)
+    BACKWARD_KERNELS[which](writer)
+    args = _arguments(spec, {}, [])
+    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
+    source = header(description) + "\n\n@triton.jit\ndef " + kernel_name + "(\n"
+    source += "".join(f"    {p},\n" for p in params) + "):\n"
+    return source + "\n".join(writer.body) + "\n", args

@@ -93,3 +93,57 @@ def schedule(problem: AttentionProblem, model: DeviceModel) -> AttentionSchedule
     reason = (f"head dims {problem.head_dim}/{problem.value_dim} -> [{config.block_m} queries, "
               f"{config.block_n} keys] tiles from the {'forced' if FORCE_CONFIG else 'table'} config")
     return AttentionSchedule(problem, config, block_d, block_dv, programs, reason)
+
+
+# Backward tiles for 16-bit inputs on a GPU, (head dim at most, dK/dV kernel's [BLOCK_M queries
+# per step, BLOCK_N keys per program], dQ kernel's [BLOCK_M, BLOCK_N], num_warps, num_stages):
+# the dK/dV program holds two [BLOCK_N, D] fp32 accumulators, the dQ program one [BLOCK_M, D].
+# Starting points from the forward's sweep (8 warps for 128-wide fp32 accumulators), not yet
+# swept for the backward.
+GPU_BACKWARD_TILES = ((64, (64, 128), (128, 64), 8, 2), (128, (64, 128), (128, 64), 8, 2),
+                      (256, (32, 64), (64, 32), 8, 1))
+GPU_BACKWARD_TILES_FP32 = ((64, (32, 64), (64, 32), 4, 2), (128, (32, 64), (64, 32), 4, 1),
+                           (256, (16, 32), (32, 16), 4, 1))
+DELTA_ROWS = 64  # rows of o and dO per program of the delta preprocess (a streaming row sum)
+FORCE_BACKWARD: Optional[dict] = None  # tests force {"dkdv": AttentionConfig, "dq": AttentionConfig}
+
+
+@dataclass(frozen=True)
+class BackwardSchedule:
+    problem: AttentionProblem
+    configs: dict  # "delta" | "dkdv" | "dq" -> AttentionConfig
+    block_d: int
+    block_dv: int
+    reason: str
+
+    def programs(self, which: str) -> tuple:
+        p, c = self.problem, self.configs[which]
+        if which == "dkdv":
+            return (-(-p.s_kv // c.block_n), p.batch * p.kv_heads)
+        return (-(-p.s_q // c.block_m), p.batch * p.heads)
+
+    def config_text(self, which: str) -> str:
+        c = self.configs[which]
+        return (f"{which}: BLOCK_M={c.block_m} BLOCK_N={c.block_n} BLOCK_D={self.block_d} "
+                f"BLOCK_DV={self.block_dv} num_warps={c.num_warps} num_stages={c.num_stages} "
+                f"grid={list(self.programs(which))}")
+
+
+def backward_schedule(problem: AttentionProblem, model: DeviceModel) -> BackwardSchedule:
+    """Tiles of the three backward kernels for `problem` on `model`."""
+    block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
+    if model.capability is None:
+        tile = AttentionConfig(*INTERPRETER_TILE)
+        configs = {"dkdv": tile, "dq": tile}
+    else:
+        width = max(problem.head_dim, problem.value_dim)
+        table = GPU_BACKWARD_TILES if problem.element_bytes <= 2 else GPU_BACKWARD_TILES_FP32
+        _, dkdv, dq, warps, stages = next((row for row in table if width <= row[0]), table[-1])
+        configs = {"dkdv": AttentionConfig(*dkdv, warps, stages), "dq": AttentionConfig(*dq, warps, stages)}
+    configs.update(FORCE_BACKWARD or {})
+    rows = DELTA_ROWS if model.capability is not None else INTERPRETER_TILE[0]
+    configs["delta"] = AttentionConfig(rows, 16, 4 if model.capability is not None else 1, 1)
+    reason = (f"head dims {problem.head_dim}/{problem.value_dim}: dK/dV [{configs['dkdv'].block_n} keys, "
+              f"{configs['dkdv'].block_m} queries a step], dQ [{configs['dq'].block_m} queries, "
+              f"{configs['dq'].block_n} keys a step]")
+    return BackwardSchedule(problem, configs, block_d, block_dv, reason)

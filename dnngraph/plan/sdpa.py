@@ -1,20 +1,22 @@
-"""Build the launch of an sdpa group: pose the problem, schedule, render, load.
+"""Build the launches of an sdpa group: pose the problem, schedule, render, load.
 
-A group is one sdpa node with a pointwise epilogue on o. The forward kernel is flash attention
-(codegen/sdpa.py); sdpa_backward has no kernel yet and raises UnsupportedError at build.
+A forward group is one sdpa node with a pointwise epilogue on o: one flash-attention kernel. A
+backward group is one sdpa_backward node: the delta preprocess (when the workspace allows its
+B x H x Sq floats; otherwise the row sums are taken inside the other two), the dK/dV kernel and
+the dQ kernel (codegen/sdpa.py).
 """
 from __future__ import annotations
 
 import math
 
 from ..codegen.cache import load_kernel
-from ..codegen.sdpa import AttentionSpec, output_strides, render
+from ..codegen.sdpa import AttentionSpec, output_strides, render, render_backward
 from ..errors import UnsupportedError
 from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT
-from ..heuristics.sdpa import AttentionProblem, schedule
+from ..heuristics.sdpa import AttentionProblem, backward_schedule, schedule
 from ..ops.sdpa import kv_length
-from .launch import KernelLaunch, element_span, kernel_name
+from .launch import KernelLaunch, element_span, kernel_name, scratch
 
 ATTENTION_TYPES = ("float16", "bfloat16", "float32")
 
@@ -52,17 +54,17 @@ def _spec(node, group, sched, stored_o: bool, stats) -> AttentionSpec:
 def problem_of(node) -> AttentionProblem:
     """The plain-number problem of an sdpa node (the heuristics' input)."""
     q, k, v = node.inputs[:3]
-    return AttentionProblem(q.dim[0], q.dim[1], k.dim[1], q.dim[2], kv_length(k, node.inputs[6], node.attrs),
+    k_table = node.inputs[node.opdef.input_names.index("paged_attention_k_table")]
+    return AttentionProblem(q.dim[0], q.dim[1], k.dim[1], q.dim[2], kv_length(k, k_table, node.attrs),
                             q.dim[3], v.dim[3], q.data_type.torch_dtype.itemsize, node.attrs.mask.banded)
 
 
 def build_sdpa(graph, group, index, tuner=None, device=None, budget=None):
-    """The flash-attention forward kernel of an sdpa group."""
+    """The flash-attention kernels of an sdpa or sdpa_backward group."""
     node = group.anchor
-    if node.op != "sdpa":
-        raise UnsupportedError(f"node {node.name!r} ({node.op}): no sdpa_backward kernel exists yet; "
-                               f"graph.reference() computes it")
     _check_types(node)
+    if node.op == "sdpa_backward":
+        return _build_backward(graph, group, index, device, budget)
     sched = schedule(problem_of(node), device_model(device))
     o, stats = node.outputs
     outputs = [t for t in group.outputs if t is not stats]
@@ -74,3 +76,59 @@ def build_sdpa(graph, group, index, tuner=None, device=None, budget=None):
     kernel, path = load_kernel(source, name)
     return KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps,
                         sched.config_text, sched.reason, num_stages=sched.config.num_stages)
+
+
+BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv"),
+                  "dkdv": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dk", "dv"),
+                  "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq")}
+
+
+def _backward_spec(node, sched, which: str, delta) -> AttentionSpec:
+    q, k, v, o, d_o, stats, bias, len_q, len_kv = node.inputs[:9]
+    dq, dk, dv = node.outputs
+    tensors = {"q": q, "k": k, "v": v, "o": o, "do": d_o, "stats": stats, "bias": bias, "lenq": len_q,
+               "lenkv": len_kv, "dq": dq, "dk": dk, "dv": dv}
+    present = {stem: tensors[stem] for stem in BACKWARD_STEMS[which] if tensors.get(stem) is not None}
+    strides = {stem: tuple(t.stride) for stem, t in present.items()}
+    uids = {stem: t.uid for stem, t in present.items()}
+    if bias is not None and "bias" in present:
+        strides["bias"] = output_strides(bias)
+    if delta is not None and "delta" in BACKWARD_STEMS[which]:
+        problem = sched.problem
+        strides["delta"], uids["delta"] = (problem.heads * problem.s_q, problem.s_q, 1), delta.uid
+    problem, attrs, config = sched.problem, node.attrs, sched.configs[which]
+    dims = {"HEADS": problem.heads, "GROUP": problem.heads // problem.kv_heads, "SQ": problem.s_q,
+            "SKV": problem.s_kv, "HEAD_DIM": problem.head_dim, "VALUE_DIM": problem.value_dim}
+    scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+    wide = any(element_span(t) > INT32_LIMIT for t in present.values()) or \
+        problem.batch * problem.heads * problem.s_q * problem.s_kv > INT32_LIMIT
+    mask = attrs.mask
+    return AttentionSpec(dims, strides, uids, scale, mask.left, mask.right, mask.bottom_right, attrs.dropout,
+                         None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
+                         "ieee" if q.data_type.name == "float32" else "")
+
+
+def _build_backward(graph, group, index, device, budget) -> list:
+    node = group.anchor
+    sched = backward_schedule(problem_of(node), device_model(device))
+    problem = sched.problem
+    delta_bytes = problem.batch * problem.heads * problem.s_q * 4
+    delta = None
+    if budget is None or budget.allows(delta_bytes):
+        delta = scratch((problem.batch, problem.heads, problem.s_q))
+        if budget is not None:
+            budget.spend(delta_bytes)
+    launches = []
+    for which in (("delta",) if delta is not None else ()) + ("dkdv", "dq"):
+        spec = _backward_spec(node, sched, which, delta)
+        name = f"{kernel_name(group, index)}_{which}"
+        source, arguments = render_backward(name, which, spec, graph.compute_data_type.triton_type,
+                                            f"{which} of {group.describe()}")
+        kernel, path = load_kernel(source, name)
+        config = sched.configs[which]
+        reason = sched.reason + ("" if delta is not None else "; delta inline (no workspace for "
+                                 f"{delta_bytes} bytes)")
+        launches.append(KernelLaunch(group, kernel, path, arguments, sched.programs(which), config.num_warps,
+                                     sched.config_text(which), reason,
+                                     scratch=(delta,) if which == "delta" else (), num_stages=config.num_stages))
+    return launches
