@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -188,6 +189,7 @@ def row_shapes(key, args, cpu=False) -> list:
 
 # --- inputs and references -----------------------------------------------------------------------
 def poisoned(dim, stride, dtype, device) -> torch.Tensor:
+    """An uninitialized-looking output buffer: NaN everywhere, so an unwritten element shows."""
     return torch.empty_strided(tuple(dim), tuple(stride), dtype=dtype, device=device).fill_(float("nan"))
 
 
@@ -387,6 +389,7 @@ def softcap_attention(q, k, v, scale: float, cap: float):
 
 
 def compile_provider(shape: AttnShape, inputs, backward: bool, ctx) -> Callable:
+    """torch.compile of the eager softcap math (uncompiled on CPU checks)."""
     def factory():
         fn = compiled(ctx, softcap_attention)
         return forward_or_backward(lambda q, k, v: fn(q, k, v, shape.scale, shape.softcap), inputs, backward)
@@ -454,6 +457,7 @@ class CudnnAttention:
 
 
 def cudnn_provider(shape: AttnShape, inputs, backward: bool, ctx) -> Callable:
+    """The cuDNN frontend forward or backward graph of the shape."""
     def factory():
         if ctx.frontend is None:
             raise Skipped(f"cuDNN frontend {ctx.fe_note}")
@@ -467,6 +471,7 @@ def cudnn_provider(shape: AttnShape, inputs, backward: bool, ctx) -> Callable:
 
 # --- dnngraph ------------------------------------------------------------------------------------
 def new_graph(io_type, name) -> dg.Graph:
+    """A dnngraph graph with float32 intermediates and math."""
     return dg.Graph(name=name, io_data_type=io_type, intermediate_data_type=dg.float32,
                     compute_data_type=dg.float32)
 
@@ -543,6 +548,7 @@ def dg_graph(shape: AttnShape, inputs, io_type, backward: bool) -> tuple:
 
 
 def dg_provider(shape: AttnShape, inputs, io_type, backward: bool) -> Callable:
+    """dnngraph: g.build() (heuristics, no autotune), then execute into poisoned outputs."""
     def factory():
         g, bound, outputs = dg_graph(shape, inputs, io_type, backward)
         start = time.perf_counter()
@@ -584,10 +590,14 @@ class Context:
 
 
 def _refusal(error: Exception, caught) -> str:
-    """The error, with the warnings torch printed while refusing (SDPA says why a backend is not used)."""
-    reasons = list(dict.fromkeys(str(w.message).strip().splitlines()[0] for w in caught if str(w.message).strip()))
-    text = _short(error, 200)
-    return text + ("" if not reasons else " [" + "; ".join(r[:160] for r in reasons[:3]) + "]")
+    """The error, with the reasons torch warned while refusing (SDPA says why each backend is not used)."""
+    reasons = []
+    for warning in caught:
+        text = re.sub(r"\s*\(Triggered internally at [^)]*\)", "", str(warning.message))
+        reasons += [line.strip() for line in text.splitlines() if line.strip()
+                    and not line.strip().endswith("not used because:") and "runtime disabled" not in line]
+    reasons = list(dict.fromkeys(reasons))
+    return _short(error, 200) + ("" if not reasons else " [" + "; ".join(r[:200] for r in reasons[:4]) + "]")
 
 
 def measure(factory: Callable, refs: dict, work: float, ctx: Context) -> dict:
@@ -746,7 +756,8 @@ def failure_notes(key: str, cases: list, tolerance: float, head_start_us: float 
             elif not result["checked"]:
                 reason = f"rel error {result['rel_error']:.1e} past {tolerance:g}"
             elif _ok(result) and result.get("host_us", 0) > result["ms"] * 1e3 + head_start_us:
-                reason = f"host time per call exceeds device time + L2 flush ({head_start_us:.0f} us): may hold host time"
+                reason = (f"host time per call exceeds device time + L2 flush ({head_start_us:.0f} us): "
+                          "the timing may hold host time")
             else:
                 continue
             reasons.setdefault((TITLES[name], reason), []).append(case["label"])
@@ -754,6 +765,7 @@ def failure_notes(key: str, cases: list, tolerance: float, head_start_us: float 
 
 
 def report(results: dict, header: dict):
+    """Print every row's tables, the goals and the notes."""
     goals, notes = [], []
     for key, cases in results.items():
         if cases:
@@ -769,6 +781,7 @@ def report(results: dict, header: dict):
 
 # --- main ----------------------------------------------------------------------------------------
 def parse_rows(text: str) -> list:
+    """--rows: comma-separated keys of ROWS."""
     rows = [r.strip() for r in text.split(",") if r.strip()]
     unknown = [r for r in rows if r not in ROWS]
     if unknown:
@@ -777,6 +790,7 @@ def parse_rows(text: str) -> list:
 
 
 def parse_args(argv):
+    """The command line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=parse_rows, default=list(ROWS),
                         help=f"comma-separated rows (default all): {','.join(ROWS)}")
@@ -815,6 +829,7 @@ def main(argv=None):
 
 
 def list_shapes(args):
+    """Print each row's shapes (GPU and --check-cpu), visible fractions and work."""
     for key in args.rows:
         row = ROWS[key]
         for cpu in (False, True):
@@ -853,6 +868,7 @@ def flush_us() -> float:
 
 
 def run_gpu(args, cache_dir):
+    """Measure every requested row on the GPU, print the report, write $OUT/attention.json."""
     if not torch.cuda.is_available():
         sys.exit("no CUDA device: use --check-cpu for the CPU smoke test")
     torch.backends.cuda.matmul.allow_tf32 = False  # the float32 references are full float32
@@ -886,6 +902,7 @@ def run_gpu(args, cache_dir):
 
 
 def timed_case(row: RowSpec, shape: AttnShape, ctx: Context, started: float) -> dict:
+    """run_case with a progress line; a failing reference marks every provider n/a."""
     start = time.perf_counter()
     try:
         case = run_case(row, shape, ctx)
@@ -926,6 +943,7 @@ def check_cpu(args):
 
 
 def cpu_verdict(name: str, result) -> str:
+    """ok, wrong or unsupported (dnngraph not built yet) for one provider's CPU result."""
     status = result.get("status")
     if status == "ok":
         return "ok" if result["checked"] else "wrong"
@@ -935,6 +953,7 @@ def cpu_verdict(name: str, result) -> str:
 
 
 def reference_verdict(case) -> str:
+    """ok when this file's reference matches g.reference() to 1e-6; unsupported when not declarable."""
     value = case.get("reference_check")
     if value is None:
         return "unsupported"
@@ -942,12 +961,14 @@ def reference_verdict(case) -> str:
 
 
 def reference_cell(case) -> str:
+    """The reference check as a table cell."""
     value = case.get("reference_check")
     text = "-" if value is None else f"{value:.0e}"
     return text + (f" ({case['reference_check_error']})" if "reference_check_error" in case else "")
 
 
 def cpu_cell(result) -> str:
+    """One provider's CPU result as a table cell."""
     if not result:
         return "-"
     if result.get("status") == "ok":
@@ -956,6 +977,7 @@ def cpu_cell(result) -> str:
 
 
 def cpu_exit(verdicts):
+    """Print the verdict; exit 1 on any wrong result, 2 when only dnngraph builds are missing."""
     wrong, unsupported = verdicts.count("wrong"), verdicts.count("unsupported")
     if wrong:
         print(f"\nFAILED: {wrong} result(s) wrong, failed or past tolerance"
