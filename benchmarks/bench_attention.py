@@ -1,0 +1,995 @@
+"""Attention (sdpa, sdpa_backward, decode), bf16 BHSD, against torch SDPA, the cuDNN frontend and flex.
+
+One process, providers side by side per shape. Rows (one table each):
+
+  fwd     inference forward o = softmax(q k^T * scale + mask) v (no stats): B4 H32 S4096 D128
+          non-causal and causal, B8 H16 S2048 D64, B1 H16 S16384 causal, GQA H32/Hkv8 (B4 S4096
+          D128 causal), a sliding window (left bound 1024, causal, B1 H32 S8192 D128) and an
+          op-level softcap graph (matmul -> scale -> tanh(s/c)*c -> causal mask through cmp/where
+          -> softmax -> matmul, B4 H16 S2048 D128, c=50)
+  bwd     dq, dk, dv of the same shapes, from the float32 reference's o and row log-sum-exp
+  decode  Sq=1 against Skv=8192 (B64 H32/Hkv8 D128), contiguous K/V and paged (page 16, tables
+          [B, 1, pages, 1] int32 of shuffled pages)
+
+Anchors: torch SDPA with one backend forced each (sdpa_kernel: CUDNN_ATTENTION, FLASH_ATTENTION,
+EFFICIENT_ATTENTION; the window row passes them its dense boolean mask, and a backend that refuses a
+shape prints why), the cuDNN frontend sdpa / sdpa_backward graphs (band masks through
+diagonal_band_*; paged decode through paged_attention_*), flex attention under torch.compile with a
+block mask (window and softcap rows), torch.compile of the eager softcap math, and for paged decode
+"gather+SDPA" (torch gathers the pages into contiguous K/V, then SDPA; the gather is timed).
+dnngraph: g.sdpa / g.sdpa_backward with the same mask arguments (the softcap row is built from
+matmul, pointwise and softmax ops, its backward from their backward ops); a graph dnngraph cannot
+build yet prints "not built" with the reason and the anchors still run.
+
+Throughput: forward 4*B*H*D*(visible (query, key) pairs), counted exactly from the mask (causal
+square: S(S+1)/2); backward 2.5x that (five matmuls); decode TB/s over the K and V bytes read.
+Backward anchors time the backward alone: torch.autograd.grad of the output with a retained graph,
+the cuDNN FE and dnngraph backward graphs. Ratios are anchor time / dnngraph time (> 1: dnngraph
+faster). Every provider's output is compared with a float32 torch reference on the same inputs
+(relative Frobenius norm error, the worst of dq/dk/dv for backward) before it is timed; outputs
+are poisoned with NaN first; errors past TOLERANCE print "(!)". Times are do_bench medians.
+
+    python benchmarks/bench_attention.py                          # GPU, every row; $OUT/attention.json
+    python benchmarks/bench_attention.py --quick                  # a few shapes per row
+    python benchmarks/bench_attention.py --rows fwd,decode --only causal
+    python benchmarks/bench_attention.py --cudnn-fe-path /tmp/fe  # a pip --target folder holding `cudnn`
+    python benchmarks/bench_attention.py --list-shapes            # shapes, visible fractions, GFLOP
+    python benchmarks/bench_attention.py --check-cpu              # tiny fp32 shapes, no timing
+
+--check-cpu runs tiny fp32 shapes on CPU against a float64 reference: the anchors that run on CPU
+(SDPA's CPU flash kernel, flex attention and the softcap math uncompiled), dnngraph through Triton's
+interpreter, and this file's references against g.reference(). It exits 0 when all pass, 2 when the
+only failures are graphs dnngraph cannot build yet, 1 otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+if "--check-cpu" in sys.argv[1:]:  # CPU tensors run through Triton's interpreter, GPU or not
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch
+import torch.nn.functional as F
+
+import dnngraph as dg  # first: on a CPU-only machine it selects Triton's interpreter before triton loads
+import triton
+from bench_matmul import _failed, _geomean, _host_us, _short, _sync, load_cudnn_frontend
+from common import median_ms, print_table, rel_error, write_json
+
+BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
+TOLERANCE = 2e-2  # bf16 outputs against the float32 reference
+CPU_TOLERANCE = 1e-4  # fp32 on CPU against float64
+BACKWARD_FLOPS = 2.5  # five matmuls against the forward's two
+
+
+# --- shapes --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttnShape:
+    """q [B, H, Sq, D], k/v [B, Hkv, Skv, D]. Key j is visible to query i when j - i <= right_bound
+    and i - j < left_bound (None: unbounded; top-left aligned): causal is right_bound 0."""
+
+    label: str
+    batch: int
+    heads: int
+    kv_heads: int
+    s_q: int
+    s_kv: int
+    head_dim: int
+    right_bound: Optional[int] = None
+    left_bound: Optional[int] = None
+    softcap: Optional[float] = None  # the op-level softcap graph (causal)
+    page_size: Optional[int] = None  # paged K/V
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def pages(self) -> int:
+        return -(-self.s_kv // self.page_size)
+
+    def visible_pairs(self) -> int:
+        """(query, key) pairs the mask keeps, counted exactly row by row."""
+        rows = torch.arange(self.s_q, dtype=torch.int64)
+        high = rows + self.right_bound if self.right_bound is not None else torch.full_like(rows, self.s_kv - 1)
+        low = rows - self.left_bound + 1 if self.left_bound is not None else torch.zeros_like(rows)
+        return int((high.clamp(max=self.s_kv - 1) - low.clamp(min=0) + 1).clamp(min=0).sum())
+
+    def work(self, backward=False) -> float:
+        """FLOPs of the two forward matmuls over the visible pairs (x2.5 for backward)."""
+        flops = 4.0 * self.batch * self.heads * self.head_dim * self.visible_pairs()
+        return flops * (BACKWARD_FLOPS if backward else 1.0)
+
+    @property
+    def kv_bytes(self) -> float:
+        return 2.0 * self.batch * self.kv_heads * self.s_kv * self.head_dim * 2  # K and V, 2-byte elements
+
+    def describe(self) -> str:
+        heads = f"H{self.heads}" + (f"/Hkv{self.kv_heads}" if self.kv_heads != self.heads else "")
+        seq = f"S{self.s_q}" if self.s_q == self.s_kv else f"Sq{self.s_q} Skv{self.s_kv}"
+        mask = {None: "", 0: " causal"}.get(self.right_bound, f" right {self.right_bound}")
+        mask += f" left {self.left_bound}" if self.left_bound is not None else ""
+        extra = (f" softcap {self.softcap:g}" if self.softcap else "") + (
+            f" paged {self.page_size}" if self.page_size else "")
+        return f"B{self.batch} {heads} {seq} D{self.head_dim}{mask}{extra}"
+
+
+def attn(label, b, h, s, d, hkv=None, causal=False, left=None, softcap=None, s_q=None, page=None):
+    """An AttnShape; s is Skv (and Sq unless s_q is given)."""
+    return AttnShape(label, b, h, hkv or h, s_q or s, s, d, 0 if causal else None, left, softcap, page)
+
+
+TRAINING = [
+    attn("4k", 4, 32, 4096, 128), attn("4k causal", 4, 32, 4096, 128, causal=True),
+    attn("2k d64", 8, 16, 2048, 64), attn("16k causal", 1, 16, 16384, 128, causal=True),
+    attn("gqa 4k causal", 4, 32, 4096, 128, hkv=8, causal=True),
+    attn("window 1k @8k", 1, 32, 8192, 128, causal=True, left=1024),
+    attn("softcap 2k", 4, 16, 2048, 128, causal=True, softcap=50.0),
+]
+DECODE = [attn("decode 8k", 64, 32, 8192, 128, hkv=8, s_q=1),
+          attn("decode 8k paged", 64, 32, 8192, 128, hkv=8, s_q=1, page=16)]
+QUICK = ("4k causal", "gqa 4k causal", "window 1k @8k", "softcap 2k", "decode 8k", "decode 8k paged")
+CPU_TRAINING = [attn("cpu gqa causal", 2, 4, 37, 16, hkv=2, causal=True),
+                attn("cpu window", 1, 2, 45, 16, causal=True, left=8),
+                attn("cpu softcap", 1, 2, 33, 16, causal=True, softcap=1.5)]
+CPU_DECODE = [attn("cpu decode", 3, 4, 40, 16, hkv=2, s_q=1),
+              attn("cpu decode paged", 3, 4, 40, 16, hkv=2, s_q=1, page=16)]
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    key: str
+    title: str
+    backward: bool
+    decode: bool
+    goal_geomean: float  # dnngraph over the fastest anchor of each shape, geometric mean
+    goal_min: float
+
+
+ROWS = {  # the goals are this script's targets for the first attention kernels
+    "fwd": RowSpec("fwd", "attention forward (inference, no stats)", False, False, 0.9, 0.7),
+    "bwd": RowSpec("bwd", "attention backward (dq, dk, dv)", True, False, 0.8, 0.6),
+    "decode": RowSpec("decode", "decode (Sq=1)", False, True, 0.9, 0.8),
+}
+TITLES = {"sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA flash", "sdpa_efficient": "SDPA mem-eff",
+          "cudnn_fe": "cuDNN FE", "flex": "flex", "compile": "compile", "gather_sdpa": "gather+SDPA",
+          "dg": "dnngraph"}
+SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION",
+                 "sdpa_efficient": "EFFICIENT_ATTENTION"}
+
+
+def anchors_of(shape: AttnShape) -> tuple:
+    """The anchor providers that can express `shape`, in table order."""
+    if shape.softcap:
+        return ("flex", "compile")
+    if shape.page_size:
+        return ("gather_sdpa", "cudnn_fe")
+    dense = tuple(SDPA_BACKENDS) + ("cudnn_fe",)
+    return dense + ("flex",) if shape.left_bound is not None else dense
+
+
+def row_shapes(key, args, cpu=False) -> list:
+    """The shapes of row `key` after --quick and --only."""
+    shapes = (CPU_DECODE if cpu else DECODE) if ROWS[key].decode else (CPU_TRAINING if cpu else TRAINING)
+    if args.quick and not cpu:
+        shapes = [s for s in shapes if s.label in QUICK]
+    words = [w.strip() for w in args.only.split(",") if w.strip()]
+    return [s for s in shapes if not words or any(w in s.label for w in words)]
+
+
+# --- inputs and references -----------------------------------------------------------------------
+def poisoned(dim, stride, dtype, device) -> torch.Tensor:
+    """An uninitialized-looking output buffer: NaN everywhere, so an unwritten element shows."""
+    return torch.empty_strided(tuple(dim), tuple(stride), dtype=dtype, device=device).fill_(float("nan"))
+
+
+def page_pool(value: torch.Tensor, page_size: int, gen) -> tuple:
+    """(pool [B*pages, Hkv, page, D], table [B, 1, pages, 1] int32): value's pages stored at shuffled
+    pool slots; the tail of a last partial page holds random values the kernels must not read."""
+    batch, kv_heads, s_kv, head_dim = value.shape
+    pages = -(-s_kv // page_size)
+    padded = torch.randn(batch, kv_heads, pages * page_size, head_dim, generator=gen, device=value.device)
+    padded = padded.to(value.dtype)
+    padded[:, :, :s_kv] = value
+    slots = torch.randperm(batch * pages, generator=gen, device=value.device)
+    pool = torch.empty(batch * pages, kv_heads, page_size, head_dim, dtype=value.dtype, device=value.device)
+    pool[slots] = padded.view(batch, kv_heads, pages, page_size, head_dim).transpose(1, 2).reshape(
+        batch * pages, kv_heads, page_size, head_dim)
+    return pool, slots.view(batch, 1, pages, 1).to(torch.int32)
+
+
+def make_inputs(shape: AttnShape, device, dtype, seed=0) -> dict:
+    """q, k, v, d_o random normal; page pools and tables, lengths and mask index tensors as the
+    shape needs them."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*dim):
+        return torch.randn(dim, generator=gen, device=device).to(dtype)
+
+    b, h, hkv, d = shape.batch, shape.heads, shape.kv_heads, shape.head_dim
+    inputs = {"q": normal(b, h, shape.s_q, d), "k": normal(b, hkv, shape.s_kv, d),
+              "v": normal(b, hkv, shape.s_kv, d), "d_o": normal(b, h, shape.s_q, d)}
+    if shape.page_size:
+        inputs["k_pool"], inputs["k_table"] = page_pool(inputs["k"], shape.page_size, gen)
+        inputs["v_pool"], inputs["v_table"] = page_pool(inputs["v"], shape.page_size, gen)
+        inputs["seq_len_q"] = torch.full((b, 1, 1, 1), shape.s_q, dtype=torch.int32, device=device)
+        inputs["seq_len_kv"] = torch.full((b, 1, 1, 1), shape.s_kv, dtype=torch.int32, device=device)
+    if shape.softcap:
+        inputs["row"] = torch.arange(shape.s_q, dtype=torch.int32, device=device).view(1, 1, -1, 1)
+        inputs["col"] = torch.arange(shape.s_kv, dtype=torch.int32, device=device).view(1, 1, 1, -1)
+        inputs["k_t"], inputs["v_t"] = inputs["k"].transpose(-1, -2), inputs["v"].transpose(-1, -2)
+    return inputs
+
+
+def visible_mask(shape: AttnShape, device) -> torch.Tensor:
+    """[Sq, Skv] bool, True where the key is visible (torch SDPA's attn_mask convention)."""
+    rows = torch.arange(shape.s_q, device=device).view(-1, 1)
+    cols = torch.arange(shape.s_kv, device=device).view(1, -1)
+    visible = torch.ones(shape.s_q, shape.s_kv, dtype=torch.bool, device=device)
+    if shape.right_bound is not None:
+        visible &= cols - rows <= shape.right_bound
+    if shape.left_bound is not None:
+        visible &= rows - cols < shape.left_bound
+    return visible
+
+
+def attend(q, k, v, visible, scale, softcap=None) -> tuple:
+    """(o, row log-sum-exp) of one group of query heads against one K/V head."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, -1, keepdim=True)
+    return torch.matmul((scores - lse).exp(), v), lse
+
+
+def references(shape: AttnShape, inputs, dtype, backward: bool) -> dict:
+    """o and lse (and grads with `backward`) in `dtype`, one (batch, KV head) group at a time so
+    the [Sq, Skv] scores of long sequences fit."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    group, visible = shape.heads // shape.kv_heads, visible_mask(shape, q.device)
+    o = torch.empty(q.shape, dtype=dtype, device=q.device)
+    lse = torch.empty(q.shape[:3] + (1,), dtype=dtype, device=q.device)
+    grads = [torch.empty(t.shape, dtype=dtype, device=q.device) for t in (q, k, v)]
+    for b in range(shape.batch):
+        for kv_head in range(shape.kv_heads):
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            leaves = [t.to(dtype).requires_grad_(backward) for t in (q[b, heads], k[b, kv_head], v[b, kv_head])]
+            with torch.set_grad_enabled(backward):
+                out, row_lse = attend(*leaves, visible, shape.scale, shape.softcap)
+            o[b, heads], lse[b, heads] = out.detach(), row_lse.detach()
+            if backward:
+                dq, dk, dv = torch.autograd.grad(out, leaves, inputs["d_o"][b, heads].to(dtype))
+                grads[0][b, heads], grads[1][b, kv_head], grads[2][b, kv_head] = dq, dk, dv
+    return {"o": (o,), "lse": lse, "grads": tuple(grads) if backward else None}
+
+
+# --- torch anchors -------------------------------------------------------------------------------
+class Skipped(Exception):
+    """A provider not run (not requested, budget spent, no CUDA): status "skipped", not "n/a"."""
+
+
+class NotBuilt(Exception):
+    """dnngraph cannot build the graph yet (UnsupportedError, or the API lacks an argument)."""
+
+
+def forward_or_backward(forward: Callable, inputs, backward: bool) -> tuple:
+    """(run, outputs, flavour, extra): the forward call, or autograd.grad of one retained forward."""
+    q, k, v = inputs["q"], inputs["k"], inputs["v"]
+    if not backward:
+        return (lambda: forward(q, k, v)), None, "o", {}
+    leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+    out, d_o = forward(*leaves), inputs["d_o"]
+    return (lambda: torch.autograd.grad(out, leaves, d_o, retain_graph=True)), None, "grads", {}
+
+
+def sdpa_provider(name: str, shape: AttnShape, inputs, backward: bool, ctx) -> Callable:
+    """torch SDPA with one backend forced; the window row passes the dense boolean mask."""
+    def factory():
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        if ctx.device == "cpu" and name != "sdpa_flash":
+            raise Skipped("needs CUDA (torch's CPU SDPA kernel is its flash backend)")
+        backend = getattr(SDPBackend, SDPA_BACKENDS[name])
+        kwargs = {"scale": shape.scale, "enable_gqa": shape.heads != shape.kv_heads}
+        if shape.left_bound is not None:
+            kwargs["attn_mask"] = visible_mask(shape, inputs["q"].device)
+        elif shape.right_bound == 0:
+            kwargs["is_causal"] = True
+
+        def forward(q, k, v):
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return forward_or_backward(forward, inputs, backward)
+    return factory
+
+
+def gather_kv(pool, table, s_kv) -> torch.Tensor:
+    """Contiguous [B, Hkv, Skv, D] from a page pool and its [B, 1, pages, 1] table."""
+    pages = pool[table.flatten(1).long()]  # [B, pages, Hkv, page, D]
+    batch, count, kv_heads, page, head_dim = pages.shape
+    return pages.transpose(1, 2).reshape(batch, kv_heads, count * page, head_dim)[:, :, :s_kv]
+
+
+def gather_sdpa_provider(shape: AttnShape, inputs) -> Callable:
+    """Paged decode in torch: gather the pages into contiguous K/V, then SDPA (its own backend pick)."""
+    def factory():
+        q, kwargs = inputs["q"], {"scale": shape.scale, "enable_gqa": shape.heads != shape.kv_heads}
+
+        def run():
+            k = gather_kv(inputs["k_pool"], inputs["k_table"], shape.s_kv)
+            v = gather_kv(inputs["v_pool"], inputs["v_table"], shape.s_kv)
+            return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return run, None, "o", {}
+    return factory
+
+
+def compiled(ctx, fn) -> Callable:
+    """torch.compile(fn) when timing (skipped past the budget), fn itself on CPU checks."""
+    if not ctx.timed:
+        return fn
+    if ctx.args.no_compile:
+        raise Skipped("--no-compile")
+    if time.perf_counter() > ctx.compile_deadline:
+        raise Skipped("torch.compile time budget spent (--compile-budget-s)")
+    if fn not in ctx.compiled:
+        ctx.compiled[fn] = torch.compile(fn, dynamic=False)
+    return ctx.compiled[fn]
+
+
+def band_mask_mod(left_bound, right_bound) -> Callable:
+    """flex attention's mask_mod for the shape's bounds."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        keep = q_idx >= 0
+        if right_bound is not None:
+            keep = keep & (kv_idx - q_idx <= right_bound)
+        if left_bound is not None:
+            keep = keep & (q_idx - kv_idx < left_bound)
+        return keep
+    return mask_mod
+
+
+def flex_provider(shape: AttnShape, inputs, backward: bool, ctx) -> Callable:
+    """flex_attention (compiled when timing) with a block mask, and the softcap as score_mod."""
+    def factory():
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if backward and ctx.device == "cpu":
+            raise Skipped("flex attention has no CPU backward")
+        flex = compiled(ctx, flex_attention)
+        mask_mod = band_mask_mod(shape.left_bound, shape.right_bound)
+        block_mask = create_block_mask(mask_mod, None, None, shape.s_q, shape.s_kv, device=inputs["q"].device)
+        cap = shape.softcap
+        score_mod = (lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap) * cap) if cap else None
+
+        def forward(q, k, v):
+            return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=shape.scale,
+                        enable_gqa=shape.heads != shape.kv_heads)
+        return forward_or_backward(forward, inputs, backward)
+    return factory
+
+
+def softcap_attention(q, k, v, scale: float, cap: float):
+    """Causal softcapped attention as eager torch ops (float32 scores and softmax)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = torch.tanh(scores / cap) * cap
+    visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def compile_provider(shape: AttnShape, inputs, backward: bool, ctx) -> Callable:
+    """torch.compile of the eager softcap math (uncompiled on CPU checks)."""
+    def factory():
+        fn = compiled(ctx, softcap_attention)
+        return forward_or_backward(lambda q, k, v: fn(q, k, v, shape.scale, shape.softcap), inputs, backward)
+    return factory
+
+
+# --- the cuDNN frontend --------------------------------------------------------------------------
+class CudnnAttention:
+    """cuDNN frontend (cudnn.pygraph) sdpa and sdpa_backward graphs, bf16 I/O, float32 inside.
+
+    Calls, as in the frontend's test/python/test_mhas.py and the 1.32 pybind docstrings:
+    pygraph(io_data_type, intermediate_data_type, compute_data_type, handle), tensor_like(torch
+    tensor), sdpa(q, k, v, attn_scale, generate_stats, diagonal_alignment, diagonal_band_left_bound,
+    diagonal_band_right_bound, use_padding_mask, seq_len_q, seq_len_kv, paged_attention_k_table,
+    paged_attention_v_table, paged_attention_max_seq_len_kv) -> [o, stats], sdpa_backward(q, k, v,
+    o, dO, stats, attn_scale, <the same mask arguments>) -> [dQ, dK, dV], set_output / set_dim /
+    set_stride, build([heur_mode.A, heur_mode.FALLBACK]), get_workspace_size, execute(pack,
+    workspace, handle=...). Causal is diagonal_band_right_bound=0 (the preferred masking arguments;
+    use_causal_mask is deprecated there).
+    """
+
+    def __init__(self, module):
+        self.fe = module
+        self.handle = module.create_handle()
+        module.set_stream(handle=self.handle, stream=torch.cuda.current_stream().cuda_stream)
+
+    def _graph(self):
+        fe = self.fe
+        return fe.pygraph(io_data_type=fe.data_type.BFLOAT16, intermediate_data_type=fe.data_type.FLOAT,
+                          compute_data_type=fe.data_type.FLOAT, handle=self.handle)
+
+    def _mask(self, shape: AttnShape) -> dict:
+        return dict(diagonal_alignment=self.fe.diagonal_alignment.TOP_LEFT,
+                    diagonal_band_left_bound=shape.left_bound, diagonal_band_right_bound=shape.right_bound)
+
+    def _finish(self, g, pack: dict, outputs: dict) -> Callable:
+        for tensor, buffer in outputs.items():
+            tensor.set_output(True).set_dim(list(buffer.shape)).set_stride(list(buffer.stride()))
+        g.build([self.fe.heur_mode.A, self.fe.heur_mode.FALLBACK])
+        workspace = torch.empty(max(g.get_workspace_size(), 1), dtype=torch.uint8, device="cuda")
+        pack, handle = {**pack, **outputs}, self.handle
+        return lambda: g.execute(pack, workspace, handle=handle)
+
+    def forward(self, shape: AttnShape, inputs) -> tuple:
+        """(run, o): the inference forward, paged when the shape is."""
+        g, paged = self._graph(), bool(shape.page_size)
+        names = ("q", "k_pool", "v_pool", "k_table", "v_table", "seq_len_q", "seq_len_kv") if paged else ("q", "k", "v")
+        t = {name: g.tensor_like(inputs[name]) for name in names}
+        extra = dict(use_padding_mask=True, seq_len_q=t["seq_len_q"], seq_len_kv=t["seq_len_kv"],
+                     paged_attention_k_table=t["k_table"], paged_attention_v_table=t["v_table"],
+                     paged_attention_max_seq_len_kv=shape.s_kv) if paged else {}
+        o, _ = g.sdpa(q=t["q"], k=t["k_pool" if paged else "k"], v=t["v_pool" if paged else "v"],
+                      attn_scale=shape.scale, generate_stats=False, name="sdpa", **self._mask(shape), **extra)
+        out = poisoned(inputs["q"].shape, inputs["q"].stride(), BF16, "cuda")
+        return self._finish(g, {t[n]: inputs[n] for n in names}, {o: out}), out
+
+    def backward(self, shape: AttnShape, inputs) -> tuple:
+        """(run, (dq, dk, dv)) from the reference's o and stats."""
+        g, names = self._graph(), ("q", "k", "v", "o", "d_o", "stats")
+        t = {name: g.tensor_like(inputs[name]) for name in names}
+        grads = g.sdpa_backward(q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["d_o"], stats=t["stats"],
+                                attn_scale=shape.scale, name="sdpa_backward", **self._mask(shape))
+        buffers = tuple(poisoned(inputs[n].shape, inputs[n].stride(), BF16, "cuda") for n in ("q", "k", "v"))
+        return self._finish(g, {t[n]: inputs[n] for n in names}, dict(zip(grads, buffers))), buffers
+
+
+def cudnn_provider(shape: AttnShape, inputs, backward: bool, ctx) -> Callable:
+    """The cuDNN frontend forward or backward graph of the shape."""
+    def factory():
+        if ctx.frontend is None:
+            raise Skipped(f"cuDNN frontend {ctx.fe_note}")
+        if backward:
+            run, grads = ctx.frontend.backward(shape, inputs)
+            return run, (lambda: grads), "grads", {}
+        run, out = ctx.frontend.forward(shape, inputs)
+        return run, (lambda: out), "o", {}
+    return factory
+
+
+# --- dnngraph ------------------------------------------------------------------------------------
+def new_graph(io_type, name) -> dg.Graph:
+    """A dnngraph graph with float32 intermediates and math."""
+    return dg.Graph(name=name, io_data_type=io_type, intermediate_data_type=dg.float32,
+                    compute_data_type=dg.float32)
+
+
+def dg_mask(shape: AttnShape) -> dict:
+    """sdpa's mask arguments: the band for windows, use_causal_mask for plain causal shapes."""
+    if shape.left_bound is not None:
+        return dict(diagonal_alignment="top_left", diagonal_band_left_bound=shape.left_bound,
+                    diagonal_band_right_bound=shape.right_bound)
+    return dict(use_causal_mask=True) if shape.right_bound == 0 else {}
+
+
+def dg_sdpa_graph(shape: AttnShape, inputs, io_type, backward: bool) -> tuple:
+    """(graph, bound inputs {Tensor: name}, outputs): g.sdpa (paged when the shape is) or g.sdpa_backward."""
+    g = new_graph(io_type, "sdpa_backward" if backward else "sdpa")
+    if backward:
+        names = ("q", "k", "v", "o", "d_o", "stats")
+    else:
+        names = ("q", "k_pool", "v_pool", "k_table", "v_table", "seq_len_kv") if shape.page_size else ("q", "k", "v")
+    t = {name: g.tensor_like(inputs[name], name=name) for name in names}
+    if backward:
+        outputs = g.sdpa_backward(t["q"], t["k"], t["v"], t["o"], t["d_o"], t["stats"],
+                                  attn_scale=shape.scale, **dg_mask(shape))
+    elif shape.page_size:
+        paged = dict(seq_len_kv=t["seq_len_kv"], paged_attention_k_table=t["k_table"],
+                     paged_attention_v_table=t["v_table"], paged_attention_max_seq_len_kv=shape.s_kv)
+        outputs = g.sdpa(t["q"], t["k_pool"], t["v_pool"], attn_scale=shape.scale, is_inference=True,
+                         **dg_mask(shape), **paged)[:1]
+    else:
+        outputs = g.sdpa(t["q"], t["k"], t["v"], attn_scale=shape.scale, is_inference=True, **dg_mask(shape))[:1]
+    return g, {tensor: name for name, tensor in t.items()}, list(outputs)
+
+
+def softcap_probs(g, t: dict, shape: AttnShape) -> tuple:
+    """(probs, x = scaled scores / cap, visible) of the causal softcap graph, as ops."""
+    scores = g.scale(g.matmul(t["q"], t["k_t"]), shape.scale)
+    x = g.scale(scores, 1.0 / shape.softcap)
+    visible = g.cmp_ge(t["row"], t["col"])  # causal: key j visible to query i when i >= j
+    masked = g.where(visible, g.mul(g.tanh(x), shape.softcap), float("-inf"))
+    return g.softmax(masked, axis=-1), x, visible
+
+
+def dg_softcap_graph(shape: AttnShape, inputs, io_type, backward: bool) -> tuple:
+    """The softcap row as dnngraph ops; backward recomputes the forward and chains the ops' backwards:
+    dP = dO v^T, softmax_backward, the mask, tanh_backward, then dq = dS k, dk = dS^T q, dv = P^T dO."""
+    g = new_graph(io_type, "softcap_backward" if backward else "softcap")
+    names = ("q", "k_t", "v", "row", "col") + (("k", "v_t", "d_o") if backward else ())
+    t = {name: g.tensor_like(inputs[name], name=name) for name in names}
+    probs, x, visible = softcap_probs(g, t, shape)
+    if not backward:
+        return g, {tensor: name for name, tensor in t.items()}, [g.matmul(probs, t["v"])]
+    d_masked = g.softmax_backward(g.matmul(t["d_o"], t["v_t"]), probs, axis=-1)
+    d_capped = g.where(visible, d_masked, 0.0)
+    d_scores = g.scale(g.tanh_backward(g.mul(d_capped, shape.softcap), x), shape.scale / shape.softcap)
+    swap = [0, 1, 3, 2]
+    outputs = [g.matmul(d_scores, t["k"]), g.matmul(g.transpose(d_scores, swap), t["q"]),
+               g.matmul(g.transpose(probs, swap), t["d_o"])]
+    return g, {tensor: name for name, tensor in t.items()}, outputs
+
+
+def dg_graph(shape: AttnShape, inputs, io_type, backward: bool) -> tuple:
+    """(graph, bound inputs, outputs) with outputs marked and named; NotBuilt when the API lacks
+    an argument the shape needs."""
+    make = dg_softcap_graph if shape.softcap else dg_sdpa_graph
+    try:
+        g, bound, outputs = make(shape, inputs, io_type, backward)
+    except TypeError as error:  # e.g. an sdpa keyword the graph API does not take yet
+        if "argument" not in str(error):
+            raise
+        raise NotBuilt(_short(error, 300)) from None
+    for tensor, name in zip(outputs, ("dq", "dk", "dv") if backward else ("o",)):
+        tensor.set_output(True).set_name(name)
+    return g, bound, outputs
+
+
+def dg_provider(shape: AttnShape, inputs, io_type, backward: bool) -> Callable:
+    """dnngraph: g.build() (heuristics, no autotune), then execute into poisoned outputs."""
+    def factory():
+        g, bound, outputs = dg_graph(shape, inputs, io_type, backward)
+        start = time.perf_counter()
+        try:
+            g.build()
+        except dg.UnsupportedError as error:
+            raise NotBuilt(_short(error, 300)) from None
+        device = inputs["q"].device
+        buffers = tuple(poisoned(t.dim, t.stride, t.data_type.torch_dtype, device) for t in outputs)
+        bindings = {tensor: inputs[name] for tensor, name in bound.items()}
+        bindings.update(zip(outputs, buffers))
+        launches = len(getattr(g.plan, "launches", None) or [])
+        extra = {"build_s": time.perf_counter() - start, "launches": launches}
+        return (lambda: g.execute(bindings)), (lambda: buffers), "grads" if backward else "o", extra
+    return factory
+
+
+def reference_check(shape: AttnShape, inputs, refs, backward: bool) -> float:
+    """The largest relative error between this file's reference and g.reference() (float64)."""
+    g, bound, outputs = dg_graph(shape, inputs, dg.float32, backward)
+    graph_refs = g.reference({tensor: inputs[name] for tensor, name in bound.items()})
+    ours = refs["grads"] if backward else refs["o"]
+    return max(rel_error(mine, graph_refs[t.name]) for mine, t in zip(ours, outputs))
+
+
+# --- measuring -----------------------------------------------------------------------------------
+@dataclass
+class Context:
+    args: argparse.Namespace
+    device: str
+    dtype: torch.dtype
+    ref_dtype: torch.dtype
+    tolerance: float
+    timed: bool
+    frontend: Optional[CudnnAttention] = None
+    fe_note: str = "not loaded"
+    compile_deadline: float = math.inf
+    compiled: dict = None
+
+
+def _refusal(error: Exception, caught) -> str:
+    """The error, with the reasons torch warned while refusing (SDPA says why each backend is not used)."""
+    reasons = []
+    for warning in caught:
+        text = re.sub(r"\s*\(Triggered internally at [^)]*\)", "", str(warning.message))
+        reasons += [line.strip() for line in text.splitlines() if line.strip()
+                    and not line.strip().endswith("not used because:") and "runtime disabled" not in line]
+    reasons = list(dict.fromkeys(reasons))
+    return _short(error, 200) + ("" if not reasons else " [" + "; ".join(r[:200] for r in reasons[:4]) + "]")
+
+
+def measure(factory: Callable, refs: dict, work: float, ctx: Context) -> dict:
+    """Build, check against the reference, then time one provider; failures become status cells."""
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            start = time.perf_counter()
+            try:
+                run, outputs, flavour, extra = factory()
+                result = run()
+                _sync(ctx.device)
+            except (Skipped, NotBuilt):
+                raise
+            except Exception as error:  # noqa: BLE001 - reported with torch's reasons
+                return _failed(_refusal(error, caught))
+        first_call_s = time.perf_counter() - start
+        produced = outputs() if outputs is not None else result
+        produced = produced if isinstance(produced, tuple) else (produced,)
+        error = max(rel_error(out, ref) for out, ref in zip(produced, refs[flavour]))
+        row = {"status": "ok", "rel_error": error, "first_call_s": first_call_s,
+               "checked": math.isfinite(error) and error <= ctx.tolerance, **extra}
+        del produced, result
+        if ctx.timed:
+            ms = median_ms(run, warmup=25, rep=ctx.args.rep_ms)
+            row.update(ms=ms, rate=work / ms / 1e9, host_us=_host_us(run, ctx.device))
+        return row
+    except Skipped as reason:
+        return {"status": "skipped", "error": str(reason)}
+    except NotBuilt as reason:
+        return {"status": "not built", "error": str(reason)}
+    except Exception as error:  # noqa: BLE001 - one provider failing leaves the others measured
+        return _failed(error)
+
+
+def run_case(row: RowSpec, shape: AttnShape, ctx: Context) -> dict:
+    """Every provider of one shape: the reference, anchors, then dnngraph (a faulting kernel then
+    leaves the anchors measured)."""
+    inputs = make_inputs(shape, ctx.device, ctx.dtype)
+    refs = references(shape, inputs, ctx.ref_dtype, row.backward)
+    if row.backward:  # the backward graphs start from the reference's o and stats
+        inputs["o"], inputs["stats"] = refs["o"][0].to(ctx.dtype), refs["lse"].float()
+    work = shape.kv_bytes if row.decode else shape.work(row.backward)
+    makers = {"flex": flex_provider, "compile": compile_provider, "cudnn_fe": cudnn_provider}
+    factories = {}
+    for name in anchors_of(shape):
+        if name in SDPA_BACKENDS:
+            factories[name] = sdpa_provider(name, shape, inputs, row.backward, ctx)
+        elif name == "gather_sdpa":
+            factories[name] = gather_sdpa_provider(shape, inputs)
+        else:
+            factories[name] = makers[name](shape, inputs, row.backward, ctx)
+    factories["dg"] = dg_provider(shape, inputs, dg.bfloat16 if ctx.dtype == BF16 else dg.float32, row.backward)
+    case = {"label": shape.label, "shape": shape.describe(), "work": work,
+            "visible": shape.visible_pairs() / (shape.s_q * shape.s_kv)}
+    for name, factory in factories.items():
+        case[name] = measure(factory, refs, work, ctx)
+    if not ctx.timed:
+        try:
+            case["reference_check"] = reference_check(shape, inputs, refs, row.backward)
+        except NotBuilt as reason:
+            case["reference_check"], case["reference_check_error"] = None, f"not built: {reason}"
+        except Exception as error:  # noqa: BLE001
+            case["reference_check"], case["reference_check_error"] = float("nan"), _short(error, 200)
+    return case
+
+
+# --- reporting -----------------------------------------------------------------------------------
+def _ok(result) -> bool:
+    return bool(result) and result.get("status") == "ok" and "ms" in result
+
+
+def _rate(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 1 else f"{value:.3f}"
+
+
+def _cell(result) -> str:
+    if not result:
+        return "-"
+    if result.get("status") != "ok":
+        return result["status"]
+    flag = "" if result["checked"] else " (!)"
+    if "ms" not in result:
+        return f"err {result['rel_error']:.0e}{flag}"
+    return f"{result['ms'] * 1e3:.0f} us / {_rate(result['rate'])}{flag}"
+
+
+def _ratio(anchor, ours) -> Optional[float]:
+    return anchor["ms"] / ours["ms"] if _ok(anchor) and _ok(ours) else None
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def providers_of(cases: list) -> list:
+    """Anchors in table order (those any case has), then dnngraph."""
+    return [p for p in TITLES if p != "dg" and any(p in c for c in cases)] + ["dg"]
+
+
+def best_anchor_ratio(case: dict) -> Optional[float]:
+    """The fastest measured anchor's time / dnngraph's time."""
+    times = [r["ms"] for name, r in case.items() if name in TITLES and name != "dg" and _ok(r)]
+    return min(times) / case["dg"]["ms"] if times and _ok(case.get("dg")) else None
+
+
+def report_row(row: RowSpec, cases: list) -> list:
+    """Print the row's two tables; returns its goal lines."""
+    providers = providers_of(cases)
+    unit, amount = ("TB/s", "GB read") if row.decode else ("TFLOP/s", "GFLOP")
+    print_table(f"{row.title}: time (us) / {unit}", ["shape", "dims", amount, "visible"]
+                + [TITLES[p] for p in providers],
+                [[c["label"], c["shape"], f"{c['work'] / 1e9:.3g}", f"{c['visible']:.3f}"]
+                 + [_cell(c.get(p)) for p in providers] for c in cases])
+    anchors = providers[:-1]
+    print_table(f"{row.title}: anchor time / dnngraph time (> 1: dnngraph faster); relative errors",
+                ["shape"] + [f"{TITLES[a]} / dg" for a in anchors] + ["best / dg"]
+                + [f"err {TITLES[p]}" for p in providers],
+                [[c["label"]] + [_fmt(_ratio(c.get(a), c.get("dg"))) for a in anchors]
+                 + [_fmt(best_anchor_ratio(c))]
+                 + [f"{c[p]['rel_error']:.0e}" if (c.get(p) or {}).get("status") == "ok" else "-" for p in providers]
+                 for c in cases])
+    return goal_lines(row, cases, anchors)
+
+
+def goal_lines(row: RowSpec, cases: list, anchors: list) -> list:
+    """Geomean and min of dnngraph's speed over each anchor, then the goal verdict."""
+    lines = []
+    for anchor in anchors:
+        ratios = [(r, c["label"]) for c in cases if (r := _ratio(c.get(anchor), c.get("dg"))) is not None]
+        if ratios:
+            low = min(ratios)
+            lines.append(f"- {row.key}: dnngraph vs {TITLES[anchor]}: geomean {_geomean([r for r, _ in ratios]):.3f}x, "
+                         f"min {low[0]:.2f}x ({low[1]}) over {len(ratios)} of {len(cases)} shape(s)")
+    goal = f">= {row.goal_geomean}x the fastest anchor per shape (geomean), no shape < {row.goal_min}x"
+    ratios = [(r, c["label"]) for c in cases if (r := best_anchor_ratio(c)) is not None]
+    if not ratios:
+        built = sum(1 for c in cases if _ok(c.get("dg")))
+        return lines + [f"- {row.key} GOAL {goal}: NOT JUDGED (dnngraph measured on {built} of {len(cases)} shapes)"]
+    mean, low = _geomean([r for r, _ in ratios]), min(ratios)
+    met = mean >= row.goal_geomean and low[0] >= row.goal_min
+    partial = "" if len(ratios) == len(cases) else f", only {len(ratios)} of {len(cases)} shapes measured"
+    return lines + [f"- {row.key} GOAL {goal}: {'met' if met else 'BELOW GOAL'} (geomean {mean:.3f}x, "
+                    f"min {low[0]:.2f}x at {low[1]}{partial})"]
+
+
+def failure_notes(key: str, cases: list, tolerance: float, head_start_us: float = 0.0) -> list:
+    """Why cells are missing or doubtful, one line per (provider, reason)."""
+    reasons = {}
+    for case in cases:
+        for name, result in case.items():
+            if name not in TITLES or not isinstance(result, dict):
+                continue
+            if result.get("status") != "ok":
+                reason = f"{result['status']}: {result.get('error', '')}"
+            elif not result["checked"]:
+                reason = f"rel error {result['rel_error']:.1e} past {tolerance:g}"
+            elif _ok(result) and result.get("host_us", 0) > result["ms"] * 1e3 + head_start_us:
+                reason = (f"host time per call exceeds device time + L2 flush ({head_start_us:.0f} us): "
+                          "the timing may hold host time")
+            else:
+                continue
+            reasons.setdefault((TITLES[name], reason), []).append(case["label"])
+    return [f"- {key} {name}: {reason} [{'; '.join(labels)}]" for (name, reason), labels in reasons.items()]
+
+
+def report(results: dict, header: dict):
+    """Print every row's tables, the goals and the notes."""
+    goals, notes = [], []
+    for key, cases in results.items():
+        if cases:
+            goals += report_row(ROWS[key], cases)
+            notes += failure_notes(key, cases, TOLERANCE, header.get("flush_us", 0.0))
+    print("\n### Goals (dnngraph speed over each anchor, geometric mean over shapes)\n\n" + "\n".join(goals))
+    if notes:
+        print("\nNot measured, not built, past tolerance, or timings that may hold host time:\n" + "\n".join(notes))
+    print(f"\ndevice: {header['device']}, torch {header['torch']}, triton {header['triton']}, "
+          f"cuDNN (torch) {header['torch_cudnn']}; cuDNN frontend: {header['cudnn_frontend']}; "
+          f"run took {header['seconds']:.0f} s")
+
+
+# --- main ----------------------------------------------------------------------------------------
+def parse_rows(text: str) -> list:
+    """--rows: comma-separated keys of ROWS."""
+    rows = [r.strip() for r in text.split(",") if r.strip()]
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown row(s) {unknown}; choose from {','.join(ROWS)}")
+    return rows
+
+
+def parse_args(argv):
+    """The command line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=parse_rows, default=list(ROWS),
+                        help=f"comma-separated rows (default all): {','.join(ROWS)}")
+    parser.add_argument("--quick", action="store_true", help=f"only the shapes {', '.join(QUICK)}")
+    parser.add_argument("--only", default="", help="comma-separated words: shapes whose label has one")
+    parser.add_argument("--no-compile", action="store_true", help="skip flex attention and torch.compile")
+    parser.add_argument("--no-cudnn", action="store_true", help="skip the cuDNN frontend anchors")
+    parser.add_argument("--cudnn-fe-path", default=None,
+                        help="a folder (pip install --target) holding the cuDNN frontend's `cudnn` package")
+    parser.add_argument("--compile-budget-s", type=float, default=600.0,
+                        help="skip torch.compile (flex included) once the run has spent this many seconds")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement")
+    parser.add_argument("--reuse-cache", action="store_true",
+                        help="build with the environment's DNNGRAPH_CACHE_DIR (default: a fresh one)")
+    parser.add_argument("--list-shapes", action="store_true", help="print each row's shapes and exit")
+    parser.add_argument("--check-cpu", action="store_true",
+                        help="tiny fp32 shapes on CPU (interpreter) against float64, no timing")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    """Run the benchmark (or --list-shapes / --check-cpu) with command-line arguments `argv`."""
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.list_shapes:
+        return list_shapes(args)
+    if args.reuse_cache:
+        cache_dir, remove = os.environ.get("DNNGRAPH_CACHE_DIR", "~/.cache/dnngraph (default)"), False
+    else:
+        cache_dir, remove = tempfile.mkdtemp(prefix="dnngraph-bench-attention-"), True
+        os.environ["DNNGRAPH_CACHE_DIR"] = cache_dir
+    try:
+        return check_cpu(args) if args.check_cpu else run_gpu(args, cache_dir)
+    finally:
+        if remove:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def list_shapes(args):
+    """Print each row's shapes (GPU and --check-cpu), visible fractions and work."""
+    for key in args.rows:
+        row = ROWS[key]
+        for cpu in (False, True):
+            shapes = row_shapes(key, args, cpu)
+            print_table(f"{key}{' (--check-cpu)' if cpu else ''}: {row.title}",
+                        ["shape", "dims", "visible", "GB read" if row.decode else "GFLOP", "anchors"],
+                        [[s.label, s.describe(), f"{s.visible_pairs() / (s.s_q * s.s_kv):.4f}",
+                          f"{(s.kv_bytes if row.decode else s.work(row.backward)) / 1e9:.4g}",
+                          ", ".join(TITLES[a] for a in anchors_of(s))] for s in shapes])
+
+
+def load_frontend(args) -> tuple:
+    """(CudnnAttention or None, note)."""
+    if args.no_cudnn:
+        return None, "skipped (--no-cudnn)"
+    if args.cudnn_fe_path:
+        sys.path.insert(0, os.path.abspath(args.cudnn_fe_path))
+    try:
+        module, note = load_cudnn_frontend()
+        if module is None:
+            return None, note
+        return CudnnAttention(module), (f"cudnn frontend {getattr(module, '__version__', '?')}, backend "
+                                        f"{module.backend_version()}; {note}")
+    except Exception as error:  # noqa: BLE001
+        return None, f"unavailable: {_short(error, 300)}"
+
+
+def flush_us() -> float:
+    """Device microseconds of the L2 flush do_bench runs before each timed call."""
+    try:
+        driver = triton.runtime.driver.active
+        cache = driver.get_empty_cache_for_benchmark()
+        return median_ms(lambda: driver.clear_cache(cache)) * 1e3
+    except Exception:  # noqa: BLE001 - informative only
+        return 0.0
+
+
+def run_gpu(args, cache_dir):
+    """Measure every requested row on the GPU, print the report, write $OUT/attention.json."""
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: use --check-cpu for the CPU smoke test")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the float32 references are full float32
+    torch.backends.cudnn.allow_tf32 = False
+    for knob in ("recompile_limit", "cache_size_limit"):  # flex recompiles per mask and shape
+        if hasattr(torch._dynamo.config, knob):
+            setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 64))
+    started = time.perf_counter()
+    torch.empty(1, device="cuda")  # torch's CUDA context before cuDNN's
+    frontend, fe_note = load_frontend(args)
+    print(f"cuDNN frontend: {fe_note}", flush=True)
+    ctx = Context(args, "cuda", BF16, F32, TOLERANCE, True, frontend, fe_note,
+                  started + args.compile_budget_s, {})
+    header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "torch_cudnn": torch.backends.cudnn.version(), "cudnn_frontend": fe_note, "tolerance": TOLERANCE,
+              "dnngraph_cache_dir": cache_dir, "flush_us": flush_us(), "rows": args.rows,
+              "work": "forward 4*B*H*D*visible pairs, backward x2.5; decode K+V bytes"}
+    results = {key: [] for key in args.rows}
+    for key in args.rows:
+        for shape in row_shapes(key, args):
+            results[key].append(timed_case(ROWS[key], shape, ctx, started))
+            header["seconds"] = time.perf_counter() - started
+            write_json("attention.json", {"header": header, "results": results})  # kept if a later shape dies
+            torch.cuda.empty_cache()
+    header["seconds"] = time.perf_counter() - started
+    report(results, header)
+    path = write_json("attention.json", {"header": header, "results": results})
+    if path:
+        print(f"\nresults: {path}")
+    return results
+
+
+def timed_case(row: RowSpec, shape: AttnShape, ctx: Context, started: float) -> dict:
+    """run_case with a progress line; a failing reference marks every provider n/a."""
+    start = time.perf_counter()
+    try:
+        case = run_case(row, shape, ctx)
+    except Exception as error:  # noqa: BLE001 - the inputs or the reference of the shape failed
+        case = {"label": shape.label, "shape": shape.describe(), "work": 0.0, "visible": 0.0,
+                **{p: _failed(error) for p in anchors_of(shape) + ("dg",)}}
+    case["seconds"] = time.perf_counter() - start
+    cells = [f"{TITLES[p]} {_cell(case[p])}" for p in case if p in TITLES]
+    print(f"[{time.perf_counter() - started:5.0f} s] {row.key} {shape.label} ({case['seconds']:.0f} s): "
+          + ", ".join(cells), flush=True)
+    return case
+
+
+def check_cpu(args):
+    """Tiny fp32 shapes on CPU against float64: the CPU-capable anchors, dnngraph, g.reference()."""
+    ctx = Context(args, "cpu", F32, F64, CPU_TOLERANCE, False, compiled={})
+    cases, verdicts = [], []
+    for key in args.rows:
+        for shape in row_shapes(key, args, cpu=True):
+            start = time.perf_counter()
+            case = run_case(ROWS[key], shape, ctx)
+            cases.append((key, case))
+            verdicts += [cpu_verdict(name, case[name]) for name in case if name in TITLES]
+            verdicts.append(reference_verdict(case))
+            print(f"{key} {shape.label} ({time.perf_counter() - start:.1f} s): "
+                  + " | ".join(f"{TITLES[n]} {cpu_cell(case[n])}" for n in case if n in TITLES)
+                  + f" | torch ref vs g.reference {reference_cell(case)}", flush=True)
+    providers = providers_of([c for _, c in cases])
+    print_table(f"CPU check (fp32, dnngraph through Triton's interpreter): relative error vs float64 "
+                f"(tolerance {CPU_TOLERANCE:g})", ["row", "shape", "dims"] + [TITLES[p] for p in providers]
+                + ["torch ref vs g.reference"],
+                [[key, c["label"], c["shape"]] + [cpu_cell(c.get(p)) for p in providers] + [reference_cell(c)]
+                 for key, c in cases])
+    notes = [line for key, c in cases for line in failure_notes(key, [c], CPU_TOLERANCE)]
+    if notes:
+        print("\n" + "\n".join(notes))
+    return cpu_exit(verdicts)
+
+
+def cpu_verdict(name: str, result) -> str:
+    """ok, wrong or unsupported (dnngraph not built yet) for one provider's CPU result."""
+    status = result.get("status")
+    if status == "ok":
+        return "ok" if result["checked"] else "wrong"
+    if status == "skipped":
+        return "ok"
+    return "unsupported" if name == "dg" and status == "not built" else "wrong"
+
+
+def reference_verdict(case) -> str:
+    """ok when this file's reference matches g.reference() to 1e-6; unsupported when not declarable."""
+    value = case.get("reference_check")
+    if value is None:
+        return "unsupported"
+    return "ok" if value <= 1e-6 else "wrong"
+
+
+def reference_cell(case) -> str:
+    """The reference check as a table cell."""
+    value = case.get("reference_check")
+    text = "-" if value is None else f"{value:.0e}"
+    return text + (f" ({case['reference_check_error']})" if "reference_check_error" in case else "")
+
+
+def cpu_cell(result) -> str:
+    """One provider's CPU result as a table cell."""
+    if not result:
+        return "-"
+    if result.get("status") == "ok":
+        return f"err {result['rel_error']:.1e}" + ("" if result["checked"] else " (!)")
+    return result["status"]
+
+
+def cpu_exit(verdicts):
+    """Print the verdict; exit 1 on any wrong result, 2 when only dnngraph builds are missing."""
+    wrong, unsupported = verdicts.count("wrong"), verdicts.count("unsupported")
+    if wrong:
+        print(f"\nFAILED: {wrong} result(s) wrong, failed or past tolerance"
+              + (f"; {unsupported} not built yet" if unsupported else ""))
+        sys.exit(1)
+    if unsupported:
+        print(f"\nNOT BUILT: {unsupported} dnngraph graph(s) or reference check(s) cannot be built yet; "
+              "everything that ran agrees with the float64 reference")
+        sys.exit(2)
+    print(f"\nall {len(verdicts)} checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    main()
