@@ -156,10 +156,11 @@ class RowSpec:
     goal_min: float
 
 
-ROWS = {  # the goals are this script's targets for the first attention kernels
-    "fwd": RowSpec("fwd", "attention forward (inference, no stats)", False, False, 0.9, 0.7),
-    "bwd": RowSpec("bwd", "attention backward (dq, dk, dv)", True, False, 0.8, 0.6),
-    "decode": RowSpec("decode", "decode (Sq=1)", False, True, 0.9, 0.8),
+ROWS = {  # issue 12's goals: >= 1.0x cuDNN (floors 0.85x forward, 0.8x backward); decode >= 85% of
+    # the copy ceiling, which cuDNN's decode reaches (3.0 TB/s), so 0.85x the fastest anchor there
+    "fwd": RowSpec("fwd", "attention forward (inference, no stats)", False, False, 1.0, 0.85),
+    "bwd": RowSpec("bwd", "attention backward (dq, dk, dv)", True, False, 1.0, 0.8),
+    "decode": RowSpec("decode", "decode (Sq=1)", False, True, 0.85, 0.85),
 }
 TITLES = {"sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA flash", "sdpa_efficient": "SDPA mem-eff",
           "cudnn_fe": "cuDNN FE", "flex": "flex", "compile": "compile", "gather_sdpa": "gather+SDPA",
