@@ -95,15 +95,18 @@ def schedule(problem: AttentionProblem, model: DeviceModel) -> AttentionSchedule
     return AttentionSchedule(problem, config, block_d, block_dv, programs, reason)
 
 
-# Backward tiles for 16-bit inputs on a GPU, (head dim at most, dK/dV kernel's [BLOCK_M queries
-# per step, BLOCK_N keys per program], dQ kernel's [BLOCK_M, BLOCK_N], num_warps, num_stages):
-# the dK/dV program holds two [BLOCK_N, D] fp32 accumulators, the dQ program one [BLOCK_M, D].
-# Starting points from the forward's sweep (8 warps for 128-wide fp32 accumulators), not yet
-# swept for the backward.
-GPU_BACKWARD_TILES = ((64, (64, 128), (128, 64), 8, 2), (128, (64, 128), (128, 64), 8, 2),
-                      (256, (32, 64), (64, 32), 8, 1))
-GPU_BACKWARD_TILES_FP32 = ((64, (32, 64), (64, 32), 4, 2), (128, (32, 64), (64, 32), 4, 1),
-                           (256, (16, 32), (32, 16), 4, 1))
+# Backward tiles, (head dim at most, dK/dV kernel config, dQ kernel config), each config
+# (BLOCK_M queries a step or per program, BLOCK_N keys, num_warps, num_stages); the dK/dV program
+# holds two [BLOCK_N, D] fp32 accumulators, the dQ program one [BLOCK_M, D]. Chosen on the H100
+# (bf16, .dbg sweep of 7 dK/dV and 6 dQ configs, the other kernel at its default; total us):
+# D64 B8 H16 S2048 causal: dK/dV [64, 128] 4 warps 882 (8 warps 1011), dQ [64, 64] 4 warps 863
+# (128 x 64 on 8 warps 1010); D128 B4 H32 S4096: dK/dV [64, 64] 4 warps 7194 full / 4545 causal
+# ([64, 128] 8 warps 7452 / 4468), dQ [64, 64] 4 warps 7349 / 4253 ([128, 64] 8 warps 7444 /
+# 4518). D256 halves the tiles (two [64, 256] fp32 accumulators already fill the registers).
+GPU_BACKWARD_TILES = ((64, (64, 128, 4, 2), (64, 64, 4, 2)), (128, (64, 64, 4, 2), (64, 64, 4, 2)),
+                      (256, (32, 64, 8, 1), (64, 32, 8, 1)))
+GPU_BACKWARD_TILES_FP32 = ((64, (32, 64, 4, 2), (64, 32, 4, 2)), (128, (32, 64, 4, 1), (64, 32, 4, 1)),
+                           (256, (16, 32, 4, 1), (32, 16, 4, 1)))
 DELTA_ROWS = 64  # rows of o and dO per program of the delta preprocess (a streaming row sum)
 FORCE_BACKWARD: Optional[dict] = None  # tests force {"dkdv": AttentionConfig, "dq": AttentionConfig}
 
@@ -138,8 +141,8 @@ def backward_schedule(problem: AttentionProblem, model: DeviceModel) -> Backward
     else:
         width = max(problem.head_dim, problem.value_dim)
         table = GPU_BACKWARD_TILES if problem.element_bytes <= 2 else GPU_BACKWARD_TILES_FP32
-        _, dkdv, dq, warps, stages = next((row for row in table if width <= row[0]), table[-1])
-        configs = {"dkdv": AttentionConfig(*dkdv, warps, stages), "dq": AttentionConfig(*dq, warps, stages)}
+        _, dkdv, dq = next((row for row in table if width <= row[0]), table[-1])
+        configs = {"dkdv": AttentionConfig(*dkdv), "dq": AttentionConfig(*dq)}
     configs.update(FORCE_BACKWARD or {})
     rows = DELTA_ROWS if model.capability is not None else INTERPRETER_TILE[0]
     configs["delta"] = AttentionConfig(rows, 16, 4 if model.capability is not None else 1, 1)
