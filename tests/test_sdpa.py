@@ -51,7 +51,8 @@ def _run(shape_q, shape_kv, dtype=torch.float32, layout="bhsd", value_dim=None, 
     o.set_output(True)
     stats.set_output(True)
     g.build()
-    assert len(g.plan.launches) == 1
+    split = g.plan.launches[-1].config_text.startswith("combine")
+    assert len(g.plan.launches) == (2 if split else 1)
     return check(g, inputs, dtype, tolerance=tolerance)
 
 
@@ -299,3 +300,33 @@ def test_backward_forced_tiles_walk_every_run(monkeypatch):
     tile = heur.AttentionConfig(16, 16, 1, 1)
     monkeypatch.setattr(heur, "FORCE_BACKWARD", {"dkdv": tile, "dq": tile})
     _run_backward((1, 2, 70, 16), (2, 66), diagonal_band_left_bound=20, diagonal_band_right_bound=9)
+
+
+# --- decode: query heads packed per K/V head, keys split and merged ------------------------------
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "window_bottom_right", "band"])
+def test_decode_packed_and_split(monkeypatch, splits, mask):
+    """Sq 1-3 with GQA 4:1: every query row of a K/V head in one tile; forced splits merge their
+    partials by log-sum-exp (padding leaves some splits empty)."""
+    monkeypatch.setattr(heur, "FORCE_SPLITS", splits)
+    _run((3, 8, 3, 16), (2, 77), lens=([3, 1, 2], [77, 5, 0]), **MASKS[mask])
+    _run((2, 4, 1, 24), (1, 50), bias_dim=(2, 4, 1, 50), dropout=(0.2, 11, 13), **MASKS[mask])
+
+
+def test_decode_split_with_epilogue_paged_and_no_workspace(monkeypatch):
+    monkeypatch.setattr(heur, "FORCE_SPLITS", 4)
+    gen = torch.Generator().manual_seed(8)
+    k_pool, v_pool, table = _paged(2, 2, 4, 9, 16, gen)
+    q_t = torch.randn(2, 8, 1, 16, generator=gen)
+    for limit in (None, 0):
+        g, inputs, q, k, v = _graph(torch.float32, q_t, k_pool, v_pool)
+        kt = g.tensor(name="kt", dim=[2, 1, 9, 1], data_type=dg.int32)
+        lens = g.tensor(name="lens", dim=[2, 1, 1, 1], data_type=dg.int32)
+        inputs.update({kt: table, lens: torch.tensor([36, 13], dtype=torch.int32).view(2, 1, 1, 1)})
+        o, stats = g.sdpa(q, k, v, is_inference=False, seq_len_kv=lens, paged_attention_k_table=kt,
+                          paged_attention_v_table=kt)
+        stats.set_output(True)
+        g.cast(g.mul(o, 3.0), data_type=dg.float16).set_output(True).set_name("o16")
+        g.build(workspace_limit=limit)
+        assert len(g.plan.launches) == (2 if limit is None else 1)
+        check(g, inputs, tolerance=2e-3)

@@ -40,7 +40,7 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          "lse_row", "delta_row", "dq_acc", "dk_acc", "dv_acc", "p_drop", "d_probs", "d_scores", "q_rows",
          "q_lo", "q_hi", "o_base", "do_base", "dq_base", "stats_base", "delta_base", "bias_base", "start_m")
 STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
-                "delta")
+                "delta", "opart", "lpart")
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
 
 
@@ -60,6 +60,9 @@ class AttentionSpec:
     block: tuple  # BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV
     wide_index: bool  # some operand offset may pass 2^31: row offsets in int64
     precision: str  # tl.dot input_precision for fp32 operands ("ieee", "tf32"), "" for 16-bit
+    packed: bool = False  # decode: a tile holds every query row of a K/V head's GROUP query heads
+    splits: int = 1  # decode: programs per K/V head, each over CHUNK keys, merged by a combine kernel
+    chunk: int = 0  # keys per split (a multiple of BLOCK_N)
 
 
 def _mask_argument(terms: list) -> str:
@@ -92,26 +95,44 @@ class _Writer:
 
     # --- program and query tile ---------------------------------------------------------------
     def prologue(self):
+        """Program ids to (batch, query head, query position) per tile row, lengths, the q tile."""
         w, wide = self.line, self.spec.wide_index
+        cast = ".to(tl.int64)" if wide else ""
         w("pid_m = tl.program_id(0)")
         w("pid_bh = tl.program_id(1)")
-        w("batch = pid_bh // HEADS")
-        w("head = pid_bh % HEADS")
-        w("kv_head = head // GROUP")
-        w("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        if self.spec.packed:  # rows are (query head of the group, position); pid_m is the split
+            w("batch = pid_bh // (HEADS // GROUP)")
+            w("kv_head = pid_bh % (HEADS // GROUP)")
+            w("rows = tl.arange(0, BLOCK_M)")
+            w("q_head = kv_head * GROUP + rows // SQ")
+            w("q_pos = rows % SQ")
+            w("row_in = rows < GROUP * SQ")
+            w("first_pos = 0")
+            w("last_pos = SQ - 1")
+        else:
+            w("batch = pid_bh // HEADS")
+            w("q_head = pid_bh % HEADS")
+            w("kv_head = q_head // GROUP")
+            w("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+            w("q_pos = rows")
+            w("row_in = rows < SQ")
+            w("first_pos = pid_m * BLOCK_M")
+            w("last_pos = first_pos + BLOCK_M - 1")
         w("cols_d = tl.arange(0, BLOCK_D)")
         w("cols_dv = tl.arange(0, BLOCK_DV)")
-        w("row_in = rows < SQ")
         w("len_q = " + (f"tl.load(lenq_ptr + batch * {self.stride('lenq', 0)}).to(tl.int32)"
                         if self.has("lenq") else "SQ"))
         w("len_kv = " + (f"tl.load(lenkv_ptr + batch * {self.stride('lenkv', 0)}).to(tl.int32)"
                          if self.has("lenkv") else "SKV"))
         w("len_kv = tl.minimum(len_kv, SKV)")
         w("shift = " + ("len_kv - len_q" if self.spec.bottom_right else "0"))
-        cast = ".to(tl.int64)" if wide else ""
-        w(f"q_base = batch{cast} * {self.stride('q', 0)} + head{cast} * {self.stride('q', 1)}")
-        w(f"q_tile = tl.load(q_ptr + q_base + rows[:, None]{cast} * {self.stride('q', 2)} + "
-          f"cols_d[None, :] * {self.stride('q', 3)}{_mask_argument(['row_in[:, None]'] + self.d_mask('[None, :]'))})")
+        w(f"q_base = {self.row_base('q')}")
+        w(f"q_tile = tl.load(q_ptr + q_base[:, None] + cols_d[None, :] * {self.stride('q', 3)}"
+          f"{_mask_argument(['row_in[:, None]'] + self.d_mask('[None, :]'))})")
+        if self.has("bias"):
+            w(f"bias_row = {self.row_base('bias')}")
+        if self.spec.dropout is not None:
+            w("drop_row = (batch.to(tl.int64) * HEADS + q_head) * SQ + q_pos")
         if not self.spec.page_size:
             w(f"k_base = batch{cast} * {self.stride('k', 0)} + kv_head{cast} * {self.stride('k', 1)}")
             w(f"v_base = batch{cast} * {self.stride('v', 0)} + kv_head{cast} * {self.stride('v', 1)}")
@@ -119,6 +140,12 @@ class _Writer:
         w("l_i = tl.zeros([BLOCK_M], tl.float32)")
         w("acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)")
         w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+
+    def row_base(self, stem: str) -> str:
+        """[BLOCK_M] offsets of each tile row's (batch, query head, position) in a [B, H, Sq, .]
+        tensor (batch may be a scalar, the head and position vectors)."""
+        cast = ".to(tl.int64)" if self.spec.wide_index else ""
+        return (f"batch{cast} * {stem}_s0 + q_head{cast} * {stem}_s1 + q_pos{cast} * {stem}_s2")
 
     def key_range(self):
         """lo/hi bound the blocks any row sees; [full_lo, full_hi) those every row sees whole."""
@@ -128,13 +155,16 @@ class _Writer:
         w("full_lo = 0")
         w("full_hi = len_kv")
         if spec.right is not None:
-            w(f"hi = tl.minimum(hi, pid_m * BLOCK_M + BLOCK_M + shift + {spec.right})")
-            w(f"full_hi = tl.minimum(full_hi, pid_m * BLOCK_M + shift + {spec.right} + 1)")
+            w(f"hi = tl.minimum(hi, last_pos + 1 + shift + {spec.right})")
+            w(f"full_hi = tl.minimum(full_hi, first_pos + shift + {spec.right} + 1)")
         if spec.left is not None:
-            w(f"lo = tl.maximum(lo, pid_m * BLOCK_M + shift - {spec.left} + 1)")
-            w(f"full_lo = tl.maximum(lo, pid_m * BLOCK_M + BLOCK_M - 1 + shift - {spec.left} + 1)")
+            w(f"lo = tl.maximum(lo, first_pos + shift - {spec.left} + 1)")
+            w(f"full_lo = tl.maximum(lo, last_pos + shift - {spec.left} + 1)")
         w("hi = tl.maximum(hi, 0)")
         w("lo = tl.minimum(lo, hi) // BLOCK_N * BLOCK_N")
+        if spec.splits > 1:  # this program's chunk of keys (chunks start on block edges)
+            w("lo = tl.maximum(lo, pid_m * CHUNK)")
+            w("hi = tl.minimum(hi, pid_m * CHUNK + CHUNK)")
         # the fully visible run starts and ends on block edges inside [lo, hi]
         w("run_a = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)")
         w("run_b = tl.maximum(tl.minimum(full_hi // BLOCK_N * BLOCK_N, hi), run_a)")
@@ -164,17 +194,15 @@ class _Writer:
           f"{_mask_argument(terms)})", depth)
         w(f"scores = tl.dot(q_tile, k_tile{self.dot_options}) * qk_scale", depth)
         if self.has("bias"):
-            cast = ".to(tl.int64)" if spec.wide_index else ""
-            w(f"bias_tile = tl.load(bias_ptr + batch{cast} * {self.stride('bias', 0)} + head{cast} * "
-              f"{self.stride('bias', 1)} + rows[:, None] * {self.stride('bias', 2)} + keys[None, :] * "
-              f"{self.stride('bias', 3)}, mask=row_in[:, None] & key_in[None, :], other=0.0)", depth)
+            w(f"bias_tile = tl.load(bias_ptr + bias_row[:, None] + keys[None, :] * {self.stride('bias', 3)}, "
+              "mask=row_in[:, None] & key_in[None, :], other=0.0)", depth)
             w(f"scores += bias_tile.to(tl.float32) * {LOG2E!r}", depth)
         if masked:
-            w("visible = key_in[None, :] & (rows[:, None] >= 0)", depth)
+            w("visible = key_in[None, :] & (q_pos[:, None] >= 0)", depth)
             if spec.right is not None:
-                w(f"visible = visible & (keys[None, :] - (rows[:, None] + shift) <= {spec.right})", depth)
+                w(f"visible = visible & (keys[None, :] - (q_pos[:, None] + shift) <= {spec.right})", depth)
             if spec.left is not None:
-                w(f"visible = visible & ((rows[:, None] + shift) - keys[None, :] < {spec.left})", depth)
+                w(f"visible = visible & ((q_pos[:, None] + shift) - keys[None, :] < {spec.left})", depth)
             w("scores = tl.where(visible, scores, float('-inf'))", depth)
         w("m_new = tl.maximum(m_i, tl.max(scores, 1))", depth)
         # rows that have seen no key yet keep m = -inf: subtract 0 there (exp2(-inf) = 0, no NaN)
@@ -184,7 +212,7 @@ class _Writer:
         w("l_i = l_i * alpha + tl.sum(p_tile, 1)", depth)
         if spec.dropout is not None:
             p = spec.dropout[0]
-            w("counter = ((pid_bh.to(tl.int64) * SQ + rows[:, None]) * SKV + keys[None, :])", depth)
+            w("counter = drop_row[:, None] * SKV + keys[None, :]", depth)
             w(f"p_tile, keep = tm.dropout(p_tile, seed, offset, counter, {keep_threshold(p)}, "
               f"{1.0 / (1.0 - p)!r})", depth)
         v_rows = self.key_rows("v", depth)
@@ -200,17 +228,30 @@ class _Writer:
             self.block(masked, 2)
 
     # --- epilogue -----------------------------------------------------------------------------
-    def epilogue(self, group, o_uid: int, outputs: list) -> dict:
-        """Normalize, zero padded rows, run the pointwise epilogue, store; returns stem -> uid of
-        the epilogue's loaded operands and stored outputs (their strides are arguments)."""
+    def normalize(self):
+        """o = acc / l and the natural-log stats (-inf for a row that saw no key)."""
         w = self.line
         w("l_use = tl.where(l_i == 0.0, 1.0, l_i)")
         w("out = acc / l_use[:, None]")
-        w("out = tl.where((rows < len_q)[:, None], out, 0.0)")
+        w(f"lse = tl.where(l_i == 0.0, float('-inf'), (m_i + tl.math.log2(l_use)) / {LOG2E!r})")
+
+    def store_partials(self):
+        """A split's normalized o and base-2 log-sum-exp, for the combine kernel."""
+        w = self.line
+        w("l_use = tl.where(l_i == 0.0, 1.0, l_i)")
+        w("part_row = ((batch * HEADS + q_head) * SQ + q_pos).to(tl.int64) * SPLITS + pid_m")
+        w("tl.store(lpart_ptr + part_row, tl.where(l_i == 0.0, float('-inf'), m_i + tl.math.log2(l_use)), "
+          "mask=row_in)")
+        w("tl.store(opart_ptr + part_row[:, None] * BLOCK_DV + cols_dv[None, :], acc / l_use[:, None], "
+          "mask=row_in[:, None])")
+
+    def finish(self, group, o_uid: int, outputs: list) -> dict:
+        """Zero padded query rows, store stats, run the pointwise epilogue on o and store it;
+        returns stem -> tensor of the epilogue's loaded operands and extra stored outputs."""
+        w = self.line
+        w("out = tl.where((q_pos < len_q)[:, None], out, 0.0)")
         if self.has("stats"):
-            w("lse = tl.where(l_i == 0.0, float('-inf'), (m_i + tl.math.log2(l_use)) / "
-              f"{LOG2E!r})")
-            w(f"tl.store(stats_ptr + batch * stats_s0 + head * stats_s1 + rows * stats_s2, lse, mask=row_in)")
+            w(f"tl.store(stats_ptr + {self.row_base('stats')}, lse, mask=row_in)")
         w("o_mask = row_in[:, None] & (cols_dv[None, :] < VALUE_DIM)")
         self.emitter.bind(o_uid, "out", "f")
         extra = {}
@@ -237,12 +278,40 @@ class _Writer:
         return extra
 
     def _tile_offsets(self, stem: str) -> str:
-        cast = ".to(tl.int64)" if self.spec.wide_index else ""
-        return (f"batch{cast} * {stem}_s0 + head{cast} * {stem}_s1 + rows[:, None]{cast} * {stem}_s2 + "
-                f"cols_dv[None, :] * {stem}_s3")
+        return f"({self.row_base(stem)})[:, None] + cols_dv[None, :] * {stem}_s3"
 
     def _tile_load(self, stem: str) -> str:
         return f"tl.load({stem}_ptr + {self._tile_offsets(stem)}, mask=o_mask, other=0.0)"
+
+    # --- the combine kernel of a split decode -------------------------------------------------
+    def combine(self):
+        """Per query row: merge the splits' (o, log-sum-exp) weighted by exp2(lse - max)."""
+        w = self.line
+        w("rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)")
+        w("row_in = rows < ROWS")
+        w("batch = rows // (HEADS * SQ)")
+        w("q_head = rows // SQ % HEADS")
+        w("q_pos = rows % SQ")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        w("len_q = " + ("tl.load(lenq_ptr + batch * lenq_s0, mask=row_in, other=0).to(tl.int32)"
+                        if self.has("lenq") else "SQ"))
+        w("m_i = tl.full([BLOCK_R], float('-inf'), tl.float32)")
+        w("for split in range(SPLITS):")
+        w("m_part = tl.load(lpart_ptr + rows.to(tl.int64) * SPLITS + split, mask=row_in, other=float('-inf'))", 2)
+        w("m_i = tl.maximum(m_i, m_part)", 2)
+        w("m_use = tl.where(m_i == float('-inf'), 0.0, m_i)")
+        w("denom = tl.zeros([BLOCK_R], tl.float32)")
+        w("acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)")
+        w("for split in range(SPLITS):")
+        w("part_row = rows.to(tl.int64) * SPLITS + split", 2)
+        w("weight = tl.math.exp2(tl.load(lpart_ptr + part_row, mask=row_in, other=float('-inf')) - m_use)", 2)
+        w("denom += weight", 2)
+        w("o_part = tl.load(opart_ptr + part_row[:, None] * BLOCK_DV + cols_dv[None, :], "
+          "mask=row_in[:, None], other=0.0)", 2)
+        w("acc += weight[:, None] * o_part", 2)
+        w("l_use = tl.where(denom == 0.0, 1.0, denom)")
+        w("out = acc / l_use[:, None]")
+        w(f"lse = tl.where(denom == 0.0, float('-inf'), (m_use + tl.math.log2(l_use)) / {LOG2E!r})")
 
 
 def render(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: list, compute_type: str,
@@ -252,8 +321,41 @@ def render(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: li
     writer.prologue()
     writer.key_range()
     writer.loops()
-    extra = writer.epilogue(group, o_uid, outputs)
+    extra = {}
+    if spec.splits > 1:
+        writer.store_partials()
+    else:
+        writer.normalize()
+        extra = writer.finish(group, o_uid, outputs)
     args = _arguments(spec, extra, writer.emitter.scalars)
+    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
+    source = header(description)
+    if writer.emitter.globals:
+        source += "\n" + "\n".join(writer.emitter.globals) + "\n"
+    source += "\n\n@triton.jit\ndef " + kernel_name + "(\n" + "".join(f"    {p},\n" for p in params) + "):\n"
+    return source + "\n".join(writer.body) + "\n", args
+
+
+def render_combine(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: list, compute_type: str,
+                   rows_per_program: int, description: str):
+    """(source, arguments) of the kernel merging a split decode's partials into o and stats."""
+    writer = _Writer(spec, compute_type)
+    writer.combine()
+    extra = writer.finish(group, o_uid, outputs)
+    stems = [s for s in ("opart", "lpart", "o", "stats", "lenq") if s in spec.uids]
+    args = [KernelArgument("tensor", f"{s}_ptr", spec.uids[s]) for s in stems]
+    args += [KernelArgument("tensor", f"{s}_ptr", t.uid) for s, t in extra.items()]
+    problem_rows = spec.dims["ROWS"]
+    args += [KernelArgument("int", name, spec.dims[name]) for name in ("HEADS", "SQ")]
+    args.append(KernelArgument("int", "ROWS", problem_rows))
+    for stem in stems:
+        args += [KernelArgument("int", f"{stem}_s{axis}", value) for axis, value in enumerate(spec.strides[stem])]
+    for stem, tensor in extra.items():
+        args += [KernelArgument("int", f"{stem}_s{axis}", value) for axis, value in enumerate(output_strides(tensor))]
+    args += [KernelArgument("int", name, value) for name, value in writer.emitter.scalars]
+    args += [KernelArgument("constexpr", "VALUE_DIM", spec.dims["VALUE_DIM"]),
+             KernelArgument("constexpr", "SPLITS", spec.splits), KernelArgument("constexpr", "BLOCK_R", rows_per_program),
+             KernelArgument("constexpr", "BLOCK_DV", spec.block[3])]
     params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
     source = header(description)
     if writer.emitter.globals:
@@ -286,6 +388,8 @@ def _arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
              KernelArgument("constexpr", "VALUE_DIM", spec.dims["VALUE_DIM"])]
     if spec.page_size:
         args.append(KernelArgument("constexpr", "PAGE", spec.page_size))
+    if spec.splits > 1:
+        args += [KernelArgument("constexpr", "SPLITS", spec.splits), KernelArgument("constexpr", "CHUNK", spec.chunk)]
     block_m, block_n, block_d, block_dv = spec.block
     args += [KernelArgument("constexpr", "BLOCK_M", block_m), KernelArgument("constexpr", "BLOCK_N", block_n),
              KernelArgument("constexpr", "BLOCK_D", block_d), KernelArgument("constexpr", "BLOCK_DV", block_dv)]
@@ -454,6 +558,8 @@ class _BackwardWriter(_Writer):
         w("kv_head = head // GROUP")
         self.lengths()
         w("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        w("first_pos = pid_m * BLOCK_M")
+        w("last_pos = first_pos + BLOCK_M - 1")
         w("cols_d = tl.arange(0, BLOCK_D)")
         w("cols_dv = tl.arange(0, BLOCK_DV)")
         self.head_offsets("head", 1)

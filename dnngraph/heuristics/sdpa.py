@@ -29,6 +29,21 @@ INTERPRETER_TILE = (16, 16, 1, 1)
 # than the query rows that exist (tl.dot needs 16 rows at least).
 MIN_BLOCK_M = 16
 FORCE_CONFIG: Optional["AttentionConfig"] = None  # tests force a config
+# Decode (few query rows): one program per K/V head holds every query row of its GROUP query
+# heads (GQA packing: K/V read once, tl.dot on GROUP x Sq rows), when they fit one tile.
+DECODE_MAX_ROWS = 64
+DECODE_MAX_SQ = 16
+# Keys per step of a decode program: [64, 128] bf16 K and V tiles, 3 stages in flight (assumed,
+# not yet swept); D 256 halves it.
+DECODE_TILE = {128: (64, 4, 3), 256: (32, 4, 2)}
+# Split the keys when there are fewer decode programs than this many per SM (one wave of 132
+# programs walking 8192 keys each leaves the memory system idle at the start and end of the
+# wave); each split keeps at least this many key blocks.
+DECODE_PROGRAMS_PER_SM = 2
+MIN_BLOCKS_PER_SPLIT = 4
+MAX_SPLITS = 64
+COMBINE_ROWS = 16  # query rows per program of the split combine
+FORCE_SPLITS: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -60,14 +75,24 @@ class AttentionSchedule:
     config: AttentionConfig
     block_d: int  # head dim padded to a power of two (masked loads)
     block_dv: int
-    programs: tuple  # grid (query tiles, batch x heads)
+    programs: tuple  # grid (query tiles or key splits, batch x heads or batch x K/V heads)
     reason: str
+    packed: bool = False  # decode: a K/V head's query heads share one tile
+    splits: int = 1
+    chunk: int = 0  # keys per split
 
     @property
     def config_text(self) -> str:
         c = self.config
+        decode = f" packed splits={self.splits} chunk={self.chunk}" if self.packed else ""
         return (f"BLOCK_M={c.block_m} BLOCK_N={c.block_n} BLOCK_D={self.block_d} BLOCK_DV={self.block_dv} "
-                f"num_warps={c.num_warps} num_stages={c.num_stages} grid={list(self.programs)}")
+                f"num_warps={c.num_warps} num_stages={c.num_stages} grid={list(self.programs)}{decode}")
+
+    @property
+    def partial_bytes(self) -> int:
+        """Workspace of the split partials (o and log-sum-exp per split and query row)."""
+        p = self.problem
+        return p.batch * p.heads * p.s_q * self.splits * (self.block_dv + 1) * 4 if self.splits > 1 else 0
 
 
 def _table_entry(problem: AttentionProblem, model: DeviceModel) -> AttentionConfig:
@@ -81,8 +106,36 @@ def _table_entry(problem: AttentionProblem, model: DeviceModel) -> AttentionConf
     return AttentionConfig(*table[-1][1:])
 
 
-def schedule(problem: AttentionProblem, model: DeviceModel) -> AttentionSchedule:
-    """The forward kernel's tiles and grid for `problem` on `model`."""
+def _decode_schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes) -> AttentionSchedule:
+    group = problem.heads // problem.kv_heads
+    block_m = max(MIN_BLOCK_M, _pow2_at_least(group * problem.s_q))
+    width = max(problem.head_dim, problem.value_dim)
+    block_n, warps, stages = DECODE_TILE[128 if width <= 128 else 256]
+    if model.capability is None:
+        block_n, warps, stages = INTERPRETER_TILE[1:]
+    block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
+    programs = problem.batch * problem.kv_heads
+    blocks = -(-problem.s_kv // block_n)
+    splits = -(-DECODE_PROGRAMS_PER_SM * model.sms // programs)
+    splits = max(1, min(splits, blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
+    splits = FORCE_SPLITS or splits
+    while splits > 1 and budget_bytes is not None and \
+            problem.batch * problem.heads * problem.s_q * splits * (block_dv + 1) * 4 > budget_bytes:
+        splits //= 2
+    chunk = -(-blocks // splits) * block_n
+    splits = -(-problem.s_kv // chunk)
+    reason = (f"decode: {group} query heads x {problem.s_q} rows packed per K/V head, {programs} programs, "
+              f"keys in {splits} split(s) of {chunk}")
+    return AttentionSchedule(problem, AttentionConfig(block_m, block_n, warps, stages), block_d, block_dv,
+                             (splits, programs), reason, True, splits, chunk)
+
+
+def schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes=None) -> AttentionSchedule:
+    """The forward kernel's tiles and grid for `problem` on `model`; `budget_bytes` bounds the
+    workspace of split partials (None: no bound)."""
+    group = problem.heads // problem.kv_heads
+    if FORCE_CONFIG is None and problem.s_q <= DECODE_MAX_SQ and group * problem.s_q <= DECODE_MAX_ROWS:
+        return _decode_schedule(problem, model, budget_bytes)
     config = FORCE_CONFIG or _table_entry(problem, model)
     # short query sequences: no wider tile than the rows (16 at least, for tl.dot)
     block_m = min(config.block_m, max(MIN_BLOCK_M, _pow2_at_least(problem.s_q)))

@@ -7,14 +7,15 @@ the dQ kernel (codegen/sdpa.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ..codegen.cache import load_kernel
-from ..codegen.sdpa import AttentionSpec, output_strides, render, render_backward
+from ..codegen.sdpa import AttentionSpec, output_strides, render, render_backward, render_combine
 from ..errors import UnsupportedError
 from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT
-from ..heuristics.sdpa import AttentionProblem, backward_schedule, schedule
+from ..heuristics.sdpa import COMBINE_ROWS, AttentionProblem, backward_schedule, schedule
 from ..ops.sdpa import kv_length
 from .launch import KernelLaunch, element_span, kernel_name, scratch
 
@@ -48,7 +49,7 @@ def _spec(node, group, sched, stored_o: bool, stats) -> AttentionSpec:
     return AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, scale, mask.left,
                          mask.right, mask.bottom_right, attrs.dropout, k.dim[2] if k_table is not None else None,
                          (sched.config.block_m, sched.config.block_n, sched.block_d, sched.block_dv), wide,
-                         "ieee" if q.data_type.name == "float32" else "")
+                         "ieee" if q.data_type.name == "float32" else "", sched.packed, sched.splits, sched.chunk)
 
 
 def problem_of(node) -> AttentionProblem:
@@ -65,17 +66,52 @@ def build_sdpa(graph, group, index, tuner=None, device=None, budget=None):
     _check_types(node)
     if node.op == "sdpa_backward":
         return _build_backward(graph, group, index, device, budget)
-    sched = schedule(problem_of(node), device_model(device))
+    problem = problem_of(node)
+    sched = schedule(problem, device_model(device), None if budget is None or budget.limit is None
+                     else budget.limit - budget.spent)
     o, stats = node.outputs
     outputs = [t for t in group.outputs if t is not stats]
     stored_stats = stats if stats is not None and stats in group.outputs else None
     spec = _spec(node, group, sched, any(t is o for t in outputs), stored_stats)
     name = kernel_name(group, index)
+    if sched.splits > 1:
+        return _build_split(graph, group, name, spec, sched, budget, outputs)
     source, arguments = render(name, spec, group, o.uid, outputs, graph.compute_data_type.triton_type,
                                group.describe())
     kernel, path = load_kernel(source, name)
     return KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps,
                         sched.config_text, sched.reason, num_stages=sched.config.num_stages)
+
+
+def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
+    """A split decode: the key-split kernel writes partials to the workspace, the combine kernel
+    merges them into o (and its epilogue) and the stats."""
+    problem, o_uid = sched.problem, group.anchor.outputs[0].uid
+    rows = problem.batch * problem.heads * problem.s_q
+    o_part, l_part = scratch((rows * sched.splits, sched.block_dv)), scratch((rows * sched.splits,))
+    if budget is not None:
+        budget.spend(sched.partial_bytes)
+    reason = sched.reason + ("" if budget is None else "; " + budget.describe(sched.partial_bytes))
+    parts = {"opart": o_part.uid, "lpart": l_part.uid}
+    split_uids = {k: v for k, v in spec.uids.items() if k not in ("o", "stats")}
+    split_spec = dataclasses.replace(spec, uids={**split_uids, **parts},
+                                     strides={**spec.strides, "opart": (), "lpart": ()})
+    source, arguments = render(name + "_split", split_spec, group, o_uid, [], graph.compute_data_type.triton_type,
+                               group.describe())
+    kernel, path = load_kernel(source, name + "_split")
+    split = KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps, sched.config_text,
+                         reason, scratch=(o_part, l_part), num_stages=sched.config.num_stages)
+    combine_uids = {k: v for k, v in spec.uids.items() if k in ("o", "stats", "lenq")}
+    combine_spec = dataclasses.replace(spec, uids={**combine_uids, **parts}, dims={**spec.dims, "ROWS": rows},
+                                       strides={**spec.strides, "opart": (), "lpart": ()})
+    source, arguments = render_combine(name + "_combine", combine_spec, group, o_uid, outputs,
+                                       graph.compute_data_type.triton_type, COMBINE_ROWS,
+                                       "combine of " + group.describe())
+    kernel, path = load_kernel(source, name + "_combine")
+    programs = -(-rows // COMBINE_ROWS)
+    combine = KernelLaunch(group, kernel, path, arguments, programs, 4, f"combine: BLOCK_R={COMBINE_ROWS} "
+                           f"SPLITS={sched.splits} grid=[{programs}]", reason)
+    return [split, combine]
 
 
 BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv"),
