@@ -126,3 +126,10 @@ def test_backward_is_bitwise_reproducible():
         g.execute({**inputs, **outputs})
         for t, value in outputs.items():
             assert torch.equal(value, first[t.name]), t.name
+
+
+@pytest.mark.parametrize("b,s_kv", [(2, 8192), (64, 1000)])
+def test_decode_split_and_packed(b, s_kv):
+    """Few programs (B2 x 8 K/V heads): keys split and merged; many: one program per K/V head."""
+    g = _case(b, 32, 8, 1, s_kv, 128, lens=[s_kv - 3 * i for i in range(b)], use_causal_mask_bottom_right=True)
+    assert g.plan.launches[0].config_text.find("packed") >= 0
