@@ -330,3 +330,59 @@ def test_decode_split_with_epilogue_paged_and_no_workspace(monkeypatch):
         g.build(workspace_limit=limit)
         assert len(g.plan.launches) == (2 if limit is None else 1)
         check(g, inputs, tolerance=2e-3)
+
+
+# --- attention written as ops: the score chain becomes the flash kernel's score modifier ---------
+def _op_level(dtype, b, h, s_q, s_kv, d, dv, softcap=None, rank=4, seed=9, kt_layout="transposed"):
+    gen = torch.Generator().manual_seed(seed)
+    lead = [b, h] if rank == 4 else [b * h]
+    q_t = torch.randn(lead + [s_q, d], generator=gen).to(dtype)
+    k_t = torch.randn(lead + [s_kv, d], generator=gen).to(dtype)
+    kt_t = k_t.transpose(-1, -2) if kt_layout == "transposed" else k_t.transpose(-1, -2).contiguous()
+    v_t = torch.randn(lead + [s_kv, dv], generator=gen).to(dtype)
+    bias_t = torch.randn([1] * (rank - 2) + [s_q, s_kv], generator=gen).to(dtype)
+    mask_t = (torch.arange(s_kv).view(1, -1) <= torch.arange(s_q).view(-1, 1) + (s_kv - s_q))
+    mask_t = mask_t.view([1] * (rank - 2) + [s_q, s_kv])
+    g = dg.Graph(name="ops", io_data_type=TORCH_TYPES[dtype], intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    q, kt, v = g.tensor_like(q_t, "q"), g.tensor_like(kt_t, "kt"), g.tensor_like(v_t, "v")
+    bias, mask = g.tensor_like(bias_t, "acc"), g.tensor_like(mask_t, "scores")  # kernel-like names
+    s = g.add(g.mul(g.matmul(q, kt), 1.0 / d ** 0.5), bias)
+    if softcap is not None:
+        s = g.mul(g.tanh(g.div(s, softcap)), softcap)
+    s = g.where(mask, s, float("-inf"))
+    g.matmul(g.softmax(s, axis=-1), v).set_output(True).set_name("o")
+    g.build()
+    return g, {q: q_t, kt: kt_t, v: v_t, bias: bias_t, mask: mask_t}
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("rank", [3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_op_level_attention_is_one_flash_kernel(softcap, rank, dtype):
+    """scale + bias + softcap + a causal mask from `where` on a bool tensor: one kernel, one
+    group of kind 'attention', the reference's numbers (rows past the mask's reach see no key)."""
+    g, inputs = _op_level(dtype, 2, 3, 21, 37, 16, 24, softcap, rank)
+    assert len(g.plan.launches) == 1 and g.plan.launches[0].group.kind == "attention"
+    check(g, inputs, dtype)
+
+
+def test_op_level_attention_with_contiguous_kt_and_fully_masked_rows():
+    """Sq > Skv with a bottom-right mask: the first rows see no key at all; the reference's
+    softmax of an all -inf row is NaN, and so is the kernel's output there."""
+    g, inputs = _op_level(torch.float32, 1, 2, 40, 23, 16, 16, None, 4, kt_layout="contiguous")
+    assert len(g.plan.launches) == 1
+    check(g, inputs)
+
+
+def test_op_level_chain_that_does_not_fit_runs_unfused():
+    """A chain on rank-5 operands is not the flash kernel's: it runs as matmul, softmax, matmul."""
+    g = dg.Graph()
+    q, kt, v = (g.tensor(name=n, dim=d) for n, d in (("q", [1, 2, 2, 9, 8]), ("kt", [1, 2, 2, 8, 11]),
+                                                        ("v", [1, 2, 2, 11, 5])))
+    g.matmul(g.softmax(g.mul(g.matmul(q, kt), 0.3)), v).set_output(True)
+    g.build()
+    assert [l.group.kind for l in g.plan.launches] == ["matmul", "softmax", "matmul"]
+    gen = torch.Generator().manual_seed(1)
+    check(g, {"q": torch.randn(1, 2, 2, 9, 8, generator=gen), "kt": torch.randn(1, 2, 2, 8, 11, generator=gen),
+              "v": torch.randn(1, 2, 2, 11, 5, generator=gen)})

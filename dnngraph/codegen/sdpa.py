@@ -70,12 +70,28 @@ def _mask_argument(terms: list) -> str:
     return f", mask={' & '.join(terms)}, other=0.0" if terms else ""
 
 
+class ScoreModifier:
+    """An op-level chain's score ops (rendered through the emitter on each [BLOCK_M, BLOCK_N]
+    scores tile) and the side tensors they read at (batch, head, query, key)."""
+
+    def __init__(self, scores_uid: int, nodes: list):
+        self.scores_uid, self.nodes = scores_uid, list(nodes)
+        made = {scores_uid} | {t.uid for n in self.nodes for t in n.output_tensors()}
+        self.sides = []
+        for node in self.nodes:
+            for tensor in node.input_tensors():
+                if tensor.uid not in made and all(tensor is not t for t in self.sides):
+                    self.sides.append(tensor)
+
+
 class _Writer:
-    def __init__(self, spec: AttentionSpec, compute_type: str):
+    def __init__(self, spec: AttentionSpec, compute_type: str, modifier: Optional[ScoreModifier] = None):
         self.spec, self.body = spec, []
         self.names = NameAllocator(FIXED + STRIDE_NAMES)
         self.dot_options = f", input_precision=\"{spec.precision}\"" if spec.precision else ""
         self.emitter = ExpressionEmitter(compute_type, names=self.names, hint="e")
+        self.modifier = modifier
+        self.sides = {self.names.prefix("side"): t for t in modifier.sides} if modifier else {}
 
     def line(self, text: str, depth: int = 1):
         self.body.append("    " * depth + text)
@@ -131,6 +147,8 @@ class _Writer:
           f"{_mask_argument(['row_in[:, None]'] + self.d_mask('[None, :]'))})")
         if self.has("bias"):
             w(f"bias_row = {self.row_base('bias')}")
+        for stem in self.sides:
+            w(f"{stem}_row = {self.row_base(stem)}")
         if self.spec.dropout is not None:
             w("drop_row = (batch.to(tl.int64) * HEADS + q_head) * SQ + q_pos")
         if not self.spec.page_size:
@@ -192,7 +210,10 @@ class _Writer:
         terms = (["key_in[None, :]"] if masked else []) + self.d_mask("[:, None]")
         w(f"k_tile = tl.load(k_ptr + {k_rows}[None, :] + cols_d[:, None] * {self.stride('k', 3)}"
           f"{_mask_argument(terms)})", depth)
-        w(f"scores = tl.dot(q_tile, k_tile{self.dot_options}) * qk_scale", depth)
+        if self.modifier is not None:
+            self.modified_scores(depth)
+        else:
+            w(f"scores = tl.dot(q_tile, k_tile{self.dot_options}) * qk_scale", depth)
         if self.has("bias"):
             w(f"bias_tile = tl.load(bias_ptr + bias_row[:, None] + keys[None, :] * {self.stride('bias', 3)}, "
               "mask=row_in[:, None] & key_in[None, :], other=0.0)", depth)
@@ -222,6 +243,25 @@ class _Writer:
         w(f"acc = acc * alpha[:, None] + tl.dot(p_tile.to(v_tile.dtype), v_tile{self.dot_options})", depth)
         w("m_i = m_new", depth)
 
+    def modified_scores(self, depth: int):
+        """scores = the chain's ops on q k^T (side tensors loaded at this block), in base 2."""
+        w = self.line
+        w(f"scores = tl.dot(q_tile, k_tile{self.dot_options})", depth)
+        self.emitter.bind(self.modifier.scores_uid, "scores", "f")
+        for stem, tensor in self.sides.items():
+            variable = self.names.fresh("sval")
+            load = (f"tl.load({stem}_ptr + {stem}_row[:, None] + keys[None, :] * {stem}_s3, "
+                    "mask=row_in[:, None] & key_in[None, :], other=0)")
+            w(f"{variable} = {self.emitter.loaded(load, tensor.data_type)}", depth)
+            self.emitter.bind(tensor.uid, variable, kind_of(tensor.data_type))
+        for node in self.modifier.nodes:
+            self.emitter.emit(node)
+        for text in self.emitter.lines:
+            w(text, depth)
+        self.emitter.lines.clear()
+        final = self.modifier.nodes[-1].outputs[0].uid if self.modifier.nodes else self.modifier.scores_uid
+        w(f"scores = {self.emitter.value(final, 'f')} * {LOG2E!r}", depth)
+
     def loops(self):
         for first, last, masked in (("lo", "run_a", True), ("run_a", "run_b", False), ("run_b", "hi", True)):
             self.line(f"for start_n in range({first}, {last}, BLOCK_N):")
@@ -233,6 +273,8 @@ class _Writer:
         w = self.line
         w("l_use = tl.where(l_i == 0.0, 1.0, l_i)")
         w("out = acc / l_use[:, None]")
+        if self.modifier is not None:  # an op-level softmax of a row of -inf is NaN, as in torch
+            w("out = tl.where((l_i == 0.0)[:, None], float('nan'), out)")
         w(f"lse = tl.where(l_i == 0.0, float('-inf'), (m_i + tl.math.log2(l_use)) / {LOG2E!r})")
 
     def store_partials(self):
@@ -315,18 +357,19 @@ class _Writer:
 
 
 def render(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: list, compute_type: str,
-           description: str):
-    """(source, arguments) of the forward kernel of an sdpa group under `spec`."""
-    writer = _Writer(spec, compute_type)
+           description: str, modifier: Optional[ScoreModifier] = None):
+    """(source, arguments) of the forward kernel of an sdpa group (or an op-level attention chain,
+    whose score ops are `modifier`) under `spec`."""
+    writer = _Writer(spec, compute_type, modifier)
     writer.prologue()
     writer.key_range()
     writer.loops()
-    extra = {}
+    extra = dict(writer.sides)
     if spec.splits > 1:
         writer.store_partials()
     else:
         writer.normalize()
-        extra = writer.finish(group, o_uid, outputs)
+        extra.update(writer.finish(group, o_uid, outputs))
     args = _arguments(spec, extra, writer.emitter.scalars)
     params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
     source = header(description)

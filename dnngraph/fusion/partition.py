@@ -20,7 +20,7 @@ import networkx as nx
 
 from ..errors import ValidationError
 from ..ops.base import broadcast_dims
-from .patterns import ANCHOR_RULES, ATTENTION_SCORE_OPS, COUNTER_OPS
+from .patterns import ANCHOR_RULES, ATTENTION_SCORE_OPS, COUNTER_OPS, attention_chain_fits
 
 
 @dataclass(eq=False)
@@ -141,7 +141,7 @@ class _Partitioner:
         second = self._single_virtual_consumer(chain[-1].outputs[0])
         if second is None or second.op != "matmul" or second.inputs[0] is not chain[-1].outputs[0]:
             return None
-        return chain + [second]
+        return chain + [second] if attention_chain_fits(chain + [second]) else None
 
     # --- pass 2: anchors -------------------------------------------------------------------------
     def anchors(self):

@@ -50,4 +50,33 @@ COUNTER_OPS = frozenset({"dropout"})
 
 # Attention written as ops: matmul(q, k^T) -> pointwise (scale, bias, mask) -> softmax over the
 # last axis -> matmul(probabilities, v). The whole chain becomes one flash-attention kernel.
-ATTENTION_SCORE_OPS = frozenset({"mul", "scale", "div", "add", "sub", "where", "maximum", "minimum"})
+# The score ops (with tanh for a soft cap, tanh(s / c) * c) are rendered as the kernel's score
+# modifier; their other operands (masks, biases, position terms) are read per key block.
+ATTENTION_SCORE_OPS = frozenset({"mul", "scale", "div", "add", "sub", "where", "maximum", "minimum", "tanh"})
+ATTENTION_TYPES = frozenset({"float16", "bfloat16", "float32"})
+
+
+def attention_chain_fits(chain) -> bool:
+    """Can the flash kernel run this matmul -> score ops -> softmax -> matmul chain? Ranks 3 or 4
+    (batch dims become (batch, heads)), one float type for q, k^T and v, no fp8 scales, side
+    operands of rank <= 4 broadcasting into the scores, a float scores chain."""
+    first, second = chain[0], chain[-1]
+    q, kt, v = first.inputs[0], first.inputs[1], second.inputs[1]
+    if any(t is not None for t in first.inputs[2:] + second.inputs[2:]):
+        return False
+    if len({len(t.dim) for t in (q, kt, v)}) != 1 or len(q.dim) not in (3, 4):
+        return False
+    if len({t.data_type.name for t in (q, kt, v)}) != 1 or q.data_type.name not in ATTENTION_TYPES:
+        return False
+    scores = first.outputs[0].dim
+    made = {first.outputs[0].uid} | {n.outputs[0].uid for n in chain[1:-1]}
+    for node in chain[1:-2]:
+        if not node.outputs[0].data_type.is_floating:
+            return False
+        for tensor in node.input_tensors():
+            if tensor.uid in made:
+                continue
+            dims = (1,) * (len(scores) - len(tensor.dim)) + tuple(tensor.dim)
+            if len(tensor.dim) > len(scores) or any(d not in (1, s) for d, s in zip(dims, scores)):
+                return False
+    return True

@@ -24,7 +24,7 @@ from .conv import build_conv
 from .matmul import build_matmul
 from .pointwise import build_pointwise
 from .pooling import build_pooling
-from .sdpa import build_sdpa
+from .sdpa import build_attention, build_sdpa
 from .rows import build_rows
 
 POINTER_ALIGNMENT = 16  # bytes; Triton specializes pointers on it (vectorized access)
@@ -62,7 +62,7 @@ PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv"})
 
 KERNEL_BUILDERS = {"pointwise": build_pointwise, "reduction": build_rows, "softmax": build_rows,
                    "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul,
-                   "conv": build_conv, "sdpa": build_sdpa}
+                   "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention}
 
 
 def _check_outputs_dense(graph):

@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 from ..codegen.cache import load_kernel
-from ..codegen.sdpa import AttentionSpec, output_strides, render, render_backward, render_combine
+from ..codegen.sdpa import AttentionSpec, ScoreModifier, output_strides, render, render_backward, render_combine
 from ..errors import UnsupportedError
 from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT
@@ -168,3 +168,45 @@ def _build_backward(graph, group, index, device, budget) -> list:
                                      sched.config_text(which), reason,
                                      scratch=(delta,) if which == "delta" else (), num_stages=config.num_stages))
     return launches
+
+
+def _as_bhsd(tensor, rank: int) -> tuple:
+    """(dims, strides) of a rank-3 or rank-4 operand as [B, H, rows, cols], 0 on broadcast axes."""
+    pad = 4 - rank
+    dims = (1,) * pad + tuple(tensor.dim)
+    strides = (0,) * pad + tuple(tensor.stride)
+    return dims, tuple(0 if d == 1 else st for d, st in zip(dims, strides))
+
+
+def build_attention(graph, group, index, tuner=None, device=None, budget=None):
+    """The flash kernel of an op-level chain matmul(q, k^T) -> score ops -> softmax -> matmul(., v):
+    the score ops become the kernel's score modifier (codegen ScoreModifier)."""
+    first, second = group.nodes[0], group.nodes[-1]
+    q, kt, v, o = first.inputs[0], first.inputs[1], second.inputs[1], second.outputs[0]
+    rank = len(q.dim)
+    (qb, qh, s_q, d), q_strides = _as_bhsd(q, rank)
+    (kb, kh, _, s_kv), kt_strides = _as_bhsd(kt, rank)
+    (vb, vh, _, dv), v_strides = _as_bhsd(v, rank)
+    (ob, oh, _, _), o_strides = _as_bhsd(o, rank)
+    problem = AttentionProblem(ob, oh, oh, s_q, s_kv, d, dv, q.data_type.torch_dtype.itemsize, False)
+    sched = schedule(problem, device_model(device), 0)  # one query head per K/V head: no packing
+    dims = {"HEADS": oh, "GROUP": 1, "SQ": s_q, "SKV": s_kv, "HEAD_DIM": d, "VALUE_DIM": dv}
+    # k^T [.., D, Skv]: the kernel's k strides are (batch, head, key, dim)
+    strides = {"q": q_strides, "k": (kt_strides[0], kt_strides[1], kt_strides[3], kt_strides[2]),
+               "v": v_strides, "o": o_strides}
+    present = {"q": q, "k": kt, "v": v, "o": o}
+    wide = any(element_span(t) > INT32_LIMIT for t in present.values()) or ob * oh * s_q * s_kv > INT32_LIMIT
+    config = sched.config
+    spec = AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, 1.0, None, None, False, None,
+                         None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
+                         "ieee" if q.data_type.name == "float32" else "", sched.packed, 1, sched.chunk)
+    modifier = ScoreModifier(first.outputs[0].uid, group.nodes[1:-2])
+    for side in modifier.sides:
+        if len(side.dim) > rank:
+            raise UnsupportedError(f"attention chain side operand {side.name!r} has rank {len(side.dim)}")
+    name = kernel_name(group, index)
+    source, arguments = render(name, spec, group, o.uid, [o], graph.compute_data_type.triton_type,
+                               group.describe(), modifier)
+    kernel, path = load_kernel(source, name)
+    return KernelLaunch(group, kernel, path, arguments, sched.programs, config.num_warps, sched.config_text,
+                        "op-level attention chain: " + sched.reason, num_stages=config.num_stages)
