@@ -133,3 +133,21 @@ def test_decode_split_and_packed(b, s_kv):
     """Few programs (B2 x 8 K/V heads): keys split and merged; many: one program per K/V head."""
     g = _case(b, 32, 8, 1, s_kv, 128, lens=[s_kv - 3 * i for i in range(b)], use_causal_mask_bottom_right=True)
     assert g.plan.launches[0].config_text.find("packed") >= 0
+
+
+def test_op_level_softcap_chain_bf16():
+    """The op-level chain (scale, bias, softcap, causal mask by where) as one flash kernel."""
+    gen = torch.Generator(device=CUDA).manual_seed(4)
+    b, h, s, d = 2, 4, 300, 64
+    q_t, k_t, v_t = (torch.randn(b, h, s, d, generator=gen, device=CUDA).bfloat16() for _ in range(3))
+    bias_t = torch.randn(1, h, 1, s, generator=gen, device=CUDA).bfloat16()
+    mask_t = (torch.arange(s, device=CUDA).view(1, -1) <= torch.arange(s, device=CUDA).view(-1, 1)).view(1, 1, s, s)
+    g = dg.Graph(io_data_type=dg.bfloat16, intermediate_data_type=dg.float32, compute_data_type=dg.float32)
+    q, kt, v = g.tensor_like(q_t, "q"), g.tensor_like(k_t.transpose(-1, -2), "kt"), g.tensor_like(v_t, "v")
+    bias, mask = g.tensor_like(bias_t, "bias"), g.tensor_like(mask_t, "mask")
+    scores = g.add(g.mul(g.matmul(q, kt), d ** -0.5), bias)
+    scores = g.where(mask, g.mul(g.tanh(g.div(scores, 20.0)), 20.0), float("-inf"))
+    g.matmul(g.softmax(scores, axis=-1), v).set_output(True).set_name("o")
+    g.build()
+    assert len(g.plan.launches) == 1 and g.plan.launches[0].group.kind == "attention"
+    check(g, {q: q_t, kt: k_t.transpose(-1, -2), v: v_t, bias: bias_t, mask: mask_t}, torch.bfloat16, device=CUDA)
