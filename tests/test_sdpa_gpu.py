@@ -151,3 +151,9 @@ def test_op_level_softcap_chain_bf16():
     g.build()
     assert len(g.plan.launches) == 1 and g.plan.launches[0].group.kind == "attention"
     check(g, {q: q_t, kt: k_t.transpose(-1, -2), v: v_t, bias: bias_t, mask: mask_t}, torch.bfloat16, device=CUDA)
+
+
+@pytest.mark.parametrize("d", [128, 256])
+def test_bias_at_wide_heads_fits_shared_memory(d):
+    """A bf16 bias tile per pipelined stage: the tiles shrink until they fit shared memory."""
+    _case(1, 2, 2, 257, 300, d, bias=(1, 2, 257, 300))

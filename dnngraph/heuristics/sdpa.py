@@ -67,6 +67,7 @@ class AttentionProblem:
     value_dim: int
     element_bytes: int  # of q/k/v
     masked: bool = False  # a causal mask or a band: the diagonal blocks favour narrower tiles
+    side_bytes: int = 0  # bytes per score element read beside q/k/v (a bias, a chain's masks)
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,34 @@ def _decode_schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes
                              (splits, programs), reason, True, splits, chunk)
 
 
+# Shared memory a forward config may plan for: the H100's 227 KiB per block. The model below
+# counts 224 KiB for [128, 128] D-128 tiles at 3 stages, which compile and run (464 TFLOP/s);
+# with a bf16 bias and a bool mask tile per stage the op-level softcap chain asked the compiler
+# for 256 KiB and failed, which the side bytes now count.
+SHARED_MEMORY_BUDGET = 232448
+
+
+def _shared_bytes(config: AttentionConfig, problem: AttentionProblem, block_d: int, block_dv: int) -> int:
+    """Pipelined K, V and side tiles per stage, plus the resident q tile."""
+    per_stage = config.block_n * (block_d + block_dv) * problem.element_bytes
+    per_stage += config.block_m * config.block_n * problem.side_bytes
+    return config.num_stages * per_stage + config.block_m * block_d * problem.element_bytes
+
+
+def _fit_shared_memory(config, problem, block_d, block_dv) -> AttentionConfig:
+    """Fewer stages, then narrower key tiles, until the pipelined tiles fit."""
+    while _shared_bytes(config, problem, block_d, block_dv) > SHARED_MEMORY_BUDGET:
+        if config.num_stages > 2:
+            config = AttentionConfig(config.block_m, config.block_n, config.num_warps, config.num_stages - 1)
+        elif config.block_n > 16:
+            config = AttentionConfig(config.block_m, config.block_n // 2, config.num_warps, config.num_stages)
+        elif config.num_stages > 1:
+            config = AttentionConfig(config.block_m, config.block_n, config.num_warps, 1)
+        else:
+            break
+    return config
+
+
 def schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes=None) -> AttentionSchedule:
     """The forward kernel's tiles and grid for `problem` on `model`; `budget_bytes` bounds the
     workspace of split partials (None: no bound)."""
@@ -142,6 +171,8 @@ def schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes=None) -
     if block_m != config.block_m:
         config = AttentionConfig(block_m, config.block_n, config.num_warps, config.num_stages)
     block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
+    if FORCE_CONFIG is None and model.capability is not None:
+        config = _fit_shared_memory(config, problem, block_d, block_dv)
     programs = (-(-problem.s_q // config.block_m), problem.batch * problem.heads)
     reason = (f"head dims {problem.head_dim}/{problem.value_dim} -> [{config.block_m} queries, "
               f"{config.block_n} keys] tiles from the {'forced' if FORCE_CONFIG else 'table'} config")

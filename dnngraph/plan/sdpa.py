@@ -56,8 +56,10 @@ def problem_of(node) -> AttentionProblem:
     """The plain-number problem of an sdpa node (the heuristics' input)."""
     q, k, v = node.inputs[:3]
     k_table = node.inputs[node.opdef.input_names.index("paged_attention_k_table")]
+    bias = node.inputs[node.opdef.input_names.index("bias")]
     return AttentionProblem(q.dim[0], q.dim[1], k.dim[1], q.dim[2], kv_length(k, k_table, node.attrs),
-                            q.dim[3], v.dim[3], q.data_type.torch_dtype.itemsize, node.attrs.mask.banded)
+                            q.dim[3], v.dim[3], q.data_type.torch_dtype.itemsize, node.attrs.mask.banded,
+                            bias.data_type.torch_dtype.itemsize if bias is not None else 0)
 
 
 def build_sdpa(graph, group, index, tuner=None, device=None, budget=None):
@@ -188,7 +190,9 @@ def build_attention(graph, group, index, tuner=None, device=None, budget=None):
     (kb, kh, _, s_kv), kt_strides = _as_bhsd(kt, rank)
     (vb, vh, _, dv), v_strides = _as_bhsd(v, rank)
     (ob, oh, _, _), o_strides = _as_bhsd(o, rank)
-    problem = AttentionProblem(ob, oh, oh, s_q, s_kv, d, dv, q.data_type.torch_dtype.itemsize, False)
+    modifier = ScoreModifier(first.outputs[0].uid, group.nodes[1:-2])
+    side_bytes = sum(t.data_type.torch_dtype.itemsize for t in modifier.sides)
+    problem = AttentionProblem(ob, oh, oh, s_q, s_kv, d, dv, q.data_type.torch_dtype.itemsize, False, side_bytes)
     sched = schedule(problem, device_model(device), 0)  # one query head per K/V head: no packing
     dims = {"HEADS": oh, "GROUP": 1, "SQ": s_q, "SKV": s_kv, "HEAD_DIM": d, "VALUE_DIM": dv}
     # k^T [.., D, Skv]: the kernel's k strides are (batch, head, key, dim)
@@ -200,7 +204,6 @@ def build_attention(graph, group, index, tuner=None, device=None, budget=None):
     spec = AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, 1.0, None, None, False, None,
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
                          "ieee" if q.data_type.name == "float32" else "", sched.packed, 1, sched.chunk)
-    modifier = ScoreModifier(first.outputs[0].uid, group.nodes[1:-2])
     for side in modifier.sides:
         if len(side.dim) > rank:
             raise UnsupportedError(f"attention chain side operand {side.name!r} has rank {len(side.dim)}")
