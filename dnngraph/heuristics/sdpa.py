@@ -183,11 +183,12 @@ def schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes=None) -
 # (BLOCK_M queries a step or per program, BLOCK_N keys, num_warps, num_stages); the dK/dV program
 # holds two [BLOCK_N, D] fp32 accumulators, the dQ program one [BLOCK_M, D]. Chosen on the H100
 # (bf16, .dbg sweep of 7 dK/dV and 6 dQ configs, the other kernel at its default; total us):
-# D64 B8 H16 S2048 causal: dK/dV [64, 128] 4 warps 882 (8 warps 1011), dQ [64, 64] 4 warps 863
-# (128 x 64 on 8 warps 1010); D128 B4 H32 S4096: dK/dV [64, 64] 4 warps 7194 full / 4545 causal
-# ([64, 128] 8 warps 7452 / 4468), dQ [64, 64] 4 warps 7349 / 4253 ([128, 64] 8 warps 7444 /
-# 4518). D256 halves the tiles (two [64, 256] fp32 accumulators already fill the registers).
-GPU_BACKWARD_TILES = ((64, (64, 128, 4, 2), (64, 64, 4, 2)), (128, (64, 64, 4, 2), (64, 64, 4, 2)),
+# D64 B8 H16 S2048: dK/dV [32, 64] 4 warps 3 stages 1198 full / 737 causal ([64, 128] 4 warps:
+# 4260 full, a register cliff, / 742 causal), dQ [64, 64] 4 warps 740 causal (128 x 64 on 8 warps
+# 886); D128 B4 H32 S4096: dK/dV [64, 64] 4 warps 7194 full / 4545 causal ([64, 128] 8 warps
+# 7452 / 4468), dQ [64, 64] 4 warps 7349 / 4253 ([128, 64] 8 warps 7444 / 4518). D256 halves
+# the tiles (two [64, 256] fp32 accumulators already fill the registers).
+GPU_BACKWARD_TILES = ((64, (32, 64, 4, 3), (64, 64, 4, 2)), (128, (64, 64, 4, 2), (64, 64, 4, 2)),
                       (256, (32, 64, 8, 1), (64, 32, 8, 1)))
 GPU_BACKWARD_TILES_FP32 = ((64, (32, 64, 4, 2), (64, 32, 4, 2)), (128, (32, 64, 4, 1), (64, 32, 4, 1)),
                            (256, (16, 32, 4, 1), (32, 16, 4, 1)))
