@@ -45,9 +45,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
@@ -60,8 +58,8 @@ import torch.nn.functional as F
 
 import dnngraph as dg  # first: on a CPU-only machine it selects Triton's interpreter before triton loads
 import triton
-from bench_matmul import _failed, _geomean, _host_us, _short, _sync, _tflops, load_cudnn_frontend
-from common import median_ms, print_table, rel_error, write_json
+from bench_matmul import _failed, _geomean, _host_us, _short, _sync, _tflops, flush_us, frontend_from_args
+from common import family_parser, median_ms, print_table, rel_error, run_family, write_json
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 TOLERANCE = 2e-2  # bf16 outputs against the float32 reference
@@ -701,50 +699,17 @@ def report(results: dict, header: dict):
 
 
 # --- main ----------------------------------------------------------------------------------------
-def parse_rows(text: str) -> list:
-    rows = [r.strip() for r in text.split(",") if r.strip()]
-    unknown = [r for r in rows if r not in ROWS]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown row(s) {unknown}; choose from {','.join(ROWS)}")
-    return rows
-
-
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=parse_rows, default=list(ROWS),
-                        help=f"comma-separated rows (default all): {','.join(ROWS)}")
-    parser.add_argument("--quick", action="store_true", help="a few layers per row")
-    parser.add_argument("--only", default="", help="comma-separated words: layers whose label has one")
+    """The command line."""
+    parser = family_parser(__doc__.splitlines()[0], ROWS, "a few layers per row", "layers")
     parser.add_argument("--autotune", action="store_true", help="also time g.build(autotune=True)")
-    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile anchors")
-    parser.add_argument("--no-cudnn", action="store_true", help="skip the cuDNN frontend anchors")
-    parser.add_argument("--cudnn-fe-path", default=None,
-                        help="a folder (pip install --target) holding the cuDNN frontend's `cudnn` package")
-    parser.add_argument("--compile-budget-s", type=float, default=600.0,
-                        help="skip torch.compile once the run has spent this many seconds")
-    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement")
-    parser.add_argument("--reuse-cache", action="store_true",
-                        help="build with the environment's DNNGRAPH_CACHE_DIR (default: a fresh one)")
-    parser.add_argument("--list-shapes", action="store_true", help="print each row's layers and exit")
-    parser.add_argument("--check-cpu", action="store_true",
-                        help="tiny fp32 shapes through dnngraph on CPU (interpreter), no timing")
     return parser.parse_args(argv)
 
 
 def main(argv=None):
+    """Run the benchmark (or --list-shapes / --check-cpu) with command-line arguments `argv`."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    if args.list_shapes:
-        return list_shapes(args)
-    if args.reuse_cache:
-        cache_dir, remove = os.environ.get("DNNGRAPH_CACHE_DIR", "~/.cache/dnngraph (default)"), False
-    else:
-        cache_dir, remove = tempfile.mkdtemp(prefix="dnngraph-bench-conv-"), True
-        os.environ["DNNGRAPH_CACHE_DIR"] = cache_dir
-    try:
-        return check_cpu(args) if args.check_cpu else run_gpu(args, cache_dir)
-    finally:
-        if remove:
-            shutil.rmtree(cache_dir, ignore_errors=True)
+    return run_family(args, "dnngraph-bench-conv-", list_shapes, check_cpu, run_gpu)
 
 
 def list_shapes(args):
@@ -754,32 +719,6 @@ def list_shapes(args):
         shapes = row_shapes(key, args, resnet)
         print_table(ROWS[key].title, ["layer", "shape", "GFLOP"],
                     [[s.label, s.describe(), f"{s.flops / 1e9:.3g}"] for s in shapes])
-
-
-def load_frontend(args) -> tuple:
-    """(CudnnConv or None, note)."""
-    if args.no_cudnn:
-        return None, "skipped (--no-cudnn)"
-    if args.cudnn_fe_path:
-        sys.path.insert(0, os.path.abspath(args.cudnn_fe_path))
-    try:
-        module, note = load_cudnn_frontend()
-        if module is None:
-            return None, note
-        return CudnnConv(module), (f"cudnn frontend {getattr(module, '__version__', '?')}, backend "
-                                   f"{module.backend_version()}; {note}")
-    except Exception as error:  # noqa: BLE001
-        return None, f"unavailable: {_short(error, 300)}"
-
-
-def flush_us() -> float:
-    """Device microseconds of the L2 flush do_bench runs before each timed call."""
-    try:
-        driver = triton.runtime.driver.active
-        cache = driver.get_empty_cache_for_benchmark()
-        return median_ms(lambda: driver.clear_cache(cache)) * 1e3
-    except Exception:  # noqa: BLE001 - informative only
-        return 0.0
 
 
 def run_gpu(args, cache_dir):
@@ -793,7 +732,7 @@ def run_gpu(args, cache_dir):
             setattr(torch._dynamo.config, knob, max(getattr(torch._dynamo.config, knob), 256))
     started = time.perf_counter()
     torch.empty(1, device="cuda")  # torch's CUDA context before cuDNN's
-    frontend, fe_note = load_frontend(args)
+    frontend, fe_note = frontend_from_args(args, CudnnConv)
     print(f"cuDNN frontend: {fe_note}", flush=True)
     resnet, resnet_source = resnet50_layers()
     ctx = Context(args, "cuda", BF16, F32, TOLERANCE, True, frontend, fe_note,

@@ -283,6 +283,32 @@ class CudnnMatmul:
 
 
 # --- measuring -----------------------------------------------------------------------------------
+def frontend_from_args(args, wrapper) -> tuple:
+    """(wrapper(cudnn module) or None, note), honouring --no-cudnn and --cudnn-fe-path."""
+    if args.no_cudnn:
+        return None, "skipped (--no-cudnn)"
+    if args.cudnn_fe_path:
+        sys.path.insert(0, os.path.abspath(args.cudnn_fe_path))
+    try:
+        module, note = load_cudnn_frontend()
+        if module is None:
+            return None, note
+        return wrapper(module), (f"cudnn frontend {getattr(module, '__version__', '?')}, backend "
+                                 f"{module.backend_version()}; {note}")
+    except Exception as error:  # noqa: BLE001
+        return None, f"unavailable: {_short(error, 300)}"
+
+
+def flush_us() -> float:
+    """Device microseconds of the L2 flush do_bench runs before each timed call."""
+    try:
+        driver = triton.runtime.driver.active
+        cache = driver.get_empty_cache_for_benchmark()
+        return median_ms(lambda: driver.clear_cache(cache)) * 1e3
+    except Exception:  # noqa: BLE001 - informative only
+        return 0.0
+
+
 def _short(error: BaseException, width: int = 90) -> str:
     text = (f"{type(error).__name__}: {error}".strip().splitlines() or [type(error).__name__])[0]
     return text if len(text) <= width else text[:width - 3] + "..."

@@ -1,4 +1,9 @@
 """Shared benchmark helpers: timing, the copy ceiling, table printing."""
+import argparse
+import os
+import shutil
+import tempfile
+
 import torch
 import triton
 
@@ -61,3 +66,54 @@ def write_json(filename: str, payload) -> str | None:
     with open(path, "w") as handle:
         json.dump(payload, handle, indent=1, default=str)
     return path
+
+
+def rows_argument(rows: dict):
+    """An argparse type for --rows: comma-separated keys of `rows`, checked."""
+    def parse(text: str) -> list:
+        chosen = [r.strip() for r in text.split(",") if r.strip()]
+        unknown = [r for r in chosen if r not in rows]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown row(s) {unknown}; choose from {','.join(rows)}")
+        return chosen
+    return parse
+
+
+def family_parser(description: str, rows: dict, quick_help: str, item: str) -> argparse.ArgumentParser:
+    """The options every family benchmark takes (rows, quick, only, anchors, budgets, cache, CPU
+    check); `item` names what --only and --list-shapes select ("layers", "shapes")."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rows", type=rows_argument(rows), default=list(rows),
+                        help=f"comma-separated rows (default all): {','.join(rows)}")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--only", default="", help=f"comma-separated words: {item} whose label has one")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile anchors")
+    parser.add_argument("--no-cudnn", action="store_true", help="skip the cuDNN frontend anchors")
+    parser.add_argument("--cudnn-fe-path", default=None,
+                        help="a folder (pip install --target) holding the cuDNN frontend's `cudnn` package")
+    parser.add_argument("--compile-budget-s", type=float, default=600.0,
+                        help="skip torch.compile once the run has spent this many seconds")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement")
+    parser.add_argument("--reuse-cache", action="store_true",
+                        help="build with the environment's DNNGRAPH_CACHE_DIR (default: a fresh one)")
+    parser.add_argument("--list-shapes", action="store_true", help=f"print each row's {item} and exit")
+    parser.add_argument("--check-cpu", action="store_true",
+                        help="tiny fp32 shapes through dnngraph on CPU (interpreter), no timing")
+    return parser
+
+
+def run_family(args, prefix: str, list_shapes, check_cpu, run_gpu):
+    """--list-shapes, --check-cpu or the GPU run, building in a fresh kernel cache unless
+    --reuse-cache (a benchmark then compiles what it times)."""
+    if args.list_shapes:
+        return list_shapes(args)
+    if args.reuse_cache:
+        cache_dir, remove = os.environ.get("DNNGRAPH_CACHE_DIR", "~/.cache/dnngraph (default)"), False
+    else:
+        cache_dir, remove = tempfile.mkdtemp(prefix=prefix), True
+        os.environ["DNNGRAPH_CACHE_DIR"] = cache_dir
+    try:
+        return check_cpu(args) if args.check_cpu else run_gpu(args, cache_dir)
+    finally:
+        if remove:
+            shutil.rmtree(cache_dir, ignore_errors=True)
