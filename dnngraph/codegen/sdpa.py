@@ -136,11 +136,7 @@ class _Writer:
             w("last_pos = first_pos + BLOCK_M - 1")
         w("cols_d = tl.arange(0, BLOCK_D)")
         w("cols_dv = tl.arange(0, BLOCK_DV)")
-        w("len_q = " + (f"tl.load(lenq_ptr + batch * {self.stride('lenq', 0)}).to(tl.int32)"
-                        if self.has("lenq") else "SQ"))
-        w("len_kv = " + (f"tl.load(lenkv_ptr + batch * {self.stride('lenkv', 0)}).to(tl.int32)"
-                         if self.has("lenkv") else "SKV"))
-        w("len_kv = tl.minimum(len_kv, SKV)")
+        self.lengths_in_range()
         w("shift = " + ("len_kv - len_q" if self.spec.bottom_right else "0"))
         w(f"q_base = {self.row_base('q')}")
         w(f"q_tile = tl.load(q_ptr + q_base[:, None] + cols_d[None, :] * {self.stride('q', 3)}"
@@ -158,6 +154,18 @@ class _Writer:
         w("l_i = tl.zeros([BLOCK_M], tl.float32)")
         w("acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)")
         w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+
+    def length(self, stem: str, size: str, mask: str = "") -> str:
+        """A per-batch length clamped to [0, size] in its own integer type, then int32 (a length
+        past the axis means the whole axis; an int64 length is never truncated first)."""
+        if not self.has(stem):
+            return size
+        load = f"tl.load({stem}_ptr + batch * {self.stride(stem, 0)}{mask})"
+        return f"tl.minimum(tl.maximum({load}, 0), {size}).to(tl.int32)"
+
+    def lengths_in_range(self):
+        self.line(f"len_q = {self.length('lenq', 'SQ')}")
+        self.line(f"len_kv = {self.length('lenkv', 'SKV')}")
 
     def row_base(self, stem: str) -> str:
         """[BLOCK_M] offsets of each tile row's (batch, query head, position) in a [B, H, Sq, .]
@@ -335,8 +343,7 @@ class _Writer:
         w("q_head = rows // SQ % HEADS")
         w("q_pos = rows % SQ")
         w("cols_dv = tl.arange(0, BLOCK_DV)")
-        w("len_q = " + ("tl.load(lenq_ptr + batch * lenq_s0, mask=row_in, other=0).to(tl.int32)"
-                        if self.has("lenq") else "SQ"))
+        w(f"len_q = {self.length('lenq', 'SQ', ', mask=row_in, other=0')}")
         w("m_i = tl.full([BLOCK_R], float('-inf'), tl.float32)")
         w("for split in range(SPLITS):")
         w("m_part = tl.load(lpart_ptr + rows.to(tl.int64) * SPLITS + split, mask=row_in, other=float('-inf'))", 2)
@@ -447,10 +454,7 @@ def _arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
 class _BackwardWriter(_Writer):
     def lengths(self):
         w = self.line
-        w("len_q = " + (f"tl.load(lenq_ptr + batch * lenq_s0).to(tl.int32)" if self.has("lenq") else "SQ"))
-        w("len_kv = " + (f"tl.load(lenkv_ptr + batch * lenkv_s0).to(tl.int32)" if self.has("lenkv") else "SKV"))
-        w("len_q = tl.minimum(len_q, SQ)")
-        w("len_kv = tl.minimum(len_kv, SKV)")
+        self.lengths_in_range()
         w("shift = " + ("len_kv - len_q" if self.spec.bottom_right else "0"))
         w(f"qk_scale = {self.spec.scale * LOG2E!r}")
 

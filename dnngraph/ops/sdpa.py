@@ -4,7 +4,7 @@ q [B, H, Sq, D], k [B, Hkv, Skv, D], v [B, Hkv, Skv, Dv]; H a multiple of Hkv (g
 Masks (as the cuDNN frontend names them): key j is visible to query i when
 `j - i' <= right_bound` and `i' - j < left_bound`, with `i' = i` ("top_left") or
 `i' = i + len_kv - len_q` ("bottom_right"), per batch where seq_len_q / seq_len_kv
-([B, 1, 1, 1] int) are given; use_causal_mask is right bound 0 top-left,
+([B, 1, 1, 1] int, clamped to [0, S]) are given; use_causal_mask is right bound 0 top-left,
 use_causal_mask_bottom_right right bound 0 bottom-right. Padding masks keys j >= seq_len_kv and
 zeroes query rows i >= seq_len_q; a row that sees no key is zero. An additive bias broadcasts to
 [B, H, Sq, Skv]; dropout acts on the probabilities with the generator of ops/random.py, element
@@ -198,12 +198,19 @@ def gather_pages(pool, table, s_kv: int):
     return rows.permute(0, 2, 1, 3)
 
 
+def lengths(seq_len, size: int, device):
+    """[B, 1, 1, 1] int64 per-batch lengths clamped to [0, size] (a length past the axis is the
+    whole axis, a negative one empty), or the axis' size when `seq_len` is None."""
+    if seq_len is None:
+        return torch.tensor(size, device=device)
+    return seq_len.reshape(-1, 1, 1, 1).long().clamp(0, size)
+
+
 def visible_keys(attrs: SdpaAttrs, s_q: int, s_kv: int, seq_len_q, seq_len_kv, device):
     """[B or 1, 1, Sq, Skv] bool: which keys each query sees (bounds and key padding)."""
     rows = torch.arange(s_q, device=device).view(1, 1, -1, 1)
     cols = torch.arange(s_kv, device=device).view(1, 1, 1, -1)
-    len_q = seq_len_q.view(-1, 1, 1, 1).long() if seq_len_q is not None else torch.tensor(s_q, device=device)
-    len_kv = seq_len_kv.view(-1, 1, 1, 1).long() if seq_len_kv is not None else torch.tensor(s_kv, device=device)
+    len_q, len_kv = lengths(seq_len_q, s_q, device), lengths(seq_len_kv, s_kv, device)
     mask = attrs.mask
     aligned = rows + (len_kv - len_q) if mask.bottom_right else rows
     visible = cols < len_kv
@@ -230,7 +237,7 @@ def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: Sdp
     rows = torch.arange(s_q, device=q.device).view(1, 1, -1, 1)
     row_valid = torch.ones((batch, 1, s_q, 1), dtype=torch.bool, device=q.device)
     if seq_len_q is not None:
-        row_valid = rows < seq_len_q.view(-1, 1, 1, 1)
+        row_valid = rows < lengths(seq_len_q, s_q, q.device)
     scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, -1, keepdim=True)
     probs = torch.nan_to_num((scores - lse).exp(), nan=0.0)
