@@ -16,7 +16,7 @@ from ..errors import UnsupportedError
 from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import COMBINE_ROWS, AttentionProblem, backward_schedule, schedule
-from ..ops.sdpa import kv_length
+from ..ops.sdpa import AttentionMask, kv_length
 from .launch import KernelLaunch, element_span, kernel_name, scratch
 
 ATTENTION_TYPES = ("float16", "bfloat16", "float32")
@@ -43,7 +43,7 @@ def _spec(node, group, sched, stored_o: bool, stats) -> AttentionSpec:
     dims = {"HEADS": problem.heads, "GROUP": problem.heads // problem.kv_heads, "SQ": problem.s_q,
             "SKV": problem.s_kv, "HEAD_DIM": problem.head_dim, "VALUE_DIM": problem.value_dim}
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
-    mask = attrs.mask
+    mask = kernel_mask(node, problem.s_q, problem.s_kv)
     wide = any(element_span(t) > INT32_LIMIT for t in present.values()) or \
         problem.batch * problem.heads * problem.s_q * problem.s_kv > INT32_LIMIT
     return AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, scale, mask.left,
@@ -52,13 +52,27 @@ def _spec(node, group, sched, stored_o: bool, stats) -> AttentionSpec:
                          "ieee" if q.data_type.name == "float32" else "", sched.packed, sched.splits, sched.chunk)
 
 
+def kernel_mask(node, s_q: int, s_kv: int) -> AttentionMask:
+    """The node's mask with every bound of Sq + Skv or more dropped. With lengths in [0, S],
+    j - i' and i' - j never reach Sq + Skv, so such a bound masks nothing; kept, a bound near
+    2^31 wraps the kernels' int32 key-range arithmetic (`last_pos + 1 + shift + right`) and
+    every key block is skipped."""
+    mask, reach = node.attrs.mask, s_q + s_kv
+
+    def kept(bound):
+        return None if bound is None or bound >= reach else bound
+
+    return AttentionMask(kept(mask.left), kept(mask.right), mask.bottom_right)
+
+
 def problem_of(node) -> AttentionProblem:
     """The plain-number problem of an sdpa node (the heuristics' input)."""
     q, k, v = node.inputs[:3]
     k_table = node.inputs[node.opdef.input_names.index("paged_attention_k_table")]
     bias = node.inputs[node.opdef.input_names.index("bias")]
-    return AttentionProblem(q.dim[0], q.dim[1], k.dim[1], q.dim[2], kv_length(k, k_table, node.attrs),
-                            q.dim[3], v.dim[3], q.data_type.torch_dtype.itemsize, node.attrs.mask.banded,
+    s_kv = kv_length(k, k_table, node.attrs)
+    return AttentionProblem(q.dim[0], q.dim[1], k.dim[1], q.dim[2], s_kv, q.dim[3], v.dim[3],
+                            q.data_type.torch_dtype.itemsize, kernel_mask(node, q.dim[2], s_kv).banded,
                             bias.data_type.torch_dtype.itemsize if bias is not None else 0)
 
 
@@ -140,7 +154,7 @@ def _backward_spec(node, sched, which: str, delta) -> AttentionSpec:
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     wide = any(element_span(t) > INT32_LIMIT for t in present.values()) or \
         problem.batch * problem.heads * problem.s_q * problem.s_kv > INT32_LIMIT
-    mask = attrs.mask
+    mask = kernel_mask(node, problem.s_q, problem.s_kv)
     return AttentionSpec(dims, strides, uids, scale, mask.left, mask.right, mask.bottom_right, attrs.dropout,
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
                          "ieee" if q.data_type.name == "float32" else "")
