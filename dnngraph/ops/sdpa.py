@@ -118,6 +118,9 @@ def _check_paged(op, k, v, k_table, v_table, seq_len_kv, batch):
             fail(op, f"{name} must be [{batch}, 1, pages_per_sequence, 1], got {list(table.dim)}")
         if table.data_type is not dtypes.int32:
             fail(op, f"{name} must be int32, got {table.data_type.name}")
+    if k_table.dim[2] != v_table.dim[2]:
+        fail(op, f"paged_attention_k_table and paged_attention_v_table must hold as many pages per "
+                 f"sequence: {k_table.dim[2]} vs {v_table.dim[2]}")
     if seq_len_kv is None:
         fail(op, "paged K/V needs seq_len_kv (the length of each sequence)")
     if k.dim[2] != v.dim[2]:
