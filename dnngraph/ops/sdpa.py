@@ -139,6 +139,8 @@ def _check_qkv(op, q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs
     for name, t in (("q", q), ("k", k), ("v", v)):
         if len(t.dim) != 4:
             fail(op, f"{name} must be [B, H, S, D], got {list(t.dim)}")
+        if not t.data_type.is_floating:
+            fail(op, f"{name} must be a floating type, got {t.data_type.name}")
     (batch, heads, s_q, head_dim), (kb, kv_heads, _, kd) = q.dim, k.dim
     _check_paged(op, k, v, k_table, v_table, seq_len_kv, batch)
     if attrs.paged_attention_max_seq_len_kv is not None and k_table is None:
@@ -187,6 +189,8 @@ def infer_backward(inputs, attrs: SdpaAttrs):
             fail("sdpa_backward", f"{name} must be {list(o_dim)}, got {list(t.dim)}")
     if tuple(stats.dim) != q.dim[:3] + (1,):
         fail("sdpa_backward", f"stats must be {list(q.dim[:3]) + [1]}, got {list(stats.dim)}")
+    if stats.data_type is not dtypes.float32:
+        fail("sdpa_backward", f"stats (the forward's log-sum-exp) must be float32, got {stats.data_type.name}")
     return [OutputSpec(q.dim, layout_source=0), OutputSpec(k.dim, layout_source=1),
             OutputSpec(v.dim, layout_source=2)]
 
