@@ -228,31 +228,44 @@ def visible_keys(attrs: SdpaAttrs, s_q: int, s_kv: int, seq_len_q, seq_len_kv, d
     return visible
 
 
+def _masked_scores(q, k, bias, scale: float, visible):
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if bias is not None:
+        scores = scores + bias
+    return scores.masked_fill(~visible, float("-inf"))
+
+
 def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: SdpaAttrs):
-    """Reference attention in torch: (o, row log-sum-exp)."""
+    """Reference attention in torch: (o, row log-sum-exp).
+
+    NaN and inf in what a row sees propagate as in torch's softmax; what lies past the lengths
+    (keys j >= seq_len_kv, query rows i >= seq_len_q: an unwritten cache, padding) may hold
+    anything and never reaches o or, through autograd, the gradients. A row that sees no key
+    (every score -inf, from the mask or the bias) is 0 with gradients 0.
+    """
     batch, heads, s_q, head_dim = q.shape
     if k_table is not None:
         s_kv = attrs.paged_attention_max_seq_len_kv or k_table.shape[2] * k.shape[2]
         k, v = gather_pages(k, k_table, s_kv), gather_pages(v, v_table, s_kv)
     repeat = heads // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    s_kv = k.shape[2]
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(head_dim)
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if bias is not None:
-        scores = scores + bias
-    visible = visible_keys(attrs, s_q, k.shape[2], seq_len_q, seq_len_kv, q.device)
-    rows = torch.arange(s_q, device=q.device).view(1, 1, -1, 1)
-    row_valid = torch.ones((batch, 1, s_q, 1), dtype=torch.bool, device=q.device)
-    if seq_len_q is not None:
-        row_valid = rows < lengths(seq_len_q, s_q, q.device)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, -1, keepdim=True)
-    probs = torch.nan_to_num((scores - lse).exp(), nan=0.0)
+    zero = torch.zeros((), dtype=q.dtype, device=q.device)
+    key_valid = torch.arange(s_kv, device=q.device).view(1, 1, -1, 1) < lengths(seq_len_kv, s_kv, q.device)
+    k, v = torch.where(key_valid, k, zero), torch.where(key_valid, v, zero)
+    row_valid = torch.arange(s_q, device=q.device).view(1, 1, -1, 1) < lengths(seq_len_q, s_q, q.device)
+    visible = visible_keys(attrs, s_q, s_kv, seq_len_q, seq_len_kv, q.device)
+    # the stats of every row, padded ones included (the kernels store them too)
+    lse = torch.logsumexp(_masked_scores(q, k, bias, scale, visible), -1, keepdim=True)
+    scores = _masked_scores(torch.where(row_valid, q, zero), k, bias, scale, visible)
+    attends = (scores != float("-inf")).any(-1, keepdim=True) & row_valid  # NaN counts as seen
+    probs = torch.where(attends, torch.softmax(torch.where(attends, scores, zero), -1), zero)
     if attrs.dropout is not None:
         p, seed, offset = attrs.dropout
         keep = keep_mask(seed, offset, probs.shape, p, device=q.device)
         probs = torch.where(keep, probs / (1.0 - p), torch.zeros_like(probs))
-    out = torch.matmul(probs, v) * row_valid
+    out = torch.where(row_valid, torch.matmul(probs, v), zero)
     return out, lse
 
 
