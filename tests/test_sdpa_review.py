@@ -256,3 +256,27 @@ def test_names_that_look_like_decode_and_backward_variables(monkeypatch):
     stats.set_output(True).set_name("lpart_ptr")
     g.add(o, extra, name="split").set_output(True).set_name("o_part")
     check(g, {q: q_t, k: k_t, v: v_t, extra: extra_t})
+
+
+# --- D7: wide (int64) offsets missed in the backward's dQ key loads and the bias loads -----------
+def test_wide_index_kernels_cast_every_row_offset(monkeypatch):
+    """With some operand past 2^31 elements, row offsets go int64: the dQ kernel's K/V loads and
+    every bias load multiplied int32 key or row indices by a stride (a 1M-key BSHD k, a
+    [1, 1, 48k, 48k] bias wrap). Forced wide here: right numbers and no uncast row product."""
+    import re
+    from dnngraph.plan import sdpa as plan_sdpa
+    monkeypatch.setattr(plan_sdpa, "INT32_LIMIT", 0)
+    q_t, k_t, v_t = _qkv(2, 4, 2, 17, 19, 8)
+    bias = torch.randn(2, 19, 4, 17).permute(0, 2, 3, 1)  # keys strided: bias_s3 != 1
+    for build in (_forward, _backward):
+        build(q_t, k_t, v_t, {"bias": bias}, use_causal_mask=True)
+    g = dg.Graph()
+    q, k, v = (g.tensor_like(t, n) for t, n in ((q_t, "q"), (k_t, "k"), (v_t, "v")))
+    b = g.tensor_like(bias, "bias")
+    o, stats = g.sdpa(q, k, v, is_inference=False, bias=b)
+    for grad in g.sdpa_backward(q, k, v, o, o, stats, bias=b):
+        grad.set_output(True)
+    g.build()
+    for launch in g.plan.launches:
+        source = open(launch.source_path).read()
+        assert not re.findall(r"\b(?:keys|rows|q_rows)\[[^\]]*\] \* \w+_s\d", source), launch.source_path

@@ -38,7 +38,10 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          # the backward kernels
          "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "delta_ptr", "pid_n", "q_head", "do_tile", "o_tile",
          "lse_row", "delta_row", "dq_acc", "dk_acc", "dv_acc", "p_drop", "d_probs", "d_scores", "q_rows",
-         "q_lo", "q_hi", "o_base", "do_base", "dq_base", "stats_base", "delta_base", "bias_base", "start_m")
+         "q_lo", "q_hi", "o_base", "do_base", "dq_base", "stats_base", "delta_base", "bias_base", "start_m",
+         # decode packing, key splits and their combine
+         "q_pos", "first_pos", "last_pos", "bias_row", "drop_row", "part_row", "m_part", "o_part", "weight",
+         "denom", "split", "opart_ptr", "lpart_ptr", "ROWS", "SPLITS", "CHUNK", "BLOCK_R")
 STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
                 "delta", "opart", "lpart")
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
@@ -223,7 +226,8 @@ class _Writer:
         else:
             w(f"scores = tl.dot(q_tile, k_tile{self.dot_options}) * qk_scale", depth)
         if self.has("bias"):
-            w(f"bias_tile = tl.load(bias_ptr + bias_row[:, None] + keys[None, :] * {self.stride('bias', 3)}, "
+            keys = "keys[None, :].to(tl.int64)" if spec.wide_index else "keys[None, :]"
+            w(f"bias_tile = tl.load(bias_ptr + bias_row[:, None] + {keys} * {self.stride('bias', 3)}, "
               "mask=row_in[:, None] & key_in[None, :], other=0.0)", depth)
             w(f"scores += bias_tile.to(tl.float32) * {LOG2E!r}", depth)
         if masked:
@@ -493,7 +497,9 @@ class _BackwardWriter(_Writer):
         w(f"scores = {product}{self.dot_options}) * qk_scale", depth)
         if self.has("bias"):
             # loaded [queries, keys] as in the forward, then transposed for the dK/dV tile
-            w(f"bias_tile = tl.load(bias_ptr + bias_base + {rows}[:, None] * bias_s2 + {keys}[None, :] * bias_s3, "
+            wide = ".to(tl.int64)" if spec.wide_index else ""
+            w(f"bias_tile = tl.load(bias_ptr + bias_base + {rows}[:, None]{wide} * bias_s2 + {keys}[None, :]{wide} * "
+              f"bias_s3, "
               f"mask=({rows}[:, None] < len_q) & ({keys}[None, :] < len_kv), other=0.0)", depth)
             bias = "tl.trans(bias_tile)" if transposed else "bias_tile"
             w(f"scores += {bias}.to(tl.float32) * {LOG2E!r}", depth)
@@ -583,12 +589,12 @@ class _BackwardWriter(_Writer):
               f"mask={' & '.join(store + mask)})")
 
     def dq_block(self, masked: bool, depth: int):
-        w = self.line
+        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
         w("keys = start_n + tl.arange(0, BLOCK_N)", depth)
         w("key_in = keys < len_kv", depth)
         for stem, cols, mask in (("k", "cols_d", self.d_mask("[None, :]")), ("v", "cols_dv", self.dv_mask("[None, :]"))):
             keys = ["key_in[:, None]"] if masked else []
-            w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None] * {stem}_s2 + {cols}[None, :] * "
+            w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + {cols}[None, :] * "
               f"{stem}_s3{_mask_argument(keys + mask)})", depth)
         self.scores("rows", "keys", False, masked, depth)
         w(f"d_probs = tl.dot(do_tile, tl.trans(v_tile){self.dot_options})", depth)
