@@ -176,8 +176,10 @@ class _Writer:
         cast = ".to(tl.int64)" if self.spec.wide_index else ""
         return (f"batch{cast} * {stem}_s0 + q_head{cast} * {stem}_s1 + q_pos{cast} * {stem}_s2")
 
-    def key_range(self):
-        """lo/hi bound the blocks any row sees; [full_lo, full_hi) those every row sees whole."""
+    def key_range(self, padded_rows_idle: bool = False):
+        """lo/hi bound the blocks any row sees; [full_lo, full_hi) those every row sees whole.
+        `padded_rows_idle`: a tile whose rows all lie past len_q walks no key block (the dQ
+        kernel, where such rows are exactly 0)."""
         w, spec = self.line, self.spec
         w("lo = 0")
         w("hi = len_kv")
@@ -190,6 +192,8 @@ class _Writer:
             w(f"lo = tl.maximum(lo, first_pos + shift - {spec.left} + 1)")
             w(f"full_lo = tl.maximum(lo, last_pos + shift - {spec.left} + 1)")
         w("hi = tl.maximum(hi, 0)")
+        if padded_rows_idle:
+            w("hi = tl.where(first_pos < len_q, hi, 0)")
         w("lo = tl.minimum(lo, hi) // BLOCK_N * BLOCK_N")
         if spec.splits > 1:  # this program's chunk of keys (chunks start on block edges)
             w("lo = tl.maximum(lo, pid_m * CHUNK)")
@@ -620,7 +624,7 @@ class _BackwardWriter(_Writer):
             w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1")
         self.row_loads("rows", 1, True, False)
         w("dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)")
-        self.key_range()
+        self.key_range(padded_rows_idle=True)
         for first, last, masked in (("lo", "run_a", True), ("run_a", "run_b", False), ("run_b", "hi", True)):
             w(f"for start_n in range({first}, {last}, BLOCK_N):")
             self.dq_block(masked, 2)
