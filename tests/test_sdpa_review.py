@@ -281,3 +281,14 @@ def test_wide_index_kernels_cast_every_row_offset(monkeypatch):
     for launch in g.plan.launches:
         source = open(launch.source_path).read()
         assert not re.findall(r"\b(?:keys|rows|q_rows)\[[^\]]*\] \* \w+_s\d", source), launch.source_path
+
+
+# --- D8: an attn_scale past float32 once scaled by log2(e) --------------------------------------
+@pytest.mark.parametrize("scale", [1.7e308, -1e39])
+def test_attn_scale_past_float32_is_a_validation_error(scale):
+    """1.7e308 passed validation (finite) and rendered `qk_scale = inf`: NameError at execute;
+    1e39 made every score inf in the float32 kernel (stats inf, o NaN)."""
+    g = dg.Graph()
+    q = g.tensor(name="q", dim=[1, 2, 4, 8])
+    with pytest.raises(dg.ValidationError):
+        g.sdpa(q, q, q, attn_scale=scale)

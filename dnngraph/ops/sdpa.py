@@ -27,6 +27,8 @@ from .base import OpDef, OutputSpec, boolean, broadcast_dims, fail, freeze, inte
 from .random import keep_mask
 
 ALIGNMENTS = ("top_left", "bottom_right")
+LOG2E = 1.4426950408889634
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class SdpaAttrs:
     def __post_init__(self):
         op = "sdpa"
         attn_scale = None if self.attn_scale is None else real(op, "attn_scale", self.attn_scale)
+        if attn_scale is not None and abs(attn_scale) * LOG2E > FLOAT32_MAX:
+            # the kernels scale scores by attn_scale * log2(e) in float32
+            fail(op, f"attn_scale must be within float32 range once scaled by log2(e), got {attn_scale!r}")
         causal = boolean(op, "use_causal_mask", self.use_causal_mask)
         causal_br = boolean(op, "use_causal_mask_bottom_right", self.use_causal_mask_bottom_right)
         if self.diagonal_alignment not in ALIGNMENTS:
