@@ -386,3 +386,13 @@ def test_op_level_chain_that_does_not_fit_runs_unfused():
     gen = torch.Generator().manual_seed(1)
     check(g, {"q": torch.randn(1, 2, 2, 9, 8, generator=gen), "kt": torch.randn(1, 2, 2, 8, 11, generator=gen),
               "v": torch.randn(1, 2, 2, 11, 5, generator=gen)})
+
+
+def test_head_dims_past_the_gpu_tables_are_unsupported_for_a_gpu():
+    from dnngraph.heuristics.device import DeviceModel
+    wide = heur.AttentionProblem(1, 2, 2, 64, 64, 320, 320, 2)
+    with pytest.raises(dg.UnsupportedError, match="320"):
+        heur.schedule(wide, DeviceModel("h100", 132, 3e12, (9, 0)))
+    with pytest.raises(dg.UnsupportedError, match="320"):
+        heur.backward_schedule(wide, DeviceModel("h100", 132, 3e12, (9, 0)))
+    _run((1, 2, 17, 300), (2, 19))  # the interpreter runs any width

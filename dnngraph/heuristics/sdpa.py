@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import UnsupportedError
 from .device import DeviceModel
 from .pointwise import _pow2_at_least
 
@@ -29,6 +30,9 @@ INTERPRETER_TILE = (16, 16, 1, 1)
 # than the query rows that exist (tl.dot needs 16 rows at least).
 MIN_BLOCK_M = 16
 FORCE_CONFIG: Optional["AttentionConfig"] = None  # tests force a config
+# The widest head dim the GPU tables cover: a padded 512-wide q tile and accumulator would not
+# fit one block's registers and shared memory (the interpreter runs any width).
+MAX_GPU_HEAD_DIM = 256
 # Decode (few query rows): one program per K/V head holds every query row of its GROUP query
 # heads (GQA packing: K/V read once, tl.dot on GROUP x Sq rows), when they fit one tile.
 DECODE_MAX_ROWS = 64
@@ -159,9 +163,18 @@ def _fit_shared_memory(config, problem, block_d, block_dv) -> AttentionConfig:
     return config
 
 
+def check_head_dims(problem: AttentionProblem, model: DeviceModel):
+    """UnsupportedError for head dims past the GPU tables."""
+    width = max(problem.head_dim, problem.value_dim)
+    if model.capability is not None and width > MAX_GPU_HEAD_DIM:
+        raise UnsupportedError(f"sdpa: head dims {problem.head_dim}/{problem.value_dim} exceed the "
+                               f"{MAX_GPU_HEAD_DIM} the GPU kernels take")
+
+
 def schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes=None) -> AttentionSchedule:
     """The forward kernel's tiles and grid for `problem` on `model`; `budget_bytes` bounds the
     workspace of split partials (None: no bound)."""
+    check_head_dims(problem, model)
     group = problem.heads // problem.kv_heads
     if FORCE_CONFIG is None and problem.s_q <= DECODE_MAX_SQ and group * problem.s_q <= DECODE_MAX_ROWS:
         return _decode_schedule(problem, model, budget_bytes)
@@ -219,6 +232,7 @@ class BackwardSchedule:
 
 def backward_schedule(problem: AttentionProblem, model: DeviceModel) -> BackwardSchedule:
     """Tiles of the three backward kernels for `problem` on `model`."""
+    check_head_dims(problem, model)
     block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
     if model.capability is None:
         tile = AttentionConfig(*INTERPRETER_TILE)
