@@ -278,3 +278,14 @@ def test_size_one_axes(variant, m, n, k):
     bias = g.tensor(name="bias", dim=[1, n])
     g.relu(g.add(g.matmul(a, b), bias)).set_output(True).set_name("y")
     check(g, {"a": torch.randn(m, k), "b": torch.randn(k, n), "bias": torch.randn(1, n)})
+
+
+def test_bf16_on_the_interpreter():
+    """The interpreter's tl.dot multiplied bf16 bit patterns (triton 3.6); runtime.py widens bf16
+    dot operands to float32 (exact) when interpreting."""
+    g = _graph(dg.bfloat16)
+    a, b = g.tensor(name="a", dim=[2, 33, 40]), g.tensor(name="b", dim=[40, 27])
+    g.relu(g.matmul(a, b)).set_output(True).set_name("y")
+    gen = torch.Generator().manual_seed(3)
+    check(g, {"a": torch.randn(2, 33, 40, generator=gen).bfloat16(), "b": torch.randn(40, 27, generator=gen).bfloat16()},
+          torch.bfloat16)
