@@ -23,6 +23,16 @@ from .tensor import (Tensor, check_dims, check_not_overlapping, check_strides, c
                      dense_strides, stride_order)
 
 
+def _dropout_tensors(dropout) -> tuple:
+    """sdpa's dropout=(p, seed, offset) with tensor seeds/offsets moved out: ((p, seed or None,
+    offset or None), [seed tensor or None, offset tensor or None])."""
+    if not isinstance(dropout, (list, tuple)) or len(dropout) != 3:
+        return dropout, [None, None]
+    p, seed, offset = dropout
+    tensors = [v if isinstance(v, Tensor) else None for v in (seed, offset)]
+    return (p, None if tensors[0] is not None else seed, None if tensors[1] is not None else offset), tensors
+
+
 def _attrs_of(op: str, *args, **kwargs):
     """The validated attributes of `op`, built by the class its catalog entry names."""
     return lookup(op).attrs_type(*args, **kwargs)
@@ -392,8 +402,12 @@ class Graph:
         return self._add_op("pooling_backward", [dy, x], attrs, name)[0]
 
     def dropout(self, x, p, seed, offset=0, return_mask=False, name=None):
-        """y = x * keep / (1 - p); with return_mask=True returns (y, mask)."""
-        y, mask = self._add_op("dropout", [x], _attrs_of("dropout", p, seed, offset, return_mask), name)
+        """y = x * keep / (1 - p); with return_mask=True returns (y, mask). seed and offset are
+        ints or int64 graph tensors of one element (one built graph for every step)."""
+        seed_t, offset_t = (v if isinstance(v, Tensor) else None for v in (seed, offset))
+        attrs = _attrs_of("dropout", p, None if seed_t is not None else seed,
+                          None if offset_t is not None else offset, return_mask)
+        y, mask = self._add_op("dropout", [x, seed_t, offset_t], attrs, name)
         return (y, mask) if return_mask else y
 
     def sdpa(self, q, k, v, attn_scale=None, is_inference=True, use_causal_mask=False, bias=None,
@@ -402,22 +416,24 @@ class Graph:
              paged_attention_k_table=None, paged_attention_v_table=None,
              paged_attention_max_seq_len_kv=None, name=None):
         """(o, stats) of softmax(q k^T * scale + bias, masked) v; stats None when is_inference."""
+        dropout, random = _dropout_tensors(dropout)
         attrs = _attrs_of("sdpa", attn_scale, is_inference, use_causal_mask, dropout,
                           use_causal_mask_bottom_right, diagonal_alignment, diagonal_band_left_bound,
                           diagonal_band_right_bound, paged_attention_max_seq_len_kv)
         return self._add_op("sdpa", [q, k, v, bias, seq_len_q, seq_len_kv, paged_attention_k_table,
-                                     paged_attention_v_table], attrs, name)
+                                     paged_attention_v_table, *random], attrs, name)
 
     def sdpa_backward(self, q, k, v, o, dO, stats, attn_scale=None, use_causal_mask=False,
                       bias=None, dropout=None, seq_len_q=None, seq_len_kv=None,
                       use_causal_mask_bottom_right=False, diagonal_alignment="top_left",
                       diagonal_band_left_bound=None, diagonal_band_right_bound=None, name=None):
         """(dq, dk, dv) of sdpa from the forward tensors, dO and the stats."""
+        dropout, random = _dropout_tensors(dropout)
         attrs = _attrs_of("sdpa_backward", attn_scale, False, use_causal_mask, dropout,
                           use_causal_mask_bottom_right, diagonal_alignment, diagonal_band_left_bound,
                           diagonal_band_right_bound)
-        return self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv, None, None],
-                            attrs, name)
+        return self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv, None, None,
+                                              *random], attrs, name)
 
     # --- ops: layout ----------------------------------------------------------------------------
     def reshape(self, x, dim, name=None) -> Tensor:

@@ -165,7 +165,7 @@ def test_dropout_of_dy_is_the_autograd_gradient():
     p, seed, offset, shape = 0.35, 2**45 + 17, 2**33 + 5, (23, 47)
     x64 = torch.randn(shape, dtype=torch.float64, requires_grad=True)
     dy_t = torch.randn(shape)
-    (y64, _) = lookup("dropout").reference([x64], DropoutAttrs(p, seed, offset))
+    (y64, _) = lookup("dropout").reference([x64, None, None], DropoutAttrs(p, seed, offset))
     (expected,) = torch.autograd.grad(y64, x64, dy_t.double())
     g = dg.Graph()
     dy = g.tensor(name="dy", dim=list(shape))
@@ -233,3 +233,40 @@ def test_bf16_dropout_residual_on_cuda_is_one_kernel():
     assert len(g.plan.launches) == 1
     inputs = {t: torch.randn(4097, 8191, device="cuda").to(torch.bfloat16) for t in (x, r)}
     check(g, inputs, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("seed_is_tensor,offset_is_tensor", [(True, True), (True, False), (False, True)])
+def test_seed_and_offset_as_int64_tensors_serve_every_step(seed_is_tensor, offset_is_tensor):
+    """One built graph, new (seed, offset) per execute: the mask is the reference's Philox mask
+    for each; a seed tensor's int64 bits are the unsigned seed (-5 is 2^64 - 5)."""
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[19, 37])
+    seed = g.tensor(name="seed", dim=[1], data_type=dg.int64) if seed_is_tensor else 2**45 + 3
+    offset = g.tensor(name="offset", dim=[1, 1], data_type=dg.int64) if offset_is_tensor else 77
+    y, mask = g.dropout(g.mul(x, 2.0), 0.3, seed, offset, return_mask=True)
+    y.set_output(True)
+    mask.set_output(True)
+    g.build()
+    assert len(g.plan.launches) == 1
+    for seed_value, offset_value in ((-5, 2**33 + 1), (12345, 0)):
+        inputs = {"x": torch.randn(19, 37)}
+        if seed_is_tensor:
+            inputs["seed"] = torch.tensor([seed_value], dtype=torch.int64)
+        if offset_is_tensor:
+            inputs["offset"] = torch.tensor([[offset_value]], dtype=torch.int64)
+        outputs = check(g, inputs)
+        assert_mask_exact(outputs[mask.name], seed_value % 2**64 if seed_is_tensor else 2**45 + 3,
+                          offset_value if offset_is_tensor else 77, 0.3)
+
+
+@pytest.mark.parametrize("bad", ["int32 seed", "two elements", "float offset"])
+def test_seed_tensors_are_int64_with_one_element(bad):
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[4, 4])
+    dims = {"int32 seed": ([1], dg.int32), "two elements": ([2], dg.int64), "float offset": ([1], dg.float32)}[bad]
+    t = g.tensor(name="t", dim=dims[0], data_type=dims[1])
+    with pytest.raises(dg.ValidationError, match="int64 with one element"):
+        if bad == "float offset":
+            g.dropout(x, 0.1, 3, t)
+        else:
+            g.dropout(x, 0.1, t, 0)

@@ -396,3 +396,22 @@ def test_head_dims_past_the_gpu_tables_are_unsupported_for_a_gpu():
     with pytest.raises(dg.UnsupportedError, match="320"):
         heur.backward_schedule(wide, DeviceModel("h100", 132, 3e12, (9, 0)))
     _run((1, 2, 17, 300), (2, 19))  # the interpreter runs any width
+
+
+def test_dropout_seed_and_offset_tensors_forward_and_backward():
+    """sdpa's dropout=(p, seed tensor, offset tensor): one graph, any step's seed and offset, the
+    forward and the backward drawing the reference's Philox mask."""
+    gen = torch.Generator().manual_seed(12)
+    q_t, k_t, v_t = (torch.randn(2, 2, 17, 16, generator=gen) for _ in range(3))
+    g, inputs, q, k, v = _graph(torch.float32, q_t, k_t, v_t)
+    seed, offset = g.tensor(name="seed", dim=[1], data_type=dg.int64), g.tensor(name="offset", dim=[1], data_type=dg.int64)
+    o, stats = g.sdpa(q, k, v, is_inference=False, dropout=(0.25, seed, offset), use_causal_mask=True)
+    o.set_output(True)
+    stats.set_output(True)
+    d_o = g.tensor(name="dO", dim=[2, 2, 17, 16])
+    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, dropout=(0.25, seed, offset), use_causal_mask=True):
+        grad.set_output(True)
+    g.build()
+    for seed_value, offset_value in ((-9, 5), (2**40, 2**35)):
+        check(g, {**inputs, seed: torch.tensor([seed_value]), offset: torch.tensor([offset_value]),
+                  d_o: torch.randn(2, 2, 17, 16, generator=gen)})

@@ -157,3 +157,24 @@ def test_op_level_softcap_chain_bf16():
 def test_bias_at_wide_heads_fits_shared_memory(d):
     """A bf16 bias tile per pipelined stage: the tiles shrink until they fit shared memory."""
     _case(1, 2, 2, 257, 300, d, bias=(1, 2, 257, 300))
+
+
+def test_seed_and_offset_tensors_on_the_gpu():
+    """Philox seeds and offsets read from int64 tensors by the dropout kernel and by the sdpa
+    forward and backward kernels (tl.randint on a loaded seed)."""
+    gen = torch.Generator(device=CUDA).manual_seed(5)
+    g = dg.Graph(io_data_type=dg.bfloat16, intermediate_data_type=dg.float32, compute_data_type=dg.float32)
+    q_t, k_t, v_t = (torch.randn(2, 4, 200, 64, generator=gen, device=CUDA).bfloat16() for _ in range(3))
+    q, k, v = g.tensor_like(q_t, "q"), g.tensor_like(k_t, "k"), g.tensor_like(v_t, "v")
+    seed, offset = (g.tensor(name=n, dim=[1], data_type=dg.int64) for n in ("seed", "offset"))
+    o, stats = g.sdpa(q, k, v, is_inference=False, dropout=(0.2, seed, offset), use_causal_mask=True)
+    o.set_output(True)
+    stats.set_output(True)
+    g.dropout(o, 0.3, seed, offset).set_output(True).set_name("o_dropped")
+    d_o = g.tensor(name="dO", dim=[2, 4, 200, 64])
+    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, dropout=(0.2, seed, offset), use_causal_mask=True):
+        grad.set_output(True)
+    for seed_value, offset_value in ((-3, 11), (2**50, 2**34)):
+        check(g, {q: q_t, k: k_t, v: v_t, d_o: torch.randn(2, 4, 200, 64, generator=gen, device=CUDA).bfloat16(),
+                  seed: torch.tensor([seed_value], device=CUDA), offset: torch.tensor([offset_value], device=CUDA)},
+              torch.bfloat16, device=CUDA, tolerance=2e-2)

@@ -13,7 +13,7 @@ from typing import Optional
 from .. import dtypes
 from ..errors import UnsupportedError, ValidationError
 from .expressions import (CAST_TO_BOOL, CAST_TO_FLOAT, CAST_TO_INT32, CAST_TO_INT64, CONVERT, EXPRESSIONS,
-                          INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES)
+                          INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES, dropout_from_tensors)
 from .names import NameAllocator, comment_text
 
 
@@ -95,6 +95,8 @@ class ExpressionEmitter:
         return CONVERT[(have, kind)].format(variable, compute=self.compute)
 
     def _expression(self, node):
+        if node.op == "dropout" and any(t is not None for t in node.inputs[1:]):
+            return dropout_from_tensors(node)
         if node.op != "cast":
             return EXPRESSIONS[node.op]
         target = dtypes.by_name(node.attrs.data_type)
@@ -138,6 +140,9 @@ class ExpressionEmitter:
         constants = dict(getattr(node.attrs, "constants", ()))
         operands = []
         for position, kind in enumerate(expression.inputs):
+            if kind == "-":  # an absent optional input (its value is an attribute)
+                operands.append("")
+                continue
             if integer and kind == "f":
                 kind = integer
             if position in constants:

@@ -103,6 +103,19 @@ EXPRESSIONS: dict[str, Expression] = {
         scalars=lambda attrs: {"seed": attrs.seed, "offset": attrs.offset}, counter=True),
 }
 
+def dropout_from_tensors(node) -> Expression:
+    """dropout whose seed and/or offset are int64 tensor inputs (loaded as int64 values, every
+    element the same) rather than attributes passed as kernel integers."""
+    attrs = node.attrs
+    seed = "{1}" if node.inputs[1] is not None else "{seed}"
+    offset = "{2}" if node.inputs[2] is not None else "{offset}"
+    kinds = "f" + ("l" if node.inputs[1] is not None else "-") + ("l" if node.inputs[2] is not None else "-")
+    scalars = {name: value for name, value in (("seed", attrs.seed), ("offset", attrs.offset)) if value is not None}
+    return Expression(f"tm.dropout({{0}}, {seed}, {offset}, {{counter}}, {{keep_threshold}}, {{keep_scale}})",
+                      kinds, "fb", fields=EXPRESSIONS["dropout"].fields,
+                      scalars=(lambda _: scalars) if scalars else None, counter=True)
+
+
 # cast: by the target type's kind; integer operands are cast as they are (no float on the way)
 CAST_TO_FLOAT = Expression("{0}.to({target}).to({compute})", "f", "f", _cast_fields)  # rounds like a store
 CAST_TO_INT32 = Expression("{0}.to({target})", "f", "i", _cast_fields)  # floats truncate toward zero

@@ -43,7 +43,7 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          "q_pos", "first_pos", "last_pos", "bias_row", "drop_row", "part_row", "m_part", "o_part", "weight",
          "denom", "split", "opart_ptr", "lpart_ptr", "ROWS", "SPLITS", "CHUNK", "BLOCK_R")
 STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
-                "delta", "opart", "lpart")
+                "delta", "opart", "lpart", "seedt", "offt")
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
 
 
@@ -85,6 +85,13 @@ class ScoreModifier:
             for tensor in node.input_tensors():
                 if tensor.uid not in made and all(tensor is not t for t in self.sides):
                     self.sides.append(tensor)
+
+
+def _random_loads(writer, depth: int = 1):
+    """seed and offset read from their one-element int64 tensors, where dropout names tensors."""
+    for name, stem in (("seed", "seedt"), ("offset", "offt")):
+        if writer.has(stem):
+            writer.line(f"{name} = tl.load({stem}_ptr)", depth)
 
 
 class _Writer:
@@ -157,6 +164,7 @@ class _Writer:
         w("l_i = tl.zeros([BLOCK_M], tl.float32)")
         w("acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)")
         w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+        _random_loads(self)
 
     def length(self, stem: str, size: str, mask: str = "") -> str:
         """A per-batch length clamped to [0, size] in its own integer type, then int32 (a length
@@ -440,7 +448,8 @@ def _arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
     for stem, tensor in extra.items():
         args += [KernelArgument("int", f"{stem}_s{axis}", value) for axis, value in enumerate(output_strides(tensor))]
     if spec.dropout is not None:
-        args += [KernelArgument("int", "seed", spec.dropout[1]), KernelArgument("int", "offset", spec.dropout[2])]
+        args += [KernelArgument("int", name, value) for name, value in zip(("seed", "offset"), spec.dropout[1:])
+                 if value is not None]
     args += [KernelArgument("int", name, value) for name, value in scalars]
     args += [KernelArgument("constexpr", "HEAD_DIM", spec.dims["HEAD_DIM"]),
              KernelArgument("constexpr", "VALUE_DIM", spec.dims["VALUE_DIM"])]
@@ -465,6 +474,7 @@ class _BackwardWriter(_Writer):
         self.lengths_in_range()
         w("shift = " + ("len_kv - len_q" if self.spec.bottom_right else "0"))
         w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+        _random_loads(self)
 
     def head_offsets(self, head: str, depth: int):
         """Base offsets of one query head's rows in q, dO, o, stats, delta and bias."""

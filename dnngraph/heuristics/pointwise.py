@@ -102,7 +102,8 @@ def _counter_needs_int64(counter_nodes, domain, space: IterationSpace) -> bool:
     numel = 1
     for size in domain:
         numel *= size
-    last_counter = max(n.attrs.offset for n in counter_nodes) + numel - 1
+    # an offset held in a tensor is an int64 value: offset + counter is int64 whatever the counter
+    last_counter = max(n.attrs.offset or 0 for n in counter_nodes) + numel - 1
     return space.index_64 or last_counter > INT32_LIMIT
 
 

@@ -1,7 +1,9 @@
 """Dropout: y = x * keep / (1 - p), keep drawn by the counter-based generator of ops/random.py.
 
 The same (seed, offset) regenerates the same mask, so backward recomputes it instead of
-storing it: dropout(dy, p, seed, offset) is the gradient. The mask is an output only when asked
+storing it: dropout(dy, p, seed, offset) is the gradient. seed and offset are Python ints (kept
+in the attributes) or int64 graph tensors of one element (inputs; the attribute is None), so one
+built graph serves every training step; a seed tensor holds the seed's 64 bits as int64. The mask is an output only when asked
 for (return_mask=True). Dropout runs in pointwise kernels, which know each element's logical
 row-major index (its counter is offset + that index); no anchor kernel absorbs it.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -20,17 +23,38 @@ from .random import keep_mask
 @dataclass(frozen=True)
 class DropoutAttrs:
     p: float
-    seed: int
-    offset: int = 0
+    seed: Optional[int]  # None: the seed input tensor holds it
+    offset: Optional[int] = 0  # None: the offset input tensor holds it
     return_mask: bool = False
 
     def __post_init__(self):
         p = real("dropout", "p", self.p)
         if not 0.0 <= p < 1.0:
             fail("dropout", f"p must be in [0, 1), got {p}")
-        freeze(self, p=p, seed=integer("dropout", "seed", self.seed, 0, 2**64 - 1),
-               offset=integer("dropout", "offset", self.offset, 0, 2**63 - 1),
+        seed = None if self.seed is None else integer("dropout", "seed", self.seed, 0, 2**64 - 1)
+        offset = None if self.offset is None else integer("dropout", "offset", self.offset, 0, 2**63 - 1)
+        freeze(self, p=p, seed=seed, offset=offset,
                return_mask=boolean("dropout", "return_mask", self.return_mask))
+
+
+def check_random_inputs(op: str, seed_attr, offset_attr, seed, offset):
+    """A seed or offset comes from exactly one place: its attribute (an int) or its input (an
+    int64 tensor of one element)."""
+    for name, attr, tensor in (("seed", seed_attr, seed), ("offset", offset_attr, offset)):
+        if (attr is None) == (tensor is None):
+            fail(op, f"{name} must be an int or an int64 tensor of one element, not both or neither")
+        if tensor is not None:
+            if tensor.data_type is not dtypes.int64 or any(d != 1 for d in tensor.dim):
+                fail(op, f"{name} tensor must be int64 with one element, got {tensor.data_type.name} "
+                         f"{list(tensor.dim)}")
+
+
+def random_values(seed_attr, offset_attr, seed, offset) -> tuple:
+    """(seed, offset) as ints, from the attributes or the one-element tensors' values (a seed's
+    int64 bits read as unsigned)."""
+    seed_value = seed_attr if seed is None else int(seed.reshape(-1)[0].item()) & (2**64 - 1)
+    offset_value = offset_attr if offset is None else int(offset.reshape(-1)[0].item())
+    return seed_value, offset_value
 
 
 def keep_threshold(p: float) -> int:
@@ -41,16 +65,19 @@ def keep_threshold(p: float) -> int:
 
 
 def infer(inputs, attrs: DropoutAttrs):
-    (x,) = inputs
+    x, seed, offset = inputs
+    check_random_inputs("dropout", attrs.seed, attrs.offset, seed, offset)
     mask = OutputSpec(x.dim, dtypes.bool_, layout_source=0) if attrs.return_mask else None
     return [OutputSpec(x.dim, layout_source=0), mask]
 
 
 def reference(values, attrs: DropoutAttrs):
-    (x,) = values
-    keep = keep_mask(attrs.seed, attrs.offset, x.shape, attrs.p, device=x.device)
+    x, seed, offset = values
+    seed, offset = random_values(attrs.seed, attrs.offset, seed, offset)
+    keep = keep_mask(seed, offset, x.shape, attrs.p, device=x.device)
     y = torch.where(keep, x / (1.0 - attrs.p), torch.zeros_like(x))
     return [y, keep if attrs.return_mask else None]
 
 
-register(OpDef("dropout", "pointwise", "pointwise", DropoutAttrs, ("x",), ("y", "mask"), infer, reference))
+register(OpDef("dropout", "pointwise", "pointwise", DropoutAttrs, ("x", "seed", "offset"), ("y", "mask"), infer,
+               reference, optional=("seed", "offset")))

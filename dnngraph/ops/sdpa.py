@@ -24,6 +24,7 @@ import torch
 
 from .. import dtypes
 from .base import OpDef, OutputSpec, boolean, broadcast_dims, fail, freeze, integer, real, register
+from .dropout import check_random_inputs, random_values
 from .random import keep_mask
 
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -108,8 +109,10 @@ def _dropout_triple(dropout) -> Optional[tuple]:
     p = real("sdpa", "dropout p", dropout[0])
     if not 0.0 <= p < 1.0:
         fail("sdpa", f"dropout p must be in [0, 1), got {p}")
-    return (p, integer("sdpa", "dropout seed", dropout[1], 0, 2**64 - 1),
-            integer("sdpa", "dropout offset", dropout[2], 0, 2**63 - 1))
+    # None: the value is a one-element int64 tensor input (dropout_seed / dropout_offset)
+    seed = None if dropout[1] is None else integer("sdpa", "dropout seed", dropout[1], 0, 2**64 - 1)
+    offset = None if dropout[2] is None else integer("sdpa", "dropout offset", dropout[2], 0, 2**63 - 1)
+    return (p, seed, offset)
 
 
 def _check_paged(op, k, v, k_table, v_table, seq_len_kv, batch):
@@ -175,8 +178,17 @@ def _check_qkv(op, q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs
             fail(op, f"{name} must be int32 or int64, got {t.data_type.name}")
 
 
+def _check_dropout_inputs(op, attrs: SdpaAttrs, seed, offset):
+    if attrs.dropout is None:
+        if seed is not None or offset is not None:
+            fail(op, "dropout seed/offset tensors given without dropout")
+        return
+    check_random_inputs(op, attrs.dropout[1], attrs.dropout[2], seed, offset)
+
+
 def infer_forward(inputs, attrs: SdpaAttrs):
-    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table = inputs
+    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset = inputs
+    _check_dropout_inputs("sdpa", attrs, seed, offset)
     _check_qkv("sdpa", q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs)
     o_dim = q.dim[:3] + (v.dim[3],)
     stats = None if attrs.is_inference else OutputSpec(q.dim[:3] + (1,), dtypes.float32)
@@ -184,7 +196,8 @@ def infer_forward(inputs, attrs: SdpaAttrs):
 
 
 def infer_backward(inputs, attrs: SdpaAttrs):
-    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table = inputs
+    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset = inputs
+    _check_dropout_inputs("sdpa_backward", attrs, seed, offset)
     _check_qkv("sdpa_backward", q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs)
     if k_table is not None:
         fail("sdpa_backward", "paged K/V is for inference: sdpa_backward takes contiguous k and v")
@@ -240,7 +253,7 @@ def _masked_scores(q, k, bias, scale: float, visible):
     return scores.masked_fill(~visible, float("-inf"))
 
 
-def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: SdpaAttrs):
+def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: SdpaAttrs, seed=None, offset=None):
     """Reference attention in torch: (o, row log-sum-exp).
 
     NaN and inf in what a row sees propagate as in torch's softmax; what lies past the lengths
@@ -267,7 +280,8 @@ def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: Sdp
     attends = (scores != float("-inf")).any(-1, keepdim=True) & row_valid  # NaN counts as seen
     probs = torch.where(attends, torch.softmax(torch.where(attends, scores, zero), -1), zero)
     if attrs.dropout is not None:
-        p, seed, offset = attrs.dropout
+        p, seed_attr, offset_attr = attrs.dropout
+        seed, offset = random_values(seed_attr, offset_attr, seed, offset)
         keep = keep_mask(seed, offset, probs.shape, p, device=q.device)
         probs = torch.where(keep, probs / (1.0 - p), torch.zeros_like(probs))
     out = torch.where(row_valid, torch.matmul(probs, v), zero)
@@ -275,23 +289,25 @@ def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: Sdp
 
 
 def reference_forward(values, attrs: SdpaAttrs):
-    o, lse = attention(*values, attrs)
+    *tensors, seed, offset = values
+    o, lse = attention(*tensors, attrs, seed, offset)
     return [o, None if attrs.is_inference else lse]
 
 
 def reference_backward(values, attrs: SdpaAttrs):
-    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table = values
+    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset = values
     with torch.enable_grad():
         leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        out, _ = attention(*leaves, bias, seq_len_q, seq_len_kv, None, None, attrs)
+        out, _ = attention(*leaves, bias, seq_len_q, seq_len_kv, None, None, attrs, seed, offset)
         return list(torch.autograd.grad(out, leaves, d_o))
 
 
 PAGED = ("paged_attention_k_table", "paged_attention_v_table")
+RANDOM = ("dropout_seed", "dropout_offset")  # one-element int64 tensors, when dropout names them
 register(OpDef("sdpa", "sdpa", "anchor", SdpaAttrs,
-               ("q", "k", "v", "bias", "seq_len_q", "seq_len_kv") + PAGED, ("o", "stats"),
-               infer_forward, reference_forward, optional=("bias", "seq_len_q", "seq_len_kv") + PAGED))
+               ("q", "k", "v", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM, ("o", "stats"),
+               infer_forward, reference_forward, optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM))
 register(OpDef("sdpa_backward", "sdpa", "anchor", SdpaAttrs,
-               ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv") + PAGED,
+               ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM,
                ("dq", "dk", "dv"), infer_backward, reference_backward,
-               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED))
+               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM))

@@ -31,12 +31,12 @@ def _check_types(node):
 
 
 def _spec(node, group, sched, stored_o: bool, stats) -> AttentionSpec:
-    q, k, v, bias, len_q, len_kv, k_table, v_table = node.inputs
+    q, k, v, bias, len_q, len_kv, k_table, v_table, seed, offset = node.inputs
     o = node.outputs[0]
     present = {"q": q, "k": k, "v": v, "o": o if stored_o else None, "stats": stats, "bias": bias,
-               "lenq": len_q, "lenkv": len_kv, "ktab": k_table, "vtab": v_table}
+               "lenq": len_q, "lenkv": len_kv, "ktab": k_table, "vtab": v_table, "seedt": seed, "offt": offset}
     present = {stem: t for stem, t in present.items() if t is not None}
-    strides = {stem: tuple(t.stride) for stem, t in present.items()}
+    strides = {stem: () if stem in ("seedt", "offt") else tuple(t.stride) for stem, t in present.items()}
     if bias is not None:
         strides["bias"] = output_strides(bias)
     problem, attrs = sched.problem, node.attrs
@@ -131,17 +131,19 @@ def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
 
 
 BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv"),
-                  "dkdv": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dk", "dv"),
-                  "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq")}
+                  "dkdv": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dk", "dv", "seedt",
+                           "offt"),
+                  "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq", "seedt", "offt")}
 
 
 def _backward_spec(node, sched, which: str, delta) -> AttentionSpec:
     q, k, v, o, d_o, stats, bias, len_q, len_kv = node.inputs[:9]
+    seed, offset = node.inputs[-2:]
     dq, dk, dv = node.outputs
     tensors = {"q": q, "k": k, "v": v, "o": o, "do": d_o, "stats": stats, "bias": bias, "lenq": len_q,
-               "lenkv": len_kv, "dq": dq, "dk": dk, "dv": dv}
+               "lenkv": len_kv, "dq": dq, "dk": dk, "dv": dv, "seedt": seed, "offt": offset}
     present = {stem: tensors[stem] for stem in BACKWARD_STEMS[which] if tensors.get(stem) is not None}
-    strides = {stem: tuple(t.stride) for stem, t in present.items()}
+    strides = {stem: () if stem in ("seedt", "offt") else tuple(t.stride) for stem, t in present.items()}
     uids = {stem: t.uid for stem, t in present.items()}
     if bias is not None and "bias" in present:
         strides["bias"] = output_strides(bias)
