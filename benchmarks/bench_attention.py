@@ -62,7 +62,7 @@ import torch.nn.functional as F
 import dnngraph as dg  # first: on a CPU-only machine it selects Triton's interpreter before triton loads
 import triton
 from bench_matmul import _failed, _geomean, _host_us, _short, _sync, flush_us, frontend_from_args
-from common import family_parser, median_ms, print_table, rel_error, run_family, write_json
+from common import family_parser, median_ms, print_table, rel_error, run_family, run_rows
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 TOLERANCE = 2e-2  # bf16 outputs against the float32 reference
@@ -823,19 +823,8 @@ def run_gpu(args, cache_dir):
               "torch_cudnn": torch.backends.cudnn.version(), "cudnn_frontend": fe_note, "tolerance": TOLERANCE,
               "dnngraph_cache_dir": cache_dir, "flush_us": flush_us(), "rows": args.rows,
               "work": "forward 4*B*H*D*visible pairs, backward x2.5; decode K+V bytes"}
-    results = {key: [] for key in args.rows}
-    for key in args.rows:
-        for shape in row_shapes(key, args):
-            results[key].append(timed_case(ROWS[key], shape, ctx, started))
-            header["seconds"] = time.perf_counter() - started
-            write_json("attention.json", {"header": header, "results": results})  # kept if a later shape dies
-            torch.cuda.empty_cache()
-    header["seconds"] = time.perf_counter() - started
-    report(results, header)
-    path = write_json("attention.json", {"header": header, "results": results})
-    if path:
-        print(f"\nresults: {path}")
-    return results
+    return run_rows({key: ROWS[key] for key in args.rows}, lambda key: row_shapes(key, args),
+                    lambda row, shape: timed_case(row, shape, ctx, started), report, "attention.json", header, started)
 
 
 def timed_case(row: RowSpec, shape: AttnShape, ctx: Context, started: float) -> dict:

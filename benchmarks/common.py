@@ -3,6 +3,7 @@ import argparse
 import os
 import shutil
 import tempfile
+import time
 
 import torch
 import triton
@@ -117,3 +118,21 @@ def run_family(args, prefix: str, list_shapes, check_cpu, run_gpu):
     finally:
         if remove:
             shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def run_rows(rows: dict, shapes_of, timed_case, report, json_name: str, header: dict, started: float) -> dict:
+    """Time every shape of every row, saving the JSON after each (kept if a later one dies), then
+    print the report; returns {row key: [case, ...]}."""
+    results = {key: [] for key in rows}
+    for key, row in rows.items():
+        for shape in shapes_of(key):
+            results[key].append(timed_case(row, shape))
+            header["seconds"] = time.perf_counter() - started
+            write_json(json_name, {"header": header, "results": results})
+            torch.cuda.empty_cache()
+    header["seconds"] = time.perf_counter() - started
+    report(results, header)
+    path = write_json(json_name, {"header": header, "results": results})
+    if path:
+        print(f"\nresults: {path}")
+    return results
