@@ -232,7 +232,7 @@ def _forward_values(q_t, k_t, v_t, inputs_extra, attrs):
 
 
 def _run_backward(shape_q, shape_kv, dtype=torch.float32, layout="bhsd", value_dim=None, lens=None,
-                  bias_dim=None, seed=0, tolerance=None, workspace_limit=None, deterministic=False, **attrs):
+                  bias_dim=None, seed=0, tolerance=None, workspace_limit=None, **attrs):
     gen = torch.Generator().manual_seed(seed)
     b, h, s_q, d = shape_q
     h_kv, s_kv = shape_kv
@@ -257,21 +257,17 @@ def _run_backward(shape_q, shape_kv, dtype=torch.float32, layout="bhsd", value_d
         tensor = g.tensor_like(t, name)
         inputs[tensor] = t
         attrs[name] = tensor
-    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, use_deterministic_algorithm=deterministic, **attrs):
+    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, **attrs):
         grad.set_output(True)
     g.build(workspace_limit=workspace_limit)
     assert len(g.plan.launches) == (2 if workspace_limit == 0 else 3)
-    atomic = any("_dq_finish_" in launch.source_path.name for launch in g.plan.launches)
-    assert atomic == (not deterministic and workspace_limit != 0)
     return check(g, inputs, dtype, tolerance=tolerance)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("mask", sorted(MASKS))
 @pytest.mark.parametrize("s_q,s_kv", [(21, 37), (37, 21)])
-def test_backward_masks_sq_not_skv(mask, s_q, s_kv, deterministic):
-    """Both modes: dQ by float atomics (the default) and in its own kernel (deterministic)."""
-    _run_backward((2, 2, s_q, 16), (2, s_kv), deterministic=deterministic, **MASKS[mask])
+def test_backward_masks_sq_not_skv(mask, s_q, s_kv):
+    _run_backward((2, 2, s_q, 16), (2, s_kv), **MASKS[mask])
 
 
 @pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "window"])
@@ -282,9 +278,8 @@ def test_backward_padding_with_lengths_of_one_and_zero(mask):
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_backward_gqa_sums_over_the_group(heads, kv_heads, dtype):
-    for deterministic in (False, True):
-        _run_backward((2, heads, 17, 16), (kv_heads, 29), dtype=dtype, use_causal_mask=True,
-                      tolerance=5e-3 if dtype == torch.float16 else None, deterministic=deterministic)
+    _run_backward((2, heads, 17, 16), (kv_heads, 29), dtype=dtype, use_causal_mask=True,
+                  tolerance=5e-3 if dtype == torch.float16 else None)
 
 
 @pytest.mark.parametrize("head_dim,value_dim", [(24, 24), (40, 16)])

@@ -43,7 +43,7 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          "q_pos", "first_pos", "last_pos", "bias_row", "drop_row", "part_row", "m_part", "o_part", "weight",
          "denom", "split", "opart_ptr", "lpart_ptr", "ROWS", "SPLITS", "CHUNK", "BLOCK_R")
 STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
-                "delta", "opart", "lpart", "seedt", "offt", "dqacc")
+                "delta", "opart", "lpart", "seedt", "offt")
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
 
 
@@ -548,10 +548,6 @@ class _BackwardWriter(_Writer):
         self.dropped("d_probs", depth)
         w("d_scores = p_tile * (d_probs - delta_row[None, :])", depth)
         w(f"dk_acc += tl.dot(d_scores.to(q_tile.dtype), q_tile{self.dot_options})", depth)
-        if self.has("dqacc"):  # the fast mode: this block's dQ rows added with float atomics
-            w("acc_row = (batch.to(tl.int64) * HEADS + head) * SQ + q_rows", depth)
-            w(f"tl.atomic_add(dqacc_ptr + acc_row[:, None] * BLOCK_D + cols_d[None, :], "
-              f"tl.dot(tl.trans(d_scores).to(k_tile.dtype), k_tile{self.dot_options}), mask=row_in[:, None])", depth)
 
     def query_range(self):
         """lo/hi bound the query blocks that see any key of this block; [run_a, run_b) those
@@ -663,32 +659,10 @@ class _BackwardWriter(_Writer):
               f"{stem}_s3{_mask_argument(['row_in[:, None]'] + self.dv_mask('[None, :]'))})")
         w("delta_row = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)")
         w("tl.store(delta_ptr + delta_base + rows * delta_s2, delta_row, mask=rows < SQ)")
-        if self.has("dqacc"):  # the fast mode's dQ accumulator starts at 0
-            w("acc_row = (batch.to(tl.int64) * HEADS + head) * SQ + rows")
-            w("cols_d = tl.arange(0, BLOCK_D)")
-            w("tl.store(dqacc_ptr + acc_row[:, None] * BLOCK_D + cols_d[None, :], "
-              "tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=(rows < SQ)[:, None])")
-
-    def dq_finish_kernel(self):
-        """The fast mode's dQ: the atomically summed rows scaled and stored in dq's type."""
-        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
-        w("pid_m = tl.program_id(0)")
-        w("pid_bh = tl.program_id(1)")
-        w("batch = pid_bh // HEADS")
-        w("head = pid_bh % HEADS")
-        w("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
-        w("cols_d = tl.arange(0, BLOCK_D)")
-        w("acc_row = (batch.to(tl.int64) * HEADS + head) * SQ + rows")
-        w("dq_acc = tl.load(dqacc_ptr + acc_row[:, None] * BLOCK_D + cols_d[None, :], mask=(rows < SQ)[:, None], "
-          "other=0.0)")
-        self.head_offsets("head", 1)
-        w(f"tl.store(dq_ptr + dq_base + rows[:, None]{wide} * dq_s2 + cols_d[None, :] * dq_s3, "
-          f"(dq_acc * {self.spec.scale!r}).to(dq_ptr.dtype.element_ty), "
-          f"mask={' & '.join(['(rows < SQ)[:, None]'] + self.d_mask('[None, :]'))})")
 
 
 BACKWARD_KERNELS = {"delta": _BackwardWriter.delta_kernel, "dkdv": _BackwardWriter.dkdv_kernel,
-                    "dq": _BackwardWriter.dq_kernel, "dq_finish": _BackwardWriter.dq_finish_kernel}
+                    "dq": _BackwardWriter.dq_kernel}
 
 
 def render_backward(kernel_name: str, which: str, spec: AttentionSpec, compute_type: str, description: str):

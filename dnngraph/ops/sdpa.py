@@ -56,9 +56,6 @@ class SdpaAttrs:
     diagonal_band_left_bound: Optional[int] = None
     diagonal_band_right_bound: Optional[int] = None
     paged_attention_max_seq_len_kv: Optional[int] = None
-    # sdpa_backward: True runs dQ in its own kernel (bitwise reproducible); False, the default,
-    # adds dQ with float atomics from the dK/dV kernel (fastest) where the workspace allows
-    use_deterministic_algorithm: bool = False
 
     def __post_init__(self):
         op = "sdpa"
@@ -87,9 +84,7 @@ class SdpaAttrs:
                is_inference=boolean(op, "is_inference", self.is_inference), use_causal_mask=causal,
                use_causal_mask_bottom_right=causal_br, diagonal_alignment=wanted or self.diagonal_alignment,
                diagonal_band_left_bound=left, diagonal_band_right_bound=right,
-               paged_attention_max_seq_len_kv=max_kv,
-               use_deterministic_algorithm=boolean(op, "use_deterministic_algorithm",
-                                                   self.use_deterministic_algorithm))
+               paged_attention_max_seq_len_kv=max_kv)
 
     @property
     def mask(self) -> AttentionMask:

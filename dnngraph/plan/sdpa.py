@@ -133,11 +133,10 @@ def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
 BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv"),
                   "dkdv": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dk", "dv", "seedt",
                            "offt"),
-                  "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq", "seedt", "offt"),
-                  "dq_finish": ("dq",)}
+                  "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq", "seedt", "offt")}
 
 
-def _backward_spec(node, sched, which: str, delta, dq_acc=None) -> AttentionSpec:
+def _backward_spec(node, sched, which: str, delta) -> AttentionSpec:
     q, k, v, o, d_o, stats, bias, len_q, len_kv = node.inputs[:9]
     seed, offset = node.inputs[-2:]
     dq, dk, dv = node.outputs
@@ -151,9 +150,7 @@ def _backward_spec(node, sched, which: str, delta, dq_acc=None) -> AttentionSpec
     if delta is not None and "delta" in BACKWARD_STEMS[which]:
         problem = sched.problem
         strides["delta"], uids["delta"] = (problem.heads * problem.s_q, problem.s_q, 1), delta.uid
-    if dq_acc is not None and which in ("delta", "dkdv", "dq_finish"):
-        strides["dqacc"], uids["dqacc"] = (), dq_acc.uid
-    problem, attrs, config = sched.problem, node.attrs, sched.configs["dq" if which == "dq_finish" else which]
+    problem, attrs, config = sched.problem, node.attrs, sched.configs[which]
     dims = {"HEADS": problem.heads, "GROUP": problem.heads // problem.kv_heads, "SQ": problem.s_q,
             "SKV": problem.s_kv, "HEAD_DIM": problem.head_dim, "VALUE_DIM": problem.value_dim}
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
@@ -166,37 +163,28 @@ def _backward_spec(node, sched, which: str, delta, dq_acc=None) -> AttentionSpec
 
 
 def _build_backward(graph, group, index, device, budget) -> list:
-    """delta (when the workspace allows), dK/dV, then dQ: its own kernel when deterministic, or
-    float atomics from the dK/dV kernel into an fp32 accumulator and a finishing kernel."""
     node = group.anchor
     sched = backward_schedule(problem_of(node), device_model(device))
     problem = sched.problem
     delta_bytes = problem.batch * problem.heads * problem.s_q * 4
-    delta = dq_acc = None
+    delta = None
     if budget is None or budget.allows(delta_bytes):
         delta = scratch((problem.batch, problem.heads, problem.s_q))
         if budget is not None:
             budget.spend(delta_bytes)
-    acc_bytes = problem.batch * problem.heads * problem.s_q * sched.block_d * 4
-    if delta is not None and not node.attrs.use_deterministic_algorithm and (budget is None or budget.allows(acc_bytes)):
-        dq_acc = scratch((problem.batch * problem.heads * problem.s_q, sched.block_d))
-        if budget is not None:
-            budget.spend(acc_bytes)
-    kernels = (("delta",) if delta is not None else ()) + ("dkdv",) + (("dq_finish",) if dq_acc is not None else ("dq",))
-    reason = sched.reason + ("" if delta is not None else f"; delta inline (no workspace for {delta_bytes} bytes)")
-    reason += "; dQ by float atomics" if dq_acc is not None else "; dQ in its own kernel (deterministic)"
     launches = []
-    for which in kernels:
-        spec = _backward_spec(node, sched, which, delta, dq_acc)
+    for which in (("delta",) if delta is not None else ()) + ("dkdv", "dq"):
+        spec = _backward_spec(node, sched, which, delta)
         name = f"{kernel_name(group, index)}_{which}"
         source, arguments = render_backward(name, which, spec, graph.compute_data_type.triton_type,
                                             f"{which} of {group.describe()}")
         kernel, path = load_kernel(source, name)
-        config = sched.configs["dq" if which == "dq_finish" else which]
-        owned = tuple(s for s in (delta, dq_acc) if s is not None) if which == "delta" else ()
-        launches.append(KernelLaunch(group, kernel, path, arguments, sched.programs("dq" if which == "dq_finish" else which),
-                                     config.num_warps, sched.config_text("dq" if which == "dq_finish" else which), reason,
-                                     scratch=owned, num_stages=config.num_stages))
+        config = sched.configs[which]
+        reason = sched.reason + ("" if delta is not None else "; delta inline (no workspace for "
+                                 f"{delta_bytes} bytes)")
+        launches.append(KernelLaunch(group, kernel, path, arguments, sched.programs(which), config.num_warps,
+                                     sched.config_text(which), reason,
+                                     scratch=(delta,) if which == "delta" else (), num_stages=config.num_stages))
     return launches
 
 
