@@ -415,3 +415,21 @@ def test_dropout_seed_and_offset_tensors_forward_and_backward():
     for seed_value, offset_value in ((-9, 5), (2**40, 2**35)):
         check(g, {**inputs, seed: torch.tensor([seed_value]), offset: torch.tensor([offset_value]),
                   d_o: torch.randn(2, 2, 17, 16, generator=gen)})
+
+
+def test_backward_is_deterministic_in_either_mode():
+    """use_deterministic_algorithm is accepted (the cuDNN frontend's name); both values build the
+    same atomic-free kernels, so repeated runs and both modes agree bit for bit."""
+    gen = torch.Generator().manual_seed(21)
+    q_t, k_t, v_t, do_t = (torch.randn(1, 2, 19, 16, generator=gen) for _ in range(4))
+    results = []
+    for deterministic in (False, True, False):
+        g, inputs, q, k, v = _graph(torch.float32, q_t, k_t, v_t)
+        o, stats = g.sdpa(q, k, v, is_inference=False, use_causal_mask=True)
+        d_o = g.tensor_like(do_t, "dO")
+        for grad in g.sdpa_backward(q, k, v, o, d_o, stats, use_causal_mask=True,
+                                    use_deterministic_algorithm=deterministic):
+            grad.set_output(True)
+        results.append(check(g, {**inputs, d_o: do_t}))
+    for other in results[1:]:
+        assert all(torch.equal(results[0][name], other[name]) for name in results[0])
