@@ -62,7 +62,7 @@ import torch.nn.functional as F
 import dnngraph as dg  # first: on a CPU-only machine it selects Triton's interpreter before triton loads
 import triton
 from bench_matmul import _failed, _geomean, _host_us, _short, _sync, flush_us, frontend_from_args
-from common import family_parser, median_ms, print_table, rel_error, run_family, run_rows
+from common import cpu_exit, family_parser, median_ms, print_table, rel_error, run_family, run_rows
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 TOLERANCE = 2e-2  # bf16 outputs against the float32 reference
@@ -865,7 +865,7 @@ def check_cpu(args):
     notes = [line for key, c in cases for line in failure_notes(key, [c], CPU_TOLERANCE)]
     if notes:
         print("\n" + "\n".join(notes))
-    return cpu_exit(verdicts)
+    return cpu_exit(verdicts, "dnngraph graph(s) or reference check(s) cannot be built yet")
 
 
 def cpu_verdict(name: str, result) -> str:
@@ -900,21 +900,6 @@ def cpu_cell(result) -> str:
     if result.get("status") == "ok":
         return f"err {result['rel_error']:.1e}" + ("" if result["checked"] else " (!)")
     return result["status"]
-
-
-def cpu_exit(verdicts):
-    """Print the verdict; exit 1 on any wrong result, 2 when only dnngraph builds are missing."""
-    wrong, unsupported = verdicts.count("wrong"), verdicts.count("unsupported")
-    if wrong:
-        print(f"\nFAILED: {wrong} result(s) wrong, failed or past tolerance"
-              + (f"; {unsupported} not built yet" if unsupported else ""))
-        sys.exit(1)
-    if unsupported:
-        print(f"\nNOT BUILT: {unsupported} dnngraph graph(s) or reference check(s) cannot be built yet; "
-              "everything that ran agrees with the float64 reference")
-        sys.exit(2)
-    print(f"\nall {len(verdicts)} checks passed")
-    return 0
 
 
 if __name__ == "__main__":

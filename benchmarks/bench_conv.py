@@ -59,7 +59,7 @@ import torch.nn.functional as F
 import dnngraph as dg  # first: on a CPU-only machine it selects Triton's interpreter before triton loads
 import triton
 from bench_matmul import _failed, _geomean, _host_us, _short, _sync, _tflops, flush_us, frontend_from_args
-from common import family_parser, median_ms, print_table, rel_error, run_family, run_rows
+from common import cpu_exit, family_parser, median_ms, print_table, rel_error, run_family, run_rows
 
 BF16, F32, F64 = torch.bfloat16, torch.float32, torch.float64
 TOLERANCE = 2e-2  # bf16 outputs against the float32 reference
@@ -781,7 +781,7 @@ def check_cpu(args):
                 + ["torch ref vs g.reference"],
                 [[key, c["label"], c["shape"]] + [cpu_cell(c[n]) for n in dg_names([c for _, c in cases])]
                  + [f"{c['reference_check']:.0e}"] for key, c in cases])
-    return cpu_exit(verdicts)
+    return cpu_exit(verdicts, "dnngraph graph(s) raise UnsupportedError at build()")
 
 
 def cpu_verdict(result) -> str:
@@ -794,20 +794,6 @@ def cpu_cell(result) -> str:
     if result.get("status") == "ok":
         return f"err {result['rel_error']:.1e}" + ("" if result["checked"] else " (!)")
     return f"{result.get('status')}: {result.get('error', '')[:160]}"
-
-
-def cpu_exit(verdicts):
-    wrong, unsupported = verdicts.count("wrong"), verdicts.count("unsupported")
-    if wrong:
-        print(f"\nFAILED: {wrong} result(s) wrong, failed or past tolerance"
-              + (f"; {unsupported} not implemented yet" if unsupported else ""))
-        sys.exit(1)
-    if unsupported:
-        print(f"\nNOT IMPLEMENTED: {unsupported} dnngraph graph(s) raise UnsupportedError at build() "
-              "(no conv kernel yet); the torch references agree with g.reference()")
-        sys.exit(2)
-    print(f"\nall {len(verdicts)} checks passed")
-    return 0
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 import time
 
@@ -136,3 +137,18 @@ def run_rows(rows: dict, shapes_of, timed_case, report, json_name: str, header: 
     if path:
         print(f"\nresults: {path}")
     return results
+
+
+def cpu_exit(verdicts, missing: str):
+    """Print a --check-cpu verdict; exit 1 on any wrong result, 2 when only `missing` (what
+    dnngraph cannot build yet) kept checks from running."""
+    wrong, unsupported = verdicts.count("wrong"), verdicts.count("unsupported")
+    if wrong:
+        print(f"\nFAILED: {wrong} result(s) wrong, failed or past tolerance"
+              + (f"; {unsupported} not built yet" if unsupported else ""))
+        sys.exit(1)
+    if unsupported:
+        print(f"\nNOT BUILT: {unsupported} {missing}; everything that ran agrees with the float64 reference")
+        sys.exit(2)
+    print(f"\nall {len(verdicts)} checks passed")
+    return 0

@@ -21,6 +21,14 @@ def _bhsd(shape, layout, dtype, generator):
     return torch.randn(b, h, s, d, generator=generator).to(dtype)
 
 
+def _qkv(shape_q, shape_kv, layout, dtype, value_dim, generator) -> tuple:
+    """q [B, H, Sq, D], k and v [B, Hkv, Skv, D or value_dim] in `layout`."""
+    b, h, s_q, d = shape_q
+    h_kv, s_kv = shape_kv
+    return (_bhsd((b, h, s_q, d), layout, dtype, generator), _bhsd((b, h_kv, s_kv, d), layout, dtype, generator),
+            _bhsd((b, h_kv, s_kv, value_dim or d), layout, dtype, generator))
+
+
 def _graph(dtype, q_t, k_t, v_t, **kwargs):
     g = dg.Graph(name="attn", io_data_type=TORCH_TYPES[dtype], intermediate_data_type=dg.float32,
                  compute_data_type=dg.float32)
@@ -31,11 +39,8 @@ def _graph(dtype, q_t, k_t, v_t, **kwargs):
 def _run(shape_q, shape_kv, dtype=torch.float32, layout="bhsd", value_dim=None, lens=None, bias_dim=None,
          seed=0, tolerance=None, **attrs):
     gen = torch.Generator().manual_seed(seed)
-    b, h, s_q, d = shape_q
-    h_kv, s_kv = shape_kv
-    q_t = _bhsd((b, h, s_q, d), layout, dtype, gen)
-    k_t = _bhsd((b, h_kv, s_kv, d), layout, dtype, gen)
-    v_t = _bhsd((b, h_kv, s_kv, value_dim or d), layout, dtype, gen)
+    b = shape_q[0]
+    q_t, k_t, v_t = _qkv(shape_q, shape_kv, layout, dtype, value_dim, gen)
     g, inputs, q, k, v = _graph(dtype, q_t, k_t, v_t)
     if lens is not None:
         for name, values in zip(("seq_len_q", "seq_len_kv"), lens):
@@ -234,11 +239,8 @@ def _forward_values(q_t, k_t, v_t, inputs_extra, attrs):
 def _run_backward(shape_q, shape_kv, dtype=torch.float32, layout="bhsd", value_dim=None, lens=None,
                   bias_dim=None, seed=0, tolerance=None, workspace_limit=None, **attrs):
     gen = torch.Generator().manual_seed(seed)
-    b, h, s_q, d = shape_q
-    h_kv, s_kv = shape_kv
-    q_t = _bhsd((b, h, s_q, d), layout, dtype, gen)
-    k_t = _bhsd((b, h_kv, s_kv, d), layout, dtype, gen)
-    v_t = _bhsd((b, h_kv, s_kv, value_dim or d), layout, dtype, gen)
+    b = shape_q[0]
+    q_t, k_t, v_t = _qkv(shape_q, shape_kv, layout, dtype, value_dim, gen)
     extra = {}
     if lens is not None:
         for name, values in zip(("seq_len_q", "seq_len_kv"), lens):
