@@ -427,15 +427,17 @@ class Graph:
                       bias=None, dropout=None, seq_len_q=None, seq_len_kv=None,
                       use_causal_mask_bottom_right=False, diagonal_alignment="top_left",
                       diagonal_band_left_bound=None, diagonal_band_right_bound=None,
-                      use_deterministic_algorithm=False, name=None):
-        """(dq, dk, dv) of sdpa from the forward tensors, dO and the stats; bitwise reproducible
-        whatever use_deterministic_algorithm says (the fastest kernels here use no atomics)."""
+                      use_deterministic_algorithm=False, compute_dbias=False, name=None):
+        """(dq, dk, dv) of sdpa from the forward tensors, dO and the stats, and dbias (the bias's
+        shape and type) after them when compute_dbias; bitwise reproducible whatever
+        use_deterministic_algorithm says (the fastest kernels here use no atomics)."""
         dropout, random = _dropout_tensors(dropout)
         attrs = _attrs_of("sdpa_backward", attn_scale, False, use_causal_mask, dropout,
                           use_causal_mask_bottom_right, diagonal_alignment, diagonal_band_left_bound,
-                          diagonal_band_right_bound, None, use_deterministic_algorithm)
-        return self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv, None, None,
-                                              *random], attrs, name)
+                          diagonal_band_right_bound, None, use_deterministic_algorithm, compute_dbias)
+        grads = self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv, None, None,
+                                               *random], attrs, name)
+        return grads if compute_dbias else grads[:3]
 
     # --- ops: layout ----------------------------------------------------------------------------
     def reshape(self, x, dim, name=None) -> Tensor:

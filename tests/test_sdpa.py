@@ -6,7 +6,7 @@ import torch
 
 import dnngraph as dg
 from dnngraph.heuristics import sdpa as heur
-from helpers import check
+from helpers import check, rel_err, run
 
 TORCH_TYPES = {torch.float32: dg.float32, torch.float16: dg.float16}
 
@@ -206,6 +206,12 @@ BAD = {
     "one paged table": lambda g, t: g.sdpa(t["q"], t["pool"], t["pool"], seq_len_kv=t["lens"],
                                            paged_attention_k_table=t["table"]),
     "float lengths": lambda g, t: g.sdpa(t["q"], t["k"], t["k"], seq_len_kv=t["flens"]),
+    "dbias without a bias": lambda g, t: g.sdpa_backward(t["q"], t["k"], t["k"], t["q"], t["q"], t["stats"],
+                                                         compute_dbias=True),
+    "dbias of an integer bias": lambda g, t: g.sdpa_backward(t["q"], t["k"], t["k"], t["q"], t["q"], t["stats"],
+                                                             bias=t["ibias"], compute_dbias=True),
+    "dbias not a bool": lambda g, t: g.sdpa_backward(t["q"], t["k"], t["k"], t["q"], t["q"], t["stats"],
+                                                     bias=t["bias"], compute_dbias="yes"),
 }
 
 
@@ -218,7 +224,10 @@ def test_bad_input_is_a_validation_error_at_the_call(case):
          "table": g.tensor(name="table", dim=[2, 1, 3, 1], data_type=dg.int32),
          "bad_table": g.tensor(name="bad_table", dim=[2, 3, 1], data_type=dg.int32),
          "lens": g.tensor(name="lens", dim=[2, 1, 1, 1], data_type=dg.int32),
-         "flens": g.tensor(name="flens", dim=[2, 1, 1, 1])}
+         "flens": g.tensor(name="flens", dim=[2, 1, 1, 1]),
+         "stats": g.tensor(name="stats", dim=[2, 4, 8, 1], data_type=dg.float32),
+         "bias": g.tensor(name="bias", dim=[1, 4, 8, 8]),
+         "ibias": g.tensor(name="ibias", dim=[1, 4, 8, 8], data_type=dg.int32)}
     with pytest.raises(dg.ValidationError):
         BAD[case](g, t)
 
@@ -335,7 +344,7 @@ def test_decode_split_with_epilogue_paged_and_no_workspace(monkeypatch):
 
 
 # --- attention written as ops: the score chain becomes the flash kernel's score modifier ---------
-def _op_level(dtype, b, h, s_q, s_kv, d, dv, softcap=None, rank=4, seed=9, kt_layout="transposed"):
+def _op_level(dtype, b, h, s_q, s_kv, d, dv, softcap=None, rank=4, seed=9, kt_layout="transposed", dropout=None):
     gen = torch.Generator().manual_seed(seed)
     lead = [b, h] if rank == 4 else [b * h]
     q_t = torch.randn(lead + [s_q, d], generator=gen).to(dtype)
@@ -353,9 +362,19 @@ def _op_level(dtype, b, h, s_q, s_kv, d, dv, softcap=None, rank=4, seed=9, kt_la
     if softcap is not None:
         s = g.mul(g.tanh(g.div(s, softcap)), softcap)
     s = g.where(mask, s, float("-inf"))
-    g.matmul(g.softmax(s, axis=-1), v).set_output(True).set_name("o")
+    inputs = {q: q_t, kt: kt_t, v: v_t, bias: bias_t, mask: mask_t}
+    probs = g.softmax(s, axis=-1)
+    if dropout is not None:  # (p, seed, offset), a tensor where the value is a torch tensor
+        drop = []
+        for name, value in zip(("seed", "offset"), dropout[1:]):
+            if isinstance(value, torch.Tensor):
+                inputs[g.tensor_like(value, name)] = value
+                value = next(t for t in inputs if t.name == name)
+            drop.append(value)
+        probs = g.dropout(probs, dropout[0], *drop)
+    g.matmul(probs, v).set_output(True).set_name("o")
     g.build()
-    return g, {q: q_t, kt: kt_t, v: v_t, bias: bias_t, mask: mask_t}
+    return g, inputs
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
@@ -367,6 +386,32 @@ def test_op_level_attention_is_one_flash_kernel(softcap, rank, dtype):
     g, inputs = _op_level(dtype, 2, 3, 21, 37, 16, 24, softcap, rank)
     assert len(g.plan.launches) == 1 and g.plan.launches[0].group.kind == "attention"
     check(g, inputs, dtype)
+
+
+@pytest.mark.parametrize("rank", [3, 4])
+@pytest.mark.parametrize("tensors", [False, True])
+def test_op_level_attention_with_dropout_is_one_kernel(rank, tensors):
+    """softmax -> dropout -> matmul: the kernel draws the dropout op's counters (seed and offset
+    as ints or as int64 tensors)."""
+    seed, offset = 2**40 + 5, 77
+    if tensors:
+        seed, offset = torch.tensor([seed], dtype=torch.int64), torch.tensor([offset], dtype=torch.int64)
+    g, inputs = _op_level(torch.float32, 2, 3, 19, 27, 16, 8, 4.0, rank, dropout=(0.3, seed, offset))
+    assert len(g.plan.launches) == 1 and g.plan.launches[0].group.kind == "attention"
+    check(g, inputs)
+
+
+def test_op_level_dropout_that_returns_its_mask_stays_unfused():
+    g = dg.Graph()
+    q, kt, v = (g.tensor(name=n, dim=d) for n, d in (("q", [2, 9, 8]), ("kt", [2, 8, 11]), ("v", [2, 11, 5])))
+    probs, mask = g.dropout(g.softmax(g.matmul(q, kt)), 0.5, 3, return_mask=True)
+    g.matmul(probs, v).set_output(True)
+    mask.set_output(True)
+    g.build()
+    assert "attention" not in [l.group.kind for l in g.plan.launches]
+    gen = torch.Generator().manual_seed(4)
+    check(g, {"q": torch.randn(2, 9, 8, generator=gen), "kt": torch.randn(2, 8, 11, generator=gen),
+              "v": torch.randn(2, 11, 5, generator=gen)})
 
 
 def test_op_level_attention_with_contiguous_kt_and_fully_masked_rows():
@@ -435,3 +480,54 @@ def test_backward_is_deterministic_in_either_mode():
         results.append(check(g, {**inputs, d_o: do_t}))
     for other in results[1:]:
         assert all(torch.equal(results[0][name], other[name]) for name in results[0])
+
+
+# --- dbias ----------------------------------------------------------------------------------------
+def _run_dbias(shape_q, shape_kv, bias_dim, dtype=torch.float32, lens=None, seed=0, tolerance=None, **attrs):
+    """sdpa_backward with compute_dbias: dq, dk, dv and dbias against autograd on the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    b = shape_q[0]
+    q_t, k_t, v_t = _qkv(shape_q, shape_kv, "bhsd", dtype, None, gen)
+    extra = {"bias": torch.randn(bias_dim, generator=gen).to(dtype)}
+    if lens is not None:
+        for name, values in zip(("seq_len_q", "seq_len_kv"), lens):
+            extra[name] = torch.tensor(values, dtype=torch.int32).view(b, 1, 1, 1)
+    o_t, stats_t = _forward_values(q_t, k_t, v_t, extra, attrs)
+    o_t, do_t = o_t.to(dtype), torch.randn(o_t.shape, generator=gen).to(dtype)
+    g, inputs, q, k, v = _graph(dtype, q_t, k_t, v_t)
+    o, d_o, stats = g.tensor_like(o_t, "o"), g.tensor_like(do_t, "dO"), g.tensor_like(stats_t.float(), "stats")
+    inputs.update({o: o_t, d_o: do_t, stats: stats_t.float()})
+    for name, t in extra.items():
+        attrs[name] = g.tensor_like(t, name)
+        inputs[attrs[name]] = t
+    grads = g.sdpa_backward(q, k, v, o, d_o, stats, compute_dbias=True, **attrs)
+    assert len(grads) == 4 and list(grads[3].dim) == list(bias_dim)
+    for grad in grads:
+        grad.set_output(True)
+    g.build()
+    assert len(g.plan.launches) == 4  # delta, dK/dV, dQ, dbias
+    if bias_dim[3] > 1:
+        return check(g, inputs, dtype, tolerance=tolerance)
+    # constant along the keys: softmax ignores it, dbias is exactly 0 (the reference's is rounding)
+    outputs, refs = run(g, inputs), g.reference(inputs)
+    assert torch.equal(outputs[grads[3].name], torch.zeros(bias_dim, dtype=dtype))
+    assert refs[grads[3].name].abs().max() < 1e-12
+    for grad in grads[:3]:
+        assert rel_err(outputs[grad.name], refs[grad.name]) < (tolerance or 2e-5), grad.name
+
+
+@pytest.mark.parametrize("bias_dim", [(2, 3, 17, 26), (1, 3, 17, 26), (2, 1, 1, 26), (1, 1, 17, 26),
+                                      (1, 1, 17, 1), (2, 3, 1, 1), (1, 1, 1, 1)])
+def test_dbias_sums_over_every_broadcast_axis(bias_dim):
+    _run_dbias((2, 3, 17, 16), (3, 26), bias_dim, use_causal_mask_bottom_right=True)
+
+
+@pytest.mark.parametrize("mask", ["none", "window", "band_bottom_right"])
+def test_dbias_with_masks_padding_dropout_and_gqa(mask):
+    attrs = dict(MASKS[mask], dropout=(0.2, 7, 3))
+    _run_dbias((3, 4, 19, 16), (2, 23), (1, 4, 19, 23), lens=([1, 19, 0], [23, 5, 4]), **attrs)
+
+
+def test_dbias_fp16():
+    _run_dbias((2, 2, 21, 16), (2, 18), (2, 2, 21, 18), dtype=torch.float16, use_causal_mask=True,
+               tolerance=5e-3)

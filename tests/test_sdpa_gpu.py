@@ -86,25 +86,35 @@ def test_paged_decode(s_q):
           torch.bfloat16, device=CUDA)
 
 
-def _backward_case(b, h, h_kv, s_q, s_kv, d, dv=None, dtype=torch.bfloat16, **attrs):
-    """Gradients of the reference forward's o and stats (float64 on the GPU, stored as dtype)."""
+def _backward_case(b, h, h_kv, s_q, s_kv, d, dv=None, dtype=torch.bfloat16, bias_dim=None, **attrs):
+    """Gradients of the reference forward's o and stats (float64 on the GPU, stored as dtype);
+    with `bias_dim`, a bias of those dims and its gradient (compute_dbias)."""
     gen = torch.Generator(device=CUDA).manual_seed(2)
     q_t, k_t, v_t = (torch.randn(b, heads, seq, dim, generator=gen, device=CUDA).to(dtype)
                      for heads, seq, dim in ((h, s_q, d), (h_kv, s_kv, d), (h_kv, s_kv, dv or d)))
+    bias_t = None if bias_dim is None else torch.randn(bias_dim, generator=gen, device=CUDA).to(dtype)
     fwd = dg.Graph()
     q, k, v = (fwd.tensor_like(t.float(), n) for t, n in ((q_t, "q"), (k_t, "k"), (v_t, "v")))
-    o, stats = fwd.sdpa(q, k, v, is_inference=False, **attrs)
+    values = {"q": q_t, "k": k_t, "v": v_t}
+    if bias_t is not None:
+        values["bias"] = bias_t
+        attrs_fwd = dict(attrs, bias=fwd.tensor_like(bias_t.float(), "bias"))
+    o, stats = fwd.sdpa(q, k, v, is_inference=False, **(attrs_fwd if bias_t is not None else attrs))
     o.set_output(True)
     stats.set_output(True)
-    refs = fwd.reference({"q": q_t, "k": k_t, "v": v_t})
+    refs = fwd.reference(values)
     o_t, stats_t = refs[o.name].to(dtype), refs[stats.name].float()
     do_t = torch.randn(o_t.shape, generator=gen, device=CUDA).to(dtype)
     g = dg.Graph(io_data_type=TYPES[dtype], intermediate_data_type=dg.float32, compute_data_type=dg.float32)
     q, k, v, o, d_o = (g.tensor_like(t, n) for t, n in ((q_t, "q"), (k_t, "k"), (v_t, "v"), (o_t, "o"), (do_t, "dO")))
     stats = g.tensor_like(stats_t, "stats")
+    inputs = {q: q_t, k: k_t, v: v_t, o: o_t, d_o: do_t, stats: stats_t}
+    if bias_t is not None:
+        bias = g.tensor_like(bias_t, "bias")
+        inputs[bias] = bias_t
+        attrs = dict(attrs, bias=bias, compute_dbias=True)
     for grad in g.sdpa_backward(q, k, v, o, d_o, stats, **attrs):
         grad.set_output(True)
-    inputs = {q: q_t, k: k_t, v: v_t, o: o_t, d_o: do_t, stats: stats_t}
     return g, inputs, check(g, inputs, dtype, device=CUDA, tolerance=2e-2 if dtype == torch.bfloat16 else None)
 
 
@@ -117,6 +127,11 @@ def test_backward_head_dims_bf16(d, dv, causal):
 def test_backward_gqa_window_dropout_fp16():
     _backward_case(2, 8, 2, 257, 301, 64, dtype=torch.float16, use_causal_mask_bottom_right=True,
                    diagonal_band_left_bound=100, dropout=(0.1, 5, 7))
+
+
+@pytest.mark.parametrize("bias_dim", [(1, 8, 300, 333), (2, 1, 1, 333), (2, 8, 300, 333)])
+def test_backward_dbias_bf16(bias_dim):
+    _backward_case(2, 8, 2, 300, 333, 128, bias_dim=bias_dim, use_causal_mask=True, dropout=(0.1, 3, 4))
 
 
 def test_backward_is_bitwise_reproducible():

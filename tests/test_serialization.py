@@ -46,6 +46,8 @@ def build_family_ops(g, n, c, size, draw_int):
     o, stats = g.sdpa(q, q, q, attn_scale=0.5, is_inference=False, use_causal_mask=True,
                       bias=g.tensor(name="bias", dim=[1, 1, size, size]), dropout=(0.1, 5, 6))
     g.sdpa_backward(q, q, q, o, o, stats, use_causal_mask=True)
+    g.sdpa_backward(q, q, q, o, o, stats, bias=g.tensor(name="rel_bias", dim=[1, 2, size, size]),
+                    compute_dbias=True)
     g.reshape(x, [n * c, size * size])
     g.transpose(x, [0, 2, 3, 1])
     g.slice(x, [slice(None), slice(0, 1), slice(None), slice(0, size, 2)])

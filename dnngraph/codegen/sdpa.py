@@ -40,10 +40,11 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          "lse_row", "delta_row", "dq_acc", "dk_acc", "dv_acc", "p_drop", "d_probs", "d_scores", "q_rows",
          "q_lo", "q_hi", "o_base", "do_base", "dq_base", "stats_base", "delta_base", "bias_base", "start_m",
          # decode packing, key splits and their combine
+         "dbias_ptr", "dbias_acc", "bias_batch", "bias_head", "b_step", "h_step", "BATCH", "BIAS_HEADS",
          "q_pos", "first_pos", "last_pos", "bias_row", "drop_row", "part_row", "m_part", "o_part", "weight",
          "denom", "split", "opart_ptr", "lpart_ptr", "ROWS", "SPLITS", "CHUNK", "BLOCK_R")
 STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
-                "delta", "opart", "lpart", "seedt", "offt")
+                "dbias", "delta", "opart", "lpart", "seedt", "offt")
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
 
 
@@ -66,6 +67,7 @@ class AttentionSpec:
     packed: bool = False  # decode: a tile holds every query row of a K/V head's GROUP query heads
     splits: int = 1  # decode: programs per K/V head, each over CHUNK keys, merged by a combine kernel
     chunk: int = 0  # keys per split (a multiple of BLOCK_N)
+    bias_dims: tuple = ()  # the dbias kernel: the bias's [B, H, Sq, Skv] (1 on the axes it sums over)
 
 
 def _mask_argument(terms: list) -> str:
@@ -442,7 +444,8 @@ def _arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
     stems = [s for s in STRIDE_STEMS if s in spec.uids]
     args = [KernelArgument("tensor", f"{s}_ptr", spec.uids[s]) for s in stems]
     args += [KernelArgument("tensor", f"{s}_ptr", t.uid) for s, t in extra.items()]
-    args += [KernelArgument("int", name, spec.dims[name]) for name in ("HEADS", "GROUP", "SQ", "SKV")]
+    args += [KernelArgument("int", name, spec.dims[name]) for name in ("HEADS", "GROUP", "SQ", "SKV", "BATCH",
+                                                                       "BIAS_HEADS") if name in spec.dims]
     for stem in stems:
         args += [KernelArgument("int", f"{stem}_s{axis}", value) for axis, value in enumerate(spec.strides[stem])]
     for stem, tensor in extra.items():
@@ -471,8 +474,7 @@ def _arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
 class _BackwardWriter(_Writer):
     def lengths(self):
         w = self.line
-        self.lengths_in_range()
-        w("shift = " + ("len_kv - len_q" if self.spec.bottom_right else "0"))
+        self.lengths_in_range_at(1)
         w(f"qk_scale = {self.spec.scale * LOG2E!r}")
         _random_loads(self)
 
@@ -602,7 +604,8 @@ class _BackwardWriter(_Writer):
               f"{stem}_s2 + {cols}[None, :] * {stem}_s3, ({value}).to({stem}_ptr.dtype.element_ty), "
               f"mask={' & '.join(store + mask)})")
 
-    def dq_block(self, masked: bool, depth: int):
+    def dq_block(self, masked: bool, depth: int, accumulate: str = ""):
+        """One key block of a query tile: dS, then dQ += dS k (or `accumulate`, the dbias kernel)."""
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
         w("keys = start_n + tl.arange(0, BLOCK_N)", depth)
         w("key_in = keys < len_kv", depth)
@@ -614,7 +617,7 @@ class _BackwardWriter(_Writer):
         w(f"d_probs = tl.dot(do_tile, tl.trans(v_tile){self.dot_options})", depth)
         self.dropped("d_probs", depth)
         w("d_scores = p_tile * (d_probs - delta_row[:, None])", depth)
-        w(f"dq_acc += tl.dot(d_scores.to(k_tile.dtype), k_tile{self.dot_options})", depth)
+        w(accumulate or f"dq_acc += tl.dot(d_scores.to(k_tile.dtype), k_tile{self.dot_options})", depth)
 
     def dq_kernel(self):
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
@@ -642,6 +645,76 @@ class _BackwardWriter(_Writer):
           f"(dq_acc * {self.spec.scale!r}).to(dq_ptr.dtype.element_ty), "
           f"mask={' & '.join(['(rows < SQ)[:, None]'] + self.d_mask('[None, :]'))})")
 
+    def dbias_kernel(self):
+        """dbias = dS summed over the axes the bias broadcasts over. A program owns one
+        [BLOCK_M, BLOCK_N] tile of the bias and walks, recomputing P and dP, every (batch, head,
+        query block) that reads it: no atomics, no workspace. A bias constant along the keys
+        shifts each row's scores by one value, which softmax ignores: its gradient is exactly 0
+        (sum_j P_ij (dP_ij - delta_i) = delta_i - delta_i, dropout included), stored as such."""
+        w, spec = self.line, self.spec
+        bias_b, bias_h, bias_q, bias_k = spec.bias_dims
+        dims, wide = spec.dims, ".to(tl.int64)" if spec.wide_index else ""
+        w("pid_n = tl.program_id(0)")
+        w("pid_m = tl.program_id(1)")
+        w("pid_bh = tl.program_id(2)")
+        w("bias_batch = pid_bh // BIAS_HEADS")
+        w("bias_head = pid_bh % BIAS_HEADS")
+        w("dbias_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)")
+        if bias_k == dims["SKV"]:
+            self._dbias_walk(bias_b == dims["BATCH"], bias_h == dims["HEADS"], bias_q == dims["SQ"])
+        w("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        w("keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+        rows_owned, keys_owned = bias_q == dims["SQ"], bias_k == dims["SKV"]
+        value = "dbias_acc" if keys_owned else "tl.sum(dbias_acc, 1)"
+        value = value if rows_owned else f"tl.sum({value}, 0)"
+        rows = ("rows[:, None]" if keys_owned else "rows") if rows_owned else None
+        keys = ("keys[None, :]" if rows_owned else "keys") if keys_owned else None
+        offsets = f"bias_batch{wide} * dbias_s0 + bias_head{wide} * dbias_s1"
+        offsets += f" + {rows}{wide} * dbias_s2" if rows else ""
+        offsets += f" + {keys}{wide} * dbias_s3" if keys else ""
+        mask = " & ".join(([f"({rows} < SQ)"] if rows else []) + ([f"({keys} < SKV)"] if keys else []))
+        store_mask = f", mask={mask}" if mask else ""
+        w(f"tl.store(dbias_ptr + {offsets}, ({value}).to(dbias_ptr.dtype.element_ty){store_mask})")
+
+    def _dbias_walk(self, owns_batch: bool, owns_head: bool, owns_rows: bool):
+        """dbias_acc += dS over the batches, heads and query blocks the program's tile gathers."""
+        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+        _random_loads(self)
+        w("cols_d = tl.arange(0, BLOCK_D)")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        depth = self._owned_or_walked("batch", "bias_batch", "b_step", "BATCH", owns_batch, 1)
+        self.lengths_in_range_at(depth)
+        depth = self._owned_or_walked("head", "bias_head", "h_step", "HEADS", owns_head, depth)
+        w("kv_head = head // GROUP", depth)
+        self.head_offsets("head", depth)
+        for stem in ("k", "v"):
+            w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1", depth)
+        if owns_rows:
+            w("start_m = pid_m * BLOCK_M", depth)
+        else:
+            w("for start_m in range(0, len_q, BLOCK_M):", depth)
+            depth += 1
+        w("rows = start_m + tl.arange(0, BLOCK_M)", depth)
+        self.row_loads("rows", depth, True, False)
+        w("start_n = pid_n * BLOCK_N", depth)
+        self.dq_block(True, depth, "dbias_acc += d_scores")
+
+    def _owned_or_walked(self, variable: str, owned: str, step: str, count: str, owns: bool, depth: int) -> int:
+        """`variable` is the program's own index when the bias spans the axis, else a loop over it."""
+        if owns:
+            self.line(f"{variable} = {owned}", depth)
+            return depth
+        self.line(f"for {step} in range(0, {count}):", depth)
+        self.line(f"{variable} = tl.cast({step}, tl.int32)", depth + 1)
+        return depth + 1
+
+    def lengths_in_range_at(self, depth: int):
+        """The per-batch lengths and the diagonal's shift at `depth` (inside a loop over batches)."""
+        self.line(f"len_q = {self.length('lenq', 'SQ')}", depth)
+        self.line(f"len_kv = {self.length('lenkv', 'SKV')}", depth)
+        self.line("shift = " + ("len_kv - len_q" if self.spec.bottom_right else "0"), depth)
+
     def delta_kernel(self):
         w = self.line
         w("pid_m = tl.program_id(0)")
@@ -662,11 +735,12 @@ class _BackwardWriter(_Writer):
 
 
 BACKWARD_KERNELS = {"delta": _BackwardWriter.delta_kernel, "dkdv": _BackwardWriter.dkdv_kernel,
-                    "dq": _BackwardWriter.dq_kernel}
+                    "dq": _BackwardWriter.dq_kernel, "dbias": _BackwardWriter.dbias_kernel}
 
 
 def render_backward(kernel_name: str, which: str, spec: AttentionSpec, compute_type: str, description: str):
-    """(source, arguments) of one of the backward kernels ("delta", "dkdv", "dq") under `spec`."""
+    """(source, arguments) of one of the backward kernels ("delta", "dkdv", "dq", "dbias") under
+    `spec`."""
     writer = _BackwardWriter(spec, compute_type)
     BACKWARD_KERNELS[which](writer)
     args = _arguments(spec, {}, [])

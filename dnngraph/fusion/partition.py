@@ -139,6 +139,9 @@ class _Partitioner:
             chain.append(nxt)
             current = nxt
         second = self._single_virtual_consumer(chain[-1].outputs[0])
+        if second is not None and second.op == "dropout" and not second.attrs.return_mask:
+            chain.append(second)  # dropout on the probabilities: the kernel draws the same counters
+            second = self._single_virtual_consumer(second.outputs[0])
         if second is None or second.op != "matmul" or second.inputs[0] is not chain[-1].outputs[0]:
             return None
         return chain + [second] if attention_chain_fits(chain + [second]) else None

@@ -49,7 +49,9 @@ for _norm in ("layernorm", "rmsnorm", "batchnorm", "instancenorm", "groupnorm"):
 COUNTER_OPS = frozenset({"dropout"})
 
 # Attention written as ops: matmul(q, k^T) -> pointwise (scale, bias, mask) -> softmax over the
-# last axis -> matmul(probabilities, v). The whole chain becomes one flash-attention kernel.
+# last axis -> (dropout) -> matmul(probabilities, v). The whole chain becomes one flash-attention
+# kernel; its dropout draws the counters the dropout op would (offset + the probability's
+# row-major index).
 # The score ops (with tanh for a soft cap, tanh(s / c) * c) are rendered as the kernel's score
 # modifier; their other operands (masks, biases, position terms) are read per key block.
 ATTENTION_SCORE_OPS = frozenset({"mul", "scale", "div", "add", "sub", "where", "maximum", "minimum", "tanh"})
@@ -70,7 +72,7 @@ def attention_chain_fits(chain) -> bool:
         return False
     scores = first.outputs[0].dim
     made = {first.outputs[0].uid} | {n.outputs[0].uid for n in chain[1:-1]}
-    for node in chain[1:-2]:
+    for node in score_ops(chain):
         if not node.outputs[0].data_type.is_floating:
             return False
         for tensor in node.input_tensors():
@@ -80,3 +82,14 @@ def attention_chain_fits(chain) -> bool:
             if len(tensor.dim) > len(scores) or any(d not in (1, s) for d, s in zip(dims, scores)):
                 return False
     return True
+
+
+def score_ops(chain) -> list:
+    """The score modifier of an attention chain: the nodes between q k^T and the softmax."""
+    softmax = next(i for i, node in enumerate(chain) if node.op == "softmax")
+    return chain[1:softmax]
+
+
+def chain_dropout(chain):
+    """The dropout node on an attention chain's probabilities, or None."""
+    return chain[-2] if chain[-2].op == "dropout" else None

@@ -216,9 +216,13 @@ class BackwardSchedule:
     block_d: int
     block_dv: int
     reason: str
+    bias_dims: tuple = ()  # [B, H, Sq, Skv] of a bias whose gradient is wanted (the dbias kernel)
 
     def programs(self, which: str) -> tuple:
         p, c = self.problem, self.configs[which]
+        if which == "dbias":  # a program per [BLOCK_M, BLOCK_N] tile of the bias
+            b, h, s_q, s_kv = self.bias_dims
+            return (-(-s_kv // c.block_n), -(-s_q // c.block_m), b * h)
         if which == "dkdv":
             return (-(-p.s_kv // c.block_n), p.batch * p.kv_heads)
         return (-(-p.s_q // c.block_m), p.batch * p.heads)
@@ -230,8 +234,9 @@ class BackwardSchedule:
                 f"grid={list(self.programs(which))}")
 
 
-def backward_schedule(problem: AttentionProblem, model: DeviceModel) -> BackwardSchedule:
-    """Tiles of the three backward kernels for `problem` on `model`."""
+def backward_schedule(problem: AttentionProblem, model: DeviceModel, bias_dims: tuple = ()) -> BackwardSchedule:
+    """Tiles of the backward kernels for `problem` on `model` (and of the dbias kernel, which
+    walks query and key blocks as the dQ kernel does, when `bias_dims` are given)."""
     check_head_dims(problem, model)
     block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
     if model.capability is None:
@@ -243,9 +248,11 @@ def backward_schedule(problem: AttentionProblem, model: DeviceModel) -> Backward
         _, dkdv, dq = next((row for row in table if width <= row[0]), table[-1])
         configs = {"dkdv": AttentionConfig(*dkdv), "dq": AttentionConfig(*dq)}
     configs.update(FORCE_BACKWARD or {})
+    if bias_dims:
+        configs["dbias"] = configs["dq"]
     rows = DELTA_ROWS if model.capability is not None else INTERPRETER_TILE[0]
     configs["delta"] = AttentionConfig(rows, 16, 4 if model.capability is not None else 1, 1)
     reason = (f"head dims {problem.head_dim}/{problem.value_dim}: dK/dV [{configs['dkdv'].block_n} keys, "
               f"{configs['dkdv'].block_m} queries a step], dQ [{configs['dq'].block_m} queries, "
               f"{configs['dq'].block_n} keys a step]")
-    return BackwardSchedule(problem, configs, block_d, block_dv, reason)
+    return BackwardSchedule(problem, configs, block_d, block_dv, reason, tuple(bias_dims))

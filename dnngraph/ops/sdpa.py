@@ -60,6 +60,9 @@ class SdpaAttrs:
     # its own kernel, no float atomics, which measured the fastest too (dQ added with atomics from
     # the dK/dV kernel ran 9x slower on the H100: 63.8 ms against 6.9 at B4 H32 S4096 D128)
     use_deterministic_algorithm: bool = False
+    # sdpa_backward: a fourth output, dbias (the bias's shape and type: dS summed over the axes the
+    # bias broadcasts over)
+    compute_dbias: bool = False
 
     def __post_init__(self):
         op = "sdpa"
@@ -90,7 +93,8 @@ class SdpaAttrs:
                diagonal_band_left_bound=left, diagonal_band_right_bound=right,
                paged_attention_max_seq_len_kv=max_kv,
                use_deterministic_algorithm=boolean(op, "use_deterministic_algorithm",
-                                                   self.use_deterministic_algorithm))
+                                                   self.use_deterministic_algorithm),
+               compute_dbias=boolean(op, "compute_dbias", self.compute_dbias))
 
     @property
     def mask(self) -> AttentionMask:
@@ -195,6 +199,8 @@ def _check_dropout_inputs(op, attrs: SdpaAttrs, seed, offset):
 def infer_forward(inputs, attrs: SdpaAttrs):
     q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset = inputs
     _check_dropout_inputs("sdpa", attrs, seed, offset)
+    if attrs.compute_dbias:
+        fail("sdpa", "compute_dbias is an sdpa_backward attribute")
     _check_qkv("sdpa", q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs)
     o_dim = q.dim[:3] + (v.dim[3],)
     stats = None if attrs.is_inference else OutputSpec(q.dim[:3] + (1,), dtypes.float32)
@@ -215,8 +221,15 @@ def infer_backward(inputs, attrs: SdpaAttrs):
         fail("sdpa_backward", f"stats must be {list(q.dim[:3]) + [1]}, got {list(stats.dim)}")
     if stats.data_type is not dtypes.float32:
         fail("sdpa_backward", f"stats (the forward's log-sum-exp) must be float32, got {stats.data_type.name}")
+    dbias = None
+    if attrs.compute_dbias:
+        if bias is None:
+            fail("sdpa_backward", "compute_dbias needs a bias")
+        if not bias.data_type.is_floating:
+            fail("sdpa_backward", f"compute_dbias needs a floating bias, got {bias.data_type.name}")
+        dbias = OutputSpec(bias.dim, bias.data_type, layout_source=6)
     return [OutputSpec(q.dim, layout_source=0), OutputSpec(k.dim, layout_source=1),
-            OutputSpec(v.dim, layout_source=2)]
+            OutputSpec(v.dim, layout_source=2), dbias]
 
 
 def gather_pages(pool, table, s_kv: int):
@@ -303,9 +316,12 @@ def reference_forward(values, attrs: SdpaAttrs):
 def reference_backward(values, attrs: SdpaAttrs):
     q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset = values
     with torch.enable_grad():
-        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
-        out, _ = attention(*leaves, bias, seq_len_q, seq_len_kv, None, None, attrs, seed, offset)
-        return list(torch.autograd.grad(out, leaves, d_o))
+        wanted = (q, k, v, bias) if attrs.compute_dbias else (q, k, v)
+        leaves = [t.detach().clone().requires_grad_(True) for t in wanted]
+        out, _ = attention(*leaves[:3], leaves[3] if attrs.compute_dbias else bias, seq_len_q, seq_len_kv,
+                           None, None, attrs, seed, offset)
+        grads = list(torch.autograd.grad(out, leaves, d_o))
+        return grads if attrs.compute_dbias else grads + [None]
 
 
 PAGED = ("paged_attention_k_table", "paged_attention_v_table")
@@ -315,5 +331,5 @@ register(OpDef("sdpa", "sdpa", "anchor", SdpaAttrs,
                infer_forward, reference_forward, optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM))
 register(OpDef("sdpa_backward", "sdpa", "anchor", SdpaAttrs,
                ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM,
-               ("dq", "dk", "dv"), infer_backward, reference_backward,
+               ("dq", "dk", "dv", "dbias"), infer_backward, reference_backward,
                optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM))

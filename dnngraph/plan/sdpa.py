@@ -2,8 +2,8 @@
 
 A forward group is one sdpa node with a pointwise epilogue on o: one flash-attention kernel. A
 backward group is one sdpa_backward node: the delta preprocess (when the workspace allows its
-B x H x Sq floats; otherwise the row sums are taken inside the other two), the dK/dV kernel and
-the dQ kernel (codegen/sdpa.py).
+B x H x Sq floats; otherwise the row sums are taken inside the other two), the dK/dV kernel, the
+dQ kernel, and the dbias kernel when compute_dbias (codegen/sdpa.py).
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import math
 from ..codegen.cache import load_kernel
 from ..codegen.sdpa import AttentionSpec, ScoreModifier, output_strides, render, render_backward, render_combine
 from ..errors import UnsupportedError
+from ..fusion.patterns import chain_dropout, score_ops
 from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import COMBINE_ROWS, AttentionProblem, backward_schedule, schedule
@@ -133,15 +134,17 @@ def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
 BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv"),
                   "dkdv": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dk", "dv", "seedt",
                            "offt"),
-                  "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq", "seedt", "offt")}
+                  "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq", "seedt", "offt"),
+                  "dbias": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dbias", "seedt",
+                            "offt")}
 
 
 def _backward_spec(node, sched, which: str, delta) -> AttentionSpec:
     q, k, v, o, d_o, stats, bias, len_q, len_kv = node.inputs[:9]
     seed, offset = node.inputs[-2:]
-    dq, dk, dv = node.outputs
+    dq, dk, dv, dbias = node.outputs
     tensors = {"q": q, "k": k, "v": v, "o": o, "do": d_o, "stats": stats, "bias": bias, "lenq": len_q,
-               "lenkv": len_kv, "dq": dq, "dk": dk, "dv": dv, "seedt": seed, "offt": offset}
+               "lenkv": len_kv, "dq": dq, "dk": dk, "dv": dv, "dbias": dbias, "seedt": seed, "offt": offset}
     present = {stem: tensors[stem] for stem in BACKWARD_STEMS[which] if tensors.get(stem) is not None}
     strides = {stem: () if stem in ("seedt", "offt") else tuple(t.stride) for stem, t in present.items()}
     uids = {stem: t.uid for stem, t in present.items()}
@@ -153,18 +156,22 @@ def _backward_spec(node, sched, which: str, delta) -> AttentionSpec:
     problem, attrs, config = sched.problem, node.attrs, sched.configs[which]
     dims = {"HEADS": problem.heads, "GROUP": problem.heads // problem.kv_heads, "SQ": problem.s_q,
             "SKV": problem.s_kv, "HEAD_DIM": problem.head_dim, "VALUE_DIM": problem.value_dim}
+    if which == "dbias":
+        dims.update(BATCH=problem.batch, BIAS_HEADS=sched.bias_dims[1])
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     wide = any(element_span(t) > INT32_LIMIT for t in present.values()) or \
         problem.batch * problem.heads * problem.s_q * problem.s_kv > INT32_LIMIT
     mask = kernel_mask(node, problem.s_q, problem.s_kv)
     return AttentionSpec(dims, strides, uids, scale, mask.left, mask.right, mask.bottom_right, attrs.dropout,
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
-                         "ieee" if q.data_type.name == "float32" else "")
+                         "ieee" if q.data_type.name == "float32" else "",
+                         bias_dims=sched.bias_dims if which == "dbias" else ())
 
 
 def _build_backward(graph, group, index, device, budget) -> list:
     node = group.anchor
-    sched = backward_schedule(problem_of(node), device_model(device))
+    bias, dbias = node.inputs[6], node.outputs[3]
+    sched = backward_schedule(problem_of(node), device_model(device), tuple(bias.dim) if dbias is not None else ())
     problem = sched.problem
     delta_bytes = problem.batch * problem.heads * problem.s_q * 4
     delta = None
@@ -173,7 +180,7 @@ def _build_backward(graph, group, index, device, budget) -> list:
         if budget is not None:
             budget.spend(delta_bytes)
     launches = []
-    for which in (("delta",) if delta is not None else ()) + ("dkdv", "dq"):
+    for which in (("delta",) if delta is not None else ()) + ("dkdv", "dq") + (("dbias",) if dbias is not None else ()):
         spec = _backward_spec(node, sched, which, delta)
         name = f"{kernel_name(group, index)}_{which}"
         source, arguments = render_backward(name, which, spec, graph.compute_data_type.triton_type,
@@ -206,7 +213,8 @@ def build_attention(graph, group, index, tuner=None, device=None, budget=None):
     (kb, kh, _, s_kv), kt_strides = _as_bhsd(kt, rank)
     (vb, vh, _, dv), v_strides = _as_bhsd(v, rank)
     (ob, oh, _, _), o_strides = _as_bhsd(o, rank)
-    modifier = ScoreModifier(first.outputs[0].uid, group.nodes[1:-2])
+    modifier = ScoreModifier(first.outputs[0].uid, score_ops(group.nodes))
+    dropout = chain_dropout(group.nodes)
     side_bytes = sum(t.data_type.torch_dtype.itemsize for t in modifier.sides)
     problem = AttentionProblem(ob, oh, oh, s_q, s_kv, d, dv, q.data_type.torch_dtype.itemsize, False, side_bytes)
     sched = schedule(problem, device_model(device), 0)  # one query head per K/V head: no packing
@@ -215,9 +223,14 @@ def build_attention(graph, group, index, tuner=None, device=None, budget=None):
     strides = {"q": q_strides, "k": (kt_strides[0], kt_strides[1], kt_strides[3], kt_strides[2]),
                "v": v_strides, "o": o_strides}
     present = {"q": q, "k": kt, "v": v, "o": o}
+    if dropout is not None:
+        drop = dropout.attrs
+        present.update({stem: t for stem, t in zip(("seedt", "offt"), dropout.inputs[1:]) if t is not None})
+        strides.update({stem: () for stem in ("seedt", "offt") if stem in present})
     wide = any(element_span(t) > INT32_LIMIT for t in present.values()) or ob * oh * s_q * s_kv > INT32_LIMIT
     config = sched.config
-    spec = AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, 1.0, None, None, False, None,
+    spec = AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, 1.0, None, None, False,
+                         None if dropout is None else (drop.p, drop.seed, drop.offset),
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
                          "ieee" if q.data_type.name == "float32" else "", sched.packed, 1, sched.chunk)
     for side in modifier.sides:
