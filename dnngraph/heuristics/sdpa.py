@@ -15,12 +15,15 @@ from .device import DeviceModel
 from .pointwise import _pow2_at_least
 
 # (head dim at most, BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on a GPU, first
-# for unmasked attention, then for masked (causal, bands). Chosen on the H100 over 9 configs
-# (.dbg sweep, bf16, TFLOP/s of the best / of the runner-up): D64 B8 H16 S2048: [64, 64] 4 warps
-# 3 stages 401 full / 317 causal ([128, 64] 8 warps: 402 / 245); D128 B4 H32 S4096: [128, 128]
-# 8 warps 464 full, [128, 64] 8 warps 3 stages 407 causal and 424 GQA 32:8 causal; D256 B2 H16
-# S4096: [128, 64] 8 warps 2 stages 501 (3 stages need 256 KiB of shared memory, [128, 32] 331).
-GPU_TILES = {False: ((64, 64, 64, 4, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2)),
+# for unmasked attention, then for masked (causal, bands). Chosen on the H100 (.dbg sweeps, bf16 /
+# fp16, TFLOP/s of the best / of the runner-up), re-timed after the fully visible blocks moved the
+# scale into the row max and one multiply-add (.dbg/ws_probe.py): D64 B8 H16 S2048: [128, 64]
+# 8 warps 3 stages 409 full ([128, 64] 4 warps 406, [64, 64] 4 warps 377), [64, 64] 4 warps 320
+# causal ([128, 64] 4 warps 293); D128 B4 H32 S4096: [128, 128] 8 warps 466-481 full ([128, 64]
+# 438), [128, 64] 8 warps 3 stages 424 causal ([128, 128] 409) and 424 GQA 32:8 causal; D256 B2
+# H16 S4096: [128, 64] 8 warps 2 stages 485 (3 stages need 256 KiB of shared memory, [64, 64]
+# 381, [128, 32] 334).
+GPU_TILES = {False: ((64, 128, 64, 8, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2)),
              True: ((64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (256, 128, 64, 8, 2))}
 # 32-bit inputs hold twice the bytes per tile: one step smaller key tiles.
 GPU_TILES_FP32 = ((64, 64, 64, 4, 2), (128, 64, 32, 4, 2), (256, 64, 16, 4, 2))
