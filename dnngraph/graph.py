@@ -240,7 +240,8 @@ class Graph:
             tensor_name = self._fresh_name(f"{node_name}.{out_name}")
             stride = spec.stride or self._inferred_strides(spec, checked)
             tensor = Tensor(self, next(self._uids), tensor_name, tuple(spec.dim), stride, None,
-                            producer=node, fixed_data_type=spec.data_type)
+                            producer=node, fixed_data_type=spec.data_type,
+                            type_source=None if spec.type_source is None else checked[spec.type_source])
             outputs.append(tensor)
         node.outputs = tuple(outputs)
         for tensor in node.output_tensors():  # commit only once everything succeeded

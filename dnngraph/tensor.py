@@ -126,7 +126,7 @@ class Tensor:
     """
 
     def __init__(self, graph: "Graph", uid: int, name: str, dim, stride, data_type,
-                 producer: Optional["Node"] = None, fixed_data_type=None):
+                 producer: Optional["Node"] = None, fixed_data_type=None, type_source=None):
         self._graph = graph
         self.uid = uid
         self._name = name
@@ -134,6 +134,8 @@ class Tensor:
         self._stride = stride
         self._data_type = data_type  # set explicitly (inputs, set_data_type)
         self._fixed_data_type = fixed_data_type  # imposed by the op (comparisons, casts)
+        self._type_source = type_source  # a virtual view keeps the type of the tensor it views
+        self._inferred_stride = None  # a build made this virtual tensor a view: its own strides
         self.producer = producer
         self._is_output = False
 
@@ -169,11 +171,15 @@ class Tensor:
 
     @property
     def data_type(self) -> dtypes.DataType:
-        """Explicit type, else the op's, else io type for outputs and intermediate type inside."""
+        """Explicit type, else the op's, else (layout ops) the viewed tensor's type but io type
+        for an output of floats, else io type for outputs and intermediate type inside."""
         if self._data_type is not None:
             return self._data_type
         if self._fixed_data_type is not None:
             return self._fixed_data_type
+        source = self._type_source.data_type if self._type_source is not None else None
+        if source is not None and not (self._is_output and source.is_floating):
+            return source  # a view keeps its values' type (an output of floats takes the io type)
         if self._is_output or self.producer is None:
             return self._graph.io_data_type
         return self._graph.intermediate_data_type
@@ -209,6 +215,7 @@ class Tensor:
             raise ValidationError(
                 f"tensor {self._name!r} is a graph input and cannot also be an output")
         if is_output:
+            self.restore_strides()  # an output has its own memory, laid out as inferred
             check_not_overlapping(self)
         self._graph._invalidate()
         self._is_output = bool(is_output)
@@ -233,8 +240,21 @@ class Tensor:
             raise ValidationError(f"output {self._name!r} of dims {list(self._dim)} cannot take "
                                   f"overlapping strides {list(stride)}: elements would share memory")
         self._graph._invalidate()
-        self._stride = stride
+        self._stride, self._inferred_stride = stride, None
         return self
+
+    # --- build-internal -------------------------------------------------------------------------
+    def view_strides(self, stride) -> None:
+        """A build made this virtual tensor a view of other memory: kernels use these strides
+        until the next build (or set_output) restores the tensor's own."""
+        if self._inferred_stride is None:
+            self._inferred_stride = self._stride
+        self._stride = tuple(stride)
+
+    def restore_strides(self) -> None:
+        """Undo view_strides."""
+        if self._inferred_stride is not None:
+            self._stride, self._inferred_stride = self._inferred_stride, None
 
     def __repr__(self) -> str:
         kind = "input" if self.producer is None else ("output" if self._is_output else "virtual")

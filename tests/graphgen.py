@@ -594,7 +594,47 @@ class GraphBuilder:
     FAMILIES = (("unary", 6), ("unary_backward", 2), ("binary", 6), ("integer_chain", 1),
                 ("compare", 2), ("logic", 1), ("where", 2), ("cast", 2), ("reduction", 4),
                 ("softmax", 3), ("feature_norm", 3), ("channel_norm", 3), ("pooling", 2),
-                ("dropout", 2), ("matmul", 3), ("conv", 3))
+                ("dropout", 2), ("matmul", 3), ("conv", 3), ("layout", 3))
+
+    def layout(self):
+        """A layout op and its way back to the world's dims (a transpose and its inverse, a
+        reshape and back, slices concatenated), a pointwise op sometimes in between (written in
+        place or through a view); the views and copies join the pool."""
+        x = self.pick(dims=self.world)
+        dims, rank = list(x.tensor.dim), len(x.tensor.dim)
+        way = self.rng.choice(("transpose", "reshape", "split"))
+        if way == "transpose":
+            order = list(range(rank))
+            self.rng.shuffle(order)
+            y = self.record(self.graph.transpose(x.tensor, order, name=self.name()), f"transpose{order}", [x])[0]
+            y = self._maybe_pointwise(y)
+            back = [order.index(a) for a in range(rank)]
+            return self.record(self.graph.transpose(y.tensor, back, name=self.name()), f"transpose{back}", [y])
+        if way == "reshape":
+            cut = self.rng.randrange(rank + 1)
+            flat = [math.prod(dims[:cut]), math.prod(dims[cut:])]
+            y = self.record(self.graph.reshape(x.tensor, flat, name=self.name()), f"reshape{flat}", [x])[0]
+            y = self._maybe_pointwise(y)
+            return self.record(self.graph.reshape(y.tensor, dims, name=self.name()), f"reshape{dims}", [y])
+        axes = [a for a in range(rank) if dims[a] >= 2]
+        if not axes:
+            raise _Skip()
+        axis = self.rng.choice(axes)
+        at = self.rng.randrange(1, dims[axis])
+        parts = []
+        for start, stop in ((0, at), (at, dims[axis])):
+            window = [slice(None)] * rank
+            window[axis] = slice(start, stop)
+            part = self.record(self.graph.slice(x.tensor, window, name=self.name()), f"slice[{start}:{stop}]", [x])[0]
+            parts.append(self._maybe_pointwise(part))
+        out = self.graph.concatenate([p.tensor for p in parts], axis=axis, name=self.name())
+        return self.record(out, f"concatenate[axis {axis}]", parts)
+
+    def _maybe_pointwise(self, value: Value) -> Value:
+        if self.rng.random() < 0.5:
+            return value
+        out = self.graph.mul(value.tensor, 1.5, name=self.name())
+        return self.record(out, "mul[1.5]", [value])[0]
 
     # --- helpers ------------------------------------------------------------------------------
     def _axes(self, rank):

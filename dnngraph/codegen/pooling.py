@@ -276,7 +276,9 @@ class _KernelWriter:
         window = self.open_window(tile)
         self.value_at(self.x_tensor(), window, "value", hoisted)
         if is_max:  # a NaN always takes over, as in torch's max_pool
-            self.line("acc = tl.where(inside & ((value > acc) | (value != value)), value, acc)")
+            # NaN wins; tl.where keeps a hoisted (0-d) value's test from a bool 0-d | 2-d, which
+            # the interpreter cannot do
+            self.line("acc = tl.where(inside & tl.where(value != value, True, value > acc), value, acc)")
         else:
             self.line("acc += tl.where(inside, value, 0.0)")
         self.close_loops(len(self.spatial))
@@ -323,7 +325,7 @@ class _KernelWriter:
         self.line(f"hit = mask & {_outer(*self.by_side(firsts))}")
         window = self.open_window(tile)
         self.value_at(self.x_tensor(), window, "value", hoisted)
-        self.line("better = inside & ((value > best) | (value != value))")
+        self.line("better = inside & tl.where(value != value, True, value > best)")
         self.line("best = tl.where(better, value, best)")
         self.line(f"hit = tl.where(better, {_outer(*self.by_side(here))}, hit)")
         self.close_loops(len(self.spatial))

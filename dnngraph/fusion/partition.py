@@ -1,6 +1,7 @@
 """Partition a graph into kernel groups.
 
 Passes, in order:
+  0. layout ops become views of memory or copy kernels (views.py); they join no other group;
   1. attention chains (matmul -> scale/mask -> softmax -> matmul) become one group, only where
      the caller has a kernel for that pattern (a group with no kernel behind it would turn a
      runnable graph, whose ops each run alone, into an unrunnable one);
@@ -21,6 +22,7 @@ import networkx as nx
 from ..errors import ValidationError
 from ..ops.base import broadcast_dims
 from .patterns import ANCHOR_RULES, ATTENTION_SCORE_OPS, COUNTER_OPS, attention_chain_fits
+from .views import LAYOUT_OPS, Views, plan_views
 
 
 @dataclass(eq=False)
@@ -35,6 +37,7 @@ class FusionGroup:
     exits: list = field(default_factory=list)  # reductions of epilogue values (last axis)
     inputs: list = field(default_factory=list)  # tensors read from memory
     outputs: list = field(default_factory=list)  # tensors written to memory
+    origin: Optional[object] = None  # a copy group's layout Node (its nodes are made-up casts)
 
     def describe(self) -> str:
         ops = ", ".join(f"{n.op}({n.name})" for n in self.nodes)
@@ -71,6 +74,22 @@ class _Partitioner:
         self.position = {node: i for i, node in enumerate(self.order)}
         self.group_of: dict = {}
         self.groups: list[FusionGroup] = []
+        self.views = Views()
+
+    # --- pass 0: layout ops ----------------------------------------------------------------------
+    def layout_views(self):
+        """Aliases decided here; each copy becomes a group of its own (a pointwise kernel)."""
+        self.views = plan_views(self.graph, self.order, self.consumers)
+        for node in self.order:
+            if node.op not in LAYOUT_OPS:
+                continue
+            chain = []
+            for copy in self.views.copies.get(node, []):
+                group = FusionGroup("copy", None, [copy], inputs=[copy.inputs[0]], outputs=[copy.outputs[0]],
+                                    origin=node)
+                chain.append(group)
+                self.groups.append(group)
+            self.group_of[node] = chain  # layout nodes map to their copy groups (maybe none)
 
     # --- helpers ---------------------------------------------------------------------------------
     def consumers(self, tensor):
@@ -149,7 +168,7 @@ class _Partitioner:
     # --- pass 2: anchors -------------------------------------------------------------------------
     def anchors(self):
         for node in self.order:
-            if node in self.group_of or _is_pointwise(node):
+            if node in self.group_of or _is_pointwise(node) or node.op in LAYOUT_OPS:
                 continue
             rule = ANCHOR_RULES.get(node.op)
             group = FusionGroup(node.opdef.family, node, [node])
@@ -228,7 +247,7 @@ class _Partitioner:
             producer_groups = []
             for tensor in node.input_tensors():
                 group = self.group_of.get(tensor.producer)
-                if group is not None and group.kind == "pointwise" and group not in producer_groups:
+                if isinstance(group, FusionGroup) and group.kind == "pointwise" and group not in producer_groups:
                     producer_groups.append(group)
             if not self._join(node, producer_groups) and not any(
                     self._join(node, [g]) for g in producer_groups):
@@ -259,6 +278,8 @@ class _Partitioner:
     # --- result ----------------------------------------------------------------------------------
     def finish(self) -> list[FusionGroup]:
         for group in self.groups:
+            if group.kind == "copy":  # reads and writes set when made
+                continue
             members = set(group.nodes)
             group.nodes.sort(key=self.position.__getitem__)
             inputs, outputs = {}, {}
@@ -270,25 +291,62 @@ class _Partitioner:
                     if tensor.is_output or any(c not in members for c in self.consumers(tensor)):
                         outputs.setdefault(tensor.uid, tensor)
             group.inputs, group.outputs = list(inputs.values()), list(outputs.values())
+        return Partition(self._ordered(), self.views)
+
+    def _ordered(self) -> list:
+        """Groups in an order that respects every dependency, graph order among equals. A layout
+        node stands for its copy groups, in order; one that is only a view passes its inputs'
+        producers on to its readers."""
+        index = {id(g): i for i, g in enumerate(self.groups)}
         group_dag = nx.DiGraph()
         group_dag.add_nodes_from(range(len(self.groups)))
-        index = {id(g): i for i, g in enumerate(self.groups)}
-        for u, v in self.dag.edges:
-            gu, gv = index[id(self.group_of[u])], index[id(self.group_of[v])]
-            if gu != gv:
-                group_dag.add_edge(gu, gv)
-        first_node = {i: min(self.position[n] for n in g.nodes) for i, g in enumerate(self.groups)}
+        made_by = {}
+
+        def producers(node) -> set:  # the groups whose kernels finish what `node` makes
+            if node not in made_by:
+                owner = self.group_of[node]
+                if isinstance(owner, FusionGroup):
+                    made_by[node] = {index[id(owner)]}
+                elif owner:
+                    made_by[node] = {index[id(owner[-1])]}
+                else:
+                    made_by[node] = set().union(*(producers(p) for p in self.dag.predecessors(node)))
+            return made_by[node]
+
+        for node in self.order:
+            owner = self.group_of[node]
+            if not isinstance(owner, FusionGroup):
+                for first, second in zip(owner, owner[1:]):
+                    group_dag.add_edge(index[id(first)], index[id(second)])
+                if not owner:
+                    continue
+            target = index[id(owner if isinstance(owner, FusionGroup) else owner[0])]
+            for predecessor in self.dag.predecessors(node):
+                for source in producers(predecessor):
+                    if source != target:
+                        group_dag.add_edge(source, target)
+        first_node = {i: min(self.position[n] for n in (g.nodes if g.origin is None else [g.origin]))
+                      for i, g in enumerate(self.groups)}
         ordered = nx.lexicographical_topological_sort(group_dag, key=first_node.__getitem__)
         return [self.groups[i] for i in ordered]
 
 
-def partition(graph, kernel_kinds=None) -> list[FusionGroup]:
+class Partition(list):
+    """The kernel groups in order, and what the layout ops became (`views`)."""
+
+    def __init__(self, groups, views: Views):
+        super().__init__(groups)
+        self.views = views
+
+
+def partition(graph, kernel_kinds=None) -> "Partition":
     """Kernel groups of `graph`, in an order that respects every dependency.
 
     `kernel_kinds` names the group kinds the caller can build (None: every pattern); patterns
     that fuse several anchors into one group form only where their kind is among them.
     """
     partitioner = _Partitioner(graph, kernel_kinds)
+    partitioner.layout_views()
     partitioner.attention_chains()
     partitioner.anchors()
     partitioner.pointwise()

@@ -22,6 +22,7 @@ class OutputSpec:
     data_type: Any = None  # a DataType the op imposes (bool for comparisons), or None
     stride: Optional[tuple[int, ...]] = None  # a layout the op imposes (matmul), or None
     layout_source: Optional[int] = None  # index of the input whose stride order to follow
+    type_source: Optional[int] = None  # index of the input whose type a virtual output keeps (views)
 
 
 @dataclass(frozen=True)

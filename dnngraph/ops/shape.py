@@ -59,14 +59,14 @@ def infer_reshape(inputs, attrs):
     dim = int_tuple("reshape", "dim", attrs.dim, minimum=1)
     if _numel(dim) != _numel(x.dim):
         fail("reshape", f"cannot reshape {x.name!r} {list(x.dim)} ({_numel(x.dim)} elements) to {list(dim)}")
-    return [OutputSpec(dim)]
+    return [OutputSpec(dim, type_source=0)]
 
 
 def infer_transpose(inputs, attrs):
     (x,) = inputs
     if sorted(attrs.permutation) != list(range(len(x.dim))):
         fail("transpose", f"permutation {list(attrs.permutation)} is not a permutation of {len(x.dim)} axes")
-    return [OutputSpec(tuple(x.dim[a] for a in attrs.permutation))]
+    return [OutputSpec(tuple(x.dim[a] for a in attrs.permutation), type_source=0)]
 
 
 def infer_slice(inputs, attrs):
@@ -78,7 +78,7 @@ def infer_slice(inputs, attrs):
         if step < 1 or not 0 <= start < stop <= size:
             fail("slice", f"axis {axis}: slice {start}:{stop}:{step} is empty or outside 0..{size}")
         dim.append(len(range(start, stop, step)))
-    return [OutputSpec(tuple(dim), layout_source=0)]
+    return [OutputSpec(tuple(dim), layout_source=0, type_source=0)]
 
 
 def infer_concatenate(inputs, attrs):
@@ -95,7 +95,62 @@ def infer_concatenate(inputs, attrs):
                                 f"off axis {attrs.axis}")
     dim = list(inputs[0].dim)
     dim[attrs.axis] = sum(t.dim[attrs.axis] for t in inputs)
-    return [OutputSpec(tuple(dim), layout_source=0)]
+    return [OutputSpec(tuple(dim), layout_source=0, type_source=0)]
+
+
+# --- views: the same memory seen with other dims and strides (element offsets, no copies) -------
+def view_of(node, dims, strides, offset: int):
+    """(dims, strides, offset) of a reshape, transpose or slice output over the memory its input
+    occupies as (dims, strides, offset), or None where no strides can express it (a reshape that
+    merges axes that are not laid out one inside the other)."""
+    attrs = node.attrs
+    if node.op == "transpose":
+        return (tuple(dims[a] for a in attrs.permutation), tuple(strides[a] for a in attrs.permutation), offset)
+    if node.op == "slice":
+        offset += sum(start * stride for (start, _, _), stride in zip(attrs.slices, strides))
+        return (node.outputs[0].dim, tuple(stride * step for (_, _, step), stride in zip(attrs.slices, strides)),
+                offset)
+    if node.op == "reshape":
+        new_strides = reshape_strides(dims, strides, tuple(attrs.dim))
+        return None if new_strides is None else (tuple(attrs.dim), new_strides, offset)
+    raise ValueError(f"{node.op} is not a view")
+
+
+def reshape_strides(dims, strides, new_dims):
+    """Strides that show memory laid out as (dims, strides) with dims `new_dims` in row-major
+    element order, or None. Axes are taken in chunks that nest (each one's stride is the next
+    one's stride times its size); new dims must split and merge within a chunk."""
+    kept = [(d, s) for d, s in zip(dims, strides) if d != 1]
+    new_strides = [0] * len(new_dims)
+    view_axis = len(new_dims) - 1
+    if not kept:  # every element count is 1
+        return tuple(new_strides)
+    chunk_stride, chunk_elements, view_elements = kept[-1][1], 1, 1
+    for axis in range(len(kept) - 1, -1, -1):
+        chunk_elements *= kept[axis][0]
+        if axis == 0 or kept[axis - 1][1] != chunk_elements * chunk_stride:
+            while view_axis >= 0 and (view_elements < chunk_elements or new_dims[view_axis] == 1):
+                new_strides[view_axis] = view_elements * chunk_stride
+                view_elements *= new_dims[view_axis]
+                view_axis -= 1
+            if view_elements != chunk_elements:
+                return None
+            if axis > 0:
+                chunk_stride, chunk_elements, view_elements = kept[axis - 1][1], 1, 1
+    while view_axis >= 0:  # trailing size-1 dims of the view
+        if new_dims[view_axis] != 1:
+            return None
+        view_axis -= 1
+    return tuple(new_strides)
+
+
+def concat_parts(node):
+    """(input index, start along the axis) of each input of a concatenate."""
+    start, parts = 0, []
+    for index, tensor in enumerate(node.inputs):
+        parts.append((index, start))
+        start += tensor.dim[node.attrs.axis]
+    return parts
 
 
 def normalize_slices(slices, dim) -> tuple:

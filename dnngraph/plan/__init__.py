@@ -60,7 +60,7 @@ def _binding_spec(tensor) -> BindingSpec:
 # are outputs are written first by a pointwise kernel of the prologue.
 PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv"})
 
-KERNEL_BUILDERS = {"pointwise": build_pointwise, "reduction": build_rows, "softmax": build_rows,
+KERNEL_BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": build_rows, "softmax": build_rows,
                    "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul,
                    "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention}
 
@@ -118,6 +118,7 @@ class DeviceLaunches:
     def __init__(self, model, launches, groups, graph_dtypes):
         self.model, self.launches = model, launches
         self.dtypes = dict(graph_dtypes)
+        self.dtypes.update({t.uid: t.data_type.torch_dtype for g in groups for t in g.inputs + g.outputs})
         self.dtypes.update({s.uid: s.torch_dtype for launch in launches for s in launch.scratch})
         self.layout(groups)
 
@@ -128,9 +129,15 @@ class DeviceLaunches:
             launch.bind(device_index, self.dtypes)
 
     def layout(self, groups):
-        """Place virtual tensors, split partials and kernels' global scratch in one buffer."""
+        """Place virtual tensors (not views of other memory), split partials and kernels' global
+        scratch in one buffer."""
+        views = groups.views
+        owned = {}
+        for t in [t for g in groups for t in g.outputs] + views.virtual_roots():
+            if t.is_virtual and t.uid not in views.aliases:
+                owned.setdefault(t.uid, t)
         buffers = [(t.uid, tuple(t.dim), tuple(t.stride), t.data_type.torch_dtype, _extent_bytes(t))
-                   for g in groups for t in g.outputs if t.is_virtual]
+                   for t in owned.values()]
         buffers += [(s.uid, s.dim, None, s.torch_dtype, s.nbytes) for launch in self.launches for s in launch.scratch]
         buffers += [(launch.global_scratch.uid, launch.global_scratch.dim, None, torch.uint8,
                      launch.global_scratch.nbytes) for launch in self.launches if launch.global_scratch is not None]
@@ -171,7 +178,8 @@ class Plan:
     def __init__(self, graph, groups, launches, device=None, autotune: bool = False, budget=None):
         self.graph_name = graph.name
         self.groups, self.launches = groups, launches
-        used = {t.uid for g in groups for t in g.inputs}
+        self.views = groups.views
+        used = {self.views.root_of(t.uid) for g in groups for t in g.inputs}
         self.specs = [_binding_spec(t) for t in graph.inputs() if t.uid in used]
         self.specs += [_binding_spec(t) for t in graph.outputs()]
         self.key_to_uid = {}
@@ -191,6 +199,7 @@ class Plan:
         device = torch.device("cpu") if device is None else device
         built = self._derive(device, launches)
         self.dtypes = built.dtypes
+        self.views_aligned = self.views.aligned(lambda uid: self.dtypes[uid].itemsize)
         self.workspace_tensors, self.workspace_bytes = built.workspace_tensors, built.workspace_bytes
 
     # --- one set of launches per device model ----------------------------------------------------
@@ -328,7 +337,7 @@ class Plan:
         device = self._check(tensors)
         kernel_device = _kernel_device(device)
         built = self._launches_for(kernel_device)
-        aligned = all(tensors[s.uid].data_ptr() % POINTER_ALIGNMENT == 0 for s in self.specs)
+        aligned = self.views_aligned and all(tensors[s.uid].data_ptr() % POINTER_ALIGNMENT == 0 for s in self.specs)
         stream = torch._C._cuda_getCurrentRawStream(device.index) if kernel_device.type == "cuda" else None
         if workspace is not None:
             tensors.update(self._caller_workspace(workspace, built, device, tensors))
@@ -336,11 +345,21 @@ class Plan:
             shared = self._stream_workspace(built, device, stream)
             with shared.lock:
                 tensors.update(shared.views)
+                self.views.materialize(tensors)
                 run_launches(built.launches, tensors, kernel_device, built.dtypes, aligned, stream)
             return
+        self.views.materialize(tensors)
         run_launches(built.launches, tensors, kernel_device, built.dtypes, aligned, stream)
 
     # --- explain ---------------------------------------------------------------------------------
+    def _describe(self, tensor) -> str:
+        alias = self.views.aliases.get(tensor.uid)
+        if alias is not None:
+            where = f"view of {self.views.tensors[alias.root].name} at element {alias.offset}"
+        else:
+            where = "workspace" if tensor.is_virtual else ("output" if tensor.is_output else "input")
+        return f"{tensor.name} {list(tensor.dim)} {tensor.data_type.name} stride {list(tensor.stride)} ({where})"
+
     def explain(self) -> str:
         """Human-readable plan: groups, configs and why, source paths."""
         lines = [f"graph {self.graph_name!r}: {sum(len(g.nodes) for g in self.groups)} ops in "
@@ -349,17 +368,14 @@ class Plan:
             group = launch.group
             lines.append(f"kernel {index} [{group.kind}] {launch.kernel.__name__ if hasattr(launch.kernel, '__name__') else ''}")
             lines.append(f"  ops:    {', '.join(f'{n.op}({n.name})' for n in group.nodes)}")
-            lines.append(f"  reads:  {', '.join(_describe(t) for t in group.inputs)}")
-            lines.append(f"  writes: {', '.join(_describe(t) for t in group.outputs)}")
+            lines.append(f"  reads:  {', '.join(self._describe(t) for t in group.inputs)}")
+            lines.append(f"  writes: {', '.join(self._describe(t) for t in group.outputs)}")
             lines.append(f"  config: {launch.config_text}")
             lines.append(f"  why:    {launch.reason}")
             lines.append(f"  source: {launch.source_path}")
         return "\n".join(lines)
 
 
-def _describe(tensor) -> str:
-    where = "workspace" if tensor.is_virtual else ("output" if tensor.is_output else "input")
-    return f"{tensor.name} {list(tensor.dim)} {tensor.data_type.name} stride {list(tensor.stride)} ({where})"
 
 
 def _kernel_device(device: torch.device) -> torch.device:

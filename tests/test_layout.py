@@ -1,0 +1,164 @@
+"""Layout ops (reshape, transpose, slice, concatenate): views where strides can express them
+(no kernel), copies otherwise, producers writing straight into a concatenate or a transposed
+output; every case against the float64 reference with poisoned outputs."""
+import pytest
+import torch
+
+import dnngraph as dg
+from helpers import check, run
+
+GEN = torch.Generator().manual_seed(11)
+
+
+def _graph(inputs: dict, io=dg.float32):
+    g = dg.Graph(name="layout", io_data_type=io, intermediate_data_type=dg.float32, compute_data_type=dg.float32)
+    return g, {name: g.tensor_like(value, name) for name, value in inputs.items()}
+
+
+def _check(g, tensors, inputs, kernels, dtype=torch.float32):
+    g.build()
+    assert len(g.plan.launches) == kernels, g.plan.explain()
+    return check(g, {tensors[n]: v for n, v in inputs.items()}, dtype)
+
+
+def _randn(*dims, dtype=torch.float32):
+    return torch.randn(*dims, generator=GEN).to(dtype)
+
+
+def test_a_transpose_feeding_a_matmul_is_a_stride_change():
+    inputs = {"x": _randn(3, 7, 5), "w": _randn(3, 7, 4)}
+    g, t = _graph(inputs)
+    g.matmul(g.transpose(t["x"], [0, 2, 1]), t["w"]).set_output(True)
+    _check(g, t, inputs, 1)
+    assert g.plan.workspace_bytes == 0
+
+
+def test_bshd_attention_through_transposes_is_one_kernel():
+    """q, k, v stored BSHD, transposed to BHSD for sdpa, o transposed back into a BSHD output:
+    no copies, one flash kernel."""
+    inputs = {n: _randn(2, 19, 3, 16) for n in ("q", "k", "v")}
+    g, t = _graph(inputs)
+    q, k, v = (g.transpose(t[n], [0, 2, 1, 3]) for n in ("q", "k", "v"))
+    o, _ = g.sdpa(q, k, v, use_causal_mask=True)
+    g.transpose(o, [0, 2, 1, 3]).set_output(True)
+    _check(g, t, inputs, 2)  # the flash kernel writes o; one copy into the BSHD output
+
+
+def test_views_of_views_compose():
+    inputs = {"x": _randn(4, 6, 10)}
+    g, t = _graph(inputs)
+    y = g.slice(g.transpose(t["x"], [2, 0, 1]), [slice(1, 9, 2), slice(None), slice(0, 6, 3)])
+    y = g.transpose(y, [1, 0, 2])  # [4, 4, 2] strides (60, 2, 30) over x
+    g.mul(g.reshape(y, [4, 4, 1, 2]), 2.0).set_output(True)
+    _check(g, t, inputs, 1)
+    g2, t2 = _graph(inputs)
+    y = g2.slice(g2.transpose(t2["x"], [2, 0, 1]), [slice(1, 9, 2), slice(None), slice(0, 6, 3)])
+    g2.mul(g2.reshape(g2.transpose(y, [1, 0, 2]), [4, 8]), 2.0).set_output(True)
+    _check(g2, t2, inputs, 2)  # (4, 2) at strides (2, 30) do not merge: a copy, then the mul
+
+
+@pytest.mark.parametrize("op", ["transpose", "reshape", "slice"])
+def test_a_layout_op_as_a_graph_output_is_one_copy(op):
+    inputs = {"x": _randn(4, 6, 5)}
+    g, t = _graph(inputs)
+    call = {"transpose": lambda x: g.transpose(x, [2, 0, 1]), "reshape": lambda x: g.reshape(x, [24, 5]),
+            "slice": lambda x: g.slice(x, [slice(1, 4), slice(0, 6, 4), slice(2, 5)])}[op]
+    call(t["x"]).set_output(True)
+    _check(g, t, inputs, 1)
+
+
+def test_a_pointwise_producer_writes_straight_into_a_transposed_output():
+    inputs = {"x": _randn(4, 6, 5)}
+    g, t = _graph(inputs)
+    g.transpose(g.relu(t["x"]), [2, 0, 1]).set_output(True)
+    _check(g, t, inputs, 1)
+    assert g.plan.workspace_bytes == 0
+
+
+def test_concatenate_parts_are_written_in_place_or_copied():
+    """Pointwise parts write into the output; an input part (and one read twice) is copied."""
+    inputs = {"x": _randn(3, 4, 5), "z": _randn(3, 2, 5)}
+    g, t = _graph(inputs)
+    parts = [g.relu(t["x"]), t["z"], g.exp(t["x"]), t["z"]]
+    g.concatenate(parts, axis=1).set_output(True)
+    _check(g, t, inputs, 4)  # relu, exp, two copies of z
+
+
+def test_a_virtual_concatenate_feeds_a_consumer():
+    inputs = {"x": _randn(3, 4, 5)}
+    g, t = _graph(inputs)
+    both = g.concatenate([g.relu(t["x"]), g.neg(t["x"])], axis=2)
+    g.reduction(both, "sum", [2]).set_output(True)
+    _check(g, t, inputs, 3)
+
+
+def test_a_reshape_that_neither_side_can_view_goes_through_a_dense_buffer():
+    x = torch.randn(5, 6, 4, generator=GEN).permute(2, 1, 0)  # [4, 6, 5], no view merges 6 x 5
+    inputs = {"x": x}
+    g, t = _graph(inputs)
+    y = g.reshape(t["x"], [4, 30]).set_output(True)
+    y.set_stride([1, 4])  # output column-major: x viewed as [4, 6, 5] over it exists
+    _check(g, t, inputs, 1)
+    g2, t2 = _graph(inputs)
+    y2 = g2.reshape(t2["x"], [6, 20]).set_output(True)
+    y2.set_stride([1, 6])  # no view of y2 with x's dims either: x -> dense -> y2
+    _check(g2, t2, inputs, 2)
+
+
+def test_size_one_axes_broadcast_inputs_and_a_type_change():
+    """An expanded input (stride 0), size-1 axes, fp16 in and an fp32 output: the copy casts."""
+    x = torch.randn(1, 5, 1, generator=GEN).half().expand(3, 5, 1)
+    inputs = {"x": x}
+    g, t = _graph(inputs, io=dg.float16)
+    y = g.reshape(g.transpose(t["x"], [2, 1, 0]), [5, 3]).set_output(True)
+    y.set_data_type(dg.float32)
+    g.build()
+    out = check(g, {t["x"]: x}, torch.float16)
+    assert out[y.name].dtype == torch.float32
+
+
+def test_integers_bools_and_nan_pass_through_unchanged():
+    x = torch.tensor([[1.0, float("nan")], [float("-inf"), 2.0], [0.0, -0.0]])
+    n = torch.arange(6, dtype=torch.int32).view(3, 2)
+    inputs = {"x": x, "n": n}
+    g, t = _graph(inputs)
+    g.transpose(t["x"], [1, 0]).set_output(True)
+    g.transpose(t["n"], [1, 0]).set_output(True)
+    g.transpose(g.cmp_gt(t["x"], 0.5), [1, 0]).set_output(True)
+    _check(g, t, inputs, 3)
+
+
+def test_names_that_look_like_kernel_variables():
+    inputs = {"acc": _randn(3, 4), "x_ptr": _randn(3, 4)}
+    g, t = _graph(inputs)
+    g.concatenate([g.transpose(t["acc"], [1, 0]), g.transpose(t["x_ptr"], [1, 0])], axis=0) \
+        .set_output(True).set_name("pid")
+    _check(g, t, inputs, 2)
+
+
+def test_a_rebuild_restores_strides_a_view_took():
+    """A view takes over a virtual tensor's strides for one build; marking it an output gives
+    it its own memory and layout back."""
+    inputs = {"x": _randn(4, 6)}
+    g, t = _graph(inputs)
+    y = g.transpose(t["x"], [1, 0])
+    z = g.mul(y, 3.0).set_output(True)
+    g.build()
+    assert y.stride == (1, 6)
+    y.set_output(True)
+    assert y.stride == (4, 1)
+    g.build()
+    out = check(g, {t["x"]: inputs["x"]})
+    assert torch.equal(out[y.name], inputs["x"].t().contiguous())
+    assert out[z.name].shape == (6, 4)
+
+
+def test_layout_ops_run_and_match_after_json_round_trip():
+    inputs = {"x": _randn(2, 3, 4)}
+    g, t = _graph(inputs)
+    g.concatenate([g.slice(t["x"], [slice(None), slice(0, 2), slice(None)]), t["x"]], axis=1).set_output(True)
+    again = dg.Graph.from_json(g.to_json())
+    again.build()
+    out = run(again, {again.tensor_by_name("x"): inputs["x"]})
+    (value,) = out.values()
+    assert torch.equal(value, torch.cat([inputs["x"][:, :2], inputs["x"]], 1))
