@@ -130,7 +130,8 @@ class GraphBuilder:
         if base is None:
             return None
         candidate, count = base, 0
-        while candidate in self.used_names:
+        taken = self.graph._names.keys() | self.graph._node_names  # names the graph made itself too
+        while candidate in self.used_names or candidate in taken:
             count += 1
             candidate = f"{base}_{count}" if self.rng.random() < 0.5 else f"{base}{'_' * count}"
         self.used_names.add(candidate)
