@@ -502,6 +502,15 @@ class Graph:
             raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build()")
         self._plan.execute(bindings, workspace)
 
+    def as_function(self, inputs=None, outputs=None):
+        """The graph as a callable on torch tensors: it takes `inputs` (Tensors or names; default
+        the graph inputs in declaration order) positionally, allocates and returns `outputs`
+        (default the graph outputs; one tensor or a tuple), and is differentiable through
+        torch.autograd (the backward graph derives from the ops' backward rules)."""
+        from .function import GraphFunction
+
+        return GraphFunction(self, inputs, outputs)
+
     def explain(self) -> str:
         """Groups, kernels, configs with their reasons, and generated source paths."""
         if self._plan is None:

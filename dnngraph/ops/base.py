@@ -47,6 +47,23 @@ class OpDef:
 
 REGISTRY: dict[str, OpDef] = {}
 
+# op name -> backward rule. A rule(d, node, grads) gets the derivation `d` (autodiff.py: d.graph
+# is the backward graph, d.value(t) a forward tensor's value there, d.operand(node, i) an
+# operand's value or constant), the forward node and the gradient of each of its outputs (a
+# backward-graph tensor or None), and returns the gradient of each input (or None: none flows).
+# A gradient may have the input's dims or any dims that broadcast to them: the derivation sums
+# or expands it.
+BACKWARD_RULES: dict[str, Callable] = {}
+
+
+def backward_rule(*names: str):
+    """Register the decorated function as the backward rule of ops `names`."""
+    def register_rule(rule):
+        for name in names:
+            BACKWARD_RULES[name] = rule
+        return rule
+    return register_rule
+
 
 def register(op: OpDef) -> OpDef:
     """Add an op to the catalog (names are unique)."""

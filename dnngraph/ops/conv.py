@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..tensor import MAX_EXTENT
-from .base import OpDef, OutputSpec, choice, fail, freeze, int_tuple, integer, register
+from .base import OpDef, OutputSpec, backward_rule, choice, fail, freeze, int_tuple, integer, register
 
 MODES = ("cross_correlation", "convolution")
 
@@ -115,3 +115,15 @@ def reference_wgrad(values, attrs):
 register(OpDef("conv_fprop", "conv", "anchor", ConvAttrs, ("x", "w"), ("y",), infer_fprop, reference_fprop))
 register(OpDef("conv_dgrad", "conv", "anchor", ConvAttrs, ("dy", "w"), ("dx",), infer_dgrad, reference_dgrad))
 register(OpDef("conv_wgrad", "conv", "anchor", ConvAttrs, ("dy", "x"), ("dw",), infer_wgrad, reference_wgrad))
+
+
+@backward_rule("conv_fprop")
+def _conv_backward(d, node, grads):
+    """dx by conv_dgrad, dw by conv_wgrad, with the forward's padding, stride, dilation, groups."""
+    g, dy, attrs = d.graph, grads[0], node.attrs
+    x, w = node.inputs
+    common = dict(padding=list(attrs.padding), stride=list(attrs.stride), dilation=list(attrs.dilation),
+                  groups=attrs.groups, mode=attrs.mode)
+    dx = g.conv_dgrad(dy, d.value(w), list(x.dim), **common) if d.needs(x) else None
+    dw = g.conv_wgrad(dy, d.value(x), list(w.dim), **common) if d.needs(w) else None
+    return [dx, dw]

@@ -16,7 +16,8 @@ from typing import Optional
 import torch
 
 from .. import dtypes
-from .base import OpDef, OutputSpec, boolean, fail, freeze, integer, real, register
+from ..errors import UnsupportedError
+from .base import OpDef, OutputSpec, backward_rule, boolean, fail, freeze, integer, real, register
 from .random import keep_mask
 
 
@@ -81,3 +82,13 @@ def reference(values, attrs: DropoutAttrs):
 
 register(OpDef("dropout", "pointwise", "pointwise", DropoutAttrs, ("x", "seed", "offset"), ("y", "mask"), infer,
                reference, optional=("seed", "offset")))
+
+
+@backward_rule("dropout")
+def _dropout_backward(d, node, grads):
+    """The same mask again: dropout of dy with the forward's seed and offset."""
+    if len(grads) > 1 and grads[1] is not None:
+        raise UnsupportedError("dropout: no gradient through the mask")
+    seed, offset = (None if t is None else d.value(t) for t in node.inputs[1:])
+    attrs = DropoutAttrs(node.attrs.p, node.attrs.seed, node.attrs.offset)
+    return [d.graph._add_op("dropout", [grads[0], seed, offset], attrs)[0], None, None]

@@ -11,7 +11,8 @@ import torch
 
 from .. import dtypes
 from ..tensor import contiguous_strides
-from .base import OpDef, OutputSpec, boolean, broadcast_dims, fail, freeze, register
+from ..errors import UnsupportedError
+from .base import OpDef, OutputSpec, backward_rule, boolean, broadcast_dims, fail, freeze, register
 
 MATMUL_TYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.float8_e4m3, dtypes.float8_e5m2)
 FP8_TYPES = (dtypes.float8_e4m3, dtypes.float8_e5m2)
@@ -66,3 +67,22 @@ def reference(values, attrs: MatmulAttrs):
 
 register(OpDef("matmul", "matmul", "anchor", MatmulAttrs, ("a", "b", "scale_a", "scale_b"), ("c",), infer,
                reference, optional=("scale_a", "scale_b")))
+
+
+def _transposed(g, value):
+    """The last two axes swapped (a view: no kernel)."""
+    order = list(range(len(value.dim)))
+    order[-2:] = order[-1], order[-2]
+    return g.transpose(value, order)
+
+
+@backward_rule("matmul")
+def _matmul_backward(d, node, grads):
+    """dA = dC B^T, dB = A^T dC (batch axes the forward broadcast are summed by the caller)."""
+    if any(t is not None for t in node.inputs[2:]):
+        raise UnsupportedError("matmul: no gradient through fp8 scales")
+    g, dc, tf32 = d.graph, grads[0], node.attrs.allow_tf32
+    a, b = node.inputs[:2]
+    da = g.matmul(dc, _transposed(g, d.value(b)), allow_tf32=tf32) if d.needs(a) else None
+    db = g.matmul(_transposed(g, d.value(a)), dc, allow_tf32=tf32) if d.needs(b) else None
+    return [da, db, None, None]

@@ -7,12 +7,15 @@ Statistics are float32 and keep the rank of x.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 
 from .. import dtypes
 from ..tensor import MAX_EXTENT
-from .base import OpDef, OutputSpec, boolean, choice, fail, freeze, integer, real, register
+from ..errors import UnsupportedError
+from .base import OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, integer, real, register
 
 PHASES = ("training", "inference")
 
@@ -260,3 +263,42 @@ register(OpDef("batchnorm_inference", "norm", "anchor", NormAttrs,
                _infer_batchnorm_inference, _reference_batchnorm_inference))
 register(OpDef("genstats", "norm", "anchor", NormAttrs, ("x",), ("sum", "sq_sum"),
                _infer_genstats, _reference_genstats))
+
+
+# --- backward rules (autodiff.py) ----------------------------------------------------------------
+def _no_statistics_gradient(node, grads):
+    if any(grad is not None for grad in grads[1:]):
+        raise UnsupportedError(f"{node.op}: no gradient through its statistics")
+
+
+@backward_rule("layernorm", "instancenorm", "groupnorm", "batchnorm")
+def _mean_norm_backward(d, node, grads):
+    """dx, dscale, dbias from the saved mean and inverse variance (the training form's)."""
+    _no_statistics_gradient(node, grads)
+    if node.op == "batchnorm" and node.attrs.norm_forward_phase != "training":
+        raise UnsupportedError("batchnorm: gradients need the training phase (batchnorm_inference differentiates)")
+    x, scale, bias = node.inputs[:3]
+    mean, inv_variance = (d.value(t) for t in node.outputs[1:3])
+    dx, dscale, dbias = d.graph._add_op(node.op + "_backward", [grads[0], d.value(x), d.value(scale), mean,
+                                                               inv_variance], node.attrs)
+    return [dx, dscale, None if bias is None else dbias] + [None] * (len(node.inputs) - 3)
+
+
+@backward_rule("rmsnorm")
+def _rms_norm_backward(d, node, grads):
+    _no_statistics_gradient(node, grads)
+    x, scale, bias = node.inputs
+    attrs = dataclasses.replace(node.attrs, has_dbias=bias is not None)
+    dx, dscale, dbias = d.graph._add_op("rmsnorm_backward", [grads[0], d.value(x), d.value(scale),
+                                                             d.value(node.outputs[1])], attrs)
+    return [dx, dscale, dbias]
+
+
+@backward_rule("batchnorm_inference")
+def _batchnorm_inference_backward(d, node, grads):
+    """y = (x - mean) * inv_variance * scale + bias, differentiated op by op."""
+    g, dy = d.graph, grads[0]
+    x, mean, inv_variance, scale, bias = (d.value(t) for t in node.inputs)
+    centered = g.sub(x, mean)
+    dx = g.mul(dy, g.mul(inv_variance, scale))
+    return [dx, g.neg(dx), g.mul(dy, g.mul(centered, scale)), g.mul(dy, g.mul(centered, inv_variance)), dy]

@@ -6,6 +6,8 @@ codegen/expressions.py, keyed by the same names.
 """
 from __future__ import annotations
 
+import math
+
 import numbers
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -16,7 +18,7 @@ import torch.nn.functional as F
 
 from .. import dtypes
 from ..tensor import INT64_MAX
-from .base import OpDef, OutputSpec, broadcast_dims, fail, freeze, integer, real, register, sequence
+from .base import OpDef, OutputSpec, backward_rule, broadcast_dims, fail, freeze, integer, real, register, sequence
 
 
 @dataclass(frozen=True)
@@ -272,3 +274,99 @@ def _reference(op_name: str):
 for _name, _entry in POINTWISE_OPS.items():
     register(OpDef(_name, "pointwise", "pointwise", PointwiseAttrs, _entry.operand_names, ("y",),
                    _infer(_name), _reference(_name), optional=_entry.operand_names))
+
+
+# --- backward rules (autodiff.py): d.graph is the backward graph, d.value / d.operand read the
+# forward values there ------------------------------------------------------------------------
+def _unary_rule(derivative):
+    """A rule from derivative(g, dy, x, y): x and y are read (or recomputed) only when used."""
+    def rule(d, node, grads):
+        x, y = (lambda: d.value(node.inputs[0])), (lambda: d.value(node.outputs[0]))
+        return [derivative(d.graph, grads[0], x, y)]
+    return rule
+
+
+_UNARY_DERIVATIVES = {
+    "neg": lambda g, dy, x, y: g.neg(dy),
+    "abs": lambda g, dy, x, y: g.where(g.cmp_gt(x(), 0.0), dy, g.where(g.cmp_lt(x(), 0.0), g.neg(dy), 0.0)),
+    "exp": lambda g, dy, x, y: g.mul(dy, y()),
+    "log": lambda g, dy, x, y: g.div(dy, x()),
+    "sqrt": lambda g, dy, x, y: g.div(dy, g.mul(y(), 2.0)),
+    "rsqrt": lambda g, dy, x, y: g.mul(dy, g.mul(g.mul(y(), g.mul(y(), y())), -0.5)),
+    "reciprocal": lambda g, dy, x, y: g.neg(g.mul(dy, g.mul(y(), y()))),
+    "sin": lambda g, dy, x, y: g.mul(dy, g.cos(x())),
+    "cos": lambda g, dy, x, y: g.neg(g.mul(dy, g.sin(x()))),
+    "erf": lambda g, dy, x, y: g.mul(dy, g.mul(g.exp(g.neg(g.mul(x(), x()))), 2.0 / math.sqrt(math.pi))),
+}
+for _name, _derivative in _UNARY_DERIVATIVES.items():
+    backward_rule(_name)(_unary_rule(_derivative))
+
+
+@backward_rule(*DIFFERENTIABLE)
+def _activation_backward(d, node, grads):
+    """The op's own *_backward form: dy * f'(x), with f' as torch defines it at the kinks."""
+    dy, x = grads[0], d.value(node.inputs[0])
+    return [d.graph._add_op(node.op + "_backward", [dy, x], node.attrs)[0]]
+
+
+@backward_rule("floor", "ceil")
+def _piecewise_constant(d, node, grads):
+    return [None]
+
+
+@backward_rule("cast")
+def _cast_backward(d, node, grads):
+    return [grads[0] if node.inputs[0].data_type.is_floating else None]
+
+
+def _binary_rule(derivatives):
+    """A rule from derivative(g, dy, a, b, y) per operand; a, b and y are read (or recomputed)
+    only when used, a constant operand is a number and takes no gradient."""
+    def rule(d, node, grads):
+        a, b = (lambda: d.operand(node, 0)), (lambda: d.operand(node, 1))
+        y = lambda: d.value(node.outputs[0])
+        return [None if node.inputs[i] is None or not d.needs(node.inputs[i]) else
+                derivative(d.graph, grads[0], a, b, y) for i, derivative in enumerate(derivatives)]
+    return rule
+
+
+def _power_exponent_grad(g, dy, a, b, y):
+    base = a()
+    log_a = math.log(base) if isinstance(base, (int, float)) else g.log(base)
+    return g.mul(g.mul(dy, y()), log_a)
+
+
+def _power_base_grad(g, dy, a, b, y):
+    exponent = b()
+    lower = exponent - 1 if isinstance(exponent, (int, float)) else g.sub(exponent, 1.0)
+    return g.mul(dy, g.mul(exponent, g.pow(a(), lower)))
+
+
+def _extreme_grad(g, dy, mine, other, wins):
+    """dy where this operand is the extreme, half of it on ties (as torch splits it)."""
+    mine, other = mine(), other()
+    return g.where(wins(mine, other), dy, g.where(g.cmp_eq(mine, other), g.mul(dy, 0.5), 0.0))
+
+
+for _name, _rules in {
+    "add": (lambda g, dy, a, b, y: dy, lambda g, dy, a, b, y: dy),
+    "sub": (lambda g, dy, a, b, y: dy, lambda g, dy, a, b, y: g.neg(dy)),
+    "mul": (lambda g, dy, a, b, y: g.mul(dy, b()), lambda g, dy, a, b, y: g.mul(dy, a())),
+    "scale": (lambda g, dy, a, b, y: g.mul(dy, b()), lambda g, dy, a, b, y: g.mul(dy, a())),
+    "div": (lambda g, dy, a, b, y: g.div(dy, b()), lambda g, dy, a, b, y: g.neg(g.div(g.mul(dy, y()), b()))),
+    "pow": (_power_base_grad, _power_exponent_grad),
+    "maximum": (lambda g, dy, a, b, y: _extreme_grad(g, dy, a, b, g.cmp_gt),
+                lambda g, dy, a, b, y: _extreme_grad(g, dy, b, a, g.cmp_gt)),
+    "minimum": (lambda g, dy, a, b, y: _extreme_grad(g, dy, a, b, g.cmp_lt),
+                lambda g, dy, a, b, y: _extreme_grad(g, dy, b, a, g.cmp_lt)),
+}.items():
+    backward_rule(_name)(_binary_rule(_rules))
+
+
+@backward_rule("where")
+def _where_backward(d, node, grads):
+    g, dy = d.graph, grads[0]
+    condition = d.value(node.inputs[0])
+    a, b = node.inputs[1:]
+    return [None, g.where(condition, dy, 0.0) if d.needs(a) else None,
+            g.where(condition, 0.0, dy) if d.needs(b) else None]

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..tensor import MAX_EXTENT
-from .base import OpDef, OutputSpec, choice, fail, freeze, int_tuple, register
+from .base import OpDef, OutputSpec, backward_rule, choice, fail, freeze, int_tuple, register
 
 MODES = ("max", "avg_include_pad", "avg_exclude_pad")
 
@@ -93,3 +93,8 @@ register(OpDef("pooling", "pooling", "anchor", PoolingAttrs, ("x",), ("y",),
                infer_forward, reference_forward))
 register(OpDef("pooling_backward", "pooling", "anchor", PoolingAttrs, ("dy", "x"), ("dx",),
                infer_backward, reference_backward))
+
+
+@backward_rule("pooling")
+def _pooling_backward(d, node, grads):
+    return [d.graph._add_op("pooling_backward", [grads[0], d.value(node.inputs[0])], node.attrs)[0]]

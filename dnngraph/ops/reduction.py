@@ -1,11 +1,13 @@
 """Reduction family: sum mean max min amax prod norm1 norm2 over any axes, rank kept."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
 
-from .base import OpDef, OutputSpec, canonical_axes, choice, fail, freeze, register
+from .base import OpDef, OutputSpec, backward_rule, canonical_axes, choice, fail, freeze, register
 
 MODES = ("sum", "mean", "max", "min", "amax", "prod", "norm1", "norm2")
 
@@ -54,3 +56,26 @@ def reference(values, attrs: ReductionAttrs):
 
 
 register(OpDef("reduction", "reduction", "anchor", ReductionAttrs, ("x",), ("y",), infer, reference))
+
+
+@backward_rule("reduction")
+def _reduction_backward(d, node, grads):
+    """dx of each mode; dy (reduced axes of size 1) broadcasts back over x. Ties of max, min and
+    amax share dy evenly; prod divides by x (0 in x gives NaN there); norm2 of zeros is 0."""
+    g, dy, mode, axes = d.graph, grads[0], node.attrs.mode, list(node.attrs.axes)
+    x, y = d.value(node.inputs[0]), d.value(node.outputs[0])
+    if mode == "sum":
+        return [dy]
+    if mode == "mean":
+        return [g.div(dy, float(math.prod(node.inputs[0].dim[a] for a in axes)))]
+    if mode in ("max", "min", "amax"):
+        seen = g.abs(x) if mode == "amax" else x
+        hit = g.cmp_eq(seen, y)
+        ties = g.reduction(g.cast(hit, "float32"), "sum", axes)
+        share = g.where(hit, g.div(dy, ties), 0.0)
+        return [g.where(g.cmp_lt(x, 0.0), g.neg(share), share) if mode == "amax" else share]
+    if mode == "prod":
+        return [g.div(g.mul(dy, y), x)]
+    if mode == "norm1":
+        return [g.where(g.cmp_gt(x, 0.0), dy, g.where(g.cmp_lt(x, 0.0), g.neg(dy), 0.0))]
+    return [g.where(g.cmp_eq(y, 0.0), 0.0, g.div(g.mul(dy, x), y))]  # norm2

@@ -16,6 +16,8 @@ that sees no key).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -23,7 +25,8 @@ from typing import Optional
 import torch
 
 from .. import dtypes
-from .base import OpDef, OutputSpec, boolean, broadcast_dims, fail, freeze, integer, real, register
+from ..errors import UnsupportedError
+from .base import OpDef, OutputSpec, backward_rule, boolean, broadcast_dims, fail, freeze, integer, real, register
 from .dropout import check_random_inputs, random_values
 from .random import keep_mask
 
@@ -333,3 +336,23 @@ register(OpDef("sdpa_backward", "sdpa", "anchor", SdpaAttrs,
                ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM,
                ("dq", "dk", "dv", "dbias"), infer_backward, reference_backward,
                optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM))
+
+
+@backward_rule("sdpa")
+def _sdpa_backward(d, node, grads):
+    """sdpa_backward from the saved o and stats (the forward runs in training form); dbias
+    when the bias takes a gradient."""
+    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset = node.inputs
+    if k_table is not None:
+        raise UnsupportedError("sdpa: paged K/V takes no gradient")
+    if grads[1] is not None:
+        raise UnsupportedError("sdpa: no gradient through the stats")
+    wants_bias = bias is not None and bias.data_type.is_floating and d.needs(bias)
+    attrs = dataclasses.replace(node.attrs, is_inference=False, compute_dbias=wants_bias)
+    read = [None if t is None else d.value(t) for t in (q, k, v)]
+    o, stats = d.value(node.outputs[0]), d.value(node.outputs[1])
+    extra = [None if t is None else d.value(t) for t in (bias, seq_len_q, seq_len_kv)]
+    random = [None if t is None else d.value(t) for t in (seed, offset)]
+    dq, dk, dv, dbias = d.graph._add_op("sdpa_backward", read + [o, grads[0], stats] + extra + [None, None] + random,
+                                        attrs)
+    return [dq, dk, dv, dbias] + [None] * 6

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 import torch
 
 from ..tensor import MAX_EXTENT, MAX_RANK
-from .base import (OpDef, OutputSpec, canonical_axes, fail, freeze, int_tuple, integer, register,
+from ..errors import UnsupportedError
+from .base import (OpDef, OutputSpec, backward_rule, canonical_axes, fail, freeze, int_tuple, integer, register,
                    sequence)
 
 
@@ -185,3 +186,49 @@ register(OpDef("slice", "layout", "opaque", SliceAttrs, ("x",), ("y",), infer_sl
                lambda values, attrs: [values[0][tuple(slice(*s) for s in attrs.slices)]]))
 register(OpDef("concatenate", "layout", "opaque", ConcatAttrs, ("tensors",), ("y",), infer_concatenate,
                lambda values, attrs: [torch.cat(values, attrs.axis)], variadic=True))
+
+
+@backward_rule("transpose")
+def _transpose_backward(d, node, grads):
+    inverse = [0] * len(node.attrs.permutation)
+    for position, axis in enumerate(node.attrs.permutation):
+        inverse[axis] = position
+    return [d.graph.transpose(grads[0], inverse)]
+
+
+@backward_rule("reshape")
+def _reshape_backward(d, node, grads):
+    return [d.graph.reshape(grads[0], list(node.inputs[0].dim))]
+
+
+@backward_rule("slice")
+def _slice_backward(d, node, grads):
+    """dy placed back among zeros, one axis at a time (the zeros take x's dims where cut)."""
+    g, grad, x = d.graph, grads[0], node.inputs[0]
+    if any(step != 1 for _, _, step in node.attrs.slices):
+        raise UnsupportedError("slice: no gradient through a strided slice yet")
+    value = d.value(x)
+    for axis, (start, stop, _) in enumerate(node.attrs.slices):
+        parts = []
+        for low, high in ((0, start), (stop, x.dim[axis])):
+            if high > low:
+                window = [slice(None)] * len(x.dim)
+                for other, (o_start, o_stop, _) in enumerate(node.attrs.slices[axis + 1:], axis + 1):
+                    window[other] = slice(o_start, o_stop)
+                window[axis] = slice(low, high)
+                parts.append(d.zeros(g.slice(value, window)))
+        if parts:
+            pieces = ([parts[0]] if start > 0 else []) + [grad] + ([parts[-1]] if stop < x.dim[axis] else [])
+            grad = g.concatenate(pieces, axis)
+    return [grad]
+
+
+@backward_rule("concatenate")
+def _concatenate_backward(d, node, grads):
+    axis, grad = node.attrs.axis, grads[0]
+    result = []
+    for index, start in concat_parts(node):
+        window = [slice(None)] * len(grad.dim)
+        window[axis] = slice(start, start + node.inputs[index].dim[axis])
+        result.append(d.graph.slice(grad, window))
+    return result

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import OpDef, OutputSpec, boolean, canonical_axes, fail, freeze, register
+from .base import OpDef, OutputSpec, backward_rule, boolean, canonical_axes, fail, freeze, register
 
 
 @dataclass(frozen=True)
@@ -54,3 +54,9 @@ register(OpDef("softmax", "softmax", "anchor", SoftmaxAttrs, ("x",), ("y",),
                infer_forward, reference_forward))
 register(OpDef("softmax_backward", "softmax", "anchor", SoftmaxAttrs, ("dy", "y"), ("dx",),
                infer_backward, reference_backward))
+
+
+@backward_rule("softmax")
+def _softmax_backward(d, node, grads):
+    """dx from dy and the saved y (softmax_backward, log or not)."""
+    return [d.graph._add_op("softmax_backward", [grads[0], d.value(node.outputs[0])], node.attrs)[0]]

@@ -1,0 +1,297 @@
+"""Graph.as_function: values and every input gradient against torch autograd through the graph's
+float64 reference (op by op), per family; structure of the derived graphs; small training loops
+against the same torch models."""
+import math
+
+import pytest
+import torch
+
+import dnngraph as dg
+from dnngraph.autodiff import derive
+from helpers import rel_err
+
+GEN = torch.Generator().manual_seed(5)
+
+
+def _randn(*dims, positive=False):
+    value = torch.randn(*dims, generator=GEN)
+    return value.abs() + 0.5 if positive else value
+
+
+def _graph(inputs: dict):
+    g = dg.Graph(name="fn")
+    return g, {name: g.tensor_like(value, name) for name, value in inputs.items()}
+
+
+def _reference_grads(g, fn, inputs: dict, grads_out):
+    """Outputs and input gradients of the graph's float64 reference under torch autograd."""
+    leaves = {n: v.double().requires_grad_(v.is_floating_point()) for n, v in inputs.items()}
+    with torch.enable_grad():
+        refs = g.reference(leaves)
+        outs = [refs[t.name] for t in fn.outputs]
+        wanted = [leaves[t.name] for t in fn.inputs if leaves[t.name].requires_grad]
+        floats = [(o, gy.double()) for o, gy in zip(outs, grads_out) if o.is_floating_point()]
+        grads = torch.autograd.grad([o for o, _ in floats], wanted, [gy for _, gy in floats], allow_unused=True)
+    return outs, dict(zip([t.name for t in fn.inputs if leaves[t.name].requires_grad], grads))
+
+
+def check_function(g, inputs: dict, tolerance=5e-5, outputs=None):
+    """Run as_function forward and backward (poisoned .grad first) against the reference."""
+    fn = g.as_function(outputs=outputs)
+    args = [inputs[t.name].clone().requires_grad_(inputs[t.name].is_floating_point()) for t in fn.inputs]
+    for arg in args:
+        if arg.requires_grad:
+            arg.grad = torch.full_like(arg, float("nan"))
+            arg.grad = None
+    results = fn(*args)
+    results = results if isinstance(results, tuple) else (results,)
+    grads_out = [torch.randn(r.shape, generator=GEN) if r.is_floating_point() else None for r in results]
+    ref_outs, ref_grads = _reference_grads(g, fn, inputs, grads_out)
+    for result, ref in zip(results, ref_outs):
+        assert rel_err(result, ref) < tolerance
+    torch.autograd.backward([r for r, gy in zip(results, grads_out) if gy is not None],
+                            [gy for gy in grads_out if gy is not None])
+    for tensor, arg in zip(fn.inputs, args):
+        if not arg.requires_grad:
+            continue
+        ref = ref_grads[tensor.name]
+        ref = torch.zeros_like(arg, dtype=torch.float64) if ref is None else ref
+        assert arg.grad is not None and arg.grad.shape == arg.shape, tensor.name
+        assert rel_err(arg.grad, ref) < tolerance, f"d{tensor.name}: {rel_err(arg.grad, ref)}"
+    return fn
+
+
+# --- pointwise ------------------------------------------------------------------------------------
+UNARY = ["neg", "abs", "exp", "sin", "cos", "tanh", "sigmoid", "relu", "leaky_relu", "elu", "gelu",
+         "gelu_tanh", "silu", "softplus", "erf", "floor"]
+POSITIVE = ["log", "sqrt", "rsqrt", "reciprocal"]
+
+
+@pytest.mark.parametrize("op", UNARY + POSITIVE)
+def test_unary_ops(op):
+    inputs = {"x": _randn(3, 7, positive=op in POSITIVE)}
+    g, t = _graph(inputs)
+    getattr(g, op)(t["x"]).set_output(True)
+    check_function(g, inputs)
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "maximum", "minimum", "pow"])
+def test_binary_ops_broadcast_and_constants(op):
+    """b broadcasts over rows (its gradient is summed); a constant operand takes none."""
+    inputs = {"a": _randn(4, 5, positive=op == "pow"), "b": _randn(1, 5, positive=op in ("div", "pow"))}
+    if op in ("maximum", "minimum"):
+        inputs["a"][0, :2] = inputs["b"][0, :2]  # ties split the gradient
+    g, t = _graph(inputs)
+    y = getattr(g, op)(t["a"], t["b"])
+    getattr(g, op)(y, 1.5).set_output(True)
+    check_function(g, inputs)
+
+
+def test_where_and_a_value_read_twice():
+    inputs = {"x": _randn(6, 3), "y": _randn(6, 3)}
+    g, t = _graph(inputs)
+    s = g.where(g.cmp_gt(t["x"], 0.0), g.mul(t["x"], t["y"]), t["y"])
+    g.add(s, g.exp(t["x"])).set_output(True)
+    check_function(g, inputs)
+
+
+# --- anchors --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", ["sum", "mean", "max", "min", "amax", "norm1", "norm2", "prod"])
+def test_reductions(mode):
+    inputs = {"x": _randn(3, 5, 4, positive=mode == "prod")}
+    g, t = _graph(inputs)
+    g.reduction(g.mul(t["x"], 2.0), mode, [0, 2]).set_output(True)
+    check_function(g, inputs)
+
+
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax(log):
+    inputs = {"x": _randn(4, 9)}
+    g, t = _graph(inputs)
+    g.softmax(t["x"], axis=1, log=log).set_output(True)
+    check_function(g, inputs)
+
+
+@pytest.mark.parametrize("op", ["layernorm", "rmsnorm", "groupnorm", "instancenorm", "batchnorm"])
+def test_norms(op):
+    inputs = {"x": _randn(4, 6, 5), "scale": _randn(1, 6, 1) if op in ("groupnorm", "instancenorm", "batchnorm")
+              else _randn(1, 6, 5), "bias": _randn(1, 6, 1) if op in ("groupnorm", "instancenorm", "batchnorm")
+              else _randn(1, 6, 5)}
+    g, t = _graph(inputs)
+    args = {"groups": 3} if op == "groupnorm" else {}
+    y = getattr(g, op)(t["x"], t["scale"], t["bias"], **args)[0]
+    g.mul(y, y).set_output(True)
+    check_function(g, inputs, tolerance=2e-4)
+
+
+def test_norm_in_inference_phase_trains_through_its_training_form():
+    inputs = {"x": _randn(3, 8), "scale": _randn(1, 8), "bias": _randn(1, 8)}
+    g, t = _graph(inputs)
+    g.layernorm(t["x"], t["scale"], t["bias"], norm_forward_phase="inference")[0].set_output(True)
+    check_function(g, inputs, tolerance=2e-4)
+
+
+def test_matmul_with_broadcast_batch_and_transposed_operand():
+    inputs = {"a": _randn(2, 3, 5, 7), "w": _randn(1, 3, 4, 7)}
+    g, t = _graph(inputs)
+    g.relu(g.matmul(t["a"], g.transpose(t["w"], [0, 1, 3, 2]))).set_output(True)
+    check_function(g, inputs, tolerance=1e-4)
+
+
+def test_conv_with_stride_padding_and_groups():
+    inputs = {"x": _randn(2, 4, 7, 6), "w": _randn(6, 2, 3, 3)}
+    g, t = _graph(inputs)
+    g.conv_fprop(t["x"], t["w"], padding=1, stride=2, groups=2).set_output(True)
+    check_function(g, inputs, tolerance=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["max", "avg_include_pad"])
+def test_pooling(mode):
+    inputs = {"x": _randn(2, 3, 6, 7)}
+    g, t = _graph(inputs)
+    g.pooling(t["x"], mode, [3, 3], [2, 2], [1, 1]).set_output(True)
+    check_function(g, inputs)
+
+
+def test_dropout_regenerates_its_mask():
+    inputs = {"x": _randn(5, 11)}
+    g, t = _graph(inputs)
+    g.dropout(g.mul(t["x"], 3.0), 0.4, seed=77, offset=5).set_output(True)
+    check_function(g, inputs)
+
+
+def test_sdpa_with_bias_gqa_and_causal_mask():
+    inputs = {"q": _randn(2, 4, 9, 8), "k": _randn(2, 2, 11, 8), "v": _randn(2, 2, 11, 8),
+              "bias": _randn(1, 4, 9, 11)}
+    g, t = _graph(inputs)
+    o, _ = g.sdpa(t["q"], t["k"], t["v"], bias=t["bias"], use_causal_mask_bottom_right=True)
+    o.set_output(True)
+    fn = check_function(g, inputs, tolerance=1e-4)
+    derivation = derive(g, fn.inputs, fn.outputs, [True] * 4)
+    assert [n.op for n in derivation.backward.nodes if n.op.startswith("sdpa")] == ["sdpa_backward"]
+
+
+@pytest.mark.parametrize("op", ["transpose", "reshape", "slice", "concatenate"])
+def test_layout_ops(op):
+    inputs = {"x": _randn(3, 4, 5), "z": _randn(3, 2, 5)}
+    g, t = _graph(inputs)
+    x = g.mul(t["x"], t["x"])
+    y = {"transpose": lambda: g.transpose(x, [2, 0, 1]), "reshape": lambda: g.reshape(x, [12, 5]),
+         "slice": lambda: g.slice(x, [slice(1, 3), slice(None), slice(0, 4)]),
+         "concatenate": lambda: g.concatenate([x, t["z"], x], axis=1)}[op]()
+    g.exp(y).set_output(True)
+    if op != "concatenate":
+        g.add(t["z"], 1.0).set_output(True)
+    check_function(g, inputs)
+
+
+# --- the function itself --------------------------------------------------------------------------
+def test_inputs_that_need_no_gradient_get_none_and_are_not_differentiated():
+    inputs = {"x": _randn(4, 3), "w": _randn(3, 2)}
+    g, t = _graph(inputs)
+    g.matmul(t["x"], t["w"]).set_output(True)
+    fn = g.as_function()
+    x, w = inputs["x"], inputs["w"].clone().requires_grad_()
+    fn(x, w).sum().backward()
+    assert w.grad is not None
+    (derivation, _), = fn._derivations.values()
+    assert derivation.grads[0] is None and [n.op for n in derivation.backward.nodes].count("matmul") == 1
+
+
+def test_no_grad_call_runs_the_plain_graph_and_returns_a_tuple_for_several_outputs():
+    inputs = {"x": _randn(4, 3)}
+    g, t = _graph(inputs)
+    a, b = g.relu(t["x"]).set_output(True), g.exp(t["x"]).set_output(True)
+    fn = g.as_function(inputs=["x"], outputs=[b, a])
+    with torch.no_grad():
+        first, second = fn(inputs["x"].clone().requires_grad_())
+    assert torch.allclose(first, inputs["x"].exp()) and torch.equal(second, inputs["x"].relu())
+    assert not fn._derivations
+
+
+def test_an_input_with_other_strides_is_taken_and_the_graph_is_untouched():
+    inputs = {"x": _randn(4, 6)}
+    g, t = _graph(inputs)
+    g.mul(t["x"], 2.0).set_output(True)
+    fn = g.as_function()
+    odd = torch.randn(6, 4, generator=GEN).t()
+    assert torch.equal(fn(odd), odd * 2)
+    assert g.plan is None
+
+
+def test_bad_calls_raise():
+    g, t = _graph({"x": _randn(2, 3)})
+    g.relu(t["x"]).set_output(True)
+    fn = g.as_function()
+    with pytest.raises(dg.ExecutionError):
+        fn()
+    with pytest.raises(dg.ExecutionError):
+        fn(torch.randn(3, 2))
+    with pytest.raises(dg.ExecutionError):
+        fn(torch.randn(2, 3, dtype=torch.float64))
+    with pytest.raises(dg.ValidationError):
+        g.as_function(inputs=["nope"])
+    h = dg.Graph()
+    with pytest.raises(dg.ValidationError):
+        g.as_function(inputs=[h.tensor(name="x", dim=[2, 3])])
+
+
+# --- training loops -------------------------------------------------------------------------------
+def _sgd_steps(step_fn, params, batches, lr=0.05):
+    losses = []
+    for x, target in batches:
+        loss = step_fn(x, target, *params)
+        losses.append(loss.item())
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, grad in zip(params, grads):
+                p -= lr * grad
+    return losses
+
+
+def test_a_small_mlp_trains_like_torch():
+    g = dg.Graph(name="mlp")
+    x, w1, b1 = g.tensor(name="x", dim=[16, 10]), g.tensor(name="w1", dim=[10, 32]), g.tensor(name="b1", dim=[1, 32])
+    w2, b2 = g.tensor(name="w2", dim=[32, 4]), g.tensor(name="b2", dim=[1, 4])
+    g.add(g.matmul(g.silu(g.add(g.matmul(x, w1), b1)), w2), b2).set_output(True)
+    fn = g.as_function()
+
+    def ours(x, target, *params):
+        return ((fn(x, *params) - target) ** 2).mean()
+
+    def theirs(x, target, w1, b1, w2, b2):
+        return ((torch.nn.functional.silu(x @ w1 + b1) @ w2 + b2 - target) ** 2).mean()
+
+    init = [torch.randn(10, 32, generator=GEN) / 3, torch.zeros(1, 32), torch.randn(32, 4, generator=GEN) / 6,
+            torch.zeros(1, 4)]
+    batches = [(torch.randn(16, 10, generator=GEN), torch.randn(16, 4, generator=GEN)) for _ in range(4)]
+    mine = _sgd_steps(ours, [p.clone().requires_grad_() for p in init], batches)
+    ref = _sgd_steps(theirs, [p.clone().requires_grad_() for p in init], batches)
+    assert mine[-1] < mine[0]
+    assert all(math.isclose(a, b, rel_tol=1e-4) for a, b in zip(mine, ref)), (mine, ref)
+
+
+def test_a_small_cnn_trains_like_torch():
+    g = dg.Graph(name="cnn")
+    x, w, s, b = (g.tensor(name="x", dim=[4, 3, 8, 8]), g.tensor(name="w", dim=[6, 3, 3, 3]),
+                  g.tensor(name="s", dim=[1, 6, 1, 1]), g.tensor(name="b", dim=[1, 6, 1, 1]))
+    fc = g.tensor(name="fc", dim=[6, 5])
+    y = g.relu(g.batchnorm(g.conv_fprop(x, w, padding=1), s, b)[0])
+    pooled = g.reshape(g.reduction(y, "mean", [2, 3]), [4, 6])
+    g.matmul(pooled, fc).set_output(True)
+    fn = g.as_function(inputs=["x", "w", "s", "b", "fc"])
+
+    def ours(x, target, *params):
+        return ((fn(x, *params) - target) ** 2).mean()
+
+    def theirs(x, target, w, s, b, fc):
+        y = torch.nn.functional.conv2d(x, w, padding=1)
+        y = torch.nn.functional.batch_norm(y, None, None, s.view(-1), b.view(-1), training=True, eps=1e-5)
+        return ((torch.relu(y).mean((2, 3)) @ fc - target) ** 2).mean()
+
+    init = [torch.randn(6, 3, 3, 3, generator=GEN) / 4, torch.ones(1, 6, 1, 1), torch.zeros(1, 6, 1, 1),
+            torch.randn(6, 5, generator=GEN) / 2]
+    batches = [(torch.randn(4, 3, 8, 8, generator=GEN), torch.randn(4, 5, generator=GEN)) for _ in range(3)]
+    mine = _sgd_steps(ours, [p.clone().requires_grad_() for p in init], batches)
+    ref = _sgd_steps(theirs, [p.clone().requires_grad_() for p in init], batches)
+    assert all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(mine, ref)), (mine, ref)
