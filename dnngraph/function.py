@@ -9,6 +9,7 @@ nothing: their gradients are not computed.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -51,8 +52,16 @@ def _resolve(graph, items, default, what: str) -> list:
     return resolved
 
 
+_NUMBER = itertools.count()
+
+
 class GraphFunction:
-    """A graph's ops as a callable on torch tensors, differentiable through torch.autograd."""
+    """A graph's ops as a callable on torch tensors, differentiable through torch.autograd.
+
+    Calls go through torch.library custom ops (dnngraph::function<N>, with fake
+    implementations), so torch.compile(fullgraph=True) traces them and CUDA graphs capture them:
+    one op without autograd, and per set of inputs that want gradients a forward op (returning the
+    outputs, then the values the backward reads) with a backward op registered as its gradient."""
 
     def __init__(self, graph, inputs=None, outputs=None):
         graph.validate()
@@ -67,23 +76,29 @@ class GraphFunction:
         if missing:
             raise ValidationError(f"as_function: graph inputs {missing} are read but not among the inputs")
         self.graph = graph
-        self._lock = threading.Lock()
+        self.op_name = f"dnngraph::function{next(_NUMBER)}"
+        self._lock = threading.RLock()
         self._plain = None
         self._derivations: dict = {}  # wanted mask -> (Derivation, input positions it reads)
+        self._plain_op, self._training_op = _custom_ops(self)
 
     def __call__(self, *args):
         if len(args) != len(self.inputs):
             raise ExecutionError(f"{self.graph.name}: takes {len(self.inputs)} tensors, got {len(args)}")
-        wanted = tuple(torch.is_grad_enabled() and isinstance(a, torch.Tensor) and a.requires_grad
-                       and t.data_type.is_floating for a, t in zip(args, self.inputs))
+        for tensor, arg in zip(self.inputs, args):
+            if not isinstance(arg, torch.Tensor):
+                raise ExecutionError(f"{self.graph.name} input {tensor.name!r}: expects a torch.Tensor, "
+                                     f"got {type(arg).__name__}")
+        wanted = tuple(torch.is_grad_enabled() and a.requires_grad and t.data_type.is_floating
+                       for a, t in zip(args, self.inputs))
         if any(wanted):
-            results = _Autograd.apply(self, wanted, *args)
+            results = self._training_op(list(args), list(wanted))[:len(self.outputs)]
         else:
-            results = self._run_plain(args)
+            results = self._plain_op(list(args))
         return results[0] if len(results) == 1 else tuple(results)
 
     # --- without autograd ------------------------------------------------------------------------
-    def _plain_graph(self):
+    def _plain_graph(self, build: bool = True):
         with self._lock:
             if self._plain is None:
                 plain, mapped = replay(self.graph, self.graph.name + ".function")
@@ -91,16 +106,17 @@ class GraphFunction:
                     tensor.set_output(False)
                 outputs = [mapped[t.uid].set_output(True) for t in self.outputs]
                 for original, twin in zip(self.outputs, outputs):
-                    if tuple(twin.stride) != tuple(original.stride):
+                    if original.is_output and tuple(twin.stride) != tuple(original.stride):
                         twin.set_stride(original.stride)
-                plain.build()
                 self._plain = (plain, [mapped[t.uid] for t in self.inputs], outputs)
+            if build and self._plain[0].plan is None:
+                self._plain[0].build()
             return self._plain
 
     def _run_plain(self, args) -> list:
         graph, inputs, outputs = self._plain_graph()
         bindings = {t: _conformed(t, a, f"{self.graph.name} input {t.name!r}") for t, a in zip(inputs, args)}
-        device = next(iter(bindings.values())).device if bindings else torch.device("cpu")
+        device = args[0].device if args else torch.device("cpu")
         results = [_allocated(t, device) for t in outputs]
         graph.execute({**bindings, **dict(zip(outputs, results))})
         return results
@@ -112,60 +128,106 @@ class GraphFunction:
             found = self._derivations.get(wanted)
             if found is None:
                 derivation = derive(self.graph, self.inputs, self.outputs, list(wanted))
-                derivation.forward.build()
-                if any(g is not None for g in derivation.grads):
-                    derivation.backward.build()
                 position = {t.name: i for i, t in enumerate(self.inputs)}
                 found = (derivation, [position[t.name] for t in derivation.forward_inputs])
                 self._derivations[wanted] = found
             return found
 
+    def _built(self, wanted: tuple):
+        derivation, reads = self.derivation(wanted)
+        with self._lock:
+            if derivation.forward.plan is None:
+                derivation.forward.build()
+            if any(g is not None for g in derivation.grads) and derivation.backward.plan is None:
+                derivation.backward.build()
+        return derivation, reads
 
-class _Autograd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, fn: GraphFunction, wanted, *args):
-        derivation, reads = fn.derivation(wanted)
+    def run_forward(self, wanted: tuple, args) -> list:
+        """Outputs, then the saved values, of the forward graph of derivation `wanted`."""
+        derivation, _ = self._built(wanted)
         forward = derivation.forward
-        inputs = {t.name: t for t in forward.inputs()}
+        twins = {t.name: t for t in forward.inputs()}
         bindings = {}
-        for original, arg in zip(fn.inputs, args):
-            twin = inputs.get(original.name)
+        for original, arg in zip(self.inputs, args):
+            twin = twins.get(original.name)
             if twin is not None:
-                bindings[twin] = _conformed(twin, arg, f"{fn.graph.name} input {original.name!r}")
+                bindings[twin] = _conformed(twin, arg, f"{self.graph.name} input {original.name!r}")
         device = args[0].device
-        made = {t.uid: _allocated(t, device) for t in derivation.outputs + derivation.saved}
-        forward.execute({**bindings, **{t: made[t.uid] for t in derivation.outputs + derivation.saved}})
-        results = [made[t.uid] for t in derivation.outputs]
-        ctx.fn, ctx.wanted = fn, wanted
-        ctx.save_for_backward(*[args[i] for i in reads], *[made[t.uid] for t in derivation.saved])
-        for tensor, result in zip(derivation.outputs, results):
-            if not tensor.data_type.is_floating:
-                ctx.mark_non_differentiable(result)
-        return tuple(results)
+        kept = derivation.outputs + _saved_apart(derivation)
+        made = {t.uid: _allocated(t, device) for t in kept}
+        forward.execute({**bindings, **{t: made[t.uid] for t in kept}})
+        return [made[t.uid] for t in kept]
 
-    @staticmethod
-    def backward(ctx, *grad_outputs):
-        derivation, reads = ctx.fn.derivation(ctx.wanted)
-        stored = ctx.saved_tensors
-        read_args, saved = stored[:len(reads)], stored[len(reads):]
+    def run_backward(self, wanted: tuple, reads, saved, grads) -> list:
+        """The gradients of the wanted inputs (zeros where no path leads to an output)."""
+        derivation, _ = self._built(wanted)
         bindings = {}
-        for twin, value in zip(derivation.forward_input_twins, read_args):
-            bindings[twin] = _conformed(twin, value, f"{twin.name}")
-        for twin, value in zip(derivation.saved_inputs, saved):
-            bindings[twin] = value
-        for twin, grad in zip(derivation.grad_inputs, grad_outputs):
+        for twin, value in zip(derivation.forward_input_twins, reads):
+            bindings[twin] = _conformed(twin, value, twin.name)
+        bindings.update(zip(derivation.saved_inputs, saved))
+        for twin, grad in zip(derivation.grad_inputs, grads):
             if twin is not None:
-                bindings[twin] = _conformed(twin, grad.to(twin.data_type.torch_dtype), f"gradient {twin.name}")
-        device = grad_outputs[0].device
+                bindings[twin] = _conformed(twin, grad.to(twin.data_type.torch_dtype), twin.name)
+        device = grads[0].device
         results = {t.uid: _allocated(t, device) for t in derivation.grads if t is not None}
         if results:
             derivation.backward.execute({**bindings, **{t: results[t.uid] for t in derivation.grads if t is not None}})
-        grads = []
-        for tensor, grad, want in zip(ctx.fn.inputs, derivation.grads, ctx.wanted):
-            if not want:
-                grads.append(None)
-            elif grad is None:  # no path from this input to an output
-                grads.append(torch.zeros(tensor.dim, dtype=tensor.data_type.torch_dtype, device=device))
-            else:
-                grads.append(results[grad.uid])
-        return (None, None, *grads)
+        return [results[g.uid] if g is not None else torch.zeros(t.dim, dtype=t.data_type.torch_dtype, device=device)
+                for t, g, want in zip(self.inputs, derivation.grads, wanted) if want]
+
+
+def _saved_apart(derivation) -> list:
+    """Saved values that are not outputs too (a custom op returns each tensor once)."""
+    return [t for t in derivation.saved if all(t is not o for o in derivation.outputs)]
+
+
+def _saved_positions(derivation) -> list:
+    """Where each saved value is among the forward op's results (outputs, then the rest)."""
+    returned = derivation.outputs + _saved_apart(derivation)
+    return [next(i for i, t in enumerate(returned) if t is s) for s in derivation.saved]
+
+
+def _custom_ops(fn: GraphFunction):
+    """The function's custom ops: (plain, training). The training op takes the mask of inputs
+    that want gradients; its gradient is the backward op."""
+    name = fn.op_name
+    plain = torch.library.custom_op(name, fn._run_plain, mutates_args=(), schema="(Tensor[] inputs) -> Tensor[]")
+    plain.register_fake(lambda args: [_allocated(t, args[0].device) for t in fn._plain_graph(build=False)[2]])
+
+    def run_forward(args, wanted):
+        return fn.run_forward(tuple(wanted), args)
+
+    def fake_forward(args, wanted):
+        derivation, _ = fn.derivation(tuple(wanted))
+        return [_allocated(t, args[0].device) for t in derivation.outputs + _saved_apart(derivation)]
+
+    def run_backward(reads, saved, grads, wanted):
+        return fn.run_backward(tuple(wanted), reads, saved, grads)
+
+    def fake_backward(reads, saved, grads, wanted):
+        return [_allocated(t, grads[0].device) for t, want in zip(fn.inputs, wanted) if want]
+
+    forward = torch.library.custom_op(name + "_training", run_forward, mutates_args=(),
+                                      schema="(Tensor[] inputs, bool[] wanted) -> Tensor[]")
+    forward.register_fake(fake_forward)
+    backward = torch.library.custom_op(name + "_backward", run_backward, mutates_args=(),
+                                       schema="(Tensor[] reads, Tensor[] saved, Tensor[] grads, bool[] wanted) -> Tensor[]")
+    backward.register_fake(fake_backward)
+    count = len(fn.outputs)
+
+    def setup_context(ctx, inputs, output):
+        args, wanted = inputs
+        derivation, reads = fn.derivation(tuple(wanted))
+        ctx.save_for_backward(*[args[i] for i in reads], *[output[i] for i in _saved_positions(derivation)])
+        ctx.reads, ctx.wanted = len(reads), list(wanted)
+
+    def gradient(ctx, grads):
+        stored = ctx.saved_tensors
+        outputs = fn.derivation(tuple(ctx.wanted))[0].outputs
+        grads = [g if g is not None else torch.zeros(t.dim, dtype=t.data_type.torch_dtype, device=stored[0].device)
+                 for g, t in zip(grads[:count], outputs)]
+        computed = iter(backward(list(stored[:ctx.reads]), list(stored[ctx.reads:]), grads, ctx.wanted))
+        return [next(computed) if want else None for want in ctx.wanted], None
+
+    forward.register_autograd(gradient, setup_context=setup_context)
+    return plain, forward

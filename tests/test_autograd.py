@@ -264,7 +264,7 @@ def test_a_small_mlp_trains_like_torch():
 
     init = [torch.randn(10, 32, generator=GEN) / 3, torch.zeros(1, 32), torch.randn(32, 4, generator=GEN) / 6,
             torch.zeros(1, 4)]
-    batches = [(torch.randn(16, 10, generator=GEN), torch.randn(16, 4, generator=GEN)) for _ in range(4)]
+    batches = [(torch.randn(16, 10, generator=GEN), torch.randn(16, 4, generator=GEN))] * 4  # one batch, learnt
     mine = _sgd_steps(ours, [p.clone().requires_grad_() for p in init], batches)
     ref = _sgd_steps(theirs, [p.clone().requires_grad_() for p in init], batches)
     assert mine[-1] < mine[0]
@@ -295,3 +295,88 @@ def test_a_small_cnn_trains_like_torch():
     mine = _sgd_steps(ours, [p.clone().requires_grad_() for p in init], batches)
     ref = _sgd_steps(theirs, [p.clone().requires_grad_() for p in init], batches)
     assert all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(mine, ref)), (mine, ref)
+
+
+# --- torch.compile and CUDA graphs ----------------------------------------------------------------
+def _linear_gelu():
+    g = dg.Graph(name="block")
+    x, w = g.tensor(name="x", dim=[6, 8]), g.tensor(name="w", dim=[8, 5])
+    g.gelu(g.matmul(x, w)).set_output(True)
+    return g.as_function()
+
+
+def test_torch_compile_fullgraph_traces_forward_and_backward():
+    """The function is a custom op with a fake implementation: dynamo traces it without a graph
+    break (fullgraph=True), forward and backward."""
+    fn = _linear_gelu()
+
+    def model(x, w):
+        return (fn(torch.tanh(x), w) * 2).sum()
+
+    x, w = _randn(6, 8), _randn(8, 5)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    eager_leaves = [x.clone().requires_grad_(), w.clone().requires_grad_()]
+    loss, eager = compiled(*leaves), model(*eager_leaves)
+    loss.backward()
+    eager.backward()
+    assert torch.allclose(loss, eager, rtol=1e-5)
+    for mine, theirs in zip(leaves, eager_leaves):
+        assert torch.allclose(mine.grad, theirs.grad, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        assert torch.allclose(torch.compile(model, fullgraph=True, backend="aot_eager")(x, w), model(x, w), rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    fn = _linear_gelu()
+    x, w = _randn(6, 8).cuda(), _randn(8, 5).cuda()
+    fn(x, w)  # build and compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(x, w)
+    x.copy_(_randn(6, 8).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out, torch.nn.functional.gelu(x @ w), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_inductor_compiles_a_model_around_the_function():
+    fn = _linear_gelu()
+    x, w = _randn(6, 8).cuda().requires_grad_(), _randn(8, 5).cuda().requires_grad_()
+    compiled = torch.compile(lambda x, w: fn(x * 2, w).square().sum(), fullgraph=True)
+    compiled(x, w).backward()
+    reference = (torch.nn.functional.gelu((x.detach() * 2).double() @ w.detach().double())).square().sum()
+    assert torch.allclose(compiled(x, w).double(), reference, rtol=1e-4)
+    assert x.grad is not None and w.grad is not None
+
+
+@pytest.mark.gpu
+def test_bf16_attention_block_gradients_on_the_gpu():
+    """q/k/v projections, causal sdpa in BSHD through transposes, an output projection: values
+    and gradients in bf16 against torch in float32."""
+    b, s, h, d = 2, 200, 4, 64
+    g = dg.Graph(name="block", io_data_type=dg.bfloat16, intermediate_data_type=dg.float32)
+    x = g.tensor(name="x", dim=[b, s, h * d], data_type=dg.bfloat16)
+    ws = [g.tensor(name=n, dim=[h * d, h * d], data_type=dg.bfloat16) for n in ("wq", "wk", "wv", "wo")]
+    heads = [g.transpose(g.reshape(g.matmul(x, w), [b, s, h, d]), [0, 2, 1, 3]) for w in ws[:3]]
+    o, _ = g.sdpa(*heads, use_causal_mask=True)
+    g.matmul(g.reshape(g.transpose(o, [0, 2, 1, 3]), [b, s, h * d]), ws[3]).set_output(True)
+    fn = g.as_function()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    args = [torch.randn(b, s, h * d, generator=gen, device="cuda").bfloat16()]
+    args += [(torch.randn(h * d, h * d, generator=gen, device="cuda") / 16).bfloat16() for _ in range(4)]
+    leaves = [a.clone().requires_grad_() for a in args]
+    out = fn(*leaves)
+    gy = torch.randn(out.shape, generator=gen, device="cuda").bfloat16()
+    out.backward(gy)
+    ref_leaves = [a.float().requires_grad_() for a in args]
+    xr, wq, wk, wv, wo = ref_leaves
+    q, k, v = ((xr @ w).view(b, s, h, d).transpose(1, 2) for w in (wq, wk, wv))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, h * d) @ wo
+    ref.backward(gy.float())
+    assert rel_err(out, ref) < 2e-2
+    for mine, theirs in zip(leaves, ref_leaves):
+        assert rel_err(mine.grad, theirs.grad) < 3e-2
