@@ -531,3 +531,21 @@ def test_dbias_with_masks_padding_dropout_and_gqa(mask):
 def test_dbias_fp16():
     _run_dbias((2, 2, 21, 16), (2, 18), (2, 2, 21, 18), dtype=torch.float16, use_causal_mask=True,
                tolerance=5e-3)
+
+
+def test_backward_with_float32_do_and_o_from_graph_intermediates():
+    """dO and o in float32 (a graph's intermediate values) with fp16 q, k, v: dO meets v on the
+    tensor cores in fp16 (the interpreter refuses a dot of two types, as the compiler does)."""
+    gen = torch.Generator().manual_seed(3)
+    q_t, k_t, v_t = _qkv((2, 2, 19, 16), (2, 23), "bhsd", torch.float16, None, gen)
+    o_t, stats_t = _forward_values(q_t, k_t, v_t, {}, {"use_causal_mask": True})
+    do_t = torch.randn(o_t.shape, generator=gen)
+    g, inputs, q, k, v = _graph(torch.float16, q_t, k_t, v_t)
+    o, d_o = g.tensor_like(o_t.float(), "o"), g.tensor_like(do_t, "dO")
+    stats = g.tensor_like(stats_t.float(), "stats")
+    inputs.update({o: o_t.float(), d_o: do_t, stats: stats_t.float()})
+    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, use_causal_mask=True):
+        grad.set_output(True)
+    for workspace in (None, 0):
+        g.build(workspace_limit=workspace)
+        check(g, inputs, torch.float16, tolerance=5e-3)

@@ -527,6 +527,9 @@ class _BackwardWriter(_Writer):
             w(f"o_tile = tl.load(o_ptr + o_base + {rows}[:, None]{wide} * o_s2 + cols_dv[None, :] * o_s3"
               f"{_mask_argument(['row_in[:, None]'] + self.dv_mask('[None, :]'))})", depth)
             w("delta_row = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)", depth)
+        # dO meets v and p on the tensor cores in q, k and v's type (an fp32 dO made of a graph's
+        # intermediate values converts after the row sums, as the precision rule converts operands)
+        w("do_tile = do_tile.to(q_ptr.dtype.element_ty)", depth)
 
     def scores(self, rows: str, keys: str, transposed: bool, masked: bool, depth: int):
         """Base-2 scores of (rows, keys), [BLOCK_N, BLOCK_M] when transposed (dK/dV) else
