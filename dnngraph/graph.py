@@ -511,6 +511,18 @@ class Graph:
 
         return GraphFunction(self, inputs, outputs)
 
+    def to_dot(self) -> str:
+        """Graphviz text of the graph, each kernel's ops in a cluster (the built plan's groups,
+        else the fusion groups a build would make)."""
+        from .dot import render_dot
+        from .fusion import partition
+        from .plan import KERNEL_BUILDERS
+
+        if self._plan is not None:
+            return render_dot(self, self._plan.groups)
+        self.validate()
+        return render_dot(self, partition(self, frozenset(KERNEL_BUILDERS)))
+
     def explain(self) -> str:
         """Groups, kernels, configs with their reasons, and generated source paths."""
         if self._plan is None:

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from ..errors import UnsupportedError
+from ..log import logger
 
 
 def cache_dir() -> Path:
@@ -59,8 +60,12 @@ def load_kernel(source: str, kernel_name: str):
     path = cache_dir() / f"{kernel_name}_{digest}.py"
     module = sys.modules.get(module_name)
     if module is not None and hasattr(module, kernel_name):
+        logger.debug("kernel %s: loaded in this process", path.name)
         return getattr(module, kernel_name), path
     sys.modules.pop(module_name, None)  # a half-loaded module is never reused
     if not path.exists() or path.read_text() != source:
+        logger.debug("kernel %s: source written (cache miss)", path.name)
         _write_atomically(path, source)
+    else:
+        logger.debug("kernel %s: source found on disk (cache hit)", path.name)
     return _import(module_name, path, kernel_name), path

@@ -85,6 +85,9 @@ def top_count(total: int) -> int:
         return min(total, DEFAULT_TOP)
 
 
+BAR_WIDTH = 24  # characters of the autotune progress bar on a terminal
+
+
 class Tuner:
     """Chooses configs by timing; one per build(autotune=True)."""
 
@@ -97,6 +100,17 @@ class Tuner:
     def _say(self, text: str):
         if self.progress:
             print(f"dnngraph autotune: {text}", file=sys.stderr, flush=True)
+
+    def _step(self, family: str, done: int, count: int, text: str):
+        """One candidate timed: a progress bar redrawn in place on a terminal, a line otherwise."""
+        if not self.progress:
+            return
+        if not sys.stderr.isatty():
+            self._say(f"  [{done}/{count}] {text}")
+            return
+        filled = BAR_WIDTH * done // count
+        print(f"\rdnngraph autotune: {family} [{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{count} "
+              f"{text[:60]:<60}", end="" if done < count else "\n", file=sys.stderr, flush=True)
 
     def choose(self, family: str, signature: str, ranked: list, to_record: Callable, from_record: Callable,
                text_of: Callable, time_config: Callable):
@@ -119,12 +133,12 @@ class Tuner:
             try:
                 ms = time_config(config)
             except Exception as error:  # a candidate that fails to compile or run is skipped
-                self._say(f"  [{rank + 1}/{count}] {text_of(config)}: failed ({type(error).__name__}: "
-                          f"{str(error).splitlines()[0] if str(error) else ''})")
+                self._step(family, rank + 1, count, f"{text_of(config)}: failed ({type(error).__name__}: "
+                                                    f"{str(error).splitlines()[0] if str(error) else ''})")
                 continue
             self.timed += 1
             results.append((text_of(config), rank, ms, config))
-            self._say(f"  [{rank + 1}/{count}] {text_of(config)}: {ms * 1e3:.1f} us")
+            self._step(family, rank + 1, count, f"{text_of(config)}: {ms * 1e3:.1f} us")
         if not results:
             return ranked[0], TuningRecord("model", text_of(ranked[0]), **about)
         results.sort(key=lambda r: r[2])

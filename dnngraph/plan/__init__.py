@@ -8,6 +8,7 @@ workspace (or the caller passes one), and each device model its own launches.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,8 +19,9 @@ from ..fusion import partition
 from ..heuristics import device_model
 from ..heuristics.autotune import Tuner
 from ..heuristics.workspace import WorkspaceBudget
+from ..log import logger
 from ..runtime import interpreting
-from .launch import created_once, run_launches
+from .launch import created_once, run_launches, time_launches
 from .conv import build_conv
 from .matmul import build_matmul
 from .pointwise import build_pointwise
@@ -77,10 +79,20 @@ def build_plan(graph, autotune: bool = False, workspace_limit=None) -> "Plan":
     """Partition, schedule (or autotune) and generate every kernel of a validated graph; the
     configs' optional scratch together stays within `workspace_limit` bytes (None: no limit)."""
     _check_outputs_dense(graph)
+    start = time.perf_counter()
     groups = partition(graph, frozenset(KERNEL_BUILDERS))
+    for group in groups:
+        logger.debug("graph %r: group %s", graph.name, group.describe())
     device = _build_device()
     budget = WorkspaceBudget(workspace_limit)
-    return Plan(graph, groups, build_launches(graph, groups, device, autotune, budget), device, autotune, budget)
+    plan = Plan(graph, groups, build_launches(graph, groups, device, autotune, budget), device, autotune, budget)
+    logger.info("built graph %r: %d ops in %d kernel(s) for %s in %.1f ms, workspace %d bytes", graph.name,
+                len(graph.nodes), len(plan.launches), device, 1e3 * (time.perf_counter() - start),
+                plan.workspace_bytes)
+    for launch in plan.launches:
+        logger.debug("graph %r: %s: %s (%s)", graph.name, launch.kernel.__name__ if hasattr(launch.kernel, "__name__")
+                     else launch.source_path.name, launch.config_text, launch.reason)
+    return plan
 
 
 def _build_device() -> torch.device:
@@ -350,6 +362,18 @@ class Plan:
             return
         self.views.materialize(tensors)
         run_launches(built.launches, tensors, kernel_device, built.dtypes, aligned, stream)
+
+    def profile(self, bindings) -> list:
+        """(launch, median milliseconds) of each kernel run alone on `bindings` (as execute
+        takes them; outputs are written)."""
+        tensors = self._resolve(bindings)
+        device = self._check(tensors)
+        kernel_device = _kernel_device(device)
+        built = self._launches_for(kernel_device)
+        workspace = torch.empty(built.workspace_bytes, dtype=torch.uint8, device=device)
+        tensors.update(built.views(workspace))
+        self.views.materialize(tensors)
+        return [(launch, time_launches([launch], tensors, kernel_device, built.dtypes)) for launch in built.launches]
 
     # --- explain ---------------------------------------------------------------------------------
     def _describe(self, tensor) -> str:

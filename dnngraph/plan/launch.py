@@ -20,6 +20,7 @@ import torch
 
 from ..errors import ExecutionError
 from ..heuristics.autotune import TuningRecord
+from ..log import logger
 
 
 @dataclass(frozen=True)
@@ -157,9 +158,12 @@ class KernelLaunch:
         args = list(self.template)
         for position, uid in self.slots:
             args[position] = dtypes_of[uid]  # Triton's warmup takes dtypes for pointers
+        start = time.perf_counter()
         with torch.cuda.device(device_index):
             compiled = self.kernel.warmup(*args, grid=self.grid, **self._options())
         compiled = compiled.result() if hasattr(compiled, "result") else compiled
+        logger.info("compiled %s for cuda:%d in %.0f ms", self.source_path.name, device_index,
+                    1e3 * (time.perf_counter() - start))
         nbytes, align = global_scratch_need(compiled, self.grid)
         if nbytes and self.global_scratch is None:
             self.global_scratch, self.global_scratch_align = scratch((nbytes,), torch.uint8), align
