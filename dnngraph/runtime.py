@@ -13,9 +13,14 @@ if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 
+# Triton reads the variable when kernels are decorated: its value at import is the one that counts
+# (and execute() need not read the environment on every call)
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
     """True when generated kernels run through Triton's interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRETING
 
 
 def _widen_bfloat16_dots():
