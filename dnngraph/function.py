@@ -93,8 +93,10 @@ class GraphFunction:
                        for a, t in zip(args, self.inputs))
         if any(wanted):
             results = self._training_op(list(args), list(wanted))[:len(self.outputs)]
-        else:
+        elif torch.compiler.is_compiling():
             results = self._plain_op(list(args))
+        else:  # eager: no custom op dispatch (CUDA graphs capture this path as well)
+            results = self._run_plain(list(args))
         return results[0] if len(results) == 1 else tuple(results)
 
     # --- without autograd ------------------------------------------------------------------------

@@ -7,6 +7,8 @@ workspace (or the caller passes one), and each device model its own launches.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -29,6 +31,8 @@ from .pooling import build_pooling
 from .sdpa import build_attention, build_sdpa
 from .rows import build_rows
 
+# Threads compiling one plan's kernels at once (a cold build of several kernels).
+COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 POINTER_ALIGNMENT = 16  # bytes; Triton specializes pointers on it (vectorized access)
 WORKSPACE_ALIGNMENT = 256
 
@@ -135,10 +139,17 @@ class DeviceLaunches:
         self.layout(groups)
 
     def bind(self, device_index: int):
-        """Compile every launch for a CUDA device (one of this model), then lay the workspace out:
+        """Compile every launch for a CUDA device (one of this model), in parallel (Triton's
+        compiler runs ptxas and its passes outside the GIL), then lay the workspace out:
         compiling tells which kernels need global scratch in it."""
-        for launch in self.launches:
-            launch.bind(device_index, self.dtypes)
+        if len(self.launches) < 2:
+            for launch in self.launches:
+                launch.bind(device_index, self.dtypes)
+            return
+        workers = min(len(self.launches), COMPILE_THREADS)
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="dnngraph-compile") as pool:
+            for done in [pool.submit(launch.bind, device_index, self.dtypes) for launch in self.launches]:
+                done.result()  # a kernel that fails to compile raises here
 
     def layout(self, groups):
         """Place virtual tensors (not views of other memory), split partials and kernels' global
