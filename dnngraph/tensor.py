@@ -157,6 +157,12 @@ class Tensor:
         return self._stride
 
     @property
+    def own_stride(self) -> tuple[int, ...]:
+        """The tensor's own strides: inferred or set, never the view strides a build lent it
+        (what serialization and copies of the graph carry)."""
+        return self._stride if self._inferred_stride is None else self._inferred_stride
+
+    @property
     def is_virtual(self) -> bool:
         """True for op outputs the user did not mark as outputs: they live inside kernels."""
         return self.producer is not None and not self._is_output

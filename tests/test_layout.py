@@ -162,3 +162,20 @@ def test_layout_ops_run_and_match_after_json_round_trip():
     out = run(again, {again.tensor_by_name("x"): inputs["x"]})
     (value,) = out.values()
     assert torch.equal(value, torch.cat([inputs["x"][:, :2], inputs["x"]], 1))
+
+
+def test_json_after_a_build_carries_own_strides_not_view_strides():
+    """A build lends virtual tensors view strides; the JSON (and so a round trip) keeps each
+    tensor's own layout: relu.y written straight into a transposed output stays row-major."""
+    inputs = {"x": _randn(4, 6)}
+    g, t = _graph(inputs)
+    relu = g.relu(t["x"])
+    g.transpose(relu, [1, 0]).set_output(True)
+    before = g.to_json()
+    g.build()
+    assert relu.stride == (1, 4)  # the view this build made of it
+    assert g.to_json() == before
+    again = dg.Graph.from_json(g.to_json())
+    assert again.tensor_by_name(relu.name).set_output(True).stride == (6, 1)
+    again.build()
+    check(again, {again.tensor_by_name("x"): inputs["x"]})
