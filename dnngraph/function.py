@@ -86,13 +86,8 @@ class GraphFunction:
     def _plain_graph(self):
         with self._lock:
             if self._plain is None:
-                plain, mapped = replay(self.graph, self.graph.name + ".function")
-                for tensor in plain.outputs():
-                    tensor.set_output(False)
-                outputs = [mapped[t.uid].set_output(True) for t in self.outputs]
-                for original, twin in zip(self.outputs, outputs):
-                    if tuple(twin.stride) != tuple(original.stride):
-                        twin.set_stride(original.stride)
+                plain, mapped = replay(self.graph, self.graph.name + ".function", outputs=self.outputs)
+                outputs = [mapped[t.uid] for t in self.outputs]
                 plain.build()
                 self._plain = (plain, [mapped[t.uid] for t in self.inputs], outputs)
             return self._plain

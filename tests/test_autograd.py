@@ -209,6 +209,25 @@ def test_no_grad_call_runs_the_plain_graph_and_returns_a_tuple_for_several_outpu
     assert not fn._derivations
 
 
+def test_outputs_a_subset_of_the_graph_outputs_or_a_virtual_tensor():
+    """as_function(outputs=...) returns those only: the graph's other outputs (and the ops only
+    they need) are neither allocated nor bound, with or without autograd."""
+    inputs = {"x": _randn(3, 4), "z": _randn(3, 4)}
+    g, t = _graph(inputs)
+    a = g.exp(t["x"]).set_output(True)
+    g.sin(a).set_output(True)
+    g.mul(t["z"], 2.0).set_output(True)
+    fn = check_function(g, inputs, outputs=[a])
+    assert torch.allclose(fn(inputs["x"], inputs["z"]), inputs["x"].exp())
+    virtual = g.relu(g.neg(t["x"]))
+    g.cos(virtual).set_output(True)
+    fn = g.as_function(inputs=["x", "z"], outputs=[virtual])
+    x = inputs["x"].clone().requires_grad_()
+    fn(x, inputs["z"]).sum().backward()
+    assert torch.equal(fn(inputs["x"], inputs["z"]), inputs["x"].neg().relu())
+    assert torch.equal(x.grad, -(inputs["x"] < 0).float())
+
+
 def test_an_input_with_other_strides_is_taken_and_the_graph_is_untouched():
     inputs = {"x": _randn(4, 6)}
     g, t = _graph(inputs)
