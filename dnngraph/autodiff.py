@@ -117,8 +117,8 @@ class _Deriver:
                 if original is not None:
                     self.values[original.uid] = twin
             return self.values[tensor.uid]
-        else:
-            tensor.set_output(True)  # the forward keeps it
+        else:  # the forward keeps it, in the type it has inside (an output would take the io type)
+            tensor.set_data_type(tensor.data_type).set_output(True)
             twin = self.graph.tensor(name=f"saved.{tensor.name}", dim=list(tensor.dim), stride=list(tensor.stride),
                                      data_type=tensor.data_type)
             self.saved.append(tensor)

@@ -228,6 +228,24 @@ def test_outputs_a_subset_of_the_graph_outputs_or_a_virtual_tensor():
     assert torch.equal(x.grad, -(inputs["x"] < 0).float())
 
 
+def test_saved_values_keep_their_intermediate_type():
+    """A value the backward reads is kept as an output of the forward graph in the type it had
+    (float32 between bf16 ops), so the forward's results equal the plain graph's and the backward
+    reads the unrounded value."""
+    inputs = {"a": _randn(8, 16).bfloat16(), "b": _randn(16, 8).bfloat16()}
+    g = dg.Graph(name="fn", io_data_type=dg.bfloat16, intermediate_data_type=dg.float32)
+    t = {name: g.tensor_like(value, name) for name, value in inputs.items()}
+    scores = g.matmul(t["a"], t["b"])
+    g.softmax(scores, 1).set_output(True)
+    g.tanh(scores).set_output(True)  # its backward reads tanh's input: the matmul is saved
+    fn = g.as_function()
+    plain = fn(inputs["a"], inputs["b"])
+    recorded = fn(inputs["a"].clone().requires_grad_(), inputs["b"])
+    assert all(torch.equal(p, r) for p, r in zip(plain, recorded))
+    (derivation, _), = fn._derivations.values()
+    assert [t.data_type for t in derivation.saved if t.name == scores.name] == [dg.float32]
+
+
 def test_an_input_with_other_strides_is_taken_and_the_graph_is_untouched():
     inputs = {"x": _randn(4, 6)}
     g, t = _graph(inputs)
