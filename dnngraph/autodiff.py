@@ -21,6 +21,7 @@ from . import ops  # noqa: F401  (registers every op and its backward rule)
 from .errors import UnsupportedError
 from .graph import Graph
 from .ops.base import BACKWARD_RULES
+from .tensor import overlaps
 
 RECOMPUTED_ROLES = frozenset({"pointwise"})
 RECOMPUTED_FAMILIES = frozenset({"layout"})
@@ -207,8 +208,8 @@ class _Deriver:
                 continue
             grad = self.graph.cast(self._total(grads[twin.uid]), tensor.data_type)
             grad.set_output(True).set_data_type(tensor.data_type)
-            if tuple(grad.stride) != tuple(tensor.stride):
-                grad.set_stride(tensor.stride)
+            if tuple(grad.stride) != tuple(tensor.stride) and not overlaps(tensor.dim, tensor.stride):
+                grad.set_stride(tensor.stride)  # (an expanded input's gradient is dense)
             results.append(grad)
         _prune(self.graph)
         return Derivation(forward, self.graph, twins, self.saved, self.forward_inputs, grad_inputs,

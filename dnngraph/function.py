@@ -15,6 +15,7 @@ import torch
 
 from .autodiff import derive, replay
 from .errors import ExecutionError, ValidationError
+from .tensor import overlaps
 
 
 def _conformed(tensor, arg: torch.Tensor, what: str) -> torch.Tensor:
@@ -27,6 +28,9 @@ def _conformed(tensor, arg: torch.Tensor, what: str) -> torch.Tensor:
         raise ExecutionError(f"{what}: expects {tensor.data_type.torch_dtype}, got {arg.dtype}")
     strides = arg.stride()
     if any(size > 1 and strides[a] != tensor.stride[a] for a, size in enumerate(tensor.dim)):
+        if overlaps(tensor.dim, tensor.stride):
+            raise ExecutionError(f"{what}: declared with overlapping strides {list(tensor.stride)} (an expanded "
+                                 f"tensor), got strides {list(strides)}: pass a tensor expanded the same way")
         arg = torch.empty_strided(tensor.dim, tensor.stride, dtype=arg.dtype, device=arg.device).copy_(arg)
     return arg.detach()
 

@@ -246,6 +246,24 @@ def test_saved_values_keep_their_intermediate_type():
     assert [t.data_type for t in derivation.saved if t.name == scores.name] == [dg.float32]
 
 
+def test_an_expanded_input_takes_a_dense_gradient():
+    """An input declared with a stride-0 axis (tensor_like of an expanded tensor) gets a gradient
+    of its logical dims, densely laid out (torch sums it back through its expand); an argument
+    that is not expanded the same way cannot be conformed to it and is refused."""
+    bias = _randn(1, 5)
+    inputs = {"x": _randn(4, 5), "b": bias.expand(4, 5)}
+    g, t = _graph(inputs)
+    g.mul(t["x"], t["b"]).set_output(True)
+    fn = g.as_function()
+    leaf = bias.clone().requires_grad_()
+    x = inputs["x"].clone().requires_grad_()
+    fn(x, leaf.expand(4, 5)).sum().backward()
+    assert torch.allclose(leaf.grad, inputs["x"].sum(0, keepdim=True), atol=1e-5)
+    assert torch.allclose(x.grad, bias.expand(4, 5))
+    with pytest.raises(dg.ExecutionError, match="expanded"):
+        fn(inputs["x"], _randn(4, 5))
+
+
 def test_an_input_with_other_strides_is_taken_and_the_graph_is_untouched():
     inputs = {"x": _randn(4, 6)}
     g, t = _graph(inputs)
