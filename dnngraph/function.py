@@ -167,4 +167,28 @@ class _Autograd(torch.autograd.Function):
                 grads.append(torch.zeros(tensor.dim, dtype=tensor.data_type.torch_dtype, device=device))
             else:
                 grads.append(results[grad.uid])
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must not pass for constants
+            grads = _not_twice(grads)
         return (None, None, *grads)
+
+
+class _NotTwice(torch.autograd.Function):
+    """Gradients handed out under create_graph=True. The backward graph has no backward of its
+    own: differentiating them raises (as torch's once_differentiable does), where gradients
+    without a history would silently drop the second-order term (a gradient penalty)."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("as_function: trying to differentiate twice; the gradients of a graph "
+                           "function are not differentiable (no double backward)")
+
+
+def _not_twice(grads: list) -> list:
+    """`grads` (None where an input wants none) through _NotTwice."""
+    tensors = [g for g in grads if g is not None]
+    attached = iter(_NotTwice.apply(*[g.detach().requires_grad_() for g in tensors]))
+    return [None if g is None else next(attached) for g in grads]

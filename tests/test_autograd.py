@@ -264,6 +264,21 @@ def test_an_expanded_input_takes_a_dense_gradient():
         fn(inputs["x"], _randn(4, 5))
 
 
+def test_double_backward_raises_instead_of_dropping_the_second_order_term():
+    """A gradient penalty through as_function needs the backward differentiated, which it is not:
+    torch raises rather than treating the first gradient as a constant."""
+    inputs = {"x": _randn(3, 4)}
+    g, t = _graph(inputs)
+    g.exp(t["x"]).set_output(True)
+    fn = g.as_function()
+    x = inputs["x"].clone().requires_grad_()
+    y = fn(x)
+    (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert torch.allclose(dx, inputs["x"].exp())
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (y.sum() + (dx ** 2).sum()).backward()
+
+
 def test_an_input_with_other_strides_is_taken_and_the_graph_is_untouched():
     inputs = {"x": _randn(4, 6)}
     g, t = _graph(inputs)
