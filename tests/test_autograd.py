@@ -87,6 +87,19 @@ def test_binary_ops_broadcast_and_constants(op):
     check_function(g, inputs)
 
 
+def test_pow_at_a_zero_base_or_exponent_follows_torch():
+    """d(a^b)/db is 0 where a is 0 and b >= 0 (not 0 * log 0 = NaN), d(a^b)/da is 0 where b is 0;
+    constant bases 0 and 2 included."""
+    inputs = {"x": _randn(4, 5), "p": _randn(1, 5, positive=True), "q": _randn(4, 5)}
+    inputs["q"][1, :3] = 0.0
+    g, t = _graph(inputs)
+    base = g.relu(t["x"])  # exact zeros
+    g.add(g.pow(base, t["p"]), g.pow(g.exp(t["x"]), t["q"])).set_output(True)
+    g.add(g.pow(0.0, t["p"]), g.pow(2.0, t["q"])).set_output(True)
+    g.pow(t["x"], 0.0).set_output(True)
+    check_function(g, inputs)
+
+
 def test_where_and_a_value_read_twice():
     inputs = {"x": _randn(6, 3), "y": _randn(6, 3)}
     g, t = _graph(inputs)
