@@ -241,7 +241,7 @@ class Graph:
             stride = spec.stride or self._inferred_strides(spec, checked)
             tensor = Tensor(self, next(self._uids), tensor_name, tuple(spec.dim), stride, None,
                             producer=node, fixed_data_type=spec.data_type,
-                            type_source=None if spec.type_source is None else checked[spec.type_source])
+                            type_source=tuple(checked[i] for i in spec.type_source or ()))
             outputs.append(tensor)
         node.outputs = tuple(outputs)
         for tensor in node.output_tensors():  # commit only once everything succeeded

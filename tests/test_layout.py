@@ -179,3 +179,22 @@ def test_json_after_a_build_carries_own_strides_not_view_strides():
     assert again.tensor_by_name(relu.name).set_output(True).stride == (6, 1)
     again.build()
     check(again, {again.tensor_by_name("x"): inputs["x"]})
+
+
+def test_a_concatenate_of_parts_of_different_types_keeps_every_value():
+    """Views keep their values' type, a concatenate too when its parts agree on one; parts of
+    several types (a bool mask beside floats, fp16 beside float32) meet in the intermediate type
+    instead of the first part's (which turned the floats into True)."""
+    x = _randn(3, 4) * 3
+    g, t = _graph({"x": x}, io=dg.float16)
+    half = g.cast(t["x"], dg.float16)
+    mixed = g.concatenate([g.cmp_gt(t["x"], 0.0), t["x"]], 0)
+    floats = g.concatenate([half, g.exp(t["x"])], 1)
+    same = g.concatenate([g.cmp_gt(t["x"], 0.0), g.cmp_lt(t["x"], 0.0)], 0)
+    assert (mixed.data_type, floats.data_type, same.data_type) == (dg.float32, dg.float32, dg.bool)
+    a = g.mul(mixed, 1.0).set_output(True).set_data_type(dg.float32)
+    g.mul(floats, 1.0).set_output(True)
+    g.logical_not(same).set_output(True)
+    g.build()
+    out = check(g, {t["x"]: x}, torch.float16)
+    assert torch.equal(out[a.name][3:], x)
