@@ -257,7 +257,7 @@ class Graph:
         """The stride order of the layout source (same rank), densely packed; else row-major."""
         source = inputs[spec.layout_source] if spec.layout_source is not None else None
         if source is not None and len(source.dim) == len(spec.dim):
-            return dense_strides(spec.dim, stride_order(source.dim, source.stride))
+            return dense_strides(spec.dim, stride_order(source.dim, source.own_stride))  # not a view's
         return contiguous_strides(spec.dim)
 
     # --- ops: matmul, conv ---------------------------------------------------------------------

@@ -198,3 +198,20 @@ def test_a_concatenate_of_parts_of_different_types_keeps_every_value():
     g.build()
     out = check(g, {t["x"]: x}, torch.float16)
     assert torch.equal(out[a.name][3:], x)
+
+
+def test_an_op_added_after_a_build_infers_its_layout_from_own_strides():
+    """An output's layout follows its input's own strides, not the view strides the last build
+    lent it: the same graph gives the same layouts whether or not it was built in between."""
+    inputs = {"x": _randn(4, 6)}
+    strides = []
+    for build_between in (False, True):
+        g, t = _graph(inputs)
+        seen = g.transpose(g.relu(t["x"]), [1, 0])  # relu writes into the transposed output
+        g.mul(seen, 2.0).set_output(True)
+        if build_between:
+            g.build()
+        strides.append(g.exp(seen).set_output(True).stride)
+        g.build()
+        check(g, {t["x"]: inputs["x"]})
+    assert strides == [(4, 1), (4, 1)]
