@@ -117,6 +117,18 @@ def test_reductions(mode):
     check_function(g, inputs)
 
 
+@pytest.mark.parametrize("mode", ["max", "min", "amax"])
+def test_extremes_of_an_fp16_graph_find_their_element(mode):
+    """The forward's max is stored in fp16 while x (exp of the input, or a saved sum) is compared
+    at float32 in the backward: dy must still reach the element that wins (it reached none)."""
+    inputs = {"x": _randn(3, 6).half(), "w": _randn(3, 6).half()}
+    g = dg.Graph(name="fn", io_data_type=dg.float16, intermediate_data_type=dg.float32)
+    t = {name: g.tensor_like(value, name) for name, value in inputs.items()}
+    g.reduction(g.exp(t["x"]), mode, [1]).set_output(True)
+    g.reduction(g.reduction(t["w"], "sum", [1]), mode, [0]).set_output(True)
+    check_function(g, inputs, tolerance=2e-3)
+
+
 @pytest.mark.parametrize("log", [False, True])
 def test_softmax(log):
     inputs = {"x": _randn(4, 9)}
