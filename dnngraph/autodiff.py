@@ -21,6 +21,7 @@ from . import ops  # noqa: F401  (registers every op and its backward rule)
 from .errors import UnsupportedError
 from .graph import Graph
 from .ops.base import BACKWARD_RULES
+from .tensor import overlaps
 
 RECOMPUTED_ROLES = frozenset({"pointwise"})
 RECOMPUTED_FAMILIES = frozenset({"layout"})
@@ -37,11 +38,14 @@ def _training_attrs(node):
     return node.attrs
 
 
-def replay(graph: Graph, name: str, attrs_of=lambda node: node.attrs) -> tuple[Graph, dict]:
+def replay(graph: Graph, name: str, attrs_of=lambda node: node.attrs, outputs=None) -> tuple[Graph, dict]:
     """A copy of `graph` (names, types, strides, outputs) with each node's attributes from
-    `attrs_of`; returns (copy, original uid -> copied tensor)."""
+    `attrs_of`; returns (copy, original uid -> copied tensor). `outputs` (original tensors, or
+    None: the graph's) are the copy's outputs, in their own layouts; ops that feed none of them
+    are left out."""
     copy = Graph(name=name, io_data_type=graph.io_data_type, intermediate_data_type=graph.intermediate_data_type,
                  compute_data_type=graph.compute_data_type, allow_tf32=graph.allow_tf32)
+    kept = None if outputs is None else {t.uid for t in outputs}
     mapped = {}
     for tensor in graph.inputs():
         mapped[tensor.uid] = copy.tensor(name=tensor.name, dim=list(tensor.dim), stride=list(tensor.stride),
@@ -57,10 +61,12 @@ def replay(graph: Graph, name: str, attrs_of=lambda node: node.attrs) -> tuple[G
                 twin.set_name(original.name)
             if original._data_type is not None:
                 twin.set_data_type(original._data_type)
-            if original.is_output:
+            if original.is_output if kept is None else original.uid in kept:
                 twin.set_output(True)
-                if tuple(twin.stride) != tuple(original.stride):
-                    twin.set_stride(original.stride)
+                if tuple(twin.stride) != tuple(original.own_stride):
+                    twin.set_stride(original.own_stride)
+    if kept is not None:
+        _prune(copy)
     return copy, mapped
 
 
@@ -82,7 +88,7 @@ class Derivation:
 class _Deriver:
     def __init__(self, graph: Graph, inputs, outputs, wanted):
         self.source = graph
-        self.forward, self.mapped = replay(graph, graph.name + ".forward", _training_attrs)
+        self.forward, self.mapped = replay(graph, graph.name + ".forward", _training_attrs, list(outputs))
         self.graph = Graph(name=graph.name + ".backward", io_data_type=graph.io_data_type,
                            intermediate_data_type=graph.intermediate_data_type,
                            compute_data_type=graph.compute_data_type, allow_tf32=graph.allow_tf32)
@@ -112,8 +118,8 @@ class _Deriver:
                 if original is not None:
                     self.values[original.uid] = twin
             return self.values[tensor.uid]
-        else:
-            tensor.set_output(True)  # the forward keeps it
+        else:  # the forward keeps it, in the type it has inside (an output would take the io type)
+            tensor.set_data_type(tensor.data_type).set_output(True)
             twin = self.graph.tensor(name=f"saved.{tensor.name}", dim=list(tensor.dim), stride=list(tensor.stride),
                                      data_type=tensor.data_type)
             self.saved.append(tensor)
@@ -202,8 +208,8 @@ class _Deriver:
                 continue
             grad = self.graph.cast(self._total(grads[twin.uid]), tensor.data_type)
             grad.set_output(True).set_data_type(tensor.data_type)
-            if tuple(grad.stride) != tuple(tensor.stride):
-                grad.set_stride(tensor.stride)
+            if tuple(grad.stride) != tuple(tensor.stride) and not overlaps(tensor.dim, tensor.stride):
+                grad.set_stride(tensor.stride)  # (an expanded input's gradient is dense)
             results.append(grad)
         _prune(self.graph)
         return Derivation(forward, self.graph, twins, self.saved, self.forward_inputs, grad_inputs,

@@ -16,6 +16,7 @@ import torch
 
 from .autodiff import derive, replay
 from .errors import ExecutionError, ValidationError
+from .tensor import overlaps
 
 
 def _conformed(tensor, arg: torch.Tensor, what: str) -> torch.Tensor:
@@ -28,6 +29,9 @@ def _conformed(tensor, arg: torch.Tensor, what: str) -> torch.Tensor:
         raise ExecutionError(f"{what}: expects {tensor.data_type.torch_dtype}, got {arg.dtype}")
     strides = arg.stride()
     if any(size > 1 and strides[a] != tensor.stride[a] for a, size in enumerate(tensor.dim)):
+        if overlaps(tensor.dim, tensor.stride):
+            raise ExecutionError(f"{what}: declared with overlapping strides {list(tensor.stride)} (an expanded "
+                                 f"tensor), got strides {list(strides)}: pass a tensor expanded the same way")
         arg = torch.empty_strided(tensor.dim, tensor.stride, dtype=arg.dtype, device=arg.device).copy_(arg)
     return arg.detach()
 
@@ -103,13 +107,8 @@ class GraphFunction:
     def _plain_graph(self, build: bool = True):
         with self._lock:
             if self._plain is None:
-                plain, mapped = replay(self.graph, self.graph.name + ".function")
-                for tensor in plain.outputs():
-                    tensor.set_output(False)
-                outputs = [mapped[t.uid].set_output(True) for t in self.outputs]
-                for original, twin in zip(self.outputs, outputs):
-                    if original.is_output and tuple(twin.stride) != tuple(original.stride):
-                        twin.set_stride(original.stride)
+                plain, mapped = replay(self.graph, self.graph.name + ".function", outputs=self.outputs)
+                outputs = [mapped[t.uid] for t in self.outputs]
                 self._plain = (plain, [mapped[t.uid] for t in self.inputs], outputs)
             if build and self._plain[0].plan is None:
                 self._plain[0].build()
@@ -229,7 +228,32 @@ def _custom_ops(fn: GraphFunction):
         grads = [g if g is not None else torch.zeros(t.dim, dtype=t.data_type.torch_dtype, device=stored[0].device)
                  for g, t in zip(grads[:count], outputs)]
         computed = iter(backward(list(stored[:ctx.reads]), list(stored[ctx.reads:]), grads, ctx.wanted))
-        return [next(computed) if want else None for want in ctx.wanted], None
+        result = [next(computed) if want else None for want in ctx.wanted]
+        if torch.is_grad_enabled():  # create_graph=True: the gradients must not pass for constants
+            result = _not_twice(result)
+        return result, None
 
     forward.register_autograd(gradient, setup_context=setup_context)
     return plain, forward
+
+
+class _NotTwice(torch.autograd.Function):
+    """Gradients handed out under create_graph=True. The backward graph has no backward of its
+    own: differentiating them raises (as torch's once_differentiable does), where gradients
+    without a history would silently drop the second-order term (a gradient penalty)."""
+
+    @staticmethod
+    def forward(ctx, *grads):
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError("as_function: trying to differentiate twice; the gradients of a graph "
+                           "function are not differentiable (no double backward)")
+
+
+def _not_twice(grads: list) -> list:
+    """`grads` (None where an input wants none) through _NotTwice."""
+    tensors = [g for g in grads if g is not None]
+    attached = iter(_NotTwice.apply(*[g.detach().requires_grad_() for g in tensors]))
+    return [None if g is None else next(attached) for g in grads]

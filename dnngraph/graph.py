@@ -241,7 +241,7 @@ class Graph:
             stride = spec.stride or self._inferred_strides(spec, checked)
             tensor = Tensor(self, next(self._uids), tensor_name, tuple(spec.dim), stride, None,
                             producer=node, fixed_data_type=spec.data_type,
-                            type_source=None if spec.type_source is None else checked[spec.type_source])
+                            type_source=tuple(checked[i] for i in spec.type_source or ()))
             outputs.append(tensor)
         node.outputs = tuple(outputs)
         for tensor in node.output_tensors():  # commit only once everything succeeded
@@ -257,7 +257,7 @@ class Graph:
         """The stride order of the layout source (same rank), densely packed; else row-major."""
         source = inputs[spec.layout_source] if spec.layout_source is not None else None
         if source is not None and len(source.dim) == len(spec.dim):
-            return dense_strides(spec.dim, stride_order(source.dim, source.stride))
+            return dense_strides(spec.dim, stride_order(source.dim, source.own_stride))  # not a view's
         return contiguous_strides(spec.dim)
 
     # --- ops: matmul, conv ---------------------------------------------------------------------
@@ -491,8 +491,18 @@ class Graph:
         if workspace_limit is not None:
             workspace_limit = integer("build", "workspace_limit", workspace_limit, minimum=0)
         self.validate()
-        self._plan = build_plan(self, autotune=autotune, workspace_limit=workspace_limit)
+        try:
+            self._plan = build_plan(self, autotune=autotune, workspace_limit=workspace_limit)
+        except BaseException:
+            self._restore_strides()  # a failed build leaves the tensors as they were
+            raise
         return self
+
+    def _restore_strides(self):
+        """Undo the view strides a partition lent virtual tensors (explain and to_dot of an
+        unbuilt graph, a failed build)."""
+        for tensor in self._tensors.values():
+            tensor.restore_strides()
 
     def execute(self, bindings: dict, workspace=None) -> None:
         """Run the built plan; bindings map Tensors or names to torch tensors, outputs in place.
@@ -521,7 +531,10 @@ class Graph:
         if self._plan is not None:
             return render_dot(self, self._plan.groups)
         self.validate()
-        return render_dot(self, partition(self, frozenset(KERNEL_BUILDERS)))
+        try:
+            return render_dot(self, partition(self, frozenset(KERNEL_BUILDERS)))
+        finally:
+            self._restore_strides()
 
     def explain(self) -> str:
         """Groups, kernels, configs with their reasons, and generated source paths."""
@@ -530,8 +543,11 @@ class Graph:
             from .plan import KERNEL_BUILDERS
 
             self.validate()
-            groups = partition(self, frozenset(KERNEL_BUILDERS))
-            return "not built; fusion groups:\n" + "\n".join(g.describe() for g in groups)
+            try:
+                groups = partition(self, frozenset(KERNEL_BUILDERS))
+                return "not built; fusion groups:\n" + "\n".join(g.describe() for g in groups)
+            finally:
+                self._restore_strides()
         return self._plan.explain()
 
     def reference(self, bindings: dict, dtype=torch.float64, all_tensors: bool = False) -> dict:

@@ -33,7 +33,7 @@ def graph_to_json(graph) -> str:
     tensors = []
     for tensor in graph.tensors:
         tensors.append({
-            "uid": tensor.uid, "name": tensor.name, "dim": list(tensor.dim), "stride": list(tensor.stride),
+            "uid": tensor.uid, "name": tensor.name, "dim": list(tensor.dim), "stride": list(tensor.own_stride),
             "data_type": tensor._data_type.name if tensor._data_type is not None else None,
             "is_output": tensor.is_output,
         })

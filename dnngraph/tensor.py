@@ -134,7 +134,7 @@ class Tensor:
         self._stride = stride
         self._data_type = data_type  # set explicitly (inputs, set_data_type)
         self._fixed_data_type = fixed_data_type  # imposed by the op (comparisons, casts)
-        self._type_source = type_source  # a virtual view keeps the type of the tensor it views
+        self._type_source = type_source or ()  # a virtual view keeps the type of what it views
         self._inferred_stride = None  # a build made this virtual tensor a view: its own strides
         self.producer = producer
         self._is_output = False
@@ -157,6 +157,12 @@ class Tensor:
         return self._stride
 
     @property
+    def own_stride(self) -> tuple[int, ...]:
+        """The tensor's own strides: inferred or set, never the view strides a build lent it
+        (what serialization and copies of the graph carry)."""
+        return self._stride if self._inferred_stride is None else self._inferred_stride
+
+    @property
     def is_virtual(self) -> bool:
         """True for op outputs the user did not mark as outputs: they live inside kernels."""
         return self.producer is not None and not self._is_output
@@ -177,7 +183,8 @@ class Tensor:
             return self._data_type
         if self._fixed_data_type is not None:
             return self._fixed_data_type
-        source = self._type_source.data_type if self._type_source is not None else None
+        types = {t.data_type for t in self._type_source}
+        source = types.pop() if len(types) == 1 else None  # parts of several types: as any op's
         if source is not None and not (self._is_output and source.is_floating):
             return source  # a view keeps its values' type (an output of floats takes the io type)
         if self._is_output or self.producer is None:

@@ -162,3 +162,73 @@ def test_layout_ops_run_and_match_after_json_round_trip():
     out = run(again, {again.tensor_by_name("x"): inputs["x"]})
     (value,) = out.values()
     assert torch.equal(value, torch.cat([inputs["x"][:, :2], inputs["x"]], 1))
+
+
+def test_json_after_a_build_carries_own_strides_not_view_strides():
+    """A build lends virtual tensors view strides; the JSON (and so a round trip) keeps each
+    tensor's own layout: relu.y written straight into a transposed output stays row-major."""
+    inputs = {"x": _randn(4, 6)}
+    g, t = _graph(inputs)
+    relu = g.relu(t["x"])
+    g.transpose(relu, [1, 0]).set_output(True)
+    before = g.to_json()
+    g.build()
+    assert relu.stride == (1, 4)  # the view this build made of it
+    assert g.to_json() == before
+    again = dg.Graph.from_json(g.to_json())
+    assert again.tensor_by_name(relu.name).set_output(True).stride == (6, 1)
+    again.build()
+    check(again, {again.tensor_by_name("x"): inputs["x"]})
+
+
+def test_a_concatenate_of_parts_of_different_types_keeps_every_value():
+    """Views keep their values' type, a concatenate too when its parts agree on one; parts of
+    several types (a bool mask beside floats, fp16 beside float32) meet in the intermediate type
+    instead of the first part's (which turned the floats into True)."""
+    x = _randn(3, 4) * 3
+    g, t = _graph({"x": x}, io=dg.float16)
+    half = g.cast(t["x"], dg.float16)
+    mixed = g.concatenate([g.cmp_gt(t["x"], 0.0), t["x"]], 0)
+    floats = g.concatenate([half, g.exp(t["x"])], 1)
+    same = g.concatenate([g.cmp_gt(t["x"], 0.0), g.cmp_lt(t["x"], 0.0)], 0)
+    assert (mixed.data_type, floats.data_type, same.data_type) == (dg.float32, dg.float32, dg.bool)
+    a = g.mul(mixed, 1.0).set_output(True).set_data_type(dg.float32)
+    g.mul(floats, 1.0).set_output(True)
+    g.logical_not(same).set_output(True)
+    g.build()
+    out = check(g, {t["x"]: x}, torch.float16)
+    assert torch.equal(out[a.name][3:], x)
+
+
+def test_an_op_added_after_a_build_infers_its_layout_from_own_strides():
+    """An output's layout follows its input's own strides, not the view strides the last build
+    lent it: the same graph gives the same layouts whether or not it was built in between."""
+    inputs = {"x": _randn(4, 6)}
+    strides = []
+    for build_between in (False, True):
+        g, t = _graph(inputs)
+        seen = g.transpose(g.relu(t["x"]), [1, 0])  # relu writes into the transposed output
+        g.mul(seen, 2.0).set_output(True)
+        if build_between:
+            g.build()
+        strides.append(g.exp(seen).set_output(True).stride)
+        g.build()
+        check(g, {t["x"]: inputs["x"]})
+    assert strides == [(4, 1), (4, 1)]
+
+
+def test_explain_to_dot_and_a_failed_build_leave_strides_alone(monkeypatch):
+    from dnngraph.plan import KERNEL_BUILDERS
+
+    inputs = {"x": _randn(4, 6)}
+    g, t = _graph(inputs)
+    y = g.transpose(g.relu(t["x"]), [1, 0])
+    g.exp(y).set_output(True)
+    before = {tensor.name: tensor.stride for tensor in g.tensors}
+    g.explain()
+    g.to_dot()
+    assert {tensor.name: tensor.stride for tensor in g.tensors} == before
+    monkeypatch.delitem(KERNEL_BUILDERS, "pointwise")  # the build fails after the partition
+    with pytest.raises(dg.UnsupportedError):
+        g.build()
+    assert {tensor.name: tensor.stride for tensor in g.tensors} == before

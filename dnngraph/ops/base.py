@@ -22,7 +22,9 @@ class OutputSpec:
     data_type: Any = None  # a DataType the op imposes (bool for comparisons), or None
     stride: Optional[tuple[int, ...]] = None  # a layout the op imposes (matmul), or None
     layout_source: Optional[int] = None  # index of the input whose stride order to follow
-    type_source: Optional[int] = None  # index of the input whose type a virtual output keeps (views)
+    # indices of the inputs whose type a virtual output keeps (views; a concatenate's parts) while
+    # they agree on one
+    type_source: Optional[tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)

@@ -331,15 +331,24 @@ def _binary_rule(derivatives):
 
 
 def _power_exponent_grad(g, dy, a, b, y):
-    base = a()
-    log_a = math.log(base) if isinstance(base, (int, float)) else g.log(base)
-    return g.mul(g.mul(dy, y()), log_a)
+    """dy a^b log(a), 0 where a is 0 and b >= 0 (as torch: a^b is flat there, not 0 * -inf)."""
+    base, exponent = a(), b()
+    if isinstance(base, (int, float)):
+        if base > 0:
+            return g.mul(g.mul(dy, y()), math.log(base))
+        if base < 0:
+            return g.mul(g.mul(dy, y()), math.nan)
+        return g.where(g.cmp_ge(exponent, 0.0), 0.0, g.mul(g.mul(dy, y()), -math.inf))
+    flat = g.logical_and(g.cmp_eq(base, 0.0), g.cmp_ge(exponent, 0.0))
+    return g.where(flat, 0.0, g.mul(g.mul(dy, y()), g.log(base)))
 
 
 def _power_base_grad(g, dy, a, b, y):
+    """dy b a^(b - 1), 0 where b is 0 (as torch: a^0 is 1 everywhere, 0^-1 included)."""
     exponent = b()
-    lower = exponent - 1 if isinstance(exponent, (int, float)) else g.sub(exponent, 1.0)
-    return g.mul(dy, g.mul(exponent, g.pow(a(), lower)))
+    if isinstance(exponent, (int, float)):
+        return None if exponent == 0 else g.mul(dy, g.mul(exponent, g.pow(a(), exponent - 1)))
+    return g.where(g.cmp_eq(exponent, 0.0), 0.0, g.mul(dy, g.mul(exponent, g.pow(a(), g.sub(exponent, 1.0)))))
 
 
 def _extreme_grad(g, dy, mine, other, wins):

@@ -61,21 +61,28 @@ register(OpDef("reduction", "reduction", "anchor", ReductionAttrs, ("x",), ("y",
 @backward_rule("reduction")
 def _reduction_backward(d, node, grads):
     """dx of each mode; dy (reduced axes of size 1) broadcasts back over x. Ties of max, min and
-    amax share dy evenly; prod divides by x (0 in x gives NaN there); norm2 of zeros is 0."""
+    amax share dy evenly; prod divides by x (0 in x gives NaN there); norm2 of zeros is 0. x and
+    y are read only by the modes that use them (reading one keeps it in the forward)."""
     g, dy, mode, axes = d.graph, grads[0], node.attrs.mode, list(node.attrs.axes)
-    x, y = d.value(node.inputs[0]), d.value(node.outputs[0])
+    x, y = (lambda: d.value(node.inputs[0])), (lambda: d.value(node.outputs[0]))
     if mode == "sum":
         return [dy]
     if mode == "mean":
         return [g.div(dy, float(math.prod(node.inputs[0].dim[a] for a in axes)))]
     if mode in ("max", "min", "amax"):
-        seen = g.abs(x) if mode == "amax" else x
-        hit = g.cmp_eq(seen, y)
+        value = x()
+        seen = g.abs(value) if mode == "amax" else value
+        # the extreme found again from the values compared: the forward's y may be stored in a
+        # narrower type (an fp16 output), which no element of x equals
+        extreme = g.reduction(seen, "min" if mode == "min" else "max", axes)
+        hit = g.cmp_eq(seen, extreme)
         ties = g.reduction(g.cast(hit, "float32"), "sum", axes)
         share = g.where(hit, g.div(dy, ties), 0.0)
-        return [g.where(g.cmp_lt(x, 0.0), g.neg(share), share) if mode == "amax" else share]
+        return [g.where(g.cmp_lt(value, 0.0), g.neg(share), share) if mode == "amax" else share]
     if mode == "prod":
-        return [g.div(g.mul(dy, y), x)]
+        return [g.div(g.mul(dy, y()), x())]
     if mode == "norm1":
-        return [g.where(g.cmp_gt(x, 0.0), dy, g.where(g.cmp_lt(x, 0.0), g.neg(dy), 0.0))]
-    return [g.where(g.cmp_eq(y, 0.0), 0.0, g.div(g.mul(dy, x), y))]  # norm2
+        value = x()
+        return [g.where(g.cmp_gt(value, 0.0), dy, g.where(g.cmp_lt(value, 0.0), g.neg(dy), 0.0))]
+    norm = y()
+    return [g.where(g.cmp_eq(norm, 0.0), 0.0, g.div(g.mul(dy, x()), norm))]  # norm2

@@ -60,14 +60,14 @@ def infer_reshape(inputs, attrs):
     dim = int_tuple("reshape", "dim", attrs.dim, minimum=1)
     if _numel(dim) != _numel(x.dim):
         fail("reshape", f"cannot reshape {x.name!r} {list(x.dim)} ({_numel(x.dim)} elements) to {list(dim)}")
-    return [OutputSpec(dim, type_source=0)]
+    return [OutputSpec(dim, type_source=(0,))]
 
 
 def infer_transpose(inputs, attrs):
     (x,) = inputs
     if sorted(attrs.permutation) != list(range(len(x.dim))):
         fail("transpose", f"permutation {list(attrs.permutation)} is not a permutation of {len(x.dim)} axes")
-    return [OutputSpec(tuple(x.dim[a] for a in attrs.permutation), type_source=0)]
+    return [OutputSpec(tuple(x.dim[a] for a in attrs.permutation), type_source=(0,))]
 
 
 def infer_slice(inputs, attrs):
@@ -79,7 +79,7 @@ def infer_slice(inputs, attrs):
         if step < 1 or not 0 <= start < stop <= size:
             fail("slice", f"axis {axis}: slice {start}:{stop}:{step} is empty or outside 0..{size}")
         dim.append(len(range(start, stop, step)))
-    return [OutputSpec(tuple(dim), layout_source=0, type_source=0)]
+    return [OutputSpec(tuple(dim), layout_source=0, type_source=(0,))]
 
 
 def infer_concatenate(inputs, attrs):
@@ -96,7 +96,7 @@ def infer_concatenate(inputs, attrs):
                                 f"off axis {attrs.axis}")
     dim = list(inputs[0].dim)
     dim[attrs.axis] = sum(t.dim[attrs.axis] for t in inputs)
-    return [OutputSpec(tuple(dim), layout_source=0, type_source=0)]
+    return [OutputSpec(tuple(dim), layout_source=0, type_source=tuple(range(len(inputs))))]
 
 
 # --- views: the same memory seen with other dims and strides (element offsets, no copies) -------
