@@ -12,7 +12,6 @@ import os
 import sys
 import tempfile
 import threading
-import types
 from pathlib import Path
 
 from ..errors import UnsupportedError
@@ -91,23 +90,24 @@ def _jit_interprets():
         knobs.runtime.interpret = before
 
 
-def _interpreted_module(module):
-    """A dnngraph.codegen helper module (triton_math, triton_reduce) loaded again with its
-    @triton.jit functions interpreted."""
-    found = _INTERPRETED.get(module.__name__)
+def _interpreted_math():
+    """codegen/triton_math.py loaded again with interpreted helpers (the kernels' `tm`)."""
+    found = _INTERPRETED.get("triton_math")
     if found is None:
-        spec = importlib.util.spec_from_file_location("dnngraph_interpreted." + module.__name__, module.__file__)
+        from . import triton_math
+
+        spec = importlib.util.spec_from_file_location("dnngraph_interpreted.triton_math", triton_math.__file__)
         found = importlib.util.module_from_spec(spec)
         with _jit_interprets():
             spec.loader.exec_module(found)
-        _INTERPRETED[module.__name__] = found
+        _INTERPRETED["triton_math"] = found
     return found
 
 
 def interpreted_kernel(path: Path, kernel_name: str):
     """The kernel of the generated file at `path` for Triton's interpreter, in a process whose
     kernels otherwise compile for a GPU (CPU tensors there): the file executed again while
-    @triton.jit makes interpreted functions, the helper modules it imports interpreted too."""
+    @triton.jit makes interpreted functions, its `tm` helpers interpreted too."""
     key = (str(path), kernel_name)
     found = _INTERPRETED.get(key)
     if found is not None:
@@ -121,8 +121,6 @@ def interpreted_kernel(path: Path, kernel_name: str):
             namespace = {"__name__": f"dnngraph_interpreted.{path.stem}", "__file__": str(path)}
             with _jit_interprets():
                 exec(compile(path.read_text(), str(path), "exec"), namespace)
-            for name, value in list(namespace.items()):  # the helpers the file imported (tm, tr)
-                if isinstance(value, types.ModuleType) and value.__name__.startswith("dnngraph.codegen."):
-                    namespace[name] = _interpreted_module(value)
+            namespace["tm"] = _interpreted_math()
             found = _INTERPRETED[key] = namespace[kernel_name]
     return found
