@@ -23,7 +23,7 @@ def interpreting() -> bool:
     return _INTERPRETING
 
 
-def widen_bfloat16_dots():
+def _widen_bfloat16_dots():
     """Triton 3.6's interpreter keeps bf16 values as their uint16 bit patterns and its tl.dot
     multiplies those integers (o came out near 1e9). bf16 widens to float32 exactly (the bits
     shifted up by 16), so the interpreter's dot gets float32 operands instead; kernels on a GPU
@@ -51,4 +51,4 @@ def widen_bfloat16_dots():
 
 
 if interpreting():
-    widen_bfloat16_dots()
+    _widen_bfloat16_dots()

@@ -11,7 +11,6 @@ import importlib.util
 import os
 import sys
 import tempfile
-import threading
 from pathlib import Path
 
 from ..errors import UnsupportedError
@@ -70,57 +69,3 @@ def load_kernel(source: str, kernel_name: str):
     else:
         logger.debug("kernel %s: source found on disk (cache hit)", path.name)
     return _import(module_name, path, kernel_name), path
-
-
-# --- kernels for Triton's interpreter in a process that compiles for a GPU -----------------------
-_INTERPRETED: dict = {}  # (source path, kernel name) -> interpreted kernel
-_INTERPRETED_LOCK = threading.Lock()
-
-
-@contextlib.contextmanager
-def _jit_interprets():
-    """@triton.jit makes interpreted functions while this is open."""
-    from triton import knobs
-
-    before = knobs.runtime.interpret
-    knobs.runtime.interpret = True
-    try:
-        yield
-    finally:
-        knobs.runtime.interpret = before
-
-
-def _interpreted_math():
-    """codegen/triton_math.py loaded again with interpreted helpers (the kernels' `tm`)."""
-    found = _INTERPRETED.get("triton_math")
-    if found is None:
-        from . import triton_math
-
-        spec = importlib.util.spec_from_file_location("dnngraph_interpreted.triton_math", triton_math.__file__)
-        found = importlib.util.module_from_spec(spec)
-        with _jit_interprets():
-            spec.loader.exec_module(found)
-        _INTERPRETED["triton_math"] = found
-    return found
-
-
-def interpreted_kernel(path: Path, kernel_name: str):
-    """The kernel of the generated file at `path` for Triton's interpreter, in a process whose
-    kernels otherwise compile for a GPU (CPU tensors there): the file executed again while
-    @triton.jit makes interpreted functions, its `tm` helpers interpreted too."""
-    key = (str(path), kernel_name)
-    found = _INTERPRETED.get(key)
-    if found is not None:
-        return found
-    from ..runtime import widen_bfloat16_dots
-
-    with _INTERPRETED_LOCK:
-        found = _INTERPRETED.get(key)
-        if found is None:
-            widen_bfloat16_dots()
-            namespace = {"__name__": f"dnngraph_interpreted.{path.stem}", "__file__": str(path)}
-            with _jit_interprets():
-                exec(compile(path.read_text(), str(path), "exec"), namespace)
-            namespace["tm"] = _interpreted_math()
-            found = _INTERPRETED[key] = namespace[kernel_name]
-    return found

@@ -414,11 +414,10 @@ class Plan:
 
 
 def _kernel_device(device: torch.device) -> torch.device:
-    """Where kernels for tensors on `device` run: that GPU, or the interpreter (CPU tensors, in
-    any process: one that compiles for a GPU loads the kernels again for the interpreter)."""
-    if interpreting() or device.type == "cpu":
+    """Where kernels for tensors on `device` run: that GPU, or the interpreter (on CPU)."""
+    if interpreting():
         return torch.device("cpu")
     if device.type != "cuda":
-        raise ExecutionError(f"tensors are on {device}: kernels run on CUDA devices, or on the CPU through "
-                             f"Triton's interpreter")
+        raise ExecutionError(f"tensors are on {device}, but kernels compile for CUDA here; "
+                             f"set TRITON_INTERPRET=1 before importing dnngraph to run on CPU")
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())

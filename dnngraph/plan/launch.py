@@ -20,9 +20,7 @@ import torch
 
 from ..errors import ExecutionError
 from ..heuristics.autotune import TuningRecord
-from ..codegen.cache import interpreted_kernel
 from ..log import logger
-from ..runtime import interpreting
 
 
 @dataclass(frozen=True)
@@ -148,10 +146,7 @@ class KernelLaunch:
         return options
 
     def interpret(self, tensors):
-        """Run through Triton's interpreter (CPU tensors): the kernel itself in an interpreting
-        process, else its source loaded again for the interpreter."""
-        kernel = self.kernel if interpreting() else interpreted_kernel(self.source_path, self.kernel.__name__)
-        kernel[self.grid](*self.values(tensors))
+        self.kernel[self.grid](*self.values(tensors))
 
     def bind(self, device_index: int, dtypes_of) -> BoundLaunch:
         """Compile for a device (pointers assumed 16-byte aligned) and keep the launcher; safe to
@@ -245,6 +240,8 @@ def _random_like(tensor, device) -> torch.Tensor:
 def tuning_device(device: Optional[torch.device] = None) -> torch.device:
     """Where autotuning times candidates: `device` (the device a plan is built for), by default
     the current GPU, else the interpreter on CPU."""
+    from ..runtime import interpreting
+
     if device is not None:
         return device
     if torch.cuda.is_available() and not interpreting():
