@@ -478,3 +478,18 @@ def test_bf16_attention_block_gradients_on_the_gpu():
     assert rel_err(out, ref) < 2e-2
     for mine, theirs in zip(leaves, ref_leaves):
         assert rel_err(mine.grad, theirs.grad) < 3e-2
+
+
+@pytest.mark.parametrize("op", ["layernorm", "rmsnorm", "batchnorm", "instancenorm"])
+def test_norm_statistics_as_outputs_take_gradients(op):
+    """The mean and inverse variance as outputs too: their gradients reach x (d mean/dx = 1/n,
+    d inv/dx = -inv^3 (x - mean)/n)."""
+    wide = op in ("batchnorm", "instancenorm")
+    inputs = {"x": _randn(3, 4, 5), "scale": _randn(1, 4, 1) if wide else _randn(1, 1, 5),
+              "bias": _randn(1, 4, 1) if wide else _randn(1, 1, 5)}
+    g, t = _graph(inputs)
+    outs = getattr(g, op)(t["x"], t["scale"], t["bias"])
+    for out in outs[:3]:
+        if out is not None:
+            out.set_output(True)
+    check_function(g, inputs, tolerance=2e-4)

@@ -8,6 +8,7 @@ Statistics are float32 and keep the rank of x.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from dataclasses import dataclass
 
@@ -266,31 +267,56 @@ register(OpDef("genstats", "norm", "anchor", NormAttrs, ("x",), ("sum", "sq_sum"
 
 
 # --- backward rules (autodiff.py) ----------------------------------------------------------------
-def _no_statistics_gradient(node, grads):
-    if any(grad is not None for grad in grads[1:]):
-        raise UnsupportedError(f"{node.op}: no gradient through its statistics")
+def _statistics_dx(d, node, mean_grad, inv_grad, mean):
+    """dx of gradients that reach the statistics outputs: d mean / dx = 1/n and
+    d inv_variance / dx = -inv_variance^3 (x - mean) / n (x alone for rmsnorm), n the elements
+    each statistic gathers; None when none reach them."""
+    if mean_grad is None and inv_grad is None:
+        return None
+    x, inv_variance = node.inputs[0], node.outputs[2 if mean is not None else 1]
+    if any(size not in (1, whole) for size, whole in zip(inv_variance.dim, x.dim)):
+        raise UnsupportedError(f"{node.op}: no gradient through statistics that do not broadcast to x")
+    g = d.graph
+    count = float(math.prod(x.dim) // math.prod(inv_variance.dim))
+    parts = [] if mean_grad is None else [g.div(mean_grad, count)]
+    if inv_grad is not None:
+        inv = d.value(inv_variance)
+        centered = d.value(x) if mean is None else g.sub(d.value(x), mean)
+        parts.append(g.mul(g.mul(inv_grad, g.mul(inv, g.mul(inv, inv))), g.mul(centered, -1.0 / count)))
+    return parts[0] if len(parts) == 1 else g.add(*parts)
+
+
+def _with(g, dx, extra):
+    return extra if dx is None else dx if extra is None else g.add(dx, extra)
 
 
 @backward_rule("layernorm", "instancenorm", "groupnorm", "batchnorm")
 def _mean_norm_backward(d, node, grads):
-    """dx, dscale, dbias from the saved mean and inverse variance (the training form's)."""
-    _no_statistics_gradient(node, grads)
+    """dx, dscale, dbias from the saved mean and inverse variance (the training form's), and the
+    gradients that reach the statistics themselves."""
     if node.op == "batchnorm" and node.attrs.norm_forward_phase != "training":
         raise UnsupportedError("batchnorm: gradients need the training phase (batchnorm_inference differentiates)")
+    if any(grad is not None for grad in grads[3:]):
+        raise UnsupportedError("batchnorm: no gradient through the running statistics")
     x, scale, bias = node.inputs[:3]
     mean, inv_variance = (d.value(t) for t in node.outputs[1:3])
-    dx, dscale, dbias = d.graph._add_op(node.op + "_backward", [grads[0], d.value(x), d.value(scale), mean,
-                                                               inv_variance], node.attrs)
+    dx = dscale = dbias = None
+    if grads[0] is not None:
+        dx, dscale, dbias = d.graph._add_op(node.op + "_backward", [grads[0], d.value(x), d.value(scale), mean,
+                                                                   inv_variance], node.attrs)
+    dx = _with(d.graph, dx, _statistics_dx(d, node, grads[1], grads[2], mean))
     return [dx, dscale, None if bias is None else dbias] + [None] * (len(node.inputs) - 3)
 
 
 @backward_rule("rmsnorm")
 def _rms_norm_backward(d, node, grads):
-    _no_statistics_gradient(node, grads)
     x, scale, bias = node.inputs
-    attrs = dataclasses.replace(node.attrs, has_dbias=bias is not None)
-    dx, dscale, dbias = d.graph._add_op("rmsnorm_backward", [grads[0], d.value(x), d.value(scale),
-                                                             d.value(node.outputs[1])], attrs)
+    dx = dscale = dbias = None
+    if grads[0] is not None:
+        attrs = dataclasses.replace(node.attrs, has_dbias=bias is not None)
+        dx, dscale, dbias = d.graph._add_op("rmsnorm_backward", [grads[0], d.value(x), d.value(scale),
+                                                                 d.value(node.outputs[1])], attrs)
+    dx = _with(d.graph, dx, _statistics_dx(d, node, None, grads[1], None))
     return [dx, dscale, dbias]
 
 
