@@ -284,8 +284,11 @@ class Plan:
             resolved[uid] = value
         return resolved
 
-    def _check(self, resolved: dict):
-        device, ranges = None, []
+    def _check(self, resolved: dict) -> tuple:
+        """(device, aligned): every binding checked against its spec (type, dims, strides on the
+        axes that matter, one device, outputs overlapping nothing); aligned when every pointer
+        is POINTER_ALIGNMENT-aligned."""
+        device, ranges, aligned = None, [], True
         for spec in self.specs:
             value = resolved.get(spec.uid)
             if value is None:
@@ -306,6 +309,7 @@ class Plan:
             elif value.device != device:
                 raise ExecutionError(f"{spec.name!r} is on {value.device}, other tensors on {device}")
             start = value.data_ptr()
+            aligned = aligned and start % POINTER_ALIGNMENT == 0
             ranges.append((start, start + spec.extent_bytes, spec))
         for start, end, spec in ranges:
             if not spec.is_output:
@@ -313,7 +317,7 @@ class Plan:
             for other_start, other_end, other in ranges:
                 if other is not spec and start < other_end and other_start < end:
                     raise ExecutionError(f"output {spec.name!r} overlaps {other.name!r} in memory")
-        return device
+        return device, aligned
 
     def _stream_workspace(self, built: DeviceLaunches, device, stream) -> StreamWorkspace:
         """The workspace of (device, stream), created once; allocated on that stream, so torch's
@@ -357,10 +361,10 @@ class Plan:
         on the tensors' device) when given: the caller then keeps concurrent executes apart.
         Without it each (device, stream) uses a workspace of its own, made on first use."""
         tensors = self._resolve(bindings)
-        device = self._check(tensors)
+        device, aligned = self._check(tensors)
+        aligned = aligned and self.views_aligned
         kernel_device = _kernel_device(device)
         built = self._launches_for(kernel_device)
-        aligned = self.views_aligned and all(tensors[s.uid].data_ptr() % POINTER_ALIGNMENT == 0 for s in self.specs)
         stream = torch._C._cuda_getCurrentRawStream(device.index) if kernel_device.type == "cuda" else None
         if workspace is not None:
             tensors.update(self._caller_workspace(workspace, built, device, tensors))
@@ -378,7 +382,7 @@ class Plan:
         """(launch, median milliseconds) of each kernel run alone on `bindings` (as execute
         takes them; outputs are written)."""
         tensors = self._resolve(bindings)
-        device = self._check(tensors)
+        device, _ = self._check(tensors)
         kernel_device = _kernel_device(device)
         built = self._launches_for(kernel_device)
         workspace = torch.empty(built.workspace_bytes, dtype=torch.uint8, device=device)
