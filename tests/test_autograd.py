@@ -493,3 +493,14 @@ def test_norm_statistics_as_outputs_take_gradients(op):
         if out is not None:
             out.set_output(True)
     check_function(g, inputs, tolerance=2e-4)
+
+
+def test_a_weight_shared_by_the_batch_takes_one_folded_gemm():
+    """x [B, M, K] @ w [K, N]: dw is one GEMM over B*M rows, not a batched GEMM and a sum."""
+    inputs = {"x": _randn(3, 5, 7), "w": _randn(7, 4)}
+    g, t = _graph(inputs)
+    g.tanh(g.matmul(t["x"], t["w"])).set_output(True)
+    fn = check_function(g, inputs, tolerance=1e-4)
+    derivation, _ = fn.derivation((True, True))
+    ops = [n.op for n in derivation.backward.nodes]
+    assert ops.count("matmul") == 2 and "reduction" not in ops

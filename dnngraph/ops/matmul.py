@@ -5,6 +5,8 @@ fp8 operands carry optional per-tensor scales (one-element float tensors): the r
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -84,5 +86,14 @@ def _matmul_backward(d, node, grads):
     g, dc, tf32 = d.graph, grads[0], node.attrs.allow_tf32
     a, b = node.inputs[:2]
     da = g.matmul(dc, _transposed(g, d.value(b)), allow_tf32=tf32) if d.needs(a) else None
-    db = g.matmul(_transposed(g, d.value(a)), dc, allow_tf32=tf32) if d.needs(b) else None
+    db = None
+    if d.needs(b) and len(b.dim) == 2 and len(a.dim) > 2:
+        # a weight shared by every batch (x @ w): one GEMM over the batch folded into K, not a
+        # batched GEMM and a sum over the batch
+        rows = math.prod(a.dim[:-1])
+        folded_a = g.reshape(d.value(a), [rows, a.dim[-1]])
+        folded_dc = g.reshape(dc, [rows, dc.dim[-1]])
+        db = g.matmul(_transposed(g, folded_a), folded_dc, allow_tf32=tf32)
+    elif d.needs(b):
+        db = g.matmul(_transposed(g, d.value(a)), dc, allow_tf32=tf32)
     return [da, db, None, None]
