@@ -549,3 +549,18 @@ def test_backward_with_float32_do_and_o_from_graph_intermediates():
     for workspace in (None, 0):
         g.build(workspace_limit=workspace)
         check(g, inputs, torch.float16, tolerance=5e-3)
+
+
+@pytest.mark.parametrize("allow_tf32", [False, True])
+def test_fp32_attention_follows_the_graphs_tf32_setting(allow_tf32):
+    """fp32 q, k, v: IEEE dots unless the graph allows tf32, as the matmul does."""
+    gen = torch.Generator().manual_seed(8)
+    q_t, k_t, v_t = _qkv((1, 2, 17, 16), (2, 19), "bhsd", torch.float32, None, gen)
+    g = dg.Graph(name="attn", allow_tf32=allow_tf32)
+    q, k, v = (g.tensor_like(t, n) for t, n in ((q_t, "q"), (k_t, "k"), (v_t, "v")))
+    g.sdpa(q, k, v, use_causal_mask=True)[0].set_output(True)
+    g.build()
+    source = open(g.plan.launches[0].source_path).read()
+    assert ('input_precision="tf32"' in source) == allow_tf32
+    assert ('input_precision="ieee"' in source) != allow_tf32
+    check(g, {q: q_t, k: k_t, v: v_t}, tolerance=2e-3 if allow_tf32 else None)

@@ -31,7 +31,14 @@ def _check_types(node):
                                f"got {q.data_type.name}, {k.data_type.name}, {v.data_type.name}")
 
 
-def _spec(node, group, sched, stored_o: bool, stats) -> AttentionSpec:
+def dot_precision(graph, data_type) -> str:
+    """tl.dot input_precision of fp32 operands: IEEE unless the graph allows tf32; "" for 16-bit."""
+    if data_type.name != "float32":
+        return ""
+    return "tf32" if graph.allow_tf32 else "ieee"
+
+
+def _spec(graph, node, group, sched, stored_o: bool, stats) -> AttentionSpec:
     q, k, v, bias, len_q, len_kv, k_table, v_table, seed, offset = node.inputs
     o = node.outputs[0]
     present = {"q": q, "k": k, "v": v, "o": o if stored_o else None, "stats": stats, "bias": bias,
@@ -50,7 +57,7 @@ def _spec(node, group, sched, stored_o: bool, stats) -> AttentionSpec:
     return AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, scale, mask.left,
                          mask.right, mask.bottom_right, attrs.dropout, k.dim[2] if k_table is not None else None,
                          (sched.config.block_m, sched.config.block_n, sched.block_d, sched.block_dv), wide,
-                         "ieee" if q.data_type.name == "float32" else "", sched.packed, sched.splits, sched.chunk)
+                         dot_precision(graph, q.data_type), sched.packed, sched.splits, sched.chunk)
 
 
 def kernel_mask(node, s_q: int, s_kv: int) -> AttentionMask:
@@ -89,7 +96,7 @@ def build_sdpa(graph, group, index, tuner=None, device=None, budget=None):
     o, stats = node.outputs
     outputs = [t for t in group.outputs if t is not stats]
     stored_stats = stats if stats is not None and stats in group.outputs else None
-    spec = _spec(node, group, sched, any(t is o for t in outputs), stored_stats)
+    spec = _spec(graph, node, group, sched, any(t is o for t in outputs), stored_stats)
     name = kernel_name(group, index)
     if sched.splits > 1:
         return _build_split(graph, group, name, spec, sched, budget, outputs)
@@ -139,7 +146,7 @@ BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv"),
                             "offt")}
 
 
-def _backward_spec(node, sched, which: str, delta) -> AttentionSpec:
+def _backward_spec(graph, node, sched, which: str, delta) -> AttentionSpec:
     q, k, v, o, d_o, stats, bias, len_q, len_kv = node.inputs[:9]
     seed, offset = node.inputs[-2:]
     dq, dk, dv, dbias = node.outputs
@@ -164,7 +171,7 @@ def _backward_spec(node, sched, which: str, delta) -> AttentionSpec:
     mask = kernel_mask(node, problem.s_q, problem.s_kv)
     return AttentionSpec(dims, strides, uids, scale, mask.left, mask.right, mask.bottom_right, attrs.dropout,
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
-                         "ieee" if q.data_type.name == "float32" else "",
+                         dot_precision(graph, q.data_type),
                          bias_dims=sched.bias_dims if which == "dbias" else ())
 
 
@@ -181,7 +188,7 @@ def _build_backward(graph, group, index, device, budget) -> list:
             budget.spend(delta_bytes)
     launches = []
     for which in (("delta",) if delta is not None else ()) + ("dkdv", "dq") + (("dbias",) if dbias is not None else ()):
-        spec = _backward_spec(node, sched, which, delta)
+        spec = _backward_spec(graph, node, sched, which, delta)
         name = f"{kernel_name(group, index)}_{which}"
         source, arguments = render_backward(name, which, spec, graph.compute_data_type.triton_type,
                                             f"{which} of {group.describe()}")
@@ -232,7 +239,7 @@ def build_attention(graph, group, index, tuner=None, device=None, budget=None):
     spec = AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, 1.0, None, None, False,
                          None if dropout is None else (drop.p, drop.seed, drop.offset),
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
-                         "ieee" if q.data_type.name == "float32" else "", sched.packed, 1, sched.chunk)
+                         dot_precision(graph, q.data_type), sched.packed, 1, sched.chunk)
     for side in modifier.sides:
         if len(side.dim) > rank:
             raise UnsupportedError(f"attention chain side operand {side.name!r} has rank {len(side.dim)}")
