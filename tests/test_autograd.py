@@ -504,3 +504,14 @@ def test_a_weight_shared_by_the_batch_takes_one_folded_gemm():
     derivation, _ = fn.derivation((True, True))
     ops = [n.op for n in derivation.backward.nodes]
     assert ops.count("matmul") == 2 and "reduction" not in ops
+
+
+@pytest.mark.parametrize("window", [(slice(1, 9, 3), slice(None), slice(0, 5, 2)),
+                                    (slice(0, 10, 4), slice(2, 3), slice(None)),
+                                    (slice(9, 10), slice(0, 4, 5), slice(1, 5, 1)),
+                                    (slice(3, 5), slice(1, 4, 2), slice(0, 1))])
+def test_strided_slices_put_the_gradient_back_among_zeros(window):
+    inputs = {"x": _randn(10, 4, 5)}
+    g, t = _graph(inputs)
+    g.exp(g.slice(g.mul(t["x"], 0.5), list(window))).set_output(True)
+    check_function(g, inputs)

@@ -203,24 +203,44 @@ def _reshape_backward(d, node, grads):
 
 @backward_rule("slice")
 def _slice_backward(d, node, grads):
-    """dy placed back among zeros, one axis at a time (the zeros take x's dims where cut)."""
+    """dy placed back among zeros, one axis at a time: a stepped axis first spreads dy with
+    step - 1 zeros after each element, then zeros fill the rows before and after the span."""
     g, grad, x = d.graph, grads[0], node.inputs[0]
-    if any(step != 1 for _, _, step in node.attrs.slices):
-        raise UnsupportedError("slice: no gradient through a strided slice yet")
-    value = d.value(x)
-    for axis, (start, stop, _) in enumerate(node.attrs.slices):
-        parts = []
-        for low, high in ((0, start), (stop, x.dim[axis])):
-            if high > low:
-                window = [slice(None)] * len(x.dim)
-                for other, (o_start, o_stop, _) in enumerate(node.attrs.slices[axis + 1:], axis + 1):
-                    window[other] = slice(o_start, o_stop)
-                window[axis] = slice(low, high)
-                parts.append(d.zeros(g.slice(value, window)))
-        if parts:
-            pieces = ([parts[0]] if start > 0 else []) + [grad] + ([parts[-1]] if stop < x.dim[axis] else [])
-            grad = g.concatenate(pieces, axis)
+    for axis, (start, stop, step) in enumerate(node.attrs.slices):
+        size = x.dim[axis]
+        if step > 1:
+            grad = _spread(d, grad, axis, step)
+            span = min(grad.dim[axis], size - start)
+            window = [slice(None)] * len(grad.dim)
+            window[axis] = slice(0, span)
+            grad = g.slice(grad, window) if span < grad.dim[axis] else grad
+        end = start + grad.dim[axis]
+        before = [_zeros_along(d, grad, axis, start)] if start > 0 else []
+        after = [_zeros_along(d, grad, axis, size - end)] if end < size else []
+        if before or after:
+            grad = g.concatenate(before + [grad] + after, axis)
     return [grad]
+
+
+def _zeros_along(d, like, axis: int, length: int):
+    """Zeros with `like`'s dims but `length` along `axis`."""
+    g = d.graph
+    copies = -(-length // like.dim[axis])
+    source = g.concatenate([like] * copies, axis) if copies > 1 else like
+    if source.dim[axis] != length:
+        window = [slice(None)] * len(source.dim)
+        window[axis] = slice(0, length)
+        source = g.slice(source, window)
+    return d.zeros(source)
+
+
+def _spread(d, grad, axis: int, step: int):
+    """grad with step - 1 zeros after each element along `axis` (its size times step)."""
+    g, dims = d.graph, list(grad.dim)
+    column = g.reshape(grad, dims[:axis + 1] + [1] + dims[axis + 1:])
+    zeros = d.zeros(g.concatenate([column] * (step - 1), axis + 1))
+    spread = g.concatenate([column, zeros], axis + 1)
+    return g.reshape(spread, dims[:axis] + [dims[axis] * step] + dims[axis + 1:])
 
 
 @backward_rule("concatenate")
