@@ -62,10 +62,12 @@ _NUMBER = itertools.count()
 class GraphFunction:
     """A graph's ops as a callable on torch tensors, differentiable through torch.autograd.
 
-    Calls go through torch.library custom ops (dnngraph::function<N>, with fake
-    implementations), so torch.compile(fullgraph=True) traces them and CUDA graphs capture them:
-    one op without autograd, and per set of inputs that want gradients a forward op (returning the
-    outputs, then the values the backward reads) with a backward op registered as its gradient."""
+    Under torch.compile, and whenever gradients are wanted, calls go through torch.library custom
+    ops (dnngraph::function<N>, with fake implementations), so torch.compile(fullgraph=True)
+    traces them and CUDA graphs capture them: one op without autograd, and a training op that
+    takes the mask of inputs wanting gradients and returns the outputs, then the values the
+    backward reads, with a backward op registered as its gradient. An eager call without
+    gradients runs the plan directly."""
 
     def __init__(self, graph, inputs=None, outputs=None):
         graph.validate()
