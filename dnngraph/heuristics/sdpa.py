@@ -25,8 +25,12 @@ from .pointwise import _pow2_at_least
 # 381, [128, 32] 334).
 GPU_TILES = {False: ((64, 128, 64, 8, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2)),
              True: ((64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (256, 128, 64, 8, 2))}
-# 32-bit inputs hold twice the bytes per tile: one step smaller key tiles.
-GPU_TILES_FP32 = ((64, 64, 64, 4, 2), (128, 64, 32, 4, 2), (256, 64, 16, 4, 2))
+# 32-bit inputs hold twice the bytes per tile: one step smaller key tiles. IEEE fp32 dots run on
+# the FMA units and want warps more than tiles: B2 H16 S2048 D128 causal on the H100
+# (.dbg/fp32_probe.py, TFLOP/s): [64, 32] 8 warps 2 stages 7.8, [64, 32] 4 warps 3.6, [32, 64]
+# 4 warps 3.8, [64, 64] 4-8 warps 0.7-1.1. (3xTF32 dots, tf32x3, ran 22.6-25.3 at the same
+# error, 4.5e-7; the precision rule says IEEE, so they are not used.)
+GPU_TILES_FP32 = ((64, 64, 64, 4, 2), (128, 64, 32, 8, 2), (256, 64, 16, 4, 2))
 # The interpreter runs every program on the CPU in numpy: small tiles keep tests quick.
 INTERPRETER_TILE = (16, 16, 1, 1)
 # Queries per program for short query sequences (decode, Sq <= 16): the tile is never wider
