@@ -514,19 +514,22 @@ def softcap_probs(g, t: dict, shape: AttnShape) -> tuple:
 
 
 def dg_softcap_graph(shape: AttnShape, inputs, io_type, backward: bool) -> tuple:
-    """The softcap row as dnngraph ops; backward recomputes the forward and chains the ops' backwards:
-    dP = dO v^T, softmax_backward, the mask, tanh_backward, then dq = dS k, dk = dS^T q, dv = P^T dO."""
+    """The softcap row as dnngraph ops; backward recomputes the forward and chains the ops' backwards
+    in the form the partitioner fuses into the flash backward (what Graph.as_function derives):
+    dP = dO v^T, dS' = P (dP - rowsum(o dO)), the mask, tanh_backward, then dq = dS k,
+    dk = dS^T q, dv = P^T dO."""
     g = new_graph(io_type, "softcap_backward" if backward else "softcap")
-    names = ("q", "k_t", "v", "row", "col") + (("k", "v_t", "d_o") if backward else ())
+    names = ("q", "k_t", "v", "row", "col") + (("v_t", "d_o", "o") if backward else ())
     t = {name: g.tensor_like(inputs[name], name=name) for name in names}
     probs, x, visible = softcap_probs(g, t, shape)
     if not backward:
         return g, {tensor: name for name, tensor in t.items()}, [g.matmul(probs, t["v"])]
-    d_masked = g.softmax_backward(g.matmul(t["d_o"], t["v_t"]), probs, axis=-1)
+    delta = g.reduction(g.mul(t["o"], t["d_o"]), "sum", [3])
+    d_masked = g.mul(probs, g.sub(g.matmul(t["d_o"], t["v_t"]), delta))
     d_capped = g.where(visible, d_masked, 0.0)
     d_scores = g.scale(g.tanh_backward(g.mul(d_capped, shape.softcap), x), shape.scale / shape.softcap)
     swap = [0, 1, 3, 2]
-    outputs = [g.matmul(d_scores, t["k"]), g.matmul(g.transpose(d_scores, swap), t["q"]),
+    outputs = [g.matmul(d_scores, g.transpose(t["k_t"], swap)), g.matmul(g.transpose(d_scores, swap), t["q"]),
                g.matmul(g.transpose(probs, swap), t["d_o"])]
     return g, {tensor: name for name, tensor in t.items()}, outputs
 

@@ -39,8 +39,34 @@ def attention_torch(b, s, h, d):
     return run
 
 
+def softcap_graph(b, s, h, d, cap=30.0):
+    """The same block with attention written as ops: scale, softcap tanh(s / c) * c, a causal
+    mask through where on a bool input, softmax, P V (one flash kernel forward, the flash
+    backward derived)."""
+    g = dg.Graph(name="softcap", io_data_type=dg.bfloat16, intermediate_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[b, s, h * d])
+    ws = [g.tensor(name=n, dim=[h * d, h * d]) for n in ("wq", "wk", "wv", "wo")]
+    mask = g.tensor(name="mask", dim=[s, s], data_type=dg.bool)
+    q, k, v = (g.transpose(g.reshape(g.matmul(x, w), [b, s, h, d]), [0, 2, 1, 3]) for w in ws[:3])
+    scores = g.mul(g.matmul(q, g.transpose(k, [0, 1, 3, 2])), d ** -0.5)
+    scores = g.where(mask, g.mul(g.tanh(g.div(scores, cap)), cap), float("-inf"))
+    o = g.matmul(g.softmax(scores), v)
+    g.matmul(g.reshape(g.transpose(o, [0, 2, 1, 3]), [b, s, h * d]), ws[3]).set_output(True)
+    return g
+
+
+def softcap_torch(b, s, h, d, cap=30.0):
+    def run(x, wq, wk, wv, wo, mask):
+        q, k, v = ((x @ w).view(b, s, h, d).transpose(1, 2) for w in (wq, wk, wv))
+        scores = (q @ k.transpose(-1, -2)) * d ** -0.5
+        scores = torch.where(mask, torch.tanh(scores / cap) * cap, float("-inf"))
+        o = torch.softmax(scores.float(), -1).to(v.dtype) @ v
+        return o.transpose(1, 2).reshape(b, s, h * d) @ wo
+    return run
+
+
 def step_ms(fn, args):
-    leaves = [a.clone().requires_grad_() for a in args]
+    leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
     grad = torch.randn_like(fn(*leaves))
 
     def step():
@@ -55,9 +81,13 @@ def main():
     cases = [("Llama MLP 4096 tokens", mlp_graph(4096, 4096, 14336), mlp_torch,
               [(4096, 4096), (4096, 14336), (4096, 14336), (14336, 4096)], 6 * 3 * 4096 * 4096 * 14336),
              ("attention block B2 S2048 H16 D128", attention_graph(2, 2048, 16, 128), attention_torch(2, 2048, 16, 128),
-              [(2, 2048, 2048)] + [(2048, 2048)] * 4, None)]
+              [(2, 2048, 2048)] + [(2048, 2048)] * 4, None),
+             ("softcap attention block (ops) B2 S2048 H16 D128", softcap_graph(2, 2048, 16, 128),
+              softcap_torch(2, 2048, 16, 128), [(2, 2048, 2048)] + [(2048, 2048)] * 4, None)]
     for label, graph, eager, shapes, flops in cases:
         args = [(torch.randn(*s, device="cuda") / s[-1] ** 0.25).bfloat16() for s in shapes]
+        if "softcap" in label:
+            args.append(torch.ones(2048, 2048, dtype=torch.bool, device="cuda").tril())
         fn = graph.as_function()
         timings = {"dnngraph": step_ms(fn, args), "eager": step_ms(eager, args),
                    "compile": step_ms(torch.compile(eager), args)}

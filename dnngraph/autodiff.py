@@ -9,6 +9,12 @@ Each op's backward rule (registered beside the op, ops/base.py BACKWARD_RULES) w
 of the backward graph. Values made by pointwise and layout ops are recomputed in the backward
 graph from what they read (they fuse into the backward kernels, as the norms recompute x-hat);
 values made by anchors (matmul, conv, norms, softmax, reductions, pooling, sdpa) are saved.
+
+Attention written as ops (matmul -> score ops -> softmax -> (dropout) -> matmul, the chains the
+partitioner fuses into one flash kernel) is recomputed instead: its scores and probabilities are
+never saved, so the forward stays one kernel, and the softmax's row sums come from the chain's
+output, delta = rowsum(o * dO), so that the backward graph is the pattern the partitioner fuses
+into the flash backward kernels (fusion/attention.py).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import networkx as nx
 
 from . import ops  # noqa: F401  (registers every op and its backward rule)
 from .errors import UnsupportedError
+from .fusion import partition
 from .graph import Graph
 from .ops.base import BACKWARD_RULES
 from .tensor import overlaps
@@ -97,6 +104,9 @@ class _Deriver:
         self.saved, self.saved_inputs = [], []
         self.forward_inputs, self.forward_input_twins = [], []
         self.flows: set = set()
+        self.grads: dict = {}  # forward uid -> gradient contributions (one, once totalled)
+        self.recomputed: set = set()  # forward uids of attention chains' scores and probabilities
+        self.chain_softmax: dict = {}  # forward softmax node -> its chain's output o
 
     # --- values the rules read ---------------------------------------------------------------
     def value(self, tensor):
@@ -111,7 +121,8 @@ class _Deriver:
                                      data_type=tensor.data_type)
             self.forward_inputs.append(tensor)
             self.forward_input_twins.append(twin)
-        elif producer.opdef.role in RECOMPUTED_ROLES or producer.opdef.family in RECOMPUTED_FAMILIES:
+        elif (producer.opdef.role in RECOMPUTED_ROLES or producer.opdef.family in RECOMPUTED_FAMILIES
+              or tensor.uid in self.recomputed):
             inputs = [None if t is None else self.value(t) for t in producer.inputs]
             made = self.graph._add_op(producer.op, inputs, producer.attrs)
             for original, twin in zip(producer.outputs, made):
@@ -166,13 +177,41 @@ class _Deriver:
             grad = g.reshape(grad, list(grad.dim[lead:]))
         return grad if tuple(grad.dim) == dims else self.expand(grad, self.value(tensor))
 
+    def attention_chains(self):
+        """Mark the forward's op-level attention chains (those the partitioner would fuse) to be
+        recomputed, not saved."""
+        for group in partition(self.forward, frozenset({"attention"})):
+            if group.kind != "attention":
+                continue
+            nodes = group.nodes
+            self.recomputed.update(t.uid for n in nodes[:-1] for t in n.output_tensors())
+            softmax = next(n for n in nodes if n.op == "softmax")
+            self.chain_softmax[softmax] = nodes[-1].outputs[0]
+        self.forward._restore_strides()
+
+    def chain_softmax_backward(self, node, grads):
+        """dx = p * (dp - delta) with delta = rowsum(o * dO) of the chain's output o (equal to
+        rowsum(p * dp): o is p v, dropout included), the flash backward's row sums."""
+        g, o = self.graph, self.chain_softmax[node]
+        d_o = self.total(o)
+        delta = g.reduction(g.mul(self.value(o), d_o), "sum", [len(o.dim) - 1])
+        return [g.mul(self.value(node.outputs[0]), g.sub(grads[0], delta))]
+
+    def total(self, tensor):
+        """The summed gradient of forward `tensor` (its contributions added once)."""
+        contributions = self.grads[tensor.uid]
+        if len(contributions) > 1:
+            self.grads[tensor.uid] = contributions = [self._total(contributions)]
+        return contributions[0]
+
     # --- the walk ------------------------------------------------------------------------------
     def run(self) -> Derivation:
         forward = self.forward
         twins = [self.mapped[t.uid] for t in self.outputs]
         for twin in twins:
             twin.set_output(True)
-        grads: dict = {}
+        self.attention_chains()
+        grads = self.grads
         grad_inputs = []
         for twin in twins:
             if twin.data_type.is_floating:
@@ -190,12 +229,11 @@ class _Deriver:
                 continue
             if not any(t.uid in flows for t in node.input_tensors()):
                 continue
-            rule = BACKWARD_RULES.get(node.op)
+            rule = _Deriver.chain_softmax_backward if node in self.chain_softmax else BACKWARD_RULES.get(node.op)
             if rule is None:
                 raise UnsupportedError(f"node {node.name!r} ({node.op}) has no backward rule: its inputs get no "
                                        f"gradient here")
-            out_grads = [None if o is None or o.uid not in grads else self._total(grads[o.uid])
-                         for o in node.outputs]
+            out_grads = [None if o is None or o.uid not in grads else self.total(o) for o in node.outputs]
             for tensor, grad in zip(node.inputs, rule(self, node, out_grads)):
                 if tensor is None or grad is None or tensor.uid not in flows:
                     continue
@@ -206,7 +244,7 @@ class _Deriver:
             if not want or twin.uid not in grads:
                 results.append(None)
                 continue
-            grad = self.graph.cast(self._total(grads[twin.uid]), tensor.data_type)
+            grad = self.graph.cast(self.total(twin), tensor.data_type)
             grad.set_output(True).set_data_type(tensor.data_type)
             if tuple(grad.stride) != tuple(tensor.stride) and not overlaps(tensor.dim, tensor.stride):
                 grad.set_stride(tensor.stride)  # (an expanded input's gradient is dense)

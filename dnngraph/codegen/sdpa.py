@@ -42,7 +42,9 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          # decode packing, key splits and their combine
          "dbias_ptr", "dbias_acc", "bias_batch", "bias_head", "b_step", "h_step", "BATCH", "BIAS_HEADS",
          "q_pos", "first_pos", "last_pos", "bias_row", "drop_row", "part_row", "m_part", "o_part", "weight",
-         "denom", "split", "opart_ptr", "lpart_ptr", "ROWS", "SPLITS", "CHUNK", "BLOCK_R")
+         "denom", "split", "opart_ptr", "lpart_ptr", "ROWS", "SPLITS", "CHUNK", "BLOCK_R",
+         # the op-level backward (codegen/attention.py)
+         "logits", "d_grad")
 STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
                 "dbias", "delta", "opart", "lpart", "seedt", "offt")
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
@@ -68,6 +70,7 @@ class AttentionSpec:
     splits: int = 1  # decode: programs per K/V head, each over CHUNK keys, merged by a combine kernel
     chunk: int = 0  # keys per split (a multiple of BLOCK_N)
     bias_dims: tuple = ()  # the dbias kernel: the bias's [B, H, Sq, Skv] (1 on the axes it sums over)
+    stats_only: bool = False  # the log-sum-exp pass of an op-level backward: no v, no o
 
 
 def _mask_argument(terms: list) -> str:
@@ -79,9 +82,9 @@ class ScoreModifier:
     """An op-level chain's score ops (rendered through the emitter on each [BLOCK_M, BLOCK_N]
     scores tile) and the side tensors they read at (batch, head, query, key)."""
 
-    def __init__(self, scores_uid: int, nodes: list):
+    def __init__(self, scores_uid: int, nodes: list, made=()):
         self.scores_uid, self.nodes = scores_uid, list(nodes)
-        made = {scores_uid} | {t.uid for n in self.nodes for t in n.output_tensors()}
+        made = {scores_uid, *made} | {t.uid for n in self.nodes for t in n.output_tensors()}
         self.sides = []
         for node in self.nodes:
             for tensor in node.input_tensors():
@@ -160,8 +163,8 @@ class _Writer:
         if self.spec.dropout is not None:
             w("drop_row = (batch.to(tl.int64) * HEADS + q_head) * SQ + q_pos")
         if not self.spec.page_size:
-            w(f"k_base = batch{cast} * {self.stride('k', 0)} + kv_head{cast} * {self.stride('k', 1)}")
-            w(f"v_base = batch{cast} * {self.stride('v', 0)} + kv_head{cast} * {self.stride('v', 1)}")
+            for stem in ("k", "v") if self.has("v") else ("k",):
+                w(f"{stem}_base = batch{cast} * {self.stride(stem, 0)} + kv_head{cast} * {self.stride(stem, 1)}")
         w("m_i = tl.full([BLOCK_M], float('-inf'), tl.float32)")
         w("l_i = tl.zeros([BLOCK_M], tl.float32)")
         w("acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)")
@@ -281,6 +284,9 @@ class _Writer:
         """l and acc rescaled by alpha and grown by the block's p (dropped out after l counts it)."""
         w, spec = self.line, self.spec
         w("l_i = l_i * alpha + tl.sum(p_tile, 1)", depth)
+        if spec.stats_only:
+            w("m_i = m_new", depth)
+            return
         if spec.dropout is not None:
             p = spec.dropout[0]
             w("counter = drop_row[:, None] * SKV + keys[None, :]", depth)
@@ -326,6 +332,13 @@ class _Writer:
         if self.modifier is not None:  # an op-level softmax of a row of -inf is NaN, as in torch
             w("out = tl.where((l_i == 0.0)[:, None], float('nan'), out)")
         w(f"lse = tl.where(l_i == 0.0, float('-inf'), (m_i + tl.math.log2(l_use)) / {LOG2E!r})")
+
+    def store_stats(self):
+        """The natural-log log-sum-exp of each row (-inf for a row that saw no key), alone."""
+        w = self.line
+        w("l_use = tl.where(l_i == 0.0, 1.0, l_i)")
+        w(f"lse = tl.where(l_i == 0.0, float('-inf'), (m_i + tl.math.log2(l_use)) / {LOG2E!r})")
+        w(f"tl.store(stats_ptr + {self.row_base('stats')}, lse, mask=row_in)")
 
     def store_partials(self):
         """A split's normalized o and base-2 log-sum-exp, for the combine kernel."""
@@ -416,6 +429,8 @@ def render(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: li
     extra = dict(writer.sides)
     if spec.splits > 1:
         writer.store_partials()
+    elif spec.stats_only:
+        writer.store_stats()
     else:
         writer.normalize()
         extra.update(writer.finish(group, o_uid, outputs))
@@ -520,10 +535,13 @@ class _BackwardWriter(_Writer):
         w(f"do_tile = tl.load(do_ptr + do_base + {rows}[:, None]{wide} * do_s2 + cols_dv[None, :] * do_s3"
           f"{_mask_argument(['row_in[:, None]'] + self.dv_mask('[None, :]'))})", depth)
         w(f"lse_row = tl.load(stats_ptr + stats_base + {rows} * stats_s2, mask=row_in, other=0.0)", depth)
-        w(f"lse_row = tl.where(row_in & (lse_row > float('-inf')), lse_row * {LOG2E!r}, float('inf'))", depth)
+        # an op-level softmax of a row that sees no key is NaN, and so are its probabilities
+        empty = "float('nan')" if self.modifier is not None else "float('inf')"
+        w(f"lse_row = tl.where(row_in & (lse_row > float('-inf')), lse_row * {LOG2E!r}, "
+          f"tl.where(row_in, {empty}, float('inf')))", depth)
         if self.has("delta"):
             w(f"delta_row = tl.load(delta_ptr + delta_base + {rows} * delta_s2, mask=row_in, other=0.0)", depth)
-        else:  # no workspace for the preprocess: the row sums here
+        elif self.has("o"):  # no workspace for the preprocess: the row sums here
             w(f"o_tile = tl.load(o_ptr + o_base + {rows}[:, None]{wide} * o_s2 + cols_dv[None, :] * o_s3"
               f"{_mask_argument(['row_in[:, None]'] + self.dv_mask('[None, :]'))})", depth)
             w("delta_row = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)", depth)
@@ -532,12 +550,26 @@ class _BackwardWriter(_Writer):
         w("do_tile = do_tile.to(q_ptr.dtype.element_ty)", depth)
 
     def scores(self, rows: str, keys: str, transposed: bool, masked: bool, depth: int):
-        """Base-2 scores of (rows, keys), [BLOCK_N, BLOCK_M] when transposed (dK/dV) else
-        [BLOCK_M, BLOCK_N]; masked blocks get -inf where a key is not visible."""
+        """Probabilities of (rows, keys), [BLOCK_N, BLOCK_M] when transposed (dK/dV) else
+        [BLOCK_M, BLOCK_N], from the base-2 logits and the row's log-sum-exp (dropped out too)."""
         w, spec = self.line, self.spec
         r, c = (f"{rows}[None, :]", f"{keys}[:, None]") if transposed else (f"{rows}[:, None]", f"{keys}[None, :]")
         product = "tl.dot(k_tile, tl.trans(q_tile)" if transposed else "tl.dot(q_tile, tl.trans(k_tile)"
-        w(f"scores = {product}{self.dot_options}) * qk_scale", depth)
+        logits = self.logits(f"{product}{self.dot_options})", rows, keys, r, c, transposed, masked, depth)
+        lse = "lse_row[None, :]" if transposed else "lse_row[:, None]"
+        w(f"p_tile = tl.math.exp2({logits} - {lse})", depth)
+        if spec.dropout is not None:
+            p = spec.dropout[0]
+            w(f"counter = ((batch.to(tl.int64) * HEADS + head) * SQ + {r}) * SKV + {c}", depth)
+            w(f"p_drop, keep = tm.dropout(p_tile, seed, offset, counter, {keep_threshold(p)}, {1.0 / (1.0 - p)!r})",
+              depth)
+
+    def logits(self, product: str, rows: str, keys: str, r: str, c: str, transposed: bool, masked: bool,
+               depth: int) -> str:
+        """The variable holding the base-2 scores of the block (`r`, `c`: rows and keys laid
+        along the tile's axes); masked blocks get -inf where a key is not visible."""
+        w, spec = self.line, self.spec
+        w(f"scores = {product} * qk_scale", depth)
         if self.has("bias"):
             # loaded [queries, keys] as in the forward, then transposed for the dK/dV tile
             wide = ".to(tl.int64)" if spec.wide_index else ""
@@ -553,13 +585,12 @@ class _BackwardWriter(_Writer):
             if spec.left is not None:
                 w(f"visible = visible & (({r} + shift) - {c} < {spec.left})", depth)
             w("scores = tl.where(visible, scores, float('-inf'))", depth)
-        lse = "lse_row[None, :]" if transposed else "lse_row[:, None]"
-        w(f"p_tile = tl.math.exp2(scores - {lse})", depth)
-        if spec.dropout is not None:
-            p = spec.dropout[0]
-            w(f"counter = ((batch.to(tl.int64) * HEADS + head) * SQ + {r}) * SKV + {c}", depth)
-            w(f"p_drop, keep = tm.dropout(p_tile, seed, offset, counter, {keep_threshold(p)}, {1.0 / (1.0 - p)!r})",
-              depth)
+        return "scores"
+
+    def score_grad(self, which: str, masked: bool, depth: int) -> str:
+        """The gradient of the scores that `which` ("dq", "dk") multiplies: dS itself here; an
+        op-level chain takes it back through its score ops."""
+        return "d_scores"
 
     def dropped(self, value: str, depth: int):
         """dP through the dropout mask (kept entries scaled by 1/(1-p), others 0)."""
@@ -572,11 +603,22 @@ class _BackwardWriter(_Writer):
         self.row_loads("q_rows", depth, masked, True)
         self.scores("q_rows", "keys", True, masked, depth)
         probs = "p_drop" if self.spec.dropout is not None else "p_tile"
-        w(f"dv_acc += tl.dot({probs}.to(do_tile.dtype), do_tile{self.dot_options})", depth)
-        w(f"d_probs = tl.dot(v_tile, tl.trans(do_tile){self.dot_options})", depth)
-        self.dropped("d_probs", depth)
-        w("d_scores = p_tile * (d_probs - delta_row[None, :])", depth)
-        w(f"dk_acc += tl.dot(d_scores.to(q_tile.dtype), q_tile{self.dot_options})", depth)
+        if self.has("dv"):
+            w(f"dv_acc += tl.dot({probs}.to(do_tile.dtype), do_tile{self.dot_options})", depth)
+        if self.has("dk"):
+            w(f"d_probs = tl.dot(v_tile, tl.trans(do_tile){self.dot_options})", depth)
+            self.dropped("d_probs", depth)
+            w("d_scores = p_tile * (d_probs - delta_row[None, :])", depth)
+            grad = self.score_grad("dk", masked, depth)
+            w(f"dk_acc += tl.dot({grad}.to(q_tile.dtype), q_tile{self.dot_options})", depth)
+
+    def key_operands(self) -> list:
+        """(stem, columns, head-dim mask) of the key-side tiles a kernel loads: k, and v where dP
+        is taken."""
+        operands = [("k", "cols_d", self.d_mask("[None, :]"))]
+        if self.has("v"):
+            operands.append(("v", "cols_dv", self.dv_mask("[None, :]")))
+        return operands
 
     def query_range(self):
         """lo/hi bound the query blocks that see any key of this block; [run_a, run_b) those
@@ -610,12 +652,13 @@ class _BackwardWriter(_Writer):
         w("key_in = keys < len_kv")
         w("cols_d = tl.arange(0, BLOCK_D)")
         w("cols_dv = tl.arange(0, BLOCK_DV)")
-        for stem, cols, mask in (("k", "cols_d", self.d_mask("[None, :]")), ("v", "cols_dv", self.dv_mask("[None, :]"))):
+        for stem, cols, mask in self.key_operands():
             w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1")
             w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + "
               f"{cols}[None, :] * {stem}_s3{_mask_argument(['key_in[:, None]'] + mask)})")
-        w("dk_acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)")
-        w("dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)")
+        for stem, shape in (("dk", "BLOCK_D"), ("dv", "BLOCK_DV")):
+            if self.has(stem):
+                w(f"{stem}_acc = tl.zeros([BLOCK_N, {shape}], tl.float32)")
         self.query_range()
         w("for q_head in range(GROUP):")
         w("head = kv_head * GROUP + q_head", 2)
@@ -626,6 +669,8 @@ class _BackwardWriter(_Writer):
         store = ["(keys < SKV)[:, None]"]
         for stem, acc, cols, mask, scale in (("dk", "dk_acc", "cols_d", self.d_mask("[None, :]"), True),
                                              ("dv", "dv_acc", "cols_dv", self.dv_mask("[None, :]"), False)):
+            if not self.has(stem):
+                continue
             value = f"{acc} * {self.spec.scale!r}" if scale else acc
             w(f"tl.store({stem}_ptr + batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1 + keys[:, None]{wide} * "
               f"{stem}_s2 + {cols}[None, :] * {stem}_s3, ({value}).to({stem}_ptr.dtype.element_ty), "
@@ -636,7 +681,7 @@ class _BackwardWriter(_Writer):
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
         w("keys = start_n + tl.arange(0, BLOCK_N)", depth)
         w("key_in = keys < len_kv", depth)
-        for stem, cols, mask in (("k", "cols_d", self.d_mask("[None, :]")), ("v", "cols_dv", self.dv_mask("[None, :]"))):
+        for stem, cols, mask in self.key_operands():
             keys = ["key_in[:, None]"] if masked else []
             w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + {cols}[None, :] * "
               f"{stem}_s3{_mask_argument(keys + mask)})", depth)
@@ -644,7 +689,8 @@ class _BackwardWriter(_Writer):
         w(f"d_probs = tl.dot(do_tile, tl.trans(v_tile){self.dot_options})", depth)
         self.dropped("d_probs", depth)
         w("d_scores = p_tile * (d_probs - delta_row[:, None])", depth)
-        w(accumulate or f"dq_acc += tl.dot(d_scores.to(k_tile.dtype), k_tile{self.dot_options})", depth)
+        grad = self.score_grad("dq", masked, depth)
+        w(accumulate or f"dq_acc += tl.dot({grad}.to(k_tile.dtype), k_tile{self.dot_options})", depth)
 
     def dq_kernel(self):
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
@@ -660,7 +706,7 @@ class _BackwardWriter(_Writer):
         w("cols_d = tl.arange(0, BLOCK_D)")
         w("cols_dv = tl.arange(0, BLOCK_DV)")
         self.head_offsets("head", 1)
-        for stem in ("k", "v"):
+        for stem, _, _ in self.key_operands():
             w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1")
         self.row_loads("rows", 1, True, False)
         w("dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)")

@@ -1,6 +1,8 @@
 """Partition a graph into kernel groups.
 
 Passes, in order:
+  0. attention backwards (the derivation of an op-level chain, attention.py) become one group
+     each, before the layout ops, since the transpose of their probabilities is inside them;
   0. layout ops become views of memory or copy kernels (views.py); they join no other group;
   1. attention chains (matmul -> scale/mask -> softmax -> matmul) become one group, only where
      the caller has a kernel for that pattern (a group with no kernel behind it would turn a
@@ -21,6 +23,7 @@ import networkx as nx
 
 from ..errors import ValidationError
 from ..ops.base import broadcast_dims
+from .attention import match_attention_backward
 from .patterns import ANCHOR_RULES, ATTENTION_SCORE_OPS, COUNTER_OPS, attention_chain_fits
 from .views import LAYOUT_OPS, Views, plan_views
 
@@ -38,6 +41,7 @@ class FusionGroup:
     inputs: list = field(default_factory=list)  # tensors read from memory
     outputs: list = field(default_factory=list)  # tensors written to memory
     origin: Optional[object] = None  # a copy group's layout Node (its nodes are made-up casts)
+    roles: Optional[object] = None  # an attention backward's AttentionBackward
 
     def describe(self) -> str:
         ops = ", ".join(f"{n.op}({n.name})" for n in self.nodes)
@@ -79,8 +83,9 @@ class _Partitioner:
     # --- pass 0: layout ops ----------------------------------------------------------------------
     def layout_views(self):
         """Aliases decided here; each copy becomes a group of its own (a pointwise kernel)."""
-        self.views = plan_views(self.graph, self.order, self.consumers)
-        for node in self.order:
+        free = [node for node in self.order if node not in self.group_of]
+        self.views = plan_views(self.graph, free, self.consumers)
+        for node in free:
             if node.op not in LAYOUT_OPS:
                 continue
             chain = []
@@ -119,6 +124,18 @@ class _Partitioner:
         """May an anchor absorb `node`? Anchor kernels know no logical index: no counter ops."""
         return (node is not None and node not in self.group_of and _is_pointwise(node)
                 and node.op not in COUNTER_OPS)
+
+    # --- pass 0: attention backwards --------------------------------------------------------------
+    def attention_backwards(self):
+        if not self.has_kernel("attention_backward"):
+            return
+        for node in self.order:
+            roles = match_attention_backward(node, self.consumers, lambda n: n not in self.group_of,
+                                             self.position)
+            if roles is not None and self.convex(set(roles.nodes())):
+                group = FusionGroup("attention_backward", roles.scores, roles.nodes(), roles=roles)
+                self.claim(group, group.nodes)
+                self.groups.append(group)
 
     # --- pass 1: attention chains ----------------------------------------------------------------
     def has_kernel(self, kind: str) -> bool:
@@ -346,6 +363,7 @@ def partition(graph, kernel_kinds=None) -> "Partition":
     that fuse several anchors into one group form only where their kind is among them.
     """
     partitioner = _Partitioner(graph, kernel_kinds)
+    partitioner.attention_backwards()
     partitioner.layout_views()
     partitioner.attention_chains()
     partitioner.anchors()

@@ -23,6 +23,7 @@ from ..heuristics.autotune import Tuner
 from ..heuristics.workspace import WorkspaceBudget
 from ..log import logger
 from ..runtime import interpreting
+from .attention import build_attention_backward
 from .launch import created_once, run_launches, time_launches
 from .conv import build_conv
 from .matmul import build_matmul
@@ -68,7 +69,8 @@ PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv"})
 
 KERNEL_BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": build_rows, "softmax": build_rows,
                    "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul,
-                   "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention}
+                   "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention,
+                   "attention_backward": build_attention_backward}
 
 
 def _check_outputs_dense(graph):
