@@ -1,7 +1,15 @@
-"""Where kernels run: CUDA when torch sees a GPU, else Triton's interpreter on CPU tensors.
+"""Where kernels run: CUDA tensors on their GPU, CPU tensors through Triton's interpreter.
 
-The interpreter is chosen before any kernel is defined (Triton reads TRITON_INTERPRET when a
-function is decorated), so on a CPU-only machine nothing needs to be set by the user.
+Triton reads TRITON_INTERPRET when a function is decorated, and its interpreter patches
+triton.language process-wide while a kernel runs, so a process either compiles for the GPU or
+interprets, not both. On a CPU-only machine this module sets TRITON_INTERPRET at import (nothing
+for the user to set) and kernels run through the interpreter in this process. On a machine with
+CUDA nothing is set: CUDA tensors run on their GPU here, and CPU tensors' kernels run in an
+interpreter process of their own (plan/interpreter_client.py).
+
+DNNGRAPH_INTERPRETER_WORKER=1 (read once, at import; for tests) makes a CPU-only machine behave
+as a GPU machine does for CPU tensors: TRITON_INTERPRET is left unset and CPU tensors' kernels
+run in the interpreter process.
 """
 from __future__ import annotations
 
@@ -9,18 +17,34 @@ import os
 
 import torch
 
-if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available():
+_WORKER_REQUESTED = os.environ.get("DNNGRAPH_INTERPRETER_WORKER", "0") not in ("", "0")
+
+if "TRITON_INTERPRET" not in os.environ and not torch.cuda.is_available() and not _WORKER_REQUESTED:
     os.environ["TRITON_INTERPRET"] = "1"
 
 
 # Triton reads the variable when kernels are decorated: its value at import is the one that counts
 # (and execute() need not read the environment on every call)
 _INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+_forced_worker = False  # force_interpreter_worker() sets it (tests)
 
 
 def interpreting() -> bool:
-    """True when generated kernels run through Triton's interpreter."""
+    """True when generated kernels run through Triton's interpreter in this process."""
     return _INTERPRETING
+
+
+def cpu_kernels_in_worker() -> bool:
+    """True when CPU tensors' kernels run in the interpreter process (this process compiles for
+    the GPU, or a test forced it), False when they run through the interpreter here."""
+    return _forced_worker or not _INTERPRETING
+
+
+def force_interpreter_worker(enabled: bool) -> None:
+    """Internal, for tests: send CPU tensors' kernels to the interpreter process even though this
+    process interprets (as a GPU machine does); False returns to the default."""
+    global _forced_worker
+    _forced_worker = bool(enabled)
 
 
 def _widen_bfloat16_dots():

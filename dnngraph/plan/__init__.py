@@ -307,9 +307,10 @@ class Plan:
                 raise ExecutionError(f"{spec.name!r} expects strides {list(spec.stride)}, got {list(stride)} "
                                      f"(declare the layout with tensor_like or set_stride)")
             if device is None:
-                device = value.device
+                device, first = value.device, spec.name
             elif value.device != device:
-                raise ExecutionError(f"{spec.name!r} is on {value.device}, other tensors on {device}")
+                raise ExecutionError(f"{spec.name!r} is on {value.device} and {first!r} on {device}: "
+                                     f"bind every tensor on one device")
             start = value.data_ptr()
             aligned = aligned and start % POINTER_ALIGNMENT == 0
             ranges.append((start, start + spec.extent_bytes, spec))
@@ -420,10 +421,11 @@ class Plan:
 
 
 def _kernel_device(device: torch.device) -> torch.device:
-    """Where kernels for tensors on `device` run: that GPU, or the interpreter (on CPU)."""
-    if interpreting():
+    """Where kernels for tensors on `device` run: that GPU, or the interpreter (CPU tensors; every
+    tensor when this process interprets)."""
+    if device.type not in ("cuda", "cpu"):
+        raise ExecutionError(f"tensors are on {device}: kernels run on CUDA devices, and on CPU tensors "
+                             f"through Triton's interpreter")
+    if interpreting() or device.type == "cpu":
         return torch.device("cpu")
-    if device.type != "cuda":
-        raise ExecutionError(f"tensors are on {device}, but kernels compile for CUDA here; "
-                             f"set TRITON_INTERPRET=1 before importing dnngraph to run on CPU")
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())

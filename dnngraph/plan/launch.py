@@ -2,7 +2,8 @@
 
 On CUDA a launch is compiled at build and run through Triton's compiled launcher with a
 pre-built argument list: no JIT dispatch per call (about 25 us of CPU a launch on the H100 here).
-On CPU tensors it runs through Triton's interpreter.
+On CPU tensors it runs through Triton's interpreter: here when this process interprets (a
+CPU-only machine), else in the interpreter process (interpreter_client.py).
 
 Launches are shared by every thread that executes a plan: binding happens once per device under
 a lock, and nothing a launch holds is written while it runs (the TMA descriptor scratch lives in
@@ -21,6 +22,8 @@ import torch
 from ..errors import ExecutionError
 from ..heuristics.autotune import TuningRecord
 from ..log import logger
+from ..runtime import cpu_kernels_in_worker
+from .interpreter_client import run_in_interpreter_process
 
 
 @dataclass(frozen=True)
@@ -182,18 +185,23 @@ class KernelLaunch:
 
 
 # Triton's interpreter patches triton.language while a kernel runs, so two interpreted kernels
-# must not overlap (threads executing plans on CPU take turns, a whole launch list at a time).
+# must not overlap (threads executing plans on CPU take turns, a whole launch list at a time;
+# the interpreter process serves one request at a time as well).
 INTERPRETER_LOCK = threading.RLock()
 
 
 def run_launches(launches, tensors, device, dtypes_of, aligned: bool = True, stream: Optional[int] = None):
     """Launch in order on `device` (CUDA: bound launchers on `stream`, by default the current
-    stream; CPU: the interpreter)."""
+    stream; CPU: the interpreter, here or in the interpreter process)."""
     if device.type != "cuda":
+        chosen = [launch.alternative if not aligned and launch.alternative is not None else launch
+                  for launch in launches]
+        if cpu_kernels_in_worker():
+            run_in_interpreter_process(chosen, tensors)
+            return
         with INTERPRETER_LOCK:
-            for launch in launches:
-                chosen = launch.alternative if not aligned and launch.alternative is not None else launch
-                chosen.interpret(tensors)
+            for launch in chosen:
+                launch.interpret(tensors)
         return
     if stream is None:
         stream = torch._C._cuda_getCurrentRawStream(device.index)
