@@ -74,5 +74,25 @@ def _widen_bfloat16_dots():
     builder.create_dot = create_dot
 
 
+def _index_from_one_element():
+    """Triton 3.6's interpreter takes a tensor's __index__ as int() of its numpy data, a
+    one-element array of rank >= 1 that numpy 2.4 no longer converts (TypeError: only
+    0-dimensional arrays can be converted to Python scalars); .item() reads the one element on
+    every numpy."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "dnngraph_item_index", False):
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patch_lang_tensor.dnngraph_item_index = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
 if interpreting():
     _widen_bfloat16_dots()
+    _index_from_one_element()
