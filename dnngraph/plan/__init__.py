@@ -8,6 +8,7 @@ workspace (or the caller passes one), and each device model its own launches.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import os
 import threading
 import time
@@ -23,6 +24,7 @@ from ..heuristics.autotune import Tuner
 from ..heuristics.workspace import WorkspaceBudget
 from ..log import logger
 from ..runtime import interpreting
+from .cache import PLANS, plan_key
 from .launch import created_once, run_launches, time_launches
 from .conv import build_conv
 from .matmul import build_matmul
@@ -71,6 +73,14 @@ KERNEL_BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduc
                    "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention}
 
 
+def _keys_of(graph) -> dict:
+    """Binding key (Tensor handle or name) -> uid for every tensor of `graph`."""
+    keys = {}
+    for tensor in graph.tensors:
+        keys[tensor] = keys[tensor.name] = tensor.uid
+    return keys
+
+
 def _check_outputs_dense(graph):
     for tensor in graph.outputs():
         for size, stride in zip(tensor.dim, tensor.stride):
@@ -80,14 +90,31 @@ def _check_outputs_dense(graph):
 
 
 def build_plan(graph, autotune: bool = False, workspace_limit=None) -> "Plan":
-    """Partition, schedule (or autotune) and generate every kernel of a validated graph; the
-    configs' optional scratch together stays within `workspace_limit` bytes (None: no limit)."""
+    """The plan of a validated graph: the cached one when an identical graph was built before
+    under the same settings (see cache.py), else partition, schedule (or autotune) and generate
+    every kernel; the configs' optional scratch together stays within `workspace_limit` bytes
+    (None: no limit). The graph's virtual tensors take the view strides the plan gives them."""
     _check_outputs_dense(graph)
+    start = time.perf_counter()
+    device = _build_device()
+    key = plan_key(graph, autotune, workspace_limit, device, KERNEL_BUILDERS)
+    shared = PLANS.get(key)
+    if shared is None:
+        shared = _build_new(graph._snapshot(), device, autotune, workspace_limit)
+        PLANS.put(key, shared)
+    else:
+        logger.info("built graph %r from the plan cache in %.2f ms", graph.name, 1e3 * (time.perf_counter() - start))
+    plan = shared.for_graph(graph)
+    plan.views.lend_strides(graph)
+    return plan
+
+
+def _build_new(graph, device, autotune: bool, workspace_limit) -> "Plan":
+    """A new plan over `graph` (a snapshot the plan keeps)."""
     start = time.perf_counter()
     groups = partition(graph, frozenset(KERNEL_BUILDERS))
     for group in groups:
         logger.debug("graph %r: group %s", graph.name, group.describe())
-    device = _build_device()
     budget = WorkspaceBudget(workspace_limit)
     plan = Plan(graph, groups, build_launches(graph, groups, device, autotune, budget), device, autotune, budget)
     logger.info("built graph %r: %d ops in %d kernel(s) for %s in %.1f ms, workspace %d bytes", graph.name,
@@ -205,10 +232,7 @@ class Plan:
         used = {self.views.root_of(t.uid) for g in groups for t in g.inputs}
         self.specs = [_binding_spec(t) for t in graph.inputs() if t.uid in used]
         self.specs += [_binding_spec(t) for t in graph.outputs()]
-        self.key_to_uid = {}
-        for tensor in graph.tensors:
-            self.key_to_uid[tensor] = tensor.uid
-            self.key_to_uid[tensor.name] = tensor.uid
+        self.key_to_uid = _keys_of(graph)
         # unused inputs may be bound (and are ignored); virtual tensors may not
         self.bindable = {s.uid for s in self.specs} | {t.uid for t in graph.inputs()}
         self.names = {t.uid: t.name for t in graph.tensors}
@@ -225,15 +249,22 @@ class Plan:
         self.views_aligned = self.views.aligned(lambda uid: self.dtypes[uid].itemsize)
         self.workspace_tensors, self.workspace_bytes = built.workspace_tensors, built.workspace_bytes
 
+    def for_graph(self, graph) -> "Plan":
+        """This plan for `graph`, identical to the graph it was built from (the plan cache's key
+        makes sure): the graph's own name and tensor handles over the same launches; the
+        workspaces are its own."""
+        plan = copy.copy(self)
+        plan.graph_name = graph.name
+        plan.key_to_uid = _keys_of(graph)
+        plan._streams = {}
+        return plan
+
     # --- one set of launches per device model ----------------------------------------------------
     def _derive(self, device, launches=None) -> DeviceLaunches:
         """Build (unless given) and bind the launches for `device`'s model; caller holds the lock
         or is the constructor."""
         model = device_model(device)
         if launches is None:
-            if self._graph.plan is not self:
-                raise ExecutionError(f"graph {self.graph_name!r} changed since this plan was built, and "
-                                     f"{device} needs launches of its own: build the graph again")
             launches = build_launches(self._graph, self.groups, device, self._autotune, self._budget.fresh())
         built = DeviceLaunches(model, launches, self.groups, self._graph_dtypes)
         if device.type == "cuda":
