@@ -107,6 +107,14 @@ def test_hit_gives_view_strides_like_a_build():
     check(g2, {a2: torch.randn(6, 8), b2: torch.randn(6, 4)})
 
 
+def test_hit_explains_and_draws_like_a_build():
+    g1 = _mlp()[0].build()
+    g2 = _mlp()[0].build()
+    assert g2.plan.launches is g1.plan.launches
+    assert g2.explain() == g1.explain()
+    assert g2.to_dot() == g1.to_dot() and "(view)" not in g2.to_dot()
+
+
 def test_threads_building_one_graph_get_working_plans():
     errors = []
 
