@@ -21,12 +21,12 @@ def render_dot(graph, groups) -> str:
         lines.append(f"  subgraph cluster_{index} {{")
         lines.append(f"    label={_quoted(f'kernel {index} [{group.kind}]')}; style=rounded;")
         for node in members:
-            if id(node) not in clustered:
-                clustered.add(id(node))
+            if node.uid not in clustered:  # by uid: a plan's groups may hold a snapshot's nodes
+                clustered.add(node.uid)
                 lines.append(f"    op_{node.uid} [shape=box, label={_quoted(f'{node.op}: {node.name}')}];")
         lines.append("  }")
     for node in graph.nodes:
-        if id(node) not in clustered:  # a layout op that is a view: no kernel
+        if node.uid not in clustered:  # a layout op that is a view: no kernel
             lines.append(f"  op_{node.uid} [shape=box, style=dashed, label={_quoted(f'{node.op}: {node.name} (view)')}];")
     for tensor in graph.tensors:
         style = "filled" if tensor.is_input or tensor.is_output else "dotted"

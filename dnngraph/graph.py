@@ -5,6 +5,7 @@ strides, and only then adds the node: a failed call leaves the graph as it was.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import itertools
 from dataclasses import dataclass
@@ -157,6 +158,31 @@ class Graph:
         tensor._name = name
         self._names[name] = tensor
         self._invalidate()
+
+    def _snapshot(self) -> "Graph":
+        """A private copy with the same uids, names, order and settings, for a plan to build on
+        and keep: later changes to this graph never reach it (nor its view strides, undone)."""
+        twin = copy.copy(self)
+        twin._plan = None
+        twin._tensors, twin._names, twin._nodes = {}, {}, []
+        twin._node_names = set(self._node_names)
+        twin._uids = itertools.count(max([t.uid for t in self._tensors.values()]
+                                         + [n.uid for n in self._nodes], default=0) + 1)
+        nodes = {}
+        for tensor in self._tensors.values():
+            copied = copy.copy(tensor)
+            copied._graph = twin
+            copied.restore_strides()
+            twin._tensors[copied.uid] = twin._names[copied.name] = copied
+        for node in self._nodes:
+            copied = nodes[node.uid] = copy.copy(node)
+            copied.inputs = tuple(None if t is None else twin._tensors[t.uid] for t in node.inputs)
+            copied.outputs = tuple(None if t is None else twin._tensors[t.uid] for t in node.outputs)
+            twin._nodes.append(copied)
+        for tensor in twin._tensors.values():
+            tensor.producer = None if tensor.producer is None else nodes[tensor.producer.uid]
+            tensor._type_source = tuple(twin._tensors[t.uid] for t in tensor._type_source)
+        return twin
 
     def to_networkx(self) -> nx.DiGraph:
         """The node DAG (edges producer -> consumer), nodes keyed by Node."""
@@ -491,11 +517,8 @@ class Graph:
         if workspace_limit is not None:
             workspace_limit = integer("build", "workspace_limit", workspace_limit, minimum=0)
         self.validate()
-        try:
-            self._plan = build_plan(self, autotune=autotune, workspace_limit=workspace_limit)
-        except BaseException:
-            self._restore_strides()  # a failed build leaves the tensors as they were
-            raise
+        # a build works on a snapshot of the graph: a failed one leaves the tensors as they were
+        self._plan = build_plan(self, autotune=autotune, workspace_limit=workspace_limit)
         return self
 
     def _restore_strides(self):

@@ -4,6 +4,7 @@ check runs again; nothing is evaluated or unpickled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import networkx as nx
@@ -28,8 +29,9 @@ def _from_jsonable(value):
     return value
 
 
-def graph_to_json(graph) -> str:
-    """Serialize tensors (with explicit settings) and nodes in creation order."""
+def graph_document(graph) -> dict:
+    """The graph as plain JSON-able data: tensors (with explicit settings) and nodes in creation
+    order, under a versioned header."""
     tensors = []
     for tensor in graph.tensors:
         tensors.append({
@@ -39,19 +41,28 @@ def graph_to_json(graph) -> str:
         })
     nodes = []
     for node in graph.nodes:
-        attrs = {f.name: _jsonable(getattr(node.attrs, f.name)) for f in dataclasses.fields(node.attrs)}
+        attrs = {name: _jsonable(getattr(node.attrs, name)) for name in _field_names(type(node.attrs))}
         nodes.append({"op": node.op, "name": node.name,
                       "inputs": [None if t is None else t.uid for t in node.inputs],
                       "outputs": [None if t is None else t.uid for t in node.outputs],
                       "attrs": attrs})
-    document = {
+    return {
         "format": FORMAT, "version": SCHEMA_VERSION,
         "graph": {"name": graph.name, "io_data_type": graph.io_data_type.name,
                   "intermediate_data_type": graph.intermediate_data_type.name,
                   "compute_data_type": graph.compute_data_type.name, "allow_tf32": graph.allow_tf32},
         "tensors": tensors, "nodes": nodes,
     }
-    return json.dumps(document, indent=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _field_names(attrs_type) -> tuple:
+    return tuple(f.name for f in dataclasses.fields(attrs_type))
+
+
+def graph_to_json(graph) -> str:
+    """Serialize tensors (with explicit settings) and nodes in creation order."""
+    return json.dumps(graph_document(graph), indent=1)
 
 
 def _require(condition, message):

@@ -21,6 +21,14 @@ COMMENT_LIMIT = 160  # characters of user text per comment
 _HINT = re.compile(r"[A-Za-z][A-Za-z0-9]*(_[A-Za-z0-9]+)*")
 
 
+def _stems_of(name: str) -> set:
+    """Every `stem` with `name` starting `stem_` ("x_stride_0": "x", "x_stride")."""
+    return {name[:i] for i, c in enumerate(name) if c == "_"}
+
+
+RESERVED_STEMS = frozenset().union(*(_stems_of(name) for name in RESERVED))
+
+
 class NameAllocator:
     """Owns the identifiers of one kernel.
 
@@ -32,6 +40,7 @@ class NameAllocator:
 
     def __init__(self, fixed=()):
         self._taken: set[str] = set(RESERVED)
+        self._stems: set[str] = set(RESERVED_STEMS)  # s such that some taken name starts s_
         self._prefixes: set[str] = set()
         self.reserve(*fixed)
 
@@ -39,7 +48,11 @@ class NameAllocator:
         """Mark fixed identifiers of the kernel as used."""
         for name in names:
             _check_hint(name)
-            self._taken.add(name)
+            self._take(name)
+
+    def _take(self, name: str):
+        self._taken.add(name)
+        self._stems |= _stems_of(name)
 
     def reserve_stems(self, *stems: str):
         """Mark fixed stems of the kernel as used, each with every `stem_*` name."""
@@ -52,7 +65,7 @@ class NameAllocator:
     def _free(self, name: str, as_prefix: bool) -> bool:
         if name in self._taken or self._inside_prefix(name):
             return False
-        return not as_prefix or not any(taken.startswith(name + "_") for taken in self._taken)
+        return not as_prefix or name not in self._stems
 
     def _allocate(self, hint: str, as_prefix: bool) -> str:
         _check_hint(hint)
@@ -62,7 +75,7 @@ class NameAllocator:
         while not self._free(name, as_prefix):
             count += 1
             name = f"{hint}{count}" if hint[-1].isalpha() else f"{hint}_{count}"
-        self._taken.add(name)
+        self._take(name)
         if as_prefix:
             self._prefixes.add(name)
         return name

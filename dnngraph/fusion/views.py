@@ -83,6 +83,16 @@ class Views:
             root = tensors[alias.root]
             tensors[uid] = root.as_strided(alias.dims, alias.strides, root.storage_offset() + alias.offset)
 
+    def lend_strides(self, graph) -> None:
+        """Give `graph`'s tensors the view strides a build gives its aliases (after undoing an
+        earlier build's), as the partition did to the snapshot the plan was built on."""
+        for tensor in graph.tensors:
+            tensor.restore_strides()
+        for uid, alias in self.aliases.items():
+            tensor = graph._tensors.get(uid)
+            if tensor is not None:
+                tensor.view_strides(alias.strides)
+
     def aligned(self, itemsize_of) -> bool:
         """Whether every alias starts 16 bytes into its root's memory (roots are aligned)."""
         return all(alias.offset * itemsize_of(uid) % 16 == 0 for uid, alias in self.aliases.items())

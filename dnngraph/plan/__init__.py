@@ -8,10 +8,12 @@ workspace (or the caller passes one), and each device model its own launches.
 from __future__ import annotations
 
 import concurrent.futures
+import copy
 import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -24,6 +26,7 @@ from ..heuristics.workspace import WorkspaceBudget
 from ..log import logger
 from ..runtime import interpreting
 from .attention import build_attention_backward
+from .cache import PLANS, plan_key
 from .launch import created_once, run_launches, time_launches
 from .conv import build_conv
 from .matmul import build_matmul
@@ -36,6 +39,7 @@ from .rows import build_rows
 COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 POINTER_ALIGNMENT = 16  # bytes; Triton specializes pointers on it (vectorized access)
 WORKSPACE_ALIGNMENT = 256
+READY_BINDING_SETS = 64  # checked binding sets a plan remembers (forgotten all at once past it)
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,14 @@ KERNEL_BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduc
                    "attention_backward": build_attention_backward}
 
 
+def _keys_of(graph) -> dict:
+    """Binding key (Tensor handle or name) -> uid for every tensor of `graph`."""
+    keys = {}
+    for tensor in graph.tensors:
+        keys[tensor] = keys[tensor.name] = tensor.uid
+    return keys
+
+
 def _check_outputs_dense(graph):
     for tensor in graph.outputs():
         for size, stride in zip(tensor.dim, tensor.stride):
@@ -82,14 +94,31 @@ def _check_outputs_dense(graph):
 
 
 def build_plan(graph, autotune: bool = False, workspace_limit=None) -> "Plan":
-    """Partition, schedule (or autotune) and generate every kernel of a validated graph; the
-    configs' optional scratch together stays within `workspace_limit` bytes (None: no limit)."""
+    """The plan of a validated graph: the cached one when an identical graph was built before
+    under the same settings (see cache.py), else partition, schedule (or autotune) and generate
+    every kernel; the configs' optional scratch together stays within `workspace_limit` bytes
+    (None: no limit). The graph's virtual tensors take the view strides the plan gives them."""
     _check_outputs_dense(graph)
+    start = time.perf_counter()
+    device = _build_device()
+    key = plan_key(graph, autotune, workspace_limit, device, KERNEL_BUILDERS)
+    shared = PLANS.get(key)
+    if shared is None:
+        shared = _build_new(graph._snapshot(), device, autotune, workspace_limit)
+        PLANS.put(key, shared)
+    else:
+        logger.info("built graph %r from the plan cache in %.2f ms", graph.name, 1e3 * (time.perf_counter() - start))
+    plan = shared.for_graph(graph)
+    plan.views.lend_strides(graph)
+    return plan
+
+
+def _build_new(graph, device, autotune: bool, workspace_limit) -> "Plan":
+    """A new plan over `graph` (a snapshot the plan keeps)."""
     start = time.perf_counter()
     groups = partition(graph, frozenset(KERNEL_BUILDERS))
     for group in groups:
         logger.debug("graph %r: group %s", graph.name, group.describe())
-    device = _build_device()
     budget = WorkspaceBudget(workspace_limit)
     plan = Plan(graph, groups, build_launches(graph, groups, device, autotune, budget), device, autotune, budget)
     logger.info("built graph %r: %d ops in %d kernel(s) for %s in %.1f ms, workspace %d bytes", graph.name,
@@ -185,6 +214,34 @@ class DeviceLaunches:
 
 
 @dataclass
+class ReadyBindings:
+    """A binding set execute() has checked: the uid of each binding (in the bindings' order), the
+    tensors' device, where kernels run, their launches, whether every pointer is aligned, and
+    (CUDA, aligned) per raw stream the lock and the launch calls with addresses filled in."""
+
+    uids: tuple
+    device: torch.device
+    kernel_device: torch.device
+    built: "DeviceLaunches"
+    aligned: bool
+    streams: Optional[dict]
+
+
+def _stamp(bindings: dict, workspace) -> tuple:
+    """What execute()'s checks read of a binding set: per binding the key and the value's type,
+    address, dtype, shape, strides and device (and the same of the workspace). Contents are not
+    in it: writing into a bound tensor keeps its binding valid, while anything that moves or
+    reshapes it (set_, resize_, as_strided_, .data =) changes the stamp."""
+    parts = []
+    for key, value in bindings.items():
+        parts += (key, value.__class__, value.data_ptr(), value.dtype, value.shape, value.stride(), value.device)
+    if workspace is not None:
+        parts += (workspace.__class__, workspace.data_ptr(), workspace.dtype, workspace.shape, workspace.stride(),
+                  workspace.device)
+    return tuple(parts)
+
+
+@dataclass
 class StreamWorkspace:
     """The workspace of one (device, stream): the lock keeps one execute's launches together on
     the stream, so two threads sharing a stream cannot interleave kernels over it."""
@@ -207,10 +264,7 @@ class Plan:
         used = {self.views.root_of(t.uid) for g in groups for t in g.inputs}
         self.specs = [_binding_spec(t) for t in graph.inputs() if t.uid in used]
         self.specs += [_binding_spec(t) for t in graph.outputs()]
-        self.key_to_uid = {}
-        for tensor in graph.tensors:
-            self.key_to_uid[tensor] = tensor.uid
-            self.key_to_uid[tensor.name] = tensor.uid
+        self.key_to_uid = _keys_of(graph)
         # unused inputs may be bound (and are ignored); virtual tensors may not
         self.bindable = {s.uid for s in self.specs} | {t.uid for t in graph.inputs()}
         self.names = {t.uid: t.name for t in graph.tensors}
@@ -221,11 +275,22 @@ class Plan:
         self._by_model: dict = {}  # DeviceModel -> DeviceLaunches
         self._by_device: dict = {}  # (device type, index) -> DeviceLaunches
         self._streams: dict = {}  # (device type, index, raw stream) -> StreamWorkspace
+        self._ready: dict = {}  # _stamp of a binding set -> ReadyBindings
         device = torch.device("cpu") if device is None else device
         built = self._derive(device, launches)
         self.dtypes = built.dtypes
         self.views_aligned = self.views.aligned(lambda uid: self.dtypes[uid].itemsize)
         self.workspace_tensors, self.workspace_bytes = built.workspace_tensors, built.workspace_bytes
+
+    def for_graph(self, graph) -> "Plan":
+        """This plan for `graph`, identical to the graph it was built from (the plan cache's key
+        makes sure): the graph's own name and tensor handles over the same launches; the
+        workspaces are its own."""
+        plan = copy.copy(self)
+        plan.graph_name = graph.name
+        plan.key_to_uid = _keys_of(graph)
+        plan._streams, plan._ready = {}, {}
+        return plan
 
     # --- one set of launches per device model ----------------------------------------------------
     def _derive(self, device, launches=None) -> DeviceLaunches:
@@ -233,9 +298,6 @@ class Plan:
         or is the constructor."""
         model = device_model(device)
         if launches is None:
-            if self._graph.plan is not self:
-                raise ExecutionError(f"graph {self.graph_name!r} changed since this plan was built, and "
-                                     f"{device} needs launches of its own: build the graph again")
             launches = build_launches(self._graph, self.groups, device, self._autotune, self._budget.fresh())
         built = DeviceLaunches(model, launches, self.groups, self._graph_dtypes)
         if device.type == "cuda":
@@ -362,24 +424,85 @@ class Plan:
 
         Internal tensors live in `workspace` (uint8, contiguous, at least workspace_size() bytes,
         on the tensors' device) when given: the caller then keeps concurrent executes apart.
-        Without it each (device, stream) uses a workspace of its own, made on first use."""
+        Without it each (device, stream) uses a workspace of its own, made on first use.
+
+        A binding set is checked once: an execute whose keys, tensor types, addresses, dtypes,
+        shapes, strides and devices (and workspace) all match an earlier one's reuses its
+        checks and, on a GPU, its launches' argument lists with the addresses filled in."""
+        try:
+            stamp = _stamp(bindings, workspace) if bindings.__class__ is dict else None
+            ready = self._ready.get(stamp)
+        except Exception:  # a value that is no tensor, an unhashable key: the checks say which
+            stamp = ready = None
+        if ready is None:
+            ready = self._prepare(bindings, workspace, stamp)
+        if ready.streams is None:
+            self._execute_tensors(ready, bindings, workspace)
+            return
+        stream = torch._C._cuda_getCurrentRawStream(ready.device.index)
+        lock, calls = ready.streams.get(stream) or self._bind_stream(ready, bindings, workspace, stream)
+        if lock is None:
+            for launcher, args in calls:
+                launcher(*args)
+            return
+        with lock:
+            for launcher, args in calls:
+                launcher(*args)
+
+    def _prepare(self, bindings, workspace, stamp) -> "ReadyBindings":
+        """Check a binding set (and workspace) in full and remember it under `stamp`."""
         tensors = self._resolve(bindings)
         device, aligned = self._check(tensors)
         aligned = aligned and self.views_aligned
         kernel_device = _kernel_device(device)
         built = self._launches_for(kernel_device)
+        if workspace is not None:
+            self._caller_workspace(workspace, built, device, tensors)
+        uids = tuple(self.key_to_uid[key] for key in bindings)
+        bound = kernel_device.type == "cuda" and aligned
+        ready = ReadyBindings(uids, device, kernel_device, built, aligned, {} if bound else None)
+        if stamp is not None:
+            if len(self._ready) >= READY_BINDING_SETS:
+                self._ready.clear()
+            self._ready[stamp] = ready
+        return ready
+
+    def _execute_tensors(self, ready: "ReadyBindings", bindings, workspace):
+        """Launch with torch tensors as arguments: the interpreter, or pointers below alignment."""
+        tensors = dict(zip(ready.uids, bindings.values()))
+        built, device, kernel_device = ready.built, ready.device, ready.kernel_device
         stream = torch._C._cuda_getCurrentRawStream(device.index) if kernel_device.type == "cuda" else None
         if workspace is not None:
-            tensors.update(self._caller_workspace(workspace, built, device, tensors))
+            tensors.update(built.views(workspace.view(-1)))
         elif built.workspace_tensors:
             shared = self._stream_workspace(built, device, stream)
             with shared.lock:
                 tensors.update(shared.views)
                 self.views.materialize(tensors)
-                run_launches(built.launches, tensors, kernel_device, built.dtypes, aligned, stream)
+                run_launches(built.launches, tensors, kernel_device, built.dtypes, ready.aligned, stream)
             return
         self.views.materialize(tensors)
-        run_launches(built.launches, tensors, kernel_device, built.dtypes, aligned, stream)
+        run_launches(built.launches, tensors, kernel_device, built.dtypes, ready.aligned, stream)
+
+    def _bind_stream(self, ready: "ReadyBindings", bindings, workspace, stream) -> tuple:
+        """(lock or None, ((launcher, arguments), ...)) of a checked binding set on `stream`: every
+        tensor argument is a device address (bound tensors, workspace entries, views into them),
+        so a launch converts nothing."""
+        built, device = ready.built, ready.device
+        addresses = dict(zip(ready.uids, (value.data_ptr() for value in bindings.values())))
+        lock = None
+        if workspace is not None:
+            base = workspace.data_ptr()
+        elif built.workspace_tensors:
+            shared = self._stream_workspace(built, device, stream)
+            base, lock = shared.buffer.data_ptr(), shared.lock
+        for uid, _, _, _, _, offset in built.workspace_tensors:
+            addresses[uid] = base + offset
+        for uid, alias in self.views.aliases.items():
+            addresses[uid] = addresses[alias.root] + alias.offset * built.dtypes[alias.root].itemsize
+        calls = tuple(launch.bind(device.index, built.dtypes).call(addresses, stream) for launch in built.launches)
+        ready.streams[stream] = (lock, calls)
+        return lock, calls
 
     def profile(self, bindings) -> list:
         """(launch, median milliseconds) of each kernel run alone on `bindings` (as execute

@@ -1,0 +1,151 @@
+"""Host microseconds per execute of dnngraph's own Python, on any machine (no GPU needed).
+
+The CUDA execute path runs with Triton's launcher replaced by a no-op: the plan is "bound" for a
+pretend GPU whose compiled kernels do nothing, so what is timed is everything dnngraph does per
+execute (resolve and check the bindings, find the launches and the stream's workspace, fill
+each launch's arguments) and nothing of Triton's launcher or the driver. Also the time of a
+second build of an identical graph (a plan-cache hit) and of a build that misses.
+
+    python benchmarks/bench_host.py [--executes N]
+"""
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's dnngraph
+
+import dnngraph as dg  # noqa: E402
+import dnngraph.plan as plan_module  # noqa: E402
+from dnngraph.plan import launch as launch_module  # noqa: E402
+
+EXECUTES = 20000
+REPEATS = 5  # the median of this many timed loops is reported
+BUILDS = 200
+
+
+def one_kernel(name="one"):
+    """relu over [1024]: one pointwise kernel."""
+    g = dg.Graph(name=name)
+    x = g.tensor(name="x", dim=[1024])
+    g.relu(x).set_output(True).set_name("y")
+    return g
+
+
+def four_kernels(name="four"):
+    """matmul -> row softmax -> matmul -> row sum: four kernels."""
+    g = dg.Graph(name=name)
+    a, b, c = (g.tensor(name=n, dim=[64, 64]) for n in ("a", "b", "c"))
+    y = g.matmul(g.softmax(g.matmul(a, b), axis=1), c)
+    g.reduction(y, "sum", [1]).set_output(True).set_name("y")
+    return g
+
+
+def bindings_of(g):
+    values = {t: torch.randn(t.dim).to(t.data_type.torch_dtype) for t in g.inputs()}
+    values.update({t: torch.empty(t.dim, dtype=t.data_type.torch_dtype) for t in g.outputs()})
+    return values
+
+
+class _NoOpLauncher:
+    """Stands in for Triton's compiled launcher: takes the arguments, launches nothing."""
+
+    launch_cooperative_grid = launch_pdl = False
+
+    def __call__(self, *args):
+        return None
+
+    def launch(self, *args):
+        return None
+
+
+def _fake_compiled():
+    return SimpleNamespace(_init_handles=lambda: None, run=_NoOpLauncher(), function=0, packed_metadata=(),
+                           metadata=SimpleNamespace(global_scratch_size=0, num_ctas=1))
+
+
+@contextlib.contextmanager
+def pretend_gpu():
+    """Make CPU tensors take the CUDA execute path, with every kernel a no-op."""
+    saved = {
+        (plan_module, "_kernel_device"): plan_module._kernel_device,
+        (launch_module.KernelLaunch, "_compile"): launch_module.KernelLaunch._compile,
+        (torch._C, "_cuda_getCurrentRawStream"): getattr(torch._C, "_cuda_getCurrentRawStream", None),
+    }
+    cpu_model = plan_module.device_model(torch.device("cpu"))
+    saved[(plan_module, "device_model")] = plan_module.device_model
+
+    def compile_no_op(self, device_index, dtypes_of):
+        return launch_module.BoundLaunch(_fake_compiled(), self.grid, self.template, self.slots, None)
+
+    plan_module._kernel_device = lambda device: torch.device("cuda", 0)
+    plan_module.device_model = lambda device=None: cpu_model
+    launch_module.KernelLaunch._compile = compile_no_op
+    torch._C._cuda_getCurrentRawStream = lambda index: 0
+    try:
+        yield
+    finally:
+        for (owner, name), value in saved.items():
+            setattr(owner, name, value)
+
+
+def _per_call_us(fn, iterations: int) -> float:
+    for _ in range(min(iterations, 1000)):
+        fn()
+    samples = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        for _ in range(iterations):
+            fn()
+        samples.append((time.perf_counter() - start) / iterations * 1e6)
+    return statistics.median(samples)
+
+
+def execute_rows(executes: int) -> list:
+    rows = []
+    for make in (one_kernel, four_kernels):
+        g = make().build()
+        bindings = bindings_of(g)
+        with pretend_gpu():
+            g.execute(bindings)  # binds the no-op launches
+            us = _per_call_us(lambda: g.execute(bindings), executes)
+        rows.append((f"execute, {len(g.plan.launches)} kernel(s), same tensors", us))
+        with pretend_gpu():
+            fresh = [bindings_of(g) for _ in range(64)]
+            cycle = iter(range(10 ** 9))
+            us = _per_call_us(lambda: g.execute(fresh[next(cycle) % len(fresh)]), executes)
+        rows.append((f"execute, {len(g.plan.launches)} kernel(s), 64 binding sets in turn", us))
+    return rows
+
+
+def build_rows() -> list:
+    rows = []
+    for make in (one_kernel, four_kernels):
+        make().build()  # kernels generated and loaded, the plan cached where there is a cache
+        graphs = [make("again") for _ in range(BUILDS)]
+        start = time.perf_counter()
+        for g in graphs:
+            g.build()
+        rows.append((f"identical graph rebuilt ({make.__name__})", (time.perf_counter() - start) / BUILDS * 1e3))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--executes", type=int, default=EXECUTES)
+    args = parser.parse_args()
+    print("| host time (no-op launcher, CPU) | us per call |\n|---|---|")
+    for what, us in execute_rows(args.executes):
+        print(f"| {what} | {us:.2f} |")
+    print("\n| build | ms |\n|---|---|")
+    for what, ms in build_rows():
+        print(f"| {what} | {ms:.3f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The plan cache: a second build of an identical graph in one process reuses the first plan.
+
+The key holds everything a build reads, so a hit can never differ from what a build would make:
+
+  * the graph as serialization writes it (uids, names, dims, strides, data types, outputs, op
+    attributes, the graph's data types and allow_tf32), less the graph's own name, which no
+    kernel sees (each graph's plan carries its own name);
+  * the build arguments (autotune, workspace_limit) and the kernel builders by family;
+  * the device a build schedules for (type, index, model) and whether kernels are interpreted;
+  * the environment variables a build reads (BUILD_ENVIRONMENT);
+  * with autotune, the state of the tuning-cache file (a store by any process changes it);
+  * the overrides generation: every module of dnngraph counts assignments to its attributes
+    (FORCE_CONFIG, SPLIT_MIN_REDUCED, device_model..., whether set by a test's monkeypatch, a
+    sweep script or a user), so a build after any change misses. Tables changed in place
+    (`rows.SOME_TABLE[key] = ...`) are not seen: call clear() after doing that.
+
+A cached plan is built on a private snapshot of the graph, so no later change to the graph that
+was built first can reach it; each graph gets a plan of its own over the shared launches
+(Plan.for_graph), which maps its own tensor handles and names. The cache is thread-safe.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import os
+import sys
+import threading
+import types
+
+from ..heuristics import device_model
+from ..heuristics.tuning_cache import tuning_cache_path
+from ..runtime import interpreting
+from ..serialization import graph_document
+
+PLAN_CACHE_ENTRIES = 128  # plans kept (least recently used dropped first)
+# Every environment variable a build reads (HOME: the default cache folder lies under it);
+# tests/test_plan_cache.py checks the sources read no other one but those in IGNORED_ENVIRONMENT.
+BUILD_ENVIRONMENT = ("DNNGRAPH_CACHE_DIR", "DNNGRAPH_AUTOTUNE_TOP", "HOME")
+# Read by dnngraph but changing no plan: logging, autotune's progress output, the interpreter
+# and the interpreter process's switch (both read once at import; interpreting() is in the key).
+IGNORED_ENVIRONMENT = ("DNNGRAPH_LOG", "DNNGRAPH_AUTOTUNE_QUIET", "TRITON_INTERPRET", "DNNGRAPH_INTERPRETER_WORKER")
+WATCHED_PACKAGE = "dnngraph"
+
+
+class _Overrides:
+    """Counts assignments to module attributes of dnngraph (the heuristics' FORCE_* knobs among
+    them); the count is part of every plan key."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ticks = itertools.count(1)
+        self.generation = 0
+        self.modules_seen = -1  # len(sys.modules) when modules were last watched
+
+    def bump(self):
+        with self.lock:
+            self.generation = next(self.ticks)
+
+    def current(self) -> int:
+        """The generation, after watching any dnngraph module imported since the last call."""
+        if len(sys.modules) != self.modules_seen:
+            self.modules_seen = len(sys.modules)
+            for name, module in list(sys.modules.items()):
+                if (name == WATCHED_PACKAGE or name.startswith(WATCHED_PACKAGE + ".")) \
+                        and type(module) is types.ModuleType:
+                    module.__class__ = _WatchedModule
+        return self.generation
+
+
+OVERRIDES = _Overrides()
+
+
+class _WatchedModule(types.ModuleType):
+    """A module whose attribute assignments and deletions move the overrides generation on
+    (binding a submodule on import does not: it changes no value a build reads)."""
+
+    def __setattr__(self, name, value):
+        if not isinstance(value, types.ModuleType):
+            OVERRIDES.bump()
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        OVERRIDES.bump()
+        super().__delattr__(name)
+
+
+def _environment() -> tuple:
+    return tuple(os.environ.get(name) for name in BUILD_ENVIRONMENT)
+
+
+def _tuning_state() -> tuple:
+    """(inode, mtime, size) of the tuning-cache file, or () when there is none."""
+    try:
+        stat = os.stat(tuning_cache_path())
+    except OSError:
+        return ()
+    return (stat.st_ino, stat.st_mtime_ns, stat.st_size)
+
+
+def _graph_signature(graph) -> str:
+    document = graph_document(graph)
+    del document["graph"]["name"]
+    return repr(document)  # repr tells 2 from 2.0 and True, and -0.0 from 0.0, as JSON does
+
+
+def plan_key(graph, autotune: bool, workspace_limit, device, builders: dict) -> tuple:
+    """Everything a build of `graph` for `device` with the kernel `builders` (family -> builder)
+    reads, as one hashable value."""
+    return (_graph_signature(graph), bool(autotune), workspace_limit, tuple(builders.items()), device.type, device.index,
+            device_model(device), interpreting(), _environment(), _tuning_state() if autotune else (),
+            OVERRIDES.current())
+
+
+class PlanCache:
+    """Built plans by plan_key, least recently used dropped past `entries`; thread-safe."""
+
+    def __init__(self, entries: int = PLAN_CACHE_ENTRIES):
+        self.entries = entries
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def get(self, key):
+        """The plan stored under `key`, or None."""
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                self.misses += 1
+                return None
+            self._plans.move_to_end(key)
+            self.hits += 1
+            return plan
+
+    def put(self, key, plan):
+        """Keep `plan` under `key`."""
+        with self._lock:
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
+            while len(self._plans) > self.entries:
+                self._plans.popitem(last=False)
+
+    def clear(self):
+        """Forget every plan (the next build of any graph builds afresh)."""
+        with self._lock:
+            self._plans.clear()
+
+
+PLANS = PlanCache()
+
+
+def clear():
+    """Forget every cached plan: needed only after changing a heuristics table in place."""
+    PLANS.clear()

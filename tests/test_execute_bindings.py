@@ -1,0 +1,208 @@
+"""execute() checks a binding set once: later executes with the same tensors (same keys, types,
+addresses, dtypes, shapes, strides, devices) skip the checks and, on a GPU, launch prepared
+argument lists of device addresses. Anything that moves or reshapes a bound tensor is checked
+again; the addresses launched are the ones the tensor path would pass."""
+import contextlib
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dnngraph as dg
+import dnngraph.plan as plan_module
+from dnngraph.plan import launch as launch_module
+from helpers import check, poisoned, rel_err
+
+
+def _graph():
+    """x + b then relu, and a column softmax after it: two kernels, a workspace tensor between."""
+    g = dg.Graph(name="bindings")
+    x = g.tensor(name="x", dim=[5, 6])
+    b = g.tensor(name="b", dim=[1, 6])
+    y = g.softmax(g.relu(g.add(x, b)), axis=0).set_output(True).set_name("y")
+    return g.build(), x, b, y
+
+
+def _bindings(x, b, y, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return {x: torch.randn(5, 6, generator=generator), b: torch.randn(1, 6, generator=generator), y: poisoned(y)}
+
+
+def test_same_tensors_are_checked_once_and_contents_may_change():
+    g, x, b, y = _graph()
+    bindings = _bindings(x, b, y)
+    for step in range(3):
+        bindings[x].copy_(torch.randn(5, 6))  # new contents, same tensor: still valid
+        bindings[y].fill_(float("nan"))
+        g.execute(bindings)
+        expected = g.reference({x: bindings[x], b: bindings[b]})["y"]
+        assert rel_err(bindings[y], expected) < 2e-5, step
+    assert len(g.plan._ready) == 1
+
+
+def _reshape_in_place(tensor):
+    tensor.resize_(30)
+
+
+def _transpose_in_place(tensor):
+    tensor.set_(torch.randn(6, 5).t())
+
+
+def _swap_data_wrong_shape(tensor):
+    tensor.data = torch.randn(5, 7)
+
+
+def _swap_data_wrong_dtype(tensor):
+    tensor.data = torch.randn(5, 6, dtype=torch.float64)
+
+
+def _storage_of_other(tensor, other):
+    tensor.set_(other.untyped_storage(), 0, (5, 6), (6, 1))
+
+
+@pytest.mark.parametrize("change", [_reshape_in_place, _transpose_in_place, _swap_data_wrong_shape,
+                                    _swap_data_wrong_dtype])
+def test_a_bound_tensor_changed_in_place_is_checked_again(change):
+    g, x, b, y = _graph()
+    bindings = _bindings(x, b, y)
+    g.execute(bindings)
+    change(bindings[x])
+    bindings[y].fill_(float("nan"))
+    with pytest.raises(dg.ExecutionError):
+        g.execute(bindings)
+    assert torch.isnan(bindings[y]).all(), "nothing may be written on error"
+
+
+def test_an_output_moved_onto_an_input_is_caught():
+    g, x, b, y = _graph()
+    bindings = _bindings(x, b, y)
+    g.execute(bindings)
+    _storage_of_other(bindings[y], bindings[x])
+    with pytest.raises(dg.ExecutionError, match="overlaps"):
+        g.execute(bindings)
+
+
+def test_same_tensors_under_other_keys_are_checked():
+    g, x, b, y = _graph()
+    bindings = _bindings(x, b, y)
+    g.execute(bindings)
+    with pytest.raises(dg.ExecutionError, match="not a tensor"):
+        g.execute({"nope": bindings[x], b: bindings[b], y: bindings[y]})
+    other, ox, _, _ = _graph()
+    with pytest.raises(dg.ExecutionError, match="missing binding"):  # same names: by name it binds
+        g.execute({b: bindings[b], y: bindings[y]})
+    g.execute({"x": bindings[x], "b": bindings[b], "y": bindings[y]})  # names: a set of its own
+    assert len(g.plan._ready) == 2
+
+
+def test_a_value_that_is_not_a_tensor_after_a_good_set_raises():
+    g, x, b, y = _graph()
+    bindings = _bindings(x, b, y)
+    g.execute(bindings)
+    with pytest.raises(dg.ExecutionError, match="not a torch.Tensor"):
+        g.execute({**bindings, x: bindings[x].numpy()})
+
+
+def test_many_binding_sets_stay_correct_past_the_remembered_count():
+    g, x, b, y = _graph()
+    sets = [_bindings(x, b, y, seed) for seed in range(plan_module.READY_BINDING_SETS + 5)]
+    for bindings in sets + sets[:3]:
+        bindings[y].fill_(float("nan"))
+        g.execute(bindings)
+        assert rel_err(bindings[y], g.reference({x: bindings[x], b: bindings[b]})["y"]) < 2e-5
+    assert len(g.plan._ready) <= plan_module.READY_BINDING_SETS
+
+
+def test_caller_workspace_is_part_of_the_set():
+    g, a, w, y = _views_graph()
+    bindings = {a: torch.randn(6, 8), w: torch.randn(6, 4), y: poisoned(y)}
+    size = g.plan.workspace_size()
+    assert size > 0
+    g.execute(bindings, workspace=torch.empty(size, dtype=torch.uint8))
+    assert rel_err(bindings[y], g.reference({a: bindings[a], w: bindings[w]})["y"]) < 2e-5
+    with pytest.raises(dg.ExecutionError, match="holds"):
+        g.execute(bindings, workspace=torch.empty(size - 1, dtype=torch.uint8))
+    shared = torch.empty(size + 1024, dtype=torch.uint8)
+    inside = shared[:64].view(torch.float32).view(4, 4)
+    with pytest.raises(dg.ExecutionError, match="overlaps"):
+        g.execute({**bindings, y: inside}, workspace=shared)
+
+
+# --- the CUDA path's prepared arguments, on a pretend GPU ----------------------------------------
+class _Recorder:
+    """Stands in for Triton's compiled launcher: records what each launch was given."""
+
+    launch_cooperative_grid = launch_pdl = False
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __call__(self, *args):
+        self.calls.append(("run", args))
+
+    def launch(self, *args):
+        self.calls.append(("launch", args))
+
+
+@contextlib.contextmanager
+def _pretend_gpu(monkeypatch, calls):
+    cpu_model = plan_module.device_model(torch.device("cpu"))
+
+    def compile_recording(self, device_index, dtypes_of):
+        compiled = SimpleNamespace(_init_handles=lambda: None, run=_Recorder(calls), function=7,
+                                   packed_metadata=(4, 1, 0))
+        return launch_module.BoundLaunch(compiled, self.grid, self.template, self.slots, None)
+
+    monkeypatch.setattr(plan_module, "_kernel_device", lambda device: torch.device("cuda", 0))
+    monkeypatch.setattr(plan_module, "device_model", lambda device=None: cpu_model)
+    monkeypatch.setattr(launch_module.KernelLaunch, "_compile", compile_recording)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1234, raising=False)
+    yield
+
+
+def _kernel_arguments(calls) -> list:
+    """The kernel arguments of each recorded launch, tensors as their addresses."""
+    found = []
+    for kind, args in calls:
+        head = 13 if kind == "launch" else 9
+        found.append([a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args[head:]])
+    return found
+
+
+def _views_graph():
+    """A transpose that becomes a view, a slice read at an offset, two kernels and a workspace."""
+    g = dg.Graph(name="views")
+    a = g.tensor(name="a", dim=[6, 8])
+    w = g.tensor(name="w", dim=[6, 4])
+    at = g.transpose(g.relu(a), [1, 0])
+    part = g.slice(at, [(4, 8), (0, 6)])  # 16 bytes into the memory: pointers stay aligned
+    y = g.softmax(g.matmul(part, w), axis=1).set_output(True).set_name("y")
+    return g.build(), a, w, y
+
+
+@pytest.mark.parametrize("with_workspace", [False, True])
+def test_prepared_addresses_match_the_tensor_path(monkeypatch, with_workspace):
+    g, a, w, y = _views_graph()
+    bindings = {a: torch.randn(6, 8), w: torch.randn(6, 4), y: poisoned(y)}
+    workspace = torch.empty(g.plan.workspace_size(), dtype=torch.uint8) if with_workspace else None
+    calls = []
+    with _pretend_gpu(monkeypatch, calls):
+        g.execute(bindings, workspace=workspace)
+        g.execute(bindings, workspace=workspace)
+        prepared = _kernel_arguments(calls)
+        assert len(prepared) == 2 * len(g.plan.launches)
+        assert prepared[:len(prepared) // 2] == prepared[len(prepared) // 2:]
+        # the tensor path: materialized views handed to the same bound launches
+        calls.clear()
+        plan = g.plan
+        tensors = plan._resolve(bindings)
+        built = plan._launches_for(torch.device("cuda", 0))
+        if with_workspace:
+            tensors.update(built.views(workspace))
+        else:
+            tensors.update(plan._stream_workspace(built, torch.device("cpu"), 1234).views)
+        plan.views.materialize(tensors)
+        for launch in built.launches:
+            launch.bind(0, built.dtypes)(tensors, 1234)
+        assert _kernel_arguments(calls) == prepared[:len(prepared) // 2]
+    assert all(isinstance(v, int) for args in prepared for v in args if v is not None)
