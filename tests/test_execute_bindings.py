@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import dnngraph as dg
+from dnngraph.plan import cache as plan_cache
 import dnngraph.plan as plan_module
 from dnngraph.plan import launch as launch_module
 from helpers import check, poisoned, rel_err
@@ -157,7 +158,10 @@ def _pretend_gpu(monkeypatch, calls):
     monkeypatch.setattr(plan_module, "device_model", lambda device=None: cpu_model)
     monkeypatch.setattr(launch_module.KernelLaunch, "_compile", compile_recording)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1234, raising=False)
-    yield
+    try:
+        yield
+    finally:
+        plan_cache.clear()  # the recording bindings stay with these plans' launches
 
 
 def _kernel_arguments(calls) -> list:
@@ -182,6 +186,7 @@ def _views_graph():
 
 @pytest.mark.parametrize("with_workspace", [False, True])
 def test_prepared_addresses_match_the_tensor_path(monkeypatch, with_workspace):
+    plan_cache.clear()  # launches of its own, not ones an earlier test bound to its recorder
     g, a, w, y = _views_graph()
     bindings = {a: torch.randn(6, 8), w: torch.randn(6, 4), y: poisoned(y)}
     workspace = torch.empty(g.plan.workspace_size(), dtype=torch.uint8) if with_workspace else None

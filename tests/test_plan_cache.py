@@ -271,13 +271,19 @@ def _overrides():
     return found
 
 
+def _key(g):
+    from dnngraph.plan import KERNEL_BUILDERS, _build_device
+    return plan_cache.plan_key(g, False, None, _build_device(), KERNEL_BUILDERS)
+
+
 @pytest.mark.parametrize("module, name", _overrides(), ids=lambda v: getattr(v, "__name__", v))
 def test_every_override_is_in_the_key(monkeypatch, module, name):
-    _mlp()[0].build()
-    monkeypatch.setattr(module, name, getattr(module, name))  # even the same value: a new key
-    hits = _hits()
-    _mlp()[0].build()
-    assert _hits() == hits
+    g, original = _mlp()[0], getattr(module, name)
+    before = _key(g)
+    monkeypatch.setattr(module, name, object())  # any other value: a new key
+    assert _key(g) != before
+    monkeypatch.setattr(module, name, original)
+    assert _key(g) == before  # the same values again: the same key
 
 
 @pytest.mark.parametrize("module", ["dnngraph.plan", "dnngraph.plan.sdpa", "dnngraph.codegen.gemm",
@@ -285,11 +291,11 @@ def test_every_override_is_in_the_key(monkeypatch, module, name):
 def test_any_module_attribute_is_in_the_key(monkeypatch, module):
     target = importlib.import_module(module)
     name = next(n for n, v in vars(target).items() if n.isupper() or callable(v))
-    _mlp()[0].build()
-    monkeypatch.setattr(target, name, getattr(target, name))
-    hits = _hits()
-    _mlp()[0].build()
-    assert _hits() == hits
+    g = _mlp()[0]
+    before = _key(g)
+    monkeypatch.setattr(target, name, object())
+    assert _key(g) != before
+    monkeypatch.setattr(target, "NEW_KNOB", 3, raising=False)
 
 
 def test_cache_folder_is_in_the_key(monkeypatch, tmp_path):

@@ -106,6 +106,10 @@ def build_plan(graph, autotune: bool = False, workspace_limit=None) -> "Plan":
     if shared is None:
         shared = _build_new(graph._snapshot(), device, autotune, workspace_limit)
         PLANS.put(key, shared)
+        if not autotune:  # (autotuning stores winners: the next build reads them, a new key)
+            # a first build may import modules (kernel families, Triton's): the next identical
+            # build's key sees them, and finds the plan under it too
+            PLANS.put(plan_key(graph, autotune, workspace_limit, device, KERNEL_BUILDERS), shared)
     else:
         logger.info("built graph %r from the plan cache in %.2f ms", graph.name, 1e3 * (time.perf_counter() - start))
     plan = shared.for_graph(graph)

@@ -9,9 +9,11 @@ The key holds everything a build reads, so a hit can never differ from what a bu
   * the device a build schedules for (type, index, model) and whether kernels are interpreted;
   * the environment variables a build reads (BUILD_ENVIRONMENT);
   * with autotune, the state of the tuning-cache file (a store by any process changes it);
-  * the overrides generation: every module of dnngraph counts assignments to its attributes
-    (FORCE_CONFIG, SPLIT_MIN_REDUCED, device_model..., whether set by a test's monkeypatch, a
-    sweep script or a user), so a build after any change misses. Tables changed in place
+  * the values of every module of dnngraph, by identity (FORCE_CONFIG, SPLIT_MIN_REDUCED,
+    device_model..., whether set by a test's monkeypatch, a sweep script or a user), so a build
+    after any assignment misses. (Watching assignments instead, by giving the modules a class
+    of their own, broke Triton, which accepts only plain modules as a kernel's globals, and
+    pickling.) Tables changed in place
     (`rows.SOME_TABLE[key] = ...`) are not seen: call clear() after doing that.
 
 A cached plan is built on a private snapshot of the graph, so no later change to the graph that
@@ -25,7 +27,6 @@ import itertools
 import os
 import sys
 import threading
-import types
 
 from ..heuristics import device_model
 from ..heuristics.tuning_cache import tuning_cache_path
@@ -42,46 +43,41 @@ IGNORED_ENVIRONMENT = ("DNNGRAPH_LOG", "DNNGRAPH_AUTOTUNE_QUIET", "TRITON_INTERP
 WATCHED_PACKAGE = "dnngraph"
 
 
-class _Overrides:
-    """Counts assignments to module attributes of dnngraph (the heuristics' FORCE_* knobs among
-    them); the count is part of every plan key."""
+class _Values:
+    """The values of dnngraph's module namespaces, compared by identity. A key holds the values
+    themselves, so while a plan is cached none of them can be freed and its id reused: equal ids
+    are the same objects."""
+
+    __slots__ = ("values", "ids", "_hash")
+
+    def __init__(self, values: tuple):
+        self.values, self.ids = values, tuple(map(id, values))
+        self._hash = hash(self.ids)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Values) and self.ids == other.ids
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+class _Modules:
+    """dnngraph's modules (found again whenever the process imports more)."""
 
     def __init__(self):
-        self.lock = threading.Lock()
-        self.ticks = itertools.count(1)
-        self.generation = 0
-        self.modules_seen = -1  # len(sys.modules) when modules were last watched
+        self.seen, self.modules = -1, ()
 
-    def bump(self):
-        with self.lock:
-            self.generation = next(self.ticks)
-
-    def current(self) -> int:
-        """The generation, after watching any dnngraph module imported since the last call."""
-        if len(sys.modules) != self.modules_seen:
-            self.modules_seen = len(sys.modules)
-            for name, module in list(sys.modules.items()):
-                if (name == WATCHED_PACKAGE or name.startswith(WATCHED_PACKAGE + ".")) \
-                        and type(module) is types.ModuleType:
-                    module.__class__ = _WatchedModule
-        return self.generation
+    def state(self) -> _Values:
+        """Every module-level value of dnngraph (FORCE_* knobs, tables, functions) as they are now:
+        an assignment of any of them, by a test's monkeypatch, a sweep or a user, changes it."""
+        if len(sys.modules) != self.seen:
+            self.seen = len(sys.modules)
+            self.modules = tuple(module for name, module in sorted(sys.modules.items())
+                                 if name == WATCHED_PACKAGE or name.startswith(WATCHED_PACKAGE + "."))
+        return _Values(tuple(itertools.chain.from_iterable(map(dict.values, map(vars, self.modules)))))
 
 
-OVERRIDES = _Overrides()
-
-
-class _WatchedModule(types.ModuleType):
-    """A module whose attribute assignments and deletions move the overrides generation on
-    (binding a submodule on import does not: it changes no value a build reads)."""
-
-    def __setattr__(self, name, value):
-        if not isinstance(value, types.ModuleType):
-            OVERRIDES.bump()
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name):
-        OVERRIDES.bump()
-        super().__delattr__(name)
+MODULES = _Modules()
 
 
 def _environment() -> tuple:
@@ -108,7 +104,7 @@ def plan_key(graph, autotune: bool, workspace_limit, device, builders: dict) -> 
     reads, as one hashable value."""
     return (_graph_signature(graph), bool(autotune), workspace_limit, tuple(builders.items()), device.type, device.index,
             device_model(device), interpreting(), _environment(), _tuning_state() if autotune else (),
-            OVERRIDES.current())
+            MODULES.state())
 
 
 class PlanCache:
