@@ -7,6 +7,8 @@ pipelined K/V tiles (stages x BLOCK_N x (D + Dv) x 2 bytes) against the work per
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -263,3 +265,45 @@ def backward_schedule(problem: AttentionProblem, model: DeviceModel, bias_dims: 
               f"{configs['dkdv'].block_m} queries a step], dQ [{configs['dq'].block_m} queries, "
               f"{configs['dq'].block_n} keys a step]")
     return BackwardSchedule(problem, configs, block_d, block_dv, reason, tuple(bias_dims))
+
+
+# Op-level chains (attention written as ops: the score ops rendered in the kernels, their side
+# tensors loaded per tile) hold more live values per score than the plain kernels and want
+# smaller tiles. H100, the benchmark's softcap backward (B4 H16 S2048 D128 causal, cap 50,
+# .dbg/prof_chain.py, us per kernel): log-sum-exp pass [64, 64] 4 warps 464 ([128, 64] 8 warps
+# 542, [128, 128] 8 warps 622); dK/dV [32, 64] 4 warps 1094 ([64, 64] 4 warps 1309, [64, 128]
+# 8 warps 1651, [64, 64] 8 warps 2248); dQ [64, 64] 4 warps 852 ([64, 32] 845, [128, 64] 8 warps
+# 946). The forward kernel of the chain (same shape, us): [64, 32] 4 warps 645 (the sdpa table's
+# [128, 128] 8 warps 735, [64, 64] 4 warps 782, [128, 64] 8 warps 872, [64, 128] 4 warps 1057,
+# [64, 64] 4 warps 3 stages 1223). 16-bit operands up to head dim 128; wider or 32-bit chains
+# take the sdpa tables.
+GPU_CHAIN_TILES = {"forward": (64, 32, 4, 2), "lse": (64, 64, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 64, 4, 2)}
+GPU_CHAIN_MAX_WIDTH = 128
+
+
+def _chain_tiles(problem: AttentionProblem, model: DeviceModel) -> bool:
+    return (model.capability is not None and problem.element_bytes <= 2
+            and max(problem.head_dim, problem.value_dim) <= GPU_CHAIN_MAX_WIDTH)
+
+
+def chain_schedule(problem: AttentionProblem, model: DeviceModel, which: str = "forward") -> AttentionSchedule:
+    """Tiles of an op-level chain's forward kernel, or ("lse") of its backward's log-sum-exp
+    pass (the forward kernel without P V)."""
+    sched = schedule(problem, model, 0)
+    if FORCE_CONFIG is not None or not _chain_tiles(problem, model):
+        return sched
+    block_m, block_n, warps, stages = GPU_CHAIN_TILES[which]
+    block_m = min(block_m, sched.config.block_m)
+    config = AttentionConfig(block_m, block_n, warps, stages)
+    return dataclasses.replace(sched, config=config, programs=(-(-problem.s_q // block_m), sched.programs[1]),
+                               reason=f"op-level chain: [{block_m} queries, {block_n} keys] {which} tiles")
+
+
+def chain_backward_schedule(problem: AttentionProblem, model: DeviceModel) -> BackwardSchedule:
+    """Tiles of an op-level backward's dK/dV and dQ kernels."""
+    sched = backward_schedule(problem, model)
+    if FORCE_BACKWARD is not None or not _chain_tiles(problem, model):
+        return sched
+    configs = dict(sched.configs, dkdv=AttentionConfig(*GPU_CHAIN_TILES["dkdv"]),
+                   dq=AttentionConfig(*GPU_CHAIN_TILES["dq"]))
+    return dataclasses.replace(sched, configs=configs, reason="op-level chain: " + sched.reason)

@@ -9,7 +9,7 @@ from ..codegen.cache import load_kernel
 from ..codegen.sdpa import AttentionSpec, output_strides
 from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT
-from ..heuristics.sdpa import AttentionProblem, backward_schedule, schedule
+from ..heuristics.sdpa import AttentionProblem, chain_backward_schedule, chain_schedule
 from .launch import KernelLaunch, element_span, kernel_name, scratch
 from .sdpa import _as_bhsd, dot_precision
 
@@ -58,7 +58,7 @@ def build_attention_backward(graph, group, index, tuner=None, device=None, budge
     precision = dot_precision(graph, roles.q.data_type)
     name = kernel_name(group, index)
 
-    forward = schedule(problem, model, 0)
+    forward = chain_schedule(problem, model, "lse")
     config = forward.config
     lse_stems = ("q", "k", "stats")
     lse_spec = AttentionSpec(dims, {s: strides[s] for s in lse_stems}, {s: uids[s] for s in lse_stems}, 1.0,
@@ -72,7 +72,7 @@ def build_attention_backward(graph, group, index, tuner=None, device=None, budge
                              "lse: " + forward.config_text, "op-level attention backward: " + forward.reason,
                              scratch=(lse,), num_stages=config.num_stages)]
 
-    sched = backward_schedule(problem, model)
+    sched = chain_backward_schedule(problem, model)
     wanted = [("dkdv", ("dk", "dv")), ("dq", ("dq",))]
     for which, outputs in wanted:
         if not any(stem in tensors for stem in outputs):

@@ -16,7 +16,7 @@ from ..errors import UnsupportedError
 from ..fusion.patterns import chain_dropout, score_ops
 from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT
-from ..heuristics.sdpa import COMBINE_ROWS, AttentionProblem, backward_schedule, schedule
+from ..heuristics.sdpa import COMBINE_ROWS, AttentionProblem, backward_schedule, chain_schedule, schedule
 from ..ops.sdpa import AttentionMask, kv_length
 from .launch import KernelLaunch, element_span, kernel_name, scratch
 
@@ -224,7 +224,7 @@ def build_attention(graph, group, index, tuner=None, device=None, budget=None):
     dropout = chain_dropout(group.nodes)
     side_bytes = sum(t.data_type.torch_dtype.itemsize for t in modifier.sides)
     problem = AttentionProblem(ob, oh, oh, s_q, s_kv, d, dv, q.data_type.torch_dtype.itemsize, False, side_bytes)
-    sched = schedule(problem, device_model(device), 0)  # one query head per K/V head: no packing
+    sched = chain_schedule(problem, device_model(device))  # one query head per K/V head: no packing
     dims = {"HEADS": oh, "GROUP": 1, "SQ": s_q, "SKV": s_kv, "HEAD_DIM": d, "VALUE_DIM": dv}
     # k^T [.., D, Skv]: the kernel's k strides are (batch, head, key, dim)
     strides = {"q": q_strides, "k": (kt_strides[0], kt_strides[1], kt_strides[3], kt_strides[2]),
