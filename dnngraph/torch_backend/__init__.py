@@ -1,0 +1,133 @@
+"""`torch.compile(model, backend="dnngraph")`: aten graphs partitioned into dnngraph graphs.
+
+AOTAutograd traces the forward and the backward into functional aten graphs (training works);
+each is partitioned with torch's CapabilityBasedPartitioner by the converter table (convert.py):
+every maximal group of supported ops becomes one dnngraph graph, built once (static shapes: a
+new shape is a new compile, torch's guards decide), and runs through `Graph.as_function`; the
+other ops run in torch. DNNGRAPH_LOG=info shows the partition and why an op stayed in torch.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import operator
+
+import torch
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
+from torch.fx.passes.operator_support import OperatorSupport
+
+from .. import dtypes
+from ..graph import Graph
+from ..log import logger
+from .convert import convert, unsupported
+
+__all__ = ["backend", "REPORTS", "CompileReport"]
+
+_NUMBER = itertools.count()
+REPORT_LIMIT = 64  # compile reports kept (inspection and tests)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """What one aten graph became: ops in dnngraph graphs, and the ops left to torch with why."""
+
+    dnngraph_ops: int
+    graphs: int
+    torch_ops: tuple  # (target, reason) per op that runs in torch
+
+
+REPORTS: collections.deque = collections.deque(maxlen=REPORT_LIMIT)
+
+
+class _Support(OperatorSupport):
+    """Supported nodes are the converter table's; the reasons for the others are kept."""
+
+    def __init__(self):
+        super().__init__()
+        self.reasons: dict = {}
+
+    def is_node_supported(self, submodules, node) -> bool:
+        why = unsupported(node)
+        if why is not None and node.op == "call_function":
+            self.reasons[node.name] = why
+        return why is None
+
+
+def _dense(meta) -> bool:
+    """Non-overlapping and dense in some axis order (a layout dnngraph can allocate)."""
+    order = sorted(range(meta.dim()), key=lambda a: meta.stride(a))
+    expected = 1
+    for axis in order:
+        if meta.shape[axis] > 1 and meta.stride(axis) != expected:
+            return False
+        expected *= meta.shape[axis]
+    return True
+
+
+class DnngraphModule(torch.nn.Module):
+    """One partition of an aten graph as a dnngraph graph, called through `as_function`."""
+
+    def __init__(self, sub: torch.fx.GraphModule):
+        super().__init__()
+        self.graph_ = Graph(name=f"compiled{next(_NUMBER)}", intermediate_data_type=dtypes.float32,
+                            allow_tf32=torch.backends.cuda.matmul.allow_tf32)
+        g, values, inputs = self.graph_, {}, []
+        for node in sub.graph.nodes:
+            if node.op == "placeholder":
+                meta = node.meta["val"]
+                values[node] = g.tensor(name=f"input{len(inputs)}", dim=list(meta.shape), stride=list(meta.stride()),
+                                        data_type=dtypes.from_torch(meta.dtype))
+                inputs.append(values[node])
+            elif node.op == "call_function":
+                values[node] = convert(g, node, lambda arg: values.get(arg, arg) if isinstance(arg, torch.fx.Node)
+                                       else arg)
+            elif node.op == "output":
+                returned = node.args[0]
+        self.single = not isinstance(returned, (tuple, list))
+        returned = [returned] if self.single else list(returned)
+        outputs = []
+        for position, node in enumerate(returned):
+            tensor = values[node]
+            if tensor not in outputs:
+                tensor.set_output(True).set_name(f"output{position}")
+                meta = node.meta["val"]
+                if _dense(meta):
+                    tensor.set_stride(list(meta.stride()))
+                outputs.append(tensor)
+        self.order = [outputs.index(values[node]) for node in returned]
+        self.function = g.as_function(inputs, outputs)
+        self.ops = sum(1 for n in sub.graph.nodes if n.op == "call_function")
+
+    def forward(self, *args):
+        results = self.function(*args)
+        results = results if isinstance(results, tuple) else (results,)
+        ordered = tuple(results[i] for i in self.order)
+        return ordered[0] if self.single else ordered
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs):
+    """The aten graph with each supported partition replaced by a DnngraphModule."""
+    support = _Support()
+    partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
+    fused = partitioner.fuse_partitions(partitioner.propose_partitions())
+    converted = graphs = 0
+    for node in list(fused.graph.nodes):
+        if node.op == "call_module" and node.target.startswith("fused_"):
+            module = DnngraphModule(getattr(fused, node.target))
+            setattr(fused, node.target, module)
+            converted, graphs = converted + module.ops, graphs + 1
+    fused.recompile()
+    kept = tuple((str(n.target), support.reasons.get(n.name, "not an op dnngraph takes")) for n in fused.graph.nodes
+                 if n.op == "call_function" and n.target is not operator.getitem)
+    REPORTS.append(CompileReport(converted, graphs, kept))
+    logger.info("torch.compile backend: %d aten ops in %d dnngraph graph(s), %d in torch", converted, graphs,
+                len(kept))
+    for target, reason in kept:
+        logger.info("  stays in torch: %s (%s)", target, reason)
+    return make_boxed_func(fused.forward)
+
+
+backend = aot_autograd(fw_compiler=_compile, bw_compiler=_compile)

@@ -1,0 +1,220 @@
+"""aten ops as dnngraph ops: the table the torch.compile backend partitions and converts by.
+
+Each converter takes (graph, node, value) where `value(arg)` gives the dnngraph tensor of an FX
+node argument (or the argument itself: numbers, lists), and returns the dnngraph tensor of the
+node's result. `unsupported(node)` says why a node stays in torch (None: it converts).
+"""
+from __future__ import annotations
+
+import numbers
+from typing import Callable, Optional
+
+import torch
+
+from .. import dtypes
+
+aten = torch.ops.aten
+
+FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+TENSOR_TYPES = FLOAT_TYPES + (torch.bool, torch.int32, torch.int64)
+
+UNARY = {aten.relu.default: "relu", aten.sigmoid.default: "sigmoid", aten.tanh.default: "tanh",
+         aten.exp.default: "exp", aten.log.default: "log", aten.neg.default: "neg", aten.rsqrt.default: "rsqrt",
+         aten.sqrt.default: "sqrt", aten.erf.default: "erf", aten.abs.default: "abs",
+         aten.reciprocal.default: "reciprocal", aten.silu.default: "silu", aten.sin.default: "sin",
+         aten.cos.default: "cos"}
+BINARY = {aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
+          aten.maximum.default: "maximum", aten.minimum.default: "minimum",
+          aten.pow.Tensor_Scalar: "pow", aten.pow.Tensor_Tensor: "pow"}
+COMPARE = {aten.gt: "cmp_gt", aten.ge: "cmp_ge", aten.lt: "cmp_lt", aten.le: "cmp_le", aten.eq: "cmp_eq",
+           aten.ne: "cmp_ne"}
+for _packet, _op in COMPARE.items():
+    BINARY[_packet.Tensor] = _op
+    BINARY[_packet.Scalar] = _op
+REDUCE = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default: "max", aten.amin.default: "min"}
+
+
+def _result(node):
+    return node.meta.get("val")
+
+
+def _shape(node) -> list:
+    return [int(d) for d in _result(node).shape]
+
+
+def _typed(graph_tensor, node):
+    """The result in the type torch gives it (intermediates keep torch's types)."""
+    graph_tensor.set_data_type(dtypes.from_torch(_result(node).dtype))
+    return graph_tensor
+
+
+def _unary(g, node, value):
+    return getattr(g, UNARY[node.target])(value(node.args[0]))
+
+
+def _binary(g, node, value):
+    op = BINARY[node.target]
+    a, b = value(node.args[0]), value(node.args[1])
+    alpha = node.kwargs.get("alpha", 1)
+    if alpha != 1:
+        b = g.mul(b, alpha)
+    return getattr(g, op)(a, b)
+
+
+def _gelu(g, node, value):
+    return (g.gelu_tanh if node.kwargs.get("approximate", "none") == "tanh" else g.gelu)(value(node.args[0]))
+
+
+def _matmul(g, node, value):
+    return g.matmul(value(node.args[0]), value(node.args[1]))
+
+
+def _addmm(g, node, value):
+    bias, a, b = (value(x) for x in node.args[:3])
+    return g.add(g.matmul(a, b), bias)
+
+
+def _permute(g, node, value):
+    return g.transpose(value(node.args[0]), [d % len(node.args[1]) for d in node.args[1]])
+
+
+def _t(g, node, value):
+    return g.transpose(value(node.args[0]), [1, 0])
+
+
+def _transpose(g, node, value):
+    rank = len(_shape(node))
+    order = list(range(rank))
+    a, b = node.args[1] % rank, node.args[2] % rank
+    order[a], order[b] = order[b], order[a]
+    return g.transpose(value(node.args[0]), order)
+
+
+def _view(g, node, value):
+    return g.reshape(value(node.args[0]), _shape(node))
+
+
+def _clone(g, node, value):
+    source = value(node.args[0])
+    return g.cast(source, data_type=source.data_type)
+
+
+def _softmax(g, node, value):
+    log = node.target is aten._log_softmax.default
+    x = value(node.args[0])
+    return g.softmax(x, axis=node.args[1] % len(x.dim), log=log)
+
+
+def _reduce(g, node, value):
+    x = value(node.args[0])
+    axes = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(len(x.dim)))
+    axes = sorted({a % len(x.dim) for a in axes})
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    reduced = g.reduction(x, REDUCE[node.target], axes)
+    return reduced if keep else g.reshape(reduced, _shape(node))
+
+
+def _where(g, node, value):
+    return g.where(*(value(x) for x in node.args[:3]))
+
+
+def _to_copy(g, node, value):
+    return g.cast(value(node.args[0]), data_type=dtypes.from_torch(_result(node).dtype))
+
+
+def _cat(g, node, value):
+    tensors = [value(x) for x in node.args[0]]
+    axis = node.args[1] if len(node.args) > 1 else 0
+    return g.concatenate(tensors, axis % len(tensors[0].dim))
+
+
+def _gelu_backward(g, node, value):
+    tanh = node.kwargs.get("approximate", "none") == "tanh"
+    return (g.gelu_tanh_backward if tanh else g.gelu_backward)(value(node.args[0]), value(node.args[1]))
+
+
+def _silu_backward(g, node, value):
+    return g.silu_backward(value(node.args[0]), value(node.args[1]))
+
+
+def _threshold_backward(g, node, value):
+    grad, x = value(node.args[0]), value(node.args[1])
+    return g.where(g.cmp_gt(x, node.args[2]), grad, 0.0)
+
+
+def _sigmoid_backward(g, node, value):
+    """aten's takes the output y: dy * y * (1 - y)."""
+    grad, y = value(node.args[0]), value(node.args[1])
+    return g.mul(grad, g.mul(y, g.sub(1.0, y)))
+
+
+def _tanh_backward(g, node, value):
+    """aten's takes the output y: dy * (1 - y^2)."""
+    grad, y = value(node.args[0]), value(node.args[1])
+    return g.mul(grad, g.sub(1.0, g.mul(y, y)))
+
+
+def _softmax_backward(g, node, value):
+    grad, y = value(node.args[0]), value(node.args[1])
+    return g.softmax_backward(grad, y, axis=node.args[2] % len(y.dim),
+                              log=node.target is aten._log_softmax_backward_data.default)
+
+
+CONVERTERS: dict[object, Callable] = {
+    **{target: _unary for target in UNARY}, **{target: _binary for target in BINARY},
+    **{target: _reduce for target in REDUCE},
+    aten.gelu.default: _gelu, aten.mm.default: _matmul, aten.bmm.default: _matmul, aten.addmm.default: _addmm,
+    aten.permute.default: _permute, aten.t.default: _t, aten.transpose.int: _transpose,
+    aten.view.default: _view, aten._unsafe_view.default: _view, aten.reshape.default: _view,
+    aten.clone.default: _clone, aten._softmax.default: _softmax, aten._log_softmax.default: _softmax,
+    aten.where.self: _where, aten._to_copy.default: _to_copy, aten.cat.default: _cat,
+    aten.detach.default: _clone, aten.gelu_backward.default: _gelu_backward,
+    aten.silu_backward.default: _silu_backward, aten.threshold_backward.default: _threshold_backward,
+    aten.sigmoid_backward.default: _sigmoid_backward, aten.tanh_backward.default: _tanh_backward,
+    aten._softmax_backward_data.default: _softmax_backward, aten._log_softmax_backward_data.default: _softmax_backward,
+}
+
+
+def _tensor_ok(meta) -> Optional[str]:
+    if not isinstance(meta, torch.Tensor):
+        return "not a tensor"
+    if meta.dim() == 0:
+        return "a 0-d tensor"
+    if meta.dtype not in TENSOR_TYPES:
+        return f"type {meta.dtype}"
+    if any(not isinstance(d, int) for d in meta.shape):
+        return "a symbolic shape (dnngraph compiles static shapes)"
+    if meta.numel() == 0:
+        return "an empty tensor"
+    return None
+
+
+def unsupported(node) -> Optional[str]:
+    """Why `node` (an FX call_function node of an aten graph) stays in torch; None if it converts."""
+    if node.op != "call_function":
+        return "not an op"
+    if node.target not in CONVERTERS:
+        return f"no converter for {node.target}"
+    why = _tensor_ok(_result(node))
+    if why is not None:
+        return "its result is " + why
+    for arg in node.all_input_nodes:
+        why = _tensor_ok(arg.meta.get("val"))
+        if why is not None:
+            return f"input {arg.name} is {why}"
+    if node.target is aten.addmm.default and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
+        return "addmm with beta or alpha"
+    if node.target is aten.clone.default and node.kwargs.get("memory_format") not in (None, torch.contiguous_format):
+        return "clone to another memory format"
+    if node.target is aten._to_copy.default and set(node.kwargs) - {"dtype"}:
+        return "_to_copy that moves devices or layouts"
+    if node.target is aten.div.Tensor and node.kwargs.get("rounding_mode") is not None:
+        return "div with a rounding mode"
+    if node.target in BINARY and not all(isinstance(a, (torch.fx.Node, numbers.Number)) for a in node.args[:2]):
+        return "an operand that is neither a tensor nor a number"
+    return None
+
+
+def convert(g, node, value):
+    """The dnngraph tensor computing FX `node` (supported: unsupported(node) is None)."""
+    return _typed(CONVERTERS[node.target](g, node, value), node)

@@ -1,0 +1,116 @@
+"""torch.compile(model, backend="dnngraph"): forward and backward of small modules against eager
+torch, with the partition each aten graph became (torch_backend.REPORTS)."""
+import pytest
+import torch
+
+from dnngraph import torch_backend
+from helpers import rel_err
+
+
+def _compiled(module, **options):
+    torch._dynamo.reset()
+    torch_backend.REPORTS.clear()
+    return torch.compile(module, backend="dnngraph", fullgraph=True, dynamic=False, **options)
+
+
+def _train_step_matches(model, make_inputs, tolerance=1e-5):
+    """Outputs and every parameter and input gradient of one step, compiled against eager."""
+    torch.manual_seed(0)
+    inputs = make_inputs()
+    compiled = _compiled(model)
+    leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = compiled(*leaves)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    compiled_grads = [p.grad.clone() for p in model.parameters()] + [x.grad for x in leaves if x.requires_grad]
+    model.zero_grad()
+    eager_leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    expected = model(*eager_leaves)
+    expected.backward(grad)
+    eager_grads = [p.grad for p in model.parameters()] + [x.grad for x in eager_leaves if x.requires_grad]
+    assert rel_err(out, expected) < tolerance
+    for got, want in zip(compiled_grads, eager_grads):
+        assert rel_err(got, want) < tolerance
+
+
+def test_mlp_forward_and_backward_run_in_dnngraph():
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.GELU(), torch.nn.Linear(24, 7),
+                                torch.nn.Softmax(-1))
+    _train_step_matches(model, lambda: [torch.randn(5, 12)])
+    forward, backward = torch_backend.REPORTS
+    assert forward.torch_ops == () and backward.torch_ops == ()  # every aten op in dnngraph
+    assert forward.graphs == 1 and backward.graphs == 1
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.qkv, self.out, self.heads = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim), heads
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        probs = torch.softmax(q @ k.transpose(-1, -2) / (d // self.heads) ** 0.5, -1)
+        return self.out((probs @ v).transpose(1, 2).reshape(b, s, d))
+
+
+def test_attention_module_forward_and_backward():
+    torch.manual_seed(2)
+    _train_step_matches(_Attention(), lambda: [torch.randn(2, 9, 16)])
+    assert sum(r.dnngraph_ops for r in torch_backend.REPORTS) > 10
+
+
+class _Sorted(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        h, _ = torch.sort(h, dim=-1)  # dnngraph has no sort: it runs in torch between two graphs
+        return torch.tanh(self.b(h))
+
+
+def test_an_op_dnngraph_lacks_runs_in_torch_between_graphs():
+    torch.manual_seed(3)
+    _train_step_matches(_Sorted(), lambda: [torch.randn(4, 6)])
+    forward = torch_backend.REPORTS[0]
+    assert forward.graphs == 2 and any("sort" in target for target, _ in forward.torch_ops)
+
+
+def test_outputs_that_alias_inputs():
+    def f(x, y):
+        return x, x.view(-1), y.t(), torch.sigmoid(y) * 2.0
+
+    compiled = _compiled(f)
+    x, y = torch.randn(3, 4), torch.randn(5, 6)
+    results = compiled(x, y)
+    for got, want in zip(results, f(x, y)):
+        assert torch.equal(got, want) or rel_err(got, want) < 1e-6
+    x.add_(1.0)  # the aliases see the input's change, as eager's do
+    assert torch.equal(results[0], x) and torch.equal(results[1], x.view(-1))
+
+
+def test_no_grad_inference_and_a_cnn_with_torch_convolutions():
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
+                                torch.nn.Linear(8 * 5 * 5, 10), torch.nn.LogSoftmax(-1))
+    x = torch.randn(2, 3, 5, 5)
+    with torch.no_grad():
+        got = _compiled(model)(x)
+        want = model(x)
+    assert rel_err(got, want) < 1e-5
+    assert torch_backend.REPORTS[-1].dnngraph_ops > 0
+    _train_step_matches(model, lambda: [torch.randn(2, 3, 5, 5)])
+
+
+def test_a_new_shape_recompiles_and_stays_right():
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SiLU())
+    compiled = _compiled(model)
+    for rows in (3, 7):
+        x = torch.randn(rows, 4)
+        with torch.no_grad():
+            assert rel_err(compiled(x), model(x)) < 1e-5
+    assert len(torch_backend.REPORTS) == 2
