@@ -114,3 +114,25 @@ def test_a_new_shape_recompiles_and_stays_right():
         with torch.no_grad():
             assert rel_err(compiled(x), model(x)) < 1e-5
     assert len(torch_backend.REPORTS) == 2
+
+
+class _Mixed(torch.nn.Module):
+    """layer norm, unsqueeze / slice / squeeze, expand and a convolution with bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.conv = torch.nn.LayerNorm(8), torch.nn.Conv2d(2, 4, 3, padding=1, stride=2)
+
+    def forward(self, x, image):
+        y = self.norm(x).unsqueeze(1)[:, :, 1:7:2].squeeze(1)
+        z = self.conv(image).flatten(1)
+        return torch.cat([y * 2.0, z[:, :3], x[:, None, :3].expand(3, 2, 3).sum(1)], dim=1)
+
+
+def test_norms_convolutions_views_and_expand():
+    torch.manual_seed(6)
+    _train_step_matches(_Mixed(), lambda: [torch.randn(3, 8), torch.randn(3, 2, 5, 5)])
+    forward, backward = torch_backend.REPORTS
+    assert forward.torch_ops == (), forward.torch_ops
+    assert all("convolution" not in target and "layer_norm" not in target for target, _ in backward.torch_ops), \
+        backward.torch_ops

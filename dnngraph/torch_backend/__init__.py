@@ -67,6 +67,24 @@ def _dense(meta) -> bool:
     return True
 
 
+class _Values:
+    """What converters read: `value(arg)` is an FX argument's dnngraph tensor (other arguments
+    as they are); `value.true(dims)` an all-true broadcast input made for `expand`."""
+
+    def __init__(self, values: dict, graph, trues: list):
+        self.values, self.graph, self.trues, self.true_inputs = values, graph, trues, []
+
+    def __call__(self, arg):
+        return self.values.get(arg, arg) if isinstance(arg, torch.fx.Node) else arg
+
+    def true(self, dims):
+        tensor = self.graph.tensor(name=f"true{len(self.trues)}", dim=list(dims), stride=[0] * len(dims),
+                                   data_type=dtypes.bool_)
+        self.trues.append(tuple(dims))
+        self.true_inputs.append(tensor)
+        return tensor
+
+
 class DnngraphModule(torch.nn.Module):
     """One partition of an aten graph as a dnngraph graph, called through `as_function`."""
 
@@ -75,6 +93,8 @@ class DnngraphModule(torch.nn.Module):
         self.graph_ = Graph(name=f"compiled{next(_NUMBER)}", intermediate_data_type=dtypes.float32,
                             allow_tf32=torch.backends.cuda.matmul.allow_tf32)
         g, values, inputs = self.graph_, {}, []
+        self.trues: list = []  # dims of the all-true broadcast inputs (expand), bound at each call
+        value = _Values(values, g, self.trues)
         for node in sub.graph.nodes:
             if node.op == "placeholder":
                 meta = node.meta["val"]
@@ -82,10 +102,10 @@ class DnngraphModule(torch.nn.Module):
                                         data_type=dtypes.from_torch(meta.dtype))
                 inputs.append(values[node])
             elif node.op == "call_function":
-                values[node] = convert(g, node, lambda arg: values.get(arg, arg) if isinstance(arg, torch.fx.Node)
-                                       else arg)
+                values[node] = convert(g, node, value)
             elif node.op == "output":
                 returned = node.args[0]
+        inputs += value.true_inputs
         self.single = not isinstance(returned, (tuple, list))
         returned = [returned] if self.single else list(returned)
         outputs = []
@@ -102,6 +122,9 @@ class DnngraphModule(torch.nn.Module):
         self.ops = sum(1 for n in sub.graph.nodes if n.op == "call_function")
 
     def forward(self, *args):
+        if self.trues:
+            device = args[0].device
+            args = args + tuple(torch.ones((), dtype=torch.bool, device=device).expand(dims) for dims in self.trues)
         results = self.function(*args)
         results = results if isinstance(results, tuple) else (results,)
         ordered = tuple(results[i] for i in self.order)

@@ -2,11 +2,15 @@
 
 Each converter takes (graph, node, value) where `value(arg)` gives the dnngraph tensor of an FX
 node argument (or the argument itself: numbers, lists), and returns the dnngraph tensor of the
-node's result. `unsupported(node)` says why a node stays in torch (None: it converts).
+node's result (a tuple for ops with several results, None where one is not computed).
+`value.true(dims)` is an all-true bool input of `dims` (broadcast: one element in memory) that
+the caller binds, for `expand`. `unsupported(node)` says why a node stays in torch (None: it
+converts).
 """
 from __future__ import annotations
 
 import numbers
+import operator
 from typing import Callable, Optional
 
 import torch
@@ -160,6 +164,69 @@ def _softmax_backward(g, node, value):
                               log=node.target is aten._log_softmax_backward_data.default)
 
 
+def _reshaped(g, node, value):
+    """unsqueeze, squeeze: the same elements with the result's dims."""
+    return g.reshape(value(node.args[0]), _shape(node))
+
+
+def _slice(g, node, value):
+    x = value(node.args[0])
+    axis = (node.args[1] if len(node.args) > 1 else 0) % len(x.dim)
+    start, stop, step = (list(node.args[2:5]) + [None, None, 1][len(node.args[2:5]):])[:3]
+    slices = [slice(None)] * len(x.dim)
+    slices[axis] = slice(start, stop, step)
+    return g.slice(x, slices)
+
+
+def _expand(g, node, value):
+    """x broadcast to the result's dims: where(true, x, x) against an all-true broadcast input."""
+    x = value(node.args[0])
+    everywhere = value.true(_shape(node))
+    return g.where(everywhere, x, x)
+
+
+def _convolution(g, node, value):
+    x, w, bias, stride, padding, dilation, _, _, groups = node.args[:9]
+    x, w = value(x), value(w)
+    y = g.conv_fprop(x, w, padding=list(padding), stride=list(stride), dilation=list(dilation), groups=groups)
+    if bias is None:
+        return y
+    return g.add(y, g.reshape(value(bias), [w.dim[0]] + [1] * (len(x.dim) - 2)))
+
+
+def _convolution_backward(g, node, value):
+    dy, x, w, _, stride, padding, dilation, _, _, groups, mask = node.args[:11]
+    dy, x, w = value(dy), value(x), value(w)
+    geometry = dict(padding=list(padding), stride=list(stride), dilation=list(dilation), groups=groups)
+    dx = g.conv_dgrad(dy, w, list(x.dim), **geometry) if mask[0] else None
+    dw = g.conv_wgrad(dy, x, list(w.dim), **geometry) if mask[1] else None
+    db = None
+    if mask[2]:
+        db = g.reshape(g.reduction(dy, "sum", [0] + list(range(2, len(dy.dim)))), [dy.dim[1]])
+    return dx, dw, db
+
+
+def _norm_parameter(g, value, tensor, x, count: int):
+    """A layer norm's weight or bias [*normalized] with the rank of x."""
+    return None if tensor is None else g.reshape(value(tensor), [1] * (len(x.dim) - count) + list(tensor.meta["val"].shape))
+
+
+def _layer_norm(g, node, value):
+    x, shape, weight, bias, eps = node.args[:5]
+    x = value(x)
+    scale = _norm_parameter(g, value, weight, x, len(shape))
+    return tuple(g.layernorm(x, scale, _norm_parameter(g, value, bias, x, len(shape)), epsilon=eps))
+
+
+def _layer_norm_backward(g, node, value):
+    dy, x, shape, mean, rstd, weight, bias, mask = node.args[:8]
+    x = value(x)
+    scale = _norm_parameter(g, value, weight, x, len(shape))
+    dx, dscale, dbias = g.layernorm_backward(value(dy), x, scale, value(mean), value(rstd))
+    return (dx if mask[0] else None, g.reshape(dscale, list(shape)) if mask[1] else None,
+            g.reshape(dbias, list(shape)) if mask[2] and bias is not None else None)
+
+
 CONVERTERS: dict[object, Callable] = {
     **{target: _unary for target in UNARY}, **{target: _binary for target in BINARY},
     **{target: _reduce for target in REDUCE},
@@ -172,6 +239,10 @@ CONVERTERS: dict[object, Callable] = {
     aten.silu_backward.default: _silu_backward, aten.threshold_backward.default: _threshold_backward,
     aten.sigmoid_backward.default: _sigmoid_backward, aten.tanh_backward.default: _tanh_backward,
     aten._softmax_backward_data.default: _softmax_backward, aten._log_softmax_backward_data.default: _softmax_backward,
+    aten.unsqueeze.default: _reshaped, aten.squeeze.dim: _reshaped, aten.squeeze.dims: _reshaped,
+    aten.squeeze.default: _reshaped, aten.slice.Tensor: _slice, aten.expand.default: _expand,
+    aten.convolution.default: _convolution, aten.convolution_backward.default: _convolution_backward,
+    aten.native_layer_norm.default: _layer_norm, aten.native_layer_norm_backward.default: _layer_norm_backward,
 }
 
 
@@ -193,11 +264,16 @@ def unsupported(node) -> Optional[str]:
     """Why `node` (an FX call_function node of an aten graph) stays in torch; None if it converts."""
     if node.op != "call_function":
         return "not an op"
+    if node.target is operator.getitem:
+        source = node.args[0]
+        return None if isinstance(source, torch.fx.Node) and unsupported(source) is None else "a result of an op in torch"
     if node.target not in CONVERTERS:
         return f"no converter for {node.target}"
-    why = _tensor_ok(_result(node))
-    if why is not None:
-        return "its result is " + why
+    results = _result(node)
+    for result in results if isinstance(results, (tuple, list)) else (results,):
+        why = None if result is None else _tensor_ok(result)
+        if why is not None:
+            return "its result is " + why
     for arg in node.all_input_nodes:
         why = _tensor_ok(arg.meta.get("val"))
         if why is not None:
@@ -212,9 +288,26 @@ def unsupported(node) -> Optional[str]:
         return "div with a rounding mode"
     if node.target in BINARY and not all(isinstance(a, (torch.fx.Node, numbers.Number)) for a in node.args[:2]):
         return "an operand that is neither a tensor nor a number"
+    if node.target in (aten.convolution.default, aten.convolution_backward.default):
+        transposed = node.args[6] if node.target is aten.convolution.default else node.args[7]
+        if transposed:
+            return "a transposed convolution"
+    if node.target in (aten.native_layer_norm.default, aten.native_layer_norm_backward.default):
+        weight = node.args[2] if node.target is aten.native_layer_norm.default else node.args[5]
+        if weight is None:
+            return "a layer norm without a weight"
     return None
 
 
 def convert(g, node, value):
-    """The dnngraph tensor computing FX `node` (supported: unsupported(node) is None)."""
-    return _typed(CONVERTERS[node.target](g, node, value), node)
+    """The dnngraph tensor (or tuple of them) computing FX `node` (unsupported(node) is None)."""
+    if node.target is operator.getitem:
+        return value(node.args[0])[node.args[1]]
+    made = CONVERTERS[node.target](g, node, value)
+    if not isinstance(made, tuple):
+        return _typed(made, node)
+    metas = _result(node)
+    for tensor, meta in zip(made, metas):
+        if tensor is not None and meta is not None:
+            tensor.set_data_type(dtypes.from_torch(meta.dtype))
+    return made
