@@ -109,11 +109,12 @@ def _plain_dropout(node) -> bool:
     return node is not None and node.op == "dropout" and not node.attrs.return_mask
 
 
-def _broadcasts_into(tensor, dims) -> bool:
-    if len(tensor.dim) > len(dims):
+def _broadcasts_into(dims, into) -> bool:
+    """Do `dims` broadcast into `into` (numpy rules, no wider)?"""
+    if len(dims) > len(into):
         return False
-    padded = (1,) * (len(dims) - len(tensor.dim)) + tuple(tensor.dim)
-    return all(d in (1, s) for d, s in zip(padded, dims))
+    padded = (1,) * (len(into) - len(dims)) + tuple(dims)
+    return all(d in (1, s) for d, s in zip(padded, into))
 
 
 class _Matcher:
@@ -183,7 +184,7 @@ class _Matcher:
             return False
         roles.subtract = subtract
         d_probs, delta = subtract.inputs
-        if d_probs is None or delta is None or delta.dim[-1] != 1 or not _broadcasts_into(delta, self.dims):
+        if d_probs is None or delta is None or delta.dim[-1] != 1 or not _broadcasts_into(delta.dim, self.dims):
             return False
         if self.only_reader(d_probs) is not subtract:
             return False
@@ -267,8 +268,10 @@ class _Matcher:
                 self.roles.casts[stem] = reader
 
     def closed(self) -> bool:
-        """Only the dQ, dK and dV products leave the group; side operands broadcast into the
-        scores."""
+        """Only the dQ, dK and dV products leave the group; the score and gradient ops read the
+        values the kernels hold (s, the score ops', p, dS', the gradient ops') or operands from
+        outside that broadcast into the scores; delta and dO come from outside, dO no wider
+        than the scores."""
         roles = self.roles
         members = set(roles.nodes())
         leaving = {t.uid for t in roles.products().values()}
@@ -278,10 +281,26 @@ class _Matcher:
                     continue
                 if tensor.is_output or any(c not in members for c in self.consumers(tensor)):
                     return False
-            if node in roles.score_ops or node in roles.grad_ops:
-                for tensor in node.input_tensors():
-                    if tensor.producer not in members and not _broadcasts_into(tensor, self.dims):
-                        return False
+        held = {roles.scores.outputs[0].uid} | {n.outputs[0].uid for n in roles.score_ops}
+        if not self.operands_ok(roles.score_ops, held, members):
+            return False
+        held |= {roles.softmax.outputs[0].uid} | {n.outputs[0].uid for n in roles.grad_ops}
+        if roles.multiply is not None:
+            held.add(roles.multiply.outputs[0].uid)
+        outside = [roles.d_o] + ([roles.delta] if roles.delta is not None else [])
+        return self.operands_ok(roles.grad_ops, held, members) and \
+            all(t.producer not in members for t in outside) and \
+            _broadcasts_into(roles.d_o.dim[:-2], self.dims[:-2])
+
+    def operands_ok(self, nodes, held: set, members: set) -> bool:
+        """Every operand of `nodes` is a held value or comes from outside, broadcasting into the
+        scores."""
+        for node in nodes:
+            for tensor in node.input_tensors():
+                if tensor.uid in held:
+                    continue
+                if tensor.producer in members or not _broadcasts_into(tensor.dim, self.dims):
+                    return False
         return True
 
     def typed(self) -> bool:

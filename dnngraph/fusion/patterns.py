@@ -60,8 +60,9 @@ ATTENTION_TYPES = frozenset({"float16", "bfloat16", "float32"})
 
 def attention_chain_fits(chain) -> bool:
     """Can the flash kernel run this matmul -> score ops -> softmax -> matmul chain? Ranks 3 or 4
-    (batch dims become (batch, heads)), one float type for q, k^T and v, no fp8 scales, side
-    operands of rank <= 4 broadcasting into the scores, a float scores chain."""
+    (batch dims become (batch, heads)), one float type for q, k^T and v, no fp8 scales, an output
+    with the scores' batch dims (v no wider than them), side operands of rank <= 4 broadcasting
+    into the scores, a float scores chain."""
     first, second = chain[0], chain[-1]
     q, kt, v = first.inputs[0], first.inputs[1], second.inputs[1]
     if any(t is not None for t in first.inputs[2:] + second.inputs[2:]):
@@ -71,6 +72,8 @@ def attention_chain_fits(chain) -> bool:
     if len({t.data_type.name for t in (q, kt, v)}) != 1 or q.data_type.name not in ATTENTION_TYPES:
         return False
     scores = first.outputs[0].dim
+    if tuple(second.outputs[0].dim[:-2]) != tuple(scores[:-2]):
+        return False  # v wider than the probabilities: the kernel's rows would not be p's (dropout counters)
     made = {first.outputs[0].uid} | {n.outputs[0].uid for n in chain[1:-1]}
     for node in score_ops(chain):
         if not node.outputs[0].data_type.is_floating:
