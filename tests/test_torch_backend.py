@@ -136,3 +136,23 @@ def test_norms_convolutions_views_and_expand():
     assert forward.torch_ops == (), forward.torch_ops
     assert all("convolution" not in target and "layer_norm" not in target for target, _ in backward.torch_ops), \
         backward.torch_ops
+
+
+class _SdpaBlock(torch.nn.Module):
+    def __init__(self, dim=32, heads=2, causal=True):
+        super().__init__()
+        self.qkv, self.out, self.heads, self.causal = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim), heads, causal
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        return self.out(o.transpose(1, 2).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_scaled_dot_product_attention_becomes_sdpa(causal):
+    torch.manual_seed(7)
+    _train_step_matches(_SdpaBlock(causal=causal), lambda: [torch.randn(2, 19, 32)])
+    forward, backward = torch_backend.REPORTS
+    assert forward.torch_ops == () and backward.torch_ops == (), (forward.torch_ops, backward.torch_ops)

@@ -18,11 +18,12 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import dtypes
 from ..graph import Graph
 from ..log import logger
-from .convert import convert, unsupported
+from .convert import Aux, convert, unsupported
 
 __all__ = ["backend", "REPORTS", "CompileReport"]
 
@@ -67,6 +68,13 @@ def _dense(meta) -> bool:
     return True
 
 
+def _aux_value(meta, device):
+    """What torch gets for an Aux result: zeros of its tensor kind, or its static int."""
+    if isinstance(meta, torch.Tensor):
+        return torch.zeros(meta.shape, dtype=meta.dtype, device=device)
+    return int(meta)
+
+
 class _Values:
     """What converters read: `value(arg)` is an FX argument's dnngraph tensor (other arguments
     as they are); `value.true(dims)` an all-true broadcast input made for `expand`."""
@@ -94,13 +102,17 @@ class DnngraphModule(torch.nn.Module):
                             allow_tf32=torch.backends.cuda.matmul.allow_tf32)
         g, values, inputs = self.graph_, {}, []
         self.trues: list = []  # dims of the all-true broadcast inputs (expand), bound at each call
+        self.taken: list = []  # per argument: is it a graph input
         value = _Values(values, g, self.trues)
         for node in sub.graph.nodes:
             if node.op == "placeholder":
                 meta = node.meta["val"]
-                values[node] = g.tensor(name=f"input{len(inputs)}", dim=list(meta.shape), stride=list(meta.stride()),
-                                        data_type=dtypes.from_torch(meta.dtype))
-                inputs.append(values[node])
+                taken = isinstance(meta, torch.Tensor) and meta.dim() > 0
+                self.taken.append(taken)  # others are an sdpa's Aux values, read by no converter
+                if taken:
+                    values[node] = g.tensor(name=f"input{len(inputs)}", dim=list(meta.shape),
+                                            stride=list(meta.stride()), data_type=dtypes.from_torch(meta.dtype))
+                    inputs.append(values[node])
             elif node.op == "call_function":
                 values[node] = convert(g, node, value)
             elif node.op == "output":
@@ -108,26 +120,30 @@ class DnngraphModule(torch.nn.Module):
         inputs += value.true_inputs
         self.single = not isinstance(returned, (tuple, list))
         returned = [returned] if self.single else list(returned)
-        outputs = []
+        outputs, self.aux = [], {}
         for position, node in enumerate(returned):
             tensor = values[node]
+            if isinstance(tensor, Aux):
+                self.aux[position] = tensor.meta
+                continue
             if tensor not in outputs:
                 tensor.set_output(True).set_name(f"output{position}")
                 meta = node.meta["val"]
                 if _dense(meta):
                     tensor.set_stride(list(meta.stride()))
                 outputs.append(tensor)
-        self.order = [outputs.index(values[node]) for node in returned]
+        self.order = [None if isinstance(values[node], Aux) else outputs.index(values[node]) for node in returned]
         self.function = g.as_function(inputs, outputs)
         self.ops = sum(1 for n in sub.graph.nodes if n.op == "call_function")
 
     def forward(self, *args):
+        device = args[0].device
+        args = tuple(arg for arg, taken in zip(args, self.taken) if taken)
         if self.trues:
-            device = args[0].device
             args = args + tuple(torch.ones((), dtype=torch.bool, device=device).expand(dims) for dims in self.trues)
         results = self.function(*args)
         results = results if isinstance(results, tuple) else (results,)
-        ordered = tuple(results[i] for i in self.order)
+        ordered = tuple(_aux_value(self.aux[p], device) if i is None else results[i] for p, i in enumerate(self.order))
         return ordered[0] if self.single else ordered
 
 
@@ -153,4 +169,14 @@ def _compile(gm: torch.fx.GraphModule, example_inputs):
     return make_boxed_func(fused.forward)
 
 
-backend = aot_autograd(fw_compiler=_compile, bw_compiler=_compile)
+_AOT = aot_autograd(fw_compiler=_compile, bw_compiler=_compile)
+# The attention forms the converters take: torch's flash kernels (the sdpa op and its backward),
+# else the math decomposition (matmuls and a softmax, an op-level chain). Chosen while AOTAutograd
+# traces, so the traced graph holds one of them.
+TRACED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs):
+    """The torch.compile backend: `torch.compile(model, backend="dnngraph")`."""
+    with sdpa_kernel(TRACED_ATTENTION):
+        return _AOT(gm, example_inputs)

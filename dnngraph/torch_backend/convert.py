@@ -178,6 +178,20 @@ def _slice(g, node, value):
     return g.slice(x, slices)
 
 
+def _split(g, node, value):
+    """split / split_with_sizes: slices along one axis."""
+    x = value(node.args[0])
+    axis = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % len(x.dim)
+    sizes = [int(meta.shape[axis]) for meta in _result(node)]
+    parts, start = [], 0
+    for size in sizes:
+        slices = [slice(None)] * len(x.dim)
+        slices[axis] = slice(start, start + size)
+        parts.append(g.slice(x, slices))
+        start += size
+    return tuple(parts)
+
+
 def _expand(g, node, value):
     """x broadcast to the result's dims: where(true, x, x) against an all-true broadcast input."""
     x = value(node.args[0])
@@ -227,6 +241,33 @@ def _layer_norm_backward(g, node, value):
             g.reshape(dbias, list(shape)) if mask[2] and bias is not None else None)
 
 
+class Aux:
+    """A result dnngraph does not compute (an sdpa's random state, its sequence bookkeeping): the
+    module hands torch a value of the result's kind (zeros, or the static int) instead. Only the
+    matching backward reads it, and its converter ignores it."""
+
+    def __init__(self, meta):
+        self.meta = meta
+
+
+def _sdpa(g, node, value):
+    """torch's flash attention (CPU or CUDA form) as sdpa; the log-sum-exp as [B, H, Sq]."""
+    q, k, v = (value(x) for x in node.args[:3])
+    causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
+    o, stats = g.sdpa(q, k, v, attn_scale=node.kwargs.get("scale"), is_inference=False, use_causal_mask=causal)
+    metas = _result(node)
+    return (o, g.reshape(stats, list(metas[1].shape))) + tuple(Aux(meta) for meta in metas[2:])
+
+
+def _sdpa_backward(g, node, value):
+    d_o, q, k, v, o, lse = (value(x) for x in node.args[:6])
+    causal = node.args[7] if node.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default \
+        else node.args[11]
+    stats = g.reshape(lse, list(lse.dim) + [1])
+    return tuple(g.sdpa_backward(q, k, v, o, d_o, stats, attn_scale=node.kwargs.get("scale"),
+                                 use_causal_mask=causal)[:3])
+
+
 CONVERTERS: dict[object, Callable] = {
     **{target: _unary for target in UNARY}, **{target: _binary for target in BINARY},
     **{target: _reduce for target in REDUCE},
@@ -241,9 +282,21 @@ CONVERTERS: dict[object, Callable] = {
     aten._softmax_backward_data.default: _softmax_backward, aten._log_softmax_backward_data.default: _softmax_backward,
     aten.unsqueeze.default: _reshaped, aten.squeeze.dim: _reshaped, aten.squeeze.dims: _reshaped,
     aten.squeeze.default: _reshaped, aten.slice.Tensor: _slice, aten.expand.default: _expand,
+    aten.split.Tensor: _split, aten.split_with_sizes.default: _split,
     aten.convolution.default: _convolution, aten.convolution_backward.default: _convolution_backward,
     aten.native_layer_norm.default: _layer_norm, aten.native_layer_norm_backward.default: _layer_norm_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa,
+    aten._scaled_dot_product_flash_attention.default: _sdpa,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_backward,
+    aten._scaled_dot_product_flash_attention_backward.default: _sdpa_backward,
 }
+# Results and operands of the sdpa forms that dnngraph does not compute or read (Aux).
+AUX_RESULTS = {aten._scaled_dot_product_flash_attention.default: range(2, 9)}
+AUX_OPERANDS = {aten._scaled_dot_product_flash_attention_backward.default: range(6, 14)}
+DROPOUT_ARGUMENT = {aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
+                    aten._scaled_dot_product_flash_attention.default: 3,
+                    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 6,
+                    aten._scaled_dot_product_flash_attention_backward.default: 10}
 
 
 def _tensor_ok(meta) -> Optional[str]:
@@ -270,14 +323,24 @@ def unsupported(node) -> Optional[str]:
     if node.target not in CONVERTERS:
         return f"no converter for {node.target}"
     results = _result(node)
-    for result in results if isinstance(results, (tuple, list)) else (results,):
-        why = None if result is None else _tensor_ok(result)
+    aux = AUX_RESULTS.get(node.target, ())
+    for position, result in enumerate(results if isinstance(results, (tuple, list)) else (results,)):
+        why = None if result is None or position in aux else _tensor_ok(result)
         if why is not None:
             return "its result is " + why
+    ignored = {node.args[i] for i in AUX_OPERANDS.get(node.target, ()) if i < len(node.args)}
     for arg in node.all_input_nodes:
-        why = _tensor_ok(arg.meta.get("val"))
+        why = None if arg in ignored else _tensor_ok(arg.meta.get("val"))
         if why is not None:
             return f"input {arg.name} is {why}"
+    if node.target in DROPOUT_ARGUMENT:
+        position = DROPOUT_ARGUMENT[node.target]
+        if len(node.args) > position and node.args[position]:
+            return "attention dropout (torch's generator)"
+        if node.kwargs.get("attn_mask") is not None:
+            return "an attention mask tensor"
+        if len(_result(node)[0].shape) != 4:
+            return "attention operands of rank other than 4"
     if node.target is aten.addmm.default and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
         return "addmm with beta or alpha"
     if node.target is aten.clone.default and node.kwargs.get("memory_format") not in (None, torch.contiguous_format):
@@ -308,6 +371,6 @@ def convert(g, node, value):
         return _typed(made, node)
     metas = _result(node)
     for tensor, meta in zip(made, metas):
-        if tensor is not None and meta is not None:
+        if tensor is not None and meta is not None and not isinstance(tensor, Aux):
             tensor.set_data_type(dtypes.from_torch(meta.dtype))
     return made
