@@ -29,7 +29,8 @@ UNARY = {aten.relu.default: "relu", aten.sigmoid.default: "sigmoid", aten.tanh.d
          aten.cos.default: "cos"}
 BINARY = {aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
           aten.maximum.default: "maximum", aten.minimum.default: "minimum",
-          aten.pow.Tensor_Scalar: "pow", aten.pow.Tensor_Tensor: "pow"}
+          aten.pow.Tensor_Scalar: "pow", aten.pow.Tensor_Tensor: "pow", aten.add.Scalar: "add",
+          aten.sub.Scalar: "sub", aten.mul.Scalar: "mul", aten.div.Scalar: "div"}
 COMPARE = {aten.gt: "cmp_gt", aten.ge: "cmp_ge", aten.lt: "cmp_lt", aten.le: "cmp_le", aten.eq: "cmp_eq",
            aten.ne: "cmp_ne"}
 for _packet, _op in COMPARE.items():
@@ -174,7 +175,7 @@ def _slice(g, node, value):
     axis = (node.args[1] if len(node.args) > 1 else 0) % len(x.dim)
     start, stop, step = (list(node.args[2:5]) + [None, None, 1][len(node.args[2:5]):])[:3]
     slices = [slice(None)] * len(x.dim)
-    slices[axis] = slice(start, stop, step)
+    slices[axis] = slice(*slice(start, stop, step).indices(x.dim[axis]))  # aten's ends run to 2^63 - 1
     return g.slice(x, slices)
 
 
@@ -190,6 +191,23 @@ def _split(g, node, value):
         parts.append(g.slice(x, slices))
         start += size
     return tuple(parts)
+
+
+def _slice_backward(g, node, value):
+    """The gradient placed in zeros of the input's dims: zeros, grad, zeros joined on the axis."""
+    grad, sizes, axis, start, stop, step = node.args[:6]
+    axis %= len(sizes)
+    start, stop, _ = slice(start, stop, step).indices(sizes[axis])
+    grad = value(grad)
+    parts = []
+    for width in (start, None, sizes[axis] - stop):
+        if width is None:
+            parts.append(grad)
+        elif width > 0:
+            dims = list(sizes)
+            dims[axis] = width
+            parts.append(g.cast(g.where(value.true(dims), 0.0, 0.0), data_type=grad.data_type))
+    return parts[0] if len(parts) == 1 else g.concatenate(parts, axis)
 
 
 def _expand(g, node, value):
@@ -282,7 +300,7 @@ CONVERTERS: dict[object, Callable] = {
     aten._softmax_backward_data.default: _softmax_backward, aten._log_softmax_backward_data.default: _softmax_backward,
     aten.unsqueeze.default: _reshaped, aten.squeeze.dim: _reshaped, aten.squeeze.dims: _reshaped,
     aten.squeeze.default: _reshaped, aten.slice.Tensor: _slice, aten.expand.default: _expand,
-    aten.split.Tensor: _split, aten.split_with_sizes.default: _split,
+    aten.split.Tensor: _split, aten.split_with_sizes.default: _split, aten.slice_backward.default: _slice_backward,
     aten.convolution.default: _convolution, aten.convolution_backward.default: _convolution_backward,
     aten.native_layer_norm.default: _layer_norm, aten.native_layer_norm_backward.default: _layer_norm_backward,
     aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa,
@@ -343,6 +361,8 @@ def unsupported(node) -> Optional[str]:
             return "attention operands of rank other than 4"
     if node.target is aten.addmm.default and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
         return "addmm with beta or alpha"
+    if node.target is aten.slice_backward.default and node.args[5] != 1:
+        return "slice_backward with a step"
     if node.target is aten.clone.default and node.kwargs.get("memory_format") not in (None, torch.contiguous_format):
         return "clone to another memory format"
     if node.target is aten._to_copy.default and set(node.kwargs) - {"dtype"}:
