@@ -61,6 +61,8 @@ def load_kernel(source: str, kernel_name: str):
     module = sys.modules.get(module_name)
     if module is not None and hasattr(module, kernel_name):
         logger.debug("kernel %s: loaded in this process", path.name)
+        if not path.exists():  # another cache folder since, or the file was removed: the path named holds it
+            _write_atomically(path, source)
         return getattr(module, kernel_name), path
     sys.modules.pop(module_name, None)  # a half-loaded module is never reused
     if not path.exists() or path.read_text() != source:
@@ -68,4 +70,19 @@ def load_kernel(source: str, kernel_name: str):
         _write_atomically(path, source)
     else:
         logger.debug("kernel %s: source found on disk (cache hit)", path.name)
-    return _import(module_name, path, kernel_name), path
+    kernel = _import(module_name, path, kernel_name)
+    sys.modules[module_name].__dnngraph_source__ = source  # what kernel_source() gives if the file goes
+    return kernel, path
+
+
+def kernel_source(kernel, path: Path) -> str:
+    """The source text `kernel` (loaded by load_kernel from `path`) was made from: the file, or,
+    where the file has gone since (a cleaned folder), the text kept with the loaded module."""
+    try:
+        return path.read_text()
+    except OSError:
+        module = sys.modules.get(getattr(getattr(kernel, "fn", kernel), "__module__", ""))
+        text = getattr(module, "__dnngraph_source__", None)
+        if text is None:
+            raise
+        return text

@@ -26,7 +26,7 @@ from ..heuristics.workspace import WorkspaceBudget
 from ..log import logger
 from ..runtime import interpreting
 from .attention import build_attention_backward
-from .cache import PLANS, plan_key
+from .cache import MODULES, PLANS, plan_key
 from .launch import created_once, run_launches, time_launches
 from .conv import build_conv
 from .matmul import build_matmul
@@ -106,9 +106,10 @@ def build_plan(graph, autotune: bool = False, workspace_limit=None) -> "Plan":
     if shared is None:
         shared = _build_new(graph._snapshot(), device, autotune, workspace_limit)
         PLANS.put(key, shared)
-        if not autotune:  # (autotuning stores winners: the next build reads them, a new key)
-            # a first build may import modules (kernel families, Triton's): the next identical
-            # build's key sees them, and finds the plan under it too
+        # a first build may import modules: the next identical build's key sees them, and finds
+        # the plan under it too, unless a value the build read changed meanwhile (a knob set by
+        # another thread) or autotuning stored winners (the next build reads them, a new key)
+        if not autotune and MODULES.unchanged(key[-1]):
             PLANS.put(plan_key(graph, autotune, workspace_limit, device, KERNEL_BUILDERS), shared)
     else:
         logger.info("built graph %r from the plan cache in %.2f ms", graph.name, 1e3 * (time.perf_counter() - start))

@@ -23,10 +23,11 @@ was built first can reach it; each graph gets a plan of its own over the shared 
 from __future__ import annotations
 
 import collections
-import itertools
+import operator
 import os
 import sys
 import threading
+import types
 
 from ..heuristics import device_model
 from ..heuristics.tuning_cache import tuning_cache_path
@@ -44,14 +45,14 @@ WATCHED_PACKAGE = "dnngraph"
 
 
 class _Values:
-    """The values of dnngraph's module namespaces, compared by identity. A key holds the values
-    themselves, so while a plan is cached none of them can be freed and its id reused: equal ids
-    are the same objects."""
+    """Module-level values, compared by identity. A key holds the values themselves, so while a
+    plan is cached none of them can be freed and its id reused: equal ids are the same objects."""
 
-    __slots__ = ("values", "ids", "_hash")
+    __slots__ = ("entries", "values", "ids", "_hash")
 
-    def __init__(self, values: tuple):
-        self.values, self.ids = values, tuple(map(id, values))
+    def __init__(self, entries: tuple, values: tuple):
+        self.entries, self.values = entries, values  # entries: what was read (for unchanged())
+        self.ids = tuple(map(id, values))
         self._hash = hash(self.ids)
 
     def __eq__(self, other) -> bool:
@@ -61,20 +62,46 @@ class _Values:
         return self._hash
 
 
+def _reader(namespace: dict) -> list:
+    """[namespace, its length, a C getter of its public values]: FORCE_* knobs, tables,
+    functions; not submodules (an import binds them) nor private names, which hold the modules'
+    own running state (a started interpreter process, a switch) that no plan reads."""
+    names = [name for name, value in namespace.items()
+             if name[:1] != "_" and value.__class__ is not types.ModuleType]
+    return [namespace, len(namespace), operator.itemgetter("__name__", *names)]  # always a tuple
+
+
 class _Modules:
-    """dnngraph's modules (found again whenever the process imports more)."""
+    """dnngraph's modules (found again whenever the process imports more), read without a
+    Python call per module (a plan-cache hit stays a few hundred calls)."""
 
     def __init__(self):
-        self.seen, self.modules = -1, ()
+        self.seen, self.readers = -1, []
 
     def state(self) -> _Values:
-        """Every module-level value of dnngraph (FORCE_* knobs, tables, functions) as they are now:
-        an assignment of any of them, by a test's monkeypatch, a sweep or a user, changes it."""
+        """Every public module-level value of dnngraph as it is now: an assignment of any of
+        them, by a test's monkeypatch, a sweep or a user, changes it (an equal new object
+        too: identity is what is compared)."""
         if len(sys.modules) != self.seen:
             self.seen = len(sys.modules)
-            self.modules = tuple(module for name, module in sorted(sys.modules.items())
-                                 if name == WATCHED_PACKAGE or name.startswith(WATCHED_PACKAGE + "."))
-        return _Values(tuple(itertools.chain.from_iterable(map(dict.values, map(vars, self.modules)))))
+            self.readers = [_reader(vars(module)) for name, module in sorted(sys.modules.items())
+                            if name == WATCHED_PACKAGE or name.startswith(WATCHED_PACKAGE + ".")]
+        return self._read(self.readers)
+
+    @staticmethod
+    def _read(readers: list) -> _Values:
+        values = []
+        for reader in readers:
+            namespace, length, getter = reader
+            if len(namespace) != length:  # a name added or removed: read the names again
+                reader[:] = _reader(namespace)
+                getter = reader[2]
+            values += getter(namespace)
+        return _Values(tuple(readers), tuple(values))
+
+    def unchanged(self, earlier: _Values) -> bool:
+        """Do the modules `earlier` read still hold the same values?"""
+        return self._read(list(earlier.entries)).ids == earlier.ids
 
 
 MODULES = _Modules()

@@ -31,6 +31,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ..codegen.cache import kernel_source
 from ..errors import ExecutionError
 from ..log import logger
 from .interpreter_worker import KernelCall, Request
@@ -119,7 +120,7 @@ class InterpreterProcess:
             if key in self.loaded or key in sources:
                 continue
             try:
-                sources[key] = (_kernel_name(launch.source_path), launch.source_path.read_text())
+                sources[key] = (_kernel_name(launch.source_path), kernel_source(getattr(launch, "kernel", None), launch.source_path))
             except OSError as error:
                 raise ExecutionError(f"kernel source {key} cannot be read ({error}): build the graph again") from error
         return sources
