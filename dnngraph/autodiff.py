@@ -73,7 +73,7 @@ def replay(graph: Graph, name: str, attrs_of=lambda node: node.attrs, outputs=No
                 if tuple(twin.stride) != tuple(original.own_stride):
                     twin.set_stride(original.own_stride)
     if kept is not None:
-        _prune(copy)
+        prune(copy)
     return copy, mapped
 
 
@@ -249,7 +249,7 @@ class _Deriver:
             if tuple(grad.stride) != tuple(tensor.stride) and not overlaps(tensor.dim, tensor.stride):
                 grad.set_stride(tensor.stride)  # (an expanded input's gradient is dense)
             results.append(grad)
-        _prune(self.graph)
+        prune(self.graph)
         return Derivation(forward, self.graph, twins, self.saved, self.forward_inputs, grad_inputs,
                           self.saved_inputs, self.forward_input_twins, results)
 
@@ -268,7 +268,7 @@ class _Deriver:
         return total
 
 
-def _prune(graph: Graph):
+def prune(graph: Graph):
     """Drop nodes whose results nothing reads (a value a rule asked for and did not use)."""
     while True:
         read = {t.uid for n in graph._nodes for t in n.input_tensors()}

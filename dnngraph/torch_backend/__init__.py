@@ -23,7 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .. import dtypes
 from ..graph import Graph
 from ..log import logger
-from .convert import Aux, convert, unsupported
+from ..autodiff import prune
+from .convert import TENSOR_TYPES, Aux, convert, unsupported
 
 __all__ = ["backend", "REPORTS", "CompileReport"]
 
@@ -107,7 +108,7 @@ class DnngraphModule(torch.nn.Module):
         for node in sub.graph.nodes:
             if node.op == "placeholder":
                 meta = node.meta["val"]
-                taken = isinstance(meta, torch.Tensor) and meta.dim() > 0
+                taken = isinstance(meta, torch.Tensor) and meta.dim() > 0 and meta.dtype in TENSOR_TYPES
                 self.taken.append(taken)  # others are an sdpa's Aux values, read by no converter
                 if taken:
                     values[node] = g.tensor(name=f"input{len(inputs)}", dim=list(meta.shape),
@@ -133,6 +134,7 @@ class DnngraphModule(torch.nn.Module):
                     tensor.set_stride(list(meta.stride()))
                 outputs.append(tensor)
         self.order = [None if isinstance(values[node], Aux) else outputs.index(values[node]) for node in returned]
+        prune(g)  # results no output reads (an sdpa's log-sum-exp in inference)
         self.function = g.as_function(inputs, outputs)
         self.ops = sum(1 for n in sub.graph.nodes if n.op == "call_function")
 
@@ -180,3 +182,15 @@ def backend(gm: torch.fx.GraphModule, example_inputs):
     """The torch.compile backend: `torch.compile(model, backend="dnngraph")`."""
     with sdpa_kernel(TRACED_ATTENTION):
         return _AOT(gm, example_inputs)
+
+
+def _register():
+    """The name "dnngraph" for torch.compile: an installed package has it through its entry
+    point; a checkout on sys.path gets it when this module is imported."""
+    from torch._dynamo.backends.registry import list_backends, register_backend
+
+    if "dnngraph" not in list_backends(exclude_tags=()):
+        register_backend(backend, name="dnngraph")
+
+
+_register()

@@ -1,0 +1,121 @@
+"""Whole models through torch.compile(backend="dnngraph") against eager torch and inductor, in one
+process: a Llama-3-8B decoder layer (bf16, batch 1: prefill forward at 4096 tokens, a training
+step at 4096) and torchvision's ResNet-50 (channels-last bf16: a training step at N=64,
+inference at N=256). Each row reports the median step time, the ratios and each compile's time.
+
+    python benchmarks/bench_models.py [--rows llama,resnet] [--seq 4096] [--no-inductor]
+"""
+import argparse
+import time
+
+import torch
+
+import dnngraph.torch_backend  # noqa: F401  (the name "dnngraph" where the package is not installed)
+from common import median_ms, print_table, write_json
+from llama_layer import make_layer
+
+
+def _timed_compile(fn, warm):
+    """(compiled fn, seconds to the first result): torch.compile is lazy, the first call compiles."""
+    start = time.perf_counter()
+    warm(fn)
+    torch.cuda.synchronize()
+    return fn, time.perf_counter() - start
+
+
+def _row(label, step, make_variants, work_flops=None):
+    """Time each variant's step; the row with ratios eager / dnngraph and inductor / dnngraph."""
+    times, compile_s = {}, {}
+    for name, fn in make_variants().items():
+        fn, seconds = _timed_compile(fn, step)
+        compile_s[name] = seconds
+        times[name] = median_ms(lambda: step(fn), warmup=3, rep=20)
+    dg = times["dnngraph"]
+    row = [label, f"{dg:.2f}", f"{times['eager']:.2f}", f"{times.get('inductor', float('nan')):.2f}",
+           f"{times['eager'] / dg:.2f}", f"{times.get('inductor', float('nan')) / dg:.2f}",
+           f"{compile_s['dnngraph']:.0f}", f"{compile_s.get('inductor', float('nan')):.0f}"]
+    if work_flops:
+        row.append(f"{work_flops / dg / 1e9:.0f}")
+    print(" | ".join(row), flush=True)
+    return row
+
+
+def llama_rows(seq: int, inductor: bool) -> list:
+    torch.manual_seed(0)
+    layer, forward, origin = make_layer(4096, 32, 8, 14336, torch.bfloat16, "cuda")
+    x = torch.randn(1, seq, 4096, device="cuda", dtype=torch.bfloat16)
+    print(f"Llama-3-8B decoder layer: {origin}", flush=True)
+
+    def variants():
+        made = {"eager": lambda m, h: forward(m, h)}
+        torch._dynamo.reset()
+        made["dnngraph"] = torch.compile(lambda m, h: forward(m, h), backend="dnngraph", dynamic=False)
+        if inductor:
+            made["inductor"] = torch.compile(lambda m, h: forward(m, h), dynamic=False)
+        return made
+
+    rows = []
+
+    def prefill(fn):
+        with torch.no_grad():
+            fn(layer, x)
+
+    rows.append(_row(f"Llama layer prefill S{seq}", prefill, variants))
+    leaf = x.clone().requires_grad_()
+    grad = torch.randn_like(x)
+
+    def train(fn):
+        fn(layer, leaf).backward(grad)
+
+    rows.append(_row(f"Llama layer training step S{seq}", train, variants))
+    return rows
+
+
+def resnet_rows(inductor: bool) -> list:
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50().to(device="cuda", dtype=torch.bfloat16, memory_format=torch.channels_last)
+    rows = []
+    for label, batch, training in (("ResNet-50 training step N64", 64, True), ("ResNet-50 inference N256", 256, False)):
+        x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+        model.train(training)
+
+        def variants():
+            made = {"eager": model}
+            torch._dynamo.reset()
+            made["dnngraph"] = torch.compile(model, backend="dnngraph", dynamic=False)
+            if inductor:
+                made["inductor"] = torch.compile(model, dynamic=False)
+            return made
+
+        def step(fn):
+            if training:
+                fn(x).float().sum().backward()
+            else:
+                with torch.no_grad():
+                    fn(x)
+
+        rows.append(_row(label, step, variants))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="llama,resnet")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--no-inductor", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    if "llama" in args.rows:
+        rows += llama_rows(args.seq, not args.no_inductor)
+    if "resnet" in args.rows:
+        rows += resnet_rows(not args.no_inductor)
+    print_table(f"whole models, ms per step ({torch.cuda.get_device_name()})",
+                ["row", "dnngraph", "eager", "inductor", "eager / dg", "inductor / dg", "dg compile s",
+                 "inductor compile s"], rows)
+    write_json("models.json", rows)
+
+
+if __name__ == "__main__":
+    main()
