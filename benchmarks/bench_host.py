@@ -22,28 +22,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import dnngraph as dg  # noqa: E402
 import dnngraph.plan as plan_module  # noqa: E402
+from bench_latency import four_kernels, one_kernel  # noqa: E402  (the same graphs)
 from dnngraph.plan import launch as launch_module  # noqa: E402
 
 EXECUTES = 20000
 REPEATS = 5  # the median of this many timed loops is reported
 BUILDS = 200
-
-
-def one_kernel(name="one"):
-    """relu over [1024]: one pointwise kernel."""
-    g = dg.Graph(name=name)
-    x = g.tensor(name="x", dim=[1024])
-    g.relu(x).set_output(True).set_name("y")
-    return g
-
-
-def four_kernels(name="four"):
-    """matmul -> row softmax -> matmul -> row sum: four kernels."""
-    g = dg.Graph(name=name)
-    a, b, c = (g.tensor(name=n, dim=[64, 64]) for n in ("a", "b", "c"))
-    y = g.matmul(g.softmax(g.matmul(a, b), axis=1), c)
-    g.reduction(y, "sum", [1]).set_output(True).set_name("y")
-    return g
 
 
 def bindings_of(g):

@@ -27,9 +27,9 @@ def one_kernel(name="one"):
     return g
 
 
-def four_kernels():
+def four_kernels(name="four"):
     """matmul -> row softmax -> matmul -> row sum: four kernels."""
-    g = dg.Graph(name="four")
+    g = dg.Graph(name=name)
     a, b, c = (g.tensor(name=n, dim=[64, 64]) for n in ("a", "b", "c"))
     y = g.matmul(g.softmax(g.matmul(a, b), axis=1), c)
     g.reduction(y, "sum", [1]).set_output(True).set_name("y")

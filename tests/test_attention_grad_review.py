@@ -10,20 +10,13 @@ import torch
 import dnngraph as dg
 from dnngraph.fusion import partition
 from helpers import poisoned, rel_err
+from test_attention_grad import _check, _close
 
 GEN = torch.Generator().manual_seed(5)
 
 
 def _rnd(*shape, dtype=torch.float32):
     return torch.randn(*shape, generator=GEN).to(dtype)
-
-
-def _close(value, expected, tolerance, name):
-    """NaN exactly where the reference has NaN, close elsewhere."""
-    value = value.detach()
-    assert torch.equal(value.isnan(), expected.isnan()), f"{name}: NaN pattern differs"
-    keep = ~expected.isnan()
-    assert rel_err(value[keep], expected[keep]) < tolerance, f"{name}: {rel_err(value[keep], expected[keep])}"
 
 
 def _as_function_check(inputs, body, wanted, tolerance=2e-5, io=dg.float32):
@@ -34,20 +27,7 @@ def _as_function_check(inputs, body, wanted, tolerance=2e-5, io=dg.float32):
                  compute_data_type=dg.float32)
     t = {name: g.tensor_like(value, name) for name, value in inputs.items()}
     body(g, t).set_output(True).set_name("out")
-    fn = g.as_function()
-    args = [inputs[x.name].clone().requires_grad_(x.name in wanted) for x in fn.inputs]
-    out = fn(*args)
-    grad_out = torch.randn(out.shape, generator=GEN).to(out.dtype)
-    out.backward(grad_out)
-    leaves = {n: v.double().requires_grad_(n in wanted) if v.is_floating_point() else v for n, v in inputs.items()}
-    ref = g.reference(leaves)["out"]
-    _close(out, ref, tolerance, "out")
-    grads = torch.autograd.grad(ref, [leaves[n] for n in wanted], grad_out.double())
-    for name, expected in zip(wanted, grads):
-        arg = args[[x.name for x in fn.inputs].index(name)]
-        assert arg.grad is not None and arg.grad.shape == arg.shape
-        _close(arg.grad, expected, tolerance, "d" + name)
-    derivation, _ = fn.derivation(tuple(x.name in wanted for x in fn.inputs))
+    derivation = _check(g, inputs, wanted, tolerance)
     return [launch.group.kind for launch in derivation.backward.plan.launches]
 
 
