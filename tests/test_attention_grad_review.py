@@ -9,7 +9,7 @@ import torch
 
 import dnngraph as dg
 from dnngraph.fusion import partition
-from helpers import poisoned, rel_err
+from helpers import poisoned
 from test_attention_grad import _check, _close
 
 GEN = torch.Generator().manual_seed(5)
