@@ -1,5 +1,7 @@
 """torch.compile(model, backend="dnngraph"): forward and backward of small modules against eager
 torch, with the partition each aten graph became (torch_backend.REPORTS)."""
+import copy
+
 import pytest
 import torch
 
@@ -183,3 +185,43 @@ def test_llama_style_decoder_layer_forward_and_backward():
     assert {target for target, _ in forward_report.torch_ops} <= {"aten.arange.start_step", "aten.arange.default",
                                                                   "aten.pow.Scalar"}, forward_report.torch_ops
     assert backward_report.torch_ops == (), backward_report.torch_ops
+
+
+class _Residual(torch.nn.Module):
+    """conv -> batch norm -> relu -> conv -> batch norm + identity -> relu -> pool -> linear."""
+
+    def __init__(self, channels=4):
+        super().__init__()
+        self.c1, self.c2 = (torch.nn.Conv2d(channels, channels, 3, padding=1, bias=False) for _ in range(2))
+        self.b1, self.b2 = torch.nn.BatchNorm2d(channels), torch.nn.BatchNorm2d(channels)
+        self.head = torch.nn.Linear(channels, 3)
+
+    def forward(self, x):
+        h = torch.relu(self.b1(self.c1(x)))
+        h = torch.relu(self.b2(self.c2(h)) + x)
+        return self.head(torch.nn.functional.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+def test_batch_norm_residual_block_training_and_running_statistics():
+    torch.manual_seed(9)
+    model = _Residual()
+    _train_step_matches(copy.deepcopy(model), lambda: [torch.randn(3, 4, 6, 6)])
+    assert all("batch_norm" not in t for r in torch_backend.REPORTS for t, _ in r.torch_ops)
+    eager, x = copy.deepcopy(model), torch.randn(3, 4, 6, 6)
+    _compiled(model)(x)  # one training step's forward each: the running statistics move alike
+    eager(x)
+    for ours, theirs in ((model.b1, eager.b1), (model.b2, eager.b2)):
+        assert ours.num_batches_tracked.item() == theirs.num_batches_tracked.item() == 1
+        assert rel_err(ours.running_mean, theirs.running_mean) < 1e-5
+        assert rel_err(ours.running_var, theirs.running_var) < 1e-5
+
+
+def test_batch_norm_inference_form():
+    torch.manual_seed(10)
+    model = _Residual()
+    model(torch.randn(5, 4, 6, 6))  # running statistics away from their start
+    model.eval()
+    x = torch.randn(2, 4, 6, 6)
+    with torch.no_grad():
+        assert rel_err(_compiled(model)(x), model(x)) < 1e-5
+    assert all("batch_norm" not in t for t, _ in torch_backend.REPORTS[-1].torch_ops)

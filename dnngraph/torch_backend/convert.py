@@ -259,6 +259,40 @@ def _layer_norm_backward(g, node, value):
             g.reshape(dbias, list(shape)) if mask[2] and bias is not None else None)
 
 
+def _channels(g, value, tensor, x):
+    """A per-channel [C] tensor as [1, C, 1, ...] (the norms' parameter dims)."""
+    return g.reshape(value(tensor), [1, x.dim[1]] + [1] * (len(x.dim) - 2))
+
+
+def _batch_norm(g, node, value):
+    """Training batch norm: y, the batch statistics [C], the next running statistics [C]."""
+    x, weight, bias, running_mean, running_var, _, momentum, eps = node.args[:8]
+    x = value(x)
+    made = g.batchnorm(x, *(_channels(g, value, t, x) for t in (weight, bias, running_mean, running_var)),
+                       epsilon=eps, momentum=momentum)
+    return (made[0],) + tuple(g.reshape(t, [x.dim[1]]) for t in made[1:])
+
+
+def _batch_norm_inference(g, node, value):
+    """Batch norm with the running statistics; torch's two empty results are Aux."""
+    x, weight, bias, running_mean, running_var, _, eps = node.args[:7]
+    x = value(x)
+    inv_variance = g.rsqrt(g.add(_channels(g, value, running_var, x), eps))
+    y = g.batchnorm_inference(x, _channels(g, value, running_mean, x), inv_variance,
+                              _channels(g, value, weight, x), _channels(g, value, bias, x))
+    return (y,) + tuple(Aux(meta) for meta in _result(node)[1:])
+
+
+def _batch_norm_backward(g, node, value):
+    dy, x, weight, _, _, mean, inv_variance, _, _, mask = node.args[:10]
+    x = value(x)
+    dx, dscale, dbias = g.batchnorm_backward(value(dy), x, _channels(g, value, weight, x),
+                                             _channels(g, value, mean, x), _channels(g, value, inv_variance, x))
+    channels = [x.dim[1]]
+    return (dx if mask[0] else None, g.reshape(dscale, channels) if mask[1] else None,
+            g.reshape(dbias, channels) if mask[2] else None)
+
+
 class Aux:
     """A result dnngraph does not compute (an sdpa's random state, its sequence bookkeeping): the
     module hands torch a value of the result's kind (zeros, or the static int) instead. Only the
@@ -307,9 +341,13 @@ CONVERTERS: dict[object, Callable] = {
     aten._scaled_dot_product_flash_attention.default: _sdpa,
     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_backward,
     aten._scaled_dot_product_flash_attention_backward.default: _sdpa_backward,
+    aten._native_batch_norm_legit_functional.default: _batch_norm,
+    aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,
+    aten.native_batch_norm_backward.default: _batch_norm_backward,
 }
 # Results and operands of the sdpa forms that dnngraph does not compute or read (Aux).
-AUX_RESULTS = {aten._scaled_dot_product_flash_attention.default: range(2, 9)}
+AUX_RESULTS = {aten._scaled_dot_product_flash_attention.default: range(2, 9),
+               aten._native_batch_norm_legit_no_training.default: range(1, 3)}
 AUX_OPERANDS = {aten._scaled_dot_product_flash_attention_backward.default: range(6, 14)}
 DROPOUT_ARGUMENT = {aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
                     aten._scaled_dot_product_flash_attention.default: 3,
@@ -375,6 +413,14 @@ def unsupported(node) -> Optional[str]:
         transposed = node.args[6] if node.target is aten.convolution.default else node.args[7]
         if transposed:
             return "a transposed convolution"
+    if node.target in (aten._native_batch_norm_legit_functional.default,
+                       aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm_backward.default):
+        if any(a is None for a in node.args[1:3 if node.target is aten.native_batch_norm_backward.default else 5]):
+            return "a batch norm without weight, bias or running statistics"
+        if node.target is aten._native_batch_norm_legit_functional.default and not node.args[5]:
+            return "a batch norm in training form without training"
+        if node.target is aten.native_batch_norm_backward.default and not node.args[7]:
+            return "a batch norm backward of the inference form"
     if node.target in (aten.native_layer_norm.default, aten.native_layer_norm_backward.default):
         weight = node.args[2] if node.target is aten.native_layer_norm.default else node.args[5]
         if weight is None:
