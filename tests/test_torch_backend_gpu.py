@@ -44,13 +44,16 @@ def test_bf16_llama_decoder_layer_matches_eager():
     assert not [t for t in kept if "mm" in t or "attention" in t or "rsqrt" in t], kept
 
 
-def test_bf16_channels_last_cnn_is_as_close_to_float64_as_eager():
-    """A bf16 channels-last CNN: dnngraph's outputs and gradients are no further from the float64
-    computation than eager torch's (cuDNN), within a small allowance."""
+@pytest.mark.parametrize("norm", [False, True])
+def test_bf16_channels_last_cnn_is_as_close_to_float64_as_eager(norm):
+    """A bf16 channels-last CNN (with batch norms in training form): dnngraph's outputs and
+    gradients are no further from the float64 computation than eager torch's (cuDNN), within a
+    small allowance."""
     torch.manual_seed(2)
-    model = torch.nn.Sequential(torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.ReLU(),
-                                torch.nn.Conv2d(32, 32, 3, padding=1, stride=2), torch.nn.ReLU(),
-                                torch.nn.Flatten(), torch.nn.Linear(32 * 8 * 8, 10))
+    layers = [torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+              torch.nn.Conv2d(32, 32, 3, padding=1, stride=2), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+              torch.nn.Flatten(), torch.nn.Linear(32 * 8 * 8, 10)]
+    model = torch.nn.Sequential(*[layer for layer in layers if norm or not isinstance(layer, torch.nn.BatchNorm2d)])
     model = model.to(device="cuda", dtype=torch.bfloat16, memory_format=torch.channels_last)
     exact = copy.deepcopy(model).double()
     x = torch.randn(8, 16, 16, 16, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
