@@ -225,3 +225,25 @@ def test_batch_norm_inference_form():
     with torch.no_grad():
         assert rel_err(_compiled(model)(x), model(x)) < 1e-5
     assert all("batch_norm" not in t for t, _ in torch_backend.REPORTS[-1].torch_ops)
+
+
+class _MaskedAttention(torch.nn.Module):
+    def __init__(self, mask):
+        super().__init__()
+        self.register_buffer("mask", mask)
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, q, k, v):
+        o = torch.nn.functional.scaled_dot_product_attention(self.proj(q), k, v, attn_mask=self.mask)
+        return torch.tanh(o)
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_attention_masks_become_the_sdpa_bias(kind):
+    torch.manual_seed(11)
+    keep = torch.rand(1, 2, 9, 13) > 0.3
+    keep[..., 0] = True  # every row sees a key
+    mask = keep if kind == "bool" else torch.randn(9, 13)
+    _train_step_matches(_MaskedAttention(mask), lambda: [torch.randn(2, 2, 9, 16), torch.randn(2, 2, 13, 16),
+                                                        torch.randn(2, 2, 13, 16)])
+    assert all("attention" not in t for r in torch_backend.REPORTS for t, _ in r.torch_ops)

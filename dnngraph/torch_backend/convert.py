@@ -302,22 +302,35 @@ class Aux:
         self.meta = meta
 
 
+def _attention_bias(g, mask, like):
+    """An attention mask as sdpa's additive bias [.., Sq, Skv] of rank 4: a bool mask keeps
+    where True (0) and drops where False (-inf); a float mask adds."""
+    if mask.data_type.name == "bool":
+        mask = g.cast(g.where(mask, 0.0, float("-inf")), data_type=like.data_type)
+    return mask if len(mask.dim) == 4 else g.reshape(mask, [1] * (4 - len(mask.dim)) + list(mask.dim))
+
+
 def _sdpa(g, node, value):
-    """torch's flash attention (CPU or CUDA form) as sdpa; the log-sum-exp as [B, H, Sq]."""
+    """torch's flash attention (CPU form, with its mask, or CUDA form) as sdpa; the log-sum-exp
+    as [B, H, Sq]."""
     q, k, v = (value(x) for x in node.args[:3])
+    mask = node.kwargs.get("attn_mask")
     causal = node.args[4] if len(node.args) > 4 else node.kwargs.get("is_causal", False)
-    o, stats = g.sdpa(q, k, v, attn_scale=node.kwargs.get("scale"), is_inference=False, use_causal_mask=causal)
+    bias = None if mask is None else _attention_bias(g, value(mask), q)
+    o, stats = g.sdpa(q, k, v, attn_scale=node.kwargs.get("scale"), is_inference=False, use_causal_mask=causal,
+                      bias=bias)
     metas = _result(node)
     return (o, g.reshape(stats, list(metas[1].shape))) + tuple(Aux(meta) for meta in metas[2:])
 
 
 def _sdpa_backward(g, node, value):
     d_o, q, k, v, o, lse = (value(x) for x in node.args[:6])
-    causal = node.args[7] if node.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default \
-        else node.args[11]
+    cpu = node.target is aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+    mask = node.kwargs.get("attn_mask")
+    bias = None if mask is None else _attention_bias(g, value(mask), q)
     stats = g.reshape(lse, list(lse.dim) + [1])
     return tuple(g.sdpa_backward(q, k, v, o, d_o, stats, attn_scale=node.kwargs.get("scale"),
-                                 use_causal_mask=causal)[:3])
+                                 use_causal_mask=node.args[7 if cpu else 11], bias=bias)[:3])
 
 
 CONVERTERS: dict[object, Callable] = {
@@ -345,7 +358,8 @@ CONVERTERS: dict[object, Callable] = {
     aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,
     aten.native_batch_norm_backward.default: _batch_norm_backward,
 }
-# Results and operands of the sdpa forms that dnngraph does not compute or read (Aux).
+# Results of the sdpa forms that are Aux (random state, bookkeeping) and operands their
+# backward converters do not read.
 AUX_RESULTS = {aten._scaled_dot_product_flash_attention.default: range(2, 9),
                aten._native_batch_norm_legit_no_training.default: range(1, 3)}
 AUX_OPERANDS = {aten._scaled_dot_product_flash_attention_backward.default: range(6, 14)}
@@ -393,8 +407,10 @@ def unsupported(node) -> Optional[str]:
         position = DROPOUT_ARGUMENT[node.target]
         if len(node.args) > position and node.args[position]:
             return "attention dropout (torch's generator)"
-        if node.kwargs.get("attn_mask") is not None:
-            return "an attention mask tensor"
+        mask = node.kwargs.get("attn_mask")
+        if mask is not None and (len(mask.meta["val"].shape) > 4 or not mask.meta["val"].is_floating_point()
+                                 and mask.meta["val"].dtype != torch.bool):
+            return "an attention mask of rank over 4 or of integers"
         if len(_result(node)[0].shape) != 4:
             return "attention operands of rank other than 4"
     if node.target is aten.addmm.default and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
