@@ -21,9 +21,9 @@ from torch.fx.passes.operator_support import OperatorSupport
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import dtypes
+from ..autodiff import prune
 from ..graph import Graph
 from ..log import logger
-from ..autodiff import prune
 from .convert import TENSOR_TYPES, Aux, convert, unsupported
 
 __all__ = ["backend", "REPORTS", "CompileReport"]
