@@ -247,3 +247,28 @@ def test_attention_masks_become_the_sdpa_bias(kind):
     _train_step_matches(_MaskedAttention(mask), lambda: [torch.randn(2, 2, 9, 16), torch.randn(2, 2, 13, 16),
                                                         torch.randn(2, 2, 13, 16)])
     assert all("attention" not in t for r in torch_backend.REPORTS for t, _ in r.torch_ops)
+
+
+def test_dropout_keeps_its_mask_through_the_backward():
+    """Training dropout: dnngraph's Philox with a seed from torch's generator per call. Kept
+    values are scaled by 1/(1-p), the backward uses the forward's mask, the fraction kept is
+    near 1-p, and torch.manual_seed repeats a run."""
+    def f(x):
+        return torch.nn.functional.dropout(x * 2.0, p=0.3, training=True)
+
+    compiled = _compiled(f)
+    x = torch.randn(64, 257).abs() + 0.1  # no zeros of its own
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(12)
+        leaf = x.clone().requires_grad_()
+        y = compiled(leaf)
+        y.backward(torch.ones_like(y))
+        runs.append((y.detach(), leaf.grad))
+    (y, grad), (y_again, grad_again) = runs
+    assert torch.equal(y, y_again) and torch.equal(grad, grad_again)
+    kept = y != 0
+    assert abs(kept.float().mean().item() - 0.7) < 0.02
+    assert torch.allclose(y[kept], (x * 2.0 / 0.7)[kept], rtol=1e-6)
+    assert torch.equal(grad != 0, kept) and torch.allclose(grad[kept], torch.full_like(grad[kept], 2.0 / 0.7))
+    assert all("dropout" not in t for r in torch_backend.REPORTS for t, _ in r.torch_ops)

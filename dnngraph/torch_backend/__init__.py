@@ -78,13 +78,19 @@ def _aux_value(meta, device):
 
 class _Values:
     """What converters read: `value(arg)` is an FX argument's dnngraph tensor (other arguments
-    as they are); `value.true(dims)` an all-true broadcast input made for `expand`."""
+    as they are); `value.true(dims)` an all-true broadcast input made for `expand`;
+    `value.seed()` an int64 seed input drawn per call (dropout)."""
 
     def __init__(self, values: dict, graph, trues: list):
-        self.values, self.graph, self.trues, self.true_inputs = values, graph, trues, []
+        self.values, self.graph, self.trues, self.true_inputs, self.seeds = values, graph, trues, [], []
 
     def __call__(self, arg):
         return self.values.get(arg, arg) if isinstance(arg, torch.fx.Node) else arg
+
+    def seed(self):
+        tensor = self.graph.tensor(name=f"seed{len(self.seeds)}", dim=[1], data_type=dtypes.int64)
+        self.seeds.append(tensor)
+        return tensor
 
     def true(self, dims):
         tensor = self.graph.tensor(name=f"true{len(self.trues)}", dim=list(dims), stride=[0] * len(dims),
@@ -118,7 +124,8 @@ class DnngraphModule(torch.nn.Module):
                 values[node] = convert(g, node, value)
             elif node.op == "output":
                 returned = node.args[0]
-        inputs += value.true_inputs
+        inputs += value.true_inputs + value.seeds
+        self.seeds = len(value.seeds)
         self.single = not isinstance(returned, (tuple, list))
         returned = [returned] if self.single else list(returned)
         outputs, self.aux = [], {}
@@ -143,6 +150,9 @@ class DnngraphModule(torch.nn.Module):
         args = tuple(arg for arg, taken in zip(args, self.taken) if taken)
         if self.trues:
             args = args + tuple(torch.ones((), dtype=torch.bool, device=device).expand(dims) for dims in self.trues)
+        if self.seeds:  # from torch's generator of the device: torch.manual_seed makes runs repeat
+            args = args + tuple(torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+                                for _ in range(self.seeds))
         results = self.function(*args)
         results = results if isinstance(results, tuple) else (results,)
         ordered = tuple(_aux_value(self.aux[p], device) if i is None else results[i] for p, i in enumerate(self.order))

@@ -4,7 +4,8 @@ Each converter takes (graph, node, value) where `value(arg)` gives the dnngraph 
 node argument (or the argument itself: numbers, lists), and returns the dnngraph tensor of the
 node's result (a tuple for ops with several results, None where one is not computed).
 `value.true(dims)` is an all-true bool input of `dims` (broadcast: one element in memory) that
-the caller binds, for `expand`. `unsupported(node)` says why a node stays in torch (None: it
+the caller binds, for `expand`; `value.seed()` an int64 seed input the caller draws from torch's
+generator at every call, for dropout. `unsupported(node)` says why a node stays in torch (None: it
 converts).
 """
 from __future__ import annotations
@@ -210,6 +211,18 @@ def _slice_backward(g, node, value):
     return parts[0] if len(parts) == 1 else g.concatenate(parts, axis)
 
 
+def _native_dropout(g, node, value):
+    """Dropout through dnngraph's Philox with a seed drawn from torch's generator per call (the
+    masks differ from eager's, as any compiler's do; the backward reads this mask)."""
+    y, keep = g.dropout(value(node.args[0]), node.args[1], value.seed(), 0, return_mask=True)
+    return y, keep
+
+
+def _native_dropout_backward(g, node, value):
+    grad, keep, scale = value(node.args[0]), value(node.args[1]), node.args[2]
+    return g.mul(g.where(keep, grad, 0.0), scale)
+
+
 def _expand(g, node, value):
     """x broadcast to the result's dims: where(true, x, x) against an all-true broadcast input."""
     x = value(node.args[0])
@@ -347,6 +360,7 @@ CONVERTERS: dict[object, Callable] = {
     aten._softmax_backward_data.default: _softmax_backward, aten._log_softmax_backward_data.default: _softmax_backward,
     aten.unsqueeze.default: _reshaped, aten.squeeze.dim: _reshaped, aten.squeeze.dims: _reshaped,
     aten.squeeze.default: _reshaped, aten.slice.Tensor: _slice, aten.expand.default: _expand,
+    aten.native_dropout.default: _native_dropout, aten.native_dropout_backward.default: _native_dropout_backward,
     aten.split.Tensor: _split, aten.split_with_sizes.default: _split, aten.slice_backward.default: _slice_backward,
     aten.convolution.default: _convolution, aten.convolution_backward.default: _convolution_backward,
     aten.native_layer_norm.default: _layer_norm, aten.native_layer_norm_backward.default: _layer_norm_backward,
@@ -415,6 +429,10 @@ def unsupported(node) -> Optional[str]:
             return "attention operands of rank other than 4"
     if node.target is aten.addmm.default and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
         return "addmm with beta or alpha"
+    if node.target is aten.native_dropout.default and (not node.args[2] or not 0.0 < node.args[1] < 1.0):
+        return "dropout outside training or with p of 0 or 1"
+    if node.target is aten.native_dropout_backward.default and node.args[1].meta["val"].dtype != torch.bool:
+        return "a dropout mask that is not bool"
     if node.target is aten.slice_backward.default and node.args[5] != 1:
         return "slice_backward with a step"
     if node.target is aten.clone.default and node.kwargs.get("memory_format") not in (None, torch.contiguous_format):
