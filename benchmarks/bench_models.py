@@ -40,64 +40,70 @@ def _row(label, step, make_variants, work_flops=None):
     return row
 
 
-def llama_rows(seq: int, inductor: bool) -> list:
+def _variants(model_fn, inductor: bool):
+    """A maker of the variants of one row: eager, dnngraph's backend and (optionally) inductor."""
+    def make():
+        made = {"eager": model_fn}
+        torch._dynamo.reset()
+        made["dnngraph"] = torch.compile(model_fn, backend="dnngraph", dynamic=False)
+        if inductor:
+            made["inductor"] = torch.compile(model_fn, dynamic=False)
+        return made
+    return make
+
+
+def llama_cases(seq: int, inductor: bool) -> list:
+    """(label, step(fn), variants()) of the Llama decoder layer's rows."""
     torch.manual_seed(0)
     layer, forward, origin = make_layer(4096, 32, 8, 14336, torch.bfloat16, "cuda")
     x = torch.randn(1, seq, 4096, device="cuda", dtype=torch.bfloat16)
     print(f"Llama-3-8B decoder layer: {origin}", flush=True)
-
-    def variants():
-        made = {"eager": lambda m, h: forward(m, h)}
-        torch._dynamo.reset()
-        made["dnngraph"] = torch.compile(lambda m, h: forward(m, h), backend="dnngraph", dynamic=False)
-        if inductor:
-            made["inductor"] = torch.compile(lambda m, h: forward(m, h), dynamic=False)
-        return made
-
-    rows = []
+    variants = _variants(lambda m, h: forward(m, h), inductor)
 
     def prefill(fn):
         with torch.no_grad():
             fn(layer, x)
 
-    rows.append(_row(f"Llama layer prefill S{seq}", prefill, variants))
     leaf = x.clone().requires_grad_()
     grad = torch.randn_like(x)
 
     def train(fn):
         fn(layer, leaf).backward(grad)
 
-    rows.append(_row(f"Llama layer training step S{seq}", train, variants))
-    return rows
+    return [(f"Llama layer prefill S{seq}", prefill, variants),
+            (f"Llama layer training step S{seq}", train, variants)]
 
 
-def resnet_rows(inductor: bool) -> list:
+def resnet_cases(inductor: bool) -> list:
+    """(label, step(fn), variants()) of ResNet-50's rows (each step sets the model's mode)."""
     import torchvision
 
     torch.manual_seed(0)
     model = torchvision.models.resnet50().to(device="cuda", dtype=torch.bfloat16, memory_format=torch.channels_last)
-    rows = []
+    cases = []
     for label, batch, training in (("ResNet-50 training step N64", 64, True), ("ResNet-50 inference N256", 256, False)):
         x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
-        model.train(training)
 
-        def variants():
-            made = {"eager": model}
-            torch._dynamo.reset()
-            made["dnngraph"] = torch.compile(model, backend="dnngraph", dynamic=False)
-            if inductor:
-                made["inductor"] = torch.compile(model, dynamic=False)
-            return made
-
-        def step(fn):
+        def step(fn, x=x, training=training):
+            model.train(training)
             if training:
                 fn(x).float().sum().backward()
             else:
                 with torch.no_grad():
                     fn(x)
 
-        rows.append(_row(label, step, variants))
-    return rows
+        cases.append((label, step, _variants(model, inductor)))
+    return cases
+
+
+def cases(rows: str, seq: int, inductor: bool) -> list:
+    """The chosen rows' cases, in the order llama, resnet."""
+    chosen = []
+    if "llama" in rows:
+        chosen += llama_cases(seq, inductor)
+    if "resnet" in rows:
+        chosen += resnet_cases(inductor)
+    return chosen
 
 
 def main():
@@ -106,11 +112,7 @@ def main():
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--no-inductor", action="store_true")
     args = parser.parse_args()
-    rows = []
-    if "llama" in args.rows:
-        rows += llama_rows(args.seq, not args.no_inductor)
-    if "resnet" in args.rows:
-        rows += resnet_rows(not args.no_inductor)
+    rows = [_row(label, step, variants) for label, step, variants in cases(args.rows, args.seq, not args.no_inductor)]
     print_table(f"whole models, ms per step ({torch.cuda.get_device_name()})",
                 ["row", "dnngraph", "eager", "inductor", "eager / dg", "inductor / dg", "dg compile s",
                  "inductor compile s"], rows)

@@ -193,28 +193,33 @@ def test_a_knob_set_during_a_build_does_not_file_the_plan_under_the_new_value(mo
 # ================================================================================================
 # Passing: attacks that held up (regression tests)
 # ================================================================================================
-@pytest.mark.xfail(interpreting(), reason="Triton 3.6's interpreter multiplies by a -0.0 scalar as by +0.0 "
-                   "(the source says x * -0.0); compiled kernels keep IEEE signed zeros", strict=False)
-def test_negative_zero_constant_keeps_its_sign():
-    """DEFECT (wrong result, codegen/Triton, seen through the interpreter; GPU not checked): the
-    plan cache keeps -0.0 and 0.0 apart (separate plans), but the kernel written as `x * -0.0`
-    computes +0.0: 1 / (x * -0.0) gives +inf where the reference gives -inf, and
-    maximum(x, -0.0) gives +0.0 for negative x."""
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                     reason="needs a CUDA device")]),
+])
+def test_negative_zero_constant_keeps_its_sign(device):
+    """DEFECT (fixed; wrong result on the GPU and the interpreter alike): Triton builds every
+    scalar equal to 0 as +0.0, so a kernel written as `x * -0.0` gave 1 / (x * -0.0) = +inf where
+    the reference gives -inf. The plan cache keeps -0.0 and 0.0 apart (separate plans); the
+    literal now keeps its sign in products, maxima and selects alike."""
     def make(zero):
         g = dg.Graph(name="z")
         x = g.tensor(name="x", dim=[8])
         g.div(1.0, g.mul(x, zero)).set_output(True).set_name("y")
+        g.div(1.0, g.maximum(g.neg(x), zero)).set_output(True).set_name("m")
         return g
 
     positive = make(0.0).build()
     negative = make(-0.0).build()
     assert negative.plan.launches is not positive.plan.launches  # the key tells them apart
-    xt = torch.rand(8, generator=GEN) + 0.5
+    xt = (torch.rand(8, generator=GEN) + 0.5).to(device)
     for g, expected in ((positive, float("inf")), (negative, float("-inf"))):
-        out = torch.full((8,), float("nan"))
-        g.execute({"x": xt, "y": out})
-        assert (g.reference({"x": xt})["y"] == expected).all()
-        assert (out == expected).all(), (expected, out)
+        out, most = (torch.full((8,), float("nan"), device=device) for _ in range(2))
+        g.execute({"x": xt, "y": out, "m": most})
+        reference = g.reference({"x": xt})
+        assert (reference["y"] == expected).all() and (reference["m"] == expected).all()
+        assert (out == expected).all() and (most == expected).all(), (expected, out, most)
 
 
 def test_renamed_output_on_an_identical_structure_is_its_own_plan():

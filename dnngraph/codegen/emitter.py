@@ -16,6 +16,10 @@ from .expressions import (CAST_TO_BOOL, CAST_TO_FLOAT, CAST_TO_INT32, CAST_TO_IN
                           INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES, dropout_from_tensors)
 from .names import NameAllocator, comment_text
 
+# -0.0 as a kernel literal: Triton builds every scalar equal to 0 as a null (+0.0) constant,
+# so `x * -0.0` compiled as `x * 0.0`; the sign survives only through the bits.
+NEGATIVE_ZERO = "tl.full([], -2147483648, tl.int32).to(tl.float32, bitcast=True)"
+
 
 # Appended to the pointer of a one-element operand: it loads as a [1, 1] tile, not a 0-d value.
 # Triton's interpreter keeps the operand's type on a 0-d comparison, so a 0-d bool broadcast
@@ -80,6 +84,8 @@ class ExpressionEmitter:
         if isinstance(value, numbers.Integral):
             return repr(int(value))
         value = float(value)
+        if value == 0.0 and math.copysign(1.0, value) < 0:
+            return NEGATIVE_ZERO
         if math.isfinite(value):
             return repr(value)
         name = self.names.fresh("CONST")
