@@ -85,7 +85,8 @@ def resnet_cases(inductor: bool) -> list:
         x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
 
         def step(fn, x=x, training=training):
-            model.train(training)
+            if model.training != training:  # the rows share the model (train() walks every module)
+                model.train(training)
             if training:
                 fn(x).float().sum().backward()
             else:

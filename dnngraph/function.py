@@ -40,6 +40,38 @@ def _allocated(tensor, device) -> torch.Tensor:
     return torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype, device=device)
 
 
+class _Runner:
+    """One built graph run on torch tensors, its layouts read once: inputs that already have their
+    declared dtype, shape and strides pass as they are (else _conformed checks and copies), outputs
+    are allocated in theirs, and the plan reads only addresses on a repeated call."""
+
+    def __init__(self, graph, inputs: list, outputs: list):
+        self.graph = graph
+        self.inputs = [(t, tuple(t.dim), tuple(t.stride), t.data_type.torch_dtype,
+                        tuple(a for a, size in enumerate(t.dim) if size > 1)) for t in inputs]
+        self.outputs = [(tuple(t.dim), tuple(t.stride), t.data_type.torch_dtype) for t in outputs]
+        self.keys = tuple(inputs) + tuple(outputs)
+        self.token = object()
+
+    def conformed(self, position: int, arg, what: str) -> torch.Tensor:
+        """Input `position` as the plan reads it."""
+        tensor, shape, stride, dtype, checked_axes = self.inputs[position]
+        if isinstance(arg, torch.Tensor) and arg.dtype == dtype and arg.shape == shape:
+            strides = arg.stride()
+            if strides == stride or all(strides[a] == stride[a] for a in checked_axes):
+                return arg.detach() if arg.requires_grad or arg.__class__ is not torch.Tensor else arg
+        return _conformed(tensor, arg, what)
+
+    def __call__(self, args: list, device) -> list:
+        """The outputs of the graph on `args` (already conformed), allocated on `device`."""
+        results = [torch.empty_strided(dim, stride, dtype=dtype, device=device) for dim, stride, dtype in self.outputs]
+        plan = self.graph.plan
+        if plan is None:
+            raise ExecutionError(f"graph {self.graph.name!r} is not built (or changed since): call build()")
+        plan.execute_conformed(self.token, self.keys, args + results)
+        return results
+
+
 def _resolve(graph, items, default, what: str) -> list:
     if items is None:
         return list(default)
@@ -84,7 +116,8 @@ class GraphFunction:
         self.graph = graph
         self.op_name = f"dnngraph::function{next(_NUMBER)}"
         self._lock = threading.RLock()
-        self._plain = None
+        self._plain = self._plain_runner = None
+        self._derivation_runners: dict = {}  # wanted mask -> (forward runner, input positions, backward runner)
         self._derivations: dict = {}  # wanted mask -> (Derivation, input positions it reads)
         self._plain_op, self._training_op = _custom_ops(self)
 
@@ -112,17 +145,18 @@ class GraphFunction:
                 plain, mapped = replay(self.graph, self.graph.name + ".function", outputs=self.outputs)
                 outputs = [mapped[t.uid] for t in self.outputs]
                 self._plain = (plain, [mapped[t.uid] for t in self.inputs], outputs)
+                self._plain_runner = _Runner(*self._plain)
             if build and self._plain[0].plan is None:
                 self._plain[0].build()
             return self._plain
 
     def _run_plain(self, args) -> list:
-        graph, inputs, outputs = self._plain_graph()
-        bindings = {t: _conformed(t, a, f"{self.graph.name} input {t.name!r}") for t, a in zip(inputs, args)}
+        self._plain_graph()
+        runner = self._plain_runner
+        conformed = [runner.conformed(i, a, f"{self.graph.name} input {t.name!r}")
+                     for i, (t, a) in enumerate(zip(self.inputs, args))]
         device = args[0].device if args else torch.device("cpu")
-        results = [_allocated(t, device) for t in outputs]
-        graph.execute({**bindings, **dict(zip(outputs, results))})
-        return results
+        return runner(conformed, device)
 
     # --- with autograd ---------------------------------------------------------------------------
     def derivation(self, wanted: tuple):
@@ -145,36 +179,48 @@ class GraphFunction:
                 derivation.backward.build()
         return derivation, reads
 
+    def _runners(self, wanted: tuple):
+        """(forward runner, positions of the inputs it reads, backward runner or None) of
+        derivation `wanted`, built."""
+        derivation, _ = self._built(wanted)
+        with self._lock:
+            found = self._derivation_runners.get(wanted)
+            if found is None:
+                twins = {t.name: t for t in derivation.forward.inputs()}
+                taken = [i for i, t in enumerate(self.inputs) if t.name in twins]
+                forward = _Runner(derivation.forward, [twins[self.inputs[i].name] for i in taken],
+                                  derivation.outputs + _saved_apart(derivation))
+                grads = list({t.uid: t for t in derivation.grads if t is not None}.values())
+                backward = None
+                if grads:
+                    bound = (list(derivation.forward_input_twins) + list(derivation.saved_inputs)
+                             + [t for t in derivation.grad_inputs if t is not None])
+                    backward = _Runner(derivation.backward, bound, grads)
+                found = self._derivation_runners[wanted] = (forward, taken, backward)
+            return found
+
     def run_forward(self, wanted: tuple, args) -> list:
         """Outputs, then the saved values, of the forward graph of derivation `wanted`."""
-        derivation, _ = self._built(wanted)
-        forward = derivation.forward
-        twins = {t.name: t for t in forward.inputs()}
-        bindings = {}
-        for original, arg in zip(self.inputs, args):
-            twin = twins.get(original.name)
-            if twin is not None:
-                bindings[twin] = _conformed(twin, arg, f"{self.graph.name} input {original.name!r}")
-        device = args[0].device
-        kept = derivation.outputs + _saved_apart(derivation)
-        made = {t.uid: _allocated(t, device) for t in kept}
-        forward.execute({**bindings, **{t: made[t.uid] for t in kept}})
-        return [made[t.uid] for t in kept]
+        forward, taken, _ = self._runners(wanted)
+        conformed = [forward.conformed(k, args[i], f"{self.graph.name} input {self.inputs[i].name!r}")
+                     for k, i in enumerate(taken)]
+        return forward(conformed, args[0].device)
 
     def run_backward(self, wanted: tuple, reads, saved, grads) -> list:
         """The gradients of the wanted inputs (zeros where no path leads to an output)."""
         derivation, _ = self._built(wanted)
-        bindings = {}
-        for twin, value in zip(derivation.forward_input_twins, reads):
-            bindings[twin] = _conformed(twin, value, twin.name)
-        bindings.update(zip(derivation.saved_inputs, saved))
-        for twin, grad in zip(derivation.grad_inputs, grads):
-            if twin is not None:
-                bindings[twin] = _conformed(twin, grad.to(twin.data_type.torch_dtype), twin.name)
+        _, _, backward = self._runners(wanted)
         device = grads[0].device
-        results = {t.uid: _allocated(t, device) for t in derivation.grads if t is not None}
-        if results:
-            derivation.backward.execute({**bindings, **{t: results[t.uid] for t in derivation.grads if t is not None}})
+        results = {}
+        if backward is not None:
+            values = list(reads) + list(saved)
+            values += [grad.to(twin.data_type.torch_dtype)
+                       for twin, grad in zip(derivation.grad_inputs, grads) if twin is not None]
+            twins = len(reads)
+            conformed = [backward.conformed(k, v, backward.inputs[k][0].name) if (k < twins or k >= twins + len(saved))
+                         else v for k, v in enumerate(values)]
+            computed = backward(conformed, device)
+            results = {t.uid: r for (t, r) in zip(backward.keys[len(backward.inputs):], computed)}
         return [results[g.uid] if g is not None else torch.zeros(t.dim, dtype=t.data_type.torch_dtype, device=device)
                 for t, g, want in zip(self.inputs, derivation.grads, wanted) if want]
 
