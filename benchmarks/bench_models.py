@@ -1,7 +1,8 @@
 """Whole models through torch.compile(backend="dnngraph") against eager torch and inductor, in one
 process: a Llama-3-8B decoder layer (bf16, batch 1: prefill forward at 4096 tokens, a training
-step at 4096) and torchvision's ResNet-50 (channels-last bf16: a training step at N=64,
-inference at N=256). Each row reports the median step time, the ratios and each compile's time.
+step at 4096, a decode step at KV length 8192: one token against the cache through the layer's
+weights, llama_layer.decode_step) and torchvision's ResNet-50 (channels-last bf16: a training
+step at N=64, inference at N=256). Each row reports the median step time, the ratios and each compile's time.
 
     python benchmarks/bench_models.py [--rows llama,resnet] [--seq 4096] [--no-inductor]
 """
@@ -12,7 +13,7 @@ import torch
 
 import dnngraph.torch_backend  # noqa: F401  (the name "dnngraph" where the package is not installed)
 from common import median_ms, print_table, write_json
-from llama_layer import make_layer
+from llama_layer import decode_step, make_layer
 
 
 def _timed_compile(fn, warm):
@@ -38,6 +39,9 @@ def _row(label, step, make_variants, work_flops=None):
         row.append(f"{work_flops / dg / 1e9:.0f}")
     print(" | ".join(row), flush=True)
     return row
+
+
+DECODE_KV = 8192  # the decode row's cache length
 
 
 def _variants(model_fn, inductor: bool):
@@ -70,8 +74,16 @@ def llama_cases(seq: int, inductor: bool) -> list:
     def train(fn):
         fn(layer, leaf).backward(grad)
 
+    cache = [torch.randn(1, 8, DECODE_KV, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    token = torch.randn(1, 1, 4096, device="cuda", dtype=torch.bfloat16)
+
+    def decode(fn):
+        with torch.no_grad():
+            fn(layer, token, *cache)
+
     return [(f"Llama layer prefill S{seq}", prefill, variants),
-            (f"Llama layer training step S{seq}", train, variants)]
+            (f"Llama layer training step S{seq}", train, variants),
+            (f"Llama layer decode step KV{DECODE_KV}", decode, _variants(decode_step, inductor))]
 
 
 def resnet_cases(inductor: bool) -> list:

@@ -57,6 +57,47 @@ class DecoderLayer(torch.nn.Module):
         return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
 
 
+def decode_step(module, x, k_cache, v_cache):
+    """One new token through an equivalent DecoderLayer (or a transformers LlamaDecoderLayer, whose
+    weights it reads by name): x [b, 1, hidden] attends to the cache [b, kv_heads, L, head_dim] and
+    to itself at position L. Grouped-query attention without copying K/V per head: the query heads
+    of one KV head are the rows of that head's attention. Returns the layer's output."""
+    parts = _decode_parts(module)
+    b, length = x.shape[0], k_cache.shape[2]
+    heads, kv_heads, head_dim = parts["heads"], parts["kv_heads"], parts["head_dim"]
+    h = parts["norm1"](x)
+    q = parts["q"](h).view(b, 1, heads, head_dim).transpose(1, 2)
+    k = parts["k"](h).view(b, 1, kv_heads, head_dim).transpose(1, 2)
+    v = parts["v"](h).view(b, 1, kv_heads, head_dim).transpose(1, 2)
+    cos, sin = _rope_at(length, head_dim, parts["theta"], x.device, x.dtype)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    keys, values = torch.cat((k_cache, k), dim=2), torch.cat((v_cache, v), dim=2)
+    o = torch.nn.functional.scaled_dot_product_attention(q.reshape(b, kv_heads, heads // kv_heads, head_dim), keys, values)
+    x = x + parts["o"](o.reshape(b, 1, heads * head_dim))
+    h = parts["norm2"](x)
+    return x + parts["down"](torch.nn.functional.silu(parts["gate"](h)) * parts["up"](h))
+
+
+def _rope_at(position, head_dim, theta, device, dtype):
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = position * inv
+    angles = torch.cat((angles, angles))
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _decode_parts(module) -> dict:
+    """The submodules and sizes decode_step reads, from either layer class."""
+    if isinstance(module, DecoderLayer):
+        return dict(heads=module.heads, kv_heads=module.kv_heads, head_dim=module.head_dim, theta=module.theta,
+                    norm1=module.norm1, norm2=module.norm2, q=module.q, k=module.k, v=module.v, o=module.o,
+                    gate=module.gate, up=module.up, down=module.down)
+    attn, mlp, config = module.self_attn, module.mlp, module.self_attn.config
+    return dict(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
+                theta=config.rope_theta, norm1=module.input_layernorm, norm2=module.post_attention_layernorm,
+                q=attn.q_proj, k=attn.k_proj, v=attn.v_proj, o=attn.o_proj, gate=mlp.gate_proj, up=mlp.up_proj,
+                down=mlp.down_proj)
+
+
 def make_layer(hidden, heads, kv_heads, inner, dtype, device, use_transformers=True):
     """(module, forward(module, x)) of a decoder layer: transformers' where it can be had."""
     if use_transformers:

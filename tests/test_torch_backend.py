@@ -187,6 +187,26 @@ def test_llama_style_decoder_layer_forward_and_backward():
     assert backward_report.torch_ops == (), backward_report.torch_ops
 
 
+def test_llama_style_decode_step_against_a_cache():
+    """One token against a KV cache (cat, grouped-query attention with the query heads of a KV
+    head as its rows): every op but the rotary angles in dnngraph, the output as eager's."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from llama_layer import decode_step, make_layer
+
+    torch.manual_seed(9)
+    layer, _, _ = make_layer(32, 4, 2, 64, torch.float32, "cpu", use_transformers=False)
+    token, k_cache, v_cache = torch.randn(1, 1, 32), torch.randn(1, 2, 13, 8), torch.randn(1, 2, 13, 8)
+    with torch.no_grad():
+        expected = decode_step(layer, token, k_cache, v_cache)
+        got = _compiled(decode_step)(layer, token, k_cache, v_cache)
+    assert rel_err(got, expected) < 2e-5
+    (report,) = torch_backend.REPORTS
+    # the rotary angles' arange and pow of a scalar base are made in torch; everything else converts
+    assert {target for target, _ in report.torch_ops} <= {"aten.arange.start_step", "aten.pow.Scalar"}, report.torch_ops
+
+
 class _Residual(torch.nn.Module):
     """conv -> batch norm -> relu -> conv -> batch norm + identity -> relu -> pool -> linear."""
 
