@@ -124,8 +124,10 @@ def main():
     parser.add_argument("--rows", default="llama,resnet")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--no-inductor", action="store_true")
+    parser.add_argument("--match", default="", help="only the rows whose label contains this")
     args = parser.parse_args()
-    rows = [_row(label, step, variants) for label, step, variants in cases(args.rows, args.seq, not args.no_inductor)]
+    rows = [_row(label, step, variants) for label, step, variants in cases(args.rows, args.seq, not args.no_inductor)
+            if args.match in label]
     print_table(f"whole models, ms per step ({torch.cuda.get_device_name()})",
                 ["row", "dnngraph", "eager", "inductor", "eager / dg", "inductor / dg", "dg compile s",
                  "inductor compile s"], rows)
