@@ -85,6 +85,12 @@ def _rope_at(position, head_dim, theta, device, dtype):
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def _rope_theta(config) -> float:
+    """The rotary base of a LlamaConfig: an attribute in older transformers, in rope_parameters in newer."""
+    theta = getattr(config, "rope_theta", None)
+    return theta if theta is not None else config.rope_parameters["rope_theta"]
+
+
 def _decode_parts(module) -> dict:
     """The submodules and sizes decode_step reads, from either layer class."""
     if isinstance(module, DecoderLayer):
@@ -93,7 +99,7 @@ def _decode_parts(module) -> dict:
                     gate=module.gate, up=module.up, down=module.down)
     attn, mlp, config = module.self_attn, module.mlp, module.self_attn.config
     return dict(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads, head_dim=attn.head_dim,
-                theta=config.rope_theta, norm1=module.input_layernorm, norm2=module.post_attention_layernorm,
+                theta=_rope_theta(config), norm1=module.input_layernorm, norm2=module.post_attention_layernorm,
                 q=attn.q_proj, k=attn.k_proj, v=attn.v_proj, o=attn.o_proj, gate=mlp.gate_proj, up=mlp.up_proj,
                 down=mlp.down_proj)
 
