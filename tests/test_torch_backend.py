@@ -244,7 +244,23 @@ def test_batch_norm_inference_form():
     x = torch.randn(2, 4, 6, 6)
     with torch.no_grad():
         assert rel_err(_compiled(model)(x), model(x)) < 1e-5
-    assert all("batch_norm" not in t for t, _ in torch_backend.REPORTS[-1].torch_ops)
+    (report,) = torch_backend.REPORTS
+    assert all("batch_norm" not in t for t, _ in report.torch_ops)
+    # each conv -> batch norm (-> + identity) -> relu is one kernel, the norm in the conv's epilogue;
+    # with the two per-channel scales (weight / sqrt(var + eps)), the pooling and the linear: 6
+    assert report.kernels() == 6, report.kernels()
+
+
+def test_batch_norm_inference_without_affine_parameters():
+    torch.manual_seed(11)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 5, 3, bias=False), torch.nn.BatchNorm2d(5, affine=False),
+                                torch.nn.ReLU())
+    model(torch.randn(4, 3, 7, 7))
+    model.eval()
+    x = torch.randn(2, 3, 7, 9)
+    with torch.no_grad():
+        assert rel_err(_compiled(model)(x), model(x)) < 1e-5
+    assert torch_backend.REPORTS[-1].kernels() == 2  # the scale [C], then conv + norm + relu
 
 
 class _MaskedAttention(torch.nn.Module):

@@ -39,6 +39,12 @@ class CompileReport:
     dnngraph_ops: int
     graphs: int
     torch_ops: tuple  # (target, reason) per op that runs in torch
+    functions: tuple = ()  # the GraphFunction of each dnngraph graph (its plan once it has run)
+
+    def kernels(self) -> int:
+        """Kernels launched per call by the graphs that have run (their plans are built on first use)."""
+        plans = [f._plain[0].plan for f in self.functions if f._plain is not None and f._plain[0].plan is not None]
+        return sum(len(plan.launches) for plan in plans)
 
 
 REPORTS: collections.deque = collections.deque(maxlen=REPORT_LIMIT)
@@ -164,16 +170,18 @@ def _compile(gm: torch.fx.GraphModule, example_inputs):
     support = _Support()
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
-    converted = graphs = 0
+    converted, functions = 0, []
     for node in list(fused.graph.nodes):
         if node.op == "call_module" and node.target.startswith("fused_"):
             module = DnngraphModule(getattr(fused, node.target))
             setattr(fused, node.target, module)
-            converted, graphs = converted + module.ops, graphs + 1
+            converted += module.ops
+            functions.append(module.function)
+    graphs = len(functions)
     fused.recompile()
     kept = tuple((str(n.target), support.reasons.get(n.name, "not an op dnngraph takes")) for n in fused.graph.nodes
                  if n.op == "call_function" and n.target is not operator.getitem)
-    REPORTS.append(CompileReport(converted, graphs, kept))
+    REPORTS.append(CompileReport(converted, graphs, kept, tuple(functions)))
     logger.info("torch.compile backend: %d aten ops in %d dnngraph graph(s), %d in torch", converted, graphs,
                 len(kept))
     for target, reason in kept:

@@ -287,12 +287,17 @@ def _batch_norm(g, node, value):
 
 
 def _batch_norm_inference(g, node, value):
-    """Batch norm with the running statistics; torch's two empty results are Aux."""
+    """Batch norm with the running statistics, as per-channel pointwise ops ((x - mean) * scale +
+    bias, scale = weight / sqrt(var + eps)): a convolution's epilogue takes them, so conv, norm
+    and activation are one kernel. torch's two empty results are Aux."""
     x, weight, bias, running_mean, running_var, _, eps = node.args[:7]
     x = value(x)
-    inv_variance = g.rsqrt(g.add(_channels(g, value, running_var, x), eps))
-    y = g.batchnorm_inference(x, _channels(g, value, running_mean, x), inv_variance,
-                              _channels(g, value, weight, x), _channels(g, value, bias, x))
+    scale = g.rsqrt(g.add(_channels(g, value, running_var, x), eps))
+    if weight is not None:
+        scale = g.mul(scale, _channels(g, value, weight, x))
+    y = g.mul(g.sub(x, _channels(g, value, running_mean, x)), scale)
+    if bias is not None:
+        y = g.add(y, _channels(g, value, bias, x))
     return (y,) + tuple(Aux(meta) for meta in _result(node)[1:])
 
 
