@@ -8,7 +8,8 @@ One process, providers side by side per layer. Rows (one table each):
              frontend graph conv_fprop -> bias -> relu, one fused plan)
   dgrad      dx from dy and w (ResNet-50 layers). Anchors: torch.nn.grad.conv2d_input (cuDNN), aten bwd
              (aten.convolution_backward on the real NHWC tensors, as autograd calls it), cuDNN FE
-  wgrad      dw from dy and x (ResNet-50 layers). Anchors: torch.nn.grad.conv2d_weight, aten bwd, cuDNN FE
+  wgrad      dw from dy and x (ResNet-50 layers, plus the stem at N=64). Anchors:
+             torch.nn.grad.conv2d_weight, aten bwd, cuDNN FE
   stats      y = conv(x, w) with the per-channel sum and sum of squares of y (BatchNorm training
              statistics; dnngraph: conv_fprop -> genstats, one graph). Anchors: conv+BN (cuDNN conv,
              then F.batch_norm(training=True), which also normalizes), its torch.compile, and
@@ -161,12 +162,16 @@ OTHER = [
     conv_shape("3d 64@16x56x56", 4, 64, 64, (16, 56, 56), 3, 1, 1, spatial=3),
     conv_shape("1d 256@4096", BATCH, 256, 256, 4096, 3, 1, 1, spatial=1),
 ]
-QUICK = ("layer1.0.conv2", "layer2.0.conv2", "layer3.1.conv1", "layer4.1.conv2", "mbv2 144@56",
-         "convnext 96@56 7x7", "3d 64@16x56x56", "1d 256@4096")
+# The stem at the batch its wgrad cliff was measured at (2815 us against ~250 us for cuDNN on the
+# H100 with one GEMM per filter tap): the case of the few-channel tap fold (heuristics/conv.py).
+WGRAD_EXTRA = [conv_shape("conv1 N64 (stem)", 64, 3, 64, 224, 7, 2, 3)]
+QUICK = ("conv1 N64 (stem)", "layer1.0.conv2", "layer2.0.conv2", "layer3.1.conv1", "layer4.1.conv2",
+         "mbv2 144@56", "convnext 96@56 7x7", "3d 64@16x56x56", "1d 256@4096")
 CPU_SHAPES = {  # tiny odd sizes for --check-cpu
     "fprop": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1), conv_shape("cpu 1x1", 3, 8, 4, 5, 1)],
     "dgrad": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1)],
-    "wgrad": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1)],
+    "wgrad": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1),
+              conv_shape("cpu stem 7x7/2", 2, 3, 6, (13, 11), 7, 2, 3)],
     "stats": [conv_shape("cpu 3x3", 2, 5, 6, 7, 3, 1, 1)],
     "depthwise": [conv_shape("cpu dw 3x3", 2, 6, 6, 7, 3, 1, 1, groups=6)],
     "other": [conv_shape("cpu 3d", 1, 3, 4, (4, 5, 6), 3, 1, 1, spatial=3),
@@ -245,7 +250,7 @@ DG_PROVIDERS = {"dg": "dg", "dg_tuned": "dg tuned"}
 
 def row_shapes(key, args, resnet) -> list:
     """The layers of row `key` after --quick and --only."""
-    shapes = {"depthwise": DEPTHWISE, "other": OTHER}.get(key, resnet)
+    shapes = {"depthwise": DEPTHWISE, "other": OTHER, "wgrad": resnet + WGRAD_EXTRA}.get(key, resnet)
     if args.quick:
         shapes = [s for s in shapes if s.label in QUICK] or shapes[:3]
     words = [w.strip() for w in args.only.split(",") if w.strip()]

@@ -386,3 +386,124 @@ def test_statistics_fold_over_many_row_tiles(monkeypatch):
     check(g, {"x": x_t, "w": w_t})
     fold = g.plan.launches[-1]
     assert "column-exit fold" in fold.config_text
+
+
+# --- wgrad with few channels per group: the filter taps folded into the GEMM's columns ----------
+FOLDED = {  # x, w, padding, stride, dilation, groups, x layout, dw layout, mode
+    "stem 7x7/2 C3": ([2, 3, 13, 11], [5, 3, 7, 7], [3, 3], [2, 2], [1, 1], 1, "nhwc", "nhwc", "cross_correlation"),
+    # one channel with more filters than the depthwise kernels take (a grayscale stem)
+    "5x3 C1 dilated": ([2, 1, 9, 10], [6, 1, 5, 3], [2, 1], [1, 2], [2, 2], 1, "nchw", "nchw", "convolution"),
+    "3x3 C2 odd": ([3, 2, 7, 6], [3, 2, 3, 3], [1, 0], [2, 1], [1, 1], 1, "odd", "nhwc", "cross_correlation"),
+    "3x3x3/2 C5": ([1, 5, 5, 6, 7], [4, 5, 3, 3, 3], [1, 1, 0], [2, 1, 2], [1, 1, 1], 1, "nhwc", "nchw",
+                   "cross_correlation"),
+    "5x5 groups2 C3": ([2, 6, 9, 8], [4, 3, 5, 5], [2, 1], [2, 1], [1, 2], 2, "nhwc", "nhwc", "convolution"),
+    "1d 7/2 C3": ([2, 3, 23], [6, 3, 7], [3], [2], [1], 1, "nchw", "nhwc", "cross_correlation"),
+}
+
+
+def _dense_strides(dim, layout) -> list:
+    """Packed strides of `dim` in NCHW (contiguous) or NHWC (channels innermost) order."""
+    order = list(range(len(dim))) if layout == "nchw" else [0] + list(range(2, len(dim))) + [1]
+    strides, step = [0] * len(dim), 1
+    for axis in reversed(order):
+        strides[axis], step = step, step * dim[axis]
+    return strides
+
+
+def _folded_graph(name, dtype=torch.float32):
+    x_dim, w_dim, padding, stride, dilation, groups, x_layout, dw_layout, mode = FOLDED[name]
+    case = dict(padding=padding, stride=stride, dilation=dilation)
+    conv = (torch.nn.functional.conv1d, torch.nn.functional.conv2d, torch.nn.functional.conv3d)[len(x_dim) - 3]
+    y_dim = list(conv(torch.zeros(x_dim), torch.zeros(w_dim), groups=groups, **case).shape)
+    x_t, dy_t = stored(x_dim, x_layout, dtype), stored(y_dim, x_layout, dtype)
+    g = graph(dg.dtypes.from_torch(dtype))
+    dy, x = g.tensor_like(dy_t, name="dy"), g.tensor_like(x_t, name="x")
+    dw = g.conv_wgrad(dy, x, w_dim=w_dim, groups=groups, mode=mode, **case)
+    return g, dw.set_stride(_dense_strides(w_dim, dw_layout)), {"dy": dy_t, "x": x_t}
+
+
+def _folded(launch) -> bool:
+    return "_folded" in launch.source_path.name and "filter taps folded into N" in launch.reason
+
+
+@pytest.mark.parametrize("name", sorted(FOLDED))
+def test_wgrad_folds_the_taps_of_few_channels(name):
+    """C per group 1, 2, 3, 5 with 7x7, 5x3, 3x3x3 and 1D filters, strides, dilation, groups and
+    both modes: one GEMM whose columns are (channel, taps), dw written through its own strides
+    (NHWC or NCHW whatever the inputs' layout)."""
+    g, dw, inputs = _folded_graph(name)
+    dw.set_output(True).set_name("dw")
+    check(g, inputs)
+    assert len(g.plan.launches) in (1, 2) and _folded(g.plan.launches[0])
+
+
+def test_wgrad_folded_stem_matches_autograd_and_is_bitwise_reproducible(monkeypatch):
+    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", mm.MatmulConfig("split_k", 16, 32, 16, 4, 2, split_k=5))
+    x_t = torch.randn(2, 3, 15, 14, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    w_t = torch.randn(4, 3, 7, 7, dtype=torch.float64, requires_grad=True)
+    y = torch.nn.functional.conv2d(x_t, w_t, stride=2, padding=3)
+    dy_t = torch.randn_like(y).contiguous(memory_format=torch.channels_last)
+    (expected,) = torch.autograd.grad(y, w_t, dy_t)
+    g = graph()
+    dy, x = g.tensor_like(dy_t.float(), name="dy"), g.tensor_like(x_t.float(), name="x")
+    dw = g.conv_wgrad(dy, x, w_dim=[4, 3, 7, 7], padding=[3, 3], stride=[2, 2], dilation=[1, 1])
+    dw.set_output(True).set_name("dw")
+    first = check(g, {"dy": dy_t.float(), "x": x_t.float()})["dw"]
+    assert torch.allclose(first.double(), expected, rtol=1e-4, atol=1e-4)
+    assert [l.config_text.split()[0] for l in g.plan.launches] == ["split_k", "split-K"]
+    assert _folded(g.plan.launches[0])
+    second = check(g, {"dy": dy_t.float(), "x": x_t.float()})["dw"]
+    assert torch.equal(first, second)
+
+
+def test_wgrad_folded_prologue_and_epilogue_every_variant(variant):
+    """relu_backward on dy at load; scale, a full-size operand of odd strides added (its columns
+    decomposed like dw's) and a cast in the epilogue, in the main kernel or the split-K combine."""
+    g, dw, inputs = _folded_graph("5x5 groups2 C3")
+    dy_t = inputs["dy"]
+    y_t, previous_t = stored(list(dy_t.shape), "odd"), stored([4, 3, 5, 5], "odd")
+    g2 = graph()
+    dy, y, x = g2.tensor_like(dy_t, name="dy"), g2.tensor_like(y_t, name="y"), g2.tensor_like(inputs["x"], name="x")
+    previous = g2.tensor_like(previous_t, name="previous")
+    dw = g2.conv_wgrad(g2.relu_backward(dy, y), x, w_dim=[4, 3, 5, 5], padding=[2, 1], stride=[2, 1],
+                       dilation=[1, 2], groups=2, mode="convolution")
+    g2.cast(g2.add(g2.scale(dw, 0.5), previous), data_type=dg.float16).set_output(True).set_name("dw")
+    check(g2, {"dy": dy_t, "y": y_t, "x": inputs["x"], "previous": previous_t}, tolerance=1e-3)
+    assert [l.group.kind for l in g2.plan.launches] == ["conv"] * len(g2.plan.launches)
+    assert _folded(g2.plan.launches[0])
+    assert len(g2.plan.launches) == (2 if variant == "split_k" else 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_wgrad_folded_half_and_full_precision(dtype):
+    g, dw, inputs = _folded_graph("stem 7x7/2 C3", dtype)
+    dw.set_output(True).set_name("dw")
+    check(g, inputs, tolerance=2e-3 if dtype == torch.float16 else None)
+    assert _folded(g.plan.launches[0])
+
+
+@pytest.mark.parametrize("x_dim,w_dim", [([1, 64, 4, 5], [8, 64, 3, 3]), ([2, 3, 6, 5], [4, 3, 1, 1]),
+                                         ([1, 32, 5, 4], [4, 32, 3, 1])])
+def test_wgrad_keeps_one_gemm_per_tap_for_many_channels_or_one_tap(x_dim, w_dim):
+    """C_in 64 and 32 (the per-tap N block is full) and a 1x1 filter (no taps to fold)."""
+    x_t = stored(x_dim, "nhwc")
+    dy_dim = [x_dim[0], w_dim[0]] + [n - r + 3 for n, r in zip(x_dim[2:], w_dim[2:])]
+    dy_t = stored(dy_dim, "nhwc")
+    g = graph()
+    dy, x = g.tensor_like(dy_t, name="dy"), g.tensor_like(x_t, name="x")
+    g.conv_wgrad(dy, x, w_dim=w_dim, padding=[1, 1], stride=[1, 1], dilation=[1, 1]).set_output(True).set_name("dw")
+    check(g, {"dy": dy_t, "x": x_t})
+    assert not any(_folded(l) or "_folded" in l.source_path.name for l in g.plan.launches)
+    assert "one GEMM per filter tap" in g.plan.launches[0].reason
+
+
+@pytest.mark.parametrize("rank", sorted(RANKS))
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("groups", [1, 2])
+def test_wgrad_per_tap_pose_on_few_channels(rank, layout, groups, monkeypatch):
+    """The per-tap pose, which the fold now takes over for these shapes, still computes them."""
+    monkeypatch.setattr(conv_heuristics, "FOLD_CHANNELS_BELOW", 0)
+    g, out, inputs = _wgrad_graph(grouped(RANKS[rank], groups), groups, layout, "convolution")
+    out.set_output(True).set_name("out")
+    check(g, inputs)
+    assert "one GEMM per filter tap" in g.plan.launches[0].reason

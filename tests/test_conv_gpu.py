@@ -47,9 +47,10 @@ def test_fprop_bias_relu_bf16(name, layout):
     assert {l.group.kind for l in g.plan.launches} == {"conv"} and len(g.plan.groups) == 1
 
 
-@pytest.mark.parametrize("name", ["3x3", "3x3s2", "grouped", "3d", "1x1s2"])
+@pytest.mark.parametrize("name", ["3x3", "3x3s2", "grouped", "3d", "1x1s2", "stem"])
 @pytest.mark.parametrize("op", ["dgrad", "wgrad"])
 def test_backward_bf16_against_autograd(name, op):
+    """(wgrad of "stem" (C 3) and "grouped" (C 8 per group) folds the taps into N; the rest not.)"""
     case, groups = _case(name)
     x64 = torch.randn(case["x"], dtype=torch.float64, device="cuda", requires_grad=True)
     w64 = torch.randn(case["w"], dtype=torch.float64, device="cuda", requires_grad=True)

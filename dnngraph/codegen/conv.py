@@ -14,6 +14,10 @@ n the group's filters and k = (filter tap, channel):
   FilterLoader     B tiles [channels, filters] of the filter at one tap, read at an affine filter
                    index (back to front in mode="convolution" and in dgrad)
 
+wgrad reduces over output pixels instead (PixelWalk, GradientLoader for dy): its B tiles gather
+x at one tap per program (PixelGather, the taps a batch axis) or, with few channels per group, at
+one tap per column (FoldedTapGather: columns decompose into (channel, taps...), as dw's do).
+
 Geometry (taps, stride, padding, dilation) is constexpr: the compiler folds the divisions.
 Operands of side "a" have row strides (n, input spatial axes...) and column stride (channel);
 the filter (side "b") has row strides (channel, filter spatial axes...) and column stride
@@ -26,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from .emitter import SCALAR_AS_TILE, kind_of
-from .gemm import LinearK, Loader, batch_offset, converted, prologue_tile, row_lines, stride_name
+from .gemm import LinearK, Loader, batch_offset, col_lines, converted, prologue_tile, row_lines, stride_name
 from .pointwise import KernelArgument
 
 
@@ -324,6 +328,52 @@ class PixelGather(Loader):
         terms.append("(" + " + ".join(pixels) + ")[:, None]" if pixels else "ks[:, None] * 0")
         terms.append(f"cols_b[None, :] * {stride_name(op, 'c', 0)}" if op.col_strides[0] else "cols_b[None, :] * 0")
         mask = _and("valid_b[:, None]", _k_mask(spec, "b"))
+        convert = converted(op, self.dot_type)
+        w(f"tile_b = tl.load({op.ident}_ptr + {' + '.join(terms)}, mask={mask}, other=0.0){convert}")
+
+    def arguments(self, spec) -> list:
+        return _input_sizes(self.input_sizes)
+
+
+@dataclass(frozen=True)
+class FoldedTapGather(Loader):
+    """B [BLOCK_K, BLOCK_N] of a wgrad with its filter taps folded into the columns: output pixels
+    x columns (channel, taps...) of x, each column at its own tap, zero where the tap lands in the
+    padding. The address splits into a pixel part [BLOCK_K] and a column part [BLOCK_N] (the
+    column's channel and its tap's dilated reach), set up once per tile."""
+
+    geometry: ConvGeometry  # filter_sizes, stride, padding, dilation; filter_base/step: the flip
+    input_sizes: tuple
+    column_axes: tuple  # per output column axis, outer first: -1 the channel, a the tap along axis a
+    dot_type: str
+    reads_cols = True
+    stems = ("in", "valid", "tap", "gather")
+
+    def _column_index(self, role: int) -> str:
+        return f"col_{self.column_axes.index(role)}"
+
+    def tile_setup(self, spec, w):
+        (op,) = spec.side("b")
+        col_lines(spec, w, "offs_n % N")  # wrapped: loads stay in range, stores mask the tail
+        terms = [f"{self._column_index(-1)} * {stride_name(op, 'c', 0)}"] if op.col_strides[0] else []
+        for axis in range(self.geometry.rank):
+            w(f"tap_{axis} = {self.geometry.filter_index(axis, self._column_index(axis))} * DILATION_{axis}")
+            if op.row_strides[axis + 1]:
+                terms.append(f"tap_{axis} * {stride_name(op, 'r', axis + 1)}")
+        w("gather_cols = " + (" + ".join(terms) if terms else "offs_n * 0"))
+
+    def step(self, spec, w):
+        (op,) = spec.side("b")
+        checks, pixels = [], [f"pix_0 * {stride_name(op, 'r', 0)}"] if op.row_strides[0] else []
+        for axis in range(self.geometry.rank):
+            w(f"in_{axis} = pix_{axis + 1} * STRIDE_{axis} - PADDING_{axis}",
+              f"in_tap_{axis} = in_{axis}[:, None] + tap_{axis}[None, :]")
+            checks.append(f"(in_tap_{axis} >= 0) & (in_tap_{axis} < in_size_{axis})")
+            if op.row_strides[axis + 1]:
+                pixels.append(f"in_{axis} * {stride_name(op, 'r', axis + 1)}")
+        w("valid_b = " + " & ".join(checks), "gather_pixels = " + (" + ".join(pixels) if pixels else "ks * 0"))
+        terms = [t for t in [batch_offset(op)] if t] + ["gather_pixels[:, None] + gather_cols[None, :]"]
+        mask = _and("valid_b", _k_mask(spec, "b"))
         convert = converted(op, self.dot_type)
         w(f"tile_b = tl.load({op.ident}_ptr + {' + '.join(terms)}, mask={mask}, other=0.0){convert}")
 

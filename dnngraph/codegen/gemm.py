@@ -13,8 +13,8 @@ Loaders are plain data (codegen/matmul.py: strided pointers, TMA descriptors; co
 the implicit-GEMM activation gather and the filter). The epilogue is one path for all: scales,
 epilogue operand loads, the expression emitter's chain, stores of every stored value and
 row-exit partials, the same text in the main kernel and in the split-K combine kernel. Output
-rows and columns may decompose into several axes (a conv output's rows are (n, p, q)), each
-with its own stride per operand.
+rows and columns may decompose into several axes (a conv output's rows are (n, p, q), a folded
+wgrad's columns (channel, taps...)), each with its own stride per operand.
 """
 from __future__ import annotations
 
@@ -132,6 +132,7 @@ class GemmKernelSpec:
     index_64: bool
     description: str
     row_sizes: tuple = ()  # the output rows' axes, outer first (empty: one axis, offs_m)
+    col_sizes: tuple = ()  # the output columns' axes, outer first (empty: one axis, offs_n)
     partial_uid: int = 0  # split-K scratch [SPLIT_K, batches, M, N]
     epilogue_block: tuple = ()  # (BLOCK_M, BLOCK_N) of the kernel running the epilogue
     persistent_programs: int = 0  # grid of the persistent variant
@@ -181,6 +182,7 @@ class Loader:
     names = ()  # identifiers the loader writes itself (reserved in the kernel's allocator)
     stems = ()  # stems whose `stem_*` names it writes
     reads_rows = False  # decomposes the tile's rows into row_<axis> (the epilogue reuses them)
+    reads_cols = False  # decomposes the tile's columns into col_<axis> (the epilogue reuses them)
     uses_k_offsets = True  # reads the k walk's per-step offsets (ks, mask_k)
 
     def program_setup(self, spec, w):
@@ -343,6 +345,20 @@ def output_rows(spec) -> list:
     return [f"row_{axis}" for axis in range(len(spec.row_sizes))] if spec.row_sizes else ["offs_m"]
 
 
+def col_lines(spec, w: Writer, flat: str):
+    """Decompose output columns `flat` into col_<axis> (row-major over spec.col_sizes)."""
+    last = len(spec.col_sizes) - 1
+    w(f"rest = {flat}")
+    for axis in range(last, 0, -1):
+        w(f"col_{axis} = rest % col_size_{axis}", f"rest = rest // col_size_{axis}")
+    w("col_0 = rest")
+
+
+def output_cols(spec) -> list:
+    """Index names of the output's column axes."""
+    return [f"col_{axis}" for axis in range(len(spec.col_sizes))] if spec.col_sizes else ["offs_n"]
+
+
 # --- the k loop -----------------------------------------------------------------------------------
 def _dot(spec) -> str:
     precision = f", input_precision=\"{spec.precision}\"" if spec.precision else ""
@@ -373,17 +389,17 @@ def _epilogue(spec, w: Writer):
     w.emitters.append(emitter)
     emitter.bind(spec.c_uid, "acc", "f")
     w("mask = mask_m[:, None] & mask_n[None, :]")
-    rows = output_rows(spec)
+    rows, cols = output_rows(spec), output_cols(spec)
     for op in spec.side("c"):
         if not op.is_output:
-            w(f"{op.ident} = {load(op, rows, 'offs_n', _tile_mask(op), spec.compute)}")
+            w(f"{op.ident} = {load(op, rows, cols, _tile_mask(op), spec.compute)}")
             bind_load(emitter, op, op.ident)
     for node in spec.epilogue:
         emitter.emit(node)
     w(*emitter.lines)
     for op in spec.side("c"):
         if op.is_output:
-            w(f"tl.store({op.ident}_ptr + {offset_2d(op, rows, 'offs_n', full=True)}, "
+            w(f"tl.store({op.ident}_ptr + {offset_2d(op, rows, cols, full=True)}, "
               f"{emitter.stored(op.uid, op.data_type)}, mask=mask)")
     for index, plan in enumerate(spec.exits):
         transform, combine, identity, _ = EXIT_MODES[plan.reduce_mode]
@@ -406,8 +422,18 @@ def _epilogue_rows(spec, w: Writer, decomposed: bool = False):
         row_lines(spec, w, "offs_m")
 
 
+def _epilogue_cols(spec, w: Writer, decomposed: bool = False):
+    """The same for the columns (a folded wgrad's (channel, taps...))."""
+    if spec.col_sizes and not decomposed:
+        col_lines(spec, w, "offs_n")
+
+
 def _loaders_read_rows(spec) -> bool:
     return spec.loader_a.reads_rows or spec.loader_b.reads_rows
+
+
+def _loaders_read_cols(spec) -> bool:
+    return spec.loader_a.reads_cols or spec.loader_b.reads_cols
 
 
 # --- kernels --------------------------------------------------------------------------------------
@@ -431,6 +457,7 @@ def _main_tiled(spec, w: Writer):
         return None
     k_loop(spec, w, "0, k_tiles")
     _epilogue_rows(spec, w, decomposed=_loaders_read_rows(spec))
+    _epilogue_cols(spec, w, decomposed=_loaders_read_cols(spec))
     return _epilogue(spec, w)
 
 
@@ -453,6 +480,7 @@ def _main_persistent(spec, w: Writer):
     k_loop(spec, w, "k_tiles")
     _tile_offsets(spec, w)
     _epilogue_rows(spec, w)
+    _epilogue_cols(spec, w)
     emitter = _epilogue(spec, w)
     w.dedent()
     return emitter
@@ -472,6 +500,7 @@ def _combine(spec, w: Writer):
     w("acc += tl.load(partial_ptr + partial + split * batches * M * N, mask=mask, other=0.0)")
     w.dedent()
     _epilogue_rows(spec, w)
+    _epilogue_cols(spec, w)
     return _epilogue(spec, w)
 
 
@@ -589,6 +618,8 @@ def _arguments(spec, body: str, operands: list, scalars) -> list:
     epilogue = body == "combine" or (body in MAIN_BODIES and not split)
     if epilogue or (body in MAIN_BODIES and _loaders_read_rows(spec)):  # rows decomposed
         args += [KernelArgument("int", f"row_size_{a}", s) for a, s in enumerate(spec.row_sizes) if a > 0]
+    if epilogue or (body in MAIN_BODIES and _loaders_read_cols(spec)):  # columns decomposed
+        args += [KernelArgument("int", f"col_size_{a}", s) for a, s in enumerate(spec.col_sizes) if a > 0]
     if body in MAIN_BODIES:
         args += spec.k_walk.arguments() + spec.loader_a.arguments(spec) + spec.loader_b.arguments(spec)
     for op in operands:

@@ -106,11 +106,44 @@ FORCE_CONFIG = None  # tests: run this config whatever the model says
 WGRAD_SPLITS = (2, 4, 8, 16, 32)
 
 
-def wgrad_schedule(problem: MatmulProblem, device: DeviceModel) -> MatmulSchedule:
-    """wgrad's config: matmul candidates (splits up to 32) ranked by the matmul model, a grid
-    below one wave charged for its idle SMs."""
+# --- wgrad with few channels per group: the filter taps folded into the GEMM's N ---------------
+# Posed tap by tap, wgrad is one GEMM per filter tap of N = channels per group: the ResNet-50
+# stem (C = 3, 7x7, stride 2, N = 64 at 224x224) ran 49 GEMMs of 64 x 3 (padded to a 16-wide N
+# block, 81% padding) over K = 64 x 112 x 112 pixels, re-reading dy (102 MB bf16) once per tap:
+# ~5 GB of traffic, 2815 us on the H100 against ~250 us for cuDNN. Folded, the columns are
+# (channel, taps...): N = C x R x S = 147, one GEMM, dy read once per column tile (and the
+# column tiles of one k range run side by side, so mostly once from HBM). The price is a gather
+# whose tap varies per column (a [BLOCK_K, BLOCK_N] padding mask instead of a [BLOCK_K] one).
+# At 32 channels and more the per-tap N block is full and NHWC channels stay contiguous along
+# it, so the per-tap GEMMs stay (the ResNet-50 3x3 layers, C >= 64, timed well that way); a 1x1
+# filter has no taps to fold.
+FOLD_CHANNELS_BELOW = 32
+# Folded wgrad has few output tiles (64 x 147 for the stem: 3 column tiles of 64) and a long
+# reduction (802816 pixels), so it splits deeper than the per-tap pose (64 x 3 tiles x 64 splits
+# = 192 programs); the partials stay small (64 x 64 x 147 x 4 bytes = 2.4 MB).
+WGRAD_FOLDED_SPLITS = (2, 4, 8, 16, 32, 64)
+
+
+def fold_wgrad_taps(channels_per_group: int, taps: int) -> bool:
+    """Whether wgrad folds the filter taps into the GEMM's columns (reasoning above)."""
+    return taps > 1 and channels_per_group < FOLD_CHANNELS_BELOW
+
+
+def wgrad_column_axes(rank: int, x_strides: tuple) -> tuple:
+    """The folded columns' axes, outer first: -1 the channel, a >= 0 the tap along spatial axis a.
+    Channels go innermost where x stores them innermost (NHWC: a run of columns (s, c) is one run
+    of x's memory at a pixel), outermost otherwise (NCHW: the last tap axis walks x's unit stride)."""
+    taps = tuple(range(rank))
+    channel_stride, spatial = abs(x_strides[1]), [abs(s) for s in x_strides[2:] if s]
+    channels_inner = channel_stride != 0 and all(channel_stride <= s for s in spatial)
+    return taps + (-1,) if channels_inner else (-1,) + taps
+
+
+def wgrad_schedule(problem: MatmulProblem, device: DeviceModel, folded: bool = False) -> MatmulSchedule:
+    """wgrad's config: matmul candidates (splits up to 32, 64 `folded`) ranked by the matmul
+    model, a grid below one wave charged for its idle SMs."""
     ranked = []
-    for config in matmul_candidates(problem, device.sms, WGRAD_SPLITS):
+    for config in matmul_candidates(problem, device.sms, WGRAD_FOLDED_SPLITS if folded else WGRAD_SPLITS):
         programs = _tiles(config, problem) * config.split_k
         seconds = estimate(config, problem, device) * max(1.0, device.sms / programs)
         ranked.append(replace(config, estimate_us=seconds * 1e6))
@@ -118,8 +151,9 @@ def wgrad_schedule(problem: MatmulProblem, device: DeviceModel) -> MatmulSchedul
     if FORCE_CONFIG is not None:
         ranked.insert(0, FORCE_CONFIG)
     best = ranked[0]
+    pose = "filter taps folded into N" if folded else "one GEMM per filter tap"
     reason = (f"wgrad model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us for {problem.batch} x "
-              f"{problem.m}x{problem.n}x{problem.k} {problem.dot} (split-K over N x pixels)")
+              f"{problem.m}x{problem.n}x{problem.k} {problem.dot} ({pose}; split-K over N x pixels)")
     return MatmulSchedule(problem, tuple(ranked), best, reason)
 
 

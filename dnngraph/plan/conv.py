@@ -10,6 +10,9 @@ activations, residual, scale, cast; values inside the chain stored as extra outp
          pixel), columns (channels), k (tap reaching the phase, filter) over dy gathered and the
          filter read transposed; each phase writes dx at stride * t + phase, so no zero is
          inserted and no multiply is wasted.
+  wgrad  k over N x output pixels (split-K), rows (filters): one GEMM per group and filter tap
+         with columns (channels), or, with few channels per group, one per group with columns
+         (channel, taps...), x gathered at each column's tap (WgradBuild).
 
 The group index is the GEMM's batch axis: every operand carries its group offset as a batch
 stride. A 1x1 stride-1 unpadded pose whose gathered pixels merge into one row axis is a matmul
@@ -19,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..codegen.conv import (ActivationGather, ConvGeometry, FilterLoader, GradientLoader, PixelGather, PixelWalk,
-                           TapWalk)
+from ..codegen.conv import (ActivationGather, ConvGeometry, FilterLoader, FoldedTapGather, GradientLoader,
+                           PixelGather, PixelWalk, TapWalk)
 from ..codegen.gemm import ExitPlan, GemmKernelSpec, GemmOperand, LinearK
 from ..codegen.matmul import DescriptorLoader, StridedLoader
 from ..errors import UnsupportedError
@@ -247,10 +250,16 @@ class ConvBuild(GemmLaunches):
 
 
 class WgradBuild(GemmLaunches):
-    """wgrad: per group and filter tap, dw[k, c] = sum over output pixels of dy[n, k, o] times x
-    at the tap, o * stride - padding + tap * dilation. The taps are batch axes of the GEMM next to
-    the group; the reduction over N x pixels is long, so split-K (partials added in order by
-    the combine kernel: deterministic) fills the machine."""
+    """wgrad: per group, dw[k, c, taps] = sum over output pixels of dy[n, k, o] times x at the
+    tap, o * stride - padding + tap * dilation. Two poses (heuristics/conv.py fold_wgrad_taps):
+
+      per tap  the taps are batch axes of the GEMM next to the group; columns are the channels;
+      folded   few channels per group: the columns are (channel, taps...) in the order
+               heuristics/conv.py wgrad_column_axes gives, each column gathering x at its own
+               tap, so dy is read once per column tile instead of once per tap.
+
+    The reduction over N x pixels is long, so split-K (partials added in order by the combine
+    kernel: deterministic) fills the machine."""
 
     def __init__(self, graph, group, index, device=None):
         self.graph, self.group, self.index = graph, group, index
@@ -260,11 +269,7 @@ class WgradBuild(GemmLaunches):
         attrs = node.attrs
         self.groups, filters = attrs.groups, tuple(attrs.shape[2:])
         self.filters, self.channels = attrs.shape[0] // attrs.groups, attrs.shape[1]
-        batch_dims = (attrs.groups,) + filters
-        self.batch_axes = tuple(i for i, size in enumerate(batch_dims) if size > 1)
-        self.batch_sizes = tuple(batch_dims[i] for i in self.batch_axes)
-        position = {axis: i for i, axis in enumerate(self.batch_axes)}
-        self.tap_axes = tuple(position.get(axis + 1, -1) for axis in range(len(filters)))
+        self._pose(filters)
         flip = attrs.mode == "convolution"
         self.geometry = ConvGeometry(filters, attrs.stride, attrs.padding, attrs.dilation,
                                      tuple(r - 1 if flip else 0 for r in filters),
@@ -279,13 +284,36 @@ class WgradBuild(GemmLaunches):
         self.dot_a, self.dot_b, dot, self.precision = ConvBuild._dot(dy, x, graph.allow_tf32)
         self.device = device_model(device)
         self.operands = tuple(self._dy_operands() + self._x_operands() + self._output_operands())
-        out_bytes = max(1, sum(t.data_type.itemsize for t in self.stored))
-        self.problem = MatmulProblem(_product(self.batch_sizes), self.filters, self.channels,
-                                     _product(self.pixel_sizes), dot, dy.data_type.itemsize, x.data_type.itemsize,
-                                     out_bytes, False, "strided", "strided",
-                                     "conv_wgrad " + ",".join(n.op for n in group.epilogue))
+        self.problem = self._problem(dot)
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
-        self.name = kernel_name(group, index)
+        self.name = kernel_name(group, index) + ("_folded" if self.folded else "")
+
+    def _pose(self, filters: tuple):
+        """Where the taps go (heuristics/conv.py): batch axes of the GEMM (tap_axes: the batch
+        axis of each spatial axis' tap, -1 for none), or folded into the columns (column_axes and
+        col_sizes, outer first)."""
+        self.folded = conv_heuristics.fold_wgrad_taps(self.channels, _product(filters))
+        self.column_axes = conv_heuristics.wgrad_column_axes(len(filters), tuple(self.x.stride)) if self.folded else ()
+        self.col_sizes = tuple(self.channels if a < 0 else filters[a] for a in self.column_axes)
+        batch_dims = (self.groups,) + ((1,) * len(filters) if self.folded else filters)
+        self.batch_axes = tuple(i for i, size in enumerate(batch_dims) if size > 1)
+        self.batch_sizes = tuple(batch_dims[i] for i in self.batch_axes)
+        position = {axis: i for i, axis in enumerate(self.batch_axes)}
+        self.tap_axes = tuple(position.get(axis + 1, -1) for axis in range(len(filters)))
+
+    def _problem(self, dot: str) -> MatmulProblem:
+        columns = self.channels * (self.geometry.taps if self.folded else 1)
+        out_bytes = max(1, sum(t.data_type.itemsize for t in self.stored))
+        g = self.geometry  # folded, the gather's cost depends on where the taps land
+        pose = (f"folded taps{list(g.filter_sizes)} s{list(g.stride)} d{list(g.dilation)} "
+                f"x{','.join(map(str, self.x.stride))} " if self.folded else "")
+        return MatmulProblem(_product(self.batch_sizes), self.filters, columns, _product(self.pixel_sizes), dot,
+                             self.dy.data_type.itemsize, self.x.data_type.itemsize, out_bytes, False, "strided",
+                             "strided", f"conv_wgrad {pose}" + ",".join(n.op for n in self.group.epilogue))
+
+    def schedule(self, problem: MatmulProblem, device) -> object:
+        """The wgrad schedule of this pose (heuristics/conv.py)."""
+        return conv_heuristics.wgrad_schedule(problem, device, self.folded)
 
     def _batch(self, group_stride: int, tap_strides: tuple) -> tuple:
         full = (group_stride,) + tap_strides
@@ -307,23 +335,34 @@ class WgradBuild(GemmLaunches):
                             (s[0],) + s[2:], (s[1],))]
 
     def _output_operands(self) -> list:
+        """dw and the epilogue's operands: rows the filters; columns the channel (taps in the
+        batch), or the folded (channel, taps...) axes each with its own stride."""
         operands = []
         for tensor, is_output in [(t, False) for t in self.epilogue_reads] + [(t, True) for t in self.stored]:
             s = operand_strides(tuple(self.out.dim), tuple(tensor.dim), tuple(tensor.stride))
-            operands.append(GemmOperand(tensor.uid, tensor.data_type, "c", self._batch(self.filters * s[0], s[2:]),
-                                        (s[0],), (s[1],), is_output))
+            if self.folded:
+                cols = tuple(s[1] if axis < 0 else s[axis + 2] for axis in self.column_axes)
+                batch = self._batch(self.filters * s[0], ())
+            else:
+                batch, cols = self._batch(self.filters * s[0], s[2:]), (s[1],)
+            operands.append(GemmOperand(tensor.uid, tensor.data_type, "c", batch, (s[0],), cols, is_output))
         return operands
+
+    def _gather(self):
+        if self.folded:
+            return FoldedTapGather(self.geometry, tuple(self.x.dim[2:]), self.column_axes, self.dot_b)
+        return PixelGather(self.geometry, tuple(self.x.dim[2:]), self.tap_axes, self.dot_b)
 
     def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> GemmKernelSpec:
         walk = PixelWalk(self.problem.k % config.block_k != 0, self.geometry.rank, self.pixel_sizes)
         loader_a = GradientLoader(self.dy.uid, self.dot_a, self.prologue)
-        loader_b = PixelGather(self.geometry, tuple(self.x.dim[2:]), self.tap_axes, self.dot_b)
         return GemmKernelSpec(
             name=self.name + suffix, config=config, problem=self.problem, batch_sizes=self.batch_sizes,
-            c_uid=self.out.uid, operands=self.operands, k_walk=walk, loader_a=loader_a, loader_b=loader_b,
+            c_uid=self.out.uid, operands=self.operands, k_walk=walk, loader_a=loader_a, loader_b=self._gather(),
             epilogue=tuple(self.group.epilogue), exits=extra.pop("exits", ()), scale_uids=(),
             precision=self.precision, compute=self.graph.compute_data_type.triton_type, index_64=self.index_64,
-            description=self.group.describe(), extra_constexprs=self.geometry.constexprs(), **extra)
+            description=self.group.describe(), col_sizes=self.col_sizes,
+            extra_constexprs=self.geometry.constexprs(), **extra)
 
 
 def build_conv(graph, group, index, tuner=None, device=None, budget=None) -> list[KernelLaunch]:
@@ -335,8 +374,8 @@ def build_conv(graph, group, index, tuner=None, device=None, budget=None) -> lis
         if launches is not None:
             return launches  # else wgrad's partials exceed the workspace limit: the GEMM kernels run
     if node.op == "conv_wgrad":
-        return build_gemm(WgradBuild(graph, group, index, device), "conv", conv_heuristics.wgrad_schedule, tuner,
-                          device, budget)
+        build = WgradBuild(graph, group, index, device)
+        return build_gemm(build, "conv", build.schedule, tuner, device, budget)
     if node.op not in POSES:
         raise UnsupportedError(f"node {node.name!r} ({node.op}): no kernel for {node.op} exists yet; "
                                f"graph.reference() computes it")
