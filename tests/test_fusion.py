@@ -102,3 +102,94 @@ def test_attention_chain_without_its_kernel_splits_into_runnable_groups():
         assert groups == [("matmul", ["matmul", "mul"]), ("softmax", ["softmax"]), ("matmul", ["matmul"])]
     torch.manual_seed(0)
     check(g, {"q": torch.randn(2, 3, 17, 8), "kt": torch.randn(2, 3, 8, 19), "v": torch.randn(2, 3, 19, 5)})
+
+
+# --- casts and reshapes of what an anchor makes: no kernel of their own ---------------------------
+def _lone_groups(groups):
+    """Groups that only move or convert values: layout copies and pointwise groups of casts."""
+    return [g for g in groups if g.kind == "copy" or all(n.op == "cast" for n in g.nodes)]
+
+
+def _strided(torch, dims, order):
+    """Fresh random values in a non-contiguous layout: the axes permuted in memory by `order`."""
+    return torch.randn([dims[a] for a in order]).permute([order.index(a) for a in range(len(dims))])
+
+
+def test_batchnorm_statistics_cast_and_reshaped_ride_the_norm_kernel():
+    """The casts of a training batch norm's statistics (fp32 -> fp16, as torch's running stats of
+    a half model) and their reshape to [C] outputs: one norm kernel writes them all."""
+    import torch
+    from helpers import check
+
+    g = dg.Graph(name="bn_stats")
+    x = g.tensor(name="x", dim=[3, 5, 7, 6], stride=[210, 1, 30, 5])  # channels-last
+    params = [g.tensor(name=n, dim=[1, 5, 1, 1]) for n in ("scale", "bias", "running_mean", "running_var")]
+    y, mean, inv_variance, next_mean, next_var = g.batchnorm(x, *params, epsilon=1e-5, momentum=0.1)
+    g.relu(y).set_output(True)
+    for stat in (mean, inv_variance, next_mean, next_var):
+        g.reshape(g.cast(stat, dg.float16), [5]).set_output(True).set_data_type(dg.float16)
+    groups = partition(g)
+    assert [(gr.kind, len(gr.nodes)) for gr in groups] == [("norm", 6)]  # batchnorm, relu, four casts
+    assert not groups.views.copies
+    torch.manual_seed(0)
+    inputs = {"x": _strided(torch, [3, 5, 7, 6], [0, 2, 3, 1]) * 3 + 1, "scale": torch.randn(1, 5, 1, 1),
+              "bias": torch.randn(1, 5, 1, 1), "running_mean": torch.randn(1, 5, 1, 1),
+              "running_var": torch.rand(1, 5, 1, 1) + 0.5}
+    check(g, inputs, dtype=torch.float16)
+
+
+def test_layernorm_and_batchnorm_backward_side_outputs_take_pointwise_epilogues():
+    import torch
+    from helpers import check
+
+    torch.manual_seed(1)
+    x_values, xb_values = torch.randn(37, 9).t(), _strided(torch, [2, 3, 5, 4], [1, 0, 3, 2])
+    g = dg.Graph(name="side_epilogues")
+    x, s, b = g.tensor_like(x_values, name="x"), g.tensor(name="s", dim=[1, 37]), g.tensor(name="b", dim=[1, 37])
+    y, mean, inv_variance = g.layernorm(x, s, b)
+    y.set_output(True)
+    g.cast(mean, dg.float16).set_output(True).set_data_type(dg.float16)
+    g.mul(inv_variance, 2.0).set_output(True)
+    dy, xb = g.tensor(name="dy", dim=[2, 3, 5, 4]), g.tensor_like(xb_values, name="xb")
+    scale, m, iv = (g.tensor(name=n, dim=[1, 3, 1, 1]) for n in ("scale", "m", "iv"))
+    dx, dscale, dbias = g.batchnorm_backward(dy, xb, scale, m, iv)
+    dx.set_output(True)
+    g.cast(dscale, dg.float16).set_output(True).set_data_type(dg.float16)
+    g.cast(dbias, dg.float16).set_output(True).set_data_type(dg.float16)
+    groups = partition(g)
+    assert sorted((gr.kind, len(gr.nodes)) for gr in groups) == [("norm", 3), ("norm", 3)]
+    inputs = {"x": x_values, "s": torch.randn(1, 37), "b": torch.randn(1, 37),
+              "dy": torch.randn(2, 3, 5, 4), "xb": xb_values,
+              "scale": torch.randn(1, 3, 1, 1), "m": torch.randn(1, 3, 1, 1), "iv": torch.rand(1, 3, 1, 1) + 0.5}
+    check(g, inputs, dtype=torch.float16)
+
+
+def test_matmul_result_reshaped_or_transposed_twice_into_an_output_is_written_in_place():
+    """A reshape of a matmul's result into a graph output, and a transpose of a transpose (as a
+    weight gradient comes out of AOTAutograd): the matmul writes the output's memory."""
+    import torch
+    from helpers import check
+
+    g = dg.Graph(name="in_place")
+    a, w = g.tensor(name="a", dim=[6, 11], stride=[1, 6]), g.tensor(name="w", dim=[11, 13])
+    g.reshape(g.matmul(a, w), [2, 3, 13]).set_output(True)
+    c = g.matmul(g.transpose(a, [1, 0]), g.tensor(name="d", dim=[6, 7]))
+    g.transpose(g.transpose(c, [1, 0]), [1, 0]).set_output(True)
+    groups = partition(g)
+    assert [gr.kind for gr in groups] == ["matmul", "matmul"] and not groups.views.copies
+    torch.manual_seed(2)
+    check(g, {"a": torch.randn(11, 6).t(), "w": torch.randn(11, 13), "d": torch.randn(6, 7)})
+
+
+def test_a_reshape_of_a_matmul_in_another_layout_is_still_copied():
+    """The matmul writes its own layout: an output the reshape lays out otherwise gets a copy."""
+    import torch
+    from helpers import check
+
+    g = dg.Graph(name="other_layout")
+    a, w = g.tensor(name="a", dim=[6, 5]), g.tensor(name="w", dim=[5, 8])
+    g.transpose(g.matmul(a, w), [1, 0]).set_output(True)
+    groups = partition(g)
+    assert [gr.kind for gr in groups] == ["matmul", "copy"]
+    torch.manual_seed(3)
+    check(g, {"a": torch.randn(6, 5), "w": torch.randn(5, 8)})

@@ -308,3 +308,97 @@ def test_dropout_keeps_its_mask_through_the_backward():
     assert torch.allclose(y[kept], (x * 2.0 / 0.7)[kept], rtol=1e-6)
     assert torch.equal(grad != 0, kept) and torch.allclose(grad[kept], torch.full_like(grad[kept], 2.0 / 0.7))
     assert all("dropout" not in t for r in torch_backend.REPORTS for t, _ in r.torch_ops)
+
+
+def _built_groups(modules) -> list:
+    """The kernel groups of every dnngraph graph the modules ran (AOTAutograd runs them without
+    autograd: the plain graph of each function)."""
+    return [group for module in modules for group in module.function._plain_graph()[0].plan.groups]
+
+
+def _lone_casts(groups) -> list:
+    """Groups that only move values into a graph output (layout copies) or only change a float
+    type: work that belongs in the kernel making the value. The attention log-sum-exp is the
+    exception: torch's CPU form lays it out [B, S, H], not as the sdpa kernel writes it."""
+    lone = []
+    for group in groups:
+        if group.kind == "copy":
+            made_by = group.origin.inputs[0].producer
+            if any(t.is_output for t in group.outputs) and (made_by is None or made_by.op != "sdpa"):
+                lone.append(group.describe())
+        elif all(n.op == "cast" and n.inputs[0].data_type.is_floating
+                 and n.inputs[0].data_type != n.outputs[0].data_type for n in group.nodes):
+            lone.append(group.describe())
+    return lone
+
+
+def _decoder_layer(dtype):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from llama_layer import make_layer
+
+    layer, forward, _ = make_layer(64, 4, 2, 128, dtype, "cpu", use_transformers=False)
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return forward(self.layer, x)
+    return Wrapped()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_layer_kernels_have_no_lone_casts_or_output_copies(dtype, monkeypatch):
+    """The tiny decoder layer's forward and backward: views of arguments and of values the graph
+    makes are returned as torch views, reshapes into outputs are written in place, casts ride
+    the kernels around them; fp32 matches eager (the interpreter's bf16 dot is not exact: bf16
+    checks structure only)."""
+    modules = []
+    original = torch_backend.DnngraphModule.__init__
+
+    def recording(self, sub):
+        original(self, sub)
+        modules.append(self)
+    monkeypatch.setattr(torch_backend.DnngraphModule, "__init__", recording)
+    torch.manual_seed(13)
+    if dtype == torch.float32:
+        _train_step_matches(_decoder_layer(dtype), lambda: [torch.randn(2, 16, 64)], tolerance=2e-5)
+    else:
+        compiled = _compiled(_decoder_layer(dtype))
+        x = torch.randn(2, 16, 64, dtype=dtype, requires_grad=True)
+        out = compiled(x)
+        out.backward(torch.randn_like(out))
+        assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+    forward_report, backward_report = torch_backend.REPORTS
+    assert backward_report.torch_ops == () and backward_report.graphs == 1  # its casts convert
+    assert _lone_casts(_built_groups(modules)) == []
+
+
+def test_batch_norm_block_statistics_casts_join_the_norm_kernels(monkeypatch):
+    """bf16 channels-last conv -> batch norm (training) -> relu: the running statistics' casts
+    (AOTAutograd's _to_copy) and every reshape of a per-channel result ride the norm kernels."""
+    modules = []
+    original = torch_backend.DnngraphModule.__init__
+
+    def recording(self, sub):
+        original(self, sub)
+        modules.append(self)
+    monkeypatch.setattr(torch_backend.DnngraphModule, "__init__", recording)
+    torch.manual_seed(14)
+    model = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
+                                torch.nn.ReLU()).to(dtype=torch.bfloat16, memory_format=torch.channels_last)
+    eager = copy.deepcopy(model)
+    x = torch.randn(2, 8, 6, 6, dtype=torch.bfloat16).to(memory_format=torch.channels_last)
+    leaf = x.clone().requires_grad_()
+    out = _compiled(model)(leaf)
+    out.backward(torch.ones_like(out))
+    assert all(r.torch_ops == () or all("_to_copy" not in t for t, _ in r.torch_ops) for r in torch_backend.REPORTS)
+    groups = _built_groups(modules)
+    assert _lone_casts(groups) == [] and not any(g.kind in ("copy", "pointwise") for g in groups)
+    assert sorted(g.kind for g in groups) == ["conv", "conv", "conv", "norm", "norm"]
+    eager(x)  # running statistics (bf16 buffers) move alike
+    assert rel_err(model[1].running_mean, eager[1].running_mean) < 1e-2
+    assert rel_err(model[1].running_var, eager[1].running_var) < 1e-2

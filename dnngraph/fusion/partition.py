@@ -7,7 +7,8 @@ Passes, in order:
   1. attention chains (matmul -> scale/mask -> softmax -> matmul) become one group, only where
      the caller has a kernel for that pattern (a group with no kernel behind it would turn a
      runnable graph, whose ops each run alone, into an unrunnable one);
-  2. each remaining anchor, in topological order, absorbs pointwise prologues and epilogues;
+  2. each remaining anchor, in topological order, absorbs pointwise prologues and epilogues
+     (row kernels also pointwise consumers of their other outputs: a norm's statistics' casts);
   3. leftover pointwise nodes merge into groups along producer -> consumer edges.
 Counter ops (dropout) join only pointwise groups, and only groups whose domain is their shape.
 A group is accepted only while it stays convex (no path leaves it and comes back), so the
@@ -24,7 +25,7 @@ import networkx as nx
 from ..errors import ValidationError
 from ..ops.base import broadcast_dims
 from .attention import match_attention_backward
-from .patterns import ANCHOR_RULES, ATTENTION_SCORE_OPS, COUNTER_OPS, attention_chain_fits
+from .patterns import ANCHOR_RULES, ATTENTION_SCORE_OPS, COUNTER_OPS, AnchorRule, attention_chain_fits
 from .views import LAYOUT_OPS, Views, plan_views
 
 
@@ -48,6 +49,9 @@ class FusionGroup:
         reads = ", ".join(t.name for t in self.inputs)
         writes = ", ".join(t.name for t in self.outputs)
         return f"[{self.kind}] {ops} | reads {reads} | writes {writes}"
+
+
+_NO_EXITS = AnchorRule((), None)  # a side output's epilogue: pointwise nodes only
 
 
 def _is_pointwise(node) -> bool:
@@ -201,6 +205,10 @@ class _Partitioner:
                     self._grow_prologue(group, tensor.dim, tensor)
             if rule.epilogue_output is not None:
                 self._grow_epilogue(group, node.outputs[rule.epilogue_output], rule)
+            if rule.side_epilogues:
+                for position, tensor in enumerate(node.outputs):
+                    if tensor is not None and position != rule.epilogue_output:
+                        self._grow_epilogue(group, tensor, _NO_EXITS)
 
     def _grow_prologue(self, group, operand_dim, tensor):
         producer = tensor.producer

@@ -16,9 +16,12 @@ class AnchorRule:
     epilogue_output: Optional[int]  # output whose pointwise consumers fuse in (None: none)
     exit_modes: frozenset = frozenset()  # reductions over the last axis that ride the epilogue
     stats_exit: bool = False  # genstats (per-channel sum, sum of squares) of an epilogue value rides it
+    # pointwise consumers of the other outputs (a norm's statistics, per-channel parameter
+    # gradients) ride the epilogue too: a row kernel computes those per row and stores them there
+    side_epilogues: bool = False
 
 
-_NORM_FORWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0)
+_NORM_FORWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0, side_epilogues=True)
 _NORM_BACKWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0)
 
 ANCHOR_RULES: dict[str, AnchorRule] = {
@@ -36,12 +39,15 @@ ANCHOR_RULES: dict[str, AnchorRule] = {
     "softmax_backward": AnchorRule((0,), 0),
     "pooling": AnchorRule((0,), 0),
     "pooling_backward": AnchorRule((0,), 0),
-    "genstats": AnchorRule((0,), None),
+    "genstats": AnchorRule((0,), None, side_epilogues=True),
     "batchnorm_inference": _NORM_FORWARD,
 }
 for _norm in ("layernorm", "rmsnorm", "batchnorm", "instancenorm", "groupnorm"):
     ANCHOR_RULES[_norm] = _NORM_FORWARD
     ANCHOR_RULES[_norm + "_backward"] = _NORM_BACKWARD
+# batchnorm's dscale and dbias are per-row sums of its dx kernel (rows are channels); the other
+# norms reduce them across rows in a kernel of their own, which runs no epilogue
+ANCHOR_RULES["batchnorm_backward"] = AnchorRule((0,), 0, side_epilogues=True)
 
 # Pointwise ops whose value depends on the element's logical row-major index (the Philox counter
 # of dropout is offset + that index). Only the pointwise kernel computes that index, so these

@@ -5,13 +5,16 @@ Decided before partition, in topological order, as plain data:
   * a virtual output that strides can express over its input's memory is an alias: it is that
     memory, read with other dims, strides and an element offset (a transpose feeding a matmul is
     a stride change, not a kernel);
-  * otherwise a virtual input that only the layout op reads, made by a pointwise op, is written
-    straight into the output's memory (a concatenate's parts, a transpose into a graph output);
+  * otherwise a virtual input that only the layout op reads is written straight into the
+    output's memory by the kernel that makes it (a concatenate's parts, a transpose into a graph
+    output): a pointwise kernel in any layout, any other kernel (a matmul, a norm's statistics)
+    in the layout it writes anyway; through views only this chain reads (a transpose of a
+    transpose, a reshape of a reshape), which are then restated over that memory;
   * otherwise a copy: one pointwise kernel from a view of the input to a view of the output
     (two, through a dense buffer, for a reshape that neither side can express).
 Aliases are stated over their root's memory (a graph input, a graph output or a workspace
-tensor, never another alias), so views of views compose; a tensor others alias never becomes an
-alias itself.
+tensor, never another alias), so views of views compose; a tensor others alias becomes an alias
+itself only with those views, restated over its new root.
 """
 from __future__ import annotations
 
@@ -141,13 +144,54 @@ class _Planner:
         return (tensor.is_virtual and tensor.uid not in self.views.aliases
                 and tensor.uid not in self.views.roots)
 
-    def writable_into(self, tensor, node) -> bool:
-        """May `tensor`'s producer write it straight into the memory of `node`'s output? A
-        pointwise producer (any output strides), the layout op its only reader, read once."""
+    def writable_into(self, tensor, node, layout: Alias) -> bool:
+        """May `tensor`'s producer write it straight into the memory of `node`'s output, laid out
+        as `layout`? The layout op its only reader, read once, in one type; a pointwise producer
+        writes any strides, any other kernel only the layout it would give the tensor anyway
+        (a reshape into an output: a matmul's result, a norm's statistics), 16-byte aligned.
+        A tensor others alias qualifies only as the start of views leading here (`write_into`)."""
         producer = tensor.producer
-        return (self.aliasable(tensor) and producer is not None and producer.opdef.role == "pointwise"
-                and self.consumers(tensor) == [node] and sum(t is tensor for t in node.inputs) == 1
-                and tensor.data_type == node.outputs[0].data_type)
+        if not (tensor.is_virtual and tensor.uid not in self.views.aliases and producer is not None
+                and producer.op not in LAYOUT_OPS and self.consumers(tensor) == [node]
+                and self._read_once(tensor, node)):
+            return False
+        return producer.opdef.role == "pointwise" or _same_layout(tensor, layout)
+
+    def _read_once(self, tensor, node) -> bool:
+        return sum(t is tensor for t in node.inputs) == 1 and tensor.data_type == node.outputs[0].data_type
+
+    def _passes_on(self, tensor, reader) -> bool:
+        """Is `tensor` a view (reshape, transpose) of its input that only `reader` reads?"""
+        producer = tensor.producer
+        return (tensor.uid in self.views.aliases and tensor.uid not in self.views.roots
+                and producer is not None and producer.op in ("reshape", "transpose")
+                and self.consumers(tensor) == [reader] and self._read_once(tensor, reader))
+
+    def write_into(self, tensor, node, layout: Alias) -> bool:
+        """Have the kernel that makes `tensor` (or the value it is a view of, through views only
+        this chain reads) write it straight into `layout`, the memory of `node`'s output; the
+        views between are restated over that memory. False (nothing changed) where it may not."""
+        views, reader = [], node
+        while self._passes_on(tensor, reader):
+            views.append(tensor)
+            reader, tensor = tensor.producer, tensor.producer.inputs[0]
+            layout = self.inverse_view(reader, layout)
+            if layout is None:
+                return False
+        # a value views lead from is their root; one no view leads from may be no one's root
+        if (tensor.uid in self.views.roots) != bool(views) or not self.writable_into(tensor, reader, layout):
+            return False
+        restated = [_own_strides(tensor, layout)]
+        for view in reversed(views):
+            base = restated[-1]
+            seen = view_of(view.producer, base.dims, base.strides, base.offset)
+            if seen is None:
+                return False
+            restated.append(Alias(base.root, *seen))
+        self.views.roots.discard(tensor.uid)  # its views now alias the memory it is written into
+        for made, made_layout in zip([tensor] + views[::-1], restated):
+            self.alias(made, made_layout)
+        return True
 
     def run(self) -> Views:
         for tensor in self.graph.tensors:  # a previous build's views are undone first
@@ -170,9 +214,8 @@ class _Planner:
         if seen is not None and self.aliasable(y) and x.data_type == y.data_type:
             self.alias(y, Alias(source.root, *seen))
             return
-        back = self.inverse_view(node, y)
-        if back is not None and self.writable_into(x, node):
-            self.alias(x, back)
+        back = self.inverse_view(node, self.target_layout(y))
+        if back is not None and self.write_into(x, node, back):
             return
         if seen is not None:  # copy a view of x into y
             self.copy(node, self.view_tensor(x, Alias(source.root, *seen), x.data_type, "view"), y)
@@ -185,9 +228,10 @@ class _Planner:
             again = view_of(node, dense.dim, dense.stride, 0)
             self.copy(node, self.view_tensor(dense, Alias(dense.uid, *again), x.data_type, "view"), y)
 
-    def inverse_view(self, node, y) -> Optional[Alias]:
-        """x's dims over the memory of y (transpose, reshape), or None (a slice: x is larger)."""
-        x, target = node.inputs[0], self.target_layout(y)
+    def inverse_view(self, node, target: Alias) -> Optional[Alias]:
+        """x's dims over the memory of node's output y laid out as `target` (transpose,
+        reshape), or None (a slice: x is larger)."""
+        x = node.inputs[0]
         if node.op == "transpose":
             inverse = [0] * len(node.attrs.permutation)
             for position, axis in enumerate(node.attrs.permutation):
@@ -205,11 +249,24 @@ class _Planner:
         for index, start in concat_parts(node):
             x = node.inputs[index]
             part = Alias(target.root, tuple(x.dim), target.strides, target.offset + start * target.strides[axis])
-            if self.writable_into(x, node):
-                self.alias(x, part)
-            else:
+            if not self.write_into(x, node, part):
                 self.copy(node, x, self.view_tensor(y, part, y.data_type, f"part{index}"))
         self.root(target.root)
+
+
+def _same_layout(tensor, layout: Alias) -> bool:
+    """Does `layout` walk `tensor`'s elements with its own strides (axes of size 1 aside), from an
+    element 16 bytes into its root? Then the producer's kernel writes it as it would anyway."""
+    same = all(size == 1 or mine == theirs for size, mine, theirs in zip(tensor.dim, tensor.stride, layout.strides))
+    return same and layout.offset * tensor.data_type.itemsize % 16 == 0
+
+
+def _own_strides(tensor, layout: Alias) -> Alias:
+    """`layout` with `tensor`'s strides on its axes of size 1 (they address nothing, and a
+    producer that derives its layout from them sees its own)."""
+    strides = tuple(mine if size == 1 else theirs
+                    for size, mine, theirs in zip(tensor.dim, tensor.stride, layout.strides))
+    return Alias(layout.root, layout.dims, strides, layout.offset)
 
 
 def plan_views(graph, order, consumers) -> Views:

@@ -4,7 +4,10 @@ AOTAutograd traces the forward and the backward into functional aten graphs (tra
 each is partitioned with torch's CapabilityBasedPartitioner by the converter table (convert.py):
 every maximal group of supported ops becomes one dnngraph graph, built once (static shapes: a
 new shape is a new compile, torch's guards decide), and runs through `Graph.as_function`; the
-other ops run in torch. DNNGRAPH_LOG=info shows the partition and why an op stayed in torch.
+other ops run in torch. A returned value that is a view (transpose, view, ...) of an argument or
+of a value the graph makes is made in torch as that view, as eager torch does, not copied into
+an output of its own (AOTAutograd saves transposed weights and reshaped activations for the
+backward). DNNGRAPH_LOG=info shows the partition and why an op stayed in torch.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from .. import dtypes
 from ..autodiff import prune
 from ..graph import Graph
 from ..log import logger
+from ..tensor import Tensor
 from .convert import TENSOR_TYPES, Aux, convert, unsupported
 
 __all__ = ["backend", "REPORTS", "CompileReport"]
@@ -48,6 +52,29 @@ class CompileReport:
 
 
 REPORTS: collections.deque = collections.deque(maxlen=REPORT_LIMIT)
+
+aten = torch.ops.aten
+# aten ops whose result is always a view of their first argument's memory (no copy in torch)
+VIEW_OPS = frozenset({aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default,
+                      aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                      aten.squeeze.default, aten.alias.default, aten.slice.Tensor, aten.expand.default})
+
+
+def _view_chain(node):
+    """(base, views): the FX node a returned value is a view of, and the view nodes from it to
+    the value in order (none where the value is not a view)."""
+    views = []
+    while node.op == "call_function" and node.target in VIEW_OPS and isinstance(node.args[0], torch.fx.Node):
+        views.append(node)
+        node = node.args[0]
+    return node, views[::-1]
+
+
+def _replay(base, views):
+    """The views applied to a torch tensor: what eager torch returns, with no copy."""
+    for view in views:
+        base = view.target(base, *view.args[1:], **view.kwargs)
+    return base
 
 
 class _Support(OperatorSupport):
@@ -134,25 +161,44 @@ class DnngraphModule(torch.nn.Module):
         self.seeds = len(value.seeds)
         self.single = not isinstance(returned, (tuple, list))
         returned = [returned] if self.single else list(returned)
-        outputs, self.aux = [], {}
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        self.returned = len(returned)
+        # per returned position: (("argument" | "output", index), the views torch applies to it)
+        outputs, self.aux, self.views = [], {}, {}
         for position, node in enumerate(returned):
+            base, views = _view_chain(node)
+            if views and base in placeholders:  # a view of an argument: made in torch, as eager does
+                self.views[position] = (("argument", placeholders.index(base)), views)
+                continue
+            if views and isinstance(values.get(base), Tensor) and base.meta["val"].numel() <= node.meta["val"].numel():
+                # a view of a value the graph makes (no larger than the view): the graph returns
+                # the value, torch the view
+                self.views[position] = (("output", self._output(values[base], base, f"base{position}", outputs)),
+                                        views)
+                continue
             tensor = values[node]
             if isinstance(tensor, Aux):
                 self.aux[position] = tensor.meta
                 continue
-            if tensor not in outputs:
-                tensor.set_output(True).set_name(f"output{position}")
-                meta = node.meta["val"]
-                if _dense(meta):
-                    tensor.set_stride(list(meta.stride()))
-                outputs.append(tensor)
-        self.order = [None if isinstance(values[node], Aux) else outputs.index(values[node]) for node in returned]
-        prune(g)  # results no output reads (an sdpa's log-sum-exp in inference)
+            self.views[position] = (("output", self._output(tensor, node, f"output{position}", outputs)), [])
+        prune(g)  # results no output reads (an sdpa's log-sum-exp in inference), views made in torch
         self.function = g.as_function(inputs, outputs)
         self.ops = sum(1 for n in sub.graph.nodes if n.op == "call_function")
 
+    @staticmethod
+    def _output(tensor, node, name: str, outputs: list) -> int:
+        """The position of `tensor` among the graph's outputs (made one, in torch's layout of
+        `node`'s value, the first time)."""
+        if tensor not in outputs:
+            tensor.set_output(True).set_name(name)
+            meta = node.meta["val"]
+            if _dense(meta):
+                tensor.set_stride(list(meta.stride()))
+            outputs.append(tensor)
+        return outputs.index(tensor)
+
     def forward(self, *args):
-        device = args[0].device
+        device, arguments = args[0].device, args
         args = tuple(arg for arg, taken in zip(args, self.taken) if taken)
         if self.trues:
             args = args + tuple(torch.ones((), dtype=torch.bool, device=device).expand(dims) for dims in self.trues)
@@ -161,8 +207,14 @@ class DnngraphModule(torch.nn.Module):
                                 for _ in range(self.seeds))
         results = self.function(*args)
         results = results if isinstance(results, tuple) else (results,)
-        ordered = tuple(_aux_value(self.aux[p], device) if i is None else results[i] for p, i in enumerate(self.order))
-        return ordered[0] if self.single else ordered
+        ordered = []
+        for position in range(self.returned):
+            if position in self.aux:
+                ordered.append(_aux_value(self.aux[position], device))
+                continue
+            (kind, index), views = self.views[position]
+            ordered.append(_replay(arguments[index] if kind == "argument" else results[index], views))
+        return ordered[0] if self.single else tuple(ordered)
 
 
 def _compile(gm: torch.fx.GraphModule, example_inputs):

@@ -54,6 +54,15 @@ def _typed(graph_tensor, node):
     return graph_tensor
 
 
+def _reshaped_result(g, tensor, meta):
+    """`tensor` with the dims and type torch gives a result (`meta`): cast first, then reshaped,
+    so the reshape stays a view and the cast can ride the kernel that makes the value."""
+    wanted = dtypes.from_torch(meta.dtype)
+    if tensor.data_type != wanted:
+        tensor = g.cast(tensor, data_type=wanted)
+    return g.reshape(tensor, [int(d) for d in meta.shape])
+
+
 def _unary(g, node, value):
     return getattr(g, UNARY[node.target])(value(node.args[0]))
 
@@ -125,7 +134,12 @@ def _where(g, node, value):
 
 
 def _to_copy(g, node, value):
-    return g.cast(value(node.args[0]), data_type=dtypes.from_torch(_result(node).dtype))
+    """A type change; one of a reshaped value is made before the reshape (the same elements), so
+    the reshape stays a view and the cast can ride the kernel that makes the value."""
+    source, wanted = value(node.args[0]), dtypes.from_torch(_result(node).dtype)
+    if source.producer is not None and source.producer.op == "reshape" and source.data_type != wanted:
+        return g.reshape(g.cast(source.producer.inputs[0], data_type=wanted), list(source.dim))
+    return g.cast(source, data_type=wanted)
 
 
 def _cat(g, node, value):
@@ -247,7 +261,7 @@ def _convolution_backward(g, node, value):
     dw = g.conv_wgrad(dy, x, list(w.dim), **geometry) if mask[1] else None
     db = None
     if mask[2]:
-        db = g.reshape(g.reduction(dy, "sum", [0] + list(range(2, len(dy.dim)))), [dy.dim[1]])
+        db = _reshaped_result(g, g.reduction(dy, "sum", [0] + list(range(2, len(dy.dim)))), _result(node)[2])
     return dx, dw, db
 
 
@@ -268,8 +282,9 @@ def _layer_norm_backward(g, node, value):
     x = value(x)
     scale = _norm_parameter(g, value, weight, x, len(shape))
     dx, dscale, dbias = g.layernorm_backward(value(dy), x, scale, value(mean), value(rstd))
-    return (dx if mask[0] else None, g.reshape(dscale, list(shape)) if mask[1] else None,
-            g.reshape(dbias, list(shape)) if mask[2] and bias is not None else None)
+    metas = _result(node)
+    return (dx if mask[0] else None, _reshaped_result(g, dscale, metas[1]) if mask[1] else None,
+            _reshaped_result(g, dbias, metas[2]) if mask[2] and bias is not None else None)
 
 
 def _channels(g, value, tensor, x):
@@ -283,7 +298,7 @@ def _batch_norm(g, node, value):
     x = value(x)
     made = g.batchnorm(x, *(_channels(g, value, t, x) for t in (weight, bias, running_mean, running_var)),
                        epsilon=eps, momentum=momentum)
-    return (made[0],) + tuple(g.reshape(t, [x.dim[1]]) for t in made[1:])
+    return (made[0],) + tuple(_reshaped_result(g, t, meta) for t, meta in zip(made[1:], _result(node)[1:]))
 
 
 def _batch_norm_inference(g, node, value):
@@ -306,9 +321,9 @@ def _batch_norm_backward(g, node, value):
     x = value(x)
     dx, dscale, dbias = g.batchnorm_backward(value(dy), x, _channels(g, value, weight, x),
                                              _channels(g, value, mean, x), _channels(g, value, inv_variance, x))
-    channels = [x.dim[1]]
-    return (dx if mask[0] else None, g.reshape(dscale, channels) if mask[1] else None,
-            g.reshape(dbias, channels) if mask[2] else None)
+    metas = _result(node)
+    return (dx if mask[0] else None, _reshaped_result(g, dscale, metas[1]) if mask[1] else None,
+            _reshaped_result(g, dbias, metas[2]) if mask[2] else None)
 
 
 class Aux:
@@ -338,7 +353,7 @@ def _sdpa(g, node, value):
     o, stats = g.sdpa(q, k, v, attn_scale=node.kwargs.get("scale"), is_inference=False, use_causal_mask=causal,
                       bias=bias)
     metas = _result(node)
-    return (o, g.reshape(stats, list(metas[1].shape))) + tuple(Aux(meta) for meta in metas[2:])
+    return (o, _reshaped_result(g, stats, metas[1])) + tuple(Aux(meta) for meta in metas[2:])
 
 
 def _sdpa_backward(g, node, value):
@@ -402,6 +417,27 @@ def _tensor_ok(meta) -> Optional[str]:
     return None
 
 
+# _to_copy arguments that leave a tensor where and how it is (AOTAutograd spells them out)
+_STAYS = {"layout": (None, torch.strided), "memory_format": (None, torch.preserve_format),
+          "pin_memory": (None, False), "non_blocking": (None, False)}
+
+
+def _same_device(wanted, current) -> bool:
+    """"cuda" names the current device: the same as "cuda:0" where the tensor is."""
+    return wanted.type == current.type and wanted.index in (None, current.index)
+
+
+def _moves(node) -> bool:
+    """Does a _to_copy do more than change the type: another device, layout or memory format?"""
+    for key, wanted in node.kwargs.items():
+        if key == "device":
+            if wanted is not None and not _same_device(torch.device(wanted), node.args[0].meta["val"].device):
+                return True
+        elif key != "dtype" and wanted not in _STAYS.get(key, ()):
+            return True
+    return False
+
+
 def unsupported(node) -> Optional[str]:
     """Why `node` (an FX call_function node of an aten graph) stays in torch; None if it converts."""
     if node.op != "call_function":
@@ -442,7 +478,7 @@ def unsupported(node) -> Optional[str]:
         return "slice_backward with a step"
     if node.target is aten.clone.default and node.kwargs.get("memory_format") not in (None, torch.contiguous_format):
         return "clone to another memory format"
-    if node.target is aten._to_copy.default and set(node.kwargs) - {"dtype"}:
+    if node.target is aten._to_copy.default and _moves(node):
         return "_to_copy that moves devices or layouts"
     if node.target is aten.div.Tensor and node.kwargs.get("rounding_mode") is not None:
         return "div with a rounding mode"
