@@ -2,17 +2,14 @@
 addresses, dtypes, shapes, strides, devices) skip the checks and, on a GPU, launch prepared
 argument lists of device addresses. Anything that moves or reshapes a bound tensor is checked
 again; the addresses launched are the ones the tensor path would pass."""
-import contextlib
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 import dnngraph as dg
 from dnngraph.plan import cache as plan_cache
 import dnngraph.plan as plan_module
-from dnngraph.plan import launch as launch_module
 from helpers import check, poisoned, rel_err
+from pretend_gpu import STREAM, pretend_gpu
 
 
 def _graph():
@@ -130,40 +127,6 @@ def test_caller_workspace_is_part_of_the_set():
 
 
 # --- the CUDA path's prepared arguments, on a pretend GPU ----------------------------------------
-class _Recorder:
-    """Stands in for Triton's compiled launcher: records what each launch was given."""
-
-    launch_cooperative_grid = launch_pdl = False
-
-    def __init__(self, calls):
-        self.calls = calls
-
-    def __call__(self, *args):
-        self.calls.append(("run", args))
-
-    def launch(self, *args):
-        self.calls.append(("launch", args))
-
-
-@contextlib.contextmanager
-def _pretend_gpu(monkeypatch, calls):
-    cpu_model = plan_module.device_model(torch.device("cpu"))
-
-    def compile_recording(self, device_index, dtypes_of):
-        compiled = SimpleNamespace(_init_handles=lambda: None, run=_Recorder(calls), function=7,
-                                   packed_metadata=(4, 1, 0))
-        return launch_module.BoundLaunch(compiled, self.grid, self.template, self.slots, None)
-
-    monkeypatch.setattr(plan_module, "_kernel_device", lambda device: torch.device("cuda", 0))
-    monkeypatch.setattr(plan_module, "device_model", lambda device=None: cpu_model)
-    monkeypatch.setattr(launch_module.KernelLaunch, "_compile", compile_recording)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: 1234, raising=False)
-    try:
-        yield
-    finally:
-        plan_cache.clear()  # the recording bindings stay with these plans' launches
-
-
 def _kernel_arguments(calls) -> list:
     """The kernel arguments of each recorded launch, tensors as their addresses."""
     found = []
@@ -191,7 +154,7 @@ def test_prepared_addresses_match_the_tensor_path(monkeypatch, with_workspace):
     bindings = {a: torch.randn(6, 8), w: torch.randn(6, 4), y: poisoned(y)}
     workspace = torch.empty(g.plan.workspace_size(), dtype=torch.uint8) if with_workspace else None
     calls = []
-    with _pretend_gpu(monkeypatch, calls):
+    with pretend_gpu(monkeypatch, calls):
         g.execute(bindings, workspace=workspace)
         g.execute(bindings, workspace=workspace)
         prepared = _kernel_arguments(calls)
@@ -205,9 +168,9 @@ def test_prepared_addresses_match_the_tensor_path(monkeypatch, with_workspace):
         if with_workspace:
             tensors.update(built.views(workspace))
         else:
-            tensors.update(plan._stream_workspace(built, torch.device("cpu"), 1234).views)
+            tensors.update(plan._stream_workspace(built, torch.device("cpu"), STREAM).views)
         plan.views.materialize(tensors)
         for launch in built.launches:
-            launch.bind(0, built.dtypes)(tensors, 1234)
+            launch.bind(0, built.dtypes)(tensors, STREAM)
         assert _kernel_arguments(calls) == prepared[:len(prepared) // 2]
     assert all(isinstance(v, int) for args in prepared for v in args if v is not None)

@@ -12,6 +12,12 @@ reader sees either the old or the new file. Writers serialise on a sidecar lock 
 processes storing at once do not lose each other's entries. A file that cannot be used (corrupt,
 truncated, foreign, newer version) is ignored with a TuningCacheWarning and rewritten by the next
 store: the cache only saves time, so it must never stop a build.
+
+records() and merge() serve `python -m dnngraph tuning export|import` (tuning_transfer.py): a
+strict read that says what is wrong with a file, and a merge of many records under the writer
+lock in one atomic replace. A record's key names the GPU model (its device properties' name)
+and the Triton version, so a record shipped from another machine is only ever found by a
+lookup on the same model under the same Triton.
 """
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 try:
     import fcntl
@@ -61,6 +68,57 @@ def tuning_key(device: str, triton_version: str, family: str, signature: str,
              for part in (device, triton_version, family, signature, dnngraph_version or "")]
     version = f"|dnngraph {parts[4]}" if dnngraph_version is not None else ""
     return f"{parts[0]}|triton {parts[1]}{version}|{parts[2]}|{parts[3]}"
+
+
+class TuningKeyParts(NamedTuple):
+    """What a tuning key names (tuning_key's arguments); dnngraph_version None when it names none."""
+
+    device: str
+    triton_version: str
+    family: str
+    signature: str
+    dnngraph_version: str | None
+
+
+def _split_escaped(key: str) -> list[str]:
+    """`key` split at each unescaped "|", escapes undone (the inverse of tuning_key's quoting)."""
+    parts, current, characters = [], [], iter(key)
+    for character in characters:
+        if character == "\\":
+            escaped = next(characters, None)
+            if escaped not in ("\\", "|"):
+                raise ValueError(f"key {key!r} has a stray backslash")
+            current.append(escaped)
+        elif character == "|":
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(character)
+    parts.append("".join(current))
+    return parts
+
+
+def _after_prefix(part: str, prefix: str, key: str) -> str:
+    if not part.startswith(prefix):
+        raise ValueError(f"key {key!r}: {part!r} does not start with {prefix!r}")
+    return part[len(prefix):]
+
+
+def parse_tuning_key(key: str) -> TuningKeyParts:
+    """The parts of a key tuning_key() wrote; ValueError for a str it cannot have written."""
+    if not isinstance(key, str):
+        raise ValueError(f"key {key!r} is not a str")
+    parts = _split_escaped(key)
+    if len(parts) == 5:
+        device, triton_part, dnngraph_part, family, signature = parts
+        dnngraph_version = _after_prefix(dnngraph_part, "dnngraph ", key)
+    elif len(parts) == 4:
+        device, triton_part, family, signature = parts
+        dnngraph_version = None
+    else:
+        raise ValueError(f"key {key!r} has {len(parts)} parts; a tuning key has 4 or 5")
+    return TuningKeyParts(device, _after_prefix(triton_part, "triton ", key), family, signature,
+                          dnngraph_version)
 
 
 WARPS = (1, 2, 4, 8, 16)
@@ -119,32 +177,71 @@ def _warn(path: Path, stamp, problem: str, stacklevel: int = 4):
                   stacklevel=stacklevel)
 
 
-def _parse(raw: bytes) -> tuple[dict, str | None]:
-    """(usable entries, what is wrong with the file or None) for the bytes of a cache file."""
+def read_document(raw: bytes) -> dict:
+    """The entries (key -> record, records unchecked) of the bytes of a tuning file; ValueError
+    saying what is wrong when they are not a tuning document of this version."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError too
-        return {}, f"not valid JSON ({error}); ignoring it, the next store rewrites it"
+        raise ValueError(f"not valid JSON ({error})") from None
     if not isinstance(data, dict):
-        return {}, (f"holds a JSON {type(data).__name__}, not a {FORMAT} object; "
-                    "ignoring it, the next store rewrites it")
+        raise ValueError(f"holds a JSON {type(data).__name__}, not a {FORMAT} object")
     if data.get("format") != FORMAT:
-        return {}, (f"format tag {data.get('format')!r}, expected {FORMAT!r}; "
-                    "ignoring it, the next store rewrites it")
+        raise ValueError(f"format tag {data.get('format')!r}, expected {FORMAT!r}")
     version = data.get("version")
     if version != VERSION or isinstance(version, bool):
-        return {}, (f"version {version!r}, this dnngraph reads version {VERSION}; "
-                    "ignoring it, the next store rewrites it")
+        raise ValueError(f"version {version!r}, this dnngraph reads version {VERSION}")
     entries = data.get("entries")
     if not isinstance(entries, dict):
-        return {}, (f"'entries' is a JSON {type(entries).__name__}, not an object; "
-                    "ignoring it, the next store rewrites it")
+        raise ValueError(f"'entries' is a JSON {type(entries).__name__}, not an object")
+    return entries
+
+
+def _parse(raw: bytes) -> tuple[dict, str | None]:
+    """(usable entries, what is wrong with the file or None) for the bytes of a cache file."""
+    try:
+        entries = read_document(raw)
+    except ValueError as error:
+        return {}, f"{error}; ignoring it, the next store rewrites it"
     bad = sorted(key for key, record in entries.items() if not isinstance(record, dict))
     if bad:
         entries = {key: record for key, record in entries.items() if isinstance(record, dict)}
         shown = ", ".join(repr(key) for key in bad[:3]) + (", ..." if len(bad) > 3 else "")
         return entries, f"dropping {len(bad)} entries whose record is not an object: {shown}"
     return entries, None
+
+
+def write_document(path: Path, entries: dict) -> tuple:
+    """Replace `path` atomically with a tuning document holding `entries` (temp file in the same
+    folder, fsync, rename): a reader sees the old file or the new one, never a partial one.
+    Returns the new file's stamp; OSError when it cannot be written (the old file stays)."""
+    document = {"format": FORMAT, "version": VERSION, "entries": entries}
+    # The same folder makes os.replace a rename within one filesystem, which is atomic.
+    fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tuning-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(document, handle, indent=1, sort_keys=True)
+            handle.flush()
+            os.fsync(handle.fileno())  # the data is on disk before the rename publishes it
+            stamp = _stamp(os.fstat(handle.fileno()))  # a rename keeps inode and mtime
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    return stamp
+
+
+# A NamedTuple, not a dataclass: tests load this module from its file, outside sys.modules,
+# where a dataclass cannot resolve its annotations.
+class MergeResult(NamedTuple):
+    """What TuningCache.merge did with each incoming key (sorted): added (new here), identical
+    (already here, equal), replaced (differed, overwritten) or kept (differed, local kept)."""
+
+    added: tuple
+    identical: tuple
+    replaced: tuple
+    kept: tuple
 
 
 class TuningCache:
@@ -184,6 +281,39 @@ class TuningCache:
             _warn(self.path, None, f"could not store tuning results ({error}); they will not "
                                    "be reused by later processes", stacklevel=3)
 
+    def records(self) -> dict:
+        """Every entry of the file as it is now (a copy; records unchecked), {} when there is no
+        file; ValueError saying what is wrong with a file that is not a tuning document."""
+        try:
+            raw = self.path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        return read_document(raw)
+
+    def merge(self, incoming: dict, overwrite: bool = False) -> MergeResult:
+        """Add every record of `incoming` (key -> record dict) in one atomic replace under the
+        writer lock. A key already here with a different record keeps the local one, or takes
+        the incoming one when `overwrite`. Unlike store(), I/O failures raise OSError: the
+        caller asked for this write and must hear that it did not happen."""
+        incoming = json.loads(json.dumps(incoming))  # a copy, and JSON-able before any write
+        outcome = {"added": [], "identical": [], "replaced": [], "kept": []}
+        with self._lock():
+            entries = dict(self._entries(fresh=True))
+            for key in sorted(incoming):
+                local = entries.get(key)
+                if local is None:
+                    kind = "added"
+                elif local == incoming[key]:
+                    kind = "identical"
+                else:
+                    kind = "replaced" if overwrite else "kept"
+                if kind in ("added", "replaced"):
+                    entries[key] = incoming[key]
+                outcome[kind].append(key)
+            if outcome["added"] or outcome["replaced"]:
+                self._write(entries)
+        return MergeResult(**{kind: tuple(keys) for kind, keys in outcome.items()})
+
     @contextlib.contextmanager
     def _lock(self):
         if fcntl is None:
@@ -222,19 +352,4 @@ class TuningCache:
         return entries
 
     def _write(self, entries: dict):
-        document = {"format": FORMAT, "version": VERSION, "entries": entries}
-        # The temp file is in the same folder so os.replace is a rename within one filesystem,
-        # which is atomic: readers see the old file or the new one, never a partial one.
-        fd, temp = tempfile.mkstemp(dir=self.path.parent, prefix=".tuning-", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(document, handle, indent=1, sort_keys=True)
-                handle.flush()
-                os.fsync(handle.fileno())  # the data is on disk before the rename publishes it
-                stamp = _stamp(os.fstat(handle.fileno()))  # a rename keeps inode and mtime
-            os.replace(temp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise
-        self._memo = (stamp, entries)
+        self._memo = (write_document(self.path, entries), entries)

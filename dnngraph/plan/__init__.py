@@ -27,7 +27,7 @@ from ..log import logger
 from ..runtime import interpreting
 from .attention import build_attention_backward
 from .cache import MODULES, PLANS, plan_key
-from .launch import created_once, run_launches, time_launches
+from .launch import created_once, launch_on_device, run_launches, time_launches
 from .conv import build_conv
 from .matmul import build_matmul
 from .pointwise import build_pointwise
@@ -470,15 +470,14 @@ class Plan:
         if ready.streams is None:
             self._execute_tensors(ready, values, workspace)
             return
-        stream = torch._C._cuda_getCurrentRawStream(ready.device.index)
+        index = ready.kernel_device.index
+        stream = torch._C._cuda_getCurrentRawStream(index)
         lock, calls = ready.streams.get(stream) or self._bind_stream(ready, values, workspace, stream)
         if lock is None:
-            for launcher, args in calls:
-                launcher(*args)
+            launch_on_device(calls, index)
             return
         with lock:
-            for launcher, args in calls:
-                launcher(*args)
+            launch_on_device(calls, index)
 
     def _prepare(self, bindings, workspace, stamp) -> "ReadyBindings":
         """Check a binding set (and workspace) in full and remember it under `stamp`."""
@@ -502,7 +501,7 @@ class Plan:
         """Launch with torch tensors as arguments: the interpreter, or pointers below alignment."""
         tensors = dict(zip(ready.uids, values))
         built, device, kernel_device = ready.built, ready.device, ready.kernel_device
-        stream = torch._C._cuda_getCurrentRawStream(device.index) if kernel_device.type == "cuda" else None
+        stream = torch._C._cuda_getCurrentRawStream(kernel_device.index) if kernel_device.type == "cuda" else None
         if workspace is not None:
             tensors.update(built.views(workspace.view(-1)))
         elif built.workspace_tensors:
@@ -531,7 +530,8 @@ class Plan:
             addresses[uid] = base + offset
         for uid, alias in self.views.aliases.items():
             addresses[uid] = addresses[alias.root] + alias.offset * built.dtypes[alias.root].itemsize
-        calls = tuple(launch.bind(device.index, built.dtypes).call(addresses, stream) for launch in built.launches)
+        index = ready.kernel_device.index
+        calls = tuple(launch.bind(index, built.dtypes).call(addresses, stream) for launch in built.launches)
         ready.streams[stream] = (lock, calls)
         return lock, calls
 

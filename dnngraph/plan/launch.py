@@ -171,19 +171,23 @@ class KernelLaunch:
         for position, uid in self.slots:
             args[position] = dtypes_of[uid]  # Triton's warmup takes dtypes for pointers
         start = time.perf_counter()
+        # Triton compiles for the current device and loads the module into the current device's
+        # context (BoundLaunch's _init_handles): both must happen with `device_index` current, or
+        # a kernel for cuda:1 bound from a thread where cuda:0 is current lives in cuda:0's context.
         with torch.cuda.device(device_index):
             compiled = self.kernel.warmup(*args, grid=self.grid, **self._options())
-        compiled = compiled.result() if hasattr(compiled, "result") else compiled
+            compiled = compiled.result() if hasattr(compiled, "result") else compiled
+            nbytes, align = global_scratch_need(compiled, self.grid)
+            if nbytes and self.global_scratch is None:
+                self.global_scratch, self.global_scratch_align = scratch((nbytes,), torch.uint8), align
+            elif nbytes and self.global_scratch.nbytes < nbytes:
+                raise ExecutionError(f"{self.source_path}: global scratch of {nbytes} bytes on device {device_index}, "
+                                     f"{self.global_scratch.nbytes} on the device it was first bound on")
+            uid = self.global_scratch.uid if nbytes else None
+            bound = BoundLaunch(compiled, self.grid, self.template, self.slots, uid)
         logger.info("compiled %s for cuda:%d in %.0f ms", self.source_path.name, device_index,
                     1e3 * (time.perf_counter() - start))
-        nbytes, align = global_scratch_need(compiled, self.grid)
-        if nbytes and self.global_scratch is None:
-            self.global_scratch, self.global_scratch_align = scratch((nbytes,), torch.uint8), align
-        elif nbytes and self.global_scratch.nbytes < nbytes:
-            raise ExecutionError(f"{self.source_path}: global scratch of {nbytes} bytes on device {device_index}, "
-                               f"{self.global_scratch.nbytes} on the device it was first bound on")
-        uid = self.global_scratch.uid if nbytes else None
-        return BoundLaunch(compiled, self.grid, self.template, self.slots, uid)
+        return bound
 
     def launch_unaligned(self, tensors):
         """Through the JIT, which specializes on the actual pointer alignment."""
@@ -199,9 +203,23 @@ class KernelLaunch:
 INTERPRETER_LOCK = threading.RLock()
 
 
+def launch_on_device(calls, device_index: int) -> None:
+    """Run prepared (launcher, arguments) pairs with CUDA device `device_index` current, the
+    previous one restored after. Triton's launcher runs in the current device's context, so
+    kernels for tensors on another GPU than the current one need theirs made current; when it
+    already is, the exchange is a no-op."""
+    previous = torch.cuda._exchange_device(device_index)
+    try:
+        for launcher, args in calls:
+            launcher(*args)
+    finally:
+        torch.cuda._maybe_exchange_device(previous)
+
+
 def run_launches(launches, tensors, device, dtypes_of, aligned: bool = True, stream: Optional[int] = None):
     """Launch in order on `device` (CUDA: bound launchers on `stream`, by default the current
-    stream; CPU: the interpreter, here or in the interpreter process)."""
+    stream of `device`, with `device` made current; CPU: the interpreter, here or in the
+    interpreter process)."""
     if device.type != "cuda":
         chosen = [launch.alternative if not aligned and launch.alternative is not None else launch
                   for launch in launches]
@@ -214,11 +232,11 @@ def run_launches(launches, tensors, device, dtypes_of, aligned: bool = True, str
         return
     if stream is None:
         stream = torch._C._cuda_getCurrentRawStream(device.index)
-    for launch in launches:
-        if aligned:
-            launch.bind(device.index, dtypes_of)(tensors, stream)
-        else:
-            with torch.cuda.device(device.index):
+    with torch.cuda.device(device.index):
+        for launch in launches:
+            if aligned:
+                launch.bind(device.index, dtypes_of)(tensors, stream)
+            else:
                 launch.launch_unaligned(tensors)
 
 
@@ -228,8 +246,10 @@ def time_launches(launches, tensors, device, dtypes_of) -> float:
         import triton.testing
 
         run_launches(launches, tensors, device, dtypes_of)  # compile and warm outside the timing
-        return float(triton.testing.do_bench(lambda: run_launches(launches, tensors, device, dtypes_of),
-                                             warmup=10, rep=40, return_mode="median"))
+        # do_bench records its events on the current device's stream: make it the launches' one
+        with torch.cuda.device(device.index):
+            return float(triton.testing.do_bench(lambda: run_launches(launches, tensors, device, dtypes_of),
+                                                 warmup=10, rep=40, return_mode="median"))
     samples = []
     for _ in range(3):
         start = time.perf_counter()

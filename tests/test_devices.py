@@ -1,0 +1,153 @@
+"""Plans on a device other than the current one, checked on CPU: every kernel is compiled, its
+module loaded, launched and timed with the tensors' device made current (Triton works on the
+current device), the previous device restored after; the device model and the tuning key come
+from the tensors' device; bindings on two devices are refused before anything is written.
+tests/test_devices_gpu.py runs the same on two real GPUs."""
+import copy
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import dnngraph as dg
+import dnngraph.heuristics.device as device_module
+import dnngraph.plan as plan_module
+from dnngraph.heuristics import device_model
+from dnngraph.plan import cache as plan_cache
+from dnngraph.plan import launch as launch_module
+from helpers import poisoned
+from pretend_gpu import PretendDevices, Recorder, patch_current_device, pretend_gpu
+
+
+def _two_kernel_graph():
+    """matmul, then a column softmax and an rmsnorm: three kernels with a workspace between."""
+    g = dg.Graph(name="devices")
+    x = g.tensor(name="x", dim=[37, 29])
+    w = g.tensor(name="w", dim=[29, 19])
+    scale = g.tensor(name="scale", dim=[1, 19])
+    h = g.matmul(g.relu(x), w)
+    y = g.rmsnorm(g.softmax(h, axis=0), scale)[0].set_output(True).set_name("y")
+    return g.build(), x, w, scale, y
+
+
+def _bindings(x, w, scale, y):
+    generator = torch.Generator().manual_seed(3)
+    return {x: torch.randn(37, 29, generator=generator), w: torch.randn(29, 19, generator=generator),
+            scale: torch.rand(1, 19, generator=generator) + 0.5, y: poisoned(y)}
+
+
+def test_prepared_launches_run_with_the_tensors_device_current(monkeypatch):
+    plan_cache.clear()
+    g, x, w, scale, y = _two_kernel_graph()
+    bindings = _bindings(x, w, scale, y)
+    calls = []
+    with pretend_gpu(monkeypatch, calls, device_index=1, devices=PretendDevices(current=0)) as devices:
+        g.execute(bindings)  # checks, binds, prepares the argument lists
+        g.execute(bindings)  # the prepared path
+        launches = len(g.plan.launches)
+        assert len(calls) == 2 * launches
+        assert devices.launched_on == [1] * (2 * launches)
+        assert devices.current == 0, "the caller's current device is restored"
+        assert set(devices.streams_asked) == {1}, "the current stream of the tensors' device"
+        assert ("cuda", 1) in g.plan._by_device
+        assert all(1 in launch._bound and 0 not in launch._bound for launch in g.plan.launches)
+
+
+def test_unaligned_launches_run_with_the_tensors_device_current(monkeypatch):
+    plan_cache.clear()
+    g, x, w, scale, y = _two_kernel_graph()
+    bindings = _bindings(x, w, scale, y)
+    storage = torch.randn(37 * 29 + 1)
+    bindings[x] = storage[1:].view(37, 29)  # 4 bytes past an aligned address: the JIT path
+    seen = []
+    with pretend_gpu(monkeypatch, [], device_index=1, devices=PretendDevices(current=0)) as devices:
+        monkeypatch.setattr(launch_module.KernelLaunch, "launch_unaligned",
+                            lambda self, tensors: seen.append(devices.current))
+        g.execute(bindings)
+        assert seen == [1] * len(g.plan.launches)
+        assert devices.current == 0
+        assert set(devices.streams_asked) == {1}
+
+
+def test_compile_and_module_load_happen_on_the_launch_device(monkeypatch):
+    g, *_ = _two_kernel_graph()
+    launch = copy.copy(g.plan.launches[0])  # a private copy: its bindings are this test's
+    launch._bound, launch._bind_lock = {}, threading.Lock()
+    devices = PretendDevices(current=0)
+    patch_current_device(monkeypatch, devices)
+    seen = {}
+    compiled = SimpleNamespace(_init_handles=lambda: seen.setdefault("load", devices.current),
+                               run=Recorder([], devices), function=7, packed_metadata=(4, 1, 0),
+                               metadata=SimpleNamespace())
+
+    class CompilingKernel:
+        def warmup(self, *args, grid, **options):
+            seen["compile"] = devices.current
+            return compiled
+
+    launch.kernel = CompilingKernel()
+    launch.bind(1, g.plan.dtypes)
+    # Triton's _init_handles loads the module into the current device's context: loaded under
+    # cuda:0 a kernel for cuda:1 tensors fails to launch ("invalid device context")
+    assert seen == {"compile": 1, "load": 1}
+    assert devices.current == 0
+
+
+def test_timing_records_its_events_on_the_launch_device(monkeypatch):
+    import triton.testing
+
+    devices = PretendDevices(current=0)
+    patch_current_device(monkeypatch, devices)
+    monkeypatch.setattr(triton.testing, "do_bench",
+                        lambda fn, **options: devices.launched_on.append(devices.current) or 0.25)
+    assert launch_module.time_launches([], {}, torch.device("cuda", 1), {}) == 0.25
+    assert devices.launched_on == [1], "do_bench's events are recorded on the current device's stream"
+    assert devices.current == 0
+
+
+def test_device_model_reads_the_named_device_not_the_current_one(monkeypatch):
+    names = {0: "GPU Zero", 1: "GPU One"}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(name=names[index], multi_processor_count=100 + index,
+                                                      major=9, minor=index))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    device_module._model_of_index.cache_clear()
+    try:
+        assert device_model("cuda:1").name == "GPU One"
+        assert device_model(torch.device("cuda", 1)).sms == 101
+        assert device_model(1).capability == (9, 1)
+        assert device_model("cuda").name == "GPU Zero"  # no index: the current device
+        assert device_model(torch.device("cpu")).name == "interpreter"
+    finally:
+        device_module._model_of_index.cache_clear()
+
+
+def test_kernel_device_is_the_tensors_device(monkeypatch):
+    monkeypatch.setattr(plan_module, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert plan_module._kernel_device(torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert plan_module._kernel_device(torch.device("cpu")) == torch.device("cpu")
+    with pytest.raises(dg.ExecutionError, match="meta"):
+        plan_module._kernel_device(torch.device("meta"))
+
+
+@pytest.mark.parametrize("stray", ["input", "output", "workspace"])
+def test_bindings_on_two_devices_are_refused_before_anything_is_written(stray):
+    g, x, w, scale, y = _two_kernel_graph()
+    bindings = _bindings(x, w, scale, y)
+    workspace = None
+    if stray == "input":
+        bindings[w] = bindings[w].to("meta")
+    elif stray == "output":
+        bindings[y] = torch.empty(37, 19, device="meta")
+    else:
+        workspace = torch.empty(g.plan.workspace_size(), dtype=torch.uint8, device="meta")
+    with pytest.raises(dg.ExecutionError, match="meta"):
+        g.execute(bindings, workspace=workspace)
+    if stray != "output":
+        assert torch.isnan(bindings[y]).all(), "nothing was written"
+    fn = g.as_function()
+    with pytest.raises(dg.ExecutionError, match="one device"):
+        fn(bindings[x], torch.randn(29, 19, device="meta"), bindings[scale])
