@@ -350,12 +350,8 @@ def _decoder_layer(dtype):
     return Wrapped()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decoder_layer_kernels_have_no_lone_casts_or_output_copies(dtype, monkeypatch):
-    """The tiny decoder layer's forward and backward: views of arguments and of values the graph
-    makes are returned as torch views, reshapes into outputs are written in place, casts ride
-    the kernels around them; fp32 matches eager (the interpreter's bf16 dot is not exact: bf16
-    checks structure only)."""
+def _recorded_modules(monkeypatch) -> list:
+    """The list every DnngraphModule made from now on is appended to."""
     modules = []
     original = torch_backend.DnngraphModule.__init__
 
@@ -363,6 +359,16 @@ def test_decoder_layer_kernels_have_no_lone_casts_or_output_copies(dtype, monkey
         original(self, sub)
         modules.append(self)
     monkeypatch.setattr(torch_backend.DnngraphModule, "__init__", recording)
+    return modules
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoder_layer_kernels_have_no_lone_casts_or_output_copies(dtype, monkeypatch):
+    """The tiny decoder layer's forward and backward: views of arguments and of values the graph
+    makes are returned as torch views, reshapes into outputs are written in place, casts ride
+    the kernels around them; fp32 matches eager (the interpreter's bf16 dot is not exact: bf16
+    checks structure only)."""
+    modules = _recorded_modules(monkeypatch)
     torch.manual_seed(13)
     if dtype == torch.float32:
         _train_step_matches(_decoder_layer(dtype), lambda: [torch.randn(2, 16, 64)], tolerance=2e-5)
@@ -380,13 +386,7 @@ def test_decoder_layer_kernels_have_no_lone_casts_or_output_copies(dtype, monkey
 def test_batch_norm_block_statistics_casts_join_the_norm_kernels(monkeypatch):
     """bf16 channels-last conv -> batch norm (training) -> relu: the running statistics' casts
     (AOTAutograd's _to_copy) and every reshape of a per-channel result ride the norm kernels."""
-    modules = []
-    original = torch_backend.DnngraphModule.__init__
-
-    def recording(self, sub):
-        original(self, sub)
-        modules.append(self)
-    monkeypatch.setattr(torch_backend.DnngraphModule, "__init__", recording)
+    modules = _recorded_modules(monkeypatch)
     torch.manual_seed(14)
     model = torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1, bias=False), torch.nn.BatchNorm2d(8),
                                 torch.nn.ReLU()).to(dtype=torch.bfloat16, memory_format=torch.channels_last)

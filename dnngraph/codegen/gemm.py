@@ -331,32 +331,36 @@ def _tile_offsets(spec, w: Writer):
     w("mask_m = offs_m < M", "mask_n = offs_n < N")
 
 
+def _axis_lines(w: Writer, flat: str, stem: str, count: int):
+    """Decompose the flat index `flat` into <stem>_<axis>, row-major over <stem>_size_<axis>."""
+    w(f"rest = {flat}")
+    for axis in range(count - 1, 0, -1):
+        w(f"{stem}_{axis} = rest % {stem}_size_{axis}", f"rest = rest // {stem}_size_{axis}")
+    w(f"{stem}_0 = rest")
+
+
+def _axis_names(stem: str, sizes, flat: str) -> list:
+    return [f"{stem}_{axis}" for axis in range(len(sizes))] if sizes else [flat]
+
+
 def row_lines(spec, w: Writer, flat: str):
     """Decompose output rows `flat` into row_<axis> (row-major over spec.row_sizes)."""
-    last = len(spec.row_sizes) - 1
-    w(f"rest = {flat}")
-    for axis in range(last, 0, -1):
-        w(f"row_{axis} = rest % row_size_{axis}", f"rest = rest // row_size_{axis}")
-    w("row_0 = rest")
+    _axis_lines(w, flat, "row", len(spec.row_sizes))
 
 
 def output_rows(spec) -> list:
     """Index names of the output's row axes."""
-    return [f"row_{axis}" for axis in range(len(spec.row_sizes))] if spec.row_sizes else ["offs_m"]
+    return _axis_names("row", spec.row_sizes, "offs_m")
 
 
 def col_lines(spec, w: Writer, flat: str):
     """Decompose output columns `flat` into col_<axis> (row-major over spec.col_sizes)."""
-    last = len(spec.col_sizes) - 1
-    w(f"rest = {flat}")
-    for axis in range(last, 0, -1):
-        w(f"col_{axis} = rest % col_size_{axis}", f"rest = rest // col_size_{axis}")
-    w("col_0 = rest")
+    _axis_lines(w, flat, "col", len(spec.col_sizes))
 
 
 def output_cols(spec) -> list:
     """Index names of the output's column axes."""
-    return [f"col_{axis}" for axis in range(len(spec.col_sizes))] if spec.col_sizes else ["offs_n"]
+    return _axis_names("col", spec.col_sizes, "offs_n")
 
 
 # --- the k loop -----------------------------------------------------------------------------------
