@@ -3,7 +3,7 @@
 One process, providers side by side per layer. Rows (one table each):
 
   fprop      y = relu(conv(x, w) + bias) on the distinct conv layers of torchvision's ResNet-50 at
-             N=32, 224x224. Anchors: cuDNN+sep (F.conv2d with cudnn.benchmark, then + bias and relu
+             N=32, 224x224, plus the stem at N=64 and N=256. Anchors: cuDNN+sep (F.conv2d with cudnn.benchmark, then + bias and relu
              as separate eager ops), compile (torch.compile of that function), cuDNN FE (the
              frontend graph conv_fprop -> bias -> relu, one fused plan)
   dgrad      dx from dy and w (ResNet-50 layers). Anchors: torch.nn.grad.conv2d_input (cuDNN), aten bwd
@@ -162,13 +162,16 @@ OTHER = [
     conv_shape("3d 64@16x56x56", 4, 64, 64, (16, 56, 56), 3, 1, 1, spatial=3),
     conv_shape("1d 256@4096", BATCH, 256, 256, 4096, 3, 1, 1, spatial=1),
 ]
-# The stem at the batch its wgrad cliff was measured at (2815 us against ~250 us for cuDNN on the
-# H100 with one GEMM per filter tap): the case of the few-channel tap fold (heuristics/conv.py).
-WGRAD_EXTRA = [conv_shape("conv1 N64 (stem)", 64, 3, 64, 224, 7, 2, 3)]
+# The stem at the batches its cliffs were measured at on the H100, per filter tap (wgrad at N=64:
+# 2815 us against ~250 us for cuDNN; fprop at N=64: 850 us against ~390, at N=256: 3333 us against
+# 1522): the cases of the few-channel tap fold (heuristics/conv.py fold_taps).
+STEM_N64 = conv_shape("conv1 N64 (stem)", 64, 3, 64, 224, 7, 2, 3)
+EXTRA = {"wgrad": [STEM_N64], "fprop": [STEM_N64, conv_shape("conv1 N256 (stem)", 256, 3, 64, 224, 7, 2, 3)]}
 QUICK = ("conv1 N64 (stem)", "layer1.0.conv2", "layer2.0.conv2", "layer3.1.conv1", "layer4.1.conv2",
          "mbv2 144@56", "convnext 96@56 7x7", "3d 64@16x56x56", "1d 256@4096")
 CPU_SHAPES = {  # tiny odd sizes for --check-cpu
-    "fprop": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1), conv_shape("cpu 1x1", 3, 8, 4, 5, 1)],
+    "fprop": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1), conv_shape("cpu 1x1", 3, 8, 4, 5, 1),
+              conv_shape("cpu stem 7x7/2", 2, 3, 6, (13, 11), 7, 2, 3)],
     "dgrad": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1)],
     "wgrad": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1),
               conv_shape("cpu stem 7x7/2", 2, 3, 6, (13, 11), 7, 2, 3)],
@@ -250,7 +253,7 @@ DG_PROVIDERS = {"dg": "dg", "dg_tuned": "dg tuned"}
 
 def row_shapes(key, args, resnet) -> list:
     """The layers of row `key` after --quick and --only."""
-    shapes = {"depthwise": DEPTHWISE, "other": OTHER, "wgrad": resnet + WGRAD_EXTRA}.get(key, resnet)
+    shapes = {"depthwise": DEPTHWISE, "other": OTHER}.get(key, resnet + EXTRA.get(key, []))
     if args.quick:
         shapes = [s for s in shapes if s.label in QUICK] or shapes[:3]
     words = [w.strip() for w in args.only.split(",") if w.strip()]

@@ -507,3 +507,176 @@ def test_wgrad_per_tap_pose_on_few_channels(rank, layout, groups, monkeypatch):
     out.set_output(True).set_name("out")
     check(g, inputs)
     assert "one GEMM per filter tap" in g.plan.launches[0].reason
+
+
+# --- fprop (and dgrad) with few channels per group: the filter taps folded into K ---------------
+FPROP_FOLDED = {  # x, w, padding, stride, dilation, groups, x layout, w layout, mode
+    "stem 7x7/2 C3": ([2, 3, 13, 11], [5, 3, 7, 7], [3, 3], [2, 2], [1, 1], 1, "nhwc", "nhwc", "cross_correlation"),
+    # one channel with more filters than the depthwise kernels take (a grayscale stem)
+    "5x3 C1 dilated": ([2, 1, 9, 10], [6, 1, 5, 3], [2, 1], [1, 2], [2, 2], 1, "nchw", "nchw", "convolution"),
+    "3x3 C2 odd": ([3, 2, 7, 6], [3, 2, 3, 3], [1, 0], [2, 1], [1, 1], 1, "odd", "nhwc", "cross_correlation"),
+    "3x3x3/2 C5": ([1, 5, 5, 6, 7], [4, 5, 3, 3, 3], [1, 1, 0], [2, 1, 2], [1, 1, 1], 1, "nhwc", "nchw",
+                   "cross_correlation"),
+    "5x5 groups2 C3": ([2, 6, 9, 8], [4, 3, 5, 5], [2, 1], [2, 1], [1, 2], 2, "nhwc", "odd", "convolution"),
+    "1d 7/2 C3": ([2, 3, 23], [6, 3, 7], [3], [2], [1], 1, "nchw", "nhwc", "cross_correlation"),
+}
+
+
+def _fprop_folded_graph(name, dtype=torch.float32):
+    x_dim, w_dim, padding, stride, dilation, groups, x_layout, w_layout, mode = FPROP_FOLDED[name]
+    x_t, w_t = stored(x_dim, x_layout, dtype), stored(w_dim, w_layout, dtype)
+    g = graph(dg.dtypes.from_torch(dtype))
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    y = g.conv_fprop(x, w, padding=padding, stride=stride, dilation=dilation, groups=groups, mode=mode)
+    return g, x, y, {"x": x_t, "w": w_t}
+
+
+def _folded_k(launch) -> bool:
+    return "_folded" in launch.source_path.name and "filter taps folded into K" in launch.reason
+
+
+@pytest.mark.parametrize("name", sorted(FPROP_FOLDED))
+def test_fprop_folds_the_taps_of_few_channels(name):
+    """C per group 1, 2, 3, 5 with 7x7/2, 5x3 dilated, 3x3x3/2 and 1D filters, groups, both modes,
+    NHWC/NCHW/odd strides: one GEMM whose k is (taps, channel), K walked whole."""
+    g, _, y, inputs = _fprop_folded_graph(name)
+    y.set_output(True).set_name("y")
+    check(g, inputs)
+    assert len(g.plan.launches) == 1 and _folded_k(g.plan.launches[0])
+    source = g.plan.launches[0].source_path.read_text()
+    assert "chan = " in source and "valid_a = " in source
+
+
+def test_fprop_folded_stem_matches_torch():
+    x_t = torch.randn(2, 3, 15, 14, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    w_t = torch.randn(6, 3, 7, 7, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    expected = torch.nn.functional.conv2d(x_t, w_t, stride=2, padding=3)
+    g = graph()
+    x, w = g.tensor_like(x_t.float(), name="x"), g.tensor_like(w_t.float(), name="w")
+    g.conv_fprop(x, w, padding=[3, 3], stride=[2, 2], dilation=[1, 1]).set_output(True).set_name("y")
+    out = check(g, {"x": x_t.float(), "w": w_t.float()})["y"]
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-4)
+    assert _folded_k(g.plan.launches[0])
+    assert out.stride() == expected.stride()  # NHWC in, NHWC out
+
+
+def test_fprop_folded_prologue_and_epilogue_every_variant(variant):
+    """A batchnorm scale-bias-relu on x at load (the padding still 0), bias, a residual of odd
+    strides, relu and a cast, the pre-activation stored too: K = 75 ragged over the forced 16."""
+    inputs = _fprop_folded_graph("5x5 groups2 C3")[3]
+    x_t, w_t = inputs["x"], inputs["w"]
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    scale, shift = g.tensor(name="scale", dim=[1, 6, 1, 1]), g.tensor(name="shift", dim=[1, 6, 1, 1])
+    act = g.relu(g.add(g.mul(x, scale), shift))
+    y = g.conv_fprop(act, w, padding=[2, 1], stride=[2, 1], dilation=[1, 2], groups=2, mode="convolution")
+    residual_t = stored(list(y.dim), "odd")
+    b, r = g.tensor(name="b", dim=[1, 4, 1, 1]), g.tensor_like(residual_t, name="r")
+    pre = g.add(g.add(y, b), r).set_output(True).set_name("pre")
+    g.cast(g.relu(pre), data_type=dg.float16).set_output(True).set_name("out")
+    check(g, {"x": x_t, "w": w_t, "scale": torch.randn(1, 6, 1, 1), "shift": torch.rand(1, 6, 1, 1) + 1.0,
+              "b": torch.randn(1, 4, 1, 1), "r": residual_t}, tolerance=1e-3)
+    assert [l.group.kind for l in g.plan.launches] == ["conv"] * len(g.plan.launches)
+    assert _folded_k(g.plan.launches[0])
+    assert len(g.plan.launches) == (2 if variant == "split_k" else 1)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_fprop_folded_with_batchnorm_statistics(variant, layout):
+    """conv -> bias -> genstats on the folded stem: the column exits ride on the folded GEMM."""
+    x_t, w_t = stored([2, 3, 13, 11], layout), stored([5, 3, 7, 7], layout)
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    y = g.add(g.conv_fprop(x, w, padding=[3, 3], stride=[2, 2]), g.tensor(name="b", dim=[1, 5, 1, 1]))
+    y.set_output(True).set_name("y")
+    total, squares = g.genstats(y)
+    total.set_output(True).set_name("sum")
+    squares.set_output(True).set_name("sq_sum")
+    check(g, {"x": x_t, "w": w_t, "b": torch.randn(1, 5, 1, 1)})
+    assert [grp.kind for grp in g.plan.groups] == ["conv"] and _folded_k(g.plan.launches[0])
+    assert len(g.plan.launches) == (2 if variant == "split_k" else 1) + 1  # + the column fold
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fprop_folded_half_and_full_precision(dtype):
+    g, _, y, inputs = _fprop_folded_graph("stem 7x7/2 C3", dtype)
+    y.set_output(True).set_name("y")
+    check(g, inputs, dtype=dtype)
+    assert _folded_k(g.plan.launches[0])
+
+
+@pytest.mark.parametrize("x_dim,w_dim", [([1, 64, 4, 5], [8, 64, 3, 3]), ([1, 32, 5, 4], [4, 32, 3, 1]),
+                                         ([2, 3, 6, 5], [4, 3, 1, 1])])
+def test_fprop_keeps_per_tap_k_for_many_channels_or_one_tap(x_dim, w_dim):
+    """C_in 64 and 32 (a per-tap k step is full) and a 1x1 filter (no taps to fold)."""
+    x_t, w_t = stored(x_dim, "nhwc"), stored(w_dim, "nhwc")
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1]).set_output(True).set_name("y")
+    check(g, {"x": x_t, "w": w_t})
+    assert not any("_folded" in l.source_path.name for l in g.plan.launches)
+    assert "folded" not in g.plan.launches[0].reason
+
+
+def test_fprop_one_channel_few_filters_runs_depthwise():
+    """C_in 1 with at most depthwise MAX_MULTIPLIER filters is a depthwise conv: the direct
+    kernels take it before any GEMM pose (folded or not)."""
+    x_t, w_t = stored([2, 1, 9, 8], "nhwc"), stored([2, 1, 3, 3], "nchw")
+    g = graph()
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    g.conv_fprop(x, w, padding=[1, 1], stride=[2, 1]).set_output(True).set_name("y")
+    check(g, {"x": x_t, "w": w_t})
+    assert [l.source_path.name.split("_")[-2] for l in g.plan.launches] == ["depthwise"]
+
+
+@pytest.mark.parametrize("mode", ["convolution", "cross_correlation"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_dgrad_of_few_filters_folds_its_phases(mode, layout):
+    """A transposed conv from 3 channels (dgrad reducing over 3 filters): each stride phase with
+    more than one tap folds (taps, filter) into K; against torch.autograd."""
+    x_t = torch.randn(2, 5, 13, 11, dtype=torch.float64, requires_grad=True)
+    w_t = torch.randn(3, 5, 7, 5, dtype=torch.float64)
+    w_used = w_t.flip((2, 3)) if mode == "convolution" else w_t
+    y = torch.nn.functional.conv2d(x_t, w_used, stride=2, padding=(3, 2), dilation=(1, 1))
+    dy_t = torch.randn_like(y)
+    if layout == "nhwc":
+        dy_t = dy_t.contiguous(memory_format=torch.channels_last)
+    (expected,) = torch.autograd.grad(y, x_t, dy_t)
+    g = graph()
+    dy, w = g.tensor_like(dy_t.float(), name="dy"), g.tensor_like(w_t.float(), name="w")
+    g.conv_dgrad(dy, w, x_dim=[2, 5, 13, 11], padding=[3, 2], stride=[2, 2], dilation=[1, 1],
+                 mode=mode).set_output(True).set_name("dx")
+    out = check(g, {"dy": dy_t.float(), "w": w_t.float()})["dx"]
+    assert torch.allclose(out.double(), expected, rtol=1e-4, atol=1e-4)
+    assert len(g.plan.launches) == 4 and all(_folded_k(l) for l in g.plan.launches)
+
+
+def test_dgrad_of_the_stem_keeps_per_tap_k():
+    """The stem's dgrad reduces over 64 filters: per-tap k steps are full, nothing folds."""
+    g, dx, inputs = _dgrad_graph(dict(x=[1, 3, 9, 8], w=[64, 3, 7, 7], padding=[3, 3], stride=[2, 2],
+                                      dilation=[1, 1]), 1, "nhwc")
+    dx.set_output(True).set_name("dx")
+    check(g, inputs)
+    assert not any("folded" in l.reason for l in g.plan.launches)
+
+
+@pytest.mark.parametrize("rank", sorted(RANKS))
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "odd"])
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("op", ["fprop", "dgrad"])
+def test_per_tap_k_on_few_channels(op, rank, layout, groups, monkeypatch):
+    """The per-tap pose, which the fold now takes over for these shapes, still computes them."""
+    monkeypatch.setattr(conv_heuristics, "FOLD_CHANNELS_BELOW", 0)
+    case = grouped(RANKS[rank], groups)
+    if op == "fprop":
+        x_t, w_t = stored(case["x"], layout), stored(case["w"], layout)
+        g = graph()
+        x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+        g.conv_fprop(x, w, groups=groups, **geometry(case)).set_output(True).set_name("out")
+        inputs = {"x": x_t, "w": w_t}
+    else:
+        g, out, inputs = _dgrad_graph(case, groups, layout)
+        out.set_output(True).set_name("out")
+    check(g, inputs)
+    assert not any("_folded" in l.source_path.name for l in g.plan.launches)
+    assert any("one k run per filter tap" in l.reason for l in g.plan.launches)

@@ -36,6 +36,7 @@ def _cuda(inputs):
 @pytest.mark.parametrize("name", sorted(LAYERS))
 @pytest.mark.parametrize("layout", ["nhwc", "nchw"])
 def test_fprop_bias_relu_bf16(name, layout):
+    """("stem" (C 3) and "grouped" (C 8 per group) fold the taps into K; the rest not.)"""
     case, groups = _case(name)
     x_t, w_t = stored(case["x"], layout, torch.bfloat16), stored(case["w"], layout, torch.bfloat16)
     g = dg.Graph(name="conv", io_data_type=dg.bfloat16)
@@ -45,6 +46,25 @@ def test_fprop_bias_relu_bf16(name, layout):
     inputs = {"x": x_t, "w": w_t, "b": torch.randn(bias.dim).to(torch.bfloat16)}
     check(g, _cuda(inputs), torch.bfloat16, "cuda")
     assert {l.group.kind for l in g.plan.launches} == {"conv"} and len(g.plan.groups) == 1
+    folded = ["filter taps folded into K" in l.reason for l in g.plan.launches]
+    assert folded == [name in ("stem", "grouped")] * len(folded)
+
+
+def test_fprop_stem_folded_bf16_with_statistics():
+    """The ResNet-50 stem at a real tile size: 7x7/2 over 3 channels, folded K = 147, bias and the
+    BatchNorm statistics in the epilogue, NHWC bf16."""
+    x_t = stored([8, 3, 224, 224], "nhwc", torch.bfloat16)
+    w_t = stored([64, 3, 7, 7], "nhwc", torch.bfloat16)
+    g = dg.Graph(name="stem", io_data_type=dg.bfloat16)
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    y = g.add(g.conv_fprop(x, w, padding=[3, 3], stride=[2, 2], dilation=[1, 1]), g.tensor(name="b", dim=[1, 64, 1, 1]))
+    y.set_output(True).set_name("y")
+    total, squares = g.genstats(y)
+    total.set_output(True).set_name("sum").set_data_type(dg.float32)
+    squares.set_output(True).set_name("sq_sum").set_data_type(dg.float32)
+    inputs = {"x": x_t, "w": w_t, "b": torch.randn(1, 64, 1, 1).to(torch.bfloat16)}
+    check(g, _cuda(inputs), torch.bfloat16, "cuda")
+    assert "filter taps folded into K" in g.plan.launches[0].reason
 
 
 @pytest.mark.parametrize("name", ["3x3", "3x3s2", "grouped", "3d", "1x1s2", "stem"])

@@ -14,6 +14,12 @@ n the group's filters and k = (filter tap, channel):
   FilterLoader     B tiles [channels, filters] of the filter at one tap, read at an affine filter
                    index (back to front in mode="convolution" and in dgrad)
 
+With few channels per group the taps fold into k (FoldedTapWalk): K = taps x channels is walked
+in plain BLOCK_K steps, each k decoded into its own tap (tap_<axis>, a [BLOCK_K] vector) and
+channel (`chan`), in the order heuristics/conv.py folded_axes gives (channels innermost for an
+NHWC activation); ActivationGather and FilterLoader then take the tap along k (`folded`), the
+padding mask [BLOCK_M, BLOCK_K].
+
 wgrad reduces over output pixels instead (PixelWalk, GradientLoader for dy): its B tiles gather
 x at one tap per program (PixelGather, the taps a batch axis) or, with few channels per group, at
 one tap per column (FoldedTapGather: columns decompose into (channel, taps...), as dw's do).
@@ -30,7 +36,8 @@ import math
 from dataclasses import dataclass
 
 from .emitter import SCALAR_AS_TILE, kind_of
-from .gemm import LinearK, Loader, batch_offset, col_lines, converted, prologue_tile, row_lines, stride_name
+from .gemm import (LinearK, Loader, batch_offset, col_lines, converted, decompose_lines, prologue_tile, row_lines,
+                   stride_name)
 from .pointwise import KernelArgument
 
 
@@ -108,6 +115,22 @@ class TapWalk:
         w("tap_0 = tap_rest")
 
 
+@dataclass(frozen=True)
+class FoldedTapWalk(LinearK):
+    """k steps of BLOCK_K over K = taps x channels of the group folded together: per step `ks`
+    decomposes (constexpr extents) into a tap per spatial axis and a channel for every k."""
+
+    axes: tuple = ()  # the folded axes, outer first: -1 the channel, a the tap along spatial axis a
+    names = ("CG", "TAPS", "chan")
+    stems = ("tap", "FILTER", "STRIDE", "PADDING", "DILATION")
+
+    def step(self, spec, w):
+        super().step(spec, w)
+        # k past K (a ragged last step) decodes to a tap past the filter: mask_k covers it
+        decompose_lines(w, "ks", ["chan" if role < 0 else f"tap_{role}" for role in self.axes],
+                        ["CG" if role < 0 else f"FILTER_{role}" for role in self.axes])
+
+
 def _input_sizes(sizes: tuple) -> list:
     """The activation's spatial extents, which the padding masks compare against."""
     return [KernelArgument("int", f"in_size_{axis}", size) for axis, size in enumerate(sizes)]
@@ -125,13 +148,15 @@ def _and(*masks: str) -> str:
 
 @dataclass(frozen=True)
 class ActivationGather(Loader):
-    """A [BLOCK_M, BLOCK_K]: output pixel rows x channels of one tap, gathered with zero padding."""
+    """A [BLOCK_M, BLOCK_K]: output pixel rows x channels of one tap, gathered with zero padding
+    (`folded`: x (tap, channel) of each k, FoldedTapWalk's)."""
 
     geometry: ConvGeometry
     input_sizes: tuple  # spatial extents of the activation
     target_uid: int  # the tensor the conv reads (the prologue's result)
     dot_type: str
     prologue: tuple = ()
+    folded: bool = False
     reads_rows = True
     stems = ("in", "valid", "base")
 
@@ -155,27 +180,38 @@ class ActivationGather(Loader):
         terms = [t for t in [batch_offset(op)] if t]
         tap = [f"tap_{axis} * DILATION_{axis} * {stride_name(op, 'r', axis + 1)}"
                for axis in range(self.geometry.rank) if op.row_strides[axis + 1]]
-        if self._spans_rows(op):
-            terms.append("(" + " + ".join([f"base_{op.ident}"] + tap) + ")[:, None]")
+        rows = [f"base_{op.ident}"] if self._spans_rows(op) else []
+        if self.folded:  # the tap moves along k: its reach joins the channel's in the column part
+            channel = [f"chan * {stride_name(op, 'c', 0)}"] if op.col_strides[0] else []
+            cols = "(" + " + ".join(tap + channel) + ")[None, :]" if tap + channel else ""
+        else:
+            rows += tap if rows else []
+            cols = f"ks[None, :] * {stride_name(op, 'c', 0)}" if op.col_strides[0] else ""
+        if rows:
+            terms.append("(" + " + ".join(rows) + ")[:, None]")
         elif full:
             terms.append("row_0[:, None] * 0")
-        if op.col_strides[0]:
-            terms.append(f"ks[None, :] * {stride_name(op, 'c', 0)}")
+        if cols:
+            terms.append(cols)
         elif full:
             terms.append("ks[None, :] * 0")
         return " + ".join(terms) or "0"
 
-    def _valid(self, w):
+    def _valid(self, w) -> str:
+        """Write valid_a (the tap inside the activation) and return its mask over the tile."""
         checks = []
         for axis in range(self.geometry.rank):
-            w(f"in_tap_{axis} = in_{axis} + tap_{axis} * DILATION_{axis}")
+            reach = f"tap_{axis} * DILATION_{axis}"
+            w(f"in_tap_{axis} = in_{axis}[:, None] + ({reach})[None, :]" if self.folded
+              else f"in_tap_{axis} = in_{axis} + {reach}")
             checks.append(f"(in_tap_{axis} >= 0) & (in_tap_{axis} < in_size_{axis})")
         w("valid_a = " + " & ".join(checks))
+        return "valid_a" if self.folded else "valid_a[:, None]"
 
     def step(self, spec, w):
-        self._valid(w)
+        valid = self._valid(w)
         k_mask = _k_mask(spec, "a")
-        inside = _and("valid_a[:, None]", k_mask)
+        inside = _and(valid, k_mask)
         if not self.prologue:
             (op,) = spec.side("a")
             convert = converted(op, self.dot_type)
@@ -183,7 +219,7 @@ class ActivationGather(Loader):
             return
         loads = []
         for op in spec.side("a"):
-            mask = _and("valid_a[:, None]" if self._spans_rows(op) else "", k_mask if op.col_strides[0] else "")
+            mask = _and(valid if self._spans_rows(op) else "", k_mask if op.col_strides[0] else "")
             other = "0.0" if op.data_type.is_floating else "0"
             masked = f", mask={mask}, other={other}" if mask else SCALAR_AS_TILE  # a [1, 1] tile, not 0-d
             cast = f".to({spec.compute})" if kind_of(op.data_type) == "f" else ""
@@ -197,10 +233,12 @@ class ActivationGather(Loader):
 
 @dataclass(frozen=True)
 class FilterLoader(Loader):
-    """B [BLOCK_K, BLOCK_N]: channels x filters of the group at the step's tap."""
+    """B [BLOCK_K, BLOCK_N]: channels x filters of the group at the step's tap (`folded`: the
+    (tap, channel) of each k; the weight read as [taps x channels, filters] through its strides)."""
 
     geometry: ConvGeometry
     dot_type: str
+    folded: bool = False
     reads_rows = False
 
     def tile_setup(self, spec, w):
@@ -213,8 +251,12 @@ class FilterLoader(Loader):
         for axis in range(self.geometry.rank):
             if op.row_strides[axis + 1]:
                 tap.append(f"{self.geometry.filter_index(axis)} * {stride_name(op, 'r', axis + 1)}")
-        terms += tap
-        terms.append(f"ks[:, None] * {stride_name(op, 'r', 0)}" if op.row_strides[0] else "ks[:, None] * 0")
+        if self.folded:
+            channel = [f"chan * {stride_name(op, 'r', 0)}"] if op.row_strides[0] else []
+            terms.append("(" + " + ".join(tap + channel or ["ks * 0"]) + ")[:, None]")
+        else:
+            terms += tap
+            terms.append(f"ks[:, None] * {stride_name(op, 'r', 0)}" if op.row_strides[0] else "ks[:, None] * 0")
         terms.append(f"cols_b[None, :] * {stride_name(op, 'c', 0)}" if op.col_strides[0] else "cols_b[None, :] * 0")
         k_mask = _k_mask(spec, "b")
         masked = f", mask={k_mask}, other=0.0" if k_mask else ""

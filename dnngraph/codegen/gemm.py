@@ -331,12 +331,19 @@ def _tile_offsets(spec, w: Writer):
     w("mask_m = offs_m < M", "mask_n = offs_n < N")
 
 
+def decompose_lines(w: Writer, flat: str, indices: list, sizes: list):
+    """Decompose the flat index `flat` into `indices` (outer first), row-major over `sizes`
+    (names of the extents; the outermost's is not read)."""
+    w(f"rest = {flat}")
+    for axis in range(len(indices) - 1, 0, -1):
+        w(f"{indices[axis]} = rest % {sizes[axis]}", f"rest = rest // {sizes[axis]}")
+    w(f"{indices[0]} = rest")
+
+
 def _axis_lines(w: Writer, flat: str, stem: str, count: int):
     """Decompose the flat index `flat` into <stem>_<axis>, row-major over <stem>_size_<axis>."""
-    w(f"rest = {flat}")
-    for axis in range(count - 1, 0, -1):
-        w(f"{stem}_{axis} = rest % {stem}_size_{axis}", f"rest = rest // {stem}_size_{axis}")
-    w(f"{stem}_0 = rest")
+    axes = range(max(count, 1))
+    decompose_lines(w, flat, [f"{stem}_{a}" for a in axes], [f"{stem}_size_{a}" for a in axes])
 
 
 def _axis_names(stem: str, sizes, flat: str) -> list:

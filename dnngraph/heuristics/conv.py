@@ -7,6 +7,10 @@ matmul roofline (heuristics/matmul.py) on that padded K with no TMA, times the g
 efficiency; small channel counts (the ResNet stem, C = 3) get narrow BLOCK_K candidates so the
 padding stays small.
 
+With few channels per group (FOLD_CHANNELS_BELOW) the taps fold into K instead: k decomposes
+into (taps..., channel) or (channel, taps...) (folded_axes), K = C x taps is walked in full
+BLOCK_K steps and padded once at its end, not once per tap.
+
 A 1x1 stride-1 unpadded conv over an activation whose pixels merge into one row axis is a plain
 matmul and is scheduled as one (heuristics/matmul.py, TMA included).
 """
@@ -45,6 +49,7 @@ class ConvProblem:
     out_bytes: int
     layout: str  # a short text of the operands' layouts (part of the signature only)
     epilogue: str = ""
+    folded: bool = False  # the taps folded into K (fold_taps): K walked whole, padded once
 
     @property
     def batch(self) -> int:
@@ -54,29 +59,43 @@ class ConvProblem:
     def k(self) -> int:
         return self.taps * self.channels
 
+    @property
+    def k_run(self) -> int:
+        """The k a step walks before its padding: the whole K folded, one tap's channels else."""
+        return self.k if self.folded else self.channels
+
     def padded(self, block_k: int) -> MatmulProblem:
-        """The GEMM the kernel runs at `block_k`: each tap's channels rounded up to the block."""
-        k = self.taps * -(-self.channels // block_k) * block_k
+        """The GEMM the kernel runs at `block_k`: each tap's channels rounded up to the block
+        (folded: K rounded up once)."""
+        k = -(-self.k_run // block_k) * block_k * (1 if self.folded else self.taps)
         return MatmulProblem(self.groups, self.m, self.n, k, self.dot, self.a_bytes, self.b_bytes, self.out_bytes,
                              False, "strided", "strided", self.epilogue)
 
     def signature(self) -> str:
-        return (f"conv g{self.groups} m{self.m} n{self.n} c{self.channels} t{self.taps} {self.dot} "
+        return (f"conv g{self.groups} m{self.m} n{self.n} c{self.channels} t{self.taps}"
+                f"{' folded' if self.folded else ''} {self.dot} "
                 f"a{self.a_bytes} b{self.b_bytes} o{self.out_bytes} {self.layout} {self.epilogue}").strip()
 
 
 def candidates(problem: ConvProblem, sms: int = 132) -> list[MatmulConfig]:
     """Pointer-load GEMM configs for the conv (no persistent/TMA variant), plus narrow-K twins
-    where the group's channels fill less than a 64-wide step."""
+    where a narrower step pads less: the group's channels fill less than the step, or (folded)
+    the whole K ends in a partial step (147 for the stem: 192 at 64, 160 at 32)."""
     found = {}
     for config in matmul_candidates(problem.padded(1), sms):
         if config.variant == "persistent":
             continue
-        block_ks = {config.block_k} | {k for k in NARROW_K if k < config.block_k and problem.channels < config.block_k}
+        block_ks = {config.block_k} | {k for k in NARROW_K if k < config.block_k and _pads_less(problem, k, config.block_k)}
         for block_k in sorted(block_ks):
             narrowed = replace(config, block_k=block_k)
             found.setdefault(narrowed.key(), narrowed)
     return list(found.values())
+
+
+def _pads_less(problem: ConvProblem, narrow: int, block_k: int) -> bool:
+    if problem.folded:
+        return problem.padded(narrow).k < problem.padded(block_k).k
+    return problem.channels < block_k
 
 
 def conv_estimate(config: MatmulConfig, problem: ConvProblem, device: DeviceModel) -> float:
@@ -106,17 +125,26 @@ FORCE_CONFIG = None  # tests: run this config whatever the model says
 WGRAD_SPLITS = (2, 4, 8, 16, 32)
 
 
-# --- wgrad with few channels per group: the filter taps folded into the GEMM's N ---------------
-# Posed tap by tap, wgrad is one GEMM per filter tap of N = channels per group: the ResNet-50
-# stem (C = 3, 7x7, stride 2, N = 64 at 224x224) ran 49 GEMMs of 64 x 3 (padded to a 16-wide N
-# block, 81% padding) over K = 64 x 112 x 112 pixels, re-reading dy (102 MB bf16) once per tap:
-# ~5 GB of traffic, 2815 us on the H100 against ~250 us for cuDNN. Folded, the columns are
-# (channel, taps...): N = C x R x S = 147, one GEMM, dy read once per column tile (and the
-# column tiles of one k range run side by side, so mostly once from HBM). The price is a gather
-# whose tap varies per column (a [BLOCK_K, BLOCK_N] padding mask instead of a [BLOCK_K] one).
-# At 32 channels and more the per-tap N block is full and NHWC channels stay contiguous along
-# it, so the per-tap GEMMs stay (the ResNet-50 3x3 layers, C >= 64, timed well that way); a 1x1
-# filter has no taps to fold.
+# --- few channels per group: the filter taps folded into the GEMM -------------------------------
+# Posed tap by tap, a conv walks per filter tap a GEMM dimension of the group's channels: the
+# ResNet-50 stem (C = 3, 7x7, stride 2, 224x224) pads that dimension to a 16-wide block (81%
+# padding) 49 times.
+#   wgrad (N = channels): 49 GEMMs of 64 x 3 over K = N x 112 x 112 pixels, re-reading dy (102 MB
+#   bf16 at N = 64) once per tap: ~5 GB of traffic, 2815 us on the H100 against ~250 us for
+#   cuDNN. Folded, the columns are (channel, taps...): N = C x R x S = 147, one GEMM, dy read once
+#   per column tile (and the column tiles of one k range run side by side, so mostly once from
+#   HBM). The price is a gather whose tap varies per column (a [BLOCK_K, BLOCK_N] padding mask
+#   instead of a [BLOCK_K] one).
+#   fprop (K = taps x channels): 49 k steps of 16 holding 3 channels each, 5.3x the math and the
+#   gathered loads of K = 147 (3333 us at N = 256 on the H100 against 1522 us for cuDNN).
+#   Folded, k is (taps..., channel): K = 147 walked in 5 steps of 32 (or 3 of 64), 9% padding; the
+#   activation's padding mask becomes [BLOCK_M, BLOCK_K] (its tap varies along k) and a run of k
+#   (s, c) is one run of NHWC memory per pixel. dgrad's phases fold the same way where the
+#   filters per group (its reduction) are few. The model charges the folded gather the per-tap
+#   gather's GATHER_EFFICIENCY (not timed apart yet: no GPU in the session that wrote this).
+# At 32 channels and more the per-tap block is full (NHWC channels contiguous along it, narrow
+# BLOCK_K steps for 16 and 32), so the per-tap GEMMs stay (the ResNet-50 3x3 layers, C >= 64,
+# timed well that way); a 1x1 filter has no taps to fold.
 FOLD_CHANNELS_BELOW = 32
 # Folded wgrad has few output tiles (64 x 147 for the stem: 3 column tiles of 64) and a long
 # reduction (802816 pixels), so it splits deeper than the per-tap pose (64 x 3 tiles x 64 splits
@@ -124,17 +152,20 @@ FOLD_CHANNELS_BELOW = 32
 WGRAD_FOLDED_SPLITS = (2, 4, 8, 16, 32, 64)
 
 
-def fold_wgrad_taps(channels_per_group: int, taps: int) -> bool:
-    """Whether wgrad folds the filter taps into the GEMM's columns (reasoning above)."""
+def fold_taps(channels_per_group: int, taps: int) -> bool:
+    """Whether a conv folds the filter taps into the GEMM with the group's channels (wgrad's
+    columns, fprop's and dgrad's k) for `channels_per_group` reduced or produced per tap
+    (reasoning above)."""
     return taps > 1 and channels_per_group < FOLD_CHANNELS_BELOW
 
 
-def wgrad_column_axes(rank: int, x_strides: tuple) -> tuple:
-    """The folded columns' axes, outer first: -1 the channel, a >= 0 the tap along spatial axis a.
-    Channels go innermost where x stores them innermost (NHWC: a run of columns (s, c) is one run
-    of x's memory at a pixel), outermost otherwise (NCHW: the last tap axis walks x's unit stride)."""
+def folded_axes(rank: int, gathered_strides: tuple) -> tuple:
+    """The folded axes (wgrad's columns, fprop's k), outer first: -1 the channel, a >= 0 the tap
+    along spatial axis a. Channels go innermost where the gathered tensor (x; dy in dgrad) stores
+    them innermost (NHWC: a run (s, c) is one run of its memory at a pixel), outermost otherwise
+    (NCHW: the last tap axis walks its unit stride)."""
     taps = tuple(range(rank))
-    channel_stride, spatial = abs(x_strides[1]), [abs(s) for s in x_strides[2:] if s]
+    channel_stride, spatial = abs(gathered_strides[1]), [abs(s) for s in gathered_strides[2:] if s]
     channels_inner = channel_stride != 0 and all(channel_stride <= s for s in spatial)
     return taps + (-1,) if channels_inner else (-1,) + taps
 
@@ -168,8 +199,10 @@ def schedule(problem: ConvProblem, device: DeviceModel) -> MatmulSchedule:
         ranked.insert(0, FORCE_CONFIG)
     best = ranked[0]
     flops = 2.0 * problem.groups * problem.m * problem.n * problem.k
+    pose = "filter taps folded into K" if problem.folded else "one k run per filter tap"
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us (~{flops / max(best.estimate_us, 1e-3) / 1e6:.0f}"
-              f" TFLOP/s) for {problem.groups} group(s) x {problem.m}x{problem.n}x{problem.k} implicit GEMM {problem.dot}")
+              f" TFLOP/s) for {problem.groups} group(s) x {problem.m}x{problem.n}x{problem.k} implicit GEMM {problem.dot}"
+              f" ({pose})")
     return MatmulSchedule(problem, tuple(ranked), best, reason)
 
 

@@ -5,11 +5,13 @@ batchnorm's scale-bias-relu on x, applied at load) and a pointwise epilogue chai
 activations, residual, scale, cast; values inside the chain stored as extra outputs).
 
   fprop  one GEMM per group of the convolution: rows (n, output pixel), columns (filters),
-         k (tap, channel) over x gathered and the filter;
+         k (tap, channel) over x gathered and the filter; with few channels per group the taps
+         fold into k (heuristics/conv.py fold_taps): K = taps x channels walked whole, each k
+         its own (tap, channel), the filter read as [taps x channels, filters];
   dgrad  one stride-1 GEMM per stride phase (heuristics/conv.py dgrad_phases): rows (n, phase
          pixel), columns (channels), k (tap reaching the phase, filter) over dy gathered and the
          filter read transposed; each phase writes dx at stride * t + phase, so no zero is
-         inserted and no multiply is wasted.
+         inserted and no multiply is wasted. Few filters per group fold as fprop's channels do.
   wgrad  k over N x output pixels (split-K), rows (filters): one GEMM per group and filter tap
          with columns (channels), or, with few channels per group, one per group with columns
          (channel, taps...), x gathered at each column's tap (WgradBuild).
@@ -20,10 +22,10 @@ and takes the matmul loaders and schedule (TMA included).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ..codegen.conv import (ActivationGather, ConvGeometry, FilterLoader, FoldedTapGather, GradientLoader,
-                           PixelGather, PixelWalk, TapWalk)
+from ..codegen.conv import (ActivationGather, ConvGeometry, FilterLoader, FoldedTapGather, FoldedTapWalk,
+                           GradientLoader, PixelGather, PixelWalk, TapWalk)
 from ..codegen.gemm import ExitPlan, GemmKernelSpec, GemmOperand, LinearK
 from ..codegen.matmul import DescriptorLoader, StridedLoader
 from ..errors import UnsupportedError
@@ -67,6 +69,16 @@ class ConvPose:
     out_step: tuple  # the output index of row t is out_step * t + out_phase per spatial axis
     out_phase: tuple
     suffix: str = ""
+    k_axes: tuple = ()  # taps folded into k: its axes, outer first (-1 the channel); () per tap
+
+
+def _folded(pose: ConvPose) -> ConvPose:
+    """`pose` with its taps folded into k where heuristics/conv.py fold_taps says so."""
+    g = pose.geometry
+    if not conv_heuristics.fold_taps(pose.channels, g.taps):
+        return pose
+    axes = conv_heuristics.folded_axes(g.rank, tuple(pose.source.stride))
+    return replace(pose, k_axes=axes, suffix=pose.suffix + "_folded")
 
 
 def _fprop_pose(node) -> ConvPose:
@@ -77,8 +89,8 @@ def _fprop_pose(node) -> ConvPose:
     geometry = ConvGeometry(filters, attrs.stride, attrs.padding, attrs.dilation,
                             tuple(r - 1 if flip else 0 for r in filters), tuple(-1 if flip else 1 for _ in filters))
     out = tuple(node.outputs[0].dim[2:])
-    return ConvPose(x, 1, geometry, x.dim[1] // attrs.groups, w.dim[0] // attrs.groups, out, (1,) * len(out),
-                    (0,) * len(out))
+    return _folded(ConvPose(x, 1, geometry, x.dim[1] // attrs.groups, w.dim[0] // attrs.groups, out,
+                            (1,) * len(out), (0,) * len(out)))
 
 
 def _dgrad_poses(node) -> list:
@@ -92,8 +104,8 @@ def _dgrad_poses(node) -> list:
         geometry = ConvGeometry(phase.taps, (1,) * len(filters), phase.padding, phase.dilation, phase.filter_base,
                                 phase.filter_step)
         suffix = f"_phase{index}" if len(phases) > 1 else ""
-        poses.append(ConvPose(dy, 0, geometry, w.dim[0] // attrs.groups, w.dim[1], phase.rows, attrs.stride,
-                              phase.phase, suffix))
+        poses.append(_folded(ConvPose(dy, 0, geometry, w.dim[0] // attrs.groups, w.dim[1], phase.rows,
+                                      attrs.stride, phase.phase, suffix)))
     return poses
 
 
@@ -205,7 +217,7 @@ class ConvBuild(GemmLaunches):
                   + f" taps{list(g.filter_sizes)} s{list(g.stride)} d{list(g.dilation)} p{list(g.padding)}")
         return conv_heuristics.ConvProblem(self.groups, m, self.pose.filters, self.pose.channels,
                                            self.pose.geometry.taps, dot, a_bytes, b_bytes, out_bytes, layout,
-                                           epilogue)
+                                           epilogue, bool(self.pose.k_axes))
 
     def exit_plans(self, epilogue_block) -> list:
         """genstats of an epilogue value: per-channel sum and sum of squares, as column exits
@@ -233,14 +245,20 @@ class ConvBuild(GemmLaunches):
                 loaders = (StridedLoader("a", source, self.dot_a, self.prologue),
                            StridedLoader("b", self.w.uid, self.dot_b))
             return (LinearK(self.pose.channels % config.block_k != 0),) + loaders
-        geometry = self.pose.geometry
-        walk = TapWalk(geometry, self.pose.channels, self.pose.channels % config.block_k != 0)
-        gather = ActivationGather(geometry, tuple(self.pose.source.dim[2:]), source, self.dot_a, self.prologue)
-        return walk, gather, FilterLoader(geometry, self.dot_b)
+        geometry, folded = self.pose.geometry, bool(self.pose.k_axes)
+        if folded:
+            walk = FoldedTapWalk(self.problem.k % config.block_k != 0, self.pose.k_axes)
+        else:
+            walk = TapWalk(geometry, self.pose.channels, self.pose.channels % config.block_k != 0)
+        gather = ActivationGather(geometry, tuple(self.pose.source.dim[2:]), source, self.dot_a, self.prologue,
+                                  folded)
+        return walk, gather, FilterLoader(geometry, self.dot_b, folded)
 
     def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> GemmKernelSpec:
         walk, loader_a, loader_b = self._walk_and_loaders(config)
         constexprs = () if self.matmul_path else self.pose.geometry.constexprs()
+        if self.pose.k_axes:  # the channel extent k decomposes over, a constant the divisions fold
+            constexprs += (("CG", self.pose.channels),)
         return GemmKernelSpec(
             name=self.name + suffix, config=config, problem=self.problem, batch_sizes=self.batch_sizes,
             c_uid=self.out.uid, operands=self.operands, k_walk=walk, loader_a=loader_a, loader_b=loader_b,
@@ -251,11 +269,11 @@ class ConvBuild(GemmLaunches):
 
 class WgradBuild(GemmLaunches):
     """wgrad: per group, dw[k, c, taps] = sum over output pixels of dy[n, k, o] times x at the
-    tap, o * stride - padding + tap * dilation. Two poses (heuristics/conv.py fold_wgrad_taps):
+    tap, o * stride - padding + tap * dilation. Two poses (heuristics/conv.py fold_taps):
 
       per tap  the taps are batch axes of the GEMM next to the group; columns are the channels;
       folded   few channels per group: the columns are (channel, taps...) in the order
-               heuristics/conv.py wgrad_column_axes gives, each column gathering x at its own
+               heuristics/conv.py folded_axes gives, each column gathering x at its own
                tap, so dy is read once per column tile instead of once per tap.
 
     The reduction over N x pixels is long, so split-K (partials added in order by the combine
@@ -292,8 +310,8 @@ class WgradBuild(GemmLaunches):
         """Where the taps go (heuristics/conv.py): batch axes of the GEMM (tap_axes: the batch
         axis of each spatial axis' tap, -1 for none), or folded into the columns (column_axes and
         col_sizes, outer first)."""
-        self.folded = conv_heuristics.fold_wgrad_taps(self.channels, _product(filters))
-        self.column_axes = conv_heuristics.wgrad_column_axes(len(filters), tuple(self.x.stride)) if self.folded else ()
+        self.folded = conv_heuristics.fold_taps(self.channels, _product(filters))
+        self.column_axes = conv_heuristics.folded_axes(len(filters), tuple(self.x.stride)) if self.folded else ()
         self.col_sizes = tuple(self.channels if a < 0 else filters[a] for a in self.column_axes)
         batch_dims = (self.groups,) + ((1,) * len(filters) if self.folded else filters)
         self.batch_axes = tuple(i for i, size in enumerate(batch_dims) if size > 1)
