@@ -99,6 +99,162 @@ def test_feature_norm_backward_every_mode(row_mode, op):
     check(g, inputs, tolerance=5e-5)
 
 
+# --- fused dx + dscale/dbias (layernorm, rmsnorm) -----------------------------------------------
+def _fused_backward(op, x_t, dy_t, scale_t, dtype=torch.float32, has_dbias=True):
+    """A feature-norm backward over x_t's last axis (any strides, batch dims) with statistics of
+    x_t; every output marked."""
+    g = dg.Graph(io_data_type=DTYPES[dtype])
+    x, dy, s = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy"), g.tensor_like(scale_t, "scale")
+    stats_shape = list(x_t.shape[:-1]) + [1]
+    inv_t = (x_t.double().var(-1, unbiased=False, keepdim=True) + 1e-5).rsqrt().float()
+    inputs = {x: x_t, dy: dy_t, s: scale_t}
+    if op == "layernorm_backward":
+        m, i = (g.tensor(name=n, dim=stats_shape, data_type=dg.float32) for n in ("mean", "inv"))
+        inputs.update({m: x_t.double().mean(-1, keepdim=True).float(), i: inv_t})
+        outs = g.layernorm_backward(dy, x, s, m, i)
+    else:
+        i = g.tensor(name="inv", dim=stats_shape, data_type=dg.float32)
+        inputs[i] = inv_t
+        outs = g.rmsnorm_backward(dy, x, s, i, has_dbias=has_dbias)
+    for out in outs:
+        if out is not None:
+            out.set_output(True)
+    return g, inputs
+
+
+def _fused_launches(g) -> list:
+    return [launch.config_text.split(" ")[0] for launch in g.plan.launches]
+
+
+@pytest.fixture(params=[None, 3])
+def fused_programs(request, monkeypatch):
+    """The model's program count, and 3 programs (several row blocks each on the larger shapes)."""
+    from dnngraph.heuristics import rows
+    monkeypatch.setattr(rows, "FORCE_FUSED_PROGRAMS", request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
+@pytest.mark.parametrize("rows", [1, 3, 37, 130])
+@pytest.mark.parametrize("columns", [1, 7, 33, 300, 5000])
+def test_fused_norm_backward(fused_programs, op, rows, columns):
+    if rows * columns > 40000 and fused_programs is None:
+        pytest.skip("the interpreter's time: the forced program count covers it")
+    g, inputs = _fused_backward(op, shifted(rows, columns), torch.randn(rows, columns), shifted(1, columns))
+    check(g, inputs, tolerance=5e-5)
+    # dx and the partials, then their sum; one element is a per-row sum of the dx kernel
+    assert _fused_launches(g) == (["main"] if rows == columns == 1 else ["fused", "combine"])
+
+
+@pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
+def test_fused_norm_backward_fp16_batch_dims_and_strides(fused_programs, op):
+    """fp16; batch dims stored transposed ([T, B, C] memory of a [B, T, C] tensor); dy a slice of a
+    wider buffer (row stride padded); the scale a slice too."""
+    x_t = shifted(9, 4, 65, dtype=torch.float16).transpose(0, 1)
+    dy_t = torch.randn(4, 9, 80).to(torch.float16)[:, :, 5:70]
+    scale_t = shifted(1, 1, 130, dtype=torch.float16)[:, :, ::2]
+    g, inputs = _fused_backward(op, x_t, dy_t, scale_t, torch.float16)
+    check(g, inputs, torch.float16, tolerance=5e-3)
+    assert _fused_launches(g) == ["fused", "combine"]
+
+
+def test_fused_norm_backward_columns_strided_falls_back():
+    """Rows not vectorized (x stored column-major): the separate dx and dscale/dbias kernels."""
+    x_t = shifted(40, 24).t()
+    dy_t = torch.randn(40, 24).t()
+    g, inputs = _fused_backward("layernorm_backward", x_t, dy_t, shifted(1, 40))
+    check(g, inputs, tolerance=5e-5)
+    assert "fused" not in _fused_launches(g)
+
+
+def test_fused_norm_backward_long_rows_fall_back(monkeypatch):
+    """Rows past FUSED_MAX_REDUCED keep the separate kernels."""
+    from dnngraph.heuristics import rows
+    monkeypatch.setattr(rows, "FUSED_MAX_REDUCED", 64)
+    g, inputs = _fused_backward("layernorm_backward", shifted(5, 100), torch.randn(5, 100), shifted(1, 100))
+    check(g, inputs, tolerance=5e-5)
+    assert "fused" not in _fused_launches(g) and len(g.plan.launches) >= 2
+
+
+def test_fused_rmsnorm_backward_without_dbias(fused_programs):
+    g, inputs = _fused_backward("rmsnorm_backward", shifted(37, 33), torch.randn(37, 33), shifted(1, 33),
+                                has_dbias=False)
+    outputs = check(g, inputs, tolerance=5e-5)
+    assert len(outputs) == 2 and _fused_launches(g) == ["fused", "combine"]
+
+
+def test_fused_norm_backward_multi_axis():
+    """Normalized over two trailing axes: the partials' column is the parameters' row-major index."""
+    x_t = shifted(6, 7, 5).permute(0, 2, 1).contiguous().permute(0, 2, 1)  # [6, 7, 5], axes 1, 2 swapped in memory
+    g, inputs = _fused_backward_two_axes(x_t)
+    check(g, inputs, tolerance=5e-5)
+
+
+def _fused_backward_two_axes(x_t):
+    g = dg.Graph()
+    x, dy = g.tensor_like(x_t, "x"), g.tensor(name="dy", dim=list(x_t.shape))
+    s = g.tensor(name="scale", dim=[1, 7, 5])
+    m, i = (g.tensor(name=n, dim=[6, 1, 1], data_type=dg.float32) for n in ("mean", "inv"))
+    for out in g.layernorm_backward(dy, x, s, m, i):
+        out.set_output(True)
+    flat = x_t.reshape(6, -1).double()
+    return g, {x: x_t, dy: torch.randn(6, 7, 5), s: shifted(1, 7, 5),
+               m: flat.mean(-1).reshape(6, 1, 1).float(),
+               i: (flat.var(-1, unbiased=False) + 1e-5).rsqrt().reshape(6, 1, 1).float()}
+
+
+@pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
+def test_fused_norm_backward_nan_row(fused_programs, op):
+    """A NaN in one row of x makes that row's dx and every dscale NaN, as torch's sums do."""
+    x_t = shifted(37, 33)
+    x_t[5, 3] = float("nan")
+    g, inputs = _fused_backward(op, x_t, torch.randn(37, 33), shifted(1, 33))
+    outputs = check(g, inputs, tolerance=5e-5)
+    dscale = next(v for k, v in outputs.items() if k.endswith("dscale"))
+    assert torch.isnan(dscale).all()
+
+
+def test_fused_norm_backward_epilogues(fused_programs):
+    """dx plus another gradient, cast to bf16; dscale plus another use's gradient; dbias cast:
+    the dx epilogue runs in the fused kernel, the parameter epilogues in the combine."""
+    g = dg.Graph()
+    shape = (37, 33)
+    x, dy = g.tensor(name="x", dim=list(shape)), g.tensor(name="dy", dim=list(shape))
+    residual = g.tensor(name="residual", dim=list(shape))
+    s, other = g.tensor(name="scale", dim=[1, 33]), g.tensor(name="other_dscale", dim=[1, 33])
+    m, i = (g.tensor(name=n, dim=[37, 1], data_type=dg.float32) for n in ("mean", "inv"))
+    dx, dscale, dbias = g.layernorm_backward(dy, x, s, m, i)
+    g.cast(g.add(dx, residual), dg.bfloat16).set_output(True)
+    g.add(dscale, other).set_output(True)
+    g.cast(dbias, dg.float16).set_output(True)
+    inputs = {x: shifted(*shape), dy: torch.randn(*shape), residual: torch.randn(*shape), s: shifted(1, 33),
+              other: torch.randn(1, 33), m: torch.randn(37, 1), i: torch.rand(37, 1) + 0.5}
+    check(g, inputs, tolerance=2e-2)
+    assert _fused_launches(g) == ["fused", "combine"]
+
+
+@pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
+def test_parameter_epilogues_without_fusion(row_mode, op):
+    """The separate dscale/dbias kernel runs the parameter epilogues (every forced row mode)."""
+    g = dg.Graph()
+    x, dy = g.tensor(name="x", dim=[5, 13]), g.tensor(name="dy", dim=[5, 13])
+    s, other = g.tensor(name="scale", dim=[1, 13]), g.tensor(name="other_dscale", dim=[1, 13])
+    i = g.tensor(name="inv", dim=[5, 1], data_type=dg.float32)
+    inputs = {x: shifted(5, 13), dy: torch.randn(5, 13), s: shifted(1, 13), other: torch.randn(1, 13),
+              i: torch.rand(5, 1) + 0.5}
+    if op == "layernorm_backward":
+        m = g.tensor(name="mean", dim=[5, 1], data_type=dg.float32)
+        inputs[m] = torch.randn(5, 1)
+        dx, dscale, dbias = g.layernorm_backward(dy, x, s, m, i)
+    else:
+        dx, dscale, dbias = g.rmsnorm_backward(dy, x, s, i, has_dbias=True)
+    g.relu(dx).set_output(True)
+    g.mul(g.add(dscale, other), 0.5).set_output(True)
+    g.neg(dbias).set_output(True)
+    check(g, inputs, tolerance=5e-5)
+    assert "fused" not in _fused_launches(g)
+
+
 # --- channel norms -------------------------------------------------------------------------------
 def _channel_forward(op, shape, nhwc, dtype=torch.float32, groups=None, running=False):
     g = dg.Graph(io_data_type=DTYPES[dtype])
@@ -346,3 +502,11 @@ def test_feature_norm_stats_of_non_finite_rows(row_mode, op, phase):
 @pytest.mark.parametrize("op,groups", [("batchnorm", None), ("groupnorm", 2), ("instancenorm", None)])
 def test_channel_norm_stats_of_non_finite_channels(row_mode, op, groups, nhwc):
     check_non_finite_channel_norm(op, groups, nhwc, "cpu")
+
+
+def test_groupnorm_backward_of_one_channel_sums_over_columns():
+    """A scale constant along a reduced axis (one channel, one group): dscale sums columns too,
+    so the fused form (one partial per column) does not apply."""
+    g, inputs, _ = _channel_backward("groupnorm_backward", (3, 1, 5, 2), False, groups=1)
+    check(g, inputs, tolerance=5e-5)
+    assert "fused" not in _fused_launches(g)

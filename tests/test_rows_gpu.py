@@ -5,8 +5,8 @@ import torch
 import dnngraph as dg
 from helpers import check
 from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
-from test_norms import (_channel_backward, _channel_forward, _feature_backward, _feature_graph,
-                        check_non_finite_channel_norm, check_non_finite_feature_norm)
+from test_norms import (_channel_backward, _channel_forward, _feature_backward, _feature_graph, _fused_backward,
+                        _fused_launches, check_non_finite_channel_norm, check_non_finite_feature_norm, shifted)
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
@@ -29,6 +29,21 @@ def test_feature_norm_forward_bf16(op, shape):
 def test_feature_norm_backward_gpu(op, shape):
     g, inputs, _ = _feature_backward(op, torch.float16, shape)
     check(g, _to_cuda(inputs), torch.float16, device=CUDA, tolerance=5e-3)
+
+
+@pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
+@pytest.mark.parametrize("shape", [(4096, 8192), (1000, 4096), (77, 300)])
+def test_fused_norm_backward_gpu(op, shape):
+    """bf16 dx and dscale/dbias from the fused kernel and its combine; bitwise the same on a
+    second run (the partials are summed in program order)."""
+    from helpers import run
+    g, inputs = _fused_backward(op, shifted(*shape, dtype=torch.bfloat16), torch.randn(*shape).bfloat16(),
+                                shifted(1, shape[1], dtype=torch.bfloat16), torch.bfloat16)
+    inputs = _to_cuda(inputs)
+    first = check(g, inputs, torch.bfloat16, device=CUDA)
+    assert _fused_launches(g) == ["fused", "combine"]
+    again = run(g, inputs, CUDA)
+    assert all(torch.equal(first[name], again[name]) for name in first)
 
 
 @pytest.mark.parametrize("nhwc", [False, True])

@@ -6,7 +6,10 @@ Kernel shapes, all over [BLOCK_K rows, BLOCK_R reduced] tiles:
   partial  split mode, pass 1: each program reduces one chunk of R into per-row partials;
   combine  split mode, pass 2: partials combined in split order (deterministic), row outputs
            stored, the statistics the element outputs need stashed;
-  apply    split mode, pass 3: element outputs from the stashed statistics.
+  apply    split mode, pass 3: element outputs from the stashed statistics;
+  fused    norm backward (layernorm, rmsnorm): each program walks a contiguous block of rows,
+           stores dx per row and folds dscale/dbias into column sums held in registers, stored
+           as one row of [programs, C] partials that the combine shape sums in program order.
 Column splits (K contiguous) prefetch tiles in the partial and apply loops, and their apply
 walks programs and chunks last to first, so it starts on what the partial pass read last.
 Fused prologue nodes run wherever the tile is loaded, epilogue nodes before each store, both
@@ -57,7 +60,8 @@ TILE_KINDS = ("tile", "col")  # values over R: made and stored where the tile is
 # identifiers the row kernels write themselves; the stems own every `stem_*` name too
 # (k_idx, r_mask, kd_0, part_<statistic>_ptr, stash_<statistic>_ptr)
 FIXED_NAMES = ("pid", "split", "n_reduced", "tile_mask", "trip_weight", "chunk", "rows", "reduced",
-               "trip", "trips", "BLOCK_K", "BLOCK_R", "SPLITS", "SPLIT_TILE")
+               "trip", "trips", "BLOCK_K", "BLOCK_R", "SPLITS", "SPLIT_TILE", "row_begin", "row_end",
+               "rows_per_program", "k_start")
 FIXED_STEMS = ("k", "r", "kd", "rd", "part", "stash")
 
 
@@ -83,6 +87,11 @@ class RowKernelSpec:
     prefetch: int = 0  # tiles a loop keeps in flight ahead of the one it works on
     reverse: bool = False  # apply: programs and their chunks walked last to first
     streaming: bool = False  # tile loads and stores carry evict-first hints
+    # fused norm backward: the column sums the fused kernel folds over its rows (Accumulators),
+    # and the strides of the partials' column index over the merged R axes (fused kernel) or K
+    # axes (its combine): the parameters' row-major index, whatever order each kernel's axes take
+    param_accumulators: tuple = ()
+    part_strides: Optional[tuple] = None
 
     def epilogue_nodes(self) -> tuple:
         return tuple(self.group.epilogue) if self.epilogue is None else self.epilogue
@@ -95,6 +104,7 @@ class _Source:
         self.spec, self.args, self.lines, self.depth = spec, [], [], 1
         self.globals: list[str] = []
         stems, statistics = spec.recipe.statistic_names()
+        stems += tuple(acc.name for acc in spec.param_accumulators)
         self.names = NameAllocator(FIXED_NAMES + statistics + (spec.name,))
         self.names.reserve_stems(*(FIXED_STEMS + stems))
         # operands are named by whether they are read or written, never by their tensor's name
@@ -126,6 +136,9 @@ def _arguments(src: _Source):
         ident = src.ident[op.uid]
         src.args += [KernelArgument("int", f"{ident}_ks_{j}", s) for j, s in enumerate(op.k_strides) if s]
         src.args += [KernelArgument("int", f"{ident}_rs_{j}", s) for j, s in enumerate(op.r_strides) if s]
+    if spec.part_strides is not None:
+        side = "r" if spec.shape == "fused" else "k"
+        src.args += [KernelArgument("int", f"part_{side}s_{j}", s) for j, s in enumerate(spec.part_strides) if s]
     cfg = spec.schedule.config
     src.args += [KernelArgument("constexpr", "BLOCK_K", cfg.block_k),
                  KernelArgument("constexpr", "BLOCK_R", cfg.block_r),
@@ -552,6 +565,7 @@ def _combine_body(src, used):
     _k_prelude(src, used)
     _load_inputs(src, top, used, ("row", "scalar"))
     (accumulators, finalize), = spec.recipe.stages_for("split")
+    _part_offsets(src, "k")
     for acc in accumulators:
         if acc.combine == "welford":
             for part in WELFORD_PARTS:
@@ -564,7 +578,7 @@ def _combine_body(src, used):
     src.depth += 1
     src.line("part_idx = part_start + tl.arange(0, SPLIT_TILE)")
     src.line("part_mask = k_mask[:, None] & (part_idx < SPLITS)[None, :]")
-    src.line("part_offset = part_idx[None, :] * rows + k_idx[:, None]")
+    src.line(f"part_offset = part_idx[None, :] * rows + {_part_column(src, 'k')}[:, None]")
     for acc in accumulators:
         if acc.combine == "welford":
             names = [f"{acc.name}_{p}" for p in WELFORD_PARTS]
@@ -588,7 +602,67 @@ def _combine_body(src, used):
         src.line(f"tl.store(stash_{name}_ptr + k_idx[:, None], {name}, mask=k_mask[:, None])")
 
 
-BODIES = {"main": _main_body, "apply": _apply_body, "partial": _partial_body, "combine": _combine_body}
+def _part_offsets(src, side: str):
+    """The partials' column index from the `side` digits, where the spec gives its strides."""
+    strides = src.spec.part_strides
+    if strides is None:
+        return
+    terms = [f"{side}d_{j} * part_{side}s_{j}" for j, s in enumerate(strides) if s]
+    src.line(f"part_{side} = {' + '.join(terms) or f'0 * {side}_idx'}")
+
+
+def _part_column(src, side: str) -> str:
+    """The partials' column index along `side` (the row index where no strides are given)."""
+    return f"part_{side}" if src.spec.part_strides is not None else f"{side}_idx"
+
+
+def _fused_body(src, used):
+    """Fused norm backward: this program's contiguous block of rows, BLOCK_K rows a trip, each
+    whole row one tile; dx stored per trip, the parameter sums folded over the trips' rows into
+    [1, BLOCK_R] columns and stored once as this program's row of the partials."""
+    spec = src.spec
+    geo = spec.schedule.geometry
+    top = src.emitter()
+    pid = "tl.program_id(0)" + (".to(tl.int64)" if geo.index_64 else "")
+    src.line(f"pid = {pid}")
+    src.line("n_reduced = reduced * 1.0")
+    src.line("rows_per_program = tl.cdiv(tl.cdiv(rows, SPLITS), BLOCK_K) * BLOCK_K")
+    src.line("row_begin = pid * rows_per_program")
+    src.line("row_end = tl.minimum(row_begin + rows_per_program, rows)")
+    src.line("r_idx = tl.arange(0, BLOCK_R)")
+    src.line("r_mask = r_idx < reduced")
+    _decompose(src, "r", "r_idx", geo.r_sizes)
+    _offsets(src, used, "r")
+    _part_offsets(src, "r")
+    # loop invariants: the parameters (and anything constant along K) are read once per program
+    _load_inputs(src, top, used, ("col", "scalar"))
+    for acc in spec.param_accumulators:
+        src.line(f"{acc.name}_cols = tl.zeros([1, BLOCK_R], tl.float32)")
+    src.line("for k_start in range(row_begin, row_end, BLOCK_K):")
+    src.depth += 1
+    src.line("k_idx = k_start + tl.arange(0, BLOCK_K)")
+    src.line("k_mask = k_idx < row_end")
+    _decompose(src, "k", "k_idx", geo.k_sizes)
+    _offsets(src, used, "k")
+    src.line("tile_mask = k_mask[:, None] & r_mask[None, :]")
+    tile = src.emitter(top)
+    _load_inputs(src, tile, used, ("row", "tile"))
+    _emit_nodes(src, tile, spec.group.prologue)
+    _stats_one_pass(src, tile, spec.recipe.stages_for("one_pass"))
+    _row_outputs(src, tile, used)
+    _tile_outputs(src, tile, used)
+    roles = _roles(spec, tile)
+    for acc in spec.param_accumulators:
+        element = _masked(acc.element.format(**roles), "0.0")
+        src.line(f"{acc.name}_cols += tl.sum({element}, axis=0, keep_dims=True)")
+    src.depth -= 1
+    for acc in spec.param_accumulators:
+        src.line(f"tl.store(part_{acc.name}_ptr + pid * reduced + part_r[None, :], {acc.name}_cols, "
+                 f"mask=r_mask[None, :])")
+
+
+BODIES = {"main": _main_body, "apply": _apply_body, "partial": _partial_body, "combine": _combine_body,
+          "fused": _fused_body}
 
 
 def render(spec: RowKernelSpec):

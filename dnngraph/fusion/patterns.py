@@ -45,9 +45,13 @@ ANCHOR_RULES: dict[str, AnchorRule] = {
 for _norm in ("layernorm", "rmsnorm", "batchnorm", "instancenorm", "groupnorm"):
     ANCHOR_RULES[_norm] = _NORM_FORWARD
     ANCHOR_RULES[_norm + "_backward"] = _NORM_BACKWARD
-# batchnorm's dscale and dbias are per-row sums of its dx kernel (rows are channels); the other
-# norms reduce them across rows in a kernel of their own, which runs no epilogue
+# batchnorm's dscale and dbias are per-row sums of its dx kernel (rows are channels); layernorm's
+# and rmsnorm's are column sums, finished by a combine kernel (or a dscale/dbias kernel) that runs
+# their epilogue (a cast, the add of another use's gradient); instance and group norm reduce them
+# in a kernel of their own, which runs none
 ANCHOR_RULES["batchnorm_backward"] = AnchorRule((0,), 0, side_epilogues=True)
+ANCHOR_RULES["layernorm_backward"] = AnchorRule((0,), 0, side_epilogues=True)
+ANCHOR_RULES["rmsnorm_backward"] = AnchorRule((0,), 0, side_epilogues=True)
 
 # Pointwise ops whose value depends on the element's logical row-major index (the Philox counter
 # of dropout is offset + that index). Only the pointwise kernel computes that index, so these

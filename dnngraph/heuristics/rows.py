@@ -11,7 +11,7 @@ COLUMN_TILES, a grid of one wave, loops that prefetch, and an apply pass that wa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..ops.norm import geometry as norm_geometry
 from ..tensor import contiguous_strides
@@ -68,7 +68,8 @@ STREAM_APPLY = True
 # for 256 channels x 196 splits; four programs of three trips each took about 5).
 COMBINE_VALUES = 2048
 COMBINE_BLOCK_K = 8
-# Tests set this to "one_pass", "looped" or "split" to exercise a mode on small shapes.
+# Tests set this to "one_pass", "looped" or "split" to exercise a mode on small shapes ("fused"
+# for a norm backward; any other mode switches the fused norm backward off).
 FORCE_MODE = None
 # Sweeps set this to (mode, block_k, block_r, num_warps, splits) to time one config.
 FORCE_CONFIG = None
@@ -354,9 +355,84 @@ def schedule(geo: RowGeometry, traits: RowTraits, bytes_main: int, bytes_rows: i
     return RowSchedule(geo, best, len(ranked), reason, tuple(ranked))
 
 
+# --- fused norm backward (layernorm, rmsnorm) ---------------------------------------------------
+# dscale = sum over rows of dy * xhat and dbias = sum of dy, taken in the dx kernel: each program
+# walks a contiguous block of rows (the whole row in registers, mean and rstd given), stores dx
+# per row and folds the rows' dy * xhat and dy into fp32 column sums held in registers, written
+# once as one row of [programs, C] partials; a small combine kernel sums the partials in program
+# order (deterministic) and casts. dy and x are read once and dx written once, against a second
+# read of dy and x by a dscale/dbias kernel of their own (5 row-sized transfers instead of 3: the
+# separate form peaked at 36-59% of the copy rate on the H100, issue 14).
+FUSE_NORM_BACKWARD = True
+# Longest row (power of two) a fused program holds: dy, x and the two column sums are four live
+# fp32 row tiles, 4 x 8192 / 512 threads = 64 registers per thread at 16 warps; 16384 would take
+# 128 with the temporaries on top and spill. Longer rows keep the separate dx and dscale/dbias
+# kernels (their looped mode re-reads from L2 and their column split reduces across rows).
+FUSED_MAX_REDUCED = 8192
+# Elements per row block of a fused program: short rows take several per trip (a trip of one
+# 256-element row would issue too few loads to keep HBM busy); rows of 4096 and up take one.
+FUSED_TILE = 4096
+# Programs per SM: two row blocks in flight per SM, about 2 x 32 KB of dy and x at C=8192 bf16,
+# what Little's law asks at 3.35 TB/s and ~1 us latency spread over 132 SMs (25 KB).
+FUSED_PROGRAMS_PER_SM = 2
+# Rows each program walks at least: its partial row (2 sums x C x 4 B, written, then read by the
+# combine) against 32 rows of dy, x and dx (32 x 3 x C x 2 B at bf16) adds 8% to the bytes moved;
+# 4096 rows therefore take 128 programs, 16384 rows 264 (two per SM).
+FUSED_MIN_ROWS_PER_PROGRAM = 32
+# Tests set this to a program count to walk several row blocks per program on small shapes.
+FORCE_FUSED_PROGRAMS = None
+
+
+def fused_norm_backward(geo: RowGeometry, accumulators: int, bytes_main: int,
+                        device: DeviceModel) -> RowConfig | None:
+    """The fused dx + dscale/dbias config of a feature-norm backward (mode "fused", `splits`
+    holding the program count), or None where it does not apply: switched off, a test forcing
+    another mode, rows not vectorized (K the contiguous side), or rows longer than a program holds."""
+    if not FUSE_NORM_BACKWARD or FORCE_MODE not in (None, "fused") or FORCE_CONFIG is not None:
+        return None
+    block_r = _pow2_at_least(geo.reduced)
+    # one column is vectorized along K as well: the tile loads walk rows, still coalesced
+    if not (geo.r_contiguous or geo.reduced == 1) or block_r > FUSED_MAX_REDUCED:
+        return None
+    block_k = max(1, min(_pow2_at_least(geo.rows), FUSED_TILE // block_r))
+    blocks = -(-geo.rows // block_k)
+    wanted = min(device.sms * FUSED_PROGRAMS_PER_SM, -(-geo.rows // FUSED_MIN_ROWS_PER_PROGRAM))
+    programs = FORCE_FUSED_PROGRAMS or max(device.sms, wanted)
+    programs = max(1, min(blocks, programs))
+    partial_bytes = 2 * accumulators * programs * geo.reduced * 4  # written, then read back
+    seconds = (geo.rows * geo.reduced * bytes_main + partial_bytes) / device.bandwidth
+    warps = _warps(block_k * block_r)
+    return RowConfig("fused", block_k, block_r, warps, programs, seconds * 1e6 + PROGRAM_OVERHEAD * 1e6)
+
+
+def fused_candidates(best: RowConfig, rows: int, device: DeviceModel) -> list[RowConfig]:
+    """What autotuning times for a fused norm backward: the model's config first, then one or
+    two programs per SM and half or twice its warps (the constants above are reasoned, not swept)."""
+    blocks = -(-rows // best.block_k)
+    found = [best]
+    for programs in (device.sms, device.sms * 2):
+        found.append(replace(best, splits=max(1, min(blocks, programs))))
+    for warps in (best.num_warps // 2, best.num_warps * 2):
+        if warps in WARPS and 1 <= warps <= MAX_WARPS:
+            found.append(replace(best, num_warps=warps))
+    unique = []
+    for config in found:
+        if all(config.to_record() != seen.to_record() for seen in unique):
+            unique.append(config)
+    return unique
+
+
+def fused_from_record(record: dict) -> RowConfig:
+    """A fused norm backward's config from a tuning-cache record; ValueError for any other mode."""
+    if record.get("mode") != "fused":
+        raise ValueError(f"mode {record.get('mode')!r} is not 'fused'")
+    config = RowConfig.from_record(dict(record, mode="one_pass"))
+    return replace(config, mode="fused")
+
+
 # --- the problem a row anchor poses -------------------------------------------------------------
 @dataclass(frozen=True)
-class _Dims:
+class PackedDims:
     """A densely packed stand-in for a tensor: only its dims matter."""
 
     dim: tuple
@@ -394,7 +470,7 @@ class RowProblem:
     def extent(self, tensor) -> tuple:
         """Per domain axis, whether `tensor` holds distinct elements along it (its size is not 1),
         whatever its strides: an expanded (stride-0) operand still has one value per index."""
-        return tuple(bool(s) for s in self.strides(_Dims(tuple(tensor.dim))))
+        return tuple(bool(s) for s in self.strides(PackedDims(tuple(tensor.dim))))
 
     def with_reduced(self, axes) -> "RowProblem":
         return RowProblem(self.x_dim, self.domain, tuple(axes), self.groups)

@@ -1,6 +1,7 @@
 """Build the launches of a row group (reductions, softmax, norms): one kernel, or partial,
 combine and apply kernels in split mode; norm backward adds a dscale/dbias kernel where those
-are not per-row sums of the dx kernel."""
+are not per-row sums of the dx kernel, or (layernorm, rmsnorm where the row fits a program) takes
+them as column sums in the dx kernel and adds only a combine of their partials."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -14,8 +15,9 @@ from ..errors import UnsupportedError
 from ..heuristics import device_model
 from ..heuristics.autotune import TuningRecord
 from ..heuristics import rows as row_heuristics
-from ..heuristics.rows import (RowConfig, RowTraits, combine_blocks, geometry as row_geometry, is_column_split,
-                               row_problem, schedule as schedule_rows)
+from ..heuristics.rows import (PackedDims, RowConfig, RowSchedule, RowTraits, combine_blocks, fused_norm_backward,
+                               geometry as row_geometry, is_column_split, row_problem,
+                               schedule as schedule_rows)
 from .launch import KernelLaunch, kernel_name, sample_tensors, scratch, time_candidate, tuning_device
 
 # The split combine kernel folds [SPLITS, BLOCK_K] partials: a few hundred values per program.
@@ -196,23 +198,144 @@ def require_floating_inputs(anchor):
 
 def build_rows(graph, group, index, tuner=None, device=None, budget=None):
     """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
-    are per-row sums of the dx kernel (batchnorm)."""
+    are per-row sums of the dx kernel (batchnorm) or column sums of it (the fused form)."""
     anchor, name = group.anchor, kernel_name(group, index)
     if anchor.op != "reduction":  # the reduction recipe accumulates integers in int64
         require_floating_inputs(anchor)
     problem = row_problem(anchor)
     stores = [t.uid for t in group.outputs]
     if anchor.opdef.family == "norm" and anchor.op.endswith("_backward"):
-        params = {t.uid for t in anchor.outputs[1:] if t is not None}
         # by the scale's dims, not its strides: an expanded scale is still one parameter per index
         scale_extent = problem.extent(anchor.inputs[2])
         kept = [a for a, size in enumerate(problem.domain) if a not in problem.reduced_axes and size > 1]
         per_row = all(scale_extent[a] for a in kept) and not any(scale_extent[a] for a in problem.reduced_axes)
         if not per_row:  # dscale is not one value per dx row
-            param_problem = problem.with_reduced(a for a, spans in enumerate(scale_extent) if not spans)
-            # the epilogue consumes dx, which only the first kernel computes
-            return (_row_launches(graph, group, name, problem, RECIPES[anchor.op],
-                                  [u for u in stores if u not in params], tuner, device, budget=budget)
-                    + _row_launches(graph, group, name + "_params", param_problem, norm_parameter_grads,
-                                    [u for u in stores if u in params], tuner, device, epilogue=(), budget=budget))
+            return _norm_backward_launches(graph, group, name, problem, scale_extent, stores, tuner, device,
+                                           budget)
     return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores, tuner, device, budget=budget)
+
+
+def _parameter_side(group) -> set:
+    """uids of dscale, dbias and the epilogue values made from them (side epilogues)."""
+    side = {t.uid for t in group.anchor.outputs[1:] if t is not None}
+    for node in group.epilogue:
+        if any(t.uid in side for t in node.input_tensors()):
+            side |= {t.uid for t in node.output_tensors()}
+    return side
+
+
+def _norm_backward_launches(graph, group, name, problem, scale_extent, stores, tuner, device, budget):
+    """dx, dscale and dbias where dscale sums over dx rows: the fused kernel and a combine, or
+    the dx kernel and a dscale/dbias kernel of its own. The epilogue nodes made from dx run in
+    the dx kernel, those made from dscale or dbias where those are finished."""
+    param_side = _parameter_side(group)
+    dx_epilogue = tuple(n for n in group.epilogue if n.outputs[0].uid not in param_side)
+    param_epilogue = tuple(n for n in group.epilogue if n.outputs[0].uid in param_side)
+    dx_stores = [u for u in stores if u not in param_side]
+    param_stores = [u for u in stores if u in param_side]
+    param_problem = problem.with_reduced(a for a, spans in enumerate(scale_extent) if not spans)
+    kept = [a for a, size in enumerate(problem.domain) if a not in problem.reduced_axes and size > 1]
+    reduced = [a for a in problem.reduced_axes if problem.domain[a] > 1]
+    # one parameter per column (layernorm, rmsnorm): column sums over every row; a scale constant
+    # along a reduced axis (groupnorm of one group) would sum columns as well
+    if not any(scale_extent[a] for a in kept) and all(scale_extent[a] for a in reduced):
+        fused = _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, param_stores,
+                                     dx_epilogue, param_epilogue, tuner, device, budget)
+        if fused is not None:
+            return fused
+    return (_row_launches(graph, group, name, problem, RECIPES[group.anchor.op], dx_stores, tuner, device,
+                          epilogue=dx_epilogue, budget=budget)
+            + _row_launches(graph, group, name + "_params", param_problem, norm_parameter_grads, param_stores,
+                            tuner, device, epilogue=param_epilogue, budget=budget))
+
+
+def _inputs_read(group, nodes) -> list:
+    """The group inputs that `nodes` read, in group order."""
+    read = {t.uid for n in nodes for t in n.input_tensors()}
+    return [t for t in group.inputs if t.uid in read]
+
+
+def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, param_stores, dx_epilogue,
+                         param_epilogue, tuner, device, budget):
+    """The fused kernel (dx, and dscale/dbias partials per program) and the combine of the
+    partials, or None where heuristics/rows.py says the fused form does not apply (or its
+    partials do not fit the workspace limit); with `tuner`, the fastest of a few program and
+    warp counts."""
+    anchor = group.anchor
+    recipe = RECIPES[anchor.op](anchor, _row_kinds(problem, group))
+    kinds = _row_kinds(problem, group, tuple(recipe.tile_outputs))
+    param_recipe = norm_parameter_grads(anchor, _row_kinds(param_problem, group))
+    (param_accumulators, _), = param_recipe.stages
+    # the partials' column is the parameters' row-major index: a stand-in operand with those
+    # strides joins both geometries, so their merged axes keep it and each kernel has its strides
+    column = PackedDims(tuple(anchor.inputs[2].dim))
+    column_uid = -1  # the stand-in's uid: the other operands are graph tensors (uids from 0 up)
+    dx_reads = _inputs_read(group, [n for n in group.nodes if n not in group.epilogue] + list(dx_epilogue))
+    tensors = dx_reads + [t for t in group.outputs if t.uid in dx_stores]
+    operands = [(t.uid, t.data_type, problem.strides(t), t.uid in dx_stores) for t in tensors]
+    main = next((i for i, t in enumerate(tensors) if kinds[t.uid] == "tile"), 0)
+    geo = row_geometry(problem.domain, problem.reduced_axes,
+                       operands + [(column_uid, None, problem.strides(column), True)], main)
+    bytes_main = sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in ("tile", "col"))
+    model = device_model(device)
+    config = fused_norm_backward(geo, len(param_accumulators), bytes_main, model)
+    if config is None:
+        return None
+    partial_bytes = lambda c: len(param_accumulators) * c.splits * geo.reduced * 4
+    ranked = [c for c in row_heuristics.fused_candidates(config, geo.rows, model)
+              if budget is None or budget.allows(partial_bytes(c))]
+    if not ranked:
+        return None
+    param_reads = _inputs_read(group, param_epilogue)
+    param_tensors = param_reads + [t for t in group.outputs if t.uid in param_stores]
+    param_operands = [(t.uid, t.data_type, param_problem.strides(t), t.uid in param_stores)
+                      for t in param_tensors]
+    column_at = len(param_operands)  # the partials' order leads: stores of a few values each
+    param_geo = row_geometry(param_problem.domain, param_problem.reduced_axes,
+                             param_operands + [(column_uid, None, param_problem.strides(column), True)], column_at)
+    common = dict(group=group, compute=graph.compute_data_type.triton_type, description=group.describe())
+
+    def build(chosen, reason):
+        partials = {acc.name: scratch((chosen.splits, geo.reduced)) for acc in param_accumulators}
+        part_uids = {n: p.uid for n, p in partials.items()}
+        fused_spec = RowKernelSpec(name, "fused", RowSchedule(geo, chosen, len(ranked), reason), recipe=recipe,
+                                   kinds=kinds, loads=tuple(t.uid for t in dx_reads), stores=tuple(dx_stores),
+                                   epilogue=dx_epilogue, partials=part_uids,
+                                   param_accumulators=tuple(param_accumulators),
+                                   part_strides=geo.operand(column_uid).r_strides, **common)
+        combine_k = combine_blocks(param_geo.rows, chosen.splits)[0]
+        combine_config = RowConfig("fused", combine_k, 1, COMBINE_WARPS, chosen.splits, 0.0)
+        combine_spec = RowKernelSpec(name + "_combine", "combine",
+                                     RowSchedule(param_geo, combine_config, 1, reason + "; partials summed in "
+                                                                                       "program order"),
+                                     recipe=param_recipe, kinds=_row_kinds(param_problem, group),
+                                     loads=tuple(t.uid for t in param_reads), stores=tuple(param_stores),
+                                     epilogue=param_epilogue, partials=part_uids,
+                                     part_strides=param_geo.operand(column_uid).k_strides, **common)
+        return [_row_launch(fused_spec, chosen.splits, chosen.num_warps, partials.values()),
+                _row_launch(combine_spec, -(-param_geo.rows // combine_k), COMBINE_WARPS)]
+
+    chosen = ranked[0]
+    reason = (f"fused dx + dscale/dbias: {chosen.splits} programs of contiguous row blocks, "
+              f"{chosen.estimate_us:.1f} us by the model for K={geo.rows} rows x R={geo.reduced}")
+    record = TuningRecord("model", _fused_text(chosen))
+    if tuner is not None:
+        device = tuning_device(device)
+        samples = sample_tensors(group, device)
+        signature = f"{anchor.op} fused K{geo.k_sizes} R{geo.r_sizes} {bytes_main}B" + _limit_text(budget)
+        chosen, record = tuner.choose("rows", signature, ranked, RowConfig.to_record,
+                                      row_heuristics.fused_from_record, _fused_text,
+                                      lambda c: time_candidate(build(c, reason), samples, device))
+        reason = record.describe() or reason
+    if budget is not None:
+        budget.spend(partial_bytes(chosen))
+        reason += "; " + budget.describe(partial_bytes(chosen))
+    launches = build(chosen, reason)
+    for launch in launches:
+        launch.tuning = record
+    return launches
+
+
+def _fused_text(config) -> str:
+    return (f"fused programs={config.splits} BLOCK_K={config.block_k} BLOCK_R={config.block_r} "
+            f"warps={config.num_warps}")
