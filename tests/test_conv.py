@@ -435,6 +435,8 @@ def test_wgrad_folds_the_taps_of_few_channels(name):
     dw.set_output(True).set_name("dw")
     check(g, inputs)
     assert len(g.plan.launches) in (1, 2) and _folded(g.plan.launches[0])
+    source = g.plan.launches[0].source_path.read_text()
+    assert _reassigned_in_loops(source) <= _accumulators(source), _reassigned_in_loops(source)
 
 
 def test_wgrad_folded_stem_matches_autograd_and_is_bitwise_reproducible(monkeypatch):
@@ -545,6 +547,35 @@ def test_fprop_folds_the_taps_of_few_channels(name):
     assert len(g.plan.launches) == 1 and _folded_k(g.plan.launches[0])
     source = g.plan.launches[0].source_path.read_text()
     assert "chan = " in source and "valid_a = " in source
+    assert _reassigned_in_loops(source) <= _accumulators(source), _reassigned_in_loops(source)
+
+
+def _assigned(statements) -> set:
+    import ast
+
+    return {t.id for s in statements for n in ast.walk(s) if isinstance(n, (ast.Assign, ast.AugAssign))
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
+
+
+def _reassigned_in_loops(source: str) -> set:
+    """Names a kernel assigns before a for loop and again inside it: loop-carried values, which
+    Triton requires to keep their type and shape (the interpreter does not check it; the GPU
+    compiler refused a remainder `rest` of the [BLOCK_M] row split reused by the k split)."""
+    import ast
+
+    carried = set()
+    for body in (n.body for n in ast.walk(ast.parse(source)) if hasattr(n, "body") and isinstance(n.body, list)):
+        for i, statement in enumerate(body):
+            if isinstance(statement, ast.For):
+                carried |= _assigned(body[:i]) & _assigned(statement.body)
+    return carried
+
+
+def _accumulators(source: str) -> set:
+    """Names made as a filled tile (tl.zeros / tl.full): the loop-carried values meant as such."""
+    import re
+
+    return set(re.findall(r"^\s*(\w+) = tl\.(?:zeros|full)\(", source, re.M))
 
 
 def test_fprop_folded_stem_matches_torch():

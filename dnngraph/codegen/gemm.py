@@ -50,7 +50,7 @@ FIXED_NAMES = ("split", "rest", "acc", "kt", "ks", "mask", "start", "part", "M",
                "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "PROGRAMS", "FLATTEN",
                "WARP_SPECIALIZE", "BLOCK_ROWS", "EXIT_TILES", "BLOCK_COLS", "FOLD_TILES")
 FIXED_STEMS = ("tile", "tiles", "batch", "bidx", "group", "first", "rows", "cols", "pid", "offs", "mask",
-               "k", "per", "partial", "desc", "row", "col", "exit", "value")
+               "k", "per", "partial", "desc", "row", "col", "exit", "value", "rest")
 # operand names by side: matrices A and B, epilogue operands, per-tensor scales, row exits
 SIDE_HINTS = {"a": "a", "b": "b", "c": "c", "scalar": "scale", "exit": "out"}
 
@@ -333,11 +333,14 @@ def _tile_offsets(spec, w: Writer):
 
 def decompose_lines(w: Writer, flat: str, indices: list, sizes: list):
     """Decompose the flat index `flat` into `indices` (outer first), row-major over `sizes`
-    (names of the extents; the outermost's is not read)."""
-    w(f"rest = {flat}")
+    (names of the extents; the outermost's is not read). Each decomposition has a remainder of
+    its own (rest_<first index>): one made in the k loop must not reuse a name the tile setup
+    gave a [BLOCK_M] value, or Triton sees a loop-carried value change its shape."""
+    rest = f"rest_{indices[0]}"
+    w(f"{rest} = {flat}")
     for axis in range(len(indices) - 1, 0, -1):
-        w(f"{indices[axis]} = rest % {sizes[axis]}", f"rest = rest // {sizes[axis]}")
-    w(f"{indices[0]} = rest")
+        w(f"{indices[axis]} = {rest} % {sizes[axis]}", f"{rest} = {rest} // {sizes[axis]}")
+    w(f"{indices[0]} = {rest}")
 
 
 def _axis_lines(w: Writer, flat: str, stem: str, count: int):
