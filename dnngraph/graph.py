@@ -408,7 +408,7 @@ class Graph:
                             _attrs_of("groupnorm_backward", groups=groups), name)
 
     # --- ops: pooling, dropout, attention ------------------------------------------------------
-    def _pool_attrs(self, op, x, mode, window, stride, padding):
+    def _pool_attrs(self, op, x, mode, window, stride, padding, return_indices=False):
         """Window, stride and padding: one int for every spatial axis of x, or a list; the
         stride defaults to 1 and the padding to 0."""
         spatial = _spatial_rank(op, "x", self._check_input(op, "x", x))
@@ -416,12 +416,14 @@ class Graph:
             raise ValidationError(f"{op}: window is required (an int or one value per spatial axis)")
         return _attrs_of(op, mode, per_axis(op, "window", window, spatial, 1, minimum=1),
                          per_axis(op, "stride", stride, spatial, 1, minimum=1),
-                         per_axis(op, "padding", padding, spatial, 0, minimum=0))
+                         per_axis(op, "padding", padding, spatial, 0, minimum=0), return_indices)
 
-    def pooling(self, x, mode, window, stride=None, padding=None, name=None) -> Tensor:
-        """Max or average pooling over the spatial axes of [N, C, *S]."""
-        attrs = self._pool_attrs("pooling", x, mode, window, stride, padding)
-        return self._add_op("pooling", [x], attrs, name)[0]
+    def pooling(self, x, mode, window, stride=None, padding=None, return_indices=False, name=None):
+        """Max or average pooling over the spatial axes of [N, C, *S]; with return_indices=True
+        (max only) returns (y, indices): torch's int64 argmax index within each input plane."""
+        attrs = self._pool_attrs("pooling", x, mode, window, stride, padding, return_indices)
+        y, indices = self._add_op("pooling", [x], attrs, name)
+        return (y, indices) if return_indices else y
 
     def pooling_backward(self, dy, x, mode, window, stride=None, padding=None, name=None) -> Tensor:
         """dx of pooling from dy and the forward input x."""

@@ -91,6 +91,94 @@ def test_max_ties_and_nan_follow_torch():
     check(g, {x: x_t, dy: dy_t})
 
 
+def adversarial(shape, dtype, layout, seed=0):
+    """Integer values (ties everywhere), zeros of both signs, several NaNs in some windows, inf,
+    and whole windows of -inf."""
+    generator = torch.Generator().manual_seed(seed)
+    x_t = torch.randint(-2, 3, shape, generator=generator).float()
+    flat = x_t.view(-1)
+    picks = torch.randperm(flat.numel(), generator=generator)
+    flat[picks[:6]] = float("nan")
+    flat[picks[6:10]] = float("inf")
+    flat[picks[10:30]] = -0.0
+    corner = (0, 1) + (slice(0, 3),) * (len(shape) - 2)
+    x_t[corner] = float("-inf")  # a whole window (and the padding beside it) below every number
+    x_t[(1, 0) + (slice(2, 4),) * (len(shape) - 2)] = float("nan")  # neighbouring NaNs share windows
+    x_t = x_t.to(dtype)
+    return channels_last(x_t) if layout == "nhwc" else x_t
+
+
+def indices_graph(x_value, window, stride, padding):
+    g = dg.Graph(io_data_type=IO_TYPES[x_value.dtype])
+    x = g.tensor_like(x_value, "x")
+    y, indices = g.pooling(x, "max", window, stride, padding, return_indices=True)
+    return g, x, y.set_output(True), indices.set_output(True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("spatial", [1, 2, 3])
+def test_max_indices_are_torchs_with_ties_nan_and_infinities(spatial, layout, dtype):
+    """torch's argmax exactly: first maximum in window order, a NaN over any number (the last
+    NaN of a window wins), a window of -inf keeps its first in-range element; values too."""
+    shape, window, stride, padding = {1: ((2, 5, 13), [3], [2], [1]), 2: ((2, 5, 9, 7), [3, 3], [2, 2], [1, 1]),
+                                      3: ((2, 3, 5, 7, 6), [3, 2, 3], [2, 1, 2], [1, 1, 1])}[spatial]
+    x_t = adversarial(shape, dtype, layout)
+    g, x, y, indices = indices_graph(x_t, window, stride, padding)
+    assert indices.data_type is dg.int64 and y.data_type is IO_TYPES[dtype]
+    outputs = check(g, {x: x_t}, dtype)  # against the float64 reference, outputs poisoned first
+    fn = (torch.nn.functional.max_pool1d, torch.nn.functional.max_pool2d, torch.nn.functional.max_pool3d)[spatial - 1]
+    want_y, want_indices = fn(x_t.float(), window, stride, padding, return_indices=True)
+    assert torch.equal(outputs[indices.name], want_indices)
+    assert torch.equal(outputs[y.name].float().nan_to_num(), want_y.nan_to_num())
+    assert outputs[indices.name].stride() == outputs[y.name].stride(), "indices take y's layout"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_max_backward_routes_exactly_where_torchs_indices_do(layout, dtype):
+    """The recomputed argmax of the backward is torch's: integer gradients summed exactly, so the
+    gradients must be equal, with ties, NaN (last NaN wins), inf and -inf windows."""
+    shape, window, stride, padding = (2, 5, 9, 7), [3, 3], [2, 2], [1, 1]
+    x_t = adversarial(shape, dtype, layout, seed=1)
+    dy_t = torch.randint(1, 5, output_dims(shape, window, stride, padding)).to(dtype)
+    dy_t = channels_last(dy_t) if layout == "nhwc" else dy_t
+    g, x, dy, dx = backward_graph(x_t, dy_t, "max", window, stride, padding)
+    got = check(g, {x: x_t, dy: dy_t}, dtype)[dx.name]
+    leaf = x_t.float().requires_grad_(True)
+    torch.nn.functional.max_pool2d(leaf, window, stride, padding).backward(dy_t.float())
+    assert torch.equal(got.float(), leaf.grad)
+
+
+def test_return_indices_is_max_only_and_forward_only():
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[2, 3, 5, 5])
+    with pytest.raises(dg.ValidationError, match="return_indices"):
+        g.pooling(x, "avg_include_pad", [3, 3], [2, 2], [1, 1], return_indices=True)
+    dy = g.tensor(name="dy", dim=[2, 3, 3, 3])
+    with pytest.raises(dg.ValidationError, match="return_indices"):
+        g._add_op("pooling_backward", [dy, x], dg.graph._attrs_of(
+            "pooling_backward", "max", (3, 3), (2, 2), (1, 1), True))
+    y = g.pooling(x, "max", [3, 3], [2, 2], [1, 1], return_indices=False)
+    assert isinstance(y, dg.Tensor)
+
+
+def test_indices_survive_json_and_autograd_ignores_them():
+    x_t = adversarial((2, 3, 7, 6), torch.float32, "nchw")
+    g, x, y, indices = indices_graph(x_t, [3, 3], [2, 2], [1, 1])
+    g2 = dg.Graph.from_json(g.to_json())
+    outputs = run(g2, {"x": x_t})
+    assert torch.equal(outputs[indices.name], torch.nn.functional.max_pool2d(x_t, 3, 2, 1, return_indices=True)[1])
+    x_t = torch.randint(-2, 3, (2, 3, 7, 6)).float().requires_grad_(True)
+    g, x, y, indices = indices_graph(x_t, [3, 3], [2, 2], [1, 1])
+    pooled, _ = g.as_function()(x_t)
+    grad = torch.randint(1, 4, pooled.shape).float()
+    pooled.backward(grad)
+    leaf = x_t.detach().clone().requires_grad_(True)
+    torch.nn.functional.max_pool2d(leaf, 3, 2, 1).backward(grad)
+    assert torch.equal(x_t.grad, leaf.grad)
+
+
 # --- backward ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("spatial,layout", [(1, "nchw"), (2, "nhwc"), (3, "nhwc"), (2, "nchw")])
 @pytest.mark.parametrize("mode", MODES)

@@ -402,3 +402,140 @@ def test_batch_norm_block_statistics_casts_join_the_norm_kernels(monkeypatch):
     eager(x)  # running statistics (bf16 buffers) move alike
     assert rel_err(model[1].running_mean, eager[1].running_mean) < 1e-2
     assert rel_err(model[1].running_var, eager[1].running_var) < 1e-2
+
+
+# --- max pooling ---------------------------------------------------------------------------------
+def _pool_input(dtype, layout, seed=11):
+    """[2, 5, 9, 7] of integer values (ties everywhere, zeros after a ReLU), NaN, inf and -inf."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (2, 5, 9, 7), generator=generator).float()
+    x[0, 1, 4, 4] = x[0, 1, 4, 5] = x[1, 3, 8, 6] = float("nan")  # two NaNs share windows
+    x[1, 2, 2, 2] = float("inf")
+    x[0, 4, :3, :3] = float("-inf")  # a corner window of -inf only
+    x = x.to(dtype)
+    return x.contiguous(memory_format=torch.channels_last) if layout == "channels_last" else x
+
+
+def _same(got, want) -> bool:
+    return got.dtype == want.dtype and torch.equal(got.float().nan_to_num(), want.float().nan_to_num()) \
+        and torch.equal(got.isnan(), want.isnan())
+
+
+def _no_max_pool(report) -> bool:
+    return not any("max_pool" in target for target, _ in report.torch_ops)
+
+
+class _Stem(torch.nn.Module):
+    """ResNet's stem tail: conv, ReLU, 3x3 stride-2 max pool with padding 1, then a 1x1 conv."""
+
+    def __init__(self, relu_first=True):
+        super().__init__()
+        self.conv, self.pool, self.head = torch.nn.Conv2d(5, 5, 1), torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(5, 3, 1)
+        self.relu_first = relu_first
+
+    def forward(self, x):
+        return self.head(self.pool(torch.relu(x) if self.relu_first else x) + 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_max_pool_inference_runs_in_the_dnngraph_graph(layout, dtype):
+    pool = torch.nn.MaxPool2d(3, 2, 1)
+    x = _pool_input(dtype, layout)
+    with torch.no_grad():
+        got = _compiled(pool)(x)
+    assert _same(got, pool(x))
+    report = torch_backend.REPORTS[-1]
+    assert report.torch_ops == () and report.graphs == 1 and report.kernels() == 1
+    model = _Stem().to(dtype).to(memory_format=torch.channels_last if layout == "channels_last" else
+                                 torch.contiguous_format)
+    x = x.nan_to_num(nan=1.0, posinf=3.0)  # finite through the convolutions
+    with torch.no_grad():
+        got = _compiled(model)(x)
+        want = model(x)
+    assert rel_err(got, want) < (1e-5 if dtype == torch.float32 else 2e-3)
+    report = torch_backend.REPORTS[-1]
+    assert _no_max_pool(report) and report.graphs == 1, report.torch_ops  # one partition, not two
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("relu_first", [True, False])
+def test_max_pool_training_gradients_route_as_eager(relu_first, layout, dtype):
+    """Forward values and input gradients equal to eager's (integer gradients: exact sums) on
+    inputs full of ties, NaN, inf and -inf; the forward pool and its backward run in dnngraph."""
+    pool = torch.nn.MaxPool2d(3, 2, 1)
+    module = torch.nn.Sequential(torch.nn.ReLU(), pool) if relu_first else pool
+    x = _pool_input(dtype, layout)
+    leaf, eager_leaf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    got = _compiled(module)(leaf)
+    want = module(eager_leaf)
+    assert _same(got, want)
+    grad = torch.randint(1, 5, want.shape).to(dtype)
+    got.backward(grad)
+    want.backward(grad)
+    assert _same(leaf.grad, eager_leaf.grad)
+    forward, backward = torch_backend.REPORTS
+    assert _no_max_pool(forward) and _no_max_pool(backward), (forward.torch_ops, backward.torch_ops)
+    assert forward.graphs == 1 and backward.graphs == 1 and backward.kernels() >= 1
+
+
+def test_max_pool_indices_a_program_returns_are_torchs():
+    def f(x):
+        return torch.nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)
+
+    x = _pool_input(torch.float32, "channels_last")
+    with torch.no_grad():
+        (values, indices), (want_values, want_indices) = _compiled(f)(x), f(x)
+    assert _same(values, want_values) and torch.equal(indices, want_indices)
+    assert torch_backend.REPORTS[-1].torch_ops == ()
+
+
+@pytest.mark.parametrize("module,shape", [(torch.nn.MaxPool1d(3, 2, 1), (2, 5, 13)),
+                                          (torch.nn.MaxPool3d((3, 2, 3), (2, 1, 2), 1), (2, 3, 5, 7, 6)),
+                                          (torch.nn.MaxPool2d(3, 2, 1, ceil_mode=True), (2, 5, 9, 7))])
+def test_max_pool_1d_3d_and_ceil_mode_without_a_partial_window(module, shape):
+    x = torch.randint(-2, 3, shape).float()
+    x.view(-1)[::17] = float("nan")
+    leaf, eager_leaf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    got, want = _compiled(module)(leaf), module(eager_leaf)
+    grad = torch.randint(1, 5, want.shape).float()
+    got.backward(grad)
+    want.backward(grad)
+    assert _same(got, want) and _same(leaf.grad, eager_leaf.grad)
+    assert all(_no_max_pool(report) for report in torch_backend.REPORTS)
+
+
+@pytest.mark.parametrize("module,why", [(torch.nn.MaxPool2d(3, 2, 1, dilation=2), "dilation"),
+                                        (torch.nn.MaxPool2d(2, 2, ceil_mode=True), "ceil_mode")])
+def test_max_pool_dnngraph_cannot_compute_stays_in_torch_with_why(module, why):
+    x = torch.randn(2, 5, 9, 7)
+    leaf, eager_leaf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    got, want = _compiled(module)(leaf), module(eager_leaf)
+    got.backward(torch.ones_like(got))
+    want.backward(torch.ones_like(want))
+    assert torch.equal(got, want) and torch.equal(leaf.grad, eager_leaf.grad)
+    for report in torch_backend.REPORTS:  # the forward and the backward each keep it, saying why
+        reasons = [reason for target, reason in report.torch_ops if "max_pool" in target]
+        assert len(reasons) == 1 and why in reasons[0], report.torch_ops
+
+
+def test_max_pool_backward_with_indices_from_elsewhere_stays_in_torch():
+    """Recomputing the argmax from x is right only for indices the pool of x made."""
+    def f(grad, x, indices):
+        return torch.ops.aten.max_pool2d_with_indices_backward(grad, x, [3, 3], [2, 2], [1, 1], [1, 1], False,
+                                                               indices)
+
+    x, grad = torch.randn(2, 5, 9, 7), torch.randn(2, 5, 5, 4)
+    indices = torch.zeros(2, 5, 5, 4, dtype=torch.int64)  # every window's gradient to element 0
+    assert torch.equal(_compiled(f)(grad, x, indices), f(grad, x, indices))
+    reasons = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "max_pool" in target]
+    assert reasons and "indices not made by the max pool" in reasons[0]
+
+
+def test_relu_backward_passes_the_gradient_of_nan_as_aten_does():
+    x = torch.tensor([[float("nan"), -1.0, 0.0, 2.0]])
+    leaf, eager_leaf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    _compiled(torch.nn.ReLU())(leaf).backward(torch.full((1, 4), 3.0))
+    torch.relu(eager_leaf).backward(torch.full((1, 4), 3.0))
+    assert torch.equal(leaf.grad, eager_leaf.grad) and leaf.grad[0, 0] == 3.0

@@ -5,6 +5,7 @@ loads of x; the prologue is applied at load, padding never wins a max and adds n
 Backward is a gather, so it needs no atomics and is deterministic: each program owns a tile of
 dx and, for each of the few windows covering an element, adds dy / count (average) or dy where
 the window's recomputed argmax (first maximum in window order, as torch) is that element.
+A max forward asked for indices tracks that same argmax as torch's flat index in the input plane.
 Tile columns walk the schedule's vector axis; every other axis is a row coordinate.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ INDENT = "    "
 # axis letter: h_idx, h_start, ...; in_h, out_h, WINDOW_H, ...)
 FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest",
                "rows", "cols", "batch", "channels", "acc", "value", "result", "grad", "best", "hit",
-               "better", "inside", "covered", "BLOCK_R", "BLOCK_C")
+               "better", "inside", "covered", "argmax", "BLOCK_R", "BLOCK_C")
 FIXED_STEMS = ("in", "out", "WINDOW", "STRIDE", "PAD", "COVER")
 
 
@@ -89,6 +90,9 @@ class _KernelWriter:
         self.emitter = ExpressionEmitter(self.compute, names=self.allocator)
         prologue = set(group.prologue)
         self.outputs = [t for t in group.outputs if t.producer not in prologue]
+        # a max forward's argmax indices, where the graph asks for them
+        outputs = self.anchor.outputs
+        self.indices = outputs[1] if self.anchor.op == "pooling" and len(outputs) > 1 else None
         # operands are named by whether they are read or written, never by their tensor's name
         roles = [(t, "x") for t in group.inputs] + [(t, "y") for t in self.outputs]
         self.operands = {t.uid: Operand(self.allocator.prefix(hint),
@@ -270,6 +274,11 @@ class _KernelWriter:
         is_max = self.schedule.mode == "max"
         if is_max:
             self.line(f"acc = tl.full([BLOCK_R, BLOCK_C], float('-inf'), {self.compute})")
+            if self.indices is not None:  # torch's start: the window's first in-range element
+                for axis in self.spatial:
+                    name = self.names[axis]
+                    self.line(f"{name}_first = tl.maximum({name}_start, 0)")
+                self.line(f"argmax = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int64) + {self.plane_index('first')}")
         else:
             self.line(f"acc = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
         hoisted = self.hoist_loads(self.x_tensor(), tile)
@@ -278,11 +287,22 @@ class _KernelWriter:
         if is_max:  # a NaN always takes over, as in torch's max_pool
             # NaN wins; tl.where keeps a hoisted (0-d) value's test from a bool 0-d | 2-d, which
             # the interpreter cannot do
-            self.line("acc = tl.where(inside & tl.where(value != value, True, value > acc), value, acc)")
+            self.line("better = inside & tl.where(value != value, True, value > acc)")
+            self.line("acc = tl.where(better, value, acc)")
+            if self.indices is not None:
+                self.line(f"argmax = tl.where(better, {self.plane_index('in')}, argmax)")
         else:
             self.line("acc += tl.where(inside, value, 0.0)")
         self.close_loops(len(self.spatial))
         self.line("result = acc" if is_max else f"result = acc / {self.divisor()}")
+
+    def plane_index(self, suffix: str) -> str:
+        """torch's int64 flat index within the input plane of the coordinates `{axis}_{suffix}`."""
+        terms = []
+        for axis in self.spatial:
+            inner = "".join(f" * in_{self.names[later]}" for later in range(axis + 1, self.rank))
+            terms.append((axis, f"{self.names[axis]}_{suffix}.to(tl.int64){inner}"))
+        return f"({_outer(*self.by_side(terms), joiner=' + ')})"
 
     def backward(self, tile: dict):
         self.line(f"acc = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
@@ -333,6 +353,8 @@ class _KernelWriter:
     # --- epilogue and stores ---------------------------------------------------------------------
     def epilogue_and_stores(self, tile: dict):
         self.emitter.bind(self.anchor.outputs[0].uid, "result", "f")
+        if self.indices is not None:
+            self.emitter.bind(self.indices.uid, "argmax", "l")
         made = {self.anchor.outputs[0].uid} | {t.uid for n in self.group.epilogue for t in n.output_tensors()}
         loaded = set()
         for node in self.group.epilogue:

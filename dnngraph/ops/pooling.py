@@ -1,14 +1,22 @@
-"""Pooling family: max / average (padding counted or not), 1D/2D/3D, and its backward."""
+"""Pooling family: max / average (padding counted or not), 1D/2D/3D, and its backward.
+
+Max pooling can also give torch's indices (`return_indices=True`): per output element the
+int64 flat index, within its input plane, of the window's first maximum in scan order; a NaN
+takes the index from any number and from an earlier NaN (so the last NaN wins); a window with
+nothing above -inf keeps its first in-range element. The backward recomputes that argmax from x.
+"""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .. import dtypes
 from ..tensor import MAX_EXTENT
-from .base import OpDef, OutputSpec, backward_rule, choice, fail, freeze, int_tuple, register
+from .base import OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, int_tuple, register
 
 MODES = ("max", "avg_include_pad", "avg_exclude_pad")
 
@@ -19,6 +27,7 @@ class PoolingAttrs:
     window: tuple
     stride: tuple
     padding: tuple
+    return_indices: bool = False  # max pooling: also torch's argmax indices (int64)
 
     def __post_init__(self):
         op = "pooling"
@@ -30,7 +39,10 @@ class PoolingAttrs:
         if any(2 * p > w for p, w in zip(padding, window)):
             fail(op, f"padding {list(padding)} must be at most half the window {list(window)}")
         freeze(self, mode=choice(op, "mode", self.mode, MODES), window=window, padding=padding,
-               stride=int_tuple(op, "stride", self.stride, spatial, minimum=1, maximum=MAX_EXTENT))
+               stride=int_tuple(op, "stride", self.stride, spatial, minimum=1, maximum=MAX_EXTENT),
+               return_indices=boolean(op, "return_indices", self.return_indices))
+        if self.return_indices and self.mode != "max":
+            fail(op, f"return_indices needs mode 'max', got {self.mode!r}")
 
 
 def output_spatial(op, x_dim, attrs: PoolingAttrs) -> tuple[int, ...]:
@@ -48,11 +60,15 @@ def output_spatial(op, x_dim, attrs: PoolingAttrs) -> tuple[int, ...]:
 
 def infer_forward(inputs, attrs):
     (x,) = inputs
-    return [OutputSpec(tuple(x.dim[:2]) + output_spatial("pooling", x.dim, attrs), layout_source=0)]
+    dims = tuple(x.dim[:2]) + output_spatial("pooling", x.dim, attrs)
+    indices = OutputSpec(dims, dtypes.int64, layout_source=0) if attrs.return_indices else None
+    return [OutputSpec(dims, layout_source=0), indices]
 
 
 def infer_backward(inputs, attrs):
     dy, x = inputs
+    if attrs.return_indices:
+        fail("pooling_backward", "return_indices is an attribute of the forward only")
     expected = tuple(x.dim[:2]) + output_spatial("pooling_backward", x.dim, attrs)
     if tuple(dy.dim) != expected:
         fail("pooling_backward", f"dy must be {list(expected)}, got {list(dy.dim)}")
@@ -78,7 +94,10 @@ def pool(x: torch.Tensor, attrs: PoolingAttrs) -> torch.Tensor:
 
 
 def reference_forward(values, attrs):
-    return [pool(values[0], attrs)]
+    if not attrs.return_indices:
+        return [pool(values[0], attrs), None]
+    fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[len(attrs.window) - 1]
+    return list(fn(values[0], attrs.window, attrs.stride, attrs.padding, return_indices=True))
 
 
 def reference_backward(values, attrs):
@@ -89,7 +108,7 @@ def reference_backward(values, attrs):
     return [dx]
 
 
-register(OpDef("pooling", "pooling", "anchor", PoolingAttrs, ("x",), ("y",),
+register(OpDef("pooling", "pooling", "anchor", PoolingAttrs, ("x",), ("y", "indices"),
                infer_forward, reference_forward))
 register(OpDef("pooling_backward", "pooling", "anchor", PoolingAttrs, ("dy", "x"), ("dx",),
                infer_backward, reference_backward))
@@ -97,4 +116,7 @@ register(OpDef("pooling_backward", "pooling", "anchor", PoolingAttrs, ("dy", "x"
 
 @backward_rule("pooling")
 def _pooling_backward(d, node, grads):
-    return [d.graph._add_op("pooling_backward", [grads[0], d.value(node.inputs[0])], node.attrs)[0]]
+    if grads[0] is None:  # the indices have no gradient
+        return [None]
+    attrs = dataclasses.replace(node.attrs, return_indices=False)
+    return [d.graph._add_op("pooling_backward", [grads[0], d.value(node.inputs[0])], attrs)[0]]

@@ -158,8 +158,9 @@ def _silu_backward(g, node, value):
 
 
 def _threshold_backward(g, node, value):
+    """aten's: 0 where x <= threshold, else grad (a NaN x passes its gradient)."""
     grad, x = value(node.args[0]), value(node.args[1])
-    return g.where(g.cmp_gt(x, node.args[2]), grad, 0.0)
+    return g.where(g.cmp_le(x, node.args[2]), 0.0, grad)
 
 
 def _sigmoid_backward(g, node, value):
@@ -326,6 +327,81 @@ def _batch_norm_backward(g, node, value):
             _reshaped_result(g, dbias, metas[2]) if mask[2] else None)
 
 
+MAX_POOL = (aten.max_pool2d_with_indices.default, aten.max_pool3d_with_indices.default)
+MAX_POOL_BACKWARD = (aten.max_pool2d_with_indices_backward.default, aten.max_pool3d_with_indices_backward.default)
+
+
+def _pool_geometry(node):
+    """(window, stride, padding, dilation, ceil_mode) of a max pool or its backward, per spatial
+    axis, with aten's defaults (stride [] is the window; one value serves every axis)."""
+    backward = node.target in MAX_POOL_BACKWARD
+    args = list(node.args[2 if backward else 1:])
+    spatial = len(_result(node).shape if backward else _result(node)[0].shape) - 2
+    defaults = [None, [], [0], [1], False]
+    for position, key in enumerate(("kernel_size", "stride", "padding", "dilation", "ceil_mode")):
+        if len(args) <= position:
+            args.append(node.kwargs.get(key, defaults[position]))
+    window, stride, padding, dilation, ceil_mode = args[:5]
+
+    def per_axis(values):
+        values = [int(v) for v in values]
+        return values * spatial if len(values) == 1 else values
+
+    window = per_axis(window)
+    return window, per_axis(stride) if len(stride) else window, per_axis(padding), per_axis(dilation), ceil_mode
+
+
+def _max_pool_refused(node) -> Optional[str]:
+    """Why a max pool (or its backward) stays in torch: what dnngraph's pooling cannot do exactly."""
+    backward = node.target in MAX_POOL_BACKWARD
+    x = node.args[1 if backward else 0].meta["val"]
+    if not x.is_floating_point():
+        return "max pooling of integers"
+    window, stride, padding, dilation, ceil_mode = _pool_geometry(node)
+    if any(d != 1 for d in dilation):
+        return f"max pooling with dilation {dilation}"
+    floor = [(size + 2 * p - w) // s + 1 for size, w, s, p in zip(x.shape[2:], window, stride, padding)]
+    pooled = (node.args[0].meta["val"] if backward else _result(node)[0]).shape[2:]
+    if ceil_mode and [int(d) for d in pooled] != floor:
+        return "max pooling with ceil_mode adding a partial window"
+    if backward and not _indices_of_this_pool(node):
+        return "max pooling backward with indices not made by the max pool of its input"
+    return None
+
+
+def _indices_of_this_pool(node) -> bool:
+    """Are a max pool backward's indices the argmax of its x (so recomputing from x routes the
+    gradient where they say)? Yes for indices AOTAutograd saved from the forward (a backward
+    graph's input) and for those of the same pool of the same x in this graph."""
+    indices, x = node.args[7], node.args[1]
+    if indices.op == "placeholder":
+        return any(n.op == "placeholder" and n.name.startswith("tangents") for n in node.graph.nodes)
+    pool = indices.args[0] if indices.target is operator.getitem and indices.args[1] == 1 else None
+    return (pool is not None and pool.target in MAX_POOL and pool.args[0] is x
+            and _pool_geometry(pool) == _pool_geometry(node))
+
+
+def _indices_read(node) -> bool:
+    """Does anything read the indices result of a max pool (a backward, torch, the output)?"""
+    return any(user.target is operator.getitem and user.args[1] == 1 and user.users for user in node.users)
+
+
+def _max_pool(g, node, value):
+    """Max pooling; torch's indices too where anything reads them (training saves them for the
+    backward), exact: the first maximum in window order, a NaN over any number."""
+    window, stride, padding, _, _ = _pool_geometry(node)
+    read = _indices_read(node)
+    made = g.pooling(value(node.args[0]), "max", window, stride, padding, return_indices=read)
+    return made if read else (made, None)
+
+
+def _max_pool_backward(g, node, value):
+    """Gradient routed to each window's argmax, recomputed from x with torch's rule (the saved
+    indices say the same: _indices_of_this_pool)."""
+    window, stride, padding, _, _ = _pool_geometry(node)
+    return g.pooling_backward(value(node.args[0]), value(node.args[1]), "max", window, stride, padding)
+
+
 class Aux:
     """A result dnngraph does not compute (an sdpa's random state, its sequence bookkeeping): the
     module hands torch a value of the result's kind (zeros, or the static int) instead. Only the
@@ -391,12 +467,14 @@ CONVERTERS: dict[object, Callable] = {
     aten._native_batch_norm_legit_functional.default: _batch_norm,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_inference,
     aten.native_batch_norm_backward.default: _batch_norm_backward,
+    **{target: _max_pool for target in MAX_POOL}, **{target: _max_pool_backward for target in MAX_POOL_BACKWARD},
 }
 # Results of the sdpa forms that are Aux (random state, bookkeeping) and operands their
 # backward converters do not read.
 AUX_RESULTS = {aten._scaled_dot_product_flash_attention.default: range(2, 9),
                aten._native_batch_norm_legit_no_training.default: range(1, 3)}
-AUX_OPERANDS = {aten._scaled_dot_product_flash_attention_backward.default: range(6, 14)}
+AUX_OPERANDS = {aten._scaled_dot_product_flash_attention_backward.default: range(6, 14),
+                **{target: range(7, 8) for target in MAX_POOL_BACKWARD}}
 DROPOUT_ARGUMENT = {aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
                     aten._scaled_dot_product_flash_attention.default: 3,
                     aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 6,
@@ -496,6 +574,10 @@ def unsupported(node) -> Optional[str]:
             return "a batch norm in training form without training"
         if node.target is aten.native_batch_norm_backward.default and not node.args[7]:
             return "a batch norm backward of the inference form"
+    if node.target in MAX_POOL + MAX_POOL_BACKWARD:
+        why = _max_pool_refused(node)
+        if why is not None:
+            return why
     if node.target in (aten.native_layer_norm.default, aten.native_layer_norm_backward.default):
         weight = node.args[2] if node.target is aten.native_layer_norm.default else node.args[5]
         if weight is None:
