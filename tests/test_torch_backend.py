@@ -163,23 +163,8 @@ def test_scaled_dot_product_attention_becomes_sdpa(causal):
 def test_llama_style_decoder_layer_forward_and_backward():
     """RMSNorm, RoPE (slices, cat, neg), grouped-query attention through expand and sdpa, SwiGLU:
     every op in dnngraph graphs, forward and backward."""
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-    from llama_layer import make_layer
-
     torch.manual_seed(8)
-    layer, forward, _ = make_layer(32, 4, 2, 64, torch.float32, "cpu", use_transformers=False)
-
-    class Wrapped(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, x):
-            return forward(self.layer, x)
-
-    _train_step_matches(Wrapped(), lambda: [torch.randn(2, 12, 32)], tolerance=2e-5)
+    _train_step_matches(_decoder_layer(torch.float32, hidden=32), lambda: [torch.randn(2, 12, 32)], tolerance=2e-5)
     forward_report, backward_report = torch_backend.REPORTS
     # the rotary tables' arange and pow of a scalar base are made in torch; everything else converts
     assert {target for target, _ in forward_report.torch_ops} <= {"aten.arange.start_step", "aten.arange.default",
@@ -332,13 +317,14 @@ def _lone_casts(groups) -> list:
     return lone
 
 
-def _decoder_layer(dtype):
+def _decoder_layer(dtype, hidden=64):
+    """The equivalent Llama decoder layer (4 heads, 2 KV heads, MLP 2 x hidden) as a module of x."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     from llama_layer import make_layer
 
-    layer, forward, _ = make_layer(64, 4, 2, 128, dtype, "cpu", use_transformers=False)
+    layer, forward, _ = make_layer(hidden, 4, 2, 2 * hidden, dtype, "cpu", use_transformers=False)
 
     class Wrapped(torch.nn.Module):
         def __init__(self):
