@@ -1,7 +1,9 @@
 """Data-parallel training through torch.compile(backend="dnngraph"): a small Llama-style model or a
-small ResNet, DDP over NCCL (GPUs) or gloo (CPU, kernels through Triton's interpreter).
+small ResNet, DDP (or FSDP2's fully_shard with --fsdp) over NCCL (GPUs) or gloo (CPU, kernels
+through Triton's interpreter).
 
     torchrun --nproc_per_node=2 examples/ddp_train.py --model llama --steps 20 --out ddp.json
+    torchrun --nproc_per_node=2 examples/ddp_train.py --model llama --steps 5 --fsdp
     python examples/ddp_train.py --model llama --steps 20 --shards 2 --out single.json
 
 Every step draws the same global batch on every rank (seeded by the step); rank r trains on shard
@@ -109,6 +111,7 @@ def main():
                         help="default: bfloat16 on GPUs, float32 on CPU")
     parser.add_argument("--backend", choices=["dnngraph", "eager"], default="dnngraph")
     parser.add_argument("--shards", type=int, default=1, help="single process: shards of the global batch")
+    parser.add_argument("--fsdp", action="store_true", help="shard parameters with FSDP2 (fully_shard) instead of DDP")
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -130,7 +133,15 @@ def main():
 
     model = make_model(args, device, dtype)
     trained = model
-    if distributed:
+    if distributed and args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(device.type, (world,))
+        for block in getattr(model, "layers", []):
+            fully_shard(block, mesh=mesh)
+        trained = fully_shard(model, mesh=mesh)
+    elif distributed:
         trained = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     step_fn = trained if args.backend == "eager" else torch.compile(trained, backend="dnngraph", dynamic=False)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

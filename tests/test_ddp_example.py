@@ -1,5 +1,5 @@
 """examples/ddp_train.py: DDP through torch.compile(backend="dnngraph") gives the loss curve of one
-process on the global batch (split into the same shards). On CPU the ranks talk over gloo and the
+process on the global batch (split into the same shards), with DDP or with FSDP2 (fully_shard). On CPU the ranks talk over gloo and the
 kernels run in Triton's interpreter; on two GPUs (NCCL) the same comparison runs at bf16."""
 import json
 import os
@@ -27,11 +27,13 @@ def _torchrun(processes: int) -> list:
     return [runner] if runner else [sys.executable, "-m", "torch.distributed.run"]
 
 
-def test_two_cpu_ranks_match_one_process_on_the_global_batch(tmp_path):
+@pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])
+def test_two_cpu_ranks_match_one_process_on_the_global_batch(tmp_path, sharding):
     env = {"CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU tensors even where a GPU exists
     single = _run([sys.executable, str(SCRIPT), *TINY, "--shards", "2"], tmp_path / "single.json", env)
-    ranks = _run(_torchrun(2) + ["--nproc_per_node=2", "--master_port=29531", str(SCRIPT), *TINY],
-                 tmp_path / "ddp.json", env)
+    port = "29531" if not sharding else "29533"
+    ranks = _run(_torchrun(2) + ["--nproc_per_node=2", f"--master_port={port}", str(SCRIPT), *TINY, *sharding],
+                 tmp_path / "ranks.json", env)
     assert len(single) == len(ranks) == 3
     assert all(abs(a - b) <= 1e-5 * max(1.0, abs(a)) for a, b in zip(single, ranks)), (single, ranks)
     assert len(set(single)) > 1  # the steps train: the curve is not a constant
@@ -39,9 +41,9 @@ def test_two_cpu_ranks_match_one_process_on_the_global_batch(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
-@pytest.mark.parametrize("model", ["llama", "resnet"])
-def test_two_gpus_over_nccl_match_one_gpu_on_the_global_batch(tmp_path, model):
-    args = ["--model", model, "--steps", "20", "--batch", "8"]
+@pytest.mark.parametrize("model, sharding", [("llama", []), ("resnet", []), ("llama", ["--fsdp"])])
+def test_two_gpus_over_nccl_match_one_gpu_on_the_global_batch(tmp_path, model, sharding):
+    args = ["--model", model, "--steps", "20" if not sharding else "5", "--batch", "8", *sharding]
     single = _run([sys.executable, str(SCRIPT), *args, "--shards", "2"], tmp_path / "single.json",
                   {"CUDA_VISIBLE_DEVICES": "0"})
     ranks = _run(_torchrun(2) + ["--nproc_per_node=2", "--master_port=29532", str(SCRIPT), *args],
