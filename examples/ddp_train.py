@@ -13,6 +13,7 @@ the same per-shard statistics as each rank does). The losses printed (and writte
 --out) are the global batch's mean loss per step, so the two runs' curves can be compared.
 """
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -116,6 +117,8 @@ def main():
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    if os.environ.get("DDP_TRAIN_WATCHDOG_S"):  # a rank stuck this long prints every thread's stack and exits
+        faulthandler.dump_traceback_later(float(os.environ["DDP_TRAIN_WATCHDOG_S"]), exit=True)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     cuda = torch.cuda.is_available()
     if distributed:
