@@ -5,6 +5,10 @@ weights, llama_layer.decode_step) and torchvision's ResNet-50 (channels-last bf1
 step at N=64, inference at N=256). Each row reports the median step time, the ratios and each compile's time.
 
     python benchmarks/bench_models.py [--rows llama,resnet] [--seq 4096] [--no-inductor]
+        [--mode reduce-overhead]
+
+--mode reduce-overhead compiles dnngraph and inductor alike with CUDA-graph replay (cudagraph
+trees); eager stays eager.
 """
 import argparse
 import time
@@ -44,16 +48,25 @@ def _row(label, step, make_variants, work_flops=None):
 DECODE_KV = 8192  # the decode row's cache length
 
 
+MODE = {"mode": "default"}  # the torch.compile mode of both compiled variants (--mode)
+
+
 def _variants(model_fn, inductor: bool):
-    """A maker of the variants of one row: eager, dnngraph's backend and (optionally) inductor."""
+    """A maker of the variants of one row: eager, dnngraph's backend and (optionally) inductor,
+    both compiled in MODE."""
     def make():
         made = {"eager": model_fn}
         torch._dynamo.reset()
-        made["dnngraph"] = torch.compile(model_fn, backend="dnngraph", dynamic=False)
+        made["dnngraph"] = torch.compile(model_fn, backend="dnngraph", dynamic=False, mode=MODE["mode"])
         if inductor:
-            made["inductor"] = torch.compile(model_fn, dynamic=False)
+            made["inductor"] = torch.compile(model_fn, dynamic=False, mode=MODE["mode"])
         return made
     return make
+
+
+def _new_step():
+    """A new iteration for the cudagraph trees (replayed outputs of the last step may be reused)."""
+    torch.compiler.cudagraph_mark_step_begin()
 
 
 def llama_cases(seq: int, inductor: bool) -> list:
@@ -65,6 +78,7 @@ def llama_cases(seq: int, inductor: bool) -> list:
     variants = _variants(lambda m, h: forward(m, h), inductor)
 
     def prefill(fn):
+        _new_step()
         with torch.no_grad():
             fn(layer, x)
 
@@ -72,12 +86,14 @@ def llama_cases(seq: int, inductor: bool) -> list:
     grad = torch.randn_like(x)
 
     def train(fn):
+        _new_step()
         fn(layer, leaf).backward(grad)
 
     cache = [torch.randn(1, 8, DECODE_KV, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     token = torch.randn(1, 1, 4096, device="cuda", dtype=torch.bfloat16)
 
     def decode(fn):
+        _new_step()
         with torch.no_grad():
             fn(layer, token, *cache)
 
@@ -97,6 +113,7 @@ def resnet_cases(inductor: bool) -> list:
         x = torch.randn(batch, 3, 224, 224, device="cuda", dtype=torch.bfloat16).to(memory_format=torch.channels_last)
 
         def step(fn, x=x, training=training):
+            _new_step()
             if model.training != training:  # the rows share the model (train() walks every module)
                 model.train(training)
             if training:
@@ -125,13 +142,15 @@ def main():
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--no-inductor", action="store_true")
     parser.add_argument("--match", default="", help="only the rows whose label contains this")
+    parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead"])
     args = parser.parse_args()
+    MODE["mode"] = args.mode
     rows = [_row(label, step, variants) for label, step, variants in cases(args.rows, args.seq, not args.no_inductor)
             if args.match in label]
-    print_table(f"whole models, ms per step ({torch.cuda.get_device_name()})",
+    print_table(f"whole models, ms per step, mode {args.mode} ({torch.cuda.get_device_name()})",
                 ["row", "dnngraph", "eager", "inductor", "eager / dg", "inductor / dg", "dg compile s",
                  "inductor compile s"], rows)
-    write_json("models.json", rows)
+    write_json("models.json" if args.mode == "default" else f"models_{args.mode}.json", rows)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """torch.compile(model, backend="dnngraph"): forward and backward of small modules against eager
 torch, with the partition each aten graph became (torch_backend.REPORTS)."""
 import copy
+import logging
 
 import pytest
 import torch
@@ -525,3 +526,29 @@ def test_relu_backward_passes_the_gradient_of_nan_as_aten_does():
     _compiled(torch.nn.ReLU())(leaf).backward(torch.full((1, 4), 3.0))
     torch.relu(eager_leaf).backward(torch.full((1, 4), 3.0))
     assert torch.equal(leaf.grad, eager_leaf.grad) and leaf.grad[0, 0] == 3.0
+
+
+@pytest.mark.parametrize("mode, options, error", [
+    ("max-autotune", None, ValueError), (None, {"cudagraph": True}, ValueError), (None, {"cudagraphs": 1}, TypeError)])
+def test_backend_mode_and_options_are_checked(mode, options, error):
+    with pytest.raises(error):
+        torch_backend.backend(None, [], mode=mode, options=options)
+
+
+def test_reduce_overhead_on_cpu_tensors_runs_without_replay_and_says_why(caplog):
+    """CUDA-graph replay needs CUDA tensors: a CPU model compiled with mode="reduce-overhead"
+    runs as in the default mode, forward and backward, and the log says why."""
+    torch.manual_seed(8)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 7), torch.nn.Tanh())
+    x = torch.randn(5, 12)
+    want = model(x)
+    want.sum().backward()
+    want_grad = model[0].weight.grad.clone()
+    model.zero_grad()
+    torch._dynamo.reset()
+    with caplog.at_level(logging.INFO, logger="dnngraph"):
+        got = torch.compile(model, backend="dnngraph", dynamic=False, mode="reduce-overhead")(x)
+        got.sum().backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(model[0].weight.grad, want_grad)
+    assert any("no CUDA-graph replay" in r.getMessage() and "cpu" in r.getMessage() for r in caplog.records)

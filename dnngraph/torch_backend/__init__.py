@@ -248,9 +248,36 @@ _AOT = aot_autograd(fw_compiler=_compile, bw_compiler=_compile)
 TRACED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
-def backend(gm: torch.fx.GraphModule, example_inputs):
-    """The torch.compile backend: `torch.compile(model, backend="dnngraph")`."""
+MODES = ("default", "reduce-overhead")
+OPTIONS = ("cudagraphs",)
+
+
+def _replays(mode, options) -> bool:
+    """Does a compile replay its graphs as CUDA graphs: mode "reduce-overhead", or the option
+    {"cudagraphs": True} (which overrides the mode)? Unknown modes and options are errors."""
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"torch.compile backend 'dnngraph': mode {mode!r} is not one of {MODES}")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"torch.compile backend 'dnngraph': unknown options {unknown}; it takes {OPTIONS}")
+    replay = options.get("cudagraphs", mode == "reduce-overhead")
+    if not isinstance(replay, bool):
+        raise TypeError(f"torch.compile backend 'dnngraph': option cudagraphs must be a bool, not {replay!r}")
+    return replay
+
+
+def backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
+    """The torch.compile backend: `torch.compile(model, backend="dnngraph")`. With
+    `mode="reduce-overhead"` (or `options={"cudagraphs": True}`) each compiled forward and
+    backward graph is recorded once as a CUDA graph and replayed (cudagraph trees, as inductor's
+    reduce-overhead mode): one launch per graph instead of one per kernel."""
+    replay = _replays(mode, options)
     with sdpa_kernel(TRACED_ATTENTION):
+        if replay:
+            from .cudagraphs import aot_with_cudagraphs
+
+            return aot_with_cudagraphs(_compile, gm, example_inputs)
         return _AOT(gm, example_inputs)
 
 
