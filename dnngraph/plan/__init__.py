@@ -27,7 +27,7 @@ from ..log import logger
 from ..runtime import interpreting
 from .attention import build_attention_backward
 from .cache import MODULES, PLANS, plan_key
-from .launch import created_once, launch_on_device, run_launches, time_launches
+from .launch import created_once, launch_on_device, persistent_buffer, run_launches, time_launches
 from .conv import build_conv
 from .matmul import build_matmul
 from .pointwise import build_pointwise
@@ -401,10 +401,10 @@ class Plan:
         return device, aligned
 
     def _stream_workspace(self, built: DeviceLaunches, device, stream) -> StreamWorkspace:
-        """The workspace of (device, stream), created once; allocated on that stream, so torch's
-        caching allocator never hands its memory to another stream while kernels use it."""
+        """The workspace of (device, stream), created once (launch.persistent_buffer: torch's
+        caching allocator never hands its memory to another use while the stream's kernels read it)."""
         def make() -> StreamWorkspace:
-            buffer = torch.empty(built.workspace_bytes, dtype=torch.uint8, device=device)
+            buffer = persistent_buffer(built.workspace_bytes, device)
             return StreamWorkspace(buffer, built.views(buffer), threading.Lock())
 
         return created_once(self._streams, (device.type, device.index, stream), self._lock, make)
