@@ -157,7 +157,7 @@ def test_return_indices_is_max_only_and_forward_only():
         g.pooling(x, "avg_include_pad", [3, 3], [2, 2], [1, 1], return_indices=True)
     dy = g.tensor(name="dy", dim=[2, 3, 3, 3])
     with pytest.raises(dg.ValidationError, match="return_indices"):
-        g._add_op("pooling_backward", [dy, x], dg.graph._attrs_of(
+        g._add_op("pooling_backward", [dy, x, None], dg.graph._attrs_of(
             "pooling_backward", "max", (3, 3), (2, 2), (1, 1), True))
     y = g.pooling(x, "max", [3, 3], [2, 2], [1, 1], return_indices=False)
     assert isinstance(y, dg.Tensor)

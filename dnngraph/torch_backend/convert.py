@@ -396,10 +396,11 @@ def _max_pool(g, node, value):
 
 
 def _max_pool_backward(g, node, value):
-    """Gradient routed to each window's argmax, recomputed from x with torch's rule (the saved
-    indices say the same: _indices_of_this_pool)."""
+    """Gradient routed by the forward's saved indices (the argmax of this pool of this x, as
+    _indices_of_this_pool made sure): one index load per covering window, no argmax recompute."""
     window, stride, padding, _, _ = _pool_geometry(node)
-    return g.pooling_backward(value(node.args[0]), value(node.args[1]), "max", window, stride, padding)
+    return g.pooling_backward(value(node.args[0]), value(node.args[1]), "max", window, stride, padding,
+                              indices=value(node.args[7]))
 
 
 class Aux:
