@@ -353,6 +353,19 @@ def test_relu_backward_epilogue_fuses_into_the_indexed_backward(mask_from):
     assert source.count("_ptr,\n") == 4, "x is no argument: dy, the indices, the mask and dx"
 
 
+def test_indexed_backward_with_prologue_on_dy_and_epilogue_on_dx():
+    x_t = sample((2, 4, 9, 10), torch.float32, "nhwc")
+    _, indices_t = torch_indices(x_t, [3, 2], [2, 2], [1, 0])
+    dy_t, r_t = sample(tuple(indices_t.shape), torch.float32, "nhwc"), sample((2, 4, 9, 10), torch.float32)
+    g = dg.Graph()
+    x, dy, r = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy"), g.tensor_like(r_t, "r")
+    indices = g.tensor_like(indices_t, "indices")
+    dx = g.pooling_backward(g.mul(dy, 3.0), x, "max", [3, 2], [2, 2], [1, 0], indices=indices)
+    g.add(dx, r).set_output(True)
+    check(g, {x: x_t, dy: dy_t, r: r_t, indices: indices_t})
+    assert len(g.plan.launches) == 1
+
+
 def test_bad_indices_raise_at_the_op_call_and_change_nothing():
     g = dg.Graph()
     x, dy = g.tensor(name="x", dim=[2, 3, 7, 7]), g.tensor(name="dy", dim=[2, 3, 4, 4])
