@@ -527,7 +527,8 @@ def test_max_pool_dnngraph_cannot_compute_stays_in_torch_with_why(module, why):
 
 
 def test_max_pool_backward_with_indices_from_elsewhere_stays_in_torch():
-    """Recomputing the argmax from x is right only for indices the pool of x made."""
+    """dnngraph routes by indices only within their windows (torch routes any index): exact only
+    for indices the pool of x made."""
     def f(grad, x, indices):
         return torch.ops.aten.max_pool2d_with_indices_backward(grad, x, [3, 3], [2, 2], [1, 1], [1, 1], False,
                                                                indices)

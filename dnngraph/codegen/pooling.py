@@ -6,7 +6,8 @@ Backward is a gather, so it needs no atomics and is deterministic: each program 
 dx and, for each of the few windows covering an element, adds dy / count (average) or dy where
 the window's argmax is that element: recomputed from x (first maximum in window order, as
 torch), or read from the forward's indices where the graph gives them (one int64 load and
-compare per covering window instead of a window of x loads). A max forward asked for indices tracks that same argmax as torch's flat index in the input plane.
+compare per covering window instead of a window of x loads). A max forward asked for indices
+tracks that same argmax as torch's flat index in the input plane.
 Tile columns walk the schedule's vector axis; every other axis is a row coordinate.
 """
 from __future__ import annotations

@@ -370,9 +370,10 @@ def _max_pool_refused(node) -> Optional[str]:
 
 
 def _indices_of_this_pool(node) -> bool:
-    """Are a max pool backward's indices the argmax of its x (so recomputing from x routes the
-    gradient where they say)? Yes for indices AOTAutograd saved from the forward (a backward
-    graph's input) and for those of the same pool of the same x in this graph."""
+    """Are a max pool backward's indices the argmax of its x (each in its own window, where
+    pooling_backward routes by them as torch does; it drops an index outside its window)? Yes
+    for indices AOTAutograd saved from the forward (a backward graph's input) and for those of
+    the same pool of the same x in this graph."""
     indices, x = node.args[7], node.args[1]
     if indices.op == "placeholder":
         return any(n.op == "placeholder" and n.name.startswith("tangents") for n in node.graph.nodes)
