@@ -2,7 +2,9 @@
 
 Rows: layernorm, rmsnorm and softmax forward and backward at 16384x8192 and the LLM shapes
 4096 x {4096, 8192, 14336}; residual add + rmsnorm; batchnorm training forward and backward at
-32x256x56x56 NHWC; a column sum of 16384x8192; max-pool 3x3/2 pad 1 at 32x64x112x112 NHWC. All
+32x256x56x56 NHWC; a column sum of 16384x8192; max-pool 3x3/2 pad 1 at 32x64x112x112 NHWC and its
+backward at ResNet-50's 64x64x112x112 NHWC (the argmax recomputed from x, or read from the
+forward's int64 indices; anchor: aten.max_pool2d_with_indices_backward). All
 bf16 in and out, float32 statistics and math. Throughput is TB/s over the minimal bytes (each input
 read once, each output written once; the model is stated per family), next to the copy ceiling
 measured in the same process. Every implementation's outputs are checked against the float64
@@ -10,6 +12,7 @@ reference of the dnngraph graph (`Graph.reference`) before it is timed.
 
     python benchmarks/bench_memory_bound.py                  # GPU: table, and $OUT/memory_bound.json
     python benchmarks/bench_memory_bound.py --only rmsnorm   # rows whose label contains a word
+    python benchmarks/bench_memory_bound.py --only "max pool bwd" --no-compile --no-cudnn
     python benchmarks/bench_memory_bound.py --check-cpu      # anchors vs float64 at small shapes
 
 A dnngraph build or an anchor that fails prints "n/a: <error>" in its cell and the run goes on.
@@ -44,6 +47,8 @@ EPS, MOMENTUM = 1e-5, 0.1
 TOLERANCE = 2e-2  # bf16 outputs land near 4e-3 of the float64 reference; flag anything past this
 NORM_SHAPES = [(16384, 8192), (4096, 4096), (4096, 8192), (4096, 14336)]
 BN_SHAPE, POOL_SHAPE, COLSUM_SHAPE = (32, 256, 56, 56), (32, 64, 112, 112), (16384, 8192)
+POOL_BWD_SHAPE, CPU_POOL_BWD_SHAPE = (64, 64, 112, 112), (2, 8, 15, 13)  # ResNet-50's stem at batch 64
+POOL_GEOMETRY = ([3, 3], [2, 2], [1, 1])  # window, stride, padding
 CPU_NORM_SHAPES = [(64, 256), (33, 200)]
 CPU_BN_SHAPE, CPU_POOL_SHAPE, CPU_COLSUM_SHAPE = (4, 16, 10, 10), (2, 8, 14, 14), (64, 200)
 DEVICE = "cuda"
@@ -62,6 +67,8 @@ BYTES_MODEL = {
     "batchnorm bwd": "read dy, x, scale, mean, inv_variance; write dx, dscale, dbias (f32)",
     "column sum": "read x; write sum over axis 0 (f32 [1,N])",
     "max-pool": "read x; write y [N,C,56,56]",
+    "max-pool bwd (recompute)": "read dy [N,C,56,56], x; write dx",
+    "max-pool bwd (indices)": "read dy, indices (int64) [N,C,56,56]; write dx (x is bound, not read)",
 }
 
 
@@ -141,6 +148,12 @@ def max_pool(x):
     return F.max_pool2d(x, 3, 2, 1)
 
 
+def max_pool_backward(dy, x, indices):
+    window, stride, padding = POOL_GEOMETRY
+    return torch.ops.aten.max_pool2d_with_indices_backward(dy, x, window, stride, padding, [1, 1], False,
+                                                           indices)
+
+
 # --- cases ------------------------------------------------------------------------------------
 @dataclass
 class Anchor:
@@ -163,6 +176,7 @@ class Case:
     compiled: Optional[Anchor]
     cudnn: Optional[Callable] = None  # (CudnnFrontend) -> (run, {output name: torch tensor})
     notes: list = field(default_factory=list)
+    unread: tuple = ()  # inputs the graph binds but its kernels never read (left out of the bytes)
 
 
 def _rand(shape, device, scale=1.0, shift=0.0, dtype=BF16, channels_last=False):
@@ -383,6 +397,30 @@ def case_max_pool(shape, device):
     return Case("max-pool", "x".join(map(str, shape)) + " NHWC", inputs, graph, anchor, anchor)
 
 
+def max_pool_backward_inputs(shape, device) -> dict:
+    """x, dy and the int64 indices of x's max pool (torch's), all channels-last."""
+    x = _rand(shape, device, 1.0, 0.1, channels_last=True)
+    _, indices = F.max_pool2d(x, *POOL_GEOMETRY, return_indices=True)
+    dy = _rand(tuple(indices.shape), device, 1.0, 0.1, channels_last=True)
+    return {"x": x, "dy": dy, "indices": indices.contiguous(memory_format=torch.channels_last)}
+
+
+def case_max_pool_backward(shape, device, with_indices: bool):
+    """The max-pool backward, its argmax recomputed from x or routed by the forward's indices;
+    the anchor reads the indices either way."""
+    inputs = max_pool_backward_inputs(shape, device)
+    declared = inputs if with_indices else {k: v for k, v in inputs.items() if k != "indices"}
+
+    def graph():
+        g = _new_graph("max_pool_bwd")
+        t = _declare(g, declared)
+        return g, _outputs(dx=g.pooling_backward(t["dy"], t["x"], "max", *POOL_GEOMETRY, indices=t.get("indices")))
+    anchor = Anchor((max_pool_backward,), lambda: (inputs["dy"], inputs["x"], inputs["indices"]), ("dx",))
+    family = f"max-pool bwd ({'indices' if with_indices else 'recompute'})"
+    return Case(family, "x".join(map(str, shape)) + " NHWC", declared, graph, anchor, anchor,
+                unread=("x",) if with_indices else ())
+
+
 def case_factories(check_cpu: bool):
     """(label, factory(device)) in table order; inputs are made only when a row runs."""
     norm_shapes = CPU_NORM_SHAPES if check_cpu else NORM_SHAPES
@@ -398,6 +436,10 @@ def case_factories(check_cpu: bool):
     rows.append((f"batchnorm bwd {'x'.join(map(str, bn))} NHWC", lambda d: case_batchnorm_bwd(bn, d)))
     rows.append((f"column sum {colsum[0]}x{colsum[1]}", lambda d: case_column_sum(*colsum, d)))
     rows.append((f"max-pool {'x'.join(map(str, pool))} NHWC", lambda d: case_max_pool(pool, d)))
+    pool_bwd = CPU_POOL_BWD_SHAPE if check_cpu else POOL_BWD_SHAPE
+    for path, with_indices in (("recompute", False), ("indices", True)):
+        rows.append((f"max pool bwd {'x'.join(map(str, pool_bwd))} NHWC, {path}",
+                     lambda d, w=with_indices: case_max_pool_backward(pool_bwd, d, w)))
     return rows
 
 
@@ -659,7 +701,7 @@ def reference_outputs(case: Case) -> tuple:
 
 
 def minimal_bytes(case: Case, reference: dict) -> int:
-    read = sum(t.numel() * t.element_size() for t in case.inputs.values())
+    read = sum(t.numel() * t.element_size() for name, t in case.inputs.items() if name not in case.unread)
     try:
         _, outputs = case.graph()
         written = sum(math.prod(t.dim) * t.data_type.itemsize for t in outputs.values())

@@ -425,10 +425,13 @@ class Graph:
         y, indices = self._add_op("pooling", [x], attrs, name)
         return (y, indices) if return_indices else y
 
-    def pooling_backward(self, dy, x, mode, window, stride=None, padding=None, name=None) -> Tensor:
-        """dx of pooling from dy and the forward input x."""
+    def pooling_backward(self, dy, x, mode, window, stride=None, padding=None, name=None, *,
+                         indices=None) -> Tensor:
+        """dx of pooling from dy and the forward input x. For max pooling, `indices` (int64, dy's
+        dims: what pooling(return_indices=True) gives) route each dy to the element it names,
+        when that element lies in the window; without them the kernel recomputes the argmax."""
         attrs = self._pool_attrs("pooling_backward", x, mode, window, stride, padding)
-        return self._add_op("pooling_backward", [dy, x], attrs, name)[0]
+        return self._add_op("pooling_backward", [dy, x, indices], attrs, name)[0]
 
     def dropout(self, x, p, seed, offset=0, return_mask=False, name=None):
         """y = x * keep / (1 - p); with return_mask=True returns (y, mask). seed and offset are

@@ -196,6 +196,15 @@ def _data_type(record, where):
     return value
 
 
+def _absent_optional_inputs(opdef, listed: int) -> list:
+    """None for each trailing optional input a record leaves out: a document written before the
+    op gained that input (pooling_backward's indices) still reads the same."""
+    missing = opdef.input_names[listed:]
+    if opdef.variadic or not missing or not all(name in opdef.optional for name in missing):
+        return []
+    return [None] * len(missing)
+
+
 def _replay(graph, record, where, handles, records):
     opdef = REGISTRY.get(_field(record, "op", str, where))
     _require(opdef is not None, f"{where}: unknown op {record['op']!r}")
@@ -204,6 +213,7 @@ def _replay(graph, record, where, handles, records):
     for uid in record["inputs"]:
         _require(uid is None or uid in handles, f"{where}: input {uid} is not produced before use")
         inputs.append(None if uid is None else handles[uid])
+    inputs += _absent_optional_inputs(opdef, len(inputs))
     outputs = graph._add_op(opdef.name, inputs, attrs, _field(record, "name", str, where))
     _require(len(record["outputs"]) == len(outputs), f"{where}: {len(record['outputs'])} outputs listed, "
                                                      f"op {opdef.name!r} has {len(outputs)}")

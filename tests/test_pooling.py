@@ -1,9 +1,11 @@
 """Pooling family: forward and backward kernels on CPU (interpreter), fusion, validation; GPU bf16."""
+import json
+
 import pytest
 import torch
 
 import dnngraph as dg
-from helpers import check, run
+from helpers import check, rel_err, run
 
 MODES = ["max", "avg_include_pad", "avg_exclude_pad"]
 # (shape, window, stride, padding) per spatial rank: odd sizes, stride != window, some padding
@@ -157,7 +159,7 @@ def test_return_indices_is_max_only_and_forward_only():
         g.pooling(x, "avg_include_pad", [3, 3], [2, 2], [1, 1], return_indices=True)
     dy = g.tensor(name="dy", dim=[2, 3, 3, 3])
     with pytest.raises(dg.ValidationError, match="return_indices"):
-        g._add_op("pooling_backward", [dy, x], dg.graph._attrs_of(
+        g._add_op("pooling_backward", [dy, x, None], dg.graph._attrs_of(
             "pooling_backward", "max", (3, 3), (2, 2), (1, 1), True))
     y = g.pooling(x, "max", [3, 3], [2, 2], [1, 1], return_indices=False)
     assert isinstance(y, dg.Tensor)
@@ -215,6 +217,184 @@ def test_backward_is_deterministic():
     first, second = run(g, {x: x_t, dy: dy_t})[dx.name], run(g, {x: x_t, dy: dy_t})[dx.name]
     assert torch.equal(first, second)
     assert "atomic" not in g.plan.launches[0].source_path.read_text()
+
+
+# --- backward from the forward's indices ---------------------------------------------------------
+MAX_POOLS = (torch.nn.functional.max_pool1d, torch.nn.functional.max_pool2d, torch.nn.functional.max_pool3d)
+# overlapping windows with padding (3x3 stride 2 padding 1, ResNet's stem) and odd sizes per rank
+INDEXED_PROBLEMS = {1: ((2, 5, 13), [3], [2], [1]), 2: ((2, 5, 9, 7), [3, 3], [2, 2], [1, 1]),
+                    3: ((2, 3, 5, 7, 6), [3, 2, 3], [2, 1, 2], [1, 1, 1])}
+
+
+def torch_indices(x_value, window, stride, padding):
+    """torch's max pool values and int64 indices of x_value (computed in float32)."""
+    return MAX_POOLS[len(window) - 1](x_value.float(), window, stride, padding, return_indices=True)
+
+
+def indexed_backward_graph(x_value, dy_value, indices_value, window, stride, padding):
+    g = dg.Graph(io_data_type=IO_TYPES[x_value.dtype])
+    x, dy = g.tensor_like(x_value, "x"), g.tensor_like(dy_value, "dy")
+    indices = g.tensor_like(indices_value, "indices")
+    dx = g.pooling_backward(dy, x, "max", window, stride, padding, indices=indices).set_output(True)
+    return g, (x, dy, indices), dx
+
+
+def torch_grad(x_value, dy_value, window, stride, padding):
+    leaf = x_value.float().requires_grad_(True)
+    MAX_POOLS[len(window) - 1](leaf, window, stride, padding).backward(dy_value.float())
+    return leaf.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("spatial", [1, 2, 3])
+def test_indexed_backward_equals_torchs_with_ties_nan_and_infinities(spatial, layout, dtype):
+    """Indices torch's forward made of x full of ties, NaN, inf and -inf windows: integer
+    gradients summed exactly, so dx equals torch's; the float64 reference agrees."""
+    shape, window, stride, padding = INDEXED_PROBLEMS[spatial]
+    x_t = adversarial(shape, dtype, layout, seed=spatial)
+    _, indices_t = torch_indices(x_t, window, stride, padding)
+    dy_t = torch.randint(1, 5, output_dims(shape, window, stride, padding)).to(dtype)
+    dy_t, indices_t = (channels_last(t) if layout == "nhwc" else t for t in (dy_t, indices_t))
+    g, (x, dy, indices), dx = indexed_backward_graph(x_t, dy_t, indices_t, window, stride, padding)
+    got = check(g, {x: x_t, dy: dy_t, indices: indices_t}, dtype)[dx.name]
+    assert torch.equal(got.float(), torch_grad(x_t, dy_t, window, stride, padding))
+    assert "argmax=indices" in g.plan.launches[0].config_text
+
+
+@pytest.mark.parametrize("spatial,layout", [(1, "nhwc"), (2, "nchw"), (2, "nhwc"), (3, "nchw")])
+def test_indexed_backward_of_random_values_against_the_reference(spatial, layout):
+    shape, window, stride, padding = INDEXED_PROBLEMS[spatial]
+    x_t = sample(shape, torch.float32, layout)
+    _, indices_t = torch_indices(x_t, window, stride, padding)
+    dy_t = sample(output_dims(shape, window, stride, padding), torch.float32, layout)
+    g, (x, dy, indices), dx = indexed_backward_graph(x_t, dy_t, indices_t, window, stride, padding)
+    got = check(g, {x: x_t, dy: dy_t, indices: indices_t})[dx.name]
+    assert rel_err(got, torch_grad(x_t, dy_t, window, stride, padding)) < 1e-6
+
+
+def test_indexed_backward_of_sliced_tensors_and_size_one_axes():
+    """Non-contiguous x, dy and indices (each a slice of a larger tensor), then a plane of one
+    row and a window covering it whole (size-1 axes, one window along the other)."""
+    base = torch.randn(3, 9, 15, 14)
+    x_t = base[1:, 2:7, 1::2, 3:]  # [2, 5, 8, 11]
+    _, indices_t = torch_indices(x_t, [3, 3], [2, 2], [1, 1])
+    dy_t = torch.randn(2, 5, 4, 6, 3)[..., 1]
+    indices_t = torch.cat([indices_t, indices_t], dim=3)[:, :, :, ::2]
+    assert not dy_t.is_contiguous() and not indices_t.is_contiguous()
+    g, (x, dy, indices), dx = indexed_backward_graph(x_t, dy_t, indices_t, [3, 3], [2, 2], [1, 1])
+    check(g, {x: x_t, dy: dy_t, indices: indices_t})
+    x_t = sample((1, 1, 1, 5), torch.float32)
+    _, indices_t = torch_indices(x_t, [1, 5], [1, 1], [0, 2])
+    dy_t = sample(tuple(indices_t.shape), torch.float32)
+    g, (x, dy, indices), dx = indexed_backward_graph(x_t, dy_t, indices_t, [1, 5], [1, 1], [0, 2])
+    got = check(g, {x: x_t, dy: dy_t, indices: indices_t})[dx.name]
+    assert rel_err(got, torch_grad(x_t, dy_t, [1, 5], [1, 1], [0, 2])) < 1e-6
+
+
+def test_indices_outside_their_window_route_nothing():
+    """The semantics: dy goes to the element its index names only when that element is in the
+    window (every index 0 here: only windows covering element 0 route their gradient)."""
+    x_t = sample((2, 3, 7, 6), torch.float32, "nhwc")
+    dy_t = sample((2, 3, 4, 3), torch.float32, "nhwc")
+    indices_t = torch.zeros(2, 3, 4, 3, dtype=torch.int64)
+    g, (x, dy, indices), dx = indexed_backward_graph(x_t, dy_t, indices_t, [3, 3], [2, 2], [1, 1])
+    got = check(g, {x: x_t, dy: dy_t, indices: indices_t})[dx.name]
+    assert torch.equal(got[:, :, 0, 0], dy_t[:, :, 0, 0]) and (got.flatten(2)[:, :, 1:] == 0).all()
+
+
+def test_forward_indices_feed_the_backward_in_one_graph():
+    """pooling(return_indices=True) then pooling_backward(indices=...) in one graph: the same
+    routing as torch, NaN and ties included; the graph survives JSON."""
+    x_t = adversarial((2, 5, 9, 7), torch.float32, "nhwc", seed=3)
+    dy_t = channels_last(torch.randint(1, 5, (2, 5, 5, 4)).float())
+    g = dg.Graph()
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    y, indices = g.pooling(x, "max", [3, 3], [2, 2], [1, 1], return_indices=True)
+    y.set_output(True)
+    dx = g.pooling_backward(dy, x, "max", [3, 3], [2, 2], [1, 1], indices=indices).set_output(True)
+    got = check(g, {x: x_t, dy: dy_t})[dx.name]
+    assert torch.equal(got, torch_grad(x_t, dy_t, [3, 3], [2, 2], [1, 1]))
+    again = run(dg.Graph.from_json(g.to_json()), {"x": x_t, "dy": dy_t})[dx.name]
+    assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("mask_from", ["input", "cmp_le"])
+def test_relu_backward_epilogue_fuses_into_the_indexed_backward(mask_from):
+    """ResNet's stem backward: the pool's input is a ReLU's output, whose mask selects dx in a
+    where epilogue. The backward and its where are one kernel, which reads the mask once and dy
+    and the indices once per covering window (never x). The mask's compare, where the
+    graph computes it from x (as the torch backend writes aten's threshold_backward), is a
+    pointwise kernel of its own before it."""
+    x_t = torch.relu(sample((2, 8, 11, 9), torch.bfloat16, "nhwc"))
+    _, indices_t = torch_indices(x_t, [3, 3], [2, 2], [1, 1])
+    indices_t = channels_last(indices_t)
+    dy_t = sample(tuple(indices_t.shape), torch.bfloat16, "nhwc")
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x, dy, indices = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy"), g.tensor_like(indices_t, "indices")
+    inputs = {x: x_t, dy: dy_t, indices: indices_t}
+    if mask_from == "input":
+        mask_t = channels_last(x_t <= 0)
+        mask = g.tensor_like(mask_t, "mask")
+        inputs[mask] = mask_t
+    else:
+        mask = g.cmp_le(x, 0.0)
+    dx = g.pooling_backward(dy, x, "max", [3, 3], [2, 2], [1, 1], indices=indices)
+    masked = g.where(mask, 0.0, dx).set_output(True)
+    got = check(g, inputs, torch.bfloat16)[masked.name]
+    want = torch_grad(x_t, dy_t, [3, 3], [2, 2], [1, 1]) * (x_t > 0)
+    assert rel_err(got, want) < 1.6e-2
+    pooling = [launch for launch in g.plan.launches if launch.group.kind == "pooling"]
+    assert len(pooling) == 1 and [n.op for n in pooling[0].group.nodes] == ["pooling_backward", "where"]
+    assert len(g.plan.launches) == (1 if mask_from == "input" else 2)
+    source = pooling[0].source_path.read_text()
+    # the covering-window loop is unrolled by Triton: its loads appear once in the source
+    assert source.count("tl.load(") == 3, "the mask, then dy and the indices in the window loop"
+    assert source.count("_ptr,\n") == 4, "x is no argument: dy, the indices, the mask and dx"
+
+
+def test_indexed_backward_with_prologue_on_dy_and_epilogue_on_dx():
+    x_t = sample((2, 4, 9, 10), torch.float32, "nhwc")
+    _, indices_t = torch_indices(x_t, [3, 2], [2, 2], [1, 0])
+    dy_t, r_t = sample(tuple(indices_t.shape), torch.float32, "nhwc"), sample((2, 4, 9, 10), torch.float32)
+    g = dg.Graph()
+    x, dy, r = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy"), g.tensor_like(r_t, "r")
+    indices = g.tensor_like(indices_t, "indices")
+    dx = g.pooling_backward(g.mul(dy, 3.0), x, "max", [3, 2], [2, 2], [1, 0], indices=indices)
+    g.add(dx, r).set_output(True)
+    check(g, {x: x_t, dy: dy_t, r: r_t, indices: indices_t})
+    assert len(g.plan.launches) == 1
+
+
+def test_bad_indices_raise_at_the_op_call_and_change_nothing():
+    g = dg.Graph()
+    x, dy = g.tensor(name="x", dim=[2, 3, 7, 7]), g.tensor(name="dy", dim=[2, 3, 4, 4])
+    good = g.tensor(name="good", dim=[2, 3, 4, 4], data_type=dg.int64)
+    cases = [(g.tensor(name="i32", dim=[2, 3, 4, 4], data_type=dg.int32), "max", "int64"),
+             (g.tensor(name="floats", dim=[2, 3, 4, 4], data_type=dg.float32), "max", "int64"),
+             (g.tensor(name="short", dim=[2, 3, 4, 3], data_type=dg.int64), "max", "dims"),
+             (g.tensor(name="flat", dim=[2, 3, 16], data_type=dg.int64), "max", "dims"),
+             (good, "avg_include_pad", "mode"), (good, "avg_exclude_pad", "mode")]
+    nodes = len(g.to_json())
+    for indices, mode, message in cases:
+        with pytest.raises(dg.ValidationError, match=message):
+            g.pooling_backward(dy, x, mode, [3, 3], [2, 2], [1, 1], indices=indices)
+    assert len(g.to_json()) == nodes, "a failed call adds nothing"
+    with pytest.raises(dg.ValidationError):
+        g.pooling_backward(dy, x, "max", [3, 3], [2, 2], [1, 1], indices=torch.zeros(2, 3, 4, 4))
+
+
+def test_json_without_the_indices_input_still_loads():
+    """A document written before pooling_backward took indices lists two inputs."""
+    x_t = sample((2, 3, 7, 6), torch.float32)
+    dy_t = sample((2, 3, 4, 3), torch.float32)
+    g, x, dy, dx = backward_graph(x_t, dy_t, "max", [3, 3], [2, 2], [1, 1])
+    document = json.loads(g.to_json())
+    for record in document["nodes"]:
+        assert record["inputs"][2:] == [None]
+        del record["inputs"][2:]
+    outputs = run(dg.Graph.from_json(json.dumps(document)), {"x": x_t, "dy": dy_t})
+    assert torch.equal(outputs[dx.name], run(g, {x: x_t, dy: dy_t})[dx.name])
 
 
 # --- fusion --------------------------------------------------------------------------------------
@@ -308,3 +488,18 @@ def test_gpu_bf16_3d_forward_and_backward(mode):
     dy_t = sample(output_dims(shape, window, stride, padding), torch.bfloat16, "nhwc", "cuda")
     g, x, dy, dx = backward_graph(x_t, dy_t, mode, window, stride, padding)
     check(g, {x: x_t, dy: dy_t}, torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_nhwc_indexed_backward_equals_the_recompute():
+    """ResNet's stem pool backward (3x3 stride 2 padding 1, channels-last bf16): the indexed
+    kernel and the recomputing one give torch's gradient."""
+    shape, window, stride, padding = (4, 64, 57, 57), [3, 3], [2, 2], [1, 1]
+    x_t = sample(shape, torch.bfloat16, "nhwc", "cuda")
+    _, indices_t = torch.nn.functional.max_pool2d(x_t, window, stride, padding, return_indices=True)
+    dy_t = sample(tuple(indices_t.shape), torch.bfloat16, "nhwc", "cuda")
+    g, (x, dy, indices), dx = indexed_backward_graph(x_t, dy_t, indices_t, window, stride, padding)
+    indexed = check(g, {x: x_t, dy: dy_t, indices: indices_t}, torch.bfloat16, device="cuda")[dx.name]
+    g, x, dy, dx = backward_graph(x_t, dy_t, "max", window, stride, padding)
+    recomputed = check(g, {x: x_t, dy: dy_t}, torch.bfloat16, device="cuda")[dx.name]
+    assert torch.equal(indexed, recomputed)

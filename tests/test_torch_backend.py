@@ -467,6 +467,26 @@ def test_max_pool_training_gradients_route_as_eager(relu_first, layout, dtype):
     assert forward.graphs == 1 and backward.graphs == 1 and backward.kernels() >= 1
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_max_pool_backward_reads_the_saved_indices_with_the_relu_mask_fused(layout):
+    """The training backward routes dy by the indices the forward saved (no argmax recompute from
+    x) and its ReLU mask (aten's threshold_backward, a where) rides the pooling kernel."""
+    module = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
+    x = _pool_input(torch.float32, layout, seed=5)
+    leaf, eager_leaf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    got, want = _compiled(module)(leaf), module(eager_leaf)
+    grad = torch.randint(1, 5, want.shape).float()
+    got.backward(grad)
+    want.backward(grad)
+    assert _same(got, want) and _same(leaf.grad, eager_leaf.grad)
+    backward = torch_backend.REPORTS[-1]
+    plans = [f._plain[0].plan for f in backward.functions if f._plain is not None]
+    pooling = [launch for plan in plans for launch in plan.launches if launch.group.kind == "pooling"]
+    assert len(pooling) == 1 and "argmax=indices" in pooling[0].config_text
+    assert [node.op for node in pooling[0].group.nodes] == ["pooling_backward", "where"]
+    assert pooling[0].group.anchor.inputs[2] is not None
+
+
 def test_max_pool_indices_a_program_returns_are_torchs():
     def f(x):
         return torch.nn.functional.max_pool2d(x, 3, 2, 1, return_indices=True)
@@ -508,7 +528,8 @@ def test_max_pool_dnngraph_cannot_compute_stays_in_torch_with_why(module, why):
 
 
 def test_max_pool_backward_with_indices_from_elsewhere_stays_in_torch():
-    """Recomputing the argmax from x is right only for indices the pool of x made."""
+    """dnngraph routes by indices only within their windows (torch routes any index): exact only
+    for indices the pool of x made."""
     def f(grad, x, indices):
         return torch.ops.aten.max_pool2d_with_indices_backward(grad, x, [3, 3], [2, 2], [1, 1], [1, 1], False,
                                                                indices)

@@ -4,8 +4,10 @@ Forward: each program owns a [BLOCK_R, BLOCK_C] tile of y and walks the window w
 loads of x; the prologue is applied at load, padding never wins a max and adds nothing to a sum.
 Backward is a gather, so it needs no atomics and is deterministic: each program owns a tile of
 dx and, for each of the few windows covering an element, adds dy / count (average) or dy where
-the window's recomputed argmax (first maximum in window order, as torch) is that element.
-A max forward asked for indices tracks that same argmax as torch's flat index in the input plane.
+the window's argmax is that element: recomputed from x (first maximum in window order, as
+torch), or read from the forward's indices where the graph gives them (one int64 load and
+compare per covering window instead of a window of x loads). A max forward asked for indices
+tracks that same argmax as torch's flat index in the input plane.
 Tile columns walk the schedule's vector axis; every other axis is a row coordinate.
 """
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Optional
 from ..errors import UnsupportedError
 from ..fusion import FusionGroup
 from ..heuristics.layout import operand_strides
-from ..heuristics.pooling import AXIS_NAMES
+from ..heuristics.pooling import AXIS_NAMES, moved_tensors
 from .emitter import ExpressionEmitter, kind_of
 from .names import NameAllocator
 from .pointwise import KernelArgument, header
@@ -26,7 +28,7 @@ INDENT = "    "
 # axis letter: h_idx, h_start, ...; in_h, out_h, WINDOW_H, ...)
 FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest",
                "rows", "cols", "batch", "channels", "acc", "value", "result", "grad", "best", "hit",
-               "better", "inside", "covered", "argmax", "BLOCK_R", "BLOCK_C")
+               "better", "inside", "covered", "argmax", "here", "BLOCK_R", "BLOCK_C")
 FIXED_STEMS = ("in", "out", "WINDOW", "STRIDE", "PAD", "COVER")
 
 
@@ -93,12 +95,15 @@ class _KernelWriter:
         # a max forward's argmax indices, where the graph asks for them
         outputs = self.anchor.outputs
         self.indices = outputs[1] if self.anchor.op == "pooling" and len(outputs) > 1 else None
-        # operands are named by whether they are read or written, never by their tensor's name
-        roles = [(t, "x") for t in group.inputs] + [(t, "y") for t in self.outputs]
+        # operands are named by whether they are read or written, never by their tensor's name;
+        # x is no operand of a max backward that reads the forward's indices and nothing else of x
+        moved = {t.uid for t in moved_tensors(group, self.x_tensor(), not self.indexed_backward())}
+        read = [t for t in group.inputs if t.uid in moved]
+        roles = [(t, "x") for t in read] + [(t, "y") for t in self.outputs]
         self.operands = {t.uid: Operand(self.allocator.prefix(hint),
                                         operand_strides(schedule.x_dims, t.dim, t.stride))
                          for t, hint in roles}
-        self.input_uids = {t.uid for t in group.inputs}
+        self.input_uids = {t.uid for t in read}
         self.body: list[str] = []
         self.depth = 1
 
@@ -264,6 +269,9 @@ class _KernelWriter:
             return "(" + " * ".join(f"WINDOW_{self.names[a].upper()}" for a in self.spatial) + ")"
         return self.window_count()
 
+    def indexed_backward(self) -> bool:
+        return self.schedule.backward and self.anchor.inputs[2] is not None
+
     def x_tensor(self):
         return self.anchor.inputs[1] if self.schedule.backward else self.anchor.inputs[0]
 
@@ -309,10 +317,12 @@ class _KernelWriter:
         for axis in self.spatial:  # the last window starting at or before this element
             name, upper = self.names[axis], self.names[axis].upper()
             self.line(f"{name}_last = ({name}_idx + PAD_{upper}) // STRIDE_{upper}")
-        is_max = self.schedule.mode == "max"
+        is_max, indices = self.schedule.mode == "max", self.anchor.inputs[2]
         hoisted = self.hoist_loads(self.anchor.inputs[0], tile)
-        if is_max:  # only max reads x
+        if is_max and indices is None:  # only the recomputed argmax reads x
             hoisted |= self.hoist_loads(self.x_tensor(), tile)
+        if indices is not None:
+            self.line(f"here = {self.plane_index('idx')}")
         covering = dict(tile)
         for axis in self.spatial:
             name, upper = self.names[axis], self.names[axis].upper()
@@ -324,8 +334,12 @@ class _KernelWriter:
             covering[axis] = Coord(f"{name}_out", self.side(axis), f"{name}_cov")
         self.line(f"covered = {self.inside(covering)}")
         self.value_at(self.anchor.inputs[0], covering, "grad", hoisted)
-        if is_max:
+        if indices is not None:
+            self.load(indices, covering)
+            self.line(f"hit = {self.emitter.value(indices.uid, 'l')} == here")
+        elif is_max:
             self.argmax_is_here(tile, hoisted)
+        if is_max:
             self.line("acc += tl.where(covered & hit, grad, 0.0)")
         else:
             self.line(f"acc += tl.where(covered, grad / {self.divisor()}, 0.0)")

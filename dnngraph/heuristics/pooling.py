@@ -21,6 +21,12 @@ TILE_ELEMENTS = (512, 1024, 2048, 4096)
 # Values a thread holds per tile load, at most: the unrolled window keeps several tile loads
 # live at once (9 for 3x3), and more than 16 values each pushes registers past 128 a thread.
 ELEMENTS_PER_THREAD = 16
+# The same cap for a max backward given the forward's indices. Model assumption, not yet
+# measured: each covering window (up to 4 for 3x3 stride 2) is one int64 and one dy tile load,
+# all live at once; int64 values take two registers, so 8 values a thread keeps the indices near
+# 64 registers, as 16 bf16-widened values of 4 window loads would be.
+INDEXED_ELEMENTS_PER_THREAD = 8
+MAX_WARPS = 8
 THREADS_PER_SM = 2048
 # Hopper keeps at most 32 resident blocks per SM, whatever their size.
 MAX_PROGRAMS_PER_SM = 32
@@ -56,6 +62,7 @@ class PoolingSchedule:
     vector_axis: int  # logical axis the tile columns walk
     row_axes: tuple  # the other logical axes, outermost first; they decompose the row index
     index_64: bool  # some offset may pass 2^31: index math in int64
+    indexed: bool  # a max backward reading the forward's indices instead of recomputing the argmax
     config: PoolingConfig
     candidates: int
     reason: str
@@ -85,23 +92,28 @@ class PoolingSchedule:
         return (f"BLOCK_R={self.config.block_rows} BLOCK_C={self.config.block_cols} "
                 f"num_warps={self.config.num_warps} grid={self.programs} "
                 f"vector={names[self.vector_axis]} rows={''.join(names[a] for a in self.row_axes)}"
-                + (" int64-index" if self.index_64 else ""))
+                + (" int64-index" if self.index_64 else "")
+                + (" argmax=indices" if self.indexed else ""))
 
 
-def candidates(rows: int, cols: int) -> list[tuple[int, int, int]]:
-    """(block_rows, block_cols, num_warps) triples worth ranking for a rows x cols tile space."""
+def candidates(rows: int, cols: int, elements_per_thread: int = ELEMENTS_PER_THREAD) -> list[tuple[int, int, int]]:
+    """(block_rows, block_cols, num_warps) triples worth ranking for a rows x cols tile space;
+    tiles that would put more than `elements_per_thread` values of one load on a thread of
+    MAX_WARPS warps are left out (the smallest tile always stays)."""
     block_cols = min(_pow2_at_least(cols), MAX_BLOCK_COLS)
     rows_cap = _pow2_at_least(rows)
     result = set()
     for tile in TILE_ELEMENTS:
         block_rows = max(1, min(rows_cap, tile // block_cols))
-        # the fewest warps that keep a tile load within ELEMENTS_PER_THREAD, and twice as many
-        # (shorter per-thread load queues, more warps to hide latency)
         elements = block_rows * block_cols
-        warps = max(1, min(8, elements // (32 * ELEMENTS_PER_THREAD)))
+        if result and elements > MAX_WARPS * 32 * elements_per_thread:
+            continue
+        # the fewest warps that keep a tile load within elements_per_thread, and twice as many
+        # (shorter per-thread load queues, more warps to hide latency)
+        warps = max(1, min(MAX_WARPS, elements // (32 * elements_per_thread)))
         result.add((block_rows, block_cols, warps))
         if 2 * warps * 32 <= elements:  # every thread still holds an element
-            result.add((block_rows, block_cols, min(8, 2 * warps)))
+            result.add((block_rows, block_cols, min(MAX_WARPS, 2 * warps)))
     return sorted(result)
 
 
@@ -124,11 +136,12 @@ def estimate(rows: int, cols: int, block_rows: int, block_cols: int, num_warps: 
     return time + (_wave_time(last_wave, num_warps, program_bytes, device) if last_wave else 0.0)
 
 
-def rank(rows: int, cols: int, bytes_per_element: float, device: DeviceModel) -> list[PoolingConfig]:
+def rank(rows: int, cols: int, bytes_per_element: float, device: DeviceModel,
+         elements_per_thread: int = ELEMENTS_PER_THREAD) -> list[PoolingConfig]:
     """Candidate configs, best model time first; ties go to the larger tile, whose neighbouring
     windows share more of their loads through L1."""
     configs = [PoolingConfig(r, c, w, 1e6 * estimate(rows, cols, r, c, w, bytes_per_element, device))
-               for r, c, w in candidates(rows, cols)]
+               for r, c, w in candidates(rows, cols, elements_per_thread)]
     return sorted(configs, key=lambda cfg: (cfg.estimate_us, -cfg.block_rows * cfg.block_cols,
                                             -cfg.num_warps))
 
@@ -157,6 +170,14 @@ def _numel(dims) -> int:
     return count
 
 
+def moved_tensors(group, x, window_reads_x: bool) -> list:
+    """The tensors a pooling kernel moves: x only where its window loop loads it or a fused node
+    reads it (a ReLU backward's mask)."""
+    others = [node for node in group.nodes if node is not group.anchor]
+    read = window_reads_x or any(t.uid == x.uid for node in others for t in node.input_tensors())
+    return [t for t in group.inputs if read or t.uid != x.uid] + list(group.outputs)
+
+
 def schedule(group, device: DeviceModel) -> PoolingSchedule:
     """Tile layout and best-ranked config of a pooling or pooling_backward group."""
     anchor = group.anchor
@@ -164,21 +185,26 @@ def schedule(group, device: DeviceModel) -> PoolingSchedule:
     x = anchor.inputs[1] if backward else anchor.inputs[0]
     y_dims = tuple(anchor.inputs[0].dim) if backward else tuple(anchor.outputs[0].dim)
     attrs = anchor.attrs
+    indexed = backward and anchor.inputs[2] is not None
     tile_dims = tuple(x.dim) if backward else y_dims
     vector_axis, row_axes = tile_axes(tile_dims, tuple(x.stride))
     tensors = list(group.inputs) + list(group.outputs)
     index_64 = max(max(_span(t) for t in tensors), _numel(x.dim)) > INT32_LIMIT
-    traffic = sum(_numel(t.dim) * t.data_type.itemsize for t in tensors)
+    # only the indexed path leaves x out so far; the average backward's ranking stays as measured
+    moved = moved_tensors(group, x, not indexed)
+    traffic = sum(_numel(t.dim) * t.data_type.itemsize for t in moved)
     tile_elements = _numel(tile_dims)
     cols = tile_dims[vector_axis]
     rows = tile_elements // cols
-    ranked = rank(rows, cols, traffic / tile_elements, device)
+    per_thread = INDEXED_ELEMENTS_PER_THREAD if indexed else ELEMENTS_PER_THREAD
+    ranked = rank(rows, cols, traffic / max(tile_elements, 1), device, per_thread)
     best = ranked[0]
     names = AXIS_NAMES[len(tile_dims)]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
               f"{device.bandwidth / 1e12:.1f} TB/s for {traffic} bytes over {rows}x{cols} "
               f"({'dx' if backward else 'y'} positions x {names[vector_axis]}); vector axis "
-              f"{names[vector_axis]} has the smallest stride of x ({x.stride[vector_axis]})")
+              f"{names[vector_axis]} has the smallest stride of x ({x.stride[vector_axis]})"
+              + ("; the forward's indices route dy (no argmax recompute)" if indexed else ""))
     return PoolingSchedule(backward, attrs.mode, tuple(attrs.window), tuple(attrs.stride),
                            tuple(attrs.padding), tuple(x.dim), y_dims, vector_axis, row_axes,
-                           index_64, best, len(ranked), reason)
+                           index_64, indexed, best, len(ranked), reason)

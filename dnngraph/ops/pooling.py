@@ -3,7 +3,9 @@
 Max pooling can also give torch's indices (`return_indices=True`): per output element the
 int64 flat index, within its input plane, of the window's first maximum in scan order; a NaN
 takes the index from any number and from an earlier NaN (so the last NaN wins); a window with
-nothing above -inf keeps its first in-range element. The backward recomputes that argmax from x.
+nothing above -inf keeps its first in-range element. The max backward recomputes that argmax
+from x, or, given those indices (int64, dy's dims), routes each dy to the element its index names
+when that element lies in its window (torch's max_pool*_with_indices_backward for such indices).
 """
 from __future__ import annotations
 
@@ -66,13 +68,25 @@ def infer_forward(inputs, attrs):
 
 
 def infer_backward(inputs, attrs):
-    dy, x = inputs
+    dy, x, indices = inputs
     if attrs.return_indices:
         fail("pooling_backward", "return_indices is an attribute of the forward only")
     expected = tuple(x.dim[:2]) + output_spatial("pooling_backward", x.dim, attrs)
     if tuple(dy.dim) != expected:
         fail("pooling_backward", f"dy must be {list(expected)}, got {list(dy.dim)}")
+    if indices is not None:
+        check_indices(attrs, dy, indices)
     return [OutputSpec(x.dim, layout_source=1)]
+
+
+def check_indices(attrs, dy, indices):
+    """The max backward's indices: int64 with dy's dims, for mode 'max' only."""
+    if attrs.mode != "max":
+        fail("pooling_backward", f"indices route max pooling's gradient; mode is {attrs.mode!r}")
+    if indices.data_type is not dtypes.int64:
+        fail("pooling_backward", f"indices must be int64, got {indices.data_type.name}")
+    if tuple(indices.dim) != tuple(dy.dim):
+        fail("pooling_backward", f"indices must have dy's dims {list(dy.dim)}, got {list(indices.dim)}")
 
 
 def pool(x: torch.Tensor, attrs: PoolingAttrs) -> torch.Tensor:
@@ -100,8 +114,34 @@ def reference_forward(values, attrs):
     return list(fn(values[0], attrs.window, attrs.stride, attrs.padding, return_indices=True))
 
 
+def in_window(indices: torch.Tensor, attrs, in_spatial) -> torch.Tensor:
+    """Does each pooled position's index name an element of its own window?"""
+    plane = math.prod(in_spatial)
+    inside = (indices >= 0) & (indices < plane)
+    inner = plane
+    for axis, (size, w, s, p) in enumerate(zip(in_spatial, attrs.window, attrs.stride, attrs.padding)):
+        inner //= size
+        coordinate = indices // inner % size
+        shape = [1] * indices.dim()
+        shape[2 + axis] = indices.shape[2 + axis]
+        start = torch.arange(indices.shape[2 + axis], device=indices.device).view(shape) * s - p
+        inside &= (coordinate >= start) & (coordinate < start + w)
+    return inside
+
+
+def route_by_indices(dy: torch.Tensor, x: torch.Tensor, indices: torch.Tensor, attrs) -> torch.Tensor:
+    """dx: each dy added at the element its index names, where that element is in its window."""
+    inside = in_window(indices, attrs, tuple(x.shape[2:]))
+    grads = torch.where(inside, dy, torch.zeros((), dtype=dy.dtype)).flatten(2)
+    targets = torch.where(inside, indices, 0).flatten(2)
+    dx = torch.zeros(tuple(x.shape[:2]) + (math.prod(x.shape[2:]),), dtype=dy.dtype, device=dy.device)
+    return dx.scatter_add_(2, targets, grads).view(x.shape)
+
+
 def reference_backward(values, attrs):
-    dy, x = values
+    dy, x, indices = values
+    if indices is not None:
+        return [route_by_indices(dy, x, indices, attrs)]
     with torch.enable_grad():
         leaf = x.detach().clone().requires_grad_(True)
         (dx,) = torch.autograd.grad(pool(leaf, attrs), leaf, dy)
@@ -110,8 +150,8 @@ def reference_backward(values, attrs):
 
 register(OpDef("pooling", "pooling", "anchor", PoolingAttrs, ("x",), ("y", "indices"),
                infer_forward, reference_forward))
-register(OpDef("pooling_backward", "pooling", "anchor", PoolingAttrs, ("dy", "x"), ("dx",),
-               infer_backward, reference_backward))
+register(OpDef("pooling_backward", "pooling", "anchor", PoolingAttrs, ("dy", "x", "indices"), ("dx",),
+               infer_backward, reference_backward, optional=("indices",)))
 
 
 @backward_rule("pooling")
@@ -119,4 +159,4 @@ def _pooling_backward(d, node, grads):
     if grads[0] is None:  # the indices have no gradient
         return [None]
     attrs = dataclasses.replace(node.attrs, return_indices=False)
-    return [d.graph._add_op("pooling_backward", [grads[0], d.value(node.inputs[0])], attrs)[0]]
+    return [d.graph._add_op("pooling_backward", [grads[0], d.value(node.inputs[0]), None], attrs)[0]]

@@ -11,7 +11,7 @@ from .rows import require_floating_inputs
 
 def build_pooling(graph, group, index, tuner=None, device=None, budget=None):
     """The pooling kernel of a group."""
-    require_floating_inputs(group.anchor)
+    require_floating_inputs(group.anchor, group.anchor.inputs[:2])  # a max backward's int64 indices are compared
     sched = schedule_pooling(group, device_model(device))
     name = kernel_name(group, index)
     source, arguments = render_pooling(name, sched, group, graph.compute_data_type, group.describe())

@@ -186,9 +186,10 @@ def _row_loads(group, epilogue) -> tuple:
 PARTIAL_TYPES = {"f": torch.float32, "l": torch.int64}
 
 
-def require_floating_inputs(anchor):
-    """Row and pooling kernels accumulate in floating point: integer inputs would be rounded."""
-    for tensor in anchor.input_tensors():
+def require_floating_inputs(anchor, tensors=None):
+    """Row and pooling kernels accumulate in floating point: integer inputs would be rounded.
+    `tensors`: the anchor inputs that are accumulated (default: all of them)."""
+    for tensor in anchor.input_tensors() if tensors is None else tensors:
         if not tensor.data_type.is_floating:
             raise UnsupportedError(
                 f"node {anchor.name!r} ({anchor.op}) reads {tensor.name!r} of type {tensor.data_type.name}: "

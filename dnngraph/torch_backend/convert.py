@@ -370,9 +370,10 @@ def _max_pool_refused(node) -> Optional[str]:
 
 
 def _indices_of_this_pool(node) -> bool:
-    """Are a max pool backward's indices the argmax of its x (so recomputing from x routes the
-    gradient where they say)? Yes for indices AOTAutograd saved from the forward (a backward
-    graph's input) and for those of the same pool of the same x in this graph."""
+    """Are a max pool backward's indices the argmax of its x (each in its own window, where
+    pooling_backward routes by them as torch does; it drops an index outside its window)? Yes
+    for indices AOTAutograd saved from the forward (a backward graph's input) and for those of
+    the same pool of the same x in this graph."""
     indices, x = node.args[7], node.args[1]
     if indices.op == "placeholder":
         return any(n.op == "placeholder" and n.name.startswith("tangents") for n in node.graph.nodes)
@@ -396,10 +397,11 @@ def _max_pool(g, node, value):
 
 
 def _max_pool_backward(g, node, value):
-    """Gradient routed to each window's argmax, recomputed from x with torch's rule (the saved
-    indices say the same: _indices_of_this_pool)."""
+    """Gradient routed by the forward's saved indices (the argmax of this pool of this x, as
+    _indices_of_this_pool made sure): one index load per covering window, no argmax recompute."""
     window, stride, padding, _, _ = _pool_geometry(node)
-    return g.pooling_backward(value(node.args[0]), value(node.args[1]), "max", window, stride, padding)
+    return g.pooling_backward(value(node.args[0]), value(node.args[1]), "max", window, stride, padding,
+                              indices=value(node.args[7]))
 
 
 class Aux:
