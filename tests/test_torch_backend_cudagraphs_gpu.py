@@ -64,10 +64,10 @@ def _compare_replayed(model, forward, inputs, grads, tolerance):
 def test_replayed_cnn_training_steps_match_eager_with_batch_norm_statistics():
     torch.manual_seed(5)
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(16, 32, 3, padding=1), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
-        torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(32, 24, 3, padding=1, stride=2), torch.nn.BatchNorm2d(24),
+        torch.nn.Conv2d(16, 32, 3, padding=1, bias=False), torch.nn.BatchNorm2d(32), torch.nn.ReLU(),
+        torch.nn.MaxPool2d(3, 2, 1), torch.nn.Conv2d(32, 24, 3, padding=1, stride=2, bias=False), torch.nn.BatchNorm2d(24),
         torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(24 * 4 * 4, 10),
-    ).to(device="cuda", memory_format=torch.channels_last)
+    ).to(device="cuda", memory_format=torch.channels_last)  # (no conv bias: a batch norm's mean takes it)
     # float32 (no TF32): in bf16 a rounding apart routes a max pool's gradient (ties at ReLU's zeros)
     # elsewhere, in eager as much as here
     inputs = [torch.randn(8, 16, 15, 15, device="cuda").to(memory_format=torch.channels_last) for _ in range(STEPS)]
