@@ -43,7 +43,7 @@ def graph_document(graph) -> dict:
     for node in graph.nodes:
         attrs = {name: _jsonable(getattr(node.attrs, name)) for name in _field_names(type(node.attrs))}
         nodes.append({"op": node.op, "name": node.name,
-                      "inputs": [None if t is None else t.uid for t in node.inputs],
+                      "inputs": [None if t is None else t.uid for t in _written_inputs(node)],
                       "outputs": [None if t is None else t.uid for t in node.outputs],
                       "attrs": attrs})
     return {
@@ -53,6 +53,19 @@ def graph_document(graph) -> dict:
                   "compute_data_type": graph.compute_data_type.name, "allow_tf32": graph.allow_tf32},
         "tensors": tensors, "nodes": nodes,
     }
+
+
+# op -> how many inputs it had when the schema's version was set: an absent optional input
+# added since is left out of the record, so a reader of that version loads the document
+INPUTS_AT_SCHEMA = {"pooling_backward": 2}
+
+
+def _written_inputs(node) -> list:
+    inputs = list(node.inputs)
+    first_added = INPUTS_AT_SCHEMA.get(node.op, len(inputs))
+    while len(inputs) > first_added and inputs[-1] is None:
+        inputs.pop()
+    return inputs
 
 
 @functools.lru_cache(maxsize=None)

@@ -151,3 +151,22 @@ def test_bindings_on_two_devices_are_refused_before_anything_is_written(stray):
     fn = g.as_function()
     with pytest.raises(dg.ExecutionError, match="one device"):
         fn(bindings[x], torch.randn(29, 19, device="meta"), bindings[scale])
+
+
+def test_work_on_its_own_thread_returns_its_value_or_raises_its_error():
+    """plan.launch.on_own_thread (how persistent workspaces escape a caller's pool routing): the
+    value comes back, an exception is raised in the caller, and it runs on another thread, also
+    from a thread started after the main thread's work (no executor to be shut down)."""
+    import threading
+
+    from dnngraph.plan.launch import on_own_thread
+
+    caller = threading.get_ident()
+    assert on_own_thread(threading.get_ident) != caller
+    with pytest.raises(KeyError, match="boom"):
+        on_own_thread(lambda: {}["boom"])
+    seen = []
+    late = threading.Thread(target=lambda: seen.append(on_own_thread(lambda: 7)))
+    late.start()
+    late.join()
+    assert seen == [7]

@@ -90,14 +90,15 @@ def test_replayed_llama_layer_training_steps_match_eager():
     _compare_replayed(layer, forward, inputs, grads, 3e-2)
 
 
-def test_replayed_inference_returns_each_calls_result():
+@pytest.mark.parametrize("how", [{"mode": "reduce-overhead"}, {"options": {"cudagraphs": True}}])
+def test_replayed_inference_returns_each_calls_result(how):
     """No-grad calls replay one recorded graph; each result (copied before the next call) is its
     own input's, not the last recorded one's."""
     torch.manual_seed(7)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 33)).cuda().half()
     torch._dynamo.reset()
     counters.clear()
-    compiled = torch.compile(model, backend="dnngraph", dynamic=False, mode="reduce-overhead")
+    compiled = torch.compile(model, backend="dnngraph", dynamic=False, **how)
     with torch.no_grad():
         for step in range(STEPS):
             x = torch.randn(17, 64, device="cuda", dtype=torch.half)
@@ -130,3 +131,22 @@ def test_replayed_dropout_draws_a_new_mask_per_step_and_the_backward_reads_it():
         masks.append(kept.clone())
     assert not counters["inductor"]["cudagraph_skips"]
     assert all(not torch.equal(masks[i], masks[i + 1]) for i in range(STEPS - 1))
+
+
+def test_a_graph_reading_a_cpu_tensor_runs_without_replay_and_stays_right():
+    """A CPU scalar read by the graph: nothing is recorded (a CPU op would run only while
+    recording), every call reads the scalar's current value, and the skip is counted."""
+    scale = torch.tensor(1.0)
+
+    def scaled(x):
+        return torch.relu(x) * scale + 1.0
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(scaled, backend="dnngraph", dynamic=False, mode="reduce-overhead")
+    x = torch.randn(33, 65, device="cuda")
+    for step in range(STEPS):
+        scale.fill_(step + 2.0)
+        torch.compiler.cudagraph_mark_step_begin()
+        torch.testing.assert_close(compiled(x).clone(), scaled(x))
+    assert counters["inductor"]["cudagraph_skips"] >= 1

@@ -174,7 +174,9 @@ def moved_tensors(group, x, window_reads_x: bool) -> list:
     """The tensors a pooling kernel moves: x only where its window loop loads it or a fused node
     reads it (a ReLU backward's mask)."""
     others = [node for node in group.nodes if node is not group.anchor]
-    read = window_reads_x or any(t.uid == x.uid for node in others for t in node.input_tensors())
+    anchor_reads = group.anchor.input_tensors()[:1]  # dy (pooling_backward) may be x itself
+    read = window_reads_x or any(t.uid == x.uid for node in others for t in node.input_tensors()) or any(
+        t.uid == x.uid for t in anchor_reads)
     return [t for t in group.inputs if read or t.uid != x.uid] + list(group.outputs)
 
 

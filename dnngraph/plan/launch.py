@@ -11,7 +11,6 @@ the caller's workspace, one per stream).
 """
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import threading
 import time
@@ -64,7 +63,6 @@ def created_once(cache: dict, key, lock, make):
 
 _ALLOCATION_STREAMS: dict = {}  # CUDA device index -> the stream persistent buffers are allocated on
 _ALLOCATION_LOCK = threading.Lock()
-_ALLOCATION_THREAD: dict = {}  # 0 -> the one worker thread, made on first use
 
 
 def _allocated_on_side_stream(nbytes: int, index: int) -> torch.Tensor:
@@ -73,21 +71,41 @@ def _allocated_on_side_stream(nbytes: int, index: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=torch.device("cuda", index))
 
 
+def on_own_thread(make):
+    """make() run on a short-lived daemon thread of its own (whose allocations no pool routing
+    of the calling thread reaches); its result, or its exception raised here."""
+    done: dict = {}
+
+    def run():
+        try:
+            done["value"] = make()
+        except BaseException as error:  # handed to the caller
+            done["error"] = error
+
+    thread = threading.Thread(target=run, name="dnngraph-alloc", daemon=True)
+    thread.start()
+    thread.join()
+    if "error" in done:
+        raise done["error"]
+    return done["value"]
+
+
 def persistent_buffer(nbytes: int, device) -> torch.Tensor:
     """A uint8 buffer a plan keeps across executes on the current stream of `device`.
 
     On CUDA it comes from torch's general memory, never from a pool the calling thread's
     allocations are routed to (a cudagraph tree's while it warms a graph up: the tree requires
-    every live block of its pool to be an output it tracks): it is allocated by a worker thread,
-    on a stream of its own that runs nothing, and marked as used by the caller's stream, so its
-    memory is not reused before that stream's kernels finish. Under a capture it comes from the
-    capture's pool (no other allocation may happen then)."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    every live block of its pool to be an output it tracks): it is allocated by a thread of its
+    own, on a stream that runs nothing, and marked as used by the caller's stream, so its memory
+    is not reused before that stream's kernels finish. Under a capture on `device` it comes from
+    the capture's pool (no other allocation may happen then). Called once per plan and stream."""
+    if device.type != "cuda":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    worker = created_once(_ALLOCATION_THREAD, 0, _ALLOCATION_LOCK,
-                          lambda: concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="dnngraph-alloc"))
-    buffer = worker.submit(_allocated_on_side_stream, nbytes, index).result()
+    with torch.cuda.device(index):
+        if torch.cuda.is_current_stream_capturing():
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    buffer = on_own_thread(lambda: _allocated_on_side_stream(nbytes, index))
     current = torch.cuda.current_stream(index)
     current.wait_stream(_ALLOCATION_STREAMS[index])
     buffer.record_stream(current)

@@ -14,7 +14,8 @@ its offset on every replay of a recorded graph.
 from __future__ import annotations
 
 from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.backends.cudagraphs import check_for_skip, find_input_mutations, get_device_index, get_stack_traces
+from torch._dynamo.backends.cudagraphs import (check_for_skip, find_input_mutations, get_device_index,
+                                               get_device_node_mapping, get_stack_traces)
 from torch._inductor.compile_fx import get_static_input_idxs
 from torch._inductor.cudagraph_utils import BoxedDeviceIndex, get_placeholder_info, log_cudagraph_skip_and_bump_counter
 from torch._inductor.utils import BoxedBool, count_tangents, num_fw_fixed_arguments
@@ -39,8 +40,8 @@ def _recorded(compiled, aot_model, aot_inputs, static: list, device_index: int, 
 
 
 def _stealing(compiled):
-    """`compiled` called as the trees call a model: it takes the input list over and empties it,
-    so an input the graph no longer needs can be freed while it runs."""
+    """`compiled` called as the trees call a model: it takes the input list over and empties it
+    (the trees require it)."""
     def run(inputs: list):
         taken = list(inputs)
         inputs.clear()
@@ -48,6 +49,21 @@ def _stealing(compiled):
 
     run._boxed_call = True
     return run
+
+
+def _why_not(aot_model, fixed: int):
+    """Why `aot_model` cannot be recorded, or None. The devices are checked here: torch's check
+    lets CPU ops through when inductor's own graph partitioning is on (inductor splits them out
+    of its graphs; these graphs are not split), and a CPU op would then run only while recording."""
+    devices = get_device_node_mapping(aot_model)
+    if any(device.type != "cuda" for device in devices):
+        return "skipping cudagraphs due to a tensor off CUDA ({})".format(
+            ", ".join(sorted(f"{node.name} on {device}" for device, node in devices.items() if device.type != "cuda")))
+    if len(devices) > 1:
+        return f"skipping cudagraphs due to several devices ({', '.join(sorted(str(d) for d in devices))})"
+    if not devices:
+        return "skipping cudagraphs due to no CUDA tensor"
+    return check_for_skip(aot_model, fixed)
 
 
 def _skipped(reason: str) -> None:
@@ -63,7 +79,7 @@ def aot_with_cudagraphs(compile_graph, dynamo_model, dynamo_inputs):
     def forward(aot_model, aot_inputs, is_inference: bool = False):
         compiled = compile_graph(aot_model, aot_inputs)
         fixed = num_fw_fixed_arguments(len(dynamo_inputs), len(aot_inputs))
-        reason = check_for_skip(aot_model, fixed)
+        reason = _why_not(aot_model, fixed)
         if reason:
             BoxedBool.disable(replay_forward)
             _skipped(reason)
@@ -79,7 +95,7 @@ def aot_with_cudagraphs(compile_graph, dynamo_model, dynamo_inputs):
         if not replay_forward:
             return compiled
         fixed = count_tangents(aot_model)
-        reason = check_for_skip(aot_model, fixed)
+        reason = _why_not(aot_model, fixed)
         if reason:
             _skipped(reason)
             return _running_backward(compiled, device.value or 0)
