@@ -81,14 +81,19 @@ TILES = (
 # 256x128 needs 4 stages (576 -> 627). Flattening the tile loop won on 4096x11008x4096 (584 -> 601)
 # and lost on the squares (632 -> 613): both are candidates, the model cannot tell them apart.
 PERSISTENT_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4))
-# Epilogue subtiling with TMA stores (UNMEASURED: no GPU timing yet; candidates for autotuning
-# only, ranked right after the same tile without them, so the model's first choice is unchanged).
-# The 128x256 and 256x128 accumulators hold 128 fp32 values per thread on 8 warps; running the
-# fused epilogue on two [BLOCK_M, BLOCK_N / 2] halves in turn keeps half of the epilogue's values
-# live and lets one half's TMA store drain while the next half computes (Triton's persistent
-# matmul tutorial does the same). Offered for tiles of at least SUBTILE_MIN_OUTPUTS outputs.
+# Epilogue subtiling with TMA stores (UNMEASURED: no GPU timing yet; a candidate for autotuning
+# only, ranked right after the same tile without it, so the model's first choice is unchanged).
+# The 128x256 accumulator holds 128 fp32 values per thread on 8 warps; running the fused epilogue
+# on two [BLOCK_M, BLOCK_N / 2] halves in turn keeps half of the epilogue's values live and lets
+# one half's TMA store drain while the next half computes (Triton's persistent matmul tutorial
+# does the same). Offered for the 128x256 tile alone: the autotuner times the model's top 6, and
+# a twin of 256x128 as well would push the tiled 128x256 (the tuned best at 2048 rows, model rank
+# 5) out of them. What is known without a GPU (sm_90 builds of y = gelu(a @ b + bias) bf16
+# 4096^3, ptxas -v of Triton 3.6's PTX): the plain 128x256 w8 s3 kernel uses 255 registers and
+# spills 68 bytes, the 256x128 w8 s4 one 255 and 96; with subtile2 they use 254 and 250 and
+# spill nothing (subtile2 tma-store: 251 and 243, subtile4 tma-store: 205).
+SUBTILE_TILES = ((128, 256, 64, 8, 3),)
 SUBTILE_CANDIDATE = 2  # column subtiles of the candidate
-SUBTILE_MIN_OUTPUTS = 128 * 256
 SPLIT_TILES = ((64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4))
 # IEEE fp32 runs tl.dot on the FMA units: operands go shared -> registers and each thread owns
 # BLOCK_M*BLOCK_N/threads accumulators. Resource reports of sm_90 builds here: 128x128x32 on 8
@@ -262,8 +267,8 @@ def _shrink(config_tile, problem: MatmulProblem):
 def shared_bytes(config: MatmulConfig, problem: MatmulProblem) -> int:
     """Operand staging buffers: num_stages copies of an A tile and a B tile; with TMA stores, a
     staging buffer of one column subtile per stored byte of an output element (out_bytes: an
-    upper bound, it counts epilogue operands too). sm_90 builds here matched it exactly: 256x128
-    at 4 stages 196640 bytes, 229408 with subtile2 tma-store of a bf16 output."""
+    upper bound, it counts epilogue operands too). sm_90 builds here matched it (plus 32 bytes of
+    barriers): 256x128 at 4 stages 196640 bytes, 229408 with subtile2 tma-store of a bf16 output."""
     per_stage = config.block_m * config.block_k * problem.a_bytes + config.block_k * config.block_n * problem.b_bytes
     epilogue = config.block_m * config.block_n // config.epilogue_subtile * problem.out_bytes if config.tma_store else 0
     return config.num_stages * per_stage + epilogue
@@ -301,7 +306,8 @@ def candidates(problem: MatmulProblem, sms: int = 132, splits: tuple = SPLIT_CHO
         for tile in PERSISTENT_TILES:
             add("persistent", tile)
             add("persistent", tile, flatten=True)
-            if _subtile_fits(_shrink(tile, problem)):
+        for tile in SUBTILE_TILES:
+            if _shrink(tile, problem)[1] // SUBTILE_CANDIDATE >= 16:  # subtiles of 16 columns or more
                 add("persistent", tile, subtile=SUBTILE_CANDIDATE)
     for tile in (SMALL_M_TILES if small else SPLIT_TILES):
         bm, bn, bk, _, _ = _shrink(tile, problem)
@@ -312,13 +318,6 @@ def candidates(problem: MatmulProblem, sms: int = 132, splits: tuple = SPLIT_CHO
             if problem.k >= split * bk * 4:  # each split keeps >= 4 k steps
                 add("small_m" if small else "split_k", tile, split)
     return list(found.values())
-
-
-def _subtile_fits(tile) -> bool:
-    """Whether a (shrunk) tile is offered with a subtiled epilogue: a big accumulator whose
-    subtiles stay at least 16 columns wide."""
-    bm, bn = tile[0], tile[1]
-    return bm * bn >= SUBTILE_MIN_OUTPUTS and bn // SUBTILE_CANDIDATE >= 16
 
 
 def _conversion_efficiency(config: MatmulConfig, problem: MatmulProblem) -> float:
