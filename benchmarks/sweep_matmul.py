@@ -1,10 +1,13 @@
-"""Sweep matmul kernel knobs (variant, tiles, stages, flatten, warp specialization) on the GPU.
+"""Sweep matmul kernel knobs (variant, tiles, stages, flatten, warp specialization, epilogue
+subtiles, TMA stores) on the GPU.
 
 Each config is forced through the heuristics' FORCE_CONFIG hook on y = gelu(a @ b + bias) in
 bf16 and timed with do_bench; the table is what the candidate lists and the model's constants in
-dnngraph/heuristics/matmul.py were set from.
+dnngraph/heuristics/matmul.py were set from. Each shape starts with the cuBLASLt anchor timed in
+the same process (bias + GELU in its epilogue, torch._addmm_activation; tanh GELU) and every row
+carries its ratio to it.
 
-    python benchmarks/sweep_matmul.py [--shapes 4096x4096x4096,8192x8192x8192]
+    python benchmarks/sweep_matmul.py [--shapes 4096x4096x4096,8192x8192x8192] [--only subtile,tma-store]
 """
 from __future__ import annotations
 
@@ -31,7 +34,32 @@ def configs():
               mm.MatmulConfig("persistent", 128, 128, 128, 8, 3),
               mm.MatmulConfig("tiled", 128, 256, 64, 8, 3), mm.MatmulConfig("tiled", 128, 128, 64, 8, 4),
               mm.MatmulConfig("tiled", 256, 128, 64, 8, 3)]
+    return found + epilogue_configs()
+
+
+def epilogue_configs():
+    """Epilogue subtiles and TMA stores around the model's first choice (128x256x64 w8 s3) and
+    the 256x128 s4 tile: the rows the knobs' candidates were added for, not yet measured."""
+    wide = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
+    knobs = [dict(epilogue_subtile=2), dict(epilogue_subtile=2, tma_store=True),
+             dict(epilogue_subtile=2, tma_store=True, flatten=True),
+             dict(epilogue_subtile=2, tma_store=True, warp_specialize=True),
+             dict(epilogue_subtile=4, tma_store=True), dict(tma_store=True)]
+    found = [mm.MatmulConfig("persistent", **wide, **knob) for knob in knobs]
+    tall = dict(block_m=256, block_n=128, block_k=64, num_warps=8, num_stages=4)
+    found += [mm.MatmulConfig("persistent", **tall, epilogue_subtile=2),
+              mm.MatmulConfig("persistent", **tall, epilogue_subtile=2, tma_store=True)]
     return found
+
+
+def selected(only):
+    """configs(), or those whose text holds one of the comma-separated words in `only`, after
+    the reference row."""
+    if not only:
+        return configs()
+    words = only.split(",")
+    reference = mm.MatmulConfig("persistent", 128, 256, 64, 8, 3)
+    return [reference] + [c for c in configs() if c != reference and any(w in c.text for w in words)]
 
 
 def time_config(config, m, n, k, tensors) -> float:
@@ -42,7 +70,7 @@ def time_config(config, m, n, k, tensors) -> float:
         bias = g.tensor(name="bias", dim=[1, n])
         g.gelu(g.add(g.matmul(a, b), bias)).set_output(True).set_name("y")
         g.build()
-        assert g.plan.launches[0].config_text.startswith(config.text.split(" ")[0])
+        assert g.plan.launches[0].config_text.startswith(config.text)  # no knob dropped
         return median_ms(lambda: g.execute(tensors))
     finally:
         mm.FORCE_CONFIG = None
@@ -51,6 +79,9 @@ def time_config(config, m, n, k, tensors) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default=None, help="comma-separated MxNxK")
+    parser.add_argument("--only", default=None,
+                        help="comma-separated words; time only configs whose text holds one (and the plain "
+                             "persistent 128x256x64 w8 s3 as the reference row)")
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")] if args.shapes else SHAPES
     rows, results = [], []
@@ -59,17 +90,22 @@ def main():
                    "b": (torch.randn(k, n, device="cuda") / k ** 0.5).bfloat16(),
                    "bias": torch.randn(1, n, device="cuda").bfloat16(),
                    "y": torch.empty(m, n, device="cuda", dtype=torch.bfloat16)}
-        for config in configs():
+        flops = 2 * m * n * k
+        lt_ms = median_ms(lambda: torch._addmm_activation(tensors["bias"][0], tensors["a"], tensors["b"],
+                                                          use_gelu=True))
+        rows.append([f"{m}x{n}x{k}", "cuBLASLt epilogue (anchor)", f"{flops / lt_ms / 1e9:.0f}", "1.00"])
+        results.append({"shape": [m, n, k], "config": "cublaslt", "ms": lt_ms})
+        for config in selected(args.only):
             try:
                 ms = time_config(config, m, n, k, tensors)
-                tflops = 2 * m * n * k / ms / 1e9
-                cell = f"{tflops:.0f}"
+                cell, ratio = f"{flops / ms / 1e9:.0f}", f"{lt_ms / ms:.2f}"
             except Exception as error:  # report and go on: a knob may not compile on this chip
-                ms, cell = None, f"failed: {type(error).__name__}: {str(error).splitlines()[0][:60] if str(error) else ''}"
-            print(f"{m}x{n}x{k} {config.text}: {cell}", flush=True)
-            rows.append([f"{m}x{n}x{k}", config.text, cell])
+                ms, ratio = None, ""
+                cell = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:60] if str(error) else ''}"
+            print(f"{m}x{n}x{k} {config.text}: {cell} ({ratio} of cuBLASLt)", flush=True)
+            rows.append([f"{m}x{n}x{k}", config.text, cell, ratio])
             results.append({"shape": [m, n, k], "config": config.to_record(), "ms": ms})
-    print_table("matmul + bias + gelu bf16, forced configs", ["M x N x K", "config", "TFLOP/s"], rows)
+    print_table("matmul + bias + gelu bf16, forced configs", ["M x N x K", "config", "TFLOP/s", "/ cuBLASLt"], rows)
     write_json("sweep_matmul.json", results)
 
 

@@ -43,7 +43,7 @@ def compile_launch(launch, dtypes: dict):
             signature[argument.name] = "constexpr"
             constexprs[argument.name] = argument.value
     source = ASTSource(launch.kernel, signature, constexprs, attrs)
-    return triton.compile(source, target=TARGET, options={"num_warps": launch.num_warps})
+    return triton.compile(source, target=TARGET, options={"num_warps": launch.num_warps, **({"num_stages": launch.num_stages} if launch.num_stages else {})})
 
 
 def main(spec: str):

@@ -17,6 +17,8 @@ VARIANTS = {
     "small_m": mm.MatmulConfig("small_m", 16, 32, 32, 4, 2),
     "split_k": mm.MatmulConfig("split_k", 32, 16, 16, 4, 2, split_k=3),
     "persistent": mm.MatmulConfig("persistent", 32, 32, 16, 4, 2),
+    # column subtiles of 16 and TMA stores where the output qualifies (pointer stores elsewhere)
+    "persistent_subtiled": mm.MatmulConfig("persistent", 32, 32, 16, 4, 2, epilogue_subtile=2, tma_store=True),
 }
 
 
@@ -61,7 +63,7 @@ def test_layouts_every_variant(variant, dtype, a_layout, b_layout):
     g.matmul(a, b).set_output(True).set_name("c")
     g.build()
     expected = VARIANTS[variant].variant
-    if variant == "persistent" and a_layout not in ("padded_row", "padded_col", "offset_row"):
+    if expected == "persistent" and a_layout not in ("padded_row", "padded_col", "offset_row"):
         expected = "tiled"  # odd pitches: no tensor descriptor, the tiled kernel runs
     assert g.plan.launches[0].config_text.startswith(expected)
     check(g, {"a": a_t, "b": b_t}, dtype)

@@ -15,7 +15,14 @@ GPU_VARIANTS = {
     "small_m": mm.MatmulConfig("small_m", 16, 64, 128, 4, 4),
     "split_k": mm.MatmulConfig("split_k", 64, 64, 64, 4, 4, split_k=4),
     "persistent": mm.MatmulConfig("persistent", 128, 256, 64, 8, 3),
+    "persistent_subtiled": mm.MatmulConfig("persistent", 128, 256, 64, 8, 3, epilogue_subtile=2, tma_store=True),
 }
+EPILOGUE_KNOBS = [mm.MatmulConfig("persistent", 128, 256, 64, 8, 3, epilogue_subtile=2),
+                  mm.MatmulConfig("persistent", 128, 256, 64, 8, 3, epilogue_subtile=2, tma_store=True),
+                  mm.MatmulConfig("persistent", 128, 256, 64, 8, 3, flatten=True, epilogue_subtile=2, tma_store=True),
+                  mm.MatmulConfig("persistent", 128, 256, 64, 8, 3, epilogue_subtile=4, tma_store=True),
+                  mm.MatmulConfig("persistent", 128, 256, 64, 8, 3, tma_store=True),
+                  mm.MatmulConfig("persistent", 256, 128, 64, 8, 4, epilogue_subtile=2, tma_store=True)]
 
 
 def _cuda(inputs):
@@ -107,6 +114,35 @@ def test_row_exits_and_prologue_bf16(gpu_variant):
     g.reduction(y, "sum", [1]).set_output(True).set_name("sum")
     inputs = {"x": torch.randn(600, 1024), "w": (torch.randn(1024, 900) / 32).bfloat16()}
     check(g, _cuda(inputs), torch.bfloat16, "cuda")
+
+
+@pytest.mark.parametrize("config", EPILOGUE_KNOBS, ids=lambda c: c.text.replace(" ", "_"))
+def test_subtiled_tma_store_epilogue(config, monkeypatch):
+    """Batched bias + gelu + residual, the pre-activation stored in fp32 too, N ragged against the
+    tile (1000 = 3 x 256 + 232): every output through descriptors, clipped at M and N; an output
+    whose base is 4 bytes past alignment runs the tiled alternative."""
+    monkeypatch.setattr(mm, "FORCE_CONFIG", config)
+    m, n, k = 1000, 1000, 1024
+    g = dg.Graph(name="mm", io_data_type=dg.bfloat16)
+    a, b = g.tensor(name="a", dim=[2, m, k]), g.tensor(name="b", dim=[k, n])
+    bias, residual = g.tensor(name="bias", dim=[1, n]), g.tensor(name="residual", dim=[2, m, n])
+    pre = g.add(g.matmul(a, b), bias).set_output(True).set_name("pre").set_data_type(dg.float32)
+    g.add(g.gelu(pre), residual).set_output(True).set_name("y")
+    g.build()
+    assert g.plan.launches[0].config_text.startswith(config.text)
+    stores = g.plan.launches[0].source_path.read_text().count(".store([pid_m * BLOCK_M, start_n]")
+    assert stores == (2 * config.epilogue_subtile if config.tma_store else 0)
+    inputs = {"a": torch.randn(2, m, k), "b": torch.randn(k, n) / 32, "bias": torch.randn(1, n),
+              "residual": torch.randn(2, m, n)}
+    inputs = {name: t.bfloat16().cuda() for name, t in inputs.items()}
+    check(g, inputs, torch.bfloat16, "cuda")
+    buffer = torch.full((2 * m * n + 2,), float("nan"), device="cuda", dtype=torch.bfloat16)
+    y = buffer[1:-1].view(2, m, n)
+    pre_t = poisoned(next(t for t in g.outputs() if t.name == "pre"), "cuda")
+    g.execute({**inputs, "y": y, "pre": pre_t})
+    reference = g.reference({name: t.cpu() for name, t in inputs.items()})["y"]
+    assert (y.double().cpu() - reference).norm() / reference.norm() < 1.6e-2
+    assert torch.isnan(buffer[0]) and torch.isnan(buffer[-1])
 
 
 def test_autotune_on_gpu(tmp_path, monkeypatch):

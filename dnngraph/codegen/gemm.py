@@ -48,9 +48,9 @@ EXIT_FOLD_BLOCK = 128  # rows per program of the exit fold: a few KB of partials
 # (tile_a, offs_m, bidx_0, batch_size_1, exit_0_partial_ptr, row_1, ...); loaders add theirs
 FIXED_NAMES = ("split", "rest", "acc", "kt", "ks", "mask", "start", "part", "M", "N", "K", "batches",
                "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "PROGRAMS", "FLATTEN",
-               "WARP_SPECIALIZE", "BLOCK_ROWS", "EXIT_TILES", "BLOCK_COLS", "FOLD_TILES")
+               "WARP_SPECIALIZE", "BLOCK_ROWS", "EXIT_TILES", "BLOCK_COLS", "FOLD_TILES", "SUB_N", "start_n")
 FIXED_STEMS = ("tile", "tiles", "batch", "bidx", "group", "first", "rows", "cols", "pid", "offs", "mask",
-               "k", "per", "partial", "desc", "row", "col", "exit", "value", "rest")
+               "k", "per", "partial", "desc", "row", "col", "exit", "value", "rest", "sub")
 # operand names by side: matrices A and B, epilogue operands, per-tensor scales, row exits
 SIDE_HINTS = {"a": "a", "b": "b", "c": "c", "scalar": "scale", "exit": "out"}
 
@@ -137,6 +137,7 @@ class GemmKernelSpec:
     epilogue_block: tuple = ()  # (BLOCK_M, BLOCK_N) of the kernel running the epilogue
     persistent_programs: int = 0  # grid of the persistent variant
     column_fold: tuple = (1, 1)  # (tiles, columns) per chunk of a column-exit fold (heuristics)
+    tma_store_uids: tuple = ()  # outputs the persistent kernel stores through tensor descriptors
     extra_constexprs: tuple = field(default=())  # (name, value) the loaders read
 
     def side(self, side: str) -> list:
@@ -394,13 +395,13 @@ def k_loop(spec, w: Writer, k_range: str):
 
 
 # --- the epilogue ---------------------------------------------------------------------------------
-def _epilogue(spec, w: Writer):
-    """acc [BLOCK_M, BLOCK_N] fp32 -> scales, the chain, stores and row-exit partials."""
+def _epilogue_body(spec, w: Writer, tma_outputs: frozenset):
+    """acc -> scales, the chain, stores and column-exit partials over the current columns
+    (offs_n, mask_n: the whole tile or one column subtile); returns the chain's emitter."""
     for uid in spec.scale_uids:
         op = next(o for o in spec.operands if o.uid == uid)
         w(f"acc = acc * tl.load({op.ident}_ptr).to(tl.float32)")
     emitter = ExpressionEmitter(spec.compute, hint="e", names=spec.names)
-    w.emitters.append(emitter)
     emitter.bind(spec.c_uid, "acc", "f")
     w("mask = mask_m[:, None] & mask_n[None, :]")
     rows, cols = output_rows(spec), output_cols(spec)
@@ -412,20 +413,84 @@ def _epilogue(spec, w: Writer):
         emitter.emit(node)
     w(*emitter.lines)
     for op in spec.side("c"):
-        if op.is_output:
+        if op.is_output and op.uid in tma_outputs:
+            w(f"desc_{op.ident}.store([pid_m * BLOCK_M, start_n], "
+              f"tl.broadcast_to({emitter.stored(op.uid, op.data_type)}, (BLOCK_M, SUB_N)))")
+        elif op.is_output:
             w(f"tl.store({op.ident}_ptr + {offset_2d(op, rows, cols, full=True)}, "
               f"{emitter.stored(op.uid, op.data_type)}, mask=mask)")
     for index, plan in enumerate(spec.exits):
-        transform, combine, identity, _ = EXIT_MODES[plan.reduce_mode]
-        value = f"tl.where(mask, {transform.format(emitter.value(plan.source_uid, 'f'))}, {identity})"
         if plan.axis == "column":
-            w(f"exit_{index} = {EXIT_REDUCE_COLUMNS[combine].format(value)}",
+            _, combine, _, _ = EXIT_MODES[plan.reduce_mode]
+            w(f"exit_{index} = {EXIT_REDUCE_COLUMNS[combine].format(_exit_value(plan, emitter))}",
               f"tl.store(exit_{index}_partial_ptr + (batch * tl.cdiv(M, BLOCK_M) + pid_m) * N + offs_n, "
               f"exit_{index}, mask=mask_n)")
+    return emitter
+
+
+def _exit_value(plan, emitter) -> str:
+    """An exit's source value, transformed, with its identity where the tile is masked."""
+    transform, _, identity, _ = EXIT_MODES[plan.reduce_mode]
+    return f"tl.where(mask, {transform.format(emitter.value(plan.source_uid, 'f'))}, {identity})"
+
+
+def _row_exits(spec, w: Writer, emitter, part: int, last: bool):
+    """Reduce each row exit over the current columns: the first (or only) part starts the tile's
+    partial, later column subtiles fold into it in order; the last stores it."""
+    for index, plan in enumerate(spec.exits):
+        if plan.axis == "column":
             continue
-        w(f"exit_{index} = {EXIT_REDUCE[combine].format(value)}",
-          f"tl.store(exit_{index}_partial_ptr + (batch * tl.cdiv(N, BLOCK_N) + pid_n) * M + offs_m, "
-          f"exit_{index}, mask=mask_m)")
+        combine = EXIT_MODES[plan.reduce_mode][1]
+        reduced = EXIT_REDUCE[combine].format(_exit_value(plan, emitter))
+        w(f"exit_{index} = " + (reduced if part == 0 else EXIT_FOLD[combine].format(f"exit_{index}", reduced)))
+        if last:
+            w(f"tl.store(exit_{index}_partial_ptr + (batch * tl.cdiv(N, BLOCK_N) + pid_n) * M + offs_m, "
+              f"exit_{index}, mask=mask_m)")
+
+
+def _subtile_lines(w: Writer, parts: int):
+    """Cut acc [BLOCK_M, BLOCK_N] into `parts` column subtiles sub_0.. [BLOCK_M, SUB_N], left to
+    right: each step halves a block (its columns viewed as [2, half], the 2 moved last, split)."""
+    step = parts
+    while step > 1:
+        half = step // 2
+        for first in range(0, parts, step):
+            source = "acc" if step == parts else f"sub_{first}"
+            width = "SUB_N" if half == 1 else f"SUB_N * {half}"
+            w(f"sub_{first}, sub_{first + half} = tl.split(tl.permute(tl.reshape({source}, "
+              f"(BLOCK_M, 2, {width})), (0, 2, 1)))")
+        step = half
+
+
+def _part_offsets(spec, w: Writer, part: int, decomposed: bool):
+    """offs_n, mask_n (and the column axes) of column subtile `part`, from start_n."""
+    w("start_n = pid_n * BLOCK_N" + (f" + {part} * SUB_N" if part else ""), "offs_n = start_n + tl.arange(0, SUB_N)")
+    if spec.index_64:
+        w("offs_n = offs_n.to(tl.int64)")
+    w("mask_n = offs_n < N")
+    _epilogue_cols(spec, w, decomposed)
+
+
+def _epilogue(spec, w: Writer, parts: int = 1, tma_outputs: frozenset = frozenset()):
+    """acc [BLOCK_M, BLOCK_N] fp32 -> scales, the chain, stores and exit partials. With `parts`
+    > 1 the tile is cut into column subtiles that run the one epilogue text in turn (fewer
+    values live at once, one subtile's stores overlapping the next one's math); outputs in
+    `tma_outputs` are stored through their descriptors (desc_<output>, SUB_N columns wide)."""
+    body = Writer()
+    body.depth = 0
+    emitter = _epilogue_body(spec, body, tma_outputs)
+    w.emitters.append(emitter)
+    if parts == 1:
+        if tma_outputs:
+            w("start_n = pid_n * BLOCK_N")
+        w(*body.lines)
+        _row_exits(spec, w, emitter, 0, last=True)
+        return emitter
+    _subtile_lines(w, parts)
+    for part in range(parts):
+        _part_offsets(spec, w, part, decomposed=False)
+        w(f"acc = sub_{part}", *body.lines)
+        _row_exits(spec, w, emitter, part, last=part == parts - 1)
     return emitter
 
 
@@ -475,6 +540,17 @@ def _main_tiled(spec, w: Writer):
     return _epilogue(spec, w)
 
 
+def _store_descriptors(spec, w: Writer):
+    """desc_<output> of each output stored through a descriptor ([M, N] at its batch entry's
+    base, unit column stride, [BLOCK_M, SUB_N] blocks: one column subtile per store)."""
+    for op in spec.side("c"):
+        if op.is_output and op.uid in spec.tma_store_uids:
+            base = " + ".join(t for t in (batch_offset(op), start_offset(op)) if t)
+            pointer = f"{op.ident}_ptr" + (f" + {base}" if base else "")
+            w(f"desc_{op.ident} = tl.make_tensor_descriptor({pointer}, shape=[M, N], "
+              f"strides=[{stride_name(op, 'r', 0)}, 1], block_shape=[BLOCK_M, SUB_N])")
+
+
 def _main_persistent(spec, w: Writer):
     """One program per SM walks tiles; the loaders may set up once per program (descriptors)."""
     w("start = tl.program_id(0)",
@@ -483,6 +559,8 @@ def _main_persistent(spec, w: Writer):
     spec.k_walk.count(spec, w)
     spec.loader_a.program_setup(spec, w)
     spec.loader_b.program_setup(spec, w)
+    if not spec.batch_sizes:
+        _store_descriptors(spec, w)
     # FLATTEN: the pipeliner overlaps the next tile's first loads with this tile's epilogue;
     # WARP_SPECIALIZE: producer warps issue TMA loads while consumer warpgroups run wgmma
     w("for tile_id in tl.range(start, tiles_per_batch * batches, PROGRAMS, flatten=FLATTEN, "
@@ -491,11 +569,15 @@ def _main_persistent(spec, w: Writer):
     w("batch = tile_id // tiles_per_batch", "tile = tile_id % tiles_per_batch")
     _grouped_order(w, "tile")
     batch_lines(spec, w)
+    if spec.batch_sizes:
+        _store_descriptors(spec, w)
     k_loop(spec, w, "k_tiles")
     _tile_offsets(spec, w)
     _epilogue_rows(spec, w)
-    _epilogue_cols(spec, w)
-    emitter = _epilogue(spec, w)
+    parts = spec.config.epilogue_subtile
+    if parts == 1:
+        _epilogue_cols(spec, w)
+    emitter = _epilogue(spec, w, parts, frozenset(spec.tma_store_uids))
     w.dedent()
     return emitter
 
@@ -612,7 +694,8 @@ def _strides_used(spec, body: str, op: GemmOperand) -> list:
         return used + loader.strides_used(spec, body, op)
     if body != "exit_fold" or exit_axis(spec) == "row":
         used += [(stride_name(op, "r", i), s) for i, s in enumerate(op.row_strides) if s]
-    if body != "exit_fold" or exit_axis(spec) == "column":
+    through_descriptor = body == "persistent" and op.uid in spec.tma_store_uids  # unit columns
+    if (body != "exit_fold" or exit_axis(spec) == "column") and not through_descriptor:
         used += [(stride_name(op, "c", i), s) for i, s in enumerate(op.col_strides) if s]
     return used
 
@@ -664,6 +747,8 @@ def _constexprs(spec, body: str) -> list:
         result += [KernelArgument("constexpr", "PROGRAMS", spec.persistent_programs),
                    KernelArgument("constexpr", "FLATTEN", cfg.flatten),
                    KernelArgument("constexpr", "WARP_SPECIALIZE", cfg.warp_specialize)]
+        if cfg.epilogue_subtile > 1 or spec.tma_store_uids:
+            result.append(KernelArgument("constexpr", "SUB_N", cfg.block_n // cfg.epilogue_subtile))
     result += [KernelArgument("constexpr", name, value) for name, value in spec.extra_constexprs]
     return result
 

@@ -69,6 +69,7 @@ SPLIT_CHOICES = (2, 4, 8, 16)
 MAX_BLOCK = 512
 MAX_STAGES = 8
 MAX_SPLIT_K = 64
+MAX_SUBTILES = 4
 
 # (BLOCK_M, BLOCK_N, BLOCK_K for 2-byte types, warps, stages): tiles seen best in Triton's
 # tutorials and in sweeps here; BLOCK_K scales with the element size (fp8 x2, fp32 /2).
@@ -80,6 +81,19 @@ TILES = (
 # 256x128 needs 4 stages (576 -> 627). Flattening the tile loop won on 4096x11008x4096 (584 -> 601)
 # and lost on the squares (632 -> 613): both are candidates, the model cannot tell them apart.
 PERSISTENT_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4))
+# Epilogue subtiling with TMA stores (UNMEASURED: no GPU timing yet; a candidate for autotuning
+# only, ranked right after the same tile without it, so the model's first choice is unchanged).
+# The 128x256 accumulator holds 128 fp32 values per thread on 8 warps; running the fused epilogue
+# on two [BLOCK_M, BLOCK_N / 2] halves in turn keeps half of the epilogue's values live and lets
+# one half's TMA store drain while the next half computes (Triton's persistent matmul tutorial
+# does the same). Offered for the 128x256 tile alone: the autotuner times the model's top 6, and
+# a twin of 256x128 as well would push the tiled 128x256 (the tuned best at 2048 rows, model rank
+# 5) out of them. What is known without a GPU (sm_90 builds of y = gelu(a @ b + bias) bf16
+# 4096^3, ptxas -v of Triton 3.6's PTX): the plain 128x256 w8 s3 kernel uses 255 registers and
+# spills 68 bytes, the 256x128 w8 s4 one 255 and 96; with subtile2 they use 254 and 250 and
+# spill nothing (subtile2 tma-store: 251 and 243, subtile4 tma-store: 205).
+SUBTILE_TILES = ((128, 256, 64, 8, 3),)
+SUBTILE_CANDIDATE = 2  # column subtiles of the candidate
 SPLIT_TILES = ((64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4))
 # IEEE fp32 runs tl.dot on the FMA units: operands go shared -> registers and each thread owns
 # BLOCK_M*BLOCK_N/threads accumulators. Resource reports of sm_90 builds here: 128x128x32 on 8
@@ -176,6 +190,8 @@ class MatmulConfig:
     split_k: int = 1
     flatten: bool = False  # persistent: one software pipeline across tile boundaries
     warp_specialize: bool = False  # persistent: TMA producer warps apart from the wgmma warps
+    epilogue_subtile: int = 1  # persistent: column subtiles the epilogue runs on one by one
+    tma_store: bool = False  # persistent: outputs that qualify stored through tensor descriptors
     group_m: int = GROUP_M
     estimate_us: float = 0.0
 
@@ -184,17 +200,25 @@ class MatmulConfig:
         extras = f" SPLIT_K={self.split_k}" if self.split_k > 1 else ""
         extras += " flatten" if self.flatten else ""
         extras += " warp-specialized" if self.warp_specialize else ""
+        extras += f" subtile{self.epilogue_subtile}" if self.epilogue_subtile > 1 else ""
+        extras += " tma-store" if self.tma_store else ""
         return (f"{self.variant} {self.block_m}x{self.block_n}x{self.block_k} warps={self.num_warps} "
                 f"stages={self.num_stages}{extras}")
 
     def key(self) -> tuple:
         return (self.variant, self.block_m, self.block_n, self.block_k, self.num_warps, self.num_stages,
-                self.split_k, self.flatten, self.warp_specialize)
+                self.split_k, self.flatten, self.warp_specialize, self.epilogue_subtile, self.tma_store)
 
     def to_record(self) -> dict:
-        return {"variant": self.variant, "block_m": self.block_m, "block_n": self.block_n,
-                "block_k": self.block_k, "num_warps": self.num_warps, "num_stages": self.num_stages,
-                "split_k": self.split_k, "flatten": self.flatten, "warp_specialize": self.warp_specialize}
+        record = {"variant": self.variant, "block_m": self.block_m, "block_n": self.block_n,
+                  "block_k": self.block_k, "num_warps": self.num_warps, "num_stages": self.num_stages,
+                  "split_k": self.split_k, "flatten": self.flatten, "warp_specialize": self.warp_specialize}
+        # written only when set: records of configs without them read back exactly as before
+        if self.epilogue_subtile != 1:
+            record["epilogue_subtile"] = self.epilogue_subtile
+        if self.tma_store:
+            record["tma_store"] = True
+        return record
 
     @staticmethod
     def from_record(record: dict) -> "MatmulConfig":
@@ -209,7 +233,9 @@ class MatmulConfig:
                             record_int(record, "num_stages", 1, MAX_STAGES),
                             record_int(record, "split_k", 1, MAX_SPLIT_K, default=1),
                             record_field(record, "flatten", bool, default=False),
-                            record_field(record, "warp_specialize", bool, default=False))
+                            record_field(record, "warp_specialize", bool, default=False),
+                            record_int(record, "epilogue_subtile", 1, MAX_SUBTILES, power_of_two=True, default=1),
+                            record_field(record, "tma_store", bool, default=False))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -239,9 +265,13 @@ def _shrink(config_tile, problem: MatmulProblem):
 
 
 def shared_bytes(config: MatmulConfig, problem: MatmulProblem) -> int:
-    """Operand staging buffers: num_stages copies of an A tile and a B tile."""
+    """Operand staging buffers: num_stages copies of an A tile and a B tile; with TMA stores, a
+    staging buffer of one column subtile per stored byte of an output element (out_bytes: an
+    upper bound, it counts epilogue operands too). sm_90 builds here matched it (plus 32 bytes of
+    barriers): 256x128 at 4 stages 196640 bytes, 229408 with subtile2 tma-store of a bf16 output."""
     per_stage = config.block_m * config.block_k * problem.a_bytes + config.block_k * config.block_n * problem.b_bytes
-    return config.num_stages * per_stage
+    epilogue = config.block_m * config.block_n // config.epilogue_subtile * problem.out_bytes if config.tma_store else 0
+    return config.num_stages * per_stage + epilogue
 
 
 def programs_per_sm(config: MatmulConfig, problem: MatmulProblem) -> int:
@@ -261,9 +291,10 @@ def candidates(problem: MatmulProblem, sms: int = 132, splits: tuple = SPLIT_CHO
     the split-K factors to consider."""
     found: dict = {}
 
-    def add(variant, tile, split=1, flatten=False):
+    def add(variant, tile, split=1, flatten=False, subtile=1):
         bm, bn, bk, warps, stages = _shrink(tile, problem)
-        config = MatmulConfig(variant, bm, bn, bk, warps, stages, split, flatten=flatten)
+        config = MatmulConfig(variant, bm, bn, bk, warps, stages, split, flatten=flatten,
+                              epilogue_subtile=subtile, tma_store=subtile > 1)
         if programs_per_sm(config, problem) >= 1 and config.key() not in found:
             found[config.key()] = config
 
@@ -275,6 +306,9 @@ def candidates(problem: MatmulProblem, sms: int = 132, splits: tuple = SPLIT_CHO
         for tile in PERSISTENT_TILES:
             add("persistent", tile)
             add("persistent", tile, flatten=True)
+        for tile in SUBTILE_TILES:
+            if _shrink(tile, problem)[1] // SUBTILE_CANDIDATE >= 16:  # subtiles of 16 columns or more
+                add("persistent", tile, subtile=SUBTILE_CANDIDATE)
     for tile in (SMALL_M_TILES if small else SPLIT_TILES):
         bm, bn, bk, _, _ = _shrink(tile, problem)
         output_tiles = _cdiv(problem.m, bm) * _cdiv(problem.n, bn) * problem.batch
@@ -363,13 +397,14 @@ def rank(problem: MatmulProblem, device: DeviceModel) -> list[MatmulConfig]:
     def tie_break(c):
         # at the HBM floor, more programs pull bytes from more SMs (12544x64x576: 64x64 tiles ran
         # 14.0 us, 256x64 17.9 us); otherwise bigger tiles, wide-N first (128x256 beat 256x128
-        # at 3 stages), no split (no partials), no flattening (it lost on the squares)
+        # at 3 stages), no split (no partials), no flattening (it lost on the squares), no
+        # subtiled epilogue (not measured yet)
         tiles = _cdiv(problem.m, c.block_m) * _cdiv(problem.n, c.block_n) * problem.batch * c.split_k
         slots = device.sms * (1 if c.variant == "persistent" else max(1, programs_per_sm(c, problem)))
         programs = min(tiles, slots)
         at_floor = c.estimate_us <= floor_us * 1.001 and c.split_k == 1
         return (round(c.estimate_us, 3), c.split_k, -programs if at_floor else 0, -c.block_m * c.block_n,
-                c.block_m > c.block_n, c.flatten)
+                c.block_m > c.block_n, c.flatten, c.epilogue_subtile)
 
     ranked.sort(key=tie_break)
     return ranked
@@ -381,7 +416,7 @@ def schedule(problem: MatmulProblem, device: DeviceModel) -> MatmulSchedule:
     if FORCE_CONFIG is not None:
         forced = FORCE_CONFIG
         if forced.variant == "persistent" and not problem.tma:  # descriptors illegal here
-            forced = replace(forced, variant="tiled")
+            forced = replace(forced, variant="tiled", epilogue_subtile=1, tma_store=False)
         ranked.insert(0, forced)
     best = ranked[0]
     tflops = 2.0 * problem.batch * problem.m * problem.n * problem.k / max(best.estimate_us, 1e-3) / 1e6

@@ -15,6 +15,27 @@ from .launch import KernelLaunch, sample_tensors, scratch, time_candidate, tunin
 
 EXIT_FOLD_WARPS = 4
 COMBINE_WARPS = 4
+TMA_ALIGNMENT = 16  # bytes: descriptor base addresses and row pitches
+TMA_BOX_LIMIT = 256  # elements per block axis a TMA copy moves
+# outputs a descriptor may store (TMA handles any 1-8 byte type; the floating ones are the
+# outputs GEMM epilogues write in practice and the ones tested)
+TMA_STORE_TYPES = frozenset({"float32", "float16", "bfloat16", "float8_e4m3", "float8_e5m2"})
+
+
+def tma_store_ok(op, config: MatmulConfig) -> bool:
+    """Whether output `op` can be stored through a descriptor under `config`: one row axis with a
+    16-byte pitch, unit column stride, 16-byte batch strides, no start offset, a TMA type, and
+    column subtiles of at least 16 bytes (the base address is checked at run time: an unaligned
+    one runs the tiled alternative)."""
+    if op.data_type.name not in TMA_STORE_TYPES or op.offset or len(op.row_strides) != 1:
+        return False
+    if op.col_strides != (1,) or op.row_stride <= 0:
+        return False
+    itemsize = op.data_type.itemsize
+    sub_n = config.block_n // config.epilogue_subtile
+    if sub_n * itemsize < TMA_ALIGNMENT or max(sub_n, config.block_m) > TMA_BOX_LIMIT:
+        return False
+    return all(s * itemsize % TMA_ALIGNMENT == 0 for s in (op.row_stride,) + tuple(op.batch_strides))
 
 
 def leaves(tensor, members) -> list:
@@ -92,7 +113,9 @@ class GemmLaunches:
         launches = []
         if config.variant == "persistent":
             programs = min(tiles * p.batch, self.device.sms)  # one program per SM
-            spec = self.spec(config, persistent_programs=programs, **common)
+            stored = [op for op in self.operands if op.side == "c" and op.is_output]
+            tma_stores = tuple(op.uid for op in stored if config.tma_store and tma_store_ok(op, config))
+            spec = self.spec(config, persistent_programs=programs, tma_store_uids=tma_stores, **common)
             launches.append(self._launch(spec, "persistent", (programs,), config.num_warps, config.num_stages,
                                          text + f" grid={programs}", reason, exit_scratch))
             # pointers below 16-byte alignment cannot feed a descriptor: the tiled kernel runs then

@@ -12,10 +12,8 @@ from ..errors import UnsupportedError
 from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT, operand_strides
 from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot, schedule
-from .gemm import GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
+from .gemm import TMA_ALIGNMENT, GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
 from .launch import KernelLaunch, element_span, kernel_name
-
-TMA_ALIGNMENT = 16  # bytes: descriptor base addresses and row pitches
 
 
 def _dot_types(a, b, allow_tf32: bool):
