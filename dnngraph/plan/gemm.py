@@ -7,10 +7,12 @@ autotunes) it and returns the launches.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..codegen.cache import load_kernel
 from ..codegen.gemm import EXIT_FOLD_BLOCK, ExitPlan, render
 from ..heuristics.autotune import TuningRecord
-from ..heuristics.matmul import COLUMN_FOLD_BLOCK, SPLIT_COMBINE_BLOCK, MatmulConfig
+from ..heuristics.matmul import COLUMN_FOLD_BLOCK, SHARED_MEMORY, SPLIT_COMBINE_BLOCK, MatmulConfig, shared_bytes
 from .launch import KernelLaunch, sample_tensors, scratch, time_candidate, tuning_device
 
 EXIT_FOLD_WARPS = 4
@@ -36,6 +38,28 @@ def tma_store_ok(op, config: MatmulConfig) -> bool:
     if sub_n * itemsize < TMA_ALIGNMENT or max(sub_n, config.block_m) > TMA_BOX_LIMIT:
         return False
     return all(s * itemsize % TMA_ALIGNMENT == 0 for s in (op.row_stride,) + tuple(op.batch_strides))
+
+
+# shared memory the compiler adds beyond the staging buffers (mbarriers); measured 24-32 bytes
+# on sm_90 builds of the persistent kernel
+BARRIER_BYTES = 64
+
+
+def tma_stores_that_fit(stored, config: MatmulConfig, problem) -> tuple:
+    """The outputs stored through descriptors: those that qualify (tma_store_ok), in order, while
+    their staging buffers (one column subtile each) fit in shared memory beside the operand
+    stages; the others keep pointer stores. An fp32 side output beside a bf16 one at 128x256
+    needed 245784 bytes, over the 232448 an SM has."""
+    if not config.tma_store:
+        return ()
+    room = SHARED_MEMORY - BARRIER_BYTES - shared_bytes(replace(config, tma_store=False), problem)
+    chosen = []
+    for op in stored:
+        staging = config.block_m * (config.block_n // config.epilogue_subtile) * op.data_type.itemsize
+        if tma_store_ok(op, config) and staging <= room:
+            chosen.append(op.uid)
+            room -= staging
+    return tuple(chosen)
 
 
 def leaves(tensor, members) -> list:
@@ -114,7 +138,7 @@ class GemmLaunches:
         if config.variant == "persistent":
             programs = min(tiles * p.batch, self.device.sms)  # one program per SM
             stored = [op for op in self.operands if op.side == "c" and op.is_output]
-            tma_stores = tuple(op.uid for op in stored if config.tma_store and tma_store_ok(op, config))
+            tma_stores = tma_stores_that_fit(stored, config, p)
             spec = self.spec(config, persistent_programs=programs, tma_store_uids=tma_stores, **common)
             launches.append(self._launch(spec, "persistent", (programs,), config.num_warps, config.num_stages,
                                          text + f" grid={programs}", reason, exit_scratch))
