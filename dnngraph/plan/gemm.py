@@ -46,11 +46,13 @@ BARRIER_BYTES = 64
 
 
 def tma_stores_that_fit(stored, config: MatmulConfig, problem) -> tuple:
-    """The outputs stored through descriptors: those that qualify (tma_store_ok), in order, while
+    """The outputs stored through descriptors (none under flatten): those that qualify (tma_store_ok), in order, while
     their staging buffers (one column subtile each) fit in shared memory beside the operand
     stages; the others keep pointer stores. An fp32 side output beside a bf16 one at 128x256
     needed 245784 bytes, over the 232448 an SM has."""
-    if not config.tma_store:
+    if not config.tma_store or config.flatten:
+        # flatten pipelines the next tile's loads across this tile's stores: its build needed
+        # 278552 bytes where the stages and one bf16 staging buffer count 180224 (not modelled)
         return ()
     room = SHARED_MEMORY - BARRIER_BYTES - shared_bytes(replace(config, tma_store=False), problem)
     chosen = []
