@@ -467,18 +467,23 @@ def test_max_pool_training_gradients_route_as_eager(relu_first, layout, dtype):
     assert forward.graphs == 1 and backward.graphs == 1 and backward.kernels() >= 1
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_max_pool_backward_reads_the_saved_indices_with_the_relu_mask_fused(layout):
-    """The training backward routes dy by the indices the forward saved (no argmax recompute from
-    x) and its ReLU mask (aten's threshold_backward, a where) rides the pooling kernel."""
-    module = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
-    x = _pool_input(torch.float32, layout, seed=5)
+def _assert_pool_step_as_eager(module, x):
+    """Compiled and eager forward and backward of `module` on x agree exactly (integer gradients)."""
     leaf, eager_leaf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
     got, want = _compiled(module)(leaf), module(eager_leaf)
     grad = torch.randint(1, 5, want.shape).float()
     got.backward(grad)
     want.backward(grad)
     assert _same(got, want) and _same(leaf.grad, eager_leaf.grad)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_max_pool_backward_reads_the_saved_indices_with_the_relu_mask_fused(layout):
+    """The training backward routes dy by the indices the forward saved (no argmax recompute from
+    x) and its ReLU mask (aten's threshold_backward, a where) rides the pooling kernel."""
+    module = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.MaxPool2d(3, 2, 1))
+    x = _pool_input(torch.float32, layout, seed=5)
+    _assert_pool_step_as_eager(module, x)
     backward = torch_backend.REPORTS[-1]
     plans = [f._plain[0].plan for f in backward.functions if f._plain is not None]
     pooling = [launch for plan in plans for launch in plan.launches if launch.group.kind == "pooling"]
@@ -504,12 +509,7 @@ def test_max_pool_indices_a_program_returns_are_torchs():
 def test_max_pool_1d_3d_and_ceil_mode_without_a_partial_window(module, shape):
     x = torch.randint(-2, 3, shape).float()
     x.view(-1)[::17] = float("nan")
-    leaf, eager_leaf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    got, want = _compiled(module)(leaf), module(eager_leaf)
-    grad = torch.randint(1, 5, want.shape).float()
-    got.backward(grad)
-    want.backward(grad)
-    assert _same(got, want) and _same(leaf.grad, eager_leaf.grad)
+    _assert_pool_step_as_eager(module, x)
     assert all(_no_max_pool(report) for report in torch_backend.REPORTS)
 
 
