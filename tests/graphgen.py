@@ -497,6 +497,12 @@ class GraphBuilder:
         attrs = PoolingAttrs(mode, tuple(window), tuple(stride), tuple(padding))
         shape = dims[:2] + list(output_spatial("pooling", dims, attrs))
         dy = self.new_input(shape)
+        if mode == "max" and self.rng.random() < 0.5:  # routed by the indices of x's pool, made here
+            pooled = self.graph.pooling(x.tensor, mode, window, stride, padding, return_indices=True, name=self.name())
+            indices = self.record(pooled, "pooling[indices]" + label, [x])[1]
+            dx = self.graph.pooling_backward(dy.tensor, x.tensor, mode, window, stride, padding, name=self.name(),
+                                             indices=indices.tensor)
+            return self.record(dx, "pooling_backward[indices]" + label, [dy, x, indices])
         dx = self.graph.pooling_backward(dy.tensor, x.tensor, mode, window, stride, padding, name=self.name())
         return self.record(dx, "pooling_backward" + label, [dy, x])
 
