@@ -236,3 +236,31 @@ def test_subtiled_tma_store_kernels_compile_for_sm90():
                             env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"compiled {len(SM90_CONFIGS) * 3} kernels for sm_90" in result.stdout
+
+
+@pytest.mark.parametrize("record, why", [
+    ({"variant": "tiled", "epilogue_subtile": 2}, "persistent-kernel knobs"),
+    ({"variant": "split_k", "tma_store": True}, "persistent-kernel knobs"),
+    ({"variant": "persistent", "block_n": 32, "epilogue_subtile": 4}, "narrower than 16"),
+])
+def test_records_with_knobs_a_kernel_ignores_or_cannot_render_are_refused(record, why):
+    full = {"variant": "persistent", "block_m": 128, "block_n": 256, "block_k": 64, "num_warps": 8,
+            "num_stages": 3, **record}
+    with pytest.raises(ValueError, match=why):
+        mm.MatmulConfig.from_record(full)
+
+
+def test_launch_text_counts_the_outputs_stored_through_descriptors():
+    """The config label says how many outputs the TMA-store knob reached: none under flatten, or
+    for an output with several row axes."""
+    for config, stored in ((mm.MatmulConfig("persistent", 32, 64, 16, 4, 2, epilogue_subtile=2, tma_store=True), 1),
+                           (mm.MatmulConfig("persistent", 32, 64, 16, 4, 2, flatten=True, tma_store=True), 0)):
+        mm.FORCE_CONFIG = config
+        try:
+            g = dg.Graph(name="mm")
+            a, b = g.tensor(name="a", dim=[40, 48]), g.tensor(name="b", dim=[48, 72])
+            g.relu(g.matmul(a, b)).set_output(True).set_name("y")
+            g.build()
+        finally:
+            mm.FORCE_CONFIG = None
+        assert f"tma-stores={stored}" in g.plan.launches[0].config_text

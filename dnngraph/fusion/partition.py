@@ -241,13 +241,32 @@ class _Partitioner:
             # values made inside the group but outside the epilogue (prologues) are not at hand
             if any(t.producer in group.nodes and t.uid not in visible for t in node.input_tensors()):
                 continue
-            members = set(group.nodes) | {node}
-            if not self.convex(members):
+            side = self._side_producers(group, node, visible, tile_dim)
+            if not self.convex(set(group.nodes) | {node} | set(side)):
+                side = []
+                if not self.convex(set(group.nodes) | {node}):
+                    continue
+            for member in side + [node]:
+                group.epilogue.append(member)
+                group.nodes.append(member)
+                self.claim(group, [member])
+                visible.add(member.outputs[0].uid)
+
+    def _side_producers(self, group, node, visible, tile_dim) -> list:
+        """Pointwise producers of `node`'s other inputs that the epilogue can compute in place of
+        loading their value (a ReLU backward's mask from the saved activation): of the tile's
+        shape, read only by `node`, from values outside the group; producers first."""
+        chosen = []
+        for tensor in node.input_tensors():
+            producer = tensor.producer
+            if tensor.uid in visible or not self.free_pointwise(producer) or producer in chosen:
                 continue
-            group.epilogue.append(node)
-            group.nodes.append(node)
-            self.claim(group, [node])
-            visible.add(node.outputs[0].uid)
+            if tensor.dim != tile_dim or self.consumers(tensor) != [node] or tensor.is_output:
+                continue
+            if any(t.producer in group.nodes for t in producer.input_tensors()):
+                continue
+            chosen.append(producer)
+        return chosen
 
     def _is_exit(self, node, tile_dim, visible, rule) -> bool:
         """A reduction over the last axis of an epilogue value, of a mode the anchor folds, or the

@@ -70,6 +70,7 @@ MAX_BLOCK = 512
 MAX_STAGES = 8
 MAX_SPLIT_K = 64
 MAX_SUBTILES = 4
+MIN_SUBTILE_COLUMNS = 16  # an epilogue subtile's columns, at least (candidates and records)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K for 2-byte types, warps, stages): tiles seen best in Triton's
 # tutorials and in sweeps here; BLOCK_K scales with the element size (fp8 x2, fp32 /2).
@@ -228,14 +229,21 @@ class MatmulConfig:
         num_warps = record_field(record, "num_warps", int)
         if num_warps not in WARPS:
             raise ValueError(f"num_warps {num_warps} is not one of {list(WARPS)}")
-        return MatmulConfig(record_choice(record, "variant", VARIANT_EFFICIENCY), block("block_m"),
-                            block("block_n"), block("block_k"), num_warps,
-                            record_int(record, "num_stages", 1, MAX_STAGES),
-                            record_int(record, "split_k", 1, MAX_SPLIT_K, default=1),
-                            record_field(record, "flatten", bool, default=False),
-                            record_field(record, "warp_specialize", bool, default=False),
-                            record_int(record, "epilogue_subtile", 1, MAX_SUBTILES, power_of_two=True, default=1),
-                            record_field(record, "tma_store", bool, default=False))
+        config = MatmulConfig(record_choice(record, "variant", VARIANT_EFFICIENCY), block("block_m"),
+                              block("block_n"), block("block_k"), num_warps,
+                              record_int(record, "num_stages", 1, MAX_STAGES),
+                              record_int(record, "split_k", 1, MAX_SPLIT_K, default=1),
+                              record_field(record, "flatten", bool, default=False),
+                              record_field(record, "warp_specialize", bool, default=False),
+                              record_int(record, "epilogue_subtile", 1, MAX_SUBTILES, power_of_two=True, default=1),
+                              record_field(record, "tma_store", bool, default=False))
+        knobs = config.epilogue_subtile > 1 or config.tma_store
+        if knobs and config.variant != "persistent":
+            raise ValueError(f"epilogue subtiles and TMA stores are persistent-kernel knobs, not {config.variant}'s")
+        if config.block_n // config.epilogue_subtile < MIN_SUBTILE_COLUMNS:
+            raise ValueError(f"{config.epilogue_subtile} subtiles of {config.block_n} columns are narrower than "
+                             f"{MIN_SUBTILE_COLUMNS}")
+        return config
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -307,7 +315,7 @@ def candidates(problem: MatmulProblem, sms: int = 132, splits: tuple = SPLIT_CHO
             add("persistent", tile)
             add("persistent", tile, flatten=True)
         for tile in SUBTILE_TILES:
-            if _shrink(tile, problem)[1] // SUBTILE_CANDIDATE >= 16:  # subtiles of 16 columns or more
+            if _shrink(tile, problem)[1] // SUBTILE_CANDIDATE >= MIN_SUBTILE_COLUMNS:
                 add("persistent", tile, subtile=SUBTILE_CANDIDATE)
     for tile in (SMALL_M_TILES if small else SPLIT_TILES):
         bm, bn, bk, _, _ = _shrink(tile, problem)

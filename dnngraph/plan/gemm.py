@@ -142,8 +142,9 @@ class GemmLaunches:
             stored = [op for op in self.operands if op.side == "c" and op.is_output]
             tma_stores = tma_stores_that_fit(stored, config, p)
             spec = self.spec(config, persistent_programs=programs, tma_store_uids=tma_stores, **common)
+            stores = f" tma-stores={len(tma_stores)}" if config.tma_store else ""  # those that qualified and fit
             launches.append(self._launch(spec, "persistent", (programs,), config.num_warps, config.num_stages,
-                                         text + f" grid={programs}", reason, exit_scratch))
+                                         text + stores + f" grid={programs}", reason, exit_scratch))
             # pointers below 16-byte alignment cannot feed a descriptor: the tiled kernel runs then
             fallback = MatmulConfig("tiled", config.block_m, config.block_n, config.block_k, config.num_warps,
                                     config.num_stages)
