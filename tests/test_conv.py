@@ -703,3 +703,18 @@ def test_per_tap_k_on_few_channels(op, rank, layout, groups, monkeypatch):
     check(g, inputs)
     assert not any("_folded" in l.source_path.name for l in g.plan.launches)
     assert any("one k run per filter tap" in l.reason for l in g.plan.launches)
+
+
+def test_a_forced_persistent_config_runs_the_implicit_gemm_as_tiled():
+    """The implicit GEMM loads through pointers (no descriptors): a persistent config forced for
+    it, epilogue knobs and all, runs as the tiled kernel with the same tile, and is right."""
+    conv_heuristics.FORCE_CONFIG = mm.MatmulConfig("persistent", 32, 64, 16, 4, 2, epilogue_subtile=2, tma_store=True)
+    try:
+        g = graph()
+        x_t, w_t = stored([2, 8, 6, 7], "nhwc"), stored([24, 8, 3, 3], "nhwc")
+        x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+        g.relu(g.conv_fprop(x, w, padding=[1, 1])).set_output(True).set_name("y")
+        check(g, {"x": x_t, "w": w_t})
+    finally:
+        conv_heuristics.FORCE_CONFIG = None
+    assert g.plan.launches[0].config_text.startswith("tiled 32x64x16 warps=4 stages=2")

@@ -195,8 +195,12 @@ def _tiles(config: MatmulConfig, problem: MatmulProblem) -> int:
 def schedule(problem: ConvProblem, device: DeviceModel) -> MatmulSchedule:
     """The model's choice for `problem`, with the ranked list autotuning draws from."""
     ranked = rank(problem, device)
-    if FORCE_CONFIG is not None:
-        ranked.insert(0, FORCE_CONFIG)
+    if FORCE_CONFIG is not None:  # the implicit GEMM loads through pointers: no persistent kernel
+        forced = FORCE_CONFIG
+        if forced.variant == "persistent":
+            forced = replace(forced, variant="tiled", flatten=False, warp_specialize=False, epilogue_subtile=1,
+                             tma_store=False)
+        ranked.insert(0, forced)
     best = ranked[0]
     flops = 2.0 * problem.groups * problem.m * problem.n * problem.k
     pose = "filter taps folded into K" if problem.folded else "one k run per filter tap"
