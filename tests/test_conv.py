@@ -30,6 +30,18 @@ def stored(shape, layout, dtype=torch.float32):
     return physical[tuple(slice(None, None, 2) if a % 2 else slice(None) for a in range(rank))]
 
 
+def conv_autograd(x_t, w_t, mode, wrt, layout="nchw", **conv):
+    """(dy, torch.autograd's gradient of `wrt`) of conv2d(x, w) in float64 for a random dy (in
+    `layout`); mode "convolution" flips the filter, as the graph's mode does."""
+    w_used = w_t.flip((2, 3)) if mode == "convolution" else w_t
+    y = torch.nn.functional.conv2d(x_t, w_used, **conv)
+    dy_t = torch.randn_like(y)
+    if layout == "nhwc":
+        dy_t = dy_t.contiguous(memory_format=torch.channels_last)
+    (expected,) = torch.autograd.grad(y, wrt, dy_t)
+    return dy_t, expected
+
+
 def graph(dtype=dg.float32, **kwargs):
     return dg.Graph(name="conv", io_data_type=dtype, intermediate_data_type=dg.float32,
                     compute_data_type=dg.float32, **kwargs)
@@ -195,12 +207,7 @@ def test_dgrad_stride_phases_match_autograd(stride, dilation, padding, mode, lay
     one tap per axis are 1x1 convs on the matmul path, at a tap inside the filter."""
     x_t = torch.randn(2, 4, 11, 9, dtype=torch.float64, requires_grad=True)
     w_t = torch.randn(6, 4, 3, 2, dtype=torch.float64)
-    w_used = w_t.flip((2, 3)) if mode == "convolution" else w_t
-    y = torch.nn.functional.conv2d(x_t, w_used, stride=stride, padding=padding, dilation=dilation)
-    dy_t = torch.randn_like(y)
-    if layout == "nhwc":
-        dy_t = dy_t.contiguous(memory_format=torch.channels_last)
-    (expected,) = torch.autograd.grad(y, x_t, dy_t)
+    dy_t, expected = conv_autograd(x_t, w_t, mode, x_t, layout, stride=stride, padding=padding, dilation=dilation)
     g = graph()
     dy, w = g.tensor_like(dy_t.float(), name="dy"), g.tensor_like(w_t.float(), name="w")
     g.conv_dgrad(dy, w, x_dim=[2, 4, 11, 9], padding=list(padding), stride=list(stride),
@@ -249,10 +256,7 @@ def test_wgrad_matches_autograd_and_is_bitwise_reproducible(mode, monkeypatch):
     monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=4))
     x_t = torch.randn(3, 4, 9, 8, dtype=torch.float64)
     w_t = torch.randn(5, 4, 3, 2, dtype=torch.float64, requires_grad=True)
-    w_used = w_t.flip((2, 3)) if mode == "convolution" else w_t
-    y = torch.nn.functional.conv2d(x_t, w_used, stride=(2, 1), padding=(1, 2), dilation=(1, 2))
-    dy_t = torch.randn_like(y)
-    (expected,) = torch.autograd.grad(y, w_t, dy_t)
+    dy_t, expected = conv_autograd(x_t, w_t, mode, w_t, stride=(2, 1), padding=(1, 2), dilation=(1, 2))
     g = graph()
     dy, x = g.tensor_like(dy_t.float(), name="dy"), g.tensor_like(x_t.float(), name="x")
     g.conv_wgrad(dy, x, w_dim=[5, 4, 3, 2], padding=[1, 2], stride=[2, 1], dilation=[1, 2],
@@ -659,12 +663,7 @@ def test_dgrad_of_few_filters_folds_its_phases(mode, layout):
     more than one tap folds (taps, filter) into K; against torch.autograd."""
     x_t = torch.randn(2, 5, 13, 11, dtype=torch.float64, requires_grad=True)
     w_t = torch.randn(3, 5, 7, 5, dtype=torch.float64)
-    w_used = w_t.flip((2, 3)) if mode == "convolution" else w_t
-    y = torch.nn.functional.conv2d(x_t, w_used, stride=2, padding=(3, 2), dilation=(1, 1))
-    dy_t = torch.randn_like(y)
-    if layout == "nhwc":
-        dy_t = dy_t.contiguous(memory_format=torch.channels_last)
-    (expected,) = torch.autograd.grad(y, x_t, dy_t)
+    dy_t, expected = conv_autograd(x_t, w_t, mode, x_t, layout, stride=2, padding=(3, 2), dilation=(1, 1))
     g = graph()
     dy, w = g.tensor_like(dy_t.float(), name="dy"), g.tensor_like(w_t.float(), name="w")
     g.conv_dgrad(dy, w, x_dim=[2, 5, 13, 11], padding=[3, 2], stride=[2, 2], dilation=[1, 1],
