@@ -18,7 +18,7 @@ from typing import Optional
 from ..errors import UnsupportedError
 from ..fusion import FusionGroup
 from ..heuristics.layout import operand_strides
-from ..heuristics.pooling import AXIS_NAMES, moved_tensors
+from ..heuristics.pooling import AXIS_NAMES
 from .emitter import ExpressionEmitter, kind_of
 from .names import NameAllocator
 from .pointwise import KernelArgument, header
@@ -97,8 +97,7 @@ class _KernelWriter:
         self.indices = outputs[1] if self.anchor.op == "pooling" and len(outputs) > 1 else None
         # operands are named by whether they are read or written, never by their tensor's name;
         # x is no operand of a max backward that reads the forward's indices and nothing else of x
-        moved = {t.uid for t in moved_tensors(group, self.x_tensor(), not self.indexed_backward())}
-        read = [t for t in group.inputs if t.uid in moved]
+        read = [t for t in group.inputs if t.uid in schedule.read_uids]
         roles = [(t, "x") for t in read] + [(t, "y") for t in self.outputs]
         self.operands = {t.uid: Operand(self.allocator.prefix(hint),
                                         operand_strides(schedule.x_dims, t.dim, t.stride))
@@ -268,9 +267,6 @@ class _KernelWriter:
         if self.schedule.mode == "avg_include_pad":
             return "(" + " * ".join(f"WINDOW_{self.names[a].upper()}" for a in self.spatial) + ")"
         return self.window_count()
-
-    def indexed_backward(self) -> bool:
-        return self.schedule.backward and self.anchor.inputs[2] is not None
 
     def x_tensor(self):
         return self.anchor.inputs[1] if self.schedule.backward else self.anchor.inputs[0]

@@ -63,6 +63,7 @@ class PoolingSchedule:
     row_axes: tuple  # the other logical axes, outermost first; they decompose the row index
     index_64: bool  # some offset may pass 2^31: index math in int64
     indexed: bool  # a max backward reading the forward's indices instead of recomputing the argmax
+    read_uids: frozenset  # the group inputs the kernel loads (x left out where nothing reads it)
     config: PoolingConfig
     candidates: int
     reason: str
@@ -209,4 +210,5 @@ def schedule(group, device: DeviceModel) -> PoolingSchedule:
               + ("; the forward's indices route dy (no argmax recompute)" if indexed else ""))
     return PoolingSchedule(backward, attrs.mode, tuple(attrs.window), tuple(attrs.stride),
                            tuple(attrs.padding), tuple(x.dim), y_dims, vector_axis, row_axes,
-                           index_64, indexed, best, len(ranked), reason)
+                           index_64, indexed, frozenset(t.uid for t in moved) & {t.uid for t in group.inputs}, best,
+                           len(ranked), reason)
