@@ -177,7 +177,15 @@ def main():
             Path(args.out).write_text(json.dumps({"losses": losses, "world": world, "per_device_rate": per_gpu,
                                                   "unit": unit, "backend": args.backend}))
     if distributed:
+        dist.barrier()  # no rank tears down while another still talks
         dist.destroy_process_group()
+        # The run's results are out; end without running the remaining destructors. A gloo group
+        # freed with main()'s locals joins its worker threads while holding the GIL, and a worker
+        # that waits for the GIL then deadlocks the rank (seen on loaded 2-core machines: a rank
+        # stuck after its last step with its main frame gone and one frameless thread).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
