@@ -80,6 +80,56 @@ def test_broadcast_batch(variant, a_shape, b_shape):
     check(g, {"a": a_t, "b": b_t})
 
 
+def _problem(g) -> str:
+    """The GEMM a built one-matmul graph poses: "batch B x MxNxK"."""
+    reason = g.plan.launches[0].reason
+    return reason[reason.index("batch"):].split(" fp32")[0]
+
+
+def _storage_strided(shape, order):
+    """A tensor of `shape` laid out with its axes nested as `order` (outermost first)."""
+    return torch.randn([shape[i] for i in order]).permute([order.index(i) for i in range(len(shape))])
+
+
+# (a's shape, a's axis order in memory, residual's shape, expected GEMM): the batches of a shared
+# weight are one GEMM of batch x M rows where every operand's batch axes merge with its rows
+FOLDS = [
+    ([3, 5, 7], [0, 1, 2], [3, 5, 9], "batch 1 x 15x9x7"),
+    ([2, 1, 3, 5, 7], [0, 1, 2, 3, 4], [2, 1, 3, 5, 9], "batch 1 x 30x9x7"),  # a size-1 axis between
+    ([3, 1, 7], [0, 1, 2], [3, 1, 9], "batch 1 x 3x9x7"),  # M = 1: the batch stride is the row's
+    ([3, 5, 7], [1, 0, 2], [3, 5, 9], "batch 3 x 5x9x7"),  # rows outside batches: no single stride
+    ([3, 5, 7], [0, 1, 2], [1, 5, 9], "batch 3 x 5x9x7"),  # a residual shared by the batches
+    ([3, 5, 7], [0, 2, 1], [3, 5, 9], "batch 3 x 5x9x7"),  # A column-major per batch: rows 1 apart, batches 35
+    ([3, 5, 7], [2, 0, 1], [3, 5, 9], "batch 1 x 15x9x7"),  # A column-major over all batches' rows
+]
+
+
+@pytest.mark.parametrize("a_shape,order,residual_shape,expected", FOLDS)
+def test_batches_of_a_shared_weight_fold_into_rows(variant, a_shape, order, residual_shape, expected):
+    """y = silu(a @ w + bias) + residual with its row sum: the batched GEMM runs as one GEMM of
+    batch x M rows where a's, the residual's, y's and the sums' batch axes merge with their rows;
+    the numbers are the same either way."""
+    g = _graph()
+    a_t = _storage_strided(a_shape, order)
+    w_t, bias_t, residual_t = torch.randn(7, 9), torch.randn(9), torch.randn(residual_shape)
+    a, w = g.tensor_like(a_t, name="a"), g.tensor_like(w_t, name="w")
+    bias, residual = g.tensor_like(bias_t, name="bias"), g.tensor_like(residual_t, name="residual")
+    y = g.add(g.silu(g.add(g.matmul(a, w), bias)), residual).set_output(True).set_name("y")
+    g.reduction(y, "sum", [len(a_shape) - 1]).set_output(True).set_name("rows")
+    g.build()
+    assert len(g.plan.groups) == 1 and _problem(g) == expected
+    check(g, {"a": a_t, "w": w_t, "bias": bias_t, "residual": residual_t})
+
+
+def test_batched_b_never_folds():
+    g = _graph()
+    a, b = g.tensor(name="a", dim=[3, 5, 7]), g.tensor(name="b", dim=[3, 7, 9])
+    g.matmul(a, b).set_output(True).set_name("c")
+    g.build()
+    assert _problem(g) == "batch 3 x 5x9x7"
+    check(g, {"a": torch.randn(3, 5, 7), "b": torch.randn(3, 7, 9)})
+
+
 BIASES = {"row": [29, 1], "col": [1, 31], "full": [29, 31], "scalar": [1, 1]}
 ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "sigmoid", "tanh", "elu", "leaky_relu"]
 

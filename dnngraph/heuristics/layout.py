@@ -36,6 +36,22 @@ def operand_strides(domain: tuple, dim: tuple, stride: tuple) -> tuple:
     return tuple(0 if size == 1 else s for size, s in zip(full_dim, full_stride))
 
 
+def merged_stride(sizes: tuple, strides: tuple):
+    """The one stride that walks axes `sizes` (outermost first) with `strides` as a single axis
+    of their product, or None where they do not merge (size-1 axes do not matter)."""
+    merged = None
+    size_inside = 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size == 1:
+            continue
+        if merged is None:
+            merged = stride
+        elif stride != merged * size_inside:
+            return None
+        size_inside *= size
+    return 0 if merged is None else merged
+
+
 def row_major_index_strides(domain: tuple) -> tuple:
     """Strides of the logical row-major element index over the domain (a virtual operand).
 

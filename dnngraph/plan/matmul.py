@@ -10,7 +10,7 @@ from ..codegen.gemm import GemmKernelSpec, GemmOperand, LinearK
 from ..codegen.matmul import DescriptorLoader, StridedLoader
 from ..errors import UnsupportedError
 from ..heuristics import device_model
-from ..heuristics.layout import INT32_LIMIT, operand_strides
+from ..heuristics.layout import INT32_LIMIT, merged_stride, operand_strides
 from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot, schedule
 from .gemm import TMA_ALIGNMENT, GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
 from .launch import KernelLaunch, element_span, kernel_name
@@ -26,6 +26,13 @@ def _dot_types(a, b, allow_tf32: bool):
     choice = choose_dot(a.data_type.name, b.data_type.name, a.data_type.triton_type, b.data_type.triton_type,
                         allow_tf32)
     return choice.a_type, choice.b_type, choice.dot, choice.precision
+
+
+def _product(sizes) -> int:
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
 
 
 def layout_of(row_stride: int, col_stride: int) -> str:
@@ -70,17 +77,22 @@ class MatmulBuild(GemmLaunches):
         self.prologue_b = tuple(x for x in group.prologue if x in chain(b, prologue))
         exit_outputs = {x.outputs[0].uid for x in group.exits}
         epilogue_reads = epilogue_inputs(group)
-        operands = []
-        self._add(operands, "a", leaves(a, members), batch_dims + (m, k))
-        self._add(operands, "b", leaves(b, members), batch_dims + (k, n))
-        self._add(operands, "c", epilogue_reads, tuple(c.dim))
         # prologue values that are outputs are written by a pointwise kernel run first
         stored_values = [t for t in group.outputs if t.uid not in exit_outputs and t.producer not in prologue]
-        self._add(operands, "c", stored_values, tuple(c.dim), is_output=True)
+        exit_values = [x.outputs[0] for x in group.exits]
+        sides = [("a", leaves(a, members), batch_dims + (m, k), False),
+                 ("b", leaves(b, members), batch_dims + (k, n), False),
+                 ("c", epilogue_reads, tuple(c.dim), False), ("c", stored_values, tuple(c.dim), True),
+                 ("exit", exit_values, tuple(c.dim[:-1]) + (1,), True)]
+        # (axes, sizes) of the batches folded into one GEMM of batch x M rows, or None
+        self.folded = (self.batch_axes, self.batch_sizes) if self._batches_fold(sides, m) else None
+        if self.folded:
+            m *= _product(self.batch_sizes)
+            self.batch_axes, self.batch_sizes = (), ()
+        operands, self.exit_operands = [], []
+        for side, tensors, domain, is_output in sides:
+            self._add(self.exit_operands if side == "exit" else operands, side, tensors, domain, is_output)
         self._add(operands, "scalar", self.scales, ())
-        self.exit_operands = []
-        self._add(self.exit_operands, "exit", [x.outputs[0] for x in group.exits], tuple(c.dim[:-1]) + (1,),
-                  is_output=True)
         self.operands = tuple(operands)
         self.dot_a, self.dot_b, dot, self.precision = _dot_types(a, b, node.attrs.allow_tf32)
         (a_op,) = [o for o in operands if o.side == "a"] if not self.prologue_a else [None]
@@ -95,16 +107,30 @@ class MatmulBuild(GemmLaunches):
             tma = False  # fp8 and tf32 wgmma read both operands K-major from shared memory
         epilogue_text = ",".join(x.op for x in group.epilogue + group.exits)
         out_bytes = sum(t.data_type.itemsize for t in stored_values)
-        out_bytes += sum(t.data_type.itemsize for t in epilogue_reads if tuple(t.dim[-2:]) == (m, n))
-        batch = 1
-        for size in self.batch_sizes:
-            batch *= size
-        self.problem = MatmulProblem(batch, m, n, k, dot, a.data_type.itemsize if a_op else 4,
+        out_bytes += sum(t.data_type.itemsize for t in epilogue_reads if tuple(t.dim[-2:]) == tuple(c.dim[-2:]))
+        self.problem = MatmulProblem(_product(self.batch_sizes), m, n, k, dot, a.data_type.itemsize if a_op else 4,
                                      b.data_type.itemsize if b_op else 4, max(out_bytes, 1), tma,
                                      a_layout, b_layout, epilogue_text)
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
         self.device = device
         self.name = kernel_name(group, index)
+
+    def _batches_fold(self, sides, m: int) -> bool:
+        """Do the batch axes fold into the rows? Where B is shared by every batch (x @ w, a
+        weight) and every other operand's batch axes and rows merge into one axis, the batched
+        GEMM is one GEMM of batch x M rows: fewer, fuller tiles when M is small."""
+        if not self.batch_axes:
+            return False
+        sizes = self.batch_sizes + (m,)
+        for side, tensors, domain, _ in sides:
+            for tensor in tensors:
+                strides = operand_strides(domain, tuple(tensor.dim), tuple(tensor.stride))
+                batch = tuple(strides[i] for i in self.batch_axes)
+                if side == "b" and any(batch):
+                    return False
+                if side != "b" and merged_stride(sizes, batch + (strides[-2],)) is None:
+                    return False
+        return True
 
     def _add(self, operands, side, tensors, domain, is_output=False):
         for tensor in tensors:
@@ -112,6 +138,9 @@ class MatmulBuild(GemmLaunches):
             nb = len(domain) - 2 if len(domain) >= 2 else 0
             batch = tuple(strides[i] for i in self.batch_axes) if nb else ()
             row, col = (strides[-2], strides[-1]) if len(domain) >= 2 else (0, 0)
+            if self.folded and nb and side != "b":  # the batch axes are part of the rows
+                axes, sizes = self.folded
+                row = merged_stride(sizes + (domain[-2],), tuple(strides[i] for i in axes) + (row,))
             operands.append(GemmOperand(tensor.uid, tensor.data_type, side, batch, (row,), (col,), is_output))
 
     # --- launches for one config --------------------------------------------------------------
