@@ -75,6 +75,25 @@ def test_a_pointwise_producer_writes_straight_into_a_transposed_output():
     assert g.plan.workspace_bytes == 0
 
 
+@pytest.mark.parametrize("reader", ["epilogue", "pointwise"])
+def test_a_value_reshaped_into_an_output_and_read_by_others_is_written_there_once(reader):
+    """A matmul's result saved through a reshape (an output) and also read by its epilogue, or
+    by a later pointwise kernel, is written once into the output's memory, where the others
+    read it: no copy kernel, no workspace."""
+    inputs = {"x": _randn(3, 5, 7), "w": _randn(7, 9), "r": _randn(3, 5, 9)}
+    g, t = _graph(inputs)
+    c = g.matmul(t["x"], t["w"])
+    g.reshape(c, [15, 9]).set_output(True).set_name("saved")
+    if reader == "epilogue":
+        g.add(c, t["r"]).set_output(True).set_name("y")
+        kernels = 1
+    else:
+        g.exp(g.softmax(c, axis=2)).set_output(True).set_name("y")  # a row kernel, then exp joins it
+        kernels = 2
+    _check(g, t, inputs, kernels)
+    assert all(group.kind != "copy" for group in g.plan.groups) and g.plan.workspace_bytes == 0
+
+
 def test_concatenate_parts_are_written_in_place_or_copied():
     """Pointwise parts write into the output; an input part (and one read twice) is copied."""
     inputs = {"x": _randn(3, 4, 5), "z": _randn(3, 2, 5)}

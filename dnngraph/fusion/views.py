@@ -146,13 +146,15 @@ class _Planner:
 
     def writable_into(self, tensor, node, layout: Alias) -> bool:
         """May `tensor`'s producer write it straight into the memory of `node`'s output, laid out
-        as `layout`? The layout op its only reader, read once, in one type; a pointwise producer
-        writes any strides, any other kernel only the layout it would give the tensor anyway
-        (a reshape into an output: a matmul's result, a norm's statistics), 16-byte aligned.
-        A tensor others alias qualifies only as the start of views leading here (`write_into`)."""
+        as `layout`? The layout op reads it once, in one type (other readers read it from
+        there: a matmul's result saved through a reshape and also taken by its epilogue); a
+        pointwise producer writes any strides, any other kernel only the layout it would give the
+        tensor anyway (a reshape into an output: a matmul's result, a norm's statistics), 16-byte
+        aligned. A tensor others alias qualifies only as the start of views leading here
+        (`write_into`)."""
         producer = tensor.producer
         if not (tensor.is_virtual and tensor.uid not in self.views.aliases and producer is not None
-                and producer.op not in LAYOUT_OPS and self.consumers(tensor) == [node]
+                and producer.op not in LAYOUT_OPS and node in self.consumers(tensor)
                 and self._read_once(tensor, node)):
             return False
         return producer.opdef.role == "pointwise" or _same_layout(tensor, layout)
