@@ -573,3 +573,38 @@ def test_reduce_overhead_on_cpu_tensors_runs_without_replay_and_says_why(caplog)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(model[0].weight.grad, want_grad)
     assert any("no CUDA-graph replay" in r.getMessage() and "cpu" in r.getMessage() for r in caplog.records)
+
+
+class _SwiGLUResidual(torch.nn.Module):
+    """x + down(silu(gate(x)) * up(x)): Linears on [batch, seq, hidden] (views around aten.mm)."""
+
+    def __init__(self, hidden=16, inner=24):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, inner, bias=False)
+        self.up = torch.nn.Linear(hidden, inner, bias=True)
+        self.down = torch.nn.Linear(inner, hidden, bias=False)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def _groups_of(report) -> list:
+    return [g for f in report.functions for g in f._plain[0].plan.groups]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_ops_after_a_linear_join_its_matmul_through_the_views(batch, monkeypatch):
+    """A Linear on [batch, seq, hidden] is view -> mm -> view in aten: the product is computed on
+    the unflattened input, so SwiGLU's product and the residual add are the matmuls' epilogues,
+    the batches fold into one GEMM's rows, and the mm results the backward saves are written in
+    place (no copy kernels); forward and backward match eager."""
+    _train_step_matches(_SwiGLUResidual(), lambda: [torch.randn(batch, 7, 16)])
+    forward, backward = torch_backend.REPORTS
+    groups = _groups_of(forward)
+    assert [g.kind for g in groups] == ["matmul"] * 3, [g.describe() for g in groups]
+    epilogues = sorted(tuple(n.op for n in g.epilogue) for g in groups)
+    assert ("add",) in epilogues and any("mul" in ops for ops in epilogues), epilogues
+    for function in forward.functions:
+        for launch in function._plain[0].plan.launches:
+            assert "batch 1 x " in launch.reason, launch.reason  # the batches folded into rows
+    assert all(g.kind != "copy" for g in _groups_of(backward)), [g.describe() for g in _groups_of(backward)]

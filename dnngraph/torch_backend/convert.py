@@ -80,13 +80,41 @@ def _gelu(g, node, value):
     return (g.gelu_tanh if node.kwargs.get("approximate", "none") == "tanh" else g.gelu)(value(node.args[0]))
 
 
+VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _rows_unmerged(arg):
+    """The FX node `arg` views with its leading axes merged into rows and its last axis kept (a
+    Linear's input [..., K] seen as [M, K]), or None."""
+    if not isinstance(arg, torch.fx.Node) or arg.target not in VIEWS or not isinstance(arg.args[0], torch.fx.Node):
+        return None
+    shape, source_shape = _shape(arg), _shape(arg.args[0])
+    return arg.args[0] if len(shape) == 2 and len(source_shape) > 2 and source_shape[-1] == shape[-1] else None
+
+
+def _linear(g, node, value, a, b, bias=None):
+    """a @ b (+ bias): an `a` that views x [..., K] as [M, K] is multiplied as x, and the result
+    [..., N] reshaped to [M, N]. Ops after the view torch applies back to [..., N] (a residual
+    add, SwiGLU's product) then read the product itself and join the matmul's epilogue; the plan
+    folds the batch axes back into rows (one GEMM)."""
+    source = _rows_unmerged(a)
+    if source is None:
+        product = g.matmul(value(a), value(b))
+        return product if bias is None else g.add(product, value(bias))
+    product = g.matmul(value(source), value(b))
+    product = _typed(product, node) if bias is None else _typed(g.add(product, value(bias)), node)
+    return g.reshape(product, _shape(node))
+
+
 def _matmul(g, node, value):
+    if node.target is aten.mm.default:
+        return _linear(g, node, value, node.args[0], node.args[1])
     return g.matmul(value(node.args[0]), value(node.args[1]))
 
 
 def _addmm(g, node, value):
-    bias, a, b = (value(x) for x in node.args[:3])
-    return g.add(g.matmul(a, b), bias)
+    bias, a, b = node.args[:3]
+    return _linear(g, node, value, a, b, bias)
 
 
 def _permute(g, node, value):
@@ -106,7 +134,15 @@ def _transpose(g, node, value):
 
 
 def _view(g, node, value):
-    return g.reshape(value(node.args[0]), _shape(node))
+    return _reshape(g, value(node.args[0]), _shape(node))
+
+
+def _reshape(g, x, dims):
+    """x with `dims`; a reshape of a reshape back to its source's dims is that source."""
+    producer = x.producer
+    if producer is not None and producer.op == "reshape" and list(producer.inputs[0].dim) == list(dims):
+        return producer.inputs[0]
+    return g.reshape(x, dims)
 
 
 def _clone(g, node, value):
@@ -183,7 +219,7 @@ def _softmax_backward(g, node, value):
 
 def _reshaped(g, node, value):
     """unsqueeze, squeeze: the same elements with the result's dims."""
-    return g.reshape(value(node.args[0]), _shape(node))
+    return _reshape(g, value(node.args[0]), _shape(node))
 
 
 def _slice(g, node, value):
