@@ -95,6 +95,23 @@ def test_outputs_that_alias_inputs():
     assert torch.equal(results[0], x) and torch.equal(results[1], x.view(-1))
 
 
+def test_detached_values_returned_and_read_inside():
+    """detach of an argument and of a value the graph makes, returned and read by other ops:
+    the returned ones are torch views of the argument and of the graph's output."""
+    def f(x):
+        made = torch.sigmoid(x)
+        return x.detach(), made.detach(), made.detach().detach() * 3.0 + made
+
+    compiled = _compiled(f)
+    x = torch.randn(5, 7)
+    results = compiled(x)
+    for got, want in zip(results, f(x)):
+        assert rel_err(got, want) < 1e-6
+    assert results[0].data_ptr() == x.data_ptr()
+    x.add_(1.0)
+    assert torch.equal(results[0], x)
+
+
 def test_no_grad_inference_and_a_cnn_with_torch_convolutions():
     torch.manual_seed(4)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
@@ -220,6 +237,21 @@ def test_batch_norm_residual_block_training_and_running_statistics():
         assert ours.num_batches_tracked.item() == theirs.num_batches_tracked.item() == 1
         assert rel_err(ours.running_mean, theirs.running_mean) < 1e-5
         assert rel_err(ours.running_var, theirs.running_var) < 1e-5
+
+
+def test_relu_backward_reads_the_saved_activation_where_its_mask_is_used(monkeypatch):
+    """AOTAutograd saves relu's output through detach (a view in torch): its value is the saved
+    tensor itself, so no kernel copies an activation and each ReLU backward's cmp_le(x, 0) mask
+    is computed in the kernel taking it (a convolution's dgrad, the pooling backward)."""
+    modules = _recorded_modules(monkeypatch)
+    torch.manual_seed(9)
+    _train_step_matches(_Residual().to(memory_format=torch.channels_last),
+                        lambda: [torch.randn(3, 4, 6, 6).to(memory_format=torch.channels_last)])
+    groups = _built_groups(modules)
+    copies = [g.describe() for g in groups if all(n.op == "cast" for n in g.nodes)]
+    assert copies == []
+    masks = [g for g in groups if any(n.op == "cmp_le" for n in g.nodes)]
+    assert masks and all(g.kind != "pointwise" or len(g.nodes) > 1 for g in masks), [g.describe() for g in masks]
 
 
 def test_batch_norm_inference_form():

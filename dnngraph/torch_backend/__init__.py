@@ -57,7 +57,8 @@ aten = torch.ops.aten
 # aten ops whose result is always a view of their first argument's memory (no copy in torch)
 VIEW_OPS = frozenset({aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default,
                       aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-                      aten.squeeze.default, aten.alias.default, aten.slice.Tensor, aten.expand.default})
+                      aten.squeeze.default, aten.alias.default, aten.slice.Tensor, aten.expand.default,
+                      aten.detach.default})
 
 
 def _view_chain(node):

@@ -150,6 +150,12 @@ def _clone(g, node, value):
     return g.cast(source, data_type=source.data_type)
 
 
+def _detach(g, node, value):
+    """detach is a view in torch (the same memory, no autograd history): its value is the
+    argument's, with no kernel (a returned one is applied in torch, as other views are)."""
+    return value(node.args[0])
+
+
 def _softmax(g, node, value):
     log = node.target is aten._log_softmax.default
     x = value(node.args[0])
@@ -488,7 +494,7 @@ CONVERTERS: dict[object, Callable] = {
     aten.view.default: _view, aten._unsafe_view.default: _view, aten.reshape.default: _view,
     aten.clone.default: _clone, aten._softmax.default: _softmax, aten._log_softmax.default: _softmax,
     aten.where.self: _where, aten._to_copy.default: _to_copy, aten.cat.default: _cat,
-    aten.detach.default: _clone, aten.gelu_backward.default: _gelu_backward,
+    aten.detach.default: _detach, aten.gelu_backward.default: _gelu_backward,
     aten.silu_backward.default: _silu_backward, aten.threshold_backward.default: _threshold_backward,
     aten.sigmoid_backward.default: _sigmoid_backward, aten.tanh_backward.default: _tanh_backward,
     aten._softmax_backward_data.default: _softmax_backward, aten._log_softmax_backward_data.default: _softmax_backward,
