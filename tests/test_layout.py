@@ -41,7 +41,7 @@ def test_bshd_attention_through_transposes_is_one_kernel():
     q, k, v = (g.transpose(t[n], [0, 2, 1, 3]) for n in ("q", "k", "v"))
     o, _ = g.sdpa(q, k, v, use_causal_mask=True)
     g.transpose(o, [0, 2, 1, 3]).set_output(True)
-    _check(g, t, inputs, 2)  # the flash kernel writes o; one copy into the BSHD output
+    _check(g, t, inputs, 1)  # the flash kernel writes o straight into the BSHD output
 
 
 def test_views_of_views_compose():
@@ -92,6 +92,25 @@ def test_a_value_reshaped_into_an_output_and_read_by_others_is_written_there_onc
         kernels = 2
     _check(g, t, inputs, kernels)
     assert all(group.kind != "copy" for group in g.plan.groups) and g.plan.workspace_bytes == 0
+
+
+def test_attention_writes_its_outputs_straight_into_the_layout_a_reshape_needs():
+    """o and dq [B, H, S, D] transposed to [B, S, H, D] and merged to [B, S, H*D] (what a model's
+    transpose(1, 2).reshape does before its output projection): the attention kernels store
+    them in that layout through their strides; no copy kernel."""
+    inputs = {"q": _randn(2, 3, 9, 8), "k": _randn(2, 3, 11, 8), "v": _randn(2, 3, 11, 8),
+              "dO": _randn(2, 3, 9, 8), "w": _randn(24, 5)}
+    g, t = _graph(inputs)
+    o, stats = g.sdpa(t["q"], t["k"], t["v"], is_inference=False, use_causal_mask=True)
+    merged = g.reshape(g.transpose(o, [0, 2, 1, 3]), [2, 9, 24])
+    g.matmul(merged, t["w"]).set_output(True).set_name("projected")
+    dq, dk, dv = g.sdpa_backward(t["q"], t["k"], t["v"], o, t["dO"], stats, use_causal_mask=True)
+    g.reshape(g.transpose(dq, [0, 2, 1, 3]), [2, 9, 24]).set_output(True).set_name("dq_merged")
+    dk.set_output(True)
+    dv.set_output(True)
+    g.build()
+    assert all(group.kind != "copy" for group in g.plan.groups), g.plan.explain()
+    check(g, {t[n]: v for n, v in inputs.items()})
 
 
 def test_concatenate_parts_are_written_in_place_or_copied():

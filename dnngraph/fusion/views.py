@@ -27,6 +27,9 @@ from ..ops.shape import concat_parts, reshape_strides, view_of
 from ..tensor import contiguous_strides
 
 LAYOUT_OPS = frozenset({"reshape", "transpose", "slice", "concatenate"})
+# Anchors whose kernels store every output through its own per-axis strides, whatever they are
+# (attention's o, stats, dq, dk, dv): they write a value straight into any layout a view asks for.
+STRIDED_STORES = frozenset({"sdpa", "sdpa_backward"})
 
 
 @dataclass(frozen=True)
@@ -148,16 +151,20 @@ class _Planner:
         """May `tensor`'s producer write it straight into the memory of `node`'s output, laid out
         as `layout`? The layout op reads it once, in one type (other readers read it from
         there: a matmul's result saved through a reshape and also taken by its epilogue); a
-        pointwise producer writes any strides, any other kernel only the layout it would give the
-        tensor anyway (a reshape into an output: a matmul's result, a norm's statistics), 16-byte
-        aligned. A tensor others alias qualifies only as the start of views leading here
+        pointwise or attention producer writes any strides, any other kernel only the layout it
+        would give the tensor anyway (a reshape into an output: a matmul's result, a norm's
+        statistics), 16-byte aligned. A tensor others alias qualifies only as the start of views leading here
         (`write_into`)."""
         producer = tensor.producer
         if not (tensor.is_virtual and tensor.uid not in self.views.aliases and producer is not None
                 and producer.op not in LAYOUT_OPS and node in self.consumers(tensor)
                 and self._read_once(tensor, node)):
             return False
-        return producer.opdef.role == "pointwise" or _same_layout(tensor, layout)
+        if producer.opdef.role == "pointwise":
+            return True
+        if producer.op in STRIDED_STORES:  # any strides, vectorized stores kept 16-byte aligned
+            return layout.offset * tensor.data_type.itemsize % 16 == 0
+        return _same_layout(tensor, layout)
 
     def _read_once(self, tensor, node) -> bool:
         return sum(t is tensor for t in node.inputs) == 1 and tensor.data_type == node.outputs[0].data_type
