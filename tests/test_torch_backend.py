@@ -112,6 +112,26 @@ def test_detached_values_returned_and_read_inside():
     assert torch.equal(results[0], x)
 
 
+def test_clones_read_inside_are_values_and_returned_ones_are_copies():
+    """A clone read inside the graph costs no kernel (exp(x).t().contiguous().view(-1): exp
+    writes the transposed layout itself); a returned clone is memory of its own, as eager's."""
+    def f(x):
+        return x.clone(), torch.sigmoid(x).clone(), torch.exp(x).t().contiguous().view(-1) * 2.0
+
+    compiled = _compiled(f)
+    x = torch.randn(5, 7)
+    results = compiled(x)
+    for got, want in zip(results, f(x)):
+        assert torch.equal(got, want) or rel_err(got, want) < 1e-6
+    assert results[0].data_ptr() != x.data_ptr()
+    before = results[0].clone()
+    x.add_(1.0)
+    assert torch.equal(results[0], before)  # the returned clone does not see the input change
+    (report,) = torch_backend.REPORTS
+    # x's copy, sigmoid, exp written transposed straight into the contiguous view, the product
+    assert report.kernels() == 4, report.kernels()
+
+
 def test_no_grad_inference_and_a_cnn_with_torch_convolutions():
     torch.manual_seed(4)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),

@@ -146,8 +146,13 @@ def _reshape(g, x, dims):
 
 
 def _clone(g, node, value):
+    """A copy only where the graph returns it (a returned value must be memory of its own); read
+    inside the graph, a clone is its argument's value (its layout, contiguous before a view,
+    is the view planner's to decide: written in place by the producer, or copied)."""
     source = value(node.args[0])
-    return g.cast(source, data_type=source.data_type)
+    if any(user.op == "output" for user in node.users):
+        return g.cast(source, data_type=source.data_type)
+    return source
 
 
 def _detach(g, node, value):
