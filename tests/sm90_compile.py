@@ -52,7 +52,8 @@ def main(spec: str):
     graphs = getattr(importlib.import_module(module_name), function)
     count = 0
     for label, graph in graphs():
-        dtypes = {t.uid: t.data_type.torch_dtype for t in graph.tensors}
+        made = graph.plan.groups.views.made.values()  # copies' views and buffers
+        dtypes = {t.uid: t.data_type.torch_dtype for t in list(graph.tensors) + list(made)}
         for launch in graph.plan.launches:
             dtypes.update({s.uid: s.torch_dtype for s in launch.scratch})
             try:
