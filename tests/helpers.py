@@ -1,4 +1,8 @@
-"""Shared test helpers: poisoned outputs, float64 comparison, graph execution."""
+"""Shared test helpers: poisoned outputs, float64 comparison, graph execution, sm_90 compiles."""
+import os
+import subprocess
+import sys
+
 import torch
 
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -53,3 +57,15 @@ def check(graph, inputs: dict, dtype=torch.float32, device="cpu", tolerance=None
         err = (out_d[~same] - ref[~same]).norm().item() / scale
         assert err < limit, f"{name}: relative error {err:.3g} >= {limit}"
     return outputs
+
+
+def compiled_for_sm90(spec: str, timeout: int = 600) -> str:
+    """Run tests/sm90_compile.py on `spec` ("module:function" in tests/) in a process without
+    the interpreter; its output (it printed "compiled N kernels for sm_90") or the failure."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INTERPRET="0",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, os.path.join(here, "sm90_compile.py"), spec],
+                            env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout

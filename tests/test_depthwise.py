@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import dnngraph as dg
 from dnngraph.heuristics import depthwise as dw_heuristics
-from helpers import check
+from helpers import check, compiled_for_sm90
 from test_codegen_names import _code_tokens
 from test_conv import stored
 
@@ -299,17 +299,7 @@ def sm90_graphs():
 def test_kernels_compile_for_sm90():
     """The interpreter skips Triton's type checks (a loop-carried value changing shape compiled
     only on the GPU): compile the kernels for sm_90 in a process without the interpreter."""
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="0",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, os.path.join(here, "sm90_compile.py"), "test_depthwise:sm90_graphs"],
-                            env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "compiled 7 kernels for sm_90" in result.stdout
+    assert "compiled 7 kernels for sm_90" in compiled_for_sm90("test_depthwise:sm90_graphs", timeout=300)
 
 
 @pytest.mark.parametrize("groups,w_dim", [(4, [4, 1, 3, 3]), (1, [3, 4, 3, 3])])

@@ -1,15 +1,11 @@
 """Layout ops (reshape, transpose, slice, concatenate): views where strides can express them
 (no kernel), copies otherwise, producers writing straight into a concatenate or a transposed
 output; every case against the float64 reference with poisoned outputs."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import dnngraph as dg
-from helpers import check, run
+from helpers import check, compiled_for_sm90, run
 
 GEN = torch.Generator().manual_seed(11)
 
@@ -280,10 +276,4 @@ def test_fusions_through_views_compile_for_sm90_with_h100_configs():
     """The epilogues and strided stores the view rules allow (residual + variance exit, SwiGLU's
     product, folded batches, attention writing BSHD and its gradients), built with the configs an
     H100 gets and compiled by the GPU compiler (tests/sm90_fusion_graphs.py)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="0",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, os.path.join(here, "sm90_compile.py"), "sm90_fusion_graphs:llama_fusions"],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "compiled 11 kernels for sm_90" in result.stdout
+    assert "compiled 11 kernels for sm_90" in compiled_for_sm90("sm90_fusion_graphs:llama_fusions")

@@ -3,16 +3,13 @@ into 2 or 4 column blocks, each running the one fused epilogue) and TMA stores (
 descriptors for outputs that qualify; pointer stores for the others), against the float64
 reference with poisoned outputs; the knobs as config fields, candidates and cache records; the
 kernels compiled for sm_90."""
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import dnngraph as dg
 from dnngraph.heuristics import matmul as mm
-from helpers import check
+from helpers import check, compiled_for_sm90
 
 SUBTILED = {parts: mm.MatmulConfig("persistent", 32, 64, 16, 4, 2, epilogue_subtile=parts, tma_store=True)
             for parts in (1, 2, 4)}
@@ -229,13 +226,7 @@ def sm90_graphs():
 def test_subtiled_tma_store_kernels_compile_for_sm90():
     """What only the GPU compiler rejects (a split of the accumulator layout, a descriptor store
     from the epilogue's layout, the warp-specialized loop) fails here."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="0",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sys.executable, os.path.join(here, "sm90_compile.py"), "test_matmul_epilogue:sm90_graphs"],
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"compiled {len(SM90_CONFIGS) * 3} kernels for sm_90" in result.stdout
+    assert f"compiled {len(SM90_CONFIGS) * 3} kernels for sm_90" in compiled_for_sm90("test_matmul_epilogue:sm90_graphs")
 
 
 @pytest.mark.parametrize("record, why", [
