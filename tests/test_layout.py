@@ -277,3 +277,20 @@ def test_fusions_through_views_compile_for_sm90_with_h100_configs():
     product, folded batches, attention writing BSHD and its gradients), built with the configs an
     H100 gets and compiled by the GPU compiler (tests/sm90_fusion_graphs.py)."""
     assert "compiled 11 kernels for sm_90" in compiled_for_sm90("sm90_fusion_graphs:llama_fusions")
+
+
+@pytest.mark.parametrize("chain", ["transpose_reshape", "reshape_reshape"])
+def test_a_value_another_view_reads_is_not_written_through_views_into_an_output(chain):
+    """p is read by a transpose (an alias of p's memory, decided first) and, through a chain of
+    views, saved into an output: p may not move into the output's memory, or the transpose is
+    left stated over memory that no longer exists (KeyError at execute)."""
+    inputs = {"x": _randn(3, 5, 7)}
+    g, t = _graph(inputs)
+    p = g.exp(t["x"])
+    g.relu(g.transpose(p, [0, 2, 1])).set_output(True).set_name("y")
+    if chain == "transpose_reshape":
+        g.reshape(g.transpose(p, [1, 0, 2]), [5, 21]).set_output(True).set_name("saved")
+    else:
+        g.reshape(g.reshape(p, [15, 7]), [105]).set_output(True).set_name("saved")
+    g.build()
+    check(g, {t["x"]: inputs["x"]})

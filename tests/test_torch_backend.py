@@ -660,3 +660,20 @@ def test_ops_after_a_linear_join_its_matmul_through_the_views(batch, monkeypatch
         for launch in function._plain[0].plan.launches:
             assert "batch 1 x " in launch.reason, launch.reason  # the batches folded into rows
     assert all(g.kind != "copy" for g in _groups_of(backward)), [g.describe() for g in _groups_of(backward)]
+
+
+@pytest.mark.parametrize("x_shape,bias_shape", [([3, 5, 7], [15, 9]), ([3, 5, 7], [15, 1]), ([5, 1, 7], [5, 9]),
+                                                ([3, 5, 7], [1, 9]), ([3, 5, 7], [9])])
+def test_addmm_of_a_flattened_input_with_a_bias_per_row(x_shape, bias_shape):
+    """torch.addmm(bias, x.view(-1, K), w) with a bias of M rows: the product is computed on x
+    [..., N], so the bias must be seen with x's leading axes too (not broadcast against them)."""
+    torch.manual_seed(0)
+    w, bias = torch.randn(7, 9), torch.randn(bias_shape)
+
+    def f(x):
+        return torch.addmm(bias, x.reshape(-1, 7), w)
+
+    x = torch.randn(x_shape)
+    got = _compiled(f)(x)
+    torch.testing.assert_close(got, f(x))
+    assert all(report.torch_ops == () for report in torch_backend.REPORTS)

@@ -187,8 +187,13 @@ class _Planner:
             layout = self.inverse_view(reader, layout)
             if layout is None:
                 return False
-        # a value views lead from is their root; one no view leads from may be no one's root
+        # a value views lead from is their root, and theirs only (another view of it, stated
+        # over its memory, would not follow it into `layout`); one no view leads from may be no
+        # one's root
         if (tensor.uid in self.views.roots) != bool(views) or not self.writable_into(tensor, reader, layout):
+            return False
+        chain = {view.uid for view in views}
+        if any(alias.root == tensor.uid and uid not in chain for uid, alias in self.views.aliases.items()):
             return False
         restated = [_own_strides(tensor, layout)]
         for view in reversed(views):

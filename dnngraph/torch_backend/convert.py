@@ -102,8 +102,12 @@ def _linear(g, node, value, a, b, bias=None):
         product = g.matmul(value(a), value(b))
         return product if bias is None else g.add(product, value(bias))
     product = g.matmul(value(source), value(b))
-    product = _typed(product, node) if bias is None else _typed(g.add(product, value(bias)), node)
-    return g.reshape(product, _shape(node))
+    if bias is not None:
+        bias_value = value(bias)
+        if len(bias_value.dim) == 2 and bias_value.dim[0] != 1:  # a row of its own per row of M
+            bias_value = _reshape(g, bias_value, list(product.dim[:-1]) + [bias_value.dim[-1]])
+        product = g.add(product, bias_value)
+    return g.reshape(_typed(product, node), _shape(node))
 
 
 def _matmul(g, node, value):
