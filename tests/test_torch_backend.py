@@ -132,6 +132,23 @@ def test_clones_read_inside_are_values_and_returned_ones_are_copies():
     assert report.kernels() == 4, report.kernels()
 
 
+def test_a_clone_returned_through_views_is_a_copy():
+    """x.clone().view(-1) returned: the clone is the graph's output (torch applies the view), so
+    it is a copy even though its only user is a view; an input is never a graph output."""
+    def f(x):
+        return x.clone().view(-1), torch.exp(x).clone().t(), x.clone().t().reshape(-1)[2:]
+
+    compiled = _compiled(f)
+    x = torch.randn(3, 4)
+    before, expected = x.clone(), f(x)
+    results = compiled(x)
+    for got, want in zip(results, expected):
+        assert rel_err(got, want) < 1e-6
+    assert all(r.data_ptr() != x.data_ptr() for r in results)
+    x.add_(1.0)
+    assert torch.equal(results[0], before.view(-1))
+
+
 def test_no_grad_inference_and_a_cnn_with_torch_convolutions():
     torch.manual_seed(4)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),

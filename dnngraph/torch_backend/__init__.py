@@ -28,7 +28,7 @@ from ..autodiff import prune
 from ..graph import Graph
 from ..log import logger
 from ..tensor import Tensor
-from .convert import TENSOR_TYPES, Aux, convert, unsupported
+from .convert import TENSOR_TYPES, VIEW_OPS, Aux, convert, unsupported
 
 __all__ = ["backend", "REPORTS", "CompileReport"]
 
@@ -54,11 +54,6 @@ class CompileReport:
 REPORTS: collections.deque = collections.deque(maxlen=REPORT_LIMIT)
 
 aten = torch.ops.aten
-# aten ops whose result is always a view of their first argument's memory (no copy in torch)
-VIEW_OPS = frozenset({aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default,
-                      aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-                      aten.squeeze.default, aten.alias.default, aten.slice.Tensor, aten.expand.default,
-                      aten.detach.default})
 
 
 def _view_chain(node):

@@ -38,6 +38,11 @@ for _packet, _op in COMPARE.items():
     BINARY[_packet.Tensor] = _op
     BINARY[_packet.Scalar] = _op
 REDUCE = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default: "max", aten.amin.default: "min"}
+# aten ops whose result is always a view of their first argument's memory (no copy in torch)
+VIEW_OPS = frozenset({aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default,
+                      aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                      aten.squeeze.default, aten.alias.default, aten.slice.Tensor, aten.expand.default,
+                      aten.detach.default})
 
 
 def _result(node):
@@ -154,9 +159,20 @@ def _clone(g, node, value):
     inside the graph, a clone is its argument's value (its layout, contiguous before a view,
     is the view planner's to decide: written in place by the producer, or copied)."""
     source = value(node.args[0])
-    if any(user.op == "output" for user in node.users):
-        return g.cast(source, data_type=source.data_type)
-    return source
+    return g.cast(source, data_type=source.data_type) if _returned(node) else source
+
+
+def _returned(node) -> bool:
+    """Does the graph return `node`'s value, itself or through views torch applies to it?"""
+    values = [node]  # the value and the views of it met so far
+    while values:
+        current = values.pop()
+        for user in current.users:
+            if user.op == "output":
+                return True
+            if user.op == "call_function" and user.target in VIEW_OPS and user.args[0] is current:
+                values.append(user)
+    return False
 
 
 def _detach(g, node, value):
