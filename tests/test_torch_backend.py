@@ -149,6 +149,38 @@ def test_a_clone_returned_through_views_is_a_copy():
     assert torch.equal(results[0], before.view(-1))
 
 
+def test_a_full_range_slice_backward_returns_memory_of_its_own():
+    """(x + 1)[0:4] of an x with 4 rows: the backward's slice_backward covers the whole gradient,
+    so its value is the incoming gradient itself; returned, it must be a copy (an input is
+    never a graph output), as eager's new tensor is."""
+    def f(x):
+        return (x + 1.0)[0:4]
+
+    x = torch.randn(4, 3)
+    leaf, eager_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad = torch.randn(4, 3)
+    _compiled(f)(leaf).backward(grad)
+    f(eager_leaf).backward(grad)
+    assert torch.equal(leaf.grad, eager_leaf.grad)
+    assert leaf.grad.data_ptr() != grad.data_ptr()
+
+
+def test_a_backward_of_views_only_runs():
+    """(x.t() + 1).contiguous().view(-1): the backward is views of the incoming gradient only
+    (view, t), every one applied in torch: a dnngraph graph with no ops must not fail to compile."""
+    def f(x):
+        return (x.t() + 1.0).contiguous().view(-1)
+
+    x = torch.randn(4, 3)
+    leaf, eager_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    grad = torch.randn(12)
+    out = _compiled(f)(leaf)
+    out.backward(grad)
+    f(eager_leaf).backward(grad)
+    assert torch.equal(out, f(x))
+    assert torch.equal(leaf.grad, eager_leaf.grad)
+
+
 def test_no_grad_inference_and_a_cnn_with_torch_convolutions():
     torch.manual_seed(4)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
