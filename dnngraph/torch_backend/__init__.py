@@ -169,17 +169,30 @@ class DnngraphModule(torch.nn.Module):
             if views and isinstance(values.get(base), Tensor) and base.meta["val"].numel() <= node.meta["val"].numel():
                 # a view of a value the graph makes (no larger than the view): the graph returns
                 # the value, torch the view
-                self.views[position] = (("output", self._output(values[base], base, f"base{position}", outputs)),
-                                        views)
+                self.views[position] = (("output", self._output(self._owned(g, values, base), base,
+                                                                f"base{position}", outputs)), views)
                 continue
             tensor = values[node]
             if isinstance(tensor, Aux):
                 self.aux[position] = tensor.meta
                 continue
-            self.views[position] = (("output", self._output(tensor, node, f"output{position}", outputs)), [])
-        prune(g)  # results no output reads (an sdpa's log-sum-exp in inference), views made in torch
-        self.function = g.as_function(inputs, outputs)
+            self.views[position] = (("output", self._output(self._owned(g, values, node), node,
+                                                            f"output{position}", outputs)), [])
+        self.function = None  # every returned value made in torch (views of the arguments): no graph to run
+        if outputs:
+            prune(g)  # results no output reads (an sdpa's log-sum-exp in inference), views made in torch
+            self.function = g.as_function(inputs, outputs)
         self.ops = sum(1 for n in sub.graph.nodes if n.op == "call_function")
+
+    @staticmethod
+    def _owned(g, values, node):
+        """`node`'s value, copied where it is a graph input (a slice_backward over the whole
+        gradient is the gradient it got): an input is never a graph output, and eager's value is
+        memory of its own. The copy stands for the node from then on (returned twice, one copy)."""
+        tensor = values[node]
+        if tensor.producer is None:
+            tensor = values[node] = g.cast(tensor, data_type=tensor.data_type)
+        return tensor
 
     @staticmethod
     def _output(tensor, node, name: str, outputs: list) -> int:
@@ -201,7 +214,7 @@ class DnngraphModule(torch.nn.Module):
         if self.seeds:  # from torch's generator of the device: torch.manual_seed makes runs repeat
             args = args + tuple(torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
                                 for _ in range(self.seeds))
-        results = self.function(*args)
+        results = self.function(*args) if self.function is not None else ()
         results = results if isinstance(results, tuple) else (results,)
         ordered = []
         for position in range(self.returned):
@@ -224,7 +237,8 @@ def _compile(gm: torch.fx.GraphModule, example_inputs):
             module = DnngraphModule(getattr(fused, node.target))
             setattr(fused, node.target, module)
             converted += module.ops
-            functions.append(module.function)
+            if module.function is not None:
+                functions.append(module.function)
     graphs = len(functions)
     fused.recompile()
     kept = tuple((str(n.target), support.reasons.get(n.name, "not an op dnngraph takes")) for n in fused.graph.nodes
