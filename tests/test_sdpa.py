@@ -564,3 +564,21 @@ def test_fp32_attention_follows_the_graphs_tf32_setting(allow_tf32):
     assert ('input_precision="tf32"' in source) == allow_tf32
     assert ('input_precision="ieee"' in source) != allow_tf32
     check(g, {q: q_t, k: k_t, v: v_t}, tolerance=2e-3 if allow_tf32 else None)
+
+
+@pytest.mark.parametrize("unread", [0, 1, 2])
+def test_backward_with_a_gradient_nobody_reads(unread):
+    """dq, dk or dv neither an output nor read (k = q.detach() in a model: dk is dropped): the
+    kernels still store it, so it needs memory of its own (it had none: KeyError at execute)."""
+    gen = torch.Generator().manual_seed(4)
+    q_t, k_t, v_t = _qkv((2, 2, 9, 8), (2, 11), "bhsd", torch.float32, None, gen)
+    g, inputs, q, k, v = _graph(torch.float32, q_t, k_t, v_t)
+    d_o_t = torch.randn(2, 2, 9, 8, generator=gen)
+    d_o = g.tensor_like(d_o_t, "dO")
+    inputs[d_o] = d_o_t
+    o, stats = g.sdpa(q, k, v, is_inference=False, use_causal_mask=True)
+    o.set_output(True)
+    for position, grad in enumerate(g.sdpa_backward(q, k, v, o, d_o, stats, use_causal_mask=True)):
+        if position != unread:
+            grad.set_output(True)
+    check(g, inputs)

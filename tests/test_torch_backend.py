@@ -181,6 +181,25 @@ def test_a_backward_of_views_only_runs():
     assert torch.equal(leaf.grad, eager_leaf.grad)
 
 
+class _DetachedKeys(torch.nn.Module):
+    """Attention whose keys are the queries detached: the backward's dk is read by nobody."""
+
+    def __init__(self):
+        super().__init__()
+        self.qv, self.out = torch.nn.Linear(16, 32), torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, v = self.qv(x).view(b, s, 2, 2, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, q.detach(), v, is_causal=True)
+        return self.out(attended.transpose(1, 2).reshape(b, s, d))
+
+
+def test_attention_with_detached_keys_trains():
+    torch.manual_seed(5)
+    _train_step_matches(_DetachedKeys(), lambda: [torch.randn(2, 5, 16)], tolerance=1e-4)
+
+
 def test_no_grad_inference_and_a_cnn_with_torch_convolutions():
     torch.manual_seed(4)
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
