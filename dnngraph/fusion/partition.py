@@ -52,6 +52,9 @@ class FusionGroup:
 
 
 _NO_EXITS = AnchorRule((), None)  # a side output's epilogue: pointwise nodes only
+# Anchors whose kernels store every output they have, read or not (sdpa_backward's dq, dk, dv:
+# an unread one, a gradient nobody wants, still needs memory to be written to)
+ALWAYS_WRITTEN = frozenset({"sdpa_backward"})
 
 
 def _is_pointwise(node) -> bool:
@@ -332,7 +335,8 @@ class _Partitioner:
                     if tensor.producer not in members:
                         inputs.setdefault(tensor.uid, tensor)
                 for tensor in node.output_tensors():
-                    if tensor.is_output or any(c not in members for c in self.consumers(tensor)):
+                    if tensor.is_output or any(c not in members for c in self.consumers(tensor)) or (
+                            node.op in ALWAYS_WRITTEN and not self.consumers(tensor)):
                         outputs.setdefault(tensor.uid, tensor)
             group.inputs, group.outputs = list(inputs.values()), list(outputs.values())
         return Partition(self._ordered(), self.views)
