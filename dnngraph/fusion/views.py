@@ -153,8 +153,8 @@ class _Planner:
         there: a matmul's result saved through a reshape and also taken by its epilogue); a
         pointwise or attention producer writes any strides, any other kernel only the layout it
         would give the tensor anyway (a reshape into an output: a matmul's result, a norm's
-        statistics), 16-byte aligned. A tensor others alias qualifies only as the start of views leading here
-        (`write_into`)."""
+        statistics), 16-byte aligned. A tensor others alias qualifies only as the start of
+        views leading here (`write_into`)."""
         producer = tensor.producer
         if not (tensor.is_virtual and tensor.uid not in self.views.aliases and producer is not None
                 and producer.op not in LAYOUT_OPS and node in self.consumers(tensor)

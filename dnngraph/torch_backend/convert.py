@@ -85,13 +85,13 @@ def _gelu(g, node, value):
     return (g.gelu_tanh if node.kwargs.get("approximate", "none") == "tanh" else g.gelu)(value(node.args[0]))
 
 
-VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _rows_unmerged(arg):
     """The FX node `arg` views with its leading axes merged into rows and its last axis kept (a
     Linear's input [..., K] seen as [M, K]), or None."""
-    if not isinstance(arg, torch.fx.Node) or arg.target not in VIEWS or not isinstance(arg.args[0], torch.fx.Node):
+    if not isinstance(arg, torch.fx.Node) or arg.target not in RESHAPES or not isinstance(arg.args[0], torch.fx.Node):
         return None
     shape, source_shape = _shape(arg), _shape(arg.args[0])
     return arg.args[0] if len(shape) == 2 and len(source_shape) > 2 and source_shape[-1] == shape[-1] else None
