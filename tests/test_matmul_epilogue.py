@@ -4,6 +4,8 @@ descriptors for outputs that qualify; pointer stores for the others), against th
 reference with poisoned outputs; the knobs as config fields, candidates and cache records; the
 kernels compiled for sm_90."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -177,6 +179,45 @@ def test_candidates_keep_the_model_choice_and_offer_the_knobs():
     assert all(c.variant == "persistent" and c.tma_store for c in subtiled)
     no_tma = mm.MatmulProblem(1, 4096, 4096, 4096, "bf16", 2, 2, 2, False, "row", "row")
     assert all(c.epilogue_subtile == 1 for c in mm.candidates(no_tma))
+
+
+def test_a_wide_epilogue_takes_the_subtiled_tile():
+    """An epilogue reading two [M, N] operands and storing two outputs (8 bytes per element: a
+    Llama MLP's backward through its down projection) spills on the plain 128x256 tile, so the
+    model's first choice is its subtiled TMA-store twin; its staging counts the stored bytes
+    only (two bf16 outputs fit beside three operand stages, four tiles would not)."""
+    device = dg.heuristics.DeviceModel("H100", 132, 3.0e12)
+    wide = mm.MatmulProblem(1, 4096, 14336, 4096, "bf16", 2, 2, 8, True, "row", "row", "mul,silu_backward", 4)
+    first = mm.schedule(wide, device).ranked[0]
+    assert (first.variant, first.block_m, first.block_n, first.epilogue_subtile, first.tma_store) == \
+        ("persistent", 128, 256, 2, True)
+    assert mm.shared_bytes(first, wide) == 3 * (128 * 64 + 64 * 256) * 2 + 128 * 128 * 4
+    unknown_stores = replace(wide, store_bytes=0)  # all 8 bytes staged: the twin no longer fits
+    assert all(c.epilogue_subtile == 1 for c in mm.candidates(unknown_stores))
+    assert wide.signature() != unknown_stores.signature()
+    narrow = replace(wide, out_bytes=4, store_bytes=2, epilogue="mul")  # silu(gate) * up: no spill
+    assert mm.schedule(narrow, device).ranked[0].epilogue_subtile == 1
+    spilled = mm.MatmulConfig("persistent", 128, 128, 64, 4, 4)  # 128 accumulators per thread
+    kept = mm.MatmulConfig("persistent", 128, 128, 64, 8, 4)
+    assert mm.estimate(spilled, wide, device) > mm.estimate(spilled, narrow, device)
+    assert mm.estimate(kept, wide, device) == mm.estimate(kept, narrow, device) or \
+        mm.estimate(kept, wide, device) < mm.estimate(spilled, wide, device)
+
+
+def test_the_llama_mlp_backward_epilogue_is_planned_subtiled(monkeypatch):
+    """Through the plan: d_up = dh * silu(gate), d_gate = silu_backward(dh * up, gate) with
+    dh = dy @ w.T, for an H100, stages both outputs through descriptors on the subtiled tile."""
+    monkeypatch.setattr(dg.heuristics.device, "_model_of_index",
+                        lambda index: dg.heuristics.DeviceModel("NVIDIA H100 80GB HBM3", 132, 3.35e12, (9, 0)))
+    g = _graph(dg.bfloat16)
+    dy, w = g.tensor(name="dy", dim=[4096, 4096]), g.tensor(name="w", dim=[14336, 4096])
+    gate, up = g.tensor(name="gate", dim=[4096, 14336]), g.tensor(name="up", dim=[4096, 14336])
+    dh = g.matmul(dy, g.transpose(w, [1, 0]))
+    g.mul(dh, g.silu(gate)).set_output(True).set_name("d_up")
+    g.silu_backward(g.mul(dh, up), gate).set_output(True).set_name("d_gate")
+    g.build()
+    (launch,) = g.plan.launches
+    assert "128x256x64" in launch.config_text and "subtile2 tma-store tma-stores=2" in launch.config_text
 
 
 def test_forced_knobs_without_descriptors_run_tiled(monkeypatch):

@@ -82,8 +82,9 @@ TILES = (
 # 256x128 needs 4 stages (576 -> 627). Flattening the tile loop won on 4096x11008x4096 (584 -> 601)
 # and lost on the squares (632 -> 613): both are candidates, the model cannot tell them apart.
 PERSISTENT_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 64, 8, 4), (128, 64, 64, 4, 4))
-# Epilogue subtiling with TMA stores (UNMEASURED: no GPU timing yet; a candidate for autotuning
-# only, ranked right after the same tile without it, so the model's first choice is unchanged).
+# Epilogue subtiling with TMA stores: a candidate for autotuning, ranked right after the same tile
+# without it (the two tie in the model), except under a wide epilogue, where the plain tile spills
+# (SPILLED_EPILOGUE_EFFICIENCY below) and the subtiled one is the model's first choice.
 # The 128x256 accumulator holds 128 fp32 values per thread on 8 warps; running the fused epilogue
 # on two [BLOCK_M, BLOCK_N / 2] halves in turn keeps half of the epilogue's values live and lets
 # one half's TMA store drain while the next half computes (Triton's persistent matmul tutorial
@@ -95,6 +96,17 @@ PERSISTENT_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 64, 8
 # spill nothing (subtile2 tma-store: 251 and 243, subtile4 tma-store: 205).
 SUBTILE_TILES = ((128, 256, 64, 8, 3),)
 SUBTILE_CANDIDATE = 2  # column subtiles of the candidate
+# A wide epilogue (one reading and writing >= 6 bytes per output element: a Llama MLP's backward
+# through its down projection reads gate and up and writes d_gate and d_up, 8 bytes) keeps more
+# than the accumulator live. Where that accumulator is over 64 fp32 values per thread at once
+# (128x256 on 8 warps, 128x128 on 4), the epilogue spills: at 4096x14336x4096 bf16 the plain
+# 128x256 tile ran 314 TFLOP/s, 128x128 on 4 warps 268, against 565 for 128x256 subtile2
+# tma-store and 442 for 128x128 on 8 warps (`sweep_matmul.py --epilogue silu_backward`, H100,
+# 2026-11-24; torch.compile 601). A 4-byte epilogue (silu(gate) * up) did not spill: 598 plain,
+# 599 subtile2 tma-store. So the model takes 314 / 565 of the rate from such tiles.
+WIDE_EPILOGUE_BYTES = 6
+EPILOGUE_LIVE_ACCUMULATORS = 64  # fp32 accumulator values per thread an epilogue runs on unspilled
+SPILLED_EPILOGUE_EFFICIENCY = 0.56
 SPLIT_TILES = ((64, 64, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (128, 128, 64, 8, 4))
 # IEEE fp32 runs tl.dot on the FMA units: operands go shared -> registers and each thread owns
 # BLOCK_M*BLOCK_N/threads accumulators. Resource reports of sm_90 builds here: 128x128x32 on 8
@@ -173,11 +185,18 @@ class MatmulProblem:
     a_layout: str  # "row" (K contiguous) | "col" (M contiguous) | "strided"
     b_layout: str  # "row" (N contiguous) | "col" (K contiguous) | "strided"
     epilogue: str = ""  # a short text of the fused work (part of the signature only)
+    store_bytes: int = 0  # of out_bytes, those stored (TMA staging); 0: all of them
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes per output element a TMA-store epilogue stages in shared memory."""
+        return self.store_bytes or self.out_bytes
 
     def signature(self) -> str:
         """A stable text naming everything that changes the best config."""
+        stored = f" s{self.store_bytes}" if self.store_bytes else ""
         return (f"b{self.batch} m{self.m} n{self.n} k{self.k} {self.dot} a{self.a_bytes}{self.a_layout} "
-                f"b{self.b_bytes}{self.b_layout} o{self.out_bytes} tma{int(self.tma)} {self.epilogue}").strip()
+                f"b{self.b_bytes}{self.b_layout} o{self.out_bytes}{stored} tma{int(self.tma)} {self.epilogue}").strip()
 
 
 @dataclass(frozen=True)
@@ -274,11 +293,12 @@ def _shrink(config_tile, problem: MatmulProblem):
 
 def shared_bytes(config: MatmulConfig, problem: MatmulProblem) -> int:
     """Operand staging buffers: num_stages copies of an A tile and a B tile; with TMA stores, a
-    staging buffer of one column subtile per stored byte of an output element (out_bytes: an
-    upper bound, it counts epilogue operands too). sm_90 builds here matched it (plus 32 bytes of
-    barriers): 256x128 at 4 stages 196640 bytes, 229408 with subtile2 tma-store of a bf16 output."""
+    staging buffer of one column subtile per stored byte of an output element (staged_bytes).
+    sm_90 builds here matched it (plus 32 bytes of barriers): 256x128 at 4 stages 196640 bytes,
+    229408 with subtile2 tma-store of a bf16 output."""
     per_stage = config.block_m * config.block_k * problem.a_bytes + config.block_k * config.block_n * problem.b_bytes
-    epilogue = config.block_m * config.block_n // config.epilogue_subtile * problem.out_bytes if config.tma_store else 0
+    staging = config.block_m * config.block_n // config.epilogue_subtile * problem.staged_bytes
+    epilogue = staging if config.tma_store else 0
     return config.num_stages * per_stage + epilogue
 
 
@@ -350,7 +370,15 @@ def _feed(config: MatmulConfig, problem: MatmulProblem) -> float:
         feed = min(1.0, intensity / FULL_RATE_INTENSITY) ** FEED_EXPONENT
         if config.num_warps == 4 and config.block_m * config.block_n >= 128 * 128:
             feed *= ONE_WARPGROUP_PENALTY
-    return feed * VARIANT_EFFICIENCY[config.variant] * _conversion_efficiency(config, problem)
+    return (feed * VARIANT_EFFICIENCY[config.variant] * _conversion_efficiency(config, problem)
+            * _epilogue_efficiency(config, problem))
+
+
+def _epilogue_efficiency(config: MatmulConfig, problem: MatmulProblem) -> float:
+    """The rate left where a wide epilogue spills (see WIDE_EPILOGUE_BYTES)."""
+    live = config.block_m * config.block_n // (config.num_warps * 32 * config.epilogue_subtile)
+    spills = problem.out_bytes >= WIDE_EPILOGUE_BYTES and live > EPILOGUE_LIVE_ACCUMULATORS
+    return SPILLED_EPILOGUE_EFFICIENCY if spills else 1.0
 
 
 def estimate(config: MatmulConfig, problem: MatmulProblem, device: DeviceModel) -> float:
@@ -406,7 +434,8 @@ def rank(problem: MatmulProblem, device: DeviceModel) -> list[MatmulConfig]:
         # at the HBM floor, more programs pull bytes from more SMs (12544x64x576: 64x64 tiles ran
         # 14.0 us, 256x64 17.9 us); otherwise bigger tiles, wide-N first (128x256 beat 256x128
         # at 3 stages), no split (no partials), no flattening (it lost on the squares), no
-        # subtiled epilogue (not measured yet)
+        # subtiled epilogue where the model ties it with the plain tile (narrow epilogues: within
+        # +-2% at 4096^3 gelu, -2 to -9% at 8192^3)
         tiles = _cdiv(problem.m, c.block_m) * _cdiv(problem.n, c.block_n) * problem.batch * c.split_k
         slots = device.sms * (1 if c.variant == "persistent" else max(1, programs_per_sm(c, problem)))
         programs = min(tiles, slots)

@@ -199,8 +199,8 @@ class ConvBuild(GemmLaunches):
 
     def _problem(self, dot: str):
         m = _product(self.row_sizes)
-        out_bytes = max(1, sum(t.data_type.itemsize for t in self.stored)
-                        + sum(t.data_type.itemsize for t in self.epilogue_reads if t.dim[2:] == self.out.dim[2:]))
+        store_bytes = max(1, sum(t.data_type.itemsize for t in self.stored))
+        out_bytes = store_bytes + sum(t.data_type.itemsize for t in self.epilogue_reads if t.dim[2:] == self.out.dim[2:])
         a_bytes, b_bytes = self.pose.source.data_type.itemsize, self.w.data_type.itemsize
         epilogue = self.node.op + " " + ",".join(n.op for n in self.group.epilogue)
         if self.matmul_path:
@@ -211,7 +211,7 @@ class ConvBuild(GemmLaunches):
                    and tma_ok(b_op, b_layout, self.dot_b, capability)
                    and (dot not in ("fp8", "tf32") or (a_layout, b_layout) == ("row", "col")))
             return MatmulProblem(self.groups, m, self.pose.filters, self.pose.channels, dot, a_bytes, b_bytes,
-                                 out_bytes, tma, a_layout, b_layout, "conv1x1 " + epilogue)
+                                 out_bytes, tma, a_layout, b_layout, "conv1x1 " + epilogue, store_bytes)
         g = self.pose.geometry  # the tap shape too: two dgrad phases of one GEMM shape are tuned apart
         layout = ("x" + ",".join(map(str, self.pose.source.stride)) + " w" + ",".join(map(str, self.w.stride))
                   + f" taps{list(g.filter_sizes)} s{list(g.stride)} d{list(g.dilation)} p{list(g.padding)}")
