@@ -192,8 +192,11 @@ def test_a_wide_epilogue_takes_the_subtiled_tile():
     assert (first.variant, first.block_m, first.block_n, first.epilogue_subtile, first.tma_store) == \
         ("persistent", 128, 256, 2, True)
     assert mm.shared_bytes(first, wide) == 3 * (128 * 64 + 64 * 256) * 2 + 128 * 128 * 4
-    unknown_stores = replace(wide, store_bytes=0)  # all 8 bytes staged: the twin no longer fits
-    assert all(c.epilogue_subtile == 1 for c in mm.candidates(unknown_stores))
+    unknown_stores = replace(wide, store_bytes=0)  # all 8 bytes staged: 4 subtiles fit, not 2
+    assert {c.epilogue_subtile for c in mm.candidates(unknown_stores)} == {1, 4}
+    assert mm.schedule(unknown_stores, device).ranked[0].epilogue_subtile == 4
+    staged_too_much = replace(wide, out_bytes=24, store_bytes=24)  # 4 subtiles would not fit either
+    assert all(c.epilogue_subtile == 1 for c in mm.candidates(staged_too_much))
     assert wide.signature() != unknown_stores.signature()
     narrow = replace(wide, out_bytes=4, store_bytes=2, epilogue="mul")  # silu(gate) * up: no spill
     assert mm.schedule(narrow, device).ranked[0].epilogue_subtile == 1

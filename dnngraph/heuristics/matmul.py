@@ -95,7 +95,11 @@ PERSISTENT_TILES = ((128, 256, 64, 8, 3), (256, 128, 64, 8, 4), (128, 128, 64, 8
 # spills 68 bytes, the 256x128 w8 s4 one 255 and 96; with subtile2 they use 254 and 250 and
 # spill nothing (subtile2 tma-store: 251 and 243, subtile4 tma-store: 205).
 SUBTILE_TILES = ((128, 256, 64, 8, 3),)
-SUBTILE_CANDIDATE = 2  # column subtiles of the candidate
+# Column subtiles of the candidate: 2, or 4 where the staging of 2 does not fit beside the operand
+# stages (three bf16 outputs of a SwiGLU forward that saves gate and silu(gate): 6 bytes per
+# element). The Llama MLP backward's epilogue ran 565 TFLOP/s with 2, 554 with 4 and 528 with 2
+# subtiles stored through pointers (4096x14336x4096, sweep below).
+SUBTILE_CANDIDATES = (2, 4)
 # A wide epilogue (one reading and writing >= 6 bytes per output element: a Llama MLP's backward
 # through its down projection reads gate and up and writes d_gate and d_up, 8 bytes) keeps more
 # than the accumulator live. Where that accumulator is over 64 fp32 values per thread at once
@@ -326,6 +330,15 @@ def candidates(problem: MatmulProblem, sms: int = 132, splits: tuple = SPLIT_CHO
         if programs_per_sm(config, problem) >= 1 and config.key() not in found:
             found[config.key()] = config
 
+    def add_subtiled(tile):
+        # the fewest subtiles whose TMA-store staging fits beside the operand stages
+        bm, bn, bk, warps, stages = _shrink(tile, problem)
+        for parts in SUBTILE_CANDIDATES:
+            config = MatmulConfig("persistent", bm, bn, bk, warps, stages, epilogue_subtile=parts, tma_store=True)
+            if bn // parts >= MIN_SUBTILE_COLUMNS and programs_per_sm(config, problem) >= 1:
+                found.setdefault(config.key(), config)
+                return
+
     small = problem.m <= SMALL_M_LIMIT
     fma = problem.dot == "fp32"
     for tile in (SMALL_M_TILES if small else FMA_TILES if fma else TILES):
@@ -335,8 +348,7 @@ def candidates(problem: MatmulProblem, sms: int = 132, splits: tuple = SPLIT_CHO
             add("persistent", tile)
             add("persistent", tile, flatten=True)
         for tile in SUBTILE_TILES:
-            if _shrink(tile, problem)[1] // SUBTILE_CANDIDATE >= MIN_SUBTILE_COLUMNS:
-                add("persistent", tile, subtile=SUBTILE_CANDIDATE)
+            add_subtiled(tile)
     for tile in (SMALL_M_TILES if small else SPLIT_TILES):
         bm, bn, bk, _, _ = _shrink(tile, problem)
         output_tiles = _cdiv(problem.m, bm) * _cdiv(problem.n, bn) * problem.batch
