@@ -198,6 +198,9 @@ def test_a_wide_epilogue_takes_the_subtiled_tile():
     staged_too_much = replace(wide, out_bytes=24, store_bytes=24)  # 4 subtiles would not fit either
     assert all(c.epilogue_subtile == 1 for c in mm.candidates(staged_too_much))
     assert wide.signature() != unknown_stores.signature()
+    memory_bound = replace(wide, n=4096, k=1024, out_bytes=15)  # at the HBM floor the spill still costs
+    first = mm.schedule(memory_bound, device).ranked[0]
+    assert first.block_m * first.block_n // (first.num_warps * 32 * first.epilogue_subtile) <= 64
     narrow = replace(wide, out_bytes=4, store_bytes=2, epilogue="mul")  # silu(gate) * up: no spill
     assert mm.schedule(narrow, device).ranked[0].epilogue_subtile == 1
     spilled = mm.MatmulConfig("persistent", 128, 128, 64, 4, 4)  # 128 accumulators per thread

@@ -107,7 +107,8 @@ SUBTILE_CANDIDATES = (2, 4)
 # 128x256 tile ran 314 TFLOP/s, 128x128 on 4 warps 268, against 565 for 128x256 subtile2
 # tma-store and 442 for 128x128 on 8 warps (`sweep_matmul.py --epilogue silu_backward`, H100,
 # 2026-11-24; torch.compile 601). A 4-byte epilogue (silu(gate) * up) did not spill: 598 plain,
-# 599 subtile2 tma-store. So the model takes 314 / 565 of the rate from such tiles.
+# 599 subtile2 tma-store. So the model takes 314 / 565 of the rate from such tiles, compute- or
+# memory-bound.
 WIDE_EPILOGUE_BYTES = 6
 EPILOGUE_LIVE_ACCUMULATORS = 64  # fp32 accumulator values per thread an epilogue runs on unspilled
 SPILLED_EPILOGUE_EFFICIENCY = 0.56
@@ -382,12 +383,13 @@ def _feed(config: MatmulConfig, problem: MatmulProblem) -> float:
         feed = min(1.0, intensity / FULL_RATE_INTENSITY) ** FEED_EXPONENT
         if config.num_warps == 4 and config.block_m * config.block_n >= 128 * 128:
             feed *= ONE_WARPGROUP_PENALTY
-    return (feed * VARIANT_EFFICIENCY[config.variant] * _conversion_efficiency(config, problem)
-            * _epilogue_efficiency(config, problem))
+    return feed * VARIANT_EFFICIENCY[config.variant] * _conversion_efficiency(config, problem)
 
 
 def _epilogue_efficiency(config: MatmulConfig, problem: MatmulProblem) -> float:
-    """The rate left where a wide epilogue spills (see WIDE_EPILOGUE_BYTES)."""
+    """The rate left where a wide epilogue spills (see WIDE_EPILOGUE_BYTES): of the tensor
+    cores and of the memory system alike (a 4096x4096x1024 GEMM whose epilogue reads and writes
+    ~15 bytes per element, the model's HBM floor 95 us, ran 372 us on the plain 128x256 tile)."""
     live = config.block_m * config.block_n // (config.num_warps * 32 * config.epilogue_subtile)
     spills = problem.out_bytes >= WIDE_EPILOGUE_BYTES and live > EPILOGUE_LIVE_ACCUMULATORS
     return SPILLED_EPILOGUE_EFFICIENCY if spills else 1.0
@@ -422,7 +424,7 @@ def estimate(config: MatmulConfig, problem: MatmulProblem, device: DeviceModel) 
         extra = LAUNCH_SECONDS
     dram = (a_total + b_total + c_total + partials) / device.bandwidth
     l2 = (a_total * _cdiv(problem.n, config.block_n) + b_total * _cdiv(problem.m, config.block_m)) / L2_BANDWIDTH
-    return max(compute, dram, l2) + extra
+    return max(compute, dram, l2) / _epilogue_efficiency(config, problem) + extra
 
 
 @dataclass(frozen=True)
