@@ -139,7 +139,8 @@ def main():
             anchor, compiled = "torch.compile (anchor)", torch.compile(torch_fn)
             lt_ms = median_ms(lambda: compiled(tensors))
         rows.append([f"{m}x{n}x{k}", anchor, f"{flops / lt_ms / 1e9:.0f}", "1.00"])
-        results.append({"shape": [m, n, k], "config": "cublaslt", "ms": lt_ms})
+        results.append({"shape": [m, n, k], "config": "cublaslt" if torch_fn is None else "torch.compile",
+                        "epilogue": args.epilogue, "ms": lt_ms})
         for config in selected(args.only):
             try:
                 ms = time_config(config, m, n, k, tensors, args.epilogue)
@@ -149,10 +150,10 @@ def main():
                 cell = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:60] if str(error) else ''}"
             print(f"{m}x{n}x{k} {config.text}: {cell} ({ratio} of the anchor)", flush=True)
             rows.append([f"{m}x{n}x{k}", config.text, cell, ratio])
-            results.append({"shape": [m, n, k], "config": config.to_record(), "ms": ms})
+            results.append({"shape": [m, n, k], "config": config.to_record(), "epilogue": args.epilogue, "ms": ms})
     print_table(f"matmul + {args.epilogue} epilogue bf16, forced configs", ["M x N x K", "config", "TFLOP/s", "/ anchor"],
                 rows)
-    write_json("sweep_matmul.json", results)
+    write_json("sweep_matmul.json" if args.epilogue == "gelu" else f"sweep_matmul_{args.epilogue}.json", results)
 
 
 if __name__ == "__main__":

@@ -108,7 +108,9 @@ SUBTILE_CANDIDATES = (2, 4)
 # tma-store and 442 for 128x128 on 8 warps (`sweep_matmul.py --epilogue silu_backward`, H100,
 # 2026-11-24; torch.compile 601). A 4-byte epilogue (silu(gate) * up) did not spill: 598 plain,
 # 599 subtile2 tma-store. So the model takes 314 / 565 of the rate from such tiles, compute- or
-# memory-bound.
+# memory-bound. (The subtiled builds are not spill-free either: ptxas reported 255 registers and
+# 32-60 bytes of spills for these epilogues on 2 or 4 subtiles, against 132 bytes for a bf16 and
+# an fp32 output on the plain tile; the small spills did not show in the times.)
 WIDE_EPILOGUE_BYTES = 6
 EPILOGUE_LIVE_ACCUMULATORS = 64  # fp32 accumulator values per thread an epilogue runs on unspilled
 SPILLED_EPILOGUE_EFFICIENCY = 0.56
@@ -190,16 +192,18 @@ class MatmulProblem:
     a_layout: str  # "row" (K contiguous) | "col" (M contiguous) | "strided"
     b_layout: str  # "row" (N contiguous) | "col" (K contiguous) | "strided"
     epilogue: str = ""  # a short text of the fused work (part of the signature only)
-    store_bytes: int = 0  # of out_bytes, those stored (TMA staging); 0: all of them
+    store_bytes: Optional[int] = None  # of out_bytes, those stored (TMA staging); None: all of them
 
     @property
     def staged_bytes(self) -> int:
-        """Bytes per output element a TMA-store epilogue stages in shared memory."""
-        return self.store_bytes or self.out_bytes
+        """Bytes per output element a TMA-store epilogue stages in shared memory (an upper bound:
+        the sm_90 builds here gave outputs of one type a single staging buffer, which the model
+        does not count on)."""
+        return self.out_bytes if self.store_bytes is None else self.store_bytes
 
     def signature(self) -> str:
         """A stable text naming everything that changes the best config."""
-        stored = f" s{self.store_bytes}" if self.store_bytes else ""
+        stored = f" s{self.store_bytes}" if self.staged_bytes != self.out_bytes else ""
         return (f"b{self.batch} m{self.m} n{self.n} k{self.k} {self.dot} a{self.a_bytes}{self.a_layout} "
                 f"b{self.b_bytes}{self.b_layout} o{self.out_bytes}{stored} tma{int(self.tma)} {self.epilogue}").strip()
 

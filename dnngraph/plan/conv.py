@@ -199,8 +199,9 @@ class ConvBuild(GemmLaunches):
 
     def _problem(self, dot: str):
         m = _product(self.row_sizes)
-        store_bytes = max(1, sum(t.data_type.itemsize for t in self.stored))
-        out_bytes = store_bytes + sum(t.data_type.itemsize for t in self.epilogue_reads if t.dim[2:] == self.out.dim[2:])
+        store_bytes = sum(t.data_type.itemsize for t in self.stored)
+        out_bytes = max(1, store_bytes + sum(t.data_type.itemsize for t in self.epilogue_reads
+                                             if t.dim[2:] == self.out.dim[2:]))
         a_bytes, b_bytes = self.pose.source.data_type.itemsize, self.w.data_type.itemsize
         epilogue = self.node.op + " " + ",".join(n.op for n in self.group.epilogue)
         if self.matmul_path:

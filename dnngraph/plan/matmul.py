@@ -106,9 +106,9 @@ class MatmulBuild(GemmLaunches):
         if dot in ("fp8", "tf32") and (a_layout, b_layout) != ("row", "col"):
             tma = False  # fp8 and tf32 wgmma read both operands K-major from shared memory
         epilogue_text = ",".join(x.op for x in group.epilogue + group.exits)
-        store_bytes = max(1, sum(t.data_type.itemsize for t in stored_values))
-        out_bytes = store_bytes + sum(t.data_type.itemsize for t in epilogue_reads
-                                      if tuple(t.dim[-2:]) == tuple(c.dim[-2:]))
+        store_bytes = sum(t.data_type.itemsize for t in stored_values)
+        out_bytes = max(1, store_bytes + sum(t.data_type.itemsize for t in epilogue_reads
+                                             if tuple(t.dim[-2:]) == tuple(c.dim[-2:])))
         self.problem = MatmulProblem(_product(self.batch_sizes), m, n, k, dot, a.data_type.itemsize if a_op else 4,
                                      b.data_type.itemsize if b_op else 4, out_bytes, tma,
                                      a_layout, b_layout, epilogue_text, store_bytes)
