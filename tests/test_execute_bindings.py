@@ -8,6 +8,7 @@ import torch
 import dnngraph as dg
 from dnngraph.plan import cache as plan_cache
 import dnngraph.plan as plan_module
+from dnngraph.plan import launch as launch_module
 from helpers import check, poisoned, rel_err
 from pretend_gpu import STREAM, pretend_gpu
 
@@ -174,3 +175,52 @@ def test_prepared_addresses_match_the_tensor_path(monkeypatch, with_workspace):
             launch.bind(0, built.dtypes)(tensors, STREAM)
         assert _kernel_arguments(calls) == prepared[:len(prepared) // 2]
     assert all(isinstance(v, int) for args in prepared for v in args if v is not None)
+
+
+def test_a_launcher_refusing_its_arguments_names_the_kernel(monkeypatch):
+    """A compiled launcher that refuses a prepared call (Triton's TypeError on an argument count
+    that is not its kernel's) becomes an ExecutionError naming that kernel and both counts, on
+    the first execute and on a repeated one, and the launches before it ran."""
+    plan_cache.clear()
+    g, a, w, y = _views_graph()
+    assert len(g.plan.launches) >= 2
+    refused = g.plan.launches[1]
+    bindings = {a: torch.randn(6, 8), w: torch.randn(6, 4), y: poisoned(y)}
+    calls = []
+    with pretend_gpu(monkeypatch, calls):
+        original = launch_module.BoundLaunch.call
+
+        def short_of_one(self, values, stream):
+            launcher, args = original(self, values, stream)
+            if self.template is refused.template:  # this kernel's call loses its last argument
+                def refuse(*given):
+                    raise TypeError(f"function takes exactly {len(args)} arguments ({len(given)} given)")
+                return refuse, args[:-1]
+            return launcher, args
+        monkeypatch.setattr(launch_module.BoundLaunch, "call", short_of_one)
+        for _ in range(2):
+            calls.clear()
+            with pytest.raises(dg.ExecutionError) as caught:
+                g.execute(bindings)
+            message = str(caught.value)
+            assert refused.source_path.name in message and refused.config_text in message
+            assert f"{len(refused.template)} prepared arguments" in message
+            assert f"{len(refused.kernel.arg_names)} parameters" in message
+            assert isinstance(caught.value.__cause__, TypeError)
+            assert len(calls) == 1  # the first kernel ran, the refused one did not
+
+
+def test_launch_on_device_says_which_call_was_refused(monkeypatch):
+    """The launch loop reports the position of the refused call and restores the device."""
+    from pretend_gpu import PretendDevices, patch_current_device
+    devices = PretendDevices(current=3)
+    patch_current_device(monkeypatch, devices)
+    ran = []
+
+    def refuse(*args):
+        raise TypeError("function takes exactly 40 arguments (27 given)")
+    calls = ((lambda *args: ran.append(args), (1, 2)), (refuse, (1, 2, 3)), (lambda *args: ran.append(args), ()))
+    with pytest.raises(launch_module.LaunchRefused) as caught:
+        launch_module.launch_on_device(calls, 0)
+    assert (caught.value.position, caught.value.given) == (1, 3) and ran == [(1, 2)]
+    assert devices.current == 3

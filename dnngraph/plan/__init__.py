@@ -27,7 +27,7 @@ from ..log import logger
 from ..runtime import interpreting
 from .attention import build_attention_backward
 from .cache import MODULES, PLANS, plan_key
-from .launch import created_once, launch_on_device, persistent_buffer, run_launches, time_launches
+from .launch import LaunchRefused, created_once, launch_on_device, persistent_buffer, run_launches, time_launches
 from .conv import build_conv
 from .matmul import build_matmul
 from .pointwise import build_pointwise
@@ -473,11 +473,23 @@ class Plan:
         index = ready.kernel_device.index
         stream = torch._C._cuda_getCurrentRawStream(index)
         lock, calls = ready.streams.get(stream) or self._bind_stream(ready, values, workspace, stream)
-        if lock is None:
-            launch_on_device(calls, index)
-            return
-        with lock:
-            launch_on_device(calls, index)
+        try:
+            if lock is None:
+                launch_on_device(calls, index)
+                return
+            with lock:
+                launch_on_device(calls, index)
+        except LaunchRefused as refused:
+            raise self._refused(ready.built.launches[refused.position], refused) from refused.error
+
+    @staticmethod
+    def _refused(launch, refused: LaunchRefused) -> ExecutionError:
+        """The typed error of a launch whose launcher refused its prepared arguments, naming the
+        kernel and what each side counts."""
+        return ExecutionError(f"kernel {launch.source_path.name} ({launch.config_text}) was refused its "
+                              f"arguments by its launcher: {refused.error}; the call passed {refused.given} "
+                              f"values for a kernel of {len(launch.kernel.arg_names)} parameters and "
+                              f"{len(launch.template)} prepared arguments")
 
     def _prepare(self, bindings, workspace, stamp) -> "ReadyBindings":
         """Check a binding set (and workspace) in full and remember it under `stamp`."""

@@ -254,15 +254,28 @@ class KernelLaunch:
 INTERPRETER_LOCK = threading.RLock()
 
 
+class LaunchRefused(Exception):
+    """A launcher refused the arguments of call `position` of a prepared list (Triton's
+    TypeError: their count or types are not the compiled kernel's)."""
+
+    def __init__(self, position: int, given: int, error: TypeError):
+        super().__init__(f"call {position}: {error}")
+        self.position, self.given, self.error = position, given, error
+
+
 def launch_on_device(calls, device_index: int) -> None:
     """Run prepared (launcher, arguments) pairs with CUDA device `device_index` current, the
     previous one restored after. Triton's launcher runs in the current device's context, so
     kernels for tensors on another GPU than the current one need theirs made current; when it
-    already is, the exchange is a no-op."""
+    already is, the exchange is a no-op. A launcher's TypeError becomes LaunchRefused, which
+    says which call it was."""
     previous = torch.cuda._exchange_device(device_index)
     try:
         for launcher, args in calls:
             launcher(*args)
+    except TypeError as error:
+        position = next(i for i, call in enumerate(calls) if call[1] is args)
+        raise LaunchRefused(position, len(args), error) from error
     finally:
         torch.cuda._maybe_exchange_device(previous)
 
