@@ -19,3 +19,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _cache_dir(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("DNNGRAPH_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "dnngraph-cache"))
+
+
+@pytest.fixture(autouse=True)
+def _compiled_kernels(monkeypatch):
+    """Kernels compiled once per process (plan/launch.py's shared_compile) are compiled once per
+    test here: a test's stand-in compile never reaches another test."""
+    from dnngraph.plan import launch
+    monkeypatch.setattr(launch, "_COMPILED", {})

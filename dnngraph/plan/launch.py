@@ -11,6 +11,9 @@ the caller's workspace, one per stream).
 """
 from __future__ import annotations
 
+import ast
+import concurrent.futures
+import hashlib
 import itertools
 import threading
 import time
@@ -19,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..codegen.cache import kernel_source
 from ..errors import ExecutionError
 from ..heuristics.autotune import TuningRecord
 from ..log import logger
@@ -110,6 +114,50 @@ def persistent_buffer(nbytes: int, device) -> torch.Tensor:
     current.wait_stream(_ALLOCATION_STREAMS[index])
     buffer.record_stream(current)
     return buffer
+
+
+# Compiled kernels by what decides their binary: the source with the kernel's own name taken out,
+# Triton's warmup arguments (pointer dtypes, integer and constexpr values), the compile options and
+# the device. Kernels that differ in their names alone (a ResNet's repeated blocks: 556 kernels of a
+# training step, most of them another block's) compile once per process.
+_COMPILED: dict = {}
+_COMPILED_LOCK = threading.Lock()
+
+
+def shared_compile(key, compile_fn):
+    """compile_fn()'s result, made once per `key` in this process: the first caller compiles,
+    callers of the same key meanwhile wait for it; a failed compile is forgotten (the next caller
+    tries again) and raises in each caller that waited for it."""
+    with _COMPILED_LOCK:
+        future = _COMPILED.get(key)
+        owner = future is None
+        if owner:
+            future = _COMPILED[key] = concurrent.futures.Future()
+    if owner:
+        try:
+            future.set_result(compile_fn())
+        except BaseException as error:
+            with _COMPILED_LOCK:
+                _COMPILED.pop(key, None)
+            future.set_exception(error)
+            raise
+    return future.result()
+
+
+def name_free_digest(source: str, name: str) -> str:
+    """A digest of what `source` computes: its syntax tree (no comments), without the module's
+    docstring (it names the graph's tensors), the kernel's own `name` replaced. Two kernels that
+    differ only in their names and comments digest alike."""
+    tree = ast.parse(source)
+    body = tree.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            node.name = "<kernel>"
+        elif isinstance(node, ast.Name) and node.id == name:
+            node.id = "<kernel>"
+    return hashlib.sha256(ast.dump(ast.Module(body=body, type_ignores=[])).encode()).hexdigest()
 
 
 def kernel_name(group, index: int) -> str:
@@ -226,8 +274,7 @@ class KernelLaunch:
         # context (BoundLaunch's _init_handles): both must happen with `device_index` current, or
         # a kernel for cuda:1 bound from a thread where cuda:0 is current lives in cuda:0's context.
         with torch.cuda.device(device_index):
-            compiled = self.kernel.warmup(*args, grid=self.grid, **self._options())
-            compiled = compiled.result() if hasattr(compiled, "result") else compiled
+            compiled = self._compiled(args, device_index)
             nbytes, align = global_scratch_need(compiled, self.grid)
             if nbytes and self.global_scratch is None:
                 self.global_scratch, self.global_scratch_align = scratch((nbytes,), torch.uint8), align
@@ -239,6 +286,30 @@ class KernelLaunch:
         logger.info("compiled %s for cuda:%d in %.0f ms", self.source_path.name, device_index,
                     1e3 * (time.perf_counter() - start))
         return bound
+
+    def _compiled(self, args, device_index: int):
+        """The compiled kernel for Triton's warmup `args`, shared with every launch of this
+        process whose kernel differs from this one in its name alone (shared_compile); with
+        `device_index` current."""
+        options = self._options()
+
+        def compile_here():
+            compiled = self.kernel.warmup(*args, grid=self.grid, **options)
+            compiled = compiled.result() if hasattr(compiled, "result") else compiled
+            compiled._init_handles()  # loaded once, before another launch's thread can share it
+            return compiled
+
+        name = self.source_path.stem.rsplit("_", 1)[0]  # load_kernel names the file {kernel}_{digest}.py
+        # each argument with its type (1, 1.0 and True are equal in Python, not to Triton) and
+        # floats by their text (-0.0 == 0.0, not as a constexpr)
+        typed = tuple((type(a), repr(a) if isinstance(a, float) else a) for a in args)
+        key = (name_free_digest(kernel_source(self.kernel, self.source_path), name), typed,
+               tuple(sorted(options.items())), device_index)
+        try:
+            hash(key)
+        except TypeError:  # an argument Triton takes but no key holds: compiled for this launch alone
+            return compile_here()
+        return shared_compile(key, compile_here)
 
     def launch_unaligned(self, tensors):
         """Through the JIT, which specializes on the actual pointer alignment."""
