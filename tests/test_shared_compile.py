@@ -1,10 +1,14 @@
 """Kernels that differ only in their names (a ResNet's repeated blocks) compile once per process:
 the key is the source's syntax tree without the kernel's name and comments, Triton's warmup
 arguments with their types, the options and the device."""
+import copy
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
+
+import torch
 
 import dnngraph as dg
 from dnngraph.codegen.cache import kernel_source
@@ -82,7 +86,10 @@ class _FakeKernel:
 
     def warmup(self, *args, grid, **options):
         self.warmups.append((self.__name__, args, options))
-        return type("Compiled", (), {"_init_handles": lambda self: None})()
+        compiled = SimpleNamespace(run=lambda *a: None, function=len(self.warmups), packed_metadata=(4, 1, 0),
+                                   metadata=SimpleNamespace(global_scratch_size=0), module=None)
+        compiled._init_handles = lambda: setattr(compiled, "module", "loaded")
+        return compiled
 
 
 def test_launches_share_a_compile_only_where_code_arguments_and_options_agree(monkeypatch):
@@ -103,3 +110,47 @@ def test_launches_share_a_compile_only_where_code_arguments_and_options_agree(mo
     monkeypatch.setattr(last, "num_warps", last.num_warps * 2)
     last._compiled(args, 0)
     assert len(warmups) == 7
+
+
+def test_bind_shares_one_compile_and_keeps_each_launch_its_own(monkeypatch):
+    """Through bind(), as a plan binds: two launches differing in their names alone get one
+    compile, loaded before it is handed out, and each its own bound launch (grid, arguments);
+    a kernel without multiply-add contraction, or with other stages, compiles apart."""
+    from pretend_gpu import PretendDevices, patch_current_device
+    patch_current_device(monkeypatch, PretendDevices())
+    first, _, last = (copy.copy(launch) for launch in _plan_launches("sigmoid"))
+    warmups = []
+    for launch in (first, last):
+        launch._bound, launch._bind_lock = {}, threading.Lock()
+        launch.kernel = _FakeKernel(launch.source_path.stem, warmups)
+    dtypes = {uid: torch.float32 for _, uid in first.slots + last.slots}
+    bound_first, bound_last = first.bind(0, dtypes), last.bind(0, dtypes)
+    assert len(warmups) == 1 and bound_first is not bound_last
+    assert bound_first.function == bound_last.function == 1  # one binary
+    assert (bound_first.template, bound_first.slots) == (first.template, first.slots)
+    assert (bound_last.template, bound_last.slots, bound_last.grid) == (last.template, last.slots, last.grid)
+    for change in (dict(fp_fusion=False), dict(num_stages=(last.num_stages or 2) + 1)):
+        other = copy.copy(last)
+        other._bound, other._bind_lock = {}, threading.Lock()
+        for field, value in change.items():
+            setattr(other, field, value)
+        other.bind(0, dtypes)
+    assert len(warmups) == 3
+    assert warmups[1][2].get("enable_fp_fusion") is False and "num_stages" in warmups[2][2]
+
+
+def test_nested_and_debug_state_split_the_key(monkeypatch):
+    """Tuples are keyed element by element with types; Triton's debug setting is in the key."""
+    import triton
+    from dnngraph.plan.launch import _typed
+    assert _typed((1,)) != _typed((True,)) and _typed((0.0,)) != _typed((-0.0,))
+    assert _typed((1, (2, 3.5))) == _typed((1, (2, 3.5)))
+    monkeypatch.setattr(launch_module, "_COMPILED", {})
+    first, _, last = _plan_launches("sigmoid")
+    warmups = []
+    for launch in (first, last):
+        monkeypatch.setattr(launch, "kernel", _FakeKernel(launch.kernel.__name__, warmups))
+    first._compiled(list(first.template), 0)
+    monkeypatch.setattr(triton.knobs.runtime, "debug", not triton.knobs.runtime.debug)
+    last._compiled(list(last.template), 0)
+    assert len(warmups) == 2

@@ -144,6 +144,26 @@ def shared_compile(key, compile_fn):
     return future.result()
 
 
+def _typed(value):
+    """`value` as a key that tells apart what Triton's specialization does: each value with its
+    type (1, 1.0 and True are equal in Python), floats by their text (-0.0 == 0.0), tuples
+    element by element."""
+    if isinstance(value, tuple):
+        return (tuple, tuple(_typed(v) for v in value))
+    return (type(value), repr(value) if isinstance(value, float) else value)
+
+
+def _triton_debug_state() -> tuple:
+    """Triton settings outside the source and options that change a compiled binary (its own
+    kernel cache keys on them too): debug asserts and instrumentation."""
+    import triton
+
+    knobs = getattr(triton, "knobs", None)
+    if knobs is None:
+        return ()
+    return (getattr(knobs.runtime, "debug", None), getattr(knobs.compilation, "instrumentation_mode", None))
+
+
 def name_free_digest(source: str, name: str) -> str:
     """A digest of what `source` computes: its syntax tree (no comments), without the module's
     docstring (it names the graph's tensors), the kernel's own `name` replaced. Two kernels that
@@ -283,7 +303,7 @@ class KernelLaunch:
                                      f"{self.global_scratch.nbytes} on the device it was first bound on")
             uid = self.global_scratch.uid if nbytes else None
             bound = BoundLaunch(compiled, self.grid, self.template, self.slots, uid)
-        logger.info("compiled %s for cuda:%d in %.0f ms", self.source_path.name, device_index,
+        logger.info("bound %s for cuda:%d in %.0f ms", self.source_path.name, device_index,
                     1e3 * (time.perf_counter() - start))
         return bound
 
@@ -300,11 +320,8 @@ class KernelLaunch:
             return compiled
 
         name = self.source_path.stem.rsplit("_", 1)[0]  # load_kernel names the file {kernel}_{digest}.py
-        # each argument with its type (1, 1.0 and True are equal in Python, not to Triton) and
-        # floats by their text (-0.0 == 0.0, not as a constexpr)
-        typed = tuple((type(a), repr(a) if isinstance(a, float) else a) for a in args)
-        key = (name_free_digest(kernel_source(self.kernel, self.source_path), name), typed,
-               tuple(sorted(options.items())), device_index)
+        key = (name_free_digest(kernel_source(self.kernel, self.source_path), name), _typed(tuple(args)),
+               tuple(sorted(options.items())), device_index, _triton_debug_state())
         try:
             hash(key)
         except TypeError:  # an argument Triton takes but no key holds: compiled for this launch alone
