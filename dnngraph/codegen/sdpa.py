@@ -71,6 +71,7 @@ class AttentionSpec:
     chunk: int = 0  # keys per split (a multiple of BLOCK_N)
     bias_dims: tuple = ()  # the dbias kernel: the bias's [B, H, Sq, Skv] (1 on the axes it sums over)
     stats_only: bool = False  # the log-sum-exp pass of an op-level backward: no v, no o
+    head_group: int = 0  # causal: programs of this many heads interleaved, their longest tiles first (0: off)
 
 
 def _mask_argument(terms: list) -> str:
@@ -129,8 +130,7 @@ class _Writer:
         """Program ids to (batch, query head, query position) per tile row, lengths, the q tile."""
         w, wide = self.line, self.spec.wide_index
         cast = ".to(tl.int64)" if wide else ""
-        w("pid_m = tl.program_id(0)")
-        w("pid_bh = tl.program_id(1)")
+        self.program_ids("pid_m")
         if self.spec.packed:  # rows are (query head of the group, position); pid_m is the split
             w("batch = pid_bh // (HEADS // GROUP)")
             w("kv_head = pid_bh % (HEADS // GROUP)")
@@ -170,6 +170,19 @@ class _Writer:
         w("acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)")
         w(f"qk_scale = {self.spec.scale * LOG2E!r}")
         _random_loads(self)
+
+    def program_ids(self, tile: str, reverse: bool = True):
+        """`tile` and pid_bh from the grid. With a head group G, axis 0 walks G heads' tiles
+        interleaved, the longest first: query tiles from the last (`reverse`: later rows see
+        more keys), dK/dV's key blocks from the first; axis 1 counts the groups."""
+        w, group = self.line, self.spec.head_group
+        if not group:
+            w(f"{tile} = tl.program_id(0)")
+            w("pid_bh = tl.program_id(1)")
+            return
+        w("pid_w = tl.program_id(0)")
+        w(f"pid_bh = tl.program_id(1) * {group} + pid_w % {group}")
+        w(f"{tile} = " + (f"tl.num_programs(0) // {group} - 1 - pid_w // {group}" if reverse else f"pid_w // {group}"))
 
     def length(self, stem: str, size: str, mask: str = "") -> str:
         """A per-batch length clamped to [0, size] in its own integer type, then int32 (a length
@@ -643,8 +656,7 @@ class _BackwardWriter(_Writer):
 
     def dkdv_kernel(self):
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
-        w("pid_n = tl.program_id(0)")
-        w("pid_bh = tl.program_id(1)")
+        self.program_ids("pid_n", reverse=False)  # causal: the first key block sees the most queries
         w("batch = pid_bh // (HEADS // GROUP)")
         w("kv_head = pid_bh % (HEADS // GROUP)")
         self.lengths()
@@ -694,8 +706,7 @@ class _BackwardWriter(_Writer):
 
     def dq_kernel(self):
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
-        w("pid_m = tl.program_id(0)")
-        w("pid_bh = tl.program_id(1)")
+        self.program_ids("pid_m")
         w("batch = pid_bh // HEADS")
         w("head = pid_bh % HEADS")
         w("kv_head = head // GROUP")

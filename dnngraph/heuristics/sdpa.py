@@ -24,7 +24,11 @@ from .pointwise import _pow2_at_least
 # causal ([128, 64] 4 warps 293); D128 B4 H32 S4096: [128, 128] 8 warps 466-481 full ([128, 64]
 # 438), [128, 64] 8 warps 3 stages 424 causal ([128, 128] 409) and 424 GQA 32:8 causal; D256 B2
 # H16 S4096: [128, 64] 8 warps 2 stages 485 (3 stages need 256 KiB of shared memory, [64, 64]
-# 381, [128, 32] 334).
+# 381, [128, 32] 334). Causal D128 again after the grid interleaved 8 heads' tiles (below),
+# through do_bench (L2 flushed between runs; bench_attention.py --rows fwd --only causal, TFLOP/s
+# of [128, 64] 8 warps / [64, 64] 4 warps): B4 H32 S4096 439 / 395, B1 H16 S16384 439 / 382, B4
+# H32:8 S4096 425 / 391. (Back to back, L2 warm, [64, 64] won B1 H32:8 S4096 by 10%: 284 us
+# against 315; a model's other kernels leave L2 cold, as do_bench does.)
 GPU_TILES = {False: ((64, 128, 64, 8, 3), (128, 128, 128, 8, 3), (256, 128, 64, 8, 2)),
              True: ((64, 64, 64, 4, 3), (128, 128, 64, 8, 3), (256, 128, 64, 8, 2))}
 # 32-bit inputs hold twice the bytes per tile: one step smaller key tiles. IEEE fp32 dots run on
@@ -81,6 +85,7 @@ class AttentionProblem:
     element_bytes: int  # of q/k/v
     masked: bool = False  # a causal mask or a band: the diagonal blocks favour narrower tiles
     side_bytes: int = 0  # bytes per score element read beside q/k/v (a bias, a chain's masks)
+    causal: bool = False  # a right bound and no left one: later query rows see more keys
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,7 @@ class AttentionSchedule:
     packed: bool = False  # decode: a K/V head's query heads share one tile
     splits: int = 1
     chunk: int = 0  # keys per split
+    head_group: int = 0  # causal: the grid interleaves this many heads' tiles, longest first (0: off)
 
     @property
     def config_text(self) -> str:
@@ -142,6 +148,34 @@ def _decode_schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes
               f"keys in {splits} split(s) of {chunk}")
     return AttentionSchedule(problem, AttentionConfig(block_m, block_n, warps, stages), block_d, block_dv,
                              (splits, programs), reason, True, splits, chunk)
+
+
+# Causal masks give the query tiles (the key blocks of dK/dV) unequal work, from one key block to
+# all of them: the grid walks (batch, head) fastest and launches the longest tiles first, so the
+# short ones fill the last wave (longest-processing-time order).
+LONGEST_FIRST_NOTE = "; causal: {} heads' tiles interleaved, the longest first"
+# Interleaved heads, measured on the H100 (.dbg/sweep_attn.py, back to back, us of the forward
+# [128, 64] tiles / the backward's dK/dV + dQ + delta): B1 H32:8 S4096 D128 causal 0 heads (the
+# plain grid: one head's tiles in order, then the next) 357 / 1315, 1 (reversed only) 354 /
+# 1304, 4 317 / 1056, 8 315 / 1055, 32 318 / 1043; B4 H32 S4096 1271 / 4324, 1 1274 / 4316, 4
+# 1236 / 4290, 8 1241 / 4262, 32 1246 / 4396, 128 1626 / 4970 (every head's K/V at once: out of
+# L2). Through do_bench (L2 flushed), 0 / 8 heads, TFLOP/s forward / backward: B4 H32 S4096
+# 424 / 439, 313 / 311; B1 H16 S16384 428 / 439, 327 / 325; B4 H32:8 S4096 420 / 425, 304 / 318.
+LONGEST_FIRST_HEADS = 8
+FORCE_HEAD_GROUP: Optional[int] = None  # tests force the interleave
+
+
+def head_group(problem: AttentionProblem, heads: int) -> int:
+    """The heads whose tiles a causal grid interleaves (a divisor of `heads`; 0: a plain grid)."""
+    if not problem.causal:
+        return 0
+    target = FORCE_HEAD_GROUP if FORCE_HEAD_GROUP is not None else LONGEST_FIRST_HEADS
+    return max((g for g in range(1, min(target, heads) + 1) if heads % g == 0), default=0)
+
+
+def grid(tiles: int, heads: int, group: int) -> tuple:
+    """The (axis 0, axis 1) programs of `tiles` per head, `group` heads interleaved."""
+    return (group * tiles, heads // group) if group else (tiles, heads)
 
 
 # Shared memory a forward config may plan for: the H100's 227 KiB per block. The model below
@@ -195,10 +229,12 @@ def schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes=None) -
     block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
     if FORCE_CONFIG is None and model.capability is not None:
         config = _fit_shared_memory(config, problem, block_d, block_dv)
-    programs = (-(-problem.s_q // config.block_m), problem.batch * problem.heads)
+    tiles, heads = -(-problem.s_q // config.block_m), problem.batch * problem.heads
+    group = head_group(problem, heads)
     reason = (f"head dims {problem.head_dim}/{problem.value_dim} -> [{config.block_m} queries, "
-              f"{config.block_n} keys] tiles from the {'forced' if FORCE_CONFIG else 'table'} config")
-    return AttentionSchedule(problem, config, block_d, block_dv, programs, reason)
+              f"{config.block_n} keys] tiles from the {'forced' if FORCE_CONFIG else 'table'} config"
+              + (LONGEST_FIRST_NOTE.format(group) if group else ""))
+    return AttentionSchedule(problem, config, block_d, block_dv, grid(tiles, heads, group), reason, head_group=group)
 
 
 # Backward tiles, (head dim at most, dK/dV kernel config, dQ kernel config), each config
@@ -226,6 +262,7 @@ class BackwardSchedule:
     block_dv: int
     reason: str
     bias_dims: tuple = ()  # [B, H, Sq, Skv] of a bias whose gradient is wanted (the dbias kernel)
+    head_groups: dict = dataclasses.field(default_factory=dict)  # "dkdv" / "dq" -> heads interleaved (head_group)
 
     def programs(self, which: str) -> tuple:
         p, c = self.problem, self.configs[which]
@@ -233,8 +270,10 @@ class BackwardSchedule:
             b, h, s_q, s_kv = self.bias_dims
             return (-(-s_kv // c.block_n), -(-s_q // c.block_m), b * h)
         if which == "dkdv":
-            return (-(-p.s_kv // c.block_n), p.batch * p.kv_heads)
-        return (-(-p.s_q // c.block_m), p.batch * p.heads)
+            tiles, heads = -(-p.s_kv // c.block_n), p.batch * p.kv_heads
+        else:
+            tiles, heads = -(-p.s_q // c.block_m), p.batch * p.heads
+        return grid(tiles, heads, self.head_groups.get(which, 0))
 
     def config_text(self, which: str) -> str:
         c = self.configs[which]
@@ -264,7 +303,11 @@ def backward_schedule(problem: AttentionProblem, model: DeviceModel, bias_dims: 
     reason = (f"head dims {problem.head_dim}/{problem.value_dim}: dK/dV [{configs['dkdv'].block_n} keys, "
               f"{configs['dkdv'].block_m} queries a step], dQ [{configs['dq'].block_m} queries, "
               f"{configs['dq'].block_n} keys a step]")
-    return BackwardSchedule(problem, configs, block_d, block_dv, reason, tuple(bias_dims))
+    groups = {"dkdv": head_group(problem, problem.batch * problem.kv_heads),
+              "dq": head_group(problem, problem.batch * problem.heads)}
+    if groups["dq"]:
+        reason += LONGEST_FIRST_NOTE.format(groups["dq"])
+    return BackwardSchedule(problem, configs, block_d, block_dv, reason, tuple(bias_dims), groups)
 
 
 # Op-level chains (attention written as ops: the score ops rendered in the kernels, their side
@@ -295,7 +338,8 @@ def chain_schedule(problem: AttentionProblem, model: DeviceModel, which: str = "
     block_m, block_n, warps, stages = GPU_CHAIN_TILES[which]
     block_m = min(block_m, sched.config.block_m)
     config = AttentionConfig(block_m, block_n, warps, stages)
-    return dataclasses.replace(sched, config=config, programs=(-(-problem.s_q // block_m), sched.programs[1]),
+    programs = (-(-problem.s_q // block_m), problem.batch * problem.heads)
+    return dataclasses.replace(sched, config=config, programs=programs, head_group=0,
                                reason=f"op-level chain: [{block_m} queries, {block_n} keys] {which} tiles")
 
 
@@ -306,4 +350,4 @@ def chain_backward_schedule(problem: AttentionProblem, model: DeviceModel) -> Ba
         return sched
     configs = dict(sched.configs, dkdv=AttentionConfig(*GPU_CHAIN_TILES["dkdv"]),
                    dq=AttentionConfig(*GPU_CHAIN_TILES["dq"]))
-    return dataclasses.replace(sched, configs=configs, reason="op-level chain: " + sched.reason)
+    return dataclasses.replace(sched, configs=configs, reason="op-level chain: " + sched.reason, head_groups={})

@@ -57,7 +57,8 @@ def _spec(graph, node, group, sched, stored_o: bool, stats) -> AttentionSpec:
     return AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, scale, mask.left,
                          mask.right, mask.bottom_right, attrs.dropout, k.dim[2] if k_table is not None else None,
                          (sched.config.block_m, sched.config.block_n, sched.block_d, sched.block_dv), wide,
-                         dot_precision(graph, q.data_type), sched.packed, sched.splits, sched.chunk)
+                         dot_precision(graph, q.data_type), sched.packed, sched.splits, sched.chunk,
+                         head_group=sched.head_group)
 
 
 def kernel_mask(node, s_q: int, s_kv: int) -> AttentionMask:
@@ -79,9 +80,11 @@ def problem_of(node) -> AttentionProblem:
     k_table = node.inputs[node.opdef.input_names.index("paged_attention_k_table")]
     bias = node.inputs[node.opdef.input_names.index("bias")]
     s_kv = kv_length(k, k_table, node.attrs)
+    mask = kernel_mask(node, q.dim[2], s_kv)
     return AttentionProblem(q.dim[0], q.dim[1], k.dim[1], q.dim[2], s_kv, q.dim[3], v.dim[3],
-                            q.data_type.torch_dtype.itemsize, kernel_mask(node, q.dim[2], s_kv).banded,
-                            bias.data_type.torch_dtype.itemsize if bias is not None else 0)
+                            q.data_type.torch_dtype.itemsize, mask.banded,
+                            bias.data_type.torch_dtype.itemsize if bias is not None else 0,
+                            mask.right is not None and mask.left is None)
 
 
 def build_sdpa(graph, group, index, tuner=None, device=None, budget=None):
@@ -172,7 +175,8 @@ def _backward_spec(graph, node, sched, which: str, delta) -> AttentionSpec:
     return AttentionSpec(dims, strides, uids, scale, mask.left, mask.right, mask.bottom_right, attrs.dropout,
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
                          dot_precision(graph, q.data_type),
-                         bias_dims=sched.bias_dims if which == "dbias" else ())
+                         bias_dims=sched.bias_dims if which == "dbias" else (),
+                         head_group=sched.head_groups.get(which, 0))
 
 
 def _build_backward(graph, group, index, device, budget) -> list:

@@ -1,0 +1,75 @@
+"""Causal attention grids interleave a group of heads' tiles, the longest first: the schedule's
+grid shapes, and the forward and backward against the float64 reference under every interleave
+(a divisor of the heads or not, one head, all of them), with tiles small enough that each head
+has several, Sq != Skv, both diagonal alignments and padded lengths."""
+import pytest
+import torch
+
+from dnngraph.heuristics import device as device_heur
+from dnngraph.heuristics import sdpa as heur
+from test_sdpa import MASKS, _run, _run_backward
+
+H100 = device_heur.DeviceModel("NVIDIA H100 80GB HBM3", 132, device_heur.DEFAULT_BANDWIDTH, (9, 0))
+
+
+def _problem(causal=True, batch=1, heads=32, kv_heads=8, s=4096, masked=True):
+    return heur.AttentionProblem(batch, heads, kv_heads, s, s, 128, 128, 2, masked, 0, causal)
+
+
+def test_causal_grids_interleave_heads_and_bands_keep_the_plain_grid():
+    sched = heur.schedule(_problem(), H100)
+    tiles = -(-4096 // sched.config.block_m)
+    assert sched.head_group == heur.LONGEST_FIRST_HEADS
+    assert sched.programs == (heur.LONGEST_FIRST_HEADS * tiles, 32 // heur.LONGEST_FIRST_HEADS)
+    assert "longest first" in sched.reason
+    back = heur.backward_schedule(_problem(), H100)
+    assert back.programs("dkdv") == (8 * -(-4096 // back.configs["dkdv"].block_n), 1)  # 8 K/V heads, one group
+    assert back.programs("dq")[1] == 32 // heur.LONGEST_FIRST_HEADS
+    assert back.programs("delta") == (-(-4096 // back.configs["delta"].block_m), 32)  # rows, not tiles
+    band = heur.schedule(_problem(causal=False), H100)
+    assert band.head_group == 0 and band.programs == (-(-4096 // band.config.block_m), 32)
+    assert heur.backward_schedule(_problem(causal=False), H100).head_groups == {"dkdv": 0, "dq": 0}
+
+
+@pytest.mark.parametrize("heads,want", [(12, 6), (7, 7), (9, 3), (1, 1), (32, 8)])
+def test_the_group_divides_the_heads(heads, want):
+    assert heur.head_group(_problem(heads=heads, kv_heads=1), heads) == want
+
+
+def test_decode_and_op_level_chains_keep_the_plain_grid():
+    decode = heur.schedule(heur.AttentionProblem(2, 8, 2, 1, 300, 64, 64, 2, True, 0, True), H100)
+    assert decode.packed and decode.head_group == 0
+    chain = heur.chain_schedule(_problem(), H100)
+    assert chain.head_group == 0 and chain.programs == (-(-4096 // chain.config.block_m), 32)
+    assert heur.chain_backward_schedule(_problem(), H100).head_groups == {}
+
+
+GROUPS = [0, 1, 4, 5, 12]  # plain; reversed only; a divisor of 12; 5 -> 4; every head at once
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("mask,s_q,s_kv", [("causal", 37, 29), ("causal_bottom_right", 29, 45),
+                                           ("right_only", 40, 40)])
+def test_forward_under_every_interleave(monkeypatch, group, mask, s_q, s_kv):
+    monkeypatch.setattr(heur, "FORCE_HEAD_GROUP", group)
+    monkeypatch.setattr(heur, "FORCE_CONFIG", heur.AttentionConfig(16, 16, 1, 1))
+    _run((2, 6, s_q, 16), (3, s_kv), seed=group, **MASKS[mask])
+
+
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("mask,s_q,s_kv", [("causal", 37, 29), ("causal_bottom_right", 29, 45)])
+def test_backward_under_every_interleave(monkeypatch, group, mask, s_q, s_kv):
+    monkeypatch.setattr(heur, "FORCE_HEAD_GROUP", group)
+    tile = heur.AttentionConfig(16, 16, 1, 1)
+    monkeypatch.setattr(heur, "FORCE_BACKWARD", {"dkdv": tile, "dq": tile})
+    _run_backward((2, 6, s_q, 16), (3, s_kv), seed=group, **MASKS[mask])
+
+
+def test_padded_lengths_under_the_interleave(monkeypatch):
+    monkeypatch.setattr(heur, "FORCE_HEAD_GROUP", 3)
+    lens = ([1, 19, 0], [23, 1, 7])
+    monkeypatch.setattr(heur, "FORCE_CONFIG", heur.AttentionConfig(16, 16, 1, 1))
+    _run((3, 3, 19, 16), (3, 23), lens=lens, **MASKS["causal_bottom_right"])
+    tile = heur.AttentionConfig(16, 16, 1, 1)
+    monkeypatch.setattr(heur, "FORCE_BACKWARD", {"dkdv": tile, "dq": tile})
+    _run_backward((3, 3, 19, 16), (3, 23), lens=lens, **MASKS["causal_bottom_right"])
