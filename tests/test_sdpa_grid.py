@@ -36,12 +36,20 @@ def test_the_group_divides_the_heads(heads, want):
     assert heur.head_group(_problem(heads=heads, kv_heads=1), heads) == want
 
 
-def test_decode_and_op_level_chains_keep_the_plain_grid():
+@pytest.mark.parametrize("element_bytes,width", [(2, 128), (4, 128), (2, 256)])  # chain tiles, fp32, wide
+def test_decode_and_op_level_chains_keep_the_plain_grid(monkeypatch, element_bytes, width):
+    """The chain kernels render no interleave: their schedules never ask for one, whether the
+    chain tiles apply or the plain sdpa schedule is taken (fp32, wide heads, forced configs)."""
     decode = heur.schedule(heur.AttentionProblem(2, 8, 2, 1, 300, 64, 64, 2, True, 0, True), H100)
     assert decode.packed and decode.head_group == 0
-    chain = heur.chain_schedule(_problem(), H100)
-    assert chain.head_group == 0 and chain.programs == (-(-4096 // chain.config.block_m), 32)
-    assert heur.chain_backward_schedule(_problem(), H100).head_groups == {}
+    problem = heur.AttentionProblem(1, 32, 32, 4096, 4096, width, width, element_bytes, True, 0, True)
+    for force in (None, heur.AttentionConfig(64, 64, 4, 2)):
+        monkeypatch.setattr(heur, "FORCE_CONFIG", force)
+        monkeypatch.setattr(heur, "FORCE_BACKWARD", force and {"dkdv": force, "dq": force})
+        chain = heur.chain_schedule(problem, H100)
+        assert chain.head_group == 0 and chain.programs == (-(-4096 // chain.config.block_m), 32)
+        back = heur.chain_backward_schedule(problem, H100)
+        assert back.head_groups == {"dkdv": 0, "dq": 0} and back.programs("dq")[1] == 32
 
 
 GROUPS = [0, 1, 4, 5, 12]  # plain; reversed only; a divisor of 12; 5 -> 4; every head at once

@@ -248,6 +248,16 @@ def schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes=None) -
 # the tiles (two [64, 256] fp32 accumulators already fill the registers).
 GPU_BACKWARD_TILES = ((64, (32, 64, 4, 3), (64, 64, 4, 2)), (128, (64, 64, 4, 2), (64, 64, 4, 2)),
                       (256, (32, 64, 8, 1), (64, 32, 8, 1)))
+# Causal D128 after the grids interleaved heads (heuristics below), through do_bench (L2 flushed;
+# bench_attention.py --rows bwd, TFLOP/s with dK/dV [64, 64] 4 warps 2 stages / [32, 64] 4 warps
+# 3 stages / [64, 128] 8 warps 3 stages): B4 H32 S4096 causal 312 / 295 / 320, B1 H16 S16384
+# causal 331 / 313 / 344, B4 H32:8 S4096 causal 314 / 319 / 319; unmasked B4 H32 S4096 379 /
+# 361 / 367 (so unmasked keeps [64, 64]). Every dK/dV config here spills (255 registers: 150
+# spilled at [64, 64] 4 warps, 100 at [64, 128] 8 warps); a dK kernel and a dV kernel apart (one
+# accumulator each) measured 681 + 521 us against 889 together, scores as q k^T with k and v as
+# B operands 621 against 661 (with an error of 2e-2 at [32, 128] 8 warps: not adopted).
+GPU_BACKWARD_TILES_CAUSAL = ((64, (32, 64, 4, 3), (64, 64, 4, 2)), (128, (64, 128, 8, 3), (64, 64, 4, 2)),
+                             (256, (32, 64, 8, 1), (64, 32, 8, 1)))
 GPU_BACKWARD_TILES_FP32 = ((64, (32, 64, 4, 2), (64, 32, 4, 2)), (128, (32, 64, 4, 1), (64, 32, 4, 1)),
                            (256, (16, 32, 4, 1), (32, 16, 4, 1)))
 DELTA_ROWS = 64  # rows of o and dO per program of the delta preprocess (a streaming row sum)
@@ -292,7 +302,8 @@ def backward_schedule(problem: AttentionProblem, model: DeviceModel, bias_dims: 
         configs = {"dkdv": tile, "dq": tile}
     else:
         width = max(problem.head_dim, problem.value_dim)
-        table = GPU_BACKWARD_TILES if problem.element_bytes <= 2 else GPU_BACKWARD_TILES_FP32
+        table = GPU_BACKWARD_TILES_FP32 if problem.element_bytes > 2 else (
+            GPU_BACKWARD_TILES_CAUSAL if problem.causal else GPU_BACKWARD_TILES)
         _, dkdv, dq = next((row for row in table if width <= row[0]), table[-1])
         configs = {"dkdv": AttentionConfig(*dkdv), "dq": AttentionConfig(*dq)}
     configs.update(FORCE_BACKWARD or {})
@@ -331,7 +342,9 @@ def _chain_tiles(problem: AttentionProblem, model: DeviceModel) -> bool:
 
 def chain_schedule(problem: AttentionProblem, model: DeviceModel, which: str = "forward") -> AttentionSchedule:
     """Tiles of an op-level chain's forward kernel, or ("lse") of its backward's log-sum-exp
-    pass (the forward kernel without P V)."""
+    pass (the forward kernel without P V). The plain grid always: the chain kernels take no
+    head interleave."""
+    problem = dataclasses.replace(problem, causal=False)
     sched = schedule(problem, model, 0)
     if FORCE_CONFIG is not None or not _chain_tiles(problem, model):
         return sched
@@ -339,15 +352,16 @@ def chain_schedule(problem: AttentionProblem, model: DeviceModel, which: str = "
     block_m = min(block_m, sched.config.block_m)
     config = AttentionConfig(block_m, block_n, warps, stages)
     programs = (-(-problem.s_q // block_m), problem.batch * problem.heads)
-    return dataclasses.replace(sched, config=config, programs=programs, head_group=0,
+    return dataclasses.replace(sched, config=config, programs=programs,
                                reason=f"op-level chain: [{block_m} queries, {block_n} keys] {which} tiles")
 
 
 def chain_backward_schedule(problem: AttentionProblem, model: DeviceModel) -> BackwardSchedule:
-    """Tiles of an op-level backward's dK/dV and dQ kernels."""
+    """Tiles of an op-level backward's dK/dV and dQ kernels (the plain grids, as chain_schedule)."""
+    problem = dataclasses.replace(problem, causal=False)
     sched = backward_schedule(problem, model)
     if FORCE_BACKWARD is not None or not _chain_tiles(problem, model):
         return sched
     configs = dict(sched.configs, dkdv=AttentionConfig(*GPU_CHAIN_TILES["dkdv"]),
                    dq=AttentionConfig(*GPU_CHAIN_TILES["dq"]))
-    return dataclasses.replace(sched, configs=configs, reason="op-level chain: " + sched.reason, head_groups={})
+    return dataclasses.replace(sched, configs=configs, reason="op-level chain: " + sched.reason)
