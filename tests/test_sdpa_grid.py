@@ -28,7 +28,7 @@ def test_causal_grids_interleave_heads_and_bands_keep_the_plain_grid():
     assert back.programs("delta") == (-(-4096 // back.configs["delta"].block_m), 32)  # rows, not tiles
     band = heur.schedule(_problem(causal=False), H100)
     assert band.head_group == 0 and band.programs == (-(-4096 // band.config.block_m), 32)
-    assert heur.backward_schedule(_problem(causal=False), H100).head_groups == {"dkdv": 0, "dq": 0}
+    assert heur.backward_schedule(_problem(causal=False), H100).head_groups == {"dkdv": 0, "dq": 0, "delta": 0}
 
 
 @pytest.mark.parametrize("heads,want", [(12, 6), (7, 7), (9, 3), (1, 1), (32, 8)])
@@ -49,7 +49,7 @@ def test_decode_and_op_level_chains_keep_the_plain_grid(monkeypatch, element_byt
         chain = heur.chain_schedule(problem, H100)
         assert chain.head_group == 0 and chain.programs == (-(-4096 // chain.config.block_m), 32)
         back = heur.chain_backward_schedule(problem, H100)
-        assert back.head_groups == {"dkdv": 0, "dq": 0} and back.programs("dq")[1] == 32
+        assert back.head_groups == {} and back.programs("dq")[1] == 32
 
 
 GROUPS = [0, 1, 4, 5, 12]  # plain; reversed only; a divisor of 12; 5 -> 4; every head at once
@@ -81,3 +81,56 @@ def test_padded_lengths_under_the_interleave(monkeypatch):
     tile = heur.AttentionConfig(16, 16, 1, 1)
     monkeypatch.setattr(heur, "FORCE_BACKWARD", {"dkdv": tile, "dq": tile})
     _run_backward((3, 3, 19, 16), (3, 23), lens=lens, **MASKS["causal_bottom_right"])
+
+
+@pytest.mark.parametrize("heads,causal,want", [(70000, False, 2), (65537, False, 65537), (65535, False, 0),
+                                               (8 * 65536, True, 16), (9 * 65537, True, 65537)])
+def test_groups_keep_grid_axis_y_within_cudas_limit(heads, causal, want):
+    group = heur.head_group(_problem(causal=causal, heads=heads, kv_heads=1), heads)
+    assert group == want and heads // max(group, 1) <= heur.GRID_AXIS_1
+
+
+def _problem_graph(b, h, s_q, s_kv, d, backward=False):
+    import dnngraph as dg
+    g = dg.Graph(name="wide", io_data_type=dg.float16, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    q = g.tensor(name="q", dim=[b, h, s_q, d])
+    k, v = (g.tensor(name=n, dim=[b, h, s_kv, d]) for n in ("k", "v"))
+    if backward:
+        o, d_o = g.tensor(name="o", dim=[b, h, s_q, d]), g.tensor(name="dO", dim=[b, h, s_q, d])
+        stats = g.tensor(name="stats", dim=[b, h, s_q, 1], data_type=dg.float32)
+        for grad in g.sdpa_backward(q, k, v, o, d_o, stats):
+            grad.set_output(True)
+    else:
+        g.sdpa(q, k, v)[0].set_output(True)
+    return g
+
+
+def test_many_batch_heads_build_within_the_grid_limits_or_refuse_typed(monkeypatch):
+    """70000 (batch, head) pairs: the forward and the backward (delta, dK/dV, dQ) interleave two
+    heads per group, every grid within CUDA's limits; a decode of as many K/V heads has no such
+    layout and is refused at build with the grid named, nothing launched."""
+    import dnngraph as dg
+    from dnngraph.plan.launch import GRID_LIMITS
+    monkeypatch.setattr(device_heur, "_model_of_index", lambda index: H100)
+    for backward in (False, True):
+        g = _problem_graph(70000, 1, 40, 40, 16, backward)
+        g.build()
+        for launch in g.plan.launches:
+            assert all(n <= limit for n, limit in zip(launch.grid, GRID_LIMITS)), launch.config_text
+            assert launch.grid[1] == 35000
+    with pytest.raises(dg.UnsupportedError, match="launch limits"):
+        _problem_graph(70000, 1, 1, 40, 16).build()
+
+
+@pytest.mark.parametrize("mask", ["none", "band", "causal"])
+def test_forward_and_backward_with_groups_forced_by_the_grid_limit(monkeypatch, mask):
+    """A grid axis y of 3 programs: 8 (batch, head) pairs take groups of 4, the plain masks too,
+    and the delta kernel with them; against the float64 reference."""
+    monkeypatch.setattr(heur, "GRID_AXIS_1", 3)
+    monkeypatch.setattr(heur, "FORCE_CONFIG", heur.AttentionConfig(16, 16, 1, 1))
+    _run((2, 4, 37, 16), (2, 29), **MASKS[mask])
+    tile = heur.AttentionConfig(16, 16, 1, 1)
+    monkeypatch.setattr(heur, "FORCE_BACKWARD", {"dkdv": tile, "dq": tile})
+    _run_backward((2, 4, 37, 16), (2, 29), **MASKS[mask])
+    _run_backward((2, 4, 37, 16), (2, 29), workspace_limit=0, **MASKS[mask])

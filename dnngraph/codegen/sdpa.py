@@ -801,8 +801,7 @@ class _BackwardWriter(_Writer):
 
     def delta_kernel(self):
         w = self.line
-        w("pid_m = tl.program_id(0)")
-        w("pid_bh = tl.program_id(1)")
+        self.program_ids("pid_m")
         w("batch = pid_bh // HEADS")
         w("head = pid_bh % HEADS")
         self.lengths()

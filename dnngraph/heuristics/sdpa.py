@@ -165,12 +165,18 @@ LONGEST_FIRST_HEADS = 8
 FORCE_HEAD_GROUP: Optional[int] = None  # tests force the interleave
 
 
+GRID_AXIS_1 = 65535  # CUDA's most programs on grid axis y, where the (batch, head) groups go
+
+
 def head_group(problem: AttentionProblem, heads: int) -> int:
-    """The heads whose tiles a causal grid interleaves (a divisor of `heads`; 0: a plain grid)."""
-    if not problem.causal:
-        return 0
+    """The heads whose tiles a grid interleaves (a divisor of `heads`; 0: the plain grid): for
+    causal masks LONGEST_FIRST_HEADS or the nearest divisor below; past GRID_AXIS_1 (batch,
+    head) pairs, the least divisor that brings the groups within it (`heads` itself at worst)."""
     target = FORCE_HEAD_GROUP if FORCE_HEAD_GROUP is not None else LONGEST_FIRST_HEADS
-    return max((g for g in range(1, min(target, heads) + 1) if heads % g == 0), default=0)
+    group = max((g for g in range(1, min(target, heads) + 1) if heads % g == 0), default=0) if problem.causal else 0
+    if heads // max(group, 1) > GRID_AXIS_1:
+        group = next(g for g in range(-(-heads // GRID_AXIS_1), heads + 1) if heads % g == 0)
+    return group
 
 
 def grid(tiles: int, heads: int, group: int) -> tuple:
@@ -285,6 +291,10 @@ class BackwardSchedule:
             tiles, heads = -(-p.s_q // c.block_m), p.batch * p.heads
         return grid(tiles, heads, self.head_groups.get(which, 0))
 
+    def head_group(self, which: str) -> int:
+        """The interleave the kernel `which` renders (the one its grid was laid out with)."""
+        return self.head_groups.get(which, 0)
+
     def config_text(self, which: str) -> str:
         c = self.configs[which]
         return (f"{which}: BLOCK_M={c.block_m} BLOCK_N={c.block_n} BLOCK_D={self.block_d} "
@@ -316,6 +326,8 @@ def backward_schedule(problem: AttentionProblem, model: DeviceModel, bias_dims: 
               f"{configs['dq'].block_n} keys a step]")
     groups = {"dkdv": head_group(problem, problem.batch * problem.kv_heads),
               "dq": head_group(problem, problem.batch * problem.heads)}
+    # the delta rows are equal work: a group only where the (batch, head) pairs pass grid axis y
+    groups["delta"] = head_group(dataclasses.replace(problem, causal=False), problem.batch * problem.heads)
     if groups["dq"]:
         reason += LONGEST_FIRST_NOTE.format(groups["dq"])
     return BackwardSchedule(problem, configs, block_d, block_dv, reason, tuple(bias_dims), groups)
@@ -344,22 +356,19 @@ def chain_schedule(problem: AttentionProblem, model: DeviceModel, which: str = "
     """Tiles of an op-level chain's forward kernel, or ("lse") of its backward's log-sum-exp
     pass (the forward kernel without P V). The plain grid always: the chain kernels take no
     head interleave."""
-    problem = dataclasses.replace(problem, causal=False)
     sched = schedule(problem, model, 0)
-    if FORCE_CONFIG is not None or not _chain_tiles(problem, model):
-        return sched
-    block_m, block_n, warps, stages = GPU_CHAIN_TILES[which]
-    block_m = min(block_m, sched.config.block_m)
-    config = AttentionConfig(block_m, block_n, warps, stages)
-    programs = (-(-problem.s_q // block_m), problem.batch * problem.heads)
-    return dataclasses.replace(sched, config=config, programs=programs,
-                               reason=f"op-level chain: [{block_m} queries, {block_n} keys] {which} tiles")
+    config, reason = sched.config, sched.reason
+    if FORCE_CONFIG is None and _chain_tiles(problem, model):
+        block_m, block_n, warps, stages = GPU_CHAIN_TILES[which]
+        config = AttentionConfig(min(block_m, config.block_m), block_n, warps, stages)
+        reason = f"op-level chain: [{config.block_m} queries, {block_n} keys] {which} tiles"
+    programs = (-(-problem.s_q // config.block_m), problem.batch * problem.heads)
+    return dataclasses.replace(sched, config=config, programs=programs, head_group=0, reason=reason)
 
 
 def chain_backward_schedule(problem: AttentionProblem, model: DeviceModel) -> BackwardSchedule:
     """Tiles of an op-level backward's dK/dV and dQ kernels (the plain grids, as chain_schedule)."""
-    problem = dataclasses.replace(problem, causal=False)
-    sched = backward_schedule(problem, model)
+    sched = dataclasses.replace(backward_schedule(problem, model), head_groups={})
     if FORCE_BACKWARD is not None or not _chain_tiles(problem, model):
         return sched
     configs = dict(sched.configs, dkdv=AttentionConfig(*GPU_CHAIN_TILES["dkdv"]),

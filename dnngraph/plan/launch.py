@@ -15,6 +15,7 @@ import ast
 import concurrent.futures
 import hashlib
 import itertools
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from typing import Optional
 import torch
 
 from ..codegen.cache import kernel_source
-from ..errors import ExecutionError
+from ..errors import ExecutionError, UnsupportedError
 from ..heuristics.autotune import TuningRecord
 from ..log import logger
 from ..runtime import cpu_kernels_in_worker
@@ -185,9 +186,21 @@ def kernel_name(group, index: int) -> str:
     return f"dnngraph_{group.kind}_{index}_{group.nodes[-1].op}"
 
 
+# CUDA's launch limits per grid axis (x, y, z): a grid past them fails at launch on the GPU.
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
+
+
 def _grid3(programs) -> tuple:
     grid = tuple(programs) if isinstance(programs, (tuple, list)) else (programs,)
     return grid + (1,) * (3 - len(grid))
+
+
+def check_grid(grid: tuple, source_path: str):
+    """UnsupportedError at build, on every machine alike, for a grid past GRID_LIMITS."""
+    if any(count > limit for count, limit in zip(grid, GRID_LIMITS)):
+        name = os.path.splitext(os.path.basename(source_path or "kernel"))[0]
+        raise UnsupportedError(f"{name}: grid {list(grid)} passes the GPU's launch limits "
+                               f"{list(GRID_LIMITS)} (programs per axis x, y, z)")
 
 
 def global_scratch_need(compiled, grid) -> tuple:
@@ -248,6 +261,7 @@ class KernelLaunch:
         self.scratch = tuple(scratch)
         self.arguments, self.programs, self.num_warps = arguments, programs, num_warps
         self.grid = _grid3(programs)
+        check_grid(self.grid, source_path)
         self.num_stages = num_stages
         self.fp_fusion = fp_fusion  # False: no multiply-add contraction in this kernel
         self.config_text, self.reason = config_text, reason
