@@ -7,7 +7,9 @@ import torch
 
 from dnngraph.heuristics import device as device_heur
 from dnngraph.heuristics import sdpa as heur
-from test_sdpa import MASKS, _run, _run_backward
+import dnngraph as dg
+from helpers import check
+from test_sdpa import MASKS, _graph, _paged, _run, _run_backward, _run_dbias
 
 H100 = device_heur.DeviceModel("NVIDIA H100 80GB HBM3", 132, device_heur.DEFAULT_BANDWIDTH, (9, 0))
 
@@ -134,3 +136,54 @@ def test_forward_and_backward_with_groups_forced_by_the_grid_limit(monkeypatch, 
     monkeypatch.setattr(heur, "FORCE_BACKWARD", {"dkdv": tile, "dq": tile})
     _run_backward((2, 4, 37, 16), (2, 29), **MASKS[mask])
     _run_backward((2, 4, 37, 16), (2, 29), workspace_limit=0, **MASKS[mask])
+
+
+TILE = heur.AttentionConfig(16, 16, 1, 1)
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(heur, "FORCE_CONFIG", TILE)
+    monkeypatch.setattr(heur, "FORCE_BACKWARD", {"dkdv": TILE, "dq": TILE})
+    return monkeypatch
+
+
+@pytest.mark.parametrize("group", [3, 8])
+@pytest.mark.parametrize("mask", ["right_only", "causal_bottom_right"])
+def test_interleave_with_dropout_bias_gqa_and_lengths(small_tiles, group, mask):
+    """Dropout's counters, a bias, GQA and per-batch lengths under the interleave, the backward
+    with and without the delta workspace."""
+    small_tiles.setattr(heur, "FORCE_HEAD_GROUP", group)
+    attrs = dict(MASKS[mask], dropout=(0.25, 99, 2**34 + 1))
+    lens = ([37, 5, 20], [45, 33, 1])
+    _run((3, 4, 37, 16), (2, 45), bias_dim=(3, 4, 37, 45), lens=lens, **attrs)
+    _run_backward((3, 4, 37, 16), (2, 45), bias_dim=(1, 4, 37, 45), lens=lens, **attrs)
+    _run_backward((3, 4, 37, 16), (2, 45), bias_dim=(3, 1, 1, 45), workspace_limit=0, **attrs)
+
+
+def test_dbias_and_paged_prefill_under_the_interleave(small_tiles):
+    small_tiles.setattr(heur, "FORCE_HEAD_GROUP", 4)
+    _run_dbias((2, 4, 35, 16), (2, 41), (1, 4, 35, 41), use_causal_mask_bottom_right=True,
+               dropout=(0.2, 7, 3), lens=([35, 9], [41, 20]))
+    gen = torch.Generator().manual_seed(3)
+    k_pool, v_pool, table = _paged(3, 2, 4, 12, 16, gen)
+    q_t = torch.randn(3, 4, 33, 16, generator=gen)
+    g, inputs, q, k, v = _graph(torch.float32, q_t, k_pool, v_pool)
+    kt, vt = (g.tensor(name=n, dim=[3, 1, 12, 1], data_type=dg.int32) for n in ("ktab", "vtab"))
+    lens = g.tensor(name="lens", dim=[3, 1, 1, 1], data_type=dg.int32)
+    inputs.update({kt: table, vt: table.clone(), lens: torch.tensor([48, 33, 40], dtype=torch.int32).view(3, 1, 1, 1)})
+    o, stats = g.sdpa(q, k, v, is_inference=False, seq_len_kv=lens, paged_attention_k_table=kt,
+                      paged_attention_v_table=vt, use_causal_mask_bottom_right=True)
+    o.set_output(True)
+    stats.set_output(True)
+    g.build()
+    assert "interleaved" in g.plan.launches[0].reason, g.plan.launches[0].reason
+    check(g, inputs)
+
+
+def test_the_h100_schedules_run_through_the_interpreter(monkeypatch):
+    """The GPU tables (fp32 tiles) and the default interleave, padded lengths, forward and backward."""
+    import dnngraph.plan.sdpa as plan_sdpa
+    monkeypatch.setattr(plan_sdpa, "device_model", lambda device=None: H100)
+    _run((2, 6, 150, 16), (3, 170), lens=([150, 70], [170, 100]), **MASKS["causal_bottom_right"])
+    _run_backward((2, 6, 150, 16), (3, 170), lens=([150, 70], [170, 100]), **MASKS["causal_bottom_right"])
