@@ -109,20 +109,39 @@ def _problem_graph(b, h, s_q, s_kv, d, backward=False):
 
 
 def test_many_batch_heads_build_within_the_grid_limits_or_refuse_typed(monkeypatch):
-    """70000 (batch, head) pairs: the forward and the backward (delta, dK/dV, dQ) interleave two
-    heads per group, every grid within CUDA's limits; a decode of as many K/V heads has no such
-    layout and is refused at build with the grid named, nothing launched."""
-    import dnngraph as dg
-    from dnngraph.plan.launch import GRID_LIMITS
+    """70000 (batch, head) pairs: the forward, the backward (delta, dK/dV, dQ) and a decode group
+    two heads per program column, every grid within CUDA's limits; the dbias kernel of a bias
+    with as many (batch, head) pairs has no such layout and is refused at build, the grid named."""
+    from dnngraph.plan.launch import GRID_LIMITS, check_grid
     monkeypatch.setattr(device_heur, "_model_of_index", lambda index: H100)
-    for backward in (False, True):
-        g = _problem_graph(70000, 1, 40, 40, 16, backward)
+    for s_q, backward in ((40, False), (40, True), (1, False)):
+        g = _problem_graph(70000, 1, s_q, 40, 16, backward)
         g.build()
         for launch in g.plan.launches:
             assert all(n <= limit for n, limit in zip(launch.grid, GRID_LIMITS)), launch.config_text
-            assert launch.grid[1] == 35000
+            assert launch.grid[1] in (35000, 1), launch.config_text  # 1: the split decode's combine
+    g = dg.Graph(name="dbias", io_data_type=dg.float16, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    q, k, v, o, d_o = (g.tensor(name=n, dim=[70000, 1, 40, 16]) for n in ("q", "k", "v", "o", "dO"))
+    stats = g.tensor(name="stats", dim=[70000, 1, 40, 1], data_type=dg.float32)
+    bias = g.tensor(name="bias", dim=[70000, 1, 40, 40])
+    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, bias=bias, compute_dbias=True):
+        if grad is not None:
+            grad.set_output(True)
     with pytest.raises(dg.UnsupportedError, match="launch limits"):
-        _problem_graph(70000, 1, 1, 40, 16).build()
+        g.build()
+    with pytest.raises(dg.UnsupportedError, match=r"kernel_x: grid \[1, 65536, 1\]"):
+        check_grid((1, 65536, 1), "/tmp/kernel_x.py")
+    check_grid((2**31 - 1, 65535, 65535), "/tmp/kernel_x.py")
+
+
+@pytest.mark.parametrize("splits", [None, 3])
+def test_decode_with_groups_forced_by_the_grid_limit(monkeypatch, splits):
+    """Decode programs (K/V heads x batch) past a grid axis y of 3: groups of 3 heads' splits."""
+    monkeypatch.setattr(heur, "GRID_AXIS_1", 3)
+    monkeypatch.setattr(heur, "FORCE_SPLITS", splits)
+    _run((3, 8, 3, 16), (2, 77), lens=([3, 1, 2], [77, 5, 0]), **MASKS["causal_bottom_right"])
+    _run((2, 4, 1, 24), (2, 50), bias_dim=(2, 4, 1, 50), dropout=(0.2, 11, 13))
 
 
 @pytest.mark.parametrize("mask", ["none", "band", "causal"])

@@ -146,8 +146,9 @@ def _decode_schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes
     splits = -(-problem.s_kv // chunk)
     reason = (f"decode: {group} query heads x {problem.s_q} rows packed per K/V head, {programs} programs, "
               f"keys in {splits} split(s) of {chunk}")
+    heads = head_group(dataclasses.replace(problem, causal=False), programs)  # 0 within grid axis y
     return AttentionSchedule(problem, AttentionConfig(block_m, block_n, warps, stages), block_d, block_dv,
-                             (splits, programs), reason, True, splits, chunk)
+                             grid(splits, programs, heads), reason, True, splits, chunk, head_group=heads)
 
 
 # Causal masks give the query tiles (the key blocks of dK/dV) unequal work, from one key block to
