@@ -136,22 +136,30 @@ def _paged(batch, kv_heads, page, pages_per_seq, head_dim, generator):
     return k_pool, v_pool, table
 
 
-@pytest.mark.parametrize("s_q", [1, 9])
-def test_paged_kv_pages_out_of_order(s_q):
-    """Decode (Sq 1) and paged prefill; table entries past a sequence's length hold junk."""
+def paged_graph(pages_per_seq: int, s_q: int, seq_lens: list, junk_from_page=None) -> tuple:
+    """(graph, inputs) of a paged sdpa, bottom-right causal, outputs o and stats: 3 sequences of
+    `seq_lens` keys, 2 K/V heads in 4-key pages out of order, 4 query heads; sequence 1's table
+    entries from `junk_from_page` on hold junk (never read)."""
     gen = torch.Generator().manual_seed(3)
-    k_pool, v_pool, table = _paged(3, 2, 4, 5, 16, gen)
-    table[1, 0, 3:, 0] = -7  # past sequence 1's length (9 keys = 3 pages): never read
+    k_pool, v_pool, table = _paged(3, 2, 4, pages_per_seq, 16, gen)
+    if junk_from_page is not None:
+        table[1, 0, junk_from_page:, 0] = -7
     q_t = torch.randn(3, 4, s_q, 16, generator=gen)
     g, inputs, q, k, v = _graph(torch.float32, q_t, k_pool, v_pool)
-    kt, vt = (g.tensor(name=n, dim=[3, 1, 5, 1], data_type=dg.int32) for n in ("ktab", "vtab"))
+    kt, vt = (g.tensor(name=n, dim=[3, 1, pages_per_seq, 1], data_type=dg.int32) for n in ("ktab", "vtab"))
     lens = g.tensor(name="lens", dim=[3, 1, 1, 1], data_type=dg.int32)
-    inputs.update({kt: table, vt: table.clone(), lens: torch.tensor([20, 9, 1], dtype=torch.int32).view(3, 1, 1, 1)})
+    inputs.update({kt: table, vt: table.clone(), lens: torch.tensor(seq_lens, dtype=torch.int32).view(3, 1, 1, 1)})
     o, stats = g.sdpa(q, k, v, is_inference=False, seq_len_kv=lens, paged_attention_k_table=kt,
                       paged_attention_v_table=vt, use_causal_mask_bottom_right=True)
     o.set_output(True)
     stats.set_output(True)
-    check(g, inputs)
+    return g, inputs
+
+
+@pytest.mark.parametrize("s_q", [1, 9])
+def test_paged_kv_pages_out_of_order(s_q):
+    """Decode (Sq 1) and paged prefill; table entries past a sequence's length hold junk."""
+    check(*paged_graph(5, s_q, [20, 9, 1], junk_from_page=3))  # sequence 1: 9 keys = 3 pages
 
 
 def test_epilogue_cast_and_scale_fuse_into_one_kernel():

@@ -9,7 +9,7 @@ from dnngraph.heuristics import device as device_heur
 from dnngraph.heuristics import sdpa as heur
 import dnngraph as dg
 from helpers import check
-from test_sdpa import MASKS, _graph, _paged, _run, _run_backward, _run_dbias
+from test_sdpa import MASKS, _run, _run_backward, _run_dbias, paged_graph
 
 H100 = device_heur.DeviceModel("NVIDIA H100 80GB HBM3", 132, device_heur.DEFAULT_BANDWIDTH, (9, 0))
 
@@ -184,17 +184,7 @@ def test_dbias_and_paged_prefill_under_the_interleave(small_tiles):
     small_tiles.setattr(heur, "FORCE_HEAD_GROUP", 4)
     _run_dbias((2, 4, 35, 16), (2, 41), (1, 4, 35, 41), use_causal_mask_bottom_right=True,
                dropout=(0.2, 7, 3), lens=([35, 9], [41, 20]))
-    gen = torch.Generator().manual_seed(3)
-    k_pool, v_pool, table = _paged(3, 2, 4, 12, 16, gen)
-    q_t = torch.randn(3, 4, 33, 16, generator=gen)
-    g, inputs, q, k, v = _graph(torch.float32, q_t, k_pool, v_pool)
-    kt, vt = (g.tensor(name=n, dim=[3, 1, 12, 1], data_type=dg.int32) for n in ("ktab", "vtab"))
-    lens = g.tensor(name="lens", dim=[3, 1, 1, 1], data_type=dg.int32)
-    inputs.update({kt: table, vt: table.clone(), lens: torch.tensor([48, 33, 40], dtype=torch.int32).view(3, 1, 1, 1)})
-    o, stats = g.sdpa(q, k, v, is_inference=False, seq_len_kv=lens, paged_attention_k_table=kt,
-                      paged_attention_v_table=vt, use_causal_mask_bottom_right=True)
-    o.set_output(True)
-    stats.set_output(True)
+    g, inputs = paged_graph(12, 33, [48, 33, 40])
     g.build()
     assert "interleaved" in g.plan.launches[0].reason, g.plan.launches[0].reason
     check(g, inputs)
