@@ -35,7 +35,7 @@ def test_causal_grids_interleave_heads_and_bands_keep_the_plain_grid():
 
 @pytest.mark.parametrize("heads,want", [(12, 6), (7, 7), (9, 3), (1, 1), (32, 8)])
 def test_the_group_divides_the_heads(heads, want):
-    assert heur.head_group(_problem(heads=heads, kv_heads=1), heads) == want
+    assert heur.head_group(heads, longest_first=True) == want
 
 
 @pytest.mark.parametrize("element_bytes,width", [(2, 128), (4, 128), (2, 256)])  # chain tiles, fp32, wide
@@ -88,7 +88,7 @@ def test_padded_lengths_under_the_interleave(monkeypatch):
 @pytest.mark.parametrize("heads,causal,want", [(70000, False, 2), (65537, False, 65537), (65535, False, 0),
                                                (8 * 65536, True, 16), (9 * 65537, True, 65537)])
 def test_groups_keep_grid_axis_y_within_cudas_limit(heads, causal, want):
-    group = heur.head_group(_problem(causal=causal, heads=heads, kv_heads=1), heads)
+    group = heur.head_group(heads, longest_first=causal)
     assert group == want and heads // max(group, 1) <= heur.GRID_AXIS_1
 
 

@@ -71,7 +71,7 @@ class AttentionSpec:
     chunk: int = 0  # keys per split (a multiple of BLOCK_N)
     bias_dims: tuple = ()  # the dbias kernel: the bias's [B, H, Sq, Skv] (1 on the axes it sums over)
     stats_only: bool = False  # the log-sum-exp pass of an op-level backward: no v, no o
-    head_group: int = 0  # causal: programs of this many heads interleaved, their longest tiles first (0: off)
+    head_group: int = 0  # programs of this many heads interleaved, their longest tiles first (0: off)
 
 
 def _mask_argument(terms: list) -> str:

@@ -10,6 +10,8 @@ import torch
 # H100 SXM as measured here: 3.0 TB/s device copy (bytes read + written), 132 SMs.
 DEFAULT_BANDWIDTH = 3.0e12
 DEFAULT_SMS = 132
+# CUDA's launch limits per grid axis (x, y, z): a grid past them fails at launch.
+GRID_LIMITS = (2**31 - 1, 65535, 65535)
 
 
 @dataclass(frozen=True)

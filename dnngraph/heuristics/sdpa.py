@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import UnsupportedError
-from .device import DeviceModel
+from .device import GRID_LIMITS, DeviceModel
 from .pointwise import _pow2_at_least
 
 # (head dim at most, BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on a GPU, first
@@ -99,7 +99,7 @@ class AttentionSchedule:
     packed: bool = False  # decode: a K/V head's query heads share one tile
     splits: int = 1
     chunk: int = 0  # keys per split
-    head_group: int = 0  # causal: the grid interleaves this many heads' tiles, longest first (0: off)
+    head_group: int = 0  # the grid interleaves this many heads' tiles, longest first (0: off): head_group()
 
     @property
     def config_text(self) -> str:
@@ -146,7 +146,7 @@ def _decode_schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes
     splits = -(-problem.s_kv // chunk)
     reason = (f"decode: {group} query heads x {problem.s_q} rows packed per K/V head, {programs} programs, "
               f"keys in {splits} split(s) of {chunk}")
-    heads = head_group(dataclasses.replace(problem, causal=False), programs)  # 0 within grid axis y
+    heads = head_group(programs, longest_first=False)  # 0 within grid axis y
     return AttentionSchedule(problem, AttentionConfig(block_m, block_n, warps, stages), block_d, block_dv,
                              grid(splits, programs, heads), reason, True, splits, chunk, head_group=heads)
 
@@ -166,15 +166,16 @@ LONGEST_FIRST_HEADS = 8
 FORCE_HEAD_GROUP: Optional[int] = None  # tests force the interleave
 
 
-GRID_AXIS_1 = 65535  # CUDA's most programs on grid axis y, where the (batch, head) groups go
+GRID_AXIS_1 = GRID_LIMITS[1]  # the most programs on grid axis y, where the (batch, head) groups go
 
 
-def head_group(problem: AttentionProblem, heads: int) -> int:
+def head_group(heads: int, longest_first: bool) -> int:
     """The heads whose tiles a grid interleaves (a divisor of `heads`; 0: the plain grid): for
-    causal masks LONGEST_FIRST_HEADS or the nearest divisor below; past GRID_AXIS_1 (batch,
-    head) pairs, the least divisor that brings the groups within it (`heads` itself at worst)."""
+    `longest_first` (causal masks) LONGEST_FIRST_HEADS or the nearest divisor below; past
+    GRID_AXIS_1 (batch, head) pairs, the least divisor that brings the groups within it (`heads`
+    itself at worst)."""
     target = FORCE_HEAD_GROUP if FORCE_HEAD_GROUP is not None else LONGEST_FIRST_HEADS
-    group = max((g for g in range(1, min(target, heads) + 1) if heads % g == 0), default=0) if problem.causal else 0
+    group = max((g for g in range(1, min(target, heads) + 1) if heads % g == 0), default=0) if longest_first else 0
     if heads // max(group, 1) > GRID_AXIS_1:
         group = next(g for g in range(-(-heads // GRID_AXIS_1), heads + 1) if heads % g == 0)
     return group
@@ -237,7 +238,7 @@ def schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes=None) -
     if FORCE_CONFIG is None and model.capability is not None:
         config = _fit_shared_memory(config, problem, block_d, block_dv)
     tiles, heads = -(-problem.s_q // config.block_m), problem.batch * problem.heads
-    group = head_group(problem, heads)
+    group = head_group(heads, problem.causal)
     reason = (f"head dims {problem.head_dim}/{problem.value_dim} -> [{config.block_m} queries, "
               f"{config.block_n} keys] tiles from the {'forced' if FORCE_CONFIG else 'table'} config"
               + (LONGEST_FIRST_NOTE.format(group) if group else ""))
@@ -279,7 +280,7 @@ class BackwardSchedule:
     block_dv: int
     reason: str
     bias_dims: tuple = ()  # [B, H, Sq, Skv] of a bias whose gradient is wanted (the dbias kernel)
-    head_groups: dict = dataclasses.field(default_factory=dict)  # "dkdv" / "dq" -> heads interleaved (head_group)
+    head_groups: dict = dataclasses.field(default_factory=dict)  # "dkdv" / "dq" / "delta" -> head_group
 
     def programs(self, which: str) -> tuple:
         p, c = self.problem, self.configs[which]
@@ -290,7 +291,7 @@ class BackwardSchedule:
             tiles, heads = -(-p.s_kv // c.block_n), p.batch * p.kv_heads
         else:
             tiles, heads = -(-p.s_q // c.block_m), p.batch * p.heads
-        return grid(tiles, heads, self.head_groups.get(which, 0))
+        return grid(tiles, heads, self.head_group(which))
 
     def head_group(self, which: str) -> int:
         """The interleave the kernel `which` renders (the one its grid was laid out with)."""
@@ -325,10 +326,10 @@ def backward_schedule(problem: AttentionProblem, model: DeviceModel, bias_dims: 
     reason = (f"head dims {problem.head_dim}/{problem.value_dim}: dK/dV [{configs['dkdv'].block_n} keys, "
               f"{configs['dkdv'].block_m} queries a step], dQ [{configs['dq'].block_m} queries, "
               f"{configs['dq'].block_n} keys a step]")
-    groups = {"dkdv": head_group(problem, problem.batch * problem.kv_heads),
-              "dq": head_group(problem, problem.batch * problem.heads)}
-    # the delta rows are equal work: a group only where the (batch, head) pairs pass grid axis y
-    groups["delta"] = head_group(dataclasses.replace(problem, causal=False), problem.batch * problem.heads)
+    groups = {"dkdv": head_group(problem.batch * problem.kv_heads, problem.causal),
+              "dq": head_group(problem.batch * problem.heads, problem.causal),
+              # the delta rows are equal work: a group only past grid axis y
+              "delta": head_group(problem.batch * problem.heads, longest_first=False)}
     if groups["dq"]:
         reason += LONGEST_FIRST_NOTE.format(groups["dq"])
     return BackwardSchedule(problem, configs, block_d, block_dv, reason, tuple(bias_dims), groups)

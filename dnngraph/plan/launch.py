@@ -26,6 +26,7 @@ import torch
 from ..codegen.cache import kernel_source
 from ..errors import ExecutionError, UnsupportedError
 from ..heuristics.autotune import TuningRecord
+from ..heuristics.device import GRID_LIMITS
 from ..log import logger
 from ..runtime import cpu_kernels_in_worker
 from .interpreter_client import run_in_interpreter_process
@@ -184,10 +185,6 @@ def name_free_digest(source: str, name: str) -> str:
 def kernel_name(group, index: int) -> str:
     """The Triton function name of a group's kernel: family, position, last op."""
     return f"dnngraph_{group.kind}_{index}_{group.nodes[-1].op}"
-
-
-# CUDA's launch limits per grid axis (x, y, z): a grid past them fails at launch on the GPU.
-GRID_LIMITS = (2**31 - 1, 65535, 65535)
 
 
 def _grid3(programs) -> tuple:
