@@ -130,17 +130,20 @@ class GraphFunction:
     def __call__(self, *args):
         if len(args) != len(self.inputs):
             raise ExecutionError(f"{self.graph.name}: takes {len(self.inputs)} tensors, got {len(args)}")
+        compiling = torch.compiler.is_compiling()
         for tensor, arg in zip(self.inputs, args):
+            what = f"{self.graph.name} input {tensor.name!r}"
             if not isinstance(arg, torch.Tensor):
-                raise ExecutionError(f"{self.graph.name} input {tensor.name!r}: expects a torch.Tensor, "
-                                     f"got {type(arg).__name__}")
-            # before torch.library's dispatch, which has no kernel for sparse or nested tensors
-            check_bindable(arg, f"{self.graph.name} input {tensor.name!r}", is_output=False)
+                raise ExecutionError(f"{what}: expects a torch.Tensor, got {type(arg).__name__}")
+            # before torch.library's dispatch, which has no sparse or nested kernel to find; a traced
+            # call is checked where its op runs (_Runner.conformed)
+            if not compiling:
+                check_bindable(arg, what, is_output=False)
         wanted = tuple(torch.is_grad_enabled() and a.requires_grad and t.data_type.is_floating
                        for a, t in zip(args, self.inputs))
         if any(wanted):
             results = self._training_op(list(args), list(wanted))[:len(self.outputs)]
-        elif torch.compiler.is_compiling():
+        elif compiling:
             results = self._plain_op(list(args))
         else:  # eager: no custom op dispatch (CUDA graphs capture this path as well)
             results = self._run_plain(list(args))
