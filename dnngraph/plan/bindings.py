@@ -9,8 +9,9 @@ not that memory cannot be bound as it is:
     strides kept), which is what torch ops do; as an output it is refused, since writing a result
     into it in place has no meaning for a kernel that stores raw values;
   * a conjugate view (complex: not a dnngraph dtype anyway), sparse (COO, CSR, CSC, BSR, BSC),
-    mkldnn, nested (strided or jagged) and meta tensors, and tensors without an addressable
-    storage, are refused with an ExecutionError naming the binding.
+    mkldnn and nested (strided or jagged) tensors are refused with an ExecutionError naming the
+    binding; so are tensors without an addressable storage (Plan._check), and meta tensors by
+    the device check (kernels run on CUDA devices and, interpreted, on CPU tensors).
 """
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ def unbindable(value: torch.Tensor) -> Optional[str]:
         return "a nested tensor"
     if value.layout != torch.strided:
         return f"a tensor of layout {value.layout} (dnngraph binds strided tensors)"
-    if value.is_meta:
-        return "a meta tensor (it has no data)"
     if value.is_conj():
         return "a conjugate view (call resolve_conj() first)"
     return None
