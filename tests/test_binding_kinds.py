@@ -145,6 +145,18 @@ def test_execute_refuses_unbindable_tensors_and_writes_nothing(kind, role):
     assert torch.isnan(out).all()
 
 
+@pytest.mark.parametrize("kind", ["sparse_coo", "mkldnn_like", "nested"])
+def test_a_caller_workspace_of_an_unbindable_kind_is_refused(kind):
+    g, x, w, y = _graph()
+    out = poisoned(y)
+    raw = torch.zeros(1024, dtype=torch.uint8)
+    workspace = {"sparse_coo": lambda: raw.to_sparse(), "mkldnn_like": lambda: raw.float().to_mkldnn(),
+                 "nested": _quiet(lambda: torch.nested.nested_tensor([raw, raw]))}[kind]()
+    with pytest.raises(dg.ExecutionError, match="the workspace"):
+        g.execute({x: _randn(ROWS, COLS), w: _randn(1, COLS), y: out}, workspace=workspace)
+    assert torch.isnan(out).all()
+
+
 # --- as_function: eager, autograd, its torch.library ops, torch.compile ---------------------------
 def _function():
     g, x, w, y = _graph()

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dnngraph as dg
+from dnngraph import runtime
 from dnngraph.plan import overlap
 from dnngraph.plan.overlap import StridedBytes, share_a_byte
 from helpers import rel_err
@@ -79,8 +80,16 @@ def _two_outputs(x_t, first_view, second_view):
     return g.build(), x, y1, y2
 
 
+@pytest.fixture(params=["in_this_process", "in_the_interpreter_process"])
+def where(request):
+    """Where CPU kernels run: the interpreter process copies outputs back element by element."""
+    runtime.force_interpreter_worker(request.param == "in_the_interpreter_process")
+    yield request.param
+    runtime.force_interpreter_worker(False)
+
+
 @pytest.mark.parametrize("split", ["halves", "even_odd"])
-def test_two_outputs_interleaved_in_one_tensor(split):
+def test_two_outputs_interleaved_in_one_tensor(split, where):
     rows, cols = 5, 14
     x_t = _randn(rows, cols)
     out = torch.full((rows, cols), float("nan"))

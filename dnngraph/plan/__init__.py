@@ -424,6 +424,7 @@ class Plan:
         where = "the workspace"
         if not isinstance(workspace, torch.Tensor):
             raise ExecutionError(f"{where} must be a torch.Tensor of uint8, got {type(workspace).__name__}")
+        check_bindable(workspace, where, is_output=False)  # scratch: a negative bit changes nothing
         if workspace.dtype != torch.uint8:
             raise ExecutionError(f"{where} must be uint8, got {workspace.dtype}")
         if workspace.device != device:
