@@ -286,8 +286,9 @@ def _custom_ops(fn: GraphFunction):
         outputs = fn.derivation(tuple(ctx.wanted))[0].outputs
         grads = [g if g is not None else torch.zeros(t.dim, dtype=t.data_type.torch_dtype, device=stored[0].device)
                  for g, t in zip(grads[:count], outputs)]
-        for grad, tensor in zip(grads, outputs):  # before the backward op's dispatch
-            check_bindable(grad, f"{fn.graph.name}: the gradient of output {tensor.name!r}", is_output=False)
+        if not torch.compiler.is_compiling():  # before the backward op's dispatch (as in __call__)
+            for grad, tensor in zip(grads, outputs):
+                check_bindable(grad, f"{fn.graph.name}: the gradient of output {tensor.name!r}", is_output=False)
         computed = iter(backward(list(stored[:ctx.reads]), list(stored[ctx.reads:]), grads, ctx.wanted))
         result = [next(computed) if want else None for want in ctx.wanted]
         if torch.is_grad_enabled():  # create_graph=True: the gradients must not pass for constants
