@@ -74,7 +74,7 @@ def _graph(x_stride=None, y_stride=None):
 
 def _plain_twin(view):
     """A tensor without the negative bit over the same memory, shape and strides as `view`."""
-    twin = torch.empty(0, dtype=view.dtype).set_(view.untyped_storage(), view.storage_offset(), view.shape,
+    twin = torch.empty(0, dtype=view.dtype, device=view.device).set_(view.untyped_storage(), view.storage_offset(), view.shape,
                                                  view.stride())
     assert not twin.is_neg() and twin.data_ptr() == view.data_ptr()
     return twin
