@@ -226,6 +226,31 @@ def test_the_function_ops_refuse_unbindable_inputs_at_run_time(kind):
         fn._training_op([bad, _randn(1, COLS)], [False, False])
 
 
+@pytest.mark.parametrize("kind", ["negated", "sparse_coo", "sparse_csr", "mkldnn", "nested", "conjugate"])
+def test_the_torch_compile_backend_runtime(kind, monkeypatch):
+    """What a graph compiled with backend="dnngraph" runs per partition: DnngraphModule.forward
+    on the tensors of the call, through the partition's graph function."""
+    from dnngraph import torch_backend
+    modules = []
+    original = torch_backend.DnngraphModule.__init__
+
+    def recording(self, sub):
+        original(self, sub)
+        modules.append(self)
+    monkeypatch.setattr(torch_backend.DnngraphModule, "__init__", recording)
+    torch._dynamo.reset()
+    model = torch.compile(lambda a, b: torch.relu(a * b), backend="dnngraph")
+    wt = _randn(1, COLS)
+    model(_randn(ROWS, COLS), wt)
+    (module,) = [m for m in modules if m.function is not None]
+    if kind == "negated":
+        view, values = _negated()
+        assert rel_err(module(view, wt), torch.relu(values * wt)) < 1e-6
+        return
+    with pytest.raises(dg.ExecutionError, match=r"input '\w+' is a (conjugate|nested|tensor of layout)"):
+        module(UNBINDABLE[kind](), wt)
+
+
 def test_torch_compile_of_the_function_and_the_backend_read_negated_inputs():
     _, fn = _function()
     view, values = _negated()
