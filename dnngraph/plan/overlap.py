@@ -49,6 +49,8 @@ def share_a_byte(first: StridedBytes, second: StridedBytes) -> bool:
     past both the search's budget and the enumeration limit)."""
     if first.empty or second.empty or first.end <= second.start or second.end <= first.start:
         return False
+    if first.start == second.start:
+        return True  # the first byte of both
     terms = _combined_terms(first, second)
     found = _solvable(second.start - first.start, terms)
     if found is not None:
@@ -83,9 +85,10 @@ def _solvable(target: int, terms: list):
     """True when sum(c * m) == target for some m in [low, high] per term (terms by falling c),
     False when for none, None when the search spent SEARCH_BUDGET nodes without knowing.
 
-    Depth first from the largest coefficient: the terms after k reach exactly the multiples of
-    their gcd inside [reach_low, reach_high] only approximately, so the interval and the gcd
-    prune, and the last term is solved directly."""
+    Depth first from the largest coefficient. A branch is cut where what is left lies outside
+    the interval the remaining terms can reach or is no multiple of their gcd (both necessary,
+    not sufficient: hence the search), and the last term is solved directly. Views of one layout
+    at an offset, interleaved or not, are decided in a handful of nodes."""
     count = len(terms)
     reach_low, reach_high, divisor = [0] * (count + 1), [0] * (count + 1), [0] * (count + 1)
     for k in range(count - 1, -1, -1):
