@@ -16,6 +16,7 @@ import torch
 
 from .autodiff import derive, replay
 from .errors import ExecutionError, ValidationError
+from .plan.bindings import check_bindable, resolved_input
 from .tensor import overlaps
 
 
@@ -54,8 +55,13 @@ class _Runner:
         self.token = object()
 
     def conformed(self, position: int, arg, what: str) -> torch.Tensor:
-        """Input `position` as the plan reads it."""
+        """Input `position` as the plan reads it: a kind of tensor kernels can bind (a lazily
+        negated view resolved), in its declared layout. Every run of the function passes here,
+        the custom ops' (torch.compile, autograd's backward) included."""
         tensor, shape, stride, dtype, checked_axes = self.inputs[position]
+        if isinstance(arg, torch.Tensor):
+            check_bindable(arg, what, is_output=False)
+            arg = resolved_input(arg)
         if isinstance(arg, torch.Tensor) and arg.dtype == dtype and arg.shape == shape:
             strides = arg.stride()
             if strides == stride or all(strides[a] == stride[a] for a in checked_axes):
@@ -124,15 +130,20 @@ class GraphFunction:
     def __call__(self, *args):
         if len(args) != len(self.inputs):
             raise ExecutionError(f"{self.graph.name}: takes {len(self.inputs)} tensors, got {len(args)}")
+        compiling = torch.compiler.is_compiling()
         for tensor, arg in zip(self.inputs, args):
+            what = f"{self.graph.name} input {tensor.name!r}"
             if not isinstance(arg, torch.Tensor):
-                raise ExecutionError(f"{self.graph.name} input {tensor.name!r}: expects a torch.Tensor, "
-                                     f"got {type(arg).__name__}")
+                raise ExecutionError(f"{what}: expects a torch.Tensor, got {type(arg).__name__}")
+            # before torch.library's dispatch, which has no sparse or nested kernel to find; a traced
+            # call is checked where its op runs (_Runner.conformed)
+            if not compiling:
+                check_bindable(arg, what, is_output=False)
         wanted = tuple(torch.is_grad_enabled() and a.requires_grad and t.data_type.is_floating
                        for a, t in zip(args, self.inputs))
         if any(wanted):
             results = self._training_op(list(args), list(wanted))[:len(self.outputs)]
-        elif torch.compiler.is_compiling():
+        elif compiling:
             results = self._plain_op(list(args))
         else:  # eager: no custom op dispatch (CUDA graphs capture this path as well)
             results = self._run_plain(list(args))
@@ -275,6 +286,9 @@ def _custom_ops(fn: GraphFunction):
         outputs = fn.derivation(tuple(ctx.wanted))[0].outputs
         grads = [g if g is not None else torch.zeros(t.dim, dtype=t.data_type.torch_dtype, device=stored[0].device)
                  for g, t in zip(grads[:count], outputs)]
+        if not torch.compiler.is_compiling():  # before the backward op's dispatch (as in __call__)
+            for grad, tensor in zip(grads, outputs):
+                check_bindable(grad, f"{fn.graph.name}: the gradient of output {tensor.name!r}", is_output=False)
         computed = iter(backward(list(stored[:ctx.reads]), list(stored[ctx.reads:]), grads, ctx.wanted))
         result = [next(computed) if want else None for want in ctx.wanted]
         if torch.is_grad_enabled():  # create_graph=True: the gradients must not pass for constants

@@ -15,6 +15,7 @@ import torch
 
 import dnngraph as dg
 from dnngraph import runtime
+from dnngraph.codegen.cache import load_kernel
 from dnngraph.plan import interpreter_client
 from dnngraph.plan.launch import KernelLaunch
 from helpers import check, poisoned, rel_err
@@ -129,7 +130,7 @@ def test_mixed_devices_raise_naming_the_tensors_and_write_nothing():
         fn(*[bindings[t.name] for t in fn.inputs])
 
 
-def test_a_failing_kernel_writes_nothing_and_a_dead_process_is_replaced(tmp_path):
+def test_a_failing_kernel_writes_nothing_and_a_dead_process_is_replaced(tmp_path, monkeypatch):
     """A kernel that stores, then fails: the caller's tensor keeps its values (the store went to
     the arena only). The process survives it; killed, the next run starts another."""
     source = textwrap.dedent('''\
@@ -142,14 +143,16 @@ def test_a_failing_kernel_writes_nothing_and_a_dead_process_is_replaced(tmp_path
             tl.store(out_ptr + tl.arange(0, 4), tl.full([4], 1.0, tl.float32))
             tl.static_assert(False, "made to fail")
         ''')
-    path = tmp_path / "stores_then_fails_0123456789abcdef.py"
-    path.write_text(source)
+    monkeypatch.setenv("DNNGRAPH_CACHE_DIR", str(tmp_path))
+    kernel, path = load_kernel(source, "stores_then_fails")
 
     class Group:
         inputs, outputs = [], []
 
     class Launch:
         source_path, grid, template, slots, group, alternative = path, (1, 1, 1), (None,), ((0, 7),), Group, None
+
+    Launch.kernel = kernel
 
     out = torch.full((4,), float("nan"))
     with pytest.raises(dg.ExecutionError, match="made to fail.*no output was written"):
@@ -197,6 +200,7 @@ SCRIPT = '''
 import os, torch
 import dnngraph as dg
 from dnngraph import runtime
+from dnngraph.codegen.cache import load_kernel
 from triton.runtime.jit import JITFunction
 
 assert "TRITON_INTERPRET" not in os.environ and not runtime.interpreting()

@@ -1,7 +1,8 @@
 """The host path of Graph.as_function (what the torch.compile backend calls per partition): inputs
 already in their declared layout pass without a copy, outputs are allocated in theirs, and the
 plan checks a set of addresses once (execute_conformed), reading only the addresses afterwards.
-The overlap check of a new binding set is one sweep, tested here against the pairwise rule."""
+The overlap check of a new binding set is one sweep, tested here against the pairwise rule on
+contiguous ranges (tests/test_binding_overlap.py tests strided views)."""
 import random
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 import dnngraph as dg
 import dnngraph.plan as plan_module
 from dnngraph.plan import BindingSpec, _check_outputs_apart
+from dnngraph.plan.overlap import StridedBytes
 from helpers import rel_err
 
 GEN = torch.Generator().manual_seed(17)
@@ -39,11 +41,12 @@ def test_overlap_sweep_agrees_with_the_pairwise_rule(seed):
         start = rng.randint(0, 60)
         ranges.append((start, start + rng.choice([0, 1, 4, 8, 16, 30]), _spec(f"t{i}", rng.random() < 0.4)))
     expected = _pairwise_overlap(ranges)
+    bound = [(StridedBytes(start, ((end - start, 1),)), spec) for start, end, spec in ranges]  # contiguous bytes
     if expected:
         with pytest.raises(dg.ExecutionError, match="overlaps"):
-            _check_outputs_apart(ranges)
+            _check_outputs_apart(bound)
     else:
-        _check_outputs_apart(ranges)
+        _check_outputs_apart(bound)
 
 
 def _function():

@@ -30,13 +30,13 @@ def _plan_launches(second="relu"):
 
 
 def _digest(launch):
-    return name_free_digest(kernel_source(launch.kernel, launch.source_path), launch.kernel.__name__)
+    return name_free_digest(kernel_source(launch.kernel), launch.kernel.__name__)
 
 
 def test_kernels_differing_in_names_alone_digest_alike():
     first, other, last = _plan_launches("sigmoid")
     assert first.kernel.__name__ != last.kernel.__name__
-    assert kernel_source(first.kernel, first.source_path) != kernel_source(last.kernel, last.source_path)
+    assert kernel_source(first.kernel) != kernel_source(last.kernel)
     assert _digest(first) == _digest(last)
     assert _digest(other) != _digest(first)
 
@@ -79,10 +79,12 @@ def test_a_failed_compile_raises_and_is_tried_again(monkeypatch):
 
 
 class _FakeKernel:
-    """Stands in for a JITFunction: counts warmups, returns a compiled stand-in."""
+    """Stands in for a JITFunction: counts warmups, returns a compiled stand-in. It belongs to
+    the module of the kernel it replaces (kernel_source reads the generated text there)."""
 
-    def __init__(self, name, warmups):
+    def __init__(self, name, warmups, replaced):
         self.__name__, self.warmups = name, warmups
+        self.__module__ = replaced.fn.__module__
 
     def warmup(self, *args, grid, **options):
         self.warmups.append((self.__name__, args, options))
@@ -97,7 +99,7 @@ def test_launches_share_a_compile_only_where_code_arguments_and_options_agree(mo
     first, other, last = _plan_launches("sigmoid")
     warmups = []
     for launch in (first, other, last):
-        monkeypatch.setattr(launch, "kernel", _FakeKernel(launch.kernel.__name__, warmups))
+        monkeypatch.setattr(launch, "kernel", _FakeKernel(launch.kernel.__name__, warmups, launch.kernel))
     args = list(first.template)
     assert first._compiled(args, 0) is last._compiled(args, 0)
     assert len(warmups) == 1
@@ -122,7 +124,7 @@ def test_bind_shares_one_compile_and_keeps_each_launch_its_own(monkeypatch):
     warmups = []
     for launch in (first, last):
         launch._bound, launch._bind_lock = {}, threading.Lock()
-        launch.kernel = _FakeKernel(launch.source_path.stem, warmups)
+        launch.kernel = _FakeKernel(launch.source_path.stem, warmups, launch.kernel)
     dtypes = {uid: torch.float32 for _, uid in first.slots + last.slots}
     bound_first, bound_last = first.bind(0, dtypes), last.bind(0, dtypes)
     assert len(warmups) == 1 and bound_first is not bound_last
@@ -149,7 +151,7 @@ def test_nested_and_debug_state_split_the_key(monkeypatch):
     first, _, last = _plan_launches("sigmoid")
     warmups = []
     for launch in (first, last):
-        monkeypatch.setattr(launch, "kernel", _FakeKernel(launch.kernel.__name__, warmups))
+        monkeypatch.setattr(launch, "kernel", _FakeKernel(launch.kernel.__name__, warmups, launch.kernel))
     first._compiled(list(first.template), 0)
     monkeypatch.setattr(triton.knobs.runtime, "debug", not triton.knobs.runtime.debug)
     last._compiled(list(last.template), 0)

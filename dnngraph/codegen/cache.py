@@ -1,16 +1,18 @@
 """The compile cache: generated Triton source files, keyed by a hash of their text.
 
 Files live in $DNNGRAPH_CACHE_DIR (default ~/.cache/dnngraph) so explain() can point at them
-and a user can read exactly what runs. Writes are atomic (temp file, then rename).
+and a user can read exactly what runs. Writes are atomic (temp file, then rename). The files are
+written, never read to run: a module is made from the generated text itself (see load_kernel).
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
+import linecache
 import os
 import sys
 import tempfile
+import types
 from pathlib import Path
 
 from ..errors import UnsupportedError
@@ -26,6 +28,11 @@ def cache_dir() -> Path:
     return path
 
 
+def source_digest(source: str) -> str:
+    """The hash that names a generated source (its file is <kernel>_<digest>.py)."""
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
 def _write_atomically(path: Path, text: str):
     fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".py")
     with os.fdopen(fd, "w") as handle:
@@ -33,56 +40,82 @@ def _write_atomically(path: Path, text: str):
     os.replace(temp, path)
 
 
-def _import(module_name: str, path: Path, kernel_name: str):
-    """Import the file at `path` as `module_name` and return its kernel; on any failure the
-    module is taken out of sys.modules and the file removed, and a typed error is raised."""
-    spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(spec)
+class _GeneratedSource:
+    """The loader of a kernel module: gives the text the module was made from, so inspect (and
+    through it Triton's JIT and its interpreter, which read a kernel's source when decorating it
+    and, interpreted, again when it first runs) finds that text even after linecache is cleared."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def get_source(self, module_name: str) -> str:
+        return self.source
+
+
+def _source_name(path: Path) -> str:
+    """The file name a kernel module's code carries: the cache file's path with a suffix naming
+    no file, so neither linecache nor inspect ever reads the source back from disk (a cache file
+    changed after the build, in a shared or writable DNNGRAPH_CACHE_DIR, is never what runs)."""
+    return f"{path}#generated"
+
+
+def _execute_source(module_name: str, source: str, path: Path, kernel_name: str):
+    """The kernel of `source` run as module `module_name` (its code named after `path`, its text
+    registered with linecache, where entries without a modification time are never checked
+    against a file); on any failure the module is taken out of sys.modules and the file removed,
+    and a typed error is raised."""
+    filename = _source_name(path)
+    module = types.ModuleType(module_name)
+    module.__loader__ = _GeneratedSource(source)
+    module.__dnngraph_source__ = source  # what kernel_source() gives
     sys.modules[module_name] = module
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
     try:
-        spec.loader.exec_module(module)
+        exec(compile(source, filename, "exec"), module.__dict__)
         return getattr(module, kernel_name)
     except Exception as error:  # SyntaxError, NameError, AttributeError, a Triton error...
         sys.modules.pop(module_name, None)
+        linecache.cache.pop(filename, None)
         with contextlib.suppress(OSError):
             path.unlink()  # never reuse a file that failed to load
         raise UnsupportedError(f"generated kernel {kernel_name!r} failed to load from {path}: "
                                f"{type(error).__name__}: {error}") from error
 
 
+def _file_holds(path: Path, source: str) -> bool:
+    try:
+        return path.read_text() == source
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def load_kernel(source: str, kernel_name: str):
-    """(kernel function, source path) for `source`, written to the cache and imported once.
+    """(kernel function, source path) for `source`: the module is made from `source` itself, once
+    per process, and the cache file is (re)written whenever it does not hold exactly that text,
+    so explain() points at what runs. Nothing is ever run from the file: only the source a plan
+    generated (and named by its hash) runs, in any process.
 
     A source that fails to load raises UnsupportedError naming the kernel and the file, and
     leaves nothing behind: the next build starts afresh."""
-    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+    digest = source_digest(source)
     module_name = f"dnngraph_kernels.{kernel_name}_{digest}"
     path = cache_dir() / f"{kernel_name}_{digest}.py"
+    if not _file_holds(path, source):  # missing, another cache folder, or changed since written
+        logger.debug("kernel %s: source written", path.name)
+        _write_atomically(path, source)
     module = sys.modules.get(module_name)
-    if module is not None and hasattr(module, kernel_name):
+    if getattr(module, "__dnngraph_source__", None) == source and hasattr(module, kernel_name):
         logger.debug("kernel %s: loaded in this process", path.name)
-        if not path.exists():  # another cache folder since, or the file was removed: the path named holds it
-            _write_atomically(path, source)
         return getattr(module, kernel_name), path
     sys.modules.pop(module_name, None)  # a half-loaded module is never reused
-    if not path.exists() or path.read_text() != source:
-        logger.debug("kernel %s: source written (cache miss)", path.name)
-        _write_atomically(path, source)
-    else:
-        logger.debug("kernel %s: source found on disk (cache hit)", path.name)
-    kernel = _import(module_name, path, kernel_name)
-    sys.modules[module_name].__dnngraph_source__ = source  # what kernel_source() gives if the file goes
-    return kernel, path
+    return _execute_source(module_name, source, path, kernel_name), path
 
 
-def kernel_source(kernel, path: Path) -> str:
-    """The source text `kernel` (loaded by load_kernel from `path`) was made from: the file, or,
-    where the file has gone since (a cleaned folder), the text kept with the loaded module."""
-    try:
-        return path.read_text()
-    except OSError:
-        module = sys.modules.get(getattr(getattr(kernel, "fn", kernel), "__module__", ""))
-        text = getattr(module, "__dnngraph_source__", None)
-        if text is None:
-            raise
-        return text
+def kernel_source(kernel) -> str:
+    """The source text `kernel` (loaded by load_kernel) was made from: kept with its module,
+    never read back from the cache file."""
+    module = sys.modules.get(getattr(getattr(kernel, "fn", kernel), "__module__", ""))
+    text = getattr(module, "__dnngraph_source__", None)
+    if text is None:
+        raise ValueError(f"{kernel!r} was not loaded by load_kernel: its generated source is unknown")
+    return text

@@ -26,10 +26,12 @@ from ..heuristics.workspace import WorkspaceBudget
 from ..log import logger
 from ..runtime import interpreting
 from .attention import build_attention_backward
+from .bindings import check_bindable, resolved_input
 from .cache import MODULES, PLANS, plan_key
 from .launch import LaunchRefused, created_once, launch_on_device, persistent_buffer, run_launches, time_launches
 from .conv import build_conv
 from .matmul import build_matmul
+from .overlap import StridedBytes, share_a_byte
 from .pointwise import build_pointwise
 from .pooling import build_pooling
 from .sdpa import build_attention, build_sdpa
@@ -218,20 +220,21 @@ class DeviceLaunches:
         return views
 
 
-def _check_outputs_apart(ranges: list) -> None:
-    """Raise when an output's bytes overlap any other binding's; inputs may share memory. One sweep
-    over the ranges sorted by start: a range overlaps an earlier one exactly when it starts before
-    the furthest end seen so far (kept apart for all ranges and for outputs)."""
-    furthest = furthest_output = None  # (end, spec) of the range reaching furthest
-    for start, end, spec in sorted((r for r in ranges if r[1] > r[0]), key=lambda r: r[0]):
-        if spec.is_output and furthest is not None and start < furthest[0]:
-            raise ExecutionError(f"output {spec.name!r} overlaps {furthest[1].name!r} in memory")
-        if furthest_output is not None and start < furthest_output[0]:
-            raise ExecutionError(f"output {furthest_output[1].name!r} overlaps {spec.name!r} in memory")
-        if furthest is None or end > furthest[0]:
-            furthest = (end, spec)
-        if spec.is_output and (furthest_output is None or end > furthest_output[0]):
-            furthest_output = (end, spec)
+def _check_outputs_apart(bound: list) -> None:
+    """Raise when an output shares an element with any other binding; inputs may share memory.
+    `bound` holds (StridedBytes, spec) per binding. Views interleaved in one buffer without a
+    common element (dQ, dK and dV of one dQKV tensor, rotary halves) pass. One sweep over the
+    views sorted by first byte finds the pairs whose byte ranges meet; overlap.share_a_byte
+    decides those exactly."""
+    reaching = []  # (end, view, spec) of the views swept so far that reach the current start
+    for view, spec in sorted((b for b in bound if not b[0].empty), key=lambda b: b[0].start):
+        reaching = [entry for entry in reaching if entry[0] > view.start]
+        for _, other, other_spec in reaching:
+            if (spec.is_output or other_spec.is_output) and share_a_byte(other, view):
+                output, another = (spec, other_spec) if spec.is_output else (other_spec, spec)
+                raise ExecutionError(f"output {output.name!r} overlaps {another.name!r} in memory "
+                                     f"(an element in common)")
+        reaching.append((view.end, view, spec))
 
 
 @dataclass
@@ -246,16 +249,19 @@ class ReadyBindings:
     built: "DeviceLaunches"
     aligned: bool
     streams: Optional[dict]
+    negated: frozenset = frozenset()  # uids of lazily negated inputs, resolved at each launch
 
 
 def _stamp(bindings: dict, workspace) -> tuple:
     """What execute()'s checks read of a binding set: per binding the key and the value's type,
     address, dtype, shape, strides and device (and the same of the workspace). Contents are not
     in it: writing into a bound tensor keeps its binding valid, while anything that moves or
-    reshapes it (set_, resize_, as_strided_, .data =) changes the stamp."""
+    reshapes it (set_, resize_, as_strided_, .data =) changes the stamp. The negative bit is in
+    it: a lazily negated view of a bound tensor's memory is another binding."""
     parts = []
     for key, value in bindings.items():
-        parts += (key, value.__class__, value.data_ptr(), value.dtype, value.shape, value.stride(), value.device)
+        parts += (key, value.__class__, value.data_ptr(), value.dtype, value.shape, value.stride(), value.device,
+                  value.is_neg())
     if workspace is not None:
         parts += (workspace.__class__, workspace.data_ptr(), workspace.dtype, workspace.shape, workspace.stride(),
                   workspace.device)
@@ -370,17 +376,21 @@ class Plan:
         return resolved
 
     def _check(self, resolved: dict) -> tuple:
-        """(device, aligned): every binding checked against its spec (type, dims, strides on the
-        axes that matter, one device, outputs overlapping nothing); aligned when every pointer
-        is POINTER_ALIGNMENT-aligned."""
-        device, ranges, aligned = None, [], True
+        """(device, aligned, negated): every binding checked against its spec (a kind of tensor
+        kernels can bind, dims, strides on the axes that matter, one device, outputs sharing no
+        element with another binding); aligned when every pointer is POINTER_ALIGNMENT-aligned;
+        negated: the uids of lazily negated inputs (resolved at launch)."""
+        device, bound, aligned, negated = None, [], True, set()
         for spec in self.specs:
             value = resolved.get(spec.uid)
+            kind = "output" if spec.is_output else "input"
             if value is None:
-                kind = "output" if spec.is_output else "input"
                 raise ExecutionError(f"missing binding for {kind} {spec.name!r}")
             if not isinstance(value, torch.Tensor):
                 raise ExecutionError(f"{spec.name!r} is bound to {type(value).__name__}, not a torch.Tensor")
+            check_bindable(value, f"{kind} {spec.name!r}", spec.is_output)
+            if value.is_neg():
+                negated.add(spec.uid)
             if value.dtype != spec.torch_dtype:
                 raise ExecutionError(f"{spec.name!r} expects {spec.torch_dtype}, got {value.dtype}")
             if value.shape != spec.shape:
@@ -394,11 +404,11 @@ class Plan:
             elif value.device != device:
                 raise ExecutionError(f"{spec.name!r} is on {value.device} and {first!r} on {device}: "
                                      f"bind every tensor on one device")
-            start = value.data_ptr()
+            start = _address(value, f"{kind} {spec.name!r}")
             aligned = aligned and start % POINTER_ALIGNMENT == 0
-            ranges.append((start, start + spec.extent_bytes, spec))
-        _check_outputs_apart(ranges)
-        return device, aligned
+            bound.append((StridedBytes.of(start, spec.shape, stride, value.element_size()), spec))
+        _check_outputs_apart(bound)
+        return device, aligned, frozenset(negated)
 
     def _stream_workspace(self, built: DeviceLaunches, device, stream) -> StreamWorkspace:
         """The workspace of (device, stream), created once (launch.persistent_buffer: torch's
@@ -414,6 +424,7 @@ class Plan:
         where = "the workspace"
         if not isinstance(workspace, torch.Tensor):
             raise ExecutionError(f"{where} must be a torch.Tensor of uint8, got {type(workspace).__name__}")
+        check_bindable(workspace, where, is_output=False)  # scratch: a negative bit changes nothing
         if workspace.dtype != torch.uint8:
             raise ExecutionError(f"{where} must be uint8, got {workspace.dtype}")
         if workspace.device != device:
@@ -494,15 +505,16 @@ class Plan:
     def _prepare(self, bindings, workspace, stamp) -> "ReadyBindings":
         """Check a binding set (and workspace) in full and remember it under `stamp`."""
         tensors = self._resolve(bindings)
-        device, aligned = self._check(tensors)
+        device, aligned, negated = self._check(tensors)
         aligned = aligned and self.views_aligned
         kernel_device = _kernel_device(device)
         built = self._launches_for(kernel_device)
         if workspace is not None:
             self._caller_workspace(workspace, built, device, tensors)
         uids = tuple(self.key_to_uid[key] for key in bindings)
-        bound = kernel_device.type == "cuda" and aligned
-        ready = ReadyBindings(uids, device, kernel_device, built, aligned, {} if bound else None)
+        # a negated input is resolved into fresh memory at each launch: no addresses to bind
+        bound = kernel_device.type == "cuda" and aligned and not negated
+        ready = ReadyBindings(uids, device, kernel_device, built, aligned, {} if bound else None, negated)
         if stamp is not None:
             if len(self._ready) >= READY_BINDING_SETS:
                 self._ready.clear()
@@ -512,6 +524,8 @@ class Plan:
     def _execute_tensors(self, ready: "ReadyBindings", values, workspace):
         """Launch with torch tensors as arguments: the interpreter, or pointers below alignment."""
         tensors = dict(zip(ready.uids, values))
+        for uid in ready.negated:
+            tensors[uid] = resolved_input(tensors[uid])
         built, device, kernel_device = ready.built, ready.device, ready.kernel_device
         stream = torch._C._cuda_getCurrentRawStream(kernel_device.index) if kernel_device.type == "cuda" else None
         if workspace is not None:
@@ -551,7 +565,8 @@ class Plan:
         """(launch, median milliseconds) of each kernel run alone on `bindings` (as execute
         takes them; outputs are written)."""
         tensors = self._resolve(bindings)
-        device, _ = self._check(tensors)
+        device, _, negated = self._check(tensors)
+        tensors.update({uid: resolved_input(tensors[uid]) for uid in negated})
         kernel_device = _kernel_device(device)
         built = self._launches_for(kernel_device)
         workspace = torch.empty(built.workspace_bytes, dtype=torch.uint8, device=device)
@@ -584,6 +599,15 @@ class Plan:
         return "\n".join(lines)
 
 
+
+
+def _address(value: torch.Tensor, what: str) -> int:
+    """The address of `value`'s first element; a typed error for a tensor without one (a
+    subclass wrapping no storage)."""
+    try:
+        return value.data_ptr()
+    except RuntimeError as error:
+        raise ExecutionError(f"{what} has no memory kernels can address: {error}") from error
 
 
 def _kernel_device(device: torch.device) -> torch.device:

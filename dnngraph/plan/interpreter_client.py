@@ -15,9 +15,10 @@ The process (interpreter_worker.py) is started with subprocess, not multiprocess
 forkserver child imports the user's __main__ again, which a script without a main guard would
 not survive, and a forked one would inherit CUDA. It starts on the first CPU execute, serves
 every graph of this process one request at a time (the interpreter is single-threaded in any
-case), and ends when this process does. A request carries the kernels' sources (once each), the
-tensors through a shared arena (copied in; the tensors the kernels write copied back), and the
-launches. A kernel that fails, or a process that dies, raises ExecutionError and writes nothing
+case), and ends when this process does. A request carries the kernels' sources (once each: the
+generated text, never the cache file, and the process runs a text only under the hash that names
+it), the tensors through a shared arena (copied in; the tensors the kernels write copied back),
+and the launches. A kernel that fails, or a process that dies, raises ExecutionError and writes nothing
 to the caller's tensors; the next execute starts a fresh process.
 """
 from __future__ import annotations
@@ -114,15 +115,18 @@ class InterpreterProcess:
             raise ExecutionError(f"CPU tensors: {error}") from error
 
     def _sources(self, launches) -> dict:
+        """key -> (kernel name, text) of the kernels the process has not loaded: the text each
+        kernel was made from in this process (the one its plan generated and hashed), never the
+        cache file, which may have changed since the build."""
         sources = {}
         for launch in launches:
             key = str(launch.source_path)
             if key in self.loaded or key in sources:
                 continue
             try:
-                sources[key] = (_kernel_name(launch.source_path), kernel_source(getattr(launch, "kernel", None), launch.source_path))
-            except OSError as error:
-                raise ExecutionError(f"kernel source {key} cannot be read ({error}): build the graph again") from error
+                sources[key] = (_kernel_name(launch.source_path), kernel_source(launch.kernel))
+            except ValueError as error:
+                raise ExecutionError(f"kernel {launch.source_path.name}: {error}") from error
         return sources
 
     def run(self, launches, tensors: dict) -> None:

@@ -54,11 +54,19 @@ def _mapped_arena(current: tuple, request: Request) -> tuple:
     return request.arena_path, arena
 
 
-def _run(request: Request, kernels: dict, arena) -> None:
-    from ..codegen.cache import load_kernel
+def _loaded(key: str, name: str, text: str):
+    """The kernel of `text`, which must be the source its key (a cache file <name>_<digest>.py)
+    names by its hash."""
+    from ..codegen.cache import load_kernel, source_digest
 
+    if Path(key).name != f"{name}_{source_digest(text)}.py":
+        raise RuntimeError(f"kernel {Path(key).name}: the source sent is not the one its name hashes")
+    return load_kernel(text, name)[0]
+
+
+def _run(request: Request, kernels: dict, arena) -> None:
     for key, (name, text) in request.sources.items():
-        kernels[key] = load_kernel(text, name)[0]
+        kernels[key] = _loaded(key, name, text)
     tensors = [place.view(arena) for place in request.places]
     for call in request.calls:
         args = list(call.template)

@@ -331,7 +331,7 @@ class KernelLaunch:
             return compiled
 
         name = self.source_path.stem.rsplit("_", 1)[0]  # load_kernel names the file {kernel}_{digest}.py
-        key = (name_free_digest(kernel_source(self.kernel, self.source_path), name), _typed(tuple(args)),
+        key = (name_free_digest(kernel_source(self.kernel), name), _typed(tuple(args)),
                tuple(sorted(options.items())), device_index, _triton_debug_state())
         try:
             hash(key)
