@@ -6,6 +6,8 @@ import importlib.util
 
 import pytest
 
+import model_zoo
+
 # Triton's interpreter set up after torch imported Triton: every kernel fails this way on a CPU
 # machine when dnngraph is loaded through the backend's name (the import-order defect of issue 26)
 IMPORT_ORDER_SIGNATURE = "Cannot call @triton.jit'd outside of the scope of a kernel"
@@ -27,10 +29,22 @@ def cases(runs: dict, known_failures: dict) -> list:
     return params
 
 
+def selected_runs(session_items, runs: dict) -> list:
+    """The distinct Runs the selected tests of `runs` need (a -k selection runs only those)."""
+    needed = [runs[item.callspec.params["family"]] for item in session_items
+              if hasattr(item, "callspec") and item.callspec.params.get("family") in runs]
+    return [run for run in dict.fromkeys(needed) if all(_installed(name) for name in run.families)]
+
+
+def _installed(family: str) -> bool:
+    library = next(f.library for f in model_zoo.ALL if f.name == family)
+    return importlib.util.find_spec(library) is not None
+
+
 def skip_unless_installed(library: str) -> None:
     """Skip at once where the library is not installed (the worker reports one that is but fails
     to import: a broken torchvision raises RuntimeError, not ImportError)."""
-    if importlib.util.find_spec(library) is None:
+    if importlib.util.find_spec(library) is None:  # no process started for it
         pytest.skip(f"{library} is not installed")
 
 
@@ -48,14 +62,19 @@ def misses(result: dict) -> list:
 
 def coverage_line(result: dict) -> str:
     """Kernels per step and the aten ops left to torch, one line (printed by each test)."""
-    coverage = result.get("coverage", {})
+    if "unavailable" in result:
+        return f"{result['family']} {result['mode']}: not run ({result['unavailable'][:120]})"
+    if "failure" in result:
+        cause = result["failure"]["cause"].splitlines()[0][:160] if result["failure"]["cause"] else ""
+        return f"{result['family']} {result['mode']}: failed ({cause})"
+    coverage = result["coverage"]
     kernels = " + ".join(f"{phase} {c['kernels']}" for phase, c in coverage.items())
     left = {}
     for phase in coverage.values():
         for op, count in phase["torch_ops"].items():
             left[op] = left.get(op, 0) + count
     ops = ", ".join(f"{op.removeprefix('aten.')} x{count}" for op, count in sorted(left.items()))
-    return f"{result['family']} {result['mode']}: kernels {kernels or '-'}; left to torch: {ops or 'none'}"
+    return f"{result['family']} {result['mode']}: kernels {kernels}; left to torch: {ops or 'none'}"
 
 
 def check(result: dict) -> None:

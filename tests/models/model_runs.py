@@ -43,9 +43,14 @@ class Run:
 
 
 def environment() -> dict:
-    """This checkout's dnngraph first on the path (an installed one elsewhere is not what we test)."""
+    """A user's environment: this checkout's dnngraph first on the path (an installed one
+    elsewhere is not what we test), and no TRITON_INTERPRET: dnngraph sets it in the process
+    that imports it (this pytest process, on a CPU machine), and a worker inheriting it would
+    have Triton in interpreter mode before torch imports it, which no user's process has."""
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    return dict(os.environ, PYTHONPATH=path)
+    env = dict(os.environ, PYTHONPATH=path)
+    env.pop("TRITON_INTERPRET", None)
+    return env
 
 
 def _parse(run: Run, stdout: str, why_missing: str) -> dict:

@@ -10,7 +10,7 @@ for the output and every parameter gradient.
 import pytest
 import torch
 
-from model_results import cases, check, skip_unless_installed
+from model_results import cases, check, selected_runs, skip_unless_installed
 from model_runs import Run, SharedRuns, shared_directory
 from model_zoo import TIMM, TORCHVISION, TRANSFORMERS
 
@@ -33,8 +33,8 @@ KNOWN_FAILURES: dict = {}
 
 
 @pytest.fixture(scope="session")
-def gpu_runs(tmp_path_factory):
-    return SharedRuns(shared_directory(tmp_path_factory), list(dict.fromkeys(RUNS.values())))
+def gpu_runs(tmp_path_factory, request):
+    return SharedRuns(shared_directory(tmp_path_factory), selected_runs(request.session.items, RUNS))
 
 
 @pytest.mark.parametrize("family, mode", cases(RUNS, KNOWN_FAILURES))

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from model_results import cases, check, skip_unless_installed
+from model_results import cases, check, selected_runs, skip_unless_installed
 from model_runs import ROOT, Run, SharedRuns, environment, shared_directory
 from model_zoo import TRANSFORMERS
 
@@ -31,8 +31,8 @@ KNOWN_FAILURES: dict = {("gemma2", "inference"): TANH, ("gemma2", "training"): T
 
 
 @pytest.fixture(scope="session")
-def shared_runs(tmp_path_factory):
-    return SharedRuns(shared_directory(tmp_path_factory), list(dict.fromkeys(RUNS.values())))
+def shared_runs(tmp_path_factory, request):
+    return SharedRuns(shared_directory(tmp_path_factory), selected_runs(request.session.items, RUNS))
 
 
 @pytest.mark.parametrize("family, mode", cases(RUNS, KNOWN_FAILURES))

@@ -7,22 +7,22 @@ The whole lists run on the GPU in bf16: test_models_bf16_gpu.py.
 """
 import pytest
 
-from model_results import check, skip_unless_installed
+from model_results import cases, check, selected_runs, skip_unless_installed
 from model_runs import Run, SharedRuns, shared_directory
+from model_zoo import TIMM, TORCHVISION
 
-# small ones only: each step runs every kernel in Triton's interpreter
-RUNS = {"torchvision": Run(("torchvision_resnet18", "torchvision_mobilenet_v3_small")),
-        "timm": Run(("timm_resnet18", "timm_convnext_atto"))}
-CASES = [(library, family) for library, run in RUNS.items() for family in run.families]
+# small ones only: each step runs every kernel in Triton's interpreter; one process per library
+GROUPS = [("torchvision_resnet18", "torchvision_mobilenet_v3_small"), ("timm_resnet18", "timm_convnext_atto")]
+RUNS = {family: Run(group) for group in GROUPS for family in group}
+LIBRARY = {family.name: family.library for family in TORCHVISION + TIMM}
 
 
 @pytest.fixture(scope="session")
-def vision_runs(tmp_path_factory):
-    return SharedRuns(shared_directory(tmp_path_factory), list(RUNS.values()))
+def vision_runs(tmp_path_factory, request):
+    return SharedRuns(shared_directory(tmp_path_factory), selected_runs(request.session.items, RUNS))
 
 
-@pytest.mark.parametrize("mode", ["inference", "training"])
-@pytest.mark.parametrize("library, family", CASES, ids=[family for _, family in CASES])
-def test_vision_model_matches_float64_as_closely_as_eager(vision_runs, library, family, mode):
-    skip_unless_installed(library)
-    check(vision_runs.results(RUNS[library])[f"{family}/{mode}"])
+@pytest.mark.parametrize("family, mode", cases(RUNS, {}))
+def test_vision_model_matches_float64_as_closely_as_eager(vision_runs, family, mode):
+    skip_unless_installed(LIBRARY[family])
+    check(vision_runs.results(RUNS[family])[f"{family}/{mode}"])
