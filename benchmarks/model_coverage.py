@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "models"))
 from common import print_table, write_json  # noqa: E402
-from model_results import FACTOR, FLOOR, misses  # noqa: E402
+from model_results import FACTOR, FLOOR, misses, ops_left_text  # noqa: E402
 from model_runs import Run, execute  # noqa: E402
 from model_zoo import ALL  # noqa: E402
 
@@ -33,14 +33,6 @@ def chosen_families(spec: str) -> list:
     if unknown:
         raise SystemExit(f"unknown families {sorted(unknown)}; choose from {LIBRARIES} or {[f.name for f in ALL]}")
     return [f for f in ALL if f.library in wanted or f.name in wanted]
-
-
-def _ops_left(coverage: dict) -> str:
-    left = {}
-    for phase in coverage.values():
-        for op, count in phase["torch_ops"].items():
-            left[op] = left.get(op, 0) + count
-    return ", ".join(f"{op.removeprefix('aten.').removesuffix('.default')} x{n}" for op, n in sorted(left.items()))
 
 
 def _status(result: dict) -> tuple:
@@ -61,7 +53,7 @@ def row(result: dict) -> list:
     forward, backward = coverage.get("forward"), coverage.get("backward")
     ratio, verdict = _status(result)
     return [result["family"], result["mode"], forward["kernels"] if forward else "",
-            backward["kernels"] if backward else "", _ops_left(coverage), ratio, verdict, result.get("seconds", "")]
+            backward["kernels"] if backward else "", ops_left_text(coverage), ratio, verdict, result.get("seconds", "")]
 
 
 def main():

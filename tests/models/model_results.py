@@ -29,10 +29,11 @@ def cases(runs: dict, known_failures: dict) -> list:
     return params
 
 
-def selected_runs(session_items, runs: dict) -> list:
-    """The distinct Runs the selected tests of `runs` need (a -k selection runs only those)."""
+def selected_runs(session_items, test, runs: dict) -> list:
+    """The distinct Runs the selected items of the test function `test` need (a -k selection
+    runs only those), where their libraries are installed."""
     needed = [runs[item.callspec.params["family"]] for item in session_items
-              if hasattr(item, "callspec") and item.callspec.params.get("family") in runs]
+              if getattr(item, "originalname", None) == test.__name__ and item.callspec.params.get("family") in runs]
     return [run for run in dict.fromkeys(needed) if all(_installed(name) for name in run.families)]
 
 
@@ -62,19 +63,29 @@ def misses(result: dict) -> list:
 
 def coverage_line(result: dict) -> str:
     """Kernels per step and the aten ops left to torch, one line (printed by each test)."""
+    dtype = result.get("dtype", "torch.float32").removeprefix("torch.")
+    label = f"{result['family']} {result['mode']}" + ("" if dtype == "float32" else f" {dtype}")
+    return f"{label}: {_coverage_text(result)}"
+
+
+def _coverage_text(result: dict) -> str:
     if "unavailable" in result:
-        return f"{result['family']} {result['mode']}: not run ({result['unavailable'][:120]})"
+        return f"not run ({result['unavailable'][:120]})"
     if "failure" in result:
         cause = result["failure"]["cause"].splitlines()[0][:160] if result["failure"]["cause"] else ""
-        return f"{result['family']} {result['mode']}: failed ({cause})"
-    coverage = result["coverage"]
-    kernels = " + ".join(f"{phase} {c['kernels']}" for phase, c in coverage.items())
+        return f"failed ({cause})"
+    kernels = " + ".join(f"{phase} {c['kernels']}" for phase, c in result["coverage"].items())
+    return f"kernels {kernels}; left to torch: {ops_left_text(result['coverage']) or 'none'}"
+
+
+def ops_left_text(coverage: dict) -> str:
+    """The aten ops a step left to torch, forward and backward together: "embedding x2, ..."."""
     left = {}
     for phase in coverage.values():
         for op, count in phase["torch_ops"].items():
             left[op] = left.get(op, 0) + count
-    ops = ", ".join(f"{op.removeprefix('aten.')} x{count}" for op, count in sorted(left.items()))
-    return f"{result['family']} {result['mode']}: kernels {kernels}; left to torch: {ops or 'none'}"
+    return ", ".join(f"{op.removeprefix('aten.').removesuffix('.default')} x{count}"
+                     for op, count in sorted(left.items()))
 
 
 def check(result: dict) -> None:

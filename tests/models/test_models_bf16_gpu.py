@@ -34,7 +34,8 @@ KNOWN_FAILURES: dict = {}
 
 @pytest.fixture(scope="session")
 def gpu_runs(tmp_path_factory, request):
-    return SharedRuns(shared_directory(tmp_path_factory), selected_runs(request.session.items, RUNS))
+    selected = selected_runs(request.session.items, test_bf16_model_matches_float64_as_closely_as_eager, RUNS)
+    return SharedRuns(shared_directory(tmp_path_factory), selected)
 
 
 @pytest.mark.parametrize("family, mode", cases(RUNS, KNOWN_FAILURES))

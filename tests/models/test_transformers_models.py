@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from model_results import cases, check, selected_runs, skip_unless_installed
 from model_runs import ROOT, Run, SharedRuns, environment, shared_directory
@@ -32,13 +33,38 @@ KNOWN_FAILURES: dict = {("gemma2", "inference"): TANH, ("gemma2", "training"): T
 
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory, request):
-    return SharedRuns(shared_directory(tmp_path_factory), selected_runs(request.session.items, RUNS))
+    selected = selected_runs(request.session.items, test_model_matches_float64_as_closely_as_eager, RUNS)
+    return SharedRuns(shared_directory(tmp_path_factory), selected)
 
 
 @pytest.mark.parametrize("family, mode", cases(RUNS, KNOWN_FAILURES))
 def test_model_matches_float64_as_closely_as_eager(shared_runs, family, mode):
     skip_unless_installed("transformers")
     check(shared_runs.results(RUNS[family])[f"{family}/{mode}"])
+
+
+# bf16 on CPU: what Triton's interpreter does with narrow floats (its conversions round as torch's)
+BF16_RUNS = {family: Run(("vit", "llama"), modes=("training",), dtype="bfloat16") for family in ("vit", "llama")}
+TRUNCATES = ("on CPU, dnngraph's fp32 -> bf16 conversions truncate toward zero where torch rounds to nearest even "
+             "(half of a randn tensor's elements differ by one bf16 ulp, always smaller in magnitude; a bf16 "
+             "matmul's output is 2x further from float64 than torch's): gradients of the first layers end 3-4x "
+             "further from float64 than eager bf16's")
+BF16_FAILURES = {("vit", "training"): TRUNCATES, ("llama", "training"): TRUNCATES}
+
+
+@pytest.fixture(scope="session")
+def bf16_runs(tmp_path_factory, request):
+    return SharedRuns(shared_directory(tmp_path_factory),
+                      selected_runs(request.session.items, test_bf16_training_matches_float64_as_closely_as_eager,
+                                    BF16_RUNS))
+
+
+@pytest.mark.parametrize("family, mode", [case for case in cases(BF16_RUNS, BF16_FAILURES)
+                                          if case.values[1] == "training"])
+def test_bf16_training_matches_float64_as_closely_as_eager(bf16_runs, family, mode):
+    """A bf16 training step on CPU, judged by eager bf16's error (twice it, plus 1e-2)."""
+    skip_unless_installed("transformers")
+    check(bf16_runs.results(BF16_RUNS[family])[f"{family}/{mode}"])
 
 
 NAME_ONLY = """
@@ -53,9 +79,12 @@ print("ran")
 """
 
 
-@pytest.mark.xfail(strict=True, reason="issue 26's import-order defect: dnngraph loaded through the backend "
-                   "name after torch imported Triton fails every CPU kernel with \"Cannot call @triton.jit'd "
-                   "outside of the scope of a kernel\"")
+IMPORT_ORDER = ("issue 26's import-order defect: dnngraph loaded through the backend name after torch imported "
+                "Triton fails every CPU kernel with \"Cannot call @triton.jit'd outside of the scope of a kernel\" "
+                "(on a CUDA machine Triton stays compiling: no interpreter to set up)")
+
+
+@pytest.mark.xfail(not torch.cuda.is_available(), strict=True, reason=IMPORT_ORDER)
 def test_backend_name_alone_runs_kernels():
     """A fresh process that never imports dnngraph: torch loads it through the backend's name."""
     done = subprocess.run([sys.executable, "-c", NAME_ONLY], env=environment(), cwd=ROOT, capture_output=True,

@@ -19,7 +19,8 @@ LIBRARY = {family.name: family.library for family in TORCHVISION + TIMM}
 
 @pytest.fixture(scope="session")
 def vision_runs(tmp_path_factory, request):
-    return SharedRuns(shared_directory(tmp_path_factory), selected_runs(request.session.items, RUNS))
+    selected = selected_runs(request.session.items, test_vision_model_matches_float64_as_closely_as_eager, RUNS)
+    return SharedRuns(shared_directory(tmp_path_factory), selected)
 
 
 @pytest.mark.parametrize("family, mode", cases(RUNS, {}))
