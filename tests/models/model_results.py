@@ -18,11 +18,11 @@ FLOOR = {"torch.float32": 1e-6, "torch.bfloat16": 1e-2}
 
 
 def cases(runs: dict, known_failures: dict) -> list:
-    """pytest params (family, mode) of every family in `runs`, in both modes; a (family, mode)
-    in `known_failures` is a strict expected failure with its cause, so it flips once fixed."""
+    """pytest params (family, mode) of every family in `runs`, in its Run's modes; a (family,
+    mode) in `known_failures` is a strict expected failure with its cause, so it flips once fixed."""
     params = []
-    for family in runs:
-        for mode in ("inference", "training"):
+    for family, run in runs.items():
+        for mode in run.modes:
             why = known_failures.get((family, mode))
             marks = [pytest.mark.xfail(strict=True, reason=why)] if why else []
             params.append(pytest.param(family, mode, id=f"{family}-{mode}", marks=marks))

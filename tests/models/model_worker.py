@@ -103,7 +103,7 @@ def _compiled_step(model, inputs, output, grad_output) -> tuple:
     """(judged values, coverage) of one step through the backend; the forward's reports and the
     backward's (AOTAutograd compiles the backward at its first call) counted apart."""
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="dnngraph", dynamic=False)
+    compiled = torch.compile(model, backend="dnngraph")  # as a user writes it
     reports = _Reports()
     reports.mark()
     if grad_output is None:

@@ -54,13 +54,11 @@ BF16_FAILURES = {("vit", "training"): TRUNCATES, ("llama", "training"): TRUNCATE
 
 @pytest.fixture(scope="session")
 def bf16_runs(tmp_path_factory, request):
-    return SharedRuns(shared_directory(tmp_path_factory),
-                      selected_runs(request.session.items, test_bf16_training_matches_float64_as_closely_as_eager,
-                                    BF16_RUNS))
+    selected = selected_runs(request.session.items, test_bf16_training_matches_float64_as_closely_as_eager, BF16_RUNS)
+    return SharedRuns(shared_directory(tmp_path_factory), selected)
 
 
-@pytest.mark.parametrize("family, mode", [case for case in cases(BF16_RUNS, BF16_FAILURES)
-                                          if case.values[1] == "training"])
+@pytest.mark.parametrize("family, mode", cases(BF16_RUNS, BF16_FAILURES))
 def test_bf16_training_matches_float64_as_closely_as_eager(bf16_runs, family, mode):
     """A bf16 training step on CPU, judged by eager bf16's error (twice it, plus 1e-2)."""
     skip_unless_installed("transformers")
