@@ -233,3 +233,19 @@ def test_backward_at_special_values_is_torch(op):
     (want,) = torch.autograd.grad(TORCH_ACTIVATIONS[op](leaf), leaf, dy_t.double())
     torch.testing.assert_close(ref, want, equal_nan=True)
     torch.testing.assert_close(out, ref, equal_nan=True, rtol=1e-5, atol=1e-6)
+
+
+def test_tanh_keeps_relative_precision_near_zero():
+    # (1 - e) / (1 + e) cancels near 0: Gemma-2's soft-cap 30 * tanh(logits / 30) showed it
+    magnitudes = torch.logspace(-12, 1.3, 4001, dtype=torch.float64)
+    values = torch.cat([magnitudes, -magnitudes, torch.tensor([0.0, -0.0])]).float()
+    g = dg.Graph(name="tanh")
+    x = g.tensor(name="x", dim=[values.numel()])
+    y = g.tanh(x).set_output(True)
+    g.build()
+    out = torch.full_like(values, float("nan"))
+    g.execute({x: values, y: out})
+    reference = g.reference({x: values})[y.name]
+    relative = ((out.double() - reference) / reference.abs().clamp_min(1e-300)).abs()
+    assert relative.max() <= 4 * 2.0 ** -23, f"worst relative error {relative.max():.3g}"
+    assert torch.equal(out.view(torch.int32)[-2:], values.view(torch.int32)[-2:]), "tanh(+-0) keeps its sign"

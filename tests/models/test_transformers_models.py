@@ -25,10 +25,7 @@ RUNS = {family: Run(group) for group in GROUPS for family in group}
 assert sorted(RUNS) == sorted(f.name for f in TRANSFORMERS), "every family in one group"
 
 # (family, mode) -> why it fails today (strict: the mark goes once the cause is fixed)
-TANH = ("gemma2's final logit soft-capping (30 * tanh(logits / 30)): dnngraph's tanh "
-        "(codegen/triton_math.py, (1 - e) / (1 + e) with e = exp(-2|x|)) loses relative precision near 0 "
-        "(~2e-6 against torch's ~3e-8 at |x| ~ 0.01), so the logits are ~20x further from float64 than eager's")
-KNOWN_FAILURES: dict = {("gemma2", "inference"): TANH, ("gemma2", "training"): TANH}
+KNOWN_FAILURES: dict = {}
 
 
 @pytest.fixture(scope="session")
