@@ -50,6 +50,8 @@ def _spec(graph, node, group, sched, stored_o: bool, stats) -> AttentionSpec:
     problem, attrs = sched.problem, node.attrs
     dims = {"HEADS": problem.heads, "GROUP": problem.heads // problem.kv_heads, "SQ": problem.s_q,
             "SKV": problem.s_kv, "HEAD_DIM": problem.head_dim, "VALUE_DIM": problem.value_dim}
+    if k_table is not None:
+        dims["PAGES"] = k.dim[0]  # the pools' page count (k and v hold as many)
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     mask = kernel_mask(node, problem.s_q, problem.s_kv)
     wide = any(element_span(t) > INT32_LIMIT for t in present.values()) or \
