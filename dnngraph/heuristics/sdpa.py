@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import UnsupportedError
-from .device import GRID_LIMITS, DeviceModel
+from . import device as device_limits
+from .device import DeviceModel
 from .pointwise import _pow2_at_least
 
 # (head dim at most, BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on a GPU, first
@@ -166,18 +167,16 @@ LONGEST_FIRST_HEADS = 8
 FORCE_HEAD_GROUP: Optional[int] = None  # tests force the interleave
 
 
-GRID_AXIS_1 = GRID_LIMITS[1]  # the most programs on grid axis y, where the (batch, head) groups go
-
-
 def head_group(heads: int, longest_first: bool) -> int:
     """The heads whose tiles a grid interleaves (a divisor of `heads`; 0: the plain grid): for
     `longest_first` (causal masks) LONGEST_FIRST_HEADS or the nearest divisor below; past
-    GRID_AXIS_1 (batch, head) pairs, the least divisor that brings the groups within it (`heads`
+    grid axis y's limit of (batch, head) pairs, the least divisor that brings the groups within it (`heads`
     itself at worst)."""
     target = FORCE_HEAD_GROUP if FORCE_HEAD_GROUP is not None else LONGEST_FIRST_HEADS
     group = max((g for g in range(1, min(target, heads) + 1) if heads % g == 0), default=0) if longest_first else 0
-    if heads // max(group, 1) > GRID_AXIS_1:
-        group = next(g for g in range(-(-heads // GRID_AXIS_1), heads + 1) if heads % g == 0)
+    axis_y = device_limits.GRID_LIMITS[1]
+    if heads // max(group, 1) > axis_y:
+        group = next(g for g in range(-(-heads // axis_y), heads + 1) if heads % g == 0)
     return group
 
 

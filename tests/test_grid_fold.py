@@ -1,0 +1,135 @@
+"""Grids past CUDA's limits on axes y and z: a kernel whose count there (batch entries of a
+GEMM, groups of a convolution, tap blocks of a depthwise wgrad, the dbias kernel's tiles)
+passes the limit folds it into axis x and decodes the indices from program_id(0). The limits
+are lowered here (heuristics/device.py GRID_LIMITS, which every build reads, check_grid too)
+so that the folded layouts run cheaply through the interpreter, against the float64 reference;
+ordinary shapes keep the plain grid and source."""
+import pytest
+import torch
+
+import dnngraph as dg
+from dnngraph.heuristics import conv as conv_heuristics
+from dnngraph.heuristics import device as device_heur
+from dnngraph.heuristics import matmul as mm
+from helpers import check
+
+SMALL_LIMITS = (2**31 - 1, 3, 3)
+VARIANTS = {
+    "tiled": mm.MatmulConfig("tiled", 16, 16, 16, 4, 2),
+    "small_m": mm.MatmulConfig("small_m", 16, 32, 32, 4, 2),
+    "split_k": mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=3),
+    "persistent": mm.MatmulConfig("persistent", 16, 16, 16, 4, 2),
+}
+
+
+@pytest.fixture
+def small_grid(monkeypatch):
+    monkeypatch.setattr(device_heur, "GRID_LIMITS", SMALL_LIMITS)
+    return monkeypatch
+
+
+def _graph(dtype=dg.float32):
+    return dg.Graph(name="grid", io_data_type=dtype, intermediate_data_type=dg.float32,
+                    compute_data_type=dg.float32)
+
+
+def within_limits(g):
+    """Every launch (and its unaligned alternative) within the lowered limits; the sources of
+    those with folded grids."""
+    folded = []
+    for launch in g.plan.launches:
+        for chosen in (launch, launch.alternative):
+            if chosen is None:
+                continue
+            assert device_heur.grid_fits(chosen.grid), (chosen.config_text, chosen.grid)
+            source = open(chosen.source_path).read()
+            if "pid_flat" in source:
+                folded.append(source)
+    return folded
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_bmm_with_more_products_than_grid_axis_y(small_grid, variant):
+    """7 and 2 x 5 products (a broadcast batch, odd sizes, a column-major b): each variant folds."""
+    small_grid.setattr(mm, "FORCE_CONFIG", VARIANTS[variant])
+    for a_shape, b_shape in (([7, 19, 23], [7, 23, 17]), ([2, 1, 5, 21], [5, 21, 33])):
+        a_t = torch.randn(a_shape)
+        b_t = torch.randn(b_shape[:-2] + b_shape[:-3:-1]).transpose(-1, -2)
+        g = _graph()
+        a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
+        g.relu(g.matmul(a, b)).set_output(True).set_name("c")
+        g.build()
+        assert within_limits(g)
+        check(g, {"a": a_t, "b": b_t})
+
+
+def test_bmm_with_a_row_exit_folds(small_grid):
+    """A row-sum exit beside the folded main kernel (its fold kernel is one axis)."""
+    small_grid.setattr(mm, "FORCE_CONFIG", VARIANTS["tiled"])
+    a_t, b_t = torch.randn(5, 18, 20), torch.randn(5, 20, 35)
+    g = _graph()
+    a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
+    c = g.matmul(a, b).set_output(True).set_name("c")
+    g.reduction(c, mode="sum", axes=[2]).set_output(True).set_name("rows")
+    g.build()
+    assert within_limits(g)
+    check(g, {"a": a_t, "b": b_t}, tolerance=1e-4)
+
+
+def test_ordinary_shapes_keep_the_plain_grid_and_source(monkeypatch):
+    """Under CUDA's own limits a batch of 7 keeps (tiles, batch); the source is the one built
+    with the limits raised (no fold anywhere in the code path)."""
+    def built_source():
+        g = _graph()
+        a, b = g.tensor(name="a", dim=[7, 19, 23]), g.tensor(name="b", dim=[7, 23, 17])
+        g.matmul(a, b).set_output(True).set_name("c")
+        g.build()
+        launch = g.plan.launches[0]
+        return launch.grid, open(launch.source_path).read()
+
+    grid, source = built_source()
+    assert grid[1] == 7 and "pid_flat" not in source
+    monkeypatch.setattr(device_heur, "GRID_LIMITS", (2**31 - 1, 2**31 - 1, 2**31 - 1))
+    assert built_source() == (grid, source)
+
+
+CONV = dict(padding=[1, 0], stride=[1, 2], dilation=[1, 1])
+
+
+def _grouped_conv(op, groups, layout):
+    """A grouped conv of `groups` groups, 2 channels and 3 filters each, 3x2 filters."""
+    x_t = torch.randn(2, 2 * groups, 7, 6)
+    w_t = torch.randn(3 * groups, 2, 3, 2)
+    if layout == "nhwc":
+        x_t, w_t = (t.contiguous(memory_format=torch.channels_last) for t in (x_t, w_t))
+    y_t = torch.nn.functional.conv2d(x_t, w_t, groups=groups, padding=CONV["padding"], stride=CONV["stride"])
+    dy_t = torch.randn_like(y_t)
+    g = _graph()
+    if op == "fprop":
+        x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+        out, inputs = g.conv_fprop(x, w, groups=groups, **CONV), {"x": x_t, "w": w_t}
+    elif op == "dgrad":
+        dy, w = g.tensor_like(dy_t, name="dy"), g.tensor_like(w_t, name="w")
+        out, inputs = g.conv_dgrad(dy, w, x_dim=list(x_t.shape), groups=groups, **CONV), {"dy": dy_t, "w": w_t}
+    else:
+        dy, x = g.tensor_like(dy_t, name="dy"), g.tensor_like(x_t, name="x")
+        out, inputs = g.conv_wgrad(dy, x, w_dim=list(w_t.shape), groups=groups, **CONV), {"dy": dy_t, "x": x_t}
+    out.set_output(True).set_name("out")
+    return g, inputs
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("op", ["fprop", "dgrad", "wgrad"])
+def test_grouped_conv_with_more_groups_than_grid_axis_y(small_grid, op, layout):
+    g, inputs = _grouped_conv(op, 5, layout)
+    g.build()
+    assert within_limits(g)
+    check(g, inputs, tolerance=1e-4)
+
+
+def test_grouped_wgrad_split_k_folds_batch_and_split(small_grid):
+    small_grid.setattr(conv_heuristics, "FORCE_CONFIG", mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=3))
+    g, inputs = _grouped_conv("wgrad", 4, "nchw")
+    g.build()
+    assert len(within_limits(g)) == 2  # the split kernel and its combine
+    check(g, inputs, tolerance=1e-4)
