@@ -133,3 +133,15 @@ def test_grouped_wgrad_split_k_folds_batch_and_split(small_grid):
     g.build()
     assert len(within_limits(g)) == 2  # the split kernel and its combine
     check(g, inputs, tolerance=1e-4)
+
+
+@pytest.mark.parametrize("bias_dim", [(2, 4, 50, 41), (1, 4, 50, 41), (2, 1, 1, 41)])
+def test_attention_dbias_with_tiles_past_grid_axes_y_and_z(small_grid, bias_dim):
+    """4 query tiles and 8 (batch, head) pairs over limits of 3; broadcast biases sum over the
+    (batch, head) pairs and query tiles they span; the other backward kernels group heads."""
+    from dnngraph.heuristics import sdpa as sdpa_heuristics
+    from test_sdpa import _run_dbias
+    tile = sdpa_heuristics.AttentionConfig(16, 16, 1, 1)
+    small_grid.setattr(sdpa_heuristics, "FORCE_BACKWARD", {"dkdv": tile, "dq": tile})
+    # every build checks its grids against the lowered limits: an unfolded dbias grid is refused
+    _run_dbias((2, 4, 50, 16), (2, 41), bias_dim, lens=([50, 31], [41, 17]), use_causal_mask=True)

@@ -21,6 +21,7 @@ from typing import Optional
 
 from ..ops.dropout import keep_threshold
 from .emitter import ExpressionEmitter, kind_of
+from .grid import FOLDED_PID, folded_program_ids
 from .names import NameAllocator
 from .pointwise import KernelArgument, header
 
@@ -33,7 +34,7 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          "m_new", "m_use", "p_tile", "alpha", "l_use", "out", "lse", "bias_tile", "k_page", "v_page",
          "k_base", "v_base", "q_base", "keep", "counter", "qk_scale", "run_a", "run_b", "o_mask",
          "q_ptr", "k_ptr", "v_ptr", "o_ptr", "stats_ptr", "bias_ptr", "lenq_ptr", "lenkv_ptr",
-         "ktab_ptr", "vtab_ptr", "HEADS", "GROUP", "SQ", "SKV", "HEAD_DIM", "VALUE_DIM", "BLOCK_M",
+         "ktab_ptr", "vtab_ptr", FOLDED_PID, "HEADS", "GROUP", "SQ", "SKV", "HEAD_DIM", "VALUE_DIM", "BLOCK_M",
          "BLOCK_N", "BLOCK_D", "BLOCK_DV", "PAGE", "PAGES", "seed", "offset",
          # the backward kernels
          "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "delta_ptr", "pid_n", "q_head", "do_tile", "o_tile",
@@ -72,6 +73,7 @@ class AttentionSpec:
     bias_dims: tuple = ()  # the dbias kernel: the bias's [B, H, Sq, Skv] (1 on the axes it sums over)
     stats_only: bool = False  # the log-sum-exp pass of an op-level backward: no v, no o
     head_group: int = 0  # programs of this many heads interleaved, their longest tiles first (0: off)
+    folded_grid: bool = False  # the dbias kernel: (key tile, query tile, (batch, head)) from grid axis x
 
 
 def _mask_argument(terms: list) -> str:
@@ -750,9 +752,14 @@ class _BackwardWriter(_Writer):
         w, spec = self.line, self.spec
         bias_b, bias_h, bias_q, bias_k = spec.bias_dims
         dims, wide = spec.dims, ".to(tl.int64)" if spec.wide_index else ""
-        w("pid_n = tl.program_id(0)")
-        w("pid_m = tl.program_id(1)")
-        w("pid_bh = tl.program_id(2)")
+        if spec.folded_grid:  # past grid axes y or z: every index from axis x, key tiles fastest
+            tiles = (-(-bias_k // spec.block[1]), -(-bias_q // spec.block[0]))
+            for line in folded_program_ids(("pid_n", "pid_m", "pid_bh"), tiles):
+                w(line)
+        else:
+            w("pid_n = tl.program_id(0)")
+            w("pid_m = tl.program_id(1)")
+            w("pid_bh = tl.program_id(2)")
         w("bias_batch = pid_bh // BIAS_HEADS")
         w("bias_head = pid_bh % BIAS_HEADS")
         w("dbias_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)")

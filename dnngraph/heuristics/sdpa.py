@@ -283,9 +283,10 @@ class BackwardSchedule:
 
     def programs(self, which: str) -> tuple:
         p, c = self.problem, self.configs[which]
-        if which == "dbias":  # a program per [BLOCK_M, BLOCK_N] tile of the bias
+        if which == "dbias":  # a program per [BLOCK_M, BLOCK_N] tile of the bias, per (batch, head)
             b, h, s_q, s_kv = self.bias_dims
-            return (-(-s_kv // c.block_n), -(-s_q // c.block_m), b * h)
+            tiles = (-(-s_kv // c.block_n), -(-s_q // c.block_m), b * h)
+            return device_limits.laid_out(tiles, self.folds(which))
         if which == "dkdv":
             tiles, heads = -(-p.s_kv // c.block_n), p.batch * p.kv_heads
         else:
@@ -295,6 +296,14 @@ class BackwardSchedule:
     def head_group(self, which: str) -> int:
         """The interleave the kernel `which` renders (the one its grid was laid out with)."""
         return self.head_groups.get(which, 0)
+
+    def folds(self, which: str) -> bool:
+        """Whether the kernel `which` takes its grid folded into axis x: the dbias kernel's query
+        tiles or (batch, head) pairs past grid axes y or z (the others group heads instead)."""
+        if which != "dbias":
+            return False
+        b, h, s_q, _ = self.bias_dims
+        return not device_limits.grid_fits((1, -(-s_q // self.configs[which].block_m), b * h))
 
     def config_text(self, which: str) -> str:
         c = self.configs[which]

@@ -178,7 +178,7 @@ def _backward_spec(graph, node, sched, which: str, delta) -> AttentionSpec:
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
                          dot_precision(graph, q.data_type),
                          bias_dims=sched.bias_dims if which == "dbias" else (),
-                         head_group=sched.head_group(which))
+                         head_group=sched.head_group(which), folded_grid=sched.folds(which))
 
 
 def _build_backward(graph, group, index, device, budget) -> list:
