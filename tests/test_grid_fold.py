@@ -145,3 +145,19 @@ def test_attention_dbias_with_tiles_past_grid_axes_y_and_z(small_grid, bias_dim)
     small_grid.setattr(sdpa_heuristics, "FORCE_BACKWARD", {"dkdv": tile, "dq": tile})
     # every build checks its grids against the lowered limits: an unfolded dbias grid is refused
     _run_dbias((2, 4, 50, 16), (2, 41), bias_dim, lens=([50, 31], [41, 17]), use_causal_mask=True)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("op", ["fprop", "dgrad", "wgrad"])
+def test_depthwise_with_channels_taps_and_splits_past_the_limits(small_grid, op, layout):
+    """5 channels (x2 multiplier) over limits of 3; wgrad's 6 tap blocks (one tap each) and 5
+    splits past axes y and z fold into axis x."""
+    from dnngraph.heuristics import depthwise as dw_heuristics
+    from test_depthwise import RANKS, assert_depthwise, conv_graph
+    small_grid.setattr(dw_heuristics, "FORCE_CONFIG", dw_heuristics.DepthwiseConfig("wgrad", 16, 8, 2, 1, 5))
+    g, out, inputs = conv_graph(op, RANKS[2], layout, 2)
+    out.set_output(True).set_name("out")
+    g.build()
+    assert_depthwise(g, op)
+    assert bool(within_limits(g)) == (op == "wgrad")
+    check(g, inputs, tolerance=1e-4)
