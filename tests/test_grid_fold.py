@@ -161,3 +161,14 @@ def test_depthwise_with_channels_taps_and_splits_past_the_limits(small_grid, op,
     assert_depthwise(g, op)
     assert bool(within_limits(g)) == (op == "wgrad")
     check(g, inputs, tolerance=1e-4)
+
+
+def test_op_level_attention_chains_group_heads_past_grid_axis_y(small_grid):
+    """Attention written as ops, 2 x 3 (batch, head) pairs over a limit of 3: the forward kernel,
+    the backward's log-sum-exp pass, dK/dV and dQ take head groups, against autograd."""
+    from test_attention_grad import ALL, FUSED, _chain, _check
+    g, inputs = _chain(softcap=4.0)
+    derivation = _check(g, inputs, ALL, kinds=FUSED)
+    flash = [launch for plan in (derivation.forward.plan, derivation.backward.plan) for launch in plan.launches
+             if launch.group.kind in ("attention", "attention_backward")]
+    assert len(flash) == 4 and all(launch.grid[1] <= 3 for launch in flash)

@@ -364,21 +364,26 @@ def _chain_tiles(problem: AttentionProblem, model: DeviceModel) -> bool:
 
 def chain_schedule(problem: AttentionProblem, model: DeviceModel, which: str = "forward") -> AttentionSchedule:
     """Tiles of an op-level chain's forward kernel, or ("lse") of its backward's log-sum-exp
-    pass (the forward kernel without P V). The plain grid always: the chain kernels take no
-    head interleave."""
+    pass (the forward kernel without P V). The plain grid: the chain kernels take no head
+    interleave, only the groups that keep (batch, head) pairs within grid axis y."""
     sched = schedule(problem, model, 0)
     config, reason = sched.config, sched.reason
     if FORCE_CONFIG is None and _chain_tiles(problem, model):
         block_m, block_n, warps, stages = GPU_CHAIN_TILES[which]
         config = AttentionConfig(min(block_m, config.block_m), block_n, warps, stages)
         reason = f"op-level chain: [{config.block_m} queries, {block_n} keys] {which} tiles"
-    programs = (-(-problem.s_q // config.block_m), problem.batch * problem.heads)
-    return dataclasses.replace(sched, config=config, programs=programs, head_group=0, reason=reason)
+    heads = problem.batch * problem.heads
+    group = head_group(heads, longest_first=False)
+    programs = grid(-(-problem.s_q // config.block_m), heads, group)
+    return dataclasses.replace(sched, config=config, programs=programs, head_group=group, reason=reason)
 
 
 def chain_backward_schedule(problem: AttentionProblem, model: DeviceModel) -> BackwardSchedule:
     """Tiles of an op-level backward's dK/dV and dQ kernels (the plain grids, as chain_schedule)."""
-    sched = dataclasses.replace(backward_schedule(problem, model), head_groups={})
+    pairs = {"dkdv": problem.batch * problem.kv_heads, "dq": problem.batch * problem.heads}
+    groups = {which: head_group(count, longest_first=False) for which, count in pairs.items()}
+    sched = dataclasses.replace(backward_schedule(problem, model),
+                                head_groups={which: group for which, group in groups.items() if group})
     if FORCE_BACKWARD is not None or not _chain_tiles(problem, model):
         return sched
     configs = dict(sched.configs, dkdv=AttentionConfig(*GPU_CHAIN_TILES["dkdv"]),

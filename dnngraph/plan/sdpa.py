@@ -245,7 +245,7 @@ def build_attention(graph, group, index, tuner=None, device=None, budget=None):
     spec = AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, 1.0, None, None, False,
                          None if dropout is None else (drop.p, drop.seed, drop.offset),
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
-                         dot_precision(graph, q.data_type), sched.packed, 1, sched.chunk)
+                         dot_precision(graph, q.data_type), sched.packed, 1, sched.chunk, head_group=sched.head_group)
     for side in modifier.sides:
         if len(side.dim) > rank:
             raise UnsupportedError(f"attention chain side operand {side.name!r} has rank {len(side.dim)}")
