@@ -172,3 +172,34 @@ def test_op_level_attention_chains_group_heads_past_grid_axis_y(small_grid):
     flash = [launch for plan in (derivation.forward.plan, derivation.backward.plan) for launch in plan.launches
              if launch.group.kind in ("attention", "attention_backward")]
     assert len(flash) == 4 and all(launch.grid[1] <= 3 for launch in flash)
+
+
+class _Bmm(torch.nn.Module):
+    def forward(self, a, b):
+        return torch.relu(torch.bmm(a, b))
+
+
+def test_torch_compile_of_a_bmm_past_grid_axis_y_runs_in_dnngraph(small_grid):
+    """The backend claims torch.bmm of 6 products over a limit of 3 and runs it (folded), forward
+    and backward, as eager does."""
+    from dnngraph import torch_backend
+    from helpers import rel_err
+    from test_torch_backend import _compiled
+    a = torch.randn(6, 9, 13, requires_grad=True)
+    b = torch.randn(6, 13, 11, requires_grad=True)
+    compiled = _compiled(_Bmm())
+    out = compiled(a, b)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    a_eager, b_eager = a.detach().clone().requires_grad_(True), b.detach().clone().requires_grad_(True)
+    expected = _Bmm()(a_eager, b_eager)
+    expected.backward(grad)
+    assert rel_err(out, expected) < 1e-5
+    assert rel_err(a.grad, a_eager.grad) < 1e-5 and rel_err(b.grad, b_eager.grad) < 1e-5
+    forward, backward = torch_backend.REPORTS
+    assert forward.torch_ops == () and backward.torch_ops == ()  # every aten op in dnngraph
+    launches = [launch for report in (forward, backward) for function in report.functions
+                for launch in function._plain[0].plan.launches]
+    assert len(launches) >= 3 and all(device_heur.grid_fits(launch.grid) for launch in launches)
+    products = [launch for launch in launches if launch.group.kind == "matmul"]
+    assert len(products) >= 3 and all("pid_flat" in open(launch.source_path).read() for launch in products)
