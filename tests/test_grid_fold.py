@@ -203,3 +203,61 @@ def test_torch_compile_of_a_bmm_past_grid_axis_y_runs_in_dnngraph(small_grid):
     assert len(launches) >= 3 and all(device_heur.grid_fits(launch.grid) for launch in launches)
     products = [launch for launch in launches if launch.group.kind == "matmul"]
     assert len(products) >= 3 and all("pid_flat" in open(launch.source_path).read() for launch in products)
+
+
+# --- CUDA's own limits on a GPU ------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_bmm_of_70000_products_on_the_gpu(dtype):
+    a_t = torch.randn(70000, 5, 7, device="cuda").to(dtype)
+    b_t = torch.randn(70000, 3, 7, device="cuda").to(dtype).transpose(-1, -2)
+    g = _graph(dg.dtypes.from_torch(dtype))
+    a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
+    g.relu(g.matmul(a, b)).set_output(True).set_name("c")
+    g.build()
+    assert all(launch.grid[1] <= 65535 for launch in g.plan.launches)
+    check(g, {"a": a_t, "b": b_t}, dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["fprop", "dgrad", "wgrad"])
+def test_grouped_conv_of_66000_groups_on_the_gpu(op):
+    torch.manual_seed(0)
+    g, inputs = _grouped_conv(op, 66000, "nhwc")
+    check(g, {name: t.cuda() for name, t in inputs.items()}, device="cuda", tolerance=1e-4)
+
+
+@pytest.mark.gpu
+def test_attention_dbias_of_70000_pairs_on_the_gpu():
+    """70000 (batch, head) pairs of a full bias: the dbias kernel's grid folds into axis x."""
+    from test_sdpa_gpu import _backward_case
+    g, _, _ = _backward_case(70000, 1, 1, 16, 20, 16, dtype=torch.float16, bias_dim=(70000, 1, 16, 20),
+                             use_causal_mask=True)
+    assert g.plan.launches[-1].grid[1:] == (1, 1)
+
+
+@pytest.mark.gpu
+def test_torch_compile_of_a_bmm_of_70000_products_on_the_gpu():
+    from helpers import rel_err
+    from test_torch_backend import _compiled
+    a, b = torch.randn(70000, 6, 5, device="cuda"), torch.randn(70000, 5, 4, device="cuda")
+    assert rel_err(_compiled(_Bmm())(a, b), _Bmm()(a, b)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_torch_compile_leaves_integer_products_to_torch(dtype):
+    """The backend claims no product it has no kernel for: an integer bmm and mm run in torch,
+    exact, the addition after them in dnngraph."""
+    from dnngraph import torch_backend
+    from test_torch_backend import _compiled
+
+    def program(a, b, c):
+        return torch.bmm(a, b) + 1, torch.mm(a[0], c) * 2
+
+    a, b, c = (torch.randint(-9, 9, shape, dtype=dtype) for shape in ((3, 4, 5), (3, 5, 2), (5, 6)))
+    for got, want in zip(_compiled(program)(a, b, c), program(a, b, c)):
+        assert torch.equal(got, want)
+    (report,) = torch_backend.REPORTS
+    kept = dict(report.torch_ops)
+    assert "integers" in kept["aten.bmm.default"] and "integers" in kept["aten.mm.default"]
+    assert "aten.add.Tensor" not in kept and "aten.mul.Tensor" not in kept

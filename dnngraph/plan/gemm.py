@@ -137,8 +137,8 @@ class GemmLaunches:
         pairs = self.exit_plans(epilogue_block)
         exits, exit_scratch = [plan for plan, _ in pairs], [partial for _, partial in pairs]
         common = dict(exits=tuple(exits), epilogue_block=epilogue_block, column_fold=COLUMN_FOLD_BLOCK)
-        # more batch entries than grid axis y takes: (tile, batch[, split]) pairs on axis x
-        fold = p.batch > device_limits.GRID_LIMITS[1]
+        # more batch entries (or splits) than grid axis y (z) takes: (tile, batch[, split]) on axis x
+        fold = not device_limits.grid_fits((1, p.batch, config.split_k))
         if fold:
             common["fold_batch"] = True
         grid = lambda *counts: laid_out(counts, fold)
