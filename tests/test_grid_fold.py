@@ -261,3 +261,52 @@ def test_torch_compile_leaves_integer_products_to_torch(dtype):
     kept = dict(report.torch_ops)
     assert "integers" in kept["aten.bmm.default"] and "integers" in kept["aten.mm.default"]
     assert "aten.add.Tensor" not in kept and "aten.mul.Tensor" not in kept
+
+
+def sm90_graphs():
+    """Built graphs of the folded layouts for the sm_90 compile check (lowered limits): the
+    GEMM's tiled kernel, split-K and its combine, grouped conv fprop and wgrad, the depthwise
+    wgrad, the attention backward with dbias and an op-level chain."""
+    from dnngraph.heuristics import depthwise as dw_heuristics
+    from dnngraph.heuristics import sdpa as sdpa_heuristics
+    from test_attention_grad import _chain
+    from test_depthwise import RANKS, conv_graph
+    device_heur.GRID_LIMITS = SMALL_LIMITS
+    for variant in ("tiled", "split_k"):
+        mm.FORCE_CONFIG = VARIANTS[variant]
+        g = _graph(dg.float16)
+        a, b = g.tensor(name="a", dim=[7, 19, 23]), g.tensor(name="b", dim=[7, 23, 17])
+        g.relu(g.matmul(a, b)).set_output(True)
+        g.build()
+        yield f"bmm {variant}", g
+    mm.FORCE_CONFIG = None
+    for op in ("fprop", "wgrad"):
+        g, _ = _grouped_conv(op, 5, "nhwc")
+        g.build()
+        yield f"grouped conv {op}", g
+    dw_heuristics.FORCE_CONFIG = dw_heuristics.DepthwiseConfig("wgrad", 16, 8, 2, 1, 5)
+    g, out, _ = conv_graph("wgrad", RANKS[2], "nhwc", 2, "convolution", torch.bfloat16)
+    out.set_output(True)
+    g.build()
+    yield "depthwise wgrad", g
+    dw_heuristics.FORCE_CONFIG = None
+    tile = sdpa_heuristics.AttentionConfig(16, 16, 1, 1)
+    sdpa_heuristics.FORCE_BACKWARD = {"dkdv": tile, "dq": tile}
+    g = _graph(dg.float16)
+    q, k, v, o, d_o = (g.tensor(name=n, dim=[2, 4, 50, 16]) for n in ("q", "k", "v", "o", "dO"))
+    stats = g.tensor(name="stats", dim=[2, 4, 50, 1], data_type=dg.float32)
+    bias = g.tensor(name="bias", dim=[2, 4, 50, 50])
+    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, bias=bias, compute_dbias=True, use_causal_mask=True):
+        grad.set_output(True)
+    g.build()
+    yield "sdpa backward with dbias", g
+    sdpa_heuristics.FORCE_BACKWARD = None
+    g, _ = _chain(dtype=torch.float16)
+    g.build()
+    yield "op-level attention chain", g
+
+
+def test_folded_kernels_compile_for_sm90():
+    """The interpreter skips Triton's type checks: the folded layouts compiled for sm_90."""
+    from helpers import compiled_for_sm90
+    assert "compiled 12 kernels for sm_90" in compiled_for_sm90("test_grid_fold:sm90_graphs", timeout=300)

@@ -146,3 +146,21 @@ def test_split_decode_masks_them_too_gpu(monkeypatch, splits):
     for bad_id in (PAGES, -2**31, 2**31 - 1):
         check_paged(*paged_case(1, bad_id, "both", CANARIES["nan"], device="cuda", causal=False), device="cuda")
     torch.cuda.synchronize()
+
+
+def sm90_graphs():
+    """Built paged graphs for the sm_90 compile check: prefill, decode and the split decode."""
+    for s_q in (1, 6):
+        g, _ = paged_case(s_q, PAGES, "both", 0.0)
+        g.build()
+        yield f"paged s_q={s_q}", g
+    heur.FORCE_SPLITS = 3
+    g, _ = paged_case(1, PAGES, "both", 0.0, causal=False)
+    g.build()
+    heur.FORCE_SPLITS = None
+    yield "paged split decode", g
+
+
+def test_paged_kernels_compile_for_sm90():
+    from helpers import compiled_for_sm90
+    assert "compiled 4 kernels for sm_90" in compiled_for_sm90("test_sdpa_paged:sm90_graphs", timeout=300)
