@@ -18,14 +18,14 @@ BAD_IDS = [PAGES, PAGES + 1, -1, 2**31 - 1, -2**31]
 CANARIES = {"nan": float("nan"), "huge": 3e38}
 
 
-def pool_with_canary(generator, canary: float, device) -> tuple:
-    """(pool [PAGES, Hkv, PAGE, D], canary): the pool is the head of one buffer and the canary,
-    as many pages again, is what lies right after it."""
+def pool_with_canary(generator, canary: float, device) -> torch.Tensor:
+    """A pool [PAGES, Hkv, PAGE, D], the head of a buffer whose tail, as many pages again right
+    after the pool, holds `canary`."""
     page_elements = KV_HEADS * PAGE * HEAD_DIM
     buffer = torch.full((2 * PAGES * page_elements,), canary)
     buffer[:PAGES * page_elements] = torch.randn(PAGES * page_elements, generator=generator)
     buffer = buffer.to(device)
-    return buffer[:PAGES * page_elements].view(PAGES, KV_HEADS, PAGE, HEAD_DIM), buffer[PAGES * page_elements:]
+    return buffer[:PAGES * page_elements].view(PAGES, KV_HEADS, PAGE, HEAD_DIM)
 
 
 def page_table(generator, pages_per_seq: int) -> torch.Tensor:
@@ -48,17 +48,15 @@ def paged_case(s_q: int, bad_id: int, tables: str, canary: float, device="cpu", 
     """(graph, inputs) of a paged sdpa (o and stats) whose `tables` ("k", "v" or "both") hold
     `bad_id` on a page each sequence uses."""
     gen = torch.Generator().manual_seed(seed)
-    pages_per_seq = PAGES_PER_SEQ
-    k_pool, _ = pool_with_canary(gen, canary, device)
-    v_pool, _ = pool_with_canary(gen, canary, device)
-    table = page_table(gen, pages_per_seq)
+    k_pool, v_pool = pool_with_canary(gen, canary, device), pool_with_canary(gen, canary, device)
+    table = page_table(gen, PAGES_PER_SEQ)
     k_table = corrupt(table, bad_id) if tables in ("k", "both") else table
     v_table = corrupt(table, bad_id) if tables in ("v", "both") else table.clone()
     q_t = torch.randn(3, HEADS, s_q, HEAD_DIM, generator=gen).to(device)
     g = dg.Graph(name="paged", io_data_type=dg.float32, intermediate_data_type=dg.float32,
                  compute_data_type=dg.float32)
     q, k, v = (g.tensor_like(t, n) for t, n in ((q_t, "q"), (k_pool, "k"), (v_pool, "v")))
-    kt, vt = (g.tensor(name=n, dim=[3, 1, pages_per_seq, 1], data_type=dg.int32) for n in ("ktab", "vtab"))
+    kt, vt = (g.tensor(name=n, dim=[3, 1, PAGES_PER_SEQ, 1], data_type=dg.int32) for n in ("ktab", "vtab"))
     lens = g.tensor(name="lens", dim=[3, 1, 1, 1], data_type=dg.int32)
     inputs = {q: q_t, k: k_pool, v: v_pool, kt: k_table.to(device), vt: v_table.to(device),
               lens: torch.tensor(SEQ_LENS, dtype=torch.int32).view(3, 1, 1, 1).to(device)}
