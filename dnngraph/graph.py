@@ -447,7 +447,12 @@ class Graph:
              diagonal_alignment="top_left", diagonal_band_left_bound=None, diagonal_band_right_bound=None,
              paged_attention_k_table=None, paged_attention_v_table=None,
              paged_attention_max_seq_len_kv=None, name=None):
-        """(o, stats) of softmax(q k^T * scale + bias, masked) v; stats None when is_inference."""
+        """(o, stats) of softmax(q k^T * scale + bias, masked) v; stats None when is_inference.
+
+        Paged K/V: k and v are page pools [pages, Hkv, page_size, D] and the tables
+        [B, 1, pages_per_sequence, 1] int32 page ids. A key whose id in the k table or the v table
+        lies outside [0, pages) is masked, invisible as if past seq_len_kv (a row left with no
+        key is zero): no kernel reads outside the pools, whatever the tables hold."""
         dropout, random = _dropout_tensors(dropout)
         attrs = _attrs_of("sdpa", attn_scale, is_inference, use_causal_mask, dropout,
                           use_causal_mask_bottom_right, diagonal_alignment, diagonal_band_left_bound,

@@ -89,7 +89,7 @@ def test_padded_lengths_under_the_interleave(monkeypatch):
                                                (8 * 65536, True, 16), (9 * 65537, True, 65537)])
 def test_groups_keep_grid_axis_y_within_cudas_limit(heads, causal, want):
     group = heur.head_group(heads, longest_first=causal)
-    assert group == want and heads // max(group, 1) <= heur.GRID_AXIS_1
+    assert group == want and heads // max(group, 1) <= device_heur.GRID_LIMITS[1]
 
 
 def _problem_graph(b, h, s_q, s_kv, d, backward=False):
@@ -108,11 +108,13 @@ def _problem_graph(b, h, s_q, s_kv, d, backward=False):
     return g
 
 
-def test_many_batch_heads_build_within_the_grid_limits_or_refuse_typed(monkeypatch):
+def test_many_batch_heads_build_within_the_grid_limits(monkeypatch):
     """70000 (batch, head) pairs: the forward, the backward (delta, dK/dV, dQ) and a decode group
     two heads per program column, every grid within CUDA's limits; the dbias kernel of a bias
-    with as many (batch, head) pairs has no such layout and is refused at build, the grid named."""
-    from dnngraph.plan.launch import GRID_LIMITS, check_grid
+    with as many (batch, head) pairs folds its grid into axis x; a grid past the limits is
+    refused at build, named."""
+    from dnngraph.plan.launch import check_grid
+    GRID_LIMITS = device_heur.GRID_LIMITS
     monkeypatch.setattr(device_heur, "_model_of_index", lambda index: H100)
     for s_q, backward in ((40, False), (40, True), (1, False)):
         g = _problem_graph(70000, 1, s_q, 40, 16, backward)
@@ -128,8 +130,9 @@ def test_many_batch_heads_build_within_the_grid_limits_or_refuse_typed(monkeypat
     for grad in g.sdpa_backward(q, k, v, o, d_o, stats, bias=bias, compute_dbias=True):
         if grad is not None:
             grad.set_output(True)
-    with pytest.raises(dg.UnsupportedError, match="launch limits"):
-        g.build()
+    g.build()
+    dbias = g.plan.launches[-1]
+    assert dbias.config_text.startswith("dbias") and dbias.grid[1:] == (1, 1)
     with pytest.raises(dg.UnsupportedError, match=r"kernel_x: grid \[1, 65536, 1\]"):
         check_grid((1, 65536, 1), "/tmp/kernel_x.py")
     check_grid((2**31 - 1, 65535, 65535), "/tmp/kernel_x.py")
@@ -138,7 +141,7 @@ def test_many_batch_heads_build_within_the_grid_limits_or_refuse_typed(monkeypat
 @pytest.mark.parametrize("splits", [None, 3])
 def test_decode_with_groups_forced_by_the_grid_limit(monkeypatch, splits):
     """Decode programs (K/V heads x batch) past a grid axis y of 3: groups of 3 heads' splits."""
-    monkeypatch.setattr(heur, "GRID_AXIS_1", 3)
+    monkeypatch.setattr(device_heur, "GRID_LIMITS", (2**31 - 1, 3, 3))
     monkeypatch.setattr(heur, "FORCE_SPLITS", splits)
     _run((3, 8, 3, 16), (2, 77), lens=([3, 1, 2], [77, 5, 0]), **MASKS["causal_bottom_right"])
     _run((2, 4, 1, 24), (2, 50), bias_dim=(2, 4, 1, 50), dropout=(0.2, 11, 13))
@@ -148,7 +151,7 @@ def test_decode_with_groups_forced_by_the_grid_limit(monkeypatch, splits):
 def test_forward_and_backward_with_groups_forced_by_the_grid_limit(monkeypatch, mask):
     """A grid axis y of 3 programs: 8 (batch, head) pairs take groups of 4, the plain masks too,
     and the delta kernel with them; against the float64 reference."""
-    monkeypatch.setattr(heur, "GRID_AXIS_1", 3)
+    monkeypatch.setattr(device_heur, "GRID_LIMITS", (2**31 - 1, 3, 3))
     monkeypatch.setattr(heur, "FORCE_CONFIG", heur.AttentionConfig(16, 16, 1, 1))
     _run((2, 4, 37, 16), (2, 29), **MASKS[mask])
     tile = heur.AttentionConfig(16, 16, 1, 1)

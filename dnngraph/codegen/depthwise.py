@@ -30,11 +30,12 @@ from typing import Optional
 from ..heuristics.pointwise import _pow2_at_least
 from .conv import FilterShape
 from .emitter import ExpressionEmitter, kind_of
+from .grid import FOLDED_PID, folded_program_ids
 from .names import NameAllocator
 from .pointwise import KernelArgument, header
 
 # identifiers the kernels write themselves; the stems own every `stem_*` name too
-FIXED_NAMES = ("pid", "pid_c", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest", "acc",
+FIXED_NAMES = ("pid", FOLDED_PID, "pid_c", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest", "acc",
                "value", "grad", "weight", "inside", "chans", "chan_mask", "taps", "tap_mask", "tap_block",
                "split", "chunks", "per_split", "first", "last", "chunk", "pix", "pix_mask", "partial", "offs",
                "channel_in", "m", "rows", "cols", "channels", "pixels", "total", "weight_row", "channel_all",
@@ -89,6 +90,7 @@ class DepthwiseSpec(FilterShape):
     row_axes: tuple = ()  # gather: the others, outermost first
     partial_uid: int = 0  # wgrad: scratch [SPLITS, TAPS, K] fp32
     combine_block: int = 0  # wgrad's combine kernel: elements of dw per program
+    fold_grid: bool = False  # wgrad: tap blocks or splits past grid axes y/z, every index from axis x
 
     def role(self, role: str) -> list:
         return [op for op in self.operands if op.role == role]
@@ -465,8 +467,12 @@ def _wgrad_body(w: _Writer):
     rank = spec.rank
     w.size("channels", spec.out_dims[0])
     w.size("pixels", _product(spec.pixel_dims))
-    w(f"pid_c = {_program_id(spec, 0)}", "tap_block = tl.program_id(1)", f"split = {_program_id(spec, 2)}",
-      "chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)", "chan_mask = chans < channels",
+    if spec.fold_grid:  # channel tiles fastest, as on the plain grid's axis x
+        w(*folded_program_ids(("pid_c", "tap_block", "split"), ("tl.cdiv(channels, BLOCK_C)", "tl.cdiv(TAPS, BLOCK_T)"),
+                              ".to(tl.int64)" if spec.index_64 else ""))
+    else:
+        w(f"pid_c = {_program_id(spec, 0)}", "tap_block = tl.program_id(1)", f"split = {_program_id(spec, 2)}")
+    w("chans = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)", "chan_mask = chans < channels",
       "taps = tap_block * BLOCK_T + tl.arange(0, BLOCK_T)", "tap_mask = taps < TAPS", "tap_rest = taps")
     for axis in range(rank - 1, 0, -1):  # the filter index of each tap of the tile
         w(f"r_{axis} = tap_rest % FILTER_{axis}", f"tap_rest = tap_rest // FILTER_{axis}")

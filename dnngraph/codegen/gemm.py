@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
+from .grid import folded_program_ids
 from .names import NameAllocator
 from .pointwise import KernelArgument, header
 
@@ -138,6 +139,7 @@ class GemmKernelSpec:
     persistent_programs: int = 0  # grid of the persistent variant
     column_fold: tuple = (1, 1)  # (tiles, columns) per chunk of a column-exit fold (heuristics)
     tma_store_uids: tuple = ()  # outputs the persistent kernel stores through tensor descriptors
+    fold_batch: bool = False  # batch entries past grid axis y's limit: (tile, batch, split) from axis x
     extra_constexprs: tuple = field(default=())  # (name, value) the loaders read
 
     def side(self, side: str) -> list:
@@ -518,10 +520,15 @@ def _loaders_read_cols(spec) -> bool:
 # --- kernels --------------------------------------------------------------------------------------
 def _main_tiled(spec, w: Writer):
     split = spec.config.split_k > 1
-    w("tile = tl.program_id(0)", "batch = tl.program_id(1)")
-    if split:
-        w("split = tl.program_id(2)")
-    w("tiles_m = tl.cdiv(M, BLOCK_M)", "tiles_n = tl.cdiv(N, BLOCK_N)")
+    if spec.fold_batch:
+        w("tiles_m = tl.cdiv(M, BLOCK_M)", "tiles_n = tl.cdiv(N, BLOCK_N)")
+        w(*folded_program_ids(("tile", "batch", "split") if split else ("tile", "batch"),
+                              ("tiles_m * tiles_n", "batches")))
+    else:
+        w("tile = tl.program_id(0)", "batch = tl.program_id(1)")
+        if split:
+            w("split = tl.program_id(2)")
+        w("tiles_m = tl.cdiv(M, BLOCK_M)", "tiles_n = tl.cdiv(N, BLOCK_N)")
     _grouped_order(w, "tile")
     batch_lines(spec, w)
     _tile_offsets(spec, w)
@@ -584,8 +591,12 @@ def _main_persistent(spec, w: Writer):
 
 def _combine(spec, w: Writer):
     """Split-K: add the partials of every split in order, then run the epilogue."""
-    w("tile = tl.program_id(0)", "batch = tl.program_id(1)",
-      "tiles_n = tl.cdiv(N, BLOCK_N)", "pid_m = tile // tiles_n", "pid_n = tile % tiles_n")
+    if spec.fold_batch:
+        w("tiles_n = tl.cdiv(N, BLOCK_N)", *folded_program_ids(("tile", "batch"), ("tl.cdiv(M, BLOCK_M) * tiles_n",)),
+          "pid_m = tile // tiles_n", "pid_n = tile % tiles_n")
+    else:
+        w("tile = tl.program_id(0)", "batch = tl.program_id(1)",
+          "tiles_n = tl.cdiv(N, BLOCK_N)", "pid_m = tile // tiles_n", "pid_n = tile % tiles_n")
     batch_lines(spec, w)
     _tile_offsets(spec, w)
     w("mask = mask_m[:, None] & mask_n[None, :]",
@@ -679,7 +690,7 @@ def _sizes_used(spec, body: str) -> tuple:
         return ("M", "batches") + (("N",) if reads_n else ())
     if body == "combine":
         return ("M", "N", "batches")
-    batched = spec.config.split_k > 1 or body == "persistent"  # partial index, flat tile loop
+    batched = spec.config.split_k > 1 or body == "persistent" or spec.fold_batch  # partial index, flat tiles
     return ("M", "N") + spec.k_walk.sizes + (("batches",) if batched else ())
 
 

@@ -21,6 +21,7 @@ from typing import Optional
 
 from ..ops.dropout import keep_threshold
 from .emitter import ExpressionEmitter, kind_of
+from .grid import FOLDED_PID, folded_program_ids
 from .names import NameAllocator
 from .pointwise import KernelArgument, header
 
@@ -30,11 +31,11 @@ LOG2E = 1.4426950408889634
 FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_dv", "row_in",
          "len_q", "len_kv", "shift", "lo", "hi", "full_lo", "full_hi", "q_tile", "m_i", "l_i", "acc",
          "start_n", "keys", "key_in", "k_rows", "v_rows", "k_tile", "v_tile", "scores", "visible",
-         "m_new", "m_use", "p_tile", "alpha", "l_use", "out", "lse", "bias_tile", "page",
+         "m_new", "m_use", "p_tile", "alpha", "l_use", "out", "lse", "bias_tile", "k_page", "v_page",
          "k_base", "v_base", "q_base", "keep", "counter", "qk_scale", "run_a", "run_b", "o_mask",
          "q_ptr", "k_ptr", "v_ptr", "o_ptr", "stats_ptr", "bias_ptr", "lenq_ptr", "lenkv_ptr",
-         "ktab_ptr", "vtab_ptr", "HEADS", "GROUP", "SQ", "SKV", "HEAD_DIM", "VALUE_DIM", "BLOCK_M",
-         "BLOCK_N", "BLOCK_D", "BLOCK_DV", "PAGE", "seed", "offset",
+         "ktab_ptr", "vtab_ptr", FOLDED_PID, "HEADS", "GROUP", "SQ", "SKV", "HEAD_DIM", "VALUE_DIM", "BLOCK_M",
+         "BLOCK_N", "BLOCK_D", "BLOCK_DV", "PAGE", "PAGES", "seed", "offset",
          # the backward kernels
          "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "delta_ptr", "pid_n", "q_head", "do_tile", "o_tile",
          "lse_row", "delta_row", "dq_acc", "dk_acc", "dv_acc", "p_drop", "d_probs", "d_scores", "q_rows",
@@ -72,6 +73,7 @@ class AttentionSpec:
     bias_dims: tuple = ()  # the dbias kernel: the bias's [B, H, Sq, Skv] (1 on the axes it sums over)
     stats_only: bool = False  # the log-sum-exp pass of an op-level backward: no v, no o
     head_group: int = 0  # programs of this many heads interleaved, their longest tiles first (0: off)
+    folded_grid: bool = False  # the dbias kernel: (key tile, query tile, (batch, head)) from grid axis x
 
 
 def _mask_argument(terms: list) -> str:
@@ -230,23 +232,35 @@ class _Writer:
 
     # --- one key block ------------------------------------------------------------------------
     def key_rows(self, stem: str, depth: int) -> str:
-        """Offsets of the block's key rows in k or v (a page gather when paged)."""
-        w, wide = self.line, self.spec.wide_index
+        """Offsets of the block's key rows in k or v (page_rows gathered them when paged)."""
         if not self.spec.page_size:
-            keys = "keys.to(tl.int64)" if wide else "keys"
-            w(f"{stem}_rows = {stem}_base + {keys} * {self.stride(stem, 2)}", depth)
-            return f"{stem}_rows"
-        table = "ktab" if stem == "k" else "vtab"
-        w(f"page = tl.load({table}_ptr + batch * {self.stride(table, 0)} + (keys // PAGE) * "
-          f"{self.stride(table, 2)}, mask=key_in, other=0).to(tl.int64)", depth)
-        w(f"{stem}_rows = page * {self.stride(stem, 0)} + kv_head.to(tl.int64) * {self.stride(stem, 1)} + "
-          f"(keys % PAGE) * {self.stride(stem, 2)}", depth)
+            keys = "keys.to(tl.int64)" if self.spec.wide_index else "keys"
+            self.line(f"{stem}_rows = {stem}_base + {keys} * {self.stride(stem, 2)}", depth)
         return f"{stem}_rows"
+
+    def page_rows(self, depth: int):
+        """Paged K/V: the block's page ids from the k and v tables, and the keys' rows in the
+        pools. A key whose id in either table lies outside [0, PAGES) is invisible, as if past
+        len_kv (key_in), and its row offset is 0: whatever a table holds, no load leaves a pool."""
+        w = self.line
+        stems = ("k", "v") if self.has("v") else ("k",)
+        for stem in stems:
+            table = "ktab" if stem == "k" else "vtab"
+            w(f"{stem}_page = tl.load({table}_ptr + batch * {self.stride(table, 0)} + (keys // PAGE) * "
+              f"{self.stride(table, 2)}, mask=key_in, other=0).to(tl.int64)", depth)
+        for stem in stems:
+            w(f"key_in = key_in & ({stem}_page >= 0) & ({stem}_page < PAGES)", depth)
+        for stem in stems:
+            w(f"{stem}_rows = tl.where(key_in, {stem}_page, 0) * {self.stride(stem, 0)} + "
+              f"kv_head.to(tl.int64) * {self.stride(stem, 1)} + (keys % PAGE) * {self.stride(stem, 2)}", depth)
 
     def block(self, masked: bool, depth: int):
         w, spec = self.line, self.spec
         w("keys = start_n + tl.arange(0, BLOCK_N)", depth)
         w("key_in = keys < len_kv", depth)
+        if spec.page_size:  # a table may hide any key: every block is masked
+            self.page_rows(depth)
+            masked = True
         k_rows = self.key_rows("k", depth)
         terms = (["key_in[None, :]"] if masked else []) + self.d_mask("[:, None]")
         w(f"k_tile = tl.load(k_ptr + {k_rows}[None, :] + cols_d[:, None] * {self.stride('k', 3)}"
@@ -509,7 +523,7 @@ def _arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
     args += [KernelArgument("constexpr", "HEAD_DIM", spec.dims["HEAD_DIM"]),
              KernelArgument("constexpr", "VALUE_DIM", spec.dims["VALUE_DIM"])]
     if spec.page_size:
-        args.append(KernelArgument("constexpr", "PAGE", spec.page_size))
+        args += [KernelArgument("int", "PAGES", spec.dims["PAGES"]), KernelArgument("constexpr", "PAGE", spec.page_size)]
     if spec.splits > 1:
         args += [KernelArgument("constexpr", "SPLITS", spec.splits), KernelArgument("constexpr", "CHUNK", spec.chunk)]
     block_m, block_n, block_d, block_dv = spec.block
@@ -738,9 +752,14 @@ class _BackwardWriter(_Writer):
         w, spec = self.line, self.spec
         bias_b, bias_h, bias_q, bias_k = spec.bias_dims
         dims, wide = spec.dims, ".to(tl.int64)" if spec.wide_index else ""
-        w("pid_n = tl.program_id(0)")
-        w("pid_m = tl.program_id(1)")
-        w("pid_bh = tl.program_id(2)")
+        if spec.folded_grid:  # past grid axes y or z: every index from axis x, key tiles fastest
+            tiles = (-(-bias_k // spec.block[1]), -(-bias_q // spec.block[0]))
+            for line in folded_program_ids(("pid_n", "pid_m", "pid_bh"), tiles):
+                w(line)
+        else:
+            w("pid_n = tl.program_id(0)")
+            w("pid_m = tl.program_id(1)")
+            w("pid_bh = tl.program_id(2)")
         w("bias_batch = pid_bh // BIAS_HEADS")
         w("bias_head = pid_bh % BIAS_HEADS")
         w("dbias_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)")

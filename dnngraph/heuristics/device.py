@@ -10,8 +10,25 @@ import torch
 # H100 SXM as measured here: 3.0 TB/s device copy (bytes read + written), 132 SMs.
 DEFAULT_BANDWIDTH = 3.0e12
 DEFAULT_SMS = 132
-# CUDA's launch limits per grid axis (x, y, z): a grid past them fails at launch.
+# CUDA's launch limits per grid axis (x, y, z): a grid past them fails at launch. Read at call
+# time by everything that lays out a grid (tests lower it to reach the folded layouts cheaply).
 GRID_LIMITS = (2**31 - 1, 65535, 65535)
+
+
+def grid_fits(grid) -> bool:
+    """Whether programs `grid` (x[, y[, z]]) lie within GRID_LIMITS."""
+    return all(count <= limit for count, limit in zip(grid, GRID_LIMITS))
+
+
+def laid_out(grid, folded: bool) -> tuple:
+    """The launch grid of programs `grid` per logical axis: as it is, or `folded` into axis x
+    alone (the kernel decodes each axis' index from program_id(0), the first axis fastest)."""
+    if not folded:
+        return tuple(grid)
+    programs = 1
+    for count in grid:
+        programs *= count
+    return (programs,)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import UnsupportedError
-from .device import GRID_LIMITS, DeviceModel
+from . import device as device_limits
+from .device import DeviceModel
 from .pointwise import _pow2_at_least
 
 # (head dim at most, BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on a GPU, first
@@ -166,18 +167,16 @@ LONGEST_FIRST_HEADS = 8
 FORCE_HEAD_GROUP: Optional[int] = None  # tests force the interleave
 
 
-GRID_AXIS_1 = GRID_LIMITS[1]  # the most programs on grid axis y, where the (batch, head) groups go
-
-
 def head_group(heads: int, longest_first: bool) -> int:
     """The heads whose tiles a grid interleaves (a divisor of `heads`; 0: the plain grid): for
     `longest_first` (causal masks) LONGEST_FIRST_HEADS or the nearest divisor below; past
-    GRID_AXIS_1 (batch, head) pairs, the least divisor that brings the groups within it (`heads`
+    grid axis y's limit of (batch, head) pairs, the least divisor that brings the groups within it (`heads`
     itself at worst)."""
     target = FORCE_HEAD_GROUP if FORCE_HEAD_GROUP is not None else LONGEST_FIRST_HEADS
     group = max((g for g in range(1, min(target, heads) + 1) if heads % g == 0), default=0) if longest_first else 0
-    if heads // max(group, 1) > GRID_AXIS_1:
-        group = next(g for g in range(-(-heads // GRID_AXIS_1), heads + 1) if heads % g == 0)
+    axis_y = device_limits.GRID_LIMITS[1]
+    if heads // max(group, 1) > axis_y:
+        group = next(g for g in range(-(-heads // axis_y), heads + 1) if heads % g == 0)
     return group
 
 
@@ -284,9 +283,10 @@ class BackwardSchedule:
 
     def programs(self, which: str) -> tuple:
         p, c = self.problem, self.configs[which]
-        if which == "dbias":  # a program per [BLOCK_M, BLOCK_N] tile of the bias
+        if which == "dbias":  # a program per [BLOCK_M, BLOCK_N] tile of the bias, per (batch, head)
             b, h, s_q, s_kv = self.bias_dims
-            return (-(-s_kv // c.block_n), -(-s_q // c.block_m), b * h)
+            tiles = (-(-s_kv // c.block_n), -(-s_q // c.block_m), b * h)
+            return device_limits.laid_out(tiles, self.folds(which))
         if which == "dkdv":
             tiles, heads = -(-p.s_kv // c.block_n), p.batch * p.kv_heads
         else:
@@ -296,6 +296,14 @@ class BackwardSchedule:
     def head_group(self, which: str) -> int:
         """The interleave the kernel `which` renders (the one its grid was laid out with)."""
         return self.head_groups.get(which, 0)
+
+    def folds(self, which: str) -> bool:
+        """Whether the kernel `which` takes its grid folded into axis x: the dbias kernel's query
+        tiles or (batch, head) pairs past grid axes y or z (the others group heads instead)."""
+        if which != "dbias":
+            return False
+        b, h, s_q, _ = self.bias_dims
+        return not device_limits.grid_fits((1, -(-s_q // self.configs[which].block_m), b * h))
 
     def config_text(self, which: str) -> str:
         c = self.configs[which]
@@ -356,21 +364,26 @@ def _chain_tiles(problem: AttentionProblem, model: DeviceModel) -> bool:
 
 def chain_schedule(problem: AttentionProblem, model: DeviceModel, which: str = "forward") -> AttentionSchedule:
     """Tiles of an op-level chain's forward kernel, or ("lse") of its backward's log-sum-exp
-    pass (the forward kernel without P V). The plain grid always: the chain kernels take no
-    head interleave."""
+    pass (the forward kernel without P V). The plain grid: the chain kernels take no head
+    interleave, only the groups that keep (batch, head) pairs within grid axis y."""
     sched = schedule(problem, model, 0)
     config, reason = sched.config, sched.reason
     if FORCE_CONFIG is None and _chain_tiles(problem, model):
         block_m, block_n, warps, stages = GPU_CHAIN_TILES[which]
         config = AttentionConfig(min(block_m, config.block_m), block_n, warps, stages)
         reason = f"op-level chain: [{config.block_m} queries, {block_n} keys] {which} tiles"
-    programs = (-(-problem.s_q // config.block_m), problem.batch * problem.heads)
-    return dataclasses.replace(sched, config=config, programs=programs, head_group=0, reason=reason)
+    heads = problem.batch * problem.heads
+    group = head_group(heads, longest_first=False)
+    programs = grid(-(-problem.s_q // config.block_m), heads, group)
+    return dataclasses.replace(sched, config=config, programs=programs, head_group=group, reason=reason)
 
 
 def chain_backward_schedule(problem: AttentionProblem, model: DeviceModel) -> BackwardSchedule:
     """Tiles of an op-level backward's dK/dV and dQ kernels (the plain grids, as chain_schedule)."""
-    sched = dataclasses.replace(backward_schedule(problem, model), head_groups={})
+    pairs = {"dkdv": problem.batch * problem.kv_heads, "dq": problem.batch * problem.heads}
+    groups = {which: head_group(count, longest_first=False) for which, count in pairs.items()}
+    sched = dataclasses.replace(backward_schedule(problem, model),
+                                head_groups={which: group for which, group in groups.items() if group})
     if FORCE_BACKWARD is not None or not _chain_tiles(problem, model):
         return sched
     configs = dict(sched.configs, dkdv=AttentionConfig(*GPU_CHAIN_TILES["dkdv"]),

@@ -11,7 +11,8 @@ zeroes query rows i >= seq_len_q; a row that sees no key is zero. An additive bi
 (b, h, i, j) drawing counter offset + ((b * H + h) * Sq + i) * Skv + j.
 Paged K/V: k and v are page pools [pages, Hkv, page_size, D], the tables [B, 1, pages_per_seq, 1]
 int32 page indices, Skv = paged_attention_max_seq_len_kv (default pages_per_seq * page_size),
-seq_len_kv required. stats are the row log-sum-exp in float32, [B, H, Sq, 1] (-inf for a row
+seq_len_kv required; a key whose page id in either table lies outside [0, pages) is invisible,
+as if past seq_len_kv (whatever a table holds, no kernel reads outside the pools). stats are the row log-sum-exp in float32, [B, H, Sq, 1] (-inf for a row
 that sees no key).
 """
 from __future__ import annotations
@@ -239,10 +240,18 @@ def gather_pages(pool, table, s_kv: int):
     """[B, Hkv, s_kv, D] from a page pool [pages, Hkv, page_size, D] and a table [B, 1, P, 1]."""
     page_size = pool.shape[2]
     positions = torch.arange(s_kv, device=pool.device)
-    # entries past a sequence's length may hold anything (those keys are masked): clamp them
+    # ids outside the pool (past a sequence's length, or invalid) name keys that are masked
+    # (pages_in_pool): clamped here only to have something to index with
     pages = table[:, 0, :, 0].long()[:, positions // page_size].clamp(0, pool.shape[0] - 1)
     rows = pool[pages, :, (positions % page_size).view(1, -1)]  # [B, s_kv, Hkv, D]
     return rows.permute(0, 2, 1, 3)
+
+
+def pages_in_pool(pool, table, s_kv: int):
+    """[B, s_kv] bool: whether each key's page id in `table` names a page of `pool`."""
+    positions = torch.arange(s_kv, device=pool.device)
+    pages = table[:, 0, :, 0].long()[:, positions // pool.shape[2]]
+    return (pages >= 0) & (pages < pool.shape[0])
 
 
 def lengths(seq_len, size: int, device):
@@ -284,8 +293,10 @@ def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: Sdp
     (every score -inf, from the mask or the bias) is 0 with gradients 0.
     """
     batch, heads, s_q, head_dim = q.shape
+    paged_keys = None  # [B, 1, 1, Skv]: keys whose pages both tables place in the pools
     if k_table is not None:
         s_kv = attrs.paged_attention_max_seq_len_kv or k_table.shape[2] * k.shape[2]
+        paged_keys = (pages_in_pool(k, k_table, s_kv) & pages_in_pool(v, v_table, s_kv)).view(batch, 1, 1, s_kv)
         k, v = gather_pages(k, k_table, s_kv), gather_pages(v, v_table, s_kv)
     repeat = heads // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
@@ -293,9 +304,12 @@ def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: Sdp
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(head_dim)
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     key_valid = torch.arange(s_kv, device=q.device).view(1, 1, -1, 1) < lengths(seq_len_kv, s_kv, q.device)
+    visible = visible_keys(attrs, s_q, s_kv, seq_len_q, seq_len_kv, q.device)
+    if paged_keys is not None:  # a key on a page outside the pools is invisible, as if past seq_len_kv
+        key_valid = key_valid & paged_keys.transpose(-1, -2)
+        visible = visible & paged_keys
     k, v = torch.where(key_valid, k, zero), torch.where(key_valid, v, zero)
     row_valid = torch.arange(s_q, device=q.device).view(1, 1, -1, 1) < lengths(seq_len_q, s_q, q.device)
-    visible = visible_keys(attrs, s_q, s_kv, seq_len_q, seq_len_kv, q.device)
     # the stats of every row, padded ones included (the kernels store them too)
     lse = torch.logsumexp(_masked_scores(q, k, bias, scale, visible), -1, keepdim=True)
     scores = _masked_scores(torch.where(row_valid, q, zero), k, bias, scale, visible)

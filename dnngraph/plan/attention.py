@@ -64,7 +64,7 @@ def build_attention_backward(graph, group, index, tuner=None, device=None, budge
     lse_spec = AttentionSpec(dims, {s: strides[s] for s in lse_stems}, {s: uids[s] for s in lse_stems}, 1.0,
                              None, None, False, None, None,
                              (config.block_m, config.block_n, forward.block_d, forward.block_dv), wide, precision,
-                             stats_only=True)
+                             stats_only=True, head_group=forward.head_group)
     source, arguments = render_lse(name + "_lse", lse_spec, group, roles, graph.compute_data_type.triton_type,
                                    "log-sum-exp pass of " + group.describe())
     kernel, path = load_kernel(source, name + "_lse")
@@ -81,7 +81,8 @@ def build_attention_backward(graph, group, index, tuner=None, device=None, budge
         config = sched.configs[which]
         spec = AttentionSpec(dims, {s: v for s, v in strides.items() if s in kept},
                              {s: v for s, v in uids.items() if s in kept}, 1.0, None, None, False, dropout, None,
-                             (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide, precision)
+                             (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide, precision,
+                             head_group=sched.head_group(which))
         source, arguments = render_chain_backward(f"{name}_{which}", which, spec, roles,
                                                   graph.compute_data_type.triton_type,
                                                   f"{which} of {group.describe()}")

@@ -17,6 +17,7 @@ from ..codegen.cache import load_kernel
 from ..codegen.depthwise import DepthwiseSpec, Operand, render
 from ..errors import UnsupportedError
 from ..heuristics import depthwise as depthwise_heuristics
+from ..heuristics import device as device_limits
 from ..heuristics import device_model
 from ..heuristics.autotune import TuningRecord
 from ..heuristics.depthwise import DepthwiseConfig, GatherProblem, WgradProblem
@@ -144,7 +145,8 @@ class DepthwiseBuild:
                              contiguous=self.source.stride[axis] == 1, traffic=traffic, merged_cols=merged_cols,
                              inner_taps=self.filter_sizes[-1], epilogue=epilogue)
 
-    def spec(self, config: DepthwiseConfig, body: str, suffix: str = "", partial_uid: int = 0) -> DepthwiseSpec:
+    def spec(self, config: DepthwiseConfig, body: str, suffix: str = "", partial_uid: int = 0,
+             fold_grid: bool = False) -> DepthwiseSpec:
         attrs = self.node.attrs
         wgrad = self.op == "conv_wgrad"
         merged = self.merge_axis if self._merges(config) else -1
@@ -159,7 +161,7 @@ class DepthwiseBuild:
             epilogue=tuple(self.group.epilogue), compute=self.graph.compute_data_type.triton_type,
             index_64=self.index_64, config=config, vector_axis=self.vector_axis,
             merged_axis=merged, row_axes=row_axes, partial_uid=partial_uid,
-            combine_block=depthwise_heuristics.COMBINE_BLOCK)
+            combine_block=depthwise_heuristics.COMBINE_BLOCK, fold_grid=fold_grid)
 
     def _launch(self, spec, grid, warps, config_text, reason, scratch_buffers=()) -> KernelLaunch:
         source, arguments = render(spec)
@@ -179,8 +181,10 @@ class DepthwiseBuild:
         p = self.problem
         partial = scratch((config.splits, p.taps, p.channels))
         grid = (-(-p.channels // config.block_cols), -(-p.taps // config.block_taps), config.splits)
-        main = self._launch(self.spec(config, "wgrad", partial_uid=partial.uid), grid, config.num_warps,
-                            config.text + f" grid={grid[0]}x{grid[1]}x{grid[2]}", reason, [partial])
+        fold = not device_limits.grid_fits(grid)  # tap blocks or splits past axes y/z: all on axis x
+        main = self._launch(self.spec(config, "wgrad", partial_uid=partial.uid, fold_grid=fold),
+                            device_limits.laid_out(grid, fold), config.num_warps,
+                            config.text + f" grid={grid[0]}x{grid[1]}x{grid[2]}" + " folded" * fold, reason, [partial])
         elements = p.channels * p.taps
         block = depthwise_heuristics.COMBINE_BLOCK
         combine = self._launch(self.spec(config, "combine", "_combine", partial.uid), (-(-elements // block),),

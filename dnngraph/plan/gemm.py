@@ -11,7 +11,9 @@ from dataclasses import replace
 
 from ..codegen.cache import load_kernel
 from ..codegen.gemm import EXIT_FOLD_BLOCK, ExitPlan, render
+from ..heuristics import device as device_limits
 from ..heuristics.autotune import TuningRecord
+from ..heuristics.device import laid_out
 from ..heuristics.matmul import COLUMN_FOLD_BLOCK, SHARED_MEMORY, SPLIT_COMBINE_BLOCK, MatmulConfig, shared_bytes
 from .launch import KernelLaunch, sample_tensors, scratch, time_candidate, tuning_device
 
@@ -135,6 +137,11 @@ class GemmLaunches:
         pairs = self.exit_plans(epilogue_block)
         exits, exit_scratch = [plan for plan, _ in pairs], [partial for _, partial in pairs]
         common = dict(exits=tuple(exits), epilogue_block=epilogue_block, column_fold=COLUMN_FOLD_BLOCK)
+        # more batch entries (or splits) than grid axis y (z) takes: (tile, batch[, split]) on axis x
+        fold = not device_limits.grid_fits((1, p.batch, config.split_k))
+        if fold:
+            common["fold_batch"] = True
+        grid = lambda *counts: laid_out(counts, fold)
         text = config.text
         launches = []
         if config.variant == "persistent":
@@ -149,22 +156,22 @@ class GemmLaunches:
             fallback = MatmulConfig("tiled", config.block_m, config.block_n, config.block_k, config.num_warps,
                                     config.num_stages)
             launches[0].alternative = self._launch(self.spec(fallback, "_unaligned", **common), "tiled",
-                                                   (tiles, p.batch), config.num_warps, config.num_stages,
+                                                   grid(tiles, p.batch), config.num_warps, config.num_stages,
                                                    fallback.text, reason)
         elif split:
             partial = scratch((config.split_k, p.batch, p.m, p.n))
             spec = self.spec(config, partial_uid=partial.uid, **common)
-            launches.append(self._launch(spec, config.variant, (tiles, p.batch, config.split_k), config.num_warps,
+            launches.append(self._launch(spec, config.variant, grid(tiles, p.batch, config.split_k), config.num_warps,
                                          config.num_stages, text, reason, [partial]))
             combine_tiles = -(-p.m // epilogue_block[0]) * -(-p.n // epilogue_block[1])
             launches.append(self._launch(self.spec(config, "_combine", partial_uid=partial.uid, **common),
-                                         "combine", (combine_tiles, p.batch), COMBINE_WARPS, None,
+                                         "combine", grid(combine_tiles, p.batch), COMBINE_WARPS, None,
                                          f"split-K combine {epilogue_block[0]}x{epilogue_block[1]}",
                                          "adds the SPLIT_K partials in order (deterministic)", exit_scratch))
         else:
             spec = self.spec(config, **common)
-            launches.append(self._launch(spec, config.variant, (tiles, p.batch), config.num_warps,
-                                         config.num_stages, text + f" grid={tiles}x{p.batch}", reason,
+            launches.append(self._launch(spec, config.variant, grid(tiles, p.batch), config.num_warps,
+                                         config.num_stages, text + f" grid={tiles}x{p.batch}" + " folded" * fold, reason,
                                          exit_scratch))
         if exits:
             column = exits[0].axis == "column"

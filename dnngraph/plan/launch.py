@@ -26,7 +26,7 @@ import torch
 from ..codegen.cache import kernel_source
 from ..errors import ExecutionError, UnsupportedError
 from ..heuristics.autotune import TuningRecord
-from ..heuristics.device import GRID_LIMITS
+from ..heuristics import device as device_limits
 from ..log import logger
 from ..runtime import cpu_kernels_in_worker
 from .interpreter_client import run_in_interpreter_process
@@ -194,10 +194,10 @@ def _grid3(programs) -> tuple:
 
 def check_grid(grid: tuple, source_path: str):
     """UnsupportedError at build, on every machine alike, for a grid past GRID_LIMITS."""
-    if any(count > limit for count, limit in zip(grid, GRID_LIMITS)):
+    if not device_limits.grid_fits(grid):
         name = os.path.splitext(os.path.basename(source_path or "kernel"))[0]
         raise UnsupportedError(f"{name}: grid {list(grid)} passes the GPU's launch limits "
-                               f"{list(GRID_LIMITS)} (programs per axis x, y, z)")
+                               f"{list(device_limits.GRID_LIMITS)} (programs per axis x, y, z)")
 
 
 def global_scratch_need(compiled, grid) -> tuple:

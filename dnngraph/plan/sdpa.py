@@ -50,6 +50,8 @@ def _spec(graph, node, group, sched, stored_o: bool, stats) -> AttentionSpec:
     problem, attrs = sched.problem, node.attrs
     dims = {"HEADS": problem.heads, "GROUP": problem.heads // problem.kv_heads, "SQ": problem.s_q,
             "SKV": problem.s_kv, "HEAD_DIM": problem.head_dim, "VALUE_DIM": problem.value_dim}
+    if k_table is not None:
+        dims["PAGES"] = k.dim[0]  # the pools' page count (k and v hold as many)
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     mask = kernel_mask(node, problem.s_q, problem.s_kv)
     wide = any(element_span(t) > INT32_LIMIT for t in present.values()) or \
@@ -176,7 +178,7 @@ def _backward_spec(graph, node, sched, which: str, delta) -> AttentionSpec:
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
                          dot_precision(graph, q.data_type),
                          bias_dims=sched.bias_dims if which == "dbias" else (),
-                         head_group=sched.head_group(which))
+                         head_group=sched.head_group(which), folded_grid=sched.folds(which))
 
 
 def _build_backward(graph, group, index, device, budget) -> list:
@@ -243,7 +245,7 @@ def build_attention(graph, group, index, tuner=None, device=None, budget=None):
     spec = AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, 1.0, None, None, False,
                          None if dropout is None else (drop.p, drop.seed, drop.offset),
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
-                         dot_precision(graph, q.data_type), sched.packed, 1, sched.chunk)
+                         dot_precision(graph, q.data_type), sched.packed, 1, sched.chunk, head_group=sched.head_group)
     for side in modifier.sides:
         if len(side.dim) > rank:
             raise UnsupportedError(f"attention chain side operand {side.name!r} has rank {len(side.dim)}")

@@ -538,6 +538,9 @@ CONVERTERS: dict[object, Callable] = {
     aten.native_batch_norm_backward.default: _batch_norm_backward,
     **{target: _max_pool for target in MAX_POOL}, **{target: _max_pool_backward for target in MAX_POOL_BACKWARD},
 }
+# The matrix products and convolutions: their kernels take floating operands alone.
+PRODUCTS = (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.convolution.default,
+            aten.convolution_backward.default)
 # Results of the sdpa forms that are Aux (random state, bookkeeping) and operands their
 # backward converters do not read.
 AUX_RESULTS = {aten._scaled_dot_product_flash_attention.default: range(2, 9),
@@ -615,6 +618,10 @@ def unsupported(node) -> Optional[str]:
             return "an attention mask of rank over 4 or of integers"
         if len(_result(node)[0].shape) != 4:
             return "attention operands of rank other than 4"
+    if node.target in PRODUCTS:
+        integer = next((arg.name for arg in node.all_input_nodes if arg.meta["val"].dtype not in FLOAT_TYPES), None)
+        if integer is not None:
+            return f"a matrix product or convolution of integers (input {integer}): no kernel takes them"
     if node.target is aten.addmm.default and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
         return "addmm with beta or alpha"
     if node.target is aten.native_dropout.default and (not node.args[2] or not 0.0 < node.args[1] < 1.0):
