@@ -654,7 +654,8 @@ def _as_stored(result: torch.Tensor, data_type: dtypes.DataType, float_dtype) ->
 
 
 # --- pointwise methods, one per catalog entry ----------------------------------------------------
-_PARAM_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "beta": 1.0, "threshold": 20.0}
+_PARAM_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "beta": 1.0, "threshold": 20.0, "min_val": -1.0,
+                   "max_val": 1.0}
 
 
 def _pointwise_method(op_name: str):

@@ -550,6 +550,62 @@ DROPOUT_ARGUMENT = {aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
                     aten._scaled_dot_product_flash_attention_backward.default: 10}
 
 
+
+# --- converters of issue 26: hard activations, pooling, layout, gather families ---------------
+# Kept in one block with their own refusal table (REFUSALS: target -> why(node) or None), so the
+# table above and unsupported() stay as they were.
+def _hardtanh(g, node, value):
+    low, high = _hardtanh_bounds(node, first=1)
+    return g.hardtanh(value(node.args[0]), min_val=low, max_val=high)
+
+
+def _hardtanh_backward(g, node, value):
+    low, high = _hardtanh_bounds(node, first=2)
+    return g.hardtanh_backward(value(node.args[0]), value(node.args[1]), min_val=low, max_val=high)
+
+
+def _hardtanh_bounds(node, first: int) -> tuple:
+    """(min_val, max_val) of a hardtanh or its backward, aten's defaults -1 and 1."""
+    args = list(node.args[first:first + 2])
+    for key, default in (("min_val", -1.0), ("max_val", 1.0))[len(args):]:
+        args.append(node.kwargs.get(key, default))
+    return float(args[0]), float(args[1])
+
+
+def _hard_activation_backward(g, node, value):
+    op = {aten.hardswish_backward.default: "hardswish_backward",
+          aten.hardsigmoid_backward.default: "hardsigmoid_backward"}[node.target]
+    return getattr(g, op)(value(node.args[0]), value(node.args[1]))
+
+
+def _floating_operands(node) -> Optional[str]:
+    """The hard activations take floats only (torch refuses integers for most of them)."""
+    if any(not arg.meta["val"].is_floating_point() for arg in node.all_input_nodes):
+        return f"{node.target} of integers"
+    return None
+
+
+def _hardtanh_refused(node) -> Optional[str]:
+    why = _floating_operands(node)
+    if why is not None:
+        return why
+    low, high = _hardtanh_bounds(node, first=2 if node.target is aten.hardtanh_backward.default else 1)
+    if not (low <= high):  # NaN bounds too: no clamp dnngraph can state
+        return f"hardtanh bounds {low}, {high}"
+    return None
+
+
+HARD_ACTIVATIONS = {aten.hardswish.default: _unary, aten.hardsigmoid.default: _unary,
+                    aten.hardtanh.default: _hardtanh, aten.hardtanh_backward.default: _hardtanh_backward,
+                    aten.hardswish_backward.default: _hard_activation_backward,
+                    aten.hardsigmoid_backward.default: _hard_activation_backward}
+UNARY.update({aten.hardswish.default: "hardswish", aten.hardsigmoid.default: "hardsigmoid"})
+CONVERTERS.update(HARD_ACTIVATIONS)
+REFUSALS: dict[object, Callable] = {
+    **{target: _floating_operands for target in HARD_ACTIVATIONS},
+    aten.hardtanh.default: _hardtanh_refused, aten.hardtanh_backward.default: _hardtanh_refused,
+}
+
 def _tensor_ok(meta) -> Optional[str]:
     if not isinstance(meta, torch.Tensor):
         return "not a tensor"
@@ -651,6 +707,8 @@ def unsupported(node) -> Optional[str]:
         weight = node.args[2] if node.target is aten.native_layer_norm.default else node.args[5]
         if weight is None:
             return "a layer norm without a weight"
+    if node.target in REFUSALS:
+        return REFUSALS[node.target](node)
     return None
 
 

