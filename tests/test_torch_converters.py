@@ -74,3 +74,51 @@ def test_hardtanh_of_integers_stays_in_torch_with_why():
     assert torch.equal(_compiled(f)(x), f(x))
     (why,) = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "hardtanh" in target]
     assert "integers" in why
+
+
+# --- (2) average pooling, ceil-mode max pooling with partial windows ----------------------------
+@pytest.mark.parametrize("fn", [
+    lambda x: F.avg_pool2d(x, 3, 2, 1),
+    lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=True),
+    lambda x: F.avg_pool2d(x, [3, 2], [2, 2], [1, 0], ceil_mode=True, count_include_pad=False),
+    lambda x: F.avg_pool2d(x, 2, divisor_override=3),
+    lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, divisor_override=5),
+    lambda x: F.avg_pool1d(x.flatten(2), 3, 2, 1, ceil_mode=True),
+    lambda x: F.avg_pool3d(x.unsqueeze(2).expand(-1, -1, 3, -1, -1), [2, 3, 2], 2, 1, ceil_mode=True,
+                           count_include_pad=False),
+], ids=["plain", "ceil_include_pad", "ceil_exclude_pad", "divisor", "ceil_divisor", "1d_ceil", "3d_ceil"])
+def test_average_pools_and_their_backwards_convert(fn):
+    torch.manual_seed(0)
+    _step_matches(fn, [torch.randn(2, 3, 8, 7)], ["avg_pool"])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("module", [torch.nn.MaxPool2d(2, 2, ceil_mode=True), torch.nn.MaxPool2d(3, 2, 1, ceil_mode=True),
+                                    torch.nn.MaxPool2d([3, 2], [2, 3], [1, 0], ceil_mode=True)],
+                         ids=["2x2", "3x3_pad", "rectangular"])
+def test_ceil_mode_max_pool_with_partial_windows_converts(module, layout):
+    """Partial last windows (8 and 7 are odd for these windows): torch's sizes, values and the
+    indices the backward routes by, with ties and NaN; integer gradients compare exactly."""
+    torch.manual_seed(0)
+    x = torch.randint(-2, 3, (2, 3, 8, 7)).float()
+    x.view(-1)[::13] = float("nan")
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    leaf, eager_leaf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    got, want = _compiled(module)(leaf), module(eager_leaf)
+    grad = torch.randint(1, 5, want.shape).float()
+    got.backward(grad)
+    want.backward(grad)
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(leaf.grad, eager_leaf.grad)
+    assert _left_to_torch(["max_pool"]) == [], _left_to_torch(["max_pool"])
+
+
+def test_average_pool_of_integers_stays_in_torch_with_why():
+    def f(x):
+        return torch.ops.aten.avg_pool2d(x, [2, 2])
+
+    x = torch.arange(2 * 3 * 4 * 4, dtype=torch.int64).view(2, 3, 4, 4)
+    assert torch.equal(_compiled(f)(x), f(x))
+    (why,) = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "avg_pool" in target]
+    assert "integers" in why

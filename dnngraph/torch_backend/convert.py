@@ -427,10 +427,6 @@ def _max_pool_refused(node) -> Optional[str]:
     window, stride, padding, dilation, ceil_mode = _pool_geometry(node)
     if any(d != 1 for d in dilation):
         return f"max pooling with dilation {dilation}"
-    floor = [(size + 2 * p - w) // s + 1 for size, w, s, p in zip(x.shape[2:], window, stride, padding)]
-    pooled = (node.args[0].meta["val"] if backward else _result(node)[0]).shape[2:]
-    if ceil_mode and [int(d) for d in pooled] != floor:
-        return "max pooling with ceil_mode adding a partial window"
     if backward and not _indices_of_this_pool(node):
         return "max pooling backward with indices not made by the max pool of its input"
     return None
@@ -457,18 +453,18 @@ def _indices_read(node) -> bool:
 def _max_pool(g, node, value):
     """Max pooling; torch's indices too where anything reads them (training saves them for the
     backward), exact: the first maximum in window order, a NaN over any number."""
-    window, stride, padding, _, _ = _pool_geometry(node)
+    window, stride, padding, _, ceil_mode = _pool_geometry(node)
     read = _indices_read(node)
-    made = g.pooling(value(node.args[0]), "max", window, stride, padding, return_indices=read)
+    made = g.pooling(value(node.args[0]), "max", window, stride, padding, return_indices=read, ceil_mode=ceil_mode)
     return made if read else (made, None)
 
 
 def _max_pool_backward(g, node, value):
     """Gradient routed by the forward's saved indices (the argmax of this pool of this x, as
     _indices_of_this_pool made sure): one index load per covering window, no argmax recompute."""
-    window, stride, padding, _, _ = _pool_geometry(node)
+    window, stride, padding, _, ceil_mode = _pool_geometry(node)
     return g.pooling_backward(value(node.args[0]), value(node.args[1]), "max", window, stride, padding,
-                              indices=value(node.args[7]))
+                              indices=value(node.args[7]), ceil_mode=ceil_mode)
 
 
 class Aux:
@@ -595,15 +591,70 @@ def _hardtanh_refused(node) -> Optional[str]:
     return None
 
 
+AVG_POOL = (aten.avg_pool2d.default, aten.avg_pool3d.default)
+AVG_POOL_BACKWARD = (aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
+
+
+def _avg_pool_geometry(node):
+    """(window, stride, padding, ceil_mode, count_include_pad, divisor_override) of an average
+    pool or its backward, per spatial axis, with aten's defaults."""
+    backward = node.target in AVG_POOL_BACKWARD
+    args = list(node.args[2 if backward else 1:])
+    defaults = [None, [], [0], False, True, None]
+    keys = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+    for position, key in enumerate(keys):
+        if len(args) <= position:
+            args.append(node.kwargs.get(key, defaults[position]))
+    window, stride, padding, ceil_mode, include_pad, divisor = args[:6]
+    spatial = len(_result(node).shape) - 2
+
+    def per_axis(values):
+        values = [int(v) for v in values]
+        return values * spatial if len(values) == 1 else values
+
+    window = per_axis(window)
+    return (window, per_axis(stride) if len(stride) else window, per_axis(padding), bool(ceil_mode),
+            bool(include_pad), divisor)
+
+
+def _avg_pool_attributes(node) -> tuple:
+    """(mode, window, stride, padding, keywords) of dnngraph's pooling for an aten average pool."""
+    window, stride, padding, ceil_mode, include_pad, divisor = _avg_pool_geometry(node)
+    mode = "avg_include_pad" if include_pad else "avg_exclude_pad"
+    return mode, window, stride, padding, dict(ceil_mode=ceil_mode, divisor=divisor)
+
+
+def _avg_pool(g, node, value):
+    mode, window, stride, padding, keywords = _avg_pool_attributes(node)
+    return g.pooling(value(node.args[0]), mode, window, stride, padding, **keywords)
+
+
+def _avg_pool_backward(g, node, value):
+    mode, window, stride, padding, keywords = _avg_pool_attributes(node)
+    return g.pooling_backward(value(node.args[0]), value(node.args[1]), mode, window, stride, padding, **keywords)
+
+
+def _avg_pool_refused(node) -> Optional[str]:
+    """Average pools of floats; torch checks the rest (padding at most half the window, a
+    non-zero divisor) before a graph is traced."""
+    x = node.args[1 if node.target in AVG_POOL_BACKWARD else 0].meta["val"]
+    if not x.is_floating_point():
+        return "average pooling of integers"
+    return None
+
+
 HARD_ACTIVATIONS = {aten.hardswish.default: _unary, aten.hardsigmoid.default: _unary,
                     aten.hardtanh.default: _hardtanh, aten.hardtanh_backward.default: _hardtanh_backward,
                     aten.hardswish_backward.default: _hard_activation_backward,
                     aten.hardsigmoid_backward.default: _hard_activation_backward}
 UNARY.update({aten.hardswish.default: "hardswish", aten.hardsigmoid.default: "hardsigmoid"})
 CONVERTERS.update(HARD_ACTIVATIONS)
+CONVERTERS.update({**{target: _avg_pool for target in AVG_POOL},
+                   **{target: _avg_pool_backward for target in AVG_POOL_BACKWARD}})
 REFUSALS: dict[object, Callable] = {
     **{target: _floating_operands for target in HARD_ACTIVATIONS},
     aten.hardtanh.default: _hardtanh_refused, aten.hardtanh_backward.default: _hardtanh_refused,
+    **{target: _avg_pool_refused for target in AVG_POOL + AVG_POOL_BACKWARD},
 }
 
 def _tensor_ok(meta) -> Optional[str]:
