@@ -122,3 +122,61 @@ def test_average_pool_of_integers_stays_in_torch_with_why():
     assert torch.equal(_compiled(f)(x), f(x))
     (why,) = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "avg_pool" in target]
     assert "integers" in why
+
+
+# --- (3) cat and constant padding ----------------------------------------------------------------
+@pytest.mark.parametrize("fn", [
+    lambda x: F.pad(x, (1, 2)),
+    lambda x: F.pad(x, (2, 1, 1, 3), value=-1.5),
+    lambda x: F.pad(x, (-1, 2, 0, -2), value=0.25),  # negative pads crop
+    lambda x: F.pad(x, (0, 0, 0, 0, 1, 1)),  # the first axis too
+    lambda x: F.pad(x.transpose(1, 2) * 2, (1, 1, 1, 0)),  # a transposed value
+    lambda x: F.pad(x, (3, -3)),
+], ids=["last_axis", "two_axes_value", "crop_and_pad", "all_axes", "transposed", "crop_to_pad"])
+def test_constant_pad_and_its_backward_convert(fn):
+    torch.manual_seed(0)
+    _step_matches(fn, [torch.randn(2, 5, 7)], ["constant_pad", "slice", "cat"])
+
+
+@pytest.mark.parametrize("dtype,fill", [(torch.int32, 7), (torch.int64, -3), (torch.bool, True),
+                                        (torch.float16, float("-inf")), (torch.float32, float("nan"))])
+def test_constant_pad_of_every_type_and_special_fills(dtype, fill):
+    def f(x):
+        return F.pad(x, (1, 2, -1, 1), value=fill)
+
+    x = (torch.randn(3, 4, 5) * 4).to(dtype)
+    got, want = _compiled(f)(x), f(x)
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, equal_nan=True, rtol=0, atol=0)
+    assert _left_to_torch(["constant_pad"]) == []
+
+
+def test_constant_pad_with_a_fraction_for_integers_stays_in_torch():
+    def f(x):
+        return torch.ops.aten.constant_pad_nd(x, [1, 1], 0.5)
+
+    x = torch.arange(6, dtype=torch.int32).view(2, 3)
+    _compiled(f)(x)
+    (why,) = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "constant_pad" in target]
+    assert "fraction" in why
+
+
+@pytest.mark.parametrize("fn", [
+    lambda a, b: torch.cat([a, b * 2], 1),
+    lambda a, b: torch.cat([a.transpose(1, 2), b.transpose(1, 2).relu()], -1),
+    lambda a, b: torch.cat([a, b, a], 0).tanh(),
+], ids=["middle_axis", "transposed_parts", "three_parts"])
+def test_cat_and_its_backward_convert(fn):
+    torch.manual_seed(0)
+    _step_matches(fn, [torch.randn(2, 3, 5), torch.randn(2, 3, 5)], ["cat", "slice", "split"])
+
+
+def test_cat_of_mixed_types_and_integers_converts():
+    def f(a, b, n):
+        return torch.cat([a, b], 1), torch.cat([n, n + 1], 0)
+
+    a, b, n = torch.randn(2, 3), torch.randn(2, 4).half(), torch.arange(6).view(2, 3)
+    got, want = _compiled(f)(a, b, n), f(a, b, n)
+    for mine, theirs in zip(got, want):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+    assert _left_to_torch(["cat"]) == []

@@ -643,6 +643,44 @@ def _avg_pool_refused(node) -> Optional[str]:
     return None
 
 
+def _constant_pad_nd(g, node, value):
+    """torch's constant padding from existing ops, axis by axis (pad lists the last axis first):
+    a negative pad crops (a slice), a positive one joins blocks of the constant on either side
+    (a concatenate, into whose parts the producers write: no copy of x where its producer can
+    write it in place)."""
+    x, pads = value(node.args[0]), list(node.args[1])
+    fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    for position in range(0, len(pads), 2):
+        axis = len(x.dim) - 1 - position // 2
+        before, after = pads[position], pads[position + 1]
+        if before < 0 or after < 0:
+            slices = [slice(None)] * len(x.dim)
+            slices[axis] = slice(max(-before, 0), x.dim[axis] - max(-after, 0))
+            x = g.slice(x, slices)
+        parts = []
+        for width in (max(before, 0), None, max(after, 0)):
+            if width is None:
+                parts.append(x)
+            elif width > 0:
+                dims = list(x.dim)
+                dims[axis] = width
+                parts.append(g.cast(g.where(value.true(dims), fill, fill), data_type=x.data_type))
+        x = parts[0] if len(parts) == 1 else g.concatenate(parts, axis)
+    return x
+
+
+def _constant_pad_refused(node) -> Optional[str]:
+    x = node.args[0].meta["val"]
+    fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    if isinstance(fill, bool) or not isinstance(fill, numbers.Real):
+        return f"padding with {fill!r}"
+    if not x.is_floating_point() and float(fill) != int(fill):
+        return "padding integers with a fraction"
+    if len(node.args[1]) % 2 or len(node.args[1]) > 2 * x.dim():
+        return f"pads {list(node.args[1])} for rank {x.dim()}"
+    return None
+
+
 HARD_ACTIVATIONS = {aten.hardswish.default: _unary, aten.hardsigmoid.default: _unary,
                     aten.hardtanh.default: _hardtanh, aten.hardtanh_backward.default: _hardtanh_backward,
                     aten.hardswish_backward.default: _hard_activation_backward,
@@ -650,11 +688,13 @@ HARD_ACTIVATIONS = {aten.hardswish.default: _unary, aten.hardsigmoid.default: _u
 UNARY.update({aten.hardswish.default: "hardswish", aten.hardsigmoid.default: "hardsigmoid"})
 CONVERTERS.update(HARD_ACTIVATIONS)
 CONVERTERS.update({**{target: _avg_pool for target in AVG_POOL},
-                   **{target: _avg_pool_backward for target in AVG_POOL_BACKWARD}})
+                   **{target: _avg_pool_backward for target in AVG_POOL_BACKWARD},
+                   aten.constant_pad_nd.default: _constant_pad_nd})
 REFUSALS: dict[object, Callable] = {
     **{target: _floating_operands for target in HARD_ACTIVATIONS},
     aten.hardtanh.default: _hardtanh_refused, aten.hardtanh_backward.default: _hardtanh_refused,
     **{target: _avg_pool_refused for target in AVG_POOL + AVG_POOL_BACKWARD},
+    aten.constant_pad_nd.default: _constant_pad_refused,
 }
 
 def _tensor_ok(meta) -> Optional[str]:
