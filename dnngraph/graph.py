@@ -437,6 +437,14 @@ class Graph:
         attrs = self._pool_attrs("pooling_backward", x, mode, window, stride, padding, False, ceil_mode, divisor)
         return self._add_op("pooling_backward", [dy, x, indices], attrs, name)[0]
 
+    def gather(self, x, index, axis, name=None) -> Tensor:
+        """y[..., i, ...] = x[..., index[..., i, ...], ...] along `axis` (x and an int32/int64
+        index of one rank, broadcast on the other axes: torch's gather, index_select, an
+        embedding). An id outside x's axis reads nothing: NaN (floats) or 0 there."""
+        x = self._check_input("gather", "x", x)
+        (axis,) = normalize_axes("gather", integer("gather", "axis", axis), len(x.dim))
+        return self._add_op("gather", [x, index], _attrs_of("gather", axis), name)[0]
+
     def dropout(self, x, p, seed, offset=0, return_mask=False, name=None):
         """y = x * keep / (1 - p); with return_mask=True returns (y, mask). seed and offset are
         ints or int64 graph tensors of one element (one built graph for every step)."""
