@@ -180,3 +180,53 @@ def test_cat_of_mixed_types_and_integers_converts():
     for mine, theirs in zip(got, want):
         assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
     assert _left_to_torch(["cat"]) == []
+
+
+# --- (4) gathers: embedding, index_select, gather, indexing --------------------------------------
+@pytest.mark.parametrize("fn, make_ids", [
+    (lambda w, ids: F.embedding(ids, w) * 2.0, lambda: torch.randint(0, 11, (3, 4))),
+    (lambda w, ids: F.embedding(ids, w, padding_idx=0), lambda: torch.randint(0, 11, (7,))),
+    (lambda x, ids: x.index_select(1, ids), lambda: torch.randint(0, 6, (5,), dtype=torch.int32)),
+    (lambda x, ids: torch.gather(x, 1, ids), lambda: torch.randint(0, 6, (11, 4))),
+    (lambda x, ids: torch.gather(x, 0, ids), lambda: torch.randint(0, 11, (3, 2))),  # smaller off the axis
+    (lambda x, ids: x[ids], lambda: torch.randint(-11, 11, (2, 3))),  # negative ids wrap
+    (lambda x, ids: x[:, ids].tanh(), lambda: torch.randint(-6, 6, (4,))),
+], ids=["embedding", "embedding_padding_idx", "index_select", "gather", "gather_smaller_index", "index",
+        "index_second_axis"])
+def test_gathers_convert_forward(fn, make_ids):
+    """The forward runs in dnngraph (the backwards, scatters, are checked against eager too)."""
+    torch.manual_seed(0)
+    table, ids = torch.randn(11, 6), make_ids()
+    leaf, eager_leaf = table.clone().requires_grad_(True), table.clone().requires_grad_(True)
+    compiled = _compiled(fn)
+    got, want = compiled(leaf, ids), fn(eager_leaf, ids)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    forward = torch_backend.REPORTS[0]
+    assert not any(word in target for target, _ in forward.torch_ops
+                   for word in ("embedding", "index", "gather")), forward.torch_ops
+    grad = torch.randn_like(want)
+    got.backward(grad)
+    want.backward(grad)
+    torch.testing.assert_close(leaf.grad, eager_leaf.grad)
+
+
+def test_gather_of_integers_and_bools_converts():
+    def f(x, mask, ids, rows):
+        return torch.gather(x, 1, ids), mask.index_select(0, rows)
+
+    x, mask = torch.arange(24).view(4, 6), torch.rand(4, 6) > 0.5
+    ids, rows = torch.randint(0, 4, (4, 3)), torch.tensor([3, 0, 0, 2, 1])
+    got, want = _compiled(f)(x, mask, ids, rows), f(x, mask, ids, rows)
+    for mine, theirs in zip(got, want):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+    assert torch_backend.REPORTS[-1].torch_ops == ()
+
+
+def test_indexing_with_two_index_tensors_stays_in_torch_with_why():
+    def f(x, rows, cols):
+        return x[rows, cols]
+
+    x, rows, cols = torch.randn(5, 6), torch.tensor([0, 4]), torch.tensor([1, 5])
+    assert torch.equal(_compiled(f)(x, rows, cols), f(x, rows, cols))
+    (why,) = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "index" in target]
+    assert "more than one index tensor" in why

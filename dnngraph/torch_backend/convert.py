@@ -681,6 +681,82 @@ def _constant_pad_refused(node) -> Optional[str]:
     return None
 
 
+def _ids_along(g, ids, rank: int, axis: int):
+    """Ids of any rank as a gather's index: flattened onto `axis` of a rank-`rank` tensor whose
+    other axes are 1 (they broadcast over the table)."""
+    count = 1
+    for size in ids.dim:
+        count *= size
+    dims = [1] * rank
+    dims[axis] = count
+    return _reshape(g, ids, dims) if list(ids.dim) != dims else ids
+
+
+def _gathered(g, x, ids, axis: int, dims):
+    """x's rows along `axis` picked by `ids` (any rank), with the result's dims `dims`."""
+    picked = g.gather(x, _ids_along(g, ids, len(x.dim), axis), axis)
+    return _reshape(g, picked, dims) if list(picked.dim) != list(dims) else picked
+
+
+def _embedding(g, node, value):
+    return _gathered(g, value(node.args[0]), value(node.args[1]), 0, _shape(node))
+
+
+def _index_select(g, node, value):
+    x = value(node.args[0])
+    return _gathered(g, x, value(node.args[2]), node.args[1] % len(x.dim), _shape(node))
+
+
+def _torch_gather(g, node, value):
+    """torch.gather: an index smaller than x off the axis reads x's leading part there."""
+    x, index = value(node.args[0]), value(node.args[2])
+    axis = node.args[1] % len(x.dim)
+    if any(i != axis and picks < size for i, (size, picks) in enumerate(zip(x.dim, index.dim))):
+        x = g.slice(x, [slice(None) if i == axis else slice(0, picks) for i, picks in enumerate(index.dim)])
+    return g.gather(x, index, axis)
+
+
+def _index_position(node):
+    """(axis, ids node) of an index.Tensor with one index tensor (any Nones before it)."""
+    indices = list(node.args[1])
+    (axis,) = [i for i, ids in enumerate(indices) if ids is not None]
+    return axis, indices[axis]
+
+
+def _index(g, node, value):
+    """x[..., ids] with one integer index tensor: negative ids count from the end, as torch's
+    indexing has them (written as pointwise ops on the ids before the gather)."""
+    x = value(node.args[0])
+    axis, ids = _index_position(node)
+    ids = value(ids)
+    wrapped = g.where(g.cmp_lt(ids, 0), g.add(ids, x.dim[axis]), ids)
+    return _gathered(g, x, wrapped.set_data_type(ids.data_type), axis, _shape(node))
+
+
+def _integer_ids(node, ids) -> Optional[str]:
+    if not isinstance(ids, torch.fx.Node) or ids.meta["val"].dtype not in (torch.int32, torch.int64):
+        return "ids that are not an int32 or int64 tensor"
+    return None
+
+
+def _gather_refused(node) -> Optional[str]:
+    if node.target is aten.embedding.default:
+        ids = node.args[1]
+    elif node.target is aten.index.Tensor:
+        indices = list(node.args[1])
+        present = [ids for ids in indices if ids is not None]
+        if len(present) != 1:
+            return "indexing with more than one index tensor"
+        ids = present[0]
+    else:
+        ids = node.args[2]
+    return _integer_ids(node, ids)
+
+
+GATHERS = {aten.embedding.default: _embedding, aten.index_select.default: _index_select,
+           aten.gather.default: _torch_gather, aten.index.Tensor: _index}
+
+
 HARD_ACTIVATIONS = {aten.hardswish.default: _unary, aten.hardsigmoid.default: _unary,
                     aten.hardtanh.default: _hardtanh, aten.hardtanh_backward.default: _hardtanh_backward,
                     aten.hardswish_backward.default: _hard_activation_backward,
@@ -689,12 +765,13 @@ UNARY.update({aten.hardswish.default: "hardswish", aten.hardsigmoid.default: "ha
 CONVERTERS.update(HARD_ACTIVATIONS)
 CONVERTERS.update({**{target: _avg_pool for target in AVG_POOL},
                    **{target: _avg_pool_backward for target in AVG_POOL_BACKWARD},
-                   aten.constant_pad_nd.default: _constant_pad_nd})
+                   aten.constant_pad_nd.default: _constant_pad_nd, **GATHERS})
 REFUSALS: dict[object, Callable] = {
     **{target: _floating_operands for target in HARD_ACTIVATIONS},
     aten.hardtanh.default: _hardtanh_refused, aten.hardtanh_backward.default: _hardtanh_refused,
     **{target: _avg_pool_refused for target in AVG_POOL + AVG_POOL_BACKWARD},
     aten.constant_pad_nd.default: _constant_pad_refused,
+    **{target: _gather_refused for target in GATHERS},
 }
 
 def _tensor_ok(meta) -> Optional[str]:
