@@ -445,6 +445,14 @@ class Graph:
         (axis,) = normalize_axes("gather", integer("gather", "axis", axis), len(x.dim))
         return self._add_op("gather", [x, index], _attrs_of("gather", axis), name)[0]
 
+    def scatter_add(self, src, index, axis, size, name=None) -> Tensor:
+        """y (src's dims, `size` along `axis`) = 0, then src added at the element each id names
+        along `axis` (index broadcast to src): the gather's gradient. Deterministic (each
+        element sums its ids in order); an id outside [0, size) adds nothing."""
+        src = self._check_input("scatter_add", "src", src)
+        (axis,) = normalize_axes("scatter_add", integer("scatter_add", "axis", axis), len(src.dim))
+        return self._add_op("scatter_add", [src, index], _attrs_of("scatter_add", axis, size), name)[0]
+
     def dropout(self, x, p, seed, offset=0, return_mask=False, name=None):
         """y = x * keep / (1 - p); with return_mask=True returns (y, mask). seed and offset are
         ints or int64 graph tensors of one element (one built graph for every step)."""

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dnngraph as dg
+from dnngraph.ops.gather import ScatterAddAttrs
 from helpers import check, run
 
 IO_TYPES = {torch.float32: dg.float32, torch.float16: dg.float16, torch.bfloat16: dg.bfloat16}
@@ -120,4 +121,66 @@ def test_bad_gathers_raise_at_the_op_call_and_change_nothing():
     for call, message in cases:
         with pytest.raises(dg.ValidationError, match=message):
             call()
+    assert len(g.nodes) == 0
+
+
+# --- scatter_add (the gather's gradient) ---------------------------------------------------------
+def scatter_graph(src, ids, axis, size):
+    g = dg.Graph()
+    s, index = g.tensor_like(src, "src"), g.tensor_like(ids, "index")
+    y = g.scatter_add(s, index, axis, size).set_output(True)
+    return g, s, index, y
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_scatter_add_is_torchs_with_repeated_and_out_of_range_ids(axis):
+    """Repeated ids sum (in id order: the same bits on every run), ids outside y add nothing."""
+    torch.manual_seed(4)
+    src = torch.randn(9, 5) if axis == 0 else torch.randn(5, 9)
+    ids = torch.randint(-2, 8, src.shape)
+    g, s, index, y = scatter_graph(src, ids, axis, 6)
+    out = check(g, {s: src, index: ids})[y.name]
+    valid = (ids >= 0) & (ids < 6)
+    want = torch.zeros(6, 5) if axis == 0 else torch.zeros(5, 6)
+    want.scatter_add_(axis, ids.clamp(0, 5), torch.where(valid, src, 0.0))
+    torch.testing.assert_close(out, want)
+    assert torch.equal(run(g, {s: src, index: ids})[y.name], out)
+
+
+def test_scatter_add_of_broadcast_ids_and_strided_src_with_nan():
+    """An embedding's gradient: ids [N, 1] broadcast over the row; a transposed src holding NaN
+    and inf, which reach only the rows their ids name."""
+    src = torch.randn(7, 13).t()  # [13, 7], transposed
+    src[2, 3], src[5, 0] = float("nan"), float("inf")
+    ids = torch.tensor([4, 0, 1, 4, 4, 9, 0, 3, 2, 1, 0, 4, 10]).view(13, 1)
+    g, s, index, y = scatter_graph(src, ids, 0, 11)
+    out = run(g, {s: src, index: ids})[y.name]
+    want = torch.zeros(11, 7).index_add_(0, ids[:, 0], src)
+    torch.testing.assert_close(out, want, equal_nan=True)
+    torch.testing.assert_close(out, g.reference({s: src, index: ids})[y.name].float(), equal_nan=True)
+
+
+def test_gather_differentiates_through_scatter_add_and_back():
+    """as_function's gradient of a gather is the scatter-add (and a scatter-add's a gather)."""
+    torch.manual_seed(5)
+    g = dg.Graph()
+    x, ids = g.tensor(name="x", dim=[6, 4]), g.tensor(name="ids", dim=[9, 1], data_type=dg.int64)
+    y = g.mul(g.gather(x, ids, 0), 3.0).set_output(True)
+    fn = g.as_function([x, ids], [y])
+    x_t, ids_t = torch.randn(6, 4, requires_grad=True), torch.randint(0, 6, (9, 1))
+    dy = torch.randn(9, 4)
+    (got,) = torch.autograd.grad(fn(x_t, ids_t), x_t, dy)
+    leaf = x_t.detach().requires_grad_(True)
+    (want,) = torch.autograd.grad(torch.nn.functional.embedding(ids_t[:, 0], leaf) * 3.0, leaf, dy)
+    torch.testing.assert_close(got, want)
+
+
+def test_bad_scatters_raise_at_the_op_call():
+    g = dg.Graph()
+    src = g.tensor(name="src", dim=[4, 3])
+    ids = g.tensor(name="ids", dim=[5, 3], data_type=dg.int64)
+    with pytest.raises(dg.ValidationError, match="extent"):
+        g.scatter_add(src, ids, 0, 6)
+    with pytest.raises(dg.ValidationError, match="size"):
+        ScatterAddAttrs(0, 0)
     assert len(g.nodes) == 0

@@ -1,10 +1,17 @@
-"""Render a gather group as one Triton kernel: the gather and its pointwise epilogue.
+"""Render a gather group as one Triton kernel: the gather (or its gradient, the scatter-add) and
+its pointwise epilogue.
 
 Each program owns BLOCK consecutive elements of y in row-major order, splits their flat index
 into one coordinate per axis, loads the ids at those coordinates and then the table at the
 coordinates with the id on the gathered axis. An id outside [0, size) masks its load (nothing
 outside the table is ever read) and gives NaN (0 for integer tables). The epilogue's other
 operands load at y's coordinates with their own (broadcast) strides.
+
+The scatter-add is written as a gather too, so it needs no atomics and is deterministic: each
+program owns elements of y and walks every position k along the axis of src in order, adding
+src where the id at k names its own coordinate (an id outside y names none). Its cost is y's
+size times src's extent along the axis: fine for a loss's one id per row, a scan of every id per
+row block for an embedding's table (the torch backend claims only small ones).
 """
 from __future__ import annotations
 
@@ -14,7 +21,8 @@ from .names import NameAllocator
 from .pointwise import KernelArgument, header
 
 INDENT = "    "
-FIXED_NAMES = ("pid", "offsets", "mask", "rest", "ids", "valid", "picked", "total", "AXIS_SIZE", "BLOCK")
+FIXED_NAMES = ("pid", "offsets", "mask", "rest", "ids", "valid", "picked", "total", "AXIS_SIZE", "BLOCK", "acc",
+               "hit", "k", "value", "PICKS")
 
 
 class _GatherWriter:
@@ -31,7 +39,7 @@ class _GatherWriter:
         self.outputs = list(group.outputs)
         x, index = self.anchor.inputs
         self.operands = {}  # uid -> (identifier, strides over y's axes)
-        for tensor, hint in [(x, "table"), (index, "index")] + [(t, "x") for t in group.inputs
+        for tensor, hint in [(x, "table" if self.anchor.op == "gather" else "src"), (index, "index")] + [(t, "x") for t in group.inputs
                                                                  if t.uid not in (x.uid, index.uid)] \
                 + [(t, "y") for t in self.outputs]:
             if tensor.uid not in self.operands:
@@ -78,6 +86,23 @@ class _GatherWriter:
         self.line(f"picked = tl.where(valid, picked, {missing})")
         self.emitter.bind(self.anchor.outputs[0].uid, "picked", kind)
 
+    def scatter(self):
+        src, index = self.anchor.inputs
+        axis = self.anchor.attrs.axis
+        index_id, index_strides = self.operands[index.uid]
+        src_id, src_strides = self.operands[src.uid]
+        index_step = f" + k * {index_id}_stride_{axis}" if index_strides[axis] else ""
+        src_step = f" + k * {src_id}_stride_{axis}" if src_strides[axis] else ""
+        self.line(f"acc = tl.zeros([BLOCK], dtype={self.compute})")
+        self.line("for k in range(0, PICKS):  # in order: the sum is the same on every run")
+        self.line(f"    ids = tl.load({index_id}_ptr + {self.offset(index.uid, skip=axis)}{index_step}, mask=mask, "
+                  f"other=-1).to(tl.int64)")
+        self.line(f"    hit = mask & (ids == idx_{axis})")
+        load = f"tl.load({src_id}_ptr + {self.offset(src.uid, skip=axis)}{src_step}, mask=hit, other=0)"
+        self.line(f"    value = {self.emitter.loaded(load, src.data_type)}")
+        self.line("    acc += tl.where(hit, value, 0.0)")
+        self.emitter.bind(self.anchor.outputs[0].uid, "acc", "f")
+
     def epilogue_and_stores(self):
         made = {self.anchor.outputs[0].uid} | {t.uid for n in self.group.epilogue for t in n.output_tensors()}
         for node in self.group.epilogue:
@@ -105,8 +130,11 @@ class _GatherWriter:
         for uid, (identifier, strides) in self.operands.items():
             args += [KernelArgument("int", f"{identifier}_stride_{axis}", stride)
                      for axis, stride in enumerate(strides) if stride]
-        args += [KernelArgument("int", "AXIS_SIZE", x.dim[self.anchor.attrs.axis]),
-                 KernelArgument("constexpr", "BLOCK", self.schedule.block)]
+        if self.anchor.op == "gather":
+            args.append(KernelArgument("int", "AXIS_SIZE", x.dim[self.anchor.attrs.axis]))
+        else:
+            args.append(KernelArgument("int", "PICKS", x.dim[self.anchor.attrs.axis]))
+        args.append(KernelArgument("constexpr", "BLOCK", self.schedule.block))
         return args
 
 
@@ -114,7 +142,10 @@ def render(kernel_name: str, schedule, group, compute_type, description: str):
     """(source, arguments) of the kernel running a gather group under `schedule`."""
     writer = _GatherWriter(kernel_name, schedule, group, compute_type)
     writer.coordinates()
-    writer.gather()
+    if group.anchor.op == "gather":
+        writer.gather()
+    else:
+        writer.scatter()
     writer.epilogue_and_stores()
     args = writer.arguments()
     params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]

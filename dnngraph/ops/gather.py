@@ -1,4 +1,5 @@
-"""Gather family: values of a table picked along one axis by an integer index tensor.
+"""Gather family: values of a table picked along one axis by an integer index tensor, and the
+scatter-add that is its gradient.
 
 `gather(x, index, axis)`: x and index have one rank; y[..., i, ...] = x[..., index[..., i, ...], ...]
 with i on `axis`. On the other axes x and index broadcast (numpy style: equal, or one of them
@@ -20,7 +21,8 @@ import torch
 
 from .. import dtypes
 from ..tensor import MAX_RANK
-from .base import OpDef, OutputSpec, fail, freeze, integer, register
+from ..tensor import MAX_EXTENT
+from .base import OpDef, OutputSpec, backward_rule, fail, freeze, integer, register
 
 INDEX_TYPES = (dtypes.int32, dtypes.int64)
 
@@ -78,3 +80,71 @@ def reference(values, attrs: GatherAttrs):
 
 
 register(OpDef("gather", "gather", "anchor", GatherAttrs, ("x", "index"), ("y",), infer, reference))
+
+
+# --- scatter_add: the gather's gradient --------------------------------------------------------
+@dataclass(frozen=True)
+class ScatterAddAttrs:
+    axis: int
+    size: int  # y's extent along `axis` (the gathered table's)
+
+    def __post_init__(self):
+        freeze(self, axis=integer("scatter_add", "axis", self.axis, minimum=0, maximum=MAX_RANK - 1),
+               size=integer("scatter_add", "size", self.size, minimum=1, maximum=MAX_EXTENT))
+
+
+def infer_scatter(inputs, attrs: ScatterAddAttrs):
+    src, index = inputs
+    if index.data_type not in INDEX_TYPES:
+        fail("scatter_add", f"index must be int32 or int64, got {index.data_type.name}")
+    if attrs.axis >= len(src.dim):
+        fail("scatter_add", f"axis {attrs.axis} out of range for rank {len(src.dim)}")
+    if len(index.dim) != len(src.dim) or index.dim[attrs.axis] != src.dim[attrs.axis]:
+        fail("scatter_add", f"index {list(index.dim)} must have src {list(src.dim)}'s rank and its extent "
+                            f"along axis {attrs.axis}")
+    dims = list(gathered_dims("scatter_add", src.dim, index.dim, attrs.axis))
+    if tuple(dims) != tuple(src.dim):
+        fail("scatter_add", f"index {list(index.dim)} must broadcast to src {list(src.dim)}")
+    dims[attrs.axis] = attrs.size
+    if not src.data_type.is_floating:
+        fail("scatter_add", f"src must be floating, got {src.data_type.name}")
+    return [OutputSpec(tuple(dims), layout_source=0 if tuple(dims) == tuple(src.dim) else None)]
+
+
+def reference_scatter(values, attrs: ScatterAddAttrs):
+    src, index = values
+    axis = attrs.axis
+    ids = index.long().expand(src.shape)
+    valid = (ids >= 0) & (ids < attrs.size)  # an id outside y adds nothing
+    dims = list(src.shape)
+    dims[axis] = attrs.size
+    y = torch.zeros(dims, dtype=src.dtype, device=src.device)
+    return [y.scatter_add_(axis, ids.clamp(0, attrs.size - 1), torch.where(valid, src, torch.zeros((), dtype=src.dtype)))]
+
+
+register(OpDef("scatter_add", "gather", "anchor", ScatterAddAttrs, ("src", "index"), ("y",),
+               infer_scatter, reference_scatter))
+
+
+@backward_rule("gather")
+def _gather_backward(d, node, grads):
+    """dx: dy added at the element each id names; summed over the axes where x broadcast (the
+    derivation does that); the ids take no gradient."""
+    x, index = node.inputs
+    if grads[0] is None or not d.needs(x):
+        return [None, None]
+    attrs = ScatterAddAttrs(node.attrs.axis, x.dim[node.attrs.axis])
+    return [d.graph._add_op("scatter_add", [grads[0], d.value(index)], attrs)[0], None]
+
+
+@backward_rule("scatter_add")
+def _scatter_add_backward(d, node, grads):
+    """dsrc: the gradient of y read back where each id sent its value (0 for ids outside y)."""
+    src, index = node.inputs
+    if grads[0] is None or not d.needs(src):
+        return [None, None]
+    picked = d.graph.gather(grads[0], d.value(index), node.attrs.axis)
+    # an id outside y added nothing: its gradient is 0, not the gather's NaN
+    ids = d.value(index)
+    inside = d.graph.logical_and(d.graph.cmp_ge(ids, 0), d.graph.cmp_lt(ids, node.attrs.size))
+    return [d.graph.where(inside, picked, 0.0), None]
