@@ -193,21 +193,21 @@ def test_cat_of_mixed_types_and_integers_converts():
     (lambda x, ids: x[:, ids].tanh(), lambda: torch.randint(-6, 6, (4,))),
 ], ids=["embedding", "embedding_padding_idx", "index_select", "gather", "gather_smaller_index", "index",
         "index_second_axis"])
-def test_gathers_convert_forward(fn, make_ids):
-    """The forward runs in dnngraph (the backwards, scatters, are checked against eager too)."""
+def test_gathers_and_their_scatter_add_backwards_convert(fn, make_ids):
+    """The forward's gather and the backward's scatter-add (embedding_dense_backward, index_add,
+    scatter_add, index_put with accumulate, into new_zeros) run in dnngraph, as eager computes."""
     torch.manual_seed(0)
     table, ids = torch.randn(11, 6), make_ids()
     leaf, eager_leaf = table.clone().requires_grad_(True), table.clone().requires_grad_(True)
     compiled = _compiled(fn)
     got, want = compiled(leaf, ids), fn(eager_leaf, ids)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-    forward = torch_backend.REPORTS[0]
-    assert not any(word in target for target, _ in forward.torch_ops
-                   for word in ("embedding", "index", "gather")), forward.torch_ops
     grad = torch.randn_like(want)
     got.backward(grad)
     want.backward(grad)
     torch.testing.assert_close(leaf.grad, eager_leaf.grad)
+    words = ("embedding", "index", "gather", "scatter", "new_zeros")
+    assert _left_to_torch(words) == [], _left_to_torch(words)
 
 
 def test_gather_of_integers_and_bools_converts():
@@ -230,3 +230,36 @@ def test_indexing_with_two_index_tensors_stays_in_torch_with_why():
     assert torch.equal(_compiled(f)(x, rows, cols), f(x, rows, cols))
     (why,) = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "index" in target]
     assert "more than one index tensor" in why
+
+
+@pytest.mark.parametrize("rows, scale_by_freq, why", [(2**20, False, "scatter kernel scans every id"),
+                                                      (11, True, "scale_grad_by_freq")])
+def test_embedding_backwards_the_scatter_kernel_does_not_take_stay_in_torch(rows, scale_by_freq, why):
+    """A large table's gradient (the scan over every id per row block would be far slower than
+    torch's sorting kernel) and scale_grad_by_freq stay in torch, saying why; the forward converts."""
+    torch.manual_seed(0)
+    table, ids = torch.randn(rows, 4), torch.randint(0, 11, (32,))
+    fn = lambda w, i: F.embedding(i, w, scale_grad_by_freq=scale_by_freq)  # noqa: E731
+    leaf, eager_leaf = table.clone().requires_grad_(True), table.clone().requires_grad_(True)
+    got, want = _compiled(fn)(leaf, ids), fn(eager_leaf, ids)
+    grad = torch.randn_like(want)
+    got.backward(grad)
+    want.backward(grad)
+    assert torch.equal(got, want) and torch.equal(leaf.grad, eager_leaf.grad)
+    forward, backward = torch_backend.REPORTS
+    assert not any("embedding" in target for target, _ in forward.torch_ops)
+    (reason,) = [reason for target, reason in backward.torch_ops if "embedding" in target]
+    assert why in reason
+
+
+def test_scatter_add_and_index_add_into_a_base_convert():
+    def f(base, src, ids, rows):
+        return base.scatter_add(1, ids, src), base.index_add(0, rows, src[:2] * 1.0, alpha=2.0)
+
+    torch.manual_seed(0)
+    base, src = torch.randn(3, 5), torch.randn(3, 5)
+    ids, rows = torch.randint(0, 5, (3, 4)), torch.tensor([2, 2])
+    got, want = _compiled(f)(base, src, ids, rows), f(base, src, ids, rows)
+    for mine, theirs in zip(got, want):
+        torch.testing.assert_close(mine, theirs)
+    assert _left_to_torch(["scatter", "index_add"]) == []

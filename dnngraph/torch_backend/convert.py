@@ -648,8 +648,12 @@ def _constant_pad_nd(g, node, value):
     a negative pad crops (a slice), a positive one joins blocks of the constant on either side
     (a concatenate, into whose parts the producers write: no copy of x where its producer can
     write it in place)."""
-    x, pads = value(node.args[0]), list(node.args[1])
     fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    return _padded(g, value, value(node.args[0]), list(node.args[1]), fill)
+
+
+def _padded(g, value, x, pads: list, fill):
+    """x padded (cropped where negative) by torch's pad list (last axis first) with `fill`."""
     for position in range(0, len(pads), 2):
         axis = len(x.dim) - 1 - position // 2
         before, after = pads[position], pads[position + 1]
@@ -753,6 +757,106 @@ def _gather_refused(node) -> Optional[str]:
     return _integer_ids(node, ids)
 
 
+# The scatter-add kernel scans every id for each block of the table's rows: its work is the
+# table's rows times the ids. Past this many (a large vocabulary's embedding gradient), torch's
+# sort-based kernel is far faster, and the op stays there.
+SCATTER_SCAN_LIMIT = 2**24
+
+
+def _scatter_into(g, base, src, ids, axis: int):
+    """base + src added at `ids` along `axis` (ids broadcast to src), in base's type."""
+    added = g.scatter_add(src, ids, axis, base.dim[axis])
+    return g.add(base, added) if base is not None else added
+
+
+def _embedding_backward(g, node, value):
+    """The table's gradient: each row of dy added at its id; ids equal to padding_idx are moved
+    out of range first (they add nothing, as torch skips them)."""
+    grad, ids, rows, padding_idx = value(node.args[0]), value(node.args[1]), node.args[2], node.args[3]
+    flat = _ids_along(g, ids, 2, 0)
+    if padding_idx >= 0:
+        flat = g.where(g.cmp_eq(flat, padding_idx), -1, flat).set_data_type(flat.data_type)
+    width = grad.dim[-1]
+    src = _reshape(g, grad, [flat.dim[0], width])
+    return g.scatter_add(src, flat, 0, rows)
+
+
+def _new_zeros(g, node, value):
+    return g.cast(g.where(value.true(_shape(node)), 0, 0), data_type=dtypes.from_torch(_result(node).dtype))
+
+
+def _scatter_add(g, node, value):
+    """aten.scatter_add(base, dim, index, src): src's part the index covers, added into base."""
+    base, index, src = value(node.args[0]), value(node.args[2]), value(node.args[3])
+    axis = node.args[1] % len(base.dim)
+    if list(src.dim) != list(index.dim):
+        src = g.slice(src, [slice(0, size) for size in index.dim])
+    added = g.scatter_add(src, index, axis, base.dim[axis])
+    if list(added.dim) != list(base.dim):  # an index smaller than base off the axis: zeros beyond it
+        pads = [p for a in reversed(range(len(base.dim))) for p in (0, base.dim[a] - added.dim[a])]
+        added = _padded(g, value, added, pads, 0)
+    return g.add(base, added)
+
+
+def _index_add(g, node, value):
+    base, index, src = value(node.args[0]), value(node.args[2]), value(node.args[3])
+    axis = node.args[1] % len(base.dim)
+    alpha = node.kwargs.get("alpha", node.args[4] if len(node.args) > 4 else 1)
+    if alpha != 1:
+        src = g.mul(src, alpha)
+    return _scatter_into(g, base, src, _ids_along(g, index, len(base.dim), axis), axis)
+
+
+def _index_put(g, node, value):
+    """index_put(base, [..., ids], values, accumulate=True): values added at their ids along
+    the indexed axis; negative ids count from the end, as in indexing."""
+    base = value(node.args[0])
+    axis, ids = _index_position(node)
+    ids = value(ids)
+    wrapped = g.where(g.cmp_lt(ids, 0), g.add(ids, base.dim[axis]), ids).set_data_type(ids.data_type)
+    flat = _ids_along(g, wrapped, len(base.dim), axis)
+    dims = list(base.dim)
+    dims[axis] = flat.dim[axis]
+    return _scatter_into(g, base, _reshape(g, value(node.args[2]), dims), flat, axis)
+
+
+def _scatter_refused(node) -> Optional[str]:
+    """What the scatter converters cannot run exactly (or fast enough)."""
+    result = _result(node)
+    if not result.is_floating_point():
+        return "a scatter-add of integers"
+    target = node.target
+    if target is aten.embedding_dense_backward.default:
+        if node.args[4]:
+            return "embedding backward with scale_grad_by_freq"
+        ids = node.args[1].meta["val"]
+        scans = ids.numel() * int(node.args[2])
+        why = _integer_ids(node, node.args[1])
+        if why is None and scans > SCATTER_SCAN_LIMIT:
+            why = f"embedding backward over {node.args[2]} rows x {ids.numel()} ids (the scatter kernel scans every id)"
+        return why
+    if target is aten.index_put.default:
+        if not (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)):
+            return "index_put without accumulate (which of repeated ids wins is unspecified)"
+        present = [ids for ids in node.args[1] if ids is not None]
+        if len(present) != 1:
+            return "index_put with more than one index tensor"
+        why = _integer_ids(node, present[0])
+        if why is not None:
+            return why
+        axis, ids = _index_position(node)
+        base, values = node.args[0].meta["val"], node.args[2].meta["val"]
+        expected = list(base.shape[:axis]) + list(ids.meta["val"].shape) + list(base.shape[axis + 1:])
+        if list(values.shape) != expected:
+            return "index_put with values broadcast to the indexed shape"
+        return None
+    return _integer_ids(node, node.args[2])
+
+
+SCATTERS = {aten.embedding_dense_backward.default: _embedding_backward, aten.scatter_add.default: _scatter_add,
+            aten.index_add.default: _index_add, aten.index_put.default: _index_put}
+
+
 GATHERS = {aten.embedding.default: _embedding, aten.index_select.default: _index_select,
            aten.gather.default: _torch_gather, aten.index.Tensor: _index}
 
@@ -765,13 +869,15 @@ UNARY.update({aten.hardswish.default: "hardswish", aten.hardsigmoid.default: "ha
 CONVERTERS.update(HARD_ACTIVATIONS)
 CONVERTERS.update({**{target: _avg_pool for target in AVG_POOL},
                    **{target: _avg_pool_backward for target in AVG_POOL_BACKWARD},
-                   aten.constant_pad_nd.default: _constant_pad_nd, **GATHERS})
+                   aten.constant_pad_nd.default: _constant_pad_nd, **GATHERS, **SCATTERS,
+                   aten.new_zeros.default: _new_zeros})
 REFUSALS: dict[object, Callable] = {
     **{target: _floating_operands for target in HARD_ACTIVATIONS},
     aten.hardtanh.default: _hardtanh_refused, aten.hardtanh_backward.default: _hardtanh_refused,
     **{target: _avg_pool_refused for target in AVG_POOL + AVG_POOL_BACKWARD},
     aten.constant_pad_nd.default: _constant_pad_refused,
     **{target: _gather_refused for target in GATHERS},
+    **{target: _scatter_refused for target in SCATTERS},
 }
 
 def _tensor_ok(meta) -> Optional[str]:
