@@ -861,6 +861,59 @@ GATHERS = {aten.embedding.default: _embedding, aten.index_select.default: _index
            aten.gather.default: _torch_gather, aten.index.Tensor: _index}
 
 
+def _nll_terms(g, node, value):
+    """(targets as [N, 1], ignored [N, 1], the weight of each row's class [N, 1] or None) of an
+    nll_loss or its backward (whose arguments start with the gradient)."""
+    first = 2 if node.target is aten.nll_loss_backward.default else 1
+    targets, weight, _, ignore_index = node.args[first:first + 4]
+    ids = _ids_along(g, value(targets), 2, 0)
+    ignored = g.cmp_eq(ids, ignore_index)
+    class_weight = None
+    if weight is not None:
+        class_weight = g.gather(_ids_along(g, value(weight), 2, 0), ids, 0)
+    return ids, ignored, class_weight
+
+
+def _nll_loss(g, node, value):
+    """Unreduced nll_loss: -weight[t] * x[n, t] per row (0 where t is ignore_index); its
+    total_weight is Aux (the unreduced backward reads none)."""
+    x = value(node.args[0])
+    ids, ignored, class_weight = _nll_terms(g, node, value)
+    picked = g.gather(x, ids, 1)
+    if class_weight is not None:
+        picked = g.mul(picked, class_weight)
+    loss = g.where(ignored, 0.0, g.neg(picked))
+    return _reshape(g, loss, [x.dim[0]]), Aux(_result(node)[1])
+
+
+def _nll_loss_backward(g, node, value):
+    """dx[n, t] = -weight[t] * dy[n] (0 where t is ignore_index), every other class 0: one
+    value per row scattered into its class."""
+    dy, x = value(node.args[0]), value(node.args[1])
+    ids, ignored, class_weight = _nll_terms(g, node, value)
+    per_row = g.neg(_reshape(g, dy, [x.dim[0], 1]))
+    if class_weight is not None:
+        per_row = g.mul(per_row, class_weight)
+    per_row = g.where(ignored, 0.0, per_row)
+    return g.scatter_add(per_row, ids, 1, x.dim[1])
+
+
+def _nll_loss_refused(node) -> Optional[str]:
+    backward = node.target is aten.nll_loss_backward.default
+    x, targets = (node.args[1], node.args[2]) if backward else (node.args[0], node.args[1])
+    reduction = node.args[4 if backward else 3]
+    if reduction != 0:
+        return "nll_loss with a reduction (its 0-d loss: the backend has no 0-d tensors)"
+    if x.meta["val"].dim() != 2:
+        return "nll_loss of other than [N, C] scores"
+    return _integer_ids(node, targets)
+
+
+NLL_LOSS = {aten.nll_loss_forward.default: _nll_loss, aten.nll_loss_backward.default: _nll_loss_backward}
+AUX_RESULTS[aten.nll_loss_forward.default] = range(1, 2)  # total_weight: read by no unreduced backward
+AUX_OPERANDS[aten.nll_loss_backward.default] = range(6, 7)
+
+
 HARD_ACTIVATIONS = {aten.hardswish.default: _unary, aten.hardsigmoid.default: _unary,
                     aten.hardtanh.default: _hardtanh, aten.hardtanh_backward.default: _hardtanh_backward,
                     aten.hardswish_backward.default: _hard_activation_backward,
@@ -870,7 +923,7 @@ CONVERTERS.update(HARD_ACTIVATIONS)
 CONVERTERS.update({**{target: _avg_pool for target in AVG_POOL},
                    **{target: _avg_pool_backward for target in AVG_POOL_BACKWARD},
                    aten.constant_pad_nd.default: _constant_pad_nd, **GATHERS, **SCATTERS,
-                   aten.new_zeros.default: _new_zeros})
+                   aten.new_zeros.default: _new_zeros, **NLL_LOSS})
 REFUSALS: dict[object, Callable] = {
     **{target: _floating_operands for target in HARD_ACTIVATIONS},
     aten.hardtanh.default: _hardtanh_refused, aten.hardtanh_backward.default: _hardtanh_refused,
@@ -878,6 +931,7 @@ REFUSALS: dict[object, Callable] = {
     aten.constant_pad_nd.default: _constant_pad_refused,
     **{target: _gather_refused for target in GATHERS},
     **{target: _scatter_refused for target in SCATTERS},
+    **{target: _nll_loss_refused for target in NLL_LOSS},
 }
 
 def _tensor_ok(meta) -> Optional[str]:
