@@ -266,34 +266,39 @@ def test_scatter_add_and_index_add_into_a_base_convert():
 
 
 # --- nll_loss --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("use_weight", [False, True])
 @pytest.mark.parametrize("ignore_index", [-100, 2])
-def test_unreduced_nll_loss_and_its_backward_convert(ignore_index, use_weight):
-    """Per-row losses with class weights and an ignored class (the default -100, and a class
-    that occurs): forward and backward in dnngraph, gradients as eager's."""
+def test_nll_loss_and_its_backward_convert(ignore_index, use_weight, reduction):
+    """Losses with class weights and an ignored class (the default -100, and a class that
+    occurs), unreduced, summed and averaged over the weights (a 0-d loss): forward and backward
+    in dnngraph, values and gradients as eager's."""
     torch.manual_seed(0)
     targets = torch.tensor([1, 2, -100, 0, 4, 4, 2] if ignore_index == -100 else [1, 2, 2, 0, 4, 4, 3])
     weight = torch.rand(5) + 0.5 if use_weight else None
 
     def loss(scores):
-        return F.nll_loss(scores.log_softmax(-1), targets, weight=weight, ignore_index=ignore_index, reduction="none")
+        return F.nll_loss(scores.log_softmax(-1), targets, weight=weight, ignore_index=ignore_index,
+                          reduction=reduction)
 
-    _step_matches(loss, [torch.randn(7, 5)], ["nll_loss"])
+    got = _step_matches(loss, [torch.randn(7, 5)], ["nll_loss"])
+    assert got.dim() == (1 if reduction == "none" else 0)
 
 
-def test_unreduced_cross_entropy_runs_in_one_graph_each_way():
+def test_cross_entropy_training_step_runs_in_dnngraph_each_way():
+    """A classifier head and its mean cross entropy: every op of the step in dnngraph."""
     torch.manual_seed(1)
-    targets = torch.randint(0, 9, (6,))
-    fn = lambda x: F.cross_entropy(x * 2.0, targets, reduction="none")  # noqa: E731
-    _step_matches(fn, [torch.randn(6, 9)], ["nll_loss", "log_softmax"])
-    assert all(report.torch_ops == () for report in torch_backend.REPORTS)
+    head, targets = torch.nn.Linear(8, 9), torch.randint(0, 9, (6,))
+    fn = lambda x: F.cross_entropy(head(x), targets)  # noqa: E731
+    _step_matches(fn, [torch.randn(6, 8)], ["nll_loss", "log_softmax"])
+    assert all(report.torch_ops == () for report in torch_backend.REPORTS), \
+        [report.torch_ops for report in torch_backend.REPORTS]
 
 
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_reduced_nll_loss_stays_in_torch_with_why(reduction):
-    targets = torch.tensor([1, 0, 3])
-    fn = lambda x: F.nll_loss(x.log_softmax(-1), targets, reduction=reduction)  # noqa: E731
-    x = torch.randn(3, 4)
-    torch.testing.assert_close(_compiled(fn)(x), fn(x))
-    (why,) = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "nll_loss" in target]
-    assert "0-d" in why
+def test_nll_loss_with_every_row_ignored_is_nan_as_torchs():
+    targets = torch.tensor([-100, -100])
+    fn = lambda x: F.nll_loss(x, targets)  # noqa: E731
+    x = torch.randn(2, 3)
+    got, want = _compiled(fn)(x), fn(x)
+    assert torch.isnan(got) and torch.isnan(want) and got.dim() == 0
+    assert _left_to_torch(["nll_loss"]) == []

@@ -50,7 +50,13 @@ def _result(node):
 
 
 def _shape(node) -> list:
-    return [int(d) for d in _result(node).shape]
+    """The result's dims; a 0-d result is [1] (dnngraph tensors have at least one axis)."""
+    return scalar_dims(_result(node))
+
+
+def scalar_dims(meta) -> list:
+    """A tensor's dims as dnngraph holds them: a 0-d tensor as [1]."""
+    return [int(d) for d in meta.shape] or [1]
 
 
 def _typed(graph_tensor, node):
@@ -65,7 +71,7 @@ def _reshaped_result(g, tensor, meta):
     wanted = dtypes.from_torch(meta.dtype)
     if tensor.data_type != wanted:
         tensor = g.cast(tensor, data_type=wanted)
-    return g.reshape(tensor, [int(d) for d in meta.shape])
+    return g.reshape(tensor, scalar_dims(meta))
 
 
 def _unary(g, node, value):
@@ -874,44 +880,61 @@ def _nll_terms(g, node, value):
     return ids, ignored, class_weight
 
 
+NLL_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # aten's reduction codes
+
+
+def _sum_all(g, tensor):
+    """The sum of every element, as [1] (a 0-d value)."""
+    return _reshape(g, g.reduction(tensor, "sum", list(range(len(tensor.dim)))), [1])
+
+
 def _nll_loss(g, node, value):
-    """Unreduced nll_loss: -weight[t] * x[n, t] per row (0 where t is ignore_index); its
-    total_weight is Aux (the unreduced backward reads none)."""
+    """nll_loss: -weight[t] * x[n, t] per row (0 where t is ignore_index); summed, or divided
+    by total_weight (the weights of the rows not ignored: 0 / 0 is NaN when all are, as in
+    torch) for the mean. An unreduced loss's total_weight is Aux: its backward reads none."""
     x = value(node.args[0])
     ids, ignored, class_weight = _nll_terms(g, node, value)
     picked = g.gather(x, ids, 1)
     if class_weight is not None:
         picked = g.mul(picked, class_weight)
-    loss = g.where(ignored, 0.0, g.neg(picked))
-    return _reshape(g, loss, [x.dim[0]]), Aux(_result(node)[1])
+    per_row = g.where(ignored, 0.0, g.neg(picked))
+    reduction = NLL_REDUCTIONS[node.args[3]]
+    if reduction == "none":
+        return _reshape(g, per_row, [x.dim[0]]), Aux(_result(node)[1])
+    total_weight = _sum_all(g, g.where(ignored, 0.0, 1.0 if class_weight is None else class_weight))
+    loss = _sum_all(g, per_row)
+    return (g.div(loss, total_weight) if reduction == "mean" else loss), total_weight
 
 
 def _nll_loss_backward(g, node, value):
-    """dx[n, t] = -weight[t] * dy[n] (0 where t is ignore_index), every other class 0: one
-    value per row scattered into its class."""
+    """dx[n, t] = -weight[t] * dy[n] (dy / total_weight for the mean; 0 where t is
+    ignore_index), every other class 0: one value per row scattered into its class."""
     dy, x = value(node.args[0]), value(node.args[1])
     ids, ignored, class_weight = _nll_terms(g, node, value)
-    per_row = g.neg(_reshape(g, dy, [x.dim[0], 1]))
+    reduction = NLL_REDUCTIONS[node.args[4]]
+    if reduction == "mean":
+        dy = g.div(dy, value(node.args[6]))
+    per_row = g.neg(_reshape(g, dy, [x.dim[0], 1]) if reduction == "none" else dy)
     if class_weight is not None:
         per_row = g.mul(per_row, class_weight)
     per_row = g.where(ignored, 0.0, per_row)
+    if list(per_row.dim) != [x.dim[0], 1]:  # a reduced loss's one gradient for every row
+        per_row = g.where(value.true([x.dim[0], 1]), per_row, per_row)
     return g.scatter_add(per_row, ids, 1, x.dim[1])
 
 
 def _nll_loss_refused(node) -> Optional[str]:
     backward = node.target is aten.nll_loss_backward.default
     x, targets = (node.args[1], node.args[2]) if backward else (node.args[0], node.args[1])
-    reduction = node.args[4 if backward else 3]
-    if reduction != 0:
-        return "nll_loss with a reduction (its 0-d loss: the backend has no 0-d tensors)"
     if x.meta["val"].dim() != 2:
         return "nll_loss of other than [N, C] scores"
+    reduction = node.args[4 if backward else 3]
+    if reduction not in NLL_REDUCTIONS:
+        return f"nll_loss reduction {reduction}"
     return _integer_ids(node, targets)
 
 
 NLL_LOSS = {aten.nll_loss_forward.default: _nll_loss, aten.nll_loss_backward.default: _nll_loss_backward}
-AUX_RESULTS[aten.nll_loss_forward.default] = range(1, 2)  # total_weight: read by no unreduced backward
-AUX_OPERANDS[aten.nll_loss_backward.default] = range(6, 7)
 
 
 HARD_ACTIVATIONS = {aten.hardswish.default: _unary, aten.hardsigmoid.default: _unary,
@@ -937,8 +960,6 @@ REFUSALS: dict[object, Callable] = {
 def _tensor_ok(meta) -> Optional[str]:
     if not isinstance(meta, torch.Tensor):
         return "not a tensor"
-    if meta.dim() == 0:
-        return "a 0-d tensor"
     if meta.dtype not in TENSOR_TYPES:
         return f"type {meta.dtype}"
     if any(not isinstance(d, int) for d in meta.shape):
@@ -965,6 +986,15 @@ def _moves(node) -> bool:
             if wanted is not None and not _same_device(torch.device(wanted), node.args[0].meta["val"].device):
                 return True
         elif key != "dtype" and wanted not in _STAYS.get(key, ()):
+            return True
+    return False
+
+
+def read_as_value(placeholder) -> bool:
+    """Does a converted op read this argument's value (not only pass it as an Aux operand)?"""
+    for user in placeholder.users:
+        ignored = {user.args[i] for i in AUX_OPERANDS.get(user.target, ()) if i < len(user.args)}
+        if placeholder not in ignored:
             return True
     return False
 
