@@ -184,3 +184,22 @@ def test_bad_scatters_raise_at_the_op_call():
     with pytest.raises(dg.ValidationError, match="size"):
         ScatterAddAttrs(0, 0)
     assert len(g.nodes) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_embedding_gather_and_its_scatter_add():
+    """A bf16 embedding lookup with a fused scale on the GPU, out-of-range ids included, and
+    its gradient; the scatter's sum is the same on every run."""
+    torch.manual_seed(6)
+    table = torch.randn(1000, 96, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(-3, 1003, (257, 1), device="cuda")
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x, index = g.tensor_like(table, "x"), g.tensor_like(ids, "index")
+    y = g.mul(g.gather(x, index, 0), 2.0).set_output(True)
+    check(g, {x: table, index: ids}, torch.bfloat16, device="cuda")
+    dy_t = torch.randn(257, 96, device="cuda")
+    g = dg.Graph()
+    dy, index = g.tensor_like(dy_t, "dy"), g.tensor_like(ids, "index")
+    dx = g.scatter_add(dy, index, 0, 1000).set_output(True)
+    first = check(g, {dy: dy_t, index: ids}, device="cuda")[dx.name]
+    assert torch.equal(first, run(g, {dy: dy_t, index: ids}, device="cuda")[dx.name])

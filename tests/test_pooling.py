@@ -646,3 +646,15 @@ def test_bad_ceil_mode_or_divisor_raise_at_the_op_call_and_change_nothing(keywor
     with pytest.raises(dg.ValidationError, match=message):
         g.pooling(x, mode, [3, 2], [2, 2], [1, 0], **keywords)
     assert len(g.nodes) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,divisor", [("max", None), ("avg_include_pad", None), ("avg_exclude_pad", None),
+                                          ("avg_include_pad", 7)])
+def test_gpu_bf16_ceil_mode_forward_and_backward(mode, divisor):
+    shape, window, stride, padding = (4, 32, 28, 27), [3, 3], [2, 2], [1, 1]
+    x_t = sample(shape, torch.bfloat16, "nhwc", "cuda")
+    pooled = torch_pool(x_t.float(), mode, window, stride, padding, divisor)
+    dy_t = sample(tuple(pooled.shape), torch.bfloat16, "nhwc", "cuda")
+    g, x, dy, y, dx = ceil_graphs(x_t, dy_t, mode, window, stride, padding, divisor)
+    check(g, {x: x_t, dy: dy_t}, torch.bfloat16, device="cuda")
