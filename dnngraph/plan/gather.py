@@ -44,6 +44,14 @@ def build_gather(graph, group, index, tuner=None, device=None, budget=None):
     source, arguments = render_gather(name, sched, group, graph.compute_data_type, group.describe())
     kernel, path = load_kernel(source, name)
     programs = -(-sched.total // sched.block)
-    config_text = f"BLOCK={sched.block} num_warps={NUM_WARPS} grid={programs}" + (" int64-index" if sched.index_64 else "")
-    reason = f"one program per {sched.block} elements of y ({sched.total}); ids checked against the table"
-    return KernelLaunch(group, kernel, path, arguments, programs, NUM_WARPS, config_text, reason)
+    # a small y: fewer warps than lanes left idle
+    num_warps = NUM_WARPS if sched.block >= 32 * 8 * NUM_WARPS else max(1, sched.block // 256)
+    config_text = f"BLOCK={sched.block} num_warps={num_warps} grid={programs}" + (" int64-index" if sched.index_64 else "")
+    anchor = group.anchor
+    if anchor.op == "gather":
+        reason = f"one program per {sched.block} elements of y ({sched.total}); ids checked against the table"
+    else:
+        picks = anchor.inputs[0].dim[anchor.attrs.axis]
+        reason = (f"one program per {sched.block} elements of y ({sched.total}), each summing over its "
+                  f"{picks} ids in order (deterministic, no atomics)")
+    return KernelLaunch(group, kernel, path, arguments, programs, num_warps, config_text, reason)

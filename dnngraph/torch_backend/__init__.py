@@ -7,7 +7,9 @@ new shape is a new compile, torch's guards decide), and runs through `Graph.as_f
 other ops run in torch. A returned value that is a view (transpose, view, ...) of an argument or
 of a value the graph makes is made in torch as that view, as eager torch does, not copied into
 an output of its own (AOTAutograd saves transposed weights and reshaped activations for the
-backward). DNNGRAPH_LOG=info shows the partition and why an op stayed in torch.
+backward). A 0-d tensor (a loss, a step counter) is held as [1]: bound as a view of the
+argument, returned as a 0-d view of the output. DNNGRAPH_LOG=info shows the partition and why an
+op stayed in torch.
 """
 from __future__ import annotations
 
