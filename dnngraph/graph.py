@@ -408,7 +408,8 @@ class Graph:
                             _attrs_of("groupnorm_backward", groups=groups), name)
 
     # --- ops: pooling, dropout, attention ------------------------------------------------------
-    def _pool_attrs(self, op, x, mode, window, stride, padding, return_indices=False):
+    def _pool_attrs(self, op, x, mode, window, stride, padding, return_indices=False, ceil_mode=False,
+                    divisor=None):
         """Window, stride and padding: one int for every spatial axis of x, or a list; the
         stride defaults to 1 and the padding to 0."""
         spatial = _spatial_rank(op, "x", self._check_input(op, "x", x))
@@ -416,22 +417,41 @@ class Graph:
             raise ValidationError(f"{op}: window is required (an int or one value per spatial axis)")
         return _attrs_of(op, mode, per_axis(op, "window", window, spatial, 1, minimum=1),
                          per_axis(op, "stride", stride, spatial, 1, minimum=1),
-                         per_axis(op, "padding", padding, spatial, 0, minimum=0), return_indices)
+                         per_axis(op, "padding", padding, spatial, 0, minimum=0), return_indices,
+                         ceil_mode, divisor)
 
-    def pooling(self, x, mode, window, stride=None, padding=None, return_indices=False, name=None):
+    def pooling(self, x, mode, window, stride=None, padding=None, return_indices=False, name=None, *,
+                ceil_mode=False, divisor=None):
         """Max or average pooling over the spatial axes of [N, C, *S]; with return_indices=True
-        (max only) returns (y, indices): torch's int64 argmax index within each input plane."""
-        attrs = self._pool_attrs("pooling", x, mode, window, stride, padding, return_indices)
+        (max only) returns (y, indices): torch's int64 argmax index within each input plane.
+        ceil_mode and divisor (averages: torch's divisor_override) are torch's."""
+        attrs = self._pool_attrs("pooling", x, mode, window, stride, padding, return_indices, ceil_mode, divisor)
         y, indices = self._add_op("pooling", [x], attrs, name)
         return (y, indices) if return_indices else y
 
     def pooling_backward(self, dy, x, mode, window, stride=None, padding=None, name=None, *,
-                         indices=None) -> Tensor:
+                         indices=None, ceil_mode=False, divisor=None) -> Tensor:
         """dx of pooling from dy and the forward input x. For max pooling, `indices` (int64, dy's
         dims: what pooling(return_indices=True) gives) route each dy to the element it names,
         when that element lies in the window; without them the kernel recomputes the argmax."""
-        attrs = self._pool_attrs("pooling_backward", x, mode, window, stride, padding)
+        attrs = self._pool_attrs("pooling_backward", x, mode, window, stride, padding, False, ceil_mode, divisor)
         return self._add_op("pooling_backward", [dy, x, indices], attrs, name)[0]
+
+    def gather(self, x, index, axis, name=None) -> Tensor:
+        """y[..., i, ...] = x[..., index[..., i, ...], ...] along `axis` (x and an int32/int64
+        index of one rank, broadcast on the other axes: torch's gather, index_select, an
+        embedding). An id outside x's axis reads nothing: NaN (floats) or 0 there."""
+        x = self._check_input("gather", "x", x)
+        (axis,) = normalize_axes("gather", integer("gather", "axis", axis), len(x.dim))
+        return self._add_op("gather", [x, index], _attrs_of("gather", axis), name)[0]
+
+    def scatter_add(self, src, index, axis, size, name=None) -> Tensor:
+        """y (src's dims, `size` along `axis`) = 0, then src added at the element each id names
+        along `axis` (index broadcast to src): the gather's gradient. Deterministic (each
+        element sums its ids in order); an id outside [0, size) adds nothing."""
+        src = self._check_input("scatter_add", "src", src)
+        (axis,) = normalize_axes("scatter_add", integer("scatter_add", "axis", axis), len(src.dim))
+        return self._add_op("scatter_add", [src, index], _attrs_of("scatter_add", axis, size), name)[0]
 
     def dropout(self, x, p, seed, offset=0, return_mask=False, name=None):
         """y = x * keep / (1 - p); with return_mask=True returns (y, mask). seed and offset are
@@ -659,7 +679,8 @@ def _as_stored(result: torch.Tensor, data_type: dtypes.DataType, float_dtype) ->
 
 
 # --- pointwise methods, one per catalog entry ----------------------------------------------------
-_PARAM_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "beta": 1.0, "threshold": 20.0}
+_PARAM_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "beta": 1.0, "threshold": 20.0, "min_val": -1.0,
+                   "max_val": 1.0}
 
 
 def _pointwise_method(op_name: str):

@@ -295,8 +295,9 @@ class GraphBuilder:
     def unary_backward(self):
         forward = self.rng.choice(DIFFERENTIABLE)
         dy = self.pick_world()
-        # the derivative jumps at 0 (relu, leaky_relu, elu): x must be exact, so an input
-        at_input = forward in ("relu", "leaky_relu", "elu")
+        # the derivative jumps at 0 (relu, leaky_relu, elu; the hard ones at +-3 or their bounds):
+        # x must be exact, so an input
+        at_input = forward in ("relu", "leaky_relu", "elu", "hardswish", "hardsigmoid", "hardtanh")
         x = self.pick(dims=dy.tensor.dim, predicate=(lambda v: v.depth == 0) if at_input else None)
         params = {"leaky_relu": {"negative_slope": 0.2}, "elu": {"alpha": 0.7},
                   "softplus": {"beta": 1.0, "threshold": 20.0}}.get(forward, {})

@@ -5,7 +5,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import dnngraph as dg
-from dnngraph.ops.pointwise import DIFFERENTIABLE, FORWARD_UNARY, POINTWISE_OPS
+from dnngraph.ops.pointwise import DIFFERENTIABLE, EXPLICIT_BACKWARD, FORWARD_UNARY, POINTWISE_OPS
 from helpers import check, run
 
 POSITIVE_ONLY = {"log", "sqrt", "rsqrt"}
@@ -213,14 +213,27 @@ TORCH_ACTIVATIONS = {
     "elu": torch.nn.functional.elu, "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
     "silu": torch.nn.functional.silu, "softplus": torch.nn.functional.softplus,
-    "sigmoid": torch.sigmoid, "tanh": torch.tanh}
+    "sigmoid": torch.sigmoid, "tanh": torch.tanh, "hardswish": torch.nn.functional.hardswish,
+    "hardsigmoid": torch.nn.functional.hardsigmoid, "hardtanh": torch.nn.functional.hardtanh}
+
+
+def _torch_gradient_per_element(forward, x_t, dy_t):
+    """torch's gradient element by element: its scalar CPU kernels, whose rules are its CUDA
+    kernels' (the vectorized CPU ones give hardswish and hardtanh another answer at a NaN x)."""
+    grads = []
+    for x_value, dy_value in zip(x_t.view(-1, 1), dy_t.view(-1, 1)):
+        leaf = x_value.clone().requires_grad_(True)
+        grads.append(torch.autograd.grad(forward(leaf), leaf, dy_value)[0])
+    return torch.cat(grads).view(x_t.shape)
 
 
 @pytest.mark.parametrize("op", DIFFERENTIABLE)
 def test_backward_at_special_values_is_torch(op):
     """dy * f'(x) at 0, +-inf, NaN, far tails and an infinite dy, as torch's own backward gives
     it (a reference differentiated through a formula made NaN of 0 * inf: elu at +inf)."""
-    x_values = [float("-inf"), float("inf"), float("nan"), -30.0, -1.5, 0.0, 0.7, 30.0, 100.0]
+    # -3, 3, -1 and 1: the hard activations' kinks, where torch picks a side
+    x_values = [float("-inf"), float("inf"), float("nan"), -30.0, -3.0, -1.5, -1.0, 0.0, 0.7, 1.0, 3.0, 30.0,
+                100.0]
     pairs = [(x, dy) for x in x_values for dy in (1.5, float("nan"))]
     pairs += [(x, float("inf")) for x in (-1.5, 0.0, 0.7, 30.0)]
     x_t, dy_t = torch.tensor(pairs).T.contiguous()
@@ -229,8 +242,11 @@ def test_backward_at_special_values_is_torch(op):
     y = getattr(g, op + "_backward")(dy, x).set_output(True)
     out = run(g, {dy: dy_t, x: x_t})[y.name].double()
     ref = g.reference({dy: dy_t, x: x_t})[y.name]
-    leaf = x_t.double().requires_grad_(True)
-    (want,) = torch.autograd.grad(TORCH_ACTIVATIONS[op](leaf), leaf, dy_t.double())
+    if op in EXPLICIT_BACKWARD:
+        want = _torch_gradient_per_element(TORCH_ACTIVATIONS[op], x_t.double(), dy_t.double())
+    else:
+        leaf = x_t.double().requires_grad_(True)
+        (want,) = torch.autograd.grad(TORCH_ACTIVATIONS[op](leaf), leaf, dy_t.double())
     torch.testing.assert_close(ref, want, equal_nan=True)
     torch.testing.assert_close(out, ref, equal_nan=True, rtol=1e-5, atol=1e-6)
 
@@ -249,3 +265,59 @@ def test_tanh_keeps_relative_precision_near_zero():
     relative = ((out.double() - reference) / reference.abs().clamp_min(1e-300)).abs()
     assert relative.max() <= 4 * 2.0 ** -23, f"worst relative error {relative.max():.3g}"
     assert torch.equal(out.view(torch.int32)[-2:], values.view(torch.int32)[-2:]), "tanh(+-0) keeps its sign"
+HARD_SPECIAL = [float("-inf"), float("inf"), float("nan"), -7.0, -3.0, -2.999, -1.0, -0.5, 0.0, 0.25, 1.0,
+                2.999, 3.0, 6.0, 40.0]
+
+
+@pytest.mark.parametrize("op, params, torch_forward, torch_backward", [
+    ("hardswish", {}, torch.ops.aten.hardswish, lambda dy, x: torch.ops.aten.hardswish_backward(dy, x)),
+    ("hardsigmoid", {}, torch.ops.aten.hardsigmoid, lambda dy, x: torch.ops.aten.hardsigmoid_backward(dy, x)),
+    ("hardtanh", {}, torch.ops.aten.hardtanh, lambda dy, x: torch.ops.aten.hardtanh_backward(dy, x, -1.0, 1.0)),
+    ("hardtanh", {"min_val": 0.0, "max_val": 6.0}, lambda x: torch.ops.aten.hardtanh(x, 0.0, 6.0),
+     lambda dy, x: torch.ops.aten.hardtanh_backward(dy, x, 0.0, 6.0)),
+])
+def test_hard_activations_are_torchs_at_their_boundaries(op, params, torch_forward, torch_backward):
+    """The forward and the backward kernels at the kinks (torch's hardswish backward is 0 at
+    x = -3 and dy at x = 3), NaN and inf, against torch's own fp32 kernels element by element
+    (its scalar kernels, whose NaN rule is its CUDA kernels'); a transposed x."""
+    x_t = torch.tensor(HARD_SPECIAL * 3).view(3, len(HARD_SPECIAL)).t()  # [15, 3], transposed strides
+    dy_t = torch.randn(x_t.shape) + 2.0
+    g = dg.Graph()
+    x, dy = g.tensor_like(x_t, name="x"), g.tensor_like(dy_t, name="dy")
+    y = getattr(g, op)(x, **params).set_output(True)
+    dx = getattr(g, op + "_backward")(dy, x, **params).set_output(True)
+    outs = run(g, {x: x_t, dy: dy_t})
+    refs = g.reference({x: x_t, dy: dy_t})
+    per_element = lambda fn, *tensors: torch.stack([fn(*(t.reshape(1)[0:1] for t in values))[0]
+                                                    for values in zip(*(t.reshape(-1) for t in tensors))]).view(x_t.shape)
+    torch.testing.assert_close(outs[y.name], per_element(torch_forward, x_t), equal_nan=True, rtol=1e-6, atol=0)
+    torch.testing.assert_close(outs[dx.name], per_element(torch_backward, dy_t, x_t), equal_nan=True, rtol=1e-6, atol=0)
+    torch.testing.assert_close(refs[y.name], per_element(torch_forward, x_t.double()), equal_nan=True)
+    torch.testing.assert_close(refs[dx.name], per_element(torch_backward, dy_t.double(), x_t.double()),
+                               equal_nan=True)
+
+
+def test_hardtanh_bounds_are_validated():
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[3])
+    with pytest.raises(dg.ValidationError, match="min_val"):
+        g.hardtanh(x, min_val=2.0, max_val=1.0)
+    with pytest.raises(dg.ValidationError, match="max_val"):
+        g.hardtanh(x, max_val=float("nan"))
+    assert len(g.nodes) == 0
+
+
+def test_hard_activations_autodiff_through_their_backward_ops():
+    """The backward graph of hardswish / hardsigmoid / hardtanh is their *_backward ops (one
+    fused kernel), and as_function's gradient is torch's."""
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[7, 5])
+    y = g.hardtanh(g.hardsigmoid(g.hardswish(x)), min_val=0.1, max_val=0.6).set_output(True)
+    fn = g.as_function([x], [y])
+    x_t = (torch.randn(7, 5) * 4).requires_grad_(True)
+    dy_t = torch.randn(7, 5)
+    (got,) = torch.autograd.grad(fn(x_t), x_t, dy_t)
+    leaf = x_t.detach().requires_grad_(True)
+    want = torch.nn.functional.hardtanh(torch.nn.functional.hardsigmoid(torch.nn.functional.hardswish(leaf)), 0.1, 0.6)
+    (expected,) = torch.autograd.grad(want, leaf, dy_t)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

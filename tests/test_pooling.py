@@ -527,3 +527,134 @@ def test_backward_without_indices_is_written_as_before_indices_existed():
     g.pooling_backward(dy, x, "max", [3, 3], [2, 2], [1, 1], indices=idx).set_output(True)
     records = [n for n in json.loads(g.to_json())["nodes"] if n["op"] == "pooling_backward"]
     assert [len(n["inputs"]) for n in records] == [2, 3]
+
+
+# --- ceil mode (partial last windows) and a fixed divisor, as torch's ------------------------------
+AVG_POOLS = (torch.nn.functional.avg_pool1d, torch.nn.functional.avg_pool2d, torch.nn.functional.avg_pool3d)
+# per problem, (shape, window, stride, padding): every one has a ceil-mode last window running past
+# the padded input; the 1D one also meets torch's rule that drops a window starting in the right
+# padding (5 + 2 - 2 over stride 2 rounds up to 4 windows, the 4th would start at 5 + 1 - 1 = 5)
+CEIL_PROBLEMS = {
+    "1d_dropped_window": ((2, 3, 5), [2], [2], [1]),
+    "2d": ((2, 3, 8, 7), [3, 2], [2, 2], [1, 0]),
+    "2d_size_one_axis": ((1, 3, 1, 5), [1, 3], [1, 2], [0, 1]),
+    "3d": ((2, 2, 5, 6, 4), [2, 3, 2], [2, 2, 3], [1, 1, 0]),
+}
+
+
+def torch_pool(x_value, mode, window, stride, padding, divisor=None):
+    """torch's own pooling in ceil mode (mode as dnngraph names it)."""
+    if mode == "max":
+        return MAX_POOLS[len(window) - 1](x_value, window, stride, padding, ceil_mode=True)
+    keywords = dict(ceil_mode=True, count_include_pad=mode == "avg_include_pad")
+    if divisor is not None:
+        keywords["divisor_override"] = divisor
+        if len(window) == 1:  # avg_pool1d takes no divisor_override: a 2D pool of height 1
+            return torch.nn.functional.avg_pool2d(x_value.unsqueeze(2), [1] + window, [1] + stride, [0] + padding,
+                                                  **keywords).squeeze(2)
+    return AVG_POOLS[len(window) - 1](x_value, window, stride, padding, **keywords)
+
+
+def ceil_graphs(x_value, dy_value, mode, window, stride, padding, divisor=None):
+    """A forward and a backward graph in ceil mode: (g, x, dy, y, dx)."""
+    g = dg.Graph(io_data_type=IO_TYPES[x_value.dtype])
+    x, dy = g.tensor_like(x_value, "x"), g.tensor_like(dy_value, "dy")
+    options = dict(ceil_mode=True, divisor=divisor)
+    y = g.pooling(x, mode, window, stride, padding, **options).set_output(True)
+    dx = g.pooling_backward(dy, x, mode, window, stride, padding, **options).set_output(True)
+    return g, x, dy, y, dx
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("problem", sorted(CEIL_PROBLEMS))
+@pytest.mark.parametrize("mode,divisor", [("max", None), ("avg_include_pad", None), ("avg_exclude_pad", None),
+                                          ("avg_include_pad", 5), ("avg_exclude_pad", -2)])
+def test_ceil_mode_and_divisor_forward_and_backward_are_torchs(mode, divisor, problem, layout):
+    """The output size, the partial windows' divisors (the part inside the padded input, or the
+    input) and the backward through them: kernels against the float64 reference, the
+    reference against torch's own pooling and its autograd."""
+    shape, window, stride, padding = CEIL_PROBLEMS[problem]
+    if layout == "nhwc" and len(shape) == 3:
+        pytest.skip("channels-last of a 1D pool is the nchw case transposed; covered by 2D/3D")
+    x_t = sample(shape, torch.float32, layout)
+    pooled = torch_pool(x_t.double(), mode, window, stride, padding, divisor)
+    dy_t = sample(tuple(pooled.shape), torch.float32, layout)
+    g, x, dy, y, dx = ceil_graphs(x_t, dy_t, mode, window, stride, padding, divisor)
+    assert tuple(y.dim) == tuple(pooled.shape)
+    check(g, {x: x_t, dy: dy_t})
+    refs = g.reference({x: x_t, dy: dy_t})
+    torch.testing.assert_close(refs[y.name], pooled)
+    leaf = x_t.double().requires_grad_(True)
+    (want_dx,) = torch.autograd.grad(torch_pool(leaf, mode, window, stride, padding, divisor), leaf, dy_t.double())
+    torch.testing.assert_close(refs[dx.name], want_dx)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ceil_mode_with_nan_and_infinities_propagates_as_torch(mode):
+    x_t = adversarial((2, 3, 8, 7), torch.float32, "nchw", seed=3)
+    x_t[0, 0, 7, 6] = float("nan")  # alone in the last, partial window
+    pooled = torch_pool(x_t, mode, [3, 2], [2, 2], [1, 0])
+    dy_t = torch.randint(1, 4, pooled.shape).float()
+    g, x, dy, y, dx = ceil_graphs(x_t, dy_t, mode, [3, 2], [2, 2], [1, 0])
+    outs = run(g, {x: x_t, dy: dy_t})
+    torch.testing.assert_close(outs[y.name], pooled, equal_nan=True)
+    leaf = x_t.clone().requires_grad_(True)
+    (want_dx,) = torch.autograd.grad(torch_pool(leaf, mode, [3, 2], [2, 2], [1, 0]), leaf, dy_t)
+    torch.testing.assert_close(outs[dx.name], want_dx, equal_nan=True)
+
+
+def test_ceil_mode_max_indices_and_the_indexed_backward_are_torchs():
+    x_t = adversarial((2, 3, 8, 7), torch.float32, "nhwc", seed=4)
+    want, want_indices = torch.nn.functional.max_pool2d(x_t, [3, 2], [2, 2], [1, 0], ceil_mode=True,
+                                                        return_indices=True)
+    g = dg.Graph()
+    x = g.tensor_like(x_t, "x")
+    y, indices = g.pooling(x, "max", [3, 2], [2, 2], [1, 0], return_indices=True, ceil_mode=True)
+    dy = g.tensor(name="dy", dim=list(want.shape))
+    dx = g.pooling_backward(dy, x, "max", [3, 2], [2, 2], [1, 0], indices=indices, ceil_mode=True)
+    for t in (y, indices, dx):
+        t.set_output(True)
+    dy_t = torch.randint(1, 5, want.shape).float()
+    outs = run(g, {x: x_t, dy: dy_t})
+    assert torch.equal(outs[indices.name], want_indices)
+    torch.testing.assert_close(outs[y.name], want, equal_nan=True)
+    leaf = x_t.clone().requires_grad_(True)
+    torch.nn.functional.max_pool2d(leaf, [3, 2], [2, 2], [1, 0], ceil_mode=True).backward(dy_t)
+    assert torch.equal(outs[dx.name], leaf.grad)
+
+
+def test_ceil_mode_and_divisor_survive_json():
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[1, 2, 8, 7])
+    g.pooling(x, "avg_exclude_pad", [3, 2], [2, 2], [1, 0], ceil_mode=True, divisor=7).set_output(True)
+    again = dg.Graph.from_json(g.to_json())
+    (node,) = again.nodes
+    assert node.attrs.ceil_mode is True and node.attrs.divisor == 7 and node.outputs[0].dim == (1, 2, 5, 4)
+
+
+@pytest.mark.parametrize("keywords,message", [
+    (dict(mode="avg_include_pad", divisor=0), "divisor"),
+    (dict(mode="max", divisor=2), "divisor"),
+    (dict(mode="avg_exclude_pad", divisor=2.5), "divisor"),
+    (dict(mode="avg_include_pad", divisor=True), "divisor"),
+    (dict(mode="max", ceil_mode=1), "ceil_mode"),
+])
+def test_bad_ceil_mode_or_divisor_raise_at_the_op_call_and_change_nothing(keywords, message):
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[1, 2, 8, 7])
+    mode = keywords.pop("mode")
+    with pytest.raises(dg.ValidationError, match=message):
+        g.pooling(x, mode, [3, 2], [2, 2], [1, 0], **keywords)
+    assert len(g.nodes) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,divisor", [("max", None), ("avg_include_pad", None), ("avg_exclude_pad", None),
+                                          ("avg_include_pad", 7)])
+def test_gpu_bf16_ceil_mode_forward_and_backward(mode, divisor):
+    shape, window, stride, padding = (4, 32, 28, 27), [3, 3], [2, 2], [1, 1]
+    x_t = sample(shape, torch.bfloat16, "nhwc", "cuda")
+    pooled = torch_pool(x_t.float(), mode, window, stride, padding, divisor)
+    dy_t = sample(tuple(pooled.shape), torch.bfloat16, "nhwc", "cuda")
+    g, x, dy, y, dx = ceil_graphs(x_t, dy_t, mode, window, stride, padding, divisor)
+    check(g, {x: x_t, dy: dy_t}, torch.bfloat16, device="cuda")

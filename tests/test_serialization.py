@@ -41,6 +41,9 @@ def build_family_ops(g, n, c, size, draw_int):
     g.genstats(x)
     g.pooling(x, "max", [2, 2], [1, 1], [1, 1])
     g.pooling_backward(g.pooling(x, "avg_include_pad", [3, 3], [2, 2], [1, 1]), x, "avg_include_pad", [3, 3], [2, 2], [1, 1])
+    g.pooling(x, "avg_exclude_pad", [2, 2], [2, 2], [1, 1], ceil_mode=True, divisor=draw_int(1, 9))
+    ids = g.tensor(name="ids", dim=[n, c, 1, size], data_type=dg.int64)
+    g.scatter_add(g.gather(x, ids, 2), ids, 2, size)
     g.dropout(x, p=0.1, seed=draw_int(0, 2**40), offset=3, return_mask=True)
     q = g.tensor(name="q", dim=[n, 2, size, 4])
     o, stats = g.sdpa(q, q, q, attn_scale=0.5, is_inference=False, use_causal_mask=True,

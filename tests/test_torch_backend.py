@@ -504,6 +504,11 @@ def test_batch_norm_block_statistics_casts_join_the_norm_kernels(monkeypatch):
     out.backward(torch.ones_like(out))
     assert all(r.torch_ops == () or all("_to_copy" not in t for t, _ in r.torch_ops) for r in torch_backend.REPORTS)
     groups = _built_groups(modules)
+    # the one pointwise kernel is num_batches_tracked + 1 (a 0-d int64 buffer, once left to torch)
+    counters = [g for g in groups if g.kind == "pointwise" and [t.dim for t in g.outputs] == [(1,)]
+                and g.outputs[0].data_type.name == "int64"]
+    assert len(counters) == 1
+    groups = [g for g in groups if g not in counters]
     assert _lone_casts(groups) == [] and not any(g.kind in ("copy", "pointwise") for g in groups)
     assert sorted(g.kind for g in groups) == ["conv", "conv", "conv", "norm", "norm"]
     eager(x)  # running statistics (bf16 buffers) move alike
@@ -633,8 +638,7 @@ def test_max_pool_1d_3d_and_ceil_mode_without_a_partial_window(module, shape):
     assert all(_no_max_pool(report) for report in torch_backend.REPORTS)
 
 
-@pytest.mark.parametrize("module,why", [(torch.nn.MaxPool2d(3, 2, 1, dilation=2), "dilation"),
-                                        (torch.nn.MaxPool2d(2, 2, ceil_mode=True), "ceil_mode")])
+@pytest.mark.parametrize("module,why", [(torch.nn.MaxPool2d(3, 2, 1, dilation=2), "dilation")])
 def test_max_pool_dnngraph_cannot_compute_stays_in_torch_with_why(module, why):
     x = torch.randn(2, 5, 9, 7)
     leaf, eager_leaf = x.clone().requires_grad_(True), x.clone().requires_grad_(True)

@@ -18,7 +18,8 @@ from ..ops.pointwise import INTEGER_CLOSED  # noqa: F401 - the emitter reads it 
 
 
 def _pointwise_fields(attrs) -> dict:
-    return {name: getattr(attrs, name) for name in ("negative_slope", "alpha", "beta", "threshold")}
+    return {name: getattr(attrs, name) for name in ("negative_slope", "alpha", "beta", "threshold", "min_val",
+                                                  "max_val")}
 
 
 def _cast_fields(attrs) -> dict:
@@ -67,6 +68,9 @@ EXPRESSIONS: dict[str, Expression] = {
     "gelu_tanh": _unary("tm.gelu_tanh({0})"),
     "silu": _unary("{0} * tl.sigmoid({0})"),
     "softplus": _unary("tm.softplus({0}, {beta}, {threshold})"),
+    "hardswish": _unary("tm.hardswish({0})"),
+    "hardsigmoid": _unary("tm.hardsigmoid({0})"),
+    "hardtanh": _unary("tm.clamp_keeping_nan({0}, {min_val}, {max_val})"),
     "erf": _unary("tl.erf({0})"),
     "floor": _unary("tl.floor({0})"),
     "ceil": _unary("tl.ceil({0})"),
@@ -97,6 +101,9 @@ EXPRESSIONS: dict[str, Expression] = {
     "softplus_backward": _binary("tm.softplus_backward({0}, {1}, {beta}, {threshold})"),
     "sigmoid_backward": _binary("tm.sigmoid_backward({0}, {1})"),
     "tanh_backward": _binary("tm.tanh_backward({0}, {1})"),
+    "hardswish_backward": _binary("tm.hardswish_backward({0}, {1})"),
+    "hardsigmoid_backward": _binary("tm.hardsigmoid_backward({0}, {1})"),
+    "hardtanh_backward": _binary("tm.hardtanh_backward({0}, {1}, {min_val}, {max_val})"),
     "dropout": Expression(
         "tm.dropout({0}, {seed}, {offset}, {counter}, {keep_threshold}, {keep_scale})", "f", "fb",
         fields=lambda attrs: {"keep_threshold": keep_threshold(attrs.p), "keep_scale": 1.0 / (1.0 - attrs.p)},

@@ -263,8 +263,24 @@ class _KernelWriter:
                       f"- tl.maximum({name}_start, 0), 1)")
         return f"({_outer(*self.by_side(counts), joiner=' * ')}).to({self.compute})"
 
+    def padded_window_count(self) -> str:
+        """Elements of the window starting at `{axis}_start` inside the padded input: the whole
+        window, except a ceil-mode last window running past the padding."""
+        counts = []
+        for axis in self.spatial:
+            name, upper = self.names[axis], self.names[axis].upper()
+            counts.append((axis, f"{name}_count"))
+            # at least 1, as window_count's, for lanes past the tile's end
+            self.line(f"{name}_count = tl.maximum(tl.minimum({name}_start + WINDOW_{upper}, in_{name} + PAD_{upper}) "
+                      f"- {name}_start, 1)")
+        return f"({_outer(*self.by_side(counts), joiner=' * ')}).to({self.compute})"
+
     def divisor(self) -> str:
+        if self.schedule.divisor is not None:  # a validated int: a literal
+            return f"{float(self.schedule.divisor)!r}"
         if self.schedule.mode == "avg_include_pad":
+            if self.schedule.ceil_mode:
+                return self.padded_window_count()
             return "(" + " * ".join(f"WINDOW_{self.names[a].upper()}" for a in self.spatial) + ")"
         return self.window_count()
 

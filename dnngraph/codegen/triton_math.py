@@ -16,6 +16,7 @@ TANH_SERIES_7 = tl.constexpr(-17.0 / 315.0)
 TANH_SERIES_9 = tl.constexpr(62.0 / 2835.0)
 TANH_SERIES_11 = tl.constexpr(-1382.0 / 155925.0)
 TANH_SERIES_13 = tl.constexpr(21844.0 / 6081075.0)
+SIXTH = tl.constexpr(1.0 / 6.0)
 
 
 @triton.jit
@@ -128,6 +129,44 @@ def sigmoid_backward(dy, x):
 def tanh_backward(dy, x):
     t = tanh(x)
     return dy * (1.0 - t * t)
+
+
+@triton.jit
+def clamp_keeping_nan(x, low, high):
+    # torch's clamp: a NaN stays NaN (comparisons with it are false)
+    return tl.where(x < low, low, tl.where(x > high, high, x))
+
+
+@triton.jit
+def hardsigmoid(x):
+    # torch's order of operations: min(max(x + 3, 0), 6) / 6
+    return clamp_keeping_nan(x + 3.0, 0.0, 6.0) / 6.0
+
+
+@triton.jit
+def hardswish(x):
+    # x * min(max(x + 3, 0), 6) / 6 as torch computes it (-inf gives -inf * 0, NaN)
+    return x * clamp_keeping_nan(x + 3.0, 0.0, 6.0) / 6.0
+
+
+@triton.jit
+def hardswish_backward(dy, x):
+    # torch's boundaries: 0 up to and at -3, the slope x / 3 + 1/2 inside, dy from 3 on (and
+    # for a NaN x, whose comparisons are all false)
+    inside = tl.where(x <= -3.0, 0.0, dy * (x / 3.0 + 0.5))
+    return tl.where(x < 3.0, inside, dy)
+
+
+@triton.jit
+def hardsigmoid_backward(dy, x):
+    # dy / 6 strictly inside (-3, 3), 0 elsewhere and for a NaN x (torch's rule)
+    return tl.where((x > -3.0) & (x < 3.0), dy * SIXTH, 0.0)
+
+
+@triton.jit
+def hardtanh_backward(dy, x, low, high):
+    # as torch: 0 at and beyond the bounds, dy inside; a NaN x passes dy on
+    return tl.where((x <= low) | (x >= high), 0.0, dy)
 
 
 @triton.jit

@@ -40,6 +40,9 @@ ANCHOR_RULES: dict[str, AnchorRule] = {
     "pooling": AnchorRule((0,), 0),
     "pooling_backward": AnchorRule((0,), 0),
     "genstats": AnchorRule((0,), None, side_epilogues=True),
+    # a gather's loads follow its ids: no prologue (it would run at gathered positions); its
+    # pointwise consumers (an embedding's scale, a position add) ride the store
+    "gather": AnchorRule((), 0),
     "batchnorm_inference": _NORM_FORWARD,
 }
 for _norm in ("layernorm", "rmsnorm", "batchnorm", "instancenorm", "groupnorm"):

@@ -7,6 +7,7 @@ contiguous elements; its rows decompose into the other logical axes, outermost f
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from .device import DeviceModel
 from .layout import INT32_LIMIT
@@ -67,6 +68,8 @@ class PoolingSchedule:
     config: PoolingConfig
     candidates: int
     reason: str
+    ceil_mode: bool = False  # windows may run past the padded input (averages count what is in it)
+    divisor: Optional[int] = None  # an average's fixed divisor (torch's divisor_override)
 
     @property
     def tile_dims(self) -> tuple:
@@ -211,4 +214,4 @@ def schedule(group, device: DeviceModel) -> PoolingSchedule:
     return PoolingSchedule(backward, attrs.mode, tuple(attrs.window), tuple(attrs.stride),
                            tuple(attrs.padding), tuple(x.dim), y_dims, vector_axis, row_axes,
                            index_64, indexed, frozenset(t.uid for t in moved) & {t.uid for t in group.inputs}, best,
-                           len(ranked), reason)
+                           len(ranked), reason, attrs.ceil_mode, attrs.divisor)

@@ -28,6 +28,8 @@ class PointwiseAttrs:
     alpha: float = 1.0  # elu
     beta: float = 1.0  # softplus
     threshold: float = 20.0  # softplus: linear above beta * x > threshold
+    min_val: float = -1.0  # hardtanh: the clamp's bounds
+    max_val: float = 1.0
     data_type: Optional[str] = None  # cast target
 
     def __post_init__(self):
@@ -36,9 +38,11 @@ class PointwiseAttrs:
         if self.data_type is not None:
             dtypes.by_name(self.data_type)
         params = {name: real("pointwise", name, getattr(self, name))
-                  for name in ("negative_slope", "alpha", "beta", "threshold")}
+                  for name in ("negative_slope", "alpha", "beta", "threshold", "min_val", "max_val")}
         if params["beta"] == 0:
             fail("softplus", "beta must be non-zero")
+        if params["min_val"] > params["max_val"]:  # torch refuses such a hardtanh too
+            fail("hardtanh", f"min_val {params['min_val']} is greater than max_val {params['max_val']}")
         freeze(self, constants=_checked_constants(self.constants), **params)
 
 
@@ -128,15 +132,18 @@ FORWARD_UNARY = {
     "gelu_tanh": lambda x, _: F.gelu(x, approximate="tanh"),
     "silu": lambda x, _: F.silu(x),
     "softplus": _softplus,
+    "hardswish": lambda x, _: F.hardswish(x),
+    "hardsigmoid": lambda x, _: F.hardsigmoid(x),
+    "hardtanh": lambda x, a: F.hardtanh(x, a.min_val, a.max_val),
     "erf": lambda x, _: torch.erf(x),
     "floor": lambda x, _: x.floor(),
     "ceil": lambda x, _: x.ceil(),
 }
 UNARY_PARAMS = {"leaky_relu": ("negative_slope",), "elu": ("alpha",),
-                "softplus": ("beta", "threshold")}
+                "softplus": ("beta", "threshold"), "hardtanh": ("min_val", "max_val")}
 # Ops whose backward form takes (dy, x) and returns dy * f'(x).
 DIFFERENTIABLE = ("relu", "leaky_relu", "elu", "gelu", "gelu_tanh", "silu", "softplus",
-                  "sigmoid", "tanh")
+                  "sigmoid", "tanh", "hardswish", "hardsigmoid", "hardtanh")
 
 
 def _backward_reference(forward):
@@ -150,13 +157,42 @@ def _backward_reference(forward):
     return reference
 
 
+def _hardswish_backward(dy, x, _):
+    inside = torch.where(x <= -3.0, torch.zeros((), dtype=dy.dtype), dy * (x / 3.0 + 0.5))
+    return torch.where(x < 3.0, inside, dy)
+
+
+def _hardsigmoid_backward(dy, x, _):
+    return torch.where((x > -3.0) & (x < 3.0), dy / 6.0, torch.zeros((), dtype=dy.dtype))
+
+
+def _hardtanh_backward(dy, x, attrs):
+    return torch.where((x <= attrs.min_val) | (x >= attrs.max_val), torch.zeros((), dtype=dy.dtype), dy)
+
+
+# The hard activations' derivatives written out: torch's scalar CPU and its CUDA kernels pass dy
+# on for a NaN x (hardswish, hardtanh) while its vectorized CPU kernels give NaN or 0, so that
+# autograd through torch would make the reference depend on the tensor's size. These are the
+# CUDA rules, boundaries included (hardswish: 0 at -3, dy at 3; hardtanh: 0 at both bounds).
+EXPLICIT_BACKWARD = {"hardswish": _hardswish_backward, "hardsigmoid": _hardsigmoid_backward,
+                     "hardtanh": _hardtanh_backward}
+
+
+def _broadcast_backward(derivative):
+    def reference(dy, x, attrs):
+        dy, x = torch.broadcast_tensors(dy, x)
+        return derivative(dy, x, attrs)
+    return reference
+
+
 POINTWISE_OPS: dict[str, PointwiseOp] = {}
 for _name, _fn in FORWARD_UNARY.items():
     POINTWISE_OPS[_name] = PointwiseOp(1, "float", _floats(_fn), UNARY_PARAMS.get(_name, ()), ("x",))
 for _name in DIFFERENTIABLE:
-    POINTWISE_OPS[_name + "_backward"] = PointwiseOp(
-        2, "float", _floats(_backward_reference(FORWARD_UNARY[_name])),
-        UNARY_PARAMS.get(_name, ()), ("dy", "x"))
+    _derivative = (_broadcast_backward(EXPLICIT_BACKWARD[_name]) if _name in EXPLICIT_BACKWARD
+                   else _backward_reference(FORWARD_UNARY[_name]))
+    POINTWISE_OPS[_name + "_backward"] = PointwiseOp(2, "float", _floats(_derivative),
+                                                     UNARY_PARAMS.get(_name, ()), ("dy", "x"))
 
 _BINARY = {
     "add": lambda a, b, _: a + b,

@@ -1,5 +1,10 @@
 """Pooling family: max / average (padding counted or not), 1D/2D/3D, and its backward.
 
+As torch's pooling: `ceil_mode` rounds the output size up (a last, partial window that starts
+inside the input or its left padding); an average's divisor counts the window's elements inside
+the padded input (avg_include_pad) or inside the input (avg_exclude_pad), unless `divisor`
+(torch's divisor_override) is given.
+
 Max pooling can also give torch's indices (`return_indices=True`): per output element the
 int64 flat index, within its input plane, of the window's first maximum in scan order; a NaN
 takes the index from any number and from an earlier NaN (so the last NaN wins); a window with
@@ -12,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from .. import dtypes
 from ..tensor import MAX_EXTENT
-from .base import OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, int_tuple, register
+from .base import OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, int_tuple, integer, register
 
 MODES = ("max", "avg_include_pad", "avg_exclude_pad")
 
@@ -30,6 +36,11 @@ class PoolingAttrs:
     stride: tuple
     padding: tuple
     return_indices: bool = False  # max pooling: also torch's argmax indices (int64)
+    # torch's ceil_mode: the output size rounds up, adding a last window that runs past the
+    # padded input where it starts inside the input or its left padding
+    ceil_mode: bool = False
+    # average pooling: every window's sum divided by this (torch's divisor_override), not a count
+    divisor: Optional[int] = None
 
     def __post_init__(self):
         op = "pooling"
@@ -45,6 +56,14 @@ class PoolingAttrs:
                return_indices=boolean(op, "return_indices", self.return_indices))
         if self.return_indices and self.mode != "max":
             fail(op, f"return_indices needs mode 'max', got {self.mode!r}")
+        freeze(self, ceil_mode=boolean(op, "ceil_mode", self.ceil_mode))
+        if self.divisor is not None:
+            if self.mode == "max":
+                fail(op, "divisor is an average pooling's; mode is 'max'")
+            divisor = integer(op, "divisor", self.divisor, minimum=-MAX_EXTENT, maximum=MAX_EXTENT)
+            if divisor == 0:  # torch refuses a zero divisor_override too
+                fail(op, "divisor must not be zero")
+            freeze(self, divisor=divisor)
 
 
 def output_spatial(op, x_dim, attrs: PoolingAttrs) -> tuple[int, ...]:
@@ -56,8 +75,24 @@ def output_spatial(op, x_dim, attrs: PoolingAttrs) -> tuple[int, ...]:
     for size, w, s, p in zip(spatial, attrs.window, attrs.stride, attrs.padding):
         if size + 2 * p < w:
             fail(op, f"window {list(attrs.window)} is larger than the padded input {list(spatial)}")
-        sizes.append((size + 2 * p - w) // s + 1)
+        sizes.append(pooled_size(size, w, s, p, attrs.ceil_mode))
     return tuple(sizes)
+
+
+def pooled_size(size: int, window: int, stride: int, padding: int, ceil_mode: bool) -> int:
+    """Windows along one axis, torch's rule: rounded up in ceil mode, where the last window
+    must start inside the input or its left padding (else it is dropped)."""
+    if not ceil_mode:
+        return (size + 2 * padding - window) // stride + 1
+    count = -(-(size + 2 * padding - window) // stride) + 1
+    if (count - 1) * stride >= size + padding:
+        count -= 1
+    return count
+
+
+def overhang(size: int, window: int, stride: int, padding: int, pooled: int) -> int:
+    """How far the last of `pooled` windows runs past the padded input (ceil mode), else 0."""
+    return max(0, (pooled - 1) * stride + window - (size + 2 * padding))
 
 
 def infer_forward(inputs, attrs):
@@ -94,24 +129,36 @@ def pool(x: torch.Tensor, attrs: PoolingAttrs) -> torch.Tensor:
     spatial = len(attrs.window)
     if attrs.mode == "max":
         fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[spatial - 1]
-        return fn(x, attrs.window, attrs.stride, attrs.padding)
-    # zero-pad explicitly: torch's 3D average pooling rejects inputs smaller than the window
-    # even where the padding makes the window fit
+        return fn(x, attrs.window, attrs.stride, attrs.padding, ceil_mode=attrs.ceil_mode)
+    # zero-pad explicitly (the padding, then what a ceil-mode last window runs past it) and pool
+    # without padding: torch's 3D average pooling rejects inputs smaller than the window even
+    # where the padding makes the window fit
     fn = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)[spatial - 1]
-    pads = [p for pad in reversed(attrs.padding) for p in (pad, pad)]
-    window_sums = fn(F.pad(x, pads), attrs.window, attrs.stride) * math.prod(attrs.window)
-    if attrs.mode == "avg_include_pad":
-        return window_sums / math.prod(attrs.window)
-    ones = torch.ones((1, 1) + tuple(x.shape[2:]), dtype=x.dtype, device=x.device)
-    counts = fn(F.pad(ones, pads), attrs.window, attrs.stride) * math.prod(attrs.window)
-    return window_sums / counts
+    sizes = tuple(x.shape[2:])
+    pooled = output_spatial("pooling", tuple(x.shape), attrs)
+    extra = [overhang(*geometry) for geometry in zip(sizes, attrs.window, attrs.stride, attrs.padding, pooled)]
+
+    def window_sums(values, pads):
+        flat = [p for pair in reversed(pads) for p in pair]  # F.pad lists the last axis first
+        return fn(F.pad(values, flat), attrs.window, attrs.stride) * math.prod(attrs.window)
+
+    sums = window_sums(x, [(p, p + e) for p, e in zip(attrs.padding, extra)])
+    if attrs.divisor is not None:
+        return sums / attrs.divisor
+    if attrs.mode == "avg_include_pad":  # the window's part inside the padded input
+        ones = torch.ones((1, 1) + tuple(s + 2 * p for s, p in zip(sizes, attrs.padding)), dtype=x.dtype,
+                          device=x.device)
+        return sums / window_sums(ones, [(0, e) for e in extra])
+    ones = torch.ones((1, 1) + sizes, dtype=x.dtype, device=x.device)
+    return sums / window_sums(ones, [(p, p + e) for p, e in zip(attrs.padding, extra)])
 
 
 def reference_forward(values, attrs):
     if not attrs.return_indices:
         return [pool(values[0], attrs), None]
     fn = (F.max_pool1d, F.max_pool2d, F.max_pool3d)[len(attrs.window) - 1]
-    return list(fn(values[0], attrs.window, attrs.stride, attrs.padding, return_indices=True))
+    return list(fn(values[0], attrs.window, attrs.stride, attrs.padding, ceil_mode=attrs.ceil_mode,
+                   return_indices=True))
 
 
 def in_window(indices: torch.Tensor, attrs, in_spatial) -> torch.Tensor:

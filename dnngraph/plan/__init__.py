@@ -34,6 +34,7 @@ from .matmul import build_matmul
 from .overlap import StridedBytes, share_a_byte
 from .pointwise import build_pointwise
 from .pooling import build_pooling
+from .gather import build_gather
 from .sdpa import build_attention, build_sdpa
 from .rows import build_rows
 
@@ -76,7 +77,7 @@ PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv"})
 KERNEL_BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": build_rows, "softmax": build_rows,
                    "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul,
                    "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention,
-                   "attention_backward": build_attention_backward}
+                   "attention_backward": build_attention_backward, "gather": build_gather}
 
 
 def _keys_of(graph) -> dict:

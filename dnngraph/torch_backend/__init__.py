@@ -7,7 +7,9 @@ new shape is a new compile, torch's guards decide), and runs through `Graph.as_f
 other ops run in torch. A returned value that is a view (transpose, view, ...) of an argument or
 of a value the graph makes is made in torch as that view, as eager torch does, not copied into
 an output of its own (AOTAutograd saves transposed weights and reshaped activations for the
-backward). DNNGRAPH_LOG=info shows the partition and why an op stayed in torch.
+backward). A 0-d tensor (a loss, a step counter) is held as [1]: bound as a view of the
+argument, returned as a 0-d view of the output. DNNGRAPH_LOG=info shows the partition and why an
+op stayed in torch.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from ..autodiff import prune
 from ..graph import Graph
 from ..log import logger
 from ..tensor import Tensor
-from .convert import TENSOR_TYPES, VIEW_OPS, Aux, convert, unsupported
+from .convert import TENSOR_TYPES, VIEW_OPS, Aux, convert, read_as_value, scalar_dims, unsupported
 
 __all__ = ["backend", "REPORTS", "CompileReport"]
 
@@ -143,11 +145,13 @@ class DnngraphModule(torch.nn.Module):
         for node in sub.graph.nodes:
             if node.op == "placeholder":
                 meta = node.meta["val"]
-                taken = isinstance(meta, torch.Tensor) and meta.dim() > 0 and meta.dtype in TENSOR_TYPES
+                # a 0-d argument is bound as [1] (a view); one only an sdpa's Aux operand is not taken
+                taken = isinstance(meta, torch.Tensor) and meta.dtype in TENSOR_TYPES and (
+                    meta.dim() > 0 or read_as_value(node))
                 self.taken.append(taken)  # others are an sdpa's Aux values, read by no converter
                 if taken:
-                    values[node] = g.tensor(name=f"input{len(inputs)}", dim=list(meta.shape),
-                                            stride=list(meta.stride()), data_type=dtypes.from_torch(meta.dtype))
+                    values[node] = g.tensor(name=f"input{len(inputs)}", dim=scalar_dims(meta),
+                                            stride=list(meta.stride()) or [1], data_type=dtypes.from_torch(meta.dtype))
                     inputs.append(values[node])
             elif node.op == "call_function":
                 values[node] = convert(g, node, value)
@@ -159,6 +163,9 @@ class DnngraphModule(torch.nn.Module):
         returned = [returned] if self.single else list(returned)
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
         self.returned = len(returned)
+        # returned positions whose value is 0-d: the graph holds it as [1], torch gets a 0-d view
+        self.scalars = {position for position, node in enumerate(returned) if isinstance(node, torch.fx.Node)
+                        and isinstance(node.meta.get("val"), torch.Tensor) and node.meta["val"].dim() == 0}
         # per returned position: (("argument" | "output", index), the views torch applies to it)
         outputs, self.aux, self.views = [], {}, {}
         for position, node in enumerate(returned):
@@ -201,14 +208,14 @@ class DnngraphModule(torch.nn.Module):
         if tensor not in outputs:
             tensor.set_output(True).set_name(name)
             meta = node.meta["val"]
-            if _dense(meta):
+            if _dense(meta) and meta.dim() > 0:  # a 0-d value is held as [1]
                 tensor.set_stride(list(meta.stride()))
             outputs.append(tensor)
         return outputs.index(tensor)
 
     def forward(self, *args):
         device, arguments = args[0].device, args
-        args = tuple(arg for arg, taken in zip(args, self.taken) if taken)
+        args = tuple(arg.view(1) if arg.dim() == 0 else arg for arg, taken in zip(args, self.taken) if taken)
         if self.trues:
             args = args + tuple(torch.ones((), dtype=torch.bool, device=device).expand(dims) for dims in self.trues)
         if self.seeds:  # from torch's generator of the device: torch.manual_seed makes runs repeat
@@ -222,7 +229,8 @@ class DnngraphModule(torch.nn.Module):
                 ordered.append(_aux_value(self.aux[position], device))
                 continue
             (kind, index), views = self.views[position]
-            ordered.append(_replay(arguments[index] if kind == "argument" else results[index], views))
+            made = _replay(arguments[index] if kind == "argument" else results[index], views)
+            ordered.append(made.view(()) if position in self.scalars and made.dim() else made)
         return ordered[0] if self.single else tuple(ordered)
 
 

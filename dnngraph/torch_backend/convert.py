@@ -50,7 +50,13 @@ def _result(node):
 
 
 def _shape(node) -> list:
-    return [int(d) for d in _result(node).shape]
+    """The result's dims; a 0-d result is [1] (dnngraph tensors have at least one axis)."""
+    return scalar_dims(_result(node))
+
+
+def scalar_dims(meta) -> list:
+    """A tensor's dims as dnngraph holds them: a 0-d tensor as [1]."""
+    return [int(d) for d in meta.shape] or [1]
 
 
 def _typed(graph_tensor, node):
@@ -65,7 +71,7 @@ def _reshaped_result(g, tensor, meta):
     wanted = dtypes.from_torch(meta.dtype)
     if tensor.data_type != wanted:
         tensor = g.cast(tensor, data_type=wanted)
-    return g.reshape(tensor, [int(d) for d in meta.shape])
+    return g.reshape(tensor, scalar_dims(meta))
 
 
 def _unary(g, node, value):
@@ -427,10 +433,6 @@ def _max_pool_refused(node) -> Optional[str]:
     window, stride, padding, dilation, ceil_mode = _pool_geometry(node)
     if any(d != 1 for d in dilation):
         return f"max pooling with dilation {dilation}"
-    floor = [(size + 2 * p - w) // s + 1 for size, w, s, p in zip(x.shape[2:], window, stride, padding)]
-    pooled = (node.args[0].meta["val"] if backward else _result(node)[0]).shape[2:]
-    if ceil_mode and [int(d) for d in pooled] != floor:
-        return "max pooling with ceil_mode adding a partial window"
     if backward and not _indices_of_this_pool(node):
         return "max pooling backward with indices not made by the max pool of its input"
     return None
@@ -457,18 +459,18 @@ def _indices_read(node) -> bool:
 def _max_pool(g, node, value):
     """Max pooling; torch's indices too where anything reads them (training saves them for the
     backward), exact: the first maximum in window order, a NaN over any number."""
-    window, stride, padding, _, _ = _pool_geometry(node)
+    window, stride, padding, _, ceil_mode = _pool_geometry(node)
     read = _indices_read(node)
-    made = g.pooling(value(node.args[0]), "max", window, stride, padding, return_indices=read)
+    made = g.pooling(value(node.args[0]), "max", window, stride, padding, return_indices=read, ceil_mode=ceil_mode)
     return made if read else (made, None)
 
 
 def _max_pool_backward(g, node, value):
     """Gradient routed by the forward's saved indices (the argmax of this pool of this x, as
     _indices_of_this_pool made sure): one index load per covering window, no argmax recompute."""
-    window, stride, padding, _, _ = _pool_geometry(node)
+    window, stride, padding, _, ceil_mode = _pool_geometry(node)
     return g.pooling_backward(value(node.args[0]), value(node.args[1]), "max", window, stride, padding,
-                              indices=value(node.args[7]))
+                              indices=value(node.args[7]), ceil_mode=ceil_mode)
 
 
 class Aux:
@@ -553,11 +555,414 @@ DROPOUT_ARGUMENT = {aten._scaled_dot_product_flash_attention_for_cpu.default: 3,
                     aten._scaled_dot_product_flash_attention_backward.default: 10}
 
 
+
+# --- converters of issue 26: hard activations, pooling, layout, gather families ---------------
+# Kept in one block with their own refusal table (REFUSALS: target -> why(node) or None), so the
+# table above and unsupported() stay as they were.
+def _hardtanh(g, node, value):
+    low, high = _hardtanh_bounds(node, first=1)
+    return g.hardtanh(value(node.args[0]), min_val=low, max_val=high)
+
+
+def _hardtanh_backward(g, node, value):
+    low, high = _hardtanh_bounds(node, first=2)
+    return g.hardtanh_backward(value(node.args[0]), value(node.args[1]), min_val=low, max_val=high)
+
+
+def _hardtanh_bounds(node, first: int) -> tuple:
+    """(min_val, max_val) of a hardtanh or its backward, aten's defaults -1 and 1."""
+    args = list(node.args[first:first + 2])
+    for key, default in (("min_val", -1.0), ("max_val", 1.0))[len(args):]:
+        args.append(node.kwargs.get(key, default))
+    return float(args[0]), float(args[1])
+
+
+def _hard_activation_backward(g, node, value):
+    op = {aten.hardswish_backward.default: "hardswish_backward",
+          aten.hardsigmoid_backward.default: "hardsigmoid_backward"}[node.target]
+    return getattr(g, op)(value(node.args[0]), value(node.args[1]))
+
+
+def _floating_operands(node) -> Optional[str]:
+    """The hard activations take floats only (torch refuses integers for most of them)."""
+    if any(not arg.meta["val"].is_floating_point() for arg in node.all_input_nodes):
+        return f"{node.target} of integers"
+    return None
+
+
+def _hardtanh_refused(node) -> Optional[str]:
+    why = _floating_operands(node)
+    if why is not None:
+        return why
+    low, high = _hardtanh_bounds(node, first=2 if node.target is aten.hardtanh_backward.default else 1)
+    if not (low <= high):  # NaN bounds too: no clamp dnngraph can state
+        return f"hardtanh bounds {low}, {high}"
+    return None
+
+
+AVG_POOL = (aten.avg_pool2d.default, aten.avg_pool3d.default)
+AVG_POOL_BACKWARD = (aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
+
+
+def _avg_pool_geometry(node):
+    """(window, stride, padding, ceil_mode, count_include_pad, divisor_override) of an average
+    pool or its backward, per spatial axis, with aten's defaults."""
+    backward = node.target in AVG_POOL_BACKWARD
+    args = list(node.args[2 if backward else 1:])
+    defaults = [None, [], [0], False, True, None]
+    keys = ("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override")
+    for position, key in enumerate(keys):
+        if len(args) <= position:
+            args.append(node.kwargs.get(key, defaults[position]))
+    window, stride, padding, ceil_mode, include_pad, divisor = args[:6]
+    spatial = len(_result(node).shape) - 2
+
+    def per_axis(values):
+        values = [int(v) for v in values]
+        return values * spatial if len(values) == 1 else values
+
+    window = per_axis(window)
+    return (window, per_axis(stride) if len(stride) else window, per_axis(padding), bool(ceil_mode),
+            bool(include_pad), divisor)
+
+
+def _avg_pool_attributes(node) -> tuple:
+    """(mode, window, stride, padding, keywords) of dnngraph's pooling for an aten average pool."""
+    window, stride, padding, ceil_mode, include_pad, divisor = _avg_pool_geometry(node)
+    mode = "avg_include_pad" if include_pad else "avg_exclude_pad"
+    return mode, window, stride, padding, dict(ceil_mode=ceil_mode, divisor=divisor)
+
+
+def _avg_pool(g, node, value):
+    mode, window, stride, padding, keywords = _avg_pool_attributes(node)
+    return g.pooling(value(node.args[0]), mode, window, stride, padding, **keywords)
+
+
+def _avg_pool_backward(g, node, value):
+    mode, window, stride, padding, keywords = _avg_pool_attributes(node)
+    return g.pooling_backward(value(node.args[0]), value(node.args[1]), mode, window, stride, padding, **keywords)
+
+
+def _avg_pool_refused(node) -> Optional[str]:
+    """Average pools of floats; torch checks the rest (padding at most half the window, a
+    non-zero divisor) before a graph is traced."""
+    x = node.args[1 if node.target in AVG_POOL_BACKWARD else 0].meta["val"]
+    if not x.is_floating_point():
+        return "average pooling of integers"
+    return None
+
+
+def _constant_pad_nd(g, node, value):
+    """torch's constant padding from existing ops, axis by axis (pad lists the last axis first):
+    a negative pad crops (a slice), a positive one joins blocks of the constant on either side
+    (a concatenate, into whose parts the producers write: no copy of x where its producer can
+    write it in place)."""
+    fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    return _padded(g, value, value(node.args[0]), list(node.args[1]), fill)
+
+
+def _padded(g, value, x, pads: list, fill):
+    """x padded (cropped where negative) by torch's pad list (last axis first) with `fill`."""
+    for position in range(0, len(pads), 2):
+        axis = len(x.dim) - 1 - position // 2
+        before, after = pads[position], pads[position + 1]
+        if before < 0 or after < 0:
+            slices = [slice(None)] * len(x.dim)
+            slices[axis] = slice(max(-before, 0), x.dim[axis] - max(-after, 0))
+            x = g.slice(x, slices)
+        parts = []
+        for width in (max(before, 0), None, max(after, 0)):
+            if width is None:
+                parts.append(x)
+            elif width > 0:
+                dims = list(x.dim)
+                dims[axis] = width
+                parts.append(g.cast(g.where(value.true(dims), fill, fill), data_type=x.data_type))
+        x = parts[0] if len(parts) == 1 else g.concatenate(parts, axis)
+    return x
+
+
+def _constant_pad_refused(node) -> Optional[str]:
+    x = node.args[0].meta["val"]
+    fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
+    if isinstance(fill, bool) or not isinstance(fill, numbers.Real):
+        return f"padding with {fill!r}"
+    if not x.is_floating_point() and float(fill) != int(fill):
+        return "padding integers with a fraction"
+    if len(node.args[1]) % 2 or len(node.args[1]) > 2 * x.dim():
+        return f"pads {list(node.args[1])} for rank {x.dim()}"
+    return None
+
+
+def _ids_along(g, ids, rank: int, axis: int):
+    """Ids of any rank as a gather's index: flattened onto `axis` of a rank-`rank` tensor whose
+    other axes are 1 (they broadcast over the table)."""
+    count = 1
+    for size in ids.dim:
+        count *= size
+    dims = [1] * rank
+    dims[axis] = count
+    return _reshape(g, ids, dims) if list(ids.dim) != dims else ids
+
+
+def _gathered(g, x, ids, axis: int, dims):
+    """x's rows along `axis` picked by `ids` (any rank), with the result's dims `dims`."""
+    picked = g.gather(x, _ids_along(g, ids, len(x.dim), axis), axis)
+    return _reshape(g, picked, dims) if list(picked.dim) != list(dims) else picked
+
+
+def _embedding(g, node, value):
+    return _gathered(g, value(node.args[0]), value(node.args[1]), 0, _shape(node))
+
+
+def _index_select(g, node, value):
+    x = value(node.args[0])
+    return _gathered(g, x, value(node.args[2]), node.args[1] % len(x.dim), _shape(node))
+
+
+def _torch_gather(g, node, value):
+    """torch.gather: an index smaller than x off the axis reads x's leading part there."""
+    x, index = value(node.args[0]), value(node.args[2])
+    axis = node.args[1] % len(x.dim)
+    if any(i != axis and picks < size for i, (size, picks) in enumerate(zip(x.dim, index.dim))):
+        x = g.slice(x, [slice(None) if i == axis else slice(0, picks) for i, picks in enumerate(index.dim)])
+    return g.gather(x, index, axis)
+
+
+def _index_position(node):
+    """(axis, ids node) of an index.Tensor with one index tensor (any Nones before it)."""
+    indices = list(node.args[1])
+    (axis,) = [i for i, ids in enumerate(indices) if ids is not None]
+    return axis, indices[axis]
+
+
+def _index(g, node, value):
+    """x[..., ids] with one integer index tensor: negative ids count from the end, as torch's
+    indexing has them (written as pointwise ops on the ids before the gather)."""
+    x = value(node.args[0])
+    axis, ids = _index_position(node)
+    ids = value(ids)
+    wrapped = g.where(g.cmp_lt(ids, 0), g.add(ids, x.dim[axis]), ids)
+    return _gathered(g, x, wrapped.set_data_type(ids.data_type), axis, _shape(node))
+
+
+def _integer_ids(node, ids) -> Optional[str]:
+    if not isinstance(ids, torch.fx.Node) or ids.meta["val"].dtype not in (torch.int32, torch.int64):
+        return "ids that are not an int32 or int64 tensor"
+    return None
+
+
+def _gather_refused(node) -> Optional[str]:
+    if node.target is aten.embedding.default:
+        ids = node.args[1]
+    elif node.target is aten.index.Tensor:
+        indices = list(node.args[1])
+        present = [ids for ids in indices if ids is not None]
+        if len(present) != 1:
+            return "indexing with more than one index tensor"
+        ids = present[0]
+    else:
+        ids = node.args[2]
+    return _integer_ids(node, ids)
+
+
+# The scatter-add kernel scans every id for each block of the table's rows: its work is the
+# table's rows times the ids. Past this many (a large vocabulary's embedding gradient), torch's
+# sort-based kernel is far faster, and the op stays there.
+SCATTER_SCAN_LIMIT = 2**24
+
+
+def _scatter_into(g, base, src, ids, axis: int):
+    """base + src added at `ids` along `axis` (ids broadcast to src), in base's type."""
+    added = g.scatter_add(src, ids, axis, base.dim[axis])
+    return g.add(base, added) if base is not None else added
+
+
+def _embedding_backward(g, node, value):
+    """The table's gradient: each row of dy added at its id; ids equal to padding_idx are moved
+    out of range first (they add nothing, as torch skips them)."""
+    grad, ids, rows, padding_idx = value(node.args[0]), value(node.args[1]), node.args[2], node.args[3]
+    flat = _ids_along(g, ids, 2, 0)
+    if padding_idx >= 0:
+        flat = g.where(g.cmp_eq(flat, padding_idx), -1, flat).set_data_type(flat.data_type)
+    width = grad.dim[-1]
+    src = _reshape(g, grad, [flat.dim[0], width])
+    return g.scatter_add(src, flat, 0, rows)
+
+
+def _new_zeros(g, node, value):
+    return g.cast(g.where(value.true(_shape(node)), 0, 0), data_type=dtypes.from_torch(_result(node).dtype))
+
+
+def _scatter_add(g, node, value):
+    """aten.scatter_add(base, dim, index, src): src's part the index covers, added into base."""
+    base, index, src = value(node.args[0]), value(node.args[2]), value(node.args[3])
+    axis = node.args[1] % len(base.dim)
+    if list(src.dim) != list(index.dim):
+        src = g.slice(src, [slice(0, size) for size in index.dim])
+    added = g.scatter_add(src, index, axis, base.dim[axis])
+    if list(added.dim) != list(base.dim):  # an index smaller than base off the axis: zeros beyond it
+        pads = [p for a in reversed(range(len(base.dim))) for p in (0, base.dim[a] - added.dim[a])]
+        added = _padded(g, value, added, pads, 0)
+    return g.add(base, added)
+
+
+def _index_add(g, node, value):
+    base, index, src = value(node.args[0]), value(node.args[2]), value(node.args[3])
+    axis = node.args[1] % len(base.dim)
+    alpha = node.kwargs.get("alpha", node.args[4] if len(node.args) > 4 else 1)
+    if alpha != 1:
+        src = g.mul(src, alpha)
+    return _scatter_into(g, base, src, _ids_along(g, index, len(base.dim), axis), axis)
+
+
+def _index_put(g, node, value):
+    """index_put(base, [..., ids], values, accumulate=True): values added at their ids along
+    the indexed axis; negative ids count from the end, as in indexing."""
+    base = value(node.args[0])
+    axis, ids = _index_position(node)
+    ids = value(ids)
+    wrapped = g.where(g.cmp_lt(ids, 0), g.add(ids, base.dim[axis]), ids).set_data_type(ids.data_type)
+    flat = _ids_along(g, wrapped, len(base.dim), axis)
+    dims = list(base.dim)
+    dims[axis] = flat.dim[axis]
+    return _scatter_into(g, base, _reshape(g, value(node.args[2]), dims), flat, axis)
+
+
+def _scatter_refused(node) -> Optional[str]:
+    """What the scatter converters cannot run exactly (or fast enough)."""
+    result = _result(node)
+    if not result.is_floating_point():
+        return "a scatter-add of integers"
+    target = node.target
+    if target is aten.embedding_dense_backward.default:
+        if node.args[4]:
+            return "embedding backward with scale_grad_by_freq"
+        ids = node.args[1].meta["val"]
+        scans = ids.numel() * int(node.args[2])
+        why = _integer_ids(node, node.args[1])
+        if why is None and scans > SCATTER_SCAN_LIMIT:
+            why = f"embedding backward over {node.args[2]} rows x {ids.numel()} ids (the scatter kernel scans every id)"
+        return why
+    if target is aten.index_put.default:
+        if not (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)):
+            return "index_put without accumulate (which of repeated ids wins is unspecified)"
+        present = [ids for ids in node.args[1] if ids is not None]
+        if len(present) != 1:
+            return "index_put with more than one index tensor"
+        why = _integer_ids(node, present[0])
+        if why is not None:
+            return why
+        axis, ids = _index_position(node)
+        base, values = node.args[0].meta["val"], node.args[2].meta["val"]
+        expected = list(base.shape[:axis]) + list(ids.meta["val"].shape) + list(base.shape[axis + 1:])
+        if list(values.shape) != expected:
+            return "index_put with values broadcast to the indexed shape"
+        return None
+    return _integer_ids(node, node.args[2])
+
+
+SCATTERS = {aten.embedding_dense_backward.default: _embedding_backward, aten.scatter_add.default: _scatter_add,
+            aten.index_add.default: _index_add, aten.index_put.default: _index_put}
+
+
+GATHERS = {aten.embedding.default: _embedding, aten.index_select.default: _index_select,
+           aten.gather.default: _torch_gather, aten.index.Tensor: _index}
+
+
+def _nll_terms(g, node, value):
+    """(targets as [N, 1], ignored [N, 1], the weight of each row's class [N, 1] or None) of an
+    nll_loss or its backward (whose arguments start with the gradient)."""
+    first = 2 if node.target is aten.nll_loss_backward.default else 1
+    targets, weight, _, ignore_index = node.args[first:first + 4]
+    ids = _ids_along(g, value(targets), 2, 0)
+    ignored = g.cmp_eq(ids, ignore_index)
+    class_weight = None
+    if weight is not None:
+        class_weight = g.gather(_ids_along(g, value(weight), 2, 0), ids, 0)
+    return ids, ignored, class_weight
+
+
+NLL_REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}  # aten's reduction codes
+
+
+def _sum_all(g, tensor):
+    """The sum of every element, as [1] (a 0-d value)."""
+    return _reshape(g, g.reduction(tensor, "sum", list(range(len(tensor.dim)))), [1])
+
+
+def _nll_loss(g, node, value):
+    """nll_loss: -weight[t] * x[n, t] per row (0 where t is ignore_index); summed, or divided
+    by total_weight (the weights of the rows not ignored: 0 / 0 is NaN when all are, as in
+    torch) for the mean. An unreduced loss's total_weight is Aux: its backward reads none."""
+    x = value(node.args[0])
+    ids, ignored, class_weight = _nll_terms(g, node, value)
+    picked = g.gather(x, ids, 1)
+    if class_weight is not None:
+        picked = g.mul(picked, class_weight)
+    per_row = g.where(ignored, 0.0, g.neg(picked))
+    reduction = NLL_REDUCTIONS[node.args[3]]
+    if reduction == "none":
+        return _reshape(g, per_row, [x.dim[0]]), Aux(_result(node)[1])
+    total_weight = _sum_all(g, g.where(ignored, 0.0, 1.0 if class_weight is None else class_weight))
+    loss = _sum_all(g, per_row)
+    return (g.div(loss, total_weight) if reduction == "mean" else loss), total_weight
+
+
+def _nll_loss_backward(g, node, value):
+    """dx[n, t] = -weight[t] * dy[n] (dy / total_weight for the mean; 0 where t is
+    ignore_index), every other class 0: one value per row scattered into its class."""
+    dy, x = value(node.args[0]), value(node.args[1])
+    ids, ignored, class_weight = _nll_terms(g, node, value)
+    reduction = NLL_REDUCTIONS[node.args[4]]
+    if reduction == "mean":
+        dy = g.div(dy, value(node.args[6]))
+    per_row = g.neg(_reshape(g, dy, [x.dim[0], 1]) if reduction == "none" else dy)
+    if class_weight is not None:
+        per_row = g.mul(per_row, class_weight)
+    per_row = g.where(ignored, 0.0, per_row)
+    if list(per_row.dim) != [x.dim[0], 1]:  # a reduced loss's one gradient for every row
+        per_row = g.where(value.true([x.dim[0], 1]), per_row, per_row)
+    return g.scatter_add(per_row, ids, 1, x.dim[1])
+
+
+def _nll_loss_refused(node) -> Optional[str]:
+    backward = node.target is aten.nll_loss_backward.default
+    x, targets = (node.args[1], node.args[2]) if backward else (node.args[0], node.args[1])
+    if x.meta["val"].dim() != 2:
+        return "nll_loss of other than [N, C] scores"
+    reduction = node.args[4 if backward else 3]
+    if reduction not in NLL_REDUCTIONS:
+        return f"nll_loss reduction {reduction}"
+    return _integer_ids(node, targets)
+
+
+NLL_LOSS = {aten.nll_loss_forward.default: _nll_loss, aten.nll_loss_backward.default: _nll_loss_backward}
+
+
+HARD_ACTIVATIONS = {aten.hardswish.default: _unary, aten.hardsigmoid.default: _unary,
+                    aten.hardtanh.default: _hardtanh, aten.hardtanh_backward.default: _hardtanh_backward,
+                    aten.hardswish_backward.default: _hard_activation_backward,
+                    aten.hardsigmoid_backward.default: _hard_activation_backward}
+UNARY.update({aten.hardswish.default: "hardswish", aten.hardsigmoid.default: "hardsigmoid"})
+CONVERTERS.update(HARD_ACTIVATIONS)
+CONVERTERS.update({**{target: _avg_pool for target in AVG_POOL},
+                   **{target: _avg_pool_backward for target in AVG_POOL_BACKWARD},
+                   aten.constant_pad_nd.default: _constant_pad_nd, **GATHERS, **SCATTERS,
+                   aten.new_zeros.default: _new_zeros, **NLL_LOSS})
+REFUSALS: dict[object, Callable] = {
+    **{target: _floating_operands for target in HARD_ACTIVATIONS},
+    aten.hardtanh.default: _hardtanh_refused, aten.hardtanh_backward.default: _hardtanh_refused,
+    **{target: _avg_pool_refused for target in AVG_POOL + AVG_POOL_BACKWARD},
+    aten.constant_pad_nd.default: _constant_pad_refused,
+    **{target: _gather_refused for target in GATHERS},
+    **{target: _scatter_refused for target in SCATTERS},
+    **{target: _nll_loss_refused for target in NLL_LOSS},
+}
+
 def _tensor_ok(meta) -> Optional[str]:
     if not isinstance(meta, torch.Tensor):
         return "not a tensor"
-    if meta.dim() == 0:
-        return "a 0-d tensor"
     if meta.dtype not in TENSOR_TYPES:
         return f"type {meta.dtype}"
     if any(not isinstance(d, int) for d in meta.shape):
@@ -584,6 +989,15 @@ def _moves(node) -> bool:
             if wanted is not None and not _same_device(torch.device(wanted), node.args[0].meta["val"].device):
                 return True
         elif key != "dtype" and wanted not in _STAYS.get(key, ()):
+            return True
+    return False
+
+
+def read_as_value(placeholder) -> bool:
+    """Does a converted op read this argument's value (not only pass it as an Aux operand)?"""
+    for user in placeholder.users:
+        ignored = {user.args[i] for i in AUX_OPERANDS.get(user.target, ()) if i < len(user.args)}
+        if placeholder not in ignored:
             return True
     return False
 
@@ -658,6 +1072,8 @@ def unsupported(node) -> Optional[str]:
         weight = node.args[2] if node.target is aten.native_layer_norm.default else node.args[5]
         if weight is None:
             return "a layer norm without a weight"
+    if node.target in REFUSALS:
+        return REFUSALS[node.target](node)
     return None
 
 
