@@ -265,6 +265,8 @@ def test_tanh_keeps_relative_precision_near_zero():
     relative = ((out.double() - reference) / reference.abs().clamp_min(1e-300)).abs()
     assert relative.max() <= 4 * 2.0 ** -23, f"worst relative error {relative.max():.3g}"
     assert torch.equal(out.view(torch.int32)[-2:], values.view(torch.int32)[-2:]), "tanh(+-0) keeps its sign"
+
+
 HARD_SPECIAL = [float("-inf"), float("inf"), float("nan"), -7.0, -3.0, -2.999, -1.0, -0.5, 0.0, 0.25, 1.0,
                 2.999, 3.0, 6.0, 40.0]
 
