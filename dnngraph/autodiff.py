@@ -77,6 +77,14 @@ def replay(graph: Graph, name: str, attrs_of=lambda node: node.attrs, outputs=No
     return copy, mapped
 
 
+def _stored_narrow(tensor) -> bool:
+    """A forward output stored in a float type narrower than the compute type: its consumers
+    read it rounded (DESIGN.md, "Data types"), so the backward reads the stored value rather than
+    recompute a wider one."""
+    data_type = tensor.data_type
+    return tensor.is_output and data_type.is_floating and data_type.itemsize < 4
+
+
 @dataclasses.dataclass
 class Derivation:
     """The forward and backward graphs of one differentiation, and how their tensors line up."""
@@ -121,12 +129,14 @@ class _Deriver:
                                      data_type=tensor.data_type)
             self.forward_inputs.append(tensor)
             self.forward_input_twins.append(twin)
-        elif (producer.opdef.role in RECOMPUTED_ROLES or producer.opdef.family in RECOMPUTED_FAMILIES
-              or tensor.uid in self.recomputed):
+        elif ((producer.opdef.role in RECOMPUTED_ROLES or producer.opdef.family in RECOMPUTED_FAMILIES
+               or tensor.uid in self.recomputed) and not _stored_narrow(tensor)):
             inputs = [None if t is None else self.value(t) for t in producer.inputs]
             made = self.graph._add_op(producer.op, inputs, producer.attrs)
             for original, twin in zip(producer.outputs, made):
                 if original is not None:
+                    if original._data_type is not None:  # an integer type set on it truncates
+                        twin.set_data_type(original._data_type)
                     self.values[original.uid] = twin
             return self.values[tensor.uid]
         else:  # the forward keeps it, in the type it has inside (an output would take the io type)
