@@ -23,7 +23,7 @@ from typing import Optional
 
 import networkx as nx
 
-from . import ops  # noqa: F401  (registers every op and its backward rule)
+from . import dtypes, ops  # noqa: F401  (registers every op and its backward rule)
 from .errors import UnsupportedError
 from .fusion import partition
 from .graph import Graph
@@ -81,8 +81,7 @@ def _stored_narrow(tensor) -> bool:
     """A forward output stored in a float type narrower than the compute type: its consumers
     read it rounded (DESIGN.md, "Data types"), so the backward reads the stored value rather than
     recompute a wider one."""
-    data_type = tensor.data_type
-    return tensor.is_output and data_type.is_floating and data_type.itemsize < 4
+    return tensor.is_output and dtypes.narrower_than_compute(tensor.data_type)
 
 
 @dataclasses.dataclass

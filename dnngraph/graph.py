@@ -582,9 +582,10 @@ class Graph:
         """Outputs computed op by op in torch: dict name -> tensor. Floating tensors are computed
         and returned in `dtype`; integer and bool tensors hold their own data type (a float
         result stored as an integer is truncated toward zero, as the kernels store it). A graph
-        output is held as stored, rounded to its data type (then widened to `dtype`), and its
-        consumers read that value; virtual intermediates stay in `dtype` (DESIGN.md, "Data
-        types")."""
+        output of a float type narrower than the compute type (fp16, bf16, fp8) is held as
+        stored, rounded to that type (then widened to `dtype`), and its consumers read that
+        value; float32 outputs and virtual intermediates stay in `dtype`, which stands for the
+        compute type (DESIGN.md, "Data types")."""
         if not isinstance(bindings, dict):
             raise ExecutionError(f"reference: bindings must be a dict, got {type(bindings).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -656,8 +657,10 @@ def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tenso
         if result.is_floating_point():
             result = torch.trunc(result)
         return result.to(data_type.torch_dtype)
-    if tensor.is_output:
-        result = result.to(data_type.torch_dtype)  # torch's rounding: as the kernel stores it
+    if tensor.is_output and dtypes.narrower_than_compute(data_type):
+        # narrower than the compute type (float64 stands for it here): torch's rounding, as the
+        # kernel stores it and its consumers read it
+        result = result.to(data_type.torch_dtype)
     return result.to(float_dtype)
 
 

@@ -56,7 +56,7 @@ def as_stored_conversion(tensor, variable: str, have: str, compute: str):
     if not tensor.is_output:
         return None  # a virtual intermediate stays at least as wide as the compute type
     value = variable if have == "f" else CONVERT[(have, "f")].format(variable, compute=compute)
-    if data_type is dtypes.float32:
+    if not dtypes.narrower_than_compute(data_type):
         return None if have == "f" else (value, "f")
     return f"{value}.to({data_type.triton_type}).to({compute})", "f"
 
