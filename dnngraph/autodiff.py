@@ -49,7 +49,8 @@ def replay(graph: Graph, name: str, attrs_of=lambda node: node.attrs, outputs=No
     """A copy of `graph` (names, types, strides, outputs) with each node's attributes from
     `attrs_of`; returns (copy, original uid -> copied tensor). `outputs` (original tensors, or
     None: the graph's) are the copy's outputs, in their own layouts; ops that feed none of them
-    are left out."""
+    are left out. A graph output of a narrow float type left out becomes a cast to that type,
+    so that its consumers compute what they compute in `graph`."""
     copy = Graph(name=name, io_data_type=graph.io_data_type, intermediate_data_type=graph.intermediate_data_type,
                  compute_data_type=graph.compute_data_type, allow_tf32=graph.allow_tf32)
     kept = None if outputs is None else {t.uid for t in outputs}
@@ -72,6 +73,9 @@ def replay(graph: Graph, name: str, attrs_of=lambda node: node.attrs, outputs=No
                 twin.set_output(True)
                 if tuple(twin.stride) != tuple(original.own_stride):
                     twin.set_stride(original.own_stride)
+            elif original.is_output and dtypes.narrower_than_compute(original.data_type):
+                # an output left out is not stored, but its consumers still read it as stored
+                mapped[original.uid] = copy.cast(twin, data_type=original.data_type)
     if kept is not None:
         prune(copy)
     return copy, mapped
