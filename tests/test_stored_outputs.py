@@ -175,6 +175,22 @@ def test_conv_output_feeds_its_epilogue_as_stored(groups):
     _assert_as_stored(outputs, refs, "c", "z", wide)
 
 
+@pytest.mark.parametrize("groups", [1, 4], ids=["implicit_gemm", "depthwise"])
+def test_conv_prologue_output_feeds_the_convolution_as_stored(groups):
+    g = _graph()
+    x, r = g.tensor(name="x", dim=[2, 4, 6, 6]), g.tensor(name="r", dim=[2, 4, 6, 6])
+    w = g.tensor(name="w", dim=[4, 4 // groups, 3, 3])
+    h = g.add(x, r, name="h_op").set_name("h").set_output(True).set_data_type(dg.float16)
+    _conv(g, h, w, groups).set_name("y").set_output(True)
+    xt, rt, wt = _bases([2, 4, 6, 6]), _fractions([2, 4, 6, 6]), _ints([4, 4 // groups, 3, 3], 0, 1)
+    outputs, refs = _execute(g, {"x": xt, "r": rt, "w": wt})
+    assert "conv_fprop" in g.explain().split("kernel 1 ")[1].split("reads")[0]  # h recomputed there
+    expected = F.conv2d(xt.double(), wt.double(), groups=groups)  # the stored h is x
+    assert torch.equal(refs["y"], expected)
+    assert torch.equal(outputs["y"].double(), expected)
+    assert not torch.equal(expected, F.conv2d(xt.double() + rt.double(), wt.double(), groups=groups))
+
+
 def test_conv_genstats_exit_reduces_the_stored_output():
     xt, wt, wide = _exact_conv(2, 3, 5, 5)
     g = _graph()

@@ -116,7 +116,10 @@ class ExpressionEmitter:
 
     def _hold_as_stored(self, tensor):
         """Hold a value just made as its consumers see it: one statement, read by every consumer
-        (nodes and the anchor alike), so the store and the consumers see the same bits."""
+        (nodes and the anchor alike), so the store and the consumers see the same bits. A value
+        nothing reads is left to its store's conversion."""
+        if not tensor.graph.consumers(tensor):
+            return
         conversion = self._conversion(tensor)
         if conversion is not None:
             text, kind = conversion
