@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import dnngraph as dg
 from helpers import check, poisoned, rel_err, run
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 NARROW = {"float16": (dg.float16, torch.float16), "bfloat16": (dg.bfloat16, torch.bfloat16)}
 GEN = torch.Generator().manual_seed(26)
 
@@ -38,9 +39,10 @@ def _bases(shape) -> torch.Tensor:
     return torch.randint(64, 128, shape, generator=GEN).float()
 
 
-def _execute(g, inputs: dict) -> tuple[dict, dict]:
-    outputs = run(g, inputs)
-    return outputs, g.reference(inputs)
+def _execute(g, inputs: dict, device: str) -> tuple[dict, dict]:
+    """Outputs (poisoned first) on `device`, returned on the CPU, and the reference."""
+    outputs = run(g, {name: value.to(device) for name, value in inputs.items()}, device)
+    return {name: value.cpu() for name, value in outputs.items()}, g.reference(inputs)
 
 
 def _assert_as_stored(outputs, refs, stored: str, consumer: str, wide: torch.Tensor):
@@ -54,41 +56,66 @@ def _assert_as_stored(outputs, refs, stored: str, consumer: str, wide: torch.Ten
 
 
 # --- pointwise ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("narrow", sorted(NARROW))
-def test_pointwise_output_feeds_the_rest_of_its_chain_as_stored(narrow):
+def test_pointwise_output_feeds_the_rest_of_its_chain_as_stored(narrow, device):
     g = _graph()
     x, r, t = (g.tensor(name=n, dim=[3, 37]) for n in ("x", "r", "t"))
     h = g.add(x, r, name="h_op").set_name("h").set_output(True).set_data_type(NARROW[narrow][0])
     g.mul(g.sub(h, t), 1.0, name="z_op").set_name("z").set_output(True)
     xt, rt = _bases([3, 37]), _fractions([3, 37])
     inputs = {"x": xt, "r": rt, "t": xt + rt}
-    outputs, refs = _execute(g, inputs)
+    outputs, refs = _execute(g, inputs, device)
     assert len(g.plan.launches) == 1  # h is consumed inside the kernel that makes it
     _assert_as_stored(outputs, refs, "h", "z", xt + rt)
 
 
-def test_integer_output_is_consumed_exact():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fp8", ["float8_e4m3", "float8_e5m2"])
+def test_fp8_output_feeds_the_rest_of_its_chain_and_an_epilogue_as_stored(fp8, device):
+    # bases 8 to 14 (even: exact in both fp8 types), fractions of 2**-4 below a quarter spacing
+    g = _graph()
+    fp8_type = getattr(dg, fp8)
+    x, r, t = (g.tensor(name=n, dim=[5, 12]) for n in ("x", "r", "t"))
+    h = g.add(x, r, name="h_op").set_name("h").set_output(True).set_data_type(fp8_type)
+    g.sub(h, t, name="z_op").set_name("z").set_output(True)
+    w = g.tensor(name="w", dim=[12, 7])
+    c = g.matmul(x, w, name="c_op").set_name("c").set_output(True).set_data_type(fp8_type)
+    g.sub(c, g.tensor(name="tc", dim=[5, 7]), name="zc_op").set_name("zc").set_output(True)
+    xt, rt = torch.randint(4, 8, (5, 12), generator=GEN).float() * 2, _fractions([5, 12], 2.0 ** -4)
+    wt = torch.zeros(12, 7)
+    wt[0] = 1 + _fractions([7], 2.0 ** -8)  # c = x[:, 0] plus at most 14 * 3 / 256 < a quarter spacing
+    wide_c = xt.double() @ wt.double()
+    inputs = {"x": xt, "r": rt, "t": xt + rt, "w": wt, "tc": wide_c.float()}
+    outputs, refs = _execute(g, inputs, device)
+    _assert_as_stored(outputs, refs, "h", "z", xt + rt)
+    _assert_as_stored(outputs, refs, "c", "zc", wide_c)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_integer_output_is_consumed_exact(device):
     # y is stored as int32 (truncated toward zero); its consumer reads the integer, not 2.5 x
     g = _graph()
     x = g.tensor(name="x", dim=[2, 19])
     y = g.mul(x, 2.5, name="y_op").set_name("y").set_output(True).set_data_type(dg.int32)
     g.add(y, 0.25, name="z_op").set_name("z").set_output(True)
     xt = torch.randn(2, 19, generator=GEN) * 8
-    outputs, refs = _execute(g, {"x": xt})
+    outputs, refs = _execute(g, {"x": xt}, device)
     truncated = torch.trunc(xt.double() * 2.5)
     assert torch.equal(outputs["y"], truncated.int()) and torch.equal(refs["y"], truncated.int())
     assert torch.equal(outputs["z"].double(), truncated + 0.25)
     assert torch.equal(refs["z"], truncated + 0.25)
 
 
-def test_bool_output_consumed_downstream_is_exact():
+@pytest.mark.parametrize("device", DEVICES)
+def test_bool_output_consumed_downstream_is_exact(device):
     g = _graph()
     x = g.tensor(name="x", dim=[2, 23])
     y = g.mul(x, 3.0, name="y_op").set_name("y").set_output(True).set_data_type(dg.bool)
     g.add(y, 0.5, name="z_op").set_name("z").set_output(True)
     xt = torch.randn(2, 23, generator=GEN)
     xt[0, :5] = 0.0
-    outputs, refs = _execute(g, {"x": xt})
+    outputs, refs = _execute(g, {"x": xt}, device)
     assert torch.equal(outputs["z"].double(), (xt != 0).double() + 0.5)
     assert torch.equal(refs["z"], (xt != 0).double() + 0.5)
 
@@ -101,8 +128,9 @@ def _exact_product(m, k, n):
     return a, b, a.double() @ b.double()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("narrow", sorted(NARROW))
-def test_matmul_output_feeds_its_epilogue_as_stored(narrow):
+def test_matmul_output_feeds_its_epilogue_as_stored(narrow, device):
     m, k, n = 9, 5, 11
     g = _graph()
     a, b = g.tensor(name="a", dim=[m, k + 1]), g.tensor(name="b", dim=[k + 1, n])
@@ -110,27 +138,29 @@ def test_matmul_output_feeds_its_epilogue_as_stored(narrow):
     c = g.matmul(a, b, name="c_op").set_name("c").set_output(True).set_data_type(NARROW[narrow][0])
     g.sub(c, t, name="z_op").set_name("z").set_output(True)
     at, bt, wide = _exact_product(m, k, n)
-    outputs, refs = _execute(g, {"a": at, "b": bt, "t": wide.float()})
+    outputs, refs = _execute(g, {"a": at, "b": bt, "t": wide.float()}, device)
     assert len(g.plan.launches) == 1
     _assert_as_stored(outputs, refs, "c", "z", wide)
 
 
-def test_matmul_row_exit_reduces_the_stored_output():
+@pytest.mark.parametrize("device", DEVICES)
+def test_matmul_row_exit_reduces_the_stored_output(device):
     m, k, n = 7, 4, 13
     g = _graph()
     a, b = g.tensor(name="a", dim=[m, k + 1]), g.tensor(name="b", dim=[k + 1, n])
     c = g.matmul(a, b, name="c_op").set_name("c").set_output(True).set_data_type(dg.float16)
     g.reduction(c, "sum", axes=[1], name="s_op").set_name("s").set_output(True)
     at, bt, wide = _exact_product(m, k, n)
-    outputs, refs = _execute(g, {"a": at, "b": bt})
+    outputs, refs = _execute(g, {"a": at, "b": bt}, device)
     assert "[matmul]" in g.explain().split("kernel 0 ")[1].split("\n")[0] and "s_op" in g.explain()
     stored_sum = wide.half().double().sum(dim=1, keepdim=True)
     assert torch.equal(refs["s"], stored_sum) and not torch.equal(stored_sum, wide.sum(dim=1, keepdim=True))
     assert torch.equal(outputs["s"].double(), stored_sum)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("narrow", sorted(NARROW))
-def test_matmul_prologue_output_feeds_the_dot_as_stored(narrow):
+def test_matmul_prologue_output_feeds_the_dot_as_stored(narrow, device):
     m, k, n = 6, 8, 10
     g = _graph()
     x, r = g.tensor(name="x", dim=[m, k]), g.tensor(name="r", dim=[m, k])
@@ -138,7 +168,7 @@ def test_matmul_prologue_output_feeds_the_dot_as_stored(narrow):
     h = g.add(x, r, name="h_op").set_name("h").set_output(True).set_data_type(NARROW[narrow][0])
     g.matmul(h, w, name="y_op").set_name("y").set_output(True)
     xt, rt, wt = _bases([m, k]), _fractions([m, k]), _ints([k, n])
-    outputs, refs = _execute(g, {"x": xt, "r": rt, "w": wt})
+    outputs, refs = _execute(g, {"x": xt, "r": rt, "w": wt}, device)
     expected = xt.double() @ wt.double()  # the stored h is x: the fractions are dropped
     assert torch.equal(refs["y"], expected)
     assert torch.equal(outputs["y"].double(), expected)
@@ -162,28 +192,30 @@ def _conv(g, x, w, groups=1):
     return g.conv_fprop(x, w, padding=[0, 0], stride=[1, 1], dilation=[1, 1], groups=groups, name="c_op")
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("groups", [1, 4], ids=["implicit_gemm", "depthwise"])
-def test_conv_output_feeds_its_epilogue_as_stored(groups):
+def test_conv_output_feeds_its_epilogue_as_stored(groups, device):
     xt, wt, wide = _exact_conv(2, 4, 4, 6, groups)
     g = _graph()
     x, w = g.tensor_like(xt, "x"), g.tensor_like(wt, "w")
     t = g.tensor(name="t", dim=list(wide.shape))
     c = _conv(g, x, w, groups).set_name("c").set_output(True).set_data_type(dg.float16)
     g.sub(c, t, name="z_op").set_name("z").set_output(True)
-    outputs, refs = _execute(g, {"x": xt, "w": wt, "t": wide.float()})
+    outputs, refs = _execute(g, {"x": xt, "w": wt, "t": wide.float()}, device)
     assert len(g.plan.launches) == 1
     _assert_as_stored(outputs, refs, "c", "z", wide)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("groups", [1, 4], ids=["implicit_gemm", "depthwise"])
-def test_conv_prologue_output_feeds_the_convolution_as_stored(groups):
+def test_conv_prologue_output_feeds_the_convolution_as_stored(groups, device):
     g = _graph()
     x, r = g.tensor(name="x", dim=[2, 4, 6, 6]), g.tensor(name="r", dim=[2, 4, 6, 6])
     w = g.tensor(name="w", dim=[4, 4 // groups, 3, 3])
     h = g.add(x, r, name="h_op").set_name("h").set_output(True).set_data_type(dg.float16)
     _conv(g, h, w, groups).set_name("y").set_output(True)
     xt, rt, wt = _bases([2, 4, 6, 6]), _fractions([2, 4, 6, 6]), _ints([4, 4 // groups, 3, 3], 0, 1)
-    outputs, refs = _execute(g, {"x": xt, "r": rt, "w": wt})
+    outputs, refs = _execute(g, {"x": xt, "r": rt, "w": wt}, device)
     assert "conv_fprop" in g.explain().split("kernel 1 ")[1].split("reads")[0]  # h recomputed there
     expected = F.conv2d(xt.double(), wt.double(), groups=groups)  # the stored h is x
     assert torch.equal(refs["y"], expected)
@@ -191,7 +223,8 @@ def test_conv_prologue_output_feeds_the_convolution_as_stored(groups):
     assert not torch.equal(expected, F.conv2d(xt.double() + rt.double(), wt.double(), groups=groups))
 
 
-def test_conv_genstats_exit_reduces_the_stored_output():
+@pytest.mark.parametrize("device", DEVICES)
+def test_conv_genstats_exit_reduces_the_stored_output(device):
     xt, wt, wide = _exact_conv(2, 3, 5, 5)
     g = _graph()
     x, w = g.tensor_like(xt, "x"), g.tensor_like(wt, "w")
@@ -199,7 +232,7 @@ def test_conv_genstats_exit_reduces_the_stored_output():
     total, squares = g.genstats(c, name="stats")
     total.set_name("sum").set_output(True)
     squares.set_name("sq").set_output(True)
-    outputs, refs = _execute(g, {"x": xt, "w": wt})
+    outputs, refs = _execute(g, {"x": xt, "w": wt}, device)
     stored = wide.half().double()
     expected_sum = stored.sum(dim=(0, 2, 3), keepdim=True).view(refs["sum"].shape)
     expected_sq = (stored * stored).sum(dim=(0, 2, 3), keepdim=True).view(refs["sq"].shape)
@@ -236,13 +269,14 @@ def _layernorm(h, scale, bias):
     return F.layer_norm(h.double(), [h.shape[-1]], scale.double().view(-1), bias.double().view(-1), eps=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("narrow", sorted(NARROW))
-def test_add_layernorm_reads_the_add_as_stored_cudnn_notebook(narrow):
+def test_add_layernorm_reads_the_add_as_stored_cudnn_notebook(narrow, device):
     narrow_type, narrow_dtype = NARROW[narrow]
     g = _add_layernorm(narrow_type, stored=True)
     xt, rt = _near_constant_rows(5, 37, narrow_dtype)
     st, bt = torch.randn(1, 37, generator=GEN), torch.randn(1, 37, generator=GEN)
-    outputs, refs = _execute(g, {"x": xt, "r": rt, "scale": st, "bias": bt})
+    outputs, refs = _execute(g, {"x": xt, "r": rt, "scale": st, "bias": bt}, device)
     assert len(g.plan.launches) == 1  # the add is the norm's prologue
     as_stored, wide = _layernorm(xt, st, bt), _layernorm(xt + rt, st, bt)
     assert torch.equal(refs["h"], xt.double())
@@ -254,19 +288,21 @@ def test_add_layernorm_reads_the_add_as_stored_cudnn_notebook(narrow):
         rel_err(outputs["mean"], refs["mean"]) < 1e-6
 
 
-def test_virtual_add_keeps_the_wide_value_in_the_layernorm():
+@pytest.mark.parametrize("device", DEVICES)
+def test_virtual_add_keeps_the_wide_value_in_the_layernorm(device):
     g = _add_layernorm(dg.float16, stored=False)
     xt, rt = _near_constant_rows(5, 37, torch.float16)
     st, bt = torch.randn(1, 37, generator=GEN), torch.randn(1, 37, generator=GEN)
-    outputs, refs = _execute(g, {"x": xt, "r": rt, "scale": st, "bias": bt})
+    outputs, refs = _execute(g, {"x": xt, "r": rt, "scale": st, "bias": bt}, device)
     wide, as_rounded = _layernorm(xt.double() + rt.double(), st, bt), _layernorm(xt, st, bt)
     assert rel_err(refs["y"], wide) < 1e-12
     assert rel_err(outputs["y"], wide) < 1e-4
     assert rel_err(as_rounded, wide) > 0.01
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["sum", "max"])
-def test_reduction_output_feeds_its_epilogue_as_stored(mode):
+def test_reduction_output_feeds_its_epilogue_as_stored(mode, device):
     g = _graph()
     x, r = g.tensor(name="x", dim=[4, 3, 9]), g.tensor(name="r", dim=[4, 1, 9])
     t = g.tensor(name="t", dim=[4, 1, 9])
@@ -275,19 +311,20 @@ def test_reduction_output_feeds_its_epilogue_as_stored(mode):
     g.sub(h, t, name="z_op").set_name("z").set_output(True)
     xt, rt = _ints([4, 3, 9], 20, 40), _fractions([4, 1, 9])
     wide = getattr(xt.double() + rt.double(), "amax" if mode == "max" else "sum")(dim=1, keepdim=True)
-    outputs, refs = _execute(g, {"x": xt, "r": rt, "t": wide.float()})
+    outputs, refs = _execute(g, {"x": xt, "r": rt, "t": wide.float()}, device)
     assert len(g.plan.launches) == 1
     _assert_as_stored(outputs, refs, "h", "z", wide)
 
 
-def test_softmax_output_feeds_its_epilogue_as_stored():
+@pytest.mark.parametrize("device", DEVICES)
+def test_softmax_output_feeds_its_epilogue_as_stored(device):
     g = _graph()
     x, t = g.tensor(name="x", dim=[6, 29]), g.tensor(name="t", dim=[6, 29])
     p = g.softmax(x, axis=-1, name="p_op").set_name("p").set_output(True).set_data_type(dg.float16)
     g.sub(p, t, name="z_op").set_name("z").set_output(True)
     xt = torch.randn(6, 29, generator=GEN)
     wide = torch.softmax(xt.double(), dim=-1)
-    outputs, refs = _execute(g, {"x": xt, "t": wide.float()})
+    outputs, refs = _execute(g, {"x": xt, "t": wide.float()}, device)
     expected = wide.half().double() - wide.float().double()
     assert rel_err(refs["z"], expected) < 1e-6
     # a wide read would give about fp32's error of the softmax: a relative error near 1 here
@@ -295,7 +332,8 @@ def test_softmax_output_feeds_its_epilogue_as_stored():
 
 
 # --- pooling --------------------------------------------------------------------------------------
-def test_pooling_output_and_prologue_are_consumed_as_stored():
+@pytest.mark.parametrize("device", DEVICES)
+def test_pooling_output_and_prologue_are_consumed_as_stored(device):
     g = _graph()
     x, r = g.tensor(name="x", dim=[2, 3, 7, 7]), g.tensor(name="r", dim=[2, 3, 7, 7])
     t = g.tensor(name="t", dim=[2, 3, 3, 3])
@@ -307,7 +345,7 @@ def test_pooling_output_and_prologue_are_consumed_as_stored():
     g.sub(m, t, name="z_op").set_name("z").set_output(True)
     xt, rt = _bases([2, 3, 7, 7]), _fractions([2, 3, 7, 7])
     wide_max = F.max_pool2d(xt.double() + rt.double(), 3, 2)
-    outputs, refs = _execute(g, {"x": xt, "r": rt, "t": wide_max.float()})
+    outputs, refs = _execute(g, {"x": xt, "r": rt, "t": wide_max.float()}, device)
     expected_avg = F.avg_pool2d(xt.double(), 3, 2)  # the average of the stored h
     assert rel_err(refs["y"], expected_avg) < 1e-12
     assert rel_err(outputs["y"], expected_avg) < 1e-6
@@ -316,7 +354,8 @@ def test_pooling_output_and_prologue_are_consumed_as_stored():
 
 
 # --- attention ------------------------------------------------------------------------------------
-def test_sdpa_output_feeds_its_epilogue_as_stored():
+@pytest.mark.parametrize("device", DEVICES)
+def test_sdpa_output_feeds_its_epilogue_as_stored(device):
     gen = torch.Generator().manual_seed(3)
     q_t, k_t, v_t = (torch.randn(1, 2, n, 16, generator=gen) for n in (9, 11, 11))
     g = _graph()
@@ -326,13 +365,14 @@ def test_sdpa_output_feeds_its_epilogue_as_stored():
     wide = F.scaled_dot_product_attention(q_t.double(), k_t.double(), v_t.double())
     t = g.tensor(name="t", dim=list(wide.shape))
     g.sub(o, t, name="z_op").set_name("z").set_output(True)
-    outputs, refs = _execute(g, {"q": q_t, "k": k_t, "v": v_t, "t": wide.float()})
+    outputs, refs = _execute(g, {"q": q_t, "k": k_t, "v": v_t, "t": wide.float()}, device)
     expected = wide.half().double() - wide.float().double()
     assert rel_err(refs["z"], expected) < 1e-6
     assert rel_err(outputs["z"], refs["z"]) < 0.05
 
 
-def test_attention_chain_with_a_stored_score_output_matches_the_reference():
+@pytest.mark.parametrize("device", DEVICES)
+def test_attention_chain_with_a_stored_score_output_matches_the_reference(device):
     gen = torch.Generator().manual_seed(4)
     q_t, kt_t, v_t = torch.randn(1, 2, 7, 8, generator=gen), torch.randn(1, 2, 8, 9, generator=gen), \
         torch.randn(1, 2, 9, 8, generator=gen)
@@ -341,7 +381,7 @@ def test_attention_chain_with_a_stored_score_output_matches_the_reference():
     scores = g.scale(g.matmul(q, kt), 0.35, name="scaled").set_name("s")
     scores.set_output(True).set_data_type(dg.float16)
     g.matmul(g.softmax(scores, axis=-1), v, name="pv").set_name("o").set_output(True)
-    outputs, refs = _execute(g, {"q": q_t, "kt": kt_t, "v": v_t})
+    outputs, refs = _execute(g, {"q": q_t, "kt": kt_t, "v": v_t}, device)
     stored = (torch.matmul(q_t.double(), kt_t.double()) * 0.35).half().double()
     expected = torch.matmul(torch.softmax(stored, dim=-1), v_t.double())
     assert rel_err(refs["o"], expected) < 1e-12
