@@ -118,10 +118,8 @@ class ExpressionEmitter:
         """Hold a value just made as its consumers see it: one statement, read by every consumer
         (nodes and the anchor alike), so the store and the consumers see the same bits. A value
         nothing reads is left to its store's conversion."""
-        if not tensor.graph.consumers(tensor):
-            return
         conversion = self._conversion(tensor)
-        if conversion is not None:
+        if conversion is not None and tensor.graph.consumers(tensor):  # (only graph tensors convert)
             text, kind = conversion
             variable = self.names.fresh(self.hint)
             self.lines.append(f"{variable} = {text}  # "
