@@ -14,11 +14,17 @@ import torch
 import torch.nn.functional as F
 
 import dnngraph as dg
-from helpers import check, poisoned, rel_err, run
+from helpers import check, rel_err, run
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 NARROW = {"float16": (dg.float16, torch.float16), "bfloat16": (dg.bfloat16, torch.bfloat16)}
-GEN = torch.Generator().manual_seed(26)
+GEN = torch.Generator()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_draws():
+    """Every test draws the same inputs, whatever ran before it in its process."""
+    GEN.manual_seed(26)
 
 
 def _graph(**types) -> dg.Graph:
@@ -183,7 +189,7 @@ def _exact_conv(batch, channels, filters, size, groups=1):
     x = _ints([batch, channels, size, size], 0, 1)
     w = _ints([filters, channels // groups, 3, 3], 0, 1)
     x[:, ::channels // groups] = 1.0
-    w[:, 0, 1, 1] = 64 + _fractions([filters])
+    w[:, 0, 1, 1] = 64 + _fractions([filters]).clamp(min=2.0 ** -9)  # a fraction in every filter
     wide = F.conv2d(x.double(), w.double(), groups=groups)
     return x, w, wide
 
@@ -283,9 +289,9 @@ def test_add_layernorm_reads_the_add_as_stored_cudnn_notebook(narrow, device):
     assert rel_err(refs["y"], as_stored) < 1e-12
     assert rel_err(wide, as_stored) > 0.01, "the dropped fractions must matter"
     assert torch.equal(outputs["h"].double(), xt.double())
-    assert rel_err(outputs["y"], refs["y"]) < 1e-4
-    assert torch.equal(outputs["mean"].double(), refs["mean"].float().double()) or \
-        rel_err(outputs["mean"], refs["mean"]) < 1e-6
+    # fp32's mean of values near 1 is off by ~1e-7, a spread of a few 2**-11 by ~1e-4
+    assert rel_err(outputs["y"], refs["y"]) < 1e-3
+    assert rel_err(outputs["mean"], refs["mean"]) < 1e-6
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -296,7 +302,7 @@ def test_virtual_add_keeps_the_wide_value_in_the_layernorm(device):
     outputs, refs = _execute(g, {"x": xt, "r": rt, "scale": st, "bias": bt}, device)
     wide, as_rounded = _layernorm(xt.double() + rt.double(), st, bt), _layernorm(xt, st, bt)
     assert rel_err(refs["y"], wide) < 1e-12
-    assert rel_err(outputs["y"], wide) < 1e-4
+    assert rel_err(outputs["y"], wide) < 1e-3
     assert rel_err(as_rounded, wide) > 0.01
 
 
