@@ -23,7 +23,7 @@ from typing import Optional
 
 import networkx as nx
 
-from . import ops  # noqa: F401  (registers every op and its backward rule)
+from . import dtypes, ops  # noqa: F401  (registers every op and its backward rule)
 from .errors import UnsupportedError
 from .fusion import partition
 from .graph import Graph
@@ -49,7 +49,8 @@ def replay(graph: Graph, name: str, attrs_of=lambda node: node.attrs, outputs=No
     """A copy of `graph` (names, types, strides, outputs) with each node's attributes from
     `attrs_of`; returns (copy, original uid -> copied tensor). `outputs` (original tensors, or
     None: the graph's) are the copy's outputs, in their own layouts; ops that feed none of them
-    are left out."""
+    are left out. A graph output of a narrow float type left out becomes a cast to that type,
+    so that its consumers compute what they compute in `graph`."""
     copy = Graph(name=name, io_data_type=graph.io_data_type, intermediate_data_type=graph.intermediate_data_type,
                  compute_data_type=graph.compute_data_type, allow_tf32=graph.allow_tf32)
     kept = None if outputs is None else {t.uid for t in outputs}
@@ -72,9 +73,19 @@ def replay(graph: Graph, name: str, attrs_of=lambda node: node.attrs, outputs=No
                 twin.set_output(True)
                 if tuple(twin.stride) != tuple(original.own_stride):
                     twin.set_stride(original.own_stride)
+            elif original.is_output and dtypes.narrower_than_compute(original.data_type):
+                # an output left out is not stored, but its consumers still read it as stored
+                mapped[original.uid] = copy.cast(twin, data_type=original.data_type)
     if kept is not None:
         prune(copy)
     return copy, mapped
+
+
+def _stored_narrow(tensor) -> bool:
+    """A forward output stored in a float type narrower than the compute type: its consumers
+    read it rounded (DESIGN.md, "Data types"), so the backward reads the stored value rather than
+    recompute a wider one."""
+    return tensor.is_output and dtypes.narrower_than_compute(tensor.data_type)
 
 
 @dataclasses.dataclass
@@ -121,12 +132,14 @@ class _Deriver:
                                      data_type=tensor.data_type)
             self.forward_inputs.append(tensor)
             self.forward_input_twins.append(twin)
-        elif (producer.opdef.role in RECOMPUTED_ROLES or producer.opdef.family in RECOMPUTED_FAMILIES
-              or tensor.uid in self.recomputed):
+        elif ((producer.opdef.role in RECOMPUTED_ROLES or producer.opdef.family in RECOMPUTED_FAMILIES
+               or tensor.uid in self.recomputed) and not _stored_narrow(tensor)):
             inputs = [None if t is None else self.value(t) for t in producer.inputs]
             made = self.graph._add_op(producer.op, inputs, producer.attrs)
             for original, twin in zip(producer.outputs, made):
                 if original is not None:
+                    if original._data_type is not None:  # an integer type set on it truncates
+                        twin.set_data_type(original._data_type)
                     self.values[original.uid] = twin
             return self.values[tensor.uid]
         else:  # the forward keeps it, in the type it has inside (an output would take the io type)

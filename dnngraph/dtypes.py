@@ -34,6 +34,11 @@ int32 = DataType("int32", torch.int32, "tl.int32", False)
 int64 = DataType("int64", torch.int64, "tl.int64", False)
 bool_ = DataType("bool", torch.bool, "tl.int1", False)
 
+def narrower_than_compute(data_type: DataType) -> bool:
+    """A float type narrower than float32, the compute type: a value stored in it is rounded."""
+    return data_type.is_floating and data_type.itemsize < float32.itemsize
+
+
 ALL_TYPES = (float32, float16, bfloat16, float8_e4m3, float8_e5m2, int32, int64, bool_)
 _BY_NAME = {t.name: t for t in ALL_TYPES}
 _BY_TORCH = {t.torch_dtype: t for t in ALL_TYPES}

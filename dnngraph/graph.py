@@ -606,7 +606,11 @@ class Graph:
     def reference(self, bindings: dict, dtype=torch.float64, all_tensors: bool = False) -> dict:
         """Outputs computed op by op in torch: dict name -> tensor. Floating tensors are computed
         and returned in `dtype`; integer and bool tensors hold their own data type (a float
-        result stored as an integer is truncated toward zero, as the kernels store it)."""
+        result stored as an integer is truncated toward zero, as the kernels store it). A graph
+        output of a float type narrower than the compute type (fp16, bf16, fp8) is held as
+        stored, rounded to that type (then widened to `dtype`), and its consumers read that
+        value; float32 outputs and virtual intermediates stay in `dtype`, which stands for the
+        compute type (DESIGN.md, "Data types")."""
         if not isinstance(bindings, dict):
             raise ExecutionError(f"reference: bindings must be a dict, got {type(bindings).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -621,7 +625,7 @@ class Graph:
             results = node.opdef.reference(inputs, node.attrs)
             for tensor, result in zip(node.outputs, results):
                 if tensor is not None:
-                    values[tensor.uid] = _as_stored(result, tensor.data_type, dtype)
+                    values[tensor.uid] = _as_stored(result, tensor, dtype)
         chosen = self._tensors.values() if all_tensors else self.outputs()
         return {t.name: values[t.uid] for t in chosen if t.uid in values}
 
@@ -667,14 +671,21 @@ class Graph:
         return f"Graph({self.name!r}, {len(self._nodes)} ops, {len(self._tensors)} tensors)"
 
 
-def _as_stored(result: torch.Tensor, data_type: dtypes.DataType, float_dtype) -> torch.Tensor:
-    """A reference result as its tensor holds it: floats in `float_dtype`, else the own type."""
+def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tensor:
+    """A reference result as `tensor` holds it for its consumers: an integer or bool tensor in
+    its own type, a graph output of floats rounded to its type, a virtual one as computed; floats
+    are held in `float_dtype`."""
+    data_type = tensor.data_type
     if data_type is dtypes.bool_:
         return result if result.dtype == torch.bool else result != 0
     if not data_type.is_floating:
         if result.is_floating_point():
             result = torch.trunc(result)
         return result.to(data_type.torch_dtype)
+    if tensor.is_output and dtypes.narrower_than_compute(data_type):
+        # narrower than the compute type (float64 stands for it here): torch's rounding, as the
+        # kernel stores it and its consumers read it
+        result = result.to(data_type.torch_dtype)
     return result.to(float_dtype)
 
 

@@ -681,13 +681,19 @@ class GraphBuilder:
             if tensor.is_output and value.kind == "float" and tensor.data_type.name != "float32" \
                     and self.rng.random() < 0.2:
                 tensor.set_data_type(dg.float32)
-            elif tensor.is_output and value.kind == "float" and self.rng.random() < 0.15:
+            elif tensor.is_output and value.kind == "float" and self.rng.random() < self._narrow_chance(tensor):
                 tensor.set_data_type(FLOAT_IO[self.rng.choice(["float16"] + (["bfloat16"] if self.device != "cpu" else []))])
             if tensor.is_output and self.rng.random() < 0.15 and len(tensor.dim) > 1:
                 order = list(range(len(tensor.dim)))
                 self.rng.shuffle(order)
                 tensor.set_stride(dense_strides(tensor.dim, order))
                 self.steps.append(f"output {tensor.name!r} strides {list(tensor.stride)}")
+
+
+    def _narrow_chance(self, tensor) -> float:
+        """How often an output is stored narrow: often where something also reads it, since its
+        consumers (fused with it or not) must then read the stored value (DESIGN.md)."""
+        return 0.5 if self.graph.consumers(tensor) else 0.15
 
 
 def _finite_max(data: torch.Tensor) -> float:

@@ -41,6 +41,16 @@ def test_the_generator_covers_every_family():
     assert expected <= ops, sorted(expected - ops)
 
 
+def test_the_generator_stores_outputs_narrow_that_other_ops_read():
+    # the consumers of such an output must read the stored value, fused or not (DESIGN.md)
+    read_narrow = 0
+    for seed in range(CPU_GRAPHS):
+        graph = graphgen.generate(seed).graph
+        read_narrow += any(t.is_output and t.data_type.name in ("float16", "bfloat16") and graph.consumers(t)
+                           for t in graph.outputs())
+    assert read_narrow >= CPU_GRAPHS // 10, read_narrow
+
+
 def test_norm_backward_reference_keeps_parameter_shape_when_every_axis_is_normalized():
     # scale covers every axis of x: dscale and dbias are per element, not summed over everything
     g = graphgen.dg.Graph()

@@ -3,6 +3,11 @@
 Every family uses it for prologues and epilogues; the pointwise family is nothing but it.
 Values are kept in the compute type ("f") or as predicates ("b"); conversions are inserted
 where a consumer needs the other kind.
+
+A consumer sees a graph output as stored (DESIGN.md, "Data types"): the emitter holds every such
+value rounded to its narrow float type (or converted to its integer or bool type) the moment it
+is made, and rounds a value a family bound itself (an anchor's result) where a node reads it.
+Virtual intermediates keep the compute type.
 """
 from __future__ import annotations
 
@@ -35,6 +40,27 @@ def kind_of(data_type) -> str:
     return {dtypes.int32: "i", dtypes.int64: "l"}.get(data_type, "f")
 
 
+def as_stored_conversion(tensor, variable: str, have: str, compute: str):
+    """(text, kind) of `tensor`'s value, held as `variable` of kind `have`, as its consumers see
+    it, or None where the held value already is that. Integer and bool tensors are exact
+    everywhere (a float stored to an integer truncates toward zero, as the store does); a graph
+    output of a float type is rounded to it through the same conversion its store makes."""
+    data_type = tensor.data_type
+    want = kind_of(data_type)
+    if want != "f":
+        if have == want:
+            return None
+        if have == "f" and want in INTEGER_TYPES:
+            return f"{variable}.to({INTEGER_TYPES[want]})", want
+        return CONVERT[(have, want)].format(variable, compute=compute), want
+    if not tensor.is_output:
+        return None  # a virtual intermediate stays at least as wide as the compute type
+    value = variable if have == "f" else CONVERT[(have, "f")].format(variable, compute=compute)
+    if not dtypes.narrower_than_compute(data_type):
+        return None if have == "f" else (value, "f")
+    return f"{value}.to({data_type.triton_type}).to({compute})", "f"
+
+
 def _integral(constant) -> bool:
     return isinstance(constant, int) and not isinstance(constant, bool)
 
@@ -59,9 +85,47 @@ class ExpressionEmitter:
         self.globals: list[str] = []  # module-level constexprs (non-finite constants)
         self.scalars: list[tuple[str, int]] = []
         self.values: dict[int, tuple[str, str]] = {}
+        self.as_stored: set[int] = set()  # uids whose held value already is what consumers see
 
     def bind(self, uid: int, variable: str, kind: str):
+        """Hold tensor `uid` as `variable` of `kind`, as computed (not yet as stored)."""
         self.values[uid] = (variable, kind)
+        self.as_stored.discard(uid)
+
+    def inherit(self, parent: "ExpressionEmitter"):
+        """Start from the values `parent` holds (a nested scope of the same kernel)."""
+        self.values = dict(parent.values)
+        self.as_stored = set(parent.as_stored)
+
+    def consumed(self, tensor, kind: str) -> str:
+        """Graph tensor `tensor`'s value as a consumer sees it (as stored), converted to `kind`."""
+        conversion = None if tensor.uid in self.as_stored else self._conversion(tensor)
+        if conversion is None:
+            return self.value(tensor.uid, kind)
+        text, have = conversion
+        return text if have == kind else CONVERT[(have, kind)].format(f"({text})", compute=self.compute)
+
+    def consumed_kind(self, tensor) -> str:
+        """The kind a consumer reads graph tensor `tensor` in."""
+        conversion = None if tensor.uid in self.as_stored else self._conversion(tensor)
+        return self.values[tensor.uid][1] if conversion is None else conversion[1]
+
+    def _conversion(self, tensor):
+        variable, have = self.values[tensor.uid]
+        return as_stored_conversion(tensor, variable, have, self.compute)
+
+    def _hold_as_stored(self, tensor):
+        """Hold a value just made as its consumers see it: one statement, read by every consumer
+        (nodes and the anchor alike), so the store and the consumers see the same bits. A value
+        nothing reads is left to its store's conversion."""
+        conversion = self._conversion(tensor)
+        if conversion is not None and tensor.graph.consumers(tensor):  # (only graph tensors convert)
+            text, kind = conversion
+            variable = self.names.fresh(self.hint)
+            self.lines.append(f"{variable} = {text}  # "
+                              f"{comment_text(f'{tensor.name} as stored ({tensor.data_type.name})')}")
+            self.values[tensor.uid] = (variable, kind)
+        self.as_stored.add(tensor.uid)
 
     def loaded(self, load: str, data_type) -> str:
         """The text of a load of `data_type`: floats convert to the compute type, others stay."""
@@ -122,7 +186,7 @@ class ExpressionEmitter:
         """"i" or "l" when `node` computes in integers, else None."""
         constants = dict(getattr(node.attrs, "constants", ()))
         if node.op == "cast":
-            have = self.values[node.inputs[0].uid][1]
+            have = self.consumed_kind(node.inputs[0])
             return have if have in INTEGER_TYPES else None
         if node.op not in INTEGER_CLOSED:
             return None
@@ -134,7 +198,7 @@ class ExpressionEmitter:
                 if not _integral(constants[position]):
                     return None  # a float constant makes the op a float op, as in torch
                 continue
-            have = self.values[node.inputs[position].uid][1]
+            have = self.consumed_kind(node.inputs[position])
             if have == "f":
                 return None
             kinds.add(have)
@@ -158,7 +222,7 @@ class ExpressionEmitter:
                 text = self._literal_of(node, f"constant operand {position}", constant)
                 operands.append(text if kind == "f" or kind in INTEGER_TYPES else f"({text} != 0)")
             else:
-                operands.append(self.value(node.inputs[position].uid, kind))
+                operands.append(self.consumed(node.inputs[position], kind))
         return operands
 
     def _fields(self, node, expression) -> dict:
@@ -196,4 +260,6 @@ class ExpressionEmitter:
         for tensor, variable, kind in zip(node.outputs, variables, results):
             if tensor is not None:
                 self.bind(tensor.uid, variable, kind)
-        return variables[0]
+                self._hold_as_stored(tensor)
+        first = node.outputs[0]
+        return variables[0] if first is None else self.values[first.uid][0]

@@ -93,11 +93,15 @@ class ExitPlan:
     [batches, column tiles, M]) or each output column (axis "column": [batches, row tiles, N])."""
 
     node: object  # the reduction node
-    source_uid: int  # the epilogue value it reduces
     partial_uid: int  # fp32 scratch of the per-tile partials
     output: GemmOperand
     mode: str = ""  # an EXIT_MODES key ("": the reduction node's mode)
     axis: str = "row"
+
+    @property
+    def source(self):
+        """The epilogue value it reduces (a graph tensor: an output is reduced as stored)."""
+        return self.node.inputs[0]
 
     @property
     def reduce_mode(self) -> str:
@@ -433,7 +437,7 @@ def _epilogue_body(spec, w: Writer, tma_outputs: frozenset):
 def _exit_value(plan, emitter) -> str:
     """An exit's source value, transformed, with its identity where the tile is masked."""
     transform, _, identity, _ = EXIT_MODES[plan.reduce_mode]
-    return f"tl.where(mask, {transform.format(emitter.value(plan.source_uid, 'f'))}, {identity})"
+    return f"tl.where(mask, {transform.format(emitter.consumed(plan.source, 'f'))}, {identity})"
 
 
 def _row_exits(spec, w: Writer, emitter, part: int, last: bool):

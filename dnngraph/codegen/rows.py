@@ -118,7 +118,7 @@ class _Source:
         emitter = ExpressionEmitter(self.spec.compute, names=self.names)  # one allocator: unique names
         emitter.globals = self.globals  # one list of module constants for the whole kernel
         if parent is not None:
-            emitter.values = dict(parent.values)
+            emitter.inherit(parent)
         return emitter
 
 

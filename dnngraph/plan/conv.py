@@ -233,7 +233,7 @@ class ConvBuild(GemmLaunches):
                 operand = GemmOperand(output.uid, output.data_type, "exit", self._group_stride(self.pose.filters, s[1]),
                                       (), (s[1],), is_output=True)
                 partial = scratch((p.batch, -(-p.m // epilogue_block[0]), p.n))
-                pairs.append((ExitPlan(node, node.inputs[0].uid, partial.uid, operand, mode, "column"), partial))
+                pairs.append((ExitPlan(node, partial.uid, operand, mode, "column"), partial))
         return pairs
 
     # --- launches for one config ----------------------------------------------------------------

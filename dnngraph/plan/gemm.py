@@ -117,7 +117,7 @@ class GemmLaunches:
         pairs = []
         for node, operand in zip(self.group.exits, self.exit_operands):
             partial = scratch((p.batch, -(-p.n // epilogue_block[1]), p.m))
-            pairs.append((ExitPlan(node, node.inputs[0].uid, partial.uid, operand), partial))
+            pairs.append((ExitPlan(node, partial.uid, operand), partial))
         return pairs
 
     def _launch(self, spec, body, grid, warps, stages, config_text, reason, scratch_buffers=()):
