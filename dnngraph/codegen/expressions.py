@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from .. import dtypes
 from ..ops.dropout import keep_threshold
+from .conversions import converted
 from ..ops.pointwise import INTEGER_CLOSED  # noqa: F401 - the emitter reads it from this table
 
 
@@ -21,9 +22,8 @@ def _pointwise_fields(attrs) -> dict:
     return {name: getattr(attrs, name) for name in ("negative_slope", "alpha", "beta", "threshold")}
 
 
-def _cast_fields(attrs) -> dict:
-    # a DataType: the emitter writes its Triton type from the fixed table of types
-    return {"target": dtypes.by_name(attrs.data_type)}
+def _no_fields(attrs) -> dict:
+    return {}
 
 
 @dataclass(frozen=True)
@@ -116,11 +116,20 @@ def dropout_from_tensors(node) -> Expression:
                       scalars=(lambda _: scalars) if scalars else None, counter=True)
 
 
-# cast: by the target type's kind; integer operands are cast as they are (no float on the way)
-CAST_TO_FLOAT = Expression("{0}.to({target}).to({compute})", "f", "f", _cast_fields)  # rounds like a store
-CAST_TO_INT32 = Expression("{0}.to({target})", "f", "i", _cast_fields)  # floats truncate toward zero
-CAST_TO_INT64 = Expression("{0}.to({target})", "f", "l", _cast_fields)
 CAST_TO_BOOL = Expression("{0} != 0", "f", "b")
+
+
+def cast_expression(target, source_kind: str) -> Expression:
+    """cast to DataType `target` from a value of `source_kind` ("f", "i" or "l": integers are
+    cast as they are, no float on the way); the conversion is a store's (conversions.py), and a
+    float result computes on in the compute type."""
+    if target is dtypes.bool_:
+        return CAST_TO_BOOL
+    text = converted("{0}", source_kind, target)
+    if target.is_floating:
+        return Expression(text + ".to({compute})", "f", "f", _no_fields)
+    return Expression(text, "f", "l" if target is dtypes.int64 else "i", _no_fields)
+
 
 # Ops closed over the integers: when every numeric operand is an integer value or an integral
 # constant, they compute in the wider integer type (int64 if any operand is), as torch does;

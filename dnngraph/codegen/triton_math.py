@@ -120,3 +120,18 @@ def dropout(x, seed, offset, counter, keep_threshold, keep_scale):
     # the uniform is (bits >> 8) * 2^-24: compare its 24-bit numerator, no float rounding
     keep = (bits >> 8).to(tl.int32) >= keep_threshold
     return tl.where(keep, x * keep_scale, 0.0), keep
+
+
+@triton.jit
+def to_float8(x, FP8: tl.constexpr, FIRST_OVERFLOW: tl.constexpr, OVERFLOW_BITS: tl.constexpr,
+              INFINITY_BITS: tl.constexpr, NAN_BITS: tl.constexpr):
+    # float32 x to fp8 as torch converts (codegen/conversions.py): Triton's conversion rounds to
+    # nearest even, and on sm_90 saturates and drops NaN's sign, so the encodings torch gives
+    # for overflow, infinity and NaN replace its answer there; the sign is always x's
+    bits = x.to(FP8).to(tl.uint8, bitcast=True)
+    sign = ((x.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    magnitude = tl.abs(x)
+    bits = tl.where(magnitude >= FIRST_OVERFLOW, (sign | OVERFLOW_BITS).to(tl.uint8), bits)
+    bits = tl.where(magnitude == float("inf"), (sign | INFINITY_BITS).to(tl.uint8), bits)
+    bits = tl.where(x != x, (sign | NAN_BITS).to(tl.uint8), bits)
+    return bits.to(tl.uint8).to(FP8, bitcast=True)
