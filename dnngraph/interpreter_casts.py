@@ -57,11 +57,18 @@ def torch_convert(data: np.ndarray, source, target) -> np.ndarray:
     return converted.numpy().reshape(shape)
 
 
-def _converts_by_torch(source, target) -> bool:
-    """A conversion torch defines: both types known, and a float on at least one side."""
+def _converts_by_torch(data, source, target) -> bool:
+    """A conversion torch defines: both types known, a float on at least one side, and the
+    buffer holding what its type says (the interpreter keeps bool data under a float type
+    after some broadcasts; Triton's own code converts those by value, as before)."""
     types = _torch_types()
     return (source in types and target in types and source != target
-            and (source.is_floating() or target.is_floating()))
+            and (source.is_floating() or target.is_floating())
+            and np.asarray(data).dtype == _numpy_buffer(types[source][1]))
+
+
+def _numpy_buffer(dtype: torch.dtype) -> np.dtype:
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def _check_triton(interpreter) -> None:
@@ -91,19 +98,19 @@ def install() -> None:
 
     def cast_impl(self, src, dst_type):
         source, target = src.dtype.scalar, dst_type.scalar
-        if not _converts_by_torch(source, target):
+        if not _converts_by_torch(src.data, source, target):
             return original_cast(self, src, dst_type)
         return interpreter.TensorHandle(torch_convert(src.data, source, target), target)
 
     def create_fp_to_fp(self, src, dst_type, rounding_mode):
         source, target = src.dtype.scalar, dst_type.scalar
-        if rounding_mode not in (None, rtne) or not _converts_by_torch(source, target):
+        if rounding_mode not in (None, rtne) or not _converts_by_torch(src.data, source, target):
             return original_fp_to_fp(self, src, dst_type, rounding_mode)
         return interpreter.TensorHandle(torch_convert(src.data, source, target), target)
 
     def convert_float(data, source, target, rounding_mode):
         # callers .view() the result as the target's numpy type: hand back the same buffer kind
-        if rounding_mode not in (None, rtne) or not _converts_by_torch(source, target):
+        if rounding_mode not in (None, rtne) or not _converts_by_torch(data, source, target):
             return original_convert(data, source, target, rounding_mode)
         return torch_convert(data, source, target)
 

@@ -134,8 +134,9 @@ def cast_expression(target, source_kind: str) -> Expression:
 # Ops closed over the integers: when every numeric operand is an integer value or an integral
 # constant, they compute in the wider integer type (int64 if any operand is), as torch does;
 # every other op takes integers converted to the compute float (div is true division).
-# integers are their own floor and ceiling; relu keeps its integer zero
-INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}", "relu": "tl.where({0} < 0, 0, {0})"}
+# integers are their own floor and ceiling; relu keeps its integer zero; pow squares exactly
+INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}", "relu": "tl.where({0} < 0, 0, {0})",
+                     "pow": "tm.ipow({0}, {1})"}
 
 # Value kinds: "f" compute float, "b" predicate, "i" int32, "l" int64.
 INTEGER_TYPES = {"i": "tl.int32", "l": "tl.int64"}
