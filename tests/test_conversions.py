@@ -142,6 +142,23 @@ def test_matmul_stores_narrow_bit_exact(target, device="cpu"):
 
 
 @pytest.mark.parametrize("target", FLOATS[1:], ids=lambda t: t.name)
+def test_matmul_exit_stores_narrow_bit_exact(target, device="cpu"):
+    """A matmul's row-reduction exit (folded in a kernel of its own) stores through it too."""
+    a, b, product = _narrow_products(device)
+    g = dg.Graph(io_data_type=dg.float32)
+    at, bt = g.tensor_like(a, name="a"), g.tensor_like(b, name="b")
+    y = g.matmul(at, bt)
+    y.set_output(True)
+    peak = g.reduction(y, "max", axes=[1]).set_output(True).set_data_type(target)
+    g.build()
+    out = poisoned_like([product.shape[0], 1], target, device)
+    g.execute({at: a, bt: b, y: torch.empty_like(product), peak: out})
+    want = product.amax(1, keepdim=True)
+    want = torch.where(product.isnan().any(1, keepdim=True), math.nan, want).to(target.torch_dtype)
+    assert_same_bits(out.flatten(), want.flatten(), f"matmul exit -> {target.name}", want)
+
+
+@pytest.mark.parametrize("target", FLOATS[1:], ids=lambda t: t.name)
 def test_reduction_stores_narrow_bit_exact(target, device="cpu"):
     """The rows family's stores: max over an axis whose other entry is -inf keeps x."""
     x = corpus(dg.float32).to(device)
@@ -160,6 +177,7 @@ def test_reduction_stores_narrow_bit_exact(target, device="cpu"):
 @pytest.mark.parametrize("target", FLOATS[1:], ids=lambda t: t.name)
 def test_fused_narrow_stores_gpu(target):
     test_matmul_stores_narrow_bit_exact(target, device="cuda")
+    test_matmul_exit_stores_narrow_bit_exact(target, device="cuda")
     test_reduction_stores_narrow_bit_exact(target, device="cuda")
 
 

@@ -1,6 +1,6 @@
 """The one place generated source converts a value to a stored (or cast-to) data type.
 
-Every store of an output or intermediate and every `cast` op renders through `converted`, so a
+Every store of an output or intermediate and every `cast` op renders through `converted_to`, so a
 value lands in memory as torch's `Tensor.to` would put it there, on the GPU as in the
 interpreter (whose conversions interpreter_casts.py makes torch's own):
 
@@ -54,7 +54,7 @@ def float8_rule(data_type) -> Float8Rule:
     return Float8Rule(first, overflow, infinity, nan)
 
 
-def converted(text: str, kind: str, data_type) -> str:
+def converted_to(text: str, kind: str, data_type) -> str:
     """Source converting `text`, a value of kind "f" (compute float), "b", "i" or "l", to
     `data_type` as torch's `.to` does (floats to integers truncate toward zero)."""
     if data_type is dtypes.bool_:

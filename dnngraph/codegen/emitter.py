@@ -12,7 +12,7 @@ from typing import Optional
 
 from .. import dtypes
 from ..errors import UnsupportedError, ValidationError
-from .conversions import converted
+from .conversions import converted_to
 from .expressions import (CONVERT, EXPRESSIONS, INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES, cast_expression,
                           dropout_from_tensors)
 from .names import NameAllocator, comment_text
@@ -73,7 +73,7 @@ class ExpressionEmitter:
         target type, floats stored to integers truncate toward zero (as torch's .to does)."""
         have = self.values[uid][1]
         kind = "b" if data_type is dtypes.bool_ else (have if have in INTEGER_TYPES else "f")
-        return converted(self.value(uid, kind), kind, data_type)
+        return converted_to(self.value(uid, kind), kind, data_type)
 
     def literal(self, value) -> str:
         """Source text of a number: repr of an int or finite float, or a module constant for

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from .. import dtypes
 from ..ops.dropout import keep_threshold
-from .conversions import converted
+from .conversions import converted_to
 from ..ops.pointwise import INTEGER_CLOSED  # noqa: F401 - the emitter reads it from this table
 
 
@@ -125,7 +125,7 @@ def cast_expression(target, source_kind: str) -> Expression:
     float result computes on in the compute type."""
     if target is dtypes.bool_:
         return CAST_TO_BOOL
-    text = converted("{0}", source_kind, target)
+    text = converted_to("{0}", source_kind, target)
     if target.is_floating:
         return Expression(text + ".to({compute})", "f", "f", _no_fields)
     return Expression(text, "f", "l" if target is dtypes.int64 else "i", _no_fields)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .conversions import converted
+from .conversions import converted_to
 from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
 from .names import NameAllocator
 from .pointwise import KernelArgument, header
@@ -624,7 +624,7 @@ def _column_fold(spec, w: Writer):
         op = plan.output
         along = f"offs_n * {op.ident}_stride_c" if op.col_stride else "offs_n * 0"  # keep the block shape
         terms = [t for t in (batch_offset(op), along) if t]
-        stored = converted(finalize.format(f'value_{index}'), "f", op.data_type)
+        stored = converted_to(finalize.format(f'value_{index}'), "f", op.data_type)
         w(f"tl.store({op.ident}_ptr + {' + '.join(terms)}, {stored}, mask=col_mask)")
 
 
@@ -650,7 +650,7 @@ def _exit_fold(spec, w: Writer):
         along = f"{inner} * {op.ident}_stride_{stride_axis}" if stride else f"{inner} * 0"  # keep the block shape
         terms = [t for t in (batch_offset(op), along) if t]
         value = finalize.format(f"value_{index}")
-        w(f"tl.store({op.ident}_ptr + {' + '.join(terms) or '0'}, {converted(value, 'f', op.data_type)}, "
+        w(f"tl.store({op.ident}_ptr + {' + '.join(terms) or '0'}, {converted_to(value, 'f', op.data_type)}, "
           f"mask={valid})")
 
 
