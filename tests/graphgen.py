@@ -761,9 +761,10 @@ def conversion_edges(target, dims, gen) -> torch.Tensor:
     below = grid.to(dtype).float().nan_to_num(info.max, info.max, info.max).clamp(max=info.max)
     top_step = info.max - float(torch.tensor([info.max]).to(dtype).view(
         {1: torch.uint8, 2: torch.int16}[info.bits // 8]).sub(1).view(dtype).float())
-    above = torch.where(below >= info.max, torch.full_like(below, info.max + top_step), _next_up(below, dtype))
-    tie = (below.double() + above.double()) / 2  # exact in float32: one bit past the target's
-    tie = tie.float()
+    # in float64: the step past bf16's largest value is past float32's range, its halfway point is not
+    above = torch.where(below >= info.max, torch.full_like(below, info.max + top_step, dtype=torch.float64),
+                        _next_up(below, dtype).double())
+    tie = ((below.double() + above) / 2).float()  # exact in float32: one bit past the target's
     nudge = torch.randint(-1, 2, (count,), generator=gen)  # the tie, or the float beside it
     values = torch.where(nudge < 0, tie.nextafter(torch.zeros_like(tie)),
                          torch.where(nudge > 0, tie.nextafter(torch.full_like(tie, math.inf)), tie))
