@@ -233,3 +233,27 @@ def test_backward_at_special_values_is_torch(op):
     (want,) = torch.autograd.grad(TORCH_ACTIVATIONS[op](leaf), leaf, dy_t.double())
     torch.testing.assert_close(ref, want, equal_nan=True)
     torch.testing.assert_close(out, ref, equal_nan=True, rtol=1e-5, atol=1e-6)
+
+
+def test_neg_and_pow_keep_the_sign_of_zero():
+    """-(+0.0) is -0.0 and (-0.0) ** 3 is -0.0, as in torch (Triton's -x is 0 - x)."""
+    g = dg.Graph(io_data_type=dg.float32)
+    x = g.tensor(name="x", dim=[4])
+    negated = g.neg(x).set_output(True)
+    cubed = g.pow(x, 3.0).set_output(True)
+    g.build()
+    xt = torch.tensor([0.0, -0.0, 1.5, -2.0])
+    outs = {negated: torch.full((4,), float("nan")), cubed: torch.full((4,), float("nan"))}
+    g.execute({x: xt, **outs})
+    assert torch.equal(outs[negated].view(torch.int32), torch.neg(xt).view(torch.int32))
+    assert torch.equal(outs[cubed].view(torch.int32), torch.pow(xt, 3.0).view(torch.int32))
+
+
+def test_integer_neg_stays_integer():
+    g = dg.Graph(io_data_type=dg.int64)
+    n = g.tensor(name="n", dim=[3], data_type=dg.int64)
+    y = g.neg(n).set_output(True)
+    g.build()
+    out = torch.zeros(3, dtype=torch.int64)
+    g.execute({n: torch.tensor([2 ** 62 + 1, -5, 0]), y: out})
+    assert out.tolist() == [-(2 ** 62 + 1), 5, 0]

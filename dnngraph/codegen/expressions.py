@@ -49,7 +49,7 @@ def _compare(symbol):
 
 
 EXPRESSIONS: dict[str, Expression] = {
-    "neg": _unary("-{0}"),
+    "neg": _unary("{0} * -1.0"),  # Triton's -x is 0 - x, which makes -(0.0) +0.0 (torch: -0.0)
     "abs": _unary("tl.abs({0})"),
     "exp": _unary("tl.exp({0})"),
     "log": _unary("tl.log({0})"),
@@ -136,7 +136,7 @@ def cast_expression(target, source_kind: str) -> Expression:
 # every other op takes integers converted to the compute float (div is true division).
 # integers are their own floor and ceiling; relu keeps its integer zero; pow squares exactly
 INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}", "relu": "tl.where({0} < 0, 0, {0})",
-                     "pow": "tm.ipow({0}, {1})"}
+                     "pow": "tm.ipow({0}, {1})", "neg": "-{0}"}
 
 # Value kinds: "f" compute float, "b" predicate, "i" int32, "l" int64.
 INTEGER_TYPES = {"i": "tl.int32", "l": "tl.int64"}
