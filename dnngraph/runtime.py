@@ -94,5 +94,8 @@ def _index_from_one_element():
 
 
 if interpreting():
+    from .interpreter_casts import install as _install_exact_conversions
+
+    _install_exact_conversions()
     _widen_bfloat16_dots()
     _index_from_one_element()

@@ -82,6 +82,7 @@ class Case:
     row_mode: object
     steps: list = field(default_factory=list)
     generation_error: str = ""  # an op call or reference that failed on a valid graph
+    exact: list = field(default_factory=list)  # output Tensors that must equal torch's .to bit for bit
 
     def describe(self) -> str:
         head = f"seed {self.seed}: io {self.io}, row mode {self.row_mode}"
@@ -117,6 +118,7 @@ class GraphBuilder:
         self.rank = self.rng.choice((1, 2, 2, 3, 3, 4))
         self.world = self._draw_world()
         self.values: list[Value] = []
+        self.exact: list = []  # conversions' outputs: bit-exact, kept out of the operand pool
         self.inputs: dict = {}
         self.steps: list[str] = []
         self.used_names: set = set()
@@ -193,12 +195,15 @@ class GraphBuilder:
         return flat.reshape(data.shape)
 
     def new_input(self, dims, kind="float", positive=False, distinct=False, data_type=None,
-                  allow_broadcast=True, special=True) -> Value:
-        """Declare an input with random data in a random layout and add it to the pool."""
+                  allow_broadcast=True, special=True, values=None) -> Value:
+        """Declare an input with random data (or `values`, of `dims`) in a random layout and add
+        it to the pool."""
         dims = [int(d) for d in dims]
         dtype = (data_type or (dg.int32 if kind == "int" else dg.bool if kind == "bool"
                                else FLOAT_IO[self.io]))
-        if kind == "bool":
+        if values is not None:
+            data, special = values, False
+        elif kind == "bool":
             data = torch.rand(dims, generator=self.gen) < 0.5
         elif kind == "int":
             limit = 2**40 if dtype is dg.int64 else 2**15
@@ -327,9 +332,13 @@ class GraphBuilder:
         """Exact integer arithmetic: int32 products past 2**24, int64 values past 2**53."""
         dtype = self.rng.choice((dg.int32, dg.int64))
         a = self.new_input(self.broadcast_dims(), "int", data_type=dtype)
-        op = self.rng.choice(("add", "sub", "mul", "maximum", "minimum", "neg", "abs"))
+        op = self.rng.choice(("add", "sub", "mul", "maximum", "minimum", "neg", "abs", "pow"))
         if op in ("neg", "abs"):
             out, operands = getattr(self.graph, op)(a.tensor, name=self.name()), [a]
+        elif op == "pow":  # exact and wrapping like torch; negative exponents give 0 or +-1
+            exponents = torch.randint(-3, 9, self.broadcast_dims(), generator=self.gen)
+            b = self.new_input(list(exponents.shape), "int", data_type=dtype, values=exponents.to(dtype.torch_dtype))
+            out, operands = self.graph.pow(a.tensor, b.tensor, name=self.name()), [a, b]
         else:
             b = self.new_input(self.broadcast_dims(), "int", data_type=dtype) \
                 if op != "mul" or dtype is dg.int32 else self.new_input(self.broadcast_dims(), "int",
@@ -602,7 +611,42 @@ class GraphBuilder:
     FAMILIES = (("unary", 6), ("unary_backward", 2), ("binary", 6), ("integer_chain", 1),
                 ("compare", 2), ("logic", 1), ("where", 2), ("cast", 2), ("reduction", 4),
                 ("softmax", 3), ("feature_norm", 3), ("channel_norm", 3), ("pooling", 2),
-                ("dropout", 2), ("matmul", 3), ("conv", 3), ("layout", 3))
+                ("dropout", 2), ("matmul", 3), ("conv", 3), ("layout", 3), ("conversion", 2),
+                ("pow_special", 1))
+
+    def _unpooled(self, *values):
+        """Take values out of the operand pool (their magnitudes would skew other families)."""
+        self.values = [v for v in self.values if all(v is not u for u in values)]
+
+    def conversion(self):
+        """A cast to a narrow float, or a plain store to one, of values at its ties, just
+        beside them, at its overflow edge and its subnormals: checked bit for bit."""
+        target = getattr(dg, self.rng.choice(NARROW_TARGETS))
+        dims = self.broadcast_dims()
+        x = self.new_input(dims, data_type=dg.float32, values=conversion_edges(target, dims, self.gen))
+        if self.rng.random() < 0.5:
+            out = self.graph.cast(x.tensor, target, name=self.name())
+            label = f"cast[{target.name}]"
+        else:
+            out = self.graph.mul(x.tensor, 1.0, name=self.name()).set_data_type(target)
+            label = f"store[{target.name}]"
+        results = self.record(out, label, [x])
+        results[0].tensor.set_output(True)
+        self.exact.append(results[0].tensor)
+        self._unpooled(x, *results)
+        return results
+
+    def pow_special(self):
+        """pow over C99's special values: +-0, +-1, +-inf, NaN bases; odd, even, non-integral,
+        infinite and NaN exponents."""
+        bases = _drawn_from(POW_BASES, self.broadcast_dims(), self.gen)
+        exponents = _drawn_from(POW_EXPONENTS, self.broadcast_dims(), self.gen)
+        a = self.new_input(list(bases.shape), data_type=dg.float32, values=bases)
+        b = self.new_input(list(exponents.shape), data_type=dg.float32, values=exponents)
+        results = self.record(self.graph.pow(a.tensor, b.tensor, name=self.name()), "pow[special]", [a, b])
+        results[0].tensor.set_output(True)
+        self._unpooled(a, b, *results)
+        return results
 
     def layout(self):
         """A layout op and its way back to the world's dims (a transpose and its inverse, a
@@ -668,7 +712,8 @@ class GraphBuilder:
         """Mark outputs: the last value, some others, and every value nobody reads."""
         graph = self.graph
         ops = [v for v in self.values if v.tensor.producer is not None]
-        ops[-1].tensor.set_output(True)
+        if ops:  # a graph of conversions alone has its outputs marked already
+            ops[-1].tensor.set_output(True)
         for value in ops:
             if self.rng.random() < 0.25:
                 value.tensor.set_output(True)
@@ -689,11 +734,53 @@ class GraphBuilder:
                 tensor.set_stride(dense_strides(tensor.dim, order))
                 self.steps.append(f"output {tensor.name!r} strides {list(tensor.stride)}")
 
-
     def _narrow_chance(self, tensor) -> float:
         """How often an output is stored narrow: often where something also reads it, since its
         consumers (fused with it or not) must then read the stored value (DESIGN.md)."""
         return 0.5 if self.graph.consumers(tensor) else 0.15
+
+
+NARROW_TARGETS = ("float16", "bfloat16", "float8_e4m3", "float8_e5m2")
+POW_BASES = (0.0, -0.0, 1.0, -1.0, math.inf, -math.inf, math.nan, 0.5, -0.5, 2.0, -2.0, 7.0, -3.0)
+POW_EXPONENTS = (0.0, -0.0, 1.0, -1.0, 2.0, 3.0, -3.0, 0.5, -0.5, 2.5, math.inf, -math.inf, math.nan)
+
+
+def _drawn_from(choices, dims, gen) -> torch.Tensor:
+    table = torch.tensor(choices, dtype=torch.float32)
+    return table[torch.randint(0, len(choices), dims, generator=gen)]
+
+
+def _next_up(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The next representable value of `dtype` above each finite non-negative value (float32)."""
+    codes = {1: torch.uint8, 2: torch.int16}[torch.finfo(dtype).bits // 8]
+    return (values.to(dtype).view(codes).to(torch.int32) + 1).to(codes).view(dtype).float()
+
+
+def conversion_edges(target, dims, gen) -> torch.Tensor:
+    """float32 values where a conversion to `target` can go wrong: its exact ties, the floats
+    just either side, the largest finite value and past it, subnormals, +-0, inf and NaN."""
+    dtype = target.torch_dtype
+    info = torch.finfo(dtype)
+    count = math.prod(dims)
+    grid = torch.randn(count, generator=gen).abs() * torch.rand(count, generator=gen) * 8 * info.max / 16
+    grid = torch.where(torch.rand(count, generator=gen) < 0.3, grid * info.smallest_normal / info.max * 64, grid)
+    below = grid.to(dtype).float().nan_to_num(info.max, info.max, info.max).clamp(max=info.max)
+    top_step = info.max - float(torch.tensor([info.max]).to(dtype).view(
+        {1: torch.uint8, 2: torch.int16}[info.bits // 8]).sub(1).view(dtype).float())
+    # in float64: the step past bf16's largest value is past float32's range, its halfway point is not
+    above = torch.where(below >= info.max, torch.full_like(below, info.max + top_step, dtype=torch.float64),
+                        _next_up(below, dtype).double())
+    tie = ((below.double() + above) / 2).float()  # exact in float32: one bit past the target's
+    nudge = torch.randint(-1, 2, (count,), generator=gen)  # the tie, or the float beside it
+    values = torch.where(nudge < 0, tie.nextafter(torch.zeros_like(tie)),
+                         torch.where(nudge > 0, tie.nextafter(torch.full_like(tie, math.inf)), tie))
+    specials = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, info.max, info.max + top_step,
+                             info.max * 4, info.tiny, info.tiny / 2, info.smallest_normal, 2.0 ** -149, 1e30],
+                            dtype=torch.float64).float()  # past float32's range: inf
+    pick = torch.rand(count, generator=gen) < 0.25
+    values = torch.where(pick, specials[torch.randint(0, len(specials), (count,), generator=gen)], values)
+    sign = torch.where(torch.rand(count, generator=gen) < 0.5, -1.0, 1.0)
+    return (values * sign).reshape(dims)
 
 
 def _finite_max(data: torch.Tensor) -> float:
@@ -747,7 +834,7 @@ def generate(seed: int, device: str = "cpu", max_ops: int = 6, io: str | None = 
     if builder.graph.nodes and not failure:
         builder.finish()
     inputs = {name: _to_device(value, device) for name, value in builder.inputs.items()}
-    return Case(seed, builder.graph, inputs, builder.io, row_mode, builder.steps, failure)
+    return Case(seed, builder.graph, inputs, builder.io, row_mode, builder.steps, failure, builder.exact)
 
 
 # --- running and judging -------------------------------------------------------------------------
@@ -874,6 +961,21 @@ def compare(name, out: torch.Tensor, ref: torch.Tensor, noisy: list, depth_eps: 
     return ""
 
 
+def compare_bits(name, out: torch.Tensor, ref: torch.Tensor) -> str:
+    """'' when `out` holds what torch's .to gives for the reference, bit for bit (a NaN matches
+    any NaN: torch's own NaN payloads depend on where in a tensor they sit)."""
+    out, want = out.cpu(), ref.to(out.dtype)
+    codes = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[out.element_size()]
+    nan = want.isnan()
+    wrong = ((out.view(codes) != want.view(codes)) & ~nan) | (out.isnan() != nan)
+    if wrong.any():
+        index = wrong.nonzero()[0].tolist()
+        return (f"{name}: {wrong.sum().item()} of {out.numel()} values not bit-exact, e.g. "
+                f"{ref[tuple(index)].item()!r} stored as {out[tuple(index)].item()!r}, torch "
+                f"{want[tuple(index)].item()!r}")
+    return ""
+
+
 def run_case(case: Case, device: str = "cpu") -> Verdict:
     """Build and execute `case` with poisoned outputs; compare every output with the reference."""
     graph = case.graph
@@ -896,7 +998,13 @@ def run_case(case: Case, device: str = "cpu") -> Verdict:
     noisy = noisy_reference(graph, cpu_inputs, seed=case.seed)
     depth = len(graph.nodes)
     problems = []
+    exact_names = {tensor.name for tensor in case.exact}
     for tensor in graph.outputs():
+        if tensor.name in exact_names:
+            problem = compare_bits(tensor.name, outputs[tensor.name], refs[tensor.name])
+            if problem:
+                problems.append(problem)
+            continue
         problem = compare(tensor.name, outputs[tensor.name], refs[tensor.name], [n[tensor.name] for n in noisy],
                           64 * torch.finfo(torch.float32).eps * (1 + depth))
         if problem:

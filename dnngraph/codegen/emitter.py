@@ -17,8 +17,9 @@ from typing import Optional
 
 from .. import dtypes
 from ..errors import UnsupportedError, ValidationError
-from .expressions import (CAST_TO_BOOL, CAST_TO_FLOAT, CAST_TO_INT32, CAST_TO_INT64, CONVERT, EXPRESSIONS,
-                          INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES, dropout_from_tensors)
+from .conversions import converted_to
+from .expressions import (CONVERT, EXPRESSIONS, INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES, cast_expression,
+                          dropout_from_tensors)
 from .names import NameAllocator, comment_text
 
 # -0.0 as a kernel literal: Triton builds every scalar equal to 0 as a null (+0.0) constant,
@@ -136,7 +137,7 @@ class ExpressionEmitter:
         target type, floats stored to integers truncate toward zero (as torch's .to does)."""
         have = self.values[uid][1]
         kind = "b" if data_type is dtypes.bool_ else (have if have in INTEGER_TYPES else "f")
-        return f"({self.value(uid, kind)}).to({data_type.triton_type})"
+        return converted_to(self.value(uid, kind), kind, data_type)
 
     def literal(self, value) -> str:
         """Source text of a number: repr of an int or finite float, or a module constant for
@@ -169,12 +170,8 @@ class ExpressionEmitter:
             return dropout_from_tensors(node)
         if node.op != "cast":
             return EXPRESSIONS[node.op]
-        target = dtypes.by_name(node.attrs.data_type)
-        if target is dtypes.bool_:
-            return CAST_TO_BOOL
-        if target.is_floating:
-            return CAST_TO_FLOAT
-        return CAST_TO_INT64 if target is dtypes.int64 else CAST_TO_INT32
+        have = self.values[node.inputs[0].uid][1]
+        return cast_expression(dtypes.by_name(node.attrs.data_type), have if have in INTEGER_TYPES else "f")
 
     def _literal_of(self, node, what: str, value) -> str:
         try:

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 from .. import dtypes
 from ..ops.dropout import keep_threshold
+from .conversions import converted_to
 from ..ops.pointwise import INTEGER_CLOSED  # noqa: F401 - the emitter reads it from this table
 
 
@@ -22,9 +23,8 @@ def _pointwise_fields(attrs) -> dict:
                                                   "max_val")}
 
 
-def _cast_fields(attrs) -> dict:
-    # a DataType: the emitter writes its Triton type from the fixed table of types
-    return {"target": dtypes.by_name(attrs.data_type)}
+def _no_fields(attrs) -> dict:
+    return {}
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ def _compare(symbol):
 
 
 EXPRESSIONS: dict[str, Expression] = {
-    "neg": _unary("-{0}"),
+    "neg": _unary("{0} * -1.0"),  # Triton's -x is 0 - x, which makes -(0.0) +0.0 (torch: -0.0)
     "abs": _unary("tl.abs({0})"),
     "exp": _unary("tl.exp({0})"),
     "log": _unary("tl.log({0})"),
@@ -123,17 +123,27 @@ def dropout_from_tensors(node) -> Expression:
                       scalars=(lambda _: scalars) if scalars else None, counter=True)
 
 
-# cast: by the target type's kind; integer operands are cast as they are (no float on the way)
-CAST_TO_FLOAT = Expression("{0}.to({target}).to({compute})", "f", "f", _cast_fields)  # rounds like a store
-CAST_TO_INT32 = Expression("{0}.to({target})", "f", "i", _cast_fields)  # floats truncate toward zero
-CAST_TO_INT64 = Expression("{0}.to({target})", "f", "l", _cast_fields)
 CAST_TO_BOOL = Expression("{0} != 0", "f", "b")
+
+
+def cast_expression(target, source_kind: str) -> Expression:
+    """cast to DataType `target` from a value of `source_kind` ("f", "i" or "l": integers are
+    cast as they are, no float on the way); the conversion is a store's (conversions.py), and a
+    float result computes on in the compute type."""
+    if target is dtypes.bool_:
+        return CAST_TO_BOOL
+    text = converted_to("{0}", source_kind, target)
+    if target.is_floating:
+        return Expression(text + ".to({compute})", "f", "f", _no_fields)
+    return Expression(text, "f", "l" if target is dtypes.int64 else "i", _no_fields)
+
 
 # Ops closed over the integers: when every numeric operand is an integer value or an integral
 # constant, they compute in the wider integer type (int64 if any operand is), as torch does;
 # every other op takes integers converted to the compute float (div is true division).
-# integers are their own floor and ceiling; relu keeps its integer zero
-INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}", "relu": "tl.where({0} < 0, 0, {0})"}
+# integers are their own floor and ceiling; relu keeps its integer zero; pow squares exactly
+INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}", "relu": "tl.where({0} < 0, 0, {0})",
+                     "pow": "tm.ipow({0}, {1})", "neg": "-{0}"}
 
 # Value kinds: "f" compute float, "b" predicate, "i" int32, "l" int64.
 INTEGER_TYPES = {"i": "tl.int32", "l": "tl.int64"}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .conversions import converted_to
 from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
 from .grid import folded_program_ids
 from .names import NameAllocator
@@ -638,8 +639,8 @@ def _column_fold(spec, w: Writer):
         op = plan.output
         along = f"offs_n * {op.ident}_stride_c" if op.col_stride else "offs_n * 0"  # keep the block shape
         terms = [t for t in (batch_offset(op), along) if t]
-        w(f"tl.store({op.ident}_ptr + {' + '.join(terms)}, ({finalize.format(f'value_{index}')}).to("
-          f"{op.data_type.triton_type}), mask=col_mask)")
+        stored = converted_to(finalize.format(f'value_{index}'), "f", op.data_type)
+        w(f"tl.store({op.ident}_ptr + {' + '.join(terms)}, {stored}, mask=col_mask)")
 
 
 def _exit_fold(spec, w: Writer):
@@ -664,7 +665,7 @@ def _exit_fold(spec, w: Writer):
         along = f"{inner} * {op.ident}_stride_{stride_axis}" if stride else f"{inner} * 0"  # keep the block shape
         terms = [t for t in (batch_offset(op), along) if t]
         value = finalize.format(f"value_{index}")
-        w(f"tl.store({op.ident}_ptr + {' + '.join(terms) or '0'}, ({value}).to({op.data_type.triton_type}), "
+        w(f"tl.store({op.ident}_ptr + {' + '.join(terms) or '0'}, {converted_to(value, 'f', op.data_type)}, "
           f"mask={valid})")
 
 

@@ -16,10 +16,11 @@ through the shared ExpressionEmitter at the output position.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from ..ops.dropout import keep_threshold
+from .conversions import converted_to
 from .emitter import ExpressionEmitter, kind_of
 from .grid import FOLDED_PID, folded_program_ids
 from .names import NameAllocator
@@ -74,6 +75,7 @@ class AttentionSpec:
     stats_only: bool = False  # the log-sum-exp pass of an op-level backward: no v, no o
     head_group: int = 0  # programs of this many heads interleaved, their longest tiles first (0: off)
     folded_grid: bool = False  # the dbias kernel: (key tile, query tile, (batch, head)) from grid axis x
+    stored_types: dict = field(default_factory=dict)  # backward: stem (dq, dk, dv, dbias) -> DataType
 
 
 def _mask_argument(terms: list) -> str:
@@ -538,6 +540,10 @@ def _arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
 # sums in registers); dQ per query block, walking its key blocks as the forward does. Scores are
 # recomputed in base 2 against the stored log-sum-exp; dS = P * (dP - delta).
 class _BackwardWriter(_Writer):
+    def stored_as(self, stem: str, value: str) -> str:
+        """`value` converted for the store to gradient `stem`'s data type (conversions.py)."""
+        return converted_to(value, "f", self.spec.stored_types[stem])
+
     def lengths(self):
         w = self.line
         self.lengths_in_range_at(1)
@@ -699,7 +705,7 @@ class _BackwardWriter(_Writer):
                 continue
             value = f"{acc} * {self.spec.scale!r}" if scale else acc
             w(f"tl.store({stem}_ptr + batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1 + keys[:, None]{wide} * "
-              f"{stem}_s2 + {cols}[None, :] * {stem}_s3, ({value}).to({stem}_ptr.dtype.element_ty), "
+              f"{stem}_s2 + {cols}[None, :] * {stem}_s3, {self.stored_as(stem, value)}, "
               f"mask={' & '.join(store + mask)})")
 
     def dq_block(self, masked: bool, depth: int, accumulate: str = ""):
@@ -740,7 +746,7 @@ class _BackwardWriter(_Writer):
             w(f"for start_n in range({first}, {last}, BLOCK_N):")
             self.dq_block(masked, 2)
         w(f"tl.store(dq_ptr + dq_base + rows[:, None]{wide} * dq_s2 + cols_d[None, :] * dq_s3, "
-          f"(dq_acc * {self.spec.scale!r}).to(dq_ptr.dtype.element_ty), "
+          f"{self.stored_as('dq', f'dq_acc * {self.spec.scale!r}')}, "
           f"mask={' & '.join(['(rows < SQ)[:, None]'] + self.d_mask('[None, :]'))})")
 
     def dbias_kernel(self):
@@ -777,7 +783,7 @@ class _BackwardWriter(_Writer):
         offsets += f" + {keys}{wide} * dbias_s3" if keys else ""
         mask = " & ".join(([f"({rows} < SQ)"] if rows else []) + ([f"({keys} < SKV)"] if keys else []))
         store_mask = f", mask={mask}" if mask else ""
-        w(f"tl.store(dbias_ptr + {offsets}, ({value}).to(dbias_ptr.dtype.element_ty){store_mask})")
+        w(f"tl.store(dbias_ptr + {offsets}, {self.stored_as('dbias', value)}{store_mask})")
 
     def _dbias_walk(self, owns_batch: bool, owns_head: bool, owns_rows: bool):
         """dbias_acc += dS over the batches, heads and query blocks the program's tile gathers."""

@@ -45,19 +45,59 @@ def trunc(x):
 
 
 @triton.jit
+def _integral_magnitude(magnitude, exponent):
+    # |a| ** |b| for an integral |b| by squaring over its bits, in float64 so that one rounding
+    # (to a's type, by the caller) is all the error: 7 ** 2 is 49 exactly, as in torch. |b| is
+    # capped at 2^31: every fp32 |a| other than 1 has over- or underflowed by then.
+    bits = tl.minimum(exponent, 2147483648.0).to(tl.int64)
+    base = magnitude.to(tl.float64)
+    result = tl.full(base.shape, 1.0, tl.float64)
+    for bit in tl.static_range(32):
+        result = tl.where(((bits >> bit) & 1) != 0, result * base, result)
+        base = base * base
+    return result
+
+
+@triton.jit
 def pow_(a, b):
-    # either side may be a constant: give both the broadcast shape first (zeros_like reads
-    # only the shape, so NaN and inf operands stay as they are)
+    # torch's (C99's) pow: a ** 0 and 1 ** b are 1, NaN included; an integral b (infinities
+    # too) multiplies (_integral_magnitude); a negative a, -0.0 and -inf included, gives a negative result for an odd
+    # integral b, NaN for a non-integral b when finite. Either side may be a constant: give
+    # both the broadcast shape first (zeros_like reads only the shape; where, not + 0.0,
+    # which would turn -0.0 into +0.0).
+    everywhere = tl.zeros_like(a * b) == 0
+    a = tl.where(everywhere, a, a)
+    b = tl.where(everywhere, b, b)
+    magnitude = tl.abs(a)
+    integral = tl.floor(b) == b
+    odd = integral & (tl.floor(b * 0.5) * 2.0 != b)
+    squared = _integral_magnitude(magnitude, tl.abs(b))
+    squared = tl.where(b < 0, 1.0 / squared, squared).to(a.dtype)
+    # other exponents in float64 too: float32's log2 lost up to |b log2 a| ulps (10 ** 2.5 was
+    # 316.2277 for torch's 316.22775)
+    logarithmic = tl.exp2(b.to(tl.float64) * tl.log2(magnitude.to(tl.float64))).to(a.dtype)
+    result = tl.where(integral, squared, logarithmic)
+    negative = (a < 0) | ((a == 0) & (1.0 / a < 0))  # the sign bit: -0.0 counts
+    result = tl.where(negative & odd, result * -1.0, result)  # -result is 0 - result: +0.0
+    finite_negative = (a < 0) & (magnitude != float("inf"))
+    result = tl.where(finite_negative & (integral == 0), float("nan"), result)
+    return tl.where((b == 0) | (a == 1), 1.0, result)
+
+
+@triton.jit
+def ipow(a, b):
+    # integer a ** b exactly, wrapping like torch: squaring over b's bits in a's type; a
+    # negative b gives 1 for a == 1, +-1 for a == -1 (by b's parity) and 0 otherwise
     shape = tl.zeros_like(a * b)
-    a = a + shape
-    b = b + shape
-    magnitude = tl.exp2(b * tl.log2(tl.abs(a)))
-    b_integral = tl.floor(b) == b
-    b_odd = b_integral & (tl.floor(b * 0.5) * 2.0 != b)
-    negative = a < 0
-    result = tl.where(negative & b_odd, -magnitude, magnitude)
-    result = tl.where(negative & (b_integral == 0), tl.sqrt(a - tl.abs(a) - 1.0), result)  # NaN
-    return tl.where(b == 0, 1.0, result)
+    base = a + shape
+    exponent = (b + shape).to(tl.int64)
+    result = shape + 1
+    for bit in tl.static_range(63):
+        result = tl.where(((exponent >> bit) & 1) != 0, result * base, result)
+        base = base * base
+    negative_power = tl.where(a + shape == 1, 1, 0)
+    negative_power = tl.where(a + shape == -1, tl.where((exponent & 1) != 0, -1, 1), negative_power)
+    return tl.where(exponent < 0, negative_power.to(result.dtype), result)
 
 
 @triton.jit
@@ -178,3 +218,18 @@ def dropout(x, seed, offset, counter, keep_threshold, keep_scale):
     # the uniform is (bits >> 8) * 2^-24: compare its 24-bit numerator, no float rounding
     keep = (bits >> 8).to(tl.int32) >= keep_threshold
     return tl.where(keep, x * keep_scale, 0.0), keep
+
+
+@triton.jit
+def to_float8(x, FP8: tl.constexpr, FIRST_OVERFLOW: tl.constexpr, OVERFLOW_BITS: tl.constexpr,
+              INFINITY_BITS: tl.constexpr, NAN_BITS: tl.constexpr):
+    # float32 x to fp8 as torch converts (codegen/conversions.py): Triton's conversion rounds to
+    # nearest even, and on sm_90 saturates and drops NaN's sign, so the encodings torch gives
+    # for overflow, infinity and NaN replace its answer there; the sign is always x's
+    bits = x.to(FP8).to(tl.uint8, bitcast=True)
+    sign = ((x.to(tl.uint32, bitcast=True) >> 24) & 0x80).to(tl.uint8)
+    magnitude = tl.abs(x)
+    bits = tl.where(magnitude >= FIRST_OVERFLOW, (sign | OVERFLOW_BITS).to(tl.uint8), bits)
+    bits = tl.where(magnitude == float("inf"), (sign | INFINITY_BITS).to(tl.uint8), bits)
+    bits = tl.where(x != x, (sign | NAN_BITS).to(tl.uint8), bits)
+    return bits.to(tl.uint8).to(FP8, bitcast=True)

@@ -229,7 +229,7 @@ def operand_values(inputs, attrs: PointwiseAttrs, arity: int):
 
 # Ops that keep integer operands integers, as torch does (an int64 add is exact; div, exp and
 # the rest compute in floating point). Kernels compute these in integers, references too.
-INTEGER_CLOSED = frozenset({"add", "sub", "mul", "scale", "neg", "abs", "relu", "maximum", "minimum",
+INTEGER_CLOSED = frozenset({"add", "sub", "mul", "scale", "pow", "neg", "abs", "relu", "maximum", "minimum",
                             "where", "cmp_eq", "cmp_ne", "cmp_lt", "cmp_le", "cmp_gt", "cmp_ge",
                             "floor", "ceil"})
 INTEGER_RANGES = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}

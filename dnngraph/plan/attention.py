@@ -82,7 +82,8 @@ def build_attention_backward(graph, group, index, tuner=None, device=None, budge
         spec = AttentionSpec(dims, {s: v for s, v in strides.items() if s in kept},
                              {s: v for s, v in uids.items() if s in kept}, 1.0, None, None, False, dropout, None,
                              (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide, precision,
-                             head_group=sched.head_group(which))
+                             head_group=sched.head_group(which),
+                             stored_types={stem: tensors[stem].data_type for stem in outputs if stem in tensors})
         source, arguments = render_chain_backward(f"{name}_{which}", which, spec, roles,
                                                   graph.compute_data_type.triton_type,
                                                   f"{which} of {group.describe()}")

@@ -143,6 +143,7 @@ def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
     return [split, combine]
 
 
+GRADIENTS = ("dq", "dk", "dv", "dbias")  # the stems a backward kernel stores
 BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv"),
                   "dkdv": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dk", "dv", "seedt",
                            "offt"),
@@ -178,7 +179,8 @@ def _backward_spec(graph, node, sched, which: str, delta) -> AttentionSpec:
                          None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
                          dot_precision(graph, q.data_type),
                          bias_dims=sched.bias_dims if which == "dbias" else (),
-                         head_group=sched.head_group(which), folded_grid=sched.folds(which))
+                         head_group=sched.head_group(which), folded_grid=sched.folds(which),
+                         stored_types={stem: t.data_type for stem, t in present.items() if stem in GRADIENTS})
 
 
 def _build_backward(graph, group, index, device, budget) -> list:
