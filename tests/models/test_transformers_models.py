@@ -42,11 +42,7 @@ def test_model_matches_float64_as_closely_as_eager(shared_runs, family, mode):
 
 # bf16 on CPU: what Triton's interpreter does with narrow floats (its conversions round as torch's)
 BF16_RUNS = {family: Run(("vit", "llama"), modes=("training",), dtype="bfloat16") for family in ("vit", "llama")}
-TRUNCATES = ("on CPU, dnngraph's fp32 -> bf16 conversions truncate toward zero where torch rounds to nearest even "
-             "(half of a randn tensor's elements differ by one bf16 ulp, always smaller in magnitude; a bf16 "
-             "matmul's output is 2x further from float64 than torch's): gradients of the first layers end 3-4x "
-             "further from float64 than eager bf16's")
-BF16_FAILURES = {("vit", "training"): TRUNCATES, ("llama", "training"): TRUNCATES}
+BF16_FAILURES: dict = {}
 
 
 @pytest.fixture(scope="session")
