@@ -56,6 +56,7 @@ def _mapped_arena(current: tuple, request: Request) -> tuple:
 
 def _run(request: Request, kernels: dict, arena) -> None:
     from ..codegen.cache import load_kernel
+    from ..runtime import run_interpreted
 
     for key, (name, text) in request.sources.items():
         kernels[key] = load_kernel(text, name)[0]
@@ -65,7 +66,7 @@ def _run(request: Request, kernels: dict, arena) -> None:
         for position, index in call.tensor_slots:
             args[position] = tensors[index]
         try:
-            kernels[call.source_key][call.grid](*args)
+            run_interpreted(kernels[call.source_key], call.grid, args)
         except Exception as error:
             raise RuntimeError(f"kernel {Path(call.source_key).name}: {type(error).__name__}: {error}") from error
 
