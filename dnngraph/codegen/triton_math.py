@@ -36,7 +36,8 @@ def pow_(a, b):
     b_odd = b_integral & (tl.floor(b * 0.5) * 2.0 != b)
     negative = a < 0
     result = tl.where(negative & b_odd, -magnitude, magnitude)
-    result = tl.where(negative & (b_integral == 0), tl.sqrt(a - tl.abs(a) - 1.0), result)  # NaN
+    finite = a - a == 0.0  # (-inf) ** b is +inf or +0 for a b that is not an odd integer, as C's pow
+    result = tl.where(negative & finite & (b_integral == 0), tl.sqrt(a - tl.abs(a) - 1.0), result)  # NaN
     return tl.where(b == 0, 1.0, result)
 
 

@@ -28,7 +28,7 @@ from ..autodiff import prune
 from ..graph import Graph
 from ..log import logger
 from ..tensor import Tensor
-from .convert import TENSOR_TYPES, VIEW_OPS, Aux, convert, unsupported
+from .convert import TENSOR_TYPES, VIEW_OPS, Aux, convert, graph_input, unsupported
 
 __all__ = ["backend", "REPORTS", "CompileReport"]
 
@@ -146,8 +146,7 @@ class DnngraphModule(torch.nn.Module):
                 taken = isinstance(meta, torch.Tensor) and meta.dim() > 0 and meta.dtype in TENSOR_TYPES
                 self.taken.append(taken)  # others are an sdpa's Aux values, read by no converter
                 if taken:
-                    values[node] = g.tensor(name=f"input{len(inputs)}", dim=list(meta.shape),
-                                            stride=list(meta.stride()), data_type=dtypes.from_torch(meta.dtype))
+                    values[node] = graph_input(g, f"input{len(inputs)}", meta)
                     inputs.append(values[node])
             elif node.op == "call_function":
                 values[node] = convert(g, node, value)
