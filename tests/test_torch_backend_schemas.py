@@ -145,6 +145,8 @@ TABLE = {
     aten.split_with_sizes.default: lambda: ([_floats(7, 5)], {}, {"split_sizes": [[2, 5], [7], [1, 2, 4]]}),
     aten.slice_backward.default: lambda: ([_floats(3, 2), [3, 5], 1, 1, 3, 1], {}, {
         "dim": [1, -1], "start": [1, 0, -4], "end": [3, 2**63 - 1, -2], "step": [1, 2]}),
+    aten.select.int: lambda: ([_floats(3, 5), 1, 0], {}, {"dim": [0, 1, -1, -2], "index": [0, 2, -1, -3]}),
+    aten.select_backward.default: lambda: ([_floats(3), [3, 5], 1, 2], {}, {"dim": [1, -1], "index": [0, 4, -1, -5]}),
     aten.threshold_backward.default: lambda: ([_floats(3, 5), _floats(3, 5, seed=1), 0], {}, {}),
     aten.convolution.default: lambda: (_conv_args(), {}, {"bias": [None]}),
     aten.convolution_backward.default: lambda: (_conv_backward_args(), {}, {

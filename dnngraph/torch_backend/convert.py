@@ -47,6 +47,7 @@ REDUCE = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default:
 VIEW_OPS = frozenset({aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default,
                       aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
                       aten.squeeze.default, aten.alias.default, aten.slice.Tensor, aten.expand.default,
+                      aten.select.int,
                       aten.detach.default})
 
 
@@ -282,12 +283,33 @@ def _split(g, node, value):
     return tuple(parts)
 
 
+def _select(g, node, value):
+    """x[..., index, ...]: the one-wide slice at `index` with the axis dropped."""
+    x, axis, index = value(node.args[0]), node.args[1] % len(node.args[0].meta["val"].shape), node.args[2]
+    slices = [slice(None)] * len(x.dim)
+    slices[axis] = slice(index % x.dim[axis], index % x.dim[axis] + 1)
+    return _reshape(g, g.slice(x, slices), _shape(node))
+
+
+def _select_backward(g, node, value):
+    """The gradient of a select placed in zeros of the input's dims (its axis one wide first)."""
+    grad, sizes, axis, index = node.args[:4]
+    axis %= len(sizes)
+    start = index % sizes[axis]
+    wide = [1 if a == axis else size for a, size in enumerate(sizes)]
+    return _placed_in_zeros(g, value, _reshape(g, value(grad), wide), sizes, axis, start, start + 1)
+
+
 def _slice_backward(g, node, value):
     """The gradient placed in zeros of the input's dims: zeros, grad, zeros joined on the axis."""
     grad, sizes, axis, start, stop, step = node.args[:6]
     axis %= len(sizes)
     start, stop, _ = slice(start, stop, step).indices(sizes[axis])
-    grad = value(grad)
+    return _placed_in_zeros(g, value, value(grad), sizes, axis, start, stop)
+
+
+def _placed_in_zeros(g, value, grad, sizes, axis: int, start: int, stop: int):
+    """`grad` (covering [start, stop) of `axis`) joined with zeros to the dims `sizes`."""
     parts = []
     for width in (start, None, sizes[axis] - stop):
         if width is None:
@@ -533,6 +555,7 @@ CONVERTERS: dict[object, Callable] = {
     aten.squeeze.default: _reshaped, aten.slice.Tensor: _slice, aten.expand.default: _expand,
     aten.native_dropout.default: _native_dropout, aten.native_dropout_backward.default: _native_dropout_backward,
     aten.split.Tensor: _split, aten.split_with_sizes.default: _split, aten.slice_backward.default: _slice_backward,
+    aten.select.int: _select, aten.select_backward.default: _select_backward,
     aten.convolution.default: _convolution, aten.convolution_backward.default: _convolution_backward,
     aten.native_layer_norm.default: _layer_norm, aten.native_layer_norm_backward.default: _layer_norm_backward,
     aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa,
