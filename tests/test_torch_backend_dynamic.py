@@ -41,13 +41,14 @@ def _mlp():
     return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.GELU(), torch.nn.Linear(12, 8))
 
 
-def _steps_match_eager(model, lengths=SEQUENCE_LENGTHS):
+def _steps_match_eager(model, lengths=SEQUENCE_LENGTHS, device="cpu"):
     """One training step per sequence length under default torch.compile, each against eager."""
     torch._dynamo.reset()
     torch_backend.REPORTS.clear()
+    model = model.to(device)
     compiled = torch.compile(model, backend="dnngraph")
     for step, length in enumerate(lengths):
-        x = torch.randn(2, length, 8, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(2, length, 8, generator=torch.Generator().manual_seed(step)).to(device)
         leaf, eager_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
         model.zero_grad()
         got = compiled(leaf)
@@ -62,11 +63,12 @@ def _steps_match_eager(model, lengths=SEQUENCE_LENGTHS):
             assert rel_err(got_grad, want_grad) < 1e-5, length
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("make_model", [_mlp, _Attention, _Pooler], ids=["mlp", "attention", "pooler"])
-def test_new_sequence_lengths_are_compiled_static_and_stay_in_dnngraph(make_model, caplog):
+def test_new_sequence_lengths_are_compiled_static_and_stay_in_dnngraph(make_model, device, caplog):
     torch.manual_seed(0)
     with caplog.at_level(logging.INFO, logger="dnngraph"):
-        _steps_match_eager(make_model())
+        _steps_match_eager(make_model(), device=device)
     reports = list(torch_backend.REPORTS)
     # forward and backward per length: the first static, the others specialized from dynamo's symbolic graph
     assert len(reports) == 2 * len(SEQUENCE_LENGTHS)
