@@ -27,15 +27,16 @@ def trunc(x):
 @triton.jit
 def pow_(a, b):
     # either side may be a constant: give both the broadcast shape first (zeros_like reads
-    # only the shape, so NaN and inf operands stay as they are)
+    # only the shape, so NaN and inf operands stay as they are; subtracting +0 keeps a -0.0 base)
     shape = tl.zeros_like(a * b)
-    a = a + shape
+    a = a - shape
     b = b + shape
     magnitude = tl.exp2(b * tl.log2(tl.abs(a)))
     b_integral = tl.floor(b) == b
     b_odd = b_integral & (tl.floor(b * 0.5) * 2.0 != b)
     negative = a < 0
-    result = tl.where(negative & b_odd, -magnitude, magnitude)
+    signed_zero = (a == 0.0) & (1.0 / a < 0)  # -0.0 ** odd b keeps the sign, as C's pow
+    result = tl.where((negative | signed_zero) & b_odd, -magnitude, magnitude)
     finite = a - a == 0.0  # (-inf) ** b is +inf or +0 for a b that is not an odd integer, as C's pow
     result = tl.where(negative & finite & (b_integral == 0), tl.sqrt(a - tl.abs(a) - 1.0), result)  # NaN
     return tl.where(b == 0, 1.0, result)
