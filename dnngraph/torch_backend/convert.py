@@ -22,6 +22,7 @@ import torch.utils._pytree as pytree
 
 from .. import dtypes
 from ..errors import GraphError
+from ..graph import Graph
 
 aten = torch.ops.aten
 
@@ -47,8 +48,7 @@ REDUCE = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default:
 VIEW_OPS = frozenset({aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default,
                       aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
                       aten.squeeze.default, aten.alias.default, aten.slice.Tensor, aten.expand.default,
-                      aten.select.int,
-                      aten.detach.default})
+                      aten.select.int, aten.detach.default})
 
 
 def _result(node):
@@ -285,7 +285,8 @@ def _split(g, node, value):
 
 def _select(g, node, value):
     """x[..., index, ...]: the one-wide slice at `index` with the axis dropped."""
-    x, axis, index = value(node.args[0]), node.args[1] % len(node.args[0].meta["val"].shape), node.args[2]
+    x = value(node.args[0])
+    axis, index = node.args[1] % len(x.dim), node.args[2]
     slices = [slice(None)] * len(x.dim)
     slices[axis] = slice(index % x.dim[axis], index % x.dim[axis] + 1)
     return _reshape(g, g.slice(x, slices), _shape(node))
@@ -656,8 +657,6 @@ def _trial(node) -> Optional[str]:
     """Why `node`'s converter cannot make it (None: it can): the converter run on the node alone,
     its arguments inputs of a scratch graph. A GraphError is a form dnngraph refuses; any other
     error a converter that mishandles a form of its op, said as such (tests look for them)."""
-    from ..graph import Graph
-
     graph = Graph(name="trial", intermediate_data_type=dtypes.float32)
     try:
         convert(graph, node, _TrialValues(graph))
