@@ -83,23 +83,17 @@ def test_new_sequence_lengths_are_compiled_static_and_stay_in_dnngraph(make_mode
     assert "specialized to" in torch_backend.explain() and "dynamo traced symbolic sizes" in torch_backend.explain()
 
 
-def test_a_shape_seen_before_reuses_its_compile(caplog):
-    torch.manual_seed(1)
-    with caplog.at_level(logging.INFO, logger="dnngraph"):
-        _steps_match_eager(_mlp(), lengths=(3, 5, 7, 5, 7))
-    assert len(torch_backend.REPORTS) == 2 * 3  # 5 and 7 again: no new compile
-    assert sum("specializing it" in r.getMessage() for r in caplog.records) == 2
-
-
-def test_the_shapes_kept_are_bounded(monkeypatch, caplog):
+def test_the_shapes_kept_are_bounded_and_reused(monkeypatch, caplog):
     monkeypatch.setattr(torch_backend, "SHAPE_LIMIT", 2)
     torch.manual_seed(2)
     with caplog.at_level(logging.INFO, logger="dnngraph"):
-        _steps_match_eager(_mlp(), lengths=(2, 3, 4, 5, 3))
-    # 3, 4, 5 specialized; 5 drops 3 (least recently used); 3 again compiles again
+        _steps_match_eager(_mlp(), lengths=(2, 3, 4, 4, 5, 3))
+    # 3, 4, 5 specialized; 4 again reuses its compile; 5 drops 3 (least recently used), which
+    # then compiles again
     dropped = [r.getMessage() for r in caplog.records if "drops" in r.getMessage()]
-    assert len(dropped) == 2 and "2x3x8" in dropped[0]
+    assert len(dropped) == 2 and "2x3x8" in dropped[0] and "2x4x8" in dropped[1]
     assert sum("specializing it" in r.getMessage() for r in caplog.records) == 4
+    assert len(torch_backend.REPORTS) == 2 * 5  # forward and backward per compile: 2, then 3, 4, 5, 3
 
 
 def test_explain_names_the_ops_left_to_torch():
