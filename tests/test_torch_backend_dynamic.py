@@ -122,7 +122,8 @@ def test_symbolic_sizes_and_strides_in_an_aten_graph_stay_in_torch_with_why():
 
 
 @pytest.mark.parametrize("call", [lambda x: torch.add(x, 2, alpha=3), lambda x: torch.sub(x, 0.5, alpha=-2),
-                                  lambda x: torch.sum(x, dim=[], keepdim=True), lambda x: torch.amax(x, dim=[], keepdim=True) + x,
+                                  lambda x: torch.sum(x, dim=[], keepdim=True),
+                                  lambda x: torch.amax(x, dim=[], keepdim=True) + x,
                                   lambda x: torch.mean(x, dim=[], keepdim=True)],
                          ids=["add alpha", "sub alpha", "sum dim=[]", "amax dim=[]", "mean dim=[]"])
 def test_scalar_alpha_and_empty_dims_compile_through_torch_compile(call):

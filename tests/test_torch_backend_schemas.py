@@ -139,7 +139,8 @@ TABLE = {
     aten.slice.Tensor: lambda: ([_floats(6, 5)], {}, {
         "dim": [0, 1, -1], "start": [None, 1, -2, -100], "end": [None, 3, -1, 2**63 - 1], "step": [1, 2, 3]}),
     aten.expand.default: lambda: ([_floats(3, 1)], {}, {"size": [[3, 4], [2, 3, 4], [-1, 4], [3, 1]]}),
-    aten.native_dropout.default: lambda: ([_floats(40, 50), 0.25, True], {}, {"p": [0.0, 0.25, 1.0], "train": [True, False, None]}),
+    aten.native_dropout.default: lambda: ([_floats(40, 50), 0.25, True], {}, {"p": [0.0, 0.25, 1.0],
+                                                                            "train": [True, False, None]}),
     aten.native_dropout_backward.default: lambda: ([_floats(3, 5), torch.rand(3, 5) < 0.7, 1.25], {}, {}),
     aten.split.Tensor: lambda: ([_floats(7, 5)], {}, {"split_size": [2, 3, 7, 10], "dim": [0, -2]}),
     aten.split_with_sizes.default: lambda: ([_floats(7, 5)], {}, {"split_sizes": [[2, 5], [7], [1, 2, 4]]}),
