@@ -264,7 +264,6 @@ def _compile(gm: torch.fx.GraphModule, example_inputs, specialized: str = ""):
     return make_boxed_func(fused.forward)
 
 
-_AOT = aot_autograd(fw_compiler=_compile, bw_compiler=_compile)
 # The attention forms the converters take: torch's flash kernels (the sdpa op and its backward),
 # else the math decomposition (matmuls and a softmax, an op-level chain). Chosen while AOTAutograd
 # traces, so the traced graph holds one of them.
@@ -368,8 +367,6 @@ def _static_compile(replay: bool):
                 from .cudagraphs import aot_with_cudagraphs
 
                 return aot_with_cudagraphs(partition, gm, example_inputs)
-            if not specialized:
-                return _AOT(gm, example_inputs)
             return aot_autograd(fw_compiler=partition, bw_compiler=partition)(gm, example_inputs)
 
     return compile_static
