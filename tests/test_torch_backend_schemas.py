@@ -240,8 +240,12 @@ def _cases(op):
             varied[(position, argument)] = forms
     combos = list(itertools.product(*varied.values())) or [()]
     step = max(1, math.ceil(len(combos) / CASES_PER_OP))
+    chosen = combos[::step]
+    for position, forms in enumerate(varied.values()):  # and each form of each argument once, the others plain
+        chosen += [combos[0][:position] + (form,) + combos[0][position + 1:] for form in forms[1:]]
+    unique = {repr(combo): combo for combo in chosen}  # the same form once (lists are not hashable)
     cases = []
-    for combo in combos[::step]:
+    for combo in unique.values():
         case_args, case_kwargs = _placed(args, kwargs, dict(zip(varied, combo)))
         cases.append((case_args, case_kwargs, ", ".join(f"{a.name}={v!r}" for (_, a), v in zip(varied, combo))))
     cases += _tensor_cases(op, args, kwargs)

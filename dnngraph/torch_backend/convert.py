@@ -199,6 +199,9 @@ def _reduce(g, node, value):
     axes = list(range(len(x.dim))) if not axes else axes  # None and [] reduce every axis, as torch's do
     axes = sorted({a % len(x.dim) for a in axes})
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    wanted = node.kwargs.get("dtype")
+    if wanted is not None and x.data_type != dtypes.from_torch(wanted):  # torch casts the input first
+        x = g.cast(x, data_type=dtypes.from_torch(wanted))
     reduced = g.reduction(x, REDUCE[node.target], axes)
     return reduced if keep else g.reshape(reduced, _shape(node))
 
