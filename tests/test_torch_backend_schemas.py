@@ -340,7 +340,7 @@ def _check_dropout(args, got):
 
 def _walk(op, device: str):
     """Every form of `op` on `device`: the backend's result against eager's, or the op left to torch."""
-    failures = []
+    failures, walked = [], 0
     for args, kwargs, label in _cases(op):
         args, kwargs = pytree.tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, (args, kwargs))
         torch.manual_seed(0)
@@ -348,6 +348,7 @@ def _walk(op, device: str):
             want = op(*args, **kwargs)
         except Exception:  # noqa: BLE001  (a form torch itself refuses is no case)
             continue
+        walked += 1
         graph, tensors = _trace(op, args, kwargs)
         torch_backend.REPORTS.clear()
         compiled = torch_backend._compile(graph, tensors)
@@ -362,6 +363,7 @@ def _walk(op, device: str):
         elif not _matches(*_compared(op, got, want, _eager_in_float64(op, args, kwargs))):
             failures.append(f"{label}: differs from eager (in dnngraph: {report.dnngraph_ops} op(s))")
     assert not failures, f"{op}:\n" + "\n".join(failures)
+    assert walked, f"{op}: eager torch refused every form tried: give it a base call in TABLE"
 
 
 def _compared(op, *results):
