@@ -7,12 +7,21 @@ for the user to set) and kernels run through the interpreter in this process. On
 CUDA nothing is set: CUDA tensors run on their GPU here, and CPU tensors' kernels run in an
 interpreter process of their own (plan/interpreter_client.py).
 
+Triton chooses interpreted or compiled when a function is decorated (`triton.jit` reads
+TRITON_INTERPRET then), and `torch.compile` imports triton before it loads the "dnngraph" backend
+through its entry point: triton.language's own jitted helpers (tl.sum, tl.max, tl.cdiv...) and any
+other function decorated before this module ran are then compiled-mode JITFunctions, which refuse
+to be called outside a compiled kernel. So the interpreter is chosen per launch instead
+(`run_interpreted`): the kernel and every jitted function it calls run interpreted whatever the
+decoration made of them, in any import order.
+
 DNNGRAPH_INTERPRETER_WORKER=1 (read once, at import; for tests) makes a CPU-only machine behave
 as a GPU machine does for CPU tensors: TRITON_INTERPRET is left unset and CPU tensors' kernels
 run in the interpreter process.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -45,6 +54,48 @@ def force_interpreter_worker(enabled: bool) -> None:
     process interprets (as a GPU machine does); False returns to the default."""
     global _forced_worker
     _forced_worker = bool(enabled)
+
+
+_INTERPRETED: dict = {}  # a jitted function's Python function -> its InterpretedFunction
+
+
+def _interpreted(function):
+    """`function` (a JITFunction or an InterpretedFunction) as an InterpretedFunction."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(function, InterpretedFunction):
+        return function
+    found = _INTERPRETED.get(function.fn)
+    if found is None:
+        found = _INTERPRETED[function.fn] = InterpretedFunction(function.fn)
+    return found
+
+
+def _call_interpreted(function, *args, **kwargs):
+    """A compiled-mode JITFunction called from an interpreted kernel: run as the interpreter's."""
+    return _interpreted(function)(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _jitted_calls_interpreted():
+    """While it lasts, a JITFunction called from Python (only an interpreted kernel calls one:
+    Triton's compiler never does) runs through the interpreter instead of refusing."""
+    from triton.runtime.jit import JITFunction
+
+    original = JITFunction.__call__
+    JITFunction.__call__ = _call_interpreted
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
+
+
+def run_interpreted(kernel, grid, args) -> None:
+    """kernel[grid](*args) through Triton's interpreter, with the kernel and the jitted functions
+    it calls interpreted however and whenever they were decorated. The caller makes sure no
+    other interpreted kernel runs meanwhile (the interpreter patches triton.language)."""
+    with _jitted_calls_interpreted():
+        _interpreted(kernel)[grid](*args)
 
 
 def _widen_bfloat16_dots():

@@ -347,3 +347,16 @@ def test_integer_neg_stays_integer():
     out = torch.zeros(3, dtype=torch.int64)
     g.execute({n: torch.tensor([2 ** 62 + 1, -5, 0]), y: out})
     assert out.tolist() == [-(2 ** 62 + 1), 5, 0]
+
+
+def test_pow_at_special_bases_is_torchs():
+    """C's pow at every base class against every exponent class: (-inf) ** 1.5 is inf and
+    (-inf) ** -1.5 is 0 (not NaN: -inf is no finite negative base), (-2) ** 1.5 is NaN."""
+    bases = [float("-inf"), -2.0, -0.0, 0.0, 0.5, 2.0, float("inf"), float("nan")]
+    exponents = [-2.5, -2.0, -1.0, 0.0, 0.5, 1.0, 1.5, 3.0, float("inf"), float("-inf"), float("nan")]
+    a_t, b_t = torch.tensor([(a, b) for a in bases for b in exponents]).T.contiguous()
+    g = dg.Graph()
+    a, b = g.tensor(name="a", dim=[len(a_t)]), g.tensor(name="b", dim=[len(b_t)])
+    y = g.pow(a, b).set_output(True)
+    out = run(g, {a: a_t, b: b_t})[y.name]
+    torch.testing.assert_close(out, torch.pow(a_t, b_t), equal_nan=True, rtol=1e-6, atol=0)

@@ -65,6 +65,8 @@ def _loaded(key: str, name: str, text: str):
 
 
 def _run(request: Request, kernels: dict, arena) -> None:
+    from ..runtime import run_interpreted
+
     for key, (name, text) in request.sources.items():
         kernels[key] = _loaded(key, name, text)
     tensors = [place.view(arena) for place in request.places]
@@ -73,7 +75,7 @@ def _run(request: Request, kernels: dict, arena) -> None:
         for position, index in call.tensor_slots:
             args[position] = tensors[index]
         try:
-            kernels[call.source_key][call.grid](*args)
+            run_interpreted(kernels[call.source_key], call.grid, args)
         except Exception as error:
             raise RuntimeError(f"kernel {Path(call.source_key).name}: {type(error).__name__}: {error}") from error
 

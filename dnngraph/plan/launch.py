@@ -28,7 +28,7 @@ from ..errors import ExecutionError, UnsupportedError
 from ..heuristics.autotune import TuningRecord
 from ..heuristics import device as device_limits
 from ..log import logger
-from ..runtime import cpu_kernels_in_worker
+from ..runtime import cpu_kernels_in_worker, run_interpreted
 from .interpreter_client import run_in_interpreter_process
 
 
@@ -288,7 +288,7 @@ class KernelLaunch:
         return options
 
     def interpret(self, tensors):
-        self.kernel[self.grid](*self.values(tensors))
+        run_interpreted(self.kernel, self.grid, self.values(tensors))
 
     def bind(self, device_index: int, dtypes_of) -> BoundLaunch:
         """Compile for a device (pointers assumed 16-byte aligned) and keep the launcher; safe to

@@ -9,14 +9,24 @@ of a value the graph makes is made in torch as that view, as eager torch does, n
 an output of its own (AOTAutograd saves transposed weights and reshaped activations for the
 backward). A 0-d tensor (a loss, a step counter) is held as [1]: bound as a view of the
 argument, returned as a 0-d view of the output. DNNGRAPH_LOG=info shows the partition and why an
-op stayed in torch.
+op stayed in torch; `explain()` the same for the graphs compiled so far.
+
+dnngraph compiles static shapes. Default torch.compile recompiles a function called with a second
+distinct shape with symbolic sizes (dynamo's automatic dynamic shapes), and AOTAutograd would hand
+this backend aten graphs whose sizes are symbols (SymInt placeholders, FakeTensor examples with
+symbolic dims) which no converter takes. So a graph dynamo hands over with symbolic sizes is
+compiled per concrete shape at call time instead (`_PerShape`): one AOTAutograd + dnngraph
+compile per distinct signature of the inputs (sizes, strides, types, devices, int arguments),
+the last SHAPE_LIMIT of them kept, each new one logged and recorded in its reports.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import operator
+import threading
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -30,12 +40,13 @@ from ..autodiff import prune
 from ..graph import Graph
 from ..log import logger
 from ..tensor import Tensor
-from .convert import TENSOR_TYPES, VIEW_OPS, Aux, convert, read_as_value, scalar_dims, unsupported
+from .convert import TENSOR_TYPES, VIEW_OPS, Aux, convert, graph_input, read_as_value, unsupported
 
-__all__ = ["backend", "REPORTS", "CompileReport"]
+__all__ = ["backend", "explain", "REPORTS", "CompileReport"]
 
 _NUMBER = itertools.count()
 REPORT_LIMIT = 64  # compile reports kept (inspection and tests)
+SHAPE_LIMIT = 16  # static shapes compiled and kept per graph dynamo hands over with symbolic sizes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +57,7 @@ class CompileReport:
     graphs: int
     torch_ops: tuple  # (target, reason) per op that runs in torch
     functions: tuple = ()  # the GraphFunction of each dnngraph graph (its plan once it has run)
+    specialized: str = ""  # the input signature compiled for, where dynamo's graph had symbolic sizes
 
     def kernels(self) -> int:
         """Kernels launched per call by the graphs that have run (their plans are built on first use)."""
@@ -150,8 +162,7 @@ class DnngraphModule(torch.nn.Module):
                     meta.dim() > 0 or read_as_value(node))
                 self.taken.append(taken)  # others are an sdpa's Aux values, read by no converter
                 if taken:
-                    values[node] = g.tensor(name=f"input{len(inputs)}", dim=scalar_dims(meta),
-                                            stride=list(meta.stride()) or [1], data_type=dtypes.from_torch(meta.dtype))
+                    values[node] = graph_input(g, f"input{len(inputs)}", meta)
                     inputs.append(values[node])
             elif node.op == "call_function":
                 values[node] = convert(g, node, value)
@@ -234,8 +245,9 @@ class DnngraphModule(torch.nn.Module):
         return ordered[0] if self.single else tuple(ordered)
 
 
-def _compile(gm: torch.fx.GraphModule, example_inputs):
-    """The aten graph with each supported partition replaced by a DnngraphModule."""
+def _compile(gm: torch.fx.GraphModule, example_inputs, specialized: str = ""):
+    """The aten graph with each supported partition replaced by a DnngraphModule (`specialized`:
+    the concrete input signature it was traced for, where dynamo's graph was symbolic)."""
     support = _Support()
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
@@ -251,15 +263,14 @@ def _compile(gm: torch.fx.GraphModule, example_inputs):
     fused.recompile()
     kept = tuple((str(n.target), support.reasons.get(n.name, "not an op dnngraph takes")) for n in fused.graph.nodes
                  if n.op == "call_function" and n.target is not operator.getitem)
-    REPORTS.append(CompileReport(converted, graphs, kept, tuple(functions)))
-    logger.info("torch.compile backend: %d aten ops in %d dnngraph graph(s), %d in torch", converted, graphs,
-                len(kept))
+    REPORTS.append(CompileReport(converted, graphs, kept, tuple(functions), specialized))
+    logger.info("torch.compile backend: %d aten ops in %d dnngraph graph(s), %d in torch%s", converted, graphs,
+                len(kept), f" (specialized to {specialized})" if specialized else "")
     for target, reason in kept:
         logger.info("  stays in torch: %s (%s)", target, reason)
     return make_boxed_func(fused.forward)
 
 
-_AOT = aot_autograd(fw_compiler=_compile, bw_compiler=_compile)
 # The attention forms the converters take: torch's flash kernels (the sdpa op and its backward),
 # else the math decomposition (matmuls and a softmax, an op-level chain). Chosen while AOTAutograd
 # traces, so the traced graph holds one of them.
@@ -285,18 +296,114 @@ def _replays(mode, options) -> bool:
     return replay
 
 
+_SYMBOLS = (torch.SymInt, torch.SymFloat, torch.SymBool)
+
+
+def _is_symbolic(gm: torch.fx.GraphModule, example_inputs) -> bool:
+    """Did dynamo trace `gm` with symbolic sizes: a SymInt input, or an input whose dims or
+    strides are symbols?"""
+    if any(isinstance(x, _SYMBOLS) for x in example_inputs):
+        return True
+    for node in getattr(gm, "gm", gm).graph.nodes:  # a GmWrapper (boxed inputs) holds the graph
+        value = node.meta.get("example_value") if node.op == "placeholder" else None
+        if isinstance(value, torch.Tensor) and any(isinstance(d, _SYMBOLS) for d in (*value.shape, *value.stride())):
+            return True
+    return False
+
+
+def _signature(args) -> tuple:
+    """What a static compile of a graph is specific to: each tensor's sizes, strides, type,
+    device and whether it requires grad, each other argument's value."""
+    return tuple((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad) if isinstance(a, torch.Tensor)
+                 else (type(a), a) for a in args)
+
+
+def _described(args) -> str:
+    """The tensor arguments' sizes, as a log line shows them."""
+    return ", ".join("x".join(map(str, a.shape)) if isinstance(a, torch.Tensor) else repr(a) for a in args)
+
+
+class _PerShape:
+    """A graph dynamo traced with symbolic sizes, compiled for each concrete input signature it
+    is called with (dnngraph compiles static shapes): the compiles of the last SHAPE_LIMIT
+    signatures are kept, the least recently used one dropped first."""
+
+    def __init__(self, gm: torch.fx.GraphModule, compile_static):
+        self.gm, self.compile_static = gm, compile_static
+        # dynamo calls what it gets for a GmWrapper with one list of inputs (boxed), as AOTAutograd's
+        # compile of it expects; otherwise with the inputs themselves
+        self.boxed = isinstance(gm, torch._dynamo.utils.GmWrapper)
+        self.compiled: collections.OrderedDict = collections.OrderedDict()  # signature -> (shapes text, compiled)
+        self.lock = threading.Lock()
+        self.name = f"graph{next(_NUMBER)}"
+
+    def __call__(self, *args):
+        args = args[0] if self.boxed else args
+        key = _signature(args)
+        with self.lock:
+            entry = self.compiled.get(key)
+            if entry is None:
+                entry = self._compiled(key, args)
+            self.compiled.move_to_end(key)
+        compiled = entry[1]
+        return compiled(list(args)) if self.boxed else compiled(*args)
+
+    def _compiled(self, key, args):
+        described = _described(args)
+        logger.info("torch.compile backend: %s has symbolic sizes (dynamic shapes, which dnngraph does not "
+                    "compile); specializing it to the static shapes %s (%d of at most %d kept)", self.name,
+                    described, len(self.compiled) + 1, SHAPE_LIMIT)
+        entry = self.compiled[key] = (described, self.compile_static(self.gm, list(args),
+                                                                     f"{self.name} at {described}"))
+        if len(self.compiled) > SHAPE_LIMIT:
+            _, (dropped, _) = self.compiled.popitem(last=False)
+            logger.info("torch.compile backend: %s drops its least recently used shapes %s", self.name, dropped)
+        return entry
+
+
+def _static_compile(replay: bool):
+    """compile(gm, example_inputs, specialized) -> the AOTAutograd-compiled callable of dynamo's
+    graph `gm`, its forward and backward partitioned into dnngraph graphs (replayed as CUDA graphs
+    where `replay`); `specialized` names the signature in the reports ("" where dynamo's graph was
+    static already)."""
+
+    def compile_static(gm, example_inputs, specialized=""):
+        partition = functools.partial(_compile, specialized=specialized)
+        with sdpa_kernel(TRACED_ATTENTION):
+            if replay:
+                from .cudagraphs import aot_with_cudagraphs
+
+                return aot_with_cudagraphs(partition, gm, example_inputs)
+            return aot_autograd(fw_compiler=partition, bw_compiler=partition)(gm, example_inputs)
+
+    return compile_static
+
+
 def backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     """The torch.compile backend: `torch.compile(model, backend="dnngraph")`. With
     `mode="reduce-overhead"` (or `options={"cudagraphs": True}`) each compiled forward and
     backward graph is recorded once as a CUDA graph and replayed (cudagraph trees, as inductor's
-    reduce-overhead mode): one launch per graph instead of one per kernel."""
-    replay = _replays(mode, options)
-    with sdpa_kernel(TRACED_ATTENTION):
-        if replay:
-            from .cudagraphs import aot_with_cudagraphs
+    reduce-overhead mode): one launch per graph instead of one per kernel. A graph dynamo traced
+    with symbolic sizes is compiled per concrete shape when it is called (see the module's doc)."""
+    compile_static = _static_compile(_replays(mode, options))
+    if _is_symbolic(gm, example_inputs):
+        per_shape = _PerShape(gm, compile_static)
+        per_shape._boxed_call = per_shape.boxed
+        return per_shape
+    return compile_static(gm, example_inputs)
 
-            return aot_with_cudagraphs(_compile, gm, example_inputs)
-        return _AOT(gm, example_inputs)
+
+def explain() -> str:
+    """What the graphs compiled so far (the last REPORT_LIMIT) became: per aten graph, its ops in
+    dnngraph graphs, the shape it was specialized to where dynamo's graph had symbolic sizes, and
+    each op left to torch with why."""
+    lines = []
+    for number, report in enumerate(REPORTS):
+        shape = f", specialized to {report.specialized} (dynamo traced symbolic sizes)" if report.specialized else ""
+        lines.append(f"aten graph {number}: {report.dnngraph_ops} ops in {report.graphs} dnngraph graph(s), "
+                     f"{len(report.torch_ops)} in torch{shape}")
+        lines += [f"  stays in torch: {target} ({reason})" for target, reason in report.torch_ops]
+    return "\n".join(lines) if lines else "no aten graph compiled by the dnngraph backend yet"
 
 
 def _register():

@@ -6,7 +6,10 @@ node's result (a tuple for ops with several results, None where one is not compu
 `value.true(dims)` is an all-true bool input of `dims` (broadcast: one element in memory) that
 the caller binds, for `expand`; `value.seed()` an int64 seed input the caller draws from torch's
 generator at every call, for dropout. `unsupported(node)` says why a node stays in torch (None: it
-converts).
+converts): the form checks below, then the converter itself run on the node alone in a scratch
+graph (`_trial`), so the partitioner never claims a node its converter cannot make (one predicate:
+what converts is what is supported), and `convert` checks that what a converter made has torch's
+dims for the result.
 """
 from __future__ import annotations
 
@@ -15,8 +18,11 @@ import operator
 from typing import Callable, Optional
 
 import torch
+import torch.utils._pytree as pytree
 
 from .. import dtypes
+from ..errors import GraphError
+from ..graph import Graph
 
 aten = torch.ops.aten
 
@@ -42,7 +48,7 @@ REDUCE = {aten.sum.dim_IntList: "sum", aten.mean.dim: "mean", aten.amax.default:
 VIEW_OPS = frozenset({aten.t.default, aten.permute.default, aten.transpose.int, aten.view.default,
                       aten._unsafe_view.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
                       aten.squeeze.default, aten.alias.default, aten.slice.Tensor, aten.expand.default,
-                      aten.detach.default})
+                      aten.select.int, aten.detach.default})
 
 
 def _result(node):
@@ -81,9 +87,9 @@ def _unary(g, node, value):
 def _binary(g, node, value):
     op = BINARY[node.target]
     a, b = value(node.args[0]), value(node.args[1])
-    alpha = node.kwargs.get("alpha", 1)
-    if alpha != 1:
-        b = g.mul(b, alpha)
+    alpha = node.args[2] if len(node.args) > 2 else node.kwargs.get("alpha", 1)  # .Scalar: positional
+    if alpha != 1:  # add and sub: a + alpha * b (a number b is scaled here, as torch does)
+        b = b * alpha if isinstance(b, numbers.Number) else g.mul(b, alpha)
     return getattr(g, op)(a, b)
 
 
@@ -195,9 +201,13 @@ def _softmax(g, node, value):
 
 def _reduce(g, node, value):
     x = value(node.args[0])
-    axes = node.args[1] if len(node.args) > 1 and node.args[1] is not None else list(range(len(x.dim)))
+    axes = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    axes = list(range(len(x.dim))) if not axes else axes  # None and [] reduce every axis, as torch's do
     axes = sorted({a % len(x.dim) for a in axes})
     keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    wanted = node.kwargs.get("dtype")
+    if wanted is not None and x.data_type != dtypes.from_torch(wanted):  # torch casts the input first
+        x = g.cast(x, data_type=dtypes.from_torch(wanted))
     reduced = g.reduction(x, REDUCE[node.target], axes)
     return reduced if keep else g.reshape(reduced, _shape(node))
 
@@ -282,12 +292,34 @@ def _split(g, node, value):
     return tuple(parts)
 
 
+def _select(g, node, value):
+    """x[..., index, ...]: the one-wide slice at `index` with the axis dropped."""
+    x = value(node.args[0])
+    axis, index = node.args[1] % len(x.dim), node.args[2]
+    slices = [slice(None)] * len(x.dim)
+    slices[axis] = slice(index % x.dim[axis], index % x.dim[axis] + 1)
+    return _reshape(g, g.slice(x, slices), _shape(node))
+
+
+def _select_backward(g, node, value):
+    """The gradient of a select placed in zeros of the input's dims (its axis one wide first)."""
+    grad, sizes, axis, index = node.args[:4]
+    axis %= len(sizes)
+    start = index % sizes[axis]
+    wide = [1 if a == axis else size for a, size in enumerate(sizes)]
+    return _placed_in_zeros(g, value, _reshape(g, value(grad), wide), sizes, axis, start, start + 1)
+
+
 def _slice_backward(g, node, value):
     """The gradient placed in zeros of the input's dims: zeros, grad, zeros joined on the axis."""
     grad, sizes, axis, start, stop, step = node.args[:6]
     axis %= len(sizes)
     start, stop, _ = slice(start, stop, step).indices(sizes[axis])
-    grad = value(grad)
+    return _placed_in_zeros(g, value, value(grad), sizes, axis, start, stop)
+
+
+def _placed_in_zeros(g, value, grad, sizes, axis: int, start: int, stop: int):
+    """`grad` (covering [start, stop) of `axis`) joined with zeros to the dims `sizes`."""
     parts = []
     for width in (start, None, sizes[axis] - stop):
         if width is None:
@@ -529,6 +561,7 @@ CONVERTERS: dict[object, Callable] = {
     aten.squeeze.default: _reshaped, aten.slice.Tensor: _slice, aten.expand.default: _expand,
     aten.native_dropout.default: _native_dropout, aten.native_dropout_backward.default: _native_dropout_backward,
     aten.split.Tensor: _split, aten.split_with_sizes.default: _split, aten.slice_backward.default: _slice_backward,
+    aten.select.int: _select, aten.select_backward.default: _select_backward,
     aten.convolution.default: _convolution, aten.convolution_backward.default: _convolution_backward,
     aten.native_layer_norm.default: _layer_norm, aten.native_layer_norm_backward.default: _layer_norm_backward,
     aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa,
@@ -967,6 +1000,8 @@ def _tensor_ok(meta) -> Optional[str]:
         return f"type {meta.dtype}"
     if any(not isinstance(d, int) for d in meta.shape):
         return "a symbolic shape (dnngraph compiles static shapes)"
+    if any(not isinstance(d, int) for d in meta.stride()) or not isinstance(meta.storage_offset(), int):
+        return "a symbolic stride (dnngraph compiles static shapes)"
     if meta.numel() == 0:
         return "an empty tensor"
     return None
@@ -1002,6 +1037,9 @@ def read_as_value(placeholder) -> bool:
     return False
 
 
+_VERDICT = "dnngraph_unsupported"  # node.meta key: unsupported(node)'s answer, found once per node
+
+
 def unsupported(node) -> Optional[str]:
     """Why `node` (an FX call_function node of an aten graph) stays in torch; None if it converts."""
     if node.op != "call_function":
@@ -1009,8 +1047,64 @@ def unsupported(node) -> Optional[str]:
     if node.target is operator.getitem:
         source = node.args[0]
         return None if isinstance(source, torch.fx.Node) and unsupported(source) is None else "a result of an op in torch"
+    if _VERDICT not in node.meta:
+        why = _form_refused(node)
+        node.meta[_VERDICT] = why if why is not None else _trial(node)
+    return node.meta[_VERDICT]
+
+
+class _TrialValues:
+    """The converters' `value` for a node alone: each FX argument a graph input of its meta."""
+
+    def __init__(self, graph):
+        self.graph, self.made = graph, {}
+
+    def __call__(self, arg):
+        if not isinstance(arg, torch.fx.Node):
+            return arg
+        if arg not in self.made:
+            self.made[arg] = graph_input(self.graph, f"input{len(self.made)}", arg.meta["val"])
+        return self.made[arg]
+
+    def true(self, dims):
+        return self.graph.tensor(dim=list(dims), stride=[0] * len(dims), data_type=dtypes.bool_)
+
+    def seed(self):
+        return self.graph.tensor(dim=[1], data_type=dtypes.int64)
+
+
+def _trial(node) -> Optional[str]:
+    """Why `node`'s converter cannot make it (None: it can): the converter run on the node alone,
+    its arguments inputs of a scratch graph. A GraphError is a form dnngraph refuses; any other
+    error a converter that mishandles a form of its op, said as such (tests look for them)."""
+    graph = Graph(name="trial", intermediate_data_type=dtypes.float32)
+    try:
+        convert(graph, node, _TrialValues(graph))
+    except GraphError as error:
+        return f"dnngraph refuses this form: {error}"
+    except Exception as error:  # noqa: BLE001  (a converter's bug leaves the op to torch, named)
+        return f"converter error {type(error).__name__}: {error}"
+    return None
+
+
+def graph_input(graph, name: str, meta):
+    """A dnngraph graph input with the dims, strides and type of a torch value (`meta`)."""
+    return graph.tensor(name=name, dim=scalar_dims(meta), stride=list(meta.stride()) or [1],
+                        data_type=dtypes.from_torch(meta.dtype))
+
+
+def _symbolic_argument(node) -> bool:
+    """Does a number argument of `node` depend on a symbolic size (a view to [s0, 8], say)?"""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in leaves)
+
+
+def _form_refused(node) -> Optional[str]:
+    """Why a form of an op stays in torch before its converter is tried (None: try it)."""
     if node.target not in CONVERTERS:
         return f"no converter for {node.target}"
+    if _symbolic_argument(node):
+        return "a symbolic argument (dnngraph compiles static shapes)"
     results = _result(node)
     aux = AUX_RESULTS.get(node.target, ())
     for position, result in enumerate(results if isinstance(results, (tuple, list)) else (results,)):
@@ -1077,15 +1171,27 @@ def unsupported(node) -> Optional[str]:
     return None
 
 
+class ConverterMismatch(RuntimeError):
+    """A converter made a value whose dims are not those torch gives the result (a converter bug)."""
+
+
+def _as_torch_makes(tensor, meta, node):
+    """`tensor` in torch's type of the result `meta`, after checking it has torch's dims."""
+    if list(tensor.dim) != [int(d) for d in meta.shape]:
+        raise ConverterMismatch(f"{node.target} made dims {list(tensor.dim)} where torch's result has "
+                                f"{list(meta.shape)}")
+    return tensor.set_data_type(dtypes.from_torch(meta.dtype))
+
+
 def convert(g, node, value):
     """The dnngraph tensor (or tuple of them) computing FX `node` (unsupported(node) is None)."""
     if node.target is operator.getitem:
         return value(node.args[0])[node.args[1]]
     made = CONVERTERS[node.target](g, node, value)
     if not isinstance(made, tuple):
-        return _typed(made, node)
+        return _as_torch_makes(made, _result(node), node)
     metas = _result(node)
     for tensor, meta in zip(made, metas):
         if tensor is not None and meta is not None and not isinstance(tensor, Aux):
-            tensor.set_data_type(dtypes.from_torch(meta.dtype))
+            _as_torch_makes(tensor, meta, node)
     return made
