@@ -1176,10 +1176,11 @@ class ConverterMismatch(RuntimeError):
 
 
 def _as_torch_makes(tensor, meta, node):
-    """`tensor` in torch's type of the result `meta`, after checking it has torch's dims."""
-    if list(tensor.dim) != [int(d) for d in meta.shape]:
+    """`tensor` in torch's type of the result `meta`, after checking it has torch's dims as
+    dnngraph holds them (scalar_dims: a 0-d result is [1], as graph_input binds one)."""
+    if list(tensor.dim) != scalar_dims(meta):
         raise ConverterMismatch(f"{node.target} made dims {list(tensor.dim)} where torch's result has "
-                                f"{list(meta.shape)}")
+                                f"{list(meta.shape)} (held as {scalar_dims(meta)})")
     return tensor.set_data_type(dtypes.from_torch(meta.dtype))
 
 
