@@ -24,7 +24,7 @@ CASES_PER_OP = 24  # forms tried per op (an even spread of its variants where th
 
 def _floats(*shape, seed=0):
     generator = torch.Generator().manual_seed(seed + 7 * len(shape) + sum(shape))
-    return torch.randn(*shape, generator=generator)
+    return torch.randn(shape, generator=generator)  # no dims: a 0-d tensor (a loss's gradient)
 
 
 def _with_specials(x):
@@ -67,6 +67,8 @@ ARGUMENT_FORMS = {
     ("str", "approximate"): ["none", "tanh"],
     ("bool", "half_to_float"): [False],
     ("Optional[int]", "memory_format"): [None, torch.contiguous_format, torch.preserve_format],
+    ("number", "min_val"): [-1, 0, 0.5, 2.5],  # 2.5 > every max_val but 6: bounds crossed
+    ("number", "max_val"): [1, 6, -0.5],
 }
 
 # Ops whose required arguments a (3, 5) tensor per tensor argument does not fit: the base call,
@@ -111,6 +113,96 @@ def _conv_args():
 def _conv_backward_args():
     return [_floats(2, 6, 6, 7, seed=3), _floats(2, 4, 6, 7), _floats(6, 2, 3, 3, seed=1), [6], [1, 1], [1, 1],
             [1, 1], False, [0, 0], 2, [True, True, True]]
+
+
+class Fitted:
+    """An argument that depends on the others of the call it is placed in (a gradient with the
+    dims of the forward's result, a weight total the forward made): `make(args, kwargs)`, run by
+    eager torch after every other argument of the form is placed."""
+
+    def __init__(self, make, label: str):
+        self.make, self.label = make, label
+
+    def __repr__(self):
+        return self.label
+
+
+def _fitted(args, kwargs):
+    """The call with each Fitted argument made (None: torch refuses the form they come from)."""
+    try:
+        args = [a.make(args, kwargs) if isinstance(a, Fitted) else a for a in args]
+        kwargs = {k: v.make(args, kwargs) if isinstance(v, Fitted) else v for k, v in kwargs.items()}
+    except Exception:  # noqa: BLE001  (the form is one torch refuses: no case)
+        return None
+    return args, kwargs
+
+
+def _gradient_of(forward, first: int, last: int, seed=5):
+    """A random gradient with the dims of forward(*args[first:last]) (the forward of a backward op)."""
+    return Fitted(lambda args, kwargs: _floats(*forward(*args[first:last]).shape, seed=seed), "grad fitted")
+
+
+def _ids(high, *shape, low=0, dtype=torch.int64, seed=0):
+    """Integer ids in [low, high): in range of the axis they index (negative ones count from the end)."""
+    generator = torch.Generator().manual_seed(seed + 11 * len(shape) + sum(shape))
+    return torch.randint(low, high, shape, generator=generator, dtype=dtype)
+
+
+def _pool_forms(rank: int) -> dict:
+    """Average pooling geometry forms (the window 3 per axis): strides, pads, ceil mode, divisors."""
+    return {"stride": [[], [2] * rank, [1] + [2] * (rank - 1)], "padding": [[0] * rank, [1] * rank, [1]],
+            "ceil_mode": [False, True], "count_include_pad": [True, False], "divisor_override": [None, 5]}
+
+
+def _avg_pool_args(rank: int):
+    x = _floats(1, 2, 7, 8) if rank == 2 else _floats(1, 2, 5, 6, 5)
+    return [x, [3] * rank]
+
+
+def _avg_pool_backward_entry(rank: int):
+    forward = aten.avg_pool2d.default if rank == 2 else aten.avg_pool3d.default
+    x, window = _avg_pool_args(rank)
+    forms = _pool_forms(rank)
+    args = [_gradient_of(forward, 1, 8), x, window, [2] * rank, [1] * rank, False, True, None]
+    return args, {}, {**forms, "stride": forms["stride"][1:], "self": [x, _with_specials(x),
+                                                                        x.to(memory_format=torch.channels_last)
+                                                                        if rank == 2 else x.transpose(-1, -2)]}
+
+
+def _nll_loss_entry(backward: bool):
+    """nll_loss_forward(x, target, weight, reduction, ignore_index) or its backward, whose gradient
+    and total weight are the forward's."""
+    x = torch.log_softmax(_floats(6, 5), -1)
+    target = _ids(5, 6)
+    forms = {"weight": [None, _floats(5, seed=3).abs() + 0.1], "reduction": [1, 0, 2], "ignore_index": [-100, 2],
+             "target": [target, torch.full((6,), 2), _ids(5, 6, dtype=torch.int32)],
+             "self": [x, _with_specials(x), x.t().contiguous().t(), x.half()]}
+    if not backward:
+        return [x, target, None, 1, -100], {}, forms
+    forward = aten.nll_loss_forward.default
+    grad = Fitted(lambda args, kwargs: _floats(*forward(*args[1:6])[0].shape, seed=4), "grad fitted")
+    total = Fitted(lambda args, kwargs: forward(*args[1:6])[1], "total_weight fitted")
+    return [grad, x, target, None, 1, -100, total], {}, forms
+
+
+def _index_add_source(args, kwargs):
+    """index_add's source: self's dims with the indexed axis as long as the index."""
+    base, dim, index = args[:3]
+    dims = list(base.shape)
+    dims[dim] = index.numel()
+    return _floats(*dims, seed=6).to(base.dtype)
+
+
+def _index_put_values(args, kwargs):
+    """index_put's values: the indexed shape (self's dims with the indexed axis replaced by the ids')."""
+    base, indices = args[:2]
+    axis = next(i for i, ids in enumerate(indices) if ids is not None)
+    dims = list(base.shape[:axis]) + list(indices[axis].shape) + list(base.shape[axis + 1:])
+    return _floats(*dims, seed=6).to(base.dtype)
+
+
+def _embedding_gradient(args, kwargs):
+    return _floats(*args[1].shape, 4, seed=6)
 
 
 TABLE = {
@@ -170,11 +262,65 @@ TABLE = {
         "output_mask": [[True, True, True], [True, False, False]], "train": [True, False]}),
     aten.max_pool2d_with_indices.default: lambda: ([_floats(1, 2, 7, 8), [3, 3]], {}, {
         "stride": [[], [2, 2], [1, 2]], "padding": [[0, 0], [1, 1]], "dilation": [[1, 1], [2, 2]],
-        "ceil_mode": [False, True]}),
+        "ceil_mode": [False, True], "self": [_floats(1, 2, 7, 8), _floats(2, 7, 8)]}),
     aten.max_pool3d_with_indices.default: lambda: ([_floats(1, 2, 5, 6, 5), [3, 3, 3]], {}, {
         "stride": [[], [2, 2, 2]], "padding": [[0, 0, 0], [1, 1, 1]]}),
     aten.max_pool2d_with_indices_backward.default: lambda: (_max_pool_backward_args(2), {}, {}),
     aten.max_pool3d_with_indices_backward.default: lambda: (_max_pool_backward_args(3), {}, {}),
+    aten.hardtanh_backward.default: lambda: ([_floats(3, 5), _with_specials(_floats(3, 5, seed=1)) * 2, -1, 1],
+                                             {}, {"self": [_floats(3, 5, seed=1) * 2, _floats(5, 3, seed=1).t(),
+                                                           _ids(5, 3, 5, low=-4)]}),
+    aten.avg_pool2d.default: lambda: (_avg_pool_args(2), {}, {
+        **_pool_forms(2), "kernel_size": [[3, 3], [2, 3], [3]],
+        "self": [_floats(1, 2, 7, 8), _floats(1, 2, 7, 8).to(memory_format=torch.channels_last),
+                 _with_specials(_floats(1, 2, 7, 8)), _floats(2, 7, 8), _ids(5, 1, 2, 7, 8)]}),
+    aten.avg_pool3d.default: lambda: (_avg_pool_args(3), {}, _pool_forms(3)),
+    aten.avg_pool2d_backward.default: lambda: _avg_pool_backward_entry(2),
+    aten.avg_pool3d_backward.default: lambda: _avg_pool_backward_entry(3),
+    aten.constant_pad_nd.default: lambda: ([_floats(3, 5), [1, 1]], {}, {
+        "pad": [[1, 2], [0, 2, 1, 0], [-1, 2], [2, -1, -1, 1], [0, 0, 0, 0, 1, 1], [1]],
+        "value": [0, 1.5, -2, float("-inf"), float("nan")],
+        "self": [_floats(3, 5), _floats(5, 3).t(), _ids(5, 3, 5, low=-4), torch.rand(3, 5) < 0.5,
+                 _floats(3, 5).half(), _floats(1, 5).expand(3, 5)]}),
+    aten.embedding.default: lambda: ([_floats(7, 4), _ids(7, 3, 5)], {}, {
+        "indices": [_ids(7, 3, 5), _ids(7, 6), _ids(7, 2, 3, dtype=torch.int32), torch.tensor(3), _ids(2, 9)],
+        "weight": [_floats(7, 4), _floats(4, 7).t(), _floats(7, 4).half(), _ids(9, 7, 4)],
+        "padding_idx": [-1, 2]}),
+    aten.index_select.default: lambda: ([_floats(6, 5), 0, _ids(5, 4)], {}, {
+        "index": [_ids(5, 4), _ids(5, 7, dtype=torch.int32), torch.tensor(2), _ids(2, 3)],
+        "self": [_floats(6, 5), _floats(5, 6).t(), _with_specials(_floats(6, 5)), _ids(9, 6, 5), _floats(6, 5).half(),
+                 torch.rand(6, 5) < 0.5]}),
+    aten.gather.default: lambda: ([_floats(4, 5), 1, _ids(4, 4, 3)], {}, {
+        "index": [_ids(4, 4, 3), _ids(4, 2, 3), _ids(4, 4, 5, dtype=torch.int32), _ids(4, 4, 6)],
+        "self": [_floats(4, 5), _floats(5, 4).t(), _with_specials(_floats(4, 5)), _ids(9, 4, 5),
+                 _floats(1, 5).expand(4, 5)]}),
+    aten.index.Tensor: lambda: ([_floats(6, 5), [_ids(6, 3, low=-6)]], {}, {
+        "indices": [[_ids(6, 3, low=-6)], [None, _ids(5, 2, 3, low=-5)], [_ids(6, 4, dtype=torch.int32)],
+                    [_ids(3, 3), _ids(5, 3)], [torch.rand(6) < 0.5], [torch.tensor(-2)]],
+        "self": [_floats(6, 5), _floats(5, 6).t(), _ids(9, 6, 5), _floats(6, 5).half()]}),
+    aten.embedding_dense_backward.default: lambda: (
+        [Fitted(_embedding_gradient, "grad fitted"), _ids(7, 3, 5), 7, -1, False], {}, {
+            "indices": [_ids(7, 3, 5), _ids(7, 6, dtype=torch.int32), _ids(2, 9)],
+            "padding_idx": [-1, 2, 0], "scale_grad_by_freq": [False, True], "num_weights": [7, 9]}),
+    aten.scatter_add.default: lambda: ([_floats(4, 5), 0, _ids(4, 3, 5), _floats(3, 5, seed=1)], {}, {
+        "index": [_ids(4, 3, 5), _ids(4, 2, 3), _ids(4, 3, 5, dtype=torch.int32), _ids(2, 4, 5)],
+        "src": [_floats(3, 5, seed=1), _floats(4, 6, seed=1), _floats(5, 3, seed=1).t()],
+        "self": [_floats(4, 5), _floats(5, 4).t(), _ids(9, 4, 5), _floats(4, 5).half()]}),
+    aten.index_add.default: lambda: ([_floats(4, 5), 0, _ids(4, 6), Fitted(_index_add_source, "source fitted")],
+                                     {}, {
+        "index": [_ids(4, 6), _ids(4, 3, dtype=torch.int32), _ids(2, 8)], "alpha": [1, 2, 0.5],
+        "self": [_floats(4, 5), _floats(5, 4).t(), _ids(9, 4, 5), _floats(4, 5).half()]}),
+    aten.index_put.default: lambda: ([_floats(6, 5), [_ids(6, 4, low=-6)], Fitted(_index_put_values, "values fitted")],
+                                     {}, {
+        "indices": [[_ids(6, 4, low=-6)], [None, _ids(5, 2, 3)], [_ids(3, 4, dtype=torch.int32)], [_ids(2, 8)],
+                    [_ids(3, 2), _ids(5, 2)]],
+        "values": [Fitted(_index_put_values, "values fitted"), _floats(5, seed=2)],
+        "accumulate": [True, False],
+        "self": [_floats(6, 5), _floats(5, 6).t(), _ids(9, 6, 5), _floats(6, 5).half()]}),
+    aten.new_zeros.default: lambda: ([_floats(3, 5), [2, 3]], {}, {
+        "size": [[2, 3], [4], [1, 1, 1], []], "self": [_floats(3, 5), _ids(9, 3, 5), _floats(3, 5).half()]}),
+    aten.nll_loss_forward.default: lambda: _nll_loss_entry(backward=False),
+    aten.nll_loss_backward.default: lambda: _nll_loss_entry(backward=True),
 }
 
 
@@ -246,10 +392,20 @@ def _cases(op):
     unique = {repr(combo): combo for combo in chosen}  # the same form once (lists are not hashable)
     cases = []
     for combo in unique.values():
-        case_args, case_kwargs = _placed(args, kwargs, dict(zip(varied, combo)))
-        cases.append((case_args, case_kwargs, ", ".join(f"{a.name}={v!r}" for (_, a), v in zip(varied, combo))))
+        call = _fitted(*_placed(args, kwargs, dict(zip(varied, combo))))
+        if call is not None:
+            cases.append((*call, ", ".join(f"{a.name}={_label(v)}" for (_, a), v in zip(varied, combo))))
     cases += _tensor_cases(op, args, kwargs)
     return cases
+
+
+def _label(form) -> str:
+    """A form as a case's name shows it: a tensor by its dims, type and strides."""
+    if isinstance(form, torch.Tensor):
+        return f"tensor{list(form.shape)} {str(form.dtype)[6:]} stride {list(form.stride())}"
+    if isinstance(form, (list, tuple)) and any(isinstance(f, torch.Tensor) for f in form):
+        return "[" + ", ".join(_label(f) for f in form) + "]"
+    return repr(form)
 
 
 def _placed(args, kwargs, chosen: dict):

@@ -13,6 +13,7 @@ dims for the result.
 """
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from typing import Callable, Optional
@@ -441,7 +442,7 @@ def _pool_geometry(node):
     axis, with aten's defaults (stride [] is the window; one value serves every axis)."""
     backward = node.target in MAX_POOL_BACKWARD
     args = list(node.args[2 if backward else 1:])
-    spatial = len(_result(node).shape if backward else _result(node)[0].shape) - 2
+    spatial = SPATIAL_AXES[node.target]
     defaults = [None, [], [0], [1], False]
     for position, key in enumerate(("kernel_size", "stride", "padding", "dilation", "ceil_mode")):
         if len(args) <= position:
@@ -456,12 +457,22 @@ def _pool_geometry(node):
     return window, per_axis(stride) if len(stride) else window, per_axis(padding), per_axis(dilation), ceil_mode
 
 
+def _unbatched_pool(node, x) -> Optional[str]:
+    """dnngraph pools [N, C, *spatial]; torch's pools also take an input without the batch axis."""
+    if x.dim() != SPATIAL_AXES[node.target] + 2:
+        return f"pooling of a rank-{x.dim()} input (dnngraph pools [N, C, *spatial])"
+    return None
+
+
 def _max_pool_refused(node) -> Optional[str]:
     """Why a max pool (or its backward) stays in torch: what dnngraph's pooling cannot do exactly."""
     backward = node.target in MAX_POOL_BACKWARD
     x = node.args[1 if backward else 0].meta["val"]
     if not x.is_floating_point():
         return "max pooling of integers"
+    why = _unbatched_pool(node, x)
+    if why is not None:
+        return why
     window, stride, padding, dilation, ceil_mode = _pool_geometry(node)
     if any(d != 1 for d in dilation):
         return f"max pooling with dilation {dilation}"
@@ -635,6 +646,9 @@ def _hardtanh_refused(node) -> Optional[str]:
 
 AVG_POOL = (aten.avg_pool2d.default, aten.avg_pool3d.default)
 AVG_POOL_BACKWARD = (aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
+# The spatial axes each pooling op pools over (its input may lack the batch axis: see _unbatched_pool).
+SPATIAL_AXES = {**{target: 2 for target in (MAX_POOL[0], MAX_POOL_BACKWARD[0], AVG_POOL[0], AVG_POOL_BACKWARD[0])},
+                **{target: 3 for target in (MAX_POOL[1], MAX_POOL_BACKWARD[1], AVG_POOL[1], AVG_POOL_BACKWARD[1])}}
 
 
 def _avg_pool_geometry(node):
@@ -648,7 +662,7 @@ def _avg_pool_geometry(node):
         if len(args) <= position:
             args.append(node.kwargs.get(key, defaults[position]))
     window, stride, padding, ceil_mode, include_pad, divisor = args[:6]
-    spatial = len(_result(node).shape) - 2
+    spatial = SPATIAL_AXES[node.target]
 
     def per_axis(values):
         values = [int(v) for v in values]
@@ -682,7 +696,7 @@ def _avg_pool_refused(node) -> Optional[str]:
     x = node.args[1 if node.target in AVG_POOL_BACKWARD else 0].meta["val"]
     if not x.is_floating_point():
         return "average pooling of integers"
-    return None
+    return _unbatched_pool(node, x)
 
 
 def _constant_pad_nd(g, node, value):
@@ -720,7 +734,7 @@ def _constant_pad_refused(node) -> Optional[str]:
     fill = node.args[2] if len(node.args) > 2 else node.kwargs.get("value", 0)
     if isinstance(fill, bool) or not isinstance(fill, numbers.Real):
         return f"padding with {fill!r}"
-    if not x.is_floating_point() and float(fill) != int(fill):
+    if not x.is_floating_point() and not (math.isfinite(fill) and float(fill) == int(fill)):
         return "padding integers with a fraction"
     if len(node.args[1]) % 2 or len(node.args[1]) > 2 * x.dim():
         return f"pads {list(node.args[1])} for rank {x.dim()}"
@@ -1048,9 +1062,19 @@ def unsupported(node) -> Optional[str]:
         source = node.args[0]
         return None if isinstance(source, torch.fx.Node) and unsupported(source) is None else "a result of an op in torch"
     if _VERDICT not in node.meta:
-        why = _form_refused(node)
+        why = _checked_form(node)
         node.meta[_VERDICT] = why if why is not None else _trial(node)
     return node.meta[_VERDICT]
+
+
+def _checked_form(node) -> Optional[str]:
+    """_form_refused(node), where a check that raises on a form it did not foresee (a NaN
+    argument, say) leaves the op to torch, said as the converter's error it is (tests look for
+    them) instead of failing the compile."""
+    try:
+        return _form_refused(node)
+    except Exception as error:  # noqa: BLE001
+        return f"converter error in its form check {type(error).__name__}: {error}"
 
 
 class _TrialValues:
@@ -1176,10 +1200,11 @@ class ConverterMismatch(RuntimeError):
 
 
 def _as_torch_makes(tensor, meta, node):
-    """`tensor` in torch's type of the result `meta`, after checking it has torch's dims."""
-    if list(tensor.dim) != [int(d) for d in meta.shape]:
+    """`tensor` in torch's type of the result `meta`, after checking it has torch's dims as
+    dnngraph holds them (scalar_dims: a 0-d result is [1], as graph_input binds one)."""
+    if list(tensor.dim) != scalar_dims(meta):
         raise ConverterMismatch(f"{node.target} made dims {list(tensor.dim)} where torch's result has "
-                                f"{list(meta.shape)}")
+                                f"{list(meta.shape)} (held as {scalar_dims(meta)})")
     return tensor.set_data_type(dtypes.from_torch(meta.dtype))
 
 

@@ -8,9 +8,6 @@ import pytest
 
 import model_zoo
 
-# Triton's interpreter set up after torch imported Triton: every kernel fails this way on a CPU
-# machine when dnngraph is loaded through the backend's name (the import-order defect of issue 26)
-IMPORT_ORDER_SIGNATURE = "Cannot call @triton.jit'd outside of the scope of a kernel"
 # beyond `FACTOR` times eager's distance from float64: the rounding of a value computed
 # exactly in both (a few units in the last place of the dtype)
 FACTOR = 2.0
@@ -90,15 +87,11 @@ def ops_left_text(coverage: dict) -> str:
 
 def check(result: dict) -> None:
     """Assert one (family, mode) result: it ran, and every judged value is as close to float64
-    as eager's (FACTOR, FLOOR). The import-order defect shows as an expected failure."""
+    as eager's (FACTOR, FLOOR)."""
     print(coverage_line(result))
     if "unavailable" in result:
         pytest.skip(result["unavailable"])
     failure = result.get("failure")
-    if failure is not None and IMPORT_ORDER_SIGNATURE in failure["cause"]:
-        pytest.xfail(f"dnngraph loaded through the backend name after Triton: {IMPORT_ORDER_SIGNATURE} "
-                     "(the import-order defect; tests/models/test_transformers_models.py::"
-                     "test_backend_name_alone_runs_kernels)")
     assert failure is None, f"{failure['type']}: {failure['cause']}\n  at {failure['frames']}"
     judged = result["judged"]
     assert judged[0] == judged[1] == judged[2], f"float64, eager and dnngraph judged {judged} values"
