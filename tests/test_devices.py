@@ -82,6 +82,8 @@ def test_compile_and_module_load_happen_on_the_launch_device(monkeypatch):
                                metadata=SimpleNamespace())
 
     class CompilingKernel:
+        fn = launch.kernel.fn  # its generated source is the real kernel's (kernel_source)
+
         def warmup(self, *args, grid, **options):
             seen["compile"] = devices.current
             return compiled

@@ -179,3 +179,22 @@ def test_axes_shorter_than_their_tile(m, n, k, layouts):
     g.reduction(y, "norm1", [2]).set_output(True)
     check(g, {"a": a_t, "b": b_t, "c": torch.randn(1, 1, n, device="cuda").bfloat16()}, torch.bfloat16,
           device="cuda")
+
+
+@pytest.mark.parametrize("variant", ["tiled", "small_m", "split_k"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("m, n, k", [(37, 3, 1), (301, 203, 1), (301, 203, 37), (1001, 777, 64)])
+def test_contiguous_m_and_n_axes_whose_size_splits_a_vector(variant, dtype, m, n, k, monkeypatch):
+    """An M-contiguous A (or N-contiguous B) whose size is no multiple of a 16-byte vector: the
+    last tile's wrap falls mid-vector, so the contiguity hints must go (37 rows faulted)."""
+    monkeypatch.setattr(mm, "FORCE_CONFIG", {"tiled": GPU_VARIANTS["tiled"], "small_m": GPU_VARIANTS["small_m"],
+                                             "split_k": GPU_VARIANTS["split_k"]}[variant])
+    torch.manual_seed(m + n + k)
+    io = dg.float32 if dtype == torch.float32 else dg.bfloat16
+    for a_layout in ("col", "row"):
+        a_t = _storage([m, k], a_layout, dtype, "cuda")
+        b_t = _storage([k, n], "row", dtype, "cuda")
+        g = dg.Graph(name="mm", io_data_type=io)
+        a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
+        g.matmul(a, b).set_output(True).set_data_type(dg.float16)
+        check(g, {"a": a_t, "b": b_t}, torch.float16, "cuda")

@@ -4,7 +4,8 @@ Every store of an output or intermediate and every `cast` op renders through `co
 value lands in memory as torch's `Tensor.to` would put it there, on the GPU as in the
 interpreter (whose conversions interpreter_casts.py makes torch's own):
 
-* integers convert to narrow floats through float32, as torch does (int64 -> bf16 rounds twice);
+* integers convert to narrow floats through float32, as torch does (int64 -> bf16 rounds twice;
+  the second rounding on the bits, which the GPU compiler cannot fold into the first);
 * fp16 and bf16 are Triton's round-to-nearest-even conversions from float32, which on the GPU
   are IEEE (overflow to inf) like torch's;
 * fp8: Triton on sm_90 converts with satfinite (e5m2: 1e6 -> 57344; NaN loses its sign), so the
@@ -61,6 +62,8 @@ def converted_to(text: str, kind: str, data_type) -> str:
         return f"({text}).to(tl.int1)" if kind == "b" else f"(({text}) != 0)"
     if not data_type.is_floating:
         return f"({text}).to({data_type.triton_type})"
+    if kind in ("i", "l") and data_type is dtypes.bfloat16:
+        return f"tm.int_to_bfloat16({text})"
     wide = f"({text}).to(tl.float32)"
     if data_type is dtypes.float32:
         return wide

@@ -17,6 +17,9 @@ from .gemm import (GemmKernelSpec, GemmOperand, LinearK, Loader, batch_offset, c
 __all__ = ["GemmKernelSpec", "GemmOperand", "LinearK", "StridedLoader", "DescriptorLoader", "render"]
 
 
+VECTOR_BYTES = 16  # the widest vector load the hints let the compiler form
+
+
 def _wrapped_index(offsets: str, size: str, block: str, hinted: bool) -> str:
     """Tile indices wrapped into [0, size); with `hinted`, the contiguity hints of a full block."""
     wrapped = f"{offsets} % {size}"
@@ -37,12 +40,19 @@ class StridedLoader(Loader):
     def tile_setup(self, spec, w):
         # wrapped indices: loads need no M/N masks (stores mask the tail); the hints keep 16-byte
         # vector loads along a contiguous M or N axis: without them 3000x5000x1000 ran 9x slower.
-        # An axis shorter than its block wraps inside the first tile, where the hints would be
-        # false: on the H100 an N=13 operand under them faulted with a misaligned address.
+        # The hints hold only where the wrap never splits a vector: an axis shorter than its block
+        # wraps inside the first tile (on the H100 an N=13 operand faulted with a misaligned
+        # address), and a size that is no multiple of a 16-byte vector wraps mid-vector in the
+        # last tile (an M-contiguous A of 37 rows faulted on the H200).
         if self.side == "a":
-            w(f"rows_a = {_wrapped_index('offs_m', 'M', 'BLOCK_M', spec.problem.m >= spec.config.block_m)}")
+            w(f"rows_a = {_wrapped_index('offs_m', 'M', 'BLOCK_M', self._hints_hold(spec, spec.problem.m, spec.config.block_m))}")
         else:
-            w(f"cols_b = {_wrapped_index('offs_n', 'N', 'BLOCK_N', spec.problem.n >= spec.config.block_n)}")
+            w(f"cols_b = {_wrapped_index('offs_n', 'N', 'BLOCK_N', self._hints_hold(spec, spec.problem.n, spec.config.block_n))}")
+
+    def _hints_hold(self, spec, size: int, block: int) -> bool:
+        """Are the contiguity hints true of every tile of an axis of `size` in blocks of `block`?"""
+        vector = VECTOR_BYTES // min(op.data_type.itemsize for op in spec.side(self.side))
+        return size >= block and size % vector == 0
 
     def step(self, spec, w):
         side = self.side

@@ -221,6 +221,16 @@ def dropout(x, seed, offset, counter, keep_threshold, keep_scale):
 
 
 @triton.jit
+def int_to_bfloat16(x):
+    # torch rounds an integer to float32, then to bf16 (twice); sm_90's compiler folds the two
+    # conversions into one (16842753 became 16908288 for torch's 16777216), so the second
+    # rounding, to nearest even, is done on the float32's bits (finite: every integer is)
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.to(tl.float32, bitcast=True).to(tl.bfloat16)
+
+
+@triton.jit
 def to_float8(x, FP8: tl.constexpr, FIRST_OVERFLOW: tl.constexpr, OVERFLOW_BITS: tl.constexpr,
               INFINITY_BITS: tl.constexpr, NAN_BITS: tl.constexpr):
     # float32 x to fp8 as torch converts (codegen/conversions.py): Triton's conversion rounds to
