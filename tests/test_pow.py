@@ -51,6 +51,10 @@ def check_special_cases(device="cpu"):
     base, exponent = _special_table(device)
     out, want = run_pow(base, exponent), torch.pow(base, exponent)
     same = _same(out, want)
+    # where the result is an ordinary number (no 0, 1, inf or NaN), one ulp: torch's CUDA pow is
+    # not correctly rounded (7 ** -1 is 0.14285713 there; 1/7 rounds to 0.14285715)
+    ordinary = torch.isfinite(want) & (want != 0) & (want.abs() != 1)
+    same |= ordinary & ((out.double() - want.double()).abs() <= want.double().abs() * 2.0 ** -23)
     wrong = [(base[i].item(), exponent[i].item(), out[i].item(), want[i].item())
              for i in (~same).nonzero().flatten().tolist()]
     assert not wrong, f"pow differs from torch at (base, exponent, got, torch): {wrong[:10]}"

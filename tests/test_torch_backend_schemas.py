@@ -504,8 +504,11 @@ def _walk(op, device: str):
             want = op(*args, **kwargs)
         except Exception:  # noqa: BLE001  (a form torch itself refuses is no case)
             continue
+        try:  # torch's own tracing refuses forms some eager kernels let through (hardtanh's
+            graph, tensors = _trace(op, args, kwargs)  # crossed bounds on CUDA)
+        except Exception:  # noqa: BLE001  (a form torch cannot trace never reaches a backend)
+            continue
         walked += 1
-        graph, tensors = _trace(op, args, kwargs)
         torch_backend.REPORTS.clear()
         compiled = torch_backend._compile(graph, tensors)
         torch.manual_seed(0)  # an op left to torch draws what eager drew (dropout)
@@ -534,7 +537,7 @@ def test_each_form_of_the_op_matches_eager_or_stays_in_torch(op):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("op", list(CONVERTERS), ids=str)
+@pytest.mark.parametrize("op", [op for op in CONVERTERS if "_for_cpu" not in str(op)], ids=str)
 def test_each_form_of_the_op_matches_eager_or_stays_in_torch_on_the_gpu(op):
     _walk(op, "cuda")
 

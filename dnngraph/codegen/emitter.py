@@ -25,6 +25,7 @@ from .names import NameAllocator, comment_text
 # -0.0 as a kernel literal: Triton builds every scalar equal to 0 as a null (+0.0) constant,
 # so `x * -0.0` compiled as `x * 0.0`; the sign survives only through the bits.
 NEGATIVE_ZERO = "tl.full([], -2147483648, tl.int32).to(tl.float32, bitcast=True)"
+QUIET_NAN = "tl.full([], 2143289344, tl.int32).to(tl.float32, bitcast=True)"  # 0x7fc00000
 
 
 # Appended to the pointer of a one-element operand: it loads as a [1, 1] tile, not a 0-d value.
@@ -153,9 +154,12 @@ class ExpressionEmitter:
             return NEGATIVE_ZERO
         if math.isfinite(value):
             return repr(value)
+        if math.isnan(value):
+            # no module constant: Triton compares a kernel's globals at each launch, and NaN is
+            # unequal to itself ("Global variable CONST has changed ... from nan to nan")
+            return QUIET_NAN
         name = self.names.fresh("CONST")
-        text = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-        self.globals.append(f'{name} = tl.constexpr(float("{text}"))')
+        self.globals.append(f'{name} = tl.constexpr(float("{"inf" if value > 0 else "-inf"}"))')
         return name
 
     def value(self, uid: int, kind: str) -> str:
