@@ -18,7 +18,7 @@ from __future__ import annotations
 from ..heuristics.layout import operand_strides
 from .emitter import ExpressionEmitter, kind_of
 from .names import NameAllocator
-from .pointwise import KernelArgument, header
+from .pointwise import KernelArgument, kernel_module
 
 INDENT = "    "
 FIXED_NAMES = ("pid", "offsets", "mask", "rest", "ids", "valid", "picked", "total", "AXIS_SIZE", "BLOCK", "acc",
@@ -148,11 +148,4 @@ def render(kernel_name: str, schedule, group, compute_type, description: str):
         writer.scatter()
     writer.epilogue_and_stores()
     args = writer.arguments()
-    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = header(description)
-    if writer.emitter.globals:
-        source += "\n" + "\n".join(writer.emitter.globals) + "\n"
-    source += "\n\n@triton.jit\ndef " + kernel_name + "(\n"
-    source += "".join(f"    {p},\n" for p in params) + "):\n"
-    source += "\n".join(writer.body) + "\n"
-    return source, args
+    return kernel_module(description, writer.emitter.globals, kernel_name, args, "\n".join(writer.body) + "\n"), args

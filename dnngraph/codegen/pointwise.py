@@ -29,6 +29,17 @@ def header(description: str) -> str:
     return HEADER.format(description=comment_text(description, limit=400))
 
 
+def kernel_module(description: str, constants: list, kernel_name: str, args: list, body: str) -> str:
+    """The text of a generated file: its header, module `constants`, then the jitted kernel
+    `kernel_name` taking `args` (KernelArguments) with `body` (indented lines) as its code."""
+    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
+    source = header(description)
+    if constants:
+        source += "\n" + "\n".join(constants) + "\n"
+    source += "\n\n@triton.jit\ndef " + kernel_name + "(\n"
+    return source + "".join(f"    {p},\n" for p in params) + "):\n" + body
+
+
 def axis_names(rank: int) -> list:
     """idx_<k> and size_<k> of every axis of a rank-`rank` space."""
     return [f"{stem}_{k}" for k in range(rank) for stem in ("idx", "size")]
@@ -166,11 +177,5 @@ def render(kernel_name: str, schedule, nodes, compute_type, description: str):
     body += emitter.lines + _stores(schedule.operands, idents, space, emitter)
     args = _arguments(schedule, idents, counter, emitter.scalars)
 
-    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = header(description)
-    if emitter.globals:
-        source += "\n" + "\n".join(emitter.globals) + "\n"
-    source += "\n\n@triton.jit\ndef " + kernel_name + "(\n"
-    source += "".join(f"    {p},\n" for p in params) + "):\n"
-    source += "".join(f"    {line}\n" for line in body)
-    return source, args
+    return kernel_module(description, emitter.globals, kernel_name, args,
+                         "".join(f"    {line}\n" for line in body)), args

@@ -21,7 +21,7 @@ from ..heuristics.layout import operand_strides
 from ..heuristics.pooling import AXIS_NAMES
 from .emitter import ExpressionEmitter, kind_of
 from .names import NameAllocator
-from .pointwise import KernelArgument, header
+from .pointwise import KernelArgument, kernel_module
 
 INDENT = "    "
 # identifiers the pooling kernel writes itself; the stems own every `stem_*` name too (each
@@ -254,25 +254,21 @@ class _KernelWriter:
 
     def window_count(self) -> str:
         """Elements of the window starting at `{axis}_start` that lie inside x."""
-        counts = []
-        for axis in self.spatial:
-            name, upper = self.names[axis], self.names[axis].upper()
-            counts.append((axis, f"{name}_count"))
-            # at least 1: lanes past the tile's end would divide by zero (masked, but noisy)
-            self.line(f"{name}_count = tl.maximum(tl.minimum({name}_start + WINDOW_{upper}, in_{name}) "
-                      f"- tl.maximum({name}_start, 0), 1)")
-        return f"({_outer(*self.by_side(counts), joiner=' * ')}).to({self.compute})"
+        return self._counted("tl.minimum({start} + WINDOW_{upper}, in_{name}) - tl.maximum({start}, 0)")
 
     def padded_window_count(self) -> str:
         """Elements of the window starting at `{axis}_start` inside the padded input: the whole
         window, except a ceil-mode last window running past the padding."""
+        return self._counted("tl.minimum({start} + WINDOW_{upper}, in_{name} + PAD_{upper}) - {start}")
+
+    def _counted(self, extent: str) -> str:
+        """The product over the spatial axes of `extent` (a format of start, name and upper),
+        each at least 1: lanes past the tile's end would divide by zero (masked, but noisy)."""
         counts = []
         for axis in self.spatial:
             name, upper = self.names[axis], self.names[axis].upper()
             counts.append((axis, f"{name}_count"))
-            # at least 1, as window_count's, for lanes past the tile's end
-            self.line(f"{name}_count = tl.maximum(tl.minimum({name}_start + WINDOW_{upper}, in_{name} + PAD_{upper}) "
-                      f"- {name}_start, 1)")
+            self.line(f"{name}_count = tl.maximum({extent.format(start=f'{name}_start', name=name, upper=upper)}, 1)")
         return f"({_outer(*self.by_side(counts), joiner=' * ')}).to({self.compute})"
 
     def divisor(self) -> str:
@@ -433,11 +429,4 @@ def render(kernel_name: str, schedule, group, compute_type, description: str):
         writer.forward(tile)
     writer.epilogue_and_stores(tile)
     args = writer.arguments()
-    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = header(description)
-    if writer.emitter.globals:
-        source += "\n" + "\n".join(writer.emitter.globals) + "\n"
-    source += "\n\n@triton.jit\ndef " + kernel_name + "(\n"
-    source += "".join(f"    {p},\n" for p in params) + "):\n"
-    source += "\n".join(writer.body) + "\n"
-    return source, args
+    return kernel_module(description, writer.emitter.globals, kernel_name, args, "\n".join(writer.body) + "\n"), args
