@@ -233,3 +233,18 @@ def test_interpreter_process_converts_exactly(monkeypatch):
         check_conversions(dg.int64)
     finally:
         runtime.force_interpreter_worker(False)
+
+
+def test_casts_between_integer_types_wrap_in_the_reference_as_in_the_kernel():
+    """float -> int64 -> int32: torch (and the kernel) wrap the int64 into int32; the reference
+    held the int64 in float64 and saturated instead."""
+    values = torch.tensor([math.inf, 3e9, -5e9, 2.5, -2.5, 2.0 ** 40 + 7])
+    g = dg.Graph(io_data_type=dg.float32)
+    x = g.tensor(name="x", dim=[values.numel()])
+    y = g.cast(g.cast(x, dg.int64), dg.int32).set_output(True)
+    g.build()
+    out = torch.full([values.numel()], -7, dtype=torch.int32)
+    g.execute({x: values, y: out})
+    want = values.to(torch.int64).to(torch.int32)
+    assert out.tolist() == want.tolist()
+    assert g.reference({x: values})[y.name].tolist() == want.tolist()

@@ -117,3 +117,23 @@ def test_the_interpreter_process_runs_a_source_only_under_the_hash_naming_it(tmp
     changed = text.replace("pass", "return")
     with pytest.raises(RuntimeError, match="not the one its name hashes"):
         interpreter_worker._loaded(named, "some_kernel", changed)
+
+
+@pytest.mark.parametrize("suffix", ["#generated", ".generated", "_generated", "generated"])
+def test_a_file_planted_beside_the_cache_file_never_runs(where, suffix, tmp_path, monkeypatch):
+    """A kernel's code is named inside its cache file (a path no file can have): a planted
+    sibling, under any name the code's could be guessed as, is never read as its source, even
+    with linecache cleared before the first launch."""
+    monkeypatch.setenv("DNNGRAPH_CACHE_DIR", str(tmp_path))
+    factor = 3.25 + 0.5 * (where == "in_the_interpreter_process") + 0.0625 * len(suffix)
+    g = _graph(factor).build()
+    marker = tmp_path / "tampered_code_ran"
+    for launch in g.plan.launches:
+        planted = Path(str(launch.source_path) + suffix)
+        planted.write_text(launch.source_path.read_text())
+        _tamper(planted, marker)
+        with pytest.raises(OSError):  # nothing can be planted at the name the code carries
+            Path(str(launch.source_path) + "/generated").write_text("x = 1\n")
+    linecache.clearcache()
+    _run_and_check(g)
+    assert not marker.exists()

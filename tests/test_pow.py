@@ -159,3 +159,37 @@ def test_pow_gpu():
     check_integral_exponents_exact("cuda")
     for dtype in (torch.int32, torch.int64):
         check_integer_pow(dtype, "cuda")
+
+
+SPECIAL_VALUES = [0.0, -0.0, 1.0, -1.0, 2.0, -2.0, 0.5, inf, -inf, nan]
+
+
+def _pow_with_a_number(base, exponent, device="cpu"):
+    """pow(base, exponent) with one side a number (a constant of the op): kernel and reference."""
+    tensor = torch.tensor(SPECIAL_VALUES, device=device)
+    g = dg.Graph(io_data_type=dg.float32)
+    x = g.tensor(name="x", dim=[tensor.numel()])
+    y = g.pow(x if base is None else base, x if exponent is None else exponent).set_output(True)
+    g.build()
+    out = torch.full_like(tensor, nan)
+    g.execute({x: tensor, y: out})
+    return tensor, out.cpu(), g.reference({x: tensor})[y.name].float().cpu()
+
+
+@pytest.mark.parametrize("number", [0.5, -0.5, 2.0, -1.0, 3.0, inf, -inf, nan, 0.0, -0.0])
+@pytest.mark.parametrize("side", ["base", "exponent"])
+def test_pow_with_a_number_on_either_side_matches_torch(number, side, device="cpu"):
+    """torch.pow(t, 0.5) is sqrt(t) ((-0.0) ** 0.5 is -0.0, (-inf) ** 0.5 NaN; -0.5 rsqrt);
+    an infinite number as the base broadcast as any other (it raised inside the kernel)."""
+    tensor, out, reference = _pow_with_a_number(number if side == "base" else None,
+                                                number if side == "exponent" else None, device)
+    want = torch.pow(number, tensor.cpu()) if side == "base" else torch.pow(tensor.cpu(), number)
+    assert _same(out, want).all(), (number, side, out.tolist(), want.tolist())
+    assert _same(reference, want).all(), (number, side, reference.tolist(), want.tolist())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("number", [0.5, -0.5, inf, -inf])
+def test_pow_with_a_number_matches_torch_gpu(number):
+    test_pow_with_a_number_on_either_side_matches_torch(number, "exponent", "cuda")
+    test_pow_with_a_number_on_either_side_matches_torch(number, "base", "cuda")

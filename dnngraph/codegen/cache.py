@@ -53,10 +53,12 @@ class _GeneratedSource:
 
 
 def _source_name(path: Path) -> str:
-    """The file name a kernel module's code carries: the cache file's path with a suffix naming
-    no file, so neither linecache nor inspect ever reads the source back from disk (a cache file
-    changed after the build, in a shared or writable DNNGRAPH_CACHE_DIR, is never what runs)."""
-    return f"{path}#generated"
+    """The file name a kernel module's code carries: a path inside the cache file, which no file
+    can have while the cache file is one (a sibling such as `<path>#generated` could be planted
+    in a shared cache folder), so neither linecache nor inspect ever reads the source back from
+    disk: it comes from the module's loader (a cache file changed after the build, in a shared
+    or writable DNNGRAPH_CACHE_DIR, is never what runs)."""
+    return f"{path}/generated"
 
 
 def _execute_source(module_name: str, source: str, path: Path, kernel_name: str):

@@ -18,14 +18,16 @@ from typing import Optional
 from .. import dtypes
 from ..errors import UnsupportedError, ValidationError
 from .conversions import converted_to
-from .expressions import (CONVERT, EXPRESSIONS, INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES, cast_expression,
-                          dropout_from_tensors)
+from .expressions import (CONVERT, EXPRESSIONS, INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES, SCALAR_ROOTS,
+                          cast_expression, dropout_from_tensors)
 from .names import NameAllocator, comment_text
 
 # -0.0 as a kernel literal: Triton builds every scalar equal to 0 as a null (+0.0) constant,
 # so `x * -0.0` compiled as `x * 0.0`; the sign survives only through the bits.
 NEGATIVE_ZERO = "tl.full([], -2147483648, tl.int32).to(tl.float32, bitcast=True)"
 QUIET_NAN = "tl.full([], 2143289344, tl.int32).to(tl.float32, bitcast=True)"  # 0x7fc00000
+POSITIVE_INFINITY = "tl.full([], 2139095040, tl.int32).to(tl.float32, bitcast=True)"  # 0x7f800000
+NEGATIVE_INFINITY = "tl.full([], -8388608, tl.int32).to(tl.float32, bitcast=True)"  # 0xff800000
 
 
 # Appended to the pointer of a one-element operand: it loads as a [1, 1] tile, not a 0-d value.
@@ -141,8 +143,8 @@ class ExpressionEmitter:
         return converted_to(self.value(uid, kind), kind, data_type)
 
     def literal(self, value) -> str:
-        """Source text of a number: repr of an int or finite float, or a module constant for
-        inf and NaN. Anything else raises ValidationError: attribute values reach the source
+        """Source text of a number: repr of an int or finite float, a float32 bit pattern for
+        -0.0, inf and NaN. Anything else raises ValidationError: attribute values reach the source
         only as numbers, never as text."""
         if isinstance(value, bool) or not isinstance(value, (numbers.Integral, numbers.Real)):
             raise ValidationError(f"a kernel literal must be an int or a float, got "
@@ -154,13 +156,12 @@ class ExpressionEmitter:
             return NEGATIVE_ZERO
         if math.isfinite(value):
             return repr(value)
+        # bit patterns, not module constants: Triton compares a kernel's globals at each GPU launch
+        # and NaN is unequal to itself ("Global variable CONST has changed ... from nan to nan"),
+        # and the interpreter's constexpr infinity broke pow's broadcast (zeros_like(inf * b))
         if math.isnan(value):
-            # no module constant: Triton compares a kernel's globals at each launch, and NaN is
-            # unequal to itself ("Global variable CONST has changed ... from nan to nan")
             return QUIET_NAN
-        name = self.names.fresh("CONST")
-        self.globals.append(f'{name} = tl.constexpr(float("{"inf" if value > 0 else "-inf"}"))')
-        return name
+        return POSITIVE_INFINITY if value > 0 else NEGATIVE_INFINITY
 
     def value(self, uid: int, kind: str) -> str:
         """The variable holding tensor `uid`, converted to `kind`."""
@@ -172,6 +173,8 @@ class ExpressionEmitter:
     def _expression(self, node):
         if node.op == "dropout" and any(t is not None for t in node.inputs[1:]):
             return dropout_from_tensors(node)
+        if node.op == "pow" and dict(node.attrs.constants).get(1) in SCALAR_ROOTS:
+            return SCALAR_ROOTS[dict(node.attrs.constants)[1]]
         if node.op != "cast":
             return EXPRESSIONS[node.op]
         have = self.values[node.inputs[0].uid][1]

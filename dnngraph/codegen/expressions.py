@@ -79,7 +79,7 @@ EXPRESSIONS: dict[str, Expression] = {
     "mul": _binary("{0} * {1}"),
     "scale": _binary("{0} * {1}"),
     "div": _binary("{0} / {1}"),
-    "pow": _binary("tm.pow_({0}, {1})"),
+    "pow": _binary("tm.pow_({0}, {1})"),  # a number exponent of +-0.5: SCALAR_ROOTS
     "maximum": _binary("tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"),
     "minimum": _binary("tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"),
     "cmp_eq": _compare("=="),
@@ -144,6 +144,9 @@ def cast_expression(target, source_kind: str) -> Expression:
 # integers are their own floor and ceiling; relu keeps its integer zero; pow squares exactly
 INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}", "relu": "tl.where({0} < 0, 0, {0})",
                      "pow": "tm.ipow({0}, {1})", "neg": "-{0}"}
+
+# pow with a number exponent of 0.5 or -0.5 is torch's sqrt or rsqrt (ops/pointwise.py SCALAR_ROOTS)
+SCALAR_ROOTS = {0.5: _binary("tl.sqrt({0})"), -0.5: _binary("tl.rsqrt({0})")}
 
 # Value kinds: "f" compute float, "b" predicate, "i" int32, "l" int64.
 INTEGER_TYPES = {"i": "tl.int32", "l": "tl.int64"}

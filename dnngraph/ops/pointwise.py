@@ -104,10 +104,10 @@ def _cast(x, attrs):
     target = dtypes.by_name(attrs.data_type)
     if target is dtypes.bool_:
         return as_bool(x)
-    x = as_float(x)
-    if target.is_floating:  # rounded to the target, held in float64 (or x's own float type)
-        return x.to(target.torch_dtype).to(x.dtype if x.is_floating_point() else torch.float64)
-    return torch.trunc(x)
+    if not target.is_floating:  # as torch converts: floats truncate toward zero, integers wrap
+        return x.to(target.torch_dtype)
+    x = as_float(x)  # rounded to the target, held in float64 (or x's own float type)
+    return x.to(target.torch_dtype).to(x.dtype if x.is_floating_point() else torch.float64)
 
 
 FORWARD_UNARY = {
@@ -194,12 +194,25 @@ for _name in DIFFERENTIABLE:
     POINTWISE_OPS[_name + "_backward"] = PointwiseOp(2, "float", _floats(_derivative),
                                                      UNARY_PARAMS.get(_name, ()), ("dy", "x"))
 
+# torch.pow(t, 0.5) and torch.pow(t, -0.5) with a number exponent are sqrt(t) and rsqrt(t):
+# (-0.0) ** 0.5 is -0.0 and (-inf) ** 0.5 NaN there, where C's pow (a tensor exponent) gives
+# +0.0 and inf; a model's `x ** 0.5` expects torch's
+SCALAR_ROOTS = {0.5: torch.sqrt, -0.5: torch.rsqrt}
+
+
+def _pow(a, b, attrs):
+    root = SCALAR_ROOTS.get(dict(attrs.constants).get(1))
+    if root is not None and a.is_floating_point():
+        return root(a)
+    return torch.pow(a, b)
+
+
 _BINARY = {
     "add": lambda a, b, _: a + b,
     "sub": lambda a, b, _: a - b,
     "mul": lambda a, b, _: a * b,
     "div": lambda a, b, _: a / b,
-    "pow": lambda a, b, _: torch.pow(a, b),
+    "pow": lambda a, b, attrs: _pow(a, b, attrs),
     "maximum": lambda a, b, _: torch.maximum(a, b),
     "minimum": lambda a, b, _: torch.minimum(a, b),
     "scale": lambda a, b, _: a * b,
@@ -292,6 +305,7 @@ def _reference(op_name: str):
     entry = POINTWISE_OPS[op_name]
 
     integer_closed = op_name in INTEGER_CLOSED
+    keeps_integers = integer_closed or op_name == "cast"  # a cast converts integers as torch does
 
     def reference(values, attrs: PointwiseAttrs):
         operands = []
@@ -300,7 +314,7 @@ def _reference(op_name: str):
                 # an integral constant keeps an integer op exact, as a Python int does in torch
                 exact = integer_closed and _integral(value)
                 value = torch.tensor(value) if exact else torch.tensor(float(value), dtype=torch.float64)
-            elif not integer_closed and not value.is_floating_point() and value.dtype != torch.bool:
+            elif not keeps_integers and not value.is_floating_point() and value.dtype != torch.bool:
                 value = value.to(torch.float64)  # a float op on integers: the reference in float64
             operands.append(value)
         return [entry.reference(operands, attrs)]
