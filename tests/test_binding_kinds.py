@@ -230,14 +230,8 @@ def test_the_function_ops_refuse_unbindable_inputs_at_run_time(kind):
 def test_the_torch_compile_backend_runtime(kind, monkeypatch):
     """What a graph compiled with backend="dnngraph" runs per partition: DnngraphModule.forward
     on the tensors of the call, through the partition's graph function."""
-    from dnngraph import torch_backend
-    modules = []
-    original = torch_backend.DnngraphModule.__init__
-
-    def recording(self, sub):
-        original(self, sub)
-        modules.append(self)
-    monkeypatch.setattr(torch_backend.DnngraphModule, "__init__", recording)
+    from test_torch_backend import _recorded_modules
+    modules = _recorded_modules(monkeypatch)
     torch._dynamo.reset()
     model = torch.compile(lambda a, b: torch.relu(a * b), backend="dnngraph")
     wt = _randn(1, COLS)
