@@ -129,3 +129,11 @@ def shared_directory(tmp_path_factory) -> str:
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     return str(root / "model-results")
+
+
+def shared_runs_for(request, tmp_path_factory, test, runs: dict) -> SharedRuns:
+    """The SharedRuns of a session fixture: the runs of `runs` that the session's selected items
+    of `test` need, their results shared between xdist workers."""
+    from model_results import selected_runs
+
+    return SharedRuns(shared_directory(tmp_path_factory), selected_runs(request.session.items, test, runs))

@@ -10,8 +10,8 @@ for the output and every parameter gradient.
 import pytest
 import torch
 
-from model_results import cases, check, selected_runs, skip_unless_installed
-from model_runs import Run, SharedRuns, shared_directory
+from model_results import cases, check, skip_unless_installed
+from model_runs import Run, shared_runs_for
 from model_zoo import TIMM, TORCHVISION, TRANSFORMERS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -34,8 +34,7 @@ KNOWN_FAILURES: dict = {}
 
 @pytest.fixture(scope="session")
 def gpu_runs(tmp_path_factory, request):
-    selected = selected_runs(request.session.items, test_bf16_model_matches_float64_as_closely_as_eager, RUNS)
-    return SharedRuns(shared_directory(tmp_path_factory), selected)
+    return shared_runs_for(request, tmp_path_factory, test_bf16_model_matches_float64_as_closely_as_eager, RUNS)
 
 
 @pytest.mark.parametrize("family, mode", cases(RUNS, KNOWN_FAILURES))

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from model_results import cases, check, selected_runs, skip_unless_installed
-from model_runs import ROOT, Run, SharedRuns, environment, shared_directory
+from model_results import cases, check, skip_unless_installed
+from model_runs import ROOT, Run, environment, shared_runs_for
 from model_zoo import TRANSFORMERS
 
 # one worker process per group: startup (torch, transformers, dynamo) paid once per group, and
@@ -29,8 +29,7 @@ KNOWN_FAILURES: dict = {}
 
 @pytest.fixture(scope="session")
 def shared_runs(tmp_path_factory, request):
-    selected = selected_runs(request.session.items, test_model_matches_float64_as_closely_as_eager, RUNS)
-    return SharedRuns(shared_directory(tmp_path_factory), selected)
+    return shared_runs_for(request, tmp_path_factory, test_model_matches_float64_as_closely_as_eager, RUNS)
 
 
 @pytest.mark.parametrize("family, mode", cases(RUNS, KNOWN_FAILURES))
@@ -46,8 +45,7 @@ BF16_FAILURES: dict = {}
 
 @pytest.fixture(scope="session")
 def bf16_runs(tmp_path_factory, request):
-    selected = selected_runs(request.session.items, test_bf16_training_matches_float64_as_closely_as_eager, BF16_RUNS)
-    return SharedRuns(shared_directory(tmp_path_factory), selected)
+    return shared_runs_for(request, tmp_path_factory, test_bf16_training_matches_float64_as_closely_as_eager, BF16_RUNS)
 
 
 @pytest.mark.parametrize("family, mode", cases(BF16_RUNS, BF16_FAILURES))

@@ -7,8 +7,8 @@ The whole lists run on the GPU in bf16: test_models_bf16_gpu.py.
 """
 import pytest
 
-from model_results import cases, check, selected_runs, skip_unless_installed
-from model_runs import Run, SharedRuns, shared_directory
+from model_results import cases, check, skip_unless_installed
+from model_runs import Run, shared_runs_for
 from model_zoo import TIMM, TORCHVISION
 
 # small ones only: each step runs every kernel in Triton's interpreter; one process per library
@@ -19,8 +19,7 @@ LIBRARY = {family.name: family.library for family in TORCHVISION + TIMM}
 
 @pytest.fixture(scope="session")
 def vision_runs(tmp_path_factory, request):
-    selected = selected_runs(request.session.items, test_vision_model_matches_float64_as_closely_as_eager, RUNS)
-    return SharedRuns(shared_directory(tmp_path_factory), selected)
+    return shared_runs_for(request, tmp_path_factory, test_vision_model_matches_float64_as_closely_as_eager, RUNS)
 
 
 @pytest.mark.parametrize("family, mode", cases(RUNS, {}))
