@@ -54,8 +54,10 @@ EXPRESSIONS: dict[str, Expression] = {
     "abs": _unary("tl.abs({0})"),
     "exp": _unary("tl.exp({0})"),
     "log": _unary("tl.log({0})"),
-    "sqrt": _unary("tl.sqrt({0})"),
-    "rsqrt": _unary("tl.rsqrt({0})"),
+    # correctly rounded, as torch's sqrt (tl.sqrt is an approximation on the GPU); rsqrt as
+    # torch's CPU kernel computes it, 1 / sqrt (CUDA's rsqrtf lies within 2 ulp of it)
+    "sqrt": _unary("tl.sqrt_rn({0})"),
+    "rsqrt": _unary("tl.div_rn(1.0, tl.sqrt_rn({0}))"),
     "reciprocal": _unary("1.0 / {0}"),
     "sin": _unary("tl.sin({0})"),
     "cos": _unary("tl.cos({0})"),
@@ -146,7 +148,7 @@ INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}", "relu": "tl.where({0} < 0, 0
                      "pow": "tm.ipow({0}, {1})", "neg": "-{0}"}
 
 # pow with a number exponent of 0.5 or -0.5 is torch's sqrt or rsqrt (ops/pointwise.py SCALAR_ROOTS)
-SCALAR_ROOTS = {0.5: _binary("tl.sqrt({0})"), -0.5: _binary("tl.rsqrt({0})")}
+SCALAR_ROOTS = {0.5: _binary("tl.sqrt_rn({0})"), -0.5: _binary("tl.div_rn(1.0, tl.sqrt_rn({0}))")}
 
 # Value kinds: "f" compute float, "b" predicate, "i" int32, "l" int64.
 INTEGER_TYPES = {"i": "tl.int32", "l": "tl.int64"}

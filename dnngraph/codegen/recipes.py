@@ -75,7 +75,7 @@ _REDUCTION = {  # mode -> (combine, element, result)
     "amax": ("max", "tl.abs({x})", "acc"),
     "prod": ("prod", "{x}", "acc"),
     "norm1": ("sum", "tl.abs({x})", "acc"),
-    "norm2": ("sum", "{x} * {x}", "tl.sqrt(acc)"),
+    "norm2": ("sum", "{x} * {x}", "tl.sqrt_rn(acc)"),
 }
 
 

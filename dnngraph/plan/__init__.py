@@ -498,10 +498,13 @@ class Plan:
     def _refused(launch, refused: LaunchRefused) -> ExecutionError:
         """The typed error of a launch whose launcher refused its prepared arguments, naming the
         kernel and what each side counts."""
+        bound = next(iter(launch._bound.values()), None)
+        name, parameters = bound.compiled_as if bound is not None else ("?", "?")
         return ExecutionError(f"kernel {launch.source_path.name} ({launch.config_text}) was refused its "
                               f"arguments by its launcher: {refused.error}; the call passed {refused.given} "
                               f"values for a kernel of {len(launch.kernel.arg_names)} parameters and "
-                              f"{len(launch.template)} prepared arguments")
+                              f"{len(launch.template)} prepared arguments; the launcher was compiled as "
+                              f"{name} of {parameters} parameters")
 
     def _prepare(self, bindings, workspace, stamp) -> "ReadyBindings":
         """Check a binding set (and workspace) in full and remember it under `stamp`."""

@@ -216,10 +216,13 @@ class BoundLaunch:
     """A compiled kernel with its grid and argument template, launched without the JIT."""
 
     __slots__ = ("run", "launch", "function", "metadata", "grid", "template", "slots", "scratch_uid",
-                 "cooperative", "pdl", "direct")
+                 "cooperative", "pdl", "direct", "compiled_as")
 
     def __init__(self, compiled, grid, template, slots, scratch_uid: Optional[int]):
         compiled._init_handles()
+        # what was compiled, for the error of a launcher that refuses its arguments
+        signature = getattr(getattr(compiled, "src", None), "signature", None)
+        self.compiled_as = (getattr(compiled, "name", "?"), "?" if signature is None else len(signature))
         self.run, self.function, self.metadata = compiled.run, compiled.function, compiled.packed_metadata
         self.grid, self.template, self.slots = grid, template, slots
         self.scratch_uid = scratch_uid  # the workspace tensor holding this kernel's global scratch
@@ -331,7 +334,7 @@ class KernelLaunch:
             return compiled
 
         name = self.source_path.stem.rsplit("_", 1)[0]  # load_kernel names the file {kernel}_{digest}.py
-        key = (name_free_digest(kernel_source(self.kernel), name), _typed(tuple(args)),
+        key = (name_free_digest(kernel_source(self.kernel), name), tuple(getattr(self.kernel, "arg_names", ())), _typed(tuple(args)),
                tuple(sorted(options.items())), device_index, _triton_debug_state())
         try:
             hash(key)

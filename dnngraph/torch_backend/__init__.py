@@ -143,6 +143,12 @@ class _Values:
         return tensor
 
 
+def _scalar_on(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A 0-d argument as the graph holds it ([1]), on the graph's device: torch lets a CPU scalar
+    into an op on CUDA tensors; the graph reads it from its device (its value of this call)."""
+    return (value if value.device == device else value.to(device)).view(1)
+
+
 class DnngraphModule(torch.nn.Module):
     """One partition of an aten graph as a dnngraph graph, called through `as_function`."""
 
@@ -196,6 +202,10 @@ class DnngraphModule(torch.nn.Module):
                 continue
             self.views[position] = (("output", self._output(self._owned(g, values, node), node,
                                                             f"output{position}", outputs)), [])
+        # the device the graph runs on: its tensors' (a 0-d CPU argument beside them is a scalar
+        # torch lets into a CUDA op: it is copied to that device at each call)
+        self.device = next((p.meta["val"].device for p, taken in zip(placeholders, self.taken)
+                            if taken and p.meta["val"].dim() > 0), None)
         self.function = None  # every returned value made in torch (views of the arguments): no graph to run
         if outputs:
             prune(g)  # results no output reads (an sdpa's log-sum-exp in inference), views made in torch
@@ -225,8 +235,8 @@ class DnngraphModule(torch.nn.Module):
         return outputs.index(tensor)
 
     def forward(self, *args):
-        device, arguments = args[0].device, args
-        args = tuple(arg.view(1) if arg.dim() == 0 else arg for arg, taken in zip(args, self.taken) if taken)
+        device, arguments = self.device or args[0].device, args
+        args = tuple(_scalar_on(arg, device) if arg.dim() == 0 else arg for arg, taken in zip(args, self.taken) if taken)
         if self.trues:
             args = args + tuple(torch.ones((), dtype=torch.bool, device=device).expand(dims) for dims in self.trues)
         if self.seeds:  # from torch's generator of the device: torch.manual_seed makes runs repeat

@@ -200,6 +200,18 @@ def _softmax(g, node, value):
     return g.softmax(x, axis=node.args[1] % len(x.dim), log=log)
 
 
+def _safe_softmax(g, node, value):
+    """torch's softmax of attention written as ops: a row that sees only -inf is zero (a plain
+    softmax makes it NaN)."""
+    x = value(node.args[0])
+    wanted = node.args[2] if len(node.args) > 2 else node.kwargs.get("dtype")
+    if wanted is not None:
+        x = g.cast(x, data_type=dtypes.from_torch(wanted))
+    axis = node.args[1] % len(x.dim)
+    blind = g.cmp_eq(g.reduction(x, mode="max", axes=[axis]), float("-inf"))
+    return g.where(blind, 0.0, g.softmax(x, axis=axis))
+
+
 def _reduce(g, node, value):
     x = value(node.args[0])
     axes = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -563,6 +575,7 @@ CONVERTERS: dict[object, Callable] = {
     aten.permute.default: _permute, aten.t.default: _t, aten.transpose.int: _transpose,
     aten.view.default: _view, aten._unsafe_view.default: _view, aten.reshape.default: _view,
     aten.clone.default: _clone, aten._softmax.default: _softmax, aten._log_softmax.default: _softmax,
+    aten._safe_softmax.default: _safe_softmax,
     aten.where.self: _where, aten._to_copy.default: _to_copy, aten.cat.default: _cat,
     aten.detach.default: _detach, aten.gelu_backward.default: _gelu_backward,
     aten.silu_backward.default: _silu_backward, aten.threshold_backward.default: _threshold_backward,
