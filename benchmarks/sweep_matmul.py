@@ -46,7 +46,7 @@ def configs():
 
 def epilogue_configs():
     """Epilogue subtiles and TMA stores around the model's first choice (128x256x64 w8 s3), the
-    256x128 s4 tile and 128x128: the rows the knobs' candidates were chosen from (BENCHMARKS.md)."""
+    256x128 s4 tile and 128x128: the rows the knobs' candidates were chosen from (benchmarks/history/2026.md)."""
     wide = dict(block_m=128, block_n=256, block_k=64, num_warps=8, num_stages=3)
     knobs = [dict(epilogue_subtile=2), dict(epilogue_subtile=2, tma_store=True),
              dict(epilogue_subtile=2, tma_store=True, flatten=True),
