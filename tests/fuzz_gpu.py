@@ -1,10 +1,11 @@
 """Run many random graphs (tests/graphgen.py) on the GPU, compiled in parallel worker processes.
 
     python tests/fuzz_gpu.py --graphs 1000 --workers 12 --out $OUT
+    python tests/fuzz_gpu.py --graphs 300 --families negated_view,interleaved,paged_attention --out $OUT
 
 Each worker process (spawned) generates, builds, executes and judges whole cases, so Triton
 compiles in parallel; the device is shared. Prints one summary line with the counts (passed,
-mismatch, errors by type, unsupported) and writes under --out:
+mismatch, binding, errors by type, unsupported) and writes under --out:
   summary.json  the counts and every seed's verdict;
   failures.log  every failing or unsupported seed with its graph description and g.explain().
 Without CUDA it runs on CPU through Triton's interpreter (use small --graphs there).
@@ -23,7 +24,7 @@ import traceback
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _init_worker(cache_root: str, device: str, plain_names: bool):
+def _init_worker(cache_root: str, device: str, plain_names: bool, families):
     sys.path.insert(0, HERE)
     sys.path.insert(1, os.path.dirname(HERE))
     # one compile cache per worker: no two processes write the same kernel file
@@ -31,8 +32,8 @@ def _init_worker(cache_root: str, device: str, plain_names: bool):
     import warnings
 
     warnings.filterwarnings("ignore")
-    global DEVICE, PLAIN_NAMES
-    DEVICE, PLAIN_NAMES = device, plain_names
+    global DEVICE, PLAIN_NAMES, FAMILIES
+    DEVICE, PLAIN_NAMES, FAMILIES = device, plain_names, families
 
 
 def _run_seed(seed: int) -> dict:
@@ -40,7 +41,7 @@ def _run_seed(seed: int) -> dict:
 
     started = time.time()
     try:
-        case = graphgen.generate(seed, device=DEVICE, plain_names=PLAIN_NAMES)
+        case = graphgen.generate(seed, device=DEVICE, plain_names=PLAIN_NAMES, families=FAMILIES)
         verdict = graphgen.run_case(case, device=DEVICE)
         status, detail, description = verdict.status, verdict.detail, case.describe()
     except Exception:  # noqa: BLE001 - a crash of the harness is a verdict too
@@ -56,11 +57,13 @@ def _run_seed(seed: int) -> dict:
 
 
 def summarize(results: list[dict]) -> dict:
-    """Counts: passed, mismatch, unsupported and errors by type."""
+    """Counts: passed, mismatch, binding (a refused binding that ran or wrote, a write outside an
+    output's view), unsupported and errors by type."""
     counts = collections.Counter(r["status"] for r in results)
     errors = {k[len("error:"):]: v for k, v in counts.items() if k.startswith("error:")}
     return {"graphs": len(results), "passed": counts.get("passed", 0),
-            "mismatch": counts.get("mismatch", 0), "unsupported": counts.get("unsupported", 0),
+            "mismatch": counts.get("mismatch", 0), "binding": counts.get("binding", 0),
+            "unsupported": counts.get("unsupported", 0),
             "errors": sum(errors.values()), "errors_by_type": errors}
 
 
@@ -74,8 +77,19 @@ def main(argv=None):
     parser.add_argument("--out", default="fuzz-out")
     parser.add_argument("--plain-names", action="store_true",
                         help="the same graphs with harmless names (tells name defects from others)")
+    parser.add_argument("--families", default=None,
+                        help="comma-separated GraphBuilder.FAMILIES names: graphs of those alone")
     args = parser.parse_args(argv)
+    families = args.families.split(",") if args.families else None
     import torch
+
+    if families:
+        sys.path[:0] = [HERE, os.path.dirname(HERE)]
+        import graphgen
+
+        unknown = set(families) - {name for name, _ in graphgen.GraphBuilder.FAMILIES}
+        if unknown:
+            parser.error(f"no such families: {', '.join(sorted(unknown))}")
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     os.makedirs(args.out, exist_ok=True)
@@ -85,7 +99,8 @@ def main(argv=None):
     started = time.time()
     context = multiprocessing.get_context("spawn")
     results = []
-    with context.Pool(args.workers, initializer=_init_worker, initargs=(cache_root, device, args.plain_names)) as pool:
+    with context.Pool(args.workers, initializer=_init_worker,
+                      initargs=(cache_root, device, args.plain_names, families)) as pool:
         for done, result in enumerate(pool.imap_unordered(_run_seed, seeds, chunksize=1), 1):
             results.append(result)
             if result["status"] != "passed":
@@ -95,7 +110,7 @@ def main(argv=None):
     results.sort(key=lambda r: r["seed"])
     summary = summarize(results)
     summary.update(device=device if device == "cpu" else torch.cuda.get_device_name(),
-                   seconds=round(time.time() - started, 1), first_seed=args.first_seed)
+                   seconds=round(time.time() - started, 1), first_seed=args.first_seed, families=families)
     with open(os.path.join(args.out, "failures.log"), "w") as log:
         for r in results:
             if r["status"] != "passed":
@@ -105,8 +120,8 @@ def main(argv=None):
         json.dump({"summary": summary, "verdicts": {r["seed"]: r["status"] for r in results}}, handle, indent=1)
     errors = ", ".join(f"{k} {v}" for k, v in sorted(summary["errors_by_type"].items())) or "none"
     print(f"FUZZ {summary['graphs']} graphs on {summary['device']} in {summary['seconds']} s: "
-          f"passed {summary['passed']}, mismatched {summary['mismatch']}, errors {summary['errors']} "
-          f"({errors}), unsupported {summary['unsupported']}")
+          f"passed {summary['passed']}, mismatched {summary['mismatch']}, binding {summary['binding']}, "
+          f"errors {summary['errors']} ({errors}), unsupported {summary['unsupported']}")
     return 0 if summary["passed"] + summary["unsupported"] == summary["graphs"] else 1
 
 

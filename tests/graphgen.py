@@ -4,7 +4,9 @@
 its case. Every op added is evaluated at once in float64 (the op's own reference), and the
 drawn values steer later choices: comparisons, floors and integer casts see no near-ties,
 logs and reciprocals see positive values, exps see no overflow. `run_case` builds and executes
-the graph with poisoned outputs and compares each output with `Graph.reference`.
+the graph with poisoned outputs and compares each output with `Graph.reference`. Some families
+also shape the bindings themselves: a lazily negated input, outputs interleaved in one buffer
+(`SharedBuffer`), and bindings execute must refuse without writing anything (`Refusal`).
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 import dnngraph as dg
-from dnngraph.errors import GraphError, UnsupportedError
+from dnngraph.errors import ExecutionError, GraphError, UnsupportedError
 from dnngraph.heuristics.matmul import choose_dot
 from dnngraph.ops.pointwise import DIFFERENTIABLE, FORWARD_UNARY
 from dnngraph.ops.pooling import PoolingAttrs, output_spatial
@@ -83,6 +85,8 @@ class Case:
     steps: list = field(default_factory=list)
     generation_error: str = ""  # an op call or reference that failed on a valid graph
     exact: list = field(default_factory=list)  # output Tensors that must equal torch's .to bit for bit
+    shared: list = field(default_factory=list)  # SharedBuffers: bindings that are views of one buffer
+    refusals: list = field(default_factory=list)  # Refusals: bindings execute must refuse
 
     def describe(self) -> str:
         head = f"seed {self.seed}: io {self.io}, row mode {self.row_mode}"
@@ -90,8 +94,79 @@ class Case:
 
 
 @dataclass
+class SharedBuffer:
+    """Bindings that are views of one flat buffer, interleaved without an element in common.
+    `memory` (on the CPU) holds poison and the values of the inputs among the views; `views`
+    holds per binding (Tensor, storage offset, sizes, strides), in elements."""
+
+    memory: torch.Tensor
+    views: list
+
+    def bind(self, device, moved=None, delta=0) -> tuple:
+        """(a fresh copy of the memory on `device`, name -> view into it). With `moved`, the view
+        of that index starts `delta` elements later, in a copy padded by its own size each side."""
+        margin = 0 if moved is None else self.memory.numel()
+        memory = torch.full((self.memory.numel() + 2 * margin,), math.nan, dtype=self.memory.dtype)
+        memory[margin:margin + self.memory.numel()] = self.memory
+        memory = memory.to(device)
+        views = {}
+        for index, (tensor, offset, sizes, strides) in enumerate(self.views):
+            start = margin + offset + (delta if index == moved else 0)
+            views[tensor.name] = memory.as_strided(sizes, strides, start)
+        return memory, views
+
+    def claimed(self, outputs_only: bool = False) -> torch.Tensor:
+        """Per element of the memory, whether a view (an output's, with `outputs_only`) holds it."""
+        claimed = torch.zeros(self.memory.numel(), dtype=torch.bool)
+        for tensor, offset, sizes, strides in self.views:
+            if tensor.is_output or not outputs_only:
+                claimed.as_strided(sizes, strides, offset).fill_(True)
+        return claimed
+
+    def stray_writes(self, memory: torch.Tensor, pristine: torch.Tensor) -> str:
+        """'' when no element of `memory` (as bound) changed but the outputs' (the gaps between
+        the views and the inputs' elements keep their values, bit for bit), else what changed."""
+        stray = (_bits(memory.cpu()) != _bits(pristine)) & ~self.claimed(outputs_only=True)
+        if stray.any():
+            return (f"shared buffer: {stray.sum().item()} elements outside the outputs' views written, "
+                    f"the first at {stray.nonzero()[0].item()}")
+        return ""
+
+
+@dataclass
+class Refusal:
+    """Bindings execute must refuse with an ExecutionError, writing nothing: `kind` is 'negated
+    output' (torch's negative bit on an output), 'conjugate input' or 'conjugate output' (a
+    complex conjugate view in place of `tensor`), or 'overlap' (the views of `shared` with view
+    `moved` shifted by `delta` elements onto another view's element). Tried before the good
+    execute or after it (`before`): a refused set must not be remembered as checked."""
+
+    kind: str
+    before: bool
+    tensor: object = None
+    shared: SharedBuffer = None
+    moved: int = 0
+    delta: int = 0
+
+    def describe(self) -> str:
+        what = self.tensor.name if self.tensor is not None else self.shared.views[self.moved][0].name
+        return f"{self.kind} {what!r}"
+
+    def bindings(self, device) -> dict:
+        """name -> the tensor to bind in place of the good one."""
+        if self.kind == "overlap":
+            return self.shared.bind(device, self.moved, self.delta)[1]
+        tensor = self.tensor
+        if self.kind == "negated output":
+            return {tensor.name: torch._neg_view(poisoned(tensor, device))}
+        value = torch.empty_strided(tensor.dim, tensor.stride, dtype=torch.complex64, device=device)
+        return {tensor.name: value.fill_(complex(math.nan, math.nan)).conj()}
+
+
+@dataclass
 class Verdict:
-    """The outcome of one case: passed, mismatch, unsupported or error:<type>."""
+    """The outcome of one case: passed, mismatch, binding (a refusal that ran or wrote, a write
+    outside an output's view), unsupported or error:<type>."""
 
     status: str
     detail: str = ""
@@ -119,6 +194,9 @@ class GraphBuilder:
         self.world = self._draw_world()
         self.values: list[Value] = []
         self.exact: list = []  # conversions' outputs: bit-exact, kept out of the operand pool
+        self.shared: list[SharedBuffer] = []
+        self.refusals: list[Refusal] = []
+        self.pinned: set = set()  # ids of outputs whose data type and strides a binding fixed
         self.inputs: dict = {}
         self.steps: list[str] = []
         self.used_names: set = set()
@@ -195,9 +273,9 @@ class GraphBuilder:
         return flat.reshape(data.shape)
 
     def new_input(self, dims, kind="float", positive=False, distinct=False, data_type=None,
-                  allow_broadcast=True, special=True, values=None) -> Value:
-        """Declare an input with random data (or `values`, of `dims`) in a random layout and add
-        it to the pool."""
+                  allow_broadcast=True, special=True, values=None, place=None) -> Value:
+        """Declare an input with random data (or `values`, of `dims`) in a random layout (or the
+        tensor and label `place(data)` gives) and add it to the pool."""
         dims = [int(d) for d in dims]
         dtype = (data_type or (dg.int32 if kind == "int" else dg.bool if kind == "bool"
                                else FLOAT_IO[self.io]))
@@ -220,7 +298,7 @@ class GraphBuilder:
         if special and not positive and not distinct:
             data = self._sprinkle(data)
         special_values = data.is_floating_point() and not bool(torch.isfinite(data).all())
-        view, layout = self._layout(data, allow_broadcast)
+        view, layout = place(data) if place is not None else self._layout(data, allow_broadcast)
         tensor = self.graph.tensor_like(view, name=self.name())
         self.inputs[tensor.name] = view
         exact = view.double() if view.is_floating_point() else view.clone()
@@ -612,7 +690,7 @@ class GraphBuilder:
                 ("compare", 2), ("logic", 1), ("where", 2), ("cast", 2), ("reduction", 4),
                 ("softmax", 3), ("feature_norm", 3), ("channel_norm", 3), ("pooling", 2),
                 ("dropout", 2), ("matmul", 3), ("conv", 3), ("layout", 3), ("conversion", 2),
-                ("pow_special", 1))
+                ("pow_special", 1), ("negated_view", 1), ("interleaved", 1), ("paged_attention", 1))
 
     def _unpooled(self, *values):
         """Take values out of the operand pool (their magnitudes would skew other families)."""
@@ -647,6 +725,174 @@ class GraphBuilder:
         results[0].tensor.set_output(True)
         self._unpooled(a, b, *results)
         return results
+
+    def negated_view(self):
+        """A lazily negated input (torch's negative bit) read by a binary op, a reduction or a
+        softmax: execute resolves it, and the reference sees the value it holds. Then a negated
+        twin of the op's output, or a conjugate (complex) view in place of the input or the
+        output, which execute must refuse, writing nothing."""
+        x = self.new_input(self.broadcast_dims(), place=self._negated)
+        op = self.rng.choice(("add", "sub", "mul", "maximum", "minimum", "reduction", "softmax"))
+        if op == "reduction":
+            mode, axes = self.rng.choice(EXIT_MODES), self._axes(len(x.tensor.dim))
+            results = self.record(self.graph.reduction(x.tensor, mode, axes, name=self.name()),
+                                  f"reduction[{mode}, axes {axes}, negated input]", [x])
+        elif op == "softmax":
+            axis = self.rng.randrange(len(x.tensor.dim))
+            results = self.record(self.graph.softmax(x.tensor, axis=axis, name=self.name()),
+                                  f"softmax[axis {axis}, negated input]", [x])
+        else:
+            other = self.pick_world(predicate=lambda v: v is not x)
+            operands = [x.tensor, other.tensor] if self.rng.random() < 0.5 else [other.tensor, x.tensor]
+            out = getattr(self.graph, op)(*operands, name=self.name())
+            if _finite_max(self._peek(out, operands)) > MAGNITUDE_LIMIT:
+                raise _Skip()
+            results = self.record(out, f"{op}[negated input]", [x, other])
+        results[0].tensor.set_output(True)
+        kind = self.rng.choice(("negated output", "conjugate input", "conjugate output"))
+        refusal = Refusal(kind, self.rng.random() < 0.5, x.tensor if kind == "conjugate input" else results[0].tensor)
+        self.refusals.append(refusal)
+        self.steps.append(f"refuse {refusal.describe()} {'before' if refusal.before else 'after'} executing")
+        return results
+
+    def _negated(self, data: torch.Tensor) -> tuple:
+        """A lazily negated view holding `data`: a conjugate's imaginary part (float32), or
+        torch's negated view of -data in a random layout."""
+        if data.dtype == torch.float32 and self.rng.random() < 0.5:
+            complex_data = torch.complex(torch.randn(data.shape, generator=self.gen), -data)
+            return complex_data.conj().imag, "negated(a conjugate's imaginary part)"
+        view, layout = self._layout(-data)
+        return torch._neg_view(view), f"negated({layout})"
+
+    def interleaved(self):
+        """Outputs (and sometimes an input) bound as views of one buffer that interleave without
+        an element in common: a slot axis inserted anywhere among the world's axes (q, k and v of
+        a packed qkv buffer, even and odd columns, rotary halves), the buffer's axes stored in a
+        random order, a slot or a tail that belongs to no binding. run_case checks that nothing
+        but the outputs' elements changed; sometimes also a twin with one output moved onto
+        another view's element, which execute must refuse."""
+        dims = list(self.world)
+        dtype = FLOAT_IO[self.io] if self.rng.random() < 0.6 else dg.float32
+        count, with_input, spare = self.rng.choice((2, 2, 3)), self.rng.random() < 0.5, self.rng.random() < 0.6
+        slots = count + with_input + spare
+        axis = self.rng.randrange(len(dims) + 1)
+        buffer_dims = dims[:axis] + [slots] + dims[axis:]
+        order = list(range(len(buffer_dims)))
+        if self.rng.random() < 0.3:
+            self.rng.shuffle(order)
+        buffer_strides = dense_strides(buffer_dims, order)
+        strides = list(buffer_strides[:axis] + buffer_strides[axis + 1:])
+        tail = self.rng.choice((0, 0, 1, 3))
+        memory = torch.full((math.prod(buffer_dims) + tail,), math.nan, dtype=dtype.torch_dtype)
+        offsets = [slot * buffer_strides[axis] for slot in self.rng.sample(range(slots), slots - spare)]
+        label = f"slot axis {axis} of a buffer {buffer_dims} in order {order} (+{tail})"
+        views, source = [], None
+        if with_input:
+            offset = offsets.pop()
+
+            def place(data):
+                view = memory.as_strided(dims, strides, offset)
+                view.copy_(data)
+                return view, f"interleaved(at {offset}, {label})"
+
+            source = self.new_input(dims, data_type=dtype, place=place)
+            views.append((source.tensor, offset, dims, strides))
+        added = []
+        for offset in offsets:
+            value, new = self._interleaved_result(source, dims, {id(v[0]) for v in views})
+            added += new
+            value.tensor.set_output(True).set_data_type(dtype).set_stride(strides)
+            self.pinned.add(id(value.tensor))
+            views.append((value.tensor, offset, dims, strides))
+            self.steps.append(f"output {value.tensor.name!r} interleaved at {offset}, {label}")
+        shared = SharedBuffer(memory, views)
+        self.shared.append(shared)
+        if self.rng.random() < 0.5:
+            moved = self.rng.randrange(int(with_input), len(views))  # an output's view
+            onto = self.rng.choice([i for i in range(len(views)) if i != moved])
+            delta = self._element_address(views[onto]) - self._element_address(views[moved])
+            refusal = Refusal("overlap", self.rng.random() < 0.5, shared=shared, moved=moved, delta=delta)
+            self.refusals.append(refusal)
+            self.steps.append(f"refuse {refusal.describe()} moved by {delta} onto {views[onto][0].name!r} "
+                              f"{'before' if refusal.before else 'after'} executing")
+        return added
+
+    def _interleaved_result(self, source, dims, taken) -> tuple:
+        """(a float value of `dims` that an op made and no binding holds yet: a pooled one or a new
+        op's, on `source` when given (always while nothing reads it: an input no kernel reads is
+        no binding execute checks); the values added)."""
+        unread = source is not None and not self.graph.consumers(source.tensor)
+        pooled = [v for v in self.values if v.depth > 0 and v.kind == "float" and list(v.tensor.dim) == dims
+                  and id(v.tensor) not in taken and id(v.tensor) not in self.pinned]
+        if pooled and not unread and self.rng.random() < 0.5:
+            return self.rng.choice(pooled), []
+        operand = source if unread or source is not None and self.rng.random() < 0.7 else self.pick(dims=dims)
+        op = self.rng.choice(("neg", "abs", "tanh", "sigmoid", "relu", "scale"))
+        extra = (self.rng.choice((0.5, -2.0, 3.0)),) if op == "scale" else ()
+        added = self.record(getattr(self.graph, op)(operand.tensor, *extra, name=self.name()), op, [operand])
+        return added[0], added
+
+    def _element_address(self, view) -> int:
+        """The storage offset of a random element of a (tensor, offset, sizes, strides) view."""
+        _, offset, sizes, strides = view
+        return offset + sum(self.rng.randrange(size) * stride for size, stride in zip(sizes, strides))
+
+    def paged_attention(self):
+        """Paged K/V sdpa, decode or prefill, whose k and v tables hold page ids past the pools,
+        negative ones and ones near +-2**31, on pages the sequences use and past them: such a
+        key is invisible, as if past seq_len_kv. Each pool is a view into a buffer whose pages
+        before and after it hold a canary (NaN, inf or the type's largest value) that a key read
+        outside the pool would carry into o."""
+        batch, kv_heads = self.rng.randint(1, 3), self.rng.choice((1, 2))
+        heads, page, head_dim = kv_heads * self.rng.choice((1, 2)), self.rng.choice((4, 8)), 16
+        pages, per_sequence, s_q = self.rng.randint(2, 6), self.rng.randint(1, 3), self.rng.choice((1, 1, 2, 5))
+        lengths = [self.rng.randint(0, per_sequence * page) for _ in range(batch)]
+        table = torch.randint(0, pages, (batch, 1, per_sequence, 1), generator=self.gen, dtype=torch.int32)
+        corrupted = self.rng.choice(("k", "v", "kv"))
+        tables = [self.new_input(list(table.shape), "int", data_type=dg.int32, allow_broadcast=False,
+                                 values=self._bad_ids(table, pages, lengths, page) if which in corrupted else table)
+                  for which in "kv"]
+        lens = self.new_input([batch, 1, 1, 1], "int", data_type=dg.int32, allow_broadcast=False,
+                              values=torch.tensor(lengths, dtype=torch.int32).view(batch, 1, 1, 1))
+        q = self.new_input([batch, heads, s_q, head_dim], special=False)
+        k, v = (self.new_input([pages, kv_heads, page, head_dim], special=False, place=self._pool_with_canary)
+                for _ in range(2))
+        mask = self.rng.choice(("none", "causal", "causal_bottom_right"))
+        inference = self.rng.random() < 0.5
+        o, stats = self.graph.sdpa(q.tensor, k.tensor, v.tensor, is_inference=inference, seq_len_kv=lens.tensor,
+                                   use_causal_mask=mask == "causal",
+                                   use_causal_mask_bottom_right=mask == "causal_bottom_right",
+                                   paged_attention_k_table=tables[0].tensor,
+                                   paged_attention_v_table=tables[1].tensor, name=self.name())
+        label = f"sdpa[paged, bad ids in {corrupted}, lengths {lengths}, mask {mask}, inference {inference}]"
+        results = self.record((o, stats), label, [q, k, v, *tables, lens])
+        for value in results:
+            value.tensor.set_output(True)
+        return results
+
+    def _bad_ids(self, table, pages, lengths, page) -> torch.Tensor:
+        """A copy of `table` with one or two ids outside [0, pages), mostly on pages in use."""
+        table = table.clone()
+        per_sequence = table.shape[2]
+        for _ in range(self.rng.randint(1, 2)):
+            batch = self.rng.randrange(table.shape[0])
+            used = max(1, -(-lengths[batch] // page))
+            slot = self.rng.randrange(used if self.rng.random() < 0.8 else per_sequence)
+            table[batch, 0, slot, 0] = self.rng.choice((pages, pages + 1, -1, -pages, 2**31 - 1, -2**31, 2**30))
+        return table
+
+    def _pool_with_canary(self, data: torch.Tensor) -> tuple:
+        """`data`, a page pool [pages, Hkv, page, D], as a view into a buffer whose pages before
+        and after it hold a canary; sometimes stored [pages, page, Hkv, D]."""
+        canary = self.rng.choice((math.nan, math.inf, torch.finfo(data.dtype).max))
+        before, after = self.rng.randint(0, 2), self.rng.randint(1, 2)
+        token_major = self.rng.random() < 0.4
+        stored = data.transpose(1, 2) if token_major else data
+        buffer = torch.full((before + data.shape[0] + after, *stored.shape[1:]), canary, dtype=data.dtype)
+        buffer[before:before + data.shape[0]] = stored
+        view = buffer[before:before + data.shape[0]]
+        layout = f"pool(canary {canary}, {before} pages before, {after} after{', token-major' if token_major else ''})"
+        return (view.transpose(1, 2) if token_major else view), layout
 
     def layout(self):
         """A layout op and its way back to the world's dims (a transpose and its inverse, a
@@ -704,8 +950,9 @@ class GraphBuilder:
         inputs = [None if t is None else by_tensor[id(t)].data for t in node.inputs]
         return node.opdef.reference(inputs, node.attrs)[0]
 
-    def family(self):
-        names, weights = zip(*self.FAMILIES)
+    def family(self, only=None):
+        """A family drawn by weight (among `only`, when given)."""
+        names, weights = zip(*[(name, weight) for name, weight in self.FAMILIES if only is None or name in only])
         return self.rng.choices(names, weights)[0]
 
     def finish(self):
@@ -723,6 +970,8 @@ class GraphBuilder:
                 results[0].set_output(True)
         for value in ops:
             tensor = value.tensor
+            if id(tensor) in self.pinned:  # its binding is a view into a shared buffer
+                continue
             if tensor.is_output and value.kind == "float" and tensor.data_type.name != "float32" \
                     and self.rng.random() < 0.2:
                 tensor.set_data_type(dg.float32)
@@ -810,20 +1059,27 @@ def _to_device(value: torch.Tensor, device: str) -> torch.Tensor:
     if value.device.type == torch.device(device).type:
         return value
     storage = torch.empty(0, dtype=value.dtype).set_(value.untyped_storage())
-    return storage.to(device).as_strided(value.shape, value.stride(), value.storage_offset())
+    moved = storage.to(device).as_strided(value.shape, value.stride(), value.storage_offset())
+    return torch._neg_view(moved) if value.is_neg() else moved  # the negative bit is no memory
 
 
 def generate(seed: int, device: str = "cpu", max_ops: int = 6, io: str | None = None,
-             plain_names: bool = False) -> Case:
+             plain_names: bool = False, families=None) -> Case:
     """The random graph of `seed`, with its input data (on `device`) and row mode; with
-    `plain_names` the same graph under names no kernel could confuse (to triage a failure)."""
+    `plain_names` the same graph under names no kernel could confuse (to triage a failure);
+    with `families` (names of GraphBuilder.FAMILIES) a graph of those families alone."""
+    unknown = set(families or ()) - {name for name, _ in GraphBuilder.FAMILIES}
+    if unknown:
+        raise ValueError(f"no such families: {sorted(unknown)}")
     builder = GraphBuilder(seed, device, io, plain_names=plain_names)
+    if families:
+        builder.steps.append(f"families {sorted(families)}")
     row_mode = builder.rng.choice(ROW_MODES)
     target = builder.rng.randint(1, max_ops)
     attempts, failure = 0, ""
     while len(builder.graph.nodes) < target and attempts < 40 and not failure:
         attempts += 1
-        family = builder.family()
+        family = builder.family(families)
         try:
             getattr(builder, family)()
         except _Skip:
@@ -834,7 +1090,8 @@ def generate(seed: int, device: str = "cpu", max_ops: int = 6, io: str | None = 
     if builder.graph.nodes and not failure:
         builder.finish()
     inputs = {name: _to_device(value, device) for name, value in builder.inputs.items()}
-    return Case(seed, builder.graph, inputs, builder.io, row_mode, builder.steps, failure, builder.exact)
+    return Case(seed, builder.graph, inputs, builder.io, row_mode, builder.steps, failure, builder.exact,
+                builder.shared, builder.refusals)
 
 
 # --- running and judging -------------------------------------------------------------------------
@@ -884,6 +1141,7 @@ def noisy_reference(graph, inputs: dict, trials: int = 3, seed: int = 0) -> list
                 if result.is_floating_point():
                     eps = max(torch.finfo(tensor.data_type.torch_dtype).eps, torch.finfo(torch.float32).eps) \
                         if tensor.data_type.is_floating else torch.finfo(torch.float32).eps
+                    eps = max(eps, _probability_rounding(node, tensor))
                     noise = (torch.rand(result.shape, generator=gen, dtype=torch.float64) * 2 - 1) * eps
                     result = result.double() * (1 + noise)
                 values[tensor.uid] = result
@@ -916,6 +1174,14 @@ def _dot_rounding(node, operands, gen, graph_tf32: bool = False) -> list:
             value = value.double() * (1 + noise)
         rounded.append(value)
     return rounded + list(operands[2:])
+
+
+def _probability_rounding(node, tensor) -> float:
+    """The relative eps sdpa's o drifts by beyond its storage: its kernels meet the probabilities
+    with v in v's type (p.to(v.dtype), as flash attention does), so a 16-bit v rounds them."""
+    if node.op != "sdpa" or tensor is not node.outputs[0]:
+        return 0.0
+    return torch.finfo(node.inputs[2].data_type.torch_dtype).eps
 
 
 def subnormal_resolution(ref: torch.Tensor, dtype: torch.dtype) -> float:
@@ -976,24 +1242,72 @@ def compare_bits(name, out: torch.Tensor, ref: torch.Tensor) -> str:
     return ""
 
 
+def _bits(value: torch.Tensor) -> torch.Tensor:
+    """The values' bit patterns as integers (NaN payloads and signed zeros told apart)."""
+    return value.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[value.element_size()])
+
+
+def _memory(value: torch.Tensor) -> torch.Tensor:
+    """A copy of every byte of `value`'s storage (its gaps and whatever else shares it too)."""
+    return torch.empty(0, dtype=torch.uint8, device=value.device).set_(value.untyped_storage()).clone()
+
+
+def _refused(graph, bindings: dict, refusal: Refusal, device) -> str:
+    """'' when execute refuses `refusal`'s bindings with an ExecutionError and writes nothing into
+    any output or swapped-in tensor, else what went wrong (other errors propagate)."""
+    swapped = refusal.bindings(device)
+    watched = [bindings[t.name] for t in graph.outputs()] + list(swapped.values())
+    before = [_memory(value) for value in watched]
+    try:
+        graph.execute({**bindings, **swapped})
+    except ExecutionError:
+        pass
+    else:
+        return f"{refusal.describe()}: executed, not refused"
+    if device != "cpu":
+        torch.cuda.synchronize()
+    if any(not torch.equal(_memory(value), saved) for value, saved in zip(watched, before)):
+        return f"{refusal.describe()}: refused, but memory was written"
+    return ""
+
+
+def _bind(case: Case, device) -> tuple:
+    """(bindings: inputs, poisoned outputs and the shared buffers' views; per shared buffer
+    (SharedBuffer, its memory on `device`, a CPU copy of that memory as bound))."""
+    bindings = {**case.inputs, **{t.name: poisoned(t, device) for t in case.graph.outputs()}}
+    shared = []
+    for buffer in case.shared:
+        memory, views = buffer.bind(device)
+        bindings.update(views)
+        shared.append((buffer, memory, memory.cpu().clone()))
+    return bindings, shared
+
+
 def run_case(case: Case, device: str = "cpu") -> Verdict:
-    """Build and execute `case` with poisoned outputs; compare every output with the reference."""
+    """Build and execute `case` with poisoned outputs (and its refusals, before or after);
+    compare every output with the reference and check the shared buffers' gaps."""
     graph = case.graph
     if case.generation_error:
         return Verdict("error:generate " + case.generation_error.split(":")[1].strip(), case.generation_error)
+    binding_problems = []
     try:
         with forced_row_mode(case.row_mode):
             graph.build()
-        outputs = {t.name: poisoned(t, device) for t in graph.outputs()}
-        graph.execute({**case.inputs, **outputs})
+        bindings, shared = _bind(case, device)
+        binding_problems += [_refused(graph, bindings, r, device) for r in case.refusals if r.before]
+        graph.execute(bindings)
         if device != "cpu":
             torch.cuda.synchronize()
+        binding_problems += [_refused(graph, bindings, r, device) for r in case.refusals if not r.before]
     except UnsupportedError as error:
         return Verdict("unsupported", str(error))
     except Exception as error:  # noqa: BLE001 - every failure is a verdict, typed or not
         kind = type(error).__name__ + ("" if isinstance(error, GraphError) else " (untyped)")
         return Verdict(f"error:{kind}", f"{error}"[:2000])
-    cpu_inputs = {k: v.cpu() for k, v in case.inputs.items()}
+    outputs = {t.name: bindings[t.name] for t in graph.outputs()}
+    binding_problems += [buffer.stray_writes(memory, pristine) for buffer, memory, pristine in shared]
+    # the reference reads each input's value: a lazily negated one resolved
+    cpu_inputs = {k: v.cpu().resolve_neg() for k, v in case.inputs.items()}
     refs = graph.reference(cpu_inputs)
     noisy = noisy_reference(graph, cpu_inputs, seed=case.seed)
     depth = len(graph.nodes)
@@ -1009,4 +1323,7 @@ def run_case(case: Case, device: str = "cpu") -> Verdict:
                           64 * torch.finfo(torch.float32).eps * (1 + depth))
         if problem:
             problems.append(problem)
+    binding_problems = [p for p in binding_problems if p]
+    if binding_problems:
+        return Verdict("binding", "; ".join(binding_problems + problems))
     return Verdict("mismatch", "; ".join(problems)) if problems else Verdict("passed")

@@ -85,6 +85,27 @@ def test_groups_never_form_a_cycle():
         assert all(t.producer is None or t.uid in earlier for t in group.inputs)
 
 
+def test_groups_convex_one_by_one_never_wait_on_each_other_in_a_ring():
+    # the norm kernel takes maximum(reduction(f), y) as its epilogue; a pointwise group of f and
+    # mul(inv_variance, f) would be convex at the node level, yet it needs the norm kernel while
+    # the reduction (and so the norm kernel) needs it: mul runs apart (a fuzz graph found it)
+    import torch
+    from helpers import check
+    g = dg.Graph()
+    x, s = g.tensor(name="x", dim=[4, 1, 8, 4]), g.tensor(name="s", dim=[1, 1, 1, 4])
+    y, inv = g.rmsnorm(x, s, epsilon=1e-3)
+    f = g.floor(s)
+    g.mul(inv, f).set_output(True).set_name("scaled")
+    g.maximum(g.reduction(f, "norm1", [0, 2]), y).set_output(True).set_name("top")
+    y.set_output(True).set_name("y")
+    groups = partition(g)
+    for i, group in enumerate(groups):  # every input is produced by an earlier group or the user
+        earlier = {t.uid for gr in groups[:i] for t in gr.outputs}
+        assert all(t.producer is None or t.uid in earlier for t in group.inputs), group.describe()
+    gen = torch.Generator().manual_seed(1387)
+    check(g, {"x": torch.randn(4, 1, 8, 4, generator=gen), "s": torch.randn(1, 1, 1, 4, generator=gen) * 3})
+
+
 def test_attention_chain_without_its_kernel_splits_into_runnable_groups():
     import torch
     from helpers import check

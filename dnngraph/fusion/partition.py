@@ -109,18 +109,24 @@ class _Partitioner:
             if tensor.producer is not None else []
 
     def convex(self, members: set) -> bool:
-        """No path from the set leaves it and re-enters it."""
+        """No path from the set leaves it and re-enters it. A path that reaches a node of another
+        group goes on from every node of that group: its kernel runs after everything it reads,
+        so each of its values comes after the set (groups made convex one by one could otherwise
+        still wait on each other in a ring)."""
         frontier = [s for m in members for s in self.dag.successors(m) if s not in members]
         seen = set()
         while frontier:
             node = frontier.pop()
             if node in seen:
                 continue
-            seen.add(node)
-            for succ in self.dag.successors(node):
-                if succ in members:
-                    return False
-                frontier.append(succ)
+            owner = self.group_of.get(node)
+            reached = owner.nodes if isinstance(owner, FusionGroup) else [node]
+            seen.update(reached)
+            for member in reached:
+                for succ in self.dag.successors(member):
+                    if succ in members:
+                        return False
+                    frontier.append(succ)
         return True
 
     def claim(self, group: FusionGroup, nodes):
