@@ -327,13 +327,14 @@ def test_gpu_bf16_mobilenet_block_and_classifier_step_run_in_dnngraph():
             return F.cross_entropy(self.head(y), targets)
 
     model = Block().cuda().to(memory_format=torch.channels_last)
-    eager = __import__("copy").deepcopy(model)
+    # eager runs NCHW (weights too: a channels-last weight makes cuDNN's output channels-last):
+    # torch 2.11's channels-last CUDA avg_pool2d backward with padding is wrong
+    # (pytorch/pytorch#188344); dnngraph's matches torch's CPU kernel there
+    eager = __import__("copy").deepcopy(model).to(memory_format=torch.contiguous_format)
     x = torch.randn(4, 16, 15, 15, device="cuda").to(memory_format=torch.channels_last)
     labels, targets = torch.randint(0, 10, (4,), device="cuda"), torch.randint(0, 7, (4,), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         got = _compiled(model)(x, labels, targets)
-        # eager in NCHW: torch 2.11's channels-last CUDA avg_pool2d backward with padding is wrong
-        # (pytorch/pytorch#188344); dnngraph's matches torch's CPU kernel there
         want = eager(x.contiguous(), labels, targets)
     got.backward()
     want.backward()
