@@ -462,7 +462,8 @@ def _eager_in_float64(op, args, kwargs):
     widened = pytree.tree_map(lambda x: x.double() if isinstance(x, torch.Tensor) and x.dtype == torch.float32
                               else x, (args, kwargs))
     try:
-        return op(*widened[0], **widened[1])
+        return _eager(op, *widened, device=next((x.device.type for x in pytree.tree_leaves(widened)
+                                                 if isinstance(x, torch.Tensor)), "cpu"))
     except Exception:  # noqa: BLE001
         return None
 

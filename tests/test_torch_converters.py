@@ -356,3 +356,31 @@ def test_safe_softmax_zeroes_rows_that_see_only_minus_infinity():
     assert torch.equal(got[1, 2], torch.zeros(7)) and not torch.isnan(got[1, 2]).any()
     torch.testing.assert_close(got, want, equal_nan=True)
     assert _left_to_torch(["softmax"]) == [], _left_to_torch(["softmax"])
+
+
+def test_safe_softmax_tests_minus_infinity_before_its_dtype():
+    # a row of finite values that overflow to -inf in the narrower dtype is NaN in torch, not 0
+    x = torch.tensor([[-70000.0, -70000.0], [1.0, 2.0]])
+    fn = lambda t: torch.ops.aten._safe_softmax(t * 1.0, -1, torch.float16)  # noqa: E731
+    got, want = _compiled(fn)(x), fn(x)
+    assert torch.isnan(want[0]).all()
+    torch.testing.assert_close(got, want, equal_nan=True)
+
+
+def test_cpu_results_in_a_gpu_program_stay_in_torch():
+    # the support predicate reads devices from the traced values; on a hand-built FX graph, a meta
+    # tensor stands in for a GPU value (this machine has no GPU)
+    from dnngraph.torch_backend.convert import _off_the_program_device
+
+    graph = torch.fx.Graph()
+    x, s = graph.placeholder("x"), graph.placeholder("s")
+    scaled = graph.call_function(torch.ops.aten.mul.Tensor, (x, s))
+    bumped = graph.call_function(torch.ops.aten.add.Tensor, (s, 1))
+    graph.output((scaled, bumped))
+    with torch.device("meta"):
+        x.meta["val"], scaled.meta["val"] = torch.empty(3), torch.empty(3)
+    s.meta["val"] = bumped.meta["val"] = torch.empty(())
+    assert _off_the_program_device(bumped, bumped.meta["val"]) == "a result on the CPU in a program on meta"
+    assert _off_the_program_device(scaled, scaled.meta["val"]) is None
+    x.meta["val"] = scaled.meta["val"] = torch.empty(3)  # all on the CPU: a CPU program
+    assert _off_the_program_device(bumped, bumped.meta["val"]) is None

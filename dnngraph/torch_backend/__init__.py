@@ -27,6 +27,7 @@ import functools
 import itertools
 import operator
 import threading
+from typing import Optional
 
 import torch
 from torch._dynamo.backends.common import aot_autograd
@@ -143,10 +144,25 @@ class _Values:
         return tensor
 
 
+def _program_device(sub: torch.fx.GraphModule) -> Optional[torch.device]:
+    """The device a partition's graph runs on: that of the values its ops make (the support
+    predicate leaves ops with CPU results in a GPU program to torch); None when it makes none."""
+    for node in sub.graph.nodes:
+        value = node.meta.get("val") if node.op == "call_function" else None
+        if isinstance(value, (tuple, list)):
+            value = next((v for v in value if isinstance(v, torch.Tensor)), None)
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
+
+
 def _scalar_on(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A 0-d argument as the graph holds it ([1]), on the graph's device: torch lets a CPU scalar
-    into an op on CUDA tensors; the graph reads it from its device (its value of this call)."""
-    return (value if value.device == device else value.to(device)).view(1)
+    into an op on CUDA tensors; the graph reads its value of this call, filled on the device
+    (no host-to-device copy to wait for)."""
+    if value.device == device:
+        return value.view(1)
+    return torch.full((1,), value.item(), dtype=value.dtype, device=device)
 
 
 class DnngraphModule(torch.nn.Module):
@@ -204,8 +220,7 @@ class DnngraphModule(torch.nn.Module):
                                                             f"output{position}", outputs)), [])
         # the device the graph runs on: its tensors' (a 0-d CPU argument beside them is a scalar
         # torch lets into a CUDA op: it is copied to that device at each call)
-        self.device = next((p.meta["val"].device for p, taken in zip(placeholders, self.taken)
-                            if taken and p.meta["val"].dim() > 0), None)
+        self.device = _program_device(sub)
         self.function = None  # every returned value made in torch (views of the arguments): no graph to run
         if outputs:
             prune(g)  # results no output reads (an sdpa's log-sum-exp in inference), views made in torch

@@ -203,12 +203,13 @@ def _softmax(g, node, value):
 def _safe_softmax(g, node, value):
     """torch's softmax of attention written as ops: a row that sees only -inf is zero (a plain
     softmax makes it NaN)."""
-    x = value(node.args[0])
+    source = x = value(node.args[0])
     wanted = node.args[2] if len(node.args) > 2 else node.kwargs.get("dtype")
     if wanted is not None:
         x = g.cast(x, data_type=dtypes.from_torch(wanted))
     axis = node.args[1] % len(x.dim)
-    blind = g.cmp_eq(g.reduction(x, mode="max", axes=[axis]), float("-inf"))
+    # torch tests the input before its cast (values that overflow in `dtype` still give NaN)
+    blind = g.cmp_eq(g.reduction(source, mode="max", axes=[axis]), float("-inf"))
     return g.where(blind, 0.0, g.softmax(x, axis=axis))
 
 
@@ -1136,6 +1137,20 @@ def _symbolic_argument(node) -> bool:
     return any(isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)) for leaf in leaves)
 
 
+def _off_the_program_device(node, results) -> Optional[str]:
+    """Why an op whose result lies on the CPU in a program that runs on a GPU stays in torch
+    (scalar bookkeeping, a step counter: eager keeps it on the CPU, and a graph runs on one
+    device)."""
+    first = results[0] if isinstance(results, (tuple, list)) and results else results
+    if not isinstance(first, torch.Tensor) or first.device.type != "cpu":
+        return None
+    for other in node.graph.nodes:
+        value = other.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            return f"a result on the CPU in a program on {value.device.type}"
+    return None
+
+
 def _form_refused(node) -> Optional[str]:
     """Why a form of an op stays in torch before its converter is tried (None: try it)."""
     if node.target not in CONVERTERS:
@@ -1143,6 +1158,9 @@ def _form_refused(node) -> Optional[str]:
     if _symbolic_argument(node):
         return "a symbolic argument (dnngraph compiles static shapes)"
     results = _result(node)
+    why = _off_the_program_device(node, results)
+    if why is not None:
+        return why
     aux = AUX_RESULTS.get(node.target, ())
     for position, result in enumerate(results if isinstance(results, (tuple, list)) else (results,)):
         why = None if result is None or position in aux else _tensor_ok(result)
