@@ -8,7 +8,6 @@ the graph with poisoned outputs and compares each output with `Graph.reference`.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 from dataclasses import dataclass, field
@@ -838,18 +837,11 @@ def generate(seed: int, device: str = "cpu", max_ops: int = 6, io: str | None = 
 
 
 # --- running and judging -------------------------------------------------------------------------
-@contextlib.contextmanager
-def forced_row_mode(mode):
-    """Make the row heuristics pick `mode` on small shapes (None: leave the model alone)."""
-    from dnngraph.heuristics import rows
-
-    saved = rows.FORCE_MODE, rows.LOOP_TILE, rows.SPLIT_MIN_REDUCED
-    if mode is not None:
-        rows.FORCE_MODE, rows.LOOP_TILE, rows.SPLIT_MIN_REDUCED = mode, 16, 8
-    try:
-        yield
-    finally:
-        rows.FORCE_MODE, rows.LOOP_TILE, rows.SPLIT_MIN_REDUCED = saved
+def forced_row_mode(mode) -> dg.BuildOptions:
+    """Options making the row heuristics pick `mode` on small shapes (None: the model's choice)."""
+    if mode is None:
+        return dg.BuildOptions()
+    return dg.BuildOptions(row_mode=mode, row_loop_tile=16, row_split_min_reduced=8)
 
 
 def poisoned(tensor, device) -> torch.Tensor:
@@ -982,8 +974,7 @@ def run_case(case: Case, device: str = "cpu") -> Verdict:
     if case.generation_error:
         return Verdict("error:generate " + case.generation_error.split(":")[1].strip(), case.generation_error)
     try:
-        with forced_row_mode(case.row_mode):
-            graph.build()
+        graph.build(options=forced_row_mode(case.row_mode))
         outputs = {t.name: poisoned(t, device) for t in graph.outputs()}
         graph.execute({**case.inputs, **outputs})
         if device != "cpu":
