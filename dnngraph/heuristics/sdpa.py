@@ -332,6 +332,33 @@ class BackwardSchedule:
                 f"grid={list(self.programs(which))}")
 
 
+def _backward_shared_bytes(which: str, config: AttentionConfig, problem: AttentionProblem, block_d: int,
+                           block_dv: int) -> int:
+    """The dK/dV kernel's pipelined q and dO tiles per stage plus its resident K and V tiles; the
+    dQ kernel's pipelined K and V tiles plus its resident q and dO tiles. Side tiles (a bias) are
+    left out: unlike the forward's, no backward build here has been seen to run out of shared
+    memory over them, and every tile of the H100's tables fits its 227 KiB without them."""
+    walked, resident = (config.block_m, config.block_n) if which == "dkdv" else (config.block_n, config.block_m)
+    per_stage = walked * (block_d + block_dv) * problem.element_bytes
+    return config.num_stages * per_stage + resident * (block_d + block_dv) * problem.element_bytes
+
+
+def _fit_backward(which: str, config: AttentionConfig, problem: AttentionProblem, block_d: int, block_dv: int,
+                  target: Target) -> AttentionConfig:
+    """Fewer stages, then a narrower walked tile (queries for dK/dV, keys for dQ), until a
+    backward kernel's tiles fit the shared memory of `target` (the H100's tables fit its own)."""
+    while _backward_shared_bytes(which, config, problem, block_d, block_dv) > target.shared_memory:
+        if config.num_stages > 1:
+            config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+        elif which == "dkdv" and config.block_m > 16:
+            config = dataclasses.replace(config, block_m=config.block_m // 2)
+        elif which == "dq" and config.block_n > 16:
+            config = dataclasses.replace(config, block_n=config.block_n // 2)
+        else:
+            break
+    return config
+
+
 def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tuple = (),
                       forced: ForcedAttention = NOT_FORCED) -> BackwardSchedule:
     """Tiles of the backward kernels for `problem` on `target` (and of the dbias kernel, which
@@ -348,6 +375,8 @@ def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tupl
             GPU_BACKWARD_TILES_CAUSAL if problem.causal else GPU_BACKWARD_TILES)
         _, dkdv, dq = next((row for row in table if width <= row[0]), table[-1])
         configs = {"dkdv": AttentionConfig(*dkdv), "dq": AttentionConfig(*dq)}
+        configs = {which: _fit_backward(which, config, problem, block_d, block_dv, target)
+                   for which, config in configs.items()}
     configs.update(forced.backward)
     if bias_dims:
         configs["dbias"] = configs["dq"]
@@ -412,6 +441,7 @@ def chain_backward_schedule(problem: AttentionProblem, target: Target,
                                 head_groups={which: group for which, group in groups.items() if group})
     if forced.backward or not _chain_tiles(problem, target):
         return sched
-    configs = dict(sched.configs, dkdv=AttentionConfig(*GPU_CHAIN_TILES["dkdv"]),
-                   dq=AttentionConfig(*GPU_CHAIN_TILES["dq"]))
+    chain_tiles = {which: _fit_backward(which, AttentionConfig(*GPU_CHAIN_TILES[which]), problem, sched.block_d,
+                                        sched.block_dv, target) for which in ("dkdv", "dq")}
+    configs = dict(sched.configs, **chain_tiles)
     return dataclasses.replace(sched, configs=configs, reason="op-level chain: " + sched.reason)
