@@ -104,8 +104,9 @@ class BuildOptions:
         return replace(self, **changes) if changes else self
 
     def forced(self) -> dict:
-        """The fields set away from their defaults (what explain() shows)."""
-        default = BuildOptions(autotune_top=self.autotune_top)
+        """The fields set away from their defaults (what explain() shows); the autotune count
+        only where the build autotunes."""
+        default = BuildOptions() if self.autotune else BuildOptions(autotune_top=self.autotune_top)
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
 
 
