@@ -1,13 +1,13 @@
-"""bench_attention.py with the attention heuristics' force knobs set from the environment, to time
-a config or grid against the tables' choice in the same way (do_bench, L2 flushed):
+"""bench_attention.py with the attention configs BuildOptions can force set from the environment,
+to time a config or grid against the tables' choice in the same way (do_bench, L2 flushed):
 
     G=0 python benchmarks/attention_knobs.py --rows fwd,bwd --only causal       # the plain grid
     FWD=128,64,8,3 python benchmarks/attention_knobs.py --rows fwd               # forward tiles
     DKDV=64,128,8,3 DQ=64,64,4,2 python benchmarks/attention_knobs.py --rows bwd # backward tiles
 
-G: heads interleaved by causal grids (heuristics.sdpa.FORCE_HEAD_GROUP); FWD: the forward's
-(BLOCK_M, BLOCK_N, warps, stages) (FORCE_CONFIG); DKDV / DQ: the backward's (FORCE_BACKWARD).
-Every shape of the run gets the forced value.
+G: heads interleaved by causal grids (BuildOptions.sdpa_head_group); FWD: the forward's
+(BLOCK_M, BLOCK_N, warps, stages) (sdpa_config); DKDV / DQ: the backward's (sdpa_dkdv_config,
+sdpa_dq_config). Every shape of the run gets the forced value.
 """
 import os
 import runpy
@@ -17,7 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-import dnngraph  # noqa: E402,F401  (first: selects the interpreter on a CPU-only machine)
+import dnngraph as dg  # noqa: E402  (first: selects the interpreter on a CPU-only machine)
 from dnngraph.heuristics import sdpa as heuristics  # noqa: E402
 
 
@@ -25,17 +25,25 @@ def _config(text: str):
     return heuristics.AttentionConfig(*(int(part) for part in text.split(",")))
 
 
-def main():
-    """Set the knobs the environment names, then run bench_attention.py with this command line."""
+def options_from_environment() -> dg.BuildOptions:
+    """The BuildOptions the environment names (FWD, G, DKDV, DQ)."""
+    fields = {}
     if os.environ.get("FWD"):
-        heuristics.FORCE_CONFIG = _config(os.environ["FWD"])
+        fields["sdpa_config"] = _config(os.environ["FWD"])
     if os.environ.get("G"):
-        heuristics.FORCE_HEAD_GROUP = int(os.environ["G"])
+        fields["sdpa_head_group"] = int(os.environ["G"])
     if os.environ.get("DKDV"):
-        heuristics.FORCE_BACKWARD = {"dkdv": _config(os.environ["DKDV"]),
-                                     "dq": _config(os.environ.get("DQ", "64,64,4,2"))}
-    sys.argv = [os.path.join(HERE, "bench_attention.py")] + sys.argv[1:]
-    runpy.run_path(sys.argv[0], run_name="__main__")
+        fields["sdpa_dkdv_config"] = _config(os.environ["DKDV"])
+        fields["sdpa_dq_config"] = _config(os.environ.get("DQ", "64,64,4,2"))
+    return dg.BuildOptions(**fields)
+
+
+def main():
+    """Run bench_attention.py with this command line, its graphs built with the options the
+    environment names."""
+    bench = runpy.run_path(os.path.join(HERE, "bench_attention.py"), run_name="bench_attention")
+    bench["BUILD_OPTIONS"] = options_from_environment()
+    bench["main"](sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -549,13 +549,18 @@ def dg_graph(shape: AttnShape, inputs, io_type, backward: bool) -> tuple:
     return g, bound, outputs
 
 
+# The BuildOptions dnngraph's graphs are built with (None: the defaults; attention_knobs.py sets
+# forced tiles and grids here).
+BUILD_OPTIONS = None
+
+
 def dg_provider(shape: AttnShape, inputs, io_type, backward: bool) -> Callable:
     """dnngraph: g.build() (heuristics, no autotune), then execute into poisoned outputs."""
     def factory():
         g, bound, outputs = dg_graph(shape, inputs, io_type, backward)
         start = time.perf_counter()
         try:
-            g.build()
+            g.build(options=BUILD_OPTIONS)
         except dg.UnsupportedError as error:
             raise NotBuilt(_short(error, 300)) from None
         device = inputs["q"].device

@@ -61,14 +61,14 @@ def pretend_gpu():
         (launch_module.KernelLaunch, "_compile"): launch_module.KernelLaunch._compile,
         (torch._C, "_cuda_getCurrentRawStream"): getattr(torch._C, "_cuda_getCurrentRawStream", None),
     }
-    cpu_model = plan_module.device_model(torch.device("cpu"))
-    saved[(plan_module, "device_model")] = plan_module.device_model
+    cpu_target = plan_module.target_of(torch.device("cpu"))
+    saved[(plan_module, "target_of")] = plan_module.target_of
 
     def compile_no_op(self, device_index, dtypes_of):
         return launch_module.BoundLaunch(_fake_compiled(), self.grid, self.template, self.slots, None)
 
     plan_module._kernel_device = lambda device: torch.device("cuda", 0)
-    plan_module.device_model = lambda device=None: cpu_model
+    plan_module.target_of = lambda device=None: cpu_target
     launch_module.KernelLaunch._compile = compile_no_op
     torch._C._cuda_getCurrentRawStream = lambda index: 0
     try:

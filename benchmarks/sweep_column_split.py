@@ -51,21 +51,16 @@ def variants(grid: str) -> list:
     return [None] + list(itertools.product(TILES, PROGRAMS_PER_SM, (1, 0), (True, False)))
 
 
-DEFAULTS = (rows.PREFETCH_COLUMN_TILES, rows.STREAM_APPLY)
-
-
-def apply_variant(variant, rows_count: int, reduced: int, sms: int):
-    """Set the heuristics knobs a variant names (None: the model's defaults)."""
+def variant_options(variant, rows_count: int, reduced: int, sms: int) -> dg.BuildOptions:
+    """The BuildOptions a variant names (None: the model's defaults)."""
     if variant is None:
-        rows.FORCE_CONFIG = None
-        rows.PREFETCH_COLUMN_TILES, rows.STREAM_APPLY = DEFAULTS
-        return
+        return dg.BuildOptions()
     (block_k, block_r, warps), per_sm, prefetch, stream = variant
     blocks = -(-rows_count // block_k)
     splits = min(-(-sms * per_sm // blocks), -(-reduced // block_r))
     splits = -(-reduced // rows.split_chunk(reduced, splits, block_r))
-    rows.FORCE_CONFIG = ("split", block_k, block_r, warps, splits)
-    rows.PREFETCH_COLUMN_TILES, rows.STREAM_APPLY = prefetch, stream
+    return dg.BuildOptions(row_config=rows.RowConfig("split", block_k, block_r, warps, splits, 0.0),
+                           column_prefetch_tiles=prefetch, column_stream_apply=stream)
 
 
 def make_graph(backward: bool, shape=SHAPE, device="cuda"):
@@ -105,9 +100,9 @@ def make_graph(backward: bool, shape=SHAPE, device="cuda"):
 
 
 def _build(backward: bool, variant, sms: int):
-    apply_variant(variant, SHAPE[1], SHAPE[0] * SHAPE[2] * SHAPE[3], sms)
+    options = variant_options(variant, SHAPE[1], SHAPE[0] * SHAPE[2] * SHAPE[3], sms)
     g, feeds, outs = make_graph(backward)
-    g.build()
+    g.build(options=options)
     return g, feeds, outs
 
 
@@ -223,7 +218,6 @@ def main(argv=None):
             times = kernel_times(backward, variant, sms)
             results[f"{name}_{label}_kernels"] = times
             print(f"{name} {label} {variant} kernels (us): {times}", flush=True)
-    rows.FORCE_CONFIG = None
     write_json("sweep_column_split.json", results)
     print("\n| dir | variant | us | TB/s (pass bytes) | of copy | vs torch |\n|---|---|---|---|---|---|")
     for row in sorted(results["rows"], key=lambda r: (r["dir"], r["us"]))[:60]:

@@ -27,6 +27,7 @@ from common import copy_ceiling_tbs, median_ms, rel_error, write_json  # noqa: E
 import dnngraph as dg  # noqa: E402
 from dnngraph.heuristics import depthwise as heuristics  # noqa: E402
 from dnngraph.plan.depthwise import DepthwiseBuild  # noqa: E402
+from dnngraph.target import target_of  # noqa: E402
 
 BF16 = torch.bfloat16
 DEVICE = "cuda"
@@ -87,10 +88,9 @@ WGRAD_GRID = [(32, 16, 16), (16, 16, 32), (32, 8, 32), (64, 8, 16), (16, 8, 64),
 
 def ranked(layer, op, tensors):
     g, _, _ = graph_of(layer, op, tensors)
-    heuristics.FORCE_CONFIG = None
     g.build()
-    build = DepthwiseBuild(g, g.plan.groups[0], 0)
-    return list(heuristics.schedule(build.problem, build.device).ranked), build.problem, build.device
+    build = DepthwiseBuild(g, g.plan.groups[0], 0, target_of(tensors["x"].device))
+    return list(heuristics.schedule(build.problem, build.target).ranked), build.problem, build.target
 
 
 def grid(op, problem, device, model: list) -> list:
@@ -122,8 +122,7 @@ def _compile(jobs):
     for layer, op, config in jobs:
         try:
             tensors = inputs_of(layer)
-            heuristics.FORCE_CONFIG = config
-            graph_of(layer, op, tensors)[0].build()
+            graph_of(layer, op, tensors)[0].build(options=dg.BuildOptions(depthwise_config=config))
             done += 1
         except Exception as error:  # noqa: BLE001 - reported when timed
             print(f"compile failed {layer} {op} {config.text}: {type(error).__name__}: {error}", flush=True)
@@ -200,10 +199,9 @@ def main():
             if time.time() - start > args.budget:
                 print("  (budget spent)")
                 break
-            heuristics.FORCE_CONFIG = config
             try:
                 g, bound, out = graph_of(layer, op, tensors)
-                g.build()
+                g.build(options=dg.BuildOptions(depthwise_config=config))
                 out.fill_(float("nan"))
                 g.execute(bound)
                 err = rel_error(out, expected)
@@ -216,7 +214,6 @@ def main():
             measured.append((ms, rank, config.text) if not wrong else (float("inf"), rank, config.text))
             print(f"  {rank + 1:3d} {config.text:40s} model {config.estimate_us:7.1f} us  "
                   f"measured {ms * 1e3:7.1f} us  {tbs:.2f} TB/s{wrong}", flush=True)
-        heuristics.FORCE_CONFIG = None
         if measured:
             best = min(measured)
             first = next((m for m in measured if m[1] == 0), None)  # the model's choice, if timed

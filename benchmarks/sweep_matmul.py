@@ -1,7 +1,7 @@
 """Sweep matmul kernel knobs (variant, tiles, stages, flatten, warp specialization, epilogue
 subtiles, TMA stores) on the GPU.
 
-Each config is forced through the heuristics' FORCE_CONFIG hook on one epilogue in bf16 and
+Each config is forced through BuildOptions(matmul_config=...) on one epilogue in bf16 and
 timed with do_bench; the table is what the candidate lists and the model's constants in
 dnngraph/heuristics/matmul.py were set from. Epilogues (--epilogue):
   gelu           y = gelu(a @ b + bias); anchor: cuBLASLt (bias + GELU in its epilogue,
@@ -101,16 +101,12 @@ EPILOGUES = {"gelu": (_gelu_graph, (), ("y",), None),
 
 
 def time_config(config, m, n, k, tensors, epilogue="gelu") -> float:
-    mm.FORCE_CONFIG = config
-    try:
-        g = dg.Graph(name="sweep", io_data_type=dg.bfloat16)
-        a, b = g.tensor(name="a", dim=[m, k]), g.tensor(name="b", dim=[k, n])
-        EPILOGUES[epilogue][0](g, g.matmul(a, b), m, n)
-        g.build()
-        assert g.plan.launches[0].config_text.startswith(config.text)  # no knob dropped
-        return median_ms(lambda: g.execute(tensors))
-    finally:
-        mm.FORCE_CONFIG = None
+    g = dg.Graph(name="sweep", io_data_type=dg.bfloat16)
+    a, b = g.tensor(name="a", dim=[m, k]), g.tensor(name="b", dim=[k, n])
+    EPILOGUES[epilogue][0](g, g.matmul(a, b), m, n)
+    g.build(options=dg.BuildOptions(matmul_config=config))
+    assert g.plan.launches[0].config_text.startswith(config.text)  # no knob dropped
+    return median_ms(lambda: g.execute(tensors))
 
 
 def main():

@@ -9,11 +9,13 @@ from .dtypes import bool_ as bool  # noqa: A001  (the public name is dg.bool)
 from .errors import (ExecutionError, GraphError, SerializationError, UnsupportedError,
                      ValidationError)
 from .graph import Graph, Node
+from .options import BuildOptions
+from .target import Target
 from .tensor import Tensor
 
 __version__ = "0.1.0"
 __all__ = [
     "Graph", "Node", "Tensor", "DataType", "float32", "float16", "bfloat16", "float8_e4m3",
     "float8_e5m2", "int32", "int64", "bool", "GraphError", "ValidationError", "UnsupportedError",
-    "ExecutionError", "SerializationError",
+    "ExecutionError", "SerializationError", "BuildOptions", "Target",
 ]

@@ -107,8 +107,9 @@ class GraphFunction:
     backward reads, with a backward op registered as its gradient. An eager call without
     gradients runs the plan directly."""
 
-    def __init__(self, graph, inputs=None, outputs=None):
+    def __init__(self, graph, inputs=None, outputs=None, options=None):
         graph.validate()
+        self.options = options  # the BuildOptions of every graph it builds (None: the defaults)
         self.inputs = _resolve(graph, inputs, graph.inputs(), "inputs")
         self.outputs = _resolve(graph, outputs, graph.outputs(), "outputs")
         if any(t.producer is not None for t in self.inputs):
@@ -158,7 +159,7 @@ class GraphFunction:
                 self._plain = (plain, [mapped[t.uid] for t in self.inputs], outputs)
                 self._plain_runner = _Runner(*self._plain)
             if build and self._plain[0].plan is None:
-                self._plain[0].build()
+                self._plain[0].build(options=self.options)
             return self._plain
 
     def _run_plain(self, args) -> list:
@@ -185,9 +186,9 @@ class GraphFunction:
         derivation, reads = self.derivation(wanted)
         with self._lock:
             if derivation.forward.plan is None:
-                derivation.forward.build()
+                derivation.forward.build(options=self.options)
             if any(g is not None for g in derivation.grads) and derivation.backward.plan is None:
-                derivation.backward.build()
+                derivation.backward.build(options=self.options)
         return derivation, reads
 
     def _runners(self, wanted: tuple):

@@ -20,6 +20,7 @@ from .ops import REGISTRY, lookup
 from .ops.pointwise import POINTWISE_OPS
 from .ops.shape import normalize_slices
 from .ops.base import boolean, integer, normalize_axes, per_axis, real
+from .options import BuildOptions
 from .tensor import (Tensor, check_dims, check_not_overlapping, check_strides, contiguous_strides,
                      dense_strides, stride_order)
 
@@ -538,17 +539,19 @@ class Graph:
                     f"used: mark it as an output or remove the op")
         return self
 
-    def build(self, autotune: bool = False, workspace_limit=None) -> "Graph":
+    def build(self, autotune=None, workspace_limit=None, *, options=None) -> "Graph":
         """Validate, fuse, pick configs and generate kernels; execute() then runs the plan.
-        `workspace_limit`: bytes of optional scratch the chosen configs may use together (split-K
-        and split-row partials): None prefers the fastest, 0 uses none (cuDNN's strategies)."""
+        `options`: a BuildOptions (None: the defaults). `autotune` and `workspace_limit` are
+        shorthand for the options of those names (given, they replace the options' values):
+        autotune times the model's top candidates; workspace_limit bounds the bytes of optional
+        scratch the chosen configs may use together (split-K and split-row partials): None
+        prefers the fastest, 0 uses none (cuDNN's strategies)."""
         from .plan import build_plan  # the plan is the last pipeline stage
 
-        if workspace_limit is not None:
-            workspace_limit = integer("build", "workspace_limit", workspace_limit, minimum=0)
+        options = _build_options(options, autotune, workspace_limit)
         self.validate()
         # a build works on a snapshot of the graph: a failed one leaves the tensors as they were
-        self._plan = build_plan(self, autotune=autotune, workspace_limit=workspace_limit)
+        self._plan = build_plan(self, options)
         return self
 
     def _restore_strides(self):
@@ -565,14 +568,15 @@ class Graph:
             raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build()")
         self._plan.execute(bindings, workspace)
 
-    def as_function(self, inputs=None, outputs=None):
+    def as_function(self, inputs=None, outputs=None, options=None):
         """The graph as a callable on torch tensors: it takes `inputs` (Tensors or names; default
         the graph inputs in declaration order) positionally, allocates and returns `outputs`
         (default the graph outputs; one tensor or a tuple), and is differentiable through
-        torch.autograd (the backward graph derives from the ops' backward rules)."""
+        torch.autograd (the backward graph derives from the ops' backward rules). Every graph it
+        builds (forward, backward) is built with `options` (a BuildOptions; None: the defaults)."""
         from .function import GraphFunction
 
-        return GraphFunction(self, inputs, outputs)
+        return GraphFunction(self, inputs, outputs, _build_options(options))
 
     def to_dot(self) -> str:
         """Graphviz text of the graph, each kernel's ops in a cluster (the built plan's groups,
@@ -735,3 +739,12 @@ def _pointwise_method(op_name: str):
 
 for _op_name in POINTWISE_OPS:
     setattr(Graph, _op_name, _pointwise_method(_op_name))
+
+
+def _build_options(options, autotune=None, workspace_limit=None) -> BuildOptions:
+    """`options` (None: the defaults) with build()'s shorthand arguments applied, validated."""
+    if options is None:
+        options = BuildOptions()
+    elif not isinstance(options, BuildOptions):
+        raise ValidationError(f"build: options must be a dnngraph.BuildOptions, got {type(options).__name__}")
+    return options.with_arguments(autotune, workspace_limit)

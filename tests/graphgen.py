@@ -10,7 +10,6 @@ also shape the bindings themselves: a lazily negated input, outputs interleaved 
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 from dataclasses import dataclass, field
@@ -1095,18 +1094,11 @@ def generate(seed: int, device: str = "cpu", max_ops: int = 6, io: str | None = 
 
 
 # --- running and judging -------------------------------------------------------------------------
-@contextlib.contextmanager
-def forced_row_mode(mode):
-    """Make the row heuristics pick `mode` on small shapes (None: leave the model alone)."""
-    from dnngraph.heuristics import rows
-
-    saved = rows.FORCE_MODE, rows.LOOP_TILE, rows.SPLIT_MIN_REDUCED
-    if mode is not None:
-        rows.FORCE_MODE, rows.LOOP_TILE, rows.SPLIT_MIN_REDUCED = mode, 16, 8
-    try:
-        yield
-    finally:
-        rows.FORCE_MODE, rows.LOOP_TILE, rows.SPLIT_MIN_REDUCED = saved
+def forced_row_mode(mode) -> dg.BuildOptions:
+    """Options making the row heuristics pick `mode` on small shapes (None: the model's choice)."""
+    if mode is None:
+        return dg.BuildOptions()
+    return dg.BuildOptions(row_mode=mode, row_loop_tile=16, row_split_min_reduced=8)
 
 
 def poisoned(tensor, device) -> torch.Tensor:
@@ -1291,8 +1283,7 @@ def run_case(case: Case, device: str = "cpu") -> Verdict:
         return Verdict("error:generate " + case.generation_error.split(":")[1].strip(), case.generation_error)
     binding_problems = []
     try:
-        with forced_row_mode(case.row_mode):
-            graph.build()
+        graph.build(options=forced_row_mode(case.row_mode))
         bindings, shared = _bind(case, device)
         binding_problems += [_refused(graph, bindings, r, device) for r in case.refusals if r.before]
         graph.execute(bindings)

@@ -28,18 +28,20 @@ def poisoned(tensor_handle, device="cpu") -> torch.Tensor:
     return t
 
 
-def run(graph, inputs: dict, device="cpu") -> dict:
-    """Build (if needed) and execute with poisoned outputs; returns name -> output tensor."""
-    if graph.plan is None:
-        graph.build()
+def run(graph, inputs: dict, device="cpu", options=None) -> dict:
+    """Build (if needed, or always with `options`, a BuildOptions) and execute with poisoned
+    outputs; returns name -> output tensor."""
+    if options is not None or graph.plan is None:
+        graph.build(options=options)
     outputs = {t.name: poisoned(t, device) for t in graph.outputs()}
     graph.execute({**inputs, **outputs})
     return outputs
 
 
-def check(graph, inputs: dict, dtype=torch.float32, device="cpu", tolerance=None):
-    """Execute and compare every output with the float64 reference."""
-    outputs = run(graph, inputs, device)
+def check(graph, inputs: dict, dtype=torch.float32, device="cpu", tolerance=None, options=None):
+    """Execute (built with `options` where given) and compare every output with the float64
+    reference."""
+    outputs = run(graph, inputs, device, options)
     refs = graph.reference({k: v.cpu() for k, v in inputs.items()})
     limit = tolerance or TOLERANCE[dtype]
     for name, out in outputs.items():

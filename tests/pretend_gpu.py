@@ -62,7 +62,7 @@ def patch_current_device(monkeypatch, devices: PretendDevices):
 def pretend_gpu(monkeypatch, calls, device_index: int = 0, devices: PretendDevices = None):
     """Plans run CPU tensors as if they lived on cuda:`device_index`, launching Recorders."""
     devices = devices if devices is not None else PretendDevices()
-    cpu_model = plan_module.device_model(torch.device("cpu"))
+    cpu_target = plan_module.target_of(torch.device("cpu"))
 
     def compile_recording(self, index, dtypes_of):
         compiled = SimpleNamespace(_init_handles=lambda: None, run=Recorder(calls, devices), function=7,
@@ -70,7 +70,7 @@ def pretend_gpu(monkeypatch, calls, device_index: int = 0, devices: PretendDevic
         return launch_module.BoundLaunch(compiled, self.grid, self.template, self.slots, None)
 
     monkeypatch.setattr(plan_module, "_kernel_device", lambda device: torch.device("cuda", device_index))
-    monkeypatch.setattr(plan_module, "device_model", lambda device=None: cpu_model)
+    monkeypatch.setattr(plan_module, "target_of", lambda device=None: cpu_target)
     monkeypatch.setattr(launch_module.KernelLaunch, "_compile", compile_recording)
     patch_current_device(monkeypatch, devices)
     try:

@@ -49,10 +49,10 @@ def _close(value, expected, tolerance, name):
     assert rel_err(value[keep], expected[keep]) < tolerance, f"{name}: {rel_err(value[keep], expected[keep])}"
 
 
-def _check(g, inputs, wanted, tolerance=2e-5, kinds=None):
-    """as_function forward and backward against torch autograd on the float64 reference; returns
-    the derivation."""
-    fn = g.as_function()
+def _check(g, inputs, wanted, tolerance=2e-5, kinds=None, options=None):
+    """as_function (building with `options`) forward and backward against torch autograd on the
+    float64 reference; returns the derivation."""
+    fn = g.as_function(options=options)
     args = [inputs[t.name].clone().requires_grad_(t.name in wanted) for t in fn.inputs]
     out = fn(*args)
     grad_out = torch.randn(out.shape, generator=GEN).to(device=out.device, dtype=out.dtype)

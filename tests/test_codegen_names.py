@@ -20,7 +20,6 @@ from dnngraph.codegen import cache as kernel_cache
 from dnngraph.codegen.emitter import ExpressionEmitter
 from dnngraph.codegen.names import NameAllocator, comment_text
 from dnngraph.heuristics import matmul as mm
-from dnngraph.heuristics import rows
 from helpers import check
 
 KERNEL_WORDS = ["row_max", "row_sum", "mean", "inv", "var", "acc", "pid", "mask", "x", "y", "x_ptr", "tl",
@@ -174,16 +173,10 @@ def _identifiers(source: str) -> set:
     return {t for t in _code_tokens(source) if t.isidentifier()}
 
 
-def _build(family, kind, extra=()):
+def _build(family, kind, extra=(), options=None):
     g, inputs = FAMILIES[family](Names(kind, extra))
-    g.build()
+    g.build(options=options)
     return g, inputs
-
-
-@pytest.fixture
-def tiny_row_tiles(monkeypatch):
-    monkeypatch.setattr(rows, "LOOP_TILE", 16)
-    monkeypatch.setattr(rows, "SPLIT_MIN_REDUCED", 8)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -206,18 +199,18 @@ def test_names_never_change_a_kernel(family):
 
 @pytest.mark.parametrize("family,mode", [("softmax", "looped"), ("layernorm", "looped"),
                                          ("layernorm", "split"), ("rmsnorm", "split")])
-def test_row_modes_with_kernel_names(family, mode, tiny_row_tiles, monkeypatch):
-    monkeypatch.setattr(rows, "FORCE_MODE", mode)
-    plain, _ = _build(family, "plain")
+def test_row_modes_with_kernel_names(family, mode):
+    options = dg.BuildOptions(row_mode=mode, row_loop_tile=16, row_split_min_reduced=8)
+    plain, _ = _build(family, "plain", options=options)
     words = sorted(set().union(*map(_identifiers, _sources(plain))))
-    g, inputs = _build(family, "kernel", extra=words)
+    g, inputs = _build(family, "kernel", extra=words, options=options)
     assert any(f"({mode})" in launch.config_text for launch in g.plan.launches)
     check(g, inputs)
 
 
-def test_matmul_split_k_with_kernel_names(monkeypatch):
-    monkeypatch.setattr(mm, "FORCE_CONFIG", mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=2))
-    g, inputs = _build("matmul", "kernel")
+def test_matmul_split_k_with_kernel_names():
+    options = dg.BuildOptions(matmul_config=mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=2))
+    g, inputs = _build("matmul", "kernel", options=options)
     check(g, inputs)
 
 

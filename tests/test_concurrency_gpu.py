@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import matmul as mm, rows
+from dnngraph.heuristics import matmul as mm
 from helpers import poisoned
 
 pytestmark = pytest.mark.gpu
@@ -23,8 +23,7 @@ def _colsoftmax_rmsnorm():
     return g
 
 
-def _split_layernorm(monkeypatch):
-    monkeypatch.setattr(rows, "FORCE_MODE", "split")
+def _split_layernorm():
     g = dg.Graph(name="split_layernorm")
     x = g.tensor(name="x", dim=[67, 30001])
     scale, bias = g.tensor(name="scale", dim=[1, 30001]), g.tensor(name="bias", dim=[1, 30001])
@@ -34,8 +33,7 @@ def _split_layernorm(monkeypatch):
     return g
 
 
-def _split_k_matmul(monkeypatch):
-    monkeypatch.setattr(mm, "FORCE_CONFIG", mm.MatmulConfig("split_k", 64, 64, 64, 4, 4, split_k=4))
+def _split_k_matmul():
     g = dg.Graph(name="split_k", io_data_type=dg.bfloat16)
     a, b = g.tensor(name="a", dim=[129, 4096]), g.tensor(name="b", dim=[4096, 257])
     bias = g.tensor(name="bias", dim=[1, 257])
@@ -43,15 +41,14 @@ def _split_k_matmul(monkeypatch):
     return g
 
 
-def _persistent_batched_matmul(monkeypatch):
-    monkeypatch.setattr(mm, "FORCE_CONFIG", mm.MatmulConfig("persistent", 128, 256, 64, 8, 3))
+def _persistent_batched_matmul():
     g = dg.Graph(name="persistent", io_data_type=dg.bfloat16)
     a, b = g.tensor(name="a", dim=[3, 1000, 512]), g.tensor(name="b", dim=[3, 512, 768])
     g.softmax(g.relu(g.matmul(a, b)), axis=2).set_output(True)
     return g
 
 
-def _pointwise_chain(monkeypatch):
+def _pointwise_chain():
     g = dg.Graph(name="pointwise_chain")
     x, w = g.tensor(name="x", dim=[513, 1027]), g.tensor(name="w", dim=[1, 1027])
     h = g.gelu(g.add(g.mul(x, w), x))
@@ -60,9 +57,14 @@ def _pointwise_chain(monkeypatch):
     return g
 
 
-GRAPHS = {"colsoftmax_rmsnorm": lambda monkeypatch: _colsoftmax_rmsnorm(), "split_layernorm": _split_layernorm,
+GRAPHS = {"colsoftmax_rmsnorm": _colsoftmax_rmsnorm, "split_layernorm": _split_layernorm,
           "split_k_matmul": _split_k_matmul, "persistent_batched_matmul": _persistent_batched_matmul,
           "pointwise_chain": _pointwise_chain}
+# the configs the graphs are built with where the model would choose others
+OPTIONS = {"split_layernorm": dg.BuildOptions(row_mode="split"),
+           "split_k_matmul": dg.BuildOptions(matmul_config=mm.MatmulConfig("split_k", 64, 64, 64, 4, 4, split_k=4)),
+           "persistent_batched_matmul":
+               dg.BuildOptions(matmul_config=mm.MatmulConfig("persistent", 128, 256, 64, 8, 3))}
 
 
 def _random_inputs(g, generator):
@@ -130,8 +132,8 @@ def _mismatches(results, expected) -> list:
 
 
 @pytest.fixture(params=sorted(GRAPHS))
-def built(request, monkeypatch):
-    g = GRAPHS[request.param](monkeypatch).build()
+def built(request):
+    g = GRAPHS[request.param]().build(options=OPTIONS.get(request.param))
     assert g.plan.workspace_size(CUDA) > 0, f"{request.param}: no workspace, nothing shared to race on"
     return request.param, g
 

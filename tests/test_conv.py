@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import conv as conv_heuristics
 from dnngraph.heuristics import matmul as mm
 from helpers import check
 
@@ -96,13 +95,20 @@ def test_pointwise_conv_takes_the_matmul_path(layout, groups):
     assert ("TAPS" in source) == (layout == "nchw"), "NHWC 1x1 runs on the matmul loaders, NCHW gathers"
 
 
+VARIANTS = {"tiled": mm.MatmulConfig("tiled", 32, 16, 16, 4, 2),
+            "split_k": mm.MatmulConfig("split_k", 32, 16, 16, 4, 2, split_k=3),
+            "small_m": mm.MatmulConfig("small_m", 16, 16, 16, 4, 2)}
+
+
 @pytest.fixture(params=["tiled", "split_k", "small_m"])
-def variant(request, monkeypatch):
-    configs = {"tiled": mm.MatmulConfig("tiled", 32, 16, 16, 4, 2),
-               "split_k": mm.MatmulConfig("split_k", 32, 16, 16, 4, 2, split_k=3),
-               "small_m": mm.MatmulConfig("small_m", 16, 16, 16, 4, 2)}
-    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", configs[request.param])
+def variant(request):
+    """One implicit-GEMM variant, forced (forced(variant)) whatever the model would pick."""
     return request.param
+
+
+def forced(variant: str) -> dg.BuildOptions:
+    """Options running conv variant `variant` whatever the model would pick."""
+    return dg.BuildOptions(conv_config=VARIANTS[variant])
 
 
 def test_fused_epilogue_every_variant(variant):
@@ -114,7 +120,8 @@ def test_fused_epilogue_every_variant(variant):
     b, r = g.tensor(name="b", dim=[1, 7, 1, 1]), g.tensor_like(residual_t, name="r")
     pre = g.add(g.add(g.conv_fprop(x, w, padding=[1, 1]), b), r).set_output(True).set_name("pre")
     g.cast(g.relu(pre), data_type=dg.float16).set_output(True).set_name("y")
-    check(g, {"x": x_t, "w": w_t, "b": torch.randn(1, 7, 1, 1), "r": residual_t}, tolerance=1e-3)
+    check(g, {"x": x_t, "w": w_t, "b": torch.randn(1, 7, 1, 1), "r": residual_t}, tolerance=1e-3,
+          options=forced(variant))
     assert [l.group.kind for l in g.plan.launches][0] == "conv"
     assert len(g.plan.launches) == (2 if variant == "split_k" else 1)
 
@@ -252,8 +259,8 @@ def test_backward(op, rank, layout, groups):
 
 
 @pytest.mark.parametrize("mode", ["convolution", "cross_correlation"])
-def test_wgrad_matches_autograd_and_is_bitwise_reproducible(mode, monkeypatch):
-    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=4))
+def test_wgrad_matches_autograd_and_is_bitwise_reproducible(mode):
+    options = dg.BuildOptions(conv_config=mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=4))
     x_t = torch.randn(3, 4, 9, 8, dtype=torch.float64)
     w_t = torch.randn(5, 4, 3, 2, dtype=torch.float64, requires_grad=True)
     dy_t, expected = conv_autograd(x_t, w_t, mode, w_t, stride=(2, 1), padding=(1, 2), dilation=(1, 2))
@@ -261,10 +268,10 @@ def test_wgrad_matches_autograd_and_is_bitwise_reproducible(mode, monkeypatch):
     dy, x = g.tensor_like(dy_t.float(), name="dy"), g.tensor_like(x_t.float(), name="x")
     g.conv_wgrad(dy, x, w_dim=[5, 4, 3, 2], padding=[1, 2], stride=[2, 1], dilation=[1, 2],
                  mode=mode).set_output(True).set_name("dw")
-    first = check(g, {"dy": dy_t.float(), "x": x_t.float()})["dw"]
+    first = check(g, {"dy": dy_t.float(), "x": x_t.float()}, options=options)["dw"]
     assert torch.allclose(first.double(), expected, rtol=1e-4, atol=1e-4)
     assert [l.config_text.split()[0] for l in g.plan.launches] == ["split_k", "split-K"]
-    second = check(g, {"dy": dy_t.float(), "x": x_t.float()})["dw"]
+    second = check(g, {"dy": dy_t.float(), "x": x_t.float()}, options=options)["dw"]
     assert torch.equal(first, second)
 
 
@@ -298,7 +305,7 @@ def test_conv_with_batchnorm_statistics_is_one_group(variant, layout, pointwise)
     total.set_output(True).set_name("sum")
     squares.set_output(True).set_name("sq_sum")
     inputs = {"x": x_t, "w": w_t, **({"b": torch.randn(1, 6, 1, 1)} if pointwise else {})}
-    check(g, inputs)
+    check(g, inputs, options=forced(variant))
     assert [grp.kind for grp in g.plan.groups] == ["conv"]
     main = 2 if variant == "split_k" else 1
     assert len(g.plan.launches) == main + 1  # + the fold of the column partials
@@ -376,10 +383,10 @@ def test_one_computed_tensor_as_both_operands(op):
     check(g, {"x": x_t})
 
 
-def test_statistics_fold_over_many_row_tiles(monkeypatch):
+def test_statistics_fold_over_many_row_tiles():
     """More row tiles than one chunk of the column fold holds (200 tiles of 16 rows): the chunks
     fold in order and every tile counts."""
-    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", mm.MatmulConfig("tiled", 16, 16, 16, 4, 2))
+    options = dg.BuildOptions(conv_config=mm.MatmulConfig("tiled", 16, 16, 16, 4, 2))
     x_t, w_t = stored([2, 3, 40, 40], "nhwc"), stored([5, 3, 3, 3], "nchw")
     g = graph()
     x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
@@ -387,7 +394,7 @@ def test_statistics_fold_over_many_row_tiles(monkeypatch):
     total, squares = g.genstats(y)
     total.set_output(True).set_name("sum")
     squares.set_output(True).set_name("sq_sum")
-    check(g, {"x": x_t, "w": w_t})
+    check(g, {"x": x_t, "w": w_t}, options=options)
     fold = g.plan.launches[-1]
     assert "column-exit fold" in fold.config_text
 
@@ -443,8 +450,8 @@ def test_wgrad_folds_the_taps_of_few_channels(name):
     assert _reassigned_in_loops(source) <= _accumulators(source), _reassigned_in_loops(source)
 
 
-def test_wgrad_folded_stem_matches_autograd_and_is_bitwise_reproducible(monkeypatch):
-    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", mm.MatmulConfig("split_k", 16, 32, 16, 4, 2, split_k=5))
+def test_wgrad_folded_stem_matches_autograd_and_is_bitwise_reproducible():
+    options = dg.BuildOptions(conv_config=mm.MatmulConfig("split_k", 16, 32, 16, 4, 2, split_k=5))
     x_t = torch.randn(2, 3, 15, 14, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     w_t = torch.randn(4, 3, 7, 7, dtype=torch.float64, requires_grad=True)
     y = torch.nn.functional.conv2d(x_t, w_t, stride=2, padding=3)
@@ -454,11 +461,11 @@ def test_wgrad_folded_stem_matches_autograd_and_is_bitwise_reproducible(monkeypa
     dy, x = g.tensor_like(dy_t.float(), name="dy"), g.tensor_like(x_t.float(), name="x")
     dw = g.conv_wgrad(dy, x, w_dim=[4, 3, 7, 7], padding=[3, 3], stride=[2, 2], dilation=[1, 1])
     dw.set_output(True).set_name("dw")
-    first = check(g, {"dy": dy_t.float(), "x": x_t.float()})["dw"]
+    first = check(g, {"dy": dy_t.float(), "x": x_t.float()}, options=options)["dw"]
     assert torch.allclose(first.double(), expected, rtol=1e-4, atol=1e-4)
     assert [l.config_text.split()[0] for l in g.plan.launches] == ["split_k", "split-K"]
     assert _folded(g.plan.launches[0])
-    second = check(g, {"dy": dy_t.float(), "x": x_t.float()})["dw"]
+    second = check(g, {"dy": dy_t.float(), "x": x_t.float()}, options=options)["dw"]
     assert torch.equal(first, second)
 
 
@@ -474,7 +481,8 @@ def test_wgrad_folded_prologue_and_epilogue_every_variant(variant):
     dw = g2.conv_wgrad(g2.relu_backward(dy, y), x, w_dim=[4, 3, 5, 5], padding=[2, 1], stride=[2, 1],
                        dilation=[1, 2], groups=2, mode="convolution")
     g2.cast(g2.add(g2.scale(dw, 0.5), previous), data_type=dg.float16).set_output(True).set_name("dw")
-    check(g2, {"dy": dy_t, "y": y_t, "x": inputs["x"], "previous": previous_t}, tolerance=1e-3)
+    check(g2, {"dy": dy_t, "y": y_t, "x": inputs["x"], "previous": previous_t}, tolerance=1e-3,
+          options=forced(variant))
     assert [l.group.kind for l in g2.plan.launches] == ["conv"] * len(g2.plan.launches)
     assert _folded(g2.plan.launches[0])
     assert len(g2.plan.launches) == (2 if variant == "split_k" else 1)
@@ -506,12 +514,12 @@ def test_wgrad_keeps_one_gemm_per_tap_for_many_channels_or_one_tap(x_dim, w_dim)
 @pytest.mark.parametrize("rank", sorted(RANKS))
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("groups", [1, 2])
-def test_wgrad_per_tap_pose_on_few_channels(rank, layout, groups, monkeypatch):
+def test_wgrad_per_tap_pose_on_few_channels(rank, layout, groups):
     """The per-tap pose, which the fold now takes over for these shapes, still computes them."""
-    monkeypatch.setattr(conv_heuristics, "FOLD_CHANNELS_BELOW", 0)
+    options = dg.BuildOptions(conv_fold_channels_below=0)
     g, out, inputs = _wgrad_graph(grouped(RANKS[rank], groups), groups, layout, "convolution")
     out.set_output(True).set_name("out")
-    check(g, inputs)
+    check(g, inputs, options=options)
     assert "one GEMM per filter tap" in g.plan.launches[0].reason
 
 
@@ -602,7 +610,7 @@ def test_fprop_folded_prologue_and_epilogue_every_variant(variant):
     pre = g.add(g.add(y, b), r).set_output(True).set_name("pre")
     g.cast(g.relu(pre), data_type=dg.float16).set_output(True).set_name("out")
     check(g, {"x": x_t, "w": w_t, "scale": torch.randn(1, 6, 1, 1), "shift": torch.rand(1, 6, 1, 1) + 1.0,
-              "b": torch.randn(1, 4, 1, 1), "r": residual_t}, tolerance=1e-3)
+              "b": torch.randn(1, 4, 1, 1), "r": residual_t}, tolerance=1e-3, options=forced(variant))
     assert [l.group.kind for l in g.plan.launches] == ["conv"] * len(g.plan.launches)
     assert _folded_k(g.plan.launches[0])
     assert len(g.plan.launches) == (2 if variant == "split_k" else 1)
@@ -619,7 +627,7 @@ def test_fprop_folded_with_batchnorm_statistics(variant, layout):
     total, squares = g.genstats(y)
     total.set_output(True).set_name("sum")
     squares.set_output(True).set_name("sq_sum")
-    check(g, {"x": x_t, "w": w_t, "b": torch.randn(1, 5, 1, 1)})
+    check(g, {"x": x_t, "w": w_t, "b": torch.randn(1, 5, 1, 1)}, options=forced(variant))
     assert [grp.kind for grp in g.plan.groups] == ["conv"] and _folded_k(g.plan.launches[0])
     assert len(g.plan.launches) == (2 if variant == "split_k" else 1) + 1  # + the column fold
 
@@ -686,9 +694,9 @@ def test_dgrad_of_the_stem_keeps_per_tap_k():
 @pytest.mark.parametrize("layout", ["nchw", "nhwc", "odd"])
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("op", ["fprop", "dgrad"])
-def test_per_tap_k_on_few_channels(op, rank, layout, groups, monkeypatch):
+def test_per_tap_k_on_few_channels(op, rank, layout, groups):
     """The per-tap pose, which the fold now takes over for these shapes, still computes them."""
-    monkeypatch.setattr(conv_heuristics, "FOLD_CHANNELS_BELOW", 0)
+    options = dg.BuildOptions(conv_fold_channels_below=0)
     case = grouped(RANKS[rank], groups)
     if op == "fprop":
         x_t, w_t = stored(case["x"], layout), stored(case["w"], layout)
@@ -699,7 +707,7 @@ def test_per_tap_k_on_few_channels(op, rank, layout, groups, monkeypatch):
     else:
         g, out, inputs = _dgrad_graph(case, groups, layout)
         out.set_output(True).set_name("out")
-    check(g, inputs)
+    check(g, inputs, options=options)
     assert not any("_folded" in l.source_path.name for l in g.plan.launches)
     assert any("one k run per filter tap" in l.reason for l in g.plan.launches)
 
@@ -707,13 +715,10 @@ def test_per_tap_k_on_few_channels(op, rank, layout, groups, monkeypatch):
 def test_a_forced_persistent_config_runs_the_implicit_gemm_as_tiled():
     """The implicit GEMM loads through pointers (no descriptors): a persistent config forced for
     it, epilogue knobs and all, runs as the tiled kernel with the same tile, and is right."""
-    conv_heuristics.FORCE_CONFIG = mm.MatmulConfig("persistent", 32, 64, 16, 4, 2, epilogue_subtile=2, tma_store=True)
-    try:
-        g = graph()
-        x_t, w_t = stored([2, 8, 6, 7], "nhwc"), stored([24, 8, 3, 3], "nhwc")
-        x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
-        g.relu(g.conv_fprop(x, w, padding=[1, 1])).set_output(True).set_name("y")
-        check(g, {"x": x_t, "w": w_t})
-    finally:
-        conv_heuristics.FORCE_CONFIG = None
+    forced_config = mm.MatmulConfig("persistent", 32, 64, 16, 4, 2, epilogue_subtile=2, tma_store=True)
+    g = graph()
+    x_t, w_t = stored([2, 8, 6, 7], "nhwc"), stored([24, 8, 3, 3], "nhwc")
+    x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
+    g.relu(g.conv_fprop(x, w, padding=[1, 1])).set_output(True).set_name("y")
+    check(g, {"x": x_t, "w": w_t}, options=dg.BuildOptions(conv_config=forced_config))
     assert g.plan.launches[0].config_text.startswith("tiled 32x64x16 warps=4 stages=2")

@@ -5,7 +5,6 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import conv as conv_heuristics
 from dnngraph.heuristics import matmul as mm
 from helpers import check
 from test_conv import geometry, stored
@@ -97,15 +96,15 @@ def test_backward_bf16_against_autograd(name, op):
     assert error < 1.6e-2, error
 
 
-def test_wgrad_split_k_bitwise_reproducible(monkeypatch):
-    monkeypatch.setattr(conv_heuristics, "FORCE_CONFIG", mm.MatmulConfig("split_k", 64, 64, 64, 4, 4, split_k=16))
+def test_wgrad_split_k_bitwise_reproducible():
+    options = dg.BuildOptions(conv_config=mm.MatmulConfig("split_k", 64, 64, 64, 4, 4, split_k=16))
     case, _ = _case("3x3")
     dy_t = stored([4, 64, 28, 28], "nhwc", torch.bfloat16).cuda()
     x_t = stored(case["x"], "nhwc", torch.bfloat16).cuda()
     g = dg.Graph(name="conv", io_data_type=dg.bfloat16, intermediate_data_type=dg.float32)
     dy, x = g.tensor_like(dy_t, name="dy"), g.tensor_like(x_t, name="x")
     g.conv_wgrad(dy, x, w_dim=case["w"], **geometry(case)).set_output(True).set_name("dw")
-    g.build()
+    g.build(options=options)
     outs = []
     for _ in range(2):
         (handle,) = g.outputs()

@@ -101,11 +101,11 @@ SAME_W = dict(size=[7, 9], filter=[3, 3], padding=[1, 2], stride=[1, 1], dilatio
 @pytest.mark.parametrize("merge", [False, True])
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("op", ["fprop", "dgrad"])
-def test_merged_columns(op, layout, merge, monkeypatch):
+def test_merged_columns(op, layout, merge):
     """Columns over (w, c) in NHWC or (h, w) in NCHW, one memory run a tap shifts, with the
     per-channel prologue, a bias and an NCHW residual read per column: the same results as
     plain columns. Small tiles: several row and column tiles, ragged at both ends."""
-    monkeypatch.setattr(dw_heuristics, "FORCE_CONFIG", dw_heuristics.DepthwiseConfig("gather", 4, 32, 2, merge=merge))
+    options = dg.BuildOptions(depthwise_config=dw_heuristics.DepthwiseConfig("gather", 4, 32, 2, merge=merge))
     x_dim, w_dim, y_dim = dims(SAME_W, 1)
     source_dim, out_dim = (x_dim, y_dim) if op == "fprop" else (y_dim, x_dim)
     g = graph()
@@ -118,7 +118,7 @@ def test_merged_columns(op, layout, merge, monkeypatch):
     attrs = dict(groups=CHANNELS, mode="convolution", **geometry(SAME_W))
     out = g.conv_fprop(act, w, **attrs) if op == "fprop" else g.conv_dgrad(act, w, x_dim=x_dim, **attrs)
     g.relu(g.add(g.add(out, b), r)).set_output(True).set_name("y")
-    check(g, inputs)
+    check(g, inputs, options=options)
     assert_depthwise(g, op)
     source = g.plan.launches[0].source_path.read_text()
     assert ("cols_idx // size_" in source) == merge
@@ -191,15 +191,15 @@ def test_backward_matches_autograd(mode, layout):
     assert torch.allclose(out["dw"].double(), dw64, rtol=1e-4, atol=1e-4)
 
 
-def test_wgrad_is_bitwise_reproducible(monkeypatch):
+def test_wgrad_is_bitwise_reproducible():
     """Several splits, each summed in a fixed order and combined in split order: two runs agree
     bit for bit."""
-    monkeypatch.setattr(dw_heuristics, "FORCE_CONFIG", dw_heuristics.DepthwiseConfig("wgrad", 16, 8, 2, 4, 5))
+    options = dg.BuildOptions(depthwise_config=dw_heuristics.DepthwiseConfig("wgrad", 16, 8, 2, 4, 5))
     g, dw, inputs = conv_graph("wgrad", RANKS[2], "nhwc", 2)
     dw.set_output(True).set_name("dw")
-    first = check(g, inputs)["dw"]
+    first = check(g, inputs, options=options)["dw"]
     assert g.plan.launches[0].config_text.startswith("wgrad 16x4x8 warps=2 SPLITS=5")
-    second = check(g, inputs)["dw"]
+    second = check(g, inputs, options=options)["dw"]
     assert torch.equal(first, second)
 
 
@@ -288,12 +288,10 @@ def sm90_graphs():
              ("dgrad", SAME_W, "nchw", 1, "merged"), ("dgrad", RANKS[2], "nhwc", 2, "fprop"),
              ("wgrad", RANKS[3], "nhwc", 2, "wgrad"), ("fprop", RANKS[1], "nchw", 1, "fprop")]
     for op, case, layout, multiplier, config in cases:
-        dw_heuristics.FORCE_CONFIG = forced[config]
         g, out, _ = conv_graph(op, case, layout, multiplier, "convolution", torch.bfloat16)
         g.relu(out).set_output(True)
-        g.build()
+        g.build(options=dg.BuildOptions(depthwise_config=forced[config]))
         yield f"{op} {layout} multiplier {multiplier} {config}", g
-    dw_heuristics.FORCE_CONFIG = None
 
 
 def test_kernels_compile_for_sm90():

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import dnngraph as dg
-import dnngraph.heuristics.device as device_module
 import dnngraph.plan as plan_module
-from dnngraph.heuristics import device_model
+import dnngraph.target as target_module
 from dnngraph.plan import cache as plan_cache
+from dnngraph.target import target_of
 from dnngraph.plan import launch as launch_module
 from helpers import poisoned
 from pretend_gpu import PretendDevices, Recorder, patch_current_device, pretend_gpu
@@ -108,22 +108,24 @@ def test_timing_records_its_events_on_the_launch_device(monkeypatch):
     assert devices.current == 0
 
 
-def test_device_model_reads_the_named_device_not_the_current_one(monkeypatch):
+def test_target_reads_the_named_device_not_the_current_one(monkeypatch):
     names = {0: "GPU Zero", 1: "GPU One"}
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: SimpleNamespace(name=names[index], multi_processor_count=100 + index,
-                                                      major=9, minor=index))
+                                                      major=9, minor=index, shared_memory_per_block_optin=101376,
+                                                      regs_per_multiprocessor=65536,
+                                                      max_threads_per_multi_processor=1536))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    device_module._model_of_index.cache_clear()
+    target_module._target_of_index.cache_clear()
     try:
-        assert device_model("cuda:1").name == "GPU One"
-        assert device_model(torch.device("cuda", 1)).sms == 101
-        assert device_model(1).capability == (9, 1)
-        assert device_model("cuda").name == "GPU Zero"  # no index: the current device
-        assert device_model(torch.device("cpu")).name == "interpreter"
+        assert target_of("cuda:1").name == "GPU One"
+        assert target_of(torch.device("cuda", 1)).sms == 101
+        assert target_of(1).capability == (9, 1)
+        assert target_of("cuda").name == "GPU Zero"  # no index: the current device
+        assert target_of(torch.device("cpu")).name == "interpreter"
     finally:
-        device_module._model_of_index.cache_clear()
+        target_module._target_of_index.cache_clear()
 
 
 def test_kernel_device_is_the_tensors_device(monkeypatch):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import device_model
+from dnngraph.target import target_of
 from helpers import check, poisoned
 
 pytestmark = pytest.mark.gpu
@@ -134,10 +134,10 @@ def test_bindings_on_two_gpus_are_refused_before_anything_is_written(stray):
 
 
 @needs_two_gpus
-def test_device_model_and_tuning_key_name_the_tensors_gpu():
-    assert device_model(SECOND).name == torch.cuda.get_device_properties(1).name
+def test_target_and_tuning_key_name_the_tensors_gpu():
+    assert target_of(SECOND).name == torch.cuda.get_device_properties(1).name
     with torch.cuda.device(FIRST):
-        assert device_model(SECOND).capability == torch.cuda.get_device_capability(1)
+        assert target_of(SECOND).capability == torch.cuda.get_device_capability(1)
 
 
 def test_one_gpu_runs_on_its_current_stream_with_a_workspace_there():

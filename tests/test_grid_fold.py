@@ -1,19 +1,21 @@
 """Grids past CUDA's limits on axes y and z: a kernel whose count there (batch entries of a
 GEMM, groups of a convolution, tap blocks of a depthwise wgrad, the dbias kernel's tiles)
 passes the limit folds it into axis x and decodes the indices from program_id(0). The limits
-are lowered here (heuristics/device.py GRID_LIMITS, which every build reads, check_grid too)
-so that the folded layouts run cheaply through the interpreter, against the float64 reference;
-ordinary shapes keep the plain grid and source."""
+are lowered here (a target whose max_grid is small, which every build of it reads, check_grid
+too) so that the folded layouts run cheaply through the interpreter, against the float64
+reference; ordinary shapes keep the plain grid and source."""
+import dataclasses
+
 import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import conv as conv_heuristics
-from dnngraph.heuristics import device as device_heur
 from dnngraph.heuristics import matmul as mm
 from helpers import check
 
 SMALL_LIMITS = (2**31 - 1, 3, 3)
+# the interpreter's target with grid axes y and z of 3 programs
+SMALL_GRID = dataclasses.replace(dg.target.INTERPRETER, name="small grid", max_grid=SMALL_LIMITS)
 VARIANTS = {
     "tiled": mm.MatmulConfig("tiled", 16, 16, 16, 4, 2),
     "small_m": mm.MatmulConfig("small_m", 16, 32, 32, 4, 2),
@@ -22,10 +24,9 @@ VARIANTS = {
 }
 
 
-@pytest.fixture
-def small_grid(monkeypatch):
-    monkeypatch.setattr(device_heur, "GRID_LIMITS", SMALL_LIMITS)
-    return monkeypatch
+def small(**fields) -> dg.BuildOptions:
+    """Options planning for SMALL_GRID, with `fields` besides."""
+    return dg.BuildOptions(target=SMALL_GRID, **fields)
 
 
 def _graph(dtype=dg.float32):
@@ -41,7 +42,7 @@ def within_limits(g):
         for chosen in (launch, launch.alternative):
             if chosen is None:
                 continue
-            assert device_heur.grid_fits(chosen.grid), (chosen.config_text, chosen.grid)
+            assert SMALL_GRID.grid_fits(chosen.grid), (chosen.config_text, chosen.grid)
             source = open(chosen.source_path).read()
             if "pid_flat" in source:
                 folded.append(source)
@@ -49,48 +50,46 @@ def within_limits(g):
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_bmm_with_more_products_than_grid_axis_y(small_grid, variant):
+def test_bmm_with_more_products_than_grid_axis_y(variant):
     """7 and 2 x 5 products (a broadcast batch, odd sizes, a column-major b): each variant folds."""
-    small_grid.setattr(mm, "FORCE_CONFIG", VARIANTS[variant])
     for a_shape, b_shape in (([7, 19, 23], [7, 23, 17]), ([2, 1, 5, 21], [5, 21, 33])):
         a_t = torch.randn(a_shape)
         b_t = torch.randn(b_shape[:-2] + b_shape[:-3:-1]).transpose(-1, -2)
         g = _graph()
         a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
         g.relu(g.matmul(a, b)).set_output(True).set_name("c")
-        g.build()
+        g.build(options=small(matmul_config=VARIANTS[variant]))
         assert within_limits(g)
         check(g, {"a": a_t, "b": b_t})
 
 
-def test_bmm_with_a_row_exit_folds(small_grid):
+def test_bmm_with_a_row_exit_folds():
     """A row-sum exit beside the folded main kernel (its fold kernel is one axis)."""
-    small_grid.setattr(mm, "FORCE_CONFIG", VARIANTS["tiled"])
     a_t, b_t = torch.randn(5, 18, 20), torch.randn(5, 20, 35)
     g = _graph()
     a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
     c = g.matmul(a, b).set_output(True).set_name("c")
     g.reduction(c, mode="sum", axes=[2]).set_output(True).set_name("rows")
-    g.build()
+    g.build(options=small(matmul_config=VARIANTS["tiled"]))
     assert within_limits(g)
     check(g, {"a": a_t, "b": b_t}, tolerance=1e-4)
 
 
-def test_ordinary_shapes_keep_the_plain_grid_and_source(monkeypatch):
+def test_ordinary_shapes_keep_the_plain_grid_and_source():
     """Under CUDA's own limits a batch of 7 keeps (tiles, batch); the source is the one built
     with the limits raised (no fold anywhere in the code path)."""
-    def built_source():
+    def built_source(options=None):
         g = _graph()
         a, b = g.tensor(name="a", dim=[7, 19, 23]), g.tensor(name="b", dim=[7, 23, 17])
         g.matmul(a, b).set_output(True).set_name("c")
-        g.build()
+        g.build(options=options)
         launch = g.plan.launches[0]
         return launch.grid, open(launch.source_path).read()
 
     grid, source = built_source()
     assert grid[1] == 7 and "pid_flat" not in source
-    monkeypatch.setattr(device_heur, "GRID_LIMITS", (2**31 - 1, 2**31 - 1, 2**31 - 1))
-    assert built_source() == (grid, source)
+    unlimited = dataclasses.replace(dg.target.INTERPRETER, max_grid=(2**31 - 1, 2**31 - 1, 2**31 - 1))
+    assert built_source(dg.BuildOptions(target=unlimited)) == (grid, source)
 
 
 CONV = dict(padding=[1, 0], stride=[1, 2], dilation=[1, 1])
@@ -120,55 +119,53 @@ def _grouped_conv(op, groups, layout):
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("op", ["fprop", "dgrad", "wgrad"])
-def test_grouped_conv_with_more_groups_than_grid_axis_y(small_grid, op, layout):
+def test_grouped_conv_with_more_groups_than_grid_axis_y(op, layout):
     g, inputs = _grouped_conv(op, 5, layout)
-    g.build()
+    g.build(options=small())
     assert within_limits(g)
     check(g, inputs, tolerance=1e-4)
 
 
-def test_grouped_wgrad_split_k_folds_batch_and_split(small_grid):
-    small_grid.setattr(conv_heuristics, "FORCE_CONFIG", mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=3))
+def test_grouped_wgrad_split_k_folds_batch_and_split():
     g, inputs = _grouped_conv("wgrad", 4, "nchw")
-    g.build()
+    g.build(options=small(conv_config=mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=3)))
     assert len(within_limits(g)) == 2  # the split kernel and its combine
     check(g, inputs, tolerance=1e-4)
 
 
 @pytest.mark.parametrize("bias_dim", [(2, 4, 50, 41), (1, 4, 50, 41), (2, 1, 1, 41)])
-def test_attention_dbias_with_tiles_past_grid_axes_y_and_z(small_grid, bias_dim):
+def test_attention_dbias_with_tiles_past_grid_axes_y_and_z(bias_dim):
     """4 query tiles and 8 (batch, head) pairs over limits of 3; broadcast biases sum over the
     (batch, head) pairs and query tiles they span; the other backward kernels group heads."""
     from dnngraph.heuristics import sdpa as sdpa_heuristics
     from test_sdpa import _run_dbias
     tile = sdpa_heuristics.AttentionConfig(16, 16, 1, 1)
-    small_grid.setattr(sdpa_heuristics, "FORCE_BACKWARD", {"dkdv": tile, "dq": tile})
     # every build checks its grids against the lowered limits: an unfolded dbias grid is refused
-    _run_dbias((2, 4, 50, 16), (2, 41), bias_dim, lens=([50, 31], [41, 17]), use_causal_mask=True)
+    _run_dbias((2, 4, 50, 16), (2, 41), bias_dim, lens=([50, 31], [41, 17]), use_causal_mask=True,
+               options=small(sdpa_dkdv_config=tile, sdpa_dq_config=tile))
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 @pytest.mark.parametrize("op", ["fprop", "dgrad", "wgrad"])
-def test_depthwise_with_channels_taps_and_splits_past_the_limits(small_grid, op, layout):
+def test_depthwise_with_channels_taps_and_splits_past_the_limits(op, layout):
     """5 channels (x2 multiplier) over limits of 3; wgrad's 6 tap blocks (one tap each) and 5
     splits past axes y and z fold into axis x."""
     from dnngraph.heuristics import depthwise as dw_heuristics
     from test_depthwise import RANKS, assert_depthwise, conv_graph
-    small_grid.setattr(dw_heuristics, "FORCE_CONFIG", dw_heuristics.DepthwiseConfig("wgrad", 16, 8, 2, 1, 5))
     g, out, inputs = conv_graph(op, RANKS[2], layout, 2)
     out.set_output(True).set_name("out")
-    g.build()
+    g.build(options=small(depthwise_config=dw_heuristics.DepthwiseConfig("wgrad", 16, 8, 2, 1, 5)))
     assert_depthwise(g, op)
     assert bool(within_limits(g)) == (op == "wgrad")
     check(g, inputs, tolerance=1e-4)
 
 
-def test_op_level_attention_chains_group_heads_past_grid_axis_y(small_grid):
+def test_op_level_attention_chains_group_heads_past_grid_axis_y():
     """Attention written as ops, 2 x 3 (batch, head) pairs over a limit of 3: the forward kernel,
     the backward's log-sum-exp pass, dK/dV and dQ take head groups, against autograd."""
     from test_attention_grad import ALL, FUSED, _chain, _check
     g, inputs = _chain(softcap=4.0)
-    derivation = _check(g, inputs, ALL, kinds=FUSED)
+    derivation = _check(g, inputs, ALL, kinds=FUSED, options=small())
     flash = [launch for plan in (derivation.forward.plan, derivation.backward.plan) for launch in plan.launches
              if launch.group.kind in ("attention", "attention_backward")]
     assert len(flash) == 4 and all(launch.grid[1] <= 3 for launch in flash)
@@ -179,7 +176,7 @@ class _Bmm(torch.nn.Module):
         return torch.relu(torch.bmm(a, b))
 
 
-def test_torch_compile_of_a_bmm_past_grid_axis_y_runs_in_dnngraph(small_grid):
+def test_torch_compile_of_a_bmm_past_grid_axis_y_runs_in_dnngraph():
     """The backend claims torch.bmm of 6 products over a limit of 3 and runs it (folded), forward
     and backward, as eager does."""
     from dnngraph import torch_backend
@@ -187,7 +184,7 @@ def test_torch_compile_of_a_bmm_past_grid_axis_y_runs_in_dnngraph(small_grid):
     from test_torch_backend import _compiled
     a = torch.randn(6, 9, 13, requires_grad=True)
     b = torch.randn(6, 13, 11, requires_grad=True)
-    compiled = _compiled(_Bmm())
+    compiled = _compiled(_Bmm(), options={"build_options": small()})
     out = compiled(a, b)
     grad = torch.randn_like(out)
     out.backward(grad)
@@ -200,7 +197,7 @@ def test_torch_compile_of_a_bmm_past_grid_axis_y_runs_in_dnngraph(small_grid):
     assert forward.torch_ops == () and backward.torch_ops == ()  # every aten op in dnngraph
     launches = [launch for report in (forward, backward) for function in report.functions
                 for launch in function._plain[0].plan.launches]
-    assert len(launches) >= 3 and all(device_heur.grid_fits(launch.grid) for launch in launches)
+    assert len(launches) >= 3 and all(SMALL_GRID.grid_fits(launch.grid) for launch in launches)
     products = [launch for launch in launches if launch.group.kind == "matmul"]
     assert len(products) >= 3 and all("pid_flat" in open(launch.source_path).read() for launch in products)
 
@@ -271,38 +268,31 @@ def sm90_graphs():
     from dnngraph.heuristics import sdpa as sdpa_heuristics
     from test_attention_grad import _chain
     from test_depthwise import RANKS, conv_graph
-    device_heur.GRID_LIMITS = SMALL_LIMITS
     for variant in ("tiled", "split_k"):
-        mm.FORCE_CONFIG = VARIANTS[variant]
         g = _graph(dg.float16)
         a, b = g.tensor(name="a", dim=[7, 19, 23]), g.tensor(name="b", dim=[7, 23, 17])
         g.relu(g.matmul(a, b)).set_output(True)
-        g.build()
+        g.build(options=small(matmul_config=VARIANTS[variant]))
         yield f"bmm {variant}", g
-    mm.FORCE_CONFIG = None
     for op in ("fprop", "wgrad"):
         g, _ = _grouped_conv(op, 5, "nhwc")
-        g.build()
+        g.build(options=small())
         yield f"grouped conv {op}", g
-    dw_heuristics.FORCE_CONFIG = dw_heuristics.DepthwiseConfig("wgrad", 16, 8, 2, 1, 5)
     g, out, _ = conv_graph("wgrad", RANKS[2], "nhwc", 2, "convolution", torch.bfloat16)
     out.set_output(True)
-    g.build()
+    g.build(options=small(depthwise_config=dw_heuristics.DepthwiseConfig("wgrad", 16, 8, 2, 1, 5)))
     yield "depthwise wgrad", g
-    dw_heuristics.FORCE_CONFIG = None
     tile = sdpa_heuristics.AttentionConfig(16, 16, 1, 1)
-    sdpa_heuristics.FORCE_BACKWARD = {"dkdv": tile, "dq": tile}
     g = _graph(dg.float16)
     q, k, v, o, d_o = (g.tensor(name=n, dim=[2, 4, 50, 16]) for n in ("q", "k", "v", "o", "dO"))
     stats = g.tensor(name="stats", dim=[2, 4, 50, 1], data_type=dg.float32)
     bias = g.tensor(name="bias", dim=[2, 4, 50, 50])
     for grad in g.sdpa_backward(q, k, v, o, d_o, stats, bias=bias, compute_dbias=True, use_causal_mask=True):
         grad.set_output(True)
-    g.build()
+    g.build(options=small(sdpa_dkdv_config=tile, sdpa_dq_config=tile))
     yield "sdpa backward with dbias", g
-    sdpa_heuristics.FORCE_BACKWARD = None
     g, _ = _chain(dtype=torch.float16)
-    g.build()
+    g.build(options=small())
     yield "op-level attention chain", g
 
 

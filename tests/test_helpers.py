@@ -16,7 +16,7 @@ class _Fixed:
 
 
 def _check(monkeypatch, out, ref, tolerance=2e-3):
-    monkeypatch.setattr(helpers, "run", lambda graph, inputs, device: {"y": out})
+    monkeypatch.setattr(helpers, "run", lambda graph, inputs, device, options: {"y": out})
     return helpers.check(_Fixed({"y": ref}), {}, tolerance=tolerance)
 
 

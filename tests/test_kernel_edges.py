@@ -7,7 +7,7 @@ import torch
 import dnngraph as dg
 from dnngraph.heuristics import matmul as mm
 from helpers import check, run
-from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
+from rowmodes import modes_used, row_mode, row_options  # noqa: F401 (row_mode: a fixture)
 
 REDUCTION_MODES = ("sum", "mean", "max", "min", "amax", "prod", "norm1", "norm2")
 
@@ -32,11 +32,11 @@ def test_softmax_over_size_one_axis(row_mode, shape, axis, log):
     x = g.tensor(name="x", dim=shape)
     y = g.softmax(x, axis=axis, log=log).set_output(True).set_name("y")
     g.mul(y, 3.0).set_output(True).set_name("scaled")  # a fused epilogue on the element output
-    check(g, {x: sample(*shape)})
+    check(g, {x: sample(*shape)}, options=row_options(row_mode))
     g = dg.Graph()
     dy, y = g.tensor(name="dy", dim=shape), g.tensor(name="y", dim=shape)
     g.relu(g.softmax_backward(dy, y, axis=axis, log=log)).set_output(True)
-    check(g, {dy: sample(*shape), y: positive(*shape)})
+    check(g, {dy: sample(*shape), y: positive(*shape)}, options=row_options(row_mode))
 
 
 @pytest.mark.parametrize("shape,axes", [([6, 1], [1]), ([1, 1], [0, 1]), ([4, 1, 3], [1]),
@@ -47,7 +47,7 @@ def test_reduction_over_size_one_axes(row_mode, shape, axes):
     for mode in REDUCTION_MODES:
         r = g.reduction(x, mode, axes).set_output(True).set_name(mode)
         g.add(r, 1.0).set_output(True).set_name(mode + "_shifted")
-    check(g, {x: sample(*shape)})
+    check(g, {x: sample(*shape)}, options=row_options(row_mode))
 
 
 @pytest.mark.parametrize("shape", [[7, 1], [1, 1], [1, 1, 9], [3, 2, 1]])
@@ -61,7 +61,7 @@ def test_feature_norms_over_size_one_axes(row_mode, shape):
         for out in outs:
             out.set_output(True)
         g.silu(outs[0]).set_output(True).set_name("act")
-        check(g, {x: sample(*shape), s: sample(*param), b: sample(*param)})
+        check(g, {x: sample(*shape), s: sample(*param), b: sample(*param)}, options=row_options(row_mode))
 
 
 @pytest.mark.parametrize("shape", [[7, 1], [1, 5], [1, 1]])
@@ -77,7 +77,7 @@ def test_feature_norm_backward_over_size_one_axes(row_mode, shape):
                 out.set_output(True)
         values = {dy: sample(*shape), x: sample(*shape), s: sample(1, shape[-1])}
         values.update({h: positive(*stat) for h in stats})
-        check(g, values, tolerance=1e-4)
+        check(g, values, tolerance=1e-4, options=row_options(row_mode))
 
 
 @pytest.mark.parametrize("shape", [[1, 6, 1, 1], [5, 3, 1, 1], [1, 4, 3, 1], [2, 1, 3, 2]])
@@ -97,7 +97,7 @@ def test_channel_norms_over_size_one_axes(row_mode, shape):
         out.set_output(True)
     graphs.append((g, {x: sample(*shape)}))
     for g, values in graphs:
-        check(g, values, tolerance=1e-4)
+        check(g, values, tolerance=1e-4, options=row_options(row_mode))
 
 
 @pytest.mark.parametrize("shape", [[1, 6, 1, 1], [2, 3, 1, 1], [1, 4, 3, 1]])
@@ -112,7 +112,7 @@ def test_channel_norm_backward_over_size_one_axes(row_mode, shape):
         for out in getattr(g, op)(dy, x, s, m, i, *extra):
             out.set_output(True)
         check(g, {dy: sample(*shape), x: sample(*shape), s: sample(1, channels, 1, 1),
-                  m: sample(*stat), i: positive(*stat)}, tolerance=1e-4)
+                  m: sample(*stat), i: positive(*stat)}, tolerance=1e-4, options=row_options(row_mode))
 
 
 def test_broadcast_inputs_of_row_kernels(row_mode):
@@ -125,7 +125,7 @@ def test_broadcast_inputs_of_row_kernels(row_mode):
     g.layernorm(g.add(col, 0.0), g.tensor(name="s", dim=[1, 11]), None)[0].set_output(True)
     g.softmax(col, axis=1, log=True).set_output(True)
     values = {x: sample(5, 1).expand(5, 11), col: sample(1, 11).expand(5, 11), "s": sample(1, 11)}
-    check(g, values, tolerance=1e-4)
+    check(g, values, tolerance=1e-4, options=row_options(row_mode))
 
 
 def test_decode_attention_written_as_ops():
@@ -140,16 +140,16 @@ def test_decode_attention_written_as_ops():
 
 
 @pytest.mark.parametrize("m,n,k,variant", [(9, 1, 5, "tiled"), (9, 6, 1, "split_k"), (1, 1, 1, "tiled")])
-def test_matmul_row_exits_with_size_one_axes(monkeypatch, variant, m, n, k):
+def test_matmul_row_exits_with_size_one_axes(variant, m, n, k):
     configs = {"tiled": mm.MatmulConfig("tiled", 16, 16, 16, 4, 2),
                "split_k": mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=2)}
-    monkeypatch.setattr(mm, "FORCE_CONFIG", configs[variant])
     g = dg.Graph()
     a, b = g.tensor(name="a", dim=[m, k]), g.tensor(name="b", dim=[k, n])
     y = g.matmul(a, b).set_output(True).set_name("y")
     for mode in ("sum", "max", "norm2"):
         g.reduction(y, mode, [1]).set_output(True).set_name(mode)
-    check(g, {a: sample(m, k), b: sample(k, n)}, tolerance=1e-4)
+    check(g, {a: sample(m, k), b: sample(k, n)}, tolerance=1e-4,
+          options=dg.BuildOptions(matmul_config=configs[variant]))
 
 
 @pytest.mark.parametrize("mode", ["max", "avg_include_pad", "avg_exclude_pad"])
@@ -183,9 +183,10 @@ def test_one_element_operands_in_logic_and_pow(anchor):
     check(g, inputs, tolerance=1e-5)
 
 
-def compare_specials(graph, inputs, tolerance=1e-5):
-    """Execute with poisoned outputs; NaN where the reference has NaN, equal infinities."""
-    outputs = run(graph, inputs)
+def compare_specials(graph, inputs, tolerance=1e-5, options=None):
+    """Execute (built with `options` where given) with poisoned outputs; NaN where the reference
+    has NaN, equal infinities."""
+    outputs = run(graph, inputs, options=options)
     refs = graph.reference(inputs)
     for name, out in outputs.items():
         torch.testing.assert_close(out.double(), refs[name].double(), rtol=tolerance, atol=tolerance,
@@ -214,7 +215,7 @@ def test_reductions_propagate_nan(row_mode, axis):
     x = g.tensor(name="x", dim=list(x_t.shape))
     for mode in ("max", "min", "amax", "mean"):
         g.reduction(x, mode, [axis]).set_output(True).set_name(mode)
-    outputs = compare_specials(g, {x: x_t})
+    outputs = compare_specials(g, {x: x_t}, options=row_options(row_mode))
     assert torch.isnan(outputs["max"].flatten()[[0, 1, 5]]).all()
     assert row_mode in modes_used(g) or axis == 0  # columns of a row-major x never run one-pass
 
@@ -226,22 +227,21 @@ def test_softmax_and_norms_propagate_nan(row_mode):
     g.softmax(x, axis=1).set_output(True).set_name("softmax")
     g.softmax(x, axis=1, log=True).set_output(True).set_name("log_softmax")
     g.rmsnorm(x, g.tensor(name="s", dim=[1, 37]), None)[0].set_output(True).set_name("rms")
-    compare_specials(g, {x: x_t, "s": sample(1, 37)})
+    compare_specials(g, {x: x_t, "s": sample(1, 37)}, options=row_options(row_mode))
 
 
 @pytest.mark.parametrize("variant", ["tiled", "split_k", "persistent"])
-def test_matmul_row_exits_propagate_nan(monkeypatch, variant):
+def test_matmul_row_exits_propagate_nan(variant):
     configs = {"tiled": mm.MatmulConfig("tiled", 16, 16, 16, 4, 2),
                "split_k": mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=2),
                "persistent": mm.MatmulConfig("persistent", 16, 16, 16, 4, 2)}
-    monkeypatch.setattr(mm, "FORCE_CONFIG", configs[variant])
     g = dg.Graph()
     a, b = g.tensor(name="a", dim=[7, 9]), g.tensor(name="b", dim=[9, 37])
     e = g.tensor(name="e", dim=[7, 37])
     y = g.add(g.matmul(a, b), e)  # the specials come in through the epilogue operand
     for mode in ("max", "min", "amax"):
         g.reduction(y, mode, [1]).set_output(True).set_name(mode)
-    g.build()
+    g.build(options=dg.BuildOptions(matmul_config=configs[variant]))
     assert len(g.plan.groups) == 1 and g.plan.groups[0].exits
     outputs = compare_specials(g, {a: sample(7, 9), b: sample(9, 37), e: special_rows()}, tolerance=1e-4)
     assert torch.isnan(outputs["max"][1]).all() and torch.isnan(outputs["amax"][0]).all()

@@ -23,10 +23,14 @@ VARIANTS = {
 
 
 @pytest.fixture(params=sorted(VARIANTS))
-def variant(request, monkeypatch):
-    """Force one kernel variant whatever the model would pick."""
-    monkeypatch.setattr(mm, "FORCE_CONFIG", VARIANTS[request.param])
+def variant(request):
+    """One kernel variant, forced (forced(variant)) whatever the model would pick."""
     return request.param
+
+
+def forced(variant: str) -> dg.BuildOptions:
+    """Options running kernel variant `variant` whatever the model would pick."""
+    return dg.BuildOptions(matmul_config=VARIANTS[variant])
 
 
 def _storage(shape, layout, dtype, device="cpu"):
@@ -61,7 +65,7 @@ def test_layouts_every_variant(variant, dtype, a_layout, b_layout):
     g = _graph(dg.dtypes.from_torch(dtype))
     a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
     g.matmul(a, b).set_output(True).set_name("c")
-    g.build()
+    g.build(options=forced(variant))
     expected = VARIANTS[variant].variant
     if expected == "persistent" and a_layout not in ("padded_row", "padded_col", "offset_row"):
         expected = "tiled"  # odd pitches: no tensor descriptor, the tiled kernel runs
@@ -77,7 +81,7 @@ def test_broadcast_batch(variant, a_shape, b_shape):
     a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
     c = g.matmul(a, b).set_output(True)
     assert c.dim == torch.broadcast_shapes(a_t.shape[:-2], b_t.shape[:-2]) + (a_t.shape[-2], b_t.shape[-1])
-    check(g, {"a": a_t, "b": b_t})
+    check(g, {"a": a_t, "b": b_t}, options=forced(variant))
 
 
 def _problem(g) -> str:
@@ -116,7 +120,7 @@ def test_batches_of_a_shared_weight_fold_into_rows(variant, a_shape, order, resi
     bias, residual = g.tensor_like(bias_t, name="bias"), g.tensor_like(residual_t, name="residual")
     y = g.add(g.silu(g.add(g.matmul(a, w), bias)), residual).set_output(True).set_name("y")
     g.reduction(y, "sum", [len(a_shape) - 1]).set_output(True).set_name("rows")
-    g.build()
+    g.build(options=forced(variant))
     assert len(g.plan.groups) == 1 and _problem(g) == expected
     check(g, {"a": a_t, "w": w_t, "bias": bias_t, "residual": residual_t})
 
@@ -156,7 +160,7 @@ def test_residual_scale_cast_and_extra_outputs(variant):
     pre = g.add(product, bias).set_output(True).set_name("pre")
     y = g.add(g.mul(g.gelu(pre), alpha), residual)
     g.cast(y, data_type=dg.float16).set_output(True).set_name("y16")
-    g.build()
+    g.build(options=forced(variant))
     assert [l.group.kind for l in g.plan.launches].count("matmul") == len(g.plan.launches)
     assert len({id(l.group) for l in g.plan.launches}) == 1
     inputs = {"a": torch.randn(2, 33, 40), "b": torch.randn(40, 35), "bias": torch.randn(1, 35),
@@ -172,7 +176,7 @@ def test_row_reduction_exit(variant, mode):
     a, b = g.tensor(name="a", dim=[2, 37, 24]), g.tensor(name="b", dim=[24, 70])
     y = g.silu(g.matmul(a, b)).set_output(True).set_name("y")
     g.reduction(y, mode, [2]).set_output(True).set_name("row")
-    g.build()
+    g.build(options=forced(variant))
     assert len(g.plan.groups) == 1 and g.plan.groups[0].exits
     check(g, {"a": torch.randn(2, 37, 24), "b": torch.randn(24, 70)})
 
@@ -195,7 +199,7 @@ def test_prologues_scale_cast_activation(variant):
     w = g.tensor(name="w", dim=[45, 38])
     a = g.cast(g.exp(g.mul(x, s)), data_type=dg.float16)
     g.matmul(a, g.relu(w)).set_output(True).set_name("y")
-    g.build()
+    g.build(options=forced(variant))
     assert len(g.plan.launches) == (2 if variant == "split_k" else 1)
     assert g.plan.groups[0].prologue
     inputs = {"x": torch.randn(27, 45) * 0.5, "s": torch.rand(1, 45), "w": torch.randn(45, 38).half()}
@@ -220,12 +224,11 @@ def test_tf32_is_opt_in():
         assert f'input_precision="{precision}"' in g.plan.launches[0].source_path.read_text()
 
 
-def test_split_k_is_deterministic(monkeypatch):
-    monkeypatch.setattr(mm, "FORCE_CONFIG", VARIANTS["split_k"])
+def test_split_k_is_deterministic():
     g = _graph()
     a, b = g.tensor(name="a", dim=[20, 200]), g.tensor(name="b", dim=[200, 24])
     g.matmul(a, b).set_output(True).set_name("c")
-    g.build()
+    g.build(options=forced("split_k"))
     assert "SPLIT_K=3" in g.explain() and "combine" in g.explain()
     inputs = {"a": torch.randn(20, 200), "b": torch.randn(200, 24)}
     first = check(g, inputs)["c"]
@@ -263,7 +266,7 @@ def test_explain_names_config_and_reason():
 
 def test_model_ranks_sensible_choices():
     """Big squares get big tiles, decode shapes get 16-row tiles, skinny outputs with long K split."""
-    device = dg.heuristics.DeviceModel("H100", 132, 3.0e12)
+    device = dg.target.H100
 
     def best(m, n, k, tma=True):
         problem = mm.MatmulProblem(1, m, n, k, "bf16", 2, 2, 2, tma, "row", "row")
@@ -273,8 +276,8 @@ def test_model_ranks_sensible_choices():
     assert big.block_m * big.block_n >= 128 * 128 and big.variant == "persistent"
     assert best(1, 4096, 4096).block_m == 16
     assert best(256, 256, 65536).split_k > 1
-    assert all(mm.programs_per_sm(c, mm.MatmulProblem(1, 4096, 4096, 4096, "bf16", 2, 2, 2, True, "row", "row")) >= 1
-               for c in mm.candidates(mm.MatmulProblem(1, 4096, 4096, 4096, "bf16", 2, 2, 2, True, "row", "row")))
+    square = mm.MatmulProblem(1, 4096, 4096, 4096, "bf16", 2, 2, 2, True, "row", "row")
+    assert all(mm.programs_per_sm(c, square, device) >= 1 for c in mm.candidates(square, device))
 
 
 AUTOTUNE_SCRIPT = textwrap.dedent("""
@@ -329,7 +332,7 @@ def test_size_one_axes(variant, m, n, k):
     a, b = g.tensor(name="a", dim=[m, k]), g.tensor(name="b", dim=[k, n])
     bias = g.tensor(name="bias", dim=[1, n])
     g.relu(g.add(g.matmul(a, b), bias)).set_output(True).set_name("y")
-    check(g, {"a": torch.randn(m, k), "b": torch.randn(k, n), "bias": torch.randn(1, n)})
+    check(g, {"a": torch.randn(m, k), "b": torch.randn(k, n), "bias": torch.randn(1, n)}, options=forced(variant))
 
 
 def test_bf16_on_the_interpreter():

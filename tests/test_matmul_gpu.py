@@ -30,9 +30,14 @@ def _cuda(inputs):
 
 
 @pytest.fixture(params=sorted(GPU_VARIANTS))
-def gpu_variant(request, monkeypatch):
-    monkeypatch.setattr(mm, "FORCE_CONFIG", GPU_VARIANTS[request.param])
+def gpu_variant(request):
+    """One kernel variant, forced (forced(gpu_variant)) whatever the model would pick."""
     return request.param
+
+
+def forced(variant: str) -> dg.BuildOptions:
+    """Options running kernel variant `variant` whatever the model would pick."""
+    return dg.BuildOptions(matmul_config=GPU_VARIANTS[variant])
 
 
 @pytest.mark.parametrize("layouts", [("row", "row"), ("padded_col", "padded_col"), ("row", "col"),
@@ -46,7 +51,8 @@ def test_bf16_bias_gelu_every_variant(gpu_variant, layouts):
     bias = g.tensor(name="bias", dim=[1, n])
     pre = g.add(g.matmul(a, b), bias).set_output(True).set_name("pre")
     g.gelu(pre).set_output(True).set_name("y")
-    check(g, {"a": a_t, "b": b_t, "bias": torch.randn(1, n, device="cuda").bfloat16()}, torch.bfloat16, "cuda")
+    check(g, {"a": a_t, "b": b_t, "bias": torch.randn(1, n, device="cuda").bfloat16()}, torch.bfloat16, "cuda",
+          options=forced(gpu_variant))
 
 
 def test_model_choice_large_square_and_batched():
@@ -113,22 +119,22 @@ def test_row_exits_and_prologue_bf16(gpu_variant):
     g.reduction(y, "amax", [1]).set_output(True).set_name("amax")
     g.reduction(y, "sum", [1]).set_output(True).set_name("sum")
     inputs = {"x": torch.randn(600, 1024), "w": (torch.randn(1024, 900) / 32).bfloat16()}
-    check(g, _cuda(inputs), torch.bfloat16, "cuda")
+    check(g, _cuda(inputs), torch.bfloat16, "cuda", options=forced(gpu_variant))
 
 
 @pytest.mark.parametrize("config", EPILOGUE_KNOBS, ids=lambda c: c.text.replace(" ", "_"))
-def test_subtiled_tma_store_epilogue(config, monkeypatch):
+def test_subtiled_tma_store_epilogue(config):
     """Batched bias + gelu + residual, the pre-activation stored in fp32 too, N ragged against the
     tile (1000 = 3 x 256 + 232): every output through descriptors, clipped at M and N; an output
     whose base is 4 bytes past alignment runs the tiled alternative."""
-    monkeypatch.setattr(mm, "FORCE_CONFIG", config)
+    options = dg.BuildOptions(matmul_config=config)
     m, n, k = 1000, 1000, 1024
     g = dg.Graph(name="mm", io_data_type=dg.bfloat16)
     a, b = g.tensor(name="a", dim=[2, m, k]), g.tensor(name="b", dim=[k, n])
     bias, residual = g.tensor(name="bias", dim=[1, n]), g.tensor(name="residual", dim=[2, m, n])
     pre = g.add(g.matmul(a, b), bias).set_output(True).set_name("pre").set_data_type(dg.float32)
     g.add(g.gelu(pre), residual).set_output(True).set_name("y")
-    g.build()
+    g.build(options=options)
     assert g.plan.launches[0].config_text.startswith(config.text)
     stores = g.plan.launches[0].source_path.read_text().count(".store([pid_m * BLOCK_M, start_n]")
     # the fp32 side output's staging buffer does not fit beside every tile's operand stages: it
@@ -184,11 +190,9 @@ def test_axes_shorter_than_their_tile(m, n, k, layouts):
 @pytest.mark.parametrize("variant", ["tiled", "small_m", "split_k"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("m, n, k", [(37, 3, 1), (301, 203, 1), (301, 203, 37), (1001, 777, 64)])
-def test_contiguous_m_and_n_axes_whose_size_splits_a_vector(variant, dtype, m, n, k, monkeypatch):
+def test_contiguous_m_and_n_axes_whose_size_splits_a_vector(variant, dtype, m, n, k):
     """An M-contiguous A (or N-contiguous B) whose size is no multiple of a 16-byte vector: the
     last tile's wrap falls mid-vector, so the contiguity hints must go (37 rows faulted)."""
-    monkeypatch.setattr(mm, "FORCE_CONFIG", {"tiled": GPU_VARIANTS["tiled"], "small_m": GPU_VARIANTS["small_m"],
-                                             "split_k": GPU_VARIANTS["split_k"]}[variant])
     torch.manual_seed(m + n + k)
     io = dg.float32 if dtype == torch.float32 else dg.bfloat16
     for a_layout in ("col", "row"):
@@ -197,4 +201,4 @@ def test_contiguous_m_and_n_axes_whose_size_splits_a_vector(variant, dtype, m, n
         g = dg.Graph(name="mm", io_data_type=io)
         a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
         g.matmul(a, b).set_output(True).set_data_type(dg.float16)
-        check(g, {"a": a_t, "b": b_t}, torch.float16, "cuda")
+        check(g, {"a": a_t, "b": b_t}, torch.float16, "cuda", options=forced(variant))

@@ -9,7 +9,7 @@ from dnngraph.heuristics import matmul as mm
 from helpers import check
 from test_matmul import VARIANTS, _storage
 
-DEVICE = dg.heuristics.DeviceModel("H100", 132, 3.0e12)
+DEVICE = dg.target.H100
 TRITON = {"float32": "tl.float32", "float16": "tl.float16", "bfloat16": "tl.bfloat16",
           "float8_e4m3": "tl.float8e4nv", "float8_e5m2": "tl.float8e5"}
 
@@ -42,7 +42,7 @@ def _problem(dot, a_bytes, b_bytes, layouts=("row", "row"), tma=True, m=4096, n=
 
 def test_ieee_fp32_candidates_are_fma_tiles_that_fit_registers():
     problem = _problem("fp32", 4, 4)
-    tiles = {(c.block_m, c.block_n, c.block_k, c.num_warps) for c in mm.candidates(problem) if c.split_k == 1}
+    tiles = {(c.block_m, c.block_n, c.block_k, c.num_warps) for c in mm.candidates(problem, DEVICE) if c.split_k == 1}
     assert tiles == {(128, 128, 32, 8), (128, 128, 16, 8), (128, 64, 32, 4), (64, 128, 32, 4), (64, 64, 32, 4)}
     best = mm.schedule(problem, DEVICE).config
     assert best.variant == "tiled" and (best.block_m, best.block_n, best.block_k, best.num_warps) in tiles
@@ -56,7 +56,7 @@ def test_tf32_candidates_use_half_k_steps_and_wgmma_tiles():
     ranked = mm.rank(problem, DEVICE)
     assert all(c.block_k == 32 for c in ranked if c.variant != "small_m")
     assert any(c.variant == "persistent" for c in ranked)
-    assert all(mm.shared_bytes(c, problem) <= mm.SHARED_MEMORY for c in ranked)
+    assert all(mm.shared_bytes(c, problem) <= DEVICE.shared_memory for c in ranked)
     tflops = 2 * 4096 ** 3 / (ranked[0].estimate_us * 1e-6) / 1e12
     assert 250 < tflops < 400
 
@@ -67,7 +67,7 @@ def test_mixed_problem_ranks_wgmma_tiles_at_the_16_bit_rate():
     pure = _problem("bf16", 2, 2, tma=False)
     best_mixed, best_pure = mm.schedule(mixed, DEVICE).config, mm.schedule(pure, DEVICE).config
     assert best_mixed.block_k == 64 and best_mixed.block_m * best_mixed.block_n >= 128 * 128
-    assert all(mm.shared_bytes(c, mixed) <= mm.SHARED_MEMORY for c in mm.candidates(mixed))
+    assert all(mm.shared_bytes(c, mixed) <= DEVICE.shared_memory for c in mm.candidates(mixed, DEVICE))
     assert best_mixed.estimate_us < 1.3 * best_pure.estimate_us
     # the converted side's tile is the short one: B converted gets wide-M tiles, A wide-N ones
     best_b = mm.schedule(_problem("bf16", 2, 4, tma=False), DEVICE).config
@@ -84,8 +84,8 @@ def _mixed_graph(a_type, b_type, m, n, k, a_layout, b_layout):
 @pytest.mark.parametrize("variant_name", ["tiled", "split_k", "persistent"])
 @pytest.mark.parametrize("a_type,b_type", [(dg.float32, dg.float16), (dg.float16, dg.float32)])
 @pytest.mark.parametrize("layouts", [("row", "row"), ("col", "padded_col"), ("sliced", "row")])
-def test_mixed_fp32_fp16_with_bias_residual_epilogue(monkeypatch, variant_name, a_type, b_type, layouts):
-    monkeypatch.setattr(mm, "FORCE_CONFIG", VARIANTS[variant_name])
+def test_mixed_fp32_fp16_with_bias_residual_epilogue(variant_name, a_type, b_type, layouts):
+    options = dg.BuildOptions(matmul_config=VARIANTS[variant_name])
     m, n, k = 37, 45, 53
     g, tensors = _mixed_graph(a_type, b_type, m, n, k, *layouts)
     a, b = g.tensor_like(tensors["a"], name="a"), g.tensor_like(tensors["b"], name="b")
@@ -93,7 +93,7 @@ def test_mixed_fp32_fp16_with_bias_residual_epilogue(monkeypatch, variant_name, 
     residual = g.tensor(name="residual", dim=[m, n])
     product = g.matmul(a, b)
     g.add(g.gelu(g.add(product, bias)), residual).set_output(True).set_name("y").set_data_type(dg.float32)
-    g.build()
+    g.build(options=options)
     source = g.plan.launches[0].source_path.read_text()
     assert "input_precision" not in source and ".to(tl.float16)" in source  # the fp32 side converts at load
     assert not g.plan.launches[0].config_text.startswith("persistent")  # no descriptor for a converted operand
@@ -101,9 +101,9 @@ def test_mixed_fp32_fp16_with_bias_residual_epilogue(monkeypatch, variant_name, 
     check(g, tensors, torch.float16)
 
 
-def test_mixed_with_prologues_on_both_sides(monkeypatch):
+def test_mixed_with_prologues_on_both_sides():
     """A: an fp32 virtual tensor (scaled activations) x B: relu of an fp16 weight, odd K."""
-    monkeypatch.setattr(mm, "FORCE_CONFIG", VARIANTS["tiled"])
+    options = dg.BuildOptions(matmul_config=VARIANTS["tiled"])
     g = dg.Graph(name="mixed", io_data_type=dg.float16, intermediate_data_type=dg.float32)
     x = g.tensor(name="x", dim=[2, 19, 45], data_type=dg.float32)
     scale = g.tensor(name="scale", dim=[1, 1, 45], data_type=dg.float32)
@@ -111,7 +111,7 @@ def test_mixed_with_prologues_on_both_sides(monkeypatch):
     a = g.silu(g.mul(x, scale))
     assert a.data_type is dg.float32
     g.matmul(a, g.relu(w)).set_output(True).set_name("y")
-    g.build()
+    g.build(options=options)
     assert len(g.plan.launches) == 1 and g.plan.groups[0].prologue
     assert ".to(tl.float16)" in g.plan.launches[0].source_path.read_text()
     check(g, {"x": torch.randn(2, 19, 45), "scale": torch.rand(1, 1, 45), "w": torch.randn(45, 23).half()},

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import dnngraph as dg
 from helpers import check
-from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
+from rowmodes import modes_used, row_mode, row_options  # noqa: F401 (row_mode: a fixture)
 
 DTYPES = {torch.float32: dg.float32, torch.float16: dg.float16, torch.bfloat16: dg.bfloat16}
 
@@ -49,7 +49,7 @@ def test_feature_norm_forward(op, dtype, phase):
 @pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
 def test_feature_norm_every_mode(row_mode, op):
     g, inputs = _feature_graph(op, torch.float32, (6, 130))
-    check(g, inputs)
+    check(g, inputs, options=row_options(row_mode))
     assert row_mode in modes_used(g)
 
 
@@ -96,7 +96,7 @@ def test_feature_norm_backward_matches_autograd(op, dtype):
 @pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
 def test_feature_norm_backward_every_mode(row_mode, op):
     g, inputs, _ = _feature_backward(op, torch.float32, (5, 150))
-    check(g, inputs, tolerance=5e-5)
+    check(g, inputs, tolerance=5e-5, options=row_options(row_mode))
 
 
 # --- fused dx + dscale/dbias (layernorm, rmsnorm) -----------------------------------------------
@@ -127,11 +127,14 @@ def _fused_launches(g) -> list:
 
 
 @pytest.fixture(params=[None, 3])
-def fused_programs(request, monkeypatch):
+def fused_programs(request):
     """The model's program count, and 3 programs (several row blocks each on the larger shapes)."""
-    from dnngraph.heuristics import rows
-    monkeypatch.setattr(rows, "FORCE_FUSED_PROGRAMS", request.param)
     return request.param
+
+
+def _programs(count) -> dg.BuildOptions:
+    """Options forcing the fused norm backward's program count (None: the model's)."""
+    return dg.BuildOptions(norm_backward_programs=count)
 
 
 @pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
@@ -141,7 +144,7 @@ def test_fused_norm_backward(fused_programs, op, rows, columns):
     if rows * columns > 40000 and fused_programs is None:
         pytest.skip("the interpreter's time: the forced program count covers it")
     g, inputs = _fused_backward(op, shifted(rows, columns), torch.randn(rows, columns), shifted(1, columns))
-    check(g, inputs, tolerance=5e-5)
+    check(g, inputs, tolerance=5e-5, options=_programs(fused_programs))
     # dx and the partials, then their sum; one element is a per-row sum of the dx kernel
     assert _fused_launches(g) == (["main"] if rows == columns == 1 else ["fused", "combine"])
 
@@ -154,7 +157,7 @@ def test_fused_norm_backward_fp16_batch_dims_and_strides(fused_programs, op):
     dy_t = torch.randn(4, 9, 80).to(torch.float16)[:, :, 5:70]
     scale_t = shifted(1, 1, 130, dtype=torch.float16)[:, :, ::2]
     g, inputs = _fused_backward(op, x_t, dy_t, scale_t, torch.float16)
-    check(g, inputs, torch.float16, tolerance=5e-3)
+    check(g, inputs, torch.float16, tolerance=5e-3, options=_programs(fused_programs))
     assert _fused_launches(g) == ["fused", "combine"]
 
 
@@ -167,19 +170,17 @@ def test_fused_norm_backward_columns_strided_falls_back():
     assert "fused" not in _fused_launches(g)
 
 
-def test_fused_norm_backward_long_rows_fall_back(monkeypatch):
-    """Rows past FUSED_MAX_REDUCED keep the separate kernels."""
-    from dnngraph.heuristics import rows
-    monkeypatch.setattr(rows, "FUSED_MAX_REDUCED", 64)
+def test_fused_norm_backward_long_rows_fall_back():
+    """Rows past the longest a fused program holds keep the separate kernels."""
     g, inputs = _fused_backward("layernorm_backward", shifted(5, 100), torch.randn(5, 100), shifted(1, 100))
-    check(g, inputs, tolerance=5e-5)
+    check(g, inputs, tolerance=5e-5, options=dg.BuildOptions(norm_backward_max_reduced=64))
     assert "fused" not in _fused_launches(g) and len(g.plan.launches) >= 2
 
 
 def test_fused_rmsnorm_backward_without_dbias(fused_programs):
     g, inputs = _fused_backward("rmsnorm_backward", shifted(37, 33), torch.randn(37, 33), shifted(1, 33),
                                 has_dbias=False)
-    outputs = check(g, inputs, tolerance=5e-5)
+    outputs = check(g, inputs, tolerance=5e-5, options=_programs(fused_programs))
     assert len(outputs) == 2 and _fused_launches(g) == ["fused", "combine"]
 
 
@@ -209,7 +210,7 @@ def test_fused_norm_backward_nan_row(fused_programs, op):
     x_t = shifted(37, 33)
     x_t[5, 3] = float("nan")
     g, inputs = _fused_backward(op, x_t, torch.randn(37, 33), shifted(1, 33))
-    outputs = check(g, inputs, tolerance=5e-5)
+    outputs = check(g, inputs, tolerance=5e-5, options=_programs(fused_programs))
     dscale = next(v for k, v in outputs.items() if k.endswith("dscale"))
     assert torch.isnan(dscale).all()
 
@@ -229,7 +230,7 @@ def test_fused_norm_backward_epilogues(fused_programs):
     g.cast(dbias, dg.float16).set_output(True)
     inputs = {x: shifted(*shape), dy: torch.randn(*shape), residual: torch.randn(*shape), s: shifted(1, 33),
               other: torch.randn(1, 33), m: torch.randn(37, 1), i: torch.rand(37, 1) + 0.5}
-    check(g, inputs, tolerance=2e-2)
+    check(g, inputs, tolerance=2e-2, options=_programs(fused_programs))
     assert _fused_launches(g) == ["fused", "combine"]
 
 
@@ -251,7 +252,7 @@ def test_parameter_epilogues_without_fusion(row_mode, op):
     g.relu(dx).set_output(True)
     g.mul(g.add(dscale, other), 0.5).set_output(True)
     g.neg(dbias).set_output(True)
-    check(g, inputs, tolerance=5e-5)
+    check(g, inputs, tolerance=5e-5, options=row_options(row_mode))
     assert "fused" not in _fused_launches(g)
 
 
@@ -290,7 +291,7 @@ def test_channel_norm_forward(op, groups, nhwc, dtype):
 @pytest.mark.parametrize("nhwc", [False, True])
 def test_batchnorm_every_mode(row_mode, nhwc):
     g, inputs = _channel_forward("batchnorm", (4, 5, 6, 7), nhwc, running=True)
-    check(g, inputs)
+    check(g, inputs, options=row_options(row_mode))
     assert row_mode in modes_used(g) or row_mode == "one_pass"
 
 
@@ -350,7 +351,7 @@ def test_channel_norm_backward_matches_autograd(op, groups, nhwc, dtype):
 @pytest.mark.parametrize("nhwc", [False, True])
 def test_batchnorm_backward_every_mode(row_mode, nhwc):
     g, inputs, _ = _channel_backward("batchnorm_backward", (4, 5, 6, 7), nhwc)
-    check(g, inputs, tolerance=5e-5)
+    check(g, inputs, tolerance=5e-5, options=row_options(row_mode))
 
 
 @pytest.mark.parametrize("nhwc", [False, True])
@@ -385,7 +386,7 @@ def test_norm_then_activation_is_one_kernel(row_mode):
     x, s, b = g.tensor(name="x", dim=[7, 40]), g.tensor(name="s", dim=[1, 40]), g.tensor(name="b", dim=[1, 40])
     y, _, _ = g.layernorm(x, s, b, norm_forward_phase="training")
     g.gelu(y).set_output(True)
-    check(g, {x: shifted(7, 40), s: shifted(1, 40), b: torch.randn(1, 40)})
+    check(g, {x: shifted(7, 40), s: shifted(1, 40), b: torch.randn(1, 40)}, options=row_options(row_mode))
     assert len(g.plan.launches) == (3 if row_mode == "split" else 1)
 
 
@@ -429,7 +430,7 @@ def _expanded_scale_backward(op, x_shape, param_shape, stats_shape):
 ])
 def test_norm_backward_expanded_scale(row_mode, op, x_shape, param_shape, stats_shape):
     g, inputs = _expanded_scale_backward(op, x_shape, param_shape, stats_shape)
-    check(g, inputs, tolerance=5e-5)
+    check(g, inputs, tolerance=5e-5, options=row_options(row_mode))
 
 
 def _norm_backward_with_epilogue(op, x_shape, param_shape):
@@ -462,7 +463,7 @@ def _norm_backward_with_epilogue(op, x_shape, param_shape):
 ])
 def test_norm_backward_epilogue_stays_in_the_dx_kernel(row_mode, op, x_shape, param_shape):
     g, inputs = _norm_backward_with_epilogue(op, x_shape, param_shape)
-    check(g, inputs, tolerance=5e-5)
+    check(g, inputs, tolerance=5e-5, options=row_options(row_mode))
     assert len(g.plan.launches) >= 2
 
 
@@ -475,33 +476,35 @@ def _poison_rows(tensor, axis):
     return tensor
 
 
-def check_non_finite_feature_norm(op, phase, device):
+def check_non_finite_feature_norm(op, phase, device, options):
     """A row holding NaN or an infinity has the reference's statistics (an infinite mean, NaN
     variance) in every row mode: the variance clamp at 0 propagates NaN (the GPU's max returns
     0), and a running mean that is already infinite adds values as a plain sum."""
     g, inputs = _feature_graph(op, torch.float32, (6, 40), phase, bias=op == "layernorm")
     x = next(t for t in inputs if t.name == "x")
     _poison_rows(inputs[x], 0)
-    check(g, {k: v.to(device) for k, v in inputs.items()}, torch.float32, device=device, tolerance=1e-4)
+    check(g, {k: v.to(device) for k, v in inputs.items()}, torch.float32, device=device, tolerance=1e-4,
+          options=options)
 
 
-def check_non_finite_channel_norm(op, groups, nhwc, device):
+def check_non_finite_channel_norm(op, groups, nhwc, device, options):
     g, inputs = _channel_forward(op, (4, 6, 5, 7), nhwc, torch.float32, groups)
     x = next(t for t in inputs if t.name == "x")
     _poison_rows(inputs[x], 1)
-    check(g, {k: v.to(device) for k, v in inputs.items()}, torch.float32, device=device, tolerance=1e-4)
+    check(g, {k: v.to(device) for k, v in inputs.items()}, torch.float32, device=device, tolerance=1e-4,
+          options=options)
 
 
 @pytest.mark.parametrize("phase", ["training", "inference"])
 @pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
 def test_feature_norm_stats_of_non_finite_rows(row_mode, op, phase):
-    check_non_finite_feature_norm(op, phase, "cpu")
+    check_non_finite_feature_norm(op, phase, "cpu", row_options(row_mode))
 
 
 @pytest.mark.parametrize("nhwc", [False, True])
 @pytest.mark.parametrize("op,groups", [("batchnorm", None), ("groupnorm", 2), ("instancenorm", None)])
 def test_channel_norm_stats_of_non_finite_channels(row_mode, op, groups, nhwc):
-    check_non_finite_channel_norm(op, groups, nhwc, "cpu")
+    check_non_finite_channel_norm(op, groups, nhwc, "cpu", row_options(row_mode))
 
 
 def test_groupnorm_backward_of_one_channel_sums_over_columns():

@@ -1,6 +1,7 @@
 """The plan cache: a second build of an identical graph reuses the first plan, and nothing that
-changes what a build makes (the graph, build arguments, heuristics overrides, environment, tuning
-cache) can bring back a stale one."""
+changes what a build makes (the graph, build options, the target, environment, tuning cache) can
+bring back a stale one."""
+import dataclasses
 import importlib
 import pathlib
 import pkgutil
@@ -14,7 +15,7 @@ import torch
 import dnngraph as dg
 import dnngraph.heuristics
 import dnngraph.plan as plan_module
-from dnngraph.heuristics import matmul as mm, rows
+from dnngraph.heuristics import depthwise, matmul as mm, rows, sdpa
 from dnngraph.plan import cache as plan_cache
 from helpers import check, poisoned, rel_err
 
@@ -242,60 +243,87 @@ def test_a_changed_tuning_cache_file_misses(monkeypatch, tmp_path):
     assert _hits() == hits + 1 and {launch.tuning.source for launch in g.plan.launches} == {"tuned"}
 
 
-def test_forced_configs_change_the_plan(monkeypatch):
+def test_forced_configs_change_the_plan():
     g, x, w, _ = _mlp()
     g.build()
-    monkeypatch.setattr(mm, "FORCE_CONFIG", mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=3))
+    split = dg.BuildOptions(matmul_config=mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=3))
     forced, x2, w2, _ = _mlp()
-    forced.build()
+    forced.build(options=split)
     assert forced.plan.launches[0].config_text.startswith("split_k")
     check(forced, _inputs(x2, w2))
-    monkeypatch.setattr(rows, "FORCE_MODE", "looped")
-    monkeypatch.setattr(rows, "LOOP_TILE", 16)
     both, x3, w3, _ = _mlp()
-    both.build()
+    both.build(options=dataclasses.replace(split, row_mode="looped", row_loop_tile=16))
     assert "(looped)" in both.plan.launches[-1].config_text
     assert "(looped)" not in forced.plan.launches[-1].config_text
     check(both, _inputs(x3, w3))
-    monkeypatch.undo()
     again = _mlp()[0].build()
     assert [launch.config_text for launch in again.plan.launches] == [launch.config_text for launch in g.plan.launches]
 
 
-def _overrides():
-    """(module, name) of every FORCE_* knob of the heuristics."""
-    found = []
+def _key(g, options=None):
+    from dnngraph.plan import KERNEL_BUILDERS, _build_device, _target_for
+    options, device = options or dg.BuildOptions(), _build_device()
+    return plan_cache.plan_key(g, options, device, _target_for(device, options), KERNEL_BUILDERS)
+
+
+# One value other than the default for every option (each a valid one).
+OTHER_OPTIONS = dict(
+    autotune=True, autotune_top=2, workspace_limit=0, backends=["triton"], target=dg.target.H200,
+    matmul_config=mm.MatmulConfig("tiled", 16, 16, 16, 4, 2), conv_config=mm.MatmulConfig("tiled", 32, 16, 16, 4, 2),
+    depthwise_config=depthwise.DepthwiseConfig("gather", 4, 32, 2), row_mode="looped",
+    row_config=rows.RowConfig("split", 8, 4, 1, 3, 0.0), norm_backward_programs=3,
+    sdpa_config=sdpa.AttentionConfig(16, 16, 1, 1), sdpa_dkdv_config=sdpa.AttentionConfig(16, 16, 1, 1),
+    sdpa_dq_config=sdpa.AttentionConfig(16, 32, 1, 1), sdpa_splits=3, sdpa_head_group=0, sdpa_index_64=True,
+    row_loop_tile=16, row_split_min_reduced=8, row_combine_values=16, norm_backward_max_reduced=64,
+    column_prefetch_tiles=0, column_stream_apply=False, conv_fold_channels_below=0)
+
+
+def test_other_options_cover_every_field():
+    assert set(OTHER_OPTIONS) == {f.name for f in dataclasses.fields(dg.BuildOptions)}
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_OPTIONS))
+def test_every_option_is_in_the_key(name):
+    """Options that differ in any field file different plans; equal options made apart (each
+    field equal, none the same object) share one."""
+    g = _mlp()[0]
+    default = dg.BuildOptions()
+    changed = dataclasses.replace(default, **{name: OTHER_OPTIONS[name]})
+    if name == "backends":  # the one backend there is: a list of it is the default tuple
+        assert changed == default and _key(g, changed) == _key(g, default)
+        return
+    assert changed != default and _key(g, changed) != _key(g, default)
+    assert _key(g, changed) == _key(g, dataclasses.replace(dg.BuildOptions(), **{name: OTHER_OPTIONS[name]}))
+
+
+def test_equal_options_share_a_plan_and_different_ones_do_not():
+    tiled = mm.MatmulConfig("tiled", 16, 16, 16, 4, 2)
+    first = _mlp()[0].build(options=dg.BuildOptions(matmul_config=tiled))
+    hits = _hits()
+    same = _mlp()[0].build(options=dg.BuildOptions(matmul_config=mm.MatmulConfig("tiled", 16, 16, 16, 4, 2)))
+    assert _hits() == hits + 1 and same.plan.launches is first.plan.launches
+    other = _mlp()[0].build(options=dg.BuildOptions(matmul_config=tiled, row_mode="looped", row_loop_tile=16))
+    assert _hits() == hits + 1 and other.plan.launches is not first.plan.launches
+    shorthand = _mlp()[0].build(workspace_limit=0, options=dg.BuildOptions(matmul_config=tiled))
+    assert shorthand.plan.launches is not first.plan.launches  # workspace_limit=0 replaced the option's None
+    assert _mlp()[0].build(options=dg.BuildOptions(matmul_config=tiled, workspace_limit=0)).plan.launches \
+        is shorthand.plan.launches
+
+
+def test_module_assignments_change_no_plan():
+    """The heuristics read no module state a caller sets: no FORCE_* knob exists, and a build
+    after assigning a module value (what once forced a config) is a hit on the same plan."""
     for info in pkgutil.iter_modules(dnngraph.heuristics.__path__):
         module = importlib.import_module(f"dnngraph.heuristics.{info.name}")
-        found += [(module, name) for name in vars(module) if name.startswith("FORCE_")]
-    return found
-
-
-def _key(g):
-    from dnngraph.plan import KERNEL_BUILDERS, _build_device
-    return plan_cache.plan_key(g, False, None, _build_device(), KERNEL_BUILDERS)
-
-
-@pytest.mark.parametrize("module, name", _overrides(), ids=lambda v: getattr(v, "__name__", v))
-def test_every_override_is_in_the_key(monkeypatch, module, name):
-    g, original = _mlp()[0], getattr(module, name)
-    before = _key(g)
-    monkeypatch.setattr(module, name, object())  # any other value: a new key
-    assert _key(g) != before
-    monkeypatch.setattr(module, name, original)
-    assert _key(g) == before  # the same values again: the same key
-
-
-@pytest.mark.parametrize("module", ["dnngraph.plan", "dnngraph.plan.sdpa", "dnngraph.codegen.gemm",
-                                    "dnngraph.fusion.partition", "dnngraph.heuristics.device"])
-def test_any_module_attribute_is_in_the_key(monkeypatch, module):
-    target = importlib.import_module(module)
-    name = next(n for n, v in vars(target).items() if n.isupper() or callable(v))
-    g = _mlp()[0]
-    before = _key(g)
-    monkeypatch.setattr(target, name, object())
-    assert _key(g) != before
-    monkeypatch.setattr(target, "NEW_KNOB", 3, raising=False)
+        assert not [name for name in vars(module) if name.startswith("FORCE_")], module.__name__
+    first = _mlp()[0].build()
+    hits = _hits()
+    rows.NEW_KNOB = 3
+    try:
+        again = _mlp()[0].build()
+    finally:
+        del rows.NEW_KNOB
+    assert _hits() == hits + 1 and again.plan.launches is first.plan.launches
 
 
 def test_cache_folder_is_in_the_key(monkeypatch, tmp_path):
@@ -314,11 +342,11 @@ def test_every_environment_variable_read_is_accounted_for():
     assert read <= set(plan_cache.BUILD_ENVIRONMENT) | set(plan_cache.IGNORED_ENVIRONMENT), read
 
 
-def test_device_model_is_in_the_key(monkeypatch):
-    from dnngraph.heuristics import DeviceModel
-
+def test_the_target_is_in_the_key(monkeypatch):
+    """The device's target (read from its driver), and a target the options name."""
     g = _mlp()[0].build()
-    small = DeviceModel("small", 5, 1.0e12)
-    monkeypatch.setattr(plan_module, "device_model", lambda device=None: small)
+    small = dataclasses.replace(dg.target.INTERPRETER, name="small", sms=5)
+    assert _mlp()[0].build(options=dg.BuildOptions(target=small)).plan.launches is not g.plan.launches
+    monkeypatch.setattr(plan_module, "target_of", lambda device=None: small)
     other = _mlp()[0].build()
     assert other.plan.launches is not g.plan.launches

@@ -4,7 +4,7 @@ import torch
 
 import dnngraph as dg
 from helpers import check, run
-from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
+from rowmodes import modes_used, row_mode, row_options  # noqa: F401 (row_mode: a fixture)
 
 MODES = ("sum", "mean", "max", "min", "amax", "prod", "norm1", "norm2")
 DTYPES = {torch.float32: dg.float32, torch.float16: dg.float16}
@@ -32,7 +32,7 @@ def test_looped_and_split(row_mode, mode, axes):
     g = dg.Graph()
     x = g.tensor(name="x", dim=[6, 75])
     g.reduction(x, mode, axes).set_output(True)
-    check(g, {x: sample([6, 75], mode)})
+    check(g, {x: sample([6, 75], mode)}, options=row_options(row_mode))
     if axes == [1]:
         assert row_mode in modes_used(g)
 
@@ -46,7 +46,7 @@ def test_layouts(layout, row_mode):
     x = g.tensor_like(x_t, "x")
     g.reduction(x, "sum", [0, 2, 3]).set_output(True)
     g.reduction(x, "max", [1]).set_output(True)
-    check(g, {x: x_t})
+    check(g, {x: x_t}, options=row_options(row_mode))
 
 
 def test_float32_output_of_half_input():
@@ -82,7 +82,7 @@ def test_product_below_the_smallest_normal_half_is_rounded_once(row_mode):
     x = g.tensor(name="x", dim=[13, 2])
     y = g.reduction(x, "prod", [0, 1]).set_output(True)
     values = torch.tensor([0.5, 0.7] * 13).reshape(13, 2).half()
-    outputs = run(g, {x: values})
+    outputs = run(g, {x: values}, options=row_options(row_mode))
     ref = g.reference({x: values})[y.name]
     assert 0 < ref.abs().item() < torch.finfo(torch.float16).smallest_normal
     assert outputs[y.name].double().equal(ref.half().double())
@@ -97,7 +97,7 @@ def test_product_below_float32_range_stores_about_a_signed_zero(row_mode):
     y = g.reduction(x, "prod", [0, 1]).set_output(True)
     values = torch.full((16, 13), 0.6)
     values[3, 5] = -0.6
-    outputs = run(g, {x: values})
+    outputs = run(g, {x: values}, options=row_options(row_mode))
     one_step = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
     assert abs(outputs[y.name].item()) <= one_step and outputs[y.name].signbit().item()
 
@@ -118,9 +118,10 @@ def integer_sample(shape, mode, data_type):
     return torch.randint(-limit, limit, shape, dtype=data_type.torch_dtype)
 
 
-def exact(graph, inputs):
-    """Execute with poisoned outputs; every output equals the reference exactly."""
-    outputs = run(graph, inputs)
+def exact(graph, inputs, options=None):
+    """Execute (built with `options` where given) with poisoned outputs; every output equals the
+    reference exactly."""
+    outputs = run(graph, inputs, options=options)
     refs = graph.reference(inputs)
     for name, out in outputs.items():
         want = refs[name] if refs[name].dtype == out.dtype else refs[name].to(out.dtype)
@@ -137,7 +138,7 @@ def test_integer_reductions_are_exact(row_mode, mode, dtype, shape, axes):
     x = g.tensor(name="x", dim=shape, data_type=data_type)
     g.reduction(x, mode, axes).set_output(True).set_name("y")
     x_t = integer_sample(shape, mode, data_type)
-    out = exact(g, {x: x_t})
+    out = exact(g, {x: x_t}, options=row_options(row_mode))
     if dtype != "bool" and mode == "sum":  # beyond what float32 holds exactly
         assert out["y"].abs().max() > 2**24
     if axes == [1]:
@@ -150,7 +151,7 @@ def test_int64_sums_and_products_wrap_like_torch(row_mode, mode):
     x = g.tensor(name="x", dim=[3, 41])
     g.reduction(x, mode, [1]).set_output(True).set_name("y")
     x_t = torch.randint(2**61, 2**62, (3, 41)) if mode == "sum" else torch.randint(2**20, 2**21, (3, 41))
-    out = exact(g, {x: x_t})
+    out = exact(g, {x: x_t}, options=row_options(row_mode))
     assert torch.equal(out["y"], x_t.sum(1, keepdim=True) if mode == "sum" else x_t.prod(1, keepdim=True))
 
 
@@ -165,7 +166,7 @@ def test_integer_layouts(row_mode, layout):
         g.reduction(x, mode if mode != "prod" else "max", [0, 2, 3]).set_output(True).set_name(f"{mode}_k")
     g.reduction(x, "sum", [1]).set_output(True).set_name("sum_r")
     g.reduction(x, "min", [0, 1]).set_output(True).set_name("min_outer")
-    exact(g, {x: x_t})
+    exact(g, {x: x_t}, options=row_options(row_mode))
 
 
 def test_integer_results_stored_to_other_types(row_mode):
@@ -181,7 +182,7 @@ def test_integer_results_stored_to_other_types(row_mode):
     x_t = torch.randint(-2**31, 2**31 - 1, (4, 23), dtype=torch.int32)
     x_t[0] = 2**31 - 1  # sums past int32: the narrow store wraps as torch's .to does
     x_t[1] = 0
-    out = exact(g, {x: x_t})
+    out = exact(g, {x: x_t}, options=row_options(row_mode))
     wide = x_t.sum(1, keepdim=True)
     assert torch.equal(out["narrow"], wide.to(torch.int32)) and torch.equal(out["real"], wide.float())
 
@@ -199,7 +200,7 @@ def test_integer_prologue_and_epilogue_stay_exact(row_mode):
     g.reduction(flag, "sum", [1]).set_output(True).set_name("count")
     x_t = torch.randint(-2**29, 2**29, (6, 45), dtype=torch.int32)
     flag_t = torch.rand(6, 45) < 0.3
-    out = exact(g, {x: x_t, flag: flag_t})
+    out = exact(g, {x: x_t, flag: flag_t}, options=row_options(row_mode))
     assert torch.equal(out["shifted"], (x_t.long() * 3).sum(1, keepdim=True) + 2**40 + 1)
     assert torch.equal(out["count"], flag_t.sum(1, keepdim=True))
     assert len(g.plan.groups) == 2  # prologue and epilogues fused into the two reductions

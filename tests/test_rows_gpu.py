@@ -4,7 +4,7 @@ import torch
 
 import dnngraph as dg
 from helpers import check
-from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
+from rowmodes import modes_used, row_mode, row_options  # noqa: F401 (row_mode: a fixture)
 from test_norms import (_channel_backward, _channel_forward, _feature_backward, _feature_graph, _fused_backward,
                         _fused_launches, check_non_finite_channel_norm, check_non_finite_feature_norm, shifted)
 
@@ -132,10 +132,10 @@ def test_batchnorm_nhwc_bf16_column_split(shape):
 @pytest.mark.parametrize("op", ["layernorm", "rmsnorm"])
 def test_feature_norm_stats_of_non_finite_rows_gpu(row_mode, op, phase):
     """On the GPU tl.maximum drops NaN and fast paths differ from numpy: the same checks."""
-    check_non_finite_feature_norm(op, phase, CUDA)
+    check_non_finite_feature_norm(op, phase, CUDA, row_options(row_mode))
 
 
 @pytest.mark.parametrize("nhwc", [False, True])
 @pytest.mark.parametrize("op,groups", [("batchnorm", None), ("groupnorm", 2), ("instancenorm", None)])
 def test_channel_norm_stats_of_non_finite_channels_gpu(row_mode, op, groups, nhwc):
-    check_non_finite_channel_norm(op, groups, nhwc, CUDA)
+    check_non_finite_channel_norm(op, groups, nhwc, CUDA, row_options(row_mode))

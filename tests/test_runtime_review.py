@@ -2,6 +2,7 @@
 
 Tests that fail on the reviewed commit name the defect in their docstring ("DEFECT"); the others
 are regression tests for attacks that held up."""
+import dataclasses
 import gc
 import os
 import shutil
@@ -15,8 +16,6 @@ import torch
 import dnngraph as dg
 from dnngraph.runtime import interpreting
 from dnngraph import runtime
-from dnngraph.heuristics import rows
-from dnngraph.log import logger
 from dnngraph.plan import cache as plan_cache
 from dnngraph.plan import interpreter_client
 from helpers import check, poisoned, rel_err
@@ -167,27 +166,20 @@ def test_interpreter_process_switch_changes_no_plan_key():
     assert plan_cache.PLANS.hits == hits + 1
 
 
-def test_a_knob_set_during_a_build_does_not_file_the_plan_under_the_new_value(monkeypatch):
-    """DEFECT (stale plan, race): a miss stores its plan a second time under a key taken *after*
-    the build. A knob assigned while the build runs (another thread's sweep, a test's
-    monkeypatch in a thread) files a plan built without the knob under the knob's key; every
-    later build with the knob set then hits the plan that ignores it. Here the assignment is
-    made deterministically at the end of the build (from its log call)."""
-    real_info = logger.info
-
-    def info(message, *args, **kwargs):
-        if message.startswith("built graph") and "from the plan cache" not in message:
-            monkeypatch.setattr(rows, "FORCE_MODE", "looped")  # as another thread would
-            monkeypatch.setattr(rows, "LOOP_TILE", 16)
-        return real_info(message, *args, **kwargs)
-
-    monkeypatch.setattr(logger, "info", info)
+def test_a_plan_is_filed_under_the_options_it_was_built_with():
+    """What once was a race (a module knob assigned while a build ran filed the plan, built
+    without it, under the knob's key) cannot recur: a build reads only its BuildOptions, a
+    frozen value in its key."""
+    looped = dg.BuildOptions(row_mode="looped", row_loop_tile=16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        looped.row_mode = None
     first = _mlp()[0].build()
+    forced = _mlp()[0].build(options=looped)
     assert "(looped)" not in first.plan.launches[-1].config_text
-    monkeypatch.setattr(logger, "info", real_info)
-    # the knob is now set: a build must honour it, as test_forced_configs_change_the_plan shows
-    forced = _mlp()[0].build()
     assert "(looped)" in forced.plan.launches[-1].config_text
+    hits = plan_cache.PLANS.hits
+    again = _mlp()[0].build()
+    assert plan_cache.PLANS.hits == hits + 1 and again.plan.launches is first.plan.launches
 
 
 # ================================================================================================

@@ -37,7 +37,7 @@ def _graph(dtype, q_t, k_t, v_t, **kwargs):
 
 
 def _run(shape_q, shape_kv, dtype=torch.float32, layout="bhsd", value_dim=None, lens=None, bias_dim=None,
-         seed=0, tolerance=None, **attrs):
+         seed=0, tolerance=None, options=None, **attrs):
     gen = torch.Generator().manual_seed(seed)
     b = shape_q[0]
     q_t, k_t, v_t = _qkv(shape_q, shape_kv, layout, dtype, value_dim, gen)
@@ -55,7 +55,7 @@ def _run(shape_q, shape_kv, dtype=torch.float32, layout="bhsd", value_dim=None, 
     o, stats = g.sdpa(q, k, v, is_inference=False, **attrs)
     o.set_output(True)
     stats.set_output(True)
-    g.build()
+    g.build(options=options)
     split = g.plan.launches[-1].config_text.startswith("combine")
     assert len(g.plan.launches) == (2 if split else 1)
     return check(g, inputs, dtype, tolerance=tolerance)
@@ -121,10 +121,10 @@ def test_fp16_io_with_poisoned_outputs():
     _run((2, 2, 33, 32), (2, 47), dtype=torch.float16, use_causal_mask=True)
 
 
-def test_forced_small_tiles_walk_every_block_run(monkeypatch):
+def test_forced_small_tiles_walk_every_block_run():
     """16 x 16 tiles over 70 keys: masked runs before and after the fully visible ones."""
-    monkeypatch.setattr(heur, "FORCE_CONFIG", heur.AttentionConfig(16, 16, 1, 1))
-    _run((1, 2, 70, 16), (2, 70), diagonal_band_left_bound=20, diagonal_band_right_bound=9)
+    _run((1, 2, 70, 16), (2, 70), diagonal_band_left_bound=20, diagonal_band_right_bound=9,
+         options=dg.BuildOptions(sdpa_config=heur.AttentionConfig(16, 16, 1, 1)))
 
 
 def _paged(batch, kv_heads, page, pages_per_seq, head_dim, generator):
@@ -254,7 +254,7 @@ def _forward_values(q_t, k_t, v_t, inputs_extra, attrs):
 
 
 def _run_backward(shape_q, shape_kv, dtype=torch.float32, layout="bhsd", value_dim=None, lens=None,
-                  bias_dim=None, seed=0, tolerance=None, workspace_limit=None, **attrs):
+                  bias_dim=None, seed=0, tolerance=None, workspace_limit=None, options=None, **attrs):
     gen = torch.Generator().manual_seed(seed)
     b = shape_q[0]
     q_t, k_t, v_t = _qkv(shape_q, shape_kv, layout, dtype, value_dim, gen)
@@ -278,7 +278,7 @@ def _run_backward(shape_q, shape_kv, dtype=torch.float32, layout="bhsd", value_d
         attrs[name] = tensor
     for grad in g.sdpa_backward(q, k, v, o, d_o, stats, **attrs):
         grad.set_output(True)
-    g.build(workspace_limit=workspace_limit)
+    g.build(workspace_limit=workspace_limit, options=options)
     assert len(g.plan.launches) == (2 if workspace_limit == 0 else 3)
     return check(g, inputs, dtype, tolerance=tolerance)
 
@@ -315,25 +315,24 @@ def test_backward_bias_dropout_and_no_workspace():
     _run_backward((2, 3, 17, 16), (3, 26), bias_dim=(2, 1, 1, 26), workspace_limit=0, **attrs)
 
 
-def test_backward_forced_tiles_walk_every_run(monkeypatch):
+def test_backward_forced_tiles_walk_every_run():
     tile = heur.AttentionConfig(16, 16, 1, 1)
-    monkeypatch.setattr(heur, "FORCE_BACKWARD", {"dkdv": tile, "dq": tile})
-    _run_backward((1, 2, 70, 16), (2, 66), diagonal_band_left_bound=20, diagonal_band_right_bound=9)
+    _run_backward((1, 2, 70, 16), (2, 66), diagonal_band_left_bound=20, diagonal_band_right_bound=9,
+                  options=dg.BuildOptions(sdpa_dkdv_config=tile, sdpa_dq_config=tile))
 
 
 # --- decode: query heads packed per K/V head, keys split and merged ------------------------------
 @pytest.mark.parametrize("splits", [None, 3])
 @pytest.mark.parametrize("mask", ["none", "causal_bottom_right", "window_bottom_right", "band"])
-def test_decode_packed_and_split(monkeypatch, splits, mask):
+def test_decode_packed_and_split(splits, mask):
     """Sq 1-3 with GQA 4:1: every query row of a K/V head in one tile; forced splits merge their
     partials by log-sum-exp (padding leaves some splits empty)."""
-    monkeypatch.setattr(heur, "FORCE_SPLITS", splits)
-    _run((3, 8, 3, 16), (2, 77), lens=([3, 1, 2], [77, 5, 0]), **MASKS[mask])
-    _run((2, 4, 1, 24), (1, 50), bias_dim=(2, 4, 1, 50), dropout=(0.2, 11, 13), **MASKS[mask])
+    options = dg.BuildOptions(sdpa_splits=splits)
+    _run((3, 8, 3, 16), (2, 77), lens=([3, 1, 2], [77, 5, 0]), options=options, **MASKS[mask])
+    _run((2, 4, 1, 24), (1, 50), bias_dim=(2, 4, 1, 50), dropout=(0.2, 11, 13), options=options, **MASKS[mask])
 
 
-def test_decode_split_with_epilogue_paged_and_no_workspace(monkeypatch):
-    monkeypatch.setattr(heur, "FORCE_SPLITS", 4)
+def test_decode_split_with_epilogue_paged_and_no_workspace():
     gen = torch.Generator().manual_seed(8)
     k_pool, v_pool, table = _paged(2, 2, 4, 9, 16, gen)
     q_t = torch.randn(2, 8, 1, 16, generator=gen)
@@ -346,7 +345,7 @@ def test_decode_split_with_epilogue_paged_and_no_workspace(monkeypatch):
                           paged_attention_v_table=kt)
         stats.set_output(True)
         g.cast(g.mul(o, 3.0), data_type=dg.float16).set_output(True).set_name("o16")
-        g.build(workspace_limit=limit)
+        g.build(workspace_limit=limit, options=dg.BuildOptions(sdpa_splits=4))
         assert len(g.plan.launches) == (2 if limit is None else 1)
         check(g, inputs, tolerance=2e-3)
 
@@ -444,12 +443,11 @@ def test_op_level_chain_that_does_not_fit_runs_unfused():
 
 
 def test_head_dims_past_the_gpu_tables_are_unsupported_for_a_gpu():
-    from dnngraph.heuristics.device import DeviceModel
     wide = heur.AttentionProblem(1, 2, 2, 64, 64, 320, 320, 2)
     with pytest.raises(dg.UnsupportedError, match="320"):
-        heur.schedule(wide, DeviceModel("h100", 132, 3e12, (9, 0)))
+        heur.schedule(wide, dg.target.H100)
     with pytest.raises(dg.UnsupportedError, match="320"):
-        heur.backward_schedule(wide, DeviceModel("h100", 132, 3e12, (9, 0)))
+        heur.backward_schedule(wide, dg.target.H100)
     _run((1, 2, 17, 300), (2, 19))  # the interpreter runs any width
 
 
@@ -491,7 +489,8 @@ def test_backward_is_deterministic_in_either_mode():
 
 
 # --- dbias ----------------------------------------------------------------------------------------
-def _run_dbias(shape_q, shape_kv, bias_dim, dtype=torch.float32, lens=None, seed=0, tolerance=None, **attrs):
+def _run_dbias(shape_q, shape_kv, bias_dim, dtype=torch.float32, lens=None, seed=0, tolerance=None, options=None,
+               **attrs):
     """sdpa_backward with compute_dbias: dq, dk, dv and dbias against autograd on the reference."""
     gen = torch.Generator().manual_seed(seed)
     b = shape_q[0]
@@ -512,7 +511,7 @@ def _run_dbias(shape_q, shape_kv, bias_dim, dtype=torch.float32, lens=None, seed
     assert len(grads) == 4 and list(grads[3].dim) == list(bias_dim)
     for grad in grads:
         grad.set_output(True)
-    g.build()
+    g.build(options=options)
     assert len(g.plan.launches) == 4  # delta, dK/dV, dQ, dbias
     if bias_dim[3] > 1:
         return check(g, inputs, dtype, tolerance=tolerance)

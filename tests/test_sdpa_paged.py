@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import sdpa as heur
 from helpers import check, run
 
 PAGES, KV_HEADS, PAGE, HEAD_DIM, HEADS = 19, 2, 8, 16, 4
@@ -67,9 +66,10 @@ def paged_case(s_q: int, bad_id: int, tables: str, canary: float, device="cpu", 
     return g, inputs
 
 
-def check_paged(g, inputs, device="cpu"):
-    """Kernels against the reference; o finite (no canary reached it)."""
-    outputs = check(g, inputs, device=device)
+def check_paged(g, inputs, device="cpu", options=None):
+    """Kernels (built with `options` where given) against the reference; o finite (no canary
+    reached it)."""
+    outputs = check(g, inputs, device=device, options=options)
     assert torch.isfinite(outputs["o"]).all()
     return outputs
 
@@ -82,11 +82,10 @@ def test_ids_outside_the_pool_mask_their_keys(s_q, bad_id, tables):
 
 
 @pytest.mark.parametrize("bad_id", [PAGES, -2**31, 2**31 - 1])
-def test_split_decode_masks_them_too(monkeypatch, bad_id):
+def test_split_decode_masks_them_too(bad_id):
     """Three splits of the keys and their combine: a split that sees only masked keys adds nothing."""
-    monkeypatch.setattr(heur, "FORCE_SPLITS", 3)
     g, inputs = paged_case(1, bad_id, "both", CANARIES["nan"], causal=False)
-    g.build()
+    g.build(options=dg.BuildOptions(sdpa_splits=3))
     assert g.plan.launches[-1].config_text.startswith("combine")
     check_paged(g, inputs)
 
@@ -139,10 +138,10 @@ def test_ids_outside_the_pool_mask_their_keys_gpu(s_q, bad_id, tables):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("splits", [2, 3])
-def test_split_decode_masks_them_too_gpu(monkeypatch, splits):
-    monkeypatch.setattr(heur, "FORCE_SPLITS", splits)
+def test_split_decode_masks_them_too_gpu(splits):
     for bad_id in (PAGES, -2**31, 2**31 - 1):
-        check_paged(*paged_case(1, bad_id, "both", CANARIES["nan"], device="cuda", causal=False), device="cuda")
+        check_paged(*paged_case(1, bad_id, "both", CANARIES["nan"], device="cuda", causal=False), device="cuda",
+                    options=dg.BuildOptions(sdpa_splits=splits))
     torch.cuda.synchronize()
 
 
@@ -152,10 +151,8 @@ def sm90_graphs():
         g, _ = paged_case(s_q, PAGES, "both", 0.0)
         g.build()
         yield f"paged s_q={s_q}", g
-    heur.FORCE_SPLITS = 3
     g, _ = paged_case(1, PAGES, "both", 0.0, causal=False)
-    g.build()
-    heur.FORCE_SPLITS = None
+    g.build(options=dg.BuildOptions(sdpa_splits=3))
     yield "paged split decode", g
 
 

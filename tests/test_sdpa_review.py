@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import sdpa as heur
 from helpers import check, run
 
 TYPES = {torch.float32: dg.float32, torch.float16: dg.float16, torch.bfloat16: dg.bfloat16}
@@ -15,8 +14,9 @@ def _lens(values, dtype=torch.int32):
     return torch.tensor(values, dtype=dtype).view(-1, 1, 1, 1)
 
 
-def _forward(q_t, k_t, v_t, extra=None, tolerance=None, stats=True, **attrs):
-    """Build sdpa (o, and stats unless told) with `extra` named inputs as keyword tensors; check."""
+def _forward(q_t, k_t, v_t, extra=None, tolerance=None, stats=True, options=None, **attrs):
+    """Build sdpa (o, and stats unless told) with `extra` named inputs as keyword tensors (with
+    `options` where given); check."""
     g = dg.Graph(name="review", io_data_type=TYPES[q_t.dtype], intermediate_data_type=dg.float32,
                  compute_data_type=dg.float32)
     q, k, v = (g.tensor_like(t, n) for t, n in ((q_t, "q"), (k_t, "k"), (v_t, "v")))
@@ -29,7 +29,7 @@ def _forward(q_t, k_t, v_t, extra=None, tolerance=None, stats=True, **attrs):
     o.set_output(True)
     if stats:
         lse.set_output(True)
-    return check(g, inputs, q_t.dtype, tolerance=tolerance)
+    return check(g, inputs, q_t.dtype, tolerance=tolerance, options=options)
 
 
 def _reference_forward(q_t, k_t, v_t, extra, attrs):
@@ -43,8 +43,9 @@ def _reference_forward(q_t, k_t, v_t, extra, attrs):
     return refs[o.name].to(q_t.dtype), refs[stats.name].float()
 
 
-def _backward(q_t, k_t, v_t, extra=None, tolerance=None, workspace_limit=None, saved=None, **attrs):
-    """sdpa_backward from the reference forward's o and stats (or `saved`); checked."""
+def _backward(q_t, k_t, v_t, extra=None, tolerance=None, workspace_limit=None, saved=None, options=None, **attrs):
+    """sdpa_backward from the reference forward's o and stats (or `saved`), built with `options`
+    where given; checked."""
     extra = extra or {}
     o_t, stats_t = saved or _reference_forward(q_t, k_t, v_t, extra, attrs)
     do_t = torch.randn(o_t.shape, generator=torch.Generator().manual_seed(1)).to(q_t.dtype)
@@ -59,7 +60,7 @@ def _backward(q_t, k_t, v_t, extra=None, tolerance=None, workspace_limit=None, s
         attrs[name] = handle
     for grad in g.sdpa_backward(*handles, **attrs):
         grad.set_output(True)
-    g.build(workspace_limit=workspace_limit)
+    g.build(workspace_limit=workspace_limit, options=options)
     return check(g, inputs, q_t.dtype, tolerance=tolerance)
 
 
@@ -87,10 +88,9 @@ def test_bounds_past_the_sequences_mean_unbounded(bounds, s_q, s_kv):
     _backward(q_t, k_t, v_t, **BOUNDS[bounds])
 
 
-def test_bounds_past_the_sequences_decode_split(monkeypatch):
-    monkeypatch.setattr(heur, "FORCE_SPLITS", 3)
+def test_bounds_past_the_sequences_decode_split():
     q_t, k_t, v_t = _qkv(2, 4, 2, 2, 70, 8)
-    _forward(q_t, k_t, v_t, diagonal_band_right_bound=BIG)
+    _forward(q_t, k_t, v_t, diagonal_band_right_bound=BIG, options=dg.BuildOptions(sdpa_splits=3))
 
 
 # --- D2: lengths outside [0, S]: kernels and reference disagreed, forward and backward too --------
@@ -241,8 +241,7 @@ def test_json_round_trip_of_every_attribute():
         assert torch.equal(value.nan_to_num(7.0), second[name].nan_to_num(7.0)), name
 
 
-def test_names_that_look_like_decode_and_backward_variables(monkeypatch):
-    monkeypatch.setattr(heur, "FORCE_SPLITS", 2)
+def test_names_that_look_like_decode_and_backward_variables():
     gen = torch.Generator().manual_seed(2)
     q_t, k_t, v_t = torch.randn(2, 4, 2, 8, generator=gen), torch.randn(2, 2, 40, 8, generator=gen), \
         torch.randn(2, 2, 40, 8, generator=gen)
@@ -253,28 +252,27 @@ def test_names_that_look_like_decode_and_backward_variables(monkeypatch):
     o, stats = g.sdpa(q, k, v, is_inference=False, use_causal_mask_bottom_right=True, name="SPLITS")
     stats.set_output(True).set_name("lpart_ptr")
     g.add(o, extra, name="split").set_output(True).set_name("o_part")
-    check(g, {q: q_t, k: k_t, v: v_t, extra: extra_t})
+    check(g, {q: q_t, k: k_t, v: v_t, extra: extra_t}, options=dg.BuildOptions(sdpa_splits=2))
 
 
 # --- D7: wide (int64) offsets missed in the backward's dQ key loads and the bias loads -----------
-def test_wide_index_kernels_cast_every_row_offset(monkeypatch):
+def test_wide_index_kernels_cast_every_row_offset():
     """With some operand past 2^31 elements, row offsets go int64: the dQ kernel's K/V loads and
     every bias load multiplied int32 key or row indices by a stride (a 1M-key BSHD k, a
     [1, 1, 48k, 48k] bias wrap). Forced wide here: right numbers and no uncast row product."""
     import re
-    from dnngraph.plan import sdpa as plan_sdpa
-    monkeypatch.setattr(plan_sdpa, "INT32_LIMIT", 0)
+    wide = dg.BuildOptions(sdpa_index_64=True)
     q_t, k_t, v_t = _qkv(2, 4, 2, 17, 19, 8)
     bias = torch.randn(2, 19, 4, 17).permute(0, 2, 3, 1)  # keys strided: bias_s3 != 1
     for build in (_forward, _backward):
-        build(q_t, k_t, v_t, {"bias": bias}, use_causal_mask=True)
+        build(q_t, k_t, v_t, {"bias": bias}, use_causal_mask=True, options=wide)
     g = dg.Graph()
     q, k, v = (g.tensor_like(t, n) for t, n in ((q_t, "q"), (k_t, "k"), (v_t, "v")))
     b = g.tensor_like(bias, "bias")
     o, stats = g.sdpa(q, k, v, is_inference=False, bias=b)
     for grad in g.sdpa_backward(q, k, v, o, o, stats, bias=b):
         grad.set_output(True)
-    g.build()
+    g.build(options=wide)
     for launch in g.plan.launches:
         source = open(launch.source_path).read()
         assert not re.findall(r"\b(?:keys|rows|q_rows)\[[^\]]*\] \* \w+_s\d", source), launch.source_path

@@ -4,7 +4,7 @@ import torch
 
 import dnngraph as dg
 from helpers import check
-from rowmodes import modes_used, row_mode  # noqa: F401 (fixture)
+from rowmodes import modes_used, row_mode, row_options  # noqa: F401 (row_mode: a fixture)
 
 DTYPES = {torch.float32: dg.float32, torch.float16: dg.float16}
 
@@ -28,13 +28,13 @@ def test_forward_and_backward_every_mode(row_mode, log):
     g = dg.Graph()
     x = g.tensor(name="x", dim=[7, 93])
     g.softmax(x, axis=1, log=log).set_output(True)
-    check(g, {x: sample(7, 93)})
+    check(g, {x: sample(7, 93)}, options=row_options(row_mode))
     assert row_mode in modes_used(g) or row_mode == "split"  # softmax forward does not split
     g = dg.Graph()
     dy, y = g.tensor(name="dy", dim=[7, 93]), g.tensor(name="y", dim=[7, 93])
     g.softmax_backward(dy, y, axis=1, log=log).set_output(True)
     y_t = torch.softmax(sample(7, 93), 1)
-    check(g, {dy: sample(7, 93), y: y_t.log() if log else y_t})
+    check(g, {dy: sample(7, 93), y: y_t.log() if log else y_t}, options=row_options(row_mode))
     assert row_mode in modes_used(g)
 
 

@@ -462,8 +462,8 @@ def _recorded_modules(monkeypatch) -> list:
     modules = []
     original = torch_backend.DnngraphModule.__init__
 
-    def recording(self, sub):
-        original(self, sub)
+    def recording(self, sub, options=None):
+        original(self, sub, options)
         modules.append(self)
     monkeypatch.setattr(torch_backend.DnngraphModule, "__init__", recording)
     return modules

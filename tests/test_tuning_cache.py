@@ -332,11 +332,11 @@ def test_row_record_rejects_illegal_values(changes):
 
 
 def _tuner_setup(tmp_path):
-    from dnngraph.heuristics import device_model
     from dnngraph.heuristics.autotune import Tuner
     from dnngraph.heuristics.rows import RowConfig
+    from dnngraph.target import target_of
     ranked = [RowConfig("looped", 1, 2048, 8, 1, 1.0), RowConfig("one_pass", 1, 4096, 8, 1, 2.0)]
-    tuner = Tuner(device_model(), TuningCache(tmp_path / "tuning.json"), progress=False)
+    tuner = Tuner(target_of(), TuningCache(tmp_path / "tuning.json"), progress=False)
     timed = []
 
     def choose():
@@ -355,7 +355,7 @@ def test_tuner_ignores_a_bad_record_with_a_warning(tmp_path, record):
     import triton
     from dnngraph import __version__
     tuner, ranked, timed, choose = _tuner_setup(tmp_path)
-    key = tuning_key(tuner.device.name, triton.__version__, "rows", "sig", __version__)
+    key = tuning_key(tuner.target.name, triton.__version__, "rows", "sig", __version__)
     tuner.cache.store(key, record)
     with pytest.warns(TuningCacheWarning, match="ignoring the record"):
         config, how = choose()
@@ -369,11 +369,11 @@ def test_records_of_another_dnngraph_version_are_not_used(tmp_path):
     import triton
     from dnngraph import __version__
     tuner, ranked, timed, choose = _tuner_setup(tmp_path)
-    other = tuning_key(tuner.device.name, triton.__version__, "rows", "sig", "0.0.0-other")
+    other = tuning_key(tuner.target.name, triton.__version__, "rows", "sig", "0.0.0-other")
     tuner.cache.store(other, {"config": ranked[1].to_record()})
     config, how = choose()
     assert how.source == "tuned" and timed
-    ours = tuning_key(tuner.device.name, triton.__version__, "rows", "sig", __version__)
+    ours = tuning_key(tuner.target.name, triton.__version__, "rows", "sig", __version__)
     assert ours != other and "dnngraph " + __version__ in ours
     assert set(read_document(tuner.cache.path)) == {other, ours}
     config, how = choose()

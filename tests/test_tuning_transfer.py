@@ -5,6 +5,7 @@ every record of the file before touching the cache, refuses the whole file (type
 unchanged) when one is bad, and merges the rest under the writer lock: new keys added, equal ones
 left, a differing local record kept unless --overwrite. Records are keyed by GPU model and
 Triton version, so one imported for another model is never used here."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,7 +19,6 @@ from dnngraph import __version__
 from dnngraph.__main__ import main
 from dnngraph.heuristics.autotune import Tuner
 from dnngraph.heuristics.depthwise import DepthwiseConfig
-from dnngraph.heuristics.device import DeviceModel
 from dnngraph.heuristics.matmul import MatmulConfig
 from dnngraph.heuristics.rows import RowConfig
 from dnngraph.heuristics.tuning_cache import TuningCache, parse_tuning_key, tuning_key, tuning_cache_path
@@ -26,6 +26,11 @@ from dnngraph.heuristics.tuning_transfer import check_entry, export_tuning, impo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+def _target(name: str) -> dg.Target:
+    """An H100's target under the device name `name` (tuning keys hold the name)."""
+    return dataclasses.replace(dg.target.H100, name=name)
 
 
 def _key(device=H100, family="matmul", signature="M=128,N=256,K=64,bf16", triton_version=None,
@@ -87,7 +92,7 @@ def test_records_of_another_gpu_model_are_never_used(tmp_path):
     timed = []
 
     def choose(device_name):
-        tuner = Tuner(DeviceModel(device_name, 132, 3e12, (9, 0)), cache, progress=False)
+        tuner = Tuner(_target(device_name), cache, progress=False)
         return tuner.choose("rows", "sig", ranked, RowConfig.to_record, RowConfig.from_record,
                             lambda c: c.text, lambda c: timed.append(c) or 3.0 - len(timed))
 
@@ -109,7 +114,7 @@ def test_an_imported_record_is_used_only_on_its_gpu_model(tmp_path, cache):
     ranked = [RowConfig("looped", 1, 2048, 8, 1, 1.0), RowConfig("one_pass", 1, 4096, 8, 1, 2.0)]
 
     def choose(device_name):
-        tuner = Tuner(DeviceModel(device_name, 132, 3e12, (9, 0)), cache, progress=False)
+        tuner = Tuner(_target(device_name), cache, progress=False)
         return tuner.choose("rows", "sig", ranked, RowConfig.to_record, RowConfig.from_record,
                             lambda c: c.text, lambda c: 1.0)
 
@@ -144,7 +149,7 @@ def test_export_filters_by_device(tmp_path, cache):
 
 
 def test_export_of_a_real_tuner_record_imports_back(tmp_path, cache):
-    tuner = Tuner(DeviceModel(H100, 132, 3e12, (9, 0)), cache, progress=False)
+    tuner = Tuner(_target(H100), cache, progress=False)
     ranked = [MatmulConfig("tiled", 64, 64, 32, 4, 3), MatmulConfig("tiled", 128, 64, 32, 8, 3)]
     tuner.choose("matmul", "sig", ranked, MatmulConfig.to_record, MatmulConfig.from_record, lambda c: c.text,
                  lambda c: 0.1 * c.block_m)

@@ -1,5 +1,6 @@
 """The workspace: a caller's buffer honoured and checked, one per (device, stream) otherwise,
 launches per device model, and executes from several threads at once (CPU, interpreter)."""
+import dataclasses
 import threading
 import time
 
@@ -8,22 +9,23 @@ import torch
 
 import dnngraph as dg
 import dnngraph.plan as plan_module
-import dnngraph.plan.matmul as matmul_plan
 from dnngraph.plan import cache as plan_cache
-from dnngraph.heuristics import DeviceModel, device_model, matmul as mm, rows
+from dnngraph.heuristics import matmul as mm
+from dnngraph.target import INTERPRETER, target_of
 from helpers import check, poisoned, rel_err
 
 SHAPE = (37, 19)
 
 
-def _softmax_rmsnorm():
-    """A column softmax feeding an rmsnorm: the softmax output lives in the workspace."""
+def _softmax_rmsnorm(options=None):
+    """A column softmax feeding an rmsnorm (built with `options`): the softmax output lives in
+    the workspace."""
     g = dg.Graph(name="colsoftmax_rms")
     x = g.tensor(name="x", dim=list(SHAPE))
     scale = g.tensor(name="scale", dim=[1, SHAPE[1]])
     y, _ = g.rmsnorm(g.softmax(x, axis=0), scale, epsilon=1e-5)
     y.set_output(True)
-    return g.build(), x, scale, y
+    return g.build(options=options), x, scale, y
 
 
 def _inputs(x, scale, seed):
@@ -31,16 +33,12 @@ def _inputs(x, scale, seed):
     return {x: torch.randn(SHAPE, generator=generator) * 2, scale: torch.rand(1, SHAPE[1], generator=generator) + 0.5}
 
 
-@pytest.fixture
-def split_rows(monkeypatch):
+SPLIT_ROWS = dg.BuildOptions(row_mode="split", row_loop_tile=16, row_split_min_reduced=8)
+
+
+def test_caller_workspace_holds_every_internal_tensor():
     """Split row kernels: partials in the workspace besides the virtual tensor."""
-    monkeypatch.setattr(rows, "FORCE_MODE", "split")
-    monkeypatch.setattr(rows, "LOOP_TILE", 16)
-    monkeypatch.setattr(rows, "SPLIT_MIN_REDUCED", 8)
-
-
-def test_caller_workspace_holds_every_internal_tensor(split_rows):
-    g, x, scale, y = _softmax_rmsnorm()
+    g, x, scale, y = _softmax_rmsnorm(SPLIT_ROWS)
     assert any("(split)" in launch.config_text for launch in g.plan.launches)
     size = g.plan.workspace_size()
     assert size == g.plan.workspace_bytes == g.plan.workspace_size("cpu") > 0
@@ -60,8 +58,8 @@ def test_caller_workspace_holds_every_internal_tensor(split_rows):
     assert rel_err(out, g.reference(inputs)[y.name]) < 2e-5
 
 
-def test_workspace_size_covers_split_partials(split_rows):
-    g, *_ = _softmax_rmsnorm()
+def test_workspace_size_covers_split_partials():
+    g, *_ = _softmax_rmsnorm(SPLIT_ROWS)
     virtual = SHAPE[0] * SHAPE[1] * 4
     assert g.plan.workspace_bytes > virtual  # the split partials are placed too
     offsets = sorted((entry[5], entry[5] + entry[4]) for entry in g.plan.workspace_tensors)
@@ -186,11 +184,11 @@ def test_bind_compiles_once_under_concurrent_calls(monkeypatch):
     plan_cache.clear()  # the launch is shared through the plan cache: drop its fake binding
 
 
-def test_device_model_is_taken_for_the_named_device():
-    assert device_model("cpu") == device_model(torch.device("cpu"))
-    assert device_model("cpu").name == "interpreter" and device_model("cpu").capability is None
+def test_target_is_taken_for_the_named_device():
+    assert target_of("cpu") == target_of(torch.device("cpu")) == INTERPRETER
+    assert target_of("cpu").name == "interpreter" and target_of("cpu").capability is None
     if torch.cuda.is_available():
-        assert device_model(0).capability == torch.cuda.get_device_capability(0)
+        assert target_of(0).capability == torch.cuda.get_device_capability(0)
 
 
 def _persistent_matmul():
@@ -204,21 +202,19 @@ def _persistent_matmul():
 
 
 def test_a_device_of_another_model_gets_launches_of_its_own(monkeypatch):
-    monkeypatch.setattr(mm, "FORCE_CONFIG", mm.MatmulConfig("persistent", 16, 16, 16, 4, 2))
     g, a, b, y = _persistent_matmul()
-    g.build()
+    g.build(options=dg.BuildOptions(matmul_config=mm.MatmulConfig("persistent", 16, 16, 16, 4, 2)))
     first = g.plan.launches[0]
     assert first.config_text.startswith("persistent") and first.grid[0] > 5
     # Tensors now on "another GPU" with 5 SMs: the plan must size its persistent grid for that one.
-    small = DeviceModel("small", 5, 1.0e12, (9, 0))
-    monkeypatch.setattr(plan_module, "device_model", lambda device=None: small)
-    monkeypatch.setattr(matmul_plan, "device_model", lambda device=None: small)
+    small = dataclasses.replace(dg.target.H100, name="small", sms=5)
+    monkeypatch.setattr(plan_module, "target_of", lambda device=None: small)
     g.plan._by_device.clear()  # as if the tensors' device had never been seen
     inputs = {a: torch.randn(3, 45, 24), b: torch.randn(3, 24, 40)}
     check(g, inputs)
-    derived = g.plan._by_model[small]
+    derived = g.plan._by_target[small]
     assert derived.launches[0].grid[0] == 5 and derived.launches is not g.plan.launches
-    assert g.plan.launches[0] is first  # the build's launches are kept for their model
+    assert g.plan.launches[0] is first  # the build's launches are kept for their target
 
 
 def test_a_stale_plan_builds_from_its_own_snapshot_not_the_changed_graph(monkeypatch):
@@ -229,7 +225,8 @@ def test_a_stale_plan_builds_from_its_own_snapshot_not_the_changed_graph(monkeyp
     g.tensor(name="extra", dim=[3])  # the graph changes: its plan is dropped
     y.set_data_type(dg.float16)
     assert g.plan is None
-    monkeypatch.setattr(plan_module, "device_model", lambda device=None: DeviceModel("other", 5, 1e12))
+    other = dataclasses.replace(INTERPRETER, name="other", sms=5)
+    monkeypatch.setattr(plan_module, "target_of", lambda device=None: other)
     plan._by_device.clear()
     out = poisoned(y).float()  # the plan still computes the graph as it was built: float32 y
     plan.execute({**inputs, y: out})

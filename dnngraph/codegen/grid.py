@@ -1,5 +1,5 @@
 """Program ids of a grid folded into axis x: a kernel whose logical grid passes CUDA's limits on
-axis y or z (heuristics/device.py GRID_LIMITS) is launched with every program on axis x and
+axis y or z (target.py: Target.max_grid) is launched with every program on axis x and
 decodes each logical axis' index from program_id(0), the first axis fastest. Kernels render it
 only for such grids; ordinary ones keep tl.program_id(axis)."""
 from __future__ import annotations

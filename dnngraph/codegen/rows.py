@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
-from ..heuristics.rows import combine_blocks
 from .names import NameAllocator, comment_text
 from .pointwise import KernelArgument
 
@@ -92,6 +91,7 @@ class RowKernelSpec:
     # axes (its combine): the parameters' row-major index, whatever order each kernel's axes take
     param_accumulators: tuple = ()
     part_strides: Optional[tuple] = None
+    split_tile: int = 0  # combine: partials folded per trip (heuristics/rows.py combine_blocks)
 
     def epilogue_nodes(self) -> tuple:
         return tuple(self.group.epilogue) if self.epilogue is None else self.epilogue
@@ -144,7 +144,7 @@ def _arguments(src: _Source):
                  KernelArgument("constexpr", "BLOCK_R", cfg.block_r),
                  KernelArgument("constexpr", "SPLITS", cfg.splits)]
     if spec.shape == "combine":
-        src.args.append(KernelArgument("constexpr", "SPLIT_TILE", combine_blocks(geo.rows, cfg.splits)[1]))
+        src.args.append(KernelArgument("constexpr", "SPLIT_TILE", spec.split_tile))
     return used
 
 

@@ -14,12 +14,13 @@ from typing import Callable, Optional
 
 import triton
 
-from .device import DeviceModel
+from ..target import Target
 from .tuning_cache import TuningCache, TuningCacheWarning, default_cache, tuning_key
 
 # Candidates timed per problem: the model's top 6 held the fastest of all candidates on 28 of
 # the 32 problems of bench_matmul_heuristics.py (H100), and came within 0.99 of it on geometric
-# mean (worst 0.88); DNNGRAPH_AUTOTUNE_TOP=all times every candidate.
+# mean (worst 0.88); BuildOptions.autotune_top (default $DNNGRAPH_AUTOTUNE_TOP, "all": None)
+# sets another count.
 DEFAULT_TOP = 6
 
 
@@ -74,25 +75,16 @@ def _cached_choice(cached, ranked: list, from_record: Callable, text_of: Callabl
     return candidate, TuningRecord("cache", text_of(candidate), timings, **about)
 
 
-def top_count(total: int) -> int:
-    """How many ranked candidates to time ($DNNGRAPH_AUTOTUNE_TOP: a number or "all")."""
-    wanted = os.environ.get("DNNGRAPH_AUTOTUNE_TOP", str(DEFAULT_TOP)).strip().lower()
-    if wanted == "all":
-        return total
-    try:
-        return max(1, min(total, int(wanted)))
-    except ValueError:
-        return min(total, DEFAULT_TOP)
-
-
 BAR_WIDTH = 24  # characters of the autotune progress bar on a terminal
 
 
 class Tuner:
-    """Chooses configs by timing; one per build(autotune=True)."""
+    """Chooses configs by timing on a device of `target`, the best `top` of each ranking (None:
+    all of them); one per build(autotune=True)."""
 
-    def __init__(self, device: DeviceModel, cache: Optional[TuningCache] = None, progress: bool = True):
-        self.device = device
+    def __init__(self, target: Target, cache: Optional[TuningCache] = None, progress: bool = True,
+                 top: Optional[int] = DEFAULT_TOP):
+        self.target, self.top = target, top
         self.cache = cache or default_cache()
         self.progress = progress and os.environ.get("DNNGRAPH_AUTOTUNE_QUIET", "0") in ("", "0")
         self.timed = 0  # candidates timed by this tuner (0 when everything came from the cache)
@@ -116,7 +108,7 @@ class Tuner:
                text_of: Callable, time_config: Callable):
         """(config, TuningRecord): the cached winner for this problem, else the fastest of the
         top-ranked candidates, timed with time_config(config) -> milliseconds."""
-        key = tuning_key(self.device.name, triton.__version__, family, signature, _dnngraph_version())
+        key = tuning_key(self.target.name, triton.__version__, family, signature, _dnngraph_version())
         about = dict(family=family, signature=signature, candidates=len(ranked))
         cached = self.cache.lookup(key)
         if cached is not None:
@@ -126,7 +118,7 @@ class Tuner:
                               f"{family} {signature}: {found}", TuningCacheWarning, stacklevel=4)
             else:
                 return found
-        count = top_count(len(ranked))
+        count = len(ranked) if self.top is None else min(len(ranked), self.top)
         self._say(f"{family} {signature}: timing {count} of {len(ranked)} candidates")
         results = []
         for rank, config in enumerate(ranked[:count]):

@@ -17,8 +17,9 @@ matmul and is scheduled as one (heuristics/matmul.py, TMA included).
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
-from .device import DeviceModel
+from ..target import Target
 from .matmul import MatmulConfig, MatmulProblem, MatmulSchedule, candidates as matmul_candidates, estimate
 
 # The activation gather computes a pixel's coordinates and padding mask per tap and loads
@@ -32,6 +33,7 @@ GATHER_EFFICIENCY = {4: 0.85, 8: 0.65}
 # 30.1 us against 25.0 for 64x128 (256@14) and 35.1 against 28.9 (128@28) in the same sweep.
 GATHER_WIDE_ONE_WARPGROUP = 0.8
 NARROW_K = (16, 32)  # extra BLOCK_K choices where the group's channels are few
+FORCED_BY = "BuildOptions.conv_config"  # what a forced config's reason names
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,12 @@ class ConvProblem:
                 f"a{self.a_bytes} b{self.b_bytes} o{self.out_bytes} {self.layout} {self.epilogue}").strip()
 
 
-def candidates(problem: ConvProblem, sms: int = 132) -> list[MatmulConfig]:
+def candidates(problem: ConvProblem, target: Target) -> list[MatmulConfig]:
     """Pointer-load GEMM configs for the conv (no persistent/TMA variant), plus narrow-K twins
     where a narrower step pads less: the group's channels fill less than the step, or (folded)
     the whole K ends in a partial step (147 for the stem: 192 at 64, 160 at 32)."""
     found = {}
-    for config in matmul_candidates(problem.padded(1), sms):
+    for config in matmul_candidates(problem.padded(1), target):
         if config.variant == "persistent":
             continue
         block_ks = {config.block_k} | {k for k in NARROW_K if k < config.block_k and _pads_less(problem, k, config.block_k)}
@@ -98,24 +100,22 @@ def _pads_less(problem: ConvProblem, narrow: int, block_k: int) -> bool:
     return problem.channels < block_k
 
 
-def conv_estimate(config: MatmulConfig, problem: ConvProblem, device: DeviceModel) -> float:
-    """Model seconds for `config` on `problem`."""
+def conv_estimate(config: MatmulConfig, problem: ConvProblem, target: Target) -> float:
+    """Model seconds for `config` on `problem` on `target`."""
     efficiency = GATHER_EFFICIENCY[config.num_warps]
     if config.num_warps == 4 and config.block_m * config.block_n >= 128 * 128:
         efficiency *= GATHER_WIDE_ONE_WARPGROUP
-    return estimate(config, problem.padded(config.block_k), device) / efficiency
+    return estimate(config, problem.padded(config.block_k), target) / efficiency
 
 
-def rank(problem: ConvProblem, device: DeviceModel) -> list[MatmulConfig]:
+def rank(problem: ConvProblem, target: Target) -> list[MatmulConfig]:
     """Candidates with their model time, best first (ties: no split, bigger tiles, wide N: 64x128
     ran 31.3 us against 33.9 for 128x64 at 512@7 3x3, where the model cannot tell them apart)."""
-    ranked = [replace(c, estimate_us=conv_estimate(c, problem, device) * 1e6) for c in candidates(problem, device.sms)]
+    ranked = [replace(c, estimate_us=conv_estimate(c, problem, target) * 1e6) for c in candidates(problem, target)]
     ranked.sort(key=lambda c: (round(c.estimate_us, 3), c.split_k, -c.block_m * c.block_n, c.block_m > c.block_n,
                                -c.block_k))
     return ranked
 
-
-FORCE_CONFIG = None  # tests: run this config whatever the model says
 
 # wgrad reduces over N x output pixels with few output tiles (filters x channels per tap), so
 # split-K must fill the machine. Timing every candidate (ResNet-50, N=32, bf16, H100): at 64@56
@@ -152,11 +152,11 @@ FOLD_CHANNELS_BELOW = 32
 WGRAD_FOLDED_SPLITS = (2, 4, 8, 16, 32, 64)
 
 
-def fold_taps(channels_per_group: int, taps: int) -> bool:
+def fold_taps(channels_per_group: int, taps: int, fold_below: int = FOLD_CHANNELS_BELOW) -> bool:
     """Whether a conv folds the filter taps into the GEMM with the group's channels (wgrad's
-    columns, fprop's and dgrad's k) for `channels_per_group` reduced or produced per tap
-    (reasoning above)."""
-    return taps > 1 and channels_per_group < FOLD_CHANNELS_BELOW
+    columns, fprop's and dgrad's k) for `channels_per_group` reduced or produced per tap: below
+    `fold_below` of them (reasoning above)."""
+    return taps > 1 and channels_per_group < fold_below
 
 
 def folded_axes(rank: int, gathered_strides: tuple) -> tuple:
@@ -170,21 +170,25 @@ def folded_axes(rank: int, gathered_strides: tuple) -> tuple:
     return taps + (-1,) if channels_inner else (-1,) + taps
 
 
-def wgrad_schedule(problem: MatmulProblem, device: DeviceModel, folded: bool = False) -> MatmulSchedule:
+def wgrad_schedule(problem: MatmulProblem, target: Target, folded: bool = False,
+                   forced: Optional[MatmulConfig] = None) -> MatmulSchedule:
     """wgrad's config: matmul candidates (splits up to 32, 64 `folded`) ranked by the matmul
-    model, a grid below one wave charged for its idle SMs."""
+    model on `target`, a grid below one wave charged for its idle SMs; `forced` runs whatever
+    the model says."""
     ranked = []
-    for config in matmul_candidates(problem, device.sms, WGRAD_FOLDED_SPLITS if folded else WGRAD_SPLITS):
+    for config in matmul_candidates(problem, target, WGRAD_FOLDED_SPLITS if folded else WGRAD_SPLITS):
         programs = _tiles(config, problem) * config.split_k
-        seconds = estimate(config, problem, device) * max(1.0, device.sms / programs)
+        seconds = estimate(config, problem, target) * max(1.0, target.sms / programs)
         ranked.append(replace(config, estimate_us=seconds * 1e6))
     ranked.sort(key=lambda c: (round(c.estimate_us, 3), -c.block_m * c.block_n, c.split_k))
-    if FORCE_CONFIG is not None:
-        ranked.insert(0, FORCE_CONFIG)
-    best = ranked[0]
     pose = "filter taps folded into N" if folded else "one GEMM per filter tap"
+    best = ranked[0]
     reason = (f"wgrad model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us for {problem.batch} x "
               f"{problem.m}x{problem.n}x{problem.k} {problem.dot} ({pose}; split-K over N x pixels)")
+    if forced is not None:
+        reason = f"forced by {FORCED_BY} over the {best.text} of " + reason
+        ranked.insert(0, forced)
+        best = forced
     return MatmulSchedule(problem, tuple(ranked), best, reason)
 
 
@@ -192,21 +196,23 @@ def _tiles(config: MatmulConfig, problem: MatmulProblem) -> int:
     return -(-problem.m // config.block_m) * -(-problem.n // config.block_n) * problem.batch
 
 
-def schedule(problem: ConvProblem, device: DeviceModel) -> MatmulSchedule:
-    """The model's choice for `problem`, with the ranked list autotuning draws from."""
-    ranked = rank(problem, device)
-    if FORCE_CONFIG is not None:  # the implicit GEMM loads through pointers: no persistent kernel
-        forced = FORCE_CONFIG
-        if forced.variant == "persistent":
-            forced = replace(forced, variant="tiled", flatten=False, warp_specialize=False, epilogue_subtile=1,
-                             tma_store=False)
-        ranked.insert(0, forced)
+def schedule(problem: ConvProblem, target: Target, forced: Optional[MatmulConfig] = None) -> MatmulSchedule:
+    """The model's choice for `problem` on `target`, with the ranked list autotuning draws from;
+    `forced` runs whatever the model says."""
+    ranked = rank(problem, target)
+    pose = "filter taps folded into K" if problem.folded else "one k run per filter tap"
     best = ranked[0]
     flops = 2.0 * problem.groups * problem.m * problem.n * problem.k
-    pose = "filter taps folded into K" if problem.folded else "one k run per filter tap"
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us (~{flops / max(best.estimate_us, 1e-3) / 1e6:.0f}"
               f" TFLOP/s) for {problem.groups} group(s) x {problem.m}x{problem.n}x{problem.k} implicit GEMM {problem.dot}"
               f" ({pose})")
+    if forced is not None:  # the implicit GEMM loads through pointers: no persistent kernel
+        if forced.variant == "persistent":
+            forced = replace(forced, variant="tiled", flatten=False, warp_specialize=False, epilogue_subtile=1,
+                             tma_store=False)
+        reason = f"forced by {FORCED_BY} over the {best.text} of " + reason
+        ranked.insert(0, forced)
+        best = forced
     return MatmulSchedule(problem, tuple(ranked), best, reason)
 
 

@@ -26,8 +26,9 @@ cuDNN and prints the model's rank of each config, the data to calibrate them wit
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Optional
 
-from .device import DeviceModel
+from ..target import Target
 from .pointwise import _pow2_at_least
 from .tuning_cache import record_choice, record_field, record_int
 
@@ -42,8 +43,6 @@ MAX_MULTIPLIER = 4
 L1_BYTES_PER_SM = 128 * 1.75e9
 SECTOR_BYTES = 32
 LINE_BYTES = 128
-THREADS_PER_SM = 2048
-REGISTERS_PER_SM = 65536
 MAX_PROGRAMS_PER_SM = 32
 # Bandwidth needs bytes in flight (Little's law): an SM's share of DRAM bandwidth times the loaded
 # latency, assumed 1 us, about 23 KB an SM on the H100. Fewer resident loads draw a share.
@@ -88,8 +87,6 @@ WGRAD_MIN_SPLIT_PIXELS = 512
 # The combine kernel: one element of dw per lane, the splits added in order.
 COMBINE_BLOCK = 256
 COMBINE_WARPS = 4
-
-FORCE_CONFIG = None  # tests and sweeps: run this config whatever the model says
 
 
 def routes(channels_per_group: int, filters_per_group: int) -> bool:
@@ -189,24 +186,25 @@ def _run_cost(elements: float, item_bytes: int) -> float:
     return (1 + (run - SECTOR_BYTES) / LINE_BYTES) * LINE_BYTES
 
 
-def programs_per_sm(registers: float, num_warps: int) -> int:
-    """Resident programs an SM holds: by threads, by registers (allocated 8 at a time), at most 32."""
+def programs_per_sm(registers: float, num_warps: int, target: Target) -> int:
+    """Resident programs an SM of `target` holds: by threads, by registers (allocated 8 at a
+    time), at most 32."""
     allocated = min(255, _cdiv(int(registers + 0.5), 8) * 8)
-    by_registers = REGISTERS_PER_SM // (allocated * 32 * num_warps)
-    return max(1, min(MAX_PROGRAMS_PER_SM, THREADS_PER_SM // (32 * num_warps), by_registers))
+    by_registers = target.registers // (allocated * 32 * num_warps)
+    return max(1, min(MAX_PROGRAMS_PER_SM, target.threads_per_sm // (32 * num_warps), by_registers))
 
 
 def _roofline(dram_bytes: float, l1_bytes: float, programs: int, per_sm: int, inflight: float,
-              device: DeviceModel) -> float:
-    """Seconds: the slower of DRAM and L1, at the share of bandwidth the resident programs' loads
+              target: Target) -> float:
+    """Seconds on `target`: the slower of DRAM and L1, at the share of bandwidth the resident programs' loads
     in flight (`inflight` bytes a program) can draw, stretched by the last wave's unfilled slots,
     plus a fixed ramp."""
-    slots = device.sms * per_sm
+    slots = target.sms * per_sm
     resident = min(programs, slots)
-    needed = device.bandwidth / device.sms * DRAM_LATENCY
-    share = min(1.0, resident * inflight / device.sms / needed)
+    needed = target.bandwidth / target.sms * DRAM_LATENCY
+    share = min(1.0, resident * inflight / target.sms / needed)
     quantization = _cdiv(programs, slots) * slots / programs
-    busy = max(dram_bytes / device.bandwidth, l1_bytes / (device.sms * L1_BYTES_PER_SM))
+    busy = max(dram_bytes / target.bandwidth, l1_bytes / (target.sms * L1_BYTES_PER_SM))
     return busy / share * quantization + RAMP_OVERHEAD
 
 
@@ -237,7 +235,7 @@ def gather_candidates(problem: GatherProblem) -> list[DepthwiseConfig]:
     return list(found.values())
 
 
-def gather_estimate(config: DepthwiseConfig, problem: GatherProblem, device: DeviceModel) -> float:
+def gather_estimate(config: DepthwiseConfig, problem: GatherProblem, target: Target) -> float:
     rows, cols = problem.rows, problem.cols
     step, contiguous = problem.run_step, problem.contiguous
     if config.merge:  # one run along the merged columns (stride 1, one filter per channel)
@@ -251,20 +249,20 @@ def gather_estimate(config: DepthwiseConfig, problem: GatherProblem, device: Dev
     l1 = problem.taps * problem.loads_per_tap * row_tiles * config.block_rows * col_tiles * per_segment
     in_flight = config.block_rows * config.block_cols * problem.inner_taps  # values of one unrolled row
     registers = GATHER_REGISTER_BASE + GATHER_REGISTERS_PER_VALUE * in_flight / (32 * config.num_warps)
-    per_sm = programs_per_sm(registers, config.num_warps)
-    return _roofline(problem.traffic, l1, programs, per_sm, in_flight * problem.item_bytes, device)
+    per_sm = programs_per_sm(registers, config.num_warps, target)
+    return _roofline(problem.traffic, l1, programs, per_sm, in_flight * problem.item_bytes, target)
 
 
 # --- wgrad ---------------------------------------------------------------------------------------
 def wgrad_splits(problem: WgradProblem, block_pixels: int, block_taps: int, block_cols: int,
-                 device: DeviceModel) -> int:
-    """Pixel ranges that bring the grid to WGRAD_TARGET_PROGRAMS_PER_SM programs an SM."""
+                 target: Target) -> int:
+    """Pixel ranges that bring the grid to WGRAD_TARGET_PROGRAMS_PER_SM programs an SM of `target`."""
     tiles = _cdiv(problem.channels, block_cols) * _cdiv(problem.taps, block_taps)
     most = max(1, problem.pixels // max(block_pixels, WGRAD_MIN_SPLIT_PIXELS))
-    return max(1, min(most, _cdiv(device.sms * WGRAD_TARGET_PROGRAMS_PER_SM, tiles)))
+    return max(1, min(most, _cdiv(target.sms * WGRAD_TARGET_PROGRAMS_PER_SM, tiles)))
 
 
-def wgrad_candidates(problem: WgradProblem, device: DeviceModel) -> list[DepthwiseConfig]:
+def wgrad_candidates(problem: WgradProblem, target: Target) -> list[DepthwiseConfig]:
     channel_cap = min(_pow2_at_least(problem.channels), MAX_BLOCK_COLS)
     widths = sorted({channel_cap} | {w for w in (8, 16, 32, 64) if w <= channel_cap})
     tap_cap = _pow2_at_least(problem.taps)
@@ -276,13 +274,13 @@ def wgrad_candidates(problem: WgradProblem, device: DeviceModel) -> list[Depthwi
                 if elements > WGRAD_MAX_ELEMENTS or elements < 32:
                     continue
                 warps = max(1, min(8, elements // (32 * WGRAD_ELEMENTS_PER_THREAD)))
-                splits = wgrad_splits(problem, block_pixels, block_taps, block_cols, device)
+                splits = wgrad_splits(problem, block_pixels, block_taps, block_cols, target)
                 config = DepthwiseConfig("wgrad", block_pixels, block_cols, warps, block_taps, splits)
                 found.setdefault(config.text, config)
     return list(found.values())
 
 
-def wgrad_estimate(config: DepthwiseConfig, problem: WgradProblem, device: DeviceModel) -> float:
+def wgrad_estimate(config: DepthwiseConfig, problem: WgradProblem, target: Target) -> float:
     channel_tiles = _cdiv(problem.channels, config.block_cols)
     tap_blocks = _cdiv(problem.taps, config.block_taps)
     chunks = _cdiv(problem.pixels, config.block_rows)
@@ -298,29 +296,32 @@ def wgrad_estimate(config: DepthwiseConfig, problem: WgradProblem, device: Devic
     dram = problem.traffic + partials + (tap_blocks - 1) * problem.traffic / 2  # dy again per tap block
     values = config.block_rows * config.block_taps * config.block_cols
     registers = WGRAD_REGISTER_BASE + WGRAD_REGISTERS_PER_VALUE * values / (32 * config.num_warps)
-    per_sm = programs_per_sm(registers, config.num_warps)
+    per_sm = programs_per_sm(registers, config.num_warps, target)
     in_flight = (values + config.block_rows * config.block_cols) * problem.item_bytes  # x and dy of a step
-    return _roofline(dram, l1, programs, per_sm, in_flight, device)
+    return _roofline(dram, l1, programs, per_sm, in_flight, target)
 
 
 # --- schedules -----------------------------------------------------------------------------------
-def _ranked(configs, estimate, problem, device) -> list[DepthwiseConfig]:
-    timed = [replace(c, estimate_us=estimate(c, problem, device) * 1e6) for c in configs]
+def _ranked(configs, estimate, problem, target) -> list[DepthwiseConfig]:
+    timed = [replace(c, estimate_us=estimate(c, problem, target) * 1e6) for c in configs]
     # ties: the larger tile (neighbouring taps share more of their loads in L1), then more warps
     timed.sort(key=lambda c: (round(c.estimate_us, 2), -c.block_rows * c.block_cols * c.block_taps, -c.num_warps))
     return timed
 
 
-def schedule(problem, device: DeviceModel) -> DepthwiseSchedule:
-    """The model's choice for a GatherProblem or WgradProblem, with the ranked list."""
+def schedule(problem, target: Target, forced: Optional[DepthwiseConfig] = None) -> DepthwiseSchedule:
+    """The model's choice on `target` for a GatherProblem or WgradProblem, with the ranked list;
+    `forced` runs whatever the model says where it is a config of this problem's kernel."""
     if isinstance(problem, WgradProblem):
-        ranked = _ranked(wgrad_candidates(problem, device), wgrad_estimate, problem, device)
+        ranked = _ranked(wgrad_candidates(problem, target), wgrad_estimate, problem, target)
     else:
-        ranked = _ranked(gather_candidates(problem), gather_estimate, problem, device)
-    if FORCE_CONFIG is not None and FORCE_CONFIG.kernel == ranked[0].kernel:
-        ranked.insert(0, FORCE_CONFIG)
+        ranked = _ranked(gather_candidates(problem), gather_estimate, problem, target)
     best = ranked[0]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us for {problem.traffic} bytes "
               f"(~{problem.traffic / max(best.estimate_us, 1e-3) / 1e6:.2f} TB/s) over {problem.taps} taps; "
               f"depthwise (one channel per group) runs direct, not as an implicit GEMM")
+    if forced is not None and forced.kernel == best.kernel:
+        ranked.insert(0, forced)
+        reason = f"forced by BuildOptions.depthwise_config over the {best.text} of " + reason
+        best = forced
     return DepthwiseSchedule(problem, tuple(ranked), best, reason)

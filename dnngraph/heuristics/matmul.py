@@ -19,13 +19,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from .device import DeviceModel
+from ..errors import UnsupportedError
+from ..target import Target
 from .tuning_cache import WARPS, record_choice, record_field, record_int
 
-# Tensor-core rate per dot type (dense flop/s). bf16/fp16: cuBLAS reaches 710 TF/s at 8192^3
-# on the H100 here, the model's peak is set a little above it; fp8 doubles it, tf32 halves it;
-# IEEE fp32 runs on FMA units (67 TF/s peak, about 50 sustained).
-PEAK_FLOPS = {"bf16": 7.6e14, "fp16": 7.6e14, "fp8": 1.5e15, "tf32": 3.7e14, "fp32": 5.0e13}
+# The tensor-core (and FMA) rate per dot type is the target's (target.py: measured on the H100).
 # A tile of BM x BN does BM*BN*2 flops per (BM + BN) loaded values each k step; wgmma keeps the
 # cores busy from about 85 flops per loaded value (128x256 tiles). Smaller tiles starve, less than
 # linearly: 128x128 (64) ran at 0.89 of 128x256 at 4096^3 bf16 on the H100 here, hence ^0.4.
@@ -37,8 +35,6 @@ ONE_WARPGROUP_PENALTY = 0.9
 # how many SMs pull bytes, not by HBM).
 SM_BANDWIDTH_SHARE = 4.0
 L2_BANDWIDTH = 1.0e13  # bytes/s, operand re-reads across tiles hit L2 (H100: ~10-12 TB/s)
-SHARED_MEMORY = 232448  # bytes per SM usable by one block (H100: 227 KB opt-in)
-REGISTERS = 65536  # 32-bit registers per SM
 MAX_REGISTERS_PER_THREAD = 255
 OPERAND_REGISTERS = 64  # per thread besides the accumulator: addresses, fragments, epilogue
 LAUNCH_SECONDS = 3.0e-6  # one extra kernel (split-K combine, row-exit fold)
@@ -64,6 +60,7 @@ CONVERTED_B_EFFICIENCY = 0.44
 # IEEE fp32 FMA tiles on 8 warps ran at 0.94-0.95 of the 4-warp ones (128x128 against 64x128).
 FMA_EIGHT_WARP_EFFICIENCY = 0.95
 SMALL_M_LIMIT = 64
+FORCED_BY = "BuildOptions.matmul_config"  # what a forced config's reason names
 SPLIT_CHOICES = (2, 4, 8, 16)
 # bounds a tuning-cache record must respect (wider than any candidate, far below nonsense)
 MAX_BLOCK = 512
@@ -311,28 +308,28 @@ def shared_bytes(config: MatmulConfig, problem: MatmulProblem) -> int:
     return config.num_stages * per_stage + epilogue
 
 
-def programs_per_sm(config: MatmulConfig, problem: MatmulProblem) -> int:
-    """How many programs fit on one SM at once (0: the config does not fit at all)."""
-    by_shared = SHARED_MEMORY // max(1, shared_bytes(config, problem))
+def programs_per_sm(config: MatmulConfig, problem: MatmulProblem, target: Target) -> int:
+    """How many programs fit on one SM of `target` at once (0: the config does not fit at all)."""
+    by_shared = target.shared_memory // max(1, shared_bytes(config, problem))
     threads = config.num_warps * 32
     accumulator = config.block_m * config.block_n // threads
     per_thread = accumulator + OPERAND_REGISTERS
     if per_thread > MAX_REGISTERS_PER_THREAD:
         return 0
-    by_registers = REGISTERS // (per_thread * threads)
-    return max(0, min(by_shared, by_registers, 2048 // threads))
+    by_registers = target.registers // (per_thread * threads)
+    return max(0, min(by_shared, by_registers, target.threads_per_sm // threads))
 
 
-def candidates(problem: MatmulProblem, sms: int = 132, splits: tuple = SPLIT_CHOICES) -> list[MatmulConfig]:
-    """Every config worth ranking for `problem` (deduplicated, all fitting the SM); `splits`
-    the split-K factors to consider."""
+def candidates(problem: MatmulProblem, target: Target, splits: tuple = SPLIT_CHOICES) -> list[MatmulConfig]:
+    """Every config worth ranking for `problem` (deduplicated, all fitting an SM of `target`);
+    `splits` the split-K factors to consider."""
     found: dict = {}
 
     def add(variant, tile, split=1, flatten=False, subtile=1):
         bm, bn, bk, warps, stages = _shrink(tile, problem)
         config = MatmulConfig(variant, bm, bn, bk, warps, stages, split, flatten=flatten,
                               epilogue_subtile=subtile, tma_store=subtile > 1)
-        if programs_per_sm(config, problem) >= 1 and config.key() not in found:
+        if programs_per_sm(config, problem, target) >= 1 and config.key() not in found:
             found[config.key()] = config
 
     def add_subtiled(tile):
@@ -340,7 +337,7 @@ def candidates(problem: MatmulProblem, sms: int = 132, splits: tuple = SPLIT_CHO
         bm, bn, bk, warps, stages = _shrink(tile, problem)
         for parts in SUBTILE_CANDIDATES:
             config = MatmulConfig("persistent", bm, bn, bk, warps, stages, epilogue_subtile=parts, tma_store=True)
-            if bn // parts >= MIN_SUBTILE_COLUMNS and programs_per_sm(config, problem) >= 1:
+            if bn // parts >= MIN_SUBTILE_COLUMNS and programs_per_sm(config, problem, target) >= 1:
                 found.setdefault(config.key(), config)
                 return
 
@@ -357,7 +354,7 @@ def candidates(problem: MatmulProblem, sms: int = 132, splits: tuple = SPLIT_CHO
     for tile in (SMALL_M_TILES if small else SPLIT_TILES):
         bm, bn, bk, _, _ = _shrink(tile, problem)
         output_tiles = _cdiv(problem.m, bm) * _cdiv(problem.n, bn) * problem.batch
-        if output_tiles >= 2 * sms:  # two full waves of output tiles: nothing to gain from splitting
+        if output_tiles >= 2 * target.sms:  # two full waves of output tiles: nothing to gain from splitting
             continue
         for split in splits:
             if problem.k >= split * bk * 4:  # each split keeps >= 4 k steps
@@ -399,21 +396,21 @@ def _epilogue_efficiency(config: MatmulConfig, problem: MatmulProblem) -> float:
     return SPILLED_EPILOGUE_EFFICIENCY if spills else 1.0
 
 
-def estimate(config: MatmulConfig, problem: MatmulProblem, device: DeviceModel) -> float:
-    """Model seconds for `config` on `problem`."""
+def estimate(config: MatmulConfig, problem: MatmulProblem, target: Target) -> float:
+    """Model seconds for `config` on `problem` on `target`."""
     tiles = _cdiv(problem.m, config.block_m) * _cdiv(problem.n, config.block_n) * problem.batch
     units = tiles * config.split_k
     k_chunk = _cdiv(_cdiv(problem.k, config.split_k), config.block_k) * config.block_k
     feed = _feed(config, problem)
-    unit_compute = 2.0 * config.block_m * config.block_n * k_chunk / (PEAK_FLOPS[problem.dot] / device.sms * feed)
+    unit_compute = 2.0 * config.block_m * config.block_n * k_chunk / (target.peak(problem.dot) / target.sms * feed)
     stage_bytes = (config.block_m * problem.a_bytes + config.block_n * problem.b_bytes) * config.block_k
     unit_bytes = stage_bytes * (k_chunk // config.block_k)
     # programs resident on one SM share its tensor cores and its bandwidth; one program keeps
     # num_stages tiles of loads in flight (Little's law over the load latency)
-    fits = 1 if config.variant == "persistent" else max(1, programs_per_sm(config, problem))
-    resident = max(1, min(fits, _cdiv(units, device.sms)))
-    rounds = _cdiv(units, device.sms * resident)
-    sm_bandwidth = device.bandwidth / device.sms * SM_BANDWIDTH_SHARE
+    fits = 1 if config.variant == "persistent" else max(1, programs_per_sm(config, problem, target))
+    resident = max(1, min(fits, _cdiv(units, target.sms)))
+    rounds = _cdiv(units, target.sms * resident)
+    sm_bandwidth = target.bandwidth / target.sms * SM_BANDWIDTH_SHARE
     program_bandwidth = min(config.num_stages * stage_bytes / LOAD_LATENCY, sm_bandwidth / resident)
     steps = k_chunk // config.block_k
     fill = 0.0 if config.variant == "persistent" else config.num_stages * LOAD_LATENCY
@@ -426,7 +423,7 @@ def estimate(config: MatmulConfig, problem: MatmulProblem, device: DeviceModel) 
     if config.split_k > 1:
         partials = 2.0 * config.split_k * problem.batch * problem.m * problem.n * 4
         extra = LAUNCH_SECONDS
-    dram = (a_total + b_total + c_total + partials) / device.bandwidth
+    dram = (a_total + b_total + c_total + partials) / target.bandwidth
     l2 = (a_total * _cdiv(problem.n, config.block_n) + b_total * _cdiv(problem.m, config.block_m)) / L2_BANDWIDTH
     return max(compute, dram, l2) / _epilogue_efficiency(config, problem) + extra
 
@@ -439,13 +436,13 @@ class MatmulSchedule:
     reason: str
 
 
-FORCE_CONFIG: Optional[MatmulConfig] = None  # tests: run this config whatever the model says
-
-
-def rank(problem: MatmulProblem, device: DeviceModel) -> list[MatmulConfig]:
-    """Candidates with their model time, best first."""
-    ranked = [replace(c, estimate_us=estimate(c, problem, device) * 1e6)
-              for c in candidates(problem, device.sms)]
+def rank(problem: MatmulProblem, target: Target) -> list[MatmulConfig]:
+    """Candidates with their model time on `target`, best first."""
+    ranked = [replace(c, estimate_us=estimate(c, problem, target) * 1e6)
+              for c in candidates(problem, target)]
+    if not ranked:
+        raise UnsupportedError(f"matmul {problem.signature()}: no tile fits the {target.shared_memory} bytes of "
+                               f"shared memory or the registers of {target.name}")
     floor_us = min(c.estimate_us for c in ranked)
 
     def tie_break(c):
@@ -455,7 +452,7 @@ def rank(problem: MatmulProblem, device: DeviceModel) -> list[MatmulConfig]:
         # subtiled epilogue where the model ties it with the plain tile (narrow epilogues: within
         # +-2% at 4096^3 gelu, -2 to -9% at 8192^3)
         tiles = _cdiv(problem.m, c.block_m) * _cdiv(problem.n, c.block_n) * problem.batch * c.split_k
-        slots = device.sms * (1 if c.variant == "persistent" else max(1, programs_per_sm(c, problem)))
+        slots = target.sms * (1 if c.variant == "persistent" else max(1, programs_per_sm(c, problem, target)))
         programs = min(tiles, slots)
         at_floor = c.estimate_us <= floor_us * 1.001 and c.split_k == 1
         return (round(c.estimate_us, 3), c.split_k, -programs if at_floor else 0, -c.block_m * c.block_n,
@@ -465,17 +462,19 @@ def rank(problem: MatmulProblem, device: DeviceModel) -> list[MatmulConfig]:
     return ranked
 
 
-def schedule(problem: MatmulProblem, device: DeviceModel) -> MatmulSchedule:
-    """The model's choice for `problem`, with the ranked list autotuning draws from."""
-    ranked = rank(problem, device)
-    if FORCE_CONFIG is not None:
-        forced = FORCE_CONFIG
-        if forced.variant == "persistent" and not problem.tma:  # descriptors illegal here
-            forced = replace(forced, variant="tiled", epilogue_subtile=1, tma_store=False)
-        ranked.insert(0, forced)
+def schedule(problem: MatmulProblem, target: Target, forced: Optional[MatmulConfig] = None) -> MatmulSchedule:
+    """The model's choice for `problem` on `target`, with the ranked list autotuning draws from;
+    `forced` runs whatever the model says."""
+    ranked = rank(problem, target)
     best = ranked[0]
     tflops = 2.0 * problem.batch * problem.m * problem.n * problem.k / max(best.estimate_us, 1e-3) / 1e6
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us "
               f"(~{tflops:.0f} TFLOP/s) for batch {problem.batch} x {problem.m}x{problem.n}x{problem.k} "
               f"{problem.dot}")
+    if forced is not None:
+        if forced.variant == "persistent" and not problem.tma:  # descriptors illegal here
+            forced = replace(forced, variant="tiled", epilogue_subtile=1, tma_store=False)
+        reason = f"forced by {FORCED_BY} over the {best.text} of " + reason
+        ranked.insert(0, forced)
+        best = forced
     return MatmulSchedule(problem, tuple(ranked), best, reason)

@@ -6,7 +6,7 @@ from typing import Optional
 
 from ..fusion.patterns import COUNTER_OPS
 from ..ops.base import broadcast_dims
-from .device import DeviceModel
+from ..target import Target
 from .layout import INT32_LIMIT, IterationSpace, iteration_space, operand_strides, row_major_index_strides
 
 # Columns per tile. Rows at least this wide get one row segment per program: on the H100 at
@@ -16,7 +16,6 @@ MAX_BLOCK_COLS = 1024
 # Elements per program: 4096 keeps two 16-byte bf16 loads in flight per thread at 8 warps.
 TILE_ELEMENTS = (1024, 2048, 4096, 8192)
 MAX_BLOCK_ROWS = 256
-THREADS_PER_SM = 2048
 ELEMENTS_PER_THREAD = 16
 # Fixed cost of one program (launch slot, index math, tail of its loads), in seconds.
 PROGRAM_OVERHEAD = 0.4e-6
@@ -55,20 +54,21 @@ def candidates(space: IterationSpace) -> list[tuple[int, int, int]]:
 
 
 def estimate(space: IterationSpace, block_rows: int, block_cols: int, num_warps: int,
-             bytes_per_element: int, device: DeviceModel) -> float:
-    """Model time in seconds: padded bytes at full bandwidth plus per-program cost over waves."""
+             bytes_per_element: int, target: Target) -> float:
+    """Model time in seconds on `target`: padded bytes at full bandwidth plus per-program cost
+    over waves."""
     row_tiles = -(-space.rows // block_rows)
     col_tiles = -(-space.cols // block_cols)
     programs = row_tiles * col_tiles
     padded = row_tiles * block_rows * col_tiles * block_cols
-    resident = device.sms * max(1, THREADS_PER_SM // (32 * num_warps))
+    resident = target.sms * max(1, target.threads_per_sm // (32 * num_warps))
     waves = -(-programs // resident)
-    return padded * bytes_per_element / device.bandwidth + waves * PROGRAM_OVERHEAD
+    return padded * bytes_per_element / target.bandwidth + waves * PROGRAM_OVERHEAD
 
 
-def rank(space: IterationSpace, bytes_per_element: int, device: DeviceModel) -> list[PointwiseConfig]:
-    """Candidate configs, best model time first."""
-    configs = [PointwiseConfig(r, c, w, 1e6 * estimate(space, r, c, w, bytes_per_element, device))
+def rank(space: IterationSpace, bytes_per_element: int, target: Target) -> list[PointwiseConfig]:
+    """Candidate configs, best model time on `target` first."""
+    configs = [PointwiseConfig(r, c, w, 1e6 * estimate(space, r, c, w, bytes_per_element, target))
                for r, c, w in candidates(space)]
     return sorted(configs, key=lambda cfg: (cfg.estimate_us, -cfg.block_rows * cfg.block_cols))
 
@@ -107,8 +107,8 @@ def _counter_needs_int64(counter_nodes, domain, space: IterationSpace) -> bool:
     return space.index_64 or last_counter > INT32_LIMIT
 
 
-def schedule(group, device: DeviceModel) -> PointwiseSchedule:
-    """Iteration space, operand strides and the best-ranked config of a pointwise group."""
+def schedule(group, target: Target) -> PointwiseSchedule:
+    """Iteration space, operand strides and the best-ranked config on `target` of a pointwise group."""
     tensors = list(group.inputs) + list(group.outputs)
     domain = broadcast_dims("pointwise", [(n.name, n.outputs[0].dim) for n in group.nodes])
     strides = [operand_strides(domain, t.dim, t.stride) for t in tensors]
@@ -125,9 +125,9 @@ def schedule(group, device: DeviceModel) -> PointwiseSchedule:
         counter = OperandPlan(None, False, None, space.strides[len(tensors)])
         counter_64 = _counter_needs_int64(counter_nodes, domain, space)
     bytes_per_element = sum(t.data_type.itemsize for t in tensors if tuple(t.dim) == tuple(domain)) or 1
-    ranked = rank(space, bytes_per_element, device)
+    ranked = rank(space, bytes_per_element, target)
     best = ranked[0]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
-              f"{device.bandwidth / 1e12:.1f} TB/s for {bytes_per_element} B/element over "
+              f"{target.bandwidth / 1e12:.1f} TB/s for {bytes_per_element} B/element over "
               f"{space.rows}x{space.cols}")
     return PointwiseSchedule(space, operands, best, len(ranked), reason, counter, counter_64)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from .device import DeviceModel
+from ..target import Target
 from .layout import INT32_LIMIT
 from .pointwise import _pow2_at_least
 
@@ -28,7 +28,6 @@ ELEMENTS_PER_THREAD = 16
 # 64 registers, as 16 bf16-widened values of 4 window loads would be.
 INDEXED_ELEMENTS_PER_THREAD = 8
 MAX_WARPS = 8
-THREADS_PER_SM = 2048
 # Hopper keeps at most 32 resident blocks per SM, whatever their size.
 MAX_PROGRAMS_PER_SM = 32
 # Assumed (not yet measured for pooling): a streaming kernel reaches full DRAM bandwidth with
@@ -121,30 +120,30 @@ def candidates(rows: int, cols: int, elements_per_thread: int = ELEMENTS_PER_THR
     return sorted(result)
 
 
-def _wave_time(programs: int, num_warps: int, program_bytes: float, device: DeviceModel) -> float:
+def _wave_time(programs: int, num_warps: int, program_bytes: float, target: Target) -> float:
     """Seconds for one wave: its bytes at the bandwidth its warps can draw, plus a fixed cost."""
-    share = min(1.0, programs * num_warps / (device.sms * SATURATING_WARPS_PER_SM))
-    return programs * program_bytes / (device.bandwidth * share) + WAVE_OVERHEAD
+    share = min(1.0, programs * num_warps / (target.sms * SATURATING_WARPS_PER_SM))
+    return programs * program_bytes / (target.bandwidth * share) + WAVE_OVERHEAD
 
 
 def estimate(rows: int, cols: int, block_rows: int, block_cols: int, num_warps: int,
-             bytes_per_element: float, device: DeviceModel) -> float:
-    """Model time in seconds: full waves of resident programs, then the partial last wave,
+             bytes_per_element: float, target: Target) -> float:
+    """Model time in seconds on `target`: full waves of resident programs, then the partial last wave,
     each moving its padded tiles' bytes."""
     programs = -(-rows // block_rows) * -(-cols // block_cols)
     program_bytes = block_rows * block_cols * bytes_per_element
-    per_sm = min(MAX_PROGRAMS_PER_SM, max(1, THREADS_PER_SM // (32 * num_warps)))
-    resident = device.sms * per_sm
+    per_sm = min(MAX_PROGRAMS_PER_SM, max(1, target.threads_per_sm // (32 * num_warps)))
+    resident = target.sms * per_sm
     full_waves, last_wave = divmod(programs, resident)
-    time = full_waves * _wave_time(resident, num_warps, program_bytes, device)
-    return time + (_wave_time(last_wave, num_warps, program_bytes, device) if last_wave else 0.0)
+    time = full_waves * _wave_time(resident, num_warps, program_bytes, target)
+    return time + (_wave_time(last_wave, num_warps, program_bytes, target) if last_wave else 0.0)
 
 
-def rank(rows: int, cols: int, bytes_per_element: float, device: DeviceModel,
+def rank(rows: int, cols: int, bytes_per_element: float, target: Target,
          elements_per_thread: int = ELEMENTS_PER_THREAD) -> list[PoolingConfig]:
     """Candidate configs, best model time first; ties go to the larger tile, whose neighbouring
     windows share more of their loads through L1."""
-    configs = [PoolingConfig(r, c, w, 1e6 * estimate(rows, cols, r, c, w, bytes_per_element, device))
+    configs = [PoolingConfig(r, c, w, 1e6 * estimate(rows, cols, r, c, w, bytes_per_element, target))
                for r, c, w in candidates(rows, cols, elements_per_thread)]
     return sorted(configs, key=lambda cfg: (cfg.estimate_us, -cfg.block_rows * cfg.block_cols,
                                             -cfg.num_warps))
@@ -184,8 +183,8 @@ def moved_tensors(group, x, window_reads_x: bool) -> list:
     return [t for t in group.inputs if read or t.uid != x.uid] + list(group.outputs)
 
 
-def schedule(group, device: DeviceModel) -> PoolingSchedule:
-    """Tile layout and best-ranked config of a pooling or pooling_backward group."""
+def schedule(group, target: Target) -> PoolingSchedule:
+    """Tile layout and best-ranked config on `target` of a pooling or pooling_backward group."""
     anchor = group.anchor
     backward = anchor.op == "pooling_backward"
     x = anchor.inputs[1] if backward else anchor.inputs[0]
@@ -203,11 +202,11 @@ def schedule(group, device: DeviceModel) -> PoolingSchedule:
     cols = tile_dims[vector_axis]
     rows = tile_elements // cols
     per_thread = INDEXED_ELEMENTS_PER_THREAD if indexed else ELEMENTS_PER_THREAD
-    ranked = rank(rows, cols, traffic / max(tile_elements, 1), device, per_thread)
+    ranked = rank(rows, cols, traffic / max(tile_elements, 1), target, per_thread)
     best = ranked[0]
     names = AXIS_NAMES[len(tile_dims)]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
-              f"{device.bandwidth / 1e12:.1f} TB/s for {traffic} bytes over {rows}x{cols} "
+              f"{target.bandwidth / 1e12:.1f} TB/s for {traffic} bytes over {rows}x{cols} "
               f"({'dx' if backward else 'y'} positions x {names[vector_axis]}); vector axis "
               f"{names[vector_axis]} has the smallest stride of x ({x.stride[vector_axis]})"
               + ("; the forward's indices route dy (no argmax recompute)" if indexed else ""))

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 from ..ops.norm import geometry as norm_geometry
 from ..tensor import contiguous_strides
-from .device import DeviceModel
+from ..target import Target
 from .layout import INT32_LIMIT, iteration_space, operand_strides
 from .pointwise import _pow2_at_least
 from .tuning_cache import WARPS, record_choice, record_field, record_int
@@ -24,7 +24,8 @@ from .tuning_cache import WARPS, record_choice, record_field, record_int
 # per thread and value; wider rows spill, so they loop instead.
 ONE_PASS_MAX = 16384
 # Tile of the looped and split modes: 4096 fp32 values, eight 16-byte bf16 loads per thread at 8
-# warps in flight per loop trip.
+# warps in flight per loop trip. (BuildOptions.row_loop_tile and row_split_min_reduced lower
+# this and SPLIT_MIN_REDUCED so that tests loop and split small shapes.)
 LOOP_TILE = 4096
 # A tile of at least this many elements per program keeps enough loads in flight at 3 TB/s.
 MIN_TILE = 2048
@@ -68,11 +69,6 @@ STREAM_APPLY = True
 # for 256 channels x 196 splits; four programs of three trips each took about 5).
 COMBINE_VALUES = 2048
 COMBINE_BLOCK_K = 8
-# Tests set this to "one_pass", "looped" or "split" to exercise a mode on small shapes ("fused"
-# for a norm backward; any other mode switches the fused norm backward off).
-FORCE_MODE = None
-# Sweeps set this to (mode, block_k, block_r, num_warps, splits) to time one config.
-FORCE_CONFIG = None
 MODES = ("one_pass", "looped", "split")
 # bounds a tuning-cache record must respect (wider than any candidate, far below nonsense)
 MAX_BLOCK = 1 << 17
@@ -214,8 +210,10 @@ def _config_warps(geo: RowGeometry, traits: RowTraits, mode: str, block_k: int, 
     return _warps(block_k * block_r, _values_per_thread(geo, traits, mode))
 
 
-def candidates(geo: RowGeometry, traits: RowTraits, device: DeviceModel) -> list[tuple]:
-    """(mode, block_k, block_r, splits) tuples worth ranking."""
+def candidates(geo: RowGeometry, traits: RowTraits, target: Target, loop_tile: int = LOOP_TILE,
+               split_min_reduced: int = SPLIT_MIN_REDUCED) -> list[tuple]:
+    """(mode, block_k, block_r, splits) tuples worth ranking on `target`, the looped and split
+    tiles of `loop_tile` values, splits from `split_min_reduced` reduced values on."""
     rows, reduced = geo.rows, geo.reduced
     r_pow2 = _pow2_at_least(reduced)
     k_pow2 = _pow2_at_least(rows)
@@ -226,41 +224,42 @@ def candidates(geo: RowGeometry, traits: RowTraits, device: DeviceModel) -> list
             for tile in (MIN_TILE, 2 * MIN_TILE, 4 * MIN_TILE):
                 block_k = max(1, min(k_pow2, tile // r_pow2))
                 result.append(("one_pass", block_k, r_pow2, 1))
-        for block_r in (LOOP_TILE // 2, LOOP_TILE, 2 * LOOP_TILE):
+        for block_r in (loop_tile // 2, loop_tile, 2 * loop_tile):
             if block_r <= r_pow2:
                 result.append(("looped", 1, block_r, 1))
     else:  # K is the vectorized side: wide K blocks, a loop down R
         for block_k in (64, 128, 256):
             block_k = min(block_k, k_pow2)
-            block_r = max(1, min(r_pow2, LOOP_TILE // block_k))
+            block_r = max(1, min(r_pow2, loop_tile // block_k))
             mode = "one_pass" if r_pow2 <= block_r else "looped"
             result.append((mode, block_k, block_r, 1))
-    if traits.can_split and not geo.r_contiguous and reduced * COLUMN_SPLIT_SHARE >= SPLIT_MIN_REDUCED:
-        result += column_splits(geo, device, traits.tile_inputs)
-    elif traits.can_split and reduced >= SPLIT_MIN_REDUCED:
+    if traits.can_split and not geo.r_contiguous and reduced * COLUMN_SPLIT_SHARE >= split_min_reduced:
+        result += column_splits(geo, target, traits.tile_inputs, loop_tile)
+    elif traits.can_split and reduced >= split_min_reduced:
         for mode, block_k, block_r, _ in list(result):
             if mode == "one_pass" and block_k > 1 and geo.r_contiguous:
                 continue
             blocks = -(-rows // block_k)
-            for target in (1, 2, 4):
-                splits = min(-(-target * device.sms * PROGRAMS_PER_SM // blocks), reduced // block_r)
+            for waves in (1, 2, 4):
+                splits = min(-(-waves * target.sms * PROGRAMS_PER_SM // blocks), reduced // block_r)
                 if splits >= 2:
                     result.append(("split", block_k, block_r, splits))
     return sorted(set(result))
 
 
-def column_splits(geo: RowGeometry, device: DeviceModel, tile_inputs: int = 1) -> list[tuple]:
+def column_splits(geo: RowGeometry, target: Target, tile_inputs: int = 1, loop_tile: int = LOOP_TILE) -> list[tuple]:
     """Split candidates where K is the vectorized side: one tile shape per COLUMN_TILES entry
-    (R widened where K is narrower than the tile, no more than LOOP_TILE values), chunks sized
-    so the programs fill the SMs as deep as COLUMN_PROGRAMS_PER_SM says, and no chunk empty."""
+    (R widened where K is narrower than the tile, no more than `loop_tile` values), chunks sized
+    so the programs fill the SMs of `target` as deep as COLUMN_PROGRAMS_PER_SM says, and no
+    chunk empty."""
     found = []
     per_sm = COLUMN_PROGRAMS_PER_SM[min(max(tile_inputs, 1), len(COLUMN_PROGRAMS_PER_SM)) - 1]
     k_pow2, r_pow2 = _pow2_at_least(geo.rows), _pow2_at_least(geo.reduced)
     for tile_k, tile_r in COLUMN_TILES:
         block_k = min(tile_k, k_pow2)
-        block_r = max(1, min(r_pow2, min(tile_k * tile_r, LOOP_TILE) // block_k))
+        block_r = max(1, min(r_pow2, min(tile_k * tile_r, loop_tile) // block_k))
         blocks = -(-geo.rows // block_k)
-        splits = min(-(-device.sms * per_sm // blocks), -(-geo.reduced // block_r))
+        splits = min(-(-target.sms * per_sm // blocks), -(-geo.reduced // block_r))
         splits = -(-geo.reduced // split_chunk(geo.reduced, splits, block_r))
         if splits >= 2:
             found.append(("split", block_k, block_r, splits))
@@ -287,16 +286,16 @@ def _column_rank(geo: RowGeometry, mode, block_k, block_r) -> int:
     return len(COLUMN_TILES)
 
 
-def combine_blocks(rows: int, splits: int) -> tuple:
+def combine_blocks(rows: int, splits: int, values: int = COMBINE_VALUES) -> tuple:
     """(BLOCK_K, SPLIT_TILE) of the split combine kernel: few rows per program, as many splits
-    per trip as COMBINE_VALUES allows."""
+    per trip as `values` partials allow."""
     block_k = min(COMBINE_BLOCK_K, _pow2_at_least(rows))
-    return block_k, min(_pow2_at_least(splits), max(1, COMBINE_VALUES // block_k))
+    return block_k, min(_pow2_at_least(splits), max(1, values // block_k))
 
 
 def estimate(geo: RowGeometry, traits: RowTraits, mode, block_k, block_r, splits,
-             bytes_main: int, bytes_rows: int, device: DeviceModel) -> float:
-    """Model seconds: HBM bytes (padded tiles, re-reads) plus per-program cost over waves."""
+             bytes_main: int, bytes_rows: int, target: Target) -> float:
+    """Model seconds on `target`: HBM bytes (padded tiles, re-reads) plus per-program cost over waves."""
     rows_padded = -(-geo.rows // block_k) * block_k
     r_padded = -(-geo.reduced // block_r) * block_r
     tile_bytes = rows_padded * r_padded * bytes_main
@@ -308,11 +307,11 @@ def estimate(geo: RowGeometry, traits: RowTraits, mode, block_k, block_r, splits
         rereads = tile_bytes if traits.has_tile_outputs else 0.0
     programs = -(-geo.rows // block_k) * splits
     warps = _config_warps(geo, traits, mode, block_k, block_r)
-    resident = device.sms * max(1, 64 // warps)
+    resident = target.sms * max(1, target.threads_per_sm // 32 // warps)
     waves = -(-programs // resident)
     # a program streams its share serially: few programs cannot fill HBM
-    fill = min(1.0, programs / (device.sms * 2))
-    seconds = (tile_bytes + rereads + geo.rows * bytes_rows) / (device.bandwidth * max(fill, 0.05))
+    fill = min(1.0, programs / (target.sms * 2))
+    seconds = (tile_bytes + rereads + geo.rows * bytes_rows) / (target.bandwidth * max(fill, 0.05))
     return seconds + waves * PROGRAM_OVERHEAD * (1 + (mode == "split"))
 
 
@@ -335,23 +334,30 @@ class RowSchedule:
         return -(-self.geometry.rows // self.config.block_k) * self.config.splits
 
 
-def schedule(geo: RowGeometry, traits: RowTraits, bytes_main: int, bytes_rows: int,
-             device: DeviceModel) -> RowSchedule:
-    """The best-ranked config for a row kernel of this geometry."""
+def schedule(geo: RowGeometry, traits: RowTraits, bytes_main: int, bytes_rows: int, target: Target,
+             mode: str | None = None, forced: RowConfig | None = None, loop_tile: int = LOOP_TILE,
+             split_min_reduced: int = SPLIT_MIN_REDUCED) -> RowSchedule:
+    """The best-ranked config on `target` for a row kernel of this geometry: among the
+    candidates of `mode` where one is forced (and there are any), or `forced` itself;
+    `loop_tile` and `split_min_reduced` as candidates() takes them."""
     ranked = []
-    for mode, block_k, block_r, splits in candidates(geo, traits, device):
-        seconds = estimate(geo, traits, mode, block_k, block_r, splits, bytes_main, bytes_rows, device)
-        warps = _config_warps(geo, traits, mode, block_k, block_r)
-        ranked.append(RowConfig(mode, block_k, block_r, warps, splits, seconds * 1e6))
+    for shape, block_k, block_r, splits in candidates(geo, traits, target, loop_tile, split_min_reduced):
+        seconds = estimate(geo, traits, shape, block_k, block_r, splits, bytes_main, bytes_rows, target)
+        warps = _config_warps(geo, traits, shape, block_k, block_r)
+        ranked.append(RowConfig(shape, block_k, block_r, warps, splits, seconds * 1e6))
     ranked.sort(key=lambda c: (c.estimate_us, c.mode != "one_pass",
                                _column_rank(geo, c.mode, c.block_k, c.block_r), -c.block_k * c.block_r))
-    if FORCE_MODE is not None:
-        ranked = [c for c in ranked if c.mode == FORCE_MODE] or ranked
-    if FORCE_CONFIG is not None:
-        ranked.insert(0, RowConfig(*FORCE_CONFIG, estimate_us=0.0))
+    how = "model"
+    if mode is not None and any(c.mode == mode for c in ranked):
+        ranked, how = [c for c in ranked if c.mode == mode], f"{mode} (BuildOptions.row_mode)"
+    if forced is not None:
+        ranked.insert(0, replace(forced, estimate_us=0.0))
+        how = "BuildOptions.row_config"
     best = ranked[0]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us for K={geo.rows} rows x "
-              f"R={geo.reduced} reduced, {bytes_main} B/element at {device.bandwidth / 1e12:.1f} TB/s")
+              f"R={geo.reduced} reduced, {bytes_main} B/element at {target.bandwidth / 1e12:.1f} TB/s")
+    if how != "model":
+        reason = f"forced by {how}; " + reason
     return RowSchedule(geo, best, len(ranked), reason, tuple(ranked))
 
 
@@ -379,38 +385,37 @@ FUSED_PROGRAMS_PER_SM = 2
 # combine) against 32 rows of dy, x and dx (32 x 3 x C x 2 B at bf16) adds 8% to the bytes moved;
 # 4096 rows therefore take 128 programs, 16384 rows 264 (two per SM).
 FUSED_MIN_ROWS_PER_PROGRAM = 32
-# Tests set this to a program count to walk several row blocks per program on small shapes.
-FORCE_FUSED_PROGRAMS = None
-
-
-def fused_norm_backward(geo: RowGeometry, accumulators: int, bytes_main: int,
-                        device: DeviceModel) -> RowConfig | None:
-    """The fused dx + dscale/dbias config of a feature-norm backward (mode "fused", `splits`
-    holding the program count), or None where it does not apply: switched off, a test forcing
-    another mode, rows not vectorized (K the contiguous side), or rows longer than a program holds."""
-    if not FUSE_NORM_BACKWARD or FORCE_MODE not in (None, "fused") or FORCE_CONFIG is not None:
+def fused_norm_backward(geo: RowGeometry, accumulators: int, bytes_main: int, target: Target,
+                        programs: int | None = None,
+                        max_reduced: int = FUSED_MAX_REDUCED) -> RowConfig | None:
+    """The fused dx + dscale/dbias config on `target` of a feature-norm backward (mode "fused",
+    `splits` holding the program count; `programs` forces it), or None where it does not
+    apply: switched off, rows not vectorized (K the contiguous side), or rows longer than
+    `max_reduced` (what a program holds)."""
+    if not FUSE_NORM_BACKWARD:
         return None
     block_r = _pow2_at_least(geo.reduced)
     # one column is vectorized along K as well: the tile loads walk rows, still coalesced
-    if not (geo.r_contiguous or geo.reduced == 1) or block_r > FUSED_MAX_REDUCED:
+    if not (geo.r_contiguous or geo.reduced == 1) or block_r > max_reduced:
         return None
     block_k = max(1, min(_pow2_at_least(geo.rows), FUSED_TILE // block_r))
     blocks = -(-geo.rows // block_k)
-    wanted = min(device.sms * FUSED_PROGRAMS_PER_SM, -(-geo.rows // FUSED_MIN_ROWS_PER_PROGRAM))
-    programs = FORCE_FUSED_PROGRAMS or max(device.sms, wanted)
+    wanted = min(target.sms * FUSED_PROGRAMS_PER_SM, -(-geo.rows // FUSED_MIN_ROWS_PER_PROGRAM))
+    programs = programs or max(target.sms, wanted)
     programs = max(1, min(blocks, programs))
     partial_bytes = 2 * accumulators * programs * geo.reduced * 4  # written, then read back
-    seconds = (geo.rows * geo.reduced * bytes_main + partial_bytes) / device.bandwidth
+    seconds = (geo.rows * geo.reduced * bytes_main + partial_bytes) / target.bandwidth
     warps = _warps(block_k * block_r)
     return RowConfig("fused", block_k, block_r, warps, programs, seconds * 1e6 + PROGRAM_OVERHEAD * 1e6)
 
 
-def fused_candidates(best: RowConfig, rows: int, device: DeviceModel) -> list[RowConfig]:
+def fused_candidates(best: RowConfig, rows: int, target: Target) -> list[RowConfig]:
     """What autotuning times for a fused norm backward: the model's config first, then one or
-    two programs per SM and half or twice its warps (the constants above are reasoned, not swept)."""
+    two programs per SM of `target` and half or twice its warps (the constants above are
+    reasoned, not swept)."""
     blocks = -(-rows // best.block_k)
     found = [best]
-    for programs in (device.sms, device.sms * 2):
+    for programs in (target.sms, target.sms * 2):
         found.append(replace(best, splits=max(1, min(blocks, programs))))
     for warps in (best.num_warps // 2, best.num_warps * 2):
         if warps in WARPS and 1 <= warps <= MAX_WARPS:

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import UnsupportedError
-from . import device as device_limits
-from .device import DeviceModel
+from ..target import CUDA_GRID_LIMITS, Target, laid_out
 from .pointwise import _pow2_at_least
 
 # (head dim at most, BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on a GPU, first
@@ -43,7 +42,6 @@ INTERPRETER_TILE = (16, 16, 1, 1)
 # Queries per program for short query sequences (decode, Sq <= 16): the tile is never wider
 # than the query rows that exist (tl.dot needs 16 rows at least).
 MIN_BLOCK_M = 16
-FORCE_CONFIG: Optional["AttentionConfig"] = None  # tests force a config
 # The widest head dim the GPU tables cover: a padded 512-wide q tile and accumulator would not
 # fit one block's registers and shared memory (the interpreter runs any width).
 MAX_GPU_HEAD_DIM = 256
@@ -54,14 +52,13 @@ DECODE_MAX_SQ = 16
 # Keys per step of a decode program: [64, 128] bf16 K and V tiles, 3 stages in flight (assumed,
 # not yet swept); D 256 halves it.
 DECODE_TILE = {128: (64, 4, 3), 256: (32, 4, 2)}
-# Split the keys when there are fewer decode programs than this many per SM (one wave of 132
-# programs walking 8192 keys each leaves the memory system idle at the start and end of the
-# wave); each split keeps at least this many key blocks.
+# Split the keys when there are fewer decode programs than this many per SM (one wave of one
+# program per SM walking 8192 keys each leaves the memory system idle at the start and end of
+# the wave); each split keeps at least this many key blocks.
 DECODE_PROGRAMS_PER_SM = 2
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64
 COMBINE_ROWS = 16  # query rows per program of the split combine
-FORCE_SPLITS: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -116,8 +113,28 @@ class AttentionSchedule:
         return p.batch * p.heads * p.s_q * self.splits * (self.block_dv + 1) * 4 if self.splits > 1 else 0
 
 
-def _table_entry(problem: AttentionProblem, model: DeviceModel) -> AttentionConfig:
-    if model.capability is None:
+@dataclass(frozen=True)
+class ForcedAttention:
+    """What a build forces of the attention kernels (BuildOptions' sdpa fields): the forward's
+    tiles, the backward kernels', the decode key splits, the heads a causal grid interleaves."""
+
+    forward: Optional[AttentionConfig] = None
+    dkdv: Optional[AttentionConfig] = None
+    dq: Optional[AttentionConfig] = None
+    splits: Optional[int] = None
+    head_group: Optional[int] = None
+
+    @property
+    def backward(self) -> dict:
+        """The backward kernels' forced configs by kernel ("dkdv", "dq")."""
+        return {which: config for which, config in (("dkdv", self.dkdv), ("dq", self.dq)) if config is not None}
+
+
+NOT_FORCED = ForcedAttention()
+
+
+def _table_entry(problem: AttentionProblem, target: Target) -> AttentionConfig:
+    if target.interpreted:
         return AttentionConfig(*INTERPRETER_TILE)
     width = max(problem.head_dim, problem.value_dim)
     table = GPU_TILES[problem.masked] if problem.element_bytes <= 2 else GPU_TILES_FP32
@@ -127,19 +144,20 @@ def _table_entry(problem: AttentionProblem, model: DeviceModel) -> AttentionConf
     return AttentionConfig(*table[-1][1:])
 
 
-def _decode_schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes) -> AttentionSchedule:
+def _decode_schedule(problem: AttentionProblem, target: Target, budget_bytes,
+                     forced: ForcedAttention) -> AttentionSchedule:
     group = problem.heads // problem.kv_heads
     block_m = max(MIN_BLOCK_M, _pow2_at_least(group * problem.s_q))
     width = max(problem.head_dim, problem.value_dim)
     block_n, warps, stages = DECODE_TILE[128 if width <= 128 else 256]
-    if model.capability is None:
+    if target.interpreted:
         block_n, warps, stages = INTERPRETER_TILE[1:]
     block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
     programs = problem.batch * problem.kv_heads
     blocks = -(-problem.s_kv // block_n)
-    splits = -(-DECODE_PROGRAMS_PER_SM * model.sms // programs)
+    splits = -(-DECODE_PROGRAMS_PER_SM * target.sms // programs)
     splits = max(1, min(splits, blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS))
-    splits = FORCE_SPLITS or splits
+    splits = forced.splits or splits
     while splits > 1 and budget_bytes is not None and \
             problem.batch * problem.heads * problem.s_q * splits * (block_dv + 1) * 4 > budget_bytes:
         splits //= 2
@@ -147,7 +165,7 @@ def _decode_schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes
     splits = -(-problem.s_kv // chunk)
     reason = (f"decode: {group} query heads x {problem.s_q} rows packed per K/V head, {programs} programs, "
               f"keys in {splits} split(s) of {chunk}")
-    heads = head_group(programs, longest_first=False)  # 0 within grid axis y
+    heads = head_group(programs, False, target)  # 0 within grid axis y
     return AttentionSchedule(problem, AttentionConfig(block_m, block_n, warps, stages), block_d, block_dv,
                              grid(splits, programs, heads), reason, True, splits, chunk, head_group=heads)
 
@@ -164,17 +182,16 @@ LONGEST_FIRST_NOTE = "; causal: {} heads' tiles interleaved, the longest first"
 # L2). Through do_bench (L2 flushed), 0 / 8 heads, TFLOP/s forward / backward: B4 H32 S4096
 # 424 / 439, 313 / 311; B1 H16 S16384 428 / 439, 327 / 325; B4 H32:8 S4096 420 / 425, 304 / 318.
 LONGEST_FIRST_HEADS = 8
-FORCE_HEAD_GROUP: Optional[int] = None  # tests force the interleave
 
 
-def head_group(heads: int, longest_first: bool) -> int:
+def head_group(heads: int, longest_first: bool, target: Target, forced: Optional[int] = None) -> int:
     """The heads whose tiles a grid interleaves (a divisor of `heads`; 0: the plain grid): for
-    `longest_first` (causal masks) LONGEST_FIRST_HEADS or the nearest divisor below; past
-    grid axis y's limit of (batch, head) pairs, the least divisor that brings the groups within it (`heads`
-    itself at worst)."""
-    target = FORCE_HEAD_GROUP if FORCE_HEAD_GROUP is not None else LONGEST_FIRST_HEADS
-    group = max((g for g in range(1, min(target, heads) + 1) if heads % g == 0), default=0) if longest_first else 0
-    axis_y = device_limits.GRID_LIMITS[1]
+    `longest_first` (causal masks) LONGEST_FIRST_HEADS (or `forced`) or the nearest divisor
+    below; past grid axis y's limit on `target` of (batch, head) pairs, the least divisor that
+    brings the groups within it (`heads` itself at worst)."""
+    wanted = forced if forced is not None else LONGEST_FIRST_HEADS
+    group = max((g for g in range(1, min(wanted, heads) + 1) if heads % g == 0), default=0) if longest_first else 0
+    axis_y = target.max_grid[1]
     if heads // max(group, 1) > axis_y:
         group = next(g for g in range(-(-heads // axis_y), heads + 1) if heads % g == 0)
     return group
@@ -185,11 +202,10 @@ def grid(tiles: int, heads: int, group: int) -> tuple:
     return (group * tiles, heads // group) if group else (tiles, heads)
 
 
-# Shared memory a forward config may plan for: the H100's 227 KiB per block. The model below
-# counts 224 KiB for [128, 128] D-128 tiles at 3 stages, which compile and run (464 TFLOP/s);
-# with a bf16 bias and a bool mask tile per stage the op-level softcap chain asked the compiler
-# for 256 KiB and failed, which the side bytes now count.
-SHARED_MEMORY_BUDGET = 232448
+# A forward config plans for the target's shared memory per block (the H100's 227 KiB). The
+# model below counts 224 KiB for [128, 128] D-128 tiles at 3 stages, which compile and run (464
+# TFLOP/s); with a bf16 bias and a bool mask tile per stage the op-level softcap chain asked the
+# compiler for 256 KiB and failed, which the side bytes now count.
 
 
 def _shared_bytes(config: AttentionConfig, problem: AttentionProblem, block_d: int, block_dv: int) -> int:
@@ -199,9 +215,10 @@ def _shared_bytes(config: AttentionConfig, problem: AttentionProblem, block_d: i
     return config.num_stages * per_stage + config.block_m * block_d * problem.element_bytes
 
 
-def _fit_shared_memory(config, problem, block_d, block_dv) -> AttentionConfig:
-    """Fewer stages, then narrower key tiles, until the pipelined tiles fit."""
-    while _shared_bytes(config, problem, block_d, block_dv) > SHARED_MEMORY_BUDGET:
+def _fit_shared_memory(config, problem, block_d, block_dv, target: Target) -> AttentionConfig:
+    """Fewer stages, then narrower key tiles, until the pipelined tiles fit the shared memory of
+    `target`."""
+    while _shared_bytes(config, problem, block_d, block_dv) > target.shared_memory:
         if config.num_stages > 2:
             config = AttentionConfig(config.block_m, config.block_n, config.num_warps, config.num_stages - 1)
         elif config.block_n > 16:
@@ -213,33 +230,35 @@ def _fit_shared_memory(config, problem, block_d, block_dv) -> AttentionConfig:
     return config
 
 
-def check_head_dims(problem: AttentionProblem, model: DeviceModel):
+def check_head_dims(problem: AttentionProblem, target: Target):
     """UnsupportedError for head dims past the GPU tables."""
     width = max(problem.head_dim, problem.value_dim)
-    if model.capability is not None and width > MAX_GPU_HEAD_DIM:
+    if not target.interpreted and width > MAX_GPU_HEAD_DIM:
         raise UnsupportedError(f"sdpa: head dims {problem.head_dim}/{problem.value_dim} exceed the "
                                f"{MAX_GPU_HEAD_DIM} the GPU kernels take")
 
 
-def schedule(problem: AttentionProblem, model: DeviceModel, budget_bytes=None) -> AttentionSchedule:
-    """The forward kernel's tiles and grid for `problem` on `model`; `budget_bytes` bounds the
-    workspace of split partials (None: no bound)."""
-    check_head_dims(problem, model)
+def schedule(problem: AttentionProblem, target: Target, budget_bytes=None,
+             forced: ForcedAttention = NOT_FORCED) -> AttentionSchedule:
+    """The forward kernel's tiles and grid for `problem` on `target`; `budget_bytes` bounds the
+    workspace of split partials (None: no bound); `forced` what the build forces."""
+    check_head_dims(problem, target)
     group = problem.heads // problem.kv_heads
-    if FORCE_CONFIG is None and problem.s_q <= DECODE_MAX_SQ and group * problem.s_q <= DECODE_MAX_ROWS:
-        return _decode_schedule(problem, model, budget_bytes)
-    config = FORCE_CONFIG or _table_entry(problem, model)
+    if forced.forward is None and problem.s_q <= DECODE_MAX_SQ and group * problem.s_q <= DECODE_MAX_ROWS:
+        return _decode_schedule(problem, target, budget_bytes, forced)
+    config = forced.forward or _table_entry(problem, target)
     # short query sequences: no wider tile than the rows (16 at least, for tl.dot)
     block_m = min(config.block_m, max(MIN_BLOCK_M, _pow2_at_least(problem.s_q)))
     if block_m != config.block_m:
         config = AttentionConfig(block_m, config.block_n, config.num_warps, config.num_stages)
     block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
-    if FORCE_CONFIG is None and model.capability is not None:
-        config = _fit_shared_memory(config, problem, block_d, block_dv)
+    if forced.forward is None and not target.interpreted:
+        config = _fit_shared_memory(config, problem, block_d, block_dv, target)
     tiles, heads = -(-problem.s_q // config.block_m), problem.batch * problem.heads
-    group = head_group(heads, problem.causal)
+    group = head_group(heads, problem.causal, target, forced.head_group)
+    origin = "BuildOptions.sdpa_config" if forced.forward else "table"
     reason = (f"head dims {problem.head_dim}/{problem.value_dim} -> [{config.block_m} queries, "
-              f"{config.block_n} keys] tiles from the {'forced' if FORCE_CONFIG else 'table'} config"
+              f"{config.block_n} keys] tiles from the {origin} config"
               + (LONGEST_FIRST_NOTE.format(group) if group else ""))
     return AttentionSchedule(problem, config, block_d, block_dv, grid(tiles, heads, group), reason, head_group=group)
 
@@ -268,7 +287,6 @@ GPU_BACKWARD_TILES_CAUSAL = ((64, (32, 64, 4, 3), (64, 64, 4, 2)), (128, (64, 12
 GPU_BACKWARD_TILES_FP32 = ((64, (32, 64, 4, 2), (64, 32, 4, 2)), (128, (32, 64, 4, 1), (64, 32, 4, 1)),
                            (256, (16, 32, 4, 1), (32, 16, 4, 1)))
 DELTA_ROWS = 64  # rows of o and dO per program of the delta preprocess (a streaming row sum)
-FORCE_BACKWARD: Optional[dict] = None  # tests force {"dkdv": AttentionConfig, "dq": AttentionConfig}
 
 
 @dataclass(frozen=True)
@@ -280,13 +298,14 @@ class BackwardSchedule:
     reason: str
     bias_dims: tuple = ()  # [B, H, Sq, Skv] of a bias whose gradient is wanted (the dbias kernel)
     head_groups: dict = dataclasses.field(default_factory=dict)  # "dkdv" / "dq" / "delta" -> head_group
+    max_grid: tuple = CUDA_GRID_LIMITS  # the target's launch limits per grid axis (x, y, z)
 
     def programs(self, which: str) -> tuple:
         p, c = self.problem, self.configs[which]
         if which == "dbias":  # a program per [BLOCK_M, BLOCK_N] tile of the bias, per (batch, head)
             b, h, s_q, s_kv = self.bias_dims
             tiles = (-(-s_kv // c.block_n), -(-s_q // c.block_m), b * h)
-            return device_limits.laid_out(tiles, self.folds(which))
+            return laid_out(tiles, self.folds(which))
         if which == "dkdv":
             tiles, heads = -(-p.s_kv // c.block_n), p.batch * p.kv_heads
         else:
@@ -303,7 +322,8 @@ class BackwardSchedule:
         if which != "dbias":
             return False
         b, h, s_q, _ = self.bias_dims
-        return not device_limits.grid_fits((1, -(-s_q // self.configs[which].block_m), b * h))
+        grid = (1, -(-s_q // self.configs[which].block_m), b * h)
+        return not all(count <= limit for count, limit in zip(grid, self.max_grid))
 
     def config_text(self, which: str) -> str:
         c = self.configs[which]
@@ -312,12 +332,41 @@ class BackwardSchedule:
                 f"grid={list(self.programs(which))}")
 
 
-def backward_schedule(problem: AttentionProblem, model: DeviceModel, bias_dims: tuple = ()) -> BackwardSchedule:
-    """Tiles of the backward kernels for `problem` on `model` (and of the dbias kernel, which
-    walks query and key blocks as the dQ kernel does, when `bias_dims` are given)."""
-    check_head_dims(problem, model)
+def _backward_shared_bytes(which: str, config: AttentionConfig, problem: AttentionProblem, block_d: int,
+                           block_dv: int) -> int:
+    """The dK/dV kernel's pipelined q and dO tiles per stage plus its resident K and V tiles; the
+    dQ kernel's pipelined K and V tiles plus its resident q and dO tiles. Side tiles (a bias) are
+    left out: unlike the forward's, no backward build here has been seen to run out of shared
+    memory over them, and every tile of the H100's tables fits its 227 KiB without them."""
+    walked, resident = (config.block_m, config.block_n) if which == "dkdv" else (config.block_n, config.block_m)
+    per_stage = walked * (block_d + block_dv) * problem.element_bytes
+    return config.num_stages * per_stage + resident * (block_d + block_dv) * problem.element_bytes
+
+
+def _fit_backward(which: str, config: AttentionConfig, problem: AttentionProblem, block_d: int, block_dv: int,
+                  target: Target) -> AttentionConfig:
+    """Fewer stages, then a narrower walked tile (queries for dK/dV, keys for dQ), until a
+    backward kernel's tiles fit the shared memory of `target` (the H100's tables fit its own)."""
+    while _backward_shared_bytes(which, config, problem, block_d, block_dv) > target.shared_memory:
+        if config.num_stages > 1:
+            config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+        elif which == "dkdv" and config.block_m > 16:
+            config = dataclasses.replace(config, block_m=config.block_m // 2)
+        elif which == "dq" and config.block_n > 16:
+            config = dataclasses.replace(config, block_n=config.block_n // 2)
+        else:
+            break
+    return config
+
+
+def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tuple = (),
+                      forced: ForcedAttention = NOT_FORCED) -> BackwardSchedule:
+    """Tiles of the backward kernels for `problem` on `target` (and of the dbias kernel, which
+    walks query and key blocks as the dQ kernel does, when `bias_dims` are given); `forced`
+    what the build forces."""
+    check_head_dims(problem, target)
     block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
-    if model.capability is None:
+    if target.interpreted:
         tile = AttentionConfig(*INTERPRETER_TILE)
         configs = {"dkdv": tile, "dq": tile}
     else:
@@ -326,21 +375,25 @@ def backward_schedule(problem: AttentionProblem, model: DeviceModel, bias_dims: 
             GPU_BACKWARD_TILES_CAUSAL if problem.causal else GPU_BACKWARD_TILES)
         _, dkdv, dq = next((row for row in table if width <= row[0]), table[-1])
         configs = {"dkdv": AttentionConfig(*dkdv), "dq": AttentionConfig(*dq)}
-    configs.update(FORCE_BACKWARD or {})
+        configs = {which: _fit_backward(which, config, problem, block_d, block_dv, target)
+                   for which, config in configs.items()}
+    configs.update(forced.backward)
     if bias_dims:
         configs["dbias"] = configs["dq"]
-    rows = DELTA_ROWS if model.capability is not None else INTERPRETER_TILE[0]
-    configs["delta"] = AttentionConfig(rows, 16, 4 if model.capability is not None else 1, 1)
+    rows = INTERPRETER_TILE[0] if target.interpreted else DELTA_ROWS
+    configs["delta"] = AttentionConfig(rows, 16, 1 if target.interpreted else 4, 1)
     reason = (f"head dims {problem.head_dim}/{problem.value_dim}: dK/dV [{configs['dkdv'].block_n} keys, "
               f"{configs['dkdv'].block_m} queries a step], dQ [{configs['dq'].block_m} queries, "
               f"{configs['dq'].block_n} keys a step]")
-    groups = {"dkdv": head_group(problem.batch * problem.kv_heads, problem.causal),
-              "dq": head_group(problem.batch * problem.heads, problem.causal),
+    if forced.backward:
+        reason = f"forced by BuildOptions.sdpa_{'/'.join(forced.backward)}_config; " + reason
+    groups = {"dkdv": head_group(problem.batch * problem.kv_heads, problem.causal, target, forced.head_group),
+              "dq": head_group(problem.batch * problem.heads, problem.causal, target, forced.head_group),
               # the delta rows are equal work: a group only past grid axis y
-              "delta": head_group(problem.batch * problem.heads, longest_first=False)}
+              "delta": head_group(problem.batch * problem.heads, False, target)}
     if groups["dq"]:
         reason += LONGEST_FIRST_NOTE.format(groups["dq"])
-    return BackwardSchedule(problem, configs, block_d, block_dv, reason, tuple(bias_dims), groups)
+    return BackwardSchedule(problem, configs, block_d, block_dv, reason, tuple(bias_dims), groups, target.max_grid)
 
 
 # Op-level chains (attention written as ops: the score ops rendered in the kernels, their side
@@ -357,35 +410,38 @@ GPU_CHAIN_TILES = {"forward": (64, 32, 4, 2), "lse": (64, 64, 4, 2), "dkdv": (32
 GPU_CHAIN_MAX_WIDTH = 128
 
 
-def _chain_tiles(problem: AttentionProblem, model: DeviceModel) -> bool:
-    return (model.capability is not None and problem.element_bytes <= 2
+def _chain_tiles(problem: AttentionProblem, target: Target) -> bool:
+    return (not target.interpreted and problem.element_bytes <= 2
             and max(problem.head_dim, problem.value_dim) <= GPU_CHAIN_MAX_WIDTH)
 
 
-def chain_schedule(problem: AttentionProblem, model: DeviceModel, which: str = "forward") -> AttentionSchedule:
+def chain_schedule(problem: AttentionProblem, target: Target, which: str = "forward",
+                   forced: ForcedAttention = NOT_FORCED) -> AttentionSchedule:
     """Tiles of an op-level chain's forward kernel, or ("lse") of its backward's log-sum-exp
     pass (the forward kernel without P V). The plain grid: the chain kernels take no head
     interleave, only the groups that keep (batch, head) pairs within grid axis y."""
-    sched = schedule(problem, model, 0)
+    sched = schedule(problem, target, 0, forced)
     config, reason = sched.config, sched.reason
-    if FORCE_CONFIG is None and _chain_tiles(problem, model):
+    if forced.forward is None and _chain_tiles(problem, target):
         block_m, block_n, warps, stages = GPU_CHAIN_TILES[which]
         config = AttentionConfig(min(block_m, config.block_m), block_n, warps, stages)
         reason = f"op-level chain: [{config.block_m} queries, {block_n} keys] {which} tiles"
     heads = problem.batch * problem.heads
-    group = head_group(heads, longest_first=False)
+    group = head_group(heads, False, target)
     programs = grid(-(-problem.s_q // config.block_m), heads, group)
     return dataclasses.replace(sched, config=config, programs=programs, head_group=group, reason=reason)
 
 
-def chain_backward_schedule(problem: AttentionProblem, model: DeviceModel) -> BackwardSchedule:
+def chain_backward_schedule(problem: AttentionProblem, target: Target,
+                            forced: ForcedAttention = NOT_FORCED) -> BackwardSchedule:
     """Tiles of an op-level backward's dK/dV and dQ kernels (the plain grids, as chain_schedule)."""
     pairs = {"dkdv": problem.batch * problem.kv_heads, "dq": problem.batch * problem.heads}
-    groups = {which: head_group(count, longest_first=False) for which, count in pairs.items()}
-    sched = dataclasses.replace(backward_schedule(problem, model),
+    groups = {which: head_group(count, False, target) for which, count in pairs.items()}
+    sched = dataclasses.replace(backward_schedule(problem, target, forced=forced),
                                 head_groups={which: group for which, group in groups.items() if group})
-    if FORCE_BACKWARD is not None or not _chain_tiles(problem, model):
+    if forced.backward or not _chain_tiles(problem, target):
         return sched
-    configs = dict(sched.configs, dkdv=AttentionConfig(*GPU_CHAIN_TILES["dkdv"]),
-                   dq=AttentionConfig(*GPU_CHAIN_TILES["dq"]))
+    chain_tiles = {which: _fit_backward(which, AttentionConfig(*GPU_CHAIN_TILES[which]), problem, sched.block_d,
+                                        sched.block_dv, target) for which in ("dkdv", "dq")}
+    configs = dict(sched.configs, **chain_tiles)
     return dataclasses.replace(sched, configs=configs, reason="op-level chain: " + sched.reason)

@@ -3,7 +3,7 @@ rows.py, pooling.py, matmul.py) and execute().
 
 Launches are bound at build (see launch.py); execute() checks bindings and runs them in order.
 A plan may be executed from many threads and streams at once: each (device, stream) gets its own
-workspace (or the caller passes one), and each device model its own launches.
+workspace (or the caller passes one), and each target (device model) its own launches.
 """
 from __future__ import annotations
 
@@ -20,15 +20,18 @@ import torch
 from ..codegen.pooling import prologue_values_to_store
 from ..errors import ExecutionError, UnsupportedError, ValidationError
 from ..fusion import partition
-from ..heuristics import device_model
 from ..heuristics.autotune import Tuner
 from ..heuristics.workspace import WorkspaceBudget
 from ..log import logger
+from ..options import BuildOptions
 from ..runtime import interpreting
+from ..target import Target, target_of
 from .attention import build_attention_backward
 from .bindings import check_bindable, resolved_input
-from .cache import MODULES, PLANS, plan_key
-from .launch import LaunchRefused, created_once, launch_on_device, persistent_buffer, run_launches, time_launches
+from .cache import PLANS, plan_key
+from .context import BuildContext
+from .launch import (LaunchRefused, check_grid, created_once, launch_on_device, persistent_buffer, run_launches,
+                     time_launches)
 from .conv import build_conv
 from .matmul import build_matmul
 from .overlap import StridedBytes, share_a_byte
@@ -96,24 +99,20 @@ def _check_outputs_dense(graph):
                                       f"its elements would overlap")
 
 
-def build_plan(graph, autotune: bool = False, workspace_limit=None) -> "Plan":
-    """The plan of a validated graph: the cached one when an identical graph was built before
-    under the same settings (see cache.py), else partition, schedule (or autotune) and generate
-    every kernel; the configs' optional scratch together stays within `workspace_limit` bytes
-    (None: no limit). The graph's virtual tensors take the view strides the plan gives them."""
+def build_plan(graph, options: Optional[BuildOptions] = None) -> "Plan":
+    """The plan of a validated graph under `options` (None: the defaults): the cached one when
+    an identical graph was built before with equal options for the same target (see cache.py),
+    else partition, schedule (or autotune) and generate every kernel. The graph's virtual
+    tensors take the view strides the plan gives them."""
+    options = BuildOptions() if options is None else options
     _check_outputs_dense(graph)
     start = time.perf_counter()
     device = _build_device()
-    key = plan_key(graph, autotune, workspace_limit, device, KERNEL_BUILDERS)
+    key = plan_key(graph, options, device, _target_for(device, options), KERNEL_BUILDERS)
     shared = PLANS.get(key)
     if shared is None:
-        shared = _build_new(graph._snapshot(), device, autotune, workspace_limit)
+        shared = _build_new(graph._snapshot(), device, options)
         PLANS.put(key, shared)
-        # a first build may import modules: the next identical build's key sees them, and finds
-        # the plan under it too, unless a value the build read changed meanwhile (a knob set by
-        # another thread) or autotuning stored winners (the next build reads them, a new key)
-        if not autotune and MODULES.unchanged(key[-1]):
-            PLANS.put(plan_key(graph, autotune, workspace_limit, device, KERNEL_BUILDERS), shared)
     else:
         logger.info("built graph %r from the plan cache in %.2f ms", graph.name, 1e3 * (time.perf_counter() - start))
     plan = shared.for_graph(graph)
@@ -121,14 +120,14 @@ def build_plan(graph, autotune: bool = False, workspace_limit=None) -> "Plan":
     return plan
 
 
-def _build_new(graph, device, autotune: bool, workspace_limit) -> "Plan":
+def _build_new(graph, device, options: BuildOptions) -> "Plan":
     """A new plan over `graph` (a snapshot the plan keeps)."""
     start = time.perf_counter()
     groups = partition(graph, frozenset(KERNEL_BUILDERS))
     for group in groups:
         logger.debug("graph %r: group %s", graph.name, group.describe())
-    budget = WorkspaceBudget(workspace_limit)
-    plan = Plan(graph, groups, build_launches(graph, groups, device, autotune, budget), device, autotune, budget)
+    budget = WorkspaceBudget(options.workspace_limit)
+    plan = Plan(graph, groups, build_launches(graph, groups, device, options, budget), device, options, budget)
     logger.info("built graph %r: %d ops in %d kernel(s) for %s in %.1f ms, workspace %d bytes", graph.name,
                 len(graph.nodes), len(plan.launches), device, 1e3 * (time.perf_counter() - start),
                 plan.workspace_bytes)
@@ -146,10 +145,19 @@ def _build_device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_launches(graph, groups, device: torch.device, autotune: bool = False, budget=None) -> list:
-    """The launches of every group, scheduled for `device`'s model (autotuned on `device`),
-    drawing optional scratch from `budget` (a WorkspaceBudget) in graph order."""
-    tuner = Tuner(device_model(device)) if autotune else None
+def _target_for(device: torch.device, options: BuildOptions):
+    """The target a plan's launches for `device` are built for: the options' where they name
+    one, else the device's own."""
+    return options.target if options.target is not None else target_of(device)
+
+
+def build_launches(graph, groups, device: torch.device, options: BuildOptions, budget=None) -> list:
+    """The launches of every group, scheduled for the target of `device` (autotuned on
+    `device`) under `options`, drawing optional scratch from `budget` (a WorkspaceBudget) in
+    graph order."""
+    target = _target_for(device, options)
+    tuner = Tuner(target, top=options.autotune_top) if options.autotune else None
+    context = BuildContext(device, target, options, tuner, budget)
     launches = []
     for index, group in enumerate(groups):
         builder = KERNEL_BUILDERS.get(group.kind)
@@ -160,18 +168,22 @@ def build_launches(graph, groups, device: torch.device, autotune: bool = False, 
                 f"[{', '.join(n.name for n in group.nodes)}] cannot run; graph.reference() computes it")
         stored = prologue_values_to_store(group) if group.kind in PROLOGUE_STORED_APART else None
         if stored is not None:
-            launches.append(build_pointwise(graph, stored, index, device=device))
-        built = builder(graph, group, index, tuner, device, budget)
+            launches.append(build_pointwise(graph, stored, index, context))
+        built = builder(graph, group, index, context)
         launches.extend(built if isinstance(built, list) else [built])
+    for launch in launches:
+        for chosen in (launch, launch.alternative):
+            if chosen is not None:
+                check_grid(chosen.grid, chosen.source_path, target)
     return launches
 
 
 class DeviceLaunches:
-    """A plan's launches for one device model (SM count, compute capability) and the workspace
+    """A plan's launches for one target (SM count, compute capability, ...) and the workspace
     layout they need: (uid, dim, stride, torch dtype, bytes, byte offset) of every tensor in it."""
 
-    def __init__(self, model, launches, groups, graph_dtypes):
-        self.model, self.launches = model, launches
+    def __init__(self, target, launches, groups, graph_dtypes):
+        self.target, self.launches = target, launches
         self.dtypes = dict(graph_dtypes)
         self.dtypes.update({t.uid: t.data_type.torch_dtype for g in groups for t in g.inputs + g.outputs})
         self.dtypes.update({s.uid: s.torch_dtype for launch in launches for s in launch.scratch})
@@ -283,9 +295,9 @@ class Plan:
     """Launches in order over bound tensors and one workspace for values between kernels.
 
     Safe to execute from many threads and streams at once: workspaces are per (device, stream) or
-    the caller's, launches are per device model and built or bound once under a lock."""
+    the caller's, launches are per target and built or bound once under a lock."""
 
-    def __init__(self, graph, groups, launches, device=None, autotune: bool = False, budget=None):
+    def __init__(self, graph, groups, launches, device=None, options: Optional[BuildOptions] = None, budget=None):
         self.graph_name = graph.name
         self.groups, self.launches = groups, launches
         self.views = groups.views
@@ -296,16 +308,18 @@ class Plan:
         # unused inputs may be bound (and are ignored); virtual tensors may not
         self.bindable = {s.uid for s in self.specs} | {t.uid for t in graph.inputs()}
         self.names = {t.uid: t.name for t in graph.tensors}
-        self._graph, self._autotune = graph, autotune
+        self._graph = graph
+        self.options = BuildOptions() if options is None else options
         self._budget = budget if budget is not None else WorkspaceBudget()
         self._graph_dtypes = {t.uid: t.data_type.torch_dtype for t in graph.tensors}
         self._lock = threading.Lock()  # guards the three dicts below when they grow
-        self._by_model: dict = {}  # DeviceModel -> DeviceLaunches
+        self._by_target: dict = {}  # Target -> DeviceLaunches
         self._by_device: dict = {}  # (device type, index) -> DeviceLaunches
         self._streams: dict = {}  # (device type, index, raw stream) -> StreamWorkspace
         self._ready: dict = {}  # _stamp of a binding set -> ReadyBindings
         device = torch.device("cpu") if device is None else device
         built = self._derive(device, launches)
+        self.target = built.target  # the build's (others derive launches of their own at execute)
         self.dtypes = built.dtypes
         self.views_aligned = self.views.aligned(lambda uid: self.dtypes[uid].itemsize)
         self.workspace_tensors, self.workspace_bytes = built.workspace_tensors, built.workspace_bytes
@@ -320,18 +334,18 @@ class Plan:
         plan._streams, plan._ready = {}, {}
         return plan
 
-    # --- one set of launches per device model ----------------------------------------------------
+    # --- one set of launches per target ----------------------------------------------------------
     def _derive(self, device, launches=None) -> DeviceLaunches:
-        """Build (unless given) and bind the launches for `device`'s model; caller holds the lock
+        """Build (unless given) and bind the launches for `device`'s target; caller holds the lock
         or is the constructor."""
-        model = device_model(device)
+        target = _target_for(device, self.options)
         if launches is None:
-            launches = build_launches(self._graph, self.groups, device, self._autotune, self._budget.fresh())
-        built = DeviceLaunches(model, launches, self.groups, self._graph_dtypes)
+            launches = build_launches(self._graph, self.groups, device, self.options, self._budget.fresh())
+        built = DeviceLaunches(target, launches, self.groups, self._graph_dtypes)
         if device.type == "cuda":
             built.bind(device.index)
             built.layout(self.groups)
-        self._by_model[model] = built
+        self._by_target[target] = built
         self._by_device[(device.type, device.index)] = built
         return built
 
@@ -344,7 +358,7 @@ class Plan:
             found = self._by_device.get((device.type, device.index))
             if found is not None:
                 return found
-            found = self._by_model.get(device_model(device))
+            found = self._by_target.get(_target_for(device, self.options))
             if found is None:
                 return self._derive(device)
             if device.type == "cuda":
@@ -591,6 +605,8 @@ class Plan:
         """Human-readable plan: groups, configs and why, source paths."""
         lines = [f"graph {self.graph_name!r}: {sum(len(g.nodes) for g in self.groups)} ops in "
                  f"{len(self.launches)} kernel(s), workspace {self.workspace_bytes} bytes"]
+        chosen = ", ".join(f"{name}={_option_text(value)}" for name, value in self.options.forced().items())
+        lines.append(f"built for {self.target.name}; options: {chosen or 'the defaults'}")
         for index, launch in enumerate(self.launches):
             group = launch.group
             lines.append(f"kernel {index} [{group.kind}] {launch.kernel.__name__ if hasattr(launch.kernel, '__name__') else ''}")
@@ -603,6 +619,13 @@ class Plan:
         return "\n".join(lines)
 
 
+
+
+def _option_text(value) -> str:
+    """An option's value as explain() shows it: a config by its text, a target by its name."""
+    if isinstance(value, Target):
+        return value.name
+    return getattr(value, "text", None) or repr(value)
 
 
 def _address(value: torch.Tensor, what: str) -> int:

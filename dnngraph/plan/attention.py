@@ -7,7 +7,6 @@ from __future__ import annotations
 from ..codegen.attention import render_chain_backward, render_lse
 from ..codegen.cache import load_kernel
 from ..codegen.sdpa import AttentionSpec, output_strides
-from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import AttentionProblem, chain_backward_schedule, chain_schedule
 from .launch import KernelLaunch, element_span, kernel_name, scratch
@@ -38,27 +37,28 @@ def _operands(roles, rank: int) -> tuple:
     return tensors, strides
 
 
-def build_attention_backward(graph, group, index, tuner=None, device=None, budget=None) -> list:
-    """The kernels of an attention_backward group."""
+def build_attention_backward(graph, group, index, context) -> list:
+    """The kernels of an attention_backward group, for the context's target."""
     roles = group.roles
     rank = len(roles.q.dim)
     (batch, heads, s_q, s_kv), _ = _as_bhsd(roles.scores.outputs[0], rank)
     head_dim, value_dim = roles.q.dim[-1], roles.d_o.dim[-1]
     tensors, strides = _operands(roles, rank)
-    model = device_model(device)
+    target, forced = context.target, context.attention
     problem = AttentionProblem(batch, heads, heads, s_q, s_kv, head_dim, value_dim,
                                roles.q.data_type.torch_dtype.itemsize, False, 0)
     lse = scratch((batch, heads, s_q))
     uids = {stem: t.uid for stem, t in tensors.items()}
     uids["stats"], strides["stats"] = lse.uid, (heads * s_q, s_q, 1)
-    wide = any(element_span(t) > INT32_LIMIT for t in tensors.values()) or batch * heads * s_q * s_kv > INT32_LIMIT
+    wide = context.options.sdpa_index_64 or any(element_span(t) > INT32_LIMIT for t in tensors.values()) or \
+        batch * heads * s_q * s_kv > INT32_LIMIT
     dims = {"HEADS": heads, "GROUP": 1, "SQ": s_q, "SKV": s_kv, "HEAD_DIM": head_dim, "VALUE_DIM": value_dim}
     drop = roles.dropout
     dropout = None if drop is None else (drop.attrs.p, drop.attrs.seed, drop.attrs.offset)
     precision = dot_precision(graph, roles.q.data_type)
     name = kernel_name(group, index)
 
-    forward = chain_schedule(problem, model, "lse")
+    forward = chain_schedule(problem, target, "lse", forced)
     config = forward.config
     lse_stems = ("q", "k", "stats")
     lse_spec = AttentionSpec(dims, {s: strides[s] for s in lse_stems}, {s: uids[s] for s in lse_stems}, 1.0,
@@ -72,7 +72,7 @@ def build_attention_backward(graph, group, index, tuner=None, device=None, budge
                              "lse: " + forward.config_text, "op-level attention backward: " + forward.reason,
                              scratch=(lse,), num_stages=config.num_stages)]
 
-    sched = chain_backward_schedule(problem, model)
+    sched = chain_backward_schedule(problem, target, forced)
     wanted = [("dkdv", ("dk", "dv")), ("dq", ("dq",))]
     for which, outputs in wanted:
         if not any(stem in tensors for stem in outputs):

@@ -30,7 +30,6 @@ from ..codegen.gemm import ExitPlan, GemmKernelSpec, GemmOperand, LinearK
 from ..codegen.matmul import DescriptorLoader, StridedLoader
 from ..errors import UnsupportedError
 from ..heuristics import conv as conv_heuristics
-from ..heuristics import device_model
 from ..heuristics import matmul as matmul_heuristics
 from ..heuristics.layout import INT32_LIMIT, operand_strides
 from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot
@@ -72,16 +71,17 @@ class ConvPose:
     k_axes: tuple = ()  # taps folded into k: its axes, outer first (-1 the channel); () per tap
 
 
-def _folded(pose: ConvPose) -> ConvPose:
-    """`pose` with its taps folded into k where heuristics/conv.py fold_taps says so."""
+def _folded(pose: ConvPose, fold_below: int) -> ConvPose:
+    """`pose` with its taps folded into k where heuristics/conv.py fold_taps says so (below
+    `fold_below` channels per group)."""
     g = pose.geometry
-    if not conv_heuristics.fold_taps(pose.channels, g.taps):
+    if not conv_heuristics.fold_taps(pose.channels, g.taps, fold_below):
         return pose
     axes = conv_heuristics.folded_axes(g.rank, tuple(pose.source.stride))
     return replace(pose, k_axes=axes, suffix=pose.suffix + "_folded")
 
 
-def _fprop_pose(node) -> ConvPose:
+def _fprop_pose(node, fold_below: int) -> ConvPose:
     x, w = node.inputs
     attrs = node.attrs
     flip = attrs.mode == "convolution"
@@ -90,10 +90,10 @@ def _fprop_pose(node) -> ConvPose:
                             tuple(r - 1 if flip else 0 for r in filters), tuple(-1 if flip else 1 for _ in filters))
     out = tuple(node.outputs[0].dim[2:])
     return _folded(ConvPose(x, 1, geometry, x.dim[1] // attrs.groups, w.dim[0] // attrs.groups, out,
-                            (1,) * len(out), (0,) * len(out)))
+                            (1,) * len(out), (0,) * len(out)), fold_below)
 
 
-def _dgrad_poses(node) -> list:
+def _dgrad_poses(node, fold_below: int) -> list:
     dy, w = node.inputs
     attrs = node.attrs
     filters = tuple(w.dim[2:])
@@ -105,17 +105,17 @@ def _dgrad_poses(node) -> list:
                                 phase.filter_step)
         suffix = f"_phase{index}" if len(phases) > 1 else ""
         poses.append(_folded(ConvPose(dy, 0, geometry, w.dim[0] // attrs.groups, w.dim[1], phase.rows,
-                                      attrs.stride, phase.phase, suffix)))
+                                      attrs.stride, phase.phase, suffix), fold_below))
     return poses
 
 
-POSES = {"conv_fprop": lambda node: [_fprop_pose(node)], "conv_dgrad": _dgrad_poses}
+POSES = {"conv_fprop": lambda node, fold_below: [_fprop_pose(node, fold_below)], "conv_dgrad": _dgrad_poses}
 
 
 class ConvBuild(GemmLaunches):
     """Everything about one pose of a conv group that does not depend on the config."""
 
-    def __init__(self, graph, group, index, pose: ConvPose, device=None):
+    def __init__(self, graph, group, index, pose: ConvPose, target):
         self.graph, self.group, self.index, self.pose = graph, group, index, pose
         node = self.node = group.anchor
         self.w, self.out = node.inputs[1], node.outputs[0]
@@ -129,7 +129,7 @@ class ConvBuild(GemmLaunches):
         self.stored = [t for t in group.outputs if t.producer not in prologue and t.uid not in exit_outputs]
         self.row_sizes = (self.out.dim[0],) + pose.rows
         self.dot_a, self.dot_b, dot, self.precision = self._dot(pose.source, self.w, graph.allow_tf32)
-        self.device = device_model(device)
+        self.target = target
         self.matmul_path = self._is_matmul()
         self.operands = tuple(self._source_operands() + self._filter_operands() + self._output_operands())
         self.problem = self._problem(dot)
@@ -207,7 +207,7 @@ class ConvBuild(GemmLaunches):
         if self.matmul_path:
             a_op, b_op = (next(o for o in self.operands if o.side == side) for side in "ab")
             a_layout, b_layout = layout_of(a_op.row_stride, a_op.col_stride), layout_of(b_op.row_stride, b_op.col_stride)
-            capability = self.device.capability
+            capability = self.target.capability
             tma = (not self.prologue and not b_op.offset and tma_ok(a_op, a_layout, self.dot_a, capability)
                    and tma_ok(b_op, b_layout, self.dot_b, capability)
                    and (dot not in ("fp8", "tf32") or (a_layout, b_layout) == ("row", "col")))
@@ -280,7 +280,7 @@ class WgradBuild(GemmLaunches):
     The reduction over N x pixels is long, so split-K (partials added in order by the combine
     kernel: deterministic) fills the machine."""
 
-    def __init__(self, graph, group, index, device=None):
+    def __init__(self, graph, group, index, target, fold_below: int = conv_heuristics.FOLD_CHANNELS_BELOW):
         self.graph, self.group, self.index = graph, group, index
         node = self.node = group.anchor
         dy, x = node.inputs
@@ -288,7 +288,7 @@ class WgradBuild(GemmLaunches):
         attrs = node.attrs
         self.groups, filters = attrs.groups, tuple(attrs.shape[2:])
         self.filters, self.channels = attrs.shape[0] // attrs.groups, attrs.shape[1]
-        self._pose(filters)
+        self._pose(filters, fold_below)
         flip = attrs.mode == "convolution"
         self.geometry = ConvGeometry(filters, attrs.stride, attrs.padding, attrs.dilation,
                                      tuple(r - 1 if flip else 0 for r in filters),
@@ -301,17 +301,17 @@ class WgradBuild(GemmLaunches):
         self.exit_operands = []
         self.pixel_sizes = (dy.dim[0],) + tuple(dy.dim[2:])
         self.dot_a, self.dot_b, dot, self.precision = ConvBuild._dot(dy, x, graph.allow_tf32)
-        self.device = device_model(device)
+        self.target = target
         self.operands = tuple(self._dy_operands() + self._x_operands() + self._output_operands())
         self.problem = self._problem(dot)
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
         self.name = kernel_name(group, index) + ("_folded" if self.folded else "")
 
-    def _pose(self, filters: tuple):
+    def _pose(self, filters: tuple, fold_below: int):
         """Where the taps go (heuristics/conv.py): batch axes of the GEMM (tap_axes: the batch
         axis of each spatial axis' tap, -1 for none), or folded into the columns (column_axes and
         col_sizes, outer first)."""
-        self.folded = conv_heuristics.fold_taps(self.channels, _product(filters))
+        self.folded = conv_heuristics.fold_taps(self.channels, _product(filters), fold_below)
         self.column_axes = conv_heuristics.folded_axes(len(filters), tuple(self.x.stride)) if self.folded else ()
         self.col_sizes = tuple(self.channels if a < 0 else filters[a] for a in self.column_axes)
         batch_dims = (self.groups,) + ((1,) * len(filters) if self.folded else filters)
@@ -330,9 +330,10 @@ class WgradBuild(GemmLaunches):
                              self.dy.data_type.itemsize, self.x.data_type.itemsize, out_bytes, False, "strided",
                              "strided", f"conv_wgrad {pose}" + ",".join(n.op for n in self.group.epilogue))
 
-    def schedule(self, problem: MatmulProblem, device) -> object:
-        """The wgrad schedule of this pose (heuristics/conv.py)."""
-        return conv_heuristics.wgrad_schedule(problem, device, self.folded)
+    def schedule(self, problem: MatmulProblem, target, forced=None) -> object:
+        """The wgrad schedule of this pose on `target` (heuristics/conv.py); `forced` runs
+        whatever the model says."""
+        return conv_heuristics.wgrad_schedule(problem, target, self.folded, forced)
 
     def _batch(self, group_stride: int, tap_strides: tuple) -> tuple:
         full = (group_stride,) + tap_strides
@@ -384,25 +385,28 @@ class WgradBuild(GemmLaunches):
             extra_constexprs=self.geometry.constexprs(), **extra)
 
 
-def build_conv(graph, group, index, tuner=None, device=None, budget=None) -> list[KernelLaunch]:
-    """The launches of a conv group for `device` (default: the current one): per pose, the
-    model's choice or the autotuned one with `tuner`, within the workspace `budget`."""
-    node = group.anchor
+def build_conv(graph, group, index, context) -> list[KernelLaunch]:
+    """The launches of a conv group for the context's target: per pose, the model's choice (or
+    the options' forced config: conv_config, matmul_config for a pose that is a matmul) or the
+    autotuned one, within the workspace budget."""
+    node, options = group.anchor, context.options
     if takes_depthwise(group):  # one channel per group: direct kernels (plan/depthwise.py)
-        launches = build_depthwise(graph, group, index, tuner, device, budget)
+        launches = build_depthwise(graph, group, index, context)
         if launches is not None:
             return launches  # else wgrad's partials exceed the workspace limit: the GEMM kernels run
+    forced_conv = lambda schedule: lambda problem, target: schedule(problem, target, options.conv_config)
     if node.op == "conv_wgrad":
-        build = WgradBuild(graph, group, index, device)
-        return build_gemm(build, "conv", build.schedule, tuner, device, budget)
+        build = WgradBuild(graph, group, index, context.target, options.conv_fold_channels_below)
+        return build_gemm(build, "conv", forced_conv(build.schedule), context)
     if node.op not in POSES:
         raise UnsupportedError(f"node {node.name!r} ({node.op}): no kernel for {node.op} exists yet; "
                                f"graph.reference() computes it")
     launches = []
-    for pose in POSES[node.op](node):
-        build = ConvBuild(graph, group, index, pose, device)
+    for pose in POSES[node.op](node, options.conv_fold_channels_below):
+        build = ConvBuild(graph, group, index, pose, context.target)
         if build.matmul_path:
-            launches += build_gemm(build, "matmul", matmul_heuristics.schedule, tuner, device, budget)
+            launches += build_gemm(build, "matmul", lambda problem, target: matmul_heuristics.schedule(
+                problem, target, options.matmul_config), context)
         else:
-            launches += build_gemm(build, "conv", conv_heuristics.schedule, tuner, device, budget)
+            launches += build_gemm(build, "conv", forced_conv(conv_heuristics.schedule), context)
     return launches

@@ -17,14 +17,13 @@ from ..codegen.cache import load_kernel
 from ..codegen.depthwise import DepthwiseSpec, Operand, render
 from ..errors import UnsupportedError
 from ..heuristics import depthwise as depthwise_heuristics
-from ..heuristics import device as device_limits
-from ..heuristics import device_model
 from ..heuristics.autotune import TuningRecord
 from ..heuristics.depthwise import DepthwiseConfig, GatherProblem, WgradProblem
 from ..heuristics.layout import INT32_LIMIT, operand_strides
 from ..heuristics.pooling import tile_axes
 from .gemm import chain, epilogue_inputs, leaves
-from .launch import KernelLaunch, element_span, kernel_name, sample_tensors, scratch, time_candidate, tuning_device
+from ..target import laid_out
+from .launch import KernelLaunch, element_span, kernel_name, sample_tensors, scratch, time_candidate
 
 
 def _product(values) -> int:
@@ -60,7 +59,7 @@ def _bytes(tensor) -> int:
 class DepthwiseBuild:
     """Everything about a depthwise group that does not depend on the config."""
 
-    def __init__(self, graph, group, index, device=None):
+    def __init__(self, graph, group, index, target):
         self.graph, self.group = graph, group
         node = self.node = group.anchor
         attrs = node.attrs
@@ -83,7 +82,7 @@ class DepthwiseBuild:
         self.operands = tuple(self._operands(other, leaves(self.source, members), epilogue_inputs(group)))
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
         self.name = kernel_name(group, index) + "_depthwise"
-        self.device = device_model(device)
+        self.target = target
         traffic = sum(_bytes(t) for t in list(group.inputs) + list(group.outputs))
         epilogue = ",".join(n.op for n in group.prologue + group.epilogue)
         self.vector_axis, self.row_axes, self.merge_axis = 1, (), -1  # the gather tile's axes
@@ -181,9 +180,9 @@ class DepthwiseBuild:
         p = self.problem
         partial = scratch((config.splits, p.taps, p.channels))
         grid = (-(-p.channels // config.block_cols), -(-p.taps // config.block_taps), config.splits)
-        fold = not device_limits.grid_fits(grid)  # tap blocks or splits past axes y/z: all on axis x
+        fold = not self.target.grid_fits(grid)  # tap blocks or splits past axes y/z: all on axis x
         main = self._launch(self.spec(config, "wgrad", partial_uid=partial.uid, fold_grid=fold),
-                            device_limits.laid_out(grid, fold), config.num_warps,
+                            laid_out(grid, fold), config.num_warps,
                             config.text + f" grid={grid[0]}x{grid[1]}x{grid[2]}" + " folded" * fold, reason, [partial])
         elements = p.channels * p.taps
         block = depthwise_heuristics.COMBINE_BLOCK
@@ -198,18 +197,20 @@ def _partial_bytes(config, problem) -> int:
     return config.splits * problem.taps * problem.channels * 4 if config.kernel == "wgrad" else 0
 
 
-def build_depthwise(graph, group, index, tuner=None, device=None, budget=None) -> list[KernelLaunch]:
-    """The launches of a depthwise conv group for `device`: the model's config, or the autotuned
-    one with `tuner` (recorded under "depthwise" in the tuning cache), within the workspace
-    `budget`; None where wgrad's partials (it always has some) do not fit it."""
-    build = DepthwiseBuild(graph, group, index, device)
-    sched = depthwise_heuristics.schedule(build.problem, build.device)
+def build_depthwise(graph, group, index, context) -> list[KernelLaunch]:
+    """The launches of a depthwise conv group for the context's target: the model's config (or
+    the options' forced one), or the autotuned one (recorded under "depthwise" in the tuning
+    cache), within the workspace budget; None where wgrad's partials (it always has some) do
+    not fit it."""
+    tuner, budget = context.tuner, context.budget
+    build = DepthwiseBuild(graph, group, index, context.target)
+    sched = depthwise_heuristics.schedule(build.problem, build.target, context.options.depthwise_config)
     ranked = [c for c in sched.ranked if budget is None or budget.allows(_partial_bytes(c, build.problem))]
     if not ranked:  # wgrad's partials do not fit: the caller runs the GEMM kernels, which need none
         return None
     config, record = ranked[0], TuningRecord("model", ranked[0].text)
     if tuner is not None:
-        where = tuning_device(device)
+        where = context.device
         tensors = sample_tensors(group, where)
         limit = "" if budget is None or budget.limit is None else f" ws{budget.limit}"
         config, record = tuner.choose(

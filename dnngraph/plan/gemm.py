@@ -2,7 +2,7 @@
 leaves and chains, and the launches of one config (main, split-K combine, row-exit fold).
 
 A family's build object supplies `spec(config, suffix, **extra)` (its loaders and operands),
-`problem` (batch, m, n), `group`, `exit_operands` and `device`; `build_gemm` schedules (or
+`problem` (batch, m, n), `group`, `exit_operands` and `target`; `build_gemm` schedules (or
 autotunes) it and returns the launches.
 """
 from __future__ import annotations
@@ -11,11 +11,10 @@ from dataclasses import replace
 
 from ..codegen.cache import load_kernel
 from ..codegen.gemm import EXIT_FOLD_BLOCK, ExitPlan, render
-from ..heuristics import device as device_limits
 from ..heuristics.autotune import TuningRecord
-from ..heuristics.device import laid_out
-from ..heuristics.matmul import COLUMN_FOLD_BLOCK, SHARED_MEMORY, SPLIT_COMBINE_BLOCK, MatmulConfig, shared_bytes
-from .launch import KernelLaunch, sample_tensors, scratch, time_candidate, tuning_device
+from ..heuristics.matmul import COLUMN_FOLD_BLOCK, SPLIT_COMBINE_BLOCK, MatmulConfig, shared_bytes
+from ..target import laid_out
+from .launch import KernelLaunch, sample_tensors, scratch, time_candidate
 
 EXIT_FOLD_WARPS = 4
 COMBINE_WARPS = 4
@@ -47,16 +46,16 @@ def tma_store_ok(op, config: MatmulConfig) -> bool:
 BARRIER_BYTES = 64
 
 
-def tma_stores_that_fit(stored, config: MatmulConfig, problem) -> tuple:
+def tma_stores_that_fit(stored, config: MatmulConfig, problem, shared_memory: int) -> tuple:
     """The outputs stored through descriptors (none under flatten): those that qualify (tma_store_ok), in order, while
-    their staging buffers (one column subtile each) fit in shared memory beside the operand
-    stages; the others keep pointer stores. An fp32 side output beside a bf16 one at 128x256
-    needed 245784 bytes, over the 232448 an SM has."""
+    their staging buffers (one column subtile each) fit in the `shared_memory` bytes of a block
+    beside the operand stages; the others keep pointer stores. An fp32 side output beside a bf16
+    one at 128x256 needed 245784 bytes, over the 232448 an H100 block has."""
     if not config.tma_store or config.flatten:
         # flatten pipelines the next tile's loads across this tile's stores: its build needed
         # 278552 bytes where the stages and one bf16 staging buffer count 180224 (not modelled)
         return ()
-    room = SHARED_MEMORY - BARRIER_BYTES - shared_bytes(replace(config, tma_store=False), problem)
+    room = shared_memory - BARRIER_BYTES - shared_bytes(replace(config, tma_store=False), problem)
     chosen = []
     for op in stored:
         staging = config.block_m * (config.block_n // config.epilogue_subtile) * op.data_type.itemsize
@@ -138,16 +137,16 @@ class GemmLaunches:
         exits, exit_scratch = [plan for plan, _ in pairs], [partial for _, partial in pairs]
         common = dict(exits=tuple(exits), epilogue_block=epilogue_block, column_fold=COLUMN_FOLD_BLOCK)
         # more batch entries (or splits) than grid axis y (z) takes: (tile, batch[, split]) on axis x
-        fold = not device_limits.grid_fits((1, p.batch, config.split_k))
+        fold = not self.target.grid_fits((1, p.batch, config.split_k))
         if fold:
             common["fold_batch"] = True
         grid = lambda *counts: laid_out(counts, fold)
         text = config.text
         launches = []
         if config.variant == "persistent":
-            programs = min(tiles * p.batch, self.device.sms)  # one program per SM
+            programs = min(tiles * p.batch, self.target.sms)  # one program per SM
             stored = [op for op in self.operands if op.side == "c" and op.is_output]
-            tma_stores = tma_stores_that_fit(stored, config, p)
+            tma_stores = tma_stores_that_fit(stored, config, p, self.target.shared_memory)
             spec = self.spec(config, persistent_programs=programs, tma_store_uids=tma_stores, **common)
             stores = f" tma-stores={len(tma_stores)}" if config.tma_store else ""  # those that qualified and fit
             launches.append(self._launch(spec, "persistent", (programs,), config.num_warps, config.num_stages,
@@ -187,17 +186,18 @@ def split_partial_bytes(config: MatmulConfig, problem) -> int:
     return config.split_k * problem.batch * problem.m * problem.n * 4 if config.split_k > 1 else 0
 
 
-def build_gemm(build, family: str, schedule, tuner=None, device=None, budget=None) -> list[KernelLaunch]:
-    """The launches of a GEMM-shaped group: the model's choice (`schedule(problem, device)`),
-    or the autotuned one with `tuner`, recorded under `family` in the tuning cache; configs whose
-    split-K partials do not fit `budget` (a WorkspaceBudget) are left out."""
-    sched = schedule(build.problem, build.device)
+def build_gemm(build, family: str, schedule, context) -> list[KernelLaunch]:
+    """The launches of a GEMM-shaped group: the model's choice (`schedule(problem, target)`),
+    or the autotuned one with the context's tuner, recorded under `family` in the tuning cache;
+    configs whose split-K partials do not fit the context's budget are left out."""
+    tuner, budget = context.tuner, context.budget
+    sched = schedule(build.problem, build.target)
     fits = lambda c: budget is None or budget.allows(split_partial_bytes(c, build.problem))
     ranked = [c for c in sched.ranked if fits(c)]
     skipped = sched.ranked.index(ranked[0])
     config, record = ranked[0], TuningRecord("model", ranked[0].text)
     if tuner is not None:
-        device = tuning_device(device)
+        device = context.device
         tensors = sample_tensors(build.group, device)
         limit = "" if budget is None or budget.limit is None else f" ws{budget.limit}"
         config, record = tuner.choose(

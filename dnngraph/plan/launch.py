@@ -26,7 +26,6 @@ import torch
 from ..codegen.cache import kernel_source
 from ..errors import ExecutionError, UnsupportedError
 from ..heuristics.autotune import TuningRecord
-from ..heuristics import device as device_limits
 from ..log import logger
 from ..runtime import cpu_kernels_in_worker, run_interpreted
 from .interpreter_client import run_in_interpreter_process
@@ -192,12 +191,12 @@ def _grid3(programs) -> tuple:
     return grid + (1,) * (3 - len(grid))
 
 
-def check_grid(grid: tuple, source_path: str):
-    """UnsupportedError at build, on every machine alike, for a grid past GRID_LIMITS."""
-    if not device_limits.grid_fits(grid):
-        name = os.path.splitext(os.path.basename(source_path or "kernel"))[0]
-        raise UnsupportedError(f"{name}: grid {list(grid)} passes the GPU's launch limits "
-                               f"{list(device_limits.GRID_LIMITS)} (programs per axis x, y, z)")
+def check_grid(grid: tuple, source_path, target) -> None:
+    """UnsupportedError at build, on every machine alike, for a grid past `target`'s launch limits."""
+    if not target.grid_fits(grid):
+        name = os.path.splitext(os.path.basename(str(source_path or "kernel")))[0]
+        raise UnsupportedError(f"{name}: grid {list(grid)} passes the launch limits of {target.name} "
+                               f"{list(target.max_grid)} (programs per axis x, y, z)")
 
 
 def global_scratch_need(compiled, grid) -> tuple:
@@ -260,8 +259,7 @@ class KernelLaunch:
         self.group, self.kernel, self.source_path = group, kernel, source_path
         self.scratch = tuple(scratch)
         self.arguments, self.programs, self.num_warps = arguments, programs, num_warps
-        self.grid = _grid3(programs)
-        check_grid(self.grid, source_path)
+        self.grid = _grid3(programs)  # checked against the target's limits by the build
         self.num_stages = num_stages
         self.fp_fusion = fp_fusion  # False: no multiply-add contraction in this kernel
         self.config_text, self.reason = config_text, reason
@@ -438,18 +436,6 @@ def _random_like(tensor, device) -> torch.Tensor:
     else:
         flat = torch.randint(0, 7, (element_span(tensor),), device=device, dtype=dtype)
     return flat.as_strided(tensor.dim, tensor.stride)
-
-
-def tuning_device(device: Optional[torch.device] = None) -> torch.device:
-    """Where autotuning times candidates: `device` (the device a plan is built for), by default
-    the current GPU, else the interpreter on CPU."""
-    from ..runtime import interpreting
-
-    if device is not None:
-        return device
-    if torch.cuda.is_available() and not interpreting():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def sample_tensors(group, device) -> dict:

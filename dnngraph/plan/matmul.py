@@ -9,7 +9,6 @@ from __future__ import annotations
 from ..codegen.gemm import GemmKernelSpec, GemmOperand, LinearK
 from ..codegen.matmul import DescriptorLoader, StridedLoader
 from ..errors import UnsupportedError
-from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT, merged_stride, operand_strides
 from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot, schedule
 from .gemm import TMA_ALIGNMENT, GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
@@ -60,7 +59,7 @@ def tma_ok(operand: GemmOperand, layout: str, dot_type: str, cuda_capability) ->
 class MatmulBuild(GemmLaunches):
     """Everything about one matmul group that does not depend on the config."""
 
-    def __init__(self, graph, group, index, device=None):
+    def __init__(self, graph, group, index, target):
         self.graph, self.group, self.index = graph, group, index
         node = self.node = group.anchor
         a, b, scale_a, scale_b = node.inputs
@@ -97,8 +96,7 @@ class MatmulBuild(GemmLaunches):
         self.dot_a, self.dot_b, dot, self.precision = _dot_types(a, b, node.attrs.allow_tf32)
         (a_op,) = [o for o in operands if o.side == "a"] if not self.prologue_a else [None]
         (b_op,) = [o for o in operands if o.side == "b"] if not self.prologue_b else [None]
-        device = device_model(device)  # the device the launches are for, not the current one
-        capability = device.capability
+        capability = target.capability  # the device the launches are for, not the current one
         a_layout = layout_of(a_op.row_stride, a_op.col_stride) if a_op else "strided"
         b_layout = layout_of(b_op.row_stride, b_op.col_stride) if b_op else "strided"
         tma = (a_op is not None and b_op is not None and tma_ok(a_op, a_layout, self.dot_a, capability)
@@ -113,7 +111,7 @@ class MatmulBuild(GemmLaunches):
                                      b.data_type.itemsize if b_op else 4, out_bytes, tma,
                                      a_layout, b_layout, epilogue_text, store_bytes)
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
-        self.device = device
+        self.target = target
         self.name = kernel_name(group, index)
 
     def _batches_fold(self, sides, m: int) -> bool:
@@ -162,7 +160,9 @@ class MatmulBuild(GemmLaunches):
             precision=self.precision, compute=self.graph.compute_data_type.triton_type,
             index_64=self.index_64, description=self.group.describe(), **extra)
 
-def build_matmul(graph, group, index, tuner=None, device=None, budget=None) -> list[KernelLaunch]:
-    """The launches of a matmul group for `device` (default: the current one): model choice, or
-    the autotuned one with `tuner`, within the workspace `budget`."""
-    return build_gemm(MatmulBuild(graph, group, index, device), "matmul", schedule, tuner, device, budget)
+def build_matmul(graph, group, index, context) -> list[KernelLaunch]:
+    """The launches of a matmul group for the context's target: the model's choice (or the
+    options' forced config), or the autotuned one, within the workspace budget."""
+    forced = context.options.matmul_config
+    return build_gemm(MatmulBuild(graph, group, index, context.target), "matmul",
+                      lambda problem, target: schedule(problem, target, forced), context)

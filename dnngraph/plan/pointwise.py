@@ -3,14 +3,13 @@ from __future__ import annotations
 
 from ..codegen.cache import load_kernel
 from ..codegen.pointwise import render as render_pointwise
-from ..heuristics import device_model
 from ..heuristics.pointwise import schedule as schedule_pointwise
 from .launch import KernelLaunch, kernel_name
 
 
-def build_pointwise(graph, group, index, tuner=None, device=None, budget=None):
-    """The pointwise kernel of a group, scheduled for `device`'s model."""
-    sched = schedule_pointwise(group, device_model(device))
+def build_pointwise(graph, group, index, context):
+    """The pointwise kernel of a group, scheduled for the context's target."""
+    sched = schedule_pointwise(group, context.target)
     description = group.describe()
     source, arguments = render_pointwise(kernel_name(group, index), sched, group.nodes,
                                          graph.compute_data_type, description)

@@ -3,16 +3,15 @@ from __future__ import annotations
 
 from ..codegen.cache import load_kernel
 from ..codegen.pooling import render as render_pooling
-from ..heuristics import device_model
 from ..heuristics.pooling import schedule as schedule_pooling
 from .launch import KernelLaunch, kernel_name
 from .rows import require_floating_inputs
 
 
-def build_pooling(graph, group, index, tuner=None, device=None, budget=None):
-    """The pooling kernel of a group."""
+def build_pooling(graph, group, index, context):
+    """The pooling kernel of a group, scheduled for the context's target."""
     require_floating_inputs(group.anchor, group.anchor.inputs[:2])  # a max backward's int64 indices are compared
-    sched = schedule_pooling(group, device_model(device))
+    sched = schedule_pooling(group, context.target)
     name = kernel_name(group, index)
     source, arguments = render_pooling(name, sched, group, graph.compute_data_type, group.describe())
     kernel, path = load_kernel(source, name)

@@ -12,13 +12,12 @@ from ..codegen.cache import load_kernel
 from ..codegen.recipes import RECIPES, norm_parameter_grads
 from ..codegen.rows import RowKernelSpec, WELFORD_PARTS, render as render_rows
 from ..errors import UnsupportedError
-from ..heuristics import device_model
 from ..heuristics.autotune import TuningRecord
 from ..heuristics import rows as row_heuristics
 from ..heuristics.rows import (PackedDims, RowConfig, RowSchedule, RowTraits, combine_blocks, fused_norm_backward,
                                geometry as row_geometry, is_column_split, row_problem,
                                schedule as schedule_rows)
-from .launch import KernelLaunch, kernel_name, sample_tensors, scratch, time_candidate, tuning_device
+from .launch import KernelLaunch, kernel_name, sample_tensors, scratch, time_candidate
 
 # The split combine kernel folds [SPLITS, BLOCK_K] partials: a few hundred values per program.
 COMBINE_WARPS = 4
@@ -69,11 +68,12 @@ def _row_launch(spec, programs, num_warps, scratch_buffers=()):
                         spec.schedule.reason, scratch_buffers, fp_fusion=spec.recipe.fp_fusion)
 
 
-def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, device=None, epilogue=None,
-                  budget=None):
+def _row_launches(graph, group, name, problem, recipe_of, stores, context, epilogue=None):
     """The launches of one row problem: one kernel, or partial + combine (+ apply) when split;
-    the model's config, or with `tuner` the fastest of its top candidates, within the workspace
-    `budget`. `epilogue`: the group's epilogue nodes these kernels run (None: all)."""
+    the model's config (or the options' forced mode or config), or with the context's tuner the
+    fastest of its top candidates, within the workspace budget. `epilogue`: the group's
+    epilogue nodes these kernels run (None: all)."""
+    tuner, budget, options = context.tuner, context.budget, context.options
     recipe = recipe_of(group.anchor, _row_kinds(problem, group))
     kinds = _row_kinds(problem, group, tuple(recipe.tile_outputs))
     tensors = list(group.inputs) + [t for t in group.outputs if t.uid in stores]
@@ -87,7 +87,8 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, de
                        recipe.live_tiles, tile_inputs)
     bytes_of = lambda wanted: sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in wanted)
     sched = schedule_rows(geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
-                          device_model(device))
+                          context.target, options.row_mode, options.row_config, options.row_loop_tile,
+                          options.row_split_min_reduced)
     scratch_of = lambda c: split_scratch_bytes(c, geo, recipe, tile_stores)
     ranked = [c for c in sched.ranked if budget is None or budget.allows(scratch_of(c))]
     if not ranked:  # only where a test forced the split mode: every real ranking has unsplit configs
@@ -98,9 +99,9 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, tuner=None, de
                                                         f"{skipped} ranked above need more workspace than the limit")
     record = TuningRecord("model", sched.config.text)
     build = lambda chosen: _row_schedule_launches(graph, group, name, chosen, recipe, stores, kinds,
-                                                  tile_stores, row_stores, epilogue)
+                                                  tile_stores, row_stores, options, epilogue)
     if tuner is not None:
-        device = tuning_device(device)
+        device = context.device
         tensors = sample_tensors(group, device)
         config, record = tuner.choose(
             "rows", f"{group.anchor.op} {sched.signature(traits)}" + _limit_text(budget), ranked, RowConfig.to_record,
@@ -140,7 +141,7 @@ def _limit_text(budget) -> str:
     return "" if budget is None or budget.limit is None else f" ws{budget.limit}"
 
 
-def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, tile_stores, row_stores,
+def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, tile_stores, row_stores, options,
                            epilogue=None):
     cfg, geo = sched.config, sched.geometry
     common = dict(schedule=sched, recipe=recipe, group=group, kinds=kinds,
@@ -152,8 +153,8 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
     partials = {n: scratch((cfg.splits, geo.rows), PARTIAL_TYPES[recipe.kind]) for n in _partial_names(recipe)}
     stash = {n: scratch((geo.rows,)) for n in recipe.stash} if tile_stores else {}
     column = is_column_split(geo, cfg)
-    prefetch = row_heuristics.PREFETCH_COLUMN_TILES if column else 0
-    combine_k = combine_blocks(geo.rows, cfg.splits)[0]
+    prefetch = options.column_prefetch_tiles if column else 0
+    combine_k, split_tile = combine_blocks(geo.rows, cfg.splits, options.row_combine_values)
     combine_common = dict(common, schedule=replace(sched, config=replace(cfg, block_k=combine_k,
                                                                           num_warps=COMBINE_WARPS)))
     launches = [
@@ -162,10 +163,11 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
                     sched.programs, cfg.num_warps, partials.values()),
         _row_launch(RowKernelSpec(name + "_combine", "combine", stores=row_stores,
                                   partials={n: s.uid for n, s in partials.items()},
-                                  stash={n: s.uid for n, s in stash.items()}, **combine_common),
+                                  stash={n: s.uid for n, s in stash.items()}, split_tile=split_tile,
+                                  **combine_common),
                     -(-geo.rows // combine_k), COMBINE_WARPS, stash.values())]
     if tile_stores:
-        stream = column and row_heuristics.STREAM_APPLY
+        stream = column and options.column_stream_apply
         launches.append(_row_launch(RowKernelSpec(name + "_apply", "apply", stores=tile_stores, prefetch=prefetch,
                                                   reverse=stream, streaming=stream,
                                                   stash={n: s.uid for n, s in stash.items()}, **common),
@@ -197,7 +199,7 @@ def require_floating_inputs(anchor, tensors=None):
                 f"floating type first")
 
 
-def build_rows(graph, group, index, tuner=None, device=None, budget=None):
+def build_rows(graph, group, index, context):
     """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
     are per-row sums of the dx kernel (batchnorm) or column sums of it (the fused form)."""
     anchor, name = group.anchor, kernel_name(group, index)
@@ -211,9 +213,8 @@ def build_rows(graph, group, index, tuner=None, device=None, budget=None):
         kept = [a for a, size in enumerate(problem.domain) if a not in problem.reduced_axes and size > 1]
         per_row = all(scale_extent[a] for a in kept) and not any(scale_extent[a] for a in problem.reduced_axes)
         if not per_row:  # dscale is not one value per dx row
-            return _norm_backward_launches(graph, group, name, problem, scale_extent, stores, tuner, device,
-                                           budget)
-    return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores, tuner, device, budget=budget)
+            return _norm_backward_launches(graph, group, name, problem, scale_extent, stores, context)
+    return _row_launches(graph, group, name, problem, RECIPES[anchor.op], stores, context)
 
 
 def _parameter_side(group) -> set:
@@ -225,7 +226,7 @@ def _parameter_side(group) -> set:
     return side
 
 
-def _norm_backward_launches(graph, group, name, problem, scale_extent, stores, tuner, device, budget):
+def _norm_backward_launches(graph, group, name, problem, scale_extent, stores, context):
     """dx, dscale and dbias where dscale sums over dx rows: the fused kernel and a combine, or
     the dx kernel and a dscale/dbias kernel of its own. The epilogue nodes made from dx run in
     the dx kernel, those made from dscale or dbias where those are finished."""
@@ -239,15 +240,18 @@ def _norm_backward_launches(graph, group, name, problem, scale_extent, stores, t
     reduced = [a for a in problem.reduced_axes if problem.domain[a] > 1]
     # one parameter per column (layernorm, rmsnorm): column sums over every row; a scale constant
     # along a reduced axis (groupnorm of one group) would sum columns as well
-    if not any(scale_extent[a] for a in kept) and all(scale_extent[a] for a in reduced):
+    # a forced row config, or a forced mode other than "fused", runs the separate kernels
+    options = context.options
+    fusable = options.row_config is None and options.row_mode in (None, "fused")
+    if fusable and not any(scale_extent[a] for a in kept) and all(scale_extent[a] for a in reduced):
         fused = _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, param_stores,
-                                     dx_epilogue, param_epilogue, tuner, device, budget)
+                                     dx_epilogue, param_epilogue, context)
         if fused is not None:
             return fused
-    return (_row_launches(graph, group, name, problem, RECIPES[group.anchor.op], dx_stores, tuner, device,
-                          epilogue=dx_epilogue, budget=budget)
+    return (_row_launches(graph, group, name, problem, RECIPES[group.anchor.op], dx_stores, context,
+                          epilogue=dx_epilogue)
             + _row_launches(graph, group, name + "_params", param_problem, norm_parameter_grads, param_stores,
-                            tuner, device, epilogue=param_epilogue, budget=budget))
+                            context, epilogue=param_epilogue))
 
 
 def _inputs_read(group, nodes) -> list:
@@ -257,12 +261,12 @@ def _inputs_read(group, nodes) -> list:
 
 
 def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, param_stores, dx_epilogue,
-                         param_epilogue, tuner, device, budget):
+                         param_epilogue, context):
     """The fused kernel (dx, and dscale/dbias partials per program) and the combine of the
     partials, or None where heuristics/rows.py says the fused form does not apply (or its
     partials do not fit the workspace limit); with `tuner`, the fastest of a few program and
     warp counts."""
-    anchor = group.anchor
+    anchor, tuner, budget, options = group.anchor, context.tuner, context.budget, context.options
     recipe = RECIPES[anchor.op](anchor, _row_kinds(problem, group))
     kinds = _row_kinds(problem, group, tuple(recipe.tile_outputs))
     param_recipe = norm_parameter_grads(anchor, _row_kinds(param_problem, group))
@@ -278,12 +282,12 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
     geo = row_geometry(problem.domain, problem.reduced_axes,
                        operands + [(column_uid, None, problem.strides(column), True)], main)
     bytes_main = sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in ("tile", "col"))
-    model = device_model(device)
-    config = fused_norm_backward(geo, len(param_accumulators), bytes_main, model)
+    config = fused_norm_backward(geo, len(param_accumulators), bytes_main, context.target,
+                                 options.norm_backward_programs, options.norm_backward_max_reduced)
     if config is None:
         return None
     partial_bytes = lambda c: len(param_accumulators) * c.splits * geo.reduced * 4
-    ranked = [c for c in row_heuristics.fused_candidates(config, geo.rows, model)
+    ranked = [c for c in row_heuristics.fused_candidates(config, geo.rows, context.target)
               if budget is None or budget.allows(partial_bytes(c))]
     if not ranked:
         return None
@@ -304,14 +308,14 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
                                    epilogue=dx_epilogue, partials=part_uids,
                                    param_accumulators=tuple(param_accumulators),
                                    part_strides=geo.operand(column_uid).r_strides, **common)
-        combine_k = combine_blocks(param_geo.rows, chosen.splits)[0]
+        combine_k, split_tile = combine_blocks(param_geo.rows, chosen.splits, options.row_combine_values)
         combine_config = RowConfig("fused", combine_k, 1, COMBINE_WARPS, chosen.splits, 0.0)
         combine_spec = RowKernelSpec(name + "_combine", "combine",
                                      RowSchedule(param_geo, combine_config, 1, reason + "; partials summed in "
                                                                                        "program order"),
                                      recipe=param_recipe, kinds=_row_kinds(param_problem, group),
                                      loads=tuple(t.uid for t in param_reads), stores=tuple(param_stores),
-                                     epilogue=param_epilogue, partials=part_uids,
+                                     epilogue=param_epilogue, partials=part_uids, split_tile=split_tile,
                                      part_strides=param_geo.operand(column_uid).k_strides, **common)
         return [_row_launch(fused_spec, chosen.splits, chosen.num_warps, partials.values()),
                 _row_launch(combine_spec, -(-param_geo.rows // combine_k), COMBINE_WARPS)]
@@ -321,7 +325,7 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
               f"{chosen.estimate_us:.1f} us by the model for K={geo.rows} rows x R={geo.reduced}")
     record = TuningRecord("model", _fused_text(chosen))
     if tuner is not None:
-        device = tuning_device(device)
+        device = context.device
         samples = sample_tensors(group, device)
         signature = f"{anchor.op} fused K{geo.k_sizes} R{geo.r_sizes} {bytes_main}B" + _limit_text(budget)
         chosen, record = tuner.choose("rows", signature, ranked, RowConfig.to_record,

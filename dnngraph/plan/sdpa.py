@@ -14,7 +14,6 @@ from ..codegen.cache import load_kernel
 from ..codegen.sdpa import AttentionSpec, ScoreModifier, output_strides, render, render_backward, render_combine
 from ..errors import UnsupportedError
 from ..fusion.patterns import chain_dropout, score_ops
-from ..heuristics import device_model
 from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import COMBINE_ROWS, AttentionProblem, backward_schedule, chain_schedule, schedule
 from ..ops.sdpa import AttentionMask, kv_length
@@ -38,7 +37,7 @@ def dot_precision(graph, data_type) -> str:
     return "tf32" if graph.allow_tf32 else "ieee"
 
 
-def _spec(graph, node, group, sched, stored_o: bool, stats) -> AttentionSpec:
+def _spec(graph, node, group, sched, stored_o: bool, stats, index_64: bool) -> AttentionSpec:
     q, k, v, bias, len_q, len_kv, k_table, v_table, seed, offset = node.inputs
     o = node.outputs[0]
     present = {"q": q, "k": k, "v": v, "o": o if stored_o else None, "stats": stats, "bias": bias,
@@ -54,7 +53,7 @@ def _spec(graph, node, group, sched, stored_o: bool, stats) -> AttentionSpec:
         dims["PAGES"] = k.dim[0]  # the pools' page count (k and v hold as many)
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     mask = kernel_mask(node, problem.s_q, problem.s_kv)
-    wide = any(element_span(t) > INT32_LIMIT for t in present.values()) or \
+    wide = index_64 or any(element_span(t) > INT32_LIMIT for t in present.values()) or \
         problem.batch * problem.heads * problem.s_q * problem.s_kv > INT32_LIMIT
     return AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, scale, mask.left,
                          mask.right, mask.bottom_right, attrs.dropout, k.dim[2] if k_table is not None else None,
@@ -89,19 +88,19 @@ def problem_of(node) -> AttentionProblem:
                             mask.right is not None and mask.left is None)
 
 
-def build_sdpa(graph, group, index, tuner=None, device=None, budget=None):
-    """The flash-attention kernels of an sdpa or sdpa_backward group."""
-    node = group.anchor
+def build_sdpa(graph, group, index, context):
+    """The flash-attention kernels of an sdpa or sdpa_backward group, for the context's target."""
+    node, budget = group.anchor, context.budget
     _check_types(node)
     if node.op == "sdpa_backward":
-        return _build_backward(graph, group, index, device, budget)
+        return _build_backward(graph, group, index, context)
     problem = problem_of(node)
-    sched = schedule(problem, device_model(device), None if budget is None or budget.limit is None
-                     else budget.limit - budget.spent)
+    sched = schedule(problem, context.target, None if budget is None or budget.limit is None
+                     else budget.limit - budget.spent, context.attention)
     o, stats = node.outputs
     outputs = [t for t in group.outputs if t is not stats]
     stored_stats = stats if stats is not None and stats in group.outputs else None
-    spec = _spec(graph, node, group, sched, any(t is o for t in outputs), stored_stats)
+    spec = _spec(graph, node, group, sched, any(t is o for t in outputs), stored_stats, context.options.sdpa_index_64)
     name = kernel_name(group, index)
     if sched.splits > 1:
         return _build_split(graph, group, name, spec, sched, budget, outputs)
@@ -152,7 +151,7 @@ BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv"),
                             "offt")}
 
 
-def _backward_spec(graph, node, sched, which: str, delta) -> AttentionSpec:
+def _backward_spec(graph, node, sched, which: str, delta, index_64: bool) -> AttentionSpec:
     q, k, v, o, d_o, stats, bias, len_q, len_kv = node.inputs[:9]
     seed, offset = node.inputs[-2:]
     dq, dk, dv, dbias = node.outputs
@@ -172,7 +171,7 @@ def _backward_spec(graph, node, sched, which: str, delta) -> AttentionSpec:
     if which == "dbias":
         dims.update(BATCH=problem.batch, BIAS_HEADS=sched.bias_dims[1])
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
-    wide = any(element_span(t) > INT32_LIMIT for t in present.values()) or \
+    wide = index_64 or any(element_span(t) > INT32_LIMIT for t in present.values()) or \
         problem.batch * problem.heads * problem.s_q * problem.s_kv > INT32_LIMIT
     mask = kernel_mask(node, problem.s_q, problem.s_kv)
     return AttentionSpec(dims, strides, uids, scale, mask.left, mask.right, mask.bottom_right, attrs.dropout,
@@ -183,10 +182,11 @@ def _backward_spec(graph, node, sched, which: str, delta) -> AttentionSpec:
                          stored_types={stem: t.data_type for stem, t in present.items() if stem in GRADIENTS})
 
 
-def _build_backward(graph, group, index, device, budget) -> list:
-    node = group.anchor
+def _build_backward(graph, group, index, context) -> list:
+    node, budget = group.anchor, context.budget
     bias, dbias = node.inputs[6], node.outputs[3]
-    sched = backward_schedule(problem_of(node), device_model(device), tuple(bias.dim) if dbias is not None else ())
+    sched = backward_schedule(problem_of(node), context.target, tuple(bias.dim) if dbias is not None else (),
+                              context.attention)
     problem = sched.problem
     delta_bytes = problem.batch * problem.heads * problem.s_q * 4
     delta = None
@@ -196,7 +196,7 @@ def _build_backward(graph, group, index, device, budget) -> list:
             budget.spend(delta_bytes)
     launches = []
     for which in (("delta",) if delta is not None else ()) + ("dkdv", "dq") + (("dbias",) if dbias is not None else ()):
-        spec = _backward_spec(graph, node, sched, which, delta)
+        spec = _backward_spec(graph, node, sched, which, delta, context.options.sdpa_index_64)
         name = f"{kernel_name(group, index)}_{which}"
         source, arguments = render_backward(name, which, spec, graph.compute_data_type.triton_type,
                                             f"{which} of {group.describe()}")
@@ -218,7 +218,7 @@ def _as_bhsd(tensor, rank: int) -> tuple:
     return dims, tuple(0 if d == 1 else st for d, st in zip(dims, strides))
 
 
-def build_attention(graph, group, index, tuner=None, device=None, budget=None):
+def build_attention(graph, group, index, context):
     """The flash kernel of an op-level chain matmul(q, k^T) -> score ops -> softmax -> matmul(., v):
     the score ops become the kernel's score modifier (codegen ScoreModifier)."""
     first, second = group.nodes[0], group.nodes[-1]
@@ -232,7 +232,7 @@ def build_attention(graph, group, index, tuner=None, device=None, budget=None):
     dropout = chain_dropout(group.nodes)
     side_bytes = sum(t.data_type.torch_dtype.itemsize for t in modifier.sides)
     problem = AttentionProblem(ob, oh, oh, s_q, s_kv, d, dv, q.data_type.torch_dtype.itemsize, False, side_bytes)
-    sched = chain_schedule(problem, device_model(device))  # one query head per K/V head: no packing
+    sched = chain_schedule(problem, context.target, forced=context.attention)  # one query head per K/V head: no packing
     dims = {"HEADS": oh, "GROUP": 1, "SQ": s_q, "SKV": s_kv, "HEAD_DIM": d, "VALUE_DIM": dv}
     # k^T [.., D, Skv]: the kernel's k strides are (batch, head, key, dim)
     strides = {"q": q_strides, "k": (kt_strides[0], kt_strides[1], kt_strides[3], kt_strides[2]),
@@ -242,7 +242,8 @@ def build_attention(graph, group, index, tuner=None, device=None, budget=None):
         drop = dropout.attrs
         present.update({stem: t for stem, t in zip(("seedt", "offt"), dropout.inputs[1:]) if t is not None})
         strides.update({stem: () for stem in ("seedt", "offt") if stem in present})
-    wide = any(element_span(t) > INT32_LIMIT for t in present.values()) or ob * oh * s_q * s_kv > INT32_LIMIT
+    wide = context.options.sdpa_index_64 or any(element_span(t) > INT32_LIMIT for t in present.values()) or \
+        ob * oh * s_q * s_kv > INT32_LIMIT
     config = sched.config
     spec = AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, 1.0, None, None, False,
                          None if dropout is None else (drop.p, drop.seed, drop.offset),

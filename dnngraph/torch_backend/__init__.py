@@ -40,6 +40,7 @@ from .. import dtypes
 from ..autodiff import prune
 from ..graph import Graph
 from ..log import logger
+from ..options import BuildOptions
 from ..tensor import Tensor
 from .convert import TENSOR_TYPES, VIEW_OPS, Aux, convert, graph_input, read_as_value, unsupported
 
@@ -168,7 +169,7 @@ def _scalar_on(value: torch.Tensor, device: torch.device) -> torch.Tensor:
 class DnngraphModule(torch.nn.Module):
     """One partition of an aten graph as a dnngraph graph, called through `as_function`."""
 
-    def __init__(self, sub: torch.fx.GraphModule):
+    def __init__(self, sub: torch.fx.GraphModule, options=None):
         super().__init__()
         self.graph_ = Graph(name=f"compiled{next(_NUMBER)}", intermediate_data_type=dtypes.float32,
                             allow_tf32=torch.backends.cuda.matmul.allow_tf32)
@@ -224,7 +225,7 @@ class DnngraphModule(torch.nn.Module):
         self.function = None  # every returned value made in torch (views of the arguments): no graph to run
         if outputs:
             prune(g)  # results no output reads (an sdpa's log-sum-exp in inference), views made in torch
-            self.function = g.as_function(inputs, outputs)
+            self.function = g.as_function(inputs, outputs, options)
         self.ops = sum(1 for n in sub.graph.nodes if n.op == "call_function")
 
     @staticmethod
@@ -270,16 +271,17 @@ class DnngraphModule(torch.nn.Module):
         return ordered[0] if self.single else tuple(ordered)
 
 
-def _compile(gm: torch.fx.GraphModule, example_inputs, specialized: str = ""):
-    """The aten graph with each supported partition replaced by a DnngraphModule (`specialized`:
-    the concrete input signature it was traced for, where dynamo's graph was symbolic)."""
+def _compile(gm: torch.fx.GraphModule, example_inputs, specialized: str = "", options=None):
+    """The aten graph with each supported partition replaced by a DnngraphModule, its graphs
+    built with `options` (a BuildOptions, None: the defaults; `specialized`: the concrete input
+    signature it was traced for, where dynamo's graph was symbolic)."""
     support = _Support()
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
     converted, functions = 0, []
     for node in list(fused.graph.nodes):
         if node.op == "call_module" and node.target.startswith("fused_"):
-            module = DnngraphModule(getattr(fused, node.target))
+            module = DnngraphModule(getattr(fused, node.target), options)
             setattr(fused, node.target, module)
             converted += module.ops
             if module.function is not None:
@@ -303,7 +305,7 @@ TRACED_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 MODES = ("default", "reduce-overhead")
-OPTIONS = ("cudagraphs",)
+OPTIONS = ("cudagraphs", "build_options")
 
 
 def _replays(mode, options) -> bool:
@@ -319,6 +321,16 @@ def _replays(mode, options) -> bool:
     if not isinstance(replay, bool):
         raise TypeError(f"torch.compile backend 'dnngraph': option cudagraphs must be a bool, not {replay!r}")
     return replay
+
+
+def _build_options(options):
+    """The BuildOptions every graph of a compile is built with: the option "build_options"
+    (None: the defaults)."""
+    chosen = dict(options or {}).get("build_options")
+    if chosen is not None and not isinstance(chosen, BuildOptions):
+        raise TypeError(f"torch.compile backend 'dnngraph': option build_options must be a dnngraph.BuildOptions, "
+                        f"not {type(chosen).__name__}")
+    return chosen
 
 
 _SYMBOLS = (torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -386,14 +398,14 @@ class _PerShape:
         return entry
 
 
-def _static_compile(replay: bool):
+def _static_compile(replay: bool, build_options=None):
     """compile(gm, example_inputs, specialized) -> the AOTAutograd-compiled callable of dynamo's
-    graph `gm`, its forward and backward partitioned into dnngraph graphs (replayed as CUDA graphs
-    where `replay`); `specialized` names the signature in the reports ("" where dynamo's graph was
-    static already)."""
+    graph `gm`, its forward and backward partitioned into dnngraph graphs built with
+    `build_options` (replayed as CUDA graphs where `replay`); `specialized` names the signature
+    in the reports ("" where dynamo's graph was static already)."""
 
     def compile_static(gm, example_inputs, specialized=""):
-        partition = functools.partial(_compile, specialized=specialized)
+        partition = functools.partial(_compile, specialized=specialized, options=build_options)
         with sdpa_kernel(TRACED_ATTENTION):
             if replay:
                 from .cudagraphs import aot_with_cudagraphs
@@ -408,9 +420,11 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     """The torch.compile backend: `torch.compile(model, backend="dnngraph")`. With
     `mode="reduce-overhead"` (or `options={"cudagraphs": True}`) each compiled forward and
     backward graph is recorded once as a CUDA graph and replayed (cudagraph trees, as inductor's
-    reduce-overhead mode): one launch per graph instead of one per kernel. A graph dynamo traced
-    with symbolic sizes is compiled per concrete shape when it is called (see the module's doc)."""
-    compile_static = _static_compile(_replays(mode, options))
+    reduce-overhead mode): one launch per graph instead of one per kernel;
+    `options={"build_options": dnngraph.BuildOptions(...)}` builds every graph with them. A
+    graph dynamo traced with symbolic sizes is compiled per concrete shape when it is called
+    (see the module's doc)."""
+    compile_static = _static_compile(_replays(mode, options), _build_options(options))
     if _is_symbolic(gm, example_inputs):
         per_shape = _PerShape(gm, compile_static)
         per_shape._boxed_call = per_shape.boxed

@@ -1,0 +1,216 @@
+"""BuildOptions: everything a build may be told besides the graph, as one frozen, validated value.
+
+A plan is filed under its options (plan/cache.py): two builds with equal options share a plan,
+different ones never do. The forced configs and thresholds below are how tests and sweeps make
+a build take a config, a mode or a size the model would not pick; None (or the heuristics' own
+constant, the default) leaves the choice to the model. The heuristics take them as arguments.
+
+The one environment variable that sets an option, DNNGRAPH_AUTOTUNE_TOP, is read when a
+BuildOptions is made (its default), so the value a build ran with is the option's.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Optional
+
+from .errors import ValidationError
+from .heuristics import conv as conv_heuristics
+from .heuristics import rows as row_heuristics
+from .heuristics.autotune import DEFAULT_TOP
+from .heuristics.depthwise import DepthwiseConfig
+from .heuristics.matmul import MatmulConfig
+from .heuristics.rows import RowConfig
+from .heuristics.sdpa import AttentionConfig
+from .heuristics.tuning_cache import WARPS
+from .target import Target
+
+# The kernel languages a build can choose from, in the registry's order (today one).
+BACKENDS = ("triton",)
+ROW_MODES = row_heuristics.MODES + ("fused",)
+
+
+def autotune_top_from_environment() -> Optional[int]:
+    """Candidates autotuning times per problem: $DNNGRAPH_AUTOTUNE_TOP (a count, or "all" for
+    None: every candidate), DEFAULT_TOP where unset or unreadable."""
+    wanted = os.environ.get("DNNGRAPH_AUTOTUNE_TOP", str(DEFAULT_TOP)).strip().lower()
+    if wanted == "all":
+        return None
+    try:
+        return max(1, int(wanted))
+    except ValueError:
+        return DEFAULT_TOP
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How to build a graph (cuDNN's engine configuration, as one hashable value).
+
+    autotune: time the model's top candidates per kernel and keep the fastest (remembered in the
+    tuning cache); autotune_top: how many (None: every one). workspace_limit: bytes of optional
+    scratch the chosen configs may use together (split-K and split-row partials): None prefers
+    the fastest, 0 uses none. backends: the kernel languages to use, preferred first. target:
+    the device model to plan for (None: the target of the device each execute runs on).
+
+    Forced configs (None: the model's choice): matmul_config (matmuls, and 1x1 convs posed as
+    one), conv_config (implicit-GEMM convs), depthwise_config, row_mode ("one_pass", "looped",
+    "split", or "fused" for a norm backward; any other mode switches the fused norm backward
+    off), row_config (a whole row config), norm_backward_programs (the fused norm backward's
+    program count), sdpa_config (the attention forward's tiles), sdpa_dkdv_config and
+    sdpa_dq_config (the backward kernels'), sdpa_splits (decode key splits), sdpa_head_group
+    (heads a causal grid interleaves; 0: the plain grid), sdpa_index_64 (int64 offsets in every
+    attention kernel, as past 2^31 elements).
+
+    Thresholds (default: the heuristics' own): row_loop_tile (the looped and split modes' tile),
+    row_split_min_reduced (reduced length from which rows split), row_combine_values (partials a
+    split combine folds per trip), norm_backward_max_reduced (longest row the fused norm
+    backward holds), column_prefetch_tiles and column_stream_apply (column splits' loads),
+    conv_fold_channels_below (channels per group below which conv taps fold into the GEMM)."""
+
+    autotune: bool = False
+    autotune_top: Optional[int] = field(default_factory=autotune_top_from_environment)
+    workspace_limit: Optional[int] = None
+    backends: tuple = BACKENDS
+    target: Optional[Target] = None
+    matmul_config: Optional[MatmulConfig] = None
+    conv_config: Optional[MatmulConfig] = None
+    depthwise_config: Optional[DepthwiseConfig] = None
+    row_mode: Optional[str] = None
+    row_config: Optional[RowConfig] = None
+    norm_backward_programs: Optional[int] = None
+    sdpa_config: Optional[AttentionConfig] = None
+    sdpa_dkdv_config: Optional[AttentionConfig] = None
+    sdpa_dq_config: Optional[AttentionConfig] = None
+    sdpa_splits: Optional[int] = None
+    sdpa_head_group: Optional[int] = None
+    sdpa_index_64: bool = False
+    row_loop_tile: int = row_heuristics.LOOP_TILE
+    row_split_min_reduced: int = row_heuristics.SPLIT_MIN_REDUCED
+    row_combine_values: int = row_heuristics.COMBINE_VALUES
+    norm_backward_max_reduced: int = row_heuristics.FUSED_MAX_REDUCED
+    column_prefetch_tiles: int = row_heuristics.PREFETCH_COLUMN_TILES
+    column_stream_apply: bool = row_heuristics.STREAM_APPLY
+    conv_fold_channels_below: int = conv_heuristics.FOLD_CHANNELS_BELOW
+
+    def __post_init__(self):
+        for name, check in _CHECKS.items():
+            checked = check(name, getattr(self, name))
+            object.__setattr__(self, name, checked)
+
+    def with_arguments(self, autotune=None, workspace_limit=None) -> "BuildOptions":
+        """These options with build()'s shorthand arguments applied (None: keep the option)."""
+        changes = {name: value for name, value in (("autotune", autotune), ("workspace_limit", workspace_limit))
+                   if value is not None}
+        return replace(self, **changes) if changes else self
+
+    def forced(self) -> dict:
+        """The fields set away from their defaults (what explain() shows); the autotune count
+        only where the build autotunes."""
+        default = BuildOptions() if self.autotune else BuildOptions(autotune_top=self.autotune_top)
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+
+def _fail(name: str, expected: str, value):
+    raise ValidationError(f"BuildOptions.{name}: expects {expected}, got {value!r}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _flag(name, value):
+    if not isinstance(value, bool):
+        _fail(name, "a bool", value)
+    return value
+
+
+def _count(minimum: int, optional: bool = False, power_of_two: bool = False):
+    """A check of an int >= `minimum` (a power of two where asked; None allowed where optional)."""
+    def check(name, value):
+        if value is None and optional:
+            return None
+        if not _is_int(value) or value < minimum or (power_of_two and value & (value - 1)):
+            shape = "a power of two" if power_of_two else "an int"
+            _fail(name, f"{'None or ' if optional else ''}{shape} >= {minimum}", value)
+        return value
+    return check
+
+
+def _backends(name, value):
+    if isinstance(value, list):
+        value = tuple(value)
+    if not isinstance(value, tuple) or not value:
+        _fail(name, f"a non-empty tuple of backend names from {list(BACKENDS)}", value)
+    for backend in value:
+        if backend not in BACKENDS:
+            _fail(name, f"backend names from {list(BACKENDS)}", backend)
+    if len(set(value)) != len(value):
+        _fail(name, "each backend once", value)
+    return value
+
+
+def _instance(kind: type):
+    def check(name, value):
+        if value is not None and not isinstance(value, kind):
+            _fail(name, f"None or a {kind.__name__}", value)
+        return value
+    return check
+
+
+def _record_config(kind: type, decode):
+    """A check of a forced config: of `kind`, and one its tuning-cache record would accept
+    (block sizes powers of two in range, known variant, warps, stages...)."""
+    def check(name, value):
+        _instance(kind)(name, value)
+        if value is not None:
+            try:
+                decode(value.to_record())
+            except ValueError as error:
+                raise ValidationError(f"BuildOptions.{name}: {error}") from None
+        return value
+    return check
+
+
+def _attention_config(name, value):
+    _instance(AttentionConfig)(name, value)
+    if value is None:
+        return None
+    blocks_ok = all(_is_int(b) and b >= 16 and not b & (b - 1) for b in (value.block_m, value.block_n))
+    if not blocks_ok or value.num_warps not in WARPS or not _is_int(value.num_stages) or value.num_stages < 1:
+        _fail(name, f"blocks that are powers of two >= 16, warps in {list(WARPS)}, stages >= 1", value)
+    return value
+
+
+def _row_mode(name, value):
+    if value is not None and value not in ROW_MODES:
+        _fail(name, f"None or one of {list(ROW_MODES)}", value)
+    return value
+
+
+_CHECKS = {
+    "autotune": _flag,
+    "autotune_top": _count(1, optional=True),
+    "workspace_limit": _count(0, optional=True),
+    "backends": _backends,
+    "target": _instance(Target),
+    "matmul_config": _record_config(MatmulConfig, MatmulConfig.from_record),
+    "conv_config": _record_config(MatmulConfig, MatmulConfig.from_record),
+    "depthwise_config": _record_config(DepthwiseConfig, DepthwiseConfig.from_record),
+    "row_mode": _row_mode,
+    "row_config": _record_config(RowConfig, RowConfig.from_record),
+    "norm_backward_programs": _count(1, optional=True),
+    "sdpa_config": _attention_config,
+    "sdpa_dkdv_config": _attention_config,
+    "sdpa_dq_config": _attention_config,
+    "sdpa_splits": _count(1, optional=True),
+    "sdpa_head_group": _count(0, optional=True),
+    "sdpa_index_64": _flag,
+    "row_loop_tile": _count(2, power_of_two=True),
+    "row_split_min_reduced": _count(1),
+    "row_combine_values": _count(1, power_of_two=True),
+    "norm_backward_max_reduced": _count(1),
+    "column_prefetch_tiles": _count(0),
+    "column_stream_apply": _flag,
+    "conv_fold_channels_below": _count(0),
+}
+assert set(_CHECKS) == {f.name for f in fields(BuildOptions)}, "every option has its check"
