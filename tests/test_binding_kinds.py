@@ -3,7 +3,8 @@
 (eager, its autograd forward and backward, its torch.library ops as torch.compile runs them) and
 the torch.compile backend. A lazily negated input (torch's negative bit) is resolved; a negated
 output, a conjugate view, sparse, mkldnn, nested and meta tensors raise ExecutionError and
-nothing is written."""
+nothing is written. On the GPU (marked gpu): lazily negated inputs on the fast path (never bound
+by address) and negated outputs refused."""
 import warnings
 
 import pytest
@@ -16,8 +17,8 @@ GEN = torch.Generator().manual_seed(26)
 ROWS, COLS = 4, 6
 
 
-def _randn(*dims):
-    return torch.randn(*dims, generator=GEN)
+def _randn(*dims, device="cpu"):
+    return torch.randn(*dims, generator=GEN).to(device)
 
 
 def _negated(rows=ROWS, cols=COLS):
@@ -254,3 +255,42 @@ def test_torch_compile_of_the_function_and_the_backend_read_negated_inputs():
     import dnngraph.torch_backend  # noqa: F401  (registers the backend)
     model = torch.compile(lambda a, b: torch.relu(a * b), backend="dnngraph")
     assert rel_err(model(view, wt), torch.relu(values * wt)) < 1e-6
+
+
+# --- on the GPU: negated tensors through the prepared launches of repeated executes --------------
+def _mul_graph(x_stride, y_stride=None):
+    g = dg.Graph(name="kinds_gpu")
+    x = g.tensor(name="x", dim=[64, 96], stride=x_stride)
+    w = g.tensor(name="w", dim=[1, 96])
+    y = g.mul(x, w).set_output(True).set_name("y")
+    if y_stride is not None:
+        y.set_stride(y_stride)
+    return g.build(), x, w, y
+
+
+@pytest.mark.gpu
+def test_negated_inputs_on_the_fast_path():
+    z = torch.complex(_randn(64, 96, device="cuda"), _randn(64, 96, device="cuda"))
+    view = z.conj().imag
+    g, x, w, y = _mul_graph(list(view.stride()))
+    wt, out = _randn(1, 96, device="cuda"), poisoned(y, "cuda")
+    g.execute({x: _plain_twin(view), w: wt, y: out})  # bound by address
+    assert rel_err(out, z.imag * wt) < 1e-6
+    for _ in range(2):
+        out.fill_(float("nan"))
+        g.execute({x: view, w: wt, y: out})
+        assert rel_err(out, -z.imag * wt) < 1e-6
+    fn = g.as_function()
+    assert rel_err(fn(view, wt), -z.imag * wt) < 1e-6
+
+
+@pytest.mark.gpu
+def test_a_negated_output_is_refused_on_cuda():
+    z = torch.complex(_randn(64, 96, device="cuda"), _randn(64, 96, device="cuda"))
+    out = z.conj().imag
+    g, x, w, y = _mul_graph(None, list(out.stride()))
+    before = z.clone()
+    with pytest.raises(dg.ExecutionError, match="lazily negated"):
+        g.execute({x: _randn(64, 96, device="cuda"), w: _randn(1, 96, device="cuda"), y: out})
+    torch.cuda.synchronize()
+    assert torch.equal(z, before)

@@ -2,7 +2,8 @@
 safe order exists), but views that interleave in one buffer without a common element are
 disjoint and run: dQ, dK and dV unbound from one dQKV tensor, rotary halves, even and odd columns,
 an input interleaved with an output. The exact test (plan/overlap.py) is checked against brute
-force enumeration on random strided views."""
+force enumeration on random strided views. On the GPU (marked gpu): dQ/dK/dV and rotary halves
+written into views of one buffer through the prepared launches."""
 import itertools
 from unittest import mock
 
@@ -19,8 +20,8 @@ from helpers import rel_err
 GEN = torch.Generator().manual_seed(2626)
 
 
-def _randn(*dims):
-    return torch.randn(*dims, generator=GEN)
+def _randn(*dims, device="cpu"):
+    return torch.randn(*dims, generator=GEN).to(device)
 
 
 def _assert_close(outputs: dict, reference: dict, limit=2e-5):
@@ -226,3 +227,48 @@ def test_large_packed_views_are_decided_exactly_and_at_once():
     assert not share_a_byte(head(0), head(2))
     assert share_a_byte(head(0), head(1, shift=-1))
     assert share_a_byte(head(0), StridedBytes(head(1).start - 1, head(1).axes))  # one byte
+
+
+# --- on the GPU: views of one buffer through the prepared launches -------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dqkv_in_one_buffer_on_cuda(dtype):
+    """q, k, v read from one packed buffer, dQ, dK, dV written into views of another."""
+    batch, seq, heads, dim = 2, 197, 4, 64
+    data_type = dg.float16 if dtype == torch.float16 else dg.bfloat16
+    packed, _ = _packed_bhsd(batch, seq, heads, dim)
+    packed = packed.to(dtype)
+    q_t, k_t, v_t = (part.permute(0, 2, 1, 3) for part in packed.unbind(2))  # CPU, the reference's
+    o_t, stats_t = _attention_forward(q_t.float(), k_t.float(), v_t.float())
+    o_t, do_t = o_t.to(dtype), torch.randn(*o_t.shape, generator=GEN).to(dtype)
+    g = dg.Graph(name="dqkv_gpu", io_data_type=data_type)
+    q, k, v = (g.tensor_like(t, name) for t, name in ((q_t, "q"), (k_t, "k"), (v_t, "v")))
+    o, d_o, stats = g.tensor_like(o_t, "o"), g.tensor_like(do_t, "dO"), g.tensor_like(stats_t, "stats")
+    buffer = torch.full((batch, seq, 3, heads, dim), float("nan"), dtype=dtype, device="cuda")
+    views = [part.permute(0, 2, 1, 3) for part in buffer.unbind(2)]
+    grads = g.sdpa_backward(q, k, v, o, d_o, stats, use_causal_mask=True)
+    for grad, name, view in zip(grads, ("dq", "dk", "dv"), views):
+        grad.set_output(True).set_name(name).set_data_type(data_type).set_stride(list(view.stride()))
+    g.build()
+    on_gpu = [part.permute(0, 2, 1, 3) for part in packed.cuda().unbind(2)]  # the packed strides kept
+    bound = dict(zip((q, k, v), on_gpu))
+    bound.update({o: o_t.cuda(), d_o: do_t.cuda(), stats: stats_t.cuda()})
+    g.execute({**bound, **dict(zip(grads, views))})
+    reference = g.reference({q: q_t, k: k_t, v: v_t, o: o_t, d_o: do_t, stats: stats_t})
+    for name, view in zip(("dq", "dk", "dv"), views):
+        assert rel_err(view, reference[name]) < 2e-2, name
+    assert not torch.isnan(buffer).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", ["halves", "even_odd"])
+def test_interleaved_outputs_on_cuda(split):
+    x_t = _randn(33, 128, device="cuda")
+    out = torch.full((33, 128), float("nan"), device="cuda")
+    views = (out[:, :64], out[:, 64:]) if split == "halves" else (out[:, 0::2], out[:, 1::2])
+    g, x, y1, y2 = _two_outputs(x_t, *views)
+    for _ in range(2):  # the second through the prepared launches
+        g.execute({x: x_t, y1: views[0], y2: views[1]})
+    reference = g.reference({x: x_t.cpu()})
+    assert rel_err(views[0], reference["y1"]) < 1e-5 and rel_err(views[1], reference["y2"]) < 1e-5
+    assert not torch.isnan(out).any()

@@ -2,7 +2,9 @@
 (dnngraph/plan/interpreter_client.py). Here, on any machine, force_interpreter_worker() sends
 them there from this (interpreting) process, and one test runs a process started as a GPU
 machine's would be (DNNGRAPH_INTERPRETER_WORKER=1: TRITON_INTERPRET never set, kernels compiled
-as JITFunctions). Values against the float64 reference, poisoned outputs, odd sizes, strides."""
+as JITFunctions). Values against the float64 reference, poisoned outputs, odd sizes, strides;
+review attacks that held up: every data type, bools and misaligned views, a process killed
+again and again."""
 import os
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from dnngraph.codegen.cache import load_kernel
 from dnngraph.plan import interpreter_client
 from dnngraph.plan.launch import KernelLaunch
 from helpers import check, poisoned, rel_err
+from test_plan_cache import _relu
 
 GEN = torch.Generator().manual_seed(13)
 REPO = Path(__file__).resolve().parents[1]
@@ -238,3 +241,60 @@ def test_a_process_started_as_on_a_gpu_machine(tmp_path):
                PYTHONPATH=os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p]))
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-4000:]
+
+
+# --- review findings: attacks on the interpreter process that held up ----------------------------
+@pytest.mark.parametrize("data_type", [dg.float16, dg.bfloat16, dg.int64, dg.int32])
+def test_interpreter_process_data_types(data_type):
+    g = dg.Graph(name="types", io_data_type=data_type)
+    x, w = g.tensor(name="x", dim=[3, 7]), g.tensor(name="w", dim=[3, 7])
+    s = g.add(g.mul(x, w), x).set_output(True)
+    g.cmp_gt(x, w).set_output(True).set_name("b")
+    g.reduction(s, "sum", [1]).set_output(True).set_name("r")
+    torch_dtype = data_type.torch_dtype
+    if torch_dtype.is_floating_point:
+        inputs = {"x": _randn(3, 7).to(torch_dtype), "w": _randn(3, 7).to(torch_dtype)}
+        check(g.build(), inputs, tolerance=2e-2)
+    else:
+        inputs = {n: torch.randint(-5, 5, (3, 7), generator=GEN).to(torch_dtype) for n in ("x", "w")}
+        check(g.build(), inputs, tolerance=1e-12)
+
+
+def test_interpreter_process_bool_and_misaligned_views_of_one_buffer():
+    g = dg.Graph(name="bools")
+    a, c = g.tensor(name="a", dim=[4, 5], data_type=dg.bool), g.tensor(name="c", dim=[4, 5], data_type=dg.bool)
+    g.logical_and(a, g.logical_not(c)).set_output(True).set_name("y")
+    check(g.build(), {"a": torch.rand(4, 5, generator=GEN) < 0.5, "c": torch.rand(4, 5, generator=GEN) < 0.5})
+    g = dg.Graph(name="mm")
+    x, w = g.tensor(name="x", dim=[5, 8]), g.tensor(name="w", dim=[8, 6])
+    g.matmul(x, w).set_output(True).set_name("y")
+    buffer = _randn(200)
+    check(g.build(), {"x": buffer[1:41].view(5, 8), "w": buffer[43:91].view(8, 6)})
+    out = torch.full((100,), float("nan"))
+    inner = out[1:31].view(5, 6)  # an output 4 bytes past alignment
+    g.execute({"x": buffer[1:41].view(5, 8), "w": buffer[43:91].view(8, 6), "y": inner})
+    assert rel_err(inner, buffer[1:41].view(5, 8).double() @ buffer[43:91].view(8, 6).double()) < 2e-5
+    assert torch.isnan(out[0]) and torch.isnan(out[31:]).all()
+
+
+def test_interpreter_process_killed_repeatedly_raises_typed_and_writes_nothing():
+    g, x, y = _relu()
+    g.build()
+    xt = _randn(5, 6)
+    g.execute({x: xt, y: poisoned(y)})
+    for _ in range(5):
+        process = interpreter_client._process
+        if process is None or not process.alive:
+            g.execute({x: xt, y: poisoned(y)})
+            process = interpreter_client._process
+        process.process.kill()
+        out = poisoned(y)
+        try:
+            g.execute({x: xt, y: out})
+        except dg.ExecutionError:
+            assert torch.isnan(out).all(), "a failed execute wrote its output"
+        else:
+            assert torch.equal(out, xt.relu())
+    out = poisoned(y)
+    g.execute({x: xt, y: out})
+    assert torch.equal(out, xt.relu())

@@ -1,7 +1,8 @@
 """execute() checks a binding set once: later executes with the same tensors (same keys, types,
 addresses, dtypes, shapes, strides, devices) skip the checks and, on a GPU, launch prepared
 argument lists of device addresses. Anything that moves or reshapes a bound tensor is checked
-again; the addresses launched are the ones the tensor path would pass."""
+again; the addresses launched are the ones the tensor path would pass. Review findings: renamed
+tensors, one tensor bound twice, restrided or reused addresses and outputs moved onto inputs."""
 import pytest
 import torch
 
@@ -11,6 +12,7 @@ import dnngraph.plan as plan_module
 from dnngraph.plan import launch as launch_module
 from helpers import check, poisoned, rel_err
 from pretend_gpu import STREAM, pretend_gpu
+from test_plan_cache import _mlp, _runs_by_names
 
 
 def _graph():
@@ -224,3 +226,70 @@ def test_launch_on_device_says_which_call_was_refused(monkeypatch):
         launch_module.launch_on_device(calls, 0)
     assert (caught.value.position, caught.value.given) == (1, 3) and ran == [(1, 2)]
     assert devices.current == 3
+
+
+# --- review findings: binding sets that held up against attack -----------------------------------
+GEN = torch.Generator().manual_seed(29)
+
+
+def _randn(*dims):
+    return torch.randn(*dims, generator=GEN)
+
+
+def test_graph_built_then_renamed_then_rebuilt_binds_the_new_name():
+    g, x, w, y = _mlp()
+    g.build()
+    x.set_name("x_renamed")
+    with pytest.raises(dg.ExecutionError, match="not built"):
+        g.execute({x: _randn(5, 24), w: _randn(24, 40), y: poisoned(y)})
+    g.build()
+    _runs_by_names(g, x, w, y, ("x_renamed", "w", "y"), ("x", "w", "y"), "not a tensor")
+
+
+def test_same_tensor_bound_by_handle_and_by_name_uses_one_value_consistently():
+    g, x, w, y = _mlp()
+    g.build()
+    good, bad = _randn(5, 24), torch.randn(3, 3)
+    for _ in range(2):  # the second call takes the remembered binding set
+        out = poisoned(y)
+        g.execute({x: bad, "x": good, w: (wt := _randn(24, 40)), y: out})
+        assert rel_err(out, g.reference({x: good, w: wt})["y"]) < 2e-5
+    with pytest.raises(dg.ExecutionError, match="expects shape"):
+        g.execute({"x": good, x: bad, w: wt, y: poisoned(y)})
+
+
+def test_restrided_in_place_at_the_same_address_is_checked_again():
+    g, x, w, y = _mlp()
+    g.build()
+    bindings = {x: _randn(5, 24), w: _randn(24, 40), y: poisoned(y)}
+    g.execute(bindings)
+    address = bindings[w].data_ptr()
+    bindings[w].as_strided_((24, 40), (1, 24))  # same address, transposed layout
+    assert bindings[w].data_ptr() == address
+    bindings[y].fill_(float("nan"))
+    with pytest.raises(dg.ExecutionError, match="strides"):
+        g.execute(bindings)
+    assert torch.isnan(bindings[y]).all()
+
+
+def test_address_reused_by_a_tensor_of_another_shape_is_checked():
+    g, x, w, y = _mlp()
+    g.build()
+    storage = torch.empty(4096)
+    xt = storage[:120].view(5, 24).normal_(generator=GEN)
+    out = poisoned(y)
+    g.execute({x: xt, w: _randn(24, 40), y: out})
+    other = storage[:120].view(24, 5)  # same address, other shape
+    with pytest.raises(dg.ExecutionError, match="expects shape"):
+        g.execute({x: other, w: _randn(24, 40), y: out})
+
+
+def test_output_moved_onto_a_view_of_an_input_with_the_same_stamp_otherwise_is_caught():
+    g, x, w, y = _mlp()
+    g.build()
+    big = _randn(4096)
+    xt = big[:120].view(5, 24)
+    g.execute({x: xt, w: _randn(24, 40), y: poisoned(y)})
+    alias = big[64:264].view(5, 40)  # overlaps x's extent
+    with pytest.raises(dg.ExecutionError, match="overlaps"):
+        g.execute({x: xt, w: _randn(24, 40), y: alias})

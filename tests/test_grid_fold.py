@@ -227,7 +227,7 @@ def test_grouped_conv_of_66000_groups_on_the_gpu(op):
 @pytest.mark.gpu
 def test_attention_dbias_of_70000_pairs_on_the_gpu():
     """70000 (batch, head) pairs of a full bias: the dbias kernel's grid folds into axis x."""
-    from test_sdpa_gpu import _backward_case
+    from test_sdpa import _backward_case
     g, _, _ = _backward_case(70000, 1, 1, 16, 20, 16, dtype=torch.float16, bias_dim=(70000, 1, 16, 20),
                              use_causal_mask=True)
     assert g.plan.launches[-1].grid[1:] == (1, 1)

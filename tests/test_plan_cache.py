@@ -1,13 +1,19 @@
 """The plan cache: a second build of an identical graph reuses the first plan, and nothing that
 changes what a build makes (the graph, build options, the target, environment, tuning cache) can
-bring back a stale one."""
+bring back a stale one. Review findings: kernel files follow the cache folder, the interpreter
+process keeps no key nor plan alive, -0.0 is its own plan; on a GPU machine, kernel files changed
+after the build never run."""
 import dataclasses
+import gc
 import importlib
+import os
 import pathlib
 import pkgutil
 import re
+import shutil
 import sys
 import threading
+import weakref
 
 import pytest
 import torch
@@ -15,9 +21,12 @@ import torch
 import dnngraph as dg
 import dnngraph.heuristics
 import dnngraph.plan as plan_module
+from dnngraph import runtime
 from dnngraph.heuristics import depthwise, matmul as mm, rows, sdpa
 from dnngraph.plan import cache as plan_cache
+from dnngraph.plan import interpreter_client
 from helpers import check, poisoned, rel_err
+from test_kernel_source_integrity import _graph as _integrity_graph, _tamper
 
 SOURCES = pathlib.Path(dg.__file__).parent
 
@@ -36,6 +45,17 @@ def _inputs(x, w, seed=0):
     return {x: torch.randn(x.dim, generator=generator), w: torch.randn(w.dim, generator=generator)}
 
 
+def _runs_by_names(g, x, w, y, names, stale, error):
+    """g bound by `names` (x's, w's and y's) runs right; bound by the `stale` names it raises
+    ExecutionError matching `error`."""
+    inputs = _inputs(x, w)
+    out = poisoned(y)
+    g.execute({names[0]: inputs[x], names[1]: inputs[w], names[2]: out})
+    assert rel_err(out, g.reference(inputs)[y.name]) < 2e-5
+    with pytest.raises(dg.ExecutionError, match=error):
+        g.execute({stale[0]: inputs[x], stale[1]: inputs[w], stale[2]: poisoned(y)})
+
+
 def _hits():
     return plan_cache.PLANS.hits
 
@@ -45,6 +65,7 @@ def _fresh_cache():
     plan_cache.clear()
     yield
     plan_cache.clear()
+    runtime.force_interpreter_worker(False)
 
 
 # --- hits ----------------------------------------------------------------------------------------
@@ -195,12 +216,7 @@ def test_same_structure_with_other_names_binds_by_its_own_names():
     g2, x2, w2, y2 = _mlp(names=("w", "x", "out"))  # the names swapped: uids alike, names not
     g2.build()
     assert g2.plan.launches is not g1.plan.launches
-    inputs = _inputs(x2, w2)
-    out = poisoned(y2)
-    g2.execute({"w": inputs[x2], "x": inputs[w2], "out": out})
-    assert rel_err(out, g2.reference(inputs)["out"]) < 2e-5
-    with pytest.raises(dg.ExecutionError, match="expects shape"):
-        g2.execute({"x": inputs[x2], "w": inputs[w2], "out": poisoned(y2)})
+    _runs_by_names(g2, x2, w2, y2, ("w", "x", "out"), ("x", "w", "out"), "expects shape")
 
 
 def test_tensors_declared_in_another_order_run_correctly():
@@ -350,3 +366,241 @@ def test_the_target_is_in_the_key(monkeypatch):
     monkeypatch.setattr(plan_module, "target_of", lambda device=None: small)
     other = _mlp()[0].build()
     assert other.plan.launches is not g.plan.launches
+
+
+# --- review findings: the cache, kernel files, the interpreter process ---------------------------
+GEN = torch.Generator().manual_seed(29)
+
+
+def _randn(*dims):
+    return torch.randn(*dims, generator=GEN)
+
+
+def _relu(name="relu"):
+    g = dg.Graph(name=name)
+    x = g.tensor(name="x", dim=[5, 6])
+    y = g.relu(x).set_output(True).set_name("y")
+    return g, x, y
+
+
+@pytest.fixture
+def worker():
+    """CPU kernels go to the interpreter process (as on a GPU machine)."""
+    runtime.force_interpreter_worker(True)
+    yield
+    runtime.force_interpreter_worker(False)
+
+
+# --- review findings: defects (each test's docstring names one) ----------------------------------
+def _unary(op: str, name: str):
+    """x -> op(cos(x)): a kernel no other test of this file makes."""
+    g = dg.Graph(name=name)
+    x = g.tensor(name="x", dim=[3, 11])
+    y = getattr(g, op)(g.cos(x)).set_output(True).set_name("y")
+    return g, x, y
+
+
+@pytest.fixture
+def forget_missing_kernels():
+    """Afterwards, take kernels whose file is gone out of sys.modules, so the defect below cannot
+    spread to later tests of the session."""
+    yield
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if name.startswith("dnngraph_kernels.") and path and not os.path.exists(path):
+            sys.modules.pop(name, None)
+
+
+def test_changed_cache_folder_gets_its_kernel_files(monkeypatch, tmp_path):
+    """DEFECT: load_kernel returns a kernel already imported in this process with a path in the
+    *new* DNNGRAPH_CACHE_DIR without ever writing the file there. explain() then points at files
+    that do not exist, and (below) the interpreter process, which reads sources from disk, cannot
+    run the plan at all. (test_cache_folder_is_in_the_key above checks the folder
+    of the path, not that the file exists.)"""
+    _unary("sigmoid", "a")[0].build()  # the kernel is imported under the default folder
+    monkeypatch.setenv("DNNGRAPH_CACHE_DIR", str(tmp_path))
+    g = _unary("sigmoid", "a")[0].build()
+    missing = [str(launch.source_path) for launch in g.plan.launches if not launch.source_path.exists()]
+    assert not missing, f"explain() names kernel sources that were never written: {missing}"
+
+
+@pytest.mark.parametrize("how", ["folder_changed", "folder_deleted"])
+def test_interpreter_process_runs_after_the_cache_folder_changes(monkeypatch, tmp_path, worker, how,
+                                                                 forget_missing_kernels):
+    """DEFECT: the client sends the interpreter process the kernel source read from disk at
+    execute time. With the file absent (cache folder changed, or cleaned by a tmp cleaner / user)
+    every CPU execute raises 'cannot be read ...: build the graph again' - and building again
+    (even after plan_cache.clear()) returns the same missing path, so it never recovers for the
+    life of the process (on a GPU machine: CPU tensors of that kernel are dead)."""
+    op = "exp" if how == "folder_changed" else "softplus"
+    if how == "folder_changed":
+        _unary(op, "b")[0].build()
+        monkeypatch.setenv("DNNGRAPH_CACHE_DIR", str(tmp_path))
+    else:
+        monkeypatch.setenv("DNNGRAPH_CACHE_DIR", str(tmp_path / "c"))
+        _unary(op, "b")[0].build()
+        shutil.rmtree(tmp_path / "c")
+        plan_cache.clear()
+    g, x, y = _unary(op, "b")
+    g.build()  # "build the graph again", as the error says
+    xt, out = _randn(3, 11), poisoned(y)
+    g.execute({x: xt, y: out})
+    assert rel_err(out, g.reference({x: xt})["y"]) < 2e-5
+
+
+def test_dead_interpreter_process_is_not_kept_alive_by_the_plan_cache(worker):
+    """DEFECT (leak): every plan-cache key holds every module-level value of dnngraph, among them
+    interpreter_client._process. A replaced (dead) InterpreterProcess - with its Popen, its
+    connection and its shared-memory arena mapping (the arena grows to the largest request and
+    its /dev/shm pages stay resident while mapped) - stays alive as long as any cached key
+    references it: up to PLAN_CACHE_ENTRIES dead processes' arenas."""
+    interpreter_client._stop()
+    g, x, y = _relu()
+    g.build()
+    g.execute({x: _randn(5, 6), y: poisoned(y)})  # starts process 1
+    first = interpreter_client._process
+    _relu()[0].build()  # a key taken while process 1 is the module's value
+    first.process.kill()
+    first.process.wait()
+    out = poisoned(y)
+    g.execute({x: _randn(5, 6), y: out})  # process 2 replaces it
+    assert interpreter_client._process is not first
+    dead = weakref.ref(first)
+    del first
+    gc.collect()
+    assert dead() is None, "the dead interpreter process (and its arena) is still referenced"
+
+
+def test_starting_the_interpreter_process_keeps_plan_cache_hits(worker):
+    """DEFECT (performance): the key includes interpreter_client._process, so the first CPU
+    execute through the interpreter process (and every restart of it) changes every key: each
+    graph built before misses and is built again. The cache's docstring lists only things a
+    build reads."""
+    interpreter_client._stop()
+    g, x, y = _relu()
+    g.build()
+    g.execute({x: _randn(5, 6), y: poisoned(y)})  # starts the process
+    hits = plan_cache.PLANS.hits
+    _relu()[0].build()
+    assert plan_cache.PLANS.hits == hits + 1
+
+
+def test_interpreter_process_switch_changes_no_plan_key():
+    """DEFECT (performance): commit ece6197 says the interpreter-process switch changes no plan,
+    but force_interpreter_worker() assigns runtime._forced_worker, a module value in the key:
+    toggling it makes every build miss."""
+    _relu()[0].build()
+    runtime.force_interpreter_worker(True)
+    hits = plan_cache.PLANS.hits
+    _relu()[0].build()
+    assert plan_cache.PLANS.hits == hits + 1
+
+
+def test_a_plan_is_filed_under_the_options_it_was_built_with():
+    """What once was a race (a module knob assigned while a build ran filed the plan, built
+    without it, under the knob's key) cannot recur: a build reads only its BuildOptions, a
+    frozen value in its key."""
+    looped = dg.BuildOptions(row_mode="looped", row_loop_tile=16)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        looped.row_mode = None
+    first = _mlp()[0].build()
+    forced = _mlp()[0].build(options=looped)
+    assert "(looped)" not in first.plan.launches[-1].config_text
+    assert "(looped)" in forced.plan.launches[-1].config_text
+    hits = plan_cache.PLANS.hits
+    again = _mlp()[0].build()
+    assert plan_cache.PLANS.hits == hits + 1 and again.plan.launches is first.plan.launches
+
+
+# --- review findings: attacks that held up -------------------------------------------------------
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.gpu),  # (skipped without CUDA: conftest.py)
+])
+def test_negative_zero_constant_keeps_its_sign(device):
+    """DEFECT (fixed; wrong result on the GPU and the interpreter alike): Triton builds every
+    scalar equal to 0 as +0.0, so a kernel written as `x * -0.0` gave 1 / (x * -0.0) = +inf where
+    the reference gives -inf. The plan cache keeps -0.0 and 0.0 apart (separate plans); the
+    literal now keeps its sign in products, maxima and selects alike."""
+    def make(zero):
+        g = dg.Graph(name="z")
+        x = g.tensor(name="x", dim=[8])
+        g.div(1.0, g.mul(x, zero)).set_output(True).set_name("y")
+        g.div(1.0, g.maximum(g.neg(x), zero)).set_output(True).set_name("m")
+        return g
+
+    positive = make(0.0).build()
+    negative = make(-0.0).build()
+    assert negative.plan.launches is not positive.plan.launches  # the key tells them apart
+    xt = (torch.rand(8, generator=GEN) + 0.5).to(device)
+    for g, expected in ((positive, float("inf")), (negative, float("-inf"))):
+        out, most = (torch.full((8,), float("nan"), device=device) for _ in range(2))
+        g.execute({"x": xt, "y": out, "m": most})
+        reference = g.reference({"x": xt})
+        assert (reference["y"] == expected).all() and (reference["m"] == expected).all()
+        assert (out == expected).all() and (most == expected).all(), (expected, out, most)
+
+
+def test_renamed_output_on_an_identical_structure_is_its_own_plan():
+    g1, x1, w1, y1 = _mlp()
+    g1.build()
+    g2, x2, w2, y2 = _mlp()
+    y2.set_name("out")
+    g2.build()
+    assert g2.plan.launches is not g1.plan.launches
+    _runs_by_names(g2, x2, w2, y2, ("x", "w", "out"), ("x", "w", "y"), "not a tensor")
+
+
+def test_threads_building_and_executing_identical_graphs():
+    failures = []
+    built = _mlp()[0].build()
+    bx, bw, by = (built.tensor_by_name(n) for n in ("x", "w", "y"))
+
+    def executor():
+        try:
+            for _ in range(4):
+                inputs = {bx: _randn(5, 24), bw: _randn(24, 40)}
+                out = poisoned(by)
+                built.execute({**inputs, by: out})
+                assert rel_err(out, built.reference(inputs)["y"]) < 2e-5
+        except BaseException as error:  # reported by the main thread
+            failures.append(error)
+
+    def builder():
+        try:
+            for _ in range(4):
+                g, x, w, y = _mlp("other")
+                g.build()
+                inputs = {x: _randn(5, 24), w: _randn(24, 40)}
+                out = poisoned(y)
+                g.execute({**inputs, y: out})
+                assert rel_err(out, g.reference(inputs)["y"]) < 2e-5
+        except BaseException as error:
+            failures.append(error)
+
+    threads = [threading.Thread(target=f) for f in (executor, builder, executor, builder)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures, failures
+
+
+# --- on a GPU machine: kernel files changed after the build never run ----------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_a_cache_file_changed_after_build_never_runs_on_a_gpu_machine(device, tmp_path, monkeypatch):
+    """CUDA tensors compile at their first execute; CPU tensors go to the interpreter process.
+    A changed file would not compile (it calls open()) nor, interpreted, leave the marker."""
+    monkeypatch.setenv("DNNGRAPH_CACHE_DIR", str(tmp_path))
+    plan_cache.clear()
+    g = _integrity_graph(5.5 if device == "cuda" else 6.5).build()
+    marker = tmp_path / "tampered_code_ran"
+    for launch in g.plan.launches:
+        _tamper(launch.source_path, marker)
+    x, y = g.tensor_by_name("x"), g.tensor_by_name("y")
+    xt = torch.randn(5, 9, generator=GEN).to(device)
+    out = poisoned(y, device)
+    g.execute({x: xt, y: out})
+    assert rel_err(out, g.reference({x: xt.cpu()})["y"]) < 2e-5
+    assert not marker.exists()

@@ -1,4 +1,5 @@
-"""Reduction kernels: every mode, inner / outer / several axes, one-pass, looped and split."""
+"""Reduction kernels: every mode, inner / outer / several axes, one-pass, looped and split; bf16 on
+the GPU (marked gpu), a row of a million split."""
 import pytest
 import torch
 
@@ -228,3 +229,16 @@ def test_integer_reduction_of_a_matmul_epilogue_is_its_own_exact_kernel():
     out = run(g, {a: a_t, b: b_t})
     assert [len(group.exits) for group in g.plan.groups if group.kind == "matmul"] == [1]
     assert torch.equal(out["total"], out["whole"].sum(1, keepdim=True))  # past 2**32: float would round
+
+
+# --- on the GPU: bf16, split reductions of very long rows ----------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["sum", "max", "norm2", "mean"])
+@pytest.mark.parametrize("shape,axes", [((3, 1000003), [1]), ((8192, 777), [0]), ((16, 4096, 9), [0, 2])])
+def test_reductions_gpu(mode, shape, axes):
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=list(shape))
+    g.reduction(x, mode, axes).set_output(True).set_data_type(dg.float32)
+    check(g, {x: (torch.randn(*shape) + 1).to("cuda", torch.bfloat16)}, torch.bfloat16, device="cuda")
+    if shape == (3, 1000003):
+        assert "split" in modes_used(g)

@@ -1,4 +1,5 @@
-"""Softmax / log-softmax forward and backward kernels, fused prologues and epilogues."""
+"""Softmax / log-softmax forward and backward kernels, fused prologues and epilogues; bf16 rows up
+to 50001 wide on the GPU (marked gpu)."""
 import pytest
 import torch
 
@@ -82,3 +83,20 @@ def test_bad_axis_is_validation_error():
     x = g.tensor(name="x", dim=[4, 5])
     with pytest.raises(dg.ValidationError):
         g.softmax(x, axis=2)
+
+
+# --- on the GPU: bf16 rows up to 50001 wide ------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("log", [False, True])
+@pytest.mark.parametrize("cols", [1000, 8192, 50001])
+def test_softmax_bf16(log, cols):
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[37, cols])
+    g.softmax(x, axis=1, log=log).set_output(True)
+    check(g, {x: (torch.randn(37, cols) * 3).to("cuda", torch.bfloat16)}, torch.bfloat16, device="cuda")
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    dy, y = g.tensor(name="dy", dim=[37, cols]), g.tensor(name="y", dim=[37, cols])
+    g.softmax_backward(dy, y, axis=1, log=log).set_output(True)
+    y_t = torch.softmax(torch.randn(37, cols, device="cuda"), 1)
+    check(g, {dy: torch.randn(37, cols, device="cuda").bfloat16(),
+              y: (y_t.log() if log else y_t).bfloat16()}, torch.bfloat16, device="cuda")
