@@ -1,7 +1,7 @@
 """Whole models through torch.compile(backend="dnngraph") on the GPU: torchvision's ResNet-50
 (random weights, channels-last bf16), a training step (batch-norm statistics included) and
 inference, each no further from the float64 computation than eager torch (cuDNN) is, within a
-small allowance. (transformers' LlamaDecoderLayer: test_torch_backend_gpu.py.)"""
+small allowance. (transformers' LlamaDecoderLayer: test_torch_backend.py.)"""
 import copy
 
 import pytest
