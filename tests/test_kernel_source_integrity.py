@@ -16,7 +16,7 @@ import torch
 
 import dnngraph as dg
 from dnngraph import runtime
-from dnngraph.codegen.cache import source_digest
+from dnngraph.codegen.cache import named_source, source_digest
 from dnngraph.plan import cache as plan_cache
 from dnngraph.plan import interpreter_worker
 from helpers import poisoned, rel_err
@@ -111,12 +111,20 @@ def test_another_process_building_over_a_changed_cache_folder_runs_the_generated
 
 def test_the_interpreter_process_runs_a_source_only_under_the_hash_naming_it(tmp_path, monkeypatch):
     monkeypatch.setenv("DNNGRAPH_CACHE_DIR", str(tmp_path))
-    text = "import triton\n\n\n@triton.jit\ndef some_kernel(x_ptr):\n    pass\n"
-    named = str(tmp_path / f"some_kernel_{source_digest(text)}.py")
-    assert interpreter_worker._loaded(named, "some_kernel", text) is not None
-    changed = text.replace("pass", "return")
-    with pytest.raises(RuntimeError, match="not the one its name hashes"):
-        interpreter_worker._loaded(named, "some_kernel", changed)
+    rendered = "import triton\n\n\n@triton.jit\ndef some_kernel(x_ptr):\n    pass\n"
+    name, text = named_source(rendered, "some_kernel")
+    assert name == f"some_kernel_{source_digest(rendered)}" and f"def {name}(" in text
+    key = str(tmp_path / f"{name}.py")
+    assert interpreter_worker._loaded(key, name, text).__name__ == name
+    changed_name, changed = named_source(rendered.replace("pass", "return"), "some_kernel")
+    refused = [(key, name, changed),  # another body under the name
+               (key, name, text.replace("pass", "return")),
+               (key, changed_name, changed),  # a name the key does not hold
+               (key, name, rendered),  # the source as rendered, not as named
+               (key, name, text.replace("import triton", f"# def {name}(\nimport triton"))]
+    for request in refused:
+        with pytest.raises(RuntimeError, match="not the one its name hashes"):
+            interpreter_worker._loaded(*request)
 
 
 @pytest.mark.parametrize("suffix", ["#generated", ".generated", "_generated", "generated"])

@@ -1,6 +1,10 @@
-"""The compile cache: generated Triton source files, keyed by a hash of their text.
+"""The compile cache: generated Triton source files, each kernel named by its content.
 
-Files live in $DNNGRAPH_CACHE_DIR (default ~/.cache/dnngraph) so explain() can point at them
+A renderer writes a kernel under a stem made of family words (`dnngraph_matmul_relu`) and
+nothing particular to the graph or group it came from; load_kernel names the kernel
+`<stem>_<digest of that text>`. Identical kernels of different groups or graphs are therefore
+one module and one JITFunction, and Triton's own caches (in memory and on disk) compile them
+once. Files live in $DNNGRAPH_CACHE_DIR (default ~/.cache/dnngraph) so explain() can point at them
 and a user can read exactly what runs. Writes are atomic (temp file, then rename). The files are
 written, never read to run: a module is made from the generated text itself (see load_kernel).
 """
@@ -10,8 +14,10 @@ import contextlib
 import hashlib
 import linecache
 import os
+import re
 import sys
 import tempfile
+import threading
 import types
 from pathlib import Path
 
@@ -29,8 +35,43 @@ def cache_dir() -> Path:
 
 
 def source_digest(source: str) -> str:
-    """The hash that names a generated source (its file is <kernel>_<digest>.py)."""
+    """The hash that names a generated source: of its text as rendered under its stem."""
     return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+def _definition(name: str) -> "re.Pattern":
+    return re.compile(rf"^def {re.escape(name)}\(", re.MULTILINE)
+
+
+def _renamed(source: str, old: str, new: str) -> str:
+    return _definition(old).sub(f"def {new}(", source, count=1)
+
+
+def named_source(source: str, stem: str) -> tuple:
+    """(kernel name, text) of `source`, rendered with its kernel defined as `stem`: the name is
+    `<stem>_<digest of source>`, and the text is `source` with that name in the definition (the
+    one place a renderer writes the stem; anything else is a renderer's bug)."""
+    if len(re.findall(rf"\b{re.escape(stem)}\b", source)) != 1 or not _definition(stem).search(source):
+        raise UnsupportedError(f"internal error: generated kernel {stem!r} must name itself once, in its definition")
+    name = f"{stem}_{source_digest(source)}"
+    return name, _renamed(source, stem, name)
+
+
+def stem_of(name: str) -> str:
+    """The stem a kernel was rendered under: its name without the digest named_source adds."""
+    return name.rsplit("_", 1)[0]
+
+
+def rendered_source(text: str, name: str):
+    """The source a renderer wrote, of which `text` is the kernel named `name`; None where
+    `text` is not exactly what named_source gives that source (so not the text its name hashes).
+    How another process checks a text it is sent, before running any of it."""
+    stem = stem_of(name)
+    source = _renamed(text, name, stem)
+    try:
+        return source if named_source(source, stem) == (name, text) else None
+    except UnsupportedError:
+        return None
 
 
 def _write_atomically(path: Path, text: str):
@@ -91,26 +132,32 @@ def _file_holds(path: Path, source: str) -> bool:
         return False
 
 
-def load_kernel(source: str, kernel_name: str):
-    """(kernel function, source path) for `source`: the module is made from `source` itself, once
-    per process, and the cache file is (re)written whenever it does not hold exactly that text,
-    so explain() points at what runs. Nothing is ever run from the file: only the source a plan
-    generated (and named by its hash) runs, in any process.
+_LOAD_LOCK = threading.RLock()
+
+
+def load_kernel(source: str, stem: str):
+    """(kernel function, source path) for `source`, rendered with its kernel defined as `stem`:
+    the kernel is named by content (named_source), and the module is made from the named text
+    itself, once per process: kernels of the same text, from any group of any graph, are one
+    JITFunction. The cache file `<name>.py` is (re)written whenever it does not hold exactly
+    that text, so explain() points at what runs. Nothing is ever run from the file: only the
+    source a plan generated (and named by its hash) runs, in any process.
 
     A source that fails to load raises UnsupportedError naming the kernel and the file, and
     leaves nothing behind: the next build starts afresh."""
-    digest = source_digest(source)
-    module_name = f"dnngraph_kernels.{kernel_name}_{digest}"
-    path = cache_dir() / f"{kernel_name}_{digest}.py"
-    if not _file_holds(path, source):  # missing, another cache folder, or changed since written
-        logger.debug("kernel %s: source written", path.name)
-        _write_atomically(path, source)
-    module = sys.modules.get(module_name)
-    if getattr(module, "__dnngraph_source__", None) == source and hasattr(module, kernel_name):
-        logger.debug("kernel %s: loaded in this process", path.name)
-        return getattr(module, kernel_name), path
-    sys.modules.pop(module_name, None)  # a half-loaded module is never reused
-    return _execute_source(module_name, source, path, kernel_name), path
+    kernel_name, source = named_source(source, stem)
+    module_name = f"dnngraph_kernels.{kernel_name}"
+    path = cache_dir() / f"{kernel_name}.py"
+    with _LOAD_LOCK:  # builds in several threads: one module per kernel, never one seen half-made
+        if not _file_holds(path, source):  # missing, another cache folder, or changed since written
+            logger.debug("kernel %s: source written", path.name)
+            _write_atomically(path, source)
+        module = sys.modules.get(module_name)
+        if getattr(module, "__dnngraph_source__", None) == source and hasattr(module, kernel_name):
+            logger.debug("kernel %s: loaded in this process", path.name)
+            return getattr(module, kernel_name), path
+        sys.modules.pop(module_name, None)  # a half-loaded module is never reused
+        return _execute_source(module_name, source, path, kernel_name), path
 
 
 def kernel_source(kernel) -> str:

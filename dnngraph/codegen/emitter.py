@@ -20,7 +20,7 @@ from ..errors import UnsupportedError, ValidationError
 from .conversions import converted_to
 from .expressions import (CONVERT, EXPRESSIONS, INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES, SCALAR_ROOTS,
                           cast_expression, dropout_from_tensors)
-from .names import NameAllocator, comment_text
+from .names import NameAllocator
 
 # -0.0 as a kernel literal: Triton builds every scalar equal to 0 as a null (+0.0) constant,
 # so `x * -0.0` compiled as `x * 0.0`; the sign survives only through the bits.
@@ -126,8 +126,7 @@ class ExpressionEmitter:
         if conversion is not None and tensor.graph.consumers(tensor):  # (only graph tensors convert)
             text, kind = conversion
             variable = self.names.fresh(self.hint)
-            self.lines.append(f"{variable} = {text}  # "
-                              f"{comment_text(f'{tensor.name} as stored ({tensor.data_type.name})')}")
+            self.lines.append(f"{variable} = {text}  # as stored ({tensor.data_type.name})")
             self.values[tensor.uid] = (variable, kind)
         self.as_stored.add(tensor.uid)
 
@@ -260,7 +259,7 @@ class ExpressionEmitter:
             template = INTEGER_TEMPLATES.get(node.op, template)
             results = "".join(integer if kind == "f" else kind for kind in results)
         text = template.format(*operands, compute=self.compute, **fields)
-        self.lines.append(f"{', '.join(variables)} = {text}  # {comment_text(f'{node.op} {node.name}')}")
+        self.lines.append(f"{', '.join(variables)} = {text}  # {node.op}")
         for tensor, variable, kind in zip(node.outputs, variables, results):
             if tensor is not None:
                 self.bind(tensor.uid, variable, kind)

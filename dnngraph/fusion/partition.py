@@ -44,6 +44,11 @@ class FusionGroup:
     origin: Optional[object] = None  # a copy group's layout Node (its nodes are made-up casts)
     roles: Optional[object] = None  # an attention backward's AttentionBackward
 
+    def summary(self) -> str:
+        """What the group's kernel computes, in words of code alone (no node or tensor names):
+        what a generated source's docstring says, the same for every group of the same ops."""
+        return f"[{self.kind}] {', '.join(n.op for n in self.nodes)}"
+
     def describe(self) -> str:
         ops = ", ".join(f"{n.op}({n.name})" for n in self.nodes)
         reads = ", ".join(t.name for t in self.inputs)

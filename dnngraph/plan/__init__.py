@@ -607,9 +607,13 @@ class Plan:
                  f"{len(self.launches)} kernel(s), workspace {self.workspace_bytes} bytes"]
         chosen = ", ".join(f"{name}={_option_text(value)}" for name, value in self.options.forced().items())
         lines.append(f"built for {self.target.name}; options: {chosen or 'the defaults'}")
+        group_index = {id(group): position for position, group in enumerate(self.groups)}
         for index, launch in enumerate(self.launches):
             group = launch.group
-            lines.append(f"kernel {index} [{group.kind}] {launch.kernel.__name__ if hasattr(launch.kernel, '__name__') else ''}")
+            # kernels are named by content: the group (and its ops and tensors below) tell apart
+            # launches of one kernel
+            name = getattr(launch.kernel, "__name__", "")
+            lines.append(f"kernel {index} [{group.kind}] {name} (group {group_index.get(id(group), '?')})")
             lines.append(f"  ops:    {', '.join(f'{n.op}({n.name})' for n in group.nodes)}")
             lines.append(f"  reads:  {', '.join(self._describe(t) for t in group.inputs)}")
             lines.append(f"  writes: {', '.join(self._describe(t) for t in group.outputs)}")

@@ -56,7 +56,7 @@ def build_attention_backward(graph, group, index, context) -> list:
     drop = roles.dropout
     dropout = None if drop is None else (drop.attrs.p, drop.attrs.seed, drop.attrs.offset)
     precision = dot_precision(graph, roles.q.data_type)
-    name = kernel_name(group, index)
+    name = kernel_name(group)
 
     forward = chain_schedule(problem, target, "lse", forced)
     config = forward.config
@@ -66,7 +66,7 @@ def build_attention_backward(graph, group, index, context) -> list:
                              (config.block_m, config.block_n, forward.block_d, forward.block_dv), wide, precision,
                              stats_only=True, head_group=forward.head_group)
     source, arguments = render_lse(name + "_lse", lse_spec, group, roles, graph.compute_data_type.triton_type,
-                                   "log-sum-exp pass of " + group.describe())
+                                   "log-sum-exp pass of " + group.summary())
     kernel, path = load_kernel(source, name + "_lse")
     launches = [KernelLaunch(group, kernel, path, arguments, forward.programs, config.num_warps,
                              "lse: " + forward.config_text, "op-level attention backward: " + forward.reason,
@@ -86,7 +86,7 @@ def build_attention_backward(graph, group, index, context) -> list:
                              stored_types={stem: tensors[stem].data_type for stem in outputs if stem in tensors})
         source, arguments = render_chain_backward(f"{name}_{which}", which, spec, roles,
                                                   graph.compute_data_type.triton_type,
-                                                  f"{which} of {group.describe()}")
+                                                  f"{which} of {group.summary()}")
         kernel, path = load_kernel(source, f"{name}_{which}")
         launches.append(KernelLaunch(group, kernel, path, arguments, sched.programs(which), config.num_warps,
                                      sched.config_text(which), "op-level attention backward: " + sched.reason,

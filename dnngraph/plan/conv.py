@@ -134,7 +134,7 @@ class ConvBuild(GemmLaunches):
         self.operands = tuple(self._source_operands() + self._filter_operands() + self._output_operands())
         self.problem = self._problem(dot)
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
-        self.name = kernel_name(group, index) + pose.suffix
+        self.name = kernel_name(group) + pose.suffix
 
     @staticmethod
     def _dot(source, w, allow_tf32: bool):
@@ -265,7 +265,7 @@ class ConvBuild(GemmLaunches):
             c_uid=self.out.uid, operands=self.operands, k_walk=walk, loader_a=loader_a, loader_b=loader_b,
             epilogue=tuple(self.group.epilogue), exits=extra.pop("exits", ()), scale_uids=(),
             precision=self.precision, compute=self.graph.compute_data_type.triton_type, index_64=self.index_64,
-            description=self.group.describe(), row_sizes=self.row_sizes, extra_constexprs=constexprs, **extra)
+            description=self.group.summary(), row_sizes=self.row_sizes, extra_constexprs=constexprs, **extra)
 
 
 class WgradBuild(GemmLaunches):
@@ -305,7 +305,7 @@ class WgradBuild(GemmLaunches):
         self.operands = tuple(self._dy_operands() + self._x_operands() + self._output_operands())
         self.problem = self._problem(dot)
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
-        self.name = kernel_name(group, index) + ("_folded" if self.folded else "")
+        self.name = kernel_name(group) + ("_folded" if self.folded else "")
 
     def _pose(self, filters: tuple, fold_below: int):
         """Where the taps go (heuristics/conv.py): batch axes of the GEMM (tap_axes: the batch
@@ -381,7 +381,7 @@ class WgradBuild(GemmLaunches):
             c_uid=self.out.uid, operands=self.operands, k_walk=walk, loader_a=loader_a, loader_b=self._gather(),
             epilogue=tuple(self.group.epilogue), exits=extra.pop("exits", ()), scale_uids=(),
             precision=self.precision, compute=self.graph.compute_data_type.triton_type, index_64=self.index_64,
-            description=self.group.describe(), col_sizes=self.col_sizes,
+            description=self.group.summary(), col_sizes=self.col_sizes,
             extra_constexprs=self.geometry.constexprs(), **extra)
 
 

@@ -81,7 +81,7 @@ class DepthwiseBuild:
         self.stored = [t for t in group.outputs if t.producer not in prologue]
         self.operands = tuple(self._operands(other, leaves(self.source, members), epilogue_inputs(group)))
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
-        self.name = kernel_name(group, index) + "_depthwise"
+        self.name = kernel_name(group) + "_depthwise"
         self.target = target
         traffic = sum(_bytes(t) for t in list(group.inputs) + list(group.outputs))
         epilogue = ",".join(n.op for n in group.prologue + group.epilogue)
@@ -151,7 +151,7 @@ class DepthwiseBuild:
         merged = self.merge_axis if self._merges(config) else -1
         row_axes = tuple(a for a in self.row_axes if a != merged)
         return DepthwiseSpec(
-            name=self.name + suffix, op=self.op, body=body, description=self.group.describe() + " (depthwise)",
+            name=self.name + suffix, op=self.op, body=body, description=self.group.summary() + " (depthwise)",
             filter_sizes=tuple(self.filter_sizes), stride=tuple(attrs.stride), padding=tuple(attrs.padding),
             dilation=tuple(attrs.dilation), flip=attrs.mode == "convolution", multiplier=self.multiplier,
             out_dims=tuple(self.out.dim), in_sizes=self.in_sizes,

@@ -40,8 +40,8 @@ def schedule_gather(group) -> GatherSchedule:
 def build_gather(graph, group, index, context):
     """The gather kernel of a group (and its epilogue)."""
     sched = schedule_gather(group)
-    name = kernel_name(group, index)
-    source, arguments = render_gather(name, sched, group, graph.compute_data_type, group.describe())
+    name = kernel_name(group)
+    source, arguments = render_gather(name, sched, group, graph.compute_data_type, group.summary())
     kernel, path = load_kernel(source, name)
     programs = -(-sched.total // sched.block)
     # a small y: fewer warps than lanes left idle

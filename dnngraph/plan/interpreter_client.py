@@ -16,9 +16,9 @@ forkserver child imports the user's __main__ again, which a script without a mai
 not survive, and a forked one would inherit CUDA. It starts on the first CPU execute, serves
 every graph of this process one request at a time (the interpreter is single-threaded in any
 case), and ends when this process does. A request carries the kernels' sources (once each: the
-generated text, never the cache file, and the process runs a text only under the hash that names
-it), the tensors through a shared arena (copied in; the tensors the kernels write copied back),
-and the launches. A kernel that fails, or a process that dies, raises ExecutionError and writes nothing
+generated text, never the cache file, and the process runs a text only under the kernel name
+that hashes it), the tensors through a shared arena (copied in; the tensors the kernels write
+copied back), and the launches. A kernel that fails, or a process that dies, raises ExecutionError and writes nothing
 to the caller's tensors; the next execute starts a fresh process.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def _child_environment() -> dict:
 
 
 def _kernel_name(source_path: Path) -> str:
-    return source_path.stem.rsplit("_", 1)[0]  # load_kernel names files <kernel>_<digest>.py
+    return source_path.stem  # load_kernel names files <kernel name>.py, the name ending in the source's digest
 
 
 class InterpreterProcess:

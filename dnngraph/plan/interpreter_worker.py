@@ -55,13 +55,14 @@ def _mapped_arena(current: tuple, request: Request) -> tuple:
 
 
 def _loaded(key: str, name: str, text: str):
-    """The kernel of `text`, which must be the source its key (a cache file <name>_<digest>.py)
-    names by its hash."""
-    from ..codegen.cache import load_kernel, source_digest
+    """The kernel of `text`, which must be the source its key (a cache file <name>.py) names:
+    the kernel `name` of a generated source whose digest that name ends in."""
+    from ..codegen.cache import load_kernel, rendered_source, stem_of
 
-    if Path(key).name != f"{name}_{source_digest(text)}.py":
+    source = rendered_source(text, name)
+    if Path(key).name != f"{name}.py" or source is None:
         raise RuntimeError(f"kernel {Path(key).name}: the source sent is not the one its name hashes")
-    return load_kernel(text, name)[0]
+    return load_kernel(source, stem_of(name))[0]
 
 
 def _run(request: Request, kernels: dict, arena) -> None:

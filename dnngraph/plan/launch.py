@@ -11,9 +11,7 @@ the caller's workspace, one per stream).
 """
 from __future__ import annotations
 
-import ast
 import concurrent.futures
-import hashlib
 import itertools
 import os
 import threading
@@ -23,7 +21,6 @@ from typing import Optional
 
 import torch
 
-from ..codegen.cache import kernel_source
 from ..errors import ExecutionError, UnsupportedError
 from ..heuristics.autotune import TuningRecord
 from ..log import logger
@@ -117,10 +114,12 @@ def persistent_buffer(nbytes: int, device) -> torch.Tensor:
     return buffer
 
 
-# Compiled kernels by what decides their binary: the source with the kernel's own name taken out,
-# Triton's warmup arguments (pointer dtypes, integer and constexpr values), the compile options and
-# the device. Kernels that differ in their names alone (a ResNet's repeated blocks: 556 kernels of a
-# training step, most of them another block's) compile once per process.
+# Compiled kernels by what decides their binary: the kernel (one JITFunction per generated text,
+# however many groups and graphs share it: kernels are named by content), Triton's warmup
+# arguments (pointer dtypes, integer and constexpr values), the compile options, the device and
+# Triton's debug state. Triton's own cache would give a second caller the first one's binary,
+# but two threads warming one kernel up at once would both compile (its cache is a plain dict
+# filled after the compile): here the first compiles and the others wait for its result.
 _COMPILED: dict = {}
 _COMPILED_LOCK = threading.Lock()
 
@@ -145,6 +144,22 @@ def shared_compile(key, compile_fn):
     return future.result()
 
 
+class _Identity:
+    """An object as a key by identity (JITFunction hashes by its cache key, which parses its
+    source): the key holds it, so its id is never another object's while the key lives."""
+
+    __slots__ = ("held",)
+
+    def __init__(self, held):
+        self.held = held
+
+    def __hash__(self):
+        return id(self.held)
+
+    def __eq__(self, other):
+        return isinstance(other, _Identity) and other.held is self.held
+
+
 def _typed(value):
     """`value` as a key that tells apart what Triton's specialization does: each value with its
     type (1, 1.0 and True are equal in Python), floats by their text (-0.0 == 0.0), tuples
@@ -165,25 +180,11 @@ def _triton_debug_state() -> tuple:
     return (getattr(knobs.runtime, "debug", None), getattr(knobs.compilation, "instrumentation_mode", None))
 
 
-def name_free_digest(source: str, name: str) -> str:
-    """A digest of what `source` computes: its syntax tree (no comments), without the module's
-    docstring (it names the graph's tensors), the kernel's own `name` replaced. Two kernels that
-    differ only in their names and comments digest alike."""
-    tree = ast.parse(source)
-    body = tree.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == name:
-            node.name = "<kernel>"
-        elif isinstance(node, ast.Name) and node.id == name:
-            node.id = "<kernel>"
-    return hashlib.sha256(ast.dump(ast.Module(body=body, type_ignores=[])).encode()).hexdigest()
-
-
-def kernel_name(group, index: int) -> str:
-    """The Triton function name of a group's kernel: family, position, last op."""
-    return f"dnngraph_{group.kind}_{index}_{group.nodes[-1].op}"
+def kernel_name(group) -> str:
+    """The stem of a group's kernel name: its family and last op, words for a reader of
+    explain() and of profiler traces. load_kernel appends the digest of the source, so the name
+    says what the kernel is and never where it came from (explain() names the group)."""
+    return f"dnngraph_{group.kind}_{group.nodes[-1].op}"
 
 
 def _grid3(programs) -> tuple:
@@ -321,8 +322,7 @@ class KernelLaunch:
 
     def _compiled(self, args, device_index: int):
         """The compiled kernel for Triton's warmup `args`, shared with every launch of this
-        process whose kernel differs from this one in its name alone (shared_compile); with
-        `device_index` current."""
+        process that runs the same kernel (shared_compile); with `device_index` current."""
         options = self._options()
 
         def compile_here():
@@ -331,9 +331,8 @@ class KernelLaunch:
             compiled._init_handles()  # loaded once, before another launch's thread can share it
             return compiled
 
-        name = self.source_path.stem.rsplit("_", 1)[0]  # load_kernel names the file {kernel}_{digest}.py
-        key = (name_free_digest(kernel_source(self.kernel), name), tuple(getattr(self.kernel, "arg_names", ())), _typed(tuple(args)),
-               tuple(sorted(options.items())), device_index, _triton_debug_state())
+        key = (_Identity(self.kernel), _typed(tuple(args)), tuple(sorted(options.items())), device_index,
+               _triton_debug_state())
         try:
             hash(key)
         except TypeError:  # an argument Triton takes but no key holds: compiled for this launch alone

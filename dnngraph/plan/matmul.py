@@ -112,7 +112,7 @@ class MatmulBuild(GemmLaunches):
                                      a_layout, b_layout, epilogue_text, store_bytes)
         self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
         self.target = target
-        self.name = kernel_name(group, index)
+        self.name = kernel_name(group)
 
     def _batches_fold(self, sides, m: int) -> bool:
         """Do the batch axes fold into the rows? Where B is shared by every batch (x @ w, a
@@ -158,7 +158,7 @@ class MatmulBuild(GemmLaunches):
             loader_a=loader_a, loader_b=loader_b, epilogue=tuple(self.group.epilogue),
             exits=extra.pop("exits", ()), scale_uids=tuple(s.uid for s in self.scales),
             precision=self.precision, compute=self.graph.compute_data_type.triton_type,
-            index_64=self.index_64, description=self.group.describe(), **extra)
+            index_64=self.index_64, description=self.group.summary(), **extra)
 
 def build_matmul(graph, group, index, context) -> list[KernelLaunch]:
     """The launches of a matmul group for the context's target: the model's choice (or the

@@ -10,10 +10,10 @@ from .launch import KernelLaunch, kernel_name
 def build_pointwise(graph, group, index, context):
     """The pointwise kernel of a group, scheduled for the context's target."""
     sched = schedule_pointwise(group, context.target)
-    description = group.describe()
-    source, arguments = render_pointwise(kernel_name(group, index), sched, group.nodes,
+    description = group.summary()
+    source, arguments = render_pointwise(kernel_name(group), sched, group.nodes,
                                          graph.compute_data_type, description)
-    kernel, path = load_kernel(source, kernel_name(group, index))
+    kernel, path = load_kernel(source, kernel_name(group))
     cfg = sched.config
     config_text = (f"BLOCK_R={cfg.block_rows} BLOCK_C={cfg.block_cols} num_warps={cfg.num_warps} "
                    f"grid={sched.programs} space={list(sched.space.sizes)}"

@@ -12,8 +12,8 @@ def build_pooling(graph, group, index, context):
     """The pooling kernel of a group, scheduled for the context's target."""
     require_floating_inputs(group.anchor, group.anchor.inputs[:2])  # a max backward's int64 indices are compared
     sched = schedule_pooling(group, context.target)
-    name = kernel_name(group, index)
-    source, arguments = render_pooling(name, sched, group, graph.compute_data_type, group.describe())
+    name = kernel_name(group)
+    source, arguments = render_pooling(name, sched, group, graph.compute_data_type, group.summary())
     kernel, path = load_kernel(source, name)
     return KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps,
                         sched.config_text, sched.reason)

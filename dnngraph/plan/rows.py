@@ -146,7 +146,7 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
     cfg, geo = sched.config, sched.geometry
     common = dict(schedule=sched, recipe=recipe, group=group, kinds=kinds,
                   loads=_row_loads(group, epilogue), compute=graph.compute_data_type.triton_type,
-                  description=group.describe(), epilogue=epilogue)
+                  description=group.summary(), epilogue=epilogue)
     if cfg.mode != "split":
         spec = RowKernelSpec(name, "main", stores=tuple(stores), **common)
         return [_row_launch(spec, sched.programs, cfg.num_warps)]
@@ -202,7 +202,7 @@ def require_floating_inputs(anchor, tensors=None):
 def build_rows(graph, group, index, context):
     """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
     are per-row sums of the dx kernel (batchnorm) or column sums of it (the fused form)."""
-    anchor, name = group.anchor, kernel_name(group, index)
+    anchor, name = group.anchor, kernel_name(group)
     if anchor.op != "reduction":  # the reduction recipe accumulates integers in int64
         require_floating_inputs(anchor)
     problem = row_problem(anchor)
@@ -298,7 +298,7 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
     column_at = len(param_operands)  # the partials' order leads: stores of a few values each
     param_geo = row_geometry(param_problem.domain, param_problem.reduced_axes,
                              param_operands + [(column_uid, None, param_problem.strides(column), True)], column_at)
-    common = dict(group=group, compute=graph.compute_data_type.triton_type, description=group.describe())
+    common = dict(group=group, compute=graph.compute_data_type.triton_type, description=group.summary())
 
     def build(chosen, reason):
         partials = {acc.name: scratch((chosen.splits, geo.reduced)) for acc in param_accumulators}

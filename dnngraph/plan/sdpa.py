@@ -101,11 +101,11 @@ def build_sdpa(graph, group, index, context):
     outputs = [t for t in group.outputs if t is not stats]
     stored_stats = stats if stats is not None and stats in group.outputs else None
     spec = _spec(graph, node, group, sched, any(t is o for t in outputs), stored_stats, context.options.sdpa_index_64)
-    name = kernel_name(group, index)
+    name = kernel_name(group)
     if sched.splits > 1:
         return _build_split(graph, group, name, spec, sched, budget, outputs)
     source, arguments = render(name, spec, group, o.uid, outputs, graph.compute_data_type.triton_type,
-                               group.describe())
+                               group.summary())
     kernel, path = load_kernel(source, name)
     return KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps,
                         sched.config_text, sched.reason, num_stages=sched.config.num_stages)
@@ -125,7 +125,7 @@ def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
     split_spec = dataclasses.replace(spec, uids={**split_uids, **parts},
                                      strides={**spec.strides, "opart": (), "lpart": ()})
     source, arguments = render(name + "_split", split_spec, group, o_uid, [], graph.compute_data_type.triton_type,
-                               group.describe())
+                               group.summary())
     kernel, path = load_kernel(source, name + "_split")
     split = KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps, sched.config_text,
                          reason, scratch=(o_part, l_part), num_stages=sched.config.num_stages)
@@ -134,7 +134,7 @@ def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
                                        strides={**spec.strides, "opart": (), "lpart": ()})
     source, arguments = render_combine(name + "_combine", combine_spec, group, o_uid, outputs,
                                        graph.compute_data_type.triton_type, COMBINE_ROWS,
-                                       "combine of " + group.describe())
+                                       "combine of " + group.summary())
     kernel, path = load_kernel(source, name + "_combine")
     programs = -(-rows // COMBINE_ROWS)
     combine = KernelLaunch(group, kernel, path, arguments, programs, 4, f"combine: BLOCK_R={COMBINE_ROWS} "
@@ -197,9 +197,9 @@ def _build_backward(graph, group, index, context) -> list:
     launches = []
     for which in (("delta",) if delta is not None else ()) + ("dkdv", "dq") + (("dbias",) if dbias is not None else ()):
         spec = _backward_spec(graph, node, sched, which, delta, context.options.sdpa_index_64)
-        name = f"{kernel_name(group, index)}_{which}"
+        name = f"{kernel_name(group)}_{which}"
         source, arguments = render_backward(name, which, spec, graph.compute_data_type.triton_type,
-                                            f"{which} of {group.describe()}")
+                                            f"{which} of {group.summary()}")
         kernel, path = load_kernel(source, name)
         config = sched.configs[which]
         reason = sched.reason + ("" if delta is not None else "; delta inline (no workspace for "
@@ -252,9 +252,9 @@ def build_attention(graph, group, index, context):
     for side in modifier.sides:
         if len(side.dim) > rank:
             raise UnsupportedError(f"attention chain side operand {side.name!r} has rank {len(side.dim)}")
-    name = kernel_name(group, index)
+    name = kernel_name(group)
     source, arguments = render(name, spec, group, o.uid, [o], graph.compute_data_type.triton_type,
-                               group.describe(), modifier)
+                               group.summary(), modifier)
     kernel, path = load_kernel(source, name)
     return KernelLaunch(group, kernel, path, arguments, sched.programs, config.num_warps, sched.config_text,
                         "op-level attention chain: " + sched.reason, num_stages=config.num_stages)
