@@ -1,4 +1,5 @@
 """dnngraph: deep-learning operation graphs compiled into fused Triton kernels."""
+from .versions import __version__
 from .versions import check_installed_triton as _check_installed_triton
 
 _check_installed_triton()  # before anything imports Triton or reads its internals
@@ -13,7 +14,6 @@ from .options import BuildOptions
 from .target import Target
 from .tensor import Tensor
 
-__version__ = "0.1.0"
 __all__ = [
     "Graph", "Node", "Tensor", "DataType", "float32", "float16", "bfloat16", "float8_e4m3",
     "float8_e5m2", "int32", "int64", "bool", "GraphError", "ValidationError", "UnsupportedError",

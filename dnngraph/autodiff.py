@@ -19,16 +19,18 @@ into the flash backward kernels (fusion/attention.py).
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import networkx as nx
 
 from . import dtypes, ops  # noqa: F401  (registers every op and its backward rule)
 from .errors import UnsupportedError
 from .fusion import partition
-from .graph import Graph
 from .ops.base import BACKWARD_RULES
 from .tensor import overlaps
+
+if TYPE_CHECKING:  # pragma: no cover  (Graph sits above: the graphs made here are of the input's type)
+    from .graph import Graph
 
 RECOMPUTED_ROLES = frozenset({"pointwise"})
 RECOMPUTED_FAMILIES = frozenset({"layout"})
@@ -51,8 +53,9 @@ def replay(graph: Graph, name: str, attrs_of=lambda node: node.attrs, outputs=No
     None: the graph's) are the copy's outputs, in their own layouts; ops that feed none of them
     are left out. A graph output of a narrow float type left out becomes a cast to that type,
     so that its consumers compute what they compute in `graph`."""
-    copy = Graph(name=name, io_data_type=graph.io_data_type, intermediate_data_type=graph.intermediate_data_type,
-                 compute_data_type=graph.compute_data_type, allow_tf32=graph.allow_tf32)
+    copy = type(graph)(name=name, io_data_type=graph.io_data_type,
+                       intermediate_data_type=graph.intermediate_data_type,
+                       compute_data_type=graph.compute_data_type, allow_tf32=graph.allow_tf32)
     kept = None if outputs is None else {t.uid for t in outputs}
     mapped = {}
     for tensor in graph.inputs():
@@ -107,9 +110,9 @@ class _Deriver:
     def __init__(self, graph: Graph, inputs, outputs, wanted):
         self.source = graph
         self.forward, self.mapped = replay(graph, graph.name + ".forward", _training_attrs, list(outputs))
-        self.graph = Graph(name=graph.name + ".backward", io_data_type=graph.io_data_type,
-                           intermediate_data_type=graph.intermediate_data_type,
-                           compute_data_type=graph.compute_data_type, allow_tf32=graph.allow_tf32)
+        self.graph = type(graph)(name=graph.name + ".backward", io_data_type=graph.io_data_type,
+                                 intermediate_data_type=graph.intermediate_data_type,
+                                 compute_data_type=graph.compute_data_type, allow_tf32=graph.allow_tf32)
         self.inputs, self.outputs, self.wanted = list(inputs), list(outputs), list(wanted)
         self.values: dict = {}  # forward uid (in self.forward) -> backward tensor
         self.saved, self.saved_inputs = [], []

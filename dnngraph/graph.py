@@ -669,7 +669,7 @@ class Graph:
         """Rebuild a graph from to_json's document; raises SerializationError when malformed."""
         from .serialization import graph_from_json
 
-        return graph_from_json(text)
+        return graph_from_json(text, cls)
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, {len(self._nodes)} ops, {len(self._tensors)} tensors)"

@@ -1,5 +1,8 @@
 """JSON round trip of graphs. Loading replays the op calls, so every shape rule and attribute
 check runs again; nothing is evaluated or unpickled.
+
+This module sits below Graph (tests/test_layers.py): it reads graphs and fills the empty graph
+of the type Graph.from_json hands down, and never imports graph.py.
 """
 from __future__ import annotations
 
@@ -127,21 +130,22 @@ def _attrs(record, opdef, where):
         raise SerializationError(f"{where}: bad attributes for {opdef.name!r}: {error}") from None
 
 
-def graph_from_json(text: str):
-    """Rebuild a Graph; every problem is a SerializationError naming what is wrong."""
+def graph_from_json(text: str, graph_type):
+    """Rebuild a graph of `graph_type` (Graph.from_json hands its class down: this module sits
+    below the Graph it fills); every problem is a SerializationError naming what is wrong."""
     try:
-        return _load(text)
+        return _load(text, graph_type)
     except RecursionError:  # nesting deeper than the parser (or a tuple conversion) can follow
         raise SerializationError("the document nests too deeply") from None
 
 
-def _load(text):
+def _load(text, graph_type):
     try:
         document = json.loads(text)
     except (TypeError, ValueError) as error:
         raise SerializationError(f"not valid JSON: {error}") from None
     _check_header(document)
-    graph = _graph_from_header(_field(document, "graph", dict, "document"))
+    graph = _graph_from_header(_field(document, "graph", dict, "document"), graph_type)
     tensors = _field(document, "tensors", list, "document")
     nodes = _field(document, "nodes", list, "document")
     records = {}
@@ -179,18 +183,16 @@ def _load(text):
     return graph
 
 
-def _graph_from_header(header):
-    from .graph import Graph
-
+def _graph_from_header(header, graph_type):
     allow_tf32 = header.get("allow_tf32", False)
     _require(isinstance(allow_tf32, bool), f"graph.allow_tf32 must be true or false, got {allow_tf32!r}")
     try:
-        return Graph(name=_field(header, "name", str, "graph"),
-                     io_data_type=dtypes.by_name(_field(header, "io_data_type", str, "graph")),
-                     intermediate_data_type=dtypes.by_name(_field(header, "intermediate_data_type", str,
-                                                                  "graph")),
-                     compute_data_type=dtypes.by_name(_field(header, "compute_data_type", str, "graph")),
-                     allow_tf32=allow_tf32)
+        return graph_type(name=_field(header, "name", str, "graph"),
+                          io_data_type=dtypes.by_name(_field(header, "io_data_type", str, "graph")),
+                          intermediate_data_type=dtypes.by_name(_field(header, "intermediate_data_type",
+                                                                       str, "graph")),
+                          compute_data_type=dtypes.by_name(_field(header, "compute_data_type", str, "graph")),
+                          allow_tf32=allow_tf32)
     except GraphError as error:
         raise SerializationError(f"graph header: {error}") from None
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import re
 
+__version__ = "0.1.0"  # dnngraph's own, as pyproject.toml says it (the package re-exports it)
 TRITON_OLDEST = (3, 6, 0)  # supported: from this release ...
 TRITON_BEYOND = (3, 7, 0)  # ... up to, not including, this one
 TRITON_REQUIREMENT = "triton>=3.6.0,<3.7"  # as pyproject.toml's dependencies say it

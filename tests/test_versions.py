@@ -75,3 +75,12 @@ def test_import_fails_with_an_unsupported_triton_installed():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "UnsupportedTritonError" in done.stdout and "3.9.0" in done.stdout, done.stdout
     assert TRITON_REQUIREMENT in done.stdout
+
+
+def test_package_version_is_pyprojects():
+    """dnngraph.__version__ (held in versions.py, below every layer that keys on it) is the
+    version pyproject.toml declares."""
+    import dnngraph
+
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert dnngraph.__version__ == versions.__version__ == declared

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import triton
 
 from ..target import Target
+from ..versions import __version__
 from .tuning_cache import TuningCache, TuningCacheWarning, default_cache, tuning_key
 
 # Candidates timed per problem: the model's top 6 held the fastest of all candidates on 28 of
@@ -51,8 +52,7 @@ class TuningRecord:
 
 
 def _dnngraph_version() -> str:
-    """This dnngraph's version, part of every tuning key (looked up when the package is loaded)."""
-    from .. import __version__
+    """This dnngraph's version, part of every tuning key."""
     return __version__
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import SerializationError
+from ..versions import __version__
 from .depthwise import DepthwiseConfig
 from .matmul import MatmulConfig
 from .rows import RowConfig
@@ -157,8 +158,6 @@ def import_tuning(source, overwrite: bool = False, cache: Optional[TuningCache] 
     SerializationError for an unreadable, malformed or foreign file or any invalid record, with
     the cache unchanged; OSError when the cache cannot be written (unchanged as well)."""
     import triton
-
-    from .. import __version__
 
     cache = cache or default_cache()
     source = Path(source)
