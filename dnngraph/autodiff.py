@@ -53,9 +53,7 @@ def replay(graph: Graph, name: str, attrs_of=lambda node: node.attrs, outputs=No
     None: the graph's) are the copy's outputs, in their own layouts; ops that feed none of them
     are left out. A graph output of a narrow float type left out becomes a cast to that type,
     so that its consumers compute what they compute in `graph`."""
-    copy = type(graph)(name=name, io_data_type=graph.io_data_type,
-                       intermediate_data_type=graph.intermediate_data_type,
-                       compute_data_type=graph.compute_data_type, allow_tf32=graph.allow_tf32)
+    copy = graph.blank(name)
     kept = None if outputs is None else {t.uid for t in outputs}
     mapped = {}
     for tensor in graph.inputs():
@@ -110,9 +108,7 @@ class _Deriver:
     def __init__(self, graph: Graph, inputs, outputs, wanted):
         self.source = graph
         self.forward, self.mapped = replay(graph, graph.name + ".forward", _training_attrs, list(outputs))
-        self.graph = type(graph)(name=graph.name + ".backward", io_data_type=graph.io_data_type,
-                                 intermediate_data_type=graph.intermediate_data_type,
-                                 compute_data_type=graph.compute_data_type, allow_tf32=graph.allow_tf32)
+        self.graph = graph.blank(graph.name + ".backward")
         self.inputs, self.outputs, self.wanted = list(inputs), list(outputs), list(wanted)
         self.values: dict = {}  # forward uid (in self.forward) -> backward tensor
         self.saved, self.saved_inputs = [], []

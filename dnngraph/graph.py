@@ -664,12 +664,18 @@ class Graph:
 
         return graph_to_json(self)
 
+    def blank(self, name: str) -> "Graph":
+        """An empty plain Graph named `name` with this graph's data types and tf32 setting (the
+        graphs autodiff derives are made through it: it sits below this module)."""
+        return Graph(name=name, io_data_type=self.io_data_type, intermediate_data_type=self.intermediate_data_type,
+                     compute_data_type=self.compute_data_type, allow_tf32=self.allow_tf32)
+
     @classmethod
     def from_json(cls, text: str) -> "Graph":
         """Rebuild a graph from to_json's document; raises SerializationError when malformed."""
         from .serialization import graph_from_json
 
-        return graph_from_json(text, cls)
+        return graph_from_json(text, Graph)  # a plain Graph, whatever class it is called on
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, {len(self._nodes)} ops, {len(self._tensors)} tensors)"

@@ -167,6 +167,9 @@ def _record_config(kind: type, decode):
                 decode(value.to_record())
             except ValueError as error:
                 raise ValidationError(f"BuildOptions.{name}: {error}") from None
+            group_m = getattr(value, "group_m", 1)  # tile order: no record holds it
+            if not _is_int(group_m) or group_m < 1:
+                _fail(name, "a group_m that is an int >= 1", value)
         return value
     return check
 

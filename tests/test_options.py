@@ -23,6 +23,8 @@ BAD = [
     ("target", "h100"), ("matmul_config", (16, 16, 16)),
     ("matmul_config", mm.MatmulConfig("tiled", 24, 16, 16, 4, 2)),
     ("matmul_config", mm.MatmulConfig("tiled", 16, 16, 16, 3, 2)),
+    ("matmul_config", mm.MatmulConfig("tiled", 16, 16, 16, 4, 1, group_m=0)),
+    ("conv_config", mm.MatmulConfig("tiled", 16, 16, 16, 4, 1, group_m=-1)),
     ("conv_config", mm.MatmulConfig("bogus", 16, 16, 16, 4, 2)),
     ("depthwise_config", dw_heuristics.DepthwiseConfig("scatter", 4, 32, 2)), ("row_mode", "twice"),
     ("row_config", ("split", 8, 4, 1, 3)), ("row_config", rows.RowConfig("split", 8, 3, 1, 3, 0.0)),
@@ -201,3 +203,38 @@ def test_the_torch_backend_builds_with_the_options_it_is_given():
     assert function._plain[0].plan.launches[0].config_text.startswith("tiled 16x16x16")
     with pytest.raises(TypeError, match="build_options must be a dnngraph.BuildOptions"):
         torch_backend.backend(None, [], options={"build_options": {"autotune": True}})
+
+
+def test_a_forced_split_row_kernel_on_a_recipe_that_cannot_split_is_unsupported():
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[6, 40])
+    g.softmax(x).set_output(True)
+    with pytest.raises(dg.UnsupportedError, match="cannot split"):
+        g.build(options=dg.BuildOptions(row_config=rows.RowConfig("split", 16, 1, 4, 2, 0.0)))
+
+
+def test_autotuning_for_another_target_records_under_the_device_it_timed(tmp_path, monkeypatch):
+    # timings taken in the interpreter must never be filed under the GPU model the plan targets
+    from dnngraph.target import H200
+
+    monkeypatch.setenv("DNNGRAPH_CACHE_DIR", str(tmp_path))
+    g = dg.Graph()
+    a, b = g.tensor(name="a", dim=[20, 12]), g.tensor(name="b", dim=[12, 20])
+    g.matmul(a, b).set_output(True)
+    g.build(options=dg.BuildOptions(autotune=True, autotune_top=2, target=H200))
+    text = (tmp_path / "tuning.json").read_text()
+    assert "interpreter|" in text and "H200" not in text
+
+
+def test_graph_subclasses_serialize_and_differentiate_as_plain_graphs():
+    class Named(dg.Graph):
+        def __init__(self, label):
+            super().__init__(name=label)
+
+    g = Named("sub")
+    x = g.tensor(name="x", dim=[3, 4])
+    g.relu(x).set_output(True)
+    assert type(Named.from_json(g.to_json())) is dg.Graph
+    x_t = torch.randn(3, 4, requires_grad=True)
+    g.as_function()(x_t).sum().backward()
+    assert torch.equal(x_t.grad, (x_t > 0).float())

@@ -294,3 +294,12 @@ def test_the_small_gpus_configs_run_right():
     check(g, {"x": torch.randn(37, 33), "dy": torch.randn(37, 33), "s": torch.randn(1, 33), "m": torch.randn(37, 1),
               "i": torch.rand(37, 1) + 0.5}, tolerance=1e-4, options=_tiny())
     assert [launch.config_text.split()[0] for launch in g.plan.launches] == ["fused", "combine"]
+
+
+def test_a_conv_no_tile_fits_is_unsupported_not_a_raw_error():
+    tiny = dataclasses.replace(target_module.H100, shared_memory=1024)
+    g = dg.Graph()
+    x, w = g.tensor(name="x", dim=[1, 8, 10, 10]), g.tensor(name="w", dim=[16, 8, 3, 3])
+    g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1]).set_output(True)
+    with pytest.raises(dg.UnsupportedError, match="no tile fits"):
+        g.build(options=dg.BuildOptions(target=tiny))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
+from ..errors import UnsupportedError
 from ..target import Target
 from .matmul import MatmulConfig, MatmulProblem, MatmulSchedule, candidates as matmul_candidates, estimate
 
@@ -200,8 +201,12 @@ def schedule(problem: ConvProblem, target: Target, forced: Optional[MatmulConfig
     """The model's choice for `problem` on `target`, with the ranked list autotuning draws from;
     `forced` runs whatever the model says."""
     ranked = rank(problem, target)
+    if not ranked and forced is None:
+        raise UnsupportedError(f"convolution {problem.groups} group(s) x {problem.m}x{problem.n}x{problem.k}: no tile "
+                               f"fits the {target.shared_memory} bytes of shared memory and {target.registers} "
+                               f"registers of {target.name}")
     pose = "filter taps folded into K" if problem.folded else "one k run per filter tap"
-    best = ranked[0]
+    best = ranked[0] if ranked else forced
     flops = 2.0 * problem.groups * problem.m * problem.n * problem.k
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us (~{flops / max(best.estimate_us, 1e-3) / 1e6:.0f}"
               f" TFLOP/s) for {problem.groups} group(s) x {problem.m}x{problem.n}x{problem.k} implicit GEMM {problem.dot}"

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from ..ops.norm import geometry as norm_geometry
 from ..tensor import contiguous_strides
+from ..errors import UnsupportedError
 from ..target import Target
 from .layout import INT32_LIMIT, iteration_space, operand_strides
 from .pointwise import _pow2_at_least
@@ -351,6 +352,9 @@ def schedule(geo: RowGeometry, traits: RowTraits, bytes_main: int, bytes_rows: i
     if mode is not None and any(c.mode == mode for c in ranked):
         ranked, how = [c for c in ranked if c.mode == mode], f"{mode} (BuildOptions.row_mode)"
     if forced is not None:
+        if forced.mode == "split" and not traits.can_split:
+            raise UnsupportedError(f"BuildOptions.row_config forces a split row kernel on a recipe that cannot "
+                                   f"split its rows ({traits})")
         ranked.insert(0, replace(forced, estimate_us=0.0))
         how = "BuildOptions.row_config"
     best = ranked[0]

@@ -156,7 +156,8 @@ def build_launches(graph, groups, device: torch.device, options: BuildOptions, b
     `device`) under `options`, drawing optional scratch from `budget` (a WorkspaceBudget) in
     graph order."""
     target = _target_for(device, options)
-    tuner = Tuner(target, top=options.autotune_top) if options.autotune else None
+    # timings are recorded under the device they are taken on, whatever target the model plans for
+    tuner = Tuner(target_of(device), top=options.autotune_top) if options.autotune else None
     context = BuildContext(device, target, options, tuner, budget)
     launches = []
     for index, group in enumerate(groups):
