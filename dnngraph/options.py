@@ -106,8 +106,12 @@ class BuildOptions:
     def forced(self) -> dict:
         """The fields set away from their defaults (what explain() shows); the autotune count
         only where the build autotunes."""
-        default = BuildOptions() if self.autotune else BuildOptions(autotune_top=self.autotune_top)
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+        # the count as this build took it (the environment may have changed since)
+        default = BuildOptions(autotune_top=self.autotune_top)
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+        if self.autotune:
+            shown["autotune_top"] = self.autotune_top
+        return shown
 
 
 def _fail(name: str, expected: str, value):

@@ -238,3 +238,11 @@ def test_graph_subclasses_serialize_and_differentiate_as_plain_graphs():
     x_t = torch.randn(3, 4, requires_grad=True)
     g.as_function()(x_t).sum().backward()
     assert torch.equal(x_t.grad, (x_t > 0).float())
+
+
+def test_explain_shows_the_autotune_count_the_build_took(monkeypatch):
+    monkeypatch.setenv("DNNGRAPH_AUTOTUNE_TOP", "3")
+    options = dg.BuildOptions(autotune=True)
+    monkeypatch.setenv("DNNGRAPH_AUTOTUNE_TOP", "6")  # changed after the build: explain still says 3
+    assert options.forced() == {"autotune": True, "autotune_top": 3}
+    assert dg.BuildOptions(autotune_top=3).forced() == {}
