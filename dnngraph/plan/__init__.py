@@ -1,5 +1,6 @@
-"""The plan: the build passes (partition, then one builder per kernel family: pointwise.py,
-rows.py, pooling.py, matmul.py) and execute().
+"""The plan: the build passes (partition, then one builder per kernel family, KERNEL_BUILDERS:
+pointwise.py, rows.py, pooling.py, matmul.py, conv.py, depthwise.py, sdpa.py, attention.py,
+gather.py) and execute().
 
 Launches are bound at build (see launch.py); execute() checks bindings and runs them in order.
 A plan may be executed from many threads and streams at once: each (device, stream) gets its own
