@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from dnngraph import torch_backend
-from dnngraph.torch_backend.convert import CONVERTERS
+from dnngraph.torch_backend.convert import CONSTANTS, CONVERTERS
 
 aten = torch.ops.aten
 CASES_PER_OP = 24  # forms tried per op (an even spread of its variants where there are more)
@@ -205,6 +205,13 @@ def _embedding_gradient(args, kwargs):
     return _floats(*args[1].shape, 4, seed=6)
 
 
+# The options a constant op (arange, zeros, full_like, ...) takes besides its values.
+CONSTANT_FORMS = {"dtype": [None, torch.float32, torch.int64, torch.int32, torch.bool, torch.float16,
+                            torch.bfloat16, torch.float64],
+                  "layout": [None, torch.strided], "pin_memory": [None, False, True],
+                  "device": [None, "cpu"], "requires_grad": [None, False]}
+
+
 TABLE = {
     aten.mm.default: lambda: ([_floats(3, 5), _floats(5, 4, seed=1)], {}, {}),
     aten.bmm.default: lambda: ([_floats(2, 3, 5), _floats(2, 5, 4, seed=1)], {}, {}),
@@ -319,6 +326,35 @@ TABLE = {
         "self": [_floats(6, 5), _floats(5, 6).t(), _ids(9, 6, 5), _floats(6, 5).half()]}),
     aten.new_zeros.default: lambda: ([_floats(3, 5), [2, 3]], {}, {
         "size": [[2, 3], [4], [1, 1, 1], []], "self": [_floats(3, 5), _ids(9, 3, 5), _floats(3, 5).half()]}),
+    aten.new_ones.default: lambda: ([_floats(3, 5), [2, 3]], {}, {
+        "size": [[2, 3], [4], []], "self": [_floats(3, 5), _ids(9, 3, 5), torch.rand(3, 5) < 0.5],
+        "dtype": [None, torch.int32, torch.bool, torch.float16], "pin_memory": [None, True]}),
+    aten.new_full.default: lambda: ([_floats(3, 5), [2, 3], 1.5], {}, {
+        "size": [[2, 3], [4], []], "fill_value": [1.5, float("-inf"), float("nan"), 3, True],
+        "self": [_floats(3, 5), _ids(9, 3, 5), _floats(3, 5).half()]}),
+    **{op: (lambda: ([_floats(3, 5)], {}, {**CONSTANT_FORMS, "self": [
+        _floats(3, 5), _floats(5, 3).t(), _floats(1, 5).expand(3, 5), _ids(9, 3, 5), torch.rand(3, 5) < 0.5,
+        _floats(3, 5).half(), _floats(2, 3, 4, 5).to(memory_format=torch.channels_last)],
+        "memory_format": [None, torch.preserve_format, torch.contiguous_format, torch.channels_last]}))
+       for op in (aten.zeros_like.default, aten.ones_like.default)},
+    aten.full_like.default: lambda: ([_floats(3, 5), 2.5], {}, {
+        **CONSTANT_FORMS, "fill_value": [2.5, -7, float("-inf"), True],
+        "self": [_floats(3, 5), _floats(5, 3).t(), _ids(9, 3, 5), torch.rand(3, 5) < 0.5],
+        "memory_format": [None, torch.preserve_format]}),
+    **{op: (lambda: ([[2, 3]], {}, {**CONSTANT_FORMS, "size": [[2, 3], [7], [], [1, 1, 4], [0, 3]]}))
+       for op in (aten.zeros.default, aten.ones.default)},
+    aten.full.default: lambda: ([[2, 3], 1.5], {}, {
+        **CONSTANT_FORMS, "size": [[2, 3], [], [4, 1]], "fill_value": [1.5, -3, float("nan"), True]}),
+    aten.scalar_tensor.default: lambda: ([1.5], {}, {
+        **CONSTANT_FORMS, "s": [1.5, float("-inf"), -3, True, float("nan")]}),
+    aten.arange.default: lambda: ([5], {}, {**CONSTANT_FORMS, "end": [5, 7.5, 1, 0]}),
+    aten.arange.start: lambda: ([1, 6], {}, {**CONSTANT_FORMS, "start": [1, -2, 0.5], "end": [6, 3.5]}),
+    aten.arange.start_step: lambda: ([0, 5, 2], {}, {
+        **CONSTANT_FORMS, "start": [0, 4, -1.5], "end": [5, -3, 2.25], "step": [2, 0.25, -1, 3]}),
+    **{op: (lambda: ([torch.rand(3, 5) < 0.5, torch.rand(3, 5) < 0.3], {}, {
+        "self": [torch.rand(3, 5) < 0.5, torch.rand(5, 3).t() < 0.5, torch.rand(1, 5) < 0.5, _ids(9, 3, 5)],
+        "other": [torch.rand(3, 5) < 0.3, torch.rand(1, 5) < 0.3, torch.rand(3, 1) < 0.3, _ids(9, 3, 5)]}))
+       for op in (aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.bitwise_xor.Tensor)},
     aten.nll_loss_forward.default: lambda: _nll_loss_entry(backward=False),
     aten.nll_loss_backward.default: lambda: _nll_loss_entry(backward=True),
 }
@@ -554,6 +590,31 @@ def test_each_form_of_the_op_matches_eager_or_stays_in_torch(op):
 @pytest.mark.parametrize("op", [op for op in CONVERTERS if "_for_cpu" not in str(op)], ids=str)
 def test_each_form_of_the_op_matches_eager_or_stays_in_torch_on_the_gpu(op):
     _walk(op, "cuda")
+
+
+@pytest.mark.parametrize("op", CONSTANTS, ids=str)
+def test_each_form_of_a_constant_read_in_a_graph_matches_eager(op):
+    """Alone, a constant op stays in torch (no converted op reads it: a graph would only copy it
+    out); read by one (a clone here), it is a constant input of the graph: each form then as
+    eager makes it (type, dims, strides, values), or left to torch with a reason."""
+    failures, converted = [], 0
+    for args, kwargs, label in _cases(op):
+        try:
+            want = op(*args, **kwargs)
+            graph, tensors = _trace(lambda *a, **k: op(*a, **k).clone(), args, kwargs)
+        except Exception:  # noqa: BLE001  (a form torch refuses is no case)
+            continue
+        torch_backend.REPORTS.clear()
+        got = torch_backend._compile(graph, tensors)(list(tensors))
+        report = torch_backend.REPORTS[-1]
+        converted += report.dnngraph_ops > 0
+        broken = [why for _, why in report.torch_ops if why.startswith("converter error")]
+        if broken:
+            failures.append(f"{label}: {broken}")
+        elif not _matches(got, want, None) or got.stride() != want.stride():
+            failures.append(f"{label}: differs from eager (in dnngraph: {report.dnngraph_ops} op(s))")
+    assert not failures, f"{op}:\n" + "\n".join(failures)
+    assert converted, f"{op}: no form converted"
 
 
 def test_every_converter_is_walked():

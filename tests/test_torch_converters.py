@@ -384,3 +384,106 @@ def test_cpu_results_in_a_gpu_program_stay_in_torch():
     assert _off_the_program_device(scaled, scaled.meta["val"]) is None
     x.meta["val"] = scaled.meta["val"] = torch.empty(3)  # all on the CPU: a CPU program
     assert _off_the_program_device(bumped, bumped.meta["val"]) is None
+
+
+# --- constants, alias and bool masks: how transformers builds its attention masks ------------------
+CONSTANT_WORDS = ("arange", "scalar_tensor", "zeros", "ones", "full", "new_", "bitwise", "alias")
+
+
+def _causal_mask_attention(x, attention_mask):
+    """Attention over x with the causal-and-padding mask built as transformers builds it: arange
+    positions compared, a bool padding mask and-ed in, where() between 0 and the type's minimum."""
+    batch, length = attention_mask.shape
+    cache_position = torch.arange(length, device=x.device)
+    kv_index = torch.arange(length, device=x.device)
+    causal = kv_index[None, :] <= cache_position[:, None]
+    allowed = causal[None, :, :] & attention_mask.bool()[:, None, :]
+    allowed = allowed | torch.zeros_like(allowed)  # a no-op that still reads a *_like constant
+    bias = torch.where(allowed[:, None], torch.scalar_tensor(0.0, device=x.device),
+                       torch.scalar_tensor(torch.finfo(x.dtype).min, device=x.device))
+    scores = x @ x.transpose(-1, -2) * x.new_ones(()) + bias
+    return torch.softmax(scores, dim=-1) @ x
+
+
+def test_causal_mask_building_converts_and_matches_eager():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 6, 4)
+    attention_mask = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+    got = _compiled(_causal_mask_attention)(x, attention_mask)
+    torch.testing.assert_close(got, _causal_mask_attention(x, attention_mask), rtol=1e-5, atol=1e-6)
+    assert _left_to_torch(CONSTANT_WORDS) == [], _left_to_torch(CONSTANT_WORDS)
+    assert torch_backend.REPORTS[-1].torch_ops == ()
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.arange(5),
+    lambda x: torch.arange(0, 1, 0.125),
+    lambda x: torch.arange(2, 11, 3, dtype=torch.int32),
+    lambda x: torch.full((2, 3), 3),
+    lambda x: torch.full((2, 3), True),
+    lambda x: torch.zeros(4, dtype=torch.float16),
+    lambda x: torch.ones_like(x, dtype=torch.int64),
+    lambda x: torch.full_like(x.t(), -2.5),
+    lambda x: x.new_full((3,), 7),
+    lambda x: torch.scalar_tensor(2),
+], ids=["arange_int", "arange_float", "arange_int32", "full_int", "full_bool", "zeros_half", "ones_like_int",
+        "full_like_transposed", "new_full", "scalar_tensor"])
+def test_constants_have_torchs_type_layout_and_values(fn):
+    """Each constant as eager makes it (torch's dtype inference, the *_like layout), read in the
+    graph (a clone) and returned itself, as memory of its own per call: a caller writing into one
+    does not change the next call's."""
+    def read_and_returned(x):
+        made = fn(x)
+        return made, made.clone()
+
+    x = torch.randn(3, 5)
+    compiled = _compiled(read_and_returned)
+    got, want = compiled(x), read_and_returned(x)
+    for mine, theirs in zip(got, want):
+        assert mine.dtype == theirs.dtype and mine.shape == theirs.shape and mine.stride() == theirs.stride()
+        assert torch.equal(mine, theirs)
+    assert torch_backend.REPORTS[-1].torch_ops == ()
+    got[0].fill_(1)
+    again = compiled(x)
+    assert again[0].data_ptr() != got[0].data_ptr() and torch.equal(again[0], want[0])
+
+
+def test_a_constant_only_torch_reads_stays_in_torch():
+    """No graph reads it: torch makes it, as eager does (a graph would only copy it out)."""
+    def f(x, rows, cols):
+        return x[torch.arange(2), cols], x[rows, cols]  # indexing with two index tensors: torch's
+
+    x, rows, cols = torch.randn(5, 6), torch.tensor([0, 4]), torch.tensor([1, 5])
+    for mine, theirs in zip(_compiled(f)(x, rows, cols), f(x, rows, cols)):
+        assert torch.equal(mine, theirs)
+    (why,) = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "arange" in target]
+    assert "only torch reads" in why
+
+
+def test_a_constant_read_inside_the_graph_is_bound_not_computed():
+    """arange and full_like read by a pointwise op: one kernel, the constants bound as inputs."""
+    def f(x):
+        return x * torch.arange(5) + torch.full_like(x, 0.5)
+
+    x = torch.randn(3, 5)
+    got = _compiled(f)(x)
+    torch.testing.assert_close(got, f(x))
+    assert torch_backend.REPORTS[-1].torch_ops == ()
+    assert torch_backend.REPORTS[-1].kernels() == 1
+
+
+def test_bool_bitwise_ops_are_logical_ops_and_integer_ones_stay_in_torch():
+    def bools(a, b):
+        return a & b, a | b, a ^ b
+
+    def integers(a, b):
+        return a & b
+
+    a, b = torch.rand(4, 5) < 0.5, torch.rand(1, 5) < 0.5
+    for mine, theirs in zip(_compiled(bools)(a, b), bools(a, b)):
+        assert mine.dtype == torch.bool and torch.equal(mine, theirs)
+    assert torch_backend.REPORTS[-1].torch_ops == ()
+    i, j = torch.randint(0, 16, (4, 5)), torch.randint(0, 16, (4, 5))
+    assert torch.equal(_compiled(integers)(i, j), integers(i, j))
+    (why,) = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "bitwise" in target]
+    assert "bitwise integer" in why

@@ -7,7 +7,9 @@ new shape is a new compile, torch's guards decide), and runs through `Graph.as_f
 other ops run in torch. A returned value that is a view (transpose, view, ...) of an argument or
 of a value the graph makes is made in torch as that view, as eager torch does, not copied into
 an output of its own (AOTAutograd saves transposed weights and reshaped activations for the
-backward). A 0-d tensor (a loss, a step counter) is held as [1]: bound as a view of the
+backward). An op whose value depends only on its static arguments (arange, zeros, full_like,
+...) is a constant input: made in torch on the first call, kept, bound at each call. A 0-d
+tensor (a loss, a step counter) is held as [1]: bound as a view of the
 argument, returned as a 0-d view of the output. DNNGRAPH_LOG=info shows the partition and why an
 op stayed in torch; `explain()` the same for the graphs compiled so far.
 
@@ -42,7 +44,7 @@ from ..graph import Graph
 from ..log import logger
 from ..options import BuildOptions
 from ..tensor import Tensor
-from .convert import TENSOR_TYPES, VIEW_OPS, Aux, convert, graph_input, read_as_value, unsupported
+from .convert import TENSOR_TYPES, VIEW_OPS, Aux, ConstantSpec, convert, graph_input, read_as_value, unsupported
 
 __all__ = ["backend", "explain", "REPORTS", "CompileReport"]
 
@@ -124,10 +126,18 @@ def _aux_value(meta, device):
 class _Values:
     """What converters read: `value(arg)` is an FX argument's dnngraph tensor (other arguments
     as they are); `value.true(dims)` an all-true broadcast input made for `expand`;
-    `value.seed()` an int64 seed input drawn per call (dropout)."""
+    `value.seed()` an int64 seed input drawn per call (dropout); `value.constant(node)` an input
+    bound to a constant op's value (made once, see ConstantSpec)."""
 
     def __init__(self, values: dict, graph, trues: list):
         self.values, self.graph, self.trues, self.true_inputs, self.seeds = values, graph, trues, [], []
+        self.constants, self.constant_inputs = [], []
+
+    def constant(self, node):
+        tensor = graph_input(self.graph, f"constant{len(self.constants)}", node.meta["val"])
+        self.constants.append(ConstantSpec(node))
+        self.constant_inputs.append(tensor)
+        return tensor
 
     def __call__(self, arg):
         return self.values.get(arg, arg) if isinstance(arg, torch.fx.Node) else arg
@@ -191,8 +201,10 @@ class DnngraphModule(torch.nn.Module):
                 values[node] = convert(g, node, value)
             elif node.op == "output":
                 returned = node.args[0]
-        inputs += value.true_inputs + value.seeds
+        inputs += value.true_inputs + value.constant_inputs + value.seeds
         self.seeds = len(value.seeds)
+        self.constant_specs = value.constants  # made on the first call (on the result's device), then kept
+        self.constants: Optional[tuple] = None
         self.single = not isinstance(returned, (tuple, list))
         returned = [returned] if self.single else list(returned)
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -255,6 +267,10 @@ class DnngraphModule(torch.nn.Module):
         args = tuple(_scalar_on(arg, device) if arg.dim() == 0 else arg for arg, taken in zip(args, self.taken) if taken)
         if self.trues:
             args = args + tuple(torch.ones((), dtype=torch.bool, device=device).expand(dims) for dims in self.trues)
+        if self.constant_specs:
+            if self.constants is None:
+                self.constants = tuple(spec.make() for spec in self.constant_specs)
+            args = args + self.constants
         if self.seeds:  # from torch's generator of the device: torch.manual_seed makes runs repeat
             args = args + tuple(torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
                                 for _ in range(self.seeds))

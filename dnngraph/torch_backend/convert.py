@@ -5,7 +5,8 @@ node argument (or the argument itself: numbers, lists), and returns the dnngraph
 node's result (a tuple for ops with several results, None where one is not computed).
 `value.true(dims)` is an all-true bool input of `dims` (broadcast: one element in memory) that
 the caller binds, for `expand`; `value.seed()` an int64 seed input the caller draws from torch's
-generator at every call, for dropout. `unsupported(node)` says why a node stays in torch (None: it
+generator at every call, for dropout; `value.constant(node)` a graph input the caller binds to the
+value of a constant op (CONSTANTS: arange, zeros, ...), made once in torch. `unsupported(node)` says why a node stays in torch (None: it
 converts): the form checks below, then the converter itself run on the node alone in a scratch
 graph (`_trial`), so the partitioner never claims a node its converter cannot make (one predicate:
 what converts is what is supported), and `convert` checks that what a converter made has torch's
@@ -602,7 +603,8 @@ CONVERTERS: dict[object, Callable] = {
 PRODUCTS = (aten.mm.default, aten.bmm.default, aten.addmm.default, aten.convolution.default,
             aten.convolution_backward.default)
 # Results of the sdpa forms that are Aux (random state, bookkeeping) and operands their
-# backward converters do not read.
+# backward converters do not read (and, added below, the tensor a *_like / new_* constant is
+# shaped like).
 AUX_RESULTS = {aten._scaled_dot_product_flash_attention.default: range(2, 9),
                aten._native_batch_norm_legit_no_training.default: range(1, 3)}
 AUX_OPERANDS = {aten._scaled_dot_product_flash_attention_backward.default: range(6, 14),
@@ -851,10 +853,6 @@ def _embedding_backward(g, node, value):
     return g.scatter_add(src, flat, 0, rows)
 
 
-def _new_zeros(g, node, value):
-    return g.cast(g.where(value.true(_shape(node)), 0, 0), data_type=dtypes.from_torch(_result(node).dtype))
-
-
 def _scatter_add(g, node, value):
     """aten.scatter_add(base, dim, index, src): src's part the index covers, added into base."""
     base, index, src = value(node.args[0]), value(node.args[2]), value(node.args[3])
@@ -1010,7 +1008,7 @@ CONVERTERS.update(HARD_ACTIVATIONS)
 CONVERTERS.update({**{target: _avg_pool for target in AVG_POOL},
                    **{target: _avg_pool_backward for target in AVG_POOL_BACKWARD},
                    aten.constant_pad_nd.default: _constant_pad_nd, **GATHERS, **SCATTERS,
-                   aten.new_zeros.default: _new_zeros, **NLL_LOSS})
+                   **NLL_LOSS})
 REFUSALS: dict[object, Callable] = {
     **{target: _floating_operands for target in HARD_ACTIVATIONS},
     aten.hardtanh.default: _hardtanh_refused, aten.hardtanh_backward.default: _hardtanh_refused,
@@ -1020,6 +1018,114 @@ REFUSALS: dict[object, Callable] = {
     **{target: _scatter_refused for target in SCATTERS},
     **{target: _nll_loss_refused for target in NLL_LOSS},
 }
+
+
+# --- constants, alias, logical ops of bool masks (transformers' mask and position building) ------
+# An op whose value depends only on its static arguments (arange, scalar_tensor, zeros/ones/full
+# and their *_like / new_* forms, which read their tensor argument's dims, type and device, never
+# its values) is a constant: the module computes it once in torch, on the first call (on the
+# device of the result), and binds it as a graph input at every call (`value.constant(node)`), so
+# no op runs for it per call and its readers fuse it. One no converted op reads stays in torch;
+# one the graph also returns is copied by the graph (a returned value is memory of its own each
+# call: a caller may write into it).
+CONSTANTS = (aten.arange.default, aten.arange.start, aten.arange.start_step, aten.scalar_tensor.default,
+             aten.zeros.default, aten.ones.default, aten.full.default,
+             aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+             aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
+# the constant ops whose first argument is a tensor read for its dims, type and device alone
+_SHAPED_LIKE = (aten.zeros_like.default, aten.ones_like.default, aten.full_like.default,
+                aten.new_zeros.default, aten.new_ones.default, aten.new_full.default)
+
+
+class _Like:
+    """A tensor argument of a constant op, or its result: the dims, strides, type and device of
+    an FX value (no values: the op reads none), made as an empty tensor."""
+
+    def __init__(self, meta):
+        self.shape, self.stride = tuple(int(d) for d in meta.shape), tuple(int(s) for s in meta.stride())
+        self.dtype, self.device = meta.dtype, meta.device
+
+    def make(self):
+        return torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)
+
+
+class ConstantSpec:
+    """How a constant op's value is made: the aten op itself, run by torch on its static
+    arguments (torch's own dtype inference, its arange rounding), copied into the dims, strides and
+    type of the traced result; a 0-d value as [1] (as the graph holds it)."""
+
+    def __init__(self, node):
+        self.target = node.target
+        self.args, self.kwargs = pytree.tree_map_only(torch.fx.Node, lambda arg: _Like(arg.meta["val"]),
+                                                      (tuple(node.args), dict(node.kwargs)))
+        self.result = _Like(_result(node))
+
+    def make(self) -> torch.Tensor:
+        args, kwargs = pytree.tree_map_only(_Like, _Like.make, (self.args, self.kwargs))
+        with torch.no_grad():
+            made = self.target(*args, **kwargs)
+            value = self.result.make()
+            value.copy_(made)
+        return value.view(1) if value.dim() == 0 else value
+
+
+def _constant(g, node, value):
+    return value.constant(node)
+
+
+def _constant_refused(node) -> Optional[str]:
+    """Dense strided constants alone (a pinned or sparse one is torch's to make)."""
+    layout = node.kwargs.get("layout")
+    if layout not in (None, torch.strided):
+        return f"a constant of layout {layout}"
+    if node.kwargs.get("pin_memory"):
+        return "a constant in pinned memory"
+    if not _read_in_dnngraph(node):
+        return "a constant only torch reads (made there, as eager makes it: a graph would copy it)"
+    return None
+
+
+def _read_in_dnngraph(node) -> bool:
+    """Does an op that converts read `node`'s value (itself, or through views that convert)? A
+    value only torch reads is better made by torch than bound and copied into a graph output."""
+    for user in node.users:
+        if user.op != "call_function":
+            continue
+        if user.target in VIEW_OPS and user.args[0] is node:
+            if unsupported(user) is None and _read_in_dnngraph(user):
+                return True
+        elif unsupported(user) is None:
+            return True
+    return False
+
+
+def _alias(g, node, value):
+    """alias is a view in torch (the same memory): its value is the argument's, with no kernel."""
+    return value(node.args[0])
+
+
+# bitwise ops of bool tensors are logical ops; of integers they stay in torch (dnngraph has no
+# bitwise integer ops)
+LOGICAL = {aten.bitwise_and.Tensor: "logical_and", aten.bitwise_or.Tensor: "logical_or",
+           aten.bitwise_xor.Tensor: "cmp_ne"}
+
+
+def _logical(g, node, value):
+    return getattr(g, LOGICAL[node.target])(value(node.args[0]), value(node.args[1]))
+
+
+def _logical_refused(node) -> Optional[str]:
+    operands = node.args[:2]
+    if not all(isinstance(a, torch.fx.Node) and a.meta["val"].dtype == torch.bool for a in operands):
+        return f"{node.target} of other than two bool tensors (dnngraph has no bitwise integer ops)"
+    return None
+
+
+CONVERTERS.update({**{target: _constant for target in CONSTANTS}, aten.alias.default: _alias,
+                   **{target: _logical for target in LOGICAL}})
+REFUSALS.update({**{target: _constant_refused for target in CONSTANTS},
+                 **{target: _logical_refused for target in LOGICAL}})
+AUX_OPERANDS.update({target: range(0, 1) for target in _SHAPED_LIKE})
 
 def _tensor_ok(meta) -> Optional[str]:
     if not isinstance(meta, torch.Tensor):
@@ -1109,6 +1215,9 @@ class _TrialValues:
 
     def seed(self):
         return self.graph.tensor(dim=[1], data_type=dtypes.int64)
+
+    def constant(self, node):
+        return graph_input(self.graph, f"constant{len(self.made)}", _result(node))
 
 
 def _trial(node) -> Optional[str]:
