@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from .emitter import kind_of
 from .pointwise import header
-from .sdpa import LOG2E, AttentionSpec, ScoreModifier, _arguments, _BackwardWriter, render
+from .sdpa import LOG2E, AttentionSpec, BackwardWriter, ScoreModifier, attention_arguments, render
 
 __all__ = ["render_lse", "render_chain_backward", "ScoreModifier"]
 
 
-class _ChainWriter(_BackwardWriter):
+class _ChainWriter(BackwardWriter):
     def __init__(self, spec: AttentionSpec, compute_type: str, roles):
         made = (roles.softmax.outputs[0].uid, roles.multiply.outputs[0].uid) if roles.multiply is not None \
             else (roles.softmax.outputs[0].uid,)
@@ -89,7 +89,7 @@ def render_chain_backward(kernel_name: str, which: str, spec: AttentionSpec, rol
     the roles `roles` (fusion/attention.py) under `spec`."""
     writer = _ChainWriter(spec, compute_type, roles)
     (writer.dkdv_kernel if which == "dkdv" else writer.dq_kernel)()
-    args = _arguments(spec, dict(writer.sides), writer.emitter.scalars)
+    args = attention_arguments(spec, dict(writer.sides), writer.emitter.scalars)
     return _source(kernel_name, description, writer, args), args
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional
 
-from ..heuristics.pointwise import _pow2_at_least
+from ..heuristics.pointwise import pow2_at_least
 from .conv import FilterShape
 from .emitter import ExpressionEmitter, kind_of
 from .grid import FOLDED_PID, folded_program_ids
@@ -456,7 +456,7 @@ def _gather_constexprs(w: _Writer) -> list:
     result = w.geometry_constexprs() + [KernelArgument("constexpr", "BLOCK_R", cfg.block_rows),
                                         KernelArgument("constexpr", "BLOCK_C", cfg.block_cols)]
     if _gathers_filter_rows(w):  # the filter row of every channel, a power of two
-        result.append(KernelArgument("constexpr", "CHANNELS", _pow2_at_least(w.spec.out_dims[1])))
+        result.append(KernelArgument("constexpr", "CHANNELS", pow2_at_least(w.spec.out_dims[1])))
     return result
 
 

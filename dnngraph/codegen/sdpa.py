@@ -463,7 +463,7 @@ def render(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: li
     else:
         writer.normalize()
         extra.update(writer.finish(group, o_uid, outputs))
-    args = _arguments(spec, extra, writer.emitter.scalars)
+    args = attention_arguments(spec, extra, writer.emitter.scalars)
     params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
     source = header(description)
     if writer.emitter.globals:
@@ -507,7 +507,7 @@ def output_strides(tensor, rank: int = 4) -> tuple:
     return tuple(0 if d == 1 else s for d, s in zip(dims, strides))
 
 
-def _arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
+def attention_arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
     """Pointers, then sizes, strides per tensor, then the CAPITAL constexprs."""
     stems = [s for s in STRIDE_STEMS if s in spec.uids]
     args = [KernelArgument("tensor", f"{s}_ptr", spec.uids[s]) for s in stems]
@@ -539,7 +539,7 @@ def _arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
 # dV per key block, walking the query blocks that see it for every query head of its group (GQA
 # sums in registers); dQ per query block, walking its key blocks as the forward does. Scores are
 # recomputed in base 2 against the stored log-sum-exp; dS = P * (dP - delta).
-class _BackwardWriter(_Writer):
+class BackwardWriter(_Writer):
     def stored_as(self, stem: str, value: str) -> str:
         """`value` converted for the store to gradient `stem`'s data type (conversions.py)."""
         return converted_to(value, "f", self.spec.stored_types[stem])
@@ -842,16 +842,16 @@ class _BackwardWriter(_Writer):
         w("tl.store(delta_ptr + delta_base + rows * delta_s2, delta_row, mask=rows < SQ)")
 
 
-BACKWARD_KERNELS = {"delta": _BackwardWriter.delta_kernel, "dkdv": _BackwardWriter.dkdv_kernel,
-                    "dq": _BackwardWriter.dq_kernel, "dbias": _BackwardWriter.dbias_kernel}
+BACKWARD_KERNELS = {"delta": BackwardWriter.delta_kernel, "dkdv": BackwardWriter.dkdv_kernel,
+                    "dq": BackwardWriter.dq_kernel, "dbias": BackwardWriter.dbias_kernel}
 
 
 def render_backward(kernel_name: str, which: str, spec: AttentionSpec, compute_type: str, description: str):
     """(source, arguments) of one of the backward kernels ("delta", "dkdv", "dq", "dbias") under
     `spec`."""
-    writer = _BackwardWriter(spec, compute_type)
+    writer = BackwardWriter(spec, compute_type)
     BACKWARD_KERNELS[which](writer)
-    args = _arguments(spec, {}, [])
+    args = attention_arguments(spec, {}, [])
     params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
     source = header(description) + "\n\n@triton.jit\ndef " + kernel_name + "(\n"
     source += "".join(f"    {p},\n" for p in params) + "):\n"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 from ..target import Target
-from .pointwise import _pow2_at_least
+from .pointwise import pow2_at_least
 from .tuning_cache import record_choice, record_field, record_int
 
 # Filters per channel the direct kernels take. Depthwise layers in use have 1 (MobileNet,
@@ -220,9 +220,9 @@ def _layouts(problem: GatherProblem) -> list:
 def gather_candidates(problem: GatherProblem) -> list[DepthwiseConfig]:
     found = {}
     for merge, rows, cols in _layouts(problem):
-        cap = min(_pow2_at_least(cols), MAX_BLOCK_COLS if not merge else MAX_MERGED_COLS)
+        cap = min(pow2_at_least(cols), MAX_BLOCK_COLS if not merge else MAX_MERGED_COLS)
         widths = sorted({cap} | {w for w in (8, 16, 32, 64, 128, 256, 512) if MIN_BLOCK_COLS <= w <= cap})
-        rows_cap = _pow2_at_least(rows)
+        rows_cap = pow2_at_least(rows)
         for block_cols in widths:
             for tile in GATHER_TILE_ELEMENTS:
                 block_rows = max(1, min(rows_cap, tile // block_cols))
@@ -263,9 +263,9 @@ def wgrad_splits(problem: WgradProblem, block_pixels: int, block_taps: int, bloc
 
 
 def wgrad_candidates(problem: WgradProblem, target: Target) -> list[DepthwiseConfig]:
-    channel_cap = min(_pow2_at_least(problem.channels), MAX_BLOCK_COLS)
+    channel_cap = min(pow2_at_least(problem.channels), MAX_BLOCK_COLS)
     widths = sorted({channel_cap} | {w for w in (8, 16, 32, 64) if w <= channel_cap})
-    tap_cap = _pow2_at_least(problem.taps)
+    tap_cap = pow2_at_least(problem.taps)
     found = {}
     for block_cols in widths:
         for block_taps in (t for t in WGRAD_BLOCK_TAPS if t <= tap_cap):

@@ -29,7 +29,7 @@ class PointwiseConfig:
     estimate_us: float  # model time
 
 
-def _pow2_at_least(value: int) -> int:
+def pow2_at_least(value: int) -> int:
     result = 1
     while result < value:
         result *= 2
@@ -38,8 +38,8 @@ def _pow2_at_least(value: int) -> int:
 
 def candidates(space: IterationSpace) -> list[tuple[int, int, int]]:
     """(block_rows, block_cols, num_warps) triples worth ranking for this space."""
-    cols_cap = min(_pow2_at_least(space.cols), MAX_BLOCK_COLS)
-    rows_cap = min(_pow2_at_least(space.rows), MAX_BLOCK_ROWS)
+    cols_cap = min(pow2_at_least(space.cols), MAX_BLOCK_COLS)
+    rows_cap = min(pow2_at_least(space.rows), MAX_BLOCK_ROWS)
     result = set()
     for tile in TILE_ELEMENTS:
         block_cols = min(cols_cap, tile)

@@ -11,7 +11,7 @@ from typing import Optional
 
 from ..target import Target
 from .layout import INT32_LIMIT
-from .pointwise import _pow2_at_least
+from .pointwise import pow2_at_least
 
 # Columns per tile: 128 bf16 channels are 256 bytes, two 16-byte vectors per row segment.
 # Wider rows buy nothing once a row segment is a few full cache lines.
@@ -103,8 +103,8 @@ def candidates(rows: int, cols: int, elements_per_thread: int = ELEMENTS_PER_THR
     """(block_rows, block_cols, num_warps) triples worth ranking for a rows x cols tile space;
     tiles that would put more than `elements_per_thread` values of one load on a thread of
     MAX_WARPS warps are left out (the smallest tile always stays)."""
-    block_cols = min(_pow2_at_least(cols), MAX_BLOCK_COLS)
-    rows_cap = _pow2_at_least(rows)
+    block_cols = min(pow2_at_least(cols), MAX_BLOCK_COLS)
+    rows_cap = pow2_at_least(rows)
     result = set()
     for tile in TILE_ELEMENTS:
         block_rows = max(1, min(rows_cap, tile // block_cols))

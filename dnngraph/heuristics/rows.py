@@ -18,7 +18,7 @@ from ..tensor import contiguous_strides
 from ..errors import UnsupportedError
 from ..target import Target
 from .layout import INT32_LIMIT, iteration_space, operand_strides
-from .pointwise import _pow2_at_least
+from .pointwise import pow2_at_least
 from .tuning_cache import WARPS, record_choice, record_field, record_int
 
 # fp32 values a program holds per live tile in one-pass mode: 16384 at 16 warps is 32 registers
@@ -197,7 +197,7 @@ LIGHT_VALUES_PER_THREAD = 8
 
 
 def _warps(elements: int, values_per_thread: int = LIGHT_VALUES_PER_THREAD) -> int:
-    return max(1, min(MAX_WARPS, _pow2_at_least(elements // (32 * values_per_thread) or 1)))
+    return max(1, min(MAX_WARPS, pow2_at_least(elements // (32 * values_per_thread) or 1)))
 
 
 def _values_per_thread(geo: RowGeometry, traits: RowTraits, mode: str) -> int:
@@ -216,8 +216,8 @@ def candidates(geo: RowGeometry, traits: RowTraits, target: Target, loop_tile: i
     """(mode, block_k, block_r, splits) tuples worth ranking on `target`, the looped and split
     tiles of `loop_tile` values, splits from `split_min_reduced` reduced values on."""
     rows, reduced = geo.rows, geo.reduced
-    r_pow2 = _pow2_at_least(reduced)
-    k_pow2 = _pow2_at_least(rows)
+    r_pow2 = pow2_at_least(reduced)
+    k_pow2 = pow2_at_least(rows)
     result = []
     one_pass_budget = ONE_PASS_MAX // max(1, traits.live_tiles // 2)
     if geo.r_contiguous:
@@ -255,7 +255,7 @@ def column_splits(geo: RowGeometry, target: Target, tile_inputs: int = 1, loop_t
     chunk empty."""
     found = []
     per_sm = COLUMN_PROGRAMS_PER_SM[min(max(tile_inputs, 1), len(COLUMN_PROGRAMS_PER_SM)) - 1]
-    k_pow2, r_pow2 = _pow2_at_least(geo.rows), _pow2_at_least(geo.reduced)
+    k_pow2, r_pow2 = pow2_at_least(geo.rows), pow2_at_least(geo.reduced)
     for tile_k, tile_r in COLUMN_TILES:
         block_k = min(tile_k, k_pow2)
         block_r = max(1, min(r_pow2, min(tile_k * tile_r, loop_tile) // block_k))
@@ -282,7 +282,7 @@ def _column_rank(geo: RowGeometry, mode, block_k, block_r) -> int:
     if mode != "split" or geo.r_contiguous:
         return 0
     for index, (tile_k, tile_r) in enumerate(COLUMN_TILES):
-        if block_k * block_r == tile_k * tile_r and block_k == min(tile_k, _pow2_at_least(geo.rows)):
+        if block_k * block_r == tile_k * tile_r and block_k == min(tile_k, pow2_at_least(geo.rows)):
             return index
     return len(COLUMN_TILES)
 
@@ -290,8 +290,8 @@ def _column_rank(geo: RowGeometry, mode, block_k, block_r) -> int:
 def combine_blocks(rows: int, splits: int, values: int = COMBINE_VALUES) -> tuple:
     """(BLOCK_K, SPLIT_TILE) of the split combine kernel: few rows per program, as many splits
     per trip as `values` partials allow."""
-    block_k = min(COMBINE_BLOCK_K, _pow2_at_least(rows))
-    return block_k, min(_pow2_at_least(splits), max(1, values // block_k))
+    block_k = min(COMBINE_BLOCK_K, pow2_at_least(rows))
+    return block_k, min(pow2_at_least(splits), max(1, values // block_k))
 
 
 def estimate(geo: RowGeometry, traits: RowTraits, mode, block_k, block_r, splits,
@@ -398,11 +398,11 @@ def fused_norm_backward(geo: RowGeometry, accumulators: int, bytes_main: int, ta
     `max_reduced` (what a program holds)."""
     if not FUSE_NORM_BACKWARD:
         return None
-    block_r = _pow2_at_least(geo.reduced)
+    block_r = pow2_at_least(geo.reduced)
     # one column is vectorized along K as well: the tile loads walk rows, still coalesced
     if not (geo.r_contiguous or geo.reduced == 1) or block_r > max_reduced:
         return None
-    block_k = max(1, min(_pow2_at_least(geo.rows), FUSED_TILE // block_r))
+    block_k = max(1, min(pow2_at_least(geo.rows), FUSED_TILE // block_r))
     blocks = -(-geo.rows // block_k)
     wanted = min(target.sms * FUSED_PROGRAMS_PER_SM, -(-geo.rows // FUSED_MIN_ROWS_PER_PROGRAM))
     programs = programs or max(target.sms, wanted)

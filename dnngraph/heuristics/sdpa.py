@@ -14,7 +14,7 @@ from typing import Optional
 
 from ..errors import UnsupportedError
 from ..target import CUDA_GRID_LIMITS, Target, laid_out
-from .pointwise import _pow2_at_least
+from .pointwise import pow2_at_least
 
 # (head dim at most, BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on a GPU, first
 # for unmasked attention, then for masked (causal, bands). Chosen on the H100 (.dbg sweeps, bf16 /
@@ -147,12 +147,12 @@ def _table_entry(problem: AttentionProblem, target: Target) -> AttentionConfig:
 def _decode_schedule(problem: AttentionProblem, target: Target, budget_bytes,
                      forced: ForcedAttention) -> AttentionSchedule:
     group = problem.heads // problem.kv_heads
-    block_m = max(MIN_BLOCK_M, _pow2_at_least(group * problem.s_q))
+    block_m = max(MIN_BLOCK_M, pow2_at_least(group * problem.s_q))
     width = max(problem.head_dim, problem.value_dim)
     block_n, warps, stages = DECODE_TILE[128 if width <= 128 else 256]
     if target.interpreted:
         block_n, warps, stages = INTERPRETER_TILE[1:]
-    block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
+    block_d, block_dv = (max(16, pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
     programs = problem.batch * problem.kv_heads
     blocks = -(-problem.s_kv // block_n)
     splits = -(-DECODE_PROGRAMS_PER_SM * target.sms // programs)
@@ -248,10 +248,10 @@ def schedule(problem: AttentionProblem, target: Target, budget_bytes=None,
         return _decode_schedule(problem, target, budget_bytes, forced)
     config = forced.forward or _table_entry(problem, target)
     # short query sequences: no wider tile than the rows (16 at least, for tl.dot)
-    block_m = min(config.block_m, max(MIN_BLOCK_M, _pow2_at_least(problem.s_q)))
+    block_m = min(config.block_m, max(MIN_BLOCK_M, pow2_at_least(problem.s_q)))
     if block_m != config.block_m:
         config = AttentionConfig(block_m, config.block_n, config.num_warps, config.num_stages)
-    block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
+    block_d, block_dv = (max(16, pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
     if forced.forward is None and not target.interpreted:
         config = _fit_shared_memory(config, problem, block_d, block_dv, target)
     tiles, heads = -(-problem.s_q // config.block_m), problem.batch * problem.heads
@@ -365,7 +365,7 @@ def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tupl
     walks query and key blocks as the dQ kernel does, when `bias_dims` are given); `forced`
     what the build forces."""
     check_head_dims(problem, target)
-    block_d, block_dv = (max(16, _pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
+    block_d, block_dv = (max(16, pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
     if target.interpreted:
         tile = AttentionConfig(*INTERPRETER_TILE)
         configs = {"dkdv": tile, "dq": tile}

@@ -10,7 +10,7 @@ from ..codegen.sdpa import AttentionSpec, output_strides
 from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import AttentionProblem, chain_backward_schedule, chain_schedule
 from .launch import KernelLaunch, element_span, kernel_name, scratch
-from .sdpa import _as_bhsd, dot_precision
+from .sdpa import as_bhsd, dot_precision
 
 
 def _swapped(strides: tuple) -> tuple:
@@ -21,14 +21,14 @@ def _swapped(strides: tuple) -> tuple:
 def _operands(roles, rank: int) -> tuple:
     """(tensors, strides) by kernel stem, in the kernels' [B, H, rows, cols] orientation."""
     tensors = {"q": roles.q, "k": roles.kt, "do": roles.d_o}
-    strides = {"q": _as_bhsd(roles.q, rank)[1], "k": _swapped(_as_bhsd(roles.kt, rank)[1]),
-               "do": _as_bhsd(roles.d_o, rank)[1]}
+    strides = {"q": as_bhsd(roles.q, rank)[1], "k": _swapped(as_bhsd(roles.kt, rank)[1]),
+               "do": as_bhsd(roles.d_o, rank)[1]}
     if roles.vt is not None:
-        tensors["v"], strides["v"] = roles.vt, _swapped(_as_bhsd(roles.vt, rank)[1])
+        tensors["v"], strides["v"] = roles.vt, _swapped(as_bhsd(roles.vt, rank)[1])
     if roles.delta is not None:
         tensors["delta"], strides["delta"] = roles.delta, output_strides(roles.delta)
     for stem, tensor in roles.products().items():
-        made = _as_bhsd(tensor, rank)[1]
+        made = as_bhsd(tensor, rank)[1]
         tensors[stem], strides[stem] = tensor, _swapped(made) if stem == "dk" and roles.dk_transposed else made
     if roles.dropout is not None:
         for stem, tensor in zip(("seedt", "offt"), roles.dropout.inputs[1:]):
@@ -41,7 +41,7 @@ def build_attention_backward(graph, group, index, context) -> list:
     """The kernels of an attention_backward group, for the context's target."""
     roles = group.roles
     rank = len(roles.q.dim)
-    (batch, heads, s_q, s_kv), _ = _as_bhsd(roles.scores.outputs[0], rank)
+    (batch, heads, s_q, s_kv), _ = as_bhsd(roles.scores.outputs[0], rank)
     head_dim, value_dim = roles.q.dim[-1], roles.d_o.dim[-1]
     tensors, strides = _operands(roles, rank)
     target, forced = context.target, context.attention

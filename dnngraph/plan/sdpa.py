@@ -210,7 +210,7 @@ def _build_backward(graph, group, index, context) -> list:
     return launches
 
 
-def _as_bhsd(tensor, rank: int) -> tuple:
+def as_bhsd(tensor, rank: int) -> tuple:
     """(dims, strides) of a rank-3 or rank-4 operand as [B, H, rows, cols], 0 on broadcast axes."""
     pad = 4 - rank
     dims = (1,) * pad + tuple(tensor.dim)
@@ -224,10 +224,10 @@ def build_attention(graph, group, index, context):
     first, second = group.nodes[0], group.nodes[-1]
     q, kt, v, o = first.inputs[0], first.inputs[1], second.inputs[1], second.outputs[0]
     rank = len(q.dim)
-    (qb, qh, s_q, d), q_strides = _as_bhsd(q, rank)
-    (kb, kh, _, s_kv), kt_strides = _as_bhsd(kt, rank)
-    (vb, vh, _, dv), v_strides = _as_bhsd(v, rank)
-    (ob, oh, _, _), o_strides = _as_bhsd(o, rank)
+    (qb, qh, s_q, d), q_strides = as_bhsd(q, rank)
+    (kb, kh, _, s_kv), kt_strides = as_bhsd(kt, rank)
+    (vb, vh, _, dv), v_strides = as_bhsd(v, rank)
+    (ob, oh, _, _), o_strides = as_bhsd(o, rank)
     modifier = ScoreModifier(first.outputs[0].uid, score_ops(group.nodes))
     dropout = chain_dropout(group.nodes)
     side_bytes = sum(t.data_type.torch_dtype.itemsize for t in modifier.sides)
