@@ -68,7 +68,8 @@ COUNTER_OPS = frozenset({"dropout"})
 # The score ops (with tanh for a soft cap, tanh(s / c) * c) are rendered as the kernel's score
 # modifier; their other operands (masks, biases, position terms) are read per key block.
 ATTENTION_SCORE_OPS = frozenset({"mul", "scale", "div", "add", "sub", "where", "maximum", "minimum", "tanh"})
-ATTENTION_TYPES = frozenset({"float16", "bfloat16", "float32"})
+# A tuple, not a set: its order is the order error messages list the types in.
+ATTENTION_TYPES = ("float16", "bfloat16", "float32")
 
 
 def attention_chain_fits(chain) -> bool:

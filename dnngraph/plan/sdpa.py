@@ -13,13 +13,11 @@ import math
 from ..codegen.cache import load_kernel
 from ..codegen.sdpa import AttentionSpec, ScoreModifier, output_strides, render, render_backward, render_combine
 from ..errors import UnsupportedError
-from ..fusion.patterns import chain_dropout, score_ops
+from ..fusion.patterns import ATTENTION_TYPES, chain_dropout, score_ops
 from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import COMBINE_ROWS, AttentionProblem, backward_schedule, chain_schedule, schedule
 from ..ops.sdpa import AttentionMask, kv_length
 from .launch import KernelLaunch, element_span, kernel_name, scratch
-
-ATTENTION_TYPES = ("float16", "bfloat16", "float32")
 
 
 def _check_types(node):
