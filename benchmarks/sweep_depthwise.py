@@ -89,7 +89,7 @@ WGRAD_GRID = [(32, 16, 16), (16, 16, 32), (32, 8, 32), (64, 8, 16), (16, 8, 64),
 def ranked(layer, op, tensors):
     g, _, _ = graph_of(layer, op, tensors)
     g.build()
-    build = DepthwiseBuild(g, g.plan.groups[0], 0, target_of(tensors["x"].device))
+    build = DepthwiseBuild(g, g.plan.groups[0], target_of(tensors["x"].device))
     return list(heuristics.schedule(build.problem, build.target).ranked), build.problem, build.target
 
 

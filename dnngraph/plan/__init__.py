@@ -161,7 +161,7 @@ def build_launches(graph, groups, device: torch.device, options: BuildOptions, b
     tuner = Tuner(target_of(device), top=options.autotune_top) if options.autotune else None
     context = BuildContext(device, target, options, tuner, budget)
     launches = []
-    for index, group in enumerate(groups):
+    for group in groups:
         builder = KERNEL_BUILDERS.get(group.kind)
         if builder is None:
             anchor = group.anchor or group.nodes[0]
@@ -170,8 +170,8 @@ def build_launches(graph, groups, device: torch.device, options: BuildOptions, b
                 f"[{', '.join(n.name for n in group.nodes)}] cannot run; graph.reference() computes it")
         stored = prologue_values_to_store(group) if group.kind in PROLOGUE_STORED_APART else None
         if stored is not None:
-            launches.append(build_pointwise(graph, stored, index, context))
-        built = builder(graph, group, index, context)
+            launches.append(build_pointwise(graph, stored, context))
+        built = builder(graph, group, context)
         launches.extend(built if isinstance(built, list) else [built])
     for launch in launches:
         for chosen in (launch, launch.alternative):

@@ -37,7 +37,7 @@ def _operands(roles, rank: int) -> tuple:
     return tensors, strides
 
 
-def build_attention_backward(graph, group, index, context) -> list:
+def build_attention_backward(graph, group, context) -> list:
     """The kernels of an attention_backward group, for the context's target."""
     roles = group.roles
     rank = len(roles.q.dim)

@@ -115,8 +115,8 @@ POSES = {"conv_fprop": lambda node, fold_below: [_fprop_pose(node, fold_below)],
 class ConvBuild(GemmLaunches):
     """Everything about one pose of a conv group that does not depend on the config."""
 
-    def __init__(self, graph, group, index, pose: ConvPose, target):
-        self.graph, self.group, self.index, self.pose = graph, group, index, pose
+    def __init__(self, graph, group, pose: ConvPose, target):
+        self.graph, self.group, self.pose = graph, group, pose
         node = self.node = group.anchor
         self.w, self.out = node.inputs[1], node.outputs[0]
         self.groups = node.attrs.groups
@@ -280,8 +280,8 @@ class WgradBuild(GemmLaunches):
     The reduction over N x pixels is long, so split-K (partials added in order by the combine
     kernel: deterministic) fills the machine."""
 
-    def __init__(self, graph, group, index, target, fold_below: int = conv_heuristics.FOLD_CHANNELS_BELOW):
-        self.graph, self.group, self.index = graph, group, index
+    def __init__(self, graph, group, target, fold_below: int = conv_heuristics.FOLD_CHANNELS_BELOW):
+        self.graph, self.group = graph, group
         node = self.node = group.anchor
         dy, x = node.inputs
         self.dy, self.x, self.out = dy, x, node.outputs[0]
@@ -385,25 +385,25 @@ class WgradBuild(GemmLaunches):
             extra_constexprs=self.geometry.constexprs(), **extra)
 
 
-def build_conv(graph, group, index, context) -> list[KernelLaunch]:
+def build_conv(graph, group, context) -> list[KernelLaunch]:
     """The launches of a conv group for the context's target: per pose, the model's choice (or
     the options' forced config: conv_config, matmul_config for a pose that is a matmul) or the
     autotuned one, within the workspace budget."""
     node, options = group.anchor, context.options
     if takes_depthwise(group):  # one channel per group: direct kernels (plan/depthwise.py)
-        launches = build_depthwise(graph, group, index, context)
+        launches = build_depthwise(graph, group, context)
         if launches is not None:
             return launches  # else wgrad's partials exceed the workspace limit: the GEMM kernels run
     forced_conv = lambda schedule: lambda problem, target: schedule(problem, target, options.conv_config)
     if node.op == "conv_wgrad":
-        build = WgradBuild(graph, group, index, context.target, options.conv_fold_channels_below)
+        build = WgradBuild(graph, group, context.target, options.conv_fold_channels_below)
         return build_gemm(build, "conv", forced_conv(build.schedule), context)
     if node.op not in POSES:
         raise UnsupportedError(f"node {node.name!r} ({node.op}): no kernel for {node.op} exists yet; "
                                f"graph.reference() computes it")
     launches = []
     for pose in POSES[node.op](node, options.conv_fold_channels_below):
-        build = ConvBuild(graph, group, index, pose, context.target)
+        build = ConvBuild(graph, group, pose, context.target)
         if build.matmul_path:
             launches += build_gemm(build, "matmul", lambda problem, target: matmul_heuristics.schedule(
                 problem, target, options.matmul_config), context)

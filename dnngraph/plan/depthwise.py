@@ -59,7 +59,7 @@ def _bytes(tensor) -> int:
 class DepthwiseBuild:
     """Everything about a depthwise group that does not depend on the config."""
 
-    def __init__(self, graph, group, index, target):
+    def __init__(self, graph, group, target):
         self.graph, self.group = graph, group
         node = self.node = group.anchor
         attrs = node.attrs
@@ -197,13 +197,13 @@ def _partial_bytes(config, problem) -> int:
     return config.splits * problem.taps * problem.channels * 4 if config.kernel == "wgrad" else 0
 
 
-def build_depthwise(graph, group, index, context) -> list[KernelLaunch]:
+def build_depthwise(graph, group, context) -> list[KernelLaunch]:
     """The launches of a depthwise conv group for the context's target: the model's config (or
     the options' forced one), or the autotuned one (recorded under "depthwise" in the tuning
     cache), within the workspace budget; None where wgrad's partials (it always has some) do
     not fit it."""
     tuner, budget = context.tuner, context.budget
-    build = DepthwiseBuild(graph, group, index, context.target)
+    build = DepthwiseBuild(graph, group, context.target)
     sched = depthwise_heuristics.schedule(build.problem, build.target, context.options.depthwise_config)
     ranked = [c for c in sched.ranked if budget is None or budget.allows(_partial_bytes(c, build.problem))]
     if not ranked:  # wgrad's partials do not fit: the caller runs the GEMM kernels, which need none

@@ -37,7 +37,7 @@ def schedule_gather(group) -> GatherSchedule:
     return GatherSchedule(y_dims, total, block, index_64)
 
 
-def build_gather(graph, group, index, context):
+def build_gather(graph, group, context):
     """The gather kernel of a group (and its epilogue)."""
     sched = schedule_gather(group)
     name = kernel_name(group)

@@ -59,8 +59,8 @@ def tma_ok(operand: GemmOperand, layout: str, dot_type: str, cuda_capability) ->
 class MatmulBuild(GemmLaunches):
     """Everything about one matmul group that does not depend on the config."""
 
-    def __init__(self, graph, group, index, target):
-        self.graph, self.group, self.index = graph, group, index
+    def __init__(self, graph, group, target):
+        self.graph, self.group = graph, group
         node = self.node = group.anchor
         a, b, scale_a, scale_b = node.inputs
         c = node.outputs[0]
@@ -160,9 +160,9 @@ class MatmulBuild(GemmLaunches):
             precision=self.precision, compute=self.graph.compute_data_type.triton_type,
             index_64=self.index_64, description=self.group.summary(), **extra)
 
-def build_matmul(graph, group, index, context) -> list[KernelLaunch]:
+def build_matmul(graph, group, context) -> list[KernelLaunch]:
     """The launches of a matmul group for the context's target: the model's choice (or the
     options' forced config), or the autotuned one, within the workspace budget."""
     forced = context.options.matmul_config
-    return build_gemm(MatmulBuild(graph, group, index, context.target), "matmul",
+    return build_gemm(MatmulBuild(graph, group, context.target), "matmul",
                       lambda problem, target: schedule(problem, target, forced), context)

@@ -7,7 +7,7 @@ from ..heuristics.pointwise import schedule as schedule_pointwise
 from .launch import KernelLaunch, kernel_name
 
 
-def build_pointwise(graph, group, index, context):
+def build_pointwise(graph, group, context):
     """The pointwise kernel of a group, scheduled for the context's target."""
     sched = schedule_pointwise(group, context.target)
     description = group.summary()

@@ -8,7 +8,7 @@ from .launch import KernelLaunch, kernel_name
 from .rows import require_floating_inputs
 
 
-def build_pooling(graph, group, index, context):
+def build_pooling(graph, group, context):
     """The pooling kernel of a group, scheduled for the context's target."""
     require_floating_inputs(group.anchor, group.anchor.inputs[:2])  # a max backward's int64 indices are compared
     sched = schedule_pooling(group, context.target)

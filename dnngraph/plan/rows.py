@@ -199,7 +199,7 @@ def require_floating_inputs(anchor, tensors=None):
                 f"floating type first")
 
 
-def build_rows(graph, group, index, context):
+def build_rows(graph, group, context):
     """Reductions, softmax and norms; norm backward adds a kernel for dscale/dbias unless they
     are per-row sums of the dx kernel (batchnorm) or column sums of it (the fused form)."""
     anchor, name = group.anchor, kernel_name(group)

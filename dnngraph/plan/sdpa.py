@@ -86,12 +86,12 @@ def problem_of(node) -> AttentionProblem:
                             mask.right is not None and mask.left is None)
 
 
-def build_sdpa(graph, group, index, context):
+def build_sdpa(graph, group, context):
     """The flash-attention kernels of an sdpa or sdpa_backward group, for the context's target."""
     node, budget = group.anchor, context.budget
     _check_types(node)
     if node.op == "sdpa_backward":
-        return _build_backward(graph, group, index, context)
+        return _build_backward(graph, group, context)
     problem = problem_of(node)
     sched = schedule(problem, context.target, None if budget is None or budget.limit is None
                      else budget.limit - budget.spent, context.attention)
@@ -180,7 +180,7 @@ def _backward_spec(graph, node, sched, which: str, delta, index_64: bool) -> Att
                          stored_types={stem: t.data_type for stem, t in present.items() if stem in GRADIENTS})
 
 
-def _build_backward(graph, group, index, context) -> list:
+def _build_backward(graph, group, context) -> list:
     node, budget = group.anchor, context.budget
     bias, dbias = node.inputs[6], node.outputs[3]
     sched = backward_schedule(problem_of(node), context.target, tuple(bias.dim) if dbias is not None else (),
@@ -216,7 +216,7 @@ def as_bhsd(tensor, rank: int) -> tuple:
     return dims, tuple(0 if d == 1 else st for d, st in zip(dims, strides))
 
 
-def build_attention(graph, group, index, context):
+def build_attention(graph, group, context):
     """The flash kernel of an op-level chain matmul(q, k^T) -> score ops -> softmax -> matmul(., v):
     the score ops become the kernel's score modifier (codegen ScoreModifier)."""
     first, second = group.nodes[0], group.nodes[-1]
