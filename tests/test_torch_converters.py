@@ -372,17 +372,20 @@ def test_cpu_results_in_a_gpu_program_stay_in_torch():
     # tensor stands in for a GPU value (this machine has no GPU)
     from dnngraph.torch_backend.convert import _off_the_program_device
 
-    graph = torch.fx.Graph()
-    x, s = graph.placeholder("x"), graph.placeholder("s")
-    scaled = graph.call_function(torch.ops.aten.mul.Tensor, (x, s))
-    bumped = graph.call_function(torch.ops.aten.add.Tensor, (s, 1))
-    graph.output((scaled, bumped))
-    with torch.device("meta"):
-        x.meta["val"], scaled.meta["val"] = torch.empty(3), torch.empty(3)
-    s.meta["val"] = bumped.meta["val"] = torch.empty(())
+    def program(tensor_device: str):
+        graph = torch.fx.Graph()
+        x, s = graph.placeholder("x"), graph.placeholder("s")
+        scaled = graph.call_function(torch.ops.aten.mul.Tensor, (x, s))
+        bumped = graph.call_function(torch.ops.aten.add.Tensor, (s, 1))
+        graph.output((scaled, bumped))
+        x.meta["val"], scaled.meta["val"] = torch.empty(3, device=tensor_device), torch.empty(3, device=tensor_device)
+        s.meta["val"] = bumped.meta["val"] = torch.empty(())
+        return scaled, bumped
+
+    scaled, bumped = program("meta")
     assert _off_the_program_device(bumped, bumped.meta["val"]) == "a result on the CPU in a program on meta"
     assert _off_the_program_device(scaled, scaled.meta["val"]) is None
-    x.meta["val"] = scaled.meta["val"] = torch.empty(3)  # all on the CPU: a CPU program
+    scaled, bumped = program("cpu")  # all on the CPU: a CPU program
     assert _off_the_program_device(bumped, bumped.meta["val"]) is None
 
 

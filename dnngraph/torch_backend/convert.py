@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import numbers
 import operator
+import weakref
 from typing import Callable, Optional
 
 import torch
@@ -1253,11 +1254,21 @@ def _off_the_program_device(node, results) -> Optional[str]:
     first = results[0] if isinstance(results, (tuple, list)) and results else results
     if not isinstance(first, torch.Tensor) or first.device.type != "cpu":
         return None
-    for other in node.graph.nodes:
-        value = other.meta.get("val")
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            return f"a result on the CPU in a program on {value.device.type}"
-    return None
+    device = _program_accelerator(node.graph)
+    return None if device is None else f"a result on the CPU in a program on {device}"
+
+
+_ACCELERATORS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _program_accelerator(graph) -> Optional[str]:
+    """The non-CPU device type any value of `graph` lies on (None: a CPU program); read once per
+    graph, not once per node the support predicate asks about."""
+    if graph not in _ACCELERATORS:
+        values = (node.meta.get("val") for node in graph.nodes)
+        _ACCELERATORS[graph] = next((v.device.type for v in values
+                                     if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
+    return _ACCELERATORS[graph]
 
 
 def _form_refused(node) -> Optional[str]:
