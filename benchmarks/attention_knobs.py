@@ -18,7 +18,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import dnngraph as dg  # noqa: E402  (first: selects the interpreter on a CPU-only machine)
-from dnngraph.heuristics import sdpa as heuristics  # noqa: E402
+from dnngraph.backends.triton.heuristics import sdpa as heuristics  # noqa: E402
 
 
 def _config(text: str):

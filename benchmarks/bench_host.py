@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's dnngraph
 
 import dnngraph as dg  # noqa: E402
-import dnngraph.plan as plan_module  # noqa: E402
+import dnngraph.runtime.plan as plan_module  # noqa: E402
 from bench_latency import four_kernels, one_kernel  # noqa: E402  (the same graphs)
-from dnngraph.plan import launch as launch_module  # noqa: E402
+from dnngraph.runtime import launch as launch_module  # noqa: E402
 
 EXECUTES = 20000
 REPEATS = 5  # the median of this many timed loops is reported

@@ -13,7 +13,7 @@ import time
 import torch
 
 import dnngraph as dg
-from dnngraph.plan import cache as plan_cache
+from dnngraph.runtime import plan_cache as plan_cache
 from common import host_overhead_us, print_table, write_json
 
 EXECUTES = 3000

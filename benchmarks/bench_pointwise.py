@@ -10,7 +10,7 @@ import torch
 import triton
 
 import dnngraph as dg
-from dnngraph.plan import cache as plan_cache
+from dnngraph.runtime import plan_cache as plan_cache
 from dnngraph.target import target_of
 from common import copy_ceiling_tbs, host_overhead_us, median_ms, print_table
 
@@ -99,7 +99,7 @@ def bench_host_overhead():
 
 def sweep_configs(make):
     """Time every candidate config of the ranking model (the model's pick is rank 1)."""
-    import dnngraph.heuristics.pointwise as heuristics
+    import dnngraph.backends.triton.heuristics.pointwise as heuristics
 
     original = heuristics.rank
     rows = []

@@ -26,7 +26,7 @@ import time
 import torch
 
 import dnngraph as dg  # first: picks Triton's interpreter on a CPU-only machine
-from dnngraph.heuristics import rows
+from dnngraph.backends.triton.heuristics import rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import copy_ceiling_tbs, median_ms, write_json  # noqa: E402

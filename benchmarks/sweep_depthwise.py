@@ -25,8 +25,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import copy_ceiling_tbs, median_ms, rel_error, write_json  # noqa: E402
 
 import dnngraph as dg  # noqa: E402
-from dnngraph.heuristics import depthwise as heuristics  # noqa: E402
-from dnngraph.plan.depthwise import DepthwiseBuild  # noqa: E402
+from dnngraph.backends.triton.heuristics import depthwise as heuristics  # noqa: E402
+from dnngraph.backends.triton.lower.depthwise import DepthwiseBuild  # noqa: E402
 from dnngraph.target import target_of  # noqa: E402
 
 BF16 = torch.bfloat16

@@ -3,7 +3,7 @@ subtiles, TMA stores) on the GPU.
 
 Each config is forced through BuildOptions(matmul_config=...) on one epilogue in bf16 and
 timed with do_bench; the table is what the candidate lists and the model's constants in
-dnngraph/heuristics/matmul.py were set from. Epilogues (--epilogue):
+dnngraph/backends/triton/heuristics/matmul.py were set from. Epilogues (--epilogue):
   gelu           y = gelu(a @ b + bias); anchor: cuBLASLt (bias + GELU in its epilogue,
                  torch._addmm_activation; tanh GELU)
   swiglu         y = silu(gate) * (a @ b), gate a [M, N] input (a Llama MLP's up projection)
@@ -24,7 +24,7 @@ import itertools
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import matmul as mm
+from dnngraph.backends.triton.heuristics import matmul as mm
 from common import median_ms, print_table, write_json
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (4096, 11008, 4096)]

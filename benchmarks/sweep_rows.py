@@ -9,7 +9,7 @@ import torch
 import triton
 
 import dnngraph as dg
-from dnngraph.heuristics import rows
+from dnngraph.backends.triton.heuristics import rows
 
 BF16 = torch.bfloat16
 

@@ -4,7 +4,7 @@ from .versions import check_installed_triton as _check_installed_triton
 
 _check_installed_triton()  # before anything imports Triton or reads its internals
 
-from . import runtime  # noqa: F401  (chooses CUDA or the interpreter before kernels exist)
+from .runtime import interpreter as _interpreter  # noqa: F401  (chooses CUDA or the interpreter before kernels exist)
 from .dtypes import (DataType, bfloat16, float8_e4m3, float8_e5m2, float16, float32, int32, int64)
 from .dtypes import bool_ as bool  # noqa: A001  (the public name is dg.bool)
 from .errors import (ExecutionError, GraphError, SerializationError, UnsupportedError,

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from .graph import Graph
-from .plan.launch import element_span
+from .runtime.launch import element_span
 
 
 def _random_input(tensor, device) -> torch.Tensor:
@@ -107,7 +107,7 @@ def _import_lines(report, overwrite: bool) -> list[str]:
 
 def _tuning_command(args) -> int:
     from .errors import GraphError
-    from .heuristics.tuning_transfer import export_tuning, import_tuning
+    from .backends.triton.heuristics.tuning_transfer import export_tuning, import_tuning
 
     try:
         if args.action == "export":

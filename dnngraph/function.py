@@ -16,7 +16,7 @@ import torch
 
 from .autodiff import derive, replay
 from .errors import ExecutionError, ValidationError
-from .plan.bindings import check_bindable, resolved_input
+from .runtime.bindings import check_bindable, resolved_input
 from .tensor import overlaps
 
 

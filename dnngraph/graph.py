@@ -546,7 +546,7 @@ class Graph:
         autotune times the model's top candidates; workspace_limit bounds the bytes of optional
         scratch the chosen configs may use together (split-K and split-row partials): None
         prefers the fastest, 0 uses none (cuDNN's strategies)."""
-        from .plan import build_plan  # the plan is the last pipeline stage
+        from .build import build_plan  # the plan is the last pipeline stage
 
         options = _build_options(options, autotune, workspace_limit)
         self.validate()
@@ -583,7 +583,7 @@ class Graph:
         else the fusion groups a build would make)."""
         from .dot import render_dot
         from .fusion import partition
-        from .plan import KERNEL_BUILDERS
+        from .build import KERNEL_BUILDERS
 
         if self._plan is not None:
             return render_dot(self, self._plan.groups)
@@ -597,7 +597,7 @@ class Graph:
         """Groups, kernels, configs with their reasons, and generated source paths."""
         if self._plan is None:
             from .fusion import partition
-            from .plan import KERNEL_BUILDERS
+            from .build import KERNEL_BUILDERS
 
             self.validate()
             try:

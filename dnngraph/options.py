@@ -15,14 +15,14 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
 from .errors import ValidationError
-from .heuristics import conv as conv_heuristics
-from .heuristics import rows as row_heuristics
-from .heuristics.autotune import DEFAULT_TOP
-from .heuristics.depthwise import DepthwiseConfig
-from .heuristics.matmul import MatmulConfig
-from .heuristics.rows import RowConfig
-from .heuristics.sdpa import AttentionConfig
-from .heuristics.tuning_cache import WARPS
+from .backends.triton.heuristics import conv as conv_heuristics
+from .backends.triton.heuristics import rows as row_heuristics
+from .runtime.autotune import DEFAULT_TOP
+from .backends.triton.heuristics.depthwise import DepthwiseConfig
+from .backends.triton.heuristics.matmul import MatmulConfig
+from .backends.triton.heuristics.rows import RowConfig
+from .backends.triton.heuristics.sdpa import AttentionConfig
+from .runtime.tuning_cache import WARPS
 from .target import Target
 
 # The kernel languages a build can choose from, in the registry's order (today one).

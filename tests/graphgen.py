@@ -18,7 +18,7 @@ import torch
 
 import dnngraph as dg
 from dnngraph.errors import ExecutionError, GraphError, UnsupportedError
-from dnngraph.heuristics.matmul import choose_dot
+from dnngraph.backends.triton.heuristics.matmul import choose_dot
 from dnngraph.ops.pointwise import DIFFERENTIABLE, FORWARD_UNARY
 from dnngraph.ops.pooling import PoolingAttrs, output_spatial
 from dnngraph.tensor import dense_strides

@@ -6,9 +6,9 @@ from types import SimpleNamespace
 
 import torch
 
-import dnngraph.plan as plan_module
-from dnngraph.plan import cache as plan_cache
-from dnngraph.plan import launch as launch_module
+import dnngraph.runtime.plan as plan_module
+from dnngraph.runtime import plan_cache as plan_cache
+from dnngraph.runtime import launch as launch_module
 
 STREAM = 1234  # the raw stream every pretend device reports as current
 

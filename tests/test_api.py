@@ -107,7 +107,7 @@ def test_build_time_validation():
 def test_unsupported_family_names_the_node(monkeypatch):
     """A family with no kernel builder (every family has one today: one is taken away) raises
     UnsupportedError naming the node."""
-    from dnngraph.plan import KERNEL_BUILDERS
+    from dnngraph.build import KERNEL_BUILDERS
 
     monkeypatch.delitem(KERNEL_BUILDERS, "pooling")
     g = dg.Graph()

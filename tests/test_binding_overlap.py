@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import dnngraph as dg
-from dnngraph import runtime
-from dnngraph.plan import overlap
-from dnngraph.plan.overlap import StridedBytes, share_a_byte
+from dnngraph.runtime import interpreter as runtime
+from dnngraph.runtime import overlap
+from dnngraph.runtime.overlap import StridedBytes, share_a_byte
 from helpers import rel_err
 
 GEN = torch.Generator().manual_seed(2626)

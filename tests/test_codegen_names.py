@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.codegen import cache as kernel_cache
-from dnngraph.codegen.emitter import ExpressionEmitter
-from dnngraph.codegen.names import NameAllocator, comment_text
-from dnngraph.heuristics import matmul as mm
+from dnngraph.runtime import kernel_files as kernel_cache
+from dnngraph.backends.triton.codegen.emitter import ExpressionEmitter
+from dnngraph.backends.triton.codegen.names import NameAllocator, comment_text
+from dnngraph.backends.triton.heuristics import matmul as mm
 from helpers import check
 
 KERNEL_WORDS = ["row_max", "row_sum", "mean", "inv", "var", "acc", "pid", "mask", "x", "y", "x_ptr", "tl",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import rows
+from dnngraph.backends.triton.heuristics import rows
 from helpers import check
 from test_norms import DTYPES, _channel_backward, _channel_forward, layout, shifted
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.codegen import cache as kernel_cache
-from dnngraph.heuristics import matmul as mm
+from dnngraph.runtime import kernel_files as kernel_cache
+from dnngraph.backends.triton.heuristics import matmul as mm
 from helpers import check
 
 NAME = re.compile(r"dnngraph_[a-z0-9_]+_[0-9a-f]{16}")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import matmul as mm
+from dnngraph.backends.triton.heuristics import matmul as mm
 from helpers import check
 
 RANKS = {1: dict(x=[2, 6, 13], w=[4, 3, 3], padding=[2], stride=[2], dilation=[2]),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.codegen.conversions import float8_rule
+from dnngraph.backends.triton.codegen.conversions import float8_rule
 
 FLOATS = (dg.float32, dg.float16, dg.bfloat16, dg.float8_e4m3, dg.float8_e5m2)
 INTEGERS = (dg.int32, dg.int64)
@@ -208,7 +208,7 @@ def test_interpreter_conversion_of_buffers():
     import numpy as np
     import triton.language as tl
 
-    from dnngraph.interpreter_casts import torch_convert
+    from dnngraph.runtime.interpreter_casts import torch_convert
     data = np.array([[0.99999, 500.0], [1e-3, -math.inf]], dtype=np.float32)
     got = torch_convert(data, tl.float32, tl.bfloat16)
     assert got.dtype == np.uint16 and got.shape == (2, 2)
@@ -220,8 +220,8 @@ def test_interpreter_conversion_of_buffers():
 def test_interpreter_process_converts_exactly(monkeypatch):
     """CPU tensors on a GPU machine run in the interpreter process: the same exact conversions
     are installed there (no kernel may run in this process)."""
-    from dnngraph import runtime
-    from dnngraph.plan.launch import KernelLaunch
+    from dnngraph.runtime import interpreter as runtime
+    from dnngraph.runtime.launch import KernelLaunch
 
     def here(self, tensors):
         raise AssertionError("a kernel ran through the interpreter in the test process")

@@ -1,5 +1,5 @@
 """CPU tensors in a process that compiles for the GPU: their kernels run in the interpreter process
-(dnngraph/plan/interpreter_client.py). Here, on any machine, force_interpreter_worker() sends
+(dnngraph/runtime/interpreter_client.py). Here, on any machine, force_interpreter_worker() sends
 them there from this (interpreting) process, and one test runs a process started as a GPU
 machine's would be (DNNGRAPH_INTERPRETER_WORKER=1: TRITON_INTERPRET never set, kernels compiled
 as JITFunctions). Values against the float64 reference, poisoned outputs, odd sizes, strides;
@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph import runtime
-from dnngraph.codegen.cache import load_kernel
-from dnngraph.plan import interpreter_client
-from dnngraph.plan.launch import KernelLaunch
+from dnngraph.runtime import interpreter as runtime
+from dnngraph.runtime.kernel_files import load_kernel
+from dnngraph.runtime import interpreter_client
+from dnngraph.runtime.launch import KernelLaunch
 from helpers import check, poisoned, rel_err
 from test_plan_cache import _relu
 
@@ -202,8 +202,8 @@ def test_concurrent_executes_of_one_graph():
 SCRIPT = '''
 import os, torch
 import dnngraph as dg
-from dnngraph import runtime
-from dnngraph.codegen.cache import load_kernel
+from dnngraph.runtime import interpreter as runtime
+from dnngraph.runtime.kernel_files import load_kernel
 from triton.runtime.jit import JITFunction
 
 assert "TRITON_INTERPRET" not in os.environ and not runtime.interpreting()

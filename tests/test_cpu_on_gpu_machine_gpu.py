@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph import runtime
-from dnngraph.plan import interpreter_client
+from dnngraph.runtime import interpreter as runtime
+from dnngraph.runtime import interpreter_client
 from helpers import check, poisoned, rel_err
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import dnngraph as dg
-from dnngraph.heuristics import depthwise as dw_heuristics
+from dnngraph.backends.triton.heuristics import depthwise as dw_heuristics
 from helpers import check, compiled_for_sm90
 from test_codegen_names import _code_tokens
 from test_conv import stored

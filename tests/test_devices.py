@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import dnngraph as dg
-import dnngraph.plan as plan_module
+import dnngraph.runtime.plan as plan_module
 import dnngraph.target as target_module
-from dnngraph.plan import cache as plan_cache
+from dnngraph.runtime import plan_cache as plan_cache
 from dnngraph.target import target_of
-from dnngraph.plan import launch as launch_module
+from dnngraph.runtime import launch as launch_module
 from helpers import check, poisoned
 from pretend_gpu import PretendDevices, Recorder, patch_current_device, pretend_gpu
 
@@ -164,7 +164,7 @@ def test_work_on_its_own_thread_returns_its_value_or_raises_its_error():
     from a thread started after the main thread's work (no executor to be shut down)."""
     import threading
 
-    from dnngraph.plan.launch import on_own_thread
+    from dnngraph.runtime.launch import on_own_thread
 
     caller = threading.get_ident()
     assert on_own_thread(threading.get_ident) != caller

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.codegen.emitter import ExpressionEmitter
+from dnngraph.backends.triton.codegen.emitter import ExpressionEmitter
 from dnngraph.fusion import partition
 from dnngraph.ops.base import lookup
 from dnngraph.ops.dropout import DropoutAttrs

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.plan import cache as plan_cache
-import dnngraph.plan as plan_module
-from dnngraph.plan import launch as launch_module
+from dnngraph.runtime import plan_cache as plan_cache
+import dnngraph.runtime.plan as plan_module
+from dnngraph.runtime import launch as launch_module
 from helpers import check, poisoned, rel_err
 from pretend_gpu import STREAM, pretend_gpu
 from test_plan_cache import _mlp, _runs_by_names

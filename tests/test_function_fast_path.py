@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import dnngraph as dg
-import dnngraph.plan as plan_module
-from dnngraph.plan import BindingSpec, _check_outputs_apart
-from dnngraph.plan.overlap import StridedBytes
+import dnngraph.runtime.plan as plan_module
+from dnngraph.runtime.plan import BindingSpec, _check_outputs_apart
+from dnngraph.runtime.overlap import StridedBytes
 from helpers import rel_err
 
 GEN = torch.Generator().manual_seed(17)

@@ -110,7 +110,7 @@ def test_attention_chain_without_its_kernel_splits_into_runnable_groups():
     import torch
     from helpers import check
 
-    from dnngraph.plan import KERNEL_BUILDERS
+    from dnngraph.build import KERNEL_BUILDERS
 
     g = dg.Graph()
     q, kt, v = (g.tensor(name=n, dim=d) for n, d in

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import matmul as mm
+from dnngraph.backends.triton.heuristics import matmul as mm
 from helpers import check
 
 SMALL_LIMITS = (2**31 - 1, 3, 3)
@@ -137,7 +137,7 @@ def test_grouped_wgrad_split_k_folds_batch_and_split():
 def test_attention_dbias_with_tiles_past_grid_axes_y_and_z(bias_dim):
     """4 query tiles and 8 (batch, head) pairs over limits of 3; broadcast biases sum over the
     (batch, head) pairs and query tiles they span; the other backward kernels group heads."""
-    from dnngraph.heuristics import sdpa as sdpa_heuristics
+    from dnngraph.backends.triton.heuristics import sdpa as sdpa_heuristics
     from test_sdpa import _run_dbias
     tile = sdpa_heuristics.AttentionConfig(16, 16, 1, 1)
     # every build checks its grids against the lowered limits: an unfolded dbias grid is refused
@@ -150,7 +150,7 @@ def test_attention_dbias_with_tiles_past_grid_axes_y_and_z(bias_dim):
 def test_depthwise_with_channels_taps_and_splits_past_the_limits(op, layout):
     """5 channels (x2 multiplier) over limits of 3; wgrad's 6 tap blocks (one tap each) and 5
     splits past axes y and z fold into axis x."""
-    from dnngraph.heuristics import depthwise as dw_heuristics
+    from dnngraph.backends.triton.heuristics import depthwise as dw_heuristics
     from test_depthwise import RANKS, assert_depthwise, conv_graph
     g, out, inputs = conv_graph(op, RANKS[2], layout, 2)
     out.set_output(True).set_name("out")
@@ -264,8 +264,8 @@ def sm90_graphs():
     """Built graphs of the folded layouts for the sm_90 compile check (lowered limits): the
     GEMM's tiled kernel, split-K and its combine, grouped conv fprop and wgrad, the depthwise
     wgrad, the attention backward with dbias and an op-level chain."""
-    from dnngraph.heuristics import depthwise as dw_heuristics
-    from dnngraph.heuristics import sdpa as sdpa_heuristics
+    from dnngraph.backends.triton.heuristics import depthwise as dw_heuristics
+    from dnngraph.backends.triton.heuristics import sdpa as sdpa_heuristics
     from test_attention_grad import _chain
     from test_depthwise import RANKS, conv_graph
     for variant in ("tiled", "split_k"):

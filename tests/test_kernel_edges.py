@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import matmul as mm
+from dnngraph.backends.triton.heuristics import matmul as mm
 from helpers import check, run
 from rowmodes import modes_used, row_mode, row_options  # noqa: F401 (row_mode: a fixture)
 

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph import runtime
-from dnngraph.codegen.cache import named_source, source_digest
-from dnngraph.plan import cache as plan_cache
-from dnngraph.plan import interpreter_worker
+from dnngraph.runtime import interpreter as runtime
+from dnngraph.runtime.kernel_files import named_source, source_digest
+from dnngraph.runtime import plan_cache as plan_cache
+from dnngraph.runtime import interpreter_worker
 from helpers import poisoned, rel_err
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,8 +8,8 @@ arrow to `pkg.name` when that is a module, else to `pkg` (so `from .. import __v
 arrow to the package `dnngraph` itself). Two kinds of import are left out, since neither runs
 an arrow through the code:
   * imports under `if TYPE_CHECKING:` (type annotations only; they never run);
-  * the implicit import of a module's parent packages (importing `dnngraph.plan.cache` runs
-    `dnngraph/__init__.py` and `dnngraph/plan/__init__.py` first; that is Python's doing, and a
+  * the implicit import of a module's parent packages (importing `dnngraph.runtime.plan_cache` runs
+    `dnngraph/__init__.py` and `dnngraph/runtime/__init__.py` first; that is Python's doing, and a
     package and its modules import each other by construction).
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ LAYERS = {
     # 0 base: no dnngraph imports but each other. target: the device model (plain data);
     # runtime: the CUDA-or-interpreter choice, made before any kernel is decorated.
     "dnngraph.errors": 0, "dnngraph.dtypes": 0, "dnngraph.log": 0, "dnngraph.versions": 0,
-    "dnngraph.target": 0, "dnngraph.runtime": 0, "dnngraph.interpreter_casts": 0,
+    "dnngraph.target": 0, "dnngraph.runtime.interpreter": 0, "dnngraph.runtime.interpreter_casts": 0,
     # 1 IR: tensor values (Node and Graph are named only as types, under TYPE_CHECKING)
     "dnngraph.tensor": 1,
     # 2 the op catalog, and the JSON codec of graphs written with it (it fills the graph object
@@ -36,18 +36,22 @@ LAYERS = {
     "dnngraph.ops": 2, "dnngraph.serialization": 2,
     # 3 fusion: partition into kernel groups
     "dnngraph.fusion": 3,
-    # 4 the backend today: configs and their ranking, kernel source; BuildOptions holds its configs
-    "dnngraph.heuristics": 4, "dnngraph.codegen": 4, "dnngraph.options": 4,
-    # 5 plan: build (lowering to kernels) and runtime (bindings, launch, interpreter process)
-    "dnngraph.plan": 5,
-    # 6 what Graph's methods hand work to: reverse mode (it builds graphs of its input's type),
+    # 4 the runtime: kernel files, launches and their bindings, workspaces, the plan and its
+    #   cache, autotuning's timings, the interpreter process (no kernel language in it)
+    "dnngraph.runtime": 4,
+    # 5 backends: per kernel language, configs and their ranking, kernel source, lowering a group
+    #   to launches; BuildOptions holds the backends' forced configs
+    "dnngraph.backends": 5, "dnngraph.options": 5,
+    # 6 the build: partition -> backends -> plan
+    "dnngraph.build": 6,
+    # 7 what Graph's methods hand work to: reverse mode (it builds graphs of its input's type),
     #   the torch function, the dot text
-    "dnngraph.autodiff": 6, "dnngraph.function": 6, "dnngraph.dot": 6,
-    # 7 the user-facing Graph: build, execute, explain, to_json/from_json, as_function all
+    "dnngraph.autodiff": 7, "dnngraph.function": 7, "dnngraph.dot": 7,
+    # 8 the user-facing Graph: build, execute, explain, to_json/from_json, as_function all
     #   delegate downward
-    "dnngraph.graph": 7,
-    # 8 entry points on top of Graph: the public package, torch.compile's backend, the CLI
-    "dnngraph": 8, "dnngraph.torch_backend": 8, "dnngraph.__main__": 8,
+    "dnngraph.graph": 8,
+    # 9 entry points on top of Graph: the public package, torch.compile's backend, the CLI
+    "dnngraph": 9, "dnngraph.torch_backend": 9, "dnngraph.__main__": 9,
 }
 
 
@@ -154,7 +158,7 @@ def test_no_import_runs_up_a_layer():
 def test_the_checker_sees_lazy_and_relative_imports():
     """imports_of finds function-level and relative imports and skips TYPE_CHECKING blocks."""
     found = dict(imports_of("dnngraph.graph"))
-    assert "dnngraph.plan" in found and "dnngraph.serialization" in found  # lazy, in methods
+    assert "dnngraph.build" in found and "dnngraph.serialization" in found  # lazy, in methods
     assert "dnngraph.graph" not in dict(imports_of("dnngraph.tensor"))    # TYPE_CHECKING only
-    assert layer_of("dnngraph.plan.cache") == LAYERS["dnngraph.plan"]
-    assert layer_of("dnngraph") == 8 and layer_of("dnngraph.ops.matmul") == 2
+    assert layer_of("dnngraph.runtime.plan_cache") == LAYERS["dnngraph.runtime"]
+    assert layer_of("dnngraph") == 9 and layer_of("dnngraph.ops.matmul") == 2

@@ -258,7 +258,7 @@ def test_an_op_added_after_a_build_infers_its_layout_from_own_strides():
 
 
 def test_explain_to_dot_and_a_failed_build_leave_strides_alone(monkeypatch):
-    from dnngraph.plan import KERNEL_BUILDERS
+    from dnngraph.build import KERNEL_BUILDERS
 
     inputs = {"x": _randn(4, 6)}
     g, t = _graph(inputs)

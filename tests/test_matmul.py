@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import matmul as mm
+from dnngraph.backends.triton.heuristics import matmul as mm
 from helpers import check, poisoned
 
 VARIANTS = {
@@ -313,7 +313,7 @@ def test_autotune_then_cache_in_a_new_process(tmp_path):
 
 
 def test_autotune_survives_a_corrupt_cache(tmp_path, monkeypatch):
-    from dnngraph.heuristics.tuning_cache import TuningCacheWarning
+    from dnngraph.runtime.tuning_cache import TuningCacheWarning
 
     monkeypatch.setenv("DNNGRAPH_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("DNNGRAPH_AUTOTUNE_TOP", "1")

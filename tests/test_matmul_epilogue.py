@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import matmul as mm
+from dnngraph.backends.triton.heuristics import matmul as mm
 from helpers import check, compiled_for_sm90
 
 SUBTILED = {parts: mm.MatmulConfig("persistent", 32, 64, 16, 4, 2, epilogue_subtile=parts, tma_store=True)

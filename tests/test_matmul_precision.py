@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import matmul as mm
+from dnngraph.backends.triton.heuristics import matmul as mm
 from helpers import check
 from test_matmul import VARIANTS, _storage
 

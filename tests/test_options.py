@@ -8,10 +8,10 @@ import torch
 
 import dnngraph as dg
 from dnngraph import torch_backend
-from dnngraph.heuristics import depthwise as dw_heuristics
-from dnngraph.heuristics import matmul as mm
-from dnngraph.heuristics import rows
-from dnngraph.heuristics import sdpa as sdpa_heuristics
+from dnngraph.backends.triton.heuristics import depthwise as dw_heuristics
+from dnngraph.backends.triton.heuristics import matmul as mm
+from dnngraph.backends.triton.heuristics import rows
+from dnngraph.backends.triton.heuristics import sdpa as sdpa_heuristics
 from helpers import check
 
 TILE = sdpa_heuristics.AttentionConfig(16, 16, 1, 1)

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 import dnngraph as dg
-import dnngraph.heuristics
-import dnngraph.plan as plan_module
-from dnngraph import runtime
-from dnngraph.heuristics import depthwise, matmul as mm, rows, sdpa
-from dnngraph.plan import cache as plan_cache
-from dnngraph.plan import interpreter_client
+import dnngraph.backends.triton.heuristics
+import dnngraph.runtime.plan as plan_module
+from dnngraph.runtime import interpreter as runtime
+from dnngraph.backends.triton.heuristics import depthwise, matmul as mm, rows, sdpa
+from dnngraph.runtime import plan_cache as plan_cache
+from dnngraph.runtime import interpreter_client
 from helpers import check, poisoned, rel_err
 from test_kernel_source_integrity import _graph as _integrity_graph, _tamper
 
@@ -277,9 +277,10 @@ def test_forced_configs_change_the_plan():
 
 
 def _key(g, options=None):
-    from dnngraph.plan import KERNEL_BUILDERS, _build_device, _target_for
+    from dnngraph.build import KERNEL_BUILDERS, _build_device
+    from dnngraph.runtime.plan import target_for
     options, device = options or dg.BuildOptions(), _build_device()
-    return plan_cache.plan_key(g, options, device, _target_for(device, options), KERNEL_BUILDERS)
+    return plan_cache.plan_key(g, options, device, target_for(device, options), KERNEL_BUILDERS)
 
 
 # One value other than the default for every option (each a valid one).
@@ -329,8 +330,8 @@ def test_equal_options_share_a_plan_and_different_ones_do_not():
 def test_module_assignments_change_no_plan():
     """The heuristics read no module state a caller sets: no FORCE_* knob exists, and a build
     after assigning a module value (what once forced a config) is a hit on the same plan."""
-    for info in pkgutil.iter_modules(dnngraph.heuristics.__path__):
-        module = importlib.import_module(f"dnngraph.heuristics.{info.name}")
+    for info in pkgutil.iter_modules(dnngraph.backends.triton.heuristics.__path__):
+        module = importlib.import_module(f"dnngraph.backends.triton.heuristics.{info.name}")
         assert not [name for name in vars(module) if name.startswith("FORCE_")], module.__name__
     first = _mlp()[0].build()
     hits = _hits()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.heuristics import sdpa as heur
+from dnngraph.backends.triton.heuristics import sdpa as heur
 from helpers import check, rel_err, run
 
 TYPES = {torch.float32: dg.float32, torch.float16: dg.float16, torch.bfloat16: dg.bfloat16}

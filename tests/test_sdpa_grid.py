@@ -7,7 +7,7 @@ import torch
 
 import dataclasses
 
-from dnngraph.heuristics import sdpa as heur
+from dnngraph.backends.triton.heuristics import sdpa as heur
 import dnngraph as dg
 from helpers import check
 from test_sdpa import MASKS, _run, _run_backward, _run_dbias, paged_graph
@@ -118,7 +118,7 @@ def test_many_batch_heads_build_within_the_grid_limits():
     two heads per program column, every grid within CUDA's limits; the dbias kernel of a bias
     with as many (batch, head) pairs folds its grid into axis x; a grid past the limits is
     refused at build, named."""
-    from dnngraph.plan.launch import check_grid
+    from dnngraph.runtime.launch import check_grid
     for s_q, backward in ((40, False), (40, True), (1, False)):
         g = _problem_graph(70000, 1, s_q, 40, 16, backward)
         g.build(options=dg.BuildOptions(target=H100))

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import dnngraph as dg
-from dnngraph.plan import launch as launch_module
-from dnngraph.plan.launch import shared_compile
+from dnngraph.runtime import launch as launch_module
+from dnngraph.runtime.launch import shared_compile
 
 
 def _plan_launches(second="relu"):
@@ -160,7 +160,7 @@ def test_bind_shares_one_compile_and_keeps_each_launch_its_own(monkeypatch):
 def test_nested_and_debug_state_split_the_key(monkeypatch):
     """Tuples are keyed element by element with types; Triton's debug setting is in the key."""
     import triton
-    from dnngraph.plan.launch import _typed
+    from dnngraph.runtime.launch import _typed
     assert _typed((1,)) != _typed((True,)) and _typed((0.0,)) != _typed((-0.0,))
     assert _typed((1, (2, 3.5))) == _typed((1, (2, 3.5)))
     monkeypatch.setattr(launch_module, "_COMPILED", {})

@@ -14,10 +14,10 @@ import torch
 
 import dnngraph as dg
 from dnngraph import target as target_module
-from dnngraph.heuristics import conv as conv_heuristics
-from dnngraph.heuristics import depthwise as dw_heuristics
-from dnngraph.heuristics import matmul as mm
-from dnngraph.heuristics import sdpa as sdpa_heuristics
+from dnngraph.backends.triton.heuristics import conv as conv_heuristics
+from dnngraph.backends.triton.heuristics import depthwise as dw_heuristics
+from dnngraph.backends.triton.heuristics import matmul as mm
+from dnngraph.backends.triton.heuristics import sdpa as sdpa_heuristics
 from helpers import check
 import target_problems
 

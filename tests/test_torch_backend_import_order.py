@@ -77,7 +77,7 @@ _DOUBLE = JITFunction(_double)  # compiled-mode, whatever TRITON_INTERPRET says,
 def test_a_jitted_helper_decorated_before_the_interpreter_was_chosen_runs_interpreted():
     """A compiled-mode JITFunction called from an interpreted kernel runs interpreted; outside a
     kernel it still refuses, as Triton's do."""
-    from dnngraph.runtime import run_interpreted
+    from dnngraph.runtime.interpreter import run_interpreted
 
     x, y = torch.randn(37), torch.full((37,), float("nan"))
     run_interpreted(JITFunction(_doubling_kernel), (3,), [x, y, 37, 16])

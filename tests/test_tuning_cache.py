@@ -10,8 +10,8 @@ import warnings
 
 import pytest
 
-from dnngraph.heuristics import tuning_cache as tc
-from dnngraph.heuristics.tuning_cache import (TuningCache, TuningCacheWarning, default_cache,
+from dnngraph.runtime import tuning_cache as tc
+from dnngraph.runtime.tuning_cache import (TuningCache, TuningCacheWarning, default_cache,
                                               tuning_cache_path, tuning_key)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,7 +96,7 @@ def test_key_holds_all_four_parts():
 def test_a_new_process_sees_stored_records(cache_dir):
     default_cache().store(KEY, RECORD)
     # The real import path and default_cache(), as a second build in a new process would use.
-    code = ("import json; from dnngraph.heuristics.tuning_cache import default_cache;"
+    code = ("import json; from dnngraph.runtime.tuning_cache import default_cache;"
             f"print(json.dumps(default_cache().lookup({KEY!r})))")
     env = {**os.environ, "DNNGRAPH_CACHE_DIR": str(cache_dir),
            "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -302,12 +302,12 @@ def test_module_uses_only_the_standard_library():
 
 # --- records: validated before use, keyed by the dnngraph version ----------------------------------
 def _matmul_record(**changes):
-    from dnngraph.heuristics.matmul import MatmulConfig
+    from dnngraph.backends.triton.heuristics.matmul import MatmulConfig
     return {**MatmulConfig("tiled", 64, 64, 32, 4, 3).to_record(), **changes}
 
 
 def _row_record(**changes):
-    from dnngraph.heuristics.rows import RowConfig
+    from dnngraph.backends.triton.heuristics.rows import RowConfig
     return {**RowConfig("looped", 1, 2048, 8, 1, 0.0).to_record(), **changes}
 
 
@@ -316,7 +316,7 @@ def _row_record(**changes):
                                      {"num_stages": 0}, {"split_k": -2}, {"flatten": "yes"},
                                      {"block_m": True}, {"variant": None}])
 def test_matmul_record_rejects_illegal_values(changes):
-    from dnngraph.heuristics.matmul import MatmulConfig
+    from dnngraph.backends.triton.heuristics.matmul import MatmulConfig
     assert MatmulConfig.from_record(_matmul_record()).block_m == 64
     with pytest.raises(ValueError):
         MatmulConfig.from_record(_matmul_record(**changes))
@@ -325,15 +325,15 @@ def test_matmul_record_rejects_illegal_values(changes):
 @pytest.mark.parametrize("changes", [{"mode": "turbo"}, {"block_r": 3}, {"block_k": 1e9},
                                      {"block_r": "2048"}, {"num_warps": 32}, {"splits": 0}])
 def test_row_record_rejects_illegal_values(changes):
-    from dnngraph.heuristics.rows import RowConfig
+    from dnngraph.backends.triton.heuristics.rows import RowConfig
     assert RowConfig.from_record(_row_record()).block_r == 2048
     with pytest.raises(ValueError):
         RowConfig.from_record(_row_record(**changes))
 
 
 def _tuner_setup(tmp_path):
-    from dnngraph.heuristics.autotune import Tuner
-    from dnngraph.heuristics.rows import RowConfig
+    from dnngraph.runtime.autotune import Tuner
+    from dnngraph.backends.triton.heuristics.rows import RowConfig
     from dnngraph.target import target_of
     ranked = [RowConfig("looped", 1, 2048, 8, 1, 1.0), RowConfig("one_pass", 1, 4096, 8, 1, 2.0)]
     tuner = Tuner(target_of(), TuningCache(tmp_path / "tuning.json"), progress=False)

@@ -17,12 +17,12 @@ import dnngraph as dg  # before triton: it sets TRITON_INTERPRET on a CPU-only m
 import triton
 from dnngraph import __version__
 from dnngraph.__main__ import main
-from dnngraph.heuristics.autotune import Tuner
-from dnngraph.heuristics.depthwise import DepthwiseConfig
-from dnngraph.heuristics.matmul import MatmulConfig
-from dnngraph.heuristics.rows import RowConfig
-from dnngraph.heuristics.tuning_cache import TuningCache, parse_tuning_key, tuning_key, tuning_cache_path
-from dnngraph.heuristics.tuning_transfer import check_entry, export_tuning, import_tuning
+from dnngraph.runtime.autotune import Tuner
+from dnngraph.backends.triton.heuristics.depthwise import DepthwiseConfig
+from dnngraph.backends.triton.heuristics.matmul import MatmulConfig
+from dnngraph.backends.triton.heuristics.rows import RowConfig
+from dnngraph.runtime.tuning_cache import TuningCache, parse_tuning_key, tuning_key, tuning_cache_path
+from dnngraph.backends.triton.heuristics.tuning_transfer import check_entry, export_tuning, import_tuning
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"

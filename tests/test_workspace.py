@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import dnngraph as dg
-import dnngraph.plan as plan_module
-from dnngraph.plan import cache as plan_cache
-from dnngraph.heuristics import matmul as mm
+import dnngraph.runtime.plan as plan_module
+from dnngraph.runtime import plan_cache as plan_cache
+from dnngraph.backends.triton.heuristics import matmul as mm
 from dnngraph.target import INTERPRETER, target_of
 from helpers import check, poisoned, rel_err
 

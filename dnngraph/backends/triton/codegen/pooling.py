@@ -1,0 +1,432 @@
+"""Render a pooling schedule as one Triton kernel (forward or backward, 1D/2D/3D windows).
+
+Forward: each program owns a [BLOCK_R, BLOCK_C] tile of y and walks the window with unrolled
+loads of x; the prologue is applied at load, padding never wins a max and adds nothing to a sum.
+Backward is a gather, so it needs no atomics and is deterministic: each program owns a tile of
+dx and, for each of the few windows covering an element, adds dy / count (average) or dy where
+the window's argmax is that element: recomputed from x (first maximum in window order, as
+torch), or read from the forward's indices where the graph gives them (one int64 load and
+compare per covering window instead of a window of x loads). A max forward asked for indices
+tracks that same argmax as torch's flat index in the input plane.
+Tile columns walk the schedule's vector axis; every other axis is a row coordinate.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ....errors import UnsupportedError
+from ....fusion import FusionGroup
+from ..heuristics.layout import operand_strides
+from ..heuristics.pooling import AXIS_NAMES
+from .emitter import ExpressionEmitter, kind_of
+from .names import NameAllocator
+from .pointwise import KernelArgument, kernel_module
+
+INDENT = "    "
+# identifiers the pooling kernel writes itself; the stems own every `stem_*` name too (each
+# axis letter: h_idx, h_start, ...; in_h, out_h, WINDOW_H, ...)
+FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest",
+               "rows", "cols", "batch", "channels", "acc", "value", "result", "grad", "best", "hit",
+               "better", "inside", "covered", "argmax", "here", "BLOCK_R", "BLOCK_C")
+FIXED_STEMS = ("in", "out", "WINDOW", "STRIDE", "PAD", "COVER")
+
+
+@dataclass(frozen=True)
+class Coord:
+    """One logical axis's index vector at some point of the kernel."""
+
+    variable: str
+    side: str  # "row": a [BLOCK_R] vector, "col": a [BLOCK_C] vector
+    valid: Optional[str]  # predicate on the same side; None where always in range
+
+
+@dataclass(frozen=True)
+class Operand:
+    identifier: str  # its name in generated source (from the kernel's allocator)
+    strides: tuple  # over the logical axes; 0 where the operand broadcasts
+
+
+def _outer(row_terms, col_terms, joiner: str = " & ") -> str:
+    """A [BLOCK_R, BLOCK_C]-broadcastable expression joining per-row and per-column terms."""
+    parts = []
+    if row_terms:
+        parts.append(f"({joiner.join(row_terms)})[:, None]")
+    if col_terms:
+        parts.append(f"({joiner.join(col_terms)})[None, :]")
+    return joiner.join(parts)
+
+
+def prologue_values_to_store(group):
+    """A pointwise group writing the prologue values that are graph outputs, or None.
+
+    The pooling kernel cannot store them: its loads visit some x positions several times and,
+    when the stride exceeds the window, others never.
+    """
+    members = set(group.prologue)
+    outputs = [t for t in group.outputs if t.producer in members]
+    if not outputs:
+        return None
+    inputs = {}
+    for node in group.prologue:
+        for tensor in node.input_tensors():
+            if tensor.producer not in members:
+                inputs.setdefault(tensor.uid, tensor)
+    return FusionGroup("pointwise", None, list(group.prologue), inputs=list(inputs.values()),
+                       outputs=outputs)
+
+
+class _KernelWriter:
+    """Collects the body of one pooling kernel; one method per part of it."""
+
+    def __init__(self, kernel_name, schedule, group, compute_type):
+        self.schedule, self.group = schedule, group
+        self.anchor = group.anchor
+        self.rank = len(schedule.x_dims)
+        self.names = AXIS_NAMES[self.rank]
+        self.spatial = range(2, self.rank)
+        self.compute = compute_type.triton_type
+        loop_names = [f"{loop}{self.names[a]}" for a in self.spatial for loop in "kj"]
+        self.allocator = NameAllocator(FIXED_NAMES + tuple(loop_names) + (kernel_name,))
+        self.allocator.reserve_stems(*(FIXED_STEMS + self.names))
+        self.emitter = ExpressionEmitter(self.compute, names=self.allocator)
+        prologue = set(group.prologue)
+        self.outputs = [t for t in group.outputs if t.producer not in prologue]
+        # a max forward's argmax indices, where the graph asks for them
+        outputs = self.anchor.outputs
+        self.indices = outputs[1] if self.anchor.op == "pooling" and len(outputs) > 1 else None
+        # operands are named by whether they are read or written, never by their tensor's name;
+        # x is no operand of a max backward that reads the forward's indices and nothing else of x
+        read = [t for t in group.inputs if t.uid in schedule.read_uids]
+        roles = [(t, "x") for t in read] + [(t, "y") for t in self.outputs]
+        self.operands = {t.uid: Operand(self.allocator.prefix(hint),
+                                        operand_strides(schedule.x_dims, t.dim, t.stride))
+                         for t, hint in roles}
+        self.input_uids = {t.uid for t in read}
+        self.body: list[str] = []
+        self.depth = 1
+
+    # --- text ------------------------------------------------------------------------------------
+    def line(self, text: str):
+        self.body.append(INDENT * self.depth + text)
+
+    def open_loop(self, variable: str, count: str):
+        self.line(f"for {variable} in tl.static_range({count}):")
+        self.depth += 1
+
+    def close_loops(self, count: int):
+        self.depth -= count
+
+    def side(self, axis: int) -> str:
+        return "col" if axis == self.schedule.vector_axis else "row"
+
+    def by_side(self, pairs):
+        """(row terms, col terms) of (axis, expression) pairs."""
+        rows = [text for axis, text in pairs if self.side(axis) == "row"]
+        cols = [text for axis, text in pairs if self.side(axis) == "col"]
+        return rows, cols
+
+    def inside(self, coords) -> str:
+        """The tile mask narrowed to coordinates that are in range."""
+        valid = [(axis, c.valid) for axis, c in coords.items() if c.valid]
+        narrowed = _outer(*self.by_side(valid))
+        return f"mask & {narrowed}" if narrowed else "mask"
+
+    # --- the tile --------------------------------------------------------------------------------
+    def tile_coordinates(self) -> dict:
+        """Emit the program's row and column indices; returns axis -> Coord of the tile."""
+        self.line("pid = tl.program_id(0)" + (".to(tl.int64)" if self.schedule.index_64 else ""))
+        self.line("col_tiles = tl.cdiv(cols, BLOCK_C)")
+        self.line("rows_idx = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)")
+        self.line("cols_idx = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)")
+        self.line("row_mask = rows_idx < rows")
+        self.line("col_mask = cols_idx < cols")
+        self.line("mask = row_mask[:, None] & col_mask[None, :]")
+        self.line(f"{self.names[self.schedule.vector_axis]}_idx = cols_idx")
+        row_axes = self.schedule.row_axes
+        self.line("rest = rows_idx")
+        for axis in reversed(row_axes[1:]):
+            self.line(f"{self.names[axis]}_idx = rest % {self.tile_size_name(axis)}")
+            self.line(f"rest = rest // {self.tile_size_name(axis)}")
+        self.line(f"{self.names[row_axes[0]]}_idx = rest")
+        return {axis: Coord(f"{self.names[axis]}_idx", self.side(axis), None) for axis in range(self.rank)}
+
+    def tile_size_name(self, axis: int) -> str:
+        if axis < 2:
+            return ("batch", "channels")[axis]
+        return f"{'in' if self.schedule.backward else 'out'}_{self.names[axis]}"
+
+    # --- operands --------------------------------------------------------------------------------
+    def pointer(self, operand: Operand, coords: dict, full: bool = False):
+        """Emit the operand's row and column offsets at `coords`; returns (pointer, mask or None).
+        full=True gives a whole [BLOCK_R, BLOCK_C] tile even where it broadcasts (stores)."""
+        rows, cols, row_ok, col_ok = [], [], ["row_mask"], ["col_mask"]
+        for axis, coord in coords.items():
+            if not operand.strides[axis]:
+                continue
+            term = f"{coord.variable} * {operand.identifier}_stride_{self.names[axis]}"
+            row = self.side(axis) == "row"
+            (rows if row else cols).append(term)
+            if coord.valid:
+                (row_ok if row else col_ok).append(coord.valid)
+        if full:
+            rows, cols = rows or ["rows_idx * 0"], cols or ["cols_idx * 0"]
+        ident = operand.identifier
+        pointer = f"{ident}_ptr"
+        if rows:
+            self.line(f"{ident}_row = {' + '.join(rows)}")
+            pointer += f" + {ident}_row[:, None]"
+        if cols:
+            self.line(f"{ident}_col = {' + '.join(cols)}")
+            pointer += f" + {ident}_col[None, :]"
+        return pointer, _outer(row_ok if rows else [], col_ok if cols else []) or None
+
+    def load(self, tensor, coords: dict):
+        """Emit the load of a group input at `coords` and bind it in the emitter."""
+        if tensor.uid not in self.input_uids:
+            raise UnsupportedError(f"node {self.anchor.name!r} ({self.anchor.op}): fused value "
+                                   f"{tensor.name!r} is needed where the kernel cannot compute it")
+        operand = self.operands[tensor.uid]
+        pointer, mask = self.pointer(operand, coords)
+        load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer})"
+        variable = f"{operand.identifier}_val"
+        self.line(f"{variable} = {self.emitter.loaded(load, tensor.data_type)}")
+        self.emitter.bind(tensor.uid, variable, kind_of(tensor.data_type))
+
+    def emit(self, node):
+        start = len(self.emitter.lines)
+        self.emitter.emit(node)
+        for text in self.emitter.lines[start:]:
+            self.line(text)
+
+    def prologue_chain(self, tensor) -> list:
+        """The prologue nodes `tensor` depends on, in order (empty for a group input)."""
+        needed, chain = {tensor.uid}, []
+        for node in reversed(self.group.prologue):
+            if any(t.uid in needed for t in node.output_tensors()):
+                chain.append(node)
+                needed.update(t.uid for t in node.input_tensors())
+        return chain[::-1]
+
+    def chain_sources(self, tensor) -> tuple:
+        """(prologue chain, group inputs it reads) of the value `tensor`."""
+        chain = self.prologue_chain(tensor)
+        made = {t.uid for node in chain for t in node.output_tensors()}
+        sources = [t for node in chain for t in node.input_tensors()] if chain else [tensor]
+        unique = {t.uid: t for t in sources if t.uid not in made}
+        return chain, list(unique.values())
+
+    def hoist_loads(self, tensor, tile: dict) -> set:
+        """Load before the window loops the sources of `tensor` that do not vary over space
+        (a per-channel bias), so the unrolled window does not reload them; returns their uids."""
+        _, sources = self.chain_sources(tensor)
+        hoisted = set()
+        for source in sources:
+            operand = self.operands.get(source.uid)
+            if operand is not None and not any(operand.strides[a] for a in self.spatial):
+                self.load(source, tile)
+                hoisted.add(source.uid)
+        return hoisted
+
+    def value_at(self, tensor, coords: dict, variable: str, hoisted=frozenset()):
+        """Emit `variable` = the value of `tensor` at `coords`: a load, or loads and its prologue."""
+        chain, sources = self.chain_sources(tensor)
+        for source in sources:
+            if source.uid not in hoisted:
+                self.load(source, coords)
+        for node in chain:
+            self.emit(node)
+        self.line(f"{variable} = {self.emitter.value(tensor.uid, 'f')}")
+
+    # --- windows ---------------------------------------------------------------------------------
+    def open_window(self, base: dict) -> dict:
+        """Open one unrolled loop per spatial axis over the window starting at `{axis}_start`;
+        returns the coordinates of the current window element."""
+        window = dict(base)
+        for axis in self.spatial:
+            name, upper = self.names[axis], self.names[axis].upper()
+            self.open_loop(f"k{name}", f"WINDOW_{upper}")
+            self.line(f"{name}_in = {name}_start + k{name}")
+            self.line(f"{name}_ok = ({name}_in >= 0) & ({name}_in < in_{name})")
+            window[axis] = Coord(f"{name}_in", self.side(axis), f"{name}_ok")
+        self.line(f"inside = {self.inside(window)}")
+        return window
+
+    def window_count(self) -> str:
+        """Elements of the window starting at `{axis}_start` that lie inside x."""
+        return self._counted("tl.minimum({start} + WINDOW_{upper}, in_{name}) - tl.maximum({start}, 0)")
+
+    def padded_window_count(self) -> str:
+        """Elements of the window starting at `{axis}_start` inside the padded input: the whole
+        window, except a ceil-mode last window running past the padding."""
+        return self._counted("tl.minimum({start} + WINDOW_{upper}, in_{name} + PAD_{upper}) - {start}")
+
+    def _counted(self, extent: str) -> str:
+        """The product over the spatial axes of `extent` (a format of start, name and upper),
+        each at least 1: lanes past the tile's end would divide by zero (masked, but noisy)."""
+        counts = []
+        for axis in self.spatial:
+            name, upper = self.names[axis], self.names[axis].upper()
+            counts.append((axis, f"{name}_count"))
+            self.line(f"{name}_count = tl.maximum({extent.format(start=f'{name}_start', name=name, upper=upper)}, 1)")
+        return f"({_outer(*self.by_side(counts), joiner=' * ')}).to({self.compute})"
+
+    def divisor(self) -> str:
+        if self.schedule.divisor is not None:  # a validated int: a literal
+            return f"{float(self.schedule.divisor)!r}"
+        if self.schedule.mode == "avg_include_pad":
+            if self.schedule.ceil_mode:
+                return self.padded_window_count()
+            return "(" + " * ".join(f"WINDOW_{self.names[a].upper()}" for a in self.spatial) + ")"
+        return self.window_count()
+
+    def x_tensor(self):
+        return self.anchor.inputs[1] if self.schedule.backward else self.anchor.inputs[0]
+
+    def forward(self, tile: dict):
+        for axis in self.spatial:
+            name = self.names[axis]
+            self.line(f"{name}_start = {name}_idx * STRIDE_{name.upper()} - PAD_{name.upper()}")
+        is_max = self.schedule.mode == "max"
+        if is_max:
+            self.line(f"acc = tl.full([BLOCK_R, BLOCK_C], float('-inf'), {self.compute})")
+            if self.indices is not None:  # torch's start: the window's first in-range element
+                for axis in self.spatial:
+                    name = self.names[axis]
+                    self.line(f"{name}_first = tl.maximum({name}_start, 0)")
+                self.line(f"argmax = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int64) + {self.plane_index('first')}")
+        else:
+            self.line(f"acc = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
+        hoisted = self.hoist_loads(self.x_tensor(), tile)
+        window = self.open_window(tile)
+        self.value_at(self.x_tensor(), window, "value", hoisted)
+        if is_max:  # a NaN always takes over, as in torch's max_pool
+            # NaN wins; tl.where keeps a hoisted (0-d) value's test from a bool 0-d | 2-d, which
+            # the interpreter cannot do
+            self.line("better = inside & tl.where(value != value, True, value > acc)")
+            self.line("acc = tl.where(better, value, acc)")
+            if self.indices is not None:
+                self.line(f"argmax = tl.where(better, {self.plane_index('in')}, argmax)")
+        else:
+            self.line("acc += tl.where(inside, value, 0.0)")
+        self.close_loops(len(self.spatial))
+        self.line("result = acc" if is_max else f"result = acc / {self.divisor()}")
+
+    def plane_index(self, suffix: str) -> str:
+        """torch's int64 flat index within the input plane of the coordinates `{axis}_{suffix}`."""
+        terms = []
+        for axis in self.spatial:
+            inner = "".join(f" * in_{self.names[later]}" for later in range(axis + 1, self.rank))
+            terms.append((axis, f"{self.names[axis]}_{suffix}.to(tl.int64){inner}"))
+        return f"({_outer(*self.by_side(terms), joiner=' + ')})"
+
+    def backward(self, tile: dict):
+        self.line(f"acc = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
+        for axis in self.spatial:  # the last window starting at or before this element
+            name, upper = self.names[axis], self.names[axis].upper()
+            self.line(f"{name}_last = ({name}_idx + PAD_{upper}) // STRIDE_{upper}")
+        is_max, indices = self.schedule.mode == "max", self.anchor.inputs[2]
+        hoisted = self.hoist_loads(self.anchor.inputs[0], tile)
+        if is_max and indices is None:  # only the recomputed argmax reads x
+            hoisted |= self.hoist_loads(self.x_tensor(), tile)
+        if indices is not None:
+            self.line(f"here = {self.plane_index('idx')}")
+        covering = dict(tile)
+        for axis in self.spatial:
+            name, upper = self.names[axis], self.names[axis].upper()
+            self.open_loop(f"j{name}", f"COVER_{upper}")
+            self.line(f"{name}_out = {name}_last - j{name}")
+            self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
+            self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name}) & "
+                      f"({name}_idx - {name}_start < WINDOW_{upper})")
+            covering[axis] = Coord(f"{name}_out", self.side(axis), f"{name}_cov")
+        self.line(f"covered = {self.inside(covering)}")
+        self.value_at(self.anchor.inputs[0], covering, "grad", hoisted)
+        if indices is not None:
+            self.load(indices, covering)
+            self.line(f"hit = {self.emitter.value(indices.uid, 'l')} == here")
+        elif is_max:
+            self.argmax_is_here(tile, hoisted)
+        if is_max:
+            self.line("acc += tl.where(covered & hit, grad, 0.0)")
+        else:
+            self.line(f"acc += tl.where(covered, grad / {self.divisor()}, 0.0)")
+        self.close_loops(len(self.spatial))
+        self.line("result = acc")
+
+    def argmax_is_here(self, tile: dict, hoisted: set):
+        """Emit `hit`: the window at `{axis}_start` has its first maximum at this element.
+
+        Like torch, the index starts at the window's first in-range element (it stays there
+        when nothing beats -inf) and moves on every strictly greater value or NaN.
+        """
+        firsts = [(axis, f"({self.names[axis]}_idx == tl.maximum({self.names[axis]}_start, 0))")
+                  for axis in self.spatial]
+        here = [(axis, f"({self.names[axis]}_in == {self.names[axis]}_idx)") for axis in self.spatial]
+        self.line(f"best = tl.full([BLOCK_R, BLOCK_C], float('-inf'), {self.compute})")
+        self.line(f"hit = mask & {_outer(*self.by_side(firsts))}")
+        window = self.open_window(tile)
+        self.value_at(self.x_tensor(), window, "value", hoisted)
+        self.line("better = inside & tl.where(value != value, True, value > best)")
+        self.line("best = tl.where(better, value, best)")
+        self.line(f"hit = tl.where(better, {_outer(*self.by_side(here))}, hit)")
+        self.close_loops(len(self.spatial))
+
+    # --- epilogue and stores ---------------------------------------------------------------------
+    def epilogue_and_stores(self, tile: dict):
+        self.emitter.bind(self.anchor.outputs[0].uid, "result", "f")
+        if self.indices is not None:
+            self.emitter.bind(self.indices.uid, "argmax", "l")
+        made = {self.anchor.outputs[0].uid} | {t.uid for n in self.group.epilogue for t in n.output_tensors()}
+        loaded = set()
+        for node in self.group.epilogue:
+            for tensor in node.input_tensors():
+                if tensor.uid not in made and tensor.uid not in loaded:
+                    self.load(tensor, tile)  # at the output position, with its own strides
+                    loaded.add(tensor.uid)
+            self.emit(node)
+        for tensor in self.outputs:
+            pointer, _ = self.pointer(self.operands[tensor.uid], tile, full=True)
+            self.line(f"tl.store({pointer}, {self.emitter.stored(tensor.uid, tensor.data_type)}, mask=mask)")
+
+    # --- signature -------------------------------------------------------------------------------
+    def arguments(self) -> list:
+        sched, names = self.schedule, self.names
+        args = [KernelArgument("tensor", f"{op.identifier}_ptr", uid) for uid, op in self.operands.items()]
+        sizes = {"rows": sched.rows, "cols": sched.cols}
+        tile_dims = sched.tile_dims
+        for axis in sched.row_axes[1:]:
+            sizes[self.tile_size_name(axis)] = tile_dims[axis]
+        for axis in self.spatial:
+            sizes[f"in_{names[axis]}"] = sched.x_dims[axis]
+            if sched.backward:
+                sizes[f"out_{names[axis]}"] = sched.y_dims[axis]
+        args += [KernelArgument("int", name, value) for name, value in sizes.items()]
+        for op in self.operands.values():
+            args += [KernelArgument("int", f"{op.identifier}_stride_{names[a]}", s)
+                     for a, s in enumerate(op.strides) if s]
+        for axis in self.spatial:
+            k = axis - 2
+            upper = names[axis].upper()
+            args += [KernelArgument("constexpr", f"WINDOW_{upper}", sched.window[k]),
+                     KernelArgument("constexpr", f"STRIDE_{upper}", sched.stride[k]),
+                     KernelArgument("constexpr", f"PAD_{upper}", sched.padding[k])]
+            if sched.backward:  # windows covering one element along this axis, at most
+                args.append(KernelArgument("constexpr", f"COVER_{upper}",
+                                           -(-sched.window[k] // sched.stride[k])))
+        args += [KernelArgument("constexpr", "BLOCK_R", sched.config.block_rows),
+                 KernelArgument("constexpr", "BLOCK_C", sched.config.block_cols)]
+        return args
+
+
+def render(kernel_name: str, schedule, group, compute_type, description: str):
+    """(source, arguments) of the kernel running a pooling group under `schedule`."""
+    writer = _KernelWriter(kernel_name, schedule, group, compute_type)
+    tile = writer.tile_coordinates()
+    if schedule.backward:
+        writer.backward(tile)
+    else:
+        writer.forward(tile)
+    writer.epilogue_and_stores(tile)
+    args = writer.arguments()
+    return kernel_module(description, writer.emitter.globals, kernel_name, args, "\n".join(writer.body) + "\n"), args

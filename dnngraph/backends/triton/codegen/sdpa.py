@@ -1,0 +1,858 @@
+"""The flash-attention forward kernel of an sdpa group, rendered from an AttentionSpec.
+
+One program: BLOCK_M queries of one (batch, head). It walks the key blocks its mask lets it see
+in three runs: masked blocks before the fully visible ones (a left bound), the fully visible
+blocks with no mask arithmetic at all, and masked blocks after them (the diagonal of a causal
+mask, the last partial block, a right bound). Per block:
+
+    s = (q k^T) * scale * log2(e)  [+ bias * log2(e)]      scores in base 2
+    m_new = max(m, rowmax(s)); p = exp2(s - m_new); alpha = exp2(m - m_new)
+    l = l * alpha + rowsum(p);  acc = acc * alpha + p v     (p dropped out after l counts it)
+
+1/l is applied once in the epilogue; a row that sees no key keeps m = -inf and l = 0 and is
+written as zeros (its stats -inf). Every identifier is fixed here or drawn from the kernel's
+NameAllocator; user names reach comments only. The epilogue (pointwise consumers of o) goes
+through the shared ExpressionEmitter at the output position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ....ops.dropout import keep_threshold
+from .conversions import converted_to
+from .emitter import ExpressionEmitter, kind_of
+from .grid import FOLDED_PID, folded_program_ids
+from .names import NameAllocator
+from .pointwise import KernelArgument, header
+
+LOG2E = 1.4426950408889634
+
+# Identifiers the template writes literally.
+FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_dv", "row_in",
+         "len_q", "len_kv", "shift", "lo", "hi", "full_lo", "full_hi", "q_tile", "m_i", "l_i", "acc",
+         "start_n", "keys", "key_in", "k_rows", "v_rows", "k_tile", "v_tile", "scores", "visible",
+         "m_new", "m_use", "p_tile", "alpha", "l_use", "out", "lse", "bias_tile", "k_page", "v_page",
+         "k_base", "v_base", "q_base", "keep", "counter", "qk_scale", "run_a", "run_b", "o_mask",
+         "q_ptr", "k_ptr", "v_ptr", "o_ptr", "stats_ptr", "bias_ptr", "lenq_ptr", "lenkv_ptr",
+         "ktab_ptr", "vtab_ptr", FOLDED_PID, "HEADS", "GROUP", "SQ", "SKV", "HEAD_DIM", "VALUE_DIM", "BLOCK_M",
+         "BLOCK_N", "BLOCK_D", "BLOCK_DV", "PAGE", "PAGES", "seed", "offset",
+         # the backward kernels
+         "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "delta_ptr", "pid_n", "q_head", "do_tile", "o_tile",
+         "lse_row", "delta_row", "dq_acc", "dk_acc", "dv_acc", "p_drop", "d_probs", "d_scores", "q_rows",
+         "q_lo", "q_hi", "o_base", "do_base", "dq_base", "stats_base", "delta_base", "bias_base", "start_m",
+         # decode packing, key splits and their combine
+         "dbias_ptr", "dbias_acc", "bias_batch", "bias_head", "b_step", "h_step", "BATCH", "BIAS_HEADS",
+         "q_pos", "first_pos", "last_pos", "bias_row", "drop_row", "part_row", "m_part", "o_part", "weight",
+         "denom", "split", "opart_ptr", "lpart_ptr", "ROWS", "SPLITS", "CHUNK", "BLOCK_R",
+         # the op-level backward (codegen/attention.py)
+         "logits", "d_grad")
+STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
+                "dbias", "delta", "opart", "lpart", "seedt", "offt")
+STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Plain data the renderer needs: what is present, the mask, the sizes and strides."""
+
+    dims: dict  # HEADS, GROUP, SQ, SKV, HEAD_DIM, VALUE_DIM (ints)
+    strides: dict  # stem -> tuple of per-axis strides (q/k/v/o/bias [4], stats [3], lens/tables [B, P])
+    uids: dict  # stem -> tensor uid (present operands only)
+    scale: float
+    left: Optional[int]
+    right: Optional[int]
+    bottom_right: bool
+    dropout: Optional[tuple]  # (p, seed, offset)
+    page_size: Optional[int]  # paged K/V
+    block: tuple  # BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV
+    wide_index: bool  # some operand offset may pass 2^31: row offsets in int64
+    precision: str  # tl.dot input_precision for fp32 operands ("ieee", "tf32"), "" for 16-bit
+    packed: bool = False  # decode: a tile holds every query row of a K/V head's GROUP query heads
+    splits: int = 1  # decode: programs per K/V head, each over CHUNK keys, merged by a combine kernel
+    chunk: int = 0  # keys per split (a multiple of BLOCK_N)
+    bias_dims: tuple = ()  # the dbias kernel: the bias's [B, H, Sq, Skv] (1 on the axes it sums over)
+    stats_only: bool = False  # the log-sum-exp pass of an op-level backward: no v, no o
+    head_group: int = 0  # programs of this many heads interleaved, their longest tiles first (0: off)
+    folded_grid: bool = False  # the dbias kernel: (key tile, query tile, (batch, head)) from grid axis x
+    stored_types: dict = field(default_factory=dict)  # backward: stem (dq, dk, dv, dbias) -> DataType
+
+
+def _mask_argument(terms: list) -> str:
+    """`, mask=..., other=0.0` of a load, or nothing when no term masks it."""
+    return f", mask={' & '.join(terms)}, other=0.0" if terms else ""
+
+
+class ScoreModifier:
+    """An op-level chain's score ops (rendered through the emitter on each [BLOCK_M, BLOCK_N]
+    scores tile) and the side tensors they read at (batch, head, query, key)."""
+
+    def __init__(self, scores_uid: int, nodes: list, made=()):
+        self.scores_uid, self.nodes = scores_uid, list(nodes)
+        made = {scores_uid, *made} | {t.uid for n in self.nodes for t in n.output_tensors()}
+        self.sides = []
+        for node in self.nodes:
+            for tensor in node.input_tensors():
+                if tensor.uid not in made and all(tensor is not t for t in self.sides):
+                    self.sides.append(tensor)
+
+
+def _random_loads(writer, depth: int = 1):
+    """seed and offset read from their one-element int64 tensors, where dropout names tensors."""
+    for name, stem in (("seed", "seedt"), ("offset", "offt")):
+        if writer.has(stem):
+            writer.line(f"{name} = tl.load({stem}_ptr)", depth)
+
+
+class _Writer:
+    def __init__(self, spec: AttentionSpec, compute_type: str, modifier: Optional[ScoreModifier] = None):
+        self.spec, self.body = spec, []
+        self.names = NameAllocator(FIXED + STRIDE_NAMES)
+        self.dot_options = f", input_precision=\"{spec.precision}\"" if spec.precision else ""
+        self.emitter = ExpressionEmitter(compute_type, names=self.names, hint="e")
+        self.modifier = modifier
+        self.sides = {self.names.prefix("side"): t for t in modifier.sides} if modifier else {}
+
+    def line(self, text: str, depth: int = 1):
+        self.body.append("    " * depth + text)
+
+    def has(self, stem: str) -> bool:
+        return stem in self.spec.uids
+
+    def d_mask(self, axes: str) -> list:
+        """The head-dim mask term of a load, none where BLOCK_D is the head dim."""
+        return [] if self.spec.block[2] == self.spec.dims["HEAD_DIM"] else [f"(cols_d{axes} < HEAD_DIM)"]
+
+    def dv_mask(self, axes: str) -> list:
+        return [] if self.spec.block[3] == self.spec.dims["VALUE_DIM"] else [f"(cols_dv{axes} < VALUE_DIM)"]
+
+    def stride(self, stem: str, axis: int) -> str:
+        return f"{stem}_s{axis}"
+
+    # --- program and query tile ---------------------------------------------------------------
+    def prologue(self):
+        """Program ids to (batch, query head, query position) per tile row, lengths, the q tile."""
+        w, wide = self.line, self.spec.wide_index
+        cast = ".to(tl.int64)" if wide else ""
+        self.program_ids("pid_m")
+        if self.spec.packed:  # rows are (query head of the group, position); pid_m is the split
+            w("batch = pid_bh // (HEADS // GROUP)")
+            w("kv_head = pid_bh % (HEADS // GROUP)")
+            w("rows = tl.arange(0, BLOCK_M)")
+            w("q_head = kv_head * GROUP + rows // SQ")
+            w("q_pos = rows % SQ")
+            w("row_in = rows < GROUP * SQ")
+            w("first_pos = 0")
+            w("last_pos = SQ - 1")
+        else:
+            w("batch = pid_bh // HEADS")
+            w("q_head = pid_bh % HEADS")
+            w("kv_head = q_head // GROUP")
+            w("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+            w("q_pos = rows")
+            w("row_in = rows < SQ")
+            w("first_pos = pid_m * BLOCK_M")
+            w("last_pos = first_pos + BLOCK_M - 1")
+        w("cols_d = tl.arange(0, BLOCK_D)")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        self.lengths_in_range()
+        w("shift = " + ("len_kv - len_q" if self.spec.bottom_right else "0"))
+        w(f"q_base = {self.row_base('q')}")
+        w(f"q_tile = tl.load(q_ptr + q_base[:, None] + cols_d[None, :] * {self.stride('q', 3)}"
+          f"{_mask_argument(['row_in[:, None]'] + self.d_mask('[None, :]'))})")
+        if self.has("bias"):
+            w(f"bias_row = {self.row_base('bias')}")
+        for stem in self.sides:
+            w(f"{stem}_row = {self.row_base(stem)}")
+        if self.spec.dropout is not None:
+            w("drop_row = (batch.to(tl.int64) * HEADS + q_head) * SQ + q_pos")
+        if not self.spec.page_size:
+            for stem in ("k", "v") if self.has("v") else ("k",):
+                w(f"{stem}_base = batch{cast} * {self.stride(stem, 0)} + kv_head{cast} * {self.stride(stem, 1)}")
+        w("m_i = tl.full([BLOCK_M], float('-inf'), tl.float32)")
+        w("l_i = tl.zeros([BLOCK_M], tl.float32)")
+        w("acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)")
+        w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+        _random_loads(self)
+
+    def program_ids(self, tile: str, reverse: bool = True):
+        """`tile` and pid_bh from the grid. With a head group G, axis 0 walks G heads' tiles
+        interleaved, the longest first: query tiles from the last (`reverse`: later rows see
+        more keys), dK/dV's key blocks from the first; axis 1 counts the groups."""
+        w, group = self.line, self.spec.head_group
+        if not group:
+            w(f"{tile} = tl.program_id(0)")
+            w("pid_bh = tl.program_id(1)")
+            return
+        w("pid_w = tl.program_id(0)")
+        w(f"pid_bh = tl.program_id(1) * {group} + pid_w % {group}")
+        w(f"{tile} = " + (f"tl.num_programs(0) // {group} - 1 - pid_w // {group}" if reverse else f"pid_w // {group}"))
+
+    def length(self, stem: str, size: str, mask: str = "") -> str:
+        """A per-batch length clamped to [0, size] in its own integer type, then int32 (a length
+        past the axis means the whole axis; an int64 length is never truncated first)."""
+        if not self.has(stem):
+            return size
+        load = f"tl.load({stem}_ptr + batch * {self.stride(stem, 0)}{mask})"
+        return f"tl.minimum(tl.maximum({load}, 0), {size}).to(tl.int32)"
+
+    def lengths_in_range(self):
+        self.line(f"len_q = {self.length('lenq', 'SQ')}")
+        self.line(f"len_kv = {self.length('lenkv', 'SKV')}")
+
+    def row_base(self, stem: str) -> str:
+        """[BLOCK_M] offsets of each tile row's (batch, query head, position) in a [B, H, Sq, .]
+        tensor (batch may be a scalar, the head and position vectors)."""
+        cast = ".to(tl.int64)" if self.spec.wide_index else ""
+        return (f"batch{cast} * {stem}_s0 + q_head{cast} * {stem}_s1 + q_pos{cast} * {stem}_s2")
+
+    def key_range(self, padded_rows_idle: bool = False):
+        """lo/hi bound the blocks any row sees; [full_lo, full_hi) those every row sees whole.
+        `padded_rows_idle`: a tile whose rows all lie past len_q walks no key block (the dQ
+        kernel, where such rows are exactly 0)."""
+        w, spec = self.line, self.spec
+        w("lo = 0")
+        w("hi = len_kv")
+        w("full_lo = 0")
+        w("full_hi = len_kv")
+        if spec.right is not None:
+            w(f"hi = tl.minimum(hi, last_pos + 1 + shift + {spec.right})")
+            w(f"full_hi = tl.minimum(full_hi, first_pos + shift + {spec.right} + 1)")
+        if spec.left is not None:
+            w(f"lo = tl.maximum(lo, first_pos + shift - {spec.left} + 1)")
+            w(f"full_lo = tl.maximum(lo, last_pos + shift - {spec.left} + 1)")
+        w("hi = tl.maximum(hi, 0)")
+        if padded_rows_idle:
+            w("hi = tl.where(first_pos < len_q, hi, 0)")
+        w("lo = tl.minimum(lo, hi) // BLOCK_N * BLOCK_N")
+        if spec.splits > 1:  # this program's chunk of keys (chunks start on block edges)
+            w("lo = tl.maximum(lo, pid_m * CHUNK)")
+            w("hi = tl.minimum(hi, pid_m * CHUNK + CHUNK)")
+        # the fully visible run starts and ends on block edges inside [lo, hi]
+        w("run_a = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)")
+        w("run_b = tl.maximum(tl.minimum(full_hi // BLOCK_N * BLOCK_N, hi), run_a)")
+
+    # --- one key block ------------------------------------------------------------------------
+    def key_rows(self, stem: str, depth: int) -> str:
+        """Offsets of the block's key rows in k or v (page_rows gathered them when paged)."""
+        if not self.spec.page_size:
+            keys = "keys.to(tl.int64)" if self.spec.wide_index else "keys"
+            self.line(f"{stem}_rows = {stem}_base + {keys} * {self.stride(stem, 2)}", depth)
+        return f"{stem}_rows"
+
+    def page_rows(self, depth: int):
+        """Paged K/V: the block's page ids from the k and v tables, and the keys' rows in the
+        pools. A key whose id in either table lies outside [0, PAGES) is invisible, as if past
+        len_kv (key_in), and its row offset is 0: whatever a table holds, no load leaves a pool."""
+        w = self.line
+        stems = ("k", "v") if self.has("v") else ("k",)
+        for stem in stems:
+            table = "ktab" if stem == "k" else "vtab"
+            w(f"{stem}_page = tl.load({table}_ptr + batch * {self.stride(table, 0)} + (keys // PAGE) * "
+              f"{self.stride(table, 2)}, mask=key_in, other=0).to(tl.int64)", depth)
+        for stem in stems:
+            w(f"key_in = key_in & ({stem}_page >= 0) & ({stem}_page < PAGES)", depth)
+        for stem in stems:
+            w(f"{stem}_rows = tl.where(key_in, {stem}_page, 0) * {self.stride(stem, 0)} + "
+              f"kv_head.to(tl.int64) * {self.stride(stem, 1)} + (keys % PAGE) * {self.stride(stem, 2)}", depth)
+
+    def block(self, masked: bool, depth: int):
+        w, spec = self.line, self.spec
+        w("keys = start_n + tl.arange(0, BLOCK_N)", depth)
+        w("key_in = keys < len_kv", depth)
+        if spec.page_size:  # a table may hide any key: every block is masked
+            self.page_rows(depth)
+            masked = True
+        k_rows = self.key_rows("k", depth)
+        terms = (["key_in[None, :]"] if masked else []) + self.d_mask("[:, None]")
+        w(f"k_tile = tl.load(k_ptr + {k_rows}[None, :] + cols_d[:, None] * {self.stride('k', 3)}"
+          f"{_mask_argument(terms)})", depth)
+        if not masked and self.modifier is None and not self.has("bias") and spec.scale > 0:
+            self.plain_probabilities(depth)
+        else:
+            self.probabilities(masked, depth)
+        self.accumulate(masked, depth)
+
+    def plain_probabilities(self, depth: int):
+        """p of a fully visible block of plain scores: they are finite, so m_new is too once any
+        block has been seen, and the scale rides in the row max and one multiply-add per score
+        (measured 4-7% faster than scaling the scores first on the H100)."""
+        w = self.line
+        w(f"scores = tl.dot(q_tile, k_tile{self.dot_options})", depth)
+        w("m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)", depth)
+        w("p_tile = tl.math.exp2(scores * qk_scale - m_new[:, None])", depth)
+        w("alpha = tl.math.exp2(m_i - m_new)", depth)
+
+    def probabilities(self, masked: bool, depth: int):
+        """p of a block: base-2 scores (modified, biased, masked), the running max guarded for
+        rows that have seen no key yet."""
+        w, spec = self.line, self.spec
+        if self.modifier is not None:
+            self.modified_scores(depth)
+        else:
+            w(f"scores = tl.dot(q_tile, k_tile{self.dot_options}) * qk_scale", depth)
+        if self.has("bias"):
+            keys = "keys[None, :].to(tl.int64)" if spec.wide_index else "keys[None, :]"
+            w(f"bias_tile = tl.load(bias_ptr + bias_row[:, None] + {keys} * {self.stride('bias', 3)}, "
+              "mask=row_in[:, None] & key_in[None, :], other=0.0)", depth)
+            w(f"scores += bias_tile.to(tl.float32) * {LOG2E!r}", depth)
+        if masked:
+            w("visible = key_in[None, :] & (q_pos[:, None] >= 0)", depth)
+            if spec.right is not None:
+                w(f"visible = visible & (keys[None, :] - (q_pos[:, None] + shift) <= {spec.right})", depth)
+            if spec.left is not None:
+                w(f"visible = visible & ((q_pos[:, None] + shift) - keys[None, :] < {spec.left})", depth)
+            w("scores = tl.where(visible, scores, float('-inf'))", depth)
+        w("m_new = tl.maximum(m_i, tl.max(scores, 1))", depth)
+        # rows that have seen no key yet keep m = -inf: subtract 0 there (exp2(-inf) = 0, no NaN)
+        w("m_use = tl.where(m_new == float('-inf'), 0.0, m_new)", depth)
+        w("p_tile = tl.math.exp2(scores - m_use[:, None])", depth)
+        w("alpha = tl.math.exp2(m_i - m_use)", depth)
+
+    def accumulate(self, masked: bool, depth: int):
+        """l and acc rescaled by alpha and grown by the block's p (dropped out after l counts it)."""
+        w, spec = self.line, self.spec
+        w("l_i = l_i * alpha + tl.sum(p_tile, 1)", depth)
+        if spec.stats_only:
+            w("m_i = m_new", depth)
+            return
+        if spec.dropout is not None:
+            p = spec.dropout[0]
+            w("counter = drop_row[:, None] * SKV + keys[None, :]", depth)
+            w(f"p_tile, keep = tm.dropout(p_tile, seed, offset, counter, {keep_threshold(p)}, "
+              f"{1.0 / (1.0 - p)!r})", depth)
+        v_rows = self.key_rows("v", depth)
+        terms = (["key_in[:, None]"] if masked else []) + self.dv_mask("[None, :]")
+        w(f"v_tile = tl.load(v_ptr + {v_rows}[:, None] + cols_dv[None, :] * {self.stride('v', 3)}"
+          f"{_mask_argument(terms)})", depth)
+        w(f"acc = acc * alpha[:, None] + tl.dot(p_tile.to(v_tile.dtype), v_tile{self.dot_options})", depth)
+        w("m_i = m_new", depth)
+
+    def modified_scores(self, depth: int):
+        """scores = the chain's ops on q k^T (side tensors loaded at this block), in base 2."""
+        w = self.line
+        w(f"scores = tl.dot(q_tile, k_tile{self.dot_options})", depth)
+        self.emitter.bind(self.modifier.scores_uid, "scores", "f")
+        for stem, tensor in self.sides.items():
+            variable = self.names.fresh("sval")
+            load = (f"tl.load({stem}_ptr + {stem}_row[:, None] + keys[None, :] * {stem}_s3, "
+                    "mask=row_in[:, None] & key_in[None, :], other=0)")
+            w(f"{variable} = {self.emitter.loaded(load, tensor.data_type)}", depth)
+            self.emitter.bind(tensor.uid, variable, kind_of(tensor.data_type))
+        for node in self.modifier.nodes:
+            self.emitter.emit(node)
+        for text in self.emitter.lines:
+            w(text, depth)
+        self.emitter.lines.clear()
+        final = self.modifier.nodes[-1].outputs[0].uid if self.modifier.nodes else self.modifier.scores_uid
+        w(f"scores = {self.emitter.value(final, 'f')} * {LOG2E!r}", depth)
+
+    def loops(self):
+        for first, last, masked in (("lo", "run_a", True), ("run_a", "run_b", False), ("run_b", "hi", True)):
+            self.line(f"for start_n in range({first}, {last}, BLOCK_N):")
+            self.block(masked, 2)
+
+    # --- epilogue -----------------------------------------------------------------------------
+    def normalize(self):
+        """o = acc / l and the natural-log stats (-inf for a row that saw no key)."""
+        w = self.line
+        w("l_use = tl.where(l_i == 0.0, 1.0, l_i)")
+        w("out = acc / l_use[:, None]")
+        if self.modifier is not None:  # an op-level softmax of a row of -inf is NaN, as in torch
+            w("out = tl.where((l_i == 0.0)[:, None], float('nan'), out)")
+        w(f"lse = tl.where(l_i == 0.0, float('-inf'), (m_i + tl.math.log2(l_use)) / {LOG2E!r})")
+
+    def store_stats(self):
+        """The natural-log log-sum-exp of each row (-inf for a row that saw no key), alone."""
+        w = self.line
+        w("l_use = tl.where(l_i == 0.0, 1.0, l_i)")
+        w(f"lse = tl.where(l_i == 0.0, float('-inf'), (m_i + tl.math.log2(l_use)) / {LOG2E!r})")
+        w(f"tl.store(stats_ptr + {self.row_base('stats')}, lse, mask=row_in)")
+
+    def store_partials(self):
+        """A split's normalized o and base-2 log-sum-exp, for the combine kernel."""
+        w = self.line
+        w("l_use = tl.where(l_i == 0.0, 1.0, l_i)")
+        w("part_row = ((batch * HEADS + q_head) * SQ + q_pos).to(tl.int64) * SPLITS + pid_m")
+        w("tl.store(lpart_ptr + part_row, tl.where(l_i == 0.0, float('-inf'), m_i + tl.math.log2(l_use)), "
+          "mask=row_in)")
+        w("tl.store(opart_ptr + part_row[:, None] * BLOCK_DV + cols_dv[None, :], acc / l_use[:, None], "
+          "mask=row_in[:, None])")
+
+    def finish(self, group, o_uid: int, outputs: list) -> dict:
+        """Zero padded query rows, store stats, run the pointwise epilogue on o and store it;
+        returns stem -> tensor of the epilogue's loaded operands and extra stored outputs."""
+        w = self.line
+        w("out = tl.where((q_pos < len_q)[:, None], out, 0.0)")
+        if self.has("stats"):
+            w(f"tl.store(stats_ptr + {self.row_base('stats')}, lse, mask=row_in)")
+        w("o_mask = row_in[:, None] & (cols_dv[None, :] < VALUE_DIM)")
+        self.emitter.bind(o_uid, "out", "f")
+        extra = {}
+        made = {o_uid} | {t.uid for n in group.epilogue for t in n.output_tensors()}
+        for node in group.epilogue:
+            for tensor in node.input_tensors():
+                if tensor.uid in made or tensor.uid in self.emitter.values:
+                    continue
+                stem = self.names.prefix("epi")
+                extra[stem] = tensor
+                variable = self.names.fresh("loaded")
+                w(f"{variable} = {self.emitter.loaded(self._tile_load(stem), tensor.data_type)}")
+                self.emitter.bind(tensor.uid, variable, kind_of(tensor.data_type))
+            self.emitter.emit(node)
+            for text in self.emitter.lines:
+                w(text)
+            self.emitter.lines.clear()
+        for tensor in outputs:
+            stem = "o" if tensor.uid == o_uid else self.names.prefix("out")
+            if stem != "o":
+                extra[stem] = tensor
+            w(f"tl.store({stem}_ptr + {self._tile_offsets(stem)}, "
+              f"{self.emitter.stored(tensor.uid, tensor.data_type)}, mask=o_mask)")
+        return extra
+
+    def _tile_offsets(self, stem: str) -> str:
+        return f"({self.row_base(stem)})[:, None] + cols_dv[None, :] * {stem}_s3"
+
+    def _tile_load(self, stem: str) -> str:
+        return f"tl.load({stem}_ptr + {self._tile_offsets(stem)}, mask=o_mask, other=0.0)"
+
+    # --- the combine kernel of a split decode -------------------------------------------------
+    def combine(self):
+        """Per query row: merge the splits' (o, log-sum-exp) weighted by exp2(lse - max)."""
+        w = self.line
+        w("rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)")
+        w("row_in = rows < ROWS")
+        w("batch = rows // (HEADS * SQ)")
+        w("q_head = rows // SQ % HEADS")
+        w("q_pos = rows % SQ")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        w(f"len_q = {self.length('lenq', 'SQ', ', mask=row_in, other=0')}")
+        w("m_i = tl.full([BLOCK_R], float('-inf'), tl.float32)")
+        w("for split in range(SPLITS):")
+        w("m_part = tl.load(lpart_ptr + rows.to(tl.int64) * SPLITS + split, mask=row_in, other=float('-inf'))", 2)
+        w("m_i = tl.maximum(m_i, m_part)", 2)
+        w("m_use = tl.where(m_i == float('-inf'), 0.0, m_i)")
+        w("denom = tl.zeros([BLOCK_R], tl.float32)")
+        w("acc = tl.zeros([BLOCK_R, BLOCK_DV], tl.float32)")
+        w("for split in range(SPLITS):")
+        w("part_row = rows.to(tl.int64) * SPLITS + split", 2)
+        w("weight = tl.math.exp2(tl.load(lpart_ptr + part_row, mask=row_in, other=float('-inf')) - m_use)", 2)
+        w("denom += weight", 2)
+        w("o_part = tl.load(opart_ptr + part_row[:, None] * BLOCK_DV + cols_dv[None, :], "
+          "mask=row_in[:, None], other=0.0)", 2)
+        w("acc += weight[:, None] * o_part", 2)
+        w("l_use = tl.where(denom == 0.0, 1.0, denom)")
+        w("out = acc / l_use[:, None]")
+        w(f"lse = tl.where(denom == 0.0, float('-inf'), (m_use + tl.math.log2(l_use)) / {LOG2E!r})")
+
+
+def render(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: list, compute_type: str,
+           description: str, modifier: Optional[ScoreModifier] = None):
+    """(source, arguments) of the forward kernel of an sdpa group (or an op-level attention chain,
+    whose score ops are `modifier`) under `spec`."""
+    writer = _Writer(spec, compute_type, modifier)
+    writer.prologue()
+    writer.key_range()
+    writer.loops()
+    extra = dict(writer.sides)
+    if spec.splits > 1:
+        writer.store_partials()
+    elif spec.stats_only:
+        writer.store_stats()
+    else:
+        writer.normalize()
+        extra.update(writer.finish(group, o_uid, outputs))
+    args = attention_arguments(spec, extra, writer.emitter.scalars)
+    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
+    source = header(description)
+    if writer.emitter.globals:
+        source += "\n" + "\n".join(writer.emitter.globals) + "\n"
+    source += "\n\n@triton.jit\ndef " + kernel_name + "(\n" + "".join(f"    {p},\n" for p in params) + "):\n"
+    return source + "\n".join(writer.body) + "\n", args
+
+
+def render_combine(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: list, compute_type: str,
+                   rows_per_program: int, description: str):
+    """(source, arguments) of the kernel merging a split decode's partials into o and stats."""
+    writer = _Writer(spec, compute_type)
+    writer.combine()
+    extra = writer.finish(group, o_uid, outputs)
+    stems = [s for s in ("opart", "lpart", "o", "stats", "lenq") if s in spec.uids]
+    args = [KernelArgument("tensor", f"{s}_ptr", spec.uids[s]) for s in stems]
+    args += [KernelArgument("tensor", f"{s}_ptr", t.uid) for s, t in extra.items()]
+    problem_rows = spec.dims["ROWS"]
+    args += [KernelArgument("int", name, spec.dims[name]) for name in ("HEADS", "SQ")]
+    args.append(KernelArgument("int", "ROWS", problem_rows))
+    for stem in stems:
+        args += [KernelArgument("int", f"{stem}_s{axis}", value) for axis, value in enumerate(spec.strides[stem])]
+    for stem, tensor in extra.items():
+        args += [KernelArgument("int", f"{stem}_s{axis}", value) for axis, value in enumerate(output_strides(tensor))]
+    args += [KernelArgument("int", name, value) for name, value in writer.emitter.scalars]
+    args += [KernelArgument("constexpr", "VALUE_DIM", spec.dims["VALUE_DIM"]),
+             KernelArgument("constexpr", "SPLITS", spec.splits), KernelArgument("constexpr", "BLOCK_R", rows_per_program),
+             KernelArgument("constexpr", "BLOCK_DV", spec.block[3])]
+    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
+    source = header(description)
+    if writer.emitter.globals:
+        source += "\n" + "\n".join(writer.emitter.globals) + "\n"
+    source += "\n\n@triton.jit\ndef " + kernel_name + "(\n" + "".join(f"    {p},\n" for p in params) + "):\n"
+    return source + "\n".join(writer.body) + "\n", args
+
+
+def output_strides(tensor, rank: int = 4) -> tuple:
+    """Strides of a tensor read or written at the output position [B, H, Sq, Dv]: right-aligned,
+    0 on broadcast axes."""
+    dims, strides = (1,) * (rank - len(tensor.dim)) + tuple(tensor.dim), (0,) * (rank - len(tensor.dim)) + tuple(tensor.stride)
+    return tuple(0 if d == 1 else s for d, s in zip(dims, strides))
+
+
+def attention_arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
+    """Pointers, then sizes, strides per tensor, then the CAPITAL constexprs."""
+    stems = [s for s in STRIDE_STEMS if s in spec.uids]
+    args = [KernelArgument("tensor", f"{s}_ptr", spec.uids[s]) for s in stems]
+    args += [KernelArgument("tensor", f"{s}_ptr", t.uid) for s, t in extra.items()]
+    args += [KernelArgument("int", name, spec.dims[name]) for name in ("HEADS", "GROUP", "SQ", "SKV", "BATCH",
+                                                                       "BIAS_HEADS") if name in spec.dims]
+    for stem in stems:
+        args += [KernelArgument("int", f"{stem}_s{axis}", value) for axis, value in enumerate(spec.strides[stem])]
+    for stem, tensor in extra.items():
+        args += [KernelArgument("int", f"{stem}_s{axis}", value) for axis, value in enumerate(output_strides(tensor))]
+    if spec.dropout is not None:
+        args += [KernelArgument("int", name, value) for name, value in zip(("seed", "offset"), spec.dropout[1:])
+                 if value is not None]
+    args += [KernelArgument("int", name, value) for name, value in scalars]
+    args += [KernelArgument("constexpr", "HEAD_DIM", spec.dims["HEAD_DIM"]),
+             KernelArgument("constexpr", "VALUE_DIM", spec.dims["VALUE_DIM"])]
+    if spec.page_size:
+        args += [KernelArgument("int", "PAGES", spec.dims["PAGES"]), KernelArgument("constexpr", "PAGE", spec.page_size)]
+    if spec.splits > 1:
+        args += [KernelArgument("constexpr", "SPLITS", spec.splits), KernelArgument("constexpr", "CHUNK", spec.chunk)]
+    block_m, block_n, block_d, block_dv = spec.block
+    args += [KernelArgument("constexpr", "BLOCK_M", block_m), KernelArgument("constexpr", "BLOCK_N", block_n),
+             KernelArgument("constexpr", "BLOCK_D", block_d), KernelArgument("constexpr", "BLOCK_DV", block_dv)]
+    return args
+
+
+# --- backward -------------------------------------------------------------------------------------
+# Three kernels, no atomics (bitwise reproducible): delta = rowsum(o * dO) per query row; dK and
+# dV per key block, walking the query blocks that see it for every query head of its group (GQA
+# sums in registers); dQ per query block, walking its key blocks as the forward does. Scores are
+# recomputed in base 2 against the stored log-sum-exp; dS = P * (dP - delta).
+class BackwardWriter(_Writer):
+    def stored_as(self, stem: str, value: str) -> str:
+        """`value` converted for the store to gradient `stem`'s data type (conversions.py)."""
+        return converted_to(value, "f", self.spec.stored_types[stem])
+
+    def lengths(self):
+        w = self.line
+        self.lengths_in_range_at(1)
+        w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+        _random_loads(self)
+
+    def head_offsets(self, head: str, depth: int):
+        """Base offsets of one query head's rows in q, dO, o, stats, delta and bias."""
+        wide = ".to(tl.int64)" if self.spec.wide_index else ""
+        for stem in ("q", "do", "o", "stats", "delta", "bias", "dq"):
+            if self.has(stem):
+                self.line(f"{stem}_base = batch{wide} * {stem}_s0 + {head}{wide} * {stem}_s1", depth)
+
+    def row_loads(self, rows: str, depth: int, masked: bool, transposed: bool):
+        """q, dO, the base-2 lse and delta of query rows `rows`; rows past len_q load dO = 0 and
+        an lse of +inf, so their probabilities are 0 (no NaN from 0 x inf)."""
+        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        row_in = ["row_in[:, None]"] if masked else []
+        w(f"row_in = {rows} < len_q", depth)
+        w(f"q_tile = tl.load(q_ptr + q_base + {rows}[:, None]{wide} * q_s2 + cols_d[None, :] * q_s3"
+          f"{_mask_argument(row_in + self.d_mask('[None, :]'))})", depth)
+        w(f"do_tile = tl.load(do_ptr + do_base + {rows}[:, None]{wide} * do_s2 + cols_dv[None, :] * do_s3"
+          f"{_mask_argument(['row_in[:, None]'] + self.dv_mask('[None, :]'))})", depth)
+        w(f"lse_row = tl.load(stats_ptr + stats_base + {rows} * stats_s2, mask=row_in, other=0.0)", depth)
+        # an op-level softmax of a row that sees no key is NaN, and so are its probabilities
+        empty = "float('nan')" if self.modifier is not None else "float('inf')"
+        w(f"lse_row = tl.where(row_in & (lse_row > float('-inf')), lse_row * {LOG2E!r}, "
+          f"tl.where(row_in, {empty}, float('inf')))", depth)
+        if self.has("delta"):
+            w(f"delta_row = tl.load(delta_ptr + delta_base + {rows} * delta_s2, mask=row_in, other=0.0)", depth)
+        elif self.has("o"):  # no workspace for the preprocess: the row sums here
+            w(f"o_tile = tl.load(o_ptr + o_base + {rows}[:, None]{wide} * o_s2 + cols_dv[None, :] * o_s3"
+              f"{_mask_argument(['row_in[:, None]'] + self.dv_mask('[None, :]'))})", depth)
+            w("delta_row = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)", depth)
+        # dO meets v and p on the tensor cores in q, k and v's type (an fp32 dO made of a graph's
+        # intermediate values converts after the row sums, as the precision rule converts operands)
+        w("do_tile = do_tile.to(q_ptr.dtype.element_ty)", depth)
+
+    def scores(self, rows: str, keys: str, transposed: bool, masked: bool, depth: int):
+        """Probabilities of (rows, keys), [BLOCK_N, BLOCK_M] when transposed (dK/dV) else
+        [BLOCK_M, BLOCK_N], from the base-2 logits and the row's log-sum-exp (dropped out too)."""
+        w, spec = self.line, self.spec
+        r, c = (f"{rows}[None, :]", f"{keys}[:, None]") if transposed else (f"{rows}[:, None]", f"{keys}[None, :]")
+        product = "tl.dot(k_tile, tl.trans(q_tile)" if transposed else "tl.dot(q_tile, tl.trans(k_tile)"
+        logits = self.logits(f"{product}{self.dot_options})", rows, keys, r, c, transposed, masked, depth)
+        lse = "lse_row[None, :]" if transposed else "lse_row[:, None]"
+        w(f"p_tile = tl.math.exp2({logits} - {lse})", depth)
+        if spec.dropout is not None:
+            p = spec.dropout[0]
+            w(f"counter = ((batch.to(tl.int64) * HEADS + head) * SQ + {r}) * SKV + {c}", depth)
+            w(f"p_drop, keep = tm.dropout(p_tile, seed, offset, counter, {keep_threshold(p)}, {1.0 / (1.0 - p)!r})",
+              depth)
+
+    def logits(self, product: str, rows: str, keys: str, r: str, c: str, transposed: bool, masked: bool,
+               depth: int) -> str:
+        """The variable holding the base-2 scores of the block (`r`, `c`: rows and keys laid
+        along the tile's axes); masked blocks get -inf where a key is not visible."""
+        w, spec = self.line, self.spec
+        w(f"scores = {product} * qk_scale", depth)
+        if self.has("bias"):
+            # loaded [queries, keys] as in the forward, then transposed for the dK/dV tile
+            wide = ".to(tl.int64)" if spec.wide_index else ""
+            w(f"bias_tile = tl.load(bias_ptr + bias_base + {rows}[:, None]{wide} * bias_s2 + {keys}[None, :]{wide} * "
+              f"bias_s3, "
+              f"mask=({rows}[:, None] < len_q) & ({keys}[None, :] < len_kv), other=0.0)", depth)
+            bias = "tl.trans(bias_tile)" if transposed else "bias_tile"
+            w(f"scores += {bias}.to(tl.float32) * {LOG2E!r}", depth)
+        if masked:
+            w(f"visible = ({c} < len_kv) & ({r} < len_q)", depth)
+            if spec.right is not None:
+                w(f"visible = visible & ({c} - ({r} + shift) <= {spec.right})", depth)
+            if spec.left is not None:
+                w(f"visible = visible & (({r} + shift) - {c} < {spec.left})", depth)
+            w("scores = tl.where(visible, scores, float('-inf'))", depth)
+        return "scores"
+
+    def score_grad(self, which: str, masked: bool, depth: int) -> str:
+        """The gradient of the scores that `which` ("dq", "dk") multiplies: dS itself here; an
+        op-level chain takes it back through its score ops."""
+        return "d_scores"
+
+    def dropped(self, value: str, depth: int):
+        """dP through the dropout mask (kept entries scaled by 1/(1-p), others 0)."""
+        if self.spec.dropout is not None:
+            self.line(f"{value} = tl.where(keep, {value} * {1.0 / (1.0 - self.spec.dropout[0])!r}, 0.0)", depth)
+
+    def dkdv_block(self, masked: bool, depth: int):
+        w = self.line
+        w("q_rows = start_m + tl.arange(0, BLOCK_M)", depth)
+        self.row_loads("q_rows", depth, masked, True)
+        self.scores("q_rows", "keys", True, masked, depth)
+        probs = "p_drop" if self.spec.dropout is not None else "p_tile"
+        if self.has("dv"):
+            w(f"dv_acc += tl.dot({probs}.to(do_tile.dtype), do_tile{self.dot_options})", depth)
+        if self.has("dk"):
+            w(f"d_probs = tl.dot(v_tile, tl.trans(do_tile){self.dot_options})", depth)
+            self.dropped("d_probs", depth)
+            w("d_scores = p_tile * (d_probs - delta_row[None, :])", depth)
+            grad = self.score_grad("dk", masked, depth)
+            w(f"dk_acc += tl.dot({grad}.to(q_tile.dtype), q_tile{self.dot_options})", depth)
+
+    def key_operands(self) -> list:
+        """(stem, columns, head-dim mask) of the key-side tiles a kernel loads: k, and v where dP
+        is taken."""
+        operands = [("k", "cols_d", self.d_mask("[None, :]"))]
+        if self.has("v"):
+            operands.append(("v", "cols_dv", self.dv_mask("[None, :]")))
+        return operands
+
+    def query_range(self):
+        """lo/hi bound the query blocks that see any key of this block; [run_a, run_b) those
+        whose every row sees every key of it (none when the block passes len_kv)."""
+        w, spec = self.line, self.spec
+        w("q_lo = 0")
+        w("q_hi = len_q")
+        w("full_lo = 0")
+        w("full_hi = len_q")
+        if spec.right is not None:
+            w(f"q_lo = tl.maximum(q_lo, pid_n * BLOCK_N - shift - {spec.right})")
+            w(f"full_lo = tl.maximum(q_lo, pid_n * BLOCK_N + BLOCK_N - 1 - shift - {spec.right})")
+        if spec.left is not None:
+            w(f"q_hi = tl.minimum(q_hi, pid_n * BLOCK_N + BLOCK_N - 1 + {spec.left} - shift)")
+            w(f"full_hi = tl.minimum(full_hi, pid_n * BLOCK_N + {spec.left} - shift)")
+        w("full_hi = tl.where(pid_n * BLOCK_N + BLOCK_N <= len_kv, full_hi, 0)")
+        w("q_hi = tl.maximum(q_hi, 0)")
+        w("lo = tl.minimum(tl.maximum(q_lo, 0), q_hi) // BLOCK_M * BLOCK_M")
+        w("hi = q_hi")
+        w("run_a = tl.minimum(tl.maximum((full_lo + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo), hi)")
+        w("run_b = tl.maximum(tl.minimum(full_hi // BLOCK_M * BLOCK_M, hi), run_a)")
+
+    def dkdv_kernel(self):
+        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        self.program_ids("pid_n", reverse=False)  # causal: the first key block sees the most queries
+        w("batch = pid_bh // (HEADS // GROUP)")
+        w("kv_head = pid_bh % (HEADS // GROUP)")
+        self.lengths()
+        w("keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+        w("key_in = keys < len_kv")
+        w("cols_d = tl.arange(0, BLOCK_D)")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        for stem, cols, mask in self.key_operands():
+            w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1")
+            w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + "
+              f"{cols}[None, :] * {stem}_s3{_mask_argument(['key_in[:, None]'] + mask)})")
+        for stem, shape in (("dk", "BLOCK_D"), ("dv", "BLOCK_DV")):
+            if self.has(stem):
+                w(f"{stem}_acc = tl.zeros([BLOCK_N, {shape}], tl.float32)")
+        self.query_range()
+        w("for q_head in range(GROUP):")
+        w("head = kv_head * GROUP + q_head", 2)
+        self.head_offsets("head", 2)
+        for first, last, masked in (("lo", "run_a", True), ("run_a", "run_b", False), ("run_b", "hi", True)):
+            w(f"for start_m in range({first}, {last}, BLOCK_M):", 2)
+            self.dkdv_block(masked, 3)
+        store = ["(keys < SKV)[:, None]"]
+        for stem, acc, cols, mask, scale in (("dk", "dk_acc", "cols_d", self.d_mask("[None, :]"), True),
+                                             ("dv", "dv_acc", "cols_dv", self.dv_mask("[None, :]"), False)):
+            if not self.has(stem):
+                continue
+            value = f"{acc} * {self.spec.scale!r}" if scale else acc
+            w(f"tl.store({stem}_ptr + batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1 + keys[:, None]{wide} * "
+              f"{stem}_s2 + {cols}[None, :] * {stem}_s3, {self.stored_as(stem, value)}, "
+              f"mask={' & '.join(store + mask)})")
+
+    def dq_block(self, masked: bool, depth: int, accumulate: str = ""):
+        """One key block of a query tile: dS, then dQ += dS k (or `accumulate`, the dbias kernel)."""
+        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        w("keys = start_n + tl.arange(0, BLOCK_N)", depth)
+        w("key_in = keys < len_kv", depth)
+        for stem, cols, mask in self.key_operands():
+            keys = ["key_in[:, None]"] if masked else []
+            w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + {cols}[None, :] * "
+              f"{stem}_s3{_mask_argument(keys + mask)})", depth)
+        self.scores("rows", "keys", False, masked, depth)
+        w(f"d_probs = tl.dot(do_tile, tl.trans(v_tile){self.dot_options})", depth)
+        self.dropped("d_probs", depth)
+        w("d_scores = p_tile * (d_probs - delta_row[:, None])", depth)
+        grad = self.score_grad("dq", masked, depth)
+        w(accumulate or f"dq_acc += tl.dot({grad}.to(k_tile.dtype), k_tile{self.dot_options})", depth)
+
+    def dq_kernel(self):
+        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        self.program_ids("pid_m")
+        w("batch = pid_bh // HEADS")
+        w("head = pid_bh % HEADS")
+        w("kv_head = head // GROUP")
+        self.lengths()
+        w("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        w("first_pos = pid_m * BLOCK_M")
+        w("last_pos = first_pos + BLOCK_M - 1")
+        w("cols_d = tl.arange(0, BLOCK_D)")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        self.head_offsets("head", 1)
+        for stem, _, _ in self.key_operands():
+            w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1")
+        self.row_loads("rows", 1, True, False)
+        w("dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)")
+        self.key_range(padded_rows_idle=True)
+        for first, last, masked in (("lo", "run_a", True), ("run_a", "run_b", False), ("run_b", "hi", True)):
+            w(f"for start_n in range({first}, {last}, BLOCK_N):")
+            self.dq_block(masked, 2)
+        w(f"tl.store(dq_ptr + dq_base + rows[:, None]{wide} * dq_s2 + cols_d[None, :] * dq_s3, "
+          f"{self.stored_as('dq', f'dq_acc * {self.spec.scale!r}')}, "
+          f"mask={' & '.join(['(rows < SQ)[:, None]'] + self.d_mask('[None, :]'))})")
+
+    def dbias_kernel(self):
+        """dbias = dS summed over the axes the bias broadcasts over. A program owns one
+        [BLOCK_M, BLOCK_N] tile of the bias and walks, recomputing P and dP, every (batch, head,
+        query block) that reads it: no atomics, no workspace. A bias constant along the keys
+        shifts each row's scores by one value, which softmax ignores: its gradient is exactly 0
+        (sum_j P_ij (dP_ij - delta_i) = delta_i - delta_i, dropout included), stored as such."""
+        w, spec = self.line, self.spec
+        bias_b, bias_h, bias_q, bias_k = spec.bias_dims
+        dims, wide = spec.dims, ".to(tl.int64)" if spec.wide_index else ""
+        if spec.folded_grid:  # past grid axes y or z: every index from axis x, key tiles fastest
+            tiles = (-(-bias_k // spec.block[1]), -(-bias_q // spec.block[0]))
+            for line in folded_program_ids(("pid_n", "pid_m", "pid_bh"), tiles):
+                w(line)
+        else:
+            w("pid_n = tl.program_id(0)")
+            w("pid_m = tl.program_id(1)")
+            w("pid_bh = tl.program_id(2)")
+        w("bias_batch = pid_bh // BIAS_HEADS")
+        w("bias_head = pid_bh % BIAS_HEADS")
+        w("dbias_acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)")
+        if bias_k == dims["SKV"]:
+            self._dbias_walk(bias_b == dims["BATCH"], bias_h == dims["HEADS"], bias_q == dims["SQ"])
+        w("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        w("keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
+        rows_owned, keys_owned = bias_q == dims["SQ"], bias_k == dims["SKV"]
+        value = "dbias_acc" if keys_owned else "tl.sum(dbias_acc, 1)"
+        value = value if rows_owned else f"tl.sum({value}, 0)"
+        rows = ("rows[:, None]" if keys_owned else "rows") if rows_owned else None
+        keys = ("keys[None, :]" if rows_owned else "keys") if keys_owned else None
+        offsets = f"bias_batch{wide} * dbias_s0 + bias_head{wide} * dbias_s1"
+        offsets += f" + {rows}{wide} * dbias_s2" if rows else ""
+        offsets += f" + {keys}{wide} * dbias_s3" if keys else ""
+        mask = " & ".join(([f"({rows} < SQ)"] if rows else []) + ([f"({keys} < SKV)"] if keys else []))
+        store_mask = f", mask={mask}" if mask else ""
+        w(f"tl.store(dbias_ptr + {offsets}, {self.stored_as('dbias', value)}{store_mask})")
+
+    def _dbias_walk(self, owns_batch: bool, owns_head: bool, owns_rows: bool):
+        """dbias_acc += dS over the batches, heads and query blocks the program's tile gathers."""
+        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+        _random_loads(self)
+        w("cols_d = tl.arange(0, BLOCK_D)")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        depth = self._owned_or_walked("batch", "bias_batch", "b_step", "BATCH", owns_batch, 1)
+        self.lengths_in_range_at(depth)
+        depth = self._owned_or_walked("head", "bias_head", "h_step", "HEADS", owns_head, depth)
+        w("kv_head = head // GROUP", depth)
+        self.head_offsets("head", depth)
+        for stem in ("k", "v"):
+            w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1", depth)
+        if owns_rows:
+            w("start_m = pid_m * BLOCK_M", depth)
+        else:
+            w("for start_m in range(0, len_q, BLOCK_M):", depth)
+            depth += 1
+        w("rows = start_m + tl.arange(0, BLOCK_M)", depth)
+        self.row_loads("rows", depth, True, False)
+        w("start_n = pid_n * BLOCK_N", depth)
+        self.dq_block(True, depth, "dbias_acc += d_scores")
+
+    def _owned_or_walked(self, variable: str, owned: str, step: str, count: str, owns: bool, depth: int) -> int:
+        """`variable` is the program's own index when the bias spans the axis, else a loop over it."""
+        if owns:
+            self.line(f"{variable} = {owned}", depth)
+            return depth
+        self.line(f"for {step} in range(0, {count}):", depth)
+        self.line(f"{variable} = tl.cast({step}, tl.int32)", depth + 1)
+        return depth + 1
+
+    def lengths_in_range_at(self, depth: int):
+        """The per-batch lengths and the diagonal's shift at `depth` (inside a loop over batches)."""
+        self.line(f"len_q = {self.length('lenq', 'SQ')}", depth)
+        self.line(f"len_kv = {self.length('lenkv', 'SKV')}", depth)
+        self.line("shift = " + ("len_kv - len_q" if self.spec.bottom_right else "0"), depth)
+
+    def delta_kernel(self):
+        w = self.line
+        self.program_ids("pid_m")
+        w("batch = pid_bh // HEADS")
+        w("head = pid_bh % HEADS")
+        self.lengths()
+        w("rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        self.head_offsets("head", 1)
+        wide = ".to(tl.int64)" if self.spec.wide_index else ""
+        w("row_in = rows < len_q")
+        for stem in ("o", "do"):
+            w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + rows[:, None]{wide} * {stem}_s2 + cols_dv[None, :] * "
+              f"{stem}_s3{_mask_argument(['row_in[:, None]'] + self.dv_mask('[None, :]'))})")
+        w("delta_row = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)")
+        w("tl.store(delta_ptr + delta_base + rows * delta_s2, delta_row, mask=rows < SQ)")
+
+
+BACKWARD_KERNELS = {"delta": BackwardWriter.delta_kernel, "dkdv": BackwardWriter.dkdv_kernel,
+                    "dq": BackwardWriter.dq_kernel, "dbias": BackwardWriter.dbias_kernel}
+
+
+def render_backward(kernel_name: str, which: str, spec: AttentionSpec, compute_type: str, description: str):
+    """(source, arguments) of one of the backward kernels ("delta", "dkdv", "dq", "dbias") under
+    `spec`."""
+    writer = BackwardWriter(spec, compute_type)
+    BACKWARD_KERNELS[which](writer)
+    args = attention_arguments(spec, {}, [])
+    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
+    source = header(description) + "\n\n@triton.jit\ndef " + kernel_name + "(\n"
+    source += "".join(f"    {p},\n" for p in params) + "):\n"
+    return source + "\n".join(writer.body) + "\n", args

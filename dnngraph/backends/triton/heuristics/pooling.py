@@ -1,0 +1,216 @@
+"""Configs for pooling kernels: a [BLOCK_R, BLOCK_C] tile ranked by a bandwidth + wave model.
+
+The tile covers the pooled output (forward) or dx (backward). Its columns walk the axis with
+the smallest stride in x (channels for NHWC, width for NCHW) so every window load is a run of
+contiguous elements; its rows decompose into the other logical axes, outermost first.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ....target import Target
+from .layout import INT32_LIMIT
+from .pointwise import pow2_at_least
+
+# Columns per tile: 128 bf16 channels are 256 bytes, two 16-byte vectors per row segment.
+# Wider rows buy nothing once a row segment is a few full cache lines.
+MAX_BLOCK_COLS = 128
+# Elements per program. Every window position is one unrolled load of the whole tile, so a
+# 3x3 window keeps 9 tile loads in flight: 4096 elements at 8 warps is 9 x 16 values a thread.
+TILE_ELEMENTS = (512, 1024, 2048, 4096)
+# Values a thread holds per tile load, at most: the unrolled window keeps several tile loads
+# live at once (9 for 3x3), and more than 16 values each pushes registers past 128 a thread.
+ELEMENTS_PER_THREAD = 16
+# The same cap for a max backward given the forward's indices. Model assumption, not yet
+# measured: each covering window (up to 4 for 3x3 stride 2) is one int64 and one dy tile load,
+# all live at once; int64 values take two registers, so 8 values a thread keeps the indices near
+# 64 registers, as 16 bf16-widened values of 4 window loads would be.
+INDEXED_ELEMENTS_PER_THREAD = 8
+MAX_WARPS = 8
+# Hopper keeps at most 32 resident blocks per SM, whatever their size.
+MAX_PROGRAMS_PER_SM = 32
+# Assumed (not yet measured for pooling): a streaming kernel reaches full DRAM bandwidth with
+# about half the SM's warps resident; fewer warps in flight get a proportional share.
+SATURATING_WARPS_PER_SM = 32
+# Fixed cost of one wave of programs (assumed too): the first loads' DRAM latency, which
+# nothing hides at a wave's edge. It breaks ties toward fewer, larger programs.
+WAVE_OVERHEAD = 1.0e-6
+
+AXIS_NAMES = {3: ("n", "c", "w"), 4: ("n", "c", "h", "w"), 5: ("n", "c", "d", "h", "w")}
+
+
+@dataclass(frozen=True)
+class PoolingConfig:
+    block_rows: int
+    block_cols: int
+    num_warps: int
+    estimate_us: float  # model time
+
+
+@dataclass(frozen=True)
+class PoolingSchedule:
+    """Everything codegen needs to write one pooling kernel: problem, tile layout, config."""
+
+    backward: bool
+    mode: str
+    window: tuple
+    stride: tuple
+    padding: tuple
+    x_dims: tuple  # the windowed tensor, [N, C, *spatial]
+    y_dims: tuple  # the pooled tensor
+    vector_axis: int  # logical axis the tile columns walk
+    row_axes: tuple  # the other logical axes, outermost first; they decompose the row index
+    index_64: bool  # some offset may pass 2^31: index math in int64
+    indexed: bool  # a max backward reading the forward's indices instead of recomputing the argmax
+    read_uids: frozenset  # the group inputs the kernel loads (x left out where nothing reads it)
+    config: PoolingConfig
+    candidates: int
+    reason: str
+    ceil_mode: bool = False  # windows may run past the padded input (averages count what is in it)
+    divisor: Optional[int] = None  # an average's fixed divisor (torch's divisor_override)
+
+    @property
+    def tile_dims(self) -> tuple:
+        return self.x_dims if self.backward else self.y_dims
+
+    @property
+    def cols(self) -> int:
+        return self.tile_dims[self.vector_axis]
+
+    @property
+    def rows(self) -> int:
+        count = 1
+        for axis in self.row_axes:
+            count *= self.tile_dims[axis]
+        return count
+
+    @property
+    def programs(self) -> int:
+        return -(-self.rows // self.config.block_rows) * -(-self.cols // self.config.block_cols)
+
+    @property
+    def config_text(self) -> str:
+        names = AXIS_NAMES[len(self.x_dims)]
+        return (f"BLOCK_R={self.config.block_rows} BLOCK_C={self.config.block_cols} "
+                f"num_warps={self.config.num_warps} grid={self.programs} "
+                f"vector={names[self.vector_axis]} rows={''.join(names[a] for a in self.row_axes)}"
+                + (" int64-index" if self.index_64 else "")
+                + (" argmax=indices" if self.indexed else ""))
+
+
+def candidates(rows: int, cols: int, elements_per_thread: int = ELEMENTS_PER_THREAD) -> list[tuple[int, int, int]]:
+    """(block_rows, block_cols, num_warps) triples worth ranking for a rows x cols tile space;
+    tiles that would put more than `elements_per_thread` values of one load on a thread of
+    MAX_WARPS warps are left out (the smallest tile always stays)."""
+    block_cols = min(pow2_at_least(cols), MAX_BLOCK_COLS)
+    rows_cap = pow2_at_least(rows)
+    result = set()
+    for tile in TILE_ELEMENTS:
+        block_rows = max(1, min(rows_cap, tile // block_cols))
+        elements = block_rows * block_cols
+        if result and elements > MAX_WARPS * 32 * elements_per_thread:
+            continue
+        # the fewest warps that keep a tile load within elements_per_thread, and twice as many
+        # (shorter per-thread load queues, more warps to hide latency)
+        warps = max(1, min(MAX_WARPS, elements // (32 * elements_per_thread)))
+        result.add((block_rows, block_cols, warps))
+        if 2 * warps * 32 <= elements:  # every thread still holds an element
+            result.add((block_rows, block_cols, min(MAX_WARPS, 2 * warps)))
+    return sorted(result)
+
+
+def _wave_time(programs: int, num_warps: int, program_bytes: float, target: Target) -> float:
+    """Seconds for one wave: its bytes at the bandwidth its warps can draw, plus a fixed cost."""
+    share = min(1.0, programs * num_warps / (target.sms * SATURATING_WARPS_PER_SM))
+    return programs * program_bytes / (target.bandwidth * share) + WAVE_OVERHEAD
+
+
+def estimate(rows: int, cols: int, block_rows: int, block_cols: int, num_warps: int,
+             bytes_per_element: float, target: Target) -> float:
+    """Model time in seconds on `target`: full waves of resident programs, then the partial last wave,
+    each moving its padded tiles' bytes."""
+    programs = -(-rows // block_rows) * -(-cols // block_cols)
+    program_bytes = block_rows * block_cols * bytes_per_element
+    per_sm = min(MAX_PROGRAMS_PER_SM, max(1, target.threads_per_sm // (32 * num_warps)))
+    resident = target.sms * per_sm
+    full_waves, last_wave = divmod(programs, resident)
+    time = full_waves * _wave_time(resident, num_warps, program_bytes, target)
+    return time + (_wave_time(last_wave, num_warps, program_bytes, target) if last_wave else 0.0)
+
+
+def rank(rows: int, cols: int, bytes_per_element: float, target: Target,
+         elements_per_thread: int = ELEMENTS_PER_THREAD) -> list[PoolingConfig]:
+    """Candidate configs, best model time first; ties go to the larger tile, whose neighbouring
+    windows share more of their loads through L1."""
+    configs = [PoolingConfig(r, c, w, 1e6 * estimate(rows, cols, r, c, w, bytes_per_element, target))
+               for r, c, w in candidates(rows, cols, elements_per_thread)]
+    return sorted(configs, key=lambda cfg: (cfg.estimate_us, -cfg.block_rows * cfg.block_cols,
+                                            -cfg.num_warps))
+
+
+def tile_axes(tile_dims: tuple, x_stride: tuple) -> tuple[int, tuple]:
+    """(vector axis, row axes outermost first), ordered by the strides of x.
+
+    The vector axis is the smallest-stride axis of size > 1 (NHWC: channels, NCHW: width);
+    rows follow the remaining strides, largest first, so consecutive rows are close in memory.
+    """
+    rank_ = len(tile_dims)
+    sized = [a for a in range(rank_) if tile_dims[a] > 1] or [rank_ - 1]
+    vector_axis = min(sized, key=lambda a: (x_stride[a], -a))
+    rows = sorted((a for a in range(rank_) if a != vector_axis), key=lambda a: (-x_stride[a], a))
+    return vector_axis, tuple(rows)
+
+
+def _span(tensor) -> int:
+    return sum((size - 1) * stride for size, stride in zip(tensor.dim, tensor.stride)) + 1
+
+
+def _numel(dims) -> int:
+    count = 1
+    for size in dims:
+        count *= size
+    return count
+
+
+def moved_tensors(group, x, window_reads_x: bool) -> list:
+    """The tensors a pooling kernel moves: x only where its window loop loads it or a fused node
+    reads it (a ReLU backward's mask)."""
+    others = [node for node in group.nodes if node is not group.anchor]
+    anchor_reads = group.anchor.input_tensors()[:1]  # dy (pooling_backward) may be x itself
+    read = window_reads_x or any(t.uid == x.uid for node in others for t in node.input_tensors()) or any(
+        t.uid == x.uid for t in anchor_reads)
+    return [t for t in group.inputs if read or t.uid != x.uid] + list(group.outputs)
+
+
+def schedule(group, target: Target) -> PoolingSchedule:
+    """Tile layout and best-ranked config on `target` of a pooling or pooling_backward group."""
+    anchor = group.anchor
+    backward = anchor.op == "pooling_backward"
+    x = anchor.inputs[1] if backward else anchor.inputs[0]
+    y_dims = tuple(anchor.inputs[0].dim) if backward else tuple(anchor.outputs[0].dim)
+    attrs = anchor.attrs
+    indexed = backward and anchor.inputs[2] is not None
+    tile_dims = tuple(x.dim) if backward else y_dims
+    vector_axis, row_axes = tile_axes(tile_dims, tuple(x.stride))
+    tensors = list(group.inputs) + list(group.outputs)
+    index_64 = max(max(_span(t) for t in tensors), _numel(x.dim)) > INT32_LIMIT
+    # only the indexed path leaves x out so far; the average backward's ranking stays as measured
+    moved = moved_tensors(group, x, not indexed)
+    traffic = sum(_numel(t.dim) * t.data_type.itemsize for t in moved)
+    tile_elements = _numel(tile_dims)
+    cols = tile_dims[vector_axis]
+    rows = tile_elements // cols
+    per_thread = INDEXED_ELEMENTS_PER_THREAD if indexed else ELEMENTS_PER_THREAD
+    ranked = rank(rows, cols, traffic / max(tile_elements, 1), target, per_thread)
+    best = ranked[0]
+    names = AXIS_NAMES[len(tile_dims)]
+    reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
+              f"{target.bandwidth / 1e12:.1f} TB/s for {traffic} bytes over {rows}x{cols} "
+              f"({'dx' if backward else 'y'} positions x {names[vector_axis]}); vector axis "
+              f"{names[vector_axis]} has the smallest stride of x ({x.stride[vector_axis]})"
+              + ("; the forward's indices route dy (no argmax recompute)" if indexed else ""))
+    return PoolingSchedule(backward, attrs.mode, tuple(attrs.window), tuple(attrs.stride),
+                           tuple(attrs.padding), tuple(x.dim), y_dims, vector_axis, row_axes,
+                           index_64, indexed, frozenset(t.uid for t in moved) & {t.uid for t in group.inputs}, best,
+                           len(ranked), reason, attrs.ceil_mode, attrs.divisor)

@@ -1,0 +1,168 @@
+"""Build the launches of a matmul group: pose the problem, choose a config, render, bind.
+
+A group is a matmul node with pointwise prologues on A and B, a pointwise epilogue chain and
+row-reduction exits. The problem (sizes, dot type, layouts, TMA legality) is plain data for the
+heuristics; autotuning times whole launch lists of candidate configs on scratch tensors.
+"""
+from __future__ import annotations
+
+from ..codegen.gemm import GemmKernelSpec, GemmOperand, LinearK
+from ..codegen.matmul import DescriptorLoader, StridedLoader
+from ....errors import UnsupportedError
+from ..heuristics.layout import INT32_LIMIT, merged_stride, operand_strides
+from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot, schedule
+from .gemm import TMA_ALIGNMENT, GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
+from ....runtime.launch import KernelLaunch, element_span, kernel_name
+
+
+def _dot_types(a, b, allow_tf32: bool):
+    """(dot type of A, of B, model name, input precision) for the matmul's input types: the
+    precision rule lives in heuristics.matmul.choose_dot."""
+    for t in (a.data_type, b.data_type):
+        if not t.is_floating:
+            raise UnsupportedError(f"matmul of {a.data_type.name} x {b.data_type.name}: no kernel takes "
+                                   f"{t.name} operands")
+    choice = choose_dot(a.data_type.name, b.data_type.name, a.data_type.triton_type, b.data_type.triton_type,
+                        allow_tf32)
+    return choice.a_type, choice.b_type, choice.dot, choice.precision
+
+
+def _product(sizes) -> int:
+    count = 1
+    for size in sizes:
+        count *= size
+    return count
+
+
+def layout_of(row_stride: int, col_stride: int) -> str:
+    if col_stride == 1:
+        return "row"
+    if row_stride == 1:
+        return "col"
+    return "strided"
+
+
+def tma_ok(operand: GemmOperand, layout: str, dot_type: str, cuda_capability) -> bool:
+    """A descriptor needs unit stride on one axis, 16-byte pitches and a matching type (an
+    operand converted at load, as in a mixed-type dot, takes the pointer-load kernels)."""
+    if layout == "strided" or operand.data_type.triton_type != dot_type:
+        return False
+    if cuda_capability is not None and cuda_capability < (9, 0):
+        return False
+    itemsize = operand.data_type.itemsize
+    pitch = operand.row_stride if layout == "row" else operand.col_stride
+    pitches = [pitch] + [s for s in operand.batch_strides if s]
+    # a size-1 matrix axis has stride 0 here: nothing for a descriptor to walk
+    return pitch > 0 and all(p * itemsize % TMA_ALIGNMENT == 0 for p in pitches)
+
+
+class MatmulBuild(GemmLaunches):
+    """Everything about one matmul group that does not depend on the config."""
+
+    def __init__(self, graph, group, target):
+        self.graph, self.group = graph, group
+        node = self.node = group.anchor
+        a, b, scale_a, scale_b = node.inputs
+        c = node.outputs[0]
+        self.a, self.b, self.c = a, b, c
+        self.scales = [s for s in (scale_a, scale_b) if s is not None]
+        batch_dims = tuple(c.dim[:-2])
+        self.batch_axes = tuple(i for i, size in enumerate(batch_dims) if size > 1)
+        self.batch_sizes = tuple(batch_dims[i] for i in self.batch_axes)
+        m, n, k = c.dim[-2], c.dim[-1], a.dim[-1]
+        members = set(group.nodes)
+        prologue = set(group.prologue)
+        self.prologue_a = tuple(x for x in group.prologue if x in chain(a, prologue))
+        self.prologue_b = tuple(x for x in group.prologue if x in chain(b, prologue))
+        exit_outputs = {x.outputs[0].uid for x in group.exits}
+        epilogue_reads = epilogue_inputs(group)
+        # prologue values that are outputs are written by a pointwise kernel run first
+        stored_values = [t for t in group.outputs if t.uid not in exit_outputs and t.producer not in prologue]
+        exit_values = [x.outputs[0] for x in group.exits]
+        sides = [("a", leaves(a, members), batch_dims + (m, k), False),
+                 ("b", leaves(b, members), batch_dims + (k, n), False),
+                 ("c", epilogue_reads, tuple(c.dim), False), ("c", stored_values, tuple(c.dim), True),
+                 ("exit", exit_values, tuple(c.dim[:-1]) + (1,), True)]
+        # (axes, sizes) of the batches folded into one GEMM of batch x M rows, or None
+        self.folded = (self.batch_axes, self.batch_sizes) if self._batches_fold(sides, m) else None
+        if self.folded:
+            m *= _product(self.batch_sizes)
+            self.batch_axes, self.batch_sizes = (), ()
+        operands, self.exit_operands = [], []
+        for side, tensors, domain, is_output in sides:
+            self._add(self.exit_operands if side == "exit" else operands, side, tensors, domain, is_output)
+        self._add(operands, "scalar", self.scales, ())
+        self.operands = tuple(operands)
+        self.dot_a, self.dot_b, dot, self.precision = _dot_types(a, b, node.attrs.allow_tf32)
+        (a_op,) = [o for o in operands if o.side == "a"] if not self.prologue_a else [None]
+        (b_op,) = [o for o in operands if o.side == "b"] if not self.prologue_b else [None]
+        capability = target.capability  # the device the launches are for, not the current one
+        a_layout = layout_of(a_op.row_stride, a_op.col_stride) if a_op else "strided"
+        b_layout = layout_of(b_op.row_stride, b_op.col_stride) if b_op else "strided"
+        tma = (a_op is not None and b_op is not None and tma_ok(a_op, a_layout, self.dot_a, capability)
+               and tma_ok(b_op, b_layout, self.dot_b, capability))
+        if dot in ("fp8", "tf32") and (a_layout, b_layout) != ("row", "col"):
+            tma = False  # fp8 and tf32 wgmma read both operands K-major from shared memory
+        epilogue_text = ",".join(x.op for x in group.epilogue + group.exits)
+        store_bytes = sum(t.data_type.itemsize for t in stored_values)
+        out_bytes = max(1, store_bytes + sum(t.data_type.itemsize for t in epilogue_reads
+                                             if tuple(t.dim[-2:]) == tuple(c.dim[-2:])))
+        self.problem = MatmulProblem(_product(self.batch_sizes), m, n, k, dot, a.data_type.itemsize if a_op else 4,
+                                     b.data_type.itemsize if b_op else 4, out_bytes, tma,
+                                     a_layout, b_layout, epilogue_text, store_bytes)
+        self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
+        self.target = target
+        self.name = kernel_name(group)
+
+    def _batches_fold(self, sides, m: int) -> bool:
+        """Do the batch axes fold into the rows? Where B is shared by every batch (x @ w, a
+        weight) and every other operand's batch axes and rows merge into one axis, the batched
+        GEMM is one GEMM of batch x M rows: fewer, fuller tiles when M is small."""
+        if not self.batch_axes:
+            return False
+        sizes = self.batch_sizes + (m,)
+        for side, tensors, domain, _ in sides:
+            for tensor in tensors:
+                strides = operand_strides(domain, tuple(tensor.dim), tuple(tensor.stride))
+                batch = tuple(strides[i] for i in self.batch_axes)
+                if side == "b" and any(batch):
+                    return False
+                if side != "b" and merged_stride(sizes, batch + (strides[-2],)) is None:
+                    return False
+        return True
+
+    def _add(self, operands, side, tensors, domain, is_output=False):
+        for tensor in tensors:
+            strides = operand_strides(domain, tuple(tensor.dim), tuple(tensor.stride)) if domain else ()
+            nb = len(domain) - 2 if len(domain) >= 2 else 0
+            batch = tuple(strides[i] for i in self.batch_axes) if nb else ()
+            row, col = (strides[-2], strides[-1]) if len(domain) >= 2 else (0, 0)
+            if self.folded and nb and side != "b":  # the batch axes are part of the rows
+                axes, sizes = self.folded
+                row = merged_stride(sizes + (domain[-2],), tuple(strides[i] for i in axes) + (row,))
+            operands.append(GemmOperand(tensor.uid, tensor.data_type, side, batch, (row,), (col,), is_output))
+
+    # --- launches for one config --------------------------------------------------------------
+    def _loaders(self, config: MatmulConfig) -> tuple:
+        """The operand loaders of `config`'s variant: descriptors for the persistent kernel."""
+        if config.variant == "persistent":
+            return DescriptorLoader("a", self.problem.a_layout), DescriptorLoader("b", self.problem.b_layout)
+        return (StridedLoader("a", self.a.uid, self.dot_a, self.prologue_a),
+                StridedLoader("b", self.b.uid, self.dot_b, self.prologue_b))
+
+    def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> GemmKernelSpec:
+        loader_a, loader_b = self._loaders(config)
+        return GemmKernelSpec(
+            name=self.name + suffix, config=config, problem=self.problem, batch_sizes=self.batch_sizes,
+            c_uid=self.c.uid, operands=self.operands, k_walk=LinearK(self.problem.k % config.block_k != 0),
+            loader_a=loader_a, loader_b=loader_b, epilogue=tuple(self.group.epilogue),
+            exits=extra.pop("exits", ()), scale_uids=tuple(s.uid for s in self.scales),
+            precision=self.precision, compute=self.graph.compute_data_type.triton_type,
+            index_64=self.index_64, description=self.group.summary(), **extra)
+
+def build_matmul(graph, group, context) -> list[KernelLaunch]:
+    """The launches of a matmul group for the context's target: the model's choice (or the
+    options' forced config), or the autotuned one, within the workspace budget."""
+    forced = context.options.matmul_config
+    return build_gemm(MatmulBuild(graph, group, context.target), "matmul",
+                      lambda problem, target: schedule(problem, target, forced), context)

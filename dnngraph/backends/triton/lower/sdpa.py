@@ -1,0 +1,258 @@
+"""Build the launches of an sdpa group: pose the problem, schedule, render, load.
+
+A forward group is one sdpa node with a pointwise epilogue on o: one flash-attention kernel. A
+backward group is one sdpa_backward node: the delta preprocess (when the workspace allows its
+B x H x Sq floats; otherwise the row sums are taken inside the other two), the dK/dV kernel, the
+dQ kernel, and the dbias kernel when compute_dbias (codegen/sdpa.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ....runtime.kernel_files import load_kernel
+from ..codegen.sdpa import AttentionSpec, ScoreModifier, output_strides, render, render_backward, render_combine
+from ....errors import UnsupportedError
+from ....fusion.patterns import ATTENTION_TYPES, chain_dropout, score_ops
+from ..heuristics.layout import INT32_LIMIT
+from ..heuristics.sdpa import COMBINE_ROWS, AttentionProblem, backward_schedule, chain_schedule, schedule
+from ....ops.sdpa import AttentionMask, kv_length
+from ....runtime.launch import KernelLaunch, element_span, kernel_name, scratch
+
+
+def _check_types(node):
+    q, k, v = node.inputs[:3]
+    names = {t.data_type.name for t in (q, k, v)}
+    if len(names) != 1 or next(iter(names)) not in ATTENTION_TYPES:
+        raise UnsupportedError(f"node {node.name!r} (sdpa): q, k and v must share one of {ATTENTION_TYPES}, "
+                               f"got {q.data_type.name}, {k.data_type.name}, {v.data_type.name}")
+
+
+def dot_precision(graph, data_type) -> str:
+    """tl.dot input_precision of fp32 operands: IEEE unless the graph allows tf32; "" for 16-bit."""
+    if data_type.name != "float32":
+        return ""
+    return "tf32" if graph.allow_tf32 else "ieee"
+
+
+def _spec(graph, node, group, sched, stored_o: bool, stats, index_64: bool) -> AttentionSpec:
+    q, k, v, bias, len_q, len_kv, k_table, v_table, seed, offset = node.inputs
+    o = node.outputs[0]
+    present = {"q": q, "k": k, "v": v, "o": o if stored_o else None, "stats": stats, "bias": bias,
+               "lenq": len_q, "lenkv": len_kv, "ktab": k_table, "vtab": v_table, "seedt": seed, "offt": offset}
+    present = {stem: t for stem, t in present.items() if t is not None}
+    strides = {stem: () if stem in ("seedt", "offt") else tuple(t.stride) for stem, t in present.items()}
+    if bias is not None:
+        strides["bias"] = output_strides(bias)
+    problem, attrs = sched.problem, node.attrs
+    dims = {"HEADS": problem.heads, "GROUP": problem.heads // problem.kv_heads, "SQ": problem.s_q,
+            "SKV": problem.s_kv, "HEAD_DIM": problem.head_dim, "VALUE_DIM": problem.value_dim}
+    if k_table is not None:
+        dims["PAGES"] = k.dim[0]  # the pools' page count (k and v hold as many)
+    scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+    mask = kernel_mask(node, problem.s_q, problem.s_kv)
+    wide = index_64 or any(element_span(t) > INT32_LIMIT for t in present.values()) or \
+        problem.batch * problem.heads * problem.s_q * problem.s_kv > INT32_LIMIT
+    return AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, scale, mask.left,
+                         mask.right, mask.bottom_right, attrs.dropout, k.dim[2] if k_table is not None else None,
+                         (sched.config.block_m, sched.config.block_n, sched.block_d, sched.block_dv), wide,
+                         dot_precision(graph, q.data_type), sched.packed, sched.splits, sched.chunk,
+                         head_group=sched.head_group)
+
+
+def kernel_mask(node, s_q: int, s_kv: int) -> AttentionMask:
+    """The node's mask with every bound of Sq + Skv or more dropped. With lengths in [0, S],
+    j - i' and i' - j never reach Sq + Skv, so such a bound masks nothing; kept, a bound near
+    2^31 wraps the kernels' int32 key-range arithmetic (`last_pos + 1 + shift + right`) and
+    every key block is skipped."""
+    mask, reach = node.attrs.mask, s_q + s_kv
+
+    def kept(bound):
+        return None if bound is None or bound >= reach else bound
+
+    return AttentionMask(kept(mask.left), kept(mask.right), mask.bottom_right)
+
+
+def problem_of(node) -> AttentionProblem:
+    """The plain-number problem of an sdpa node (the heuristics' input)."""
+    q, k, v = node.inputs[:3]
+    k_table = node.inputs[node.opdef.input_names.index("paged_attention_k_table")]
+    bias = node.inputs[node.opdef.input_names.index("bias")]
+    s_kv = kv_length(k, k_table, node.attrs)
+    mask = kernel_mask(node, q.dim[2], s_kv)
+    return AttentionProblem(q.dim[0], q.dim[1], k.dim[1], q.dim[2], s_kv, q.dim[3], v.dim[3],
+                            q.data_type.torch_dtype.itemsize, mask.banded,
+                            bias.data_type.torch_dtype.itemsize if bias is not None else 0,
+                            mask.right is not None and mask.left is None)
+
+
+def build_sdpa(graph, group, context):
+    """The flash-attention kernels of an sdpa or sdpa_backward group, for the context's target."""
+    node, budget = group.anchor, context.budget
+    _check_types(node)
+    if node.op == "sdpa_backward":
+        return _build_backward(graph, group, context)
+    problem = problem_of(node)
+    sched = schedule(problem, context.target, None if budget is None or budget.limit is None
+                     else budget.limit - budget.spent, context.attention)
+    o, stats = node.outputs
+    outputs = [t for t in group.outputs if t is not stats]
+    stored_stats = stats if stats is not None and stats in group.outputs else None
+    spec = _spec(graph, node, group, sched, any(t is o for t in outputs), stored_stats, context.options.sdpa_index_64)
+    name = kernel_name(group)
+    if sched.splits > 1:
+        return _build_split(graph, group, name, spec, sched, budget, outputs)
+    source, arguments = render(name, spec, group, o.uid, outputs, graph.compute_data_type.triton_type,
+                               group.summary())
+    kernel, path = load_kernel(source, name)
+    return KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps,
+                        sched.config_text, sched.reason, num_stages=sched.config.num_stages)
+
+
+def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
+    """A split decode: the key-split kernel writes partials to the workspace, the combine kernel
+    merges them into o (and its epilogue) and the stats."""
+    problem, o_uid = sched.problem, group.anchor.outputs[0].uid
+    rows = problem.batch * problem.heads * problem.s_q
+    o_part, l_part = scratch((rows * sched.splits, sched.block_dv)), scratch((rows * sched.splits,))
+    if budget is not None:
+        budget.spend(sched.partial_bytes)
+    reason = sched.reason + ("" if budget is None else "; " + budget.describe(sched.partial_bytes))
+    parts = {"opart": o_part.uid, "lpart": l_part.uid}
+    split_uids = {k: v for k, v in spec.uids.items() if k not in ("o", "stats")}
+    split_spec = dataclasses.replace(spec, uids={**split_uids, **parts},
+                                     strides={**spec.strides, "opart": (), "lpart": ()})
+    source, arguments = render(name + "_split", split_spec, group, o_uid, [], graph.compute_data_type.triton_type,
+                               group.summary())
+    kernel, path = load_kernel(source, name + "_split")
+    split = KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps, sched.config_text,
+                         reason, scratch=(o_part, l_part), num_stages=sched.config.num_stages)
+    combine_uids = {k: v for k, v in spec.uids.items() if k in ("o", "stats", "lenq")}
+    combine_spec = dataclasses.replace(spec, uids={**combine_uids, **parts}, dims={**spec.dims, "ROWS": rows},
+                                       strides={**spec.strides, "opart": (), "lpart": ()})
+    source, arguments = render_combine(name + "_combine", combine_spec, group, o_uid, outputs,
+                                       graph.compute_data_type.triton_type, COMBINE_ROWS,
+                                       "combine of " + group.summary())
+    kernel, path = load_kernel(source, name + "_combine")
+    programs = -(-rows // COMBINE_ROWS)
+    combine = KernelLaunch(group, kernel, path, arguments, programs, 4, f"combine: BLOCK_R={COMBINE_ROWS} "
+                           f"SPLITS={sched.splits} grid=[{programs}]", reason)
+    return [split, combine]
+
+
+GRADIENTS = ("dq", "dk", "dv", "dbias")  # the stems a backward kernel stores
+BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv"),
+                  "dkdv": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dk", "dv", "seedt",
+                           "offt"),
+                  "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq", "seedt", "offt"),
+                  "dbias": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dbias", "seedt",
+                            "offt")}
+
+
+def _backward_spec(graph, node, sched, which: str, delta, index_64: bool) -> AttentionSpec:
+    q, k, v, o, d_o, stats, bias, len_q, len_kv = node.inputs[:9]
+    seed, offset = node.inputs[-2:]
+    dq, dk, dv, dbias = node.outputs
+    tensors = {"q": q, "k": k, "v": v, "o": o, "do": d_o, "stats": stats, "bias": bias, "lenq": len_q,
+               "lenkv": len_kv, "dq": dq, "dk": dk, "dv": dv, "dbias": dbias, "seedt": seed, "offt": offset}
+    present = {stem: tensors[stem] for stem in BACKWARD_STEMS[which] if tensors.get(stem) is not None}
+    strides = {stem: () if stem in ("seedt", "offt") else tuple(t.stride) for stem, t in present.items()}
+    uids = {stem: t.uid for stem, t in present.items()}
+    if bias is not None and "bias" in present:
+        strides["bias"] = output_strides(bias)
+    if delta is not None and "delta" in BACKWARD_STEMS[which]:
+        problem = sched.problem
+        strides["delta"], uids["delta"] = (problem.heads * problem.s_q, problem.s_q, 1), delta.uid
+    problem, attrs, config = sched.problem, node.attrs, sched.configs[which]
+    dims = {"HEADS": problem.heads, "GROUP": problem.heads // problem.kv_heads, "SQ": problem.s_q,
+            "SKV": problem.s_kv, "HEAD_DIM": problem.head_dim, "VALUE_DIM": problem.value_dim}
+    if which == "dbias":
+        dims.update(BATCH=problem.batch, BIAS_HEADS=sched.bias_dims[1])
+    scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
+    wide = index_64 or any(element_span(t) > INT32_LIMIT for t in present.values()) or \
+        problem.batch * problem.heads * problem.s_q * problem.s_kv > INT32_LIMIT
+    mask = kernel_mask(node, problem.s_q, problem.s_kv)
+    return AttentionSpec(dims, strides, uids, scale, mask.left, mask.right, mask.bottom_right, attrs.dropout,
+                         None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
+                         dot_precision(graph, q.data_type),
+                         bias_dims=sched.bias_dims if which == "dbias" else (),
+                         head_group=sched.head_group(which), folded_grid=sched.folds(which),
+                         stored_types={stem: t.data_type for stem, t in present.items() if stem in GRADIENTS})
+
+
+def _build_backward(graph, group, context) -> list:
+    node, budget = group.anchor, context.budget
+    bias, dbias = node.inputs[6], node.outputs[3]
+    sched = backward_schedule(problem_of(node), context.target, tuple(bias.dim) if dbias is not None else (),
+                              context.attention)
+    problem = sched.problem
+    delta_bytes = problem.batch * problem.heads * problem.s_q * 4
+    delta = None
+    if budget is None or budget.allows(delta_bytes):
+        delta = scratch((problem.batch, problem.heads, problem.s_q))
+        if budget is not None:
+            budget.spend(delta_bytes)
+    launches = []
+    for which in (("delta",) if delta is not None else ()) + ("dkdv", "dq") + (("dbias",) if dbias is not None else ()):
+        spec = _backward_spec(graph, node, sched, which, delta, context.options.sdpa_index_64)
+        name = f"{kernel_name(group)}_{which}"
+        source, arguments = render_backward(name, which, spec, graph.compute_data_type.triton_type,
+                                            f"{which} of {group.summary()}")
+        kernel, path = load_kernel(source, name)
+        config = sched.configs[which]
+        reason = sched.reason + ("" if delta is not None else "; delta inline (no workspace for "
+                                 f"{delta_bytes} bytes)")
+        launches.append(KernelLaunch(group, kernel, path, arguments, sched.programs(which), config.num_warps,
+                                     sched.config_text(which), reason,
+                                     scratch=(delta,) if which == "delta" else (), num_stages=config.num_stages))
+    return launches
+
+
+def as_bhsd(tensor, rank: int) -> tuple:
+    """(dims, strides) of a rank-3 or rank-4 operand as [B, H, rows, cols], 0 on broadcast axes."""
+    pad = 4 - rank
+    dims = (1,) * pad + tuple(tensor.dim)
+    strides = (0,) * pad + tuple(tensor.stride)
+    return dims, tuple(0 if d == 1 else st for d, st in zip(dims, strides))
+
+
+def build_attention(graph, group, context):
+    """The flash kernel of an op-level chain matmul(q, k^T) -> score ops -> softmax -> matmul(., v):
+    the score ops become the kernel's score modifier (codegen ScoreModifier)."""
+    first, second = group.nodes[0], group.nodes[-1]
+    q, kt, v, o = first.inputs[0], first.inputs[1], second.inputs[1], second.outputs[0]
+    rank = len(q.dim)
+    (qb, qh, s_q, d), q_strides = as_bhsd(q, rank)
+    (kb, kh, _, s_kv), kt_strides = as_bhsd(kt, rank)
+    (vb, vh, _, dv), v_strides = as_bhsd(v, rank)
+    (ob, oh, _, _), o_strides = as_bhsd(o, rank)
+    modifier = ScoreModifier(first.outputs[0].uid, score_ops(group.nodes))
+    dropout = chain_dropout(group.nodes)
+    side_bytes = sum(t.data_type.torch_dtype.itemsize for t in modifier.sides)
+    problem = AttentionProblem(ob, oh, oh, s_q, s_kv, d, dv, q.data_type.torch_dtype.itemsize, False, side_bytes)
+    sched = chain_schedule(problem, context.target, forced=context.attention)  # one query head per K/V head: no packing
+    dims = {"HEADS": oh, "GROUP": 1, "SQ": s_q, "SKV": s_kv, "HEAD_DIM": d, "VALUE_DIM": dv}
+    # k^T [.., D, Skv]: the kernel's k strides are (batch, head, key, dim)
+    strides = {"q": q_strides, "k": (kt_strides[0], kt_strides[1], kt_strides[3], kt_strides[2]),
+               "v": v_strides, "o": o_strides}
+    present = {"q": q, "k": kt, "v": v, "o": o}
+    if dropout is not None:
+        drop = dropout.attrs
+        present.update({stem: t for stem, t in zip(("seedt", "offt"), dropout.inputs[1:]) if t is not None})
+        strides.update({stem: () for stem in ("seedt", "offt") if stem in present})
+    wide = context.options.sdpa_index_64 or any(element_span(t) > INT32_LIMIT for t in present.values()) or \
+        ob * oh * s_q * s_kv > INT32_LIMIT
+    config = sched.config
+    spec = AttentionSpec(dims, strides, {stem: t.uid for stem, t in present.items()}, 1.0, None, None, False,
+                         None if dropout is None else (drop.p, drop.seed, drop.offset),
+                         None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
+                         dot_precision(graph, q.data_type), sched.packed, 1, sched.chunk, head_group=sched.head_group)
+    for side in modifier.sides:
+        if len(side.dim) > rank:
+            raise UnsupportedError(f"attention chain side operand {side.name!r} has rank {len(side.dim)}")
+    name = kernel_name(group)
+    source, arguments = render(name, spec, group, o.uid, [o], graph.compute_data_type.triton_type,
+                               group.summary(), modifier)
+    kernel, path = load_kernel(source, name)
+    return KernelLaunch(group, kernel, path, arguments, sched.programs, config.num_warps, sched.config_text,
+                        "op-level attention chain: " + sched.reason, num_stages=config.num_stages)
