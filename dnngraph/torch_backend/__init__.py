@@ -176,6 +176,19 @@ def _scalar_on(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.full((1,), value.item(), dtype=value.dtype, device=device)
 
 
+def _made_now(specs: list) -> Optional[tuple]:
+    """The constants' values, made at conversion (None where a size is symbolic: the first call
+    makes them). Made here, not on the first call: under mode="reduce-overhead" the first call
+    is the cudagraph trees' warm-up, whose allocations land in their pool, and a kept tensor
+    there is one they refuse ("not tracked as outputs")."""
+    if not specs or any(spec.symbolic for spec in specs):
+        return None
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return tuple(spec.make() for spec in specs)
+
+
 class DnngraphModule(torch.nn.Module):
     """One partition of an aten graph as a dnngraph graph, called through `as_function`."""
 
@@ -203,8 +216,8 @@ class DnngraphModule(torch.nn.Module):
                 returned = node.args[0]
         inputs += value.true_inputs + value.constant_inputs + value.seeds
         self.seeds = len(value.seeds)
-        self.constant_specs = value.constants  # made on the first call (on the result's device), then kept
-        self.constants: Optional[tuple] = None
+        self.constant_specs = value.constants
+        self.constants = _made_now(value.constants)
         self.single = not isinstance(returned, (tuple, list))
         returned = [returned] if self.single else list(returned)
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
@@ -268,7 +281,7 @@ class DnngraphModule(torch.nn.Module):
         if self.trues:
             args = args + tuple(torch.ones((), dtype=torch.bool, device=device).expand(dims) for dims in self.trues)
         if self.constant_specs:
-            if self.constants is None:
+            if self.constants is None:  # symbolic sizes: made on the first call, then kept
                 self.constants = tuple(spec.make() for spec in self.constant_specs)
             args = args + self.constants
         if self.seeds:  # from torch's generator of the device: torch.manual_seed makes runs repeat

@@ -1060,6 +1060,9 @@ class ConstantSpec:
         self.args, self.kwargs = pytree.tree_map_only(torch.fx.Node, lambda arg: _Like(arg.meta["val"]),
                                                       (tuple(node.args), dict(node.kwargs)))
         self.result = _Like(_result(node))
+        # a size argument that is a symbol (the tensors' are read as ints above)
+        self.symbolic = any(isinstance(leaf, (torch.SymInt, torch.SymFloat))
+                            for leaf in pytree.tree_leaves((self.args, self.kwargs)))
 
     def make(self) -> torch.Tensor:
         args, kwargs = pytree.tree_map_only(_Like, _Like.make, (self.args, self.kwargs))
