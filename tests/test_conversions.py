@@ -197,7 +197,7 @@ def test_interpreter_conversions_refuse_other_triton(monkeypatch):
     import triton
     from triton.runtime import interpreter
 
-    from dnngraph import interpreter_casts
+    from dnngraph.runtime import interpreter_casts
     monkeypatch.setattr(triton, "__version__", "3.7.0")
     with pytest.raises(dg.UnsupportedError, match="3.6.0"):
         interpreter_casts._check_triton(interpreter)
