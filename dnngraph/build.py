@@ -1,5 +1,7 @@
-"""The build: partition the graph into groups, then one builder per kernel family
-(KERNEL_BUILDERS) turns each group into launches; the plan (runtime/plan.py) runs them.
+"""The build: partition the graph into groups, describe each as a backend-neutral problem
+(problems/), choose the first backend of the options' preference order that supports it
+(backends/registry.py), and let it lower the group to launches; the plan (runtime/plan.py) runs
+them.
 """
 from __future__ import annotations
 
@@ -8,20 +10,13 @@ from typing import Optional
 
 import torch
 
-from .backends.triton.codegen.pooling import prologue_values_to_store
-from .backends.triton.lower.attention import build_attention_backward
+from .backends import registry
 from .backends.triton.lower.context import BuildContext
-from .backends.triton.lower.conv import build_conv
-from .backends.triton.lower.gather import build_gather
-from .backends.triton.lower.matmul import build_matmul
-from .backends.triton.lower.pointwise import build_pointwise
-from .backends.triton.lower.pooling import build_pooling
-from .backends.triton.lower.rows import build_rows
-from .backends.triton.lower.sdpa import build_attention, build_sdpa
 from .errors import UnsupportedError, ValidationError
 from .fusion import partition
 from .log import logger
 from .options import BuildOptions
+from .problems import problem_of
 from .runtime.autotune import Tuner
 from .runtime.interpreter import interpreting
 from .runtime.launch import check_grid
@@ -29,17 +24,6 @@ from .runtime.plan import Plan, target_for
 from .runtime.plan_cache import PLANS, plan_key
 from .runtime.workspace import WorkspaceBudget
 from .target import target_of
-
-# Families whose loads may visit an input element several times (or never): prologue values that
-# are outputs are written first by a pointwise kernel of the prologue.
-PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv"})
-
-KERNEL_BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": build_rows, "softmax": build_rows,
-                   "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul,
-                   "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention,
-                   "attention_backward": build_attention_backward, "gather": build_gather}
-
-
 
 def _check_outputs_dense(graph):
     for tensor in graph.outputs():
@@ -58,7 +42,8 @@ def build_plan(graph, options: Optional[BuildOptions] = None) -> "Plan":
     _check_outputs_dense(graph)
     start = time.perf_counter()
     device = _build_device()
-    key = plan_key(graph, options, device, target_for(device, options), KERNEL_BUILDERS)
+    key = plan_key(graph, options, device, target_for(device, options),
+                   registry.signature(options.backends))
     shared = PLANS.get(key)
     if shared is None:
         shared = _build_new(graph._snapshot(), device, options)
@@ -73,7 +58,7 @@ def build_plan(graph, options: Optional[BuildOptions] = None) -> "Plan":
 def _build_new(graph, device, options: BuildOptions) -> "Plan":
     """A new plan over `graph` (a snapshot the plan keeps)."""
     start = time.perf_counter()
-    groups = partition(graph, frozenset(KERNEL_BUILDERS))
+    groups = partition(graph, registry.families(options.backends))
     for group in groups:
         logger.debug("graph %r: group %s", graph.name, group.describe())
     budget = WorkspaceBudget(options.workspace_limit)
@@ -105,18 +90,16 @@ def build_launches(graph, groups, device: torch.device, options: BuildOptions, b
     tuner = Tuner(target_of(device), top=options.autotune_top) if options.autotune else None
     context = BuildContext(device, target, options, tuner, budget)
     launches = []
+    interpreted = device.type == "cpu"
     for group in groups:
-        builder = KERNEL_BUILDERS.get(group.kind)
-        if builder is None:
-            anchor = group.anchor or group.nodes[0]
-            raise UnsupportedError(
-                f"node {anchor.name!r} ({anchor.op}): no {group.kind} kernel exists yet, so the group "
-                f"[{', '.join(n.name for n in group.nodes)}] cannot run; graph.reference() computes it")
-        stored = prologue_values_to_store(group) if group.kind in PROLOGUE_STORED_APART else None
-        if stored is not None:
-            launches.append(build_pointwise(graph, stored, context))
-        built = builder(graph, group, context)
-        launches.extend(built if isinstance(built, list) else [built])
+        problem = problem_of(graph, group)
+        backend = registry.choose(problem, target, options, interpreted)
+        built = backend.lower(graph, group, problem, context)
+        for launch in built:
+            for chosen in (launch, launch.alternative):
+                if chosen is not None:
+                    chosen.backend = backend.name
+        launches.extend(built)
     for launch in launches:
         for chosen in (launch, launch.alternative):
             if chosen is not None:

@@ -583,13 +583,13 @@ class Graph:
         else the fusion groups a build would make)."""
         from .dot import render_dot
         from .fusion import partition
-        from .build import KERNEL_BUILDERS
+        from .backends import registry
 
         if self._plan is not None:
             return render_dot(self, self._plan.groups)
         self.validate()
         try:
-            return render_dot(self, partition(self, frozenset(KERNEL_BUILDERS)))
+            return render_dot(self, partition(self, registry.families()))
         finally:
             self._restore_strides()
 
@@ -597,11 +597,11 @@ class Graph:
         """Groups, kernels, configs with their reasons, and generated source paths."""
         if self._plan is None:
             from .fusion import partition
-            from .build import KERNEL_BUILDERS
+            from .backends import registry
 
             self.validate()
             try:
-                groups = partition(self, frozenset(KERNEL_BUILDERS))
+                groups = partition(self, registry.families())
                 return "not built; fusion groups:\n" + "\n".join(g.describe() for g in groups)
             finally:
                 self._restore_strides()

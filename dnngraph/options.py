@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Optional
 
+from .backends import registry
 from .errors import ValidationError
 from .backends.triton.heuristics import conv as conv_heuristics
 from .backends.triton.heuristics import rows as row_heuristics
@@ -25,8 +26,8 @@ from .backends.triton.heuristics.sdpa import AttentionConfig
 from .runtime.tuning_cache import WARPS
 from .target import Target
 
-# The kernel languages a build can choose from, in the registry's order (today one).
-BACKENDS = ("triton",)
+# The kernel languages a build prefers by default: the registry's, in its order.
+BACKENDS = registry.names()
 ROW_MODES = row_heuristics.MODES + ("fused",)
 
 
@@ -141,13 +142,14 @@ def _count(minimum: int, optional: bool = False, power_of_two: bool = False):
 
 
 def _backends(name, value):
+    known = list(registry.names())  # read at each check: a backend registered later counts
     if isinstance(value, list):
         value = tuple(value)
     if not isinstance(value, tuple) or not value:
-        _fail(name, f"a non-empty tuple of backend names from {list(BACKENDS)}", value)
+        _fail(name, f"a non-empty tuple of backend names from {known}", value)
     for backend in value:
-        if backend not in BACKENDS:
-            _fail(name, f"backend names from {list(BACKENDS)}", backend)
+        if backend not in known:
+            _fail(name, f"backend names from {known}", backend)
     if len(set(value)) != len(value):
         _fail(name, "each backend once", value)
     return value

@@ -105,11 +105,11 @@ def test_build_time_validation():
 
 
 def test_unsupported_family_names_the_node(monkeypatch):
-    """A family with no kernel builder (every family has one today: one is taken away) raises
-    UnsupportedError naming the node."""
-    from dnngraph.build import KERNEL_BUILDERS
+    """A family no backend supports (every family has a Triton kernel today: one is taken away)
+    raises UnsupportedError naming the node."""
+    from dnngraph.backends.triton.backend import TRITON
 
-    monkeypatch.delitem(KERNEL_BUILDERS, "pooling")
+    monkeypatch.delitem(TRITON.builders, "pooling")
     g = dg.Graph()
     x = g.tensor(name="x", dim=[2, 4, 8, 8])
     g.pooling(x, "max", [2, 2], [2, 2], [0, 0], name="stem").set_output(True)

@@ -36,13 +36,16 @@ LAYERS = {
     "dnngraph.ops": 2, "dnngraph.serialization": 2,
     # 3 fusion: partition into kernel groups
     "dnngraph.fusion": 3,
-    # 4 the runtime: kernel files, launches and their bindings, workspaces, the plan and its
-    #   cache, autotuning's timings, the interpreter process (no kernel language in it)
-    "dnngraph.runtime": 4,
-    # 5 backends: per kernel language, configs and their ranking, kernel source, lowering a group
-    #   to launches; BuildOptions holds the backends' forced configs
+    # 4 problems: one backend-neutral description per fused group (plain data read from the graph
+    #   and the group; no runtime module either: tests/test_backends.py checks); the runtime:
+    #   kernel files, launches and their bindings, workspaces, the plan and its cache,
+    #   autotuning's timings, the interpreter process (no kernel language in it)
+    "dnngraph.problems": 4, "dnngraph.runtime": 4,
+    # 5 backends: the contract, the registry, and per kernel language configs and their ranking,
+    #   kernel source, lowering a group to launches; BuildOptions holds the backends' forced
+    #   configs and preference order
     "dnngraph.backends": 5, "dnngraph.options": 5,
-    # 6 the build: partition -> backends -> plan
+    # 6 the build: partition -> problems -> choose a backend -> lower -> plan
     "dnngraph.build": 6,
     # 7 what Graph's methods hand work to: reverse mode (it builds graphs of its input's type),
     #   the torch function, the dot text

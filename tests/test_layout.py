@@ -258,7 +258,7 @@ def test_an_op_added_after_a_build_infers_its_layout_from_own_strides():
 
 
 def test_explain_to_dot_and_a_failed_build_leave_strides_alone(monkeypatch):
-    from dnngraph.build import KERNEL_BUILDERS
+    from dnngraph.backends.triton.backend import TRITON
 
     inputs = {"x": _randn(4, 6)}
     g, t = _graph(inputs)
@@ -268,7 +268,7 @@ def test_explain_to_dot_and_a_failed_build_leave_strides_alone(monkeypatch):
     g.explain()
     g.to_dot()
     assert {tensor.name: tensor.stride for tensor in g.tensors} == before
-    monkeypatch.delitem(KERNEL_BUILDERS, "pointwise")  # the build fails after the partition
+    monkeypatch.delitem(TRITON.builders, "pointwise")  # the build fails after the partition
     with pytest.raises(dg.UnsupportedError):
         g.build()
     assert {tensor.name: tensor.stride for tensor in g.tensors} == before

@@ -277,10 +277,12 @@ def test_forced_configs_change_the_plan():
 
 
 def _key(g, options=None):
-    from dnngraph.build import KERNEL_BUILDERS, _build_device
+    from dnngraph.backends import registry
+    from dnngraph.build import _build_device
     from dnngraph.runtime.plan import target_for
     options, device = options or dg.BuildOptions(), _build_device()
-    return plan_cache.plan_key(g, options, device, target_for(device, options), KERNEL_BUILDERS)
+    return plan_cache.plan_key(g, options, device, target_for(device, options),
+                               registry.signature(options.backends))
 
 
 # One value other than the default for every option (each a valid one).

@@ -505,6 +505,7 @@ class Plan:
             # launches of one kernel
             name = getattr(launch.kernel, "__name__", "")
             lines.append(f"kernel {index} [{group.kind}] {name} (group {group_index.get(id(group), '?')})")
+            lines.append(f"  backend: {launch.backend or '?'}")
             lines.append(f"  ops:    {', '.join(f'{n.op}({n.name})' for n in group.nodes)}")
             lines.append(f"  reads:  {', '.join(self._describe(t) for t in group.inputs)}")
             lines.append(f"  writes: {', '.join(self._describe(t) for t in group.outputs)}")

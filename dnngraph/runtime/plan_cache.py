@@ -61,10 +61,11 @@ def _graph_signature(graph) -> str:
     return repr(document)  # repr tells 2 from 2.0 and True, and -0.0 from 0.0, as JSON does
 
 
-def plan_key(graph, options, device, target, builders: dict) -> tuple:
+def plan_key(graph, options, device, target, backends: tuple) -> tuple:
     """Everything a build of `graph` under `options` (BuildOptions) for `device` and its
-    `target` with the kernel `builders` (family -> builder) reads, as one hashable value."""
-    return (_graph_signature(graph), options, tuple(builders.items()), device.type, device.index, target,
+    `target` with the `backends` (each one's name, version and families: the registry's
+    signature) reads, as one hashable value."""
+    return (_graph_signature(graph), options, tuple(backends), device.type, device.index, target,
             interpreting(), _environment(), _tuning_state() if options.autotune else ())
 
 

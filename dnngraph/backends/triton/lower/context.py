@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ....runtime.autotune import Tuner
 from ..heuristics.sdpa import ForcedAttention
 from ....runtime.workspace import WorkspaceBudget
-from ....options import BuildOptions
 from ....target import Target
+
+if TYPE_CHECKING:  # the options import the backend registry, which imports the builders
+    from ....options import BuildOptions
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,69 @@
+"""The contract every backend (one kernel language) keeps, as cuDNN's frontend engines do.
+
+A backend says which problems it supports on a target, offers candidate configs with a model
+estimate, and lowers a group to launches (choosing, rendering, loading and binding its kernels;
+autotuning inside when the build's context has a tuner). The registry (registry.py) picks the
+first backend of the build's preference order that supports a problem.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Protocol, Union, runtime_checkable
+
+if TYPE_CHECKING:
+    from ..problems import Problem
+    from ..target import Target
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way a backend would run a problem: its config (backend-specific; None: the config
+    the backend's lowering chooses itself) and the model's time in seconds (None: no estimate)."""
+
+    backend: str
+    config: object
+    estimate: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """Generated source of one kernel, with what its launch needs besides (its arguments)."""
+
+    name: str
+    text: str
+    arguments: tuple = ()
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """name: the backend's name in BuildOptions.backends. version: a text that changes when its
+    kernels may (part of the plan key). families: the group kinds it can lower at all.
+    interpretable: its kernels run in Triton's interpreter on CPU tensors. prologue_stored_apart:
+    families whose prologue values that are outputs a pointwise kernel stores first."""
+
+    name: str
+    version: str
+    families: frozenset
+    interpretable: bool
+    prologue_stored_apart: frozenset
+
+    def supports(self, problem: "Problem", target: "Target") -> Union[bool, str]:
+        """True when it can lower `problem` for `target`; else False or a reason (a str)."""
+
+    def candidates(self, problem: "Problem", target: "Target", options) -> list:
+        """Candidates (Candidate) for `problem` on `target` under `options` (BuildOptions), best
+        first by the backend's own model."""
+
+    def estimate(self, problem: "Problem", config, target: "Target") -> Optional[float]:
+        """The model's seconds for `config` on `problem` (None where it has no model)."""
+
+    def lower(self, graph, group, problem: "Problem", context) -> list:
+        """The KernelLaunches of `group` (whose problem is `problem`) under the build's context."""
+
+
+def supported(backend: Backend, problem: "Problem", target: "Target") -> tuple:
+    """(True, "") when `backend` supports `problem` on `target`, else (False, why)."""
+    answer = backend.supports(problem, target)
+    if answer is True:
+        return True, ""
+    return False, answer if isinstance(answer, str) and answer else f"{backend.name} has no {problem.family} kernel"

@@ -1,0 +1,189 @@
+"""The Triton backend (triton.language) behind the backend contract (backends/contract.py):
+every family, every GPU, and CPU tensors through Triton's interpreter.
+
+lower() runs today's builder of the group's family (lower/<family>.py), which chooses its config
+(the heuristics' ranking, the options' forced configs, or autotuning through the context's
+tuner), renders, loads and returns the launches. candidates() and estimate() expose the
+heuristics' ranking on the backend-neutral problem where a family has one (matmul, conv fprop,
+pointwise, pooling, sdpa forward); elsewhere one candidate stands for the builder's own choice.
+The ranking from a neutral problem leaves out what only the fused group shows (TMA legality,
+epilogue bytes): lower() decides with the group itself, exactly as before.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import triton
+
+from ...dtypes import DataType
+from ...problems import Problem
+from ...target import Target
+from ...versions import __version__
+from ..contract import Candidate
+from .codegen.pooling import prologue_values_to_store
+from .heuristics import conv as conv_heuristics
+from .heuristics import matmul as matmul_heuristics
+from .heuristics import pointwise as pointwise_heuristics
+from .heuristics import pooling as pooling_heuristics
+from .heuristics import sdpa as sdpa_heuristics
+from .heuristics.layout import iteration_space, operand_strides
+from .lower.attention import build_attention_backward
+from .lower.conv import build_conv
+from .lower.gather import build_gather
+from .lower.matmul import build_matmul
+from .lower.pointwise import build_pointwise
+from .lower.pooling import build_pooling
+from .lower.rows import build_rows
+from .lower.sdpa import build_attention, build_sdpa
+
+# group kind -> builder(graph, group, context) -> KernelLaunch or a list of them
+BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": build_rows, "softmax": build_rows,
+            "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul,
+            "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention,
+            "attention_backward": build_attention_backward, "gather": build_gather}
+
+# Families whose loads may visit an input element several times (or never): prologue values that
+# are outputs are written first by a pointwise kernel of the prologue.
+PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv"})
+
+
+def _dot(a: DataType, b: DataType, allow_tf32: bool) -> Optional[str]:
+    if not (a.is_floating and b.is_floating):
+        return None
+    return matmul_heuristics.choose_dot(a.name, b.name, a.triton_type, b.triton_type, allow_tf32).dot
+
+
+def _output_bytes(problem: Problem) -> int:
+    return max(1, sum(o.data_type.itemsize for o in problem.outputs))
+
+
+class TritonBackend:
+    """The contract over lower/'s builders and heuristics/' models."""
+
+    name = "triton"
+    version = f"dnngraph {__version__}, triton {triton.__version__}"
+    interpretable = True
+    prologue_stored_apart = PROLOGUE_STORED_APART
+
+    def __init__(self, builders: Optional[dict] = None):
+        self.builders = dict(BUILDERS if builders is None else builders)
+
+    @property
+    def families(self) -> frozenset:
+        return frozenset(self.builders)
+
+    def supports(self, problem: Problem, target: Target) -> Union[bool, str]:
+        if problem.family not in self.builders:
+            return f"no {problem.family} kernel exists yet"
+        return True
+
+    # -- the model's view of a neutral problem ---------------------------------------------------
+
+    def _matmul_problem(self, problem: Problem) -> Optional[matmul_heuristics.MatmulProblem]:
+        g, a, b = problem.geometry, problem.operand("a"), problem.operand("b")
+        dot = _dot(a.data_type, b.data_type, g.allow_tf32) if a and b else None
+        if dot is None:
+            return None
+        return matmul_heuristics.MatmulProblem(g.batch, g.m, g.n, g.k, dot, a.data_type.itemsize, b.data_type.itemsize,
+                                               _output_bytes(problem), False, g.a_layout, g.b_layout,
+                                               ",".join(problem.epilogue + problem.exits))
+
+    def _conv_problem(self, problem: Problem) -> Optional[conv_heuristics.ConvProblem]:
+        g = problem.geometry
+        x, w = problem.operand("x"), problem.operand("w")
+        if g.direction != "fprop" or x is None or w is None or g.c // g.groups == 1:
+            return None  # dgrad and wgrad pose other GEMMs; depthwise convs take direct kernels
+        dot = _dot(x.data_type, w.data_type, True)
+        if dot is None:
+            return None
+        pixels = g.n
+        for size in g.output_spatial:
+            pixels *= size
+        taps = 1
+        for size in g.filter:
+            taps *= size
+        return conv_heuristics.ConvProblem(g.groups, pixels, g.k // g.groups, g.c // g.groups, taps, dot,
+                                           x.data_type.itemsize, w.data_type.itemsize, _output_bytes(problem), "")
+
+    def _pointwise_space(self, problem: Problem):
+        domain = problem.geometry.dims
+        operands = [operand_strides(domain, o.dims, o.strides) for o in problem.outputs + problem.operands]
+        if not domain or not operands:
+            return None
+        return iteration_space(domain, operands)
+
+    def _attention_problem(self, problem: Problem) -> Optional[sdpa_heuristics.AttentionProblem]:
+        g, q = problem.geometry, problem.operand("q")
+        if problem.family != "sdpa" or g.direction != "forward" or q is None:
+            return None
+        return sdpa_heuristics.AttentionProblem(g.batch, g.heads, g.kv_heads, g.s_q, g.s_kv, g.head_dim,
+                                                g.value_dim, q.data_type.itemsize, g.mask != "none", 0, g.causal)
+
+    def candidates(self, problem: Problem, target: Target, options=None) -> list:
+        """The heuristics' ranked configs where the family has a model for the neutral problem,
+        else one candidate: the builder's own choice (config None)."""
+        family = problem.family
+        ranked = None
+        if family == "matmul":
+            posed = self._matmul_problem(problem)
+            ranked = posed and [Candidate(self.name, c, c.estimate_us * 1e-6)
+                                for c in matmul_heuristics.rank(posed, target)]
+        elif family == "conv":
+            posed = self._conv_problem(problem)
+            ranked = posed and [Candidate(self.name, c, c.estimate_us * 1e-6)
+                                for c in conv_heuristics.rank(posed, target)]
+        elif family in ("pointwise", "copy"):
+            space = self._pointwise_space(problem)
+            width = sum(o.data_type.itemsize for o in problem.outputs + problem.operands)
+            ranked = space and [Candidate(self.name, c, c.estimate_us * 1e-6)
+                                for c in pointwise_heuristics.rank(space, width, target)]
+        elif family == "pooling":
+            g = problem.geometry
+            x = problem.operand("x") or problem.operands[0]
+            cols = 1
+            for size in g.output_spatial:
+                cols *= size
+            ranked = [Candidate(self.name, c, c.estimate_us * 1e-6)
+                      for c in pooling_heuristics.rank(g.n * g.c, cols, x.data_type.itemsize, target)]
+        elif family == "sdpa":
+            posed = self._attention_problem(problem)
+            if posed is not None:
+                forced = sdpa_heuristics.NOT_FORCED if options is None else _forced_attention(options)
+                ranked = [Candidate(self.name, sdpa_heuristics.schedule(posed, target, forced=forced), None)]
+        return ranked or [Candidate(self.name, None, None)]
+
+    def estimate(self, problem: Problem, config, target: Target) -> Optional[float]:
+        """Model seconds for `config` (a config of candidates()) on `problem`, None where none."""
+        if config is None:
+            return None
+        if problem.family == "matmul" and (posed := self._matmul_problem(problem)) is not None:
+            return matmul_heuristics.estimate(config, posed, target)
+        if problem.family == "conv" and (posed := self._conv_problem(problem)) is not None:
+            return conv_heuristics.conv_estimate(config, posed, target)
+        if problem.family in ("pointwise", "copy") and (space := self._pointwise_space(problem)) is not None:
+            width = sum(o.data_type.itemsize for o in problem.outputs + problem.operands)
+            return pointwise_heuristics.estimate(space, config.block_rows, config.block_cols, config.num_warps,
+                                                 width, target)
+        return getattr(config, "estimate_us", None) and config.estimate_us * 1e-6
+
+    # -- lowering --------------------------------------------------------------------------------
+
+    def lower(self, graph, group, problem: Problem, context) -> list:
+        """Today's builder of the family, after the pointwise kernel that stores prologue values
+        apart where the family needs it."""
+        launches = []
+        stored = prologue_values_to_store(group) if group.kind in self.prologue_stored_apart else None
+        if stored is not None:
+            launches.append(build_pointwise(graph, stored, context))
+        built = self.builders[group.kind](graph, group, context)
+        launches.extend(built if isinstance(built, list) else [built])
+        return launches
+
+
+def _forced_attention(options) -> "sdpa_heuristics.ForcedAttention":
+    o = options
+    return sdpa_heuristics.ForcedAttention(o.sdpa_config, o.sdpa_dkdv_config, o.sdpa_dq_config, o.sdpa_splits,
+                                           o.sdpa_head_group)
+
+
+TRITON = TritonBackend()

@@ -1,0 +1,93 @@
+"""Attention geometry: B, H, H_kv, S_q, S_kv, D, D_v, the mask, dropout, paging; for the sdpa
+ops and for attention written as ops (a chain, and its backward)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ops.sdpa import kv_length
+from .base import problem
+
+
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """direction: "forward" | "backward". mask: "none", "causal" (top left), "causal_bottom_right",
+    "band" (diagonal bounds), or "ops" (score ops of an op-level chain). causal: a right bound and
+    no left one. dropout: the probability (0.0: none). paged: K/V read through page tables."""
+
+    direction: str
+    batch: int
+    heads: int
+    kv_heads: int
+    s_q: int
+    s_kv: int
+    head_dim: int
+    value_dim: int
+    mask: str
+    causal: bool
+    dropout: float
+    paged: bool
+    bias: bool = False
+
+
+def _bhsd(dims) -> tuple:
+    """A rank-3 or rank-4 [B, H, rows, cols] as four sizes (H = 1 for rank 3)."""
+    return (1,) * (4 - len(dims)) + tuple(int(d) for d in dims)
+
+
+def _mask(attrs) -> tuple:
+    left, right = attrs.diagonal_band_left_bound, attrs.diagonal_band_right_bound
+    if attrs.use_causal_mask:
+        return "causal", True
+    if attrs.use_causal_mask_bottom_right:
+        return "causal_bottom_right", True
+    if left is not None or right is not None:
+        return "band", left is None and right is not None
+    return "none", False
+
+
+def sdpa_problem(graph, group):
+    node = group.anchor
+    names = node.opdef.input_names
+    q, k, v = node.inputs[:3]
+    k_table = node.inputs[names.index("paged_attention_k_table")]
+    bias = node.inputs[names.index("bias")]
+    attrs = node.attrs
+    mask, causal = _mask(attrs)
+    dropout = float(attrs.dropout[0]) if attrs.dropout else 0.0
+    direction = "backward" if node.op == "sdpa_backward" else "forward"
+    geometry = AttentionGeometry(direction, int(q.dim[0]), int(q.dim[1]), int(k.dim[1]), int(q.dim[2]),
+                                 int(kv_length(k, k_table, attrs)), int(q.dim[3]), int(v.dim[3]), mask, causal,
+                                 dropout, k_table is not None, bias is not None)
+    return problem(graph, group, geometry)
+
+
+def _dropout(nodes) -> float:
+    for n in nodes:
+        if n.op == "dropout":
+            return float(n.attrs.p)
+    return 0.0
+
+
+def attention_problem(graph, group):
+    """An op-level chain matmul(q, k^T) -> score ops -> softmax -> matmul(., v)."""
+    first, second = group.nodes[0], group.nodes[-1]
+    q, kt, v = first.inputs[0], first.inputs[1], second.inputs[1]
+    b, h, s_q, d = _bhsd(q.dim)
+    _, h_kv, _, s_kv = _bhsd(kt.dim)
+    dv = _bhsd(v.dim)[3]
+    middle = [n.op for n in group.nodes[1:-1] if n.op not in ("softmax", "dropout")]
+    geometry = AttentionGeometry("forward", b, h, h_kv, s_q, s_kv, d, dv, "ops" if middle else "none", False,
+                                 _dropout(group.nodes), False)
+    return problem(graph, group, geometry)
+
+
+def attention_backward_problem(graph, group):
+    """The backward of an op-level chain (fusion/attention.py's roles)."""
+    roles = group.roles
+    b, h, s_q, s_kv = _bhsd(roles.scores.outputs[0].dim)
+    q = roles.scores.inputs[0]
+    d = int(q.dim[-1])
+    dv = int(roles.dp.inputs[0].dim[-1]) if roles.dp is not None else d
+    geometry = AttentionGeometry("backward", b, h, h, s_q, s_kv, d, dv, "ops" if roles.score_ops else "none",
+                                 False, _dropout(roles.nodes()), False)
+    return problem(graph, group, geometry)

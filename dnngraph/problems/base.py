@@ -1,0 +1,101 @@
+"""What every problem holds, whatever its family: operands, the fused op chains, the anchor.
+
+Plain frozen data built from (graph, group) alone: tensors become Operands (name, uid, dims,
+strides, data type, role), nodes become their op names. Nothing here names a kernel language.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ..dtypes import DataType
+
+
+@dataclass(frozen=True)
+class Operand:
+    """One tensor a group reads or writes. role: the anchor's name for it ("a", "b", "x", "w",
+    "q", "k", "v", "dy", ...), else "input" (a prologue or epilogue operand) or "output"."""
+
+    name: str
+    uid: int
+    dims: tuple
+    strides: tuple
+    data_type: DataType
+    role: str
+
+    @property
+    def numel(self) -> int:
+        return product(self.dims)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A fused group, backend-neutral: family (the group kind), the anchor node (name and op;
+    None for pointwise groups), operands read and written, the prologue, epilogue and exit op
+    chains (op names in order), every op of the group in order, and the family's geometry (a
+    frozen dataclass of problems/<family>.py)."""
+
+    family: str
+    anchor_name: Optional[str]
+    anchor_op: Optional[str]
+    operands: tuple
+    outputs: tuple
+    prologue: tuple
+    epilogue: tuple
+    exits: tuple
+    ops: tuple
+    geometry: object
+    node_names: tuple = ()
+
+    def operand(self, role: str) -> Optional[Operand]:
+        """The operand of `role` (the first one), or None."""
+        return next((o for o in self.operands + self.outputs if o.role == role), None)
+
+    @property
+    def where(self) -> str:
+        """The node a message about this problem names: "node 'mm' (matmul)"."""
+        if self.anchor_name is None:
+            return f"node {self.node_names[0]!r} ({self.ops[0]})" if self.node_names else f"a {self.family} group"
+        return f"node {self.anchor_name!r} ({self.anchor_op})"
+
+
+def product(sizes) -> int:
+    count = 1
+    for size in sizes:
+        count *= int(size)
+    return count
+
+
+def operand_of(tensor, role: str) -> Operand:
+    return Operand(tensor.name, tensor.uid, tuple(int(d) for d in tensor.dim),
+                   tuple(int(s) for s in tensor.stride), tensor.data_type, role)
+
+
+def _roles(node, names, tensors) -> dict:
+    return {t.uid: role for role, t in zip(names, tensors) if t is not None}
+
+
+def problem(graph, group, geometry) -> Problem:
+    """The Problem of `group` with `geometry`: operands named by the anchor's input and output
+    names where the anchor reads or writes them."""
+    anchor = group.anchor
+    in_roles, out_roles = {}, {}
+    if anchor is not None:
+        in_roles = _roles(anchor, anchor.opdef.input_names, anchor.inputs)
+        out_roles = _roles(anchor, anchor.opdef.output_names, anchor.outputs)
+    operands = tuple(operand_of(t, in_roles.get(t.uid, "input")) for t in group.inputs)
+    outputs = tuple(operand_of(t, out_roles.get(t.uid, "output")) for t in group.outputs)
+    return Problem(group.kind, anchor.name if anchor is not None else None,
+                   anchor.op if anchor is not None else None, operands, outputs,
+                   tuple(n.op for n in group.prologue), tuple(n.op for n in group.epilogue),
+                   tuple(n.op for n in group.exits), tuple(n.op for n in group.nodes), geometry,
+                   tuple(n.name for n in group.nodes))
+
+
+def as_tuple(value) -> tuple:
+    """An attribute value (an int, a sequence, None) as a hashable tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return (value,)
