@@ -54,3 +54,46 @@ def test_gemm_kernels_call_the_library_tile_order():
     assert "from dnngraph.backends.triton.codegen import library as lib" in source
     assert source.count("lib.tile_of(") == 1
     assert "group_size" not in source and "rows_in_group" not in source
+
+
+def _attention(**attrs):
+    g = dg.Graph(name="attn", io_data_type=dg.float32, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    q, k, v = (g.tensor(name=name, dim=[1, 2, 70, 16]) for name in "qkv")
+    o, stats = g.sdpa(q, k, v, is_inference=False, **attrs)
+    o.set_output(True)
+    stats.set_output(True)
+    return g, o, (q, k, v)
+
+
+@pytest.mark.parametrize("attrs", [{"use_causal_mask": True},
+                                   {"use_causal_mask": True, "diagonal_band_left_bound": 20}])
+def test_sdpa_forward_holds_its_block_body_once(attrs):
+    g, _, _ = _attention(**attrs)
+    g.build(options=dg.BuildOptions(sdpa_config=heur.AttentionConfig(16, 16, 1, 1)))
+    (source,) = _sources(g)
+    assert "from dnngraph.backends.triton.codegen import library as lib" in source
+    assert source.count("lib.block_runs(") == 1
+    assert source.count("@triton.jit\ndef attend_blocks(") == 1
+    assert source.count("for start_n in range(") == 1
+    assert source.count("tl.dot(q_tile") == 1  # the qk product
+    assert source.count("tl.dot(p_tile") == 1  # the pv product
+    calls = [line.strip() for line in source.splitlines() if "= attend_blocks(" in line]
+    assert [call.endswith(flag) for call, flag in zip(calls, ("True)", "False)", "True)"))] == [True] * 3
+
+
+def test_sdpa_backward_kernels_hold_their_block_bodies_once():
+    g = dg.Graph(name="attn", io_data_type=dg.float32, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    q, k, v, o, d_o = (g.tensor(name=name, dim=[1, 2, 70, 16]) for name in ("q", "k", "v", "o", "dO"))
+    stats = g.tensor(name="stats", dim=[1, 2, 70, 1])
+    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, use_causal_mask=True):
+        grad.set_output(True)
+    g.build(options=dg.BuildOptions(sdpa_config=heur.AttentionConfig(16, 16, 1, 1)))
+    looped = [s for s in _sources(g) if "attend_blocks" in s]
+    assert len(looped) == 2  # dK/dV and dQ
+    for source in looped:
+        assert source.count("@triton.jit\ndef attend_blocks(") == 1
+        assert source.count("for start_n in range(") + source.count("for start_m in range(") == 1
+        assert source.count("= attend_blocks(") == 3
+        assert source.count("lib.block_runs(") == 1
