@@ -12,7 +12,7 @@ p = 0 and dS = 0.
 from __future__ import annotations
 
 from .emitter import kind_of
-from .pointwise import header
+from .pointwise import kernel_module
 from .sdpa import LOG2E, AttentionSpec, BackwardWriter, ScoreModifier, attention_arguments, render
 
 __all__ = ["render_lse", "render_chain_backward", "ScoreModifier"]
@@ -75,12 +75,8 @@ class _ChainWriter(BackwardWriter):
 
 
 def _source(kernel_name: str, description: str, writer, args) -> str:
-    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = header(description)
-    if writer.emitter.globals:
-        source += "\n" + "\n".join(writer.emitter.globals) + "\n"
-    source += "\n\n@triton.jit\ndef " + kernel_name + "(\n" + "".join(f"    {p},\n" for p in params) + "):\n"
-    return source + "\n".join(writer.body) + "\n"
+    return kernel_module(description, writer.emitter.globals, kernel_name, args, "\n".join(writer.body) + "\n",
+                         libraries=("lib",), helpers=writer.helper_texts(args))
 
 
 def render_chain_backward(kernel_name: str, which: str, spec: AttentionSpec, roles, compute_type: str,

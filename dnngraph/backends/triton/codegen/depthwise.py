@@ -32,7 +32,7 @@ from .conv import FilterShape
 from .emitter import ExpressionEmitter, kind_of
 from .grid import FOLDED_PID, folded_program_ids
 from .names import NameAllocator
-from .pointwise import KernelArgument, header
+from .pointwise import KernelArgument, kernel_module
 
 # identifiers the kernels write themselves; the stems own every `stem_*` name too
 FIXED_NAMES = ("pid", FOLDED_PID, "pid_c", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest", "acc",
@@ -581,11 +581,5 @@ def render(spec: DepthwiseSpec):
                  if ident == op.ident]
     args += [KernelArgument("int", name, value) for e in w.emitters for name, value in e.scalars]
     args += constexprs(w)
-    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = header(spec.description)
     module_globals = [g for e in w.emitters for g in e.globals]
-    if module_globals:
-        source += "\n" + "\n".join(module_globals) + "\n"
-    source += f"\n\n@triton.jit\ndef {spec.name}(\n" + "".join(f"    {p},\n" for p in params) + "):\n"
-    source += "\n".join(w.lines) + "\n"
-    return source, args
+    return kernel_module(spec.description, module_globals, spec.name, args, "\n".join(w.lines) + "\n"), args

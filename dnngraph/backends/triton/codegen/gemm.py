@@ -24,7 +24,7 @@ from .conversions import converted_to
 from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
 from .grid import folded_program_ids
 from .names import NameAllocator
-from .pointwise import KernelArgument, header
+from .pointwise import KernelArgument, kernel_module
 
 # Row-exit reductions riding on the epilogue: (value transform, combine, identity, finalize).
 EXIT_MODES = {
@@ -323,12 +323,9 @@ def prologue_tile(spec, w: Writer, side: str, loads: list, nodes: tuple, target_
 
 
 def _grouped_order(w: Writer, tile: str):
-    """pid_m, pid_n of `tile` in grouped order: GROUP_M row tiles share B columns in L2."""
-    w("group_size = GROUP_M * tiles_n",
-      f"first_m = ({tile} // group_size) * GROUP_M",
-      "rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)",
-      f"pid_m = first_m + ({tile} % group_size) % rows_in_group",
-      f"pid_n = ({tile} % group_size) // rows_in_group")
+    """pid_m, pid_n of `tile` in grouped order (library.tile_of): GROUP_M row tiles share B
+    columns in L2."""
+    w(f"pid_m, pid_n = lib.tile_of({tile}, tiles_m, tiles_n, GROUP_M)")
 
 
 def _tile_offsets(spec, w: Writer):
@@ -804,11 +801,7 @@ def render(spec: GemmKernelSpec, body: str):
     scalars = [s for e in emitters for s in e.scalars]
     operands = _operands_of(spec, body)
     args = _arguments(spec, body, operands, scalars) + _constexprs(spec, body)
-    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = header(spec.description) + "from dnngraph.backends.triton.codegen import triton_reduce as tr\n"
     module_globals = [g for e in emitters for g in e.globals]
-    if module_globals:
-        source += "\n" + "\n".join(module_globals) + "\n"
-    source += f"\n\n@triton.jit\ndef {spec.name}(\n" + "".join(f"    {p},\n" for p in params) + "):\n"
-    source += "\n".join(w.lines) + "\n"
+    source = kernel_module(spec.description, module_globals, spec.name, args, "\n".join(w.lines) + "\n",
+                           libraries=("tr", "lib"))
     return source, args

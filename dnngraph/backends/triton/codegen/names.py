@@ -17,7 +17,7 @@ import re
 from ....errors import GraphError
 
 # Module aliases every generated file imports.
-MODULE_ALIASES = frozenset({"tl", "triton", "tm", "tr", "math"})
+MODULE_ALIASES = frozenset({"tl", "triton", "tm", "tr", "lib", "math"})
 RESERVED = frozenset(keyword.kwlist) | frozenset(keyword.softkwlist) | frozenset(dir(builtins)) | MODULE_ALIASES
 COMMENT_LIMIT = 160  # characters of user text per comment
 _HINT = re.compile(r"[A-Za-z][A-Za-z0-9]*(_[A-Za-z0-9]+)*")

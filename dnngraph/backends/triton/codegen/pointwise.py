@@ -24,20 +24,35 @@ FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask
                "rows", "cols", "BLOCK_R", "BLOCK_C")
 
 
-def header(description: str) -> str:
-    """The module docstring and imports of a generated file; `description` is sanitized."""
-    return HEADER.format(description=comment_text(description, limit=400))
+# device libraries a generated file may import beyond tm, by alias
+LIBRARIES = {
+    "tr": "from dnngraph.backends.triton.codegen import triton_reduce as tr\n",
+    "lib": "from dnngraph.backends.triton.codegen import library as lib\n",
+}
 
 
-def kernel_module(description: str, constants: list, kernel_name: str, args: list, body: str) -> str:
-    """The text of a generated file: its header, module `constants`, then the jitted kernel
-    `kernel_name` taking `args` (KernelArguments) with `body` (indented lines) as its code."""
+def header(description: str, libraries=()) -> str:
+    """The module docstring and imports of a generated file; `description` is sanitized,
+    `libraries` are LIBRARIES aliases it imports too."""
+    return HEADER.format(description=comment_text(description, limit=400)) + "".join(LIBRARIES[a] for a in libraries)
+
+
+def signature(kernel_name: str, args: list) -> str:
+    """`@triton.jit def kernel_name(...):` taking `args` (KernelArguments), constexprs annotated."""
     params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = header(description)
+    return "\n\n@triton.jit\ndef " + kernel_name + "(\n" + "".join(f"    {p},\n" for p in params) + "):\n"
+
+
+def kernel_module(description: str, constants: list, kernel_name: str, args: list, body: str,
+                  libraries=(), helpers=()) -> str:
+    """The text of a generated file: its header (importing `libraries` too), module `constants`,
+    generated device functions `helpers` (each a text starting with its decorator), then the
+    jitted kernel `kernel_name` taking `args` (KernelArguments) with `body` (indented lines)."""
+    source = header(description, libraries)
     if constants:
         source += "\n" + "\n".join(constants) + "\n"
-    source += "\n\n@triton.jit\ndef " + kernel_name + "(\n"
-    return source + "".join(f"    {p},\n" for p in params) + "):\n" + body
+    source += "".join("\n\n" + helper for helper in helpers)
+    return source + signature(kernel_name, args) + body
 
 
 def axis_names(rank: int) -> list:

@@ -3,7 +3,8 @@
 One program: BLOCK_M queries of one (batch, head). It walks the key blocks its mask lets it see
 in three runs: masked blocks before the fully visible ones (a left bound), the fully visible
 blocks with no mask arithmetic at all, and masked blocks after them (the diagonal of a causal
-mask, the last partial block, a right bound). Per block:
+mask, the last partial block, a right bound). The block's body is written once, as a generated
+device function (`attend_blocks`, MASKED a constexpr) the kernel calls for each run. Per block:
 
     s = (q k^T) * scale * log2(e)  [+ bias * log2(e)]      scores in base 2
     m_new = max(m, rowmax(s)); p = exp2(s - m_new); alpha = exp2(m - m_new)
@@ -16,6 +17,9 @@ through the shared ExpressionEmitter at the output position.
 """
 from __future__ import annotations
 
+import ast
+import builtins
+import difflib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,8 +27,8 @@ from ....ops.dropout import keep_threshold
 from .conversions import converted_to
 from .emitter import ExpressionEmitter, kind_of
 from .grid import FOLDED_PID, folded_program_ids
-from .names import NameAllocator
-from .pointwise import KernelArgument, header
+from .names import MODULE_ALIASES, NameAllocator
+from .pointwise import KernelArgument, kernel_module, signature
 
 LOG2E = 1.4426950408889634
 
@@ -46,7 +50,10 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          "q_pos", "first_pos", "last_pos", "bias_row", "drop_row", "part_row", "m_part", "o_part", "weight",
          "denom", "split", "opart_ptr", "lpart_ptr", "ROWS", "SPLITS", "CHUNK", "BLOCK_R",
          # the op-level backward (codegen/attention.py)
-         "logits", "d_grad")
+         "logits", "d_grad",
+         # the generated device function walking one run of blocks (RUN_FUNCTION)
+         "attend_blocks", "first", "last", "MASKED")
+RUN_FUNCTION = "attend_blocks"
 STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
                 "dbias", "delta", "opart", "lpart", "seedt", "offt")
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
@@ -83,6 +90,44 @@ def _mask_argument(terms: list) -> str:
     return f", mask={' & '.join(terms)}, other=0.0" if terms else ""
 
 
+def constexpr_branches(masked: list, unmasked: list, indent: str) -> list:
+    """One body from a block's masked and unmasked renderings (lines at `indent`): the lines both
+    share once, in order, and each stretch where they differ as `if MASKED:` (the masked lines)
+    `else:` (the unmasked ones). MASKED is a constexpr, so Triton compiles exactly one rendering."""
+    merged = []
+    matcher = difflib.SequenceMatcher(None, masked, unmasked, autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            merged += masked[i1:i2]
+            continue
+        merged.append(indent + "if MASKED:")
+        merged += ["    " + line for line in masked[i1:i2]] or [indent + "    pass"]
+        merged.append(indent + "else:")
+        merged += ["    " + line for line in unmasked[j1:j2]] or [indent + "    pass"]
+    return merged
+
+
+def _names_in(lines: list) -> tuple:
+    """(loaded, stored) identifiers of statement lines (one function body), in source order."""
+    tree = ast.parse("def scope():\n" + "\n".join(lines))
+    found = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Name)), key=lambda n: (n.lineno, n.col_offset))
+    loaded = list(dict.fromkeys(n.id for n in found if isinstance(n.ctx, ast.Load)))
+    stored = list(dict.fromkeys(n.id for n in found if isinstance(n.ctx, ast.Store)))
+    return loaded, stored
+
+
+def _free_names(body: list, kernel: list, bound: set) -> tuple:
+    """(parameters, carried) of a device function with `body` called from a kernel whose lines so
+    far are `kernel`: the names it reads from the kernel, and the kernel's values it assigns
+    (returned to the kernel, in the order it first assigns them)."""
+    loaded, stored = _names_in(body)
+    in_kernel = set(_names_in(kernel)[1])
+    outside = set(dir(builtins)) | MODULE_ALIASES | {"first", "last", "MASKED"} | bound
+    carried = [name for name in stored if name in in_kernel]
+    parameters = [name for name in loaded if name not in outside and (name not in stored or name in in_kernel)]
+    return parameters + [name for name in carried if name not in parameters], carried
+
+
 class ScoreModifier:
     """An op-level chain's score ops (rendered through the emitter on each [BLOCK_M, BLOCK_N]
     scores tile) and the side tensors they read at (batch, head, query, key)."""
@@ -112,6 +157,8 @@ class _Writer:
         self.emitter = ExpressionEmitter(compute_type, names=self.names, hint="e")
         self.modifier = modifier
         self.sides = {self.names.prefix("side"): t for t in modifier.sides} if modifier else {}
+        self.modified: Optional[list] = None  # the score modifier's statements, rendered once
+        self.helpers: list = []  # (name, parameters, body lines) of generated device functions
 
     def line(self, text: str, depth: int = 1):
         self.body.append("    " * depth + text)
@@ -229,8 +276,7 @@ class _Writer:
             w("lo = tl.maximum(lo, pid_m * CHUNK)")
             w("hi = tl.minimum(hi, pid_m * CHUNK + CHUNK)")
         # the fully visible run starts and ends on block edges inside [lo, hi]
-        w("run_a = tl.minimum(tl.maximum((full_lo + BLOCK_N - 1) // BLOCK_N * BLOCK_N, lo), hi)")
-        w("run_b = tl.maximum(tl.minimum(full_hi // BLOCK_N * BLOCK_N, hi), run_a)")
+        w("run_a, run_b = lib.block_runs(lo, hi, full_lo, full_hi, BLOCK_N)")
 
     # --- one key block ------------------------------------------------------------------------
     def key_rows(self, stem: str, depth: int) -> str:
@@ -289,8 +335,9 @@ class _Writer:
         w, spec = self.line, self.spec
         if self.modifier is not None:
             self.modified_scores(depth)
-        else:
-            w(f"scores = tl.dot(q_tile, k_tile{self.dot_options}) * qk_scale", depth)
+        else:  # the product alone first: the one line a block's renderings share with the plain path
+            w(f"scores = tl.dot(q_tile, k_tile{self.dot_options})", depth)
+            w("scores = scores * qk_scale", depth)
         if self.has("bias"):
             keys = "keys[None, :].to(tl.int64)" if spec.wide_index else "keys[None, :]"
             w(f"bias_tile = tl.load(bias_ptr + bias_row[:, None] + {keys} * {self.stride('bias', 3)}, "
@@ -329,28 +376,61 @@ class _Writer:
         w("m_i = m_new", depth)
 
     def modified_scores(self, depth: int):
-        """scores = the chain's ops on q k^T (side tensors loaded at this block), in base 2."""
-        w = self.line
-        w(f"scores = tl.dot(q_tile, k_tile{self.dot_options})", depth)
+        """scores = the chain's ops on q k^T (side tensors loaded at this block), in base 2: the
+        same statements in every block (rendered once)."""
+        if self.modified is None:
+            self.modified = self._modified_statements()
+        for text in self.modified:
+            self.line(text, depth)
+
+    def _modified_statements(self) -> list:
+        lines = [f"scores = tl.dot(q_tile, k_tile{self.dot_options})"]
         self.emitter.bind(self.modifier.scores_uid, "scores", "f")
         for stem, tensor in self.sides.items():
             variable = self.names.fresh("sval")
             load = (f"tl.load({stem}_ptr + {stem}_row[:, None] + keys[None, :] * {stem}_s3, "
                     "mask=row_in[:, None] & key_in[None, :], other=0)")
-            w(f"{variable} = {self.emitter.loaded(load, tensor.data_type)}", depth)
+            lines.append(f"{variable} = {self.emitter.loaded(load, tensor.data_type)}")
             self.emitter.bind(tensor.uid, variable, kind_of(tensor.data_type))
         for node in self.modifier.nodes:
             self.emitter.emit(node)
-        for text in self.emitter.lines:
-            w(text, depth)
+        lines += self.emitter.lines
         self.emitter.lines.clear()
         final = self.modifier.nodes[-1].outputs[0].uid if self.modifier.nodes else self.modifier.scores_uid
-        w(f"scores = {self.emitter.value(final, 'f')} * {LOG2E!r}", depth)
+        return lines + [f"scores = {self.emitter.value(final, 'f')} * {LOG2E!r}"]
+
+    def block_loops(self, variable: str, step: str, block, depth: int = 1):
+        """The loops over [lo, run_a) masked, [run_a, run_b) whole, [run_b, hi) masked, as three
+        calls of one generated device function (RUN_FUNCTION, inlined by Triton) whose body
+        `block(masked, depth)` renders once: lines both renderings share, the rest under
+        `if MASKED:` / `else:`, resolved at compile time to exactly that rendering."""
+        before = self.body
+        renderings = []
+        for masked in (True, False):
+            self.body = []
+            block(masked, 2)
+            renderings.append(self.body)
+        self.body = before
+        body = [f"    for {variable} in range(first, last, {step}):"] + constexpr_branches(*renderings, "        ")
+        parameters, carried = _free_names(body, before, {variable})
+        self.helpers.append((RUN_FUNCTION, ["first", "last"] + parameters + ["MASKED"],
+                             body + [f"    return {', '.join(carried)}"]))
+        for first, last, masked in (("lo", "run_a", True), ("run_a", "run_b", False), ("run_b", "hi", True)):
+            self.line(f"{', '.join(carried)} = {RUN_FUNCTION}({first}, {last}, {', '.join(parameters)}, {masked})",
+                      depth)
 
     def loops(self):
-        for first, last, masked in (("lo", "run_a", True), ("run_a", "run_b", False), ("run_b", "hi", True)):
-            self.line(f"for start_n in range({first}, {last}, BLOCK_N):")
-            self.block(masked, 2)
+        self.block_loops("start_n", "BLOCK_N", self.block)
+
+    def helper_texts(self, args: list) -> list:
+        """The generated device functions' texts; a parameter the kernel takes as a constexpr is
+        one of theirs too (MASKED always)."""
+        constexprs = {a.name for a in args if a.kind == "constexpr"} | {"MASKED"}
+        texts = []
+        for name, parameters, body in self.helpers:
+            params = [KernelArgument("constexpr" if p in constexprs else "value", p, None) for p in parameters]
+            texts.append(signature(name, params).lstrip("\n") + "\n".join(body) + "\n")
+        return texts
 
     # --- epilogue -----------------------------------------------------------------------------
     def normalize(self):
@@ -464,12 +544,8 @@ def render(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: li
         writer.normalize()
         extra.update(writer.finish(group, o_uid, outputs))
     args = attention_arguments(spec, extra, writer.emitter.scalars)
-    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = header(description)
-    if writer.emitter.globals:
-        source += "\n" + "\n".join(writer.emitter.globals) + "\n"
-    source += "\n\n@triton.jit\ndef " + kernel_name + "(\n" + "".join(f"    {p},\n" for p in params) + "):\n"
-    return source + "\n".join(writer.body) + "\n", args
+    return kernel_module(description, writer.emitter.globals, kernel_name, args, "\n".join(writer.body) + "\n",
+                         libraries=("lib",), helpers=writer.helper_texts(args)), args
 
 
 def render_combine(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: list, compute_type: str,
@@ -492,12 +568,8 @@ def render_combine(kernel_name: str, spec: AttentionSpec, group, o_uid: int, out
     args += [KernelArgument("constexpr", "VALUE_DIM", spec.dims["VALUE_DIM"]),
              KernelArgument("constexpr", "SPLITS", spec.splits), KernelArgument("constexpr", "BLOCK_R", rows_per_program),
              KernelArgument("constexpr", "BLOCK_DV", spec.block[3])]
-    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = header(description)
-    if writer.emitter.globals:
-        source += "\n" + "\n".join(writer.emitter.globals) + "\n"
-    source += "\n\n@triton.jit\ndef " + kernel_name + "(\n" + "".join(f"    {p},\n" for p in params) + "):\n"
-    return source + "\n".join(writer.body) + "\n", args
+    return kernel_module(description, writer.emitter.globals, kernel_name, args,
+                         "\n".join(writer.body) + "\n"), args
 
 
 def output_strides(tensor, rank: int = 4) -> tuple:
@@ -671,8 +743,7 @@ class BackwardWriter(_Writer):
         w("q_hi = tl.maximum(q_hi, 0)")
         w("lo = tl.minimum(tl.maximum(q_lo, 0), q_hi) // BLOCK_M * BLOCK_M")
         w("hi = q_hi")
-        w("run_a = tl.minimum(tl.maximum((full_lo + BLOCK_M - 1) // BLOCK_M * BLOCK_M, lo), hi)")
-        w("run_b = tl.maximum(tl.minimum(full_hi // BLOCK_M * BLOCK_M, hi), run_a)")
+        w("run_a, run_b = lib.block_runs(lo, hi, full_lo, full_hi, BLOCK_M)")
 
     def dkdv_kernel(self):
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
@@ -695,9 +766,7 @@ class BackwardWriter(_Writer):
         w("for q_head in range(GROUP):")
         w("head = kv_head * GROUP + q_head", 2)
         self.head_offsets("head", 2)
-        for first, last, masked in (("lo", "run_a", True), ("run_a", "run_b", False), ("run_b", "hi", True)):
-            w(f"for start_m in range({first}, {last}, BLOCK_M):", 2)
-            self.dkdv_block(masked, 3)
+        self.block_loops("start_m", "BLOCK_M", self.dkdv_block, 2)
         store = ["(keys < SKV)[:, None]"]
         for stem, acc, cols, mask, scale in (("dk", "dk_acc", "cols_d", self.d_mask("[None, :]"), True),
                                              ("dv", "dv_acc", "cols_dv", self.dv_mask("[None, :]"), False)):
@@ -742,9 +811,7 @@ class BackwardWriter(_Writer):
         self.row_loads("rows", 1, True, False)
         w("dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)")
         self.key_range(padded_rows_idle=True)
-        for first, last, masked in (("lo", "run_a", True), ("run_a", "run_b", False), ("run_b", "hi", True)):
-            w(f"for start_n in range({first}, {last}, BLOCK_N):")
-            self.dq_block(masked, 2)
+        self.block_loops("start_n", "BLOCK_N", self.dq_block)
         w(f"tl.store(dq_ptr + dq_base + rows[:, None]{wide} * dq_s2 + cols_d[None, :] * dq_s3, "
           f"{self.stored_as('dq', f'dq_acc * {self.spec.scale!r}')}, "
           f"mask={' & '.join(['(rows < SQ)[:, None]'] + self.d_mask('[None, :]'))})")
@@ -852,7 +919,5 @@ def render_backward(kernel_name: str, which: str, spec: AttentionSpec, compute_t
     writer = BackwardWriter(spec, compute_type)
     BACKWARD_KERNELS[which](writer)
     args = attention_arguments(spec, {}, [])
-    params = [a.name + (": tl.constexpr" if a.kind == "constexpr" else "") for a in args]
-    source = header(description) + "\n\n@triton.jit\ndef " + kernel_name + "(\n"
-    source += "".join(f"    {p},\n" for p in params) + "):\n"
-    return source + "\n".join(writer.body) + "\n", args
+    return kernel_module(description, writer.emitter.globals, kernel_name, args, "\n".join(writer.body) + "\n",
+                         libraries=("lib",), helpers=writer.helper_texts(args)), args
