@@ -214,3 +214,21 @@ def test_a_reshape_of_a_matmul_in_another_layout_is_still_copied():
     assert [gr.kind for gr in groups] == ["matmul", "copy"]
     torch.manual_seed(3)
     check(g, {"a": torch.randn(6, 5), "w": torch.randn(5, 8)})
+
+
+def test_every_anchor_op_says_what_it_absorbs_beside_its_op():
+    """Fusion reads an anchor's rule from the op's catalog entry (no table in fusion/ to keep in
+    step): every anchor that fuses has one, its positions name real inputs and outputs, and no
+    pointwise or opaque op carries one. scatter_add absorbs nothing (its writes accumulate)."""
+    from dnngraph.fusion.patterns import anchor_rule
+    from dnngraph.ops.base import REGISTRY
+
+    for name, op in REGISTRY.items():
+        rule = anchor_rule(name)
+        if op.role != "anchor":
+            assert rule is None, name
+            continue
+        assert rule is not None or name == "scatter_add", name
+        if rule is not None:
+            assert all(0 <= i < len(op.input_names) for i in rule.prologue_inputs), name
+            assert rule.epilogue_output is None or 0 <= rule.epilogue_output < len(op.output_names), name

@@ -25,7 +25,7 @@ import networkx as nx
 from ..errors import ValidationError
 from ..ops.base import broadcast_dims
 from .attention import match_attention_backward
-from .patterns import ANCHOR_RULES, ATTENTION_SCORE_OPS, COUNTER_OPS, AnchorRule, attention_chain_fits
+from .patterns import ATTENTION_SCORE_OPS, COUNTER_OPS, AnchorRule, anchor_rule, attention_chain_fits
 from .views import LAYOUT_OPS, Views, plan_views
 
 
@@ -205,7 +205,7 @@ class _Partitioner:
         for node in self.order:
             if node in self.group_of or _is_pointwise(node) or node.op in LAYOUT_OPS:
                 continue
-            rule = ANCHOR_RULES.get(node.op)
+            rule = anchor_rule(node.op)
             group = FusionGroup(node.opdef.family, node, [node])
             self.claim(group, [node])
             self.groups.append(group)

@@ -2,59 +2,21 @@
 
 An anchor (matmul, conv, sdpa, reduction, norm, softmax, pooling) absorbs pointwise producers
 of some inputs as prologues (applied at load) and pointwise consumers of one output as epilogues
-(applied before the store). Pure data: partition.py applies it.
+(applied before the store): its op's catalog entry says which (OpDef.fusion, an AnchorRule, kept
+with the op in ops/<family>.py). Pure data: partition.py applies it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
-
-@dataclass(frozen=True)
-class AnchorRule:
-    prologue_inputs: tuple[int, ...]  # input positions whose pointwise producers fuse in
-    epilogue_output: Optional[int]  # output whose pointwise consumers fuse in (None: none)
-    exit_modes: frozenset = frozenset()  # reductions over the last axis that ride the epilogue
-    stats_exit: bool = False  # genstats (per-channel sum, sum of squares) of an epilogue value rides it
-    # pointwise consumers of the other outputs (a norm's statistics, per-channel parameter
-    # gradients) ride the epilogue too: a row kernel computes those per row and stores them there
-    side_epilogues: bool = False
+from ..ops.base import REGISTRY, AnchorRule
 
 
-_NORM_FORWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0, side_epilogues=True)
-_NORM_BACKWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0)
-
-ANCHOR_RULES: dict[str, AnchorRule] = {
-    # row amax (fp8 scaling) or row sums of the epilogue value, folded across N tiles
-    "matmul": AnchorRule((0, 1), 0, frozenset({"sum", "mean", "max", "min", "amax", "norm1", "norm2"})),
-    # conv input prologue: the scale-bias-relu of a preceding batchnorm applied at load; the
-    # batchnorm statistics of the output (genstats) folded from per-tile column sums
-    "conv_fprop": AnchorRule((0,), 0, stats_exit=True),
-    "conv_dgrad": AnchorRule((0,), 0),
-    "conv_wgrad": AnchorRule((0,), 0),
-    "sdpa": AnchorRule((), 0),
-    "sdpa_backward": AnchorRule((), None),
-    "reduction": AnchorRule((0,), 0),
-    "softmax": AnchorRule((0,), 0),
-    "softmax_backward": AnchorRule((0,), 0),
-    "pooling": AnchorRule((0,), 0),
-    "pooling_backward": AnchorRule((0,), 0),
-    "genstats": AnchorRule((0,), None, side_epilogues=True),
-    # a gather's loads follow its ids: no prologue (it would run at gathered positions); its
-    # pointwise consumers (an embedding's scale, a position add) ride the store
-    "gather": AnchorRule((), 0),
-    "batchnorm_inference": _NORM_FORWARD,
-}
-for _norm in ("layernorm", "rmsnorm", "batchnorm", "instancenorm", "groupnorm"):
-    ANCHOR_RULES[_norm] = _NORM_FORWARD
-    ANCHOR_RULES[_norm + "_backward"] = _NORM_BACKWARD
-# batchnorm's dscale and dbias are per-row sums of its dx kernel (rows are channels); layernorm's
-# and rmsnorm's are column sums, finished by a combine kernel (or a dscale/dbias kernel) that runs
-# their epilogue (a cast, the add of another use's gradient); instance and group norm reduce them
-# in a kernel of their own, which runs none
-ANCHOR_RULES["batchnorm_backward"] = AnchorRule((0,), 0, side_epilogues=True)
-ANCHOR_RULES["layernorm_backward"] = AnchorRule((0,), 0, side_epilogues=True)
-ANCHOR_RULES["rmsnorm_backward"] = AnchorRule((0,), 0, side_epilogues=True)
+def anchor_rule(op: str) -> Optional[AnchorRule]:
+    """What the anchor op `op` absorbs: its catalog entry's rule (ops/<family>.py), None for an
+    op that is no anchor or absorbs nothing."""
+    found = REGISTRY.get(op)
+    return found.fusion if found is not None else None
 
 # Pointwise ops whose value depends on the element's logical row-major index (the Philox counter
 # of dropout is offset + that index). Only the pointwise kernel computes that index, so these

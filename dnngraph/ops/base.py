@@ -28,6 +28,19 @@ class OutputSpec:
 
 
 @dataclass(frozen=True)
+class AnchorRule:
+    """What an anchor op's kernel absorbs in fusion (fusion/partition.py applies it)."""
+
+    prologue_inputs: tuple[int, ...]  # input positions whose pointwise producers fuse in
+    epilogue_output: Optional[int]  # output whose pointwise consumers fuse in (None: none)
+    exit_modes: frozenset = frozenset()  # reductions over the last axis that ride the epilogue
+    stats_exit: bool = False  # genstats (per-channel sum, sum of squares) of an epilogue value rides it
+    # pointwise consumers of the other outputs (a norm's statistics, per-channel parameter
+    # gradients) ride the epilogue too: a row kernel computes those per row and stores them there
+    side_epilogues: bool = False
+
+
+@dataclass(frozen=True)
 class OpDef:
     """One op of the catalog.
 
@@ -45,6 +58,7 @@ class OpDef:
     reference: Callable
     variadic: bool = False  # inputs are a list (concatenate)
     optional: tuple[str, ...] = ()  # inputs that may be None
+    fusion: Optional[AnchorRule] = None  # an anchor's: what its kernel absorbs (None: nothing)
 
 
 REGISTRY: dict[str, OpDef] = {}

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..tensor import MAX_EXTENT
-from .base import OpDef, OutputSpec, backward_rule, choice, fail, freeze, int_tuple, integer, register
+from .base import AnchorRule, OpDef, OutputSpec, backward_rule, choice, fail, freeze, int_tuple, integer, register
 
 MODES = ("cross_correlation", "convolution")
 
@@ -112,9 +112,14 @@ def reference_wgrad(values, attrs):
     return [_flip(fn(x, list(attrs.shape), dy, **_args(attrs)), attrs)]
 
 
-register(OpDef("conv_fprop", "conv", "anchor", ConvAttrs, ("x", "w"), ("y",), infer_fprop, reference_fprop))
-register(OpDef("conv_dgrad", "conv", "anchor", ConvAttrs, ("dy", "w"), ("dx",), infer_dgrad, reference_dgrad))
-register(OpDef("conv_wgrad", "conv", "anchor", ConvAttrs, ("dy", "x"), ("dw",), infer_wgrad, reference_wgrad))
+register(OpDef("conv_fprop", "conv", "anchor", ConvAttrs, ("x", "w"), ("y",), infer_fprop, reference_fprop,
+                  # the scale-bias-relu of a preceding batchnorm applied at load; the batchnorm
+                  # statistics of the output (genstats) folded from per-tile column sums
+                  fusion=AnchorRule((0,), 0, stats_exit=True)))
+register(OpDef("conv_dgrad", "conv", "anchor", ConvAttrs, ("dy", "w"), ("dx",), infer_dgrad, reference_dgrad,
+                  fusion=AnchorRule((0,), 0)))
+register(OpDef("conv_wgrad", "conv", "anchor", ConvAttrs, ("dy", "x"), ("dw",), infer_wgrad, reference_wgrad,
+                  fusion=AnchorRule((0,), 0)))
 
 
 @backward_rule("conv_fprop")

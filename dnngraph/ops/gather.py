@@ -22,7 +22,7 @@ import torch
 from .. import dtypes
 from ..tensor import MAX_RANK
 from ..tensor import MAX_EXTENT
-from .base import OpDef, OutputSpec, backward_rule, fail, freeze, integer, register
+from .base import AnchorRule, OpDef, OutputSpec, backward_rule, fail, freeze, integer, register
 
 INDEX_TYPES = (dtypes.int32, dtypes.int64)
 
@@ -79,7 +79,10 @@ def reference(values, attrs: GatherAttrs):
     return [torch.where(valid, picked, torch.full((), out_of_range_value(x), dtype=x.dtype))]
 
 
-register(OpDef("gather", "gather", "anchor", GatherAttrs, ("x", "index"), ("y",), infer, reference))
+# a gather's loads follow its ids: no prologue (it would run at gathered positions); its pointwise
+# consumers (an embedding's scale, a position add) ride the store
+register(OpDef("gather", "gather", "anchor", GatherAttrs, ("x", "index"), ("y",), infer, reference,
+               fusion=AnchorRule((), 0)))
 
 
 # --- scatter_add: the gather's gradient --------------------------------------------------------

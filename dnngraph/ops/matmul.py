@@ -14,7 +14,7 @@ import torch
 from .. import dtypes
 from ..tensor import contiguous_strides
 from ..errors import UnsupportedError
-from .base import OpDef, OutputSpec, backward_rule, boolean, broadcast_dims, fail, freeze, register
+from .base import AnchorRule, OpDef, OutputSpec, backward_rule, boolean, broadcast_dims, fail, freeze, register
 
 MATMUL_TYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.float8_e4m3, dtypes.float8_e5m2)
 FP8_TYPES = (dtypes.float8_e4m3, dtypes.float8_e5m2)
@@ -68,7 +68,9 @@ def reference(values, attrs: MatmulAttrs):
 
 
 register(OpDef("matmul", "matmul", "anchor", MatmulAttrs, ("a", "b", "scale_a", "scale_b"), ("c",), infer,
-               reference, optional=("scale_a", "scale_b")))
+               reference, optional=("scale_a", "scale_b"),
+               # row amax (fp8 scaling) or row sums of the epilogue value, folded across N tiles
+               fusion=AnchorRule((0, 1), 0, frozenset({"sum", "mean", "max", "min", "amax", "norm1", "norm2"}))))
 
 
 def _transposed(g, value):

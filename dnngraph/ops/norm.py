@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from .. import dtypes
 from ..tensor import MAX_EXTENT
 from ..errors import UnsupportedError
-from .base import OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, integer, real, register
+from .base import AnchorRule, OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, integer, real, register
 
 PHASES = ("training", "inference")
 
@@ -250,20 +250,30 @@ specs_out = {
 }
 _FORWARD_INPUTS = {"batchnorm": ("x", "scale", "bias", "in_running_mean", "in_running_var")}
 _BACKWARD_STATS = {"rmsnorm_backward": ("inv_variance",)}
+# fusion: a norm's statistics ride its kernel's epilogue (side_epilogues); its backward's dx does
+_NORM_FORWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0, side_epilogues=True)
+_NORM_BACKWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0)
+# batchnorm's dscale and dbias are per-row sums of its dx kernel (rows are channels); layernorm's
+# and rmsnorm's are column sums, finished by a combine kernel (or a dscale/dbias kernel) that runs
+# their epilogue (a cast, the add of another use's gradient); instance and group norm reduce them
+# in a kernel of their own, which runs none
+_NORM_BACKWARD_FUSION = {name: AnchorRule((0,), 0, side_epilogues=True)
+                         for name in ("batchnorm_backward", "layernorm_backward", "rmsnorm_backward")}
 
 for _op, _outs in specs_out.items():
     register(OpDef(_op, "norm", "anchor", NormAttrs, _FORWARD_INPUTS.get(_op, ("x", "scale", "bias")),
                    _outs, _infer_forward(_op, 2 if _op != "rmsnorm" else 1), _reference_forward(_op),
-                   optional=("bias", "in_running_mean", "in_running_var")))
+                   optional=("bias", "in_running_mean", "in_running_var"), fusion=_NORM_FORWARD))
     _bwd = _op + "_backward"
     register(OpDef(_bwd, "norm", "anchor", NormAttrs,
                    ("dy", "x", "scale") + _BACKWARD_STATS.get(_bwd, ("mean", "inv_variance")),
-                   ("dx", "dscale", "dbias"), _infer_backward(_bwd), _reference_backward(_bwd)))
+                   ("dx", "dscale", "dbias"), _infer_backward(_bwd), _reference_backward(_bwd),
+                   fusion=_NORM_BACKWARD_FUSION.get(_bwd, _NORM_BACKWARD)))
 register(OpDef("batchnorm_inference", "norm", "anchor", NormAttrs,
                ("x", "mean", "inv_variance", "scale", "bias"), ("y",),
-               _infer_batchnorm_inference, _reference_batchnorm_inference))
+               _infer_batchnorm_inference, _reference_batchnorm_inference, fusion=_NORM_FORWARD))
 register(OpDef("genstats", "norm", "anchor", NormAttrs, ("x",), ("sum", "sq_sum"),
-               _infer_genstats, _reference_genstats))
+               _infer_genstats, _reference_genstats, fusion=AnchorRule((0,), None, side_epilogues=True)))
 
 
 # --- backward rules (autodiff.py) ----------------------------------------------------------------

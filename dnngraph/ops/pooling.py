@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .. import dtypes
 from ..tensor import MAX_EXTENT
-from .base import OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, int_tuple, integer, register
+from .base import AnchorRule, OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, int_tuple, integer, register
 
 MODES = ("max", "avg_include_pad", "avg_exclude_pad")
 
@@ -196,9 +196,9 @@ def reference_backward(values, attrs):
 
 
 register(OpDef("pooling", "pooling", "anchor", PoolingAttrs, ("x",), ("y", "indices"),
-               infer_forward, reference_forward))
+               infer_forward, reference_forward, fusion=AnchorRule((0,), 0)))
 register(OpDef("pooling_backward", "pooling", "anchor", PoolingAttrs, ("dy", "x", "indices"), ("dx",),
-               infer_backward, reference_backward, optional=("indices",)))
+               infer_backward, reference_backward, optional=("indices",), fusion=AnchorRule((0,), 0)))
 
 
 @backward_rule("pooling")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import OpDef, OutputSpec, backward_rule, canonical_axes, choice, fail, freeze, register
+from .base import AnchorRule, OpDef, OutputSpec, backward_rule, canonical_axes, choice, fail, freeze, register
 
 MODES = ("sum", "mean", "max", "min", "amax", "prod", "norm1", "norm2")
 
@@ -55,7 +55,8 @@ def reference(values, attrs: ReductionAttrs):
     return [_REDUCE[attrs.mode](x.to(torch.float64) if x.dtype == torch.bool else x, attrs.axes)]
 
 
-register(OpDef("reduction", "reduction", "anchor", ReductionAttrs, ("x",), ("y",), infer, reference))
+register(OpDef("reduction", "reduction", "anchor", ReductionAttrs, ("x",), ("y",), infer, reference,
+               fusion=AnchorRule((0,), 0)))
 
 
 @backward_rule("reduction")

@@ -27,7 +27,7 @@ import torch
 
 from .. import dtypes
 from ..errors import UnsupportedError
-from .base import OpDef, OutputSpec, backward_rule, boolean, broadcast_dims, fail, freeze, integer, real, register
+from .base import AnchorRule, OpDef, OutputSpec, backward_rule, boolean, broadcast_dims, fail, freeze, integer, real, register
 from .dropout import check_random_inputs, random_values
 from .random import keep_mask
 
@@ -345,11 +345,12 @@ PAGED = ("paged_attention_k_table", "paged_attention_v_table")
 RANDOM = ("dropout_seed", "dropout_offset")  # one-element int64 tensors, when dropout names them
 register(OpDef("sdpa", "sdpa", "anchor", SdpaAttrs,
                ("q", "k", "v", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM, ("o", "stats"),
-               infer_forward, reference_forward, optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM))
+               infer_forward, reference_forward, optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM,
+               fusion=AnchorRule((), 0)))
 register(OpDef("sdpa_backward", "sdpa", "anchor", SdpaAttrs,
                ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM,
                ("dq", "dk", "dv", "dbias"), infer_backward, reference_backward,
-               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM))
+               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM, fusion=AnchorRule((), None)))
 
 
 @backward_rule("sdpa")

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import OpDef, OutputSpec, backward_rule, boolean, canonical_axes, fail, freeze, register
+from .base import AnchorRule, OpDef, OutputSpec, backward_rule, boolean, canonical_axes, fail, freeze, register
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,9 @@ def reference_backward(values, attrs: SoftmaxAttrs):
 
 
 register(OpDef("softmax", "softmax", "anchor", SoftmaxAttrs, ("x",), ("y",),
-               infer_forward, reference_forward))
+               infer_forward, reference_forward, fusion=AnchorRule((0,), 0)))
 register(OpDef("softmax_backward", "softmax", "anchor", SoftmaxAttrs, ("dy", "y"), ("dx",),
-               infer_backward, reference_backward))
+               infer_backward, reference_backward, fusion=AnchorRule((0,), 0)))
 
 
 @backward_rule("softmax")
