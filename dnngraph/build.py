@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .backends import registry
-from .backends.triton.lower.context import BuildContext
+from .backends.contract import BuildContext
 from .errors import UnsupportedError, ValidationError
 from .fusion import partition
 from .log import logger
@@ -35,7 +35,7 @@ def _check_outputs_dense(graph):
 
 def build_plan(graph, options: Optional[BuildOptions] = None) -> "Plan":
     """The plan of a validated graph under `options` (None: the defaults): the cached one when
-    an identical graph was built before with equal options for the same target (see cache.py),
+    an identical graph was built before with equal options for the same target (see runtime/plan_cache.py),
     else partition, schedule (or autotune) and generate every kernel. The graph's virtual
     tensors take the view strides the plan gives them."""
     options = BuildOptions() if options is None else options

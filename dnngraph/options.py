@@ -1,6 +1,6 @@
 """BuildOptions: everything a build may be told besides the graph, as one frozen, validated value.
 
-A plan is filed under its options (plan/cache.py): two builds with equal options share a plan,
+A plan is filed under its options (runtime/plan_cache.py): two builds with equal options share a plan,
 different ones never do. The forced configs and thresholds below are how tests and sweeps make
 a build take a config, a mode or a size the model would not pick; None (or the heuristics' own
 constant, the default) leaves the choice to the model. The heuristics take them as arguments.

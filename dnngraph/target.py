@@ -11,7 +11,7 @@ CPU tensors run through Triton's interpreter, whose target (INTERPRETER) plans a
 CPU tests choose the tiles and splits a GPU would. Its capability is None, which the families
 with GPU tables (attention) read as "the interpreter" and answer with small tiles.
 
-Plans are built for the target of the tensors' device (plan/__init__.py); BuildOptions.target
+Plans are built for the target of the tensors' device (build.py); BuildOptions.target
 plans for a given one instead (what-if builds, tests of a made-up GPU).
 """
 from __future__ import annotations

@@ -23,7 +23,7 @@ def _cache_dir(tmp_path_factory, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _compiled_kernels(monkeypatch):
-    """Kernels compiled once per process (plan/launch.py's shared_compile) are compiled once per
+    """Kernels compiled once per process (runtime/launch.py's shared_compile) are compiled once per
     test here: a test's stand-in compile never reaches another test."""
     from dnngraph.runtime import launch
     monkeypatch.setattr(launch, "_COMPILED", {})

@@ -275,7 +275,7 @@ def test_values_broadcasting_past_the_probabilities(q_lead, v_lead):
 
 
 def test_values_broadcasting_past_the_probabilities_dv_only():
-    """DEFECT (fusion/attention.py + plan/attention.py): with only v wanted, dv = matmul(p^T, dO)
+    """DEFECT (fusion/attention.py + lower/attention.py): with only v wanted, dv = matmul(p^T, dO)
     has dO's batch (2) but the group's grid takes the batch of the scores (1): the kernel writes
     dv of batch 0 only and the rest is workspace garbage (observed rel err ~1e37)."""
     inputs = {"q": _rnd(1, 3, 9, 5), "kt": _rnd(1, 3, 5, 11), "v": _rnd(2, 3, 11, 7)}

@@ -35,6 +35,9 @@ class ToyBackend:
     def estimate(self, problem, config, target):
         return None
 
+    def cache_key(self):
+        return (self.name, self.version)
+
     def lower(self, graph, group, problem, context):
         return TRITON.lower(graph, group, problem, context)
 
@@ -202,3 +205,42 @@ def test_problems_import_no_backend_and_no_runtime():
              for target, _ in imports_of(module)
              if target.startswith(("dnngraph.backends", "dnngraph.runtime", "dnngraph.build"))]
     assert not found, found
+
+
+def test_a_builder_or_backend_swapped_in_place_misses_the_plan_cache(monkeypatch):
+    """The key holds each backend object and the code that lowers each family: a builder
+    replaced in TRITON.builders, or another instance registered as "triton", builds afresh."""
+    from dnngraph.backends.triton.backend import TritonBackend
+
+    calls = []
+    original = TRITON.builders["pointwise"]
+
+    def spy(graph, group, context):
+        calls.append(group.kind)
+        return original(graph, group, context)
+
+    first = _pointwise_graph()[0].build()
+    monkeypatch.setitem(TRITON.builders, "pointwise", spy)
+    second = _pointwise_graph()[0].build()
+    assert calls and second.plan.launches is not first.plan.launches
+    monkeypatch.setitem(TRITON.builders, "pointwise", original)
+    calls.clear()
+    monkeypatch.setitem(registry.BACKENDS, "triton", TritonBackend({**TRITON.builders, "pointwise": spy}))
+    _pointwise_graph()[0].build()
+    assert calls
+
+
+@pytest.mark.parametrize("left, right, causal_flag, mask, causal", [
+    (None, None, True, "causal", True), (5, None, True, "band", False), (None, 3, False, "band", True),
+    (4, 2, False, "band", False), (None, 10**6, False, "none", False)])
+def test_sdpa_problem_mask_as_the_kernels_see_it(left, right, causal_flag, mask, causal):
+    """A sliding window (a left bound beside the causal one) is a band, not causal; a bound past
+    Sq + Skv masks nothing."""
+    g = dg.Graph(name="att")
+    q, k, v = (g.tensor(name=n, dim=[1, 2, 9, 8]) for n in "qkv")
+    o, _ = g.sdpa(q, k, v, use_causal_mask=causal_flag, diagonal_band_left_bound=left,
+                  diagonal_band_right_bound=right)
+    o.set_output(True)
+    group = next(gr for gr in partition(g, registry.families()) if gr.kind == "sdpa")
+    geometry = problem_of(g, group).geometry
+    assert (geometry.mask, geometry.causal) == (mask, causal)

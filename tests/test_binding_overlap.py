@@ -1,7 +1,7 @@
 """Bindings in one buffer: an output may share no element with another binding (DESIGN.md: no
 safe order exists), but views that interleave in one buffer without a common element are
 disjoint and run: dQ, dK and dV unbound from one dQKV tensor, rotary halves, even and odd columns,
-an input interleaved with an output. The exact test (plan/overlap.py) is checked against brute
+an input interleaved with an output. The exact test (runtime/overlap.py) is checked against brute
 force enumeration on random strided views. On the GPU (marked gpu): dQ/dK/dV and rotary halves
 written into views of one buffer through the prepared launches."""
 import itertools

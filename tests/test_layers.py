@@ -15,6 +15,7 @@ an arrow through the code:
 from __future__ import annotations
 
 import ast
+import re
 import pathlib
 
 import networkx as nx
@@ -39,7 +40,8 @@ LAYERS = {
     # 4 problems: one backend-neutral description per fused group (plain data read from the graph
     #   and the group; no runtime module either: tests/test_backends.py checks); the runtime:
     #   kernel files, launches and their bindings, workspaces, the plan and its cache,
-    #   autotuning's timings, the interpreter process (no kernel language in it)
+    #   autotuning's timings, the interpreter process (it launches Triton JITFunctions and times
+    #   them, but renders and chooses nothing)
     "dnngraph.problems": 4, "dnngraph.runtime": 4,
     # 5 backends: the contract, the registry, and per kernel language configs and their ranking,
     #   kernel source, lowering a group to launches; BuildOptions holds the backends' forced
@@ -165,3 +167,29 @@ def test_the_checker_sees_lazy_and_relative_imports():
     assert "dnngraph.graph" not in dict(imports_of("dnngraph.tensor"))    # TYPE_CHECKING only
     assert layer_of("dnngraph.runtime.plan_cache") == LAYERS["dnngraph.runtime"]
     assert layer_of("dnngraph") == 9 and layer_of("dnngraph.ops.matmul") == 2
+
+
+# Paths of modules that moved when the layers were drawn (plan/ split into build.py, runtime/
+# and backends/triton/lower/; codegen/ and heuristics/ went under backends/triton/).
+_MOVED = re.compile(r"(?<![\w/.])(plan/\w+\.py|plan/__init__|codegen/cache\.py|heuristics/(autotune|tuning_cache|workspace)"
+                    r"\.py|dnngraph\.(plan|codegen|heuristics)\b|dnngraph/(plan|codegen|heuristics)/)")
+
+
+def test_no_text_names_a_module_where_it_used_to_be():
+    """Comments, docstrings, strings and docs name modules where they are (the history of
+    benchmarks excepted): a stale path sends a reader, or a generated import, nowhere."""
+    root = PACKAGE.parent
+    paths = [p for p in root.glob("dnngraph/**/*.py")] + [p for p in root.glob("tests/**/*.py")]
+    paths += [p for p in root.glob("benchmarks/*.py")] + [root / "README.md", root / "docs" / "ARCHITECTURE.md",
+                                                           root / "BENCHMARKS.md"]
+    stale = [f"{p.relative_to(root)}:{n}: {m.group(0)}" for p in paths if p.name != "test_layers.py"
+             for n, line in enumerate(p.read_text().splitlines(), 1) for m in [_MOVED.search(line)] if m]
+    assert not stale, "\n".join(stale)
+
+
+def test_the_build_reaches_backends_only_through_the_contract_and_the_registry():
+    """build.py names no kernel language: a backend is chosen by the registry and lowers a group
+    through the contract (a second code generator is one folder and one registry line)."""
+    into_backends = {target for target, _ in imports_of("dnngraph.build") if target.startswith("dnngraph.backends")}
+    assert into_backends <= {"dnngraph.backends.contract", "dnngraph.backends.registry", "dnngraph.backends"}, \
+        into_backends

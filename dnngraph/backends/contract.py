@@ -10,9 +10,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Protocol, Union, runtime_checkable
 
+import torch
+
+from ..runtime.autotune import Tuner
+from ..runtime.workspace import WorkspaceBudget
+
 if TYPE_CHECKING:
+    from ..options import BuildOptions
     from ..problems import Problem
     from ..target import Target
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a backend's lowering of one build reads besides its graph, group and problem: the
+    device the launches are built for (autotuning times candidates there), its target, the
+    build's options, the tuner (None: the model's choices) and the workspace budget the groups
+    draw optional scratch from in graph order (None: unlimited)."""
+
+    device: torch.device
+    target: "Target"
+    options: "BuildOptions"
+    tuner: Optional[Tuner] = None
+    budget: Optional[WorkspaceBudget] = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +76,11 @@ class Backend(Protocol):
 
     def estimate(self, problem: "Problem", config, target: "Target") -> Optional[float]:
         """The model's seconds for `config` on `problem` (None where it has no model)."""
+
+    def cache_key(self) -> tuple:
+        """What a cached plan depends on of this backend beyond its object: name, version,
+        families and the code that lowers each (a builder swapped in place changes it)."""
+        ...
 
     def lower(self, graph, group, problem: "Problem", context) -> list:
         """The KernelLaunches of `group` (whose problem is `problem`) under the build's context."""

@@ -28,10 +28,12 @@ def families(names_=None) -> frozenset:
 
 
 def signature(names_) -> tuple:
-    """What a plan built with the backends `names_` depends on of them: each one's name, its
-    class, version and families (a registry change or a family taken away changes it)."""
-    return tuple((name, type(BACKENDS[name]).__qualname__, BACKENDS[name].version,
-                  tuple(sorted(BACKENDS[name].families))) for name in names_ if name in BACKENDS)
+    """What a plan built with the backends `names_` depends on of them, one entry per name in
+    order: the backend object itself (another instance registered under the name misses the
+    cache) and its cache_key() (name, version, families and the code that lowers each: a
+    builder swapped in place misses it too); an unregistered name as itself (choose() refuses it)."""
+    return tuple((name, id(BACKENDS[name]), BACKENDS[name].cache_key()) if name in BACKENDS else (name,)
+                 for name in names_)
 
 
 def choose(problem, target, options, interpreted: bool = False):

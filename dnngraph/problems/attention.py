@@ -34,15 +34,18 @@ def _bhsd(dims) -> tuple:
     return (1,) * (4 - len(dims)) + tuple(int(d) for d in dims)
 
 
-def _mask(attrs) -> tuple:
-    left, right = attrs.diagonal_band_left_bound, attrs.diagonal_band_right_bound
-    if attrs.use_causal_mask:
-        return "causal", True
-    if attrs.use_causal_mask_bottom_right:
-        return "causal_bottom_right", True
-    if left is not None or right is not None:
-        return "band", left is None and right is not None
-    return "none", False
+def _mask(attrs, s_q: int, s_kv: int) -> tuple:
+    """(kind, causal) of the node's mask, as its kernels see it: a bound of Sq + Skv or more
+    masks nothing and is dropped; causal: a right bound and no left one (a sliding window, with
+    both, is a band)."""
+    mask, reach = attrs.mask, s_q + s_kv
+    left = mask.left if mask.left is not None and mask.left < reach else None
+    right = mask.right if mask.right is not None and mask.right < reach else None
+    if left is None and right is None:
+        return "none", False
+    if left is None and right == 0:
+        return ("causal_bottom_right" if mask.bottom_right else "causal"), True
+    return "band", left is None
 
 
 def sdpa_problem(graph, group):
@@ -52,7 +55,7 @@ def sdpa_problem(graph, group):
     k_table = node.inputs[names.index("paged_attention_k_table")]
     bias = node.inputs[names.index("bias")]
     attrs = node.attrs
-    mask, causal = _mask(attrs)
+    mask, causal = _mask(attrs, int(q.dim[2]), int(kv_length(k, k_table, attrs)))
     dropout = float(attrs.dropout[0]) if attrs.dropout else 0.0
     direction = "backward" if node.op == "sdpa_backward" else "forward"
     geometry = AttentionGeometry(direction, int(q.dim[0]), int(q.dim[1]), int(k.dim[1]), int(q.dim[2]),

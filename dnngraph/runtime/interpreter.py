@@ -5,7 +5,7 @@ triton.language process-wide while a kernel runs, so a process either compiles f
 interprets, not both. On a CPU-only machine this module sets TRITON_INTERPRET at import (nothing
 for the user to set) and kernels run through the interpreter in this process. On a machine with
 CUDA nothing is set: CUDA tensors run on their GPU here, and CPU tensors' kernels run in an
-interpreter process of their own (plan/interpreter_client.py).
+interpreter process of their own (runtime/interpreter_client.py).
 
 Triton chooses interpreted or compiled when a function is decorated (`triton.jit` reads
 TRITON_INTERPRET then), and `torch.compile` imports triton before it loads the "dnngraph" backend

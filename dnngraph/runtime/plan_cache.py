@@ -6,7 +6,8 @@ The key holds everything a build reads, so a hit can never differ from what a bu
     attributes, the graph's data types and allow_tf32), less the graph's own name, which no
     kernel sees (each graph's plan carries its own name);
   * the BuildOptions (autotune, workspace limit, backends, forced configs and thresholds, a
-    target to plan for) and the kernel builders by family;
+    target to plan for) and the preferred backends' signature (backends/registry.py: each
+    backend object, its version, families and the code that lowers each family);
   * the device a build schedules for (type, index), its target (target.py: read from the
     driver, or the options') and whether kernels are interpreted;
   * the environment variables a build reads (BUILD_ENVIRONMENT);

@@ -72,6 +72,11 @@ class TritonBackend:
     def families(self) -> frozenset:
         return frozenset(self.builders)
 
+    def cache_key(self) -> tuple:
+        return (self.name, self.version, self.interpretable, tuple(sorted(self.prologue_stored_apart)),
+                tuple((kind, builder.__module__, builder.__qualname__, id(builder))
+                      for kind, builder in sorted(self.builders.items())))
+
     def supports(self, problem: Problem, target: Target) -> Union[bool, str]:
         if problem.family not in self.builders:
             return f"no {problem.family} kernel exists yet"
@@ -116,8 +121,10 @@ class TritonBackend:
         g, q = problem.geometry, problem.operand("q")
         if problem.family != "sdpa" or g.direction != "forward" or q is None:
             return None
+        bias = problem.operand("bias")
         return sdpa_heuristics.AttentionProblem(g.batch, g.heads, g.kv_heads, g.s_q, g.s_kv, g.head_dim,
-                                                g.value_dim, q.data_type.itemsize, g.mask != "none", 0, g.causal)
+                                                g.value_dim, q.data_type.itemsize, g.mask != "none",
+                                                bias.data_type.itemsize if bias is not None else 0, g.causal)
 
     def candidates(self, problem: Problem, target: Target, options=None) -> list:
         """The heuristics' ranked configs where the family has a model for the neutral problem,

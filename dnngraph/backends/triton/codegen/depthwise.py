@@ -62,7 +62,7 @@ class Operand:
 
 @dataclass(frozen=True)
 class DepthwiseSpec(FilterShape):
-    """Everything one depthwise kernel renders from (plain data, from plan/depthwise.py)."""
+    """Everything one depthwise kernel renders from (plain data, from lower/depthwise.py)."""
 
     name: str
     op: str  # conv_fprop | conv_dgrad | conv_wgrad

@@ -3,7 +3,7 @@
 Every identifier a kernel uses is either one of the kernel's fixed names (written by the
 renderer, reserved up front) or handed out by the kernel's NameAllocator from a hint chosen by
 the renderer ("x", "bias", "out", "v"). User tensor and node names never reach a generated source
-at all, not even its comments: kernels are named by the digest of their text (codegen/cache.py),
+at all, not even its comments: kernels are named by the digest of their text (runtime/kernel_files.py),
 so the same kernel of two groups or graphs must be the same text. explain() names the group, its
 ops and its tensors. Descriptions written into a source's docstring still pass through
 comment_text(), which keeps them on one line of printable ASCII with no quotes or backslashes.

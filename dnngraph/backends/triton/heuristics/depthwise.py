@@ -142,7 +142,7 @@ class GatherProblem:
                      # (1 contiguous; a conv stride; 1/M for channels shared by M filters)
     contiguous: bool  # the vector axis has stride 1 in the gathered tensor
     traffic: int  # bytes of every tensor the group reads or writes, once
-    merged_cols: int = 0  # columns when the next axis merges in (0: it cannot; see plan/depthwise.py)
+    merged_cols: int = 0  # columns when the next axis merges in (0: it cannot; see lower/depthwise.py)
     inner_taps: int = 1  # taps of the innermost filter axis: the unrolled loop
     epilogue: str = ""
 

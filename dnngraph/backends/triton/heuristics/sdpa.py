@@ -130,6 +130,12 @@ class ForcedAttention:
         return {which: config for which, config in (("dkdv", self.dkdv), ("dq", self.dq)) if config is not None}
 
 
+def forced_attention(options) -> "ForcedAttention":
+    """What a build's options (BuildOptions) force of the attention kernels."""
+    o = options
+    return ForcedAttention(o.sdpa_config, o.sdpa_dkdv_config, o.sdpa_dq_config, o.sdpa_splits, o.sdpa_head_group)
+
+
 NOT_FORCED = ForcedAttention()
 
 

@@ -8,7 +8,7 @@ from ..codegen.attention import render_chain_backward, render_lse
 from ....runtime.kernel_files import load_kernel
 from ..codegen.sdpa import AttentionSpec, output_strides
 from ..heuristics.layout import INT32_LIMIT
-from ..heuristics.sdpa import AttentionProblem, chain_backward_schedule, chain_schedule
+from ..heuristics.sdpa import AttentionProblem, chain_backward_schedule, chain_schedule, forced_attention
 from ....runtime.launch import KernelLaunch, element_span, kernel_name, scratch
 from .sdpa import as_bhsd, dot_precision
 
@@ -44,7 +44,7 @@ def build_attention_backward(graph, group, context) -> list:
     (batch, heads, s_q, s_kv), _ = as_bhsd(roles.scores.outputs[0], rank)
     head_dim, value_dim = roles.q.dim[-1], roles.d_o.dim[-1]
     tensors, strides = _operands(roles, rank)
-    target, forced = context.target, context.attention
+    target, forced = context.target, forced_attention(context.options)
     problem = AttentionProblem(batch, heads, heads, s_q, s_kv, head_dim, value_dim,
                                roles.q.data_type.torch_dtype.itemsize, False, 0)
     lse = scratch((batch, heads, s_q))

@@ -1,6 +1,6 @@
 """Build the launches of a depthwise conv group: direct kernels, no implicit GEMM.
 
-plan/conv.py hands a conv group here when takes_depthwise(group) holds: every group of the conv
+lower/conv.py hands a conv group here when takes_depthwise(group) holds: every group of the conv
 has one input channel and at most heuristics/depthwise.py's MAX_MULTIPLIER filters. The group
 keeps a conv group's fusion: a pointwise prologue on the gathered operand (x in fprop, dy in
 dgrad and wgrad) applied at load, and the pointwise epilogue chain with every stored value.

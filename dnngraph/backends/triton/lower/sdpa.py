@@ -15,7 +15,8 @@ from ..codegen.sdpa import AttentionSpec, ScoreModifier, output_strides, render,
 from ....errors import UnsupportedError
 from ....fusion.patterns import ATTENTION_TYPES, chain_dropout, score_ops
 from ..heuristics.layout import INT32_LIMIT
-from ..heuristics.sdpa import COMBINE_ROWS, AttentionProblem, backward_schedule, chain_schedule, schedule
+from ..heuristics.sdpa import (COMBINE_ROWS, AttentionProblem, backward_schedule, chain_schedule, forced_attention,
+                               schedule)
 from ....ops.sdpa import AttentionMask, kv_length
 from ....runtime.launch import KernelLaunch, element_span, kernel_name, scratch
 
@@ -94,7 +95,7 @@ def build_sdpa(graph, group, context):
         return _build_backward(graph, group, context)
     problem = problem_of(node)
     sched = schedule(problem, context.target, None if budget is None or budget.limit is None
-                     else budget.limit - budget.spent, context.attention)
+                     else budget.limit - budget.spent, forced_attention(context.options))
     o, stats = node.outputs
     outputs = [t for t in group.outputs if t is not stats]
     stored_stats = stats if stats is not None and stats in group.outputs else None
@@ -184,7 +185,7 @@ def _build_backward(graph, group, context) -> list:
     node, budget = group.anchor, context.budget
     bias, dbias = node.inputs[6], node.outputs[3]
     sched = backward_schedule(problem_of(node), context.target, tuple(bias.dim) if dbias is not None else (),
-                              context.attention)
+                              forced_attention(context.options))
     problem = sched.problem
     delta_bytes = problem.batch * problem.heads * problem.s_q * 4
     delta = None
@@ -230,7 +231,7 @@ def build_attention(graph, group, context):
     dropout = chain_dropout(group.nodes)
     side_bytes = sum(t.data_type.torch_dtype.itemsize for t in modifier.sides)
     problem = AttentionProblem(ob, oh, oh, s_q, s_kv, d, dv, q.data_type.torch_dtype.itemsize, False, side_bytes)
-    sched = chain_schedule(problem, context.target, forced=context.attention)  # one query head per K/V head: no packing
+    sched = chain_schedule(problem, context.target, forced=forced_attention(context.options))  # one query head per K/V head: no packing
     dims = {"HEADS": oh, "GROUP": 1, "SQ": s_q, "SKV": s_kv, "HEAD_DIM": d, "VALUE_DIM": dv}
     # k^T [.., D, Skv]: the kernel's k strides are (batch, head, key, dim)
     strides = {"q": q_strides, "k": (kt_strides[0], kt_strides[1], kt_strides[3], kt_strides[2]),
