@@ -1,7 +1,8 @@
 """The build: partition the graph into groups, describe each as a backend-neutral problem
-(problems/), choose the first backend of the options' preference order that supports it
-(backends/registry.py), and let it lower the group to launches; the plan (runtime/plan.py) runs
-them.
+(problems/), rank the (backend, candidate) pairs of the backends that support it
+(backends/registry.py: by the model's estimates, else the options' preference order), let the
+first ranked backend lower the group to launches (autotuning: the fastest of the top ranked
+backends, timed together on the device), and the plan (runtime/plan.py) runs them.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from .options import BuildOptions
 from .problems import problem_of
 from .runtime.autotune import Tuner
 from .runtime.interpreter import interpreting
-from .runtime.launch import check_grid
+from .runtime.launch import check_grid, sample_tensors, time_candidate
 from .runtime.plan import Plan, target_for
 from .runtime.plan_cache import PLANS, plan_key
 from .runtime.workspace import WorkspaceBudget
@@ -84,7 +85,9 @@ def _build_device() -> torch.device:
 def build_launches(graph, groups, device: torch.device, options: BuildOptions, budget=None) -> list:
     """The launches of every group, scheduled for the target of `device` (autotuned on
     `device`) under `options`, drawing optional scratch from `budget` (a WorkspaceBudget) in
-    graph order."""
+    graph order. Each group is lowered by the first backend registry.ranked() ranks for its
+    problem; with options.autotune, several supporting backends and a device that times
+    (times_on), by the fastest of the top ranked backends (choose_by_timing)."""
     target = target_for(device, options)
     # timings are recorded under the device they are taken on, whatever target the model plans for
     tuner = Tuner(target_of(device), top=options.autotune_top) if options.autotune else None
@@ -93,15 +96,81 @@ def build_launches(graph, groups, device: torch.device, options: BuildOptions, b
     interpreted = device.type == "cpu"
     for group in groups:
         problem = problem_of(graph, group)
-        backend = registry.choose(problem, target, options, interpreted)
-        built = backend.lower(graph, group, problem, context)
+        backends = registry.supporting(problem, target, options, interpreted)
+        why = ""
+        if len(backends) == 1:  # the default: no ranking, no timing, exactly as one backend lowers
+            backend = backends[0]
+            built = backend.lower(graph, group, problem, context)
+        else:
+            pairs = registry.ranked(problem, target, options, interpreted, backends)
+            why = registry.ranking_reason(pairs)
+            order = list(dict.fromkeys(b for b, _ in pairs))
+            if options.autotune and times_on(device):
+                top = order if options.autotune_top is None else order[:options.autotune_top]
+                backend, built, why = choose_by_timing(graph, group, problem, context, top, why)
+            else:
+                backend = order[0]
+                built = backend.lower(graph, group, problem, context)
         for launch in built:
             for chosen in (launch, launch.alternative):
                 if chosen is not None:
                     chosen.backend = backend.name
+                    chosen.backend_reason = why
         launches.extend(built)
     for launch in launches:
         for chosen in (launch, launch.alternative):
             if chosen is not None:
                 check_grid(chosen.grid, chosen.source_path, target)
     return launches
+
+
+def times_on(device: torch.device) -> bool:
+    """Whether the build times backends against each other on `device`: a GPU only (the
+    interpreter's wall clock says nothing of a GPU's, so CPU builds keep the first ranked)."""
+    return device.type == "cuda"
+
+
+def time_backends(trials: list, group, device: torch.device) -> list:
+    """Milliseconds of each trial's launches (`trials`: (backend, launches) pairs) on one set of
+    sample tensors of `group` on `device`, with the timing helpers the tuner's candidates use;
+    None for a trial whose launches fail to compile or run."""
+    tensors = sample_tensors(group, device)
+    times = []
+    for backend, launches in trials:
+        try:
+            times.append(time_candidate(launches, dict(tensors), device))
+        except Exception as error:  # a backend whose kernels fail here loses, as a failed candidate
+            logger.warning("timing backend %s on group %s failed: %s: %s", backend.name, group.describe(),
+                           type(error).__name__, error)
+            times.append(None)
+    return times
+
+
+def choose_by_timing(graph, group, problem, context: BuildContext, backends: list, ranking: str) -> tuple:
+    """(backend, launches, reason): the group lowered by each of `backends` (ranked order),
+    timed together (time_backends) and the fastest kept; each lowering draws from the workspace
+    budget as it stood before, and the budget keeps the winner's spending. With no timing at all
+    the first ranked is kept, `ranking` its reason."""
+    budget = context.budget
+    before = budget.spent if budget is not None else 0
+    trials, spent = [], []
+    for backend in backends:
+        if budget is not None:
+            budget.spent = before
+        trials.append((backend, backend.lower(graph, group, problem, context)))
+        spent.append(budget.spent if budget is not None else 0)
+    times = time_backends(trials, group, context.device)
+    timed = sorted((ms, index) for index, ms in enumerate(times) if ms is not None)
+    if not timed:
+        best, reason = 0, ranking + "; timing failed for every backend" if ranking else "timing failed"
+    else:
+        best = timed[0][1]
+        against = ", ".join(f"{trials[i][0].name} {ms * 1e3:.1f} us" for ms, i in timed[1:])
+        failed = [trials[i][0].name for i, ms in enumerate(times) if ms is None]
+        reason = (f"backend {trials[best][0].name} chosen over "
+                  f"{', '.join(b.name for i, (b, _) in enumerate(trials) if i != best)} by timing: "
+                  f"{timed[0][0] * 1e3:.1f} us" + (f" vs {against}" if against else "")
+                  + (f" ({', '.join(failed)} failed)" if failed else ""))
+    if budget is not None:
+        budget.spent = spent[best]
+    return trials[best][0], trials[best][1], reason

@@ -2,8 +2,9 @@
 
 A backend says which problems it supports on a target, offers candidate configs with a model
 estimate, and lowers a group to launches (choosing, rendering, loading and binding its kernels;
-autotuning inside when the build's context has a tuner). The registry (registry.py) picks the
-first backend of the build's preference order that supports a problem.
+autotuning inside when the build's context has a tuner). The registry (registry.py) ranks the
+(backend, candidate) pairs of every supporting backend together; the build lowers with the first
+ranked backend (or, autotuning, the fastest of the top ranked backends).
 """
 from __future__ import annotations
 
@@ -82,8 +83,10 @@ class Backend(Protocol):
         families and the code that lowers each (a builder swapped in place changes it)."""
         ...
 
-    def lower(self, graph, group, problem: "Problem", context) -> list:
-        """The KernelLaunches of `group` (whose problem is `problem`) under the build's context."""
+    def lower(self, graph, group, problem: "Problem", context, candidate: Optional[Candidate] = None) -> list:
+        """The KernelLaunches of `group` (whose problem is `problem`) under the build's context;
+        `candidate` (one of its candidates()) names the config to run where the backend can
+        force it, None lets the backend choose (what the build passes)."""
 
 
 def supported(backend: Backend, problem: "Problem", target: "Target") -> tuple:

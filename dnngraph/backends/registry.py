@@ -1,13 +1,27 @@
 """The backends a build can choose from, by name: one registry line per backend.
 
-choose() takes the first backend of the build's preference order (BuildOptions.backends) that
-supports a problem; families() is every group kind some backend lowers (what the partition may
-form groups for); signature() is what the plan key holds of them.
+ranked() ranks the (backend, Candidate) pairs of every backend of the build's preference order
+(BuildOptions.backends) that supports a problem, together. The rule:
+
+- every backend of options.backends that supports the problem on the target (on interpreted
+  builds, only those whose kernels run in Triton's interpreter) contributes its candidates
+  (backend.candidates(problem, target, options)), best first by its own model (none offered:
+  one candidate without config or estimate, the backend's own choice);
+- where every pair has an estimate, pairs are ordered by it (seconds, lower first): estimates
+  from different backends are comparable because each is a time in seconds from the same target
+  model (the build's Target);
+- where any pair has none, pairs are ordered by preference (options.backends order) alone: a
+  backend that gives no estimate is ranked by preference only;
+- ties are broken by preference order, then by the backend's own order of its candidates.
+
+choose() is the backend of the first ranked pair (without asking for candidates where only one
+backend supports the problem); families() is every group kind some backend lowers (what the
+partition may form groups for); signature() is what the plan key holds of them.
 """
 from __future__ import annotations
 
 from ..errors import UnsupportedError
-from .contract import supported
+from .contract import Candidate, supported
 from .triton.backend import TRITON
 
 BACKENDS = {TRITON.name: TRITON}
@@ -36,11 +50,11 @@ def signature(names_) -> tuple:
                  for name in names_)
 
 
-def choose(problem, target, options, interpreted: bool = False):
-    """The first backend of options.backends that supports `problem` on `target` (when the
-    kernels run in the interpreter, one whose kernels can); UnsupportedError naming the node and
-    the backends tried when none does."""
-    tried = []
+def supporting(problem, target, options, interpreted: bool = False) -> list:
+    """The backends of options.backends that support `problem` on `target`, in preference order
+    (when the kernels run in the interpreter, only those whose kernels can); UnsupportedError
+    naming the node and the backends tried when none does."""
+    found, tried = [], []
     for name in options.backends:
         backend = BACKENDS.get(name)
         if backend is None:
@@ -51,9 +65,56 @@ def choose(problem, target, options, interpreted: bool = False):
             continue
         ok, why = supported(backend, problem, target)
         if ok:
-            return backend
-        tried.append(f"{name}: {why}")
-    raise UnsupportedError(
-        f"{problem.where}: no {problem.family} kernel exists yet in the backends tried "
-        f"({'; '.join(tried)}), so the group [{', '.join(problem.node_names)}] cannot run; "
-        f"graph.reference() computes it")
+            found.append(backend)
+        else:
+            tried.append(f"{name}: {why}")
+    if not found:
+        raise UnsupportedError(
+            f"{problem.where}: no {problem.family} kernel exists yet in the backends tried "
+            f"({'; '.join(tried)}), so the group [{', '.join(problem.node_names)}] cannot run; "
+            f"graph.reference() computes it")
+    return found
+
+
+def ranked(problem, target, options, interpreted: bool = False, backends=None) -> list:
+    """(backend, Candidate) pairs of every supporting backend (`backends`: those of supporting(),
+    when already known), best first by the rule of this module's docstring."""
+    backends = supporting(problem, target, options, interpreted) if backends is None else backends
+    keyed = []
+    for preference, backend in enumerate(backends):
+        offered = backend.candidates(problem, target, options) or [Candidate(backend.name, None, None)]
+        for order, candidate in enumerate(offered):
+            keyed.append((preference, order, backend, candidate))
+    if keyed and all(c.estimate is not None for _, _, _, c in keyed):
+        keyed.sort(key=lambda k: (k[3].estimate, k[0], k[1]))
+    else:
+        keyed.sort(key=lambda k: (k[0], k[1]))
+    return [(backend, candidate) for _, _, backend, candidate in keyed]
+
+
+def ranking_reason(pairs: list) -> str:
+    """Why the first backend of ranked() `pairs` leads the other backends ("" for one backend)."""
+    firsts = {}
+    for backend, candidate in pairs:
+        firsts.setdefault(backend.name, candidate)
+    if len(firsts) < 2:
+        return ""
+    (lead, best), others = next(iter(firsts.items())), list(firsts.items())[1:]
+    names = ", ".join(name for name, _ in others)
+    if all(c.estimate is not None for _, c in pairs):
+        against = ", ".join(f"{name} {c.estimate * 1e6:.1f} us" for name, c in others)
+        return f"backend {lead} ranked over {names} by the model: {best.estimate * 1e6:.1f} us vs {against}"
+    missing = sorted({b.name for b, c in pairs if c.estimate is None})
+    return (f"backend {lead} ranked over {names} by preference order "
+            f"(no model estimate from {', '.join(missing)})")
+
+
+def choose(problem, target, options, interpreted: bool = False):
+    """The backend of ranked()'s first pair: the first of options.backends that supports
+    `problem` on `target` (when the kernels run in the interpreter, one whose kernels can) unless
+    the estimates of several rank another first; UnsupportedError naming the node and the
+    backends tried when none supports it."""
+    backends = supporting(problem, target, options, interpreted)
+    if len(backends) == 1:
+        return backends[0]
+    return ranked(problem, target, options, interpreted, backends)[0][0]

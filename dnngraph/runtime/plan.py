@@ -506,6 +506,8 @@ class Plan:
             name = getattr(launch.kernel, "__name__", "")
             lines.append(f"kernel {index} [{group.kind}] {name} (group {group_index.get(id(group), '?')})")
             lines.append(f"  backend: {launch.backend or '?'}")
+            if getattr(launch, "backend_reason", ""):
+                lines.append(f"  ranked: {launch.backend_reason}")
             lines.append(f"  ops:    {', '.join(f'{n.op}({n.name})' for n in group.nodes)}")
             lines.append(f"  reads:  {', '.join(self._describe(t) for t in group.inputs)}")
             lines.append(f"  writes: {', '.join(self._describe(t) for t in group.outputs)}")

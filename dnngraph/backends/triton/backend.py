@@ -11,6 +11,7 @@ epilogue bytes): lower() decides with the group itself, exactly as before.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional, Union
 
 import triton
@@ -175,9 +176,15 @@ class TritonBackend:
 
     # -- lowering --------------------------------------------------------------------------------
 
-    def lower(self, graph, group, problem: Problem, context) -> list:
+    def lower(self, graph, group, problem: Problem, context, candidate: Optional[Candidate] = None) -> list:
         """Today's builder of the family, after the pointwise kernel that stores prologue values
-        apart where the family needs it."""
+        apart where the family needs it. A matmul `candidate` whose config is a MatmulConfig is
+        run as given: forced through BuildOptions.matmul_config, the path a forced config takes
+        (the reason says so), without autotuning; any other candidate (None, another family's,
+        config None) leaves the choice to the builder."""
+        if candidate is not None and group.kind == "matmul" and \
+                isinstance(candidate.config, matmul_heuristics.MatmulConfig):
+            context = replace(context, options=replace(context.options, matmul_config=candidate.config), tuner=None)
         launches = []
         stored = prologue_values_to_store(group) if group.kind in self.prologue_stored_apart else None
         if stored is not None:
