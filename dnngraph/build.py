@@ -105,8 +105,8 @@ def build_launches(graph, groups, device: torch.device, options: BuildOptions, b
             pairs = registry.ranked(problem, target, options, interpreted, backends)
             why = registry.ranking_reason(pairs)
             order = list(dict.fromkeys(b for b, _ in pairs))
-            if options.autotune and times_on(device):
-                top = order if options.autotune_top is None else order[:options.autotune_top]
+            top = order if options.autotune_top is None else order[:options.autotune_top]
+            if options.autotune and len(top) > 1 and times_on(device):
                 backend, built, why = choose_by_timing(graph, group, problem, context, top, why)
             else:
                 backend = order[0]

@@ -244,3 +244,198 @@ def test_sdpa_problem_mask_as_the_kernels_see_it(left, right, causal_flag, mask,
     group = next(gr for gr in partition(g, registry.families()) if gr.kind == "sdpa")
     geometry = problem_of(g, group).geometry
     assert (geometry.mask, geometry.causal) == (mask, causal)
+
+
+# -- ranking backends together (registry.ranked, build_launches, explain) ------------------------
+
+class EstimatingToy(ToyBackend):
+    """The toy backend with one candidate whose model time is `seconds` (None: no estimate)."""
+
+    def __init__(self, seconds, interpretable=True):
+        self.seconds, self.interpretable = seconds, interpretable
+
+    def candidates(self, problem, target, options=None):
+        return [Candidate(self.name, None, self.seconds)]
+
+    def estimate(self, problem, config, target):
+        return self.seconds
+
+
+def _register(monkeypatch, backend):
+    monkeypatch.setitem(registry.BACKENDS, backend.name, backend)
+    return backend
+
+
+def _pointwise_problem():
+    g, _ = _pointwise_graph()
+    (problem,) = _problems(g).values()
+    return problem
+
+
+def _ranked_names(problem, backends, interpreted=False):
+    pairs = registry.ranked(problem, H200, dg.BuildOptions(backends=backends), interpreted)
+    return [backend.name for backend, _ in pairs]
+
+
+def test_a_smaller_estimate_ranks_first_whatever_the_preference(monkeypatch):
+    _register(monkeypatch, EstimatingToy(1e-12))
+    problem = _pointwise_problem()
+    names = _ranked_names(problem, ("triton", "toy"))
+    assert names[0] == "toy" and "triton" in names
+    pairs = registry.ranked(problem, H200, dg.BuildOptions(backends=("triton", "toy")))
+    assert [c.estimate for _, c in pairs] == sorted(c.estimate for _, c in pairs)
+    assert registry.choose(problem, H200, dg.BuildOptions(backends=("triton", "toy"))).name == "toy"
+    assert "by the model" in registry.ranking_reason(pairs)
+
+
+def test_without_an_estimate_the_preference_order_decides(monkeypatch):
+    _register(monkeypatch, EstimatingToy(None))
+    problem = _pointwise_problem()
+    for backends in (("triton", "toy"), ("toy", "triton")):
+        names = _ranked_names(problem, backends)
+        assert names[0] == backends[0]
+        # the backend's own order is kept within its pairs, and the pairs of one backend stay together
+        assert names == sorted(names, key=backends.index)
+        assert registry.choose(problem, H200, dg.BuildOptions(backends=backends)).name == backends[0]
+    pairs = registry.ranked(problem, H200, dg.BuildOptions(backends=("triton", "toy")))
+    assert "preference order" in registry.ranking_reason(pairs)
+    assert [c for b, c in pairs if b.name == "triton"] == TRITON.candidates(problem, H200, dg.BuildOptions())
+
+
+def test_equal_estimates_fall_back_to_the_preference_order(monkeypatch):
+    problem = _pointwise_problem()
+    best = TRITON.candidates(problem, H200, dg.BuildOptions())[0].estimate
+    _register(monkeypatch, EstimatingToy(best))
+    assert _ranked_names(problem, ("triton", "toy"))[0] == "triton"
+    assert _ranked_names(problem, ("toy", "triton"))[0] == "toy"
+
+
+def test_the_ranked_choice_builds_and_explain_names_it(monkeypatch):
+    _register(monkeypatch, EstimatingToy(1e-12))
+    g, inputs = _pointwise_graph()
+    check(g, inputs, options=dg.BuildOptions(backends=("triton", "toy")))
+    text = g.explain()
+    assert _backends_in(text) == ["toy"]
+    assert "  ranked: backend toy ranked over triton by the model" in text
+
+
+def test_interpreted_builds_skip_a_backend_the_interpreter_cannot_run(monkeypatch):
+    _register(monkeypatch, EstimatingToy(1e-12, interpretable=False))
+    problem = _pointwise_problem()
+    assert _ranked_names(problem, ("toy", "triton"))[0] == "toy"
+    assert set(_ranked_names(problem, ("toy", "triton"), interpreted=True)) == {"triton"}
+    with pytest.raises(dg.UnsupportedError, match="interpreter"):
+        registry.ranked(problem, H200, dg.BuildOptions(backends=("toy",)), interpreted=True)
+    g, inputs = _pointwise_graph()
+    check(g, inputs, options=dg.BuildOptions(backends=("toy", "triton")))  # the CPU build interprets
+    assert _backends_in(g.explain()) == ["triton"] and "  ranked:" not in g.explain()
+
+
+def _no_timing(*args):
+    raise AssertionError("the build timed backends")
+
+
+def test_autotune_on_the_interpreter_times_no_backend_and_keeps_the_first_ranked(monkeypatch):
+    import dnngraph.build as build
+
+    _register(monkeypatch, EstimatingToy(None))
+    monkeypatch.setattr(build, "time_backends", _no_timing)
+    monkeypatch.setattr(build, "choose_by_timing", _no_timing)
+    g, inputs = _pointwise_graph()
+    check(g, inputs, options=dg.BuildOptions(backends=("toy", "triton"), autotune=True))
+    assert _backends_in(g.explain()) == ["toy"]
+    assert "ranked over triton by preference order" in g.explain()
+
+
+@pytest.mark.parametrize("backends, kept, reason", [
+    (("toy", "triton"), "triton", "backend triton chosen over toy by timing: 12.1 us vs toy 15.3 us"),
+    (("triton", "toy"), "triton", "backend triton chosen over toy by timing: 12.1 us vs toy 15.3 us")])
+def test_autotune_times_the_top_backends_together_and_keeps_the_fastest(monkeypatch, backends, kept, reason):
+    import dnngraph.build as build
+
+    _register(monkeypatch, EstimatingToy(None))
+    timed = []
+
+    def fixed_times(trials, group, device):
+        timed.append([backend.name for backend, _ in trials])
+        assert all(launches for _, launches in trials)
+        return [{"toy": 15.3e-3, "triton": 12.1e-3}[backend.name] for backend, _ in trials]
+
+    monkeypatch.setattr(build, "times_on", lambda device: True)  # the GPU path, on the CPU
+    monkeypatch.setattr(build, "time_backends", fixed_times)
+    g, inputs = _pointwise_graph()
+    check(g, inputs, options=dg.BuildOptions(backends=backends, autotune=True))
+    assert timed == [list(backends)]  # lowered by each, in rank order, and timed together
+    assert _backends_in(g.explain()) == [kept]
+    assert f"  ranked: {reason}" in g.explain()
+
+
+def test_autotune_top_bounds_the_backends_timed(monkeypatch):
+    import dnngraph.build as build
+
+    _register(monkeypatch, EstimatingToy(None))
+    monkeypatch.setattr(build, "times_on", lambda device: True)
+    monkeypatch.setattr(build, "time_backends", _no_timing)
+    g, inputs = _pointwise_graph()
+    check(g, inputs, options=dg.BuildOptions(backends=("toy", "triton"), autotune=True, autotune_top=1))
+    assert _backends_in(g.explain()) == ["toy"]
+
+
+def test_a_backend_whose_timing_fails_loses(monkeypatch):
+    import dnngraph.build as build
+
+    _register(monkeypatch, EstimatingToy(None))
+    monkeypatch.setattr(build, "times_on", lambda device: True)
+    monkeypatch.setattr(build, "time_backends",
+                        lambda trials, group, device: [None if b.name == "toy" else 1e-3 for b, _ in trials])
+    g, inputs = _pointwise_graph()
+    check(g, inputs, options=dg.BuildOptions(backends=("toy", "triton"), autotune=True))
+    assert _backends_in(g.explain()) == ["triton"] and "(toy failed)" in g.explain()
+
+
+def test_one_supporting_backend_is_neither_ranked_nor_timed(monkeypatch, toy):
+    import dnngraph.build as build
+
+    monkeypatch.setattr(build, "times_on", lambda device: True)
+    monkeypatch.setattr(build, "time_backends", _no_timing)
+    monkeypatch.setattr(registry, "ranked", _no_timing)
+    g, inputs = _matmul_graph()  # toy has no matmul kernel
+    check(g, inputs, options=dg.BuildOptions(backends=("toy", "triton"), autotune=True))
+    assert _backends_in(g.explain()) == ["triton"] and "  ranked:" not in g.explain()
+
+
+def _kernels(g) -> list:
+    return [(launch.kernel.__name__, launch.config_text, launch.reason) for launch in g.plan.launches]
+
+
+def test_the_default_build_is_triton_alone(toy):
+    """The default options (triton alone), triton named alone, and a second backend that does
+    not support the group: the same kernels, configs and reasons, and no ranking line."""
+    built = []
+    for options in (None, dg.BuildOptions(backends=("triton",)), dg.BuildOptions(backends=("triton", "toy"))):
+        g, inputs = _matmul_graph()
+        check(g, inputs, options=options)
+        assert "  ranked:" not in g.explain()
+        built.append(_kernels(g))
+    assert built[0] == built[1] == built[2]
+
+
+def test_triton_lowers_a_forced_matmul_candidate():
+    from dnngraph.backends.contract import BuildContext
+    from dnngraph.target import INTERPRETER
+
+    g = dg.Graph(name="mm")  # large enough for the model to rank several configs (lowered, not run)
+    g.matmul(g.tensor(name="a", dim=[256, 512]), g.tensor(name="b", dim=[512, 256]), name="mm").set_output(True)
+    group = next(gr for gr in partition(g, registry.families()) if gr.kind == "matmul")
+    problem = problem_of(g, group)
+    options = dg.BuildOptions()
+    context = BuildContext(torch.device("cpu"), INTERPRETER, options)
+    candidates = TRITON.candidates(problem, INTERPRETER, options)
+    own = TRITON.lower(g, group, problem, context)
+    assert TRITON.lower(g, group, problem, context, None)[-1].config_text == own[-1].config_text
+    other = next(c for c in candidates if c.config.text not in own[-1].config_text)
+    (forced,) = [launch for launch in TRITON.lower(g, group, problem, context, other)
+                 if other.config.text in launch.config_text]  # a split-K config adds its combine kernel
+    assert "forced" in forced.reason
+    softmax = Candidate("triton", None, None)
+    assert TRITON.lower(g, group, problem, context, softmax)[-1].config_text == own[-1].config_text
