@@ -48,9 +48,11 @@ class BuildOptions:
     """How to build a graph (cuDNN's engine configuration, as one hashable value).
 
     autotune: time the model's top candidates per kernel and keep the fastest (remembered in the
-    tuning cache); autotune_top: how many (None: every one). workspace_limit: bytes of optional
+    tuning cache); autotune_top: how many (None: every one), also how many of the ranked backends
+    are timed against each other where several support a group. workspace_limit: bytes of optional
     scratch the chosen configs may use together (split-K and split-row partials): None prefers
-    the fastest, 0 uses none. backends: the kernel languages to use, preferred first. target:
+    the fastest, 0 uses none. backends: the kernel languages to use, preferred first (the order
+    ranks them where their model estimates do not: backends/registry.py). target:
     the device model to plan for (None: the target of the device each execute runs on).
 
     Forced configs (None: the model's choice): matmul_config (matmuls, and 1x1 convs posed as

@@ -1,5 +1,6 @@
 """The backend seam: problems (problems/), the backend contract and registry (backends/), and the
-build's choice of a backend per group (the first of BuildOptions.backends that supports it)."""
+build's choice of a backend per group (those that support it ranked together: by the model's
+estimates, else BuildOptions.backends order; autotuning times the top ones on a GPU)."""
 from __future__ import annotations
 
 import dataclasses
