@@ -793,26 +793,96 @@ def _torch_gather(g, node, value):
     return g.gather(x, index, axis)
 
 
-def _index_position(node):
-    """(axis, ids node) of an index.Tensor with one index tensor (any Nones before it)."""
+def _index_axes(node):
+    """(axes, ids nodes) of the index tensors an index.Tensor or index_put holds (a None is a
+    full slice of its axis; axes past the list are full slices too)."""
     indices = list(node.args[1])
-    (axis,) = [i for i, ids in enumerate(indices) if ids is not None]
-    return axis, indices[axis]
+    axes = [i for i, ids in enumerate(indices) if ids is not None]
+    return axes, [indices[axis] for axis in axes]
+
+
+def _flat_ids(g, ids_list, sizes):
+    """One int64 id into the indexed axes (of `sizes`) merged into one, row-major, from one id
+    tensor per axis (broadcast together): sum of wrapped_k * stride_k, a negative id counting
+    from its axis's end, as torch's indexing has it. An id outside its axis (after the wrap)
+    gives a negative flat id (it could otherwise name another element of the merged axis): the
+    gather then reads nothing (NaN, or 0 for integers) and the scatter-add adds nothing, as
+    `_index` and `_index_put` treat an out-of-range id of one index tensor (torch raises)."""
+    total = math.prod(sizes)
+    rank = max(len(ids.dim) for ids in ids_list)
+    flat, stride = None, total
+    for ids, size in zip(ids_list, sizes):
+        stride //= size
+        if len(ids.dim) < rank:  # broadcast ranks align at the right
+            ids = _reshape(g, ids, [1] * (rank - len(ids.dim)) + list(ids.dim))
+        if ids.data_type != dtypes.int64:
+            ids = g.cast(ids, data_type=dtypes.int64)
+        wrapped = g.where(g.cmp_lt(ids, 0), g.add(ids, size).set_data_type(dtypes.int64), ids).set_data_type(
+            dtypes.int64)
+        term = g.mul(wrapped, stride).set_data_type(dtypes.int64) if stride != 1 else wrapped
+        outside = g.where(g.cmp_ge(wrapped, size), -total, term).set_data_type(dtypes.int64)
+        term = g.where(g.cmp_lt(wrapped, 0), -total, outside).set_data_type(dtypes.int64)
+        flat = term if flat is None else g.add(flat, term).set_data_type(dtypes.int64)
+    return flat
+
+
+def _indexed_first(g, x, axes):
+    """(x, first axis of the index group): index tensors on adjacent axes stay where they are;
+    separated ones (a full slice between them) are moved to the front in their order, the
+    others following in theirs (torch's result puts the broadcast index dims first then)."""
+    if axes == list(range(axes[0], axes[-1] + 1)):
+        return x, axes[0], None
+    order = axes + [axis for axis in range(len(x.dim)) if axis not in axes]
+    return g.transpose(x, order), 0, order
+
+
+def _merged(g, x, first: int, count: int):
+    """x with its `count` axes from `first` merged into one (a logical reshape: one of a
+    non-contiguous x the view planner copies where no strides express it)."""
+    dims = list(x.dim)
+    merged = dims[:first] + [math.prod(dims[first:first + count])] + dims[first + count:]
+    return _reshape(g, x, merged) if merged != dims else x
 
 
 def _index(g, node, value):
     """x[..., ids] with one integer index tensor: negative ids count from the end, as torch's
-    indexing has them (written as pointwise ops on the ids before the gather)."""
+    indexing has them (written as pointwise ops on the ids before the gather). Several index
+    tensors (x[rows, cols], a mask's padding[batch, kv]): the indexed axes merged into one and
+    gathered by one flat id (`_flat_ids`); separated index tensors index x with those axes
+    moved to the front, as torch's result orders them."""
     x = value(node.args[0])
-    axis, ids = _index_position(node)
-    ids = value(ids)
-    wrapped = g.where(g.cmp_lt(ids, 0), g.add(ids, x.dim[axis]), ids)
-    return _gathered(g, x, wrapped.set_data_type(ids.data_type), axis, _shape(node))
+    axes, ids_nodes = _index_axes(node)
+    if len(axes) == 1:
+        axis, ids = axes[0], value(ids_nodes[0])
+        wrapped = g.where(g.cmp_lt(ids, 0), g.add(ids, x.dim[axis]), ids)
+        return _gathered(g, x, wrapped.set_data_type(ids.data_type), axis, _shape(node))
+    x, first, _ = _indexed_first(g, x, axes)
+    sizes = list(x.dim[first:first + len(axes)])
+    flat = _flat_ids(g, [value(ids) for ids in ids_nodes], sizes)
+    return _gathered(g, _merged(g, x, first, len(axes)), flat, first, _shape(node))
 
 
 def _integer_ids(node, ids) -> Optional[str]:
+    if isinstance(ids, torch.fx.Node) and ids.meta["val"].dtype in (torch.bool, torch.uint8):
+        return "a bool or uint8 mask index (its result's shape depends on the mask's values)"
     if not isinstance(ids, torch.fx.Node) or ids.meta["val"].dtype not in (torch.int32, torch.int64):
         return "ids that are not an int32 or int64 tensor"
+    return None
+
+
+def _index_tensors_refused(node, present) -> Optional[str]:
+    """Why index tensors of index.Tensor / index_put stay in torch (None: they convert)."""
+    if not present:
+        return "indexing with no index tensor"
+    for ids in present:
+        why = _integer_ids(node, ids)
+        if why is not None:
+            return why
+    if len(present) > 1:
+        try:
+            torch.broadcast_shapes(*(ids.meta["val"].shape for ids in present))
+        except RuntimeError:
+            return "index tensors whose shapes do not broadcast together"
     return None
 
 
@@ -820,11 +890,7 @@ def _gather_refused(node) -> Optional[str]:
     if node.target is aten.embedding.default:
         ids = node.args[1]
     elif node.target is aten.index.Tensor:
-        indices = list(node.args[1])
-        present = [ids for ids in indices if ids is not None]
-        if len(present) != 1:
-            return "indexing with more than one index tensor"
-        ids = present[0]
+        return _index_tensors_refused(node, [ids for ids in node.args[1] if ids is not None])
     else:
         ids = node.args[2]
     return _integer_ids(node, ids)
@@ -878,15 +944,38 @@ def _index_add(g, node, value):
 
 def _index_put(g, node, value):
     """index_put(base, [..., ids], values, accumulate=True): values added at their ids along
-    the indexed axis; negative ids count from the end, as in indexing."""
+    the indexed axis; negative ids count from the end, as in indexing. Several index tensors
+    (the gradient of x[rows, cols]): the values added along the indexed axes merged into one, at
+    the flat ids `_index` gathers by, then the sum given base's dims back (and its axis order,
+    for separated index tensors)."""
     base = value(node.args[0])
-    axis, ids = _index_position(node)
-    ids = value(ids)
-    wrapped = g.where(g.cmp_lt(ids, 0), g.add(ids, base.dim[axis]), ids).set_data_type(ids.data_type)
-    flat = _ids_along(g, wrapped, len(base.dim), axis)
-    dims = list(base.dim)
-    dims[axis] = flat.dim[axis]
-    return _scatter_into(g, base, _reshape(g, value(node.args[2]), dims), flat, axis)
+    axes, ids_nodes = _index_axes(node)
+    if len(axes) == 1:
+        axis, ids = axes[0], value(ids_nodes[0])
+        wrapped = g.where(g.cmp_lt(ids, 0), g.add(ids, base.dim[axis]), ids).set_data_type(ids.data_type)
+        flat = _ids_along(g, wrapped, len(base.dim), axis)
+        dims = list(base.dim)
+        dims[axis] = flat.dim[axis]
+        return _scatter_into(g, base, _reshape(g, value(node.args[2]), dims), flat, axis)
+    moved, first, order = _indexed_first(g, base, axes)
+    sizes = list(moved.dim[first:first + len(axes)])
+    flat = _ids_along(g, _flat_ids(g, [value(ids) for ids in ids_nodes], sizes), len(moved.dim) - len(axes) + 1,
+                      first)
+    dims = list(moved.dim[:first]) + [flat.dim[first]] + list(moved.dim[first + len(axes):])
+    added = g.scatter_add(_reshape(g, value(node.args[2]), dims), flat, first, math.prod(sizes))
+    added = _reshape(g, added, list(moved.dim))
+    if order is not None:
+        added = g.transpose(added, [order.index(axis) for axis in range(len(order))])
+    return g.add(base, added)
+
+
+def _indexed_shape(node) -> torch.Size:
+    """The shape base[indices] has, for index_put(base, indices, values): what values must have."""
+    base = node.args[0].meta["val"]
+    indices = [None if ids is None else ids.meta["val"] for ids in node.args[1]]
+    picks = tuple(slice(None) if ids is None else torch.zeros(ids.shape, dtype=torch.int64, device="meta")
+                  for ids in indices)
+    return torch.empty(base.shape, device="meta")[picks].shape
 
 
 def _scatter_refused(node) -> Optional[str]:
@@ -908,15 +997,10 @@ def _scatter_refused(node) -> Optional[str]:
         if not (node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)):
             return "index_put without accumulate (which of repeated ids wins is unspecified)"
         present = [ids for ids in node.args[1] if ids is not None]
-        if len(present) != 1:
-            return "index_put with more than one index tensor"
-        why = _integer_ids(node, present[0])
+        why = _index_tensors_refused(node, present)
         if why is not None:
-            return why
-        axis, ids = _index_position(node)
-        base, values = node.args[0].meta["val"], node.args[2].meta["val"]
-        expected = list(base.shape[:axis]) + list(ids.meta["val"].shape) + list(base.shape[axis + 1:])
-        if list(values.shape) != expected:
+            return "index_put with " + why
+        if list(node.args[2].meta["val"].shape) != list(_indexed_shape(node)):
             return "index_put with values broadcast to the indexed shape"
         return None
     return _integer_ids(node, node.args[2])
