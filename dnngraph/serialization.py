@@ -1,7 +1,7 @@
 """JSON round trip of graphs. Loading replays the op calls, so every shape rule and attribute
 check runs again; nothing is evaluated or unpickled.
 
-This module sits below Graph (tests/test_layers.py): it reads graphs and fills the empty graph
+This module sits below Graph (tests/api/test_layers.py): it reads graphs and fills the empty graph
 of the type Graph.from_json hands down, and never imports graph.py.
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ changing between minor releases), the interpreter patches in runtime.py and the 
 (runtime/launch.py reads the compiled launcher's internals) are tested on 3.6.0. Another minor
 release would fail far from its cause (a kernel that no longer compiles, a launch refused), so
 the import fails instead, naming both versions. pyproject.toml declares the same range
-(TRITON_REQUIREMENT; tests/test_versions.py keeps them one).
+(TRITON_REQUIREMENT; tests/api/test_versions.py keeps them one).
 """
 from __future__ import annotations
 

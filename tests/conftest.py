@@ -4,7 +4,16 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The helper modules (helpers, graphgen, pretend_gpu, ...) sit here, beside this file; the tests sit
+# in one folder per layer below it (tests/models, the real-model suite, apart) and import the
+# helpers as top-level modules, and at times another layer's test module (test basenames are
+# unique across the folders). sm90_compile.py puts the same folders on its own path.
+HERE = os.path.dirname(os.path.abspath(__file__))
+LAYER_FOLDERS = sorted(os.path.join(HERE, name) for name in os.listdir(HERE)
+                       if name not in ("models", "__pycache__") and os.path.isdir(os.path.join(HERE, name)))
+for folder in reversed([HERE] + LAYER_FOLDERS):  # each once, tests/ first
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -62,8 +62,9 @@ def check(graph, inputs: dict, dtype=torch.float32, device="cpu", tolerance=None
 
 
 def compiled_for_sm90(spec: str, timeout: int = 600) -> str:
-    """Run tests/sm90_compile.py on `spec` ("module:function" in tests/) in a process without
-    the interpreter; its output (it printed "compiled N kernels for sm_90") or the failure."""
+    """Run tests/sm90_compile.py on `spec` ("module:function", the module in tests/ or in a layer's
+    folder below it) in a process without the interpreter; its output (it printed "compiled N
+    kernels for sm_90") or the failure."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, TRITON_INTERPRET="0",
                PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))

@@ -6,8 +6,8 @@ Triton reads TRITON_INTERPRET when kernels are defined, so this runs in a proces
 
     TRITON_INTERPRET=0 python tests/sm90_compile.py MODULE:FUNCTION
 
-FUNCTION() (in tests/MODULE.py) yields (label, built graph); every launch of every plan is
-compiled, and the count printed.
+FUNCTION() (in tests/MODULE.py, or in a layer's folder: tests/*/MODULE.py) yields (label, built
+graph); every launch of every plan is compiled, and the count printed.
 """
 import importlib
 import os
@@ -48,7 +48,11 @@ def compile_launch(launch, dtypes: dict):
 
 def main(spec: str):
     module_name, function = spec.split(":")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    # the helper modules sit in tests/, the test modules in one folder per layer below it (and
+    # import each other's across them): all of them on the path, as tests/conftest.py puts them
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:0] = [here] + sorted(os.path.join(here, name) for name in os.listdir(here)
+                                   if name not in ("models", "__pycache__") and os.path.isdir(os.path.join(here, name)))
     graphs = getattr(importlib.import_module(module_name), function)
     count = 0
     for label, graph in graphs():

@@ -1,6 +1,6 @@
 """A fixed set of graphs, one or more per kernel family, at the sizes the benchmarks time on the
-H100 (tests/test_target.py builds them for a target and compares the configs chosen). Nothing
-here executes: a build picks configs and writes kernel sources only."""
+H100 (tests/backends/test_target.py builds them for a target and compares the configs chosen).
+Nothing here executes: a build picks configs and writes kernel sources only."""
 import dnngraph as dg
 
 BF16 = dict(io_data_type=dg.bfloat16, intermediate_data_type=dg.float32, compute_data_type=dg.float32)

@@ -33,7 +33,8 @@ from ..serialization import graph_document
 
 PLAN_CACHE_ENTRIES = 128  # plans kept (least recently used dropped first)
 # Every environment variable a build reads (HOME: the default cache folder lies under it);
-# tests/test_plan_cache.py checks the sources read no other one but those in IGNORED_ENVIRONMENT.
+# tests/runtime/test_plan_cache.py checks the sources read no other one but those in
+# IGNORED_ENVIRONMENT.
 BUILD_ENVIRONMENT = ("DNNGRAPH_CACHE_DIR", "HOME")
 # Read by dnngraph but changing no plan, or only through a value the key holds: logging,
 # autotune's progress output, the interpreter and the interpreter process's switch (both read

@@ -17,8 +17,8 @@ def tile_of(tile, tiles_m, tiles_n, GROUP_M: tl.constexpr):
     order: GROUP_M row tiles walk their columns together, so they share B's columns in L2.
 
     The order is tl.swizzle2d(tile // tiles_n, tile % tiles_n, tiles_m, tiles_n, GROUP_M)
-    (tests/test_library.py checks it); written on the flat index, it skips swizzle2d's round
-    trip through (row, column) and back, the arithmetic the kernels ran before this helper."""
+    (tests/backends/test_library.py checks it); written on the flat index, it skips swizzle2d's
+    round trip through (row, column) and back, the arithmetic the kernels ran before this helper."""
     group_size = GROUP_M * tiles_n
     first_m = (tile // group_size) * GROUP_M
     rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)

@@ -213,7 +213,7 @@ def hardtanh_backward(dy, x, low, high):
 def dropout(x, seed, offset, counter, keep_threshold, keep_scale):
     # tl.randint is Philox 4x32-10 on counter (lo, hi, 0, 0) under key (seed lo, seed hi) and
     # returns the first output word: the generator ops/random.py defines, bit for bit (checked
-    # against it for seeds and offsets past 2^32 in tests/test_dropout.py)
+    # against it for seeds and offsets past 2^32 in tests/ops/test_dropout.py)
     bits = tl.randint(seed, offset + counter)
     # the uniform is (bits >> 8) * 2^-24: compare its 24-bit numerator, no float rounding
     keep = (bits >> 8).to(tl.int32) >= keep_threshold

@@ -2,7 +2,7 @@
 already in their declared layout pass without a copy, outputs are allocated in theirs, and the
 plan checks a set of addresses once (execute_conformed), reading only the addresses afterwards.
 The overlap check of a new binding set is one sweep, tested here against the pairwise rule on
-contiguous ranges (tests/test_binding_overlap.py tests strided views)."""
+contiguous ranges (tests/runtime/test_binding_overlap.py tests strided views)."""
 import random
 
 import pytest

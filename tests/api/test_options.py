@@ -1,6 +1,6 @@
 """BuildOptions: validated when made (a typed error naming the field), equal and hashable by value,
 taken by build(), as_function and the torch.compile backend; a forced config reaches its kernel
-and explain() says so. (tests/test_plan_cache.py: every option is in the plan key.)"""
+and explain() says so. (tests/runtime/test_plan_cache.py: every option is in the plan key.)"""
 import dataclasses
 
 import pytest

@@ -13,7 +13,7 @@ from dnngraph import torch_backend  # (registers the name "dnngraph" for a check
 from helpers import rel_err
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 STEPS = 4  # warm-up, recording, then replays
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parent.parent / "examples" / "ddp_train.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "ddp_train.py"
 TINY = ["--model", "llama", "--steps", "3", "--hidden", "32", "--layers", "1", "--seq", "8", "--batch", "4"]
 
 

@@ -13,7 +13,7 @@ import torch
 from dnngraph import torch_backend
 from helpers import rel_err
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))  # llama_layer
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # llama_layer
 
 
 def _compiled(module, **options):
@@ -289,7 +289,7 @@ def test_llama_style_decode_step_against_a_cache():
     head as its rows): every op but the rotary angles in dnngraph, the output as eager's."""
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from llama_layer import decode_step, make_layer
 
     torch.manual_seed(9)
@@ -448,7 +448,7 @@ def _decoder_layer(dtype, hidden=64):
     """The equivalent Llama decoder layer (4 heads, 2 KV heads, MLP 2 x hidden) as a module of x."""
     import sys
     from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from llama_layer import make_layer
 
     layer, forward, _ = make_layer(hidden, 4, 2, 2 * hidden, dtype, "cpu", use_transformers=False)

@@ -24,7 +24,7 @@ from dnngraph.backends.triton.heuristics.rows import RowConfig
 from dnngraph.runtime.tuning_cache import TuningCache, parse_tuning_key, tuning_key, tuning_cache_path
 from dnngraph.backends.triton.heuristics.tuning_transfer import check_entry, export_tuning, import_tuning
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
 
 

@@ -20,7 +20,7 @@ import pathlib
 
 import networkx as nx
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "dnngraph"
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "dnngraph"
 
 # Layers, bottom (0) to top. A module may import its own layer and the ones below, never above.
 # Each entry is a module or a package prefix (every module under it); the longest match wins.
@@ -38,8 +38,8 @@ LAYERS = {
     # 3 fusion: partition into kernel groups
     "dnngraph.fusion": 3,
     # 4 problems: one backend-neutral description per fused group (plain data read from the graph
-    #   and the group; no runtime module either: tests/test_backends.py checks); the runtime:
-    #   kernel files, launches and their bindings, workspaces, the plan and its cache,
+    #   and the group; no runtime module either: tests/backends/test_backends.py checks); the
+    #   runtime: kernel files, launches and their bindings, workspaces, the plan and its cache,
     #   autotuning's timings, the interpreter process (it launches Triton JITFunctions and times
     #   them, but renders and chooses nothing)
     "dnngraph.problems": 4, "dnngraph.runtime": 4,
@@ -185,6 +185,23 @@ def test_no_text_names_a_module_where_it_used_to_be():
     stale = [f"{p.relative_to(root)}:{n}: {m.group(0)}" for p in paths if p.name != "test_layers.py"
              for n, line in enumerate(p.read_text().splitlines(), 1) for m in [_MOVED.search(line)] if m]
     assert not stale, "\n".join(stale)
+
+
+_TEST_PATH = re.compile(r"(?<![\w/.])tests/[a-z0-9_/]+\.py")
+
+
+def test_every_test_path_named_in_text_is_there():
+    """A `tests/...py` named in code, docs or scripts exists (the tests sit in one folder per
+    layer, tests/ir, tests/ops, ...; the helper modules in tests/ itself): a command copied from
+    the docs runs, a reader finds the file (the history of benchmarks excepted)."""
+    root = PACKAGE.parent
+    paths = [p for p in root.glob("dnngraph/**/*.py")] + [p for p in root.glob("tests/**/*.py")]
+    paths += [p for p in root.glob("benchmarks/*.py")] + [p for p in root.glob("benchmarks/*.sh")]
+    paths += [root / "README.md", root / "docs" / "ARCHITECTURE.md", root / "BENCHMARKS.md", root / ".ci" / "run"]
+    missing = [f"{p.relative_to(root)}:{n}: {m.group(0)}" for p in paths
+               for n, line in enumerate(p.read_text().splitlines(), 1) for m in _TEST_PATH.finditer(line)
+               if not (root / m.group(0)).is_file()]
+    assert not missing, "\n".join(missing)
 
 
 def test_the_build_reaches_backends_only_through_the_contract_and_the_registry():

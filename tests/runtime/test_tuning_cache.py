@@ -14,7 +14,7 @@ from dnngraph.runtime import tuning_cache as tc
 from dnngraph.runtime.tuning_cache import (TuningCache, TuningCacheWarning, default_cache,
                                               tuning_cache_path, tuning_key)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MODULE = os.path.join(ROOT, "dnngraph", "runtime", "tuning_cache.py")
 KEY = tuning_key("NVIDIA H100 80GB HBM3", "3.6.0", "matmul", "M=128,N=256,K=64,f16")
 RECORD = {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "ms": 0.0123}

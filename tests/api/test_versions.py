@@ -13,7 +13,7 @@ import pytest
 from dnngraph import versions
 from dnngraph.versions import TRITON_REQUIREMENT, UnsupportedTritonError, check_triton_version
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("installed", ["3.6.0", "3.6.1", "3.6.0+git1a2b3c4", "3.6.12", " 3.6.2"])

@@ -21,7 +21,7 @@ from dnngraph.runtime import plan_cache as plan_cache
 from dnngraph.runtime import interpreter_worker
 from helpers import poisoned, rel_err
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _graph(factor: float):
@@ -94,7 +94,7 @@ def test_another_process_building_over_a_changed_cache_folder_runs_the_generated
     originals = {launch.source_path: _tamper(launch.source_path, marker) for launch in g.plan.launches}
     script = textwrap.dedent('''\
         import sys, torch
-        sys.path.insert(0, "tests")
+        sys.path[:0] = ["tests", "tests/backends"]
         import dnngraph as dg
         from helpers import poisoned, rel_err
         from test_kernel_source_integrity import _graph, _run_and_check

@@ -12,7 +12,7 @@ import torch
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # A block whose kernels call triton.language's own jitted helpers (tl.sum and tl.max in the
 # norm, softmax and reduction kernels) and dnngraph's device library (gelu): forward and backward
