@@ -7,18 +7,7 @@ import torch
 
 from dnngraph import torch_backend
 from helpers import rel_err
-
-
-def _compiled(fn):
-    torch._dynamo.reset()
-    torch_backend.REPORTS.clear()
-    return torch.compile(fn, backend="dnngraph", fullgraph=True, dynamic=False)
-
-
-def _left_to_torch(words) -> list:
-    """The ops of every report this compile made whose target names one of `words`."""
-    return [(target, why) for report in torch_backend.REPORTS for target, why in report.torch_ops
-            if any(word in target for word in words)]
+from test_torch_converters import _compiled, _left_to_torch
 
 
 def _matches(fn, x, *ids):
