@@ -48,7 +48,10 @@ class Candidate:
 
 @dataclass(frozen=True)
 class KernelSource:
-    """Generated source of one kernel, with what its launch needs besides (its arguments)."""
+    """Generated source of one kernel, with what its launch needs besides (its arguments): what
+    a renderer hands back. name: the stem the kernel is defined under in `text`, as load_kernel
+    takes it (it appends the digest of `text`); text: the source; arguments: the KernelArgument
+    list of its signature, in order. runtime/launch.py's launch_of turns one into a launch."""
 
     name: str
     text: str

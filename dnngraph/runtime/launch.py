@@ -26,6 +26,7 @@ from .autotune import TuningRecord
 from ..log import logger
 from .interpreter import cpu_kernels_in_worker, run_interpreted
 from .interpreter_client import run_in_interpreter_process
+from .kernel_files import load_kernel
 
 
 @dataclass(frozen=True)
@@ -347,6 +348,16 @@ class KernelLaunch:
             self.alternative.launch_unaligned(tensors)
             return
         self.kernel[self.grid](*self.values(tensors), **self._options())
+
+
+def launch_of(group, source, programs, num_warps, config_text, reason, **options) -> KernelLaunch:
+    """The launch of one rendered kernel of `group`: `source` (a backend's KernelSource, or any
+    object with its `name`, `text` and `arguments`: the stem load_kernel names the kernel by, the
+    source rendered under that stem, and the KernelArgument list) loaded by load_kernel, on
+    `programs` with `num_warps`; `options` are KernelLaunch's own (scratch, num_stages,
+    alternative, fp_fusion). The one place a builder's rendered source becomes a launch."""
+    kernel, path = load_kernel(source.text, source.name)
+    return KernelLaunch(group, kernel, path, source.arguments, programs, num_warps, config_text, reason, **options)
 
 
 # Triton's interpreter patches triton.language while a kernel runs, so two interpreted kernels

@@ -12,6 +12,7 @@ p = 0 and dS = 0.
 from __future__ import annotations
 
 from .emitter import kind_of
+from ...contract import KernelSource
 from .pointwise import kernel_module
 from .sdpa import LOG2E, AttentionSpec, BackwardWriter, ScoreModifier, attention_arguments, render
 
@@ -81,16 +82,16 @@ def _source(kernel_name: str, description: str, writer, args) -> str:
 
 def render_chain_backward(kernel_name: str, which: str, spec: AttentionSpec, roles, compute_type: str,
                           description: str):
-    """(source, arguments) of the "dkdv" or "dq" kernel of an attention_backward group with
+    """The KernelSource (name, source, arguments) of the "dkdv" or "dq" kernel of an attention_backward group with
     the roles `roles` (fusion/attention.py) under `spec`."""
     writer = _ChainWriter(spec, compute_type, roles)
     (writer.dkdv_kernel if which == "dkdv" else writer.dq_kernel)()
     args = attention_arguments(spec, dict(writer.sides), writer.emitter.scalars)
-    return _source(kernel_name, description, writer, args), args
+    return KernelSource(kernel_name, _source(kernel_name, description, writer, args), args)
 
 
 def render_lse(kernel_name: str, spec: AttentionSpec, group, roles, compute_type: str, description: str):
-    """(source, arguments) of the log-sum-exp pass: the forward kernel of the chain's score ops
+    """The KernelSource (name, source, arguments) of the log-sum-exp pass: the forward kernel of the chain's score ops
     without P V (spec.stats_only)."""
     modifier = ScoreModifier(roles.scores.outputs[0].uid, roles.score_ops)
     return render(kernel_name, spec, group, None, [], compute_type, description, modifier)

@@ -32,6 +32,7 @@ from .conv import FilterShape
 from .emitter import ExpressionEmitter, kind_of
 from .grid import FOLDED_PID, folded_program_ids
 from .names import NameAllocator
+from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
 
 # identifiers the kernels write themselves; the stems own every `stem_*` name too
@@ -567,7 +568,7 @@ def _operands_of(w: _Writer) -> list:
 
 
 def render(spec: DepthwiseSpec):
-    """(source, arguments) of one depthwise kernel."""
+    """The KernelSource (name, source, arguments) of one depthwise kernel."""
     ndim, body, constexprs = BODIES[spec.body]
     w = _Writer(spec, ndim)
     body(w)
@@ -582,4 +583,5 @@ def render(spec: DepthwiseSpec):
     args += [KernelArgument("int", name, value) for e in w.emitters for name, value in e.scalars]
     args += constexprs(w)
     module_globals = [g for e in w.emitters for g in e.globals]
-    return kernel_module(spec.description, module_globals, spec.name, args, "\n".join(w.lines) + "\n"), args
+    return KernelSource(spec.name, kernel_module(spec.description, module_globals, spec.name, args,
+                                                 "\n".join(w.lines) + "\n"), args)

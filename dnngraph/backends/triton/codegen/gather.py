@@ -18,6 +18,7 @@ from __future__ import annotations
 from ..heuristics.layout import operand_strides
 from .emitter import ExpressionEmitter, kind_of
 from .names import NameAllocator
+from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
 
 INDENT = "    "
@@ -139,7 +140,7 @@ class _GatherWriter:
 
 
 def render(kernel_name: str, schedule, group, compute_type, description: str):
-    """(source, arguments) of the kernel running a gather group under `schedule`."""
+    """The KernelSource (name, source, arguments) of the kernel running a gather group under `schedule`."""
     writer = _GatherWriter(kernel_name, schedule, group, compute_type)
     writer.coordinates()
     if group.anchor.op == "gather":
@@ -148,4 +149,5 @@ def render(kernel_name: str, schedule, group, compute_type, description: str):
         writer.scatter()
     writer.epilogue_and_stores()
     args = writer.arguments()
-    return kernel_module(description, writer.emitter.globals, kernel_name, args, "\n".join(writer.body) + "\n"), args
+    return KernelSource(kernel_name, kernel_module(description, writer.emitter.globals, kernel_name, args,
+                                                   "\n".join(writer.body) + "\n"), args)

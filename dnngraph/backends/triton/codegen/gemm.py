@@ -24,6 +24,7 @@ from .conversions import converted_to
 from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
 from .grid import folded_program_ids
 from .names import NameAllocator
+from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
 
 # Row-exit reductions riding on the epilogue: (value transform, combine, identity, finalize).
@@ -792,7 +793,7 @@ def _named(spec) -> _NamedSpec:
 
 
 def render(spec: GemmKernelSpec, body: str):
-    """(source, arguments) of one kernel of a GEMM-shaped group: body is the config's variant,
+    """The KernelSource (name, source, arguments) of one kernel of a GEMM-shaped group: body is the config's variant,
     "combine" (split-K) or "exit_fold"."""
     spec = _named(spec)
     w = Writer()
@@ -804,4 +805,4 @@ def render(spec: GemmKernelSpec, body: str):
     module_globals = [g for e in emitters for g in e.globals]
     source = kernel_module(spec.description, module_globals, spec.name, args, "\n".join(w.lines) + "\n",
                            libraries=("tr", "lib"))
-    return source, args
+    return KernelSource(spec.name, source, args)

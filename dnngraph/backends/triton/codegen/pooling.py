@@ -21,6 +21,7 @@ from ..heuristics.layout import operand_strides
 from ..heuristics.pooling import AXIS_NAMES
 from .emitter import ExpressionEmitter, kind_of
 from .names import NameAllocator
+from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
 
 INDENT = "    "
@@ -420,7 +421,7 @@ class _KernelWriter:
 
 
 def render(kernel_name: str, schedule, group, compute_type, description: str):
-    """(source, arguments) of the kernel running a pooling group under `schedule`."""
+    """The KernelSource (name, source, arguments) of the kernel running a pooling group under `schedule`."""
     writer = _KernelWriter(kernel_name, schedule, group, compute_type)
     tile = writer.tile_coordinates()
     if schedule.backward:
@@ -429,4 +430,5 @@ def render(kernel_name: str, schedule, group, compute_type, description: str):
         writer.forward(tile)
     writer.epilogue_and_stores(tile)
     args = writer.arguments()
-    return kernel_module(description, writer.emitter.globals, kernel_name, args, "\n".join(writer.body) + "\n"), args
+    return KernelSource(kernel_name, kernel_module(description, writer.emitter.globals, kernel_name, args,
+                                                   "\n".join(writer.body) + "\n"), args)

@@ -22,6 +22,7 @@ from typing import Optional
 
 from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
 from .names import NameAllocator
+from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
 
 IDENTITY = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")', "prod": "1.0"}
@@ -659,10 +660,10 @@ BODIES = {"main": _main_body, "apply": _apply_body, "partial": _partial_body, "c
 
 
 def render(spec: RowKernelSpec):
-    """(source, arguments) of one row kernel."""
+    """The KernelSource (name, source, arguments) of one row kernel."""
     src = _Source(spec)
     used = _arguments(src)
     BODIES[spec.shape](src, used)
     source = kernel_module(spec.description, src.globals, spec.name, src.args, "\n".join(src.lines) + "\n",
                            libraries=("tr",))
-    return source, src.args
+    return KernelSource(spec.name, source, src.args)

@@ -28,6 +28,7 @@ from .conversions import converted_to
 from .emitter import ExpressionEmitter, kind_of
 from .grid import FOLDED_PID, folded_program_ids
 from .names import MODULE_ALIASES, NameAllocator
+from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module, signature
 
 LOG2E = 1.4426950408889634
@@ -529,7 +530,7 @@ class _Writer:
 
 def render(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: list, compute_type: str,
            description: str, modifier: Optional[ScoreModifier] = None):
-    """(source, arguments) of the forward kernel of an sdpa group (or an op-level attention chain,
+    """The KernelSource (name, source, arguments) of the forward kernel of an sdpa group (or an op-level attention chain,
     whose score ops are `modifier`) under `spec`."""
     writer = _Writer(spec, compute_type, modifier)
     writer.prologue()
@@ -544,13 +545,14 @@ def render(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: li
         writer.normalize()
         extra.update(writer.finish(group, o_uid, outputs))
     args = attention_arguments(spec, extra, writer.emitter.scalars)
-    return kernel_module(description, writer.emitter.globals, kernel_name, args, "\n".join(writer.body) + "\n",
-                         libraries=("lib",), helpers=writer.helper_texts(args)), args
+    return KernelSource(kernel_name, kernel_module(description, writer.emitter.globals, kernel_name, args,
+                                                   "\n".join(writer.body) + "\n", libraries=("lib",),
+                                                   helpers=writer.helper_texts(args)), args)
 
 
 def render_combine(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: list, compute_type: str,
                    rows_per_program: int, description: str):
-    """(source, arguments) of the kernel merging a split decode's partials into o and stats."""
+    """The KernelSource (name, source, arguments) of the kernel merging a split decode's partials into o and stats."""
     writer = _Writer(spec, compute_type)
     writer.combine()
     extra = writer.finish(group, o_uid, outputs)
@@ -568,8 +570,8 @@ def render_combine(kernel_name: str, spec: AttentionSpec, group, o_uid: int, out
     args += [KernelArgument("constexpr", "VALUE_DIM", spec.dims["VALUE_DIM"]),
              KernelArgument("constexpr", "SPLITS", spec.splits), KernelArgument("constexpr", "BLOCK_R", rows_per_program),
              KernelArgument("constexpr", "BLOCK_DV", spec.block[3])]
-    return kernel_module(description, writer.emitter.globals, kernel_name, args,
-                         "\n".join(writer.body) + "\n"), args
+    return KernelSource(kernel_name, kernel_module(description, writer.emitter.globals, kernel_name, args,
+                                                   "\n".join(writer.body) + "\n"), args)
 
 
 def output_strides(tensor, rank: int = 4) -> tuple:
@@ -914,10 +916,11 @@ BACKWARD_KERNELS = {"delta": BackwardWriter.delta_kernel, "dkdv": BackwardWriter
 
 
 def render_backward(kernel_name: str, which: str, spec: AttentionSpec, compute_type: str, description: str):
-    """(source, arguments) of one of the backward kernels ("delta", "dkdv", "dq", "dbias") under
+    """The KernelSource (name, source, arguments) of one of the backward kernels ("delta", "dkdv", "dq", "dbias") under
     `spec`."""
     writer = BackwardWriter(spec, compute_type)
     BACKWARD_KERNELS[which](writer)
     args = attention_arguments(spec, {}, [])
-    return kernel_module(description, writer.emitter.globals, kernel_name, args, "\n".join(writer.body) + "\n",
-                         libraries=("lib",), helpers=writer.helper_texts(args)), args
+    return KernelSource(kernel_name, kernel_module(description, writer.emitter.globals, kernel_name, args,
+                                                   "\n".join(writer.body) + "\n", libraries=("lib",),
+                                                   helpers=writer.helper_texts(args)), args)

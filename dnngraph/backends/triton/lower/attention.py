@@ -5,11 +5,10 @@ ops, fusion/attention.py): the log-sum-exp pass into a scratch buffer, then the 
 from __future__ import annotations
 
 from ..codegen.attention import render_chain_backward, render_lse
-from ....runtime.kernel_files import load_kernel
 from ..codegen.sdpa import AttentionSpec, output_strides
 from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import AttentionProblem, chain_backward_schedule, chain_schedule, forced_attention
-from ....runtime.launch import KernelLaunch, element_span, kernel_name, scratch
+from ....runtime.launch import element_span, kernel_name, launch_of, scratch
 from .sdpa import as_bhsd, dot_precision
 
 
@@ -65,12 +64,11 @@ def build_attention_backward(graph, group, context) -> list:
                              None, None, False, None, None,
                              (config.block_m, config.block_n, forward.block_d, forward.block_dv), wide, precision,
                              stats_only=True, head_group=forward.head_group)
-    source, arguments = render_lse(name + "_lse", lse_spec, group, roles, graph.compute_data_type.triton_type,
-                                   "log-sum-exp pass of " + group.summary())
-    kernel, path = load_kernel(source, name + "_lse")
-    launches = [KernelLaunch(group, kernel, path, arguments, forward.programs, config.num_warps,
-                             "lse: " + forward.config_text, "op-level attention backward: " + forward.reason,
-                             scratch=(lse,), num_stages=config.num_stages)]
+    source = render_lse(name + "_lse", lse_spec, group, roles, graph.compute_data_type.triton_type,
+                        "log-sum-exp pass of " + group.summary())
+    launches = [launch_of(group, source, forward.programs, config.num_warps, "lse: " + forward.config_text,
+                          "op-level attention backward: " + forward.reason, scratch=(lse,),
+                          num_stages=config.num_stages)]
 
     sched = chain_backward_schedule(problem, target, forced)
     wanted = [("dkdv", ("dk", "dv")), ("dq", ("dq",))]
@@ -84,11 +82,8 @@ def build_attention_backward(graph, group, context) -> list:
                              (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide, precision,
                              head_group=sched.head_group(which),
                              stored_types={stem: tensors[stem].data_type for stem in outputs if stem in tensors})
-        source, arguments = render_chain_backward(f"{name}_{which}", which, spec, roles,
-                                                  graph.compute_data_type.triton_type,
-                                                  f"{which} of {group.summary()}")
-        kernel, path = load_kernel(source, f"{name}_{which}")
-        launches.append(KernelLaunch(group, kernel, path, arguments, sched.programs(which), config.num_warps,
-                                     sched.config_text(which), "op-level attention backward: " + sched.reason,
-                                     num_stages=config.num_stages))
+        source = render_chain_backward(f"{name}_{which}", which, spec, roles, graph.compute_data_type.triton_type,
+                                       f"{which} of {group.summary()}")
+        launches.append(launch_of(group, source, sched.programs(which), config.num_warps, sched.config_text(which),
+                                  "op-level attention backward: " + sched.reason, num_stages=config.num_stages))
     return launches

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ....runtime.kernel_files import load_kernel
 from ..codegen.depthwise import DepthwiseSpec, Operand, render
 from ....errors import UnsupportedError
 from ..heuristics import depthwise as depthwise_heuristics
@@ -23,7 +22,8 @@ from ..heuristics.layout import INT32_LIMIT, operand_strides
 from ..heuristics.pooling import tile_axes
 from .gemm import chain, epilogue_inputs, leaves
 from ....target import laid_out
-from ....runtime.launch import KernelLaunch, element_span, kernel_name, sample_tensors, scratch, time_candidate
+from ....runtime.launch import (KernelLaunch, element_span, kernel_name, launch_of, sample_tensors, scratch,
+                               time_candidate)
 
 
 def _product(values) -> int:
@@ -163,9 +163,7 @@ class DepthwiseBuild:
             combine_block=depthwise_heuristics.COMBINE_BLOCK, fold_grid=fold_grid)
 
     def _launch(self, spec, grid, warps, config_text, reason, scratch_buffers=()) -> KernelLaunch:
-        source, arguments = render(spec)
-        kernel, path = load_kernel(source, spec.name)
-        return KernelLaunch(self.group, kernel, path, arguments, grid, warps, config_text, reason, scratch_buffers)
+        return launch_of(self.group, render(spec), grid, warps, config_text, reason, scratch=scratch_buffers)
 
     def launches(self, config: DepthwiseConfig, reason: str) -> list[KernelLaunch]:
         """The kernels of this group under `config`."""

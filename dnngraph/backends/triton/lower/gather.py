@@ -1,12 +1,11 @@
-"""Build the launch of a gather group: schedule, render, load."""
+"""Build the launch of a gather group: schedule, render, launch."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ....runtime.kernel_files import load_kernel
 from ..codegen.gather import render as render_gather
 from ..heuristics.layout import INT32_LIMIT
-from ....runtime.launch import KernelLaunch, kernel_name
+from ....runtime.launch import kernel_name, launch_of
 
 # Elements per program: a gather is two dependent loads (the id, then the table) per element;
 # 1024 at 4 warps is 8 per thread, enough loads in flight without spilling.
@@ -41,8 +40,7 @@ def build_gather(graph, group, context):
     """The gather kernel of a group (and its epilogue)."""
     sched = schedule_gather(group)
     name = kernel_name(group)
-    source, arguments = render_gather(name, sched, group, graph.compute_data_type, group.summary())
-    kernel, path = load_kernel(source, name)
+    source = render_gather(name, sched, group, graph.compute_data_type, group.summary())
     programs = -(-sched.total // sched.block)
     # a small y: fewer warps than lanes left idle
     num_warps = NUM_WARPS if sched.block >= 32 * 8 * NUM_WARPS else max(1, sched.block // 256)
@@ -54,4 +52,4 @@ def build_gather(graph, group, context):
         picks = anchor.inputs[0].dim[anchor.attrs.axis]
         reason = (f"one program per {sched.block} elements of y ({sched.total}), each summing over its "
                   f"{picks} ids in order (deterministic, no atomics)")
-    return KernelLaunch(group, kernel, path, arguments, programs, num_warps, config_text, reason)
+    return launch_of(group, source, programs, num_warps, config_text, reason)

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from ....runtime.kernel_files import load_kernel
 from ..codegen.gemm import EXIT_FOLD_BLOCK, ExitPlan, render
 from ....runtime.autotune import TuningRecord
 from ..heuristics.matmul import COLUMN_FOLD_BLOCK, SPLIT_COMBINE_BLOCK, MatmulConfig, shared_bytes
 from ....target import laid_out
-from ....runtime.launch import KernelLaunch, sample_tensors, scratch, time_candidate
+from ....runtime.launch import KernelLaunch, launch_of, sample_tensors, scratch, time_candidate
 
 EXIT_FOLD_WARPS = 4
 COMBINE_WARPS = 4
@@ -120,10 +119,8 @@ class GemmLaunches:
         return pairs
 
     def _launch(self, spec, body, grid, warps, stages, config_text, reason, scratch_buffers=()):
-        source, arguments = render(spec, body)
-        kernel, path = load_kernel(source, spec.name)
-        return KernelLaunch(self.group, kernel, path, arguments, grid, warps, config_text, reason,
-                            scratch_buffers, num_stages=stages)
+        return launch_of(self.group, render(spec, body), grid, warps, config_text, reason,
+                         scratch=scratch_buffers, num_stages=stages)
 
     def launches(self, config: MatmulConfig, reason: str) -> list[KernelLaunch]:
         """The kernels of this group under `config`: main (+ combine) (+ exit fold)."""

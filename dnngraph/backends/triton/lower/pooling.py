@@ -1,10 +1,9 @@
-"""Build the launch of a pooling group: schedule, render, load."""
+"""Build the launch of a pooling group: schedule, render, launch."""
 from __future__ import annotations
 
-from ....runtime.kernel_files import load_kernel
 from ..codegen.pooling import render as render_pooling
 from ..heuristics.pooling import schedule as schedule_pooling
-from ....runtime.launch import KernelLaunch, kernel_name
+from ....runtime.launch import kernel_name, launch_of
 from .rows import require_floating_inputs
 
 
@@ -13,7 +12,5 @@ def build_pooling(graph, group, context):
     require_floating_inputs(group.anchor, group.anchor.inputs[:2])  # a max backward's int64 indices are compared
     sched = schedule_pooling(group, context.target)
     name = kernel_name(group)
-    source, arguments = render_pooling(name, sched, group, graph.compute_data_type, group.summary())
-    kernel, path = load_kernel(source, name)
-    return KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps,
-                        sched.config_text, sched.reason)
+    source = render_pooling(name, sched, group, graph.compute_data_type, group.summary())
+    return launch_of(group, source, sched.programs, sched.config.num_warps, sched.config_text, sched.reason)

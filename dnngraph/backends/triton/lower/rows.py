@@ -8,7 +8,6 @@ from dataclasses import replace
 
 import torch
 
-from ....runtime.kernel_files import load_kernel
 from ..codegen.recipes import RECIPES, norm_parameter_grads
 from ..codegen.rows import RowKernelSpec, WELFORD_PARTS, render as render_rows
 from ....errors import UnsupportedError
@@ -17,7 +16,7 @@ from ..heuristics import rows as row_heuristics
 from ..heuristics.rows import (PackedDims, RowConfig, RowSchedule, RowTraits, combine_blocks, fused_norm_backward,
                                geometry as row_geometry, is_column_split, row_problem,
                                schedule as schedule_rows)
-from ....runtime.launch import KernelLaunch, kernel_name, sample_tensors, scratch, time_candidate
+from ....runtime.launch import kernel_name, launch_of, sample_tensors, scratch, time_candidate
 
 # The split combine kernel folds [SPLITS, BLOCK_K] partials: a few hundred values per program.
 COMBINE_WARPS = 4
@@ -58,14 +57,13 @@ def _strided_span(problem, tensor) -> tuple:
 
 
 def _row_launch(spec, programs, num_warps, scratch_buffers=()):
-    source, arguments = render_rows(spec)
-    kernel, path = load_kernel(source, spec.name)
+    source = render_rows(spec)
     cfg, geo = spec.schedule.config, spec.schedule.geometry
     config_text = (f"{spec.shape} ({cfg.mode}) BLOCK_K={cfg.block_k} BLOCK_R={cfg.block_r} "
                    f"SPLITS={cfg.splits} num_warps={num_warps} grid={programs} "
                    f"K={list(geo.k_sizes)} R={list(geo.r_sizes)}" + (" int64-index" if geo.index_64 else ""))
-    return KernelLaunch(spec.group, kernel, path, arguments, programs, num_warps, config_text,
-                        spec.schedule.reason, scratch_buffers, fp_fusion=spec.recipe.fp_fusion)
+    return launch_of(spec.group, source, programs, num_warps, config_text, spec.schedule.reason,
+                     scratch=scratch_buffers, fp_fusion=spec.recipe.fp_fusion)
 
 
 def _row_launches(graph, group, name, problem, recipe_of, stores, context, epilogue=None):

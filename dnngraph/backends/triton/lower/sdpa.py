@@ -1,4 +1,4 @@
-"""Build the launches of an sdpa group: pose the problem, schedule, render, load.
+"""Build the launches of an sdpa group: pose the problem, schedule, render, launch.
 
 A forward group is one sdpa node with a pointwise epilogue on o: one flash-attention kernel. A
 backward group is one sdpa_backward node: the delta preprocess (when the workspace allows its
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ....runtime.kernel_files import load_kernel
 from ..codegen.sdpa import AttentionSpec, ScoreModifier, output_strides, render, render_backward, render_combine
 from ....errors import UnsupportedError
 from ....fusion.patterns import ATTENTION_TYPES, chain_dropout, score_ops
@@ -18,7 +17,7 @@ from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import (COMBINE_ROWS, AttentionProblem, backward_schedule, chain_schedule, forced_attention,
                                schedule)
 from ....ops.sdpa import AttentionMask, kv_length
-from ....runtime.launch import KernelLaunch, element_span, kernel_name, scratch
+from ....runtime.launch import element_span, kernel_name, launch_of, scratch
 
 
 def _check_types(node):
@@ -103,11 +102,9 @@ def build_sdpa(graph, group, context):
     name = kernel_name(group)
     if sched.splits > 1:
         return _build_split(graph, group, name, spec, sched, budget, outputs)
-    source, arguments = render(name, spec, group, o.uid, outputs, graph.compute_data_type.triton_type,
-                               group.summary())
-    kernel, path = load_kernel(source, name)
-    return KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps,
-                        sched.config_text, sched.reason, num_stages=sched.config.num_stages)
+    source = render(name, spec, group, o.uid, outputs, graph.compute_data_type.triton_type, group.summary())
+    return launch_of(group, source, sched.programs, sched.config.num_warps, sched.config_text, sched.reason,
+                     num_stages=sched.config.num_stages)
 
 
 def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
@@ -123,21 +120,18 @@ def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
     split_uids = {k: v for k, v in spec.uids.items() if k not in ("o", "stats")}
     split_spec = dataclasses.replace(spec, uids={**split_uids, **parts},
                                      strides={**spec.strides, "opart": (), "lpart": ()})
-    source, arguments = render(name + "_split", split_spec, group, o_uid, [], graph.compute_data_type.triton_type,
-                               group.summary())
-    kernel, path = load_kernel(source, name + "_split")
-    split = KernelLaunch(group, kernel, path, arguments, sched.programs, sched.config.num_warps, sched.config_text,
-                         reason, scratch=(o_part, l_part), num_stages=sched.config.num_stages)
+    source = render(name + "_split", split_spec, group, o_uid, [], graph.compute_data_type.triton_type,
+                    group.summary())
+    split = launch_of(group, source, sched.programs, sched.config.num_warps, sched.config_text, reason,
+                      scratch=(o_part, l_part), num_stages=sched.config.num_stages)
     combine_uids = {k: v for k, v in spec.uids.items() if k in ("o", "stats", "lenq")}
     combine_spec = dataclasses.replace(spec, uids={**combine_uids, **parts}, dims={**spec.dims, "ROWS": rows},
                                        strides={**spec.strides, "opart": (), "lpart": ()})
-    source, arguments = render_combine(name + "_combine", combine_spec, group, o_uid, outputs,
-                                       graph.compute_data_type.triton_type, COMBINE_ROWS,
-                                       "combine of " + group.summary())
-    kernel, path = load_kernel(source, name + "_combine")
+    source = render_combine(name + "_combine", combine_spec, group, o_uid, outputs,
+                            graph.compute_data_type.triton_type, COMBINE_ROWS, "combine of " + group.summary())
     programs = -(-rows // COMBINE_ROWS)
-    combine = KernelLaunch(group, kernel, path, arguments, programs, 4, f"combine: BLOCK_R={COMBINE_ROWS} "
-                           f"SPLITS={sched.splits} grid=[{programs}]", reason)
+    combine = launch_of(group, source, programs, 4, f"combine: BLOCK_R={COMBINE_ROWS} "
+                        f"SPLITS={sched.splits} grid=[{programs}]", reason)
     return [split, combine]
 
 
@@ -197,15 +191,13 @@ def _build_backward(graph, group, context) -> list:
     for which in (("delta",) if delta is not None else ()) + ("dkdv", "dq") + (("dbias",) if dbias is not None else ()):
         spec = _backward_spec(graph, node, sched, which, delta, context.options.sdpa_index_64)
         name = f"{kernel_name(group)}_{which}"
-        source, arguments = render_backward(name, which, spec, graph.compute_data_type.triton_type,
-                                            f"{which} of {group.summary()}")
-        kernel, path = load_kernel(source, name)
+        source = render_backward(name, which, spec, graph.compute_data_type.triton_type,
+                                 f"{which} of {group.summary()}")
         config = sched.configs[which]
         reason = sched.reason + ("" if delta is not None else "; delta inline (no workspace for "
                                  f"{delta_bytes} bytes)")
-        launches.append(KernelLaunch(group, kernel, path, arguments, sched.programs(which), config.num_warps,
-                                     sched.config_text(which), reason,
-                                     scratch=(delta,) if which == "delta" else (), num_stages=config.num_stages))
+        launches.append(launch_of(group, source, sched.programs(which), config.num_warps, sched.config_text(which),
+                                  reason, scratch=(delta,) if which == "delta" else (), num_stages=config.num_stages))
     return launches
 
 
@@ -252,8 +244,6 @@ def build_attention(graph, group, context):
         if len(side.dim) > rank:
             raise UnsupportedError(f"attention chain side operand {side.name!r} has rank {len(side.dim)}")
     name = kernel_name(group)
-    source, arguments = render(name, spec, group, o.uid, [o], graph.compute_data_type.triton_type,
-                               group.summary(), modifier)
-    kernel, path = load_kernel(source, name)
-    return KernelLaunch(group, kernel, path, arguments, sched.programs, config.num_warps, sched.config_text,
-                        "op-level attention chain: " + sched.reason, num_stages=config.num_stages)
+    source = render(name, spec, group, o.uid, [o], graph.compute_data_type.triton_type, group.summary(), modifier)
+    return launch_of(group, source, sched.programs, config.num_warps, sched.config_text,
+                     "op-level attention chain: " + sched.reason, num_stages=config.num_stages)

@@ -1,0 +1,84 @@
+"""Rendering becomes a launch in one place: every Triton builder renders a KernelSource and hands
+it to runtime/launch.py's launch_of, which loads it (load_kernel) and makes the KernelLaunch.
+No builder loads a kernel itself, and the launches are what they were before that was so."""
+import pathlib
+import re
+
+import dnngraph as dg
+from dnngraph.backends.contract import KernelSource
+from dnngraph.backends.triton.codegen.pointwise import KernelArgument
+from dnngraph.runtime import kernel_files
+from dnngraph.runtime.launch import launch_of
+
+LOWER = pathlib.Path(__file__).resolve().parents[2] / "dnngraph" / "backends" / "triton" / "lower"
+
+
+def test_no_builder_loads_a_kernel_itself():
+    builders = sorted(LOWER.glob("*.py"))
+    assert len(builders) > 5
+    found = [f"{path.name}:{number}" for path in builders
+             for number, line in enumerate(path.read_text().splitlines(), 1) if re.search(r"\bload_kernel\b", line)]
+    assert not found, f"builders calling load_kernel instead of launch_of: {found}"
+
+
+def test_launch_of_loads_the_source_under_its_stem():
+    stem = "dnngraph_render_once_probe"
+    text = f"import triton\n\n\n@triton.jit\ndef {stem}(x_ptr, N: tl.constexpr):\n    pass\n"
+    text = text.replace("import triton\n", "import triton\nimport triton.language as tl\n")
+    arguments = [KernelArgument("tensor", "x_ptr", 7), KernelArgument("constexpr", "N", 4)]
+    launch = launch_of("group", KernelSource(stem, text, arguments), 3, 2, "config", "reason", num_stages=1)
+    name, _ = kernel_files.named_source(text, stem)
+    assert launch.kernel.__name__ == name and launch.source_path.name == f"{name}.py"
+    assert launch.arguments is arguments and launch.grid == (3, 1, 1) and launch.num_warps == 2
+    assert (launch.config_text, launch.reason, launch.num_stages, launch.group) == ("config", "reason", 1, "group")
+    assert launch.slots == ((0, 7),) and launch.template == [None, 4]
+
+
+def _matmul(m, k, n):
+    g = dg.Graph(io_data_type=dg.float32)
+    a, w = g.tensor(name="a", dim=[m, k]), g.tensor(name="w", dim=[k, n])
+    g.relu(g.matmul(a, w)).set_output(True)
+    return g.build().plan.launches
+
+
+def _sdpa(s_q, s_kv, **options):
+    g = dg.Graph(io_data_type=dg.float16)
+    q = g.tensor(name="q", dim=[2, 4, s_q, 32])
+    k, v = g.tensor(name="k", dim=[2, 4, s_kv, 32]), g.tensor(name="v", dim=[2, 4, s_kv, 32])
+    o, _ = g.sdpa(q, k, v, use_causal_mask=True)
+    o.set_output(True)
+    return g.build(options=dg.BuildOptions(**options) if options else None).plan.launches
+
+
+def _sdpa_backward():
+    g = dg.Graph(io_data_type=dg.float16)
+    q, k, v, o, d_o = (g.tensor(name=n, dim=[2, 4, 64, 32]) for n in ("q", "k", "v", "o", "do"))
+    stats = g.tensor(name="stats", dim=[2, 4, 64, 1], data_type=dg.float32)
+    for t in g.sdpa_backward(q, k, v, o, d_o, stats, use_causal_mask=True):
+        if t is not None:
+            t.set_output(True)
+    return g.build().plan.launches
+
+
+def _named(launches) -> list:
+    return [(launch.kernel.__name__, launch.config_text) for launch in launches]
+
+
+# (kernel name, config text) of each launch, as the builders gave them before rendering went
+# through launch_of: the digests pin the generated sources byte for byte (a deliberate change to
+# these kernels' code updates them here)
+def test_matmul_and_sdpa_launches_are_unchanged():
+    assert _named(_matmul(64, 16, 64)) == [
+        ("dnngraph_matmul_relu_15f8a1ce61e80ed8", "small_m 16x64x16 warps=4 stages=4 grid=4x1")]
+    assert _named(_matmul(512, 4096, 64)) == [
+        ("dnngraph_matmul_relu_c2fb4834d97fb8f8", "split_k 64x64x32 warps=4 stages=4 SPLIT_K=16"),
+        ("dnngraph_matmul_relu_combine_215596ff9def9a4f", "split-K combine 64x128")]
+    tiles = "BLOCK_M=16 BLOCK_N=16 BLOCK_D=32 BLOCK_DV=32 num_warps=1 num_stages=1"
+    assert _named(_sdpa(64, 64)) == [("dnngraph_sdpa_sdpa_fd9c020e628755e2", tiles + " grid=[32, 1]")]
+    assert _named(_sdpa(1, 512, sdpa_splits=4)) == [
+        ("dnngraph_sdpa_sdpa_split_f1f8a34f00ac88b6", tiles + " grid=[4, 8] packed splits=4 chunk=128"),
+        ("dnngraph_sdpa_sdpa_combine_28a8740146059454", "combine: BLOCK_R=16 SPLITS=4 grid=[1]")]
+    assert _named(_sdpa_backward()) == [
+        ("dnngraph_sdpa_sdpa_backward_delta_94c9a162a07a005a", "delta: " + tiles + " grid=[4, 8]"),
+        ("dnngraph_sdpa_sdpa_backward_dkdv_adab24fec9af34cc", "dkdv: " + tiles + " grid=[32, 1]"),
+        ("dnngraph_sdpa_sdpa_backward_dq_03edd7ac786526ab", "dq: " + tiles + " grid=[32, 1]")]
