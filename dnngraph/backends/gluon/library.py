@@ -269,3 +269,49 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+
+
+# -- the epilogue's math: the Triton backend's formulas (backends/triton/codegen/triton_math.py),
+# -- written again for Gluon, so both backends round alike --------------------------------------
+SQRT_HALF = gl.constexpr(0.7071067811865476)
+SQRT_2_OVER_PI = gl.constexpr(0.7978845608028654)
+GELU_TANH_CUBIC = gl.constexpr(0.044715)
+TANH_SERIES_3 = gl.constexpr(-1.0 / 3.0)
+TANH_SERIES_5 = gl.constexpr(2.0 / 15.0)
+TANH_SERIES_7 = gl.constexpr(-17.0 / 315.0)
+TANH_SERIES_9 = gl.constexpr(62.0 / 2835.0)
+TANH_SERIES_11 = gl.constexpr(-1382.0 / 155925.0)
+TANH_SERIES_13 = gl.constexpr(21844.0 / 6081075.0)
+
+
+@gluon.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + gl.exp(-x))
+
+
+@gluon.jit
+def tanh(x):
+    # (1 - e) / (1 + e), e = exp(-2|x|), from |x| = 0.5 on; below it the odd Taylor series to x^13
+    # (where 1 - e cancels); the sign of x (and of -0.0) restored after
+    magnitude = gl.abs(x)
+    e = gl.exp(-2.0 * magnitude)
+    z = magnitude * magnitude
+    series = TANH_SERIES_13
+    series = series * z + TANH_SERIES_11
+    series = series * z + TANH_SERIES_9
+    series = series * z + TANH_SERIES_7
+    series = series * z + TANH_SERIES_5
+    series = series * z + TANH_SERIES_3
+    series = (series * z + 1.0) * magnitude
+    magnitude = gl.where(magnitude < 0.5, series, (1.0 - e) / (1.0 + e))
+    return gl.where(x == 0, x, gl.where(x < 0, -magnitude, magnitude))
+
+
+@gluon.jit
+def gelu(x):
+    return 0.5 * x * (1.0 + gl.erf(x * SQRT_HALF))
+
+
+@gluon.jit
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + tanh(SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)))
