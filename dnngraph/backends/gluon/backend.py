@@ -126,14 +126,7 @@ class GluonBackend:
                     f"{target.name} has capability {target.capability}")
         if problem.family != "matmul":
             return f"gluon has no {problem.family} kernel"
-        a, b, g = problem.operand("a"), problem.operand("b"), problem.geometry
-        if a is None or b is None:
-            return "gluon needs both matmul operands"
-        for operand in (a, b):
-            if operand.data_type.name not in IN_TYPES:
-                return f"gluon takes float16 or bfloat16 operands, not {operand.data_type.name}"
-        if a.data_type is not b.data_type:
-            return f"gluon takes operands of one type, not {a.data_type.name} x {b.data_type.name}"
+        g = problem.geometry
         if getattr(g, "scaled", False):
             return "gluon has no scaled (fp8) matmul"
         if problem.prologue:
@@ -143,6 +136,14 @@ class GluonBackend:
         for op in problem.epilogue:
             if op not in codegen.EPILOGUE:
                 return f"gluon has no epilogue expression for op {op}"
+        a, b = problem.operand("a"), problem.operand("b")
+        if a is None or b is None:
+            return "gluon needs both matmul operands"
+        for operand in (a, b):
+            if operand.data_type.name not in IN_TYPES:
+                return f"gluon takes float16 or bfloat16 operands, not {operand.data_type.name}"
+        if a.data_type is not b.data_type:
+            return f"gluon takes operands of one type, not {a.data_type.name} x {b.data_type.name}"
         for operand in (a, b):
             if len(operand.dims) not in (2, 3):
                 return f"gluon takes rank-2 or rank-3 operands, not {operand.role} of rank {len(operand.dims)}"
