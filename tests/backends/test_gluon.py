@@ -22,6 +22,7 @@ from helpers import check, compiled_for_sm90
 
 import dnngraph as dg
 from dnngraph.backends import registry
+from dnngraph.backends.contract import Backend
 from dnngraph.backends.gluon.backend import CONFIGS, GLUON, GluonConfig, shared_bytes
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200, INTERPRETER
@@ -163,7 +164,8 @@ def test_the_registry_skips_gluon_on_interpreted_builds_and_other_targets():
 
 
 def test_default_options_never_choose_gluon():
-    assert "gluon" in registry.names() and not GLUON.verified
+    assert isinstance(GLUON, Backend) and not GLUON.interpretable and GLUON.families == {"matmul"}
+    assert "gluon" in registry.names() and not GLUON.verified and registry.BACKENDS["gluon"] is GLUON
     assert BuildOptions().backends == ("triton",) == registry.verified()
     problem = _problem()
     for target in (H100, H200):
