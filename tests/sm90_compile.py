@@ -57,10 +57,27 @@ def _is_gluon(kernel) -> bool:
     return type(kernel).__name__ == "GluonJITFunction"
 
 
+def spill_bytes(ptx: str) -> int:
+    """Bytes of register spill stores ptxas reports for `ptx` (sm_90a, Triton's ptxas)."""
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as handle:
+            handle.write(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
+                              capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {done.stderr[-2000:]}")
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stdout + done.stderr))
+
+
 def facts(compiled) -> dict:
     """What a compiled kernel's TTGIR and PTX hold, for tests to assert on."""
     ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-    return {"warp_specialize": "ttg.warp_specialize" in ttgir, "setmaxnreg": ptx.count("setmaxnreg"),
+    return {"spill_stores": spill_bytes(ptx),"warp_specialize": "ttg.warp_specialize" in ttgir, "setmaxnreg": ptx.count("setmaxnreg"),
             "wgmma": ptx.count("wgmma.mma_async"), "tma_load": ptx.count("cp.async.bulk.tensor"),
             "tensormap": ptx.count("tensormap"), "shared": compiled.metadata.shared,
             "global_scratch": getattr(compiled.metadata, "global_scratch_size", 0)}

@@ -45,6 +45,7 @@ def test_every_variant_compiles_for_sm90a_with_warp_specialization():
         assert found["wgmma"] > 0 and found["tma_load"] > 0, label
         assert found["shared"] <= H100.shared_memory, label
         assert found["global_scratch"] > 0, label  # device-side descriptors
+        assert found["spill_stores"] == 0, label  # the consumers' accumulators fit their registers
     # the ptr-store variants (fp32 output beside a 128x256 ring) are among them
     assert any(label.endswith("/ptr") for label in facts) and any(label.endswith("/tma") for label in facts)
 
