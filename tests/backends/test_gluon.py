@@ -23,7 +23,8 @@ from helpers import check, compiled_for_sm90
 import dnngraph as dg
 from dnngraph.backends import registry
 from dnngraph.backends.contract import Backend
-from dnngraph.backends.gluon.backend import CONFIGS, GLUON, GluonConfig, shared_bytes
+from dnngraph.backends.gluon.backend import (CONFIGS, GLUON, GluonConfig, accumulators_per_thread,
+                                             heavy_epilogue, shared_bytes)
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200, INTERPRETER
 
@@ -62,6 +63,16 @@ def test_candidates_fit_shared_memory_and_carry_estimates():
             for candidate in offered:
                 assert shared_bytes(candidate.config, 2, out_bytes) <= H100.shared_memory
                 assert GLUON.estimate(problem, candidate.config, H100) == candidate.estimate
+
+
+def test_heavy_epilogues_are_offered_the_configs_that_do_not_spill():
+    for epilogue in ("bias_row_gelu", "residual_silu"):
+        _, problem = matmul_group(graph("bf16", epilogue, "plain", 1024, 1024, 1024))
+        assert heavy_epilogue(problem)
+        offered = [c.config for c in GLUON.candidates(problem, H100)]
+        assert offered and all(accumulators_per_thread(c) <= 64 for c in offered)
+    _, problem = matmul_group(graph("bf16", "scale_gelu_tanh", "plain", 1024, 1024, 1024))
+    assert not heavy_epilogue(problem) and len(GLUON.candidates(problem, H100)) == len(CONFIGS)
 
 
 def test_lower_gives_one_persistent_launch_with_an_unaligned_fallback():
@@ -239,7 +250,7 @@ def test_every_config_matches_the_reference_on_a_larger_problem(index, monkeypat
     import dnngraph.backends.gluon.backend as gluon_backend
     config = CONFIGS[index]
     monkeypatch.setattr(gluon_backend, "CONFIGS", (config,))
-    g = graph("bf16", "bias_row_gelu", "batched", m=1000, n=1032, k=520 + 8 * index)
+    g = graph("bf16", "bias", "batched", m=1000, n=1032, k=520 + 8 * index)  # a light epilogue: every config
     check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", options=_gluon_options())
     assert config.text.split(" tma")[0].split(" pointer")[0] in g.plan.launches[0].config_text
 

@@ -16,7 +16,8 @@ operand type (facts.bf16 / facts.fp16) and moves the operands and outputs once a
 where wave_efficiency = tiles / (waves * SMs), waves = ceil(tiles / SMs), tiles = B * ceil(M/BM)
 * ceil(N/BN): a persistent kernel whose last wave is partly empty leaves SMs idle for its length.
 Configs that do not fit the target's shared memory (ring of STAGES slots of A and B tiles, the
-output staging buffers, barriers) are not offered.
+output staging buffers, barriers) are not offered, nor configs whose consumer registers would
+spill under the group's epilogue (heavy_epilogue).
 """
 from __future__ import annotations
 
@@ -68,6 +69,28 @@ class GluonConfig:
 # 64 x 256 or 128 x 128 fp32: 128 registers a thread)
 CONFIGS = (GluonConfig(128, 128, 64, 4, 1), GluonConfig(128, 256, 64, 3, 2), GluonConfig(128, 128, 64, 4, 2),
            GluonConfig(128, 128, 64, 3, 1))
+
+
+# Registers: each consumer thread holds (BLOCK_M // CONSUMERS) * BLOCK_N / 128 fp32 accumulators.
+# An epilogue that loads a whole output-shaped tile, or evaluates erf (gelu), needs about as many
+# again; with 128 accumulators a thread ptxas then spills (measured on the sm_90a compile of every
+# case: tests/backends/test_gluon.py asserts no spills in any config offered). Such epilogues are
+# offered only the configs of at most HEAVY_EPILOGUE_ACCUMULATORS a thread.
+HEAVY_OPS = frozenset({"gelu"})
+HEAVY_EPILOGUE_ACCUMULATORS = 64
+
+
+def accumulators_per_thread(config: GluonConfig) -> int:
+    return config.block_m // config.consumers * config.block_n // 128
+
+
+def heavy_epilogue(problem: Problem) -> bool:
+    """Whether the epilogue needs about a second accumulator's worth of registers."""
+    g = problem.geometry
+    out_dims = tuple(g.batch_dims) + (g.m, g.n)
+    tiles = any(codegen.broadcast_form(o.dims, out_dims) == "tile" for o in problem.operands
+                if o.role not in ("a", "b"))
+    return tiles or any(op in HEAVY_OPS for op in problem.epilogue)
 
 
 def shared_bytes(config: GluonConfig, in_bytes: int, out_bytes: int) -> int:
@@ -201,8 +224,11 @@ class GluonBackend:
             return []
         _, _, _, _, in_bytes, out_bytes = self._sizes(problem)
         store = self._tma_store_ok(problem)
+        heavy = heavy_epilogue(problem)
         found = []
         for config in CONFIGS:
+            if heavy and accumulators_per_thread(config) > HEAVY_EPILOGUE_ACCUMULATORS:
+                continue  # ptxas would spill (see HEAVY_OPS)
             config = replace(config, tma_store=store)
             if store and shared_bytes(config, in_bytes, out_bytes) > target.shared_memory:
                 config = replace(config, tma_store=False)  # the staging buffers do not fit beside the ring
