@@ -26,8 +26,9 @@ from .backends.triton.heuristics.sdpa import AttentionConfig
 from .runtime.tuning_cache import WARPS
 from .target import Target
 
-# The kernel languages a build prefers by default: the registry's, in its order.
-BACKENDS = registry.names()
+# The kernel languages a build prefers by default: the registry's verified ones, in its order
+# (a backend no GPU run has checked yet, such as gluon, is chosen only when named).
+BACKENDS = registry.verified()
 ROW_MODES = row_heuristics.MODES + ("fused",)
 
 

@@ -7,9 +7,13 @@ Triton reads TRITON_INTERPRET when kernels are defined, so this runs in a proces
     TRITON_INTERPRET=0 python tests/sm90_compile.py MODULE:FUNCTION
 
 FUNCTION() (in tests/MODULE.py, or in a layer's folder: tests/*/MODULE.py) yields (label, built
-graph); every launch of every plan is compiled, and the count printed.
+graph), or (label, launches, dtypes by uid) for launches lowered without a build (a backend whose
+kernels cannot be planned on this machine: gluon); every launch is compiled, and the count
+printed. Gluon kernels are compiled as Gluon sources, and a line `facts LABEL {json}` gives what
+their TTGIR and PTX hold (warp specialization, setmaxnreg, wgmma, TMA copies, shared memory).
 """
 import importlib
+import json
 import os
 import sys
 
@@ -42,8 +46,53 @@ def compile_launch(launch, dtypes: dict):
         else:
             signature[argument.name] = "constexpr"
             constexprs[argument.name] = argument.value
-    source = ASTSource(launch.kernel, signature, constexprs, attrs)
+    source_type = ASTSource
+    if _is_gluon(launch.kernel):
+        from triton.experimental.gluon._runtime import GluonASTSource as source_type
+    source = source_type(launch.kernel, signature, constexprs, attrs)
     return triton.compile(source, target=TARGET, options={"num_warps": launch.num_warps, **({"num_stages": launch.num_stages} if launch.num_stages else {})})
+
+
+def _is_gluon(kernel) -> bool:
+    return type(kernel).__name__ == "GluonJITFunction"
+
+
+def spill_bytes(ptx: str) -> int:
+    """Bytes of register spill stores ptxas reports for `ptx` (sm_90a, Triton's ptxas)."""
+    import re
+    import subprocess
+    import tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as handle:
+            handle.write(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
+                              capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {done.stderr[-2000:]}")
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stdout + done.stderr))
+
+
+def facts(compiled) -> dict:
+    """What a compiled kernel's TTGIR and PTX hold, for tests to assert on."""
+    ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
+    return {"spill_stores": spill_bytes(ptx),"warp_specialize": "ttg.warp_specialize" in ttgir, "setmaxnreg": ptx.count("setmaxnreg"),
+            "wgmma": ptx.count("wgmma.mma_async"), "tma_load": ptx.count("cp.async.bulk.tensor"),
+            "tensormap": ptx.count("tensormap"), "shared": compiled.metadata.shared,
+            "global_scratch": getattr(compiled.metadata, "global_scratch_size", 0)}
+
+
+def _items(found):
+    """(label, launches, dtypes) of each item a FUNCTION yields."""
+    for item in found:
+        if len(item) == 3:
+            yield item
+            continue
+        label, graph = item
+        made = graph.plan.groups.views.made.values()  # copies' views and buffers
+        dtypes = {t.uid: t.data_type.torch_dtype for t in list(graph.tensors) + list(made)}
+        yield label, graph.plan.launches, dtypes
 
 
 def main(spec: str):
@@ -55,16 +104,16 @@ def main(spec: str):
                                    if name not in ("models", "__pycache__") and os.path.isdir(os.path.join(here, name)))
     graphs = getattr(importlib.import_module(module_name), function)
     count = 0
-    for label, graph in graphs():
-        made = graph.plan.groups.views.made.values()  # copies' views and buffers
-        dtypes = {t.uid: t.data_type.torch_dtype for t in list(graph.tensors) + list(made)}
-        for launch in graph.plan.launches:
+    for label, launches, dtypes in _items(graphs()):
+        for launch in launches:
             dtypes.update({s.uid: s.torch_dtype for s in launch.scratch})
             try:
-                compile_launch(launch, dtypes)
+                compiled = compile_launch(launch, dtypes)
             except Exception as error:
                 print(f"{label}: {launch.kernel.__name__} does not compile for sm_90: {error}")
                 raise SystemExit(1)
+            if _is_gluon(launch.kernel):
+                print(f"facts {label} {json.dumps(facts(compiled))}")
             count += 1
     print(f"compiled {count} kernels for sm_90")
 

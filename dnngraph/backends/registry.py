@@ -22,14 +22,24 @@ from __future__ import annotations
 
 from ..errors import UnsupportedError
 from .contract import Candidate, supported
+from .gluon.backend import GLUON
 from .triton.backend import TRITON
 
-BACKENDS = {TRITON.name: TRITON}
+# One line per backend. A backend whose `verified` is False (no GPU run has checked its kernels)
+# is registered, so BuildOptions(backends=(...)) may name it, but is left out of the default
+# preference order (verified()).
+BACKENDS = {TRITON.name: TRITON, GLUON.name: GLUON}
 
 
 def names() -> tuple:
     """The registered backend names, in registry order."""
     return tuple(BACKENDS)
+
+
+def verified() -> tuple:
+    """The registered backends marked verified (a `verified` attribute, True where absent), in
+    registry order: the default BuildOptions.backends."""
+    return tuple(name for name, backend in BACKENDS.items() if getattr(backend, "verified", True))
 
 
 def families(names_=None) -> frozenset:

@@ -19,7 +19,7 @@ TILE = sdpa_heuristics.AttentionConfig(16, 16, 1, 1)
 BAD = [
     ("autotune", 1), ("autotune", "yes"), ("autotune_top", 0), ("autotune_top", 2.0),
     ("workspace_limit", -1), ("workspace_limit", 1.5), ("workspace_limit", True),
-    ("backends", ()), ("backends", ("gluon",)), ("backends", "triton"), ("backends", ("triton", "triton")),
+    ("backends", ()), ("backends", ("cutlass",)), ("backends", "triton"), ("backends", ("triton", "triton")),
     ("target", "h100"), ("matmul_config", (16, 16, 16)),
     ("matmul_config", mm.MatmulConfig("tiled", 24, 16, 16, 4, 2)),
     ("matmul_config", mm.MatmulConfig("tiled", 16, 16, 16, 3, 2)),

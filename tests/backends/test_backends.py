@@ -106,8 +106,8 @@ def test_no_backend_that_supports_the_problem_names_the_node_and_the_backends(to
 
 
 def test_an_unknown_backend_is_a_validation_error():
-    with pytest.raises(dg.ValidationError, match="gluon"):
-        dg.BuildOptions(backends=("gluon",))
+    with pytest.raises(dg.ValidationError, match="cutlass"):
+        dg.BuildOptions(backends=("cutlass",))
     with pytest.raises(dg.ValidationError):
         dg.BuildOptions(backends=("triton", "triton"))
 

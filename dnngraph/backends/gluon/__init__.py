@@ -1,0 +1,1 @@
+"""The Gluon backend (triton.experimental.gluon): warp-specialized Hopper matmuls. Opt-in."""

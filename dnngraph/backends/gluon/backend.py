@@ -1,0 +1,309 @@
+"""The Gluon backend behind the backend contract (backends/contract.py): warp-specialized
+persistent matmuls for Hopper (sm_90a) written in Gluon (triton.experimental.gluon).
+
+It is the worked example of a second backend: the fixed kernel structure is library.py's, the
+generated part (signature, epilogue) codegen.py's, and this file answers the contract: which
+problems it takes (supports), which configs it offers and what the model says of them
+(candidates, estimate), and the launch of the chosen one (lower).
+
+verified = False: no GPU run has checked its kernels yet, so the default BuildOptions.backends
+(options.py: the registered backends marked verified) leaves it out; a build asks for it with
+BuildOptions(backends=("gluon", "triton")).
+
+The model (estimate): a tile config runs B*M*N*K multiply-adds at the target's dense peak of the
+operand type (facts.bf16 / facts.fp16) and moves the operands and outputs once at its bandwidth:
+    time = max(2*B*M*N*K / peak, bytes / bandwidth) / wave_efficiency + LAUNCH_SECONDS
+where wave_efficiency = tiles / (waves * SMs), waves = ceil(tiles / SMs), tiles = B * ceil(M/BM)
+* ceil(N/BN): a persistent kernel whose last wave is partly empty leaves SMs idle for its length.
+Configs that do not fit the target's shared memory (ring of STAGES slots of A and B tiles, the
+output staging buffers, barriers) are not offered, nor configs whose consumer registers would
+spill under the group's epilogue (heavy_epilogue).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+import triton
+
+from ...errors import UnsupportedError
+from ...problems import Problem
+from ...runtime.kernel_files import load_kernel
+from ...runtime.launch import KernelLaunch
+from ...target import Target
+from ...versions import __version__
+from ..contract import Candidate
+from . import codegen
+
+TMA_ALIGNMENT = 16  # bytes: TMA global strides and base addresses
+IN_TYPES = {"float16": "fp16", "bfloat16": "bf16"}
+OUT_TYPES = frozenset({"float16", "bfloat16", "float32"})
+GROUP_M = 8
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+LAUNCH_SECONDS = 3e-6
+BARRIER_BYTES = 1024  # mbarriers and the compiler's own slack
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """One tile config: BLOCK_M x BLOCK_N x BLOCK_K tiles, a STAGES-deep ring, CONSUMERS 4-warp
+    warpgroups (each BLOCK_M // CONSUMERS rows), TMA stores where the output allows."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    consumers: int
+    tma_store: bool = True
+    group_m: int = GROUP_M
+
+    @property
+    def text(self) -> str:
+        store = "tma-store" if self.tma_store else "pointer-store"
+        return (f"gluon warp-specialized {self.block_m}x{self.block_n}x{self.block_k} stages={self.stages} "
+                f"consumers={self.consumers} {store}")
+
+
+# the configs offered, before the shared-memory fit (each consumer's accumulator is at most
+# 64 x 256 or 128 x 128 fp32: 128 registers a thread)
+CONFIGS = (GluonConfig(128, 128, 64, 4, 1), GluonConfig(128, 256, 64, 3, 2), GluonConfig(128, 128, 64, 4, 2),
+           GluonConfig(128, 128, 64, 3, 1))
+
+
+# Registers: each consumer thread holds (BLOCK_M // CONSUMERS) * BLOCK_N / 128 fp32 accumulators.
+# An epilogue that loads a whole output-shaped tile, or evaluates erf (gelu), needs about as many
+# again; with 128 accumulators a thread ptxas then spills (measured on the sm_90a compile of every
+# case: tests/backends/test_gluon.py asserts no spills in any config offered). Such epilogues are
+# offered only the configs of at most HEAVY_EPILOGUE_ACCUMULATORS a thread.
+HEAVY_OPS = frozenset({"gelu"})
+HEAVY_EPILOGUE_ACCUMULATORS = 64
+
+
+def accumulators_per_thread(config: GluonConfig) -> int:
+    return config.block_m // config.consumers * config.block_n // 128
+
+
+def heavy_epilogue(problem: Problem) -> bool:
+    """Whether the epilogue needs about a second accumulator's worth of registers."""
+    g = problem.geometry
+    out_dims = tuple(g.batch_dims) + (g.m, g.n)
+    tiles = any(codegen.broadcast_form(o.dims, out_dims) == "tile" for o in problem.operands
+                if o.role not in ("a", "b"))
+    return tiles or any(op in HEAVY_OPS for op in problem.epilogue)
+
+
+def shared_bytes(config: GluonConfig, in_bytes: int, out_bytes: int) -> int:
+    ring = config.stages * (config.block_m * config.block_k + config.block_k * config.block_n) * in_bytes
+    staging = config.block_m * config.block_n * out_bytes if config.tma_store else 0
+    return ring + staging + BARRIER_BYTES
+
+
+def _dense(size: int, stride: int, dense: int) -> int:
+    """A stride as a descriptor takes it: an axis of one element may carry any stride in a view,
+    which means nothing; it is given the dense one."""
+    return stride if size > 1 else dense
+
+
+def _matrix_strides(dims: tuple, strides: tuple) -> tuple:
+    """(batch stride, row stride, column stride) of a rank-2 or rank-3 operand, size-1 axes'
+    strides made dense; the batch stride is 0 where there is no batch (or one)."""
+    rows, cols = dims[-2], dims[-1]
+    col = _dense(cols, strides[-1], 1)
+    row = _dense(rows, strides[-2], cols)
+    batch = _dense(dims[0], strides[0], rows * cols) if len(dims) == 3 and dims[0] > 1 else 0
+    return batch, row, col
+
+
+def _tma_legal(dims, strides, itemsize: int) -> Optional[str]:
+    """Why an operand cannot be read (or written) through TMA, or None."""
+    batch, row, col = _matrix_strides(tuple(dims), tuple(strides))
+    if col != 1:
+        return f"its last dimension has stride {col}, not 1"
+    for name, stride in (("row", row), ("batch", batch)):
+        if stride * itemsize % TMA_ALIGNMENT:
+            return f"its {name} stride ({stride} elements) is not a multiple of {TMA_ALIGNMENT} bytes"
+    return None
+
+
+class GluonBackend:
+    """The contract over library.py and codegen.py, for matmul groups on sm_90."""
+
+    name = "gluon"
+    version = f"dnngraph {__version__}, triton {triton.__version__}, gluon matmul 1"
+    families = frozenset({"matmul"})
+    interpretable = False
+    prologue_stored_apart = frozenset()
+    verified = False  # no GPU run has checked it: not among the default BuildOptions.backends
+
+    def cache_key(self) -> tuple:
+        return (self.name, self.version, self.interpretable, self.verified,
+                tuple((kind, self.lower.__module__, type(self).__qualname__, id(type(self).lower))
+                      for kind in sorted(self.families)))
+
+    # -- what it takes ---------------------------------------------------------------------------
+
+    def supports(self, problem: Problem, target: Target) -> Union[bool, str]:
+        if target.capability != (9, 0):
+            return (f"gluon kernels are built for sm_90a (Hopper, capability (9, 0)) only; the target "
+                    f"{target.name} has capability {target.capability}")
+        if problem.family != "matmul":
+            return f"gluon has no {problem.family} kernel"
+        g = problem.geometry
+        if getattr(g, "scaled", False):
+            return "gluon has no scaled (fp8) matmul"
+        if problem.prologue:
+            return f"gluon fuses no prologue (the group has {', '.join(problem.prologue)})"
+        if problem.exits:
+            return f"gluon fuses no row exits (the group has {', '.join(problem.exits)})"
+        for op in problem.epilogue:
+            if op not in codegen.EPILOGUE:
+                return f"gluon has no epilogue expression for op {op}"
+        a, b = problem.operand("a"), problem.operand("b")
+        if a is None or b is None:
+            return "gluon needs both matmul operands"
+        for operand in (a, b):
+            if operand.data_type.name not in IN_TYPES:
+                return f"gluon takes float16 or bfloat16 operands, not {operand.data_type.name}"
+        if a.data_type is not b.data_type:
+            return f"gluon takes operands of one type, not {a.data_type.name} x {b.data_type.name}"
+        for operand in (a, b):
+            if len(operand.dims) not in (2, 3):
+                return f"gluon takes rank-2 or rank-3 operands, not {operand.role} of rank {len(operand.dims)}"
+        if len(g.batch_dims) > 1:
+            return f"gluon takes one batch dimension, not {len(g.batch_dims)}"
+        if g.k < 1:
+            return "gluon needs K >= 1"
+        for operand in (a, b):
+            why = _tma_legal(operand.dims, operand.strides, operand.data_type.itemsize)
+            if why is not None:
+                return f"gluon reads {operand.role} through TMA, but {why}"
+        if len(problem.outputs) != 1:
+            return f"gluon stores one output, the group has {len(problem.outputs)}"
+        out = problem.outputs[0]
+        if out.data_type.name not in OUT_TYPES:
+            return f"gluon stores float16, bfloat16 or float32, not {out.data_type.name}"
+        out_dims = tuple(g.batch_dims) + (g.m, g.n)
+        if tuple(out.dims) != out_dims:
+            return f"gluon stores the matmul's shape {list(out_dims)}, not {list(out.dims)}"
+        for operand in problem.operands:
+            if operand.role in ("a", "b"):
+                continue
+            if codegen.broadcast_form(operand.dims, out_dims) is None:
+                return (f"gluon's epilogue reads scalars, row vectors over N and tiles of the output's shape, "
+                        f"not an operand of shape {list(operand.dims)}")
+        return True
+
+    # -- the model -------------------------------------------------------------------------------
+
+    def _sizes(self, problem: Problem) -> tuple:
+        g = problem.geometry
+        a, out = problem.operand("a"), problem.outputs[0]
+        return g.batch, g.m, g.n, g.k, a.data_type.itemsize, out.data_type.itemsize
+
+    def _tma_store_ok(self, problem: Problem) -> bool:
+        out = problem.outputs[0]
+        return _tma_legal(out.dims, out.strides, out.data_type.itemsize) is None
+
+    def estimate(self, problem: Problem, config: GluonConfig, target: Target) -> Optional[float]:
+        if not isinstance(config, GluonConfig):
+            return None
+        batch, m, n, k, in_bytes, out_bytes = self._sizes(problem)
+        peak = target.peak(IN_TYPES[problem.operand("a").data_type.name])
+        moved = sum(o.numel * o.data_type.itemsize for o in problem.operands + problem.outputs)
+        tiles = batch * -(-m // config.block_m) * -(-n // config.block_n)
+        waves = -(-tiles // target.sms)
+        efficiency = tiles / (waves * target.sms)
+        seconds = max(2.0 * batch * m * n * k / peak, moved / target.bandwidth) / efficiency
+        return seconds + LAUNCH_SECONDS
+
+    def candidates(self, problem: Problem, target: Target, options=None) -> list:
+        """The configs that fit the target's shared memory, best first by estimate (ties: the
+        order of CONFIGS)."""
+        if self.supports(problem, target) is not True:
+            return []
+        _, _, _, _, in_bytes, out_bytes = self._sizes(problem)
+        store = self._tma_store_ok(problem)
+        heavy = heavy_epilogue(problem)
+        found = []
+        for config in CONFIGS:
+            if heavy and accumulators_per_thread(config) > HEAVY_EPILOGUE_ACCUMULATORS:
+                continue  # ptxas would spill (see HEAVY_OPS)
+            config = replace(config, tma_store=store)
+            if store and shared_bytes(config, in_bytes, out_bytes) > target.shared_memory:
+                config = replace(config, tma_store=False)  # the staging buffers do not fit beside the ring
+            if shared_bytes(config, in_bytes, out_bytes) > target.shared_memory:
+                continue
+            found.append(Candidate(self.name, config, self.estimate(problem, config, target)))
+        order = {id(c): i for i, c in enumerate(found)}
+        return sorted(found, key=lambda c: (c.estimate, order[id(c)]))
+
+    # -- lowering --------------------------------------------------------------------------------
+
+    def lower(self, graph, group, problem: Problem, context, candidate: Optional[Candidate] = None) -> list:
+        """One persistent launch (grid = min(tiles, SMs)) of the given candidate's config, else
+        of the best of candidates()."""
+        target = context.target
+        ok = self.supports(problem, target)
+        if ok is not True:
+            raise UnsupportedError(f"{problem.where}: {ok}")
+        offered = self.candidates(problem, target, context.options)
+        if candidate is not None and isinstance(candidate.config, GluonConfig):
+            chosen = candidate
+        elif offered:
+            chosen = offered[0]
+        else:
+            raise UnsupportedError(f"{problem.where}: no gluon config fits {target.name}'s shared memory")
+        config = chosen.config
+        estimate = chosen.estimate if chosen.estimate is not None else self.estimate(problem, config, target)
+        node = group.anchor
+        a, b, c = node.inputs[0], node.inputs[1], node.outputs[0]
+        out = group.outputs[0]
+        g = problem.geometry
+        batch = g.batch
+        a_batch, a_row, _ = _matrix_strides(tuple(a.dim), tuple(a.stride))
+        b_batch, b_row, _ = _matrix_strides(tuple(b.dim), tuple(b.stride))
+        c_strides = _matrix_strides(tuple(out.dim), tuple(out.stride))
+        gemm = codegen.GemmArguments(a.uid, b.uid, out.uid, g.m, g.n, g.k, batch, (a_batch, a_row), (b_batch, b_row),
+                                     c_strides)
+        constexprs = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
+                      "STAGES": config.stages, "GROUP_M": config.group_m, "CONSUMERS": config.consumers,
+                      "BATCHED_A": batch > 1 and a_batch != 0, "BATCHED_B": batch > 1 and b_batch != 0,
+                      "BATCHED_C": batch > 1, "TMA_STORE": config.tma_store, "PRODUCER_REGS": PRODUCER_REGS,
+                      "CONSUMER_REGS": CONSUMER_REGS}
+        stem = f"dnngraph_gluon_{group.kind}_{group.nodes[-1].op}"
+        source = codegen.render(stem, group.summary(), gemm, c, tuple(group.epilogue), tuple(out.dim), constexprs)
+        kernel, path = load_kernel(source.text, stem)
+        tiles = batch * -(-g.m // config.block_m) * -(-g.n // config.block_n)
+        programs = max(1, min(tiles, target.sms))
+        reason = (f"{config.text}: model {estimate * 1e6:.1f} us "
+                  f"({tiles} tiles on {programs} persistent programs)")
+        launch = KernelLaunch(group, kernel, path, list(source.arguments), (programs,), codegen_warps(),
+                              config.text + f" grid={programs}", reason)
+        launch.alternative = _unaligned_fallback(graph, group, problem, context)
+        return [launch]
+
+
+def _unaligned_fallback(graph, group, problem, context) -> Optional[KernelLaunch]:
+    """The launch that runs where a pointer is below 16-byte alignment (no TMA descriptor can
+    take it): the Triton backend's tiled matmul of the same group (pointer loads), or None
+    where it lowers to anything but one launch without scratch."""
+    from ..triton.backend import TRITON
+    from ..triton.heuristics.matmul import MatmulConfig
+
+    fallback = MatmulConfig("tiled", 64, 64, 32, 4, 3)
+    options = replace(context.options, matmul_config=fallback, autotune=False)
+    try:
+        built = TRITON.lower(graph, group, problem, replace(context, options=options, tuner=None))
+    except UnsupportedError:
+        return None
+    return built[0] if len(built) == 1 and not built[0].scratch else None
+
+
+def codegen_warps() -> int:
+    """The kernel's num_warps: the first consumer warpgroup (the default partition); the second
+    consumer and the producer are warp_specialize's workers."""
+    return 4
+
+
+GLUON = GluonBackend()

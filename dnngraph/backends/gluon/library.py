@@ -1,0 +1,317 @@
+"""The fixed structure of the Gluon backend's matmul kernel (Hopper, sm_90a), as @gluon.jit
+device functions. A generated kernel (codegen.py) renders only its signature and its fused
+epilogue, and calls matmul() below with them.
+
+    C[b] = epilogue(A[b] @ B[b])      A [batch, M, K], B [batch, K, N] (K and N contiguous)
+
+- Persistent: one program per SM at most; program p takes tiles p, p + programs, ... of the
+  batch x tiles_m x tiles_n tile space. Within a batch, tiles run in grouped order (GROUP_M rows
+  of tiles share their B column tiles in L2).
+- Warp specialized: a 1-warp producer partition issues the TMA loads of A and B tiles into a
+  STAGES-deep shared-memory ring; each slot has a `ready` mbarrier (the producer expects its
+  bytes) and an `empty` mbarrier (every consumer arrives once when its wgmma has read the slot).
+- CONSUMERS (1 or 2) 4-warp warpgroups each own BLOCK_M // CONSUMERS rows of the tile: they
+  wait for a slot, issue an async wgmma (one in flight), release the previous slot, and run the
+  epilogue: accumulator -> fused epilogue (the generated function) -> cast -> store. The store
+  goes through shared memory and TMA where the output is dense and aligned (TMA_STORE), else
+  through masked pointer stores.
+- Batched operands take rank-3 device-side TMA descriptors ([batch, rows, cols], a block of one
+  batch), which keep each batch's rows and columns bounded (out-of-bounds reads are zeros); an
+  operand shared by every batch (batch stride 0) takes a rank-2 descriptor.
+
+The kernel takes plain pointers, sizes and strides: its descriptors are made on the device
+(Triton places them in the launch's global scratch, which the runtime provides).
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+WARPGROUP_WARPS = gl.constexpr(4)
+
+
+@gluon.constexpr_function
+def shared_layout(block_shape, dtype):
+    """The swizzled shared-memory layout a TMA copy and a wgmma both read, for `block_shape`."""
+    return gl.NVMMASharedLayout.get_default_for(list(block_shape), dtype)
+
+
+@gluon.constexpr_function
+def accumulator_layout(rows, cols):
+    """The wgmma accumulator layout of one 4-warp warpgroup holding a [rows, cols] fp32 tile:
+    warps along M, the widest instruction N (a multiple of 8, at most 256) dividing `cols`."""
+    n = min(256, cols)
+    while cols % n != 0:
+        n -= 8
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
+@gluon.constexpr_function
+def held(function):
+    """`function` (a jit function) kept as a constexpr, so it can ride in a partition's tuple of
+    arguments (warp_specialize passes those on as values)."""
+    return gl.constexpr(function)
+
+
+@gluon.jit
+def tile_coordinates(tile, tiles_m, tiles_n, GROUP_M: gl.constexpr):
+    """(batch, tile row, tile column) of linear tile `tile`: batch outermost, then grouped order."""
+    per_batch = tiles_m * tiles_n
+    batch = tile // per_batch
+    local = tile - batch * per_batch
+    in_group = GROUP_M * tiles_n
+    first_m = (local // in_group) * GROUP_M
+    size_m = min(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (local % size_m)
+    pid_n = (local % in_group) // size_m
+    return batch, pid_m, pid_n
+
+
+@gluon.jit
+def operand_descriptor(base, batch_count, rows, cols, batch_stride, row_stride, BLOCK_R: gl.constexpr,
+                       BLOCK_C: gl.constexpr, BATCHED: gl.constexpr):
+    """A device-side TMA descriptor of a row-major operand (column stride 1): rank 3 with a
+    block of one batch where BATCHED, else rank 2."""
+    if BATCHED:
+        layout: gl.constexpr = shared_layout([1, BLOCK_R, BLOCK_C], base.dtype.element_ty)
+        return tma.make_tensor_descriptor(base, [batch_count, rows, cols], [batch_stride, row_stride, 1],
+                                          [1, BLOCK_R, BLOCK_C], layout)
+    else:
+        layout: gl.constexpr = shared_layout([BLOCK_R, BLOCK_C], base.dtype.element_ty)
+        return tma.make_tensor_descriptor(base, [rows, cols], [row_stride, 1], [BLOCK_R, BLOCK_C], layout)
+
+
+@gluon.jit
+def _rank3(buffer):
+    """A [R, C] shared buffer viewed as [1, R, C], the block of a rank-3 descriptor (the same
+    bytes: the swizzle runs over the rows alike)."""
+    R: gl.constexpr = buffer.type.shape[0]
+    C: gl.constexpr = buffer.type.shape[1]
+    return buffer._reinterpret(buffer.dtype, [1, R, C], shared_layout([1, R, C], buffer.dtype))
+
+
+@gluon.jit
+def copy_in(desc, batch, row, col, barrier, buffer, BATCHED: gl.constexpr):
+    """TMA load of the block at (batch, row, col) into `buffer`, completing on `barrier`."""
+    if BATCHED:
+        tma.async_copy_global_to_shared(desc, [batch, row, col], barrier, _rank3(buffer))
+    else:
+        tma.async_copy_global_to_shared(desc, [row, col], barrier, buffer)
+
+
+@gluon.jit
+def load_partition(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, batch_count,  #
+                   BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+                   CONSUMERS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr):
+    """The producer (one warp): for each of the program's tiles and each K step, wait for the
+    slot to be empty, then load A's rows of every consumer and B's block into it."""
+    STAGES: gl.constexpr = b_ring.type.shape[0]
+    SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    tiles = tiles_m * tiles_n * batch_count
+    step = 0
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        batch, pid_m, pid_n = tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
+        for kk in range(k_steps):
+            slot = step % STAGES
+            # a fresh barrier counts as having completed the phase before its first: the first
+            # pass through the ring does not wait
+            mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
+            barrier = ready.index(slot)
+            mbarrier.expect(barrier, CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            for half in gl.static_range(CONSUMERS):
+                copy_in(a_desc, batch, pid_m * BLOCK_M + half * SUB_M, kk * BLOCK_K, barrier,
+                        a_ring.index(slot * CONSUMERS + half), BATCHED_A)
+            copy_in(b_desc, batch, kk * BLOCK_K, pid_n * BLOCK_N, barrier, b_ring.index(slot), BATCHED_B)
+            step += 1
+
+
+@gluon.jit
+def store_tile(value, c_desc, c_buffer, c_ptr, batch, rows, cols, row0, col0, M, N, c_stride_batch, c_stride_row,
+               c_stride_col, TMA_STORE: gl.constexpr, BATCHED_C: gl.constexpr):
+    """Store one consumer's [SUB_M, BLOCK_N] tile (already cast): through shared memory and
+    TMA (clipped to the output's bounds by the descriptor), or by masked pointer stores."""
+    if TMA_STORE:
+        tma.store_wait(pendings=0)  # the previous tile's store has read c_buffer
+        c_buffer.store(value)
+        fence_async_shared()
+        if BATCHED_C:
+            tma.async_copy_shared_to_global(c_desc, [batch, row0, col0], _rank3(c_buffer))
+        else:
+            tma.async_copy_shared_to_global(c_desc, [row0, col0], c_buffer)
+    else:
+        row_offsets = gl.expand_dims(rows.to(gl.int64) * c_stride_row, 1)
+        col_offsets = gl.expand_dims(cols.to(gl.int64) * c_stride_col, 0)
+        mask = gl.expand_dims(rows < M, 1) & gl.expand_dims(cols < N, 0)
+        pointers = c_ptr + batch.to(gl.int64) * c_stride_batch + row_offsets + col_offsets
+        gl.store(pointers, value, mask=mask)
+
+
+@gluon.jit
+def mma_partition(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count,  #
+                  c_stride_batch, c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args,  #
+                  HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                  GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, TMA_STORE: gl.constexpr,
+                  BATCHED_C: gl.constexpr):
+    """One consumer warpgroup: rows [HALF * SUB_M, (HALF + 1) * SUB_M) of every tile of the
+    program. Async wgmma over the ring (one in flight; the slot before it is released), then
+    the epilogue: the generated `epilogue(acc, rows, cols, batch, M, N, epilogue_args)` gives
+    the value to store, cast here to the output's type."""
+    STAGES: gl.constexpr = b_ring.type.shape[0]
+    SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
+    layout: gl.constexpr = accumulator_layout(SUB_M, BLOCK_N)
+    c_buffer = c_buffers.index(HALF)
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    tiles = tiles_m * tiles_n * batch_count
+    step = 0
+    for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
+        batch, pid_m, pid_n = tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
+        acc = gl.zeros((SUB_M, BLOCK_N), dtype=gl.float32, layout=layout)
+        for kk in range(k_steps):
+            slot = step % STAGES
+            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+            acc = warpgroup_mma(a_ring.index(slot * CONSUMERS + HALF), b_ring.index(slot), acc, use_acc=kk > 0,
+                                is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+            # the wgmma of the step before has completed: its slot goes back to the producer
+            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+            step += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+        row0 = pid_m * BLOCK_M + HALF * SUB_M
+        col0 = pid_n * BLOCK_N
+        rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, layout))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
+        value = epilogue(acc, rows, cols, batch, M, N, epilogue_args)
+        store_tile(value.to(c_ptr.dtype.element_ty), c_desc, c_buffer, c_ptr, batch, rows, cols, row0, col0, M, N,
+                   c_stride_batch, c_stride_row, c_stride_col, TMA_STORE, BATCHED_C)
+    if TMA_STORE:
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _mma_first(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
+               c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, TMA_STORE: gl.constexpr,
+               BATCHED_C: gl.constexpr):
+    mma_partition(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
+                  c_stride_row, c_stride_col, epilogue, epilogue_args, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                  CONSUMERS, TMA_STORE, BATCHED_C)
+
+
+@gluon.jit
+def _mma_second(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
+                c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, TMA_STORE: gl.constexpr,
+                BATCHED_C: gl.constexpr):
+    mma_partition(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
+                  c_stride_row, c_stride_col, epilogue, epilogue_args, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                  CONSUMERS, TMA_STORE, BATCHED_C)
+
+
+@gluon.jit
+def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row,
+           c_stride_batch, c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args,  #
+           BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+           GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr,
+           BATCHED_C: gl.constexpr, TMA_STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+           CONSUMER_REGS: gl.constexpr):
+    """The whole kernel body: descriptors, the ring and its barriers, the partitions."""
+    gl.static_assert(STAGES >= 2)
+    gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
+    gl.static_assert(gl.num_warps() == WARPGROUP_WARPS)
+    SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
+    dtype: gl.constexpr = a_ptr.dtype.element_ty
+    a_desc = operand_descriptor(a_ptr, batch_count, M, K, a_stride_batch, a_stride_row, SUB_M, BLOCK_K, BATCHED_A)
+    b_desc = operand_descriptor(b_ptr, batch_count, K, N, b_stride_batch, b_stride_row, BLOCK_K, BLOCK_N, BATCHED_B)
+    a_ring = gl.allocate_shared_memory(dtype, [STAGES * CONSUMERS, SUB_M, BLOCK_K],
+                                       shared_layout([SUB_M, BLOCK_K], dtype))
+    b_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], shared_layout([BLOCK_K, BLOCK_N], dtype))
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=CONSUMERS)
+    out_dtype: gl.constexpr = c_ptr.dtype.element_ty
+    if TMA_STORE:
+        c_desc = operand_descriptor(c_ptr, batch_count, M, N, c_stride_batch, c_stride_row, SUB_M, BLOCK_N,
+                                    BATCHED_C)
+        c_buffers = gl.allocate_shared_memory(out_dtype, [CONSUMERS, SUB_M, BLOCK_N],
+                                              shared_layout([SUB_M, BLOCK_N], out_dtype))
+    else:
+        c_desc = 0
+        c_buffers = gl.allocate_shared_memory(out_dtype, [CONSUMERS, 8, 8], shared_layout([8, 8], out_dtype))
+    # the partitions' argument tuples are written out in each call: a tuple held in a variable
+    # would turn the epilogue function into a value
+    if CONSUMERS == 2:
+        gl.warp_specialize([
+            (_mma_first, (a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count,
+                          c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args, BLOCK_M,
+                          BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE, BATCHED_C)),
+            (_mma_second, (a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count,
+                           c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args, BLOCK_M,
+                           BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE, BATCHED_C)),
+            (load_partition, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N,
+                              BLOCK_K, GROUP_M, CONSUMERS, BATCHED_A, BATCHED_B)),
+        ], [WARPGROUP_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_mma_first, (a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count,
+                          c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args, BLOCK_M,
+                          BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE, BATCHED_C)),
+            (load_partition, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N,
+                              BLOCK_K, GROUP_M, CONSUMERS, BATCHED_A, BATCHED_B)),
+        ], [1], [PRODUCER_REGS])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+
+# -- the epilogue's math: the Triton backend's formulas (backends/triton/codegen/triton_math.py),
+# -- written again for Gluon, so both backends round alike --------------------------------------
+SQRT_HALF = gl.constexpr(0.7071067811865476)
+SQRT_2_OVER_PI = gl.constexpr(0.7978845608028654)
+GELU_TANH_CUBIC = gl.constexpr(0.044715)
+TANH_SERIES_3 = gl.constexpr(-1.0 / 3.0)
+TANH_SERIES_5 = gl.constexpr(2.0 / 15.0)
+TANH_SERIES_7 = gl.constexpr(-17.0 / 315.0)
+TANH_SERIES_9 = gl.constexpr(62.0 / 2835.0)
+TANH_SERIES_11 = gl.constexpr(-1382.0 / 155925.0)
+TANH_SERIES_13 = gl.constexpr(21844.0 / 6081075.0)
+
+
+@gluon.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + gl.exp(-x))
+
+
+@gluon.jit
+def tanh(x):
+    # (1 - e) / (1 + e), e = exp(-2|x|), from |x| = 0.5 on; below it the odd Taylor series to x^13
+    # (where 1 - e cancels); the sign of x (and of -0.0) restored after
+    magnitude = gl.abs(x)
+    e = gl.exp(-2.0 * magnitude)
+    z = magnitude * magnitude
+    series = TANH_SERIES_13
+    series = series * z + TANH_SERIES_11
+    series = series * z + TANH_SERIES_9
+    series = series * z + TANH_SERIES_7
+    series = series * z + TANH_SERIES_5
+    series = series * z + TANH_SERIES_3
+    series = (series * z + 1.0) * magnitude
+    magnitude = gl.where(magnitude < 0.5, series, (1.0 - e) / (1.0 + e))
+    return gl.where(x == 0, x, gl.where(x < 0, -magnitude, magnitude))
+
+
+@gluon.jit
+def gelu(x):
+    return 0.5 * x * (1.0 + gl.erf(x * SQRT_HALF))
+
+
+@gluon.jit
+def gelu_tanh(x):
+    return 0.5 * x * (1.0 + tanh(SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)))

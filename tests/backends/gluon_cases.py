@@ -1,0 +1,100 @@
+"""Matmul groups the Gluon backend lowers, for the sm_90a compile test (tests/sm90_compile.py)
+and the GPU tests of test_gluon.py: every candidate config x epilogue form x operand type, plain
+and batched (B shared by every batch, and B batched)."""
+from __future__ import annotations
+
+import torch
+
+import dnngraph as dg
+from dnngraph.backends import registry
+from dnngraph.backends.contract import BuildContext
+from dnngraph.backends.gluon.backend import CONFIGS, GLUON, GluonConfig
+from dnngraph.backends.contract import Candidate
+from dnngraph.fusion import partition
+from dnngraph.problems import problem_of
+from dnngraph.target import H100
+
+TYPES = {"bf16": dg.bfloat16, "fp16": dg.float16}
+
+# epilogue form -> builds the epilogue on the matmul value `c` (g: the graph, dims: c's dims)
+def _bias(g, c, dims, t):
+    return g.add(c, g.tensor(name="bias", dim=[dims[-1]], data_type=t))
+
+
+def _bias_row_gelu(g, c, dims, t):
+    return g.gelu(g.add(c, g.tensor(name="bias", dim=[1, dims[-1]], data_type=t)))
+
+
+def _scale_tanh_gelu(g, c, dims, t):
+    return g.gelu_tanh(g.mul(c, g.tensor(name="s", dim=[1], data_type=dg.float32)))
+
+
+def _residual_silu(g, c, dims, t):
+    return g.sub(g.silu(c), g.tensor(name="r", dim=list(dims), data_type=t))
+
+
+def _div_sigmoid_tanh(g, c, dims, t):
+    return g.tanh(g.sigmoid(g.div(c, g.tensor(name="d", dim=[dims[-1]], data_type=t))))
+
+
+def _relu_cast(g, c, dims, t):
+    return g.cast(g.relu(c), dg.float32)
+
+
+EPILOGUES = {"none": None, "bias": _bias, "bias_row_gelu": _bias_row_gelu, "scale_gelu_tanh": _scale_tanh_gelu,
+             "residual_silu": _residual_silu, "div_sigmoid_tanh": _div_sigmoid_tanh, "relu_cast": _relu_cast}
+# batch shapes: (batch or None, b batched)
+BATCHES = {"plain": (None, False), "batched_b_shared": (3, False), "batched": (3, True)}
+
+
+def graph(type_name: str, epilogue: str, batch: str, m: int = 200, n: int = 136, k: int = 72):
+    """The graph of one case: out = epilogue(a @ b), M and N off the tiles, K a multiple of 8."""
+    t = TYPES[type_name]
+    count, b_batched = BATCHES[batch]
+    g = dg.Graph(name="gluon_case", io_data_type=t)
+    lead = [count] if count else []
+    a = g.tensor(name="a", dim=lead + [m, k], data_type=t)
+    b = g.tensor(name="b", dim=(lead if b_batched else []) + [k, n], data_type=t)
+    c = g.matmul(a, b, name="mm")
+    dims = lead + [m, n]
+    out = EPILOGUES[epilogue](g, c, dims, t) if EPILOGUES[epilogue] else c
+    out.set_output(True)
+    return g
+
+
+def matmul_group(g):
+    (group,) = [x for x in partition(g, registry.families()) if x.kind == "matmul"]
+    return group, problem_of(g, group)
+
+
+def lowered(g, config: GluonConfig = None, target=H100):
+    """The gluon launches of `g`'s matmul group for `target`, lowered directly (this machine's
+    builds are interpreted, where gluon does not take part)."""
+    group, problem = matmul_group(g)
+    options = dg.BuildOptions(backends=("gluon", "triton"), target=target)
+    context = BuildContext(torch.device("cuda"), target, options)
+    candidate = None if config is None else Candidate("gluon", config, None)
+    return GLUON.lower(g, group, problem, context, candidate)
+
+
+def compile_cases():
+    """(label, launches, dtypes) of every config x epilogue x type x batch case."""
+    for type_name in TYPES:
+        for epilogue in EPILOGUES:
+            for batch in BATCHES:
+                g = graph(type_name, epilogue, batch)
+                group, problem = matmul_group(g)
+                dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
+                for candidate in GLUON.candidates(problem, H100):
+                    config = candidate.config
+                    launches = lowered(g, config)
+                    label = (f"{type_name}/{epilogue}/{batch}/{config.block_n}x{config.stages}x{config.consumers}"
+                             f"/{'tma' if config.tma_store else 'ptr'}")
+                    yield label, launches, dtypes
+
+
+def quick_cases():
+    """A few cases for a short compile run."""
+    for label, launches, dtypes in compile_cases():
+        if "/none/" in label or "residual" in label:
+            yield label, launches, dtypes
