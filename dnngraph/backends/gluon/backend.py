@@ -28,8 +28,7 @@ import triton
 
 from ...errors import UnsupportedError
 from ...problems import Problem
-from ...runtime.kernel_files import load_kernel
-from ...runtime.launch import KernelLaunch
+from ...runtime.launch import KernelLaunch, launch_of
 from ...target import Target
 from ...versions import __version__
 from ..contract import Candidate
@@ -273,13 +272,11 @@ class GluonBackend:
                       "CONSUMER_REGS": CONSUMER_REGS}
         stem = f"dnngraph_gluon_{group.kind}_{group.nodes[-1].op}"
         source = codegen.render(stem, group.summary(), gemm, c, tuple(group.epilogue), tuple(out.dim), constexprs)
-        kernel, path = load_kernel(source.text, stem)
         tiles = batch * -(-g.m // config.block_m) * -(-g.n // config.block_n)
         programs = max(1, min(tiles, target.sms))
         reason = (f"{config.text}: model {estimate * 1e6:.1f} us "
                   f"({tiles} tiles on {programs} persistent programs)")
-        launch = KernelLaunch(group, kernel, path, list(source.arguments), (programs,), codegen_warps(),
-                              config.text + f" grid={programs}", reason)
+        launch = launch_of(group, source, (programs,), codegen_warps(), config.text + f" grid={programs}", reason)
         launch.alternative = _unaligned_fallback(graph, group, problem, context)
         return [launch]
 

@@ -21,6 +21,7 @@ from typing import Optional
 
 from ... import dtypes
 from ...errors import UnsupportedError
+from ..contract import KernelSource
 from ..triton.codegen.names import NameAllocator, comment_text
 from ..triton.codegen.pointwise import KernelArgument
 
@@ -200,15 +201,8 @@ class EpilogueRenderer:
         return variable
 
 
-@dataclass(frozen=True)
-class GluonSource:
-    stem: str
-    text: str
-    arguments: tuple
-
-
 def render(stem: str, description: str, gemm: GemmArguments, anchor_output, epilogue_nodes, out_dims: tuple,
-           constexprs: dict) -> GluonSource:
+           constexprs: dict) -> KernelSource:
     """The source of one matmul group's kernel, defined as `stem` (load_kernel names it)."""
     names = NameAllocator(FIXED)
     names.reserve(stem)
@@ -239,4 +233,4 @@ def {stem}({parameters}):
                BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CONSUMERS, BATCHED_A, BATCHED_B, BATCHED_C, TMA_STORE,
                PRODUCER_REGS, CONSUMER_REGS)
 '''
-    return GluonSource(stem, text, tuple(arguments))
+    return KernelSource(stem, text, list(arguments))
