@@ -109,8 +109,7 @@ def build_launches(graph, groups, device: torch.device, options: BuildOptions, b
             if options.autotune and len(top) > 1 and times_on(device):
                 backend, built, why = choose_by_timing(graph, group, problem, context, top, why)
             else:
-                backend = order[0]
-                built = backend.lower(graph, group, problem, context)
+                backend, built, why = lower_first(graph, group, problem, context, order, why)
         for launch in built:
             for chosen in (launch, launch.alternative):
                 if chosen is not None:
@@ -122,6 +121,28 @@ def build_launches(graph, groups, device: torch.device, options: BuildOptions, b
             if chosen is not None:
                 check_grid(chosen.grid, chosen.source_path, target)
     return launches
+
+
+def lower_first(graph, group, problem, context: BuildContext, order: list, ranking: str) -> tuple:
+    """(backend, launches, reason): the group lowered by the first backend of `order` that
+    lowers it. A backend may refuse at lowering what supports() let through (what only the
+    group shows: no fallback for unaligned calls, a config that does not fit); the next ranked
+    takes the group then, and the reason says so. The last refusal is raised when none lowers it."""
+    budget = context.budget
+    before = budget.spent if budget is not None else 0
+    refused = []
+    for backend in order:
+        try:
+            built = backend.lower(graph, group, problem, context)
+        except UnsupportedError as error:
+            if backend is order[-1]:
+                raise
+            if budget is not None:
+                budget.spent = before
+            refused.append(f"{backend.name} refused at lowering: {error}")
+            continue
+        return backend, built, "; ".join([ranking] + refused if ranking else refused)
+    raise AssertionError("unreachable: the last backend raises")
 
 
 def times_on(device: torch.device) -> bool:
@@ -153,12 +174,19 @@ def choose_by_timing(graph, group, problem, context: BuildContext, backends: lis
     the first ranked is kept, `ranking` its reason."""
     budget = context.budget
     before = budget.spent if budget is not None else 0
-    trials, spent = [], []
+    trials, spent, refusal = [], [], None
     for backend in backends:
         if budget is not None:
             budget.spent = before
-        trials.append((backend, backend.lower(graph, group, problem, context)))
+        try:
+            trials.append((backend, backend.lower(graph, group, problem, context)))
+        except UnsupportedError as error:  # refused at lowering: not a trial
+            logger.info("backend %s refused group %s at lowering: %s", backend.name, group.describe(), error)
+            refusal = error
+            continue
         spent.append(budget.spent if budget is not None else 0)
+    if not trials:
+        raise refusal
     times = time_backends(trials, group, context.device)
     timed = sorted((ms, index) for index, ms in enumerate(times) if ms is not None)
     if not timed:

@@ -440,3 +440,29 @@ def test_triton_lowers_a_forced_matmul_candidate():
     assert "forced" in forced.reason
     softmax = Candidate("triton", None, None)
     assert TRITON.lower(g, group, problem, context, softmax)[-1].config_text == own[-1].config_text
+
+
+class RefusingToy(ToyBackend):
+    """Supports pointwise problems, then refuses at lowering (what only the group shows)."""
+
+    def lower(self, graph, group, problem, context, candidate=None):
+        raise dg.UnsupportedError(f"{problem.where}: toy cannot lower this group after all")
+
+
+def test_a_backend_refusing_at_lowering_passes_the_group_to_the_next_ranked(monkeypatch):
+    """Ranked first, refused at lowering: the next ranked lowers the group, and explain says
+    why; timed together, the refusing backend is no trial; alone, its refusal is the error."""
+    import dnngraph.build as build
+
+    _register(monkeypatch, RefusingToy())
+    g, inputs = _pointwise_graph()
+    check(g, inputs, options=dg.BuildOptions(backends=("toy", "triton")))
+    assert _backends_in(g.explain()) == ["triton"] and "toy refused at lowering" in g.explain()
+    monkeypatch.setattr(build, "times_on", lambda device: True)
+    monkeypatch.setattr(build, "time_backends", lambda trials, group, device: [1e-3 for _ in trials])
+    g, inputs = _pointwise_graph()
+    check(g, inputs, options=dg.BuildOptions(backends=("toy", "triton"), autotune=True))
+    assert _backends_in(g.explain()) == ["triton"]
+    g, _ = _pointwise_graph()
+    with pytest.raises(dg.UnsupportedError, match="toy cannot lower"):
+        g.build(options=dg.BuildOptions(backends=("toy",)))

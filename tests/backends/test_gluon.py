@@ -66,12 +66,12 @@ def test_candidates_fit_shared_memory_and_carry_estimates():
 
 
 def test_heavy_epilogues_are_offered_the_configs_that_do_not_spill():
-    for epilogue in ("bias_row_gelu", "residual_silu"):
+    for epilogue in ("bias_row_gelu", "residual_silu", "scale_gelu_tanh"):
         _, problem = matmul_group(graph("bf16", epilogue, "plain", 1024, 1024, 1024))
         assert heavy_epilogue(problem)
         offered = [c.config for c in GLUON.candidates(problem, H100)]
         assert offered and all(accumulators_per_thread(c) <= 64 for c in offered)
-    _, problem = matmul_group(graph("bf16", "scale_gelu_tanh", "plain", 1024, 1024, 1024))
+    _, problem = matmul_group(graph("bf16", "bias", "plain", 1024, 1024, 1024))
     assert not heavy_epilogue(problem) and len(GLUON.candidates(problem, H100)) == len(CONFIGS)
 
 
@@ -87,6 +87,13 @@ def test_lower_gives_one_persistent_launch_with_an_unaligned_fallback():
     forced = GluonConfig(128, 256, 64, 3, 2)
     (launch,) = lowered(g, forced)
     assert "128x256x64 stages=3 consumers=2" in launch.config_text
+    # a config from outside is taken as candidates() offers it (store path, fit), or refused
+    fp32_out = graph("bf16", "relu_cast", "plain", 300, 264, 136)
+    (launch,) = lowered(fp32_out, forced)
+    assert "128x256x64 stages=3 consumers=2 pointer-store" in launch.config_text  # fp32 staging would not fit
+    heavy = graph("bf16", "residual_silu", "plain", 300, 264, 136)
+    with pytest.raises(dg.UnsupportedError, match="is not one this problem can run"):
+        lowered(heavy, forced)
 
 
 # -- (b) what it refuses, and when the registry asks it ------------------------------------------
@@ -310,3 +317,18 @@ def test_a_small_run_is_clean_under_the_concurrency_sanitizer(tmp_path):
     script = CONSAN.format(paths=[here, tests])
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and "consan clean" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_each_partition_makes_the_descriptors_it_copies_through():
+    """A device-side descriptor is acquired (the tensormap proxy fence) only by the warps that
+    make it: the producer makes A's and B's, each consumer C's, and the kernel body none."""
+    import ast
+    import inspect
+
+    from dnngraph.backends.gluon import library
+
+    tree = ast.parse(inspect.getsource(library))
+    makers = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+              for call in ast.walk(node) if isinstance(call, ast.Call)
+              and getattr(call.func, "id", None) == "operand_descriptor"}
+    assert makers == {"load_partition", "mma_partition"}, makers

@@ -75,7 +75,7 @@ CONFIGS = (GluonConfig(128, 128, 64, 4, 1), GluonConfig(128, 256, 64, 3, 2), Glu
 # again; with 128 accumulators a thread ptxas then spills (measured on the sm_90a compile of every
 # case: tests/backends/test_gluon.py asserts no spills in any config offered). Such epilogues are
 # offered only the configs of at most HEAVY_EPILOGUE_ACCUMULATORS a thread.
-HEAVY_OPS = frozenset({"gelu"})
+HEAVY_OPS = frozenset({"gelu", "gelu_tanh"})  # gelu_tanh after a scale spilled 8 bytes at 128x256
 HEAVY_EPILOGUE_ACCUMULATORS = 64
 
 
@@ -239,6 +239,18 @@ class GluonBackend:
 
     # -- lowering --------------------------------------------------------------------------------
 
+    def _checked(self, candidate: Candidate, problem: Problem, target, offered: list) -> Candidate:
+        """A config given from outside, as candidates() would have offered it: the store path
+        its output allows and a ring that fits (UnsupportedError where none does)."""
+        for offer in offered:
+            config = offer.config
+            if (config.block_m, config.block_n, config.block_k, config.stages, config.consumers) == (
+                    candidate.config.block_m, candidate.config.block_n, candidate.config.block_k,
+                    candidate.config.stages, candidate.config.consumers):
+                return offer
+        raise UnsupportedError(f"{problem.where}: gluon config {candidate.config.text} is not one this problem "
+                               f"can run on {target.name} (its store path or shared memory)")
+
     def lower(self, graph, group, problem: Problem, context, candidate: Optional[Candidate] = None) -> list:
         """One persistent launch (grid = min(tiles, SMs)) of the given candidate's config, else
         of the best of candidates()."""
@@ -248,7 +260,7 @@ class GluonBackend:
             raise UnsupportedError(f"{problem.where}: {ok}")
         offered = self.candidates(problem, target, context.options)
         if candidate is not None and isinstance(candidate.config, GluonConfig):
-            chosen = candidate
+            chosen = self._checked(candidate, problem, target, offered)
         elif offered:
             chosen = offered[0]
         else:
@@ -278,6 +290,8 @@ class GluonBackend:
                   f"({tiles} tiles on {programs} persistent programs)")
         launch = launch_of(group, source, (programs,), codegen_warps(), config.text + f" grid={programs}", reason)
         launch.alternative = _unaligned_fallback(graph, group, problem, context)
+        if launch.alternative is None:  # an unaligned call would run the TMA kernel: let Triton take it
+            raise UnsupportedError(f"{problem.where}: no pointer-load fallback for unaligned calls")
         return [launch]
 
 

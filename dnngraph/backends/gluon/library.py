@@ -100,13 +100,19 @@ def copy_in(desc, batch, row, col, barrier, buffer, BATCHED: gl.constexpr):
 
 
 @gluon.jit
-def load_partition(a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, batch_count,  #
+def load_partition(a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring, b_ring, ready,
+                   empty, M, N, K, batch_count,  #
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
                    CONSUMERS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr):
     """The producer (one warp): for each of the program's tiles and each K step, wait for the
-    slot to be empty, then load A's rows of every consumer and B's block into it."""
+    slot to be empty, then load A's rows of every consumer and B's block into it. It makes the
+    descriptors it loads through itself: a device-side descriptor is acquired (the tensormap
+    proxy fence) only by the warps that make it, and this partition's warps run none of the
+    default partition's code."""
     STAGES: gl.constexpr = b_ring.type.shape[0]
     SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
+    a_desc = operand_descriptor(a_ptr, batch_count, M, K, a_stride_batch, a_stride_row, SUB_M, BLOCK_K, BATCHED_A)
+    b_desc = operand_descriptor(b_ptr, batch_count, K, N, b_stride_batch, b_stride_row, BLOCK_K, BLOCK_N, BATCHED_B)
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -150,7 +156,7 @@ def store_tile(value, c_desc, c_buffer, c_ptr, batch, rows, cols, row0, col0, M,
 
 
 @gluon.jit
-def mma_partition(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count,  #
+def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,  #
                   c_stride_batch, c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args,  #
                   HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, TMA_STORE: gl.constexpr,
@@ -163,6 +169,11 @@ def mma_partition(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, 
     SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
     layout: gl.constexpr = accumulator_layout(SUB_M, BLOCK_N)
     c_buffer = c_buffers.index(HALF)
+    if TMA_STORE:  # made by the warps that store through it (as the producer makes its own)
+        c_desc = operand_descriptor(c_ptr, batch_count, M, N, c_stride_batch, c_stride_row, SUB_M, BLOCK_N,
+                                    BATCHED_C)
+    else:
+        c_desc = 0
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -194,21 +205,21 @@ def mma_partition(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, 
 
 
 @gluon.jit
-def _mma_first(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
+def _mma_first(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
                c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, TMA_STORE: gl.constexpr,
                BATCHED_C: gl.constexpr):
-    mma_partition(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
+    mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
                   c_stride_row, c_stride_col, epilogue, epilogue_args, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                   CONSUMERS, TMA_STORE, BATCHED_C)
 
 
 @gluon.jit
-def _mma_second(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
+def _mma_second(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
                 c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                 BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, TMA_STORE: gl.constexpr,
                 BATCHED_C: gl.constexpr):
-    mma_partition(a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
+    mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
                   c_stride_row, c_stride_col, epilogue, epilogue_args, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                   CONSUMERS, TMA_STORE, BATCHED_C)
 
@@ -220,14 +231,13 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
            GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr,
            BATCHED_C: gl.constexpr, TMA_STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
            CONSUMER_REGS: gl.constexpr):
-    """The whole kernel body: descriptors, the ring and its barriers, the partitions."""
+    """The whole kernel body: the ring and its barriers, the partitions (each makes the
+    descriptors it copies through)."""
     gl.static_assert(STAGES >= 2)
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     gl.static_assert(gl.num_warps() == WARPGROUP_WARPS)
     SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
     dtype: gl.constexpr = a_ptr.dtype.element_ty
-    a_desc = operand_descriptor(a_ptr, batch_count, M, K, a_stride_batch, a_stride_row, SUB_M, BLOCK_K, BATCHED_A)
-    b_desc = operand_descriptor(b_ptr, batch_count, K, N, b_stride_batch, b_stride_row, BLOCK_K, BLOCK_N, BATCHED_B)
     a_ring = gl.allocate_shared_memory(dtype, [STAGES * CONSUMERS, SUB_M, BLOCK_K],
                                        shared_layout([SUB_M, BLOCK_K], dtype))
     b_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], shared_layout([BLOCK_K, BLOCK_N], dtype))
@@ -238,33 +248,32 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
         mbarrier.init(empty.index(i), count=CONSUMERS)
     out_dtype: gl.constexpr = c_ptr.dtype.element_ty
     if TMA_STORE:
-        c_desc = operand_descriptor(c_ptr, batch_count, M, N, c_stride_batch, c_stride_row, SUB_M, BLOCK_N,
-                                    BATCHED_C)
         c_buffers = gl.allocate_shared_memory(out_dtype, [CONSUMERS, SUB_M, BLOCK_N],
                                               shared_layout([SUB_M, BLOCK_N], out_dtype))
     else:
-        c_desc = 0
         c_buffers = gl.allocate_shared_memory(out_dtype, [CONSUMERS, 8, 8], shared_layout([8, 8], out_dtype))
     # the partitions' argument tuples are written out in each call: a tuple held in a variable
     # would turn the epilogue function into a value
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_mma_first, (a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count,
+            (_mma_first, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                           c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args, BLOCK_M,
                           BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE, BATCHED_C)),
-            (_mma_second, (a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count,
+            (_mma_second, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                            c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args, BLOCK_M,
                            BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE, BATCHED_C)),
-            (load_partition, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N,
-                              BLOCK_K, GROUP_M, CONSUMERS, BATCHED_A, BATCHED_B)),
+            (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
+                              b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                              CONSUMERS, BATCHED_A, BATCHED_B)),
         ], [WARPGROUP_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_mma_first, (a_ring, b_ring, ready, empty, c_desc, c_buffers, c_ptr, M, N, K, batch_count,
+            (_mma_first, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                           c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args, BLOCK_M,
                           BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE, BATCHED_C)),
-            (load_partition, (a_desc, b_desc, a_ring, b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N,
-                              BLOCK_K, GROUP_M, CONSUMERS, BATCHED_A, BATCHED_B)),
+            (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
+                              b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                              CONSUMERS, BATCHED_A, BATCHED_B)),
         ], [1], [PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
