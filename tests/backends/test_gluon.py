@@ -234,12 +234,15 @@ def _gluon_options():
 @pytest.mark.parametrize("type_name", sorted(TYPES))
 @pytest.mark.parametrize("epilogue", sorted(EPILOGUES))
 @pytest.mark.parametrize("batch", sorted(BATCHES))
-def test_gluon_matches_the_reference(type_name, epilogue, batch):
-    g = graph(type_name, epilogue, batch, m=200, n=136, k=72)  # M, N off the tiles; K a multiple of 8
+@pytest.mark.parametrize("k", [8, 64, 392])
+def test_gluon_matches_the_reference(type_name, epilogue, batch, k):
+    """M, N off the tiles; K of one partial step, one full step, and past the ring (392 = 6.1
+    steps of 64); 3 SMs, so programs loop over tiles and the ring's phases wrap across them."""
+    g = graph(type_name, epilogue, batch, m=200, n=136, k=k)
     out_type = g.outputs()[0].data_type.torch_dtype
     tolerance = {torch.float32: 1e-2}.get(out_type)  # bf16 / fp16 inputs, fp32 output: the inputs' rounding
     check(g, _inputs(g), dtype=TYPES[type_name].torch_dtype, device="cuda", tolerance=tolerance,
-          options=_gluon_options())
+          options=BuildOptions(backends=GLUON_FIRST, target=_few_sms()))
     assert {launch.backend for launch in g.plan.launches} == {"gluon"}
 
 
@@ -272,6 +275,18 @@ def test_few_programs_looping_over_many_tiles(batch):
 
 
 @pytest.mark.gpu
+def test_the_pointer_store_path_with_two_consumers(monkeypatch):
+    """fp32 output at 128x256 (its staging would not fit beside the ring): masked pointer stores
+    from both consumers, M and N off the tiles, programs looping over tiles."""
+    import dnngraph.backends.gluon.backend as gluon_backend
+    monkeypatch.setattr(gluon_backend, "CONFIGS", (GluonConfig(128, 256, 64, 3, 2),))
+    g = graph("bf16", "relu_cast", "batched", m=300, n=520, k=264)
+    check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", tolerance=1e-2,
+          options=BuildOptions(backends=GLUON_FIRST, target=_few_sms()))
+    assert "pointer-store" in g.plan.launches[0].config_text
+
+
+@pytest.mark.gpu
 def test_explain_names_gluon_and_one_kernel_per_graph():
     g = graph("fp16", "bias_row_gelu", "plain", m=256, n=512, k=128)
     check(g, _inputs(g), dtype=torch.float16, device="cuda", options=BuildOptions(backends=GLUON_FIRST))
@@ -298,8 +313,9 @@ triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.i
 from gluon_cases import graph
 from helpers import check
 import dnngraph as dg
-for batch in ("plain", "batched"):
-    g = graph("bf16", "bias", batch, m=160, n=136, k=200)
+# bias: the one-consumer config; residual_silu: the two-consumer one (heavy epilogues get only it)
+for batch, epilogue in (("plain", "bias"), ("batched", "bias"), ("plain", "residual_silu"), ("batched", "residual_silu")):
+    g = graph("bf16", epilogue, batch, m=160, n=136, k=200)
     inputs = {{t.name: (torch.randn(*t.dim, device="cuda") / 4).to(t.data_type.torch_dtype)
               for t in g.tensors if t.producer is None}}
     target = dataclasses.replace(dg.target.from_properties(torch.cuda.get_device_properties(0)), sms=2)
