@@ -35,3 +35,52 @@ def block_runs(lo, hi, full_lo, full_hi, BLOCK: tl.constexpr):
     run_a = tl.minimum(tl.maximum((full_lo + BLOCK - 1) // BLOCK * BLOCK, lo), hi)
     run_b = tl.maximum(tl.minimum(full_hi // BLOCK * BLOCK, hi), run_a)
     return run_a, run_b
+
+
+@triton.jit
+def key_range(first_pos, last_pos, shift, len_q, len_kv, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, IDLE_PAST_LEN_Q: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """(lo, hi, full_lo, full_hi) of a query tile whose rows sit at positions [first_pos,
+    last_pos]: [lo, hi) bounds the keys any row sees (lo on a BLOCK_N edge), [full_lo, full_hi)
+    the keys every row sees. Row i sees key j when j < len_kv and, where the mask has the bound,
+    j >= i + shift - LEFT + 1 and j <= i + shift + RIGHT (LEFT/RIGHT ignored without HAS_LEFT/
+    HAS_RIGHT). IDLE_PAST_LEN_Q: a tile whose rows all lie past len_q sees no key (hi = 0)."""
+    lo = 0
+    hi = len_kv
+    full_lo = 0
+    full_hi = len_kv
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, last_pos + 1 + shift + RIGHT)
+        full_hi = tl.minimum(full_hi, first_pos + shift + RIGHT + 1)
+    if HAS_LEFT:
+        lo = tl.maximum(lo, first_pos + shift - LEFT + 1)
+        full_lo = tl.maximum(lo, last_pos + shift - LEFT + 1)
+    hi = tl.maximum(hi, 0)
+    if IDLE_PAST_LEN_Q:
+        hi = tl.where(first_pos < len_q, hi, 0)
+    lo = tl.minimum(lo, hi) // BLOCK_N * BLOCK_N
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def query_range(first_key, shift, len_q, len_kv, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(lo, hi, full_lo, full_hi) of the key block [first_key, first_key + BLOCK_N), the
+    transpose of key_range's rule: [lo, hi) bounds the queries that see any of its keys (lo on a
+    BLOCK_M edge), [full_lo, full_hi) those that see every one of them (none when the block
+    passes len_kv)."""
+    q_lo = 0
+    q_hi = len_q
+    full_lo = 0
+    full_hi = len_q
+    if HAS_RIGHT:
+        q_lo = tl.maximum(q_lo, first_key - shift - RIGHT)
+        full_lo = tl.maximum(q_lo, first_key + BLOCK_N - 1 - shift - RIGHT)
+    if HAS_LEFT:
+        q_hi = tl.minimum(q_hi, first_key + BLOCK_N - 1 + LEFT - shift)
+        full_hi = tl.minimum(full_hi, first_key + LEFT - shift)
+    full_hi = tl.where(first_key + BLOCK_N <= len_kv, full_hi, 0)
+    q_hi = tl.maximum(q_hi, 0)
+    lo = tl.minimum(tl.maximum(q_lo, 0), q_hi) // BLOCK_M * BLOCK_M
+    return lo, q_hi, full_lo, full_hi

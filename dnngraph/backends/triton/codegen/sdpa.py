@@ -45,7 +45,7 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          # the backward kernels
          "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "delta_ptr", "pid_n", "q_head", "do_tile", "o_tile",
          "lse_row", "delta_row", "dq_acc", "dk_acc", "dv_acc", "p_drop", "d_probs", "d_scores", "q_rows",
-         "q_lo", "q_hi", "o_base", "do_base", "dq_base", "stats_base", "delta_base", "bias_base", "start_m",
+         "o_base", "do_base", "dq_base", "stats_base", "delta_base", "bias_base", "start_m",
          # decode packing, key splits and their combine
          "dbias_ptr", "dbias_acc", "bias_batch", "bias_head", "b_step", "h_step", "BATCH", "BIAS_HEADS",
          "q_pos", "first_pos", "last_pos", "bias_row", "drop_row", "part_row", "m_part", "o_part", "weight",
@@ -254,25 +254,19 @@ class _Writer:
         cast = ".to(tl.int64)" if self.spec.wide_index else ""
         return (f"batch{cast} * {stem}_s0 + q_head{cast} * {stem}_s1 + q_pos{cast} * {stem}_s2")
 
+    def bounds(self) -> str:
+        """The mask's bounds as lib.key_range/query_range take them: LEFT, RIGHT, HAS_LEFT, HAS_RIGHT
+        (constexprs; an absent bound is 0 and its flag False)."""
+        left, right = self.spec.left, self.spec.right
+        return f"{left or 0}, {right or 0}, {left is not None}, {right is not None}"
+
     def key_range(self, padded_rows_idle: bool = False):
         """lo/hi bound the blocks any row sees; [full_lo, full_hi) those every row sees whole.
         `padded_rows_idle`: a tile whose rows all lie past len_q walks no key block (the dQ
         kernel, where such rows are exactly 0)."""
         w, spec = self.line, self.spec
-        w("lo = 0")
-        w("hi = len_kv")
-        w("full_lo = 0")
-        w("full_hi = len_kv")
-        if spec.right is not None:
-            w(f"hi = tl.minimum(hi, last_pos + 1 + shift + {spec.right})")
-            w(f"full_hi = tl.minimum(full_hi, first_pos + shift + {spec.right} + 1)")
-        if spec.left is not None:
-            w(f"lo = tl.maximum(lo, first_pos + shift - {spec.left} + 1)")
-            w(f"full_lo = tl.maximum(lo, last_pos + shift - {spec.left} + 1)")
-        w("hi = tl.maximum(hi, 0)")
-        if padded_rows_idle:
-            w("hi = tl.where(first_pos < len_q, hi, 0)")
-        w("lo = tl.minimum(lo, hi) // BLOCK_N * BLOCK_N")
+        w(f"lo, hi, full_lo, full_hi = lib.key_range(first_pos, last_pos, shift, len_q, len_kv, {self.bounds()}, "
+          f"{padded_rows_idle}, BLOCK_N)")
         if spec.splits > 1:  # this program's chunk of keys (chunks start on block edges)
             w("lo = tl.maximum(lo, pid_m * CHUNK)")
             w("hi = tl.minimum(hi, pid_m * CHUNK + CHUNK)")
@@ -730,21 +724,9 @@ class BackwardWriter(_Writer):
     def query_range(self):
         """lo/hi bound the query blocks that see any key of this block; [run_a, run_b) those
         whose every row sees every key of it (none when the block passes len_kv)."""
-        w, spec = self.line, self.spec
-        w("q_lo = 0")
-        w("q_hi = len_q")
-        w("full_lo = 0")
-        w("full_hi = len_q")
-        if spec.right is not None:
-            w(f"q_lo = tl.maximum(q_lo, pid_n * BLOCK_N - shift - {spec.right})")
-            w(f"full_lo = tl.maximum(q_lo, pid_n * BLOCK_N + BLOCK_N - 1 - shift - {spec.right})")
-        if spec.left is not None:
-            w(f"q_hi = tl.minimum(q_hi, pid_n * BLOCK_N + BLOCK_N - 1 + {spec.left} - shift)")
-            w(f"full_hi = tl.minimum(full_hi, pid_n * BLOCK_N + {spec.left} - shift)")
-        w("full_hi = tl.where(pid_n * BLOCK_N + BLOCK_N <= len_kv, full_hi, 0)")
-        w("q_hi = tl.maximum(q_hi, 0)")
-        w("lo = tl.minimum(tl.maximum(q_lo, 0), q_hi) // BLOCK_M * BLOCK_M")
-        w("hi = q_hi")
+        w = self.line
+        w(f"lo, hi, full_lo, full_hi = lib.query_range(pid_n * BLOCK_N, shift, len_q, len_kv, {self.bounds()}, "
+          "BLOCK_M, BLOCK_N)")
         w("run_a, run_b = lib.block_runs(lo, hi, full_lo, full_hi, BLOCK_M)")
 
     def dkdv_kernel(self):
