@@ -22,6 +22,8 @@ epilogue, and calls matmul() below with them.
 The kernel takes plain pointers, sizes and strides: its descriptors are made on the device
 (Triton places them in the launch's global scratch, which the runtime provides).
 """
+import triton.language as tl
+from dnngraph.backends.triton.codegen import triton_math as tm
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -205,26 +207,6 @@ def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch
 
 
 @gluon.jit
-def _mma_first(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
-               c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-               BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, TMA_STORE: gl.constexpr,
-               BATCHED_C: gl.constexpr):
-    mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
-                  c_stride_row, c_stride_col, epilogue, epilogue_args, 0, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                  CONSUMERS, TMA_STORE, BATCHED_C)
-
-
-@gluon.jit
-def _mma_second(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
-                c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, TMA_STORE: gl.constexpr,
-                BATCHED_C: gl.constexpr):
-    mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count, c_stride_batch,
-                  c_stride_row, c_stride_col, epilogue, epilogue_args, 1, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                  CONSUMERS, TMA_STORE, BATCHED_C)
-
-
-@gluon.jit
 def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row,
            c_stride_batch, c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args,  #
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
@@ -256,21 +238,24 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
     # would turn the epilogue function into a value
     if CONSUMERS == 2:
         gl.warp_specialize([
-            (_mma_first, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
-                          c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE, BATCHED_C)),
-            (_mma_second, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
-                           c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args, BLOCK_M,
-                           BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE, BATCHED_C)),
+            (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
+                             c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
+                             gl.constexpr(0), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
+                             BATCHED_C)),
+            (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
+                             c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
+                             gl.constexpr(1), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
+                             BATCHED_C)),
             (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
                               b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                               CONSUMERS, BATCHED_A, BATCHED_B)),
         ], [WARPGROUP_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_mma_first, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
-                          c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args, BLOCK_M,
-                          BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE, BATCHED_C)),
+            (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
+                             c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
+                             gl.constexpr(0), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
+                             BATCHED_C)),
             (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
                               b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                               CONSUMERS, BATCHED_A, BATCHED_B)),
@@ -280,47 +265,9 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
         mbarrier.invalidate(empty.index(i))
 
 
-# -- the epilogue's math: the Triton backend's formulas (backends/triton/codegen/triton_math.py),
-# -- written again for Gluon, so both backends round alike --------------------------------------
-SQRT_HALF = gl.constexpr(0.7071067811865476)
-SQRT_2_OVER_PI = gl.constexpr(0.7978845608028654)
-GELU_TANH_CUBIC = gl.constexpr(0.044715)
-TANH_SERIES_3 = gl.constexpr(-1.0 / 3.0)
-TANH_SERIES_5 = gl.constexpr(2.0 / 15.0)
-TANH_SERIES_7 = gl.constexpr(-17.0 / 315.0)
-TANH_SERIES_9 = gl.constexpr(62.0 / 2835.0)
-TANH_SERIES_11 = gl.constexpr(-1382.0 / 155925.0)
-TANH_SERIES_13 = gl.constexpr(21844.0 / 6081075.0)
-
-
-@gluon.jit
-def sigmoid(x):
-    return 1.0 / (1.0 + gl.exp(-x))
-
-
-@gluon.jit
-def tanh(x):
-    # (1 - e) / (1 + e), e = exp(-2|x|), from |x| = 0.5 on; below it the odd Taylor series to x^13
-    # (where 1 - e cancels); the sign of x (and of -0.0) restored after
-    magnitude = gl.abs(x)
-    e = gl.exp(-2.0 * magnitude)
-    z = magnitude * magnitude
-    series = TANH_SERIES_13
-    series = series * z + TANH_SERIES_11
-    series = series * z + TANH_SERIES_9
-    series = series * z + TANH_SERIES_7
-    series = series * z + TANH_SERIES_5
-    series = series * z + TANH_SERIES_3
-    series = (series * z + 1.0) * magnitude
-    magnitude = gl.where(magnitude < 0.5, series, (1.0 - e) / (1.0 + e))
-    return gl.where(x == 0, x, gl.where(x < 0, -magnitude, magnitude))
-
-
-@gluon.jit
-def gelu(x):
-    return 0.5 * x * (1.0 + gl.erf(x * SQRT_HALF))
-
-
-@gluon.jit
-def gelu_tanh(x):
-    return 0.5 * x * (1.0 + tanh(SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)))
+# -- the epilogue's math: the Triton backend's own device functions (its formulas, so both
+# -- backends round alike), called from Gluon code --------------------------------------------
+sigmoid = tl.sigmoid  # what the Triton backend's expression table calls
+tanh = tm.tanh
+gelu = tm.gelu
+gelu_tanh = tm.gelu_tanh
