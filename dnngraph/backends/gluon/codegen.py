@@ -4,9 +4,9 @@ The fixed structure (persistent tile loop, TMA producer, wgmma consumers, stores
 A generated source holds two functions:
 
 - `epilogue(acc, rows, cols, batch, M, N, args)`: the group's pointwise epilogue ops on the fp32
-  accumulator, from EPILOGUE below (this backend's own table; the formulas are the Triton
-  backend's, backends/triton/codegen/expressions.py and triton_math.py, so both backends round
-  alike), with the operands they read loaded as a row vector, a scalar or a whole tile;
+  accumulator, from EPILOGUE below (this backend's own table; its math calls the Triton
+  backend's device functions, backends/triton/codegen/triton_math.py, through library.py, so both
+  backends round alike), with the operands they read loaded as a row vector, a scalar or a whole tile;
 - the kernel, whose signature comes from signature() (the one builder of it and of its launch
   arguments), calling library.matmul.
 
