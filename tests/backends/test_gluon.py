@@ -23,8 +23,8 @@ from helpers import check, compiled_for_sm90
 import dnngraph as dg
 from dnngraph.backends import registry
 from dnngraph.backends.contract import Backend
-from dnngraph.backends.gluon.backend import (CONFIGS, GLUON, GluonConfig, accumulators_per_thread,
-                                             heavy_epilogue, shared_bytes)
+from dnngraph.backends.gluon.backend import (CONFIGS, GLUON, HEAVY_EPILOGUE_REGISTERS, GluonConfig,
+                                             heavy_epilogue, heavy_epilogue_registers, shared_bytes)
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200, INTERPRETER
 
@@ -70,7 +70,8 @@ def test_heavy_epilogues_are_offered_the_configs_that_do_not_spill():
         _, problem = matmul_group(graph("bf16", epilogue, "plain", 1024, 1024, 1024))
         assert heavy_epilogue(problem)
         offered = [c.config for c in GLUON.candidates(problem, H100)]
-        assert offered and all(accumulators_per_thread(c) <= 64 for c in offered)
+        assert offered and all(heavy_epilogue_registers(c) <= HEAVY_EPILOGUE_REGISTERS for c in offered)
+        assert any(c.block_n == 256 for c in offered)  # the widest tile, its epilogue in subtiles
     _, problem = matmul_group(graph("bf16", "bias", "plain", 1024, 1024, 1024))
     assert not heavy_epilogue(problem) and len(GLUON.candidates(problem, H100)) == len(CONFIGS)
 
@@ -86,14 +87,14 @@ def test_lower_gives_one_persistent_launch_with_an_unaligned_fallback():
     assert "lib.matmul(" in source and "bias" not in source.split('"""', 2)[2]  # no user names in code
     forced = GluonConfig(128, 256, 64, 3, 2)
     (launch,) = lowered(g, forced)
-    assert "128x256x64 stages=3 consumers=2" in launch.config_text
+    assert "128x256x64 stages=3 consumers=2 epilogue-n=64" in launch.config_text
     # a config from outside is taken as candidates() offers it (store path, fit), or refused
     fp32_out = graph("bf16", "relu_cast", "plain", 300, 264, 136)
-    (launch,) = lowered(fp32_out, forced)
-    assert "128x256x64 stages=3 consumers=2 pointer-store" in launch.config_text  # fp32 staging would not fit
+    (launch,) = lowered(fp32_out, GluonConfig(128, 256, 64, 4, 2))
+    assert "128x256x64 stages=4 consumers=2 epilogue-n=64 pointer-store" in launch.config_text  # no room to stage
     heavy = graph("bf16", "residual_silu", "plain", 300, 264, 136)
     with pytest.raises(dg.UnsupportedError, match="is not one this problem can run"):
-        lowered(heavy, forced)
+        lowered(heavy, GluonConfig(128, 128, 64, 4, 1))
 
 
 # -- (b) what it refuses, and when the registry asks it ------------------------------------------
@@ -279,7 +280,7 @@ def test_the_pointer_store_path_with_two_consumers(monkeypatch):
     """fp32 output at 128x256 (its staging would not fit beside the ring): masked pointer stores
     from both consumers, M and N off the tiles, programs looping over tiles."""
     import dnngraph.backends.gluon.backend as gluon_backend
-    monkeypatch.setattr(gluon_backend, "CONFIGS", (GluonConfig(128, 256, 64, 3, 2),))
+    monkeypatch.setattr(gluon_backend, "CONFIGS", (GluonConfig(128, 256, 64, 4, 2),))
     g = graph("bf16", "relu_cast", "batched", m=300, n=520, k=264)
     check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", tolerance=1e-2,
           options=BuildOptions(backends=GLUON_FIRST, target=_few_sms()))
@@ -288,8 +289,9 @@ def test_the_pointer_store_path_with_two_consumers(monkeypatch):
 
 @pytest.mark.gpu
 def test_explain_names_gluon_and_one_kernel_per_graph():
+    # gluon alone: with ("gluon", "triton") the registry takes whichever the models rank first
     g = graph("fp16", "bias_row_gelu", "plain", m=256, n=512, k=128)
-    check(g, _inputs(g), dtype=torch.float16, device="cuda", options=BuildOptions(backends=GLUON_FIRST))
+    check(g, _inputs(g), dtype=torch.float16, device="cuda", options=_gluon_options())
     assert len(g.plan.launches) == 1
     text = g.explain()
     assert [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("  backend:")] == ["gluon"]
@@ -313,8 +315,8 @@ triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.i
 from gluon_cases import graph
 from helpers import check
 import dnngraph as dg
-# bias: the one-consumer config; residual_silu: the two-consumer one (heavy epilogues get only it)
-for batch, epilogue in (("plain", "bias"), ("batched", "bias"), ("plain", "residual_silu"), ("batched", "residual_silu")):
+# the widest config (two consumers, four epilogue subtiles, two staging buffers each)
+for batch, epilogue in (("plain", "bias"), ("batched", "residual_silu")):
     g = graph("bf16", epilogue, batch, m=160, n=136, k=200)
     inputs = {{t.name: (torch.randn(*t.dim, device="cuda") / 4).to(t.data_type.torch_dtype)
               for t in g.tensors if t.producer is None}}

@@ -54,6 +54,7 @@ class GluonConfig:
     block_k: int
     stages: int
     consumers: int
+    epilogue_n: int = 64
     tma_store: bool = True
     group_m: int = GROUP_M
 
@@ -61,26 +62,37 @@ class GluonConfig:
     def text(self) -> str:
         store = "tma-store" if self.tma_store else "pointer-store"
         return (f"gluon warp-specialized {self.block_m}x{self.block_n}x{self.block_k} stages={self.stages} "
-                f"consumers={self.consumers} {store}")
+                f"consumers={self.consumers} epilogue-n={self.epilogue_n} {store}")
 
 
 # the configs offered, before the shared-memory fit (each consumer's accumulator is at most
 # 64 x 256 or 128 x 128 fp32: 128 registers a thread)
-CONFIGS = (GluonConfig(128, 128, 64, 4, 1), GluonConfig(128, 256, 64, 3, 2), GluonConfig(128, 128, 64, 4, 2),
-           GluonConfig(128, 128, 64, 3, 1))
+CONFIGS = (GluonConfig(128, 256, 64, 4, 2), GluonConfig(128, 256, 64, 3, 2), GluonConfig(128, 128, 64, 6, 2),
+           GluonConfig(128, 128, 64, 4, 1), GluonConfig(128, 128, 64, 4, 2, epilogue_n=128))
 
 
-# Registers: each consumer thread holds (BLOCK_M // CONSUMERS) * BLOCK_N / 128 fp32 accumulators.
-# An epilogue that loads a whole output-shaped tile, or evaluates erf (gelu), needs about as many
-# again; with 128 accumulators a thread ptxas then spills (measured on the sm_90a compile of every
-# case: tests/backends/test_gluon.py asserts no spills in any config offered). Such epilogues are
-# offered only the configs of at most HEAVY_EPILOGUE_ACCUMULATORS a thread.
-HEAVY_OPS = frozenset({"gelu", "gelu_tanh"})  # gelu_tanh after a scale spilled 8 bytes at 128x256
-HEAVY_EPILOGUE_ACCUMULATORS = 64
+# Registers: each consumer thread holds (BLOCK_M // CONSUMERS) * BLOCK_N / 128 fp32 accumulators,
+# and the epilogue runs in column subtiles of EPILOGUE_N (library.finish_tile), each thread's
+# share of one subtile live beside them. An epilogue that loads a whole output-shaped tile, or
+# evaluates erf / tanh (gelu), needs about two subtiles' worth more; measured on the sm_90a
+# compile of every config x epilogue (tests/backends/test_gluon.py asserts no spills in any
+# config offered): 128 accumulators + 2 x 32 subtile values compile without spills, 128 + 2 x 64
+# spill. Such epilogues are offered only the configs within HEAVY_EPILOGUE_REGISTERS.
+HEAVY_OPS = frozenset({"gelu", "gelu_tanh"})
+HEAVY_EPILOGUE_REGISTERS = 192
 
 
 def accumulators_per_thread(config: GluonConfig) -> int:
     return config.block_m // config.consumers * config.block_n // 128
+
+
+def subtile_values_per_thread(config: GluonConfig) -> int:
+    return config.block_m // config.consumers * config.epilogue_n // 128
+
+
+def heavy_epilogue_registers(config: GluonConfig) -> int:
+    """The fp32 registers a thread holds for a heavy epilogue: accumulators and two subtiles."""
+    return accumulators_per_thread(config) + 2 * subtile_values_per_thread(config)
 
 
 def heavy_epilogue(problem: Problem) -> bool:
@@ -92,9 +104,15 @@ def heavy_epilogue(problem: Problem) -> bool:
     return tiles or any(op in HEAVY_OPS for op in problem.epilogue)
 
 
+def staging_buffers(config: GluonConfig) -> int:
+    """TMA-store staging buffers per consumer (library.staging_buffers): two where a tile's
+    epilogue runs in subtiles, else one."""
+    return 2 if config.block_n > config.epilogue_n else 1
+
+
 def shared_bytes(config: GluonConfig, in_bytes: int, out_bytes: int) -> int:
     ring = config.stages * (config.block_m * config.block_k + config.block_k * config.block_n) * in_bytes
-    staging = config.block_m * config.block_n * out_bytes if config.tma_store else 0
+    staging = staging_buffers(config) * config.block_m * config.epilogue_n * out_bytes if config.tma_store else 0
     return ring + staging + BARRIER_BYTES
 
 
@@ -226,7 +244,7 @@ class GluonBackend:
         heavy = heavy_epilogue(problem)
         found = []
         for config in CONFIGS:
-            if heavy and accumulators_per_thread(config) > HEAVY_EPILOGUE_ACCUMULATORS:
+            if heavy and heavy_epilogue_registers(config) > HEAVY_EPILOGUE_REGISTERS:
                 continue  # ptxas would spill (see HEAVY_OPS)
             config = replace(config, tma_store=store)
             if store and shared_bytes(config, in_bytes, out_bytes) > target.shared_memory:
@@ -244,9 +262,7 @@ class GluonBackend:
         its output allows and a ring that fits (UnsupportedError where none does)."""
         for offer in offered:
             config = offer.config
-            if (config.block_m, config.block_n, config.block_k, config.stages, config.consumers) == (
-                    candidate.config.block_m, candidate.config.block_n, candidate.config.block_k,
-                    candidate.config.stages, candidate.config.consumers):
+            if replace(config, tma_store=True) == replace(candidate.config, tma_store=True):
                 return offer
         raise UnsupportedError(f"{problem.where}: gluon config {candidate.config.text} is not one this problem "
                                f"can run on {target.name} (its store path or shared memory)")
@@ -280,7 +296,8 @@ class GluonBackend:
         constexprs = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
                       "STAGES": config.stages, "GROUP_M": config.group_m, "CONSUMERS": config.consumers,
                       "BATCHED_A": batch > 1 and a_batch != 0, "BATCHED_B": batch > 1 and b_batch != 0,
-                      "BATCHED_C": batch > 1, "TMA_STORE": config.tma_store, "PRODUCER_REGS": PRODUCER_REGS,
+                      "BATCHED_C": batch > 1, "TMA_STORE": config.tma_store, "EPILOGUE_N": config.epilogue_n,
+                      "PRODUCER_REGS": PRODUCER_REGS,
                       "CONSUMER_REGS": CONSUMER_REGS}
         stem = f"dnngraph_gluon_{group.kind}_{group.nodes[-1].op}"
         source = codegen.render(stem, group.summary(), gemm, c, tuple(group.epilogue), tuple(out.dim), constexprs)

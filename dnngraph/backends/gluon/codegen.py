@@ -46,9 +46,10 @@ FLOAT_TYPES = {"float16": "gl.float16", "bfloat16": "gl.bfloat16", "float32": "g
 FIXED = ("gl", "gluon", "lib", "epilogue", "acc", "rows", "cols", "batch", "args", "a_ptr", "b_ptr", "c_ptr",
          "M", "N", "K", "batch_count", "a_stride_batch", "a_stride_row", "b_stride_batch", "b_stride_row",
          "c_stride_batch", "c_stride_row", "c_stride_col", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M",
-         "CONSUMERS", "BATCHED_A", "BATCHED_B", "BATCHED_C", "TMA_STORE", "PRODUCER_REGS", "CONSUMER_REGS")
+         "CONSUMERS", "BATCHED_A", "BATCHED_B", "BATCHED_C", "TMA_STORE", "EPILOGUE_N", "PRODUCER_REGS",
+         "CONSUMER_REGS")
 CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M", "CONSUMERS", "BATCHED_A", "BATCHED_B",
-              "BATCHED_C", "TMA_STORE", "PRODUCER_REGS", "CONSUMER_REGS")
+              "BATCHED_C", "TMA_STORE", "EPILOGUE_N", "PRODUCER_REGS", "CONSUMER_REGS")
 
 
 def broadcast_form(dims: tuple, out_dims: tuple) -> Optional[str]:
@@ -231,6 +232,6 @@ def {stem}({parameters}):
     lib.matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row,
                c_stride_batch, c_stride_row, c_stride_col, epilogue, {args_tuple},
                BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CONSUMERS, BATCHED_A, BATCHED_B, BATCHED_C, TMA_STORE,
-               PRODUCER_REGS, CONSUMER_REGS)
+               EPILOGUE_N, PRODUCER_REGS, CONSUMER_REGS)
 '''
     return KernelSource(stem, text, list(arguments))

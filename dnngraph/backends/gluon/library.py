@@ -138,11 +138,12 @@ def load_partition(a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b
 
 @gluon.jit
 def store_tile(value, c_desc, c_buffer, c_ptr, batch, rows, cols, row0, col0, M, N, c_stride_batch, c_stride_row,
-               c_stride_col, TMA_STORE: gl.constexpr, BATCHED_C: gl.constexpr):
-    """Store one consumer's [SUB_M, BLOCK_N] tile (already cast): through shared memory and
-    TMA (clipped to the output's bounds by the descriptor), or by masked pointer stores."""
+               c_stride_col, TMA_STORE: gl.constexpr, BATCHED_C: gl.constexpr, PENDING: gl.constexpr):
+    """Store one [SUB_M, EPILOGUE_N] subtile (already cast): through shared memory and TMA
+    (clipped to the output's bounds by the descriptor), or by masked pointer stores. PENDING:
+    how many earlier TMA stores may still be reading staging buffers (the others' count)."""
     if TMA_STORE:
-        tma.store_wait(pendings=0)  # the previous tile's store has read c_buffer
+        tma.store_wait(pendings=PENDING)  # the store that last used c_buffer has read it
         c_buffer.store(value)
         fence_async_shared()
         if BATCHED_C:
@@ -157,22 +158,91 @@ def store_tile(value, c_desc, c_buffer, c_ptr, batch, rows, cols, row0, col0, M,
         gl.store(pointers, value, mask=mask)
 
 
+@gluon.constexpr_function
+def staging_buffers(splits):
+    """Staging buffers per consumer for TMA stores: two alternating where a tile has subtiles
+    (a subtile is written while the one before it is still being stored), else one."""
+    return 2 if splits > 1 else 1
+
+
+@gluon.jit
+def split_columns(tile):
+    """The left and right column halves of a [R, C] register tile (no data moves: each thread
+    keeps its own elements, in the layouts the reshape and split infer)."""
+    R: gl.constexpr = tile.type.shape[0]
+    C: gl.constexpr = tile.type.shape[1]
+    halves = gl.permute(gl.reshape(tile, [R, 2, C // 2]), (0, 2, 1))
+    return gl.split(halves)
+
+
+@gluon.jit
+def finish_subtile(part, j: gl.constexpr, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch,
+                   c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args, HALF: gl.constexpr,
+                   STAGING: gl.constexpr, TMA_STORE: gl.constexpr, BATCHED_C: gl.constexpr):
+    """The epilogue of subtile j (columns [col0 + j * EPILOGUE_N, ...)) of a consumer's rows:
+    the generated `epilogue(acc, rows, cols, batch, M, N, epilogue_args)`, the cast to the
+    output's type and the store. Subtile j stages through the consumer's buffer j % STAGING."""
+    layout: gl.constexpr = part.type.layout
+    SUB_M: gl.constexpr = part.type.shape[0]
+    EPILOGUE_N: gl.constexpr = part.type.shape[1]
+    left = col0 + j * EPILOGUE_N
+    rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, layout))
+    cols = left + gl.arange(0, EPILOGUE_N, layout=gl.SliceLayout(0, layout))
+    value = epilogue(part, rows, cols, batch, M, N, epilogue_args)
+    if TMA_STORE:
+        c_buffer = c_buffers.index(HALF * STAGING + j % STAGING)
+    else:
+        c_buffer = c_buffers.index(HALF)  # unused: a placeholder
+    store_tile(value.to(c_ptr.dtype.element_ty), c_desc, c_buffer, c_ptr, batch, rows, cols, row0, left, M, N,
+               c_stride_batch, c_stride_row, c_stride_col, TMA_STORE, BATCHED_C, STAGING - 1)
+
+
+@gluon.jit
+def finish_tile(acc, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row, c_stride_col,
+                epilogue: gl.constexpr, epilogue_args, HALF: gl.constexpr, SPLITS: gl.constexpr,
+                TMA_STORE: gl.constexpr, BATCHED_C: gl.constexpr):
+    """The epilogue of a consumer's accumulator in SPLITS (1, 2 or 4) column subtiles, one
+    after another: a subtile's temporaries die before the next one's, so the epilogue needs
+    registers for a subtile beside the accumulator, not a second accumulator."""
+    STAGING: gl.constexpr = staging_buffers(SPLITS)
+    if SPLITS == 1:
+        finish_subtile(acc, 0, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
+                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
+    elif SPLITS == 2:
+        left, right = split_columns(acc)
+        finish_subtile(left, 0, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
+                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
+        finish_subtile(right, 1, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
+                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
+    else:
+        gl.static_assert(SPLITS == 4)
+        left, right = split_columns(acc)
+        first, second = split_columns(left)
+        finish_subtile(first, 0, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
+                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
+        finish_subtile(second, 1, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
+                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
+        third, fourth = split_columns(right)
+        finish_subtile(third, 2, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
+                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
+        finish_subtile(fourth, 3, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
+                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
+
+
 @gluon.jit
 def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,  #
                   c_stride_batch, c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args,  #
                   HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, TMA_STORE: gl.constexpr,
-                  BATCHED_C: gl.constexpr):
+                  BATCHED_C: gl.constexpr, EPILOGUE_N: gl.constexpr):
     """One consumer warpgroup: rows [HALF * SUB_M, (HALF + 1) * SUB_M) of every tile of the
     program. Async wgmma over the ring (one in flight; the slot before it is released), then
-    the epilogue: the generated `epilogue(acc, rows, cols, batch, M, N, epilogue_args)` gives
-    the value to store, cast here to the output's type."""
+    the epilogue in column subtiles of EPILOGUE_N (finish_tile)."""
     STAGES: gl.constexpr = b_ring.type.shape[0]
     SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
     layout: gl.constexpr = accumulator_layout(SUB_M, BLOCK_N)
-    c_buffer = c_buffers.index(HALF)
     if TMA_STORE:  # made by the warps that store through it (as the producer makes its own)
-        c_desc = operand_descriptor(c_ptr, batch_count, M, N, c_stride_batch, c_stride_row, SUB_M, BLOCK_N,
+        c_desc = operand_descriptor(c_ptr, batch_count, M, N, c_stride_batch, c_stride_row, SUB_M, EPILOGUE_N,
                                     BATCHED_C)
     else:
         c_desc = 0
@@ -196,12 +266,8 @@ def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
         row0 = pid_m * BLOCK_M + HALF * SUB_M
-        col0 = pid_n * BLOCK_N
-        rows = row0 + gl.arange(0, SUB_M, layout=gl.SliceLayout(1, layout))
-        cols = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, layout))
-        value = epilogue(acc, rows, cols, batch, M, N, epilogue_args)
-        store_tile(value.to(c_ptr.dtype.element_ty), c_desc, c_buffer, c_ptr, batch, rows, cols, row0, col0, M, N,
-                   c_stride_batch, c_stride_row, c_stride_col, TMA_STORE, BATCHED_C)
+        finish_tile(acc, c_desc, c_buffers, c_ptr, batch, row0, pid_n * BLOCK_N, M, N, c_stride_batch, c_stride_row,
+                    c_stride_col, epilogue, epilogue_args, HALF, BLOCK_N // EPILOGUE_N, TMA_STORE, BATCHED_C)
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
@@ -211,13 +277,14 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
            c_stride_batch, c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args,  #
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
            GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr,
-           BATCHED_C: gl.constexpr, TMA_STORE: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+           BATCHED_C: gl.constexpr, TMA_STORE: gl.constexpr, EPILOGUE_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
            CONSUMER_REGS: gl.constexpr):
     """The whole kernel body: the ring and its barriers, the partitions (each makes the
     descriptors it copies through)."""
     gl.static_assert(STAGES >= 2)
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     gl.static_assert(gl.num_warps() == WARPGROUP_WARPS)
+    gl.static_assert(BLOCK_N // EPILOGUE_N == 1 or BLOCK_N // EPILOGUE_N == 2 or BLOCK_N // EPILOGUE_N == 4)
     SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_ring = gl.allocate_shared_memory(dtype, [STAGES * CONSUMERS, SUB_M, BLOCK_K],
@@ -229,9 +296,9 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=CONSUMERS)
     out_dtype: gl.constexpr = c_ptr.dtype.element_ty
-    if TMA_STORE:
-        c_buffers = gl.allocate_shared_memory(out_dtype, [CONSUMERS, SUB_M, BLOCK_N],
-                                              shared_layout([SUB_M, BLOCK_N], out_dtype))
+    if TMA_STORE:  # per consumer: one staging buffer, or two alternating where the tile has subtiles
+        c_buffers = gl.allocate_shared_memory(out_dtype, [CONSUMERS * staging_buffers(BLOCK_N // EPILOGUE_N), SUB_M, EPILOGUE_N],
+                                              shared_layout([SUB_M, EPILOGUE_N], out_dtype))
     else:
         c_buffers = gl.allocate_shared_memory(out_dtype, [CONSUMERS, 8, 8], shared_layout([8, 8], out_dtype))
     # the partitions' argument tuples are written out in each call: a tuple held in a variable
@@ -241,11 +308,11 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
             (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
                              gl.constexpr(0), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
-                             BATCHED_C)),
+                             BATCHED_C, EPILOGUE_N)),
             (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
                              gl.constexpr(1), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
-                             BATCHED_C)),
+                             BATCHED_C, EPILOGUE_N)),
             (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
                               b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                               CONSUMERS, BATCHED_A, BATCHED_B)),
@@ -255,7 +322,7 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
             (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
                              gl.constexpr(0), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
-                             BATCHED_C)),
+                             BATCHED_C, EPILOGUE_N)),
             (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
                               b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                               CONSUMERS, BATCHED_A, BATCHED_B)),
