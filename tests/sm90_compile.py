@@ -23,7 +23,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
-                 torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8"}
+                 torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv",
+                 torch.float8_e5m2: "*fp8e5"}
 TARGET = GPUTarget("cuda", 90, 32)
 
 

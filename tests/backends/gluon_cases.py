@@ -1,6 +1,7 @@
 """Matmul groups the Gluon backend lowers, for the sm_90a compile test (tests/sm90_compile.py)
 and the GPU tests of test_gluon.py: every candidate config x epilogue form x operand type, plain
-and batched (B shared by every batch, and B batched)."""
+and batched (B shared by every batch, and B batched); then K-major B (16-bit, and fp8 with
+per-tensor scales) over a few epilogues."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +16,10 @@ from dnngraph.problems import problem_of
 from dnngraph.target import H100
 
 TYPES = {"bf16": dg.bfloat16, "fp16": dg.float16}
+FP8_TYPES = {"e4m3": dg.float8_e4m3, "e5m2": dg.float8_e5m2}  # operands; the output and epilogue bf16
+ALL_TYPES = {**TYPES, **FP8_TYPES}
+# the epilogues the K-major and fp8 variants compile with (the plain, a row operand, a heavy one)
+KMAJOR_EPILOGUES = ("none", "bias", "scale_gelu_tanh")
 
 # epilogue form -> builds the epilogue on the matmul value `c` (g: the graph, dims: c's dims)
 def _bias(g, c, dims, t):
@@ -47,17 +52,28 @@ EPILOGUES = {"none": None, "bias": _bias, "bias_row_gelu": _bias_row_gelu, "scal
 BATCHES = {"plain": (None, False), "batched_b_shared": (3, False), "batched": (3, True)}
 
 
-def graph(type_name: str, epilogue: str, batch: str, m: int = 200, n: int = 136, k: int = 72):
-    """The graph of one case: out = epilogue(a @ b), M and N off the tiles, K a multiple of 8."""
-    t = TYPES[type_name]
+def graph(type_name: str, epilogue: str, batch: str, m: int = 200, n: int = 136, k: int = 72,
+          k_major: bool = False):
+    """The graph of one case: out = epilogue(a @ b), M and N off the tiles, K a multiple of 8.
+    k_major: B [.., K, N] with K contiguous (B^T dense). fp8 operands (FP8_TYPES) take K-major B,
+    per-tensor scales scale_a and scale_b (fp32) and a bf16 output (K a multiple of 16 there)."""
+    t = ALL_TYPES[type_name]
+    fp8 = type_name in FP8_TYPES
+    io = dg.bfloat16 if fp8 else t
     count, b_batched = BATCHES[batch]
-    g = dg.Graph(name="gluon_case", io_data_type=t)
+    g = dg.Graph(name="gluon_case", io_data_type=io)
     lead = [count] if count else []
     a = g.tensor(name="a", dim=lead + [m, k], data_type=t)
-    b = g.tensor(name="b", dim=(lead if b_batched else []) + [k, n], data_type=t)
-    c = g.matmul(a, b, name="mm")
+    b_lead = lead if b_batched else []
+    b_stride = ([k * n] if b_lead else []) + [1, k] if k_major else None
+    b = g.tensor(name="b", dim=b_lead + [k, n], stride=b_stride, data_type=t)
+    scales = {}
+    if fp8:
+        scales = {"scale_a": g.tensor(name="scale_a", dim=[1], data_type=dg.float32),
+                  "scale_b": g.tensor(name="scale_b", dim=[1], data_type=dg.float32)}
+    c = g.matmul(a, b, name="mm", **scales)
     dims = lead + [m, n]
-    out = EPILOGUES[epilogue](g, c, dims, t) if EPILOGUES[epilogue] else c
+    out = EPILOGUES[epilogue](g, c, dims, io) if EPILOGUES[epilogue] else c
     out.set_output(True)
     return g
 
@@ -77,20 +93,45 @@ def lowered(g, config: GluonConfig = None, target=H100):
     return GLUON.lower(g, group, problem, context, candidate)
 
 
+def kmajor_variants():
+    """(type, epilogue, batch) of the K-major cases: 16-bit and fp8 e4m3 (scaled) over
+    KMAJOR_EPILOGUES, plain and batched; B shared by every batch and e5m2 with one epilogue."""
+    for type_name in ("bf16", "fp16", "e4m3"):
+        for epilogue in KMAJOR_EPILOGUES:
+            for batch in ("plain", "batched"):
+                yield type_name, epilogue, batch
+    yield "bf16", "bias", "batched_b_shared"
+    yield "e4m3", "bias", "batched_b_shared"
+    yield "e5m2", "none", "plain"
+
+
+def _cases_of(g, prefix: str):
+    group, problem = matmul_group(g)
+    dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
+    for candidate in GLUON.candidates(problem, H100):
+        config = candidate.config
+        launches = lowered(g, config)
+        label = (f"{prefix}/{config.block_n}x{config.stages}x{config.consumers}"
+                 f"/{'tma' if config.tma_store else 'ptr'}")
+        yield label, launches, dtypes
+
+
 def compile_cases():
-    """(label, launches, dtypes) of every config x epilogue x type x batch case."""
+    """(label, launches, dtypes) of every config x epilogue x type x batch case, then of every
+    config of the K-major variants (labels "kmajor/...")."""
     for type_name in TYPES:
         for epilogue in EPILOGUES:
             for batch in BATCHES:
-                g = graph(type_name, epilogue, batch)
-                group, problem = matmul_group(g)
-                dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
-                for candidate in GLUON.candidates(problem, H100):
-                    config = candidate.config
-                    launches = lowered(g, config)
-                    label = (f"{type_name}/{epilogue}/{batch}/{config.block_n}x{config.stages}x{config.consumers}"
-                             f"/{'tma' if config.tma_store else 'ptr'}")
-                    yield label, launches, dtypes
+                yield from _cases_of(graph(type_name, epilogue, batch), f"{type_name}/{epilogue}/{batch}")
+    yield from kmajor_cases()
+
+
+def kmajor_cases():
+    """The K-major B cases (16-bit; fp8 with scales, K = 96: fp8 rows a multiple of 16 bytes)."""
+    for type_name, epilogue, batch in kmajor_variants():
+        k = 96 if type_name in FP8_TYPES else 72
+        yield from _cases_of(graph(type_name, epilogue, batch, k=k, k_major=True),
+                             f"kmajor/{type_name}/{epilogue}/{batch}")
 
 
 def quick_cases():

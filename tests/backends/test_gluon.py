@@ -1,7 +1,7 @@
 """The Gluon backend (backends/gluon/): opt-in warp-specialized sm_90a matmuls.
 
-CPU (here): every candidate config x epilogue form x operand type, plain and batched, renders and
-compiles for sm_90a (tests/sm90_compile.py, Triton's compiler and ptxas, no GPU), with warp
+CPU (here): every candidate config x epilogue form x operand type, plain and batched, and the
+K-major B variants (16-bit; fp8 with per-tensor scales), renders and compiles for sm_90a (tests/sm90_compile.py, Triton's compiler and ptxas, no GPU), with warp
 specialization, setmaxnreg and wgmma in what it compiles to; supports() gives a reason for every
 case it refuses; the registry leaves gluon out of interpreted builds, of other targets and of the
 default options. GPU (@pytest.mark.gpu, an H100 or H200): results against the float64 reference,
@@ -17,13 +17,14 @@ import sys
 
 import pytest
 import torch
-from gluon_cases import (BATCHES, EPILOGUES, TYPES, compile_cases, graph, lowered, matmul_group)
+from gluon_cases import (BATCHES, EPILOGUES, FP8_TYPES, KMAJOR_EPILOGUES, TYPES, compile_cases, graph, lowered,
+                         matmul_group)
 from helpers import check, compiled_for_sm90
 
 import dnngraph as dg
 from dnngraph.backends import registry
 from dnngraph.backends.contract import Backend
-from dnngraph.backends.gluon.backend import (CONFIGS, GLUON, HEAVY_EPILOGUE_REGISTERS, GluonConfig,
+from dnngraph.backends.gluon.backend import (CONFIGS, GLUON, HEAVY_EPILOGUE_REGISTERS, LAUNCH_SECONDS, GluonConfig,
                                              heavy_epilogue, heavy_epilogue_registers, shared_bytes)
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200, INTERPRETER
@@ -49,6 +50,10 @@ def test_every_variant_compiles_for_sm90a_with_warp_specialization():
         assert found["spill_stores"] == 0, label  # the consumers' accumulators fit their registers
     # the ptr-store variants (fp32 output beside a 128x256 ring) are among them
     assert any(label.endswith("/ptr") for label in facts) and any(label.endswith("/tma") for label in facts)
+    # and the K-major ones: 16-bit and fp8 (e4m3, e5m2), plain and batched
+    for prefix in ("kmajor/bf16/none/plain/", "kmajor/fp16/bias/batched/", "kmajor/e4m3/scale_gelu_tanh/batched/",
+                   "kmajor/e4m3/bias/batched_b_shared/", "kmajor/e5m2/none/plain/"):
+        assert any(label.startswith(prefix) for label in facts), prefix
 
 
 def test_candidates_fit_shared_memory_and_carry_estimates():
@@ -63,6 +68,54 @@ def test_candidates_fit_shared_memory_and_carry_estimates():
             for candidate in offered:
                 assert shared_bytes(candidate.config, 2, out_bytes) <= H100.shared_memory
                 assert GLUON.estimate(problem, candidate.config, H100) == candidate.estimate
+
+
+def _constexprs(launch) -> dict:
+    return {a.name: a.value for a in launch.arguments if a.kind == "constexpr"}
+
+
+def test_k_major_b_is_read_through_its_transposed_view():
+    for batch in ("plain", "batched", "batched_b_shared"):
+        g = graph("bf16", "bias", batch, 300, 264, 136, k_major=True)
+        _, problem = matmul_group(g)
+        assert GLUON.supports(problem, H100) is True
+        (launch,) = lowered(g)
+        values = _constexprs(launch)
+        assert values["B_K_MAJOR"] is True and not values["SCALE_A"] and not values["SCALE_B"]
+        ints = {a.name: a.value for a in launch.arguments if a.kind == "int"}
+        # the descriptor is over B^T [N, K]: its rows are K apart, batches K * N
+        assert ints["b_stride_row"] == 136 and ints["b_stride_batch"] == (136 * 264 if batch == "batched" else 0)
+        assert not any(a.name.startswith("scale_") for a in launch.arguments)
+    (launch,) = lowered(graph("bf16", "bias", "batched", 300, 264, 136))
+    assert _constexprs(launch)["B_K_MAJOR"] is False
+
+
+def test_fp8_takes_k_major_b_scales_and_block_k_128():
+    for type_name in FP8_TYPES:
+        g = graph(type_name, "bias", "batched", 300, 264, 512, k_major=True)
+        _, problem = matmul_group(g)
+        assert GLUON.supports(problem, H100) is True
+        offered = GLUON.candidates(problem, H100)
+        assert offered and all(c.config.block_k == 128 for c in offered)
+        for candidate in offered:  # the ring's bytes are the 16-bit configs' (half the elements' size)
+            assert shared_bytes(candidate.config, 1, 2) == shared_bytes(
+                dataclasses.replace(candidate.config, block_k=64), 2, 2)
+        (launch,) = lowered(g)
+        values = _constexprs(launch)
+        assert values["B_K_MAJOR"] and values["SCALE_A"] and values["SCALE_B"] and values["BLOCK_K"] == 128
+        names = [a.name for a in launch.arguments if a.kind == "tensor"]
+        assert names[:5] == ["a_ptr", "b_ptr", "c_ptr", "scale_a_ptr", "scale_b_ptr"]
+        # a config from outside with CONFIGS' 16-bit BLOCK_K is taken at fp8's
+        (launch,) = lowered(g, GluonConfig(128, 256, 64, 3, 2))
+        assert "128x256x128 stages=3 consumers=2" in launch.config_text
+    # the model runs fp8 at the target's fp8 peak
+    for type_name, dot in (("e4m3", "fp8"), ("bf16", "bf16")):
+        _, problem = matmul_group(graph(type_name, "none", "plain", 8192, 8192, 8192, k_major=True))
+        config = GLUON.candidates(problem, H100)[0].config
+        seconds = 2.0 * 8192 ** 3 / H100.peak(dot)
+        tiles = -(-8192 // config.block_m) * -(-8192 // config.block_n)
+        efficiency = tiles / (-(-tiles // H100.sms) * H100.sms)
+        assert GLUON.estimate(problem, config, H100) == pytest.approx(seconds / efficiency + LAUNCH_SECONDS)
 
 
 def test_heavy_epilogues_are_offered_the_configs_that_do_not_spill():
@@ -124,7 +177,7 @@ def test_supports_names_why_it_refuses():
 
     g, a, b = _simple(t=dg.float32)
     g.matmul(a, b).set_output(True)
-    assert "float16 or bfloat16" in _refusal(g)
+    assert "float16, bfloat16, float8_e4m3 or float8_e5m2" in _refusal(g)
 
     g = dg.Graph(name="mixed", io_data_type=dg.float16)
     a = g.tensor(name="a", dim=[64, 64], data_type=dg.float16)
@@ -140,9 +193,13 @@ def test_supports_names_why_it_refuses():
     g.exp(g.matmul(a, b)).set_output(True)
     assert "op exp" in _refusal(g)
 
-    g, a, b = _simple(b_dim=[64, 64], b_stride=[1, 64])  # b column-major (a transposed weight)
+    g, a, b = _simple(b_dim=[64, 64], b_stride=[128, 2])  # neither N nor K contiguous
     g.matmul(a, b).set_output(True)
-    assert "stride" in _refusal(g)
+    assert "stride 2, not 1" in _refusal(g) and "nor is K contiguous" in _refusal(g)
+
+    g, a, b = _simple(b_dim=[64, 64], b_stride=[1, 68])  # K-major, B^T's rows 136 bytes apart
+    g.matmul(a, b).set_output(True)
+    assert "K-major" in _refusal(g) and "16 bytes" in _refusal(g)
 
     g, a, b = _simple(k=20)  # A's rows 40 bytes apart
     g.matmul(a, b).set_output(True)
@@ -166,6 +223,35 @@ def test_supports_names_why_it_refuses():
     g, a, b = _simple()
     g.cast(g.matmul(a, b), dg.int32).set_output(True)
     assert "int32" in _refusal(g)
+
+
+def _fp8(a_type=dg.float8_e4m3, b_type=dg.float8_e4m3, k_major=True, scale_type=dg.float32):
+    g = dg.Graph(name="fp8", io_data_type=dg.bfloat16)
+    a = g.tensor(name="a", dim=[64, 64], data_type=a_type)
+    b = g.tensor(name="b", dim=[64, 64], stride=[1, 64] if k_major else None, data_type=b_type)
+    sa = g.tensor(name="sa", dim=[1], data_type=scale_type)
+    sb = g.tensor(name="sb", dim=[1, 1], data_type=dg.float32)
+    g.matmul(a, b, scale_a=sa, scale_b=sb).set_output(True)
+    return g
+
+
+def test_supports_names_why_it_refuses_an_fp8_matmul():
+    _, problem = matmul_group(_fp8())
+    assert GLUON.supports(problem, H100) is True
+    refused = _refusal(_fp8(k_major=False))  # wgmma reads fp8 B K-major only
+    assert "fp8 wgmma reads B K-major" in refused and "row-major" in refused
+    assert "one type" in _refusal(_fp8(b_type=dg.float8_e5m2))  # e4m3 x e5m2
+    assert "one type" in _refusal(_fp8(b_type=dg.bfloat16))
+    assert "scales" in _refusal(_fp8(scale_type=dg.float8_e4m3)) and "float8_e4m3" in _refusal(
+        _fp8(scale_type=dg.float8_e4m3))
+    # the matmul op takes per-tensor scales only (one element); a problem holding a block scale
+    # (a future op's) is refused by name
+    blocked = dataclasses.replace(problem, operands=tuple(
+        dataclasses.replace(o, dims=(2, 1), strides=(1, 1)) if o.role == "scale_a" else o for o in problem.operands))
+    assert "per-tensor scales" in GLUON.supports(blocked, H100)
+    with pytest.raises(dg.ValidationError, match="per-tensor scale"):
+        g, a, b = _simple(t=dg.float8_e4m3)
+        g.matmul(a, b, scale_a=g.tensor(name="sa", dim=[1, 2], data_type=dg.float32))
 
 
 def _problem():
@@ -217,13 +303,25 @@ def test_a_cpu_build_with_gluon_first_runs_triton_in_the_interpreter():
 
 # -- (c) on a GPU (H100 / H200) --------------------------------------------------------------------
 
+FP8_SCALES = {"scale_a": 0.05, "scale_b": 0.02}
+
+
 def _inputs(g, device="cuda") -> dict:
-    """Random inputs of `g` (scales kept near 1 so tanh and sigmoid see varied values)."""
+    """Random inputs of `g` with its strides (scales kept near 1 so tanh and sigmoid see varied
+    values). fp8 operands: randn x 16, well inside e4m3's range (448) and e5m2's, and the
+    per-tensor scales of FP8_SCALES (the products, about 16 * 16 * sqrt(K), back near 1-10)."""
     found = {}
     for t in g.tensors:
         if t.producer is None:
             dtype = t.data_type.torch_dtype
-            found[t.name] = (torch.randn(*t.dim, device=device) / (4 if t.name in ("a", "b") else 1)).to(dtype)
+            if t.name in FP8_SCALES:
+                value = torch.full(tuple(t.dim), FP8_SCALES[t.name], device=device)
+            elif t.name in ("a", "b"):
+                value = torch.randn(*t.dim, device=device) * (16 if t.data_type in FP8_TYPES.values() else 0.25)
+            else:
+                value = torch.randn(*t.dim, device=device)
+            found[t.name] = torch.empty_strided(tuple(t.dim), tuple(t.stride), dtype=dtype,
+                                                device=device).copy_(value.to(dtype))
     return found
 
 
@@ -245,6 +343,56 @@ def test_gluon_matches_the_reference(type_name, epilogue, batch, k):
     check(g, _inputs(g), dtype=TYPES[type_name].torch_dtype, device="cuda", tolerance=tolerance,
           options=BuildOptions(backends=GLUON_FIRST, target=_few_sms()))
     assert {launch.backend for launch in g.plan.launches} == {"gluon"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("type_name", sorted(TYPES))
+@pytest.mark.parametrize("epilogue", KMAJOR_EPILOGUES + ("residual_silu", "relu_cast"))
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("k", [8, 64, 392])
+def test_gluon_with_k_major_b_matches_the_reference(type_name, epilogue, batch, k):
+    """B given K-major (B^T dense, as a transposed weight): loaded through a descriptor over the
+    [N, K] view, read by wgmma through the transposed shared-memory view."""
+    g = graph(type_name, epilogue, batch, m=200, n=136, k=k, k_major=True)
+    out_type = g.outputs()[0].data_type.torch_dtype
+    tolerance = {torch.float32: 1e-2}.get(out_type)
+    inputs = _inputs(g)
+    assert inputs["b"].stride()[-2] == 1  # K-major as given
+    check(g, inputs, dtype=TYPES[type_name].torch_dtype, device="cuda", tolerance=tolerance,
+          options=BuildOptions(backends=GLUON_FIRST, target=_few_sms()))
+    assert {launch.backend for launch in g.plan.launches} == {"gluon"}
+    assert _constexprs(g.plan.launches[0])["B_K_MAJOR"] is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("type_name", sorted(FP8_TYPES))
+@pytest.mark.parametrize("epilogue", KMAJOR_EPILOGUES)
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("k", [16, 128, 784])
+def test_gluon_fp8_with_scales_matches_the_reference(type_name, epilogue, batch, k):
+    """fp8 A and K-major B with per-tensor fp32 scales, bf16 output. K of one partial step, one
+    full step (128) and past the ring (784 = 6.1 steps). Tolerance: the reference reads the same
+    fp8 values exactly, so the error is the bf16 store's rounding (at most 2^-9 of each value)
+    plus the fp8 tensor cores' accumulation (sums kept to about 2^-13 inside each wgmma, added in
+    fp32); a relative norm error near 2e-3 is expected, and bf16's 1.6e-2 (check's) bounds it."""
+    g = graph(type_name, epilogue, batch, m=200, n=136, k=k, k_major=True)
+    check(g, _inputs(g), dtype=torch.bfloat16, device="cuda",
+          options=BuildOptions(backends=GLUON_FIRST, target=_few_sms()))
+    assert {launch.backend for launch in g.plan.launches} == {"gluon"}
+    values = _constexprs(g.plan.launches[0])
+    assert values["SCALE_A"] and values["SCALE_B"] and values["BLOCK_K"] == 128
+
+
+@pytest.mark.gpu
+def test_fp8_on_a_larger_problem_with_one_scale():
+    """Every fp8 config's tiles over M, N off them, K of many steps; scale_b absent."""
+    g = dg.Graph(name="fp8_one_scale", io_data_type=dg.bfloat16)
+    a = g.tensor(name="a", dim=[1000, 1024], data_type=dg.float8_e4m3)
+    b = g.tensor(name="b", dim=[1024, 1032], stride=[1, 1024], data_type=dg.float8_e4m3)
+    g.matmul(a, b, scale_a=g.tensor(name="scale_a", dim=[1], data_type=dg.float32)).set_output(True)
+    check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", options=_gluon_options())
+    values = _constexprs(g.plan.launches[0])
+    assert values["SCALE_A"] and not values["SCALE_B"] and values["B_K_MAJOR"]
 
 
 def _few_sms(device="cuda"):

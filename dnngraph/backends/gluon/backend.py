@@ -11,7 +11,7 @@ verified = False: no GPU run has checked its kernels yet, so the default BuildOp
 BuildOptions(backends=("gluon", "triton")).
 
 The model (estimate): a tile config runs B*M*N*K multiply-adds at the target's dense peak of the
-operand type (facts.bf16 / facts.fp16) and moves the operands and outputs once at its bandwidth:
+operand type (facts.bf16 / facts.fp16 / facts.fp8) and moves the operands and outputs once at its bandwidth:
     time = max(2*B*M*N*K / peak, bytes / bandwidth) / wave_efficiency + LAUNCH_SECONDS
 where wave_efficiency = tiles / (waves * SMs), waves = ceil(tiles / SMs), tiles = B * ceil(M/BM)
 * ceil(N/BN): a persistent kernel whose last wave is partly empty leaves SMs idle for its length.
@@ -35,7 +35,8 @@ from ..contract import Candidate
 from . import codegen
 
 TMA_ALIGNMENT = 16  # bytes: TMA global strides and base addresses
-IN_TYPES = {"float16": "fp16", "bfloat16": "bf16"}
+IN_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3": "fp8", "float8_e5m2": "fp8"}
+FP8_TYPES = frozenset({"float8_e4m3", "float8_e5m2"})
 OUT_TYPES = frozenset({"float16", "bfloat16", "float32"})
 GROUP_M = 8
 PRODUCER_REGS = 40
@@ -132,6 +133,43 @@ def _matrix_strides(dims: tuple, strides: tuple) -> tuple:
     return batch, row, col
 
 
+def block_k_for(config: GluonConfig, itemsize: int) -> int:
+    """BLOCK_K for operands of `itemsize` bytes: the bytes per k step of CONFIGS' 16-bit BLOCK_K
+    (fp8: 128 for 64), so the ring's bytes, and the shared-memory fit, are the 16-bit ones."""
+    return config.block_k * 2 // itemsize
+
+
+def _transposed(dims: tuple, strides: tuple) -> tuple:
+    """(dims, strides) of the view with the last two axes swapped ([K, N] -> [N, K])."""
+    dims, strides = tuple(dims), tuple(strides)
+    return dims[:-2] + (dims[-1], dims[-2]), strides[:-2] + (strides[-1], strides[-2])
+
+
+def b_layout(b) -> tuple:
+    """(k_major, why) of operand B: how the kernel reads it, or why it cannot (k_major None).
+    Row-major (N contiguous, k_major False) where TMA takes [K, N]; else K-major (K contiguous,
+    B^T [N, K] read through a descriptor over that view) where TMA takes the view. fp8 operands
+    are read K-major only: wgmma takes both fp8 operands K-major from shared memory."""
+    itemsize = b.data_type.itemsize
+    row_why = _tma_legal(b.dims, b.strides, itemsize)
+    col_why = _tma_legal(*_transposed(b.dims, b.strides), itemsize)
+    if b.data_type.name in FP8_TYPES:
+        if col_why is None:
+            return True, None
+        if row_why is None:
+            return None, (f"gluon's fp8 wgmma reads B K-major (K contiguous: B^T [N, K] dense), but b is "
+                          f"row-major (N contiguous, strides {list(b.strides)}); give it as the transposed view "
+                          f"of an [N, K] tensor")
+        return None, f"gluon reads fp8 b K-major through TMA, but as [N, K] {col_why}"
+    if row_why is None:
+        return False, None
+    if col_why is None:
+        return True, None
+    if _matrix_strides(*_transposed(b.dims, b.strides))[2] == 1:  # K-major, misaligned
+        return None, f"gluon reads b K-major through TMA, but as [N, K] {col_why}"
+    return None, f"gluon reads b through TMA, but {row_why} (nor is K contiguous)"
+
+
 def _tma_legal(dims, strides, itemsize: int) -> Optional[str]:
     """Why an operand cannot be read (or written) through TMA, or None."""
     batch, row, col = _matrix_strides(tuple(dims), tuple(strides))
@@ -167,8 +205,6 @@ class GluonBackend:
         if problem.family != "matmul":
             return f"gluon has no {problem.family} kernel"
         g = problem.geometry
-        if getattr(g, "scaled", False):
-            return "gluon has no scaled (fp8) matmul"
         if problem.prologue:
             return f"gluon fuses no prologue (the group has {', '.join(problem.prologue)})"
         if problem.exits:
@@ -181,9 +217,18 @@ class GluonBackend:
             return "gluon needs both matmul operands"
         for operand in (a, b):
             if operand.data_type.name not in IN_TYPES:
-                return f"gluon takes float16 or bfloat16 operands, not {operand.data_type.name}"
+                return (f"gluon takes float16, bfloat16, float8_e4m3 or float8_e5m2 operands, not "
+                        f"{operand.data_type.name}")
         if a.data_type is not b.data_type:
             return f"gluon takes operands of one type, not {a.data_type.name} x {b.data_type.name}"
+        for role in ("scale_a", "scale_b"):
+            scale = problem.operand(role)
+            if scale is None:
+                continue
+            if scale.numel != 1:  # a block or row scale: no kernel here applies one
+                return f"gluon applies per-tensor scales (one element), not {role} of shape {list(scale.dims)}"
+            if scale.data_type.name not in OUT_TYPES:
+                return f"gluon loads float32, float16 or bfloat16 scales, not {role} of {scale.data_type.name}"
         for operand in (a, b):
             if len(operand.dims) not in (2, 3):
                 return f"gluon takes rank-2 or rank-3 operands, not {operand.role} of rank {len(operand.dims)}"
@@ -191,10 +236,12 @@ class GluonBackend:
             return f"gluon takes one batch dimension, not {len(g.batch_dims)}"
         if g.k < 1:
             return "gluon needs K >= 1"
-        for operand in (a, b):
-            why = _tma_legal(operand.dims, operand.strides, operand.data_type.itemsize)
-            if why is not None:
-                return f"gluon reads {operand.role} through TMA, but {why}"
+        why = _tma_legal(a.dims, a.strides, a.data_type.itemsize)
+        if why is not None:
+            return f"gluon reads a through TMA (K contiguous), but {why}"
+        k_major, why = b_layout(b)
+        if k_major is None:
+            return why
         if len(problem.outputs) != 1:
             return f"gluon stores one output, the group has {len(problem.outputs)}"
         out = problem.outputs[0]
@@ -246,6 +293,7 @@ class GluonBackend:
         for config in CONFIGS:
             if heavy and heavy_epilogue_registers(config) > HEAVY_EPILOGUE_REGISTERS:
                 continue  # ptxas would spill (see HEAVY_OPS)
+            config = replace(config, block_k=block_k_for(config, in_bytes))
             config = replace(config, tma_store=store)
             if store and shared_bytes(config, in_bytes, out_bytes) > target.shared_memory:
                 config = replace(config, tma_store=False)  # the staging buffers do not fit beside the ring
@@ -260,9 +308,14 @@ class GluonBackend:
     def _checked(self, candidate: Candidate, problem: Problem, target, offered: list) -> Candidate:
         """A config given from outside, as candidates() would have offered it: the store path
         its output allows and a ring that fits (UnsupportedError where none does)."""
+        in_bytes = problem.operand("a").data_type.itemsize
+        asked = candidate.config
         for offer in offered:
             config = offer.config
-            if replace(config, tma_store=True) == replace(candidate.config, tma_store=True):
+            # BLOCK_K as given, or as CONFIGS gives it (16-bit), which the operand type scales
+            if (config.block_m, config.block_n, config.stages, config.consumers, config.epilogue_n) == (
+                    asked.block_m, asked.block_n, asked.stages, asked.consumers, asked.epilogue_n) and config.block_k in (
+                    asked.block_k, block_k_for(asked, in_bytes)):
                 return offer
         raise UnsupportedError(f"{problem.where}: gluon config {candidate.config.text} is not one this problem "
                                f"can run on {target.name} (its store path or shared memory)")
@@ -285,20 +338,25 @@ class GluonBackend:
         estimate = chosen.estimate if chosen.estimate is not None else self.estimate(problem, config, target)
         node = group.anchor
         a, b, c = node.inputs[0], node.inputs[1], node.outputs[0]
+        scale_a, scale_b = (list(node.inputs[2:]) + [None, None])[:2]
         out = group.outputs[0]
         g = problem.geometry
         batch = g.batch
         a_batch, a_row, _ = _matrix_strides(tuple(a.dim), tuple(a.stride))
-        b_batch, b_row, _ = _matrix_strides(tuple(b.dim), tuple(b.stride))
+        k_major, _ = b_layout(problem.operand("b"))
+        b_view = _transposed(b.dim, b.stride) if k_major else (tuple(b.dim), tuple(b.stride))
+        b_batch, b_row, _ = _matrix_strides(*b_view)  # the rows of [N, K] where B is K-major
         c_strides = _matrix_strides(tuple(out.dim), tuple(out.stride))
         gemm = codegen.GemmArguments(a.uid, b.uid, out.uid, g.m, g.n, g.k, batch, (a_batch, a_row), (b_batch, b_row),
-                                     c_strides)
+                                     c_strides, scale_a.uid if scale_a is not None else None,
+                                     scale_b.uid if scale_b is not None else None)
         constexprs = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "BLOCK_K": config.block_k,
                       "STAGES": config.stages, "GROUP_M": config.group_m, "CONSUMERS": config.consumers,
                       "BATCHED_A": batch > 1 and a_batch != 0, "BATCHED_B": batch > 1 and b_batch != 0,
                       "BATCHED_C": batch > 1, "TMA_STORE": config.tma_store, "EPILOGUE_N": config.epilogue_n,
                       "PRODUCER_REGS": PRODUCER_REGS,
-                      "CONSUMER_REGS": CONSUMER_REGS}
+                      "CONSUMER_REGS": CONSUMER_REGS, "B_K_MAJOR": bool(k_major), "SCALE_A": scale_a is not None,
+                      "SCALE_B": scale_b is not None}
         stem = f"dnngraph_gluon_{group.kind}_{group.nodes[-1].op}"
         source = codegen.render(stem, group.summary(), gemm, c, tuple(group.epilogue), tuple(out.dim), constexprs)
         tiles = batch * -(-g.m // config.block_m) * -(-g.n // config.block_n)

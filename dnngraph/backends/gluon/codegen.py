@@ -46,10 +46,10 @@ FLOAT_TYPES = {"float16": "gl.float16", "bfloat16": "gl.bfloat16", "float32": "g
 FIXED = ("gl", "gluon", "lib", "epilogue", "acc", "rows", "cols", "batch", "args", "a_ptr", "b_ptr", "c_ptr",
          "M", "N", "K", "batch_count", "a_stride_batch", "a_stride_row", "b_stride_batch", "b_stride_row",
          "c_stride_batch", "c_stride_row", "c_stride_col", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M",
-         "CONSUMERS", "BATCHED_A", "BATCHED_B", "BATCHED_C", "TMA_STORE", "EPILOGUE_N", "PRODUCER_REGS",
-         "CONSUMER_REGS")
+         "CONSUMERS", "BATCHED_A", "BATCHED_B", "BATCHED_C", "TMA_STORE", "EPILOGUE_N", "PRODUCER_REGS", "CONSUMER_REGS",
+         "scale_a_ptr", "scale_b_ptr", "B_K_MAJOR", "SCALE_A", "SCALE_B")
 CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M", "CONSUMERS", "BATCHED_A", "BATCHED_B",
-              "BATCHED_C", "TMA_STORE", "EPILOGUE_N", "PRODUCER_REGS", "CONSUMER_REGS")
+              "BATCHED_C", "TMA_STORE", "EPILOGUE_N", "PRODUCER_REGS", "CONSUMER_REGS", "B_K_MAJOR", "SCALE_A", "SCALE_B")
 
 
 def broadcast_form(dims: tuple, out_dims: tuple) -> Optional[str]:
@@ -99,15 +99,21 @@ class GemmArguments:
     k: int
     batch: int
     a_strides: tuple  # (batch, row)
-    b_strides: tuple
+    b_strides: tuple  # (batch, row) of the view loaded: [K, N], or [N, K] where B is K-major
     c_strides: tuple  # (batch, row, col)
+    scale_a_uid: Optional[int] = None  # per-tensor scales (one element), where the matmul has them
+    scale_b_uid: Optional[int] = None
 
 
 def signature(names: NameAllocator, gemm: GemmArguments, epilogue_arguments: list, constexprs: dict) -> tuple:
     """(def-line parameter text, [KernelArgument]) of the kernel, in one order: A, B, C, the
-    epilogue operands' pointers and strides, sizes, strides, then the constexprs."""
+    scales' pointers (those the matmul has), the epilogue operands' pointers and strides, sizes,
+    strides, then the constexprs."""
     arguments = [KernelArgument("tensor", "a_ptr", gemm.a_uid), KernelArgument("tensor", "b_ptr", gemm.b_uid),
                  KernelArgument("tensor", "c_ptr", gemm.c_uid)]
+    for name, uid in (("scale_a_ptr", gemm.scale_a_uid), ("scale_b_ptr", gemm.scale_b_uid)):
+        if uid is not None:
+            arguments.append(KernelArgument("tensor", name, uid))
     arguments += epilogue_arguments
     sizes = (("M", gemm.m), ("N", gemm.n), ("K", gemm.k), ("batch_count", gemm.batch),
              ("a_stride_batch", gemm.a_strides[0]), ("a_stride_row", gemm.a_strides[1]),
@@ -215,6 +221,9 @@ def render(stem: str, description: str, gemm: GemmArguments, anchor_output, epil
     operand_names = [a.name for a in renderer.arguments]
     args_tuple = "(" + "".join(f"{name}, " for name in operand_names) + ")" if operand_names else "(0, )"
     body = "\n".join("    " + line for line in renderer.lines + [f"return {result}"])
+    # an absent scale is a 0 the kernel never reads (SCALE_A / SCALE_B say which are present)
+    scale_a = "scale_a_ptr" if gemm.scale_a_uid is not None else "0"
+    scale_b = "scale_b_ptr" if gemm.scale_b_uid is not None else "0"
     text = f'''"""{comment_text(description)}"""
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -232,6 +241,6 @@ def {stem}({parameters}):
     lib.matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row,
                c_stride_batch, c_stride_row, c_stride_col, epilogue, {args_tuple},
                BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CONSUMERS, BATCHED_A, BATCHED_B, BATCHED_C, TMA_STORE,
-               EPILOGUE_N, PRODUCER_REGS, CONSUMER_REGS)
+               EPILOGUE_N, PRODUCER_REGS, CONSUMER_REGS, {scale_a}, {scale_b}, B_K_MAJOR, SCALE_A, SCALE_B)
 '''
     return KernelSource(stem, text, list(arguments))

@@ -2,7 +2,15 @@
 device functions. A generated kernel (codegen.py) renders only its signature and its fused
 epilogue, and calls matmul() below with them.
 
-    C[b] = epilogue(A[b] @ B[b])      A [batch, M, K], B [batch, K, N] (K and N contiguous)
+    C[b] = epilogue(A[b] @ B[b] * scale_a * scale_b)      A [batch, M, K] (K contiguous), B [batch, K, N]
+
+- B is row-major (N contiguous: the ring holds [BLOCK_K, BLOCK_N] tiles) or K-major (B_K_MAJOR:
+  K contiguous, B^T [batch, N, K] dense; the ring holds [BLOCK_N, BLOCK_K] tiles, loaded through a
+  descriptor over that [N, K] view, and wgmma reads them through the transposed view
+  `permute((1, 0))`). fp8 (e4m3, e5m2) operands take K-major B only: wgmma reads both fp8
+  operands K-major from shared memory.
+- Per-tensor scales (SCALE_A, SCALE_B: one-element tensors, fp8 dequantization) are loaded once
+  per consumer partition and multiply the fp32 accumulator before the fused epilogue.
 
 - Persistent: one program per SM at most; program p takes tiles p, p + programs, ... of the
   batch x tiles_m x tiles_n tile space. Within a batch, tiles run in grouped order (GROUP_M rows
@@ -39,13 +47,15 @@ def shared_layout(block_shape, dtype):
 
 
 @gluon.constexpr_function
-def accumulator_layout(rows, cols):
+def accumulator_layout(rows, cols, operand_dtype=None):
     """The wgmma accumulator layout of one 4-warp warpgroup holding a [rows, cols] fp32 tile:
-    warps along M, the widest instruction N (a multiple of 8, at most 256) dividing `cols`."""
+    warps along M, the widest instruction N (a multiple of 8, at most 256) dividing `cols`; the
+    instruction's K is 32 bytes of the operands (16 for 16-bit types, 32 for fp8)."""
     n = min(256, cols)
     while cols % n != 0:
         n -= 8
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+    k = 256 // (operand_dtype.primitive_bitwidth if operand_dtype is not None else 16)
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, k])
 
 
 @gluon.constexpr_function
@@ -105,7 +115,8 @@ def copy_in(desc, batch, row, col, barrier, buffer, BATCHED: gl.constexpr):
 def load_partition(a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring, b_ring, ready,
                    empty, M, N, K, batch_count,  #
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                   CONSUMERS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr):
+                   CONSUMERS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr,
+                   B_K_MAJOR: gl.constexpr):
     """The producer (one warp): for each of the program's tiles and each K step, wait for the
     slot to be empty, then load A's rows of every consumer and B's block into it. It makes the
     descriptors it loads through itself: a device-side descriptor is acquired (the tensormap
@@ -114,7 +125,14 @@ def load_partition(a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b
     STAGES: gl.constexpr = b_ring.type.shape[0]
     SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
     a_desc = operand_descriptor(a_ptr, batch_count, M, K, a_stride_batch, a_stride_row, SUB_M, BLOCK_K, BATCHED_A)
-    b_desc = operand_descriptor(b_ptr, batch_count, K, N, b_stride_batch, b_stride_row, BLOCK_K, BLOCK_N, BATCHED_B)
+    # B over [K, N] (row-major, blocks [BLOCK_K, BLOCK_N]) or over the [N, K] view of a K-major B
+    # (blocks [BLOCK_N, BLOCK_K]); b_stride_row is the stride between that view's rows
+    if B_K_MAJOR:
+        b_desc = operand_descriptor(b_ptr, batch_count, N, K, b_stride_batch, b_stride_row, BLOCK_N, BLOCK_K,
+                                    BATCHED_B)
+    else:
+        b_desc = operand_descriptor(b_ptr, batch_count, K, N, b_stride_batch, b_stride_row, BLOCK_K, BLOCK_N,
+                                    BATCHED_B)
     tiles_m = gl.cdiv(M, BLOCK_M)
     tiles_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
@@ -132,8 +150,41 @@ def load_partition(a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b
             for half in gl.static_range(CONSUMERS):
                 copy_in(a_desc, batch, pid_m * BLOCK_M + half * SUB_M, kk * BLOCK_K, barrier,
                         a_ring.index(slot * CONSUMERS + half), BATCHED_A)
-            copy_in(b_desc, batch, kk * BLOCK_K, pid_n * BLOCK_N, barrier, b_ring.index(slot), BATCHED_B)
+            if B_K_MAJOR:
+                copy_in(b_desc, batch, pid_n * BLOCK_N, kk * BLOCK_K, barrier, b_ring.index(slot), BATCHED_B)
+            else:
+                copy_in(b_desc, batch, kk * BLOCK_K, pid_n * BLOCK_N, barrier, b_ring.index(slot), BATCHED_B)
             step += 1
+
+
+@gluon.jit
+def b_operand(b_ring, slot, B_K_MAJOR: gl.constexpr):
+    """The slot's B tile as wgmma takes it, [BLOCK_K, BLOCK_N]: a K-major tile ([BLOCK_N,
+    BLOCK_K] in shared memory) through its transposed view."""
+    if B_K_MAJOR:
+        return b_ring.index(slot).permute((1, 0))
+    else:
+        return b_ring.index(slot)
+
+
+@gluon.jit
+def load_scale(scale_ptr, PRESENT: gl.constexpr):
+    """A per-tensor scale (one element) as fp32, or 1.0 where there is none."""
+    if PRESENT:
+        return gl.load(scale_ptr).to(gl.float32)
+    else:
+        return 1.0
+
+
+@gluon.jit
+def scaled(acc, scale_a, scale_b, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+    """acc * scale_a * scale_b (each where the matmul has it; multiplied in that order, as the
+    reference does)."""
+    if SCALE_A:
+        acc = acc * scale_a
+    if SCALE_B:
+        acc = acc * scale_b
+    return acc
 
 
 @gluon.jit
@@ -234,13 +285,14 @@ def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch
                   c_stride_batch, c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args,  #
                   HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, TMA_STORE: gl.constexpr,
-                  BATCHED_C: gl.constexpr, EPILOGUE_N: gl.constexpr):
+                  BATCHED_C: gl.constexpr, EPILOGUE_N: gl.constexpr, scale_a_ptr, scale_b_ptr,
+                  B_K_MAJOR: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
     """One consumer warpgroup: rows [HALF * SUB_M, (HALF + 1) * SUB_M) of every tile of the
     program. Async wgmma over the ring (one in flight; the slot before it is released), then
     the epilogue in column subtiles of EPILOGUE_N (finish_tile)."""
     STAGES: gl.constexpr = b_ring.type.shape[0]
     SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
-    layout: gl.constexpr = accumulator_layout(SUB_M, BLOCK_N)
+    layout: gl.constexpr = accumulator_layout(SUB_M, BLOCK_N, a_ring.dtype)
     if TMA_STORE:  # made by the warps that store through it (as the producer makes its own)
         c_desc = operand_descriptor(c_ptr, batch_count, M, N, c_stride_batch, c_stride_row, SUB_M, EPILOGUE_N,
                                     BATCHED_C)
@@ -250,6 +302,8 @@ def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch
     tiles_n = gl.cdiv(N, BLOCK_N)
     k_steps = gl.cdiv(K, BLOCK_K)
     tiles = tiles_m * tiles_n * batch_count
+    scale_a = load_scale(scale_a_ptr, SCALE_A)  # once per partition
+    scale_b = load_scale(scale_b_ptr, SCALE_B)
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         batch, pid_m, pid_n = tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
@@ -257,8 +311,8 @@ def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch
         for kk in range(k_steps):
             slot = step % STAGES
             mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            acc = warpgroup_mma(a_ring.index(slot * CONSUMERS + HALF), b_ring.index(slot), acc, use_acc=kk > 0,
-                                is_async=True)
+            acc = warpgroup_mma(a_ring.index(slot * CONSUMERS + HALF), b_operand(b_ring, slot, B_K_MAJOR), acc,
+                                use_acc=kk > 0, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
             # the wgmma of the step before has completed: its slot goes back to the producer
             mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
@@ -266,6 +320,7 @@ def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
         row0 = pid_m * BLOCK_M + HALF * SUB_M
+        acc = scaled(acc, scale_a, scale_b, SCALE_A, SCALE_B)
         finish_tile(acc, c_desc, c_buffers, c_ptr, batch, row0, pid_n * BLOCK_N, M, N, c_stride_batch, c_stride_row,
                     c_stride_col, epilogue, epilogue_args, HALF, BLOCK_N // EPILOGUE_N, TMA_STORE, BATCHED_C)
     if TMA_STORE:
@@ -278,7 +333,8 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
            GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr,
            BATCHED_C: gl.constexpr, TMA_STORE: gl.constexpr, EPILOGUE_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
-           CONSUMER_REGS: gl.constexpr):
+           CONSUMER_REGS: gl.constexpr, scale_a_ptr, scale_b_ptr, B_K_MAJOR: gl.constexpr, SCALE_A: gl.constexpr,
+           SCALE_B: gl.constexpr):
     """The whole kernel body: the ring and its barriers, the partitions (each makes the
     descriptors it copies through)."""
     gl.static_assert(STAGES >= 2)
@@ -289,7 +345,10 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
     dtype: gl.constexpr = a_ptr.dtype.element_ty
     a_ring = gl.allocate_shared_memory(dtype, [STAGES * CONSUMERS, SUB_M, BLOCK_K],
                                        shared_layout([SUB_M, BLOCK_K], dtype))
-    b_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], shared_layout([BLOCK_K, BLOCK_N], dtype))
+    if B_K_MAJOR:  # B^T's [BLOCK_N, BLOCK_K] tiles (wgmma reads them transposed)
+        b_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], shared_layout([BLOCK_N, BLOCK_K], dtype))
+    else:
+        b_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], shared_layout([BLOCK_K, BLOCK_N], dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -308,24 +367,24 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
             (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
                              gl.constexpr(0), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
-                             BATCHED_C, EPILOGUE_N)),
+                             BATCHED_C, EPILOGUE_N, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)),
             (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
                              gl.constexpr(1), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
-                             BATCHED_C, EPILOGUE_N)),
+                             BATCHED_C, EPILOGUE_N, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)),
             (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
                               b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                              CONSUMERS, BATCHED_A, BATCHED_B)),
+                              CONSUMERS, BATCHED_A, BATCHED_B, B_K_MAJOR)),
         ], [WARPGROUP_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
                              gl.constexpr(0), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
-                             BATCHED_C, EPILOGUE_N)),
+                             BATCHED_C, EPILOGUE_N, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)),
             (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
                               b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                              CONSUMERS, BATCHED_A, BATCHED_B)),
+                              CONSUMERS, BATCHED_A, BATCHED_B, B_K_MAJOR)),
         ], [1], [PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
