@@ -24,8 +24,8 @@ from helpers import check, compiled_for_sm90
 import dnngraph as dg
 from dnngraph.backends import registry
 from dnngraph.backends.contract import Backend
-from dnngraph.backends.gluon.backend import (CONFIGS, GLUON, HEAVY_EPILOGUE_REGISTERS, LAUNCH_SECONDS, GluonConfig,
-                                             heavy_epilogue, heavy_epilogue_registers, shared_bytes)
+from dnngraph.backends.gluon.backend import (CONFIGS, GLUON, HEAVY_EPILOGUE_ACCUMULATORS, LAUNCH_SECONDS, GluonConfig,
+                                             accumulators_per_thread, heavy_epilogue, shared_bytes)
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200, INTERPRETER
 
@@ -118,13 +118,12 @@ def test_fp8_takes_k_major_b_scales_and_block_k_128():
         assert GLUON.estimate(problem, config, H100) == pytest.approx(seconds / efficiency + LAUNCH_SECONDS)
 
 
-def test_heavy_epilogues_are_offered_the_configs_that_do_not_spill():
+def test_heavy_epilogues_are_offered_the_narrower_tiles():
     for epilogue in ("bias_row_gelu", "residual_silu", "scale_gelu_tanh"):
         _, problem = matmul_group(graph("bf16", epilogue, "plain", 1024, 1024, 1024))
         assert heavy_epilogue(problem)
         offered = [c.config for c in GLUON.candidates(problem, H100)]
-        assert offered and all(heavy_epilogue_registers(c) <= HEAVY_EPILOGUE_REGISTERS for c in offered)
-        assert any(c.block_n == 256 for c in offered)  # the widest tile, its epilogue in subtiles
+        assert offered and all(accumulators_per_thread(c) <= HEAVY_EPILOGUE_ACCUMULATORS for c in offered)
     _, problem = matmul_group(graph("bf16", "bias", "plain", 1024, 1024, 1024))
     assert not heavy_epilogue(problem) and len(GLUON.candidates(problem, H100)) == len(CONFIGS)
 
