@@ -6,8 +6,10 @@ generated part (signature, epilogue) codegen.py's, and this file answers the con
 problems it takes (supports), which configs it offers and what the model says of them
 (candidates, estimate), and the launch of the chosen one (lower).
 
-verified = False: no GPU run has checked its kernels yet, so the default BuildOptions.backends
-(options.py: the registered backends marked verified) leaves it out; a build asks for it with
+verified = False: its GPU tests pass on an H200, but the whole GPU suite has not run with it
+among the default backends, and it is on average no faster than the Triton backend
+(BENCHMARKS.md, Gluon matmul); so the default BuildOptions.backends (options.py: the registered
+backends marked verified) leaves it out, and a build asks for it with
 BuildOptions(backends=("gluon", "triton")).
 
 The model (estimate): a tile config runs B*M*N*K multiply-adds at the target's dense peak of the
@@ -16,8 +18,8 @@ operand type (facts.bf16 / facts.fp16 / facts.fp8) and moves the operands and ou
 where wave_efficiency = tiles / (waves * SMs), waves = ceil(tiles / SMs), tiles = B * ceil(M/BM)
 * ceil(N/BN): a persistent kernel whose last wave is partly empty leaves SMs idle for its length.
 Configs that do not fit the target's shared memory (ring of STAGES slots of A and B tiles, the
-output staging buffers, barriers) are not offered, nor configs whose consumer registers would
-spill under the group's epilogue (heavy_epilogue).
+output staging buffers, barriers) are not offered, nor, under a heavy epilogue (heavy_epilogue),
+the widest tiles (HEAVY_OPS says why).
 """
 from __future__ import annotations
 
@@ -181,7 +183,7 @@ class GluonBackend:
     families = frozenset({"matmul"})
     interpretable = False
     prologue_stored_apart = frozenset()
-    verified = False  # no GPU run has checked it: not among the default BuildOptions.backends
+    verified = False  # opt-in (the module docstring says why): not among the default BuildOptions.backends
 
     def cache_key(self) -> tuple:
         return (self.name, self.version, self.interpretable, self.verified,
