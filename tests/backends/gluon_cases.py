@@ -9,7 +9,7 @@ import torch
 import dnngraph as dg
 from dnngraph.backends import registry
 from dnngraph.backends.contract import BuildContext
-from dnngraph.backends.gluon.backend import CONFIGS, GLUON, GluonConfig
+from dnngraph.backends.gluon.backend import CONFIGS, GLUON, PINGPONG_CONFIGS, GluonConfig
 from dnngraph.backends.contract import Candidate
 from dnngraph.fusion import partition
 from dnngraph.problems import problem_of
@@ -132,6 +132,31 @@ def kmajor_cases():
         k = 96 if type_name in FP8_TYPES else 72
         yield from _cases_of(graph(type_name, epilogue, batch, k=k, k_major=True),
                              f"kmajor/{type_name}/{epilogue}/{batch}")
+
+
+def _config_label(config) -> str:
+    return f"{config.block_m}x{config.block_n}x{config.stages}x{config.consumers}/e{config.epilogue_n}"
+
+
+# the ping-pong compile cases: (type, epilogue, batch, k_major)
+PINGPONG_VARIANTS = tuple((type_name, epilogue, batch, False) for type_name in ("bf16", )
+                          for epilogue in ("none", "bias", "bias_row_gelu", "residual_silu")
+                          for batch in ("plain", "batched")) + (("bf16", "relu_cast", "plain", False),
+                                                                  ("e4m3", "scale_gelu_tanh", "batched", True))
+
+
+def pingpong_cases():
+    """(label, launches, dtypes) of every ping-pong config (PINGPONG_CONFIGS, given from outside:
+    candidates() does not offer them yet) over PINGPONG_VARIANTS; labels "pingpong/...". The fp8
+    one with K = 96 (fp8 rows a multiple of 16 bytes)."""
+    for type_name, epilogue, batch, k_major in PINGPONG_VARIANTS:
+        g = graph(type_name, epilogue, batch, k=96 if type_name in FP8_TYPES else 72, k_major=k_major)
+        dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
+        for config in PINGPONG_CONFIGS:
+            launches = lowered(g, config)
+            store = "tma" if "tma-store" in launches[0].config_text else "ptr"
+            label = f"pingpong/{'kmajor/' if k_major else ''}{type_name}/{epilogue}/{batch}/{_config_label(config)}/{store}"
+            yield label, launches, dtypes
 
 
 def quick_cases():

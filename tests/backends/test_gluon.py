@@ -6,6 +6,11 @@ specialization, setmaxnreg and wgmma in what it compiles to; supports() gives a 
 case it refuses; the registry leaves gluon out of interpreted builds, of other targets and of the
 default options. GPU (@pytest.mark.gpu, an H100 or H200): results against the float64 reference,
 a run under Triton's concurrency sanitizer, and explain() naming gluon.
+
+The ping-pong schedule (PINGPONG_CONFIGS, given from outside: candidates() does not offer them
+yet) compiles over a subset of those cases (its own test, beside the long one above) and, on a
+GPU, matches the reference over epilogues, batch forms, K-major B and fp8, and programs of 1, 2
+and odd numbers of tiles.
 """
 from __future__ import annotations
 
@@ -17,15 +22,16 @@ import sys
 
 import pytest
 import torch
-from gluon_cases import (BATCHES, EPILOGUES, FP8_TYPES, KMAJOR_EPILOGUES, TYPES, compile_cases, graph, lowered,
-                         matmul_group)
+from gluon_cases import (BATCHES, EPILOGUES, FP8_TYPES, KMAJOR_EPILOGUES, PINGPONG_VARIANTS, TYPES, compile_cases,
+                         graph, lowered, matmul_group, pingpong_cases)
 from helpers import check, compiled_for_sm90
 
 import dnngraph as dg
 from dnngraph.backends import registry
 from dnngraph.backends.contract import Backend
-from dnngraph.backends.gluon.backend import (CONFIGS, GLUON, HEAVY_EPILOGUE_ACCUMULATORS, LAUNCH_SECONDS, GluonConfig,
-                                             accumulators_per_thread, heavy_epilogue, shared_bytes)
+from dnngraph.backends.gluon.backend import (CONFIGS, GLUON, HEAVY_EPILOGUE_ACCUMULATORS, LAUNCH_SECONDS,
+                                             PINGPONG_CONFIGS, GluonConfig, accumulators_per_thread, heavy_epilogue,
+                                             shared_bytes)
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200, INTERPRETER
 
@@ -54,6 +60,54 @@ def test_every_variant_compiles_for_sm90a_with_warp_specialization():
     for prefix in ("kmajor/bf16/none/plain/", "kmajor/fp16/bias/batched/", "kmajor/e4m3/scale_gelu_tanh/batched/",
                    "kmajor/e4m3/bias/batched_b_shared/", "kmajor/e5m2/none/plain/"):
         assert any(label.startswith(prefix) for label in facts), prefix
+
+
+def _facts(output: str) -> dict:
+    return {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
+            for line in output.splitlines() if line.startswith("facts ")}
+
+
+def test_pingpong_variants_compile_for_sm90a_without_spills():
+    """Every ping-pong config over bf16 epilogues (plain and batched) and one fp8 e4m3 K-major
+    case: warp specialization, setmaxnreg, wgmma, no spills, within shared memory."""
+    expected = sum(1 for _ in pingpong_cases())
+    assert expected == len(PINGPONG_VARIANTS) * len(PINGPONG_CONFIGS)
+    output = compiled_for_sm90("gluon_cases:pingpong_cases", timeout=1200)
+    assert f"compiled {expected} kernels for sm_90" in output
+    facts = _facts(output)
+    assert len(facts) == expected
+    for label, found in facts.items():
+        assert found["warp_specialize"] and found["setmaxnreg"] > 0, label
+        assert found["wgmma"] > 0 and found["tma_load"] > 0 and found["global_scratch"] > 0, label
+        assert found["shared"] <= H100.shared_memory, label
+        assert found["spill_stores"] == 0, label  # a whole tile's accumulator beside a subtile's epilogue
+    assert any(label.startswith("pingpong/kmajor/e4m3/") for label in facts)
+
+
+def test_pingpong_configs_are_taken_from_outside_but_not_offered_yet(monkeypatch):
+    import dnngraph.backends.gluon.backend as gluon_backend
+    g = graph("bf16", "residual_silu", "batched", 300, 264, 136)  # a heavy epilogue: ping-pong takes it
+    _, problem = matmul_group(g)
+    assert not any(c.config.pingpong for c in GLUON.candidates(problem, H100))
+    for config in PINGPONG_CONFIGS:
+        assert config.pingpong and config.consumers == 2 and accumulators_per_thread(config) <= 128
+        (launch,) = lowered(g, config)
+        assert launch.config_text.split(" grid=")[0].endswith("tma-store schedule=pingpong")
+        values = _constexprs(launch)
+        assert values["PINGPONG"] is True and values["CONSUMERS"] == 2 and values["BLOCK_M"] == config.block_m
+        # each consumer stages its own whole-tile subtiles: twice the cooperative rows
+        cooperative = dataclasses.replace(config, schedule="cooperative")
+        staged = 2 * config.block_m * config.epilogue_n * 2  # two buffers a consumer, bf16
+        assert shared_bytes(config, 2, 2) - shared_bytes(cooperative, 2, 2) == staged
+    (launch,) = lowered(g)
+    assert _constexprs(launch)["PINGPONG"] is False and "schedule" not in launch.config_text
+    monkeypatch.setattr(gluon_backend, "OFFER_PINGPONG", True)  # once measured
+    offered = [c.config for c in GLUON.candidates(problem, H100)]
+    assert sum(c.pingpong for c in offered) == len(PINGPONG_CONFIGS)
+    with pytest.raises(ValueError, match="two consumers"):
+        GluonConfig(128, 128, 64, 4, 1, schedule="pingpong")
+    with pytest.raises(ValueError, match="schedule"):
+        GluonConfig(128, 128, 64, 4, 2, schedule="stream-k")
 
 
 def test_candidates_fit_shared_memory_and_carry_estimates():
@@ -453,6 +507,72 @@ def test_an_unaligned_operand_takes_the_triton_fallback():
     check(g, inputs, dtype=torch.bfloat16, device="cuda", options=_gluon_options())
 
 
+def _forcing_pingpong(monkeypatch, config):
+    """Builds offer `config` (a ping-pong one) alone; the plan cache forgets plans of others."""
+    import dnngraph.backends.gluon.backend as gluon_backend
+    from dnngraph.runtime.plan_cache import PLANS
+    monkeypatch.setattr(gluon_backend, "CONFIGS", ())
+    monkeypatch.setattr(gluon_backend, "PINGPONG_CONFIGS", (config, ))
+    monkeypatch.setattr(gluon_backend, "OFFER_PINGPONG", True)
+    PLANS.clear()
+
+
+def _check_pingpong(g, dtype, target=None, tolerance=None):
+    check(g, _inputs(g), dtype=dtype, device="cuda", tolerance=tolerance,
+          options=BuildOptions(backends=("gluon", ), target=target or _few_sms()))
+    (launch,) = g.plan.launches
+    assert launch.backend == "gluon" and _constexprs(launch)["PINGPONG"] is True
+    return launch
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(PINGPONG_CONFIGS)))
+@pytest.mark.parametrize("epilogue", ("none", "bias", "bias_row_gelu", "scale_gelu_tanh", "residual_silu",
+                                      "relu_cast"))
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("k", [8, 392])
+def test_pingpong_matches_the_reference(index, epilogue, batch, k, monkeypatch):
+    """Ping-pong: M odd, N off the tiles, K of one partial step and past the ring; 3 SMs, so
+    each program loops over odd and even numbers of tiles (the order barriers' phases wrap)."""
+    _forcing_pingpong(monkeypatch, PINGPONG_CONFIGS[index])
+    g = graph("bf16", epilogue, batch, m=201, n=136, k=k)
+    tolerance = {torch.float32: 1e-2}.get(g.outputs()[0].data_type.torch_dtype)
+    _check_pingpong(g, torch.bfloat16, tolerance=tolerance)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(PINGPONG_CONFIGS)))
+@pytest.mark.parametrize("type_name", ("fp16", "e4m3"))
+@pytest.mark.parametrize("batch", ("plain", "batched"))
+def test_pingpong_with_k_major_b_and_fp8_matches_the_reference(index, type_name, batch, monkeypatch):
+    _forcing_pingpong(monkeypatch, PINGPONG_CONFIGS[index])
+    k = 784 if type_name in FP8_TYPES else 392
+    g = graph(type_name, "scale_gelu_tanh", batch, m=201, n=264, k=k, k_major=True)
+    launch = _check_pingpong(g, TYPES.get(type_name, dg.bfloat16).torch_dtype)
+    assert _constexprs(launch)["B_K_MAJOR"] is True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [1, 2, 5, 7])
+def test_pingpong_tile_counts_per_program(tiles, monkeypatch):
+    """One program (one SM) over 1 tile (consumer 1 idle), 2, and odd counts 5 and 7 (consumer 0
+    takes the last tile; its last order arrival is never waited for); K past the ring."""
+    config = PINGPONG_CONFIGS[0]
+    _forcing_pingpong(monkeypatch, config)
+    g = graph("bf16", "bias_row_gelu", "plain", m=config.block_m * tiles - 3, n=config.block_n, k=392 + 8 * tiles)
+    launch = _check_pingpong(g, torch.bfloat16, target=dataclasses.replace(_few_sms(), sms=1))
+    assert launch.grid == (1, 1, 1)
+
+
+@pytest.mark.gpu
+def test_pingpong_on_a_larger_problem_with_every_config(monkeypatch):
+    for index, config in enumerate(PINGPONG_CONFIGS):
+        _forcing_pingpong(monkeypatch, config)
+        g = graph("bf16", "bias_row_gelu", "batched", m=1000, n=1032, k=520 + 8 * index)
+        check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", options=_gluon_options())
+        assert "schedule=pingpong" in g.plan.launches[0].config_text
+
+
 CONSAN = """
 import dataclasses, sys
 import torch, triton
@@ -469,6 +589,18 @@ for batch, epilogue in (("plain", "bias"), ("batched", "residual_silu")):
               for t in g.tensors if t.producer is None}}
     target = dataclasses.replace(dg.target.from_properties(torch.cuda.get_device_properties(0)), sms=2)
     check(g, inputs, dtype=torch.bfloat16, device="cuda", options=dg.BuildOptions(backends=("gluon",), target=target))
+# the ping-pong schedule (its first config alone): 3 x 2 tiles of 128 x 128 on the 2 programs,
+# 3 each, an odd count (consumer 0 takes two, consumer 1 one)
+from dnngraph.backends.gluon import backend as gluon_backend
+from dnngraph.runtime.plan_cache import PLANS
+gluon_backend.CONFIGS, gluon_backend.OFFER_PINGPONG = (), True
+gluon_backend.PINGPONG_CONFIGS = gluon_backend.PINGPONG_CONFIGS[:1]
+PLANS.clear()
+g = graph("bf16", "bias_row_gelu", "plain", m=328, n=136, k=200)
+inputs = {{t.name: (torch.randn(*t.dim, device="cuda") / 4).to(t.data_type.torch_dtype)
+          for t in g.tensors if t.producer is None}}
+check(g, inputs, dtype=torch.bfloat16, device="cuda", options=dg.BuildOptions(backends=("gluon",), target=target))
+assert "schedule=pingpong" in g.plan.launches[0].config_text
 print("consan clean")
 """
 
@@ -496,4 +628,4 @@ def test_each_partition_makes_the_descriptors_it_copies_through():
     makers = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
               for call in ast.walk(node) if isinstance(call, ast.Call)
               and getattr(call.func, "id", None) == "operand_descriptor"}
-    assert makers == {"load_partition", "mma_partition"}, makers
+    assert makers == {"load_partition", "mma_partition", "pingpong_partition"}, makers

@@ -47,10 +47,16 @@ LAUNCH_SECONDS = 3e-6
 BARRIER_BYTES = 1024  # mbarriers and the compiler's own slack
 
 
+SCHEDULES = ("cooperative", "pingpong")
+
+
 @dataclass(frozen=True)
 class GluonConfig:
     """One tile config: BLOCK_M x BLOCK_N x BLOCK_K tiles, a STAGES-deep ring, CONSUMERS 4-warp
-    warpgroups (each BLOCK_M // CONSUMERS rows), TMA stores where the output allows."""
+    warpgroups, TMA stores where the output allows. schedule "cooperative": the consumers split
+    each tile's rows (BLOCK_M // CONSUMERS each) and run their epilogues together; "pingpong":
+    two consumers take whole tiles in turn, one's epilogue beside the other's mainloop
+    (library.pingpong_partition)."""
 
     block_m: int
     block_n: int
@@ -60,18 +66,45 @@ class GluonConfig:
     epilogue_n: int = 64
     tma_store: bool = True
     group_m: int = GROUP_M
+    schedule: str = "cooperative"
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"gluon schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if self.schedule == "pingpong" and self.consumers != 2:
+            raise ValueError(f"the gluon ping-pong schedule takes two consumers, not {self.consumers}")
+
+    @property
+    def pingpong(self) -> bool:
+        return self.schedule == "pingpong"
+
+    @property
+    def consumer_rows(self) -> int:
+        """The rows of a tile one consumer computes (and stages)."""
+        return self.block_m if self.pingpong else self.block_m // self.consumers
 
     @property
     def text(self) -> str:
         store = "tma-store" if self.tma_store else "pointer-store"
+        schedule = " schedule=pingpong" if self.pingpong else ""  # the cooperative text as it was
         return (f"gluon warp-specialized {self.block_m}x{self.block_n}x{self.block_k} stages={self.stages} "
-                f"consumers={self.consumers} epilogue-n={self.epilogue_n} {store}")
+                f"consumers={self.consumers} epilogue-n={self.epilogue_n} {store}{schedule}")
 
 
 # the configs offered, before the shared-memory fit (each consumer's accumulator is at most
 # 64 x 256 or 128 x 128 fp32: 128 registers a thread)
 CONFIGS = (GluonConfig(128, 256, 64, 4, 2), GluonConfig(128, 256, 64, 3, 2), GluonConfig(128, 128, 64, 6, 2),
            GluonConfig(128, 128, 64, 4, 1), GluonConfig(128, 128, 64, 4, 2, epilogue_n=128))
+
+# Ping-pong configs: each consumer a whole tile of at most 128 accumulators a thread (128 x 128 or
+# 64 x 256), the epilogue in subtiles of 32 values a thread (as heavy epilogues compile without
+# spills beside 128 accumulators). Not measured on a GPU yet: candidates() offers them only where
+# OFFER_PINGPONG is set (it will be, once they are measured), while lower() takes them from
+# outside (a Candidate carrying one, as a test or a tuner passes) as it takes CONFIGS.
+PINGPONG_CONFIGS = (GluonConfig(128, 128, 64, 4, 2, epilogue_n=32, schedule="pingpong"),
+                    GluonConfig(64, 256, 64, 4, 2, epilogue_n=64, schedule="pingpong"),
+                    GluonConfig(128, 128, 64, 5, 2, epilogue_n=32, schedule="pingpong"))
+OFFER_PINGPONG = False
 
 
 # Registers: each consumer thread holds (BLOCK_M // CONSUMERS) * BLOCK_N / 128 fp32 accumulators,
@@ -81,13 +114,15 @@ CONFIGS = (GluonConfig(128, 256, 64, 4, 2), GluonConfig(128, 256, 64, 3, 2), Glu
 # subtiles (tests/backends/test_gluon.py asserts no spills in any config offered), but runs slowly
 # there: bf16 bias + gelu_tanh at 4096^3 on an H200 ran 465 TFLOP/s at 128x256 (whichever subtile
 # width, 64 to 256) against 600 at 128x128 with two consumers (BENCHMARKS.md, Gluon matmul). Heavy
-# epilogues are offered only the configs of at most HEAVY_EPILOGUE_ACCUMULATORS a thread.
+# epilogues are offered only the cooperative configs of at most HEAVY_EPILOGUE_ACCUMULATORS a
+# thread; the ping-pong schedule, whose epilogues overlap the other consumer's mainloop, is meant
+# for them and is not held to it (unmeasured: see PINGPONG_CONFIGS).
 HEAVY_OPS = frozenset({"gelu", "gelu_tanh"})
 HEAVY_EPILOGUE_ACCUMULATORS = 64
 
 
 def accumulators_per_thread(config: GluonConfig) -> int:
-    return config.block_m // config.consumers * config.block_n // 128
+    return config.consumer_rows * config.block_n // 128
 
 
 def heavy_epilogue(problem: Problem) -> bool:
@@ -106,8 +141,11 @@ def staging_buffers(config: GluonConfig) -> int:
 
 
 def shared_bytes(config: GluonConfig, in_bytes: int, out_bytes: int) -> int:
+    """The ring (a slot: the tile's A rows and B's block), the consumers' staging buffers (each
+    consumer its own, of its rows: ping-pong consumers stage whole tiles), the barriers."""
     ring = config.stages * (config.block_m * config.block_k + config.block_k * config.block_n) * in_bytes
-    staging = staging_buffers(config) * config.block_m * config.epilogue_n * out_bytes if config.tma_store else 0
+    rows = config.consumers * config.consumer_rows  # BLOCK_M, or 2 * BLOCK_M in ping-pong
+    staging = staging_buffers(config) * rows * config.epilogue_n * out_bytes if config.tma_store else 0
     return ring + staging + BARRIER_BYTES
 
 
@@ -277,15 +315,19 @@ class GluonBackend:
 
     def candidates(self, problem: Problem, target: Target, options=None) -> list:
         """The configs that fit the target's shared memory, best first by estimate (ties: the
-        order of CONFIGS)."""
+        order of CONFIGS): CONFIGS, and PINGPONG_CONFIGS where OFFER_PINGPONG is set."""
+        return self._fitted(problem, target, CONFIGS + (PINGPONG_CONFIGS if OFFER_PINGPONG else ()))
+
+    def _fitted(self, problem: Problem, target: Target, configs: tuple) -> list:
+        """Candidates of those of `configs` that fit, as candidates() describes them."""
         if self.supports(problem, target) is not True:
             return []
         _, _, _, _, in_bytes, out_bytes = self._sizes(problem)
         store = self._tma_store_ok(problem)
         heavy = heavy_epilogue(problem)
         found = []
-        for config in CONFIGS:
-            if heavy and accumulators_per_thread(config) > HEAVY_EPILOGUE_ACCUMULATORS:
+        for config in configs:
+            if heavy and not config.pingpong and accumulators_per_thread(config) > HEAVY_EPILOGUE_ACCUMULATORS:
                 continue  # slow (see HEAVY_OPS)
             config = replace(config, block_k=block_k_for(config, in_bytes))
             config = replace(config, tma_store=store)
@@ -307,8 +349,9 @@ class GluonBackend:
         for offer in offered:
             config = offer.config
             # BLOCK_K as given, or as CONFIGS gives it (16-bit), which the operand type scales
-            if (config.block_m, config.block_n, config.stages, config.consumers, config.epilogue_n) == (
-                    asked.block_m, asked.block_n, asked.stages, asked.consumers, asked.epilogue_n) and config.block_k in (
+            if (config.block_m, config.block_n, config.stages, config.consumers, config.epilogue_n,
+                    config.schedule) == (asked.block_m, asked.block_n, asked.stages, asked.consumers,
+                                         asked.epilogue_n, asked.schedule) and config.block_k in (
                     asked.block_k, block_k_for(asked, in_bytes)):
                 return offer
         raise UnsupportedError(f"{problem.where}: gluon config {candidate.config.text} is not one this problem "
@@ -323,7 +366,9 @@ class GluonBackend:
             raise UnsupportedError(f"{problem.where}: {ok}")
         offered = self.candidates(problem, target, context.options)
         if candidate is not None and isinstance(candidate.config, GluonConfig):
-            chosen = self._checked(candidate, problem, target, offered)
+            # a config from outside may be any this backend knows, offered or not yet
+            known = self._fitted(problem, target, CONFIGS + PINGPONG_CONFIGS)
+            chosen = self._checked(candidate, problem, target, known)
         elif offered:
             chosen = offered[0]
         else:
@@ -350,7 +395,7 @@ class GluonBackend:
                       "BATCHED_C": batch > 1, "TMA_STORE": config.tma_store, "EPILOGUE_N": config.epilogue_n,
                       "PRODUCER_REGS": PRODUCER_REGS,
                       "CONSUMER_REGS": CONSUMER_REGS, "B_K_MAJOR": bool(k_major), "SCALE_A": scale_a is not None,
-                      "SCALE_B": scale_b is not None}
+                      "SCALE_B": scale_b is not None, "PINGPONG": config.pingpong}
         stem = f"dnngraph_gluon_{group.kind}_{group.nodes[-1].op}"
         source = codegen.render(stem, group.summary(), gemm, c, tuple(group.epilogue), tuple(out.dim), constexprs)
         tiles = batch * -(-g.m // config.block_m) * -(-g.n // config.block_n)

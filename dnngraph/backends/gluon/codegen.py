@@ -47,9 +47,10 @@ FIXED = ("gl", "gluon", "lib", "epilogue", "acc", "rows", "cols", "batch", "args
          "M", "N", "K", "batch_count", "a_stride_batch", "a_stride_row", "b_stride_batch", "b_stride_row",
          "c_stride_batch", "c_stride_row", "c_stride_col", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M",
          "CONSUMERS", "BATCHED_A", "BATCHED_B", "BATCHED_C", "TMA_STORE", "EPILOGUE_N", "PRODUCER_REGS", "CONSUMER_REGS",
-         "scale_a_ptr", "scale_b_ptr", "B_K_MAJOR", "SCALE_A", "SCALE_B")
+         "scale_a_ptr", "scale_b_ptr", "B_K_MAJOR", "SCALE_A", "SCALE_B", "PINGPONG")
 CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M", "CONSUMERS", "BATCHED_A", "BATCHED_B",
-              "BATCHED_C", "TMA_STORE", "EPILOGUE_N", "PRODUCER_REGS", "CONSUMER_REGS", "B_K_MAJOR", "SCALE_A", "SCALE_B")
+              "BATCHED_C", "TMA_STORE", "EPILOGUE_N", "PRODUCER_REGS", "CONSUMER_REGS", "B_K_MAJOR", "SCALE_A", "SCALE_B",
+              "PINGPONG")
 
 
 def broadcast_form(dims: tuple, out_dims: tuple) -> Optional[str]:
@@ -241,6 +242,6 @@ def {stem}({parameters}):
     lib.matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row,
                c_stride_batch, c_stride_row, c_stride_col, epilogue, {args_tuple},
                BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CONSUMERS, BATCHED_A, BATCHED_B, BATCHED_C, TMA_STORE,
-               EPILOGUE_N, PRODUCER_REGS, CONSUMER_REGS, {scale_a}, {scale_b}, B_K_MAJOR, SCALE_A, SCALE_B)
+               EPILOGUE_N, PRODUCER_REGS, CONSUMER_REGS, {scale_a}, {scale_b}, B_K_MAJOR, SCALE_A, SCALE_B, PINGPONG)
 '''
     return KernelSource(stem, text, list(arguments))

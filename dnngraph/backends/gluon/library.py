@@ -17,12 +17,19 @@ epilogue, and calls matmul() below with them.
   of tiles share their B column tiles in L2).
 - Warp specialized: a 1-warp producer partition issues the TMA loads of A and B tiles into a
   STAGES-deep shared-memory ring; each slot has a `ready` mbarrier (the producer expects its
-  bytes) and an `empty` mbarrier (every consumer arrives once when its wgmma has read the slot).
-- CONSUMERS (1 or 2) 4-warp warpgroups each own BLOCK_M // CONSUMERS rows of the tile: they
-  wait for a slot, issue an async wgmma (one in flight), release the previous slot, and run the
-  epilogue: accumulator -> fused epilogue (the generated function) -> cast -> store. The store
-  goes through shared memory and TMA where the output is dense and aligned (TMA_STORE), else
-  through masked pointer stores.
+  bytes) and an `empty` mbarrier (each consumer that reads the slot arrives once its wgmma has
+  read it).
+- Cooperative (the default schedule): CONSUMERS (1 or 2) 4-warp warpgroups each own
+  BLOCK_M // CONSUMERS rows of every tile: they wait for a slot, issue an async wgmma (one in
+  flight), release the previous slot, and run the epilogue: accumulator -> fused epilogue (the
+  generated function) -> cast -> store. The store goes through shared memory and TMA where the
+  output is dense and aligned (TMA_STORE), else through masked pointer stores.
+- Ping-pong (PINGPONG): two consumer warpgroups each own WHOLE tiles (all BLOCK_M rows):
+  consumer 0 the program's even tiles (its 0th, 2nd, ...), consumer 1 the odd ones, so one
+  consumer's epilogue runs while the other's mainloop keeps the tensor cores busy. The producer
+  loads the tiles in the program's order, one A block of BLOCK_M rows a slot; each slot is read
+  by one consumer, so `empty` counts one arrival. Two `order` mbarriers make the mainloops take
+  turns (pingpong_partition says how, and why the phases hold).
 - Batched operands take rank-3 device-side TMA descriptors ([batch, rows, cols], a block of one
   batch), which keep each batch's rows and columns bounded (out-of-bounds reads are zeros); an
   operand shared by every batch (batch stride 0) takes a rank-2 descriptor.
@@ -115,15 +122,16 @@ def copy_in(desc, batch, row, col, barrier, buffer, BATCHED: gl.constexpr):
 def load_partition(a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring, b_ring, ready,
                    empty, M, N, K, batch_count,  #
                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
-                   CONSUMERS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr,
+                   A_PARTS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr,
                    B_K_MAJOR: gl.constexpr):
     """The producer (one warp): for each of the program's tiles and each K step, wait for the
-    slot to be empty, then load A's rows of every consumer and B's block into it. It makes the
+    slot to be empty, then load the tile's A rows (in A_PARTS blocks of BLOCK_M // A_PARTS rows:
+    one a cooperative consumer, or one whole block in ping-pong) and B's block into it. It makes the
     descriptors it loads through itself: a device-side descriptor is acquired (the tensormap
     proxy fence) only by the warps that make it, and this partition's warps run none of the
     default partition's code."""
     STAGES: gl.constexpr = b_ring.type.shape[0]
-    SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
+    SUB_M: gl.constexpr = BLOCK_M // A_PARTS
     a_desc = operand_descriptor(a_ptr, batch_count, M, K, a_stride_batch, a_stride_row, SUB_M, BLOCK_K, BATCHED_A)
     # B over [K, N] (row-major, blocks [BLOCK_K, BLOCK_N]) or over the [N, K] view of a K-major B
     # (blocks [BLOCK_N, BLOCK_K]); b_stride_row is the stride between that view's rows
@@ -146,10 +154,10 @@ def load_partition(a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b
             # pass through the ring does not wait
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
             barrier = ready.index(slot)
-            mbarrier.expect(barrier, CONSUMERS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
-            for half in gl.static_range(CONSUMERS):
+            mbarrier.expect(barrier, A_PARTS * a_desc.block_type.nbytes + b_desc.block_type.nbytes)
+            for half in gl.static_range(A_PARTS):
                 copy_in(a_desc, batch, pid_m * BLOCK_M + half * SUB_M, kk * BLOCK_K, barrier,
-                        a_ring.index(slot * CONSUMERS + half), BATCHED_A)
+                        a_ring.index(slot * A_PARTS + half), BATCHED_A)
             if B_K_MAJOR:
                 copy_in(b_desc, batch, pid_n * BLOCK_N, kk * BLOCK_K, barrier, b_ring.index(slot), BATCHED_B)
             else:
@@ -327,6 +335,116 @@ def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch
         tma.store_wait(pendings=0)
 
 
+# -- the ping-pong schedule -------------------------------------------------------------------------
+
+@gluon.jit
+def pingpong_mainloop(a_ring, b_ring, ready, empty, order, t, k_steps, layout: gl.constexpr, HALF: gl.constexpr,
+                      B_K_MAJOR: gl.constexpr):
+    """The accumulator of the program's t-th tile (this consumer's), over its ring steps
+    t * k_steps, ...: async wgmma (one in flight), each slot released to the producer once its
+    wgmma has completed. Started once the other consumer's mainloop of tile t - 1 is done; its
+    own done (the last wgmma issued), it lets the other consumer start tile t + 1."""
+    STAGES: gl.constexpr = b_ring.type.shape[0]
+    BLOCK_M: gl.constexpr = a_ring.type.shape[1]
+    BLOCK_N: gl.constexpr = b_ring.type.shape[1] if B_K_MAJOR else b_ring.type.shape[2]
+    # tile t - 1 was the other consumer's ((t - 1) // 2)-th mainloop (counting from 0): the
+    # phase of that parity of order[HALF] (see pingpong_partition)
+    mbarrier.wait(order.index(HALF), ((t - 1) // 2) & 1, pred=t > 0)
+    step = t * k_steps
+    acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=layout)
+    for kk in range(k_steps):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        acc = warpgroup_mma(a_ring.index(slot), b_operand(b_ring, slot, B_K_MAJOR), acc, use_acc=kk > 0,
+                            is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+        step += 1
+    mbarrier.arrive(order.index(1 - HALF), count=1)  # every ready wait of tile t is passed
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+    return acc
+
+
+@gluon.jit
+def pingpong_partition(a_ring, b_ring, ready, empty, order, c_buffers, c_ptr, M, N, K, batch_count,  #
+                       c_stride_batch, c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args,  #
+                       HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                       GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, BATCHED_C: gl.constexpr,
+                       EPILOGUE_N: gl.constexpr, scale_a_ptr, scale_b_ptr, B_K_MAJOR: gl.constexpr,
+                       SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+    """Ping-pong consumer HALF (0 or 1): the program's tiles t = HALF, HALF + 2, ... (t counts
+    the program's tiles from 0), whole: mainloop, then the epilogue in column subtiles through
+    this consumer's own staging buffers (finish_tile's HALF).
+
+    Why the phases hold. order[h] is arrived on (count 1) by consumer 1 - h when it has passed
+    every ready wait of one of its tiles; its j-th arrival (from 0) ends mainloop j of that
+    consumer, the mainloop of tile t - 1 where j = (t - 1) // 2 (for either consumer), so
+    consumer h waits for the phase of parity j & 1 before tile t (none before tile 0). That
+    phase is never aliased: arrival j + 1 needs tile t + 1's mainloop, which waits for this one,
+    and arrivals before j have been waited for (at tile t - 2), so j or j + 1 phases are done.
+    The ready waits keep their parity too: when tile t starts, every ring step before t * k_steps
+    has been waited for (by tile t - 1's consumer, whose mainloop has ended, or earlier), so no
+    slot is two phases behind a wait; the producer cannot run ahead of a slot's release, so none
+    is two phases ahead. Each slot is read by one consumer: `empty` counts one arrival, and a
+    slot's releases come in its order (a slot is refilled only after its release). A program of
+    one tile leaves consumer 1 idle; an odd count leaves consumer 0's last arrival unawaited."""
+    layout: gl.constexpr = accumulator_layout(BLOCK_M, BLOCK_N, a_ring.dtype)
+    if TMA_STORE:  # made by the warps that store through it (as the producer makes its own)
+        c_desc = operand_descriptor(c_ptr, batch_count, M, N, c_stride_batch, c_stride_row, BLOCK_M, EPILOGUE_N,
+                                    BATCHED_C)
+    else:
+        c_desc = 0
+    tiles_m = gl.cdiv(M, BLOCK_M)
+    tiles_n = gl.cdiv(N, BLOCK_N)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    programs = gl.num_programs(0)
+    first = gl.program_id(0)
+    scale_a = load_scale(scale_a_ptr, SCALE_A)  # once per partition
+    scale_b = load_scale(scale_b_ptr, SCALE_B)
+    t = HALF
+    for tile in range(first + HALF * programs, tiles_m * tiles_n * batch_count, 2 * programs):
+        batch, pid_m, pid_n = tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
+        acc = pingpong_mainloop(a_ring, b_ring, ready, empty, order, t, k_steps, layout, HALF, B_K_MAJOR)
+        acc = scaled(acc, scale_a, scale_b, SCALE_A, SCALE_B)
+        finish_tile(acc, c_desc, c_buffers, c_ptr, batch, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, c_stride_batch,
+                    c_stride_row, c_stride_col, epilogue, epilogue_args, HALF, BLOCK_N // EPILOGUE_N, TMA_STORE,
+                    BATCHED_C)
+        t += 2
+    if TMA_STORE:
+        tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def pingpong(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row,
+             c_stride_batch, c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args, a_ring, b_ring,
+             ready, empty, c_buffers,  #
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
+             BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr, BATCHED_C: gl.constexpr, TMA_STORE: gl.constexpr,
+             EPILOGUE_N: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, scale_a_ptr,
+             scale_b_ptr, B_K_MAJOR: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+    """The ping-pong partitions over the ring: the two consumers (the default partition is
+    consumer 0) and the producer, with the consumers' order barriers (one arrival a phase)."""
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
+    gl.warp_specialize([
+        (pingpong_partition, (a_ring, b_ring, ready, empty, order, c_buffers, c_ptr, M, N, K, batch_count,
+                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
+                              gl.constexpr(0), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_STORE, BATCHED_C, EPILOGUE_N,
+                              scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)),
+        (pingpong_partition, (a_ring, b_ring, ready, empty, order, c_buffers, c_ptr, M, N, K, batch_count,
+                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
+                              gl.constexpr(1), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_STORE, BATCHED_C, EPILOGUE_N,
+                              scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)),
+        (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
+                          b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                          gl.constexpr(1), BATCHED_A, BATCHED_B, B_K_MAJOR)),
+    ], [WARPGROUP_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    for i in gl.static_range(2):
+        mbarrier.invalidate(order.index(i))
+
+
 @gluon.jit
 def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row,
            c_stride_batch, c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args,  #
@@ -334,16 +452,19 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
            GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr,
            BATCHED_C: gl.constexpr, TMA_STORE: gl.constexpr, EPILOGUE_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
            CONSUMER_REGS: gl.constexpr, scale_a_ptr, scale_b_ptr, B_K_MAJOR: gl.constexpr, SCALE_A: gl.constexpr,
-           SCALE_B: gl.constexpr):
+           SCALE_B: gl.constexpr, PINGPONG: gl.constexpr = False):
     """The whole kernel body: the ring and its barriers, the partitions (each makes the
-    descriptors it copies through)."""
+    descriptors it copies through). PINGPONG: the ping-pong schedule (two consumers of whole
+    tiles), else the cooperative one."""
     gl.static_assert(STAGES >= 2)
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
+    gl.static_assert(CONSUMERS == 2 or not PINGPONG)
     gl.static_assert(gl.num_warps() == WARPGROUP_WARPS)
     gl.static_assert(BLOCK_N // EPILOGUE_N == 1 or BLOCK_N // EPILOGUE_N == 2 or BLOCK_N // EPILOGUE_N == 4)
-    SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
+    A_PARTS: gl.constexpr = 1 if PINGPONG else CONSUMERS  # A blocks a ring slot
+    SUB_M: gl.constexpr = BLOCK_M // A_PARTS  # a consumer's rows of a tile
     dtype: gl.constexpr = a_ptr.dtype.element_ty
-    a_ring = gl.allocate_shared_memory(dtype, [STAGES * CONSUMERS, SUB_M, BLOCK_K],
+    a_ring = gl.allocate_shared_memory(dtype, [STAGES * A_PARTS, SUB_M, BLOCK_K],
                                        shared_layout([SUB_M, BLOCK_K], dtype))
     if B_K_MAJOR:  # B^T's [BLOCK_N, BLOCK_K] tiles (wgmma reads them transposed)
         b_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], shared_layout([BLOCK_N, BLOCK_K], dtype))
@@ -353,7 +474,7 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=CONSUMERS)
+        mbarrier.init(empty.index(i), count=A_PARTS)  # the consumers that read a slot
     out_dtype: gl.constexpr = c_ptr.dtype.element_ty
     if TMA_STORE:  # per consumer: one staging buffer, or two alternating where the tile has subtiles
         c_buffers = gl.allocate_shared_memory(out_dtype, [CONSUMERS * staging_buffers(BLOCK_N // EPILOGUE_N), SUB_M, EPILOGUE_N],
@@ -362,7 +483,12 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
         c_buffers = gl.allocate_shared_memory(out_dtype, [CONSUMERS, 8, 8], shared_layout([8, 8], out_dtype))
     # the partitions' argument tuples are written out in each call: a tuple held in a variable
     # would turn the epilogue function into a value
-    if CONSUMERS == 2:
+    if PINGPONG:
+        pingpong(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row,
+                 c_stride_batch, c_stride_row, c_stride_col, epilogue, epilogue_args, a_ring, b_ring, ready, empty,
+                 c_buffers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, BATCHED_A, BATCHED_B, BATCHED_C, TMA_STORE,
+                 EPILOGUE_N, PRODUCER_REGS, CONSUMER_REGS, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)
+    elif CONSUMERS == 2:
         gl.warp_specialize([
             (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
