@@ -34,7 +34,7 @@ from ...runtime.launch import KernelLaunch, launch_of
 from ...target import Target
 from ...versions import __version__
 from ..contract import Candidate
-from . import codegen
+from . import attention_backend, codegen
 
 TMA_ALIGNMENT = 16  # bytes: TMA global strides and base addresses
 IN_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3": "fp8", "float8_e5m2": "fp8"}
@@ -179,8 +179,8 @@ class GluonBackend:
     """The contract over library.py and codegen.py, for matmul groups on sm_90."""
 
     name = "gluon"
-    version = f"dnngraph {__version__}, triton {triton.__version__}, gluon matmul 1"
-    families = frozenset({"matmul"})
+    version = f"dnngraph {__version__}, triton {triton.__version__}, gluon matmul 1, gluon attention 1"
+    families = frozenset({"matmul", "sdpa"})  # sdpa: attention_backend.py (dispatched by family)
     interpretable = False
     prologue_stored_apart = frozenset()
     verified = False  # opt-in (the module docstring says why): not among the default BuildOptions.backends
@@ -196,6 +196,8 @@ class GluonBackend:
         if target.capability != (9, 0):
             return (f"gluon kernels are built for sm_90a (Hopper, capability (9, 0)) only; the target "
                     f"{target.name} has capability {target.capability}")
+        if problem.family == "sdpa":
+            return attention_backend.supports(problem)
         if problem.family != "matmul":
             return f"gluon has no {problem.family} kernel"
         g = problem.geometry
@@ -264,6 +266,8 @@ class GluonBackend:
         return _tma_legal(out.dims, out.strides, out.data_type.itemsize) is None
 
     def estimate(self, problem: Problem, config: GluonConfig, target: Target) -> Optional[float]:
+        if problem.family == "sdpa":
+            return attention_backend.estimate(problem, config, target)
         if not isinstance(config, GluonConfig):
             return None
         batch, m, n, k, in_bytes, out_bytes = self._sizes(problem)
@@ -280,6 +284,8 @@ class GluonBackend:
         order of CONFIGS)."""
         if self.supports(problem, target) is not True:
             return []
+        if problem.family == "sdpa":
+            return attention_backend.candidates(self.name, problem, target)
         _, _, _, _, in_bytes, out_bytes = self._sizes(problem)
         store = self._tma_store_ok(problem)
         heavy = heavy_epilogue(problem)
@@ -322,6 +328,8 @@ class GluonBackend:
         if ok is not True:
             raise UnsupportedError(f"{problem.where}: {ok}")
         offered = self.candidates(problem, target, context.options)
+        if problem.family == "sdpa":
+            return attention_backend.lower(graph, group, problem, context, offered, candidate)
         if candidate is not None and isinstance(candidate.config, GluonConfig):
             chosen = self._checked(candidate, problem, target, offered)
         elif offered:
