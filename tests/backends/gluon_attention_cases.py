@@ -16,7 +16,7 @@ from dnngraph.target import H100
 TYPES = {"bf16": dg.bfloat16, "fp16": dg.float16}
 HEAD_DIMS = (64, 128)
 MASKS = ("none", "causal", "causal_bottom_right")
-HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}  # (H, H_kv)
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1), "single": (1, 1)}  # (H, H_kv)
 
 
 def graph(type_name: str, head_dim: int, mask: str, heads: str, stats: bool = False, batch: int = 2,
@@ -56,8 +56,12 @@ def variants():
     for type_name in TYPES:
         for head_dim in HEAD_DIMS:
             for mask in MASKS:
-                for heads in HEADS:
+                for heads in ("mha", "gqa", "mqa"):
                     yield type_name, head_dim, mask, heads, heads == "gqa"
+
+
+# sizes of one (the launcher passes an integer 1 as a constant): one query, one or many keys
+EDGES = {"one": dict(batch=1, s_q=1, s_kv=1), "one_query": dict(batch=1, s_q=1, s_kv=1000)}
 
 
 def compile_cases():
@@ -67,6 +71,11 @@ def compile_cases():
         dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
         label = f"{type_name}/d{head_dim}/{mask}/{heads}{'/stats' if stats else ''}"
         yield label, lowered(g), dtypes
+    for edge, sizes in EDGES.items():
+        for mask in MASKS:
+            g = graph("bf16", 128, mask, "single", True, **sizes)
+            dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
+            yield f"edge/{edge}/{mask}", lowered(g), dtypes
 
 
 def quick_cases():

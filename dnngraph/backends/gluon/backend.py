@@ -6,6 +6,9 @@ generated part (signature, epilogue) codegen.py's, and this file answers the con
 problems it takes (supports), which configs it offers and what the model says of them
 (candidates, estimate), and the launch of the chosen one (lower).
 
+sdpa groups (the attention forward) are answered by attention_backend.py (its kernel:
+attention_library.py and attention_codegen.py); each method below hands them on by family.
+
 verified = False: its GPU tests pass on an H200, but the whole GPU suite has not run with it
 among the default backends, and it is on average no faster than the Triton backend
 (BENCHMARKS.md, Gluon matmul); so the default BuildOptions.backends (options.py: the registered
