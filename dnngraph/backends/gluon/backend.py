@@ -6,6 +6,9 @@ generated part (signature, epilogue) codegen.py's, and this file answers the con
 problems it takes (supports), which configs it offers and what the model says of them
 (candidates, estimate), and the launch of the chosen one (lower).
 
+sdpa groups (the attention forward) are answered by attention_backend.py (its kernel:
+attention_library.py and attention_codegen.py); each method below hands them on by family.
+
 verified = False: its GPU tests pass on an H200, but the whole GPU suite has not run with it
 among the default backends, and it is on average no faster than the Triton backend
 (BENCHMARKS.md, Gluon matmul); so the default BuildOptions.backends (options.py: the registered
@@ -34,7 +37,7 @@ from ...runtime.launch import KernelLaunch, launch_of
 from ...target import Target
 from ...versions import __version__
 from ..contract import Candidate
-from . import codegen
+from . import attention_backend, codegen
 
 TMA_ALIGNMENT = 16  # bytes: TMA global strides and base addresses
 IN_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3": "fp8", "float8_e5m2": "fp8"}
@@ -217,8 +220,8 @@ class GluonBackend:
     """The contract over library.py and codegen.py, for matmul groups on sm_90."""
 
     name = "gluon"
-    version = f"dnngraph {__version__}, triton {triton.__version__}, gluon matmul 1"
-    families = frozenset({"matmul"})
+    version = f"dnngraph {__version__}, triton {triton.__version__}, gluon matmul 1, gluon attention 1"
+    families = frozenset({"matmul", "sdpa"})  # sdpa: attention_backend.py (dispatched by family)
     interpretable = False
     prologue_stored_apart = frozenset()
     verified = False  # opt-in (the module docstring says why): not among the default BuildOptions.backends
@@ -234,6 +237,8 @@ class GluonBackend:
         if target.capability != (9, 0):
             return (f"gluon kernels are built for sm_90a (Hopper, capability (9, 0)) only; the target "
                     f"{target.name} has capability {target.capability}")
+        if problem.family == "sdpa":
+            return attention_backend.supports(problem)
         if problem.family != "matmul":
             return f"gluon has no {problem.family} kernel"
         g = problem.geometry
@@ -302,6 +307,8 @@ class GluonBackend:
         return _tma_legal(out.dims, out.strides, out.data_type.itemsize) is None
 
     def estimate(self, problem: Problem, config: GluonConfig, target: Target) -> Optional[float]:
+        if problem.family == "sdpa":
+            return attention_backend.estimate(problem, config, target)
         if not isinstance(config, GluonConfig):
             return None
         batch, m, n, k, in_bytes, out_bytes = self._sizes(problem)
@@ -322,6 +329,8 @@ class GluonBackend:
         """Candidates of those of `configs` that fit, as candidates() describes them."""
         if self.supports(problem, target) is not True:
             return []
+        if problem.family == "sdpa":
+            return attention_backend.candidates(self.name, problem, target)
         _, _, _, _, in_bytes, out_bytes = self._sizes(problem)
         store = self._tma_store_ok(problem)
         heavy = heavy_epilogue(problem)
@@ -365,6 +374,8 @@ class GluonBackend:
         if ok is not True:
             raise UnsupportedError(f"{problem.where}: {ok}")
         offered = self.candidates(problem, target, context.options)
+        if problem.family == "sdpa":
+            return attention_backend.lower(graph, group, problem, context, offered, candidate)
         if candidate is not None and isinstance(candidate.config, GluonConfig):
             # a config from outside may be any this backend knows, offered or not yet
             known = self._fitted(problem, target, CONFIGS + PINGPONG_CONFIGS)

@@ -1,0 +1,239 @@
+"""The Gluon backend's answers for the sdpa family (backend.py dispatches here by family): which
+sdpa forwards the attention kernel of attention_library.py takes, its config and model, and the
+launch of one group.
+
+Taken: the sdpa forward of fp16 or bf16 q, k, v (one type) in [B, H, S, D] with the last axis
+contiguous and every other stride a multiple of 16 bytes (TMA reads them), head dims 64 and 128
+(D_qk == D_v), no mask, or a causal one aligned top left or bottom right; grouped-query heads (H
+a multiple of H_kv); the attention scale; o in q's type (TMA-stored) and, where the group stores
+them, the float32 log-sum-exp stats (natural log, as the Triton backend stores them). Refused,
+each with a reason starting "gluon": dropout, bias, padding lengths, paged K/V, diagonal bands,
+other head dims, other types, a fused epilogue on o, the backward.
+
+The model (estimate): the multiply-adds of S = Q K^T and O = P V (causal: the visited blocks)
+at the target's dense 16-bit peak, or the bytes of q, k, v, o moved once at its bandwidth,
+whichever is longer, over the wave efficiency of the B * H * cdiv(Sq, 128) programs on the SMs:
+    time = max(4 * B * H * Sq * Skv_seen * D / peak, bytes / bandwidth) / wave_efficiency + LAUNCH_SECONDS
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+from ...errors import UnsupportedError
+from ...problems import Problem
+from ...runtime.launch import KernelLaunch, launch_of
+from ...target import Target
+from ..contract import Candidate
+from . import attention_codegen
+
+TMA_ALIGNMENT = 16
+IN_TYPES = {"float16": "fp16", "bfloat16": "bf16"}
+HEAD_DIMS = (64, 128)
+MASKS = ("none", "causal", "causal_bottom_right")
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+LAUNCH_SECONDS = 3e-6
+BARRIER_BYTES = 1024
+LOG2E = 1.4426950408889634
+# operands the kernel does not read: present, the group is refused
+UNTAKEN = {"bias": "an additive bias", "seq_len_q": "padding lengths (seq_len_q)",
+           "seq_len_kv": "padding lengths (seq_len_kv)", "paged_attention_k_table": "paged K/V",
+           "paged_attention_v_table": "paged K/V", "dropout_seed": "dropout", "dropout_offset": "dropout"}
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """BLOCK_M query rows a program (two 4-warp consumers of BLOCK_M / 2 rows), BLOCK_N keys a
+    ring slot, a STAGES-deep K/V ring."""
+
+    block_m: int
+    block_n: int
+    stages: int
+
+    @property
+    def text(self) -> str:
+        return (f"gluon warp-specialized attention {self.block_m}x{self.block_n} stages={self.stages} "
+                f"consumers=2 tma-store")
+
+
+# head dim -> the config (the ring as deep as the shared memory allows beside Q)
+CONFIGS = {64: AttentionConfig(128, 128, 3), 128: AttentionConfig(128, 128, 2)}
+
+
+def shared_bytes(config: AttentionConfig, head_dim: int, itemsize: int) -> int:
+    q = config.block_m * head_dim * itemsize
+    ring = 2 * config.stages * config.block_n * head_dim * itemsize
+    return q + ring + BARRIER_BYTES
+
+
+def _dense(size: int, stride: int, dense: int) -> int:
+    """A stride as a descriptor takes it: an axis of one element carries the dense one."""
+    return stride if size > 1 else dense
+
+
+def head_strides(dims: tuple, strides: tuple) -> tuple:
+    """(batch, head, row) strides in elements of a [B, H, S, D] tensor (size-1 axes made dense)."""
+    b, h, s, d = dims
+    row = _dense(s, strides[2], d)
+    return _dense(b, strides[0], h * s * row), _dense(h, strides[1], s * row), row
+
+
+def _tma_legal(operand) -> Optional[str]:
+    """Why `operand` ([B, H, S, D]) cannot be read or written through per-head TMA descriptors."""
+    if operand.strides[3] != 1 and operand.dims[3] > 1:
+        return f"its last dimension has stride {operand.strides[3]}, not 1"
+    itemsize = operand.data_type.itemsize
+    for name, stride in zip(("batch", "head", "row"), head_strides(operand.dims, operand.strides)):
+        if stride * itemsize % TMA_ALIGNMENT:
+            return f"its {name} stride ({stride} elements) is not a multiple of {TMA_ALIGNMENT} bytes"
+    return None
+
+
+def supports(problem: Problem) -> Union[bool, str]:
+    """True where the attention kernel takes `problem` (an sdpa group; the target is checked by
+    the backend), else the reason."""
+    g = problem.geometry
+    if g.direction != "forward":
+        return f"gluon has no sdpa {g.direction} kernel (only the forward)"
+    if problem.prologue or problem.epilogue or problem.exits:
+        fused = ", ".join(problem.prologue + problem.epilogue + problem.exits)
+        return f"gluon's attention fuses no pointwise ops (the group has {fused})"
+    for role, what in UNTAKEN.items():
+        if problem.operand(role) is not None:
+            return f"gluon's attention takes no {what}"
+    if g.dropout:
+        return "gluon's attention takes no dropout"
+    if g.bias:
+        return "gluon's attention takes no additive bias"
+    if g.paged:
+        return "gluon's attention reads no paged K/V"
+    if g.mask not in MASKS:
+        return (f"gluon's attention takes no mask, or a causal one (top left or bottom right), not a "
+                f"{g.mask} mask")
+    q, k, v = problem.operand("q"), problem.operand("k"), problem.operand("v")
+    if q is None or k is None or v is None:
+        return "gluon's attention needs q, k and v"
+    for operand in (q, k, v):
+        if operand.data_type.name not in IN_TYPES:
+            return f"gluon's attention takes float16 or bfloat16 q, k and v, not {operand.role} of {operand.data_type.name}"
+        if len(operand.dims) != 4:
+            return f"gluon's attention takes [B, H, S, D] operands, not {operand.role} of rank {len(operand.dims)}"
+    if not (q.data_type is k.data_type is v.data_type):
+        return (f"gluon's attention takes q, k and v of one type, not {q.data_type.name}, {k.data_type.name}, "
+                f"{v.data_type.name}")
+    if g.head_dim != g.value_dim:
+        return f"gluon's attention needs the same head dim for q, k and v, not {g.head_dim} and {g.value_dim}"
+    if g.head_dim not in HEAD_DIMS:
+        return f"gluon's attention takes head dims {' or '.join(map(str, HEAD_DIMS))}, not {g.head_dim}"
+    if g.heads % g.kv_heads:
+        return f"gluon's attention needs H ({g.heads}) a multiple of H_kv ({g.kv_heads})"
+    if g.s_q < 1 or g.s_kv < 1:
+        return "gluon's attention needs Sq >= 1 and Skv >= 1"
+    o = problem.operand("o")
+    if o is None:
+        return "gluon's attention stores o: the group does not"
+    if o.data_type is not q.data_type:
+        return f"gluon's attention stores o in q's type ({q.data_type.name}), not {o.data_type.name}"
+    for operand in (q, k, v, o):
+        why = _tma_legal(operand)
+        if why is not None:
+            return f"gluon's attention moves {operand.role} through TMA, but {why}"
+    stats = problem.operand("stats")
+    if stats is not None and stats.data_type.name != "float32":
+        return f"gluon's attention stores float32 stats, not {stats.data_type.name}"
+    return True
+
+
+def _visited_keys(g, block_m: int) -> float:
+    """Keys visited per query row, averaged (causal: the blocks up to each program's diagonal)."""
+    if g.mask == "none":
+        return float(g.s_kv)
+    shift = 0 if g.mask == "causal" else g.s_kv - g.s_q
+    blocks = -(-g.s_q // block_m)
+    total = 0
+    for m in range(blocks):
+        total += min(g.s_kv, max((m + 1) * block_m + shift, 0))
+    return total / blocks
+
+
+def estimate(problem: Problem, config: AttentionConfig, target: Target) -> Optional[float]:
+    if not isinstance(config, AttentionConfig):
+        return None
+    g = problem.geometry
+    peak = target.peak(IN_TYPES[problem.operand("q").data_type.name])
+    flops = 4.0 * g.batch * g.heads * g.s_q * _visited_keys(g, config.block_m) * g.head_dim
+    moved = sum(o.numel * o.data_type.itemsize for o in problem.operands + problem.outputs)
+    programs = g.batch * g.heads * -(-g.s_q // config.block_m)
+    waves = -(-programs // target.sms)
+    efficiency = programs / (waves * target.sms)
+    return max(flops / peak, moved / target.bandwidth) / efficiency + LAUNCH_SECONDS
+
+
+def candidates(backend_name: str, problem: Problem, target: Target) -> list:
+    """The one config of the head dim, where it fits the target's shared memory."""
+    g = problem.geometry
+    config = CONFIGS[g.head_dim]
+    if shared_bytes(config, g.head_dim, problem.operand("q").data_type.itemsize) > target.shared_memory:
+        return []
+    return [Candidate(backend_name, config, estimate(problem, config, target))]
+
+
+def lower(graph, group, problem: Problem, context, offered: list, candidate: Optional[Candidate]) -> list:
+    """One launch, grid (cdiv(Sq, BLOCK_M), B * H), of the offered config (a given candidate
+    must be it)."""
+    target = context.target
+    if not offered:
+        raise UnsupportedError(f"{problem.where}: the gluon attention ring does not fit {target.name}'s shared memory")
+    chosen = offered[0]
+    if candidate is not None and isinstance(candidate.config, AttentionConfig) and candidate.config != chosen.config:
+        raise UnsupportedError(f"{problem.where}: gluon config {candidate.config.text} is not one this problem "
+                               f"can run on {target.name}")
+    config, g = chosen.config, problem.geometry
+    node = group.anchor
+    q, k, v = node.inputs[:3]
+    o, stats = node.outputs
+    stored_stats = stats is not None and any(t is stats for t in group.outputs)
+    tensors = {"q": q, "k": k, "v": v, "o": o, "stats": stats if stored_stats else None}
+    uids = {stem: t.uid for stem, t in tensors.items() if t is not None}
+    strides = {stem: head_strides(tuple(t.dim), tuple(t.stride)) for stem, t in tensors.items()
+               if t is not None and stem != "stats"}
+    if stored_stats:
+        strides["stats"] = tuple(int(s) for s in stats.stride[:3])
+    shift = g.s_kv - g.s_q if g.mask == "causal_bottom_right" else 0
+    arguments = attention_codegen.AttentionArguments(uids, strides, g.s_q, g.s_kv, g.heads, g.heads // g.kv_heads,
+                                                     shift)
+    scale = node.attrs.attn_scale if node.attrs.attn_scale is not None else 1.0 / math.sqrt(g.head_dim)
+    constexprs = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HEAD_DIM": g.head_dim,
+                  "STAGES": config.stages, "CAUSAL": g.mask != "none", "STATS": stored_stats,
+                  "QK_SCALE": float(scale) * LOG2E, "PRODUCER_REGS": PRODUCER_REGS,
+                  "CONSUMER_REGS": CONSUMER_REGS}
+    stem = f"dnngraph_gluon_{group.kind}_{node.op}"
+    source = attention_codegen.render(stem, group.summary(), arguments, constexprs)
+    grid = (-(-g.s_q // config.block_m), g.batch * g.heads)
+    estimate_seconds = chosen.estimate if chosen.estimate is not None else estimate(problem, config, target)
+    reason = (f"{config.text}: model {estimate_seconds * 1e6:.1f} us ({grid[0] * grid[1]} programs, "
+              f"mask {g.mask}{', stats' if stored_stats else ''})")
+    launch = launch_of(group, source, grid, WARPS, config.text + f" grid={list(grid)}", reason)
+    launch.alternative = _unaligned_fallback(graph, group, problem, context)
+    if launch.alternative is None:  # an unaligned call would run the TMA kernel: let Triton take it
+        raise UnsupportedError(f"{problem.where}: no pointer-load fallback for unaligned calls")
+    return [launch]
+
+
+def _unaligned_fallback(graph, group, problem, context) -> Optional[KernelLaunch]:
+    """The launch that runs where a pointer is below 16-byte alignment (no TMA descriptor can
+    take it): the Triton backend's flash kernel of the same group (one launch: no key split),
+    or None where it lowers to anything else."""
+    from ..triton.backend import TRITON
+
+    options = replace(context.options, sdpa_splits=1, autotune=False)
+    try:
+        built = TRITON.lower(graph, group, problem, replace(context, options=options, tuner=None))
+    except UnsupportedError:
+        return None
+    return built[0] if len(built) == 1 and not built[0].scratch else None
+
+
+WARPS = 4  # the kernel's num_warps: the first consumer (the default partition); the rest are workers

@@ -1,0 +1,85 @@
+"""sdpa groups the Gluon backend's attention kernel lowers, for the sm_90a compile test
+(tests/sm90_compile.py) and the GPU tests of test_gluon_attention.py: every type x head dim x
+mask x head grouping x stats variant."""
+from __future__ import annotations
+
+import torch
+
+import dnngraph as dg
+from dnngraph.backends import registry
+from dnngraph.backends.contract import BuildContext
+from dnngraph.backends.gluon.backend import GLUON
+from dnngraph.fusion import partition
+from dnngraph.problems import problem_of
+from dnngraph.target import H100
+
+TYPES = {"bf16": dg.bfloat16, "fp16": dg.float16}
+HEAD_DIMS = (64, 128)
+MASKS = ("none", "causal", "causal_bottom_right")
+HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1), "single": (1, 1)}  # (H, H_kv)
+
+
+def graph(type_name: str, head_dim: int, mask: str, heads: str, stats: bool = False, batch: int = 2,
+          s_q: int = 200, s_kv: int = 200, attn_scale=None):
+    """o (and, training form, the stats) of sdpa(q, k, v) over [B, H, S, D] tensors."""
+    t = TYPES[type_name]
+    h, h_kv = HEADS[heads]
+    g = dg.Graph(name="gluon_attention_case", io_data_type=t)
+    q = g.tensor(name="q", dim=[batch, h, s_q, head_dim], data_type=t)
+    k = g.tensor(name="k", dim=[batch, h_kv, s_kv, head_dim], data_type=t)
+    v = g.tensor(name="v", dim=[batch, h_kv, s_kv, head_dim], data_type=t)
+    o, lse = g.sdpa(q, k, v, attn_scale=attn_scale, is_inference=not stats, use_causal_mask=mask == "causal",
+                    use_causal_mask_bottom_right=mask == "causal_bottom_right", name="attn")
+    o.set_output(True)
+    if stats:
+        lse.set_output(True)
+    return g
+
+
+def sdpa_group(g):
+    (group,) = [x for x in partition(g, registry.families()) if x.kind == "sdpa"]
+    return group, problem_of(g, group)
+
+
+def lowered(g, target=H100):
+    """The gluon launches of `g`'s sdpa group for `target`, lowered directly (this machine's
+    builds are interpreted, where gluon does not take part)."""
+    group, problem = sdpa_group(g)
+    options = dg.BuildOptions(backends=("gluon", "triton"), target=target)
+    context = BuildContext(torch.device("cuda"), target, options)
+    return GLUON.lower(g, group, problem, context)
+
+
+def variants():
+    """(type, head dim, mask, heads, stats) of every compiled case: stats with each mask, and
+    head groupings with the plain and causal masks."""
+    for type_name in TYPES:
+        for head_dim in HEAD_DIMS:
+            for mask in MASKS:
+                for heads in ("mha", "gqa", "mqa"):
+                    yield type_name, head_dim, mask, heads, heads == "gqa"
+
+
+# sizes of one (the launcher passes an integer 1 as a constant): one query, one or many keys
+EDGES = {"one": dict(batch=1, s_q=1, s_kv=1), "one_query": dict(batch=1, s_q=1, s_kv=1000)}
+
+
+def compile_cases():
+    """(label, launches, dtypes) of every variant."""
+    for type_name, head_dim, mask, heads, stats in variants():
+        g = graph(type_name, head_dim, mask, heads, stats)
+        dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
+        label = f"{type_name}/d{head_dim}/{mask}/{heads}{'/stats' if stats else ''}"
+        yield label, lowered(g), dtypes
+    for edge, sizes in EDGES.items():
+        for mask in MASKS:
+            g = graph("bf16", 128, mask, "single", True, **sizes)
+            dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
+            yield f"edge/{edge}/{mask}", lowered(g), dtypes
+
+
+def quick_cases():
+    """A few cases for a short compile run."""
+    for label, launches, dtypes in compile_cases():
+        if "/mha" in label or "/stats" in label:
+            yield label, launches, dtypes

@@ -1,0 +1,264 @@
+"""The Gluon backend's attention forward (backends/gluon/attention_*.py): sdpa on sm_90a.
+
+CPU (here): every type x head dim x mask x head grouping variant renders and compiles for sm_90a
+(tests/sm90_compile.py) with warp specialization, setmaxnreg, wgmma and no spills; supports()
+names why it refuses what it does not take; default builds never choose gluon for sdpa, and
+opting in ranks it. GPU (@pytest.mark.gpu, an H100 or H200): results against the float64
+reference (o and the stats), and a small run under Triton's concurrency sanitizer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from gluon_attention_cases import HEADS, MASKS, TYPES, compile_cases, graph, lowered, sdpa_group
+from helpers import check, compiled_for_sm90
+
+import dnngraph as dg
+from dnngraph.backends import registry
+from dnngraph.backends.gluon import attention_backend
+from dnngraph.backends.gluon.backend import GLUON
+from dnngraph.options import BuildOptions
+from dnngraph.target import H100, H200
+
+GLUON_FIRST = ("gluon", "triton")
+
+
+# -- every variant compiles for sm_90a -------------------------------------------------------------
+
+def test_every_attention_variant_compiles_for_sm90a_with_warp_specialization():
+    expected = sum(1 for _ in compile_cases())
+    output = compiled_for_sm90("gluon_attention_cases:compile_cases", timeout=1800)
+    assert f"compiled {expected} kernels for sm_90" in output
+    facts = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
+             for line in output.splitlines() if line.startswith("facts ")}
+    assert len(facts) == expected
+    for label, found in facts.items():
+        assert found["warp_specialize"], label  # the producer and the two consumer partitions
+        assert found["setmaxnreg"] > 0, label
+        assert found["wgmma"] > 0 and found["tma_load"] > 0, label
+        assert found["shared"] <= H100.shared_memory, label
+        assert found["global_scratch"] > 0, label  # device-side descriptors
+        assert found["spill_stores"] == 0, label
+    for prefix in ("bf16/d64/none/mha", "fp16/d128/causal/gqa/stats", "bf16/d128/causal_bottom_right/mqa"):
+        assert any(label.startswith(prefix) for label in facts), prefix
+
+
+# -- what it takes and what it refuses -------------------------------------------------------------
+
+def _problem(**kwargs):
+    return sdpa_group(graph(**kwargs))[1]
+
+
+def test_candidates_fit_shared_memory_and_carry_estimates():
+    for head_dim in (64, 128):
+        problem = _problem(type_name="bf16", head_dim=head_dim, mask="causal", heads="gqa", stats=True)
+        assert GLUON.supports(problem, H100) is True
+        (candidate,) = GLUON.candidates(problem, H100)
+        assert candidate.backend == "gluon" and candidate.estimate > attention_backend.LAUNCH_SECONDS
+        assert attention_backend.shared_bytes(candidate.config, head_dim, 2) <= H100.shared_memory
+        assert GLUON.estimate(problem, candidate.config, H100) == candidate.estimate
+
+
+def test_lower_gives_one_launch_per_query_block_and_head_with_an_unaligned_fallback():
+    g = graph("fp16", 128, "causal_bottom_right", "gqa", stats=True, batch=3, s_q=300, s_kv=500, attn_scale=0.3)
+    (launch,) = lowered(g)
+    assert tuple(launch.grid)[:2] == (3, 12)  # cdiv(300, 128) query blocks, B * H
+    values = {a.name: a.value for a in launch.arguments}
+    assert values["CAUSAL"] and values["STATS"] and values["HEAD_DIM"] == 128
+    assert values["shift"] == 200 and values["group"] == 2 and values["heads"] == 4
+    assert values["QK_SCALE"] == pytest.approx(0.3 * attention_backend.LOG2E)
+    assert launch.alternative is not None and launch.alternative.config_text != launch.config_text
+    # top-left causal: no shift; the default scale 1/sqrt(D)
+    (launch,) = lowered(graph("bf16", 64, "causal", "mha", s_q=300, s_kv=500))
+    values = {a.name: a.value for a in launch.arguments}
+    assert values["shift"] == 0 and not values["STATS"] and "stats_ptr" not in values
+    assert values["QK_SCALE"] == pytest.approx(attention_backend.LOG2E / 8)
+
+
+def _refused(g, target=H100):
+    answer = GLUON.supports(sdpa_group(g)[1], target)
+    assert isinstance(answer, str) and answer.startswith("gluon"), answer
+    return answer
+
+
+def _tensors(g, t=dg.bfloat16, b=2, h=4, h_kv=4, s=200, d=64, dv=None):
+    q = g.tensor(name="q", dim=[b, h, s, d], data_type=t)
+    k = g.tensor(name="k", dim=[b, h_kv, s, d], data_type=t)
+    v = g.tensor(name="v", dim=[b, h_kv, s, dv or d], data_type=t)
+    return q, k, v
+
+
+def _sdpa_graph(t=dg.bfloat16, d=64, dv=None, **attrs):
+    g = dg.Graph(name="refused", io_data_type=t if t in (dg.bfloat16, dg.float16) else dg.float32)
+    q, k, v = _tensors(g, t, d=d, dv=dv)
+    o, _ = g.sdpa(q, k, v, **attrs)
+    o.set_output(True)
+    return g
+
+
+def test_supports_names_why_it_refuses():
+    assert "sm_90a" in _refused(_sdpa_graph(), dataclasses.replace(H100, capability=(10, 0)))
+    assert "head dims 64 or 128" in _refused(_sdpa_graph(d=96))
+    assert "same head dim" in _refused(_sdpa_graph(d=64, dv=128))
+    assert "float16 or bfloat16" in _refused(_sdpa_graph(t=dg.float32))
+    assert "dropout" in _refused(_sdpa_graph(dropout=(0.1, 1, 0)))
+    assert "band" in _refused(_sdpa_graph(diagonal_band_left_bound=16, diagonal_band_right_bound=0))
+    # a bias, padding lengths
+    g = dg.Graph(name="bias", io_data_type=dg.bfloat16)
+    q, k, v = _tensors(g)
+    o, _ = g.sdpa(q, k, v, bias=g.tensor(name="bias", dim=[1, 1, 200, 200], data_type=dg.bfloat16))
+    o.set_output(True)
+    assert "bias" in _refused(g)
+    g = dg.Graph(name="lengths", io_data_type=dg.bfloat16)
+    q, k, v = _tensors(g)
+    o, _ = g.sdpa(q, k, v, seq_len_kv=g.tensor(name="lens", dim=[2, 1, 1, 1], data_type=dg.int32))
+    o.set_output(True)
+    assert "padding lengths" in _refused(g)
+    # a fused epilogue on o
+    g = dg.Graph(name="epilogue", io_data_type=dg.bfloat16)
+    q, k, v = _tensors(g)
+    o, _ = g.sdpa(q, k, v)
+    g.relu(o).set_output(True)
+    assert "fuses no pointwise ops" in _refused(g)
+    # q's last axis not contiguous
+    g = dg.Graph(name="strided", io_data_type=dg.bfloat16)
+    q = g.tensor(name="q", dim=[2, 4, 200, 64], stride=[4 * 200 * 64, 200 * 64, 1, 200], data_type=dg.bfloat16)
+    k, v = (g.tensor(name=n, dim=[2, 4, 200, 64], data_type=dg.bfloat16) for n in ("k", "v"))
+    o, _ = g.sdpa(q, k, v)
+    o.set_output(True)
+    assert "through TMA" in _refused(g)
+
+
+def test_supports_refuses_the_backward_and_paged_k_v():
+    g = dg.Graph(name="backward", io_data_type=dg.bfloat16)
+    q, k, v = _tensors(g)
+    o = g.tensor(name="o", dim=[2, 4, 200, 64], data_type=dg.bfloat16)
+    d_o = g.tensor(name="do", dim=[2, 4, 200, 64], data_type=dg.bfloat16)
+    stats = g.tensor(name="stats", dim=[2, 4, 200, 1], data_type=dg.float32)
+    for out in g.sdpa_backward(q, k, v, o, d_o, stats):
+        if out is not None:
+            out.set_output(True)
+    assert "backward" in _refused(g)
+    g = dg.Graph(name="paged", io_data_type=dg.bfloat16)
+    q = g.tensor(name="q", dim=[2, 4, 16, 64], data_type=dg.bfloat16)
+    k = g.tensor(name="k", dim=[8, 4, 32, 64], data_type=dg.bfloat16)
+    v = g.tensor(name="v", dim=[8, 4, 32, 64], data_type=dg.bfloat16)
+    tables = [g.tensor(name=n, dim=[2, 1, 4, 1], data_type=dg.int32) for n in ("kt", "vt")]
+    o, _ = g.sdpa(q, k, v, seq_len_kv=g.tensor(name="lens", dim=[2, 1, 1, 1], data_type=dg.int32),
+                  paged_attention_k_table=tables[0], paged_attention_v_table=tables[1])
+    o.set_output(True)
+    assert _refused(g)
+
+
+def test_default_options_never_choose_gluon_for_sdpa():
+    assert "sdpa" in GLUON.families and registry.BACKENDS["gluon"] is GLUON and "sdpa" in registry.families()
+    problem = _problem(type_name="bf16", head_dim=128, mask="none", heads="mha")
+    for target in (H100, H200):
+        assert registry.choose(problem, target, BuildOptions(target=target), interpreted=False).name == "triton"
+        assert [b.name for b in registry.supporting(problem, target, BuildOptions(target=target))] == ["triton"]
+
+
+def test_opting_in_ranks_gluon_for_sdpa_on_sm90():
+    problem = _problem(type_name="fp16", head_dim=64, mask="causal", heads="mqa", stats=True)
+    options = BuildOptions(backends=GLUON_FIRST, target=H100)
+    assert [b.name for b in registry.supporting(problem, H100, options)] == ["gluon", "triton"]
+    pairs = registry.ranked(problem, H100, options, interpreted=False)
+    assert "gluon" in {b.name for b, _ in pairs}
+    assert registry.choose(problem, H100, BuildOptions(backends=("gluon",), target=H100)).name == "gluon"
+    # never on interpreted builds, nor on another target
+    assert registry.choose(problem, H100, options, interpreted=True).name == "triton"
+    sm100 = dataclasses.replace(H100, capability=(10, 0))
+    assert registry.choose(problem, sm100, options, interpreted=False).name == "triton"
+    assert lowered(graph("fp16", 64, "causal", "mqa", stats=True))[0].config_text.startswith("gluon")
+
+
+# -- on a GPU (H100 / H200) ------------------------------------------------------------------------
+
+def _inputs(g, device="cuda") -> dict:
+    return {t.name: torch.randn(*t.dim, device=device).to(t.data_type.torch_dtype)
+            for t in g.tensors if t.producer is None}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("type_name", sorted(TYPES))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("heads", sorted(HEADS))
+def test_gluon_attention_matches_the_reference(type_name, head_dim, mask, heads):
+    g = graph(type_name, head_dim, mask, heads, stats=True, batch=2, s_q=200, s_kv=200)
+    check(g, _inputs(g), dtype=TYPES[type_name].torch_dtype, device="cuda", options=BuildOptions(backends=("gluon",)))
+    assert {launch.backend for launch in g.plan.launches} == {"gluon"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("s_q,s_kv", [(1, 1), (1, 1000), (127, 127), (200, 127), (127, 1000), (1000, 200),
+                                      (1000, 1000), (129, 257)])
+@pytest.mark.parametrize("mask", MASKS)
+def test_odd_sequence_lengths(s_q, s_kv, mask):
+    """Lengths off the blocks, Sq != Skv both ways (bottom right with Sq > Skv: rows that see no
+    key are zero, their stats -inf)."""
+    g = graph("bf16", 128, mask, "gqa", stats=True, batch=1, s_q=s_q, s_kv=s_kv, attn_scale=0.07)
+    check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", options=BuildOptions(backends=("gluon",)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_more_programs_than_sms(head_dim):
+    """B * H * query blocks past the SMs (8 * 4 * 8 = 256 programs; 64 * 4 * 3 = 768), long key loops."""
+    g = graph("fp16", head_dim, "causal", "mha", stats=False, batch=8, s_q=1000, s_kv=1000)
+    check(g, _inputs(g), dtype=torch.float16, device="cuda", options=BuildOptions(backends=("gluon",)))
+    g = graph("bf16", head_dim, "none", "mqa", stats=True, batch=64, s_q=300, s_kv=700)
+    check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", options=BuildOptions(backends=("gluon",)))
+
+
+@pytest.mark.gpu
+def test_explain_names_gluon_for_sdpa():
+    g = graph("bf16", 64, "causal", "gqa", stats=True, s_q=256, s_kv=256)
+    check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", options=BuildOptions(backends=("gluon",)))
+    text = g.explain()
+    assert [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("  backend:")] == ["gluon"]
+
+
+@pytest.mark.gpu
+def test_an_unaligned_q_takes_the_triton_fallback():
+    g = graph("bf16", 64, "none", "mha", s_q=130, s_kv=130)
+    inputs = _inputs(g)
+    storage = torch.empty(inputs["q"].numel() + 1, device="cuda", dtype=torch.bfloat16)
+    inputs["q"] = storage[1:].view(inputs["q"].shape).copy_(inputs["q"])
+    check(g, inputs, dtype=torch.bfloat16, device="cuda", options=BuildOptions(backends=("gluon",)))
+
+
+CONSAN = """
+import sys
+import torch, triton
+sys.path[:0] = {paths!r}
+# consan's instrumentation keeps its state in scratch that Triton allocates through this
+triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+from gluon_attention_cases import graph
+from helpers import check
+import dnngraph as dg
+# three key blocks through the two-slot ring (its phases wrap), the causal diagonal, the stats
+for head_dim, mask in ((128, "causal"), (64, "none")):
+    g = graph("bf16", head_dim, mask, "gqa", stats=True, batch=1, s_q=200, s_kv=330)
+    inputs = {{t.name: torch.randn(*t.dim, device="cuda").to(t.data_type.torch_dtype)
+              for t in g.tensors if t.producer is None}}
+    check(g, inputs, dtype=torch.bfloat16, device="cuda", options=dg.BuildOptions(backends=("gluon",)))
+print("consan clean")
+"""
+
+
+@pytest.mark.gpu
+def test_a_small_attention_run_is_clean_under_the_concurrency_sanitizer(tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(here)
+    env = dict(os.environ, TRITON_INSTRUMENTATION_MODE="consan", DNNGRAPH_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
+    script = CONSAN.format(paths=[here, tests])
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and "consan clean" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
