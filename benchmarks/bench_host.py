@@ -60,6 +60,8 @@ def pretend_gpu():
         (plan_module, "_kernel_device"): plan_module._kernel_device,
         (launch_module.KernelLaunch, "_compile"): launch_module.KernelLaunch._compile,
         (torch._C, "_cuda_getCurrentRawStream"): getattr(torch._C, "_cuda_getCurrentRawStream", None),
+        (torch.cuda, "_exchange_device"): torch.cuda._exchange_device,
+        (torch.cuda, "_maybe_exchange_device"): torch.cuda._maybe_exchange_device,
     }
     cpu_target = plan_module.target_of(torch.device("cpu"))
     saved[(plan_module, "target_of")] = plan_module.target_of
@@ -70,7 +72,10 @@ def pretend_gpu():
     plan_module._kernel_device = lambda device: torch.device("cuda", 0)
     plan_module.target_of = lambda device=None: cpu_target
     launch_module.KernelLaunch._compile = compile_no_op
-    torch._C._cuda_getCurrentRawStream = lambda index: 0
+    # builtins that take the device index and give back an int, as the C functions of a CUDA
+    # build of torch do (a CPU-only torch has none: its Python stand-ins raise)
+    torch._C._cuda_getCurrentRawStream = abs
+    torch.cuda._exchange_device = torch.cuda._maybe_exchange_device = abs
     try:
         yield
     finally:
