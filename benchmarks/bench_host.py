@@ -60,6 +60,8 @@ def pretend_gpu():
         (plan_module, "_kernel_device"): plan_module._kernel_device,
         (launch_module.KernelLaunch, "_compile"): launch_module.KernelLaunch._compile,
         (torch._C, "_cuda_getCurrentRawStream"): getattr(torch._C, "_cuda_getCurrentRawStream", None),
+        (torch.cuda, "_exchange_device"): torch.cuda._exchange_device,
+        (torch.cuda, "_maybe_exchange_device"): torch.cuda._maybe_exchange_device,
     }
     cpu_target = plan_module.target_of(torch.device("cpu"))
     saved[(plan_module, "target_of")] = plan_module.target_of
@@ -70,7 +72,10 @@ def pretend_gpu():
     plan_module._kernel_device = lambda device: torch.device("cuda", 0)
     plan_module.target_of = lambda device=None: cpu_target
     launch_module.KernelLaunch._compile = compile_no_op
-    torch._C._cuda_getCurrentRawStream = lambda index: 0
+    # builtins that take the device index and give back an int, as the C functions of a CUDA
+    # build of torch do (a CPU-only torch has none: its Python stand-ins raise)
+    torch._C._cuda_getCurrentRawStream = abs
+    torch.cuda._exchange_device = torch.cuda._maybe_exchange_device = abs
     try:
         yield
     finally:
@@ -90,8 +95,16 @@ def _per_call_us(fn, iterations: int) -> float:
     return statistics.median(samples)
 
 
+def eager_row(executes: int) -> tuple:
+    """A torch eager op on this machine's CPU, for scale: clamp_min(x, 0) (relu) of [1024] into a given tensor (its
+    host time includes the CPU's work on 1024 values, which a GPU op's does not)."""
+    x, y = torch.randn(1024), torch.empty(1024)
+    return "torch eager clamp_min(out=), [1024] on the CPU (for scale)", _per_call_us(lambda: torch.clamp_min(x, 0.0, out=y),
+                                                                                   executes)
+
+
 def execute_rows(executes: int) -> list:
-    rows = []
+    rows = [eager_row(executes)]
     for make in (one_kernel, four_kernels):
         g = make().build()
         bindings = bindings_of(g)

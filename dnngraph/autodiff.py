@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Optional
 
-import networkx as nx
 
+from .dag import node_dag
 from . import dtypes, ops  # noqa: F401  (registers every op and its backward rule)
 from .errors import UnsupportedError
 from .fusion import partition
@@ -235,7 +235,7 @@ class _Deriver:
                 grad_inputs.append(None)
         wanted = {self.mapped[t.uid].uid for t, w in zip(self.inputs, self.wanted) if w}
         flows = self.flows = self._flows(wanted)
-        order = list(nx.topological_sort(forward.to_networkx()))
+        order = node_dag(forward.nodes).topological_sort()
         for node in reversed(order):
             if not any(o is not None and o.uid in grads for o in node.outputs):
                 continue

@@ -9,10 +9,12 @@ import copy
 import inspect
 import itertools
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
-import networkx as nx
 import torch
+
+if TYPE_CHECKING:
+    import networkx
 
 from . import dtypes
 from .errors import ExecutionError, ValidationError
@@ -185,8 +187,11 @@ class Graph:
             tensor._type_source = tuple(twin._tensors[t.uid] for t in tensor._type_source)
         return twin
 
-    def to_networkx(self) -> nx.DiGraph:
-        """The node DAG (edges producer -> consumer), nodes keyed by Node."""
+    def to_networkx(self) -> "networkx.DiGraph":
+        """The node DAG (edges producer -> consumer), nodes keyed by Node. (networkx is imported
+        here, on the first call: a build orders nodes with dnngraph/dag.py.)"""
+        import networkx as nx
+
         dag = nx.DiGraph()
         dag.add_nodes_from(self._nodes)
         for node in self._nodes:

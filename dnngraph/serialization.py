@@ -10,9 +10,9 @@ import dataclasses
 import functools
 import json
 
-import networkx as nx
 
 from . import dtypes
+from .dag import CycleError, Dag
 from .errors import GraphError, SerializationError
 from .ops import REGISTRY
 
@@ -107,15 +107,14 @@ def _check_header(document):
 
 def _node_order(nodes, producer_of):
     """Node indices in dependency order; a cycle or dangling reference is an error."""
-    dag = nx.DiGraph()
-    dag.add_nodes_from(range(len(nodes)))
+    dag = Dag(range(len(nodes)))
     for index, record in enumerate(nodes):
         for uid in record["inputs"]:
             if uid in producer_of:
                 dag.add_edge(producer_of[uid], index)
     try:
-        return list(nx.lexicographical_topological_sort(dag))
-    except nx.NetworkXUnfeasible:
+        return dag.lexicographical_topological_sort()
+    except CycleError:
         raise SerializationError("the nodes form a cycle") from None
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-import networkx as nx
 
+from ..dag import CycleError, Dag, node_dag
 from ..errors import ValidationError
 from ..ops.base import broadcast_dims
 from .attention import match_attention_backward
@@ -82,10 +82,10 @@ class _Partitioner:
     def __init__(self, graph, kernel_kinds=None):
         self.graph = graph
         self.kernel_kinds = kernel_kinds
-        self.dag = graph.to_networkx()
+        self.dag = node_dag(graph.nodes)
         try:
-            self.order = list(nx.topological_sort(self.dag))
-        except nx.NetworkXUnfeasible:
+            self.order = self.dag.topological_sort()
+        except CycleError:
             raise ValidationError(f"graph {graph.name!r} has a cycle") from None
         self.position = {node: i for i, node in enumerate(self.order)}
         self.group_of: dict = {}
@@ -357,8 +357,7 @@ class _Partitioner:
         node stands for its copy groups, in order; one that is only a view passes its inputs'
         producers on to its readers."""
         index = {id(g): i for i, g in enumerate(self.groups)}
-        group_dag = nx.DiGraph()
-        group_dag.add_nodes_from(range(len(self.groups)))
+        group_dag = Dag(range(len(self.groups)))
         made_by = {}
 
         def producers(node) -> set:  # the groups whose kernels finish what `node` makes
@@ -386,7 +385,7 @@ class _Partitioner:
                         group_dag.add_edge(source, target)
         first_node = {i: min(self.position[n] for n in (g.nodes if g.origin is None else [g.origin]))
                       for i, g in enumerate(self.groups)}
-        ordered = nx.lexicographical_topological_sort(group_dag, key=first_node.__getitem__)
+        ordered = group_dag.lexicographical_topological_sort(key=first_node.__getitem__)
         return [self.groups[i] for i in ordered]
 
 

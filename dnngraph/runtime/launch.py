@@ -27,6 +27,7 @@ from ..log import logger
 from .interpreter import cpu_kernels_in_worker, run_interpreted
 from .interpreter_client import run_in_interpreter_process
 from .kernel_files import load_kernel
+from .triton_key import install as install_triton_key
 
 
 @dataclass(frozen=True)
@@ -329,6 +330,7 @@ class KernelLaunch:
         options = self._options()
 
         def compile_here():
+            install_triton_key()  # Triton's installation key from the cache folder (runtime/triton_key.py)
             compiled = self.kernel.warmup(*args, grid=self.grid, **options)
             compiled = compiled.result() if hasattr(compiled, "result") else compiled
             compiled._init_handles()  # loaded once, before another launch's thread can share it

@@ -39,9 +39,10 @@ BUILD_ENVIRONMENT = ("DNNGRAPH_CACHE_DIR", "HOME")
 # Read by dnngraph but changing no plan, or only through a value the key holds: logging,
 # autotune's progress output, the interpreter and the interpreter process's switch (both read
 # once at import; interpreting() is in the key), the default of BuildOptions.autotune_top (read
-# when the options are made; the options are in the key).
+# when the options are made; the options are in the key), and whether Triton's installation key
+# comes from the cache folder (runtime/triton_key.py: the same key either way).
 IGNORED_ENVIRONMENT = ("DNNGRAPH_LOG", "DNNGRAPH_AUTOTUNE_QUIET", "TRITON_INTERPRET", "DNNGRAPH_INTERPRETER_WORKER",
-                       "DNNGRAPH_AUTOTUNE_TOP")
+                       "DNNGRAPH_AUTOTUNE_TOP", "DNNGRAPH_TRITON_KEY_CACHE")
 
 
 def _environment() -> tuple:
