@@ -27,6 +27,7 @@ import contextlib
 import hashlib
 import os
 import re
+import sysconfig
 import tempfile
 import threading
 from pathlib import Path
@@ -71,7 +72,8 @@ def installation_stamp() -> str:
     import triton
 
     root = _triton_root()
-    found = [("version", triton.__version__, root)]
+    # the interpreter's extension suffix: one folder may hold libtriton builds for several ABIs
+    found = [("version", triton.__version__, root), ("abi", sysconfig.get_config_var("EXT_SUFFIX"))]
     for name in ("compiler", "backends", "language", "_C"):
         _stat_entries(os.path.join(root, name), found)
     cache_py = os.path.join(root, "runtime", "cache.py")
@@ -120,9 +122,14 @@ def cached_triton_key() -> str:
             with contextlib.suppress(OSError):
                 path.parent.mkdir(parents=True, exist_ok=True)
                 fd, temp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".txt")
-                with os.fdopen(fd, "w") as handle:
-                    handle.write(key)
-                os.replace(temp, path)
+                try:
+                    with os.fdopen(fd, "w") as handle:
+                        handle.write(key)
+                    os.replace(temp, path)
+                except OSError:
+                    with contextlib.suppress(OSError):
+                        os.unlink(temp)
+                    raise
         _KEY = key
         return key
 

@@ -17,6 +17,7 @@ def _random_dag(seed):
     edges = [(names[i], names[j]) for i in range(count) for j in range(i + 1, count) if rng.random() < 0.15]
     rng.shuffle(edges)
     edges += edges[: len(edges) // 4]  # an edge added twice is one edge
+    rng.shuffle(names)  # nodes added out of dependency order, as a document may list them
     return names, edges
 
 

@@ -135,6 +135,17 @@ def test_supports_names_why_it_refuses():
     assert "through TMA" in _refused(g)
 
 
+def test_a_grid_past_the_targets_limits_is_refused_at_lowering():
+    """batch x heads = 65536 programs on grid axis y (limit 65535): gluon refuses at lowering, so
+    a build that opted in passes the group to the Triton kernel, which folds its grid."""
+    g = graph("bf16", 64, "none", "mha", batch=16384, s_q=8, s_kv=8)
+    with pytest.raises(dg.UnsupportedError, match="grid"):
+        lowered(g)
+    fits = graph("bf16", 64, "none", "mha", batch=8, s_q=8, s_kv=8)
+    (launch,) = lowered(fits)
+    assert H100.grid_fits(launch.grid)
+
+
 def test_supports_refuses_the_backward_and_paged_k_v():
     g = dg.Graph(name="backward", io_data_type=dg.bfloat16)
     q, k, v = _tensors(g)

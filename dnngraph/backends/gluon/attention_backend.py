@@ -212,6 +212,9 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
     stem = f"dnngraph_gluon_{group.kind}_{node.op}"
     source = attention_codegen.render(stem, group.summary(), arguments, constexprs)
     grid = (-(-g.s_q // config.block_m), g.batch * g.heads)
+    if not target.grid_fits(grid):  # no fold of batch x heads here: the Triton kernel folds its grid
+        raise UnsupportedError(f"{problem.where}: gluon attention's grid {list(grid)} exceeds {target.name}'s "
+                               f"grid limits (batch x heads = {g.batch * g.heads})")
     estimate_seconds = chosen.estimate if chosen.estimate is not None else estimate(problem, config, target)
     reason = (f"{config.text}: model {estimate_seconds * 1e6:.1f} us ({grid[0] * grid[1]} programs, "
               f"mask {g.mask}{', stats' if stored_stats else ''})")
