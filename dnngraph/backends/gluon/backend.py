@@ -9,7 +9,8 @@ problems it takes (supports), which configs it offers and what the model says of
 sdpa groups (the attention forward) are answered by attention_backend.py (its kernel:
 attention_library.py and attention_codegen.py); each method below hands them on by family.
 
-verified = False: its GPU tests pass on an H200, but the whole GPU suite has not run with it
+verified = False: its cooperative matmul's GPU tests pass on an H200 (the ping-pong schedule's and
+the attention kernel's have not run yet), but the whole GPU suite has not run with it
 among the default backends, and it is on average no faster than the Triton backend
 (BENCHMARKS.md, Gluon matmul); so the default BuildOptions.backends (options.py: the registered
 backends marked verified) leaves it out, and a build asks for it with
