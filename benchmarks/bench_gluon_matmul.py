@@ -3,6 +3,7 @@
     cd benchmarks && python3 bench_gluon_matmul.py                  # bias and bias+gelu_tanh, 12 shapes
     python3 bench_gluon_matmul.py --fp8                              # fp8 e4m3 and bf16 with K-major B
     python3 bench_gluon_matmul.py --configs --shapes 4096x4096x4096  # every gluon config forced in turn
+    python3 bench_gluon_matmul.py --configs --pingpong               # the same, the ping-pong configs too
 
 bf16 in and out, fp32 accumulation, y = act(a @ b + bias). "gluon" is a build with
 BuildOptions(backends=("gluon", "triton")): the registry takes the backend and config its models
@@ -143,9 +144,10 @@ def fp8_table(shapes):
                   f"{row['anchor'] / row['gluon']:.2f} | {row['gluon config'][:70]} |", flush=True)
 
 
-def config_table(shapes, epilogues):
-    """Every config of CONFIGS forced in turn (the heavy-epilogue filter lifted), gluon alone."""
-    configs = gluon_backend.CONFIGS
+def config_table(shapes, epilogues, pingpong: bool):
+    """Every config of CONFIGS (and PINGPONG_CONFIGS) forced in turn (the heavy-epilogue filter
+    lifted), gluon alone."""
+    configs = gluon_backend.CONFIGS + (gluon_backend.PINGPONG_CONFIGS if pingpong else ())
     print("\n### Every gluon config forced (TFLOP/s)\n")
     print("| M x N x K | epilogue | " + " | ".join(c.text.replace("gluon warp-specialized ", "") for c in configs) + " |")
     print("|---|---|" + "---|" * len(configs))
@@ -173,6 +175,7 @@ def main():
     parser.add_argument("--epilogues", default="none,gelu_tanh", help="comma-separated: none (bias), gelu_tanh")
     parser.add_argument("--fp8", action="store_true", help="the fp8 / K-major table instead")
     parser.add_argument("--configs", action="store_true", help="every gluon config forced instead")
+    parser.add_argument("--pingpong", action="store_true", help="with --configs: the ping-pong configs too")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, dnngraph {dg.__version__}")
@@ -180,7 +183,7 @@ def main():
     if args.fp8:
         fp8_table(args.shapes or FP8_SHAPES)
     elif args.configs:
-        config_table(args.shapes or SHAPES[:2], epilogues)
+        config_table(args.shapes or SHAPES[:2], epilogues, args.pingpong)
     else:
         epilogue_tables(args.shapes or SHAPES, epilogues)
 

@@ -6,7 +6,7 @@
 #   bash benchmarks/gpu_session.sh tests      # the GPU suite but the real models (~7 min on an H200)
 #   bash benchmarks/gpu_session.sh models     # tests/models at realistic sizes, bf16 (~4 min vision)
 #   bash benchmarks/gpu_session.sh fuzz       # 1000 random graphs of every family
-#   bash benchmarks/gpu_session.sh gluon      # the Gluon backend's GPU tests (opt-in backend)
+#   bash benchmarks/gpu_session.sh gluon      # the Gluon backend's GPU tests (matmul, attention; opt-in)
 #   bash benchmarks/gpu_session.sh refactor   # bench_before_after.py against $BEFORE (a tree)
 #   bash benchmarks/gpu_session.sh bench      # run_all.py: pointwise, memory-bound, matmul tables
 set -uo pipefail
@@ -31,7 +31,8 @@ case "$STAGE" in
     limited python3 tests/fuzz_gpu.py --graphs 1000 --workers 14 --out "$OUT/fuzz" > "$OUT/fuzz.txt" 2>&1
     grep -E "^seed|FUZZ|graphs," "$OUT/fuzz.txt" | cut -c1-300 | tail -20 ;;
   gluon)
-    limited python3 -m pytest tests/backends/test_gluon.py -m gpu -q -n 8 -rf --tb=short -p no:cacheprovider \
+    limited python3 -m pytest tests/backends/test_gluon.py tests/backends/test_gluon_attention.py -m gpu -q -n 8 -rf \
+      --tb=short -p no:cacheprovider --durations=5 \
       -W ignore > "$OUT/gluon.txt" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gluon.txt" | cut -c1-300 | tail -40 ;;
   refactor)
