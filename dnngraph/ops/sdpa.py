@@ -458,8 +458,6 @@ def _sdpa_backward(d, node, grads):
         raise UnsupportedError("sdpa: paged K/V takes no gradient")
     if any(g is not None for g in grads[1:]):
         raise UnsupportedError("sdpa: no gradient through the stats, score_max or score_sum_exp")
-    if scale is not None and d.needs(scale):
-        raise UnsupportedError("sdpa: a tensor attn_scale takes no gradient")
     wants_bias = bias is not None and bias.data_type.is_floating and d.needs(bias)
     attrs = dataclasses.replace(node.attrs, is_inference=False, compute_dbias=wants_bias, score_max=False,
                                 score_sum_exp=False)
@@ -470,4 +468,14 @@ def _sdpa_backward(d, node, grads):
     extras = [None if t is None else d.value(t) for t in (sink, scale)]
     dq, dk, dv, dbias, dsink = d.graph._add_op("sdpa_backward", read + [o, grads[0], stats] + extra + [None, None]
                                                + random + extras, attrs)
-    return [dq, dk, dv, dbias] + [None] * 6 + [dsink, None]
+    return [dq, dk, dv, dbias] + [None] * 6 + [dsink, _scale_gradient(d, scale, read[0], dq)]
+
+
+def _scale_gradient(d, scale, q, dq):
+    """d attn_scale of a tensor scale: scores = scale * q k^T + ..., so d scale = sum(dS * q k^T),
+    and dq = scale * dS k makes that sum(q * dq) / scale (NaN for a scale of 0)."""
+    if scale is None or not d.needs(scale):
+        return None
+    g = d.graph
+    total = g.reduction(g.mul(q, dq), "sum", [0, 1, 2, 3])
+    return g.reshape(g.div(total, d.value(scale)), list(scale.dim))

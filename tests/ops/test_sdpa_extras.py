@@ -113,6 +113,7 @@ def test_decode_keeps_one_split_and_packs_heads():
     g, inputs = extras_case((2, 8, 1, 16), (2, 37), sink=True, alibi=True, scores=True)
     g.build(options=dg.BuildOptions(sdpa_splits=4))
     assert len(g.plan.launches) == 1
+    assert "sink_s1, mask=row_in" in open(g.plan.launches[0].source_path).read()  # padded rows read no sink
     check(g, inputs)
 
 
@@ -210,6 +211,31 @@ def test_autograd_reaches_the_sink():
     out = torch.softmax(full, -1)[..., :5] @ ref_leaves[2]
     out.square().sum().backward()
     for got, want in zip(leaves, ref_leaves):
+        assert torch.allclose(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_autograd_reaches_a_tensor_scale():
+    """d attn_scale = sum(q * dq) / scale, against float64 autograd through the reference math."""
+    gen = torch.Generator().manual_seed(4)
+    g = dg.Graph(name="scalegrad", io_data_type=dg.float32, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    q_t, k_t, v_t = torch.randn(1, 4, 9, 16, generator=gen), *(torch.randn(1, 2, 11, 16, generator=gen) for _ in "kv")
+    scale_t = torch.tensor([0.35])
+    q, k, v = (g.tensor_like(t, n) for t, n in ((q_t, "q"), (k_t, "k"), (v_t, "v")))
+    scale = g.tensor_like(scale_t, "scale")
+    o, _ = g.sdpa(q, k, v, attn_scale=scale, use_alibi_mask=True, use_causal_mask_bottom_right=True)
+    o.set_output(True)
+    fn = g.as_function([q, k, v, scale], [o])
+    leaves = [t.clone().requires_grad_(True) for t in (q_t, k_t, v_t, scale_t)]
+    fn(*leaves).square().sum().backward()
+    ref = [t.double().clone().requires_grad_(True) for t in (q_t, k_t, v_t, scale_t)]
+    kk, vv = (t.repeat_interleave(2, 1) for t in ref[1:3])
+    rows, cols = torch.arange(9).view(-1, 1), torch.arange(11).view(1, -1)
+    scores = ref[0] @ kk.transpose(-1, -2) * ref[3]
+    scores = scores + (cols - rows).double() * torch.tensor(alibi_slopes(4)).view(1, 4, 1, 1)
+    scores = scores.masked_fill(cols > rows + 2, float("-inf"))
+    (torch.softmax(scores, -1) @ vv).square().sum().backward()
+    for got, want in zip(leaves, ref):
         assert torch.allclose(got.grad.double(), want.grad, rtol=1e-4, atol=1e-5)
 
 

@@ -473,7 +473,9 @@ class _Writer:
         if not self.has("sink"):
             return
         w = self.line
-        w(f"sink_logit = tl.load(sink_ptr + q_head * sink_s1).to(tl.float32) * {LOG2E!r}")
+        # a packed tile's rows past GROUP * SQ name heads past H: masked, no load leaves the sinks
+        mask = ", mask=row_in, other=0.0" if self.spec.packed else ""
+        w(f"sink_logit = tl.load(sink_ptr + q_head * sink_s1{mask}).to(tl.float32) * {LOG2E!r}")
         w("m_sink = tl.maximum(m_i, sink_logit)")
         w("m_use = tl.where(m_sink == float('-inf'), 0.0, m_sink)")
         w("alpha = tl.math.exp2(m_i - m_use)")
