@@ -23,7 +23,8 @@ key positions as the frontend generates them, slope_h = 2^(-8 (h + 1) / n) for h
 largest power of two <= H, and 2^(-4 (2 (h - n) + 1) / n) for the heads past n; `score_max` and
 `score_sum_exp` request the row max of the scaled, biased, masked scores over the keys (the sink
 apart) and the row sum of exp(score - max), float32 [B, H, Sq, 1] (-inf and 0 for a row that
-sees no key); `attn_scale` may be a one-element floating graph tensor instead of a number.
+sees no key); `attn_scale` may be a one-element floating graph tensor instead of a number
+(autograd differentiates it: d scale = sum(q * dq) / scale).
 """
 from __future__ import annotations
 
