@@ -472,35 +472,50 @@ class Graph:
              dropout=None, seq_len_q=None, seq_len_kv=None, use_causal_mask_bottom_right=False,
              diagonal_alignment="top_left", diagonal_band_left_bound=None, diagonal_band_right_bound=None,
              paged_attention_k_table=None, paged_attention_v_table=None,
-             paged_attention_max_seq_len_kv=None, name=None):
+             paged_attention_max_seq_len_kv=None, sink_token=None, use_alibi_mask=False, score_max=False,
+             score_sum_exp=False, name=None):
         """(o, stats) of softmax(q k^T * scale + bias, masked) v; stats None when is_inference.
+        With score_max or score_sum_exp True: (o, stats, score_max, score_sum_exp), the one not
+        asked for None (row max of the scores over the keys, row sum of exp(score - max);
+        float32 [B, H, Sq, 1]).
 
+        attn_scale: a number, or a one-element floating graph tensor. sink_token: float32
+        [1, H, 1, 1] logits that join each row's softmax denominator (no value column).
+        use_alibi_mask: scores += (j - i) * slope_h (ops/sdpa.py: alibi_slopes).
         Paged K/V: k and v are page pools [pages, Hkv, page_size, D] and the tables
         [B, 1, pages_per_sequence, 1] int32 page ids. A key whose id in the k table or the v table
         lies outside [0, pages) is masked, invisible as if past seq_len_kv (a row left with no
         key is zero): no kernel reads outside the pools, whatever the tables hold."""
         dropout, random = _dropout_tensors(dropout)
+        scale_t, attn_scale = (attn_scale, None) if isinstance(attn_scale, Tensor) else (None, attn_scale)
         attrs = _attrs_of("sdpa", attn_scale, is_inference, use_causal_mask, dropout,
                           use_causal_mask_bottom_right, diagonal_alignment, diagonal_band_left_bound,
-                          diagonal_band_right_bound, paged_attention_max_seq_len_kv)
-        return self._add_op("sdpa", [q, k, v, bias, seq_len_q, seq_len_kv, paged_attention_k_table,
-                                     paged_attention_v_table, *random], attrs, name)
+                          diagonal_band_right_bound, paged_attention_max_seq_len_kv,
+                          use_alibi_mask=use_alibi_mask, score_max=score_max, score_sum_exp=score_sum_exp)
+        outputs = self._add_op("sdpa", [q, k, v, bias, seq_len_q, seq_len_kv, paged_attention_k_table,
+                                        paged_attention_v_table, *random, sink_token, scale_t], attrs, name)
+        return outputs if attrs.score_max or attrs.score_sum_exp else outputs[:2]
 
     def sdpa_backward(self, q, k, v, o, dO, stats, attn_scale=None, use_causal_mask=False,
                       bias=None, dropout=None, seq_len_q=None, seq_len_kv=None,
                       use_causal_mask_bottom_right=False, diagonal_alignment="top_left",
                       diagonal_band_left_bound=None, diagonal_band_right_bound=None,
-                      use_deterministic_algorithm=False, compute_dbias=False, name=None):
-        """(dq, dk, dv) of sdpa from the forward tensors, dO and the stats, and dbias (the bias's
-        shape and type) after them when compute_dbias; bitwise reproducible whatever
-        use_deterministic_algorithm says (the fastest kernels here use no atomics)."""
+                      use_deterministic_algorithm=False, compute_dbias=False, sink_token=None,
+                      use_alibi_mask=False, name=None):
+        """(dq, dk, dv) of sdpa from the forward tensors, dO and the stats, then dbias (the bias's
+        shape and type) when compute_dbias and dsink (float32 [1, H, 1, 1]) when a sink_token is
+        given; bitwise reproducible whatever use_deterministic_algorithm says (the fastest
+        kernels here use no atomics). attn_scale: a number or a one-element tensor, as in sdpa."""
         dropout, random = _dropout_tensors(dropout)
+        scale_t, attn_scale = (attn_scale, None) if isinstance(attn_scale, Tensor) else (None, attn_scale)
         attrs = _attrs_of("sdpa_backward", attn_scale, False, use_causal_mask, dropout,
                           use_causal_mask_bottom_right, diagonal_alignment, diagonal_band_left_bound,
-                          diagonal_band_right_bound, None, use_deterministic_algorithm, compute_dbias)
+                          diagonal_band_right_bound, None, use_deterministic_algorithm, compute_dbias,
+                          use_alibi_mask=use_alibi_mask)
         grads = self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv, None, None,
-                                               *random], attrs, name)
-        return grads if compute_dbias else grads[:3]
+                                               *random, sink_token, scale_t], attrs, name)
+        return tuple(grads[:3]) + ((grads[3],) if attrs.compute_dbias else ()) + \
+            ((grads[4],) if sink_token is not None else ())
 
     # --- ops: layout ----------------------------------------------------------------------------
     def reshape(self, x, dim, name=None) -> Tensor:

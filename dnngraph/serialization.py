@@ -229,9 +229,14 @@ def _replay(graph, record, where, handles, records):
         inputs.append(None if uid is None else handles[uid])
     inputs += _absent_optional_inputs(opdef, len(inputs))
     outputs = graph._add_op(opdef.name, inputs, attrs, _field(record, "name", str, where))
-    _require(len(record["outputs"]) == len(outputs), f"{where}: {len(record['outputs'])} outputs listed, "
-                                                     f"op {opdef.name!r} has {len(outputs)}")
-    for uid, tensor in zip(record["outputs"], outputs):
+    listed = list(record["outputs"])
+    if len(listed) < len(outputs) and all(t is None for t in outputs[len(listed):]):
+        # a document written before the op gained optional outputs (sdpa's score_max and
+        # score_sum_exp, sdpa_backward's dsink) lists fewer: the absent ones read as absent
+        listed += [None] * (len(outputs) - len(listed))
+    _require(len(listed) == len(outputs), f"{where}: {len(record['outputs'])} outputs listed, "
+                                          f"op {opdef.name!r} has {len(outputs)}")
+    for uid, tensor in zip(listed, outputs):
         _require((uid is None) == (tensor is None), f"{where}: output presence does not match the op")
         if tensor is None:
             continue

@@ -14,6 +14,17 @@ int32 page indices, Skv = paged_attention_max_seq_len_kv (default pages_per_seq 
 seq_len_kv required; a key whose page id in either table lies outside [0, pages) is invisible,
 as if past seq_len_kv (whatever a table holds, no kernel reads outside the pools). stats are the row log-sum-exp in float32, [B, H, Sq, 1] (-inf for a row
 that sees no key).
+
+Softmax extras (the cuDNN frontend's names): `sink_token`, a float32 [1, H, 1, 1] learned logit
+per query head, joins every row's softmax denominator and takes no value column (a row that sees
+no key then has only the sink in its denominator: o = 0, stats = the sink); `use_alibi_mask` adds
+(j - i) * slope_h to score (b, h, i, j) after the scale and bias, i and j the top-left row and
+key positions as the frontend generates them, slope_h = 2^(-8 (h + 1) / n) for h < n, n the
+largest power of two <= H, and 2^(-4 (2 (h - n) + 1) / n) for the heads past n; `score_max` and
+`score_sum_exp` request the row max of the scaled, biased, masked scores over the keys (the sink
+apart) and the row sum of exp(score - max), float32 [B, H, Sq, 1] (-inf and 0 for a row that
+sees no key); `attn_scale` may be a one-element floating graph tensor instead of a number
+(autograd differentiates it: d scale = sum(q * dq) / scale).
 """
 from __future__ import annotations
 
@@ -67,6 +78,9 @@ class SdpaAttrs:
     # sdpa_backward: a fourth output, dbias (the bias's shape and type: dS summed over the axes the
     # bias broadcasts over)
     compute_dbias: bool = False
+    use_alibi_mask: bool = False
+    score_max: bool = False  # sdpa: the row max of the scores, an output [B, H, Sq, 1] float32
+    score_sum_exp: bool = False  # sdpa: the row sum of exp(score - max), an output likewise
 
     def __post_init__(self):
         op = "sdpa"
@@ -98,7 +112,10 @@ class SdpaAttrs:
                paged_attention_max_seq_len_kv=max_kv,
                use_deterministic_algorithm=boolean(op, "use_deterministic_algorithm",
                                                    self.use_deterministic_algorithm),
-               compute_dbias=boolean(op, "compute_dbias", self.compute_dbias))
+               compute_dbias=boolean(op, "compute_dbias", self.compute_dbias),
+               use_alibi_mask=boolean(op, "use_alibi_mask", self.use_alibi_mask),
+               score_max=boolean(op, "score_max", self.score_max),
+               score_sum_exp=boolean(op, "score_sum_exp", self.score_sum_exp))
 
     @property
     def mask(self) -> AttentionMask:
@@ -106,6 +123,14 @@ class SdpaAttrs:
         causal = self.use_causal_mask or self.use_causal_mask_bottom_right
         right = 0 if causal else self.diagonal_band_right_bound
         return AttentionMask(self.diagonal_band_left_bound, right, self.diagonal_alignment == "bottom_right")
+
+
+def alibi_slopes(heads: int) -> list:
+    """ALiBi's slope of each of `heads` query heads: a geometric run 2^(-8 k / n), k = 1..n, for
+    the largest power of two n <= heads, then the odd steps of the run for 2n (2^(-4 k / n),
+    k = 1, 3, 5, ...) for the heads past n."""
+    n = 1 << (heads.bit_length() - 1)
+    return [2.0 ** (-8.0 * (h + 1) / n) if h < n else 2.0 ** (-4.0 * (2 * (h - n) + 1) / n) for h in range(heads)]
 
 
 def _bound(name, value, minimum) -> Optional[int]:
@@ -200,21 +225,44 @@ def _check_dropout_inputs(op, attrs: SdpaAttrs, seed, offset):
     check_random_inputs(op, attrs.dropout[1], attrs.dropout[2], seed, offset)
 
 
+def _check_extras(op, q, sink, scale, attrs: SdpaAttrs):
+    """The sink token ([1, H, 1, 1] float32) and a tensor attn_scale (one floating element, and
+    then no number too)."""
+    if sink is not None:
+        wanted = (1, q.dim[1], 1, 1)
+        if tuple(sink.dim) != wanted:
+            fail(op, f"sink_token must be {list(wanted)} (one logit per query head), got {list(sink.dim)}")
+        if sink.data_type is not dtypes.float32:
+            fail(op, f"sink_token must be float32, got {sink.data_type.name}")
+    if scale is not None:
+        if any(d != 1 for d in scale.dim):
+            fail(op, f"a tensor attn_scale must hold one element, got dims {list(scale.dim)}")
+        if not scale.data_type.is_floating:
+            fail(op, f"a tensor attn_scale must be floating, got {scale.data_type.name}")
+        if attrs.attn_scale is not None:
+            fail(op, "attn_scale is given both as a number and as a tensor")
+
+
 def infer_forward(inputs, attrs: SdpaAttrs):
-    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset = inputs
+    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = inputs
     _check_dropout_inputs("sdpa", attrs, seed, offset)
     if attrs.compute_dbias:
         fail("sdpa", "compute_dbias is an sdpa_backward attribute")
     _check_qkv("sdpa", q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs)
+    _check_extras("sdpa", q, sink, scale, attrs)
     o_dim = q.dim[:3] + (v.dim[3],)
-    stats = None if attrs.is_inference else OutputSpec(q.dim[:3] + (1,), dtypes.float32)
-    return [OutputSpec(o_dim, layout_source=0), stats]
+    row = OutputSpec(q.dim[:3] + (1,), dtypes.float32)
+    return [OutputSpec(o_dim, layout_source=0), None if attrs.is_inference else row,
+            row if attrs.score_max else None, row if attrs.score_sum_exp else None]
 
 
 def infer_backward(inputs, attrs: SdpaAttrs):
-    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset = inputs
+    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = inputs
     _check_dropout_inputs("sdpa_backward", attrs, seed, offset)
     _check_qkv("sdpa_backward", q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs)
+    _check_extras("sdpa_backward", q, sink, scale, attrs)
+    if attrs.score_max or attrs.score_sum_exp:
+        fail("sdpa_backward", "score_max and score_sum_exp are sdpa outputs")
     if k_table is not None:
         fail("sdpa_backward", "paged K/V is for inference: sdpa_backward takes contiguous k and v")
     o_dim = q.dim[:3] + (v.dim[3],)
@@ -232,8 +280,9 @@ def infer_backward(inputs, attrs: SdpaAttrs):
         if not bias.data_type.is_floating:
             fail("sdpa_backward", f"compute_dbias needs a floating bias, got {bias.data_type.name}")
         dbias = OutputSpec(bias.dim, bias.data_type, layout_source=6)
+    dsink = None if sink is None else OutputSpec(sink.dim, dtypes.float32)
     return [OutputSpec(q.dim, layout_source=0), OutputSpec(k.dim, layout_source=1),
-            OutputSpec(v.dim, layout_source=2), dbias]
+            OutputSpec(v.dim, layout_source=2), dbias, dsink]
 
 
 def gather_pages(pool, table, s_kv: int):
@@ -277,20 +326,54 @@ def visible_keys(attrs: SdpaAttrs, s_q: int, s_kv: int, seq_len_q, seq_len_kv, d
     return visible
 
 
-def _masked_scores(q, k, bias, scale: float, visible):
+def _masked_scores(q, k, bias, scale, visible, alibi):
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if bias is not None:
         scores = scores + bias
+    if alibi is not None:
+        scores = scores + alibi
     return scores.masked_fill(~visible, float("-inf"))
 
 
-def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: SdpaAttrs, seed=None, offset=None):
-    """Reference attention in torch: (o, row log-sum-exp).
+def _alibi(attrs: SdpaAttrs, heads: int, s_q: int, s_kv: int, like):
+    """[1, H, Sq, Skv] (j - i) * slope_h, or None without use_alibi_mask."""
+    if not attrs.use_alibi_mask:
+        return None
+    slopes = torch.tensor(alibi_slopes(heads), dtype=like.dtype, device=like.device).view(1, -1, 1, 1)
+    rows = torch.arange(s_q, device=like.device).view(1, 1, -1, 1)
+    cols = torch.arange(s_kv, device=like.device).view(1, 1, 1, -1)
+    return (cols - rows).to(like.dtype) * slopes
+
+
+def _scale(attrs: SdpaAttrs, scale_tensor, head_dim: int):
+    """The score scale: the tensor's element (a 0-d tensor, so gradients may flow), the number,
+    or 1 / sqrt(D)."""
+    if scale_tensor is not None:
+        return scale_tensor.reshape(())
+    return attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(head_dim)
+
+
+def _row_stats(scores, sink):
+    """(log-sum-exp with the sink, max over the keys, sum of exp(score - max) over the keys) of
+    each row; a row of -inf scores has max -inf and sum 0."""
+    score_max = scores.amax(-1, keepdim=True)
+    finite_max = torch.where(score_max == float("-inf"), torch.zeros_like(score_max), score_max)
+    score_sum = torch.exp(scores - finite_max).sum(-1, keepdim=True)
+    if sink is None:
+        return torch.logsumexp(scores, -1, keepdim=True), score_max, score_sum
+    sinks = sink.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+    return torch.logsumexp(torch.cat([scores, sinks], -1), -1, keepdim=True), score_max, score_sum
+
+
+def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: SdpaAttrs, seed=None, offset=None,
+              sink=None, scale_tensor=None):
+    """Reference attention in torch: (o, row log-sum-exp, row score max, row sum of exp(score - max)).
 
     NaN and inf in what a row sees propagate as in torch's softmax; what lies past the lengths
     (keys j >= seq_len_kv, query rows i >= seq_len_q: an unwritten cache, padding) may hold
     anything and never reaches o or, through autograd, the gradients. A row that sees no key
-    (every score -inf, from the mask or the bias) is 0 with gradients 0.
+    (every score -inf, from the mask or the bias) is 0 with gradients 0. A sink token joins each
+    row's denominator (the log-sum-exp counts it; the score max and sum do not).
     """
     batch, heads, s_q, head_dim = q.shape
     paged_keys = None  # [B, 1, 1, Skv]: keys whose pages both tables place in the pools
@@ -301,7 +384,8 @@ def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: Sdp
     repeat = heads // k.shape[1]
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
     s_kv = k.shape[2]
-    scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(head_dim)
+    scale = _scale(attrs, scale_tensor, head_dim)
+    alibi = _alibi(attrs, heads, s_q, s_kv, q)
     zero = torch.zeros((), dtype=q.dtype, device=q.device)
     key_valid = torch.arange(s_kv, device=q.device).view(1, 1, -1, 1) < lengths(seq_len_kv, s_kv, q.device)
     visible = visible_keys(attrs, s_q, s_kv, seq_len_q, seq_len_kv, q.device)
@@ -311,63 +395,88 @@ def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: Sdp
     k, v = torch.where(key_valid, k, zero), torch.where(key_valid, v, zero)
     row_valid = torch.arange(s_q, device=q.device).view(1, 1, -1, 1) < lengths(seq_len_q, s_q, q.device)
     # the stats of every row, padded ones included (the kernels store them too)
-    lse = torch.logsumexp(_masked_scores(q, k, bias, scale, visible), -1, keepdim=True)
-    scores = _masked_scores(torch.where(row_valid, q, zero), k, bias, scale, visible)
-    attends = (scores != float("-inf")).any(-1, keepdim=True) & row_valid  # NaN counts as seen
-    probs = torch.where(attends, torch.softmax(torch.where(attends, scores, zero), -1), zero)
+    lse, score_max, score_sum = _row_stats(_masked_scores(q, k, bias, scale, visible, alibi), sink)
+    scores = _masked_scores(torch.where(row_valid, q, zero), k, bias, scale, visible, alibi)
+    if sink is not None:  # every row has the sink in its denominator: p = exp(s - lse), no row is empty
+        probs = torch.exp(scores - _row_stats(scores, sink)[0])
+    else:
+        attends = (scores != float("-inf")).any(-1, keepdim=True) & row_valid  # NaN counts as seen
+        probs = torch.where(attends, torch.softmax(torch.where(attends, scores, zero), -1), zero)
     if attrs.dropout is not None:
         p, seed_attr, offset_attr = attrs.dropout
         seed, offset = random_values(seed_attr, offset_attr, seed, offset)
         keep = keep_mask(seed, offset, probs.shape, p, device=q.device)
         probs = torch.where(keep, probs / (1.0 - p), torch.zeros_like(probs))
     out = torch.where(row_valid, torch.matmul(probs, v), zero)
-    return out, lse
+    return out, lse, score_max, score_sum
 
 
 def reference_forward(values, attrs: SdpaAttrs):
-    *tensors, seed, offset = values
-    o, lse = attention(*tensors, attrs, seed, offset)
-    return [o, None if attrs.is_inference else lse]
+    *tensors, seed, offset, sink, scale = values
+    o, lse, score_max, score_sum = attention(*tensors, attrs, seed, offset, sink, scale)
+    return [o, None if attrs.is_inference else lse, score_max if attrs.score_max else None,
+            score_sum if attrs.score_sum_exp else None]
 
 
 def reference_backward(values, attrs: SdpaAttrs):
-    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset = values
+    """dq, dk, dv (dbias, dsink) by float64 autograd through the reference forward. dsink_h works
+    out to -sum over (b, i) of p_sink(b, h, i) * delta(b, h, i), delta = rowsum(dO * o): o_i
+    scales by -p_sink when the sink's logit grows."""
+    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = values
     with torch.enable_grad():
-        wanted = (q, k, v, bias) if attrs.compute_dbias else (q, k, v)
-        leaves = [t.detach().clone().requires_grad_(True) for t in wanted]
-        out, _ = attention(*leaves[:3], leaves[3] if attrs.compute_dbias else bias, seq_len_q, seq_len_kv,
-                           None, None, attrs, seed, offset)
-        grads = list(torch.autograd.grad(out, leaves, d_o))
-        return grads if attrs.compute_dbias else grads + [None]
+        wanted = {"q": q, "k": k, "v": v}
+        if attrs.compute_dbias:
+            wanted["bias"] = bias
+        if sink is not None:
+            wanted["sink"] = sink
+        leaves = {name: t.detach().clone().requires_grad_(True) for name, t in wanted.items()}
+        out = attention(leaves["q"], leaves["k"], leaves["v"], leaves.get("bias", bias), seq_len_q, seq_len_kv,
+                        None, None, attrs, seed, offset, leaves.get("sink"), scale)[0]
+        grads = dict(zip(leaves, torch.autograd.grad(out, list(leaves.values()), d_o)))
+        return [grads["q"], grads["k"], grads["v"], grads.get("bias"), grads.get("sink")]
 
 
 PAGED = ("paged_attention_k_table", "paged_attention_v_table")
 RANDOM = ("dropout_seed", "dropout_offset")  # one-element int64 tensors, when dropout names them
+EXTRAS = ("sink_token", "attn_scale")  # the sink logits [1, H, 1, 1]; a one-element tensor scale
 register(OpDef("sdpa", "sdpa", "anchor", SdpaAttrs,
-               ("q", "k", "v", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM, ("o", "stats"),
-               infer_forward, reference_forward, optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM,
-               fusion=AnchorRule((), 0)))
+               ("q", "k", "v", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS,
+               ("o", "stats", "score_max", "score_sum_exp"),
+               infer_forward, reference_forward,
+               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS, fusion=AnchorRule((), 0)))
 register(OpDef("sdpa_backward", "sdpa", "anchor", SdpaAttrs,
-               ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM,
-               ("dq", "dk", "dv", "dbias"), infer_backward, reference_backward,
-               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM, fusion=AnchorRule((), None)))
+               ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS,
+               ("dq", "dk", "dv", "dbias", "dsink"), infer_backward, reference_backward,
+               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS, fusion=AnchorRule((), None)))
 
 
 @backward_rule("sdpa")
 def _sdpa_backward(d, node, grads):
     """sdpa_backward from the saved o and stats (the forward runs in training form); dbias
     when the bias takes a gradient."""
-    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset = node.inputs
+    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = node.inputs
     if k_table is not None:
         raise UnsupportedError("sdpa: paged K/V takes no gradient")
-    if grads[1] is not None:
-        raise UnsupportedError("sdpa: no gradient through the stats")
+    if any(g is not None for g in grads[1:]):
+        raise UnsupportedError("sdpa: no gradient through the stats, score_max or score_sum_exp")
     wants_bias = bias is not None and bias.data_type.is_floating and d.needs(bias)
-    attrs = dataclasses.replace(node.attrs, is_inference=False, compute_dbias=wants_bias)
+    attrs = dataclasses.replace(node.attrs, is_inference=False, compute_dbias=wants_bias, score_max=False,
+                                score_sum_exp=False)
     read = [None if t is None else d.value(t) for t in (q, k, v)]
     o, stats = d.value(node.outputs[0]), d.value(node.outputs[1])
     extra = [None if t is None else d.value(t) for t in (bias, seq_len_q, seq_len_kv)]
     random = [None if t is None else d.value(t) for t in (seed, offset)]
-    dq, dk, dv, dbias = d.graph._add_op("sdpa_backward", read + [o, grads[0], stats] + extra + [None, None] + random,
-                                        attrs)
-    return [dq, dk, dv, dbias] + [None] * 6
+    extras = [None if t is None else d.value(t) for t in (sink, scale)]
+    dq, dk, dv, dbias, dsink = d.graph._add_op("sdpa_backward", read + [o, grads[0], stats] + extra + [None, None]
+                                               + random + extras, attrs)
+    return [dq, dk, dv, dbias] + [None] * 6 + [dsink, _scale_gradient(d, scale, read[0], dq)]
+
+
+def _scale_gradient(d, scale, q, dq):
+    """d attn_scale of a tensor scale: scores = scale * q k^T + ..., so d scale = sum(dS * q k^T),
+    and dq = scale * dS k makes that sum(q * dq) / scale (NaN for a scale of 0)."""
+    if scale is None or not d.needs(scale):
+        return None
+    g = d.graph
+    total = g.reduction(g.mul(q, dq), "sum", [0, 1, 2, 3])
+    return g.reshape(g.div(total, d.value(scale)), list(scale.dim))

@@ -27,6 +27,7 @@ class AttentionGeometry:
     dropout: float
     paged: bool
     bias: bool = False
+    alibi: bool = False  # use_alibi_mask: position-dependent slopes added to the scores
 
 
 def _bhsd(dims) -> tuple:
@@ -60,7 +61,7 @@ def sdpa_problem(graph, group):
     direction = "backward" if node.op == "sdpa_backward" else "forward"
     geometry = AttentionGeometry(direction, int(q.dim[0]), int(q.dim[1]), int(k.dim[1]), int(q.dim[2]),
                                  int(kv_length(k, k_table, attrs)), int(q.dim[3]), int(v.dim[3]), mask, causal,
-                                 dropout, k_table is not None, bias is not None)
+                                 dropout, k_table is not None, bias is not None, bool(attrs.use_alibi_mask))
     return problem(graph, group, geometry)
 
 

@@ -135,6 +135,26 @@ def test_supports_names_why_it_refuses():
     assert "through TMA" in _refused(g)
 
 
+def test_supports_refuses_the_softmax_extras():
+    """A sink token, ALiBi, score outputs and a tensor scale: the Triton kernel's alone."""
+    assert "ALiBi" in _refused(_sdpa_graph(use_alibi_mask=True))
+    g = dg.Graph(name="sink", io_data_type=dg.bfloat16)
+    q, k, v = _tensors(g)
+    o, _ = g.sdpa(q, k, v, sink_token=g.tensor(name="sink", dim=[1, 4, 1, 1], data_type=dg.float32))
+    o.set_output(True)
+    assert "sink token" in _refused(g)
+    g = dg.Graph(name="scale", io_data_type=dg.bfloat16)
+    q, k, v = _tensors(g)
+    o, _ = g.sdpa(q, k, v, attn_scale=g.tensor(name="scale", dim=[1, 1, 1, 1], data_type=dg.float32))
+    o.set_output(True)
+    assert "tensor attn_scale" in _refused(g)
+    g = dg.Graph(name="scores", io_data_type=dg.bfloat16)
+    q, k, v = _tensors(g)
+    for t in g.sdpa(q, k, v, score_max=True)[::2]:
+        t.set_output(True)
+    assert "score_max" in _refused(g)
+
+
 def test_a_grid_past_the_targets_limits_is_refused_at_lowering():
     """batch x heads = 65536 programs on grid axis y (limit 65535): gluon refuses at lowering, so
     a build that opted in passes the group to the Triton kernel, which folds its grid."""

@@ -40,7 +40,9 @@ LOG2E = 1.4426950408889634
 # operands the kernel does not read: present, the group is refused
 UNTAKEN = {"bias": "an additive bias", "seq_len_q": "padding lengths (seq_len_q)",
            "seq_len_kv": "padding lengths (seq_len_kv)", "paged_attention_k_table": "paged K/V",
-           "paged_attention_v_table": "paged K/V", "dropout_seed": "dropout", "dropout_offset": "dropout"}
+           "paged_attention_v_table": "paged K/V", "dropout_seed": "dropout", "dropout_offset": "dropout",
+           "sink_token": "sink token", "attn_scale": "tensor attn_scale",
+           "score_max": "score_max output", "score_sum_exp": "score_sum_exp output"}
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ def supports(problem: Problem) -> Union[bool, str]:
         return "gluon's attention takes no dropout"
     if g.bias:
         return "gluon's attention takes no additive bias"
+    if g.alibi:
+        return "gluon's attention takes no ALiBi mask"
     if g.paged:
         return "gluon's attention reads no paged K/V"
     if g.mask not in MASKS:
@@ -193,7 +197,7 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
     config, g = chosen.config, problem.geometry
     node = group.anchor
     q, k, v = node.inputs[:3]
-    o, stats = node.outputs
+    o, stats = node.outputs[:2]
     stored_stats = stats is not None and any(t is stats for t in group.outputs)
     tensors = {"q": q, "k": k, "v": v, "o": o, "stats": stats if stored_stats else None}
     uids = {stem: t.uid for stem, t in tensors.items() if t is not None}

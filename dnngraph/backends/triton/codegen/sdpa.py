@@ -53,10 +53,13 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          # the op-level backward (codegen/attention.py)
          "logits", "d_grad",
          # the generated device function walking one run of blocks (RUN_FUNCTION)
-         "attend_blocks", "first", "last", "MASKED")
+         "attend_blocks", "first", "last", "MASKED",
+         # the softmax extras: a tensor scale, ALiBi, the sink token, the keys' row max and sum
+         "sm_scale", "slope", "sink_logit", "m_sink", "p_sink", "dsink_acc", "scale_ptr", "sink_ptr", "smax_ptr",
+         "ssum_ptr", "dsink_ptr")
 RUN_FUNCTION = "attend_blocks"
 STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
-                "dbias", "delta", "opart", "lpart", "seedt", "offt")
+                "dbias", "delta", "opart", "lpart", "seedt", "offt", "scale", "sink", "smax", "ssum", "dsink")
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
 
 
@@ -84,6 +87,7 @@ class AttentionSpec:
     head_group: int = 0  # programs of this many heads interleaved, their longest tiles first (0: off)
     folded_grid: bool = False  # the dbias kernel: (key tile, query tile, (batch, head)) from grid axis x
     stored_types: dict = field(default_factory=dict)  # backward: stem (dq, dk, dv, dbias) -> DataType
+    alibi: bool = False  # scores += (key - query position) * the head's ALiBi slope
 
 
 def _mask_argument(terms: list) -> str:
@@ -143,6 +147,17 @@ class ScoreModifier:
                     self.sides.append(tensor)
 
 
+def alibi_slope(head: str, heads: int) -> str:
+    """The ALiBi slope of query head `head` (an expression) among `heads`, times log2(e) (the
+    kernels' scores are base 2), as ops/sdpa.py's alibi_slopes defines it."""
+    n = 1 << (heads.bit_length() - 1)
+    first = f"tl.math.exp2(({head} + 1).to(tl.float32) * {-8.0 / n!r})"
+    if n == heads:
+        return f"{first} * {LOG2E!r}"
+    rest = f"tl.math.exp2((2 * ({head} - {n}) + 1).to(tl.float32) * {-4.0 / n!r})"
+    return f"tl.where({head} < {n}, {first}, {rest}) * {LOG2E!r}"
+
+
 def _random_loads(writer, depth: int = 1):
     """seed and offset read from their one-element int64 tensors, where dropout names tensors."""
     for name, stem in (("seed", "seedt"), ("offset", "offt")):
@@ -166,6 +181,18 @@ class _Writer:
 
     def has(self, stem: str) -> bool:
         return stem in self.spec.uids
+
+    def scale_lines(self, depth: int = 1):
+        """qk_scale, the base-2 score scale: a literal, or read from the one-element attn_scale
+        tensor (sm_scale, which the backward's dQ and dK multiply by too)."""
+        if self.has("scale"):
+            self.line("sm_scale = tl.load(scale_ptr).to(tl.float32)", depth)
+            self.line(f"qk_scale = sm_scale * {LOG2E!r}", depth)
+        else:
+            self.line(f"qk_scale = {self.spec.scale * LOG2E!r}", depth)
+
+    def scale_value(self) -> str:
+        return "sm_scale" if self.has("scale") else repr(self.spec.scale)
 
     def d_mask(self, axes: str) -> list:
         """The head-dim mask term of a load, none where BLOCK_D is the head dim."""
@@ -220,7 +247,9 @@ class _Writer:
         w("m_i = tl.full([BLOCK_M], float('-inf'), tl.float32)")
         w("l_i = tl.zeros([BLOCK_M], tl.float32)")
         w("acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)")
-        w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+        self.scale_lines()
+        if self.spec.alibi:
+            w(f"slope = tl.zeros([BLOCK_M], tl.float32) + {alibi_slope('q_head', self.spec.dims['HEADS'])}")
         _random_loads(self)
 
     def program_ids(self, tile: str, reverse: bool = True):
@@ -308,7 +337,8 @@ class _Writer:
         terms = (["key_in[None, :]"] if masked else []) + self.d_mask("[:, None]")
         w(f"k_tile = tl.load(k_ptr + {k_rows}[None, :] + cols_d[:, None] * {self.stride('k', 3)}"
           f"{_mask_argument(terms)})", depth)
-        if not masked and self.modifier is None and not self.has("bias") and spec.scale > 0:
+        if not masked and self.modifier is None and not self.has("bias") and not self.has("scale") and \
+                not spec.alibi and spec.scale > 0:
             self.plain_probabilities(depth)
         else:
             self.probabilities(masked, depth)
@@ -338,6 +368,8 @@ class _Writer:
             w(f"bias_tile = tl.load(bias_ptr + bias_row[:, None] + {keys} * {self.stride('bias', 3)}, "
               "mask=row_in[:, None] & key_in[None, :], other=0.0)", depth)
             w(f"scores += bias_tile.to(tl.float32) * {LOG2E!r}", depth)
+        if spec.alibi:
+            w("scores += (keys[None, :] - q_pos[:, None]).to(tl.float32) * slope[:, None]", depth)
         if masked:
             w("visible = key_in[None, :] & (q_pos[:, None] >= 0)", depth)
             if spec.right is not None:
@@ -428,6 +460,29 @@ class _Writer:
         return texts
 
     # --- epilogue -----------------------------------------------------------------------------
+    def row_scores(self):
+        """The keys' row max (natural units) and sum of exp(score - max), before the sink joins."""
+        for stem, value in (("smax", f"m_i / {LOG2E!r}"), ("ssum", "l_i")):
+            if self.has(stem):
+                self.line(f"tl.store({stem}_ptr + {self.row_base(stem)}, {value}, mask=row_in)")
+
+    def fold_sink(self):
+        """The sink token joins the denominator once every key is seen: one more 'key' with logit
+        sink and no value (acc is rescaled, not grown). A row that saw no key keeps acc = 0 and
+        l = 1 under m = sink: o = 0, stats = the sink."""
+        if not self.has("sink"):
+            return
+        w = self.line
+        # a packed tile's rows past GROUP * SQ name heads past H: masked, no load leaves the sinks
+        mask = ", mask=row_in, other=0.0" if self.spec.packed else ""
+        w(f"sink_logit = tl.load(sink_ptr + q_head * sink_s1{mask}).to(tl.float32) * {LOG2E!r}")
+        w("m_sink = tl.maximum(m_i, sink_logit)")
+        w("m_use = tl.where(m_sink == float('-inf'), 0.0, m_sink)")
+        w("alpha = tl.math.exp2(m_i - m_use)")
+        w("l_i = l_i * alpha + tl.math.exp2(sink_logit - m_use)")
+        w("acc = acc * alpha[:, None]")
+        w("m_i = m_sink")
+
     def normalize(self):
         """o = acc / l and the natural-log stats (-inf for a row that saw no key)."""
         w = self.line
@@ -536,6 +591,8 @@ def render(kernel_name: str, spec: AttentionSpec, group, o_uid: int, outputs: li
     elif spec.stats_only:
         writer.store_stats()
     else:
+        writer.row_scores()
+        writer.fold_sink()
         writer.normalize()
         extra.update(writer.finish(group, o_uid, outputs))
     args = attention_arguments(spec, extra, writer.emitter.scalars)
@@ -615,7 +672,7 @@ class BackwardWriter(_Writer):
     def lengths(self):
         w = self.line
         self.lengths_in_range_at(1)
-        w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+        self.scale_lines()
         _random_loads(self)
 
     def head_offsets(self, head: str, depth: int):
@@ -679,6 +736,8 @@ class BackwardWriter(_Writer):
               f"mask=({rows}[:, None] < len_q) & ({keys}[None, :] < len_kv), other=0.0)", depth)
             bias = "tl.trans(bias_tile)" if transposed else "bias_tile"
             w(f"scores += {bias}.to(tl.float32) * {LOG2E!r}", depth)
+        if spec.alibi:
+            w(f"scores += ({c} - {r}).to(tl.float32) * {alibi_slope('head', spec.dims['HEADS'])}", depth)
         if masked:
             w(f"visible = ({c} < len_kv) & ({r} < len_q)", depth)
             if spec.right is not None:
@@ -756,7 +815,7 @@ class BackwardWriter(_Writer):
                                              ("dv", "dv_acc", "cols_dv", self.dv_mask("[None, :]"), False)):
             if not self.has(stem):
                 continue
-            value = f"{acc} * {self.spec.scale!r}" if scale else acc
+            value = f"{acc} * {self.scale_value()}" if scale else acc
             w(f"tl.store({stem}_ptr + batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1 + keys[:, None]{wide} * "
               f"{stem}_s2 + {cols}[None, :] * {stem}_s3, {self.stored_as(stem, value)}, "
               f"mask={' & '.join(store + mask)})")
@@ -797,7 +856,7 @@ class BackwardWriter(_Writer):
         self.key_range(padded_rows_idle=True)
         self.block_loops("start_n", "BLOCK_N", self.dq_block)
         w(f"tl.store(dq_ptr + dq_base + rows[:, None]{wide} * dq_s2 + cols_d[None, :] * dq_s3, "
-          f"{self.stored_as('dq', f'dq_acc * {self.spec.scale!r}')}, "
+          f"{self.stored_as('dq', f'dq_acc * {self.scale_value()}')}, "
           f"mask={' & '.join(['(rows < SQ)[:, None]'] + self.d_mask('[None, :]'))})")
 
     def dbias_kernel(self):
@@ -839,7 +898,7 @@ class BackwardWriter(_Writer):
     def _dbias_walk(self, owns_batch: bool, owns_head: bool, owns_rows: bool):
         """dbias_acc += dS over the batches, heads and query blocks the program's tile gathers."""
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
-        w(f"qk_scale = {self.spec.scale * LOG2E!r}")
+        self.scale_lines()
         _random_loads(self)
         w("cols_d = tl.arange(0, BLOCK_D)")
         w("cols_dv = tl.arange(0, BLOCK_DV)")
@@ -893,8 +952,35 @@ class BackwardWriter(_Writer):
         w("tl.store(delta_ptr + delta_base + rows * delta_s2, delta_row, mask=rows < SQ)")
 
 
+    def dsink_kernel(self):
+        """dsink_h = -sum over (b, i < len_q) of p_sink * delta, p_sink = exp(sink - lse) (the
+        stats count the sink), delta = rowsum(dO * o): a program per query head walks its rows
+        (no atomics)."""
+        w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        w("head = tl.program_id(0)")
+        w("sink_logit = tl.load(sink_ptr + head * sink_s1).to(tl.float32)")
+        w("dsink_acc = tl.zeros([BLOCK_M], tl.float32)")
+        w("cols_dv = tl.arange(0, BLOCK_DV)")
+        depth = self._owned_or_walked("batch", "", "b_step", "BATCH", False, 1)
+        w(f"len_q = {self.length('lenq', 'SQ')}", depth)
+        self.head_offsets("head", depth)
+        w("for start_m in range(0, len_q, BLOCK_M):", depth)
+        depth += 1
+        w("rows = start_m + tl.arange(0, BLOCK_M)", depth)
+        w("row_in = rows < len_q", depth)
+        for stem in ("o", "do"):
+            w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + rows[:, None]{wide} * {stem}_s2 + cols_dv[None, :] * "
+              f"{stem}_s3{_mask_argument(['row_in[:, None]'] + self.dv_mask('[None, :]'))})", depth)
+        w("delta_row = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1)", depth)
+        w("lse_row = tl.load(stats_ptr + stats_base + rows * stats_s2, mask=row_in, other=float('inf'))", depth)
+        w("p_sink = tl.where(row_in, tl.exp(sink_logit - lse_row), 0.0)", depth)
+        w("dsink_acc += p_sink * delta_row", depth)
+        w(f"tl.store(dsink_ptr + head * dsink_s1, {self.stored_as('dsink', '-tl.sum(dsink_acc, 0)')})")
+
+
 BACKWARD_KERNELS = {"delta": BackwardWriter.delta_kernel, "dkdv": BackwardWriter.dkdv_kernel,
-                    "dq": BackwardWriter.dq_kernel, "dbias": BackwardWriter.dbias_kernel}
+                    "dq": BackwardWriter.dq_kernel, "dbias": BackwardWriter.dbias_kernel,
+                    "dsink": BackwardWriter.dsink_kernel}
 
 
 def render_backward(kernel_name: str, which: str, spec: AttentionSpec, compute_type: str, description: str):

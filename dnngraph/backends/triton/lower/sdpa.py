@@ -35,13 +35,18 @@ def dot_precision(graph, data_type) -> str:
     return "tf32" if graph.allow_tf32 else "ieee"
 
 
-def _spec(graph, node, group, sched, stored_o: bool, stats, index_64: bool) -> AttentionSpec:
-    q, k, v, bias, len_q, len_kv, k_table, v_table, seed, offset = node.inputs
+SCALARS = ("seedt", "offt", "scale")  # one-element tensors read through their pointer alone
+
+
+def _spec(graph, node, group, sched, stored_o: bool, stored: dict, index_64: bool) -> AttentionSpec:
+    """`stored`: the row outputs the group stores by stem (stats, smax, ssum)."""
+    q, k, v, bias, len_q, len_kv, k_table, v_table, seed, offset, sink, scale_t = node.inputs
     o = node.outputs[0]
-    present = {"q": q, "k": k, "v": v, "o": o if stored_o else None, "stats": stats, "bias": bias,
-               "lenq": len_q, "lenkv": len_kv, "ktab": k_table, "vtab": v_table, "seedt": seed, "offt": offset}
+    present = {"q": q, "k": k, "v": v, "o": o if stored_o else None, "bias": bias,
+               "lenq": len_q, "lenkv": len_kv, "ktab": k_table, "vtab": v_table, "seedt": seed, "offt": offset,
+               "sink": sink, "scale": scale_t, **stored}
     present = {stem: t for stem, t in present.items() if t is not None}
-    strides = {stem: () if stem in ("seedt", "offt") else tuple(t.stride) for stem, t in present.items()}
+    strides = {stem: () if stem in SCALARS else tuple(t.stride) for stem, t in present.items()}
     if bias is not None:
         strides["bias"] = output_strides(bias)
     problem, attrs = sched.problem, node.attrs
@@ -57,7 +62,7 @@ def _spec(graph, node, group, sched, stored_o: bool, stats, index_64: bool) -> A
                          mask.right, mask.bottom_right, attrs.dropout, k.dim[2] if k_table is not None else None,
                          (sched.config.block_m, sched.config.block_n, sched.block_d, sched.block_dv), wide,
                          dot_precision(graph, q.data_type), sched.packed, sched.splits, sched.chunk,
-                         head_group=sched.head_group)
+                         head_group=sched.head_group, alibi=attrs.use_alibi_mask)
 
 
 def kernel_mask(node, s_q: int, s_kv: int) -> AttentionMask:
@@ -93,12 +98,22 @@ def build_sdpa(graph, group, context):
     if node.op == "sdpa_backward":
         return _build_backward(graph, group, context)
     problem = problem_of(node)
+    forced = forced_attention(context.options)
+    o, stats, score_max, score_sum = node.outputs
+    sink = node.inputs[node.opdef.input_names.index("sink_token")]
+    if sink is not None or score_max is not None or score_sum is not None:
+        # the sink and the keys' row max and sum are taken once a program has seen every key:
+        # no key splits (whose combine would have to merge them)
+        forced = dataclasses.replace(forced, splits=1)
     sched = schedule(problem, context.target, None if budget is None or budget.limit is None
-                     else budget.limit - budget.spent, forced_attention(context.options))
-    o, stats = node.outputs
-    outputs = [t for t in group.outputs if t is not stats]
-    stored_stats = stats if stats is not None and stats in group.outputs else None
-    spec = _spec(graph, node, group, sched, any(t is o for t in outputs), stored_stats, context.options.sdpa_index_64)
+                     else budget.limit - budget.spent, forced)
+    if sched.packed and forced.splits == 1 and forced_attention(context.options).splits != 1:
+        sched = dataclasses.replace(sched, reason=sched.reason + " (one split: the sink token and the score "
+                                    "outputs are taken once every key is seen)")
+    rows = {"stats": stats, "smax": score_max, "ssum": score_sum}
+    stored = {stem: t for stem, t in rows.items() if t is not None and any(t is u for u in group.outputs)}
+    outputs = [t for t in group.outputs if all(t is not r for r in rows.values())]
+    spec = _spec(graph, node, group, sched, any(t is o for t in outputs), stored, context.options.sdpa_index_64)
     name = kernel_name(group)
     if sched.splits > 1:
         return _build_split(graph, group, name, spec, sched, budget, outputs)
@@ -135,44 +150,53 @@ def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
     return [split, combine]
 
 
-GRADIENTS = ("dq", "dk", "dv", "dbias")  # the stems a backward kernel stores
+GRADIENTS = ("dq", "dk", "dv", "dbias", "dsink")  # the stems a backward kernel stores
 BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv"),
                   "dkdv": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dk", "dv", "seedt",
-                           "offt"),
-                  "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq", "seedt", "offt"),
+                           "offt", "scale"),
+                  "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq", "seedt", "offt",
+                         "scale"),
                   "dbias": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dbias", "seedt",
-                            "offt")}
+                            "offt", "scale"),
+                  "dsink": ("o", "do", "stats", "lenq", "sink", "dsink")}
+DSINK_ROWS = 64  # query rows per step of the dsink kernel's walk
 
 
 def _backward_spec(graph, node, sched, which: str, delta, index_64: bool) -> AttentionSpec:
     q, k, v, o, d_o, stats, bias, len_q, len_kv = node.inputs[:9]
-    seed, offset = node.inputs[-2:]
-    dq, dk, dv, dbias = node.outputs
+    seed, offset, sink, scale_t = node.inputs[11:15]
+    dq, dk, dv, dbias, dsink = node.outputs
     tensors = {"q": q, "k": k, "v": v, "o": o, "do": d_o, "stats": stats, "bias": bias, "lenq": len_q,
-               "lenkv": len_kv, "dq": dq, "dk": dk, "dv": dv, "dbias": dbias, "seedt": seed, "offt": offset}
+               "lenkv": len_kv, "dq": dq, "dk": dk, "dv": dv, "dbias": dbias, "seedt": seed, "offt": offset,
+               "sink": sink, "scale": scale_t, "dsink": dsink}
     present = {stem: tensors[stem] for stem in BACKWARD_STEMS[which] if tensors.get(stem) is not None}
-    strides = {stem: () if stem in ("seedt", "offt") else tuple(t.stride) for stem, t in present.items()}
+    strides = {stem: () if stem in SCALARS else tuple(t.stride) for stem, t in present.items()}
     uids = {stem: t.uid for stem, t in present.items()}
     if bias is not None and "bias" in present:
         strides["bias"] = output_strides(bias)
     if delta is not None and "delta" in BACKWARD_STEMS[which]:
         problem = sched.problem
         strides["delta"], uids["delta"] = (problem.heads * problem.s_q, problem.s_q, 1), delta.uid
-    problem, attrs, config = sched.problem, node.attrs, sched.configs[which]
+    problem, attrs, config = sched.problem, node.attrs, sched.configs[which if which != "dsink" else "dq"]
     dims = {"HEADS": problem.heads, "GROUP": problem.heads // problem.kv_heads, "SQ": problem.s_q,
             "SKV": problem.s_kv, "HEAD_DIM": problem.head_dim, "VALUE_DIM": problem.value_dim}
     if which == "dbias":
         dims.update(BATCH=problem.batch, BIAS_HEADS=sched.bias_dims[1])
+    if which == "dsink":
+        dims.update(BATCH=problem.batch)
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(problem.head_dim)
     wide = index_64 or any(element_span(t) > INT32_LIMIT for t in present.values()) or \
         problem.batch * problem.heads * problem.s_q * problem.s_kv > INT32_LIMIT
     mask = kernel_mask(node, problem.s_q, problem.s_kv)
+    block_m = DSINK_ROWS if which == "dsink" else config.block_m
     return AttentionSpec(dims, strides, uids, scale, mask.left, mask.right, mask.bottom_right, attrs.dropout,
-                         None, (config.block_m, config.block_n, sched.block_d, sched.block_dv), wide,
+                         None, (block_m, config.block_n, sched.block_d, sched.block_dv), wide,
                          dot_precision(graph, q.data_type),
                          bias_dims=sched.bias_dims if which == "dbias" else (),
-                         head_group=sched.head_group(which), folded_grid=sched.folds(which),
-                         stored_types={stem: t.data_type for stem, t in present.items() if stem in GRADIENTS})
+                         head_group=0 if which == "dsink" else sched.head_group(which),
+                         folded_grid=which != "dsink" and sched.folds(which),
+                         stored_types={stem: t.data_type for stem, t in present.items() if stem in GRADIENTS},
+                         alibi=attrs.use_alibi_mask)
 
 
 def _build_backward(graph, group, context) -> list:
@@ -188,14 +212,20 @@ def _build_backward(graph, group, context) -> list:
         if budget is not None:
             budget.spend(delta_bytes)
     launches = []
-    for which in (("delta",) if delta is not None else ()) + ("dkdv", "dq") + (("dbias",) if dbias is not None else ()):
+    dsink = node.outputs[4]
+    kernels = (("delta",) if delta is not None else ()) + ("dkdv", "dq") + (("dbias",) if dbias is not None else ())
+    for which in kernels + (("dsink",) if dsink is not None else ()):
         spec = _backward_spec(graph, node, sched, which, delta, context.options.sdpa_index_64)
         name = f"{kernel_name(group)}_{which}"
         source = render_backward(name, which, spec, graph.compute_data_type.triton_type,
                                  f"{which} of {group.summary()}")
-        config = sched.configs[which]
         reason = sched.reason + ("" if delta is not None else "; delta inline (no workspace for "
                                  f"{delta_bytes} bytes)")
+        if which == "dsink":  # a program per query head walks its (batch, row) pairs: no atomics
+            launches.append(launch_of(group, source, (problem.heads,), 4,
+                                      f"dsink: BLOCK_M={DSINK_ROWS} grid=[{problem.heads}]", reason))
+            continue
+        config = sched.configs[which]
         launches.append(launch_of(group, source, sched.programs(which), config.num_warps, sched.config_text(which),
                                   reason, scratch=(delta,) if which == "delta" else (), num_stages=config.num_stages))
     return launches
