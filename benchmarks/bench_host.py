@@ -117,7 +117,19 @@ def execute_rows(executes: int) -> list:
             cycle = iter(range(10 ** 9))
             us = _per_call_us(lambda: g.execute(fresh[next(cycle) % len(fresh)]), executes)
         rows.append((f"execute, {len(g.plan.launches)} kernel(s), 64 binding sets in turn", us))
-    return rows
+    return rows + [function_row(executes)]
+
+
+def function_row(executes: int) -> tuple:
+    """An as_function call of the one-kernel graph: its output allocated by the call (a torch.empty
+    of [1024] on the CPU: the allocation is in it, as in torch's eager relu)."""
+    g = one_kernel("function")
+    fn = g.as_function()
+    x = torch.randn(1024)
+    with pretend_gpu():
+        fn(x)  # builds and binds the no-op launch
+        us = _per_call_us(lambda: fn(x), executes)
+    return "as_function call, 1 kernel(s), same input", us
 
 
 def build_rows() -> list:

@@ -16,7 +16,7 @@ import torch
 
 from .autodiff import derive, replay
 from .errors import ExecutionError, ValidationError
-from .runtime.bindings import check_bindable, resolved_input
+from .runtime.bindings import check_bindable, resolved_input, unbindable
 from .tensor import overlaps
 
 
@@ -37,6 +37,11 @@ def _conformed(tensor, arg: torch.Tensor, what: str) -> torch.Tensor:
     return arg.detach()
 
 
+def _text(what, position: int) -> str:
+    """An input's name for an error: `what` itself, or what it gives for `position`."""
+    return what if isinstance(what, str) else what(position)
+
+
 def _allocated(tensor, device) -> torch.Tensor:
     return torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype, device=device)
 
@@ -54,19 +59,25 @@ class _Runner:
         self.keys = tuple(inputs) + tuple(outputs)
         self.token = object()
 
-    def conformed(self, position: int, arg, what: str) -> torch.Tensor:
+    def conformed(self, position: int, arg, what, checked: bool = False) -> torch.Tensor:
         """Input `position` as the plan reads it: a kind of tensor kernels can bind (a lazily
         negated view resolved), in its declared layout. Every run of the function passes here,
-        the custom ops' (torch.compile, autograd's backward) included."""
+        the custom ops' (torch.compile, autograd's backward) included. `what` names the input in
+        errors: a str, or a function of `position` giving it (called only to raise or copy).
+        `checked`: the caller has just checked `arg` is a bindable tensor (GraphFunction's eager
+        call), so that is not read again."""
         tensor, shape, stride, dtype, checked_axes = self.inputs[position]
-        if isinstance(arg, torch.Tensor):
-            check_bindable(arg, what, is_output=False)
-            arg = resolved_input(arg)
-        if isinstance(arg, torch.Tensor) and arg.dtype == dtype and arg.shape == shape:
+        is_tensor = checked or isinstance(arg, torch.Tensor)
+        if is_tensor:
+            if not checked and unbindable(arg) is not None:
+                check_bindable(arg, _text(what, position), is_output=False)
+            if arg.is_neg():
+                arg = resolved_input(arg)
+        if is_tensor and arg.dtype == dtype and arg.shape == shape:
             strides = arg.stride()
             if strides == stride or all(strides[a] == stride[a] for a in checked_axes):
                 return arg.detach() if arg.requires_grad or arg.__class__ is not torch.Tensor else arg
-        return _conformed(tensor, arg, what)
+        return _conformed(tensor, arg, _text(what, position))
 
     def __call__(self, args: list, device) -> list:
         """The outputs of the graph on `args` (already conformed), allocated on `device`."""
@@ -129,26 +140,32 @@ class GraphFunction:
         self._plain_op, self._training_op = _custom_ops(self)
 
     def __call__(self, *args):
-        if len(args) != len(self.inputs):
-            raise ExecutionError(f"{self.graph.name}: takes {len(self.inputs)} tensors, got {len(args)}")
+        inputs = self.inputs
+        if len(args) != len(inputs):
+            raise ExecutionError(f"{self.graph.name}: takes {len(inputs)} tensors, got {len(args)}")
         compiling = torch.compiler.is_compiling()
-        for tensor, arg in zip(self.inputs, args):
-            what = f"{self.graph.name} input {tensor.name!r}"
+        grad = torch.is_grad_enabled()
+        wanted = False
+        for position, arg in enumerate(args):
             if not isinstance(arg, torch.Tensor):
-                raise ExecutionError(f"{what}: expects a torch.Tensor, got {type(arg).__name__}")
+                raise ExecutionError(f"{self._input_text(position)}: expects a torch.Tensor, got {type(arg).__name__}")
             # before torch.library's dispatch, which has no sparse or nested kernel to find; a traced
             # call is checked where its op runs (_Runner.conformed)
-            if not compiling:
-                check_bindable(arg, what, is_output=False)
-        wanted = tuple(torch.is_grad_enabled() and a.requires_grad and t.data_type.is_floating
-                       for a, t in zip(args, self.inputs))
-        if any(wanted):
-            results = self._training_op(list(args), list(wanted))[:len(self.outputs)]
+            if not compiling and unbindable(arg) is not None:
+                check_bindable(arg, self._input_text(position), is_output=False)
+            wanted = wanted or (grad and arg.requires_grad and inputs[position].data_type.is_floating)
+        if wanted:
+            wanted = [a.requires_grad and t.data_type.is_floating for a, t in zip(args, inputs)]
+            results = self._training_op(list(args), wanted)[:len(self.outputs)]
         elif compiling:
             results = self._plain_op(list(args))
         else:  # eager: no custom op dispatch (CUDA graphs capture this path as well)
-            results = self._run_plain(list(args))
+            results = self._run_eager(args)
         return results[0] if len(results) == 1 else tuple(results)
+
+    def _input_text(self, position: int) -> str:
+        """How errors name input `position` (formatted only when one is raised)."""
+        return f"{self.graph.name} input {self.inputs[position].name!r}"
 
     # --- without autograd ------------------------------------------------------------------------
     def _plain_graph(self, build: bool = True):
@@ -163,12 +180,31 @@ class GraphFunction:
             return self._plain
 
     def _run_plain(self, args) -> list:
+        """The plain custom op's implementation: every input checked here (a traced call's
+        arguments were not checked before it)."""
         self._plain_graph()
         runner = self._plain_runner
-        conformed = [runner.conformed(i, a, f"{self.graph.name} input {t.name!r}")
-                     for i, (t, a) in enumerate(zip(self.inputs, args))]
+        conformed = [runner.conformed(i, a, self._input_text) for i, a in enumerate(args)]
         device = args[0].device if args else torch.device("cpu")
         return runner(conformed, device)
+
+    def _run_eager(self, args) -> list:
+        """An eager call without gradients, its arguments checked by __call__ just before: no lock
+        once the plain graph is built, and each input's kind is not read twice."""
+        runner = self._plain_runner
+        plan = runner.graph.plan if runner is not None else None
+        if plan is None:
+            self._plain_graph()
+            runner = self._plain_runner
+        values = [runner.conformed(i, a, self._input_text, checked=True) for i, a in enumerate(args)]
+        if plan is None:
+            return runner(values, args[0].device if args else torch.device("cpu"))
+        # what _Runner.__call__ does, with the plan already in hand: one call less
+        device = args[0].device if args else torch.device("cpu")
+        results = [torch.empty_strided(dim, stride, dtype=dtype, device=device)
+                   for dim, stride, dtype in runner.outputs]
+        plan.execute_conformed(runner.token, runner.keys, values + results)
+        return results
 
     # --- with autograd ---------------------------------------------------------------------------
     def derivation(self, wanted: tuple):

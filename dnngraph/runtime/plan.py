@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import operator
 import os
 import threading
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 POINTER_ALIGNMENT = 16  # bytes; Triton specializes pointers on it (vectorized access)
 WORKSPACE_ALIGNMENT = 256
 READY_BINDING_SETS = 64  # checked binding sets a plan remembers (forgotten all at once past it)
+_data_ptr = operator.methodcaller("data_ptr")  # mapped over a call's values: no comprehension's frame
 
 
 @dataclass(frozen=True)
@@ -153,22 +155,7 @@ class ReadyBindings:
     aligned: bool
     streams: Optional[dict]
     negated: frozenset = frozenset()  # uids of lazily negated inputs, resolved at each launch
-
-
-def _stamp(bindings: dict, workspace) -> tuple:
-    """What execute()'s checks read of a binding set: per binding the key and the value's type,
-    address, dtype, shape, strides and device (and the same of the workspace). Contents are not
-    in it: writing into a bound tensor keeps its binding valid, while anything that moves or
-    reshapes it (set_, resize_, as_strided_, .data =) changes the stamp. The negative bit is in
-    it: a lazily negated view of a bound tensor's memory is another binding."""
-    parts = []
-    for key, value in bindings.items():
-        parts += (key, value.__class__, value.data_ptr(), value.dtype, value.shape, value.stride(), value.device,
-                  value.is_neg())
-    if workspace is not None:
-        parts += (workspace.__class__, workspace.data_ptr(), workspace.dtype, workspace.shape, workspace.stride(),
-                  workspace.device)
-    return tuple(parts)
+    index: Optional[int] = None  # kernel_device.index, read once (a torch.device attribute costs a call)
 
 
 @dataclass
@@ -208,7 +195,11 @@ class Plan:
         self._by_target: dict = {}  # Target -> DeviceLaunches
         self._by_device: dict = {}  # (device type, index) -> DeviceLaunches
         self._streams: dict = {}  # (device type, index, raw stream) -> StreamWorkspace
-        self._ready: dict = {}  # _stamp of a binding set -> ReadyBindings
+        self._ready: dict = {}  # the stamp of a binding set (see execute) -> ReadyBindings
+        # (stamp, ReadyBindings) of the last binding set checked in full: a call that repeats it
+        # compares its stamp with it (no hash); one tuple, so a thread reads a stamp with its own
+        # set. Not moved on a lookup hit: sets used in turn cost no write per call.
+        self._last: tuple = (None, None)
         built = self._derive(device, launches)
         self.target = built.target  # the build's (others derive launches of their own at execute)
         self.dtypes = built.dtypes
@@ -222,7 +213,7 @@ class Plan:
         plan = copy.copy(self)
         plan.graph_name = graph.name
         plan.key_to_uid = keys_of(graph)
-        plan._streams, plan._ready = {}, {}
+        plan._streams, plan._ready, plan._last = {}, {}, (None, None)
         return plan
 
     # --- one set of launches per target ----------------------------------------------------------
@@ -360,26 +351,61 @@ class Plan:
         Without it each (device, stream) uses a workspace of its own, made on first use.
 
         A binding set is checked once: an execute whose keys, tensor types, addresses, dtypes,
-        shapes, strides and devices (and workspace) all match an earlier one's reuses its
-        checks and, on a GPU, its launches' argument lists with the addresses filled in."""
+        shapes, strides, devices and negative bits (and workspace) all match an earlier one's
+        reuses its checks and, on a GPU, its launches' argument lists with the addresses filled
+        in."""
+        # The stamp: what the checks read of a binding set, per binding the key (and its type) and
+        # the value's type, address, dtype, shape, strides, device and negative bit (and the same of
+        # the workspace). Contents are not in it: writing into a bound tensor keeps its binding
+        # valid. Every field is read on every call, for a tensor can change each of them in place
+        # while it stays the same Python object (its id; its _cdata too, but for
+        # torch.utils.swap_tensors): set_, resize_, as_strided_, t_ and the other in-place view ops,
+        # a storage resize and share_memory_ move or reshape it; `.data =` can change any one field
+        # alone (the dtype, by a view of its own memory; the negative bit, by a negated view), and
+        # neither it, share_memory_ nor a storage resize bumps _version (which a write of contents
+        # does). So no subset of these reads, nor the object's identity, tells that a tensor is
+        # still what was checked. The key's type is in it so that a key comparing equal to a graph
+        # tensor without being one (an __eq__ that says yes to anything) never matches the last
+        # set, which is compared without a hash. Built here, not in a function: a call less.
         try:
-            stamp = _stamp(bindings, workspace) if bindings.__class__ is dict else None
-            ready = self._ready.get(stamp)
+            if bindings.__class__ is dict:
+                parts = []
+                for key, value in bindings.items():
+                    parts += (key, key.__class__, value.__class__, value.data_ptr(), value.dtype, value.shape,
+                              value.stride(), value.device, value.is_neg())
+                if workspace is not None:
+                    parts += (workspace.__class__, workspace.data_ptr(), workspace.dtype, workspace.shape,
+                              workspace.stride(), workspace.device)
+                stamp = tuple(parts)
+            else:
+                stamp = None
+            last, ready = self._last
+            if stamp != last:  # the last set checked, again, is one comparison; another is a lookup
+                ready = self._ready.get(stamp)
         except Exception:  # a value that is no tensor, an unhashable key: the checks say which
             stamp = ready = None
         if ready is None:
             ready = self._prepare(bindings, workspace, stamp)
-        self._launch_ready(ready, bindings.values(), workspace)
+        streams = ready.streams
+        if streams is None:
+            self._execute_tensors(ready, bindings.values(), workspace)
+            return
+        index = ready.index
+        stream = torch._C._cuda_getCurrentRawStream(index)
+        lock, calls = streams.get(stream) or self._bind_stream(ready, bindings.values(), workspace, stream)
+        self._launch_calls(ready, lock, calls, index)
 
     def execute_conformed(self, token, keys: tuple, values: list) -> None:
         """execute() for a caller that made every value itself in its key's declared dtype, shape
         and strides (GraphFunction: inputs conformed, outputs freshly allocated), passing the same
         `keys` under the same hashable `token` each call: a repeated call reads only the values'
         addresses and device, a new set of addresses is checked in full once."""
-        stamp = (token, values[0].device, *[value.data_ptr() for value in values])
-        ready = self._ready.get(stamp)
-        if ready is None:
-            ready = self._prepare(dict(zip(keys, values)), None, stamp)
+        stamp = (token, values[0].device, *map(_data_ptr, values))
+        last, ready = self._last
+        if stamp != last:
+            ready = self._ready.get(stamp)
+            if ready is None:
+                ready = self._prepare(dict(zip(keys, values)), None, stamp)
         self._launch_ready(ready, values, None)
 
     def _launch_ready(self, ready: "ReadyBindings", values, workspace) -> None:
@@ -387,9 +413,14 @@ class Plan:
         if ready.streams is None:
             self._execute_tensors(ready, values, workspace)
             return
-        index = ready.kernel_device.index
+        index = ready.index
         stream = torch._C._cuda_getCurrentRawStream(index)
         lock, calls = ready.streams.get(stream) or self._bind_stream(ready, values, workspace, stream)
+        self._launch_calls(ready, lock, calls, index)
+
+    def _launch_calls(self, ready: "ReadyBindings", lock, calls, index: int) -> None:
+        """Run a checked set's prepared calls on CUDA device `index`, under the stream
+        workspace's lock when it uses one."""
         try:
             if lock is None:
                 launch_on_device(calls, index)
@@ -423,11 +454,13 @@ class Plan:
         uids = tuple(self.key_to_uid[key] for key in bindings)
         # a negated input is resolved into fresh memory at each launch: no addresses to bind
         bound = kernel_device.type == "cuda" and aligned and not negated
-        ready = ReadyBindings(uids, device, kernel_device, built, aligned, {} if bound else None, negated)
+        ready = ReadyBindings(uids, device, kernel_device, built, aligned, {} if bound else None, negated,
+                              kernel_device.index)
         if stamp is not None:
             if len(self._ready) >= READY_BINDING_SETS:
                 self._ready.clear()
             self._ready[stamp] = ready
+            self._last = (stamp, ready)
         return ready
 
     def _execute_tensors(self, ready: "ReadyBindings", values, workspace):

@@ -3,6 +3,8 @@ addresses, dtypes, shapes, strides, devices) skip the checks and, on a GPU, laun
 argument lists of device addresses. Anything that moves or reshapes a bound tensor is checked
 again; the addresses launched are the ones the tensor path would pass. Review findings: renamed
 tensors, one tensor bound twice, restrided or reused addresses and outputs moved onto inputs."""
+import contextlib
+
 import pytest
 import torch
 
@@ -293,3 +295,209 @@ def test_output_moved_onto_a_view_of_an_input_with_the_same_stamp_otherwise_is_c
     alias = big[64:264].view(5, 40)  # overlaps x's extent
     with pytest.raises(dg.ExecutionError, match="overlaps"):
         g.execute({x: xt, w: _randn(24, 40), y: alias})
+
+
+# --- a bound tensor changed in place, the same Python object (and id) all along ------------------
+# Every one of these keeps id(tensor); only torch.utils.swap_tensors changes its _cdata, and
+# `.data =`, share_memory_ and a storage resize leave its _version as it was (a write of contents
+# bumps it and changes nothing the checks read). So the binding fingerprint reads each field the
+# checks read (address, dtype, shape, strides, device, negative bit) on every call: no subset of
+# them, nor the object's identity, detects all of these.
+def _swap(tensor):
+    torch.utils.swap_tensors(tensor, torch.randn(5, 6, generator=GEN))
+
+
+REFUSED_INPUT_CHANGES = {  # x [5, 6] of _graph() made unbindable in place: (change, the error's words)
+    "resize_ to another numel": (lambda t: t.resize_(30), "shape"),
+    "resize_ to another shape, same numel": (lambda t: t.resize_(6, 5), "shape"),
+    "resize_ to fewer rows (the same address and strides)": (lambda t: t.resize_(4, 6), "shape"),
+    "as_strided_ to fewer rows (the same address and strides)": (lambda t: t.as_strided_((4, 6), (6, 1)), "shape"),
+    "t_()": (lambda t: t.t_(), "shape"),
+    "unsqueeze_": (lambda t: t.unsqueeze_(0), "shape"),
+    "as_strided_ at the same address": (lambda t: t.as_strided_((5, 6), (1, 5)), "strides"),
+    "set_ of its own storage restrided": (lambda t: t.set_(t.untyped_storage(), 0, (5, 6), (1, 5)), "strides"),
+    "set_ of a transposed tensor": (_transpose_in_place, "strides"),
+    ".data = another shape": (_swap_data_wrong_shape, "shape"),
+    ".data = another dtype": (_swap_data_wrong_dtype, "float64"),
+    ".data = its own memory as int32 (only the dtype changes)": (lambda t: setattr(t, "data", t.view(torch.int32)),
+                                                                  "int32"),
+}
+
+RECHECKED_INPUT_CHANGES = {  # x changed in place into another valid binding: kernels must read the new one
+    "set_ of another tensor": lambda t: t.set_(torch.randn(5, 6, generator=GEN)),
+    ".data = another tensor": lambda t: setattr(t, "data", torch.randn(5, 6, generator=GEN)),
+    "share_memory_": lambda t: t.share_memory_(),
+    "its storage resized": lambda t: t.untyped_storage().resize_(4096),
+    "swap_tensors": _swap,
+    ".data = a negated view of its memory (only the negative bit changes)": lambda t: setattr(t, "data",
+                                                                                              t._neg_view()),
+}
+
+
+@pytest.mark.parametrize("name", list(REFUSED_INPUT_CHANGES))
+@pytest.mark.parametrize("gpu", [False, True])
+def test_an_input_made_unbindable_in_place_is_refused_and_nothing_is_written(monkeypatch, name, gpu):
+    change, words = REFUSED_INPUT_CHANGES[name]
+    calls = []
+    with (pretend_gpu(monkeypatch, calls) if gpu else _nothing()):
+        g, x, b, y = _graph()
+        bindings = _bindings(x, b, y)
+        for _ in range(2):  # the second call takes the remembered set
+            g.execute(bindings)
+        identity = id(bindings[x])
+        change(bindings[x])
+        assert id(bindings[x]) == identity
+        bindings[y].fill_(float("nan"))
+        launched = len(calls)
+        for _ in range(2):
+            with pytest.raises(dg.ExecutionError, match=words):
+                g.execute(bindings)
+        assert torch.isnan(bindings[y]).all(), "nothing may be written on error"
+        assert len(calls) == launched, "nothing may be launched on error"
+
+
+@pytest.mark.parametrize("name", list(RECHECKED_INPUT_CHANGES))
+@pytest.mark.parametrize("gpu", [False, True])
+def test_an_input_changed_in_place_is_checked_again_and_read_where_it_now_is(monkeypatch, name, gpu):
+    change = RECHECKED_INPUT_CHANGES[name]
+    calls = []
+    with (pretend_gpu(monkeypatch, calls) if gpu else _nothing()):
+        g, x, b, y = _graph()
+        bindings = _bindings(x, b, y)
+        for _ in range(2):
+            g.execute(bindings)
+        old = bindings[x].data_ptr()
+        held = bindings[x].untyped_storage()  # its old memory stays allocated: no address is reused
+        identity = id(bindings[x])
+        change(bindings[x])
+        assert id(bindings[x]) == identity
+        prepared = len(g.plan._ready)
+        for _ in range(2):
+            calls.clear()
+            bindings[y].fill_(float("nan"))
+            g.execute(bindings)
+            if gpu:  # the launches took the tensor's memory as it is now, never the stale address
+                addresses = {a for args in _kernel_arguments(calls) for a in args}
+                assert old not in addresses or bindings[x].data_ptr() == old and not bindings[x].is_neg()
+                assert bindings[x].is_neg() or bindings[x].data_ptr() in addresses
+            else:
+                expected = g.reference({x: bindings[x], b: bindings[b]})["y"]
+                assert rel_err(bindings[y], expected) < 2e-5
+        assert len(g.plan._ready) == prepared + 1, "the changed binding is a set of its own, checked once"
+        del held
+
+
+@pytest.mark.parametrize("gpu", [False, True])
+def test_an_output_changed_in_place_is_checked_again(monkeypatch, gpu):
+    """An output given a negative bit in place (.data = a negated view: only that bit changes) is
+    refused; one moved onto fresh memory is written there, its old memory untouched."""
+    calls = []
+    with (pretend_gpu(monkeypatch, calls) if gpu else _nothing()):
+        g, x, b, y = _graph()
+        bindings = _bindings(x, b, y)
+        for _ in range(2):
+            g.execute(bindings)
+        out = bindings[y]
+        out.fill_(float("nan"))
+        out.data = out._neg_view()
+        with pytest.raises(dg.ExecutionError, match="negat"):
+            g.execute(bindings)
+        assert out.resolve_neg().isnan().all()
+        out.data = out._neg_view()  # back to its plain self: the first set again
+        assert not out.is_neg()
+        g.execute(bindings)
+        before = out.data  # its memory now
+        old = before.clone()
+        moved = torch.empty(5, 6).fill_(float("nan"))
+        out.set_(moved)
+        calls.clear()
+        g.execute(bindings)
+        if gpu:
+            addresses = {a for args in _kernel_arguments(calls) for a in args}
+            assert moved.data_ptr() in addresses and before.data_ptr() not in addresses
+        else:
+            assert rel_err(out, g.reference({x: bindings[x], b: bindings[b]})["y"]) < 2e-5
+        assert torch.allclose(before, old, equal_nan=True), "the memory it left is not written"
+
+
+@pytest.mark.parametrize("name", ["resize_", "as_strided_", ".data = int32", "negative bit", "set_"])
+def test_a_function_input_changed_in_place_is_checked_again(name):
+    """as_function reads every input's kind, dtype, shape and strides on every call and its plan
+    keys on addresses: an input changed in place between calls is refused or read as it now is."""
+    _, fn = _function_of_graph()
+    xt = torch.randn(5, 6, generator=GEN)
+    reference = lambda value: value.double().relu()  # noqa: E731
+    assert rel_err(fn(xt), reference(xt)) < 1e-6
+    assert rel_err(fn(xt), reference(xt)) < 1e-6
+    if name == "resize_":
+        xt.resize_(6, 5)
+        with pytest.raises(dg.ExecutionError, match="shape"):
+            fn(xt)
+        return
+    if name == ".data = int32":
+        xt.data = xt.view(torch.int32)
+        with pytest.raises(dg.ExecutionError, match="int32"):
+            fn(xt)
+        return
+    if name == "as_strided_":
+        xt.as_strided_((5, 6), (1, 5))  # the same address and shape, other strides: copied to the layout
+    elif name == "negative bit":
+        xt.data = xt._neg_view()
+    else:
+        xt.set_(torch.randn(5, 6, generator=GEN))
+    for _ in range(2):
+        assert rel_err(fn(xt), reference(xt)) < 1e-6
+
+
+def _function_of_graph():
+    g = dg.Graph(name="relu_function")
+    x = g.tensor(name="x", dim=[5, 6])
+    g.relu(x).set_output(True).set_name("y")
+    return g, g.as_function()
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield None
+
+
+def test_a_key_that_claims_to_equal_every_key_is_not_taken_for_the_last_one():
+    """The last binding set is matched by comparison without a hash: a key object whose __eq__
+    says yes to anything, bound where the graph tensor was, is still refused."""
+    class Agreeable:
+        def __eq__(self, other):
+            return True
+
+        __hash__ = object.__hash__
+
+    g, x, b, y = _graph()
+    bindings = _bindings(x, b, y)
+    g.execute(bindings)
+    agreeable = {Agreeable() if key is x else key: value for key, value in bindings.items()}
+    bindings[y].fill_(float("nan"))
+    with pytest.raises(dg.ExecutionError, match="not a tensor of graph"):
+        g.execute(agreeable)
+    assert torch.isnan(bindings[y]).all()
+
+
+def test_a_bound_tensor_that_reports_another_device_at_the_same_address_is_checked_again():
+    """A device change at the same address cannot be made on a CPU-only machine (`.data =` refuses
+    a meta tensor, and graph tensors have elements, so no address is 0): a tensor subclass whose
+    device is a class attribute stands in for one, everything else the same."""
+    class Roaming(torch.Tensor):
+        where = torch.device("cpu")
+
+        @property
+        def device(self):
+            return Roaming.where
+
+    g, x, b, y = _graph()
+    bindings = _bindings(x, b, y)
+    bindings[x] = torch.Tensor._make_subclass(Roaming, bindings[x])
+    for _ in range(2):
+        g.execute(bindings)
+    Roaming.where = torch.device("meta")
+    bindings[y].fill_(float("nan"))
+    with pytest.raises(dg.ExecutionError, match="meta"):
+        g.execute(bindings)
+    assert torch.isnan(bindings[y]).all()
