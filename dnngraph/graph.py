@@ -512,7 +512,9 @@ class Graph:
         Paged K/V: k and v are page pools [pages, Hkv, page_size, D] and the tables
         [B, 1, pages_per_sequence, 1] int32 page ids. A key whose id in the k table or the v table
         lies outside [0, pages) is masked, invisible as if past seq_len_kv (a row left with no
-        key is zero): no kernel reads outside the pools, whatever the tables hold."""
+        key is zero): no kernel reads outside the pools, whatever the tables hold.
+        Ragged (THD) q, k, v and o: see Tensor.set_ragged_offset (q, k and v carry theirs into
+        the node; set o's on the returned o)."""
         dropout, random = _dropout_tensors(dropout)
         scale_t, attn_scale = (attn_scale, None) if isinstance(attn_scale, Tensor) else (None, attn_scale)
         attrs = _attrs_of("sdpa", attn_scale, is_inference, use_causal_mask, dropout,
@@ -679,7 +681,10 @@ class Graph:
         output of a float type narrower than the compute type (fp16, bf16, fp8) is held as
         stored, rounded to that type (then widened to `dtype`), and its consumers read that
         value; float32 outputs and virtual intermediates stay in `dtype`, which stands for the
-        compute type (DESIGN.md, "Data types")."""
+        compute type (DESIGN.md, "Data types"). A ragged input is read through its offsets (its
+        offsets checked as execute checks them), and a ragged output comes back as its logical
+        [B, H, S_max, D] values, rows past each sequence's length 0 (compare with ragged.unpack
+        of what execute wrote)."""
         if not isinstance(bindings, dict):
             raise ExecutionError(f"reference: bindings must be a dict, got {type(bindings).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

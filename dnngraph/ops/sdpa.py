@@ -514,7 +514,7 @@ def _sdpa_backward(d, node, grads):
     random = [None if t is None else d.value(t) for t in (seed, offset)]
     extras = [None if t is None else d.value(t) for t in (sink, scale)]
     dq, dk, dv, dbias, dsink = d.graph._add_op("sdpa_backward", read + [o, grads[0], stats] + extra + [None, None]
-                                               + random + extras, attrs)
+                                               + random + extras + [None] * len(BACKWARD_RAGGED), attrs)
     return [dq, dk, dv, dbias] + [None] * 6 + [dsink, _scale_gradient(d, scale, read[0], dq)] + [None] * 4
 
 
