@@ -194,6 +194,16 @@ def test_dense_kv_with_ragged_q_and_int64_offsets():
                offset_dtype=torch.int64).check()
 
 
+@pytest.mark.parametrize("extra", ["window", "dropout", "decode"])
+def test_with_a_band_dropout_and_one_query_per_sequence(extra):
+    if extra == "decode":  # one new token per sequence over a ragged cache: the packed decode tile
+        RaggedCase(4, 8, 2, [1, 1, 0, 1], [13, 1, 5, 0], backward=True).check()
+        return
+    attrs = {"window": {"use_causal_mask": True, "diagonal_band_left_bound": 3},
+             "dropout": {"dropout": (0.25, 7, 3)}}[extra]
+    RaggedCase(3, 4, 2, [8, 0, 5], [6, 9, 1], backward=True, **attrs).check()
+
+
 def test_half_types_and_a_declared_maximum_past_the_longest():
     RaggedCase(2, 2, 2, [7, 3], [5, 12], s_max_q=9, s_max_kv=13, dtype=torch.float16, backward=True).check()
 
