@@ -77,6 +77,9 @@ class _Runner:
             strides = arg.stride()
             if strides == stride or all(strides[a] == stride[a] for a in checked_axes):
                 return arg.detach() if arg.requires_grad or arg.__class__ is not torch.Tensor else arg
+        if tensor.ragged_offset is not None:  # a copy would move the packed rows away from their offsets
+            raise ExecutionError(f"{_text(what, position)} is ragged: pass a view of its packed buffer with the "
+                                 f"declared dtype {dtype}, shape {list(shape)} and strides {list(stride)}")
         return _conformed(tensor, arg, _text(what, position))
 
     def __call__(self, args: list, device) -> list:

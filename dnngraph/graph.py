@@ -20,11 +20,12 @@ from . import dtypes
 from .errors import ExecutionError, ValidationError
 from .ops import REGISTRY, lookup
 from .ops.pointwise import POINTWISE_OPS
+from .ops.sdpa import ragged_length, ragged_operands, ragged_slots
 from .ops.shape import normalize_slices
 from .ops.base import boolean, integer, normalize_axes, per_axis, real
 from .options import BuildOptions
 from .tensor import (Tensor, check_dims, check_not_overlapping, check_strides, contiguous_strides,
-                     dense_strides, stride_order)
+                     dense_strides, span, stride_order)
 
 
 def _dropout_tensors(dropout) -> tuple:
@@ -184,6 +185,8 @@ class Graph:
             twin._nodes.append(copied)
         for tensor in twin._tensors.values():
             tensor.producer = None if tensor.producer is None else nodes[tensor.producer.uid]
+            if tensor._ragged_offset is not None:
+                tensor._ragged_offset = twin._tensors[tensor._ragged_offset.uid]
             tensor._type_source = tuple(twin._tensors[t.uid] for t in tensor._type_source)
         return twin
 
@@ -279,6 +282,8 @@ class Graph:
         for tensor in node.output_tensors():  # commit only once everything succeeded
             self._tensors[tensor.uid] = tensor
             self._names[tensor.name] = tensor
+        for tensor, offset in ragged_operands(node):  # the node's offsets mark its operands ragged
+            tensor._ragged_offset = offset
         self._nodes.append(node)
         self._node_names.add(node_name)
         self._invalidate()
@@ -291,6 +296,28 @@ class Graph:
         if source is not None and len(source.dim) == len(spec.dim):
             return dense_strides(spec.dim, stride_order(source.dim, source.own_stride))  # not a view's
         return contiguous_strides(spec.dim)
+
+    def _set_ragged_offset(self, tensor: Tensor, offset: Optional[Tensor]):
+        """Tensor.set_ragged_offset: the sdpa nodes reading or writing `tensor` take `offset`, each
+        checked by its op's rule before anything changes."""
+        updated = []
+        for node in self._nodes:
+            slots = [index for t, index in ragged_slots(node) if t is tensor]
+            if not slots:
+                continue
+            inputs = list(node.inputs)
+            for index in slots:
+                inputs[index] = offset
+            try:
+                node.opdef.infer(inputs, node.attrs)
+            except ValidationError as error:
+                raise ValidationError(f"set_ragged_offset of {tensor.name!r}: node {node.name!r} "
+                                      f"({node.op}): {error}") from None
+            updated.append((node, tuple(inputs)))
+        for node, inputs in updated:
+            node.inputs = inputs
+        tensor._ragged_offset = offset
+        self._invalidate()
 
     # --- ops: matmul, conv ---------------------------------------------------------------------
     def matmul(self, a: Tensor, b: Tensor, allow_tf32: Optional[bool] = None, name=None,
@@ -485,7 +512,9 @@ class Graph:
         Paged K/V: k and v are page pools [pages, Hkv, page_size, D] and the tables
         [B, 1, pages_per_sequence, 1] int32 page ids. A key whose id in the k table or the v table
         lies outside [0, pages) is masked, invisible as if past seq_len_kv (a row left with no
-        key is zero): no kernel reads outside the pools, whatever the tables hold."""
+        key is zero): no kernel reads outside the pools, whatever the tables hold.
+        Ragged (THD) q, k, v and o: see Tensor.set_ragged_offset (q, k and v carry theirs into
+        the node; set o's on the returned o)."""
         dropout, random = _dropout_tensors(dropout)
         scale_t, attn_scale = (attn_scale, None) if isinstance(attn_scale, Tensor) else (None, attn_scale)
         attrs = _attrs_of("sdpa", attn_scale, is_inference, use_causal_mask, dropout,
@@ -493,7 +522,8 @@ class Graph:
                           diagonal_band_right_bound, paged_attention_max_seq_len_kv,
                           use_alibi_mask=use_alibi_mask, score_max=score_max, score_sum_exp=score_sum_exp)
         outputs = self._add_op("sdpa", [q, k, v, bias, seq_len_q, seq_len_kv, paged_attention_k_table,
-                                        paged_attention_v_table, *random, sink_token, scale_t], attrs, name)
+                                        paged_attention_v_table, *random, sink_token, scale_t]
+                               + [_ragged_of(t) for t in (q, k, v)] + [None], attrs, name)
         return outputs if attrs.score_max or attrs.score_sum_exp else outputs[:2]
 
     def sdpa_backward(self, q, k, v, o, dO, stats, attn_scale=None, use_causal_mask=False,
@@ -513,7 +543,8 @@ class Graph:
                           diagonal_band_right_bound, None, use_deterministic_algorithm, compute_dbias,
                           use_alibi_mask=use_alibi_mask)
         grads = self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv, None, None,
-                                               *random, sink_token, scale_t], attrs, name)
+                                               *random, sink_token, scale_t]
+                             + [_ragged_of(t) for t in (q, k, v, o, dO)] + [None] * 3, attrs, name)
         return tuple(grads[:3]) + ((grads[3],) if attrs.compute_dbias else ()) + \
             ((grads[4],) if sink_token is not None else ())
 
@@ -550,6 +581,7 @@ class Graph:
             raise ValidationError(f"graph {self.name!r} has no outputs: mark one with set_output(True)")
         for tensor in self.outputs():
             check_not_overlapping(tensor)
+        self._validate_ragged()
         used = {t.uid for n in self._nodes for t in n.input_tensors()}
         for node in self._nodes:
             results = node.output_tensors()
@@ -558,6 +590,21 @@ class Graph:
                     f"virtual tensor {results[0].name!r} (output of {node.op} {node.name!r}) is never "
                     f"used: mark it as an output or remove the op")
         return self
+
+    def _validate_ragged(self):
+        """A ragged tensor is an input or output that only sdpa nodes read or write, in a ragged
+        slot (what else would read it densely, past its sequences)."""
+        slotted = {(node.uid, t.uid) for node in self._nodes for t, _ in ragged_slots(node)}
+        for tensor in self._tensors.values():
+            if tensor._ragged_offset is None:
+                continue
+            if tensor.is_virtual:
+                raise ValidationError(f"ragged tensor {tensor.name!r} must be a graph input or output")
+            for node in self._nodes:
+                touches = any(t is tensor for t in node.input_tensors() + node.output_tensors())
+                if touches and (node.uid, tensor.uid) not in slotted:
+                    raise ValidationError(f"ragged tensor {tensor.name!r} is used by {node.op} {node.name!r}, "
+                                          f"which reads it densely: only sdpa operands may be ragged")
 
     def build(self, autotune=None, workspace_limit=None, *, options=None) -> "Graph":
         """Validate, fuse, pick configs and generate kernels; execute() then runs the plan.
@@ -634,7 +681,10 @@ class Graph:
         output of a float type narrower than the compute type (fp16, bf16, fp8) is held as
         stored, rounded to that type (then widened to `dtype`), and its consumers read that
         value; float32 outputs and virtual intermediates stay in `dtype`, which stands for the
-        compute type (DESIGN.md, "Data types")."""
+        compute type (DESIGN.md, "Data types"). A ragged input is read through its offsets (its
+        offsets checked as execute checks them), and a ragged output comes back as its logical
+        [B, H, S_max, D] values, rows past each sequence's length 0 (compare with ragged.unpack
+        of what execute wrote)."""
         if not isinstance(bindings, dict):
             raise ExecutionError(f"reference: bindings must be a dict, got {type(bindings).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -643,6 +693,8 @@ class Graph:
         for tensor in self.inputs():
             if any(tensor in n.inputs for n in self._nodes):
                 value = self._reference_input(bindings, tensor)
+                if tensor.ragged_offset is not None:  # the packed rows, read through the offsets
+                    value = self._ragged_reference(bindings, tensor, value)
                 values[tensor.uid] = value.to(dtype) if value.is_floating_point() else value
         for node in self._nodes:
             inputs = [None if t is None else values[t.uid] for t in node.inputs]
@@ -652,6 +704,17 @@ class Graph:
                     values[tensor.uid] = _as_stored(result, tensor, dtype)
         chosen = self._tensors.values() if all_tensors else self.outputs()
         return {t.name: values[t.uid] for t in chosen if t.uid in values}
+
+    def _ragged_reference(self, bindings: dict, tensor: Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Ragged input `tensor` bound as `value`: its [B, H, S_max, D] values unpacked through its
+        offsets (rows past a sequence's length 0), the offsets checked as execute checks them."""
+        from . import ragged
+
+        offsets = self._reference_input(bindings, tensor.ragged_offset)
+        lengths = self._reference_input(bindings, ragged_length(self, tensor))
+        ragged.check_offsets(tensor.name, offsets, lengths, tensor.dim, tuple(value.stride()),
+                             span(value.shape, value.stride()))
+        return ragged.unpack(value, offsets, lengths)
 
     def _reference_input(self, bindings: dict, tensor: Tensor) -> torch.Tensor:
         """The bound value of input `tensor`: a torch tensor of its dims and data type."""
@@ -722,6 +785,10 @@ def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tenso
 # --- pointwise methods, one per catalog entry ----------------------------------------------------
 _PARAM_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "beta": 1.0, "threshold": 20.0, "min_val": -1.0,
                    "max_val": 1.0}
+
+
+def _ragged_of(value):
+    return value.ragged_offset if isinstance(value, Tensor) else None
 
 
 def _pointwise_method(op_name: str):

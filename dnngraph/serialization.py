@@ -60,7 +60,7 @@ def graph_document(graph) -> dict:
 
 # op -> how many inputs it had when the schema's version was set: an absent optional input
 # added since is left out of the record, so a reader of that version loads the document
-INPUTS_AT_SCHEMA = {"pooling_backward": 2}
+INPUTS_AT_SCHEMA = {"pooling_backward": 2, "sdpa": 12, "sdpa_backward": 15}
 
 
 def _written_inputs(node) -> list:

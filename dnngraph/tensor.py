@@ -138,6 +138,7 @@ class Tensor:
         self._inferred_stride = None  # a build made this virtual tensor a view: its own strides
         self.producer = producer
         self._is_output = False
+        self._ragged_offset: Optional["Tensor"] = None  # sdpa's packed (THD) sequences: dnngraph/ragged.py
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -213,6 +214,14 @@ class Tensor:
     def get_is_output(self):
         return self._is_output
 
+    @property
+    def ragged_offset(self) -> Optional["Tensor"]:
+        """The [B + 1, 1, 1, 1] int tensor of element offsets where each sequence starts, or None."""
+        return self._ragged_offset
+
+    def get_ragged_offset(self):
+        return self._ragged_offset
+
     # --- setters (chainable) ------------------------------------------------------------------
     def set_output(self, is_output: bool = True) -> "Tensor":
         """Mark the tensor as a graph output: the user binds it and the plan writes it."""
@@ -248,6 +257,29 @@ class Tensor:
                                   f"overlapping strides {list(stride)}: elements would share memory")
         self._graph._invalidate()
         self._stride, self._inferred_stride = stride, None
+        return self
+
+    def set_ragged_offset(self, offset: Optional["Tensor"]) -> "Tensor":
+        """Make this [B, H, S_max, D] sdpa operand ragged (THD): its sequences lie packed in one
+        buffer, sequence b from element offset[b] (dnngraph/ragged.py), `offset` an int32 or
+        int64 [B + 1, 1, 1, 1] graph input; None makes it dense again. The sdpa ops reading or
+        writing this tensor take the offset (and need the seq_len of its axis)."""
+        what = f"set_ragged_offset of {self._name!r}"
+        if offset is not None:
+            if not isinstance(offset, Tensor) or offset.graph is not self._graph:
+                raise ValidationError(f"{what}: needs a Tensor of graph {self._graph.name!r} or None, "
+                                      f"got {offset!r}")
+            if len(self._dim) != 4:
+                raise ValidationError(f"{what}: a ragged tensor is [B, H, S, D], got dims {list(self._dim)}")
+            if offset.producer is not None:
+                raise ValidationError(f"{what}: the offset {offset.name!r} must be a graph input")
+            if offset.data_type not in (dtypes.int32, dtypes.int64):
+                raise ValidationError(f"{what}: the offset must be int32 or int64, got {offset.data_type.name}")
+            wanted = (self._dim[0] + 1, 1, 1, 1)
+            if tuple(offset.dim) != wanted:
+                raise ValidationError(f"{what}: the offset must be {list(wanted)} (one start per sequence "
+                                      f"and the end), got {list(offset.dim)}")
+        self._graph._set_ragged_offset(self, offset)
         return self
 
     # --- build-internal -------------------------------------------------------------------------

@@ -15,6 +15,12 @@ seq_len_kv required; a key whose page id in either table lies outside [0, pages)
 as if past seq_len_kv (whatever a table holds, no kernel reads outside the pools). stats are the row log-sum-exp in float32, [B, H, Sq, 1] (-inf for a row
 that sees no key).
 
+Ragged (THD) operands (dnngraph/ragged.py): q, k, v, o (and dO, dq, dk, dv) may each carry an
+int32/int64 [B + 1, 1, 1, 1] tensor of element offsets where each sequence starts in a packed
+buffer (node inputs `<operand>_ragged_offset`, set by Tensor.set_ragged_offset); the seq_len of
+the operand's axis is then required, rows past it are neither read nor written, and stats stay
+dense [B, H, S_max, 1]. Paged K/V is not ragged; autograd refuses ragged operands.
+
 Softmax extras (the cuDNN frontend's names): `sink_token`, a float32 [1, H, 1, 1] learned logit
 per query head, joins every row's softmax denominator and takes no value column (a row that sees
 no key then has only the sink in its denominator: o = 0, stats = the sink); `use_alibi_mask` adds
@@ -244,7 +250,8 @@ def _check_extras(op, q, sink, scale, attrs: SdpaAttrs):
 
 
 def infer_forward(inputs, attrs: SdpaAttrs):
-    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = inputs
+    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = inputs[:12]
+    _check_ragged("sdpa", dict(zip(FORWARD_RAGGED, inputs[12:])), q.dim[0], seq_len_q, seq_len_kv, k_table)
     _check_dropout_inputs("sdpa", attrs, seed, offset)
     if attrs.compute_dbias:
         fail("sdpa", "compute_dbias is an sdpa_backward attribute")
@@ -257,7 +264,9 @@ def infer_forward(inputs, attrs: SdpaAttrs):
 
 
 def infer_backward(inputs, attrs: SdpaAttrs):
-    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = inputs
+    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = inputs[:15]
+    _check_ragged("sdpa_backward", dict(zip(BACKWARD_RAGGED, inputs[15:])), q.dim[0], seq_len_q, seq_len_kv,
+                  k_table)
     _check_dropout_inputs("sdpa_backward", attrs, seed, offset)
     _check_qkv("sdpa_backward", q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs)
     _check_extras("sdpa_backward", q, sink, scale, attrs)
@@ -412,7 +421,9 @@ def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: Sdp
 
 
 def reference_forward(values, attrs: SdpaAttrs):
-    *tensors, seed, offset, sink, scale = values
+    """Ragged operands reach here unpacked (Graph.reference reads them through their offsets,
+    ragged.unpack): the offsets themselves change nothing."""
+    *tensors, seed, offset, sink, scale = values[:12]
     o, lse, score_max, score_sum = attention(*tensors, attrs, seed, offset, sink, scale)
     return [o, None if attrs.is_inference else lse, score_max if attrs.score_max else None,
             score_sum if attrs.score_sum_exp else None]
@@ -422,7 +433,7 @@ def reference_backward(values, attrs: SdpaAttrs):
     """dq, dk, dv (dbias, dsink) by float64 autograd through the reference forward. dsink_h works
     out to -sum over (b, i) of p_sink(b, h, i) * delta(b, h, i), delta = rowsum(dO * o): o_i
     scales by -p_sink when the sink's logit grows."""
-    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = values
+    q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = values[:15]
     with torch.enable_grad():
         wanted = {"q": q, "k": k, "v": v}
         if attrs.compute_dbias:
@@ -436,27 +447,62 @@ def reference_backward(values, attrs: SdpaAttrs):
         return [grads["q"], grads["k"], grads["v"], grads.get("bias"), grads.get("sink")]
 
 
+def _check_ragged(op, offsets: dict, batch: int, seq_len_q, seq_len_kv, k_table):
+    """Ragged (THD) operands: each offset [B + 1, 1, 1, 1] int32 or int64 (Tensor.set_ragged_offset
+    checks that), the lengths of its sequence axis given, no paged K/V."""
+    for role, offset in offsets.items():
+        if offset is None:
+            continue
+        if tuple(offset.dim) != (batch + 1, 1, 1, 1) or offset.data_type not in (dtypes.int32, dtypes.int64):
+            fail(op, f"the ragged offset of {role[:-len(RAGGED_SUFFIX)]} must be int32 or int64 "
+                     f"[{batch + 1}, 1, 1, 1], got {offset.data_type.name} {list(offset.dim)}")
+        if offset.producer is not None:
+            fail(op, f"the ragged offset {offset.name!r} must be a graph input")
+        key_side = role[:-len(RAGGED_SUFFIX)] in KEY_SIDE
+        if (seq_len_kv if key_side else seq_len_q) is None:
+            fail(op, f"a ragged {role[:-len(RAGGED_SUFFIX)]} needs {'seq_len_kv' if key_side else 'seq_len_q'} "
+                     f"(the length of each sequence)")
+        if key_side and k_table is not None:
+            fail(op, "paged K/V cannot be ragged: the page tables place the keys")
+
+
 PAGED = ("paged_attention_k_table", "paged_attention_v_table")
+# Ragged (THD) operands: an [B + 1, 1, 1, 1] int tensor of element offsets per operand, where each
+# sequence of a packed buffer starts (Tensor.set_ragged_offset); the kernels add offset[b] where a
+# dense layout adds b * stride[0]
+RAGGED_SUFFIX = "_ragged_offset"
+KEY_SIDE = ("k", "v", "dk", "dv")  # operands whose sequence axis is the keys' (seq_len_kv)
+FORWARD_RAGGED = tuple(role + RAGGED_SUFFIX for role in ("q", "k", "v", "o"))
+BACKWARD_RAGGED = FORWARD_RAGGED + tuple(role + RAGGED_SUFFIX for role in ("dO", "dq", "dk", "dv"))
 RANDOM = ("dropout_seed", "dropout_offset")  # one-element int64 tensors, when dropout names them
 EXTRAS = ("sink_token", "attn_scale")  # the sink logits [1, H, 1, 1]; a one-element tensor scale
 register(OpDef("sdpa", "sdpa", "anchor", SdpaAttrs,
-               ("q", "k", "v", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS,
+               ("q", "k", "v", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS + FORWARD_RAGGED,
                ("o", "stats", "score_max", "score_sum_exp"),
                infer_forward, reference_forward,
-               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS, fusion=AnchorRule((), 0)))
+               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS + FORWARD_RAGGED,
+               fusion=AnchorRule((), 0)))
 register(OpDef("sdpa_backward", "sdpa", "anchor", SdpaAttrs,
-               ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS,
+               ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS
+               + BACKWARD_RAGGED,
                ("dq", "dk", "dv", "dbias", "dsink"), infer_backward, reference_backward,
-               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS, fusion=AnchorRule((), None)))
+               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS + BACKWARD_RAGGED,
+               fusion=AnchorRule((), None)))
 
 
 @backward_rule("sdpa")
 def _sdpa_backward(d, node, grads):
     """sdpa_backward from the saved o and stats (the forward runs in training form); dbias
     when the bias takes a gradient."""
-    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = node.inputs
+    q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = node.inputs[:12]
+    q_off, k_off, v_off, o_off = node.inputs[12:16]
     if k_table is not None:
         raise UnsupportedError("sdpa: paged K/V takes no gradient")
+    if any(t is not None for t in (q_off, k_off, v_off, o_off)):
+        # torch sees a ragged operand as a dense view of its buffer: a gradient it routes through
+        # that view lands on the wrong elements
+        raise UnsupportedError("sdpa: ragged operands take no gradient through autograd; call sdpa_backward "
+                               "with ragged dO, dq, dk and dv")
     if any(g is not None for g in grads[1:]):
         raise UnsupportedError("sdpa: no gradient through the stats, score_max or score_sum_exp")
     wants_bias = bias is not None and bias.data_type.is_floating and d.needs(bias)
@@ -468,8 +514,8 @@ def _sdpa_backward(d, node, grads):
     random = [None if t is None else d.value(t) for t in (seed, offset)]
     extras = [None if t is None else d.value(t) for t in (sink, scale)]
     dq, dk, dv, dbias, dsink = d.graph._add_op("sdpa_backward", read + [o, grads[0], stats] + extra + [None, None]
-                                               + random + extras, attrs)
-    return [dq, dk, dv, dbias] + [None] * 6 + [dsink, _scale_gradient(d, scale, read[0], dq)]
+                                               + random + extras + [None] * len(BACKWARD_RAGGED), attrs)
+    return [dq, dk, dv, dbias] + [None] * 6 + [dsink, _scale_gradient(d, scale, read[0], dq)] + [None] * 4
 
 
 def _scale_gradient(d, scale, q, dq):
@@ -480,3 +526,39 @@ def _scale_gradient(d, scale, q, dq):
     g = d.graph
     total = g.reduction(g.mul(q, dq), "sum", [0, 1, 2, 3])
     return g.reshape(g.div(total, d.value(scale)), list(scale.dim))
+
+
+def ragged_slots(node) -> list:
+    """(operand tensor, index of its offset among the node's inputs) of each ragged-capable
+    operand of an sdpa or sdpa_backward node present (the offset may be None); [] for other ops."""
+    if node.op not in ("sdpa", "sdpa_backward"):
+        return []
+    names = node.opdef.input_names
+    roles = FORWARD_RAGGED if node.op == "sdpa" else BACKWARD_RAGGED
+    slots = []
+    for role in roles:
+        stem = role[:-len(RAGGED_SUFFIX)]
+        if stem in names:
+            tensor = node.inputs[names.index(stem)]
+        else:
+            tensor = node.outputs[node.opdef.output_names.index(stem)] if node.outputs else None
+        if tensor is not None:
+            slots.append((tensor, names.index(role)))
+    return slots
+
+
+def ragged_operands(node) -> list:
+    """(operand, offset) of each ragged operand of an sdpa node."""
+    return [(t, node.inputs[i]) for t, i in ragged_slots(node) if node.inputs[i] is not None]
+
+
+def ragged_length(graph, tensor):
+    """The seq_len tensor giving the lengths of ragged `tensor`'s sequences: seq_len_kv for k, v,
+    dk, dv, else seq_len_q (of the first sdpa node that has it in a ragged slot)."""
+    for node in graph.nodes:
+        for operand, index in ragged_slots(node):
+            if operand is tensor:
+                role = node.opdef.input_names[index][:-len(RAGGED_SUFFIX)]
+                names = node.opdef.input_names
+                return node.inputs[names.index("seq_len_kv" if role in KEY_SIDE else "seq_len_q")]
+    return None

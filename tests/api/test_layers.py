@@ -31,6 +31,7 @@ LAYERS = {
     "dnngraph.errors": 0, "dnngraph.dtypes": 0, "dnngraph.log": 0, "dnngraph.versions": 0,
     "dnngraph.target": 0, "dnngraph.runtime.interpreter": 0, "dnngraph.runtime.interpreter_casts": 0,
     "dnngraph.dag": 0,  # topological orders (in place of networkx, which a build does not import)
+    "dnngraph.ragged": 0,  # packed (THD) sdpa operands: offset checks and unpacking, in torch
     # 1 IR: tensor values (Node and Graph are named only as types, under TYPE_CHECKING)
     "dnngraph.tensor": 1,
     # 2 the op catalog, and the JSON codec of graphs written with it (it fills the graph object

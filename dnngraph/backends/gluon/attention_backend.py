@@ -42,7 +42,8 @@ UNTAKEN = {"bias": "an additive bias", "seq_len_q": "padding lengths (seq_len_q)
            "seq_len_kv": "padding lengths (seq_len_kv)", "paged_attention_k_table": "paged K/V",
            "paged_attention_v_table": "paged K/V", "dropout_seed": "dropout", "dropout_offset": "dropout",
            "sink_token": "sink token", "attn_scale": "tensor attn_scale",
-           "score_max": "score_max output", "score_sum_exp": "score_sum_exp output"}
+           "score_max": "score_max output", "score_sum_exp": "score_sum_exp output",
+           **{f"{stem}_ragged_offset": "ragged (THD) operands" for stem in ("q", "k", "v", "o")}}
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,11 @@ from .pointwise import KernelArgument, kernel_module, signature
 
 LOG2E = 1.4426950408889634
 
+# A ragged operand's stem -> the stem of its offsets ([B + 1] ints, read where a dense operand
+# adds batch * stride[0]).
+RAGGED_STEMS = {"q": "qrag", "k": "krag", "v": "vrag", "o": "orag", "do": "dorag", "dq": "dqrag", "dk": "dkrag",
+                "dv": "dvrag"}
+
 # Identifiers the template writes literally.
 FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_dv", "row_in",
          "len_q", "len_kv", "shift", "lo", "hi", "full_lo", "full_hi", "q_tile", "m_i", "l_i", "acc",
@@ -56,10 +61,13 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          "attend_blocks", "first", "last", "MASKED",
          # the softmax extras: a tensor scale, ALiBi, the sink token, the keys' row max and sum
          "sm_scale", "slope", "sink_logit", "m_sink", "p_sink", "dsink_acc", "scale_ptr", "sink_ptr", "smax_ptr",
-         "ssum_ptr", "dsink_ptr")
+         "ssum_ptr", "dsink_ptr",
+         # ragged (THD) operands: each sequence's element offset in the packed buffer
+         *(f"{stem}_ptr" for stem in RAGGED_STEMS.values()))
 RUN_FUNCTION = "attend_blocks"
 STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
-                "dbias", "delta", "opart", "lpart", "seedt", "offt", "scale", "sink", "smax", "ssum", "dsink")
+                "dbias", "delta", "opart", "lpart", "seedt", "offt", "scale", "sink", "smax", "ssum", "dsink",
+                *RAGGED_STEMS.values())
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
 
 
@@ -204,6 +212,17 @@ class _Writer:
     def stride(self, stem: str, axis: int) -> str:
         return f"{stem}_s{axis}"
 
+    def ragged(self, stem: str) -> bool:
+        """Whether operand `stem` is ragged: its sequences start at offsets, not at batch strides."""
+        return stem in RAGGED_STEMS and self.has(RAGGED_STEMS[stem])
+
+    def batch_term(self, stem: str, batch: str = "batch", cast: str = "") -> str:
+        """The offset of batch `batch` in operand `stem`: its sequence's ragged offset (int64), or
+        batch * stride[0]."""
+        if self.ragged(stem):
+            return f"tl.load({RAGGED_STEMS[stem]}_ptr + {batch}).to(tl.int64)"
+        return f"{batch}{cast} * {self.stride(stem, 0)}"
+
     # --- program and query tile ---------------------------------------------------------------
     def prologue(self):
         """Program ids to (batch, query head, query position) per tile row, lengths, the q tile."""
@@ -233,8 +252,10 @@ class _Writer:
         self.lengths_in_range()
         w("shift = " + ("len_kv - len_q" if self.spec.bottom_right else "0"))
         w(f"q_base = {self.row_base('q')}")
+        # a ragged q's rows past len_q belong to the next sequence (or lie past the buffer): not read
+        q_rows = ["row_in[:, None]"] + (["(q_pos < len_q)[:, None]"] if self.ragged("q") else [])
         w(f"q_tile = tl.load(q_ptr + q_base[:, None] + cols_d[None, :] * {self.stride('q', 3)}"
-          f"{_mask_argument(['row_in[:, None]'] + self.d_mask('[None, :]'))})")
+          f"{_mask_argument(q_rows + self.d_mask('[None, :]'))})")
         if self.has("bias"):
             w(f"bias_row = {self.row_base('bias')}")
         for stem in self.sides:
@@ -243,7 +264,7 @@ class _Writer:
             w("drop_row = (batch.to(tl.int64) * HEADS + q_head) * SQ + q_pos")
         if not self.spec.page_size:
             for stem in ("k", "v") if self.has("v") else ("k",):
-                w(f"{stem}_base = batch{cast} * {self.stride(stem, 0)} + kv_head{cast} * {self.stride(stem, 1)}")
+                w(f"{stem}_base = {self.batch_term(stem, 'batch', cast)} + kv_head{cast} * {self.stride(stem, 1)}")
         w("m_i = tl.full([BLOCK_M], float('-inf'), tl.float32)")
         w("l_i = tl.zeros([BLOCK_M], tl.float32)")
         w("acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)")
@@ -281,7 +302,7 @@ class _Writer:
         """[BLOCK_M] offsets of each tile row's (batch, query head, position) in a [B, H, Sq, .]
         tensor (batch may be a scalar, the head and position vectors)."""
         cast = ".to(tl.int64)" if self.spec.wide_index else ""
-        return (f"batch{cast} * {stem}_s0 + q_head{cast} * {stem}_s1 + q_pos{cast} * {stem}_s2")
+        return f"{self.batch_term(stem, 'batch', cast)} + q_head{cast} * {stem}_s1 + q_pos{cast} * {stem}_s2"
 
     def bounds(self) -> str:
         """The mask's bounds as lib.key_range/query_range take them: LEFT, RIGHT, HAS_LEFT, HAS_RIGHT
@@ -516,7 +537,9 @@ class _Writer:
         w("out = tl.where((q_pos < len_q)[:, None], out, 0.0)")
         if self.has("stats"):
             w(f"tl.store(stats_ptr + {self.row_base('stats')}, lse, mask=row_in)")
-        w("o_mask = row_in[:, None] & (cols_dv[None, :] < VALUE_DIM)")
+        # a ragged o's rows past len_q are the next sequence's: not written
+        w("o_mask = row_in[:, None] & (cols_dv[None, :] < VALUE_DIM)"
+          + (" & (q_pos < len_q)[:, None]" if self.ragged("o") else ""))
         self.emitter.bind(o_uid, "out", "f")
         extra = {}
         made = {o_uid} | {t.uid for n in group.epilogue for t in n.output_tensors()}
@@ -680,7 +703,7 @@ class BackwardWriter(_Writer):
         wide = ".to(tl.int64)" if self.spec.wide_index else ""
         for stem in ("q", "do", "o", "stats", "delta", "bias", "dq"):
             if self.has(stem):
-                self.line(f"{stem}_base = batch{wide} * {stem}_s0 + {head}{wide} * {stem}_s1", depth)
+                self.line(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + {head}{wide} * {stem}_s1", depth)
 
     def row_loads(self, rows: str, depth: int, masked: bool, transposed: bool):
         """q, dO, the base-2 lse and delta of query rows `rows`; rows past len_q load dO = 0 and
@@ -799,7 +822,7 @@ class BackwardWriter(_Writer):
         w("cols_d = tl.arange(0, BLOCK_D)")
         w("cols_dv = tl.arange(0, BLOCK_DV)")
         for stem, cols, mask in self.key_operands():
-            w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1")
+            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + kv_head{wide} * {stem}_s1")
             w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + "
               f"{cols}[None, :] * {stem}_s3{_mask_argument(['key_in[:, None]'] + mask)})")
         for stem, shape in (("dk", "BLOCK_D"), ("dv", "BLOCK_DV")):
@@ -810,13 +833,15 @@ class BackwardWriter(_Writer):
         w("head = kv_head * GROUP + q_head", 2)
         self.head_offsets("head", 2)
         self.block_loops("start_m", "BLOCK_M", self.dkdv_block, 2)
-        store = ["(keys < SKV)[:, None]"]
         for stem, acc, cols, mask, scale in (("dk", "dk_acc", "cols_d", self.d_mask("[None, :]"), True),
                                              ("dv", "dv_acc", "cols_dv", self.dv_mask("[None, :]"), False)):
             if not self.has(stem):
                 continue
+            # a ragged gradient's keys past len_kv are the next sequence's: not written
+            store = ["key_in[:, None]" if self.ragged(stem) else "(keys < SKV)[:, None]"]
             value = f"{acc} * {self.scale_value()}" if scale else acc
-            w(f"tl.store({stem}_ptr + batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1 + keys[:, None]{wide} * "
+            w(f"tl.store({stem}_ptr + {self.batch_term(stem, 'batch', wide)} + kv_head{wide} * {stem}_s1 + "
+              f"keys[:, None]{wide} * "
               f"{stem}_s2 + {cols}[None, :] * {stem}_s3, {self.stored_as(stem, value)}, "
               f"mask={' & '.join(store + mask)})")
 
@@ -850,14 +875,18 @@ class BackwardWriter(_Writer):
         w("cols_dv = tl.arange(0, BLOCK_DV)")
         self.head_offsets("head", 1)
         for stem, _, _ in self.key_operands():
-            w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1")
+            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + kv_head{wide} * {stem}_s1")
         self.row_loads("rows", 1, True, False)
         w("dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)")
         self.key_range(padded_rows_idle=True)
         self.block_loops("start_n", "BLOCK_N", self.dq_block)
         w(f"tl.store(dq_ptr + dq_base + rows[:, None]{wide} * dq_s2 + cols_d[None, :] * dq_s3, "
           f"{self.stored_as('dq', f'dq_acc * {self.scale_value()}')}, "
-          f"mask={' & '.join(['(rows < SQ)[:, None]'] + self.d_mask('[None, :]'))})")
+          f"mask={' & '.join([self._dq_rows()] + self.d_mask('[None, :]'))})")
+
+    def _dq_rows(self) -> str:
+        """The rows of dq a query tile stores: all of them, but only the sequence's when ragged."""
+        return "(rows < len_q)[:, None]" if self.ragged("dq") else "(rows < SQ)[:, None]"
 
     def dbias_kernel(self):
         """dbias = dS summed over the axes the bias broadcasts over. A program owns one
@@ -908,7 +937,7 @@ class BackwardWriter(_Writer):
         w("kv_head = head // GROUP", depth)
         self.head_offsets("head", depth)
         for stem in ("k", "v"):
-            w(f"{stem}_base = batch{wide} * {stem}_s0 + kv_head{wide} * {stem}_s1", depth)
+            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + kv_head{wide} * {stem}_s1", depth)
         if owns_rows:
             w("start_m = pid_m * BLOCK_M", depth)
         else:

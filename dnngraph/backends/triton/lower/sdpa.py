@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..codegen.sdpa import AttentionSpec, ScoreModifier, output_strides, render, render_backward, render_combine
+from ..codegen.sdpa import RAGGED_STEMS, AttentionSpec, ScoreModifier, output_strides, render, render_backward, render_combine
 from ....errors import UnsupportedError
 from ....fusion.patterns import ATTENTION_TYPES, chain_dropout, score_ops
 from ..heuristics.layout import INT32_LIMIT
@@ -36,17 +36,21 @@ def dot_precision(graph, data_type) -> str:
 
 
 SCALARS = ("seedt", "offt", "scale")  # one-element tensors read through their pointer alone
+# ragged offsets ([B + 1] ints), read through their pointer alone too
+POINTERS = SCALARS + tuple(RAGGED_STEMS.values())
 
 
 def _spec(graph, node, group, sched, stored_o: bool, stored: dict, index_64: bool) -> AttentionSpec:
     """`stored`: the row outputs the group stores by stem (stats, smax, ssum)."""
-    q, k, v, bias, len_q, len_kv, k_table, v_table, seed, offset, sink, scale_t = node.inputs
+    q, k, v, bias, len_q, len_kv, k_table, v_table, seed, offset, sink, scale_t = node.inputs[:12]
+    q_off, k_off, v_off, o_off = node.inputs[12:16]
     o = node.outputs[0]
     present = {"q": q, "k": k, "v": v, "o": o if stored_o else None, "bias": bias,
                "lenq": len_q, "lenkv": len_kv, "ktab": k_table, "vtab": v_table, "seedt": seed, "offt": offset,
-               "sink": sink, "scale": scale_t, **stored}
+               "sink": sink, "scale": scale_t, **stored, "qrag": q_off, "krag": k_off, "vrag": v_off,
+               "orag": o_off if stored_o else None}
     present = {stem: t for stem, t in present.items() if t is not None}
-    strides = {stem: () if stem in SCALARS else tuple(t.stride) for stem, t in present.items()}
+    strides = {stem: () if stem in POINTERS else tuple(t.stride) for stem, t in present.items()}
     if bias is not None:
         strides["bias"] = output_strides(bias)
     problem, attrs = sched.problem, node.attrs
@@ -101,15 +105,17 @@ def build_sdpa(graph, group, context):
     forced = forced_attention(context.options)
     o, stats, score_max, score_sum = node.outputs
     sink = node.inputs[node.opdef.input_names.index("sink_token")]
-    if sink is not None or score_max is not None or score_sum is not None:
+    ragged = any(t is not None for t in node.inputs[12:16])
+    if sink is not None or score_max is not None or score_sum is not None or ragged:
         # the sink and the keys' row max and sum are taken once a program has seen every key:
-        # no key splits (whose combine would have to merge them)
+        # no key splits (whose combine would have to merge them); the combine writes o densely
         forced = dataclasses.replace(forced, splits=1)
     sched = schedule(problem, context.target, None if budget is None or budget.limit is None
                      else budget.limit - budget.spent, forced)
     if sched.packed and forced.splits == 1 and forced_attention(context.options).splits != 1:
-        sched = dataclasses.replace(sched, reason=sched.reason + " (one split: the sink token and the score "
-                                    "outputs are taken once every key is seen)")
+        why = "a ragged operand is read and written through its offsets" if ragged else \
+            "the sink token and the score outputs are taken once every key is seen"
+        sched = dataclasses.replace(sched, reason=sched.reason + f" (one split: {why})")
     rows = {"stats": stats, "smax": score_max, "ssum": score_sum}
     stored = {stem: t for stem, t in rows.items() if t is not None and any(t is u for u in group.outputs)}
     outputs = [t for t in group.outputs if all(t is not r for r in rows.values())]
@@ -151,14 +157,15 @@ def _build_split(graph, group, name, spec, sched, budget, outputs) -> list:
 
 
 GRADIENTS = ("dq", "dk", "dv", "dbias", "dsink")  # the stems a backward kernel stores
-BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv"),
+READS = ("qrag", "krag", "vrag", "orag", "dorag")  # the ragged offsets of the operands every kernel may read
+BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv", "orag", "dorag"),
                   "dkdv": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dk", "dv", "seedt",
-                           "offt", "scale"),
+                           "offt", "scale") + READS + ("dkrag", "dvrag"),
                   "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq", "seedt", "offt",
-                         "scale"),
+                         "scale") + READS + ("dqrag",),
                   "dbias": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dbias", "seedt",
-                            "offt", "scale"),
-                  "dsink": ("o", "do", "stats", "lenq", "sink", "dsink")}
+                            "offt", "scale") + READS,
+                  "dsink": ("o", "do", "stats", "lenq", "sink", "dsink", "orag", "dorag")}
 DSINK_ROWS = 64  # query rows per step of the dsink kernel's walk
 
 
@@ -168,9 +175,10 @@ def _backward_spec(graph, node, sched, which: str, delta, index_64: bool) -> Att
     dq, dk, dv, dbias, dsink = node.outputs
     tensors = {"q": q, "k": k, "v": v, "o": o, "do": d_o, "stats": stats, "bias": bias, "lenq": len_q,
                "lenkv": len_kv, "dq": dq, "dk": dk, "dv": dv, "dbias": dbias, "seedt": seed, "offt": offset,
-               "sink": sink, "scale": scale_t, "dsink": dsink}
+               "sink": sink, "scale": scale_t, "dsink": dsink,
+               **dict(zip(("qrag", "krag", "vrag", "orag", "dorag", "dqrag", "dkrag", "dvrag"), node.inputs[15:23]))}
     present = {stem: tensors[stem] for stem in BACKWARD_STEMS[which] if tensors.get(stem) is not None}
-    strides = {stem: () if stem in SCALARS else tuple(t.stride) for stem, t in present.items()}
+    strides = {stem: () if stem in POINTERS else tuple(t.stride) for stem, t in present.items()}
     uids = {stem: t.uid for stem, t in present.items()}
     if bias is not None and "bias" in present:
         strides["bias"] = output_strides(bias)
