@@ -397,6 +397,8 @@ class Plan:
             stamp = ready = None
         if ready is None:
             ready = self._prepare(bindings, workspace, stamp)
+        if self.ragged:  # offsets are contents: read on every call, whatever the stamp says
+            self._check_ragged(dict(zip(ready.uids, bindings.values())))
         streams = ready.streams
         if streams is None:
             self._execute_tensors(ready, bindings.values(), workspace)

@@ -240,6 +240,24 @@ def test_bad_offsets_raise_and_write_nothing(bad):
         case.graph.reference(case.bindings())
 
 
+def test_offsets_are_checked_on_every_execute_of_one_binding_set():
+    """The offsets are contents, not metadata: an execute repeating a binding set that was checked
+    before (its fast path) still checks them, so offsets made bad in place raise and write nothing."""
+    case = RaggedCase(3, 2, 2, [5, 0, 4], [6, 2, 3], backward=True)
+    case.graph.build()
+    made = case.poisoned_outputs()
+    bindings = {**case.bindings(), **{case.outputs[n][0]: v for n, (v, _) in made.items()}}
+    case.graph.execute(bindings)  # good offsets: checked in full, then remembered
+    for name, (view, buffer) in made.items():
+        (buffer if buffer is not None else view).fill_(float("nan"))
+    offsets = case.values["off_q"]
+    offsets.copy_(torch.cat([offsets[:1], offsets[1:] - 16]))  # the same tensor, bad contents
+    with pytest.raises(dg.ExecutionError):
+        case.graph.execute(bindings)
+    for name, (view, buffer) in made.items():
+        assert torch.isnan(buffer if buffer is not None else view).all(), f"{name} was written"
+
+
 def test_set_ragged_offset_validates_and_changes_nothing_on_error():
     g = dg.Graph(name="bad", io_data_type=dg.float32)
     q = g.tensor(name="q", dim=[2, 2, 5, 16])
