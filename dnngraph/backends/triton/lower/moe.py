@@ -1,0 +1,40 @@
+"""Build the launch of a MoE group: config, render, launch (one kernel, whatever E)."""
+from __future__ import annotations
+
+from ....errors import UnsupportedError
+from ....problems.moe import moe_problem
+from ..codegen.moe import render as render_moe
+from ..heuristics.matmul import choose_dot
+from ..heuristics.moe import schedule
+from ....runtime.launch import kernel_name, launch_of
+
+
+def build_moe(graph, group, context):
+    """The grouped GEMM kernel of a group (and its epilogue)."""
+    geometry = moe_problem(graph, group).geometry
+    anchor = group.anchor
+    first, second = anchor.inputs[:2]
+    if not (first.data_type.is_floating and second.data_type.is_floating):
+        raise UnsupportedError(f"node {anchor.name!r} ({anchor.op}): operands must be floating, got "
+                               f"{first.data_type.name} and {second.data_type.name}")
+    dot = choose_dot(first.data_type.name, second.data_type.name, first.data_type.triton_type,
+                     second.data_type.triton_type, geometry.allow_tf32)
+    interpreted = context.device.type == "cpu"
+    config = schedule(geometry.op, geometry.rows, geometry.k, geometry.n, geometry.experts, interpreted)
+    name = kernel_name(group)
+    source = render_moe(name, config, group, geometry, graph.compute_data_type, dot, group.summary())
+    tiles_n = -(-geometry.n // config.block_n)
+    if geometry.op == "moe_grouped_matmul":
+        slots = -(-geometry.rows // config.block_m) + geometry.experts
+        programs = slots * tiles_n
+        reason = (f"{slots} row-tile slots (cdiv(T={geometry.rows}, {config.block_m}) + E={geometry.experts}: every "
+                  f"expert's partial tile) x {tiles_n} N tiles; each slot finds its expert from the offsets on "
+                  f"the device (no host sync, one launch); {dot.dot} dot")
+    else:
+        tiles_k = -(-geometry.k // config.block_k)
+        programs = geometry.experts * tiles_k * tiles_n
+        reason = (f"one program per (expert, K tile, N tile) = {geometry.experts} x {tiles_k} x {tiles_n}, each "
+                  f"reducing over its expert's rows {config.block_m} at a time in order (deterministic, no "
+                  f"atomics); {dot.dot} dot")
+    config_text = f"{config.text()} grid={programs}"
+    return launch_of(group, source, programs, config.num_warps, config_text, reason, num_stages=config.num_stages)
