@@ -11,9 +11,11 @@ row of each expert, as in the cuDNN frontend's routing mode "none". Expert e own
 dweight[e] = token[rows of e]^T @ dout[rows of e] (zero for an empty expert).
 
 Offsets are data, read by the kernels (no host sync): they must start at 0, never decrease and
-stay within T. `g.reference` raises ValidationError otherwise. A compiled kernel cannot raise:
-it clamps every offset to [0, T] and each expert's end to at least its start, so bad offsets
-never read or write outside the tensors, but rows no expert owns are then left unwritten.
+stay within T. `g.reference` raises ValidationError otherwise, and `execute` raises ExecutionError
+before any kernel runs where the bound offsets are on the host (CPU tensors: the interpreter).
+On the GPU they are never read back (no sync) and a kernel cannot raise: it clamps every offset
+to [0, T] and each expert's end to at least its start, so bad offsets never read or write outside
+the tensors, but rows no expert owns are then left unwritten.
 """
 from __future__ import annotations
 

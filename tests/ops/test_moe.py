@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import dnngraph as dg
+from dnngraph.backends.triton.heuristics.moe import MoeConfig
 from helpers import check, compiled_for_sm90, poisoned
 
 TORCH_OF = {dg.float32: torch.float32, dg.float16: torch.float16, dg.bfloat16: torch.bfloat16}
@@ -78,6 +79,29 @@ def test_forward_layouts(layout, kmajor, offset_dtype, offset_shape):
     one expert holds every token."""
     g, inputs = forward_case(ALL_IN_ONE, 21, 33, dg.bfloat16, layout, kmajor, offset_dtype, offset_shape)
     check(g, inputs, torch.bfloat16)
+
+
+SMALL_TILES = dg.BuildOptions(moe_config=MoeConfig(16, 16, 16, 4, 2))
+GPU_TILES = dg.BuildOptions(moe_config=MoeConfig(128, 128, 64, 8, 3))
+
+
+@pytest.mark.parametrize("dtype", [dg.float32, dg.bfloat16])
+def test_many_tiles_per_expert(dtype):
+    """Forced 16x16x16 tiles: experts span several row tiles (partial last ones), several N and
+    K tiles; the forward, dtoken over the transposed view and the wgrad in one graph."""
+    counts = [0, 37, 5, 20, 0]
+    rows, t = sum(counts), TORCH_OF[dtype]
+    token, weight = _token(rows, 45, t, "strided"), _weight(5, 45, 50, t, True)
+    dout, offsets = torch.randn(rows, 50).to(t), _offsets(counts, torch.int64)
+    g = _graph(dtype)
+    tok, w, dy, off = (g.tensor_like(v, name=name) for v, name in
+                       ((token, "tok"), (weight, "w"), (dout, "dy"), (offsets, "off")))
+    g.gelu(g.moe_grouped_matmul(tok, w, off)).set_output(True).set_name("y")
+    g.moe_grouped_matmul(dy, g.transpose(w, [0, 2, 1]), off).set_output(True).set_name("dtok")
+    g.moe_grouped_matmul_wgrad(tok, dy, off).set_output(True).set_name("dw")
+    check(g, {"tok": token, "w": weight, "dy": dout, "off": offsets}, t, options=SMALL_TILES)
+    text = g.explain()
+    assert "BLOCK_M=16 BLOCK_N=16 BLOCK_K=16" in text and "forced by BuildOptions.moe_config" in text
 
 
 def test_fused_epilogue_one_kernel():
@@ -200,6 +224,26 @@ def test_bad_offsets_rejected_by_reference(offsets, words):
         g.reference(inputs)
 
 
+@pytest.mark.parametrize("offsets,words", [([0, 7, 3], "decreases"), ([0, 4, 12], "past T"),
+                                           ([2, 4, 6], "start at 0")])
+def test_bad_host_offsets_raise_at_execute_and_write_nothing(offsets, words):
+    """Offsets on the host (CPU tensors) are checked before any kernel runs; the outputs keep
+    their poison. The wgrad checks its own; a good call after a refused one runs."""
+    g, inputs = forward_case([3, 3, 4], 8, 5, epilogue=lambda g, out: g.relu(out))
+    g.build()
+    out = poisoned(g.outputs()[0])
+    with pytest.raises(dg.ExecutionError, match=words):
+        g.execute({**inputs, "off": torch.tensor(offsets, dtype=torch.int32), "y": out})
+    assert torch.isnan(out).all()
+    w, inputs_w = _wgrad_case([3, 3, 4], 8, 5, dg.float32)
+    w.build()
+    dw = poisoned(w.outputs()[0])
+    with pytest.raises(dg.ExecutionError, match="moe_grouped_matmul_wgrad"):
+        w.execute({**inputs_w, "off": torch.tensor(offsets, dtype=torch.int32), "dw": dw})
+    assert torch.isnan(dw).all()
+    check(g, inputs)
+
+
 def test_bad_binding_writes_nothing():
     g, inputs = forward_case(COUNTS[3], 9, 7)
     g.build()
@@ -230,10 +274,15 @@ def sm90_graphs():
     g.moe_grouped_matmul_wgrad(tok, dy, off).set_output(True).set_name("dw")
     g.build()
     yield "dtoken and wgrad", g
+    g.build(options=GPU_TILES)
+    yield "dtoken and wgrad, GPU tiles", g
+    g, _ = forward_case(COUNTS[8], 40, 72, dg.bfloat16, kmajor=True, epilogue=lambda g, out: g.silu(out))
+    g.build(options=GPU_TILES)
+    yield "forward silu K-major, GPU tiles", g
 
 
 def test_kernels_compile_for_sm90():
-    assert "compiled 3 kernels for sm_90" in compiled_for_sm90("test_moe:sm90_graphs", timeout=400)
+    assert "compiled 6 kernels for sm_90" in compiled_for_sm90("test_moe:sm90_graphs", timeout=400)
 
 
 def _routed_counts(tokens, experts, top_k, generator):

@@ -7,6 +7,9 @@ time, in order (deterministic)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
+from ....runtime.tuning_cache import record_int
 
 
 @dataclass(frozen=True)
@@ -16,6 +19,19 @@ class MoeConfig:
     block_k: int
     num_warps: int
     num_stages: int
+
+    def to_record(self) -> dict:
+        return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k,
+                "num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    @staticmethod
+    def from_record(record: dict) -> "MoeConfig":
+        """The config a record holds; ValueError for anything out of range (tl.dot needs tiles
+        of 16 or more along each axis)."""
+        block = lambda name: record_int(record, name, 16, 256, power_of_two=True)
+        return MoeConfig(block("block_m"), block("block_n"), block("block_k"),
+                         record_int(record, "num_warps", 1, 8, power_of_two=True),
+                         record_int(record, "num_stages", 1, 8))
 
     def text(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
@@ -29,8 +45,12 @@ def _power_of_two_at_least(value: int, low: int, high: int) -> int:
     return size
 
 
-def schedule(op: str, rows: int, k: int, n: int, experts: int, interpreted: bool) -> MoeConfig:
-    """The config of one grouped GEMM kernel. tl.dot needs 16 or more along each tile axis."""
+def schedule(op: str, rows: int, k: int, n: int, experts: int, interpreted: bool,
+             forced: Optional[MoeConfig] = None) -> MoeConfig:
+    """The config of one grouped GEMM kernel (`forced` where BuildOptions.moe_config sets one).
+    tl.dot needs 16 or more along each tile axis."""
+    if forced is not None:
+        return forced
     if op == "moe_grouped_matmul":
         mean_rows = max(1, rows // max(1, experts))
         block_m = _power_of_two_at_least(mean_rows, 16, 64 if interpreted else 128)

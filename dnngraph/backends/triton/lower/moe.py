@@ -1,7 +1,8 @@
 """Build the launch of a MoE group: config, render, launch (one kernel, whatever E)."""
 from __future__ import annotations
 
-from ....errors import UnsupportedError
+from ....errors import ExecutionError, UnsupportedError, ValidationError
+from ....ops.moe import expert_ranges
 from ....problems.moe import moe_problem
 from ..codegen.moe import render as render_moe
 from ..heuristics.matmul import choose_dot
@@ -20,7 +21,8 @@ def build_moe(graph, group, context):
     dot = choose_dot(first.data_type.name, second.data_type.name, first.data_type.triton_type,
                      second.data_type.triton_type, geometry.allow_tf32)
     interpreted = context.device.type == "cpu"
-    config = schedule(geometry.op, geometry.rows, geometry.k, geometry.n, geometry.experts, interpreted)
+    forced = context.options.moe_config
+    config = schedule(geometry.op, geometry.rows, geometry.k, geometry.n, geometry.experts, interpreted, forced)
     name = kernel_name(group)
     source = render_moe(name, config, group, geometry, graph.compute_data_type, dot, group.summary())
     tiles_n = -(-geometry.n // config.block_n)
@@ -36,5 +38,24 @@ def build_moe(graph, group, context):
         reason = (f"one program per (expert, K tile, N tile) = {geometry.experts} x {tiles_k} x {tiles_n}, each "
                   f"reducing over its expert's rows {config.block_m} at a time in order (deterministic, no "
                   f"atomics); {dot.dot} dot")
+    if forced is not None:
+        reason += "; config forced by BuildOptions.moe_config"
     config_text = f"{config.text()} grid={programs}"
-    return launch_of(group, source, programs, config.num_warps, config_text, reason, num_stages=config.num_stages)
+    return launch_of(group, source, programs, config.num_warps, config_text, reason, num_stages=config.num_stages,
+                     host_checks=_offset_checks(anchor, geometry.rows))
+
+
+def _offset_checks(anchor, rows: int) -> tuple:
+    """The check of bound offsets on the host (a graph input's; an intermediate is not written
+    yet when the checks run): ExecutionError naming the node where they do not start at 0,
+    decrease or pass T."""
+    offsets = anchor.inputs[2]
+    if offsets.producer is not None:
+        return ()
+
+    def check(tensors):
+        try:
+            expert_ranges(tensors[offsets.uid], rows)
+        except ValidationError as error:
+            raise ExecutionError(f"node {anchor.name!r} ({anchor.op}): {error}") from None
+    return (check,)
