@@ -10,6 +10,9 @@ row of each expert, as in the cuDNN frontend's routing mode "none". Expert e own
 `moe_grouped_matmul_wgrad(token, dout, first_token_offset)`: the weight gradient, [E, K, N] with
 dweight[e] = token[rows of e]^T @ dout[rows of e] (zero for an empty expert).
 
+A gated activation over the output's two column halves (SwiGLU: silu(out[:, :N/2]) * out[:, N/2:],
+written with two slices) fuses into the forward kernel (AnchorRule.column_pairs).
+
 Offsets are data, read by the kernels (no host sync): they must start at 0, never decrease and
 stay within T. `g.reference` raises ValidationError otherwise, and `execute` raises ExecutionError
 before any kernel runs where the bound offsets are on the host (CPU tensors: the interpreter).
@@ -133,10 +136,12 @@ def reference_wgrad(values, attrs: MoeGroupedMatmulAttrs):
     return [dweight]
 
 
-# The output's pointwise consumers (an activation, a cast) ride the kernel's store; no prologue:
-# the kernels read token rows by the offsets, so a producer would run at scheduled positions.
+# The output's pointwise consumers (an activation, a cast) ride the kernel's store, and so does a
+# gated activation over its two column halves (SwiGLU: silu(out[:, :N/2]) * out[:, N/2:]); no
+# prologue: the kernels read token rows by the offsets, so a producer would run at scheduled
+# positions.
 register(OpDef("moe_grouped_matmul", "moe", "anchor", MoeGroupedMatmulAttrs, ("token", "weight", "first_token_offset"),
-               ("out",), infer, reference, fusion=AnchorRule((), 0)))
+               ("out",), infer, reference, fusion=AnchorRule((), 0, column_pairs=True)))
 register(OpDef("moe_grouped_matmul_wgrad", "moe", "anchor", MoeGroupedMatmulAttrs,
                ("token", "dout", "first_token_offset"), ("dweight",), infer_wgrad, reference_wgrad,
                fusion=AnchorRule((), 0)))

@@ -14,6 +14,7 @@ class MoeGeometry:
     n: int
     experts: int
     allow_tf32: bool
+    paired: bool = False  # the forward's two column halves ride as a pair (n: both halves)
 
 
 def moe_problem(graph, group):
@@ -24,5 +25,6 @@ def moe_problem(graph, group):
         experts, _, n = (int(d) for d in node.inputs[1].dim)
     else:
         experts, n = int(node.outputs[0].dim[0]), int(node.inputs[1].dim[-1])
-    geometry = MoeGeometry(node.op, int(token.dim[-2]), k, n, experts, bool(node.attrs.allow_tf32))
+    geometry = MoeGeometry(node.op, int(token.dim[-2]), k, n, experts, bool(node.attrs.allow_tf32),
+                           getattr(group, "column_pairs", None) is not None)
     return problem(graph, group, geometry)

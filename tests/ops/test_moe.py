@@ -117,17 +117,42 @@ def test_fused_epilogue_one_kernel():
     assert "tl.sigmoid" in _sources(g)[0] or "silu" in _sources(g)[0]
 
 
-def test_swiglu_over_paired_columns():
-    """silu(gate) * up over the two column halves of one grouped GEMM: right, in two kernels
-    (the slices are views; the paired-column epilogue is not fused yet)."""
-    half = 13
-
-    def swiglu(g, out):
-        gate, up = g.slice(out, [(0, 37), (0, half)]), g.slice(out, [(0, 37), (half, 2 * half)])
+def _swiglu(half, rows, store_gate=False, halves=None):
+    def epilogue(g, out):
+        first, second = halves or ((0, half), (half, 2 * half))
+        gate, up = g.slice(out, [(0, rows), first]), g.slice(out, [(0, rows), second])
+        if store_gate:
+            gate.set_output(True).set_name("gate").set_data_type(dg.float32)
         return g.mul(g.silu(gate), up)
+    return epilogue
 
-    g, inputs = forward_case([10, 0, 27], 19, 2 * half, dg.bfloat16, epilogue=swiglu)
-    check(g, inputs, torch.bfloat16)
+
+@pytest.mark.parametrize("dtype,kmajor", [(dg.bfloat16, False), (dg.float32, True)])
+def test_swiglu_over_paired_columns_is_one_kernel(dtype, kmajor):
+    """silu(gate) * up over the two column halves of one grouped GEMM: each tile computes both
+    halves, the whole output is never stored."""
+    g, inputs = forward_case([10, 0, 27], 19, 2 * 13, dtype, kmajor=kmajor, epilogue=_swiglu(13, 37))
+    check(g, inputs, TORCH_OF[dtype])
+    assert len(g.plan.launches) == 1
+    text = g.explain()
+    assert "slice" in text and "silu" in text and "column pairs" in text
+
+
+def test_swiglu_pairs_with_forced_tiles_and_a_stored_half():
+    """Several N tiles per half (forced 16-wide tiles, F = 37), the gate half stored as an output
+    too."""
+    g, inputs = forward_case(COUNTS[8], 21, 2 * 37, dg.float32, epilogue=_swiglu(37, 37, store_gate=True))
+    check(g, inputs, options=SMALL_TILES)
+    assert len(g.plan.launches) == 1
+
+
+def test_slices_other_than_halves_stay_apart():
+    """Slices that are not the two halves (swapped roles stay a pair; an offset split does not)."""
+    g, inputs = forward_case([10, 0, 27], 19, 26, dg.float32, epilogue=_swiglu(13, 37, halves=((13, 26), (0, 13))))
+    check(g, inputs)
+    assert len(g.plan.launches) == 1
+    g, inputs = forward_case([10, 0, 27], 19, 26, dg.float32, epilogue=_swiglu(13, 37, halves=((0, 12), (12, 24))))
+    check(g, inputs)
     assert len(g.plan.launches) == 2
 
 
@@ -295,10 +320,13 @@ def sm90_graphs():
     g, _ = forward_case(COUNTS[8], 40, 72, dg.bfloat16, kmajor=True, epilogue=lambda g, out: g.silu(out))
     g.build(options=GPU_TILES)
     yield "forward silu K-major, GPU tiles", g
+    g, _ = forward_case(COUNTS[8], 40, 2 * 72, dg.bfloat16, epilogue=_swiglu(72, sum(COUNTS[8])))
+    g.build(options=GPU_TILES)
+    yield "forward SwiGLU column pairs, GPU tiles", g
 
 
 def test_kernels_compile_for_sm90():
-    assert "compiled 6 kernels for sm_90" in compiled_for_sm90("test_moe:sm90_graphs", timeout=400)
+    assert "compiled 7 kernels for sm_90" in compiled_for_sm90("test_moe:sm90_graphs", timeout=400)
 
 
 def _routed_counts(tokens, experts, top_k, generator):

@@ -12,6 +12,11 @@ token[rows]^T @ dout[rows] over the expert's rows BLOCK_M at a time in order: de
 atomics; an empty expert stores zeros.
 
 Epilogue operands load at the output's coordinates with their own (broadcast) strides.
+
+Column pairs (the group's `column_pairs`: the output read only as its two column halves, a gated
+activation such as SwiGLU): each program computes both halves of its N tile (columns n and
+n + N/2 of the weight, two accumulators over the same token tile), and the epilogue sees them
+side by side; the whole output is never stored.
 """
 from __future__ import annotations
 
@@ -24,7 +29,7 @@ from .pointwise import KernelArgument, kernel_module
 INDENT = "    "
 FIXED_NAMES = ("pid", "slot", "pid_n", "pid_k", "tiles_n", "tiles_k", "expert", "first_row", "end_row", "start",
                "end", "rows", "cols", "ks", "row_mask", "col_mask", "k_mask", "acc", "k0", "r0", "a_tile",
-               "b_tile", "mask", "tile_zero", "ROWS", "K", "N", "EXPERTS", "BLOCK_M", "BLOCK_N", "BLOCK_K")
+               "b_tile", "acc_pair", "mask", "tile_zero", "ROWS", "K", "N", "EXPERTS", "BLOCK_M", "BLOCK_N", "BLOCK_K")
 
 
 class _MoeWriter:
@@ -37,7 +42,9 @@ class _MoeWriter:
         self.names = NameAllocator(FIXED_NAMES + (kernel_name,))
         self.emitter = ExpressionEmitter(self.compute, names=self.names)
         self.out = self.anchor.outputs[0]
-        self.out_dims = tuple(self.out.dim)
+        self.pair = [node.outputs[0] for node in group.column_pairs] if group.column_pairs else None
+        # the tile's space: the output's, or one column half's where the halves ride as a pair
+        self.out_dims = tuple((self.pair[0] if self.pair else self.out).dim)
         # the index variable of each output axis: rows x cols, or expert x ks x cols
         self.axis_index = (("rows", "cols") if len(self.out_dims) == 2 else (None, "rows", "cols")) \
             if self.forward else ("expert", "ks", "cols")
@@ -71,9 +78,9 @@ class _MoeWriter:
         rank = len(strides)
         return f"{identifier}_stride_{rank - 2}", f"{identifier}_stride_{rank - 1}"
 
-    def _dot(self, a, b):
+    def _dot(self, a, b, acc="acc"):
         precision = f", input_precision=\"{self.dot.precision}\"" if self.dot.precision else ""
-        return f"acc = tl.dot({a}.to({self.dot.a_type}), {b}.to({self.dot.b_type}), acc{precision})"
+        return f"{acc} = tl.dot({a}.to({self.dot.a_type}), {b}.to({self.dot.b_type}), {acc}{precision})"
 
     def grouped_forward(self):
         token, offsets = self._ids(0), self._ids(2)
@@ -91,6 +98,8 @@ class _MoeWriter:
         self.line("cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)", 2)
         self.line("col_mask = cols < N", 2)
         self.line("acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)", 2)
+        if self.pair:
+            self.line("acc_pair = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)", 2)
         self.line("for k0 in range(0, K, BLOCK_K):", 2)
         self.line("ks = k0 + tl.arange(0, BLOCK_K)", 3)
         self.line("k_mask = ks < K", 3)
@@ -99,8 +108,17 @@ class _MoeWriter:
         self.line(f"b_tile = tl.load({weight}_ptr + expert * {weight}_stride_0 + ks[:, None] * {weight}_stride_1 "
                   f"+ cols[None, :] * {weight}_stride_2, mask=k_mask[:, None] & col_mask[None, :], other=0)", 3)
         self.line(self._dot("a_tile", "b_tile"), 3)
+        if self.pair:  # the second half's columns: N further along the weight
+            self.line(f"b_tile = tl.load({weight}_ptr + expert * {weight}_stride_0 + ks[:, None] * {weight}_stride_1 "
+                      f"+ (cols + N)[None, :] * {weight}_stride_2, mask=k_mask[:, None] & col_mask[None, :], "
+                      f"other=0)", 3)
+            self.line(self._dot("a_tile", "b_tile", "acc_pair"), 3)
         self.line("mask = row_mask[:, None] & col_mask[None, :]", 2)
-        self.emitter.bind(self.out.uid, "acc", "f")
+        if self.pair:
+            self.emitter.bind(self.pair[0].uid, "acc", "f")
+            self.emitter.bind(self.pair[1].uid, "acc_pair", "f")
+        else:
+            self.emitter.bind(self.out.uid, "acc", "f")
         self.epilogue_and_stores(2)
 
     def grouped_wgrad(self):
@@ -146,7 +164,7 @@ class _MoeWriter:
     def epilogue_and_stores(self, depth):
         first = "BLOCK_M" if self.forward else "BLOCK_K"
         self.line(f"tile_zero = tl.zeros([{first}, BLOCK_N], dtype=tl.int64)", depth)
-        made = {self.out.uid} | {t.uid for n in self.group.epilogue for t in n.output_tensors()}
+        made = {self.out.uid} | {t.uid for n in self.group.nodes for t in n.output_tensors()}
         for node in self.group.epilogue:
             for tensor in node.input_tensors():
                 if tensor.uid in made or tensor.uid in self.emitter.values:
@@ -172,7 +190,7 @@ class _MoeWriter:
             args += [KernelArgument("int", f"{identifier}_tile_stride_{axis}", stride)
                      for axis, stride in enumerate(self.tile_strides.get(uid, ())) if stride]
         args += [KernelArgument("int", "ROWS", geometry.rows), KernelArgument("int", "K", geometry.k),
-                 KernelArgument("int", "N", geometry.n), KernelArgument("int", "EXPERTS", geometry.experts)]
+                 KernelArgument("int", "N", geometry.n // 2 if self.pair else geometry.n), KernelArgument("int", "EXPERTS", geometry.experts)]
         args += [KernelArgument("constexpr", "BLOCK_M", self.config.block_m),
                  KernelArgument("constexpr", "BLOCK_N", self.config.block_n),
                  KernelArgument("constexpr", "BLOCK_K", self.config.block_k)]

@@ -25,13 +25,16 @@ def build_moe(graph, group, context):
     config = schedule(geometry.op, geometry.rows, geometry.k, geometry.n, geometry.experts, interpreted, forced)
     name = kernel_name(group)
     source = render_moe(name, config, group, geometry, graph.compute_data_type, dot, group.summary())
-    tiles_n = -(-geometry.n // config.block_n)
+    columns = geometry.n // 2 if geometry.paired else geometry.n  # a pair's tile covers both halves
+    tiles_n = -(-columns // config.block_n)
     if geometry.op == "moe_grouped_matmul":
         slots = -(-geometry.rows // config.block_m) + geometry.experts
         programs = slots * tiles_n
         reason = (f"{slots} row-tile slots (cdiv(T={geometry.rows}, {config.block_m}) + E={geometry.experts}: every "
                   f"expert's partial tile) x {tiles_n} N tiles; each slot finds its expert from the offsets on "
                   f"the device (no host sync, one launch); {dot.dot} dot")
+        if geometry.paired:
+            reason += f"; column pairs: each tile computes columns n and n + {columns} (gate and up) together"
     else:
         tiles_k = -(-geometry.k // config.block_k)
         programs = geometry.experts * tiles_k * tiles_n
