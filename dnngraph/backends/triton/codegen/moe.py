@@ -1,7 +1,8 @@
 """Render a MoE group as one Triton kernel: a grouped GEMM (or its weight gradient) and its
 pointwise epilogue.
 
-Forward (`moe_grouped_matmul`): one program per (row tile slot, N tile). The experts' row ranges,
+Forward (`moe_grouped_matmul`): one program per (row tile slot, N tile), GROUP_M slots walking
+their N tiles together (`lib.tile_of`: the weight's tiles shared in L2). The experts' row ranges,
 read from first_token_offset on the device, are cut into BLOCK_M tiles numbered in expert order
 (`lib.expert_tile`); a slot past the last tile has no rows and does nothing. The grid has
 cdiv(T, BLOCK_M) + E slots, enough for every expert's partial last tile, so no host sync, no
@@ -29,7 +30,8 @@ from .pointwise import KernelArgument, kernel_module
 INDENT = "    "
 FIXED_NAMES = ("pid", "slot", "pid_n", "pid_k", "tiles_n", "tiles_k", "expert", "first_row", "end_row", "start",
                "end", "rows", "cols", "ks", "row_mask", "col_mask", "k_mask", "acc", "k0", "r0", "a_tile",
-               "b_tile", "acc_pair", "mask", "tile_zero", "ROWS", "K", "N", "EXPERTS", "BLOCK_M", "BLOCK_N", "BLOCK_K")
+               "b_tile", "acc_pair", "mask", "tile_zero", "ROWS", "K", "N", "EXPERTS", "SLOTS", "GROUP_M",
+               "BLOCK_M", "BLOCK_N", "BLOCK_K")
 
 
 class _MoeWriter:
@@ -88,8 +90,8 @@ class _MoeWriter:
         token_row, token_col = self._row_col(0)
         self.line("pid = tl.program_id(0)")
         self.line("tiles_n = tl.cdiv(N, BLOCK_N)")
-        self.line("slot = (pid // tiles_n).to(tl.int64)")
-        self.line("pid_n = pid % tiles_n")
+        self.line("slot, pid_n = lib.tile_of(pid, SLOTS, tiles_n, GROUP_M)  # GROUP_M slots share weight tiles")
+        self.line("slot = slot.to(tl.int64)")
         self.line(f"expert, first_row, end_row = lib.expert_tile(slot, {offsets}_ptr, {offsets}_stride_0, EXPERTS, "
                   f"ROWS, BLOCK_M)")
         self.line("if first_row < end_row:  # a slot past the last tile has no rows")
@@ -189,8 +191,12 @@ class _MoeWriter:
                      for axis, stride in enumerate(strides or ())]
             args += [KernelArgument("int", f"{identifier}_tile_stride_{axis}", stride)
                      for axis, stride in enumerate(self.tile_strides.get(uid, ())) if stride]
+        columns = geometry.n // 2 if self.pair else geometry.n  # a pair's tiles span one half
         args += [KernelArgument("int", "ROWS", geometry.rows), KernelArgument("int", "K", geometry.k),
-                 KernelArgument("int", "N", geometry.n // 2 if self.pair else geometry.n), KernelArgument("int", "EXPERTS", geometry.experts)]
+                 KernelArgument("int", "N", columns), KernelArgument("int", "EXPERTS", geometry.experts)]
+        if self.forward:
+            args += [KernelArgument("int", "SLOTS", -(-geometry.rows // self.config.block_m) + geometry.experts),
+                     KernelArgument("constexpr", "GROUP_M", self.config.group_m)]
         args += [KernelArgument("constexpr", "BLOCK_M", self.config.block_m),
                  KernelArgument("constexpr", "BLOCK_N", self.config.block_n),
                  KernelArgument("constexpr", "BLOCK_K", self.config.block_k)]

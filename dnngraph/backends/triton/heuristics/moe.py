@@ -19,6 +19,7 @@ class MoeConfig:
     block_k: int
     num_warps: int
     num_stages: int
+    group_m: int = 8  # row-tile slots that walk their N tiles together (the weight's tiles shared in L2)
 
     def to_record(self) -> dict:
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k,
@@ -35,7 +36,7 @@ class MoeConfig:
 
     def text(self) -> str:
         return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} BLOCK_K={self.block_k} "
-                f"num_warps={self.num_warps} num_stages={self.num_stages}")
+                f"num_warps={self.num_warps} num_stages={self.num_stages} GROUP_M={self.group_m}")
 
 
 def _power_of_two_at_least(value: int, low: int, high: int) -> int:
