@@ -327,6 +327,23 @@ class Graph:
         tf32 = self.allow_tf32 if allow_tf32 is None else allow_tf32
         return self._add_op("matmul", [a, b, scale_a, scale_b], _attrs_of("matmul", tf32), name)[0]
 
+    def moe_grouped_matmul(self, token: Tensor, weight: Tensor, first_token_offset: Tensor,
+                           allow_tf32: Optional[bool] = None, name=None) -> Tensor:
+        """Grouped GEMMs of a mixture of experts: token [T, K] (or [1, T, K]) sorted by expert,
+        weight [E, K, N], first_token_offset [E] (or [E, 1, 1]) int32/int64 the first row of each
+        expert; rows [off[e], off[e+1]) (the last up to T) give token[rows] @ weight[e]."""
+        tf32 = self.allow_tf32 if allow_tf32 is None else allow_tf32
+        return self._add_op("moe_grouped_matmul", [token, weight, first_token_offset],
+                            _attrs_of("moe_grouped_matmul", tf32), name)[0]
+
+    def moe_grouped_matmul_wgrad(self, token: Tensor, dout: Tensor, first_token_offset: Tensor,
+                                 allow_tf32: Optional[bool] = None, name=None) -> Tensor:
+        """The grouped weight gradient [E, K, N]: token[rows of e]^T @ dout[rows of e] per expert
+        (zero for an expert with no rows)."""
+        tf32 = self.allow_tf32 if allow_tf32 is None else allow_tf32
+        return self._add_op("moe_grouped_matmul_wgrad", [token, dout, first_token_offset],
+                            _attrs_of("moe_grouped_matmul_wgrad", tf32), name)[0]
+
     @staticmethod
     def _conv_attrs(op, spatial, padding, stride, dilation, groups, mode, shape=()):
         """Padding, stride and dilation: None (the default), one int for every axis, or a list."""

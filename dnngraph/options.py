@@ -21,6 +21,7 @@ from .backends.triton.heuristics import rows as row_heuristics
 from .runtime.autotune import DEFAULT_TOP
 from .backends.triton.heuristics.depthwise import DepthwiseConfig
 from .backends.triton.heuristics.matmul import MatmulConfig
+from .backends.triton.heuristics.moe import MoeConfig
 from .backends.triton.heuristics.rows import RowConfig
 from .backends.triton.heuristics.sdpa import AttentionConfig
 from .runtime.tuning_cache import WARPS
@@ -57,7 +58,8 @@ class BuildOptions:
     the device model to plan for (None: the target of the device each execute runs on).
 
     Forced configs (None: the model's choice): matmul_config (matmuls, and 1x1 convs posed as
-    one), conv_config (implicit-GEMM convs), depthwise_config, row_mode ("one_pass", "looped",
+    one), conv_config (implicit-GEMM convs), depthwise_config, moe_config (the MoE grouped GEMMs'
+    tiles), row_mode ("one_pass", "looped",
     "split", or "fused" for a norm backward; any other mode switches the fused norm backward
     off), row_config (a whole row config), norm_backward_programs (the fused norm backward's
     program count), sdpa_config (the attention forward's tiles), sdpa_dkdv_config and
@@ -79,6 +81,7 @@ class BuildOptions:
     matmul_config: Optional[MatmulConfig] = None
     conv_config: Optional[MatmulConfig] = None
     depthwise_config: Optional[DepthwiseConfig] = None
+    moe_config: Optional[MoeConfig] = None
     row_mode: Optional[str] = None
     row_config: Optional[RowConfig] = None
     norm_backward_programs: Optional[int] = None
@@ -208,6 +211,7 @@ _CHECKS = {
     "matmul_config": _record_config(MatmulConfig, MatmulConfig.from_record),
     "conv_config": _record_config(MatmulConfig, MatmulConfig.from_record),
     "depthwise_config": _record_config(DepthwiseConfig, DepthwiseConfig.from_record),
+    "moe_config": _record_config(MoeConfig, MoeConfig.from_record),
     "row_mode": _row_mode,
     "row_config": _record_config(RowConfig, RowConfig.from_record),
     "norm_backward_programs": _count(1, optional=True),

@@ -43,6 +43,8 @@ class FusionGroup:
     outputs: list = field(default_factory=list)  # tensors written to memory
     origin: Optional[object] = None  # a copy group's layout Node (its nodes are made-up casts)
     roles: Optional[object] = None  # an attention backward's AttentionBackward
+    # (first half, second half): the slice nodes of an anchor whose column halves ride as a pair
+    column_pairs: Optional[tuple] = None
 
     def summary(self) -> str:
         """What the group's kernel computes, in words of code alone (no node or tensor names):
@@ -155,6 +157,42 @@ class _Partitioner:
                 self.claim(group, group.nodes)
                 self.groups.append(group)
 
+    # --- pass 0: column pairs --------------------------------------------------------------------
+    def column_pairs(self):
+        """An anchor whose rule pairs columns, read only by two slices that take the two halves of
+        its last axis, forms its group with them (before the slices become views) and grows its
+        epilogue over both halves."""
+        for node in self.order:
+            rule = anchor_rule(node.op)
+            if node in self.group_of or rule is None or not rule.column_pairs:
+                continue
+            pair = self._column_halves(node.outputs[rule.epilogue_output])
+            if pair is None or not self.convex({node, *pair}):
+                continue
+            group = FusionGroup(node.opdef.family, node, [node, *pair], column_pairs=tuple(pair))
+            self.claim(group, group.nodes)
+            self.groups.append(group)
+            self._grow_epilogue(group, pair[0].outputs[0], rule, paired=pair[1].outputs[0])
+
+    def _column_halves(self, tensor):
+        """[first half, second half]: the slice nodes reading `tensor`, a virtual value whose only
+        readers they are, whole along every axis but the last, which they split in two; else None."""
+        readers = self.consumers(tensor)
+        if tensor.is_output or len(readers) != 2 or any(r.op != "slice" or r in self.group_of for r in readers):
+            return None
+        columns = tensor.dim[-1]
+        half = columns // 2
+        whole = tuple((0, size, 1) for size in tensor.dim[:-1])
+        by_start = {}
+        for reader in readers:
+            slices = tuple(tuple(axis) for axis in reader.attrs.slices)
+            if slices[:-1] != whole or slices[-1] not in ((0, half, 1), (half, columns, 1)):
+                return None
+            by_start[slices[-1][0]] = reader
+        if columns % 2 or half == 0 or set(by_start) != {0, half}:
+            return None
+        return [by_start[0], by_start[half]]
+
     # --- pass 1: attention chains ----------------------------------------------------------------
     def has_kernel(self, kind: str) -> bool:
         return self.kernel_kinds is None or kind in self.kernel_kinds
@@ -238,10 +276,13 @@ class _Partitioner:
         for source in producer.input_tensors():
             self._grow_prologue(group, operand_dim, source)
 
-    def _grow_epilogue(self, group, tile_tensor, rule):
+    def _grow_epilogue(self, group, tile_tensor, rule, paired=None):
+        """Pointwise consumers of `tile_tensor` (and of `paired`, the other column half of a
+        column pair, of the same dims) join as the epilogue while the group stays convex."""
         tile_dim = tile_tensor.dim
-        visible = {tile_tensor.uid}
-        start = self.position[tile_tensor.producer] + 1
+        tiles = [tile_tensor] + ([paired] if paired is not None else [])
+        visible = {t.uid for t in tiles}
+        start = min(self.position[t.producer] for t in tiles) + 1
         for node in self.order[start:]:
             if self._is_exit(node, tile_dim, visible, rule) and self.convex(set(group.nodes) | {node}):
                 group.exits.append(node)
@@ -405,6 +446,7 @@ def partition(graph, kernel_kinds=None) -> "Partition":
     """
     partitioner = _Partitioner(graph, kernel_kinds)
     partitioner.attention_backwards()
+    partitioner.column_pairs()
     partitioner.layout_views()
     partitioner.attention_chains()
     partitioner.anchors()

@@ -38,6 +38,10 @@ class AnchorRule:
     # pointwise consumers of the other outputs (a norm's statistics, per-channel parameter
     # gradients) ride the epilogue too: a row kernel computes those per row and stores them there
     side_epilogues: bool = False
+    # the epilogue output's two column halves, taken by two slices of the last axis ([0, N/2) and
+    # [N/2, N): a gated activation's gate and up, SwiGLU), ride as a pair: the kernel computes both
+    # halves of each column tile and its epilogue sees them side by side
+    column_pairs: bool = False
 
 
 @dataclass(frozen=True)

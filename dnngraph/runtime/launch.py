@@ -258,8 +258,12 @@ class KernelLaunch:
 
     def __init__(self, group, kernel, source_path, arguments, programs, num_warps, config_text, reason,
                  scratch=(), num_stages: Optional[int] = None, alternative: "KernelLaunch" = None,
-                 fp_fusion: bool = True):
+                 fp_fusion: bool = True, host_checks=()):
         self.group, self.kernel, self.source_path = group, kernel, source_path
+        # checks of bound input values run before any launch where they are on the host (CPU
+        # tensors): each takes the tensors by uid and raises ExecutionError (a GPU launch never
+        # reads a value back: no sync)
+        self.host_checks = tuple(host_checks)
         self.scratch = tuple(scratch)
         self.arguments, self.programs, self.num_warps = arguments, programs, num_warps
         self.grid = _grid3(programs)  # checked against the target's limits by the build
@@ -357,7 +361,7 @@ def launch_of(group, source, programs, num_warps, config_text, reason, **options
     object with its `name`, `text` and `arguments`: the stem load_kernel names the kernel by, the
     source rendered under that stem, and the KernelArgument list) loaded by load_kernel, on
     `programs` with `num_warps`; `options` are KernelLaunch's own (scratch, num_stages,
-    alternative, fp_fusion). The one place a builder's rendered source becomes a launch."""
+    alternative, fp_fusion, host_checks). The one place a builder's rendered source becomes a launch."""
     kernel, path = load_kernel(source.text, source.name)
     return KernelLaunch(group, kernel, path, source.arguments, programs, num_warps, config_text, reason, **options)
 
@@ -401,6 +405,9 @@ def run_launches(launches, tensors, device, dtypes_of, aligned: bool = True, str
     if device.type != "cuda":
         chosen = [launch.alternative if not aligned and launch.alternative is not None else launch
                   for launch in launches]
+        for launch in launches:  # every check before the first launch: a refusal writes nothing
+            for check in launch.host_checks:
+                check(tensors)
         if cpu_kernels_in_worker():
             run_in_interpreter_process(chosen, tensors)
             return

@@ -10,6 +10,7 @@ import dnngraph as dg
 from dnngraph import torch_backend
 from dnngraph.backends.triton.heuristics import depthwise as dw_heuristics
 from dnngraph.backends.triton.heuristics import matmul as mm
+from dnngraph.backends.triton.heuristics import moe as moe_heuristics
 from dnngraph.backends.triton.heuristics import rows
 from dnngraph.backends.triton.heuristics import sdpa as sdpa_heuristics
 from helpers import check
@@ -27,6 +28,7 @@ BAD = [
     ("conv_config", mm.MatmulConfig("tiled", 16, 16, 16, 4, 1, group_m=-1)),
     ("conv_config", mm.MatmulConfig("bogus", 16, 16, 16, 4, 2)),
     ("depthwise_config", dw_heuristics.DepthwiseConfig("scatter", 4, 32, 2)), ("row_mode", "twice"),
+    ("moe_config", moe_heuristics.MoeConfig(8, 16, 16, 4, 2)), ("moe_config", (16, 16, 16, 4, 2)),
     ("row_config", ("split", 8, 4, 1, 3)), ("row_config", rows.RowConfig("split", 8, 3, 1, 3, 0.0)),
     ("norm_backward_programs", 0), ("sdpa_config", sdpa_heuristics.AttentionConfig(8, 16, 1, 1)),
     ("sdpa_dkdv_config", sdpa_heuristics.AttentionConfig(16, 16, 3, 1)), ("sdpa_dq_config", "16,16,1,1"),

@@ -152,9 +152,19 @@ def matmul(n):
     return g, {a: torch.randn(2, 10, 13).transpose(-1, -2), w: torch.randn(10, 17), bias: torch.randn(1, 17)}
 
 
+def moe(n):
+    g = dg.Graph()
+    token, weight = n.tensor(g, [21, 10]), n.tensor(g, [3, 10, 17], stride=[170, 1, 10])
+    offsets, bias = n.tensor(g, [3], data_type=dg.int32), n.tensor(g, [1, 17])
+    n.output(_op(g.silu, _op(g.add, _op(g.moe_grouped_matmul, token, weight, offsets, names=n), bias, names=n),
+                 names=n))
+    return g, {token: torch.randn(21, 10), weight: torch.randn(3, 17, 10).transpose(1, 2),
+               offsets: torch.tensor([0, 9, 9], dtype=torch.int32), bias: torch.randn(1, 17)}
+
+
 FAMILIES = {"pointwise": pointwise, "dropout": dropout, "reduction": reduction, "softmax": softmax,
             "log_softmax": lambda n: softmax(n, log=True), "layernorm": layernorm, "rmsnorm": rmsnorm,
-            "batchnorm": batchnorm, "pooling": pooling, "matmul": matmul}
+            "batchnorm": batchnorm, "pooling": pooling, "matmul": matmul, "moe": moe}
 
 
 def _sources(g) -> list:

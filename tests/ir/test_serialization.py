@@ -44,6 +44,11 @@ def build_family_ops(g, n, c, size, draw_int):
     g.pooling(x, "avg_exclude_pad", [2, 2], [2, 2], [1, 1], ceil_mode=True, divisor=draw_int(1, 9))
     ids = g.tensor(name="ids", dim=[n, c, 1, size], data_type=dg.int64)
     g.scatter_add(g.gather(x, ids, 2), ids, 2, size)
+    tokens = g.tensor(name="tokens", dim=[size + 1, c])
+    first_token_offset = g.tensor(name="first_token_offset", dim=[2], data_type=dg.int32)
+    routed = g.moe_grouped_matmul(tokens, g.tensor(name="experts", dim=[2, c, 3]), first_token_offset,
+                                  allow_tf32=bool(draw_int(0, 1)))
+    g.moe_grouped_matmul_wgrad(tokens, routed, first_token_offset)
     g.dropout(x, p=0.1, seed=draw_int(0, 2**40), offset=3, return_mask=True)
     q = g.tensor(name="q", dim=[n, 2, size, 4])
     o, stats = g.sdpa(q, q, q, attn_scale=0.5, is_inference=False, use_causal_mask=True,

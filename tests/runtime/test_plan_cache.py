@@ -22,7 +22,7 @@ import dnngraph as dg
 import dnngraph.backends.triton.heuristics
 import dnngraph.runtime.plan as plan_module
 from dnngraph.runtime import interpreter as runtime
-from dnngraph.backends.triton.heuristics import depthwise, matmul as mm, rows, sdpa
+from dnngraph.backends.triton.heuristics import depthwise, matmul as mm, moe, rows, sdpa
 from dnngraph.runtime import plan_cache as plan_cache
 from dnngraph.runtime import interpreter_client
 from helpers import check, poisoned, rel_err
@@ -289,7 +289,8 @@ def _key(g, options=None):
 OTHER_OPTIONS = dict(
     autotune=True, autotune_top=2, workspace_limit=0, backends=["triton"], target=dg.target.H200,
     matmul_config=mm.MatmulConfig("tiled", 16, 16, 16, 4, 2), conv_config=mm.MatmulConfig("tiled", 32, 16, 16, 4, 2),
-    depthwise_config=depthwise.DepthwiseConfig("gather", 4, 32, 2), row_mode="looped",
+    depthwise_config=depthwise.DepthwiseConfig("gather", 4, 32, 2), moe_config=moe.MoeConfig(16, 16, 16, 4, 2),
+    row_mode="looped",
     row_config=rows.RowConfig("split", 8, 4, 1, 3, 0.0), norm_backward_programs=3,
     sdpa_config=sdpa.AttentionConfig(16, 16, 1, 1), sdpa_dkdv_config=sdpa.AttentionConfig(16, 16, 1, 1),
     sdpa_dq_config=sdpa.AttentionConfig(16, 32, 1, 1), sdpa_splits=3, sdpa_head_group=0, sdpa_index_64=True,

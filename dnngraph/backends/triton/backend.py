@@ -32,6 +32,7 @@ from .lower.attention import build_attention_backward
 from .lower.conv import build_conv
 from .lower.gather import build_gather
 from .lower.matmul import build_matmul
+from .lower.moe import build_moe
 from .lower.pointwise import build_pointwise
 from .lower.pooling import build_pooling
 from .lower.rows import build_rows
@@ -41,7 +42,8 @@ from .lower.sdpa import build_attention, build_sdpa
 BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": build_rows, "softmax": build_rows,
             "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul,
             "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention,
-            "attention_backward": build_attention_backward, "gather": build_gather}
+            "attention_backward": build_attention_backward, "gather": build_gather,
+            "moe": build_moe}
 
 # Families whose loads may visit an input element several times (or never): prologue values that
 # are outputs are written first by a pointwise kernel of the prologue.

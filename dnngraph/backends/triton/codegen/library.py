@@ -84,3 +84,37 @@ def query_range(first_key, shift, len_q, len_kv, LEFT: tl.constexpr, RIGHT: tl.c
     q_hi = tl.maximum(q_hi, 0)
     lo = tl.minimum(tl.maximum(q_lo, 0), q_hi) // BLOCK_M * BLOCK_M
     return lo, q_hi, full_lo, full_hi
+
+
+@triton.jit
+def expert_rows(offsets_ptr, offsets_stride, expert, experts, rows):
+    """(start, end) of `expert`'s token rows: first_token_offset[expert] up to the next expert's
+    (T for the last), each clamped into [0, T] and the end to at least the start, so offsets
+    that decrease or pass T never send a load or store outside the tensors."""
+    start = tl.load(offsets_ptr + expert * offsets_stride).to(tl.int64)
+    following = tl.minimum(expert + 1, experts - 1)
+    next_start = tl.load(offsets_ptr + following * offsets_stride).to(tl.int64)
+    end = tl.where(expert + 1 < experts, next_start, rows)
+    start = tl.minimum(tl.maximum(start, 0), rows)
+    end = tl.maximum(tl.minimum(end, rows), start)
+    return start, end
+
+
+@triton.jit
+def expert_tile(slot, offsets_ptr, offsets_stride, experts, rows, BLOCK_M: tl.constexpr):
+    """(expert, first_row, end_row) of row tile `slot` of a grouped GEMM: the experts' row
+    ranges cut into BLOCK_M tiles and numbered in expert order, read from the offsets on the
+    device (no host sync). A slot past the last tile gets first_row == end_row (no rows)."""
+    expert = tl.zeros([], dtype=tl.int64)
+    first_row = tl.zeros([], dtype=tl.int64)
+    end_row = tl.zeros([], dtype=tl.int64)
+    tiles_before = tl.zeros([], dtype=tl.int64)
+    for candidate in range(0, experts):
+        start, end = expert_rows(offsets_ptr, offsets_stride, candidate, experts, rows)
+        tiles = (end - start + BLOCK_M - 1) // BLOCK_M
+        hit = (slot >= tiles_before) & (slot < tiles_before + tiles)
+        expert = tl.where(hit, candidate, expert)
+        first_row = tl.where(hit, start + (slot - tiles_before) * BLOCK_M, first_row)
+        end_row = tl.where(hit, end, end_row)
+        tiles_before += tiles
+    return expert, first_row, end_row
