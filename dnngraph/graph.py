@@ -20,7 +20,7 @@ from . import dtypes
 from .errors import ExecutionError, ValidationError
 from .ops import REGISTRY, lookup
 from .ops.pointwise import POINTWISE_OPS
-from .ops.sdpa import ragged_length, ragged_operands, ragged_slots
+from .ops.sdpa import ragged_length, ragged_operands, ragged_slots, slot_length
 from .ops.shape import normalize_slices
 from .ops.base import boolean, integer, normalize_axes, per_axis, real
 from .options import BuildOptions
@@ -610,8 +610,18 @@ class Graph:
 
     def _validate_ragged(self):
         """A ragged tensor is an input or output that only sdpa nodes read or write, in a ragged
-        slot (what else would read it densely, past its sequences)."""
+        slot (what else would read it densely, past its sequences), all with one seq_len tensor
+        for its lengths (the one execute checks its offsets against)."""
         slotted = {(node.uid, t.uid) for node in self._nodes for t, _ in ragged_slots(node)}
+        lengths = {}
+        for node in self._nodes:
+            for tensor, index in ragged_slots(node):
+                length = slot_length(node, index)
+                first = lengths.setdefault(tensor.uid, length)
+                if first is not length:
+                    raise ValidationError(
+                        f"ragged tensor {tensor.name!r} takes its lengths from {first.name!r} and, at "
+                        f"{node.op} {node.name!r}, from {length.name!r}: one ragged tensor has one seq_len tensor")
         for tensor in self._tensors.values():
             if tensor._ragged_offset is None:
                 continue

@@ -8,6 +8,10 @@ seq_len tensor of its axis holds each sequence's length. Element (b, h, s, d) li
 offset[b] + h * stride[1] + s * stride[2] + d * stride[3]; rows s >= length are neither read
 nor written. The batch stride is unused: bind the packed buffer as a view of the declared dims
 and strides (`buffer.as_strided(dims, strides)`), whose span bounds what the offsets may reach.
+That view's span counts the declared batch stride, which no kernel uses: with the dense one
+(S_max * H * D) the buffer must hold B * S_max tokens (the padded size), of which the offsets may
+use any part. (Checking the offsets against the storage instead of the view, so that a buffer of
+the packed tokens alone can be bound, is not done yet.)
 """
 from __future__ import annotations
 

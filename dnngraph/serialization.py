@@ -58,8 +58,11 @@ def graph_document(graph) -> dict:
     }
 
 
-# op -> how many inputs it had when the schema's version was set: an absent optional input
-# added since is left out of the record, so a reader of that version loads the document
+# op -> how many inputs a record of it always holds: an absent optional input past that count
+# (added later: the ragged offsets of sdpa and sdpa_backward) is left out, so a reader from
+# before it loads the document. (sdpa's count is the one after the sink and tensor scale inputs
+# were added; readers older than those cannot load an sdpa record written now, whose attributes
+# and outputs they do not know.)
 INPUTS_AT_SCHEMA = {"pooling_backward": 2, "sdpa": 12, "sdpa_backward": 15}
 
 

@@ -18,7 +18,8 @@ stay within T. `g.reference` raises ValidationError otherwise, and `execute` rai
 before any kernel runs where the bound offsets are on the host (CPU tensors: the interpreter).
 On the GPU they are never read back (no sync) and a kernel cannot raise: it clamps every offset
 to [0, T] and each expert's end to at least its start, so bad offsets never read or write outside
-the tensors, but rows no expert owns are then left unwritten.
+the tensors, but rows no expert owns are then left unwritten, and rows two experts claim
+(decreasing offsets) are written by both, in no set order.
 """
 from __future__ import annotations
 

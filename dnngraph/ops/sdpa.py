@@ -552,13 +552,19 @@ def ragged_operands(node) -> list:
     return [(t, node.inputs[i]) for t, i in ragged_slots(node) if node.inputs[i] is not None]
 
 
+def slot_length(node, index):
+    """The seq_len tensor of `node` giving the lengths of the sequences in its ragged slot `index`:
+    seq_len_kv for k, v, dk, dv, else seq_len_q."""
+    names = node.opdef.input_names
+    role = names[index][:-len(RAGGED_SUFFIX)]
+    return node.inputs[names.index("seq_len_kv" if role in KEY_SIDE else "seq_len_q")]
+
+
 def ragged_length(graph, tensor):
-    """The seq_len tensor giving the lengths of ragged `tensor`'s sequences: seq_len_kv for k, v,
-    dk, dv, else seq_len_q (of the first sdpa node that has it in a ragged slot)."""
+    """The seq_len tensor giving the lengths of ragged `tensor`'s sequences (Graph.validate makes
+    every sdpa node that has it in a ragged slot name the same one)."""
     for node in graph.nodes:
         for operand, index in ragged_slots(node):
             if operand is tensor:
-                role = node.opdef.input_names[index][:-len(RAGGED_SUFFIX)]
-                names = node.opdef.input_names
-                return node.inputs[names.index("seq_len_kv" if role in KEY_SIDE else "seq_len_q")]
+                return slot_length(node, index)
     return None

@@ -535,6 +535,8 @@ class Plan:
         tensors = self._resolve(bindings)
         device, _, negated = self._check(tensors)
         tensors.update({uid: resolved_input(tensors[uid]) for uid in negated})
+        if self.ragged:  # as execute checks them, before any launch
+            self._check_ragged(tensors)
         kernel_device = _kernel_device(device)
         built = self._launches_for(kernel_device)
         workspace = torch.empty(built.workspace_bytes, dtype=torch.uint8, device=device)

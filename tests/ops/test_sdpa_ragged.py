@@ -329,3 +329,40 @@ def test_ragged_at_realistic_sizes_gpu(mask, dtype):
     RaggedCase(5, 16, 4, lens_q, lens_kv, depth=128, dtype=dtype, backward=True, device="cuda",
                **MASKS[mask]).check()
     torch.cuda.synchronize()
+
+
+def _two_node_graph(second_lengths: bool):
+    """q, k, v ragged through one offset tensor, read by two sdpa nodes: with second_lengths the
+    second node names other seq_len tensors than the first."""
+    batch, heads, s_max, depth = 2, 1, 8, 16
+    dims, strides = [batch, heads, s_max, depth], [s_max * heads * depth, depth, heads * depth, 1]
+    g = dg.Graph(name="two_nodes", io_data_type=dg.float32)
+    q, k, v = (g.tensor(name=n, dim=dims, stride=strides) for n in ("q", "k", "v"))
+    offsets = g.tensor(name="offsets", dim=[batch + 1, 1, 1, 1], data_type=dg.int32)
+    first = g.tensor(name="lengths_a", dim=[batch, 1, 1, 1], data_type=dg.int32)
+    second = g.tensor(name="lengths_b", dim=[batch, 1, 1, 1], data_type=dg.int32) if second_lengths else first
+    for t in (q, k, v):
+        t.set_ragged_offset(offsets)
+    g.sdpa(q, k, v, seq_len_q=first, seq_len_kv=first)[0].set_output(True)
+    g.sdpa(q, k, v, seq_len_q=second, seq_len_kv=second)[0].set_output(True)
+    return g
+
+
+def test_one_ragged_tensor_takes_one_seq_len_tensor():
+    """Execute checks a ragged tensor's offsets against one seq_len tensor: two sdpa nodes naming
+    two for it are refused at validation (the second's lengths would go unchecked)."""
+    _two_node_graph(second_lengths=False).validate()
+    with pytest.raises(dg.ValidationError, match="one seq_len tensor"):
+        _two_node_graph(second_lengths=True).validate()
+
+
+def test_profile_checks_the_offsets_as_execute_does():
+    case = RaggedCase(3, 2, 2, [5, 0, 4], [6, 2, 3])
+    case.graph.build()
+    case.values["off_q"] = BAD_OFFSETS["past the buffer"](case.values["off_q"])
+    made = case.poisoned_outputs()
+    bindings = {**case.bindings(), **{case.outputs[n][0]: v for n, (v, _) in made.items()}}
+    with pytest.raises(dg.ExecutionError):
+        case.graph.plan.profile(bindings)
+    for name, (view, buffer) in made.items():
+        assert torch.isnan(buffer if buffer is not None else view).all(), f"{name} was written"
