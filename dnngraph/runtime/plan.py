@@ -18,10 +18,8 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import ragged
 from ..errors import ExecutionError
 from ..target import Target, target_of
-from ..tensor import span
 from .bindings import check_bindable, resolved_input
 from .interpreter import interpreting
 from .launch import (LaunchRefused, created_once, launch_on_device, persistent_buffer, run_launches,
@@ -170,14 +168,6 @@ class StreamWorkspace:
     lock: threading.Lock
 
 
-def _ragged_checks(graph) -> tuple:
-    """(tensor uid, dims, offsets uid, lengths uid) of each ragged input or output of `graph`."""
-    from ..ops.sdpa import ragged_length
-
-    return tuple((t.uid, tuple(t.dim), t.ragged_offset.uid, ragged_length(graph, t).uid)
-                 for t in graph.tensors if t.ragged_offset is not None and ragged_length(graph, t) is not None)
-
-
 class Plan:
     """Launches in order over bound tensors and one workspace for values between kernels.
 
@@ -197,7 +187,6 @@ class Plan:
         # unused inputs may be bound (and are ignored); virtual tensors may not
         self.bindable = {s.uid for s in self.specs} | {t.uid for t in graph.inputs()}
         self.names = {t.uid: t.name for t in graph.tensors}
-        self.ragged = _ragged_checks(graph)
         self._graph = graph
         self.options, self._rebuild = options, rebuild
         self._budget = budget if budget is not None else WorkspaceBudget()
@@ -397,8 +386,6 @@ class Plan:
             stamp = ready = None
         if ready is None:
             ready = self._prepare(bindings, workspace, stamp)
-        if self.ragged:  # offsets are contents: read on every call, whatever the stamp says
-            self._check_ragged(dict(zip(ready.uids, bindings.values())))
         streams = ready.streams
         if streams is None:
             self._execute_tensors(ready, bindings.values(), workspace)
@@ -423,8 +410,6 @@ class Plan:
 
     def _launch_ready(self, ready: "ReadyBindings", values, workspace) -> None:
         """Run the launches of a checked binding set on the current stream of its device."""
-        if self.ragged:
-            self._check_ragged(dict(zip(ready.uids, values)))
         if ready.streams is None:
             self._execute_tensors(ready, values, workspace)
             return
@@ -444,17 +429,6 @@ class Plan:
                 launch_on_device(calls, index)
         except LaunchRefused as refused:
             raise self._refused(ready.built.launches[refused.position], refused) from refused.error
-
-    def _check_ragged(self, tensors: dict) -> None:
-        """Every ragged operand's offsets and lengths (ragged.check_offsets) before any launch, where
-        they are host memory. Offsets and lengths on a GPU are not read back (that would wait for
-        the device at every execute): there the kernels trust them."""
-        for uid, dims, offsets_uid, lengths_uid in self.ragged:
-            value, offsets, lengths = tensors[uid], tensors[offsets_uid], tensors[lengths_uid]
-            if offsets.device.type != "cpu" or lengths.device.type != "cpu":
-                continue
-            ragged.check_offsets(self.names[uid], offsets, lengths, dims, value.stride(),
-                                 span(value.shape, value.stride()))
 
     @staticmethod
     def _refused(launch, refused: LaunchRefused) -> ExecutionError:
@@ -535,8 +509,6 @@ class Plan:
         tensors = self._resolve(bindings)
         device, _, negated = self._check(tensors)
         tensors.update({uid: resolved_input(tensors[uid]) for uid in negated})
-        if self.ragged:  # as execute checks them, before any launch
-            self._check_ragged(tensors)
         kernel_device = _kernel_device(device)
         built = self._launches_for(kernel_device)
         workspace = torch.empty(built.workspace_bytes, dtype=torch.uint8, device=device)

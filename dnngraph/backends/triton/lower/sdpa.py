@@ -16,7 +16,9 @@ from ....fusion.patterns import ATTENTION_TYPES, chain_dropout, score_ops
 from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import (COMBINE_ROWS, AttentionProblem, backward_schedule, chain_schedule, forced_attention,
                                schedule)
-from ....ops.sdpa import AttentionMask, kv_length
+from .... import ragged
+from ....ops.sdpa import AttentionMask, kv_length, ragged_slots, slot_length
+from ....tensor import span
 from ....runtime.launch import element_span, kernel_name, launch_of, scratch
 
 
@@ -96,7 +98,36 @@ def problem_of(node) -> AttentionProblem:
 
 
 def build_sdpa(graph, group, context):
-    """The flash-attention kernels of an sdpa or sdpa_backward group, for the context's target."""
+    """The flash-attention kernels of an sdpa or sdpa_backward group, for the context's target;
+    the first carries the host checks of the group's ragged offsets (run before any launch)."""
+    built = _build_sdpa(graph, group, context)
+    launches = built if isinstance(built, list) else [built]
+    launches[0].host_checks += ragged_host_checks(group.anchor)
+    return built
+
+
+def ragged_host_checks(node) -> tuple:
+    """The check of each ragged operand's offsets and lengths (ragged.check_offsets) where they are
+    host memory, run by run_launches before any launch of the plan on every path (execute, its
+    repeated-binding path, as_function, profile). Offsets in GPU memory are not read back (that
+    would wait for the device at every execute): there the kernels trust them."""
+    found = [(tensor, node.inputs[index], slot_length(node, index)) for tensor, index in ragged_slots(node)
+             if node.inputs[index] is not None]
+    if not found:
+        return ()
+
+    def check(tensors):
+        for tensor, offsets, lengths in found:
+            bound_offsets, bound_lengths = tensors[offsets.uid], tensors[lengths.uid]
+            if bound_offsets.device.type != "cpu" or bound_lengths.device.type != "cpu":
+                continue
+            value = tensors[tensor.uid]
+            ragged.check_offsets(tensor.name, bound_offsets, bound_lengths, tuple(tensor.dim), value.stride(),
+                                 span(value.shape, value.stride()))
+    return (check,)
+
+
+def _build_sdpa(graph, group, context):
     node, budget = group.anchor, context.budget
     _check_types(node)
     if node.op == "sdpa_backward":
