@@ -44,6 +44,29 @@ def kind_of(data_type) -> str:
     return {dtypes.int32: "i", dtypes.int64: "l"}.get(data_type, "f")
 
 
+def masked_epilogue(emitter, nodes, made: set, operands: dict, offset, outputs) -> list:
+    """The lines of a tile epilogue under one `mask` (gather's and MoE's kernels): each operand of
+    `nodes` not `made` in the group loaded at `offset(uid)`, the nodes' expressions, and a store of
+    each of `outputs`. `operands`: uid -> (identifier, ...) of the kernel's pointer parameters."""
+    lines = []
+    for node in nodes:
+        for tensor in node.input_tensors():
+            if tensor.uid in made or tensor.uid in emitter.values:
+                continue
+            identifier = operands[tensor.uid][0]
+            load = f"tl.load({identifier}_ptr + {offset(tensor.uid)}, mask=mask)"
+            lines.append(f"{identifier}_val = {emitter.loaded(load, tensor.data_type)}")
+            emitter.bind(tensor.uid, f"{identifier}_val", kind_of(tensor.data_type))
+        start = len(emitter.lines)
+        emitter.emit(node)
+        lines += emitter.lines[start:]
+    for tensor in outputs:
+        identifier = operands[tensor.uid][0]
+        lines.append(f"tl.store({identifier}_ptr + {offset(tensor.uid)}, "
+                     f"{emitter.stored(tensor.uid, tensor.data_type)}, mask=mask)")
+    return lines
+
+
 def as_stored_conversion(tensor, variable: str, have: str, compute: str):
     """(text, kind) of `tensor`'s value, held as `variable` of kind `have`, as its consumers see
     it, or None where the held value already is that. Integer and bool tensors are exact

@@ -16,7 +16,7 @@ row block for an embedding's table (the torch backend claims only small ones).
 from __future__ import annotations
 
 from ..heuristics.layout import operand_strides
-from .emitter import ExpressionEmitter, kind_of
+from .emitter import ExpressionEmitter, kind_of, masked_epilogue
 from .names import NameAllocator
 from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
@@ -106,22 +106,8 @@ class _GatherWriter:
 
     def epilogue_and_stores(self):
         made = {self.anchor.outputs[0].uid} | {t.uid for n in self.group.epilogue for t in n.output_tensors()}
-        for node in self.group.epilogue:
-            for tensor in node.input_tensors():
-                if tensor.uid in made or tensor.uid in self.emitter.values:
-                    continue
-                identifier, _ = self.operands[tensor.uid]
-                load = f"tl.load({identifier}_ptr + {self.offset(tensor.uid)}, mask=mask)"
-                self.line(f"{identifier}_val = {self.emitter.loaded(load, tensor.data_type)}")
-                self.emitter.bind(tensor.uid, f"{identifier}_val", kind_of(tensor.data_type))
-            start = len(self.emitter.lines)
-            self.emitter.emit(node)
-            for text in self.emitter.lines[start:]:
-                self.line(text)
-        for tensor in self.outputs:
-            identifier, _ = self.operands[tensor.uid]
-            self.line(f"tl.store({identifier}_ptr + {self.offset(tensor.uid)}, "
-                      f"{self.emitter.stored(tensor.uid, tensor.data_type)}, mask=mask)")
+        for text in masked_epilogue(self.emitter, self.group.epilogue, made, self.operands, self.offset, self.outputs):
+            self.line(text)
 
     def arguments(self) -> list:
         x = self.anchor.inputs[0]

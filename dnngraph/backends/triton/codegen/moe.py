@@ -22,7 +22,7 @@ side by side; the whole output is never stored.
 from __future__ import annotations
 
 from ..heuristics.layout import operand_strides
-from .emitter import ExpressionEmitter, kind_of
+from .emitter import ExpressionEmitter, masked_epilogue
 from .names import NameAllocator
 from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
@@ -167,22 +167,9 @@ class _MoeWriter:
         first = "BLOCK_M" if self.forward else "BLOCK_K"
         self.line(f"tile_zero = tl.zeros([{first}, BLOCK_N], dtype=tl.int64)", depth)
         made = {self.out.uid} | {t.uid for n in self.group.nodes for t in n.output_tensors()}
-        for node in self.group.epilogue:
-            for tensor in node.input_tensors():
-                if tensor.uid in made or tensor.uid in self.emitter.values:
-                    continue
-                identifier, _ = self.operands[tensor.uid]
-                load = f"tl.load({identifier}_ptr + {self.offset(tensor.uid)}, mask=mask)"
-                self.line(f"{identifier}_val = {self.emitter.loaded(load, tensor.data_type)}", depth)
-                self.emitter.bind(tensor.uid, f"{identifier}_val", kind_of(tensor.data_type))
-            start = len(self.emitter.lines)
-            self.emitter.emit(node)
-            for text in self.emitter.lines[start:]:
-                self.line(text, depth)
-        for tensor in self.group.outputs:
-            identifier, _ = self.operands[tensor.uid]
-            self.line(f"tl.store({identifier}_ptr + {self.offset(tensor.uid)}, "
-                      f"{self.emitter.stored(tensor.uid, tensor.data_type)}, mask=mask)", depth)
+        for text in masked_epilogue(self.emitter, self.group.epilogue, made, self.operands, self.offset,
+                                    self.group.outputs):
+            self.line(text, depth)
 
     def arguments(self, geometry) -> list:
         args = [KernelArgument("tensor", f"{identifier}_ptr", uid) for uid, (identifier, _) in self.operands.items()]
