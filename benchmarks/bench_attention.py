@@ -33,6 +33,7 @@ are poisoned with NaN first; errors past TOLERANCE print "(!)". Times are do_ben
     python benchmarks/bench_attention.py --quick                  # a few shapes per row
     python benchmarks/bench_attention.py --rows fwd,decode --only causal
     python benchmarks/bench_attention.py --cudnn-fe-path /tmp/fe  # a pip --target folder holding `cudnn`
+    python benchmarks/bench_attention.py --gluon --rows fwd      # dnngraph with the Gluon backend first
     python benchmarks/bench_attention.py --list-shapes            # shapes, visible fractions, GFLOP
     python benchmarks/bench_attention.py --check-cpu              # tiny fp32 shapes, no timing
 
@@ -162,7 +163,7 @@ ROWS = {  # issue 12's goals: >= 1.0x cuDNN (floors 0.85x forward, 0.8x backward
 }
 TITLES = {"sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA flash", "sdpa_efficient": "SDPA mem-eff",
           "cudnn_fe": "cuDNN FE", "flex": "flex", "compile": "compile", "gather_sdpa": "gather+SDPA",
-          "dg": "dnngraph"}
+          "dg_triton": "dnngraph Triton", "dg": "dnngraph"}
 SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION",
                  "sdpa_efficient": "EFFICIENT_ATTENTION"}
 
@@ -554,21 +555,23 @@ def dg_graph(shape: AttnShape, inputs, io_type, backward: bool) -> tuple:
 BUILD_OPTIONS = None
 
 
-def dg_provider(shape: AttnShape, inputs, io_type, backward: bool) -> Callable:
-    """dnngraph: g.build() (heuristics, no autotune), then execute into poisoned outputs."""
+def dg_provider(shape: AttnShape, inputs, io_type, backward: bool, options=None) -> Callable:
+    """dnngraph: g.build(options) (heuristics, no autotune; BUILD_OPTIONS unless given), then execute
+    into poisoned outputs."""
     def factory():
         g, bound, outputs = dg_graph(shape, inputs, io_type, backward)
         start = time.perf_counter()
         try:
-            g.build(options=BUILD_OPTIONS)
+            g.build(options=options or BUILD_OPTIONS)
         except dg.UnsupportedError as error:
             raise NotBuilt(_short(error, 300)) from None
         device = inputs["q"].device
         buffers = tuple(poisoned(t.dim, t.stride, t.data_type.torch_dtype, device) for t in outputs)
         bindings = {tensor: inputs[name] for tensor, name in bound.items()}
         bindings.update(zip(outputs, buffers))
-        launches = len(getattr(g.plan, "launches", None) or [])
-        extra = {"build_s": time.perf_counter() - start, "launches": launches}
+        launches = getattr(g.plan, "launches", None) or []
+        extra = {"build_s": time.perf_counter() - start, "launches": len(launches),
+                 "backends": sorted({launch.backend for launch in launches})}
         return (lambda: g.execute(bindings)), (lambda: buffers), "grads" if backward else "o", extra
     return factory
 
@@ -657,7 +660,10 @@ def run_case(row: RowSpec, shape: AttnShape, ctx: Context) -> dict:
             factories[name] = gather_sdpa_provider(shape, inputs)
         else:
             factories[name] = makers[name](shape, inputs, row.backward, ctx)
-    factories["dg"] = dg_provider(shape, inputs, dg.bfloat16 if ctx.dtype == BF16 else dg.float32, row.backward)
+    io_type = dg.bfloat16 if ctx.dtype == BF16 else dg.float32
+    if ctx.args.gluon:  # the default (Triton) build beside the Gluon-first one, as an anchor
+        factories["dg_triton"] = dg_provider(shape, inputs, io_type, row.backward, dg.BuildOptions())
+    factories["dg"] = dg_provider(shape, inputs, io_type, row.backward)
     case = {"label": shape.label, "shape": shape.describe(), "work": work,
             "visible": shape.visible_pairs() / (shape.s_q * shape.s_kv)}
     for name, factory in factories.items():
@@ -790,12 +796,18 @@ def report(results: dict, header: dict):
 def parse_args(argv):
     """The command line."""
     parser = family_parser(__doc__.splitlines()[0], ROWS, f"only the shapes {', '.join(QUICK)}", "shapes")
+    parser.add_argument("--gluon", action="store_true",
+                        help="build dnngraph with BuildOptions(backends=('gluon', 'triton')); the default "
+                             "build becomes the 'dnngraph Triton' anchor")
     return parser.parse_args(argv)
 
 
 def main(argv=None):
     """Run the benchmark (or --list-shapes / --check-cpu) with command-line arguments `argv`."""
+    global BUILD_OPTIONS
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.gluon:
+        BUILD_OPTIONS = dg.BuildOptions(backends=("gluon", "triton"))
     return run_family(args, "dnngraph-bench-attention-", list_shapes, check_cpu, run_gpu)
 
 
@@ -845,8 +857,9 @@ def timed_case(row: RowSpec, shape: AttnShape, ctx: Context, started: float) -> 
                 **{p: _failed(error) for p in anchors_of(shape) + ("dg",)}}
     case["seconds"] = time.perf_counter() - start
     cells = [f"{TITLES[p]} {_cell(case[p])}" for p in case if p in TITLES]
+    backends = (case.get("dg") or {}).get("backends")
     print(f"[{time.perf_counter() - started:5.0f} s] {row.key} {shape.label} ({case['seconds']:.0f} s): "
-          + ", ".join(cells), flush=True)
+          + ", ".join(cells) + (f" [dnngraph kernels: {', '.join(backends)}]" if backends else ""), flush=True)
     return case
 
 

@@ -166,6 +166,14 @@ def test_a_grid_past_the_targets_limits_is_refused_at_lowering():
     assert H100.grid_fits(launch.grid)
 
 
+@pytest.mark.parametrize("attn_scale", [0.0, -0.5])
+def test_a_scale_that_is_not_positive_is_refused_at_lowering(attn_scale):
+    """The kernel applies the scale to the row max of the raw scores, which is the max of the
+    scaled scores only for a positive scale: others go to the Triton kernel."""
+    with pytest.raises(dg.UnsupportedError, match="positive attention scale"):
+        lowered(graph("bf16", 64, "causal", "mha", attn_scale=attn_scale))
+
+
 def test_supports_refuses_the_backward_and_paged_k_v():
     g = dg.Graph(name="backward", io_data_type=dg.bfloat16)
     q, k, v = _tensors(g)

@@ -5,7 +5,7 @@ launch of one group.
 Taken: the sdpa forward of fp16 or bf16 q, k, v (one type) in [B, H, S, D] with the last axis
 contiguous and every other stride a multiple of 16 bytes (TMA reads them), head dims 64 and 128
 (D_qk == D_v), no mask, or a causal one aligned top left or bottom right; grouped-query heads (H
-a multiple of H_kv); the attention scale; o in q's type (TMA-stored) and, where the group stores
+a multiple of H_kv); a positive attention scale (refused at lowering otherwise); o in q's type (TMA-stored) and, where the group stores
 them, the float32 log-sum-exp stats (natural log, as the Triton backend stores them). Refused,
 each with a reason starting "gluon": dropout, bias, padding lengths, paged K/V, diagonal bands,
 other head dims, other types, a fused epilogue on o, the backward.
@@ -210,6 +210,8 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
     arguments = attention_codegen.AttentionArguments(uids, strides, g.s_q, g.s_kv, g.heads, g.heads // g.kv_heads,
                                                      shift)
     scale = node.attrs.attn_scale if node.attrs.attn_scale is not None else 1.0 / math.sqrt(g.head_dim)
+    if not float(scale) > 0:  # the kernel scales the row max, not each score (attention_library.py)
+        raise UnsupportedError(f"{problem.where}: gluon's attention takes a positive attention scale, not {scale}")
     constexprs = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HEAD_DIM": g.head_dim,
                   "STAGES": config.stages, "CAUSAL": g.mask != "none", "STATS": stored_stats,
                   "QK_SCALE": float(scale) * LOG2E, "PRODUCER_REGS": PRODUCER_REGS,

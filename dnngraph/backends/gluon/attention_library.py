@@ -21,7 +21,8 @@ multiples); D is 64 or 128 (the same for q, k and v); q, k, v and o share one 16
   S_j = Q K_j^T (async wgmma) and then O += P_{j-1} V_{j-1} (async wgmma, P from registers),
   wait for S_j alone, release K_j, run the online softmax of block j in fp32 on the CUDA cores
   while P_{j-1} V_{j-1} runs on the tensor cores, then wait for it, release V_{j-1} and rescale O.
-  Scores are in base 2 (the scale times log2(e) folded into one constexpr multiply, exp2).
+  Scores are in base 2: the scale times log2(e) is one positive constexpr, applied to the row
+  max and inside p = exp2(qk * QK_SCALE - m) (one fused multiply-add per score, as FA3 does).
 - Masks: the key blocks a program visits stop at its last row's diagonal (causal: blocks above
   it are never loaded); blocks before `full` (every row of the program sees every key) take no
   mask arithmetic; the others mask keys past Skv and, causal, keys right of the diagonal
@@ -106,27 +107,28 @@ def attention_load_partition(q_ptr, k_ptr, v_ptr, q_strides, k_strides, v_stride
 
 
 @gluon.jit
-def block_scores(qk, rows, start, masked, s_kv, shift, QK_SCALE: gl.constexpr, CAUSAL: gl.constexpr):
-    """The block's scores in base 2 (qk * scale * log2(e)); where `masked`, keys past Skv and
-    (causal) right of the diagonal are -inf."""
-    scores = qk * QK_SCALE
+def block_scores(qk, rows, start, masked, s_kv, shift, CAUSAL: gl.constexpr):
+    """The block's raw scores q . k; where `masked`, keys past Skv and (causal) right of the
+    diagonal are -inf (the scale, positive, keeps them -inf)."""
     if masked:
         BLOCK_N: gl.constexpr = qk.type.shape[1]
         cols = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout))
         visible = gl.expand_dims(cols < s_kv, 0)
         if CAUSAL:
             visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + shift, 1))
-        scores = gl.where(visible, scores, float("-inf"))
-    return scores
+        qk = gl.where(visible, qk, float("-inf"))
+    return qk
 
 
 @gluon.jit
-def online_softmax(scores, m_i, l_i):
-    """(p, alpha, m, l) of one block: the running max and sum updated; a row that has seen no
-    key yet (max -inf) subtracts 0, so its p and alpha are 0, not NaN."""
-    m_new = gl.maximum(m_i, gl.max(scores, axis=1))
+def online_softmax(qk, m_i, l_i, QK_SCALE: gl.constexpr):
+    """(p, alpha, m, l) of one block of raw scores: the running max and sum in base 2 (scores
+    times QK_SCALE = scale * log2(e), positive, so the max of the scaled scores is the scaled max
+    and p = exp2(qk * QK_SCALE - m) is one fused multiply-add and an exp2 per score); a row
+    that has seen no key yet (max -inf) subtracts 0, so its p and alpha are 0, not NaN."""
+    m_new = gl.maximum(m_i, gl.max(qk, axis=1) * QK_SCALE)
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(scores - gl.expand_dims(m_use, 1))
+    p = gl.exp2(qk * QK_SCALE - gl.expand_dims(m_use, 1))
     alpha = gl.exp2(m_i - m_use)
     l_new = l_i * alpha + gl.sum(p, axis=1)
     return p, alpha, m_new, l_new
@@ -162,8 +164,8 @@ def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k
         qk = warpgroup_mma(q, k_ring.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         mbarrier.arrive(k_empty.index(0), count=1)
-        scores = block_scores(qk, rows, 0, 0 >= full, s_kv, shift, QK_SCALE, CAUSAL)
-        p, alpha, m_i, l_i = online_softmax(scores, m_i, l_i)
+        scores = block_scores(qk, rows, 0, 0 >= full, s_kv, shift, CAUSAL)
+        p, alpha, m_i, l_i = online_softmax(scores, m_i, l_i, QK_SCALE)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, count):
             slot = j % STAGES
@@ -175,8 +177,8 @@ def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k
             acc = warpgroup_mma(p_before, v_ring.index(before), acc, is_async=True)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S_j done; P_{j-1} V_{j-1} may run on
             mbarrier.arrive(k_empty.index(slot), count=1)
-            scores = block_scores(qk, rows, j * BLOCK_N, j >= full, s_kv, shift, QK_SCALE, CAUSAL)
-            p, alpha, m_i, l_i = online_softmax(scores, m_i, l_i)
+            scores = block_scores(qk, rows, j * BLOCK_N, j >= full, s_kv, shift, CAUSAL)
+            p, alpha, m_i, l_i = online_softmax(scores, m_i, l_i, QK_SCALE)
             p16 = gl.convert_layout(p.to(dtype), p_layout)
             # the wgmma reads P_{j-1} from registers until it completes: it stays a dependency
             acc, p_before = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_before))

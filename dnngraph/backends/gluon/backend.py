@@ -9,8 +9,8 @@ problems it takes (supports), which configs it offers and what the model says of
 sdpa groups (the attention forward) are answered by attention_backend.py (its kernel:
 attention_library.py and attention_codegen.py); each method below hands them on by family.
 
-verified = False: its cooperative matmul's GPU tests pass on an H200 (the ping-pong schedule's and
-the attention kernel's have not run yet), but the whole GPU suite has not run with it
+verified = False: its GPU tests pass on an H200 (cooperative and ping-pong matmuls, the attention
+forward; runs of each under the concurrency sanitizer), but the whole GPU suite has not run with it
 among the default backends, and it is on average no faster than the Triton backend
 (BENCHMARKS.md, Gluon matmul); so the default BuildOptions.backends (options.py: the registered
 backends marked verified) leaves it out, and a build asks for it with
@@ -102,8 +102,9 @@ CONFIGS = (GluonConfig(128, 256, 64, 4, 2), GluonConfig(128, 256, 64, 3, 2), Glu
 
 # Ping-pong configs: each consumer a whole tile of at most 128 accumulators a thread (128 x 128 or
 # 64 x 256), the epilogue in subtiles of 32 values a thread (as heavy epilogues compile without
-# spills beside 128 accumulators). Not measured on a GPU yet: candidates() offers them only where
-# OFFER_PINGPONG is set (it will be, once they are measured), while lower() takes them from
+# spills beside 128 accumulators). Their GPU tests pass, but measured on an H200 they do not beat
+# the cooperative configs (BENCHMARKS.md, Gluon matmul: +2% at 8192^3 with GELU, -8% at 4096^3),
+# so candidates() offers them only where OFFER_PINGPONG is set, while lower() takes them from
 # outside (a Candidate carrying one, as a test or a tuner passes) as it takes CONFIGS.
 PINGPONG_CONFIGS = (GluonConfig(128, 128, 64, 4, 2, epilogue_n=32, schedule="pingpong"),
                     GluonConfig(64, 256, 64, 4, 2, epilogue_n=64, schedule="pingpong"),
