@@ -7,7 +7,8 @@ import torch
 
 import dnngraph as dg
 from dnngraph.backends import registry
-from dnngraph.backends.contract import BuildContext
+from dnngraph.backends.contract import BuildContext, Candidate
+from dnngraph.backends.gluon.attention_backend import CONFIGS
 from dnngraph.backends.gluon.backend import GLUON
 from dnngraph.fusion import partition
 from dnngraph.problems import problem_of
@@ -41,13 +42,15 @@ def sdpa_group(g):
     return group, problem_of(g, group)
 
 
-def lowered(g, target=H100):
-    """The gluon launches of `g`'s sdpa group for `target`, lowered directly (this machine's
-    builds are interpreted, where gluon does not take part)."""
+def lowered(g, target=H100, config=None):
+    """The gluon launches of `g`'s sdpa group for `target` (of `config`, an AttentionConfig,
+    where given), lowered directly (this machine's builds are interpreted, where gluon does not
+    take part)."""
     group, problem = sdpa_group(g)
     options = dg.BuildOptions(backends=("gluon", "triton"), target=target)
     context = BuildContext(torch.device("cuda"), target, options)
-    return GLUON.lower(g, group, problem, context)
+    candidate = None if config is None else Candidate("gluon", config, None)
+    return GLUON.lower(g, group, problem, context, candidate)
 
 
 def variants():
@@ -76,6 +79,12 @@ def compile_cases():
             g = graph("bf16", 128, mask, "single", True, **sizes)
             dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
             yield f"edge/{edge}/{mask}", lowered(g), dtypes
+    for head_dim in HEAD_DIMS:  # the ping-pong schedule: each mask, with the stats
+        pingpong = next(c for c in CONFIGS[head_dim] if c.pingpong)
+        for mask in MASKS:
+            g = graph("bf16", head_dim, mask, "gqa", True)
+            dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
+            yield f"pingpong/d{head_dim}/{mask}", lowered(g, config=pingpong), dtypes
 
 
 def quick_cases():

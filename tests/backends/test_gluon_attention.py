@@ -59,10 +59,13 @@ def test_candidates_fit_shared_memory_and_carry_estimates():
     for head_dim in (64, 128):
         problem = _problem(type_name="bf16", head_dim=head_dim, mask="causal", heads="gqa", stats=True)
         assert GLUON.supports(problem, H100) is True
-        (candidate,) = GLUON.candidates(problem, H100)
-        assert candidate.backend == "gluon" and candidate.estimate > attention_backend.LAUNCH_SECONDS
-        assert attention_backend.shared_bytes(candidate.config, head_dim, 2) <= H100.shared_memory
-        assert GLUON.estimate(problem, candidate.config, H100) == candidate.estimate
+        offered = GLUON.candidates(problem, H100)
+        assert [c.config for c in offered] == list(attention_backend.CONFIGS[head_dim])
+        assert [c.config.pingpong for c in offered] == [False, True]
+        for candidate in offered:
+            assert candidate.backend == "gluon" and candidate.estimate > attention_backend.LAUNCH_SECONDS
+            assert attention_backend.shared_bytes(candidate.config, head_dim, 2) <= H100.shared_memory
+            assert GLUON.estimate(problem, candidate.config, H100) == candidate.estimate
 
 
 def test_lower_gives_one_launch_per_query_block_and_head_with_an_unaligned_fallback():
@@ -79,6 +82,17 @@ def test_lower_gives_one_launch_per_query_block_and_head_with_an_unaligned_fallb
     values = {a.name: a.value for a in launch.arguments}
     assert values["shift"] == 0 and not values["STATS"] and "stats_ptr" not in values
     assert values["QK_SCALE"] == pytest.approx(attention_backend.LOG2E / 8)
+    assert values["PINGPONG"] is False
+
+
+def test_a_given_config_is_lowered_and_one_not_offered_is_refused():
+    g = graph("bf16", 128, "causal", "gqa", stats=True)
+    pingpong = attention_backend.CONFIGS[128][1]
+    (launch,) = lowered(g, config=pingpong)
+    assert {a.name: a.value for a in launch.arguments}["PINGPONG"] is True
+    assert launch.config_text.startswith(pingpong.text)
+    with pytest.raises(dg.UnsupportedError, match="not one this problem can run"):
+        lowered(g, config=attention_backend.AttentionConfig(128, 128, 9))
 
 
 def _refused(g, target=H100):
@@ -239,11 +253,34 @@ def test_gluon_attention_matches_the_reference(type_name, head_dim, mask, heads)
 @pytest.mark.parametrize("s_q,s_kv", [(1, 1), (1, 1000), (127, 127), (200, 127), (127, 1000), (1000, 200),
                                       (1000, 1000), (129, 257)])
 @pytest.mark.parametrize("mask", MASKS)
-def test_odd_sequence_lengths(s_q, s_kv, mask):
+@pytest.mark.parametrize("schedule", ["plain", "pingpong"])
+def test_odd_sequence_lengths(s_q, s_kv, mask, schedule, monkeypatch):
     """Lengths off the blocks, Sq != Skv both ways (bottom right with Sq > Skv: rows that see no
-    key are zero, their stats -inf)."""
-    g = graph("bf16", 128, mask, "gqa", stats=True, batch=1, s_q=s_q, s_kv=s_kv, attn_scale=0.07)
+    key are zero, their stats -inf), with each schedule forced (CONFIGS holding only it; the scale
+    differs per schedule so no plan of the other is taken from the plan cache)."""
+    _force_schedule(monkeypatch, schedule)
+    scale = 0.07 if schedule == "plain" else 0.071
+    g = graph("bf16", 128, mask, "gqa", stats=True, batch=1, s_q=s_q, s_kv=s_kv, attn_scale=scale)
     check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", options=BuildOptions(backends=("gluon",)))
+    assert ("schedule=pingpong" in g.plan.launches[0].config_text) == (schedule == "pingpong")
+
+
+def _force_schedule(monkeypatch, schedule: str):
+    """attention_backend.CONFIGS holding only the configs of `schedule` (plain or pingpong)."""
+    forced = {d: tuple(c for c in configs if c.pingpong == (schedule == "pingpong"))
+              for d, configs in attention_backend.CONFIGS.items()}
+    monkeypatch.setattr(attention_backend, "CONFIGS", forced)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask", MASKS)
+def test_the_pingpong_schedule_matches_the_reference(head_dim, mask, monkeypatch):
+    """Many key blocks (the turn barriers' phases wrap many times), several programs a head."""
+    _force_schedule(monkeypatch, "pingpong")
+    g = graph("fp16", head_dim, mask, "mqa", stats=True, batch=3, s_q=700, s_kv=1100, attn_scale=0.09)
+    check(g, _inputs(g), dtype=torch.float16, device="cuda", options=BuildOptions(backends=("gluon",)))
+    assert "schedule=pingpong" in g.plan.launches[0].config_text
 
 
 @pytest.mark.gpu
@@ -283,7 +320,13 @@ from gluon_attention_cases import graph
 from helpers import check
 import dnngraph as dg
 # three key blocks through the two-slot ring (its phases wrap), the causal diagonal, the stats
-for head_dim, mask in ((128, "causal"), (64, "none")):
+from dnngraph.backends.gluon import attention_backend
+from dnngraph.runtime import plan_cache
+for head_dim, mask, pingpong in ((128, "causal", False), (64, "none", False), (128, "causal", True),
+                                 (64, "causal_bottom_right", True)):
+    attention_backend.CONFIGS = {{d: tuple(c for c in configs if c.pingpong == pingpong)
+                                 for d, configs in attention_backend.CONFIGS.items()}}
+    plan_cache.clear()
     g = graph("bf16", head_dim, mask, "gqa", stats=True, batch=1, s_q=200, s_kv=330)
     inputs = {{t.name: torch.randn(*t.dim, device="cuda").to(t.data_type.torch_dtype)
               for t in g.tensors if t.producer is None}}

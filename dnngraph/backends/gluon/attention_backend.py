@@ -49,20 +49,24 @@ UNTAKEN = {"bias": "an additive bias", "seq_len_q": "padding lengths (seq_len_q)
 @dataclass(frozen=True)
 class AttentionConfig:
     """BLOCK_M query rows a program (two 4-warp consumers of BLOCK_M / 2 rows), BLOCK_N keys a
-    ring slot, a STAGES-deep K/V ring."""
+    ring slot, a STAGES-deep K/V ring; pingpong: the consumers take turns issuing their wgmmas
+    (attention_library.py)."""
 
     block_m: int
     block_n: int
     stages: int
+    pingpong: bool = False
 
     @property
     def text(self) -> str:
         return (f"gluon warp-specialized attention {self.block_m}x{self.block_n} stages={self.stages} "
-                f"consumers=2 tma-store")
+                f"consumers=2 tma-store" + (" schedule=pingpong" if self.pingpong else ""))
 
 
-# head dim -> the config (the ring as deep as the shared memory allows beside Q)
-CONFIGS = {64: AttentionConfig(128, 128, 3), 128: AttentionConfig(128, 128, 2)}
+# head dim -> the configs offered, first preferred (the ring as deep as the shared memory allows
+# beside Q). The ping-pong schedule is offered after the plain one until a GPU run ranks them.
+CONFIGS = {64: (AttentionConfig(128, 128, 3), AttentionConfig(128, 128, 3, pingpong=True)),
+           128: (AttentionConfig(128, 128, 2), AttentionConfig(128, 128, 2, pingpong=True))}
 
 
 def shared_bytes(config: AttentionConfig, head_dim: int, itemsize: int) -> int:
@@ -177,24 +181,27 @@ def estimate(problem: Problem, config: AttentionConfig, target: Target) -> Optio
 
 
 def candidates(backend_name: str, problem: Problem, target: Target) -> list:
-    """The one config of the head dim, where it fits the target's shared memory."""
+    """The configs of the head dim that fit the target's shared memory, in CONFIGS' order (the
+    model does not tell the schedules apart)."""
     g = problem.geometry
-    config = CONFIGS[g.head_dim]
-    if shared_bytes(config, g.head_dim, problem.operand("q").data_type.itemsize) > target.shared_memory:
-        return []
-    return [Candidate(backend_name, config, estimate(problem, config, target))]
+    itemsize = problem.operand("q").data_type.itemsize
+    return [Candidate(backend_name, config, estimate(problem, config, target)) for config in CONFIGS[g.head_dim]
+            if shared_bytes(config, g.head_dim, itemsize) <= target.shared_memory]
 
 
 def lower(graph, group, problem: Problem, context, offered: list, candidate: Optional[Candidate]) -> list:
-    """One launch, grid (cdiv(Sq, BLOCK_M), B * H), of the offered config (a given candidate
-    must be it)."""
+    """One launch, grid (cdiv(Sq, BLOCK_M), B * H), of the first offered config, or of the given
+    candidate's (which must be one offered)."""
     target = context.target
     if not offered:
         raise UnsupportedError(f"{problem.where}: the gluon attention ring does not fit {target.name}'s shared memory")
     chosen = offered[0]
-    if candidate is not None and isinstance(candidate.config, AttentionConfig) and candidate.config != chosen.config:
-        raise UnsupportedError(f"{problem.where}: gluon config {candidate.config.text} is not one this problem "
-                               f"can run on {target.name}")
+    if candidate is not None and isinstance(candidate.config, AttentionConfig):
+        matching = [c for c in offered if c.config == candidate.config]
+        if not matching:
+            raise UnsupportedError(f"{problem.where}: gluon config {candidate.config.text} is not one this problem "
+                                   f"can run on {target.name}")
+        chosen = matching[0]
     config, g = chosen.config, problem.geometry
     node = group.anchor
     q, k, v = node.inputs[:3]
@@ -215,7 +222,7 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
     constexprs = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HEAD_DIM": g.head_dim,
                   "STAGES": config.stages, "CAUSAL": g.mask != "none", "STATS": stored_stats,
                   "QK_SCALE": float(scale) * LOG2E, "PRODUCER_REGS": PRODUCER_REGS,
-                  "CONSUMER_REGS": CONSUMER_REGS}
+                  "CONSUMER_REGS": CONSUMER_REGS, "PINGPONG": config.pingpong}
     stem = f"dnngraph_gluon_{group.kind}_{node.op}"
     source = attention_codegen.render(stem, group.summary(), arguments, constexprs)
     grid = (-(-g.s_q // config.block_m), g.batch * g.heads)

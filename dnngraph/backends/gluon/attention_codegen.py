@@ -17,7 +17,7 @@ STEMS = ("q", "k", "v", "o", "stats")
 AXES = ("batch", "head", "row")
 # the names every kernel writes literally (its parameters and the module's)
 CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "CAUSAL", "STATS", "QK_SCALE", "PRODUCER_REGS",
-              "CONSUMER_REGS")
+              "CONSUMER_REGS", "PINGPONG")
 SIZES = ("s_q", "s_kv", "heads", "group", "shift")
 FIXED = (("gl", "gluon", "alib") + tuple(f"{stem}_ptr" for stem in STEMS) +
          tuple(f"{stem}_stride_{axis}" for stem in STEMS for axis in AXES) + SIZES + CONSTEXPRS)
@@ -80,7 +80,7 @@ from dnngraph.backends.gluon import attention_library as alib
 def {stem}({parameters}):
     alib.attention(q_ptr, k_ptr, v_ptr, o_ptr, {"stats_ptr" if stats else "0"}, {strides},
                    s_q, s_kv, heads, group, shift, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, STATS, QK_SCALE,
-                   PRODUCER_REGS, CONSUMER_REGS)
+                   PRODUCER_REGS, CONSUMER_REGS, PINGPONG)
 '''
     return KernelSource(stem, text, list(arguments))
 

@@ -23,6 +23,15 @@ multiples); D is 64 or 128 (the same for q, k and v); q, k, v and o share one 16
   while P_{j-1} V_{j-1} runs on the tensor cores, then wait for it, release V_{j-1} and rescale O.
   Scores are in base 2: the scale times log2(e) is one positive constexpr, applied to the row
   max and inside p = exp2(qk * QK_SCALE - m) (one fused multiply-add per score, as FA3 does).
+- Ping-pong (PINGPONG): the two consumers take turns issuing their wgmmas, one key block's
+  (S_j and P_{j-1} V_{j-1}) a turn, consumer 0 first, through two `order` mbarriers (count 1:
+  order[h] is arrived on by consumer 1 - h after each of its issues), so one consumer's softmax
+  runs while the other's matrix products hold the tensor cores (FA3's inter-warpgroup overlap).
+  Both consumers of a program visit the same key blocks, so they issue equally often (count + 1
+  times: block 0's S alone, then one turn per block, then the last P V); consumer 0 waits for
+  the other's issue i - 1 before its issue i, consumer 1 for consumer 0's issue i, at parity
+  i & 1 of the barrier. That phase is never aliased: the arrival after it needs the issue this
+  wait guards.
 - Masks: the key blocks a program visits stop at its last row's diagonal (causal: blocks above
   it are never loaded); blocks before `full` (every row of the program sees every key) take no
   mask arithmetic; the others mask keys past Skv and, causal, keys right of the diagonal
@@ -135,10 +144,30 @@ def online_softmax(qk, m_i, l_i, QK_SCALE: gl.constexpr):
 
 
 @gluon.jit
-def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k_empty, v_empty, o_ptr, stats_ptr,
-                            o_strides, stats_strides, s_q, s_kv, heads, group, shift, HALF: gl.constexpr,
+def take_turn(order, issue, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: before this consumer's issue `issue` (its wgmmas of one key block, counted
+    from 0), wait until the other consumer has issued its own issue `issue - 1` (consumer 1) or
+    `issue` (consumer 0 goes first: none before its issue 0)."""
+    if PINGPONG:
+        if HALF == 0:
+            mbarrier.wait(order.index(0), (issue - 1) & 1, pred=issue > 0)
+        else:
+            mbarrier.wait(order.index(1), issue & 1)
+
+
+@gluon.jit
+def pass_turn(order, HALF: gl.constexpr, PINGPONG: gl.constexpr):
+    """Ping-pong: this consumer's wgmmas of one key block are issued; the other may issue its own."""
+    if PINGPONG:
+        mbarrier.arrive(order.index(1 - HALF), count=1)
+
+
+@gluon.jit
+def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k_empty, v_empty, order, o_ptr,
+                            stats_ptr, o_strides, stats_strides, s_q, s_kv, heads, group, shift, HALF: gl.constexpr,
                             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                            CAUSAL: gl.constexpr, STATS: gl.constexpr, QK_SCALE: gl.constexpr):
+                            CAUSAL: gl.constexpr, STATS: gl.constexpr, QK_SCALE: gl.constexpr,
+                            PINGPONG: gl.constexpr):
     """One consumer warpgroup: query rows [HALF * 64, HALF * 64 + 64) of the program's block."""
     STAGES: gl.constexpr = k_ring.type.shape[0]
     SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
@@ -161,7 +190,9 @@ def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k
     if count > 0:
         # block 0: its scores alone
         mbarrier.wait(k_ready.index(0), 0)
+        take_turn(order, 0, HALF, PINGPONG)
         qk = warpgroup_mma(q, k_ring.index(0).permute((1, 0)), zero, use_acc=False, is_async=True)
+        pass_turn(order, HALF, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         mbarrier.arrive(k_empty.index(0), count=1)
         scores = block_scores(qk, rows, 0, 0 >= full, s_kv, shift, CAUSAL)
@@ -171,10 +202,12 @@ def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k
             slot = j % STAGES
             before = (j - 1) % STAGES
             mbarrier.wait(k_ready.index(slot), (j // STAGES) & 1)
+            take_turn(order, j, HALF, PINGPONG)
             qk = warpgroup_mma(q, k_ring.index(slot).permute((1, 0)), zero, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(before), ((j - 1) // STAGES) & 1)
             p_before = p16
             acc = warpgroup_mma(p_before, v_ring.index(before), acc, is_async=True)
+            pass_turn(order, HALF, PINGPONG)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S_j done; P_{j-1} V_{j-1} may run on
             mbarrier.arrive(k_empty.index(slot), count=1)
             scores = block_scores(qk, rows, j * BLOCK_N, j >= full, s_kv, shift, CAUSAL)
@@ -186,7 +219,9 @@ def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k
             acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
         last = (count - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((count - 1) // STAGES) & 1)
+        take_turn(order, count, HALF, PINGPONG)
         acc = warpgroup_mma(p16, v_ring.index(last), acc, is_async=True)
+        pass_turn(order, HALF, PINGPONG)
         acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
         mbarrier.arrive(v_empty.index(last), count=1)
     l_use = gl.where(l_i == 0.0, 1.0, l_i)
@@ -207,7 +242,7 @@ def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k
 def attention(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, q_strides, k_strides, v_strides, o_strides, stats_strides, s_q,
               s_kv, heads, group, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
               STAGES: gl.constexpr, CAUSAL: gl.constexpr, STATS: gl.constexpr, QK_SCALE: gl.constexpr,
-              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr):
     """The whole kernel body: Q's buffers, the K/V ring and the barriers, then the partitions.
     The strides are (batch, head, row) tuples in elements."""
     gl.static_assert(STAGES >= 2)
@@ -223,24 +258,31 @@ def attention(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, q_strides, k_strides, v_str
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready.index(0), count=1)
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.init(order.index(i), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=CONSUMERS)
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     gl.warp_specialize([
-        (attention_mma_partition, (q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k_empty, v_empty, o_ptr,
-                                   stats_ptr, o_strides, stats_strides, s_q, s_kv, heads, group, shift,
-                                   gl.constexpr(0), BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STATS, QK_SCALE)),
-        (attention_mma_partition, (q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k_empty, v_empty, o_ptr,
-                                   stats_ptr, o_strides, stats_strides, s_q, s_kv, heads, group, shift,
-                                   gl.constexpr(1), BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STATS, QK_SCALE)),
+        (attention_mma_partition, (q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k_empty, v_empty, order,
+                                   o_ptr, stats_ptr, o_strides, stats_strides, s_q, s_kv, heads, group, shift,
+                                   gl.constexpr(0), BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STATS, QK_SCALE,
+                                   PINGPONG)),
+        (attention_mma_partition, (q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k_empty, v_empty, order,
+                                   o_ptr, stats_ptr, o_strides, stats_strides, s_q, s_kv, heads, group, shift,
+                                   gl.constexpr(1), BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STATS, QK_SCALE,
+                                   PINGPONG)),
         (attention_load_partition, (q_ptr, k_ptr, v_ptr, q_strides, k_strides, v_strides, q_ring, k_ring, v_ring,
                                     q_ready, k_ready, v_ready, k_empty, v_empty, s_q, s_kv, heads, group, shift,
                                     BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)),
     ], [WARPGROUP_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(q_ready.index(0))
+    for i in gl.static_range(CONSUMERS):
+        mbarrier.invalidate(order.index(i))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(k_ready.index(i))
         mbarrier.invalidate(v_ready.index(i))
