@@ -1,0 +1,228 @@
+"""Device functions of the CTC kernels (imported by the generated source as `ctc`).
+
+A CTC kernel has no fused operand: its generated text is the signature (pointers, strides,
+sizes) and one call of `loss_entry` or `gradient_entry`; the recursion lives here. One program
+per batch entry holds the extended label sequence (blank, l1, blank, l2, ..., blank) in
+registers as a BLOCK_L vector of states and runs the recursion over the frames in log space, a
+frame's states taking their neighbours' values through tl.gather (a register shuffle, no
+memory round trip). The gradient kernel stores each frame's log_alpha row in its scratch, then
+walks the frames backwards with log_beta, writing every class of every frame of d log_probs.
+
+Lengths are read on the device and clamped into range (input lengths into [0, T], target
+lengths into what the targets hold), and a label outside [0, C) reads nothing (probability 0),
+so no value makes a kernel read or write outside its tensors.
+"""
+import triton
+import triton.language as tl
+
+# reduction codes the kernels take as a constexpr
+NONE = tl.constexpr(0)
+SUM = tl.constexpr(1)
+MEAN = tl.constexpr(2)
+
+
+@triton.jit
+def logsumexp3(a, b, c):
+    """log(exp(a) + exp(b) + exp(c)): -inf where all three are, NaN where any is (the largest
+    term is taken out only where it is finite)."""
+    top = tl.maximum(tl.maximum(a, b), c)
+    top = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
+    return top + tl.log(tl.exp(a - top) + tl.exp(b - top) + tl.exp(c - top))
+
+
+@triton.jit
+def entry_labels(n, targets_stride_0, targets_stride_1, target_lengths_ptr, target_lengths_stride, WIDTH,
+                 CONCATENATED: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(first, label_stride, length) of entry n's labels: element offset of its first label,
+    stride between labels, and its target length clamped to what the targets hold. Concatenated
+    targets start after the earlier entries' (clamped) lengths, summed here."""
+    length = tl.load(target_lengths_ptr + n * target_lengths_stride).to(tl.int64)
+    if CONCATENATED:
+        start = tl.zeros([], dtype=tl.int64)
+        earlier = tl.arange(0, BLOCK_N)
+        for m0 in range(0, n, BLOCK_N):
+            lengths = tl.load(target_lengths_ptr + (m0 + earlier) * target_lengths_stride,
+                              mask=m0 + earlier < n, other=0).to(tl.int64)
+            start += tl.sum(tl.minimum(tl.maximum(lengths, 0), WIDTH), 0)
+        start = tl.minimum(start, WIDTH)
+        length = tl.minimum(tl.maximum(length, 0), WIDTH - start)
+        return start * targets_stride_0, targets_stride_0, length
+    length = tl.minimum(tl.maximum(length, 0), WIDTH)
+    return n * targets_stride_0, targets_stride_1, length
+
+
+@triton.jit
+def extended_states(targets_ptr, first, label_stride, length, blank, C, BLOCK_L: tl.constexpr):
+    """The extended sequence: (s, count, states, skip, readable) with s the state positions,
+    count = 2 * length + 1, states the class of each (blank at even s), skip where alpha may
+    come from s - 2 (a label unlike the one two states back), readable where the state's class
+    is one of log_probs' (s < count and within [0, C))."""
+    s = tl.arange(0, BLOCK_L)
+    count = 2 * length + 1
+    is_label = (s % 2 == 1) & (s < count)
+    label = tl.load(targets_ptr + first + (s // 2) * label_stride, mask=is_label, other=0).to(tl.int64)
+    states = tl.where(is_label, label, blank)
+    two_back = tl.gather(states, tl.maximum(s - 2, 0), 0)
+    skip = is_label & (s >= 2) & (states != two_back)
+    readable = (s < count) & (states >= 0) & (states < C)
+    return s, count, states, skip, readable
+
+
+@triton.jit
+def emissions(row_ptr, class_stride, states, readable):
+    """log_probs of each state's class in one frame (row_ptr: the frame's row of this entry);
+    -inf past the sequence and for a label outside the classes."""
+    return tl.load(row_ptr + states * class_stride, mask=readable, other=float("-inf")).to(tl.float32)
+
+
+@triton.jit
+def alpha_pass(lp_ptr, lp_stride_t, lp_stride_c, frames, s, states, skip, readable, alpha_rows_ptr,
+               STORE: tl.constexpr, BLOCK_L: tl.constexpr):
+    """log_alpha of the last frame (frames 0: the empty alignment, 0 at state 0), each frame's
+    row stored at alpha_rows_ptr + t * BLOCK_L where STORE."""
+    first = emissions(lp_ptr, lp_stride_c, states, readable)
+    alpha = tl.where(s < 2, first, float("-inf"))
+    alpha = tl.where(frames > 0, alpha, tl.where(s == 0, 0.0, float("-inf")))
+    if STORE:
+        tl.store(alpha_rows_ptr + s, alpha)
+    for t in range(1, frames):
+        emit = emissions(lp_ptr + t * lp_stride_t, lp_stride_c, states, readable)
+        one_back = tl.where(s >= 1, tl.gather(alpha, tl.maximum(s - 1, 0), 0), float("-inf"))
+        two_back = tl.where(skip, tl.gather(alpha, tl.maximum(s - 2, 0), 0), float("-inf"))
+        alpha = emit + logsumexp3(alpha, one_back, two_back)
+        if STORE:
+            tl.store(alpha_rows_ptr + t * BLOCK_L + s, alpha)
+    return alpha
+
+
+@triton.jit
+def negative_log_likelihood(alpha, s, count):
+    """-log(alpha[count - 1] + alpha[count - 2]) in probability space: the loss of one entry."""
+    ends = tl.where((s == count - 1) | (s == count - 2), alpha, float("-inf"))
+    top = tl.max(ends, 0)
+    top = tl.where((top > float("-inf")) & (top < float("inf")), top, 0.0)
+    return -(top + tl.log(tl.sum(tl.exp(ends - top), 0)))
+
+
+@triton.jit
+def entry_nll(n, lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
+              input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, alpha_rows_ptr,
+              T, C, WIDTH, blank, CONCATENATED: tl.constexpr, STORE: tl.constexpr, BLOCK_L: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """(nll, frames, length, s, count, states, skip, readable) of entry n after its alpha pass."""
+    frames = tl.load(input_lengths_ptr + n * input_lengths_stride).to(tl.int64)
+    frames = tl.minimum(tl.maximum(frames, 0), T)
+    first, label_stride, length = entry_labels(n, targets_stride_0, targets_stride_1, target_lengths_ptr,
+                                               target_lengths_stride, WIDTH, CONCATENATED, BLOCK_N)
+    s, count, states, skip, readable = extended_states(targets_ptr, first, label_stride, length, blank, C, BLOCK_L)
+    alpha = alpha_pass(lp_ptr + n * lp_stride_n, lp_stride_t, lp_stride_c, frames, s, states, skip, readable,
+                       alpha_rows_ptr, STORE, BLOCK_L)
+    return negative_log_likelihood(alpha, s, count), frames, length, s, count, states, skip, readable
+
+
+@triton.jit
+def loss_entry(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
+               input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, loss_ptr,
+               loss_stride, T, C, WIDTH, blank, ZERO_INFINITY: tl.constexpr, REDUCTION: tl.constexpr,
+               CONCATENATED: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Entry n's loss (this program's): zeroed where infinite and ZERO_INFINITY, divided by its
+    target length (at least 1) for MEAN, stored at loss_ptr + n * loss_stride."""
+    n = tl.program_id(0).to(tl.int64)
+    nll, frames, length, s, count, states, skip, readable = entry_nll(
+        n, lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
+        input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, lp_ptr, T, C, WIDTH,
+        blank, CONCATENATED, False, BLOCK_L, BLOCK_N)
+    if ZERO_INFINITY:
+        nll = tl.where(nll == float("inf"), 0.0, nll)
+    if REDUCTION == MEAN:
+        nll = nll / tl.maximum(length, 1).to(tl.float32)
+    tl.store(loss_ptr + n * loss_stride, nll.to(loss_ptr.dtype.element_ty))
+
+
+@triton.jit
+def reduce_losses(losses_ptr, N, out_ptr, REDUCTION: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The sum (MEAN: the mean) of the N entry losses, in one program, in a fixed order."""
+    offsets = tl.arange(0, BLOCK_N)
+    total = tl.zeros([], dtype=tl.float32)
+    for m0 in range(0, N, BLOCK_N):
+        total += tl.sum(tl.load(losses_ptr + m0 + offsets, mask=m0 + offsets < N, other=0.0), 0)
+    if REDUCTION == MEAN:
+        total = total / N
+    tl.store(out_ptr, total.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def loss_scale(grad_loss_ptr, grad_loss_stride, n, length, N, REDUCTION: tl.constexpr):
+    """g_n: the gradient of the reduced loss with respect to entry n's loss."""
+    if REDUCTION == NONE:
+        scale = tl.load(grad_loss_ptr + n * grad_loss_stride).to(tl.float32)
+    else:
+        scale = tl.load(grad_loss_ptr).to(tl.float32)
+    if REDUCTION == MEAN:
+        scale = scale / tl.maximum(length, 1).to(tl.float32) / N
+    return scale
+
+
+@triton.jit
+def store_frame(lp_row_ptr, lp_stride_c, grad_row_ptr, grad_stride_c, states, per_state, nll, scale, zeroed, C,
+                BLOCK_C: tl.constexpr):
+    """One frame of d log_probs, BLOCK_C classes at a time: (exp(lp) - occupancy) * scale, the
+    occupancy of class c the sum of per_state over the states of class c, plus torch's start
+    value exp(-inf + nll) (0, NaN for an infinite loss); 0 where `zeroed`."""
+    absent = tl.exp(float("-inf") + nll)
+    for c0 in range(0, C, BLOCK_C):
+        classes = c0 + tl.arange(0, BLOCK_C)
+        hits = states[None, :] == classes[:, None]
+        occupancy = tl.sum(tl.where(hits, per_state[None, :], 0.0), 1) + absent
+        lp = tl.load(lp_row_ptr + classes * lp_stride_c, mask=classes < C, other=0.0).to(tl.float32)
+        value = tl.where(zeroed, 0.0, (tl.exp(lp) - occupancy) * scale)
+        tl.store(grad_row_ptr + classes * grad_stride_c, value.to(grad_row_ptr.dtype.element_ty), mask=classes < C)
+
+
+@triton.jit
+def gradient_entry(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
+                   input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride,
+                   grad_loss_ptr, grad_loss_stride, grad_ptr, grad_stride_t, grad_stride_n, grad_stride_c,
+                   alpha_ptr, N, T, C, WIDTH, blank, ZERO_INFINITY: tl.constexpr, REDUCTION: tl.constexpr,
+                   CONCATENATED: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """Entry n's columns of d log_probs (this program's): the alpha pass into its scratch rows,
+    then the frames from the last one back with log_beta; frames past the input are 0."""
+    n = tl.program_id(0).to(tl.int64)
+    alpha_rows_ptr = alpha_ptr + n * T * BLOCK_L
+    nll, frames, length, s, count, states, skip, readable = entry_nll(
+        n, lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
+        input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, alpha_rows_ptr, T, C,
+        WIDTH, blank, CONCATENATED, True, BLOCK_L, BLOCK_N)
+    tl.debug_barrier()  # the alpha rows are read back by other threads of the program
+    scale = loss_scale(grad_loss_ptr, grad_loss_stride, n, length, N, REDUCTION)
+    if ZERO_INFINITY:
+        zeroed = nll == float("inf")
+    else:
+        zeroed = nll < float("-inf")  # never
+    lp_entry_ptr = lp_ptr + n * lp_stride_n
+    grad_entry_ptr = grad_ptr + n * grad_stride_n
+    for t in range(frames, T):  # past the input: no gradient
+        for c0 in range(0, C, BLOCK_C):
+            classes = c0 + tl.arange(0, BLOCK_C)
+            tl.store(grad_entry_ptr + t * grad_stride_t + classes * grad_stride_c,
+                     tl.zeros([BLOCK_C], dtype=grad_ptr.dtype.element_ty), mask=classes < C)
+    # beta may come from s + 2 where alpha of s + 2 may come from s
+    two_on_states = tl.gather(states, tl.minimum(s + 2, BLOCK_L - 1), 0)
+    skip_down = (s % 2 == 1) & (s + 2 < count) & (two_on_states != states)
+    beta = tl.zeros([BLOCK_L], dtype=tl.float32)
+    for step in range(0, frames):
+        t = frames - 1 - step
+        emit = emissions(lp_entry_ptr + t * lp_stride_t, lp_stride_c, states, readable)
+        if step == 0:
+            beta = tl.where((s == count - 1) | (s == count - 2), emit, float("-inf"))
+        else:
+            one_on = tl.where(s + 1 < count, tl.gather(beta, tl.minimum(s + 1, BLOCK_L - 1), 0), float("-inf"))
+            two_on = tl.where(skip_down, tl.gather(beta, tl.minimum(s + 2, BLOCK_L - 1), 0), float("-inf"))
+            beta = emit + logsumexp3(beta, one_on, two_on)
+        alpha = tl.load(alpha_rows_ptr + t * BLOCK_L + s)
+        # alpha and beta both hold the frame's emission: taking it out once leaves the
+        # probability of the alignments through (t, s) over that of the class at t
+        per_state = tl.where(readable, tl.exp(alpha + beta + nll - emit), 0.0)
+        store_frame(lp_entry_ptr + t * lp_stride_t, lp_stride_c, grad_entry_ptr + t * grad_stride_t, grad_stride_c,
+                    states, per_state, nll, scale, zeroed, C, BLOCK_C)
