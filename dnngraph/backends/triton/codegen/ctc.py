@@ -1,5 +1,6 @@
 """Render a CTC group: the loss kernel (one program per batch entry), the reduction kernel of a
-"sum" or "mean" loss, and the gradient kernel. The recursion is fixed structure and lives in the
+"sum" or "mean" loss, and the gradient's two kernels (the recursions, one program per entry;
+then every frame's classes, one program per frame and entry). The recursion is fixed structure and lives in the
 device library (`ctc_library`, imported as `ctc`); the generated text is each kernel's signature
 and the call that hands it its pointers, strides and sizes."""
 from __future__ import annotations
@@ -66,13 +67,26 @@ def render_reduce(kernel_name: str, geometry, config, losses_uid: int, out, desc
     return _source(kernel_name, description, args, "ctc.reduce_losses(losses_ptr, N, out_ptr, REDUCTION, BLOCK_N)")
 
 
-def render_gradient(kernel_name: str, group, geometry, config, alpha_uid: int, description: str) -> KernelSource:
-    """d log_probs of every frame and class of each entry, its alpha rows in scratch `alpha_uid`."""
+def render_occupancy(kernel_name: str, group, geometry, config, rows_uid: int, nll_uid: int,
+                     description: str) -> KernelSource:
+    """The recursions of each entry: per-state occupancy rows into scratch `rows_uid`, each
+    entry's nll into scratch `nll_uid`."""
+    args = (_inputs(group.anchor) + [KernelArgument("tensor", "rows_ptr", rows_uid),
+                                     KernelArgument("tensor", "nll_ptr", nll_uid)] + _sizes(geometry, config))
+    call = (f"ctc.occupancy_entry({INPUT_CALL}, rows_ptr, nll_ptr, T, C, WIDTH, BLANK, CONCATENATED, BLOCK_L, "
+            f"BLOCK_N)")
+    return _source(kernel_name, description, args, call)
+
+
+def render_gradient(kernel_name: str, group, geometry, config, rows_uid: int, nll_uid: int,
+                    description: str) -> KernelSource:
+    """d log_probs, one program per (frame, entry), from the occupancy kernel's scratch."""
     node = group.anchor
     grad_loss, grad = node.inputs[4], node.outputs[0]
     args = (_inputs(node) + _tensor("grad_loss", grad_loss, 1)[:2] + _tensor("grad", grad, 3)
-            + [KernelArgument("tensor", "alpha_ptr", alpha_uid)] + _sizes(geometry, config))
-    call = (f"ctc.gradient_entry({INPUT_CALL}, grad_loss_ptr, grad_loss_stride_0, grad_ptr, grad_stride_0, "
-            f"grad_stride_1, grad_stride_2, alpha_ptr, N, T, C, WIDTH, BLANK, ZERO_INFINITY, REDUCTION, "
+            + [KernelArgument("tensor", "rows_ptr", rows_uid), KernelArgument("tensor", "nll_ptr", nll_uid)]
+            + _sizes(geometry, config))
+    call = (f"ctc.frame_gradient({INPUT_CALL}, grad_loss_ptr, grad_loss_stride_0, grad_ptr, grad_stride_0, "
+            f"grad_stride_1, grad_stride_2, rows_ptr, nll_ptr, N, T, C, WIDTH, BLANK, ZERO_INFINITY, REDUCTION, "
             f"CONCATENATED, BLOCK_L, BLOCK_N, BLOCK_C)")
     return _source(kernel_name, description, args, call)

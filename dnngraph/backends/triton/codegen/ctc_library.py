@@ -180,34 +180,25 @@ def store_frame(lp_row_ptr, lp_stride_c, grad_row_ptr, grad_stride_c, states, pe
 
 
 @triton.jit
-def gradient_entry(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
-                   input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride,
-                   grad_loss_ptr, grad_loss_stride, grad_ptr, grad_stride_t, grad_stride_n, grad_stride_c,
-                   alpha_ptr, N, T, C, WIDTH, blank, ZERO_INFINITY: tl.constexpr, REDUCTION: tl.constexpr,
-                   CONCATENATED: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
-    """Entry n's columns of d log_probs (this program's): the alpha pass into its scratch rows,
-    then the frames from the last one back with log_beta; frames past the input are 0."""
+def occupancy_entry(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
+                    input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, rows_ptr,
+                    nll_ptr, T, C, WIDTH, blank, CONCATENATED: tl.constexpr, BLOCK_L: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """The recursions of entry n (this program's): the alpha pass into its scratch rows, then the
+    frames from the last one back with log_beta, each frame's row overwritten (it is read there
+    last) by its states' exp(log_alpha + log_beta + nll - log_probs): the probability of the
+    alignments through (t, s) over that of the state's class at t. The entry's nll goes to
+    nll_ptr[n]; frame_gradient turns the rows into d log_probs, every frame in parallel."""
     n = tl.program_id(0).to(tl.int64)
-    alpha_rows_ptr = alpha_ptr + n * T * BLOCK_L
+    entry_rows_ptr = rows_ptr + n * T * BLOCK_L
     nll, frames, length, s, count, states, skip, readable = entry_nll(
         n, lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
-        input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, alpha_rows_ptr, T, C,
+        input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, entry_rows_ptr, T, C,
         WIDTH, blank, CONCATENATED, True, BLOCK_L, BLOCK_N)
+    tl.store(nll_ptr + n, nll)
     tl.debug_barrier()  # the alpha rows are read back by other threads of the program
-    scale = loss_scale(grad_loss_ptr, grad_loss_stride, n, length, N, REDUCTION)
-    if ZERO_INFINITY:
-        zeroed = nll == float("inf")
-    else:
-        zeroed = nll < float("-inf")  # never
     lp_entry_ptr = lp_ptr + n * lp_stride_n
-    grad_entry_ptr = grad_ptr + n * grad_stride_n
-    for t in range(frames, T):  # past the input: no gradient
-        for c0 in range(0, C, BLOCK_C):
-            classes = c0 + tl.arange(0, BLOCK_C)
-            tl.store(grad_entry_ptr + t * grad_stride_t + classes * grad_stride_c,
-                     tl.zeros([BLOCK_C], dtype=grad_ptr.dtype.element_ty), mask=classes < C)
-    # beta may come from s + 2 where alpha of s + 2 may come from s
+    # beta may come from s + 2 where alpha of s + 2 may come from s: two different labels
     two_on_states = tl.gather(states, tl.minimum(s + 2, BLOCK_L - 1), 0)
     skip_down = (s % 2 == 1) & (s + 2 < count) & (two_on_states != states)
     beta = tl.zeros([BLOCK_L], dtype=tl.float32)
@@ -220,9 +211,34 @@ def gradient_entry(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, t
             one_on = tl.where(s + 1 < count, tl.gather(beta, tl.minimum(s + 1, BLOCK_L - 1), 0), float("-inf"))
             two_on = tl.where(skip_down, tl.gather(beta, tl.minimum(s + 2, BLOCK_L - 1), 0), float("-inf"))
             beta = emit + logsumexp3(beta, one_on, two_on)
-        alpha = tl.load(alpha_rows_ptr + t * BLOCK_L + s)
-        # alpha and beta both hold the frame's emission: taking it out once leaves the
-        # probability of the alignments through (t, s) over that of the class at t
-        per_state = tl.where(readable, tl.exp(alpha + beta + nll - emit), 0.0)
-        store_frame(lp_entry_ptr + t * lp_stride_t, lp_stride_c, grad_entry_ptr + t * grad_stride_t, grad_stride_c,
-                    states, per_state, nll, scale, zeroed, C, BLOCK_C)
+        alpha = tl.load(entry_rows_ptr + t * BLOCK_L + s)
+        # alpha and beta both hold the frame's emission: it is taken out once
+        tl.store(entry_rows_ptr + t * BLOCK_L + s, tl.where(readable, tl.exp(alpha + beta + nll - emit), 0.0))
+
+
+@triton.jit
+def frame_gradient(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
+                   input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride,
+                   grad_loss_ptr, grad_loss_stride, grad_ptr, grad_stride_t, grad_stride_n, grad_stride_c, rows_ptr,
+                   nll_ptr, N, T, C, WIDTH, blank, ZERO_INFINITY: tl.constexpr, REDUCTION: tl.constexpr,
+                   CONCATENATED: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_C: tl.constexpr):
+    """d log_probs of frame t of entry n (this program's, grid (T, N)) from occupancy_entry's
+    rows and nll: 0 past the entry's input, 0 for an infinite loss under ZERO_INFINITY."""
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1).to(tl.int64)
+    frames = tl.minimum(tl.maximum(tl.load(input_lengths_ptr + n * input_lengths_stride).to(tl.int64), 0), T)
+    first, label_stride, length = entry_labels(n, targets_stride_0, targets_stride_1, target_lengths_ptr,
+                                               target_lengths_stride, WIDTH, CONCATENATED, BLOCK_N)
+    s, count, states, skip, readable = extended_states(targets_ptr, first, label_stride, length, blank, C, BLOCK_L)
+    nll = tl.load(nll_ptr + n)
+    scale = loss_scale(grad_loss_ptr, grad_loss_stride, n, length, N, REDUCTION)
+    if ZERO_INFINITY:
+        zeroed = nll == float("inf")
+    else:
+        zeroed = nll < float("-inf")  # never
+    zeroed = zeroed | (t >= frames)  # past the input: no gradient
+    per_state = tl.load(rows_ptr + (n * T + t) * BLOCK_L + s, mask=readable & (t < frames), other=0.0)
+    store_frame(lp_ptr + t * lp_stride_t + n * lp_stride_n, lp_stride_c,
+                grad_ptr + t * grad_stride_t + n * grad_stride_n, grad_stride_c, states, per_state, nll, scale,
+                zeroed, C, BLOCK_C)

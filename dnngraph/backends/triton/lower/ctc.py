@@ -5,7 +5,7 @@ from ....errors import ExecutionError, ValidationError
 from ....ops.ctc import label_sequences
 from ....problems.ctc import ctc_problem
 from ....runtime.launch import kernel_name, launch_of, scratch
-from ..codegen.ctc import render_gradient, render_loss, render_reduce
+from ..codegen.ctc import render_gradient, render_loss, render_occupancy, render_reduce
 from ..heuristics.ctc import schedule
 
 
@@ -21,14 +21,7 @@ def build_ctc(graph, group, context):
     reason = (f"one program per batch entry ({programs}), its {2 * geometry.label_width + 1} extended states in "
               f"registers (BLOCK_L={config.block_l}), the recursion over T={geometry.steps} frames in log space")
     if anchor.op == "ctc_loss_backward":
-        alpha = scratch((geometry.batch, geometry.steps, config.block_l))
-        if context.budget is not None:
-            context.budget.spend(alpha.nbytes)
-        reason += (f"; log_alpha rows kept in scratch ({alpha.nbytes} bytes), then log_beta from the last frame "
-                   f"back, {config.block_c} classes per occupancy tile")
-        source = render_gradient(name, group, geometry, config, alpha.uid, summary)
-        return launch_of(group, source, programs, config.num_warps, config.text(), reason, scratch=(alpha,),
-                         host_checks=checks)
+        return _gradient_launches(group, geometry, config, name, summary, reason, checks, context.budget)
     loss = anchor.outputs[0]
     if geometry.reduction == "none":
         source = render_loss(name, group, geometry, config, loss.uid, int(loss.stride[0]), summary)
@@ -43,6 +36,24 @@ def build_ctc(graph, group, context):
                      f"the {geometry.reduction} of {geometry.batch} entry losses in one program, in order "
                      f"(deterministic, no atomics)")
     return [entries, fold]
+
+
+def _gradient_launches(group, geometry, config, name, summary, reason, checks, budget) -> list:
+    """The recursions (one program per entry: the sequential part), then d log_probs of every
+    (frame, entry) in parallel from their per-state rows."""
+    rows, nll = scratch((geometry.batch, geometry.steps, config.block_l)), scratch((geometry.batch,))
+    if budget is not None:
+        budget.spend(rows.nbytes + nll.nbytes)
+    source = render_occupancy(name + "_recursions", group, geometry, config, rows.uid, nll.uid, summary)
+    recursions = launch_of(group, source, geometry.batch, config.num_warps, config.text(),
+                           reason + f"; log_alpha rows in scratch ({rows.nbytes} bytes), then log_beta from the "
+                           f"last frame back, each row becoming its states' occupancy", scratch=(rows, nll),
+                           host_checks=checks)
+    source = render_gradient(name, group, geometry, config, rows.uid, nll.uid, summary)
+    frames = launch_of(group, source, (geometry.steps, geometry.batch), config.num_warps, config.text(),
+                       f"one program per (frame, entry) = {geometry.steps} x {geometry.batch}, each summing its "
+                       f"states' occupancy per class, {config.block_c} classes at a time")
+    return [recursions, frames]
 
 
 def _host_checks(anchor, geometry) -> tuple:
