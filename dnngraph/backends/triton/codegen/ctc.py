@@ -35,7 +35,8 @@ def _sizes(geometry, config) -> list:
             KernelArgument("constexpr", "CONCATENATED", geometry.concatenated),
             KernelArgument("constexpr", "BLOCK_L", config.block_l),
             KernelArgument("constexpr", "BLOCK_N", config.block_n),
-            KernelArgument("constexpr", "BLOCK_C", config.block_c)]
+            KernelArgument("constexpr", "BLOCK_C", config.block_c),
+            KernelArgument("constexpr", "BLOCK_T", config.block_t)]
 
 
 INPUT_CALL = ("lp_ptr, lp_stride_0, lp_stride_1, lp_stride_2, targets_ptr, targets_stride_0, targets_stride_1, "
@@ -80,7 +81,7 @@ def render_occupancy(kernel_name: str, group, geometry, config, rows_uid: int, n
 
 def render_gradient(kernel_name: str, group, geometry, config, rows_uid: int, nll_uid: int,
                     description: str) -> KernelSource:
-    """d log_probs, one program per (frame, entry), from the occupancy kernel's scratch."""
+    """d log_probs, one program per (BLOCK_T frames, entry), from the occupancy kernel's scratch."""
     node = group.anchor
     grad_loss, grad = node.inputs[4], node.outputs[0]
     args = (_inputs(node) + _tensor("grad_loss", grad_loss, 1)[:2] + _tensor("grad", grad, 3)
@@ -88,5 +89,5 @@ def render_gradient(kernel_name: str, group, geometry, config, rows_uid: int, nl
             + _sizes(geometry, config))
     call = (f"ctc.frame_gradient({INPUT_CALL}, grad_loss_ptr, grad_loss_stride_0, grad_ptr, grad_stride_0, "
             f"grad_stride_1, grad_stride_2, rows_ptr, nll_ptr, N, T, C, WIDTH, BLANK, ZERO_INFINITY, REDUCTION, "
-            f"CONCATENATED, BLOCK_L, BLOCK_N, BLOCK_C)")
+            f"CONCATENATED, BLOCK_L, BLOCK_N, BLOCK_C, BLOCK_T)")
     return _source(kernel_name, description, args, call)

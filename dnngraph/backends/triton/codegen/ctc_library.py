@@ -222,10 +222,11 @@ def frame_gradient(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, t
                    grad_loss_ptr, grad_loss_stride, grad_ptr, grad_stride_t, grad_stride_n, grad_stride_c, rows_ptr,
                    nll_ptr, N, T, C, WIDTH, blank, ZERO_INFINITY: tl.constexpr, REDUCTION: tl.constexpr,
                    CONCATENATED: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_C: tl.constexpr):
-    """d log_probs of frame t of entry n (this program's, grid (T, N)) from occupancy_entry's
-    rows and nll: 0 past the entry's input, 0 for an infinite loss under ZERO_INFINITY."""
-    t = tl.program_id(0).to(tl.int64)
+                   BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+    """d log_probs of frames [t0, t0 + BLOCK_T) of entry n (this program's, grid
+    (cdiv(T, BLOCK_T), N)) from occupancy_entry's rows and nll: 0 past the entry's input, 0 for
+    an infinite loss under ZERO_INFINITY."""
+    t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
     n = tl.program_id(1).to(tl.int64)
     frames = tl.minimum(tl.maximum(tl.load(input_lengths_ptr + n * input_lengths_stride).to(tl.int64), 0), T)
     first, label_stride, length = entry_labels(n, targets_stride_0, targets_stride_1, target_lengths_ptr,
@@ -234,11 +235,12 @@ def frame_gradient(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, t
     nll = tl.load(nll_ptr + n)
     scale = loss_scale(grad_loss_ptr, grad_loss_stride, n, length, N, REDUCTION)
     if ZERO_INFINITY:
-        zeroed = nll == float("inf")
+        infinite = nll == float("inf")
     else:
-        zeroed = nll < float("-inf")  # never
-    zeroed = zeroed | (t >= frames)  # past the input: no gradient
-    per_state = tl.load(rows_ptr + (n * T + t) * BLOCK_L + s, mask=readable & (t < frames), other=0.0)
-    store_frame(lp_ptr + t * lp_stride_t + n * lp_stride_n, lp_stride_c,
-                grad_ptr + t * grad_stride_t + n * grad_stride_n, grad_stride_c, states, per_state, nll, scale,
-                zeroed, C, BLOCK_C)
+        infinite = nll < float("-inf")  # never
+    for t in range(t0, tl.minimum(t0 + BLOCK_T, T)):
+        zeroed = infinite | (t >= frames)  # past the input: no gradient
+        per_state = tl.load(rows_ptr + (n * T + t) * BLOCK_L + s, mask=readable & (t < frames), other=0.0)
+        store_frame(lp_ptr + t * lp_stride_t + n * lp_stride_n, lp_stride_c,
+                    grad_ptr + t * grad_stride_t + n * grad_stride_n, grad_stride_c, states, per_state, nll, scale,
+                    zeroed, C, BLOCK_C)

@@ -14,7 +14,7 @@ def build_ctc(graph, group, context):
     anchor = group.anchor
     geometry = ctc_problem(graph, group).geometry
     where = f"node {anchor.name!r} ({anchor.op})"
-    config = schedule(geometry, where)
+    config = schedule(geometry, where, context.device.type == "cpu")
     name, summary = kernel_name(group), group.summary()
     checks = _host_checks(anchor, geometry)
     programs = geometry.batch
@@ -50,9 +50,10 @@ def _gradient_launches(group, geometry, config, name, summary, reason, checks, b
                            f"last frame back, each row becoming its states' occupancy", scratch=(rows, nll),
                            host_checks=checks)
     source = render_gradient(name, group, geometry, config, rows.uid, nll.uid, summary)
-    frames = launch_of(group, source, (geometry.steps, geometry.batch), config.num_warps, config.text(),
-                       f"one program per (frame, entry) = {geometry.steps} x {geometry.batch}, each summing its "
-                       f"states' occupancy per class, {config.block_c} classes at a time")
+    frame_blocks = -(-geometry.steps // config.block_t)
+    frames = launch_of(group, source, (frame_blocks, geometry.batch), config.num_warps, config.text(),
+                       f"one program per ({config.block_t} frames, entry) = {frame_blocks} x {geometry.batch}, each "
+                       f"summing its states' occupancy per class, {config.block_c} classes at a time")
     return [recursions, frames]
 
 
