@@ -69,10 +69,10 @@ def extended_states(targets_ptr, first, label_stride, length, blank, C, BLOCK_L:
 
 
 @triton.jit
-def emissions(row_ptr, class_stride, states, readable):
+def emissions(row_ptr, class_stride, states, mask):
     """log_probs of each state's class in one frame (row_ptr: the frame's row of this entry);
-    -inf past the sequence and for a label outside the classes."""
-    return tl.load(row_ptr + states * class_stride, mask=readable, other=float("-inf")).to(tl.float32)
+    -inf where not `mask` (past the sequence, a label outside the classes, a frame not read)."""
+    return tl.load(row_ptr + states * class_stride, mask=mask, other=float("-inf")).to(tl.float32)
 
 
 @triton.jit
@@ -85,8 +85,11 @@ def alpha_pass(lp_ptr, lp_stride_t, lp_stride_c, frames, s, states, skip, readab
     alpha = tl.where(frames > 0, alpha, tl.where(s == 0, 0.0, float("-inf")))
     if STORE:
         tl.store(alpha_rows_ptr + s, alpha)
+    # each frame's emissions are loaded a step ahead: their latency hides behind the step before
+    emit_next = emissions(lp_ptr + lp_stride_t, lp_stride_c, states, readable & (frames > 1))
     for t in range(1, frames):
-        emit = emissions(lp_ptr + t * lp_stride_t, lp_stride_c, states, readable)
+        emit = emit_next
+        emit_next = emissions(lp_ptr + (t + 1) * lp_stride_t, lp_stride_c, states, readable & (t + 1 < frames))
         one_back = tl.where(s >= 1, tl.gather(alpha, tl.maximum(s - 1, 0), 0), float("-inf"))
         two_back = tl.where(skip, tl.gather(alpha, tl.maximum(s - 2, 0), 0), float("-inf"))
         alpha = emit + logsumexp3(alpha, one_back, two_back)
@@ -201,19 +204,20 @@ def occupancy_entry(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, 
     # beta may come from s + 2 where alpha of s + 2 may come from s: two different labels
     two_on_states = tl.gather(states, tl.minimum(s + 2, BLOCK_L - 1), 0)
     skip_down = (s % 2 == 1) & (s + 2 < count) & (two_on_states != states)
-    beta = tl.zeros([BLOCK_L], dtype=tl.float32)
+    last = tl.maximum(frames - 1, 0)
+    emit = emissions(lp_entry_ptr + last * lp_stride_t, lp_stride_c, states, readable)
+    beta = tl.where((s == count - 1) | (s == count - 2), emit, float("-inf"))
     for step in range(0, frames):
         t = frames - 1 - step
-        emit = emissions(lp_entry_ptr + t * lp_stride_t, lp_stride_c, states, readable)
-        if step == 0:
-            beta = tl.where((s == count - 1) | (s == count - 2), emit, float("-inf"))
-        else:
-            one_on = tl.where(s + 1 < count, tl.gather(beta, tl.minimum(s + 1, BLOCK_L - 1), 0), float("-inf"))
-            two_on = tl.where(skip_down, tl.gather(beta, tl.minimum(s + 2, BLOCK_L - 1), 0), float("-inf"))
-            beta = emit + logsumexp3(beta, one_on, two_on)
+        # the frame before's emissions load a step ahead, while this frame's row is written
+        emit_before = emissions(lp_entry_ptr + (t - 1) * lp_stride_t, lp_stride_c, states, readable & (t >= 1))
         alpha = tl.load(entry_rows_ptr + t * BLOCK_L + s)
         # alpha and beta both hold the frame's emission: it is taken out once
         tl.store(entry_rows_ptr + t * BLOCK_L + s, tl.where(readable, tl.exp(alpha + beta + nll - emit), 0.0))
+        one_on = tl.where(s + 1 < count, tl.gather(beta, tl.minimum(s + 1, BLOCK_L - 1), 0), float("-inf"))
+        two_on = tl.where(skip_down, tl.gather(beta, tl.minimum(s + 2, BLOCK_L - 1), 0), float("-inf"))
+        beta = emit_before + logsumexp3(beta, one_on, two_on)  # frame t - 1's (unused past frame 0)
+        emit = emit_before
 
 
 @triton.jit

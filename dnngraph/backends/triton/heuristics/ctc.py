@@ -15,6 +15,11 @@ MAX_STATES = 8192
 OCCUPANCY_TILE = 8192
 # Entries whose lengths one step of the concatenated targets' offset sum reads.
 MAX_BLOCK_N = 1024
+# States one warp holds in a recursion (32 per lane): a whole speech target (S=100: 201 states)
+# in one warp.
+RECURSION_STATES_PER_WARP = 1024
+# Warps of the [BLOCK_C, BLOCK_L] occupancy tile (64 elements per thread at 8192).
+FRAME_WARPS = 4
 # Frames per program of the gradient's per-frame kernel on a GPU: enough programs to fill the
 # device at a speech batch (T=500, N=32: 2016), each loading its entry's labels once for 8 frames.
 GPU_BLOCK_T = 8
@@ -25,12 +30,13 @@ class CtcConfig:
     block_l: int  # states per program: a power of two >= 2 * label_width + 1
     block_c: int  # classes per step of the gradient's occupancy tile
     block_n: int  # entries per step of sums over the batch
-    num_warps: int
+    num_warps: int  # the reductions' and the per-frame gradient's
     block_t: int  # frames per program of the gradient's per-frame kernel
+    recursion_warps: int  # warps of the programs running a recursion over frames
 
     def text(self) -> str:
         return (f"BLOCK_L={self.block_l} BLOCK_C={self.block_c} BLOCK_N={self.block_n} BLOCK_T={self.block_t} "
-                f"num_warps={self.num_warps}")
+                f"num_warps={self.num_warps} recursion_warps={self.recursion_warps}")
 
 
 def _power_of_two(count: int) -> int:
@@ -48,7 +54,12 @@ def schedule(geometry, where: str, interpreted: bool) -> CtcConfig:
                                f"kernel keeps at most {MAX_STATES} in registers")
     block_c = max(1, min(_power_of_two(geometry.classes), OCCUPANCY_TILE // block_l))
     block_n = min(MAX_BLOCK_N, max(16, _power_of_two(geometry.batch)))
-    # two states per thread, 1 to 8 warps: a frame's step is a few dependent shuffles and exps
-    num_warps = min(8, max(1, block_l // 64))
     block_t = geometry.steps if interpreted else min(GPU_BLOCK_T, geometry.steps)
-    return CtcConfig(block_l, block_c, block_n, num_warps, block_t)
+    return CtcConfig(block_l, block_c, block_n, FRAME_WARPS, block_t, recursion_warps(block_l))
+
+
+def recursion_warps(block_l: int) -> int:
+    """Warps of a program running the recursion: one up to RECURSION_STATES_PER_WARP states (its
+    step's neighbour exchanges, tl.gather, stay warp shuffles: no shared memory, no barrier on
+    the sequential path), more only for longer label sequences."""
+    return min(8, max(1, block_l // RECURSION_STATES_PER_WARP))

@@ -25,10 +25,10 @@ def build_ctc(graph, group, context):
     loss = anchor.outputs[0]
     if geometry.reduction == "none":
         source = render_loss(name, group, geometry, config, loss.uid, int(loss.stride[0]), summary)
-        return launch_of(group, source, programs, config.num_warps, config.text(), reason, host_checks=checks)
+        return launch_of(group, source, programs, config.recursion_warps, config.text(), reason, host_checks=checks)
     losses = scratch((geometry.batch,))
     source = render_loss(name, group, geometry, config, losses.uid, 1, summary)
-    entries = launch_of(group, source, programs, config.num_warps, config.text(),
+    entries = launch_of(group, source, programs, config.recursion_warps, config.text(),
                         reason + f"; entry losses in scratch, then one program takes their {geometry.reduction}",
                         scratch=(losses,), host_checks=checks)
     source = render_reduce(name + "_reduce", geometry, config, losses.uid, loss, f"{geometry.reduction} of {summary}")
@@ -45,7 +45,7 @@ def _gradient_launches(group, geometry, config, name, summary, reason, checks, b
     if budget is not None:
         budget.spend(rows.nbytes + nll.nbytes)
     source = render_occupancy(name + "_recursions", group, geometry, config, rows.uid, nll.uid, summary)
-    recursions = launch_of(group, source, geometry.batch, config.num_warps, config.text(),
+    recursions = launch_of(group, source, geometry.batch, config.recursion_warps, config.text(),
                            reason + f"; log_alpha rows in scratch ({rows.nbytes} bytes), then log_beta from the "
                            f"last frame back, each row becoming its states' occupancy", scratch=(rows, nll),
                            host_checks=checks)
