@@ -200,6 +200,25 @@ def test_autograd_through_as_function():
     _same(loss.detach(), _torch_loss(values, reduction="mean", zero_infinity=True).reshape(1), 2e-5)
 
 
+def test_autograd_through_log_softmax():
+    """A head's log_softmax in the same graph: the loss and d logits (through softmax_backward)
+    against torch's."""
+    values = _case()
+    logits = torch.randn(values[0].shape, generator=torch.Generator().manual_seed(3))
+    g = dg.Graph(name="head", io_data_type=dg.float32)
+    x = g.tensor_like(logits, name="logits")
+    rest = [g.tensor_like(v, name=n) for v, n in zip(values[1:], ("targets", "il", "tl"))]
+    g.ctc_loss(g.softmax(x, axis=-1, log=True), *rest, reduction="sum", zero_infinity=True).set_output(True)
+    leaf = logits.clone().requires_grad_()
+    loss = g.as_function()(leaf, *values[1:])
+    loss.backward()
+    leaf64 = logits.double().requires_grad_()
+    expected = F.ctc_loss(leaf64.log_softmax(-1), *values[1:], reduction="sum", zero_infinity=True)
+    expected.backward()
+    _same(loss.detach(), expected.detach().reshape(1), 2e-5)
+    _same(leaf.grad, leaf64.grad, 1e-5)
+
+
 def test_json_round_trip():
     values = _case()
     g, inputs = _loss_graph(values, reduction="sum", blank=0, zero_infinity=True)
@@ -344,6 +363,29 @@ def test_torch_compile_model_with_ctc_loss():
 
 
 @pytest.mark.gpu
+def test_out_of_range_lengths_are_clamped_on_gpu():
+    """On the GPU lengths are never read back: an input length past T counts as T, a target
+    length past S as S, and a label outside the classes gives an infinite loss; nothing outside
+    the tensors is read (compute-sanitizer would say) and every output element is written."""
+    log_probs, targets, input_lengths, target_lengths = (v.cuda() for v in _case())
+    clamped = (log_probs, targets, input_lengths.clone(), target_lengths.clone())
+    bad_targets = targets.clone()
+    bad_targets[4, 0] = 99
+    over = (log_probs, bad_targets, input_lengths + 50, target_lengths.clone())
+    over[3][0] = 40  # past S = 4
+    clamped[3][0] = 4
+    clamped[2][:] = torch.minimum(input_lengths + 50, torch.tensor(8, device="cuda"))
+    results = []
+    for values in (clamped, over):
+        g, inputs = _loss_graph(values, reduction="none")
+        g.build()
+        out = torch.full([5], math.nan, device="cuda")
+        g.execute({**inputs, "loss": out})
+        results.append(out.cpu())
+    assert torch.equal(results[0][:4], results[1][:4]) and results[1][4].item() == math.inf
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [dg.float32, dg.bfloat16])
 def test_benchmark_shape_on_gpu(dtype):
     """T=500, N=32, C=29, targets of up to 100: loss and gradient against torch's on the GPU."""
@@ -360,6 +402,7 @@ def test_benchmark_shape_on_gpu(dtype):
     loss = fn(lp, *values[1:])
     loss.backward()
     cpu_values = tuple(v.cpu() for v in values)
-    tolerance = 2e-5 if dtype == dg.float32 else 1e-3
-    _same(loss.detach(), _torch_loss(cpu_values, reduction="mean").reshape(1), tolerance)
-    _same(lp.grad, _torch_gradient(cpu_values, torch.ones(1), reduction="mean"), 10 * tolerance)
+    # fp32 math over 500 frames; a bf16 loss and gradient are rounded once when stored (2^-9)
+    loss_tolerance, grad_tolerance = (2e-5, 2e-4) if dtype == dg.float32 else (8e-3, 8e-3)
+    _same(loss.detach(), _torch_loss(cpu_values, reduction="mean").reshape(1), loss_tolerance)
+    _same(lp.grad, _torch_gradient(cpu_values, torch.ones(1), reduction="mean"), grad_tolerance)
