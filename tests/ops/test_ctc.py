@@ -140,6 +140,9 @@ def test_half_types(dtype):
     values = (log_probs.to(TORCH_OF[dtype]), *rest)
     g, inputs = _loss_graph(values, dtype=dtype, reduction="sum", zero_infinity=True)
     check(g, inputs)
+    g, inputs = _backward_graph(values, torch.randn(1).to(TORCH_OF[dtype]), dtype=dtype, reduction="sum",
+                                zero_infinity=True)
+    check(g, inputs)
 
 
 # --- the gradient ---------------------------------------------------------------------------------
