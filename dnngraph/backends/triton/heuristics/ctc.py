@@ -15,9 +15,12 @@ MAX_STATES = 8192
 OCCUPANCY_TILE = 8192
 # Entries whose lengths one step of the concatenated targets' offset sum reads.
 MAX_BLOCK_N = 1024
-# States one warp holds in a recursion (32 per lane): a whole speech target (S=100: 201 states)
-# in one warp.
-RECURSION_STATES_PER_WARP = 1024
+# States one warp holds in a recursion (8 per lane): a whole speech target (S=100: 201 states) in
+# one warp, whose tl.gather of the s - 1 and s - 2 neighbours compiles to warp shuffles, 8 per
+# state (sm_90 PTX: 64 per gather). The shuffles grow with the square of the states per lane (16:
+# 256 per gather; 32: 1024 and register spills), so longer sequences take more warps, whose
+# gathers go through shared memory.
+RECURSION_STATES_PER_WARP = 256
 # Warps of the [BLOCK_C, BLOCK_L] occupancy tile (64 elements per thread at 8192).
 FRAME_WARPS = 4
 # Frames per program of the gradient's per-frame kernel on a GPU: enough programs to fill the
@@ -30,7 +33,7 @@ class CtcConfig:
     block_l: int  # states per program: a power of two >= 2 * label_width + 1
     block_c: int  # classes per step of the gradient's occupancy tile
     block_n: int  # entries per step of sums over the batch
-    num_warps: int  # the reductions' and the per-frame gradient's
+    num_warps: int  # the per-frame gradient kernel's
     block_t: int  # frames per program of the gradient's per-frame kernel
     recursion_warps: int  # warps of the programs running a recursion over frames
 
@@ -61,5 +64,5 @@ def schedule(geometry, where: str, interpreted: bool) -> CtcConfig:
 def recursion_warps(block_l: int) -> int:
     """Warps of a program running the recursion: one up to RECURSION_STATES_PER_WARP states (its
     step's neighbour exchanges, tl.gather, stay warp shuffles: no shared memory, no barrier on
-    the sequential path), more only for longer label sequences."""
+    the sequential path), one more per RECURSION_STATES_PER_WARP states beyond (up to 8)."""
     return min(8, max(1, block_l // RECURSION_STATES_PER_WARP))

@@ -42,12 +42,14 @@ def _gradient_launches(group, geometry, config, name, summary, reason, checks, b
     """The recursions (one program per entry: the sequential part), then d log_probs of every
     (frame, entry) in parallel from their per-state rows."""
     rows, nll = scratch((geometry.batch, geometry.steps, config.block_l)), scratch((geometry.batch,))
+    nbytes = rows.nbytes + nll.nbytes
+    spent = "" if budget is None else "; " + budget.describe(nbytes)  # needed: there is no variant without
     if budget is not None:
-        budget.spend(rows.nbytes + nll.nbytes)
+        budget.spend(nbytes)
     source = render_occupancy(name + "_recursions", group, geometry, config, rows.uid, nll.uid, summary)
     recursions = launch_of(group, source, geometry.batch, config.recursion_warps, config.text(),
                            reason + f"; log_alpha rows in scratch ({rows.nbytes} bytes), then log_beta from the "
-                           f"last frame back, each row becoming its states' occupancy", scratch=(rows, nll),
+                           f"last frame back, each row becoming its states' occupancy{spent}", scratch=(rows, nll),
                            host_checks=checks)
     source = render_gradient(name, group, geometry, config, rows.uid, nll.uid, summary)
     frame_blocks = -(-geometry.steps // config.block_t)
