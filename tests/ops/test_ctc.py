@@ -85,6 +85,17 @@ def test_infinite_losses_and_lengths_zero_and_one():
         assert all(math.isfinite(out[k].item()) and out[k].item() > 0 for k in (0, 1, 3, 4))
 
 
+def test_input_length_one():
+    """One frame: a single label emitted there, or a blank; the loss and its gradient."""
+    log_probs = torch.randn(6, 3, 5, generator=torch.Generator().manual_seed(4)).log_softmax(-1)
+    values = (log_probs, torch.tensor([[2, 3], [1, 1], [4, 4]]), torch.tensor([1, 1, 6]), torch.tensor([1, 0, 2]))
+    g, inputs = _loss_graph(values, reduction="none")
+    _checked(g, inputs, _torch_loss(values, reduction="none"))
+    grad_loss = torch.randn(3)
+    g, inputs = _backward_graph(values, grad_loss, reduction="none")
+    _checked(g, inputs, _torch_gradient(values, grad_loss, reduction="none"), 1e-5)
+
+
 @pytest.mark.parametrize("blank", [0, 3, 6])
 @pytest.mark.parametrize("index", [torch.int32, torch.int64])
 def test_blank_and_index_types(blank, index):
