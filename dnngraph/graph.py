@@ -512,11 +512,12 @@ class Graph:
         return self._add_op("ctc_loss", [log_probs, targets, input_lengths, target_lengths], attrs, name)[0]
 
     def ctc_loss_backward(self, log_probs, targets, input_lengths, target_lengths, grad_loss, blank=0,
-                          reduction="mean", zero_infinity=False, name=None) -> Tensor:
-        """d log_probs [T, N, C] of ctc_loss from grad_loss (the loss's dims), as torch gives it."""
+                          reduction="mean", zero_infinity=False, log_alpha=None, name=None) -> Tensor:
+        """d log_probs [T, N, C] of ctc_loss from grad_loss (the loss's dims), as torch gives it;
+        log_alpha (ctc_loss's second output) spares the kernel its alpha pass."""
         attrs = _attrs_of("ctc_loss_backward", blank, reduction, zero_infinity)
-        return self._add_op("ctc_loss_backward", [log_probs, targets, input_lengths, target_lengths, grad_loss],
-                            attrs, name)[0]
+        return self._add_op("ctc_loss_backward", [log_probs, targets, input_lengths, target_lengths, grad_loss,
+                                                  log_alpha], attrs, name)[0]
 
     def dropout(self, x, p, seed, offset=0, return_mask=False, name=None):
         """y = x * keep / (1 - p); with return_mask=True returns (y, mask). seed and offset are

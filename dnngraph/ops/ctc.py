@@ -10,9 +10,13 @@ input_length frames: the target extended with a blank before, between and after 
 the blank between two different labels (a repeated label needs a blank between). An input too
 short for its target has no alignment: an infinite loss (zero_infinity makes it 0, and its
 gradient 0). reduction "none" gives the [N] losses, "sum" their sum, "mean" the mean over the
-batch of each loss divided by its target length clamped to 1 (both [1]).
+batch of each loss divided by its target length clamped to 1 (both [1]). Its second output,
+log_alpha [N, T, 2 * S + 1] float32 (S: the padded width, or the concatenated total; -inf past an
+entry's frames and states), is stored only where something reads it: for padded targets the
+backward rule hands it to the gradient, which then skips one of its two passes over the frames.
 
-`ctc_loss_backward(log_probs, targets, input_lengths, target_lengths, grad_loss)` gives
+`ctc_loss_backward(log_probs, targets, input_lengths, target_lengths, grad_loss, log_alpha=None)`
+gives
 d log_probs [T, N, C] as torch (and cuDNN, warp-ctc) define it: for t < input_length,
 (exp(log_probs[t, n, c]) - occupancy[t, n, c]) * g_n, where occupancy is the posterior
 probability that frame t emits class c (the sum over the extended positions s labelled c of
@@ -88,9 +92,18 @@ def loss_dims(reduction: str, batch: int) -> tuple:
     return (batch,) if reduction == "none" else (1,)
 
 
+def alpha_dims(inputs, steps: int, batch: int) -> tuple:
+    """log_alpha's dims: [N, T, 2 * S + 1], S what one entry's labels may take at most (the
+    padded width, or the concatenated total)."""
+    targets = inputs[1]
+    width = int(targets.dim[-1])
+    return (batch, steps, 2 * width + 1)
+
+
 def infer(inputs, attrs: CtcLossAttrs):
     steps, batch, classes = ctc_sizes("ctc_loss", inputs, attrs)
-    return [OutputSpec(loss_dims(attrs.reduction, batch))]
+    return [OutputSpec(loss_dims(attrs.reduction, batch)),
+            OutputSpec(alpha_dims(inputs, steps, batch), dtypes.float32)]
 
 
 def infer_backward(inputs, attrs: CtcLossAttrs):
@@ -101,6 +114,12 @@ def infer_backward(inputs, attrs: CtcLossAttrs):
                                   f"(reduction {attrs.reduction!r}), got {list(grad_loss.dim)}")
     if not grad_loss.data_type.is_floating:
         fail("ctc_loss_backward", f"grad_loss {grad_loss.name!r} must be floating, got {grad_loss.data_type.name}")
+    log_alpha = inputs[5] if len(inputs) > 5 else None
+    if log_alpha is not None and (tuple(log_alpha.dim) != alpha_dims(inputs, steps, batch)
+                                  or log_alpha.data_type != dtypes.float32):
+        fail("ctc_loss_backward", f"log_alpha {log_alpha.name!r} must be float32 "
+                                  f"{list(alpha_dims(inputs, steps, batch))} (ctc_loss's second output), got "
+                                  f"{log_alpha.data_type.name} {list(log_alpha.dim)}")
     return [OutputSpec(tuple(inputs[0].dim), layout_source=0)]
 
 
@@ -204,9 +223,14 @@ def _reduced(losses: torch.Tensor, lengths, attrs: CtcLossAttrs) -> torch.Tensor
 
 
 def reference(values, attrs: CtcLossAttrs):
-    log_probs = values[0]
-    losses = torch.tensor([nll for *_, (_, _, nll) in _per_entry(values, attrs, "ctc_loss")], dtype=log_probs.dtype)
-    return [_reduced(losses, values[3].reshape(-1).cpu(), attrs).to(log_probs.device)]
+    log_probs, targets = values[:2]
+    steps, batch = log_probs.shape[:2]
+    entries = _per_entry(values, attrs, "ctc_loss")
+    losses = torch.tensor([nll for *_, (_, _, nll) in entries], dtype=log_probs.dtype)
+    log_alpha = torch.full((batch, steps, 2 * targets.shape[-1] + 1), -math.inf, dtype=log_probs.dtype)
+    for entry, frames, labels, (alpha, _, _) in entries:
+        log_alpha[entry, :frames, :alpha.shape[1]] = alpha
+    return [_reduced(losses, values[3].reshape(-1).cpu(), attrs).to(log_probs.device), log_alpha.to(log_probs.device)]
 
 
 def loss_scales(grad_loss: torch.Tensor, lengths: torch.Tensor, attrs: CtcLossAttrs, batch: int) -> torch.Tensor:
@@ -247,11 +271,12 @@ def reference_backward(values, attrs: CtcLossAttrs):
 # The loss reads every class of every frame along the alignments: no prologue, and its [N] (or
 # [1]) result has nothing to fuse into.
 register(OpDef("ctc_loss", "ctc", "anchor", CtcLossAttrs,
-               ("log_probs", "targets", "input_lengths", "target_lengths"), ("loss",), infer, reference,
+               ("log_probs", "targets", "input_lengths", "target_lengths"), ("loss", "log_alpha"), infer, reference,
                fusion=AnchorRule((), None)))
 register(OpDef("ctc_loss_backward", "ctc", "anchor", CtcLossAttrs,
-               ("log_probs", "targets", "input_lengths", "target_lengths", "grad_loss"), ("grad_log_probs",),
-               infer_backward, reference_backward, fusion=AnchorRule((), None)))
+               ("log_probs", "targets", "input_lengths", "target_lengths", "grad_loss", "log_alpha"),
+               ("grad_log_probs",), infer_backward, reference_backward, optional=("log_alpha",),
+               fusion=AnchorRule((), None)))
 
 
 @backward_rule("ctc_loss")
@@ -260,5 +285,8 @@ def _ctc_backward(d, node, grads):
     log_probs = node.inputs[0]
     if grads[0] is None or not d.needs(log_probs):
         return [None, None, None, None]
-    operands = [d.value(t) for t in node.inputs] + [grads[0]]
+    # the forward's log_alpha saves the gradient kernel one of its two passes over the frames;
+    # concatenated targets would make it [N, T, 2 * (all labels) + 1]: recomputed there instead
+    padded = len(node.inputs[1].dim) == 2
+    operands = [d.value(t) for t in node.inputs] + [grads[0], d.value(node.outputs[1]) if padded else None]
     return [d.graph._add_op("ctc_loss_backward", operands, node.attrs)[0], None, None, None]

@@ -201,6 +201,37 @@ def test_gradient_blank_concatenated_strided(blank):
     _checked(g, inputs, _torch_gradient(values, grad_loss, reduction="mean", blank=blank), 1e-5)
 
 
+def _training_graph(values, grad_loss, **attrs):
+    """The loss with its log_alpha marked as an output, and the gradient taking that log_alpha
+    (the backward rule's form)."""
+    g, inputs = _loss_graph(values, **attrs)
+    log_alpha = g.outputs()[0].producer.outputs[1].set_output(True).set_name("log_alpha")
+    dloss = g.tensor_like(grad_loss, name="dloss")
+    operands = [g.tensor_by_name(name) for name in ("lp", "targets", "il", "tl")]
+    g.ctc_loss_backward(*operands, dloss, log_alpha=log_alpha, **attrs).set_output(True).set_name("dlp")
+    return g, {**inputs, "dloss": grad_loss}
+
+
+@pytest.mark.parametrize("zero_infinity", [False, True])
+def test_log_alpha_output_and_the_gradient_from_it(zero_infinity):
+    """log_alpha (-inf past each entry's frames and states) against the reference, and the
+    gradient that reads it instead of running its own alpha pass against torch's."""
+    values = _case(batch=6)
+    grad_loss = torch.randn(1)
+    g, inputs = _training_graph(values, grad_loss, reduction="mean", zero_infinity=zero_infinity)
+    check(g, inputs, tolerance=1e-5)
+    expected = _torch_gradient(values, grad_loss, reduction="mean", zero_infinity=zero_infinity)
+    _same(g.reference(inputs)["dlp"], expected, 1e-10)
+
+
+def test_bad_log_alpha_raises():
+    g, inputs = _declared()
+    grad = g.tensor(name="dl", dim=[1], data_type=dg.float32)
+    wrong = g.tensor(name="la", dim=[3, 7, 8], data_type=dg.float32)  # 2 * S + 1 = 9
+    with pytest.raises(dg.ValidationError, match="log_alpha"):
+        g.ctc_loss_backward(*inputs, grad, log_alpha=wrong)
+
+
 def test_autograd_through_as_function():
     """as_function's backward (the backward rule's ctc_loss_backward) against torch's gradient."""
     values = _case()
@@ -242,6 +273,7 @@ def test_json_round_trip():
 
 # --- errors ----------------------------------------------------------------------------------------
 def _declared(**dims):
+    """Declared inputs of ctc_loss (T=7, N=3, C=5, S=4) with `dims` changing some."""
     g = dg.Graph(name="bad", io_data_type=dg.float32)
     spec = {"lp": ([7, 3, 5], dg.float32), "targets": ([3, 4], dg.int64), "il": ([3], dg.int64),
             "tl": ([3], dg.int64)}
@@ -339,10 +371,13 @@ def sm90_graphs():
     g, _ = _backward_graph(values, torch.randn(1), reduction="mean", zero_infinity=True)
     g.build()
     yield "gradient", g
+    g, _ = _training_graph(values, torch.randn(1), reduction="mean")
+    g.build()
+    yield "loss storing log_alpha, gradient reading it", g
 
 
 def test_kernels_compile_for_sm90():
-    assert "compiled 7 kernels for sm_90" in compiled_for_sm90("test_ctc:sm90_graphs", timeout=400)
+    assert "compiled 11 kernels for sm_90" in compiled_for_sm90("test_ctc:sm90_graphs", timeout=400)
 
 
 class _SpeechHead(torch.nn.Module):

@@ -30,6 +30,7 @@ def _sizes(geometry, config) -> list:
     return [KernelArgument("int", "N", geometry.batch), KernelArgument("int", "T", geometry.steps),
             KernelArgument("int", "C", geometry.classes), KernelArgument("int", "WIDTH", geometry.label_width),
             KernelArgument("int", "BLANK", geometry.blank),
+            KernelArgument("int", "STATES", 2 * geometry.label_width + 1),
             KernelArgument("constexpr", "ZERO_INFINITY", geometry.zero_infinity),
             KernelArgument("constexpr", "REDUCTION", REDUCTION_CODES[geometry.reduction]),
             KernelArgument("constexpr", "CONCATENATED", geometry.concatenated),
@@ -43,19 +44,30 @@ INPUT_CALL = ("lp_ptr, lp_stride_0, lp_stride_1, lp_stride_2, targets_ptr, targe
               "input_lengths_ptr, input_lengths_stride_0, target_lengths_ptr, target_lengths_stride_0")
 
 
+def _alpha(tensor) -> tuple:
+    """(arguments, call text) of a log_alpha tensor [N, T, STATES]: its pointer and strides, or
+    where there is none, log_probs' pointer and zero strides, never read or written."""
+    if tensor is None:
+        return [], "lp_ptr, 0, 0, 0"
+    return _tensor("alpha", tensor, 3), "alpha_ptr, alpha_stride_0, alpha_stride_1, alpha_stride_2"
+
+
 def _source(kernel_name: str, description: str, args: list, call: str) -> KernelSource:
     return KernelSource(kernel_name, kernel_module(description, [], kernel_name, args, INDENT + call + "\n",
                                                    libraries=("ctc",)), args)
 
 
-def render_loss(kernel_name: str, group, geometry, config, losses_uid: int, losses_stride: int,
+def render_loss(kernel_name: str, group, geometry, config, losses_uid: int, losses_stride: int, log_alpha,
                 description: str) -> KernelSource:
     """Each entry's loss into tensor `losses_uid` (the [N] loss output, or a scratch of N
-    float32 a reduction kernel folds), entries `losses_stride` apart."""
-    args = _inputs(group.anchor) + [KernelArgument("tensor", "loss_ptr", losses_uid),
-                                    KernelArgument("int", "loss_stride_0", losses_stride)] + _sizes(geometry, config)
-    call = (f"ctc.loss_entry({INPUT_CALL}, loss_ptr, loss_stride_0, T, C, WIDTH, BLANK, ZERO_INFINITY, REDUCTION, "
-            f"CONCATENATED, BLOCK_L, BLOCK_N)")
+    float32 a reduction kernel folds), entries `losses_stride` apart; its log_alpha rows into
+    `log_alpha` (the op's second output) unless None."""
+    alpha_args, alpha_call = _alpha(log_alpha)
+    args = (_inputs(group.anchor) + [KernelArgument("tensor", "loss_ptr", losses_uid),
+                                     KernelArgument("int", "loss_stride_0", losses_stride)] + alpha_args
+            + _sizes(geometry, config) + [KernelArgument("constexpr", "STORE_ALPHA", log_alpha is not None)])
+    call = (f"ctc.loss_entry({INPUT_CALL}, loss_ptr, loss_stride_0, {alpha_call}, STATES, T, C, WIDTH, BLANK, "
+            f"ZERO_INFINITY, REDUCTION, CONCATENATED, STORE_ALPHA, BLOCK_L, BLOCK_N)")
     return _source(kernel_name, description, args, call)
 
 
@@ -68,14 +80,17 @@ def render_reduce(kernel_name: str, geometry, config, losses_uid: int, out, desc
     return _source(kernel_name, description, args, "ctc.reduce_losses(losses_ptr, N, out_ptr, REDUCTION, BLOCK_N)")
 
 
-def render_occupancy(kernel_name: str, group, geometry, config, rows_uid: int, nll_uid: int,
+def render_occupancy(kernel_name: str, group, geometry, config, rows_uid: int, nll_uid: int, log_alpha,
                      description: str) -> KernelSource:
     """The recursions of each entry: per-state occupancy rows into scratch `rows_uid`, each
-    entry's nll into scratch `nll_uid`."""
+    entry's nll into scratch `nll_uid`; log_alpha read from `log_alpha` (the forward's) unless
+    None (then recomputed)."""
+    alpha_args, alpha_call = _alpha(log_alpha)
     args = (_inputs(group.anchor) + [KernelArgument("tensor", "rows_ptr", rows_uid),
-                                     KernelArgument("tensor", "nll_ptr", nll_uid)] + _sizes(geometry, config))
-    call = (f"ctc.occupancy_entry({INPUT_CALL}, rows_ptr, nll_ptr, T, C, WIDTH, BLANK, CONCATENATED, BLOCK_L, "
-            f"BLOCK_N)")
+                                     KernelArgument("tensor", "nll_ptr", nll_uid)] + alpha_args
+            + _sizes(geometry, config) + [KernelArgument("constexpr", "ALPHA_GIVEN", log_alpha is not None)])
+    call = (f"ctc.occupancy_entry({INPUT_CALL}, rows_ptr, nll_ptr, {alpha_call}, STATES, T, C, WIDTH, BLANK, "
+            f"CONCATENATED, ALPHA_GIVEN, BLOCK_L, BLOCK_N)")
     return _source(kernel_name, description, args, call)
 
 

@@ -1,12 +1,15 @@
 """Device functions of the CTC kernels (imported by the generated source as `ctc`).
 
 A CTC kernel has no fused operand: its generated text is the signature (pointers, strides,
-sizes) and one call of `loss_entry` or `gradient_entry`; the recursion lives here. One program
+sizes) and one call of a function here: `loss_entry`, `reduce_losses`, `occupancy_entry` or
+`frame_gradient`; the recursion lives here. One program
 per batch entry holds the extended label sequence (blank, l1, blank, l2, ..., blank) in
 registers as a BLOCK_L vector of states and runs the recursion over the frames in log space, a
 frame's states taking their neighbours' values through tl.gather (a register shuffle, no
-memory round trip). The gradient kernel stores each frame's log_alpha row in its scratch, then
-walks the frames backwards with log_beta, writing every class of every frame of d log_probs.
+memory round trip). The loss kernel may store log_alpha for the gradient; the gradient's
+recursion kernel takes it (or runs the alpha pass again into its scratch), walks the frames
+backwards with log_beta and leaves each frame's per-state occupancy, which a parallel kernel
+turns into every class of every frame of d log_probs.
 
 Lengths are read on the device and clamped into range (input lengths into [0, T], target
 lengths into what the targets hold), and a label outside [0, C) reads nothing (probability 0),
@@ -76,15 +79,17 @@ def emissions(row_ptr, class_stride, states, mask):
 
 
 @triton.jit
-def alpha_pass(lp_ptr, lp_stride_t, lp_stride_c, frames, s, states, skip, readable, alpha_rows_ptr,
-               STORE: tl.constexpr, BLOCK_L: tl.constexpr):
-    """log_alpha of the last frame (frames 0: the empty alignment, 0 at state 0), each frame's
-    row stored at alpha_rows_ptr + t * BLOCK_L where STORE."""
+def alpha_pass(lp_ptr, lp_stride_t, lp_stride_c, frames, s, count, states, skip, readable, rows_ptr, row_stride,
+               state_stride, STATES, STORE: tl.constexpr):
+    """log_alpha of the last frame (frames 0: the empty alignment, 0 at state 0); where STORE,
+    each frame's row (-inf past the sequence) at rows_ptr + t * row_stride + s * state_stride for
+    the first STATES states."""
     first = emissions(lp_ptr, lp_stride_c, states, readable)
     alpha = tl.where(s < 2, first, float("-inf"))
     alpha = tl.where(frames > 0, alpha, tl.where(s == 0, 0.0, float("-inf")))
     if STORE:
-        tl.store(alpha_rows_ptr + s, alpha)
+        tl.store(rows_ptr + s * state_stride, tl.where(s < count, alpha, float("-inf")),
+                 mask=(s < STATES) & (frames > 0))
     # each frame's emissions are loaded a step ahead: their latency hides behind the step before
     emit_next = emissions(lp_ptr + lp_stride_t, lp_stride_c, states, readable & (frames > 1))
     for t in range(1, frames):
@@ -94,7 +99,8 @@ def alpha_pass(lp_ptr, lp_stride_t, lp_stride_c, frames, s, states, skip, readab
         two_back = tl.where(skip, tl.gather(alpha, tl.maximum(s - 2, 0), 0), float("-inf"))
         alpha = emit + logsumexp3(alpha, one_back, two_back)
         if STORE:
-            tl.store(alpha_rows_ptr + t * BLOCK_L + s, alpha)
+            tl.store(rows_ptr + t * row_stride + s * state_stride, tl.where(s < count, alpha, float("-inf")),
+                     mask=s < STATES)
     return alpha
 
 
@@ -108,33 +114,48 @@ def negative_log_likelihood(alpha, s, count):
 
 
 @triton.jit
-def entry_nll(n, lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
-              input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, alpha_rows_ptr,
-              T, C, WIDTH, blank, CONCATENATED: tl.constexpr, STORE: tl.constexpr, BLOCK_L: tl.constexpr,
-              BLOCK_N: tl.constexpr):
-    """(nll, frames, length, s, count, states, skip, readable) of entry n after its alpha pass."""
+def entry_states(n, targets_ptr, targets_stride_0, targets_stride_1, input_lengths_ptr, input_lengths_stride,
+                 target_lengths_ptr, target_lengths_stride, T, C, WIDTH, blank, CONCATENATED: tl.constexpr,
+                 BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(frames, length, s, count, states, skip, readable) of entry n: its clamped lengths and
+    extended labels."""
     frames = tl.load(input_lengths_ptr + n * input_lengths_stride).to(tl.int64)
     frames = tl.minimum(tl.maximum(frames, 0), T)
     first, label_stride, length = entry_labels(n, targets_stride_0, targets_stride_1, target_lengths_ptr,
                                                target_lengths_stride, WIDTH, CONCATENATED, BLOCK_N)
     s, count, states, skip, readable = extended_states(targets_ptr, first, label_stride, length, blank, C, BLOCK_L)
-    alpha = alpha_pass(lp_ptr + n * lp_stride_n, lp_stride_t, lp_stride_c, frames, s, states, skip, readable,
-                       alpha_rows_ptr, STORE, BLOCK_L)
-    return negative_log_likelihood(alpha, s, count), frames, length, s, count, states, skip, readable
+    return frames, length, s, count, states, skip, readable
+
+
+@triton.jit
+def given_nll(rows_ptr, row_stride, state_stride, STATES, frames, s, count):
+    """The loss of an entry from its stored log_alpha rows (the last frame's)."""
+    last = tl.load(rows_ptr + (frames - 1) * row_stride + s * state_stride,
+                   mask=(s < STATES) & (s < count) & (frames > 0), other=float("-inf"))
+    return negative_log_likelihood(tl.where(frames > 0, last, tl.where(s == 0, 0.0, float("-inf"))), s, count)
 
 
 @triton.jit
 def loss_entry(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
                input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, loss_ptr,
-               loss_stride, T, C, WIDTH, blank, ZERO_INFINITY: tl.constexpr, REDUCTION: tl.constexpr,
-               CONCATENATED: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
+               loss_stride, alpha_ptr, alpha_stride_n, alpha_stride_t, alpha_stride_s, STATES, T, C, WIDTH, blank,
+               ZERO_INFINITY: tl.constexpr, REDUCTION: tl.constexpr, CONCATENATED: tl.constexpr,
+               STORE_ALPHA: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr):
     """Entry n's loss (this program's): zeroed where infinite and ZERO_INFINITY, divided by its
-    target length (at least 1) for MEAN, stored at loss_ptr + n * loss_stride."""
+    target length (at least 1) for MEAN, stored at loss_ptr + n * loss_stride; where STORE_ALPHA,
+    its log_alpha [T, STATES] too (-inf past its frames and states), for the gradient."""
     n = tl.program_id(0).to(tl.int64)
-    nll, frames, length, s, count, states, skip, readable = entry_nll(
-        n, lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
-        input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, lp_ptr, T, C, WIDTH,
-        blank, CONCATENATED, False, BLOCK_L, BLOCK_N)
+    frames, length, s, count, states, skip, readable = entry_states(
+        n, targets_ptr, targets_stride_0, targets_stride_1, input_lengths_ptr, input_lengths_stride,
+        target_lengths_ptr, target_lengths_stride, T, C, WIDTH, blank, CONCATENATED, BLOCK_L, BLOCK_N)
+    rows_ptr = alpha_ptr + n * alpha_stride_n
+    alpha = alpha_pass(lp_ptr + n * lp_stride_n, lp_stride_t, lp_stride_c, frames, s, count, states, skip, readable,
+                       rows_ptr, alpha_stride_t, alpha_stride_s, STATES, STORE_ALPHA)
+    if STORE_ALPHA:
+        for t in range(frames, T):
+            tl.store(rows_ptr + t * alpha_stride_t + s * alpha_stride_s,
+                     tl.full([BLOCK_L], float("-inf"), tl.float32), mask=s < STATES)
+    nll = negative_log_likelihood(alpha, s, count)
     if ZERO_INFINITY:
         nll = tl.where(nll == float("inf"), 0.0, nll)
     if REDUCTION == MEAN:
@@ -185,22 +206,37 @@ def store_frame(lp_row_ptr, lp_stride_c, grad_row_ptr, grad_stride_c, states, pe
 @triton.jit
 def occupancy_entry(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
                     input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, rows_ptr,
-                    nll_ptr, T, C, WIDTH, blank, CONCATENATED: tl.constexpr, BLOCK_L: tl.constexpr,
+                    nll_ptr, alpha_ptr, alpha_stride_n, alpha_stride_t, alpha_stride_s, STATES, T, C, WIDTH, blank,
+                    CONCATENATED: tl.constexpr, ALPHA_GIVEN: tl.constexpr, BLOCK_L: tl.constexpr,
                     BLOCK_N: tl.constexpr):
-    """The recursions of entry n (this program's): the alpha pass into its scratch rows, then the
-    frames from the last one back with log_beta, each frame's row overwritten (it is read there
-    last) by its states' exp(log_alpha + log_beta + nll - log_probs): the probability of the
-    alignments through (t, s) over that of the state's class at t. The entry's nll goes to
-    nll_ptr[n]; frame_gradient turns the rows into d log_probs, every frame in parallel."""
+    """The recursions of entry n (this program's): log_alpha (the forward's rows where
+    ALPHA_GIVEN, else an alpha pass into its scratch rows), then the frames from the last one
+    back with log_beta, each frame's scratch row becoming its states' exp(log_alpha + log_beta +
+    nll - log_probs): the probability of the alignments through (t, s) over that of the state's
+    class at t. The entry's nll goes to nll_ptr[n]; frame_gradient turns the rows into
+    d log_probs, every frame in parallel."""
     n = tl.program_id(0).to(tl.int64)
     entry_rows_ptr = rows_ptr + n * T * BLOCK_L
-    nll, frames, length, s, count, states, skip, readable = entry_nll(
-        n, lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, targets_stride_0, targets_stride_1,
-        input_lengths_ptr, input_lengths_stride, target_lengths_ptr, target_lengths_stride, entry_rows_ptr, T, C,
-        WIDTH, blank, CONCATENATED, True, BLOCK_L, BLOCK_N)
-    tl.store(nll_ptr + n, nll)
-    tl.debug_barrier()  # the alpha rows are read back by other threads of the program
+    frames, length, s, count, states, skip, readable = entry_states(
+        n, targets_ptr, targets_stride_0, targets_stride_1, input_lengths_ptr, input_lengths_stride,
+        target_lengths_ptr, target_lengths_stride, T, C, WIDTH, blank, CONCATENATED, BLOCK_L, BLOCK_N)
     lp_entry_ptr = lp_ptr + n * lp_stride_n
+    if ALPHA_GIVEN:
+        alpha_rows_ptr = alpha_ptr + n * alpha_stride_n
+        alpha_row_stride = alpha_stride_t
+        alpha_state_stride = alpha_stride_s
+        alpha_states = STATES
+        nll = given_nll(alpha_rows_ptr, alpha_row_stride, alpha_state_stride, alpha_states, frames, s, count)
+    else:
+        alpha_rows_ptr = entry_rows_ptr
+        alpha_row_stride = BLOCK_L
+        alpha_state_stride = 1
+        alpha_states = BLOCK_L
+        alpha = alpha_pass(lp_entry_ptr, lp_stride_t, lp_stride_c, frames, s, count, states, skip, readable,
+                           alpha_rows_ptr, alpha_row_stride, alpha_state_stride, alpha_states, True)
+        nll = negative_log_likelihood(alpha, s, count)
+        tl.debug_barrier()  # the alpha rows are read back by other threads of the program
+    tl.store(nll_ptr + n, nll)
     # beta may come from s + 2 where alpha of s + 2 may come from s: two different labels
     two_on_states = tl.gather(states, tl.minimum(s + 2, BLOCK_L - 1), 0)
     skip_down = (s % 2 == 1) & (s + 2 < count) & (two_on_states != states)
@@ -211,7 +247,8 @@ def occupancy_entry(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, 
         t = frames - 1 - step
         # the frame before's emissions load a step ahead, while this frame's row is written
         emit_before = emissions(lp_entry_ptr + (t - 1) * lp_stride_t, lp_stride_c, states, readable & (t >= 1))
-        alpha = tl.load(entry_rows_ptr + t * BLOCK_L + s)
+        alpha = tl.load(alpha_rows_ptr + t * alpha_row_stride + s * alpha_state_stride, mask=s < alpha_states,
+                        other=float("-inf"))
         # alpha and beta both hold the frame's emission: it is taken out once
         tl.store(entry_rows_ptr + t * BLOCK_L + s, tl.where(readable, tl.exp(alpha + beta + nll - emit), 0.0))
         one_on = tl.where(s + 1 < count, tl.gather(beta, tl.minimum(s + 1, BLOCK_L - 1), 0), float("-inf"))
@@ -232,10 +269,9 @@ def frame_gradient(lp_ptr, lp_stride_t, lp_stride_n, lp_stride_c, targets_ptr, t
     an infinite loss under ZERO_INFINITY."""
     t0 = tl.program_id(0).to(tl.int64) * BLOCK_T
     n = tl.program_id(1).to(tl.int64)
-    frames = tl.minimum(tl.maximum(tl.load(input_lengths_ptr + n * input_lengths_stride).to(tl.int64), 0), T)
-    first, label_stride, length = entry_labels(n, targets_stride_0, targets_stride_1, target_lengths_ptr,
-                                               target_lengths_stride, WIDTH, CONCATENATED, BLOCK_N)
-    s, count, states, skip, readable = extended_states(targets_ptr, first, label_stride, length, blank, C, BLOCK_L)
+    frames, length, s, count, states, skip, readable = entry_states(
+        n, targets_ptr, targets_stride_0, targets_stride_1, input_lengths_ptr, input_lengths_stride,
+        target_lengths_ptr, target_lengths_stride, T, C, WIDTH, blank, CONCATENATED, BLOCK_L, BLOCK_N)
     nll = tl.load(nll_ptr + n)
     scale = loss_scale(grad_loss_ptr, grad_loss_stride, n, length, N, REDUCTION)
     if ZERO_INFINITY:

@@ -23,11 +23,15 @@ def build_ctc(graph, group, context):
     if anchor.op == "ctc_loss_backward":
         return _gradient_launches(group, geometry, config, name, summary, reason, checks, context.budget)
     loss = anchor.outputs[0]
+    # log_alpha is stored only where something reads it (the gradient of a training step)
+    log_alpha = next((t for t in group.outputs if t is anchor.outputs[1]), None)
+    if log_alpha is not None:
+        reason += "; log_alpha stored for the gradient"
     if geometry.reduction == "none":
-        source = render_loss(name, group, geometry, config, loss.uid, int(loss.stride[0]), summary)
+        source = render_loss(name, group, geometry, config, loss.uid, int(loss.stride[0]), log_alpha, summary)
         return launch_of(group, source, programs, config.recursion_warps, config.text(), reason, host_checks=checks)
     losses = scratch((geometry.batch,))
-    source = render_loss(name, group, geometry, config, losses.uid, 1, summary)
+    source = render_loss(name, group, geometry, config, losses.uid, 1, log_alpha, summary)
     entries = launch_of(group, source, programs, config.recursion_warps, config.text(),
                         reason + f"; entry losses in scratch, then one program takes their {geometry.reduction}",
                         scratch=(losses,), host_checks=checks)
@@ -46,10 +50,12 @@ def _gradient_launches(group, geometry, config, name, summary, reason, checks, b
     spent = "" if budget is None else "; " + budget.describe(nbytes)  # needed: there is no variant without
     if budget is not None:
         budget.spend(nbytes)
-    source = render_occupancy(name + "_recursions", group, geometry, config, rows.uid, nll.uid, summary)
+    log_alpha = group.anchor.inputs[5]
+    source = render_occupancy(name + "_recursions", group, geometry, config, rows.uid, nll.uid, log_alpha, summary)
+    alpha = "the forward's log_alpha read" if log_alpha is not None else "log_alpha rows in scratch"
     recursions = launch_of(group, source, geometry.batch, config.recursion_warps, config.text(),
-                           reason + f"; log_alpha rows in scratch ({rows.nbytes} bytes), then log_beta from the "
-                           f"last frame back, each row becoming its states' occupancy{spent}", scratch=(rows, nll),
+                           reason + f"; {alpha}, then log_beta from the last frame back, each scratch row "
+                           f"({rows.nbytes} bytes) becoming its states' occupancy{spent}", scratch=(rows, nll),
                            host_checks=checks)
     source = render_gradient(name, group, geometry, config, rows.uid, nll.uid, summary)
     frame_blocks = -(-geometry.steps // config.block_t)
