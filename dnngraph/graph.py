@@ -503,6 +503,22 @@ class Graph:
         (axis,) = normalize_axes("scatter_add", integer("scatter_add", "axis", axis), len(src.dim))
         return self._add_op("scatter_add", [src, index], _attrs_of("scatter_add", axis, size), name)[0]
 
+    def ctc_loss(self, log_probs, targets, input_lengths, target_lengths, blank=0, reduction="mean",
+                 zero_infinity=False, name=None) -> Tensor:
+        """The CTC loss as torch's F.ctc_loss: log_probs [T, N, C] (log-softmax'ed), targets
+        padded [N, S] or concatenated [sum of lengths], input_lengths and target_lengths [N]
+        (int32/int64); reduction "none" gives [N], "sum" and "mean" [1]."""
+        attrs = _attrs_of("ctc_loss", blank, reduction, zero_infinity)
+        return self._add_op("ctc_loss", [log_probs, targets, input_lengths, target_lengths], attrs, name)[0]
+
+    def ctc_loss_backward(self, log_probs, targets, input_lengths, target_lengths, grad_loss, blank=0,
+                          reduction="mean", zero_infinity=False, log_alpha=None, name=None) -> Tensor:
+        """d log_probs [T, N, C] of ctc_loss from grad_loss (the loss's dims), as torch gives it;
+        log_alpha (ctc_loss's second output) spares the kernel its alpha pass."""
+        attrs = _attrs_of("ctc_loss_backward", blank, reduction, zero_infinity)
+        return self._add_op("ctc_loss_backward", [log_probs, targets, input_lengths, target_lengths, grad_loss,
+                                                  log_alpha], attrs, name)[0]
+
     def dropout(self, x, p, seed, offset=0, return_mask=False, name=None):
         """y = x * keep / (1 - p); with return_mask=True returns (y, mask). seed and offset are
         ints or int64 graph tensors of one element (one built graph for every step)."""

@@ -50,6 +50,11 @@ def build_family_ops(g, n, c, size, draw_int):
                                   allow_tf32=bool(draw_int(0, 1)))
     g.moe_grouped_matmul_wgrad(tokens, routed, first_token_offset)
     g.dropout(x, p=0.1, seed=draw_int(0, 2**40), offset=3, return_mask=True)
+    log_probs = g.tensor(name="log_probs", dim=[size, n, c + 1])
+    labels = [g.tensor(name=name, dim=dims, data_type=dg.int32) for name, dims in
+              (("labels", [n, 2]), ("frames", [n]), ("label_lengths", [n]))]
+    ctc = g.ctc_loss(log_probs, *labels, blank=draw_int(0, c), reduction="none", zero_infinity=bool(draw_int(0, 1)))
+    g.ctc_loss_backward(log_probs, *labels, ctc, blank=0, reduction="none")
     q = g.tensor(name="q", dim=[n, 2, size, 4])
     o, stats = g.sdpa(q, q, q, attn_scale=0.5, is_inference=False, use_causal_mask=True,
                       bias=g.tensor(name="bias", dim=[1, 1, size, size]), dropout=(0.1, 5, 6))

@@ -30,6 +30,7 @@ from .heuristics import sdpa as sdpa_heuristics
 from .heuristics.layout import iteration_space, operand_strides
 from .lower.attention import build_attention_backward
 from .lower.conv import build_conv
+from .lower.ctc import build_ctc
 from .lower.gather import build_gather
 from .lower.matmul import build_matmul
 from .lower.moe import build_moe
@@ -43,7 +44,8 @@ BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": 
             "norm": build_rows, "pooling": build_pooling, "matmul": build_matmul,
             "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention,
             "attention_backward": build_attention_backward, "gather": build_gather,
-            "moe": build_moe}
+            "moe": build_moe,
+            "ctc": build_ctc}
 
 # Families whose loads may visit an input element several times (or never): prologue values that
 # are outputs are written first by a pointwise kernel of the prologue.

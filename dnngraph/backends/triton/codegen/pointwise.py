@@ -29,6 +29,7 @@ FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask
 LIBRARIES = {
     "tr": "from dnngraph.backends.triton.codegen import triton_reduce as tr\n",
     "lib": "from dnngraph.backends.triton.codegen import library as lib\n",
+    "ctc": "from dnngraph.backends.triton.codegen import ctc_library as ctc\n",
 }
 
 
