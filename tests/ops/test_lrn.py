@@ -163,6 +163,21 @@ def test_zero_k_and_zero_input_give_torchs_nan():
 
 
 @pytest.mark.parametrize("op", ["lrn", "div"])
+def test_backward_ignores_covering_positions_outside_x_even_where_their_scale_is_zero(op):
+    """k = 0 and zeros at the border: a window centred outside x sums only zeros (S = 0), which
+    must add nothing to dx (0 / 0 would), while every S inside x stays positive."""
+    x_t, dy_t = sample((1, 3, 3, 3)), sample((1, 3, 3, 3))
+    x_t[:, 0] = 0.0
+    x_t[:, :, 0] = 0.0
+    x_t[:, :, :, 0] = 0.0
+    attrs = dict(alpha=1.0, beta=0.75, k=0.0)
+    outputs = check(*backward_graph(op, x_t, dy_t, 3, **attrs)[:2])
+    # a zero element next to a window centred outside x (channel -1; row and column -1)
+    probe = (0, 0, 1, 1) if op == "lrn" else (0, 1, 0, 0)
+    assert torch.isfinite(next(iter(outputs.values()))[probe])
+
+
+@pytest.mark.parametrize("op", ["lrn", "div"])
 def test_size_one_axes(op):
     """Every axis of extent 1 (dnngraph has no size-0 axes: dims are positive)."""
     x_t, dy_t = sample((1, 1, 1, 1)), sample((1, 1, 1, 1))
