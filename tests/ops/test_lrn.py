@@ -142,17 +142,24 @@ def test_beta_zero_negative_and_integral(beta):
     check(*backward_graph("lrn", x_t, dy_t, 3, **attrs)[:2])
 
 
+@pytest.mark.parametrize("beta", [0.75, 0.0])
 @pytest.mark.parametrize("op", ["lrn", "div"])
-def test_nan_and_infinity_spread_through_their_windows_as_in_torch(op):
+def test_nan_and_infinity_spread_through_their_windows_as_in_torch(op, beta):
+    """Special values in x and dy; beta 0 too, where torch's pow backward gives the scale an
+    exact zero gradient (an infinite dy passes through as it is, an infinite x gives NaN)."""
+    attrs = dict(LRN_ATTRS, beta=beta)
     x_t = sample((1, 6, 4, 5))
     x_t[0, 2, 1, 1] = float("nan")
     x_t[0, 4, 3, 0] = float("inf")
     x_t[0, 0, 0, 4] = float("-inf")
     m_t = sample((1, 6, 1, 1)) if op == "div" else None
     # check() requires NaN exactly where the float64 reference has NaN, and equal infinities
-    y = next(iter(check(*forward_graph(op, x_t, 3, m_t, **LRN_ATTRS)[:2]).values()))
+    y = next(iter(check(*forward_graph(op, x_t, 3, m_t, **attrs)[:2]).values()))
     assert torch.isnan(y[0, 2, 1, 1]) and torch.isfinite(y[0, 5, 0, 2])
-    check(*backward_graph(op, x_t, sample((1, 6, 4, 5)), 3, m_t, **LRN_ATTRS)[:2])
+    dy_t = sample((1, 6, 4, 5))
+    dy_t[0, 1, 2, 2] = float("inf")
+    dy_t[0, 5, 3, 3] = float("nan")
+    check(*backward_graph(op, x_t, dy_t, 3, m_t, **attrs)[:2])
 
 
 def test_zero_k_and_zero_input_give_torchs_nan():

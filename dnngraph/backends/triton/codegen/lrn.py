@@ -118,6 +118,14 @@ class _WindowWriter(_KernelWriter):
     def backward(self, tile: dict):
         """dx_m = dy_m S_m^-beta - 2 beta alpha / count * c_m * sum over covering i of
         dy_i c_i S_i^-beta / S_i (i covers m when m is in i's window)."""
+        if self.attrs.beta == 0.0:
+            # y = c: the scale's gradient is an exact 0 (torch's pow backward gives a zero exponent
+            # zeros, where the formula would make 0 * inf a NaN for an infinite dy), which reaches
+            # c through dS/dc = 2 alpha / count * c: dx = dy + 0 * c, NaN where c is not finite
+            centred = self.centred(tile, (0,) * len(self.schedule.axes))
+            self.value_at(self.dy, tile, "grad")
+            self.line(f"result = grad + 0.0 * {centred}")
+            return
         before, after = self.attrs.size // 2, (self.attrs.size - 1) // 2
         covering = itertools.product(range(-after, before + 1), repeat=len(self.schedule.axes))
         centre = (0,) * len(self.schedule.axes)
