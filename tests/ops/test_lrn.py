@@ -101,7 +101,8 @@ def test_lrn_forward_and_backward(shape, size, layout):
 
 # (shape, size, means dims or None)
 DIV_CASES = [((2, 3, 5, 6), 3, (1, 3, 1, 1)), ((2, 3, 5, 6), 2, None), ((1, 2, 7), 5, (1, 2, 7)),
-             ((1, 2, 3, 4, 3), 2, (1, 2, 3, 4, 3)), ((2, 1, 4, 5), 1, (2, 1, 4, 5)), ((1, 2, 2, 3), 5, (1, 1, 1, 1))]
+             ((1, 2, 3, 4, 3), 2, (1, 2, 3, 4, 3)), ((2, 1, 4, 5), 1, (2, 1, 4, 5)), ((1, 2, 2, 3), 5, (1, 1, 1, 1)),
+             ((1, 1, 3, 3, 4), 3, None)]
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
@@ -339,7 +340,7 @@ def test_bad_operands_raise():
 def test_window_too_large_to_unroll_is_unsupported_at_build():
     g = dg.Graph(io_data_type=dg.float32)
     x, dy = g.tensor(name="x", dim=[1, 2, 9, 9]), g.tensor(name="dy", dim=[1, 2, 9, 9])
-    g.divisive_normalization_backward(dy, x, 9).set_output(True)
+    g.divisive_normalization_backward(dy, x, 12).set_output(True)
     with pytest.raises(dg.UnsupportedError, match="unrolled"):
         g.build()
 

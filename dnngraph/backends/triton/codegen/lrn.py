@@ -5,7 +5,8 @@ operands with their prologues and writes the epilogue and stores; this module ad
 Each program owns a [BLOCK_R, BLOCK_C] tile of y (or dx) and loads x, shifted by every offset
 the window needs, as tiles: one straight-line variable per offset, so the sums of overlapping
 windows share their loads and squares (the backward needs the window sums of every element
-whose window holds the centre). Positions outside x are zeros, after any prologue, as torch
+whose window holds the centre), and window sums are separable (one axis at a time), so they
+share their partial sums too. Positions outside x are zeros, after any prologue, as torch
 pads. The formulas are those of ops/lrn.py; S^-beta is exp2(-beta * log2(S)).
 """
 from __future__ import annotations
@@ -17,9 +18,10 @@ from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
 from .pooling import Coord, _KernelWriter
 
-# Stems of the values the window writes: centred x (cv), its square (sq), the scale S (sc), the
-# gain S^-beta (gn), dy (dv) and the loaded means (mv), each followed by an offset tag.
-VALUE_STEMS = ("cv", "sq", "sc", "gn", "dv", "mv")
+# Stems of the values the window writes: centred x (cv), its square (sq), partial window sums
+# (ps), the scale S (sc), the gain S^-beta (gn), dy (dv) and the loaded means (mv), each followed
+# by an offset tag.
+VALUE_STEMS = ("cv", "sq", "ps", "sc", "gn", "dv", "mv")
 
 
 def offset_tag(offsets) -> str:
@@ -88,21 +90,31 @@ class _WindowWriter(_KernelWriter):
             self.line(f"{variable} = {centred} * {centred}")
         return variable
 
-    def window(self):
-        """Offsets of a window around its centre, one tuple per element."""
-        span = range(-(self.attrs.size // 2), (self.attrs.size - 1) // 2 + 1)
-        return itertools.product(span, repeat=len(self.schedule.axes))
+    def partial_sum(self, tile: dict, axis_index: int, point) -> str:
+        """`ps_<j>_<tag>`: the sum of squares at `point` over the window along the windowed axes
+        from the j-th on (the j-th through the last), zeros outside x. The window is a box, so
+        its sum is separable: each level sums `size` values of the next along one axis, and the
+        overlapping windows of a backward share the partial sums of their common rows."""
+        if axis_index == len(self.schedule.axes):
+            return self.square(tile, point)
+        variable = f"ps_{axis_index}_{offset_tag(point)}"
+        if variable not in self.values_made:
+            before, after = self.attrs.size // 2, (self.attrs.size - 1) // 2
+            parts = [self.partial_sum(tile, axis_index + 1, point[:axis_index] + (point[axis_index] + w,)
+                                      + point[axis_index + 1:]) for w in range(-before, after + 1)]
+            self.values_made.add(variable)
+            # statements, not one long sum: a deep expression tree would strain Triton's AST walk
+            self.line(f"{variable} = {parts[0]}")
+            for part in parts[1:]:
+                self.line(f"{variable} += {part}")
+        return variable
 
     def scale(self, tile: dict, centre) -> tuple[str, str]:
         """(`sc_<tag>`, `gn_<tag>`): S and S^-beta of the element at offset `centre`."""
         tag = offset_tag(centre)
-        squares = [self.square(tile, tuple(c + w for c, w in zip(centre, offsets))) for offsets in self.window()]
-        # statements, not one long sum: a deep expression tree would strain Triton's AST walk
-        self.line(f"sc_{tag} = {squares[0]}")
-        for square in squares[1:]:
-            self.line(f"sc_{tag} += {square}")
+        total = self.partial_sum(tile, 0, tuple(centre))
         a = self.literal(self.attrs.alpha / self.count)
-        self.line(f"sc_{tag} = {self.literal(self.attrs.k)} + {a} * sc_{tag}")
+        self.line(f"sc_{tag} = {self.literal(self.attrs.k)} + {a} * {total}")
         if self.attrs.beta == 0.0:  # S^0 is 1, even where S is 0 or inf
             self.line(f"gn_{tag} = tl.full([BLOCK_R, BLOCK_C], 1.0, {self.compute})")
         else:

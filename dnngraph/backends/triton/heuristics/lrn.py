@@ -15,9 +15,8 @@ from ....target import Target
 from .layout import INT32_LIMIT
 from .pooling import AXIS_NAMES, PoolingConfig, rank, tile_axes
 
-# Window terms (squares summed over all the window sums the kernel writes) past which the
-# unrolled kernel would be too long to compile well: LRN up to size 64 in both directions,
-# a 2D divisive window up to 8x8 in its backward.
+# Additions of the window sums past which the unrolled kernel would be too long to compile
+# well: LRN up to size 64 in its backward, a 2D divisive window up to 11x11, a 3D one up to 5.
 MAX_WINDOW_TERMS = 4096
 # Tile values a thread may keep live across all the unrolled offsets (registers: about 128 fp32
 # values a thread, half of them left for addresses and masks). Model assumption, not measured.
@@ -84,9 +83,13 @@ def loaded_offsets(attrs, axes, backward: bool) -> tuple:
 
 
 def window_terms(size: int, axes: tuple, backward: bool) -> int:
-    """Squares the kernel adds up: one window sum per centre it needs, size^d terms each."""
-    window = size ** len(axes)
-    return window * window if backward else window
+    """Additions of the kernel's separable window sums (codegen/lrn.py partial_sum): the sum
+    along the j-th windowed axis is taken at every point the sums along the earlier axes need,
+    size terms each; a backward needs the sums of size^d covering centres, a forward of one."""
+    dims = len(axes)
+    if not backward:
+        return sum(size ** j for j in range(1, dims + 1))
+    return size * sum((2 * size - 1) ** j * size ** (dims - j) for j in range(dims))
 
 
 def schedule(group, target: Target, axes: tuple) -> LrnSchedule:
