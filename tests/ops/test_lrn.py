@@ -386,3 +386,27 @@ def test_gpu_lrn_autograd_and_torch_compile():
     out.backward(dy)
     expected.backward(dy.double())
     assert rel_err(out, expected) < 1e-4 and rel_err(leaf.grad, ref_leaf.grad) < 1e-4
+
+
+@pytest.mark.parametrize("size,axes,backward", [(size, axes, backward) for size in range(1, 12)
+                                                for axes in ((1,), (2, 3), (2, 3, 4)) for backward in (False, True)])
+def test_schedules_take_power_of_two_warps_and_tiles(size, axes, backward):
+    """Every config the windowed kernel may take has power-of-two warps and tile sides (Triton
+    needs them), whatever the window's live values make of the per-thread cap."""
+    from dnngraph.backends.triton.heuristics.lrn import MAX_WINDOW_TERMS, schedule, window_terms
+    from dnngraph.fusion import partition
+    from dnngraph.target import H200
+    if window_terms(size, axes, backward) > MAX_WINDOW_TERMS:
+        return
+    dims = [4, 96, 9, 9, 9][:2 + len(axes) if axes != (1,) else 4]
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=dims)
+    op = "lrn" if axes == (1,) else "divisive_normalization"
+    if backward:
+        getattr(g, op + "_backward")(g.tensor(name="dy", dim=dims), x, size).set_output(True)
+    else:
+        getattr(g, op)(x, size).set_output(True)
+    (group,) = partition(g)
+    config = schedule(group, H200, axes).config
+    for value in (config.num_warps, config.block_rows, config.block_cols):
+        assert value & (value - 1) == 0, config

@@ -114,7 +114,9 @@ def schedule(group, target: Target, axes: tuple) -> LrnSchedule:
     elements = _numel(x.dim)
     cols = x.dim[vector_axis]
     rows = elements // max(cols, 1)
-    ranked = rank(rows, cols, traffic / max(elements, 1), target, max(1, LIVE_VALUES_PER_THREAD // live))
+    # a power of two, as pooling's caps are: the warp counts derived from it must be one too
+    per_thread = 1 << (max(1, LIVE_VALUES_PER_THREAD // live).bit_length() - 1)
+    ranked = rank(rows, cols, traffic / max(elements, 1), target, per_thread)
     best = ranked[0]
     names = AXIS_NAMES[len(x.dim)]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at {target.bandwidth / 1e12:.1f} TB/s "
