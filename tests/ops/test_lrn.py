@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import dnngraph as dg
 from dnngraph.fusion import partition
-from helpers import TOLERANCE, check, rel_err, run
+from helpers import check, compiled_for_sm90, rel_err, run
 
 IO_TYPES = {torch.float32: dg.float32, torch.float16: dg.float16, torch.bfloat16: dg.bfloat16}
 GEN = torch.Generator().manual_seed(32)
@@ -410,3 +410,29 @@ def test_schedules_take_power_of_two_warps_and_tiles(size, axes, backward):
     config = schedule(group, H200, axes).config
     for value in (config.num_warps, config.block_rows, config.block_cols):
         assert value & (value - 1) == 0, config
+
+
+def sm90_graphs():
+    """Built graphs of every kernel form for the sm_90 compile check: LRN forward and backward
+    (NCHW and NHWC, a prologue and an epilogue, beta 0), divisive forward and backward with
+    broadcast means (2D 5x5, 3D), bf16."""
+    forms = [("lrn", (8, 96, 13, 13), 5, "nchw", 0.75), ("lrn", (8, 96, 13, 13), 4, "nhwc", 0.75),
+             ("lrn", (2, 16, 7, 7), 3, "nchw", 0.0), ("div", (4, 32, 16, 16), 5, "nhwc", 0.5),
+             ("div", (2, 8, 6, 6, 6), 3, "nchw", 0.5)]
+    for op, shape, size, layout, beta in forms:
+        x_t = sample(shape, torch.bfloat16, layout)
+        m_t = sample((1, shape[1]) + (1,) * (len(shape) - 2), torch.bfloat16) if op == "div" else None
+        attrs = dict(alpha=1e-2, beta=beta, k=2.0)
+        g, _, y = forward_graph(op, x_t, size, m_t, **attrs)
+        g.relu(y).set_output(True)
+        g.build()
+        yield f"{op} forward size {size} {layout} beta {beta}", g
+        g, _, _ = backward_graph(op, x_t, x_t, size, m_t, **attrs)
+        g.build()
+        yield f"{op} backward size {size} {layout} beta {beta}", g
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter skips Triton's type checks: compile every kernel form for sm_90 in a
+    process without the interpreter."""
+    assert "compiled 10 kernels for sm_90" in compiled_for_sm90("test_lrn:sm90_graphs", timeout=600)
