@@ -518,7 +518,11 @@ class Graph:
         if not isinstance(size, int) or isinstance(size, bool) or size < 1 or size % 2 == 0:
             raise ValidationError(f"local_contrast_normalization: size must be a positive odd int "
                                   f"(a centred mean window), got {size!r}")
-        attrs = _attrs_of("divisive_normalization", size, alpha, beta, k)  # checked before any node is added
+        # attributes, x's rank and type checked before the pooling node is added: a failed call
+        # leaves the graph as it was
+        attrs = _attrs_of("divisive_normalization", size, alpha, beta, k)
+        x = self._check_input("local_contrast_normalization", "x", x)
+        lookup("divisive_normalization").infer([x, None], attrs)
         means = self.pooling(x, "avg_exclude_pad", size, 1, size // 2)
         return self._add_op("divisive_normalization", [x, means], attrs, name)[0]
 

@@ -238,6 +238,11 @@ def test_local_contrast_normalization_chains_a_mean_and_the_divisive_kernel():
     assert rel_err(outputs[y.name], c / scale ** DIV_ATTRS["beta"]) < 1e-5
     with pytest.raises(dg.ValidationError):
         g.local_contrast_normalization(x, 4)
+    with pytest.raises(dg.ValidationError, match="floating"):  # the mean's pooling would take it
+        g.local_contrast_normalization(g.tensor(name="i", dim=[2, 3, 6, 5], data_type=dg.int32), 3)
+    with pytest.raises(dg.ValidationError, match="alpha"):
+        g.local_contrast_normalization(x, 3, alpha=-1.0)
+    assert [n.op for n in g.nodes] == ["pooling", "divisive_normalization"]
 
 
 # --- autograd ------------------------------------------------------------------------------------
