@@ -441,3 +441,17 @@ def test_kernels_compile_for_sm90():
     """The interpreter skips Triton's type checks: compile every kernel form for sm_90 in a
     process without the interpreter."""
     assert "compiled 10 kernels for sm_90" in compiled_for_sm90("test_lrn:sm90_graphs", timeout=600)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_tile_walks_the_window_axis_innermost(layout):
+    """A tile's neighbouring rows (or its columns, NHWC) are neighbours along the channel window,
+    so the window's shifted loads fall on lines the tile itself loads."""
+    from dnngraph.backends.triton.heuristics.lrn import schedule
+    from dnngraph.target import H200
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor_like(sample((8, 96, 27, 27), torch.bfloat16, layout), "x")
+    g.lrn(x, 5).set_output(True)
+    (group,) = partition(g)
+    sched = schedule(group, H200, (1,))
+    assert (sched.vector_axis, sched.row_axes) == ((3, (0, 2, 1)) if layout == "nchw" else (1, (0, 2, 3)))

@@ -1,8 +1,8 @@
 """Configs for windowed normalization kernels (LRN, divisive normalization): pooling's tiles.
 
 The tile covers x (y or dx have its dims); its columns walk x's smallest-stride axis, as a
-pooling tile's do (pooling.tile_axes), and configs are ranked by pooling's bandwidth + wave
-model. What differs is how many tile-sized values a thread keeps live: the kernel unrolls the
+pooling tile's do (pooling.tile_axes), its rows walk the windowed axes innermost, and configs
+are ranked by pooling's bandwidth + wave model. What differs is how many tile-sized values a thread keeps live: the kernel unrolls the
 window into one variable per offset (the backward keeps the union of the windows of every
 element covering the centre), so the per-thread cap shrinks as the window grows.
 """
@@ -107,6 +107,9 @@ def schedule(group, target: Target, axes: tuple) -> LrnSchedule:
     loaded = _numel(last - first + 1 for first, last in offsets)
     live = loaded + (attrs.size ** len(axes) * 2 if backward else 1)  # + dy and a scale per covering centre
     vector_axis, row_axes = tile_axes(tuple(x.dim), tuple(x.stride))
+    # windowed row axes innermost (NCHW LRN: rows walk channels, not heights), so a tile's rows
+    # are neighbours along the window and its shifted loads mostly hit lines the tile loads too
+    row_axes = tuple(a for a in row_axes if a not in axes) + tuple(a for a in row_axes if a in axes)
     tensors = list(group.inputs) + list(group.outputs)
     span = max(sum((d - 1) * s for d, s in zip(t.dim, t.stride)) + 1 for t in tensors)
     index_64 = max(span, _numel(x.dim)) > INT32_LIMIT
