@@ -12,8 +12,8 @@ where the window W(i) runs, along each windowed axis, from `size // 2` before i 
 
 - `lrn` (cuDNN's cudnnLRNCrossChannelForward, AlexNet's LRN): the window runs over the channel
   axis only and count = size. These are torch's `F.local_response_norm` semantics exactly,
-  even sizes included (cuDNN's legacy API centres an even window one element later; the cuDNN
-  frontend has no LRN graph op, so torch's rule is the one followed here).
+  even sizes included (libraries differ on where an even window sits around its centre; the
+  cuDNN frontend has no LRN graph op, so torch's rule is the one followed here).
 - `divisive_normalization` (cuDNN's cudnnDivisiveNormalizationForward, the divisive half of
   local contrast normalization, Jarrett et al. 2009): the window runs over every spatial axis,
   per channel, and count = size ** spatial rank. `means` (optional, broadcastable to x: a local

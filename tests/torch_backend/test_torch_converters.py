@@ -551,3 +551,18 @@ def test_a_division_that_only_looks_like_lrn_stays_a_division():
         assert rel_err(got, function(x.double())) < 1e-5
         (made,) = torch_backend.REPORTS[0].functions
         assert "lrn" not in [n.op for n in made._plain[0]._nodes]
+
+
+def test_an_alexnet_block_with_local_response_norm_matches_eager():
+    """conv -> relu -> LocalResponseNorm -> max pool: inference (the LRN one kernel) and a
+    training step (its decomposition), both against eager."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.LocalResponseNorm(5, 1e-2, 0.75, 2.0),
+                                torch.nn.MaxPool2d(3, 2))
+    x = torch.randn(2, 3, 11, 11)
+    with torch.no_grad():
+        got = _compiled(block)(x)
+        assert rel_err(got, block(x)) < 1e-5
+    (report,) = torch_backend.REPORTS
+    assert "lrn" in [n.op for n in report.functions[0]._plain[0]._nodes] and report.torch_ops == ()
+    _step_matches(block, [x], ["pool", "pow", "convolution"], tolerance=1e-4)
