@@ -487,6 +487,45 @@ class Graph:
         attrs = self._pool_attrs("pooling_backward", x, mode, window, stride, padding, False, ceil_mode, divisor)
         return self._add_op("pooling_backward", [dy, x, indices], attrs, name)[0]
 
+    # --- ops: windowed normalization (LRN, divisive normalization; ops/lrn.py) -----------------
+    def lrn(self, x, size, alpha=1e-4, beta=0.75, k=1.0, name=None) -> Tensor:
+        """Cross-channel local response normalization of x [N, C, *S], torch's
+        F.local_response_norm: y = x / (k + alpha / size * sum of x^2 over channels
+        [c - size // 2, c + (size - 1) // 2], zeros outside)^beta."""
+        return self._add_op("lrn", [x], _attrs_of("lrn", size, alpha, beta, k), name)[0]
+
+    def lrn_backward(self, dy, x, size, alpha=1e-4, beta=0.75, k=1.0, name=None) -> Tensor:
+        """dx of lrn from dy and the forward input x (the scale is recomputed from x)."""
+        return self._add_op("lrn_backward", [dy, x], _attrs_of("lrn_backward", size, alpha, beta, k), name)[0]
+
+    def divisive_normalization(self, x, size, alpha=1.0, beta=0.5, k=0.0, means=None, name=None) -> Tensor:
+        """cuDNN's divisive normalization over a spatial window, per channel: c = x - means
+        (means optional, broadcast to x), y = c / (k + alpha / size^d * sum of c^2 over the
+        size^d window around each element, zeros outside)^beta (d: x's spatial rank)."""
+        attrs = _attrs_of("divisive_normalization", size, alpha, beta, k)
+        return self._add_op("divisive_normalization", [x, means], attrs, name)[0]
+
+    def divisive_normalization_backward(self, dy, x, size, alpha=1.0, beta=0.5, k=0.0, means=None,
+                                        name=None) -> Tensor:
+        """dx of divisive_normalization from dy, x and its means (the gradient of the means is -dx)."""
+        attrs = _attrs_of("divisive_normalization_backward", size, alpha, beta, k)
+        return self._add_op("divisive_normalization_backward", [dy, x, means], attrs, name)[0]
+
+    def local_contrast_normalization(self, x, size, alpha=1.0, beta=0.5, k=0.0, name=None) -> Tensor:
+        """Local contrast normalization: the local mean (an average pooling of x over the odd
+        spatial window `size`, stride 1, counting only elements inside x) subtracted, then
+        divisive_normalization with the same window: two kernels."""
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1 or size % 2 == 0:
+            raise ValidationError(f"local_contrast_normalization: size must be a positive odd int "
+                                  f"(a centred mean window), got {size!r}")
+        # attributes, x's rank and type checked before the pooling node is added: a failed call
+        # leaves the graph as it was
+        attrs = _attrs_of("divisive_normalization", size, alpha, beta, k)
+        x = self._check_input("local_contrast_normalization", "x", x)
+        lookup("divisive_normalization").infer([x, None], attrs)
+        means = self.pooling(x, "avg_exclude_pad", size, 1, size // 2)
+        return self._add_op("divisive_normalization", [x, means], attrs, name)[0]
+
     def gather(self, x, index, axis, name=None) -> Tensor:
         """y[..., i, ...] = x[..., index[..., i, ...], ...] along `axis` (x and an int32/int64
         index of one rank, broadcast on the other axes: torch's gather, index_select, an

@@ -593,6 +593,31 @@ class GraphBuilder:
         dx = self.graph.pooling_backward(dy.tensor, x.tensor, mode, window, stride, padding, name=self.name())
         return self.record(dx, "pooling_backward" + label, [dy, x])
 
+    def lrn(self):
+        """Cross-channel LRN or divisive normalization (means broadcast or not), forward or
+        backward, sometimes behind a pointwise prologue; even and odd sizes, C below the size."""
+        dims = [self.rng.choice((1, 2)), self.rng.choice((1, 3, 4))] + \
+            [self.rng.choice((1, 2, 5)) for _ in range(self.rng.randint(1, 3))]
+        op = self.rng.choice(("lrn", "divisive_normalization"))
+        size = self.rng.randint(1, 5 if op == "lrn" else 3)
+        attrs = dict(alpha=self.rng.choice((1e-4, 0.5, 2.0)), beta=self.rng.choice((0.0, 0.5, 0.75)),
+                     k=self.rng.choice((0.5, 1.0, 2.0)))
+        x = self.pick(dims=dims, fresh=0.5)
+        if self.rng.random() < 0.4:  # a prologue for the windowed kernel
+            x = self.record(self.graph.mul(x.tensor, 0.5, name=self.name()), "mul", [x, 0.5])[0]
+        operands, extra = [x], {}
+        if op != "lrn" and self.rng.random() < 0.6:
+            means = self.new_input(self.rng.choice((dims, [1, dims[1]] + [1] * (len(dims) - 2))))
+            operands.append(means)
+            extra["means"] = means.tensor
+        label = f"[size {size}, {attrs}]"
+        if self.rng.random() < 0.6:
+            y = getattr(self.graph, op)(x.tensor, size, name=self.name(), **attrs, **extra)
+            return self.record(y, op + label, operands)
+        dy = self.new_input(dims)
+        dx = getattr(self.graph, f"{op}_backward")(dy.tensor, x.tensor, size, name=self.name(), **attrs, **extra)
+        return self.record(dx, f"{op}_backward" + label, [dy] + operands)
+
     def dropout(self):
         x = self.pick_world()
         p = self.rng.choice((0.0, 0.1, 0.5, 0.9))
@@ -689,7 +714,8 @@ class GraphBuilder:
                 ("compare", 2), ("logic", 1), ("where", 2), ("cast", 2), ("reduction", 4),
                 ("softmax", 3), ("feature_norm", 3), ("channel_norm", 3), ("pooling", 2),
                 ("dropout", 2), ("matmul", 3), ("conv", 3), ("layout", 3), ("conversion", 2),
-                ("pow_special", 1), ("negated_view", 1), ("interleaved", 1), ("paged_attention", 1))
+                ("pow_special", 1), ("negated_view", 1), ("interleaved", 1), ("paged_attention", 1),
+                ("lrn", 1))
 
     def _unpooled(self, *values):
         """Take values out of the operand pool (their magnitudes would skew other families)."""

@@ -13,6 +13,7 @@ from .conv import ConvGeometry, conv_problem
 from .ctc import CtcGeometry, ctc_problem
 from .gather import GatherGeometry, gather_problem
 from .gemm import GemmGeometry, matmul_problem
+from .lrn import LrnGeometry, lrn_problem
 from .moe import MoeGeometry, moe_problem
 from .pointwise import PointwiseGeometry, pointwise_problem
 from .pooling import PoolingGeometry, pooling_problem
@@ -25,7 +26,7 @@ PROBLEM_BUILDERS = {
     "pooling": pooling_problem, "matmul": matmul_problem, "conv": conv_problem,
     "sdpa": sdpa_problem, "attention": attention_problem, "attention_backward": attention_backward_problem,
     "gather": gather_problem, "moe": moe_problem,
-    "ctc": ctc_problem,
+    "ctc": ctc_problem, "lrn": lrn_problem,
 }
 
 
@@ -38,5 +39,5 @@ def problem_of(graph, group) -> Problem:
     return builder(graph, group)
 
 
-__all__ = ["AttentionGeometry", "ConvGeometry", "CtcGeometry", "GatherGeometry", "GemmGeometry", "MoeGeometry", "Operand", "PROBLEM_BUILDERS",
+__all__ = ["AttentionGeometry", "ConvGeometry", "CtcGeometry", "GatherGeometry", "GemmGeometry", "LrnGeometry", "MoeGeometry", "Operand", "PROBLEM_BUILDERS",
            "PointwiseGeometry", "PoolingGeometry", "Problem", "RowsGeometry", "problem_of"]

@@ -1458,3 +1458,87 @@ def convert(g, node, value):
         if tensor is not None and meta is not None and not isinstance(tensor, Aux):
             _as_torch_makes(tensor, meta, node)
     return made
+
+
+# --- F.local_response_norm as one LRN kernel (issue 32) ------------------------------------------
+# torch decomposes F.local_response_norm into x * x, a view that puts the channels on a pooled
+# axis, a zero pad, an average pool over (size, 1[, 1]) with stride 1, a squeeze and view back,
+# then * alpha, + k, ** beta and x / that. Every one of those ops converts on its own (several
+# kernels); where the chain is exactly that and only the division reads it (inference: a training
+# forward saves the pooled values for the backward, so the chain stays and nothing is gained),
+# the division becomes g.lrn of x, and the chain, read by nothing, is pruned.
+_LRN_POOLS = {aten.avg_pool2d.default: 2, aten.avg_pool3d.default: 3}
+
+
+def _only_use(arg, target) -> Optional[torch.fx.Node]:
+    """`arg` where it is an FX node of `target` (one target or a tuple) read by one node only."""
+    targets = target if isinstance(target, tuple) else (target,)
+    if isinstance(arg, torch.fx.Node) and arg.target in targets and len(arg.users) == 1:
+        return arg
+    return None
+
+
+def _number(arg) -> Optional[float]:
+    return float(arg) if isinstance(arg, numbers.Real) and not isinstance(arg, bool) else None
+
+
+def _lrn_window(pooled) -> Optional[int]:
+    """The LRN size of torch's channel-window average pool `pooled` (an avg_pool2d/3d over
+    [N, 1, C, ...] with window (size, 1...), stride 1, zero padding before it), or None."""
+    spatial = _LRN_POOLS[pooled.target]
+    window, stride = list(pooled.args[1]), list(pooled.args[2]) if len(pooled.args) > 2 else []
+    defaults = ([0], False, True, None)  # padding, ceil_mode, count_include_pad, divisor_override
+    extra = list(pooled.args[3:]) + [pooled.kwargs.get(k) for k in ("padding", "ceil_mode", "count_include_pad",
+                                                                      "divisor_override") if k in pooled.kwargs]
+    if any(a not in (d, [0] * spatial) for a, d in zip(extra, defaults)):
+        return None
+    size = window[0] if len(window) == spatial and window[1:] == [1] * (spatial - 1) else None
+    if size is None or stride != [1] * spatial:
+        return None
+    padded = _only_use(pooled.args[0], aten.constant_pad_nd.default)
+    if padded is None or (padded.args[2] if len(padded.args) > 2 else 0) != 0:
+        return None
+    pads = list(padded.args[1])
+    if pads != [0, 0] * (spatial - 1) + [size // 2, (size - 1) // 2]:
+        return None
+    return size if _only_use(padded.args[0], (aten.unsqueeze.default,) + RESHAPES) else None
+
+
+def lrn_pattern(node) -> Optional[tuple]:
+    """(x, size, alpha, beta, k) where `node` (an aten.div.Tensor) is the end of torch's
+    F.local_response_norm of x and only it reads the chain, else None."""
+    x, powered = node.args[0], _only_use(node.args[1] if len(node.args) > 1 else None, aten.pow.Tensor_Scalar)
+    shifted = powered and _only_use(powered.args[0], aten.add.Tensor)
+    scaled = shifted and _only_use(shifted.args[0], aten.mul.Tensor)
+    if not scaled or shifted.kwargs.get("alpha", 1) != 1 or len(shifted.args) > 2:
+        return None
+    beta, k, alpha = _number(powered.args[1]), _number(shifted.args[1]), _number(scaled.args[1])
+    averaged = scaled.args[0]
+    if _only_use(averaged, RESHAPES):  # rank > 3: viewed back to x's dims after the squeeze
+        averaged = averaged.args[0]
+    squeezed = _only_use(averaged, aten.squeeze.dim)
+    pooled = squeezed and _only_use(squeezed.args[0], tuple(_LRN_POOLS))
+    if None in (beta, k, alpha) or not pooled or not isinstance(x, torch.fx.Node):
+        return None
+    size = _lrn_window(pooled)
+    viewed = size and pooled.args[0].args[0]
+    squared = viewed and _only_use(viewed.args[0], aten.mul.Tensor)
+    if not squared or list(squared.args[:2]) != [x, x] or squeezed.args[1:] != (1,):
+        return None
+    # the pooled axis is x's channel axis: the view is [N, 1, C, rest of x], the result x's dims
+    dims, pooled_dims = _shape(x), _shape(viewed)
+    if not 3 <= len(dims) <= 5 or pooled_dims[:3] != [dims[0], 1, dims[1]] or \
+            math.prod(pooled_dims[3:]) != math.prod(dims[2:]) or _shape(node) != dims:
+        return None
+    return x, size, alpha, beta, k
+
+
+def _div_or_lrn(g, node, value):
+    pattern = lrn_pattern(node)
+    if pattern is None:
+        return _binary(g, node, value)
+    x, size, alpha, beta, k = pattern
+    return g.lrn(value(x), size, alpha=alpha, beta=beta, k=k)
+
+
+CONVERTERS[aten.div.Tensor] = _div_or_lrn

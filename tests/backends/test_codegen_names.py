@@ -162,9 +162,18 @@ def moe(n):
                offsets: torch.tensor([0, 9, 9], dtype=torch.int32), bias: torch.randn(1, 17)}
 
 
+def lrn(n):
+    g = dg.Graph()
+    x, dy, b = n.tensor(g, [2, 5, 4, 3]), n.tensor(g, [2, 5, 4, 3]), n.tensor(g, [1, 5, 1, 1])
+    y = _op(g.relu, _op(g.add, x, b, names=n), names=n)
+    n.output(_op(g.lrn, y, 3, names=n))
+    n.output(_op(g.divisive_normalization_backward, dy, x, 2, means=b, names=n))
+    return g, {x: torch.randn(2, 5, 4, 3), dy: torch.randn(2, 5, 4, 3), b: torch.randn(1, 5, 1, 1)}
+
+
 FAMILIES = {"pointwise": pointwise, "dropout": dropout, "reduction": reduction, "softmax": softmax,
             "log_softmax": lambda n: softmax(n, log=True), "layernorm": layernorm, "rmsnorm": rmsnorm,
-            "batchnorm": batchnorm, "pooling": pooling, "matmul": matmul, "moe": moe}
+            "batchnorm": batchnorm, "pooling": pooling, "matmul": matmul, "moe": moe, "lrn": lrn}
 
 
 def _sources(g) -> list:

@@ -65,6 +65,9 @@ def build_family_ops(g, n, c, size, draw_int):
     g.transpose(x, [0, 2, 3, 1])
     g.slice(x, [slice(None), slice(0, 1), slice(None), slice(0, size, 2)])
     g.concatenate([x, x], axis=1)
+    lrn_size = draw_int(1, 5)
+    g.lrn_backward(g.lrn(x, lrn_size, alpha=0.5, beta=0.75, k=2.0), x, lrn_size, alpha=0.5, beta=0.75, k=2.0)
+    g.divisive_normalization_backward(g.divisive_normalization(x, 3, means=s), x, 3, means=b, k=0.5)
 
 
 @st.composite

@@ -512,3 +512,57 @@ def test_bool_bitwise_ops_are_logical_ops_and_integer_ones_stay_in_torch():
     assert torch.equal(_compiled(integers)(i, j), integers(i, j))
     (why,) = [reason for target, reason in torch_backend.REPORTS[-1].torch_ops if "bitwise" in target]
     assert "bitwise integer" in why
+
+
+# --- F.local_response_norm (issue 32): one LRN kernel in inference, the decomposition in training --
+@pytest.mark.parametrize("shape,size", [((2, 7, 5, 6), 5), ((2, 7, 5), 4), ((1, 6, 2, 3, 4), 2), ((2, 3, 4, 4), 7)])
+def test_local_response_norm_inference_is_one_lrn_kernel(shape, size):
+    fn = lambda x: F.local_response_norm(torch.relu(x), size, 1e-2, 0.75, 2.0)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        got = _compiled(fn)(x)
+    assert rel_err(got, fn(x.double())) < 1e-5
+    (report,) = torch_backend.REPORTS
+    assert report.torch_ops == () and report.kernels() == 1
+    (function,) = report.functions
+    assert [n.op for n in function._plain[0]._nodes] == ["relu", "lrn"]
+
+
+def test_local_response_norm_trains_through_its_decomposition():
+    fn = lambda x: F.local_response_norm(x * 1.5, 3, 1e-1, 0.75, 1.0)
+    _step_matches(fn, [torch.randn(2, 5, 3, 4)], ["pool", "pow"])
+
+
+def test_a_division_that_only_looks_like_lrn_stays_a_division():
+    """The same chain with another pad (not torch's window) or read elsewhere is not an LRN."""
+    def fn(x):
+        sq = (x * x).unsqueeze(1)
+        pooled = F.avg_pool2d(F.pad(sq, (0, 0, 1, 2)), (4, 1), stride=1).squeeze(1)
+        return x / (pooled * 0.1 + 2.0) ** 0.75
+    def along_the_wrong_axis(x):  # torch's 3D chain, with the window over L instead of C
+        sq = (x * x).unsqueeze(2)
+        pooled = F.avg_pool2d(F.pad(sq, (0, 0, 2, 2)), (5, 1), stride=1).squeeze(2)
+        return x / (pooled * 0.1 + 2.0) ** 0.75
+
+    for function in (fn, along_the_wrong_axis):
+        x = torch.randn(2, 6, 5)
+        with torch.no_grad():
+            got = _compiled(function)(x)
+        assert rel_err(got, function(x.double())) < 1e-5
+        (made,) = torch_backend.REPORTS[0].functions
+        assert "lrn" not in [n.op for n in made._plain[0]._nodes]
+
+
+def test_an_alexnet_block_with_local_response_norm_matches_eager():
+    """conv -> relu -> LocalResponseNorm -> max pool: inference (the LRN one kernel) and a
+    training step (its decomposition), both against eager."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.LocalResponseNorm(5, 1e-2, 0.75, 2.0),
+                                torch.nn.MaxPool2d(3, 2))
+    x = torch.randn(2, 3, 11, 11)
+    with torch.no_grad():
+        got = _compiled(block)(x)
+        assert rel_err(got, block(x)) < 1e-5
+    (report,) = torch_backend.REPORTS
+    assert "lrn" in [n.op for n in report.functions[0]._plain[0]._nodes] and report.torch_ops == ()
+    _step_matches(block, [x], ["pool", "pow", "convolution"], tolerance=1e-4)

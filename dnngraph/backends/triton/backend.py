@@ -32,6 +32,7 @@ from .lower.attention import build_attention_backward
 from .lower.conv import build_conv
 from .lower.ctc import build_ctc
 from .lower.gather import build_gather
+from .lower.lrn import build_lrn
 from .lower.matmul import build_matmul
 from .lower.moe import build_moe
 from .lower.pointwise import build_pointwise
@@ -45,11 +46,11 @@ BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": 
             "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention,
             "attention_backward": build_attention_backward, "gather": build_gather,
             "moe": build_moe,
-            "ctc": build_ctc}
+            "ctc": build_ctc, "lrn": build_lrn}
 
 # Families whose loads may visit an input element several times (or never): prologue values that
 # are outputs are written first by a pointwise kernel of the prologue.
-PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv"})
+PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv", "lrn"})
 
 
 def _dot(a: DataType, b: DataType, allow_tf32: bool) -> Optional[str]:

@@ -1,0 +1,134 @@
+"""LRN and divisive normalization (forward and backward) against torch eager
+`F.local_response_norm` and torch.compile of it, in TB/s over the minimal bytes (each input read
+once, each output written once), with the device copy ceiling measured in the same process.
+Goal: >= 80% of copy.
+
+    python benchmarks/bench_lrn.py            # GPU table (bf16 and fp32, NCHW and NHWC)
+    python benchmarks/bench_lrn.py --cpu      # a small CPU check through Triton's interpreter
+"""
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dnngraph as dg  # noqa: E402
+from common import copy_ceiling_tbs, median_ms, print_table, rel_error  # noqa: E402
+
+TYPES = {torch.bfloat16: dg.bfloat16, torch.float32: dg.float32, torch.float16: dg.float16}
+# (name, shape, size): AlexNet's two LRN layers (batch 128) and a wider, ResNet-like activation
+SHAPES = [("alexnet-lrn1", (128, 96, 55, 55), 5), ("alexnet-lrn2", (128, 256, 27, 27), 5),
+          ("wide-even", (64, 128, 56, 56), 4)]
+DIVISIVE_SHAPES = [("lcn-3x3", (64, 64, 56, 56), 3), ("lcn-5x5", (32, 32, 64, 64), 5)]
+LRN = dict(alpha=1e-4, beta=0.75, k=2.0)
+DIVISIVE = dict(alpha=1.0, beta=0.5, k=1e-2)
+TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+
+
+def layout_of(value: torch.Tensor, layout: str) -> torch.Tensor:
+    return value.contiguous(memory_format=torch.channels_last) if layout == "nhwc" else value
+
+
+def lrn_graphs(x: torch.Tensor, op: str, size: int, attrs: dict):
+    """(forward graph, backward graph) of `op` over x's dims, layout and type."""
+    io = TYPES[x.dtype]
+    forward = dg.Graph(name=f"{op}", io_data_type=io)
+    fx = forward.tensor_like(x, "x")
+    getattr(forward, op)(fx, size=size, **attrs).set_name("y").set_output(True)
+    backward = dg.Graph(name=f"{op}_backward", io_data_type=io)
+    bx, bdy = backward.tensor_like(x, "x"), backward.tensor_like(x, "dy")
+    getattr(backward, f"{op}_backward")(bdy, bx, size=size, **attrs).set_name("dx").set_output(True)
+    return forward, backward
+
+
+def divisive_torch(x, size, alpha, beta, k):
+    """divisive_normalization without means, in torch ops (eager and compiled anchors)."""
+    spatial = x.dim() - 2
+    pool = (F.avg_pool1d, F.avg_pool2d, F.avg_pool3d)[spatial - 1]
+    before, after = size // 2, (size - 1) // 2
+    squares = F.pad(x * x, [before, after] * spatial)
+    sums = pool(squares, size, 1) * size ** spatial
+    return x / (k + alpha / size ** spatial * sums) ** beta
+
+
+def torch_function(op, size, attrs):
+    if op == "lrn":
+        return lambda x: F.local_response_norm(x, size, **attrs)
+    return lambda x: divisive_torch(x, size, **attrs)
+
+
+def run_case(op, name, shape, size, attrs, dtype, layout, device, ceiling=None):
+    """One table row (GPU) or one checked case (CPU)."""
+    x = layout_of(torch.randn(shape, device=device, dtype=torch.float32).to(dtype), layout)
+    dy = layout_of(torch.randn(shape, device=device, dtype=torch.float32).to(dtype), layout)
+    forward, backward = lrn_graphs(x, op, size, attrs)
+    forward.build()
+    backward.build()
+    y, dx = torch.empty_like(x), torch.empty_like(x)
+    run_forward = lambda: forward.execute({"x": x, "y": y})
+    run_backward = lambda: backward.execute({"x": x, "dy": dy, "dx": dx})
+    run_forward()
+    run_backward()
+    fn = torch_function(op, size, attrs)
+    leaf = x.double().requires_grad_(True)
+    want = fn(leaf)
+    (want_dx,) = torch.autograd.grad(want, leaf, dy.double())
+    errors = (rel_error(y, want), rel_error(dx, want_dx))
+    assert max(errors) < TOLERANCE[dtype], (name, errors)
+    if device == "cpu":
+        return [name, str(dtype).split(".")[-1], layout, f"{errors[0]:.1e}", f"{errors[1]:.1e}"]
+    eager_leaf = x.detach().clone().requires_grad_(True)
+    compiled = torch.compile(fn)
+    compiled(x)
+    nbytes = x.numel() * x.element_size()
+    t_fwd, t_bwd = median_ms(run_forward), median_ms(run_backward)
+    t_eager, t_compile = median_ms(lambda: fn(x)), median_ms(lambda: compiled(x))
+    eager_out = fn(eager_leaf)
+    t_eager_bwd = median_ms(lambda: torch.autograd.grad(eager_out, eager_leaf, dy, retain_graph=True))
+    tbs = lambda ms, tensors: tensors * nbytes / ms / 1e9
+    return [name, str(dtype).split(".")[-1], layout, f"{tbs(t_fwd, 2):.2f}", f"{tbs(t_fwd, 2) / ceiling:.0%}",
+            f"{t_eager / t_fwd:.2f}x", f"{t_compile / t_fwd:.2f}x", f"{tbs(t_bwd, 3):.2f}",
+            f"{tbs(t_bwd, 3) / ceiling:.0%}", f"{t_eager_bwd / t_bwd:.2f}x",
+            forward.plan.launches[0].config_text]
+
+
+def cases(quick: bool):
+    lrn_shapes = [("small", (2, 7, 5, 6), 5), ("even", (2, 6, 3, 5), 4)] if quick else SHAPES
+    div_shapes = [("small", (2, 3, 6, 5), 3)] if quick else DIVISIVE_SHAPES
+    for name, shape, size in lrn_shapes:
+        yield "lrn", name, shape, size, LRN
+    for name, shape, size in div_shapes:
+        yield "divisive_normalization", name, shape, size, DIVISIVE
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu", action="store_true", help="check small cases on the CPU (interpreter) only")
+    args = parser.parse_args()
+    if args.cpu or not torch.cuda.is_available():
+        rows = [[op] + run_case(op, name, shape, size, attrs, torch.float32, layout, "cpu")
+                for op, name, shape, size, attrs in cases(True) for layout in ("nchw", "nhwc")]
+        print_table("LRN / divisive normalization, CPU check (rel. error vs float64 torch)",
+                    ["op", "case", "dtype", "layout", "y err", "dx err"], rows)
+        return
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for op, name, shape, size, attrs in cases(False):
+            numel = 1
+            for d in shape:
+                numel *= d
+            ceiling = copy_ceiling_tbs(numel, dtype)
+            for layout in ("nchw", "nhwc"):
+                rows.append([op] + run_case(op, name, shape, size, attrs, dtype, layout, "cuda", ceiling))
+    print(f"device: {torch.cuda.get_device_name()}")
+    print_table("LRN and divisive normalization (TB/s over minimal bytes; ratios: torch time / dnngraph time)",
+                ["op", "case", "dtype", "layout", "fwd TB/s", "fwd % copy", "vs eager", "vs compile",
+                 "bwd TB/s", "bwd % copy", "bwd vs eager", "config"], rows)
+
+
+if __name__ == "__main__":
+    main()
