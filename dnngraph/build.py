@@ -15,6 +15,7 @@ from .backends import registry
 from .backends.contract import BuildContext
 from .errors import UnsupportedError, ValidationError
 from .fusion import partition
+from .fusion.views import LAYOUT_OPS
 from .log import logger
 from .options import BuildOptions
 from .problems import problem_of
@@ -46,6 +47,9 @@ def _check_blends(graph):
             raise ValidationError(f"{what} but is no graph output: only outputs are stored blended")
         if not tensor.data_type.is_floating:
             raise ValidationError(f"{what}: blending needs a floating type, not {tensor.data_type.name}")
+        if tensor.producer.op in LAYOUT_OPS:  # a view or a copy of other memory, whose kernels do not blend
+            raise UnsupportedError(f"{what}, and made by {tensor.producer.op} node {tensor.producer.name!r}: "
+                                   f"a layout op's output is not stored blended; blend the op before it")
         readers = graph.consumers(tensor)
         if readers:
             raise ValidationError(f"{what} and read by node {readers[0].name!r} ({readers[0].op}): a blended "

@@ -222,6 +222,16 @@ def test_blend_refused_on_virtual_integer_and_consumed_tensors():
         g.build()
 
 
+def test_blend_refused_on_layout_op_outputs():
+    """A reshape or transpose output is a view of its producer's memory, or a copy kernel's."""
+    for layout in (lambda g, t: g.transpose(t, [1, 0]), lambda g, t: g.reshape(t, [12])):
+        g = _graph()
+        x = g.tensor(name="x", dim=[3, 4])
+        layout(g, g.exp(x)).set_output(True).set_blend(alpha=1.0, beta=1.0)
+        with pytest.raises(dg.UnsupportedError, match="layout op"):
+            g.build()
+
+
 def test_blend_refused_where_no_kernel_blends():
     """sdpa's stores do not blend: a typed error at build, not a plain store."""
     g = _graph()
