@@ -537,6 +537,9 @@ class Plan:
             where = f"view of {self.views.tensors[alias.root].name} at element {alias.offset}"
         else:
             where = "workspace" if tensor.is_virtual else ("output" if tensor.is_output else "input")
+            blend = getattr(tensor, "blend", None)
+            if blend is not None:
+                where += f", stored as {blend[0]!r} * result + {blend[1]!r} * prior"
         return f"{tensor.name} {list(tensor.dim)} {tensor.data_type.name} stride {list(tensor.stride)} ({where})"
 
     def explain(self) -> str:

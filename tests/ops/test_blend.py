@@ -62,6 +62,7 @@ def test_pointwise_blend_strided_and_broadcast(alpha, beta):
     inputs = {x: xt, b: torch.randn(1, 7, 1)}
     check_blended(g, inputs, alpha, beta)
     assert y.blend == ((alpha, beta) if (alpha, beta) != (1.0, 0.0) else None)
+    assert f"stored as {alpha!r} * result + {beta!r} * prior" in g.explain()
 
 
 def test_pointwise_blend_output_smaller_than_domain_blends_once():

@@ -191,3 +191,21 @@ def test_in_place_on_cuda():
         g.execute({**inputs, y1: x1_t, y2: x2_t})
         assert rel_err(x1_t, expected[y1.name]) < 2e-5 and rel_err(x2_t, expected[y2.name]) < 2e-5
         expected = g.reference({k: v.cpu().clone() for k, v in inputs.items()})
+    # batchnorm's running statistics updated in place, in the split mode too
+    for mode in ("one_pass", "split"):
+        g = _graph()
+        x = g.tensor(name="x", dim=[32, 64, 14, 14])
+        s, b = g.tensor(name="scale", dim=[1, 64, 1, 1]), g.tensor(name="bias", dim=[1, 64, 1, 1])
+        rm, rv = g.tensor(name="rm", dim=[1, 64, 1, 1]), g.tensor(name="rv", dim=[1, 64, 1, 1])
+        outs = g.batchnorm(x, s, b, rm, rv, momentum=0.1)
+        for out in outs:
+            out.set_output(True)
+        g.build(options=dg.BuildOptions(row_mode=mode))
+        inputs = {x: torch.randn(32, 64, 14, 14, device="cuda"), s: torch.randn(1, 64, 1, 1, device="cuda"),
+                  b: torch.randn(1, 64, 1, 1, device="cuda"), rm: torch.randn(1, 64, 1, 1, device="cuda"),
+                  rv: torch.rand(1, 64, 1, 1, device="cuda") + 0.5}
+        expected = g.reference({k: v.cpu().clone() for k, v in inputs.items()})
+        bound = {out: torch.empty(out.dim, device="cuda") for out in outs[:3]}
+        g.execute({**inputs, **bound, outs[3]: inputs[rm], outs[4]: inputs[rv]})
+        assert rel_err(inputs[rm], expected[outs[3].name]) < 2e-5
+        assert rel_err(inputs[rv], expected[outs[4].name]) < 2e-5
