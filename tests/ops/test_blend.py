@@ -99,17 +99,21 @@ def test_matmul_blend(config, alpha, beta):
     assert len(launches) == (2 if config == "split_k" else 1)
 
 
+@pytest.mark.parametrize("axis", [1, 2])
 @pytest.mark.parametrize("config", sorted(MATMUL_CONFIGS))
-def test_matmul_epilogue_and_row_exit_blend(config):
-    """An epilogue output and a row reduction riding as an exit (its own fold kernel) blend once."""
+def test_matmul_exit_blend(config, axis):
+    """A row (axis 2) or column (axis 1) reduction riding on the epilogue as an exit, folded by its
+    own kernel, blends once."""
     g = _graph()
     a = g.tensor(name="a", dim=[1, 21, 40])
     b = g.tensor(name="b", dim=[1, 40, 50])
     bias = g.tensor(name="bias", dim=[1, 1, 50])
     y = g.relu(g.add(g.matmul(a, b), bias))
-    g.reduction(y, mode="sum", axes=[2]).set_output(True)
-    check_blended(g, {a: torch.randn(1, 21, 40), b: torch.randn(1, 40, 50), bias: torch.randn(1, 1, 50)}, 0.5, 2.0,
-                  dg.BuildOptions(matmul_config=MATMUL_CONFIGS[config]))
+    g.reduction(y, mode="sum", axes=[axis]).set_output(True)
+    launches = check_blended(g, {a: torch.randn(1, 21, 40), b: torch.randn(1, 40, 50), bias: torch.randn(1, 1, 50)},
+                             0.5, 2.0, dg.BuildOptions(matmul_config=MATMUL_CONFIGS[config]))
+    if axis == 2:  # the row sum rides as an exit (a column one here is a row kernel of its own)
+        assert any(launch.group.exits for launch in launches)
 
 
 @pytest.mark.parametrize("alpha,beta", BLENDS)
@@ -311,3 +315,13 @@ def test_rows_and_pointwise_blend_gpu():
             torch.nn.functional.silu(xt.double()) + priors[1].double()]
     for out, ref in zip(outs, refs):
         assert (out.double() - ref).norm() / ref.norm() < 1.6e-2
+
+
+@pytest.mark.parametrize("mode", ["one_pass", "looped", "split"])
+def test_row_kernel_epilogue_output_blends_once(mode):
+    """An element output of a row kernel's epilogue (a prologue feeding the softmax before it)
+    blends once in every mode, the statistics walking the row before the apply stores."""
+    g = _graph()
+    x = g.tensor(name="x", dim=[5, 70])
+    g.mul(g.softmax(g.exp(x), axis=-1), x).set_output(True)
+    check_blended(g, {x: torch.randn(5, 70)}, 0.5, 2.0, row_options(mode))
