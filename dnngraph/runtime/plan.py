@@ -519,7 +519,8 @@ class Plan:
 
     def profile(self, bindings) -> list:
         """(launch, median milliseconds) of each kernel run alone on `bindings` (as execute
-        takes them; outputs are written)."""
+        takes them; outputs are written, a blended one blended again on every timed run, and an
+        in-place one overwritten as often)."""
         tensors = self._resolve(bindings)
         device, _, negated = self._check(tensors)
         tensors.update({uid: resolved_input(tensors[uid]) for uid in negated})
