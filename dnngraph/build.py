@@ -15,6 +15,7 @@ from .backends import registry
 from .backends.contract import BuildContext
 from .errors import UnsupportedError, ValidationError
 from .fusion import partition
+from .fusion.views import LAYOUT_OPS
 from .log import logger
 from .options import BuildOptions
 from .problems import problem_of
@@ -34,6 +35,27 @@ def _check_outputs_dense(graph):
                                       f"its elements would overlap")
 
 
+def _check_blends(graph):
+    """A blended tensor (Tensor.set_blend) is a graph output of a floating type that no node
+    reads: a consumer would see either the result or the blended value, and the store writes the
+    latter."""
+    for tensor in graph.tensors:
+        if tensor.blend is None:
+            continue
+        what = f"tensor {tensor.name!r} is blended (set_blend)"
+        if not tensor.is_output:
+            raise ValidationError(f"{what} but is no graph output: only outputs are stored blended")
+        if not tensor.data_type.is_floating:
+            raise ValidationError(f"{what}: blending needs a floating type, not {tensor.data_type.name}")
+        if tensor.producer.op in LAYOUT_OPS:  # a view or a copy of other memory, whose kernels do not blend
+            raise UnsupportedError(f"{what}, and made by {tensor.producer.op} node {tensor.producer.name!r}: "
+                                   f"a layout op's output is not stored blended; blend the op before it")
+        readers = graph.consumers(tensor)
+        if readers:
+            raise ValidationError(f"{what} and read by node {readers[0].name!r} ({readers[0].op}): a blended "
+                                  f"output may not feed other ops")
+
+
 def build_plan(graph, options: Optional[BuildOptions] = None) -> "Plan":
     """The plan of a validated graph under `options` (None: the defaults): the cached one when
     an identical graph was built before with equal options for the same target (see runtime/plan_cache.py),
@@ -41,6 +63,7 @@ def build_plan(graph, options: Optional[BuildOptions] = None) -> "Plan":
     tensors take the view strides the plan gives them."""
     options = BuildOptions() if options is None else options
     _check_outputs_dense(graph)
+    _check_blends(graph)
     start = time.perf_counter()
     device = _build_device()
     key = plan_key(graph, options, device, target_for(device, options),

@@ -130,6 +130,10 @@ class GraphFunction:
             raise ValidationError("as_function: inputs must be graph inputs")
         if not self.outputs:
             raise ValidationError(f"as_function: graph {graph.name!r} has no outputs to return")
+        blended = [t.name for t in graph.outputs() if t.blend is not None]
+        if blended:  # its outputs are fresh memory: no prior content to blend with
+            raise ValidationError(f"as_function: output {blended[0]!r} is blended (set_blend), and the function "
+                                  f"allocates its outputs; execute the graph on your own tensors instead")
         read = {t.uid for n in graph.nodes for t in n.input_tensors()}
         missing = [t.name for t in graph.inputs() if t.uid in read and all(t is not i for i in self.inputs)]
         if missing:

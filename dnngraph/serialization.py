@@ -41,6 +41,7 @@ def graph_document(graph) -> dict:
             "uid": tensor.uid, "name": tensor.name, "dim": list(tensor.dim), "stride": list(tensor.own_stride),
             "data_type": tensor._data_type.name if tensor._data_type is not None else None,
             "is_output": tensor.is_output,
+            **({"blend": list(tensor.blend)} if tensor.blend is not None else {}),
         })
     nodes = []
     for node in graph.nodes:
@@ -253,4 +254,9 @@ def _replay(graph, record, where, handles, records):
             tensor.set_data_type(saved["data_type"])
         if _is_output(saved, saved_where):
             tensor.set_output(True)
+        if "blend" in saved:
+            blend = _field(saved, "blend", list, saved_where)
+            _require(len(blend) == 2 and all(type(f) in (int, float) for f in blend),
+                     f"{saved_where}: blend must be [alpha, beta], got {blend!r}")
+            tensor.set_blend(*blend)
         handles[uid] = tensor

@@ -112,6 +112,16 @@ def overlaps(dim: Sequence[int], stride: Sequence[int]) -> bool:
     return False
 
 
+def _blend_factor(value, what: str) -> float:
+    """A blend factor as a float: a finite real number (bools and tensors refused)."""
+    if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Real):
+        raise ValidationError(f"{what} must be a finite real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValidationError(f"{what} must be finite, got {value!r}")
+    return value
+
+
 def check_not_overlapping(tensor: "Tensor"):
     """Outputs are written: reject a layout whose elements share memory."""
     if overlaps(tensor.dim, tensor.stride):
@@ -139,6 +149,7 @@ class Tensor:
         self.producer = producer
         self._is_output = False
         self._ragged_offset: Optional["Tensor"] = None  # sdpa's packed (THD) sequences: dnngraph/ragged.py
+        self._blend: Optional[tuple] = None  # (alpha, beta): stored as alpha * result + beta * prior
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -222,6 +233,15 @@ class Tensor:
     def get_ragged_offset(self):
         return self._ragged_offset
 
+    @property
+    def blend(self) -> Optional[tuple]:
+        """(alpha, beta) when the output is stored as `alpha * result + beta * prior` (its bound
+        memory's content before the execute), None for a plain store."""
+        return self._blend
+
+    def get_blend(self):
+        return self._blend
+
     # --- setters (chainable) ------------------------------------------------------------------
     def set_output(self, is_output: bool = True) -> "Tensor":
         """Mark the tensor as a graph output: the user binds it and the plan writes it."""
@@ -257,6 +277,17 @@ class Tensor:
                                   f"overlapping strides {list(stride)}: elements would share memory")
         self._graph._invalidate()
         self._stride, self._inferred_stride = stride, None
+        return self
+
+    def set_blend(self, alpha=1.0, beta=0.0) -> "Tensor":
+        """Store this output as `alpha * result + beta * prior` (cuDNN's classic blending, e.g.
+        gradient accumulation `dW += ...` with beta=1): the kernel writing it reads the bound
+        memory in its store. beta == 0 never reads the prior (NaN there does not propagate);
+        alpha=1, beta=0 is a plain store. alpha and beta are finite Python numbers."""
+        alpha = _blend_factor(alpha, f"set_blend of {self._name!r}: alpha")
+        beta = _blend_factor(beta, f"set_blend of {self._name!r}: beta")
+        self._graph._invalidate()
+        self._blend = None if (alpha, beta) == (1.0, 0.0) else (alpha, beta)
         return self
 
     def set_ragged_offset(self, offset: Optional["Tensor"]) -> "Tensor":

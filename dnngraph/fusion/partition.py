@@ -9,7 +9,8 @@ Passes, in order:
      runnable graph, whose ops each run alone, into an unrunnable one);
   2. each remaining anchor, in topological order, absorbs pointwise prologues and epilogues
      (row kernels also pointwise consumers of their other outputs: a norm's statistics' casts);
-  3. leftover pointwise nodes merge into groups along producer -> consumer edges.
+  3. leftover pointwise nodes merge into groups along producer -> consumer edges;
+  4. pointwise groups of one domain that read a common graph input merge (siblings).
 Counter ops (dropout) join only pointwise groups, and only groups whose domain is their shape.
 A group is accepted only while it stays convex (no path leaves it and comes back), so the
 groups always form a DAG. Values made inside a group that are graph outputs or read by other
@@ -374,6 +375,39 @@ class _Partitioner:
         self.claim(target, [node])
         return True
 
+    def pointwise_siblings(self):
+        """Pointwise groups of one domain that read a common graph input merge (where the union
+        stays convex): the input is read once, and one kernel reading each element of it and
+        writing its outputs at that index serves in-place bindings (rotary halves written back
+        into x: runtime/in_place.py), which two kernels, each reading what the other overwrites,
+        could not."""
+        for tensor in self.graph.inputs():
+            readers = []
+            for node in self.graph.consumers(tensor):
+                group = self.group_of.get(node)
+                if isinstance(group, FusionGroup) and group.kind == "pointwise" and group not in readers:
+                    readers.append(group)
+            for other in readers[1:]:
+                if readers[0] in self.groups and other in self.groups:
+                    self._merge_siblings(readers[0], other)
+
+    def _merge_siblings(self, target: FusionGroup, other: FusionGroup) -> bool:
+        domain_of = lambda nodes: broadcast_dims("fusion", [(n.name, n.outputs[0].dim) for n in nodes])
+        members = set(target.nodes) | set(other.nodes)
+        try:
+            domain = domain_of(members)
+            if domain != domain_of(target.nodes) or domain != domain_of(other.nodes):
+                return False  # a kernel over a wider domain would recompute the narrower group
+        except ValidationError:
+            return False
+        if not _counters_well_defined(members, domain) or not self.convex(members):
+            return False
+        target.nodes.extend(other.nodes)
+        target.nodes.sort(key=self.position.__getitem__)
+        self.claim(target, other.nodes)
+        self.groups.remove(other)
+        return True
+
     # --- result ----------------------------------------------------------------------------------
     def finish(self) -> list[FusionGroup]:
         for group in self.groups:
@@ -426,8 +460,29 @@ class _Partitioner:
                         group_dag.add_edge(source, target)
         first_node = {i: min(self.position[n] for n in (g.nodes if g.origin is None else [g.origin]))
                       for i, g in enumerate(self.groups)}
-        ordered = group_dag.lexicographical_topological_sort(key=first_node.__getitem__)
+        # a group that may overwrite a shared input in place runs after the readers ready with it
+        late = _may_overwrite_shared_inputs(self.groups)
+        ordered = group_dag.lexicographical_topological_sort(key=lambda i: (i in late, first_node[i]))
         return [self.groups[i] for i in ordered]
+
+
+def _may_overwrite_shared_inputs(groups) -> set:
+    """Indices of the groups that write a graph output of the dims and data type of a graph input
+    they read that another group reads too: an in-place binding of the two (runtime/in_place.py)
+    runs only when every other reader comes first, so these are ordered after the readers that do
+    not depend on them."""
+    readers: dict = {}
+    for group in groups:
+        for tensor in group.inputs:
+            if tensor.is_input:
+                readers[tensor.uid] = readers.get(tensor.uid, 0) + 1
+    late = set()
+    for index, group in enumerate(groups):
+        shared = [t for t in group.inputs if t.is_input and readers[t.uid] > 1]
+        if any(out.is_output and tuple(out.dim) == tuple(t.dim) and out.data_type is t.data_type
+               for out in group.outputs for t in shared):
+            late.add(index)
+    return late
 
 
 class Partition(list):
@@ -451,4 +506,5 @@ def partition(graph, kernel_kinds=None) -> "Partition":
     partitioner.attention_chains()
     partitioner.anchors()
     partitioner.pointwise()
+    partitioner.pointwise_siblings()
     return partitioner.finish()

@@ -49,6 +49,7 @@ class ViewTensor:
     def __init__(self, uid: int, name: str, dim, stride, data_type):
         self.uid, self.name, self.dim, self.stride, self.data_type = uid, name, tuple(dim), tuple(stride), data_type
         self.producer, self.is_output, self.is_input, self.is_virtual = None, False, False, True
+        self.blend = None  # never a blended output: build refuses blending a layout op's output
 
 
 class CopyNode:

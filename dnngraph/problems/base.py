@@ -22,6 +22,7 @@ class Operand:
     strides: tuple
     data_type: DataType
     role: str
+    blend: Optional[tuple] = None  # (alpha, beta) of an output stored blended (Tensor.set_blend)
 
     @property
     def numel(self) -> int:
@@ -47,6 +48,11 @@ class Problem:
     geometry: object
     node_names: tuple = ()
 
+    @property
+    def blended(self) -> bool:
+        """Whether an output is stored blended with its prior content (Tensor.set_blend)."""
+        return any(o.blend is not None for o in self.outputs)
+
     def operand(self, role: str) -> Optional[Operand]:
         """The operand of `role` (the first one), or None."""
         return next((o for o in self.operands + self.outputs if o.role == role), None)
@@ -68,7 +74,7 @@ def product(sizes) -> int:
 
 def operand_of(tensor, role: str) -> Operand:
     return Operand(tensor.name, tensor.uid, tuple(int(d) for d in tensor.dim),
-                   tuple(int(s) for s in tensor.stride), tensor.data_type, role)
+                   tuple(int(s) for s in tensor.stride), tensor.data_type, role, tensor.blend)
 
 
 def _roles(node, names, tensors) -> dict:

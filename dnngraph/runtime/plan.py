@@ -24,6 +24,7 @@ from .bindings import check_bindable, resolved_input
 from .interpreter import interpreting
 from .launch import (LaunchRefused, created_once, launch_on_device, persistent_buffer, run_launches,
                      time_launches)
+from .in_place import in_place_pairs
 from .overlap import StridedBytes, share_a_byte
 from .workspace import WorkspaceBudget
 
@@ -125,21 +126,33 @@ class DeviceLaunches:
         return views
 
 
-def _check_outputs_apart(bound: list) -> None:
-    """Raise when an output shares an element with any other binding; inputs may share memory.
-    `bound` holds (StridedBytes, spec) per binding. Views interleaved in one buffer without a
-    common element (dQ, dK and dV of one dQKV tensor, rotary halves) pass. One sweep over the
-    views sorted by first byte finds the pairs whose byte ranges meet; overlap.share_a_byte
-    decides those exactly."""
+def _check_outputs_apart(bound: list, in_place: frozenset = frozenset()) -> None:
+    """Raise when an output shares an element with any other binding, but for an output bound
+    to exactly the view of an input it may overwrite (`in_place`: (output uid, input uid) pairs,
+    runtime/in_place.py); inputs may share memory. `bound` holds (StridedBytes, spec) per
+    binding. Views interleaved in one buffer without a common element (dQ, dK and dV of one dQKV
+    tensor, rotary halves) pass. One sweep over the views sorted by first byte finds the pairs
+    whose byte ranges meet; overlap.share_a_byte decides those exactly."""
     reaching = []  # (end, view, spec) of the views swept so far that reach the current start
     for view, spec in sorted((b for b in bound if not b[0].empty), key=lambda b: b[0].start):
         reaching = [entry for entry in reaching if entry[0] > view.start]
         for _, other, other_spec in reaching:
             if (spec.is_output or other_spec.is_output) and share_a_byte(other, view):
                 output, another = (spec, other_spec) if spec.is_output else (other_spec, spec)
+                if (output.uid, another.uid) in in_place and _same_elements(view, other):
+                    continue
+                why = (" (an output may overwrite an input only bound to the very same view, where every "
+                       "kernel reading the input reads each element before the writer stores it: an "
+                       "elementwise one-to-one kernel run after every other reader)")
                 raise ExecutionError(f"output {output.name!r} overlaps {another.name!r} in memory "
-                                     f"(an element in common)")
+                                     f"(an element in common){why if not another.is_output else ''}")
         reaching.append((view.end, view, spec))
+
+
+def _same_elements(first: StridedBytes, second: StridedBytes) -> bool:
+    """Whether two views address the same bytes in the same index order (size-1 axes aside)."""
+    walk = lambda view: tuple(axis for axis in view.axes if axis[0] > 1)
+    return first.start == second.start and walk(first) == walk(second)
 
 
 @dataclass
@@ -187,6 +200,7 @@ class Plan:
         # unused inputs may be bound (and are ignored); virtual tensors may not
         self.bindable = {s.uid for s in self.specs} | {t.uid for t in graph.inputs()}
         self.names = {t.uid: t.name for t in graph.tensors}
+        self.in_place = in_place_pairs(graph, groups)  # outputs that may overwrite an input's memory
         self._graph = graph
         self.options, self._rebuild = options, rebuild
         self._budget = budget if budget is not None else WorkspaceBudget()
@@ -304,7 +318,7 @@ class Plan:
             start = _address(value, f"{kind} {spec.name!r}")
             aligned = aligned and start % POINTER_ALIGNMENT == 0
             bound.append((StridedBytes.of(start, spec.shape, stride, value.element_size()), spec))
-        _check_outputs_apart(bound)
+        _check_outputs_apart(bound, self.in_place)
         return device, aligned, frozenset(negated)
 
     def _stream_workspace(self, built: DeviceLaunches, device, stream) -> StreamWorkspace:
@@ -505,7 +519,8 @@ class Plan:
 
     def profile(self, bindings) -> list:
         """(launch, median milliseconds) of each kernel run alone on `bindings` (as execute
-        takes them; outputs are written)."""
+        takes them; outputs are written, a blended one blended again on every timed run, and an
+        in-place one overwritten as often)."""
         tensors = self._resolve(bindings)
         device, _, negated = self._check(tensors)
         tensors.update({uid: resolved_input(tensors[uid]) for uid in negated})
@@ -523,6 +538,9 @@ class Plan:
             where = f"view of {self.views.tensors[alias.root].name} at element {alias.offset}"
         else:
             where = "workspace" if tensor.is_virtual else ("output" if tensor.is_output else "input")
+            blend = getattr(tensor, "blend", None)
+            if blend is not None:
+                where += f", stored as {blend[0]!r} * result + {blend[1]!r} * prior"
         return f"{tensor.name} {list(tensor.dim)} {tensor.data_type.name} stride {list(tensor.stride)} ({where})"
 
     def explain(self) -> str:

@@ -131,8 +131,10 @@ def test_bad_bindings_raise_and_write_nothing(case):
         bindings[x] = torch.randn(5, 6, dtype=torch.float64)
     elif case == "stride":
         bindings[x] = torch.randn(6, 5).t()
-    elif case == "alias":
-        bindings[y] = x_t
+    elif case == "alias":  # y over x shifted by one element (the very same view runs in place)
+        memory = torch.randn(31)
+        bindings[x], bindings[y] = memory[:30].view(5, 6), memory[1:].view(5, 6)
+        out = memory[1:].view(5, 6).fill_(float("nan"))
     elif case == "unknown":
         bindings["nope"] = x_t
     elif case == "virtual":

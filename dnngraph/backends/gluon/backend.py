@@ -239,6 +239,8 @@ class GluonBackend:
         if target.capability != (9, 0):
             return (f"gluon kernels are built for sm_90a (Hopper, capability (9, 0)) only; the target "
                     f"{target.name} has capability {target.capability}")
+        if problem.blended:
+            return "gluon's epilogues store no blended output (Tensor.set_blend)"
         if problem.family == "sdpa":
             return attention_backend.supports(problem)
         if problem.family != "matmul":

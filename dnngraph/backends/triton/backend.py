@@ -63,6 +63,10 @@ def _output_bytes(problem: Problem) -> int:
     return max(1, sum(o.data_type.itemsize for o in problem.outputs))
 
 
+# Families whose every store of a graph output goes through the emitter's store (blending there).
+BLENDING_FAMILIES = frozenset({"pointwise", "copy", "matmul", "conv", "reduction", "softmax", "norm", "pooling"})
+
+
 class TritonBackend:
     """The contract over lower/'s builders and heuristics/' models."""
 
@@ -87,6 +91,8 @@ class TritonBackend:
     def supports(self, problem: Problem, target: Target) -> Union[bool, str]:
         if problem.family not in self.builders:
             return f"no {problem.family} kernel exists yet"
+        if problem.blended and problem.family not in BLENDING_FAMILIES:
+            return f"its {problem.family} kernels store no blended output (Tensor.set_blend) yet"
         return True
 
     # -- the model's view of a neutral problem ---------------------------------------------------

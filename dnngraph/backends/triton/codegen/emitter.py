@@ -67,6 +67,33 @@ def masked_epilogue(emitter, nodes, made: set, operands: dict, offset, outputs) 
     return lines
 
 
+def store_statement(pointer: str, value: str, kind: str, data_type, mask: str, compute: str,
+                    blend=None, extra: str = "") -> str:
+    """The one store of every family's outputs: `value` (of `kind`) converted to `data_type` and
+    stored at `pointer` under `mask`. A blended output (`blend` = (alpha, beta), Tensor.set_blend)
+    is a read-modify-write in this same statement, `alpha * value + beta * prior`, in the compute
+    type before the conversion: the program that owns the element reads it just before it writes
+    it, so no second pass and no other program touches it. beta == 0 never loads the prior (NaN
+    there must not propagate, as in cuDNN). `extra`: more keyword arguments (", eviction_policy=...")."""
+    masked = f", mask={mask}" if mask else ""
+    if blend is not None:
+        alpha, beta = blend
+        if kind != "f":
+            value = CONVERT[(kind, "f")].format(value, compute=compute)
+        value = f"{ExpressionEmitter.literal(alpha)} * ({value})"
+        if beta != 0.0:
+            prior = f"tl.load({pointer}{masked}).to({compute})"
+            value = f"{value} + {ExpressionEmitter.literal(beta)} * {prior}"
+        kind = "f"
+    return f"tl.store({pointer}, {converted_to(value, kind, data_type)}{masked}{extra})"
+
+
+def blends_of(tensors) -> tuple:
+    """((uid, (alpha, beta)), ...) of the blended tensors among `tensors` (graph tensors or
+    problem operands): what a kernel spec carries to its stores."""
+    return tuple((t.uid, t.blend) for t in tensors if getattr(t, "blend", None) is not None)
+
+
 def as_stored_conversion(tensor, variable: str, have: str, compute: str):
     """(text, kind) of `tensor`'s value, held as `variable` of kind `have`, as its consumers see
     it, or None where the held value already is that. Integer and bool tensors are exact
@@ -103,7 +130,7 @@ class ExpressionEmitter:
     """
 
     def __init__(self, compute_type: str, counter: Optional[str] = None, hint: str = "v",
-                 names: Optional[NameAllocator] = None):
+                 names: Optional[NameAllocator] = None, blends=()):
         self.compute = compute_type
         self.names = names if names is not None else NameAllocator()
         self.hint = hint  # value variables are hint, hint1, ...
@@ -113,6 +140,7 @@ class ExpressionEmitter:
         self.scalars: list[tuple[str, int]] = []
         self.values: dict[int, tuple[str, str]] = {}
         self.as_stored: set[int] = set()  # uids whose held value already is what consumers see
+        self.blends: dict = dict(blends)  # uid -> (alpha, beta) of the outputs stored blended
 
     def bind(self, uid: int, variable: str, kind: str):
         """Hold tensor `uid` as `variable` of `kind`, as computed (not yet as stored)."""
@@ -164,7 +192,17 @@ class ExpressionEmitter:
         kind = "b" if data_type is dtypes.bool_ else (have if have in INTEGER_TYPES else "f")
         return converted_to(self.value(uid, kind), kind, data_type)
 
-    def literal(self, value) -> str:
+    def store(self, pointer: str, uid: int, data_type, mask: str, extra: str = "") -> str:
+        """The store statement of tensor `uid` as its store converts it (see `stored`), blended
+        where `blends` says so (store_statement)."""
+        blend = self.blends.get(uid)
+        if blend is None:
+            masked = f", mask={mask}" if mask else ""
+            return f"tl.store({pointer}, {self.stored(uid, data_type)}{masked}{extra})"
+        return store_statement(pointer, self.value(uid, "f"), "f", data_type, mask, self.compute, blend, extra)
+
+    @staticmethod
+    def literal(value) -> str:
         """Source text of a number: repr of an int or finite float, a float32 bit pattern for
         -0.0, inf and NaN. Anything else raises ValidationError: attribute values reach the source
         only as numbers, never as text."""

@@ -20,8 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .conversions import converted_to
-from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
+from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of, store_statement
 from .grid import folded_program_ids
 from .names import NameAllocator
 from ...contract import KernelSource
@@ -147,6 +146,7 @@ class GemmKernelSpec:
     tma_store_uids: tuple = ()  # outputs the persistent kernel stores through tensor descriptors
     fold_batch: bool = False  # batch entries past grid axis y's limit: (tile, batch, split) from axis x
     extra_constexprs: tuple = field(default=())  # (name, value) the loaders read
+    blends: tuple = ()  # ((uid, (alpha, beta)), ...): outputs stored blended (emitter.store_statement)
 
     def side(self, side: str) -> list:
         return [op for op in self.operands if op.side == side]
@@ -406,7 +406,7 @@ def _epilogue_body(spec, w: Writer, tma_outputs: frozenset):
     for uid in spec.scale_uids:
         op = next(o for o in spec.operands if o.uid == uid)
         w(f"acc = acc * tl.load({op.ident}_ptr).to(tl.float32)")
-    emitter = ExpressionEmitter(spec.compute, hint="e", names=spec.names)
+    emitter = ExpressionEmitter(spec.compute, hint="e", names=spec.names, blends=spec.blends)
     emitter.bind(spec.c_uid, "acc", "f")
     w("mask = mask_m[:, None] & mask_n[None, :]")
     rows, cols = output_rows(spec), output_cols(spec)
@@ -422,8 +422,7 @@ def _epilogue_body(spec, w: Writer, tma_outputs: frozenset):
             w(f"desc_{op.ident}.store([pid_m * BLOCK_M, start_n], "
               f"tl.broadcast_to({emitter.stored(op.uid, op.data_type)}, (BLOCK_M, SUB_N)))")
         elif op.is_output:
-            w(f"tl.store({op.ident}_ptr + {offset_2d(op, rows, cols, full=True)}, "
-              f"{emitter.stored(op.uid, op.data_type)}, mask=mask)")
+            w(emitter.store(f"{op.ident}_ptr + {offset_2d(op, rows, cols, full=True)}", op.uid, op.data_type, "mask"))
     for index, plan in enumerate(spec.exits):
         if plan.axis == "column":
             _, combine, _, _ = EXIT_MODES[plan.reduce_mode]
@@ -637,8 +636,8 @@ def _column_fold(spec, w: Writer):
         op = plan.output
         along = f"offs_n * {op.ident}_stride_c" if op.col_stride else "offs_n * 0"  # keep the block shape
         terms = [t for t in (batch_offset(op), along) if t]
-        stored = converted_to(finalize.format(f'value_{index}'), "f", op.data_type)
-        w(f"tl.store({op.ident}_ptr + {' + '.join(terms)}, {stored}, mask=col_mask)")
+        w(store_statement(f"{op.ident}_ptr + {' + '.join(terms)}", finalize.format(f'value_{index}'), "f",
+                          op.data_type, "col_mask", spec.compute, dict(spec.blends).get(op.uid)))
 
 
 def _exit_fold(spec, w: Writer):
@@ -663,8 +662,8 @@ def _exit_fold(spec, w: Writer):
         along = f"{inner} * {op.ident}_stride_{stride_axis}" if stride else f"{inner} * 0"  # keep the block shape
         terms = [t for t in (batch_offset(op), along) if t]
         value = finalize.format(f"value_{index}")
-        w(f"tl.store({op.ident}_ptr + {' + '.join(terms) or '0'}, {converted_to(value, 'f', op.data_type)}, "
-          f"mask={valid})")
+        w(store_statement(f"{op.ident}_ptr + {' + '.join(terms) or '0'}", value, "f", op.data_type, valid,
+                          spec.compute, dict(spec.blends).get(op.uid)))
 
 
 BODIES = {"tiled": _main_tiled, "small_m": _main_tiled, "split_k": _main_tiled,

@@ -156,8 +156,7 @@ def _stores(operands, idents, space, emitter: ExpressionEmitter) -> list[str]:
         if not op.is_output:
             continue
         pointer, _ = _pointer(op, ident, rank, body, full=True)
-        body.append(f"tl.store({pointer}, {emitter.stored(op.uid, op.data_type)}, "
-                    f"mask={_store_mask(op, rank, space.sizes)})")
+        body.append(emitter.store(pointer, op.uid, op.data_type, _store_mask(op, rank, space.sizes)))
     return body
 
 
@@ -178,14 +177,15 @@ def _arguments(schedule, idents, counter, scalars) -> list[KernelArgument]:
     return args
 
 
-def render(kernel_name: str, schedule, nodes, compute_type, description: str):
-    """The KernelSource (name, source, arguments) of the kernel running `nodes` under `schedule`."""
+def render(kernel_name: str, schedule, nodes, compute_type, description: str, blends=()):
+    """The KernelSource (name, source, arguments) of the kernel running `nodes` under `schedule`;
+    `blends`: ((uid, (alpha, beta)), ...) of the outputs stored blended (emitter.blends_of)."""
     space, rank = schedule.space, len(schedule.space.sizes)
     names = NameAllocator(FIXED_NAMES + tuple(axis_names(rank)) + (kernel_name,))
     # operands are named by role, never by their tensor's name
     idents = [names.prefix("y" if op.is_output else "x") for op in schedule.operands]
     counter = names.prefix("counter") if schedule.counter is not None else None
-    emitter = ExpressionEmitter(compute_type.triton_type, counter=counter, names=names)
+    emitter = ExpressionEmitter(compute_type.triton_type, counter=counter, names=names, blends=blends)
     body = _tile_indices(space) + _loads(schedule.operands, idents, rank, emitter)
     if schedule.counter is not None:
         body += _counter_tile(schedule, counter, rank)

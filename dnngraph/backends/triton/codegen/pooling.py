@@ -19,7 +19,7 @@ from ....errors import UnsupportedError
 from ....fusion import FusionGroup
 from ..heuristics.layout import operand_strides
 from ..heuristics.pooling import AXIS_NAMES
-from .emitter import ExpressionEmitter, kind_of
+from .emitter import ExpressionEmitter, blends_of, kind_of
 from .names import NameAllocator
 from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
@@ -90,7 +90,7 @@ class _KernelWriter:
         loop_names = [f"{loop}{self.names[a]}" for a in self.spatial for loop in "kj"]
         self.allocator = NameAllocator(FIXED_NAMES + tuple(loop_names) + (kernel_name,))
         self.allocator.reserve_stems(*(FIXED_STEMS + self.names))
-        self.emitter = ExpressionEmitter(self.compute, names=self.allocator)
+        self.emitter = ExpressionEmitter(self.compute, names=self.allocator, blends=blends_of(group.outputs))
         prologue = set(group.prologue)
         self.outputs = [t for t in group.outputs if t.producer not in prologue]
         # a max forward's argmax indices, where the graph asks for them
@@ -388,7 +388,7 @@ class _KernelWriter:
             self.emit(node)
         for tensor in self.outputs:
             pointer, _ = self.pointer(self.operands[tensor.uid], tile, full=True)
-            self.line(f"tl.store({pointer}, {self.emitter.stored(tensor.uid, tensor.data_type)}, mask=mask)")
+            self.line(self.emitter.store(pointer, tensor.uid, tensor.data_type, "mask"))
 
     # --- signature -------------------------------------------------------------------------------
     def arguments(self) -> list:

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of
+from .emitter import SCALAR_AS_TILE, ExpressionEmitter, blends_of, kind_of
+from ....errors import UnsupportedError
 from .names import NameAllocator
 from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
@@ -109,7 +110,8 @@ class _Source:
         self.lines.append("    " * self.depth + text)
 
     def emitter(self, parent: ExpressionEmitter | None = None) -> ExpressionEmitter:
-        emitter = ExpressionEmitter(self.spec.compute, names=self.names)  # one allocator: unique names
+        # one allocator: unique names; a blended output's store reads its prior (emitter.store)
+        emitter = ExpressionEmitter(self.spec.compute, names=self.names, blends=blends_of(self.spec.group.outputs))
         emitter.globals = self.globals  # one list of module constants for the whole kernel
         if parent is not None:
             emitter.inherit(parent)
@@ -255,11 +257,16 @@ def _value_as(emitter, uid, kind: str) -> str:
 
 
 def _store(src: _Source, emitter, op, kind: str):
+    if op.uid in emitter.blends and src.spec.kinds[op.uid] not in ("tile", "row"):
+        # a value spanning only R (or neither) is stored alike by every row program: blending it
+        # would add the prior once per program
+        raise UnsupportedError(f"{src.spec.description}: a blended output must span the kept axes "
+                               f"(a row statistic or an element output)")
     pointer, mask = _pointer(src, op, kind if kind != "scalar" else "row")
     if not any(op.k_strides) and not any(op.r_strides):  # one element: a block pointer all the same
         pointer += " + k_idx[:, None] * 0"
     hint = ', eviction_policy="evict_first"' if src.spec.streaming and kind in TILE_KINDS else ""
-    src.line(f"tl.store({pointer}, {emitter.stored(op.uid, op.data_type)}, mask={mask}{hint})")
+    src.line(emitter.store(pointer, op.uid, op.data_type, mask, hint))
 
 
 def _tile_scope(src, parent, used, start, stop):

@@ -390,7 +390,9 @@ def build_conv(graph, group, context) -> list[KernelLaunch]:
     the options' forced config: conv_config, matmul_config for a pose that is a matmul) or the
     autotuned one, within the workspace budget."""
     node, options = group.anchor, context.options
-    if takes_depthwise(group):  # one channel per group: direct kernels (lower/depthwise.py)
+    # one channel per group: direct kernels (lower/depthwise.py), whose stores do not blend; a
+    # blended output takes the GEMM kernels, which serve depthwise convs too
+    if takes_depthwise(group) and not any(t.blend is not None for t in group.outputs):
         launches = build_depthwise(graph, group, context)
         if launches is not None:
             return launches  # else wgrad's partials exceed the workspace limit: the GEMM kernels run

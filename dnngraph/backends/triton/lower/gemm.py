@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ..codegen.emitter import blends_of
 from ..codegen.gemm import EXIT_FOLD_BLOCK, ExitPlan, render
 from ....runtime.autotune import TuningRecord
 from ..heuristics.matmul import COLUMN_FOLD_BLOCK, SPLIT_COMBINE_BLOCK, MatmulConfig, shared_bytes
@@ -119,6 +120,7 @@ class GemmLaunches:
         return pairs
 
     def _launch(self, spec, body, grid, warps, stages, config_text, reason, scratch_buffers=()):
+        spec = replace(spec, blends=blends_of(self.group.outputs))  # every kernel; its stores say which
         return launch_of(self.group, render(spec, body), grid, warps, config_text, reason,
                          scratch=scratch_buffers, num_stages=stages)
 
@@ -142,7 +144,9 @@ class GemmLaunches:
         launches = []
         if config.variant == "persistent":
             programs = min(tiles * p.batch, self.target.sms)  # one program per SM
-            stored = [op for op in self.operands if op.side == "c" and op.is_output]
+            # a blended output reads its prior in the store: a plain tl.store, not a descriptor's
+            blended = {uid for uid, _ in blends_of(self.group.outputs)}
+            stored = [op for op in self.operands if op.side == "c" and op.is_output and op.uid not in blended]
             tma_stores = tma_stores_that_fit(stored, config, p, self.target.shared_memory)
             spec = self.spec(config, persistent_programs=programs, tma_store_uids=tma_stores, **common)
             stores = f" tma-stores={len(tma_stores)}" if config.tma_store else ""  # those that qualified and fit

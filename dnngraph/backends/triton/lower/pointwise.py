@@ -1,6 +1,7 @@
 """Build the launch of a pointwise group: schedule, render, launch."""
 from __future__ import annotations
 
+from ..codegen.emitter import blends_of
 from ..codegen.pointwise import render as render_pointwise
 from ..heuristics.pointwise import schedule as schedule_pointwise
 from ....runtime.launch import kernel_name, launch_of
@@ -10,7 +11,8 @@ def build_pointwise(graph, group, context):
     """The pointwise kernel of a group, scheduled for the context's target."""
     sched = schedule_pointwise(group, context.target)
     description = group.summary()
-    source = render_pointwise(kernel_name(group), sched, group.nodes, graph.compute_data_type, description)
+    source = render_pointwise(kernel_name(group), sched, group.nodes, graph.compute_data_type, description,
+                              blends_of(group.outputs))
     cfg = sched.config
     config_text = (f"BLOCK_R={cfg.block_rows} BLOCK_C={cfg.block_cols} num_warps={cfg.num_warps} "
                    f"grid={sched.programs} space={list(sched.space.sizes)}"
