@@ -1281,11 +1281,42 @@ def _refused(graph, bindings: dict, refusal: Refusal, device) -> str:
     except ExecutionError:
         pass
     else:
-        return f"{refusal.describe()}: executed, not refused"
+        pair = _allowed_in_place(graph, refusal)
+        if pair is None:
+            return f"{refusal.describe()}: executed, not refused"
+        return _in_place_result(graph, bindings, swapped, pair, device)
     if device != "cpu":
         torch.cuda.synchronize()
     if any(not torch.equal(_memory(value), saved) for value, saved in zip(watched, before)):
         return f"{refusal.describe()}: refused, but memory was written"
+    return ""
+
+
+def _allowed_in_place(graph, refusal: Refusal):
+    """(output, input) when `refusal` is an overlap that binds an output to exactly the view of
+    an input the plan may overwrite (plan.in_place, runtime/in_place.py): a binding execute
+    runs instead of refusing; else None."""
+    if refusal.kind != "overlap":
+        return None
+    output, offset, sizes, strides = refusal.shared.views[refusal.moved]
+    for tensor, other_offset, other_sizes, other_strides in refusal.shared.views:
+        same_view = other_offset == offset + refusal.delta and other_sizes == sizes and other_strides == strides
+        if tensor is not output and same_view and (output.uid, tensor.uid) in graph.plan.in_place:
+            return output, tensor
+    return None
+
+
+def _in_place_result(graph, bindings: dict, swapped: dict, pair: tuple, device) -> str:
+    """'' when the output executed in place holds what an execute into memory of its own writes
+    (NaN where it has NaN, values within float32 rounding), else what differs."""
+    output, source = pair
+    apart = {**bindings, **{t.name: poisoned(t, device) for t in graph.outputs()}}
+    graph.execute(apart)
+    got, want = swapped[output.name].cpu().double(), apart[output.name].cpu().double()
+    same = (got == want) | (got.isnan() & want.isnan()) | ((got - want).abs() <= 1e-6 * want.abs())
+    if not same.all():
+        return (f"in place {output.name!r} over {source.name!r}: {(~same).sum().item()} values differ from an "
+                f"execute into its own memory")
     return ""
 
 

@@ -96,9 +96,22 @@ def test_verdict_reports_a_write_between_interleaved_views(monkeypatch):
     assert verdict.status == "binding" and "outside the outputs' views" in verdict.detail, verdict
 
 
+def _first_refused_case(kind):
+    """The first case drawing a refusal of `kind` that execute must refuse: an overlap that binds
+    an output to exactly the view of an input the plan may overwrite runs (in place)."""
+    for seed, (_, kinds) in enumerate(_drawn()):
+        if kind not in kinds:
+            continue
+        case = graphgen.generate(seed)
+        case.graph.build(options=graphgen.forced_row_mode(case.row_mode))
+        if not any(graphgen._allowed_in_place(case.graph, r) for r in case.refusals):
+            return case
+    raise AssertionError(f"no case draws a refused {kind}")
+
+
 @pytest.mark.parametrize("kind", ["negated output", "conjugate input", "overlap"])
 def test_verdict_reports_a_refused_binding_that_runs(monkeypatch, kind):
-    case = _first_case(kind)
+    case = _first_refused_case(kind)
     execute = case.graph.execute
 
     def lenient(bindings, *args, **kwargs):
@@ -110,6 +123,35 @@ def test_verdict_reports_a_refused_binding_that_runs(monkeypatch, kind):
     monkeypatch.setattr(case.graph, "execute", lenient)
     verdict = graphgen.run_case(case)
     assert verdict.status == "binding" and "executed, not refused" in verdict.detail, verdict
+
+
+def test_an_overlap_the_plan_runs_in_place_is_checked_against_an_execute_apart(monkeypatch):
+    """A drawn overlap that is an allowed in-place binding runs; its output must hold what an
+    execute into memory of its own writes, so an in-place kernel that wrote wrong values fails."""
+    for seed, (_, kinds) in enumerate(_drawn()):
+        if "overlap" not in kinds:
+            continue
+        case = graphgen.generate(seed)
+        case.graph.build(options=graphgen.forced_row_mode(case.row_mode))
+        allowed = [r for r in case.refusals if graphgen._allowed_in_place(case.graph, r)]
+        if allowed:
+            break
+    else:
+        pytest.skip("no drawn overlap is an allowed in-place binding")
+    assert graphgen.run_case(case).status == "passed"
+    output = graphgen._allowed_in_place(case.graph, allowed[0])[0]
+    execute = case.graph.execute
+
+    def corrupting(bindings, *args, **kwargs):
+        execute(bindings, *args, **kwargs)
+        aliased = bindings[output.name]
+        if any(aliased.data_ptr() == bindings[t.name].data_ptr() for t in case.graph.inputs()
+               if t.name != output.name and t.name in bindings):
+            aliased.fill_(12345.0)
+
+    monkeypatch.setattr(case.graph, "execute", corrupting)
+    verdict = graphgen.run_case(case)
+    assert verdict.status == "binding" and "differ from an execute into its own memory" in verdict.detail, verdict
 
 
 def test_the_generator_stores_outputs_narrow_that_other_ops_read():
