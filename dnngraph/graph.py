@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -811,7 +812,10 @@ def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tenso
 
 # --- pointwise methods, one per catalog entry ----------------------------------------------------
 _PARAM_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "beta": 1.0, "threshold": 20.0, "min_val": -1.0,
-                   "max_val": 1.0}
+                   "max_val": 1.0, "relu_lower_clip": 0.0, "relu_upper_clip": math.inf,
+                   "relu_lower_clip_slope": 0.0, "swish_beta": 1.0}
+# parameters the cuDNN frontend declares Optional: None stands for the default
+_NONE_IS_DEFAULT = frozenset({"swish_beta", "relu_lower_clip", "relu_upper_clip", "relu_lower_clip_slope"})
 
 
 def _ragged_of(value):
@@ -845,7 +849,8 @@ def _pointwise_method(op_name: str):
             elif value is None:
                 raise ValidationError(f"{op_name}: operand {operand_name} is required")
             operands.append(value)
-        params = {p: arguments[p] for p in entry.params}
+        params = {p: _PARAM_DEFAULTS[p] if arguments[p] is None and p in _NONE_IS_DEFAULT else arguments[p]
+                  for p in entry.params}
         if "data_type" in params:
             params["data_type"] = dtypes.resolve(params["data_type"]).name
         attrs = _attrs_of(op_name, constants=tuple(constants), **params)
@@ -859,6 +864,27 @@ def _pointwise_method(op_name: str):
 
 for _op_name in POINTWISE_OPS:
     setattr(Graph, _op_name, _pointwise_method(_op_name))
+
+
+_RELU_DOC = ("y = upper_clip at and above it, x between the clips, lower_clip + negative_slope * (x - lower_clip) "
+             "at and below lower_clip; NaN stays NaN. The keywords are the cuDNN frontend's, None for torch's relu "
+             "(lower clip 0, slope 0, no upper clip).")
+_generated_relu, _generated_relu_backward = Graph.relu, Graph.relu_backward
+
+
+def _relu(self, x, negative_slope=None, lower_clip=None, upper_clip=None, name=None):
+    return _generated_relu(self, x, relu_lower_clip=lower_clip, relu_upper_clip=upper_clip,
+                           relu_lower_clip_slope=negative_slope, name=name)
+
+
+def _relu_backward(self, dy, x, negative_slope=None, lower_clip=None, upper_clip=None, name=None):
+    return _generated_relu_backward(self, dy, x, relu_lower_clip=lower_clip, relu_upper_clip=upper_clip,
+                                    relu_lower_clip_slope=negative_slope, name=name)
+
+
+_relu.__name__, _relu.__doc__ = "relu", "Pointwise relu of x: " + _RELU_DOC
+_relu_backward.__name__, _relu_backward.__doc__ = "relu_backward", "dy * relu'(x), relu as in relu(): " + _RELU_DOC
+Graph.relu, Graph.relu_backward = _relu, _relu_backward
 
 
 def _build_options(options, autotune=None, workspace_limit=None) -> BuildOptions:
