@@ -346,39 +346,69 @@ class Graph:
                             _attrs_of("moe_grouped_matmul_wgrad", tf32), name)[0]
 
     @staticmethod
-    def _conv_attrs(op, spatial, padding, stride, dilation, groups, mode, shape=()):
-        """Padding, stride and dilation: None (the default), one int for every axis, or a list."""
-        return _attrs_of(op, per_axis(op, "padding", padding, spatial, 0, minimum=0),
-                         per_axis(op, "stride", stride, spatial, 1, minimum=1),
+    def _conv_attrs(op, spatial, padding, stride, dilation, groups, mode, shape=(), pre_padding=None,
+                    post_padding=None):
+        """Padding, stride and dilation: None (the default), one int for every axis, or a list.
+        pre_padding and post_padding (the cuDNN frontend's: before the first and after the last
+        element of each spatial axis) default to `padding`."""
+        pre = per_axis(op, "pre_padding", padding if pre_padding is None else pre_padding, spatial, 0, minimum=0)
+        post = per_axis(op, "post_padding", padding if post_padding is None else post_padding, spatial, 0, minimum=0)
+        return _attrs_of(op, pre, per_axis(op, "stride", stride, spatial, 1, minimum=1),
                          per_axis(op, "dilation", dilation, spatial, 1, minimum=1), groups, mode,
-                         shape)
+                         shape, post)
 
-    def conv_fprop(self, x, w, padding=None, stride=None, dilation=None, groups=1,
-                   mode="cross_correlation", name=None) -> Tensor:
-        """Convolution forward: y[N, K, *O] from x[N, C, *S] and w[K, C/groups, *R]."""
-        self._check_input("conv_fprop", "x", x)
+    @staticmethod
+    def _conv_groups(op: str, groups, x_dim, w_dim) -> int:
+        """`groups`, or None: inferred from the shapes as the frontend does (channels of x over
+        the channels per group of w), which must divide. Dims of unequal ranks infer 1 (the op's
+        shape rule says what is wrong with them)."""
+        if groups is not None:
+            return groups
+        if len(x_dim) != len(w_dim) or len(x_dim) < 2:
+            return 1
+        channels, per_group = x_dim[1], w_dim[1]
+        if per_group < 1 or channels % per_group:
+            raise ValidationError(f"{op}: x has {channels} channels, which w's {per_group} channels per group "
+                                  f"do not divide: no group count fits")
+        return channels // per_group
+
+    def conv_fprop(self, x, w, padding=None, stride=None, dilation=None, groups=None,
+                   mode="cross_correlation", name=None, *, pre_padding=None, post_padding=None) -> Tensor:
+        """Convolution forward: y[N, K, *O] from x[N, C, *S] and w[K, C/groups, *R]; groups None:
+        C / w's channels."""
+        x = self._check_input("conv_fprop", "x", x)
         spatial = _spatial_rank("conv_fprop", "w", self._check_input("conv_fprop", "w", w))
-        attrs = self._conv_attrs("conv_fprop", spatial, padding, stride, dilation, groups, mode)
+        groups = self._conv_groups("conv_fprop", groups, x.dim, w.dim)
+        attrs = self._conv_attrs("conv_fprop", spatial, padding, stride, dilation, groups, mode, (),
+                                 pre_padding, post_padding)
         return self._add_op("conv_fprop", [x, w], attrs, name)[0]
 
-    def conv_dgrad(self, dy, w, x_dim, padding=None, stride=None, dilation=None, groups=1,
-                   mode="cross_correlation", name=None) -> Tensor:
-        """Convolution data gradient: dx of dims x_dim from dy and w."""
+    def conv_dgrad(self, dy, w, x_dim, padding=None, stride=None, dilation=None, groups=None,
+                   mode="cross_correlation", name=None, *, pre_padding=None, post_padding=None) -> Tensor:
+        """Convolution data gradient: dx of dims x_dim from dy and w; groups None: x_dim's
+        channels / w's channels."""
         x_dim = check_dims(x_dim, "conv_dgrad x_dim")
         spatial = len(x_dim) - 2
         if not 1 <= spatial <= 3:
             raise ValidationError(f"conv_dgrad: x_dim {list(x_dim)} must have 1 to 3 spatial dims")
-        attrs = self._conv_attrs("conv_dgrad", spatial, padding, stride, dilation, groups, mode, x_dim)
+        w = self._check_input("conv_dgrad", "w", w)
+        groups = self._conv_groups("conv_dgrad", groups, x_dim, w.dim)
+        attrs = self._conv_attrs("conv_dgrad", spatial, padding, stride, dilation, groups, mode, x_dim,
+                                 pre_padding, post_padding)
         return self._add_op("conv_dgrad", [dy, w], attrs, name)[0]
 
-    def conv_wgrad(self, dy, x, w_dim, padding=None, stride=None, dilation=None, groups=1,
-                   mode="cross_correlation", name=None) -> Tensor:
-        """Convolution weight gradient: dw of dims w_dim from dy and x."""
+    def conv_wgrad(self, dy, x, w_dim, padding=None, stride=None, dilation=None, groups=None,
+                   mode="cross_correlation", name=None, *, pre_padding=None, post_padding=None) -> Tensor:
+        """Convolution weight gradient: dw of dims w_dim from dy and x; groups None: x's channels
+        / w_dim's channels."""
         w_dim = check_dims(w_dim, "conv_wgrad w_dim")
         spatial = len(w_dim) - 2
         if not 1 <= spatial <= 3:
             raise ValidationError(f"conv_wgrad: w_dim {list(w_dim)} must have 1 to 3 spatial dims")
-        attrs = self._conv_attrs("conv_wgrad", spatial, padding, stride, dilation, groups, mode, w_dim)
+        x = self._check_input("conv_wgrad", "x", x)
+        groups = self._conv_groups("conv_wgrad", groups, x.dim, w_dim)
+        attrs = self._conv_attrs("conv_wgrad", spatial, padding, stride, dilation, groups, mode, w_dim,
+                                 pre_padding, post_padding)
         return self._add_op("conv_wgrad", [dy, x], attrs, name)[0]
 
     # --- ops: reductions, softmax ---------------------------------------------------------------
@@ -404,6 +434,19 @@ class Graph:
     def layernorm(self, x, scale, bias, epsilon=1e-5, norm_forward_phase="training", name=None):
         """(y, mean, inv_variance) normalized over the trailing axes where scale is not 1."""
         return self._add_op("layernorm", [x, scale, bias], _attrs_of("layernorm", epsilon, norm_forward_phase), name)
+
+    def adalayernorm(self, x, scale, bias=None, epsilon=1e-5, norm_forward_phase="training", name=None):
+        """(y, mean, inv_variance): the cuDNN frontend's adaptive layernorm, a layernorm whose
+        scale and bias may differ per sample ([B, 1, D] for x [B, S, D]): every axis but the
+        batch axis where scale is not 1 is normalized."""
+        return self._add_op("adalayernorm", [x, scale, bias], _attrs_of("adalayernorm", epsilon, norm_forward_phase),
+                            name)
+
+    def adalayernorm_backward(self, dy, x, scale, mean, inv_variance, name=None):
+        """(dx, dscale, dbias) of adalayernorm; dscale and dbias have scale's dims (per sample
+        where scale is)."""
+        return self._add_op("adalayernorm_backward", [dy, x, scale, mean, inv_variance],
+                            _attrs_of("adalayernorm_backward"), name)
 
     def rmsnorm(self, x, scale, bias=None, epsilon=1e-5, norm_forward_phase="training", name=None):
         """(y, inv_variance): y = x * rsqrt(mean(x^2) + eps) * scale (+ bias)."""

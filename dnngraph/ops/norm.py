@@ -53,15 +53,20 @@ class NormGeometry:
 
 
 def _feature_geometry(op, x, scale) -> NormGeometry:
-    """layernorm / rmsnorm: the trailing axes from the first one where scale is not 1."""
+    """layernorm / rmsnorm / adalayernorm, as the cuDNN frontend infers them: every axis where
+    scale is not 1 is normalized (the last axis where scale is 1 everywhere). adalayernorm never
+    normalizes the batch axis: its scale and bias may hold one row per sample."""
     if scale is None or len(scale.dim) != len(x.dim):
         fail(op, f"scale must have the rank of x {list(x.dim)}")
-    first = next((a for a, s in enumerate(scale.dim) if s != 1), len(x.dim) - 1)
-    for axis in range(first, len(x.dim)):
-        if scale.dim[axis] != x.dim[axis]:
-            fail(op, f"scale {list(scale.dim)} does not match x {list(x.dim)} on normalized axis {axis}")
-    stats = tuple(x.dim[:first]) + (1,) * (len(x.dim) - first)
-    return NormGeometry(tuple(range(first, len(x.dim))), stats, tuple(scale.dim))
+    first = 1 if op.startswith("adalayernorm") else 0
+    if len(x.dim) <= first:
+        fail(op, f"x {list(x.dim)} needs an axis after the batch axis")
+    for axis, (size, whole) in enumerate(zip(scale.dim, x.dim)):
+        if size not in (1, whole):
+            fail(op, f"scale {list(scale.dim)} does not match x {list(x.dim)} on axis {axis}")
+    normalized = tuple(a for a in range(first, len(x.dim)) if scale.dim[a] != 1) or (len(x.dim) - 1,)
+    stats = tuple(1 if a in normalized else size for a, size in enumerate(x.dim))
+    return NormGeometry(normalized, stats, tuple(scale.dim))
 
 
 def _channel_geometry(op, x, attrs) -> NormGeometry:
@@ -83,7 +88,7 @@ def _channel_geometry(op, x, attrs) -> NormGeometry:
 
 def geometry(op: str, x, scale, attrs) -> NormGeometry:
     """Statistics geometry of norm op `op` (forward or backward) for input x."""
-    if op.startswith(("layernorm", "rmsnorm")):
+    if op.startswith(("layernorm", "rmsnorm", "adalayernorm")):
         return _feature_geometry(op, x, scale)
     return _channel_geometry(op, x, attrs)
 
@@ -243,6 +248,7 @@ def _reference_backward(op):
 
 specs_out = {
     "layernorm": ("y", "mean", "inv_variance"),
+    "adalayernorm": ("y", "mean", "inv_variance"),
     "rmsnorm": ("y", "inv_variance"),
     "instancenorm": ("y", "mean", "inv_variance"),
     "groupnorm": ("y", "mean", "inv_variance"),
@@ -258,7 +264,8 @@ _NORM_BACKWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0)
 # their epilogue (a cast, the add of another use's gradient); instance and group norm reduce them
 # in a kernel of their own, which runs none
 _NORM_BACKWARD_FUSION = {name: AnchorRule((0,), 0, side_epilogues=True)
-                         for name in ("batchnorm_backward", "layernorm_backward", "rmsnorm_backward")}
+                         for name in ("batchnorm_backward", "layernorm_backward", "rmsnorm_backward",
+                                      "adalayernorm_backward")}
 
 for _op, _outs in specs_out.items():
     register(OpDef(_op, "norm", "anchor", NormAttrs, _FORWARD_INPUTS.get(_op, ("x", "scale", "bias")),
@@ -300,7 +307,7 @@ def _with(g, dx, extra):
     return extra if dx is None else dx if extra is None else g.add(dx, extra)
 
 
-@backward_rule("layernorm", "instancenorm", "groupnorm", "batchnorm")
+@backward_rule("layernorm", "instancenorm", "groupnorm", "batchnorm", "adalayernorm")
 def _mean_norm_backward(d, node, grads):
     """dx, dscale, dbias from the saved mean and inverse variance (the training form's), and the
     gradients that reach the statistics themselves."""

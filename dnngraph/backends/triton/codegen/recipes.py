@@ -244,4 +244,6 @@ RECIPES = {
     "instancenorm_backward": norm_backward,
     "groupnorm_backward": norm_backward,
     "rmsnorm_backward": norm_backward,
+    "adalayernorm": centered_norm,  # layernorm whose scale and bias may be per sample
+    "adalayernorm_backward": norm_backward,
 }
