@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
+import numpy
 import torch
 
 if TYPE_CHECKING:
@@ -205,8 +206,11 @@ class Graph:
         return dag
 
     # --- tensors -------------------------------------------------------------------------------
-    def tensor(self, name: Optional[str] = None, dim=None, stride=None, data_type=None) -> Tensor:
-        """Declare an input tensor: logical dims, physical strides (None: contiguous), type."""
+    def tensor(self, name: Optional[str] = None, dim=None, stride=None, data_type=None,
+               is_pass_by_value: bool = False) -> Tensor:
+        """Declare an input tensor: logical dims, physical strides (None: contiguous), type.
+        is_pass_by_value (one element): execute and reference take a Python number or a CPU
+        tensor for it, as the cuDNN frontend's host scalars."""
         name = self._fresh_name("tensor") if name is None else name
         if not isinstance(name, str) or not name:
             raise ValidationError(f"tensor names must be non-empty strings, got {name!r}")
@@ -219,6 +223,14 @@ class Graph:
             check_strides(stride, dims, f"tensor {name!r}")
         data_type = self.io_data_type if data_type is None else dtypes.resolve(data_type)
         tensor = Tensor(self, next(self._uids), name, dims, strides, data_type)
+        if is_pass_by_value:  # checked before the graph holds the tensor: a refusal adds nothing
+            if not isinstance(is_pass_by_value, (bool, numpy.bool_)):
+                raise ValidationError(f"tensor {name!r}: is_pass_by_value must be True or False, "
+                                      f"got {is_pass_by_value!r}")
+            if tensor.numel != 1:
+                raise ValidationError(f"tensor {name!r} of dims {list(dims)} holds {tensor.numel} elements: a "
+                                      f"value passed by value holds one")
+            tensor._is_pass_by_value = True
         self._tensors[tensor.uid] = tensor
         self._names[name] = tensor
         self._invalidate()
@@ -431,16 +443,26 @@ class Graph:
         return self._add_op("softmax_backward", [dy, y], _attrs_of("softmax_backward", axis, log), name)[0]
 
     # --- ops: normalizations --------------------------------------------------------------------
+    @staticmethod
+    def _scalar(value, default: float) -> tuple:
+        """(attribute value, tensor or None) of a norm's epsilon or momentum: a number is the
+        attribute; a Tensor (one element, the frontend's way) is read by the kernel."""
+        return (default, value) if isinstance(value, Tensor) else (value, None)
+
     def layernorm(self, x, scale, bias, epsilon=1e-5, norm_forward_phase="training", name=None):
-        """(y, mean, inv_variance) normalized over the trailing axes where scale is not 1."""
-        return self._add_op("layernorm", [x, scale, bias], _attrs_of("layernorm", epsilon, norm_forward_phase), name)
+        """(y, mean, inv_variance) normalized over the axes where scale is not 1. epsilon: a
+        number or a one-element floating tensor (as every norm's)."""
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
+        return self._add_op("layernorm", [x, scale, bias, epsilon_t],
+                            _attrs_of("layernorm", epsilon, norm_forward_phase), name)
 
     def adalayernorm(self, x, scale, bias=None, epsilon=1e-5, norm_forward_phase="training", name=None):
         """(y, mean, inv_variance): the cuDNN frontend's adaptive layernorm, a layernorm whose
         scale and bias may differ per sample ([B, 1, D] for x [B, S, D]): every axis but the
         batch axis where scale is not 1 is normalized."""
-        return self._add_op("adalayernorm", [x, scale, bias], _attrs_of("adalayernorm", epsilon, norm_forward_phase),
-                            name)
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
+        return self._add_op("adalayernorm", [x, scale, bias, epsilon_t],
+                            _attrs_of("adalayernorm", epsilon, norm_forward_phase), name)
 
     def adalayernorm_backward(self, dy, x, scale, mean, inv_variance, name=None):
         """(dx, dscale, dbias) of adalayernorm; dscale and dbias have scale's dims (per sample
@@ -450,13 +472,19 @@ class Graph:
 
     def rmsnorm(self, x, scale, bias=None, epsilon=1e-5, norm_forward_phase="training", name=None):
         """(y, inv_variance): y = x * rsqrt(mean(x^2) + eps) * scale (+ bias)."""
-        return self._add_op("rmsnorm", [x, scale, bias], _attrs_of("rmsnorm", epsilon, norm_forward_phase), name)
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
+        return self._add_op("rmsnorm", [x, scale, bias, epsilon_t], _attrs_of("rmsnorm", epsilon, norm_forward_phase),
+                            name)
 
     def batchnorm(self, x, scale, bias, in_running_mean=None, in_running_var=None, epsilon=1e-5,
                   momentum=0.1, name=None):
-        """(y, mean, inv_variance, next_running_mean, next_running_var) over batch and space."""
+        """(y, mean, inv_variance, next_running_mean, next_running_var) over batch and space;
+        epsilon and momentum: numbers or one-element floating tensors."""
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
+        momentum, momentum_t = self._scalar(momentum, 0.1)
         attrs = _attrs_of("batchnorm", epsilon, "training", momentum)
-        return self._add_op("batchnorm", [x, scale, bias, in_running_mean, in_running_var], attrs, name)
+        return self._add_op("batchnorm", [x, scale, bias, in_running_mean, in_running_var, epsilon_t, momentum_t],
+                            attrs, name)
 
     def batchnorm_inference(self, x, mean, inv_variance, scale, bias, name=None) -> Tensor:
         """y = (x - mean) * inv_variance * scale + bias with given per-channel statistics."""
@@ -465,14 +493,16 @@ class Graph:
 
     def instancenorm(self, x, scale, bias, epsilon=1e-5, norm_forward_phase="training", name=None):
         """(y, mean, inv_variance) per sample and channel over spatial axes."""
-        return self._add_op("instancenorm", [x, scale, bias], _attrs_of("instancenorm", epsilon, norm_forward_phase),
-                            name)
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
+        return self._add_op("instancenorm", [x, scale, bias, epsilon_t],
+                            _attrs_of("instancenorm", epsilon, norm_forward_phase), name)
 
     def groupnorm(self, x, scale, bias, groups, epsilon=1e-5, norm_forward_phase="training",
                   name=None):
         """(y, mean, inv_variance) per sample over groups of channels and spatial axes."""
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
         attrs = _attrs_of("groupnorm", epsilon, norm_forward_phase, groups=groups)
-        return self._add_op("groupnorm", [x, scale, bias], attrs, name)
+        return self._add_op("groupnorm", [x, scale, bias, epsilon_t], attrs, name)
 
     def genstats(self, x, name=None):
         """(sum, sq_sum) per channel over batch and spatial axes."""
@@ -704,7 +734,30 @@ class Graph:
         for the values between kernels; without it each (device, stream) uses one of its own."""
         if self._plan is None:
             raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build()")
+        if self._by_value:
+            bindings = self._staged(bindings)
         self._plan.execute(bindings, workspace)
+
+    @property
+    def _by_value(self) -> list:
+        return [t for t in self._tensors.values() if t._is_pass_by_value]
+
+    def _staged(self, bindings) -> dict:
+        """`bindings` with each pass-by-value input's host value (a Python number, a one-element
+        tensor) as a fresh tensor of its dims, strides and type on the other bindings' device:
+        one per execute, so that concurrent executes never share it (the kernels read it as
+        any one-element input)."""
+        if not isinstance(bindings, dict):
+            return bindings  # the plan says what is wrong
+        staged = dict(bindings)
+        by_value = self._by_value
+        device = next((v.device for k, v in bindings.items() if isinstance(v, torch.Tensor)
+                       and not any(k is t or k == t.name for t in by_value)), torch.device("cpu"))
+        for tensor in by_value:
+            key = tensor if tensor in bindings else tensor.name
+            if key in bindings:
+                staged[key] = _host_scalar(tensor, bindings[key], device, ExecutionError)
+        return staged
 
     def as_function(self, inputs=None, outputs=None, options=None):
         """The graph as a callable on torch tensors: it takes `inputs` (Tensors or names; default
@@ -792,6 +845,8 @@ class Graph:
         value = self._lookup_binding(bindings, tensor)
         if value is None:
             raise ExecutionError(f"reference: no binding for input {tensor.name!r}")
+        if tensor.is_pass_by_value:
+            value = _host_scalar(tensor, value, torch.device("cpu"), ExecutionError)
         if not isinstance(value, torch.Tensor):
             raise ExecutionError(f"reference: input {tensor.name!r} must be a torch.Tensor, "
                                  f"got {type(value).__name__}")
@@ -833,6 +888,23 @@ class Graph:
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, {len(self._nodes)} ops, {len(self._tensors)} tensors)"
+
+
+def _host_scalar(tensor: Tensor, value, device, error) -> torch.Tensor:
+    """A pass-by-value input's value (a Python number or a one-element tensor) as a tensor of its
+    dims, strides and data type on `device`; `error` (an error class) for anything else."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise error(f"{tensor.name!r} is passed by value: it takes one element, got a tensor of shape "
+                        f"{list(value.shape)}")
+        value = value.reshape(()).item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise error(f"{tensor.name!r} is passed by value: it takes a number or a one-element tensor, got "
+                    f"{type(value).__name__}")
+    if not tensor.data_type.is_floating and value != int(value):
+        raise error(f"{tensor.name!r} is passed by value as {tensor.data_type.name}: {value!r} is no integer")
+    staged = torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype, device=device)
+    return staged.fill_(value)
 
 
 def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tensor:

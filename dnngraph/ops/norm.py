@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from .. import dtypes
 from ..tensor import MAX_EXTENT
 from ..errors import UnsupportedError
-from .base import AnchorRule, OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, integer, real, register
+from .base import (AnchorRule, OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, integer, lookup, real,
+                   register)
 
 PHASES = ("training", "inference")
 
@@ -103,9 +104,28 @@ def _stats(geo):
     return OutputSpec(geo.stats_dim, dtypes.float32)
 
 
+def _check_scalar_operands(op, inputs):
+    """epsilon and momentum given as tensors (the frontend's, often passed by value): one
+    floating element each."""
+    for name, tensor in zip(lookup(op).input_names, inputs):
+        if name in SCALAR_OPERANDS and tensor is not None:
+            if any(size != 1 for size in tensor.dim):
+                fail(op, f"{name} {tensor.name!r} must hold one element, got dims {list(tensor.dim)}")
+            if not tensor.data_type.is_floating:
+                fail(op, f"{name} {tensor.name!r} must be floating, got {tensor.data_type.name}")
+
+
+def scalar_operand(op, values, attrs, name: str):
+    """The value of scalar `name` (epsilon, momentum): its bound tensor's element, else the
+    attribute."""
+    tensor = dict(zip(lookup(op).input_names, values)).get(name)
+    return getattr(attrs, name) if tensor is None else tensor.reshape(())
+
+
 def _infer_forward(op, stats_count):
     def infer(inputs, attrs: NormAttrs):
         x, scale, bias = inputs[:3]
+        _check_scalar_operands(op, inputs)
         geo = geometry(op, x, scale, attrs)
         _check(op, "scale", scale, geo.param_dim)
         _check(op, "bias", bias, geo.param_dim)
@@ -181,13 +201,14 @@ def _reference_forward(op):
         x, scale, bias = values[:3]
         geo = geometry(op, _spec(x), _spec(scale), attrs)
         grouped = _view(x, geo)
+        epsilon = scalar_operand(op, values, attrs, "epsilon")
         if op == "rmsnorm":
             mean = None
-            inv = (grouped.square().mean(geo.stat_axes, keepdim=True) + attrs.epsilon).rsqrt()
+            inv = (grouped.square().mean(geo.stat_axes, keepdim=True) + epsilon).rsqrt()
             normalized = grouped * inv
         else:
             mean, var = _moments(grouped, geo.stat_axes)
-            inv = (var + attrs.epsilon).rsqrt()
+            inv = (var + epsilon).rsqrt()
             normalized = (grouped - mean) * inv
         y = _unview(normalized, x) * scale
         if bias is not None:
@@ -199,8 +220,9 @@ def _reference_forward(op):
         if op == "batchnorm":
             count = x.numel() // x.shape[1]
             unbiased = var * count / max(count - 1, 1)
+            momentum = scalar_operand(op, values, attrs, "momentum")
             outputs += [None if running is None else
-                        (1 - attrs.momentum) * running + attrs.momentum * update
+                        (1 - momentum) * running + momentum * update
                         for running, update in zip(values[3:5], (mean, unbiased))]
         return outputs
     return reference
@@ -254,7 +276,9 @@ specs_out = {
     "groupnorm": ("y", "mean", "inv_variance"),
     "batchnorm": ("y", "mean", "inv_variance", "next_running_mean", "next_running_var"),
 }
-_FORWARD_INPUTS = {"batchnorm": ("x", "scale", "bias", "in_running_mean", "in_running_var")}
+# epsilon and momentum may also be one-element tensors (the frontend's way), trailing optional inputs
+SCALAR_OPERANDS = ("epsilon", "momentum")
+_FORWARD_INPUTS = {"batchnorm": ("x", "scale", "bias", "in_running_mean", "in_running_var", "epsilon", "momentum")}
 _BACKWARD_STATS = {"rmsnorm_backward": ("inv_variance",)}
 # fusion: a norm's statistics ride its kernel's epilogue (side_epilogues); its backward's dx does
 _NORM_FORWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0, side_epilogues=True)
@@ -268,9 +292,9 @@ _NORM_BACKWARD_FUSION = {name: AnchorRule((0,), 0, side_epilogues=True)
                                       "adalayernorm_backward")}
 
 for _op, _outs in specs_out.items():
-    register(OpDef(_op, "norm", "anchor", NormAttrs, _FORWARD_INPUTS.get(_op, ("x", "scale", "bias")),
+    register(OpDef(_op, "norm", "anchor", NormAttrs, _FORWARD_INPUTS.get(_op, ("x", "scale", "bias", "epsilon")),
                    _outs, _infer_forward(_op, 2 if _op != "rmsnorm" else 1), _reference_forward(_op),
-                   optional=("bias", "in_running_mean", "in_running_var"), fusion=_NORM_FORWARD))
+                   optional=("bias", "in_running_mean", "in_running_var") + SCALAR_OPERANDS, fusion=_NORM_FORWARD))
     _bwd = _op + "_backward"
     register(OpDef(_bwd, "norm", "anchor", NormAttrs,
                    ("dy", "x", "scale") + _BACKWARD_STATS.get(_bwd, ("mean", "inv_variance")),
@@ -327,14 +351,14 @@ def _mean_norm_backward(d, node, grads):
 
 @backward_rule("rmsnorm")
 def _rms_norm_backward(d, node, grads):
-    x, scale, bias = node.inputs
+    x, scale, bias = node.inputs[:3]
     dx = dscale = dbias = None
     if grads[0] is not None:
         attrs = dataclasses.replace(node.attrs, has_dbias=bias is not None)
         dx, dscale, dbias = d.graph._add_op("rmsnorm_backward", [grads[0], d.value(x), d.value(scale),
                                                                  d.value(node.outputs[1])], attrs)
     dx = _with(d.graph, dx, _statistics_dx(d, node, None, grads[1], None))
-    return [dx, dscale, dbias]
+    return [dx, dscale, dbias] + [None] * (len(node.inputs) - 3)
 
 
 @backward_rule("batchnorm_inference")
