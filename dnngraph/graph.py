@@ -113,6 +113,7 @@ class Graph:
         self._node_names: set[str] = set()
         self._uids = itertools.count(1)
         self._plan = None
+        self._pass_by_value: tuple = ()  # the inputs passed by value, as of the last build
 
     # --- bookkeeping -----------------------------------------------------------------------------
     @property
@@ -720,6 +721,7 @@ class Graph:
         self.validate()
         # a build works on a snapshot of the graph: a failed one leaves the tensors as they were
         self._plan = build_plan(self, options)
+        self._pass_by_value = tuple(t for t in self.inputs() if t.is_pass_by_value)
         return self
 
     def _restore_strides(self):
@@ -734,13 +736,9 @@ class Graph:
         for the values between kernels; without it each (device, stream) uses one of its own."""
         if self._plan is None:
             raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build()")
-        if self._by_value:
+        if self._pass_by_value:  # found by build(): an execute without them pays nothing
             bindings = self._staged(bindings)
         self._plan.execute(bindings, workspace)
-
-    @property
-    def _by_value(self) -> list:
-        return [t for t in self._tensors.values() if t._is_pass_by_value]
 
     def _staged(self, bindings) -> dict:
         """`bindings` with each pass-by-value input's host value (a Python number, a one-element
@@ -750,7 +748,7 @@ class Graph:
         if not isinstance(bindings, dict):
             return bindings  # the plan says what is wrong
         staged = dict(bindings)
-        by_value = self._by_value
+        by_value = self._pass_by_value
         device = next((v.device for k, v in bindings.items() if isinstance(v, torch.Tensor)
                        and not any(k is t or k == t.name for t in by_value)), torch.device("cpu"))
         for tensor in by_value:
