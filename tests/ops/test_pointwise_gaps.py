@@ -194,3 +194,29 @@ def test_clipped_relu_epilogue_on_gpu(dtype):
     check(g, {a: torch.randn(256, 192, dtype=torch_type, device="cuda"),
               b: torch.randn(192, 320, dtype=torch_type, device="cuda") / 8}, torch_type, device="cuda")
     assert z.data_type is dtype
+
+
+def test_clipped_relu_gluon_epilogue_compiles_for_sm90():
+    """The Gluon matmul's epilogue takes relu's clips (not plain relu's text): each clip setting
+    lowered for the H100 and compiled for sm_90a."""
+    from gluon_gap_cases import CLIPS, clipped_relu_cases
+    from helpers import compiled_for_sm90
+
+    sources = [open(launch.source_path).read() for _, launches, _ in clipped_relu_cases() for launch in launches]
+    relu_lines = [line for text in sources for line in text.splitlines() if line.rstrip().endswith("# relu")]
+    assert len(relu_lines) == len(CLIPS) and all(" >= " in line for line in relu_lines)  # the clipped form
+    output = compiled_for_sm90("gluon_gap_cases:clipped_relu_cases", timeout=900)
+    assert f"compiled {len(CLIPS)} kernels for sm_90" in output
+
+
+@pytest.mark.gpu
+def test_clipped_relu_gluon_epilogue_on_gpu():
+    from gluon_gap_cases import CLIPS, clipped_relu_graph
+
+    for clips in CLIPS:
+        g = clipped_relu_graph(clips)
+        a, b = g.tensor_by_name("a"), g.tensor_by_name("b")
+        check(g, {a: torch.randn(200, 72, dtype=torch.bfloat16, device="cuda"),
+                  b: torch.randn(72, 136, dtype=torch.bfloat16, device="cuda") / 4}, torch.bfloat16, device="cuda",
+              options=dg.BuildOptions(backends=("gluon", "triton")))
+        assert {launch.backend for launch in g.plan.launches} == {"gluon"}
