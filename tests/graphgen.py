@@ -431,7 +431,7 @@ class GraphBuilder:
         """Exact integer arithmetic: int32 products past 2**24, int64 values past 2**53."""
         dtype = self.rng.choice((dg.int32, dg.int64))
         a = self.new_input(self.broadcast_dims(), "int", data_type=dtype)
-        op = self.rng.choice(("add", "sub", "mul", "maximum", "minimum", "neg", "abs", "pow"))
+        op = self.rng.choice(("add", "sub", "mul", "maximum", "minimum", "neg", "abs", "pow", "mod", "add_square"))
         if op in ("neg", "abs"):
             out, operands = getattr(self.graph, op)(a.tensor, name=self.name()), [a]
         elif op == "pow":  # exact and wrapping like torch; negative exponents give 0 or +-1

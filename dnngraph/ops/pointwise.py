@@ -252,6 +252,16 @@ for _name in DIFFERENTIABLE:
 SCALAR_ROOTS = {0.5: torch.sqrt, -0.5: torch.rsqrt}
 
 
+def _fmod(a, b):
+    """torch.fmod; on integers exact, and 0 where the divisor is 0 (torch raises there, and a
+    kernel cannot)."""
+    if a.is_floating_point() or b.is_floating_point():
+        return torch.fmod(a, b)
+    zero = b == 0
+    return torch.where(zero, torch.zeros((), dtype=torch.promote_types(a.dtype, b.dtype)),
+                       torch.fmod(a, torch.where(zero, torch.ones_like(b), b)))
+
+
 def _pow(a, b, attrs):
     root = SCALAR_ROOTS.get(dict(attrs.constants).get(1))
     if root is not None and a.is_floating_point():
@@ -270,7 +280,7 @@ _BINARY = {
     "scale": lambda a, b, _: a * b,
     # the frontend's MOD is C's fmod (cuDNN: "floating-point remainder"): the result takes the
     # dividend's sign, as torch.fmod (not Python's %, torch.remainder)
-    "mod": lambda a, b, _: torch.fmod(a, b),
+    "mod": lambda a, b, _: _fmod(a, b),
     "add_square": lambda a, b, _: a + b * b,  # the frontend's ADD_SQUARE: a + b^2
 }
 for _name, _fn in _BINARY.items():
@@ -300,7 +310,7 @@ def operand_values(inputs, attrs: PointwiseAttrs, arity: int):
 # the rest compute in floating point). Kernels compute these in integers, references too.
 INTEGER_CLOSED = frozenset({"add", "sub", "mul", "scale", "pow", "neg", "abs", "relu", "maximum", "minimum",
                             "where", "cmp_eq", "cmp_ne", "cmp_lt", "cmp_le", "cmp_gt", "cmp_ge",
-                            "floor", "ceil", "add_square"})
+                            "floor", "ceil", "add_square", "mod"})
 
 
 def integer_closed(op_name: str, attrs) -> bool:

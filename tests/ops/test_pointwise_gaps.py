@@ -108,6 +108,24 @@ def test_mod_is_fmod_the_dividends_sign():
                                equal_nan=True)
 
 
+@pytest.mark.parametrize("dtype", [dg.int32, dg.int64])
+def test_integer_mod_is_exact_and_zero_for_a_zero_divisor(dtype):
+    big = 2**31 - 5 if dtype is dg.int32 else 2**62 + 7
+    a_t = torch.tensor([7, -7, 7, -7, big, -big, 5, 0, -(2**31) if dtype is dg.int32 else -(2**63)],
+                       dtype=dtype.torch_dtype)
+    b_t = torch.tensor([3, 3, -3, -3, 1000003, 97, 0, 4, -1], dtype=dtype.torch_dtype)
+    g = dg.Graph(io_data_type=dtype)
+    a, b = g.tensor_like(a_t, name="a"), g.tensor_like(b_t, name="b")
+    y = g.mod(a, b).set_output(True)
+    by_constant = g.mod(a, 10).set_output(True)
+    outs = run(g, {a: a_t, b: b_t})
+    safe = torch.where(b_t == 0, torch.ones_like(b_t), b_t)
+    want = torch.where(b_t == 0, torch.zeros_like(a_t), torch.fmod(a_t, safe))
+    assert outs[y.name].dtype == dtype.torch_dtype and torch.equal(outs[y.name], want)
+    assert torch.equal(outs[by_constant.name], torch.fmod(a_t, 10))
+    assert torch.equal(g.reference({a: a_t, b: b_t})[y.name], want)
+
+
 def test_add_square_floats_broadcast_and_exact_integers():
     g = dg.Graph()
     a, b = g.tensor(name="a", dim=[11, 1]), g.tensor(name="b", dim=[1, 6])

@@ -164,7 +164,9 @@ def cast_expression(target, source_kind: str) -> Expression:
 # every other op takes integers converted to the compute float (div is true division).
 # integers are their own floor and ceiling; relu keeps its integer zero; pow squares exactly
 INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}", "relu": "tl.where({0} < 0, 0, {0})",
-                     "pow": "tm.ipow({0}, {1})", "neg": "-{0}"}
+                     "pow": "tm.ipow({0}, {1})", "neg": "-{0}",
+                     # C's remainder (torch.fmod on integers); 0 for a zero divisor, never divided by
+                     "mod": "tl.where({1} == 0, 0, {0} % tl.where({1} == 0, 1, {1}))"}
 
 # pow with a number exponent of 0.5 or -0.5 is torch's sqrt or rsqrt (ops/pointwise.py SCALAR_ROOTS)
 SCALAR_ROOTS = {0.5: _binary("tl.sqrt_rn({0})"), -0.5: _binary("tl.div_rn(1.0, tl.sqrt_rn({0}))")}
