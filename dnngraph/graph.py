@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
-import numpy
 import torch
 
 if TYPE_CHECKING:
@@ -224,14 +223,8 @@ class Graph:
             check_strides(stride, dims, f"tensor {name!r}")
         data_type = self.io_data_type if data_type is None else dtypes.resolve(data_type)
         tensor = Tensor(self, next(self._uids), name, dims, strides, data_type)
-        if is_pass_by_value:  # checked before the graph holds the tensor: a refusal adds nothing
-            if not isinstance(is_pass_by_value, (bool, numpy.bool_)):
-                raise ValidationError(f"tensor {name!r}: is_pass_by_value must be True or False, "
-                                      f"got {is_pass_by_value!r}")
-            if tensor.numel != 1:
-                raise ValidationError(f"tensor {name!r} of dims {list(dims)} holds {tensor.numel} elements: a "
-                                      f"value passed by value holds one")
-            tensor._is_pass_by_value = True
+        if is_pass_by_value is not False:  # before the graph holds the tensor: a refusal adds nothing
+            tensor.set_is_pass_by_value(is_pass_by_value)
         self._tensors[tensor.uid] = tensor
         self._names[name] = tensor
         self._invalidate()
