@@ -36,7 +36,7 @@ RECOMPUTED_ROLES = frozenset({"pointwise"})
 RECOMPUTED_FAMILIES = frozenset({"layout"})
 # Ops whose training form the forward takes so the backward has their statistics; their y is
 # the same in either form.
-TRAINING_FORM = {"layernorm", "rmsnorm", "instancenorm", "groupnorm", "sdpa"}
+TRAINING_FORM = {"layernorm", "rmsnorm", "instancenorm", "groupnorm", "sdpa", "adalayernorm"}
 
 
 def _training_attrs(node):

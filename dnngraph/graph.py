@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import inspect
 import itertools
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
@@ -111,6 +112,7 @@ class Graph:
         self._node_names: set[str] = set()
         self._uids = itertools.count(1)
         self._plan = None
+        self._pass_by_value: tuple = ()  # the inputs passed by value, as of the last build
 
     # --- bookkeeping -----------------------------------------------------------------------------
     @property
@@ -204,8 +206,11 @@ class Graph:
         return dag
 
     # --- tensors -------------------------------------------------------------------------------
-    def tensor(self, name: Optional[str] = None, dim=None, stride=None, data_type=None) -> Tensor:
-        """Declare an input tensor: logical dims, physical strides (None: contiguous), type."""
+    def tensor(self, name: Optional[str] = None, dim=None, stride=None, data_type=None,
+               is_pass_by_value: bool = False) -> Tensor:
+        """Declare an input tensor: logical dims, physical strides (None: contiguous), type.
+        is_pass_by_value (one element): execute and reference take a Python number or a CPU
+        tensor for it, as the cuDNN frontend's host scalars."""
         name = self._fresh_name("tensor") if name is None else name
         if not isinstance(name, str) or not name:
             raise ValidationError(f"tensor names must be non-empty strings, got {name!r}")
@@ -218,6 +223,8 @@ class Graph:
             check_strides(stride, dims, f"tensor {name!r}")
         data_type = self.io_data_type if data_type is None else dtypes.resolve(data_type)
         tensor = Tensor(self, next(self._uids), name, dims, strides, data_type)
+        if is_pass_by_value is not False:  # before the graph holds the tensor: a refusal adds nothing
+            tensor.set_is_pass_by_value(is_pass_by_value)
         self._tensors[tensor.uid] = tensor
         self._names[name] = tensor
         self._invalidate()
@@ -345,39 +352,69 @@ class Graph:
                             _attrs_of("moe_grouped_matmul_wgrad", tf32), name)[0]
 
     @staticmethod
-    def _conv_attrs(op, spatial, padding, stride, dilation, groups, mode, shape=()):
-        """Padding, stride and dilation: None (the default), one int for every axis, or a list."""
-        return _attrs_of(op, per_axis(op, "padding", padding, spatial, 0, minimum=0),
-                         per_axis(op, "stride", stride, spatial, 1, minimum=1),
+    def _conv_attrs(op, spatial, padding, stride, dilation, groups, mode, shape=(), pre_padding=None,
+                    post_padding=None):
+        """Padding, stride and dilation: None (the default), one int for every axis, or a list.
+        pre_padding and post_padding (the cuDNN frontend's: before the first and after the last
+        element of each spatial axis) default to `padding`."""
+        pre = per_axis(op, "pre_padding", padding if pre_padding is None else pre_padding, spatial, 0, minimum=0)
+        post = per_axis(op, "post_padding", padding if post_padding is None else post_padding, spatial, 0, minimum=0)
+        return _attrs_of(op, pre, per_axis(op, "stride", stride, spatial, 1, minimum=1),
                          per_axis(op, "dilation", dilation, spatial, 1, minimum=1), groups, mode,
-                         shape)
+                         shape, post)
 
-    def conv_fprop(self, x, w, padding=None, stride=None, dilation=None, groups=1,
-                   mode="cross_correlation", name=None) -> Tensor:
-        """Convolution forward: y[N, K, *O] from x[N, C, *S] and w[K, C/groups, *R]."""
-        self._check_input("conv_fprop", "x", x)
+    @staticmethod
+    def _conv_groups(op: str, groups, x_dim, w_dim) -> int:
+        """`groups`, or None: inferred from the shapes as the frontend does (channels of x over
+        the channels per group of w), which must divide. Dims of unequal ranks infer 1 (the op's
+        shape rule says what is wrong with them)."""
+        if groups is not None:
+            return groups
+        if len(x_dim) != len(w_dim) or len(x_dim) < 2:
+            return 1
+        channels, per_group = x_dim[1], w_dim[1]
+        if per_group < 1 or channels % per_group:
+            raise ValidationError(f"{op}: x has {channels} channels, which w's {per_group} channels per group "
+                                  f"do not divide: no group count fits")
+        return channels // per_group
+
+    def conv_fprop(self, x, w, padding=None, stride=None, dilation=None, groups=None,
+                   mode="cross_correlation", name=None, *, pre_padding=None, post_padding=None) -> Tensor:
+        """Convolution forward: y[N, K, *O] from x[N, C, *S] and w[K, C/groups, *R]; groups None:
+        C / w's channels."""
+        x = self._check_input("conv_fprop", "x", x)
         spatial = _spatial_rank("conv_fprop", "w", self._check_input("conv_fprop", "w", w))
-        attrs = self._conv_attrs("conv_fprop", spatial, padding, stride, dilation, groups, mode)
+        groups = self._conv_groups("conv_fprop", groups, x.dim, w.dim)
+        attrs = self._conv_attrs("conv_fprop", spatial, padding, stride, dilation, groups, mode, (),
+                                 pre_padding, post_padding)
         return self._add_op("conv_fprop", [x, w], attrs, name)[0]
 
-    def conv_dgrad(self, dy, w, x_dim, padding=None, stride=None, dilation=None, groups=1,
-                   mode="cross_correlation", name=None) -> Tensor:
-        """Convolution data gradient: dx of dims x_dim from dy and w."""
+    def conv_dgrad(self, dy, w, x_dim, padding=None, stride=None, dilation=None, groups=None,
+                   mode="cross_correlation", name=None, *, pre_padding=None, post_padding=None) -> Tensor:
+        """Convolution data gradient: dx of dims x_dim from dy and w; groups None: x_dim's
+        channels / w's channels."""
         x_dim = check_dims(x_dim, "conv_dgrad x_dim")
         spatial = len(x_dim) - 2
         if not 1 <= spatial <= 3:
             raise ValidationError(f"conv_dgrad: x_dim {list(x_dim)} must have 1 to 3 spatial dims")
-        attrs = self._conv_attrs("conv_dgrad", spatial, padding, stride, dilation, groups, mode, x_dim)
+        w = self._check_input("conv_dgrad", "w", w)
+        groups = self._conv_groups("conv_dgrad", groups, x_dim, w.dim)
+        attrs = self._conv_attrs("conv_dgrad", spatial, padding, stride, dilation, groups, mode, x_dim,
+                                 pre_padding, post_padding)
         return self._add_op("conv_dgrad", [dy, w], attrs, name)[0]
 
-    def conv_wgrad(self, dy, x, w_dim, padding=None, stride=None, dilation=None, groups=1,
-                   mode="cross_correlation", name=None) -> Tensor:
-        """Convolution weight gradient: dw of dims w_dim from dy and x."""
+    def conv_wgrad(self, dy, x, w_dim, padding=None, stride=None, dilation=None, groups=None,
+                   mode="cross_correlation", name=None, *, pre_padding=None, post_padding=None) -> Tensor:
+        """Convolution weight gradient: dw of dims w_dim from dy and x; groups None: x's channels
+        / w_dim's channels."""
         w_dim = check_dims(w_dim, "conv_wgrad w_dim")
         spatial = len(w_dim) - 2
         if not 1 <= spatial <= 3:
             raise ValidationError(f"conv_wgrad: w_dim {list(w_dim)} must have 1 to 3 spatial dims")
-        attrs = self._conv_attrs("conv_wgrad", spatial, padding, stride, dilation, groups, mode, w_dim)
+        x = self._check_input("conv_wgrad", "x", x)
+        groups = self._conv_groups("conv_wgrad", groups, x.dim, w_dim)
+        attrs = self._conv_attrs("conv_wgrad", spatial, padding, stride, dilation, groups, mode, w_dim,
+                                 pre_padding, post_padding)
         return self._add_op("conv_wgrad", [dy, x], attrs, name)[0]
 
     # --- ops: reductions, softmax ---------------------------------------------------------------
@@ -400,19 +437,48 @@ class Graph:
         return self._add_op("softmax_backward", [dy, y], _attrs_of("softmax_backward", axis, log), name)[0]
 
     # --- ops: normalizations --------------------------------------------------------------------
+    @staticmethod
+    def _scalar(value, default: float) -> tuple:
+        """(attribute value, tensor or None) of a norm's epsilon or momentum: a number is the
+        attribute; a Tensor (one element, the frontend's way) is read by the kernel."""
+        return (default, value) if isinstance(value, Tensor) else (value, None)
+
     def layernorm(self, x, scale, bias, epsilon=1e-5, norm_forward_phase="training", name=None):
-        """(y, mean, inv_variance) normalized over the trailing axes where scale is not 1."""
-        return self._add_op("layernorm", [x, scale, bias], _attrs_of("layernorm", epsilon, norm_forward_phase), name)
+        """(y, mean, inv_variance) normalized over the axes where scale is not 1. epsilon: a
+        number or a one-element floating tensor (as every norm's)."""
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
+        return self._add_op("layernorm", [x, scale, bias, epsilon_t],
+                            _attrs_of("layernorm", epsilon, norm_forward_phase), name)
+
+    def adalayernorm(self, x, scale, bias=None, epsilon=1e-5, norm_forward_phase="training", name=None):
+        """(y, mean, inv_variance): the cuDNN frontend's adaptive layernorm, a layernorm whose
+        scale and bias may differ per sample ([B, 1, D] for x [B, S, D]): every axis but the
+        batch axis where scale is not 1 is normalized."""
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
+        return self._add_op("adalayernorm", [x, scale, bias, epsilon_t],
+                            _attrs_of("adalayernorm", epsilon, norm_forward_phase), name)
+
+    def adalayernorm_backward(self, dy, x, scale, mean, inv_variance, name=None):
+        """(dx, dscale, dbias) of adalayernorm; dscale and dbias have scale's dims (per sample
+        where scale is)."""
+        return self._add_op("adalayernorm_backward", [dy, x, scale, mean, inv_variance],
+                            _attrs_of("adalayernorm_backward"), name)
 
     def rmsnorm(self, x, scale, bias=None, epsilon=1e-5, norm_forward_phase="training", name=None):
         """(y, inv_variance): y = x * rsqrt(mean(x^2) + eps) * scale (+ bias)."""
-        return self._add_op("rmsnorm", [x, scale, bias], _attrs_of("rmsnorm", epsilon, norm_forward_phase), name)
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
+        return self._add_op("rmsnorm", [x, scale, bias, epsilon_t], _attrs_of("rmsnorm", epsilon, norm_forward_phase),
+                            name)
 
     def batchnorm(self, x, scale, bias, in_running_mean=None, in_running_var=None, epsilon=1e-5,
                   momentum=0.1, name=None):
-        """(y, mean, inv_variance, next_running_mean, next_running_var) over batch and space."""
+        """(y, mean, inv_variance, next_running_mean, next_running_var) over batch and space;
+        epsilon and momentum: numbers or one-element floating tensors."""
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
+        momentum, momentum_t = self._scalar(momentum, 0.1)
         attrs = _attrs_of("batchnorm", epsilon, "training", momentum)
-        return self._add_op("batchnorm", [x, scale, bias, in_running_mean, in_running_var], attrs, name)
+        return self._add_op("batchnorm", [x, scale, bias, in_running_mean, in_running_var, epsilon_t, momentum_t],
+                            attrs, name)
 
     def batchnorm_inference(self, x, mean, inv_variance, scale, bias, name=None) -> Tensor:
         """y = (x - mean) * inv_variance * scale + bias with given per-channel statistics."""
@@ -421,14 +487,16 @@ class Graph:
 
     def instancenorm(self, x, scale, bias, epsilon=1e-5, norm_forward_phase="training", name=None):
         """(y, mean, inv_variance) per sample and channel over spatial axes."""
-        return self._add_op("instancenorm", [x, scale, bias], _attrs_of("instancenorm", epsilon, norm_forward_phase),
-                            name)
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
+        return self._add_op("instancenorm", [x, scale, bias, epsilon_t],
+                            _attrs_of("instancenorm", epsilon, norm_forward_phase), name)
 
     def groupnorm(self, x, scale, bias, groups, epsilon=1e-5, norm_forward_phase="training",
                   name=None):
         """(y, mean, inv_variance) per sample over groups of channels and spatial axes."""
+        epsilon, epsilon_t = self._scalar(epsilon, 1e-5)
         attrs = _attrs_of("groupnorm", epsilon, norm_forward_phase, groups=groups)
-        return self._add_op("groupnorm", [x, scale, bias], attrs, name)
+        return self._add_op("groupnorm", [x, scale, bias, epsilon_t], attrs, name)
 
     def genstats(self, x, name=None):
         """(sum, sq_sum) per channel over batch and spatial axes."""
@@ -701,6 +769,7 @@ class Graph:
         self.validate()
         # a build works on a snapshot of the graph: a failed one leaves the tensors as they were
         self._plan = build_plan(self, options)
+        self._pass_by_value = tuple(t for t in self.inputs() if t.is_pass_by_value)
         return self
 
     def _restore_strides(self):
@@ -715,7 +784,26 @@ class Graph:
         for the values between kernels; without it each (device, stream) uses one of its own."""
         if self._plan is None:
             raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build()")
+        if self._pass_by_value:  # found by build(): an execute without them pays nothing
+            bindings = self._staged(bindings)
         self._plan.execute(bindings, workspace)
+
+    def _staged(self, bindings) -> dict:
+        """`bindings` with each pass-by-value input's host value (a Python number, a one-element
+        tensor) as a fresh tensor of its dims, strides and type on the other bindings' device:
+        one per execute, so that concurrent executes never share it (the kernels read it as
+        any one-element input)."""
+        if not isinstance(bindings, dict):
+            return bindings  # the plan says what is wrong
+        staged = dict(bindings)
+        by_value = self._pass_by_value
+        device = next((v.device for k, v in bindings.items() if isinstance(v, torch.Tensor)
+                       and not any(k is t or k == t.name for t in by_value)), torch.device("cpu"))
+        for tensor in by_value:
+            key = tensor if tensor in bindings else tensor.name
+            if key in bindings:
+                staged[key] = _host_scalar(tensor, bindings[key], device, ExecutionError)
+        return staged
 
     def as_function(self, inputs=None, outputs=None, options=None):
         """The graph as a callable on torch tensors: it takes `inputs` (Tensors or names; default
@@ -803,6 +891,8 @@ class Graph:
         value = self._lookup_binding(bindings, tensor)
         if value is None:
             raise ExecutionError(f"reference: no binding for input {tensor.name!r}")
+        if tensor.is_pass_by_value:
+            value = _host_scalar(tensor, value, torch.device("cpu"), ExecutionError)
         if not isinstance(value, torch.Tensor):
             raise ExecutionError(f"reference: input {tensor.name!r} must be a torch.Tensor, "
                                  f"got {type(value).__name__}")
@@ -846,6 +936,23 @@ class Graph:
         return f"Graph({self.name!r}, {len(self._nodes)} ops, {len(self._tensors)} tensors)"
 
 
+def _host_scalar(tensor: Tensor, value, device, error) -> torch.Tensor:
+    """A pass-by-value input's value (a Python number or a one-element tensor) as a tensor of its
+    dims, strides and data type on `device`; `error` (an error class) for anything else."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise error(f"{tensor.name!r} is passed by value: it takes one element, got a tensor of shape "
+                        f"{list(value.shape)}")
+        value = value.reshape(()).item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise error(f"{tensor.name!r} is passed by value: it takes a number or a one-element tensor, got "
+                    f"{type(value).__name__}")
+    if not tensor.data_type.is_floating and value != int(value):
+        raise error(f"{tensor.name!r} is passed by value as {tensor.data_type.name}: {value!r} is no integer")
+    staged = torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype, device=device)
+    return staged.fill_(value)
+
+
 def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tensor:
     """A reference result as `tensor` holds it for its consumers: an integer or bool tensor in
     its own type, a graph output of floats rounded to its type, a virtual one as computed; floats
@@ -866,7 +973,10 @@ def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tenso
 
 # --- pointwise methods, one per catalog entry ----------------------------------------------------
 _PARAM_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "beta": 1.0, "threshold": 20.0, "min_val": -1.0,
-                   "max_val": 1.0}
+                   "max_val": 1.0, "relu_lower_clip": 0.0, "relu_upper_clip": math.inf,
+                   "relu_lower_clip_slope": 0.0, "swish_beta": 1.0}
+# parameters the cuDNN frontend declares Optional: None stands for the default
+_NONE_IS_DEFAULT = frozenset({"swish_beta", "relu_lower_clip", "relu_upper_clip", "relu_lower_clip_slope"})
 
 
 def _ragged_of(value):
@@ -900,7 +1010,8 @@ def _pointwise_method(op_name: str):
             elif value is None:
                 raise ValidationError(f"{op_name}: operand {operand_name} is required")
             operands.append(value)
-        params = {p: arguments[p] for p in entry.params}
+        params = {p: _PARAM_DEFAULTS[p] if arguments[p] is None and p in _NONE_IS_DEFAULT else arguments[p]
+                  for p in entry.params}
         if "data_type" in params:
             params["data_type"] = dtypes.resolve(params["data_type"]).name
         attrs = _attrs_of(op_name, constants=tuple(constants), **params)
@@ -914,6 +1025,27 @@ def _pointwise_method(op_name: str):
 
 for _op_name in POINTWISE_OPS:
     setattr(Graph, _op_name, _pointwise_method(_op_name))
+
+
+_RELU_DOC = ("y = upper_clip at and above it, x between the clips, lower_clip + negative_slope * (x - lower_clip) "
+             "at and below lower_clip; NaN stays NaN. The keywords are the cuDNN frontend's, None for torch's relu "
+             "(lower clip 0, slope 0, no upper clip).")
+_generated_relu, _generated_relu_backward = Graph.relu, Graph.relu_backward
+
+
+def _relu(self, x, negative_slope=None, lower_clip=None, upper_clip=None, name=None):
+    return _generated_relu(self, x, relu_lower_clip=lower_clip, relu_upper_clip=upper_clip,
+                           relu_lower_clip_slope=negative_slope, name=name)
+
+
+def _relu_backward(self, dy, x, negative_slope=None, lower_clip=None, upper_clip=None, name=None):
+    return _generated_relu_backward(self, dy, x, relu_lower_clip=lower_clip, relu_upper_clip=upper_clip,
+                                    relu_lower_clip_slope=negative_slope, name=name)
+
+
+_relu.__name__, _relu.__doc__ = "relu", "Pointwise relu of x: " + _RELU_DOC
+_relu_backward.__name__, _relu_backward.__doc__ = "relu_backward", "dy * relu'(x), relu as in relu(): " + _RELU_DOC
+Graph.relu, Graph.relu_backward = _relu, _relu_backward
 
 
 def _build_options(options, autotune=None, workspace_limit=None) -> BuildOptions:

@@ -42,6 +42,8 @@ def graph_document(graph) -> dict:
             "data_type": tensor._data_type.name if tensor._data_type is not None else None,
             "is_output": tensor.is_output,
             **({"blend": list(tensor.blend)} if tensor.blend is not None else {}),
+            # written only where set: a document without the key reads as before
+            **({"is_pass_by_value": True} if tensor.is_pass_by_value else {}),
         })
     nodes = []
     for node in graph.nodes:
@@ -64,7 +66,9 @@ def graph_document(graph) -> dict:
 # before it loads the document. (sdpa's count is the one after the sink and tensor scale inputs
 # were added; readers older than those cannot load an sdpa record written now, whose attributes
 # and outputs they do not know.)
-INPUTS_AT_SCHEMA = {"pooling_backward": 2, "sdpa": 12, "sdpa_backward": 15}
+INPUTS_AT_SCHEMA = {"pooling_backward": 2, "sdpa": 12, "sdpa_backward": 15,
+                    # the norms' epsilon (and batchnorm's momentum) tensors came later
+                    "layernorm": 3, "rmsnorm": 3, "instancenorm": 3, "groupnorm": 3, "batchnorm": 5}
 
 
 def _written_inputs(node) -> list:
@@ -177,6 +181,9 @@ def _load(text, graph_type):
                                             dim=_field(record, "dim", list, where),
                                             stride=_field(record, "stride", list, where),
                                             data_type=_data_type(record, where))
+                by_value = record.get("is_pass_by_value", False)
+                _require(isinstance(by_value, bool), f"{where}.is_pass_by_value must be true or false")
+                handles[uid].set_is_pass_by_value(by_value)
         for index in _node_order(nodes, producer_of):
             _replay(graph, nodes[index], f"nodes[{index}]", handles, records)
     except SerializationError:

@@ -150,6 +150,7 @@ class Tensor:
         self._is_output = False
         self._ragged_offset: Optional["Tensor"] = None  # sdpa's packed (THD) sequences: dnngraph/ragged.py
         self._blend: Optional[tuple] = None  # (alpha, beta): stored as alpha * result + beta * prior
+        self._is_pass_by_value = False  # a host scalar bound at execute (Graph.execute stages it)
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -226,6 +227,15 @@ class Tensor:
         return self._is_output
 
     @property
+    def is_pass_by_value(self) -> bool:
+        """True for a one-element input whose value comes from the host at execute (a Python
+        number or a CPU tensor), as the cuDNN frontend's is_pass_by_value."""
+        return self._is_pass_by_value
+
+    def get_is_pass_by_value(self):
+        return self._is_pass_by_value
+
+    @property
     def ragged_offset(self) -> Optional["Tensor"]:
         """The [B + 1, 1, 1, 1] int tensor of element offsets where each sequence starts, or None."""
         return self._ragged_offset
@@ -288,6 +298,20 @@ class Tensor:
         beta = _blend_factor(beta, f"set_blend of {self._name!r}: beta")
         self._graph._invalidate()
         self._blend = None if (alpha, beta) == (1.0, 0.0) else (alpha, beta)
+        return self
+
+    def set_is_pass_by_value(self, value: bool = True) -> "Tensor":
+        """Mark a one-element graph input as passed by value: execute and reference take a Python
+        number (or a CPU tensor) for it."""
+        if not isinstance(value, (bool, numpy.bool_)):
+            raise ValidationError(f"set_is_pass_by_value of {self._name!r}: needs True or False, got {value!r}")
+        if value and self.producer is not None:
+            raise ValidationError(f"tensor {self._name!r} is an op output: only graph inputs are passed by value")
+        if value and self.numel != 1:
+            raise ValidationError(f"tensor {self._name!r} of dims {list(self._dim)} holds {self.numel} elements: "
+                                  f"a value passed by value holds one")
+        self._graph._invalidate()
+        self._is_pass_by_value = bool(value)
         return self
 
     def set_ragged_offset(self, offset: Optional["Tensor"]) -> "Tensor":

@@ -48,7 +48,7 @@ FLOAT_IO = {"float32": dg.float32, "float16": dg.float16, "bfloat16": dg.bfloat1
 UNARY_OPS = tuple(FORWARD_UNARY)
 POSITIVE_DOMAIN = ("log", "sqrt", "rsqrt", "reciprocal")
 DISCONTINUOUS = ("floor", "ceil")
-BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "scale")
+BINARY_OPS = ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "scale", "mod", "add_square")
 COMPARE_OPS = ("cmp_eq", "cmp_ne", "cmp_lt", "cmp_le", "cmp_gt", "cmp_ge")
 REDUCTION_MODES = ("sum", "mean", "max", "min", "amax", "prod", "norm1", "norm2")
 EXIT_MODES = ("sum", "mean", "max", "min", "amax", "norm1", "norm2")
@@ -361,6 +361,8 @@ class GraphBuilder:
             x = self.pick_world(predicate=lambda v: _positive(v.data), positive=True)
         elif op == "exp":
             x = self.pick_world(predicate=lambda v: _finite_max(v.data) < 6)
+        elif op == "tan":  # away from the poles, where an ulp of x is any error at all
+            x = self.pick_world(predicate=lambda v: _finite_max(v.data.abs()) < 1.2)
         else:
             x = self.pick_world()
         params = {}
@@ -371,8 +373,17 @@ class GraphBuilder:
         elif op == "softplus":
             params["beta"] = round(self.rng.choice((0.5, 1.0, 2.0)), 3)
             params["threshold"] = self.rng.choice((5.0, 20.0))
+        elif op == "swish":
+            params["swish_beta"] = round(self.rng.uniform(-2.0, 2.0), 3)
+        elif op == "relu" and self.rng.random() < 0.5:  # the frontend's clips
+            params = self._relu_clips()
         out = getattr(self.graph, op)(x.tensor, name=self.name(), **params)
         return self.record(out, f"{op}{params or ''}", [x])
+
+    def _relu_clips(self) -> dict:
+        lower = round(self.rng.uniform(-1.0, 0.5), 3)
+        return {"lower_clip": lower, "upper_clip": round(lower + self.rng.uniform(0.1, 3.0), 3),
+                "negative_slope": self.rng.choice((0.0, 0.1, -0.3))}
 
     def unary_backward(self):
         forward = self.rng.choice(DIFFERENTIABLE)
@@ -382,12 +393,15 @@ class GraphBuilder:
         at_input = forward in ("relu", "leaky_relu", "elu", "hardswish", "hardsigmoid", "hardtanh")
         x = self.pick(dims=dy.tensor.dim, predicate=(lambda v: v.depth == 0) if at_input else None)
         params = {"leaky_relu": {"negative_slope": 0.2}, "elu": {"alpha": 0.7},
-                  "softplus": {"beta": 1.0, "threshold": 20.0}}.get(forward, {})
+                  "softplus": {"beta": 1.0, "threshold": 20.0}, "swish": {"swish_beta": 1.3},
+                  "relu": self._relu_clips() if self.rng.random() < 0.5 else {}}.get(forward, {})
         out = getattr(self.graph, forward + "_backward")(dy.tensor, x.tensor, name=self.name(), **params)
         return self.record(out, forward + "_backward", [dy, x])
 
     def binary(self):
         op = self.rng.choice(BINARY_OPS)
+        if op == "mod":
+            return self._mod()
         a = self.pick_world(predicate=(lambda v: _positive(v.data)) if op == "pow" else None,
                             positive=op == "pow")
         if op in ("div", "pow") or self.rng.random() < 0.7:
@@ -405,11 +419,19 @@ class GraphBuilder:
             raise _Skip()
         return self.record(out, op, label_operands)
 
+    def _mod(self):
+        """fmod jumps by |b| where a / b crosses an integer: both operands stored (exact), b away
+        from zero."""
+        a = self.pick_world(predicate=lambda v: v.depth == 0)
+        b = self.pick_world(predicate=lambda v: v.depth == 0 and _positive(v.data), positive=True)
+        out = self.graph.mod(a.tensor, b.tensor, name=self.name())
+        return self.record(out, "mod", [a, b])
+
     def integer_chain(self):
         """Exact integer arithmetic: int32 products past 2**24, int64 values past 2**53."""
         dtype = self.rng.choice((dg.int32, dg.int64))
         a = self.new_input(self.broadcast_dims(), "int", data_type=dtype)
-        op = self.rng.choice(("add", "sub", "mul", "maximum", "minimum", "neg", "abs", "pow"))
+        op = self.rng.choice(("add", "sub", "mul", "maximum", "minimum", "neg", "abs", "pow", "mod", "add_square"))
         if op in ("neg", "abs"):
             out, operands = getattr(self.graph, op)(a.tensor, name=self.name()), [a]
         elif op == "pow":  # exact and wrapping like torch; negative exponents give 0 or +-1

@@ -24,6 +24,9 @@ class ConvAttrs:
     groups: int = 1
     mode: str = "cross_correlation"
     shape: tuple = ()  # x_dim for dgrad, w_dim for wgrad
+    # `padding` is the frontend's pre_padding (before the first element of each spatial axis, the
+    # offset every kernel reads with); post_padding, after the last, is () where it equals it
+    post_padding: tuple = ()
 
     def __post_init__(self):
         padding = int_tuple("conv", "padding", self.padding, minimum=0, maximum=MAX_EXTENT)
@@ -33,12 +36,24 @@ class ConvAttrs:
         shape = int_tuple("conv", "shape", self.shape, minimum=1, maximum=MAX_EXTENT)
         if shape and len(shape) != spatial + 2:
             fail("conv", f"shape {list(shape)} must have rank {spatial + 2} for {spatial} spatial dims")
-        freeze(self, padding=padding,
+        post = int_tuple("conv", "post_padding", self.post_padding, minimum=0, maximum=MAX_EXTENT)
+        if post and len(post) != spatial:
+            fail("conv", f"post_padding {list(post)} must have {spatial} values, as padding {list(padding)}")
+        freeze(self, padding=padding, post_padding=() if post == padding else post,
                stride=int_tuple("conv", "stride", self.stride, spatial, minimum=1, maximum=MAX_EXTENT),
                dilation=int_tuple("conv", "dilation", self.dilation, spatial, minimum=1,
                                   maximum=MAX_EXTENT),
                groups=integer("conv", "groups", self.groups, minimum=1, maximum=MAX_EXTENT),
                mode=choice("conv", "mode", self.mode, MODES), shape=shape)
+
+
+def post_padding(attrs: ConvAttrs) -> tuple:
+    """The padding after the last element of each spatial axis (the frontend's post_padding)."""
+    return attrs.post_padding or attrs.padding
+
+
+def is_asymmetric(attrs: ConvAttrs) -> bool:
+    return post_padding(attrs) != attrs.padding
 
 
 def output_dims(op, x_dim, w_dim, attrs: ConvAttrs) -> tuple[int, ...]:
@@ -54,8 +69,9 @@ def output_dims(op, x_dim, w_dim, attrs: ConvAttrs) -> tuple[int, ...]:
         fail(op, f"w {list(w_dim)} has {w_dim[1]} channels per group; x has {channels} channels "
                  f"in {attrs.groups} groups")
     out = []
-    for size, r, p, s, d in zip(x_dim[2:], w_dim[2:], attrs.padding, attrs.stride, attrs.dilation):
-        extent = size + 2 * p - d * (r - 1) - 1
+    for size, r, pre, post, s, d in zip(x_dim[2:], w_dim[2:], attrs.padding, post_padding(attrs), attrs.stride,
+                                        attrs.dilation):
+        extent = size + pre + post - d * (r - 1) - 1
         if extent < 0:
             fail(op, f"filter {list(w_dim[2:])} (dilation {list(attrs.dilation)}) is larger than the "
                      f"padded input {list(x_dim[2:])}")
@@ -89,27 +105,50 @@ def _flip(w, attrs):
 
 
 def _args(attrs):
-    return dict(stride=attrs.stride, padding=attrs.padding, dilation=attrs.dilation, groups=attrs.groups)
+    """torch's keyword arguments; asymmetric padding is applied to x by _padded (torch pads
+    symmetrically), so torch then pads nothing."""
+    padding = (0,) * len(attrs.padding) if is_asymmetric(attrs) else attrs.padding
+    return dict(stride=attrs.stride, padding=padding, dilation=attrs.dilation, groups=attrs.groups)
+
+
+def _pad_widths(attrs) -> list:
+    """F.pad's widths, last axis first: (pre, post) per spatial axis when asymmetric, else 0."""
+    if not is_asymmetric(attrs):
+        return [0] * (2 * len(attrs.padding))
+    return [width for pre, post in reversed(list(zip(attrs.padding, post_padding(attrs)))) for width in (pre, post)]
+
+
+def _padded(x, attrs):
+    return F.pad(x, _pad_widths(attrs)) if is_asymmetric(attrs) else x
+
+
+def _padded_dims(dims, attrs) -> list:
+    spatial = [size + pre + post for size, pre, post in zip(dims[2:], attrs.padding, post_padding(attrs))]
+    return list(dims[:2]) + spatial if is_asymmetric(attrs) else list(dims)
 
 
 def reference_fprop(values, attrs):
     x, w = values
     fn = (F.conv1d, F.conv2d, F.conv3d)[len(attrs.padding) - 1]
-    return [fn(x, _flip(w, attrs), **_args(attrs))]
+    return [fn(_padded(x, attrs), _flip(w, attrs), **_args(attrs))]
 
 
 def reference_dgrad(values, attrs):
     dy, w = values
     fn = (torch.nn.grad.conv1d_input, torch.nn.grad.conv2d_input,
           torch.nn.grad.conv3d_input)[len(attrs.padding) - 1]
-    return [fn(list(attrs.shape), _flip(w, attrs), dy, **_args(attrs))]
+    dx = fn(_padded_dims(attrs.shape, attrs), _flip(w, attrs), dy, **_args(attrs))
+    if is_asymmetric(attrs):  # the gradient of the padded x, cropped to x
+        dx = dx[(slice(None), slice(None)) + tuple(slice(pre, pre + size) for pre, size
+                                                    in zip(attrs.padding, attrs.shape[2:]))]
+    return [dx]
 
 
 def reference_wgrad(values, attrs):
     dy, x = values
     fn = (torch.nn.grad.conv1d_weight, torch.nn.grad.conv2d_weight,
           torch.nn.grad.conv3d_weight)[len(attrs.padding) - 1]
-    return [_flip(fn(x, list(attrs.shape), dy, **_args(attrs)), attrs)]
+    return [_flip(fn(_padded(x, attrs), list(attrs.shape), dy, **_args(attrs)), attrs)]
 
 
 register(OpDef("conv_fprop", "conv", "anchor", ConvAttrs, ("x", "w"), ("y",), infer_fprop, reference_fprop,
@@ -127,8 +166,8 @@ def _conv_backward(d, node, grads):
     """dx by conv_dgrad, dw by conv_wgrad, with the forward's padding, stride, dilation, groups."""
     g, dy, attrs = d.graph, grads[0], node.attrs
     x, w = node.inputs
-    common = dict(padding=list(attrs.padding), stride=list(attrs.stride), dilation=list(attrs.dilation),
-                  groups=attrs.groups, mode=attrs.mode)
+    common = dict(pre_padding=list(attrs.padding), post_padding=list(post_padding(attrs)), stride=list(attrs.stride),
+                  dilation=list(attrs.dilation), groups=attrs.groups, mode=attrs.mode)
     dx = g.conv_dgrad(dy, d.value(w), list(x.dim), **common) if d.needs(x) else None
     dw = g.conv_wgrad(dy, d.value(x), list(w.dim), **common) if d.needs(w) else None
     return [dx, dw]

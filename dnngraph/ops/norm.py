@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from .. import dtypes
 from ..tensor import MAX_EXTENT
 from ..errors import UnsupportedError
-from .base import AnchorRule, OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, integer, real, register
+from .base import (AnchorRule, OpDef, OutputSpec, backward_rule, boolean, choice, fail, freeze, integer, lookup, real,
+                   register)
 
 PHASES = ("training", "inference")
 
@@ -53,15 +54,20 @@ class NormGeometry:
 
 
 def _feature_geometry(op, x, scale) -> NormGeometry:
-    """layernorm / rmsnorm: the trailing axes from the first one where scale is not 1."""
+    """layernorm / rmsnorm / adalayernorm, as the cuDNN frontend infers them: every axis where
+    scale is not 1 is normalized (the last axis where scale is 1 everywhere). adalayernorm never
+    normalizes the batch axis: its scale and bias may hold one row per sample."""
     if scale is None or len(scale.dim) != len(x.dim):
         fail(op, f"scale must have the rank of x {list(x.dim)}")
-    first = next((a for a, s in enumerate(scale.dim) if s != 1), len(x.dim) - 1)
-    for axis in range(first, len(x.dim)):
-        if scale.dim[axis] != x.dim[axis]:
-            fail(op, f"scale {list(scale.dim)} does not match x {list(x.dim)} on normalized axis {axis}")
-    stats = tuple(x.dim[:first]) + (1,) * (len(x.dim) - first)
-    return NormGeometry(tuple(range(first, len(x.dim))), stats, tuple(scale.dim))
+    first = 1 if op.startswith("adalayernorm") else 0
+    if len(x.dim) <= first:
+        fail(op, f"x {list(x.dim)} needs an axis after the batch axis")
+    for axis, (size, whole) in enumerate(zip(scale.dim, x.dim)):
+        if size not in (1, whole):
+            fail(op, f"scale {list(scale.dim)} does not match x {list(x.dim)} on axis {axis}")
+    normalized = tuple(a for a in range(first, len(x.dim)) if scale.dim[a] != 1) or (len(x.dim) - 1,)
+    stats = tuple(1 if a in normalized else size for a, size in enumerate(x.dim))
+    return NormGeometry(normalized, stats, tuple(scale.dim))
 
 
 def _channel_geometry(op, x, attrs) -> NormGeometry:
@@ -83,7 +89,7 @@ def _channel_geometry(op, x, attrs) -> NormGeometry:
 
 def geometry(op: str, x, scale, attrs) -> NormGeometry:
     """Statistics geometry of norm op `op` (forward or backward) for input x."""
-    if op.startswith(("layernorm", "rmsnorm")):
+    if op.startswith(("layernorm", "rmsnorm", "adalayernorm")):
         return _feature_geometry(op, x, scale)
     return _channel_geometry(op, x, attrs)
 
@@ -98,9 +104,28 @@ def _stats(geo):
     return OutputSpec(geo.stats_dim, dtypes.float32)
 
 
+def _check_scalar_operands(op, inputs):
+    """epsilon and momentum given as tensors (the frontend's, often passed by value): one
+    floating element each."""
+    for name, tensor in zip(lookup(op).input_names, inputs):
+        if name in SCALAR_OPERANDS and tensor is not None:
+            if any(size != 1 for size in tensor.dim):
+                fail(op, f"{name} {tensor.name!r} must hold one element, got dims {list(tensor.dim)}")
+            if not tensor.data_type.is_floating:
+                fail(op, f"{name} {tensor.name!r} must be floating, got {tensor.data_type.name}")
+
+
+def scalar_operand(op, values, attrs, name: str):
+    """The value of scalar `name` (epsilon, momentum): its bound tensor's element, else the
+    attribute."""
+    tensor = dict(zip(lookup(op).input_names, values)).get(name)
+    return getattr(attrs, name) if tensor is None else tensor.reshape(())
+
+
 def _infer_forward(op, stats_count):
     def infer(inputs, attrs: NormAttrs):
         x, scale, bias = inputs[:3]
+        _check_scalar_operands(op, inputs)
         geo = geometry(op, x, scale, attrs)
         _check(op, "scale", scale, geo.param_dim)
         _check(op, "bias", bias, geo.param_dim)
@@ -176,13 +201,14 @@ def _reference_forward(op):
         x, scale, bias = values[:3]
         geo = geometry(op, _spec(x), _spec(scale), attrs)
         grouped = _view(x, geo)
+        epsilon = scalar_operand(op, values, attrs, "epsilon")
         if op == "rmsnorm":
             mean = None
-            inv = (grouped.square().mean(geo.stat_axes, keepdim=True) + attrs.epsilon).rsqrt()
+            inv = (grouped.square().mean(geo.stat_axes, keepdim=True) + epsilon).rsqrt()
             normalized = grouped * inv
         else:
             mean, var = _moments(grouped, geo.stat_axes)
-            inv = (var + attrs.epsilon).rsqrt()
+            inv = (var + epsilon).rsqrt()
             normalized = (grouped - mean) * inv
         y = _unview(normalized, x) * scale
         if bias is not None:
@@ -194,8 +220,9 @@ def _reference_forward(op):
         if op == "batchnorm":
             count = x.numel() // x.shape[1]
             unbiased = var * count / max(count - 1, 1)
+            momentum = scalar_operand(op, values, attrs, "momentum")
             outputs += [None if running is None else
-                        (1 - attrs.momentum) * running + attrs.momentum * update
+                        (1 - momentum) * running + momentum * update
                         for running, update in zip(values[3:5], (mean, unbiased))]
         return outputs
     return reference
@@ -243,12 +270,15 @@ def _reference_backward(op):
 
 specs_out = {
     "layernorm": ("y", "mean", "inv_variance"),
+    "adalayernorm": ("y", "mean", "inv_variance"),
     "rmsnorm": ("y", "inv_variance"),
     "instancenorm": ("y", "mean", "inv_variance"),
     "groupnorm": ("y", "mean", "inv_variance"),
     "batchnorm": ("y", "mean", "inv_variance", "next_running_mean", "next_running_var"),
 }
-_FORWARD_INPUTS = {"batchnorm": ("x", "scale", "bias", "in_running_mean", "in_running_var")}
+# epsilon and momentum may also be one-element tensors (the frontend's way), trailing optional inputs
+SCALAR_OPERANDS = ("epsilon", "momentum")
+_FORWARD_INPUTS = {"batchnorm": ("x", "scale", "bias", "in_running_mean", "in_running_var", "epsilon", "momentum")}
 _BACKWARD_STATS = {"rmsnorm_backward": ("inv_variance",)}
 # fusion: a norm's statistics ride its kernel's epilogue (side_epilogues); its backward's dx does
 _NORM_FORWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0, side_epilogues=True)
@@ -258,12 +288,13 @@ _NORM_BACKWARD = AnchorRule(prologue_inputs=(0,), epilogue_output=0)
 # their epilogue (a cast, the add of another use's gradient); instance and group norm reduce them
 # in a kernel of their own, which runs none
 _NORM_BACKWARD_FUSION = {name: AnchorRule((0,), 0, side_epilogues=True)
-                         for name in ("batchnorm_backward", "layernorm_backward", "rmsnorm_backward")}
+                         for name in ("batchnorm_backward", "layernorm_backward", "rmsnorm_backward",
+                                      "adalayernorm_backward")}
 
 for _op, _outs in specs_out.items():
-    register(OpDef(_op, "norm", "anchor", NormAttrs, _FORWARD_INPUTS.get(_op, ("x", "scale", "bias")),
+    register(OpDef(_op, "norm", "anchor", NormAttrs, _FORWARD_INPUTS.get(_op, ("x", "scale", "bias", "epsilon")),
                    _outs, _infer_forward(_op, 2 if _op != "rmsnorm" else 1), _reference_forward(_op),
-                   optional=("bias", "in_running_mean", "in_running_var"), fusion=_NORM_FORWARD))
+                   optional=("bias", "in_running_mean", "in_running_var") + SCALAR_OPERANDS, fusion=_NORM_FORWARD))
     _bwd = _op + "_backward"
     register(OpDef(_bwd, "norm", "anchor", NormAttrs,
                    ("dy", "x", "scale") + _BACKWARD_STATS.get(_bwd, ("mean", "inv_variance")),
@@ -300,7 +331,7 @@ def _with(g, dx, extra):
     return extra if dx is None else dx if extra is None else g.add(dx, extra)
 
 
-@backward_rule("layernorm", "instancenorm", "groupnorm", "batchnorm")
+@backward_rule("layernorm", "instancenorm", "groupnorm", "batchnorm", "adalayernorm")
 def _mean_norm_backward(d, node, grads):
     """dx, dscale, dbias from the saved mean and inverse variance (the training form's), and the
     gradients that reach the statistics themselves."""
@@ -320,14 +351,14 @@ def _mean_norm_backward(d, node, grads):
 
 @backward_rule("rmsnorm")
 def _rms_norm_backward(d, node, grads):
-    x, scale, bias = node.inputs
+    x, scale, bias = node.inputs[:3]
     dx = dscale = dbias = None
     if grads[0] is not None:
         attrs = dataclasses.replace(node.attrs, has_dbias=bias is not None)
         dx, dscale, dbias = d.graph._add_op("rmsnorm_backward", [grads[0], d.value(x), d.value(scale),
                                                                  d.value(node.outputs[1])], attrs)
     dx = _with(d.graph, dx, _statistics_dx(d, node, None, grads[1], None))
-    return [dx, dscale, dbias]
+    return [dx, dscale, dbias] + [None] * (len(node.inputs) - 3)
 
 
 @backward_rule("batchnorm_inference")

@@ -31,6 +31,14 @@ class PointwiseAttrs:
     min_val: float = -1.0  # hardtanh: the clamp's bounds
     max_val: float = 1.0
     data_type: Optional[str] = None  # cast target
+    # relu and relu_backward, as the cuDNN frontend's relu(negative_slope, lower_clip,
+    # upper_clip): y = upper_clip at and above it, x between the clips, and
+    # lower_clip + relu_lower_clip_slope * (x - lower_clip) at and below lower_clip (the defaults
+    # are torch's relu); NaN stays NaN
+    relu_lower_clip: float = 0.0
+    relu_upper_clip: float = math.inf
+    relu_lower_clip_slope: float = 0.0
+    swish_beta: float = 1.0  # swish: x * sigmoid(swish_beta * x)
 
     def __post_init__(self):
         if self.data_type is not None and not isinstance(self.data_type, str):
@@ -38,7 +46,15 @@ class PointwiseAttrs:
         if self.data_type is not None:
             dtypes.by_name(self.data_type)
         params = {name: real("pointwise", name, getattr(self, name))
-                  for name in ("negative_slope", "alpha", "beta", "threshold", "min_val", "max_val")}
+                  for name in ("negative_slope", "alpha", "beta", "threshold", "min_val", "max_val",
+                               "relu_lower_clip", "relu_lower_clip_slope", "swish_beta")}
+        # an infinite upper clip is the default (no clip); a -inf one would clip everything
+        params["relu_upper_clip"] = real("relu", "upper_clip", self.relu_upper_clip, finite=False)
+        if math.isnan(params["relu_upper_clip"]) or params["relu_upper_clip"] == -math.inf:
+            fail("relu", f"upper_clip must be a number or +inf, got {params['relu_upper_clip']}")
+        if params["relu_lower_clip"] > params["relu_upper_clip"]:
+            fail("relu", f"lower_clip {params['relu_lower_clip']} is greater than upper_clip "
+                         f"{params['relu_upper_clip']}")
         if params["beta"] == 0:
             fail("softplus", "beta must be non-zero")
         if params["min_val"] > params["max_val"]:  # torch refuses such a hardtanh too
@@ -100,6 +116,26 @@ def _softplus(x, attrs):
     return F.softplus(x, beta=attrs.beta, threshold=attrs.threshold)
 
 
+def relu_is_clipped(attrs) -> bool:
+    """Whether relu's clip attributes differ from torch's relu (lower clip 0, slope 0, no upper)."""
+    return (attrs.relu_lower_clip, attrs.relu_upper_clip, attrs.relu_lower_clip_slope) != (0.0, math.inf, 0.0)
+
+
+def _relu(x, attrs):
+    if not relu_is_clipped(attrs):
+        return F.relu(x)
+    lower, upper, slope = attrs.relu_lower_clip, attrs.relu_upper_clip, attrs.relu_lower_clip_slope
+    # a zero slope is the constant lower clip (0 * -inf would make NaN of x = -inf)
+    below = torch.full_like(x, lower) if slope == 0 else lower + slope * (x - lower)
+    return torch.where(x >= upper, torch.full_like(x, upper), torch.where(x <= lower, below, x))
+
+
+def _swish(x, attrs):
+    if attrs.swish_beta == 1.0:
+        return F.silu(x)  # torch's own activation and its backward rule
+    return x * torch.sigmoid(attrs.swish_beta * x)
+
+
 def _cast(x, attrs):
     target = dtypes.by_name(attrs.data_type)
     if target is dtypes.bool_:
@@ -125,7 +161,7 @@ FORWARD_UNARY = {
     # torch's own activations, not formulas: their backward rules (which the *_backward
     # references differentiate) define the derivative at 0, at +-inf and under an infinite dy,
     # where autograd through a formula makes NaN of 0 * inf or of an untaken where branch
-    "relu": lambda x, _: F.relu(x),
+    "relu": _relu,
     "leaky_relu": lambda x, a: F.leaky_relu(x, a.negative_slope),
     "elu": lambda x, a: F.elu(x, a.alpha),
     "gelu": lambda x, _: F.gelu(x),
@@ -138,12 +174,16 @@ FORWARD_UNARY = {
     "erf": lambda x, _: torch.erf(x),
     "floor": lambda x, _: x.floor(),
     "ceil": lambda x, _: x.ceil(),
+    "swish": _swish,
+    "tan": lambda x, _: x.tan(),
 }
+RELU_CLIPS = ("relu_lower_clip", "relu_upper_clip", "relu_lower_clip_slope")
 UNARY_PARAMS = {"leaky_relu": ("negative_slope",), "elu": ("alpha",),
-                "softplus": ("beta", "threshold"), "hardtanh": ("min_val", "max_val")}
+                "softplus": ("beta", "threshold"), "hardtanh": ("min_val", "max_val"),
+                "relu": RELU_CLIPS, "swish": ("swish_beta",)}
 # Ops whose backward form takes (dy, x) and returns dy * f'(x).
 DIFFERENTIABLE = ("relu", "leaky_relu", "elu", "gelu", "gelu_tanh", "silu", "softplus",
-                  "sigmoid", "tanh", "hardswish", "hardsigmoid", "hardtanh")
+                  "sigmoid", "tanh", "hardswish", "hardsigmoid", "hardtanh", "swish")
 
 
 def _backward_reference(forward):
@@ -170,12 +210,24 @@ def _hardtanh_backward(dy, x, attrs):
     return torch.where((x <= attrs.min_val) | (x >= attrs.max_val), torch.zeros((), dtype=dy.dtype), dy)
 
 
+def _relu_backward(dy, x, attrs):
+    """torch's relu rule by default; clipped: dy between the clips, 0 at and above the upper
+    one, slope * dy at and below the lower one (0 for a zero slope, whatever dy is), and dy
+    for a NaN x as relu passes it on."""
+    if not relu_is_clipped(attrs):
+        return _backward_reference(FORWARD_UNARY["relu"])(dy, x, attrs)
+    zero = torch.zeros((), dtype=dy.dtype)
+    below = zero if attrs.relu_lower_clip_slope == 0 else dy * attrs.relu_lower_clip_slope
+    inside = torch.where(x <= attrs.relu_lower_clip, below, dy)
+    return torch.where(x >= attrs.relu_upper_clip, zero, inside)
+
+
 # The hard activations' derivatives written out: torch's scalar CPU and its CUDA kernels pass dy
 # on for a NaN x (hardswish, hardtanh) while its vectorized CPU kernels give NaN or 0, so that
 # autograd through torch would make the reference depend on the tensor's size. These are the
 # CUDA rules, boundaries included (hardswish: 0 at -3, dy at 3; hardtanh: 0 at both bounds).
 EXPLICIT_BACKWARD = {"hardswish": _hardswish_backward, "hardsigmoid": _hardsigmoid_backward,
-                     "hardtanh": _hardtanh_backward}
+                     "hardtanh": _hardtanh_backward, "relu": _relu_backward}
 
 
 def _broadcast_backward(derivative):
@@ -200,6 +252,16 @@ for _name in DIFFERENTIABLE:
 SCALAR_ROOTS = {0.5: torch.sqrt, -0.5: torch.rsqrt}
 
 
+def _fmod(a, b):
+    """torch.fmod; on integers exact, and 0 where the divisor is 0 (torch raises there, and a
+    kernel cannot)."""
+    if a.is_floating_point() or b.is_floating_point():
+        return torch.fmod(a, b)
+    zero = b == 0
+    return torch.where(zero, torch.zeros((), dtype=torch.promote_types(a.dtype, b.dtype)),
+                       torch.fmod(a, torch.where(zero, torch.ones_like(b), b)))
+
+
 def _pow(a, b, attrs):
     root = SCALAR_ROOTS.get(dict(attrs.constants).get(1))
     if root is not None and a.is_floating_point():
@@ -216,6 +278,10 @@ _BINARY = {
     "maximum": lambda a, b, _: torch.maximum(a, b),
     "minimum": lambda a, b, _: torch.minimum(a, b),
     "scale": lambda a, b, _: a * b,
+    # the frontend's MOD is C's fmod (cuDNN: "floating-point remainder"): the result takes the
+    # dividend's sign, as torch.fmod (not Python's %, torch.remainder)
+    "mod": lambda a, b, _: _fmod(a, b),
+    "add_square": lambda a, b, _: a + b * b,  # the frontend's ADD_SQUARE: a + b^2
 }
 for _name, _fn in _BINARY.items():
     POINTWISE_OPS[_name] = PointwiseOp(2, "float", _floats(_fn), (), ("a", "b"))
@@ -244,7 +310,15 @@ def operand_values(inputs, attrs: PointwiseAttrs, arity: int):
 # the rest compute in floating point). Kernels compute these in integers, references too.
 INTEGER_CLOSED = frozenset({"add", "sub", "mul", "scale", "pow", "neg", "abs", "relu", "maximum", "minimum",
                             "where", "cmp_eq", "cmp_ne", "cmp_lt", "cmp_le", "cmp_gt", "cmp_ge",
-                            "floor", "ceil"})
+                            "floor", "ceil", "add_square", "mod"})
+
+
+def integer_closed(op_name: str, attrs) -> bool:
+    """Whether node (op_name, attrs) keeps integer operands integers: INTEGER_CLOSED, but a
+    clipped relu computes in floating point (its clips and slope are floats)."""
+    if op_name == "relu" and relu_is_clipped(attrs):
+        return False
+    return op_name in INTEGER_CLOSED
 INTEGER_RANGES = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
 
 
@@ -256,7 +330,7 @@ def _check_integer_constants(op_name: str, inputs, attrs: PointwiseAttrs):
     """An integral constant meeting only integer tensors must fit their widest type (torch
     refuses an int32 tensor plus 2**40 too)."""
     kinds = {t.data_type.name for t in inputs if t is not None}
-    if op_name not in INTEGER_CLOSED or not kinds or not kinds <= set(INTEGER_RANGES):
+    if not integer_closed(op_name, attrs) or not kinds or not kinds <= set(INTEGER_RANGES):
         return
     widest = "int64" if "int64" in kinds else "int32"
     low, high = INTEGER_RANGES[widest]
@@ -304,15 +378,14 @@ def _infer(op_name: str):
 def _reference(op_name: str):
     entry = POINTWISE_OPS[op_name]
 
-    integer_closed = op_name in INTEGER_CLOSED
-    keeps_integers = integer_closed or op_name == "cast"  # a cast converts integers as torch does
-
     def reference(values, attrs: PointwiseAttrs):
+        integer = integer_closed(op_name, attrs)
+        keeps_integers = integer or op_name == "cast"  # a cast converts integers as torch does
         operands = []
         for value in operand_values(values, attrs, entry.arity):
             if not isinstance(value, torch.Tensor):
                 # an integral constant keeps an integer op exact, as a Python int does in torch
-                exact = integer_closed and _integral(value)
+                exact = integer and _integral(value)
                 value = torch.tensor(value) if exact else torch.tensor(float(value), dtype=torch.float64)
             elif not keeps_integers and not value.is_floating_point() and value.dtype != torch.bool:
                 value = value.to(torch.float64)  # a float op on integers: the reference in float64
@@ -347,9 +420,16 @@ _UNARY_DERIVATIVES = {
     "sin": lambda g, dy, x, y: g.mul(dy, g.cos(x())),
     "cos": lambda g, dy, x, y: g.neg(g.mul(dy, g.sin(x()))),
     "erf": lambda g, dy, x, y: g.mul(dy, g.mul(g.exp(g.neg(g.mul(x(), x()))), 2.0 / math.sqrt(math.pi))),
+    "tan": lambda g, dy, x, y: g.mul(dy, g.add_square(1.0, y())),  # 1 + tan^2
 }
 for _name, _derivative in _UNARY_DERIVATIVES.items():
     backward_rule(_name)(_unary_rule(_derivative))
+
+
+def _truncated_quotient(g, a, b):
+    """trunc(a / b) in graph ops (floor toward zero: ceil below zero)."""
+    quotient = g.div(a, b)
+    return g.where(g.cmp_lt(quotient, 0.0), g.ceil(quotient), g.floor(quotient))
 
 
 @backward_rule(*DIFFERENTIABLE)
@@ -418,6 +498,9 @@ for _name, _rules in {
                 lambda g, dy, a, b, y: _extreme_grad(g, dy, b, a, g.cmp_gt)),
     "minimum": (lambda g, dy, a, b, y: _extreme_grad(g, dy, a, b, g.cmp_lt),
                 lambda g, dy, a, b, y: _extreme_grad(g, dy, b, a, g.cmp_lt)),
+    # fmod(a, b) = a - trunc(a / b) b (torch's rule; the quotient's steps carry no gradient)
+    "mod": (lambda g, dy, a, b, y: dy, lambda g, dy, a, b, y: g.neg(g.mul(dy, _truncated_quotient(g, a(), b())))),
+    "add_square": (lambda g, dy, a, b, y: dy, lambda g, dy, a, b, y: g.mul(dy, g.mul(b(), 2.0))),
 }.items():
     backward_rule(_name)(_binary_rule(_rules))
 

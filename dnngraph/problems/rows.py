@@ -22,7 +22,7 @@ class RowsGeometry:
 def _norm_axes(node, rank: int) -> tuple:
     """The axes one norm statistic reduces (cuDNN's conventions, channels on axis 1)."""
     op = node.op.removesuffix("_backward")
-    if op in ("layernorm", "rmsnorm"):
+    if op in ("layernorm", "rmsnorm", "adalayernorm"):
         return tuple(range(1, rank))
     if op == "instancenorm":
         return tuple(range(2, rank))

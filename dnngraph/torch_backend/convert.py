@@ -36,11 +36,12 @@ UNARY = {aten.relu.default: "relu", aten.sigmoid.default: "sigmoid", aten.tanh.d
          aten.exp.default: "exp", aten.log.default: "log", aten.neg.default: "neg", aten.rsqrt.default: "rsqrt",
          aten.sqrt.default: "sqrt", aten.erf.default: "erf", aten.abs.default: "abs",
          aten.reciprocal.default: "reciprocal", aten.silu.default: "silu", aten.sin.default: "sin",
-         aten.cos.default: "cos"}
+         aten.cos.default: "cos", aten.tan.default: "tan"}
 BINARY = {aten.add.Tensor: "add", aten.sub.Tensor: "sub", aten.mul.Tensor: "mul", aten.div.Tensor: "div",
           aten.maximum.default: "maximum", aten.minimum.default: "minimum",
           aten.pow.Tensor_Scalar: "pow", aten.pow.Tensor_Tensor: "pow", aten.add.Scalar: "add",
-          aten.sub.Scalar: "sub", aten.mul.Scalar: "mul", aten.div.Scalar: "div"}
+          aten.sub.Scalar: "sub", aten.mul.Scalar: "mul", aten.div.Scalar: "div",
+          aten.fmod.Tensor: "mod", aten.fmod.Scalar: "mod"}  # mod is fmod (ops/pointwise.py)
 COMPARE = {aten.gt: "cmp_gt", aten.ge: "cmp_ge", aten.lt: "cmp_lt", aten.le: "cmp_le", aten.eq: "cmp_eq",
            aten.ne: "cmp_ne"}
 for _packet, _op in COMPARE.items():

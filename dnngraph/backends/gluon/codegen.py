@@ -21,6 +21,7 @@ from typing import Optional
 
 from ... import dtypes
 from ...errors import UnsupportedError
+from ...ops.pointwise import relu_is_clipped
 from ..contract import KernelSource
 from ..triton.codegen.names import NameAllocator, comment_text
 from ..triton.codegen.pointwise import KernelArgument
@@ -86,6 +87,15 @@ def literal(value) -> str:
     if math.isinf(value):
         return "1e999" if value > 0 else "-1e999"
     return repr(value)
+
+
+def clipped_relu_text(value: str, attrs) -> str:
+    """relu with the frontend's clips (ops/pointwise.py _relu, triton_math.clipped_relu): the
+    upper clip at and above it, the lower line at and below the lower clip, NaN kept."""
+    lower, upper = literal(attrs.relu_lower_clip), literal(attrs.relu_upper_clip)
+    slope = attrs.relu_lower_clip_slope
+    below = lower if slope == 0 else f"({lower} + {literal(slope)} * ({value} - {lower}))"
+    return f"gl.where({value} >= {upper}, {upper}, gl.where({value} <= {lower}, {below}, {value}))"
 
 
 @dataclass(frozen=True)
@@ -201,6 +211,8 @@ class EpilogueRenderer:
                              else node.attrs.data_type.name)
             if text is None:
                 raise UnsupportedError(f"cast to {node.attrs.data_type}: the Gluon epilogue casts to float types only")
+        elif node.op == "relu" and relu_is_clipped(node.attrs):
+            text = clipped_relu_text(operands[0], node.attrs)
         else:
             text = EPILOGUE[node.op].format(*operands)
         variable = self.names.fresh("v")

@@ -18,7 +18,8 @@ from typing import Optional
 from .... import dtypes
 from ....errors import UnsupportedError, ValidationError
 from .conversions import converted_to
-from .expressions import (CONVERT, EXPRESSIONS, INTEGER_CLOSED, INTEGER_TEMPLATES, INTEGER_TYPES, SCALAR_ROOTS,
+from ....ops.pointwise import integer_closed, relu_is_clipped
+from .expressions import (CLIPPED_RELU, CONVERT, EXPRESSIONS, INTEGER_TEMPLATES, INTEGER_TYPES, SCALAR_ROOTS,
                           cast_expression, dropout_from_tensors)
 from .names import NameAllocator
 
@@ -235,6 +236,8 @@ class ExpressionEmitter:
             return dropout_from_tensors(node)
         if node.op == "pow" and dict(node.attrs.constants).get(1) in SCALAR_ROOTS:
             return SCALAR_ROOTS[dict(node.attrs.constants)[1]]
+        if node.op in CLIPPED_RELU and relu_is_clipped(node.attrs):
+            return CLIPPED_RELU[node.op]
         if node.op != "cast":
             return EXPRESSIONS[node.op]
         have = self.values[node.inputs[0].uid][1]
@@ -252,7 +255,7 @@ class ExpressionEmitter:
         if node.op == "cast":
             have = self.consumed_kind(node.inputs[0])
             return have if have in INTEGER_TYPES else None
-        if node.op not in INTEGER_CLOSED:
+        if not integer_closed(node.op, node.attrs):
             return None
         kinds = set()
         for position, kind in enumerate(expression.inputs):

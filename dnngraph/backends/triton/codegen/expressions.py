@@ -20,7 +20,11 @@ from ....ops.pointwise import INTEGER_CLOSED  # noqa: F401 - the emitter reads i
 
 def _pointwise_fields(attrs) -> dict:
     return {name: getattr(attrs, name) for name in ("negative_slope", "alpha", "beta", "threshold", "min_val",
-                                                  "max_val")}
+                                                  "max_val", "swish_beta")}
+
+
+def _relu_clip_fields(attrs) -> dict:
+    return {name: getattr(attrs, name) for name in ("relu_lower_clip", "relu_upper_clip", "relu_lower_clip_slope")}
 
 
 def _no_fields(attrs) -> dict:
@@ -76,10 +80,14 @@ EXPRESSIONS: dict[str, Expression] = {
     "erf": _unary("tl.erf({0})"),
     "floor": _unary("tl.floor({0})"),
     "ceil": _unary("tl.ceil({0})"),
+    "swish": _unary("{0} * tl.sigmoid({swish_beta} * {0})"),
+    "tan": _unary("tl.sin({0}) / tl.cos({0})"),
     "add": _binary("{0} + {1}"),
     "sub": _binary("{0} - {1}"),
     "mul": _binary("{0} * {1}"),
     "scale": _binary("{0} * {1}"),
+    "mod": _binary("{0} % {1}"),  # frem: C's fmod, the dividend's sign (torch.fmod), in the interpreter too
+    "add_square": _binary("{0} + {1} * {1}"),
     "div": _binary("{0} / {1}"),
     "pow": _binary("tm.pow_({0}, {1})"),  # a number exponent of +-0.5: SCALAR_ROOTS
     "maximum": _binary("tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)"),
@@ -106,11 +114,22 @@ EXPRESSIONS: dict[str, Expression] = {
     "hardswish_backward": _binary("tm.hardswish_backward({0}, {1})"),
     "hardsigmoid_backward": _binary("tm.hardsigmoid_backward({0}, {1})"),
     "hardtanh_backward": _binary("tm.hardtanh_backward({0}, {1}, {min_val}, {max_val})"),
+    "swish_backward": _binary("tm.swish_backward({0}, {1}, {swish_beta})"),
     "dropout": Expression(
         "tm.dropout({0}, {seed}, {offset}, {counter}, {keep_threshold}, {keep_scale})", "f", "fb",
         fields=lambda attrs: {"keep_threshold": keep_threshold(attrs.p), "keep_scale": 1.0 / (1.0 - attrs.p)},
         scalars=lambda attrs: {"seed": attrs.seed, "offset": attrs.offset}, counter=True),
 }
+
+# relu and relu_backward whose clip attributes are not torch's relu (ops/pointwise.py relu_is_clipped)
+CLIPPED_RELU = {
+    "relu": Expression("tm.clipped_relu({0}, {relu_lower_clip}, {relu_upper_clip}, {relu_lower_clip_slope})",
+                       "f", "f", _relu_clip_fields),
+    "relu_backward": Expression(
+        "tm.clipped_relu_backward({0}, {1}, {relu_lower_clip}, {relu_upper_clip}, {relu_lower_clip_slope})",
+        "ff", "f", _relu_clip_fields),
+}
+
 
 def dropout_from_tensors(node) -> Expression:
     """dropout whose seed and/or offset are int64 tensor inputs (loaded as int64 values, every
@@ -145,7 +164,9 @@ def cast_expression(target, source_kind: str) -> Expression:
 # every other op takes integers converted to the compute float (div is true division).
 # integers are their own floor and ceiling; relu keeps its integer zero; pow squares exactly
 INTEGER_TEMPLATES = {"floor": "{0}", "ceil": "{0}", "relu": "tl.where({0} < 0, 0, {0})",
-                     "pow": "tm.ipow({0}, {1})", "neg": "-{0}"}
+                     "pow": "tm.ipow({0}, {1})", "neg": "-{0}",
+                     # C's remainder (torch.fmod on integers); 0 for a zero divisor, never divided by
+                     "mod": "tl.where({1} == 0, 0, {0} % tl.where({1} == 0, 1, {1}))"}
 
 # pow with a number exponent of 0.5 or -0.5 is torch's sqrt or rsqrt (ops/pointwise.py SCALAR_ROOTS)
 SCALAR_ROOTS = {0.5: _binary("tl.sqrt_rn({0})"), -0.5: _binary("tl.div_rn(1.0, tl.sqrt_rn({0}))")}

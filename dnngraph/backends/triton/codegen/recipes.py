@@ -122,24 +122,31 @@ def _affine(roles, normalized: str) -> str:
     return value + (" + {bias}" if "bias" in roles else "")
 
 
+def _epsilon(node, roles) -> str:
+    """The norm's epsilon: its one-element tensor operand where given, else the attribute."""
+    return "{epsilon}" if "epsilon" in roles else repr(float(node.attrs.epsilon))
+
+
 def _statistics_outputs(node, outs, eps) -> dict:
     rows = {}
     if "mean" in outs:
         rows[outs["mean"]] = "mean"
     if "inv_variance" in outs:
         rows[outs["inv_variance"]] = "inv"
-    momentum = node.attrs.momentum
+    # batchnorm's momentum: its one-element tensor operand where given, else the attribute
+    momentum = "{momentum}" if "momentum" in _roles(node) else repr(float(node.attrs.momentum))
     if "next_running_mean" in outs:
-        rows[outs["next_running_mean"]] = f"(1.0 - {momentum!r}) * {{in_running_mean}} + {momentum!r} * mean"
+        rows[outs["next_running_mean"]] = f"(1.0 - {momentum}) * {{in_running_mean}} + {momentum} * mean"
     if "next_running_var" in outs:
-        rows[outs["next_running_var"]] = (f"(1.0 - {momentum!r}) * {{in_running_var}} + {momentum!r} * "
+        rows[outs["next_running_var"]] = (f"(1.0 - {momentum}) * {{in_running_var}} + {momentum} * "
                                           f"var * n_reduced / tl.maximum(n_reduced - 1.0, 1.0)")
     return rows
 
 
 def centered_norm(node, kinds) -> Recipe:
     """layernorm, batchnorm, instancenorm, groupnorm forward."""
-    roles, outs, eps = _roles(node), _outputs(node), repr(float(node.attrs.epsilon))
+    roles, outs = _roles(node), _outputs(node)
+    eps = _epsilon(node, roles)
     inv = f"inv = tl.rsqrt(var + {eps})"
     # the second pass also sums the deviations: the mean is rounded to fp32, and the square of
     # what that rounding leaves (sum of deviations / n) is taken back out (the corrected two-pass
@@ -155,8 +162,9 @@ def centered_norm(node, kinds) -> Recipe:
 
 
 def rmsnorm(node, kinds) -> Recipe:
-    roles, outs, eps = _roles(node), _outputs(node), repr(float(node.attrs.epsilon))
-    stage = ([Accumulator("sq_sum", "sum", "{x} * {x}")], [f"inv = tl.rsqrt(sq_sum / n_reduced + {eps})"])
+    roles, outs = _roles(node), _outputs(node)
+    stage = ([Accumulator("sq_sum", "sum", "{x} * {x}")],
+             [f"inv = tl.rsqrt(sq_sum / n_reduced + {_epsilon(node, roles)})"])
     rows = {outs["inv_variance"]: "inv"} if "inv_variance" in outs else {}
     return Recipe(roles, [stage], {outs["y"]: _affine(roles, "{x} * inv")}, rows, stash=("inv",))
 
@@ -244,4 +252,6 @@ RECIPES = {
     "instancenorm_backward": norm_backward,
     "groupnorm_backward": norm_backward,
     "rmsnorm_backward": norm_backward,
+    "adalayernorm": centered_norm,  # layernorm whose scale and bias may be per sample
+    "adalayernorm_backward": norm_backward,
 }

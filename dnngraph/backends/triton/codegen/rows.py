@@ -356,14 +356,21 @@ def _tile_loop(src, top, used, start: str, stop: str, body, first=None):
 
 
 # --- statistics ---------------------------------------------------------------------------------
+def _finalize(src, emitter, finalize):
+    """A stage's row statements; they may read row and scalar operands by role (a norm's
+    epsilon given as a tensor)."""
+    roles = _roles(src.spec, emitter)
+    for text in finalize:
+        src.line(text.format(**roles))
+
+
 def _stats_one_pass(src, tile, stages):
     for accumulators, finalize in stages:
         roles = _roles(src.spec, tile)
         for acc in accumulators:
             element = _masked(acc.element.format(**roles), _identity(acc))
             src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(element)}")
-        for text in finalize:
-            src.line(text)
+        _finalize(src, tile, finalize)
 
 
 def _accumulate_loop(src, top, used, accumulators, start, stop):
@@ -462,8 +469,7 @@ def _partial_accumulate(src, top, used, accumulators, start, stop):
 def _stats_looped(src, top, used, stages):
     for accumulators, finalize in stages:
         _accumulate_loop(src, top, used, accumulators, "0", "reduced")
-        for text in finalize:
-            src.line(text)
+        _finalize(src, top, finalize)
 
 
 def _load_stash(src):
@@ -596,8 +602,7 @@ def _combine_body(src, used):
             part = REDUCE_TILE[acc.combine].format(acc.name + "_tile")
             src.line(f"{acc.name} = {COMBINE[acc.combine].format(acc.name, part)}")
     src.depth -= 1
-    for text in finalize:
-        src.line(text)
+    _finalize(src, top, finalize)
     _row_outputs(src, top, used)
     for name in spec.stash:
         src.line(f"tl.store(stash_{name}_ptr + k_idx[:, None], {name}, mask=k_mask[:, None])")

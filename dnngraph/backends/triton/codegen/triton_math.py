@@ -172,6 +172,29 @@ def tanh_backward(dy, x):
 
 
 @triton.jit
+def clipped_relu(x, lower, upper, slope):
+    # the cuDNN frontend's relu with clips (ops/pointwise.py _relu): a zero slope is the constant
+    # lower clip (0 * -inf would be NaN); a NaN x fails both comparisons and stays NaN
+    below = tl.where(slope == 0, lower, lower + slope * (x - lower))
+    return tl.where(x >= upper, upper, tl.where(x <= lower, below, x))
+
+
+@triton.jit
+def clipped_relu_backward(dy, x, lower, upper, slope):
+    # dy between the clips and for a NaN x; slope * dy at and below the lower clip (0 for a zero
+    # slope, an infinite dy included); 0 at and above the upper clip
+    below = tl.where(slope == 0, 0.0, dy * slope)
+    return tl.where(x >= upper, 0.0, tl.where(x <= lower, below, dy))
+
+
+@triton.jit
+def swish_backward(dy, x, beta):
+    # d/dx x sigmoid(beta x) = s (1 + beta x (1 - s)), as torch's silu backward at beta = 1
+    s = tl.sigmoid(beta * x)
+    return dy * s * (1.0 + beta * x * (1.0 - s))
+
+
+@triton.jit
 def clamp_keeping_nan(x, low, high):
     # torch's clamp: a NaN stays NaN (comparisons with it are false)
     return tl.where(x < low, low, tl.where(x > high, high, x))
