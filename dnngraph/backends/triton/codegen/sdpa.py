@@ -63,11 +63,13 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          "sm_scale", "slope", "sink_logit", "m_sink", "p_sink", "dsink_acc", "scale_ptr", "sink_ptr", "smax_ptr",
          "ssum_ptr", "dsink_ptr",
          # ragged (THD) operands: each sequence's element offset in the packed buffer
-         *(f"{stem}_ptr" for stem in RAGGED_STEMS.values()))
+         *(f"{stem}_ptr" for stem in RAGGED_STEMS.values()),
+         # the block-sparse mask and v's own head count
+         "bmask_ptr", "bmask_row", "bmask_base", "block_open", "MASK_M", "MASK_N", "GROUP_V", "v_head")
 RUN_FUNCTION = "attend_blocks"
 STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
                 "dbias", "delta", "opart", "lpart", "seedt", "offt", "scale", "sink", "smax", "ssum", "dsink",
-                *RAGGED_STEMS.values())
+                *RAGGED_STEMS.values(), "bmask")
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
 
 
@@ -258,6 +260,9 @@ class _Writer:
           f"{_mask_argument(q_rows + self.d_mask('[None, :]'))})")
         if self.has("bias"):
             w(f"bias_row = {self.row_base('bias')}")
+        if self.has("bmask"):  # each row's mask row: (batch, head, position // MASK_M)
+            cast = ".to(tl.int64)" if self.spec.wide_index else ""
+            w(f"bmask_row = batch{cast} * bmask_s0 + q_head{cast} * bmask_s1 + (q_pos // MASK_M){cast} * bmask_s2")
         for stem in self.sides:
             w(f"{stem}_row = {self.row_base(stem)}")
         if self.spec.dropout is not None:
@@ -354,6 +359,9 @@ class _Writer:
         if spec.page_size:  # a table may hide any key: every block is masked
             self.page_rows(depth)
             masked = True
+        if self.has("bmask"):  # a block mask may hide any key: every block is masked, or skipped
+            depth = self.sparse_gate("bmask_row[:, None]", "row_in[:, None]", "keys[None, :]", depth)
+            masked = True
         k_rows = self.key_rows("k", depth)
         terms = (["key_in[None, :]"] if masked else []) + self.d_mask("[:, None]")
         w(f"k_tile = tl.load(k_ptr + {k_rows}[None, :] + cols_d[:, None] * {self.stride('k', 3)}"
@@ -364,6 +372,15 @@ class _Writer:
         else:
             self.probabilities(masked, depth)
         self.accumulate(masked, depth)
+
+    def sparse_gate(self, mask_rows: str, rows_in: str, keys: str, depth: int) -> int:
+        """The block mask's entries of each (row, key) of the tile (block_open, laid out as
+        `mask_rows` (offsets of the rows' mask rows) and `keys` lay them), and an `if` that skips
+        the tile when none is open: its loads and products never run. Returns the body's depth."""
+        self.line(f"block_open = tl.load(bmask_ptr + {mask_rows} + ({keys} // MASK_N) * bmask_s3, "
+                  f"mask={rows_in} & ({keys} < SKV), other=0) != 0", depth)
+        self.line("if tl.max(block_open.to(tl.int32)) > 0:", depth)
+        return depth + 1
 
     def plain_probabilities(self, depth: int):
         """p of a fully visible block of plain scores: they are finite, so m_new is too once any
@@ -392,7 +409,8 @@ class _Writer:
         if spec.alibi:
             w("scores += (keys[None, :] - q_pos[:, None]).to(tl.float32) * slope[:, None]", depth)
         if masked:
-            w("visible = key_in[None, :] & (q_pos[:, None] >= 0)", depth)
+            w("visible = key_in[None, :] & (q_pos[:, None] >= 0)" + (" & block_open" if self.has("bmask") else ""),
+              depth)
             if spec.right is not None:
                 w(f"visible = visible & (keys[None, :] - (q_pos[:, None] + shift) <= {spec.right})", depth)
             if spec.left is not None:
@@ -674,6 +692,7 @@ def attention_arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
              KernelArgument("constexpr", "VALUE_DIM", spec.dims["VALUE_DIM"])]
     if spec.page_size:
         args += [KernelArgument("int", "PAGES", spec.dims["PAGES"]), KernelArgument("constexpr", "PAGE", spec.page_size)]
+    args += [KernelArgument("constexpr", name, spec.dims[name]) for name in ("MASK_M", "MASK_N") if name in spec.dims]
     if spec.splits > 1:
         args += [KernelArgument("constexpr", "SPLITS", spec.splits), KernelArgument("constexpr", "CHUNK", spec.chunk)]
     block_m, block_n, block_d, block_dv = spec.block
@@ -701,7 +720,7 @@ class BackwardWriter(_Writer):
     def head_offsets(self, head: str, depth: int):
         """Base offsets of one query head's rows in q, dO, o, stats, delta and bias."""
         wide = ".to(tl.int64)" if self.spec.wide_index else ""
-        for stem in ("q", "do", "o", "stats", "delta", "bias", "dq"):
+        for stem in ("q", "do", "o", "stats", "delta", "bias", "dq", "bmask"):
             if self.has(stem):
                 self.line(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + {head}{wide} * {stem}_s1", depth)
 
@@ -762,7 +781,7 @@ class BackwardWriter(_Writer):
         if spec.alibi:
             w(f"scores += ({c} - {r}).to(tl.float32) * {alibi_slope('head', spec.dims['HEADS'])}", depth)
         if masked:
-            w(f"visible = ({c} < len_kv) & ({r} < len_q)", depth)
+            w(f"visible = ({c} < len_kv) & ({r} < len_q)" + (" & block_open" if self.has("bmask") else ""), depth)
             if spec.right is not None:
                 w(f"visible = visible & ({c} - ({r} + shift) <= {spec.right})", depth)
             if spec.left is not None:
@@ -783,6 +802,10 @@ class BackwardWriter(_Writer):
     def dkdv_block(self, masked: bool, depth: int):
         w = self.line
         w("q_rows = start_m + tl.arange(0, BLOCK_M)", depth)
+        if self.has("bmask"):
+            depth = self.sparse_gate("bmask_base + (q_rows // MASK_M)[None, :] * bmask_s2", "(q_rows < SQ)[None, :]",
+                                     "keys[:, None]", depth)
+            masked = True
         self.row_loads("q_rows", depth, masked, True)
         self.scores("q_rows", "keys", True, masked, depth)
         probs = "p_drop" if self.spec.dropout is not None else "p_tile"
@@ -850,6 +873,10 @@ class BackwardWriter(_Writer):
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
         w("keys = start_n + tl.arange(0, BLOCK_N)", depth)
         w("key_in = keys < len_kv", depth)
+        if self.has("bmask"):
+            depth = self.sparse_gate("bmask_base + (rows // MASK_M)[:, None] * bmask_s2", "(rows < SQ)[:, None]",
+                                     "keys[None, :]", depth)
+            masked = True
         for stem, cols, mask in self.key_operands():
             keys = ["key_in[:, None]"] if masked else []
             w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + {cols}[None, :] * "
