@@ -214,6 +214,19 @@ class _Writer:
     def stride(self, stem: str, axis: int) -> str:
         return f"{stem}_s{axis}"
 
+    def split_heads(self) -> bool:
+        """Whether k and v have their own head counts (GROUP query heads per k head, GROUP_V per
+        v head)."""
+        return "GROUP_V" in self.spec.dims
+
+    def key_head(self, stem: str, depth: int, query_head: str = "") -> str:
+        """The variable holding the k or v head (`stem`) of the query head being walked; v's
+        own, v_head, is written here from `query_head` when v has its own head count."""
+        if stem != "v" or not self.split_heads():
+            return "kv_head"
+        self.line(f"v_head = {query_head} // GROUP_V", depth)
+        return "v_head"
+
     def ragged(self, stem: str) -> bool:
         """Whether operand `stem` is ragged: its sequences start at offsets, not at batch strides."""
         return stem in RAGGED_STEMS and self.has(RAGGED_STEMS[stem])
@@ -269,7 +282,8 @@ class _Writer:
             w("drop_row = (batch.to(tl.int64) * HEADS + q_head) * SQ + q_pos")
         if not self.spec.page_size:
             for stem in ("k", "v") if self.has("v") else ("k",):
-                w(f"{stem}_base = {self.batch_term(stem, 'batch', cast)} + kv_head{cast} * {self.stride(stem, 1)}")
+                head = self.key_head(stem, 1, "q_head")
+                w(f"{stem}_base = {self.batch_term(stem, 'batch', cast)} + {head}{cast} * {self.stride(stem, 1)}")
         w("m_i = tl.full([BLOCK_M], float('-inf'), tl.float32)")
         w("l_i = tl.zeros([BLOCK_M], tl.float32)")
         w("acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)")
@@ -678,8 +692,8 @@ def attention_arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
     stems = [s for s in STRIDE_STEMS if s in spec.uids]
     args = [KernelArgument("tensor", f"{s}_ptr", spec.uids[s]) for s in stems]
     args += [KernelArgument("tensor", f"{s}_ptr", t.uid) for s, t in extra.items()]
-    args += [KernelArgument("int", name, spec.dims[name]) for name in ("HEADS", "GROUP", "SQ", "SKV", "BATCH",
-                                                                       "BIAS_HEADS") if name in spec.dims]
+    args += [KernelArgument("int", name, spec.dims[name]) for name in ("HEADS", "GROUP", "GROUP_V", "SQ", "SKV",
+                                                                       "BATCH", "BIAS_HEADS") if name in spec.dims]
     for stem in stems:
         args += [KernelArgument("int", f"{stem}_s{axis}", value) for axis, value in enumerate(spec.strides[stem])]
     for stem, tensor in extra.items():
@@ -835,26 +849,33 @@ class BackwardWriter(_Writer):
         w("run_a, run_b = lib.block_runs(lo, hi, full_lo, full_hi, BLOCK_M)")
 
     def dkdv_kernel(self):
+        """dK and dV of one key block of a k/v head, walking the query heads of its group. Where
+        k and v have their own head counts the kernel stores one of them (a kernel per
+        gradient): the owned operand's tile stays resident, the other's is loaded per query head."""
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        own = "GROUP_V" if self.split_heads() and not self.has("dk") else "GROUP"
         self.program_ids("pid_n", reverse=False)  # causal: the first key block sees the most queries
-        w("batch = pid_bh // (HEADS // GROUP)")
-        w("kv_head = pid_bh % (HEADS // GROUP)")
+        w(f"batch = pid_bh // (HEADS // {own})")
+        w(f"kv_head = pid_bh % (HEADS // {own})")
         self.lengths()
         w("keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
         w("key_in = keys < len_kv")
         w("cols_d = tl.arange(0, BLOCK_D)")
         w("cols_dv = tl.arange(0, BLOCK_DV)")
-        for stem, cols, mask in self.key_operands():
-            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + kv_head{wide} * {stem}_s1")
-            w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + "
-              f"{cols}[None, :] * {stem}_s3{_mask_argument(['key_in[:, None]'] + mask)})")
+        owned = {"GROUP": "k", "GROUP_V": "v"}[own]
+        resident = [op for op in self.key_operands() if not self.split_heads() or op[0] == owned]
+        walked = [op for op in self.key_operands() if op not in resident]
+        for operand in resident:
+            self.key_tile(operand, "kv_head", 1)
         for stem, shape in (("dk", "BLOCK_D"), ("dv", "BLOCK_DV")):
             if self.has(stem):
                 w(f"{stem}_acc = tl.zeros([BLOCK_N, {shape}], tl.float32)")
         self.query_range()
-        w("for q_head in range(GROUP):")
-        w("head = kv_head * GROUP + q_head", 2)
+        w(f"for q_head in range({own}):")
+        w(f"head = kv_head * {own} + q_head", 2)
         self.head_offsets("head", 2)
+        for operand in walked:  # its head: the query head's in the other grouping
+            self.key_tile(operand, f"(head // {'GROUP' if owned == 'v' else 'GROUP_V'})", 2)
         self.block_loops("start_m", "BLOCK_M", self.dkdv_block, 2)
         for stem, acc, cols, mask, scale in (("dk", "dk_acc", "cols_d", self.d_mask("[None, :]"), True),
                                              ("dv", "dv_acc", "cols_dv", self.dv_mask("[None, :]"), False)):
@@ -867,6 +888,14 @@ class BackwardWriter(_Writer):
               f"keys[:, None]{wide} * "
               f"{stem}_s2 + {cols}[None, :] * {stem}_s3, {self.stored_as(stem, value)}, "
               f"mask={' & '.join(store + mask)})")
+
+    def key_tile(self, operand: tuple, head: str, depth: int):
+        """The key block's tile of k or v (`operand` as key_operands gives it) at head `head`."""
+        stem, cols, mask = operand
+        wide = ".to(tl.int64)" if self.spec.wide_index else ""
+        self.line(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + {head}{wide} * {stem}_s1", depth)
+        self.line(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + "
+                  f"{cols}[None, :] * {stem}_s3{_mask_argument(['key_in[:, None]'] + mask)})", depth)
 
     def dq_block(self, masked: bool, depth: int, accumulate: str = ""):
         """One key block of a query tile: dS, then dQ += dS k (or `accumulate`, the dbias kernel)."""
@@ -902,7 +931,8 @@ class BackwardWriter(_Writer):
         w("cols_dv = tl.arange(0, BLOCK_DV)")
         self.head_offsets("head", 1)
         for stem, _, _ in self.key_operands():
-            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + kv_head{wide} * {stem}_s1")
+            head = self.key_head(stem, 1, "head")
+            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + {head}{wide} * {stem}_s1")
         self.row_loads("rows", 1, True, False)
         w("dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)")
         self.key_range(padded_rows_idle=True)
@@ -964,7 +994,8 @@ class BackwardWriter(_Writer):
         w("kv_head = head // GROUP", depth)
         self.head_offsets("head", depth)
         for stem in ("k", "v"):
-            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + kv_head{wide} * {stem}_s1", depth)
+            head = self.key_head(stem, depth, "head")
+            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + {head}{wide} * {stem}_s1", depth)
         if owns_rows:
             w("start_m = pid_m * BLOCK_M", depth)
         else:
