@@ -344,7 +344,7 @@ def test_a_bound_mask_of_the_wrong_shape_fails_at_execute_and_writes_nothing():
 def sm90_graphs():
     """Built graphs for the sm_90 compile check: a block mask forward and backward (the gated
     tile loops of the forward, dK/dV, dQ and dbias kernels), and own k and v head counts."""
-    g, _ = sparse_case((1, 4, 300, 64), (2, 300), torch.bfloat16, block_size=(128, 128), backward=True,
+    g, _ = sparse_case((1, 4, 300, 64), (2, 300), dtype=torch.bfloat16, block_size=(128, 128), backward=True,
                        bias=True, use_causal_mask=True)
     g.build()
     yield "block-sparse sdpa with backward", g
