@@ -206,6 +206,28 @@ def test_split_decode_honours_the_mask():
     check(g, inputs)
 
 
+@pytest.mark.parametrize("s_q", [1, 6])  # decode, prefill
+def test_paged_k_v_under_a_block_mask(s_q):
+    """Keys gathered through page tables (pages of 8 out of order) under mask blocks of 5 keys."""
+    gen = torch.Generator().manual_seed(12)
+    pages, page, per_seq, batch = 12, 8, 4, 2
+    k_pool, v_pool = (torch.randn(pages, 2, page, 16, generator=gen) for _ in "kv")
+    table = torch.randperm(pages, generator=gen)[:batch * per_seq].view(batch, 1, per_seq, 1).to(torch.int32)
+    q_t = torch.randn(batch, 4, s_q, 16, generator=gen)
+    mask_t = torch.rand(batch, 4, -(-s_q // 3), -(-per_seq * page // 5), generator=gen) < 0.5
+    g = dg.Graph(name="paged_sparse", io_data_type=dg.float32, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    values = {"q": q_t, "k": k_pool, "v": v_pool, "ktab": table, "vtab": table.clone(), "mask": mask_t,
+              "lens": torch.tensor([29, 17], dtype=torch.int32).view(batch, 1, 1, 1)}
+    t = {name: g.tensor_like(value, name) for name, value in values.items()}
+    o, stats = g.sdpa(t["q"], t["k"], t["v"], is_inference=False, seq_len_kv=t["lens"], paged_attention_k_table=t["ktab"],
+                      paged_attention_v_table=t["vtab"], block_mask=t["mask"], block_mask_size=(3, 5),
+                      use_causal_mask_bottom_right=True)
+    o.set_output(True)
+    stats.set_output(True)
+    check(g, {t[name]: value for name, value in values.items()})
+
+
 def test_autograd_through_as_function_keeps_the_mask():
     gen = torch.Generator().manual_seed(8)
     g = dg.Graph(name="sparsegrad", io_data_type=dg.float32, intermediate_data_type=dg.float32,
