@@ -243,7 +243,7 @@ def make_inputs(shape: AttnShape, device, dtype, seed=0) -> dict:
         inputs["seq_len_q"] = torch.full((b, 1, 1, 1), shape.s_q, dtype=torch.int32, device=device)
         inputs["seq_len_kv"] = torch.full((b, 1, 1, 1), shape.s_kv, dtype=torch.int32, device=device)
     if shape.density is not None:
-        inputs["block_mask"] = block_mask(shape, device)
+        inputs["block_mask"] = shape_block_mask(shape, device)
     if shape.softcap:
         inputs["row"] = torch.arange(shape.s_q, dtype=torch.int32, device=device).view(1, 1, -1, 1)
         inputs["col"] = torch.arange(shape.s_kv, dtype=torch.int32, device=device).view(1, 1, 1, -1)
@@ -251,7 +251,7 @@ def make_inputs(shape: AttnShape, device, dtype, seed=0) -> dict:
     return inputs
 
 
-def block_mask(shape: AttnShape, device) -> torch.Tensor:
+def shape_block_mask(shape: AttnShape, device) -> torch.Tensor:
     """[1, 1, q blocks, k blocks] bool of the shape's block-sparse mask: random blocks open at its
     density (a fixed seed: every provider sees the same mask), the diagonal ones too so that no
     query row is left without keys."""
@@ -272,7 +272,7 @@ def visible_mask(shape: AttnShape, device) -> torch.Tensor:
         visible &= rows - cols < shape.left_bound
     if shape.density is not None:
         size = shape.mask_block
-        blocks = block_mask(shape, device)[0, 0]
+        blocks = shape_block_mask(shape, device)[0, 0]
         visible &= blocks.repeat_interleave(size, 0)[:shape.s_q].repeat_interleave(size, 1)[:, :shape.s_kv]
     return visible
 
@@ -404,7 +404,7 @@ def flex_provider(shape: AttnShape, inputs, backward: bool, ctx) -> Callable:
         if backward and ctx.device == "cpu":
             raise Skipped("flex attention has no CPU backward")
         flex = compiled(ctx, flex_attention)
-        blocks = block_mask(shape, inputs["q"].device)[0, 0] if shape.density is not None else None
+        blocks = shape_block_mask(shape, inputs["q"].device)[0, 0] if shape.density is not None else None
         mask_mod = band_mask_mod(shape.left_bound, shape.right_bound, blocks, shape.mask_block)
         block_mask = create_block_mask(mask_mod, None, None, shape.s_q, shape.s_kv, device=inputs["q"].device)
         cap = shape.softcap
