@@ -96,9 +96,10 @@ def test_a_mask_broadcast_over_batch_or_heads(mask_dims):
     check(g, inputs, options=TILES)
 
 
-@pytest.mark.parametrize("block_size", [(1, 1), (16, 16), (7, 64), (64, 3)])
+@pytest.mark.parametrize("block_size", [(1, 1), (16, 16), (32, 48), (7, 64), (64, 3)])
 def test_block_sizes_smaller_larger_and_equal_to_the_tiles(block_size):
-    """Mask blocks of one element, of the kernel's tile, and past an axis (one block spans it)."""
+    """Mask blocks of one element, of the kernel's tile and multiples of it (one entry decides a
+    tile), and past an axis (one block spans it)."""
     g, inputs = sparse_case((1, 2, 37, 16), (2, 45), block_size=block_size, backward=True, seed=3)
     check(g, inputs, options=TILES)
 
@@ -146,15 +147,16 @@ def test_a_row_with_no_open_block_sees_only_the_sink():
     assert torch.allclose(stats[:, :, :12], sink.view(1, 4, 1, 1).expand(2, 4, 12, 1))
 
 
-def test_blocks_the_mask_rules_out_are_never_visited():
-    """NaN in the keys and values of a key block no query opens, and in the queries and dO of a
-    query block that opens none (blocks of the kernel's 16 x 16 tiles: a tile mixing open and
-    closed keys reads them all, as a causal diagonal tile does): a kernel that visited them would
-    spread NaN (0 x NaN is NaN); the results equal the reference from clean values."""
-    size = (16, 16)
+@pytest.mark.parametrize("size", [(16, 16), (32, 16), (8, 8), (4, 16)])
+def test_blocks_the_mask_rules_out_are_never_visited(size):
+    """NaN in the keys and values 16..31, which no query sees, and in the queries and dO 0..15,
+    which see no key (whole 16 x 16 tiles of the kernel: a tile mixing open and closed keys reads
+    them all, as a causal diagonal tile does): a kernel that visited them would spread NaN
+    (0 x NaN is NaN); the results equal the reference from clean values. Mask blocks of the
+    tiles or multiples of them (one entry decides a tile), and finer ones (entries gathered)."""
     mask = torch.rand(2, 4, *blocks_of(37, 45, size), generator=torch.Generator().manual_seed(4)) < 0.7
-    mask[:, :, :, 1] = False  # keys 16..31 seen by no query
-    mask[:, :, 0] = False  # queries 0..15 see no key
+    mask[:, :, :, 16 // size[1]:32 // size[1]] = False  # keys 16..31 seen by no query
+    mask[:, :, :max(1, 16 // size[0])] = False  # queries 0..15 see no key (0..31 for blocks of 32)
     g, inputs = sparse_case(*SHAPES["tiled"], mask=mask, block_size=size, backward=True)
     refs = g.reference(inputs)
     dirty = {}
@@ -173,10 +175,23 @@ def test_blocks_the_mask_rules_out_are_never_visited():
         assert torch.allclose(out[finite].double(), ref[finite], rtol=1e-4, atol=1e-5), name
 
 
-def test_with_padding_bias_dropout_and_gqa():
-    g, inputs = sparse_case((2, 6, 37, 16), (3, 45), backward=True, bias=True, lens=([37, 20], [45, 17]),
-                            dropout=(0.2, 11, 5), use_causal_mask=True)
+@pytest.mark.parametrize("block_size", [(12, 20), (16, 32)])
+def test_with_padding_bias_dropout_and_gqa(block_size):
+    g, inputs = sparse_case((2, 6, 37, 16), (3, 45), block_size=block_size, backward=True, bias=True,
+                            lens=([37, 20], [45, 17]), dropout=(0.2, 11, 5), use_causal_mask=True)
     check(g, inputs, options=TILES)
+
+
+def test_aligned_blocks_are_decided_by_one_entry_per_tile():
+    """Mask blocks of whole tiles: each kernel reads one entry per tile (no gathered block_open);
+    finer blocks gather the tile's entries."""
+    for block_size, gathered in (((32, 16), False), ((12, 20), True)):
+        g, _ = sparse_case(*SHAPES["tiled"], block_size=block_size, backward=True)
+        g.build(options=TILES)
+        for launch in g.plan.launches:
+            text = open(launch.source_path).read()
+            if "bmask_ptr" in text:
+                assert ("block_open" in text) == gathered, (block_size, launch.config_text)
 
 
 def test_an_int32_mask_and_a_strided_one():
@@ -365,11 +380,15 @@ def test_a_bound_mask_of_the_wrong_shape_fails_at_execute_and_writes_nothing():
 
 def sm90_graphs():
     """Built graphs for the sm_90 compile check: a block mask forward and backward (the gated
-    tile loops of the forward, dK/dV, dQ and dbias kernels), and own k and v head counts."""
+    tile loops of the forward, dK/dV, dQ and dbias kernels; blocks of whole tiles and blocks that
+    cut them), and own k and v head counts."""
     g, _ = sparse_case((1, 4, 300, 64), (2, 300), dtype=torch.bfloat16, block_size=(128, 128), backward=True,
                        bias=True, use_causal_mask=True)
     g.build()
     yield "block-sparse sdpa with backward", g
+    g, _ = sparse_case((1, 4, 300, 64), (2, 300), dtype=torch.bfloat16, block_size=(48, 80), backward=True)
+    g.build()
+    yield "block-sparse sdpa of blocks that cut the tiles, with backward", g
     g, _ = sparse_case((1, 6, 200, 64), (3, 200), value_heads=2, dtype=torch.bfloat16, block_size=None,
                        backward=True)
     g.build()
@@ -377,7 +396,7 @@ def sm90_graphs():
 
 
 def test_sparse_and_own_heads_compile_for_sm90():
-    assert "compiled 10 kernels for sm_90" in compiled_for_sm90("test_sdpa_sparse:sm90_graphs", timeout=500)
+    assert "compiled 14 kernels for sm_90" in compiled_for_sm90("test_sdpa_sparse:sm90_graphs", timeout=500)
 
 
 @pytest.mark.gpu

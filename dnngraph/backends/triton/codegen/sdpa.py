@@ -115,10 +115,14 @@ def constexpr_branches(masked: list, unmasked: list, indent: str) -> list:
         if tag == "equal":
             merged += masked[i1:i2]
             continue
-        merged.append(indent + "if MASKED:")
-        merged += ["    " + line for line in masked[i1:i2]] or [indent + "    pass"]
-        merged.append(indent + "else:")
-        merged += ["    " + line for line in unmasked[j1:j2]] or [indent + "    pass"]
+        # a stretch nested deeper than `indent` (inside a shared `if`) branches at its own depth
+        here = min((line[:len(line) - len(line.lstrip())] for line in masked[i1:i2] + unmasked[j1:j2]),
+                   key=len, default=indent)
+        here = max(here, indent, key=len)
+        merged.append(here + "if MASKED:")
+        merged += ["    " + line for line in masked[i1:i2]] or [here + "    pass"]
+        merged.append(here + "else:")
+        merged += ["    " + line for line in unmasked[j1:j2]] or [here + "    pass"]
     return merged
 
 
@@ -273,9 +277,10 @@ class _Writer:
           f"{_mask_argument(q_rows + self.d_mask('[None, :]'))})")
         if self.has("bias"):
             w(f"bias_row = {self.row_base('bias')}")
-        if self.has("bmask"):  # each row's mask row: (batch, head, position // MASK_M)
+        if self.has("bmask"):  # each row's mask row: (batch, head, position // MASK_M); the tile's when aligned
             cast = ".to(tl.int64)" if self.spec.wide_index else ""
-            w(f"bmask_row = batch{cast} * bmask_s0 + q_head{cast} * bmask_s1 + (q_pos // MASK_M){cast} * bmask_s2")
+            position = "first_pos" if self.mask_aligned() else "q_pos"
+            w(f"bmask_row = batch{cast} * bmask_s0 + q_head{cast} * bmask_s1 + ({position} // MASK_M){cast} * bmask_s2")
         for stem in self.sides:
             w(f"{stem}_row = {self.row_base(stem)}")
         if self.spec.dropout is not None:
@@ -373,9 +378,10 @@ class _Writer:
         if spec.page_size:  # a table may hide any key: every block is masked
             self.page_rows(depth)
             masked = True
-        if self.has("bmask"):  # a block mask may hide any key: every block is masked, or skipped
-            depth = self.sparse_gate("bmask_row[:, None]", "row_in[:, None]", "keys[None, :]", depth)
-            masked = True
+        if self.has("bmask"):  # a block mask may hide any key: a block is skipped, or masked where it cuts the tile
+            depth, cut = self.sparse_gate("bmask_row[:, None]", "row_in[:, None]", "keys[None, :]", depth,
+                                          "bmask_row + (start_n // MASK_N) * bmask_s3")
+            masked = masked or cut
         k_rows = self.key_rows("k", depth)
         terms = (["key_in[None, :]"] if masked else []) + self.d_mask("[:, None]")
         w(f"k_tile = tl.load(k_ptr + {k_rows}[None, :] + cols_d[:, None] * {self.stride('k', 3)}"
@@ -387,14 +393,32 @@ class _Writer:
             self.probabilities(masked, depth)
         self.accumulate(masked, depth)
 
-    def sparse_gate(self, mask_rows: str, rows_in: str, keys: str, depth: int) -> int:
-        """The block mask's entries of each (row, key) of the tile (block_open, laid out as
-        `mask_rows` (offsets of the rows' mask rows) and `keys` lay them), and an `if` that skips
-        the tile when none is open: its loads and products never run. Returns the body's depth."""
+    def mask_aligned(self) -> bool:
+        """Whether every tile lies inside one block of the block mask: its blocks are whole
+        multiples of the tiles (which start on their own edges), and a tile's rows are of one head
+        (not a packed decode tile)."""
+        dims, block = self.spec.dims, self.spec.block
+        return self.has("bmask") and not self.spec.packed and dims["MASK_M"] % block[0] == 0 and \
+            dims["MASK_N"] % block[1] == 0
+
+    def element_masked(self) -> bool:
+        """Whether the block mask's entries join each tile's visibility (block_open): where a mask
+        block may cut a tile."""
+        return self.has("bmask") and not self.mask_aligned()
+
+    def sparse_gate(self, mask_rows: str, rows_in: str, keys: str, depth: int, tile_entry: str) -> tuple:
+        """An `if` that skips a tile no entry of the block mask opens: its loads and products never
+        run. Aligned (mask_aligned), the tile's one entry (at offset `tile_entry`) decides and
+        the tile is whole; otherwise the entries of each (row, key) are gathered (block_open, laid
+        out as `mask_rows` (offsets of the rows' mask rows) and `keys` lay them) and join the
+        tile's mask. Returns (the body's depth, whether the block mask cuts the tile)."""
+        if self.mask_aligned():
+            self.line(f"if tl.load(bmask_ptr + {tile_entry}) != 0:", depth)
+            return depth + 1, False
         self.line(f"block_open = tl.load(bmask_ptr + {mask_rows} + ({keys} // MASK_N) * bmask_s3, "
                   f"mask={rows_in} & ({keys} < SKV), other=0) != 0", depth)
         self.line("if tl.max(block_open.to(tl.int32)) > 0:", depth)
-        return depth + 1
+        return depth + 1, True
 
     def plain_probabilities(self, depth: int):
         """p of a fully visible block of plain scores: they are finite, so m_new is too once any
@@ -423,7 +447,7 @@ class _Writer:
         if spec.alibi:
             w("scores += (keys[None, :] - q_pos[:, None]).to(tl.float32) * slope[:, None]", depth)
         if masked:
-            w("visible = key_in[None, :] & (q_pos[:, None] >= 0)" + (" & block_open" if self.has("bmask") else ""),
+            w("visible = key_in[None, :] & (q_pos[:, None] >= 0)" + (" & block_open" if self.element_masked() else ""),
               depth)
             if spec.right is not None:
                 w(f"visible = visible & (keys[None, :] - (q_pos[:, None] + shift) <= {spec.right})", depth)
@@ -795,7 +819,7 @@ class BackwardWriter(_Writer):
         if spec.alibi:
             w(f"scores += ({c} - {r}).to(tl.float32) * {alibi_slope('head', spec.dims['HEADS'])}", depth)
         if masked:
-            w(f"visible = ({c} < len_kv) & ({r} < len_q)" + (" & block_open" if self.has("bmask") else ""), depth)
+            w(f"visible = ({c} < len_kv) & ({r} < len_q)" + (" & block_open" if self.element_masked() else ""), depth)
             if spec.right is not None:
                 w(f"visible = visible & ({c} - ({r} + shift) <= {spec.right})", depth)
             if spec.left is not None:
@@ -817,9 +841,11 @@ class BackwardWriter(_Writer):
         w = self.line
         w("q_rows = start_m + tl.arange(0, BLOCK_M)", depth)
         if self.has("bmask"):
-            depth = self.sparse_gate("bmask_base + (q_rows // MASK_M)[None, :] * bmask_s2", "(q_rows < SQ)[None, :]",
-                                     "keys[:, None]", depth)
-            masked = True
+            depth, cut = self.sparse_gate("bmask_base + (q_rows // MASK_M)[None, :] * bmask_s2",
+                                          "(q_rows < SQ)[None, :]", "keys[:, None]", depth,
+                                          "bmask_base + (start_m // MASK_M) * bmask_s2 + "
+                                          "(pid_n * BLOCK_N // MASK_N) * bmask_s3")
+            masked = masked or cut
         self.row_loads("q_rows", depth, masked, True)
         self.scores("q_rows", "keys", True, masked, depth)
         probs = "p_drop" if self.spec.dropout is not None else "p_tile"
@@ -903,9 +929,10 @@ class BackwardWriter(_Writer):
         w("keys = start_n + tl.arange(0, BLOCK_N)", depth)
         w("key_in = keys < len_kv", depth)
         if self.has("bmask"):
-            depth = self.sparse_gate("bmask_base + (rows // MASK_M)[:, None] * bmask_s2", "(rows < SQ)[:, None]",
-                                     "keys[None, :]", depth)
-            masked = True
+            depth, cut = self.sparse_gate("bmask_base + (rows // MASK_M)[:, None] * bmask_s2", "(rows < SQ)[:, None]",
+                                          "keys[None, :]", depth,
+                                          "bmask_base + (first_pos // MASK_M) * bmask_s2 + (start_n // MASK_N) * bmask_s3")
+            masked = masked or cut
         for stem, cols, mask in self.key_operands():
             keys = ["key_in[:, None]"] if masked else []
             w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + {cols}[None, :] * "
@@ -1002,6 +1029,8 @@ class BackwardWriter(_Writer):
             w("for start_m in range(0, len_q, BLOCK_M):", depth)
             depth += 1
         w("rows = start_m + tl.arange(0, BLOCK_M)", depth)
+        if self.mask_aligned():  # the tile's row of the block mask
+            w("first_pos = start_m", depth)
         self.row_loads("rows", depth, True, False)
         w("start_n = pid_n * BLOCK_N", depth)
         self.dq_block(True, depth, "dbias_acc += d_scores")
