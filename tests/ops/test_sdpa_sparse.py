@@ -243,6 +243,45 @@ def test_paged_k_v_under_a_block_mask(s_q):
     check(g, {t[name]: value for name, value in values.items()})
 
 
+def test_ragged_q_k_v_under_a_block_mask():
+    """THD operands (tests/ops/test_sdpa_ragged.py's layouts): mask rows and columns count each
+    sequence's own positions; o unpacked through its offsets equals the reference."""
+    from dnngraph import ragged
+    from test_sdpa_ragged import buffer_for, offsets_of, packed_view, thd
+
+    gen = torch.Generator().manual_seed(13)
+    lens_q, lens_kv, heads, depth, size = [9, 0, 17], [20, 3, 11], 2, 16, (4, 6)
+    g = dg.Graph(name="ragged_sparse", io_data_type=dg.float32, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    values, handles = {}, {}
+    for name, lengths in (("q", lens_q), ("k", lens_kv), ("v", lens_kv)):
+        dims, strides = thd(3, heads, max(lengths), depth)
+        values[name] = packed_view(buffer_for(lengths, heads, depth, dims, strides,
+                                              lambda n: torch.randn(n, generator=gen)), dims, strides)
+        handles[name] = g.tensor(name=name, dim=dims, stride=strides, data_type=dg.float32)
+    values["lq"], values["lkv"] = (torch.tensor(n, dtype=torch.int32).view(3, 1, 1, 1) for n in (lens_q, lens_kv))
+    values["off_q"], values["off_kv"] = offsets_of(lens_q, heads, depth), offsets_of(lens_kv, heads, depth)
+    values["mask"] = torch.rand(3, 1, *blocks_of(max(lens_q), max(lens_kv), size), generator=gen) < 0.6
+    for name in ("lq", "lkv", "off_q", "off_kv", "mask"):
+        handles[name] = g.tensor_like(values[name], name)
+    handles["q"].set_ragged_offset(handles["off_q"])
+    for name in ("k", "v"):
+        handles[name].set_ragged_offset(handles["off_kv"])
+    o, _ = g.sdpa(handles["q"], handles["k"], handles["v"], seq_len_q=handles["lq"], seq_len_kv=handles["lkv"],
+                  block_mask=handles["mask"], block_mask_size=size, use_causal_mask_bottom_right=True)
+    q_dims, q_strides = thd(3, heads, max(lens_q), depth)
+    o.set_output(True).set_stride(q_strides).set_ragged_offset(handles["off_q"])
+    g.build(options=TILES)
+    out_buffer = buffer_for(lens_q, heads, depth, q_dims, q_strides, lambda n: torch.full((n,), float("nan")))
+    out = packed_view(out_buffer, q_dims, q_strides)
+    bindings = {handles[name]: value for name, value in values.items()}
+    g.execute({**bindings, o: out})
+    ref = g.reference(bindings)[o.name]
+    got = ragged.unpack(out, values["off_q"], values["lq"]).double()
+    rows = torch.arange(max(lens_q)).view(1, 1, -1, 1) < values["lq"].long()
+    assert torch.allclose(torch.where(rows, got, 0.0), torch.where(rows, ref, 0.0), rtol=1e-5, atol=1e-6)
+
+
 def test_autograd_through_as_function_keeps_the_mask():
     gen = torch.Generator().manual_seed(8)
     g = dg.Graph(name="sparsegrad", io_data_type=dg.float32, intermediate_data_type=dg.float32,
