@@ -104,6 +104,14 @@ def test_block_sizes_smaller_larger_and_equal_to_the_tiles(block_size):
     check(g, inputs, options=TILES)
 
 
+@pytest.mark.parametrize("block_size", [(12, 20), (16, 32)])
+def test_64_bit_indexing(block_size):
+    """The kernels' int64 offsets (BuildOptions.sdpa_index_64) reach the mask's too."""
+    g, inputs = sparse_case((1, 2, 37, 16), (1, 45), block_size=block_size, backward=True, use_causal_mask=True)
+    check(g, inputs, options=dg.BuildOptions(sdpa_config=TILE, sdpa_dkdv_config=TILE, sdpa_dq_config=TILE,
+                                             sdpa_index_64=True))
+
+
 def test_an_all_open_mask_equals_dense():
     g, inputs = sparse_case(*SHAPES["tiled"], density=1.1, backward=True, use_causal_mask=True)
     sparse = run(g, inputs, options=TILES)
@@ -177,8 +185,8 @@ def test_blocks_the_mask_rules_out_are_never_visited(size):
 
 @pytest.mark.parametrize("block_size", [(12, 20), (16, 32)])
 def test_with_padding_bias_dropout_and_gqa(block_size):
-    g, inputs = sparse_case((2, 6, 37, 16), (3, 45), block_size=block_size, backward=True, bias=True,
-                            lens=([37, 20], [45, 17]), dropout=(0.2, 11, 5), use_causal_mask=True)
+    g, inputs = sparse_case((2, 4, 29, 16), (2, 33), block_size=block_size, backward=True, bias=True,
+                            lens=([29, 14], [33, 17]), dropout=(0.2, 11, 5), use_causal_mask=True)
     check(g, inputs, options=TILES)
 
 
@@ -202,7 +210,7 @@ def test_an_int32_mask_and_a_strided_one():
     g, inputs = sparse_case(*SHAPES["tiled"], mask=ints, mask_type=torch.int32, backward=True)
     check(g, inputs, options=TILES)
     strided = (torch.rand(2, 4, k_blocks, q_blocks, generator=gen) < 0.5).transpose(-1, -2)
-    g, inputs = sparse_case(*SHAPES["tiled"], mask=strided, backward=True)
+    g, inputs = sparse_case(*SHAPES["tiled"], mask=strided)
     assert next(h for h in inputs if h.name == "block_mask").stride[-1] != 1
     check(g, inputs, options=TILES)
 
@@ -331,8 +339,8 @@ def test_own_head_counts_forward_and_backward(heads, shape):
 
 
 def test_own_head_counts_with_a_block_mask_padding_bias_and_dropout():
-    g, inputs = sparse_case((2, 6, 37, 16), (2, 45), value_heads=3, backward=True, bias=True,
-                            lens=([30, 37], [45, 12]), dropout=(0.1, 3, 9), diagonal_band_left_bound=20,
+    g, inputs = sparse_case((2, 6, 19, 16), (2, 29), value_heads=3, backward=True, bias=True,
+                            lens=([13, 19], [29, 12]), dropout=(0.1, 3, 9), diagonal_band_left_bound=12,
                             use_causal_mask=True)
     check(g, inputs, options=TILES)
 
