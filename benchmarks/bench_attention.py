@@ -4,9 +4,12 @@ One process, providers side by side per shape. Rows (one table each):
 
   fwd     inference forward o = softmax(q k^T * scale + mask) v (no stats): B4 H32 S4096 D128
           non-causal and causal, B8 H16 S2048 D64, B1 H16 S16384 causal, GQA H32/Hkv8 (B4 S4096
-          D128 causal), a sliding window (left bound 1024, causal, B1 H32 S8192 D128) and an
+          D128 causal), a sliding window (left bound 1024, causal, B1 H32 S8192 D128), an
           op-level softcap graph (matmul -> scale -> tanh(s/c)*c -> causal mask through cmp/where
-          -> softmax -> matmul, B4 H16 S2048 D128, c=50)
+          -> softmax -> matmul, B4 H16 S2048 D128, c=50) and block-sparse masks (sdpa's
+          block_mask: random 128 x 128 blocks open at 10% and 50%, the diagonal too, B2 H16
+          S8192 D128) against flex attention with the same block mask and mem-efficient SDPA
+          with the dense boolean mask
   bwd     dq, dk, dv of the same shapes, from the float32 reference's o and row log-sum-exp
   decode  Sq=1 against Skv=8192 (B64 H32/Hkv8 D128), contiguous K/V and paged (page 16, tables
           [B, 1, pages, 1] int32 of shuffled pages)
@@ -88,6 +91,12 @@ class AttnShape:
     left_bound: Optional[int] = None
     softcap: Optional[float] = None  # the op-level softcap graph (causal)
     page_size: Optional[int] = None  # paged K/V
+    density: Optional[float] = None  # a block-sparse mask (block_mask): random blocks open at this rate
+    mask_block: int = 128  # the block mask's blocks, mask_block x mask_block
+
+    @property
+    def mask_blocks(self) -> tuple:
+        return -(-self.s_q // self.mask_block), -(-self.s_kv // self.mask_block)
 
     @property
     def scale(self) -> float:
@@ -99,6 +108,8 @@ class AttnShape:
 
     def visible_pairs(self) -> int:
         """(query, key) pairs the mask keeps, counted exactly row by row."""
+        if self.density is not None:
+            return int(visible_mask(self, "cpu").sum())
         rows = torch.arange(self.s_q, dtype=torch.int64)
         high = rows + self.right_bound if self.right_bound is not None else torch.full_like(rows, self.s_kv - 1)
         low = rows - self.left_bound + 1 if self.left_bound is not None else torch.zeros_like(rows)
@@ -119,13 +130,16 @@ class AttnShape:
         mask = {None: "", 0: " causal"}.get(self.right_bound, f" right {self.right_bound}")
         mask += f" left {self.left_bound}" if self.left_bound is not None else ""
         extra = (f" softcap {self.softcap:g}" if self.softcap else "") + (
-            f" paged {self.page_size}" if self.page_size else "")
+            f" paged {self.page_size}" if self.page_size else "") + (
+            f" block-sparse {self.density:.0%} of {self.mask_block}x{self.mask_block}" if self.density else "")
         return f"B{self.batch} {heads} {seq} D{self.head_dim}{mask}{extra}"
 
 
-def attn(label, b, h, s, d, hkv=None, causal=False, left=None, softcap=None, s_q=None, page=None):
+def attn(label, b, h, s, d, hkv=None, causal=False, left=None, softcap=None, s_q=None, page=None, density=None,
+         block=128):
     """An AttnShape; s is Skv (and Sq unless s_q is given)."""
-    return AttnShape(label, b, h, hkv or h, s_q or s, s, d, 0 if causal else None, left, softcap, page)
+    return AttnShape(label, b, h, hkv or h, s_q or s, s, d, 0 if causal else None, left, softcap, page, density,
+                     block)
 
 
 TRAINING = [
@@ -134,13 +148,16 @@ TRAINING = [
     attn("gqa 4k causal", 4, 32, 4096, 128, hkv=8, causal=True),
     attn("window 1k @8k", 1, 32, 8192, 128, causal=True, left=1024),
     attn("softcap 2k", 4, 16, 2048, 128, causal=True, softcap=50.0),
+    attn("sparse 10% 8k", 2, 16, 8192, 128, density=0.1), attn("sparse 50% 8k", 2, 16, 8192, 128, density=0.5),
 ]
 DECODE = [attn("decode 8k", 64, 32, 8192, 128, hkv=8, s_q=1),
           attn("decode 8k paged", 64, 32, 8192, 128, hkv=8, s_q=1, page=16)]
-QUICK = ("4k causal", "gqa 4k causal", "window 1k @8k", "softcap 2k", "decode 8k", "decode 8k paged")
+QUICK = ("4k causal", "gqa 4k causal", "window 1k @8k", "softcap 2k", "decode 8k", "decode 8k paged",
+         "sparse 10% 8k")
 CPU_TRAINING = [attn("cpu gqa causal", 2, 4, 37, 16, hkv=2, causal=True),
                 attn("cpu window", 1, 2, 45, 16, causal=True, left=8),
-                attn("cpu softcap", 1, 2, 33, 16, causal=True, softcap=1.5)]
+                attn("cpu softcap", 1, 2, 33, 16, causal=True, softcap=1.5),
+                attn("cpu sparse", 1, 2, 45, 16, density=0.4, block=16)]
 CPU_DECODE = [attn("cpu decode", 3, 4, 40, 16, hkv=2, s_q=1),
               attn("cpu decode paged", 3, 4, 40, 16, hkv=2, s_q=1, page=16)]
 
@@ -174,6 +191,8 @@ def anchors_of(shape: AttnShape) -> tuple:
         return ("flex", "compile")
     if shape.page_size:
         return ("gather_sdpa", "cudnn_fe")
+    if shape.density is not None:  # the dense boolean mask (mem-efficient SDPA) and flex's block mask
+        return ("sdpa_efficient", "flex")
     dense = tuple(SDPA_BACKENDS) + ("cudnn_fe",)
     return dense + ("flex",) if shape.left_bound is not None else dense
 
@@ -224,11 +243,23 @@ def make_inputs(shape: AttnShape, device, dtype, seed=0) -> dict:
         inputs["v_pool"], inputs["v_table"] = page_pool(inputs["v"], shape.page_size, gen)
         inputs["seq_len_q"] = torch.full((b, 1, 1, 1), shape.s_q, dtype=torch.int32, device=device)
         inputs["seq_len_kv"] = torch.full((b, 1, 1, 1), shape.s_kv, dtype=torch.int32, device=device)
+    if shape.density is not None:
+        inputs["block_mask"] = shape_block_mask(shape, device)
     if shape.softcap:
         inputs["row"] = torch.arange(shape.s_q, dtype=torch.int32, device=device).view(1, 1, -1, 1)
         inputs["col"] = torch.arange(shape.s_kv, dtype=torch.int32, device=device).view(1, 1, 1, -1)
         inputs["k_t"], inputs["v_t"] = inputs["k"].transpose(-1, -2), inputs["v"].transpose(-1, -2)
     return inputs
+
+
+def shape_block_mask(shape: AttnShape, device) -> torch.Tensor:
+    """[1, 1, q blocks, k blocks] bool of the shape's block-sparse mask: random blocks open at its
+    density (a fixed seed: every provider sees the same mask), the diagonal ones too so that no
+    query row is left without keys."""
+    q_blocks, k_blocks = shape.mask_blocks
+    opened = torch.rand(q_blocks, k_blocks, generator=torch.Generator().manual_seed(1)) < shape.density
+    diagonal = torch.arange(q_blocks).view(-1, 1) == torch.arange(k_blocks).view(1, -1)
+    return (opened | diagonal).view(1, 1, q_blocks, k_blocks).to(device)
 
 
 def visible_mask(shape: AttnShape, device) -> torch.Tensor:
@@ -240,6 +271,10 @@ def visible_mask(shape: AttnShape, device) -> torch.Tensor:
         visible &= cols - rows <= shape.right_bound
     if shape.left_bound is not None:
         visible &= rows - cols < shape.left_bound
+    if shape.density is not None:
+        size = shape.mask_block
+        blocks = shape_block_mask(shape, device)[0, 0]
+        visible &= blocks.repeat_interleave(size, 0)[:shape.s_q].repeat_interleave(size, 1)[:, :shape.s_kv]
     return visible
 
 
@@ -302,7 +337,7 @@ def sdpa_provider(name: str, shape: AttnShape, inputs, backward: bool, ctx) -> C
             raise Skipped("needs CUDA (torch's CPU SDPA kernel is its flash backend)")
         backend = getattr(SDPBackend, SDPA_BACKENDS[name])
         kwargs = {"scale": shape.scale, "enable_gqa": shape.heads != shape.kv_heads}
-        if shape.left_bound is not None:
+        if shape.left_bound is not None or shape.density is not None:
             kwargs["attn_mask"] = visible_mask(shape, inputs["q"].device)
         elif shape.right_bound == 0:
             kwargs["is_causal"] = True
@@ -347,14 +382,17 @@ def compiled(ctx, fn) -> Callable:
     return ctx.compiled[fn]
 
 
-def band_mask_mod(left_bound, right_bound) -> Callable:
-    """flex attention's mask_mod for the shape's bounds."""
+def band_mask_mod(left_bound, right_bound, blocks=None, block_size=0) -> Callable:
+    """flex attention's mask_mod for the shape's bounds (and its block-sparse mask, `blocks`
+    [q blocks, k blocks] of block_size)."""
     def mask_mod(b, h, q_idx, kv_idx):
         keep = q_idx >= 0
         if right_bound is not None:
             keep = keep & (kv_idx - q_idx <= right_bound)
         if left_bound is not None:
             keep = keep & (q_idx - kv_idx < left_bound)
+        if blocks is not None:
+            keep = keep & blocks[q_idx // block_size, kv_idx // block_size]
         return keep
     return mask_mod
 
@@ -367,7 +405,8 @@ def flex_provider(shape: AttnShape, inputs, backward: bool, ctx) -> Callable:
         if backward and ctx.device == "cpu":
             raise Skipped("flex attention has no CPU backward")
         flex = compiled(ctx, flex_attention)
-        mask_mod = band_mask_mod(shape.left_bound, shape.right_bound)
+        blocks = shape_block_mask(shape, inputs["q"].device)[0, 0] if shape.density is not None else None
+        mask_mod = band_mask_mod(shape.left_bound, shape.right_bound, blocks, shape.mask_block)
         block_mask = create_block_mask(mask_mod, None, None, shape.s_q, shape.s_kv, device=inputs["q"].device)
         cap = shape.softcap
         score_mod = (lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap) * cap) if cap else None
@@ -491,17 +530,21 @@ def dg_sdpa_graph(shape: AttnShape, inputs, io_type, backward: bool) -> tuple:
         names = ("q", "k", "v", "o", "d_o", "stats")
     else:
         names = ("q", "k_pool", "v_pool", "k_table", "v_table", "seq_len_kv") if shape.page_size else ("q", "k", "v")
+    names += ("block_mask",) if shape.density is not None else ()
     t = {name: g.tensor_like(inputs[name], name=name) for name in names}
+    mask = dg_mask(shape)
+    if shape.density is not None:
+        mask.update(block_mask=t["block_mask"], block_mask_size=(shape.mask_block, shape.mask_block))
     if backward:
         outputs = g.sdpa_backward(t["q"], t["k"], t["v"], t["o"], t["d_o"], t["stats"],
-                                  attn_scale=shape.scale, **dg_mask(shape))
+                                  attn_scale=shape.scale, **mask)
     elif shape.page_size:
         paged = dict(seq_len_kv=t["seq_len_kv"], paged_attention_k_table=t["k_table"],
                      paged_attention_v_table=t["v_table"], paged_attention_max_seq_len_kv=shape.s_kv)
         outputs = g.sdpa(t["q"], t["k_pool"], t["v_pool"], attn_scale=shape.scale, is_inference=True,
                          **dg_mask(shape), **paged)[:1]
     else:
-        outputs = g.sdpa(t["q"], t["k"], t["v"], attn_scale=shape.scale, is_inference=True, **dg_mask(shape))[:1]
+        outputs = g.sdpa(t["q"], t["k"], t["v"], attn_scale=shape.scale, is_inference=True, **mask)[:1]
     return g, {tensor: name for name, tensor in t.items()}, list(outputs)
 
 

@@ -640,7 +640,7 @@ class Graph:
              diagonal_alignment="top_left", diagonal_band_left_bound=None, diagonal_band_right_bound=None,
              paged_attention_k_table=None, paged_attention_v_table=None,
              paged_attention_max_seq_len_kv=None, sink_token=None, use_alibi_mask=False, score_max=False,
-             score_sum_exp=False, name=None):
+             score_sum_exp=False, block_mask=None, block_mask_size=(128, 128), name=None):
         """(o, stats) of softmax(q k^T * scale + bias, masked) v; stats None when is_inference.
         With score_max or score_sum_exp True: (o, stats, score_max, score_sum_exp), the one not
         asked for None (row max of the scores over the keys, row sum of exp(score - max);
@@ -654,16 +654,19 @@ class Graph:
         lies outside [0, pages) is masked, invisible as if past seq_len_kv (a row left with no
         key is zero): no kernel reads outside the pools, whatever the tables hold.
         Ragged (THD) q, k, v and o: see Tensor.set_ragged_offset (q, k and v carry theirs into
-        the node; set o's on the returned o)."""
+        the node; set o's on the returned o). block_mask: bool or int32 [B or 1, H or 1,
+        ceil(Sq / bm), ceil(Skv / bn)] for block_mask_size (bm, bn): key j is visible to query i
+        only where entry (b, h, i // bm, j // bn) is true; blocks it rules out are never visited."""
         dropout, random = _dropout_tensors(dropout)
         scale_t, attn_scale = (attn_scale, None) if isinstance(attn_scale, Tensor) else (None, attn_scale)
         attrs = _attrs_of("sdpa", attn_scale, is_inference, use_causal_mask, dropout,
                           use_causal_mask_bottom_right, diagonal_alignment, diagonal_band_left_bound,
                           diagonal_band_right_bound, paged_attention_max_seq_len_kv,
-                          use_alibi_mask=use_alibi_mask, score_max=score_max, score_sum_exp=score_sum_exp)
+                          use_alibi_mask=use_alibi_mask, score_max=score_max, score_sum_exp=score_sum_exp,
+                          block_mask_size=block_mask_size)
         outputs = self._add_op("sdpa", [q, k, v, bias, seq_len_q, seq_len_kv, paged_attention_k_table,
                                         paged_attention_v_table, *random, sink_token, scale_t]
-                               + [_ragged_of(t) for t in (q, k, v)] + [None], attrs, name)
+                               + [_ragged_of(t) for t in (q, k, v)] + [None, block_mask], attrs, name)
         return outputs if attrs.score_max or attrs.score_sum_exp else outputs[:2]
 
     def sdpa_backward(self, q, k, v, o, dO, stats, attn_scale=None, use_causal_mask=False,
@@ -671,20 +674,20 @@ class Graph:
                       use_causal_mask_bottom_right=False, diagonal_alignment="top_left",
                       diagonal_band_left_bound=None, diagonal_band_right_bound=None,
                       use_deterministic_algorithm=False, compute_dbias=False, sink_token=None,
-                      use_alibi_mask=False, name=None):
+                      use_alibi_mask=False, block_mask=None, block_mask_size=(128, 128), name=None):
         """(dq, dk, dv) of sdpa from the forward tensors, dO and the stats, then dbias (the bias's
         shape and type) when compute_dbias and dsink (float32 [1, H, 1, 1]) when a sink_token is
         given; bitwise reproducible whatever use_deterministic_algorithm says (the fastest
-        kernels here use no atomics). attn_scale: a number or a one-element tensor, as in sdpa."""
+        kernels here use no atomics). attn_scale, block_mask: as in sdpa."""
         dropout, random = _dropout_tensors(dropout)
         scale_t, attn_scale = (attn_scale, None) if isinstance(attn_scale, Tensor) else (None, attn_scale)
         attrs = _attrs_of("sdpa_backward", attn_scale, False, use_causal_mask, dropout,
                           use_causal_mask_bottom_right, diagonal_alignment, diagonal_band_left_bound,
                           diagonal_band_right_bound, None, use_deterministic_algorithm, compute_dbias,
-                          use_alibi_mask=use_alibi_mask)
+                          use_alibi_mask=use_alibi_mask, block_mask_size=block_mask_size)
         grads = self._add_op("sdpa_backward", [q, k, v, o, dO, stats, bias, seq_len_q, seq_len_kv, None, None,
                                                *random, sink_token, scale_t]
-                             + [_ragged_of(t) for t in (q, k, v, o, dO)] + [None] * 3, attrs, name)
+                             + [_ragged_of(t) for t in (q, k, v, o, dO)] + [None] * 3 + [block_mask], attrs, name)
         return tuple(grads[:3]) + ((grads[3],) if attrs.compute_dbias else ()) + \
             ((grads[4],) if sink_token is not None else ())
 

@@ -31,6 +31,13 @@ largest power of two <= H, and 2^(-4 (2 (h - n) + 1) / n) for the heads past n; 
 apart) and the row sum of exp(score - max), float32 [B, H, Sq, 1] (-inf and 0 for a row that
 sees no key); `attn_scale` may be a one-element floating graph tensor instead of a number
 (autograd differentiates it: d scale = sum(q * dq) / scale).
+
+Block-sparse mask (the cuDNN frontend's `block_mask` input): a bool or int32 tensor
+[B or 1, H or 1, ceil(Sq / bm), ceil(Skv / bn)] for `block_mask_size` = (bm, bn) (default the
+frontend's 128 x 128): key j is visible to query i only where entry (b, h, i // bm, j // bn) is
+true (nonzero), on top of every other mask; the kernels never visit a key block no entry of
+their tile allows. K and V may have their own head counts (each dividing H): query head h reads
+k head h // (H / Hk) and v head h // (H / Hv).
 """
 from __future__ import annotations
 
@@ -87,6 +94,7 @@ class SdpaAttrs:
     use_alibi_mask: bool = False
     score_max: bool = False  # sdpa: the row max of the scores, an output [B, H, Sq, 1] float32
     score_sum_exp: bool = False  # sdpa: the row sum of exp(score - max), an output likewise
+    block_mask_size: tuple = (128, 128)  # (query rows, keys) of one block_mask entry
 
     def __post_init__(self):
         op = "sdpa"
@@ -121,7 +129,8 @@ class SdpaAttrs:
                compute_dbias=boolean(op, "compute_dbias", self.compute_dbias),
                use_alibi_mask=boolean(op, "use_alibi_mask", self.use_alibi_mask),
                score_max=boolean(op, "score_max", self.score_max),
-               score_sum_exp=boolean(op, "score_sum_exp", self.score_sum_exp))
+               score_sum_exp=boolean(op, "score_sum_exp", self.score_sum_exp),
+               block_mask_size=_block_size(self.block_mask_size))
 
     @property
     def mask(self) -> AttentionMask:
@@ -137,6 +146,13 @@ def alibi_slopes(heads: int) -> list:
     k = 1, 3, 5, ...) for the heads past n."""
     n = 1 << (heads.bit_length() - 1)
     return [2.0 ** (-8.0 * (h + 1) / n) if h < n else 2.0 ** (-4.0 * (2 * (h - n) + 1) / n) for h in range(heads)]
+
+
+def _block_size(size) -> tuple:
+    """block_mask_size as (rows, keys), each a positive int."""
+    if not isinstance(size, (list, tuple)) or len(size) != 2:
+        fail("sdpa", f"block_mask_size must be (query rows, keys) of one mask block, got {size!r}")
+    return tuple(integer("sdpa", "block_mask_size", extent, 1, 2**31 - 1) for extent in size)
 
 
 def _bound(name, value, minimum) -> Optional[int]:
@@ -204,10 +220,13 @@ def _check_qkv(op, q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs
         fail(op, f"k and v pools must hold as many pages: {kb} vs {v.dim[0]}")
     if kd != head_dim:
         fail(op, f"q and k head dims differ: {head_dim} vs {kd}")
-    if v.dim[1] != kv_heads or (k_table is None and v.dim[2] != k.dim[2]):
-        fail(op, f"k {list(k.dim)} and v {list(v.dim)} must agree on heads and sequence")
-    if heads % kv_heads:
-        fail(op, f"q heads {heads} must be a multiple of k/v heads {kv_heads}")
+    if k_table is None and v.dim[2] != k.dim[2]:
+        fail(op, f"k {list(k.dim)} and v {list(v.dim)} must agree on the sequence")
+    if k_table is not None and v.dim[1] != kv_heads:
+        fail(op, f"paged k {list(k.dim)} and v {list(v.dim)} pools must hold as many heads")
+    for name, count in (("k", kv_heads), ("v", v.dim[1])):
+        if heads % count:
+            fail(op, f"q heads {heads} must be a multiple of {name} heads {count}")
     s_kv = kv_length(k, k_table, attrs)
     if k_table is not None and s_kv > k_table.dim[2] * k.dim[2]:
         fail(op, f"paged_attention_max_seq_len_kv {s_kv} exceeds the tables' {k_table.dim[2]} pages "
@@ -249,8 +268,25 @@ def _check_extras(op, q, sink, scale, attrs: SdpaAttrs):
             fail(op, "attn_scale is given both as a number and as a tensor")
 
 
+def _check_block_mask(op, q, k, k_table, block_mask, attrs: SdpaAttrs):
+    """block_mask: bool or int32 [B or 1, H or 1, ceil(Sq / bm), ceil(Skv / bn)], a graph input
+    (the kernels read it as given)."""
+    if block_mask is None:
+        return
+    rows, keys = attrs.block_mask_size
+    (batch, heads, s_q, _), s_kv = q.dim, kv_length(k, k_table, attrs)
+    blocks = (-(-s_q // rows), -(-s_kv // keys))
+    dims = tuple(block_mask.dim)
+    if len(dims) != 4 or dims[0] not in (1, batch) or dims[1] not in (1, heads) or dims[2:] != blocks:
+        fail(op, f"block_mask must be [{batch} or 1, {heads} or 1, {blocks[0]}, {blocks[1]}] (Sq {s_q} and "
+                 f"Skv {s_kv} in blocks of {rows} x {keys}), got {list(dims)}")
+    if block_mask.data_type not in (dtypes.bool_, dtypes.int32):
+        fail(op, f"block_mask must be bool or int32, got {block_mask.data_type.name}")
+
+
 def infer_forward(inputs, attrs: SdpaAttrs):
     q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = inputs[:12]
+    _check_block_mask("sdpa", q, k, k_table, block_mask_of(inputs, FORWARD_BLOCK_MASK), attrs)
     _check_ragged("sdpa", dict(zip(FORWARD_RAGGED, inputs[12:])), q.dim[0], seq_len_q, seq_len_kv, k_table)
     _check_dropout_inputs("sdpa", attrs, seed, offset)
     if attrs.compute_dbias:
@@ -265,6 +301,7 @@ def infer_forward(inputs, attrs: SdpaAttrs):
 
 def infer_backward(inputs, attrs: SdpaAttrs):
     q, k, v, o, d_o, stats, bias, seq_len_q, seq_len_kv, k_table, v_table, seed, offset, sink, scale = inputs[:15]
+    _check_block_mask("sdpa_backward", q, k, k_table, block_mask_of(inputs, BACKWARD_BLOCK_MASK), attrs)
     _check_ragged("sdpa_backward", dict(zip(BACKWARD_RAGGED, inputs[15:])), q.dim[0], seq_len_q, seq_len_kv,
                   k_table)
     _check_dropout_inputs("sdpa_backward", attrs, seed, offset)
@@ -374,8 +411,15 @@ def _row_stats(scores, sink):
     return torch.logsumexp(torch.cat([scores, sinks], -1), -1, keepdim=True), score_max, score_sum
 
 
+def block_visible(block_mask, size: tuple, s_q: int, s_kv: int):
+    """[B or 1, H or 1, Sq, Skv] bool: the block mask expanded to its elements (the last blocks
+    cut at Sq and Skv)."""
+    rows, keys = size
+    return (block_mask != 0).repeat_interleave(rows, 2)[:, :, :s_q].repeat_interleave(keys, 3)[..., :s_kv]
+
+
 def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: SdpaAttrs, seed=None, offset=None,
-              sink=None, scale_tensor=None):
+              sink=None, scale_tensor=None, block_mask=None):
     """Reference attention in torch: (o, row log-sum-exp, row score max, row sum of exp(score - max)).
 
     NaN and inf in what a row sees propagate as in torch's softmax; what lies past the lengths
@@ -390,8 +434,7 @@ def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: Sdp
         s_kv = attrs.paged_attention_max_seq_len_kv or k_table.shape[2] * k.shape[2]
         paged_keys = (pages_in_pool(k, k_table, s_kv) & pages_in_pool(v, v_table, s_kv)).view(batch, 1, 1, s_kv)
         k, v = gather_pages(k, k_table, s_kv), gather_pages(v, v_table, s_kv)
-    repeat = heads // k.shape[1]
-    k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+    k, v = k.repeat_interleave(heads // k.shape[1], 1), v.repeat_interleave(heads // v.shape[1], 1)
     s_kv = k.shape[2]
     scale = _scale(attrs, scale_tensor, head_dim)
     alibi = _alibi(attrs, heads, s_q, s_kv, q)
@@ -401,6 +444,8 @@ def attention(q, k, v, bias, seq_len_q, seq_len_kv, k_table, v_table, attrs: Sdp
     if paged_keys is not None:  # a key on a page outside the pools is invisible, as if past seq_len_kv
         key_valid = key_valid & paged_keys.transpose(-1, -2)
         visible = visible & paged_keys
+    if block_mask is not None:
+        visible = visible & block_visible(block_mask, attrs.block_mask_size, s_q, s_kv)
     k, v = torch.where(key_valid, k, zero), torch.where(key_valid, v, zero)
     row_valid = torch.arange(s_q, device=q.device).view(1, 1, -1, 1) < lengths(seq_len_q, s_q, q.device)
     # the stats of every row, padded ones included (the kernels store them too)
@@ -424,7 +469,8 @@ def reference_forward(values, attrs: SdpaAttrs):
     """Ragged operands reach here unpacked (Graph.reference reads them through their offsets,
     ragged.unpack): the offsets themselves change nothing."""
     *tensors, seed, offset, sink, scale = values[:12]
-    o, lse, score_max, score_sum = attention(*tensors, attrs, seed, offset, sink, scale)
+    o, lse, score_max, score_sum = attention(*tensors, attrs, seed, offset, sink, scale,
+                                             block_mask_of(values, FORWARD_BLOCK_MASK))
     return [o, None if attrs.is_inference else lse, score_max if attrs.score_max else None,
             score_sum if attrs.score_sum_exp else None]
 
@@ -442,7 +488,8 @@ def reference_backward(values, attrs: SdpaAttrs):
             wanted["sink"] = sink
         leaves = {name: t.detach().clone().requires_grad_(True) for name, t in wanted.items()}
         out = attention(leaves["q"], leaves["k"], leaves["v"], leaves.get("bias", bias), seq_len_q, seq_len_kv,
-                        None, None, attrs, seed, offset, leaves.get("sink"), scale)[0]
+                        None, None, attrs, seed, offset, leaves.get("sink"), scale,
+                        block_mask_of(values, BACKWARD_BLOCK_MASK))[0]
         grads = dict(zip(leaves, torch.autograd.grad(out, list(leaves.values()), d_o)))
         return [grads["q"], grads["k"], grads["v"], grads.get("bias"), grads.get("sink")]
 
@@ -474,19 +521,31 @@ RAGGED_SUFFIX = "_ragged_offset"
 KEY_SIDE = ("k", "v", "dk", "dv")  # operands whose sequence axis is the keys' (seq_len_kv)
 FORWARD_RAGGED = tuple(role + RAGGED_SUFFIX for role in ("q", "k", "v", "o"))
 BACKWARD_RAGGED = FORWARD_RAGGED + tuple(role + RAGGED_SUFFIX for role in ("dO", "dq", "dk", "dv"))
+# the block-sparse mask comes after the ragged offsets (appended: older documents list fewer inputs)
+BLOCK_MASK = ("block_mask",)
+FORWARD_BLOCK_MASK = 12 + 4  # its index among sdpa's inputs
+BACKWARD_BLOCK_MASK = 15 + 8  # and sdpa_backward's
+
+
+def block_mask_of(inputs, index: int):
+    """The block_mask of a node's inputs (or values), None where absent."""
+    return inputs[index] if len(inputs) > index else None
+
+
 RANDOM = ("dropout_seed", "dropout_offset")  # one-element int64 tensors, when dropout names them
 EXTRAS = ("sink_token", "attn_scale")  # the sink logits [1, H, 1, 1]; a one-element tensor scale
 register(OpDef("sdpa", "sdpa", "anchor", SdpaAttrs,
-               ("q", "k", "v", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS + FORWARD_RAGGED,
+               ("q", "k", "v", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS + FORWARD_RAGGED
+               + BLOCK_MASK,
                ("o", "stats", "score_max", "score_sum_exp"),
                infer_forward, reference_forward,
-               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS + FORWARD_RAGGED,
+               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS + FORWARD_RAGGED + BLOCK_MASK,
                fusion=AnchorRule((), 0)))
 register(OpDef("sdpa_backward", "sdpa", "anchor", SdpaAttrs,
                ("q", "k", "v", "o", "dO", "stats", "bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS
-               + BACKWARD_RAGGED,
+               + BACKWARD_RAGGED + BLOCK_MASK,
                ("dq", "dk", "dv", "dbias", "dsink"), infer_backward, reference_backward,
-               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS + BACKWARD_RAGGED,
+               optional=("bias", "seq_len_q", "seq_len_kv") + PAGED + RANDOM + EXTRAS + BACKWARD_RAGGED + BLOCK_MASK,
                fusion=AnchorRule((), None)))
 
 
@@ -513,9 +572,13 @@ def _sdpa_backward(d, node, grads):
     extra = [None if t is None else d.value(t) for t in (bias, seq_len_q, seq_len_kv)]
     random = [None if t is None else d.value(t) for t in (seed, offset)]
     extras = [None if t is None else d.value(t) for t in (sink, scale)]
+    block_mask = block_mask_of(node.inputs, FORWARD_BLOCK_MASK)
+    block_mask = None if block_mask is None else d.value(block_mask)
     dq, dk, dv, dbias, dsink = d.graph._add_op("sdpa_backward", read + [o, grads[0], stats] + extra + [None, None]
-                                               + random + extras + [None] * len(BACKWARD_RAGGED), attrs)
-    return [dq, dk, dv, dbias] + [None] * 6 + [dsink, _scale_gradient(d, scale, read[0], dq)] + [None] * 4
+                                               + random + extras + [None] * len(BACKWARD_RAGGED) + [block_mask],
+                                               attrs)
+    return [dq, dk, dv, dbias] + [None] * 6 + [dsink, _scale_gradient(d, scale, read[0], dq)] + [None] * 4 \
+        + [None] * (len(node.inputs) - 16)
 
 
 def _scale_gradient(d, scale, q, dq):

@@ -50,3 +50,16 @@ def test_check_cpu_passes_or_waits_for_kernels(capsys):
     assert done.value.code in (0, 2), text
     assert "FAILED" not in text
     assert "torch ref vs g.reference" in text
+
+
+def test_block_sparse_shapes_open_their_density_and_the_diagonal():
+    import torch
+
+    for shape in (s for s in bench.TRAINING if s.density is not None):  # many blocks: near the rate
+        blocks = bench.shape_block_mask(shape, "cpu")[0, 0]
+        assert blocks.shape == shape.mask_blocks and blocks.diagonal().all()
+        assert abs(blocks.float().mean().item() - shape.density) < 0.15, shape.label
+    shape = next(s for s in bench.CPU_TRAINING if s.density is not None)
+    visible = bench.visible_mask(shape, "cpu")
+    blocks = bench.shape_block_mask(shape, "cpu")[0, 0]
+    assert torch.equal(visible[::shape.mask_block, ::shape.mask_block], blocks)

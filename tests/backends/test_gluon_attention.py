@@ -169,6 +169,21 @@ def test_supports_refuses_the_softmax_extras():
     assert "score_max" in _refused(g)
 
 
+def test_supports_refuses_a_block_mask_and_own_v_heads():
+    """A block-sparse mask and k and v of different head counts: the Triton kernels' alone."""
+    g = dg.Graph(name="blocks", io_data_type=dg.bfloat16)
+    q, k, v = _tensors(g)
+    o, _ = g.sdpa(q, k, v, block_mask=g.tensor(name="blocks", dim=[1, 1, 2, 2], data_type=dg.bool))
+    o.set_output(True)
+    assert "block-sparse mask" in _refused(g)
+    g = dg.Graph(name="heads", io_data_type=dg.bfloat16)
+    q, k, _ = _tensors(g)
+    v = g.tensor(name="v1", dim=[2, 1, 200, 64], data_type=dg.bfloat16)
+    o, _ = g.sdpa(q, k, v)
+    o.set_output(True)
+    assert "one head count" in _refused(g)
+
+
 def test_a_grid_past_the_targets_limits_is_refused_at_lowering():
     """batch x heads = 65536 programs on grid axis y (limit 65535): gluon refuses at lowering, so
     a build that opted in passes the group to the Triton kernel, which folds its grid."""

@@ -43,7 +43,8 @@ UNTAKEN = {"bias": "an additive bias", "seq_len_q": "padding lengths (seq_len_q)
            "paged_attention_v_table": "paged K/V", "dropout_seed": "dropout", "dropout_offset": "dropout",
            "sink_token": "sink token", "attn_scale": "tensor attn_scale",
            "score_max": "score_max output", "score_sum_exp": "score_sum_exp output",
-           **{f"{stem}_ragged_offset": "ragged (THD) operands" for stem in ("q", "k", "v", "o")}}
+           **{f"{stem}_ragged_offset": "ragged (THD) operands" for stem in ("q", "k", "v", "o")},
+           "block_mask": "block-sparse mask"}
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ def supports(problem: Problem) -> Union[bool, str]:
         return f"gluon's attention takes head dims {' or '.join(map(str, HEAD_DIMS))}, not {g.head_dim}"
     if g.heads % g.kv_heads:
         return f"gluon's attention needs H ({g.heads}) a multiple of H_kv ({g.kv_heads})"
+    if v.dims[1] != k.dims[1]:
+        return f"gluon's attention reads k and v of one head count, not {k.dims[1]} and {v.dims[1]}"
     if g.s_q < 1 or g.s_kv < 1:
         return "gluon's attention needs Sq >= 1 and Skv >= 1"
     o = problem.operand("o")

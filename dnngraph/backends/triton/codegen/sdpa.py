@@ -63,11 +63,13 @@ FIXED = ("pid_m", "pid_bh", "batch", "head", "kv_head", "rows", "cols_d", "cols_
          "sm_scale", "slope", "sink_logit", "m_sink", "p_sink", "dsink_acc", "scale_ptr", "sink_ptr", "smax_ptr",
          "ssum_ptr", "dsink_ptr",
          # ragged (THD) operands: each sequence's element offset in the packed buffer
-         *(f"{stem}_ptr" for stem in RAGGED_STEMS.values()))
+         *(f"{stem}_ptr" for stem in RAGGED_STEMS.values()),
+         # the block-sparse mask and v's own head count
+         "bmask_ptr", "bmask_row", "bmask_base", "block_open", "MASK_M", "MASK_N", "GROUP_V", "v_head")
 RUN_FUNCTION = "attend_blocks"
 STRIDE_STEMS = ("q", "k", "v", "o", "stats", "bias", "lenq", "lenkv", "ktab", "vtab", "do", "dq", "dk", "dv",
                 "dbias", "delta", "opart", "lpart", "seedt", "offt", "scale", "sink", "smax", "ssum", "dsink",
-                *RAGGED_STEMS.values())
+                *RAGGED_STEMS.values(), "bmask")
 STRIDE_NAMES = tuple(f"{stem}_s{axis}" for stem in STRIDE_STEMS for axis in range(4))
 
 
@@ -113,10 +115,14 @@ def constexpr_branches(masked: list, unmasked: list, indent: str) -> list:
         if tag == "equal":
             merged += masked[i1:i2]
             continue
-        merged.append(indent + "if MASKED:")
-        merged += ["    " + line for line in masked[i1:i2]] or [indent + "    pass"]
-        merged.append(indent + "else:")
-        merged += ["    " + line for line in unmasked[j1:j2]] or [indent + "    pass"]
+        # a stretch nested deeper than `indent` (inside a shared `if`) branches at its own depth
+        here = min((line[:len(line) - len(line.lstrip())] for line in masked[i1:i2] + unmasked[j1:j2]),
+                   key=len, default=indent)
+        here = max(here, indent, key=len)
+        merged.append(here + "if MASKED:")
+        merged += ["    " + line for line in masked[i1:i2]] or [here + "    pass"]
+        merged.append(here + "else:")
+        merged += ["    " + line for line in unmasked[j1:j2]] or [here + "    pass"]
     return merged
 
 
@@ -212,6 +218,19 @@ class _Writer:
     def stride(self, stem: str, axis: int) -> str:
         return f"{stem}_s{axis}"
 
+    def split_heads(self) -> bool:
+        """Whether k and v have their own head counts (GROUP query heads per k head, GROUP_V per
+        v head)."""
+        return "GROUP_V" in self.spec.dims
+
+    def key_head(self, stem: str, depth: int, query_head: str = "") -> str:
+        """The variable holding the k or v head (`stem`) of the query head being walked; v's
+        own, v_head, is written here from `query_head` when v has its own head count."""
+        if stem != "v" or not self.split_heads():
+            return "kv_head"
+        self.line(f"v_head = {query_head} // GROUP_V", depth)
+        return "v_head"
+
     def ragged(self, stem: str) -> bool:
         """Whether operand `stem` is ragged: its sequences start at offsets, not at batch strides."""
         return stem in RAGGED_STEMS and self.has(RAGGED_STEMS[stem])
@@ -258,13 +277,18 @@ class _Writer:
           f"{_mask_argument(q_rows + self.d_mask('[None, :]'))})")
         if self.has("bias"):
             w(f"bias_row = {self.row_base('bias')}")
+        if self.has("bmask"):  # each row's mask row: (batch, head, position // MASK_M); the tile's when aligned
+            cast = ".to(tl.int64)" if self.spec.wide_index else ""
+            position = "first_pos" if self.mask_aligned() else "q_pos"
+            w(f"bmask_row = batch{cast} * bmask_s0 + q_head{cast} * bmask_s1 + ({position} // MASK_M){cast} * bmask_s2")
         for stem in self.sides:
             w(f"{stem}_row = {self.row_base(stem)}")
         if self.spec.dropout is not None:
             w("drop_row = (batch.to(tl.int64) * HEADS + q_head) * SQ + q_pos")
         if not self.spec.page_size:
             for stem in ("k", "v") if self.has("v") else ("k",):
-                w(f"{stem}_base = {self.batch_term(stem, 'batch', cast)} + kv_head{cast} * {self.stride(stem, 1)}")
+                head = self.key_head(stem, 1, "q_head")
+                w(f"{stem}_base = {self.batch_term(stem, 'batch', cast)} + {head}{cast} * {self.stride(stem, 1)}")
         w("m_i = tl.full([BLOCK_M], float('-inf'), tl.float32)")
         w("l_i = tl.zeros([BLOCK_M], tl.float32)")
         w("acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)")
@@ -354,6 +378,10 @@ class _Writer:
         if spec.page_size:  # a table may hide any key: every block is masked
             self.page_rows(depth)
             masked = True
+        if self.has("bmask"):  # a block mask may hide any key: a block is skipped, or masked where it cuts the tile
+            depth, cut = self.sparse_gate("bmask_row[:, None]", "row_in[:, None]", "keys[None, :]", depth,
+                                          "bmask_row + (start_n // MASK_N) * bmask_s3")
+            masked = masked or cut
         k_rows = self.key_rows("k", depth)
         terms = (["key_in[None, :]"] if masked else []) + self.d_mask("[:, None]")
         w(f"k_tile = tl.load(k_ptr + {k_rows}[None, :] + cols_d[:, None] * {self.stride('k', 3)}"
@@ -364,6 +392,33 @@ class _Writer:
         else:
             self.probabilities(masked, depth)
         self.accumulate(masked, depth)
+
+    def mask_aligned(self) -> bool:
+        """Whether every tile lies inside one block of the block mask: its blocks are whole
+        multiples of the tiles (which start on their own edges), and a tile's rows are of one head
+        (not a packed decode tile)."""
+        dims, block = self.spec.dims, self.spec.block
+        return self.has("bmask") and not self.spec.packed and dims["MASK_M"] % block[0] == 0 and \
+            dims["MASK_N"] % block[1] == 0
+
+    def element_masked(self) -> bool:
+        """Whether the block mask's entries join each tile's visibility (block_open): where a mask
+        block may cut a tile."""
+        return self.has("bmask") and not self.mask_aligned()
+
+    def sparse_gate(self, mask_rows: str, rows_in: str, keys: str, depth: int, tile_entry: str) -> tuple:
+        """An `if` that skips a tile no entry of the block mask opens: its loads and products never
+        run. Aligned (mask_aligned), the tile's one entry (at offset `tile_entry`) decides and
+        the tile is whole; otherwise the entries of each (row, key) are gathered (block_open, laid
+        out as `mask_rows` (offsets of the rows' mask rows) and `keys` lay them) and join the
+        tile's mask. Returns (the body's depth, whether the block mask cuts the tile)."""
+        if self.mask_aligned():
+            self.line(f"if tl.load(bmask_ptr + {tile_entry}) != 0:", depth)
+            return depth + 1, False
+        self.line(f"block_open = tl.load(bmask_ptr + {mask_rows} + ({keys} // MASK_N) * bmask_s3, "
+                  f"mask={rows_in} & ({keys} < SKV), other=0) != 0", depth)
+        self.line("if tl.max(block_open.to(tl.int32)) > 0:", depth)
+        return depth + 1, True
 
     def plain_probabilities(self, depth: int):
         """p of a fully visible block of plain scores: they are finite, so m_new is too once any
@@ -392,7 +447,8 @@ class _Writer:
         if spec.alibi:
             w("scores += (keys[None, :] - q_pos[:, None]).to(tl.float32) * slope[:, None]", depth)
         if masked:
-            w("visible = key_in[None, :] & (q_pos[:, None] >= 0)", depth)
+            w("visible = key_in[None, :] & (q_pos[:, None] >= 0)" + (" & block_open" if self.element_masked() else ""),
+              depth)
             if spec.right is not None:
                 w(f"visible = visible & (keys[None, :] - (q_pos[:, None] + shift) <= {spec.right})", depth)
             if spec.left is not None:
@@ -660,8 +716,8 @@ def attention_arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
     stems = [s for s in STRIDE_STEMS if s in spec.uids]
     args = [KernelArgument("tensor", f"{s}_ptr", spec.uids[s]) for s in stems]
     args += [KernelArgument("tensor", f"{s}_ptr", t.uid) for s, t in extra.items()]
-    args += [KernelArgument("int", name, spec.dims[name]) for name in ("HEADS", "GROUP", "SQ", "SKV", "BATCH",
-                                                                       "BIAS_HEADS") if name in spec.dims]
+    args += [KernelArgument("int", name, spec.dims[name]) for name in ("HEADS", "GROUP", "GROUP_V", "SQ", "SKV",
+                                                                       "BATCH", "BIAS_HEADS") if name in spec.dims]
     for stem in stems:
         args += [KernelArgument("int", f"{stem}_s{axis}", value) for axis, value in enumerate(spec.strides[stem])]
     for stem, tensor in extra.items():
@@ -674,6 +730,7 @@ def attention_arguments(spec: AttentionSpec, extra: dict, scalars) -> list:
              KernelArgument("constexpr", "VALUE_DIM", spec.dims["VALUE_DIM"])]
     if spec.page_size:
         args += [KernelArgument("int", "PAGES", spec.dims["PAGES"]), KernelArgument("constexpr", "PAGE", spec.page_size)]
+    args += [KernelArgument("constexpr", name, spec.dims[name]) for name in ("MASK_M", "MASK_N") if name in spec.dims]
     if spec.splits > 1:
         args += [KernelArgument("constexpr", "SPLITS", spec.splits), KernelArgument("constexpr", "CHUNK", spec.chunk)]
     block_m, block_n, block_d, block_dv = spec.block
@@ -701,7 +758,7 @@ class BackwardWriter(_Writer):
     def head_offsets(self, head: str, depth: int):
         """Base offsets of one query head's rows in q, dO, o, stats, delta and bias."""
         wide = ".to(tl.int64)" if self.spec.wide_index else ""
-        for stem in ("q", "do", "o", "stats", "delta", "bias", "dq"):
+        for stem in ("q", "do", "o", "stats", "delta", "bias", "dq", "bmask"):
             if self.has(stem):
                 self.line(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + {head}{wide} * {stem}_s1", depth)
 
@@ -762,7 +819,7 @@ class BackwardWriter(_Writer):
         if spec.alibi:
             w(f"scores += ({c} - {r}).to(tl.float32) * {alibi_slope('head', spec.dims['HEADS'])}", depth)
         if masked:
-            w(f"visible = ({c} < len_kv) & ({r} < len_q)", depth)
+            w(f"visible = ({c} < len_kv) & ({r} < len_q)" + (" & block_open" if self.element_masked() else ""), depth)
             if spec.right is not None:
                 w(f"visible = visible & ({c} - ({r} + shift) <= {spec.right})", depth)
             if spec.left is not None:
@@ -783,6 +840,12 @@ class BackwardWriter(_Writer):
     def dkdv_block(self, masked: bool, depth: int):
         w = self.line
         w("q_rows = start_m + tl.arange(0, BLOCK_M)", depth)
+        if self.has("bmask"):
+            depth, cut = self.sparse_gate("bmask_base + (q_rows // MASK_M)[None, :] * bmask_s2",
+                                          "(q_rows < SQ)[None, :]", "keys[:, None]", depth,
+                                          "bmask_base + (start_m // MASK_M) * bmask_s2 + "
+                                          "(pid_n * BLOCK_N // MASK_N) * bmask_s3")
+            masked = masked or cut
         self.row_loads("q_rows", depth, masked, True)
         self.scores("q_rows", "keys", True, masked, depth)
         probs = "p_drop" if self.spec.dropout is not None else "p_tile"
@@ -812,26 +875,33 @@ class BackwardWriter(_Writer):
         w("run_a, run_b = lib.block_runs(lo, hi, full_lo, full_hi, BLOCK_M)")
 
     def dkdv_kernel(self):
+        """dK and dV of one key block of a k/v head, walking the query heads of its group. Where
+        k and v have their own head counts the kernel stores one of them (a kernel per
+        gradient): the owned operand's tile stays resident, the other's is loaded per query head."""
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
+        own = "GROUP_V" if self.split_heads() and not self.has("dk") else "GROUP"
         self.program_ids("pid_n", reverse=False)  # causal: the first key block sees the most queries
-        w("batch = pid_bh // (HEADS // GROUP)")
-        w("kv_head = pid_bh % (HEADS // GROUP)")
+        w(f"batch = pid_bh // (HEADS // {own})")
+        w(f"kv_head = pid_bh % (HEADS // {own})")
         self.lengths()
         w("keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)")
         w("key_in = keys < len_kv")
         w("cols_d = tl.arange(0, BLOCK_D)")
         w("cols_dv = tl.arange(0, BLOCK_DV)")
-        for stem, cols, mask in self.key_operands():
-            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + kv_head{wide} * {stem}_s1")
-            w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + "
-              f"{cols}[None, :] * {stem}_s3{_mask_argument(['key_in[:, None]'] + mask)})")
+        owned = {"GROUP": "k", "GROUP_V": "v"}[own]
+        resident = [op for op in self.key_operands() if not self.split_heads() or op[0] == owned]
+        walked = [op for op in self.key_operands() if op not in resident]
+        for operand in resident:
+            self.key_tile(operand, "kv_head", 1)
         for stem, shape in (("dk", "BLOCK_D"), ("dv", "BLOCK_DV")):
             if self.has(stem):
                 w(f"{stem}_acc = tl.zeros([BLOCK_N, {shape}], tl.float32)")
         self.query_range()
-        w("for q_head in range(GROUP):")
-        w("head = kv_head * GROUP + q_head", 2)
+        w(f"for q_head in range({own}):")
+        w(f"head = kv_head * {own} + q_head", 2)
         self.head_offsets("head", 2)
+        for operand in walked:  # its head: the query head's in the other grouping
+            self.key_tile(operand, f"(head // {'GROUP' if owned == 'v' else 'GROUP_V'})", 2)
         self.block_loops("start_m", "BLOCK_M", self.dkdv_block, 2)
         for stem, acc, cols, mask, scale in (("dk", "dk_acc", "cols_d", self.d_mask("[None, :]"), True),
                                              ("dv", "dv_acc", "cols_dv", self.dv_mask("[None, :]"), False)):
@@ -845,11 +915,24 @@ class BackwardWriter(_Writer):
               f"{stem}_s2 + {cols}[None, :] * {stem}_s3, {self.stored_as(stem, value)}, "
               f"mask={' & '.join(store + mask)})")
 
+    def key_tile(self, operand: tuple, head: str, depth: int):
+        """The key block's tile of k or v (`operand` as key_operands gives it) at head `head`."""
+        stem, cols, mask = operand
+        wide = ".to(tl.int64)" if self.spec.wide_index else ""
+        self.line(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + {head}{wide} * {stem}_s1", depth)
+        self.line(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + "
+                  f"{cols}[None, :] * {stem}_s3{_mask_argument(['key_in[:, None]'] + mask)})", depth)
+
     def dq_block(self, masked: bool, depth: int, accumulate: str = ""):
         """One key block of a query tile: dS, then dQ += dS k (or `accumulate`, the dbias kernel)."""
         w, wide = self.line, ".to(tl.int64)" if self.spec.wide_index else ""
         w("keys = start_n + tl.arange(0, BLOCK_N)", depth)
         w("key_in = keys < len_kv", depth)
+        if self.has("bmask"):
+            depth, cut = self.sparse_gate("bmask_base + (rows // MASK_M)[:, None] * bmask_s2", "(rows < SQ)[:, None]",
+                                          "keys[None, :]", depth,
+                                          "bmask_base + (first_pos // MASK_M) * bmask_s2 + (start_n // MASK_N) * bmask_s3")
+            masked = masked or cut
         for stem, cols, mask in self.key_operands():
             keys = ["key_in[:, None]"] if masked else []
             w(f"{stem}_tile = tl.load({stem}_ptr + {stem}_base + keys[:, None]{wide} * {stem}_s2 + {cols}[None, :] * "
@@ -875,7 +958,8 @@ class BackwardWriter(_Writer):
         w("cols_dv = tl.arange(0, BLOCK_DV)")
         self.head_offsets("head", 1)
         for stem, _, _ in self.key_operands():
-            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + kv_head{wide} * {stem}_s1")
+            head = self.key_head(stem, 1, "head")
+            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + {head}{wide} * {stem}_s1")
         self.row_loads("rows", 1, True, False)
         w("dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)")
         self.key_range(padded_rows_idle=True)
@@ -937,13 +1021,16 @@ class BackwardWriter(_Writer):
         w("kv_head = head // GROUP", depth)
         self.head_offsets("head", depth)
         for stem in ("k", "v"):
-            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + kv_head{wide} * {stem}_s1", depth)
+            head = self.key_head(stem, depth, "head")
+            w(f"{stem}_base = {self.batch_term(stem, 'batch', wide)} + {head}{wide} * {stem}_s1", depth)
         if owns_rows:
             w("start_m = pid_m * BLOCK_M", depth)
         else:
             w("for start_m in range(0, len_q, BLOCK_M):", depth)
             depth += 1
         w("rows = start_m + tl.arange(0, BLOCK_M)", depth)
+        if self.mask_aligned():  # the tile's row of the block mask
+            w("first_pos = start_m", depth)
         self.row_loads("rows", depth, True, False)
         w("start_n = pid_n * BLOCK_N", depth)
         self.dq_block(True, depth, "dbias_acc += d_scores")

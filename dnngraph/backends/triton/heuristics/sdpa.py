@@ -84,6 +84,7 @@ class AttentionProblem:
     masked: bool = False  # a causal mask or a band: the diagonal blocks favour narrower tiles
     side_bytes: int = 0  # bytes per score element read beside q/k/v (a bias, a chain's masks)
     causal: bool = False  # a right bound and no left one: later query rows see more keys
+    v_heads: int = 0  # v's head count where it differs from k's (0: the same): no packed decode
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,9 @@ def schedule(problem: AttentionProblem, target: Target, budget_bytes=None,
     workspace of split partials (None: no bound); `forced` what the build forces."""
     check_head_dims(problem, target)
     group = problem.heads // problem.kv_heads
-    if forced.forward is None and problem.s_q <= DECODE_MAX_SQ and group * problem.s_q <= DECODE_MAX_ROWS:
+    # a packed tile reads one k head and one v head: not where v has its own head count
+    if forced.forward is None and problem.s_q <= DECODE_MAX_SQ and group * problem.s_q <= DECODE_MAX_ROWS \
+            and not problem.v_heads:
         return _decode_schedule(problem, target, budget_bytes, forced)
     config = forced.forward or _table_entry(problem, target)
     # short query sequences: no wider tile than the rows (16 at least, for tl.dot)

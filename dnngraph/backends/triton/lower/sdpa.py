@@ -17,7 +17,7 @@ from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import (COMBINE_ROWS, AttentionProblem, backward_schedule, chain_schedule, forced_attention,
                                schedule)
 from .... import ragged
-from ....ops.sdpa import AttentionMask, kv_length, ragged_slots, slot_length
+from ....ops.sdpa import BACKWARD_BLOCK_MASK, FORWARD_BLOCK_MASK, AttentionMask, block_mask_of, kv_length, ragged_slots, slot_length
 from ....tensor import span
 from ....runtime.launch import element_span, kernel_name, launch_of, scratch
 
@@ -50,13 +50,14 @@ def _spec(graph, node, group, sched, stored_o: bool, stored: dict, index_64: boo
     present = {"q": q, "k": k, "v": v, "o": o if stored_o else None, "bias": bias,
                "lenq": len_q, "lenkv": len_kv, "ktab": k_table, "vtab": v_table, "seedt": seed, "offt": offset,
                "sink": sink, "scale": scale_t, **stored, "qrag": q_off, "krag": k_off, "vrag": v_off,
-               "orag": o_off if stored_o else None}
+               "orag": o_off if stored_o else None, "bmask": block_mask_of(node.inputs, FORWARD_BLOCK_MASK)}
     present = {stem: t for stem, t in present.items() if t is not None}
     strides = {stem: () if stem in POINTERS else tuple(t.stride) for stem, t in present.items()}
-    if bias is not None:
-        strides["bias"] = output_strides(bias)
+    for stem in ("bias", "bmask"):  # 0 on the axes they broadcast over
+        if stem in present:
+            strides[stem] = output_strides(present[stem])
     problem, attrs = sched.problem, node.attrs
-    dims = {"HEADS": problem.heads, "GROUP": problem.heads // problem.kv_heads, "SQ": problem.s_q,
+    dims = {**head_dims(node, problem), "SQ": problem.s_q,
             "SKV": problem.s_kv, "HEAD_DIM": problem.head_dim, "VALUE_DIM": problem.value_dim}
     if k_table is not None:
         dims["PAGES"] = k.dim[0]  # the pools' page count (k and v hold as many)
@@ -69,6 +70,19 @@ def _spec(graph, node, group, sched, stored_o: bool, stored: dict, index_64: boo
                          (sched.config.block_m, sched.config.block_n, sched.block_d, sched.block_dv), wide,
                          dot_precision(graph, q.data_type), sched.packed, sched.splits, sched.chunk,
                          head_group=sched.head_group, alibi=attrs.use_alibi_mask)
+
+
+def head_dims(node, problem) -> dict:
+    """HEADS, GROUP (query heads per k head), GROUP_V (per v head, where v has its own head
+    count) and, with a block mask, its block size MASK_M x MASK_N."""
+    k_heads, v_heads = node.inputs[1].dim[1], node.inputs[2].dim[1]
+    dims = {"HEADS": problem.heads, "GROUP": problem.heads // k_heads}
+    if v_heads != k_heads:
+        dims["GROUP_V"] = problem.heads // v_heads
+    index = FORWARD_BLOCK_MASK if node.op == "sdpa" else BACKWARD_BLOCK_MASK
+    if block_mask_of(node.inputs, index) is not None:
+        dims["MASK_M"], dims["MASK_N"] = node.attrs.block_mask_size
+    return dims
 
 
 def kernel_mask(node, s_q: int, s_kv: int) -> AttentionMask:
@@ -94,7 +108,8 @@ def problem_of(node) -> AttentionProblem:
     return AttentionProblem(q.dim[0], q.dim[1], k.dim[1], q.dim[2], s_kv, q.dim[3], v.dim[3],
                             q.data_type.torch_dtype.itemsize, mask.banded,
                             bias.data_type.torch_dtype.itemsize if bias is not None else 0,
-                            mask.right is not None and mask.left is None)
+                            mask.right is not None and mask.left is None,
+                            v.dim[1] if v.dim[1] != k.dim[1] else 0)
 
 
 def build_sdpa(graph, group, context):
@@ -191,13 +206,18 @@ GRADIENTS = ("dq", "dk", "dv", "dbias", "dsink")  # the stems a backward kernel 
 READS = ("qrag", "krag", "vrag", "orag", "dorag")  # the ragged offsets of the operands every kernel may read
 BACKWARD_STEMS = {"delta": ("o", "do", "delta", "lenq", "lenkv", "orag", "dorag"),
                   "dkdv": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dk", "dv", "seedt",
-                           "offt", "scale") + READS + ("dkrag", "dvrag"),
+                           "offt", "scale", "bmask") + READS + ("dkrag", "dvrag"),
                   "dq": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dq", "seedt", "offt",
-                         "scale") + READS + ("dqrag",),
+                         "scale", "bmask") + READS + ("dqrag",),
                   "dbias": ("q", "k", "v", "do", "o", "stats", "delta", "bias", "lenq", "lenkv", "dbias", "seedt",
-                            "offt", "scale") + READS,
+                            "offt", "scale", "bmask") + READS,
                   "dsink": ("o", "do", "stats", "lenq", "sink", "dsink", "orag", "dorag")}
 DSINK_ROWS = 64  # query rows per step of the dsink kernel's walk
+
+
+# where k and v have their own head counts, dK and dV each have a kernel of the dK/dV kernel's
+# tiles, over the heads of their own operand (dV's does not read v)
+SPLIT_HEADS = {"dk": ("dkdv", ("dv",)), "dv": ("dkdv", ("dk", "v"))}
 
 
 def _backward_spec(graph, node, sched, which: str, delta, index_64: bool) -> AttentionSpec:
@@ -207,17 +227,22 @@ def _backward_spec(graph, node, sched, which: str, delta, index_64: bool) -> Att
     tensors = {"q": q, "k": k, "v": v, "o": o, "do": d_o, "stats": stats, "bias": bias, "lenq": len_q,
                "lenkv": len_kv, "dq": dq, "dk": dk, "dv": dv, "dbias": dbias, "seedt": seed, "offt": offset,
                "sink": sink, "scale": scale_t, "dsink": dsink,
+               "bmask": block_mask_of(node.inputs, BACKWARD_BLOCK_MASK),
                **dict(zip(("qrag", "krag", "vrag", "orag", "dorag", "dqrag", "dkrag", "dvrag"), node.inputs[15:23]))}
-    present = {stem: tensors[stem] for stem in BACKWARD_STEMS[which] if tensors.get(stem) is not None}
+    kernel, left_out = SPLIT_HEADS.get(which, (which, ()))
+    present = {stem: tensors[stem] for stem in BACKWARD_STEMS[kernel]
+               if tensors.get(stem) is not None and stem not in left_out}
+    which = kernel
     strides = {stem: () if stem in POINTERS else tuple(t.stride) for stem, t in present.items()}
     uids = {stem: t.uid for stem, t in present.items()}
-    if bias is not None and "bias" in present:
-        strides["bias"] = output_strides(bias)
+    for stem in ("bias", "bmask"):  # 0 on the axes they broadcast over
+        if stem in present:
+            strides[stem] = output_strides(present[stem])
     if delta is not None and "delta" in BACKWARD_STEMS[which]:
         problem = sched.problem
         strides["delta"], uids["delta"] = (problem.heads * problem.s_q, problem.s_q, 1), delta.uid
     problem, attrs, config = sched.problem, node.attrs, sched.configs[which if which != "dsink" else "dq"]
-    dims = {"HEADS": problem.heads, "GROUP": problem.heads // problem.kv_heads, "SQ": problem.s_q,
+    dims = {**head_dims(node, problem), "SQ": problem.s_q,
             "SKV": problem.s_kv, "HEAD_DIM": problem.head_dim, "VALUE_DIM": problem.value_dim}
     if which == "dbias":
         dims.update(BATCH=problem.batch, BIAS_HEADS=sched.bias_dims[1])
@@ -252,11 +277,14 @@ def _build_backward(graph, group, context) -> list:
             budget.spend(delta_bytes)
     launches = []
     dsink = node.outputs[4]
-    kernels = (("delta",) if delta is not None else ()) + ("dkdv", "dq") + (("dbias",) if dbias is not None else ())
+    key_kernels = ("dk", "dv") if problem.v_heads else ("dkdv",)
+    kernels = (("delta",) if delta is not None else ()) + key_kernels + ("dq",) + (("dbias",) if dbias is not None else ())
+    schedules = {"dv": _v_heads_schedule(sched, context, forced_attention(context.options))} if problem.v_heads else {}
     for which in kernels + (("dsink",) if dsink is not None else ()):
-        spec = _backward_spec(graph, node, sched, which, delta, context.options.sdpa_index_64)
+        kernel_sched = schedules.get(which, sched)
+        spec = _backward_spec(graph, node, kernel_sched, which, delta, context.options.sdpa_index_64)
         name = f"{kernel_name(group)}_{which}"
-        source = render_backward(name, which, spec, graph.compute_data_type.triton_type,
+        source = render_backward(name, SPLIT_HEADS.get(which, (which,))[0], spec, graph.compute_data_type.triton_type,
                                  f"{which} of {group.summary()}")
         reason = sched.reason + ("" if delta is not None else "; delta inline (no workspace for "
                                  f"{delta_bytes} bytes)")
@@ -264,10 +292,20 @@ def _build_backward(graph, group, context) -> list:
             launches.append(launch_of(group, source, (problem.heads,), 4,
                                       f"dsink: BLOCK_M={DSINK_ROWS} grid=[{problem.heads}]", reason))
             continue
-        config = sched.configs[which]
-        launches.append(launch_of(group, source, sched.programs(which), config.num_warps, sched.config_text(which),
-                                  reason, scratch=(delta,) if which == "delta" else (), num_stages=config.num_stages))
+        kernel = SPLIT_HEADS.get(which, (which,))[0]
+        config = kernel_sched.configs[kernel]
+        launches.append(launch_of(group, source, kernel_sched.programs(kernel), config.num_warps,
+                                  kernel_sched.config_text(kernel), reason,
+                                  scratch=(delta,) if which == "delta" else (), num_stages=config.num_stages))
     return launches
+
+
+def _v_heads_schedule(sched, context, forced):
+    """The schedule of the dV kernel where v has its own head count: the dK/dV tiles over
+    (batch, v head) programs."""
+    problem = dataclasses.replace(sched.problem, kv_heads=sched.problem.v_heads)
+    bias_dims = sched.bias_dims
+    return dataclasses.replace(backward_schedule(problem, context.target, bias_dims, forced), configs=sched.configs)
 
 
 def as_bhsd(tensor, rank: int) -> tuple:
