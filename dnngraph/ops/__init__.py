@@ -1,5 +1,6 @@
 """The op catalog: one module per family, each registering its ops into `REGISTRY`."""
 from . import conv, dropout, gather, matmul, moe, norm, pointwise, pooling, reduction, sdpa, shape, softmax  # noqa: F401
+from . import rnn  # noqa: F401
 from .base import REGISTRY, OpDef, OutputSpec, lookup
 
 __all__ = ["REGISTRY", "OpDef", "OutputSpec", "lookup"]
