@@ -16,6 +16,7 @@ from .moe import MoeGeometry, moe_problem
 from .pointwise import PointwiseGeometry, pointwise_problem
 from .pooling import PoolingGeometry, pooling_problem
 from .rows import RowsGeometry, rows_problem
+from .rnn import RnnGeometry, rnn_problem
 
 # group kind -> problem builder(graph, group)
 PROBLEM_BUILDERS = {
@@ -25,6 +26,7 @@ PROBLEM_BUILDERS = {
     "sdpa": sdpa_problem, "attention": attention_problem, "attention_backward": attention_backward_problem,
     "gather": gather_problem, "moe": moe_problem,
 }
+PROBLEM_BUILDERS["rnn"] = rnn_problem
 
 
 def problem_of(graph, group) -> Problem:
@@ -37,4 +39,4 @@ def problem_of(graph, group) -> Problem:
 
 
 __all__ = ["AttentionGeometry", "ConvGeometry", "GatherGeometry", "GemmGeometry", "MoeGeometry", "Operand", "PROBLEM_BUILDERS",
-           "PointwiseGeometry", "PoolingGeometry", "Problem", "RowsGeometry", "problem_of"]
+           "PointwiseGeometry", "PoolingGeometry", "Problem", "RnnGeometry", "RowsGeometry", "problem_of"]

@@ -36,6 +36,7 @@ from .lower.moe import build_moe
 from .lower.pointwise import build_pointwise
 from .lower.pooling import build_pooling
 from .lower.rows import build_rows
+from .lower.rnn import build_rnn
 from .lower.sdpa import build_attention, build_sdpa
 
 # group kind -> builder(graph, group, context) -> KernelLaunch or a list of them
@@ -44,6 +45,7 @@ BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": 
             "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention,
             "attention_backward": build_attention_backward, "gather": build_gather,
             "moe": build_moe}
+BUILDERS["rnn"] = build_rnn
 
 # Families whose loads may visit an input element several times (or never): prologue values that
 # are outputs are written first by a pointwise kernel of the prologue.

@@ -29,6 +29,7 @@ FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask
 LIBRARIES = {
     "tr": "from dnngraph.backends.triton.codegen import triton_reduce as tr\n",
     "lib": "from dnngraph.backends.triton.codegen import library as lib\n",
+    "rl": "from dnngraph.backends.triton.codegen import rnn_library as rl\n",
 }
 
 

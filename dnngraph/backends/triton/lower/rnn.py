@@ -1,0 +1,83 @@
+"""Build the launch of a recurrence group: schedule, render, launch (one launch per layer and
+direction, every time step inside the kernel)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ....errors import ExecutionError, UnsupportedError, ValidationError
+from ....ops.rnn import _lengths_of
+from ....problems.rnn import rnn_problem
+from ..codegen.rnn import render as render_rnn
+from ..heuristics.matmul import choose_dot
+from ....runtime.launch import kernel_name, launch_of
+
+MIN_DOT = 16  # tl.dot's smallest extent on every axis
+MAX_BLOCK_B = 64
+# the widest hidden / state tile one program holds: with both within it the recurrent weights of
+# every gate stay in registers for the whole sequence (4 gates of 64 x 64 fp32: 64 KB per program)
+GPU_BLOCK = 64
+CPU_BLOCK = 128  # the interpreter runs a tile op at numpy speed: fewer, larger tiles
+
+
+@dataclass(frozen=True)
+class RnnSchedule:
+    block_b: int
+    block_h: int
+    block_k: int
+    resident: bool  # the recurrent weights are loaded once, before the time loop
+    num_warps: int
+
+
+def _tile(extent: int, cap: int) -> int:
+    return min(cap, max(MIN_DOT, 1 << (max(1, extent) - 1).bit_length()))
+
+
+def schedule_rnn(geometry, interpreted: bool) -> RnnSchedule:
+    cap = CPU_BLOCK if interpreted else GPU_BLOCK
+    block_b = _tile(geometry.batch, MAX_BLOCK_B if interpreted else 16)
+    block_h = _tile(max(geometry.hidden, geometry.state), cap)
+    block_k = _tile(max(geometry.state, geometry.hidden) if geometry.op != "rnn_recurrence" else geometry.state, cap)
+    resident = geometry.op == "rnn_recurrence" and geometry.hidden <= block_h and geometry.state <= block_k
+    return RnnSchedule(block_b, block_h, block_k, resident, 4)
+
+
+def build_rnn(graph, group, context):
+    """The recurrence kernel of one rnn_recurrence(_backward) node."""
+    geometry = rnn_problem(graph, group).geometry
+    node = group.anchor
+    if len(group.nodes) != 1:
+        raise UnsupportedError(f"node {node.name!r} ({node.op}): the recurrence fuses nothing")
+    w_hh = node.inputs[3 if node.op == "rnn_recurrence" else 1]
+    floating = [t for t in node.input_tensors() if t.data_type.is_floating]
+    dot = choose_dot(floating[0].data_type.name, w_hh.data_type.name, floating[0].data_type.triton_type,
+                     w_hh.data_type.triton_type, geometry.allow_tf32)
+    schedule = schedule_rnn(geometry, context.device.type == "cpu")
+    name = kernel_name(group)
+    source = render_rnn(name, schedule, node, geometry, dot, group.summary())
+    programs = -(-geometry.batch // schedule.block_b)
+    config_text = (f"BLOCK_B={schedule.block_b} BLOCK_H={schedule.block_h} BLOCK_K={schedule.block_k} "
+                   f"{'resident' if schedule.resident else 'streamed'} num_warps={schedule.num_warps} grid={programs}")
+    where = "forward" if node.op == "rnn_recurrence" else "backward through time"
+    weights = ("recurrent weights loaded once and kept in registers for every step" if schedule.resident else
+               f"recurrent weights read per step in [{schedule.block_k}, {schedule.block_h}] tiles (too wide to "
+               "keep on chip)")
+    reason = (f"persistent {geometry.mode} {where}: one launch, one program per {schedule.block_b} batch rows owning "
+              f"the whole hidden size ({geometry.hidden}) and looping over all {geometry.steps} steps; {weights}; "
+              f"gates fused into the step; {dot.dot} dot")
+    return launch_of(group, source, programs, schedule.num_warps, config_text, reason,
+                     host_checks=_length_checks(node, geometry.steps, geometry.batch))
+
+
+def _length_checks(node, steps: int, batch: int) -> tuple:
+    """Bound lengths outside [0, T] are refused on the host before any launch (the kernel clamps
+    them where it cannot check: on the GPU, with no sync)."""
+    lengths = node.inputs[6 if node.op == "rnn_recurrence" else 4]
+    if lengths is None or lengths.producer is not None:
+        return ()
+
+    def check(tensors):
+        try:
+            _lengths_of(tensors[lengths.uid], steps, batch)
+        except ValidationError as error:
+            raise ExecutionError(f"node {node.name!r} ({node.op}): {error}") from None
+    return (check,)
