@@ -6,7 +6,7 @@ import torch
 
 import dnngraph as dg
 from dnngraph.backends.triton.lower import rnn as rnn_lowering
-from helpers import check, poisoned, rel_err, run
+from helpers import check, compiled_for_sm90, poisoned, rel_err, run
 
 TORCH_MODULES = {"lstm": torch.nn.LSTM, "gru": torch.nn.GRU, "rnn_tanh": torch.nn.RNN, "rnn_relu": torch.nn.RNN}
 
@@ -300,3 +300,43 @@ def test_gpu_benchmark_shape_forward_and_backward(mode):
         assert rel_err(out, ref) < 3e-2
     for position, (a, b) in enumerate(zip(grads, want)):
         assert rel_err(a, b) < 5e-2, f"gradient {position}"
+
+
+def _recurrence_graph(mode, hidden, proj, dtype, lengths):
+    """rnn_recurrence and its backward as graph nodes (what as_function's graphs hold)."""
+    gates = {"lstm": 4, "gru": 3}.get(mode, 1)
+    state = proj or hidden
+    g = dg.Graph(name=f"{mode}_{hidden}", io_data_type=dtype)
+    xw = g.tensor(name="xw", dim=[5, 3, gates * hidden])
+    h0, w_hh = g.tensor(name="h0", dim=[3, state]), g.tensor(name="w_hh", dim=[gates * hidden, state])
+    c0 = g.tensor(name="c0", dim=[3, hidden]) if mode == "lstm" else None
+    b_hh = g.tensor(name="b_hh", dim=[gates * hidden])
+    w_hr = g.tensor(name="w_hr", dim=[proj, hidden]) if proj else None
+    n = g.tensor(name="n", dim=[3], data_type=dg.int32) if lengths else None
+    y, h_n, c_n, h_prev, c_prev, _ = g.rnn_recurrence(xw, h0, c0, w_hh, b_hh, w_hr, n, mode=mode, reverse=True)
+    dy = g.tensor(name="dy", dim=[5, 3, state])
+    grads = g._add_op("rnn_recurrence_backward", [xw, w_hh, b_hh, w_hr, n, h_prev, c_prev, dy, h_n, c_n],
+                      dg.graph._attrs_of("rnn_recurrence", mode, True))
+    for tensor in [y] + [t for t in grads if t is not None]:
+        tensor.set_output(True)
+    return g
+
+
+def sm90_graphs():
+    """Forward and backward recurrences under the GPU schedule (resident and streamed weights,
+    projection, lengths, bf16 and fp32) for the sm_90 compile check."""
+    real_schedule = rnn_lowering.schedule_rnn
+    rnn_lowering.schedule_rnn = lambda geometry, interpreted, size: real_schedule(geometry, False, size)
+    try:
+        for mode, hidden, proj, dtype, lengths in (("lstm", 48, 0, dg.bfloat16, True), ("gru", 40, 0, dg.float32, False),
+                                                   ("rnn_relu", 24, 0, dg.bfloat16, True),
+                                                   ("lstm", 200, 72, dg.bfloat16, True), ("gru", 130, 0, dg.bfloat16, True)):
+            g = _recurrence_graph(mode, hidden, proj, dtype, lengths)
+            g.build()
+            yield f"{mode} H={hidden} P={proj or hidden} {dtype.name}", g
+    finally:
+        rnn_lowering.schedule_rnn = real_schedule
+
+
+def test_kernels_compile_for_sm90():
+    assert "compiled 10 kernels for sm_90" in compiled_for_sm90("test_rnn:sm90_graphs", timeout=600)

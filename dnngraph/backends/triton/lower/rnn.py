@@ -13,9 +13,12 @@ from ....runtime.launch import kernel_name, launch_of
 
 MIN_DOT = 16  # tl.dot's smallest extent on every axis
 MAX_BLOCK_B = 64
-# the widest hidden / state tile one program holds: with both within it the recurrent weights of
-# every gate stay in registers for the whole sequence (4 gates of 64 x 64 fp32: 64 KB per program)
+# the widest hidden / state tile one program holds; the recurrent weights of every gate stay in
+# registers for the whole sequence when both fit one tile and all gates' tiles take at most
+# RESIDENT_BYTES (128 bytes a thread at 8 warps: more spills, measured with ptxas for sm_90)
 GPU_BLOCK = 64
+RESIDENT_BYTES = 32 * 1024
+NUM_WARPS = 8
 CPU_BLOCK = 128  # the interpreter runs a tile op at numpy speed: fewer, larger tiles
 
 
@@ -32,13 +35,15 @@ def _tile(extent: int, cap: int) -> int:
     return min(cap, max(MIN_DOT, 1 << (max(1, extent) - 1).bit_length()))
 
 
-def schedule_rnn(geometry, interpreted: bool) -> RnnSchedule:
+def schedule_rnn(geometry, interpreted: bool, weight_bytes: int = 2) -> RnnSchedule:
+    """Tiles of one recurrence; `weight_bytes` the recurrent weight's element size."""
     cap = CPU_BLOCK if interpreted else GPU_BLOCK
     block_b = _tile(geometry.batch, MAX_BLOCK_B if interpreted else 16)
     block_h = _tile(max(geometry.hidden, geometry.state), cap)
     block_k = _tile(max(geometry.state, geometry.hidden) if geometry.op != "rnn_recurrence" else geometry.state, cap)
-    resident = geometry.op == "rnn_recurrence" and geometry.hidden <= block_h and geometry.state <= block_k
-    return RnnSchedule(block_b, block_h, block_k, resident, 4)
+    fits = geometry.gates * block_h * block_k * weight_bytes <= RESIDENT_BYTES or interpreted
+    resident = geometry.op == "rnn_recurrence" and geometry.hidden <= block_h and geometry.state <= block_k and fits
+    return RnnSchedule(block_b, block_h, block_k, resident, NUM_WARPS)
 
 
 def build_rnn(graph, group, context):
@@ -51,7 +56,7 @@ def build_rnn(graph, group, context):
     floating = [t for t in node.input_tensors() if t.data_type.is_floating]
     dot = choose_dot(floating[0].data_type.name, w_hh.data_type.name, floating[0].data_type.triton_type,
                      w_hh.data_type.triton_type, geometry.allow_tf32)
-    schedule = schedule_rnn(geometry, context.device.type == "cpu")
+    schedule = schedule_rnn(geometry, context.device.type == "cpu", w_hh.data_type.itemsize)
     name = kernel_name(group)
     source = render_rnn(name, schedule, node, geometry, dot, group.summary())
     programs = -(-geometry.batch // schedule.block_b)
