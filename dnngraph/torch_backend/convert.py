@@ -1458,3 +1458,22 @@ def convert(g, node, value):
         if tensor is not None and meta is not None and not isinstance(tensor, Aux):
             _as_torch_makes(tensor, meta, node)
     return made
+
+
+# --- recurrent layers (issue 32): dnngraph::rnn, what torch_backend/rnn.py makes of aten.lstm,
+# aten.gru, aten.rnn_tanh and aten.rnn_relu while the backend traces ------------------------------
+from . import rnn as _rnn_ops  # noqa: E402  (registers the dnngraph::rnn custom ops)
+
+
+def _recurrent(g, node, value):
+    """g.rnn with the layer's flat weights in torch's order; [y, h_n(, c_n)]."""
+    x, hx, params, mode, has_biases, num_layers, bidirectional, batch_first = node.args[:8]
+    states = [value(h) for h in hx]
+    cell = states[1] if mode == "lstm" else None
+    proj = int(states[0].dim[-1]) if cell is not None and states[0].dim[-1] != cell.dim[-1] else 0
+    y, h_n, c_n = g.rnn(value(x), states[0], cell, [value(p) for p in params], mode=mode, num_layers=num_layers,
+                        bidirectional=bidirectional, proj_size=proj, bias=has_biases, batch_first=batch_first)
+    return (y, h_n, c_n) if c_n is not None else (y, h_n)
+
+
+CONVERTERS[torch.ops.dnngraph.rnn.default] = _recurrent
