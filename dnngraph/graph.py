@@ -520,6 +520,15 @@ class Graph:
         return self._add_op("rnn_recurrence", [xw, h0, c0, w_hh, b_hh, w_hr, seq_lengths],
                             _attrs_of("rnn_recurrence", mode, reverse, tf32), name)
 
+    def rnn_recurrence_backward(self, xw, w_hh, b_hh, w_hr, seq_lengths, h_prev, c_prev, dy, dh_n, dc_n,
+                                mode="lstm", reverse=False, allow_tf32: Optional[bool] = None, name=None):
+        """(dxw, dhh, dh0, dc0, d_proj) of rnn_recurrence from the gradients of its outputs
+        (dy, dh_n, dc_n; None: zero) and the states it saved (h_prev, c_prev)."""
+        tf32 = self.allow_tf32 if allow_tf32 is None else allow_tf32
+        return self._add_op("rnn_recurrence_backward",
+                            [xw, w_hh, b_hh, w_hr, seq_lengths, h_prev, c_prev, dy, dh_n, dc_n],
+                            _attrs_of("rnn_recurrence_backward", mode, reverse, tf32), name)
+
     def rnn(self, x, h0, c0=None, weights=(), mode="lstm", num_layers=1, bidirectional=False, proj_size=0,
             dropout=0.0, dropout_seed=None, dropout_offset=0, seq_lengths=None, bias=True, batch_first=False,
             allow_tf32: Optional[bool] = None):

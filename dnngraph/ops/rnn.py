@@ -286,10 +286,9 @@ def _rnn_recurrence_backward(d, node, grads):
         return [None] * 7
     g, attrs = d.graph, node.attrs
     value = (lambda t: None if t is None else d.value(t))
-    dxw, dhh, dh0, dc0, d_proj = g._add_op(
-        "rnn_recurrence_backward",
-        [value(xw), value(w_hh), value(b_hh), value(w_hr), value(lengths), value(h_prev), value(c_prev),
-         dy, dh_n, dc_n], attrs)
+    dxw, dhh, dh0, dc0, d_proj = g.rnn_recurrence_backward(
+        value(xw), value(w_hh), value(b_hh), value(w_hr), value(lengths), value(h_prev), value(c_prev), dy, dh_n,
+        dc_n, mode=attrs.mode, reverse=attrs.reverse, allow_tf32=attrs.allow_tf32)
     dhh = dxw if dhh is None else dhh
     steps, batch, width = (int(v) for v in xw.dim)
     rows = steps * batch

@@ -210,9 +210,8 @@ def test_backward_op_matches_reference_with_empty_sequences():
     t = {name: g.tensor_like(v, name=name) for name, v in values.items()}
     _, _, _, h_prev, c_prev, _ = g.rnn_recurrence(t["xw"], t["h0"], t["c0"], t["w_hh"], None, None, t["lengths"],
                                                   mode="lstm", reverse=True)
-    dxw, dhh, dh0, dc0, d_proj = g._add_op("rnn_recurrence_backward",
-                                           [t["xw"], t["w_hh"], None, None, t["lengths"], h_prev, c_prev, None,
-                                            t["dh_n"], None], dg.graph._attrs_of("rnn_recurrence", "lstm", True))
+    dxw, dhh, dh0, dc0, d_proj = g.rnn_recurrence_backward(t["xw"], t["w_hh"], None, None, t["lengths"], h_prev,
+                                                           c_prev, None, t["dh_n"], None, mode="lstm", reverse=True)
     assert dhh is None and d_proj is None
     for tensor in (dxw, dh0, dc0):
         tensor.set_output(True)
@@ -315,8 +314,7 @@ def _recurrence_graph(mode, hidden, proj, dtype, lengths):
     n = g.tensor(name="n", dim=[3], data_type=dg.int32) if lengths else None
     y, h_n, c_n, h_prev, c_prev, _ = g.rnn_recurrence(xw, h0, c0, w_hh, b_hh, w_hr, n, mode=mode, reverse=True)
     dy = g.tensor(name="dy", dim=[5, 3, state])
-    grads = g._add_op("rnn_recurrence_backward", [xw, w_hh, b_hh, w_hr, n, h_prev, c_prev, dy, h_n, c_n],
-                      dg.graph._attrs_of("rnn_recurrence", mode, True))
+    grads = g.rnn_recurrence_backward(xw, w_hh, b_hh, w_hr, n, h_prev, c_prev, dy, h_n, c_n, mode=mode, reverse=True)
     for tensor in [y] + [t for t in grads if t is not None]:
         tensor.set_output(True)
     return g
