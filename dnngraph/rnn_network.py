@@ -41,9 +41,13 @@ def _fail(message: str):
     raise ValidationError(f"rnn: {message}")
 
 
-def _check(role: str, tensor, dims: tuple):
+def _check_type(role: str, tensor):
     if tensor.data_type not in FLOAT_TYPES:
         _fail(f"{role} {tensor.name!r} is {tensor.data_type.name}; rnn takes float32, float16, bfloat16")
+
+
+def _check(role: str, tensor, dims: tuple):
+    _check_type(role, tensor)
     if tuple(tensor.dim) != tuple(dims):
         _fail(f"{role} {tensor.name!r} must be {list(dims)}, got {list(tensor.dim)}")
 
@@ -57,6 +61,7 @@ def rnn_shape(x, h0, c0, weights, mode, num_layers, bidirectional, proj_size, bi
     bias = boolean("rnn", "bias", bias)
     if proj and mode != "lstm":
         _fail(f"proj_size is for lstm only, not {mode}")
+    _check_type("x", x)
     if len(x.dim) != 3:
         _fail(f"x {x.name!r} must be [T, B, input] (or [B, T, input] with batch_first), got {list(x.dim)}")
     steps, batch, input_size = (int(d) for d in x.dim)

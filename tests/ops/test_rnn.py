@@ -165,6 +165,24 @@ def test_dropout_between_layers():
     assert not torch.allclose(outputs[case.y.name], plain[no_drop.y.name])
 
 
+def test_dropout_seed_and_offset_tensors():
+    """One built graph, the mask drawn from seed and offset tensors: a new offset, a new mask."""
+    case = Case("rnn_tanh", steps=2, layers=2)
+    g = case.graph
+    seed = g.tensor(name="seed", dim=[1], data_type=dg.int64)
+    offset = g.tensor(name="offset", dim=[1], data_type=dg.int64)
+    x, h0, *weights = case.inputs
+    y, h_n, _ = g.rnn(x, h0, None, weights, mode="rnn_tanh", num_layers=2, dropout=0.5, dropout_seed=seed,
+                      dropout_offset=offset)
+    y.set_output(True).set_name("dropped_y")
+    h_n.set_output(True).set_name("dropped_h_n")
+    feeds = {**case.feeds(), "seed": torch.tensor([5]), "offset": torch.tensor([9])}
+    check(g, feeds)
+    first = run(g, feeds)["dropped_y"]
+    again = run(g, {**feeds, "offset": torch.tensor([10])})["dropped_y"]
+    assert not torch.equal(first, again)
+
+
 def _check_gradients(case, tolerance=1e-4):
     """as_function's autograd (data and weight gradients) against torch's in float64."""
     g = case.graph
@@ -235,6 +253,8 @@ def test_bad_shapes_are_refused_and_leave_the_graph_unchanged():
         g.rnn(x, h0, c0, weights, mode="gru", proj_size=2)
     with pytest.raises(dg.ValidationError, match="mode"):
         g.rnn(x, h0, c0, weights, mode="lstm2")
+    with pytest.raises(dg.ValidationError, match="int32"):
+        g.rnn(g.tensor(name="x_int", dim=[4, 3, 3], data_type=dg.int32), h0, c0, weights, mode="lstm")
     with pytest.raises(dg.ValidationError, match="seq_lengths"):
         g.rnn(x, h0, c0, weights, mode="lstm", seq_lengths=g.tensor(name="float_lengths", dim=[3]))
     assert len(g._nodes) == before
