@@ -15,7 +15,9 @@ from typing import Optional
 
 from .errors import ValidationError
 from .ops.base import boolean, choice, integer, real
+from .ops.dropout import DropoutAttrs, check_random_inputs
 from .ops.rnn import FLOAT_TYPES, GATES, MODES, check_lengths
+from .tensor import Tensor
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,8 @@ def _check_slot(shape: RnnShape, slot: dict, width: int, where: str):
         _check(f"{where} w_hr", slot["w_hr"], (shape.state, shape.hidden))
 
 
-def _dropout_args(dropout, seed, offset, layers: int):
+def _dropout_args(dropout, seed, offset, layers: int, layer_numel: int):
+    """p, after checking the seed and offset as the dropout ops will (before any op is added)."""
     p = real("rnn", "dropout", dropout)
     if not 0.0 <= p < 1.0:
         _fail(f"dropout must be in [0, 1), got {p}")
@@ -125,6 +128,12 @@ def _dropout_args(dropout, seed, offset, layers: int):
         return 0.0
     if seed is None:
         _fail("dropout between layers needs dropout_seed (an int or an int64 tensor of one element)")
+    seed_tensor, offset_tensor = (v if isinstance(v, Tensor) else None for v in (seed, offset))
+    DropoutAttrs(p, None if seed_tensor is not None else seed, None if offset_tensor is not None else offset)
+    check_random_inputs("rnn", None if seed_tensor is not None else seed,
+                        None if offset_tensor is not None else offset, seed_tensor, offset_tensor)
+    if offset_tensor is None:  # the last layer's shifted offset must stay an offset
+        integer("rnn", "dropout_offset", offset, 0, 2**63 - 1 - (layers - 1) * layer_numel)
     return p
 
 
@@ -140,7 +149,8 @@ def build_rnn(g, x, h0, c0, weights, mode, num_layers, bidirectional, proj_size,
     if seq_lengths is not None:
         seq_lengths = g._check_input("rnn", "seq_lengths", seq_lengths)
         check_lengths("rnn", seq_lengths, shape.batch)
-    p = _dropout_args(dropout, dropout_seed, dropout_offset, shape.layers)
+    p = _dropout_args(dropout, dropout_seed, dropout_offset, shape.layers,
+                      shape.steps * shape.batch * shape.directions * shape.state)
     layer_input = g.transpose(x, [1, 0, 2]) if batch_first else x
     finals_h, finals_c = [], []
     for layer in range(shape.layers):

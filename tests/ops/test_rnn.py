@@ -263,6 +263,12 @@ def test_bad_shapes_are_refused_and_leave_the_graph_unchanged():
     before = len(deep.graph._nodes)
     with pytest.raises(dg.ValidationError, match="dropout_seed"):
         deep.graph.rnn(x, h0, c0, weights, mode="lstm", num_layers=2, dropout=0.2)
+    with pytest.raises(dg.ValidationError, match="offset"):
+        deep.graph.rnn(x, h0, c0, weights, mode="lstm", num_layers=2, dropout=0.2, dropout_seed=1,
+                       dropout_offset=deep.graph.tensor(name="float_offset", dim=[1]))
+    with pytest.raises(dg.ValidationError, match="dropout_offset"):
+        deep.graph.rnn(x, h0, c0, weights, mode="lstm", num_layers=2, dropout=0.2, dropout_seed=1,
+                       dropout_offset=2**63 - 2)
     with pytest.raises(dg.ValidationError, match="layer 1 direction 0 w_ih"):
         deep.graph.rnn(x, h0, c0, weights[:4] + weights[:4], mode="lstm", num_layers=2)
     assert len(deep.graph._nodes) == before
