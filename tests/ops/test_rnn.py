@@ -134,6 +134,22 @@ def test_streamed_weights_and_several_tiles(monkeypatch):
             _check_gradients(case)
 
 
+def test_a_launch_per_step_for_wide_layers(monkeypatch):
+    """The GPU schedule of a layer wider than one tile: an initial-state launch, then one launch
+    per step over (batch block, hidden block) programs; outputs and gradients as before."""
+    real_schedule = rnn_lowering.schedule_rnn
+    monkeypatch.setattr(rnn_lowering, "schedule_rnn", lambda geometry, interpreted, size: real_schedule(
+        geometry, False, size))
+    for mode in ("lstm", "gru", "rnn_tanh"):
+        case = Case(mode, steps=3, batch=2, input_size=2, hidden=70, lengths=torch.tensor([3, 1]),
+                    bidirectional=mode == "lstm")
+        check(case.graph, case.feeds())
+        text = case.graph.explain()
+        assert "a launch per step (3 + 1 for the initial state)" in text and "grid=1x2" in text
+        if mode == "gru":
+            _check_gradients(case)
+
+
 def test_non_contiguous_operands():
     """x as a strided view, a weight stored transposed (column-major)."""
     case = Case("gru", steps=3, batch=2, hidden=4)
@@ -376,4 +392,5 @@ def sm90_graphs():
 
 
 def test_kernels_compile_for_sm90():
-    assert "compiled 10 kernels for sm_90" in compiled_for_sm90("test_rnn:sm90_graphs", timeout=600)
+    # gru H=130 runs a launch per step: 5 steps + the initial state, one kernel compiled for each
+    assert "compiled 15 kernels for sm_90" in compiled_for_sm90("test_rnn:sm90_graphs", timeout=600)

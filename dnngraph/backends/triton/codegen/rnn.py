@@ -41,12 +41,15 @@ def render(kernel_name: str, schedule, node, geometry, dot, description: str) ->
     args, call = _tensor_arguments(roles, tensors, node.inputs[0])
     args += [KernelArgument("int", "T", geometry.steps), KernelArgument("int", "B", geometry.batch)]
     call += ["T", "B"]
+    if forward:  # the steps a launch runs (lower/rnn.py sets them per launch in step mode)
+        args += [KernelArgument("int", "k_first", 0), KernelArgument("int", "k_count", geometry.steps)]
+        call += ["k_first", "k_count"]
     flags = {"MODE": MODE_NUMBERS[geometry.mode], "REVERSE": geometry.reverse, "G": geometry.gates,
              "H": geometry.hidden, "P": geometry.state, "HAS_BIAS": node.inputs[roles.index(("b_hh", 1))] is not None,
              "HAS_PROJ": node.inputs[roles.index(("w_hr", 2))] is not None,
              "HAS_LENGTHS": node.inputs[roles.index(("lengths", 1))] is not None}
     if forward:
-        flags["RESIDENT"] = schedule.resident
+        flags.update(RESIDENT=schedule.resident, STEP_MODE=schedule.step_launches)
     else:
         flags.update(HAS_DY=node.inputs[7] is not None, HAS_DH=node.inputs[8] is not None,
                      HAS_DC=node.inputs[9] is not None)

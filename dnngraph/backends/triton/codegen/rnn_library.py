@@ -152,45 +152,69 @@ def resident_tile(w, w_s0, w_s1, gate, G: tl.constexpr, H: tl.constexpr, P: tl.c
 
 
 @triton.jit
-def rnn_forward(xw, x_s0, x_s1, x_s2, h0, h0_s0, h0_s1, c0, c0_s0, c0_s1, w_hh, w_s0, w_s1, b_hh, b_s0,
-                w_hr, r_s0, r_s1, lengths, len_s0,
-                y, y_s0, y_s1, y_s2, h_n, hn_s0, hn_s1, c_n, cn_s0, cn_s1,
-                h_prev, hp_s0, hp_s1, hp_s2, c_prev, cp_s0, cp_s1, cp_s2, h_raw, hr_s0, hr_s1, hr_s2,
-                T, B, MODE: tl.constexpr, REVERSE: tl.constexpr, G: tl.constexpr, H: tl.constexpr, P: tl.constexpr,
-                HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-                RESIDENT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
-                FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """Every time step of one layer and direction for one block of batch rows."""
-    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
-    row_mask = rows < B
-    n = lengths_of(lengths, len_s0, rows, row_mask, T, HAS_LENGTHS, BLOCK_B)
+def write_initial_state(h0, h0_s0, h0_s1, c0, c0_s0, c0_s1, h_n, hn_s0, hn_s1, c_n, cn_s0, cn_s1,
+                        h_prev, hp_s0, hp_s1, hp_s2, c_prev, cp_s0, cp_s1, cp_s2, rows, row_mask, n,
+                        j_start, p_stop, h_stop, MODE: tl.constexpr, REVERSE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Step 0's h_prev / c_prev slot from h0 / c0, or h_n / c_n straight away for an empty
+    sequence, over state columns [j_start, p_stop) and cell columns [j_start, h_stop)."""
     active, t, t_next, more, last = step_times(0, n, row_mask, REVERSE)
     empty = row_mask & (n == 0)
-    # the initial state: step 0's h_prev slot, or h_n / c_n straight away for an empty sequence
-    for p0 in range(0, P, BLOCK_H):
+    for p0 in range(j_start, p_stop, BLOCK_H):
         cols = p0 + tl.arange(0, BLOCK_H)
-        cm = (cols < P)[None, :]
+        cm = (cols < p_stop)[None, :]
         value = tl.load(h0 + rows[:, None] * h0_s0 + cols[None, :] * h0_s1, mask=row_mask[:, None] & cm,
                         other=0.0)
         store_rows(h_prev, hp_s0, hp_s1, hp_s2, t, rows, cols, value, active[:, None] & cm)
         tl.store(h_n + rows[:, None] * hn_s0 + cols[None, :] * hn_s1, value, mask=empty[:, None] & cm)
     if MODE == LSTM:
-        for j0 in range(0, H, BLOCK_H):
+        for j0 in range(j_start, h_stop, BLOCK_H):
             cols = j0 + tl.arange(0, BLOCK_H)
-            cm = (cols < H)[None, :]
+            cm = (cols < h_stop)[None, :]
             value = tl.load(c0 + rows[:, None] * c0_s0 + cols[None, :] * c0_s1, mask=row_mask[:, None] & cm,
                             other=0.0)
             store_rows(c_prev, cp_s0, cp_s1, cp_s2, t, rows, cols, value, active[:, None] & cm)
             tl.store(c_n + rows[:, None] * cn_s0 + cols[None, :] * cn_s1, value, mask=empty[:, None] & cm)
+
+
+@triton.jit
+def rnn_forward(xw, x_s0, x_s1, x_s2, h0, h0_s0, h0_s1, c0, c0_s0, c0_s1, w_hh, w_s0, w_s1, b_hh, b_s0,
+                w_hr, r_s0, r_s1, lengths, len_s0,
+                y, y_s0, y_s1, y_s2, h_n, hn_s0, hn_s1, c_n, cn_s0, cn_s1,
+                h_prev, hp_s0, hp_s1, hp_s2, c_prev, cp_s0, cp_s1, cp_s2, h_raw, hr_s0, hr_s1, hr_s2,
+                T, B, k_first, k_count, MODE: tl.constexpr, REVERSE: tl.constexpr, G: tl.constexpr,
+                H: tl.constexpr, P: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr,
+                HAS_LENGTHS: tl.constexpr, RESIDENT: tl.constexpr, STEP_MODE: tl.constexpr, BLOCK_B: tl.constexpr,
+                BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Steps k_first .. k_first + k_count - 1 of one layer and direction for one block of batch
+    rows: all of them and every hidden column (persistent: one launch, program axis 1 of size 1),
+    or, with STEP_MODE (no projection), one step for the hidden block of program axis 1 (a
+    launch per step; a first launch with k_count = 0 writes the initial state)."""
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    row_mask = rows < B
+    if STEP_MODE:  # the state is the hidden size here (no projection): one block of both
+        j_start = tl.program_id(1) * BLOCK_H
+        j_stop = tl.minimum(j_start + BLOCK_H, H)
+        p_stop = j_stop
+        initial = k_count == 0
+    else:
+        j_start = 0
+        j_stop = H
+        p_stop = P
+        initial = k_first == 0
+    n = lengths_of(lengths, len_s0, rows, row_mask, T, HAS_LENGTHS, BLOCK_B)
+    if initial:
+        write_initial_state(h0, h0_s0, h0_s1, c0, c0_s0, c0_s1, h_n, hn_s0, hn_s1, c_n, cn_s0, cn_s1,
+                            h_prev, hp_s0, hp_s1, hp_s2, c_prev, cp_s0, cp_s1, cp_s2, rows, row_mask, n,
+                            j_start, p_stop, j_stop, MODE, REVERSE, BLOCK_H)
     tile0 = resident_tile(w_hh, w_s0, w_s1, 0, G, H, P, RESIDENT, BLOCK_H, BLOCK_K)
     tile1 = resident_tile(w_hh, w_s0, w_s1, 1, G, H, P, RESIDENT, BLOCK_H, BLOCK_K)
     tile2 = resident_tile(w_hh, w_s0, w_s1, 2, G, H, P, RESIDENT, BLOCK_H, BLOCK_K)
     tile3 = resident_tile(w_hh, w_s0, w_s1, 3, G, H, P, RESIDENT, BLOCK_H, BLOCK_K)
     tl.debug_barrier()
-    for k in range(0, T):
+    for k in range(k_first, k_first + k_count):
         active, t, t_next, more, last = step_times(k, n, row_mask, REVERSE)
         idle = row_mask & (active == 0)
-        for j0 in range(0, H, BLOCK_H):
+        for j0 in range(j_start, j_stop, BLOCK_H):
             cols = j0 + tl.arange(0, BLOCK_H)
             col_mask = cols < H
             am = active[:, None] & col_mask[None, :]

@@ -2,7 +2,7 @@
 direction, every time step inside the kernel)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ....errors import ExecutionError, UnsupportedError, ValidationError
 from ....ops.rnn import _lengths_of
@@ -29,6 +29,9 @@ class RnnSchedule:
     block_k: int
     resident: bool  # the recurrent weights are loaded once, before the time loop
     num_warps: int
+    # one launch per step over (batch block, hidden block) programs, after one that writes the
+    # initial state: a forward too wide for one program's tile on the GPU, without projection
+    step_launches: bool = False
 
 
 def _tile(extent: int, cap: int) -> int:
@@ -42,8 +45,10 @@ def schedule_rnn(geometry, interpreted: bool, weight_bytes: int = 2) -> RnnSched
     block_h = _tile(max(geometry.hidden, geometry.state), cap)
     block_k = _tile(max(geometry.state, geometry.hidden) if geometry.op != "rnn_recurrence" else geometry.state, cap)
     fits = geometry.gates * block_h * block_k * weight_bytes <= RESIDENT_BYTES or interpreted
-    resident = geometry.op == "rnn_recurrence" and geometry.hidden <= block_h and geometry.state <= block_k and fits
-    return RnnSchedule(block_b, block_h, block_k, resident, NUM_WARPS)
+    forward = geometry.op == "rnn_recurrence"
+    resident = forward and geometry.hidden <= block_h and geometry.state <= block_k and fits
+    steps = forward and not interpreted and geometry.hidden > block_h and geometry.state == geometry.hidden
+    return RnnSchedule(block_b, block_h, block_k, resident, NUM_WARPS, steps)
 
 
 def build_rnn(graph, group, context):
@@ -60,6 +65,9 @@ def build_rnn(graph, group, context):
     name = kernel_name(group)
     source = render_rnn(name, schedule, node, geometry, dot, group.summary())
     programs = -(-geometry.batch // schedule.block_b)
+    checks = _length_checks(node, geometry.steps, geometry.batch)
+    if schedule.step_launches:
+        return _step_launches(group, source, schedule, geometry, dot, programs, checks)
     config_text = (f"BLOCK_B={schedule.block_b} BLOCK_H={schedule.block_h} BLOCK_K={schedule.block_k} "
                    f"{'resident' if schedule.resident else 'streamed'} num_warps={schedule.num_warps} grid={programs}")
     where = "forward" if node.op == "rnn_recurrence" else "backward through time"
@@ -69,8 +77,27 @@ def build_rnn(graph, group, context):
     reason = (f"persistent {geometry.mode} {where}: one launch, one program per {schedule.block_b} batch rows owning "
               f"the whole hidden size ({geometry.hidden}) and looping over all {geometry.steps} steps; {weights}; "
               f"gates fused into the step; {dot.dot} dot")
-    return launch_of(group, source, programs, schedule.num_warps, config_text, reason,
-                     host_checks=_length_checks(node, geometry.steps, geometry.batch))
+    return launch_of(group, source, programs, schedule.num_warps, config_text, reason, host_checks=checks)
+
+
+def _step_launches(group, source, schedule, geometry, dot, programs, checks) -> list:
+    """The initial-state launch, then one launch per step over (batch block, hidden block)
+    programs: each step reads the whole previous state, which only a kernel boundary orders
+    across programs."""
+    blocks = -(-geometry.hidden // schedule.block_h)
+    launches = []
+    for first, count in [(0, 0)] + [(k, 1) for k in range(geometry.steps)]:
+        arguments = tuple(replace(a, value=first) if a.name == "k_first" else
+                          replace(a, value=count) if a.name == "k_count" else a for a in source.arguments)
+        config_text = (f"BLOCK_B={schedule.block_b} BLOCK_H={schedule.block_h} BLOCK_K={schedule.block_k} step "
+                       f"{first if count else 'initial'} num_warps={schedule.num_warps} grid={programs}x{blocks}")
+        reason = (f"{geometry.mode} forward, a launch per step ({geometry.steps} + 1 for the initial state): hidden "
+                  f"{geometry.hidden} is wider than one program's tile ({schedule.block_h}), so {blocks} programs per "
+                  f"batch block each compute one hidden block of every gate, the weights read per step in "
+                  f"[{schedule.block_k}, {schedule.block_h}] tiles; gates fused into the step; {dot.dot} dot")
+        launches.append(launch_of(group, replace(source, arguments=arguments), (programs, blocks), schedule.num_warps,
+                                  config_text, reason, host_checks=checks if not launches else ()))
+    return launches
 
 
 def _length_checks(node, steps: int, batch: int) -> tuple:
