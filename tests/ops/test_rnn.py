@@ -145,9 +145,15 @@ def test_a_launch_per_step_for_wide_layers(monkeypatch):
                     bidirectional=mode == "lstm")
         check(case.graph, case.feeds())
         text = case.graph.explain()
-        assert "a launch per step (3 + 1 for the initial state)" in text and "grid=1x2" in text
+        assert "launches per step (3 + 1 for the initial state)" in text and "grid=1x2" in text
         if mode == "gru":
             _check_gradients(case)
+    for mode in ("lstm", "gru"):  # the backward alone: two launches per step
+        g = _recurrence_graph(mode, 70, 0, dg.float32, True)
+        sizes = {t.name: t.dim for t in g.inputs()}
+        values = {name: torch.randn(*dims) * 0.5 for name, dims in sizes.items() if name != "n"}
+        check(g, {**values, "n": torch.tensor([5, 0, 2], dtype=torch.int32)})
+        assert "launches per step (10 + 1 for the initial state)" in g.explain()
 
 
 def test_non_contiguous_operands():
@@ -392,5 +398,5 @@ def sm90_graphs():
 
 
 def test_kernels_compile_for_sm90():
-    # gru H=130 runs a launch per step: 5 steps + the initial state, one kernel compiled for each
-    assert "compiled 15 kernels for sm_90" in compiled_for_sm90("test_rnn:sm90_graphs", timeout=600)
+    # gru H=130 runs launches per step: forward 5 + 1, backward 10 + 1, each compiled
+    assert "compiled 25 kernels for sm_90" in compiled_for_sm90("test_rnn:sm90_graphs", timeout=600)

@@ -41,18 +41,24 @@ def render(kernel_name: str, schedule, node, geometry, dot, description: str) ->
     args, call = _tensor_arguments(roles, tensors, node.inputs[0])
     args += [KernelArgument("int", "T", geometry.steps), KernelArgument("int", "B", geometry.batch)]
     call += ["T", "B"]
-    if forward:  # the steps a launch runs (lower/rnn.py sets them per launch in step mode)
+    # the steps a launch runs (and, backward, its phases): lower/rnn.py sets them per launch in step mode
+    if forward:
         args += [KernelArgument("int", "k_first", 0), KernelArgument("int", "k_count", geometry.steps)]
         call += ["k_first", "k_count"]
+    else:
+        args += [KernelArgument("int", "k_first", 0), KernelArgument("int", "k_count", geometry.steps),
+                 KernelArgument("int", "phases", 3)]
+        call += ["k_first", "k_count", "phases"]
     flags = {"MODE": MODE_NUMBERS[geometry.mode], "REVERSE": geometry.reverse, "G": geometry.gates,
              "H": geometry.hidden, "P": geometry.state, "HAS_BIAS": node.inputs[roles.index(("b_hh", 1))] is not None,
              "HAS_PROJ": node.inputs[roles.index(("w_hr", 2))] is not None,
              "HAS_LENGTHS": node.inputs[roles.index(("lengths", 1))] is not None}
     if forward:
-        flags.update(RESIDENT=schedule.resident, STEP_MODE=schedule.step_launches)
+        flags.update(RESIDENT=schedule.resident)
     else:
         flags.update(HAS_DY=node.inputs[7] is not None, HAS_DH=node.inputs[8] is not None,
                      HAS_DC=node.inputs[9] is not None)
+    flags["STEP_MODE"] = schedule.step_launches
     flags.update(BLOCK_B=schedule.block_b, BLOCK_H=schedule.block_h, BLOCK_K=schedule.block_k,
                  FP32_DOT=dot.dot in ("fp32", "tf32"), PRECISION=repr(dot.precision or "ieee"))
     call += [f"{name}={value}" for name, value in flags.items()]

@@ -286,32 +286,52 @@ def rnn_backward(xw, x_s0, x_s1, x_s2, w_hh, w_s0, w_s1, b_hh, b_s0, w_hr, r_s0,
                  dh_n, dhn_s0, dhn_s1, dc_n, dcn_s0, dcn_s1,
                  dxw, dx_s0, dx_s1, dx_s2, dhh, dhh_s0, dhh_s1, dhh_s2, dh0, dh0_s0, dh0_s1, dc0, dc0_s0, dc0_s1,
                  d_proj, dp_s0, dp_s1, dp_s2,
-                 T, B, MODE: tl.constexpr, REVERSE: tl.constexpr, G: tl.constexpr, H: tl.constexpr,
-                 P: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_DY: tl.constexpr,
-                 HAS_DH: tl.constexpr, HAS_DC: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr,
-                 BLOCK_K: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    """The steps in reverse order for one block of batch rows; dh0 / dc0 carry the state
-    gradients between steps (float32 math, stored in their type)."""
+                 T, B, back_first, back_count, phases, MODE: tl.constexpr, REVERSE: tl.constexpr, G: tl.constexpr,
+                 H: tl.constexpr, P: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_PROJ: tl.constexpr,
+                 HAS_LENGTHS: tl.constexpr, HAS_DY: tl.constexpr, HAS_DH: tl.constexpr, HAS_DC: tl.constexpr,
+                 STEP_MODE: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr,
+                 FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    """Steps T-1-back for back in back_first .. back_first + back_count - 1 (the steps in reverse
+    order) for one block of batch rows; dh0 / dc0 carry the state gradients between steps
+    (float32 math, stored in their type). Persistent: every step, both phases (`phases` 3), every
+    column. STEP_MODE (no projection): the hidden block of program axis 1, one phase per launch
+    (1: the gate gradients, 2: dh = dgates @ w_hh); a first launch with back_count = 0 writes
+    the carries' initial values."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_mask = rows < B
+    if STEP_MODE:  # the state is the hidden size here (no projection): one block of both
+        j_start = tl.program_id(1) * BLOCK_H
+        j_stop = tl.minimum(j_start + BLOCK_H, H)
+        p_stop = j_stop
+        initial = back_count == 0
+    else:
+        j_start = 0
+        j_stop = H
+        p_stop = P
+        initial = back_first == 0
     n = lengths_of(lengths, len_s0, rows, row_mask, T, HAS_LENGTHS, BLOCK_B)
-    for p0 in range(0, P, BLOCK_H):
-        cols = p0 + tl.arange(0, BLOCK_H)
-        m = row_mask[:, None] & (cols < P)[None, :]
-        start = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
-        if HAS_DH:
-            start = tl.load(dh_n + rows[:, None] * dhn_s0 + cols[None, :] * dhn_s1, mask=m, other=0.0)
-        tl.store(dh0 + rows[:, None] * dh0_s0 + cols[None, :] * dh0_s1, start.to(dh0.dtype.element_ty), mask=m)
-    if MODE == LSTM:
-        for j0 in range(0, H, BLOCK_H):
-            cols = j0 + tl.arange(0, BLOCK_H)
-            m = row_mask[:, None] & (cols < H)[None, :]
+    if initial:
+        for p0 in range(j_start, p_stop, BLOCK_H):
+            cols = p0 + tl.arange(0, BLOCK_H)
+            m = row_mask[:, None] & (cols < p_stop)[None, :]
             start = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
-            if HAS_DC:
-                start = tl.load(dc_n + rows[:, None] * dcn_s0 + cols[None, :] * dcn_s1, mask=m, other=0.0)
-            tl.store(dc0 + rows[:, None] * dc0_s0 + cols[None, :] * dc0_s1, start.to(dc0.dtype.element_ty), mask=m)
+            if HAS_DH:
+                start = tl.load(dh_n + rows[:, None] * dhn_s0 + cols[None, :] * dhn_s1, mask=m, other=0.0)
+            tl.store(dh0 + rows[:, None] * dh0_s0 + cols[None, :] * dh0_s1, start.to(dh0.dtype.element_ty), mask=m)
+        if MODE == LSTM:
+            for j0 in range(j_start, j_stop, BLOCK_H):
+                cols = j0 + tl.arange(0, BLOCK_H)
+                m = row_mask[:, None] & (cols < j_stop)[None, :]
+                start = tl.zeros([BLOCK_B, BLOCK_H], dtype=tl.float32)
+                if HAS_DC:
+                    start = tl.load(dc_n + rows[:, None] * dcn_s0 + cols[None, :] * dcn_s1, mask=m, other=0.0)
+                tl.store(dc0 + rows[:, None] * dc0_s0 + cols[None, :] * dc0_s1, start.to(dc0.dtype.element_ty),
+                         mask=m)
     tl.debug_barrier()
-    for back in range(0, T):
+    # an empty column range skips a phase: bit 0 of `phases` runs the gate gradients, bit 1 dh
+    gate_stop = j_start + (j_stop - j_start) * (phases % 2)
+    state_stop = j_start + (p_stop - j_start) * (phases // 2)
+    for back in range(back_first, back_first + back_count):
         k = T - 1 - back
         active, t, t_next, more, last = step_times(k, n, row_mask, REVERSE)
         idle = row_mask & (active == 0)
@@ -326,7 +346,7 @@ def rnn_backward(xw, x_s0, x_s1, x_s2, w_hh, w_s0, w_s1, b_hh, b_s0, w_hr, r_s0,
                 store_rows(d_proj, dp_s0, dp_s1, dp_s2, t, rows, cols, grad, active[:, None] & cm)
                 store_rows(d_proj, dp_s0, dp_s1, dp_s2, t * 0 + k, rows, cols, tl.zeros_like(grad), idle[:, None] & cm)
             tl.debug_barrier()
-        for j0 in range(0, H, BLOCK_H):
+        for j0 in range(j_start, gate_stop, BLOCK_H):  # phase 1
             cols = j0 + tl.arange(0, BLOCK_H)
             col_mask = cols < H
             am = active[:, None] & col_mask[None, :]
@@ -391,7 +411,7 @@ def rnn_backward(xw, x_s0, x_s1, x_s2, w_hh, w_s0, w_s1, b_hh, b_s0, w_hr, r_s0,
                     tl.store(dh0 + rows[:, None] * dh0_s0 + cols[None, :] * dh0_s1, (d_out * z)
                              .to(dh0.dtype.element_ty), mask=am)
         tl.debug_barrier()  # every gate gradient of this step is stored before dh = dgates @ w_hh reads them
-        for p0 in range(0, P, BLOCK_H):
+        for p0 in range(j_start, state_stop, BLOCK_H):  # phase 2
             cols = p0 + tl.arange(0, BLOCK_H)
             col_mask = cols < P
             am = active[:, None] & col_mask[None, :]

@@ -29,8 +29,9 @@ class RnnSchedule:
     block_k: int
     resident: bool  # the recurrent weights are loaded once, before the time loop
     num_warps: int
-    # one launch per step over (batch block, hidden block) programs, after one that writes the
-    # initial state: a forward too wide for one program's tile on the GPU, without projection
+    # one launch per step (two backward: the gate gradients, then dh) over (batch block, hidden
+    # block) programs, after one that writes the initial state: a layer too wide for one
+    # program's tile on the GPU, without projection
     step_launches: bool = False
 
 
@@ -47,7 +48,7 @@ def schedule_rnn(geometry, interpreted: bool, weight_bytes: int = 2) -> RnnSched
     fits = geometry.gates * block_h * block_k * weight_bytes <= RESIDENT_BYTES or interpreted
     forward = geometry.op == "rnn_recurrence"
     resident = forward and geometry.hidden <= block_h and geometry.state <= block_k and fits
-    steps = forward and not interpreted and geometry.hidden > block_h and geometry.state == geometry.hidden
+    steps = not interpreted and geometry.hidden > block_h and geometry.state == geometry.hidden
     return RnnSchedule(block_b, block_h, block_k, resident, NUM_WARPS, steps)
 
 
@@ -81,20 +82,27 @@ def build_rnn(graph, group, context):
 
 
 def _step_launches(group, source, schedule, geometry, dot, programs, checks) -> list:
-    """The initial-state launch, then one launch per step over (batch block, hidden block)
-    programs: each step reads the whole previous state, which only a kernel boundary orders
-    across programs."""
+    """The initial-state launch, then per step one launch (forward) or two (backward: the gate
+    gradients, then dh = dgates @ w_hh) over (batch block, hidden block) programs: a step reads
+    the whole previous state (or every gate gradient), which only a kernel boundary orders across
+    programs."""
     blocks = -(-geometry.hidden // schedule.block_h)
+    forward = geometry.op == "rnn_recurrence"
+    per_step = [(k, 1, None) for k in range(geometry.steps)] if forward else \
+        [(k, 1, phase) for k in range(geometry.steps) for phase in (1, 2)]
     launches = []
-    for first, count in [(0, 0)] + [(k, 1) for k in range(geometry.steps)]:
-        arguments = tuple(replace(a, value=first) if a.name == "k_first" else
-                          replace(a, value=count) if a.name == "k_count" else a for a in source.arguments)
+    for first, count, phase in [(0, 0, 0 if not forward else None)] + per_step:
+        values = {"k_first": first, "k_count": count, "phases": phase}
+        arguments = tuple(replace(a, value=values[a.name]) if a.name in values else a for a in source.arguments)
+        what = "initial" if not count else f"{first}" + ("" if forward else f" phase {phase}")
         config_text = (f"BLOCK_B={schedule.block_b} BLOCK_H={schedule.block_h} BLOCK_K={schedule.block_k} step "
-                       f"{first if count else 'initial'} num_warps={schedule.num_warps} grid={programs}x{blocks}")
-        reason = (f"{geometry.mode} forward, a launch per step ({geometry.steps} + 1 for the initial state): hidden "
-                  f"{geometry.hidden} is wider than one program's tile ({schedule.block_h}), so {blocks} programs per "
-                  f"batch block each compute one hidden block of every gate, the weights read per step in "
-                  f"[{schedule.block_k}, {schedule.block_h}] tiles; gates fused into the step; {dot.dot} dot")
+                       f"{what} num_warps={schedule.num_warps} grid={programs}x{blocks}")
+        work = ("each compute one hidden block of every gate" if forward else
+                "each compute the gate gradients of one hidden block, then (a second launch) one block of dh")
+        reason = (f"{geometry.mode} {'forward' if forward else 'backward through time'}, launches per step "
+                  f"({len(per_step)} + 1 for the initial state): hidden {geometry.hidden} is wider than one "
+                  f"program's tile ({schedule.block_h}), so {blocks} programs per batch block {work}, the weights "
+                  f"read per step in [{schedule.block_k}, {schedule.block_h}] tiles; gates fused; {dot.dot} dot")
         launches.append(launch_of(group, replace(source, arguments=arguments), (programs, blocks), schedule.num_warps,
                                   config_text, reason, host_checks=checks if not launches else ()))
     return launches
