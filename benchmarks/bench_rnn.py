@@ -7,7 +7,8 @@ Cases (the issue's goals):
 
 Every dnngraph result is checked against cuDNN (relative norm error) before it is timed; a case
 that fails prints "n/a: <error>". Ratios are cuDNN time / dnngraph time (> 1: dnngraph faster).
-explain() of each graph says which recurrence kernel ran (weights resident or streamed).
+explain() of each graph says which recurrence kernels ran (the last column: persistent with the
+weights resident or streamed, or a launch per step).
 
     python benchmarks/bench_rnn.py                 # every case
     python benchmarks/bench_rnn.py --cases train   # the training steps only
@@ -79,9 +80,9 @@ def _case(mode: str, batch: int, train: bool) -> list:
     except Exception as failure:  # a failing provider prints its error in its cell
         return [label, f"n/a: {type(failure).__name__}: {failure}"[:120], "", "", "", ""]
     cudnn_ms = median_ms(cudnn, warmup=3, rep=20)
-    recurrence = [line for line in g.explain().splitlines() if "why:    persistent" in line]
-    return [label, f"{ours_ms:.3f}", f"{cudnn_ms:.3f}", f"{cudnn_ms / ours_ms:.3f}x", f"{error:.2e}",
-            "resident" if any("kept in registers" in r for r in recurrence) else "streamed"]
+    why = "\n".join(line for line in g.explain().splitlines() if "why:" in line)
+    kind = "per-step" if "launches per step" in why else ("resident" if "kept in registers" in why else "streamed")
+    return [label, f"{ours_ms:.3f}", f"{cudnn_ms:.3f}", f"{cudnn_ms / ours_ms:.3f}x", f"{error:.2e}", kind]
 
 
 def main():

@@ -1,11 +1,14 @@
 """Device functions of the recurrence kernels (imported by generated sources as `rl`).
 
-One program owns a block of batch entries and the whole hidden size, and loops over every time
-step inside the kernel (one launch per layer and direction). The state each step starts from
+Persistent (the default): one program owns a block of batch entries and the whole hidden size,
+and loops over every time step inside the kernel (one launch per layer and direction). Step mode
+(a layer wider than one tile on the GPU, no projection): a launch per step (backward: two, the
+gate gradients then dh), each program owning one hidden block; the kernel boundary orders a
+step's reads of the whole previous state across programs. The state each step starts from
 lives in h_prev / c_prev (float32, indexed by time: the backward reads them too); a step reads
-slot t and writes slot t +- 1, so its hidden blocks never read what the same step writes. Between
-phases the program's threads meet at a barrier (tl.debug_barrier: stores of one thread are seen
-by the others of its program after it). Programs never share rows, so no grid-wide sync.
+slot t and writes slot t +- 1, so its hidden blocks never read what the same step writes. Within
+a program, phases meet at a barrier (tl.debug_barrier: stores of one thread are seen by the
+others of its program after it). Programs never share rows of a step, so no grid-wide sync.
 
 Weights stay in memory (L2) and are read per step in [BLOCK_K, BLOCK_H] tiles; with RESIDENT
 (hidden and state each fit one tile) the recurrent tiles are loaded once, before the time loop,
