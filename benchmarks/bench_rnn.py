@@ -80,6 +80,7 @@ def _case(mode: str, batch: int, train: bool) -> list:
     except Exception as failure:  # a failing provider prints its error in its cell
         return [label, f"n/a: {type(failure).__name__}: {failure}"[:120], "", "", "", ""]
     cudnn_ms = median_ms(cudnn, warmup=3, rep=20)
+    g.build()  # the graph itself (as_function ran its replayed copies): what explain() reports
     why = "\n".join(line for line in g.explain().splitlines() if "why:" in line)
     kind = "per-step" if "launches per step" in why else ("resident" if "kept in registers" in why else "streamed")
     return [label, f"{ours_ms:.3f}", f"{cudnn_ms:.3f}", f"{cudnn_ms / ours_ms:.3f}x", f"{error:.2e}", kind]
