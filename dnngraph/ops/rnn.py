@@ -162,7 +162,8 @@ def infer_backward(inputs, attrs: RnnRecurrenceAttrs):
 
 
 # --- float64 reference: a loop over time ---------------------------------------------------------
-def _lengths_of(lengths, steps: int, batch: int) -> list:
+def sequence_lengths(lengths, steps: int, batch: int) -> list:
+    """Each entry's length (T without a lengths tensor); ValidationError outside [0, T]."""
     if lengths is None:
         return [steps] * batch
     values = [int(v) for v in lengths.reshape(-1).tolist()]
@@ -204,7 +205,7 @@ def _run(xw, h0, c0, w_hh, b_hh, w_hr, lengths, attrs, taps=None):
     c_prev = torch.zeros(steps, batch, hidden, dtype=xw.dtype) if c0 is not None else None
     h_raw = torch.zeros(steps, batch, hidden, dtype=xw.dtype) if w_hr is not None else None
     finals_h, finals_c = [], []
-    for b, length in enumerate(_lengths_of(lengths, steps, batch)):
+    for b, length in enumerate(sequence_lengths(lengths, steps, batch)):
         h, c = h0[b], None if c0 is None else c0[b]
         for step in range(length):
             t = time_index(step, length, attrs.reverse)
@@ -238,7 +239,7 @@ def reference_backward(values, attrs: RnnRecurrenceAttrs):
     pre-activations and outputs."""
     xw, w_hh, b_hh, w_hr, lengths, h_prev, c_prev, dy, dh_n, dc_n = values
     steps, batch, width = xw.shape
-    lens = _lengths_of(lengths, steps, batch)
+    lens = sequence_lengths(lengths, steps, batch)
     # the state each sequence starts from is h_prev / c_prev at its first time step
     firsts = [time_index(0, n, attrs.reverse) if n else 0 for n in lens]
     leaf = (lambda v: v.detach().clone().requires_grad_(True))

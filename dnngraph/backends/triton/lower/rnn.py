@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ....errors import ExecutionError, UnsupportedError, ValidationError
-from ....ops.rnn import _lengths_of
+from ....ops.rnn import sequence_lengths
 from ....problems.rnn import rnn_problem
 from ..codegen.rnn import render as render_rnn
 from ..heuristics.matmul import choose_dot
@@ -117,7 +117,7 @@ def _length_checks(node, steps: int, batch: int) -> tuple:
 
     def check(tensors):
         try:
-            _lengths_of(tensors[lengths.uid], steps, batch)
+            sequence_lengths(tensors[lengths.uid], steps, batch)
         except ValidationError as error:
             raise ExecutionError(f"node {node.name!r} ({node.op}): {error}") from None
     return (check,)
