@@ -635,6 +635,36 @@ class Graph:
         y, mask = self._add_op("dropout", [x, seed_t, offset_t], attrs, name)
         return (y, mask) if return_mask else y
 
+    def rnn_recurrence(self, xw, h0, c0, w_hh, b_hh=None, w_hr=None, seq_lengths=None, mode="lstm",
+                       reverse=False, allow_tf32: Optional[bool] = None, name=None):
+        """The time steps of one recurrent layer in one direction over the input projection
+        xw [T, B, G*H]: (y, h_n, c_n, h_prev, c_prev, h_raw) (ops/rnn.py says each)."""
+        tf32 = self.allow_tf32 if allow_tf32 is None else allow_tf32
+        return self._add_op("rnn_recurrence", [xw, h0, c0, w_hh, b_hh, w_hr, seq_lengths],
+                            _attrs_of("rnn_recurrence", mode, reverse, tf32), name)
+
+    def rnn_recurrence_backward(self, xw, w_hh, b_hh, w_hr, seq_lengths, h_prev, c_prev, dy, dh_n, dc_n,
+                                mode="lstm", reverse=False, allow_tf32: Optional[bool] = None, name=None):
+        """(dxw, dhh, dh0, dc0, d_proj) of rnn_recurrence from the gradients of its outputs
+        (dy, dh_n, dc_n; None: zero) and the states it saved (h_prev, c_prev)."""
+        tf32 = self.allow_tf32 if allow_tf32 is None else allow_tf32
+        return self._add_op("rnn_recurrence_backward",
+                            [xw, w_hh, b_hh, w_hr, seq_lengths, h_prev, c_prev, dy, dh_n, dc_n],
+                            _attrs_of("rnn_recurrence_backward", mode, reverse, tf32), name)
+
+    def rnn(self, x, h0, c0=None, weights=(), mode="lstm", num_layers=1, bidirectional=False, proj_size=0,
+            dropout=0.0, dropout_seed=None, dropout_offset=0, seq_lengths=None, bias=True, batch_first=False,
+            allow_tf32: Optional[bool] = None):
+        """(y, h_n, c_n) of torch's nn.RNN/nn.LSTM/nn.GRU (mode "rnn_tanh", "rnn_relu", "lstm",
+        "gru"): x [T, B, I] ([B, T, I] with batch_first), h0 [layers * directions, B, P], c0 the
+        same with H (lstm), weights in torch's _flat_weights order, seq_lengths [B] int32/int64
+        (padded layout: steps past a length keep the state and give y = 0). c_n is None but
+        for lstm. rnn_network.py builds it from matmuls and rnn_recurrence nodes."""
+        from .rnn_network import build_rnn
+        tf32 = self.allow_tf32 if allow_tf32 is None else allow_tf32
+        return build_rnn(self, x, h0, c0, weights, mode, num_layers, bidirectional, proj_size, dropout,
+                         dropout_seed, dropout_offset, seq_lengths, bias, batch_first, tf32)
+
     def sdpa(self, q, k, v, attn_scale=None, is_inference=True, use_causal_mask=False, bias=None,
              dropout=None, seq_len_q=None, seq_len_kv=None, use_causal_mask_bottom_right=False,
              diagonal_alignment="top_left", diagonal_band_left_bound=None, diagonal_band_right_bound=None,

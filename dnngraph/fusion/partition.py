@@ -62,7 +62,7 @@ class FusionGroup:
 _NO_EXITS = AnchorRule((), None)  # a side output's epilogue: pointwise nodes only
 # Anchors whose kernels store every output they have, read or not (sdpa_backward's dq, dk, dv:
 # an unread one, a gradient nobody wants, still needs memory to be written to)
-ALWAYS_WRITTEN = frozenset({"sdpa_backward"})
+ALWAYS_WRITTEN = frozenset({"sdpa_backward", "rnn_recurrence", "rnn_recurrence_backward"})
 
 
 def _is_pointwise(node) -> bool:

@@ -18,6 +18,7 @@ from .moe import MoeGeometry, moe_problem
 from .pointwise import PointwiseGeometry, pointwise_problem
 from .pooling import PoolingGeometry, pooling_problem
 from .rows import RowsGeometry, rows_problem
+from .rnn import RnnGeometry, rnn_problem
 
 # group kind -> problem builder(graph, group)
 PROBLEM_BUILDERS = {
@@ -28,6 +29,7 @@ PROBLEM_BUILDERS = {
     "gather": gather_problem, "moe": moe_problem,
     "ctc": ctc_problem, "lrn": lrn_problem,
 }
+PROBLEM_BUILDERS["rnn"] = rnn_problem
 
 
 def problem_of(graph, group) -> Problem:
@@ -40,4 +42,4 @@ def problem_of(graph, group) -> Problem:
 
 
 __all__ = ["AttentionGeometry", "ConvGeometry", "CtcGeometry", "GatherGeometry", "GemmGeometry", "LrnGeometry", "MoeGeometry", "Operand", "PROBLEM_BUILDERS",
-           "PointwiseGeometry", "PoolingGeometry", "Problem", "RowsGeometry", "problem_of"]
+           "PointwiseGeometry", "PoolingGeometry", "Problem", "RnnGeometry", "RowsGeometry", "problem_of"]

@@ -44,6 +44,7 @@ from ..graph import Graph
 from ..log import logger
 from ..options import BuildOptions
 from ..tensor import Tensor
+from .rnn import traced_rnns
 from .convert import TENSOR_TYPES, VIEW_OPS, Aux, ConstantSpec, convert, graph_input, read_as_value, unsupported
 
 __all__ = ["backend", "explain", "REPORTS", "CompileReport"]
@@ -435,7 +436,7 @@ def _static_compile(replay: bool, build_options=None):
 
     def compile_static(gm, example_inputs, specialized=""):
         partition = functools.partial(_compile, specialized=specialized, options=build_options)
-        with sdpa_kernel(TRACED_ATTENTION):
+        with sdpa_kernel(TRACED_ATTENTION), traced_rnns():
             if replay:
                 from .cudagraphs import aot_with_cudagraphs
 

@@ -1543,3 +1543,70 @@ def _div_or_lrn(g, node, value):
 
 
 CONVERTERS[aten.div.Tensor] = _div_or_lrn
+# --- recurrent layers (issue 32): dnngraph::rnn, what torch_backend/rnn.py makes of aten.lstm,
+# aten.gru, aten.rnn_tanh and aten.rnn_relu while the backend traces ------------------------------
+from . import rnn as _rnn_ops  # noqa: E402  (registers the dnngraph::rnn custom ops)
+
+
+def _recurrent(g, node, value):
+    """g.rnn with the layer's flat weights in torch's order; [y, h_n(, c_n)]."""
+    x, hx, params, mode, has_biases, num_layers, bidirectional, batch_first = node.args[:8]
+    states = [value(h) for h in hx]
+    cell = states[1] if mode == "lstm" else None
+    proj = int(states[0].dim[-1]) if cell is not None and states[0].dim[-1] != cell.dim[-1] else 0
+    y, h_n, c_n = g.rnn(value(x), states[0], cell, [value(p) for p in params], mode=mode, num_layers=num_layers,
+                        bidirectional=bidirectional, proj_size=proj, bias=has_biases, batch_first=batch_first)
+    return (y, h_n, c_n) if c_n is not None else (y, h_n)
+
+
+CONVERTERS[torch.ops.dnngraph.rnn.default] = _recurrent
+
+
+def _inlined(g, source, bound: dict):
+    """The nodes of graph `source` added to `g` in order, reading `bound` (source uid -> g
+    tensor) for its inputs; `bound` gains every value they make."""
+    for node in source.nodes:
+        made = g._add_op(node.op, [None if t is None else bound[t.uid] for t in node.inputs], node.attrs)
+        for original, twin in zip(node.outputs, made):
+            if original is None or twin is None:
+                continue
+            if original._data_type is not None:
+                twin.set_data_type(original._data_type)
+            bound[original.uid] = twin
+    return bound
+
+
+def _recurrent_backward(g, node, value):
+    """dnngraph::rnn_backward: g.rnn over the same inputs differentiated by dnngraph's autodiff
+    (autodiff.derive: the recurrence backward kernels and one GEMM per weight gradient), its
+    forward and backward graphs inlined here; [dx] + dhx + dparams."""
+    from ..autodiff import derive
+    x, hx, params, grads, mode, has_biases, num_layers, bidirectional, batch_first = node.args[:9]
+    operands = [value(x)] + [value(h) for h in hx] + [value(p) for p in params]
+    standalone = g.blank(f"{g.name}.rnn")
+    inputs = [standalone.tensor(name=f"operand{i}", dim=list(t.dim), stride=list(t.stride), data_type=t.data_type)
+              for i, t in enumerate(operands)]
+    cell = inputs[2] if mode == "lstm" else None
+    proj = int(inputs[1].dim[-1]) if cell is not None and inputs[1].dim[-1] != cell.dim[-1] else 0
+    weights = inputs[1 + len(hx):]
+    outputs = [t for t in standalone.rnn(inputs[0], inputs[1], cell, weights, mode=mode, num_layers=num_layers,
+                                         bidirectional=bidirectional, proj_size=proj, bias=has_biases,
+                                         batch_first=batch_first) if t is not None]
+    for tensor in outputs:
+        tensor.set_output(True)
+    derivation = derive(standalone, inputs, outputs, [True] * len(inputs))
+    by_name = {t.name: operand for t, operand in zip(inputs, operands)}
+    bound = {t.uid: by_name[t.name] for t in derivation.forward.inputs()}
+    _inlined(g, derivation.forward, bound)
+    into_backward = {}
+    for seed, grad in zip(derivation.grad_inputs, grads):
+        into_backward[seed.uid] = value(grad)
+    for saved, twin in zip(derivation.saved, derivation.saved_inputs):
+        into_backward[twin.uid] = bound[saved.uid]
+    for original, twin in zip(derivation.forward_inputs, derivation.forward_input_twins):
+        into_backward[twin.uid] = by_name[original.name]
+    _inlined(g, derivation.backward, into_backward)
+    return tuple(into_backward[t.uid] for t in derivation.grads)
+
+
+CONVERTERS[torch.ops.dnngraph.rnn_backward.default] = _recurrent_backward

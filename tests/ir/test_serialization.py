@@ -53,6 +53,12 @@ def build_family_ops(g, n, c, size, draw_int):
     routed = g.moe_grouped_matmul(tokens, g.tensor(name="experts", dim=[2, c, 3]), first_token_offset,
                                   allow_tf32=bool(draw_int(0, 1)))
     g.moe_grouped_matmul_wgrad(tokens, routed, first_token_offset)
+    # the recurrence and its backward: an lstm over xw [steps, batch, 4 * hidden]
+    xw, h0 = g.tensor(name="xw", dim=[size, n, 4 * c]), g.tensor(name="h0", dim=[n, c])
+    w_hh, lengths = g.tensor(name="w_hh", dim=[4 * c, c]), g.tensor(name="lengths", dim=[n], data_type=dg.int32)
+    _, h_n, c_n, h_prev, c_prev, _ = g.rnn_recurrence(xw, h0, h0, w_hh, None, None, lengths, mode="lstm",
+                                                      reverse=bool(draw_int(0, 1)))
+    g.rnn_recurrence_backward(xw, w_hh, None, None, lengths, h_prev, c_prev, None, h_n, c_n, mode="lstm")
     g.dropout(x, p=0.1, seed=draw_int(0, 2**40), offset=3, return_mask=True)
     log_probs = g.tensor(name="log_probs", dim=[size, n, c + 1])
     labels = [g.tensor(name=name, dim=dims, data_type=dg.int32) for name, dims in

@@ -358,6 +358,26 @@ TABLE = {
     aten.nll_loss_forward.default: lambda: _nll_loss_entry(backward=False),
     aten.nll_loss_backward.default: lambda: _nll_loss_entry(backward=True),
 }
+TABLE.update({
+    torch.ops.dnngraph.rnn.default: lambda: _rnn_entry(backward=False),
+    torch.ops.dnngraph.rnn_backward.default: lambda: _rnn_entry(backward=True),
+})
+
+
+
+def _rnn_entry(backward: bool):
+    """dnngraph::rnn (an LSTM of 2 steps, batch 3, input 4, hidden 5) or its backward, with a
+    strided x and special values as variants (the other arguments fix the weights' shapes);
+    the weights in torch's _flat_weights order."""
+    layer = torch.nn.LSTM(4, 5)
+    params = [w.detach().clone() for w in layer._flat_weights]
+    x, hx = _floats(2, 3, 4), [_floats(1, 3, 5, seed=1), _floats(1, 3, 5, seed=2)]
+    flags = ["lstm", True, 1, False, False]
+    variants = {"x": [x, _floats(4, 3, 2).transpose(0, 2), _with_specials(x)]}
+    if not backward:
+        return [x, hx, params] + flags, {}, variants
+    grads = [_floats(2, 3, 5, seed=3), _floats(1, 3, 5, seed=4), _floats(1, 3, 5, seed=5)]
+    return [x, hx, params, grads] + flags, {}, variants
 
 
 def _flash_inputs():

@@ -38,6 +38,7 @@ from .lower.moe import build_moe
 from .lower.pointwise import build_pointwise
 from .lower.pooling import build_pooling
 from .lower.rows import build_rows
+from .lower.rnn import build_rnn
 from .lower.sdpa import build_attention, build_sdpa
 
 # group kind -> builder(graph, group, context) -> KernelLaunch or a list of them
@@ -47,6 +48,7 @@ BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": 
             "attention_backward": build_attention_backward, "gather": build_gather,
             "moe": build_moe,
             "ctc": build_ctc, "lrn": build_lrn}
+BUILDERS["rnn"] = build_rnn
 
 # Families whose loads may visit an input element several times (or never): prologue values that
 # are outputs are written first by a pointwise kernel of the prologue.
