@@ -54,7 +54,16 @@ def _one_to_one(group):
     outputs = dict(zip(anchor.opdef.output_names, anchor.outputs))
     inputs = dict(zip(anchor.opdef.input_names, anchor.inputs))
     return [(outputs[o], inputs[i]) for o, i in declared.items()
-            if outputs.get(o) is not None and inputs.get(i) is not None and outputs[o] in group.outputs]
+            if outputs.get(o) is not None and inputs.get(i) is not None and outputs[o] in group.outputs
+            and _read_once(group, inputs[i])]
+
+
+def _read_once(group, tensor) -> bool:
+    """Whether `tensor` is read by exactly one input slot of one node of `group`: a row kernel
+    may run in several launches (split mode: partial, combine, apply), and a second reader (a
+    fused pointwise node, or another slot of the anchor such as bias) in a launch after the
+    combine that stores the running statistic would read the value already overwritten."""
+    return sum(1 for node in group.nodes for t in node.inputs if t is not None and t.uid == tensor.uid) == 1
 
 
 def _domain(group) -> tuple:

@@ -92,6 +92,29 @@ def test_batchnorm_running_statistics_in_place(mode):
     _refused(g, {**inputs, **bound, outs[3]: running_var, outs[4]: torch.empty(1, 5, 1, 1)}, [running_var])
 
 
+@pytest.mark.parametrize("mode", ["one_pass", "looped", "split"])
+@pytest.mark.parametrize("second_reader", ["epilogue", "bias slot"])
+def test_running_statistics_read_twice_in_their_group_are_refused(mode, second_reader):
+    """The running mean read by a fused epilogue, or also bound as batchnorm's bias: in split
+    mode the launch after the combine would read the overwritten value, so no mode takes it."""
+    g = _graph()
+    x = g.tensor(name="x", dim=[3, 5, 4, 6])
+    s, b = g.tensor(name="scale", dim=[1, 5, 1, 1]), g.tensor(name="bias", dim=[1, 5, 1, 1])
+    rm, rv = g.tensor(name="rm", dim=[1, 5, 1, 1]), g.tensor(name="rv", dim=[1, 5, 1, 1])
+    outs = g.batchnorm(x, s, rm if second_reader == "bias slot" else b, rm, rv, momentum=0.3)
+    y = g.add(outs[0], rm).set_output(True) if second_reader == "epilogue" else outs[0].set_output(True)
+    for out in outs[1:]:
+        out.set_output(True)
+    g.build(options=row_options(mode))
+    assert not any(uid == rm.uid for _, uid in g.plan.in_place)
+    xt, running_mean = torch.randn(3, 5, 4, 6), torch.randn(1, 5, 1, 1)
+    inputs = {x: xt, s: torch.randn(1, 5, 1, 1), b: torch.randn(1, 5, 1, 1), rm: running_mean,
+              rv: torch.rand(1, 5, 1, 1) + 0.5}
+    bound = {out: torch.full(out.dim, float("nan")) for out in outs[1:3]}
+    _refused(g, {**inputs, **bound, y: torch.full(y.dim, float("nan")), outs[3]: running_mean,
+                 outs[4]: torch.empty(1, 5, 1, 1)}, [running_mean])
+
+
 def test_matmul_output_over_its_operand_is_refused():
     g = _graph()
     a, b = g.tensor(name="a", dim=[1, 16, 16]), g.tensor(name="b", dim=[1, 16, 16])
