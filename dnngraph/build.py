@@ -42,7 +42,7 @@ def build_plan(graph, options: Optional[BuildOptions] = None) -> "Plan":
     options = BuildOptions() if options is None else options
     _check_outputs_dense(graph)
     start = time.perf_counter()
-    device = _build_device()
+    device = build_device()
     key = plan_key(graph, options, device, target_for(device, options),
                    registry.signature(options.backends))
     shared = PLANS.get(key)
@@ -74,7 +74,7 @@ def _build_new(graph, device, options: BuildOptions) -> "Plan":
     return plan
 
 
-def _build_device() -> torch.device:
+def build_device() -> torch.device:
     """The device a plan is first built for: the current GPU, else the interpreter (CPU). Only a
     first guess: a plan executed on a device of another model builds launches for that one."""
     if torch.cuda.is_available() and not interpreting():

@@ -709,6 +709,24 @@ class Graph:
         for tensor in self._tensors.values():
             tensor.restore_strides()
 
+    def serialize(self) -> bytes:
+        """The built plan as bytes (the cuDNN frontend's name): Graph.deserialize(blob) runs it in
+        another process without lowering or compiling (shipping.py says what a blob holds)."""
+        from .shipping import serialize_plan
+
+        if self._plan is None:
+            raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build() before serialize()")
+        return serialize_plan(self._plan)
+
+    @classmethod
+    def deserialize(cls, blob: bytes, rebuild: bool = False) -> "Graph":
+        """A built graph from a blob of serialize(), nothing lowered or compiled. A blob of
+        another dnngraph or Triton, or for another target than this machine's (another GPU
+        model), raises SerializationError; with `rebuild` the graph is built afresh instead."""
+        from .shipping import deserialize_plan
+
+        return deserialize_plan(blob, cls, rebuild=boolean("Graph.deserialize", "rebuild", rebuild))
+
     def execute(self, bindings: dict, workspace=None) -> None:
         """Run the built plan; bindings map Tensors or names to torch tensors, outputs in place.
         `workspace`: a uint8 tensor of at least plan.workspace_size() bytes on the tensors' device
