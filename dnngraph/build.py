@@ -43,7 +43,7 @@ def build_plan(graph, options: Optional[BuildOptions] = None) -> "Plan":
     options = BuildOptions() if options is None else options
     _check_outputs_dense(graph)
     start = time.perf_counter()
-    device = build_device()
+    device = _build_device()
     key = plan_key(graph, options, device, target_for(device, options),
                    registry.signature(options.backends))
     shared = PLANS.get(key)
@@ -75,7 +75,7 @@ def _build_new(graph, device, options: BuildOptions) -> "Plan":
     return plan
 
 
-def build_device() -> torch.device:
+def _build_device() -> torch.device:
     """The device a plan is first built for: the current GPU, else the interpreter (CPU). Only a
     first guess: a plan executed on a device of another model builds launches for that one."""
     if torch.cuda.is_available() and not interpreting():
@@ -147,7 +147,7 @@ def plan_choices(graph, options: BuildOptions) -> list:
     """GroupPlans of each kernel group of `graph` (validated) for the target a build under
     `options` plans for, in plan order: candidate k of group i is what BuildOptions(plan=k)
     (or plan=(..., k, ...) at position i) builds."""
-    device = build_device()
+    device = _build_device()
     target = target_for(device, options)
     snapshot = graph._snapshot()
     groups = partition(snapshot, registry.families(options.backends))

@@ -35,7 +35,7 @@ from .backends.triton.heuristics.matmul import MatmulConfig
 from .backends.triton.heuristics.moe import MoeConfig
 from .backends.triton.heuristics.rows import RowConfig
 from .backends.triton.heuristics.sdpa import AttentionConfig
-from .build import build_device, build_launches
+from .build import _build_device, build_launches
 from .errors import ExecutionError, GraphError, SerializationError, UnsupportedError
 from .fusion import partition
 from .options import BuildOptions
@@ -231,7 +231,7 @@ def deserialize_plan(blob, graph_type, rebuild: bool = False):
     graph = graph_type.from_json(document["graph"])
     options = options_of(document["options"])
     stored = _decoded(document["target"])
-    device = build_device()
+    device = _build_device()
     why = _refused_target(stored, device) or (
         "" if target_for(device, options) == stored else
         f"the blob's plan is for {stored.name}; this machine plans for {target_for(device, options).name}")
