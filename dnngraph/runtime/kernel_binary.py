@@ -83,7 +83,8 @@ class KernelBinary:
         asm = {level: ({"base64": base64.b64encode(data).decode()} if isinstance(data, bytes) else data)
                for level, data in self.asm.items()}
         return {"name": self.name, "hash": self.hash, "metadata": self.metadata, "asm": asm,
-                "signature": dict(self.signature),
+                # argument order is the launcher's: a list, never an object a writer may sort
+                "signature": [[name, kind] for name, kind in self.signature.items()],
                 "constants": [[list(path), plain_value(value)] for path, value in self.constants],
                 "attrs": [[list(path), [list(pair) for pair in specs]] for path, specs in self.attrs]}
 
@@ -94,7 +95,7 @@ class KernelBinary:
             asm = {str(level): (base64.b64decode(data["base64"]) if isinstance(data, dict) else str(data))
                    for level, data in record["asm"].items()}
             binary = cls(str(record["name"]), str(record["hash"]), str(record["metadata"]), asm,
-                         {str(k): str(v) for k, v in record["signature"].items()},
+                         {str(name): str(kind) for name, kind in record["signature"]},
                          tuple((tuple(int(i) for i in path), plain_of(value)) for path, value in record["constants"]),
                          tuple((tuple(int(i) for i in path), [list(pair) for pair in specs])
                                for path, specs in record["attrs"]))
@@ -185,11 +186,12 @@ def launch_signature(arguments, dtypes: dict) -> tuple:
 def compile_request(launch, dtypes: dict) -> dict:
     """What the compile process needs of one launch (JSON data): its named source, signature and
     compile options."""
-    signature, constants, attrs = launch_signature(launch.arguments, dtypes)
     from .kernel_files import kernel_source
 
+    signature, constants, attrs = launch_signature(launch.arguments, dtypes)
     options = launch.compile_options()
-    return {"name": launch.source_path.stem, "text": kernel_source(launch.kernel), "signature": signature,
+    return {"name": launch.source_path.stem, "text": kernel_source(launch.kernel),
+            "signature": [[name, kind] for name, kind in signature.items()],
             "constants": [[list(path), plain_value(value)] for path, value in constants.items()],
             "attrs": [[list(path), specs] for path, specs in attrs.items()], "options": options}
 
@@ -224,7 +226,8 @@ def _compile_one(request: dict, arch: int) -> dict:
     kernel, _ = load_kernel(source, stem_of(request["name"]))
     constants = {tuple(path): plain_of(value) for path, value in request["constants"]}
     attrs = {tuple(path): specs for path, specs in request["attrs"]}
-    compiled = triton.compile(ASTSource(kernel, request["signature"], constants, attrs),
+    signature = {name: kind for name, kind in request["signature"]}
+    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
                               target=GPUTarget("cuda", arch, 32), options=request["options"])
     return of_compiled(compiled).to_record()
 

@@ -62,7 +62,8 @@ def _inputs(g) -> dict:
 
 
 def _executed(g, inputs) -> dict:
-    outputs = {t.name: poisoned(t) for t in g.outputs()}
+    device = next(iter(inputs.values())).device
+    outputs = {t.name: poisoned(t, device) for t in g.outputs()}
     g.execute({**inputs, **outputs})
     return outputs
 
@@ -77,7 +78,8 @@ def _in_fresh_process(tmp_path, blob: bytes, inputs: dict, prelude: str = NOTHIN
         from helpers import poisoned
         data = torch.load({str(tmp_path / 'shipped.pt')!r})
         g = dg.Graph.deserialize(data["blob"]{loads})
-        outputs = {{t.name: poisoned(t) for t in g.outputs()}}
+        device = next(iter(data["inputs"].values())).device
+        outputs = {{t.name: poisoned(t, device) for t in g.outputs()}}
         g.execute({{**data["inputs"], **outputs}})
         torch.save(outputs, {str(tmp_path / 'outputs.pt')!r})
     """)
@@ -224,6 +226,14 @@ def test_ahead_of_time_blob_for_h100_holds_sm90_binaries(tmp_path):
     inputs = _inputs(g)
     there = _in_fresh_process(tmp_path, blob, inputs)
     _check_against_reference(g, inputs, there)
+    # what a GPU would launch: Triton's CompiledKernel of each stored binary, its launcher's
+    # signature in the kernel's argument order (the launcher passes arguments by position)
+    loaded = dg.Graph.deserialize(blob)
+    for launch in loaded.plan.launches:
+        compiled = launch.binary.load(launch.kernel)
+        assert list(compiled.src.signature) == [argument.name for argument in launch.arguments]
+        assert compiled.metadata.target.arch == 90 and compiled.metadata.num_warps == launch.num_warps
+        assert compiled.asm["cubin"] == launch.binary.asm["cubin"]
 
 
 def test_options_and_targets_round_trip():
