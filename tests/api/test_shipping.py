@@ -202,6 +202,23 @@ def test_damaged_or_foreign_blobs_are_refused():
         dg.Graph.deserialize(blob, rebuild="yes")
 
 
+def test_layout_views_and_copies_round_trip():
+    """A partition with views and copies (transpose, concatenate, reshape): the loaded plan's
+    groups, workspace and results are the built one's."""
+    g = dg.Graph(name="views")
+    x, z = g.tensor(name="x", dim=[3, 6, 5]), g.tensor(name="z", dim=[3, 5, 7])
+    joined = g.concatenate([g.transpose(g.exp(x), [0, 2, 1]), g.relu(z)], axis=2)
+    g.reduction(g.reshape(joined, [3, 65]), "max", [1]).set_output(True).set_name("y")
+    g.sigmoid(joined).set_output(True).set_name("c")
+    g.build()
+    loaded = dg.Graph.deserialize(g.serialize())
+    assert loaded.plan.workspace_tensors == g.plan.workspace_tensors
+    inputs = {"x": torch.randn(3, 6, 5), "z": torch.randn(3, 5, 7)}
+    here, there = _executed(g, inputs), _executed(loaded, inputs)
+    assert all(torch.equal(here[name], there[name]) for name in here)
+    _check_against_reference(g, inputs, there)
+
+
 def test_unbuilt_graph_does_not_serialize():
     with pytest.raises(dg.ExecutionError, match="not built"):
         _declared_block().serialize()
