@@ -35,10 +35,13 @@ from .backends.triton.heuristics.matmul import MatmulConfig
 from .backends.triton.heuristics.moe import MoeConfig
 from .backends.triton.heuristics.rows import RowConfig
 from .backends.triton.heuristics.sdpa import AttentionConfig
+from .backends.triton.lower import ctc as ctc_lowering
+from .backends.triton.lower import moe as moe_lowering
 from .build import _build_device, build_launches
 from .errors import ExecutionError, GraphError, SerializationError, UnsupportedError
 from .fusion import partition
 from .options import BuildOptions
+from .problems import problem_of
 from .runtime.kernel_binary import KernelBinary, compile_for, compile_request, of_compiled, plain_of, plain_value
 from .runtime.kernel_files import kernel_source, load_kernel, rendered_source, stem_of
 from .runtime.launch import KernelLaunch, Scratch
@@ -104,10 +107,25 @@ def group_fingerprints(groups) -> list:
              [t.uid for t in group.outputs]] for group in groups]
 
 
+def _moe_checks(graph, group) -> tuple:
+    return moe_lowering._offset_checks(group.anchor, problem_of(graph, group).geometry.rows)
+
+
+def _ctc_checks(graph, group) -> tuple:
+    return ctc_lowering._host_checks(group.anchor, problem_of(graph, group).geometry)
+
+
+# Group kinds whose launches check bound input values on the host before any kernel runs: the
+# maker of those checks from a loaded graph's group, the one the family's lowering calls (the
+# checks are functions, so a blob records only which launches have them; loading poses the
+# group's problem again, which reads the graph, and lowers nothing).
+HOST_CHECKS = {"moe": _moe_checks, "ctc": _ctc_checks}
+
+
 def _launch_record(launch, groups: dict, binary) -> dict:
-    if launch.host_checks:
-        raise UnsupportedError(f"kernel {launch.source_path.stem}: its launch checks input values on the host "
-                               f"(MoE offsets, CTC lengths), which a shipped plan cannot carry yet")
+    if launch.host_checks and launch.group.kind not in HOST_CHECKS:
+        raise UnsupportedError(f"kernel {launch.source_path.stem}: its launch checks input values on the host, "
+                               f"which a shipped plan of a {launch.group.kind} group cannot remake")
     for argument in launch.arguments:
         if not isinstance(argument, KernelArgument):
             raise UnsupportedError(f"kernel {launch.source_path.stem}: argument {argument!r} cannot be shipped")
@@ -115,6 +133,7 @@ def _launch_record(launch, groups: dict, binary) -> dict:
             "arguments": [[a.kind, a.name, plain_value(a.value)] for a in launch.arguments],
             "grid": list(launch.grid), "num_warps": launch.num_warps, "num_stages": launch.num_stages,
             "fp_fusion": launch.fp_fusion, "config_text": launch.config_text, "reason": launch.reason,
+            "host_checks": bool(launch.host_checks),
             "backend": launch.backend, "backend_reason": launch.backend_reason,
             "scratch": [[s.uid, list(s.dim), str(s.torch_dtype).split(".")[-1]] for s in launch.scratch],
             "alternative": None if launch.alternative is None else _launch_record(launch.alternative, groups, None),
@@ -128,18 +147,26 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
-def _launch_of(record: dict, groups) -> KernelLaunch:
-    """The launch a record describes, its kernel loaded from the stored text (never lowered)."""
+def _launch_of(record: dict, groups, graph) -> KernelLaunch:
+    """The launch a record describes, its kernel loaded from the stored text (never lowered),
+    its host checks (if any) remade for the loaded `graph`."""
     source = rendered_source(record["text"], record["name"])
     if source is None:
         raise SerializationError(f"kernel {record['name']!r}: its text does not hash to its name (a damaged blob)")
     kernel, path = load_kernel(source, stem_of(record["name"]))
     arguments = tuple(KernelArgument(kind, name, plain_of(value)) for kind, name, value in record["arguments"])
-    alternative = None if record["alternative"] is None else _launch_of(record["alternative"], groups)
-    launch = KernelLaunch(groups[record["group"]], kernel, path, arguments, tuple(record["grid"]), record["num_warps"],
+    alternative = None if record["alternative"] is None else _launch_of(record["alternative"], groups, graph)
+    group = groups[record["group"]]
+    checks = ()
+    if record["host_checks"]:
+        if group.kind not in HOST_CHECKS:
+            raise SerializationError(f"kernel {record['name']!r}: host checks for a {group.kind} group are unknown here")
+        checks = HOST_CHECKS[group.kind](graph, group)
+    launch = KernelLaunch(group, kernel, path, arguments, tuple(record["grid"]), record["num_warps"],
                           record["config_text"], record["reason"],
                           scratch=[Scratch(uid, tuple(dim), _torch_dtype(dtype)) for uid, dim, dtype in record["scratch"]],
-                          num_stages=record["num_stages"], alternative=alternative, fp_fusion=record["fp_fusion"])
+                          num_stages=record["num_stages"], alternative=alternative, fp_fusion=record["fp_fusion"],
+                          host_checks=checks)
     launch.backend, launch.backend_reason = record["backend"], record["backend_reason"]
     if record["binary"] is not None:
         launch.binary = KernelBinary.from_record(record["binary"])
@@ -243,7 +270,7 @@ def deserialize_plan(blob, graph_type, rebuild: bool = False):
     groups = partition(snapshot, registry.families(options.backends))
     if group_fingerprints(groups) != document["groups"]:
         raise SerializationError("the blob's kernel groups differ from this dnngraph's partition of its graph")
-    launches = [_launch_of(record, groups) for record in document["launches"]]
+    launches = [_launch_of(record, groups, snapshot) for record in document["launches"]]
     plan = Plan(snapshot, groups, launches, device, options, build_launches if rebuild else _refuse_rebuild,
                 WorkspaceBudget(options.workspace_limit))
     _check_workspace(plan, document["workspace"], device)

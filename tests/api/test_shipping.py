@@ -219,6 +219,26 @@ def test_layout_views_and_copies_round_trip():
     _check_against_reference(g, inputs, there)
 
 
+def test_host_checks_are_remade_on_load():
+    """A launch that checks bound input values on the host (MoE expert offsets) keeps its
+    check when loaded: bad offsets raise ExecutionError naming the node and write nothing."""
+    g = dg.Graph(name="experts")
+    token, weight = torch.randn(21, 9), torch.randn(3, 9, 5)
+    tok, w = g.tensor_like(token, name="tok"), g.tensor_like(weight, name="w")
+    off = g.tensor(name="off", dim=[3], data_type=dg.int32)
+    g.moe_grouped_matmul(tok, w, off).set_output(True).set_name("y")
+    g.build()
+    assert any(launch.host_checks for launch in g.plan.launches)
+    loaded = dg.Graph.deserialize(g.serialize())
+    assert [bool(l.host_checks) for l in loaded.plan.launches] == [bool(l.host_checks) for l in g.plan.launches]
+    good = {"tok": token, "w": weight, "off": torch.tensor([0, 12, 12], dtype=torch.int32)}
+    _check_against_reference(loaded, good, _executed(loaded, good))
+    output = poisoned(loaded.tensor_by_name("y"))
+    with pytest.raises(dg.ExecutionError, match="moe_grouped_matmul"):
+        loaded.execute({**good, "off": torch.tensor([0, 15, 12], dtype=torch.int32), "y": output})
+    assert torch.isnan(output).all()
+
+
 def test_unbuilt_graph_does_not_serialize():
     with pytest.raises(dg.ExecutionError, match="not built"):
         _declared_block().serialize()
