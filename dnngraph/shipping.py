@@ -95,7 +95,7 @@ def options_of(record: dict) -> BuildOptions:
     known = {f.name for f in dataclasses.fields(BuildOptions)}
     try:
         return BuildOptions(**{name: _decoded(value) for name, value in record.items() if name in known})
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, GraphError) as error:
         raise SerializationError(f"unreadable build options: {error}") from None
 
 
@@ -219,7 +219,12 @@ def _document(blob) -> dict:
         raise SerializationError(f"damaged plan blob: {error}") from None
     if hashlib.sha256(payload).hexdigest().encode() != digest:
         raise SerializationError("damaged plan blob: its digest does not match")
-    document = json.loads(payload)
+    try:
+        document = json.loads(payload)
+    except ValueError as error:
+        raise SerializationError(f"damaged plan blob: {error}") from None
+    if not isinstance(document, dict) or not {"version", "triton", "dnngraph"} <= set(document):
+        raise SerializationError("not a dnngraph plan blob (its header is missing)")
     if document.get("version") != BLOB_VERSION:
         raise SerializationError(f"plan blob version {document.get('version')!r}; this dnngraph reads {BLOB_VERSION}")
     if document["triton"] != triton.__version__:
@@ -248,13 +253,22 @@ def _refuse_rebuild(graph, groups, device, options, budget):
 def deserialize_plan(blob, graph_type, rebuild: bool = False):
     """A built graph of `graph_type` from a blob of serialize_plan: its plan loaded, nothing
     lowered or compiled. With `rebuild`, a blob this machine cannot run (another dnngraph,
-    Triton or target) gives a graph built afresh from the blob's graph and options instead."""
+    Triton or target) gives a graph built afresh from the blob's graph and options instead.
+    Every defect of a blob is a SerializationError."""
     try:
         document = _document(blob)
     except SerializationError:
         if not rebuild:
             raise
         return _rebuilt(blob, graph_type)
+    try:
+        return _loaded(document, graph_type, rebuild)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as error:
+        raise SerializationError(f"malformed plan blob: {type(error).__name__}: {error}") from None
+
+
+def _loaded(document: dict, graph_type, rebuild: bool):
+    """deserialize_plan of a blob whose header was checked."""
     graph = graph_type.from_json(document["graph"])
     options = options_of(document["options"])
     stored = _decoded(document["target"])

@@ -198,6 +198,12 @@ def test_damaged_or_foreign_blobs_are_refused():
 
     with pytest.raises(dg.SerializationError, match="groups"):
         dg.Graph.deserialize(_repacked(blob, other_groups))
+    for broken in (lambda d: d["launches"][0].pop("grid"), lambda d: d["launches"][-1].__setitem__("group", 99),
+                   lambda d: d["launches"][0]["scratch"].append([-1, [4], "no_dtype"]),
+                   lambda d: d["options"].__setitem__("target", {"type": "os.system", "fields": {}}),
+                   lambda d: d["options"].__setitem__("autotune_top", -3), lambda d: d.pop("launches")):
+        with pytest.raises(dg.SerializationError):
+            dg.Graph.deserialize(_repacked(blob, broken))
     with pytest.raises(dg.ValidationError):
         dg.Graph.deserialize(blob, rebuild="yes")
 
