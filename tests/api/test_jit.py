@@ -99,3 +99,12 @@ def test_bad_uses_raise_typed_errors():
         dg.jit(options={"autotune": True})(lambda g, x: x)
     with pytest.raises(dg.ValidationError):
         dg.jit(3)
+
+
+@pytest.mark.gpu
+def test_jit_on_the_gpu_keys_on_the_device():
+    x, w = torch.randn(33, 17), torch.randn(17, 9)
+    on_cpu, _ = scaled_block(x, w, alpha=0.25)
+    on_gpu, _ = scaled_block(x.cuda(), w.cuda(), alpha=0.25)
+    assert on_gpu.is_cuda and rel_err(on_gpu, _expected(x, w, 0.25)[0]) < 2e-5
+    assert rel_err(on_cpu, _expected(x, w, 0.25)[0]) < 2e-5

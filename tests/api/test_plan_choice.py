@@ -81,3 +81,17 @@ def test_execute_plan_at_index():
     g.tensor_by_name("y").set_name("z")  # a changed graph forgets its plans
     with pytest.raises(dg.ExecutionError, match="build_plan_at_index"):
         g.execute_plan_at_index({**inputs, "z": poisoned(g.tensor_by_name("z"))}, 1)
+
+
+@pytest.mark.gpu
+def test_each_plan_runs_on_the_gpu():
+    g = _declared(m=301, k=200, n=129)
+    inputs = {"x": torch.randn(2, 301, 200, device="cuda"),
+              "w": torch.randn(2, 129, 200, device="cuda").transpose(1, 2)}
+    candidates = g.plans()[0].candidates
+    assert len(candidates) > 1
+    for index in range(min(len(candidates), 6)):
+        g.build(plan=index)
+        launch = next(launch for launch in g.plan.launches if launch.group.kind == "matmul")
+        assert launch.config_text.startswith(candidates[index].config.text)
+        check(g, inputs, device="cuda")
