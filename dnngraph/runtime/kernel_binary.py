@@ -204,7 +204,10 @@ def compile_for(requests: list, capability: tuple) -> list:
     if capability[0] < 7:
         raise UnsupportedError(f"compute capability {capability}: dnngraph ships binaries for sm_70 and newer")
     payload = json.dumps({"arch": capability[0] * 10 + capability[1], "requests": requests})
-    environment = dict(os.environ, TRITON_INTERPRET="0")
+    # the compile process imports this dnngraph (the one whose sources the kernels call), first
+    package_root = str(Path(__file__).resolve().parents[2])
+    search_path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH", "")) if p)
+    environment = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=search_path)
     done = subprocess.run([sys.executable, "-m", "dnngraph.runtime.kernel_binary"], input=payload,
                           capture_output=True, text=True, env=environment)
     if done.returncode != 0:
