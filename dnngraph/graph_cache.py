@@ -46,14 +46,17 @@ def _argument_key(name: str, value) -> tuple:
 class GraphCache:
     """The decorated function: its graphs by key (see the module's docstring); thread-safe."""
 
-    def __init__(self, declare: Callable, options: Optional[BuildOptions], maxsize: int, graph_settings: dict):
+    def __init__(self, declare: Callable, options: Optional[BuildOptions], maxsize: int, graph_settings: dict,
+                 key: Optional[Callable] = None):
         if not callable(declare):
             raise ValidationError(f"dnngraph.jit decorates a function, got {type(declare).__name__}")
         if isinstance(maxsize, bool) or not isinstance(maxsize, int) or maxsize < 1:
             raise ValidationError(f"dnngraph.jit: maxsize expects an int >= 1, got {maxsize!r}")
         if options is not None and not isinstance(options, BuildOptions):
             raise ValidationError(f"dnngraph.jit: options must be a dnngraph.BuildOptions, got {type(options).__name__}")
-        self.declare, self.options, self.maxsize = declare, options, maxsize
+        if key is not None and not callable(key):
+            raise ValidationError(f"dnngraph.jit: key must be a function of the call's arguments, got {key!r}")
+        self.declare, self.options, self.maxsize, self.key = declare, options, maxsize, key
         self.graph_settings = dict(graph_settings)
         self.signature = inspect.signature(declare)
         self._functions: collections.OrderedDict = collections.OrderedDict()
@@ -91,8 +94,16 @@ class GraphCache:
             tensor.set_output(True)
         return graph.as_function(inputs, outputs, self.options), graph
 
-    @staticmethod
-    def _key(bound: inspect.BoundArguments) -> tuple:
+    def _key(self, bound: inspect.BoundArguments):
+        """The cache key of a call: the `key` function's value of its arguments where one was
+        given (the frontend's graph_cache(key_fn)), else each argument's _argument_key."""
+        if self.key is not None:
+            found = self.key(*bound.args[1:], **bound.kwargs)
+            try:
+                hash(found)
+            except TypeError:
+                raise ValidationError(f"dnngraph.jit: key returned an unhashable {type(found).__name__}") from None
+            return ("key", found)
         return tuple(_argument_key(name, value) for name, value in list(bound.arguments.items())[1:])
 
     def __call__(self, *args, **kwargs):
@@ -134,14 +145,15 @@ class GraphCache:
 
 
 def jit(function: Optional[Callable] = None, *, options: Optional[BuildOptions] = None,
-        maxsize: int = GRAPH_CACHE_ENTRIES, **graph_settings):
+        maxsize: int = GRAPH_CACHE_ENTRIES, key: Optional[Callable] = None, **graph_settings):
     """Decorate `function(graph, *arguments)`, which declares a graph on `graph` from graph
     tensors in place of the torch tensor arguments and returns its output tensor(s): calls on
     torch tensors build the graph once per key (tensor shapes, dtypes, strides and device type,
-    other arguments' values, `options`) and run it. `graph_settings` are the Graph's own
+    other arguments' values, `options`; or the value of `key(*arguments)`, which must then tell
+    apart every graph the function declares) and run it. `graph_settings` are the Graph's own
     (io_data_type, intermediate_data_type, compute_data_type, allow_tf32). Usable bare
     (@dg.jit) or with arguments (@dg.jit(options=...))."""
     def decorate(declare):
-        return GraphCache(declare, options, maxsize, graph_settings)
+        return GraphCache(declare, options, maxsize, graph_settings, key)
 
     return decorate if function is None else decorate(function)

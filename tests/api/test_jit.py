@@ -61,6 +61,25 @@ def test_least_recently_used_graph_is_dropped():
     assert doubled.cache_info()["size"] == 2
 
 
+def test_a_key_function_keys_the_cache():
+    """key= (the frontend's graph_cache(key_fn)): calls its value tells apart share a graph, so
+    a key that leaves out a shape gives a graph that refuses the other shape."""
+    calls = []
+
+    @dg.jit(key=lambda x, scale: (x.shape[0], scale))
+    def scaled(g, x, scale):
+        calls.append(scale)
+        return g.scale(x, scale)
+
+    x = torch.randn(4, 3)
+    assert torch.allclose(scaled(x, 2.0), 2.0 * x) and torch.allclose(scaled(x.clone(), 2.0), 2.0 * x)
+    assert calls == [2.0]
+    with pytest.raises(dg.ExecutionError, match="shape"):
+        scaled(torch.randn(4, 5), 2.0)
+    with pytest.raises(dg.ValidationError, match="unhashable"):
+        dg.jit(key=lambda x: [x.shape])(lambda g, x: g.relu(x))(x)
+
+
 def test_gradients_flow_through_a_jit_function():
     x = torch.randn(6, 4, requires_grad=True)
     w = torch.randn(4, 3, requires_grad=True)
