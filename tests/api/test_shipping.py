@@ -245,6 +245,23 @@ def test_host_checks_are_remade_on_load():
     assert torch.isnan(output).all()
 
 
+def test_ctc_length_checks_are_remade_on_load():
+    g = dg.Graph(name="ctc")
+    log_probs = torch.randn(6, 3, 5).log_softmax(-1)
+    targets = torch.tensor([[1, 2], [3, 3], [4, 1]])
+    lengths, target_lengths = torch.tensor([6, 4, 5]), torch.tensor([2, 2, 1])
+    handles = [g.tensor_like(v, name=n) for v, n in ((log_probs, "x"), (targets, "t"), (lengths, "a"),
+                                                     (target_lengths, "b"))]
+    g.ctc_loss(*handles, reduction="sum").set_output(True).set_name("loss")
+    loaded = dg.Graph.deserialize(g.build().serialize())
+    good = {"x": log_probs, "t": targets, "a": lengths, "b": target_lengths}
+    _check_against_reference(loaded, good, _executed(loaded, good))
+    output = poisoned(loaded.tensor_by_name("loss"))
+    with pytest.raises(dg.ExecutionError, match="ctc_loss"):
+        loaded.execute({**good, "a": torch.tensor([6, 9, 5]), "loss": output})  # a length past T
+    assert torch.isnan(output).all()
+
+
 def test_unbuilt_graph_does_not_serialize():
     with pytest.raises(dg.ExecutionError, match="not built"):
         _declared_block().serialize()
