@@ -288,6 +288,8 @@ def _loaded(document: dict, graph_type, rebuild: bool):
     plan = Plan(snapshot, groups, launches, device, options, build_launches if rebuild else _refuse_rebuild,
                 WorkspaceBudget(options.workspace_limit))
     _check_workspace(plan, document["workspace"], device)
+    plan.origin = "loaded from a serialized plan: nothing lowered or compiled" + (
+        "; binaries as shipped" if any(launch.binary is not None for launch in launches) else "")
     shared = plan.for_graph(graph)
     shared.views.lend_strides(graph)
     graph._plan = shared

@@ -128,6 +128,7 @@ def test_loaded_graph_answers_as_the_built_one():
            [launch.source_path.name for launch in g.plan.launches]
     assert [launch.config_text for launch in loaded.plan.launches] == [launch.config_text for launch in g.plan.launches]
     assert loaded.plan.workspace_bytes == g.plan.workspace_bytes
+    assert "loaded from a serialized plan" in loaded.explain() and "loaded" not in g.explain()
     inputs = _inputs(g)
     _check_against_reference(loaded, inputs, _executed(loaded, inputs))
     # a second load in one process reuses the loaded kernels, and binds its own handles
