@@ -175,12 +175,14 @@ def _launch_of(record: dict, groups, graph) -> KernelLaunch:
 
 def _binaries(plan) -> list:
     """The compiled binary of each launch for a GPU target (None each for the interpreter): the
-    ones binding on the GPU made, else compiled here for the target's architecture."""
+    ones a loaded plan carries or binding on the GPU made, else compiled here for the target's
+    architecture."""
     target = plan.target
     if target.capability is None:
         return [None] * len(plan.launches)
     arch = target.capability[0] * 10 + target.capability[1]
-    kept = [of_compiled(launch.compiled) if launch.compiled is not None else None for launch in plan.launches]
+    kept = [launch.binary if launch.binary is not None else
+            of_compiled(launch.compiled) if launch.compiled is not None else None for launch in plan.launches]
     if all(binary is not None and binary.arch == arch for binary in kept):
         return kept
     return compile_for([compile_request(launch, plan.dtypes) for launch in plan.launches], target.capability)

@@ -268,7 +268,7 @@ def test_unbuilt_graph_does_not_serialize():
         _declared_block().serialize()
 
 
-def test_ahead_of_time_blob_for_h100_holds_sm90_binaries(tmp_path):
+def test_ahead_of_time_blob_for_h100_holds_sm90_binaries(tmp_path, monkeypatch):
     """Built for the H100 on a machine without one: the blob holds, for every launch, a cubin
     and PTX for sm_90a compiled by Triton in a process of its own; loaded here it runs its
     sources through the interpreter, planned as for the H100."""
@@ -295,6 +295,9 @@ def test_ahead_of_time_blob_for_h100_holds_sm90_binaries(tmp_path):
         assert list(compiled.src.signature) == [argument.name for argument in launch.arguments]
         assert compiled.metadata.target.arch == 90 and compiled.metadata.num_warps == launch.num_warps
         assert compiled.asm["cubin"] == launch.binary.asm["cubin"]
+    # a loaded plan serializes its binaries as they came, compiling nothing
+    monkeypatch.setattr(shipping, "compile_for", None)
+    assert dg.Graph.deserialize(loaded.serialize()).plan.launches[0].binary == loaded.plan.launches[0].binary
 
 
 def test_options_and_targets_round_trip():
