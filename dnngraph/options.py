@@ -216,7 +216,6 @@ def _plan_choice(name, value):
 
 
 _CHECKS = {
-    "plan": _plan_choice,
     "autotune": _flag,
     "autotune_top": _count(1, optional=True),
     "workspace_limit": _count(0, optional=True),
@@ -242,5 +241,6 @@ _CHECKS = {
     "column_prefetch_tiles": _count(0),
     "column_stream_apply": _flag,
     "conv_fold_channels_below": _count(0),
+    "plan": _plan_choice,
 }
 assert set(_CHECKS) == {f.name for f in fields(BuildOptions)}, "every option has its check"
