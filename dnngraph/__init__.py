@@ -13,9 +13,10 @@ from .graph import Graph, Node
 from .options import BuildOptions
 from .target import Target
 from .tensor import Tensor
+from .graph_cache import jit
 
 __all__ = [
     "Graph", "Node", "Tensor", "DataType", "float32", "float16", "bfloat16", "float8_e4m3",
     "float8_e5m2", "int32", "int64", "bool", "GraphError", "ValidationError", "UnsupportedError",
-    "ExecutionError", "SerializationError", "BuildOptions", "Target",
+    "ExecutionError", "SerializationError", "BuildOptions", "Target", "jit",
 ]

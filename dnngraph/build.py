@@ -7,6 +7,7 @@ backends, timed together on the device), and the plan (runtime/plan.py) runs the
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -110,29 +111,21 @@ def build_launches(graph, groups, device: torch.device, options: BuildOptions, b
     `device`) under `options`, drawing optional scratch from `budget` (a WorkspaceBudget) in
     graph order. Each group is lowered by the first backend registry.ranked() ranks for its
     problem; with options.autotune, several supporting backends and a device that times
-    (times_on), by the fastest of the top ranked backends (choose_by_timing)."""
+    (times_on), by the fastest of the top ranked backends (choose_by_timing); with options.plan,
+    by the candidate it names (lower_chosen)."""
     target = target_for(device, options)
     # timings are recorded under the device they are taken on, whatever target the model plans for
     tuner = Tuner(target_of(device), top=options.autotune_top) if options.autotune else None
     context = BuildContext(device, target, options, tuner, budget)
     launches = []
     interpreted = device.type == "cpu"
-    for group in groups:
+    check_plan_choice(options.plan, groups)
+    for position, group in enumerate(groups):
         problem = problem_of(graph, group)
-        backends = registry.supporting(problem, target, options, interpreted)
-        why = ""
-        if len(backends) == 1:  # the default: no ranking, no timing, exactly as one backend lowers
-            backend = backends[0]
-            built = backend.lower(graph, group, problem, context)
+        if options.plan is not None:
+            backend, built, why = lower_chosen(graph, group, problem, context, position, interpreted)
         else:
-            pairs = registry.ranked(problem, target, options, interpreted, backends)
-            why = registry.ranking_reason(pairs)
-            order = list(dict.fromkeys(b for b, _ in pairs))
-            top = order if options.autotune_top is None else order[:options.autotune_top]
-            if options.autotune and len(top) > 1 and times_on(device):
-                backend, built, why = choose_by_timing(graph, group, problem, context, top, why)
-            else:
-                backend, built, why = lower_first(graph, group, problem, context, order, why)
+            backend, built, why = lower_ranked(graph, group, problem, context, interpreted)
         for launch in built:
             for chosen in (launch, launch.alternative):
                 if chosen is not None:
@@ -144,6 +137,75 @@ def build_launches(graph, groups, device: torch.device, options: BuildOptions, b
             if chosen is not None:
                 check_grid(chosen.grid, chosen.source_path, target)
     return launches
+
+
+def lower_ranked(graph, group, problem, context: BuildContext, interpreted: bool) -> tuple:
+    """(backend, launches, reason): `group` lowered by the backend the registry ranks first, or
+    with autotuning on a device that times, by the fastest of the top ranked backends."""
+    options, target = context.options, context.target
+    backends = registry.supporting(problem, target, options, interpreted)
+    if len(backends) == 1:  # the default: no ranking, no timing, exactly as one backend lowers
+        return backends[0], backends[0].lower(graph, group, problem, context), ""
+    pairs = registry.ranked(problem, target, options, interpreted, backends)
+    why = registry.ranking_reason(pairs)
+    order = list(dict.fromkeys(b for b, _ in pairs))
+    top = order if options.autotune_top is None else order[:options.autotune_top]
+    if options.autotune and len(top) > 1 and times_on(context.device):
+        return choose_by_timing(graph, group, problem, context, top, why)
+    return lower_first(graph, group, problem, context, order, why)
+
+
+@dataclass(frozen=True)
+class GroupPlans:
+    """The plans a build may be told to take for one kernel group (Graph.plans()): its kind, its
+    ops' names and its ranked candidates (backends/contract.py's Candidate: backend name,
+    config, model seconds; config None is the backend's own choice), best first."""
+
+    kind: str
+    ops: tuple
+    candidates: tuple
+
+
+def plan_choices(graph, options: BuildOptions) -> list:
+    """GroupPlans of each kernel group of `graph` (validated) for the target a build under
+    `options` plans for, in plan order: candidate k of group i is what BuildOptions(plan=k)
+    (or plan=(..., k, ...) at position i) builds."""
+    device = _build_device()
+    target = target_for(device, options)
+    snapshot = graph._snapshot()
+    groups = partition(snapshot, registry.families(options.backends))
+    return [GroupPlans(group.kind, tuple(node.name for node in group.nodes),
+                       tuple(candidate for _, candidate in registry.choices(problem_of(snapshot, group), target,
+                                                                           options, device.type == "cpu")))
+            for group in groups]
+
+
+def check_plan_choice(choice, groups) -> None:
+    """ValidationError for a per-group plan choice whose length is not the group count."""
+    if isinstance(choice, tuple) and len(choice) != len(groups):
+        raise ValidationError(f"BuildOptions.plan: {len(choice)} indices for {len(groups)} kernel groups "
+                              f"(Graph.plans() lists them)")
+
+
+def lower_chosen(graph, group, problem, context: BuildContext, position: int, interpreted: bool) -> tuple:
+    """(backend, launches, reason): `group` (at `position` in plan order) lowered with the
+    candidate BuildOptions.plan names, without autotuning: an int k takes the group's k-th
+    choice (its first where it has fewer), a tuple its entry for this group (ValidationError
+    when out of range)."""
+    choice = context.options.plan
+    found = registry.choices(problem, context.target, context.options, interpreted)
+    index = choice[position] if isinstance(choice, tuple) else choice
+    if index >= len(found):
+        if isinstance(choice, tuple):
+            raise ValidationError(f"BuildOptions.plan: group {position} ({group.kind}) has {len(found)} candidate(s), "
+                                  f"index {index} asked")
+        index = 0
+    backend, candidate = found[index]
+    built = backend.lower(graph, group, problem, replace(context, tuner=None),
+                          candidate if candidate.config is not None else None)
+    config = getattr(candidate.config, "text", None) or ("its own choice" if candidate.config is None
+                                                         else repr(candidate.config))
+    return backend, built, f"plan choice {index} of {len(found)}: {backend.name}, {config}"
 
 
 def lower_first(graph, group, problem, context: BuildContext, order: list, ranking: str) -> tuple:

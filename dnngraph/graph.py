@@ -9,7 +9,7 @@ import copy
 import inspect
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -113,6 +113,7 @@ class Graph:
         self._uids = itertools.count(1)
         self._plan = None
         self._pass_by_value: tuple = ()  # the inputs passed by value, as of the last build
+        self._plans_at: dict = {}  # plan index -> the plan build_plan_at_index built
 
     # --- bookkeeping -----------------------------------------------------------------------------
     @property
@@ -146,6 +147,7 @@ class Graph:
 
     def _invalidate(self):
         self._plan = None
+        self._plans_at = {}
 
     def _fresh_name(self, base: str) -> str:
         name, counter = base, itertools.count(1)
@@ -169,7 +171,7 @@ class Graph:
         """A private copy with the same uids, names, order and settings, for a plan to build on
         and keep: later changes to this graph never reach it (nor its view strides, undone)."""
         twin = copy.copy(self)
-        twin._plan = None
+        twin._plan, twin._plans_at = None, {}
         twin._tensors, twin._names, twin._nodes = {}, {}, []
         twin._node_names = set(self._node_names)
         twin._uids = itertools.count(max([t.uid for t in self._tensors.values()]
@@ -789,16 +791,18 @@ class Graph:
                     raise ValidationError(f"ragged tensor {tensor.name!r} is used by {node.op} {node.name!r}, "
                                           f"which reads it densely: only sdpa operands may be ragged")
 
-    def build(self, autotune=None, workspace_limit=None, *, options=None) -> "Graph":
+    def build(self, autotune=None, workspace_limit=None, *, options=None, plan=None) -> "Graph":
         """Validate, fuse, pick configs and generate kernels; execute() then runs the plan.
         `options`: a BuildOptions (None: the defaults). `autotune` and `workspace_limit` are
         shorthand for the options of those names (given, they replace the options' values):
         autotune times the model's top candidates; workspace_limit bounds the bytes of optional
         scratch the chosen configs may use together (split-K and split-row partials): None
-        prefers the fastest, 0 uses none (cuDNN's strategies)."""
+        prefers the fastest, 0 uses none (cuDNN's strategies). `plan`: the plan to build among
+        plans() (BuildOptions.plan: an index k, every group's k-th candidate or its first where
+        it has fewer, or a tuple of one index per group)."""
         from .build import build_plan  # the plan is the last pipeline stage
 
-        options = _build_options(options, autotune, workspace_limit)
+        options = _build_options(options, autotune, workspace_limit, plan)
         self.validate()
         # a build works on a snapshot of the graph: a failed one leaves the tensors as they were
         self._plan = build_plan(self, options)
@@ -810,6 +814,61 @@ class Graph:
         unbuilt graph, a failed build)."""
         for tensor in self._tensors.values():
             tensor.restore_strides()
+
+    # --- plan choice (the cuDNN frontend's execution plan list) --------------------------------
+    def plans(self, options=None) -> list:
+        """The ranked candidates of each kernel group a build under `options` (None: the
+        defaults) would make, as build.GroupPlans (kind, ops, candidates: backend, config, model
+        seconds; config None is the backend's own choice), best first. Plan k of the graph is
+        every group's candidate k, or its first where it has fewer (build(plan=k)); a tuple
+        of one index per group picks each (build(plan=(i, j, ...)))."""
+        from .build import plan_choices
+
+        self.validate()
+        try:
+            return plan_choices(self, _build_options(options))
+        finally:
+            self._restore_strides()
+
+    def get_execution_plan_count(self, options=None) -> int:
+        """How many plans plans() offers: the most candidates any kernel group has."""
+        return max(len(group.candidates) for group in self.plans(options))
+
+    def build_plan_at_index(self, index: int, options=None) -> "Graph":
+        """Build plan `index` (see plans()) and keep it for execute_plan_at_index; the graph's
+        own plan (execute()) is left as it is."""
+        from .build import build_plan
+
+        chosen = _build_options(options, plan=index)
+        self.validate()
+        self._plans_at[index] = build_plan(self, chosen)
+        return self
+
+    def execute_plan_at_index(self, bindings: dict, index: int, workspace=None) -> None:
+        """execute() with the plan build_plan_at_index(index) built."""
+        plan = self._plans_at.get(index)
+        if plan is None:
+            raise ExecutionError(f"graph {self.name!r}: plan {index!r} is not built (or the graph changed since): "
+                                 f"call build_plan_at_index({index!r})")
+        plan.execute(bindings, workspace)
+
+    def serialize(self) -> bytes:
+        """The built plan as bytes (the cuDNN frontend's name): Graph.deserialize(blob) runs it in
+        another process without lowering or compiling (shipping.py says what a blob holds)."""
+        from .shipping import serialize_plan
+
+        if self._plan is None:
+            raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build() before serialize()")
+        return serialize_plan(self._plan)
+
+    @classmethod
+    def deserialize(cls, blob: bytes, rebuild: bool = False) -> "Graph":
+        """A built graph from a blob of serialize(), nothing lowered or compiled. A blob of
+        another dnngraph or Triton, or for another target than this machine's (another GPU
+        model), raises SerializationError; with `rebuild` the graph is built afresh instead."""
+        from .shipping import deserialize_plan
+
+        return deserialize_plan(blob, cls, rebuild=boolean("Graph.deserialize", "rebuild", rebuild))
 
     def execute(self, bindings: dict, workspace=None) -> None:
         """Run the built plan; bindings map Tensors or names to torch tensors, outputs in place.
@@ -1081,10 +1140,11 @@ _relu_backward.__name__, _relu_backward.__doc__ = "relu_backward", "dy * relu'(x
 Graph.relu, Graph.relu_backward = _relu, _relu_backward
 
 
-def _build_options(options, autotune=None, workspace_limit=None) -> BuildOptions:
+def _build_options(options, autotune=None, workspace_limit=None, plan=None) -> BuildOptions:
     """`options` (None: the defaults) with build()'s shorthand arguments applied, validated."""
     if options is None:
         options = BuildOptions()
     elif not isinstance(options, BuildOptions):
         raise ValidationError(f"build: options must be a dnngraph.BuildOptions, got {type(options).__name__}")
-    return options.with_arguments(autotune, workspace_limit)
+    options = options.with_arguments(autotune, workspace_limit)
+    return options if plan is None else replace(options, plan=plan)

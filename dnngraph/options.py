@@ -98,6 +98,10 @@ class BuildOptions:
     column_prefetch_tiles: int = row_heuristics.PREFETCH_COLUMN_TILES
     column_stream_apply: bool = row_heuristics.STREAM_APPLY
     conv_fold_channels_below: int = conv_heuristics.FOLD_CHANNELS_BELOW
+    # Plan choice (Graph.plans()): None, the model's (or autotuning's) choice; an int k, every
+    # kernel group's k-th ranked candidate (its first where it has fewer); a tuple, one index
+    # per group in plan order. A chosen plan is built as chosen: never autotuned.
+    plan: Optional[object] = None
 
     def __post_init__(self):
         for name, check in _CHECKS.items():
@@ -202,6 +206,15 @@ def _row_mode(name, value):
     return value
 
 
+def _plan_choice(name, value):
+    if isinstance(value, list):
+        value = tuple(value)
+    indices = value if isinstance(value, tuple) else (value,)
+    if value is not None and not (indices and all(_is_int(i) and i >= 0 for i in indices)):
+        _fail(name, "None, an int >= 0 or a non-empty tuple of them (one per kernel group)", value)
+    return value
+
+
 _CHECKS = {
     "autotune": _flag,
     "autotune_top": _count(1, optional=True),
@@ -228,5 +241,6 @@ _CHECKS = {
     "column_prefetch_tiles": _count(0),
     "column_stream_apply": _flag,
     "conv_fold_channels_below": _count(0),
+    "plan": _plan_choice,
 }
 assert set(_CHECKS) == {f.name for f in fields(BuildOptions)}, "every option has its check"

@@ -128,3 +128,19 @@ def choose(problem, target, options, interpreted: bool = False):
     if len(backends) == 1:
         return backends[0]
     return ranked(problem, target, options, interpreted, backends)[0][0]
+
+
+def choices(problem, target, options, interpreted: bool = False) -> list:
+    """The plans a build may be told to take for `problem` (BuildOptions.plan): ranked()'s
+    pairs whose config the backend runs as given (its `forces(problem, candidate)`), and for a
+    backend that forces none of its candidates one pair with config None, its lowering's own
+    choice, in the place of its best ranked candidate (whose estimate it keeps)."""
+    found, own_choice = [], set()
+    for backend, candidate in ranked(problem, target, options, interpreted):
+        forces = getattr(backend, "forces", None)
+        if forces is not None and candidate.config is not None and forces(problem, candidate):
+            found.append((backend, candidate))
+        elif backend.name not in own_choice:
+            own_choice.add(backend.name)
+            found.append((backend, Candidate(backend.name, None, candidate.estimate)))
+    return found

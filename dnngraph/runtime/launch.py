@@ -281,6 +281,10 @@ class KernelLaunch:
         self.global_scratch: Optional[Scratch] = None
         self.global_scratch_align = 1
         self._bound: dict = {}  # device index -> BoundLaunch; written under _bind_lock
+        # The CompiledKernel of the last bind (a plan ships it: runtime/kernel_binary.py), and the
+        # KernelBinary a shipped plan loaded, bound in place of compiling
+        self.compiled = None
+        self.binary = None
         self._bind_lock = threading.Lock()
 
     def values(self, tensors):
@@ -288,6 +292,10 @@ class KernelLaunch:
         for position, uid in self.slots:
             args[position] = tensors[uid]
         return args
+
+    def compile_options(self) -> dict:
+        """Triton's compile options of this launch (warps, stages, fp fusion)."""
+        return self._options()
 
     def _options(self) -> dict:
         options = {"num_warps": self.num_warps}
@@ -316,6 +324,7 @@ class KernelLaunch:
         # a kernel for cuda:1 bound from a thread where cuda:0 is current lives in cuda:0's context.
         with torch.cuda.device(device_index):
             compiled = self._compiled(args, device_index)
+            self.compiled = compiled
             nbytes, align = global_scratch_need(compiled, self.grid)
             if nbytes and self.global_scratch is None:
                 self.global_scratch, self.global_scratch_align = scratch((nbytes,), torch.uint8), align
@@ -332,6 +341,10 @@ class KernelLaunch:
         """The compiled kernel for Triton's warmup `args`, shared with every launch of this
         process that runs the same kernel (shared_compile); with `device_index` current."""
         options = self._options()
+        if self.binary is not None:  # a shipped plan's launch: its stored binary, never compiled
+            compiled = self.binary.load(self.kernel)
+            compiled._init_handles()
+            return compiled
 
         def compile_here():
             install_triton_key()  # Triton's installation key from the cache folder (runtime/triton_key.py)

@@ -203,6 +203,7 @@ class Plan:
         self.in_place = in_place_pairs(graph, groups)  # outputs that may overwrite an input's memory
         self._graph = graph
         self.options, self._rebuild = options, rebuild
+        self.origin = ""  # how the plan came to be when not built here (explain() says it)
         self._budget = budget if budget is not None else WorkspaceBudget()
         self._graph_dtypes = {t.uid: t.data_type.torch_dtype for t in graph.tensors}
         self._lock = threading.Lock()  # guards the three dicts below when they grow
@@ -549,6 +550,8 @@ class Plan:
                  f"{len(self.launches)} kernel(s), workspace {self.workspace_bytes} bytes"]
         chosen = ", ".join(f"{name}={_option_text(value)}" for name, value in self.options.forced().items())
         lines.append(f"built for {self.target.name}; options: {chosen or 'the defaults'}")
+        if self.origin:
+            lines.append(self.origin)
         group_index = {id(group): position for position, group in enumerate(self.groups)}
         for index, launch in enumerate(self.launches):
             group = launch.group

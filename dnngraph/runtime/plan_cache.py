@@ -40,9 +40,10 @@ BUILD_ENVIRONMENT = ("DNNGRAPH_CACHE_DIR", "HOME")
 # autotune's progress output, the interpreter and the interpreter process's switch (both read
 # once at import; interpreting() is in the key), the default of BuildOptions.autotune_top (read
 # when the options are made; the options are in the key), and whether Triton's installation key
-# comes from the cache folder (runtime/triton_key.py: the same key either way).
+# comes from the cache folder (runtime/triton_key.py: the same key either way); PYTHONPATH is
+# passed on to the process that compiles a shipped plan's binaries (runtime/kernel_binary.py).
 IGNORED_ENVIRONMENT = ("DNNGRAPH_LOG", "DNNGRAPH_AUTOTUNE_QUIET", "TRITON_INTERPRET", "DNNGRAPH_INTERPRETER_WORKER",
-                       "DNNGRAPH_AUTOTUNE_TOP", "DNNGRAPH_TRITON_KEY_CACHE")
+                       "DNNGRAPH_AUTOTUNE_TOP", "DNNGRAPH_TRITON_KEY_CACHE", "PYTHONPATH")
 
 
 def _environment() -> tuple:

@@ -51,6 +51,7 @@ LAYERS = {
     "dnngraph.backends": 5, "dnngraph.options": 5,
     # 6 the build: partition -> problems -> choose a backend -> lower -> plan
     "dnngraph.build": 6,
+    "dnngraph.shipping": 6,  # built plans as bytes and back (Graph.serialize / deserialize)
     # 7 what Graph's methods hand work to: reverse mode (it builds graphs of its input's type),
     #   the torch function, the dot text
     "dnngraph.autodiff": 7, "dnngraph.function": 7, "dnngraph.dot": 7,
@@ -59,6 +60,7 @@ LAYERS = {
     "dnngraph.graph": 8,
     # 9 entry points on top of Graph: the public package, torch.compile's backend, the CLI
     "dnngraph": 9, "dnngraph.torch_backend": 9, "dnngraph.__main__": 9,
+    "dnngraph.graph_cache": 9,  # dnngraph.jit: graphs declared by a function, built once per key
 }
 
 

@@ -295,7 +295,7 @@ OTHER_OPTIONS = dict(
     sdpa_config=sdpa.AttentionConfig(16, 16, 1, 1), sdpa_dkdv_config=sdpa.AttentionConfig(16, 16, 1, 1),
     sdpa_dq_config=sdpa.AttentionConfig(16, 32, 1, 1), sdpa_splits=3, sdpa_head_group=0, sdpa_index_64=True,
     row_loop_tile=16, row_split_min_reduced=8, row_combine_values=16, norm_backward_max_reduced=64,
-    column_prefetch_tiles=0, column_stream_apply=False, conv_fold_channels_below=0)
+    column_prefetch_tiles=0, column_stream_apply=False, conv_fold_channels_below=0, plan=1)
 
 
 def test_other_options_cover_every_field():

@@ -188,6 +188,11 @@ class TritonBackend:
                                                  width, target)
         return getattr(config, "estimate_us", None) and config.estimate_us * 1e-6
 
+    def forces(self, problem: Problem, candidate: Candidate) -> bool:
+        """Whether lower() runs `candidate`'s config as given (a plan choice builds exactly
+        it): matmul configs; other families' lowering chooses its own config."""
+        return problem.family == "matmul" and isinstance(candidate.config, matmul_heuristics.MatmulConfig)
+
     # -- lowering --------------------------------------------------------------------------------
 
     def lower(self, graph, group, problem: Problem, context, candidate: Optional[Candidate] = None) -> list:
