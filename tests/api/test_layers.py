@@ -55,6 +55,7 @@ LAYERS = {
     # 7 what Graph's methods hand work to: reverse mode (it builds graphs of its input's type),
     #   the torch function, the dot text
     "dnngraph.autodiff": 7, "dnngraph.function": 7, "dnngraph.dot": 7,
+    "dnngraph.rnn_network": 7,  # g.rnn's layers and directions written as graph ops
     # 8 the user-facing Graph: build, execute, explain, to_json/from_json, as_function all
     #   delegate downward
     "dnngraph.graph": 8,
