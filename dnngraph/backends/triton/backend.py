@@ -33,6 +33,7 @@ from .lower.conv import build_conv
 from .lower.ctc import build_ctc
 from .lower.gather import build_gather
 from .lower.lrn import build_lrn
+from .lower.block_scale import build_block_scale
 from .lower.matmul import build_matmul
 from .lower.moe import build_moe
 from .lower.pointwise import build_pointwise
@@ -46,7 +47,8 @@ BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": 
             "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention,
             "attention_backward": build_attention_backward, "gather": build_gather,
             "moe": build_moe,
-            "ctc": build_ctc, "lrn": build_lrn}
+            "ctc": build_ctc, "lrn": build_lrn,
+            "block_scale": build_block_scale}
 
 # Families whose loads may visit an input element several times (or never): prologue values that
 # are outputs are written first by a pointwise kernel of the prologue.

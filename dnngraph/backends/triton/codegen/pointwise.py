@@ -30,6 +30,7 @@ LIBRARIES = {
     "tr": "from dnngraph.backends.triton.codegen import triton_reduce as tr\n",
     "lib": "from dnngraph.backends.triton.codegen import library as lib\n",
     "ctc": "from dnngraph.backends.triton.codegen import ctc_library as ctc\n",
+    "bsq": "from dnngraph.backends.triton.codegen import block_scale_library as bsq\n",
 }
 
 

@@ -1,0 +1,132 @@
+"""Render a block-scale kernel (block_scale_quantize or block_scale_dequantize).
+
+Each program owns BLOCK_G quantization blocks of BLOCK elements: a [BLOCK_G, BLOCK] tile whose
+rows are blocks. A block index runs over the scale tensor's dims in row-major order (the last
+axis fastest, so neighbouring rows of the tile are neighbours in memory when the blocks run
+along x's last axis); the generated text decomposes it into one index per axis and forms each
+tensor's offsets from its strides (any layout, broadcast included). The rules themselves live
+in the device library (`block_scale_library`, imported as `bsq`). Packed fp4 is addressed in
+bytes: its pairs lie along the block axis, which has stride 1 (checked by the lowering).
+"""
+from __future__ import annotations
+
+import math
+
+from .... import dtypes
+from ....ops.block_scale import largest
+from ...contract import KernelSource
+from .conversions import converted_to, float8_rule
+from .pointwise import KernelArgument, kernel_module
+
+INDENT = "    "
+
+
+def _strides(stem: str, tensor) -> list:
+    return [KernelArgument("int", f"{stem}_stride_{axis}", int(s)) for axis, s in enumerate(tensor.stride)]
+
+
+def _decomposition(scale_dims) -> list:
+    """Lines giving idx_<axis> of every block of the tile from its block index `blocks`."""
+    lines = ["rest = blocks"]
+    for axis in reversed(range(len(scale_dims))):
+        lines.append(f"idx_{axis} = rest % {int(scale_dims[axis])}")
+        lines.append(f"rest = rest // {int(scale_dims[axis])}")
+    return lines
+
+
+def _block_offset(stem: str, rank: int, axis: int, block: int) -> str:
+    """The element offset of each block's first element in tensor `stem` ([BLOCK_G])."""
+    terms = [f"idx_{a} * {stem}_stride_{a}" + (f" * {block}" if a == axis else "") for a in range(rank)]
+    return " + ".join(terms)
+
+
+def _scale_offset(rank: int) -> str:
+    return " + ".join(f"idx_{a} * scale_stride_{a}" for a in range(rank))
+
+
+def _prelude(scale_dims, rank: int) -> list:
+    return ["blocks = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)",
+            "live = blocks < BLOCKS", "lanes = tl.arange(0, BLOCK)"] + _decomposition(scale_dims)
+
+
+def _vmax_fields(vmax: float) -> tuple:
+    """(unbiased exponent, mantissa bits) of float32 vmax."""
+    mantissa, exponent = math.frexp(vmax)  # vmax = mantissa * 2^exponent, mantissa in [0.5, 1)
+    return exponent - 1, int(round((mantissa * 2 - 1) * (1 << 23)))
+
+
+def _quantize_lines(x, y, scale, axis: int, block: int) -> list:
+    rank = len(x.dim)
+    vmax = largest(y.data_type)
+    lines = [f"x_at = {_block_offset('x', rank, axis, block)}",
+             "x_tile = tl.load(x_ptr + x_at[:, None] + lanes[None, :] * x_stride_%d, mask=live[:, None], other=0.0)"
+             % axis, "x_tile = x_tile.to(tl.float32)", "amax, finite = bsq.block_amax(x_tile)"]
+    if scale.data_type is dtypes.float8_e8m0:
+        exponent, mantissa = _vmax_fields(vmax)
+        lines += [f"elements, scale_bits = bsq.normalized_e8m0(x_tile, amax, {vmax!r}, {exponent}, {mantissa})",
+                  "scale_bits = bsq.nan_scale_bits(finite, scale_bits, 255)"]
+    else:
+        rule = float8_rule(scale.data_type)
+        lines += [f"elements, scale_values = bsq.normalized_e4m3(x_tile, amax, {vmax!r})",
+                  f"scale_bits = bsq.e4m3_bits(scale_values, {rule.first_overflow!r}, {rule.overflow_bits}, "
+                  f"{rule.infinity_bits}, {rule.nan_bits})",
+                  f"scale_bits = bsq.nan_scale_bits(finite, scale_bits, {rule.nan_bits})"]
+    lines.append(f"tl.store(scale_ptr + {_scale_offset(rank)}, scale_bits.to(scale_ptr.dtype.element_ty, "
+                 f"bitcast=True), mask=live)")
+    y_at = _block_offset("y", rank, axis, block)
+    if y.data_type is dtypes.float4_e2m1:
+        lines += ["codes = bsq.fp4_codes(elements)", "codes = tl.where(finite[:, None], codes, 0).to(tl.uint8)",
+                  "pairs = bsq.packed_pairs(codes, BLOCK_G, BLOCK)", f"y_at = ({y_at}) // 2",
+                  "halves = tl.arange(0, BLOCK // 2)",
+                  "tl.store(y_ptr + y_at[:, None] + halves[None, :], pairs, mask=live[:, None])"]
+    else:
+        lines += [f"stored = {converted_to('elements', 'f', y.data_type)}",
+                  "stored = tl.where(finite[:, None], stored.to(tl.uint8, bitcast=True), 0)",
+                  f"y_at = {y_at}",
+                  f"tl.store(y_ptr + y_at[:, None] + lanes[None, :] * y_stride_{axis}, "
+                  f"stored.to(tl.uint8).to(y_ptr.dtype.element_ty, bitcast=True), mask=live[:, None])"]
+    return lines
+
+
+def _dequantize_lines(x, scale, y, axis: int, block: int) -> list:
+    rank = len(x.dim)
+    x_at = _block_offset("x", rank, axis, block)
+    if x.data_type is dtypes.float4_e2m1:
+        lines = [f"x_at = ({x_at}) // 2", "halves = tl.arange(0, BLOCK // 2)",
+                 "pairs = tl.load(x_ptr + x_at[:, None] + halves[None, :], mask=live[:, None], other=0)",
+                 "values = bsq.fp4_values(bsq.unpacked_pairs(pairs, BLOCK_G, BLOCK))"]
+    else:
+        lines = [f"x_at = {x_at}",
+                 f"values = tl.load(x_ptr + x_at[:, None] + lanes[None, :] * x_stride_{axis}, mask=live[:, None], "
+                 f"other=0.0).to(tl.float32)"]
+    lines.append(f"scale_raw = tl.load(scale_ptr + {_scale_offset(rank)}, mask=live, other=0)")
+    if scale.data_type is dtypes.float8_e8m0:
+        lines.append("scales = bsq.e8m0_values(scale_raw)")
+    else:
+        lines.append("scales = scale_raw.to(tl.float32)")
+    lines += ["result = values * scales[:, None]", f"stored = {converted_to('result', 'f', y.data_type)}",
+              f"y_at = {_block_offset('y', rank, axis, block)}",
+              f"tl.store(y_ptr + y_at[:, None] + lanes[None, :] * y_stride_{axis}, stored, mask=live[:, None])"]
+    return lines
+
+
+def render(kernel_name: str, group, config, description: str) -> KernelSource:
+    """The kernel of a block-scale group under `config` (block_g, num_warps)."""
+    node = group.anchor
+    if node.op == "block_scale_quantize":
+        (x,), (y, scale) = node.inputs, node.outputs
+        axis, block = node.attrs.axis, node.attrs.block_size
+        body = _quantize_lines(x, y, scale, axis, block)
+    else:
+        (x, scale), (y,) = node.inputs, node.outputs
+        axis, block = node.attrs.axis, node.attrs.size
+        body = _dequantize_lines(x, scale, y, axis, block)
+    rank = len(x.dim)
+    args = [KernelArgument("tensor", "x_ptr", x.uid), KernelArgument("tensor", "scale_ptr", scale.uid),
+            KernelArgument("tensor", "y_ptr", y.uid)]
+    args += _strides("x", x) + _strides("scale", scale) + _strides("y", y)
+    args += [KernelArgument("int", "BLOCKS", math.prod(scale.dim)),
+             KernelArgument("constexpr", "BLOCK", block), KernelArgument("constexpr", "BLOCK_G", config.block_g)]
+    text = "\n".join(INDENT + line for line in _prelude(scale.dim, rank) + body) + "\n"
+    return KernelSource(kernel_name, kernel_module(description, [], kernel_name, args, text, libraries=("bsq",)),
+                        args)
