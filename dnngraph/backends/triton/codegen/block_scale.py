@@ -97,9 +97,9 @@ def _dequantize_lines(x, scale, y, axis: int, block: int) -> list:
                  "values = bsq.fp4_values(bsq.unpacked_pairs(pairs, BLOCK_G, BLOCK))"]
     else:
         lines = [f"x_at = {x_at}",
-                 f"values = tl.load(x_ptr + x_at[:, None] + lanes[None, :] * x_stride_{axis}, mask=live[:, None], "
-                 f"other=0.0).to(tl.float32)"]
-    lines.append(f"scale_raw = tl.load(scale_ptr + {_scale_offset(rank)}, mask=live, other=0)")
+                 f"values = tl.load(x_ptr + x_at[:, None] + lanes[None, :] * x_stride_{axis}, "
+                 f"mask=live[:, None]).to(tl.float32)"]
+    lines.append(f"scale_raw = tl.load(scale_ptr + {_scale_offset(rank)}, mask=live)")
     if scale.data_type is dtypes.float8_e8m0:
         lines.append("scales = bsq.e8m0_values(scale_raw)")
     else:

@@ -58,10 +58,11 @@ def fp4_codes(values):
 def fp4_values(codes):
     """float32 values of e2m1 codes (uint8, low 4 bits)."""
     magnitude_code = (codes & 7).to(tl.int32)
-    # 0, 0.5, 1, 1.5 for codes 0..3; 2, 3, 4, 6 for 4..7: (2 + mantissa) * 2^(exponent - 1)
+    # code = 2 * exponent + mantissa: 0.5 * mantissa where the exponent is 0 (0, 0.5), else
+    # (1 + mantissa / 2) * 2^(exponent - 1) (1, 1.5, 2, 3, 4, 6)
     exponent = magnitude_code >> 1
     mantissa = (magnitude_code & 1).to(tl.float32)
-    normal = (2.0 + 2.0 * mantissa) * tl.exp2((exponent - 2).to(tl.float32))
+    normal = (1.0 + 0.5 * mantissa) * power_of_two(exponent - 1)
     magnitude = tl.where(exponent == 0, 0.5 * mantissa, normal)
     return tl.where((codes & 8) != 0, -magnitude, magnitude)
 
