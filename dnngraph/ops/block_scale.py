@@ -255,8 +255,9 @@ def refuse_elsewhere(group) -> None:
         problem = dtypes.packed_layout_problem(tensor.dim, tensor.stride, data_type)
         if problem is not None:
             raise ValidationError(f"tensor {tensor.name!r}: {problem}")
-        anchor = group.anchor
-        if anchor is None or anchor.opdef.family != "block_scale" or group.prologue or group.epilogue:
+        readers = [n for n in group.nodes if tensor in n.inputs or tensor in n.outputs]
+        if any(n.opdef.family != "block_scale" for n in readers) or not readers:
+            anchor = group.anchor
             what = "a fused group" if anchor is None else f"node {anchor.name!r} ({anchor.op})"
             raise UnsupportedError(f"{what} reads or writes {tensor.name!r} of {data_type.name}: only "
                                    f"block_scale_quantize and block_scale_dequantize take block-scale types")
