@@ -39,7 +39,7 @@ import torch
 
 from .. import dtypes
 from ..errors import ValidationError
-from .base import OpDef, OutputSpec, boolean, fail, freeze, int_tuple, integer, register
+from .base import AnchorRule, OpDef, OutputSpec, boolean, fail, freeze, int_tuple, integer, register
 
 ELEMENT_TYPES = (dtypes.float8_e4m3, dtypes.float8_e5m2, dtypes.float4_e2m1)
 SCALE_TYPES = (dtypes.float8_e8m0, dtypes.float8_e4m3)
@@ -238,9 +238,10 @@ def unpack_storage(value: torch.Tensor, dim, stride) -> torch.Tensor:
 
 
 register(OpDef("block_scale_quantize", "block_scale", "anchor", BlockScaleQuantizeAttrs, ("x",), ("y", "scale"),
-               infer_quantize, reference_quantize, typed_reference=True))
+               infer_quantize, reference_quantize, typed_reference=True, fusion=AnchorRule((), None)))
+# a dequantization feeding a matmul's A or B joins the matmul's group instead (fusion/partition.py)
 register(OpDef("block_scale_dequantize", "block_scale", "anchor", BlockScaleDequantizeAttrs, ("x", "scale"), ("y",),
-               infer_dequantize, reference_dequantize))
+               infer_dequantize, reference_dequantize, fusion=AnchorRule((), None)))
 
 
 def refuse_elsewhere(group) -> None:
