@@ -238,7 +238,9 @@ def unpack_storage(value: torch.Tensor, dim, stride) -> torch.Tensor:
 
 
 register(OpDef("block_scale_quantize", "block_scale", "anchor", BlockScaleQuantizeAttrs, ("x",), ("y", "scale"),
-               infer_quantize, reference_quantize, typed_reference=True, fusion=AnchorRule((), None)))
+               infer_quantize, reference_quantize, typed_reference=True,
+               # pointwise producers of x run at load (a global scale, an activation)
+               fusion=AnchorRule((0,), None)))
 # a dequantization feeding a matmul's A or B joins the matmul's group instead (fusion/partition.py)
 register(OpDef("block_scale_dequantize", "block_scale", "anchor", BlockScaleDequantizeAttrs, ("x", "scale"), ("y",),
                infer_dequantize, reference_dequantize, fusion=AnchorRule((), None)))

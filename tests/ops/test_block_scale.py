@@ -184,6 +184,32 @@ def test_round_trip_through_a_virtual_quantized_tensor(y_type, scale_type, block
     assert ((back_t.view(6, 4, block) - x_t.view(6, 4, block)).abs() <= bound * amax).all()
 
 
+@pytest.mark.parametrize("y_type,scale_type,block", [FORMATS[0], FORMATS[3]], ids=[FORMAT_IDS[0], FORMAT_IDS[3]])
+def test_pointwise_producers_fuse_into_the_quantize_kernel(y_type, scale_type, block):
+    """NVFP4's global scale (a one-element tensor) and a per-row factor multiply x at load; a
+    prologue value that is also a graph output is stored apart, exactly."""
+    x_t = special_blocks(6, 4 * block, block, seed=11).nan_to_num(0.0).clamp(-3e4, 3e4)
+    global_t, rows_t = torch.tensor([1 / 16.0]), torch.rand(6, 1) + 0.5
+    g = dg.Graph()
+    x, global_scale, rows = g.tensor_like(x_t, "x"), g.tensor_like(global_t, "global_scale"), g.tensor_like(rows_t, "rows")
+    scaled = g.mul(g.relu(x), global_scale)
+    shown = g.mul(scaled, rows)
+    y, scale = g.block_scale_quantize(shown, block_size=block)
+    y.set_output(True).set_data_type(y_type)
+    scale.set_output(True).set_data_type(scale_type)
+    scaled.set_output(True)
+    kinds = [(group.kind, [n.op for n in group.nodes]) for group in partition(g)]
+    assert ("block_scale", ["relu", "mul", "mul", "block_scale_quantize"]) in kinds
+    g.build()
+    y_t, scale_t, scaled_t = storage(y), storage(scale), storage(scaled)
+    g.execute({x: x_t, global_scale: global_t, rows: rows_t, y: y_t, scale: scale_t, scaled: scaled_t})
+    ref = g.reference({x: x_t, global_scale: global_t, rows: rows_t})
+    assert torch.equal(scale_t.view(torch.uint8), ref[scale.name].to(scale_type.torch_dtype).view(torch.uint8))
+    expected = pack_fp4(ref[y.name]).view(torch.uint8) if y_type is dg.float4_e2m1 else codes(ref[y.name], y_type)
+    assert torch.equal(y_t.view(torch.uint8), expected)
+    assert torch.equal(scaled_t, ref[scaled.name].float())  # one float32 rounding of one product
+
+
 # --- the block-scaled matmul -----------------------------------------------------------------------
 def quantized_operand(rows, cols, y_type, scale_type, block, blocks_along_rows, generator):
     """(elements, scales) as torch tensors: `rows` x `cols`, blocks along the rows' axis

@@ -52,7 +52,7 @@ BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": 
 
 # Families whose loads may visit an input element several times (or never): prologue values that
 # are outputs are written first by a pointwise kernel of the prologue.
-PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv", "lrn"})
+PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv", "lrn", "block_scale"})
 
 
 def _dot(a: DataType, b: DataType, allow_tf32: bool) -> Optional[str]:

@@ -15,10 +15,17 @@ import math
 from .... import dtypes
 from ....ops.block_scale import largest
 from ...contract import KernelSource
+from ..heuristics.layout import operand_strides
 from .conversions import converted_to, float8_rule
+from .emitter import ExpressionEmitter, kind_of
+from .names import NameAllocator
 from .pointwise import KernelArgument, kernel_module
 
 INDENT = "    "
+# identifiers the kernel writes itself; idx_<axis> and every `<stem>_*` name are its own too
+FIXED_NAMES = ("blocks", "live", "lanes", "rest", "amax", "finite", "elements", "scale_bits", "scale_values",
+               "codes", "pairs", "halves", "stored", "values", "scales", "result", "BLOCKS", "BLOCK", "BLOCK_G")
+FIXED_STEMS = ("idx", "x", "y", "scale")
 
 
 def _strides(stem: str, tensor) -> list:
@@ -55,12 +62,40 @@ def _vmax_fields(vmax: float) -> tuple:
     return exponent - 1, int(round((mantissa * 2 - 1) * (1 << 23)))
 
 
-def _quantize_lines(x, y, scale, axis: int, block: int) -> list:
+def _element_offsets(ident: str, strides, axis: int, block: int) -> str:
+    """[BLOCK_G, BLOCK] element offsets of a tensor with `strides` over x's axes (0: broadcast)."""
+    terms = [f"idx_{a}[:, None] * {ident}_stride_{a}" for a, s in enumerate(strides) if s and a != axis]
+    if strides[axis]:
+        terms.append(f"(idx_{axis}[:, None] * {block} + lanes[None, :]) * {ident}_stride_{axis}")
+    return " + ".join(terms) or "0"
+
+
+def _prologue_lines(group, x, axis: int, block: int, names: NameAllocator) -> tuple:
+    """(lines making `x_tile`, arguments, emitter) of x computed by the group's pointwise
+    prologue from its leaf inputs, each loaded at the tile's elements (broadcast axes once)."""
+    emitter = ExpressionEmitter("tl.float32", hint="pv", names=names)
+    lines, args = [], []
+    for leaf in group.inputs:
+        ident = names.prefix("in")
+        strides = operand_strides(tuple(x.dim), tuple(leaf.dim), tuple(leaf.stride))
+        args += [KernelArgument("tensor", f"{ident}_ptr", leaf.uid)]
+        args += [KernelArgument("int", f"{ident}_stride_{a}", int(st)) for a, st in enumerate(strides) if st]
+        offsets = _element_offsets(ident, strides, axis, block)
+        # one element (a global scale): a scalar load, broadcast by the expressions
+        load = f"tl.load({ident}_ptr)" if offsets == "0" else f"tl.load({ident}_ptr + {offsets}, mask=live[:, None])"
+        lines.append(f"{ident} = {emitter.loaded(load, leaf.data_type)}")
+        emitter.bind(leaf.uid, ident, kind_of(leaf.data_type))
+    for node in group.prologue:
+        emitter.emit(node)
+    lines += emitter.lines
+    lines.append(f"x_tile = tl.broadcast_to(({emitter.consumed(x, 'f')}).to(tl.float32), (BLOCK_G, BLOCK))")
+    return lines, args, emitter
+
+
+def _quantize_lines(x, y, scale, axis: int, block: int, x_lines: list) -> list:
     rank = len(x.dim)
     vmax = largest(y.data_type)
-    lines = [f"x_at = {_block_offset('x', rank, axis, block)}",
-             "x_tile = tl.load(x_ptr + x_at[:, None] + lanes[None, :] * x_stride_%d, mask=live[:, None], other=0.0)"
-             % axis, "x_tile = x_tile.to(tl.float32)", "amax, finite = bsq.block_amax(x_tile)"]
+    lines = x_lines + ["amax, finite = bsq.block_amax(x_tile)"]
     if scale.data_type is dtypes.float8_e8m0:
         exponent, mantissa = _vmax_fields(vmax)
         lines += [f"elements, scale_bits = bsq.normalized_e8m0(x_tile, amax, {vmax!r}, {exponent}, {mantissa})",
@@ -110,23 +145,36 @@ def _dequantize_lines(x, scale, y, axis: int, block: int) -> list:
     return lines
 
 
+def _x_lines(group, x, axis: int, block: int) -> tuple:
+    """(lines making `x_tile` [BLOCK_G, BLOCK] in float32, arguments, module globals)."""
+    if not group.prologue:
+        load = f"tl.load(x_ptr + {_element_offsets('x', x.stride, axis, block)}, mask=live[:, None], other=0.0)"
+        return [f"x_tile = {load}.to(tl.float32)"], [KernelArgument("tensor", "x_ptr", x.uid)] + _strides("x", x), []
+    names = NameAllocator(FIXED_NAMES + tuple(f"idx_{a}" for a in range(len(x.dim))))
+    names.reserve_stems(*FIXED_STEMS)
+    lines, args, emitter = _prologue_lines(group, x, axis, block, names)
+    return lines, args + [KernelArgument("int", name, value) for name, value in emitter.scalars], emitter.globals
+
+
 def render(kernel_name: str, group, config, description: str) -> KernelSource:
     """The kernel of a block-scale group under `config` (block_g, num_warps)."""
     node = group.anchor
+    constants = []
     if node.op == "block_scale_quantize":
         (x,), (y, scale) = node.inputs, node.outputs
         axis, block = node.attrs.axis, node.attrs.block_size
-        body = _quantize_lines(x, y, scale, axis, block)
+        x_lines, args, constants = _x_lines(group, x, axis, block)
+        body = _quantize_lines(x, y, scale, axis, block, x_lines)
     else:
         (x, scale), (y,) = node.inputs, node.outputs
         axis, block = node.attrs.axis, node.attrs.size
         body = _dequantize_lines(x, scale, y, axis, block)
+        args = [KernelArgument("tensor", "x_ptr", x.uid)] + _strides("x", x)
     rank = len(x.dim)
-    args = [KernelArgument("tensor", "x_ptr", x.uid), KernelArgument("tensor", "scale_ptr", scale.uid),
-            KernelArgument("tensor", "y_ptr", y.uid)]
-    args += _strides("x", x) + _strides("scale", scale) + _strides("y", y)
+    args += [KernelArgument("tensor", "scale_ptr", scale.uid), KernelArgument("tensor", "y_ptr", y.uid)]
+    args += _strides("scale", scale) + _strides("y", y)
     args += [KernelArgument("int", "BLOCKS", math.prod(scale.dim)),
              KernelArgument("constexpr", "BLOCK", block), KernelArgument("constexpr", "BLOCK_G", config.block_g)]
     text = "\n".join(INDENT + line for line in _prelude(scale.dim, rank) + body) + "\n"
-    return KernelSource(kernel_name, kernel_module(description, [], kernel_name, args, text, libraries=("bsq",)),
-                        args)
+    return KernelSource(kernel_name, kernel_module(description, constants, kernel_name, args, text,
+                                                   libraries=("bsq",)), args)
