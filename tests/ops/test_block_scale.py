@@ -54,7 +54,7 @@ def special_blocks(rows: int, cols: int, block: int, dtype=torch.float32, seed=0
     return x.to(dtype)
 
 
-def quantize_graph(x_t, block, y_type, scale_type, axis=-1, y_stride=None):
+def quantize_graph(x_t, block, y_type, scale_type, axis=-1, y_stride=None, scale_stride=None):
     g = dg.Graph()
     x = g.tensor_like(x_t, "x")
     y, scale = g.block_scale_quantize(x, block_size=block, axis=axis)
@@ -62,6 +62,8 @@ def quantize_graph(x_t, block, y_type, scale_type, axis=-1, y_stride=None):
     scale.set_output(True).set_data_type(scale_type)
     if y_stride is not None:
         y.set_stride(y_stride)
+    if scale_stride is not None:
+        scale.set_stride(scale_stride)
     return g, x, y, scale
 
 
@@ -100,7 +102,8 @@ def test_quantize_non_contiguous_input_and_blocks_along_a_middle_axis(y_type, sc
     wide = special_blocks(5 * 4, 2 * block, block, seed=3).view(5, 4, 2 * block)
     x_t = wide.transpose(1, 2)[:, :, 1:4]  # [5, 2 * block, 3]: strided, blocks along axis 1
     y_stride = [3 * 2 * block, 1, 2 * block] if y_type is dg.float4_e2m1 else None  # packed along the blocks
-    g, x, y, scale = quantize_graph(x_t, block, y_type, scale_type, axis=1, y_stride=y_stride)
+    g, x, y, scale = quantize_graph(x_t, block, y_type, scale_type, axis=1, y_stride=y_stride,
+                                    scale_stride=[1, 3 * 5, 5])  # scale [5, 2, 3] stored axis-permuted
     assert_quantize_bit_exact(g, x, y, scale, x_t)
 
 
@@ -148,7 +151,8 @@ def test_dequantize_every_code_bit_exact(y_type, scale_type, block, out_type):
         q_t = pack_fp4(values * (torch.randint(0, 2, (rows, cols), generator=generator) * 2 - 1))
     else:  # every byte, NaN codes included
         q_t = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=generator).view(y_type.torch_dtype)
-    s_t = torch.randint(0, 256, (rows, cols // block), dtype=torch.uint8, generator=generator).view(scale_type.torch_dtype)
+    s_t = torch.randint(0, 256, (cols // block, rows), dtype=torch.uint8, generator=generator).t()  # column-major
+    s_t = s_t.view(scale_type.torch_dtype)
     g = dg.Graph()
     q = g.tensor(name="q", dim=[rows, cols], data_type=y_type)
     s = g.tensor_like(s_t, "s")

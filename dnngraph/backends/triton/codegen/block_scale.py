@@ -41,33 +41,60 @@ def _decomposition(scale_dims) -> list:
     return lines
 
 
+def _dense(dims, strides, axis: int) -> bool:
+    """Do the blocks lie one after another in memory, in block index order? (row-major strides
+    over the axes of size > 1, and the block axis the last of them): then a tile's elements are
+    `blocks * BLOCK + lanes`, offsets the compiler sees are contiguous (vector loads)."""
+    if any(size > 1 for size in dims[axis + 1:]):
+        return False
+    expected = 1
+    for size, stride in reversed(list(zip(dims, strides))):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _block_offset(stem: str, rank: int, axis: int, block: int) -> str:
     """The element offset of each block's first element in tensor `stem` ([BLOCK_G])."""
     terms = [f"idx_{a} * {stem}_stride_{a}" + (f" * {block}" if a == axis else "") for a in range(rank)]
     return " + ".join(terms)
 
 
-def _scale_offset(rank: int) -> str:
-    return " + ".join(f"idx_{a} * scale_stride_{a}" for a in range(rank))
+def _elements_at(stem: str, dims, strides, axis: int, block: int) -> str:
+    """[BLOCK_G, BLOCK] element offsets of a tensor with `strides` over x's `dims` (0: broadcast)."""
+    if _dense(dims, strides, axis) and strides[axis]:
+        return "blocks[:, None] * BLOCK + lanes[None, :]"
+    terms = [f"idx_{a}[:, None] * {stem}_stride_{a}" for a, s in enumerate(strides) if s and a != axis]
+    if strides[axis]:
+        terms.append(f"(idx_{axis}[:, None] * {block} + lanes[None, :]) * {stem}_stride_{axis}")
+    return " + ".join(terms) or "0"
 
 
-def _prelude(scale_dims, rank: int) -> list:
-    return ["blocks = tl.program_id(0).to(tl.int64) * BLOCK_G + tl.arange(0, BLOCK_G)",
-            "live = blocks < BLOCKS", "lanes = tl.arange(0, BLOCK)"] + _decomposition(scale_dims)
+def _pairs_at(stem: str, tensor, axis: int, block: int) -> str:
+    """[BLOCK_G, BLOCK // 2] byte offsets of a packed fp4 tensor's pairs (packed along `axis`)."""
+    if _dense(tensor.dim, tensor.stride, axis):
+        return "blocks[:, None] * (BLOCK // 2) + halves[None, :]"
+    return f"(({_block_offset(stem, len(tensor.dim), axis, block)}) // 2)[:, None] + halves[None, :]"
+
+
+def _scale_at(scale) -> str:
+    """[BLOCK_G] element offsets of each block's scale."""
+    if _dense(scale.dim, scale.stride, len(scale.dim) - 1):
+        return "blocks"
+    return " + ".join(f"idx_{a} * scale_stride_{a}" for a in range(len(scale.dim)))
+
+
+def _prelude(scale_dims, rank: int, index_64: bool) -> list:
+    first = "tl.program_id(0).to(tl.int64)" if index_64 else "tl.program_id(0)"
+    return [f"blocks = {first} * BLOCK_G + tl.arange(0, BLOCK_G)", "live = blocks < BLOCKS",
+            "lanes = tl.arange(0, BLOCK)", "halves = tl.arange(0, BLOCK // 2)"] + _decomposition(scale_dims)
 
 
 def _vmax_fields(vmax: float) -> tuple:
     """(unbiased exponent, mantissa bits) of float32 vmax."""
     mantissa, exponent = math.frexp(vmax)  # vmax = mantissa * 2^exponent, mantissa in [0.5, 1)
     return exponent - 1, int(round((mantissa * 2 - 1) * (1 << 23)))
-
-
-def _element_offsets(ident: str, strides, axis: int, block: int) -> str:
-    """[BLOCK_G, BLOCK] element offsets of a tensor with `strides` over x's axes (0: broadcast)."""
-    terms = [f"idx_{a}[:, None] * {ident}_stride_{a}" for a, s in enumerate(strides) if s and a != axis]
-    if strides[axis]:
-        terms.append(f"(idx_{axis}[:, None] * {block} + lanes[None, :]) * {ident}_stride_{axis}")
-    return " + ".join(terms) or "0"
 
 
 def _prologue_lines(group, x, axis: int, block: int, names: NameAllocator) -> tuple:
@@ -80,7 +107,7 @@ def _prologue_lines(group, x, axis: int, block: int, names: NameAllocator) -> tu
         strides = operand_strides(tuple(x.dim), tuple(leaf.dim), tuple(leaf.stride))
         args += [KernelArgument("tensor", f"{ident}_ptr", leaf.uid)]
         args += [KernelArgument("int", f"{ident}_stride_{a}", int(st)) for a, st in enumerate(strides) if st]
-        offsets = _element_offsets(ident, strides, axis, block)
+        offsets = _elements_at(ident, tuple(x.dim), strides, axis, block)
         # one element (a global scale): a scalar load, broadcast by the expressions
         load = f"tl.load({ident}_ptr)" if offsets == "0" else f"tl.load({ident}_ptr + {offsets}, mask=live[:, None])"
         lines.append(f"{ident} = {emitter.loaded(load, leaf.data_type)}")
@@ -106,49 +133,41 @@ def _quantize_lines(x, y, scale, axis: int, block: int, x_lines: list) -> list:
                   f"scale_bits = bsq.e4m3_bits(scale_values, {rule.first_overflow!r}, {rule.overflow_bits}, "
                   f"{rule.infinity_bits}, {rule.nan_bits})",
                   f"scale_bits = bsq.nan_scale_bits(finite, scale_bits, {rule.nan_bits})"]
-    lines.append(f"tl.store(scale_ptr + {_scale_offset(rank)}, scale_bits.to(scale_ptr.dtype.element_ty, "
+    lines.append(f"tl.store(scale_ptr + {_scale_at(scale)}, scale_bits.to(scale_ptr.dtype.element_ty, "
                  f"bitcast=True), mask=live)")
-    y_at = _block_offset("y", rank, axis, block)
     if y.data_type is dtypes.float4_e2m1:
         lines += ["codes = bsq.fp4_codes(elements)", "codes = tl.where(finite[:, None], codes, 0).to(tl.uint8)",
-                  "pairs = bsq.packed_pairs(codes, BLOCK_G, BLOCK)", f"y_at = ({y_at}) // 2",
-                  "halves = tl.arange(0, BLOCK // 2)",
-                  "tl.store(y_ptr + y_at[:, None] + halves[None, :], pairs, mask=live[:, None])"]
+                  "pairs = bsq.packed_pairs(codes, BLOCK_G, BLOCK)",
+                  f"tl.store(y_ptr + {_pairs_at('y', y, axis, block)}, pairs, mask=live[:, None])"]
     else:
         lines += [f"stored = {converted_to('elements', 'f', y.data_type)}",
                   "stored = tl.where(finite[:, None], stored.to(tl.uint8, bitcast=True), 0)",
-                  f"y_at = {y_at}",
-                  f"tl.store(y_ptr + y_at[:, None] + lanes[None, :] * y_stride_{axis}, "
+                  f"tl.store(y_ptr + {_elements_at('y', y.dim, y.stride, axis, block)}, "
                   f"stored.to(tl.uint8).to(y_ptr.dtype.element_ty, bitcast=True), mask=live[:, None])"]
     return lines
 
 
 def _dequantize_lines(x, scale, y, axis: int, block: int) -> list:
-    rank = len(x.dim)
-    x_at = _block_offset("x", rank, axis, block)
     if x.data_type is dtypes.float4_e2m1:
-        lines = [f"x_at = ({x_at}) // 2", "halves = tl.arange(0, BLOCK // 2)",
-                 "pairs = tl.load(x_ptr + x_at[:, None] + halves[None, :], mask=live[:, None], other=0)",
+        lines = [f"pairs = tl.load(x_ptr + {_pairs_at('x', x, axis, block)}, mask=live[:, None], other=0)",
                  "values = bsq.fp4_values(bsq.unpacked_pairs(pairs, BLOCK_G, BLOCK))"]
     else:
-        lines = [f"x_at = {x_at}",
-                 f"values = tl.load(x_ptr + x_at[:, None] + lanes[None, :] * x_stride_{axis}, "
+        lines = [f"values = tl.load(x_ptr + {_elements_at('x', x.dim, x.stride, axis, block)}, "
                  f"mask=live[:, None]).to(tl.float32)"]
-    lines.append(f"scale_raw = tl.load(scale_ptr + {_scale_offset(rank)}, mask=live)")
+    lines.append(f"scale_raw = tl.load(scale_ptr + {_scale_at(scale)}, mask=live)")
     if scale.data_type is dtypes.float8_e8m0:
         lines.append("scales = bsq.e8m0_values(scale_raw)")
     else:
         lines.append("scales = scale_raw.to(tl.float32)")
     lines += ["result = values * scales[:, None]", f"stored = {converted_to('result', 'f', y.data_type)}",
-              f"y_at = {_block_offset('y', rank, axis, block)}",
-              f"tl.store(y_ptr + y_at[:, None] + lanes[None, :] * y_stride_{axis}, stored, mask=live[:, None])"]
+              f"tl.store(y_ptr + {_elements_at('y', y.dim, y.stride, axis, block)}, stored, mask=live[:, None])"]
     return lines
 
 
 def _x_lines(group, x, axis: int, block: int) -> tuple:
     """(lines making `x_tile` [BLOCK_G, BLOCK] in float32, arguments, module globals)."""
     if not group.prologue:
-        load = f"tl.load(x_ptr + {_element_offsets('x', x.stride, axis, block)}, mask=live[:, None], other=0.0)"
+        load = f"tl.load(x_ptr + {_elements_at('x', x.dim, x.stride, axis, block)}, mask=live[:, None], other=0.0)"
         return [f"x_tile = {load}.to(tl.float32)"], [KernelArgument("tensor", "x_ptr", x.uid)] + _strides("x", x), []
     names = NameAllocator(FIXED_NAMES + tuple(f"idx_{a}" for a in range(len(x.dim))))
     names.reserve_stems(*FIXED_STEMS)
@@ -156,8 +175,9 @@ def _x_lines(group, x, axis: int, block: int) -> tuple:
     return lines, args + [KernelArgument("int", name, value) for name, value in emitter.scalars], emitter.globals
 
 
-def render(kernel_name: str, group, config, description: str) -> KernelSource:
-    """The kernel of a block-scale group under `config` (block_g, num_warps)."""
+def render(kernel_name: str, group, config, description: str, index_64: bool = True) -> KernelSource:
+    """The kernel of a block-scale group under `config` (block_g, num_warps); `index_64`: offsets
+    past int32 need 64-bit index math."""
     node = group.anchor
     constants = []
     if node.op == "block_scale_quantize":
@@ -175,6 +195,6 @@ def render(kernel_name: str, group, config, description: str) -> KernelSource:
     args += _strides("scale", scale) + _strides("y", y)
     args += [KernelArgument("int", "BLOCKS", math.prod(scale.dim)),
              KernelArgument("constexpr", "BLOCK", block), KernelArgument("constexpr", "BLOCK_G", config.block_g)]
-    text = "\n".join(INDENT + line for line in _prelude(scale.dim, rank) + body) + "\n"
+    text = "\n".join(INDENT + line for line in _prelude(scale.dim, rank, index_64) + body) + "\n"
     return KernelSource(kernel_name, kernel_module(description, constants, kernel_name, args, text,
                                                    libraries=("bsq",)), args)

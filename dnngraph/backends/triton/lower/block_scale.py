@@ -8,7 +8,8 @@ import triton
 from .... import dtypes
 from ....errors import UnsupportedError
 from ....ops.block_scale import check_types
-from ....runtime.launch import kernel_name, launch_of
+from ....runtime.launch import element_span, kernel_name, launch_of
+from ..heuristics.layout import INT32_LIMIT
 from ..codegen.block_scale import render
 
 # elements a program takes: enough bytes in flight per program for a memory-bound kernel, few
@@ -61,7 +62,10 @@ def build_block_scale(graph, group, context):
     for size in scale.dim:
         blocks *= size
     config = schedule(node, blocks, block)
-    source = render(kernel_name(group), group, config, group.summary())
+    # offsets past int32 (or a block index whose elements are) take 64-bit index math
+    index_64 = any(element_span(t) > INT32_LIMIT or t.numel > INT32_LIMIT
+                   for t in list(group.inputs) + list(group.outputs))
+    source = render(kernel_name(group), group, config, group.summary(), index_64)
     programs = max(1, -(-blocks // config.block_g))
     reason = (f"{blocks} blocks of {block} elements, {config.block_g} per program ({programs} programs): "
               f"one pass over x, the block's amax in registers")
