@@ -406,6 +406,40 @@ def test_frontend_keyword_names_port():
     assert back.dim == (4, 32) and scale.dim == (4, 1)
 
 
+def sm90_graphs():
+    """Every kernel form: each format quantized from dense and strided x (a prologue too),
+    dequantized, and the block-scaled matmul (for tests/sm90_compile.py)."""
+    for (y_type, scale_type, block), label in zip(FORMATS, FORMAT_IDS):
+        x_t = torch.randn(64, 4 * block)
+        g, *_ = quantize_graph(x_t, block, y_type, scale_type)
+        g.build()
+        yield f"quantize {label} dense", g
+        strided = torch.randn(8, 2 * block, 4).transpose(1, 2)[:, 1:3]  # [8, 2, 2 * block] non-contiguous
+        g, *_ = quantize_graph(strided, block, y_type, scale_type, axis=2, scale_stride=[1, 8, 16],
+                               y_stride=[4 * block, 2 * block, 1])
+        g.build()
+        yield f"quantize {label} strided", g
+        g = dg.Graph()
+        x, factor = g.tensor_like(x_t, "x"), g.tensor(name="factor", dim=[1])
+        y, scale = g.block_scale_quantize(g.mul(g.gelu(x), factor), block_size=block)
+        y.set_output(True).set_data_type(y_type)
+        scale.set_output(True).set_data_type(scale_type)
+        back = g.block_scale_dequantize(y, scale, block_size=[1, block]).set_output(True).set_data_type(dg.bfloat16)
+        g.build()
+        yield f"quantize {label} prologue, dequantize", g
+        g, _, _ = block_scaled_matmul(64, 48, 4 * block, y_type, scale_type, block)
+        g.build()
+        yield f"matmul {label}", g
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter skips Triton's type checks: compile every kernel form for sm_90 in a
+    process without the interpreter."""
+    from helpers import compiled_for_sm90
+    assert f"compiled {4 * len(FORMATS) + len(FORMATS)} kernels for sm_90" in \
+        compiled_for_sm90("test_block_scale:sm90_graphs", timeout=900)
+
+
 # --- GPU ---------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("y_type,scale_type,block", FORMATS, ids=FORMAT_IDS)
