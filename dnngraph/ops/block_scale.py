@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import dtypes
-from ..errors import ValidationError
+from ..errors import UnsupportedError, ValidationError
 from .base import AnchorRule, OpDef, OutputSpec, boolean, fail, freeze, int_tuple, integer, register
 
 ELEMENT_TYPES = (dtypes.float8_e4m3, dtypes.float8_e5m2, dtypes.float4_e2m1)
@@ -250,7 +250,6 @@ def refuse_elsewhere(group) -> None:
     """UnsupportedError where a kernel group other than a block-scale op's reads or writes a
     block-scale type (its bytes mean nothing to another family's loads and stores), and
     ValidationError where a packed fp4 tensor's layout cannot pack."""
-    from ..errors import UnsupportedError
     for tensor in list(group.inputs) + list(group.outputs):
         data_type = tensor.data_type
         if not data_type.is_block_scale_storage:

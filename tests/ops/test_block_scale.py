@@ -107,6 +107,16 @@ def test_quantize_non_contiguous_input_and_blocks_along_a_middle_axis(y_type, sc
     assert_quantize_bit_exact(g, x, y, scale, x_t)
 
 
+@pytest.mark.parametrize("shape,expanded", [((1, 64), (5, 64)), ((3, 1, 32), (3, 4, 32)), ((1, 1, 32), None)])
+def test_broadcast_and_size_one_axes(shape, expanded):
+    """(dnngraph has no size-0 axes: dims are positive)"""
+    x_t = special_blocks(math.prod(shape[:-1]), shape[-1], 16, seed=4).reshape(shape)
+    if expanded is not None:
+        x_t = x_t.expand(expanded)  # stride-0 axes
+    for y_type, scale_type, block in (FORMATS[0], FORMATS[3]):
+        assert_quantize_bit_exact(*quantize_graph(x_t, block, y_type, scale_type), x_t)
+
+
 def test_reference_rules_by_hand():
     """MXFP8: the smallest power-of-two scale with scale * 448 >= amax (e8m0 code 127 + k), the
     elements x / scale rounded to e4m3; an all-zero block takes code 0; NaN and inf blocks a
@@ -396,6 +406,22 @@ def test_json_round_trip_runs_the_same():
                                                                    again.tensor_by_name(y.name),
                                                                    again.tensor_by_name(scale.name), x_t)
     assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(first, second))
+
+
+def test_as_function_allocates_packed_outputs_and_takes_packed_inputs():
+    x_t = special_blocks(4, 64, 16, seed=9)
+    g, x, y, scale = quantize_graph(x_t, 16, dg.float4_e2m1, dg.float8_e4m3)
+    y_t, scale_t = run_quantize(g, x, y, scale, x_t)
+    packed, scales = g.as_function()(x_t)
+    assert packed.dtype == torch.float4_e2m1fn_x2 and tuple(packed.shape) == (4, 32)
+    assert torch.equal(packed.view(torch.uint8), y_t.view(torch.uint8))
+    assert torch.equal(scales.view(torch.uint8), scale_t.view(torch.uint8))
+    g = dg.Graph()
+    q, s = g.tensor(name="q", dim=[4, 64], data_type=dg.float4_e2m1), g.tensor_like(scale_t, "s")
+    g.block_scale_dequantize(q, s, block_size=[1, 16]).set_output(True)
+    strided = torch.empty(4, 64, dtype=torch.uint8)[:, ::2].copy_(y_t.view(torch.uint8))  # copied to the layout
+    back = g.as_function()(strided.view(torch.float4_e2m1fn_x2), scale_t)
+    assert torch.equal(back.double().nan_to_num(7.0), g.reference({q: y_t, s: scale_t})[g.outputs()[0].name].nan_to_num(7.0))
 
 
 def test_frontend_keyword_names_port():

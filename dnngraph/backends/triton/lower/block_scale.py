@@ -27,7 +27,7 @@ class BlockScaleConfig:
 
 
 def _operands(node):
-    """(x, quantized, scale, output): the high-precision side, the quantized pair, the result."""
+    """(high-precision tensor, quantized elements, scales, the op's result, block axis)."""
     if node.op == "block_scale_quantize":
         (x,), (y, scale) = node.inputs, node.outputs
         return x, y, scale, y, node.attrs.axis
@@ -47,7 +47,8 @@ def _check(node):
                                f"(stride 1 there), got strides {list(quantized.stride)}")
 
 
-def schedule(node, blocks: int, block: int) -> BlockScaleConfig:
+def schedule(blocks: int, block: int) -> BlockScaleConfig:
+    """TILE_ELEMENTS per program (fewer where there are fewer blocks), four warps."""
     block_g = max(1, min(TILE_ELEMENTS // block, triton.next_power_of_2(blocks)))
     return BlockScaleConfig(block_g, 4)
 
@@ -61,7 +62,7 @@ def build_block_scale(graph, group, context):
     blocks = 1
     for size in scale.dim:
         blocks *= size
-    config = schedule(node, blocks, block)
+    config = schedule(blocks, block)
     # offsets past int32 (or a block index whose elements are) take 64-bit index math
     index_64 = any(element_span(t) > INT32_LIMIT or t.numel > INT32_LIMIT
                    for t in list(group.inputs) + list(group.outputs))
