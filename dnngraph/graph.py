@@ -537,18 +537,20 @@ class Graph:
         return self._add_op("divisive_normalization", [x, means], attrs, name)[0]
 
     # --- ops: block-scale quantization (MXFP8, MXFP4, NVFP4; ops/block_scale.py) ---------------
-    def block_scale_quantize(self, x=None, block_size=32, axis=-1, transpose=False, name=None, input=None):
+    def block_scale_quantize(self, x=None, block_size=32, axis=-1, transpose=False, name=None, input=None,
+                             scale_rounding="up"):
         """(y, scale): x quantized in blocks of `block_size` elements along `axis`, one scale per
         block (the cuDNN frontend's op; `input=` is taken for x). The formats are y's and
         scale's data types (set_data_type): 32 -> float8_e4m3 with float8_e8m0 scales (MXFP8),
-        16 -> float4_e2m1 with float8_e4m3 scales (NVFP4) by default. Rounding, saturation and
-        NaN rules: ops/block_scale.py."""
+        16 -> float4_e2m1 with float8_e4m3 scales (NVFP4) by default. e8m0 scales round up (the
+        frontend's rule) or, with scale_rounding="floor", as the OCP MX spec says. Rounding,
+        saturation and NaN rules: ops/block_scale.py."""
         x = _one_of("block_scale_quantize", "x", x, "input", input)
         x = self._check_input("block_scale_quantize", "x", x)
         rank = len(x.dim)
         if isinstance(axis, int) and not isinstance(axis, bool) and -rank <= axis < rank:
             axis %= rank
-        attrs = _attrs_of("block_scale_quantize", block_size, axis, transpose)
+        attrs = _attrs_of("block_scale_quantize", block_size, axis, transpose, scale_rounding)
         return self._add_op("block_scale_quantize", [x], attrs, name)
 
     def block_scale_dequantize(self, x=None, scale=None, block_size=None, compute_data_type=None, name=None,

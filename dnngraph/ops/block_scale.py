@@ -10,10 +10,11 @@ float8_e8m0 (MXFP8), 16 -> y float4_e2m1 and scale float8_e4m3 (NVFP4)). y may b
 float8_e5m2 or float4_e2m1; scale float8_e8m0 or float8_e4m3. Per block, with amax the largest
 |x| and vmax the largest finite value of y's type (448, 57344, 6), computed in float32:
 
-* e8m0 scale (the frontend's quantize_round_up): the smallest power of two 2^k with
-  2^k * vmax >= amax, k clamped to [-127, 127] (an all-zero block gets 2^-127, code 0x00). This
-  never saturates an element, unlike the OCP MX spec's 2^(floor(log2 amax) - emax), which may
-  clip the largest ones; the frontend's rule is the one followed. Elements: x * 2^-k (exact).
+* e8m0 scale (the frontend's quantize_round_up, `scale_rounding="up"`, the default): the
+  smallest power of two 2^k with 2^k * vmax >= amax, k clamped to [-127, 127] (an all-zero block
+  gets 2^-127, code 0x00); no element saturates. `scale_rounding="floor"` takes the OCP MX
+  spec's k = floor(log2 amax) - emax (emax: the exponent of vmax: 8, 15, 2), one step finer,
+  whose largest elements may clamp to vmax. Elements: x * 2^-k (exact).
 * e4m3 scale (NVFP4): s = amax / vmax rounded to float32, stored as e4m3 (round to nearest
   even, torch's encoding); the elements are quantized with the float32 s as the frontend does:
   x / s (float32 division, correctly rounded), or x * 0 where s is 0.
@@ -39,11 +40,12 @@ import torch
 
 from .. import dtypes
 from ..errors import UnsupportedError, ValidationError
-from .base import AnchorRule, OpDef, OutputSpec, boolean, fail, freeze, int_tuple, integer, register
+from .base import AnchorRule, OpDef, OutputSpec, boolean, choice, fail, freeze, int_tuple, integer, register
 
 ELEMENT_TYPES = (dtypes.float8_e4m3, dtypes.float8_e5m2, dtypes.float4_e2m1)
 SCALE_TYPES = (dtypes.float8_e8m0, dtypes.float8_e4m3)
 BLOCK_SIZES = (16, 32)
+SCALE_ROUNDINGS = ("up", "floor")
 DEFAULT_TYPES = {32: (dtypes.float8_e4m3, dtypes.float8_e8m0), 16: (dtypes.float4_e2m1, dtypes.float8_e4m3)}
 E8M0_BIAS, E8M0_NAN = 127, 0xFF
 E8M0_LOWEST = -127  # the smallest exponent e8m0 holds (code 0)
@@ -68,6 +70,7 @@ class BlockScaleQuantizeAttrs:
     block_size: int
     axis: int
     transpose: bool = False
+    scale_rounding: str = "up"  # e8m0 scales: "up" (the frontend's) or "floor" (the OCP MX spec's)
 
     def __post_init__(self):
         op = "block_scale_quantize"
@@ -75,7 +78,8 @@ class BlockScaleQuantizeAttrs:
         if size not in BLOCK_SIZES:
             fail(op, f"block_size must be one of {list(BLOCK_SIZES)} (MXFP8/MXFP4: 32, NVFP4: 16), got {size}")
         freeze(self, block_size=size, axis=integer(op, "axis", self.axis, minimum=0),
-               transpose=boolean(op, "transpose", self.transpose))
+               transpose=boolean(op, "transpose", self.transpose),
+               scale_rounding=choice(op, "scale_rounding", self.scale_rounding, SCALE_ROUNDINGS))
         if self.transpose:
             # dnngraph expresses layouts by strides: y.set_stride gives any order
             fail(op, "transpose=True is not taken: give y the transposed layout with set_stride")
@@ -140,12 +144,22 @@ def check_types(op: str, y_type, scale_type):
         fail(op, f"the scale must be {', '.join(t.name for t in SCALE_TYPES)}, got {scale_type.name}")
 
 
+def check_rounding(op: str, attrs: BlockScaleQuantizeAttrs, scale_type):
+    """ValidationError where scale_rounding asks for a power-of-two rule of an e4m3 scale."""
+    if attrs.scale_rounding != "up" and scale_type is not dtypes.float8_e8m0:
+        fail(op, f"scale_rounding={attrs.scale_rounding!r} applies to float8_e8m0 scales; "
+                 f"{scale_type.name} scales are amax / vmax")
+
+
 # --- the float64 reference (bit-exact with the kernels) -------------------------------------------
-def e8m0_exponents(amax: torch.Tensor, vmax: float) -> torch.Tensor:
-    """k per block: the smallest 2^k with 2^k * vmax >= amax, in [-127, 127] (exact: frexp)."""
+def e8m0_exponents(amax: torch.Tensor, vmax: float, rounding: str = "up") -> torch.Tensor:
+    """k per block, in [-127, 127] (exact: frexp): "up", the smallest 2^k with 2^k * vmax >=
+    amax; "floor", floor(log2 amax) - floor(log2 vmax)."""
     mantissa, exponent = torch.frexp(amax.to(torch.float64))
     vmax_mantissa, vmax_exponent = math.frexp(vmax)
-    k = exponent - vmax_exponent + (mantissa > vmax_mantissa).to(exponent.dtype)
+    k = exponent - vmax_exponent
+    if rounding == "up":
+        k = k + (mantissa > vmax_mantissa).to(exponent.dtype)
     return torch.where(amax > 0, k, E8M0_LOWEST).clamp(E8M0_LOWEST, 127)
 
 
@@ -159,13 +173,13 @@ def round_fp4(values: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.signbit(values), -rounded, rounded)
 
 
-def quantized_blocks(blocks: torch.Tensor, y_type, scale_type) -> tuple:
+def quantized_blocks(blocks: torch.Tensor, y_type, scale_type, rounding: str = "up") -> tuple:
     """(element values, scale values) in float64 of float32 `blocks` [..., nblocks, block]."""
     vmax = largest(y_type)
     finite = torch.isfinite(blocks).all(-1)
     amax = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(-1)
     if scale_type is dtypes.float8_e8m0:
-        k = e8m0_exponents(amax, vmax)
+        k = e8m0_exponents(amax, vmax, rounding)
         scale = torch.pow(2.0, k.to(torch.float64))
         normalized = (blocks.to(torch.float64) * torch.pow(2.0, -k.to(torch.float64)).unsqueeze(-1)).to(torch.float32)
     else:
@@ -187,13 +201,14 @@ def quantize_reference(x: torch.Tensor, attrs: BlockScaleQuantizeAttrs, y_type, 
     """(y, scale) in float64, as the kernels store them."""
     moved = x.to(torch.float32).movedim(attrs.axis, -1)
     blocks = moved.reshape(*moved.shape[:-1], moved.shape[-1] // attrs.block_size, attrs.block_size)
-    elements, scale = quantized_blocks(blocks, y_type, scale_type)
+    elements, scale = quantized_blocks(blocks, y_type, scale_type, attrs.scale_rounding)
     return elements.reshape(moved.shape).movedim(-1, attrs.axis), scale.movedim(-1, attrs.axis)
 
 
 def reference_quantize(values, attrs, output_types=None):
     y_type, scale_type = output_types or DEFAULT_TYPES[attrs.block_size]
     check_types("block_scale_quantize", y_type, scale_type)
+    check_rounding("block_scale_quantize", attrs, scale_type)
     return list(quantize_reference(values[0], attrs, y_type, scale_type))
 
 

@@ -54,10 +54,10 @@ def special_blocks(rows: int, cols: int, block: int, dtype=torch.float32, seed=0
     return x.to(dtype)
 
 
-def quantize_graph(x_t, block, y_type, scale_type, axis=-1, y_stride=None, scale_stride=None):
+def quantize_graph(x_t, block, y_type, scale_type, axis=-1, y_stride=None, scale_stride=None, rounding="up"):
     g = dg.Graph()
     x = g.tensor_like(x_t, "x")
-    y, scale = g.block_scale_quantize(x, block_size=block, axis=axis)
+    y, scale = g.block_scale_quantize(x, block_size=block, axis=axis, scale_rounding=rounding)
     y.set_output(True).set_data_type(y_type)
     scale.set_output(True).set_data_type(scale_type)
     if y_stride is not None:
@@ -115,6 +115,23 @@ def test_broadcast_and_size_one_axes(shape, expanded):
         x_t = x_t.expand(expanded)  # stride-0 axes
     for y_type, scale_type, block in (FORMATS[0], FORMATS[3]):
         assert_quantize_bit_exact(*quantize_graph(x_t, block, y_type, scale_type), x_t)
+
+
+@pytest.mark.parametrize("y_type", [dg.float8_e4m3, dg.float8_e5m2, dg.float4_e2m1])
+def test_ocp_floor_rounding_of_e8m0_scales(y_type):
+    """scale_rounding="floor": k = floor(log2 amax) - emax, bit-exact; the largest elements of a
+    block whose amax mantissa exceeds vmax's clamp to vmax; NVFP4's e4m3 scales refuse it."""
+    x_t = special_blocks(5, 96, 32, seed=21)
+    g, x, y, scale = quantize_graph(x_t, 32, y_type, dg.float8_e8m0, rounding="floor")
+    assert_quantize_bit_exact(g, x, y, scale, x_t)
+    probe = torch.zeros(1, 32)
+    probe[0, 0] = 500.0  # floor(log2 500) = 8
+    g, x, y, scale = quantize_graph(probe, 32, dg.float8_e4m3, dg.float8_e8m0, rounding="floor")
+    ref = g.reference({x: probe})
+    assert ref[scale.name].item() == 1.0 and ref[y.name][0, 0].item() == 448.0
+    g, *_ = quantize_graph(probe, 32, dg.float4_e2m1, dg.float8_e4m3, rounding="floor")
+    with pytest.raises(dg.ValidationError, match="scale_rounding"):
+        g.build()
 
 
 def test_reference_rules_by_hand():

@@ -119,13 +119,14 @@ def _prologue_lines(group, x, axis: int, block: int, names: NameAllocator) -> tu
     return lines, args, emitter
 
 
-def _quantize_lines(x, y, scale, axis: int, block: int, x_lines: list) -> list:
+def _quantize_lines(x, y, scale, axis: int, block: int, x_lines: list, round_up: bool) -> list:
     rank = len(x.dim)
     vmax = largest(y.data_type)
     lines = x_lines + ["amax, finite = bsq.block_amax(x_tile)"]
     if scale.data_type is dtypes.float8_e8m0:
         exponent, mantissa = _vmax_fields(vmax)
-        lines += [f"elements, scale_bits = bsq.normalized_e8m0(x_tile, amax, {vmax!r}, {exponent}, {mantissa})",
+        lines += [f"elements, scale_bits = bsq.normalized_e8m0(x_tile, amax, {vmax!r}, {exponent}, {mantissa}, "
+                  f"{round_up})",
                   "scale_bits = bsq.nan_scale_bits(finite, scale_bits, 255)"]
     else:
         rule = float8_rule(scale.data_type)
@@ -184,7 +185,7 @@ def render(kernel_name: str, group, config, description: str, index_64: bool = T
         (x,), (y, scale) = node.inputs, node.outputs
         axis, block = node.attrs.axis, node.attrs.block_size
         x_lines, args, constants = _x_lines(group, x, axis, block)
-        body = _quantize_lines(x, y, scale, axis, block, x_lines)
+        body = _quantize_lines(x, y, scale, axis, block, x_lines, node.attrs.scale_rounding == "up")
     else:
         (x, scale), (y,) = node.inputs, node.outputs
         axis, block = node.attrs.axis, node.attrs.size

@@ -25,14 +25,17 @@ def block_amax(x):
 
 
 @triton.jit
-def e8m0_exponent(amax, VMAX_EXPONENT: tl.constexpr, VMAX_MANTISSA: tl.constexpr):
-    """k: the smallest 2^k with 2^k * vmax >= amax, clamped to [-127, 127]. vmax's exponent field
-    (unbiased) and mantissa bits are constexprs: k is its exponent difference, one more where
-    amax's mantissa is the larger. A subnormal or zero amax gives -127 (2^-127 * vmax is above it)."""
+def e8m0_exponent(amax, VMAX_EXPONENT: tl.constexpr, VMAX_MANTISSA: tl.constexpr, ROUND_UP: tl.constexpr):
+    """k clamped to [-127, 127]: with ROUND_UP the smallest 2^k with 2^k * vmax >= amax (the
+    exponent difference, one more where amax's mantissa is the larger), else floor(log2 amax) -
+    floor(log2 vmax) (the OCP MX rule). vmax's exponent field (unbiased) and mantissa bits are
+    constexprs. A subnormal or zero amax gives -127 (below 2^-126: either rule gives <= -127)."""
     bits = amax.to(tl.uint32, bitcast=True)
     exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
     mantissa = (bits & MANTISSA_MASK).to(tl.int32)
-    k = exponent - VMAX_EXPONENT + (mantissa > VMAX_MANTISSA).to(tl.int32)
+    k = exponent - VMAX_EXPONENT
+    if ROUND_UP:
+        k += (mantissa > VMAX_MANTISSA).to(tl.int32)
     k = tl.where(exponent == -127, -127, k)
     return tl.minimum(tl.maximum(k, -127), 127)
 
@@ -77,9 +80,10 @@ def e8m0_values(bits):
 
 
 @triton.jit
-def normalized_e8m0(x, amax, VMAX: tl.constexpr, VMAX_EXPONENT: tl.constexpr, VMAX_MANTISSA: tl.constexpr):
+def normalized_e8m0(x, amax, VMAX: tl.constexpr, VMAX_EXPONENT: tl.constexpr, VMAX_MANTISSA: tl.constexpr,
+                    ROUND_UP: tl.constexpr):
     """(elements clamped to [-vmax, vmax] in float32, scale codes) of an e8m0-scaled tile."""
-    k = e8m0_exponent(amax, VMAX_EXPONENT, VMAX_MANTISSA)
+    k = e8m0_exponent(amax, VMAX_EXPONENT, VMAX_MANTISSA, ROUND_UP)
     inverse = power_of_two(-k)  # k in [-127, 126] for any finite float32 amax: 2^-k is normal
     elements = x * inverse[:, None]
     elements = tl.minimum(tl.maximum(elements, -VMAX), VMAX)

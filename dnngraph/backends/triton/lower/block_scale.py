@@ -7,7 +7,7 @@ import triton
 
 from .... import dtypes
 from ....errors import UnsupportedError
-from ....ops.block_scale import check_types
+from ....ops.block_scale import check_rounding, check_types
 from ....runtime.launch import element_span, kernel_name, launch_of
 from ..heuristics.layout import INT32_LIMIT
 from ..codegen.block_scale import render
@@ -39,6 +39,8 @@ def _check(node):
     _, quantized, scale, output, axis = _operands(node)
     where = f"node {node.name!r} ({node.op})"
     check_types(where, quantized.data_type, scale.data_type)
+    if node.op == "block_scale_quantize":
+        check_rounding(where, node.attrs, scale.data_type)
     if node.op == "block_scale_dequantize" and (not output.data_type.is_floating
                                                 or output.data_type.is_block_scale_storage):
         raise UnsupportedError(f"{where}: y must be float32, float16, bfloat16 or fp8, got {output.data_type.name}")
