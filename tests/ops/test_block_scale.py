@@ -501,3 +501,16 @@ def test_gpu_block_scaled_matmul(y_type, scale_type, block):
     g.execute({**inputs, c: c_t})
     ref = g.reference({key: value.cpu() for key, value in inputs.items()})[c.name]
     assert (c_t.cpu().double() - ref).norm() <= 1e-5 * ref.norm()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("y_type,scale_type,block", [FORMATS[0], FORMATS[3]], ids=[FORMAT_IDS[0], FORMAT_IDS[3]])
+def test_gpu_autotuned_block_scaled_matmul_samples_packed_operands(y_type, scale_type, block):
+    """Autotuning times candidates on sample tensors: packed fp4 and e8m0 ones are random bytes."""
+    g, inputs, c = block_scaled_matmul(512, 256, 1024, y_type, scale_type, block, seed=5, device="cuda")
+    g.build(options=dg.BuildOptions(autotune=True))
+    c_t = torch.full(c.dim, math.nan, device="cuda")
+    g.execute({**inputs, c: c_t})
+    ref = g.reference({key: value.cpu() for key, value in inputs.items()})[c.name]
+    assert (c_t.cpu().double() - ref).norm() <= 1e-5 * ref.norm()
+
