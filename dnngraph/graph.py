@@ -270,6 +270,10 @@ class Graph:
                 raise ValidationError(f"{op}: input {role} is required")
             else:
                 checked.append(self._check_input(op, role, value))
+        for tensor in checked:  # packed fp4 and e8m0 bytes mean something to the block-scale ops only
+            if tensor is not None and tensor.data_type.is_block_scale_storage and opdef.family != "block_scale":
+                raise ValidationError(f"{op}: {tensor.name!r} is {tensor.data_type.name}, which only "
+                                      f"block_scale_quantize and block_scale_dequantize take")
         node_name = name or self._fresh_name(op)
         try:
             specs = opdef.infer(checked, attrs)

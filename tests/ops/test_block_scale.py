@@ -376,7 +376,11 @@ def test_formats_outside_the_family_are_refused_at_build():
 def test_other_families_refuse_block_scale_types():
     g = dg.Graph()
     q = g.tensor(name="q", dim=[4, 32], data_type=dg.float4_e2m1)
+    with pytest.raises(dg.ValidationError, match="float4_e2m1"):
+        g.add(q, 1.0)
+    q.set_data_type(dg.float32)
     g.add(q, 1.0).set_output(True)
+    q.set_data_type(dg.float4_e2m1)  # changed after the op was added: refused at build
     with pytest.raises(dg.UnsupportedError, match="float4_e2m1"):
         g.build()
     g = dg.Graph()
