@@ -96,6 +96,8 @@ class BlockScaleDequantizeAttrs:
         sizes = int_tuple(op, "block_size", self.block_size, minimum=1)
         if sum(1 for s in sizes if s > 1) != 1:
             fail(op, f"block_size needs exactly one axis with blocks (above 1), got {list(sizes)}")
+        if max(sizes) not in BLOCK_SIZES:
+            fail(op, f"blocks of {max(sizes)} elements: block_size takes {list(BLOCK_SIZES)} on its block axis")
         freeze(self, block_size=sizes)
 
     @property

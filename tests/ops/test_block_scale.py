@@ -89,11 +89,12 @@ def assert_quantize_bit_exact(g, x, y, scale, x_t):
 
 
 @pytest.mark.parametrize("y_type,scale_type,block", FORMATS, ids=FORMAT_IDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float8_e5m2])
 def test_quantize_is_bit_exact_with_the_reference(y_type, scale_type, block, dtype):
-    x_t = special_blocks(7, 3 * block, block, dtype, seed=block)  # 7 rows: a partial last tile
-    if dtype is torch.float16:
-        x_t = x_t.nan_to_num(posinf=math.inf, neginf=-math.inf).clamp(-6e4, 6e4)
+    x_t = special_blocks(7, 3 * block, block, seed=block)  # 7 rows: a partial last tile
+    if dtype in (torch.float16, torch.float8_e5m2):
+        x_t = x_t.nan_to_num(posinf=math.inf, neginf=-math.inf).clamp(-5e4, 5e4)
+    x_t = x_t.to(dtype)
     assert_quantize_bit_exact(*quantize_graph(x_t, block, y_type, scale_type), x_t)
 
 
@@ -354,6 +355,8 @@ def test_data_types_and_their_storage():
                                           g.tensor(name="s", dim=[6, 3], data_type=dg.float8_e8m0), block_size=[1, 32]),
     lambda g, x: g.block_scale_dequantize(g.tensor(name="q", dim=[6, 64], data_type=dg.float8_e4m3),
                                           g.tensor(name="s", dim=[6, 2], data_type=dg.float8_e8m0), block_size=[2, 32]),
+    lambda g, x: g.block_scale_dequantize(g.tensor(name="q", dim=[6, 64], data_type=dg.float8_e4m3),
+                                          g.tensor(name="s", dim=[6, 8], data_type=dg.float8_e8m0), block_size=[1, 8]),
 ])
 def test_bad_calls_raise_validation_errors_and_change_nothing(call):
     g = dg.Graph()
@@ -396,9 +399,9 @@ def test_other_families_refuse_block_scale_types():
 
 def test_fp4_layouts_that_cannot_pack_are_refused():
     g = dg.Graph()
-    q = g.tensor(name="q", dim=[4, 5], data_type=dg.float4_e2m1)  # an odd packed extent
-    s = g.tensor(name="s", dim=[4, 1], data_type=dg.float8_e4m3)
-    g.block_scale_dequantize(q, s, block_size=[1, 5]).set_output(True)
+    q = g.tensor(name="q", dim=[16, 3], data_type=dg.float4_e2m1)  # an odd packed extent (3, stride 1)
+    s = g.tensor(name="s", dim=[1, 3], data_type=dg.float8_e4m3)
+    g.block_scale_dequantize(q, s, block_size=[16, 1]).set_output(True)
     with pytest.raises(dg.ValidationError, match="packs 2 elements"):
         g.build()
     # blocks along the rows of a row-major fp4 y: its pairs would span two blocks

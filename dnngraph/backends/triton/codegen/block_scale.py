@@ -168,7 +168,8 @@ def _dequantize_lines(x, scale, y, axis: int, block: int) -> list:
 def _x_lines(group, x, axis: int, block: int) -> tuple:
     """(lines making `x_tile` [BLOCK_G, BLOCK] in float32, arguments, module globals)."""
     if not group.prologue:
-        load = f"tl.load(x_ptr + {_elements_at('x', x.dim, x.stride, axis, block)}, mask=live[:, None], other=0.0)"
+        # no `other`: rows past the last block are never stored (and fp8 takes no float literal)
+        load = f"tl.load(x_ptr + {_elements_at('x', x.dim, x.stride, axis, block)}, mask=live[:, None])"
         return [f"x_tile = {load}.to(tl.float32)"], [KernelArgument("tensor", "x_ptr", x.uid)] + _strides("x", x), []
     names = NameAllocator(FIXED_NAMES + tuple(f"idx_{a}" for a in range(len(x.dim))))
     names.reserve_stems(*FIXED_STEMS)
