@@ -60,7 +60,8 @@ def torch_quantize(x: torch.Tensor, fmt: str):
         scales = torch.where(finite, k + 127, 255).to(torch.uint8).view(torch.float8_e8m0fnu)
     else:
         fp32_scale = amax / 6.0
-        scaled = torch.where(fp32_scale > 0, blocks / torch.where(fp32_scale > 0, fp32_scale, 1.0), blocks * 0.0)
+        normal = fp32_scale >= 2.0 ** -126
+        scaled = blocks * torch.where(normal, 1.0 / torch.where(normal, fp32_scale, 1.0), 0.0)
         scaled = torch.where(finite, scaled, 0.0)
         magnitude = scaled.abs().clamp(max=6.0)
         code = torch.zeros_like(magnitude, dtype=torch.uint8)

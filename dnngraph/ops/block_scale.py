@@ -17,7 +17,8 @@ float8_e5m2 or float4_e2m1; scale float8_e8m0 or float8_e4m3. Per block, with am
   whose largest elements may clamp to vmax. Elements: x * 2^-k (exact).
 * e4m3 scale (NVFP4): s = amax / vmax rounded to float32, stored as e4m3 (round to nearest
   even, torch's encoding); the elements are quantized with the float32 s as the frontend does:
-  x / s (float32 division, correctly rounded), or x * 0 where s is 0.
+  x * (1 / s), the reciprocal and the product each rounded to float32. Where s is below
+  float32's smallest normal (2^-126: its e4m3 code is 0 anyway) the elements are x * 0.
 * the element value is clamped to [-vmax, vmax] and rounded to nearest, ties to even (fp8: as
   torch converts; fp4 e2m1: to 0, 0.5, 1, 1.5, 2, 3, 4, 6, its sign bit x's sign bit).
 * a block holding NaN or +-inf has a NaN scale (e8m0 0xFF, e4m3 NaN) and its elements stored
@@ -49,6 +50,7 @@ SCALE_ROUNDINGS = ("up", "floor")
 DEFAULT_TYPES = {32: (dtypes.float8_e4m3, dtypes.float8_e8m0), 16: (dtypes.float4_e2m1, dtypes.float8_e4m3)}
 E8M0_BIAS, E8M0_NAN = 127, 0xFF
 E8M0_LOWEST = -127  # the smallest exponent e8m0 holds (code 0)
+SMALLEST_NORMAL = 2.0 ** -126  # float32's
 # fp4 e2m1: the magnitude of each code 0..7 (bit 3 is the sign)
 FP4_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # the midpoints between consecutive codes: a magnitude past one takes the next code; at a tie
@@ -187,8 +189,9 @@ def quantized_blocks(blocks: torch.Tensor, y_type, scale_type, rounding: str = "
     else:
         fp32_scale = amax / torch.tensor(vmax, dtype=torch.float32)
         scale = fp32_scale.to(scale_type.torch_dtype).to(torch.float64)
-        divisor = fp32_scale.unsqueeze(-1)
-        normalized = torch.where(divisor > 0, blocks / torch.where(divisor > 0, divisor, 1.0), blocks * 0.0)
+        normal = fp32_scale >= SMALLEST_NORMAL  # below it 1 / s may overflow: the block goes to zeros
+        inverse = torch.where(normal, 1.0 / torch.where(normal, fp32_scale, 1.0), 0.0).to(torch.float32)
+        normalized = blocks * inverse.unsqueeze(-1)
     normalized = normalized.clamp(-vmax, vmax)
     if y_type is dtypes.float4_e2m1:
         elements = round_fp4(normalized)

@@ -138,7 +138,7 @@ def test_ocp_floor_rounding_of_e8m0_scales(y_type):
 def test_reference_rules_by_hand():
     """MXFP8: the smallest power-of-two scale with scale * 448 >= amax (e8m0 code 127 + k), the
     elements x / scale rounded to e4m3; an all-zero block takes code 0; NaN and inf blocks a
-    NaN scale and zero elements. NVFP4: scale = amax / 6 as e4m3, elements x / (amax / 6)."""
+    NaN scale and zero elements. NVFP4: scale = amax / 6 as e4m3, elements x * (1 / (amax / 6))."""
     x_t = torch.zeros(4, 32)
     x_t[0, :2] = torch.tensor([449.0, -3.0])  # amax just past 448: scale 2
     x_t[1, :2] = torch.tensor([448.0, 1.0])  # exactly 448: scale 1

@@ -13,6 +13,7 @@ from dnngraph.backends.triton.codegen import triton_math as tm
 MANTISSA_MASK = tl.constexpr(0x7FFFFF)
 E8M0_NAN = tl.constexpr(255)
 TWO_POW_M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127, the value of e8m0 code 0
+SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)  # 2^-126, float32's
 
 
 @triton.jit
@@ -93,11 +94,13 @@ def normalized_e8m0(x, amax, VMAX: tl.constexpr, VMAX_EXPONENT: tl.constexpr, VM
 @triton.jit
 def normalized_e4m3(x, amax, VMAX: tl.constexpr):
     """(elements clamped to [-vmax, vmax] in float32, float32 scales) of an e4m3-scaled tile:
-    x / (amax / vmax), both divisions correctly rounded; x * 0 where the scale is 0."""
+    x * (1 / (amax / vmax)), the two divisions (one per block) correctly rounded; 0 * x where
+    the scale is below float32's smallest normal (its reciprocal could overflow)."""
     scale = tl.math.div_rn(amax, tl.full(amax.shape, VMAX, tl.float32))
-    divisor = tl.where(scale > 0, scale, 1.0)
-    elements = tl.math.div_rn(x, tl.broadcast_to(divisor[:, None], x.shape))
-    elements = tl.where(scale[:, None] > 0, elements, x * 0.0)
+    normal = scale >= SMALLEST_NORMAL
+    inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(normal, scale, 1.0))
+    inverse = tl.where(normal, inverse, 0.0)
+    elements = x * inverse[:, None]
     elements = tl.minimum(tl.maximum(elements, -VMAX), VMAX)
     return elements, scale
 
