@@ -43,6 +43,20 @@ def _attrs_of(op: str, *args, **kwargs):
     return lookup(op).attrs_type(*args, **kwargs)
 
 
+def _refuse_block_scale_types(op: str, opdef, inputs, specs):
+    """ValidationError where an op other than the block-scale ones would read or make fp4 or
+    e8m0 (their bytes mean something to those ops' kernels only)."""
+    if opdef.family == "block_scale":
+        return
+    for tensor in inputs:
+        if tensor is not None and tensor.data_type.is_block_scale_storage:
+            raise ValidationError(f"{op}: {tensor.name!r} is {tensor.data_type.name}, which only "
+                                  f"block_scale_quantize and block_scale_dequantize take")
+    for spec in specs:
+        if spec is not None and spec.data_type is not None and spec.data_type.is_block_scale_storage:
+            raise ValidationError(f"{op}: cannot make {spec.data_type.name}, which only block_scale_quantize makes")
+
+
 def _one_of(op: str, name: str, value, alias: str, alias_value):
     """An argument given by its name or by the frontend's name for it (not both)."""
     if value is not None and alias_value is not None:
@@ -270,16 +284,13 @@ class Graph:
                 raise ValidationError(f"{op}: input {role} is required")
             else:
                 checked.append(self._check_input(op, role, value))
-        for tensor in checked:  # packed fp4 and e8m0 bytes mean something to the block-scale ops only
-            if tensor is not None and tensor.data_type.is_block_scale_storage and opdef.family != "block_scale":
-                raise ValidationError(f"{op}: {tensor.name!r} is {tensor.data_type.name}, which only "
-                                      f"block_scale_quantize and block_scale_dequantize take")
         node_name = name or self._fresh_name(op)
         try:
             specs = opdef.infer(checked, attrs)
         except ValidationError as error:
             names = ", ".join(t.name for t in checked if t is not None)
             raise ValidationError(f"node {node_name!r} ({op} of {names}): {error}") from None
+        _refuse_block_scale_types(op, opdef, checked, specs)
         node = Node(next(self._uids), op, node_name, tuple(checked), (), attrs)
         outputs = []
         for out_name, spec in zip(opdef.output_names, specs):

@@ -392,6 +392,8 @@ def test_other_families_refuse_block_scale_types():
         g.matmul(q, g.tensor(name="w", dim=[32, 4]))
     g = dg.Graph()
     q = g.tensor(name="q", dim=[4, 32], data_type=dg.float8_e4m3)
+    with pytest.raises(dg.ValidationError, match="float8_e8m0"):
+        g.cast(q, data_type=dg.float8_e8m0)
     g.cast(q, data_type=dg.float32).set_output(True).set_data_type(dg.float8_e8m0)
     with pytest.raises(dg.UnsupportedError, match="float8_e8m0"):
         g.build()
