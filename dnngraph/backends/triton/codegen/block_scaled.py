@@ -34,7 +34,8 @@ class BlockScaledLoader(Loader):
     @property
     def names(self) -> tuple:
         s = self.side
-        return (f"kblock_{s}", f"codes_{s}", f"elements_{s}", f"scales_{s}", f"raw_{s}", f"ptrs_{s}")
+        return (f"kblock_{s}", f"codes_{s}", f"elements_{s}", f"scales_{s}", f"raw_{s}", f"ptrs_{s}",
+                f"scale_raw_{s}")
 
     def tile_setup(self, spec, w):
         if self.side == "a":
@@ -65,11 +66,11 @@ class BlockScaledLoader(Loader):
               f"elements_{s} = bsq.fp4_values(codes_{s})")
         else:
             w(f"elements_{s} = tl.load({elements.ident}_ptr + {offset}{masked}).to(tl.float32)")
-        w(f"raw_{s} = tl.load({scales.ident}_ptr + {offset_2d(scales, *scale_at, full=True)}{masked})")
+        w(f"scale_raw_{s} = tl.load({scales.ident}_ptr + {offset_2d(scales, *scale_at, full=True)}{masked})")
         if self.scale_type is dtypes.float8_e8m0:
-            w(f"scales_{s} = bsq.e8m0_values(raw_{s})")
+            w(f"scales_{s} = bsq.e8m0_values(scale_raw_{s})")
         else:
-            w(f"scales_{s} = raw_{s}.to(tl.float32)")
+            w(f"scales_{s} = scale_raw_{s}.to(tl.float32)")
         product = f"elements_{s} * scales_{s}"
         if mask:  # past K: zeros, whatever the masked loads left there
             product = f"tl.where({mask}, {product}, 0.0)"
