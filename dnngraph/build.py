@@ -18,6 +18,7 @@ from .errors import UnsupportedError, ValidationError
 from .fusion import partition
 from .fusion.views import LAYOUT_OPS
 from .log import logger
+from .ops.block_scale import refuse_elsewhere as refuse_block_scale_types
 from .options import BuildOptions
 from .problems import problem_of
 from .runtime.autotune import Tuner
@@ -85,6 +86,7 @@ def _build_new(graph, device, options: BuildOptions) -> "Plan":
     start = time.perf_counter()
     groups = partition(graph, registry.families(options.backends))
     for group in groups:
+        refuse_block_scale_types(group)  # fp4 / e8m0 bytes only the block-scale kernels read
         logger.debug("graph %r: group %s", graph.name, group.describe())
     budget = WorkspaceBudget(options.workspace_limit)
     launches = build_launches(graph, groups, device, options, budget)

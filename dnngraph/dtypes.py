@@ -16,10 +16,19 @@ class DataType:
     torch_dtype: torch.dtype
     triton_type: str  # the name of the Triton type in generated source
     is_floating: bool
+    # elements one torch item holds: 2 for fp4 (torch.float4_e2m1fn_x2 packs two per byte)
+    elements_per_item: int = 1
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one torch item (for a packed type, of `elements_per_item` elements)."""
         return torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @property
+    def is_block_scale_storage(self) -> bool:
+        """A block-scale quantization type (fp4 e2m1, e8m0): kernels see its bytes (uint8), and
+        only the block-scale ops read or write it."""
+        return self.name in BLOCK_SCALE_STORAGE
 
     def __repr__(self) -> str:
         return f"dg.{self.name}"
@@ -33,13 +42,19 @@ float8_e5m2 = DataType("float8_e5m2", torch.float8_e5m2, "tl.float8e5", True)
 int32 = DataType("int32", torch.int32, "tl.int32", False)
 int64 = DataType("int64", torch.int64, "tl.int64", False)
 bool_ = DataType("bool", torch.bool, "tl.int1", False)
+# Block-scale quantization types (OCP MX / NVFP4). Kernels address them as bytes: fp4 e2m1 packs
+# two elements per byte along the tensor's stride-1 axis, the first in the low nibble (torch's
+# float4_e2m1fn_x2); e8m0 is a biased exponent byte, 2^(bits - 127), 0xFF NaN, no zero.
+float4_e2m1 = DataType("float4_e2m1", torch.float4_e2m1fn_x2, "tl.uint8", True, elements_per_item=2)
+float8_e8m0 = DataType("float8_e8m0", torch.float8_e8m0fnu, "tl.uint8", True)
+BLOCK_SCALE_STORAGE = ("float4_e2m1", "float8_e8m0")
 
 def narrower_than_compute(data_type: DataType) -> bool:
     """A float type narrower than float32, the compute type: a value stored in it is rounded."""
     return data_type.is_floating and data_type.itemsize < float32.itemsize
 
 
-ALL_TYPES = (float32, float16, bfloat16, float8_e4m3, float8_e5m2, int32, int64, bool_)
+ALL_TYPES = (float32, float16, bfloat16, float8_e4m3, float8_e5m2, int32, int64, bool_, float4_e2m1, float8_e8m0)
 _BY_NAME = {t.name: t for t in ALL_TYPES}
 _BY_TORCH = {t.torch_dtype: t for t in ALL_TYPES}
 
@@ -69,3 +84,45 @@ def resolve(value) -> DataType:
     if isinstance(value, str):
         return by_name(value)
     raise ValidationError(f"{value!r} is not a data type")
+
+
+def kernel_torch_dtype(data_type: DataType) -> torch.dtype:
+    """The torch dtype kernels bind a tensor of `data_type` as: its bytes for block-scale types."""
+    return torch.uint8 if data_type.is_block_scale_storage else data_type.torch_dtype
+
+
+def storage_layout(dim, stride, data_type: DataType) -> tuple:
+    """(shape, strides) of the torch tensor holding a tensor of logical `dim` and element
+    `stride`, in torch items: the logical ones, but for packed fp4 the stride-1 axis halved and
+    the other strides halved (packed_layout_problem says when that is not possible)."""
+    dim, stride = tuple(dim), tuple(stride)
+    if data_type.elements_per_item == 1:
+        return dim, stride
+    axis = packed_axis(dim, stride)
+    per = data_type.elements_per_item
+    shape = tuple(size // per if a == axis else size for a, size in enumerate(dim))
+    strides = tuple(s if a == axis else s // per for a, s in enumerate(stride))
+    return shape, strides
+
+
+def packed_axis(dim, stride) -> int:
+    """The axis a packed type packs along: the last one of stride 1 (the innermost)."""
+    ones = [a for a, s in enumerate(stride) if s == 1]
+    return ones[-1] if ones else len(dim) - 1
+
+
+def packed_layout_problem(dim, stride, data_type: DataType):
+    """Why a tensor of `data_type` cannot have this layout (a phrase), or None. Packed fp4 needs
+    an axis of stride 1 and even extent to pack along and every other stride even, so that each
+    byte holds two elements of one row of that axis."""
+    if data_type.elements_per_item == 1:
+        return None
+    per = data_type.elements_per_item
+    axis = packed_axis(dim, stride)
+    if stride[axis] != 1 or dim[axis] % per:
+        return (f"{data_type.name} packs {per} elements per byte along an axis of stride 1 and an extent "
+                f"divisible by {per}; dims {list(dim)} strides {list(stride)} have none")
+    odd = [a for a, (size, s) in enumerate(zip(dim, stride)) if a != axis and size > 1 and s % per]
+    if odd:
+        return f"{data_type.name} needs the strides off its packed axis {axis} even, got {list(stride)}"
+    return None

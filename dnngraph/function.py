@@ -14,26 +14,39 @@ import threading
 
 import torch
 
+from . import dtypes
 from .autodiff import derive, replay
 from .errors import ExecutionError, ValidationError
 from .runtime.bindings import check_bindable, resolved_input, unbindable
 from .tensor import overlaps
 
 
+def _layout(tensor) -> tuple:
+    """(shape, strides) of the torch tensor holding graph tensor `tensor` (packed fp4: half the
+    items along its stride-1 axis)."""
+    return dtypes.storage_layout(tensor.dim, tensor.stride, tensor.data_type)
+
+
 def _conformed(tensor, arg: torch.Tensor, what: str) -> torch.Tensor:
     """`arg` in the declared layout of graph tensor `tensor` (copied when its strides differ)."""
     if not isinstance(arg, torch.Tensor):
         raise ExecutionError(f"{what}: expects a torch.Tensor, got {type(arg).__name__}")
-    if tuple(arg.shape) != tuple(tensor.dim):
-        raise ExecutionError(f"{what}: expects shape {list(tensor.dim)}, got {list(arg.shape)}")
+    shape, stride = _layout(tensor)
+    if tuple(arg.shape) != shape:
+        raise ExecutionError(f"{what}: expects shape {list(shape)}, got {list(arg.shape)}")
     if arg.dtype != tensor.data_type.torch_dtype:
         raise ExecutionError(f"{what}: expects {tensor.data_type.torch_dtype}, got {arg.dtype}")
     strides = arg.stride()
-    if any(size > 1 and strides[a] != tensor.stride[a] for a, size in enumerate(tensor.dim)):
-        if overlaps(tensor.dim, tensor.stride):
-            raise ExecutionError(f"{what}: declared with overlapping strides {list(tensor.stride)} (an expanded "
+    if any(size > 1 and strides[a] != stride[a] for a, size in enumerate(shape)):
+        if overlaps(shape, stride):
+            raise ExecutionError(f"{what}: declared with overlapping strides {list(stride)} (an expanded "
                                  f"tensor), got strides {list(strides)}: pass a tensor expanded the same way")
-        arg = torch.empty_strided(tensor.dim, tensor.stride, dtype=arg.dtype, device=arg.device).copy_(arg)
+        copy = torch.empty_strided(shape, stride, dtype=arg.dtype, device=arg.device)
+        if tensor.data_type.is_block_scale_storage:  # torch copies these as their bytes only
+            copy.view(torch.uint8).copy_(arg.view(torch.uint8))
+        else:
+            copy.copy_(arg)
+        arg = copy
     return arg.detach()
 
 
@@ -43,7 +56,7 @@ def _text(what, position: int) -> str:
 
 
 def _allocated(tensor, device) -> torch.Tensor:
-    return torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype, device=device)
+    return torch.empty_strided(*_layout(tensor), dtype=tensor.data_type.torch_dtype, device=device)
 
 
 class _Runner:
@@ -53,9 +66,9 @@ class _Runner:
 
     def __init__(self, graph, inputs: list, outputs: list):
         self.graph = graph
-        self.inputs = [(t, tuple(t.dim), tuple(t.stride), t.data_type.torch_dtype,
-                        tuple(a for a, size in enumerate(t.dim) if size > 1)) for t in inputs]
-        self.outputs = [(tuple(t.dim), tuple(t.stride), t.data_type.torch_dtype) for t in outputs]
+        self.inputs = [(t, *_layout(t), t.data_type.torch_dtype,
+                        tuple(a for a, size in enumerate(_layout(t)[0]) if size > 1)) for t in inputs]
+        self.outputs = [(*_layout(t), t.data_type.torch_dtype) for t in outputs]
         self.keys = tuple(inputs) + tuple(outputs)
         self.token = object()
 

@@ -44,6 +44,30 @@ def _attrs_of(op: str, *args, **kwargs):
     return lookup(op).attrs_type(*args, **kwargs)
 
 
+def _refuse_block_scale_types(op: str, opdef, inputs, specs):
+    """ValidationError where an op other than the block-scale ones would read or make fp4 or
+    e8m0 (their bytes mean something to those ops' kernels only)."""
+    if opdef.family == "block_scale":
+        return
+    for tensor in inputs:
+        if tensor is not None and tensor.data_type.is_block_scale_storage:
+            raise ValidationError(f"{op}: {tensor.name!r} is {tensor.data_type.name}, which only "
+                                  f"block_scale_quantize and block_scale_dequantize take")
+    for spec in specs:
+        if spec is not None and spec.data_type is not None and spec.data_type.is_block_scale_storage:
+            raise ValidationError(f"{op}: cannot make {spec.data_type.name}, which only block_scale_quantize makes")
+
+
+def _one_of(op: str, name: str, value, alias: str, alias_value):
+    """An argument given by its name or by the frontend's name for it (not both)."""
+    if value is not None and alias_value is not None:
+        raise ValidationError(f"{op}: give {name} or {alias}, not both")
+    chosen = value if value is not None else alias_value
+    if chosen is None:
+        raise ValidationError(f"{op}: {name} is required")
+    return chosen
+
+
 @dataclass(eq=False)
 class Node:
     """One op application: inputs and outputs are Tensors (None where optional and absent)."""
@@ -275,6 +299,7 @@ class Graph:
         except ValidationError as error:
             names = ", ".join(t.name for t in checked if t is not None)
             raise ValidationError(f"node {node_name!r} ({op} of {names}): {error}") from None
+        _refuse_block_scale_types(op, opdef, checked, specs)
         node = Node(next(self._uids), op, node_name, tuple(checked), (), attrs)
         outputs = []
         for out_name, spec in zip(opdef.output_names, specs):
@@ -595,6 +620,38 @@ class Graph:
         lookup("divisive_normalization").infer([x, None], attrs)
         means = self.pooling(x, "avg_exclude_pad", size, 1, size // 2)
         return self._add_op("divisive_normalization", [x, means], attrs, name)[0]
+
+    # --- ops: block-scale quantization (MXFP8, MXFP4, NVFP4; ops/block_scale.py) ---------------
+    def block_scale_quantize(self, x=None, block_size=32, axis=-1, transpose=False, name=None, input=None,
+                             scale_rounding="up"):
+        """(y, scale): x quantized in blocks of `block_size` elements along `axis`, one scale per
+        block (the cuDNN frontend's op; `input=` is taken for x). The formats are y's and
+        scale's data types (set_data_type): 32 -> float8_e4m3 with float8_e8m0 scales (MXFP8),
+        16 -> float4_e2m1 with float8_e4m3 scales (NVFP4) by default. e8m0 scales round up (the
+        frontend's rule) or, with scale_rounding="floor", as the OCP MX spec says. Rounding,
+        saturation and NaN rules: ops/block_scale.py."""
+        x = _one_of("block_scale_quantize", "x", x, "input", input)
+        x = self._check_input("block_scale_quantize", "x", x)
+        rank = len(x.dim)
+        if isinstance(axis, int) and not isinstance(axis, bool) and -rank <= axis < rank:
+            axis %= rank
+        attrs = _attrs_of("block_scale_quantize", block_size, axis, transpose, scale_rounding)
+        return self._add_op("block_scale_quantize", [x], attrs, name)
+
+    def block_scale_dequantize(self, x=None, scale=None, block_size=None, compute_data_type=None, name=None,
+                               input=None, descale=None) -> Tensor:
+        """y = x * scale, each scale over its block (the cuDNN frontend's op; `input=` and
+        `descale=` are taken for x and scale): block_size gives the elements per scale along each
+        axis of x ([1, 32]: rows of 32), an int the last axis's. compute_data_type is float32,
+        the only type kernels compute in."""
+        x = self._check_input("block_scale_dequantize", "x", _one_of("block_scale_dequantize", "x", x, "input", input))
+        scale = _one_of("block_scale_dequantize", "scale", scale, "descale", descale)
+        if compute_data_type is not None and dtypes.resolve(compute_data_type) is not dtypes.float32:
+            raise ValidationError("block_scale_dequantize: compute_data_type must be float32")
+        if isinstance(block_size, int) and not isinstance(block_size, bool):
+            block_size = [1] * (len(x.dim) - 1) + [block_size]
+        attrs = _attrs_of("block_scale_dequantize", block_size)
+        return self._add_op("block_scale_dequantize", [x, scale], attrs, name)[0]
 
     def gather(self, x, index, axis, name=None) -> Tensor:
         """y[..., i, ...] = x[..., index[..., i, ...], ...] along `axis` (x and an int32/int64
@@ -960,7 +1017,8 @@ class Graph:
                 values[tensor.uid] = value.to(dtype) if value.is_floating_point() else value
         for node in self._nodes:
             inputs = [None if t is None else values[t.uid] for t in node.inputs]
-            results = node.opdef.reference(inputs, node.attrs)
+            typed = ([None if t is None else t.data_type for t in node.outputs],) if node.opdef.typed_reference else ()
+            results = node.opdef.reference(inputs, node.attrs, *typed)
             for tensor, result in zip(node.outputs, results):
                 if tensor is not None:
                     values[tensor.uid] = _as_stored(result, tensor, dtype)
@@ -988,6 +1046,9 @@ class Graph:
         if not isinstance(value, torch.Tensor):
             raise ExecutionError(f"reference: input {tensor.name!r} must be a torch.Tensor, "
                                  f"got {type(value).__name__}")
+        if tensor.data_type.elements_per_item > 1 and value.dtype == tensor.data_type.torch_dtype:
+            from .ops.block_scale import unpack_storage  # packed fp4: its values, logical dims
+            value = unpack_storage(value, tensor.dim, tensor.stride)
         if tuple(value.shape) != tuple(tensor.dim):
             raise ExecutionError(f"reference: input {tensor.name!r} has dims {list(tensor.dim)}, "
                                  f"got a tensor of shape {list(value.shape)}")
@@ -1050,6 +1111,8 @@ def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tenso
     its own type, a graph output of floats rounded to its type, a virtual one as computed; floats
     are held in `float_dtype`."""
     data_type = tensor.data_type
+    if data_type.is_block_scale_storage:  # the block-scale ops' references give values these hold
+        return result.to(float_dtype)
     if data_type is dtypes.bool_:
         return result if result.dtype == torch.bool else result != 0
     if not data_type.is_floating:

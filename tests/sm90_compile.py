@@ -22,6 +22,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from dnngraph.dtypes import kernel_torch_dtype
+
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
                  torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv",
                  torch.float8_e5m2: "*fp8e5"}
@@ -92,7 +94,8 @@ def _items(found):
             continue
         label, graph = item
         made = graph.plan.groups.views.made.values()  # copies' views and buffers
-        dtypes = {t.uid: t.data_type.torch_dtype for t in list(graph.tensors) + list(made)}
+        # block-scale types (fp4, e8m0) are bound as their bytes
+        dtypes = {t.uid: kernel_torch_dtype(t.data_type) for t in list(graph.tensors) + list(made)}
         yield label, graph.plan.launches, dtypes
 
 

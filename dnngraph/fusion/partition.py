@@ -244,10 +244,17 @@ class _Partitioner:
         for node in self.order:
             if node in self.group_of or _is_pointwise(node) or node.op in LAYOUT_OPS:
                 continue
+            if self._dequantizing_loader(node) is not None:
+                continue  # joins its matmul's group below: dequantized in the operand loader
             rule = anchor_rule(node.op)
             group = FusionGroup(node.opdef.family, node, [node])
+            loaders = self._loader_dequantizations(node)  # asked before the anchor is claimed
             self.claim(group, [node])
             self.groups.append(group)
+            for producer in loaders:
+                group.prologue.insert(0, producer)
+                group.nodes.insert(0, producer)
+                self.claim(group, [producer])
             if rule is None:
                 continue
             for position in rule.prologue_inputs:
@@ -262,6 +269,29 @@ class _Partitioner:
                 for position, tensor in enumerate(node.outputs):
                     if tensor is not None and position != rule.epilogue_output:
                         self._grow_epilogue(group, tensor, _NO_EXITS)
+
+    def _dequantizing_loader(self, node):
+        """The matmul whose operand loader runs block_scale_dequantize `node` (the frontend's
+        block-scaled GEMM: matmul(dequantize(a), dequantize(b))), or None: its value is virtual
+        and read by one matmul only, as A or B (not both), with its blocks along K."""
+        if node.op != "block_scale_dequantize":
+            return None
+        value = node.outputs[0]
+        matmul = self._single_virtual_consumer(value)
+        if matmul is None or matmul.op != "matmul" or any(t is not None for t in matmul.inputs[2:]):
+            return None
+        a, b = matmul.inputs[:2]
+        if (a is value) == (b is value):
+            return None
+        k_axis = len(value.dim) - 1 if a is value else len(value.dim) - 2
+        return matmul if node.attrs.axis == k_axis else None
+
+    def _loader_dequantizations(self, anchor) -> list:
+        """The dequantizations feeding `anchor`'s loaders: they join its group as prologue nodes
+        (a backend that fuses no such prologue refuses the group by its problem's prologue)."""
+        tensors = anchor.inputs[:2] if anchor.op == "matmul" else ()
+        return [t.producer for t in tensors
+                if t.producer is not None and self._dequantizing_loader(t.producer) is anchor]
 
     def _grow_prologue(self, group, operand_dim, tensor):
         producer = tensor.producer

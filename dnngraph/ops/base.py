@@ -63,6 +63,9 @@ class OpDef:
     variadic: bool = False  # inputs are a list (concatenate)
     optional: tuple[str, ...] = ()  # inputs that may be None
     fusion: Optional[AnchorRule] = None  # an anchor's: what its kernel absorbs (None: nothing)
+    # the reference also takes its outputs' data types (a third argument): an op whose math
+    # depends on the types it stores (block-scale quantization, whose format they are)
+    typed_reference: bool = False
 
 
 REGISTRY: dict[str, OpDef] = {}

@@ -14,6 +14,7 @@ from .ctc import CtcGeometry, ctc_problem
 from .gather import GatherGeometry, gather_problem
 from .gemm import GemmGeometry, matmul_problem
 from .lrn import LrnGeometry, lrn_problem
+from .block_scale import BlockScaleGeometry, block_scale_problem
 from .moe import MoeGeometry, moe_problem
 from .pointwise import PointwiseGeometry, pointwise_problem
 from .pooling import PoolingGeometry, pooling_problem
@@ -28,6 +29,7 @@ PROBLEM_BUILDERS = {
     "sdpa": sdpa_problem, "attention": attention_problem, "attention_backward": attention_backward_problem,
     "gather": gather_problem, "moe": moe_problem,
     "ctc": ctc_problem, "lrn": lrn_problem,
+    "block_scale": block_scale_problem,
 }
 PROBLEM_BUILDERS["rnn"] = rnn_problem
 
@@ -41,5 +43,5 @@ def problem_of(graph, group) -> Problem:
     return builder(graph, group)
 
 
-__all__ = ["AttentionGeometry", "ConvGeometry", "CtcGeometry", "GatherGeometry", "GemmGeometry", "LrnGeometry", "MoeGeometry", "Operand", "PROBLEM_BUILDERS",
+__all__ = ["AttentionGeometry", "BlockScaleGeometry", "ConvGeometry", "CtcGeometry", "GatherGeometry", "GemmGeometry", "LrnGeometry", "MoeGeometry", "Operand", "PROBLEM_BUILDERS",
            "PointwiseGeometry", "PoolingGeometry", "Problem", "RnnGeometry", "RowsGeometry", "problem_of"]

@@ -21,6 +21,7 @@ from typing import Optional
 
 import torch
 
+from .. import dtypes
 from ..errors import ExecutionError, UnsupportedError
 from .autotune import TuningRecord
 from ..log import logger
@@ -463,6 +464,10 @@ def element_span(tensor) -> int:
 
 def _random_like(tensor, device) -> torch.Tensor:
     dtype = tensor.data_type.torch_dtype
+    if tensor.data_type.is_block_scale_storage:  # fp4, e8m0: random bytes, bound as kernels see them
+        shape, strides = dtypes.storage_layout(tensor.dim, tensor.stride, tensor.data_type)
+        span = sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1
+        return torch.randint(0, 256, (span,), device=device, dtype=torch.uint8).as_strided(shape, strides)
     if tensor.data_type.is_floating:
         flat = torch.randn(element_span(tensor), device=device).to(dtype)
     elif dtype == torch.bool:
@@ -476,7 +481,8 @@ def sample_tensors(group, device) -> dict:
     """Random inputs (never zeros) and empty outputs with a group's dims, strides and types."""
     tensors = {t.uid: _random_like(t, device) for t in group.inputs}
     for tensor in group.outputs:
-        tensors[tensor.uid] = torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype,
+        shape, strides = dtypes.storage_layout(tensor.dim, tensor.stride, tensor.data_type)
+        tensors[tensor.uid] = torch.empty_strided(shape, strides, dtype=dtypes.kernel_torch_dtype(tensor.data_type),
                                                   device=device)
     return tensors
 

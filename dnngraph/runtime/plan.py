@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import dtypes
 from ..errors import ExecutionError
 from ..target import Target, target_of
 from .bindings import check_bindable, resolved_input
@@ -33,7 +34,9 @@ COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 POINTER_ALIGNMENT = 16  # bytes; Triton specializes pointers on it (vectorized access)
 WORKSPACE_ALIGNMENT = 256
 READY_BINDING_SETS = 64  # checked binding sets a plan remembers (forgotten all at once past it)
-_data_ptr = operator.methodcaller("data_ptr")  # mapped over a call's values: no comprehension's frame
+_data_ptr = operator.methodcaller("data_ptr")
+# torch dtypes of block-scale types, bound to kernels as their bytes (dtypes.kernel_torch_dtype)
+BYTE_BOUND = frozenset(t.torch_dtype for t in dtypes.ALL_TYPES if t.is_block_scale_storage)  # mapped over a call's values: no comprehension's frame
 
 
 @dataclass(frozen=True)
@@ -50,16 +53,30 @@ class BindingSpec:
     is_output: bool
 
 
+def _storage(tensor) -> tuple:
+    """(shape, strides) of the torch tensor that holds `tensor` (packed fp4: half the items)."""
+    return dtypes.storage_layout(tensor.dim, tensor.stride, tensor.data_type)
+
+
 def _extent_bytes(tensor) -> int:
-    span = sum((size - 1) * stride for size, stride in zip(tensor.dim, tensor.stride)) + 1
+    shape, strides = _storage(tensor)
+    span = sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1
     return span * tensor.data_type.itemsize
 
 
 def _binding_spec(tensor) -> BindingSpec:
-    axes = tuple(a for a, size in enumerate(tensor.dim) if size > 1)
-    return BindingSpec(tensor.uid, tensor.name, tuple(tensor.dim), tuple(tensor.stride),
+    shape, strides = _storage(tensor)
+    axes = tuple(a for a, size in enumerate(shape) if size > 1)
+    return BindingSpec(tensor.uid, tensor.name, shape, strides,
                        tensor.data_type.torch_dtype, axes, _extent_bytes(tensor), tensor.is_output)
 
+
+
+def _as_bytes(tensors: dict) -> None:
+    """Block-scale types bound as their bytes (kernels read and write them as uint8), in place."""
+    for uid, value in tensors.items():
+        if value.dtype in BYTE_BOUND:
+            tensors[uid] = value.view(torch.uint8)
 
 
 def keys_of(graph) -> dict:
@@ -78,7 +95,7 @@ class DeviceLaunches:
     def __init__(self, target, launches, groups, graph_dtypes):
         self.target, self.launches = target, launches
         self.dtypes = dict(graph_dtypes)
-        self.dtypes.update({t.uid: t.data_type.torch_dtype for g in groups for t in g.inputs + g.outputs})
+        self.dtypes.update({t.uid: dtypes.kernel_torch_dtype(t.data_type) for g in groups for t in g.inputs + g.outputs})
         self.dtypes.update({s.uid: s.torch_dtype for launch in launches for s in launch.scratch})
         self.layout(groups)
 
@@ -103,7 +120,7 @@ class DeviceLaunches:
         for t in [t for g in groups for t in g.outputs] + views.virtual_roots():
             if t.is_virtual and t.uid not in views.aliases:
                 owned.setdefault(t.uid, t)
-        buffers = [(t.uid, tuple(t.dim), tuple(t.stride), t.data_type.torch_dtype, _extent_bytes(t))
+        buffers = [(t.uid, *_storage(t), dtypes.kernel_torch_dtype(t.data_type), _extent_bytes(t))
                    for t in owned.values()]
         buffers += [(s.uid, s.dim, None, s.torch_dtype, s.nbytes) for launch in self.launches for s in launch.scratch]
         buffers += [(launch.global_scratch.uid, launch.global_scratch.dim, None, torch.uint8,
@@ -205,7 +222,7 @@ class Plan:
         self.options, self._rebuild = options, rebuild
         self.origin = ""  # how the plan came to be when not built here (explain() says it)
         self._budget = budget if budget is not None else WorkspaceBudget()
-        self._graph_dtypes = {t.uid: t.data_type.torch_dtype for t in graph.tensors}
+        self._graph_dtypes = {t.uid: dtypes.kernel_torch_dtype(t.data_type) for t in graph.tensors}
         self._lock = threading.Lock()  # guards the three dicts below when they grow
         self._by_target: dict = {}  # Target -> DeviceLaunches
         self._by_device: dict = {}  # (device type, index) -> DeviceLaunches
@@ -481,6 +498,7 @@ class Plan:
     def _execute_tensors(self, ready: "ReadyBindings", values, workspace):
         """Launch with torch tensors as arguments: the interpreter, or pointers below alignment."""
         tensors = dict(zip(ready.uids, values))
+        _as_bytes(tensors)
         for uid in ready.negated:
             tensors[uid] = resolved_input(tensors[uid])
         built, device, kernel_device = ready.built, ready.device, ready.kernel_device
@@ -525,6 +543,7 @@ class Plan:
         tensors = self._resolve(bindings)
         device, _, negated = self._check(tensors)
         tensors.update({uid: resolved_input(tensors[uid]) for uid in negated})
+        _as_bytes(tensors)
         kernel_device = _kernel_device(device)
         built = self._launches_for(kernel_device)
         workspace = torch.empty(built.workspace_bytes, dtype=torch.uint8, device=device)

@@ -78,6 +78,9 @@ def build_family_ops(g, n, c, size, draw_int):
     lrn_size = draw_int(1, 5)
     g.lrn_backward(g.lrn(x, lrn_size, alpha=0.5, beta=0.75, k=2.0), x, lrn_size, alpha=0.5, beta=0.75, k=2.0)
     g.divisive_normalization_backward(g.divisive_normalization(x, 3, means=s), x, 3, means=b, k=0.5)
+    blocks = g.tensor(name="blocks", dim=[n, 32 * draw_int(1, 2)])
+    quantized, scale = g.block_scale_quantize(blocks, block_size=32 // draw_int(1, 2), axis=-1)
+    g.block_scale_dequantize(quantized, scale, block_size=[1, quantized.dim[-1] // scale.dim[-1]])
 
 
 @st.composite

@@ -33,6 +33,7 @@ from .lower.conv import build_conv
 from .lower.ctc import build_ctc
 from .lower.gather import build_gather
 from .lower.lrn import build_lrn
+from .lower.block_scale import build_block_scale
 from .lower.matmul import build_matmul
 from .lower.moe import build_moe
 from .lower.pointwise import build_pointwise
@@ -47,12 +48,13 @@ BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": 
             "conv": build_conv, "sdpa": build_sdpa, "attention": build_attention,
             "attention_backward": build_attention_backward, "gather": build_gather,
             "moe": build_moe,
-            "ctc": build_ctc, "lrn": build_lrn}
+            "ctc": build_ctc, "lrn": build_lrn,
+            "block_scale": build_block_scale}
 BUILDERS["rnn"] = build_rnn
 
 # Families whose loads may visit an input element several times (or never): prologue values that
 # are outputs are written first by a pointwise kernel of the prologue.
-PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv", "lrn"})
+PROLOGUE_STORED_APART = frozenset({"pooling", "matmul", "conv", "lrn", "block_scale"})
 
 
 def _dot(a: DataType, b: DataType, allow_tf32: bool) -> Optional[str]:

@@ -54,7 +54,10 @@ FIXED_NAMES = ("split", "rest", "acc", "kt", "ks", "mask", "start", "part", "M",
 FIXED_STEMS = ("tile", "tiles", "batch", "bidx", "group", "first", "rows", "cols", "pid", "offs", "mask",
                "k", "per", "partial", "desc", "row", "col", "exit", "value", "rest", "sub")
 # operand names by side: matrices A and B, epilogue operands, per-tensor scales, row exits
-SIDE_HINTS = {"a": "a", "b": "b", "c": "c", "scalar": "scale", "exit": "out"}
+SIDE_HINTS = {"a": "a", "b": "b", "c": "c", "scalar": "scale", "exit": "out",
+              "a_scale": "sfa", "b_scale": "sfb"}  # block scales of a block-scaled A or B (their loaders')
+# sides the k loop reads (split-K's partial kernels take these alone)
+LOADED_SIDES = ("a", "b", "a_scale", "b_scale")
 
 
 @dataclass(frozen=True)
@@ -679,7 +682,7 @@ def _operands_of(spec, body: str) -> list:
     if body == "combine":
         return [o for o in spec.operands if o.side in ("c", "scalar")]
     if spec.config.split_k > 1:
-        return [o for o in spec.operands if o.side in ("a", "b")]
+        return [o for o in spec.operands if o.side in LOADED_SIDES]
     return [o for o in spec.operands if o.side != "exit"]
 
 
@@ -802,6 +805,7 @@ def render(spec: GemmKernelSpec, body: str):
     operands = _operands_of(spec, body)
     args = _arguments(spec, body, operands, scalars) + _constexprs(spec, body)
     module_globals = [g for e in emitters for g in e.globals]
+    loader_libraries = tuple(a for loader in (spec.loader_a, spec.loader_b) for a in getattr(loader, "libraries", ()))
     source = kernel_module(spec.description, module_globals, spec.name, args, "\n".join(w.lines) + "\n",
-                           libraries=("tr", "lib"))
+                           libraries=("tr", "lib") + loader_libraries)
     return KernelSource(spec.name, source, args)

@@ -31,6 +31,7 @@ LIBRARIES = {
     "lib": "from dnngraph.backends.triton.codegen import library as lib\n",
     "ctc": "from dnngraph.backends.triton.codegen import ctc_library as ctc\n",
     "rl": "from dnngraph.backends.triton.codegen import rnn_library as rl\n",
+    "bsq": "from dnngraph.backends.triton.codegen import block_scale_library as bsq\n",
 }
 
 

@@ -6,6 +6,10 @@ heuristics; autotuning times whole launch lists of candidate configs on scratch 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from .... import dtypes
+from ..codegen.block_scaled import BlockScaledLoader
 from ..codegen.gemm import GemmKernelSpec, GemmOperand, LinearK
 from ..codegen.matmul import DescriptorLoader, StridedLoader
 from ....errors import UnsupportedError
@@ -71,7 +75,10 @@ class MatmulBuild(GemmLaunches):
         self.batch_sizes = tuple(batch_dims[i] for i in self.batch_axes)
         m, n, k = c.dim[-2], c.dim[-1], a.dim[-1]
         members = set(group.nodes)
-        prologue = set(group.prologue)
+        # block_scale_dequantize producing A or B: run by that side's loader (block-scaled GEMM)
+        self.dequantized = {side: t.producer for side, t in (("a", a), ("b", b))
+                            if t.producer in group.prologue and t.producer.op == "block_scale_dequantize"}
+        prologue = set(group.prologue) - set(self.dequantized.values())
         self.prologue_a = tuple(x for x in group.prologue if x in chain(a, prologue))
         self.prologue_b = tuple(x for x in group.prologue if x in chain(b, prologue))
         exit_outputs = {x.outputs[0].uid for x in group.exits}
@@ -79,8 +86,12 @@ class MatmulBuild(GemmLaunches):
         # prologue values that are outputs are written by a pointwise kernel run first
         stored_values = [t for t in group.outputs if t.uid not in exit_outputs and t.producer not in prologue]
         exit_values = [x.outputs[0] for x in group.exits]
-        sides = [("a", leaves(a, members), batch_dims + (m, k), False),
-                 ("b", leaves(b, members), batch_dims + (k, n), False),
+        # a dequantized side reads its quantized elements there (and its scales, below)
+        side_a = [self.dequantized["a"].inputs[0]] if "a" in self.dequantized else leaves(a, members)
+        side_b = [self.dequantized["b"].inputs[0]] if "b" in self.dequantized else leaves(b, members)
+        sides = [("a", side_a, batch_dims + (m, k), False),
+                 ("b", side_b, batch_dims + (k, n), False),
+                 *block_scale_sides(self.dequantized, batch_dims, m, n, k),
                  ("c", epilogue_reads, tuple(c.dim), False), ("c", stored_values, tuple(c.dim), True),
                  ("exit", exit_values, tuple(c.dim[:-1]) + (1,), True)]
         # (axes, sizes) of the batches folded into one GEMM of batch x M rows, or None
@@ -93,9 +104,12 @@ class MatmulBuild(GemmLaunches):
             self._add(self.exit_operands if side == "exit" else operands, side, tensors, domain, is_output)
         self._add(operands, "scalar", self.scales, ())
         self.operands = tuple(operands)
-        self.dot_a, self.dot_b, dot, self.precision = _dot_types(a, b, node.attrs.allow_tf32)
-        (a_op,) = [o for o in operands if o.side == "a"] if not self.prologue_a else [None]
-        (b_op,) = [o for o in operands if o.side == "b"] if not self.prologue_b else [None]
+        self.dot_a, self.dot_b, dot, self.precision = _dot_types(*self._dot_operand_types(a, b),
+                                                                 node.attrs.allow_tf32)
+        (a_op,) = [o for o in operands if o.side == "a"] if not (self.prologue_a or "a" in self.dequantized) \
+            else [None]
+        (b_op,) = [o for o in operands if o.side == "b"] if not (self.prologue_b or "b" in self.dequantized) \
+            else [None]
         capability = target.capability  # the device the launches are for, not the current one
         a_layout = layout_of(a_op.row_stride, a_op.col_stride) if a_op else "strided"
         b_layout = layout_of(b_op.row_stride, b_op.col_stride) if b_op else "strided"
@@ -114,6 +128,12 @@ class MatmulBuild(GemmLaunches):
         self.target = target
         self.name = kernel_name(group)
 
+    def _dot_operand_types(self, a, b) -> tuple:
+        """(A, B) as the dot sees their types: a dequantized side feeds it bfloat16 (exact)."""
+        def typed(side, tensor):
+            return _AsType(tensor, dtypes.bfloat16) if side in self.dequantized else tensor
+        return typed("a", a), typed("b", b)
+
     def _batches_fold(self, sides, m: int) -> bool:
         """Do the batch axes fold into the rows? Where B is shared by every batch (x @ w, a
         weight) and every other operand's batch axes and rows merge into one axis, the batched
@@ -125,9 +145,9 @@ class MatmulBuild(GemmLaunches):
             for tensor in tensors:
                 strides = operand_strides(domain, tuple(tensor.dim), tuple(tensor.stride))
                 batch = tuple(strides[i] for i in self.batch_axes)
-                if side == "b" and any(batch):
+                if side.startswith("b") and any(batch):
                     return False
-                if side != "b" and merged_stride(sizes, batch + (strides[-2],)) is None:
+                if not side.startswith("b") and merged_stride(sizes, batch + (strides[-2],)) is None:
                     return False
         return True
 
@@ -137,7 +157,7 @@ class MatmulBuild(GemmLaunches):
             nb = len(domain) - 2 if len(domain) >= 2 else 0
             batch = tuple(strides[i] for i in self.batch_axes) if nb else ()
             row, col = (strides[-2], strides[-1]) if len(domain) >= 2 else (0, 0)
-            if self.folded and nb and side != "b":  # the batch axes are part of the rows
+            if self.folded and nb and not side.startswith("b"):  # the batch axes are part of the rows
                 axes, sizes = self.folded
                 row = merged_stride(sizes + (domain[-2],), tuple(strides[i] for i in axes) + (row,))
             operands.append(GemmOperand(tensor.uid, tensor.data_type, side, batch, (row,), (col,), is_output))
@@ -147,8 +167,16 @@ class MatmulBuild(GemmLaunches):
         """The operand loaders of `config`'s variant: descriptors for the persistent kernel."""
         if config.variant == "persistent":
             return DescriptorLoader("a", self.problem.a_layout), DescriptorLoader("b", self.problem.b_layout)
-        return (StridedLoader("a", self.a.uid, self.dot_a, self.prologue_a),
-                StridedLoader("b", self.b.uid, self.dot_b, self.prologue_b))
+        return tuple(self._block_scaled_loader(side) if side in self.dequantized else
+                     StridedLoader(side, target.uid, dot, prologue)
+                     for side, target, dot, prologue in (("a", self.a, self.dot_a, self.prologue_a),
+                                                         ("b", self.b, self.dot_b, self.prologue_b)))
+
+    def _block_scaled_loader(self, side: str) -> BlockScaledLoader:
+        node = self.dequantized[side]
+        elements, scales = node.inputs
+        return BlockScaledLoader(side, node.attrs.size, elements.data_type, scales.data_type,
+                                 self.dot_a if side == "a" else self.dot_b)
 
     def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> GemmKernelSpec:
         loader_a, loader_b = self._loaders(config)
@@ -159,6 +187,25 @@ class MatmulBuild(GemmLaunches):
             exits=extra.pop("exits", ()), scale_uids=tuple(s.uid for s in self.scales),
             precision=self.precision, compute=self.graph.compute_data_type.triton_type,
             index_64=self.index_64, description=self.group.summary(), **extra)
+
+@dataclass(frozen=True)
+class _AsType:
+    """A tensor seen with another data type (a dequantized operand as its loader feeds the dot)."""
+
+    tensor: object
+    data_type: object
+
+
+def block_scale_sides(dequantized: dict, batch_dims: tuple, m: int, n: int, k: int) -> list:
+    """(side, tensors, domain, is_output) of the block scales the block-scaled loaders read:
+    A's scales over [batch..., M, K / block], B's over [batch..., K / block, N]."""
+    sides = []
+    for side, node in sorted(dequantized.items()):
+        blocks = k // node.attrs.size
+        domain = batch_dims + ((m, blocks) if side == "a" else (blocks, n))
+        sides.append((f"{side}_scale", [node.inputs[1]], domain, False))
+    return sides
+
 
 def build_matmul(graph, group, context) -> list[KernelLaunch]:
     """The launches of a matmul group for the context's target: the model's choice (or the

@@ -1,0 +1,132 @@
+"""Device functions of the block-scale kernels (imported by the generated source as `bsq`).
+
+A tile is [BLOCK_G, BLOCK]: BLOCK_G quantization blocks of BLOCK elements each, in float32. The
+rules are ops/block_scale.py's, computed here on bits so that they are exact: the e8m0
+exponent from the exponent and mantissa fields (no log2), the fp4 rounding by comparisons with
+the midpoints between its codes.
+"""
+import triton
+import triton.language as tl
+
+from dnngraph.backends.triton.codegen import triton_math as tm
+
+MANTISSA_MASK = tl.constexpr(0x7FFFFF)
+E8M0_NAN = tl.constexpr(255)
+TWO_POW_M127 = tl.constexpr(5.877471754111438e-39)  # 2^-127, the value of e8m0 code 0
+SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)  # 2^-126, float32's
+
+
+@triton.jit
+def block_amax(x):
+    """(amax, finite) per block: the largest finite |x| and whether every element is finite."""
+    finite_element = tl.abs(x) < float("inf")  # False for +-inf and NaN
+    amax = tl.max(tl.where(finite_element, tl.abs(x), 0.0), axis=1)
+    finite = tl.min(finite_element.to(tl.int32), axis=1) > 0
+    return amax, finite
+
+
+@triton.jit
+def e8m0_exponent(amax, VMAX_EXPONENT: tl.constexpr, VMAX_MANTISSA: tl.constexpr, ROUND_UP: tl.constexpr):
+    """k clamped to [-127, 127]: with ROUND_UP the smallest 2^k with 2^k * vmax >= amax (the
+    exponent difference, one more where amax's mantissa is the larger), else floor(log2 amax) -
+    floor(log2 vmax) (the OCP MX rule). vmax's exponent field (unbiased) and mantissa bits are
+    constexprs. A subnormal or zero amax gives -127 (below 2^-126: either rule gives <= -127)."""
+    bits = amax.to(tl.uint32, bitcast=True)
+    exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+    mantissa = (bits & MANTISSA_MASK).to(tl.int32)
+    k = exponent - VMAX_EXPONENT
+    if ROUND_UP:
+        k += (mantissa > VMAX_MANTISSA).to(tl.int32)
+    k = tl.where(exponent == -127, -127, k)
+    return tl.minimum(tl.maximum(k, -127), 127)
+
+
+@triton.jit
+def power_of_two(k):
+    """2^k as float32 for k in [-126, 127] (a normal number: exponent field k + 127)."""
+    return ((k + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp4_codes(values):
+    """e2m1 codes (uint8, sign in bit 3) of float32 values in [-6, 6], nearest, ties to even."""
+    magnitude = tl.abs(values)
+    code = (magnitude > 0.25).to(tl.int32) + (magnitude >= 0.75).to(tl.int32) + (magnitude > 1.25).to(tl.int32)
+    code += (magnitude >= 1.75).to(tl.int32) + (magnitude > 2.5).to(tl.int32) + (magnitude >= 3.5).to(tl.int32)
+    code += (magnitude > 5.0).to(tl.int32)
+    sign = ((values.to(tl.uint32, bitcast=True) >> 31) * 8).to(tl.int32)
+    return (code + sign).to(tl.uint8)
+
+
+@triton.jit
+def fp4_values(codes):
+    """float32 values of e2m1 codes (uint8, low 4 bits)."""
+    magnitude_code = (codes & 7).to(tl.int32)
+    # code = 2 * exponent + mantissa: 0.5 * mantissa where the exponent is 0 (0, 0.5), else
+    # (1 + mantissa / 2) * 2^(exponent - 1) (1, 1.5, 2, 3, 4, 6)
+    exponent = magnitude_code >> 1
+    mantissa = (magnitude_code & 1).to(tl.float32)
+    normal = (1.0 + 0.5 * mantissa) * power_of_two(exponent - 1)
+    magnitude = tl.where(exponent == 0, 0.5 * mantissa, normal)
+    return tl.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def e8m0_values(bits):
+    """float32 values of e8m0 codes: 2^(bits - 127); code 0 is 2^-127, 255 NaN."""
+    wide = bits.to(tl.uint32)
+    value = (wide << 23).to(tl.float32, bitcast=True)
+    value = tl.where(wide == 0, TWO_POW_M127, value)
+    return tl.where(wide == E8M0_NAN, float("nan"), value)
+
+
+@triton.jit
+def normalized_e8m0(x, amax, VMAX: tl.constexpr, VMAX_EXPONENT: tl.constexpr, VMAX_MANTISSA: tl.constexpr,
+                    ROUND_UP: tl.constexpr):
+    """(elements clamped to [-vmax, vmax] in float32, scale codes) of an e8m0-scaled tile."""
+    k = e8m0_exponent(amax, VMAX_EXPONENT, VMAX_MANTISSA, ROUND_UP)
+    inverse = power_of_two(-k)  # k in [-127, 126] for any finite float32 amax: 2^-k is normal
+    elements = x * inverse[:, None]
+    elements = tl.minimum(tl.maximum(elements, -VMAX), VMAX)
+    return elements, (k + 127).to(tl.uint8)
+
+
+@triton.jit
+def normalized_e4m3(x, amax, VMAX: tl.constexpr):
+    """(elements clamped to [-vmax, vmax] in float32, float32 scales) of an e4m3-scaled tile:
+    x * (1 / (amax / vmax)), the two divisions (one per block) correctly rounded; 0 * x where
+    the scale is below float32's smallest normal (its reciprocal could overflow)."""
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, VMAX, tl.float32))
+    normal = scale >= SMALLEST_NORMAL
+    inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(normal, scale, 1.0))
+    inverse = tl.where(normal, inverse, 0.0)
+    elements = x * inverse[:, None]
+    elements = tl.minimum(tl.maximum(elements, -VMAX), VMAX)
+    return elements, scale
+
+
+@triton.jit
+def packed_pairs(codes, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr):
+    """[BLOCK_G, BLOCK // 2] bytes of fp4 codes [BLOCK_G, BLOCK]: the even element low."""
+    low, high = tl.split(tl.reshape(codes, [BLOCK_G, BLOCK // 2, 2]))
+    return low | (high << 4)
+
+
+@triton.jit
+def unpacked_pairs(packed, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr):
+    """fp4 codes [BLOCK_G, BLOCK] of bytes [BLOCK_G, BLOCK // 2]."""
+    return tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_G, BLOCK])
+
+
+@triton.jit
+def nan_scale_bits(finite, bits, NAN_BITS: tl.constexpr):
+    """Scale codes with the NaN code where a block is not finite."""
+    return tl.where(finite, bits, NAN_BITS).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_bits(scale, FIRST_OVERFLOW: tl.constexpr, OVERFLOW_BITS: tl.constexpr, INFINITY_BITS: tl.constexpr,
+              NAN_BITS: tl.constexpr):
+    """float32 scales as torch stores them in float8_e4m3fn, as codes (uint8)."""
+    return tm.to_float8(scale, tl.float8e4nv, FIRST_OVERFLOW, OVERFLOW_BITS, INFINITY_BITS,
+                        NAN_BITS).to(tl.uint8, bitcast=True)
