@@ -37,6 +37,7 @@ are poisoned with NaN first; errors past TOLERANCE print "(!)". Times are do_ben
     python benchmarks/bench_attention.py --rows fwd,decode --only causal
     python benchmarks/bench_attention.py --cudnn-fe-path /tmp/fe  # a pip --target folder holding `cudnn`
     python benchmarks/bench_attention.py --gluon --rows fwd      # dnngraph with the Gluon backend first
+    python benchmarks/bench_attention.py --gluon --gluon-schedule pingpong --rows fwd  # one Gluon schedule
     python benchmarks/bench_attention.py --list-shapes            # shapes, visible fractions, GFLOP
     python benchmarks/bench_attention.py --check-cpu              # tiny fp32 shapes, no timing
 
@@ -842,6 +843,8 @@ def parse_args(argv):
     parser.add_argument("--gluon", action="store_true",
                         help="build dnngraph with BuildOptions(backends=('gluon', 'triton')); the default "
                              "build becomes the 'dnngraph Triton' anchor")
+    parser.add_argument("--gluon-schedule", choices=("plain", "pingpong"), default=None,
+                        help="with --gluon: offer only the Gluon attention configs of this schedule")
     return parser.parse_args(argv)
 
 
@@ -851,6 +854,10 @@ def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.gluon:
         BUILD_OPTIONS = dg.BuildOptions(backends=("gluon", "triton"))
+    if args.gluon_schedule:
+        from dnngraph.backends.gluon import attention_backend
+        attention_backend.CONFIGS = {d: tuple(c for c in configs if c.pingpong == (args.gluon_schedule == "pingpong"))
+                                     for d, configs in attention_backend.CONFIGS.items()}
     return run_family(args, "dnngraph-bench-attention-", list_shapes, check_cpu, run_gpu)
 
 

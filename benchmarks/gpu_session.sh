@@ -18,23 +18,26 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 # tests/models names the backend without importing dnngraph: its entry point must be installed
 python3 -m pip install -q --no-deps --no-build-isolation -e . > "$OUT/pip.txt" 2>&1  # the python that runs the tests
-limited() { timeout -s INT -k 15 "$LIMIT" "$@"; }
+# -k 60: after the INT, pytest-xdist needs time to stop its workers and print the summary
+limited() { timeout -s INT -k 60 "$LIMIT" "$@"; }
+# each test's outcome as it finishes (-v), so a run the limit cuts still names its failures
+failures() { grep -E "(FAILED|ERROR) tests/|^(FAILED|ERROR)|passed|failed" "$1" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort -u | cut -c1-300 | tail -40; }
 case "$STAGE" in
   tests)
-    limited python3 -m pytest tests -m gpu -q -n 14 -rf --tb=short -p no:cacheprovider --ignore=tests/models \
+    limited python3 -m pytest tests -m gpu -v -n 14 -rf --tb=short -p no:cacheprovider --ignore=tests/models \
       -W ignore --durations=10 > "$OUT/gpu-tests.txt" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu-tests.txt" | cut -c1-300 | tail -40 ;;
+    failures "$OUT/gpu-tests.txt" ;;
   models)
-    limited python3 -m pytest tests/models -m gpu -q -n 9 -rA -p no:cacheprovider -W ignore > "$OUT/gpu-models.txt" 2>&1
-    grep -E "FAILED|passed|failed" "$OUT/gpu-models.txt" | cut -c1-300 | tail -40 ;;
+    limited python3 -m pytest tests/models -m gpu -v -n 9 -rA -p no:cacheprovider -W ignore > "$OUT/gpu-models.txt" 2>&1
+    failures "$OUT/gpu-models.txt" ;;
   fuzz)
     limited python3 tests/fuzz_gpu.py --graphs 1000 --workers 14 --out "$OUT/fuzz" > "$OUT/fuzz.txt" 2>&1
     grep -E "^seed|FUZZ|graphs," "$OUT/fuzz.txt" | cut -c1-300 | tail -20 ;;
   gluon)
-    limited python3 -m pytest tests/backends/test_gluon.py tests/backends/test_gluon_attention.py -m gpu -q -n 8 -rf \
+    limited python3 -m pytest tests/backends/test_gluon.py tests/backends/test_gluon_attention.py -m gpu -v -n 8 -rf \
       --tb=short -p no:cacheprovider --durations=5 \
       -W ignore > "$OUT/gluon.txt" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gluon.txt" | cut -c1-300 | tail -40 ;;
+    failures "$OUT/gluon.txt" ;;
   refactor)
     limited python3 benchmarks/bench_before_after.py --before "${BEFORE:?the old tree}" --after . --rounds 2 \
       > "$OUT/before_after.txt" 2>&1

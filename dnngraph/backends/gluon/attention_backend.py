@@ -65,7 +65,8 @@ class AttentionConfig:
 
 
 # head dim -> the configs offered, first preferred (the ring as deep as the shared memory allows
-# beside Q). The ping-pong schedule is offered after the plain one until a GPU run ranks them.
+# beside Q). The ping-pong schedule is offered after the plain one: on an H200 it gained nothing
+# at D64 and lost 4% at D128 (BENCHMARKS.md, Gluon attention forward).
 CONFIGS = {64: (AttentionConfig(128, 128, 3), AttentionConfig(128, 128, 3, pingpong=True)),
            128: (AttentionConfig(128, 128, 2), AttentionConfig(128, 128, 2, pingpong=True))}
 
