@@ -15,7 +15,8 @@ import itertools
 
 from ....ops.lrn import window_count
 from ...contract import KernelSource
-from .pointwise import KernelArgument, kernel_module
+from .pointwise import KernelArgument
+from . import pooling
 from .pooling import Coord, _KernelWriter
 
 # Stems of the values the window writes: centred x (cv), its square (sq), partial window sums
@@ -172,14 +173,6 @@ class _WindowWriter(_KernelWriter):
 
 
 def render(kernel_name: str, schedule, group, compute_type, description: str) -> KernelSource:
-    """The KernelSource of the kernel running a windowed normalization group under `schedule`."""
-    writer = _WindowWriter(kernel_name, schedule, group, compute_type)
-    tile = writer.tile_coordinates()
-    if schedule.backward:
-        writer.backward(tile)
-    else:
-        writer.forward(tile)
-    writer.epilogue_and_stores(tile)
-    args = writer.arguments()
-    return KernelSource(kernel_name, kernel_module(description, writer.emitter.globals, kernel_name, args,
-                                                   "\n".join(writer.body) + "\n"), args)
+    """The KernelSource of the kernel running a windowed normalization group under `schedule`:
+    pooling's render with this module's writer."""
+    return pooling.render(kernel_name, schedule, group, compute_type, description, writer_class=_WindowWriter)

@@ -420,9 +420,10 @@ class _KernelWriter:
         return args
 
 
-def render(kernel_name: str, schedule, group, compute_type, description: str):
-    """The KernelSource (name, source, arguments) of the kernel running a pooling group under `schedule`."""
-    writer = _KernelWriter(kernel_name, schedule, group, compute_type)
+def render(kernel_name: str, schedule, group, compute_type, description: str, writer_class=None):
+    """The KernelSource (name, source, arguments) of the kernel running a pooling group under
+    `schedule`; written by `writer_class` (a _KernelWriter subclass, as LRN's) where given."""
+    writer = (writer_class or _KernelWriter)(kernel_name, schedule, group, compute_type)
     tile = writer.tile_coordinates()
     if schedule.backward:
         writer.backward(tile)

@@ -180,6 +180,25 @@ def write_initial_state(h0, h0_s0, h0_s1, c0, c0_s0, c0_s1, h_n, hn_s0, hn_s1, c
 
 
 @triton.jit
+def column_span(count, first, H, P, STEP_MODE: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(first hidden column, past the last, past the last state column, whether this launch
+    writes the initial state) of a program: with STEP_MODE (no projection: the state is the
+    hidden size) the hidden block of program axis 1, whose first launch has count 0; else every
+    column, from the launch whose first step is 0."""
+    if STEP_MODE:
+        j_start = tl.program_id(1) * BLOCK_H
+        j_stop = tl.minimum(j_start + BLOCK_H, H)
+        p_stop = j_stop
+        initial = count == 0
+    else:
+        j_start = 0
+        j_stop = H
+        p_stop = P
+        initial = first == 0
+    return j_start, j_stop, p_stop, initial
+
+
+@triton.jit
 def rnn_forward(xw, x_s0, x_s1, x_s2, h0, h0_s0, h0_s1, c0, c0_s0, c0_s1, w_hh, w_s0, w_s1, b_hh, b_s0,
                 w_hr, r_s0, r_s1, lengths, len_s0,
                 y, y_s0, y_s1, y_s2, h_n, hn_s0, hn_s1, c_n, cn_s0, cn_s1,
@@ -194,16 +213,7 @@ def rnn_forward(xw, x_s0, x_s1, x_s2, h0, h0_s0, h0_s1, c0, c0_s0, c0_s1, w_hh, 
     launch per step; a first launch with k_count = 0 writes the initial state)."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_mask = rows < B
-    if STEP_MODE:  # the state is the hidden size here (no projection): one block of both
-        j_start = tl.program_id(1) * BLOCK_H
-        j_stop = tl.minimum(j_start + BLOCK_H, H)
-        p_stop = j_stop
-        initial = k_count == 0
-    else:
-        j_start = 0
-        j_stop = H
-        p_stop = P
-        initial = k_first == 0
+    j_start, j_stop, p_stop, initial = column_span(k_count, k_first, H, P, STEP_MODE, BLOCK_H)
     n = lengths_of(lengths, len_s0, rows, row_mask, T, HAS_LENGTHS, BLOCK_B)
     if initial:
         write_initial_state(h0, h0_s0, h0_s1, c0, c0_s0, c0_s1, h_n, hn_s0, hn_s1, c_n, cn_s0, cn_s1,
@@ -302,16 +312,7 @@ def rnn_backward(xw, x_s0, x_s1, x_s2, w_hh, w_s0, w_s1, b_hh, b_s0, w_hr, r_s0,
     the carries' initial values."""
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_mask = rows < B
-    if STEP_MODE:  # the state is the hidden size here (no projection): one block of both
-        j_start = tl.program_id(1) * BLOCK_H
-        j_stop = tl.minimum(j_start + BLOCK_H, H)
-        p_stop = j_stop
-        initial = back_count == 0
-    else:
-        j_start = 0
-        j_stop = H
-        p_stop = P
-        initial = back_first == 0
+    j_start, j_stop, p_stop, initial = column_span(back_count, back_first, H, P, STEP_MODE, BLOCK_H)
     n = lengths_of(lengths, len_s0, rows, row_mask, T, HAS_LENGTHS, BLOCK_B)
     if initial:
         for p0 in range(j_start, p_stop, BLOCK_H):

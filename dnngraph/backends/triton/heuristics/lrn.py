@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from ....errors import UnsupportedError
 from ....target import Target
 from .layout import INT32_LIMIT
-from .pooling import AXIS_NAMES, PoolingConfig, rank, tile_axes
+from .pooling import AXIS_NAMES, PoolingConfig, TiledWindows, rank, tile_axes
 
 # Additions of the window sums past which the unrolled kernel would be too long to compile
 # well: LRN up to size 64 in its backward, a 2D divisive window up to 11x11, a 3D one up to 5.
@@ -24,7 +24,7 @@ LIVE_VALUES_PER_THREAD = 64
 
 
 @dataclass(frozen=True)
-class LrnSchedule:
+class LrnSchedule(TiledWindows):
     """What codegen needs to write one kernel; the field names are those pooling's kernel writer reads."""
 
     backward: bool
@@ -44,27 +44,8 @@ class LrnSchedule:
         return self.x_dims
 
     @property
-    def cols(self) -> int:
-        return self.tile_dims[self.vector_axis]
-
-    @property
-    def rows(self) -> int:
-        count = 1
-        for axis in self.row_axes:
-            count *= self.tile_dims[axis]
-        return count
-
-    @property
-    def programs(self) -> int:
-        return -(-self.rows // self.config.block_rows) * -(-self.cols // self.config.block_cols)
-
-    @property
     def config_text(self) -> str:
-        names = AXIS_NAMES[len(self.x_dims)]
-        return (f"BLOCK_R={self.config.block_rows} BLOCK_C={self.config.block_cols} "
-                f"num_warps={self.config.num_warps} grid={self.programs} "
-                f"vector={names[self.vector_axis]} rows={''.join(names[a] for a in self.row_axes)}"
-                + (" int64-index" if self.index_64 else ""))
+        return self.tile_text()
 
 
 def _numel(dims) -> int:

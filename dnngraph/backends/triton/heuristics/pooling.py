@@ -48,8 +48,36 @@ class PoolingConfig:
     estimate_us: float  # model time
 
 
+class TiledWindows:
+    """The tile a windowed kernel's schedule lays out (pooling's, LRN's): `tile_dims` flattened
+    into rows (`row_axes`) and columns (`vector_axis`), in blocks of `config`'s rows and columns;
+    the subclass (a dataclass) holds those fields and x_dims, index_64."""
+
+    @property
+    def cols(self) -> int:
+        return self.tile_dims[self.vector_axis]
+
+    @property
+    def rows(self) -> int:
+        count = 1
+        for axis in self.row_axes:
+            count *= self.tile_dims[axis]
+        return count
+
+    @property
+    def programs(self) -> int:
+        return -(-self.rows // self.config.block_rows) * -(-self.cols // self.config.block_cols)
+
+    def tile_text(self) -> str:
+        names = AXIS_NAMES[len(self.x_dims)]
+        return (f"BLOCK_R={self.config.block_rows} BLOCK_C={self.config.block_cols} "
+                f"num_warps={self.config.num_warps} grid={self.programs} "
+                f"vector={names[self.vector_axis]} rows={''.join(names[a] for a in self.row_axes)}"
+                + (" int64-index" if self.index_64 else ""))
+
+
 @dataclass(frozen=True)
-class PoolingSchedule:
+class PoolingSchedule(TiledWindows):
     """Everything codegen needs to write one pooling kernel: problem, tile layout, config."""
 
     backward: bool
@@ -75,28 +103,8 @@ class PoolingSchedule:
         return self.x_dims if self.backward else self.y_dims
 
     @property
-    def cols(self) -> int:
-        return self.tile_dims[self.vector_axis]
-
-    @property
-    def rows(self) -> int:
-        count = 1
-        for axis in self.row_axes:
-            count *= self.tile_dims[axis]
-        return count
-
-    @property
-    def programs(self) -> int:
-        return -(-self.rows // self.config.block_rows) * -(-self.cols // self.config.block_cols)
-
-    @property
     def config_text(self) -> str:
-        names = AXIS_NAMES[len(self.x_dims)]
-        return (f"BLOCK_R={self.config.block_rows} BLOCK_C={self.config.block_cols} "
-                f"num_warps={self.config.num_warps} grid={self.programs} "
-                f"vector={names[self.vector_axis]} rows={''.join(names[a] for a in self.row_axes)}"
-                + (" int64-index" if self.index_64 else "")
-                + (" argmax=indices" if self.indexed else ""))
+        return self.tile_text() + (" argmax=indices" if self.indexed else "")
 
 
 def candidates(rows: int, cols: int, elements_per_thread: int = ELEMENTS_PER_THREAD) -> list[tuple[int, int, int]]:
