@@ -19,7 +19,6 @@ faster). The loss and the gradient are checked against torch native before timin
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.nn.functional as F
@@ -123,17 +122,9 @@ def run_case(name: str, case: tuple) -> list:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="CTC loss forward and forward+backward against torch; GPU only.")
-    parser.add_argument("--cases", default=",".join(CASES),
-                        help=f"comma-separated case names among {', '.join(CASES)} (default: all)")
-    args = parser.parse_args(argv)
-    names = [name for name in args.cases.split(",") if name]
-    unknown = [name for name in names if name not in CASES]
-    if unknown:
-        parser.error(f"unknown cases {unknown}; choose among {list(CASES)}")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_ctc.py needs a CUDA device")
-    from common import print_table, write_json
+    from common import gpu_case_names, print_table, write_json
+    names = gpu_case_names("CTC loss forward and forward+backward against torch; GPU only.", CASES, argv,
+                           "bench_ctc.py")
     rows = []
     for name in names:
         rows.extend(run_case(name, CASES[name]))

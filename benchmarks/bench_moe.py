@@ -19,7 +19,6 @@ that fails prints "n/a: <error>" in its cell.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
@@ -117,18 +116,9 @@ def run_case(name: str, case: tuple) -> list:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="MoE grouped GEMMs (bf16) against a cuBLAS loop and "
-                                                 "torch._grouped_mm; GPU only.")
-    parser.add_argument("--cases", default=",".join(CASES),
-                        help=f"comma-separated case names among {', '.join(CASES)} (default: all)")
-    args = parser.parse_args(argv)
-    names = [name for name in args.cases.split(",") if name]
-    unknown = [name for name in names if name not in CASES]
-    if unknown:
-        parser.error(f"unknown cases {unknown}; choose among {list(CASES)}")
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_moe.py needs a CUDA device")
-    from common import print_table, write_json
+    from common import gpu_case_names, print_table, write_json
+    names = gpu_case_names("MoE grouped GEMMs (bf16) against a cuBLAS loop and torch._grouped_mm; GPU only.", CASES, argv,
+                           "bench_moe.py")
     rows = []
     for name in names:
         rows.extend(run_case(name, CASES[name]))

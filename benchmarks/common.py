@@ -81,6 +81,22 @@ def rows_argument(rows: dict):
     return parse
 
 
+def gpu_case_names(description: str, cases: dict, argv, script: str) -> list:
+    """The case names a --cases command line selects among `cases` (default: all), in its
+    order; exits where a name is unknown or where no CUDA device runs `script`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--cases", default=",".join(cases),
+                        help=f"comma-separated case names among {', '.join(cases)} (default: all)")
+    args = parser.parse_args(argv)
+    names = [name for name in args.cases.split(",") if name]
+    unknown = [name for name in names if name not in cases]
+    if unknown:
+        parser.error(f"unknown cases {unknown}; choose among {list(cases)}")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} needs a CUDA device")
+    return names
+
+
 def family_parser(description: str, rows: dict, quick_help: str, item: str) -> argparse.ArgumentParser:
     """The options every family benchmark takes (rows, quick, only, anchors, budgets, cache, CPU
     check); `item` names what --only and --list-shapes select ("layers", "shapes")."""
