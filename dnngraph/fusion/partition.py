@@ -491,24 +491,25 @@ class _Partitioner:
         first_node = {i: min(self.position[n] for n in (g.nodes if g.origin is None else [g.origin]))
                       for i, g in enumerate(self.groups)}
         # a group that may overwrite a shared input in place runs after the readers ready with it
-        late = _may_overwrite_shared_inputs(self.groups)
+        late = _may_overwrite_shared_inputs(self.groups, self.views)
         ordered = group_dag.lexicographical_topological_sort(key=lambda i: (i in late, first_node[i]))
         return [self.groups[i] for i in ordered]
 
 
-def _may_overwrite_shared_inputs(groups) -> set:
+def _may_overwrite_shared_inputs(groups, views) -> set:
     """Indices of the groups that write a graph output of the dims and data type of a graph input
-    they read that another group reads too: an in-place binding of the two (runtime/in_place.py)
+    they read that another group reads too (itself, or through a view of it: readers are counted
+    by the memory they read, as runtime/in_place.py counts them): an in-place binding of the two
     runs only when every other reader comes first, so these are ordered after the readers that do
     not depend on them."""
     readers: dict = {}
     for group in groups:
         for tensor in group.inputs:
-            if tensor.is_input:
-                readers[tensor.uid] = readers.get(tensor.uid, 0) + 1
+            root = views.root_of(tensor.uid)
+            readers[root] = readers.get(root, 0) + 1
     late = set()
     for index, group in enumerate(groups):
-        shared = [t for t in group.inputs if t.is_input and readers[t.uid] > 1]
+        shared = [t for t in group.inputs if t.is_input and readers.get(t.uid, 0) > 1]
         if any(out.is_output and tuple(out.dim) == tuple(t.dim) and out.data_type is t.data_type
                for out in group.outputs for t in shared):
             late.add(index)
