@@ -451,7 +451,17 @@ def test_benchmark_shape_on_gpu(dtype):
     loss = fn(lp, *values[1:])
     loss.backward()
     cpu_values = tuple(v.cpu() for v in values)
-    # fp32 math over 500 frames; a bf16 loss and gradient are rounded once when stored (2^-9)
-    loss_tolerance, grad_tolerance = (2e-5, 2e-4) if dtype == dg.float32 else (8e-3, 8e-3)
+    # fp32 math over 500 frames; a bf16 loss and gradient are rounded once when stored (2^-9).
+    # The fp32 gradient's error is that of log-space alpha and beta near -2000 (an ulp 1.2e-4 a
+    # step, over hundreds of steps): torch's own fp32 ctc_loss is 4.2e-4 off the float64 one here
+    # (the interpreter runs this kernel's fp32 math 4.1e-4 off), so the yardstick is torch's fp32.
+    want_grad = _torch_gradient(cpu_values, torch.ones(1), reduction="mean")
+    if dtype == dg.float32:
+        fp32 = cpu_values[0].clone().requires_grad_()
+        F.ctc_loss(fp32, *cpu_values[1:], reduction="mean").backward()
+        yardstick = (fp32.grad.double() - want_grad).norm().item() / want_grad.norm().item()
+        loss_tolerance, grad_tolerance = 2e-5, 2e-4 + 2 * yardstick
+    else:
+        loss_tolerance, grad_tolerance = 8e-3, 8e-3
     _same(loss.detach(), _torch_loss(cpu_values, reduction="mean").reshape(1), loss_tolerance)
-    _same(lp.grad, _torch_gradient(cpu_values, torch.ones(1), reduction="mean"), grad_tolerance)
+    _same(lp.grad, want_grad, grad_tolerance)

@@ -5,7 +5,6 @@ rows with no open block, with the diagonal masks, padding, bias, dropout, GQA, a
 and backward (dK/dV per key block over the query blocks it opens, dQ, dbias); blocks the mask
 rules out are never visited (NaN there changes nothing); bad input gets a typed error; the
 sm_90 compile of the variants; GPU versions and a sparse-faster-than-dense check (marked gpu)."""
-import time
 
 import pytest
 import torch
@@ -467,24 +466,37 @@ def test_own_head_counts_gpu(heads):
     torch.cuda.synchronize()
 
 
-def _forward_seconds(density, repeats=10):
+def _bound_forward(density):
     # ~4.4 TFLOP when dense: the kernel, not the host, sets the time
     g, inputs = sparse_case((4, 32, 8192, 128), (32, 8192), dtype=torch.bfloat16, block_size=(128, 128),
                             density=density, device="cuda")
     outputs = run(g, inputs, device="cuda")
-    bound = {**inputs, **{t: outputs[t.name] for t in g.outputs()}}
-    g.execute(bound)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(repeats):
+    return g, {**inputs, **{t: outputs[t.name] for t in g.outputs()}}
+
+
+def _fastest_seconds(cases, samples=15):
+    """The fastest of `samples` CUDA-event timings of each (graph, bindings) in `cases`, the
+    cases taking turns: the suite runs many pytest workers on one GPU, whose kernels time-slice
+    with these; a mean (or one case timed after the other) measures the neighbours' load, the
+    fastest sample of interleaved runs the kernel."""
+    for g, bound in cases:  # warm: compiled, launchers prepared
         g.execute(bound)
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / repeats
+    best = [float("inf")] * len(cases)
+    for _ in range(samples):
+        for index, (g, bound) in enumerate(cases):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.execute(bound)
+            end.record()
+            end.synchronize()
+            best[index] = min(best[index], start.elapsed_time(end) / 1e3)
+    return best
 
 
 @pytest.mark.gpu
 def test_a_ten_percent_mask_is_measurably_faster_than_an_open_one_gpu():
     """Skipped blocks cost a mask read, not their loads and products: 10% density runs in well
     under half the time of an all-open mask."""
-    sparse, dense = _forward_seconds(0.1), _forward_seconds(1.1)
+    sparse, dense = _fastest_seconds([_bound_forward(0.1), _bound_forward(1.1)])
     assert sparse < 0.5 * dense, (sparse, dense)
