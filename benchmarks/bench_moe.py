@@ -117,8 +117,8 @@ def run_case(name: str, case: tuple) -> list:
 
 def main(argv=None):
     from common import gpu_case_names, print_table, write_json
-    names = gpu_case_names("MoE grouped GEMMs (bf16) against a cuBLAS loop and torch._grouped_mm; GPU only.", CASES, argv,
-                           "bench_moe.py")
+    names = gpu_case_names("MoE grouped GEMMs (bf16) against a cuBLAS loop and torch._grouped_mm; GPU only.",
+                           CASES, argv, "bench_moe.py")
     rows = []
     for name in names:
         rows.extend(run_case(name, CASES[name]))

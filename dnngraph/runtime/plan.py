@@ -34,9 +34,9 @@ COMPILE_THREADS = max(1, min(8, os.cpu_count() or 1))
 POINTER_ALIGNMENT = 16  # bytes; Triton specializes pointers on it (vectorized access)
 WORKSPACE_ALIGNMENT = 256
 READY_BINDING_SETS = 64  # checked binding sets a plan remembers (forgotten all at once past it)
-_data_ptr = operator.methodcaller("data_ptr")
+_data_ptr = operator.methodcaller("data_ptr")  # mapped over a call's values: no comprehension's frame
 # torch dtypes of block-scale types, bound to kernels as their bytes (dtypes.kernel_torch_dtype)
-BYTE_BOUND = frozenset(t.torch_dtype for t in dtypes.ALL_TYPES if t.is_block_scale_storage)  # mapped over a call's values: no comprehension's frame
+BYTE_BOUND = frozenset(t.torch_dtype for t in dtypes.ALL_TYPES if t.is_block_scale_storage)
 
 
 @dataclass(frozen=True)
