@@ -69,7 +69,7 @@ from bench_matmul import _short, timing_entries
 from bench_matmul_heuristics import (GOAL_GEOMEAN, GOAL_WORST, _cut, _finite, _fmt, _geomean, quality_of,
                                      run_within_budget, select)
 from common import print_table, rel_error, write_json
-from dnngraph.runtime.autotune import top_count
+from dnngraph.options import autotune_top_from_environment
 
 DGRAD_LAYERS = ("layer1.0.conv2", "layer2.1.conv2", "layer3.1.conv2", "layer4.1.conv2",  # 3x3 per stage
                 "layer2.0.conv2",  # 3x3 stride 2: four phases of 1x1, 1x2, 2x1 and 2x2 taps
@@ -408,6 +408,12 @@ def progress_text(row, tolerance) -> str:
         text += f" ({row['failed']} failed)"
     text += f", err {_error_cell(row, tolerance)}"
     return text + ("  WRONG: not counted" if row.get("status") == "wrong" else "")
+
+
+def top_count(candidates: int) -> int:
+    """How many of `candidates` the tuner times under this run's DNNGRAPH_AUTOTUNE_TOP."""
+    top = autotune_top_from_environment()
+    return candidates if top is None else min(candidates, top)
 
 
 def main(argv=None):

@@ -103,7 +103,7 @@ def family_parser(description: str, rows: dict, quick_help: str, item: str) -> a
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rows", type=rows_argument(rows), default=list(rows),
                         help=f"comma-separated rows (default all): {','.join(rows)}")
-    parser.add_argument("--quick", action="store_true", help=quick_help)
+    parser.add_argument("--quick", action="store_true", help=quick_help.replace("%", "%%"))  # argparse formats help
     parser.add_argument("--only", default="", help=f"comma-separated words: {item} whose label has one")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile anchors")
     parser.add_argument("--no-cudnn", action="store_true", help="skip the cuDNN frontend anchors")

@@ -3,7 +3,8 @@
 # ./gpu-out). Each stage runs under `timeout -s INT`, so pytest still prints its summary (the
 # failures, -rf) when the limit cuts it.
 #
-#   bash benchmarks/gpu_session.sh tests      # the GPU suite but the real models (~7 min on an H200)
+#   bash benchmarks/gpu_session.sh tests      # the GPU suite but the real models (~10 min on an H200)
+#   TESTS=tests/ops bash benchmarks/gpu_session.sh tests   # one part of it, when the whole outgrows a call
 #   bash benchmarks/gpu_session.sh models     # tests/models at realistic sizes, bf16 (~4 min vision)
 #   bash benchmarks/gpu_session.sh fuzz       # 1000 random graphs of every family
 #   bash benchmarks/gpu_session.sh gluon      # the Gluon backend's GPU tests (matmul, attention; opt-in)
@@ -24,7 +25,7 @@ limited() { timeout -s INT -k 60 "$LIMIT" "$@"; }
 failures() { grep -E "(FAILED|ERROR) tests/|^(FAILED|ERROR)|passed|failed" "$1" | sed -E 's/^\[gw[0-9]+\] \[ *[0-9]+%\] //' | sort -u | cut -c1-300 | tail -40; }
 case "$STAGE" in
   tests)
-    limited python3 -m pytest tests -m gpu -v -n 14 -rf --tb=short -p no:cacheprovider --ignore=tests/models \
+    limited python3 -m pytest ${TESTS:-tests} -m gpu -v -n 14 -rf --tb=short -p no:cacheprovider --ignore=tests/models \
       -W ignore --durations=10 > "$OUT/gpu-tests.txt" 2>&1
     failures "$OUT/gpu-tests.txt" ;;
   models)

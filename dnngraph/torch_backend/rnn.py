@@ -35,9 +35,10 @@ def _states(mode: str, hx: list):
     return (hx[0], hx[1]) if mode == "lstm" else hx[0]
 
 
-def _torch_layer(x, hx, params, mode, has_biases, num_layers, bidirectional, batch_first) -> list:
-    """[y, h_n(, c_n)] of torch's own layer (no dropout: the op is only made without it)."""
-    return list(_TORCH_LAYERS[mode](x, _states(mode, hx), params, has_biases, num_layers, 0.0, False,
+def _torch_layer(x, hx, params, mode, has_biases, num_layers, bidirectional, batch_first, train=False) -> list:
+    """[y, h_n(, c_n)] of torch's own layer (no dropout: the op is only made without it). `train`
+    for a layer to be differentiated: cuDNN's backward refuses a forward run in eval mode."""
+    return list(_TORCH_LAYERS[mode](x, _states(mode, hx), params, has_biases, num_layers, 0.0, train,
                                     bidirectional, batch_first))
 
 
@@ -72,7 +73,7 @@ def _torch_gradients(stream, x, hx, params, grads, mode, has_biases, num_layers,
     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), torch.enable_grad():
         leaves = [t.detach().requires_grad_(True) for t in [x] + list(hx) + list(params)]
         outputs = _torch_layer(leaves[0], leaves[1:1 + len(hx)], leaves[1 + len(hx):], mode, has_biases, num_layers,
-                               bidirectional, batch_first)
+                               bidirectional, batch_first, train=True)
         found = torch.autograd.grad(outputs, leaves, list(grads), allow_unused=True)
     return [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, found)]
 

@@ -337,10 +337,12 @@ import dnngraph as dg
 # three key blocks through the two-slot ring (its phases wrap), the causal diagonal, the stats
 from dnngraph.backends.gluon import attention_backend
 from dnngraph.runtime import plan_cache
+every_config = attention_backend.CONFIGS
 for head_dim, mask, pingpong in ((128, "causal", False), (64, "none", False), (128, "causal", True),
                                  (64, "causal_bottom_right", True)):
     attention_backend.CONFIGS = {{d: tuple(c for c in configs if c.pingpong == pingpong)
-                                 for d, configs in attention_backend.CONFIGS.items()}}
+                                 for d, configs in every_config.items()}}
+    assert all(attention_backend.CONFIGS.values()), (pingpong, attention_backend.CONFIGS)
     plan_cache.clear()
     g = graph("bf16", head_dim, mask, "gqa", stats=True, batch=1, s_q=200, s_kv=330)
     inputs = {{t.name: torch.randn(*t.dim, device="cuda").to(t.data_type.torch_dtype)

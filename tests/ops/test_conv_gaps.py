@@ -44,7 +44,7 @@ def test_asymmetric_padding_fprop_dgrad_wgrad(case, device="cpu"):
     x, w = g.tensor_like(x_t, name="x"), g.tensor_like(w_t, name="w")
     y = g.conv_fprop(x, w, stride=stride, dilation=dilation, pre_padding=pre, post_padding=post).set_output(True)
     assert list(y.dim) == list(want.shape) and y.producer.attrs.groups == groups  # inferred
-    outs = check(g, {x: x_t, w: w_t})
+    outs = check(g, {x: x_t, w: w_t}, device=device)
     torch.testing.assert_close(outs[y.name].double().cpu(), want.cpu(), rtol=1e-4, atol=1e-4)
 
     # the gradients of the padded convolution, by torch's autograd
@@ -57,7 +57,7 @@ def test_asymmetric_padding_fprop_dgrad_wgrad(case, device="cpu"):
     common = dict(stride=stride, dilation=dilation, pre_padding=pre, post_padding=post)
     dx = g2.conv_dgrad(dy, w2, x_dim, **common).set_output(True)
     dw = g2.conv_wgrad(dy, x2, w_dim, **common).set_output(True)
-    outs = check(g2, {dy: dy_t, w2: w_t, x2: x_t})
+    outs = check(g2, {dy: dy_t, w2: w_t, x2: x_t}, device=device)
     torch.testing.assert_close(outs[dx.name].double().cpu(), want_dx.cpu(), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outs[dw.name].double().cpu(), want_dw.cpu(), rtol=1e-4, atol=1e-4)
 

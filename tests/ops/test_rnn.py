@@ -350,7 +350,8 @@ def test_gpu_benchmark_shape_forward_and_backward(mode):
     ours = step(lambda leaves, params: fn(*leaves, *params), torch.bfloat16)
     theirs = step(cudnn, torch.bfloat16)
     exact = step(cudnn, torch.float64)
-    for got, yardstick, want in zip(ours[0] + list(ours[1]), theirs[0] + list(theirs[1]), exact[0] + list(exact[1])):
+    flat = [list(outputs) + list(grads) for outputs, grads in (ours, theirs, exact)]
+    for got, yardstick, want in zip(*flat, strict=True):
         assert rel_err(got, want) < 3 * rel_err(yardstick, want) + 1e-2
 
 
