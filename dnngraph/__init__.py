@@ -7,6 +7,7 @@ _check_installed_triton()  # before anything imports Triton or reads its interna
 from .runtime import interpreter as _interpreter  # noqa: F401  (chooses CUDA or the interpreter before kernels exist)
 from .dtypes import (DataType, bfloat16, float8_e4m3, float8_e5m2, float16, float32, int32, int64)
 from .dtypes import float4_e2m1, float8_e8m0
+from .dtypes import int8
 from .dtypes import bool_ as bool  # noqa: A001  (the public name is dg.bool)
 from .errors import (ExecutionError, GraphError, SerializationError, UnsupportedError,
                      ValidationError)
@@ -21,3 +22,4 @@ __all__ = [
     "float8_e5m2", "int32", "int64", "bool", "float4_e2m1", "float8_e8m0", "GraphError", "ValidationError", "UnsupportedError",
     "ExecutionError", "SerializationError", "BuildOptions", "Target", "jit",
 ]
+__all__ += ["int8"]

@@ -40,6 +40,10 @@ bfloat16 = DataType("bfloat16", torch.bfloat16, "tl.bfloat16", True)
 float8_e4m3 = DataType("float8_e4m3", torch.float8_e4m3fn, "tl.float8e4nv", True)
 float8_e5m2 = DataType("float8_e5m2", torch.float8_e5m2, "tl.float8e5", True)
 int32 = DataType("int32", torch.int32, "tl.int32", False)
+# int8: quantized operands of matmul and convolution (int32 accumulation) and requantized
+# outputs. A conversion to int8 saturates to [-128, 127] and rounds floats to nearest even (NaN
+# becomes 0), as cuDNN's int8 outputs do, not torch's truncating, wrapping `.to` (to_int8).
+int8 = DataType("int8", torch.int8, "tl.int8", False)
 int64 = DataType("int64", torch.int64, "tl.int64", False)
 bool_ = DataType("bool", torch.bool, "tl.int1", False)
 # Block-scale quantization types (OCP MX / NVFP4). Kernels address them as bytes: fp4 e2m1 packs
@@ -54,9 +58,24 @@ def narrower_than_compute(data_type: DataType) -> bool:
     return data_type.is_floating and data_type.itemsize < float32.itemsize
 
 
-ALL_TYPES = (float32, float16, bfloat16, float8_e4m3, float8_e5m2, int32, int64, bool_, float4_e2m1, float8_e8m0)
+ALL_TYPES = (float32, float16, bfloat16, float8_e4m3, float8_e5m2, int32, int64, bool_, float4_e2m1, float8_e8m0,
+             int8)
 _BY_NAME = {t.name: t for t in ALL_TYPES}
 _BY_TORCH = {t.torch_dtype: t for t in ALL_TYPES}
+
+
+INT8_RANGE = (-128, 127)
+
+
+def to_int8(value: torch.Tensor) -> torch.Tensor:
+    """`value` converted to int8 as kernels store it: saturated to [-128, 127], floats rounded to
+    nearest even first (torch.round), NaN to 0."""
+    low, high = INT8_RANGE
+    if value.is_floating_point():
+        value = torch.round(torch.nan_to_num(value.to(torch.float64), nan=0.0).clamp(low, high))
+    elif value.dtype != torch.bool:
+        value = value.clamp(low, high)
+    return value.to(torch.int8)
 
 
 def by_name(name: str) -> DataType:

@@ -1016,7 +1016,7 @@ class Graph:
                     value = self._ragged_reference(bindings, tensor, value)
                 values[tensor.uid] = value.to(dtype) if value.is_floating_point() else value
         for node in self._nodes:
-            inputs = [None if t is None else values[t.uid] for t in node.inputs]
+            inputs = [None if t is None else _widened(values[t.uid]) for t in node.inputs]
             typed = ([None if t is None else t.data_type for t in node.outputs],) if node.opdef.typed_reference else ()
             results = node.opdef.reference(inputs, node.attrs, *typed)
             for tensor, result in zip(node.outputs, results):
@@ -1106,6 +1106,12 @@ def _host_scalar(tensor: Tensor, value, device, error) -> torch.Tensor:
     return staged.fill_(value)
 
 
+def _widened(value: torch.Tensor) -> torch.Tensor:
+    """An op's reference input: int8 values as int32, as kernels hold them (codegen kind_of),
+    so integer math on them is exact instead of wrapping in int8."""
+    return value.to(torch.int32) if value.dtype == torch.int8 else value
+
+
 def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tensor:
     """A reference result as `tensor` holds it for its consumers: an integer or bool tensor in
     its own type, a graph output of floats rounded to its type, a virtual one as computed; floats
@@ -1115,6 +1121,8 @@ def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tenso
         return result.to(float_dtype)
     if data_type is dtypes.bool_:
         return result if result.dtype == torch.bool else result != 0
+    if data_type is dtypes.int8:
+        return dtypes.to_int8(result)
     if not data_type.is_floating:
         if result.is_floating_point():
             result = torch.trunc(result)

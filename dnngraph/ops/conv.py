@@ -5,12 +5,15 @@ flips the filter spatially.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from .. import dtypes
 from ..tensor import MAX_EXTENT
+from .matmul import check_int8_operands, exact_integer_product
 from .base import AnchorRule, OpDef, OutputSpec, backward_rule, choice, fail, freeze, int_tuple, integer, register
 
 MODES = ("cross_correlation", "convolution")
@@ -81,11 +84,21 @@ def output_dims(op, x_dim, w_dim, attrs: ConvAttrs) -> tuple[int, ...]:
 
 def infer_fprop(inputs, attrs):
     x, w = inputs
-    return [OutputSpec(output_dims("conv_fprop", x.dim, w.dim, attrs), layout_source=0)]
+    dim = output_dims("conv_fprop", x.dim, w.dim, attrs)
+    integer = check_int8_operands("conv_fprop", x, w, math.prod(w.dim[1:]))  # channels per group x taps
+    return [OutputSpec(dim, dtypes.int32 if integer else None, layout_source=0)]
+
+
+def _refuse_int8(op: str, inputs):
+    """int8 is an inference type here: conv_fprop takes it, the gradients do not."""
+    for tensor in inputs:
+        if tensor.data_type is dtypes.int8:
+            fail(op, f"{tensor.name!r} is int8; int8 operands are taken by conv_fprop (inference) only")
 
 
 def infer_dgrad(inputs, attrs):
     dy, w = inputs
+    _refuse_int8("conv_dgrad", inputs)
     expected = output_dims("conv_dgrad", attrs.shape, w.dim, attrs)
     if tuple(dy.dim) != expected:
         fail("conv_dgrad", f"dy must be {list(expected)} for x_dim {list(attrs.shape)}, got {list(dy.dim)}")
@@ -94,6 +107,7 @@ def infer_dgrad(inputs, attrs):
 
 def infer_wgrad(inputs, attrs):
     dy, x = inputs
+    _refuse_int8("conv_wgrad", inputs)
     expected = output_dims("conv_wgrad", x.dim, attrs.shape, attrs)
     if tuple(dy.dim) != expected:
         fail("conv_wgrad", f"dy must be {list(expected)} for w_dim {list(attrs.shape)}, got {list(dy.dim)}")
@@ -130,7 +144,10 @@ def _padded_dims(dims, attrs) -> list:
 def reference_fprop(values, attrs):
     x, w = values
     fn = (F.conv1d, F.conv2d, F.conv3d)[len(attrs.padding) - 1]
-    return [fn(_padded(x, attrs), _flip(w, attrs), **_args(attrs))]
+    convolve = lambda x, w: fn(_padded(x, attrs), _flip(w, attrs), **_args(attrs))
+    if not x.is_floating_point():  # int8 x int8: the exact int32 sum
+        return [exact_integer_product(convolve, x, w)]
+    return [convolve(x, w)]
 
 
 def reference_dgrad(values, attrs):

@@ -16,8 +16,13 @@ from ..tensor import contiguous_strides
 from ..errors import UnsupportedError
 from .base import AnchorRule, OpDef, OutputSpec, backward_rule, boolean, broadcast_dims, fail, freeze, register
 
-MATMUL_TYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.float8_e4m3, dtypes.float8_e5m2)
+MATMUL_TYPES = (dtypes.float32, dtypes.float16, dtypes.bfloat16, dtypes.float8_e4m3, dtypes.float8_e5m2,
+                dtypes.int8)
 FP8_TYPES = (dtypes.float8_e4m3, dtypes.float8_e5m2)
+# int8 x int8 sums in int32 (as cuDNN and the tensor cores do). One product is at most
+# (-128) * (-128) = 2^14, so a reduction of up to (2^31 - 1) // 2^14 = 131071 products never
+# overflows; a longer one could, and is refused rather than left to wrap.
+INT8_MAX_K = (2**31 - 1) // (128 * 128)
 
 
 @dataclass(frozen=True)
@@ -55,11 +60,39 @@ def infer(inputs, attrs: MatmulAttrs):
     batch = broadcast_dims("matmul", [("a batch", a.dim[:-2]), ("b batch", b.dim[:-2])]) \
         if len(a.dim) > 2 or len(b.dim) > 2 else ()
     dim = tuple(batch) + (a.dim[-2], b.dim[-1])
-    return [OutputSpec(dim, stride=contiguous_strides(dim))]
+    integer = check_int8_operands("matmul", a, b, a.dim[-1])
+    if integer and (scale_a is not None or scale_b is not None):
+        fail("matmul", "int8 operands take no scale_a / scale_b: scale the int32 result with mul nodes "
+                       "(per tensor or per channel), which fuse into the epilogue")
+    return [OutputSpec(dim, dtypes.int32 if integer else None, stride=contiguous_strides(dim))]
+
+
+def check_int8_operands(op: str, a, b, reduction: int) -> bool:
+    """Whether `op` multiplies int8 by int8 (its result is then the exact int32 sum); an int8
+    operand with a float one, or a reduction that could overflow int32, is a ValidationError."""
+    int8 = [t.data_type is dtypes.int8 for t in (a, b)]
+    if not any(int8):
+        return False
+    if not all(int8):
+        fail(op, f"int8 multiplies only int8 (int32 accumulation): {a.name!r} is {a.data_type.name}, "
+                 f"{b.name!r} is {b.data_type.name}; cast the other operand to int8 (quantize) or both to a float")
+    if reduction > INT8_MAX_K:
+        fail(op, f"int8 reduction of {reduction} products could overflow the int32 accumulator "
+                 f"(at most {INT8_MAX_K}: 2^31 / 128^2)")
+    return True
+
+
+def exact_integer_product(operation, *operands) -> torch.Tensor:
+    """The float64 reference of an int8 product as the kernel's int32 accumulator holds it: the
+    integer sum (every partial sum is an integer below 2^53, so float64 adds it exactly in any
+    order), as int64."""
+    return torch.round(operation(*(t.to(torch.float64) for t in operands))).to(torch.int64)
 
 
 def reference(values, attrs: MatmulAttrs):
     a, b, scale_a, scale_b = (list(values) + [None, None])[:4]
+    if not a.is_floating_point():  # int8 x int8 (the op allows no other integers)
+        return [exact_integer_product(torch.matmul, a, b)]
     result = torch.matmul(a, b)
     for scale in (scale_a, scale_b):
         if scale is not None:

@@ -140,6 +140,8 @@ def _cast(x, attrs):
     target = dtypes.by_name(attrs.data_type)
     if target is dtypes.bool_:
         return as_bool(x)
+    if target is dtypes.int8:  # saturating, floats rounded to nearest even (cuDNN's int8 outputs)
+        return dtypes.to_int8(x)
     if not target.is_floating:  # as torch converts: floats truncate toward zero, integers wrap
         return x.to(target.torch_dtype)
     x = as_float(x)  # rounded to the target, held in float64 (or x's own float type)

@@ -35,7 +35,7 @@ import math
 
 from dataclasses import dataclass
 
-from .emitter import SCALAR_AS_TILE, kind_of
+from .emitter import SCALAR_AS_TILE, load_conversion
 from .gemm import (LinearK, Loader, batch_offset, col_lines, converted, decompose_lines, prologue_tile, row_lines,
                    stride_name)
 from .pointwise import KernelArgument
@@ -222,7 +222,7 @@ class ActivationGather(Loader):
             mask = _and(valid if self._spans_rows(op) else "", k_mask if op.col_strides[0] else "")
             other = "0.0" if op.data_type.is_floating else "0"
             masked = f", mask={mask}, other={other}" if mask else SCALAR_AS_TILE  # a [1, 1] tile, not 0-d
-            cast = f".to({spec.compute})" if kind_of(op.data_type) == "f" else ""
+            cast = load_conversion(op.data_type, spec.compute)
             loads.append((op, f"tl.load({op.ident}_ptr + {self._offset(op)}{masked}){cast}"))
         # the padding and the channels past the group are zero after the prologue too
         prologue_tile(spec, w, "a", loads, self.prologue, self.target_uid, inside, self.dot_type)
@@ -332,7 +332,7 @@ class GradientLoader(Loader):
             spans_pixels = any(op.col_strides)
             masked = f", mask={k_mask}, other=0.0" if k_mask and spans_pixels else ""
             one = "" if (spans_pixels or op.row_strides[0]) else SCALAR_AS_TILE
-            cast = f".to({spec.compute})" if kind_of(op.data_type) == "f" else ""
+            cast = load_conversion(op.data_type, spec.compute)
             loads.append((op, f"tl.load({op.ident}_ptr + {self._offset(op)}{one}{masked}){cast}"))
         # pixels past the end are zero whatever the prologue maps zero to
         prologue_tile(spec, w, "a", loads, self.prologue, self.target_uid, k_mask, self.dot_type)

@@ -29,7 +29,7 @@ from typing import Optional
 
 from ..heuristics.pointwise import pow2_at_least
 from .conv import FilterShape
-from .emitter import ExpressionEmitter, kind_of
+from .emitter import ExpressionEmitter, kind_of, load_conversion
 from .grid import FOLDED_PID, folded_program_ids
 from .names import NameAllocator
 from ...contract import KernelSource
@@ -239,8 +239,9 @@ class _Writer:
         after = [m for m in masks if not set(m[1]) <= covered]
         masked = f", mask={_join(in_load, self.ndim, '&')}, other={other}" if in_load else ""
         if convert is None:
-            convert = self.spec.compute if kind_of(op.data_type) == "f" else ""
-        cast = f".to({convert})" if convert else ""
+            cast = load_conversion(op.data_type, self.spec.compute)
+        else:
+            cast = f".to({convert})" if convert else ""
         loaded = f"tl.load({pointer}{masked}){cast}"
         return f"tl.where({_join(after, self.ndim, '&')}, {loaded}, {other})" if after else loaded
 

@@ -39,10 +39,19 @@ SCALAR_AS_TILE = " + tl.zeros((1, 1), dtype=tl.int32)"
 
 
 def kind_of(data_type) -> str:
-    """The kind a value of `data_type` is held in once loaded: integers stay integers."""
+    """The kind a value of `data_type` is held in once loaded: integers stay integers (int8
+    widened to int32, so that math on it is exact as in torch's int32 promotion, never int8's wrap)."""
     if data_type is dtypes.bool_:
         return "b"
-    return {dtypes.int32: "i", dtypes.int64: "l"}.get(data_type, "f")
+    return {dtypes.int32: "i", dtypes.int64: "l", dtypes.int8: "i"}.get(data_type, "f")
+
+
+def load_conversion(data_type, compute: str) -> str:
+    """The conversion appended to a load of `data_type` to hold it in its kind (kind_of): floats
+    to the compute type, int8 widened to int32, other types as loaded."""
+    if kind_of(data_type) == "f":
+        return f".to({compute})"
+    return ".to(tl.int32)" if data_type is dtypes.int8 else ""
 
 
 def masked_epilogue(emitter, nodes, made: set, operands: dict, offset, outputs) -> list:
@@ -102,6 +111,8 @@ def as_stored_conversion(tensor, variable: str, have: str, compute: str):
     output of a float type is rounded to it through the same conversion its store makes."""
     data_type = tensor.data_type
     want = kind_of(data_type)
+    if data_type is dtypes.int8:  # held widened to int32, the value saturated as stored
+        return f"{converted_to(variable, have, data_type)}.to(tl.int32)", "i"
     if want != "f":
         if have == want:
             return None
@@ -183,8 +194,8 @@ class ExpressionEmitter:
         self.as_stored.add(tensor.uid)
 
     def loaded(self, load: str, data_type) -> str:
-        """The text of a load of `data_type`: floats convert to the compute type, others stay."""
-        return f"{load}.to({self.compute})" if kind_of(data_type) == "f" else load
+        """The text of a load of `data_type` held in its kind (load_conversion)."""
+        return load + load_conversion(data_type, self.compute)
 
     def stored(self, uid: int, data_type) -> str:
         """Tensor `uid` converted for a store to `data_type`: integers go straight to the

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of, store_statement
+from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of, load_conversion, store_statement
 from .grid import folded_program_ids
 from .names import NameAllocator
 from ...contract import KernelSource
@@ -292,7 +292,7 @@ def load(op: GemmOperand, rows, cols, mask: str, compute: str) -> str:
     pointer = f"{op.ident}_ptr + {offset_2d(op, rows, cols)}"
     other = "0.0" if op.data_type.is_floating else "0"
     masked = f", mask={mask}, other={other}" if mask else ""
-    cast = f".to({compute})" if kind_of(op.data_type) == "f" else ""
+    cast = load_conversion(op.data_type, compute)
     one_element = "" if mask else SCALAR_AS_TILE
     return f"tl.load({pointer}{one_element}{masked}){cast}"
 
@@ -383,16 +383,28 @@ def output_cols(spec) -> list:
 
 
 # --- the k loop -----------------------------------------------------------------------------------
+def accumulator_kind(spec) -> str:
+    """The emitter kind of the accumulator: "i" (int32) for an int8 dot, "f" (float32) else."""
+    return "i" if spec.problem.dot == "int8" else "f"
+
+
+def accumulator_type(spec) -> str:
+    """The Triton type of the accumulator (and of split-K partials): int8 x int8 products sum
+    exactly in int32 on the tensor cores (the ops refuse a K that could overflow it)."""
+    return "tl.int32" if accumulator_kind(spec) == "i" else "tl.float32"
+
+
 def _dot(spec) -> str:
     precision = f", input_precision=\"{spec.precision}\"" if spec.precision else ""
-    return f"acc = tl.dot(tile_a, tile_b, acc{precision})"
+    out_type = ", out_dtype=tl.int32" if accumulator_kind(spec) == "i" else ""
+    return f"acc = tl.dot(tile_a, tile_b, acc{precision}{out_type})"
 
 
 def k_loop(spec, w: Writer, k_range: str):
     """acc over the k steps `range(k_range)` of the current tile, through the two loaders."""
     spec.loader_a.tile_setup(spec, w)
     spec.loader_b.tile_setup(spec, w)
-    w("acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)", f"for kt in range({k_range}):")
+    w(f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={accumulator_type(spec)})", f"for kt in range({k_range}):")
     w.indent()
     if spec.loader_a.uses_k_offsets or spec.loader_b.uses_k_offsets:
         spec.k_walk.step(spec, w)
@@ -410,7 +422,7 @@ def _epilogue_body(spec, w: Writer, tma_outputs: frozenset):
         op = next(o for o in spec.operands if o.uid == uid)
         w(f"acc = acc * tl.load({op.ident}_ptr).to(tl.float32)")
     emitter = ExpressionEmitter(spec.compute, hint="e", names=spec.names, blends=spec.blends)
-    emitter.bind(spec.c_uid, "acc", "f")
+    emitter.bind(spec.c_uid, "acc", accumulator_kind(spec))
     w("mask = mask_m[:, None] & mask_n[None, :]")
     rows, cols = output_rows(spec), output_cols(spec)
     for op in spec.side("c"):
@@ -606,10 +618,10 @@ def _combine(spec, w: Writer):
     _tile_offsets(spec, w)
     w("mask = mask_m[:, None] & mask_n[None, :]",
       "partial = (batch * M + offs_m[:, None]) * N + offs_n[None, :]",
-      "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+      f"acc = tl.zeros((BLOCK_M, BLOCK_N), dtype={accumulator_type(spec)})",
       "for split in range(SPLIT_K):")
     w.indent()
-    w("acc += tl.load(partial_ptr + partial + split * batches * M * N, mask=mask, other=0.0)")
+    w("acc += tl.load(partial_ptr + partial + split * batches * M * N, mask=mask, other=0)")
     w.dedent()
     _epilogue_rows(spec, w)
     _epilogue_cols(spec, w)

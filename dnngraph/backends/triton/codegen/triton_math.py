@@ -266,3 +266,23 @@ def to_float8(x, FP8: tl.constexpr, FIRST_OVERFLOW: tl.constexpr, OVERFLOW_BITS:
     bits = tl.where(magnitude == float("inf"), (sign | INFINITY_BITS).to(tl.uint8), bits)
     bits = tl.where(x != x, (sign | NAN_BITS).to(tl.uint8), bits)
     return bits.to(tl.uint8).to(FP8, bitcast=True)
+
+
+ROUNDING_SHIFT = tl.constexpr(12582912.0)  # 1.5 * 2^23
+
+
+@triton.jit
+def float_to_int8(x):
+    # cuDNN's int8 conversion (dtypes.to_int8): saturate to [-128, 127], round to nearest even,
+    # NaN to 0. Clamping first keeps the value in range; adding and subtracting 1.5 * 2^23 then
+    # rounds it to an integer through the add's own rounding (nearest even: exact IEEE float32
+    # math, which the compiler may not reassociate), so the conversion to int8 is exact.
+    x = x.to(tl.float32)
+    clamped = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), -128.0), 127.0)
+    return ((clamped + ROUNDING_SHIFT) - ROUNDING_SHIFT).to(tl.int8)
+
+
+@triton.jit
+def saturate_int8(x):
+    # an integer to int8 saturates as cuDNN's int8 outputs do (Triton's conversion would wrap)
+    return tl.minimum(tl.maximum(x, -128), 127).to(tl.int8)

@@ -21,7 +21,7 @@ from typing import Optional
 
 from ....errors import UnsupportedError
 from ....target import Target
-from .matmul import MatmulConfig, MatmulProblem, MatmulSchedule, candidates as matmul_candidates, estimate
+from .matmul import MatmulConfig, MatmulProblem, MatmulSchedule, candidates as matmul_candidates, estimate, min_block_k
 
 # The activation gather computes a pixel's coordinates and padding mask per tap and loads
 # through masked pointers (no TMA): the model charges it against the matmul kernels' rate, per
@@ -88,7 +88,8 @@ def candidates(problem: ConvProblem, target: Target) -> list[MatmulConfig]:
     for config in matmul_candidates(problem.padded(1), target):
         if config.variant == "persistent":
             continue
-        block_ks = {config.block_k} | {k for k in NARROW_K if k < config.block_k and _pads_less(problem, k, config.block_k)}
+        block_ks = {config.block_k} | {k for k in NARROW_K if min_block_k(problem.dot) <= k < config.block_k
+                                       and _pads_less(problem, k, config.block_k)}
         for block_k in sorted(block_ks):
             narrowed = replace(config, block_k=block_k)
             found.setdefault(narrowed.key(), narrowed)

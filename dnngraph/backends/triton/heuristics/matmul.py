@@ -140,8 +140,10 @@ SMALL_M_TILES = ((16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 128, 64, 4, 4),
 #   fp8 x fp16|bf16    the 16-bit type (fp8 widens exactly to either)
 #   fp8 x fp32         bf16: fp8 widens exactly and fp32 rounds as in fp32 x bf16 (rounding an
 #                      unscaled fp32 operand to fp8 would keep 3 mantissa bits and overflow at 448)
+#   int8 x int8        int8 with int32 accumulation (exact); int8 never mixes with a float
+#                      (the ops refuse it: no conversion would keep the integer result exact)
 _DOT_OF_TYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float8_e4m3": "fp8",
-                "float8_e5m2": "fp8"}
+                "float8_e5m2": "fp8", "int8": "int8"}
 _TRITON_OF_DOT = {"fp32": "tl.float32", "tf32": "tl.float32", "fp16": "tl.float16", "bf16": "tl.bfloat16"}
 _MIXED_DOTS = {frozenset(("fp32", "bf16")): "bf16", frozenset(("fp32", "fp16")): "fp16",
                frozenset(("fp16", "bf16")): "bf16", frozenset(("fp8", "fp16")): "fp16",
@@ -155,7 +157,7 @@ class DotChoice:
 
     a_type: str
     b_type: str
-    dot: str  # "bf16" | "fp16" | "fp8" | "tf32" | "fp32"
+    dot: str  # "bf16" | "fp16" | "fp8" | "tf32" | "fp32" | "int8"
     precision: str  # "ieee" | "tf32" | ""
 
 
@@ -163,8 +165,8 @@ def choose_dot(a_type: str, b_type: str, a_triton: str, b_triton: str, allow_tf3
     """The dot of a matmul of `a_type` x `b_type` (dtype names; `*_triton` their Triton types),
     by the precision rule above. Raises KeyError for a type no matmul kernel takes."""
     a_dot, b_dot = _DOT_OF_TYPE[a_type], _DOT_OF_TYPE[b_type]
-    if a_type == b_type and a_dot == "fp8":
-        return DotChoice(a_triton, b_triton, "fp8", "")
+    if a_type == b_type and a_dot in ("fp8", "int8"):
+        return DotChoice(a_triton, b_triton, a_dot, "")
     if a_dot == b_dot == "fp8":  # e4m3 x e5m2: both widen exactly to fp16
         return DotChoice("tl.float16", "tl.float16", "fp16", "")
     if a_dot == b_dot == "fp32":
@@ -181,7 +183,7 @@ class MatmulProblem:
     m: int
     n: int
     k: int
-    dot: str  # "bf16" | "fp16" | "fp8" | "tf32" | "fp32"
+    dot: str  # "bf16" | "fp16" | "fp8" | "tf32" | "fp32" | "int8"
     a_bytes: int  # element sizes in memory
     b_bytes: int
     out_bytes: int  # bytes written and read per output element by the epilogue (stores, operands)
@@ -276,12 +278,24 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def _dot_bytes(problem: MatmulProblem) -> int:
-    return {"fp8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}[problem.dot]
+    return {"fp8": 1, "int8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}[problem.dot]
+
+
+# Dot types whose wgmma reads both operands K-major from shared memory (A [M, K] rows, B as
+# [N, K]): a descriptor of another layout cannot feed them (PTX wgmma: only 16-bit types transpose)
+K_MAJOR_DOTS = ("fp8", "tf32", "int8")
+
+
+def min_block_k(dot: str) -> int:
+    """The narrowest BLOCK_K tl.dot takes for a dot type: 32 for 8-bit operands (fp8, int8: the
+    NVIDIA backend's min_dot_size), 16 otherwise."""
+    return 32 if dot in ("fp8", "int8") else 16
 
 
 def _scaled_k(block_k: int, problem: MatmulProblem) -> int:
-    """BLOCK_K for the dot type: the same bytes per k step as 64 two-byte values."""
-    return max(16, block_k * 2 // _dot_bytes(problem))
+    """BLOCK_K for the dot type: the same bytes per k step as 64 two-byte values (128 for int8
+    and fp8, whose wgmma takes 32 bytes of K per instruction)."""
+    return max(min_block_k(problem.dot), block_k * 2 // _dot_bytes(problem))
 
 
 def _shrink(config_tile, problem: MatmulProblem):
@@ -292,7 +306,7 @@ def _shrink(config_tile, problem: MatmulProblem):
         bm //= 2
     while bn > 16 and bn // 2 >= problem.n:
         bn //= 2
-    while bk > 16 and bk // 2 >= problem.k:
+    while bk > min_block_k(problem.dot) and bk // 2 >= problem.k:
         bk //= 2
     return bm, bn, bk, warps, stages
 

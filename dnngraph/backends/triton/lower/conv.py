@@ -28,11 +28,12 @@ from ..codegen.conv import (ActivationGather, ConvGeometry, FilterLoader, Folded
                            GradientLoader, PixelGather, PixelWalk, TapWalk)
 from ..codegen.gemm import ExitPlan, GemmKernelSpec, GemmOperand, LinearK
 from ..codegen.matmul import DescriptorLoader, StridedLoader
+from .... import dtypes
 from ....errors import UnsupportedError
 from ..heuristics import conv as conv_heuristics
 from ..heuristics import matmul as matmul_heuristics
 from ..heuristics.layout import INT32_LIMIT, operand_strides
-from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot
+from ..heuristics.matmul import K_MAJOR_DOTS, MatmulConfig, MatmulProblem, choose_dot
 from .depthwise import build_depthwise, takes_depthwise
 from .gemm import GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
 from ....runtime.launch import KernelLaunch, element_span, kernel_name, scratch
@@ -139,7 +140,7 @@ class ConvBuild(GemmLaunches):
     @staticmethod
     def _dot(source, w, allow_tf32: bool):
         for t in (source.data_type, w.data_type):
-            if not t.is_floating:
+            if not t.is_floating and t is not dtypes.int8:
                 raise UnsupportedError(f"conv of {source.data_type.name} x {w.data_type.name}: no kernel takes "
                                        f"{t.name} operands")
         choice = choose_dot(source.data_type.name, w.data_type.name, source.data_type.triton_type,
@@ -210,7 +211,7 @@ class ConvBuild(GemmLaunches):
             capability = self.target.capability
             tma = (not self.prologue and not b_op.offset and tma_ok(a_op, a_layout, self.dot_a, capability)
                    and tma_ok(b_op, b_layout, self.dot_b, capability)
-                   and (dot not in ("fp8", "tf32") or (a_layout, b_layout) == ("row", "col")))
+                   and (dot not in K_MAJOR_DOTS or (a_layout, b_layout) == ("row", "col")))
             return MatmulProblem(self.groups, m, self.pose.filters, self.pose.channels, dot, a_bytes, b_bytes,
                                  out_bytes, tma, a_layout, b_layout, "conv1x1 " + epilogue, store_bytes)
         g = self.pose.geometry  # the tap shape too: two dgrad phases of one GEMM shape are tuned apart
@@ -390,9 +391,11 @@ def build_conv(graph, group, context) -> list[KernelLaunch]:
     the options' forced config: conv_config, matmul_config for a pose that is a matmul) or the
     autotuned one, within the workspace budget."""
     node, options = group.anchor, context.options
-    # one channel per group: direct kernels (lower/depthwise.py), whose stores do not blend; a
-    # blended output takes the GEMM kernels, which serve depthwise convs too
-    if takes_depthwise(group) and not any(t.blend is not None for t in group.outputs):
+    # one channel per group: direct kernels (lower/depthwise.py), whose stores do not blend and
+    # whose math is float; a blended output or int8 operands (int32 dots) take the GEMM kernels,
+    # which serve depthwise convs too
+    int8 = any(t.data_type is dtypes.int8 for t in node.inputs)
+    if takes_depthwise(group) and not int8 and not any(t.blend is not None for t in group.outputs):
         launches = build_depthwise(graph, group, context)
         if launches is not None:
             return launches  # else wgrad's partials exceed the workspace limit: the GEMM kernels run

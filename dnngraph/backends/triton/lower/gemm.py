@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from ..codegen.emitter import blends_of
 from ..codegen.gemm import EXIT_FOLD_BLOCK, ExitPlan, render
 from ....runtime.autotune import TuningRecord
@@ -159,7 +161,8 @@ class GemmLaunches:
                                                    grid(tiles, p.batch), config.num_warps, config.num_stages,
                                                    fallback.text, reason)
         elif split:
-            partial = scratch((config.split_k, p.batch, p.m, p.n))
+            # int32 partials of an int8 dot: the sum stays exact through the combine
+            partial = scratch((config.split_k, p.batch, p.m, p.n), torch.int32 if p.dot == "int8" else torch.float32)
             spec = self.spec(config, partial_uid=partial.uid, **common)
             launches.append(self._launch(spec, config.variant, grid(tiles, p.batch, config.split_k), config.num_warps,
                                          config.num_stages, text, reason, [partial]))
@@ -183,7 +186,7 @@ class GemmLaunches:
 
 
 def split_partial_bytes(config: MatmulConfig, problem) -> int:
-    """Workspace of a config's split-K partials (fp32 [SPLIT_K, batch, M, N])."""
+    """Workspace of a config's split-K partials (fp32, or int32 for an int8 dot: [SPLIT_K, batch, M, N])."""
     return config.split_k * problem.batch * problem.m * problem.n * 4 if config.split_k > 1 else 0
 
 

@@ -14,7 +14,7 @@ from ..codegen.gemm import GemmKernelSpec, GemmOperand, LinearK
 from ..codegen.matmul import DescriptorLoader, StridedLoader
 from ....errors import UnsupportedError
 from ..heuristics.layout import INT32_LIMIT, merged_stride, operand_strides
-from ..heuristics.matmul import MatmulConfig, MatmulProblem, choose_dot, schedule
+from ..heuristics.matmul import K_MAJOR_DOTS, MatmulConfig, MatmulProblem, choose_dot, schedule
 from .gemm import TMA_ALIGNMENT, GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
 from ....runtime.launch import KernelLaunch, element_span, kernel_name
 
@@ -23,7 +23,7 @@ def _dot_types(a, b, allow_tf32: bool):
     """(dot type of A, of B, model name, input precision) for the matmul's input types: the
     precision rule lives in heuristics.matmul.choose_dot."""
     for t in (a.data_type, b.data_type):
-        if not t.is_floating:
+        if not t.is_floating and t is not dtypes.int8:
             raise UnsupportedError(f"matmul of {a.data_type.name} x {b.data_type.name}: no kernel takes "
                                    f"{t.name} operands")
     choice = choose_dot(a.data_type.name, b.data_type.name, a.data_type.triton_type, b.data_type.triton_type,
@@ -115,8 +115,8 @@ class MatmulBuild(GemmLaunches):
         b_layout = layout_of(b_op.row_stride, b_op.col_stride) if b_op else "strided"
         tma = (a_op is not None and b_op is not None and tma_ok(a_op, a_layout, self.dot_a, capability)
                and tma_ok(b_op, b_layout, self.dot_b, capability))
-        if dot in ("fp8", "tf32") and (a_layout, b_layout) != ("row", "col"):
-            tma = False  # fp8 and tf32 wgmma read both operands K-major from shared memory
+        if dot in K_MAJOR_DOTS and (a_layout, b_layout) != ("row", "col"):
+            tma = False  # fp8, int8 and tf32 wgmma read both operands K-major from shared memory
         epilogue_text = ",".join(x.op for x in group.epilogue + group.exits)
         store_bytes = sum(t.data_type.itemsize for t in stored_values)
         out_bytes = max(1, store_bytes + sum(t.data_type.itemsize for t in epilogue_reads
