@@ -1429,6 +1429,8 @@ def _form_refused(node) -> Optional[str]:
         weight = node.args[2] if node.target is aten.native_layer_norm.default else node.args[5]
         if weight is None:
             return "a layer norm without a weight"
+    if node.target not in INT8_PASSTHROUGH and _int8_made(node):
+        return _int8_made(node)
     if node.target in REFUSALS:
         return REFUSALS[node.target](node)
     return None
@@ -1610,3 +1612,29 @@ def _recurrent_backward(g, node, value):
 
 
 CONVERTERS[torch.ops.dnngraph.rnn_backward.default] = _recurrent_backward
+
+
+# --- int8 (issue 33): torch._int_mm, int8 x int8 -> int32 ------------------------------------------
+# int8 tensors are taken where their values pass through unchanged (views, copies) or feed
+# _int_mm; an op that makes int8 values stays in torch, because torch's int8 arithmetic and
+# `.to(torch.int8)` wrap (and truncate) while dnngraph's int8 stores saturate and round to nearest
+# even (dtypes.to_int8), as cuDNN's do.
+TENSOR_TYPES += (torch.int8,)
+INT8_PASSTHROUGH = VIEW_OPS | {aten.clone.default, aten._int_mm.default, aten.alias.default}
+
+
+def _int_mm(g, node, value):
+    """a [M, K] int8 @ b [K, N] int8 -> int32, exact (ops/matmul.py refuses a K that could wrap)."""
+    return g.matmul(value(node.args[0]), value(node.args[1]))
+
+
+def _int8_made(node) -> Optional[str]:
+    results = _result(node)
+    for result in results if isinstance(results, (tuple, list)) else (results,):
+        if isinstance(result, torch.Tensor) and result.dtype == torch.int8:
+            return ("an int8 result of an op other than a view: torch's int8 math and conversions wrap, "
+                    "dnngraph's int8 stores saturate")
+    return None
+
+
+CONVERTERS[aten._int_mm.default] = _int_mm
