@@ -17,6 +17,12 @@ One process, providers side by side per layer. Rows (one table each):
   depthwise  fprop + bias + relu, MobileNetV2 3x3 and ConvNeXt-T 7x7 depthwise layers, against
              torch eager and torch.compile
   other      fprop + bias + relu, a 3x3x3 3D conv and a kernel-3 1D conv, against eager and compile
+  int8       y = relu(conv(x8, w8) * scale + bias): int8 NHWC x and w, int32 accumulation, a
+             per-channel float scale (dequantization), bf16 y, on the ResNet-50 layers. torch has no
+             CUDA int8 convolution, so the anchors are the cuDNN frontend's int8 graph (conv_fprop
+             of INT8 tensors computing in INT32, then scale, bias and relu; layers cuDNN's int8
+             engines refuse, as C not a multiple of 4, print n/a) and, as the reference point,
+             cuDNN's bf16 conv of the same layer through torch (+ scale, bias, relu as eager ops)
 
 dnngraph providers: "dg" is g.build() (the heuristics' first choice); "dg tuned" is
 g.build(autotune=True), with --autotune. Throughput is TFLOP/s over 2*N*K*prod(output spatial)*
@@ -177,6 +183,8 @@ CPU_SHAPES = {  # tiny odd sizes for --check-cpu
               conv_shape("cpu stem 7x7/2", 2, 3, 6, (13, 11), 7, 2, 3)],
     "stats": [conv_shape("cpu 3x3", 2, 5, 6, 7, 3, 1, 1)],
     "depthwise": [conv_shape("cpu dw 3x3", 2, 6, 6, 7, 3, 1, 1, groups=6)],
+    "int8": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1), conv_shape("cpu 1x1", 3, 8, 4, 5, 1),
+             conv_shape("cpu grouped 3x3", 2, 8, 6, 6, 3, 1, 1, groups=2)],
     "other": [conv_shape("cpu 3d", 1, 3, 4, (4, 5, 6), 3, 1, 1, spatial=3),
               conv_shape("cpu 1d", 2, 5, 4, 11, 3, 1, 1, spatial=1)],
 }
@@ -239,6 +247,8 @@ ROWS = {
     "depthwise": RowSpec("depthwise", "fprop", "depthwise fprop + bias + relu", ("torch", "compile"),
                          ("torch",), 1.0),
     "other": RowSpec("other", "fprop", "3D and 1D fprop + bias + relu", ("torch", "compile"), ("torch",)),
+    "int8": RowSpec("int8", "int8", "ResNet-50 int8 fprop (int32 accumulate) * channel scale + bias, relu -> bf16",
+                    ("torch", "cudnn_fe"), ("cudnn_fe",)),
 }
 TITLES = {
     "fprop": {"torch": "cuDNN+sep", "compile": "compile", "cudnn_fe": "cuDNN FE"},
@@ -247,6 +257,7 @@ TITLES = {
     "stats": {"torch": "conv+BN", "compile": "compile conv+BN", "torch_sums": "conv+sums"},
     "depthwise": {"torch": "eager", "compile": "compile"},
     "other": {"torch": "eager", "compile": "compile"},
+    "int8": {"torch": "cuDNN bf16+sep", "cudnn_fe": "cuDNN FE int8"},
 }
 DG_PROVIDERS = {"dg": "dg", "dg_tuned": "dg tuned"}
 
@@ -292,12 +303,37 @@ def make_inputs(shape: ConvShape, device, dtype, seed=0) -> dict:
             "bias": normal((1, shape.k) + (1,) * shape.spatial, 0.5), "dy": normal(shape.y_dim)}
 
 
+def int8_inputs(shape: ConvShape, device, seed=1) -> dict:
+    """The int8 row's operands, channels-last: x8 and w8 over the whole int8 range, and a
+    per-channel float32 scale that brings y near N(0, 1) (a uniform int8 value has standard
+    deviation ~74, so one product ~5476, a sum of fan_in of them sqrt(fan_in) times that)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    fan_in = (shape.c // shape.groups) * math.prod(shape.kernel)
+    quantized = lambda dim: channels_last(torch.randint(-128, 128, dim, generator=gen, device=device,
+                                                        dtype=torch.int8))
+    spread = 0.5 + torch.rand((1, shape.k) + (1,) * shape.spatial, generator=gen, device=device)
+    return {"x8": quantized(shape.x_dim), "w8": quantized(shape.w_dim),
+            "scale": spread / (5476.0 * math.sqrt(fan_in))}
+
+
+def int8_references(shape: ConvShape, inputs, dtype) -> dict:
+    """y of the int8 row (the integer conv exact in float64, then the float epilogue) and, as flavour
+    "y_bf16", the same layer on the bf16 x and w the bf16 anchor convolves."""
+    conv = CONV[shape.spatial]
+    bias, scale = inputs["bias"].double(), inputs["scale"].double()
+    exact = conv(inputs["x8"].double(), inputs["w8"].double(), None, **shape.geometry())
+    bf16 = conv(inputs["x"].double(), inputs["w"].double(), None, **shape.geometry())
+    return {"y": (torch.relu(exact * scale + bias).to(dtype),), "y_bf16": (torch.relu(bf16 * scale + bias).to(dtype),)}
+
+
 def stat_axes(spatial: int) -> tuple:
     return (0,) + tuple(range(2, 2 + spatial))
 
 
 def references(op, shape: ConvShape, inputs, dtype) -> dict:
     """flavour -> tuple of reference outputs in `dtype` (one flavour per output set a provider makes)."""
+    if op == "int8":
+        return int8_references(shape, inputs, dtype)
     x, w = inputs["x"].to(dtype), inputs["w"].to(dtype)
     conv = CONV[shape.spatial]
     if op == "fprop":
@@ -349,6 +385,9 @@ def torch_provider(row: RowSpec, shape: ConvShape, inputs) -> Callable:
         return lambda: ((lambda: fn(x, shape.w_dim, dy, *geo)), None, "dw", {})
     if row.op == "stats":
         return lambda: ((lambda: conv_batchnorm(x, w, *geo)), None, "bn", {})
+    if row.op == "int8":  # the bf16 reference point: cuDNN's bf16 conv, then scale, bias, relu
+        scale = inputs["scale"].to(x.dtype)
+        return lambda: ((lambda: torch.relu(CONV[shape.spatial](x, w, None, *geo) * scale + bias)), None, "y_bf16", {})
     return lambda: ((lambda: conv_bias_relu(x, w, bias, *geo)), None, "y", {})
 
 
@@ -442,6 +481,23 @@ class CudnnConv:
         y = poisoned(shape.y_dim, nhwc_strides(shape.y_dim), BF16, "cuda")
         return self._finish(g, {X: x, W: w, B: bias, self._output(Y, y): y}), y
 
+    def int8_fprop_scale_bias_relu(self, shape: ConvShape, x8, w8, scale, bias):
+        """The int8 row's graph: INT8 x and w, conv computing in INT32, then float scale, bias and
+        relu into bf16 (the frontend's int8 conv tests' form; cuDNN wants NHWC, C a multiple of 4)."""
+        fe = self.fe
+        g = fe.pygraph(io_data_type=fe.data_type.INT8, intermediate_data_type=fe.data_type.FLOAT,
+                       compute_data_type=fe.data_type.INT32, handle=self.handle)
+        X = g.tensor(name="x", dim=list(x8.shape), stride=list(x8.stride()), data_type=fe.data_type.INT8)
+        W = g.tensor(name="w", dim=list(w8.shape), stride=list(w8.stride()), data_type=fe.data_type.INT8)
+        S = g.tensor(name="scale", dim=list(scale.shape), stride=list(scale.stride()), data_type=fe.data_type.FLOAT)
+        B = self._tensor(g, "bias", bias)
+        conv = g.conv_fprop(image=X, weight=W, compute_data_type=fe.data_type.INT32, name="conv",
+                            **self._geometry(shape))
+        scaled = g.mul(a=conv, b=S, compute_data_type=fe.data_type.FLOAT, name="dequant")
+        Y = g.relu(input=g.bias(input=scaled, bias=B, name="bias_add"), name="relu")
+        y = poisoned(shape.y_dim, nhwc_strides(shape.y_dim), BF16, "cuda")
+        return self._finish(g, {X: x8, W: w8, S: scale, B: bias, self._output(Y, y): y}), y
+
     def dgrad(self, shape: ConvShape, dy, w):
         g = self._graph()
         DY, W = self._tensor(g, "dy", dy), self._tensor(g, "w", w)
@@ -464,6 +520,10 @@ def cudnn_provider(row: RowSpec, shape: ConvShape, inputs, frontend: Optional[Cu
         if row.op == "fprop":
             run, out = frontend.fprop_bias_relu(shape, inputs["x"], inputs["w"], inputs["bias"])
             return run, (lambda: out), "y", {}
+        if row.op == "int8":
+            run, out = frontend.int8_fprop_scale_bias_relu(shape, inputs["x8"], inputs["w8"], inputs["scale"],
+                                                           inputs["bias"])
+            return run, (lambda: out), "y", {}
         if row.op == "dgrad":
             run, out = frontend.dgrad(shape, inputs["dy"], inputs["w"])
             return run, (lambda: out), "dx", {}
@@ -473,22 +533,25 @@ def cudnn_provider(row: RowSpec, shape: ConvShape, inputs, frontend: Optional[Cu
 
 
 # --- dnngraph ------------------------------------------------------------------------------------
-OUTPUT_NAMES = {"fprop": ("y",), "dgrad": ("dx",), "wgrad": ("dw",), "stats": ("y", "sum", "sq_sum")}
-FLAVOUR = {"fprop": "y", "dgrad": "dx", "wgrad": "dw", "stats": "stats"}
+OUTPUT_NAMES = {"fprop": ("y",), "dgrad": ("dx",), "wgrad": ("dw",), "stats": ("y", "sum", "sq_sum"), "int8": ("y",)}
+FLAVOUR = {"fprop": "y", "dgrad": "dx", "wgrad": "dw", "stats": "stats", "int8": "y"}
+GRAPH_INPUTS = {"dgrad": ("dy", "w"), "wgrad": ("dy", "x"), "stats": ("x", "w"), "int8": ("x8", "w8", "scale", "bias")}
 
 
 def dg_graph(op, shape: ConvShape, inputs, io_type, name="conv"):
     """(graph, bindings of its inputs, its outputs): the dnngraph graph of one row's op."""
     g = dg.Graph(name=name, io_data_type=io_type, intermediate_data_type=dg.float32,
                  compute_data_type=dg.float32)
-    bound = {key: g.tensor_like(inputs[key], name=key) for key in
-             {"dgrad": ("dy", "w"), "wgrad": ("dy", "x"), "stats": ("x", "w")}.get(op, ("x", "w", "bias"))}
+    bound = {key: g.tensor_like(inputs[key], name=key) for key in GRAPH_INPUTS.get(op, ("x", "w", "bias"))}
     geometry = dict(padding=list(shape.padding), stride=list(shape.stride), dilation=list(shape.dilation),
                     groups=shape.groups)
     if op == "dgrad":
         outputs = [g.conv_dgrad(bound["dy"], bound["w"], x_dim=list(shape.x_dim), **geometry)]
     elif op == "wgrad":
         outputs = [g.conv_wgrad(bound["dy"], bound["x"], w_dim=list(shape.w_dim), **geometry)]
+    elif op == "int8":  # int32 accumulator -> float32 epilogue: per-channel scale, bias, relu
+        y = g.conv_fprop(bound["x8"], bound["w8"], **geometry)
+        outputs = [g.relu(g.add(g.mul(y, bound["scale"]), bound["bias"]))]
     else:
         y = g.conv_fprop(bound["x"], bound["w"], **geometry)
         outputs = [y, *g.genstats(y)] if op == "stats" else [g.relu(g.add(y, bound["bias"]))]
@@ -570,6 +633,8 @@ def run_case(row: RowSpec, shape: ConvShape, ctx: Context) -> dict:
     """Every provider of `row` on one layer: anchors first (a faulting dnngraph kernel then leaves
     them measured), then the heuristics build before the tuned one (which may cache a winner)."""
     inputs = make_inputs(shape, ctx.device, ctx.dtype)
+    if row.op == "int8":
+        inputs.update(int8_inputs(shape, ctx.device))
     refs = references(row.op, shape, inputs, ctx.ref_dtype)
     anchors = {"torch": lambda: torch_provider(row, shape, inputs),
                "compile": lambda: compile_provider(row, shape, inputs, ctx),

@@ -578,21 +578,38 @@ DTYPE_CASES = [
     ("fp32 IEEE", F32, F32, "row", False, F32),
     ("fp32 x bf16", F32, BF16, "row", False, BF16),
     ("bf16 x fp32", BF16, F32, "row", False, BF16),
+    # int8 x int8 -> int32 (TOPS in the TFLOP/s columns), B K-major as cuBLASLt's int8 GEMM takes it
+    ("int8", torch.int8, torch.int8, "col", False, torch.int32),
 ]
 # (anchor label, torch function of (a, b), allow_tf32 in torch) per case label
-DTYPE_TOLERANCE = {"tf32": 2e-3, "fp32": 2e-5, "bf16": 1.6e-2, "fp16": 2e-3}
+DTYPE_TOLERANCE = {"tf32": 2e-3, "fp32": 2e-5, "bf16": 1.6e-2, "fp16": 2e-3, "int8": 0.0}
+INT8_CPU_SHAPES = [(33, 47, 29), (17, 40, 64), (1, 24, 40)]
 
 
-def _dtype_inputs(m, n, k, a_type, b_type, b_layout, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    a = torch.randn(m, k, generator=gen, device="cuda").to(a_type)
-    b = (torch.randn(k, n, generator=gen, device="cuda") / math.sqrt(k))
+def _dtype_inputs(m, n, k, a_type, b_type, b_layout, seed=0, device="cuda"):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    if a_type == torch.int8:  # quantized operands: the whole int8 range
+        a = torch.randint(-128, 128, (m, k), generator=gen, device=device, dtype=torch.int8)
+        b = torch.randint(-128, 128, (k, n), generator=gen, device=device, dtype=torch.int8)
+        return a, (b.t().contiguous().t() if b_layout == "col" else b)
+    a = torch.randn(m, k, generator=gen, device=device).to(a_type)
+    b = (torch.randn(k, n, generator=gen, device=device) / math.sqrt(k))
     b = (b.t().contiguous().t() if b_layout == "col" else b).to(b_type)
     return a, b
 
 
+def _int8_anchor(a, b):
+    """torch's int8 GEMM (cuBLASLt int8 -> int32); _int_mm takes M > 16 and N, K multiples of 8
+    on the GPU: other shapes get the exact int64 product instead, which is no speed anchor."""
+    if a.shape[0] > 16 and a.shape[1] % 8 == 0 and b.shape[1] % 8 == 0:
+        return (lambda: torch._int_mm(a, b)), "torch._int_mm"
+    return (lambda: (a.long() @ b.long()).int()), "torch int64 mm (no _int_mm form)"
+
+
 def _dtype_anchor(label, a, b):
     """(torch callable, anchor name): what torch runs for the same problem."""
+    if label == "int8":
+        return _int8_anchor(a, b)
     if label in ("bf16", "fp16", "fp32 IEEE"):
         return (lambda: a @ b), "torch " + label
     if label.startswith("tf32"):
@@ -606,7 +623,8 @@ def _dg_matmul(a, b, allow_tf32, out_dtype, autotune):
     ta, tb = g.tensor_like(a, name="a"), g.tensor_like(b, name="b")
     c = g.matmul(ta, tb).set_output(True).set_name("c")
     g.build(autotune=autotune)
-    out = torch.full((a.shape[0], b.shape[1]), float("nan"), dtype=out_dtype, device="cuda")
+    poison = float("nan") if out_dtype.is_floating_point else -12345
+    out = torch.full((a.shape[0], b.shape[1]), poison, dtype=out_dtype, device=a.device)
     bindings = {ta: a, tb: b, c: out}
     return g, (lambda: g.execute(bindings)), out
 
@@ -920,9 +938,34 @@ def check_cpu(args):
     bad_refs = sum(not (r["reference_check"] <= 1e-5) for r in rows)
     print(f"\n{failures} dnngraph result(s) missing or past tolerance {TOLERANCE:g}; "
           f"{bad_refs} reference cross-check(s) past 1e-5")
-    if failures or bad_refs:
+    int8_failures = check_cpu_int8()
+    if failures or bad_refs or int8_failures:
         sys.exit(1)
     return rows
+
+
+def check_cpu_int8() -> int:
+    """The dtypes table's int8 row at tiny shapes through the interpreter: dnngraph's int32 product
+    (model choice and autotuned) bit-exact against torch's int8 GEMM on the CPU; the count of
+    mismatches."""
+    table, failures = [], 0
+    for m, n, k in INT8_CPU_SHAPES:
+        a, b = _dtype_inputs(m, n, k, torch.int8, torch.int8, "col", device="cpu")
+        anchor, anchor_name = _int8_anchor(a, b)
+        want = anchor()
+        cells = []
+        for autotune in (False, True):
+            g, run, out = _dg_matmul(a, b, False, torch.int32, autotune)
+            run()
+            same = torch.equal(out, want)
+            failures += not same
+            cells += ["exact" if same else f"off by {(out.long() - want.long()).abs().max().item()} (!)",
+                      plan_summary(g.plan)["matmul_config"]]
+        table.append([f"{m}x{n}x{k}", anchor_name] + cells)
+    print_table("CPU check, int8 x int8 -> int32 (Triton interpreter) against torch",
+                ["M x N x K", "anchor", "dg heur", "dg heur config", "dg tuned", "dg tuned config"], table)
+    print(f"{failures} int8 result(s) not bit-exact")
+    return failures
 
 
 if __name__ == "__main__":
