@@ -15,6 +15,7 @@ their TTGIR and PTX hold (warp specialization, setmaxnreg, wgmma, TMA copies, sh
 import importlib
 import json
 import os
+import re
 import sys
 
 import torch
@@ -25,7 +26,7 @@ from triton.compiler import ASTSource
 from dnngraph.dtypes import kernel_torch_dtype
 
 POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
-                 torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv",
+                 torch.int64: "*i64", torch.bool: "*i1", torch.uint8: "*u8", torch.int8: "*i8", torch.float8_e4m3fn: "*fp8e4nv",
                  torch.float8_e5m2: "*fp8e5"}
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -54,6 +55,11 @@ def compile_launch(launch, dtypes: dict):
         from triton.experimental.gluon._runtime import GluonASTSource as source_type
     source = source_type(launch.kernel, signature, constexprs, attrs)
     return triton.compile(source, target=TARGET, options={"num_warps": launch.num_warps, **({"num_stages": launch.num_stages} if launch.num_stages else {})})
+
+
+def mma_instructions(ptx: str) -> list:
+    """The distinct wgmma / mma instructions of a kernel's PTX."""
+    return sorted(set(re.findall(r"(?:wgmma\.mma_async|mma\.sync)[\w.]*", ptx)))
 
 
 def _is_gluon(kernel) -> bool:
@@ -118,6 +124,8 @@ def main(spec: str):
                 raise SystemExit(1)
             if _is_gluon(launch.kernel):
                 print(f"facts {label} {json.dumps(facts(compiled))}")
+            else:  # which tensor-core instructions the kernel's dots became (int8: s32.s8.s8)
+                print(f"mma {label}: {' '.join(mma_instructions(compiled.asm['ptx'])) or '-'}")
             count += 1
     print(f"compiled {count} kernels for sm_90")
 

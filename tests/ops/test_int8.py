@@ -524,3 +524,40 @@ def test_gpu_int8_resnet_conv_layers_exact_and_requantized(layer, layout):
     refs = g.reference({tx: x, tw: w})
     assert torch.equal(out[y.name].cpu(), refs[y.name].cpu())
     assert torch.equal(out[q.name].cpu(), refs[q.name].cpu())
+
+
+# --- sm_90 compiles (no GPU needed) ----------------------------------------------------------------------
+def sm90_graphs():
+    """int8 kernels planned for the H100, for the sm_90 compile check: the model's persistent TMA
+    matmul (K-major B) with a dequant + requant epilogue, the tiled kernel over an N-major B,
+    split-K with its int32 partials and combine, an implicit-GEMM NHWC conv with its epilogue."""
+    h100 = dg.BuildOptions(target=dg.target.H100)
+    a, b_kmajor = quantized([512, 512]), quantized([256, 512]).t()
+    g, ta, tb, c = matmul_graph(a, b_kmajor)
+    scale = g.tensor(name="scale", dim=[1, 256], data_type=dg.float32)
+    g.mul(c, scale).set_output(True)
+    g.mul(c, 1.0 / 4096).set_output(True).set_data_type(dg.int8)
+    yield "persistent dequant+requant", g.build(options=h100)
+    g, ta, tb, c = matmul_graph(quantized([300, 256]), quantized([256, 200]))
+    c.set_output(True)
+    yield "tiled N-major B", g.build(options=dg.BuildOptions(target=dg.target.H100,
+                                                             matmul_config=mm.MatmulConfig("tiled", 128, 128, 128, 8, 3)))
+    yield "split-K", g.build(options=dg.BuildOptions(target=dg.target.H100,
+                                                     matmul_config=mm.MatmulConfig("split_k", 64, 64, 128, 4, 4, 2)))
+    g = dg.Graph(name="conv8", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[8, 64, 28, 28], stride=[50176, 1, 1792, 64], data_type=dg.int8)
+    w = g.tensor(name="w", dim=[64, 64, 3, 3], stride=[576, 1, 192, 64], data_type=dg.int8)
+    scale = g.tensor(name="scale", dim=[1, 64, 1, 1], data_type=dg.float32)
+    y = g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1])
+    g.relu(g.mul(y, scale)).set_output(True)
+    yield "conv NHWC", g.build(options=h100)
+
+
+def test_int8_kernels_compile_for_sm90():
+    from helpers import compiled_for_sm90
+    output = compiled_for_sm90("test_int8:sm90_graphs", timeout=500)
+    assert "compiled 5 kernels for sm_90" in output
+    # every main kernel's dot is the int8 tensor-core wgmma accumulating in int32
+    mma = [line for line in output.splitlines() if line.startswith("mma ") and "combine" not in line]
+    main = [line for line in mma if "wgmma" in line]
+    assert len(main) == 4 and all(".s32.s8.s8" in line for line in main), mma
