@@ -281,6 +281,22 @@ def test_int8_output_read_by_a_fused_consumer_sees_the_saturated_value():
     assert torch.equal(out[doubled.name], out[q.name].int() * 2)
 
 
+def test_quantization_of_a_float_operand_fuses_into_the_int8_matmul_loader():
+    """cast(x * 0.5, int8) feeding A: quantized at load (rounded, saturated: x reaches +-150), one
+    kernel, the int32 product exact."""
+    torch.manual_seed(16)
+    x = torch.randn(37, 70) * 100
+    x[0, :4] = torch.tensor([1.0, 3.0, -5.0, float("nan")])  # ties 0.5, 1.5, -2.5 and NaN
+    w = quantized([70, 19])
+    g = dg.Graph(name="dynamic_quant", io_data_type=dg.float32)
+    tx, tw = g.tensor_like(x, name="x"), g.tensor_like(w, name="w")
+    c = g.matmul(g.cast(g.mul(tx, 0.5), data_type=dg.int8), tw).set_output(True)
+    g.build()
+    assert len(g.plan.launches) == 1
+    out = exact(g, {tx: x, tw: w})[c.name]
+    assert torch.equal(out.long(), dtypes.to_int8(x * 0.5).long() @ w.long())
+
+
 def test_int8_graph_round_trips_through_json():
     a, b = quantized([5, 9]), quantized([9, 4])
     g, ta, tb, c = matmul_graph(a, b)
@@ -551,13 +567,17 @@ def sm90_graphs():
     y = g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1])
     g.relu(g.mul(y, scale)).set_output(True)
     yield "conv NHWC", g.build(options=h100)
+    g = dg.Graph(name="dynamic_quant", io_data_type=dg.float32)
+    x, w = g.tensor(name="x", dim=[256, 512]), g.tensor(name="w", dim=[512, 384], data_type=dg.int8)
+    g.matmul(g.cast(g.mul(x, 0.5), data_type=dg.int8), w).set_output(True)
+    yield "quantized at load", g.build(options=h100)
 
 
 def test_int8_kernels_compile_for_sm90():
     from helpers import compiled_for_sm90
     output = compiled_for_sm90("test_int8:sm90_graphs", timeout=500)
-    assert "compiled 5 kernels for sm_90" in output
+    assert "compiled 6 kernels for sm_90" in output
     # every main kernel's dot is the int8 tensor-core wgmma accumulating in int32
     mma = [line for line in output.splitlines() if line.startswith("mma ") and "combine" not in line]
     main = [line for line in mma if "wgmma" in line]
-    assert len(main) == 4 and all(".s32.s8.s8" in line for line in main), mma
+    assert len(main) == 5 and all(".s32.s8.s8" in line for line in main), mma
