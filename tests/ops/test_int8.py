@@ -319,13 +319,18 @@ def test_execute_refuses_a_float_tensor_bound_to_an_int8_input():
 
 # --- convolution -----------------------------------------------------------------------------------
 def conv_input(shape, layout):
+    """int8 values of logical `shape` stored NCHW, NHWC, or strided (every other channel of a
+    wider buffer, spatial axes transposed in memory)."""
+    if layout == "strided":
+        wide = quantized([shape[0], shape[1] * 2] + list(shape[2:][::-1]))
+        return wide[:, ::2].transpose(-1, -2) if len(shape) == 4 else wide[:, ::2]
     values = quantized(shape)
     if layout == "nhwc":
         return values.to(memory_format=torch.channels_last if len(shape) == 4 else torch.channels_last_3d)
     return values
 
 
-@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "strided"])
 @pytest.mark.parametrize("case", [
     dict(x=[2, 6, 9, 7], w=[8, 3, 3, 3], padding=[1, 2], stride=[2, 1], dilation=[1, 1], groups=2),
     dict(x=[1, 16, 6, 5], w=[12, 16, 3, 3], padding=[1, 1], stride=[1, 1], dilation=[2, 1], groups=1),
