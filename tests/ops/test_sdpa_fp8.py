@@ -320,28 +320,42 @@ def test_json_round_trip_runs():
 
 
 # --- sm_90 compiles -------------------------------------------------------------------------------------------
+def _gpu_lowered(label: str, g):
+    """(label, launches, dtypes) of the graph's one group lowered as for a GPU (its tiles), the
+    graph built here for the tensors' dtypes and groups."""
+    from types import SimpleNamespace
+    from dnngraph.backends.triton.lower.sdpa_fp8 import build_sdpa_fp8
+    from dnngraph.dtypes import kernel_torch_dtype
+    g.build()
+    (group,) = list(g.plan.groups)
+    launches = build_sdpa_fp8(g, group, SimpleNamespace(device=torch.device("cuda"), budget=None))
+    return f"{label} (GPU tiles)", launches, {t.uid: kernel_torch_dtype(t.data_type) for t in g.tensors}
+
+
 def sm90_graphs():
     """Each kernel form (both fp8 types, causal, GQA, the hybrid backward, fp8 and float outputs),
-    for tests/sm90_compile.py."""
+    with the interpreter's tiles and the GPU's, for tests/sm90_compile.py."""
     for dtype, label in ((E4M3, "e4m3"), (E5M2, "e5m2")):
         for causal in (False, True):
-            q = fp8_values((1, 4, 128, 64), dtype, 0)
-            k = fp8_values((1, 2, 128, 64), dtype, 1)
+            q = fp8_values((1, 4, 256, 128), dtype, 0)
+            k = fp8_values((1, 2, 256, 128), dtype, 1)
             g, _ = forward_graph(q, k, k, causal)
             g.build()
             yield f"forward {label} causal={causal}", g
-    tensors = backward_tensors(E4M3, E5M2, 1, 4, 2, 64, 64, 64, True)
+            yield _gpu_lowered(f"forward {label} causal={causal}", forward_graph(q, k, k, causal)[0])
+    tensors = backward_tensors(E4M3, E5M2, 1, 4, 2, 256, 256, 128, True)
     for grad_type in (None, dg.bfloat16):
         g = backward_graph(tensors, True, grad_type)
         g.build()
         yield f"backward hybrid grads={grad_type}", g
+        yield _gpu_lowered(f"backward hybrid grads={grad_type}", backward_graph(tensors, True, grad_type))
 
 
 def test_kernels_compile_for_sm90():
     """The interpreter skips Triton's type checks (fp8 dot operands, constexpr tuples): compile
     every kernel form for sm_90 in a process without the interpreter."""
     from helpers import compiled_for_sm90
-    assert "compiled 14 kernels for sm_90" in compiled_for_sm90("test_sdpa_fp8:sm90_graphs", timeout=900)
+    assert "compiled 28 kernels for sm_90" in compiled_for_sm90("test_sdpa_fp8:sm90_graphs", timeout=900)
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from . import triton_math as tm
 
-LOG2E: tl.constexpr = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
