@@ -103,8 +103,11 @@ def assert_matches(outputs: dict, refs: dict, device="cpu"):
             share = (steps > 0).double().mean().item() if steps.numel() else 0.0
             assert share <= FP8_FLIPS[device], f"{name}: {share:.3%} of codes one step off"
             continue
-        got, want = out.double()[finite], ref[finite]
-        err = (got - want).norm().item() / (want.norm().item() or 1.0)
+        # equal values (infinities too) are exact; the rest against the norm of the finite reference
+        got = out.double()
+        differ = finite & (got != ref)
+        scale = torch.where(torch.isfinite(ref), ref, 0.0).norm().item() or 1.0
+        err = (got[differ] - ref[differ]).norm().item() / scale
         assert err <= FLOAT_TOLERANCE[device], f"{name}: relative error {err:.3g}"
 
 
@@ -157,6 +160,24 @@ def test_forward_strided_bshd_layout():
     assert list(g.outputs()[0].stride) == [29 * 4 * 32, 32, 4 * 32, 1]  # o follows q's layout
     bindings.update(scale_tensors(forward_scales(dtype)))
     assert_matches(execute(g, bindings), g.reference(bindings))
+
+
+def test_forward_broadcast_kv_and_infinity():
+    """k and v broadcast over the batch (stride 0); an infinity in e5m2 v reaches o and amax_o
+    as in the reference (inf, or NaN where a P rounds to 0)."""
+    q = fp8_values((3, 2, 19, 16), E4M3, 50)
+    k = fp8_values((1, 1, 23, 16), E4M3, 51).expand(3, 1, 23, 16)
+    g, bindings = forward_graph(q, k, k, causal=True)
+    bindings.update(scale_tensors(forward_scales(E4M3)))
+    assert_matches(execute(g, bindings), g.reference(bindings))
+    q, k, v = (fp8_values((1, 2, 9 + i, 16), E5M2, 52 + i) for i in range(3))
+    v = fp8_values((1, 2, 10, 16), E5M2, 55)
+    v[0, 0, 4, 2] = float("inf")
+    g, bindings = forward_graph(q, k[:, :, :10], v, o_type=dg.float32)
+    bindings.update(scale_tensors(forward_scales(E5M2)))
+    outputs = execute(g, bindings)
+    assert torch.isinf(outputs["sdpa_fp8.o"][0, 0, :, 2]).any() and math.isinf(outputs["sdpa_fp8.amax_o"].item())
+    assert_matches(outputs, g.reference(bindings))
 
 
 def test_forward_amax_and_stats_values():
@@ -307,6 +328,19 @@ def test_head_dim_not_contiguous_is_unsupported():
     strided = fp8_values((1, 2, 16, 9), E4M3, 33).transpose(2, 3)  # head dim stride 9
     g, bindings = forward_graph(q, strided, strided)
     with pytest.raises(dg.UnsupportedError):
+        g.build()
+
+
+def test_head_offsets_past_int32_are_unsupported():
+    """One batch element spanning more than 2^31 elements (the kernels' int32 offsets) is refused
+    at build, before anything runs."""
+    g = dg.Graph()
+    q = g.tensor(name="q", dim=[1, 2, 8, 16], stride=[2**32, 2**31, 16, 1], data_type=dg.float8_e4m3)
+    k = g.tensor(name="k", dim=[1, 2, 8, 16], data_type=dg.float8_e4m3)
+    scales = [g.tensor(name=n, dim=[1, 1, 1, 1], data_type=dg.float32) for n in FORWARD_SCALES]
+    o, *_ = g.sdpa_fp8(q, k, k, *scales)
+    o.set_output(True)
+    with pytest.raises(dg.UnsupportedError, match="2\\^31"):
         g.build()
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import library as lib
 from . import triton_math as tm
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -81,11 +82,18 @@ def _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def _key_end(first_row, BLOCK_M: tl.constexpr, SKV, CAUSAL: tl.constexpr):
-    """The end of the keys any row of a query tile starting at first_row sees."""
-    if CAUSAL:
-        return tl.minimum(SKV, first_row + BLOCK_M)
-    return SKV
+def _key_end(first_row, SQ, SKV, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The end of the keys any row of a query tile starting at first_row sees (the bf16
+    kernels' rule, lib.key_range: causal is a right bound of 0, top-left)."""
+    _, hi, _, _ = lib.key_range(first_row, first_row + BLOCK_M - 1, 0, SQ, SKV, 0, 0, False, CAUSAL, False, BLOCK_N)
+    return hi
+
+
+@triton.jit
+def _first_query(first_key, SQ, SKV, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The first query tile that sees any key of the block starting at first_key (lib.query_range)."""
+    lo, _, _, _ = lib.query_range(first_key, 0, SQ, SKV, 0, 0, False, CAUSAL, BLOCK_M, BLOCK_N)
+    return lo
 
 
 @triton.jit
@@ -112,7 +120,7 @@ def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr,
     v_base = v_ptr + batch.to(tl.int64) * v_s0 + kv_head * v_s1
     qk_scale = tl.load(descale_q_ptr) * tl.load(descale_k_ptr) * (SCALE * LOG2E)
     scale_s = tl.load(scale_s_ptr)
-    key_end = _key_end(pid_m * BLOCK_M, BLOCK_M, SKV, CAUSAL)
+    key_end = _key_end(pid_m * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -204,7 +212,7 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
     dk_acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # causal: query i sees key j when j <= i, so the block's first key bounds the rows from below
-    first_row = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M if CAUSAL else 0
+    first_row = _first_query(pid_n * BLOCK_N, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N)
     for member in range(GROUP):
         head = kv_head * GROUP + member
         q_off = batch * q_s0 + head * q_s1
@@ -271,7 +279,7 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
     scale_dp = tl.load(scale_dp_ptr)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     amax_dp = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
-    for start_n in range(0, _key_end(pid_m * BLOCK_M, BLOCK_M, SKV, CAUSAL), BLOCK_N):
+    for start_n in range(0, _key_end(pid_m * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         key_in = keys < SKV
         k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,

@@ -12,6 +12,7 @@ import triton
 from ....errors import UnsupportedError
 from ....runtime.launch import kernel_name, launch_of, scratch
 from ....tensor import contiguous_strides
+from ..heuristics.layout import INT32_LIMIT
 from ..codegen.sdpa_fp8 import Fp8AttentionSpec, render, render_zero
 
 # fp8 tl.dot needs a reduction of at least 32 on sm_90 (and 16 on every other axis): every tile
@@ -82,12 +83,18 @@ def _roles(node, group, budget) -> tuple:
 
 
 def _check(node, roles: dict):
-    for role in ("q", "k", "v", "o", "do", "dq", "dk", "dv"):
+    for role in ("q", "k", "v", "o", "do", "stats", "dq", "dk", "dv"):
         tensor = roles.get(role)
-        if tensor is not None and tensor.stride[-1] != 1 and tensor.dim[-1] > 1:
+        if tensor is None:
+            continue
+        if role != "stats" and tensor.stride[-1] != 1 and tensor.dim[-1] > 1:
             # the fp8 tensor-core loads read rows of the head dim; a strided one would gather bytes
             raise UnsupportedError(f"node {node.name!r} ({node.op}): {role} must have stride 1 on its head dim, "
                                    f"got strides {list(tensor.stride)}")
+        # the kernels offset the batch in int64 and (head, row, column) in int32
+        if sum((size - 1) * abs(stride) for size, stride in zip(tensor.dim[1:], tensor.stride[1:])) > INT32_LIMIT:
+            raise UnsupportedError(f"node {node.name!r} ({node.op}): one batch element of {role} spans more than "
+                                   f"2^31 elements (dims {list(tensor.dim)}, strides {list(tensor.stride)})")
 
 
 def build_sdpa_fp8(graph, group, context) -> list:
