@@ -137,14 +137,14 @@ def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr,
     lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_i))
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    amax_s = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+    amax_s = tl.zeros([BLOCK_M], tl.int32)  # per row: few registers
     for start_n in range(0, key_end, BLOCK_N):  # P, exactly normalized, rounded to fp8, times v
         keys = start_n + tl.arange(0, BLOCK_N)
         k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
                          mask=(keys < SKV)[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
         scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
         probs = tl.math.exp2(scores - lse[:, None])
-        amax_s = tl.maximum(amax_s, magnitude_bits(probs, visible & row_in[:, None]))
+        amax_s = tl.maximum(amax_s, tl.max(magnitude_bits(probs, visible & row_in[:, None]), 1))
         v_cols = tl.load(v_base + keys[None, :] * v_s2 + cols_dv[:, None] * v_s3,
                          mask=(keys < SKV)[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
         acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), tl.trans(v_cols))
@@ -278,7 +278,7 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
     dp_scale = tl.load(descale_do_ptr) * tl.load(descale_v_ptr)
     scale_dp = tl.load(scale_dp_ptr)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    amax_dp = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+    amax_dp = tl.zeros([BLOCK_M], tl.int32)
     for start_n in range(0, _key_end(pid_m * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         key_in = keys < SKV
@@ -289,7 +289,7 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
         scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
         probs = tl.math.exp2(scores - lse[:, None])
         d_probs = tl.dot(do_tile, v_cols) * dp_scale
-        amax_dp = tl.maximum(amax_dp, magnitude_bits(d_probs, visible & row_in[:, None]))
+        amax_dp = tl.maximum(amax_dp, tl.max(magnitude_bits(d_probs, visible & row_in[:, None]), 1))
         d_scores = probs * (d_probs - delta[:, None]) * SCALE
         dq_acc += tl.dot(quantize(d_scores * scale_dp, q_ptr.dtype.element_ty, P_RULE), tl.trans(k_cols))
     d_q = dq_acc * (tl.load(descale_k_ptr) * tl.load(descale_dp_ptr))
