@@ -14,10 +14,14 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FORWARD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
 BACKWARD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
                    "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
-# float32 outputs: the kernels' float32 sums against float64 (CPU: interpreter; GPU: exp2
-# approximations and the tensor cores' order); fp8 outputs: the share of codes one step off
-FLOAT_TOLERANCE = {"cpu": 1e-5, "cuda": 1e-3}
-FP8_FLIPS = {"cpu": 0.002, "cuda": 0.01}
+# float32 outputs: the kernels' float32 sums against float64. On the GPU the fp8 tensor cores may
+# accumulate with fewer bits than float32 and exp2 is approximate: a P or dS landing beside a
+# rounding boundary then takes the neighbouring code (a share f of them, each off by an fp8 step
+# of ~6%, moves a sum of many keys by about 0.06 sqrt(f): 2e-3 at f = 1e-3), still far below
+# what a misplaced rounding point gives (fp8's own ~3%). fp8 outputs: the share of codes one
+# step off.
+FLOAT_TOLERANCE = {"cpu": 1e-5, "cuda": 5e-3}
+FP8_FLIPS = {"cpu": 0.002, "cuda": 0.02}
 
 
 def fp8_values(shape, dtype, seed: int, device="cpu", spread: float = 4.0):
