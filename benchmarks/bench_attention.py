@@ -1120,11 +1120,16 @@ class CudnnFp8Attention(CudnnAttention):
                           compute_data_type=fe.data_type.FLOAT, handle=self.handle)
 
     def _tensors(self, g, inputs: dict, names) -> dict:
+        """Graph tensors of the inputs; fp8 ones declared with dims, strides and FP8_E4M3 (older
+        frontends' tensor_like does not map torch's fp8 dtypes)."""
         tensors = {}
         for name in names:
-            tensors[name] = g.tensor_like(inputs[name])
-            if inputs[name].dtype == FP8:
-                tensors[name].set_data_type(self.fe.data_type.FP8_E4M3)
+            value = inputs[name]
+            if value.dtype == FP8:
+                tensors[name] = g.tensor(name=name, dim=list(value.shape), stride=list(value.stride()),
+                                         data_type=self.fe.data_type.FP8_E4M3)
+            else:
+                tensors[name] = g.tensor_like(value)
         return tensors
 
     def _typed(self, outputs: dict) -> dict:
