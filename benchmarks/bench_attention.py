@@ -1172,7 +1172,9 @@ def cudnn_fp8_provider(shape: AttnShape, inputs: dict, backward: bool, ctx) -> C
     def factory():
         if ctx.frontend is None:
             raise Skipped(f"cuDNN frontend {ctx.fe_note}")
-        frontend = CudnnFp8Attention(ctx.frontend.fe)
+        if not hasattr(ctx.frontend, "fp8"):  # one handle for every fp8 graph
+            ctx.frontend.fp8 = CudnnFp8Attention(ctx.frontend.fe)
+        frontend = ctx.frontend.fp8
         if backward:
             run, buffers = frontend.fp8_backward(shape, inputs)
             descales = [inputs[f"descale_{name}"] for name in GRADIENT_NAMES]
