@@ -63,9 +63,10 @@ def tiles_for(which: str, s_q: int, s_kv: int, on_cpu: bool) -> Fp8Tiles:
     return Fp8Tiles(_tile(s_q, cap_m), _tile(s_kv, cap_n), base.num_warps, base.num_stages)
 
 
-def _roles(node, group, budget) -> tuple:
+def _roles(node, group) -> tuple:
     """(role -> tensor, the workspace buffers made) for a node's inputs and outputs; roles are the
-    op's names lower-cased (dO -> do, scale_dQ -> scale_dq)."""
+    op's names lower-cased (dO -> do, scale_dQ -> scale_dq). A buffer holds a value of the graph,
+    not a config's optional scratch: the workspace limit does not cover it (workspace.py)."""
     names = node.opdef.input_names + node.opdef.output_names
     stored = {t.uid for t in group.outputs}
     roles, buffers = {}, []
@@ -74,8 +75,6 @@ def _roles(node, group, budget) -> tuple:
             continue
         if any(tensor is t for t in node.outputs) and tensor.uid not in stored:
             buffer = scratch(tensor.dim, tensor.data_type.torch_dtype)
-            if budget is not None:
-                budget.spend(buffer.nbytes)
             buffers.append(buffer)
             tensor = _Stored(buffer.uid, tuple(tensor.dim), contiguous_strides(tensor.dim), tensor.data_type)
         roles[name.lower()] = tensor
@@ -100,7 +99,7 @@ def _check(node, roles: dict):
 def build_sdpa_fp8(graph, group, context) -> list:
     """The zeroing launch and the kernels of one sdpa_fp8(_backward) node."""
     node = group.anchor
-    roles, buffers = _roles(node, group, context.budget)
+    roles, buffers = _roles(node, group)
     _check(node, roles)
     q, k, v = roles["q"], roles["k"], roles["v"]
     (_, heads, s_q, head_dim), (_, kv_heads, s_kv, _) = q.dim, k.dim
