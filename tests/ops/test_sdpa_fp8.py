@@ -403,6 +403,10 @@ def sm90_graphs():
             g.build()
             yield f"forward {label} causal={causal}", g
             yield _gpu_lowered(f"forward {label} causal={causal}", forward_graph(q, k, k, causal)[0])
+    g, _ = forward_graph(q, k, k, o_type=dg.bfloat16)  # a 16-bit o: the conversion store_as does
+    g.build()
+    yield "forward e5m2 o=bf16", g
+    yield _gpu_lowered("forward e5m2 o=bf16", forward_graph(q, k, k, o_type=dg.bfloat16)[0])
     tensors = backward_tensors(E4M3, E5M2, 1, 4, 2, 256, 256, 128, True)
     for grad_type in (None, dg.bfloat16):
         g = backward_graph(tensors, True, grad_type)
@@ -415,7 +419,7 @@ def test_kernels_compile_for_sm90():
     """The interpreter skips Triton's type checks (fp8 dot operands, constexpr tuples): compile
     every kernel form for sm_90 in a process without the interpreter."""
     from helpers import compiled_for_sm90
-    assert "compiled 28 kernels for sm_90" in compiled_for_sm90("test_sdpa_fp8:sm90_graphs", timeout=900)
+    assert "compiled 32 kernels for sm_90" in compiled_for_sm90("test_sdpa_fp8:sm90_graphs", timeout=900)
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------
