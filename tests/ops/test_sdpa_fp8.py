@@ -272,9 +272,11 @@ def test_backward_hybrid_e5m2_gradient_and_float32_outputs():
     assert all(outputs[f"sdpa_fp8_backward.amax_{n}"].item() > 0 for n in ("dQ", "dK", "dV", "dP"))
 
 
-def test_forward_then_backward_in_one_graph_and_as_function():
-    """o and stats of sdpa_fp8 feed sdpa_fp8_backward in one graph (o read as stored, e4m3),
-    run through as_function: every output against the reference of the whole graph."""
+@pytest.mark.parametrize("o_marked", [True, False], ids=["o output", "o virtual"])
+def test_forward_then_backward_in_one_graph_and_as_function(o_marked):
+    """o and stats of sdpa_fp8 feed sdpa_fp8_backward in one graph (o read as stored, e4m3, in the
+    workspace when not marked), run through as_function: every output against the reference of
+    the whole graph."""
     q = fp8_values((1, 4, 21, 16), E4M3, 60)
     k = fp8_values((1, 2, 27, 16), E4M3, 61)
     v = fp8_values((1, 2, 27, 16), E4M3, 62)
@@ -286,7 +288,7 @@ def test_forward_then_backward_in_one_graph_and_as_function():
                 for n in BACKWARD_SCALES}
     o, stats, _, _ = g.sdpa_fp8(tq, tk, tv, *forward.values(), is_inference=False, use_causal_mask=True)
     grads = g.sdpa_fp8_backward(tq, tk, tv, o, t_do, stats, *backward.values(), use_causal_mask=True)
-    for tensor in (o,) + grads:
+    for tensor in ((o,) if o_marked else ()) + grads:
         tensor.set_output(True)
     values = {**forward_scales(E4M3), **backward_scales(E4M3), "descale_o": 1.0 / 3.0}  # o's scale_o is 3
     bindings = {"q": q, "k": k, "v": v, "dO": d_o, **scale_tensors({n: values[n] for n in {**forward, **backward}})}
