@@ -24,7 +24,10 @@ Backward (o, dO and stats from the forward; dO may be either fp8 type):
 
 with amax_dQ, amax_dK, amax_dV the max |.| of dQ, dK, dV before the scale. dS is rounded to q's
 fp8 type. Every amax is over the elements the op defines (rows and keys inside the tensors;
-amax_s and amax_dP over the (query, key) pairs the mask lets through); NaN propagates into it.
+amax_s and amax_dP over the (query, key) pairs the mask lets through; the frontend's reference
+takes max |dP| over every pair); NaN propagates into it. A NaN or inf at a pair the mask hides
+reaches a product (as 0 * NaN) only where a kernel's tile holds the pair: the kernels skip the
+blocks a mask hides whole, while the reference multiplies the full matrices.
 Masks: use_causal_mask (key j visible to query i when j <= i, top-left).
 """
 from __future__ import annotations

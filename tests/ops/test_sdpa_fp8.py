@@ -272,6 +272,24 @@ def test_backward_hybrid_e5m2_gradient_and_float32_outputs():
     assert all(outputs[f"sdpa_fp8_backward.amax_{n}"].item() > 0 for n in ("dQ", "dK", "dV", "dP"))
 
 
+def test_backward_nan_in_d_o_propagates():
+    """A NaN in dO (every pair visible) makes its row of dq, every dk and dv's column of it NaN,
+    and amax_dP NaN, as the reference's sums do. (Under a mask, a NaN at a pair the mask hides
+    reaches the result only where a kernel's tile holds the pair, as 0 * NaN: ops/sdpa_fp8.py.)"""
+    tensors = backward_tensors(E4M3, E4M3, 1, 2, 2, 17, 19, 16, False)
+    tensors["dO"][0, 1, 9, 5] = float("nan")
+    g = backward_graph(tensors, False, grad_type=dg.float32)
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    outputs = execute(g, bindings)
+    d_q, d_v = outputs["sdpa_fp8_backward.dq"][0, 1], outputs["sdpa_fp8_backward.dv"][0, 1]
+    assert torch.isnan(d_q[9]).all() and not torch.isnan(d_q[:9]).any()
+    assert torch.isnan(outputs["sdpa_fp8_backward.dk"][0, 1]).all()
+    assert torch.isnan(d_v[:, 5]).all() and not torch.isnan(d_v[:, :5]).any()
+    assert not torch.isnan(outputs["sdpa_fp8_backward.dq"][0, 0]).any()  # the other head
+    assert math.isnan(outputs["sdpa_fp8_backward.amax_dP"].item())
+    assert_matches(outputs, g.reference(bindings))
+
+
 @pytest.mark.parametrize("o_marked", [True, False], ids=["o output", "o virtual"])
 def test_forward_then_backward_in_one_graph_and_as_function(o_marked):
     """o and stats of sdpa_fp8 feed sdpa_fp8_backward in one graph (o read as stored, e4m3, in the
