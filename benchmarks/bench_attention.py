@@ -1132,6 +1132,12 @@ class CudnnFp8Attention(CudnnAttention):
                 tensors[name] = g.tensor_like(value)
         return tensors
 
+    @staticmethod
+    def _fp8_mask(shape: AttnShape) -> dict:
+        """The fp8 rows' shapes are causal or unmasked: use_causal_mask, which every frontend's
+        sdpa_fp8 takes (the band arguments' names differ between releases)."""
+        return dict(use_causal_mask=shape.right_bound == 0)
+
     def _typed(self, outputs: dict) -> dict:
         for tensor, buffer in outputs.items():
             tensor.set_data_type(self.fe.data_type.FP8_E4M3 if buffer.dtype == FP8 else self.fe.data_type.FLOAT)
@@ -1144,7 +1150,7 @@ class CudnnFp8Attention(CudnnAttention):
         o, _, _, amax_o = g.sdpa_fp8(q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"],
                                      descale_k=t["descale_k"], descale_v=t["descale_v"], descale_s=t["descale_s"],
                                      scale_s=t["scale_s"], scale_o=t["scale_o"], generate_stats=False,
-                                     attn_scale=shape.scale, name="sdpa_fp8", **self._mask(shape))
+                                     attn_scale=shape.scale, name="sdpa_fp8", **self._fp8_mask(shape))
         out = torch.empty(inputs["q"].shape, dtype=FP8, device="cuda").fill_(float("nan"))
         amax = torch.full((1, 1, 1, 1), float("nan"), device="cuda")
         run = self._finish(g, {t[n]: inputs[n] for n in names}, self._typed({o: out, amax_o: amax}))
@@ -1159,7 +1165,7 @@ class CudnnFp8Attention(CudnnAttention):
                                     descale_o=t["descale_o"], descale_dO=t["descale_d_o"], descale_s=t["descale_s"],
                                     descale_dP=t["descale_dp"], scale_s=t["scale_s"], scale_dQ=t["scale_dq"],
                                     scale_dK=t["scale_dk"], scale_dV=t["scale_dv"], scale_dP=t["scale_dp"],
-                                    attn_scale=shape.scale, name="sdpa_fp8_backward", **self._mask(shape))
+                                    attn_scale=shape.scale, name="sdpa_fp8_backward", **self._fp8_mask(shape))
         buffers = tuple(torch.empty(inputs[n].shape, dtype=FP8, device="cuda").fill_(float("nan"))
                         for n in ("q", "k", "v"))
         amaxes = tuple(torch.full((1, 1, 1, 1), float("nan"), device="cuda") for _ in range(4))
