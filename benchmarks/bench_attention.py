@@ -13,6 +13,10 @@ One process, providers side by side per shape. Rows (one table each):
   bwd     dq, dk, dv of the same shapes, from the float32 reference's o and row log-sum-exp
   decode  Sq=1 against Skv=8192 (B64 H32/Hkv8 D128), contiguous K/V and paged (page 16, tables
           [B, 1, pages, 1] int32 of shuffled pages)
+  fp8_fwd, fp8_bwd  sdpa_fp8 and sdpa_fp8_backward, e4m3 (B2 H16 S2048 D128 non-causal and causal,
+          GQA H32/Hkv8 B4 S4096 causal) against dnngraph's bf16 kernel on the dequantized inputs and
+          the cuDNN frontend's sdpa_fp8 / sdpa_fp8_backward (through --cudnn-fe-path as the bf16
+          rows); outputs compared dequantized with the float attention of the dequantized inputs
 
 Anchors: torch SDPA with one backend forced each (sdpa_kernel: CUDNN_ATTENTION, FLASH_ATTENTION,
 EFFICIENT_ATTENTION; the window row passes them its dense boolean mask, and a backend that refuses a
@@ -49,6 +53,7 @@ only failures are graphs dnngraph cannot build yet, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -161,6 +166,10 @@ CPU_TRAINING = [attn("cpu gqa causal", 2, 4, 37, 16, hkv=2, causal=True),
                 attn("cpu sparse", 1, 2, 45, 16, density=0.4, block=16)]
 CPU_DECODE = [attn("cpu decode", 3, 4, 40, 16, hkv=2, s_q=1),
               attn("cpu decode paged", 3, 4, 40, 16, hkv=2, s_q=1, page=16)]
+FP8_SHAPES = [attn("fp8 2k", 2, 16, 2048, 128), attn("fp8 2k causal", 2, 16, 2048, 128, causal=True),
+              attn("fp8 gqa 4k causal", 4, 32, 4096, 128, hkv=8, causal=True)]
+CPU_FP8 = [attn("cpu fp8 gqa causal", 2, 4, 37, 16, hkv=2, causal=True), attn("cpu fp8", 1, 2, 45, 32)]
+QUICK += ("fp8 2k causal",)
 
 
 @dataclass(frozen=True)
@@ -171,6 +180,7 @@ class RowSpec:
     decode: bool
     goal_geomean: float  # dnngraph over the fastest anchor of each shape, geometric mean
     goal_min: float
+    fp8: bool = False  # e4m3 q, k, v (dO): sdpa_fp8 / sdpa_fp8_backward against their anchors
 
 
 ROWS = {  # issue 12's goals: >= 1.0x cuDNN (floors 0.85x forward, 0.8x backward); decode >= 85% of
@@ -179,9 +189,17 @@ ROWS = {  # issue 12's goals: >= 1.0x cuDNN (floors 0.85x forward, 0.8x backward
     "bwd": RowSpec("bwd", "attention backward (dq, dk, dv)", True, False, 1.0, 0.8),
     "decode": RowSpec("decode", "decode (Sq=1)", False, True, 0.85, 0.85),
 }
+# issue 31: fp8 forward and backward, e4m3, >= 1.0x the best anchor (the frontend's sdpa_fp8 where it runs)
+ROWS["fp8_fwd"] = RowSpec("fp8_fwd", "fp8 attention forward (e4m3 q, k, v, o; inference)", False, False, 1.0, 0.85,
+                          fp8=True)
+ROWS["fp8_bwd"] = RowSpec("fp8_bwd", "fp8 attention backward (e4m3 dq, dk, dv and amaxes)", True, False, 1.0, 0.8,
+                          fp8=True)
 TITLES = {"sdpa_cudnn": "SDPA cuDNN", "sdpa_flash": "SDPA flash", "sdpa_efficient": "SDPA mem-eff",
           "cudnn_fe": "cuDNN FE", "flex": "flex", "compile": "compile", "gather_sdpa": "gather+SDPA",
           "dg_triton": "dnngraph Triton", "dg": "dnngraph"}
+# the fp8 rows' anchors: dnngraph's bf16 kernel on the dequantized inputs, the frontend's sdpa_fp8
+TITLES.update({"dg_bf16": "dnngraph bf16", "cudnn_fe_fp8": "cuDNN FE fp8"})
+FP8_ANCHORS = ("dg_bf16", "cudnn_fe_fp8")
 SDPA_BACKENDS = {"sdpa_cudnn": "CUDNN_ATTENTION", "sdpa_flash": "FLASH_ATTENTION",
                  "sdpa_efficient": "EFFICIENT_ATTENTION"}
 
@@ -201,6 +219,8 @@ def anchors_of(shape: AttnShape) -> tuple:
 def row_shapes(key, args, cpu=False) -> list:
     """The shapes of row `key` after --quick and --only."""
     shapes = (CPU_DECODE if cpu else DECODE) if ROWS[key].decode else (CPU_TRAINING if cpu else TRAINING)
+    if ROWS[key].fp8:
+        shapes = CPU_FP8 if cpu else FP8_SHAPES
     if args.quick and not cpu:
         shapes = [s for s in shapes if s.label in QUICK]
     words = [w.strip() for w in args.only.split(",") if w.strip()]
@@ -690,6 +710,8 @@ def measure(factory: Callable, refs: dict, work: float, ctx: Context) -> dict:
 def run_case(row: RowSpec, shape: AttnShape, ctx: Context) -> dict:
     """Every provider of one shape: the reference, anchors, then dnngraph (a faulting kernel then
     leaves the anchors measured)."""
+    if row.fp8:
+        return run_fp8_case(row, shape, ctx)
     inputs = make_inputs(shape, ctx.device, ctx.dtype)
     refs = references(shape, inputs, ctx.ref_dtype, row.backward)
     if row.backward:  # the backward graphs start from the reference's o and stats
@@ -871,7 +893,8 @@ def list_shapes(args):
                         ["shape", "dims", "visible", "GB read" if row.decode else "GFLOP", "anchors"],
                         [[s.label, s.describe(), f"{s.visible_pairs() / (s.s_q * s.s_kv):.4f}",
                           f"{(s.kv_bytes if row.decode else s.work(row.backward)) / 1e9:.4g}",
-                          ", ".join(TITLES[a] for a in anchors_of(s))] for s in shapes])
+                          ", ".join(TITLES[a] for a in (FP8_ANCHORS if row.fp8 else anchors_of(s)))]
+                         for s in shapes])
 
 
 def run_gpu(args, cache_dir):
@@ -904,7 +927,7 @@ def timed_case(row: RowSpec, shape: AttnShape, ctx: Context, started: float) -> 
         case = run_case(row, shape, ctx)
     except Exception as error:  # noqa: BLE001 - the inputs or the reference of the shape failed
         case = {"label": shape.label, "shape": shape.describe(), "work": 0.0, "visible": 0.0,
-                **{p: _failed(error) for p in anchors_of(shape) + ("dg",)}}
+                **{p: _failed(error) for p in (FP8_ANCHORS if row.fp8 else anchors_of(shape)) + ("dg",)}}
     case["seconds"] = time.perf_counter() - start
     cells = [f"{TITLES[p]} {_cell(case[p])}" for p in case if p in TITLES]
     backends = (case.get("dg") or {}).get("backends")
@@ -954,7 +977,7 @@ def reference_verdict(case) -> str:
     value = case.get("reference_check")
     if value is None:
         return "unsupported"
-    return "ok" if value <= 1e-6 else "wrong"
+    return "ok" if value <= case.get("reference_tolerance", 1e-6) else "wrong"
 
 
 def reference_cell(case) -> str:
@@ -971,6 +994,232 @@ def cpu_cell(result) -> str:
     if result.get("status") == "ok":
         return f"err {result['rel_error']:.1e}" + ("" if result["checked"] else " (!)")
     return result["status"]
+
+
+# --- fp8 attention rows ----------------------------------------------------------------------------
+# q, k, v and dO are e4m3 with per-tensor scales from their amax (the frontend's samples' recipe:
+# scale = 448 / amax, descale its reciprocal); o, dq, dk, dv e4m3 at scales from the reference's
+# amaxes; scale_s 448 (P <= 1). Every provider is compared, dequantized, with the float attention of
+# the dequantized fp8 inputs (the bf16 anchor with its own inputs' rounding): the error is the fp8
+# rounding of P, dS and the outputs.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_TOLERANCE = {False: 8e-2, True: 1.2e-1}  # forward, backward
+GRADIENT_NAMES = ("dq", "dk", "dv")
+FP8_FORWARD_INPUTS = ("q", "k", "v", "descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+FP8_BACKWARD_INPUTS = ("q", "k", "v", "o", "d_o", "stats", "descale_q", "descale_k", "descale_v", "descale_o",
+                       "descale_d_o", "descale_s", "descale_dp", "scale_s", "scale_dq", "scale_dk", "scale_dv", "scale_dp")
+
+
+def _quantized(value: torch.Tensor) -> tuple:
+    """(fp8 value, its scale, its descale [1, 1, 1, 1] float32) of `value` at scale 448 / amax."""
+    scale = FP8_MAX / value.abs().max().float().clamp_min(1e-30)
+    return (value.float() * scale).to(FP8), scale.view(1, 1, 1, 1), (1.0 / scale).view(1, 1, 1, 1)
+
+
+def fp8_references(shape: AttnShape, dequantized: dict, dtype, backward: bool) -> dict:
+    """o, lse, max |dS| and the gradients of the dequantized inputs in `dtype`, one (batch, K/V head)
+    group at a time (dS = P (dP - delta) * scale, the value sdpa_fp8_backward rounds at scale_dP)."""
+    q, k, v, d_o = (dequantized[n].to(dtype) for n in ("q", "k", "v", "d_o"))
+    group, visible = shape.heads // shape.kv_heads, visible_mask(shape, q.device)
+    o = torch.empty(q.shape, dtype=dtype, device=q.device)
+    lse = torch.empty(q.shape[:3] + (1,), dtype=dtype, device=q.device)
+    grads = [torch.zeros(t.shape, dtype=dtype, device=q.device) for t in (q, k, v)]
+    ds_amax = torch.zeros((), dtype=dtype, device=q.device)
+    for b in range(shape.batch):
+        for kv_head in range(shape.kv_heads):
+            heads = slice(kv_head * group, (kv_head + 1) * group)
+            out, row_lse = attend(q[b, heads], k[b, kv_head], v[b, kv_head], visible, shape.scale)
+            o[b, heads], lse[b, heads] = out, row_lse
+            if not backward:
+                continue
+            scores = (q[b, heads] @ k[b, kv_head].transpose(-1, -2) * shape.scale).masked_fill(~visible, -math.inf)
+            probs = (scores - row_lse).exp()
+            delta = (out * d_o[b, heads]).sum(-1, keepdim=True)
+            d_scores = probs * (d_o[b, heads] @ v[b, kv_head].transpose(-1, -2) - delta) * shape.scale
+            ds_amax = torch.maximum(ds_amax, d_scores.abs().max())
+            grads[0][b, heads] = d_scores @ k[b, kv_head]
+            grads[1][b, kv_head] = (d_scores.transpose(-1, -2) @ q[b, heads]).sum(0)
+            grads[2][b, kv_head] = (probs.transpose(-1, -2) @ d_o[b, heads]).sum(0)
+    return {"o": (o,), "lse": lse, "ds_amax": ds_amax, "grads": tuple(grads) if backward else None}
+
+
+def fp8_inputs(shape: AttnShape, ctx: Context, backward: bool) -> tuple:
+    """(fp8 inputs and scales by name, dequantized inputs, references)."""
+    base = make_inputs(shape, ctx.device, F32)
+    inputs, dequantized = {}, {}
+    for name in ("q", "k", "v", "d_o"):
+        inputs[name], _, inputs[f"descale_{name}"] = _quantized(base[name])
+        dequantized[name] = inputs[name].float() * inputs[f"descale_{name}"]
+    refs = fp8_references(shape, dequantized, ctx.ref_dtype, backward)
+    one = torch.ones(1, 1, 1, 1, device=ctx.device)
+    inputs.update(scale_s=one * FP8_MAX, descale_s=one / FP8_MAX)
+    inputs["o"], inputs["scale_o"], inputs["descale_o"] = _quantized(refs["o"][0])
+    inputs["stats"] = refs["lse"].float()
+    if backward:
+        inputs["scale_dp"] = one * FP8_MAX / float(refs["ds_amax"])
+        inputs["descale_dp"] = 1.0 / inputs["scale_dp"]
+        for name, grad in zip(GRADIENT_NAMES, refs["grads"]):
+            _, inputs[f"scale_{name}"], inputs[f"descale_{name}"] = _quantized(grad)
+    return inputs, dequantized, refs
+
+
+def dg_fp8_graph(shape: AttnShape, inputs: dict, backward: bool) -> tuple:
+    """(graph, bindings, outputs with their descales): g.sdpa_fp8 or g.sdpa_fp8_backward."""
+    g = dg.Graph(name="sdpa_fp8_backward" if backward else "sdpa_fp8")
+    names = FP8_BACKWARD_INPUTS if backward else FP8_FORWARD_INPUTS
+    t = {name: g.tensor_like(inputs[name], name=name) for name in names}
+    mask = dict(use_causal_mask=shape.right_bound == 0)
+    if backward:
+        outputs = g.sdpa_fp8_backward(t["q"], t["k"], t["v"], t["o"], t["d_o"], t["stats"], t["descale_q"],
+                                      t["descale_k"], t["descale_v"], t["descale_o"], t["descale_d_o"],
+                                      t["descale_s"], t["descale_dp"], t["scale_s"], t["scale_dq"], t["scale_dk"],
+                                      t["scale_dv"], t["scale_dp"], attn_scale=shape.scale, **mask)
+        descales = [inputs[f"descale_{name}"] for name in GRADIENT_NAMES]
+    else:
+        outputs = g.sdpa_fp8(t["q"], t["k"], t["v"], t["descale_q"], t["descale_k"], t["descale_v"],
+                             t["descale_s"], t["scale_s"], t["scale_o"], is_inference=True, attn_scale=shape.scale,
+                             **mask)
+        descales = [inputs["descale_o"]]
+    for tensor in outputs:
+        if tensor is not None:
+            tensor.set_output(True)
+    bindings = {tensor: inputs[name] for name, tensor in t.items()}
+    return g, bindings, [o for o in outputs if o is not None], descales
+
+
+def dg_fp8_provider(shape: AttnShape, inputs: dict, backward: bool) -> Callable:
+    """dnngraph's sdpa_fp8(_backward); outputs compared dequantized."""
+    def factory():
+        g, bindings, outputs, descales = dg_fp8_graph(shape, inputs, backward)
+        start = time.perf_counter()
+        try:
+            g.build(options=BUILD_OPTIONS)
+        except dg.UnsupportedError as error:
+            raise NotBuilt(_short(error, 300)) from None
+        buffers = tuple(poisoned(t.dim, t.stride, t.data_type.torch_dtype, inputs["q"].device) for t in outputs)
+        bindings.update(zip(outputs, buffers))
+        launches = getattr(g.plan, "launches", None) or []
+        extra = {"build_s": time.perf_counter() - start, "launches": len(launches),
+                 "backends": sorted({launch.backend for launch in launches})}
+
+        def dequantized():
+            return tuple(buffer.float() * descale for buffer, descale in zip(buffers, descales))
+        return (lambda: g.execute(bindings)), dequantized, "grads" if backward else "o", extra
+    return factory
+
+
+class CudnnFp8Attention(CudnnAttention):
+    """The frontend's sdpa_fp8 / sdpa_fp8_backward graphs (its test/python/sdpa/fp8.py): e4m3 I/O,
+    float32 descales and scales, amax_o (and the backward's four amaxes) as outputs; amax_s is
+    not asked for (the frontend's own samples leave it out: some of its engines decline it)."""
+
+    def _graph(self):
+        fe = self.fe
+        return fe.pygraph(io_data_type=fe.data_type.FP8_E4M3, intermediate_data_type=fe.data_type.FLOAT,
+                          compute_data_type=fe.data_type.FLOAT, handle=self.handle)
+
+    def _tensors(self, g, inputs: dict, names) -> dict:
+        """Graph tensors of the inputs; fp8 ones declared with dims, strides and FP8_E4M3 (older
+        frontends' tensor_like does not map torch's fp8 dtypes)."""
+        tensors = {}
+        for name in names:
+            value = inputs[name]
+            if value.dtype == FP8:
+                tensors[name] = g.tensor(name=name, dim=list(value.shape), stride=list(value.stride()),
+                                         data_type=self.fe.data_type.FP8_E4M3)
+            else:
+                tensors[name] = g.tensor_like(value)
+        return tensors
+
+    @staticmethod
+    def _fp8_mask(shape: AttnShape) -> dict:
+        """The fp8 rows' shapes are causal or unmasked: use_causal_mask, which every frontend's
+        sdpa_fp8 takes (the band arguments' names differ between releases)."""
+        return dict(use_causal_mask=shape.right_bound == 0)
+
+    def _typed(self, outputs: dict) -> dict:
+        for tensor, buffer in outputs.items():
+            tensor.set_data_type(self.fe.data_type.FP8_E4M3 if buffer.dtype == FP8 else self.fe.data_type.FLOAT)
+        return outputs
+
+    def fp8_forward(self, shape: AttnShape, inputs) -> tuple:
+        names = FP8_FORWARD_INPUTS
+        g = self._graph()
+        t = self._tensors(g, inputs, names)
+        o, _, _, amax_o = g.sdpa_fp8(q=t["q"], k=t["k"], v=t["v"], descale_q=t["descale_q"],
+                                     descale_k=t["descale_k"], descale_v=t["descale_v"], descale_s=t["descale_s"],
+                                     scale_s=t["scale_s"], scale_o=t["scale_o"], generate_stats=False,
+                                     attn_scale=shape.scale, name="sdpa_fp8", **self._fp8_mask(shape))
+        out = torch.empty(inputs["q"].shape, dtype=FP8, device="cuda").fill_(float("nan"))
+        amax = torch.full((1, 1, 1, 1), float("nan"), device="cuda")
+        run = self._finish(g, {t[n]: inputs[n] for n in names}, self._typed({o: out, amax_o: amax}))
+        return run, out
+
+    def fp8_backward(self, shape: AttnShape, inputs) -> tuple:
+        names = FP8_BACKWARD_INPUTS
+        g = self._graph()
+        t = self._tensors(g, inputs, names)
+        grads = g.sdpa_fp8_backward(q=t["q"], k=t["k"], v=t["v"], o=t["o"], dO=t["d_o"], stats=t["stats"],
+                                    descale_q=t["descale_q"], descale_k=t["descale_k"], descale_v=t["descale_v"],
+                                    descale_o=t["descale_o"], descale_dO=t["descale_d_o"], descale_s=t["descale_s"],
+                                    descale_dP=t["descale_dp"], scale_s=t["scale_s"], scale_dQ=t["scale_dq"],
+                                    scale_dK=t["scale_dk"], scale_dV=t["scale_dv"], scale_dP=t["scale_dp"],
+                                    attn_scale=shape.scale, name="sdpa_fp8_backward", **self._fp8_mask(shape))
+        buffers = tuple(torch.empty(inputs[n].shape, dtype=FP8, device="cuda").fill_(float("nan"))
+                        for n in ("q", "k", "v"))
+        amaxes = tuple(torch.full((1, 1, 1, 1), float("nan"), device="cuda") for _ in range(4))
+        run = self._finish(g, {t[n]: inputs[n] for n in names}, self._typed(dict(zip(grads, buffers + amaxes))))
+        return run, buffers
+
+
+def cudnn_fp8_provider(shape: AttnShape, inputs: dict, backward: bool, ctx) -> Callable:
+    """The frontend's sdpa_fp8(_backward) graph; outputs compared dequantized."""
+    def factory():
+        if ctx.frontend is None:
+            raise Skipped(f"cuDNN frontend {ctx.fe_note}")
+        if not hasattr(ctx.frontend, "fp8"):  # one handle for every fp8 graph
+            ctx.frontend.fp8 = CudnnFp8Attention(ctx.frontend.fe)
+        frontend = ctx.frontend.fp8
+        if backward:
+            run, buffers = frontend.fp8_backward(shape, inputs)
+            descales = [inputs[f"descale_{name}"] for name in GRADIENT_NAMES]
+        else:
+            run, out = frontend.fp8_forward(shape, inputs)
+            buffers, descales = (out,), [inputs["descale_o"]]
+
+        def dequantized():
+            return tuple(buffer.float() * descale for buffer, descale in zip(buffers, descales))
+        return run, dequantized, "grads" if backward else "o", {}
+    return factory
+
+
+def run_fp8_case(row: RowSpec, shape: AttnShape, ctx: Context) -> dict:
+    """An fp8 row's shape: dnngraph's fp8 kernels against its bf16 kernel on the dequantized inputs
+    and the frontend's sdpa_fp8, each compared with the float attention of those inputs. On CPU
+    checks, g.reference() of the fp8 graph against the same float attention too."""
+    inputs, dequantized, refs = fp8_inputs(shape, ctx, row.backward)
+    tolerance = FP8_TOLERANCE[row.backward]
+    fp8_ctx = dataclasses.replace(ctx, tolerance=tolerance)
+    wide = {name: value.to(ctx.dtype) for name, value in dequantized.items()}
+    wide.update(o=refs["o"][0].to(ctx.dtype), stats=inputs["stats"])  # the bf16 kernel's own (unrounded) o
+    io_type = dg.bfloat16 if ctx.dtype == BF16 else dg.float32
+    factories = {"dg_bf16": dg_provider(shape, wide, io_type, row.backward),
+                 "cudnn_fe_fp8": cudnn_fp8_provider(shape, inputs, row.backward, ctx),
+                 "dg": dg_fp8_provider(shape, inputs, row.backward)}
+    work = shape.work(row.backward)
+    case = {"label": shape.label, "shape": shape.describe() + " e4m3", "work": work,
+            "visible": shape.visible_pairs() / (shape.s_q * shape.s_kv)}
+    for name, factory in factories.items():
+        case[name] = measure(factory, refs, work, ctx if name == "dg_bf16" else fp8_ctx)
+    if not ctx.timed:
+        g, bindings, outputs, descales = dg_fp8_graph(shape, inputs, row.backward)
+        graph_refs = g.reference(bindings)
+        ours = refs["grads"] if row.backward else refs["o"]
+        case["reference_check"] = max(rel_error(graph_refs[t.name] * descale.double(), mine)
+                                      for t, descale, mine in zip(outputs, descales, ours))
+        case["reference_tolerance"] = tolerance
+    return case
 
 
 if __name__ == "__main__":

@@ -44,6 +44,12 @@ def _attrs_of(op: str, *args, **kwargs):
     return lookup(op).attrs_type(*args, **kwargs)
 
 
+def _fp8_type_of(q) -> str:
+    """The fp8 type sdpa_fp8 rounds P to: q's (a q of another type is refused by the op's check)."""
+    data_type = getattr(q, "data_type", None)
+    return data_type.name if data_type in (dtypes.float8_e4m3, dtypes.float8_e5m2) else "float8_e4m3"
+
+
 def _refuse_block_scale_types(op: str, opdef, inputs, specs):
     """ValidationError where an op other than the block-scale ones would read or make fp4 or
     e8m0 (their bytes mean something to those ops' kernels only)."""
@@ -779,6 +785,25 @@ class Graph:
                              + [_ragged_of(t) for t in (q, k, v, o, dO)] + [None] * 3 + [block_mask], attrs, name)
         return tuple(grads[:3]) + ((grads[3],) if attrs.compute_dbias else ()) + \
             ((grads[4],) if sink_token is not None else ())
+
+    def sdpa_fp8(self, q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s, scale_o, is_inference=True,
+                 attn_scale=None, use_causal_mask=False, name=None):
+        """(o, stats, amax_s, amax_o) of fp8 attention as the cuDNN frontend's sdpa_fp8 (ops/sdpa_fp8.py):
+        fp8 q, k, v (one type), one-element float32 descales and scales; o in q's type (set_data_type
+        changes it), stats None when is_inference, the amaxes float32 [1, 1, 1, 1]."""
+        attrs = _attrs_of("sdpa_fp8", attn_scale, is_inference, use_causal_mask, _fp8_type_of(q))
+        return tuple(self._add_op("sdpa_fp8", [q, k, v, descale_q, descale_k, descale_v, descale_s, scale_s,
+                                               scale_o], attrs, name))
+
+    def sdpa_fp8_backward(self, q, k, v, o, dO, stats, descale_q, descale_k, descale_v, descale_o, descale_dO,
+                          descale_s, descale_dP, scale_s, scale_dQ, scale_dK, scale_dV, scale_dP, attn_scale=None,
+                          use_causal_mask=False, name=None):
+        """(dq, dk, dv, amax_dQ, amax_dK, amax_dV, amax_dP) of sdpa_fp8 as the cuDNN frontend's
+        sdpa_fp8_backward (ops/sdpa_fp8.py): dq, dk, dv in q's, k's and v's types."""
+        attrs = _attrs_of("sdpa_fp8_backward", attn_scale, False, use_causal_mask, _fp8_type_of(q))
+        return tuple(self._add_op("sdpa_fp8_backward", [q, k, v, o, dO, stats, descale_q, descale_k, descale_v,
+                                                        descale_o, descale_dO, descale_s, descale_dP, scale_s,
+                                                        scale_dQ, scale_dK, scale_dV, scale_dP], attrs, name))
 
     # --- ops: layout ----------------------------------------------------------------------------
     def reshape(self, x, dim, name=None) -> Tensor:

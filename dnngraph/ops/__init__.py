@@ -3,6 +3,7 @@ from . import conv, ctc, dropout, gather, matmul, moe, norm, pointwise, pooling,
 from . import lrn  # noqa: F401
 from . import rnn  # noqa: F401
 from . import block_scale  # noqa: F401
+from . import sdpa_fp8  # noqa: F401
 from .base import REGISTRY, OpDef, OutputSpec, lookup
 
 __all__ = ["REGISTRY", "OpDef", "OutputSpec", "lookup"]

@@ -7,7 +7,7 @@ no runtime. Backends (backends/) say which problems they support and lower them.
 from __future__ import annotations
 
 from ..errors import UnsupportedError
-from .attention import AttentionGeometry, attention_backward_problem, attention_problem, sdpa_problem
+from .attention import AttentionGeometry, attention_backward_problem, attention_problem, sdpa_fp8_problem, sdpa_problem
 from .base import Operand, Problem
 from .conv import ConvGeometry, conv_problem
 from .ctc import CtcGeometry, ctc_problem
@@ -32,6 +32,7 @@ PROBLEM_BUILDERS = {
     "block_scale": block_scale_problem,
 }
 PROBLEM_BUILDERS["rnn"] = rnn_problem
+PROBLEM_BUILDERS["sdpa_fp8"] = sdpa_fp8_problem
 
 
 def problem_of(graph, group) -> Problem:

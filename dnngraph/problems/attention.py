@@ -95,3 +95,14 @@ def attention_backward_problem(graph, group):
     geometry = AttentionGeometry("backward", b, h, h, s_q, s_kv, d, dv, "ops" if roles.score_ops else "none",
                                  False, _dropout(roles.nodes()), False)
     return problem(graph, group, geometry)
+
+
+def sdpa_fp8_problem(graph, group):
+    """An sdpa_fp8 or sdpa_fp8_backward node: the attention geometry, causal or unmasked."""
+    node = group.anchor
+    q, k, v = node.inputs[:3]
+    causal = bool(node.attrs.use_causal_mask)
+    geometry = AttentionGeometry("backward" if node.op == "sdpa_fp8_backward" else "forward", int(q.dim[0]),
+                                 int(q.dim[1]), int(k.dim[1]), int(q.dim[2]), int(k.dim[2]), int(q.dim[3]),
+                                 int(v.dim[3]), "causal" if causal else "none", causal, 0.0, False)
+    return problem(graph, group, geometry)

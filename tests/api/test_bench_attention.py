@@ -63,3 +63,17 @@ def test_block_sparse_shapes_open_their_density_and_the_diagonal():
     visible = bench.visible_mask(shape, "cpu")
     blocks = bench.shape_block_mask(shape, "cpu")[0, 0]
     assert torch.equal(visible[::shape.mask_block, ::shape.mask_block], blocks)
+
+
+def test_fp8_rows_list_their_anchors_and_check_on_cpu(capsys):
+    """The fp8 rows: their shapes with dnngraph's bf16 kernel and the frontend's sdpa_fp8 as
+    anchors, and the CPU check of dnngraph's fp8 kernels (and g.reference) against the float
+    attention of the dequantized inputs."""
+    bench.main(["--list-shapes", "--rows", "fp8_fwd,fp8_bwd"])
+    text = capsys.readouterr().out
+    for shape in bench.FP8_SHAPES + bench.CPU_FP8:
+        assert f"| {shape.label} | {shape.describe()} |" in text
+    assert "| dnngraph bf16, cuDNN FE fp8 |" in text
+    assert bench.main(["--check-cpu", "--reuse-cache", "--rows", "fp8_fwd,fp8_bwd", "--only", "gqa"]) == 0
+    text = capsys.readouterr().out
+    assert "| fp8_bwd | cpu fp8 gqa causal |" in text and "FAILED" not in text

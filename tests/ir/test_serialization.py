@@ -81,6 +81,11 @@ def build_family_ops(g, n, c, size, draw_int):
     blocks = g.tensor(name="blocks", dim=[n, 32 * draw_int(1, 2)])
     quantized, scale = g.block_scale_quantize(blocks, block_size=32 // draw_int(1, 2), axis=-1)
     g.block_scale_dequantize(quantized, scale, block_size=[1, quantized.dim[-1] // scale.dim[-1]])
+    q8 = g.tensor(name="q8", dim=[n, 2, size, 16], data_type=dg.float8_e4m3)
+    fp8_scales = [g.tensor(name=f"fp8_scale_{i}", dim=[1, 1, 1, 1], data_type=dg.float32) for i in range(12)]
+    o8, stats8, _, _ = g.sdpa_fp8(q8, q8, q8, *fp8_scales[:6], is_inference=False,
+                                  use_causal_mask=bool(draw_int(0, 1)))
+    g.sdpa_fp8_backward(q8, q8, q8, o8, o8, stats8, *fp8_scales, attn_scale=0.5)
 
 
 @st.composite

@@ -41,6 +41,7 @@ from .lower.pooling import build_pooling
 from .lower.rows import build_rows
 from .lower.rnn import build_rnn
 from .lower.sdpa import build_attention, build_sdpa
+from .lower.sdpa_fp8 import build_sdpa_fp8
 
 # group kind -> builder(graph, group, context) -> KernelLaunch or a list of them
 BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": build_rows, "softmax": build_rows,
@@ -51,6 +52,7 @@ BUILDERS = {"pointwise": build_pointwise, "copy": build_pointwise, "reduction": 
             "ctc": build_ctc, "lrn": build_lrn,
             "block_scale": build_block_scale}
 BUILDERS["rnn"] = build_rnn
+BUILDERS["sdpa_fp8"] = build_sdpa_fp8
 
 # Families whose loads may visit an input element several times (or never): prologue values that
 # are outputs are written first by a pointwise kernel of the prologue.

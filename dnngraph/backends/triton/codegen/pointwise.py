@@ -32,6 +32,7 @@ LIBRARIES = {
     "ctc": "from dnngraph.backends.triton.codegen import ctc_library as ctc\n",
     "rl": "from dnngraph.backends.triton.codegen import rnn_library as rl\n",
     "bsq": "from dnngraph.backends.triton.codegen import block_scale_library as bsq\n",
+    "fp8a": "from dnngraph.backends.triton.codegen import sdpa_fp8_library as fp8a\n",
 }
 
 

@@ -1,0 +1,105 @@
+"""Render the kernels of an sdpa_fp8 or sdpa_fp8_backward group: each is one call of the fixed
+code in sdpa_fp8_library (`fp8a`) with the group's tensors, their strides, the sizes and the
+constexprs (tiles, the mask, the fp8 conversion rules as literals).
+
+Parameter names are fixed roles (q, k, descale_q, ...): no user name reaches the source but the
+sanitized docstring.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .conversions import float8_rule
+from ...contract import KernelSource
+from .pointwise import KernelArgument, kernel_module
+
+# role -> rank of its strides (stats [B, H, Sq, 1]: three); scales and amaxes are read or written
+# through their pointer alone
+STRIDED = {"q": 4, "k": 4, "v": 4, "o": 4, "do": 4, "stats": 3, "dq": 4, "dk": 4, "dv": 4}
+# the library function of each kernel and the roles it takes, in its parameter order
+KERNELS = {
+    "forward": ("forward", ("q", "k", "v", "o", "stats", "descale_q", "descale_k", "descale_v", "descale_s",
+                            "scale_s", "scale_o", "amax_s", "amax_o")),
+    "dkdv": ("backward_dkdv", ("q", "k", "v", "o", "do", "stats", "dk", "dv", "descale_q", "descale_k",
+                               "descale_v", "descale_o", "descale_do", "descale_s", "descale_dp", "scale_s",
+                               "scale_dk", "scale_dv", "scale_dp", "amax_dk", "amax_dv")),
+    "dq": ("backward_dq", ("q", "k", "v", "o", "do", "stats", "dq", "descale_q", "descale_k", "descale_v",
+                           "descale_o", "descale_do", "descale_dp", "scale_dq", "scale_dp", "amax_dq", "amax_dp")),
+}
+
+
+@dataclass(frozen=True)
+class Fp8AttentionSpec:
+    """Plain data a kernel renders from: tensors by role, sizes, the score scale, the mask and
+    tiles (BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)."""
+
+    tensors: dict  # role -> graph Tensor
+    heads: int
+    group: int  # query heads per k/v head
+    s_q: int
+    s_kv: int
+    head_dim: int
+    value_dim: int
+    scale: float
+    causal: bool
+    block: tuple
+
+
+def rule_literal(data_type) -> tuple:
+    """The (first overflow, overflow, infinity, NaN encodings) tuple of an fp8 type, or a stand-in
+    for another type (never read: its IS_FP8 flag is False)."""
+    if data_type.itemsize != 1:
+        return (0.0, 0, 0, 0)
+    rule = float8_rule(data_type)
+    return (rule.first_overflow, rule.overflow_bits, rule.infinity_bits, rule.nan_bits)
+
+
+def _stored_flags(spec: Fp8AttentionSpec, which: str) -> dict:
+    """The fp8 flag and conversion rule of each output a kernel stores, and P's (q's type)."""
+    flags = {"P_RULE": rule_literal(spec.tensors["q"].data_type)}
+    outputs = {"forward": ("o",), "dkdv": ("dk", "dv"), "dq": ("dq",)}[which]
+    for role in outputs:
+        data_type = spec.tensors[role].data_type
+        flags[f"{role.upper()}_FP8"] = data_type.itemsize == 1
+        flags[f"{role.upper()}_RULE"] = rule_literal(data_type)
+    return flags
+
+
+def render(kernel_name: str, which: str, spec: Fp8AttentionSpec, description: str) -> KernelSource:
+    """The KernelSource of kernel `which` ("forward", "dkdv", "dq") under `spec`."""
+    function, roles = KERNELS[which]
+    args, call = [], []
+    for role in roles:  # a forward without stats passes o as a stand-in (HAS_STATS False)
+        tensor = spec.tensors.get(role) or spec.tensors["o"]
+        args.append(KernelArgument("tensor", f"{role}_ptr", tensor.uid))
+        call.append(f"{role}_ptr")
+    for role in roles:
+        if role not in STRIDED:
+            continue
+        tensor = spec.tensors.get(role)
+        strides = tuple(tensor.stride[:STRIDED[role]]) if tensor is not None else (0,) * STRIDED[role]
+        for axis, stride in enumerate(strides):
+            args.append(KernelArgument("int", f"{role}_s{axis}", int(stride)))
+            call.append(f"{role}_s{axis}")
+    for name, value in (("HEADS", spec.heads), ("GROUP", spec.group), ("SQ", spec.s_q), ("SKV", spec.s_kv)):
+        args.append(KernelArgument("int", name, value))
+        call.append(name)
+    constexprs = {"SCALE": spec.scale, "CAUSAL": spec.causal, "HEAD_DIM": spec.head_dim, "VALUE_DIM": spec.value_dim}
+    if which == "forward":
+        constexprs["HAS_STATS"] = spec.tensors.get("stats") is not None
+    constexprs.update(_stored_flags(spec, which))
+    constexprs.update(zip(("BLOCK_M", "BLOCK_N", "BLOCK_D", "BLOCK_DV"), spec.block))
+    call += [f"{name}={value!r}" for name, value in constexprs.items()]
+    body = f"    fp8a.{function}(\n" + "".join(f"        {item},\n" for item in call) + "    )\n"
+    return KernelSource(kernel_name, kernel_module(description, [], kernel_name, args, body, libraries=("fp8a",)),
+                        tuple(args))
+
+
+def render_zero(kernel_name: str, amax_uids: list, description: str) -> KernelSource:
+    """The kernel zeroing a group's amax outputs (two or four) before its kernels max into them."""
+    padded = list(amax_uids) + list(amax_uids[:2]) * (len(amax_uids) == 2)
+    names = ("first_ptr", "second_ptr", "third_ptr", "fourth_ptr")
+    args = [KernelArgument("tensor", name, uid) for name, uid in zip(names, padded)]
+    body = f"    fp8a.zero_amax({', '.join(names)}, COUNT={len(amax_uids)})\n"
+    return KernelSource(kernel_name, kernel_module(description, [], kernel_name, args, body, libraries=("fp8a",)),
+                        tuple(args))

@@ -1,0 +1,300 @@
+"""Device library of fp8 attention (ops/sdpa_fp8.py), imported by generated kernels as `fp8a`.
+
+The kernels have nothing to fuse, so their structure is fixed here and a generated kernel is one
+call with the group's pointers, strides and constexprs. Scores are in base 2 (scale * log2(e)),
+every product runs on fp8 operands with float32 accumulation, and each quantization point
+converts as torch does (tm.to_float8 with the encodings conversions.py reads from torch):
+
+* forward, one program per (query tile, batch, head): a first walk over the keys takes each
+  row's log-sum-exp; a second recomputes the scores, P = exp2(s - lse) is the softmax's true
+  value (no running max: its rounding to fp8 depends on no tiling), and acc += fp8(P * scale_s)
+  v. amax_s and amax_o are max-reduced over the tile, then atomically into the output.
+* backward, as the bf16 kernels (codegen/sdpa.py): a dK/dV program per key block walks the
+  query tiles of every query head of its group; a dQ program per query tile walks its keys
+  (and takes amax_dP, each (query, key) pair being seen there once). delta = rowsum(o dO) is
+  taken in both, from o and dO.
+
+Amaxes: a non-negative float32's bits order like int32, so the tile's max is an integer max of
+|x|'s bits and the atomic an int32 max on the output's bits (zeroed by a launch before): NaN,
+whose magnitude's bits exceed inf's, wins, as torch's amax propagates it.
+
+Operands of tl.dot are K-major where a load can make them so (the fp8 wgmma of sm_90 reads B
+K-major): k is loaded [D, keys], v [Dv, keys] and transposed in registers.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from . import library as lib
+from . import triton_math as tm
+
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def zero_amax(first_ptr, second_ptr, third_ptr, fourth_ptr, COUNT: tl.constexpr):
+    """Zero COUNT (2 or 4) amax outputs: the atomics of the kernels after it max into them."""
+    tl.store(first_ptr, 0.0)
+    tl.store(second_ptr, 0.0)
+    if COUNT > 2:
+        tl.store(third_ptr, 0.0)
+        tl.store(fourth_ptr, 0.0)
+
+
+@triton.jit
+def magnitude_bits(values, keep):
+    """The int32 bits of |values| where `keep`, 0 elsewhere (a non-negative float's bits order
+    as the float; NaN's exceed inf's)."""
+    return tl.where(keep, tl.abs(values), 0.0).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def amax_into(amax_ptr, bits):
+    """Max-reduce the int32 magnitude bits of a tile into the float32 amax at amax_ptr."""
+    tl.atomic_max(amax_ptr.to(tl.pointer_type(tl.int32)), tl.max(tl.ravel(bits), 0))
+
+
+@triton.jit
+def quantize(x, FP8: tl.constexpr, RULE: tl.constexpr):
+    """float32 x to fp8 type FP8 as torch converts; RULE = (first overflow, overflow, infinity,
+    NaN encodings) of that type (conversions.float8_rule)."""
+    return tm.to_float8(x, FP8, RULE[0], RULE[1], RULE[2], RULE[3])
+
+
+@triton.jit
+def store_as(ptr, offsets, values, mask, IS_FP8: tl.constexpr, RULE: tl.constexpr):
+    """Store float32 `values` in the pointer's type as torch's `.to` would put them there."""
+    if IS_FP8:
+        tl.store(ptr + offsets, quantize(values, ptr.dtype.element_ty, RULE), mask=mask)
+    else:
+        tl.store(ptr + offsets, values.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL: tl.constexpr):
+    """Base-2 scores of q_tile [M, D] against k_cols [D, N] (K-major), -inf where not visible."""
+    scores = tl.dot(q_tile, k_cols) * qk_scale
+    visible = (keys < SKV)[None, :] & (rows >= 0)[:, None]
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= rows[:, None])
+    return tl.where(visible, scores, float("-inf")), visible
+
+
+@triton.jit
+def _key_end(first_row, SQ, SKV, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The end of the keys any row of a query tile starting at first_row sees (the bf16
+    kernels' rule, lib.key_range: causal is a right bound of 0, top-left)."""
+    _, hi, _, _ = lib.key_range(first_row, first_row + BLOCK_M - 1, 0, SQ, SKV, 0, 0, False, CAUSAL, False, BLOCK_N)
+    return hi
+
+
+@triton.jit
+def _first_query(first_key, SQ, SKV, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The first query tile that sees any key of the block starting at first_key (lib.query_range)."""
+    lo, _, _, _ = lib.query_range(first_key, 0, SQ, SKV, 0, 0, False, CAUSAL, BLOCK_M, BLOCK_N)
+    return lo
+
+
+@triton.jit
+def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_s_ptr,
+            scale_s_ptr, scale_o_ptr, amax_s_ptr, amax_o_ptr,
+            q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, o_s0, o_s1, o_s2, o_s3,
+            stats_s0, stats_s1, stats_s2, HEADS, GROUP, SQ, SKV,
+            SCALE: tl.constexpr, CAUSAL: tl.constexpr, HAS_STATS: tl.constexpr, HEAD_DIM: tl.constexpr,
+            VALUE_DIM: tl.constexpr, P_RULE: tl.constexpr, O_FP8: tl.constexpr, O_RULE: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """o, stats, amax_s and amax_o of one query tile of one (batch, head)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // HEADS
+    head = pid_bh % HEADS
+    kv_head = head // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_in = rows < SQ
+    cols_d = tl.arange(0, BLOCK_D)
+    cols_dv = tl.arange(0, BLOCK_DV)
+    q_tile = tl.load(q_ptr + batch.to(tl.int64) * q_s0 + head * q_s1 + rows[:, None] * q_s2 + cols_d[None, :] * q_s3,
+                     mask=row_in[:, None] & (cols_d < HEAD_DIM)[None, :], other=0.0)
+    k_base = k_ptr + batch.to(tl.int64) * k_s0 + kv_head * k_s1
+    v_base = v_ptr + batch.to(tl.int64) * v_s0 + kv_head * v_s1
+    qk_scale = tl.load(descale_q_ptr) * tl.load(descale_k_ptr) * (SCALE * LOG2E)
+    scale_s = tl.load(scale_s_ptr)
+    key_end = _key_end(pid_m * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for start_n in range(0, key_end, BLOCK_N):  # the rows' log-sum-exp
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
+                         mask=(keys < SKV)[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
+        scores, _ = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(scores - m_use[:, None]), 1)
+        m_i = m_new
+    # a row that sees no key (none here but padding) gets an lse of +inf: its P is 0
+    lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_i))
+
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    amax_s = tl.zeros([BLOCK_M], tl.int32)  # per row: few registers
+    for start_n in range(0, key_end, BLOCK_N):  # P, exactly normalized, rounded to fp8, times v
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
+                         mask=(keys < SKV)[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
+        scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
+        probs = tl.math.exp2(scores - lse[:, None])
+        amax_s = tl.maximum(amax_s, tl.max(magnitude_bits(probs, visible & row_in[:, None]), 1))
+        v_cols = tl.load(v_base + keys[None, :] * v_s2 + cols_dv[:, None] * v_s3,
+                         mask=(keys < SKV)[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
+        acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), tl.trans(v_cols))
+    out = acc * (tl.load(descale_v_ptr) * tl.load(descale_s_ptr))
+    o_mask = row_in[:, None] & (cols_dv < VALUE_DIM)[None, :]
+    amax_into(amax_s_ptr, amax_s)
+    amax_into(amax_o_ptr, magnitude_bits(out, o_mask))
+    store_as(o_ptr, batch.to(tl.int64) * o_s0 + head * o_s1 + rows[:, None] * o_s2 + cols_dv[None, :] * o_s3,
+             out * tl.load(scale_o_ptr), o_mask, O_FP8, O_RULE)
+    if HAS_STATS:
+        tl.store(stats_ptr + batch.to(tl.int64) * stats_s0 + head * stats_s1 + rows * stats_s2,
+                 tl.where(l_i == 0.0, float("-inf"), lse / LOG2E), mask=row_in)
+
+
+@triton.jit
+def _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, q_off, do_off, o_off, stats_off, rows, SQ,
+                q_s2, q_s3, do_s2, do_s3, o_s2, o_s3, stats_s2, delta_scale,
+                HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """(q, dO, base-2 lse, delta) of query rows `rows`; rows past SQ load zeros and an lse of
+    +inf, so their P is 0."""
+    row_in = rows < SQ
+    cols_d = tl.arange(0, BLOCK_D)
+    cols_dv = tl.arange(0, BLOCK_DV)
+    d_in = row_in[:, None] & (cols_d < HEAD_DIM)[None, :]
+    dv_in = row_in[:, None] & (cols_dv < VALUE_DIM)[None, :]
+    q_tile = tl.load(q_ptr + q_off + rows[:, None] * q_s2 + cols_d[None, :] * q_s3, mask=d_in, other=0.0)
+    do_tile = tl.load(do_ptr + do_off + rows[:, None] * do_s2 + cols_dv[None, :] * do_s3, mask=dv_in, other=0.0)
+    o_tile = tl.load(o_ptr + o_off + rows[:, None] * o_s2 + cols_dv[None, :] * o_s3, mask=dv_in, other=0.0)
+    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1) * delta_scale
+    lse = tl.load(stats_ptr + stats_off + rows * stats_s2, mask=row_in, other=0.0)
+    lse = tl.where(row_in & (lse > float("-inf")), lse * LOG2E, float("inf"))
+    return q_tile, do_tile, lse, delta
+
+
+@triton.jit
+def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
+                  descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_o_ptr, descale_do_ptr, descale_s_ptr,
+                  descale_dp_ptr, scale_s_ptr, scale_dk_ptr, scale_dv_ptr, scale_dp_ptr, amax_dk_ptr, amax_dv_ptr,
+                  q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, o_s0, o_s1, o_s2, o_s3,
+                  do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, dk_s0, dk_s1, dk_s2, dk_s3,
+                  dv_s0, dv_s1, dv_s2, dv_s3, HEADS, GROUP, SQ, SKV,
+                  SCALE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                  P_RULE: tl.constexpr, DK_FP8: tl.constexpr, DK_RULE: tl.constexpr, DV_FP8: tl.constexpr,
+                  DV_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr):
+    """dK, dV (and their amaxes) of one key block of one (batch, k/v head), the query heads of
+    its group summed in registers."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // (HEADS // GROUP)).to(tl.int64)
+    kv_head = pid_bh % (HEADS // GROUP)
+    keys = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_in = keys < SKV
+    cols_d = tl.arange(0, BLOCK_D)
+    cols_dv = tl.arange(0, BLOCK_DV)
+    k_tile = tl.load(k_ptr + batch * k_s0 + kv_head * k_s1 + keys[:, None] * k_s2 + cols_d[None, :] * k_s3,
+                     mask=key_in[:, None] & (cols_d < HEAD_DIM)[None, :], other=0.0)
+    v_tile = tl.load(v_ptr + batch * v_s0 + kv_head * v_s1 + keys[:, None] * v_s2 + cols_dv[None, :] * v_s3,
+                     mask=key_in[:, None] & (cols_dv < VALUE_DIM)[None, :], other=0.0)
+    qk_scale = tl.load(descale_q_ptr) * tl.load(descale_k_ptr) * (SCALE * LOG2E)
+    dp_scale = tl.load(descale_do_ptr) * tl.load(descale_v_ptr)
+    delta_scale = tl.load(descale_o_ptr) * tl.load(descale_do_ptr)
+    scale_s = tl.load(scale_s_ptr)
+    scale_dp = tl.load(scale_dp_ptr)
+    dk_acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv_acc = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    # causal: query i sees key j when j <= i, so the block's first key bounds the rows from below
+    first_row = _first_query(pid_n * BLOCK_N, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N)
+    for member in range(GROUP):
+        head = kv_head * GROUP + member
+        q_off = batch * q_s0 + head * q_s1
+        do_off = batch * do_s0 + head * do_s1
+        o_off = batch * o_s0 + head * o_s1
+        stats_off = batch * stats_s0 + head * stats_s1
+        for start_m in range(first_row, SQ, BLOCK_M):
+            rows = start_m + tl.arange(0, BLOCK_M)
+            q_tile, do_tile, lse, delta = _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, q_off, do_off, o_off,
+                                                      stats_off, rows, SQ, q_s2, q_s3, do_s2, do_s3, o_s2, o_s3,
+                                                      stats_s2, delta_scale, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV)
+            # [keys, rows]: the block's scores transposed
+            scores = tl.dot(k_tile, tl.trans(q_tile)) * qk_scale
+            visible = key_in[:, None] & (rows < SQ)[None, :]
+            if CAUSAL:
+                visible = visible & (keys[:, None] <= rows[None, :])
+            probs = tl.math.exp2(tl.where(visible, scores, float("-inf")) - lse[None, :])
+            dv_acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), do_tile)
+            d_probs = tl.dot(v_tile, tl.trans(do_tile)) * dp_scale
+            d_scores = probs * (d_probs - delta[None, :]) * SCALE
+            dk_acc += tl.dot(quantize(d_scores * scale_dp, q_ptr.dtype.element_ty, P_RULE), q_tile)
+    d_k = dk_acc * (tl.load(descale_q_ptr) * tl.load(descale_dp_ptr))
+    d_v = dv_acc * (tl.load(descale_s_ptr) * tl.load(descale_do_ptr))
+    dk_mask = key_in[:, None] & (cols_d < HEAD_DIM)[None, :]
+    dv_mask = key_in[:, None] & (cols_dv < VALUE_DIM)[None, :]
+    amax_into(amax_dk_ptr, magnitude_bits(d_k, dk_mask))
+    amax_into(amax_dv_ptr, magnitude_bits(d_v, dv_mask))
+    store_as(dk_ptr, batch * dk_s0 + kv_head * dk_s1 + keys[:, None] * dk_s2 + cols_d[None, :] * dk_s3,
+             d_k * tl.load(scale_dk_ptr), dk_mask, DK_FP8, DK_RULE)
+    store_as(dv_ptr, batch * dv_s0 + kv_head * dv_s1 + keys[:, None] * dv_s2 + cols_dv[None, :] * dv_s3,
+             d_v * tl.load(scale_dv_ptr), dv_mask, DV_FP8, DV_RULE)
+
+
+@triton.jit
+def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
+                descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_o_ptr, descale_do_ptr, descale_dp_ptr,
+                scale_dq_ptr, scale_dp_ptr, amax_dq_ptr, amax_dp_ptr,
+                q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, o_s0, o_s1, o_s2, o_s3,
+                do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, dq_s0, dq_s1, dq_s2, dq_s3,
+                HEADS, GROUP, SQ, SKV,
+                SCALE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                P_RULE: tl.constexpr, DQ_FP8: tl.constexpr, DQ_RULE: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """dQ (and amax_dQ, amax_dP) of one query tile of one (batch, head)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // HEADS).to(tl.int64)
+    head = pid_bh % HEADS
+    kv_head = head // GROUP
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_in = rows < SQ
+    cols_d = tl.arange(0, BLOCK_D)
+    cols_dv = tl.arange(0, BLOCK_DV)
+    delta_scale = tl.load(descale_o_ptr) * tl.load(descale_do_ptr)
+    q_tile, do_tile, lse, delta = _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, batch * q_s0 + head * q_s1,
+                                              batch * do_s0 + head * do_s1, batch * o_s0 + head * o_s1,
+                                              batch * stats_s0 + head * stats_s1, rows, SQ, q_s2, q_s3, do_s2,
+                                              do_s3, o_s2, o_s3, stats_s2, delta_scale, HEAD_DIM, VALUE_DIM,
+                                              BLOCK_D, BLOCK_DV)
+    k_base = k_ptr + batch * k_s0 + kv_head * k_s1
+    v_base = v_ptr + batch * v_s0 + kv_head * v_s1
+    qk_scale = tl.load(descale_q_ptr) * tl.load(descale_k_ptr) * (SCALE * LOG2E)
+    dp_scale = tl.load(descale_do_ptr) * tl.load(descale_v_ptr)
+    scale_dp = tl.load(scale_dp_ptr)
+    dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    amax_dp = tl.zeros([BLOCK_M], tl.int32)
+    for start_n in range(0, _key_end(pid_m * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N), BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        key_in = keys < SKV
+        k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
+                         mask=key_in[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
+        v_cols = tl.load(v_base + keys[None, :] * v_s2 + cols_dv[:, None] * v_s3,
+                         mask=key_in[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
+        scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
+        probs = tl.math.exp2(scores - lse[:, None])
+        d_probs = tl.dot(do_tile, v_cols) * dp_scale
+        amax_dp = tl.maximum(amax_dp, tl.max(magnitude_bits(d_probs, visible & row_in[:, None]), 1))
+        d_scores = probs * (d_probs - delta[:, None]) * SCALE
+        dq_acc += tl.dot(quantize(d_scores * scale_dp, q_ptr.dtype.element_ty, P_RULE), tl.trans(k_cols))
+    d_q = dq_acc * (tl.load(descale_k_ptr) * tl.load(descale_dp_ptr))
+    dq_mask = row_in[:, None] & (cols_d < HEAD_DIM)[None, :]
+    amax_into(amax_dq_ptr, magnitude_bits(d_q, dq_mask))
+    amax_into(amax_dp_ptr, amax_dp)
+    store_as(dq_ptr, batch * dq_s0 + head * dq_s1 + rows[:, None] * dq_s2 + cols_d[None, :] * dq_s3,
+             d_q * tl.load(scale_dq_ptr), dq_mask, DQ_FP8, DQ_RULE)

@@ -1,0 +1,129 @@
+"""Build the launches of an sdpa_fp8 or sdpa_fp8_backward group (ops/sdpa_fp8.py): a launch that
+zeroes the amax outputs, then the forward kernel, or the dK/dV and dQ kernels
+(codegen/sdpa_fp8_library.py). An output the graph neither marks nor reads (an amax nobody asked
+for, say) is written to a workspace buffer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+from ....errors import UnsupportedError
+from ....runtime.launch import kernel_name, launch_of, scratch
+from ....tensor import contiguous_strides
+from ..heuristics.layout import INT32_LIMIT
+from ..codegen.sdpa_fp8 import Fp8AttentionSpec, render, render_zero
+
+# fp8 tl.dot needs a reduction of at least 32 on sm_90 (and 16 on every other axis): every tile
+# axis is at least this
+MIN_TILE = 32
+INTERPRETER_TILE = 64  # the interpreter runs a tile op at numpy speed: few, large tiles
+
+
+@dataclass(frozen=True)
+class Fp8Tiles:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+    def text(self, programs: tuple) -> str:
+        return (f"BLOCK_M={self.block_m} BLOCK_N={self.block_n} num_warps={self.num_warps} "
+                f"num_stages={self.num_stages} grid={list(programs)}")
+
+
+# per kernel on the GPU: (BLOCK_M, BLOCK_N, warps, stages). The dK/dV kernel holds two
+# [BLOCK_N, D] float32 accumulators, so its tiles are narrow: ptxas (sm_90a, D = 128) reported
+# spill stores for dK/dV at (32, 128, 8 warps) 368 bytes, (64, 64, 4) 748, (32, 64, 4) 408, and
+# none at (32, 64, 8); for dQ none at (128, 64, 8), 300 at (64, 128, 8). Untimed: the bench's fp8 rows are
+# the measure
+GPU_TILES = {"forward": Fp8Tiles(128, 64, 8, 3), "dkdv": Fp8Tiles(32, 64, 8, 2), "dq": Fp8Tiles(128, 64, 8, 3)}
+
+
+@dataclass(frozen=True)
+class _Stored:
+    """Where a kernel writes an output: the graph tensor, or a workspace buffer of its dims."""
+
+    uid: int
+    dim: tuple
+    stride: tuple
+    data_type: object
+
+
+def _tile(extent: int, cap: int) -> int:
+    return max(MIN_TILE, min(cap, triton.next_power_of_2(max(1, extent))))
+
+
+def tiles_for(which: str, s_q: int, s_kv: int, on_cpu: bool) -> Fp8Tiles:
+    """The tiles of kernel `which`: the GPU's table (shrunk for short sequences), or one
+    interpreter tile size."""
+    base = GPU_TILES[which]
+    cap_m, cap_n = (INTERPRETER_TILE, INTERPRETER_TILE) if on_cpu else (base.block_m, base.block_n)
+    return Fp8Tiles(_tile(s_q, cap_m), _tile(s_kv, cap_n), base.num_warps, base.num_stages)
+
+
+def _roles(node, group) -> tuple:
+    """(role -> tensor, the workspace buffers made) for a node's inputs and outputs; roles are the
+    op's names lower-cased (dO -> do, scale_dQ -> scale_dq). A buffer holds a value of the graph,
+    not a config's optional scratch: the workspace limit does not cover it (workspace.py)."""
+    names = node.opdef.input_names + node.opdef.output_names
+    stored = {t.uid for t in group.outputs}
+    roles, buffers = {}, []
+    for name, tensor in zip(names, list(node.inputs) + list(node.outputs)):
+        if tensor is None:
+            continue
+        if any(tensor is t for t in node.outputs) and tensor.uid not in stored:
+            buffer = scratch(tensor.dim, tensor.data_type.torch_dtype)
+            buffers.append(buffer)
+            tensor = _Stored(buffer.uid, tuple(tensor.dim), contiguous_strides(tensor.dim), tensor.data_type)
+        roles[name.lower()] = tensor
+    return roles, tuple(buffers)
+
+
+def _check(node, roles: dict):
+    for role in ("q", "k", "v", "o", "do", "stats", "dq", "dk", "dv"):
+        tensor = roles.get(role)
+        if tensor is None:
+            continue
+        if role != "stats" and tensor.stride[-1] != 1 and tensor.dim[-1] > 1:
+            # the fp8 tensor-core loads read rows of the head dim; a strided one would gather bytes
+            raise UnsupportedError(f"node {node.name!r} ({node.op}): {role} must have stride 1 on its head dim, "
+                                   f"got strides {list(tensor.stride)}")
+        # the kernels offset the batch in int64 and (head, row, column) in int32
+        if sum((size - 1) * abs(stride) for size, stride in zip(tensor.dim[1:], tensor.stride[1:])) > INT32_LIMIT:
+            raise UnsupportedError(f"node {node.name!r} ({node.op}): one batch element of {role} spans more than "
+                                   f"2^31 elements (dims {list(tensor.dim)}, strides {list(tensor.stride)})")
+
+
+def build_sdpa_fp8(graph, group, context) -> list:
+    """The zeroing launch and the kernels of one sdpa_fp8(_backward) node."""
+    node = group.anchor
+    roles, buffers = _roles(node, group)
+    _check(node, roles)
+    q, k, v = roles["q"], roles["k"], roles["v"]
+    (_, heads, s_q, head_dim), (_, kv_heads, s_kv, _) = q.dim, k.dim
+    on_cpu = context.device.type == "cpu"
+    name = kernel_name(group)
+    amaxes = [role for role in roles if role.startswith("amax_")]
+    launches = [launch_of(group, render_zero(name + "_zero", [roles[r].uid for r in amaxes], "amax zeroing of "
+                                             + group.summary()), 1, 1, "one program",
+                          "the amax outputs are atomic maxima: zeroed first", scratch=buffers)]
+    kernels = ("forward",) if node.op == "sdpa_fp8" else ("dkdv", "dq")
+    for which in kernels:
+        tiles = tiles_for(which, s_q, s_kv, on_cpu)
+        block_d = max(MIN_TILE, triton.next_power_of_2(head_dim))
+        block_dv = max(MIN_TILE, triton.next_power_of_2(v.dim[3]))
+        spec = Fp8AttentionSpec(roles, heads, heads // kv_heads, s_q, s_kv, head_dim, v.dim[3],
+                                node.attrs.scale(head_dim), node.attrs.use_causal_mask,
+                                (tiles.block_m, tiles.block_n, block_d, block_dv))
+        rows, tile = (s_kv, tiles.block_n) if which == "dkdv" else (s_q, tiles.block_m)
+        programs = (-(-rows // tile), q.dim[0] * (kv_heads if which == "dkdv" else heads))
+        source = render(f"{name}_{which}", which, spec, f"{which} of {group.summary()}")
+        reason = (f"fp8 attention {which}: fp8 operands on the tensor cores, float32 accumulation, P and dS "
+                  f"rounded to {q.data_type.name} where the frontend rounds them"
+                  + ("; two walks over the keys (the row log-sum-exp, then P exactly normalized)"
+                     if which == "forward" else ""))
+        launches.append(launch_of(group, source, programs, tiles.num_warps, tiles.text(programs), reason,
+                                  num_stages=tiles.num_stages))
+    return launches

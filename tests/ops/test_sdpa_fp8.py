@@ -1,0 +1,466 @@
+"""sdpa_fp8 and sdpa_fp8_backward (ops/sdpa_fp8.py) against the float64 reference, which rounds P,
+dS and the outputs where the kernels do: float32 outputs agree to float32 accuracy, fp8 outputs
+code for code but for a few neighbours (a float32 sum in another order may land across a
+rounding boundary)."""
+import math
+
+import pytest
+import torch
+
+import dnngraph as dg
+from helpers import poisoned
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FORWARD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
+BACKWARD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",
+                   "scale_s", "scale_dQ", "scale_dK", "scale_dV", "scale_dP")
+# float32 outputs: the kernels' float32 sums against float64. On the GPU the fp8 tensor cores may
+# accumulate with fewer bits than float32 and exp2 is approximate: a P or dS landing beside a
+# rounding boundary then takes the neighbouring code (a share f of them, each off by an fp8 step
+# of ~6%, moves a sum of many keys by about 0.06 sqrt(f): 2e-3 at f = 1e-3), still far below
+# what a misplaced rounding point gives (fp8's own ~3%). fp8 outputs: the share of codes one
+# step off.
+FLOAT_TOLERANCE = {"cpu": 1e-5, "cuda": 5e-3}
+FP8_FLIPS = {"cpu": 0.002, "cuda": 0.02}
+
+
+def fp8_values(shape, dtype, seed: int, device="cpu", spread: float = 4.0):
+    """Random fp8 values (never all zero), generated in float32 and rounded."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=gen) * spread).to(dtype).to(device)
+
+
+def scale_tensors(values: dict, device="cpu") -> dict:
+    return {name: torch.tensor([float(v)], device=device).view(1, 1, 1, 1) for name, v in values.items()}
+
+
+def top_power(dtype) -> float:
+    """The largest power of two the fp8 type holds: P * scale_s below its max, and P = 1 times it
+    and the descale exact, so no float32 product lands beside an exact rounding tie (a row that
+    sees one key has P = 1: with scale_s = 57344, e5m2's max, O * scale_o fell on ties
+    that float32 and float64 break apart)."""
+    return 2.0 ** math.floor(math.log2(torch.finfo(dtype).max))
+
+
+def forward_scales(dtype, top=None) -> dict:
+    top = top or top_power(dtype)
+    return {"descale_q": 0.25, "descale_k": 0.5, "descale_v": 0.75, "descale_s": 1.0 / top, "scale_s": top,
+            "scale_o": 3.0}
+
+
+def backward_scales(dtype) -> dict:
+    top = top_power(dtype)
+    return {"descale_q": 0.25, "descale_k": 0.5, "descale_v": 0.75, "descale_o": 1.0 / 3.0, "descale_dO": 0.125,
+            "descale_s": 1.0 / top, "descale_dP": 1.0 / 64, "scale_s": top, "scale_dQ": 0.5, "scale_dK": 0.5,
+            "scale_dV": 2.0, "scale_dP": 64.0}
+
+
+def forward_graph(q, k, v, causal=False, is_inference=False, o_type=None, attn_scale=None):
+    """(graph, bindings without scales): q, k, v declared like the given tensors, every output marked."""
+    g = dg.Graph(name="fp8 attention")
+    tq, tk, tv = (g.tensor_like(t, name) for t, name in ((q, "q"), (k, "k"), (v, "v")))
+    scales = [g.tensor(name=name, dim=[1, 1, 1, 1], data_type=dg.float32) for name in FORWARD_SCALES]
+    outputs = g.sdpa_fp8(tq, tk, tv, *scales, is_inference=is_inference, attn_scale=attn_scale,
+                         use_causal_mask=causal)
+    for tensor in outputs:
+        if tensor is not None:
+            tensor.set_output(True)
+    if o_type is not None:
+        outputs[0].set_data_type(o_type)
+    return g, {"q": q, "k": k, "v": v}
+
+
+def backward_graph(tensors: dict, causal=False, grad_type=None):
+    g = dg.Graph(name="fp8 attention backward")
+    handles = [g.tensor_like(tensors[name], name) for name in ("q", "k", "v", "o", "dO", "stats")]
+    scales = [g.tensor(name=name, dim=[1, 1, 1, 1], data_type=dg.float32) for name in BACKWARD_SCALES]
+    outputs = g.sdpa_fp8_backward(*handles, *scales, use_causal_mask=causal)
+    for tensor in outputs:
+        tensor.set_output(True)
+    if grad_type is not None:
+        for tensor in outputs[:3]:
+            tensor.set_data_type(grad_type)
+    return g
+
+
+def execute(g, bindings: dict, device="cpu") -> dict:
+    if g.plan is None:
+        g.build()
+    outputs = {t.name: poisoned(t, device) for t in g.outputs()}
+    g.execute({**bindings, **outputs})
+    return outputs
+
+
+def assert_matches(outputs: dict, refs: dict, device="cpu"):
+    """Every output against the reference: NaN where it is NaN, float32 ones to FLOAT_TOLERANCE,
+    fp8 ones code for code but a FP8_FLIPS share of neighbours (and nothing left unwritten)."""
+    for name, out in outputs.items():
+        ref = refs[name].cpu()
+        out = out.cpu()
+        assert torch.equal(torch.isnan(out.double()), torch.isnan(ref)), f"{name}: NaN where the reference has none"
+        finite = ~torch.isnan(ref)
+        if out.dtype in (E4M3, E5M2):
+            codes = out.view(torch.uint8).long()
+            expected = ref.to(out.dtype).view(torch.uint8).long()
+            steps = (codes - expected).abs()[finite]
+            assert steps.max().item() <= 1 if steps.numel() else True, f"{name}: a code more than one step off"
+            share = (steps > 0).double().mean().item() if steps.numel() else 0.0
+            assert share <= FP8_FLIPS[device], f"{name}: {share:.3%} of codes one step off"
+            continue
+        # equal values (infinities too) are exact; the rest against the norm of the finite reference
+        got = out.double()
+        differ = finite & (got != ref)
+        scale = torch.where(torch.isfinite(ref), ref, 0.0).norm().item() or 1.0
+        err = (got[differ] - ref[differ]).norm().item() / scale
+        assert err <= FLOAT_TOLERANCE[device], f"{name}: relative error {err:.3g}"
+
+
+def forward_case(dtype, batch, heads, kv_heads, s_q, s_kv, dim, causal, o_type=None, device="cpu", seed=0):
+    q = fp8_values((batch, heads, s_q, dim), dtype, seed, device)
+    k = fp8_values((batch, kv_heads, s_kv, dim), dtype, seed + 1, device)
+    v = fp8_values((batch, kv_heads, s_kv, dim), dtype, seed + 2, device)
+    g, bindings = forward_graph(q, k, v, causal, o_type=o_type)
+    bindings.update(scale_tensors(forward_scales(dtype), device))
+    outputs = execute(g, bindings, device)
+    assert_matches(outputs, g.reference({n: t.cpu() for n, t in bindings.items()}), device)
+    return outputs
+
+
+# --- forward ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_matches_reference(dtype, causal):
+    forward_case(dtype, 2, 4, 2, 37, 45, 24, causal)  # GQA (2 query heads per k/v head), odd sizes
+
+
+@pytest.mark.parametrize("o_type", [dg.float32, dg.bfloat16, dg.float8_e5m2], ids=["f32", "bf16", "e5m2"])
+def test_forward_output_types(o_type):
+    """o stored in another type: float32 shows the quantized P times v to float32 accuracy."""
+    forward_case(E4M3, 1, 2, 1, 33, 70, 16, True, o_type=o_type)
+
+
+def test_forward_fp8_max_scales_float32_output():
+    """scale_s at the type's max (not a power of two, the frontend's samples' choice), o in float32:
+    quantized P times v to float32 accuracy."""
+    q = fp8_values((1, 2, 31, 16), E5M2, 40)
+    k = fp8_values((1, 1, 26, 16), E5M2, 41)
+    g, bindings = forward_graph(q, k, k, causal=True, o_type=dg.float32)
+    bindings.update(scale_tensors(forward_scales(E5M2, torch.finfo(E5M2).max)))
+    assert_matches(execute(g, bindings), g.reference(bindings))
+
+
+def test_forward_more_queries_than_keys_and_size_one_axes():
+    forward_case(E4M3, 1, 1, 1, 50, 1, 16, True)  # every row sees key 0 alone: P = 1
+    forward_case(E4M3, 1, 3, 3, 1, 33, 8, False)
+
+
+def test_forward_strided_bshd_layout():
+    """q, k, v and o stored [B, S, H, D] (BSHD: a stride choice), outputs poisoned."""
+    dtype = E4M3
+    q = fp8_values((2, 29, 4, 32), dtype, 3).transpose(1, 2)
+    k = fp8_values((2, 40, 2, 32), dtype, 4).transpose(1, 2)
+    v = fp8_values((2, 40, 2, 32), dtype, 5).transpose(1, 2)
+    g, bindings = forward_graph(q, k, v, causal=True)
+    assert list(g.outputs()[0].stride) == [29 * 4 * 32, 32, 4 * 32, 1]  # o follows q's layout
+    bindings.update(scale_tensors(forward_scales(dtype)))
+    assert_matches(execute(g, bindings), g.reference(bindings))
+
+
+def test_forward_broadcast_kv_and_infinity():
+    """k and v broadcast over the batch (stride 0); an infinity in e5m2 v reaches o and amax_o
+    as in the reference (inf, or NaN where a P rounds to 0)."""
+    q = fp8_values((3, 2, 19, 16), E4M3, 50)
+    k = fp8_values((1, 1, 23, 16), E4M3, 51).expand(3, 1, 23, 16)
+    g, bindings = forward_graph(q, k, k, causal=True)
+    bindings.update(scale_tensors(forward_scales(E4M3)))
+    assert_matches(execute(g, bindings), g.reference(bindings))
+    q, k, v = (fp8_values((1, 2, 9 + i, 16), E5M2, 52 + i) for i in range(3))
+    v = fp8_values((1, 2, 10, 16), E5M2, 55)
+    v[0, 0, 4, 2] = float("inf")
+    g, bindings = forward_graph(q, k[:, :, :10], v, o_type=dg.float32)
+    bindings.update(scale_tensors(forward_scales(E5M2)))
+    outputs = execute(g, bindings)
+    assert torch.isinf(outputs["sdpa_fp8.o"][0, 0, :, 2]).any() and math.isinf(outputs["sdpa_fp8.amax_o"].item())
+    assert_matches(outputs, g.reference(bindings))
+
+
+def test_forward_amax_and_stats_values():
+    """amax_s is the largest probability (1 where a row sees one key), amax_o the largest |O|."""
+    q = fp8_values((1, 2, 20, 16), E4M3, 6)
+    k = fp8_values((1, 2, 30, 16), E4M3, 7)
+    v = fp8_values((1, 2, 30, 16), E4M3, 8)
+    g, bindings = forward_graph(q, k, v, causal=True, o_type=dg.float32)
+    bindings.update(scale_tensors(forward_scales(E4M3)))
+    outputs = execute(g, bindings)
+    assert outputs["sdpa_fp8.amax_s"].item() == 1.0
+    o = outputs["sdpa_fp8.o"] / forward_scales(E4M3)["scale_o"]
+    assert math.isclose(outputs["sdpa_fp8.amax_o"].item(), o.abs().max().item(), rel_tol=1e-6)
+    assert torch.isfinite(outputs["sdpa_fp8.stats"]).all()
+
+
+def test_forward_is_inference_has_no_stats():
+    q = fp8_values((1, 1, 17, 16), E4M3, 9)
+    k = fp8_values((1, 1, 17, 16), E4M3, 10)
+    g, bindings = forward_graph(q, k, k, is_inference=True)
+    assert [t.name for t in g.outputs()] == ["sdpa_fp8.o", "sdpa_fp8.amax_s", "sdpa_fp8.amax_o"]
+    bindings.update(scale_tensors(forward_scales(E4M3)))
+    assert_matches(execute(g, bindings), g.reference(bindings))
+
+
+def test_forward_nan_in_q_propagates():
+    """A NaN in q makes its row's o NaN and both amaxes NaN, as torch's softmax and amax do."""
+    q = fp8_values((1, 2, 19, 16), E4M3, 11)
+    q[0, 1, 7, 3] = float("nan")
+    k = fp8_values((1, 2, 21, 16), E4M3, 12)
+    v = fp8_values((1, 2, 21, 16), E4M3, 13)
+    g, bindings = forward_graph(q, k, v)
+    bindings.update(scale_tensors(forward_scales(E4M3)))
+    outputs = execute(g, bindings)
+    assert torch.isnan(outputs["sdpa_fp8.o"].float()[0, 1, 7]).all()
+    assert not torch.isnan(outputs["sdpa_fp8.o"].float()[0, 0]).any()
+    assert math.isnan(outputs["sdpa_fp8.amax_s"].item()) and math.isnan(outputs["sdpa_fp8.amax_o"].item())
+    assert_matches(outputs, g.reference(bindings))
+
+
+def test_unmarked_amax_goes_to_the_workspace():
+    """An amax the graph does not mark is written to a workspace buffer, the rest as usual."""
+    q = fp8_values((1, 2, 25, 16), E4M3, 14)
+    k = fp8_values((1, 2, 25, 16), E4M3, 15)
+    g = dg.Graph()
+    tq, tk = g.tensor_like(q, "q"), g.tensor_like(k, "k")
+    scales = [g.tensor(name=name, dim=[1, 1, 1, 1], data_type=dg.float32) for name in FORWARD_SCALES]
+    o, _, _, amax_o = g.sdpa_fp8(tq, tk, tk, *scales)
+    o.set_output(True)
+    amax_o.set_output(True)
+    bindings = {"q": q, "k": k, **scale_tensors(forward_scales(E4M3))}
+    assert_matches(execute(g, bindings), g.reference(bindings))
+
+
+# --- backward ---------------------------------------------------------------------------------------------
+def backward_tensors(dtype, do_dtype, batch, heads, kv_heads, s_q, s_kv, dim, causal, device="cpu", seed=20):
+    """q, k, v, dO and the forward's o and stats (from the float64 reference of sdpa_fp8)."""
+    q = fp8_values((batch, heads, s_q, dim), dtype, seed)
+    k = fp8_values((batch, kv_heads, s_kv, dim), dtype, seed + 1)
+    v = fp8_values((batch, kv_heads, s_kv, dim), dtype, seed + 2)
+    g, bindings = forward_graph(q, k, v, causal)
+    bindings.update(scale_tensors(forward_scales(dtype)))
+    refs = g.reference(bindings)
+    tensors = {"q": q, "k": k, "v": v, "o": refs["sdpa_fp8.o"].to(dtype),
+               "dO": fp8_values((batch, heads, s_q, dim), do_dtype, seed + 3),
+               "stats": refs["sdpa_fp8.stats"].float()}
+    return {name: t.to(device) for name, t in tensors.items()}
+
+
+def backward_case(dtype, do_dtype, batch, heads, kv_heads, s_q, s_kv, dim, causal, grad_type=None, device="cpu"):
+    tensors = backward_tensors(dtype, do_dtype, batch, heads, kv_heads, s_q, s_kv, dim, causal, device)
+    g = backward_graph(tensors, causal, grad_type)
+    bindings = {**tensors, **scale_tensors(backward_scales(dtype), device)}
+    outputs = execute(g, bindings, device)
+    assert_matches(outputs, g.reference({n: t.cpu() for n, t in bindings.items()}), device)
+    return outputs
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_matches_reference(dtype, causal):
+    backward_case(dtype, dtype, 2, 4, 2, 37, 45, 24, causal)
+
+
+def test_backward_hybrid_e5m2_gradient_and_float32_outputs():
+    """dO in e5m2 against e4m3 q, k, v (the hybrid recipe), the gradients stored in float32."""
+    outputs = backward_case(E4M3, E5M2, 1, 2, 1, 30, 41, 16, True, grad_type=dg.float32)
+    assert all(outputs[f"sdpa_fp8_backward.amax_{n}"].item() > 0 for n in ("dQ", "dK", "dV", "dP"))
+
+
+def test_backward_nan_in_d_o_propagates():
+    """A NaN in dO (every pair visible) makes its row of dq, every dk and dv's column of it NaN,
+    and amax_dP NaN, as the reference's sums do. (Under a mask, a NaN at a pair the mask hides
+    reaches the result only where a kernel's tile holds the pair, as 0 * NaN: ops/sdpa_fp8.py.)"""
+    tensors = backward_tensors(E4M3, E4M3, 1, 2, 2, 17, 19, 16, False)
+    tensors["dO"][0, 1, 9, 5] = float("nan")
+    g = backward_graph(tensors, False, grad_type=dg.float32)
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    outputs = execute(g, bindings)
+    d_q, d_v = outputs["sdpa_fp8_backward.dq"][0, 1], outputs["sdpa_fp8_backward.dv"][0, 1]
+    assert torch.isnan(d_q[9]).all() and not torch.isnan(d_q[:9]).any()
+    assert torch.isnan(outputs["sdpa_fp8_backward.dk"][0, 1]).all()
+    assert torch.isnan(d_v[:, 5]).all() and not torch.isnan(d_v[:, :5]).any()
+    assert not torch.isnan(outputs["sdpa_fp8_backward.dq"][0, 0]).any()  # the other head
+    assert math.isnan(outputs["sdpa_fp8_backward.amax_dP"].item())
+    assert_matches(outputs, g.reference(bindings))
+
+
+@pytest.mark.parametrize("o_marked", [True, False], ids=["o output", "o virtual"])
+def test_forward_then_backward_in_one_graph_and_as_function(o_marked):
+    """o and stats of sdpa_fp8 feed sdpa_fp8_backward in one graph (o read as stored, e4m3, in the
+    workspace when not marked), run through as_function: every output against the reference of
+    the whole graph."""
+    q = fp8_values((1, 4, 21, 16), E4M3, 60)
+    k = fp8_values((1, 2, 27, 16), E4M3, 61)
+    v = fp8_values((1, 2, 27, 16), E4M3, 62)
+    d_o = fp8_values((1, 4, 21, 16), E5M2, 63)
+    g = dg.Graph()
+    tq, tk, tv, t_do = (g.tensor_like(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (d_o, "dO")))
+    forward = {n: g.tensor(name=n, dim=[1, 1, 1, 1], data_type=dg.float32) for n in FORWARD_SCALES}
+    backward = {n: forward.get(n) or g.tensor(name=n, dim=[1, 1, 1, 1], data_type=dg.float32)
+                for n in BACKWARD_SCALES}
+    o, stats, _, _ = g.sdpa_fp8(tq, tk, tv, *forward.values(), is_inference=False, use_causal_mask=True)
+    grads = g.sdpa_fp8_backward(tq, tk, tv, o, t_do, stats, *backward.values(), use_causal_mask=True)
+    for tensor in ((o,) if o_marked else ()) + grads:
+        tensor.set_output(True)
+    values = {**forward_scales(E4M3), **backward_scales(E4M3), "descale_o": 1.0 / 3.0}  # o's scale_o is 3
+    bindings = {"q": q, "k": k, "v": v, "dO": d_o, **scale_tensors({n: values[n] for n in {**forward, **backward}})}
+    results = g.as_function()(*[bindings[t.name] for t in g.inputs()])
+    assert_matches(dict(zip([t.name for t in g.outputs()], results)), g.reference(bindings))
+
+
+# --- errors -----------------------------------------------------------------------------------------------
+def _declared(g, dtype=dg.float8_e4m3, q_dim=(1, 2, 8, 16), kv_dim=(1, 1, 8, 16), scale_dims=None, scale_type=None):
+    q = g.tensor(name="q", dim=list(q_dim), data_type=dtype)
+    k = g.tensor(name="k", dim=list(kv_dim), data_type=dg.float8_e4m3)
+    v = g.tensor(name="v", dim=list(kv_dim), data_type=dg.float8_e4m3)
+    scales = [g.tensor(name=n, dim=list(scale_dims or (1, 1, 1, 1)), data_type=scale_type or dg.float32)
+              for n in FORWARD_SCALES]
+    return q, k, v, scales
+
+
+@pytest.mark.parametrize("case", ["bf16 q", "e5m2 q with e4m3 k", "two-element scale", "float16 scale",
+                                  "rank 3", "heads", "head dims", "int q"])
+def test_bad_forward_inputs_are_validation_errors(case):
+    g = dg.Graph()
+    q, k, v, scales = {
+        "bf16 q": lambda: _declared(g, dg.bfloat16),
+        "e5m2 q with e4m3 k": lambda: _declared(g, dg.float8_e5m2),
+        "two-element scale": lambda: _declared(g, scale_dims=(1, 1, 1, 2)),
+        "float16 scale": lambda: _declared(g, scale_type=dg.float16),
+        "rank 3": lambda: _declared(g, q_dim=(2, 8, 16), kv_dim=(1, 8, 16)),
+        "heads": lambda: _declared(g, q_dim=(1, 3, 8, 16), kv_dim=(1, 2, 8, 16)),
+        "head dims": lambda: _declared(g, q_dim=(1, 2, 8, 32)),
+        "int q": lambda: _declared(g, dg.int32),
+    }[case]()
+    before = len(g.nodes)
+    with pytest.raises(dg.ValidationError):
+        g.sdpa_fp8(q, k, v, *scales)
+    assert len(g.nodes) == before  # a failed call changes nothing
+
+
+def test_bad_backward_inputs_are_validation_errors():
+    tensors = backward_tensors(E4M3, E4M3, 1, 2, 1, 8, 8, 16, False)
+    for name, replacement in (("stats", tensors["stats"].half()), ("stats", tensors["stats"][:, :, :4]), ("dO", tensors["dO"].float()),
+                              ("o", tensors["o"][..., :8])):
+        g = dg.Graph()
+        handles = [g.tensor_like(replacement if n == name else tensors[n], n)
+                   for n in ("q", "k", "v", "o", "dO", "stats")]
+        scales = [g.tensor(name=n, dim=[1, 1, 1, 1], data_type=dg.float32) for n in BACKWARD_SCALES]
+        with pytest.raises(dg.ValidationError):
+            g.sdpa_fp8_backward(*handles, *scales)
+        assert len(g.nodes) == 0
+
+
+def test_wrong_binding_is_an_execution_error_and_writes_nothing():
+    q = fp8_values((1, 2, 9, 16), E4M3, 30)
+    k = fp8_values((1, 2, 9, 16), E4M3, 31)
+    g, bindings = forward_graph(q, k, k)
+    bindings.update(scale_tensors(forward_scales(E4M3)))
+    g.build()
+    outputs = {t.name: poisoned(t) for t in g.outputs()}
+    with pytest.raises(dg.ExecutionError):
+        g.execute({**bindings, "k": k.float(), **outputs})
+    assert all(torch.isnan(t.float()).all() for t in outputs.values())
+
+
+def test_head_dim_not_contiguous_is_unsupported():
+    q = fp8_values((1, 2, 9, 16), E4M3, 32)
+    strided = fp8_values((1, 2, 16, 9), E4M3, 33).transpose(2, 3)  # head dim stride 9
+    g, bindings = forward_graph(q, strided, strided)
+    with pytest.raises(dg.UnsupportedError):
+        g.build()
+
+
+def test_head_offsets_past_int32_are_unsupported():
+    """One batch element spanning more than 2^31 elements (the kernels' int32 offsets) is refused
+    at build, before anything runs."""
+    g = dg.Graph()
+    q = g.tensor(name="q", dim=[1, 2, 8, 16], stride=[2**32, 2**31, 16, 1], data_type=dg.float8_e4m3)
+    k = g.tensor(name="k", dim=[1, 2, 8, 16], data_type=dg.float8_e4m3)
+    scales = [g.tensor(name=n, dim=[1, 1, 1, 1], data_type=dg.float32) for n in FORWARD_SCALES]
+    o, *_ = g.sdpa_fp8(q, k, k, *scales)
+    o.set_output(True)
+    with pytest.raises(dg.UnsupportedError, match="2\\^31"):
+        g.build()
+
+
+def test_json_round_trip_runs():
+    q = fp8_values((1, 2, 12, 16), E5M2, 34)
+    k = fp8_values((1, 1, 12, 16), E5M2, 35)
+    g, bindings = forward_graph(q, k, k, causal=True)
+    copy = dg.Graph.from_json(g.to_json())
+    bindings.update(scale_tensors(forward_scales(E5M2)))
+    assert_matches(execute(copy, bindings), g.reference(bindings))
+
+
+# --- sm_90 compiles -------------------------------------------------------------------------------------------
+def _gpu_lowered(label: str, g):
+    """(label, launches, dtypes) of the graph's one group lowered as for a GPU (its tiles), the
+    graph built here for the tensors' dtypes and groups."""
+    from types import SimpleNamespace
+    from dnngraph.backends.triton.lower.sdpa_fp8 import build_sdpa_fp8
+    from dnngraph.dtypes import kernel_torch_dtype
+    g.build()
+    (group,) = list(g.plan.groups)
+    launches = build_sdpa_fp8(g, group, SimpleNamespace(device=torch.device("cuda"), budget=None))
+    return f"{label} (GPU tiles)", launches, {t.uid: kernel_torch_dtype(t.data_type) for t in g.tensors}
+
+
+def sm90_graphs():
+    """Each kernel form (both fp8 types, causal, GQA, the hybrid backward, fp8 and float outputs),
+    with the interpreter's tiles and the GPU's, for tests/sm90_compile.py."""
+    for dtype, label in ((E4M3, "e4m3"), (E5M2, "e5m2")):
+        for causal in (False, True):
+            q = fp8_values((1, 4, 256, 128), dtype, 0)
+            k = fp8_values((1, 2, 256, 128), dtype, 1)
+            g, _ = forward_graph(q, k, k, causal)
+            g.build()
+            yield f"forward {label} causal={causal}", g
+            yield _gpu_lowered(f"forward {label} causal={causal}", forward_graph(q, k, k, causal)[0])
+    g, _ = forward_graph(q, k, k, o_type=dg.bfloat16)  # a 16-bit o: the conversion store_as does
+    g.build()
+    yield "forward e5m2 o=bf16", g
+    yield _gpu_lowered("forward e5m2 o=bf16", forward_graph(q, k, k, o_type=dg.bfloat16)[0])
+    tensors = backward_tensors(E4M3, E5M2, 1, 4, 2, 256, 256, 128, True)
+    for grad_type in (None, dg.bfloat16):
+        g = backward_graph(tensors, True, grad_type)
+        g.build()
+        yield f"backward hybrid grads={grad_type}", g
+        yield _gpu_lowered(f"backward hybrid grads={grad_type}", backward_graph(tensors, True, grad_type))
+
+
+def test_kernels_compile_for_sm90():
+    """The interpreter skips Triton's type checks (fp8 dot operands, constexpr tuples): compile
+    every kernel form for sm_90 in a process without the interpreter."""
+    from helpers import compiled_for_sm90
+    assert "compiled 32 kernels for sm_90" in compiled_for_sm90("test_sdpa_fp8:sm90_graphs", timeout=900)
+
+
+# --- GPU ----------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_forward_realistic(dtype, causal):
+    forward_case(dtype, 2, 16, 16, 2048, 2048, 128, causal, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_forward_gqa_odd_float32_output():
+    forward_case(E4M3, 2, 16, 4, 1999, 2077, 128, True, o_type=dg.float32, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_backward_realistic(causal):
+    backward_case(E4M3, E4M3, 2, 16, 16, 2048, 2048, 128, causal, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_backward_hybrid_gqa():
+    backward_case(E4M3, E5M2, 2, 16, 4, 1024, 1536, 128, True, grad_type=dg.float32, device="cuda")
