@@ -376,3 +376,52 @@ def _not_twice(grads: list) -> list:
     tensors = [g for g in grads if g is not None]
     attached = iter(_NotTwice.apply(*[g.detach().requires_grad_() for g in tensors]))
     return [None if g is None else next(attached) for g in grads]
+
+
+class DynamicFunction:
+    """as_function of a graph with dynamic extents: per set of sizes the arguments have (read
+    from the inputs' dynamic axes, checked against the declared ranges and against each other),
+    a GraphFunction of the graph at those sizes, made on first use and then found by one lookup
+    (its plan and derivations built once per size; kernels shared by content)."""
+
+    def __init__(self, graph, inputs=None, outputs=None, options=None):
+        from .runtime.dynamic_plan import DynamicExtents
+
+        graph.validate()
+        self.graph, self.options = graph, options
+        self.inputs = _resolve(graph, inputs, graph.inputs(), "inputs")
+        self.outputs = _resolve(graph, outputs, graph.outputs(), "outputs")
+        self.extents = DynamicExtents(graph, self.inputs)
+        given = {s.name for s in self.extents.symbols}
+        for tensor in self.outputs:
+            unknown = [s.name for s in tensor.dynamic_dim_symbols or () if s is not None and s.name not in given]
+            if unknown:
+                raise ValidationError(f"as_function: output {tensor.name!r} has dynamic extent(s) {unknown} that no "
+                                      f"input carries: the function could not size it")
+        position = {t.uid: p for p, t in enumerate(self.inputs)}
+        self.positions = tuple((position[t.uid], name, axis, index)
+                               for t, name, axis, index in self.extents.sources)
+        self._functions: dict = {}  # tuple of sizes -> GraphFunction of the graph at those sizes
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        if len(args) != len(self.inputs):
+            raise ExecutionError(f"{self.graph.name}: takes {len(self.inputs)} tensors, got {len(args)}")
+        key = self.extents.key_of_values(args, self.positions, self.graph.name)
+        function = self._functions.get(key)
+        if function is None:
+            function = self._function_at(key)
+        return function(*args)
+
+    def _function_at(self, key: tuple) -> GraphFunction:
+        with self._lock:
+            function = self._functions.get(key)
+            if function is None:
+                sizes = dict(zip((s.name for s in self.extents.symbols), key))
+                try:
+                    sized = self.graph.specialised(sizes)
+                except ValidationError as error:
+                    raise ExecutionError(f"{self.graph.name} at {sizes}: {error}") from None
+                function = self._functions[key] = GraphFunction(
+                    sized, [t.name for t in self.inputs], [t.name for t in self.outputs], self.options)
+            return function
