@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import networkx
 
 from . import dtypes
-from .errors import ExecutionError, ValidationError
+from .errors import ExecutionError, UnsupportedError, ValidationError
 from .ops import REGISTRY, lookup
 from .ops.pointwise import POINTWISE_OPS
 from .ops.sdpa import ragged_length, ragged_operands, ragged_slots, slot_length
@@ -951,6 +951,9 @@ class Graph:
 
         if self._plan is None:
             raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build() before serialize()")
+        if self.is_dynamic:
+            raise UnsupportedError(f"graph {self.name!r} has dynamic extents: its plans are made per size at execute "
+                                   f"and do not ship yet; ship the graph as to_json() (which keeps its symbols)")
         return serialize_plan(self._plan)
 
     @classmethod
@@ -1008,7 +1011,7 @@ class Graph:
         from .fusion import partition
         from .backends import registry
 
-        if self._plan is not None:
+        if self._plan is not None and not self.is_dynamic:  # a dynamic graph's plans are other graphs'
             return render_dot(self, self._plan.groups)
         self.validate()
         try:
