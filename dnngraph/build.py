@@ -94,8 +94,10 @@ def build_dynamic_plan(graph, options: Optional[BuildOptions] = None) -> Dynamic
         if tensor.dynamic_dim_symbols:
             check_dense(tensor.dim, tensor.own_stride, f"output {tensor.name!r}")
 
+    snapshot = graph._snapshot()  # later changes to the graph never reach sizes built later
+
     def build_at(sizes: dict) -> "Plan":
-        sized = graph.specialised(sizes)
+        sized = snapshot.specialised(sizes)
         sized.validate()
         return build_plan(sized, options)
 

@@ -19,7 +19,10 @@ from .symbolic import Dynamic, resized, symbols_of
 from .tensor import dense_strides, stride_order
 
 FORMAT = "dnngraph"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the newest version this reader reads
+# a graph with dynamic extents is written as version 2 (a reader of version 1 would take it for the
+# static graph at the symbols' max sizes); a static graph's document stays version 1, as before
+DYNAMIC_SCHEMA_VERSION = 2
 
 
 def _jsonable(value):
@@ -58,7 +61,7 @@ def graph_document(graph) -> dict:
                       "outputs": [None if t is None else t.uid for t in node.outputs],
                       "attrs": attrs})
     return {
-        "format": FORMAT, "version": SCHEMA_VERSION,
+        "format": FORMAT, "version": DYNAMIC_SCHEMA_VERSION if symbols_of(graph.inputs()) else 1,
         "graph": {"name": graph.name, "io_data_type": graph.io_data_type.name,
                   "intermediate_data_type": graph.intermediate_data_type.name,
                   "compute_data_type": graph.compute_data_type.name, "allow_tf32": graph.allow_tf32},

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import numbers
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 from .errors import UnsupportedError, ValidationError
 from .tensor import MAX_EXTENT, dense_strides, stride_order
@@ -129,12 +129,8 @@ def propagate(op: str, infer, inputs: list, attrs, specs: list) -> list:
     return [None if axes is None or all(s is None for s in axes) else tuple(axes) for axes in found]
 
 
-def bucket_of(size: int, symbol: Dynamic, buckets: Optional[Sequence[int]] = None) -> int:
-    """The bucket `size` falls in, named by its upper bound: the smallest of `buckets` (sorted
-    upper bounds) at or above it, by default the next power of two; never past the symbol's max."""
-    if buckets:
-        for bound in buckets:
-            if size <= bound:
-                return min(bound, symbol.max)
-        return symbol.max
+def bucket_of(size: int, symbol: Dynamic) -> int:
+    """The bucket `size` falls in, named by its upper bound: the next power of two, never past
+    the symbol's max. Sizes of one bucket share their kernels' sources (sizes are runtime
+    arguments of the kernels); it is the unit compiles are counted in."""
     return min(1 << max(size - 1, 0).bit_length(), symbol.max)

@@ -97,11 +97,10 @@ class DynamicPlan:
     bindings' sizes, built by `build_at(sizes)` (symbol name -> size; returns a Plan of the graph
     at those sizes) on first use."""
 
-    def __init__(self, graph, build_at: Callable, buckets=None):
+    def __init__(self, graph, build_at: Callable):
         self.graph_name = graph.name
         self.extents = DynamicExtents(graph)
         self._build_at = build_at
-        self._buckets = buckets  # per symbol name, sorted upper bounds (None: powers of two)
         self._handles = tuple((t, t.name) for t in graph.tensors)
         self._plans: dict = {}  # tuple of sizes -> Plan taking this graph's handles and names
         self._lock = threading.Lock()
@@ -140,8 +139,7 @@ class DynamicPlan:
 
     def bucket(self, key: tuple) -> tuple:
         """The bucket of each size of `key` (its upper bound)."""
-        return tuple(bucket_of(size, symbol, (self._buckets or {}).get(symbol.name))
-                     for size, symbol in zip(key, self.extents.symbols))
+        return tuple(bucket_of(size, symbol) for size, symbol in zip(key, self.extents.symbols))
 
     def kernels_by_bucket(self) -> dict:
         """bucket -> the names (content digests) of the kernels its sizes' plans launch."""

@@ -150,7 +150,7 @@ def test_out_of_range_and_disagreeing_symbols_write_nothing():
 def test_json_round_trip_keeps_symbols_and_runs():
     g, x, scale, y = _norm_graph()
     text = g.to_json()
-    assert json.loads(text)["symbols"] == {"tokens": [1, 64]}
+    assert json.loads(text)["symbols"] == {"tokens": [1, 64]} and json.loads(text)["version"] == 2
     loaded = dg.Graph.from_json(text)
     assert loaded.to_json() == text
     lx, ly = loaded.tensor_by_name("x"), loaded.tensor_by_name(y.name)
@@ -175,6 +175,7 @@ def test_static_graph_document_has_no_symbols():
     g.relu(x).set_output(True)
     document = json.loads(g.to_json())
     assert "symbols" not in document and all("dynamic" not in t for t in document["tensors"])
+    assert document["version"] == 1  # static documents read as before
 
 
 def test_as_function_with_dynamic_inputs():
