@@ -74,6 +74,19 @@ def test_a_size_seen_before_builds_nothing_and_buckets_share_kernels():
     assert "tokens" in g.explain()
 
 
+def test_a_workspace_of_the_largest_size_serves_every_size():
+    g, y = _llama_layer(dg.dynamic("seq", 1, 16), heads=2, kv_heads=1, dim=8, hidden=8, io_type=dg.float32)
+    g.build()
+    workspace = torch.empty(g.plan.workspace_size(), dtype=torch.uint8)
+    assert workspace.numel() > 0  # values between kernels live there
+    for s in (5, 16):
+        inputs = {t.name: torch.randn(*[s if isinstance(d, dg.Dynamic) else d for d in t.dynamic_dim]) * 0.3
+                  for t in g.inputs()}
+        out = _poisoned_for(y, {"seq": s})
+        g.execute({**inputs, y: out}, workspace=workspace)
+        assert rel_err(out, g.reference(inputs)[y.name]) < 1e-4, s
+
+
 def test_matmul_with_dynamic_rows_and_epilogue():
     rows = dg.dynamic("rows", 1, 80)
     g = dg.Graph(name="mm")

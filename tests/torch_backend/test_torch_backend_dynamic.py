@@ -108,19 +108,20 @@ def test_the_shapes_kept_are_bounded_and_reused(monkeypatch, caplog):
     assert len(torch_backend.REPORTS) == 2 * 2  # forward and backward: the static length 2, then one symbolic trace
 
 
-def test_dynamic_true_compiles_once_for_every_length():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dynamic_true_compiles_once_for_every_length(device):
     """torch.compile(dynamic=True): dynamo's one frame compile, AOTAutograd's one symbolic trace
     (forward and backward), every length against eager."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(3)
-    model = _Attention()
+    model = _Attention().to(device)
     torch._dynamo.reset()
     counters.clear()
     torch_backend.REPORTS.clear()
     compiled = torch.compile(model, backend="dnngraph", dynamic=True)
     for length in (3, 6, 11):
-        x = torch.randn(2, length, 8)
+        x = torch.randn(2, length, 8, device=device)
         leaf, eager_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
         got = compiled(leaf)
         got.sum().backward()
