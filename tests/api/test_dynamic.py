@@ -306,3 +306,30 @@ def test_llama_like_layer_three_sequence_lengths_one_build_gpu():
         _run_layer(g, y, s, "cuda", torch.bfloat16, 2e-2)
     kernels = g.plan.kernels_by_bucket()
     assert len(kernels[(1024,)]) == len(kernels[(4096,)]), kernels  # one source per kernel per bucket
+
+
+def test_as_function_traces_once_under_torch_compile_dynamic():
+    """torch.compile(fullgraph=True, dynamic=True) over a dynamic graph's function: one custom op
+    whose outputs take their sizes from the inputs, so one dynamo graph serves every size."""
+    from torch._dynamo.utils import counters
+
+    rows = dg.dynamic("rows", 1, 64)
+    g = dg.Graph(name="traced")
+    a = g.tensor(name="a", dim=[rows, 8])
+    w = g.tensor(name="w", dim=[8, 6])
+    g.tanh(g.matmul(a, w)).set_output(True)
+    fn = g.as_function()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x, y: fn(x, y) * 2, fullgraph=True, dynamic=True)
+    for m in (3, 7, 9):
+        x, wt = torch.randn(m, 8), torch.randn(8, 6)
+        got = compiled(x, wt)
+        assert got.shape == (m, 6)
+        assert rel_err(got, torch.tanh(x.double() @ wt.double()) * 2) < TOL, m
+    assert counters["stats"]["unique_graphs"] == 1
+    with pytest.raises(dg.ExecutionError, match="rows"):  # the range is checked when the op runs
+        compiled(torch.randn(65, 8), torch.randn(8, 6))
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(Exception, match="not differentiable under torch.compile"):
+        torch.compile(lambda x, y: fn(x, y), fullgraph=True, dynamic=True)(x, torch.randn(8, 6))
