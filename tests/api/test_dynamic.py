@@ -292,9 +292,11 @@ def _run_layer(g, y, s, device, torch_type, tolerance):
 def test_llama_like_layer_at_three_sequence_lengths():
     g, y = _llama_layer(dg.dynamic("seq", 1, 24), heads=2, kv_heads=1, dim=16, hidden=24, io_type=dg.float32)
     g.build()
-    for s in (3, 13, 24):
+    for s in (3, 13, 24, 11):
         _run_layer(g, y, s, "cpu", torch.float32, 1e-4)
-    assert g.plan.builds == 2 + 2  # the ends of the range at build, then 3 and 13 (24 is the max)
+    assert g.plan.builds == 2 + 3  # the ends of the range at build, then 3, 13 and 11 (24 is the max)
+    names = [[launch.kernel.__name__ for launch in g.plan.plan_for((s,)).launches] for s in (13, 11)]
+    assert names[0] == names[1]  # one bucket: the same kernels
 
 
 @pytest.mark.gpu
