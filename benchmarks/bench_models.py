@@ -123,7 +123,8 @@ def llama_dynamic_rows(seq: int, inductor: bool) -> list:
                 "dnngraph": torch.compile(lambda m, h: forward(m, h), backend="dnngraph", dynamic=True, mode=MODE["mode"])}
     if inductor:
         variants["inductor"] = torch.compile(lambda m, h: forward(m, h), dynamic=True, mode=MODE["mode"])
-    rows = []
+    rows, graphs = [], torch._dynamo.utils.counters["stats"]
+    dnngraph_compiles = 0
     for length in dynamic_lengths(seq):
         x = torch.randn(1, length, 4096, device="cuda", dtype=torch.bfloat16)
 
@@ -133,7 +134,10 @@ def llama_dynamic_rows(seq: int, inductor: bool) -> list:
                 fn(layer, x)
         times, compile_s = {}, {}
         for name, fn in variants.items():
+            before = graphs["unique_graphs"]
             _, compile_s[name] = _timed_compile(fn, prefill)
+            if name == "dnngraph":
+                dnngraph_compiles += graphs["unique_graphs"] - before
             times[name] = median_ms(lambda: prefill(fn), warmup=3, rep=20)
         dg = times["dnngraph"]
         row = [f"Llama layer prefill dynamic=True S{length}", f"{dg:.2f}", f"{times['eager']:.2f}",
@@ -143,8 +147,9 @@ def llama_dynamic_rows(seq: int, inductor: bool) -> list:
         print(" | ".join(row), flush=True)
         rows.append(row)
     specialized = sum(1 for report in dnngraph.torch_backend.REPORTS if report.specialized)
-    print(f"dynamic=True: dynamo compiled {torch._dynamo.utils.counters['stats']['unique_graphs']} graph(s) for "
-          f"{len(rows)} lengths; the dnngraph backend specialized {specialized} aten graph(s) to static shapes",
+    per_shape = sum(1 for report in dnngraph.torch_backend.REPORTS if report.per_shape)
+    print(f"dynamic=True: dynamo compiled {dnngraph_compiles} graph(s) for the dnngraph backend over {len(rows)} "
+          f"lengths; AOTAutograd traces with symbolic sizes: {per_shape}; whole compiles per shape: {specialized}",
           flush=True)
     return rows
 
