@@ -173,3 +173,50 @@ def test_scalar_alpha_and_empty_dims_compile_through_torch_compile(call):
     got = torch.compile(call, backend="dnngraph", dynamic=False)(x)
     assert torch.allclose(got, call(x), atol=1e-5)
     assert torch_backend.REPORTS[-1].dnngraph_ops >= 1
+
+
+def _llama_dynamic_steps(device, dtype, hidden, heads, kv_heads, inner, lengths, tolerance):
+    """The Llama decoder layer bench_models.py runs (transformers' where installed), compiled once
+    with dynamic=True, a training step at each length against eager: one dynamo compile, one
+    symbolic trace, the layer's tensor ops in dnngraph."""
+    import sys
+    from pathlib import Path
+    from torch._dynamo.utils import counters
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from llama_layer import make_layer
+
+    torch.manual_seed(4)
+    layer, forward, _ = make_layer(hidden, heads, kv_heads, inner, dtype, device)
+    torch._dynamo.reset()
+    counters.clear()
+    torch_backend.REPORTS.clear()
+    compiled = torch.compile(lambda m, h: forward(m, h), backend="dnngraph", dynamic=True)
+    for length in lengths:
+        x = torch.randn(1, length, hidden, device=device, dtype=dtype)
+        leaf, eager_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got = compiled(layer, leaf)
+        got.float().sum().backward()
+        want = forward(layer, eager_leaf)
+        want.float().sum().backward()
+        assert rel_err(got, want) < tolerance and rel_err(leaf.grad, eager_leaf.grad) < tolerance, length
+    assert counters["stats"]["unique_graphs"] == 1
+    reports = list(torch_backend.REPORTS)
+    assert len(reports) == 2 and all(r.per_shape for r in reports)  # forward and backward, traced once
+    # the layer's products, attention and norms run in dnngraph (on the CPU only the rotary
+    # embedding's float64 casts of positions stay in torch)
+    heavy = ("mm", "attention", "rsqrt", "silu", "mean")
+    assert not any(word in target for r in reports for target, _ in r.torch_ops for word in heavy), \
+        [r.torch_ops for r in reports]
+    assert all(r.dnngraph_ops > 10 for r in reports)
+
+
+def test_llama_layer_dynamic_true_three_lengths():
+    _llama_dynamic_steps("cpu", torch.float32, hidden=32, heads=2, kv_heads=1, inner=48, lengths=(3, 6, 11),
+                         tolerance=1e-5)
+
+
+@pytest.mark.gpu
+def test_llama_layer_dynamic_true_three_lengths_gpu():
+    _llama_dynamic_steps("cuda", torch.bfloat16, hidden=1024, heads=8, kv_heads=2, inner=2816,
+                         lengths=(257, 511, 1024), tolerance=3e-2)
