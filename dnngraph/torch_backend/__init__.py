@@ -70,8 +70,11 @@ class CompileReport:
     per_shape: tuple = ()  # the PerShapeModule of each partition of a graph traced with symbolic sizes
 
     def kernels(self) -> int:
-        """Kernels launched per call by the graphs that have run (their plans are built on first use)."""
-        plans = [f._plain[0].plan for f in self.functions if f._plain is not None and f._plain[0].plan is not None]
+        """Kernels launched per call by the graphs that have run (their plans are built on first use;
+        a partition converted per shape counts its most recently used shape's)."""
+        functions = list(self.functions) + [module.latest_function() for module in self.per_shape]
+        plans = [f._plain[0].plan for f in functions
+                 if f is not None and f._plain is not None and f._plain[0].plan is not None]
         return sum(len(plan.launches) for plan in plans)
 
 
@@ -445,6 +448,12 @@ class PerShapeModule(torch.nn.Module):
                 module = self._converted(key, args)
             self.modules.move_to_end(key)
         return module(*args)
+
+    def latest_function(self):
+        """The graph function of the most recently used shape (None: none ran in dnngraph yet)."""
+        with self.lock:
+            latest = next(reversed(self.modules.values()), None)
+        return getattr(latest, "function", None)
 
     def _converted(self, key, args):
         described = _described(args)
