@@ -5,7 +5,11 @@ weights, llama_layer.decode_step) and torchvision's ResNet-50 (channels-last bf1
 step at N=64, inference at N=256). Each row reports the median step time, the ratios and each compile's time.
 
     python benchmarks/bench_models.py [--rows llama,resnet] [--seq 4096] [--no-inductor]
-        [--mode reduce-overhead]
+        [--mode reduce-overhead] [--dynamic]
+
+--dynamic adds the Llama layer's prefill compiled once with dynamic=True and run at three sequence
+lengths (seq / 4 + 1, seq / 2 - 1, seq): a row per length (the compile column: the first call at
+that length), then dynamo's compile count and how many shapes the dnngraph backend specialized.
 
 --mode reduce-overhead compiles dnngraph and inductor alike with CUDA-graph replay (cudagraph
 trees); eager stays eager.
@@ -102,6 +106,54 @@ def llama_cases(seq: int, inductor: bool) -> list:
             (f"Llama layer decode step KV{DECODE_KV}", decode, _variants(decode_step, inductor))]
 
 
+def dynamic_lengths(seq: int) -> tuple:
+    """The --dynamic rows' sequence lengths: odd sizes in three power-of-two buckets."""
+    return (seq // 4 + 1, seq // 2 - 1, seq)
+
+
+def llama_dynamic_rows(seq: int, inductor: bool) -> list:
+    """The Llama layer's prefill compiled once with dynamic=True per variant, then timed at each
+    of dynamic_lengths(seq); prints dynamo's compile count and the dnngraph backend's
+    specializations (torch_backend.REPORTS) after the rows."""
+    torch.manual_seed(0)
+    layer, forward, _ = make_layer(4096, 32, 8, 14336, torch.bfloat16, "cuda")
+    torch._dynamo.reset()
+    dnngraph.torch_backend.REPORTS.clear()
+    variants = {"eager": lambda m, h: forward(m, h),
+                "dnngraph": torch.compile(lambda m, h: forward(m, h), backend="dnngraph", dynamic=True, mode=MODE["mode"])}
+    if inductor:
+        variants["inductor"] = torch.compile(lambda m, h: forward(m, h), dynamic=True, mode=MODE["mode"])
+    rows, graphs = [], torch._dynamo.utils.counters["stats"]
+    dnngraph_compiles = 0
+    for length in dynamic_lengths(seq):
+        x = torch.randn(1, length, 4096, device="cuda", dtype=torch.bfloat16)
+
+        def prefill(fn, x=x):
+            _new_step()
+            with torch.no_grad():
+                fn(layer, x)
+        times, compile_s = {}, {}
+        for name, fn in variants.items():
+            before = graphs["unique_graphs"]
+            _, compile_s[name] = _timed_compile(fn, prefill)
+            if name == "dnngraph":
+                dnngraph_compiles += graphs["unique_graphs"] - before
+            times[name] = median_ms(lambda: prefill(fn), warmup=3, rep=20)
+        dg = times["dnngraph"]
+        row = [f"Llama layer prefill dynamic=True S{length}", f"{dg:.2f}", f"{times['eager']:.2f}",
+               f"{times.get('inductor', float('nan')):.2f}", f"{times['eager'] / dg:.2f}",
+               f"{times.get('inductor', float('nan')) / dg:.2f}", f"{compile_s['dnngraph']:.1f}",
+               f"{compile_s.get('inductor', float('nan')):.1f}"]
+        print(" | ".join(row), flush=True)
+        rows.append(row)
+    specialized = sum(1 for report in dnngraph.torch_backend.REPORTS if report.specialized)
+    per_shape = sum(1 for report in dnngraph.torch_backend.REPORTS if report.per_shape)
+    print(f"dynamic=True: dynamo compiled {dnngraph_compiles} graph(s) for the dnngraph backend over {len(rows)} "
+          f"lengths; AOTAutograd traces with symbolic sizes: {per_shape}; whole compiles per shape: {specialized}",
+          flush=True)
+    return rows
+
+
 def resnet_cases(inductor: bool) -> list:
     """(label, step(fn), variants()) of ResNet-50's rows (each step sets the model's mode)."""
     import torchvision
@@ -143,10 +195,14 @@ def main():
     parser.add_argument("--no-inductor", action="store_true")
     parser.add_argument("--match", default="", help="only the rows whose label contains this")
     parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead"])
+    parser.add_argument("--dynamic", action="store_true",
+                        help="add the Llama prefill compiled once with dynamic=True at three sequence lengths")
     args = parser.parse_args()
     MODE["mode"] = args.mode
     rows = [_row(label, step, variants) for label, step, variants in cases(args.rows, args.seq, not args.no_inductor)
             if args.match in label]
+    if args.dynamic:
+        rows += llama_dynamic_rows(args.seq, not args.no_inductor)
     print_table(f"whole models, ms per step, mode {args.mode} ({torch.cuda.get_device_name()})",
                 ["row", "dnngraph", "eager", "inductor", "eager / dg", "inductor / dg", "dg compile s",
                  "inductor compile s"], rows)

@@ -16,10 +16,12 @@ from .options import BuildOptions
 from .target import Target
 from .tensor import Tensor
 from .graph_cache import jit
+from .symbolic import Dynamic, dynamic
 
 __all__ = [
     "Graph", "Node", "Tensor", "DataType", "float32", "float16", "bfloat16", "float8_e4m3",
     "float8_e5m2", "int32", "int64", "bool", "float4_e2m1", "float8_e8m0", "GraphError", "ValidationError", "UnsupportedError",
     "ExecutionError", "SerializationError", "BuildOptions", "Target", "jit",
+    "Dynamic", "dynamic",
 ]
 __all__ += ["int8"]

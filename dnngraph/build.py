@@ -22,11 +22,13 @@ from .ops.block_scale import refuse_elsewhere as refuse_block_scale_types
 from .options import BuildOptions
 from .problems import problem_of
 from .runtime.autotune import Tuner
+from .runtime.dynamic_plan import DynamicPlan
 from .runtime.interpreter import interpreting
 from .runtime.launch import check_grid, sample_tensors, time_candidate
 from .runtime.plan import Plan, target_for
 from .runtime.plan_cache import PLANS, plan_key
 from .runtime.workspace import WorkspaceBudget
+from .symbolic import check_dense
 from .target import target_of
 
 def _check_outputs_dense(graph):
@@ -78,6 +80,30 @@ def build_plan(graph, options: Optional[BuildOptions] = None) -> "Plan":
         logger.info("built graph %r from the plan cache in %.2f ms", graph.name, 1e3 * (time.perf_counter() - start))
     plan = shared.for_graph(graph)
     plan.views.lend_strides(graph)
+    return plan
+
+
+def build_dynamic_plan(graph, options: Optional[BuildOptions] = None) -> DynamicPlan:
+    """The plan of a validated graph with dynamic extents: a DynamicPlan that builds the graph at
+    each set of sizes it meets (Graph.specialised, then build_plan: the plan cache and Triton's
+    cache share what sizes have in common). The plans at every symbol's min and at every
+    symbol's max are built here, so that a shape rule or a kernel that fails at the ends of the
+    range fails the build, not an execute."""
+    options = BuildOptions() if options is None else options
+    for tensor in graph.outputs():
+        if tensor.dynamic_dim_symbols:
+            check_dense(tensor.dim, tensor.own_stride, f"output {tensor.name!r}")
+
+    snapshot = graph._snapshot()  # later changes to the graph never reach sizes built later
+
+    def build_at(sizes: dict) -> "Plan":
+        sized = snapshot.specialised(sizes)
+        sized.validate()
+        return build_plan(sized, options)
+
+    plan = DynamicPlan(graph, build_at)
+    for end in ("min", "max"):
+        plan.plan_for(tuple(getattr(s, end) for s in plan.extents.symbols), executing=False)
     return plan
 
 

@@ -16,9 +16,9 @@ import torch
 
 from . import dtypes
 from .autodiff import derive, replay
-from .errors import ExecutionError, ValidationError
+from .errors import ExecutionError, UnsupportedError, ValidationError
 from .runtime.bindings import check_bindable, resolved_input, unbindable
-from .tensor import overlaps
+from .tensor import overlaps, stride_order
 
 
 def _layout(tensor) -> tuple:
@@ -376,3 +376,88 @@ def _not_twice(grads: list) -> list:
     tensors = [g for g in grads if g is not None]
     attached = iter(_NotTwice.apply(*[g.detach().requires_grad_() for g in tensors]))
     return [None if g is None else next(attached) for g in grads]
+
+
+class DynamicFunction:
+    """as_function of a graph with dynamic extents: per set of sizes the arguments have (read
+    from the inputs' dynamic axes, checked against the declared ranges and against each other),
+    a GraphFunction of the graph at those sizes, made on first use and then found by one lookup
+    (its plan and derivations built once per size; kernels shared by content)."""
+
+    def __init__(self, graph, inputs=None, outputs=None, options=None):
+        from .runtime.dynamic_plan import DynamicExtents
+
+        graph.validate()
+        self.graph, self.options = graph, options
+        self.inputs = _resolve(graph, inputs, graph.inputs(), "inputs")
+        self.outputs = _resolve(graph, outputs, graph.outputs(), "outputs")
+        self.extents = DynamicExtents(graph, self.inputs)
+        given = {s.name for s in self.extents.symbols}
+        for tensor in self.outputs:
+            unknown = [s.name for s in tensor.dynamic_dim_symbols or () if s is not None and s.name not in given]
+            if unknown:
+                raise ValidationError(f"as_function: output {tensor.name!r} has dynamic extent(s) {unknown} that no "
+                                      f"input carries: the function could not size it")
+        position = {t.uid: p for p, t in enumerate(self.inputs)}
+        self.positions = tuple((position[t.uid], name, axis, index)
+                               for t, name, axis, index in self.extents.sources)
+        self._functions: dict = {}  # tuple of sizes -> GraphFunction of the graph at those sizes
+        self._lock = threading.Lock()
+        # per output: (dims with each dynamic axis as the (input position, axis) giving its size,
+        # its axes outermost first, torch dtype): what a traced call's outputs look like
+        first = {}
+        for at, _, axis, index in self.positions:
+            first.setdefault(index, (at, axis))
+        names = [s.name for s in self.extents.symbols]
+        self._layouts = [(tuple(d if s is None else first[names.index(s.name)]
+                                for d, s in zip(t.dim, t.dynamic_dim_symbols or (None,) * len(t.dim))),
+                          stride_order(t.dim, t.stride), t.data_type.torch_dtype) for t in self.outputs]
+        self.op_name = f"dnngraph::dynamic_function{next(_NUMBER)}"
+        self._traced_op = torch.library.custom_op(self.op_name, self._run_listed, mutates_args=(),
+                                                  schema="(Tensor[] inputs) -> Tensor[]")
+        self._traced_op.register_fake(self._traced_outputs)
+
+    def __call__(self, *args):
+        if len(args) != len(self.inputs):
+            raise ExecutionError(f"{self.graph.name}: takes {len(self.inputs)} tensors, got {len(args)}")
+        if torch.compiler.is_compiling():  # one custom op whose outputs take their sizes from the inputs
+            if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                raise UnsupportedError(f"{self.graph.name}: a function of a graph with dynamic extents is not "
+                                       f"differentiable under torch.compile yet (it is in eager calls)")
+            results = self._traced_op(list(args))
+            return results[0] if len(results) == 1 else tuple(results)
+        key = self.extents.key_of_values(args, self.positions, self.graph.name)
+        function = self._functions.get(key)
+        if function is None:
+            function = self._function_at(key)
+        return function(*args)
+
+    def _run_listed(self, args: list) -> list:
+        results = self(*args)
+        return list(results) if isinstance(results, tuple) else [results]
+
+    def _traced_outputs(self, args: list) -> list:
+        """The outputs of a call on `args` as empty tensors (fake or symbolic sizes): each dynamic
+        axis as long as the input axis that gives it, densely packed in its own axis order."""
+        made = []
+        for dims, order, dtype in self._layouts:
+            sizes = [args[d[0]].shape[d[1]] if isinstance(d, tuple) else d for d in dims]
+            strides, running = [0] * len(sizes), 1
+            for axis in reversed(order):
+                strides[axis] = running
+                running = running * sizes[axis]
+            made.append(args[0].new_empty_strided(sizes, strides, dtype=dtype))
+        return made
+
+    def _function_at(self, key: tuple) -> GraphFunction:
+        with self._lock:
+            function = self._functions.get(key)
+            if function is None:
+                sizes = dict(zip((s.name for s in self.extents.symbols), key))
+                try:
+                    sized = self.graph.specialised(sizes)
+                except ValidationError as error:
+                    raise ExecutionError(f"{self.graph.name} at {sizes}: {error}") from None
+                function = self._functions[key] = GraphFunction(
+                    sized, [t.name for t in self.inputs], [t.name for t in self.outputs], self.options)
+            return function

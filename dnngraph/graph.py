@@ -18,13 +18,14 @@ if TYPE_CHECKING:
     import networkx
 
 from . import dtypes
-from .errors import ExecutionError, ValidationError
+from .errors import ExecutionError, UnsupportedError, ValidationError
 from .ops import REGISTRY, lookup
 from .ops.pointwise import POINTWISE_OPS
 from .ops.sdpa import ragged_length, ragged_operands, ragged_slots, slot_length
 from .ops.shape import normalize_slices
 from .ops.base import boolean, integer, normalize_axes, per_axis, real
 from .options import BuildOptions
+from .symbolic import check_dense, propagate, split_dims, symbols_of
 from .tensor import (Tensor, check_dims, check_not_overlapping, check_strides, contiguous_strides,
                      dense_strides, span, stride_order)
 
@@ -250,17 +251,42 @@ class Graph:
             raise ValidationError(f"duplicate tensor name {name!r} in graph {self.name!r}")
         if dim is None:
             raise ValidationError(f"tensor {name!r} needs dims")
+        dim, dynamic_axes = split_dims(dim, f"tensor {name!r}")  # dg.dynamic entries at their max
         dims = check_dims(dim, f"tensor {name!r}")
         strides = contiguous_strides(dims) if stride is None else \
             check_strides(stride, dims, f"tensor {name!r}")
         data_type = self.io_data_type if data_type is None else dtypes.resolve(data_type)
+        if dynamic_axes is not None:
+            self._check_symbols(name, dims, strides, dynamic_axes)
         tensor = Tensor(self, next(self._uids), name, dims, strides, data_type)
+        tensor._dynamic = dynamic_axes
         if is_pass_by_value is not False:  # before the graph holds the tensor: a refusal adds nothing
             tensor.set_is_pass_by_value(is_pass_by_value)
         self._tensors[tensor.uid] = tensor
         self._names[name] = tensor
         self._invalidate()
         return tensor
+
+    def _check_symbols(self, name: str, dims, strides, dynamic_axes) -> None:
+        """A dynamic input: densely packed, each symbol with one range in the whole graph."""
+        check_dense(dims, strides, f"tensor {name!r}")
+        known = symbols_of(self.inputs())
+        for symbol in dynamic_axes:
+            if symbol is not None and known.get(symbol.name, symbol) != symbol:
+                raise ValidationError(f"tensor {name!r}: {symbol!r} has the name of {known[symbol.name]!r} with "
+                                      f"another range: one symbol, one range")
+
+    @property
+    def is_dynamic(self) -> bool:
+        """Whether some input has a dynamic extent (dg.dynamic in its dims)."""
+        return any(t.dynamic_dim_symbols for t in self._tensors.values() if t.producer is None)
+
+    def specialised(self, sizes: dict) -> "Graph":
+        """A static copy of this graph with each dynamic extent at `sizes` (symbol name -> size),
+        replayed through every shape rule; the tensors keep their names."""
+        from .serialization import specialised
+
+        return specialised(self, sizes, Graph)
 
     def tensor_like(self, like: torch.Tensor, name: Optional[str] = None) -> Tensor:
         """Declare an input with the dims, strides and data type of a torch tensor."""
@@ -306,9 +332,11 @@ class Graph:
             names = ", ".join(t.name for t in checked if t is not None)
             raise ValidationError(f"node {node_name!r} ({op} of {names}): {error}") from None
         _refuse_block_scale_types(op, opdef, checked, specs)
+        dynamic_axes = propagate(op, opdef.infer, checked, attrs, specs) \
+            if any(t is not None and t.dynamic_dim_symbols for t in checked) else [None] * len(specs)
         node = Node(next(self._uids), op, node_name, tuple(checked), (), attrs)
         outputs = []
-        for out_name, spec in zip(opdef.output_names, specs):
+        for out_name, spec, axes in zip(opdef.output_names, specs, dynamic_axes):
             if spec is None:
                 outputs.append(None)
                 continue
@@ -317,6 +345,7 @@ class Graph:
             tensor = Tensor(self, next(self._uids), tensor_name, tuple(spec.dim), stride, None,
                             producer=node, fixed_data_type=spec.data_type,
                             type_source=tuple(checked[i] for i in spec.type_source or ()))
+            tensor._dynamic = axes
             outputs.append(tensor)
         node.outputs = tuple(outputs)
         for tensor in node.output_tensors():  # commit only once everything succeeded
@@ -886,6 +915,12 @@ class Graph:
 
         options = _build_options(options, autotune, workspace_limit, plan)
         self.validate()
+        if self.is_dynamic:  # one plan per size seen, each built from the graph at that size
+            from .build import build_dynamic_plan
+
+            self._plan = build_dynamic_plan(self, options)
+            self._pass_by_value = tuple(t for t in self.inputs() if t.is_pass_by_value)
+            return self
         # a build works on a snapshot of the graph: a failed one leaves the tensors as they were
         self._plan = build_plan(self, options)
         self._pass_by_value = tuple(t for t in self.inputs() if t.is_pass_by_value)
@@ -941,6 +976,9 @@ class Graph:
 
         if self._plan is None:
             raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build() before serialize()")
+        if self.is_dynamic:
+            raise UnsupportedError(f"graph {self.name!r} has dynamic extents: its plans are made per size at execute "
+                                   f"and do not ship yet; ship the graph as to_json() (which keeps its symbols)")
         return serialize_plan(self._plan)
 
     @classmethod
@@ -985,8 +1023,10 @@ class Graph:
         (default the graph outputs; one tensor or a tuple), and is differentiable through
         torch.autograd (the backward graph derives from the ops' backward rules). Every graph it
         builds (forward, backward) is built with `options` (a BuildOptions; None: the defaults)."""
-        from .function import GraphFunction
+        from .function import DynamicFunction, GraphFunction
 
+        if self.is_dynamic:
+            return DynamicFunction(self, inputs, outputs, _build_options(options))
         return GraphFunction(self, inputs, outputs, _build_options(options))
 
     def to_dot(self) -> str:
@@ -996,7 +1036,7 @@ class Graph:
         from .fusion import partition
         from .backends import registry
 
-        if self._plan is not None:
+        if self._plan is not None and not self.is_dynamic:  # a dynamic graph's plans are other graphs'
             return render_dot(self, self._plan.groups)
         self.validate()
         try:
@@ -1033,6 +1073,12 @@ class Graph:
             raise ExecutionError(f"reference: bindings must be a dict, got {type(bindings).__name__}")
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise ExecutionError(f"reference: dtype must be a floating torch dtype, got {dtype!r}")
+        if self.is_dynamic:  # the graph at the sizes the bindings have
+            from .runtime.dynamic_plan import DynamicExtents
+
+            extents = DynamicExtents(self)
+            sized = self.specialised(extents.sizes(bindings, "reference"))
+            return sized.reference(extents.by_name(bindings), dtype, all_tensors)
         values = {}
         for tensor in self.inputs():
             if any(tensor in n.inputs for n in self._nodes):

@@ -15,9 +15,14 @@ from . import dtypes
 from .dag import CycleError, Dag
 from .errors import GraphError, SerializationError
 from .ops import REGISTRY
+from .symbolic import Dynamic, resized, symbols_of
+from .tensor import dense_strides, stride_order
 
 FORMAT = "dnngraph"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the newest version this reader reads
+# a graph with dynamic extents is written as version 2 (a reader of version 1 would take it for the
+# static graph at the symbols' max sizes); a static graph's document stays version 1, as before
+DYNAMIC_SCHEMA_VERSION = 2
 
 
 def _jsonable(value):
@@ -44,6 +49,9 @@ def graph_document(graph) -> dict:
             **({"blend": list(tensor.blend)} if tensor.blend is not None else {}),
             # written only where set: a document without the key reads as before
             **({"is_pass_by_value": True} if tensor.is_pass_by_value else {}),
+            # an input's dynamic axes by symbol name (its outputs' are derived again on loading)
+            **({"dynamic": [None if s is None else s.name for s in tensor.dynamic_dim_symbols]}
+               if tensor.is_input and tensor.dynamic_dim_symbols else {}),
         })
     nodes = []
     for node in graph.nodes:
@@ -53,12 +61,20 @@ def graph_document(graph) -> dict:
                       "outputs": [None if t is None else t.uid for t in node.outputs],
                       "attrs": attrs})
     return {
-        "format": FORMAT, "version": SCHEMA_VERSION,
+        "format": FORMAT, "version": DYNAMIC_SCHEMA_VERSION if symbols_of(graph.inputs()) else 1,
         "graph": {"name": graph.name, "io_data_type": graph.io_data_type.name,
                   "intermediate_data_type": graph.intermediate_data_type.name,
                   "compute_data_type": graph.compute_data_type.name, "allow_tf32": graph.allow_tf32},
         "tensors": tensors, "nodes": nodes,
+        **_symbols_record(graph),
     }
+
+
+def _symbols_record(graph) -> dict:
+    """{"symbols": {name: [min, max]}} for a graph with dynamic extents, else nothing (a static
+    graph's document reads as before)."""
+    symbols = symbols_of(graph.inputs())
+    return {"symbols": {name: [s.min, s.max] for name, s in sorted(symbols.items())}} if symbols else {}
 
 
 # op -> how many inputs a record of it always holds: an absent optional input past that count
@@ -146,13 +162,63 @@ def graph_from_json(text: str, graph_type):
         raise SerializationError("the document nests too deeply") from None
 
 
+def specialised(graph, sizes: dict, graph_type):
+    """A static copy of dynamic `graph` with every symbol at `sizes[name]` (the same uids' order,
+    names and settings; dynamic tensors densely packed in their own axis order), replayed through
+    every shape rule. Errors of the rules at these sizes are raised as they are (GraphError)."""
+    return _fill(graph_document(graph), graph_type, sizes)
+
+
 def _load(text, graph_type):
     try:
         document = json.loads(text)
     except (TypeError, ValueError) as error:
         raise SerializationError(f"not valid JSON: {error}") from None
+    try:
+        return _fill(document, graph_type, None)
+    except SerializationError:
+        raise
+    except GraphError as error:
+        raise SerializationError(f"inconsistent document: {error}") from None
+
+
+def _input_dims(record, where, symbols: dict, sizes):
+    """(dims, strides) to declare input `record` with: a dynamic axis as its Dynamic, or with
+    `sizes`, at its size (strides packed again in the record's axis order)."""
+    dims = _field(record, "dim", list, where)
+    strides = _field(record, "stride", list, where)
+    marks = record.get("dynamic")
+    if marks is None:
+        return dims, strides
+    _require(isinstance(marks, list) and len(marks) == len(dims)
+             and all(m is None or (isinstance(m, str) and m in symbols) for m in marks),
+             f"{where}.dynamic must name a symbol of the document (or null) per axis, got {marks!r}")
+    axes = tuple(None if m is None else symbols[m] for m in marks)
+    if sizes is not None:
+        return list(resized(dims, strides, axes, sizes)[0]), list(resized(dims, strides, axes, sizes)[1])
+    return [d if a is None else a for d, a in zip(dims, axes)], strides
+
+
+def _symbols(document) -> dict:
+    raw = document.get("symbols", {})
+    _require(isinstance(raw, dict), "symbols must be an object of name -> [min, max]")
+    symbols = {}
+    for name, bounds in raw.items():
+        _require(isinstance(bounds, list) and len(bounds) == 2 and all(type(b) is int for b in bounds),
+                 f"symbols.{name} must be [min, max], got {bounds!r}")
+        try:
+            symbols[name] = Dynamic(name, *bounds)
+        except GraphError as error:
+            raise SerializationError(f"symbols.{name}: {error}") from None
+    return symbols
+
+
+def _fill(document, graph_type, sizes):
+    """The graph `document` describes, in a new graph of `graph_type`; with `sizes` (symbol name
+    -> size) the static graph at those sizes."""
     _check_header(document)
     graph = _graph_from_header(_field(document, "graph", dict, "document"), graph_type)
+    symbols = _symbols(document)
     tensors = _field(document, "tensors", list, "document")
     nodes = _field(document, "nodes", list, "document")
     records = {}
@@ -172,24 +238,18 @@ def _load(text, graph_type):
                 _require(uid not in producer_of, f"{where}: tensor {uid} has two producers")
                 producer_of[uid] = index
     handles = {}
-    try:
-        for uid, record in records.items():
-            if uid not in producer_of:
-                where = f"tensor {uid}"
-                _require(_is_output(record, where) is False, f"{where}: a graph input cannot be an output")
-                handles[uid] = graph.tensor(name=_field(record, "name", str, where),
-                                            dim=_field(record, "dim", list, where),
-                                            stride=_field(record, "stride", list, where),
-                                            data_type=_data_type(record, where))
-                by_value = record.get("is_pass_by_value", False)
-                _require(isinstance(by_value, bool), f"{where}.is_pass_by_value must be true or false")
-                handles[uid].set_is_pass_by_value(by_value)
-        for index in _node_order(nodes, producer_of):
-            _replay(graph, nodes[index], f"nodes[{index}]", handles, records)
-    except SerializationError:
-        raise
-    except GraphError as error:
-        raise SerializationError(f"inconsistent document: {error}") from None
+    for uid, record in records.items():
+        if uid not in producer_of:
+            where = f"tensor {uid}"
+            _require(_is_output(record, where) is False, f"{where}: a graph input cannot be an output")
+            dims, strides = _input_dims(record, where, symbols, sizes)
+            handles[uid] = graph.tensor(name=_field(record, "name", str, where), dim=dims, stride=strides,
+                                        data_type=_data_type(record, where))
+            by_value = record.get("is_pass_by_value", False)
+            _require(isinstance(by_value, bool), f"{where}.is_pass_by_value must be true or false")
+            handles[uid].set_is_pass_by_value(by_value)
+    for index in _node_order(nodes, producer_of):
+        _replay(graph, nodes[index], f"nodes[{index}]", handles, records, sizes is not None)
     return graph
 
 
@@ -230,7 +290,7 @@ def _absent_optional_inputs(opdef, listed: int) -> list:
     return [None] * len(missing)
 
 
-def _replay(graph, record, where, handles, records):
+def _replay(graph, record, where, handles, records, resizing: bool = False):
     opdef = REGISTRY.get(_field(record, "op", str, where))
     _require(opdef is not None, f"{where}: unknown op {record['op']!r}")
     attrs = _attrs(record, opdef, where)
@@ -254,9 +314,12 @@ def _replay(graph, record, where, handles, records):
         saved, saved_where = records[uid], f"tensor {uid}"
         tensor.set_name(_field(saved, "name", str, saved_where))
         dims = _field(saved, "dim", list, saved_where)
-        _require(dims == list(tensor.dim) and all(type(d) is int for d in dims),
+        _require(all(type(d) is int for d in dims) and (resizing or dims == list(tensor.dim)),
                  f"{saved_where}: dims {dims} disagree with the op's {list(tensor.dim)}")
-        tensor.set_stride(_field(saved, "stride", list, saved_where))
+        stride = _field(saved, "stride", list, saved_where)
+        if resizing:  # the same axis order, packed at the new dims
+            stride = dense_strides(tensor.dim, stride_order(dims, stride))
+        tensor.set_stride(stride)
         if _data_type(saved, saved_where) is not None:
             tensor.set_data_type(saved["data_type"])
         if _is_output(saved, saved_where):

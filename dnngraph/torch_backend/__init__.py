@@ -13,13 +13,16 @@ tensor (a loss, a step counter) is held as [1]: bound as a view of the
 argument, returned as a 0-d view of the output. DNNGRAPH_LOG=info shows the partition and why an
 op stayed in torch; `explain()` the same for the graphs compiled so far.
 
-dnngraph compiles static shapes. Default torch.compile recompiles a function called with a second
-distinct shape with symbolic sizes (dynamo's automatic dynamic shapes), and AOTAutograd would hand
-this backend aten graphs whose sizes are symbols (SymInt placeholders, FakeTensor examples with
-symbolic dims) which no converter takes. So a graph dynamo hands over with symbolic sizes is
-compiled per concrete shape at call time instead (`_PerShape`): one AOTAutograd + dnngraph
-compile per distinct signature of the inputs (sizes, strides, types, devices, int arguments),
-the last SHAPE_LIMIT of them kept, each new one logged and recorded in its reports.
+Dynamic shapes (`dynamic=True`, or dynamo's automatic dynamic shapes after a second shape): a
+graph dynamo hands over with symbolic sizes is traced by AOTAutograd once, symbolically, and its
+aten graphs are partitioned by what the converters take at the sizes it was traced at
+(`_judged_at_hints`). The converters read static sizes, so each partition is converted per
+concrete input signature it is called with (`PerShapeModule`: the partition's metas recomputed
+at those sizes, sizes computed in the graph (s0 * 2) read as their numbers, the last
+SHAPE_LIMIT kept): host work of milliseconds per shape, no retrace and no dynamo recompile, and
+the kernels of shapes whose sources match (dnngraph names kernels by content) are compiled once.
+Under CUDA-graph replay a graph with symbolic sizes is still compiled whole per concrete shape
+(`_PerShape`: one AOTAutograd + dnngraph compile per signature), as before.
 """
 from __future__ import annotations
 
@@ -45,7 +48,8 @@ from ..log import logger
 from ..options import BuildOptions
 from ..tensor import Tensor
 from .rnn import traced_rnns
-from .convert import TENSOR_TYPES, VIEW_OPS, Aux, ConstantSpec, convert, graph_input, read_as_value, unsupported
+from .convert import (_VERDICT, TENSOR_TYPES, VIEW_OPS, Aux, ConstantSpec, convert, graph_input, read_as_value,
+                      unsupported)
 
 __all__ = ["backend", "explain", "REPORTS", "CompileReport"]
 
@@ -63,10 +67,14 @@ class CompileReport:
     torch_ops: tuple  # (target, reason) per op that runs in torch
     functions: tuple = ()  # the GraphFunction of each dnngraph graph (its plan once it has run)
     specialized: str = ""  # the input signature compiled for, where dynamo's graph had symbolic sizes
+    per_shape: tuple = ()  # the PerShapeModule of each partition of a graph traced with symbolic sizes
 
     def kernels(self) -> int:
-        """Kernels launched per call by the graphs that have run (their plans are built on first use)."""
-        plans = [f._plain[0].plan for f in self.functions if f._plain is not None and f._plain[0].plan is not None]
+        """Kernels launched per call by the graphs that have run (their plans are built on first use;
+        a partition converted per shape counts its most recently used shape's)."""
+        functions = list(self.functions) + [module.latest_function() for module in self.per_shape]
+        plans = [f._plain[0].plan for f in functions
+                 if f is not None and f._plain is not None and f._plain[0].plan is not None]
         return sum(len(plan.launches) for plan in plans)
 
 
@@ -304,28 +312,166 @@ class DnngraphModule(torch.nn.Module):
 def _compile(gm: torch.fx.GraphModule, example_inputs, specialized: str = "", options=None):
     """The aten graph with each supported partition replaced by a DnngraphModule, its graphs
     built with `options` (a BuildOptions, None: the defaults; `specialized`: the concrete input
-    signature it was traced for, where dynamo's graph was symbolic)."""
+    signature it was traced for, where dynamo's graph was symbolic). An aten graph AOTAutograd
+    traced with symbolic sizes has its ops judged at the sizes it was traced at
+    (`_judged_at_hints`) and each partition converted per concrete shape it is called with
+    (`PerShapeModule`): no retrace, and kernels shared by content across shapes."""
+    symbolic = _has_symbolic_sizes(gm)
+    if symbolic:
+        _judged_at_hints(gm)
     support = _Support()
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
     fused = partitioner.fuse_partitions(partitioner.propose_partitions())
     converted, functions = 0, []
     for node in list(fused.graph.nodes):
         if node.op == "call_module" and node.target.startswith("fused_"):
-            module = DnngraphModule(getattr(fused, node.target), options)
+            sub = getattr(fused, node.target)
+            module = PerShapeModule(sub, options) if symbolic else DnngraphModule(sub, options)
             setattr(fused, node.target, module)
             converted += module.ops
-            if module.function is not None:
+            if getattr(module, "function", None) is not None:
                 functions.append(module.function)
-    graphs = len(functions)
+    per_shape = tuple(m for m in fused.children() if isinstance(m, PerShapeModule))
+    graphs = len(functions) + len(per_shape)
     fused.recompile()
     kept = tuple((str(n.target), support.reasons.get(n.name, "not an op dnngraph takes")) for n in fused.graph.nodes
-                 if n.op == "call_function" and n.target is not operator.getitem)
-    REPORTS.append(CompileReport(converted, graphs, kept, tuple(functions), specialized))
+                 if n.op == "call_function" and n.target is not operator.getitem and not _size_arithmetic(n))
+    REPORTS.append(CompileReport(converted, graphs, kept, tuple(functions), specialized, per_shape))
     logger.info("torch.compile backend: %d aten ops in %d dnngraph graph(s), %d in torch%s", converted, graphs,
                 len(kept), f" (specialized to {specialized})" if specialized else "")
     for target, reason in kept:
         logger.info("  stays in torch: %s (%s)", target, reason)
     return make_boxed_func(fused.forward)
+
+
+def _size_arithmetic(node) -> bool:
+    """Is `node` arithmetic on sizes (s0 * 2 in a graph traced with symbolic sizes): no tensor
+    op, torch's to compute and no op dnngraph is missing."""
+    return isinstance(node.meta.get("val"), _SYMBOLS)
+
+
+def _is_symbolic_value(value) -> bool:
+    if isinstance(value, _SYMBOLS):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(d, _SYMBOLS) for d in (*value.shape, *value.stride()))
+
+
+def _has_symbolic_sizes(gm: torch.fx.GraphModule) -> bool:
+    """Did AOTAutograd trace `gm` with symbolic sizes (a placeholder that is or holds a symbol)?"""
+    return any(_is_symbolic_value(node.meta.get("val")) for node in gm.graph.nodes if node.op == "placeholder")
+
+
+def _hint(value):
+    """A symbolic size as the int it was traced at (a plain int as it is)."""
+    return value.node.hint if isinstance(value, _SYMBOLS) and value.node.hint is not None else value
+
+
+def _at_sizes(gm: torch.fx.GraphModule, inputs: list) -> torch.fx.GraphModule:
+    """A copy of `gm` whose node metas ("val") are recomputed for `inputs` (real tensors, fake
+    tensors of static shape or ints, one per placeholder) under a fake mode of static shapes;
+    `gm`'s own nodes keep theirs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    twin = torch.fx.GraphModule(gm, graph)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = [mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
+             for value in inputs]
+    FakeTensorProp(twin, mode).propagate_dont_convert_inputs(*fakes)
+    for node in twin.graph.nodes:
+        node.meta.pop(_VERDICT, None)  # judged again at these sizes
+        if node.op == "call_function":  # a size computed in the graph (s0 * 2) as the number it now is
+            node.args, node.kwargs = torch.fx.node.map_arg((node.args, node.kwargs), _number_or_node)
+    twin.graph.eliminate_dead_code()
+    twin.recompile()
+    return twin
+
+
+def _number_or_node(node):
+    value = node.meta.get("val")
+    return value if isinstance(value, (int, float, bool)) else node
+
+
+def _hinted_inputs(gm: torch.fx.GraphModule) -> list:
+    """Static stand-ins of `gm`'s placeholders at the sizes it was traced at."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    made, mode = [], FakeTensorMode()
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            with mode:
+                made.append(torch.empty_strided([_hint(d) for d in value.shape], [_hint(d) for d in value.stride()],
+                                                dtype=value.dtype, device=value.device))
+        else:
+            made.append(_hint(value))
+    return made
+
+
+def _judged_at_hints(gm: torch.fx.GraphModule) -> None:
+    """Mark each op of symbolic `gm` supported or not as its twin at the sizes it was traced at
+    is (the converters read static sizes; a view to [s0 * 2, 8] reads [6, 8] there, and the
+    partition converted per shape reads that shape's numbers). A partition that then fails to
+    convert at some other shape runs in torch at that shape."""
+    twin = _at_sizes(gm, _hinted_inputs(gm))
+    twins = {node.name: node for node in twin.graph.nodes}
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            twin_node = twins.get(node.name)
+            node.meta[_VERDICT] = "a size computed in the graph" if twin_node is None else unsupported(twin_node)
+
+
+class PerShapeModule(torch.nn.Module):
+    """A partition of an aten graph traced with symbolic sizes, converted into a dnngraph graph
+    (a DnngraphModule) per concrete input signature it is called with, the last SHAPE_LIMIT
+    kept: the conversion and the plan are host work per shape; the kernels are shared by
+    content, so a shape whose kernels an earlier shape already made compiles nothing. A shape
+    at which the partition does not convert runs its aten ops in torch."""
+
+    def __init__(self, sub: torch.fx.GraphModule, options=None):
+        super().__init__()
+        self.sub, self.options = sub, options
+        self.ops = sum(1 for n in sub.graph.nodes if n.op == "call_function")
+        self.modules: collections.OrderedDict = collections.OrderedDict()  # signature -> module
+        self.shapes: dict = {}  # signature -> its shapes as the log says them
+        self.lock = threading.Lock()
+
+    def forward(self, *args):
+        key = _signature(args)
+        with self.lock:
+            module = self.modules.get(key)
+            if module is None:
+                module = self._converted(key, args)
+            self.modules.move_to_end(key)
+        return module(*args)
+
+    def latest_function(self):
+        """The graph function of the most recently used shape (None: none ran in dnngraph yet)."""
+        with self.lock:
+            latest = next(reversed(self.modules.values()), None)
+        return getattr(latest, "function", None)
+
+    def _converted(self, key, args):
+        described = _described(args)
+        try:
+            module = DnngraphModule(_at_sizes(self.sub, list(args)), self.options)
+            logger.info("torch.compile backend: a partition of %d ops converted at the shapes %s (%d of at most %d "
+                        "kept)", self.ops, described, len(self.modules) + 1, SHAPE_LIMIT)
+        except Exception as error:  # noqa: BLE001  (a form this shape gives that no converter takes)
+            logger.info("torch.compile backend: a partition stays in torch at %s: %s: %s", described,
+                        type(error).__name__, error)
+            module = self.sub
+        self.modules[key] = module
+        self.shapes[key] = described
+        if len(self.modules) > SHAPE_LIMIT:
+            dropped, _ = self.modules.popitem(last=False)
+            logger.info("torch.compile backend: a partition drops its least recently used shapes %s",
+                        self.shapes.pop(dropped))
+        return module
 
 
 # The attention forms the converters take: torch's flash kernels (the sdpa op and its backward),
@@ -454,7 +600,10 @@ def backend(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     `options={"build_options": dnngraph.BuildOptions(...)}` builds every graph with them. A
     graph dynamo traced with symbolic sizes is compiled per concrete shape when it is called
     (see the module's doc)."""
-    compile_static = _static_compile(_replays(mode, options), _build_options(options))
+    replay = _replays(mode, options)
+    compile_static = _static_compile(replay, _build_options(options))
+    if _is_symbolic(gm, example_inputs) and not replay:  # one symbolic trace, partitions per shape
+        return compile_static(gm, example_inputs)
     if _is_symbolic(gm, example_inputs):
         per_shape = _PerShape(gm, compile_static)
         per_shape._boxed_call = per_shape.boxed
@@ -468,7 +617,8 @@ def explain() -> str:
     each op left to torch with why."""
     lines = []
     for number, report in enumerate(REPORTS):
-        shape = f", specialized to {report.specialized} (dynamo traced symbolic sizes)" if report.specialized else ""
+        shape = f", specialized to {report.specialized} (dynamo traced symbolic sizes)" if report.specialized else \
+            (" (traced with symbolic sizes: partitions converted per shape)" if report.per_shape else "")
         lines.append(f"aten graph {number}: {report.dnngraph_ops} ops in {report.graphs} dnngraph graph(s), "
                      f"{len(report.torch_ops)} in torch{shape}")
         lines += [f"  stays in torch: {target} ({reason})" for target, reason in report.torch_ops]

@@ -34,6 +34,7 @@ LAYERS = {
     "dnngraph.ragged": 0,  # packed (THD) sdpa operands: offset checks and unpacking, in torch
     # 1 IR: tensor values (Node and Graph are named only as types, under TYPE_CHECKING)
     "dnngraph.tensor": 1,
+    "dnngraph.symbolic": 1,  # dynamic extents (dg.dynamic) and their propagation through shape rules
     # 2 the op catalog, and the JSON codec of graphs written with it (it fills the graph object
     #   it is handed; the plan cache keys plans on the document)
     "dnngraph.ops": 2, "dnngraph.serialization": 2,

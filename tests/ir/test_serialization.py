@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import dnngraph as dg
 from dnngraph.ops import REGISTRY
+from dnngraph.serialization import SCHEMA_VERSION
 from dnngraph.ops.pointwise import POINTWISE_OPS
 
 
@@ -155,7 +156,7 @@ def _mutations():
         "truncated": lambda d: json.dumps(d)[:40],
         "not an object": lambda d: "[1, 2]",
         "wrong format": lambda d: {**d, "format": "other"},
-        "newer version": lambda d: {**d, "version": 2},
+        "newer version": lambda d: {**d, "version": SCHEMA_VERSION + 1},
         "unknown op": lambda d: d["nodes"][0].update(op="conv9d"),
         "unknown attribute": lambda d: d["nodes"][0]["attrs"].update(bogus=1),
         "bad attribute value": lambda d: d["nodes"][0]["attrs"].update(data_type="float128"),

@@ -1,7 +1,8 @@
-"""Default torch.compile (automatic dynamic shapes) through the dnngraph backend: after a second
-input shape dynamo hands the backend a graph with symbolic sizes; the backend compiles each
-concrete shape instead (dnngraph compiles static shapes), says so in the log and in explain(),
-and keeps the ops in dnngraph graphs."""
+"""Dynamic shapes through the dnngraph backend (default torch.compile's automatic dynamic shapes
+after a second input shape, and dynamic=True): dynamo hands the backend a graph with symbolic
+sizes, AOTAutograd traces it once, and each partition is converted into a dnngraph graph per
+concrete shape it meets (no retrace, no recompile), said in the log and in explain(); every
+result against eager."""
 import logging
 
 import pytest
@@ -63,24 +64,35 @@ def _steps_match_eager(model, lengths=SEQUENCE_LENGTHS, device="cpu"):
             assert rel_err(got_grad, want_grad) < 1e-5, length
 
 
+def _converted_shapes(report) -> list:
+    """Per partition of a report of a graph traced with symbolic sizes, the shapes it was
+    converted at into dnngraph graphs (not left to torch)."""
+    return [[text for key, text in module.shapes.items() if module.modules[key] is not module.sub]
+            for module in report.per_shape]
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("make_model", [_mlp, _Attention, _Pooler], ids=["mlp", "attention", "pooler"])
-def test_new_sequence_lengths_are_compiled_static_and_stay_in_dnngraph(make_model, device, caplog):
+def test_new_sequence_lengths_run_in_dnngraph_from_one_symbolic_trace(make_model, device, caplog):
     torch.manual_seed(0)
     with caplog.at_level(logging.INFO, logger="dnngraph"):
         _steps_match_eager(make_model(), device=device)
     reports = list(torch_backend.REPORTS)
-    # forward and backward per length: the first static, the others specialized from dynamo's symbolic graph
-    assert len(reports) == 2 * len(SEQUENCE_LENGTHS)
+    # forward and backward of the first (static) length, then of dynamo's one symbolic recompile
+    assert len(reports) == 4
     assert all(report.torch_ops == () for report in reports), [r.torch_ops for r in reports]
     assert all(report.dnngraph_ops > 0 and report.graphs >= 1 for report in reports)
-    specialized = [report.specialized for report in reports if report.specialized]
-    assert len(specialized) == 2 * (len(SEQUENCE_LENGTHS) - 1)
+    assert not any(report.specialized for report in reports)  # no whole-graph compile per shape
+    symbolic = reports[2:]
+    assert all(report.per_shape for report in symbolic) and not any(report.per_shape for report in reports[:2])
+    texts = []
+    for report in symbolic:  # each partition converted once at every later length
+        for shapes in _converted_shapes(report):
+            assert len(set(shapes)) == len(shapes) == len(SEQUENCE_LENGTHS) - 1, shapes
+            texts += shapes
     for length in SEQUENCE_LENGTHS[1:]:
-        assert any(f"2x{length}x8" in text for text in specialized), (length, specialized)
-    said = [r.getMessage() for r in caplog.records if "symbolic sizes" in r.getMessage()]
-    assert len(said) == len(SEQUENCE_LENGTHS) - 1 and all("specializing it to the static shapes" in s for s in said)
-    assert "specialized to" in torch_backend.explain() and "dynamo traced symbolic sizes" in torch_backend.explain()
+        assert any(f"2x{length}x8" in text for text in texts), (length, texts)
+    assert "partitions converted per shape" in torch_backend.explain()
 
 
 def test_the_shapes_kept_are_bounded_and_reused(monkeypatch, caplog):
@@ -88,12 +100,38 @@ def test_the_shapes_kept_are_bounded_and_reused(monkeypatch, caplog):
     torch.manual_seed(2)
     with caplog.at_level(logging.INFO, logger="dnngraph"):
         _steps_match_eager(_mlp(), lengths=(2, 3, 4, 4, 5, 3))
-    # 3, 4, 5 specialized; 4 again reuses its compile; 5 drops 3 (least recently used), which
-    # then compiles again
+    # from the symbolic trace: 3, 4 converted; 4 again reuses its graph; 5 drops 3 (least
+    # recently used), which then converts again and drops 4 -- in the forward's partition and
+    # in the backward's alike
     dropped = [r.getMessage() for r in caplog.records if "drops" in r.getMessage()]
-    assert len(dropped) == 2 and "2x3x8" in dropped[0] and "2x4x8" in dropped[1]
-    assert sum("specializing it" in r.getMessage() for r in caplog.records) == 4
-    assert len(torch_backend.REPORTS) == 2 * 5  # forward and backward per compile: 2, then 3, 4, 5, 3
+    assert len(dropped) == 2 * 2 and sum("2x3x8" in d for d in dropped) == 2 and sum("2x4x8" in d for d in dropped) == 2
+    assert len(torch_backend.REPORTS) == 2 * 2  # forward and backward: the static length 2, then one symbolic trace
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dynamic_true_compiles_once_for_every_length(device):
+    """torch.compile(dynamic=True): dynamo's one frame compile, AOTAutograd's one symbolic trace
+    (forward and backward), every length against eager."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(3)
+    model = _Attention().to(device)
+    torch._dynamo.reset()
+    counters.clear()
+    torch_backend.REPORTS.clear()
+    compiled = torch.compile(model, backend="dnngraph", dynamic=True)
+    for length in (3, 6, 11):
+        x = torch.randn(2, length, 8, device=device)
+        leaf, eager_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got = compiled(leaf)
+        got.sum().backward()
+        want = model(eager_leaf)
+        want.sum().backward()
+        assert rel_err(got, want) < 1e-5 and rel_err(leaf.grad, eager_leaf.grad) < 1e-5, length
+    assert counters["stats"]["unique_graphs"] == 1 and counters["frames"]["ok"] == 1
+    assert len(torch_backend.REPORTS) == 2 and all(r.per_shape and r.torch_ops == () for r in torch_backend.REPORTS)
+    for report in torch_backend.REPORTS:
+        assert all(len(shapes) == 3 for shapes in _converted_shapes(report))
 
 
 def test_explain_names_the_ops_left_to_torch():
@@ -106,19 +144,21 @@ def test_explain_names_the_ops_left_to_torch():
     assert "aten graph 0:" in text and "stays in torch: aten.sort" in text
 
 
-def test_symbolic_sizes_and_strides_in_an_aten_graph_stay_in_torch_with_why():
-    """Converters never see a symbolic size or stride: such ops are left to torch, named."""
+def test_an_aten_graph_with_symbolic_sizes_converts_per_shape():
+    """An aten graph traced with symbolic sizes (a view whose stride is a size, a reduction over
+    a symbolic axis) runs its partitions as dnngraph graphs of each concrete shape it meets."""
     def pooled(x, w):
         return torch.tanh(x[:, 0] @ w) + x.sum(1)
 
     graph = make_fx(pooled, tracing_mode="symbolic")(torch.randn(2, 5, 4), torch.randn(4, 4))
     torch_backend.REPORTS.clear()
     compiled = torch_backend._compile(graph, [])
-    x, w = torch.randn(2, 5, 4), torch.randn(4, 4)
-    assert torch.allclose(compiled([x, w]), pooled(x, w), atol=1e-6)
-    reasons = [why for _, why in torch_backend.REPORTS[-1].torch_ops]
-    assert reasons and all("symbolic" in why or "in torch" in why or "no converter" in why for why in reasons), reasons
-    assert any("symbolic" in why for why in reasons)
+    for batch, length in ((2, 5), (3, 7), (2, 5)):
+        x, w = torch.randn(batch, length, 4), torch.randn(4, 4)
+        assert torch.allclose(compiled([x, w]), pooled(x, w), atol=1e-6)
+    report = torch_backend.REPORTS[-1]
+    assert report.per_shape and report.dnngraph_ops > 0
+    assert all(len(shapes) == 2 for shapes in _converted_shapes(report))  # (2, 5) again reuses its graph
 
 
 @pytest.mark.parametrize("call", [lambda x: torch.add(x, 2, alpha=3), lambda x: torch.sub(x, 0.5, alpha=-2),
@@ -133,3 +173,50 @@ def test_scalar_alpha_and_empty_dims_compile_through_torch_compile(call):
     got = torch.compile(call, backend="dnngraph", dynamic=False)(x)
     assert torch.allclose(got, call(x), atol=1e-5)
     assert torch_backend.REPORTS[-1].dnngraph_ops >= 1
+
+
+def _llama_dynamic_steps(device, dtype, hidden, heads, kv_heads, inner, lengths, tolerance):
+    """The Llama decoder layer bench_models.py runs (transformers' where installed), compiled once
+    with dynamic=True, a training step at each length against eager: one dynamo compile, one
+    symbolic trace, the layer's tensor ops in dnngraph."""
+    import sys
+    from pathlib import Path
+    from torch._dynamo.utils import counters
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from llama_layer import make_layer
+
+    torch.manual_seed(4)
+    layer, forward, _ = make_layer(hidden, heads, kv_heads, inner, dtype, device)
+    torch._dynamo.reset()
+    counters.clear()
+    torch_backend.REPORTS.clear()
+    compiled = torch.compile(lambda m, h: forward(m, h), backend="dnngraph", dynamic=True)
+    for length in lengths:
+        x = torch.randn(1, length, hidden, device=device, dtype=dtype)
+        leaf, eager_leaf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got = compiled(layer, leaf)
+        got.float().sum().backward()
+        want = forward(layer, eager_leaf)
+        want.float().sum().backward()
+        assert rel_err(got, want) < tolerance and rel_err(leaf.grad, eager_leaf.grad) < tolerance, length
+    assert counters["stats"]["unique_graphs"] == 1
+    reports = list(torch_backend.REPORTS)
+    assert len(reports) == 2 and all(r.per_shape for r in reports)  # forward and backward, traced once
+    # the layer's products, attention and norms run in dnngraph (on the CPU only the rotary
+    # embedding's float64 casts of positions stay in torch)
+    heavy = ("mm", "attention", "rsqrt", "silu", "mean")
+    assert not any(word in target for r in reports for target, _ in r.torch_ops for word in heavy), \
+        [r.torch_ops for r in reports]
+    assert all(r.dnngraph_ops > 10 and r.kernels() > 0 for r in reports)
+
+
+def test_llama_layer_dynamic_true_three_lengths():
+    _llama_dynamic_steps("cpu", torch.float32, hidden=32, heads=2, kv_heads=1, inner=48, lengths=(3, 6, 11),
+                         tolerance=1e-5)
+
+
+@pytest.mark.gpu
+def test_llama_layer_dynamic_true_three_lengths_gpu():
+    _llama_dynamic_steps("cuda", torch.bfloat16, hidden=1024, heads=8, kv_heads=2, inner=2816,
+                         lengths=(257, 511, 1024), tolerance=3e-2)

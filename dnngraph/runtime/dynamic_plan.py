@@ -1,0 +1,179 @@
+"""The plan of a graph with dynamic extents (dnngraph/symbolic.py): one static Plan per set of
+sizes, made on first use from the graph at those sizes, then found by one dictionary lookup.
+
+The sizes an execute runs at are read from the bound tensors' dynamic axes (`DynamicExtents`),
+each checked against its symbol's range and against every other tensor carrying the same symbol
+before anything runs. A size seen before costs the lookup of its tuple of sizes and the static
+plan's own execute. A new size costs the build of the graph at that size (partition, lowering,
+rendering: host work); its kernels are named by content, so a kernel whose source a size of the
+same bucket already produced is the same JITFunction, compiled once by Triton (which itself
+specializes integer arguments only by divisibility). `kernels_by_bucket` says which kernel
+sources each bucket (symbolic.bucket_of) has produced: the measure of compiles per bucket.
+
+Layer 4 (runtime): the build hands in the function that builds the graph at given sizes.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from ..errors import ExecutionError, ValidationError
+from ..symbolic import bucket_of, symbols_of
+
+
+class DynamicExtents:
+    """Where each symbol's size is read from (the inputs' and outputs' dynamic axes), and the
+    checks of those sizes."""
+
+    def __init__(self, graph, tensors=None):
+        tensors = list(graph.inputs()) + list(graph.outputs()) if tensors is None else list(tensors)
+        self.symbols = tuple(sorted(symbols_of(tensors).values(), key=lambda s: s.name))
+        index = {s.name: i for i, s in enumerate(self.symbols)}
+        # (handle, name, axis, symbol index) of each dynamic axis, inputs first
+        self.sources = tuple((t, t.name, axis, index[s.name]) for t in tensors
+                             for axis, s in enumerate(t.dynamic_dim_symbols or ()) if s is not None)
+        self.handles = {t: t.name for t in graph.tensors}
+
+    def key(self, bindings, what: str = "execute") -> tuple:
+        """The sizes of the symbols (in name order) the bindings have, each checked."""
+        if not isinstance(bindings, dict):
+            raise ExecutionError(f"{what}: bindings must be a dict of Tensor or name -> torch.Tensor, "
+                                 f"got {type(bindings).__name__}")
+        found = [None] * len(self.symbols)
+        for handle, name, axis, index in self.sources:
+            value = bindings.get(handle)
+            if value is None:
+                value = bindings.get(name)
+            if value is None:
+                continue  # the plan reports a missing binding
+            self._take(found, index, self._size(value, name, axis, what), name, axis, what)
+        return self._checked(found, what)
+
+    def key_of_values(self, values: list, positions: tuple, what: str) -> tuple:
+        """key() for values by position (a function's arguments): `positions` holds (position,
+        name, axis, symbol index)."""
+        found = [None] * len(self.symbols)
+        for position, name, axis, index in positions:
+            self._take(found, index, self._size(values[position], name, axis, what), name, axis, what)
+        return self._checked(found, what)
+
+    @staticmethod
+    def _size(value, name: str, axis: int, what: str) -> int:
+        shape = getattr(value, "shape", None)
+        if shape is None:
+            raise ExecutionError(f"{what}: {name!r} must be a torch.Tensor, got {type(value).__name__}")
+        if axis >= len(shape):
+            raise ExecutionError(f"{what}: {name!r} has dynamic axis {axis}, got a tensor of shape {list(shape)}")
+        return shape[axis]
+
+    def _take(self, found: list, index: int, size: int, name: str, axis: int, what: str) -> None:
+        if found[index] is None:
+            found[index] = size
+        elif found[index] != size:
+            symbol = self.symbols[index]
+            raise ExecutionError(f"{what}: {symbol.name!r} is {found[index]} in one tensor and {size} in "
+                                 f"{name!r} (axis {axis}): tensors sharing a symbol must agree")
+
+    def _checked(self, found: list, what: str) -> tuple:
+        for symbol, size in zip(self.symbols, found):
+            if size is None:
+                raise ExecutionError(f"{what}: no bound tensor gives the size of {symbol!r}")
+            if not symbol.min <= size <= symbol.max:
+                raise ExecutionError(f"{what}: {symbol.name} = {size} is outside the declared range "
+                                     f"[{symbol.min}, {symbol.max}] of {symbol!r}")
+        return tuple(found)
+
+    def sizes(self, bindings, what: str = "execute") -> dict:
+        """key() as symbol name -> size."""
+        return dict(zip((s.name for s in self.symbols), self.key(bindings, what)))
+
+    def by_name(self, bindings: dict) -> dict:
+        """`bindings` keyed by tensor names (a graph of another size has other handles)."""
+        return {self.handles.get(key, key): value for key, value in bindings.items()}
+
+
+class DynamicPlan:
+    """A graph's plans by the sizes of its dynamic extents: execute() runs the plan of the
+    bindings' sizes, built by `build_at(sizes)` (symbol name -> size; returns a Plan of the graph
+    at those sizes) on first use."""
+
+    def __init__(self, graph, build_at: Callable):
+        self.graph_name = graph.name
+        self.extents = DynamicExtents(graph)
+        self._build_at = build_at
+        self._handles = tuple((t, t.name) for t in graph.tensors)
+        self._plans: dict = {}  # tuple of sizes -> Plan taking this graph's handles and names
+        self._lock = threading.Lock()
+        self.builds = 0  # plans built (each a host-side build, never a rebuild for a size seen before)
+
+    def plan_for(self, key: tuple, executing: bool = True):
+        """The plan at sizes `key` (symbols in name order), built on first use; a shape rule that
+        refuses these sizes raises ExecutionError when `executing`, else its ValidationError."""
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = self._built(key, executing)
+        return plan
+
+    def _built(self, key: tuple, executing: bool):
+        sizes = dict(zip((s.name for s in self.extents.symbols), key))
+        try:
+            plan = self._build_at(sizes)
+        except ValidationError as error:  # a shape rule that holds at some sizes of the range only
+            if not executing:
+                raise
+            raise ExecutionError(f"graph {self.graph_name!r} at {sizes}: {error}") from None
+        self.builds += 1
+        return _taking_handles(plan, self._handles)
+
+    def execute(self, bindings, workspace=None) -> None:
+        self.plan_for(self.extents.key(bindings)).execute(bindings, workspace)
+
+    @property
+    def sizes_built(self) -> list:
+        """The size tuples (symbols in name order) a plan exists for."""
+        return list(self._plans)
+
+    def bucket(self, key: tuple) -> tuple:
+        """The bucket of each size of `key` (its upper bound)."""
+        return tuple(bucket_of(size, symbol) for size, symbol in zip(key, self.extents.symbols))
+
+    def kernels_by_bucket(self) -> dict:
+        """bucket -> the names (content digests) of the kernels its sizes' plans launch."""
+        found: dict = {}
+        for key, plan in list(self._plans.items()):
+            names = found.setdefault(self.bucket(key), set())
+            names.update(launch.kernel.__name__ for launch in plan.launches)
+        return found
+
+    def workspace_size(self, device=None, sizes=None) -> int:
+        """Bytes of workspace an execute needs: at `sizes` (a key), else the most any size of the
+        range needs (the plan at every symbol's max)."""
+        key = sizes if sizes is not None else tuple(s.max for s in self.extents.symbols)
+        return self.plan_for(key).workspace_size(device)
+
+    @property
+    def launches(self) -> list:
+        return self.plan_for(tuple(s.max for s in self.extents.symbols)).launches
+
+    def explain(self) -> str:
+        symbols = ", ".join(repr(s) for s in self.extents.symbols)
+        lines = [f"dynamic graph {self.graph_name!r}: {symbols}; one plan per size seen, kernels shared by content",
+                 f"sizes built: {sorted(self._plans)}"]
+        for bucket, names in sorted(self.kernels_by_bucket().items()):
+            lines.append(f"bucket {list(bucket)}: {len(names)} kernel source(s)")
+        lines.append("at the largest sizes:")
+        lines.append(self.plan_for(tuple(s.max for s in self.extents.symbols)).explain())
+        return "\n".join(lines)
+
+
+def _taking_handles(plan, handles: tuple):
+    """`plan` (of a graph at some sizes, with its own handles) also taking the dynamic graph's
+    handles for the tensors of the same names."""
+    by_name = {name: plan.key_to_uid[name] for _, name in handles if name in plan.key_to_uid}
+    plan.key_to_uid = {**plan.key_to_uid, **{handle: by_name[name] for handle, name in handles if name in by_name}}
+    return plan
+

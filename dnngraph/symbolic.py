@@ -1,0 +1,136 @@
+"""Dynamic extents: a named symbol with a range (`dg.dynamic("tokens", 1, 8192)`) in a tensor's
+dims, as the cuDNN frontend's dynamic-shape mode has a graph built once run many sizes.
+
+A graph holds every tensor at concrete dims: a dynamic axis at its symbol's largest size (the
+representative), so every shape rule runs as it does for a static graph. Which axes are dynamic
+is tracked beside the dims (`Tensor.dynamic_dim`): an op's output axis carries symbol `s` when
+the op's shape rule, run again with `s` at another size, moves that axis to exactly that size
+(`propagate`). Anything else (an axis that becomes 2 s, a reshape with literal sizes, two
+symbols forced equal) is refused with a typed error at the op call: it cannot be symbolic yet.
+
+Layer 1 (IR): imports only the base layer and tensor.py.
+"""
+from __future__ import annotations
+
+import copy
+import numbers
+from dataclasses import dataclass
+from typing import Sequence
+
+from .errors import UnsupportedError, ValidationError
+from .tensor import MAX_EXTENT, dense_strides, stride_order
+
+
+@dataclass(frozen=True)
+class Dynamic:
+    """A dynamic extent: the symbol `name`, any size from `min` to `max` (both included).
+    The same name in several tensors ties their extents (q's and o's sequence length)."""
+
+    name: str
+    min: int
+    max: int
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name.isidentifier():
+            raise ValidationError(f"dynamic: a symbol's name is an identifier, got {self.name!r}")
+        for bound in (self.min, self.max):
+            if not isinstance(bound, numbers.Integral) or isinstance(bound, bool):
+                raise ValidationError(f"dynamic {self.name!r}: bounds are integers, got {bound!r}")
+        if not 1 <= self.min <= self.max <= MAX_EXTENT:
+            raise ValidationError(f"dynamic {self.name!r}: needs 1 <= min <= max <= 2**48, "
+                                  f"got min {self.min}, max {self.max}")
+
+    @property
+    def probe(self) -> int:
+        """A second size in range, which shape propagation runs the rules at (see module doc)."""
+        return self.max - 1 if self.max - 1 >= max(self.min, 2) else self.min
+
+    def __repr__(self) -> str:
+        return f"dynamic({self.name!r}, {self.min}, {self.max})"
+
+
+def dynamic(name: str, min: int, max: int) -> Dynamic:  # noqa: A002  (the frontend's words)
+    """A dynamic extent for a tensor's dims: `g.tensor(dim=[dg.dynamic("tokens", 1, 8192), 4096])`."""
+    return Dynamic(name, int(min) if isinstance(min, numbers.Integral) and not isinstance(min, bool) else min,
+                   int(max) if isinstance(max, numbers.Integral) and not isinstance(max, bool) else max)
+
+
+def split_dims(dim, what: str) -> tuple:
+    """(concrete dims, symbols per axis or None): a Dynamic entry stands at its max."""
+    if not isinstance(dim, (list, tuple)) or not any(isinstance(d, Dynamic) for d in dim):
+        return dim, None
+    concrete = [d.max if isinstance(d, Dynamic) else d for d in dim]
+    return concrete, tuple(d if isinstance(d, Dynamic) else None for d in dim)
+
+
+def check_dense(dims: Sequence[int], strides: Sequence[int], what: str) -> None:
+    """A dynamic tensor is densely packed in some axis order (contiguous, NHWC, transposed): its
+    strides at any size are the dense strides of that order. Broadcast or padded layouts have no
+    meaning that carries over to other sizes yet."""
+    if tuple(strides) != dense_strides(dims, stride_order(dims, strides)):
+        raise UnsupportedError(f"{what}: a tensor with dynamic dims must be densely packed (stride None, or "
+                               f"a permutation of dense strides), got strides {list(strides)} for "
+                               f"dims {list(dims)}")
+
+
+def resized(dims: Sequence[int], strides: Sequence[int], symbols, sizes: dict) -> tuple:
+    """(dims, strides) of a dense layout with each dynamic axis at `sizes[symbol name]`, packed in
+    the same axis order."""
+    new_dims = tuple(sizes[s.name] if s is not None else d for d, s in zip(dims, symbols))
+    return new_dims, dense_strides(new_dims, stride_order(dims, strides))
+
+
+def symbols_of(tensors) -> dict:
+    """name -> Dynamic of every symbol in `tensors`' dims."""
+    found = {}
+    for tensor in tensors:
+        for symbol in tensor.dynamic_dim_symbols or ():
+            if symbol is not None:
+                found[symbol.name] = symbol
+    return found
+
+
+def _moved(tensor, symbol: Dynamic):
+    """A copy of `tensor` (for a shape rule only) with `symbol`'s axes at its probe size."""
+    symbols = tensor.dynamic_dim_symbols
+    if not symbols or all(s is None or s.name != symbol.name for s in symbols):
+        return tensor
+    sizes = {s.name: (symbol.probe if s.name == symbol.name else s.max) for s in symbols if s is not None}
+    moved = copy.copy(tensor)
+    moved._dim, moved._stride = resized(tensor.dim, tensor.stride, symbols, sizes)
+    return moved
+
+
+def propagate(op: str, infer, inputs: list, attrs, specs: list) -> list:
+    """Per output spec (None where absent) its symbols per axis, or None when it has no dynamic
+    axis: each symbol of the inputs moved alone to its probe size, the shape rule `infer` run
+    again; an axis that moves to exactly the probe size carries the symbol. UnsupportedError for
+    a result the rule refuses at the other size or an axis that moves any other way."""
+    symbols = symbols_of(t for t in inputs if t is not None)
+    found: list[list] = [[None] * len(spec.dim) if spec is not None else None for spec in specs]
+    for symbol in symbols.values():
+        if symbol.probe == symbol.max:
+            continue  # one size only: nothing moves
+        try:
+            moved = infer([None if t is None else _moved(t, symbol) for t in inputs], attrs)
+        except ValidationError as error:
+            raise UnsupportedError(f"{op}: its shape rule holds at {symbol.name} = {symbol.max} only, not over "
+                                   f"the range of {symbol!r} ({error}); this cannot be dynamic yet") from None
+        for index, (spec, other) in enumerate(zip(specs, moved)):
+            if spec is None:
+                continue
+            for axis, (size, moved_size) in enumerate(zip(spec.dim, other.dim)):
+                if size == moved_size:
+                    continue
+                if size != symbol.max or moved_size != symbol.probe or found[index][axis] is not None:
+                    raise UnsupportedError(f"{op}: output {index} axis {axis} ({size}) follows {symbol!r} in a way "
+                                           f"other than equal to it; this cannot be dynamic yet")
+                found[index][axis] = symbol
+    return [None if axes is None or all(s is None for s in axes) else tuple(axes) for axes in found]
+
+
+def bucket_of(size: int, symbol: Dynamic) -> int:
+    """The bucket `size` falls in, named by its upper bound: the next power of two, never past
+    the symbol's max. Sizes of one bucket share their kernels' sources (sizes are runtime
+    arguments of the kernels); it is the unit compiles are counted in."""
+    return min(1 << max(size - 1, 0).bit_length(), symbol.max)

@@ -1,0 +1,338 @@
+"""Dynamic extents (dg.dynamic): a graph built once runs every size of its declared range, each
+size against g.reference in float64 on poisoned outputs; a size seen before is a lookup, not a
+build; each bucket's sizes share their kernels; out-of-range sizes and tensors that disagree on
+a symbol raise ExecutionError and write nothing; symbols survive to_json/from_json and
+propagate through the shape rules, and what cannot be symbolic yet is refused at the op call."""
+import json
+
+import pytest
+import torch
+
+import dnngraph as dg
+from dnngraph.tensor import dense_strides, stride_order
+from helpers import rel_err
+
+TOL = 2e-5
+
+
+def _poisoned(shape, stride=None):
+    out = torch.empty(shape) if stride is None else torch.empty_strided(shape, stride)
+    return out.fill_(float("nan"))
+
+
+def _poisoned_for(handle, sizes: dict, device="cpu", dtype=torch.float32):
+    """NaN memory for graph tensor `handle` at `sizes` (symbol name -> size), in its layout (dense
+    in its axis order)."""
+    dims = [sizes[d.name] if isinstance(d, dg.Dynamic) else d for d in handle.dynamic_dim]
+    strides = dense_strides(dims, stride_order(handle.dim, handle.stride))
+    return torch.empty_strided(dims, strides, dtype=dtype, device=device).fill_(float("nan"))
+
+
+def _norm_graph():
+    """relu -> rmsnorm over rows of a token axis; x stored transposed (a non-contiguous layout
+    that stays dense at every size)."""
+    tokens = dg.dynamic("tokens", 1, 64)
+    g = dg.Graph(name="norm")
+    x = g.tensor(name="x", dim=[tokens, 24], stride=[1, 64])  # column-major at every size
+    scale = g.tensor(name="scale", dim=[1, 24])
+    y, _ = g.rmsnorm(g.relu(x), scale, epsilon=1e-5)
+    y.set_output(True)
+    return g, x, scale, y
+
+
+def _run_norm(g, x, scale, y, tokens):
+    xt = torch.randn(24, tokens).t()  # strides (1, tokens)
+    st = torch.randn(1, 24)
+    out = _poisoned_for(y, {"tokens": tokens})
+    assert out.stride() == (1, tokens)  # the output takes x's layout
+    g.execute({x: xt, scale: st, y: out})
+    return out, g.reference({x: xt, scale: st})[y.name]
+
+
+def test_pointwise_and_norm_run_every_size_against_reference():
+    g, x, scale, y = _norm_graph()
+    assert y.dynamic_dim[0] == dg.dynamic("tokens", 1, 64) and y.dynamic_dim[1] == 24
+    g.build()
+    for tokens in (1, 5, 37, 64, 37):
+        out, ref = _run_norm(g, x, scale, y, tokens)
+        assert rel_err(out, ref) < TOL, tokens
+
+
+def test_a_size_seen_before_builds_nothing_and_buckets_share_kernels():
+    g, x, scale, y = _norm_graph()
+    g.build()  # the plans at the ends of the range: 1 and 64
+    built = g.plan.builds
+    assert built == 2
+    for tokens in (37, 50, 33):  # one bucket (33..64): one kernel source
+        _run_norm(g, x, scale, y, tokens)
+    assert g.plan.builds == built + 3
+    for tokens in (37, 50, 33, 64):
+        _run_norm(g, x, scale, y, tokens)
+    assert g.plan.builds == built + 3  # seen before: found, not built
+    kernels = g.plan.kernels_by_bucket()
+    assert len(kernels[(64,)]) == 1, kernels
+    assert "tokens" in g.explain()
+
+
+def test_a_workspace_of_the_largest_size_serves_every_size():
+    g, y = _llama_layer(dg.dynamic("seq", 1, 16), heads=2, kv_heads=1, dim=8, hidden=8, io_type=dg.float32)
+    g.build()
+    workspace = torch.empty(g.plan.workspace_size(), dtype=torch.uint8)
+    assert workspace.numel() > 0  # values between kernels live there
+    for s in (5, 16):
+        inputs = {t.name: torch.randn(*[s if isinstance(d, dg.Dynamic) else d for d in t.dynamic_dim]) * 0.3
+                  for t in g.inputs()}
+        out = _poisoned_for(y, {"seq": s})
+        g.execute({**inputs, y: out}, workspace=workspace)
+        assert rel_err(out, g.reference(inputs)[y.name]) < 1e-4, s
+
+
+def test_matmul_with_dynamic_rows_and_epilogue():
+    rows = dg.dynamic("rows", 1, 80)
+    g = dg.Graph(name="mm")
+    a = g.tensor(name="a", dim=[rows, 24])
+    w = g.tensor(name="w", dim=[24, 20])
+    bias = g.tensor(name="bias", dim=[1, 20])
+    y = g.relu(g.add(g.matmul(a, w), bias)).set_output(True)
+    assert y.dynamic_dim[0].name == "rows"
+    g.build()
+    for m in (3, 37, 50, 80):
+        at, wt, bt = torch.randn(m, 24), torch.randn(24, 20), torch.randn(1, 20)
+        out = _poisoned((m, 20))
+        g.execute({a: at, w: wt, bias: bt, y: out})
+        assert rel_err(out, g.reference({a: at, w: wt, bias: bt})[y.name]) < TOL, m
+    assert len(g.plan.kernels_by_bucket()[(64,)]) == 1  # 37 and 50 share one kernel
+
+
+def _attention_graph(causal=True):
+    seq = dg.dynamic("seq", 1, 48)
+    g = dg.Graph(name="attention")
+    q = g.tensor(name="q", dim=[2, 3, seq, 16])
+    k = g.tensor(name="k", dim=[2, 3, seq, 16])
+    v = g.tensor(name="v", dim=[2, 3, seq, 16])
+    o, _ = g.sdpa(q, k, v, attn_scale=0.25, use_causal_mask=causal)
+    o.set_output(True)
+    return g, q, k, v, o
+
+
+def test_sdpa_with_dynamic_sequence_length():
+    g, q, k, v, o = _attention_graph()
+    assert o.dynamic_dim[2].name == "seq"
+    g.build()
+    for s in (1, 7, 29, 48):
+        qt, kt, vt = (torch.randn(2, 3, s, 16) for _ in range(3))
+        out = _poisoned((2, 3, s, 16))
+        g.execute({q: qt, k: kt, v: vt, o: out})
+        assert rel_err(out, g.reference({q: qt, k: kt, v: vt})[o.name]) < TOL, s
+
+
+def test_two_symbols_batch_and_sequence():
+    batch, seq = dg.dynamic("batch", 1, 4), dg.dynamic("seq", 1, 40)
+    g = dg.Graph(name="two")
+    x = g.tensor(name="x", dim=[batch, seq, 16])
+    w = g.tensor(name="w", dim=[1, 16, 8])
+    y = g.gelu(g.matmul(x, w)).set_output(True)
+    total = g.reduction(y, "sum", axes=[1]).set_output(True)  # over the dynamic axis: 1 stays
+    assert y.dynamic_dim[:2] == (batch, seq) and total.dynamic_dim[1] == 1
+    g.build()
+    for b, s in ((1, 1), (3, 17), (4, 40), (2, 9)):
+        xt, wt = torch.randn(b, s, 16), torch.randn(1, 16, 8)
+        out, summed = _poisoned((b, s, 8)), _poisoned((b, 1, 8))
+        g.execute({x: xt, w: wt, y: out, total: summed})
+        ref = g.reference({"x": xt, "w": wt})
+        assert rel_err(out, ref[y.name]) < TOL and rel_err(summed, ref[total.name]) < TOL, (b, s)
+
+
+def test_out_of_range_and_disagreeing_symbols_write_nothing():
+    g, q, k, v, o = _attention_graph(causal=False)
+    g.build()
+    for sizes in ((49, 49), (0, 0), (7, 9)):  # past the max, below the min, q and k disagree
+        qt = torch.randn(2, 3, sizes[0], 16)
+        kt = vt = torch.randn(2, 3, sizes[1], 16)
+        out = _poisoned((2, 3, sizes[0], 16))
+        with pytest.raises(dg.ExecutionError, match="seq"):
+            g.execute({q: qt, k: kt, v: vt, o: out})
+        assert torch.isnan(out).all()
+    with pytest.raises(dg.ExecutionError, match="seq"):
+        g.reference({q: torch.randn(2, 3, 5, 16), k: torch.randn(2, 3, 6, 16), v: torch.randn(2, 3, 6, 16)})
+    with pytest.raises(dg.ExecutionError):  # a dynamic axis the value does not have
+        g.execute({q: torch.randn(2, 3), k: torch.randn(2, 3, 5, 16), v: torch.randn(2, 3, 5, 16),
+                   o: _poisoned((2, 3, 5, 16))})
+
+
+def test_json_round_trip_keeps_symbols_and_runs():
+    g, x, scale, y = _norm_graph()
+    text = g.to_json()
+    assert json.loads(text)["symbols"] == {"tokens": [1, 64]} and json.loads(text)["version"] == 2
+    loaded = dg.Graph.from_json(text)
+    assert loaded.to_json() == text
+    lx, ly = loaded.tensor_by_name("x"), loaded.tensor_by_name(y.name)
+    assert lx.dynamic_dim[0] == dg.dynamic("tokens", 1, 64) and ly.dynamic_dim[0].name == "tokens"
+    loaded.build()
+    for tokens in (3, 41):
+        out, ref = _run_norm(loaded, lx, loaded.tensor_by_name("scale"), ly, tokens)
+        assert rel_err(out, ref) < TOL
+    document = json.loads(text)
+    document["tensors"][0]["dynamic"] = ["nobody", None]
+    with pytest.raises(dg.SerializationError, match="dynamic"):
+        dg.Graph.from_json(json.dumps(document))
+    document = json.loads(text)
+    document["symbols"]["tokens"] = [5, 2]
+    with pytest.raises(dg.SerializationError, match="tokens"):
+        dg.Graph.from_json(json.dumps(document))
+
+
+def test_static_graph_document_has_no_symbols():
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[3, 4])
+    g.relu(x).set_output(True)
+    document = json.loads(g.to_json())
+    assert "symbols" not in document and all("dynamic" not in t for t in document["tensors"])
+    assert document["version"] == 1  # static documents read as before
+
+
+def test_as_function_with_dynamic_inputs():
+    g, x, scale, y = _norm_graph()
+    fn = g.as_function()
+    for tokens in (2, 19, 64, 19):
+        xt, st = torch.randn(tokens, 24), torch.randn(1, 24)  # contiguous: the function lays it out
+        got = fn(xt, st)
+        assert got.shape == (tokens, 24)
+        assert rel_err(got, g.reference({x: xt, scale: st})[y.name]) < TOL
+    assert len(fn._functions) == 3
+    with pytest.raises(dg.ExecutionError, match="tokens"):
+        fn(torch.randn(65, 24), torch.randn(1, 24))
+
+
+def test_as_function_is_differentiable_at_each_size():
+    rows = dg.dynamic("rows", 2, 32)
+    g = dg.Graph(name="grad")
+    a = g.tensor(name="a", dim=[rows, 8])
+    w = g.tensor(name="w", dim=[8, 6])
+    g.tanh(g.matmul(a, w)).set_output(True)
+    fn = g.as_function()
+    for m in (2, 11):
+        at, wt = torch.randn(m, 8, requires_grad=True), torch.randn(8, 6, requires_grad=True)
+        fn(at, wt).sum().backward()
+        ref_a, ref_w = at.detach().double().requires_grad_(), wt.detach().double().requires_grad_()
+        torch.tanh(ref_a @ ref_w).sum().backward()
+        assert rel_err(at.grad, ref_a.grad) < TOL and rel_err(wt.grad, ref_w.grad) < TOL
+
+
+def test_what_cannot_be_symbolic_is_refused_at_the_op():
+    tokens = dg.dynamic("tokens", 1, 64)
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[tokens, 8])
+    with pytest.raises(dg.UnsupportedError, match="reshape"):
+        g.reshape(x, [64 * 8])  # literal sizes over a dynamic axis
+    with pytest.raises(dg.UnsupportedError, match="concatenate"):
+        g.concatenate([x, x], axis=0)  # an axis of 2 tokens
+    other = g.tensor(name="other", dim=[dg.dynamic("rows", 1, 64), 8])
+    with pytest.raises(dg.UnsupportedError, match="tokens|rows"):
+        g.add(x, other)  # two symbols forced equal
+    with pytest.raises(dg.ValidationError, match="range"):
+        g.tensor(name="again", dim=[dg.dynamic("tokens", 1, 32)])
+    with pytest.raises(dg.UnsupportedError, match="dense"):
+        g.tensor(name="padded", dim=[tokens, 8], stride=[16, 1])
+    with pytest.raises(dg.ValidationError):
+        dg.dynamic("tokens", 0, 8)
+    with pytest.raises(dg.ValidationError):
+        dg.dynamic("two words", 1, 8)
+    assert [t.name for t in g.tensors] == ["x", "other"]  # refused calls added nothing
+
+
+def test_a_rule_that_fails_inside_the_range_fails_the_build():
+    tokens = dg.dynamic("tokens", 1, 64)
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[tokens, 8])
+    y = g.slice(x, [(0, 40), (0, 8)])  # needs at least 40 tokens: static 40 rows out
+    assert y.dynamic_dim == (40, 8)
+    g.relu(y).set_output(True)
+    with pytest.raises(dg.GraphError):
+        g.build()
+
+
+def test_serialize_of_a_dynamic_graph_is_refused():
+    g, *_ = _norm_graph()
+    g.build()
+    with pytest.raises(dg.UnsupportedError, match="to_json"):
+        g.serialize()
+
+
+def _llama_layer(seq, heads, kv_heads, dim, hidden, io_type):
+    """A Llama-like layer over one sequence of `seq` tokens, x [1, 1, seq, dim]: rmsnorm, per-head
+    q/k/v projections ([1, heads, dim, head] weights), causal GQA attention, per-head output
+    projection summed over heads, residual, rmsnorm, SwiGLU MLP, residual."""
+    head = dim // heads
+    g = dg.Graph(name="llama", io_data_type=io_type)
+    x = g.tensor(name="x", dim=[1, 1, seq, dim])
+    weights = {name: g.tensor(name=name, dim=dims) for name, dims in (
+        ("norm1", [1, 1, 1, dim]), ("wq", [1, heads, dim, head]), ("wk", [1, kv_heads, dim, head]),
+        ("wv", [1, kv_heads, dim, head]), ("wo", [1, heads, head, dim]), ("norm2", [1, 1, 1, dim]),
+        ("w_gate", [1, 1, dim, hidden]), ("w_up", [1, 1, dim, hidden]), ("w_down", [1, 1, hidden, dim]))}
+    h, _ = g.rmsnorm(x, weights["norm1"], norm_forward_phase="inference")
+    q, k, v = (g.matmul(h, weights[name]) for name in ("wq", "wk", "wv"))  # [1, heads, seq, head]
+    o, _ = g.sdpa(q, k, v, attn_scale=head ** -0.5, use_causal_mask=True)
+    attended = g.reduction(g.matmul(o, weights["wo"]), "sum", axes=[1])  # [1, 1, seq, dim]
+    r = g.add(x, attended)
+    h2, _ = g.rmsnorm(r, weights["norm2"], norm_forward_phase="inference")
+    mlp = g.mul(g.silu(g.matmul(h2, weights["w_gate"])), g.matmul(h2, weights["w_up"]))
+    y = g.add(r, g.matmul(mlp, weights["w_down"])).set_output(True)
+    return g, y
+
+
+def _run_layer(g, y, s, device, torch_type, tolerance):
+    inputs = {t.name: (torch.randn(*[s if isinstance(d, dg.Dynamic) else d for d in t.dynamic_dim]) * 0.3)
+              .to(device=device, dtype=torch_type) for t in g.inputs()}
+    out = _poisoned_for(y, {"seq": s}, device, torch_type)
+    g.execute({**inputs, y: out})
+    assert rel_err(out, g.reference(inputs)[y.name]) < tolerance, s
+
+
+def test_llama_like_layer_at_three_sequence_lengths():
+    g, y = _llama_layer(dg.dynamic("seq", 1, 24), heads=2, kv_heads=1, dim=16, hidden=24, io_type=dg.float32)
+    g.build()
+    for s in (3, 13, 24, 11):
+        _run_layer(g, y, s, "cpu", torch.float32, 1e-4)
+    assert g.plan.builds == 2 + 3  # the ends of the range at build, then 3, 13 and 11 (24 is the max)
+    names = [[launch.kernel.__name__ for launch in g.plan.plan_for((s,)).launches] for s in (13, 11)]
+    assert names[0] == names[1]  # one bucket: the same kernels
+
+
+@pytest.mark.gpu
+def test_llama_like_layer_three_sequence_lengths_one_build_gpu():
+    g, y = _llama_layer(dg.dynamic("seq", 1, 4096), heads=8, kv_heads=2, dim=512, hidden=1024,
+                        io_type=dg.bfloat16)
+    g.build()
+    for s in (1000, 777, 4095):  # 1000 and 777 share the bucket of 1024
+        _run_layer(g, y, s, "cuda", torch.bfloat16, 2e-2)
+    assert g.plan.builds == 2 + 3  # the ends of the range, then one build per new size
+    names = [[launch.kernel.__name__ for launch in g.plan.plan_for((s,)).launches] for s in (1000, 777)]
+    assert names[0] == names[1]  # the same kernels (compiled once) for both sizes of the bucket
+
+
+def test_as_function_traces_once_under_torch_compile_dynamic():
+    """torch.compile(fullgraph=True, dynamic=True) over a dynamic graph's function: one custom op
+    whose outputs take their sizes from the inputs, so one dynamo graph serves every size."""
+    from torch._dynamo.utils import counters
+
+    rows = dg.dynamic("rows", 1, 64)
+    g = dg.Graph(name="traced")
+    a = g.tensor(name="a", dim=[rows, 8])
+    w = g.tensor(name="w", dim=[8, 6])
+    g.tanh(g.matmul(a, w)).set_output(True)
+    fn = g.as_function()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x, y: fn(x, y) * 2, fullgraph=True, dynamic=True)
+    for m in (3, 7, 9):
+        x, wt = torch.randn(m, 8), torch.randn(8, 6)
+        got = compiled(x, wt)
+        assert got.shape == (m, 6)
+        assert rel_err(got, torch.tanh(x.double() @ wt.double()) * 2) < TOL, m
+    assert counters["stats"]["unique_graphs"] == 1
+    with pytest.raises(dg.ExecutionError, match="rows"):  # the range is checked when the op runs
+        compiled(torch.randn(65, 8), torch.randn(8, 6))
+    x = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(Exception, match="not differentiable under torch.compile"):
+        torch.compile(lambda x, y: fn(x, y), fullgraph=True, dynamic=True)(x, torch.randn(8, 6))
