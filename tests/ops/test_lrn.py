@@ -372,12 +372,13 @@ def test_gpu_divisive_and_lcn(dtype):
     x_t = sample((16, 32, 64, 64), dtype, "nhwc").cuda()
     dy_t = sample((16, 32, 64, 64), dtype, "nhwc").cuda()
     m_t = sample((1, 32, 1, 1), dtype).cuda()
-    check(*forward_graph("div", x_t, 5, m_t, **DIV_ATTRS)[:2], dtype=dtype, device="cuda")
-    check(*backward_graph("div", x_t, dy_t, 5, m_t, **DIV_ATTRS)[:2], dtype=dtype, device="cuda")
+    on_gpu = dict(dtype=dtype, device="cuda", reference_device="cuda")  # 2M-element float64 references
+    check(*forward_graph("div", x_t, 5, m_t, **DIV_ATTRS)[:2], **on_gpu)
+    check(*backward_graph("div", x_t, dy_t, 5, m_t, **DIV_ATTRS)[:2], **on_gpu)
     g = dg.Graph(io_data_type=IO_TYPES[dtype])
     x = g.tensor_like(x_t, "x")
     g.local_contrast_normalization(x, 3, **DIV_ATTRS).set_output(True)
-    check(g, {x: x_t}, dtype, device="cuda")
+    check(g, {x: x_t}, **on_gpu)
 
 
 @pytest.mark.gpu
