@@ -36,12 +36,15 @@ def _pooled_dims(shape, window, stride, padding):
 
 
 def pooling(shape, window, stride, padding, mode, direction):
-    """A bf16 NHWC pooling graph: "forward", "backward" (a max recomputes each covering window's
-    argmax), or "indexed" (a max backward reading the forward's indices)."""
+    """A bf16 NHWC pooling graph: "forward", "forward with indices" (a max's argmax too),
+    "backward" (a max recomputes each covering window's argmax), or "indexed" (a max backward
+    reading the forward's indices)."""
     g = dg.Graph(io_data_type=dg.bfloat16)
     x = g.tensor_like(_nhwc(shape), "x")
-    if direction == "forward":
-        g.pooling(x, mode, window, stride, padding).set_output(True)
+    if direction in ("forward", "forward with indices"):
+        outputs = g.pooling(x, mode, window, stride, padding, return_indices=direction != "forward")
+        for output in outputs if isinstance(outputs, tuple) else (outputs,):
+            output.set_output(True)
         return g
     dy = g.tensor_like(_nhwc(_pooled_dims(shape, window, stride, padding)), "dy")
     indices = None
@@ -105,6 +108,10 @@ def representative():
     yield _built("pool 3d 3x3x3 s(2,2,1) max backward (the 339 s GPU test)",
                  pooling((2, 16, 9, 17, 15), [3, 3, 3], [2, 2, 1], [1, 1, 1], "max", "backward"))
     yield _built("pool 3d 5x5x5 s1 max backward", pooling((1, 8, 7, 7, 7), [5] * 3, [1] * 3, [2] * 3, "max", "backward"))
+    yield _built("pool 3d 5x5x5 s1 max forward with indices",
+                 pooling((1, 8, 7, 7, 7), [5] * 3, [1] * 3, [2] * 3, "max", "forward with indices"))
+    yield _built("lrn size 64 backward", windowed_normalization("lrn", (2, 96, 5, 5), 64, True))
+    yield _built("div 3d 5x5x5 backward", windowed_normalization("div", (1, 8, 7, 7, 7), 5, True))
     yield _built("depthwise 31x31 dgrad x4", depthwise("dgrad", (1, 8, 33, 33), 31, multiplier=4))
     yield _built("depthwise 1d 255 dgrad x4", depthwise("dgrad", (1, 8, 300), 255, multiplier=4))
 
@@ -118,8 +125,6 @@ def sweep():
     yield _built("pool 3d 5x5x5 s1 avg backward",
                  pooling((1, 8, 7, 7, 7), [5] * 3, [1] * 3, [2] * 3, "avg_exclude_pad", "backward"))
     yield _built("pool 2d 15x15 s1 max backward", pooling((1, 8, 17, 17), [15] * 2, [1] * 2, [7] * 2, "max", "backward"))
-    yield _built("lrn size 64 backward", windowed_normalization("lrn", (2, 96, 5, 5), 64, True))
-    yield _built("div 3d 5x5x5 backward", windowed_normalization("div", (1, 8, 7, 7, 7), 5, True))
     yield _built("lrn size 64 forward", windowed_normalization("lrn", (2, 96, 5, 5), 64, False))
     yield _built("div 2d 11x11 backward", windowed_normalization("div", (1, 8, 13, 13), 11, True))
     yield _built("div 2d 11x11 forward", windowed_normalization("div", (1, 8, 13, 13), 11, False))
