@@ -16,6 +16,14 @@ for folder in reversed([HERE] + LAYER_FOLDERS):  # each once, tests/ first
         sys.path.insert(0, folder)
 
 
+# Under pytest-xdist every worker's torch starts one intra-op thread per core: the GPU run's 14
+# workers on 16 cores ran 14 x 16 threads, and every test's CPU work (float64 references,
+# builds) waited on the others'. The workers share the cores instead.
+_XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _XDIST_WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _XDIST_WORKERS))
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -38,14 +38,16 @@ def run(graph, inputs: dict, device="cpu", options=None) -> dict:
     return outputs
 
 
-def check(graph, inputs: dict, dtype=torch.float32, device="cpu", tolerance=None, options=None):
+def check(graph, inputs: dict, dtype=torch.float32, device="cpu", tolerance=None, options=None,
+          reference_device="cpu"):
     """Execute (built with `options` where given) and compare every output with the float64
-    reference."""
+    reference, computed on `reference_device` ("cuda" for a GPU test at a size whose float64
+    reference would take the CPU minutes, shared with other test workers)."""
     outputs = run(graph, inputs, device, options)
-    refs = graph.reference({k: v.cpu() for k, v in inputs.items()})
+    refs = graph.reference({k: v.to(reference_device) for k, v in inputs.items()})
     limit = tolerance or TOLERANCE[dtype]
     for name, out in outputs.items():
-        ref = refs[name]
+        ref = refs[name].cpu()
         if ref.dtype == torch.bool:
             assert torch.equal(out.cpu().bool(), ref), name
             continue
@@ -61,12 +63,12 @@ def check(graph, inputs: dict, dtype=torch.float32, device="cpu", tolerance=None
     return outputs
 
 
-def compiled_for_sm90(spec: str, timeout: int = 600) -> str:
+def compiled_for_sm90(spec: str, timeout: int = 600, env=None) -> str:
     """Run tests/sm90_compile.py on `spec` ("module:function", the module in tests/ or in a layer's
-    folder below it) in a process without the interpreter; its output (it printed "compiled N
-    kernels for sm_90") or the failure."""
+    folder below it) in a process without the interpreter (and with `env`'s variables); its output
+    (it printed "compiled N kernels for sm_90") or the failure."""
     here = os.path.dirname(os.path.abspath(__file__))
-    env = dict(os.environ, TRITON_INTERPRET="0",
+    env = dict(os.environ, TRITON_INTERPRET="0", **(env or {}),
                PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run([sys.executable, os.path.join(here, "sm90_compile.py"), spec],
                             env=env, capture_output=True, text=True, timeout=timeout)

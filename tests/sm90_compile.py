@@ -8,15 +8,17 @@ Triton reads TRITON_INTERPRET when kernels are defined, so this runs in a proces
 
 FUNCTION() (in tests/MODULE.py, or in a layer's folder: tests/*/MODULE.py) yields (label, built
 graph), or (label, launches, dtypes by uid) for launches lowered without a build (a backend whose
-kernels cannot be planned on this machine: gluon); every launch is compiled, and the count
-printed. Gluon kernels are compiled as Gluon sources, and a line `facts LABEL {json}` gives what
-their TTGIR and PTX hold (warp specialization, setmaxnreg, wgmma, TMA copies, shared memory).
+kernels cannot be planned on this machine: gluon); every launch is compiled, the seconds each
+took printed (`compile_seconds S LABEL: KERNEL`), and the count. Gluon kernels are compiled as
+Gluon sources, and a line `facts LABEL {json}` gives what their TTGIR and PTX hold (warp
+specialization, setmaxnreg, wgmma, TMA copies, shared memory).
 """
 import importlib
 import json
 import os
 import re
 import sys
+import time
 
 import torch
 import triton
@@ -117,11 +119,13 @@ def main(spec: str):
     for label, launches, dtypes in _items(graphs()):
         for launch in launches:
             dtypes.update({s.uid: s.torch_dtype for s in launch.scratch})
+            started = time.perf_counter()
             try:
                 compiled = compile_launch(launch, dtypes)
             except Exception as error:
                 print(f"{label}: {launch.kernel.__name__} does not compile for sm_90: {error}")
                 raise SystemExit(1)
+            print(f"compile_seconds {time.perf_counter() - started:.2f} {label}: {launch.kernel.__name__}", flush=True)
             if _is_gluon(launch.kernel):
                 print(f"facts {label} {json.dumps(facts(compiled))}")
             else:  # which tensor-core instructions the kernel's dots became (int8: s32.s8.s8)

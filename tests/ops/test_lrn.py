@@ -163,6 +163,39 @@ def test_nan_and_infinity_spread_through_their_windows_as_in_torch(op, beta):
     check(*backward_graph(op, x_t, dy_t, 3, m_t, **attrs)[:2])
 
 
+# backward bodies past codegen/lrn.py's BODY_TERMS_MAX: runtime loops walk the covering centres
+# of the last windowed axes (LRN size 17: its channels; 5x5: the columns; 3x3x3: the last axis)
+ROLLED_CASES = [("lrn", (1, 19, 3, 3), 17), ("div", (1, 2, 6, 7), 5), ("div", (1, 2, 4, 3, 5), 3)]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("op,shape,size", ROLLED_CASES)
+def test_backward_past_the_body_budget_loops_over_covering_centres(op, shape, size, layout):
+    """NaN and infinities in x and dy reach the same elements through the loops as through the
+    straight-line body; the forward stays straight-line."""
+    x_t, dy_t = sample(shape, layout=layout), sample(shape, layout=layout)
+    x_t[(0, 1) + (1,) * (len(shape) - 2)] = float("nan")
+    x_t[(0, 0) + (2,) * (len(shape) - 2)] = float("inf")
+    dy_t[(-1, -1) + (0,) * (len(shape) - 2)] = float("inf")
+    m_t = sample((1, shape[1]) + (1,) * (len(shape) - 2)) if op == "div" else None
+    g, inputs = forward_graph(op, x_t, size, m_t, **LRN_ATTRS)[:2]
+    check(g, inputs)
+    assert "tl.range(" not in g.plan.launches[-1].source_path.read_text()
+    g, inputs = backward_graph(op, x_t, dy_t, size, m_t, **LRN_ATTRS)[:2]
+    check(g, inputs)
+    assert "_roll in tl.range(" in g.plan.launches[-1].source_path.read_text()
+
+
+def test_rolled_backward_ignores_covering_positions_outside_x_where_their_scale_is_zero():
+    """k = 0 and zeros along a border: the loops' centres outside x (S = 0) add nothing."""
+    x_t, dy_t = sample((1, 2, 6, 7)), sample((1, 2, 6, 7))
+    x_t[:, :, :, :2] = 0.0
+    g, inputs = backward_graph("div", x_t, dy_t, 5, alpha=1.0, beta=0.75, k=0.0)[:2]
+    dx = next(iter(check(g, inputs).values()))
+    assert torch.isfinite(dx[0, 0, 3, 0])
+    assert "_roll in tl.range(" in g.plan.launches[-1].source_path.read_text()
+
+
 def test_zero_k_and_zero_input_give_torchs_nan():
     """k = 0 and a window of zeros: 0 / 0 in torch and in the kernel alike."""
     x_t = sample((1, 4, 2, 3))
@@ -372,12 +405,13 @@ def test_gpu_divisive_and_lcn(dtype):
     x_t = sample((16, 32, 64, 64), dtype, "nhwc").cuda()
     dy_t = sample((16, 32, 64, 64), dtype, "nhwc").cuda()
     m_t = sample((1, 32, 1, 1), dtype).cuda()
-    check(*forward_graph("div", x_t, 5, m_t, **DIV_ATTRS)[:2], dtype=dtype, device="cuda")
-    check(*backward_graph("div", x_t, dy_t, 5, m_t, **DIV_ATTRS)[:2], dtype=dtype, device="cuda")
+    on_gpu = dict(dtype=dtype, device="cuda", reference_device="cuda")  # 2M-element float64 references
+    check(*forward_graph("div", x_t, 5, m_t, **DIV_ATTRS)[:2], **on_gpu)
+    check(*backward_graph("div", x_t, dy_t, 5, m_t, **DIV_ATTRS)[:2], **on_gpu)
     g = dg.Graph(io_data_type=IO_TYPES[dtype])
     x = g.tensor_like(x_t, "x")
     g.local_contrast_normalization(x, 3, **DIV_ATTRS).set_output(True)
-    check(g, {x: x_t}, dtype, device="cuda")
+    check(g, {x: x_t}, **on_gpu)
 
 
 @pytest.mark.gpu

@@ -504,6 +504,70 @@ def test_gpu_bf16_nhwc_indexed_backward_equals_the_recompute():
     assert torch.equal(indexed, recomputed)
 
 
+# --- windows past the unroll budget (codegen/unrolling.py) ------------------------------------------
+# 75 window positions: the forward's depth loop is a runtime loop around unrolled rows; stride 1
+# makes 75 covering windows, so the averages' backward and the one from the forward's indices
+# roll their depth loop too
+WIDE = ((2, 2, 7, 6, 5), [5, 5, 3], [1, 1, 1], [2, 2, 1])
+# a backward recomputing the argmax: 27 covering windows of 27 loads each, the covering loops
+# rolled around an unrolled window (WIDE's 75 x 75 would take the interpreter minutes)
+CUBE = ((2, 2, 5, 6, 4), [3, 3, 3], [1, 1, 1], [1, 1, 1])
+
+
+def test_unrolled_loops_are_the_innermost_within_the_budget():
+    from dnngraph.backends.triton.codegen.unrolling import unrolled_loops
+    assert unrolled_loops([3, 3, 3], 64) == [True, True, True]
+    assert unrolled_loops([2, 2, 3, 3, 3, 3], 64) == [False, False, False, True, True, True]
+    assert unrolled_loops([5, 5, 3], 64) == [False, True, True]
+    assert unrolled_loops([100], 64) == [False]
+    assert unrolled_loops([1, 1, 80, 1], 64) == [False, False, False, True]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("mode", MODES)
+def test_windows_past_the_unroll_budget_roll_their_outer_loops(mode, layout):
+    """Runtime loops carry the max, its argmax and the sums across iterations as the unrolled
+    ones did: torch's values exactly with ties, NaN, inf and -inf windows for max (integer dy
+    summed exactly), the float64 reference for averages."""
+    shape, window, stride, padding = WIDE
+    x_t = adversarial(shape, torch.float32, layout) if mode == "max" else sample(shape, torch.float32, layout)
+    g, x, y = forward_graph(x_t, mode, window, stride, padding)
+    check(g, {x: x_t})
+    source = g.plan.launches[0].source_path.read_text()
+    assert "for kd in tl.range(WINDOW_D):" in source and "for kh in tl.static_range(WINDOW_H):" in source
+    if mode == "max":
+        shape, window, stride, padding = CUBE
+        x_t = adversarial(shape, torch.float32, layout, seed=2)
+    dy_t = torch.randint(1, 5, output_dims(shape, window, stride, padding)).float()
+    dy_t = channels_last(dy_t) if layout == "nhwc" else dy_t
+    g, x, dy, dx = backward_graph(x_t, dy_t, mode, window, stride, padding)
+    got = check(g, {x: x_t, dy: dy_t})[dx.name]
+    source = g.plan.launches[0].source_path.read_text()
+    if mode == "max":
+        assert "for jw in tl.range(COVER_W):" in source and "for kd in tl.static_range(WINDOW_D):" in source
+        assert torch.equal(got, torch_grad(x_t, dy_t, window, stride, padding))
+    else:
+        assert "for jd in tl.range(COVER_D):" in source and "for jh in tl.static_range(COVER_H):" in source
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_indices_and_indexed_backward_past_the_unroll_budget(layout):
+    shape, window, stride, padding = WIDE
+    x_t = adversarial(shape, torch.float32, layout, seed=3)
+    g, x, y, indices = indices_graph(x_t, window, stride, padding)
+    outputs = check(g, {x: x_t})
+    want_y, want_indices = torch_indices(x_t, window, stride, padding)
+    assert torch.equal(outputs[indices.name], want_indices)
+    assert torch.equal(outputs[y.name].nan_to_num(), want_y.nan_to_num())
+    dy_t = torch.randint(1, 5, tuple(want_indices.shape)).float()
+    dy_t = channels_last(dy_t) if layout == "nhwc" else dy_t
+    indices_t = outputs[indices.name]
+    g, (x, dy, indices), dx = indexed_backward_graph(x_t, dy_t, indices_t, window, stride, padding)
+    got = check(g, {x: x_t, dy: dy_t, indices: indices_t})[dx.name]
+    assert torch.equal(got, torch_grad(x_t, dy_t, window, stride, padding))
+    assert "for jd in tl.range(COVER_D):" in g.plan.launches[0].source_path.read_text()
+
+
 @pytest.mark.parametrize("indexed", [False, True])
 def test_backward_whose_dy_is_x_itself(indexed):
     """dy and x one tensor (a same-size pool): the indexed kernel, which reads no x for its

@@ -34,6 +34,7 @@ from .grid import FOLDED_PID, folded_program_ids
 from .names import NameAllocator
 from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
+from .unrolling import loop_header, unrolled_loops
 
 # identifiers the kernels write themselves; the stems own every `stem_*` name too
 FIXED_NAMES = ("pid", FOLDED_PID, "pid_c", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest", "acc",
@@ -160,16 +161,17 @@ class _Writer:
     def __call__(self, *lines: str):
         self.lines.extend("    " * self.depth + line for line in lines)
 
-    def open_static(self, variable: str, count: str):
-        self(f"for {variable} in tl.static_range({count}):")
+    def open_static(self, variable: str, count: str, unrolled: bool = True):
+        self(loop_header(variable, count, unrolled))
         self.depth += 1
 
-    def open_taps(self, axis: int):
-        """The loop over filter axis `axis`: unrolled for the innermost axis, a loop for the outer
-        ones, so one filter row's loads are in flight at a time (unrolling every tap let the
-        compiler hoist all of them: 255 registers and spills at 3x3, ptxas for sm_90)."""
+    def open_taps(self, axis: int, unrolled: bool = True):
+        """The loop over filter axis `axis`: unrolled for the innermost axis (where `unrolled`:
+        within the unrolling budget), a loop for the outer ones, so one filter row's loads are in
+        flight at a time (unrolling every tap let the compiler hoist all of them: 255 registers
+        and spills at 3x3, ptxas for sm_90)."""
         if axis == self.spec.rank - 1:
-            self.open_static(f"t_{axis}", f"FILTER_{axis}")
+            self.open_static(f"t_{axis}", f"FILTER_{axis}", unrolled)
         else:
             self(f"for t_{axis} in range(FILTER_{axis}):")
             self.depth += 1
@@ -405,8 +407,9 @@ def _fprop(w: _Writer, tile: list):
     emitter = w.emitter("p")
     hoisted = w.hoist_constant_leaves([tile[0], channel] + [None] * spec.rank, emitter)
     coords = [tile[0], channel]
+    (inner_unrolled,) = unrolled_loops(spec.filter_sizes[-1:])  # a long 1-D filter is a runtime loop
     for axis in range(spec.rank):
-        w.open_taps(axis)
+        w.open_taps(axis, inner_unrolled)
         w(f"in_{axis} = start_{axis} + t_{axis} * DILATION_{axis}",
           f"ok_{axis} = (in_{axis} >= 0) & (in_{axis} < {w.size(f'in_size_{axis}', spec.in_sizes[axis])})")
         shift = f"(t_{axis} * DILATION_{axis} - PADDING_{axis})" if spec.stride[axis] == 1 else ""
@@ -423,15 +426,18 @@ def _dgrad(w: _Writer, tile: list):
         w("channel_all = tl.arange(0, CHANNELS)")
     channel = tile[1]
     opened = 0
+    # the unrolled loops (the filters of a channel around its innermost taps) within one budget
+    *multiplier_unrolled, inner_unrolled = unrolled_loops(
+        ([spec.multiplier] if spec.multiplier > 1 else []) + list(spec.filter_sizes[-1:]))
     if spec.multiplier > 1:  # dx of channel c sums the M filters c * M + m
-        w.open_static("m", "MULTIPLIER")
+        w.open_static("m", "MULTIPLIER", multiplier_unrolled[0])
         w("channel_in = idx_1 * MULTIPLIER + m")
         channel, opened = replace(channel, text="channel_in", base=""), 1
     emitter = w.emitter("p")
     hoisted = w.hoist_constant_leaves([tile[0], channel] + [None] * spec.rank, emitter)
     coords = [tile[0], channel]
     for axis in range(spec.rank):
-        w.open_taps(axis)
+        w.open_taps(axis, inner_unrolled)
         out_size = w.size(f"in_size_{axis}", spec.in_sizes[axis])
         w(f"num_{axis} = idx_{axis + 2} + PADDING_{axis} - t_{axis} * DILATION_{axis}")
         if spec.stride[axis] == 1:

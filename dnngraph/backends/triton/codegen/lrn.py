@@ -8,6 +8,12 @@ windows share their loads and squares (the backward needs the window sums of eve
 whose window holds the centre), and window sums are separable (one axis at a time), so they
 share their partial sums too. Positions outside x are zeros, after any prologue, as torch
 pads. The formulas are those of ops/lrn.py; S^-beta is exp2(-beta * log2(S)).
+
+A backward whose straight-line body would pass BODY_TERMS_MAX additions (a 5x5 divisive window
+makes 350, LRN size 64 4096: tens of seconds to minutes of sm_90 compile, most of it in Triton's
+coalescing pass, whose cost grows with loads times operations) walks the covering centres of
+its last windowed axes in runtime loops: the body computes the centres along the other axes
+with the shared partial sums, its offsets along the rolled axes taken from the loop variables.
 """
 from __future__ import annotations
 
@@ -21,8 +27,37 @@ from .pooling import Coord, _KernelWriter
 
 # Stems of the values the window writes: centred x (cv), its square (sq), partial window sums
 # (ps), the scale S (sc), the gain S^-beta (gn), dy (dv) and the loaded means (mv), each followed
-# by an offset tag.
+# by an offset tag; in a rolled body the tags start with "r" (offsets from the loop's centre).
 VALUE_STEMS = ("cv", "sq", "ps", "sc", "gn", "dv", "mv")
+# Additions of window sums one straight-line backward body may hold. The cost of Triton's
+# coalescing pass grows with loads times operations: 350 additions (a 5x5 divisive window) took
+# 22 s to compile for sm_90 on a shared CPU, 70 take about a second. A runtime loop reloads the
+# squares its centres share with the neighbouring iterations (L1 hits: the tile's rows are
+# neighbours along the window), so the window unrolls whole wherever it fits.
+BODY_TERMS_MAX = 256
+
+
+def body_terms(size: int, windowed: int, rolled: int) -> int:
+    """Additions of the window sums in the backward's body when the covering centres of the last
+    `rolled` of `windowed` axes are walked by runtime loops (mirrors partial_sum: the distinct
+    (level, point) pairs it visits, `size` additions each)."""
+    before, after = size // 2, (size - 1) // 2
+    fixed = windowed - rolled  # axes whose covering centres the body unrolls
+    centres = itertools.product(*([range(-after, before + 1)] * fixed + [range(0, 1)] * rolled))
+    points, terms = {tuple(c) for c in centres}, 0
+    for axis in range(windowed):  # level `axis` sums along it, at the points the level above needs
+        terms += size * len(points)
+        points = {p[:axis] + (p[axis] + w,) + p[axis + 1:] for p in points for w in range(-before, after + 1)}
+    return terms
+
+
+def rolled_axes(size: int, windowed: int) -> int:
+    """How many trailing windowed axes the backward walks in runtime loops: the fewest that keep
+    its body within BODY_TERMS_MAX (all of them where even one centre's window does not fit)."""
+    for rolled in range(windowed + 1):
+        if body_terms(size, windowed, rolled) <= BODY_TERMS_MAX:
+            return rolled
+    return windowed
 
 
 def offset_tag(offsets) -> str:
@@ -46,6 +81,12 @@ class _WindowWriter(_KernelWriter):
         self.count = window_count(forward_op, self.rank, self.attrs)
         self.shifts_made: set = set()
         self.values_made: set = set()
+        self.loop_centre: dict = {}  # windowed axis -> the runtime loop variable of a rolled body
+
+    def tag(self, offsets) -> str:
+        """The identifier part of a value at `offsets`: from the tile, or in a rolled body from
+        the loops' centre (another value of the same offsets)."""
+        return ("r" if self.loop_centre else "") + offset_tag(offsets)
 
     def tile_size_name(self, axis: int) -> str:
         return f"in_{self.names[axis]}"
@@ -58,12 +99,14 @@ class _WindowWriter(_KernelWriter):
         """The tile's coordinates moved by `offsets` along the windowed axes (emitted once each)."""
         coords = dict(tile)
         for axis, offset in zip(self.schedule.axes, offsets):
-            if offset == 0:
+            centre = self.loop_centre.get(axis)
+            if offset == 0 and centre is None:
                 continue
-            name, tag = self.names[axis], offset_tag((offset,))
+            name, tag = self.names[axis], self.tag((offset,))
             if (axis, offset) not in self.shifts_made:
                 self.shifts_made.add((axis, offset))
-                self.line(f"{name}_at_{tag} = {name}_idx + {offset}")
+                moved = f"{name}_idx + {offset}" if centre is None else f"{name}_idx + {centre} + {offset}"
+                self.line(f"{name}_at_{tag} = {moved}")
                 self.line(f"{name}_ok_{tag} = ({name}_at_{tag} >= 0) & ({name}_at_{tag} < in_{name})")
             coords[axis] = Coord(f"{name}_at_{tag}", self.side(axis), f"{name}_ok_{tag}")
         return coords
@@ -71,7 +114,7 @@ class _WindowWriter(_KernelWriter):
     # --- values at an offset -------------------------------------------------------------------
     def centred(self, tile: dict, offsets) -> str:
         """`cv_<tag>`: x - means at the offset, 0 outside x."""
-        variable = f"cv_{offset_tag(offsets)}"
+        variable = f"cv_{self.tag(offsets)}"
         if variable not in self.values_made:
             self.values_made.add(variable)
             coords = self.shifted(tile, offsets)
@@ -84,7 +127,7 @@ class _WindowWriter(_KernelWriter):
         return variable
 
     def square(self, tile: dict, offsets) -> str:
-        variable = f"sq_{offset_tag(offsets)}"
+        variable = f"sq_{self.tag(offsets)}"
         if variable not in self.values_made:
             centred = self.centred(tile, offsets)
             self.values_made.add(variable)
@@ -98,7 +141,7 @@ class _WindowWriter(_KernelWriter):
         overlapping windows of a backward share the partial sums of their common rows."""
         if axis_index == len(self.schedule.axes):
             return self.square(tile, point)
-        variable = f"ps_{axis_index}_{offset_tag(point)}"
+        variable = f"ps_{axis_index}_{self.tag(point)}"
         if variable not in self.values_made:
             before, after = self.attrs.size // 2, (self.attrs.size - 1) // 2
             parts = [self.partial_sum(tile, axis_index + 1, point[:axis_index] + (point[axis_index] + w,)
@@ -112,7 +155,7 @@ class _WindowWriter(_KernelWriter):
 
     def scale(self, tile: dict, centre) -> tuple[str, str]:
         """(`sc_<tag>`, `gn_<tag>`): S and S^-beta of the element at offset `centre`."""
-        tag = offset_tag(centre)
+        tag = self.tag(centre)
         total = self.partial_sum(tile, 0, tuple(centre))
         a = self.literal(self.attrs.alpha / self.count)
         self.line(f"sc_{tag} = {self.literal(self.attrs.k)} + {a} * {total}")
@@ -139,22 +182,45 @@ class _WindowWriter(_KernelWriter):
             self.value_at(self.dy, tile, "grad")
             self.line(f"result = grad + 0.0 * {centred}")
             return
+        axes = self.schedule.axes
         before, after = self.attrs.size // 2, (self.attrs.size - 1) // 2
-        covering = itertools.product(range(-after, before + 1), repeat=len(self.schedule.axes))
-        centre = (0,) * len(self.schedule.axes)
+        rolled = rolled_axes(self.attrs.size, len(axes))
+        fixed = len(axes) - rolled
+        centre = (0,) * len(axes)
         self.line(f"acc = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
-        for offsets in covering:
-            tag = offset_tag(offsets)
-            scale, gain = self.scale(tile, offsets)
-            coords = self.shifted(tile, offsets)
-            self.value_at(self.dy, coords, "grad")
-            inside = self.inside(coords)
-            self.line(f"dv_{tag} = tl.where({inside}, grad, 0.0)")
-            # masked: a covering element outside x adds nothing, whatever its S (0 / 0 where k is 0)
-            self.line(f"acc += tl.where({inside}, dv_{tag} * {self.centred(tile, offsets)} * {gain} / {scale}, 0.0)")
+        if rolled:  # the element's own dy and S^-beta, kept from the iteration centred on it
+            self.line(f"dv_here = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
+            self.line(f"gn_here = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
+        for axis in axes[fixed:]:  # the rolled axes' covering centres, outermost first
+            self.loop_centre[axis] = f"{self.names[axis]}_roll"
+            self.open_loop(self.loop_centre[axis], f"{-after}, {before + 1}", unrolled=False)
+        self.shifts_made, self.values_made = set(), set()  # a body's values live in the body
+        for offsets in itertools.product(*[range(-after, before + 1)] * fixed + [range(0, 1)] * rolled):
+            self.covering_term(tile, offsets)
+        if rolled:
+            here = " & ".join(f"({variable} == 0)" for variable in self.loop_centre.values())
+            tag = self.tag(centre)
+            self.line(f"dv_here = tl.where({here}, dv_{tag}, dv_here)")
+            self.line(f"gn_here = tl.where({here}, gn_{tag}, gn_here)")
+            self.close_loops(rolled)
+            self.loop_centre.clear()
+            self.shifts_made, self.values_made = set(), set()
+            dv, gn = "dv_here", "gn_here"
+        else:
+            dv, gn = f"dv_{self.tag(centre)}", f"gn_{self.tag(centre)}"
         factor = self.literal(2.0 * self.attrs.beta * self.attrs.alpha / self.count)
-        tag = offset_tag(centre)
-        self.line(f"result = dv_{tag} * gn_{tag} - {factor} * {self.centred(tile, centre)} * acc")
+        self.line(f"result = {dv} * {gn} - {factor} * {self.centred(tile, centre)} * acc")
+
+    def covering_term(self, tile: dict, offsets):
+        """acc += dy_i c_i S_i^-beta / S_i of the covering element at `offsets`."""
+        tag = self.tag(offsets)
+        scale, gain = self.scale(tile, offsets)
+        coords = self.shifted(tile, offsets)
+        self.value_at(self.dy, coords, "grad")
+        inside = self.inside(coords)
+        self.line(f"dv_{tag} = tl.where({inside}, grad, 0.0)")
+        # masked: a covering element outside x adds nothing, whatever its S (0 / 0 where k is 0)
+        self.line(f"acc += tl.where({inside}, dv_{tag} * {self.centred(tile, offsets)} * {gain} / {scale}, 0.0)")
 
     # --- signature -------------------------------------------------------------------------------
     def arguments(self) -> list:

@@ -23,6 +23,7 @@ from .emitter import ExpressionEmitter, blends_of, kind_of
 from .names import NameAllocator
 from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
+from .unrolling import loop_header, unrolled_loops
 
 INDENT = "    "
 # identifiers the pooling kernel writes itself; the stems own every `stem_*` name too (each
@@ -111,8 +112,8 @@ class _KernelWriter:
     def line(self, text: str):
         self.body.append(INDENT * self.depth + text)
 
-    def open_loop(self, variable: str, count: str):
-        self.line(f"for {variable} in tl.static_range({count}):")
+    def open_loop(self, variable: str, count: str, unrolled: bool):
+        self.line(loop_header(variable, count, unrolled))
         self.depth += 1
 
     def close_loops(self, count: int):
@@ -240,13 +241,20 @@ class _KernelWriter:
         self.line(f"{variable} = {self.emitter.value(tensor.uid, 'f')}")
 
     # --- windows ---------------------------------------------------------------------------------
-    def open_window(self, base: dict) -> dict:
-        """Open one unrolled loop per spatial axis over the window starting at `{axis}_start`;
-        returns the coordinates of the current window element."""
+    def window_extents(self) -> list:
+        return [self.schedule.window[axis - 2] for axis in self.spatial]
+
+    def cover_extents(self) -> list:
+        """Per spatial axis, the most windows that cover one element (the COVER_ constants)."""
+        return [-(-self.schedule.window[axis - 2] // self.schedule.stride[axis - 2]) for axis in self.spatial]
+
+    def open_window(self, base: dict, unrolled) -> dict:
+        """Open one loop per spatial axis over the window starting at `{axis}_start` (unrolled
+        where `unrolled` says, per axis); returns the coordinates of the current window element."""
         window = dict(base)
-        for axis in self.spatial:
+        for axis, unroll in zip(self.spatial, unrolled):
             name, upper = self.names[axis], self.names[axis].upper()
-            self.open_loop(f"k{name}", f"WINDOW_{upper}")
+            self.open_loop(f"k{name}", f"WINDOW_{upper}", unroll)
             self.line(f"{name}_in = {name}_start + k{name}")
             self.line(f"{name}_ok = ({name}_in >= 0) & ({name}_in < in_{name})")
             window[axis] = Coord(f"{name}_in", self.side(axis), f"{name}_ok")
@@ -299,7 +307,7 @@ class _KernelWriter:
         else:
             self.line(f"acc = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
         hoisted = self.hoist_loads(self.x_tensor(), tile)
-        window = self.open_window(tile)
+        window = self.open_window(tile, unrolled_loops(self.window_extents()))
         self.value_at(self.x_tensor(), window, "value", hoisted)
         if is_max:  # a NaN always takes over, as in torch's max_pool
             # NaN wins; tl.where keeps a hoisted (0-d) value's test from a bool 0-d | 2-d, which
@@ -332,10 +340,15 @@ class _KernelWriter:
             hoisted |= self.hoist_loads(self.x_tensor(), tile)
         if indices is not None:
             self.line(f"here = {self.plane_index('idx')}")
+        recompute = is_max and indices is None
+        # one unrolling budget for the whole nest: the covering windows and, where the argmax is
+        # recomputed, each one's window inside them
+        nest = self.cover_extents() + (self.window_extents() if recompute else [])
+        unrolled = unrolled_loops(nest)
         covering = dict(tile)
-        for axis in self.spatial:
+        for axis, unroll in zip(self.spatial, unrolled):
             name, upper = self.names[axis], self.names[axis].upper()
-            self.open_loop(f"j{name}", f"COVER_{upper}")
+            self.open_loop(f"j{name}", f"COVER_{upper}", unroll)
             self.line(f"{name}_out = {name}_last - j{name}")
             self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
             self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name}) & "
@@ -347,7 +360,7 @@ class _KernelWriter:
             self.load(indices, covering)
             self.line(f"hit = {self.emitter.value(indices.uid, 'l')} == here")
         elif is_max:
-            self.argmax_is_here(tile, hoisted)
+            self.argmax_is_here(tile, hoisted, unrolled[len(self.spatial):])
         if is_max:
             self.line("acc += tl.where(covered & hit, grad, 0.0)")
         else:
@@ -355,7 +368,7 @@ class _KernelWriter:
         self.close_loops(len(self.spatial))
         self.line("result = acc")
 
-    def argmax_is_here(self, tile: dict, hoisted: set):
+    def argmax_is_here(self, tile: dict, hoisted: set, unrolled):
         """Emit `hit`: the window at `{axis}_start` has its first maximum at this element.
 
         Like torch, the index starts at the window's first in-range element (it stays there
@@ -366,7 +379,7 @@ class _KernelWriter:
         here = [(axis, f"({self.names[axis]}_in == {self.names[axis]}_idx)") for axis in self.spatial]
         self.line(f"best = tl.full([BLOCK_R, BLOCK_C], float('-inf'), {self.compute})")
         self.line(f"hit = mask & {_outer(*self.by_side(firsts))}")
-        window = self.open_window(tile)
+        window = self.open_window(tile, unrolled)
         self.value_at(self.x_tensor(), window, "value", hoisted)
         self.line("better = inside & tl.where(value != value, True, value > best)")
         self.line("best = tl.where(better, value, best)")
@@ -413,8 +426,7 @@ class _KernelWriter:
                      KernelArgument("constexpr", f"STRIDE_{upper}", sched.stride[k]),
                      KernelArgument("constexpr", f"PAD_{upper}", sched.padding[k])]
             if sched.backward:  # windows covering one element along this axis, at most
-                args.append(KernelArgument("constexpr", f"COVER_{upper}",
-                                           -(-sched.window[k] // sched.stride[k])))
+                args.append(KernelArgument("constexpr", f"COVER_{upper}", self.cover_extents()[k]))
         args += [KernelArgument("constexpr", "BLOCK_R", sched.config.block_rows),
                  KernelArgument("constexpr", "BLOCK_C", sched.config.block_cols)]
         return args
