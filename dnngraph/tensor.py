@@ -55,6 +55,16 @@ def dense_strides(dim: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
     return tuple(strides)
 
 
+def bit_packed_strides(dim, stride) -> tuple:
+    """The dense strides of a bit-packed tensor in the stride order of `stride`: as
+    dense_strides, but each row of the innermost axis starts on a byte (its extent rounded up to
+    8), so that a row's last partial byte belongs to that row alone."""
+    order = stride_order(dim, stride)
+    inner = next((a for a in reversed(order) if dim[a] > 1), order[-1])
+    padded = [(-(-size // 8) * 8 if a == inner else size) for a, size in enumerate(dim)]
+    return dense_strides(padded, order)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, numpy.bool_))
 
@@ -273,10 +283,15 @@ class Tensor:
         return self
 
     def set_data_type(self, data_type) -> "Tensor":
-        """Set the stored data type (for op outputs: the type written to memory)."""
+        """Set the stored data type (for op outputs: the type written to memory). A tensor made
+        bit-packed (dg.bool_bit_packed) whose strides are the dense ones of their order takes the
+        bit-packed dense strides (rows start on a byte: bit_packed_strides)."""
         data_type = dtypes.resolve(data_type)
         self._graph._invalidate()
         self._data_type = data_type
+        if data_type.is_bit_packed and self._inferred_stride is None and \
+                self._stride == dense_strides(self._dim, stride_order(self._dim, self._stride)):
+            self._stride = bit_packed_strides(self._dim, self._stride)
         return self
 
     def set_stride(self, stride) -> "Tensor":

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+from ..bitpack import touches_bit_packed
 from ..dag import CycleError, Dag, node_dag
 from ..errors import ValidationError
 from ..ops.base import broadcast_dims
@@ -142,9 +143,10 @@ class _Partitioner:
             self.group_of[node] = group
 
     def free_pointwise(self, node) -> bool:
-        """May an anchor absorb `node`? Anchor kernels know no logical index: no counter ops."""
+        """May an anchor absorb `node`? Anchor kernels know no logical index: no counter ops;
+        their loads and stores address bytes: no bit-packed booleans."""
         return (node is not None and node not in self.group_of and _is_pointwise(node)
-                and node.op not in COUNTER_OPS)
+                and node.op not in COUNTER_OPS and not touches_bit_packed(node))
 
     # --- pass 0: attention backwards --------------------------------------------------------------
     def attention_backwards(self):
@@ -227,7 +229,8 @@ class _Partitioner:
                     return None
                 chain.append(nxt)
                 break
-            if nxt.op not in ATTENTION_SCORE_OPS or nxt.outputs[0].dim != first.outputs[0].dim:
+            if nxt.op not in ATTENTION_SCORE_OPS or nxt.outputs[0].dim != first.outputs[0].dim \
+                    or touches_bit_packed(nxt):  # a bit-packed mask: its own pointwise kernel
                 return None
             chain.append(nxt)
             current = nxt

@@ -138,7 +138,7 @@ def _swish(x, attrs):
 
 def _cast(x, attrs):
     target = dtypes.by_name(attrs.data_type)
-    if target is dtypes.bool_:
+    if target.is_boolean:
         return as_bool(x)
     if not target.is_floating:  # as torch converts: floats truncate toward zero, integers wrap
         return x.to(target.torch_dtype)

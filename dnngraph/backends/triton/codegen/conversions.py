@@ -58,7 +58,7 @@ def float8_rule(data_type) -> Float8Rule:
 def converted_to(text: str, kind: str, data_type) -> str:
     """Source converting `text`, a value of kind "f" (compute float), "b", "i" or "l", to
     `data_type` as torch's `.to` does (floats to integers truncate toward zero)."""
-    if data_type is dtypes.bool_:
+    if data_type.is_boolean:  # a bit-packed store packs the predicate itself (library.store_bits)
         return f"({text}).to(tl.int1)" if kind == "b" else f"(({text}) != 0)"
     if not data_type.is_floating:
         return f"({text}).to({data_type.triton_type})"

@@ -40,7 +40,7 @@ SCALAR_AS_TILE = " + tl.zeros((1, 1), dtype=tl.int32)"
 
 def kind_of(data_type) -> str:
     """The kind a value of `data_type` is held in once loaded: integers stay integers."""
-    if data_type is dtypes.bool_:
+    if data_type.is_boolean:  # one byte or one bit each: held as a predicate
         return "b"
     return {dtypes.int32: "i", dtypes.int64: "l"}.get(data_type, "f")
 
@@ -190,7 +190,7 @@ class ExpressionEmitter:
         """Tensor `uid` converted for a store to `data_type`: integers go straight to the
         target type, floats stored to integers truncate toward zero (as torch's .to does)."""
         have = self.values[uid][1]
-        kind = "b" if data_type is dtypes.bool_ else (have if have in INTEGER_TYPES else "f")
+        kind = "b" if data_type.is_boolean else (have if have in INTEGER_TYPES else "f")
         return converted_to(self.value(uid, kind), kind, data_type)
 
     def store(self, pointer: str, uid: int, data_type, mask: str, extra: str = "") -> str:
