@@ -18,6 +18,9 @@ import torch
 from . import dtypes
 from .errors import UnsupportedError, ValidationError
 
+# Kernel groups whose loads of pointwise operands read bits (codegen's emitter.element_load): the
+# pointwise kernels and the op-level attention kernels' score-op side tensors (a where mask).
+UNPACKING_KINDS = ("pointwise", "attention", "attention_backward")
 # bit i of a byte holds the i-th element of its 8 (the frontend's order: least significant first)
 _BIT_WEIGHTS = tuple(1 << i for i in range(8))
 
@@ -76,10 +79,13 @@ def refuse_elsewhere(graph, groups) -> None:
                                        f"{tensor.data_type.name}: only pointwise ops read or write bit-packed "
                                        f"booleans")
     for group in groups:
-        packed = [t for t in list(group.inputs) + list(group.outputs) if t.data_type.is_bit_packed]
-        if packed and group.kind != "pointwise":
-            raise UnsupportedError(f"a {group.kind} kernel would read or write {packed[0].name!r} of "
-                                   f"{packed[0].data_type.name}: only pointwise kernels pack and unpack bits")
+        written = [t for t in group.outputs if t.data_type.is_bit_packed]
+        read = [t for t in group.inputs if t.data_type.is_bit_packed]
+        if (written and group.kind != "pointwise") or (read and group.kind not in UNPACKING_KINDS):
+            tensor = (written + read)[0]
+            raise UnsupportedError(f"a {group.kind} kernel would read or write {tensor.name!r} of "
+                                   f"{tensor.data_type.name}: only pointwise kernels pack bits, and only they and "
+                                   f"attention written as ops (a where mask on the scores) unpack them")
 
 
 def touches_bit_packed(node) -> bool:

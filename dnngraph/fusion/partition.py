@@ -229,8 +229,7 @@ class _Partitioner:
                     return None
                 chain.append(nxt)
                 break
-            if nxt.op not in ATTENTION_SCORE_OPS or nxt.outputs[0].dim != first.outputs[0].dim \
-                    or touches_bit_packed(nxt):  # a bit-packed mask: its own pointwise kernel
+            if nxt.op not in ATTENTION_SCORE_OPS or nxt.outputs[0].dim != first.outputs[0].dim:
                 return None
             chain.append(nxt)
             current = nxt

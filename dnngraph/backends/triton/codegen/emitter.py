@@ -45,6 +45,14 @@ def kind_of(data_type) -> str:
     return {dtypes.int32: "i", dtypes.int64: "l"}.get(data_type, "f")
 
 
+def element_load(pointer: str, offset: str, mask: str, data_type) -> str:
+    """The text of a load of the elements at `offset` (in elements) from `pointer` under `mask`
+    (0 where masked): a bit-packed boolean reads its bit of its byte (library.load_bits, `lib`)."""
+    if data_type.is_bit_packed:
+        return f"lib.load_bits({pointer}, {offset}, {mask})"
+    return f"tl.load({pointer} + {offset}, mask={mask}, other=0)"
+
+
 def masked_epilogue(emitter, nodes, made: set, operands: dict, offset, outputs) -> list:
     """The lines of a tile epilogue under one `mask` (gather's and MoE's kernels): each operand of
     `nodes` not `made` in the group loaded at `offset(uid)`, the nodes' expressions, and a store of
