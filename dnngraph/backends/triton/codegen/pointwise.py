@@ -189,6 +189,12 @@ def _stores(operands, idents, space, emitter: ExpressionEmitter) -> list[str]:
     return body
 
 
+def blend_arguments(emitters) -> list[KernelArgument]:
+    """The pointer arguments of the one-element tensors blended stores read their factors from
+    (ExpressionEmitter.blend_pointers), for every emitter of a kernel."""
+    return [KernelArgument("tensor", pointer, uid) for e in emitters for pointer, uid in e.blend_pointers.items()]
+
+
 def _arguments(schedule, idents, counter, scalars) -> list[KernelArgument]:
     space, rank = schedule.space, len(schedule.space.sizes)
     strided = list(zip(schedule.operands, idents))
@@ -222,6 +228,7 @@ def render(kernel_name: str, schedule, nodes, compute_type, description: str, bl
         emitter.emit(node)
     body += emitter.lines + _stores(schedule.operands, idents, space, emitter)
     args = _arguments(schedule, idents, counter, emitter.scalars)
+    args[len(schedule.operands):len(schedule.operands)] = blend_arguments([emitter])
 
     libraries = ("lib",) if any(op.data_type.is_bit_packed for op in schedule.operands) else ()
     return KernelSource(kernel_name, kernel_module(description, emitter.globals, kernel_name, args,
