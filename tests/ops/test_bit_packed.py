@@ -22,12 +22,17 @@ def _graph():
 def _storage(tensor, device="cpu", fill=None) -> torch.Tensor:
     """Uint8 storage of a bit-packed graph tensor in its declared layout: random bytes (poison
     for an output), or `fill` (a bool tensor of its logical dims) packed into it."""
-    shape, strides = dtypes.storage_layout(tensor.dim, tensor.stride, tensor.data_type)
-    span = sum((size - 1) * step for size, step in zip(shape, strides)) + 1
-    storage = torch.randint(0, 256, (span,), dtype=torch.uint8).as_strided(shape, strides)
+    storage = _laid_out(tensor, lambda span: torch.randint(0, 256, (span,), dtype=torch.uint8))
     if fill is not None:
         _write_bits(storage, tensor, fill)  # the bytes' other bits stay random
     return storage.to(device)
+
+
+def _laid_out(tensor, make) -> torch.Tensor:
+    """`make(span)` (a flat uint8 tensor) viewed in the tensor's storage layout."""
+    shape, strides = dtypes.storage_layout(tensor.dim, tensor.stride, tensor.data_type)
+    span = sum((size - 1) * step for size, step in zip(shape, strides)) + 1
+    return make(span).as_strided(shape, strides)
 
 
 def _write_bits(storage, tensor, values):
@@ -48,7 +53,7 @@ def _write_bits(storage, tensor, values):
 def _bits_outside(storage, tensor) -> torch.Tensor:
     """A copy of the storage's bits that belong to no element of `tensor` (padding), as a mask
     of the bytes: bytes & ~(bits the tensor owns)."""
-    owned = torch.zeros_like(storage)
+    owned = _laid_out(tensor, lambda span: torch.zeros(span, dtype=torch.uint8))  # (zeros_like may densify)
     _write_bits(owned, tensor, torch.ones(tensor.dim, dtype=torch.bool))
     return storage & ~owned
 
@@ -207,6 +212,15 @@ def test_strided_and_transposed_layouts():
     y.set_output(True).set_data_type(dg.bool_bit_packed).set_stride([1, 8])
     inputs = {"a": torch.randn(13, 5).T, "b": torch.randn(5, 13), "m": _storage(m, fill=_mask([5, 13]))}
     _execute_and_check(g, inputs)
+
+
+def test_output_rows_wider_than_their_bits():
+    # rows of 13 bits 24 bits apart: the bytes between rows and the last byte's high bits keep
+    # what they held
+    g = _graph()
+    a = g.tensor(name="a", dim=[5, 13])
+    g.cmp_ge(a, 0.0).set_output(True).set_data_type(dg.bool_bit_packed).set_stride([24, 1])
+    _execute_and_check(g, {"a": torch.randn(5, 13)})
 
 
 def test_integer_compare_and_cast_to_bits():
