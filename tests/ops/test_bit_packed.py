@@ -170,15 +170,16 @@ def test_bits_in_and_out_in_one_kernel():
     g = _graph()
     dims = [6, 21]
     a, b = g.tensor(name="a", dim=dims), g.tensor(name="b", dim=[1, 21])
-    m = g.tensor(name="m", dim=dims, data_type=dg.bool_bit_packed)
-    n = g.tensor(name="n", dim=dims, data_type=dg.bool_bit_packed)
+    # names that look like the kernel's own variables: they never reach its code
+    m = g.tensor(name="mask", dim=dims, data_type=dg.bool_bit_packed)
+    n = g.tensor(name="y1_ptr", dim=dims, data_type=dg.bool_bit_packed)
     keep = g.logical_or(g.logical_and(g.cmp_le(a, b), m), g.logical_not(n))
-    keep.set_output(True).set_data_type(dg.bool_bit_packed)
+    keep.set_output(True).set_data_type(dg.bool_bit_packed).set_name("cols_idx")
     chosen = g.where(m, a, g.neg(a))
     chosen.set_output(True)
     inputs = {"a": torch.randn(dims), "b": torch.randn(1, 21)}
-    inputs["m"] = _storage(m, fill=_mask(dims))
-    inputs["n"] = _storage(n, fill=_mask(dims, 0.3))
+    inputs["mask"] = _storage(m, fill=_mask(dims))
+    inputs["y1_ptr"] = _storage(n, fill=_mask(dims, 0.3))
     _execute_and_check(g, inputs)
     assert len(g.plan.launches) == 1
     assert "store_bits" in g.plan.launches[0].source_path.read_text()
