@@ -474,12 +474,14 @@ def test_tensor_factors_gpu(config, factors):
     g.build(options=dg.BuildOptions(matmul_config=configs[config]))
     at, bt = torch.randn(1, 300, 256, device="cuda").bfloat16(), torch.randn(1, 256, 264, device="cuda").bfloat16()
     for a_value, b_value in ((1.0, 1.0), (0.5, 0.0), (-2.0, 0.25)):
-        priors = {y: torch.randn(1, 300, 264, device="cuda").bfloat16(), r: torch.randn(1, 300, 1, device="cuda").bfloat16()}
+        priors = {y: torch.randn(1, 300, 264, device="cuda").bfloat16(),
+                  r: torch.randn(1, 300, 1, device="cuda").bfloat16()}
         if b_value == 0.0:
             priors = {t: p.fill_(float("nan")) for t, p in priors.items()}
         bound = {t: p.clone() for t, p in priors.items()}
         values = _factor_values(factors, a_value, b_value, (alpha, beta))
-        g.execute({a: at, b: bt, **bound, **{k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}})
+        values = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+        g.execute({a: at, b: bt, **bound, **values})
         results = {y: at.double() @ bt.double(), r: at.double().exp().sum(2, keepdim=True)}
         for t, result in results.items():
             ref = a_value * result + (b_value * priors[t].double() if b_value else 0.0)
