@@ -36,18 +36,20 @@ def _laid_out(tensor, make) -> torch.Tensor:
 
 
 def _write_bits(storage, tensor, values):
-    """Write logical bools `values` into `storage` bit by bit (the test's own packer: element
-    offsets from the strides, bit offset % 8 of byte offset // 8)."""
+    """Write logical bools `values` into `storage` (the test's own packer: element offsets from
+    the strides, bit offset % 8 of byte offset // 8; the other bits of each byte kept)."""
     flat = torch.as_strided(storage, (storage.untyped_storage().nbytes() - storage.storage_offset(),), (1,))
-    index = torch.zeros(tensor.dim, dtype=torch.int64)
+    offsets = torch.zeros(tensor.dim, dtype=torch.int64)
     for axis, (size, step) in enumerate(zip(tensor.dim, tensor.stride)):
         shape = [1] * len(tensor.dim)
         shape[axis] = size
-        index = index + (torch.arange(size) * step).reshape(shape)
-    for offset, value in zip(index.flatten().tolist(), values.flatten().cpu().tolist()):
-        byte, bit = offset // 8, offset % 8
-        current = int(flat[byte])
-        flat[byte] = (current | (1 << bit)) if value else (current & ~(1 << bit) & 0xFF)
+        offsets = offsets + (torch.arange(size) * step).reshape(shape)
+    offsets = offsets.flatten()
+    byte, weight = offsets // 8, (1 << (offsets % 8))
+    # distinct elements hold distinct bits of a byte: sums of their weights are ORs
+    owned = torch.zeros(flat.numel(), dtype=torch.int64).index_add_(0, byte, weight)
+    on = torch.zeros(flat.numel(), dtype=torch.int64).index_add_(0, byte, weight * values.flatten().cpu().long())
+    flat.copy_(((flat.long() & ~owned) | on).to(torch.uint8))
 
 
 def _bits_outside(storage, tensor) -> torch.Tensor:
