@@ -226,6 +226,22 @@ def test_output_rows_wider_than_their_bits():
     _execute_and_check(g, {"a": torch.randn(5, 13)})
 
 
+def test_mask_updated_in_place():
+    # the output bound to the input's own storage: each program reads its bytes before it
+    # writes them, the padding bits stay
+    g = _graph()
+    m = g.tensor(name="m", dim=[5, 13], data_type=dg.bool_bit_packed)
+    x = g.tensor(name="x", dim=[5, 13])
+    y = g.logical_or(g.logical_not(m), g.cmp_gt(x, 1.0)).set_output(True).set_data_type(dg.bool_bit_packed)
+    g.build()
+    values, xt = _mask([5, 13]), torch.randn(5, 13)
+    storage = _storage(m, fill=values)
+    padding = _bits_outside(storage, m)
+    g.execute({m: storage, x: xt, y: storage})
+    assert torch.equal(dg.unpack_bits(storage, [5, 13], [16, 1]), ~values | (xt > 1.0))
+    assert torch.equal(_bits_outside(storage, m), padding)
+
+
 def test_integer_compare_and_cast_to_bits():
     g = _graph()
     i = g.tensor(name="i", dim=[3, 10], data_type=dg.int32)
