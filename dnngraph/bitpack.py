@@ -88,6 +88,14 @@ def refuse_elsewhere(graph, groups) -> None:
                                    f"attention written as ops (a where mask on the scores) unpack them")
 
 
+def packed_layouts_agree(nodes) -> bool:
+    """Whether one pointwise kernel can store every bit-packed tensor `nodes` make: all of one
+    layout (the kernel's column axis is their packed axis: heuristics/pointwise.py)."""
+    layouts = {(tuple(t.dim), tuple(t.stride)) for n in nodes for t in n.outputs
+               if t is not None and t.data_type.is_bit_packed}
+    return len(layouts) <= 1
+
+
 def touches_bit_packed(node) -> bool:
     """Whether `node` reads or writes a bit-packed tensor (an anchor's loads and stores cannot)."""
     return any(t is not None and t.data_type.is_bit_packed for t in list(node.inputs) + list(node.outputs))

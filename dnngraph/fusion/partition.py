@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
-from ..bitpack import touches_bit_packed
+from ..bitpack import packed_layouts_agree, touches_bit_packed
 from ..dag import CycleError, Dag, node_dag
 from ..errors import ValidationError
 from ..ops.base import broadcast_dims
@@ -395,7 +395,8 @@ class _Partitioner:
             domain = broadcast_dims("fusion", [(n.name, n.outputs[0].dim) for n in members])
         except ValidationError:
             return False
-        if not _counters_well_defined(members, domain) or not self.convex(members):
+        if not _counters_well_defined(members, domain) or not self.convex(members) \
+                or not packed_layouts_agree(members):
             return False
         target = groups[0]
         for other in groups[1:]:
@@ -432,7 +433,8 @@ class _Partitioner:
                 return False  # a kernel over a wider domain would recompute the narrower group
         except ValidationError:
             return False
-        if not _counters_well_defined(members, domain) or not self.convex(members):
+        if not _counters_well_defined(members, domain) or not self.convex(members) \
+                or not packed_layouts_agree(members):
             return False
         target.nodes.extend(other.nodes)
         target.nodes.sort(key=self.position.__getitem__)

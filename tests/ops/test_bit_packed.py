@@ -399,13 +399,31 @@ def test_bits_stay_out_of_anchor_epilogues():
     assert [launch.group.kind for launch in g.plan.launches] == ["matmul", "pointwise"]
 
 
-def test_two_packed_outputs_of_crossed_layouts_refused():
+def test_packed_outputs_of_crossed_layouts_get_kernels_of_their_own():
+    # one kernel packs along one column axis: a row-major and a column-major bit-packed output of
+    # one input stay in two kernels (siblings of other layouts merge)
+    g = _graph()
+    a = g.tensor(name="a", dim=[8, 19])
+    g.cmp_gt(a, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
+    g.cmp_lt(a, 0.5).set_output(True).set_data_type(dg.bool_bit_packed).set_stride([1, 8])
+    g.exp(a).set_output(True)
+    _execute_and_check(g, {"a": torch.randn(8, 19)})
+    assert len(g.plan.launches) == 2
+
+
+def test_schedule_refuses_a_packed_output_off_the_column_axis():
+    # the schedule's own guard, were a group to hold two packed layouts
+    from dnngraph.backends.triton.heuristics.pointwise import schedule
+    from dnngraph.fusion.partition import FusionGroup
+    from dnngraph.target import target_of
+
     g = _graph()
     a = g.tensor(name="a", dim=[8, 16])
-    g.cmp_gt(a, a).set_output(True).set_data_type(dg.bool_bit_packed)
-    g.cmp_lt(a, a).set_output(True).set_data_type(dg.bool_bit_packed).set_stride([1, 8])
+    y = g.cmp_gt(a, a).set_output(True).set_data_type(dg.bool_bit_packed)
+    z = g.cmp_lt(a, a).set_output(True).set_data_type(dg.bool_bit_packed).set_stride([1, 8])
+    group = FusionGroup("pointwise", None, [y.producer, z.producer], inputs=[a], outputs=[y, z])
     with pytest.raises(dg.UnsupportedError, match="column axis"):
-        g.build()
+        schedule(group, target_of())
 
 
 def test_blending_bits_refused():
