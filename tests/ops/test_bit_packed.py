@@ -458,3 +458,10 @@ def test_gpu_compare_transposed_bits():
     y.set_output(True).set_data_type(dg.bool_bit_packed)
     at = torch.randn(77, 300).T
     _execute_and_check(g, {"a": at, "b": torch.where(torch.rand(300, 77) < 0.5, at, 0.0)}, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_attention_with_a_bit_packed_mask():
+    g, inputs, _ = _masked_attention(s_q=200, s_kv=333, d=64)
+    _execute_and_check(g, inputs, device="cuda")
+    assert [launch.group.kind for launch in g.plan.launches] == ["attention"]
