@@ -75,6 +75,37 @@ def bench_case(make, ceiling):
             f"{t_eager / t_dg:.2f}x", config]
 
 
+def bench_bit_packed_masks():
+    """mask_out = (x > t) & mask_in at 16384x8192 bf16 x: masks one byte per element (dg.bool)
+    against one bit (dg.bool_bit_packed), and torch eager on bool tensors; bytes moved and time."""
+    x = torch.randn(M, N, device="cuda", dtype=BF16)
+    t = torch.randn(1, N, device="cuda", dtype=BF16)
+    mask = torch.rand(M, N, device="cuda") < 0.5
+    rows = []
+    for mask_type in (dg.bool, dg.bool_bit_packed):
+        g = dg.Graph(name=f"mask_{mask_type.name}", io_data_type=dg.bfloat16)
+        xs, ts = g.tensor(name="x", dim=[M, N]), g.tensor(name="t", dim=[1, N])
+        ms_in = g.tensor(name="mask", dim=[M, N], data_type=mask_type)
+        out = g.logical_and(g.cmp_gt(xs, ts), ms_in).set_output(True).set_data_type(mask_type)
+        g.build()
+        packed = mask_type.is_bit_packed
+        bound_mask = dg.pack_bits(mask) if packed else mask
+        result = torch.empty_like(bound_mask)
+        bindings = {xs: x, ts: t, ms_in: bound_mask, out: result}
+        g.execute(bindings)
+        got = dg.unpack_bits(result, out.dim, out.stride) if packed else result
+        assert torch.equal(got, (x > t) & mask), mask_type
+        nbytes = x.numel() * x.element_size() + t.numel() * t.element_size() + 2 * bound_mask.numel()
+        ms = median_ms(lambda: g.execute(bindings))
+        rows.append([f"dnngraph, {mask_type.name} masks", f"{nbytes / 1e6:.0f}", f"{ms * 1e3:.0f}",
+                     f"{nbytes / ms / 1e9:.2f}"])
+    eager_bytes = x.numel() * x.element_size() + t.numel() * t.element_size() + 2 * mask.numel()
+    ms = median_ms(lambda: (x > t) & mask)
+    rows.append(["torch eager, bool masks", f"{eager_bytes / 1e6:.0f}", f"{ms * 1e3:.0f}",
+                 f"{eager_bytes / ms / 1e9:.2f}"])
+    return rows
+
+
 def bench_host_overhead():
     g = dg.Graph(name="tiny", io_data_type=dg.float32)
     x = g.tensor(name="x", dim=[4096])
@@ -131,6 +162,8 @@ def main():
     print_table("Fused pointwise, 16384x8192 bf16 (TB/s over minimal bytes)",
                 ["graph", "dnngraph us", "dnngraph TB/s", "of copy", "eager TB/s", "compile TB/s",
                  "vs compile", "vs eager", "config"], rows)
+    print_table("Masks of one byte or one bit per element: (x > t) & mask, 16384x8192 bf16 x",
+                ["path", "MB moved", "us", "TB/s"], bench_bit_packed_masks())
     print_table("Config sweep, bias_gelu_residual (model rank vs measured)",
                 ["model rank", "config", "model us", "measured us"], sweep_configs(case_bias_gelu_residual))
     print_table("Host time per call, one-kernel graph (us, CPU-bound loop)", ["path", "us/call"],

@@ -17,6 +17,9 @@ from .target import Target
 from .tensor import Tensor
 from .graph_cache import jit
 from .symbolic import Dynamic, dynamic
+from .dtypes import bool_bit_packed
+from .bitpack import pack_bits, unpack_bits
+from .tensor import bit_packed_strides
 
 __all__ = [
     "Graph", "Node", "Tensor", "DataType", "float32", "float16", "bfloat16", "float8_e4m3",
@@ -25,3 +28,4 @@ __all__ = [
     "Dynamic", "dynamic",
 ]
 __all__ += ["int8"]
+__all__ += ["bool_bit_packed", "pack_bits", "unpack_bits", "bit_packed_strides"]

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from .backends import registry
+from .bitpack import refuse_elsewhere as refuse_bit_packed_elsewhere
 from .backends.contract import BuildContext
 from .errors import UnsupportedError, ValidationError
 from .fusion import partition
@@ -111,6 +112,7 @@ def _build_new(graph, device, options: BuildOptions) -> "Plan":
     """A new plan over `graph` (a snapshot the plan keeps)."""
     start = time.perf_counter()
     groups = partition(graph, registry.families(options.backends))
+    refuse_bit_packed_elsewhere(graph, groups)  # bits only the pointwise kernels pack and unpack
     for group in groups:
         refuse_block_scale_types(group)  # fp4 / e8m0 bytes only the block-scale kernels read
         logger.debug("graph %r: group %s", graph.name, group.describe())

@@ -25,6 +25,17 @@ class DataType:
         return torch.empty((), dtype=self.torch_dtype).element_size()
 
     @property
+    def is_bit_packed(self) -> bool:
+        """A boolean type stored one bit per element (cuDNN's CUDNN_DATA_BOOLEAN layout): eight
+        elements per byte along the packed axis, the first in the least significant bit."""
+        return self.name == BIT_PACKED_BOOL
+
+    @property
+    def is_boolean(self) -> bool:
+        """A predicate type, one byte (bool) or one bit (bool_bit_packed) per element."""
+        return self.name in ("bool", BIT_PACKED_BOOL)
+
+    @property
     def is_block_scale_storage(self) -> bool:
         """A block-scale quantization type (fp4 e2m1, e8m0): kernels see its bytes (uint8), and
         only the block-scale ops read or write it."""
@@ -52,6 +63,11 @@ bool_ = DataType("bool", torch.bool, "tl.int1", False)
 float4_e2m1 = DataType("float4_e2m1", torch.float4_e2m1fn_x2, "tl.uint8", True, elements_per_item=2)
 float8_e8m0 = DataType("float8_e8m0", torch.float8_e8m0fnu, "tl.uint8", True)
 BLOCK_SCALE_STORAGE = ("float4_e2m1", "float8_e8m0")
+# Booleans stored one bit each, as cuDNN stores CUDNN_DATA_BOOLEAN: bit (offset % 8) of byte
+# (offset // 8), offset being the element's offset in elements (so bits, here). Bound as uint8
+# storage (dtypes.storage_layout); kernels read and write it through the pointwise family only.
+BIT_PACKED_BOOL = "bool_bit_packed"
+bool_bit_packed = DataType(BIT_PACKED_BOOL, torch.uint8, "tl.uint8", False, elements_per_item=8)
 
 def narrower_than_compute(data_type: DataType) -> bool:
     """A float type narrower than float32, the compute type: a value stored in it is rounded."""
@@ -59,9 +75,10 @@ def narrower_than_compute(data_type: DataType) -> bool:
 
 
 ALL_TYPES = (float32, float16, bfloat16, float8_e4m3, float8_e5m2, int32, int64, bool_, float4_e2m1, float8_e8m0,
-             int8)
+             int8, bool_bit_packed)
 _BY_NAME = {t.name: t for t in ALL_TYPES}
-_BY_TORCH = {t.torch_dtype: t for t in ALL_TYPES}
+# a uint8 torch tensor is no packed boolean by itself: tensor_like of one is refused
+_BY_TORCH = {t.torch_dtype: t for t in ALL_TYPES if not t.is_bit_packed}
 
 
 INT8_RANGE = (-128, 127)
@@ -112,21 +129,23 @@ def kernel_torch_dtype(data_type: DataType) -> torch.dtype:
 
 def storage_layout(dim, stride, data_type: DataType) -> tuple:
     """(shape, strides) of the torch tensor holding a tensor of logical `dim` and element
-    `stride`, in torch items: the logical ones, but for packed fp4 the stride-1 axis halved and
-    the other strides halved (packed_layout_problem says when that is not possible)."""
+    `stride`, in torch items: the logical ones, but for a packed type the packed axis's extent
+    divided by the elements per item (rounded up: a bit-packed row may end in a partial byte) and
+    the other strides divided (packed_layout_problem says when that is not possible)."""
     dim, stride = tuple(dim), tuple(stride)
     if data_type.elements_per_item == 1:
         return dim, stride
     axis = packed_axis(dim, stride)
     per = data_type.elements_per_item
-    shape = tuple(size // per if a == axis else size for a, size in enumerate(dim))
+    shape = tuple(-(-size // per) if a == axis else size for a, size in enumerate(dim))
     strides = tuple(s if a == axis else s // per for a, s in enumerate(stride))
     return shape, strides
 
 
 def packed_axis(dim, stride) -> int:
-    """The axis a packed type packs along: the last one of stride 1 (the innermost)."""
-    ones = [a for a, s in enumerate(stride) if s == 1]
+    """The axis a packed type packs along: the last one of stride 1 and extent > 1 (the
+    innermost), else the last one of stride 1."""
+    ones = [a for a, s in enumerate(stride) if s == 1 and dim[a] > 1] or [a for a, s in enumerate(stride) if s == 1]
     return ones[-1] if ones else len(dim) - 1
 
 
@@ -136,6 +155,8 @@ def packed_layout_problem(dim, stride, data_type: DataType):
     byte holds two elements of one row of that axis."""
     if data_type.elements_per_item == 1:
         return None
+    if data_type.is_bit_packed:
+        return _bit_packed_layout_problem(dim, stride)
     per = data_type.elements_per_item
     axis = packed_axis(dim, stride)
     if stride[axis] != 1 or dim[axis] % per:
@@ -144,4 +165,20 @@ def packed_layout_problem(dim, stride, data_type: DataType):
     odd = [a for a, (size, s) in enumerate(zip(dim, stride)) if a != axis and size > 1 and s % per]
     if odd:
         return f"{data_type.name} needs the strides off its packed axis {axis} even, got {list(stride)}"
+    return None
+
+
+def _bit_packed_layout_problem(dim, stride):
+    """Bit-packed booleans pack along the innermost axis (stride 1, any extent: a row may end in
+    a partial byte) and every other axis of extent > 1 steps by whole bytes (a stride that is a
+    multiple of 8, or 0): each byte then holds elements of one row only, so the program that owns
+    a row segment owns its bytes."""
+    axis = packed_axis(dim, stride)
+    if dim[axis] > 1 and stride[axis] != 1:
+        return (f"{BIT_PACKED_BOOL} packs along an axis of stride 1; dims {list(dim)} strides {list(stride)} "
+                f"have none")
+    odd = [a for a, (size, s) in enumerate(zip(dim, stride)) if a != axis and size > 1 and s % 8]
+    if odd:
+        return (f"{BIT_PACKED_BOOL} needs the strides off its packed axis {axis} multiples of 8 (rows "
+                f"start on a byte), got {list(stride)}; dg.bit_packed_strides gives dense ones")
     return None

@@ -26,7 +26,7 @@ from .ops.shape import normalize_slices
 from .ops.base import boolean, integer, normalize_axes, per_axis, real
 from .options import BuildOptions
 from .symbolic import check_dense, propagate, split_dims, symbols_of
-from .tensor import (Tensor, check_dims, check_not_overlapping, check_strides, contiguous_strides,
+from .tensor import (Tensor, bit_packed_strides, check_dims, check_not_overlapping, check_strides, contiguous_strides,
                      dense_strides, span, stride_order)
 
 
@@ -256,7 +256,14 @@ class Graph:
         strides = contiguous_strides(dims) if stride is None else \
             check_strides(stride, dims, f"tensor {name!r}")
         data_type = self.io_data_type if data_type is None else dtypes.resolve(data_type)
+        if data_type.is_bit_packed:  # rows start on a byte (dtypes.packed_layout_problem)
+            strides = bit_packed_strides(dims, strides) if stride is None else strides
+            problem = dtypes.packed_layout_problem(dims, strides, data_type)
+            if problem is not None:
+                raise ValidationError(f"tensor {name!r}: {problem}")
         if dynamic_axes is not None:
+            if data_type.is_bit_packed:
+                raise UnsupportedError(f"tensor {name!r}: a bit-packed tensor has no dynamic extents yet")
             self._check_symbols(name, dims, strides, dynamic_axes)
         tensor = Tensor(self, next(self._uids), name, dims, strides, data_type)
         tensor._dynamic = dynamic_axes
@@ -360,11 +367,16 @@ class Graph:
 
     @staticmethod
     def _inferred_strides(spec, inputs) -> tuple:
-        """The stride order of the layout source (same rank), densely packed; else row-major."""
+        """The stride order of the layout source (same rank), densely packed; else row-major. A
+        bit-packed result (a cast to dg.bool_bit_packed) starts each row on a byte."""
         source = inputs[spec.layout_source] if spec.layout_source is not None else None
         if source is not None and len(source.dim) == len(spec.dim):
-            return dense_strides(spec.dim, stride_order(source.dim, source.own_stride))  # not a view's
-        return contiguous_strides(spec.dim)
+            strides = dense_strides(spec.dim, stride_order(source.dim, source.own_stride))  # not a view's
+        else:
+            strides = contiguous_strides(spec.dim)
+        if spec.data_type is not None and spec.data_type.is_bit_packed:
+            return bit_packed_strides(spec.dim, strides)
+        return strides
 
     def _set_ragged_offset(self, tensor: Tensor, offset: Optional[Tensor]):
         """Tensor.set_ragged_offset: the sdpa nodes reading or writing `tensor` take `offset`, each
@@ -1117,7 +1129,9 @@ class Graph:
         if not isinstance(value, torch.Tensor):
             raise ExecutionError(f"reference: input {tensor.name!r} must be a torch.Tensor, "
                                  f"got {type(value).__name__}")
-        if tensor.data_type.elements_per_item > 1 and value.dtype == tensor.data_type.torch_dtype:
+        if tensor.data_type.is_bit_packed:
+            value = _unpacked_bits(tensor, value)
+        elif tensor.data_type.elements_per_item > 1 and value.dtype == tensor.data_type.torch_dtype:
             from .ops.block_scale import unpack_storage  # packed fp4: its values, logical dims
             value = unpack_storage(value, tensor.dim, tensor.stride)
         if tuple(value.shape) != tuple(tensor.dim):
@@ -1126,7 +1140,7 @@ class Graph:
         # a floating input may come in any floating dtype (float64 values give an exact reference
         # of the math); integer and bool inputs must have their own type
         matches = value.is_floating_point() if tensor.data_type.is_floating \
-            else value.dtype == tensor.data_type.torch_dtype
+            else value.dtype == (torch.bool if tensor.data_type.is_boolean else tensor.data_type.torch_dtype)
         if not matches:
             raise ExecutionError(f"reference: input {tensor.name!r} is {tensor.data_type.name}, "
                                  f"got a tensor of {value.dtype}")
@@ -1183,6 +1197,21 @@ def _widened(value: torch.Tensor) -> torch.Tensor:
     return value.to(torch.int32) if value.dtype == torch.int8 else value
 
 
+def _unpacked_bits(tensor: Tensor, value: torch.Tensor) -> torch.Tensor:
+    """A bit-packed input's booleans: its bound uint8 storage (as execute binds it) unpacked, or
+    a bool tensor of its logical dims as it is."""
+    from .bitpack import unpack_bits
+
+    if value.dtype != torch.uint8:
+        return value  # checked below as any bool input: its dims, the bool dtype
+    shape, strides = dtypes.storage_layout(tensor.dim, tensor.stride, tensor.data_type)
+    if tuple(value.shape) != shape or any(value.stride(a) != strides[a] for a in range(len(shape)) if shape[a] > 1):
+        raise ExecutionError(f"reference: bit-packed input {tensor.name!r} of dims {list(tensor.dim)} binds uint8 "
+                             f"storage of shape {list(shape)} and strides {list(strides)}, got shape "
+                             f"{list(value.shape)} and strides {list(value.stride())}")
+    return unpack_bits(value, tensor.dim, tensor.stride)
+
+
 def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tensor:
     """A reference result as `tensor` holds it for its consumers: an integer or bool tensor in
     its own type, a graph output of floats rounded to its type, a virtual one as computed; floats
@@ -1190,7 +1219,7 @@ def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tenso
     data_type = tensor.data_type
     if data_type.is_block_scale_storage:  # the block-scale ops' references give values these hold
         return result.to(float_dtype)
-    if data_type is dtypes.bool_:
+    if data_type.is_boolean:  # bit-packed ones too: the reference holds booleans unpacked
         return result if result.dtype == torch.bool else result != 0
     if data_type is dtypes.int8:
         return dtypes.to_int8(result)

@@ -37,6 +37,11 @@ def _from_jsonable(value):
     return value
 
 
+def _blend_factor_record(factor):
+    """A blend factor as JSON: the number, or {"tensor": uid} of a one-element input."""
+    return factor if isinstance(factor, (int, float)) else {"tensor": factor.uid}
+
+
 def graph_document(graph) -> dict:
     """The graph as plain JSON-able data: tensors (with explicit settings) and nodes in creation
     order, under a versioned header."""
@@ -46,7 +51,7 @@ def graph_document(graph) -> dict:
             "uid": tensor.uid, "name": tensor.name, "dim": list(tensor.dim), "stride": list(tensor.own_stride),
             "data_type": tensor._data_type.name if tensor._data_type is not None else None,
             "is_output": tensor.is_output,
-            **({"blend": list(tensor.blend)} if tensor.blend is not None else {}),
+            **({"blend": [_blend_factor_record(f) for f in tensor.blend]} if tensor.blend is not None else {}),
             # written only where set: a document without the key reads as before
             **({"is_pass_by_value": True} if tensor.is_pass_by_value else {}),
             # an input's dynamic axes by symbol name (its outputs' are derived again on loading)
@@ -290,6 +295,11 @@ def _absent_optional_inputs(opdef, listed: int) -> list:
     return [None] * len(missing)
 
 
+def _is_factor_tensor(factor, handles) -> bool:
+    return (isinstance(factor, dict) and list(factor) == ["tensor"] and type(factor["tensor"]) is int
+            and factor["tensor"] in handles)
+
+
 def _replay(graph, record, where, handles, records, resizing: bool = False):
     opdef = REGISTRY.get(_field(record, "op", str, where))
     _require(opdef is not None, f"{where}: unknown op {record['op']!r}")
@@ -326,7 +336,8 @@ def _replay(graph, record, where, handles, records, resizing: bool = False):
             tensor.set_output(True)
         if "blend" in saved:
             blend = _field(saved, "blend", list, saved_where)
-            _require(len(blend) == 2 and all(type(f) in (int, float) for f in blend),
-                     f"{saved_where}: blend must be [alpha, beta], got {blend!r}")
-            tensor.set_blend(*blend)
+            _require(len(blend) == 2 and all(type(f) in (int, float) or _is_factor_tensor(f, handles) for f in blend),
+                     f"{saved_where}: blend must be [alpha, beta], each a number or {{\"tensor\": uid}} of an "
+                     f"input, got {blend!r}")
+            tensor.set_blend(*(handles[f["tensor"]] if isinstance(f, dict) else f for f in blend))
         handles[uid] = tensor

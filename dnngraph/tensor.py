@@ -55,6 +55,16 @@ def dense_strides(dim: Sequence[int], order: Sequence[int]) -> tuple[int, ...]:
     return tuple(strides)
 
 
+def bit_packed_strides(dim, stride) -> tuple:
+    """The dense strides of a bit-packed tensor in the stride order of `stride`: as
+    dense_strides, but each row of the innermost axis starts on a byte (its extent rounded up to
+    8), so that a row's last partial byte belongs to that row alone."""
+    order = stride_order(dim, stride)
+    inner = next((a for a in reversed(order) if dim[a] > 1), order[-1])
+    padded = [(-(-size // 8) * 8 if a == inner else size) for a, size in enumerate(dim)]
+    return dense_strides(padded, order)
+
+
 def _is_int(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, numpy.bool_))
 
@@ -112,14 +122,30 @@ def overlaps(dim: Sequence[int], stride: Sequence[int]) -> bool:
     return False
 
 
-def _blend_factor(value, what: str) -> float:
-    """A blend factor as a float: a finite real number (bools and tensors refused)."""
+def _blend_factor(value, what: str, graph):
+    """A blend factor: a finite real number as a float, or a one-element floating graph input of
+    `graph` (read by the kernel at each execute: a new value needs no new build)."""
+    if isinstance(value, Tensor):
+        if value.graph is not graph or graph._tensors.get(value.uid) is not value:
+            raise ValidationError(f"{what}: tensor {value.name!r} belongs to another graph")
+        if value.producer is not None or value.numel != 1 or not value.data_type.is_floating:
+            raise ValidationError(f"{what}: a tensor factor is a one-element floating graph input, got "
+                                  f"{value!r}")
+        return value
     if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Real):
-        raise ValidationError(f"{what} must be a finite real number, got {value!r}")
+        raise ValidationError(f"{what} must be a finite real number or a one-element tensor, got {value!r}")
     value = float(value)
     if not math.isfinite(value):
         raise ValidationError(f"{what} must be finite, got {value!r}")
     return value
+
+
+def plain_blend(blend) -> Optional[tuple]:
+    """(alpha, beta) with each tensor factor as ("tensor", uid): what problems and kernels carry
+    (plain data, the same for every copy of the graph)."""
+    if blend is None:
+        return None
+    return tuple(("tensor", f.uid) if isinstance(f, Tensor) else f for f in blend)
 
 
 def check_not_overlapping(tensor: "Tensor"):
@@ -286,10 +312,15 @@ class Tensor:
         return self
 
     def set_data_type(self, data_type) -> "Tensor":
-        """Set the stored data type (for op outputs: the type written to memory)."""
+        """Set the stored data type (for op outputs: the type written to memory). A tensor made
+        bit-packed (dg.bool_bit_packed) whose strides are the dense ones of their order takes the
+        bit-packed dense strides (rows start on a byte: bit_packed_strides)."""
         data_type = dtypes.resolve(data_type)
         self._graph._invalidate()
         self._data_type = data_type
+        if data_type.is_bit_packed and self._inferred_stride is None and \
+                self._stride == dense_strides(self._dim, stride_order(self._dim, self._stride)):
+            self._stride = bit_packed_strides(self._dim, self._stride)
         return self
 
     def set_stride(self, stride) -> "Tensor":
@@ -306,11 +337,14 @@ class Tensor:
         """Store this output as `alpha * result + beta * prior` (cuDNN's classic blending, e.g.
         gradient accumulation `dW += ...` with beta=1): the kernel writing it reads the bound
         memory in its store. beta == 0 never reads the prior (NaN there does not propagate);
-        alpha=1, beta=0 is a plain store. alpha and beta are finite Python numbers."""
-        alpha = _blend_factor(alpha, f"set_blend of {self._name!r}: alpha")
-        beta = _blend_factor(beta, f"set_blend of {self._name!r}: beta")
+        alpha=1, beta=0 is a plain store. alpha and beta are finite Python numbers (kernel
+        literals) or one-element floating graph inputs (device scalars the kernel reads at each
+        execute, or pass-by-value host scalars: one build for every value, as the frontend's)."""
+        alpha = _blend_factor(alpha, f"set_blend of {self._name!r}: alpha", self._graph)
+        beta = _blend_factor(beta, f"set_blend of {self._name!r}: beta", self._graph)
         self._graph._invalidate()
-        self._blend = None if (alpha, beta) == (1.0, 0.0) else (alpha, beta)
+        plain = not any(isinstance(f, Tensor) for f in (alpha, beta)) and (alpha, beta) == (1.0, 0.0)
+        self._blend = None if plain else (alpha, beta)
         return self
 
     def set_is_pass_by_value(self, value: bool = True) -> "Tensor":

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 
+from ..bitpack import packed_layouts_agree, touches_bit_packed
 from ..dag import CycleError, Dag, node_dag
 from ..errors import ValidationError
 from ..ops.base import broadcast_dims
@@ -142,9 +143,10 @@ class _Partitioner:
             self.group_of[node] = group
 
     def free_pointwise(self, node) -> bool:
-        """May an anchor absorb `node`? Anchor kernels know no logical index: no counter ops."""
+        """May an anchor absorb `node`? Anchor kernels know no logical index: no counter ops;
+        their loads and stores address bytes: no bit-packed booleans."""
         return (node is not None and node not in self.group_of and _is_pointwise(node)
-                and node.op not in COUNTER_OPS)
+                and node.op not in COUNTER_OPS and not touches_bit_packed(node))
 
     # --- pass 0: attention backwards --------------------------------------------------------------
     def attention_backwards(self):
@@ -393,7 +395,8 @@ class _Partitioner:
             domain = broadcast_dims("fusion", [(n.name, n.outputs[0].dim) for n in members])
         except ValidationError:
             return False
-        if not _counters_well_defined(members, domain) or not self.convex(members):
+        if not _counters_well_defined(members, domain) or not self.convex(members) \
+                or not packed_layouts_agree(members):
             return False
         target = groups[0]
         for other in groups[1:]:
@@ -430,7 +433,8 @@ class _Partitioner:
                 return False  # a kernel over a wider domain would recompute the narrower group
         except ValidationError:
             return False
-        if not _counters_well_defined(members, domain) or not self.convex(members):
+        if not _counters_well_defined(members, domain) or not self.convex(members) \
+                or not packed_layouts_agree(members):
             return False
         target.nodes.extend(other.nodes)
         target.nodes.sort(key=self.position.__getitem__)

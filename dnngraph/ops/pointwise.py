@@ -138,7 +138,7 @@ def _swish(x, attrs):
 
 def _cast(x, attrs):
     target = dtypes.by_name(attrs.data_type)
-    if target is dtypes.bool_:
+    if target.is_boolean:
         return as_bool(x)
     if target is dtypes.int8:  # saturating, floats rounded to nearest even (cuDNN's int8 outputs)
         return dtypes.to_int8(x)

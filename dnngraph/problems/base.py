@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..dtypes import DataType
+from ..tensor import plain_blend
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,7 @@ def product(sizes) -> int:
 
 def operand_of(tensor, role: str) -> Operand:
     return Operand(tensor.name, tensor.uid, tuple(int(d) for d in tensor.dim),
-                   tuple(int(s) for s in tensor.stride), tensor.data_type, role, tensor.blend)
+                   tuple(int(s) for s in tensor.stride), tensor.data_type, role, plain_blend(tensor.blend))
 
 
 def _roles(node, names, tensors) -> dict:

@@ -464,7 +464,8 @@ def element_span(tensor) -> int:
 
 def _random_like(tensor, device) -> torch.Tensor:
     dtype = tensor.data_type.torch_dtype
-    if tensor.data_type.is_block_scale_storage:  # fp4, e8m0: random bytes, bound as kernels see them
+    if tensor.data_type.elements_per_item > 1 or tensor.data_type.is_block_scale_storage:
+        # fp4, e8m0, bit-packed booleans: random bytes, bound as kernels see them
         shape, strides = dtypes.storage_layout(tensor.dim, tensor.stride, tensor.data_type)
         span = sum((size - 1) * stride for size, stride in zip(shape, strides)) + 1
         return torch.randint(0, 256, (span,), device=device, dtype=torch.uint8).as_strided(shape, strides)

@@ -72,6 +72,11 @@ def _binding_spec(tensor) -> BindingSpec:
 
 
 
+def _blend_factor_uids(groups) -> set:
+    """uids of the one-element tensors the groups' blended outputs take alpha or beta from."""
+    return {f.uid for g in groups for t in g.outputs for f in (t.blend or ()) if not isinstance(f, (int, float))}
+
+
 def _as_bytes(tensors: dict) -> None:
     """Block-scale types bound as their bytes (kernels read and write them as uint8), in place."""
     for uid, value in tensors.items():
@@ -211,6 +216,7 @@ class Plan:
         self.groups, self.launches = groups, launches
         self.views = groups.views
         used = {self.views.root_of(t.uid) for g in groups for t in g.inputs}
+        used |= _blend_factor_uids(groups)  # one-element tensors blended stores read
         self.specs = [_binding_spec(t) for t in graph.inputs() if t.uid in used]
         self.specs += [_binding_spec(t) for t in graph.outputs()]
         self.key_to_uid = keys_of(graph)
@@ -560,7 +566,8 @@ class Plan:
             where = "workspace" if tensor.is_virtual else ("output" if tensor.is_output else "input")
             blend = getattr(tensor, "blend", None)
             if blend is not None:
-                where += f", stored as {blend[0]!r} * result + {blend[1]!r} * prior"
+                alpha, beta = (repr(f) if isinstance(f, (int, float)) else f"tensor {f.name!r}" for f in blend)
+                where += f", stored as {alpha} * result + {beta} * prior"
         return f"{tensor.name} {list(tensor.dim)} {tensor.data_type.name} stride {list(tensor.stride)} ({where})"
 
     def explain(self) -> str:

@@ -29,17 +29,49 @@ def _prior(tensor, beta):
     return prior.copy_(torch.randn(tensor.dim))
 
 
-def check_blended(graph, inputs, alpha, beta, options=None, dtype=torch.float32, outputs=None):
-    """Blend `outputs` (default: every output) with (alpha, beta), build, execute over random (or
-    NaN) priors and compare with alpha * reference + beta * prior in float64; returns the plan's
-    launches."""
-    blended = list(graph.outputs()) if outputs is None else outputs
+def _factor_tensors(graph, blended, factors):
+    """Blend `blended` with alpha and beta read from one-element inputs: "device" tensors bound as
+    torch tensors, or "host" ones passed by value (Python numbers); returns (alpha, beta) inputs."""
+    host = factors == "host"
+    alpha = graph.tensor(name="blend_alpha", dim=[1], data_type=dg.float32, is_pass_by_value=host)
+    beta = graph.tensor(name="blend_beta", dim=[1], data_type=dg.float32, is_pass_by_value=host)
     for tensor in blended:
         tensor.set_blend(alpha=alpha, beta=beta)
+    return alpha, beta
+
+
+def _factor_values(factors, alpha, beta, handles) -> dict:
+    if factors == "numbers":
+        return {}
+    as_value = (lambda f: f) if factors == "host" else (lambda f: torch.tensor([f]))
+    return {handles[0]: as_value(alpha), handles[1]: as_value(beta)}
+
+
+def check_blended(graph, inputs, alpha, beta, options=None, dtype=torch.float32, outputs=None, factors="numbers",
+                  then=()):
+    """Blend `outputs` (default: every output) with (alpha, beta), build, execute over random (or
+    NaN) priors and compare with alpha * reference + beta * prior in float64; returns the plan's
+    launches. `factors`: "numbers" (literals), "device" or "host" (one-element inputs read at each
+    execute); with tensors, each (alpha, beta) of `then` runs too, on the same build."""
+    blended = list(graph.outputs()) if outputs is None else outputs
+    handles = None
+    if factors == "numbers":
+        for tensor in blended:
+            tensor.set_blend(alpha=alpha, beta=beta)
+    else:
+        handles = _factor_tensors(graph, blended, factors)
     graph.build(options=options)
+    launches = graph.plan.launches
+    for alpha, beta in ((alpha, beta),) + tuple(then):
+        _execute_blended(graph, inputs, alpha, beta, blended, dtype, _factor_values(factors, alpha, beta, handles))
+        assert graph.plan.launches is launches  # a new factor value: the same kernels
+    return launches
+
+
+def _execute_blended(graph, inputs, alpha, beta, blended, dtype, factor_values):
     priors = {t.name: _prior(t, beta if t in blended else 0.0) for t in graph.outputs()}
     bound = {name: prior.clone() for name, prior in priors.items()}
-    graph.execute({**inputs, **bound})
+    graph.execute({**inputs, **bound, **factor_values})
     refs = graph.reference(inputs)
     for tensor in graph.outputs():
         name, ref = tensor.name, refs[tensor.name]
@@ -49,7 +81,6 @@ def check_blended(graph, inputs, alpha, beta, options=None, dtype=torch.float32,
         assert not torch.isnan(out).any(), f"{name}: NaN in output (a prior read with beta 0, or unwritten)"
         err = (out - ref).norm().item() / (ref.norm().item() or 1.0)
         assert err < TOLERANCE[dtype], f"{name}: relative error {err:.3g}"
-    return graph.plan.launches
 
 
 @pytest.mark.parametrize("alpha,beta", BLENDS)
@@ -199,6 +230,107 @@ def test_only_blended_outputs_read_their_prior():
     assert plain.blend is None
 
 
+# --- alpha and beta read from one-element tensors: one build for every value ----------------------
+def _pointwise_case():
+    g = _graph()
+    xt = torch.randn(3, 7, 5).transpose(0, 2)
+    x = g.tensor_like(xt, name="x")
+    g.gelu(g.add(x, g.tensor(name="b", dim=[1, 7, 1]))).set_output(True)
+    return g, {x: xt, "b": torch.randn(1, 7, 1)}, None
+
+
+def _matmul_case(config):
+    def case():
+        g = _graph()
+        a, b = g.tensor(name="a", dim=[2, 19, 45]), g.tensor(name="b", dim=[1, 45, 23])
+        g.matmul(a, b).set_output(True)
+        return g, {a: torch.randn(2, 19, 45), b: torch.randn(1, 45, 23)}, dg.BuildOptions(
+            matmul_config=MATMUL_CONFIGS[config])
+    return case
+
+
+def _matmul_exit_case():
+    g = _graph()
+    a, b = g.tensor(name="a", dim=[1, 21, 40]), g.tensor(name="b", dim=[1, 40, 50])
+    g.reduction(g.relu(g.matmul(a, b)), mode="sum", axes=[2]).set_output(True)
+    return g, {a: torch.randn(1, 21, 40), b: torch.randn(1, 40, 50)}, dg.BuildOptions(
+        matmul_config=MATMUL_CONFIGS["split_k"])
+
+
+def _conv_case():
+    g = _graph()
+    x, w = g.tensor(name="x", dim=[2, 3, 7, 6]), g.tensor(name="w", dim=[5, 3, 3, 3])
+    g.relu(g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1])).set_output(True)
+    return g, {x: torch.randn(2, 3, 7, 6), w: torch.randn(5, 3, 3, 3)}, None
+
+
+def _rows_case(mode):
+    def case():
+        g = _graph()
+        x = g.tensor(name="x", dim=[6, 40])
+        s, b = g.tensor(name="scale", dim=[1, 40]), g.tensor(name="bias", dim=[1, 40])
+        for out in g.layernorm(x, s, b, epsilon=1e-5):
+            out.set_output(True)
+        g.reduction(g.exp(x), mode="sum", axes=[1]).set_output(True)
+        return g, {x: torch.randn(6, 40) * 2 + 3, s: torch.randn(1, 40), b: torch.randn(1, 40)}, row_options(mode)
+    return case
+
+
+def _softmax_pooling_case():
+    g = _graph()
+    x = g.tensor(name="x", dim=[2, 3, 9, 8])
+    g.softmax(x, axis=-1).set_output(True)
+    g.pooling(x, mode="max", window=[2, 2], stride=[2, 2], padding=[0, 0]).set_output(True)
+    return g, {x: torch.randn(2, 3, 9, 8)}, None
+
+
+TENSOR_FACTOR_CASES = {"pointwise": _pointwise_case, "matmul": _matmul_case("tiled"),
+                       "matmul_split_k": _matmul_case("split_k"), "matmul_exit": _matmul_exit_case,
+                       "conv": _conv_case, "rows_one_pass": _rows_case("one_pass"), "rows_split": _rows_case("split"),
+                       "softmax_pooling": _softmax_pooling_case}
+
+
+@pytest.mark.parametrize("factors", ["device", "host"])
+@pytest.mark.parametrize("case", sorted(TENSOR_FACTOR_CASES))
+def test_tensor_factors_change_per_execute(case, factors):
+    """alpha and beta from one-element inputs: every family's store reads them in the kernel, a
+    new value per execute on the same build (beta 0 over a NaN prior keeps the NaN out)."""
+    g, inputs, options = TENSOR_FACTOR_CASES[case]()
+    launches = check_blended(g, inputs, 0.5, 2.0, options, factors=factors, then=[(1.5, 0.0), (1.0, 1.0)])
+    sources = "".join(launch.source_path.read_text() for launch in launches)
+    assert "blend_factor" in sources and "0.5" not in sources  # read, not written into the source
+
+
+def test_tensor_factors_round_trip_and_explain():
+    g = _graph()
+    x = g.tensor(name="x", dim=[3, 5])
+    alpha, beta = g.tensor(name="alpha", dim=[1]), g.tensor(name="beta", dim=[1, 1], is_pass_by_value=True)
+    g.exp(x).set_output(True).set_name("y").set_blend(alpha=alpha, beta=beta)
+    g2 = dg.Graph.from_json(g.to_json())
+    assert [f.name for f in g2.tensor_by_name("y").blend] == ["alpha", "beta"]
+    assert json.loads(g2.to_json()) == json.loads(g.to_json())
+    g2.build()
+    assert "stored as tensor 'alpha' * result + tensor 'beta' * prior" in g2.explain()
+    xt, prior = torch.randn(3, 5), torch.randn(3, 5)
+    y = prior.clone()
+    g2.execute({"x": xt, "y": y, "alpha": torch.tensor([3.0]), "beta": -1.0})
+    torch.testing.assert_close(y, 3.0 * xt.exp() - prior)
+
+
+@pytest.mark.parametrize("make", ["other_graph", "op_output", "two_elements", "integer"])
+def test_tensor_factor_refusals(make):
+    g = _graph()
+    x = g.tensor(name="x", dim=[4])
+    y = g.exp(x)
+    factor = {"other_graph": lambda: _graph().tensor(name="a", dim=[1]),
+              "op_output": lambda: g.exp(g.tensor(name="a", dim=[1])),
+              "two_elements": lambda: g.tensor(name="a", dim=[2]),
+              "integer": lambda: g.tensor(name="a", dim=[1], data_type=dg.int32)}[make]()
+    with pytest.raises(dg.ValidationError):
+        y.set_blend(alpha=factor, beta=1.0)
+    assert y.blend is None
+
+
 # --- what is refused ---------------------------------------------------------------------------
 @pytest.mark.parametrize("alpha,beta", [(math.inf, 1.0), (1.0, math.nan), (True, 1.0), ("1", 0.0),
                                         (torch.tensor(1.0), 1.0)])
@@ -325,3 +457,33 @@ def test_row_kernel_epilogue_output_blends_once(mode):
     x = g.tensor(name="x", dim=[5, 70])
     g.mul(g.softmax(g.exp(x), axis=-1), x).set_output(True)
     check_blended(g, {x: torch.randn(5, 70)}, 0.5, 2.0, row_options(mode))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("factors", ["device", "host"])
+@pytest.mark.parametrize("config", ["tiled", "split_k", "persistent"])
+def test_tensor_factors_gpu(config, factors):
+    """On the GPU: alpha and beta read from one-element tensors (device, or host values passed by
+    value) by every matmul variant and a row kernel, new values on the same build."""
+    configs = dict(MATMUL_CONFIGS, persistent=mm.MatmulConfig("persistent", 128, 128, 64, 8, 3, tma_store=True))
+    g = _graph(dg.bfloat16)
+    a, b = g.tensor(name="a", dim=[1, 300, 256]), g.tensor(name="b", dim=[1, 256, 264])
+    y = g.matmul(a, b).set_output(True)
+    r = g.reduction(g.exp(a), mode="sum", axes=[2]).set_output(True)
+    alpha, beta = _factor_tensors(g, [y, r], factors)
+    g.build(options=dg.BuildOptions(matmul_config=configs[config]))
+    at, bt = torch.randn(1, 300, 256, device="cuda").bfloat16(), torch.randn(1, 256, 264, device="cuda").bfloat16()
+    for a_value, b_value in ((1.0, 1.0), (0.5, 0.0), (-2.0, 0.25)):
+        priors = {y: torch.randn(1, 300, 264, device="cuda").bfloat16(),
+                  r: torch.randn(1, 300, 1, device="cuda").bfloat16()}
+        if b_value == 0.0:
+            priors = {t: p.fill_(float("nan")) for t, p in priors.items()}
+        bound = {t: p.clone() for t, p in priors.items()}
+        values = _factor_values(factors, a_value, b_value, (alpha, beta))
+        values = {k: (v.cuda() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}
+        g.execute({a: at, b: bt, **bound, **values})
+        results = {y: at.double() @ bt.double(), r: at.double().exp().sum(2, keepdim=True)}
+        for t, result in results.items():
+            ref = a_value * result + (b_value * priors[t].double() if b_value else 0.0)
+            assert not torch.isnan(bound[t]).any()
+            assert (bound[t].double() - ref).norm() / ref.norm() < 1.6e-2

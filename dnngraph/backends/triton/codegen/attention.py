@@ -11,7 +11,7 @@ p = 0 and dS = 0.
 """
 from __future__ import annotations
 
-from .emitter import kind_of
+from .emitter import element_load, kind_of
 from ...contract import KernelSource
 from .pointwise import kernel_module
 from .sdpa import LOG2E, AttentionSpec, BackwardWriter, ScoreModifier, attention_arguments, render
@@ -46,8 +46,8 @@ class _ChainWriter(BackwardWriter):
         e.bind(roles.scores.outputs[0].uid, "scores", "f")
         for stem, tensor in self.sides.items():
             variable = self.names.fresh("sval")
-            load = (f"tl.load({stem}_ptr + {stem}_base + {r}{wide} * {stem}_s2 + {c}{wide} * {stem}_s3, "
-                    f"mask=({r} < len_q) & ({c} < len_kv), other=0)")
+            load = element_load(f"{stem}_ptr", f"{stem}_base + {r}{wide} * {stem}_s2 + {c}{wide} * {stem}_s3",
+                                f"({r} < len_q) & ({c} < len_kv)", tensor.data_type)
             w(f"{variable} = {e.loaded(load, tensor.data_type)}", depth)
             e.bind(tensor.uid, variable, kind_of(tensor.data_type))
         for node in roles.score_ops:

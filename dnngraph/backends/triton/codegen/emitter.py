@@ -16,6 +16,7 @@ import numbers
 from typing import Optional
 
 from .... import dtypes
+from ....tensor import plain_blend
 from ....errors import UnsupportedError, ValidationError
 from .conversions import converted_to
 from ....ops.pointwise import integer_closed, relu_is_clipped
@@ -41,7 +42,7 @@ SCALAR_AS_TILE = " + tl.zeros((1, 1), dtype=tl.int32)"
 def kind_of(data_type) -> str:
     """The kind a value of `data_type` is held in once loaded: integers stay integers (int8
     widened to int32, so that math on it is exact as in torch's int32 promotion, never int8's wrap)."""
-    if data_type is dtypes.bool_:
+    if data_type.is_boolean:  # one byte or one bit each: held as a predicate
         return "b"
     return {dtypes.int32: "i", dtypes.int64: "l", dtypes.int8: "i"}.get(data_type, "f")
 
@@ -52,6 +53,14 @@ def load_conversion(data_type, compute: str) -> str:
     if kind_of(data_type) == "f":
         return f".to({compute})"
     return ".to(tl.int32)" if data_type is dtypes.int8 else ""
+
+
+def element_load(pointer: str, offset: str, mask: str, data_type) -> str:
+    """The text of a load of the elements at `offset` (in elements) from `pointer` under `mask`
+    (0 where masked): a bit-packed boolean reads its bit of its byte (library.load_bits, `lib`)."""
+    if data_type.is_bit_packed:
+        return f"lib.load_bits({pointer}, {offset}, {mask})"
+    return f"tl.load({pointer} + {offset}, mask={mask}, other=0)"
 
 
 def masked_epilogue(emitter, nodes, made: set, operands: dict, offset, outputs) -> list:
@@ -83,25 +92,35 @@ def store_statement(pointer: str, value: str, kind: str, data_type, mask: str, c
     stored at `pointer` under `mask`. A blended output (`blend` = (alpha, beta), Tensor.set_blend)
     is a read-modify-write in this same statement, `alpha * value + beta * prior`, in the compute
     type before the conversion: the program that owns the element reads it just before it writes
-    it, so no second pass and no other program touches it. beta == 0 never loads the prior (NaN
-    there must not propagate, as in cuDNN). `extra`: more keyword arguments (", eviction_policy=...")."""
+    it, so no second pass and no other program touches it. A factor is a number (a literal) or
+    the source text of a value the kernel reads (a one-element tensor: ExpressionEmitter.store_value
+    writes its load). beta == 0 never lets the prior in (NaN there must not propagate, as in
+    cuDNN): a literal 0 never loads it, a tensor beta selects 0 where it is 0. `extra`: more keyword
+    arguments (", eviction_policy=...")."""
     masked = f", mask={mask}" if mask else ""
     if blend is not None:
         alpha, beta = blend
         if kind != "f":
             value = CONVERT[(kind, "f")].format(value, compute=compute)
-        value = f"{ExpressionEmitter.literal(alpha)} * ({value})"
-        if beta != 0.0:
-            prior = f"tl.load({pointer}{masked}).to({compute})"
+        value = f"{_factor_text(alpha)} * ({value})"
+        prior = f"tl.load({pointer}{masked}).to({compute})"
+        if isinstance(beta, str):
+            value = f"{value} + tl.where({beta} == 0, 0.0, {beta} * {prior})"
+        elif beta != 0.0:
             value = f"{value} + {ExpressionEmitter.literal(beta)} * {prior}"
         kind = "f"
     return f"tl.store({pointer}, {converted_to(value, kind, data_type)}{masked}{extra})"
 
 
+def _factor_text(factor) -> str:
+    return factor if isinstance(factor, str) else ExpressionEmitter.literal(factor)
+
+
 def blends_of(tensors) -> tuple:
     """((uid, (alpha, beta)), ...) of the blended tensors among `tensors` (graph tensors or
-    problem operands): what a kernel spec carries to its stores."""
-    return tuple((t.uid, t.blend) for t in tensors if getattr(t, "blend", None) is not None)
+    problem operands): what a kernel spec carries to its stores, each factor a number or
+    ("tensor", uid) (tensor.plain_blend)."""
+    return tuple((t.uid, plain_blend(t.blend)) for t in tensors if getattr(t, "blend", None) is not None)
 
 
 def as_stored_conversion(tensor, variable: str, have: str, compute: str):
@@ -153,6 +172,8 @@ class ExpressionEmitter:
         self.values: dict[int, tuple[str, str]] = {}
         self.as_stored: set[int] = set()  # uids whose held value already is what consumers see
         self.blends: dict = dict(blends)  # uid -> (alpha, beta) of the outputs stored blended
+        # pointer argument -> uid of each one-element tensor a blended store reads its factor from
+        self.blend_pointers: dict[str, int] = {}
 
     def bind(self, uid: int, variable: str, kind: str):
         """Hold tensor `uid` as `variable` of `kind`, as computed (not yet as stored)."""
@@ -201,7 +222,7 @@ class ExpressionEmitter:
         """Tensor `uid` converted for a store to `data_type`: integers go straight to the
         target type, floats stored to integers truncate toward zero (as torch's .to does)."""
         have = self.values[uid][1]
-        kind = "b" if data_type is dtypes.bool_ else (have if have in INTEGER_TYPES else "f")
+        kind = "b" if data_type.is_boolean else (have if have in INTEGER_TYPES else "f")
         return converted_to(self.value(uid, kind), kind, data_type)
 
     def store(self, pointer: str, uid: int, data_type, mask: str, extra: str = "") -> str:
@@ -211,7 +232,27 @@ class ExpressionEmitter:
         if blend is None:
             masked = f", mask={mask}" if mask else ""
             return f"tl.store({pointer}, {self.stored(uid, data_type)}{masked}{extra})"
-        return store_statement(pointer, self.value(uid, "f"), "f", data_type, mask, self.compute, blend, extra)
+        return self.store_value(pointer, self.value(uid, "f"), "f", uid, data_type, mask, extra)
+
+    def store_value(self, pointer: str, value: str, kind: str, uid: int, data_type, mask: str,
+                    extra: str = "") -> str:
+        """store_statement of `value` (of `kind`) as output `uid`, blended where `blends` says so:
+        a factor held in a one-element tensor is read through a pointer argument of its own
+        (`blend_pointers`, which the kernel's signature takes), so one build serves every value."""
+        blend = self.blends.get(uid)
+        if blend is not None:
+            blend = tuple(self._blend_factor(factor) for factor in blend)
+        return store_statement(pointer, value, kind, data_type, mask, self.compute, blend, extra)
+
+    def _blend_factor(self, factor):
+        if not isinstance(factor, tuple):
+            return factor
+        _, uid = factor  # ("tensor", uid)
+        pointer = next((p for p, u in self.blend_pointers.items() if u == uid), None)
+        if pointer is None:
+            pointer = self.names.prefix("blend_factor") + "_ptr"
+            self.blend_pointers[pointer] = uid
+        return f"tl.load({pointer}).to({self.compute})"
 
     @staticmethod
     def literal(value) -> str:

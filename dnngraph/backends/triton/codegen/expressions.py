@@ -151,7 +151,7 @@ def cast_expression(target, source_kind: str) -> Expression:
     """cast to DataType `target` from a value of `source_kind` ("f", "i" or "l": integers are
     cast as they are, no float on the way); the conversion is a store's (conversions.py), and a
     float result computes on in the compute type."""
-    if target is dtypes.bool_:
+    if target.is_boolean:
         return CAST_TO_BOOL
     text = converted_to("{0}", source_kind, target)
     if target.is_floating:

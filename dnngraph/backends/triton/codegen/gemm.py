@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of, load_conversion, store_statement
+from .emitter import SCALAR_AS_TILE, ExpressionEmitter, kind_of, load_conversion
 from .grid import folded_program_ids
 from .names import NameAllocator
 from ...contract import KernelSource
-from .pointwise import KernelArgument, kernel_module
+from .pointwise import KernelArgument, blend_arguments, kernel_module
 
 # Row-exit reductions riding on the epilogue: (value transform, combine, identity, finalize).
 EXIT_MODES = {
@@ -651,8 +651,16 @@ def _column_fold(spec, w: Writer):
         op = plan.output
         along = f"offs_n * {op.ident}_stride_c" if op.col_stride else "offs_n * 0"  # keep the block shape
         terms = [t for t in (batch_offset(op), along) if t]
-        w(store_statement(f"{op.ident}_ptr + {' + '.join(terms)}", finalize.format(f'value_{index}'), "f",
-                          op.data_type, "col_mask", spec.compute, dict(spec.blends).get(op.uid)))
+        w(_fold_store(spec, w, f"{op.ident}_ptr + {' + '.join(terms)}", finalize.format(f'value_{index}'), op,
+                      "col_mask"))
+
+
+def _fold_store(spec, w: Writer, pointer: str, value: str, op, mask: str) -> str:
+    """The store of a folded exit's result: blended through an emitter of the kernel (its blend
+    factors' pointers join the signature)."""
+    emitter = ExpressionEmitter(spec.compute, hint="e", names=spec.names, blends=spec.blends)
+    w.emitters.append(emitter)
+    return emitter.store_value(pointer, value, "f", op.uid, op.data_type, mask)
 
 
 def _exit_fold(spec, w: Writer):
@@ -677,8 +685,7 @@ def _exit_fold(spec, w: Writer):
         along = f"{inner} * {op.ident}_stride_{stride_axis}" if stride else f"{inner} * 0"  # keep the block shape
         terms = [t for t in (batch_offset(op), along) if t]
         value = finalize.format(f"value_{index}")
-        w(store_statement(f"{op.ident}_ptr + {' + '.join(terms) or '0'}", value, "f", op.data_type, valid,
-                          spec.compute, dict(spec.blends).get(op.uid)))
+        w(_fold_store(spec, w, f"{op.ident}_ptr + {' + '.join(terms) or '0'}", value, op, valid))
 
 
 BODIES = {"tiled": _main_tiled, "small_m": _main_tiled, "split_k": _main_tiled,
@@ -816,6 +823,7 @@ def render(spec: GemmKernelSpec, body: str):
     scalars = [s for e in emitters for s in e.scalars]
     operands = _operands_of(spec, body)
     args = _arguments(spec, body, operands, scalars) + _constexprs(spec, body)
+    args[len(operands):len(operands)] = blend_arguments(emitters)  # what the stores blend with
     module_globals = [g for e in emitters for g in e.globals]
     loader_libraries = tuple(a for loader in (spec.loader_a, spec.loader_b) for a in getattr(loader, "libraries", ()))
     source = kernel_module(spec.description, module_globals, spec.name, args, "\n".join(w.lines) + "\n",

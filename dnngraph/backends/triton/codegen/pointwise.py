@@ -141,10 +141,34 @@ def _counter_tile(schedule, counter: str, rank: int) -> list[str]:
     return lines + [f"{counter} = ({offset}){widen}"]
 
 
+# a bit-packed operand of one element (no offset tile): element 0 as a [1, 1] tile
+SCALAR_OFFSET, SCALAR_MASK = "tl.zeros((1, 1), dtype=tl.int32)", "tl.full((1, 1), 1, tl.int1)"
+
+
+def _load_bits(op, ident: str, rank: int, lines: list) -> str:
+    """The load of a bit-packed operand: each lane reads its element's byte and bit (any strides:
+    a load races with nothing)."""
+    offset, mask = _offset_tile(op, ident, rank, lines, full=False)
+    return f"lib.load_bits({ident}_ptr, {offset or SCALAR_OFFSET}, {mask or SCALAR_MASK})"
+
+
+def _store_bits(op, ident: str, rank: int, sizes, lines: list, emitter: ExpressionEmitter) -> str:
+    """The store of a bit-packed output: the tile packed 8 columns to a byte (library.store_bits;
+    the schedule gave it stride 1 along the columns and column tiles of whole bytes)."""
+    offset, _ = _offset_tile(op, ident, rank, lines, full=True)
+    value = emitter.stored(op.uid, op.data_type)
+    return f"lib.store_bits({ident}_ptr, {offset}, {value}, {_store_mask(op, rank, sizes)}, BLOCK_R, BLOCK_C)"
+
+
 def _loads(operands, idents, rank: int, emitter: ExpressionEmitter) -> list[str]:
     body = []
     for op, ident in zip(operands, idents):
         if op.is_output:
+            continue
+        if op.data_type.is_bit_packed:
+            load = _load_bits(op, ident, rank, body)
+            body.append(f"{ident} = {load}")
+            emitter.bind(op.uid, ident, "b")
             continue
         pointer, mask = _pointer(op, ident, rank, body, full=False)
         load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer}{SCALAR_AS_TILE})"
@@ -158,9 +182,18 @@ def _stores(operands, idents, space, emitter: ExpressionEmitter) -> list[str]:
     for op, ident in zip(operands, idents):
         if not op.is_output:
             continue
+        if op.data_type.is_bit_packed:
+            body.append(_store_bits(op, ident, rank, space.sizes, body, emitter))
+            continue
         pointer, _ = _pointer(op, ident, rank, body, full=True)
         body.append(emitter.store(pointer, op.uid, op.data_type, _store_mask(op, rank, space.sizes)))
     return body
+
+
+def blend_arguments(emitters) -> list[KernelArgument]:
+    """The pointer arguments of the one-element tensors blended stores read their factors from
+    (ExpressionEmitter.blend_pointers), for every emitter of a kernel."""
+    return [KernelArgument("tensor", pointer, uid) for e in emitters for pointer, uid in e.blend_pointers.items()]
 
 
 def _arguments(schedule, idents, counter, scalars) -> list[KernelArgument]:
@@ -196,6 +229,8 @@ def render(kernel_name: str, schedule, nodes, compute_type, description: str, bl
         emitter.emit(node)
     body += emitter.lines + _stores(schedule.operands, idents, space, emitter)
     args = _arguments(schedule, idents, counter, emitter.scalars)
+    args[len(schedule.operands):len(schedule.operands)] = blend_arguments([emitter])
 
+    libraries = ("lib",) if any(op.data_type.is_bit_packed for op in schedule.operands) else ()
     return KernelSource(kernel_name, kernel_module(description, emitter.globals, kernel_name, args,
-                                                   "".join(f"    {line}\n" for line in body)), args)
+                                                   "".join(f"    {line}\n" for line in body), libraries), args)

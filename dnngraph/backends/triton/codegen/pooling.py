@@ -22,7 +22,7 @@ from ..heuristics.pooling import AXIS_NAMES
 from .emitter import ExpressionEmitter, blends_of, kind_of
 from .names import NameAllocator
 from ...contract import KernelSource
-from .pointwise import KernelArgument, kernel_module
+from .pointwise import KernelArgument, blend_arguments, kernel_module
 from .unrolling import loop_header, unrolled_loops
 
 INDENT = "    "
@@ -407,6 +407,7 @@ class _KernelWriter:
     def arguments(self) -> list:
         sched, names = self.schedule, self.names
         args = [KernelArgument("tensor", f"{op.identifier}_ptr", uid) for uid, op in self.operands.items()]
+        args += blend_arguments([self.emitter])  # (the body is rendered before the signature)
         sizes = {"rows": sched.rows, "cols": sched.cols}
         tile_dims = sched.tile_dims
         for axis in sched.row_axes[1:]:

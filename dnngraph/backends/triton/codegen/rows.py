@@ -24,7 +24,7 @@ from .emitter import SCALAR_AS_TILE, ExpressionEmitter, blends_of, kind_of
 from ....errors import UnsupportedError
 from .names import NameAllocator
 from ...contract import KernelSource
-from .pointwise import KernelArgument, kernel_module
+from .pointwise import KernelArgument, blend_arguments, kernel_module
 
 IDENTITY = {"sum": "0.0", "max": 'float("-inf")', "min": 'float("inf")', "prod": "1.0"}
 # int64 accumulators: the extremes of int64 (its minimum as a difference: the literal
@@ -98,6 +98,7 @@ class _Source:
     def __init__(self, spec: RowKernelSpec):
         self.spec, self.args, self.lines, self.depth = spec, [], [], 1
         self.globals: list[str] = []
+        self.emitters: list[ExpressionEmitter] = []
         stems, statistics = spec.recipe.statistic_names()
         stems += tuple(acc.name for acc in spec.param_accumulators)
         self.names = NameAllocator(FIXED_NAMES + statistics + (spec.name,))
@@ -113,6 +114,7 @@ class _Source:
         # one allocator: unique names; a blended output's store reads its prior (emitter.store)
         emitter = ExpressionEmitter(self.spec.compute, names=self.names, blends=blends_of(self.spec.group.outputs))
         emitter.globals = self.globals  # one list of module constants for the whole kernel
+        self.emitters.append(emitter)  # (their blend factors' pointers: the signature's)
         if parent is not None:
             emitter.inherit(parent)
         return emitter
@@ -676,6 +678,8 @@ def render(spec: RowKernelSpec):
     src = _Source(spec)
     used = _arguments(src)
     BODIES[spec.shape](src, used)
+    pointers = sum(a.kind == "tensor" for a in src.args)  # blended stores' factors: known once rendered
+    src.args[pointers:pointers] = blend_arguments(src.emitters)
     source = kernel_module(spec.description, src.globals, spec.name, src.args, "\n".join(src.lines) + "\n",
                            libraries=("tr",))
     return KernelSource(spec.name, source, src.args)

@@ -25,7 +25,7 @@ from typing import Optional
 
 from ....ops.dropout import keep_threshold
 from .conversions import converted_to
-from .emitter import ExpressionEmitter, kind_of
+from .emitter import ExpressionEmitter, element_load, kind_of
 from .grid import FOLDED_PID, folded_program_ids
 from .names import MODULE_ALIASES, NameAllocator
 from ...contract import KernelSource
@@ -492,8 +492,8 @@ class _Writer:
         self.emitter.bind(self.modifier.scores_uid, "scores", "f")
         for stem, tensor in self.sides.items():
             variable = self.names.fresh("sval")
-            load = (f"tl.load({stem}_ptr + {stem}_row[:, None] + keys[None, :] * {stem}_s3, "
-                    "mask=row_in[:, None] & key_in[None, :], other=0)")
+            load = element_load(f"{stem}_ptr", f"{stem}_row[:, None] + keys[None, :] * {stem}_s3",
+                                "row_in[:, None] & key_in[None, :]", tensor.data_type)
             lines.append(f"{variable} = {self.emitter.loaded(load, tensor.data_type)}")
             self.emitter.bind(tensor.uid, variable, kind_of(tensor.data_type))
         for node in self.modifier.nodes:

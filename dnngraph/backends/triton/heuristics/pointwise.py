@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from ....errors import UnsupportedError
 from ....fusion.patterns import COUNTER_OPS
 from ....ops.base import broadcast_dims
 from ....target import Target
@@ -36,9 +37,14 @@ def pow2_at_least(value: int) -> int:
     return result
 
 
-def candidates(space: IterationSpace) -> list[tuple[int, int, int]]:
-    """(block_rows, block_cols, num_warps) triples worth ranking for this space."""
-    cols_cap = min(pow2_at_least(space.cols), MAX_BLOCK_COLS)
+# Columns a tile of a kernel storing bit-packed booleans spans at least: whole bytes (8 bits).
+BIT_PACKED_MIN_COLS = 8
+
+
+def candidates(space: IterationSpace, min_cols: int = 1) -> list[tuple[int, int, int]]:
+    """(block_rows, block_cols, num_warps) triples worth ranking for this space; tiles at least
+    `min_cols` (a power of two) wide."""
+    cols_cap = max(min(pow2_at_least(space.cols), MAX_BLOCK_COLS), min_cols)
     rows_cap = min(pow2_at_least(space.rows), MAX_BLOCK_ROWS)
     result = set()
     for tile in TILE_ELEMENTS:
@@ -66,10 +72,10 @@ def estimate(space: IterationSpace, block_rows: int, block_cols: int, num_warps:
     return padded * bytes_per_element / target.bandwidth + waves * PROGRAM_OVERHEAD
 
 
-def rank(space: IterationSpace, bytes_per_element: int, target: Target) -> list[PointwiseConfig]:
+def rank(space: IterationSpace, bytes_per_element: int, target: Target, min_cols: int = 1) -> list[PointwiseConfig]:
     """Candidate configs, best model time on `target` first."""
     configs = [PointwiseConfig(r, c, w, 1e6 * estimate(space, r, c, w, bytes_per_element, target))
-               for r, c, w in candidates(space)]
+               for r, c, w in candidates(space, min_cols)]
     return sorted(configs, key=lambda cfg: (cfg.estimate_us, -cfg.block_rows * cfg.block_cols))
 
 
@@ -107,6 +113,27 @@ def _counter_needs_int64(counter_nodes, domain, space: IterationSpace) -> bool:
     return space.index_64 or last_counter > INT32_LIMIT
 
 
+def _order_operand(group) -> int:
+    """The operand whose strides order the space: the first bit-packed output (its packed axis
+    becomes the column axis, so 8 neighbouring columns fill one byte), else the first output."""
+    packed = [i for i, t in enumerate(group.outputs) if t.data_type.is_bit_packed]
+    return len(group.inputs) + (packed[0] if packed else 0)
+
+
+def _check_bit_packed_stores(group, tensors, space: IterationSpace) -> None:
+    """Each bit-packed output walks its bytes in whole runs: stride 1 along the columns and rows
+    that start on a byte (multiples of 8), so a tile of whole-byte columns owns its bytes. Two
+    bit-packed outputs of different packed axes in one kernel cannot both."""
+    first_output = len(group.inputs)
+    for tensor, strides in zip(tensors[first_output:], space.strides[first_output:]):
+        if not tensor.data_type.is_bit_packed:
+            continue
+        if (space.cols > 1 and strides[-1] != 1) or any(s % 8 for s in strides[:-1]):
+            raise UnsupportedError(f"bit-packed output {tensor.name!r} (strides {list(tensor.stride)}) is not "
+                                   f"packed along this kernel's column axis (strides {list(strides)} over "
+                                   f"{list(space.sizes)}): store it from a kernel of its own layout")
+
+
 def schedule(group, target: Target) -> PointwiseSchedule:
     """Iteration space, operand strides and the best-ranked config on `target` of a pointwise group."""
     tensors = list(group.inputs) + list(group.outputs)
@@ -115,17 +142,20 @@ def schedule(group, target: Target) -> PointwiseSchedule:
     counter_nodes = [n for n in group.nodes if n.op in COUNTER_OPS]
     if counter_nodes:  # the partitioner made the domain their shape: one index serves them all
         strides.append(row_major_index_strides(domain))
-    space = iteration_space(domain, strides, order_operand=len(group.inputs))
+    space = iteration_space(domain, strides, order_operand=_order_operand(group))
     if len(space.sizes) == 1:  # the kernel always walks rows x columns
         space = IterationSpace((1,) + space.sizes, tuple((0,) + s for s in space.strides), space.index_64)
+    _check_bit_packed_stores(group, tensors, space)
     operands = tuple(OperandPlan(t.uid, i >= len(group.inputs), t.data_type, s)
                      for i, (t, s) in enumerate(zip(tensors, space.strides)))
     counter, counter_64 = None, False
     if counter_nodes:
         counter = OperandPlan(None, False, None, space.strides[len(tensors)])
         counter_64 = _counter_needs_int64(counter_nodes, domain, space)
-    bytes_per_element = sum(t.data_type.itemsize for t in tensors if tuple(t.dim) == tuple(domain)) or 1
-    ranked = rank(space, bytes_per_element, target)
+    bytes_per_element = sum(t.data_type.itemsize for t in tensors if tuple(t.dim) == tuple(domain)
+                            and not t.data_type.is_bit_packed) or 1
+    packs = any(t.data_type.is_bit_packed for t in group.outputs)
+    ranked = rank(space, bytes_per_element, target, BIT_PACKED_MIN_COLS if packs else 1)
     best = ranked[0]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
               f"{target.bandwidth / 1e12:.1f} TB/s for {bytes_per_element} B/element over "
