@@ -32,6 +32,7 @@ LAYERS = {
     "dnngraph.target": 0, "dnngraph.runtime.interpreter": 0, "dnngraph.runtime.interpreter_casts": 0,
     "dnngraph.dag": 0,  # topological orders (in place of networkx, which a build does not import)
     "dnngraph.ragged": 0,  # packed (THD) sdpa operands: offset checks and unpacking, in torch
+    "dnngraph.bitpack": 0,  # bit-packed booleans: torch conversions and where they may appear
     # 1 IR: tensor values (Node and Graph are named only as types, under TYPE_CHECKING)
     "dnngraph.tensor": 1,
     "dnngraph.symbolic": 1,  # dynamic extents (dg.dynamic) and their propagation through shape rules
