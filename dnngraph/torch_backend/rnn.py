@@ -75,7 +75,9 @@ def _torch_gradients(stream, x, hx, params, grads, mode, has_biases, num_layers,
         outputs = _torch_layer(leaves[0], leaves[1:1 + len(hx)], leaves[1 + len(hx):], mode, has_biases, num_layers,
                                bidirectional, batch_first, train=True)
         found = torch.autograd.grad(outputs, leaves, list(grads), allow_unused=True)
-    return [torch.zeros_like(leaf) if grad is None else grad for leaf, grad in zip(leaves, found)]
+    # cuDNN's weight gradients are views of one flat buffer, and a custom op's results may alias
+    # neither each other nor its inputs: each is returned in storage of its own
+    return [torch.zeros_like(leaf) if grad is None else grad.clone() for leaf, grad in zip(leaves, found)]
 
 
 @rnn_backward.register_fake
