@@ -314,6 +314,61 @@ def test_forward_then_backward_in_one_graph_and_as_function(o_marked):
     assert_matches(dict(zip([t.name for t in g.outputs()], results)), g.reference(bindings))
 
 
+
+def composed_backward(tensors: dict, scales: dict, causal: bool, attn_scale: float) -> dict:
+    """The frontend's sdpa_fp8_backward graph (include/cudnn_frontend/node/sdpa_fp8_bwd.h) op by op in
+    float64, written apart from the op's reference: P = exp(S - stats) rounded at scale_S to q's
+    type; dS ("dP" there) = P (dO V^T - rowsum(dO o)) attn_scale, amax_dP = max |dS| before
+    scale_dP, and dS rounded at scale_dP to dO's type. Gradients unscaled (before scale_dQ, ...)."""
+    s = {name: float(value) for name, value in scales.items()}
+    q, k, v, o, d_o = (tensors[n].double() for n in ("q", "k", "v", "o", "dO"))
+    group = q.shape[1] // k.shape[1]
+    k_full, v_full = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k_full.transpose(-1, -2) * attn_scale * s["descale_q"] * s["descale_k"]
+    if causal:
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.exp(scores - tensors["stats"].double())
+    probs8 = (probs * s["scale_s"]).float().to(tensors["q"].dtype).double()
+    delta = (d_o * o).sum(-1, keepdim=True) * s["descale_dO"] * s["descale_o"]
+    d_scores = (d_o @ v_full.transpose(-1, -2) * s["descale_dO"] * s["descale_v"] - delta) * probs * attn_scale
+    d_scores8 = (d_scores * s["scale_dP"]).float().to(tensors["dO"].dtype).double()
+
+    def folded(grad):  # the query heads of each k/v head summed
+        return grad.reshape(k.shape[0], k.shape[1], group, *grad.shape[2:]).sum(2)
+
+    return {"dq": d_scores8 @ k_full * s["descale_dP"] * s["descale_k"],
+            "dk": folded(d_scores8.transpose(-1, -2) @ q) * s["descale_dP"] * s["descale_q"],
+            "dv": folded(probs8.transpose(-1, -2) @ d_o) * s["descale_s"] * s["descale_dO"],
+            "amax_dP": d_scores.abs().max()}
+
+
+def _relative_error(got, expected) -> float:
+    return ((got.double() - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("do_dtype", [E4M3, E5M2], ids=["dO e4m3", "dO e5m2 (hybrid)"])
+def test_backward_follows_the_frontends_graph(do_dtype):
+    """amax_dP is max |dS| (the value scale_dP scales: the frontend's "dP" is the softmax input's
+    gradient), and dS is rounded to dO's type. Kernels and reference both against the frontend's
+    graph composed apart (the float32 gradients to the fp8 rounding flips a float32 sum may make;
+    rounding dS to the other type, or taking amax of dO V^T, is off by far more)."""
+    tensors = backward_tensors(E4M3, do_dtype, 1, 4, 2, 29, 35, 16, True)
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    scales = scale_tensors(backward_scales(E4M3))
+    bindings = {**tensors, **scales}
+    outputs = execute(g, bindings)
+    refs = g.reference(bindings)
+    expected = composed_backward(tensors, scales, True, 16 ** -0.5)
+    for results in (outputs, refs):
+        amax = results["sdpa_fp8_backward.amax_dP"].item()
+        assert math.isclose(amax, expected["amax_dP"].item(), rel_tol=1e-5), (amax, expected["amax_dP"].item())
+        for name in ("dq", "dk", "dv"):
+            scale = backward_scales(E4M3)[f"scale_d{name[1].upper()}"]
+            error = _relative_error(results[f"sdpa_fp8_backward.{name}"] / scale, expected[name])
+            assert error < 2e-3, f"{name}: relative error {error:.3g}"
+
+
 # --- errors -----------------------------------------------------------------------------------------------
 def _declared(g, dtype=dg.float8_e4m3, q_dim=(1, 2, 8, 16), kv_dim=(1, 1, 8, 16), scale_dims=None, scale_type=None):
     q = g.tensor(name="q", dim=list(q_dim), data_type=dtype)

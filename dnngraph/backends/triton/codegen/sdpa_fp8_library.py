@@ -11,8 +11,8 @@ converts as torch does (tm.to_float8 with the encodings conversions.py reads fro
   v. amax_s and amax_o are max-reduced over the tile, then atomically into the output.
 * backward, as the bf16 kernels (codegen/sdpa.py): a dK/dV program per key block walks the
   query tiles of every query head of its group; a dQ program per query tile walks its keys
-  (and takes amax_dP, each (query, key) pair being seen there once). delta = rowsum(o dO) is
-  taken in both, from o and dO.
+  (and takes amax_dP = max |dS|, each (query, key) pair being seen there once). delta =
+  rowsum(o dO) is taken in both, from o and dO. P is rounded to q's fp8 type, dS to dO's.
 
 Amaxes: a non-negative float32's bits order like int32, so the tile's max is an integer max of
 |x|'s bits and the atomic an int32 max on the output's bits (zeroed by a launch before): NaN,
@@ -187,8 +187,8 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
                   do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, dk_s0, dk_s1, dk_s2, dk_s3,
                   dv_s0, dv_s1, dv_s2, dv_s3, HEADS, GROUP, SQ, SKV,
                   SCALE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-                  P_RULE: tl.constexpr, DK_FP8: tl.constexpr, DK_RULE: tl.constexpr, DV_FP8: tl.constexpr,
-                  DV_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  P_RULE: tl.constexpr, DS_RULE: tl.constexpr, DK_FP8: tl.constexpr, DK_RULE: tl.constexpr,
+                  DV_FP8: tl.constexpr, DV_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                   BLOCK_DV: tl.constexpr):
     """dK, dV (and their amaxes) of one key block of one (batch, k/v head), the query heads of
     its group summed in registers."""
@@ -233,7 +233,7 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
             dv_acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), do_tile)
             d_probs = tl.dot(v_tile, tl.trans(do_tile)) * dp_scale
             d_scores = probs * (d_probs - delta[None, :]) * SCALE
-            dk_acc += tl.dot(quantize(d_scores * scale_dp, q_ptr.dtype.element_ty, P_RULE), q_tile)
+            dk_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), q_tile)
     d_k = dk_acc * (tl.load(descale_q_ptr) * tl.load(descale_dp_ptr))
     d_v = dv_acc * (tl.load(descale_s_ptr) * tl.load(descale_do_ptr))
     dk_mask = key_in[:, None] & (cols_d < HEAD_DIM)[None, :]
@@ -254,9 +254,10 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
                 do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, dq_s0, dq_s1, dq_s2, dq_s3,
                 HEADS, GROUP, SQ, SKV,
                 SCALE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-                P_RULE: tl.constexpr, DQ_FP8: tl.constexpr, DQ_RULE: tl.constexpr, BLOCK_M: tl.constexpr,
+                P_RULE: tl.constexpr, DS_RULE: tl.constexpr, DQ_FP8: tl.constexpr, DQ_RULE: tl.constexpr,
+                BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """dQ (and amax_dQ, amax_dP) of one query tile of one (batch, head)."""
+    """dQ (and amax_dQ, amax_dP = max |dS|) of one query tile of one (batch, head)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // HEADS).to(tl.int64)
@@ -289,9 +290,10 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
         scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
         probs = tl.math.exp2(scores - lse[:, None])
         d_probs = tl.dot(do_tile, v_cols) * dp_scale
-        amax_dp = tl.maximum(amax_dp, tl.max(magnitude_bits(d_probs, visible & row_in[:, None]), 1))
         d_scores = probs * (d_probs - delta[:, None]) * SCALE
-        dq_acc += tl.dot(quantize(d_scores * scale_dp, q_ptr.dtype.element_ty, P_RULE), tl.trans(k_cols))
+        # the frontend's amax_dP is of the value scale_dP scales: dS (its "dP")
+        amax_dp = tl.maximum(amax_dp, tl.max(magnitude_bits(d_scores, visible & row_in[:, None]), 1))
+        dq_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), tl.trans(k_cols))
     d_q = dq_acc * (tl.load(descale_k_ptr) * tl.load(descale_dp_ptr))
     dq_mask = row_in[:, None] & (cols_d < HEAD_DIM)[None, :]
     amax_into(amax_dq_ptr, magnitude_bits(d_q, dq_mask))
