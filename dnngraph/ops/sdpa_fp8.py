@@ -154,6 +154,22 @@ def infer_backward(inputs, attrs: SdpaFp8Attrs):
             OutputSpec(v.dim, v.data_type, layout_source=2), amax, amax, amax, amax]
 
 
+
+def check_output_types(node):
+    """ValidationError unless the node's outputs hold the types the kernels store: set_data_type
+    may change them after the op call, so the lowering asks again. The amaxes (atomic maxima on
+    float32 bits) and stats stay float32; o, dq, dk, dv may take any floating type."""
+    for name, tensor in zip(node.opdef.output_names, node.outputs):
+        if tensor is None:
+            continue
+        data_type = tensor.data_type
+        if name.startswith("amax_") or name == "stats":
+            if data_type is not dtypes.float32:
+                fail(node.op, f"{name} must be float32, got {data_type.name} (tensor {tensor.name!r})")
+        elif not data_type.is_floating or data_type.is_block_scale_storage:
+            fail(node.op, f"{name} must be a floating type, got {data_type.name} (tensor {tensor.name!r})")
+
+
 # --- float64 reference: the quantization points exactly where the kernels have them -------------
 def quantized(value, data_type):
     """`value` (float64) rounded to float32, then to `data_type` as torch's `.to` does, back in

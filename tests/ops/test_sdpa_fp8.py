@@ -412,6 +412,33 @@ def test_bad_backward_inputs_are_validation_errors():
         assert len(g.nodes) == 0
 
 
+
+@pytest.mark.parametrize("case", ["amax_o bf16", "amax_s fp8", "stats bf16", "o int32", "o bool",
+                                  "dq bool", "amax_dP float16"])
+def test_output_types_set_after_the_call_are_validation_errors(case):
+    """set_data_type on an output after the op call: the amaxes (atomics on float32 bits) and stats
+    stay float32, o and the gradients floating; build refuses the rest with a ValidationError
+    (a 2-byte amax took a 4-byte atomic, a bool o crashed untyped), and the graph builds once
+    the type is put back."""
+    output, data_type = {"amax_o bf16": ("sdpa_fp8.amax_o", dg.bfloat16),
+                         "amax_s fp8": ("sdpa_fp8.amax_s", dg.float8_e4m3),
+                         "stats bf16": ("sdpa_fp8.stats", dg.bfloat16), "o int32": ("sdpa_fp8.o", dg.int32),
+                         "o bool": ("sdpa_fp8.o", dg.bool), "dq bool": ("sdpa_fp8_backward.dq", dg.bool),
+                         "amax_dP float16": ("sdpa_fp8_backward.amax_dP", dg.float16)}[case]
+    if output.startswith("sdpa_fp8_backward"):
+        g = backward_graph(backward_tensors(E4M3, E4M3, 1, 2, 1, 8, 8, 16, False))
+    else:
+        q = fp8_values((1, 2, 9, 16), E4M3, 36)
+        g, _ = forward_graph(q, q, q)
+    tensor = next(t for t in g.outputs() if t.name == output)
+    before = tensor.data_type
+    tensor.set_data_type(data_type)
+    with pytest.raises(dg.ValidationError, match=output.split(".")[1]):
+        g.build()
+    tensor.set_data_type(before)
+    g.build()
+
+
 def test_wrong_binding_is_an_execution_error_and_writes_nothing():
     q = fp8_values((1, 2, 9, 16), E4M3, 30)
     k = fp8_values((1, 2, 9, 16), E4M3, 31)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import triton
 
 from ....errors import UnsupportedError
+from ....ops.sdpa_fp8 import check_output_types
 from ....runtime.launch import kernel_name, launch_of, scratch
 from ....tensor import contiguous_strides
 from ..heuristics.layout import INT32_LIMIT
@@ -99,6 +100,7 @@ def _check(node, roles: dict):
 def build_sdpa_fp8(graph, group, context) -> list:
     """The zeroing launch and the kernels of one sdpa_fp8(_backward) node."""
     node = group.anchor
+    check_output_types(node)
     roles, buffers = _roles(node, group)
     _check(node, roles)
     q, k, v = roles["q"], roles["k"], roles["v"]
