@@ -28,9 +28,11 @@ fp8 type, dS to dO's (the hybrid recipe's e5m2 gradient), as the frontend's grap
 the frontend names the softmax input's gradient "dP" (its reference, test/python/sdpa/fp8_ref.py,
 takes max |dO V^T| only to pick a scale). Every amax is over the elements the op defines (rows
 and keys inside the tensors; amax_s and amax_dP over the (query, key) pairs the mask lets
-through); NaN propagates into it. A NaN or inf at a pair the mask hides
-reaches a product (as 0 * NaN) only where a kernel's tile holds the pair: the kernels skip the
-blocks a mask hides whole, while the reference multiplies the full matrices.
+through); NaN propagates into it. The backward's P and dS are exactly 0 at the pairs the mask
+hides (a NaN in stats or in dO v^T stays out of them). A NaN or inf in q, k, v or dO still meets
+the zeros of P or dS at hidden pairs (0 * NaN) in the products, but only where a kernel's tile
+holds the pair: the kernels skip the blocks a mask hides whole, while the reference multiplies
+the full matrices.
 Masks: use_causal_mask (key j visible to query i when j <= i, top-left).
 """
 from __future__ import annotations
@@ -235,11 +237,14 @@ def reference_backward(values, attrs: SdpaFp8Attrs, types):
     qf, kf, vf = q * descale_q, _grouped(k, heads) * descale_k, _grouped(v, heads) * descale_v
     dof = d_o * descale_do
     visible = _visible(s_q, s_kv, attrs.use_causal_mask, q.device)
-    probs = torch.exp(_scores(qf, kf, scale, visible) - stats.to(torch.float64))
+    # stats of -inf (a row that sees no key) make the row's P zero, as the kernels take them
+    row_lse = stats.to(torch.float64).masked_fill(stats == float("-inf"), float("inf"))
+    # P and dS are 0 at hidden pairs (as in the kernels: no NaN of stats or dO v^T reaches them)
+    probs = torch.exp(_scores(qf, kf, scale, visible) - row_lse).masked_fill(~visible, 0.0)
     d_v = quantized(probs * scale_s, fp8).transpose(-1, -2) @ dof * descale_s
     d_probs = dof @ vf.transpose(-1, -2)
     delta = (o * d_o).sum(-1, keepdim=True) * descale_o * descale_do
-    d_scores = probs * (d_probs - delta) * scale
+    d_scores = (probs * (d_probs - delta) * scale).masked_fill(~visible, 0.0)
     d_scores_fp8 = quantized(d_scores * scale_dp, attrs.ds_type())
     d_q = d_scores_fp8 @ kf * descale_dp
     d_k = d_scores_fp8.transpose(-1, -2) @ qf * descale_dp

@@ -290,6 +290,42 @@ def test_backward_nan_in_d_o_propagates():
     assert_matches(outputs, g.reference(bindings))
 
 
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")], ids=["NaN", "-inf"])
+def test_backward_special_stats(value):
+    """A NaN in stats reaches that row's dq and the dk, dv of the keys it sees (P = exp(S - NaN)),
+    as any NaN input does; -inf, the forward's stats of a row that sees no key, makes the row's
+    P zero (the row adds nothing), in the kernels and the reference alike."""
+    tensors = backward_tensors(E4M3, E4M3, 1, 2, 1, 21, 19, 16, True)
+    tensors["stats"][0, 1, 6, 0] = value
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    outputs = execute(g, bindings)
+    d_q = outputs["sdpa_fp8_backward.dq"][0, 1]
+    if math.isnan(value):
+        assert torch.isnan(d_q[6]).all() and not torch.isnan(d_q[:6]).any()
+        assert torch.isnan(outputs["sdpa_fp8_backward.dv"][0, 0, :7]).any()
+        assert not torch.isnan(outputs["sdpa_fp8_backward.dv"][0, 0, 7:]).any()  # keys row 6 does not see
+    else:
+        assert (d_q[6] == 0).all()
+    assert_matches(outputs, g.reference(bindings))
+
+
+def test_backward_nan_in_v_reaches_only_the_rows_that_see_its_key():
+    """A NaN in v at key 15 (causal: rows 0..14 do not see it) makes dP = dO v^T NaN in its whole
+    column; dS is 0 at hidden pairs, so dq of rows 0..14 stays finite in the kernels (the tile
+    holds the hidden pairs) and in the reference alike; dk of key 15 is NaN."""
+    tensors = backward_tensors(E4M3, E4M3, 1, 2, 1, 21, 19, 16, True)
+    tensors["v"][0, 0, 15, 3] = float("nan")
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    outputs = execute(g, bindings)
+    d_q = outputs["sdpa_fp8_backward.dq"][0]
+    assert not torch.isnan(d_q[:, :15]).any() and torch.isnan(d_q[:, 15:]).all()
+    assert torch.isnan(outputs["sdpa_fp8_backward.dk"][0, 0, 15]).all()
+    assert_matches(outputs, g.reference(bindings))
+
+
 @pytest.mark.parametrize("o_marked", [True, False], ids=["o output", "o virtual"])
 def test_forward_then_backward_in_one_graph_and_as_function(o_marked):
     """o and stats of sdpa_fp8 feed sdpa_fp8_backward in one graph (o read as stored, e4m3, in the

@@ -82,6 +82,14 @@ def _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _gradient_terms(scores, lse, d_probs, delta, visible, SCALE: tl.constexpr):
+    """(P, dS) of a block of base-2 scores, exactly 0 at the pairs the mask hides: a NaN in
+    stats, or in dO v^T at a hidden pair, stays out of them whatever the tiling."""
+    probs = tl.where(visible, tl.math.exp2(scores - lse), 0.0)
+    return probs, tl.where(visible, probs * (d_probs - delta) * SCALE, 0.0)
+
+
+@triton.jit
 def _key_end(first_row, SQ, SKV, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The end of the keys any row of a query tile starting at first_row sees (the bf16
     kernels' rule, lib.key_range: causal is a right bound of 0, top-left)."""
@@ -163,8 +171,9 @@ def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr,
 def _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, q_off, do_off, o_off, stats_off, rows, SQ,
                 q_s2, q_s3, do_s2, do_s3, o_s2, o_s3, stats_s2, delta_scale,
                 HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """(q, dO, base-2 lse, delta) of query rows `rows`; rows past SQ load zeros and an lse of
-    +inf, so their P is 0."""
+    """(q, dO, base-2 lse, delta) of query rows `rows`; rows past SQ, and rows whose stats are
+    -inf (the forward's for a row that sees no key), get an lse of +inf, so their P is 0; a NaN
+    in stats stays NaN and reaches the row's P, as in the reference."""
     row_in = rows < SQ
     cols_d = tl.arange(0, BLOCK_D)
     cols_dv = tl.arange(0, BLOCK_DV)
@@ -175,7 +184,7 @@ def _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, q_off, do_off, o_off, stats_off
     o_tile = tl.load(o_ptr + o_off + rows[:, None] * o_s2 + cols_dv[None, :] * o_s3, mask=dv_in, other=0.0)
     delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1) * delta_scale
     lse = tl.load(stats_ptr + stats_off + rows * stats_s2, mask=row_in, other=0.0)
-    lse = tl.where(row_in & (lse > float("-inf")), lse * LOG2E, float("inf"))
+    lse = tl.where(row_in & (lse != float("-inf")), lse * LOG2E, float("inf"))
     return q_tile, do_tile, lse, delta
 
 
@@ -229,10 +238,9 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
             visible = key_in[:, None] & (rows < SQ)[None, :]
             if CAUSAL:
                 visible = visible & (keys[:, None] <= rows[None, :])
-            probs = tl.math.exp2(tl.where(visible, scores, float("-inf")) - lse[None, :])
-            dv_acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), do_tile)
             d_probs = tl.dot(v_tile, tl.trans(do_tile)) * dp_scale
-            d_scores = probs * (d_probs - delta[None, :]) * SCALE
+            probs, d_scores = _gradient_terms(scores, lse[None, :], d_probs, delta[None, :], visible, SCALE)
+            dv_acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), do_tile)
             dk_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), q_tile)
     d_k = dk_acc * (tl.load(descale_q_ptr) * tl.load(descale_dp_ptr))
     d_v = dv_acc * (tl.load(descale_s_ptr) * tl.load(descale_do_ptr))
@@ -288,9 +296,8 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
         v_cols = tl.load(v_base + keys[None, :] * v_s2 + cols_dv[:, None] * v_s3,
                          mask=key_in[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
         scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
-        probs = tl.math.exp2(scores - lse[:, None])
         d_probs = tl.dot(do_tile, v_cols) * dp_scale
-        d_scores = probs * (d_probs - delta[:, None]) * SCALE
+        probs, d_scores = _gradient_terms(scores, lse[:, None], d_probs, delta[:, None], visible, SCALE)
         # the frontend's amax_dP is of the value scale_dP scales: dS (its "dP")
         amax_dp = tl.maximum(amax_dp, tl.max(magnitude_bits(d_scores, visible & row_in[:, None]), 1))
         dq_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), tl.trans(k_cols))
