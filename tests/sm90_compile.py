@@ -11,6 +11,7 @@ graph), or (label, launches, dtypes by uid) for launches lowered without a build
 kernels cannot be planned on this machine: gluon); every launch is compiled, and the count
 printed. Gluon kernels are compiled as Gluon sources, and a line `facts LABEL {json}` gives what
 their TTGIR and PTX hold (warp specialization, setmaxnreg, wgmma, TMA copies, shared memory).
+With SM90_SPILLS=1 a line `spills LABEL KERNEL: N` gives each Triton kernel's spill-store bytes.
 """
 import importlib
 import json
@@ -126,6 +127,8 @@ def main(spec: str):
                 print(f"facts {label} {json.dumps(facts(compiled))}")
             else:  # which tensor-core instructions the kernel's dots became (int8: s32.s8.s8)
                 print(f"mma {label}: {' '.join(mma_instructions(compiled.asm['ptx'])) or '-'}")
+            if os.environ.get("SM90_SPILLS") == "1" and not _is_gluon(launch.kernel):  # opt-in: a ptxas run each
+                print(f"spills {label} {launch.kernel.__name__}: {spill_bytes(compiled.asm['ptx'])}")
             count += 1
     print(f"compiled {count} kernels for sm_90")
 

@@ -517,6 +517,19 @@ def test_json_round_trip_runs():
     assert_matches(execute(copy, bindings), g.reference(bindings))
 
 
+
+def test_json_round_trip_keeps_the_hybrid_gradient_type():
+    """The backward's dS type (dO's, e5m2 here) survives to_json / from_json: the copy runs and
+    matches the reference of the original."""
+    tensors = backward_tensors(E4M3, E5M2, 1, 2, 1, 13, 17, 16, True)
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    copy = dg.Graph.from_json(g.to_json())
+    (node,) = [n for n in copy.nodes if n.op == "sdpa_fp8_backward"]
+    assert node.attrs.ds_type() is dg.float8_e5m2
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    assert_matches(execute(copy, bindings), g.reference(bindings))
+
+
 # --- sm_90 compiles -------------------------------------------------------------------------------------------
 def _gpu_lowered(label: str, g):
     """(label, launches, dtypes) of the graph's one group lowered as for a GPU (its tiles), the
@@ -558,6 +571,40 @@ def test_kernels_compile_for_sm90():
     every kernel form for sm_90 in a process without the interpreter."""
     from helpers import compiled_for_sm90
     assert "compiled 32 kernels for sm_90" in compiled_for_sm90("test_sdpa_fp8:sm90_graphs", timeout=900)
+
+
+
+def sm90_wide_head_graphs():
+    """Forward and backward (hybrid, GQA, causal) at head dim 256, lowered with the GPU's tiles."""
+    q = fp8_values((1, 4, 256, 256), E4M3, 0)
+    k = fp8_values((1, 2, 256, 256), E4M3, 1)
+    yield _gpu_lowered("forward d=256", forward_graph(q, k, k, True)[0])
+    yield _gpu_lowered("backward d=256", backward_graph(backward_tensors(E4M3, E5M2, 1, 4, 2, 256, 256, 256, True),
+                                                        True))
+
+
+def test_wide_heads_compile_for_sm90_without_spills(monkeypatch):
+    """At head dim 256 the GPU tiles keep the float32 accumulators ([BLOCK_M, D], or dK and dV's
+    two [BLOCK_N, D]) in registers: ptxas reports no spill stores for any kernel (the 128-wide
+    tiles of D <= 128 spilled 424 to 616 bytes here)."""
+    from helpers import compiled_for_sm90
+    monkeypatch.setenv("SM90_SPILLS", "1")
+    output = compiled_for_sm90("test_sdpa_fp8:sm90_wide_head_graphs", timeout=600)
+    spills = [line for line in output.splitlines() if line.startswith("spills ")]
+    assert len(spills) == 5 and all(line.endswith(": 0") for line in spills), spills
+
+
+@pytest.mark.parametrize("dims", [(272, 64), (64, 320)], ids=["d_qk 272", "d_v 320"])
+def test_heads_past_256_are_unsupported_on_the_gpu(dims):
+    """The GPU kernels hold [tile, D] float32 accumulators in registers: past D = 256 (the
+    frontend's limit, and the bf16 kernels') they would spill kilobytes, so the lowering for a
+    GPU refuses them with an UnsupportedError (the interpreter runs any width)."""
+    d_qk, d_v = dims
+    q = fp8_values((1, 2, 40, d_qk), E4M3, 37)
+    k = fp8_values((1, 1, 40, d_qk), E4M3, 38)
+    v = fp8_values((1, 1, 40, d_v), E4M3, 39)
+    with pytest.raises(dg.UnsupportedError, match="256"):
+        _gpu_lowered("wide", forward_graph(q, k, v)[0])
 
 
 # --- GPU ----------------------------------------------------------------------------------------------------
