@@ -222,6 +222,38 @@ def test_forward_nan_in_q_propagates():
     assert_matches(outputs, g.reference(bindings))
 
 
+def test_forward_row_of_minus_infinity_scores_is_nan():
+    """A row whose visible scores are all -inf (an e5m2 -inf in q against positive keys) has no
+    softmax: o is NaN there as torch's softmax makes it (the kernel gave 0, as for a row that
+    sees no key), stats -inf; the other rows are untouched."""
+    q = fp8_values((1, 2, 5, 16), E5M2, 42)
+    k = fp8_values((1, 1, 7, 16), E5M2, 43).abs()
+    q[0, 1, 2] = 0.0
+    q[0, 1, 2, 0] = float("-inf")
+    g, bindings = forward_graph(q, k, k, o_type=dg.float32)
+    bindings.update(scale_tensors(forward_scales(E5M2)))
+    outputs = execute(g, bindings)
+    assert torch.isnan(outputs["sdpa_fp8.o"][0, 1, 2]).all()
+    assert outputs["sdpa_fp8.stats"][0, 1, 2].item() == float("-inf")
+    assert not torch.isnan(outputs["sdpa_fp8.o"][0, 0]).any()
+    assert_matches(outputs, g.reference(bindings))
+
+
+def test_backward_size_one_axes():
+    """One key (every row sees it alone: P = 1, dS = dP - delta = 0 up to rounding) and one query,
+    head dim 1. amax_dP is left out where it is the residue of that cancellation (the float64
+    reference keeps ~1e-8 of the float32 descales' rounding, the kernel's float32 sums 0)."""
+    for s_q, s_kv, dim in ((3, 1, 1), (1, 33, 8)):
+        tensors = backward_tensors(E4M3, E4M3, 1, 2, 1, s_q, s_kv, dim, True)
+        g = backward_graph(tensors, True, grad_type=dg.float32)
+        bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+        outputs = execute(g, bindings)
+        refs = g.reference(bindings)
+        if s_kv == 1:
+            assert abs(outputs.pop("sdpa_fp8_backward.amax_dP").item()) < 1e-6
+        assert_matches(outputs, refs)
+
+
 def test_unmarked_amax_goes_to_the_workspace():
     """An amax the graph does not mark is written to a workspace buffer, the rest as usual."""
     q = fp8_values((1, 2, 25, 16), E4M3, 14)

@@ -141,8 +141,9 @@ def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr,
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(scores - m_use[:, None]), 1)
         m_i = m_new
-    # a row that sees no key (none here but padding) gets an lse of +inf: its P is 0
-    lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_i))
+    # every row inside SQ sees key 0 (top-left causal), so l_i == 0 means its scores are all -inf:
+    # lse = -inf and P = exp2(-inf + inf) = NaN, as torch's softmax of such a row
+    lse = m_i + tl.math.log2(l_i)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     amax_s = tl.zeros([BLOCK_M], tl.int32)  # per row: few registers
@@ -164,7 +165,7 @@ def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr,
              out * tl.load(scale_o_ptr), o_mask, O_FP8, O_RULE)
     if HAS_STATS:
         tl.store(stats_ptr + batch.to(tl.int64) * stats_s0 + head * stats_s1 + rows * stats_s2,
-                 tl.where(l_i == 0.0, float("-inf"), lse / LOG2E), mask=row_in)
+                 lse / LOG2E, mask=row_in)
 
 
 @triton.jit
