@@ -254,6 +254,22 @@ def test_backward_size_one_axes():
         assert_matches(outputs, refs)
 
 
+def test_amaxes_restart_at_every_execute():
+    """The amaxes are atomic maxima: a second execute with smaller values (same built graph, same
+    output tensors, which still hold the first maxima) gets its own, not the first's."""
+    tensors = backward_tensors(E4M3, E4M3, 1, 2, 1, 19, 23, 16, True)
+    g = backward_graph(tensors, True)
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    outputs = execute(g, bindings)
+    assert_matches(outputs, g.reference(bindings))
+    smaller = {**bindings, "dO": (tensors["dO"].float() / 8).to(E4M3), "v": (tensors["v"].float() / 4).to(E4M3)}
+    g.execute({**smaller, **outputs})
+    refs = g.reference(smaller)
+    for name in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP"):
+        got, expected = outputs[f"sdpa_fp8_backward.{name}"].item(), refs[f"sdpa_fp8_backward.{name}"].item()
+        assert math.isclose(got, expected, rel_tol=1e-5), (name, got, expected)
+
+
 def test_unmarked_amax_goes_to_the_workspace():
     """An amax the graph does not mark is written to a workspace buffer, the rest as usual."""
     q = fp8_values((1, 2, 25, 16), E4M3, 14)
@@ -383,6 +399,44 @@ def test_forward_then_backward_in_one_graph_and_as_function(o_marked):
 
 
 
+def composed_forward(tensors: dict, scales: dict, causal: bool, attn_scale: float) -> dict:
+    """The frontend's sdpa_fp8 graph (include/cudnn_frontend/node/sdpa_fp8.h) op by op in float64,
+    apart from the op's reference: S = q k^T attn_scale descale_q descale_k (causal: top-left),
+    P = softmax(S), amax_s = max |P|, P rounded at scale_s to q's type, O = P v descale_s
+    descale_v, amax_o = max |O| (O unscaled: before scale_o)."""
+    s = {name: float(value) for name, value in scales.items()}
+    q, k, v = (tensors[n].double() for n in ("q", "k", "v"))
+    group = q.shape[1] // k.shape[1]
+    k_full, v_full = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k_full.transpose(-1, -2) * attn_scale * s["descale_q"] * s["descale_k"]
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    probs = torch.softmax(scores, -1)
+    probs8 = (probs * s["scale_s"]).float().to(tensors["q"].dtype).double()
+    out = probs8 @ v_full * s["descale_s"] * s["descale_v"]
+    return {"o": out, "stats": torch.logsumexp(scores, -1, keepdim=True), "amax_s": probs.abs().max(),
+            "amax_o": out.abs().max()}
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_forward_follows_the_frontends_graph(dtype):
+    """Kernels and reference against the frontend's forward graph composed apart (o in float32
+    to the fp8 rounding flips a float32 sum may make)."""
+    q = fp8_values((1, 4, 41, 16), dtype, 44)
+    k = fp8_values((1, 2, 23, 16), dtype, 45)
+    v = fp8_values((1, 2, 23, 16), dtype, 46)
+    g, bindings = forward_graph(q, k, v, True, o_type=dg.float32)
+    scales = scale_tensors(forward_scales(dtype))
+    bindings.update(scales)
+    expected = composed_forward(bindings, scales, True, 16 ** -0.5)
+    for results in (execute(g, bindings), g.reference(bindings)):
+        for name in ("amax_s", "amax_o"):
+            assert math.isclose(results[f"sdpa_fp8.{name}"].item(), expected[name].item(), rel_tol=1e-5), name
+        assert _relative_error(results["sdpa_fp8.stats"], expected["stats"]) < 1e-6
+        error = _relative_error(results["sdpa_fp8.o"] / forward_scales(dtype)["scale_o"], expected["o"])
+        assert error < 2e-3, f"o: relative error {error:.3g}"
+
+
 def composed_backward(tensors: dict, scales: dict, causal: bool, attn_scale: float) -> dict:
     """The frontend's sdpa_fp8_backward graph (include/cudnn_frontend/node/sdpa_fp8_bwd.h) op by op in
     float64, written apart from the op's reference: P = exp(S - stats) rounded at scale_S to q's
@@ -416,12 +470,13 @@ def _relative_error(got, expected) -> float:
 
 
 @pytest.mark.parametrize("do_dtype", [E4M3, E5M2], ids=["dO e4m3", "dO e5m2 (hybrid)"])
-def test_backward_follows_the_frontends_graph(do_dtype):
+@pytest.mark.parametrize("sizes", [(29, 35), (70, 20)], ids=["Sq<Skv", "Sq>Skv"])
+def test_backward_follows_the_frontends_graph(do_dtype, sizes):
     """amax_dP is max |dS| (the value scale_dP scales: the frontend's "dP" is the softmax input's
     gradient), and dS is rounded to dO's type. Kernels and reference both against the frontend's
     graph composed apart (the float32 gradients to the fp8 rounding flips a float32 sum may make;
     rounding dS to the other type, or taking amax of dO V^T, is off by far more)."""
-    tensors = backward_tensors(E4M3, do_dtype, 1, 4, 2, 29, 35, 16, True)
+    tensors = backward_tensors(E4M3, do_dtype, 1, 4, 2, *sizes, 16, True)
     g = backward_graph(tensors, True, grad_type=dg.float32)
     scales = scale_tensors(backward_scales(E4M3))
     bindings = {**tensors, **scales}
