@@ -314,6 +314,44 @@ def test_backward_matches_reference(dtype, causal):
     backward_case(dtype, dtype, 2, 4, 2, 37, 45, 24, causal)
 
 
+def test_backward_strided_bshd_and_sliced_inputs():
+    """q, o, dO stored BSHD, k and v sliced out of wider buffers (row stride past D), stats
+    strided: the gradients take q's, k's and v's layouts, every output poisoned first."""
+    tensors = backward_tensors(E4M3, E5M2, 2, 4, 2, 27, 31, 16, True)
+
+    def bshd(t):
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def sliced(t):
+        wide = torch.zeros(t.shape[:3] + (t.shape[3] + 8,), dtype=t.dtype)
+        wide[..., 4:4 + t.shape[3]] = t
+        return wide[..., 4:4 + t.shape[3]]
+
+    stats = torch.full(tensors["stats"].shape[:3] + (2,), float("nan"))
+    stats[..., :1] = tensors["stats"]
+    tensors.update(q=bshd(tensors["q"]), o=bshd(tensors["o"]), dO=bshd(tensors["dO"]), k=sliced(tensors["k"]),
+                   v=sliced(tensors["v"]), stats=stats[..., :1])
+    g = backward_graph(tensors, True)
+    assert list(g.outputs()[0].stride) == list(bshd(tensors["q"]).stride())
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    assert_matches(execute(g, bindings), g.reference(bindings))
+
+
+def test_fp8_outputs_past_their_range_convert_as_torch():
+    """o * scale_o past the fp8 range: e4m3 saturates to 448 and e5m2 overflows to inf, as
+    torch's .to does (conversions.float8_rule; cuDNN's satfinite would give e5m2 57344)."""
+    for o_type, dtype in ((dg.float8_e4m3, E4M3), (dg.float8_e5m2, E5M2)):
+        q = fp8_values((1, 1, 13, 16), E4M3, 47)
+        k = fp8_values((1, 1, 15, 16), E4M3, 48)
+        g, bindings = forward_graph(q, k, k, o_type=o_type)
+        bindings.update(scale_tensors({**forward_scales(E4M3), "scale_o": 1e5}))
+        outputs = execute(g, bindings)
+        o = outputs["sdpa_fp8.o"].float()
+        top = torch.finfo(dtype).max
+        assert (o.abs() == (top if dtype is E4M3 else float("inf"))).float().mean() > 0.5
+        assert_matches(outputs, g.reference(bindings))
+
+
 def test_backward_hybrid_e5m2_gradient_and_float32_outputs():
     """dO in e5m2 against e4m3 q, k, v (the hybrid recipe), the gradients stored in float32."""
     outputs = backward_case(E4M3, E5M2, 1, 2, 1, 30, 41, 16, True, grad_type=dg.float32)
@@ -716,3 +754,26 @@ def test_gpu_backward_realistic(causal):
 @pytest.mark.gpu
 def test_gpu_backward_hybrid_gqa():
     backward_case(E4M3, E5M2, 2, 16, 4, 1024, 1536, 128, True, grad_type=dg.float32, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 80, 256], ids=["d64", "d80", "d256"])
+def test_gpu_head_dims(dim):
+    """Head dims besides 128: 64, 80 (padded to a 128 tile, masked) and 256 (the wide tiles)."""
+    forward_case(E4M3, 1, 8, 2, 777, 1029, dim, True, o_type=dg.float32, device="cuda")
+    backward_case(E4M3, E5M2, 1, 8, 2, 777, 1029, dim, True, grad_type=dg.float32, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_backward_follows_the_frontends_graph():
+    """amax_dP = max |dS| and dS in dO's type (e5m2) on the GPU's kernels and tiles."""
+    tensors = backward_tensors(E4M3, E5M2, 1, 8, 2, 1000, 700, 128, True, device="cuda")
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    scales = scale_tensors(backward_scales(E4M3), "cuda")
+    outputs = execute(g, {**tensors, **scales}, "cuda")
+    expected = composed_backward({n: t.cpu() for n, t in tensors.items()}, {n: t.cpu() for n, t in scales.items()},
+                                 True, 128 ** -0.5)
+    assert math.isclose(outputs["sdpa_fp8_backward.amax_dP"].item(), expected["amax_dP"].item(), rel_tol=5e-3)
+    for name in ("dq", "dk", "dv"):
+        scale = backward_scales(E4M3)[f"scale_d{name[1].upper()}"]
+        assert _relative_error(outputs[f"sdpa_fp8_backward.{name}"].cpu() / scale, expected[name]) < 2e-2, name
