@@ -157,10 +157,13 @@ def infer_backward(inputs, attrs: SdpaFp8Attrs):
 
 
 
-def check_output_types(node):
-    """ValidationError unless the node's outputs hold the types the kernels store: set_data_type
-    may change them after the op call, so the lowering asks again. The amaxes (atomic maxima on
-    float32 bits) and stats stay float32; o, dq, dk, dv may take any floating type."""
+def check_types(node):
+    """ValidationError unless the node's tensors still hold the types the op was called with and
+    the kernels store: set_data_type may change them after the call, so the lowering asks again.
+    The inputs pass the op's rule again (q's and dO's fp8 types are in its attributes: P and dS
+    round to them); the amaxes (atomic maxima on float32 bits) and stats stay float32; o, dq, dk,
+    dv may take any floating type."""
+    node.opdef.infer(list(node.inputs), node.attrs)
     for name, tensor in zip(node.opdef.output_names, node.outputs):
         if tensor is None:
             continue

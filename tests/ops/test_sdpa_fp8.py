@@ -600,6 +600,26 @@ def test_output_types_set_after_the_call_are_validation_errors(case):
     g.build()
 
 
+@pytest.mark.parametrize("changed", ["q k v to e5m2", "dO to e4m3", "q to bf16"])
+def test_input_types_set_after_the_call_are_validation_errors(changed):
+    """The op fixes the fp8 types P and dS round to (q's, dO's) at the call: an input whose type
+    set_data_type changes afterwards is refused at build (the kernels would round in the new
+    type, the reference in the old), and the graph builds once it is put back."""
+    tensors = backward_tensors(E4M3, E5M2, 1, 2, 1, 8, 8, 16, False)
+    g = backward_graph(tensors)
+    inputs = {t.name: t for t in g.inputs()}
+    names, data_type = {"q k v to e5m2": (("q", "k", "v"), dg.float8_e5m2), "dO to e4m3": (("dO",), dg.float8_e4m3),
+                        "q to bf16": (("q",), dg.bfloat16)}[changed]
+    before = {name: inputs[name].data_type for name in names}
+    for name in names:
+        inputs[name].set_data_type(data_type)
+    with pytest.raises(dg.ValidationError):
+        g.build()
+    for name in names:
+        inputs[name].set_data_type(before[name])
+    g.build()
+
+
 def test_wrong_binding_is_an_execution_error_and_writes_nothing():
     q = fp8_values((1, 2, 9, 16), E4M3, 30)
     k = fp8_values((1, 2, 9, 16), E4M3, 31)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import triton
 
 from ....errors import UnsupportedError
-from ....ops.sdpa_fp8 import check_output_types
+from ....ops.sdpa_fp8 import check_types
 from ....runtime.launch import kernel_name, launch_of, scratch
 from ....tensor import contiguous_strides
 from ..heuristics.layout import INT32_LIMIT
@@ -115,7 +115,7 @@ def _check_width(node, width: int, on_cpu: bool):
 def build_sdpa_fp8(graph, group, context) -> list:
     """The zeroing launch and the kernels of one sdpa_fp8(_backward) node."""
     node = group.anchor
-    check_output_types(node)
+    check_types(node)
     on_cpu = context.device.type == "cpu"
     width = max(node.inputs[0].dim[3], node.inputs[2].dim[3])
     _check_width(node, width, on_cpu)
