@@ -337,6 +337,17 @@ def test_backward_strided_bshd_and_sliced_inputs():
     assert_matches(execute(g, bindings), g.reference(bindings))
 
 
+def test_backward_broadcast_inputs():
+    """Every input broadcast over the batch (stride 0): the gradients are dense per batch element
+    and match the reference."""
+    tensors = backward_tensors(E4M3, E4M3, 1, 2, 1, 11, 13, 16, True)
+    tensors = {name: t.expand(3, -1, -1, -1) for name, t in tensors.items()}
+    g = backward_graph(tensors, True)
+    assert all(t.stride[0] > 0 for t in g.outputs()[:3])
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    assert_matches(execute(g, bindings), g.reference(bindings))
+
+
 def test_fp8_outputs_past_their_range_convert_as_torch():
     """o * scale_o past the fp8 range: e4m3 saturates to 448 and e5m2 overflows to inf, as
     torch's .to does (conversions.float8_rule; cuDNN's satfinite would give e5m2 57344)."""
