@@ -156,7 +156,6 @@ def infer_backward(inputs, attrs: SdpaFp8Attrs):
             OutputSpec(v.dim, v.data_type, layout_source=2), amax, amax, amax, amax]
 
 
-
 def check_types(node):
     """ValidationError unless the node's tensors still hold the types the op was called with and
     the kernels store: set_data_type may change them after the call, so the lowering asks again.
