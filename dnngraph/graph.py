@@ -840,8 +840,9 @@ class Graph:
                           descale_s, descale_dP, scale_s, scale_dQ, scale_dK, scale_dV, scale_dP, attn_scale=None,
                           use_causal_mask=False, name=None):
         """(dq, dk, dv, amax_dQ, amax_dK, amax_dV, amax_dP) of sdpa_fp8 as the cuDNN frontend's
-        sdpa_fp8_backward (ops/sdpa_fp8.py): dq, dk, dv in q's, k's and v's types."""
-        attrs = _attrs_of("sdpa_fp8_backward", attn_scale, False, use_causal_mask, _fp8_type_of(q))
+        sdpa_fp8_backward (ops/sdpa_fp8.py): dq, dk, dv in q's, k's and v's types; amax_dP is max |dS|
+        (the value scale_dP scales), dS rounded to dO's type."""
+        attrs = _attrs_of("sdpa_fp8_backward", attn_scale, False, use_causal_mask, _fp8_type_of(q), _fp8_type_of(dO))
         return tuple(self._add_op("sdpa_fp8_backward", [q, k, v, o, dO, stats, descale_q, descale_k, descale_v,
                                                         descale_o, descale_dO, descale_s, descale_dP, scale_s,
                                                         scale_dQ, scale_dK, scale_dV, scale_dP], attrs, name))

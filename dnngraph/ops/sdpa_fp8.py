@@ -16,18 +16,23 @@ no tiling. stats: the row log-sum-exp of S, float32 [B, H, Sq, 1], None when is_
 Backward (o, dO and stats from the forward; dO may be either fp8 type):
 
     P = exp(S - stats)                 dV = fp8(P * scale_s)^T (dO descale_dO) * descale_s
-    dP = (dO descale_dO)(v descale_v)^T                   amax_dP = max |dP|
+    dP = (dO descale_dO)(v descale_v)^T
     delta = rowsum(o * dO) * descale_o * descale_dO
-    dS = P * (dP - delta) * attn_scale
+    dS = P * (dP - delta) * attn_scale                    amax_dP = max |dS|
     dQ = fp8(dS * scale_dP) (k descale_k) * descale_dP    dK = fp8(dS * scale_dP)^T (q descale_q) * descale_dP
     dq = dQ * scale_dQ, dk = dK * scale_dK, dv = dV * scale_dV (their types: q's, k's, v's)
 
-with amax_dQ, amax_dK, amax_dV the max |.| of dQ, dK, dV before the scale. dS is rounded to q's
-fp8 type. Every amax is over the elements the op defines (rows and keys inside the tensors;
-amax_s and amax_dP over the (query, key) pairs the mask lets through; the frontend's reference
-takes max |dP| over every pair); NaN propagates into it. A NaN or inf at a pair the mask hides
-reaches a product (as 0 * NaN) only where a kernel's tile holds the pair: the kernels skip the
-blocks a mask hides whole, while the reference multiplies the full matrices.
+with amax_dQ, amax_dK, amax_dV the max |.| of dQ, dK, dV before the scale. P is rounded to q's
+fp8 type, dS to dO's (the hybrid recipe's e5m2 gradient), as the frontend's graph
+(node/sdpa_fp8_bwd.h) sets their types. amax_dP is the amax of the value scale_dP scales, dS:
+the frontend names the softmax input's gradient "dP" (its reference, test/python/sdpa/fp8_ref.py,
+takes max |dO V^T| only to pick a scale). Every amax is over the elements the op defines (rows
+and keys inside the tensors; amax_s and amax_dP over the (query, key) pairs the mask lets
+through); NaN propagates into it. The backward's P and dS are exactly 0 at the pairs the mask
+hides (a NaN in stats or in dO v^T stays out of them). A NaN or inf in q, k, v or dO still meets
+the zeros of P or dS at hidden pairs (0 * NaN) in the products, but only where a kernel's tile
+holds the pair: the kernels skip the blocks a mask hides whole, while the reference multiplies
+the full matrices.
 Masks: use_causal_mask (key j visible to query i when j <= i, top-left).
 """
 from __future__ import annotations
@@ -56,19 +61,26 @@ class SdpaFp8Attrs:
     attn_scale: Optional[float] = None  # None: 1 / sqrt(D)
     is_inference: bool = True  # the forward: no stats output
     use_causal_mask: bool = False
-    # the fp8 type P (and dS) are rounded to: q's, as the frontend makes it (the Graph methods set
-    # it; the float64 reference reads it, since it sees q's values and not its type)
+    # the fp8 type P is rounded to: q's, as the frontend makes it (the Graph methods set it; the
+    # float64 reference reads it, since it sees q's values and not its type)
     fp8_type: str = "float8_e4m3"
+    # the backward's: the fp8 type dS is rounded to, dO's (None: fp8_type)
+    ds_fp8_type: Optional[str] = None
 
     def __post_init__(self):
         op = "sdpa_fp8"
-        if self.fp8_type not in tuple(t.name for t in FP8_TYPES):
-            fail(op, f"fp8_type must be float8_e4m3 or float8_e5m2, got {self.fp8_type!r}")
+        for field, value in (("fp8_type", self.fp8_type), ("ds_fp8_type", self.ds_fp8_type or self.fp8_type)):
+            if value not in tuple(t.name for t in FP8_TYPES):
+                fail(op, f"{field} must be float8_e4m3 or float8_e5m2, got {value!r}")
         scale = None if self.attn_scale is None else real(op, "attn_scale", self.attn_scale)
         if scale is not None and abs(scale) * LOG2E > FLOAT32_MAX:  # the kernels scale by attn_scale * log2(e)
             fail(op, f"attn_scale must be within float32 range once scaled by log2(e), got {scale!r}")
         freeze(self, attn_scale=scale, is_inference=boolean(op, "is_inference", self.is_inference),
                use_causal_mask=boolean(op, "use_causal_mask", self.use_causal_mask))
+
+    def ds_type(self):
+        """The fp8 type the backward rounds dS to (dO's)."""
+        return dtypes.by_name(self.ds_fp8_type or self.fp8_type)
 
     def scale(self, head_dim: int) -> float:
         """The score scale: attn_scale, or 1 / sqrt(D)."""
@@ -135,11 +147,31 @@ def infer_backward(inputs, attrs: SdpaFp8Attrs):
         fail(op, f"o must be a floating type, got {o.data_type.name}")
     if d_o.data_type not in FP8_TYPES:
         fail(op, f"dO must be float8_e4m3 or float8_e5m2, got {d_o.data_type.name}")
+    if attrs.ds_type() is not d_o.data_type:
+        fail(op, f"ds_fp8_type {attrs.ds_type().name} must be dO's type, {d_o.data_type.name}")
     if tuple(stats.dim) != q.dim[:3] + (1,) or stats.data_type is not dtypes.float32:
         fail(op, f"stats must be float32 {list(q.dim[:3]) + [1]}, got {stats.data_type.name} {list(stats.dim)}")
     amax = OutputSpec(AMAX, dtypes.float32)
     return [OutputSpec(q.dim, q.data_type, layout_source=0), OutputSpec(k.dim, k.data_type, layout_source=1),
             OutputSpec(v.dim, v.data_type, layout_source=2), amax, amax, amax, amax]
+
+
+def check_types(node):
+    """ValidationError unless the node's tensors still hold the types the op was called with and
+    the kernels store: set_data_type may change them after the call, so the lowering asks again.
+    The inputs pass the op's rule again (q's and dO's fp8 types are in its attributes: P and dS
+    round to them); the amaxes (atomic maxima on float32 bits) and stats stay float32; o, dq, dk,
+    dv may take any floating type."""
+    node.opdef.infer(list(node.inputs), node.attrs)
+    for name, tensor in zip(node.opdef.output_names, node.outputs):
+        if tensor is None:
+            continue
+        data_type = tensor.data_type
+        if name.startswith("amax_") or name == "stats":
+            if data_type is not dtypes.float32:
+                fail(node.op, f"{name} must be float32, got {data_type.name} (tensor {tensor.name!r})")
+        elif not data_type.is_floating or data_type.is_block_scale_storage:
+            fail(node.op, f"{name} must be a floating type, got {data_type.name} (tensor {tensor.name!r})")
 
 
 # --- float64 reference: the quantization points exactly where the kernels have them -------------
@@ -196,8 +228,8 @@ def reference_forward(values, attrs: SdpaFp8Attrs, types):
 
 
 def reference_backward(values, attrs: SdpaFp8Attrs, types):
-    """dq, dk, dv and their amaxes and amax_dP, in float64 with P, dS and the gradients rounded
-    where the kernels round them; P recomputed from the given stats, as the kernels do."""
+    """dq, dk, dv and their amaxes and amax_dP (max |dS|), in float64 with P, dS and the gradients
+    rounded where the kernels round them; P recomputed from the given stats, as the kernels do."""
     q, k, v, o, d_o, stats = values[:6]
     (descale_q, descale_k, descale_v, descale_o, descale_do, descale_s, descale_dp,
      scale_s, scale_dq, scale_dk, scale_dv, scale_dp) = (_one(t) for t in values[6:18])
@@ -207,13 +239,17 @@ def reference_backward(values, attrs: SdpaFp8Attrs, types):
     qf, kf, vf = q * descale_q, _grouped(k, heads) * descale_k, _grouped(v, heads) * descale_v
     dof = d_o * descale_do
     visible = _visible(s_q, s_kv, attrs.use_causal_mask, q.device)
-    probs = torch.exp(_scores(qf, kf, scale, visible) - stats.to(torch.float64))
+    # stats of -inf (a row that sees no key) make the row's P zero, as the kernels take them
+    row_lse = stats.to(torch.float64).masked_fill(stats == float("-inf"), float("inf"))
+    # P and dS are 0 at hidden pairs (as in the kernels: no NaN of stats or dO v^T reaches them)
+    probs = torch.exp(_scores(qf, kf, scale, visible) - row_lse).masked_fill(~visible, 0.0)
     d_v = quantized(probs * scale_s, fp8).transpose(-1, -2) @ dof * descale_s
     d_probs = dof @ vf.transpose(-1, -2)
     delta = (o * d_o).sum(-1, keepdim=True) * descale_o * descale_do
-    d_scores = quantized(probs * (d_probs - delta) * scale * scale_dp, fp8)
-    d_q = d_scores @ kf * descale_dp
-    d_k = d_scores.transpose(-1, -2) @ qf * descale_dp
+    d_scores = (probs * (d_probs - delta) * scale).masked_fill(~visible, 0.0)
+    d_scores_fp8 = quantized(d_scores * scale_dp, attrs.ds_type())
+    d_q = d_scores_fp8 @ kf * descale_dp
+    d_k = d_scores_fp8.transpose(-1, -2) @ qf * descale_dp
 
     def folded(grad):  # the query heads of each k/v head summed
         return grad.reshape(batch, kv_heads, heads // kv_heads, s_kv, grad.shape[-1]).sum(2)
@@ -221,7 +257,7 @@ def reference_backward(values, attrs: SdpaFp8Attrs, types):
     d_k, d_v = folded(d_k), folded(d_v)
     return [quantized(d_q * scale_dq, types[0]), quantized(d_k * scale_dk, types[1]),
             quantized(d_v * scale_dv, types[2]), _amax(d_q), _amax(d_k), _amax(d_v),
-            _amax(d_probs, visible)]
+            _amax(d_scores, visible)]
 
 
 register(OpDef("sdpa_fp8", "sdpa_fp8", "anchor", SdpaFp8Attrs, ("q", "k", "v") + FORWARD_SCALES,

@@ -222,6 +222,54 @@ def test_forward_nan_in_q_propagates():
     assert_matches(outputs, g.reference(bindings))
 
 
+def test_forward_row_of_minus_infinity_scores_is_nan():
+    """A row whose visible scores are all -inf (an e5m2 -inf in q against positive keys) has no
+    softmax: o is NaN there as torch's softmax makes it (the kernel gave 0, as for a row that
+    sees no key), stats -inf; the other rows are untouched."""
+    q = fp8_values((1, 2, 5, 16), E5M2, 42)
+    k = fp8_values((1, 1, 7, 16), E5M2, 43).abs()
+    q[0, 1, 2] = 0.0
+    q[0, 1, 2, 0] = float("-inf")
+    g, bindings = forward_graph(q, k, k, o_type=dg.float32)
+    bindings.update(scale_tensors(forward_scales(E5M2)))
+    outputs = execute(g, bindings)
+    assert torch.isnan(outputs["sdpa_fp8.o"][0, 1, 2]).all()
+    assert outputs["sdpa_fp8.stats"][0, 1, 2].item() == float("-inf")
+    assert not torch.isnan(outputs["sdpa_fp8.o"][0, 0]).any()
+    assert_matches(outputs, g.reference(bindings))
+
+
+def test_backward_size_one_axes():
+    """One key (every row sees it alone: P = 1, dS = dP - delta = 0 up to rounding) and one query,
+    head dim 1. amax_dP is left out where it is the residue of that cancellation (the float64
+    reference keeps ~1e-8 of the float32 descales' rounding, the kernel's float32 sums 0)."""
+    for s_q, s_kv, dim in ((3, 1, 1), (1, 33, 8)):
+        tensors = backward_tensors(E4M3, E4M3, 1, 2, 1, s_q, s_kv, dim, True)
+        g = backward_graph(tensors, True, grad_type=dg.float32)
+        bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+        outputs = execute(g, bindings)
+        refs = g.reference(bindings)
+        if s_kv == 1:
+            assert abs(outputs.pop("sdpa_fp8_backward.amax_dP").item()) < 1e-6
+        assert_matches(outputs, refs)
+
+
+def test_amaxes_restart_at_every_execute():
+    """The amaxes are atomic maxima: a second execute with smaller values (same built graph, same
+    output tensors, which still hold the first maxima) gets its own, not the first's."""
+    tensors = backward_tensors(E4M3, E4M3, 1, 2, 1, 19, 23, 16, True)
+    g = backward_graph(tensors, True)
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    outputs = execute(g, bindings)
+    assert_matches(outputs, g.reference(bindings))
+    smaller = {**bindings, "dO": (tensors["dO"].float() / 8).to(E4M3), "v": (tensors["v"].float() / 4).to(E4M3)}
+    g.execute({**smaller, **outputs})
+    refs = g.reference(smaller)
+    for name in ("amax_dQ", "amax_dK", "amax_dV", "amax_dP"):
+        got, expected = outputs[f"sdpa_fp8_backward.{name}"].item(), refs[f"sdpa_fp8_backward.{name}"].item()
+        assert math.isclose(got, expected, rel_tol=1e-5), (name, got, expected)
+
+
 def test_unmarked_amax_goes_to_the_workspace():
     """An amax the graph does not mark is written to a workspace buffer, the rest as usual."""
     q = fp8_values((1, 2, 25, 16), E4M3, 14)
@@ -266,6 +314,55 @@ def test_backward_matches_reference(dtype, causal):
     backward_case(dtype, dtype, 2, 4, 2, 37, 45, 24, causal)
 
 
+def test_backward_strided_bshd_and_sliced_inputs():
+    """q, o, dO stored BSHD, k and v sliced out of wider buffers (row stride past D), stats
+    strided: the gradients take q's, k's and v's layouts, every output poisoned first."""
+    tensors = backward_tensors(E4M3, E5M2, 2, 4, 2, 27, 31, 16, True)
+
+    def bshd(t):
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+    def sliced(t):
+        wide = torch.zeros(t.shape[:3] + (t.shape[3] + 8,), dtype=t.dtype)
+        wide[..., 4:4 + t.shape[3]] = t
+        return wide[..., 4:4 + t.shape[3]]
+
+    stats = torch.full(tensors["stats"].shape[:3] + (2,), float("nan"))
+    stats[..., :1] = tensors["stats"]
+    tensors.update(q=bshd(tensors["q"]), o=bshd(tensors["o"]), dO=bshd(tensors["dO"]), k=sliced(tensors["k"]),
+                   v=sliced(tensors["v"]), stats=stats[..., :1])
+    g = backward_graph(tensors, True)
+    assert list(g.outputs()[0].stride) == list(bshd(tensors["q"]).stride())
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    assert_matches(execute(g, bindings), g.reference(bindings))
+
+
+def test_backward_broadcast_inputs():
+    """Every input broadcast over the batch (stride 0): the gradients are dense per batch element
+    and match the reference."""
+    tensors = backward_tensors(E4M3, E4M3, 1, 2, 1, 11, 13, 16, True)
+    tensors = {name: t.expand(3, -1, -1, -1) for name, t in tensors.items()}
+    g = backward_graph(tensors, True)
+    assert all(t.stride[0] > 0 for t in g.outputs()[:3])
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    assert_matches(execute(g, bindings), g.reference(bindings))
+
+
+def test_fp8_outputs_past_their_range_convert_as_torch():
+    """o * scale_o past the fp8 range: e4m3 saturates to 448 and e5m2 overflows to inf, as
+    torch's .to does (conversions.float8_rule; cuDNN's satfinite would give e5m2 57344)."""
+    for o_type, dtype in ((dg.float8_e4m3, E4M3), (dg.float8_e5m2, E5M2)):
+        q = fp8_values((1, 1, 13, 16), E4M3, 47)
+        k = fp8_values((1, 1, 15, 16), E4M3, 48)
+        g, bindings = forward_graph(q, k, k, o_type=o_type)
+        bindings.update(scale_tensors({**forward_scales(E4M3), "scale_o": 1e5}))
+        outputs = execute(g, bindings)
+        o = outputs["sdpa_fp8.o"].float()
+        top = torch.finfo(dtype).max
+        assert (o.abs() == (top if dtype is E4M3 else float("inf"))).float().mean() > 0.5
+        assert_matches(outputs, g.reference(bindings))
+
+
 def test_backward_hybrid_e5m2_gradient_and_float32_outputs():
     """dO in e5m2 against e4m3 q, k, v (the hybrid recipe), the gradients stored in float32."""
     outputs = backward_case(E4M3, E5M2, 1, 2, 1, 30, 41, 16, True, grad_type=dg.float32)
@@ -287,6 +384,42 @@ def test_backward_nan_in_d_o_propagates():
     assert torch.isnan(d_v[:, 5]).all() and not torch.isnan(d_v[:, :5]).any()
     assert not torch.isnan(outputs["sdpa_fp8_backward.dq"][0, 0]).any()  # the other head
     assert math.isnan(outputs["sdpa_fp8_backward.amax_dP"].item())
+    assert_matches(outputs, g.reference(bindings))
+
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("-inf")], ids=["NaN", "-inf"])
+def test_backward_special_stats(value):
+    """A NaN in stats reaches that row's dq and the dk, dv of the keys it sees (P = exp(S - NaN)),
+    as any NaN input does; -inf, the forward's stats of a row that sees no key, makes the row's
+    P zero (the row adds nothing), in the kernels and the reference alike."""
+    tensors = backward_tensors(E4M3, E4M3, 1, 2, 1, 21, 19, 16, True)
+    tensors["stats"][0, 1, 6, 0] = value
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    outputs = execute(g, bindings)
+    d_q = outputs["sdpa_fp8_backward.dq"][0, 1]
+    if math.isnan(value):
+        assert torch.isnan(d_q[6]).all() and not torch.isnan(d_q[:6]).any()
+        assert torch.isnan(outputs["sdpa_fp8_backward.dv"][0, 0, :7]).any()
+        assert not torch.isnan(outputs["sdpa_fp8_backward.dv"][0, 0, 7:]).any()  # keys row 6 does not see
+    else:
+        assert (d_q[6] == 0).all()
+    assert_matches(outputs, g.reference(bindings))
+
+
+def test_backward_nan_in_v_reaches_only_the_rows_that_see_its_key():
+    """A NaN in v at key 15 (causal: rows 0..14 do not see it) makes dP = dO v^T NaN in its whole
+    column; dS is 0 at hidden pairs, so dq of rows 0..14 stays finite in the kernels (the tile
+    holds the hidden pairs) and in the reference alike; dk of key 15 is NaN."""
+    tensors = backward_tensors(E4M3, E4M3, 1, 2, 1, 21, 19, 16, True)
+    tensors["v"][0, 0, 15, 3] = float("nan")
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
+    outputs = execute(g, bindings)
+    d_q = outputs["sdpa_fp8_backward.dq"][0]
+    assert not torch.isnan(d_q[:, :15]).any() and torch.isnan(d_q[:, 15:]).all()
+    assert torch.isnan(outputs["sdpa_fp8_backward.dk"][0, 0, 15]).all()
     assert_matches(outputs, g.reference(bindings))
 
 
@@ -312,6 +445,100 @@ def test_forward_then_backward_in_one_graph_and_as_function(o_marked):
     bindings = {"q": q, "k": k, "v": v, "dO": d_o, **scale_tensors({n: values[n] for n in {**forward, **backward}})}
     results = g.as_function()(*[bindings[t.name] for t in g.inputs()])
     assert_matches(dict(zip([t.name for t in g.outputs()], results)), g.reference(bindings))
+
+
+
+def composed_forward(tensors: dict, scales: dict, causal: bool, attn_scale: float) -> dict:
+    """The frontend's sdpa_fp8 graph (include/cudnn_frontend/node/sdpa_fp8.h) op by op in float64,
+    apart from the op's reference: S = q k^T attn_scale descale_q descale_k (causal: top-left),
+    P = softmax(S), amax_s = max |P|, P rounded at scale_s to q's type, O = P v descale_s
+    descale_v, amax_o = max |O| (O unscaled: before scale_o)."""
+    s = {name: float(value) for name, value in scales.items()}
+    q, k, v = (tensors[n].double() for n in ("q", "k", "v"))
+    group = q.shape[1] // k.shape[1]
+    k_full, v_full = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k_full.transpose(-1, -2) * attn_scale * s["descale_q"] * s["descale_k"]
+    if causal:
+        scores = scores.masked_fill(torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    probs = torch.softmax(scores, -1)
+    probs8 = (probs * s["scale_s"]).float().to(tensors["q"].dtype).double()
+    out = probs8 @ v_full * s["descale_s"] * s["descale_v"]
+    return {"o": out, "stats": torch.logsumexp(scores, -1, keepdim=True), "amax_s": probs.abs().max(),
+            "amax_o": out.abs().max()}
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_forward_follows_the_frontends_graph(dtype):
+    """Kernels and reference against the frontend's forward graph composed apart (o in float32
+    to the fp8 rounding flips a float32 sum may make)."""
+    q = fp8_values((1, 4, 41, 16), dtype, 44)
+    k = fp8_values((1, 2, 23, 16), dtype, 45)
+    v = fp8_values((1, 2, 23, 16), dtype, 46)
+    g, bindings = forward_graph(q, k, v, True, o_type=dg.float32)
+    scales = scale_tensors(forward_scales(dtype))
+    bindings.update(scales)
+    expected = composed_forward(bindings, scales, True, 16 ** -0.5)
+    for results in (execute(g, bindings), g.reference(bindings)):
+        for name in ("amax_s", "amax_o"):
+            assert math.isclose(results[f"sdpa_fp8.{name}"].item(), expected[name].item(), rel_tol=1e-5), name
+        assert _relative_error(results["sdpa_fp8.stats"], expected["stats"]) < 1e-6
+        error = _relative_error(results["sdpa_fp8.o"] / forward_scales(dtype)["scale_o"], expected["o"])
+        assert error < 2e-3, f"o: relative error {error:.3g}"
+
+
+def composed_backward(tensors: dict, scales: dict, causal: bool, attn_scale: float) -> dict:
+    """The frontend's sdpa_fp8_backward graph (include/cudnn_frontend/node/sdpa_fp8_bwd.h) op by op in
+    float64, written apart from the op's reference: P = exp(S - stats) rounded at scale_S to q's
+    type; dS ("dP" there) = P (dO V^T - rowsum(dO o)) attn_scale, amax_dP = max |dS| before
+    scale_dP, and dS rounded at scale_dP to dO's type. Gradients unscaled (before scale_dQ, ...)."""
+    s = {name: float(value) for name, value in scales.items()}
+    q, k, v, o, d_o = (tensors[n].double() for n in ("q", "k", "v", "o", "dO"))
+    group = q.shape[1] // k.shape[1]
+    k_full, v_full = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = q @ k_full.transpose(-1, -2) * attn_scale * s["descale_q"] * s["descale_k"]
+    if causal:
+        hidden = torch.ones(scores.shape[-2:], dtype=torch.bool).triu(1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+    probs = torch.exp(scores - tensors["stats"].double())
+    probs8 = (probs * s["scale_s"]).float().to(tensors["q"].dtype).double()
+    delta = (d_o * o).sum(-1, keepdim=True) * s["descale_dO"] * s["descale_o"]
+    d_scores = (d_o @ v_full.transpose(-1, -2) * s["descale_dO"] * s["descale_v"] - delta) * probs * attn_scale
+    d_scores8 = (d_scores * s["scale_dP"]).float().to(tensors["dO"].dtype).double()
+
+    def folded(grad):  # the query heads of each k/v head summed
+        return grad.reshape(k.shape[0], k.shape[1], group, *grad.shape[2:]).sum(2)
+
+    return {"dq": d_scores8 @ k_full * s["descale_dP"] * s["descale_k"],
+            "dk": folded(d_scores8.transpose(-1, -2) @ q) * s["descale_dP"] * s["descale_q"],
+            "dv": folded(probs8.transpose(-1, -2) @ d_o) * s["descale_s"] * s["descale_dO"],
+            "amax_dP": d_scores.abs().max()}
+
+
+def _relative_error(got, expected) -> float:
+    return ((got.double() - expected).norm() / expected.norm()).item()
+
+
+@pytest.mark.parametrize("do_dtype", [E4M3, E5M2], ids=["dO e4m3", "dO e5m2 (hybrid)"])
+@pytest.mark.parametrize("sizes", [(29, 35), (70, 20)], ids=["Sq<Skv", "Sq>Skv"])
+def test_backward_follows_the_frontends_graph(do_dtype, sizes):
+    """amax_dP is max |dS| (the value scale_dP scales: the frontend's "dP" is the softmax input's
+    gradient), and dS is rounded to dO's type. Kernels and reference both against the frontend's
+    graph composed apart (the float32 gradients to the fp8 rounding flips a float32 sum may make;
+    rounding dS to the other type, or taking amax of dO V^T, is off by far more)."""
+    tensors = backward_tensors(E4M3, do_dtype, 1, 4, 2, *sizes, 16, True)
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    scales = scale_tensors(backward_scales(E4M3))
+    bindings = {**tensors, **scales}
+    outputs = execute(g, bindings)
+    refs = g.reference(bindings)
+    expected = composed_backward(tensors, scales, True, 16 ** -0.5)
+    for results in (outputs, refs):
+        amax = results["sdpa_fp8_backward.amax_dP"].item()
+        assert math.isclose(amax, expected["amax_dP"].item(), rel_tol=1e-5), (amax, expected["amax_dP"].item())
+        for name in ("dq", "dk", "dv"):
+            scale = backward_scales(E4M3)[f"scale_d{name[1].upper()}"]
+            error = _relative_error(results[f"sdpa_fp8_backward.{name}"] / scale, expected[name])
+            assert error < 2e-3, f"{name}: relative error {error:.3g}"
 
 
 # --- errors -----------------------------------------------------------------------------------------------
@@ -357,6 +584,53 @@ def test_bad_backward_inputs_are_validation_errors():
         assert len(g.nodes) == 0
 
 
+
+@pytest.mark.parametrize("case", ["amax_o bf16", "amax_s fp8", "stats bf16", "o int32", "o bool",
+                                  "dq bool", "amax_dP float16"])
+def test_output_types_set_after_the_call_are_validation_errors(case):
+    """set_data_type on an output after the op call: the amaxes (atomics on float32 bits) and stats
+    stay float32, o and the gradients floating; build refuses the rest with a ValidationError
+    (a 2-byte amax took a 4-byte atomic, a bool o crashed untyped), and the graph builds once
+    the type is put back."""
+    output, data_type = {"amax_o bf16": ("sdpa_fp8.amax_o", dg.bfloat16),
+                         "amax_s fp8": ("sdpa_fp8.amax_s", dg.float8_e4m3),
+                         "stats bf16": ("sdpa_fp8.stats", dg.bfloat16), "o int32": ("sdpa_fp8.o", dg.int32),
+                         "o bool": ("sdpa_fp8.o", dg.bool), "dq bool": ("sdpa_fp8_backward.dq", dg.bool),
+                         "amax_dP float16": ("sdpa_fp8_backward.amax_dP", dg.float16)}[case]
+    if output.startswith("sdpa_fp8_backward"):
+        g = backward_graph(backward_tensors(E4M3, E4M3, 1, 2, 1, 8, 8, 16, False))
+    else:
+        q = fp8_values((1, 2, 9, 16), E4M3, 36)
+        g, _ = forward_graph(q, q, q)
+    tensor = next(t for t in g.outputs() if t.name == output)
+    before = tensor.data_type
+    tensor.set_data_type(data_type)
+    with pytest.raises(dg.ValidationError, match=output.split(".")[1]):
+        g.build()
+    tensor.set_data_type(before)
+    g.build()
+
+
+@pytest.mark.parametrize("changed", ["q k v to e5m2", "dO to e4m3", "q to bf16"])
+def test_input_types_set_after_the_call_are_validation_errors(changed):
+    """The op fixes the fp8 types P and dS round to (q's, dO's) at the call: an input whose type
+    set_data_type changes afterwards is refused at build (the kernels would round in the new
+    type, the reference in the old), and the graph builds once it is put back."""
+    tensors = backward_tensors(E4M3, E5M2, 1, 2, 1, 8, 8, 16, False)
+    g = backward_graph(tensors)
+    inputs = {t.name: t for t in g.inputs()}
+    names, data_type = {"q k v to e5m2": (("q", "k", "v"), dg.float8_e5m2), "dO to e4m3": (("dO",), dg.float8_e4m3),
+                        "q to bf16": (("q",), dg.bfloat16)}[changed]
+    before = {name: inputs[name].data_type for name in names}
+    for name in names:
+        inputs[name].set_data_type(data_type)
+    with pytest.raises(dg.ValidationError):
+        g.build()
+    for name in names:
+        inputs[name].set_data_type(before[name])
+    g.build()
+
+
 def test_wrong_binding_is_an_execution_error_and_writes_nothing():
     q = fp8_values((1, 2, 9, 16), E4M3, 30)
     k = fp8_values((1, 2, 9, 16), E4M3, 31)
@@ -396,6 +670,19 @@ def test_json_round_trip_runs():
     g, bindings = forward_graph(q, k, k, causal=True)
     copy = dg.Graph.from_json(g.to_json())
     bindings.update(scale_tensors(forward_scales(E5M2)))
+    assert_matches(execute(copy, bindings), g.reference(bindings))
+
+
+
+def test_json_round_trip_keeps_the_hybrid_gradient_type():
+    """The backward's dS type (dO's, e5m2 here) survives to_json / from_json: the copy runs and
+    matches the reference of the original."""
+    tensors = backward_tensors(E4M3, E5M2, 1, 2, 1, 13, 17, 16, True)
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    copy = dg.Graph.from_json(g.to_json())
+    (node,) = [n for n in copy.nodes if n.op == "sdpa_fp8_backward"]
+    assert node.attrs.ds_type() is dg.float8_e5m2
+    bindings = {**tensors, **scale_tensors(backward_scales(E4M3))}
     assert_matches(execute(copy, bindings), g.reference(bindings))
 
 
@@ -442,6 +729,40 @@ def test_kernels_compile_for_sm90():
     assert "compiled 32 kernels for sm_90" in compiled_for_sm90("test_sdpa_fp8:sm90_graphs", timeout=900)
 
 
+
+def sm90_wide_head_graphs():
+    """Forward and backward (hybrid, GQA, causal) at head dim 256, lowered with the GPU's tiles."""
+    q = fp8_values((1, 4, 256, 256), E4M3, 0)
+    k = fp8_values((1, 2, 256, 256), E4M3, 1)
+    yield _gpu_lowered("forward d=256", forward_graph(q, k, k, True)[0])
+    yield _gpu_lowered("backward d=256", backward_graph(backward_tensors(E4M3, E5M2, 1, 4, 2, 256, 256, 256, True),
+                                                        True))
+
+
+def test_wide_heads_compile_for_sm90_without_spills(monkeypatch):
+    """At head dim 256 the GPU tiles keep the float32 accumulators ([BLOCK_M, D], or dK and dV's
+    two [BLOCK_N, D]) in registers: ptxas reports no spill stores for any kernel (the 128-wide
+    tiles of D <= 128 spilled 424 to 616 bytes here)."""
+    from helpers import compiled_for_sm90
+    monkeypatch.setenv("SM90_SPILLS", "1")
+    output = compiled_for_sm90("test_sdpa_fp8:sm90_wide_head_graphs", timeout=600)
+    spills = [line for line in output.splitlines() if line.startswith("spills ")]
+    assert len(spills) == 5 and all(line.endswith(": 0") for line in spills), spills
+
+
+@pytest.mark.parametrize("dims", [(272, 64), (64, 320)], ids=["d_qk 272", "d_v 320"])
+def test_heads_past_256_are_unsupported_on_the_gpu(dims):
+    """The GPU kernels hold [tile, D] float32 accumulators in registers: past D = 256 (the
+    frontend's limit, and the bf16 kernels') they would spill kilobytes, so the lowering for a
+    GPU refuses them with an UnsupportedError (the interpreter runs any width)."""
+    d_qk, d_v = dims
+    q = fp8_values((1, 2, 40, d_qk), E4M3, 37)
+    k = fp8_values((1, 1, 40, d_qk), E4M3, 38)
+    v = fp8_values((1, 1, 40, d_v), E4M3, 39)
+    with pytest.raises(dg.UnsupportedError, match="256"):
+        _gpu_lowered("wide", forward_graph(q, k, v)[0])
+
+
 # --- GPU ----------------------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
@@ -464,3 +785,26 @@ def test_gpu_backward_realistic(causal):
 @pytest.mark.gpu
 def test_gpu_backward_hybrid_gqa():
     backward_case(E4M3, E5M2, 2, 16, 4, 1024, 1536, 128, True, grad_type=dg.float32, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dim", [64, 80, 256], ids=["d64", "d80", "d256"])
+def test_gpu_head_dims(dim):
+    """Head dims besides 128: 64, 80 (padded to a 128 tile, masked) and 256 (the wide tiles)."""
+    forward_case(E4M3, 1, 8, 2, 777, 1029, dim, True, o_type=dg.float32, device="cuda")
+    backward_case(E4M3, E5M2, 1, 8, 2, 777, 1029, dim, True, grad_type=dg.float32, device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_backward_follows_the_frontends_graph():
+    """amax_dP = max |dS| and dS in dO's type (e5m2) on the GPU's kernels and tiles."""
+    tensors = backward_tensors(E4M3, E5M2, 1, 8, 2, 1000, 700, 128, True, device="cuda")
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    scales = scale_tensors(backward_scales(E4M3), "cuda")
+    outputs = execute(g, {**tensors, **scales}, "cuda")
+    expected = composed_backward({n: t.cpu() for n, t in tensors.items()}, {n: t.cpu() for n, t in scales.items()},
+                                 True, 128 ** -0.5)
+    assert math.isclose(outputs["sdpa_fp8_backward.amax_dP"].item(), expected["amax_dP"].item(), rel_tol=5e-3)
+    for name in ("dq", "dk", "dv"):
+        scale = backward_scales(E4M3)[f"scale_d{name[1].upper()}"]
+        assert _relative_error(outputs[f"sdpa_fp8_backward.{name}"].cpu() / scale, expected[name]) < 2e-2, name

@@ -55,8 +55,11 @@ def rule_literal(data_type) -> tuple:
 
 
 def _stored_flags(spec: Fp8AttentionSpec, which: str) -> dict:
-    """The fp8 flag and conversion rule of each output a kernel stores, and P's (q's type)."""
+    """The fp8 flag and conversion rule of each output a kernel stores, P's (q's type) and the
+    backward's dS's (dO's type)."""
     flags = {"P_RULE": rule_literal(spec.tensors["q"].data_type)}
+    if which != "forward":
+        flags["DS_RULE"] = rule_literal(spec.tensors["do"].data_type)
     outputs = {"forward": ("o",), "dkdv": ("dk", "dv"), "dq": ("dq",)}[which]
     for role in outputs:
         data_type = spec.tensors[role].data_type

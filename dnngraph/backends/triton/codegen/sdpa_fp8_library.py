@@ -11,8 +11,8 @@ converts as torch does (tm.to_float8 with the encodings conversions.py reads fro
   v. amax_s and amax_o are max-reduced over the tile, then atomically into the output.
 * backward, as the bf16 kernels (codegen/sdpa.py): a dK/dV program per key block walks the
   query tiles of every query head of its group; a dQ program per query tile walks its keys
-  (and takes amax_dP, each (query, key) pair being seen there once). delta = rowsum(o dO) is
-  taken in both, from o and dO.
+  (and takes amax_dP = max |dS|, each (query, key) pair being seen there once). delta =
+  rowsum(o dO) is taken in both, from o and dO. P is rounded to q's fp8 type, dS to dO's.
 
 Amaxes: a non-negative float32's bits order like int32, so the tile's max is an integer max of
 |x|'s bits and the atomic an int32 max on the output's bits (zeroed by a launch before): NaN,
@@ -82,6 +82,14 @@ def _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL: tl.constexpr):
 
 
 @triton.jit
+def _gradient_terms(scores, lse, d_probs, delta, visible, SCALE: tl.constexpr):
+    """(P, dS) of a block of base-2 scores, exactly 0 at the pairs the mask hides: a NaN in
+    stats, or in dO v^T at a hidden pair, stays out of them whatever the tiling."""
+    probs = tl.where(visible, tl.math.exp2(scores - lse), 0.0)
+    return probs, tl.where(visible, probs * (d_probs - delta) * SCALE, 0.0)
+
+
+@triton.jit
 def _key_end(first_row, SQ, SKV, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The end of the keys any row of a query tile starting at first_row sees (the bf16
     kernels' rule, lib.key_range: causal is a right bound of 0, top-left)."""
@@ -133,8 +141,9 @@ def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr,
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(scores - m_use[:, None]), 1)
         m_i = m_new
-    # a row that sees no key (none here but padding) gets an lse of +inf: its P is 0
-    lse = tl.where(l_i == 0.0, float("inf"), m_i + tl.math.log2(l_i))
+    # every row inside SQ sees key 0 (top-left causal), so l_i == 0 means its scores are all -inf:
+    # lse = -inf and P = exp2(-inf + inf) = NaN, as torch's softmax of such a row
+    lse = m_i + tl.math.log2(l_i)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     amax_s = tl.zeros([BLOCK_M], tl.int32)  # per row: few registers
@@ -156,15 +165,16 @@ def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr,
              out * tl.load(scale_o_ptr), o_mask, O_FP8, O_RULE)
     if HAS_STATS:
         tl.store(stats_ptr + batch.to(tl.int64) * stats_s0 + head * stats_s1 + rows * stats_s2,
-                 tl.where(l_i == 0.0, float("-inf"), lse / LOG2E), mask=row_in)
+                 lse / LOG2E, mask=row_in)
 
 
 @triton.jit
 def _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, q_off, do_off, o_off, stats_off, rows, SQ,
                 q_s2, q_s3, do_s2, do_s3, o_s2, o_s3, stats_s2, delta_scale,
                 HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """(q, dO, base-2 lse, delta) of query rows `rows`; rows past SQ load zeros and an lse of
-    +inf, so their P is 0."""
+    """(q, dO, base-2 lse, delta) of query rows `rows`; rows past SQ, and rows whose stats are
+    -inf (the forward's for a row that sees no key), get an lse of +inf, so their P is 0; a NaN
+    in stats stays NaN and reaches the row's P, as in the reference."""
     row_in = rows < SQ
     cols_d = tl.arange(0, BLOCK_D)
     cols_dv = tl.arange(0, BLOCK_DV)
@@ -175,7 +185,7 @@ def _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, q_off, do_off, o_off, stats_off
     o_tile = tl.load(o_ptr + o_off + rows[:, None] * o_s2 + cols_dv[None, :] * o_s3, mask=dv_in, other=0.0)
     delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1) * delta_scale
     lse = tl.load(stats_ptr + stats_off + rows * stats_s2, mask=row_in, other=0.0)
-    lse = tl.where(row_in & (lse > float("-inf")), lse * LOG2E, float("inf"))
+    lse = tl.where(row_in & (lse != float("-inf")), lse * LOG2E, float("inf"))
     return q_tile, do_tile, lse, delta
 
 
@@ -187,9 +197,9 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
                   do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, dk_s0, dk_s1, dk_s2, dk_s3,
                   dv_s0, dv_s1, dv_s2, dv_s3, HEADS, GROUP, SQ, SKV,
                   SCALE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-                  P_RULE: tl.constexpr, DK_FP8: tl.constexpr, DK_RULE: tl.constexpr, DV_FP8: tl.constexpr,
-                  DV_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_DV: tl.constexpr):
+                  P_RULE: tl.constexpr, DS_RULE: tl.constexpr, DK_FP8: tl.constexpr, DK_RULE: tl.constexpr,
+                  DV_FP8: tl.constexpr, DV_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """dK, dV (and their amaxes) of one key block of one (batch, k/v head), the query heads of
     its group summed in registers."""
     pid_n = tl.program_id(0)
@@ -229,11 +239,10 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
             visible = key_in[:, None] & (rows < SQ)[None, :]
             if CAUSAL:
                 visible = visible & (keys[:, None] <= rows[None, :])
-            probs = tl.math.exp2(tl.where(visible, scores, float("-inf")) - lse[None, :])
-            dv_acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), do_tile)
             d_probs = tl.dot(v_tile, tl.trans(do_tile)) * dp_scale
-            d_scores = probs * (d_probs - delta[None, :]) * SCALE
-            dk_acc += tl.dot(quantize(d_scores * scale_dp, q_ptr.dtype.element_ty, P_RULE), q_tile)
+            probs, d_scores = _gradient_terms(scores, lse[None, :], d_probs, delta[None, :], visible, SCALE)
+            dv_acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), do_tile)
+            dk_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), q_tile)
     d_k = dk_acc * (tl.load(descale_q_ptr) * tl.load(descale_dp_ptr))
     d_v = dv_acc * (tl.load(descale_s_ptr) * tl.load(descale_do_ptr))
     dk_mask = key_in[:, None] & (cols_d < HEAD_DIM)[None, :]
@@ -254,9 +263,9 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
                 do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, dq_s0, dq_s1, dq_s2, dq_s3,
                 HEADS, GROUP, SQ, SKV,
                 SCALE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
-                P_RULE: tl.constexpr, DQ_FP8: tl.constexpr, DQ_RULE: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """dQ (and amax_dQ, amax_dP) of one query tile of one (batch, head)."""
+                P_RULE: tl.constexpr, DS_RULE: tl.constexpr, DQ_FP8: tl.constexpr, DQ_RULE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """dQ (and amax_dQ, amax_dP = max |dS|) of one query tile of one (batch, head)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // HEADS).to(tl.int64)
@@ -287,11 +296,11 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
         v_cols = tl.load(v_base + keys[None, :] * v_s2 + cols_dv[:, None] * v_s3,
                          mask=key_in[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
         scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
-        probs = tl.math.exp2(scores - lse[:, None])
         d_probs = tl.dot(do_tile, v_cols) * dp_scale
-        amax_dp = tl.maximum(amax_dp, tl.max(magnitude_bits(d_probs, visible & row_in[:, None]), 1))
-        d_scores = probs * (d_probs - delta[:, None]) * SCALE
-        dq_acc += tl.dot(quantize(d_scores * scale_dp, q_ptr.dtype.element_ty, P_RULE), tl.trans(k_cols))
+        probs, d_scores = _gradient_terms(scores, lse[:, None], d_probs, delta[:, None], visible, SCALE)
+        # the frontend's amax_dP is of the value scale_dP scales: dS (its "dP")
+        amax_dp = tl.maximum(amax_dp, tl.max(magnitude_bits(d_scores, visible & row_in[:, None]), 1))
+        dq_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), tl.trans(k_cols))
     d_q = dq_acc * (tl.load(descale_k_ptr) * tl.load(descale_dp_ptr))
     dq_mask = row_in[:, None] & (cols_d < HEAD_DIM)[None, :]
     amax_into(amax_dq_ptr, magnitude_bits(d_q, dq_mask))

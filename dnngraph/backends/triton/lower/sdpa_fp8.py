@@ -10,14 +10,17 @@ from dataclasses import dataclass
 import triton
 
 from ....errors import UnsupportedError
+from ....ops.sdpa_fp8 import check_types
 from ....runtime.launch import kernel_name, launch_of, scratch
 from ....tensor import contiguous_strides
 from ..heuristics.layout import INT32_LIMIT
+from ..heuristics.sdpa import MAX_GPU_HEAD_DIM
 from ..codegen.sdpa_fp8 import Fp8AttentionSpec, render, render_zero
 
 # fp8 tl.dot needs a reduction of at least 32 on sm_90 (and 16 on every other axis): every tile
-# axis is at least this
+# axis is at least MIN_TILE but the dK/dV kernel's key tile, which no dot reduces over
 MIN_TILE = 32
+MIN_KEY_TILE_DKDV = 16
 INTERPRETER_TILE = 64  # the interpreter runs a tile op at numpy speed: few, large tiles
 
 
@@ -39,6 +42,10 @@ class Fp8Tiles:
 # none at (32, 64, 8); for dQ none at (128, 64, 8), 300 at (64, 128, 8). Untimed: the bench's fp8 rows are
 # the measure
 GPU_TILES = {"forward": Fp8Tiles(128, 64, 8, 3), "dkdv": Fp8Tiles(32, 64, 8, 2), "dq": Fp8Tiles(128, 64, 8, 3)}
+# heads wider than 128 (to MAX_GPU_HEAD_DIM): the tiles above spilled at D = 256 (ptxas, sm_90a:
+# forward 424 bytes, dK/dV 616, dQ 548); these spill none (test_sdpa_fp8's wide-head compile)
+WIDE_HEAD = 128
+WIDE_GPU_TILES = {"forward": Fp8Tiles(64, 64, 8, 3), "dkdv": Fp8Tiles(32, 16, 8, 2), "dq": Fp8Tiles(64, 64, 8, 3)}
 
 
 @dataclass(frozen=True)
@@ -51,16 +58,17 @@ class _Stored:
     data_type: object
 
 
-def _tile(extent: int, cap: int) -> int:
-    return max(MIN_TILE, min(cap, triton.next_power_of_2(max(1, extent))))
+def _tile(extent: int, cap: int, floor: int = MIN_TILE) -> int:
+    return max(floor, min(cap, triton.next_power_of_2(max(1, extent))))
 
 
-def tiles_for(which: str, s_q: int, s_kv: int, on_cpu: bool) -> Fp8Tiles:
-    """The tiles of kernel `which`: the GPU's table (shrunk for short sequences), or one
-    interpreter tile size."""
-    base = GPU_TILES[which]
+def tiles_for(which: str, s_q: int, s_kv: int, on_cpu: bool, width: int = 0) -> Fp8Tiles:
+    """The tiles of kernel `which` for heads `width` wide (max of D and Dv): the GPU's table
+    (shrunk for short sequences), or one interpreter tile size."""
+    base = (WIDE_GPU_TILES if width > WIDE_HEAD else GPU_TILES)[which]
     cap_m, cap_n = (INTERPRETER_TILE, INTERPRETER_TILE) if on_cpu else (base.block_m, base.block_n)
-    return Fp8Tiles(_tile(s_q, cap_m), _tile(s_kv, cap_n), base.num_warps, base.num_stages)
+    key_floor = MIN_KEY_TILE_DKDV if which == "dkdv" else MIN_TILE
+    return Fp8Tiles(_tile(s_q, cap_m), _tile(s_kv, cap_n, key_floor), base.num_warps, base.num_stages)
 
 
 def _roles(node, group) -> tuple:
@@ -96,14 +104,25 @@ def _check(node, roles: dict):
                                    f"2^31 elements (dims {list(tensor.dim)}, strides {list(tensor.stride)})")
 
 
+def _check_width(node, width: int, on_cpu: bool):
+    """The GPU kernels hold [tile, D] float32 accumulators in registers: past MAX_GPU_HEAD_DIM (the
+    frontend's limit, and the bf16 kernels') they would spill kilobytes."""
+    if not on_cpu and width > MAX_GPU_HEAD_DIM:
+        raise UnsupportedError(f"node {node.name!r} ({node.op}): head dims past {MAX_GPU_HEAD_DIM} (got "
+                               f"{node.inputs[0].dim[3]} and {node.inputs[2].dim[3]}) have no GPU kernel")
+
+
 def build_sdpa_fp8(graph, group, context) -> list:
     """The zeroing launch and the kernels of one sdpa_fp8(_backward) node."""
     node = group.anchor
+    check_types(node)
+    on_cpu = context.device.type == "cpu"
+    width = max(node.inputs[0].dim[3], node.inputs[2].dim[3])
+    _check_width(node, width, on_cpu)
     roles, buffers = _roles(node, group)
     _check(node, roles)
     q, k, v = roles["q"], roles["k"], roles["v"]
     (_, heads, s_q, head_dim), (_, kv_heads, s_kv, _) = q.dim, k.dim
-    on_cpu = context.device.type == "cpu"
     name = kernel_name(group)
     amaxes = [role for role in roles if role.startswith("amax_")]
     launches = [launch_of(group, render_zero(name + "_zero", [roles[r].uid for r in amaxes], "amax zeroing of "
@@ -111,7 +130,7 @@ def build_sdpa_fp8(graph, group, context) -> list:
                           "the amax outputs are atomic maxima: zeroed first", scratch=buffers)]
     kernels = ("forward",) if node.op == "sdpa_fp8" else ("dkdv", "dq")
     for which in kernels:
-        tiles = tiles_for(which, s_q, s_kv, on_cpu)
+        tiles = tiles_for(which, s_q, s_kv, on_cpu, width)
         block_d = max(MIN_TILE, triton.next_power_of_2(head_dim))
         block_dv = max(MIN_TILE, triton.next_power_of_2(v.dim[3]))
         spec = Fp8AttentionSpec(roles, heads, heads // kv_heads, s_q, s_kv, head_dim, v.dim[3],
