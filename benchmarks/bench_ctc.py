@@ -69,7 +69,11 @@ def torch_cudnn(values: dict):
     input_lengths = torch.full((batch,), steps, dtype=torch.int32)
     if not torch._use_cudnn_ctc_loss(log_probs, concatenated, input_lengths.tolist(), lengths.tolist(), 0):
         return None
-    return lambda lp: F.ctc_loss(lp, concatenated, input_lengths, lengths, reduction="mean")
+    # lengths as Python lists: the mean's division then runs on the loss's device (CPU length
+    # tensors fail there, "expected all tensors on the same device"), and aten's list form is the
+    # one that calls cuDNN
+    steps_list, lengths_list = input_lengths.tolist(), lengths.tolist()
+    return lambda lp: F.ctc_loss(lp, concatenated, steps_list, lengths_list, reduction="mean")
 
 
 def forward_backward(loss_of, log_probs):
