@@ -106,6 +106,29 @@ def test_int8_pointwise_math_is_exact_int32_then_saturates_on_store():
     assert out[w.name].tolist() == [[200, -200, -2, 128]]
 
 
+
+@pytest.mark.parametrize("layout_op", ["concatenate", "concatenate_then_add", "transpose_copy", "strided_slice",
+                                       "reshape_of_transpose"])
+def test_int8_through_layout_ops_that_copy(layout_op):
+    """int8 values moved by the layout ops' copy kernels (a copy stores to a buffer the build makes
+    up, not a graph tensor) come out bit for bit, and a consumer of the copy widens them."""
+    torch.manual_seed(17)
+    x, y = quantized([5, 7]), quantized([7, 5]).t()  # y: a transposed (column-major) part
+    g = dg.Graph(name="layout8", io_data_type=dg.int8)
+    tx, ty = g.tensor_like(x, name="x"), g.tensor_like(y, name="y")
+    if layout_op == "concatenate":
+        out = g.concatenate([tx, ty], axis=1)
+    elif layout_op == "concatenate_then_add":
+        out = g.add(g.concatenate([tx, ty], axis=0), 100)  # saturates on the int8 store
+    elif layout_op == "transpose_copy":
+        out = g.transpose(ty, [1, 0]).set_stride([5, 1])
+    elif layout_op == "strided_slice":
+        out = g.slice(ty, [slice(1, 5), slice(0, 7, 3)])
+    else:
+        out = g.reshape(g.transpose(tx, [1, 0]), [5, 7])
+    out.set_output(True)
+    exact(g, {tx: x, ty: y})
+
 # --- matmul: int32 out, exact ---------------------------------------------------------------------
 def test_int8_matmul_yields_int32_by_default():
     g, ta, tb, c = matmul_graph(quantized([5, 7]), quantized([7, 3]))
