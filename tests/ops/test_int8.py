@@ -107,6 +107,26 @@ def test_int8_pointwise_math_is_exact_int32_then_saturates_on_store():
 
 
 
+def test_integer_constants_with_int8_operands_fit_int32_where_the_math_runs():
+    """int8 operands compute in int32: an integral constant past int32 is refused at the op call
+    (as with an int32 tensor), one past int8 but within int32 is exact, and an int64 operand
+    widens the math (and the allowed constants) to int64."""
+    x = torch.tensor([[100, -128, 5]], dtype=torch.int8)
+    wide = torch.tensor([[1, 2, 3]], dtype=torch.int64)
+    g = dg.Graph(name="const8", io_data_type=dg.int64)
+    tx, tw = g.tensor_like(x, name="x"), g.tensor_like(wide, name="wide")
+    condition = g.tensor(name="c", dim=[1, 3], data_type=dg.bool)
+    for make in (lambda: g.add(tx, 2**40), lambda: g.mul(tx, -2**31 - 1), lambda: g.maximum(tx, 2**40),
+                 lambda: g.where(condition, tx, 2**40)):  # (a bool condition does not widen the math)
+        with pytest.raises(dg.ValidationError, match="int32"):
+            make()
+    assert g.nodes == []
+    g.add(tx, 100000).set_output(True)
+    g.add(g.add(tx, tw), 2**40).set_output(True)
+    out = exact(g, {tx: x, tw: wide})
+    assert list(out.values())[0].tolist() == [[100100, 99872, 100005]]
+
+
 @pytest.mark.parametrize("layout_op", ["concatenate", "concatenate_then_add", "transpose_copy", "strided_slice",
                                        "reshape_of_transpose"])
 def test_int8_through_layout_ops_that_copy(layout_op):
