@@ -220,6 +220,35 @@ def test_int8_matmul_refuses_a_k_that_could_overflow():
     g.matmul(g.tensor(name="a_ok", dim=[2, INT8_MAX_K], data_type=dg.int8), ok)  # the limit itself is taken
 
 
+@pytest.mark.parametrize("late", ["long_k", "mixed", "conv_long_k", "through_a_view"])
+def test_int8_operands_typed_after_the_op_are_checked_at_build(late):
+    """set_data_type after the op call makes operands the call would have refused: the build
+    refuses them as the call does (ValidationError), never running an int32 sum that wraps nor
+    failing inside the lowering; setting both operands one after the other is fine."""
+    g = dg.Graph(name="late8", io_data_type=dg.float32)
+    k = INT8_MAX_K + 1 if late in ("long_k", "through_a_view") else 8
+    if late == "conv_long_k":
+        channels = INT8_MAX_K // 9 + 1
+        ta = g.tensor(name="x", dim=[1, channels, 3, 3], data_type=dg.float32)
+        tb = g.tensor(name="w", dim=[1, channels, 3, 3], data_type=dg.float32)
+        y = g.conv_fprop(ta, tb, padding=[0, 0], stride=[1, 1], dilation=[1, 1])
+    else:
+        ta = g.tensor(name="a", dim=[2, k], data_type=dg.float32)
+        tb = g.tensor(name="b", dim=[k, 2], data_type=dg.float32)
+        a = g.reshape(ta, [2, k]) if late == "through_a_view" else ta  # the view takes a's type
+        y = g.matmul(a, tb)
+    y.set_output(True)
+    ta.set_data_type(dg.int8)
+    if late != "mixed":
+        tb.set_data_type(dg.int8)
+    with pytest.raises(dg.ValidationError, match="overflow" if late != "mixed" else "int8"):
+        g.build()
+    assert g.plan is None
+    if late == "mixed":
+        tb.set_data_type(dg.int8)
+        g.build()  # both int8 now: taken
+
+
 @pytest.mark.parametrize("other", [dg.float32, dg.bfloat16, dg.int32])
 def test_int8_times_another_type_is_a_validation_error(other):
     g = dg.Graph(name="mixed", io_data_type=dg.float32)
