@@ -369,6 +369,28 @@ def test_quantization_of_a_float_operand_fuses_into_the_int8_matmul_loader():
     assert torch.equal(out.long(), dtypes.to_int8(x * 0.5).long() @ w.long())
 
 
+@pytest.mark.parametrize("probabilities", ["int8", "float32"])
+def test_attention_written_as_ops_with_scaled_probabilities_builds(probabilities):
+    """s = q8 @ k8 (int32), p = softmax(s / 64), then p times a constant (requantized to int8, or
+    a float scale) @ v: the attention matchers read p's readers, and a mul by a constant is none
+    of theirs (the backward matcher took it for ds' = p * (dP - delta) and raised AttributeError
+    on its absent tensor operand)."""
+    torch.manual_seed(18)
+    q8, k8 = quantized([1, 2, 16, 32]), quantized([1, 2, 32, 16])
+    v = quantized([1, 2, 16, 8]) if probabilities == "int8" else torch.randn(1, 2, 16, 8)
+    g = dg.Graph(name="qattention", io_data_type=dg.float32)
+    tq, tk, tv = g.tensor_like(q8, name="q"), g.tensor_like(k8, name="k"), g.tensor_like(v, name="v")
+    p = g.softmax(g.mul(g.matmul(tq, tk), 1.0 / 64), axis=-1)
+    if probabilities == "int8":
+        p = g.cast(g.mul(p, 127.0), data_type=dg.int8)
+    else:
+        p = g.mul(p, 2.0)
+    o = g.matmul(p, tv).set_output(True)
+    assert o.data_type is (dg.int32 if probabilities == "int8" else dg.float32)
+    # the kernels' float32 softmax may round a probability to the other int8 step than float64 does
+    check(g, {tq: q8, tk: k8, tv: v}, tolerance=1e-2 if probabilities == "int8" else None)
+
+
 def test_int8_graph_round_trips_through_json():
     a, b = quantized([5, 9]), quantized([9, 4])
     g, ta, tb, c = matmul_graph(a, b)
