@@ -1638,3 +1638,29 @@ def _int8_made(node) -> Optional[str]:
 
 
 CONVERTERS[aten._int_mm.default] = _int_mm
+
+
+# torch compares an integer tensor with a number or a 0-d integer tensor in the tensor's own type,
+# converting the other operand to it with wrap-around (an int8 x < 300 compares x with 44, an
+# int32 x == tensor(2**32 + 44) with 44); dnngraph compares the values themselves (int8 widened to
+# int32), so such a comparison stays in torch. A number in the type's range compares alike.
+def _wrapping_comparison(node) -> Optional[str]:
+    operands = [arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg for arg in node.args[:2]]
+    held = [t for t in operands if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if len(held) != 1 or held[0].dtype not in (torch.int8, torch.int32):
+        return None
+    limits = torch.iinfo(held[0].dtype)
+    for other in operands:
+        if other is held[0] or isinstance(other, bool):
+            continue
+        out_of_range = isinstance(other, int) and not limits.min <= other <= limits.max
+        wider = (isinstance(other, torch.Tensor) and other.dim() == 0 and other.dtype in (torch.int32, torch.int64)
+                 and torch.iinfo(other.dtype).bits > limits.bits)
+        if out_of_range or wider:
+            what = repr(other) if out_of_range else f"a 0-d {other.dtype} tensor"
+            return (f"torch compares {held[0].dtype} values with {what} converted to {held[0].dtype} "
+                    f"(it wraps); dnngraph would compare the values themselves")
+    return None
+
+
+REFUSALS.update({target: _wrapping_comparison for packet in COMPARE for target in (packet.Tensor, packet.Scalar)})

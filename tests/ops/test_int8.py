@@ -578,6 +578,32 @@ def test_torch_conversions_to_int8_stay_in_torch():
     assert any("int8" in why for _, why in left), left
 
 
+
+def _left_in_torch(fn, *args):
+    """(compiled result, torch's, the ops left in torch with why) of `fn` under the dnngraph backend."""
+    from dnngraph import torch_backend
+    torch._dynamo.reset()
+    torch_backend.REPORTS.clear()
+    got = torch.compile(fn, backend="dnngraph", dynamic=False)(*args)
+    return got, fn(*args), [(str(target), why) for report in torch_backend.REPORTS for target, why in report.torch_ops]
+
+
+@pytest.mark.parametrize("compare", [lambda x: x < 300, lambda x: x == -129, lambda x: x >= torch.tensor(300),
+                                     lambda x: x.int() != torch.tensor(2**32 + 44)],
+                         ids=["int8-vs-300", "int8-vs-minus-129", "int8-vs-0d-int64", "int32-vs-0d-int64"])
+def test_torch_comparisons_that_wrap_the_other_operand_stay_in_torch(compare):
+    """torch compares an integer tensor with a number or a 0-d tensor in the tensor's own type, the
+    other operand converted with wrap-around (int8 x < 300 compares with 44); dnngraph would
+    compare the true values (int8 widened to int32): such a comparison stays in torch, and the
+    compiled program gives torch's answer. One within the type's range is dnngraph's."""
+    x = torch.tensor([127, -128, 44, 0, -127, 5], dtype=torch.int8)
+    got, want, left = _left_in_torch(compare, x)
+    assert torch.equal(got, want)
+    assert any("wrap" in why for _, why in left), left
+    got, want, left = _left_in_torch(lambda x: (x < 100) & (x != -128), x)
+    assert torch.equal(got, want) and not any("lt" in target or "ne" in target for target, _ in left), left
+
+
 # --- GPU, at real sizes ---------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 4096, 4096), (8192, 8192, 8192), (17, 4096, 4096), (4096, 11008, 4096),
