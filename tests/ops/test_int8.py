@@ -549,6 +549,47 @@ def test_int8_conv_narrow_k_steps_stay_at_32():
     assert min(c.block_k for c in conv_heuristics.candidates(problem, DEVICE)) >= 32
 
 
+def _modelled_us(graph) -> float:
+    """The model's time of a one-kernel graph built for the H100 (explain's "model rank" line)."""
+    graph.build(options=dg.BuildOptions(target=DEVICE))
+    (line,) = [line for line in graph.explain().splitlines() if "model rank" in line]
+    return float(line.split(" us ")[0].split(": ")[-1])
+
+
+def test_int8_depthwise_conv_has_no_cliff():
+    """A depthwise int8 conv (MobileNet's, NHWC) is modelled no slower than the bf16 one: as an
+    implicit GEMM of N = 1 per group it was 36x slower (1310 us against 37 us)."""
+    times = {}
+    for data_type in (dg.bfloat16, dg.int8):
+        g = dg.Graph(name="dw", io_data_type=dg.bfloat16)
+        x = g.tensor(name="x", dim=[32, 256, 56, 56], stride=[802816, 1, 14336, 256], data_type=data_type)
+        w = g.tensor(name="w", dim=[256, 1, 3, 3], stride=[9, 1, 3, 1], data_type=data_type)
+        y = g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=256)
+        y.set_output(True).set_data_type(dg.bfloat16)  # the same output bytes (int8's int32 stored as bf16)
+        times[data_type.name] = _modelled_us(g)
+    assert times["int8"] <= 1.05 * times["bfloat16"], times
+
+
+@pytest.mark.parametrize("taps", [9, 1024, 1025])
+def test_int8_depthwise_conv_is_exact_at_the_extremes(taps):
+    """-128 x -128 but for one odd product (-127 x -127): a depthwise (or channel-multiplier)
+    conv's sum reaches (taps - 1) x 2^14 + 16129, an odd integer past float32's exact ones (2^24)
+    beyond 1024 taps, where a float32 accumulator would round it; each stays exact whichever
+    kernel runs it, an int epilogue and requantization too."""
+    width = taps + 6
+    x = torch.full((2, 3, width), -128, dtype=torch.int8)
+    x[1] = quantized([3, width])
+    w = torch.full((6, 1, taps), -128, dtype=torch.int8)  # channel multiplier 2
+    x[0, 0, 2], w[0, 0, 2] = -127, -127  # output 1 reads x[0 .. taps - 1] (padding 1): tap 2 meets x[2]
+    g = dg.Graph(name="dw8", io_data_type=dg.int32)
+    tx, tw = g.tensor_like(x, name="x"), g.tensor_like(w, name="w")
+    y = g.conv_fprop(tx, tw, padding=[1], stride=[1], dilation=[1], groups=3).set_output(True)
+    g.sub(y, 7).set_output(True)
+    g.mul(y, 2.0 ** -20).set_output(True).set_data_type(dg.int8)
+    out = exact(g, {tx: x, tw: w})
+    assert out[y.name][0, 0, 1].item() == (taps - 1) * 128 * 128 + 127 * 127
+
+
 # --- torch backend ------------------------------------------------------------------------------------
 def test_torch_int_mm_compiles_to_a_dnngraph_int8_matmul():
     from dnngraph import torch_backend
@@ -696,13 +737,22 @@ def sm90_graphs():
     x, w = g.tensor(name="x", dim=[256, 512]), g.tensor(name="w", dim=[512, 384], data_type=dg.int8)
     g.matmul(g.cast(g.mul(x, 0.5), data_type=dg.int8), w).set_output(True)
     yield "quantized at load", g.build(options=h100)
+    g = dg.Graph(name="depthwise8", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[8, 64, 28, 28], stride=[50176, 1, 1792, 64], data_type=dg.int8)
+    w = g.tensor(name="w", dim=[64, 1, 3, 3], data_type=dg.int8)
+    scale = g.tensor(name="scale", dim=[1, 64, 1, 1], data_type=dg.float32)
+    y = g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=64)
+    g.mul(y, scale).set_output(True)
+    yield "depthwise direct", g.build(options=h100)
 
 
 def test_int8_kernels_compile_for_sm90():
     from helpers import compiled_for_sm90
     output = compiled_for_sm90("test_int8:sm90_graphs", timeout=500)
-    assert "compiled 6 kernels for sm_90" in output
-    # every main kernel's dot is the int8 tensor-core wgmma accumulating in int32
+    assert "compiled 7 kernels for sm_90" in output
+    # every main GEMM kernel's dot is the int8 tensor-core wgmma accumulating in int32; the direct
+    # depthwise kernel has none
     mma = [line for line in output.splitlines() if line.startswith("mma ") and "combine" not in line]
     main = [line for line in mma if "wgmma" in line]
     assert len(main) == 5 and all(".s32.s8.s8" in line for line in main), mma
+    assert any(line.startswith("mma depthwise direct") and line.endswith(": -") for line in mma), mma
