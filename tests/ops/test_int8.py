@@ -708,6 +708,29 @@ def test_gpu_int8_resnet_conv_layers_exact_and_requantized(layer, layout):
     assert torch.equal(out[q.name].cpu(), refs[q.name].cpu())
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [
+    dict(x=[32, 256, 56, 56], w=[256, 1, 3, 3], padding=[1, 1], stride=[1, 1], groups=256),
+    dict(x=[32, 512, 28, 28], w=[1024, 1, 5, 5], padding=[2, 2], stride=[2, 2], groups=512),  # multiplier 2
+], ids=["mobilenet-dw3x3", "dw5x5-s2-multiplier"])
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_gpu_int8_depthwise_conv_exact_and_requantized(layer, layout):
+    """The direct depthwise kernels on int8 (float32 sums, exact below 1024 taps)."""
+    torch.manual_seed(19)
+    layer = dict(layer)
+    x = conv_input(layer.pop("x"), layout).cuda()
+    w = conv_input(layer.pop("w"), layout).cuda()
+    g = dg.Graph(name="gpudw8", io_data_type=dg.bfloat16)
+    tx, tw = g.tensor_like(x, name="x"), g.tensor_like(w, name="w")
+    y = g.conv_fprop(tx, tw, dilation=[1, 1], **layer).set_output(True)
+    q = g.relu(g.mul(y, 1.0 / 256)).set_output(True).set_data_type(dg.int8)
+    out = run(g, {tx: x, tw: w}, device="cuda")
+    assert "depthwise" in g.explain()
+    refs = g.reference({tx: x, tw: w})
+    assert torch.equal(out[y.name].cpu(), refs[y.name].cpu())
+    assert torch.equal(out[q.name].cpu(), refs[q.name].cpu())
+
 # --- sm_90 compiles (no GPU needed) ----------------------------------------------------------------------
 def sm90_graphs():
     """int8 kernels planned for the H100, for the sm_90 compile check: the model's persistent TMA
