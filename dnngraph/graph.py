@@ -1114,6 +1114,11 @@ def _host_scalar(tensor: Tensor, value, device, error) -> torch.Tensor:
                     f"{type(value).__name__}")
     if not tensor.data_type.is_floating and value != int(value):
         raise error(f"{tensor.name!r} is passed by value as {tensor.data_type.name}: {value!r} is no integer")
+    if not tensor.data_type.is_floating and tensor.data_type is not dtypes.bool_:
+        limits = torch.iinfo(tensor.data_type.torch_dtype)  # filling the staging tensor would raise
+        if not limits.min <= value <= limits.max:
+            raise error(f"{tensor.name!r} is passed by value as {tensor.data_type.name}: {value!r} is past its "
+                        f"range [{limits.min}, {limits.max}]")
     staged = torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype, device=device)
     return staged.fill_(value)
 

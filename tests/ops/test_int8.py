@@ -411,6 +411,27 @@ def test_execute_refuses_a_float_tensor_bound_to_an_int8_input():
     assert (out == -12345).all()  # nothing written
 
 
+
+@pytest.mark.parametrize("data_type, value", [(dg.int8, 300), (dg.int8, -129), (dg.int32, 2**40)])
+def test_a_host_scalar_past_its_integer_type_is_an_execution_error(data_type, value):
+    """A pass-by-value input takes a number its integer type holds: past it (int8 300, int32
+    2**40), execute raises ExecutionError and writes nothing (it was torch's RuntimeError from
+    filling the staging tensor); the edges of the range are taken."""
+    x = quantized([3, 4])
+    g = dg.Graph(name="scalar8", io_data_type=dg.int64)
+    tx = g.tensor_like(x, name="x")
+    s = g.tensor(name="s", dim=[1, 1], data_type=data_type).set_is_pass_by_value(True)
+    y = g.add(tx, s).set_output(True)
+    g.build()
+    out = poisoned(y)
+    with pytest.raises(dg.ExecutionError, match="s"):
+        g.execute({tx: x, s: value, y: out})
+    assert (out == -12345).all()
+    # int8's edges; int32's largest less 127, so that x + s (int32 math) does not wrap
+    edge = 127 if value > 0 and data_type is dg.int8 else (-128 if data_type is dg.int8 else 2**31 - 128)
+    g.execute({tx: x, s: edge, y: out})
+    assert torch.equal(out, x.long() + edge)
+
 # --- convolution -----------------------------------------------------------------------------------
 def conv_input(shape, layout):
     """int8 values of logical `shape` stored NCHW, NHWC, or strided (every other channel of a
