@@ -651,8 +651,9 @@ def _left_in_torch(fn, *args):
 
 
 @pytest.mark.parametrize("compare", [lambda x: x < 300, lambda x: x == -129, lambda x: x >= torch.tensor(300),
-                                     lambda x: x.int() != torch.tensor(2**32 + 44)],
-                         ids=["int8-vs-300", "int8-vs-minus-129", "int8-vs-0d-int64", "int32-vs-0d-int64"])
+                                     lambda x: x.int() != torch.tensor(2**32 + 44), lambda x: x[0] > 300],
+                         ids=["int8-vs-300", "int8-vs-minus-129", "int8-vs-0d-int64", "int32-vs-0d-int64",
+                              "0d-int8-vs-300"])
 def test_torch_comparisons_that_wrap_the_other_operand_stay_in_torch(compare):
     """torch compares an integer tensor with a number or a 0-d tensor in the tensor's own type, the
     other operand converted with wrap-around (int8 x < 300 compares with 44); dnngraph would
