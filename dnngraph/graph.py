@@ -881,6 +881,7 @@ class Graph:
         for tensor in self.outputs():
             check_not_overlapping(tensor)
         self._validate_ragged()
+        self._recheck_operand_types()
         used = {t.uid for n in self._nodes for t in n.input_tensors()}
         for node in self._nodes:
             results = node.output_tensors()
@@ -889,6 +890,17 @@ class Graph:
                     f"virtual tensor {results[0].name!r} (output of {node.op} {node.name!r}) is never "
                     f"used: mark it as an output or remove the op")
         return self
+
+    def _recheck_operand_types(self):
+        """Each op's own checks again, on its operands as they are now: set_data_type after an op
+        call can give it operands the call would have refused (an int8 operand beside a float
+        one; an int8 reduction past what int32 accumulates exactly)."""
+        for node in self._nodes:
+            try:
+                node.opdef.infer(list(node.inputs), node.attrs)
+            except ValidationError as error:
+                raise ValidationError(f"node {node.name!r} ({node.op}), with its operands' types as set since: "
+                                      f"{error}") from None
 
     def _validate_ragged(self):
         """A ragged tensor is an input or output that only sdpa nodes read or write, in a ragged
@@ -1188,6 +1200,11 @@ def _host_scalar(tensor: Tensor, value, device, error) -> torch.Tensor:
                     f"{type(value).__name__}")
     if not tensor.data_type.is_floating and value != int(value):
         raise error(f"{tensor.name!r} is passed by value as {tensor.data_type.name}: {value!r} is no integer")
+    if not tensor.data_type.is_floating and tensor.data_type is not dtypes.bool_:
+        limits = torch.iinfo(tensor.data_type.torch_dtype)  # filling the staging tensor would raise
+        if not limits.min <= value <= limits.max:
+            raise error(f"{tensor.name!r} is passed by value as {tensor.data_type.name}: {value!r} is past its "
+                        f"range [{limits.min}, {limits.max}]")
     staged = torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype, device=device)
     return staged.fill_(value)
 

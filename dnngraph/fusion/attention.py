@@ -156,7 +156,9 @@ class _Matcher:
     def probability_readers(self, p) -> bool:
         roles = self.roles
         for reader in self.consumers(p):
-            if reader.op == "mul" and reader.inputs[0] is p and reader.inputs[1] is not p and roles.multiply is None:
+            # ds' = p * (dP - delta): a tensor operand (p times a constant is no gradient)
+            if reader.op == "mul" and reader.inputs[0] is p and reader.inputs[1] is not None and \
+                    reader.inputs[1] is not p and roles.multiply is None:
                 roles.multiply = reader
             elif _plain_dropout(reader) and reader.inputs[0] is p and roles.probs_dropout is None:
                 roles.probs_dropout = reader

@@ -322,6 +322,9 @@ def integer_closed(op_name: str, attrs) -> bool:
         return False
     return op_name in INTEGER_CLOSED
 INTEGER_RANGES = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
+# the integer type an operand's math runs in: int8 widens to int32 (kernels at load, the reference
+# before each op), so a constant meeting int8 operands must fit int32
+COMPUTES_AS = {"int8": "int32"}
 
 
 def _integral(value) -> bool:
@@ -331,14 +334,16 @@ def _integral(value) -> bool:
 def _check_integer_constants(op_name: str, inputs, attrs: PointwiseAttrs):
     """An integral constant meeting only integer tensors must fit their widest type (torch
     refuses an int32 tensor plus 2**40 too)."""
-    kinds = {t.data_type.name for t in inputs if t is not None}
+    # bool operands (where's condition, a predicate added in) never widen the math
+    kinds = {COMPUTES_AS.get(t.data_type.name, t.data_type.name) for t in inputs
+             if t is not None and t.data_type is not dtypes.bool_}
     if not integer_closed(op_name, attrs) or not kinds or not kinds <= set(INTEGER_RANGES):
         return
     widest = "int64" if "int64" in kinds else "int32"
     low, high = INTEGER_RANGES[widest]
     for position, value in attrs.constants:
         if _integral(value) and not low <= value <= high:
-            fail(op_name, f"constant {value} does not fit {widest}, the type of its tensor operands")
+            fail(op_name, f"constant {value} does not fit {widest}, the type its tensor operands compute in")
 
 
 def _check_operands(op_name: str, entry: PointwiseOp, inputs, attrs: PointwiseAttrs):

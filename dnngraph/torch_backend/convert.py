@@ -1638,3 +1638,41 @@ def _int8_made(node) -> Optional[str]:
 
 
 CONVERTERS[aten._int_mm.default] = _int_mm
+
+
+# torch compares an integer tensor with a number or a 0-d integer tensor in the tensor's own type,
+# converting the other operand to it with wrap-around (an int8 x < 300 compares x with 44, an
+# int32 x == tensor(2**32 + 44) with 44); dnngraph compares the values themselves (int8 widened to
+# int32), so such a comparison stays in torch. A number in the type's range compares alike.
+def _wrapping_comparison(node) -> Optional[str]:
+    held, other = _typed_and_converted(node.args[:2])
+    if held is None or held.dtype not in (torch.int8, torch.int32):
+        return None
+    limits = torch.iinfo(held.dtype)
+    out_of_range = isinstance(other, int) and not isinstance(other, bool) and not limits.min <= other <= limits.max
+    wider = isinstance(other, torch.Tensor) and other.dtype in (torch.int32, torch.int64) and \
+        torch.iinfo(other.dtype).bits > limits.bits
+    if not (out_of_range or wider):
+        return None
+    what = repr(other) if out_of_range else f"a 0-d {other.dtype} tensor"
+    return (f"torch compares {held.dtype} values with {what} converted to {held.dtype} (it wraps); dnngraph "
+            f"would compare the values themselves")
+
+
+def _typed_and_converted(args) -> tuple:
+    """(the tensor whose type torch computes a binary op in, the operand it converts to that
+    type) where torch's promotion converts one (a number beside a tensor, a 0-d tensor beside
+    one with dims), else (None, None)."""
+    values = [arg.meta.get("val") if isinstance(arg, torch.fx.Node) else arg for arg in args]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if len(values) != 2 or not tensors:
+        return None, None
+    if len(tensors) == 1:
+        return tensors[0], next(v for v in values if v is not tensors[0])
+    with_dims = [t for t in tensors if t.dim() > 0]
+    if len(with_dims) != 1:
+        return None, None  # both 0-d or both with dims: promoted as usual
+    return with_dims[0], next(t for t in tensors if t is not with_dims[0])
+
+
+REFUSALS.update({target: _wrapping_comparison for packet in COMPARE for target in (packet.Tensor, packet.Scalar)})

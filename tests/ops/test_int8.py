@@ -106,6 +106,49 @@ def test_int8_pointwise_math_is_exact_int32_then_saturates_on_store():
     assert out[w.name].tolist() == [[200, -200, -2, 128]]
 
 
+
+def test_integer_constants_with_int8_operands_fit_int32_where_the_math_runs():
+    """int8 operands compute in int32: an integral constant past int32 is refused at the op call
+    (as with an int32 tensor), one past int8 but within int32 is exact, and an int64 operand
+    widens the math (and the allowed constants) to int64."""
+    x = torch.tensor([[100, -128, 5]], dtype=torch.int8)
+    wide = torch.tensor([[1, 2, 3]], dtype=torch.int64)
+    g = dg.Graph(name="const8", io_data_type=dg.int64)
+    tx, tw = g.tensor_like(x, name="x"), g.tensor_like(wide, name="wide")
+    condition = g.tensor(name="c", dim=[1, 3], data_type=dg.bool)
+    for make in (lambda: g.add(tx, 2**40), lambda: g.mul(tx, -2**31 - 1), lambda: g.maximum(tx, 2**40),
+                 lambda: g.where(condition, tx, 2**40)):  # (a bool condition does not widen the math)
+        with pytest.raises(dg.ValidationError, match="int32"):
+            make()
+    assert g.nodes == []
+    g.add(tx, 100000).set_output(True)
+    g.add(g.add(tx, tw), 2**40).set_output(True)
+    out = exact(g, {tx: x, tw: wide})
+    assert list(out.values())[0].tolist() == [[100100, 99872, 100005]]
+
+
+@pytest.mark.parametrize("layout_op", ["concatenate", "concatenate_then_add", "transpose_copy", "strided_slice",
+                                       "reshape_of_transpose"])
+def test_int8_through_layout_ops_that_copy(layout_op):
+    """int8 values moved by the layout ops' copy kernels (a copy stores to a buffer the build makes
+    up, not a graph tensor) come out bit for bit, and a consumer of the copy widens them."""
+    torch.manual_seed(17)
+    x, y = quantized([5, 7]), quantized([7, 5]).t()  # y: a transposed (column-major) part
+    g = dg.Graph(name="layout8", io_data_type=dg.int8)
+    tx, ty = g.tensor_like(x, name="x"), g.tensor_like(y, name="y")
+    if layout_op == "concatenate":
+        out = g.concatenate([tx, ty], axis=1)
+    elif layout_op == "concatenate_then_add":
+        out = g.add(g.concatenate([tx, ty], axis=0), 100)  # saturates on the int8 store
+    elif layout_op == "transpose_copy":
+        out = g.transpose(ty, [1, 0]).set_stride([5, 1])
+    elif layout_op == "strided_slice":
+        out = g.slice(ty, [slice(1, 5), slice(0, 7, 3)])
+    else:
+        out = g.reshape(g.transpose(tx, [1, 0]), [5, 7])
+    out.set_output(True)
+    exact(g, {tx: x, ty: y})
+
 # --- matmul: int32 out, exact ---------------------------------------------------------------------
 def test_int8_matmul_yields_int32_by_default():
     g, ta, tb, c = matmul_graph(quantized([5, 7]), quantized([7, 3]))
@@ -175,6 +218,35 @@ def test_int8_matmul_refuses_a_k_that_could_overflow():
     assert g.nodes == []  # the failed call changed nothing
     ok = g.tensor(name="ok", dim=[INT8_MAX_K, 2], data_type=dg.int8)
     g.matmul(g.tensor(name="a_ok", dim=[2, INT8_MAX_K], data_type=dg.int8), ok)  # the limit itself is taken
+
+
+@pytest.mark.parametrize("late", ["long_k", "mixed", "conv_long_k", "through_a_view"])
+def test_int8_operands_typed_after_the_op_are_checked_at_build(late):
+    """set_data_type after the op call makes operands the call would have refused: the build
+    refuses them as the call does (ValidationError), never running an int32 sum that wraps nor
+    failing inside the lowering; setting both operands one after the other is fine."""
+    g = dg.Graph(name="late8", io_data_type=dg.float32)
+    k = INT8_MAX_K + 1 if late in ("long_k", "through_a_view") else 8
+    if late == "conv_long_k":
+        channels = INT8_MAX_K // 9 + 1
+        ta = g.tensor(name="x", dim=[1, channels, 3, 3], data_type=dg.float32)
+        tb = g.tensor(name="w", dim=[1, channels, 3, 3], data_type=dg.float32)
+        y = g.conv_fprop(ta, tb, padding=[0, 0], stride=[1, 1], dilation=[1, 1])
+    else:
+        ta = g.tensor(name="a", dim=[2, k], data_type=dg.float32)
+        tb = g.tensor(name="b", dim=[k, 2], data_type=dg.float32)
+        a = g.reshape(ta, [2, k]) if late == "through_a_view" else ta  # the view takes a's type
+        y = g.matmul(a, tb)
+    y.set_output(True)
+    ta.set_data_type(dg.int8)
+    if late != "mixed":
+        tb.set_data_type(dg.int8)
+    with pytest.raises(dg.ValidationError, match="overflow" if late != "mixed" else "int8"):
+        g.build()
+    assert g.plan is None
+    if late == "mixed":
+        tb.set_data_type(dg.int8)
+        g.build()  # both int8 now: taken
 
 
 @pytest.mark.parametrize("other", [dg.float32, dg.bfloat16, dg.int32])
@@ -297,6 +369,28 @@ def test_quantization_of_a_float_operand_fuses_into_the_int8_matmul_loader():
     assert torch.equal(out.long(), dtypes.to_int8(x * 0.5).long() @ w.long())
 
 
+@pytest.mark.parametrize("probabilities", ["int8", "float32"])
+def test_attention_written_as_ops_with_scaled_probabilities_builds(probabilities):
+    """s = q8 @ k8 (int32), p = softmax(s / 64), then p times a constant (requantized to int8, or
+    a float scale) @ v: the attention matchers read p's readers, and a mul by a constant is none
+    of theirs (the backward matcher took it for ds' = p * (dP - delta) and raised AttributeError
+    on its absent tensor operand)."""
+    torch.manual_seed(18)
+    q8, k8 = quantized([1, 2, 16, 32]), quantized([1, 2, 32, 16])
+    v = quantized([1, 2, 16, 8]) if probabilities == "int8" else torch.randn(1, 2, 16, 8)
+    g = dg.Graph(name="qattention", io_data_type=dg.float32)
+    tq, tk, tv = g.tensor_like(q8, name="q"), g.tensor_like(k8, name="k"), g.tensor_like(v, name="v")
+    p = g.softmax(g.mul(g.matmul(tq, tk), 1.0 / 64), axis=-1)
+    if probabilities == "int8":
+        p = g.cast(g.mul(p, 127.0), data_type=dg.int8)
+    else:
+        p = g.mul(p, 2.0)
+    o = g.matmul(p, tv).set_output(True)
+    assert o.data_type is (dg.int32 if probabilities == "int8" else dg.float32)
+    # the kernels' float32 softmax may round a probability to the other int8 step than float64 does
+    check(g, {tq: q8, tk: k8, tv: v}, tolerance=1e-2 if probabilities == "int8" else None)
+
+
 def test_int8_graph_round_trips_through_json():
     a, b = quantized([5, 9]), quantized([9, 4])
     g, ta, tb, c = matmul_graph(a, b)
@@ -316,6 +410,27 @@ def test_execute_refuses_a_float_tensor_bound_to_an_int8_input():
         g.execute({ta: a.float(), tb: b, c: out})
     assert (out == -12345).all()  # nothing written
 
+
+
+@pytest.mark.parametrize("data_type, value", [(dg.int8, 300), (dg.int8, -129), (dg.int32, 2**40)])
+def test_a_host_scalar_past_its_integer_type_is_an_execution_error(data_type, value):
+    """A pass-by-value input takes a number its integer type holds: past it (int8 300, int32
+    2**40), execute raises ExecutionError and writes nothing (it was torch's RuntimeError from
+    filling the staging tensor); the edges of the range are taken."""
+    x = quantized([3, 4])
+    g = dg.Graph(name="scalar8", io_data_type=dg.int64)
+    tx = g.tensor_like(x, name="x")
+    s = g.tensor(name="s", dim=[1, 1], data_type=data_type).set_is_pass_by_value(True)
+    y = g.add(tx, s).set_output(True)
+    g.build()
+    out = poisoned(y)
+    with pytest.raises(dg.ExecutionError, match="s"):
+        g.execute({tx: x, s: value, y: out})
+    assert (out == -12345).all()
+    # int8's edges; int32's largest less 127, so that x + s (int32 math) does not wrap
+    edge = 127 if value > 0 and data_type is dg.int8 else (-128 if data_type is dg.int8 else 2**31 - 128)
+    g.execute({tx: x, s: edge, y: out})
+    assert torch.equal(out, x.long() + edge)
 
 # --- convolution -----------------------------------------------------------------------------------
 def conv_input(shape, layout):
@@ -455,6 +570,47 @@ def test_int8_conv_narrow_k_steps_stay_at_32():
     assert min(c.block_k for c in conv_heuristics.candidates(problem, DEVICE)) >= 32
 
 
+def _modelled_us(graph) -> float:
+    """The model's time of a one-kernel graph built for the H100 (explain's "model rank" line)."""
+    graph.build(options=dg.BuildOptions(target=DEVICE))
+    (line,) = [line for line in graph.explain().splitlines() if "model rank" in line]
+    return float(line.split(" us ")[0].split(": ")[-1])
+
+
+def test_int8_depthwise_conv_has_no_cliff():
+    """A depthwise int8 conv (MobileNet's, NHWC) is modelled no slower than the bf16 one: as an
+    implicit GEMM of N = 1 per group it was 36x slower (1310 us against 37 us)."""
+    times = {}
+    for data_type in (dg.bfloat16, dg.int8):
+        g = dg.Graph(name="dw", io_data_type=dg.bfloat16)
+        x = g.tensor(name="x", dim=[32, 256, 56, 56], stride=[802816, 1, 14336, 256], data_type=data_type)
+        w = g.tensor(name="w", dim=[256, 1, 3, 3], stride=[9, 1, 3, 1], data_type=data_type)
+        y = g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=256)
+        y.set_output(True).set_data_type(dg.bfloat16)  # the same output bytes (int8's int32 stored as bf16)
+        times[data_type.name] = _modelled_us(g)
+    assert times["int8"] <= 1.05 * times["bfloat16"], times
+
+
+@pytest.mark.parametrize("taps", [9, 1024, 1025])
+def test_int8_depthwise_conv_is_exact_at_the_extremes(taps):
+    """-128 x -128 but for one odd product (-127 x -127): a depthwise (or channel-multiplier)
+    conv's sum reaches (taps - 1) x 2^14 + 16129, an odd integer past float32's exact ones (2^24)
+    beyond 1024 taps, where a float32 accumulator would round it; each stays exact whichever
+    kernel runs it, an int epilogue and requantization too."""
+    width = taps + 6
+    x = torch.full((2, 3, width), -128, dtype=torch.int8)
+    x[1] = quantized([3, width])
+    w = torch.full((6, 1, taps), -128, dtype=torch.int8)  # channel multiplier 2
+    x[0, 0, 2], w[0, 0, 2] = -127, -127  # output 1 reads x[0 .. taps - 1] (padding 1): tap 2 meets x[2]
+    g = dg.Graph(name="dw8", io_data_type=dg.int32)
+    tx, tw = g.tensor_like(x, name="x"), g.tensor_like(w, name="w")
+    y = g.conv_fprop(tx, tw, padding=[1], stride=[1], dilation=[1], groups=3).set_output(True)
+    g.sub(y, 7).set_output(True)
+    g.mul(y, 2.0 ** -20).set_output(True).set_data_type(dg.int8)
+    out = exact(g, {tx: x, tw: w})
+    assert out[y.name][0, 0, 1].item() == (taps - 1) * 128 * 128 + 127 * 127
+
+
 # --- torch backend ------------------------------------------------------------------------------------
 def test_torch_int_mm_compiles_to_a_dnngraph_int8_matmul():
     from dnngraph import torch_backend
@@ -482,6 +638,33 @@ def test_torch_conversions_to_int8_stay_in_torch():
     assert torch.equal(got, fn(x))
     left = [(target, why) for report in torch_backend.REPORTS for target, why in report.torch_ops]
     assert any("int8" in why for _, why in left), left
+
+
+
+def _left_in_torch(fn, *args):
+    """(compiled result, torch's, the ops left in torch with why) of `fn` under the dnngraph backend."""
+    from dnngraph import torch_backend
+    torch._dynamo.reset()
+    torch_backend.REPORTS.clear()
+    got = torch.compile(fn, backend="dnngraph", dynamic=False)(*args)
+    return got, fn(*args), [(str(target), why) for report in torch_backend.REPORTS for target, why in report.torch_ops]
+
+
+@pytest.mark.parametrize("compare", [lambda x: x < 300, lambda x: x == -129, lambda x: x >= torch.tensor(300),
+                                     lambda x: x.int() != torch.tensor(2**32 + 44), lambda x: x[0] > 300],
+                         ids=["int8-vs-300", "int8-vs-minus-129", "int8-vs-0d-int64", "int32-vs-0d-int64",
+                              "0d-int8-vs-300"])
+def test_torch_comparisons_that_wrap_the_other_operand_stay_in_torch(compare):
+    """torch compares an integer tensor with a number or a 0-d tensor in the tensor's own type, the
+    other operand converted with wrap-around (int8 x < 300 compares with 44); dnngraph would
+    compare the true values (int8 widened to int32): such a comparison stays in torch, and the
+    compiled program gives torch's answer. One within the type's range is dnngraph's."""
+    x = torch.tensor([127, -128, 44, 0, -127, 5], dtype=torch.int8)
+    got, want, left = _left_in_torch(compare, x)
+    assert torch.equal(got, want)
+    assert any("wrap" in why for _, why in left), left
+    got, want, left = _left_in_torch(lambda x: (x < 100) & (x != -128), x)
+    assert torch.equal(got, want) and not any("lt" in target or "ne" in target for target, _ in left), left
 
 
 # --- GPU, at real sizes ---------------------------------------------------------------------------------
@@ -547,6 +730,29 @@ def test_gpu_int8_resnet_conv_layers_exact_and_requantized(layer, layout):
     assert torch.equal(out[q.name].cpu(), refs[q.name].cpu())
 
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [
+    dict(x=[32, 256, 56, 56], w=[256, 1, 3, 3], padding=[1, 1], stride=[1, 1], groups=256),
+    dict(x=[32, 512, 28, 28], w=[1024, 1, 5, 5], padding=[2, 2], stride=[2, 2], groups=512),  # multiplier 2
+], ids=["mobilenet-dw3x3", "dw5x5-s2-multiplier"])
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_gpu_int8_depthwise_conv_exact_and_requantized(layer, layout):
+    """The direct depthwise kernels on int8 (float32 sums, exact below 1024 taps)."""
+    torch.manual_seed(19)
+    layer = dict(layer)
+    x = conv_input(layer.pop("x"), layout).cuda()
+    w = conv_input(layer.pop("w"), layout).cuda()
+    g = dg.Graph(name="gpudw8", io_data_type=dg.bfloat16)
+    tx, tw = g.tensor_like(x, name="x"), g.tensor_like(w, name="w")
+    y = g.conv_fprop(tx, tw, dilation=[1, 1], **layer).set_output(True)
+    q = g.relu(g.mul(y, 1.0 / 256)).set_output(True).set_data_type(dg.int8)
+    out = run(g, {tx: x, tw: w}, device="cuda")
+    assert "depthwise" in g.explain()
+    refs = g.reference({tx: x, tw: w})
+    assert torch.equal(out[y.name].cpu(), refs[y.name].cpu())
+    assert torch.equal(out[q.name].cpu(), refs[q.name].cpu())
+
 # --- sm_90 compiles (no GPU needed) ----------------------------------------------------------------------
 def sm90_graphs():
     """int8 kernels planned for the H100, for the sm_90 compile check: the model's persistent TMA
@@ -576,13 +782,22 @@ def sm90_graphs():
     x, w = g.tensor(name="x", dim=[256, 512]), g.tensor(name="w", dim=[512, 384], data_type=dg.int8)
     g.matmul(g.cast(g.mul(x, 0.5), data_type=dg.int8), w).set_output(True)
     yield "quantized at load", g.build(options=h100)
+    g = dg.Graph(name="depthwise8", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[8, 64, 28, 28], stride=[50176, 1, 1792, 64], data_type=dg.int8)
+    w = g.tensor(name="w", dim=[64, 1, 3, 3], data_type=dg.int8)
+    scale = g.tensor(name="scale", dim=[1, 64, 1, 1], data_type=dg.float32)
+    y = g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=64)
+    g.mul(y, scale).set_output(True)
+    yield "depthwise direct", g.build(options=h100)
 
 
 def test_int8_kernels_compile_for_sm90():
     from helpers import compiled_for_sm90
     output = compiled_for_sm90("test_int8:sm90_graphs", timeout=500)
-    assert "compiled 6 kernels for sm_90" in output
-    # every main kernel's dot is the int8 tensor-core wgmma accumulating in int32
+    assert "compiled 7 kernels for sm_90" in output
+    # every main GEMM kernel's dot is the int8 tensor-core wgmma accumulating in int32; the direct
+    # depthwise kernel has none
     mma = [line for line in output.splitlines() if line.startswith("mma ") and "combine" not in line]
     main = [line for line in mma if "wgmma" in line]
     assert len(main) == 5 and all(".s32.s8.s8" in line for line in main), mma
+    assert any(line.startswith("mma depthwise direct") and line.endswith(": -") for line in mma), mma

@@ -364,6 +364,16 @@ TABLE.update({
 })
 
 
+def _int8(*shape, seed=0):
+    return torch.randint(-128, 128, shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+
+
+# torch._int_mm: int8 [M, K] @ int8 [K, N] -> int32 (on CUDA M > 16, K and N multiples of 8); B
+# row-major and K-major (the layout cuBLASLt and wgmma read)
+TABLE[aten._int_mm.default] = lambda: ([_int8(17, 32), _int8(32, 8, seed=1)], {},
+                                       {"mat2": [_int8(32, 8, seed=1), _int8(8, 32, seed=2).t()]})
+
+
 
 def _rnn_entry(backward: bool):
     """dnngraph::rnn (an LSTM of 2 steps, batch 3, input 4, hidden 5) or its backward, with a

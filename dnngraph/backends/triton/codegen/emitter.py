@@ -207,7 +207,10 @@ class ExpressionEmitter:
         (nodes and the anchor alike), so the store and the consumers see the same bits. A value
         nothing reads is left to its store's conversion."""
         conversion = self._conversion(tensor)
-        if conversion is not None and tensor.graph.consumers(tensor):  # (only graph tensors convert)
+        # a buffer the build made up (fusion/views.py: a copy's target, which an int8 value still
+        # converts for) has no graph: nothing in the kernel reads it, and its store converts it
+        graph = getattr(tensor, "graph", None)
+        if conversion is not None and graph is not None and graph.consumers(tensor):
             text, kind = conversion
             variable = self.names.fresh(self.hint)
             self.lines.append(f"{variable} = {text}  # as stored ({tensor.data_type.name})")

@@ -34,7 +34,7 @@ from ..heuristics import conv as conv_heuristics
 from ..heuristics import matmul as matmul_heuristics
 from ..heuristics.layout import INT32_LIMIT, operand_strides
 from ..heuristics.matmul import K_MAJOR_DOTS, MatmulConfig, MatmulProblem, choose_dot
-from .depthwise import build_depthwise, takes_depthwise
+from .depthwise import build_depthwise, sums_exactly, takes_depthwise
 from .gemm import GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
 from ....runtime.launch import KernelLaunch, element_span, kernel_name, scratch
 from .matmul import layout_of, tma_ok
@@ -392,10 +392,10 @@ def build_conv(graph, group, context) -> list[KernelLaunch]:
     autotuned one, within the workspace budget."""
     node, options = group.anchor, context.options
     # one channel per group: direct kernels (lower/depthwise.py), whose stores do not blend and
-    # whose math is float; a blended output or int8 operands (int32 dots) take the GEMM kernels,
-    # which serve depthwise convs too
-    int8 = any(t.data_type is dtypes.int8 for t in node.inputs)
-    if takes_depthwise(group) and not int8 and not any(t.blend is not None for t in group.outputs):
+    # whose float32 sums are exact for int8 operands over a filter of up to 1024 taps; a blended
+    # output or a longer int8 filter takes the GEMM kernels (int32 dots), which serve depthwise
+    # convs too
+    if takes_depthwise(group) and sums_exactly(node) and not any(t.blend is not None for t in group.outputs):
         launches = build_depthwise(graph, group, context)
         if launches is not None:
             return launches  # else wgrad's partials exceed the workspace limit: the GEMM kernels run

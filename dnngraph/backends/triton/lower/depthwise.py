@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..codegen.depthwise import DepthwiseSpec, Operand, render
+from .... import dtypes
 from ....errors import UnsupportedError
 from ..heuristics import depthwise as depthwise_heuristics
 from ....runtime.autotune import TuningRecord
@@ -42,6 +43,22 @@ def _channels_and_filters(node) -> tuple:
     return node.inputs[1].dim[1], node.attrs.shape[0]
 
 
+# The direct kernels sum in float32: int8 x int8 products (at most 128^2 = 2^14 in magnitude) over
+# up to 2^24 / 2^14 = 1024 taps stay integers float32 holds exactly, so an int8 conv's int32 result
+# comes out exact; a longer filter takes the GEMM kernels' int32 accumulator.
+INT8_EXACT_TAPS = 2**24 // (128 * 128)
+
+
+def sums_exactly(node) -> bool:
+    """Do the direct kernels' float32 sums give `node`'s result exactly (float operands, or int8
+    ones over at most INT8_EXACT_TAPS taps)?"""
+    types = [t.data_type for t in node.input_tensors()]
+    if all(t.is_floating for t in types):
+        return True
+    taps = _product(node.inputs[1].dim[2:]) if node.op == "conv_fprop" else INT8_EXACT_TAPS + 1
+    return all(t is dtypes.int8 for t in types) and taps <= INT8_EXACT_TAPS
+
+
 def takes_depthwise(group) -> bool:
     """Does this conv group run on the depthwise kernels?"""
     node = group.anchor
@@ -67,7 +84,7 @@ class DepthwiseBuild:
         self.source, other = node.inputs  # the gathered operand; the filter, or x in wgrad
         self.out = node.outputs[0]
         for tensor in (self.source, other):
-            if not tensor.data_type.is_floating:
+            if not tensor.data_type.is_floating and not sums_exactly(node):
                 raise UnsupportedError(f"node {node.name!r} ({node.op}): no depthwise kernel takes "
                                        f"{tensor.data_type.name} operands ({tensor.name!r})")
         w_dim = tuple(attrs.shape) if self.op == "conv_wgrad" else tuple(other.dim)
