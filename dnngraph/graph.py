@@ -988,7 +988,10 @@ class Graph:
 
     def execute_plan_at_index(self, bindings: dict, index: int, workspace=None) -> None:
         """execute() with the plan build_plan_at_index(index) built."""
-        plan = self._plans_at.get(index)
+        try:
+            plan = self._plans_at.get(index)
+        except TypeError:  # an unhashable index (a list) names no plan built
+            plan = None
         if plan is None:
             raise ExecutionError(f"graph {self.name!r}: plan {index!r} is not built (or the graph changed since): "
                                  f"call build_plan_at_index({index!r})")

@@ -69,8 +69,9 @@ def test_execute_plan_at_index():
     g = _declared()
     inputs = _inputs()
     reference = g.reference(inputs)["y"]
-    with pytest.raises(dg.ExecutionError, match="build_plan_at_index"):
-        g.execute_plan_at_index({**inputs, "y": poisoned(g.tensor_by_name("y"))}, 1)
+    for unbuilt in (1, [0], {0: 1}, None):  # a list or dict index (unhashable) names no plan either
+        with pytest.raises(dg.ExecutionError, match="build_plan_at_index"):
+            g.execute_plan_at_index({**inputs, "y": poisoned(g.tensor_by_name("y"))}, unbuilt)
     for index in (1, 2):
         g.build_plan_at_index(index)
     assert g.plan is None  # the graph's own plan is left alone
