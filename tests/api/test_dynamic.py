@@ -336,3 +336,55 @@ def test_as_function_traces_once_under_torch_compile_dynamic():
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(Exception, match="not differentiable under torch.compile"):
         torch.compile(lambda x, y: fn(x, y), fullgraph=True, dynamic=True)(x, torch.randn(8, 6))
+
+
+def _relu_graph(tokens):
+    g = dg.Graph(name="relu_rows")
+    x = g.tensor(name="x", dim=[tokens, 3])
+    y = g.relu(x).set_output(True)
+    return g, x, y
+
+
+def test_plans_kept_per_size_are_bounded_and_a_dropped_size_runs_again(monkeypatch):
+    """A sweep over many sizes keeps at most PLANS_KEPT plans (a user running every length of
+    8192 would otherwise hold 8192 plans forever); a size dropped is built again, correctly."""
+    from dnngraph.runtime import dynamic_plan
+
+    monkeypatch.setattr(dynamic_plan, "PLANS_KEPT", 3)
+    g, x, y = _relu_graph(dg.dynamic("tokens", 1, 8192))
+    g.build()
+    fn = g.as_function()
+    for tokens in (5, 6, 7, 8, 9, 5):
+        xt = torch.randn(tokens, 3)
+        out = _poisoned((tokens, 3))
+        g.execute({x: xt, y: out})
+        assert torch.equal(out, torch.relu(xt)), tokens
+        assert torch.equal(fn(xt), torch.relu(xt)), tokens
+        assert len(g.plan.sizes_built) <= 3 and len(fn._functions) <= 3
+    assert (5,) in g.plan.sizes_built  # the most recently used sizes stay
+
+
+def test_two_threads_executing_new_sizes_at_once():
+    import threading
+
+    g, x, y = _relu_graph(dg.dynamic("tokens", 1, 64))
+    g.build()
+    failures, barrier = [], threading.Barrier(4)
+
+    def run(tokens):
+        barrier.wait()
+        for _ in range(3):
+            xt = torch.randn(tokens, 3)
+            out = _poisoned((tokens, 3))
+            g.execute({x: xt, y: out})
+            if not torch.equal(out, torch.relu(xt)):
+                failures.append(tokens)
+
+    threads = [threading.Thread(target=run, args=(tokens,)) for tokens in (3, 17, 31, 17)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert sorted(g.plan.sizes_built) == [(1,), (3,), (17,), (31,), (64,)]
+
