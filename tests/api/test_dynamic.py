@@ -388,3 +388,31 @@ def test_two_threads_executing_new_sizes_at_once():
     assert not failures
     assert sorted(g.plan.sizes_built) == [(1,), (3,), (17,), (31,), (64,)]
 
+
+
+def test_workspace_size_bounds_every_size_of_the_range():
+    """The optional scratch a config choice adds (split-K partials) is not monotone in the size:
+    fewer rows can mean more splits. workspace_size() promises the most any size needs, so a
+    workspace of that size must serve every size: 2048 rows split K more than 3000 rows do."""
+    rows = dg.dynamic("rows", 1, 3000)
+    g = dg.Graph(name="splitk")
+    x = g.tensor(name="x", dim=[rows, 8192])
+    w = g.tensor(name="w", dim=[8192, 64])
+    g.relu(g.matmul(x, w)).set_output(True)
+    g.build()
+    bound = g.plan.workspace_size()
+    for size in (1, 700, 2048, 2100, 3000):
+        assert g.plan.workspace_size(sizes=(size,)) <= bound, size
+
+
+def test_sizes_under_the_workspace_bound_keep_their_split_k():
+    """The bound cuts scratch only where a size needs more than the largest: a single row with a
+    long K still splits K (as a static graph of that size does)."""
+    rows = dg.dynamic("rows", 1, 4096)
+    g = dg.Graph(name="decode")
+    x = g.tensor(name="x", dim=[rows, 8192])
+    w = g.tensor(name="w", dim=[8192, 64])
+    g.relu(g.matmul(x, w)).set_output(True)
+    g.build()
+    static = g.specialised({"rows": 1}).build()
+    assert g.plan.workspace_size(sizes=(1,)) == static.plan.workspace_size() > 0
