@@ -416,3 +416,21 @@ def test_sizes_under_the_workspace_bound_keep_their_split_k():
     g.build()
     static = g.specialised({"rows": 1}).build()
     assert g.plan.workspace_size(sizes=(1,)) == static.plan.workspace_size() > 0
+
+
+def test_json_refuses_symbols_its_version_or_dims_cannot_hold():
+    """A version-1 document has no symbols (a version-1 reader would run it at the max size), and
+    a dynamic axis is recorded at its symbol's max: a document saying otherwise is malformed."""
+    g, *_ = _norm_graph()
+    document = json.loads(g.to_json())
+    as_version_1 = {**document, "version": 1}
+    with pytest.raises(dg.SerializationError, match="version"):
+        dg.Graph.from_json(json.dumps(as_version_1))
+    without_symbols = {key: value for key, value in as_version_1.items() if key != "symbols"}
+    with pytest.raises(dg.SerializationError, match="version"):  # the marks alone are version 2 too
+        dg.Graph.from_json(json.dumps(without_symbols))
+    other_dims = json.loads(g.to_json())
+    record = next(r for r in other_dims["tensors"] if r["name"] == "x")
+    record["dim"], record["stride"] = [10, 24], [1, 10]  # tokens at 10, not its max 64
+    with pytest.raises(dg.SerializationError, match="tokens"):
+        dg.Graph.from_json(json.dumps(other_dims))
