@@ -241,15 +241,14 @@ def test_what_cannot_be_symbolic_is_refused_at_the_op():
     assert [t.name for t in g.tensors] == ["x", "other"]  # refused calls added nothing
 
 
-def test_a_rule_that_fails_inside_the_range_fails_the_build():
+def test_a_rule_that_fails_inside_the_range_is_refused_at_the_op():
     tokens = dg.dynamic("tokens", 1, 64)
     g = dg.Graph()
     x = g.tensor(name="x", dim=[tokens, 8])
-    y = g.slice(x, [(0, 40), (0, 8)])  # needs at least 40 tokens: static 40 rows out
-    assert y.dynamic_dim == (40, 8)
-    g.relu(y).set_output(True)
-    with pytest.raises(dg.GraphError):
-        g.build()
+    with pytest.raises(dg.UnsupportedError, match="slice"):
+        g.slice(x, [(0, 40), (0, 8)])  # needs at least 40 tokens: the rule fails at the min
+    y = g.slice(g.tensor(name="long", dim=[dg.dynamic("long", 40, 64), 8]), [(0, 40), (0, 8)])
+    assert y.dynamic_dim == (40, 8)  # 40 rows at every size of 40..64
 
 
 def test_serialize_of_a_dynamic_graph_is_refused():
@@ -434,3 +433,27 @@ def test_json_refuses_symbols_its_version_or_dims_cannot_hold():
     record["dim"], record["stride"] = [10, 24], [1, 10]  # tokens at 10, not its max 64
     with pytest.raises(dg.SerializationError, match="tokens"):
         dg.Graph.from_json(json.dumps(other_dims))
+
+
+def test_slices_whose_rows_do_not_follow_the_symbol_are_refused_at_the_op():
+    """The last 3 rows at 64 tokens (61:64, absolute once normalized) do not exist at 2 tokens;
+    every other row is ceil(tokens / 2) rows: neither static nor the symbol."""
+    tokens = dg.dynamic("tokens", 2, 64)
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[tokens, 8])
+    with pytest.raises(dg.UnsupportedError, match="slice"):
+        g.slice(x, [slice(-3, None), slice(0, 8)])
+    with pytest.raises(dg.UnsupportedError, match="slice"):
+        g.slice(x, [slice(0, None, 2), slice(0, 8)])  # ceil(tokens / 2) rows
+    assert [t.name for t in g.tensors] == ["x"]
+
+
+def test_a_graph_at_some_size_whose_dims_disagree_with_its_symbols_runs_nothing():
+    """The safety net behind the probes: a graph at given sizes whose tensors are not the
+    dynamic graph's dims with each symbol at its size is refused before anything runs."""
+    g, x, scale, y = _norm_graph()
+    sized = g.specialised({"tokens": 5})
+    assert sized.tensor_by_name(y.name).dim == (5, 24)
+    y._dynamic = (None, None)  # as if a rule had let a moving axis pass as static
+    with pytest.raises(dg.ValidationError, match="tokens"):
+        g.specialised({"tokens": 5})
