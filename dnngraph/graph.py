@@ -979,11 +979,11 @@ class Graph:
     def build_plan_at_index(self, index: int, options=None) -> "Graph":
         """Build plan `index` (see plans()) and keep it for execute_plan_at_index; the graph's
         own plan (execute()) is left as it is."""
-        from .build import build_plan
+        from .build import build_dynamic_plan, build_plan
 
         chosen = _build_options(options, plan=index)
         self.validate()
-        self._plans_at[index] = build_plan(self, chosen)
+        self._plans_at[index] = build_dynamic_plan(self, chosen) if self.is_dynamic else build_plan(self, chosen)
         return self
 
     def execute_plan_at_index(self, bindings: dict, index: int, workspace=None) -> None:

@@ -457,3 +457,16 @@ def test_a_graph_at_some_size_whose_dims_disagree_with_its_symbols_runs_nothing(
     y._dynamic = (None, None)  # as if a rule had let a moving axis pass as static
     with pytest.raises(dg.ValidationError, match="tokens"):
         g.specialised({"tokens": 5})
+
+
+def test_plan_at_index_of_a_dynamic_graph_runs_every_size():
+    """build_plan_at_index / execute_plan_at_index (the frontend's plan list) over a dynamic
+    graph build per size as build() does, not one static plan at the largest sizes."""
+    g, x, scale, y = _norm_graph()
+    assert g.get_execution_plan_count() >= 1
+    g.build_plan_at_index(0)
+    for tokens in (1, 9):
+        xt, st = torch.randn(24, tokens).t(), torch.randn(1, 24)
+        out = _poisoned_for(y, {"tokens": tokens})
+        g.execute_plan_at_index({x: xt, scale: st, y: out}, 0)
+        assert rel_err(out, g.reference({x: xt, scale: st})[y.name]) < TOL, tokens
