@@ -470,3 +470,14 @@ def test_plan_at_index_of_a_dynamic_graph_runs_every_size():
         out = _poisoned_for(y, {"tokens": tokens})
         g.execute_plan_at_index({x: xt, scale: st, y: out}, 0)
         assert rel_err(out, g.reference({x: xt, scale: st})[y.name]) < TOL, tokens
+
+
+def test_set_stride_of_a_dynamic_tensor_keeps_it_dense():
+    """A padded layout set after declaration was dropped silently (every size is built dense):
+    refused as at declaration; a dense permutation is taken."""
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[dg.dynamic("tokens", 1, 16), 8])
+    with pytest.raises(dg.UnsupportedError, match="dense"):
+        x.set_stride([16, 1])
+    assert x.stride == (8, 1)
+    assert x.set_stride([1, 16]).stride == (1, 16)  # column-major: dense at every size
