@@ -4,9 +4,12 @@ dims, as the cuDNN frontend's dynamic-shape mode has a graph built once run many
 A graph holds every tensor at concrete dims: a dynamic axis at its symbol's largest size (the
 representative), so every shape rule runs as it does for a static graph. Which axes are dynamic
 is tracked beside the dims (`Tensor.dynamic_dim`): an op's output axis carries symbol `s` when
-the op's shape rule, run again with `s` at another size, moves that axis to exactly that size
-(`propagate`; also at its min, where a rule clamps or broadcasts). Anything else (an axis that becomes 2 s, a reshape with literal sizes, two
-symbols forced equal) is refused with a typed error at the op call: it cannot be symbolic yet.
+the op's shape rule, run again with `s` at other sizes (one below the max, and the min, where a
+rule fails or broadcasts), moves that axis to exactly that size (`propagate`). Anything else (an
+axis that becomes 2 s, a reshape with literal sizes, two symbols forced equal, a rule that fails
+at the min) is refused with a typed error at the op call: it cannot be symbolic yet. A graph at
+given sizes is checked against these dims (Graph.specialised), so no size runs a graph the
+probes misjudged.
 
 Layer 1 (IR): imports only the base layer and tensor.py.
 """
