@@ -18,8 +18,11 @@ import collections
 import threading
 from typing import Callable
 
+import torch
+
 from ..errors import ExecutionError, ValidationError
 from ..symbolic import bucket_of, symbols_of
+from .launch import persistent_buffer
 
 # plans (or functions) kept per dynamic graph, the least recently used size dropped first: a sweep
 # over every length of a range would otherwise hold one plan per length for the graph's lifetime
@@ -140,6 +143,30 @@ class DynamicExtents:
         return {self.handles.get(key, key): value for key, value in bindings.items()}
 
 
+class SharedWorkspaces:
+    """One workspace per (device, stream) for every size of a dynamic graph, with the lock that
+    keeps one execute's launches together over it (a plan per size with a workspace of its own
+    would hold one buffer per size kept). Sized at `bound` (the largest sizes' need, which bounds
+    every size's: build._within_largest); a plan that needs more, or one executing under a CUDA
+    graph capture (whose pool a buffer shared outside it must not come from), takes its own."""
+
+    def __init__(self, bound: Callable):
+        self._bound = bound  # device -> bytes
+        self._made: dict = {}  # (device type, index, raw stream) -> (buffer, lock)
+        self._lock = threading.Lock()
+
+    def __call__(self, device, stream, nbytes: int):
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        with self._lock:
+            key = (device.type, device.index, stream)
+            made = self._made.get(key)
+            if made is None:
+                made = self._made[key] = (persistent_buffer(max(nbytes, self._bound(device)), device),
+                                          threading.Lock())
+        return made if made[0].numel() >= nbytes else None
+
+
 class DynamicPlan:
     """A graph's plans by the sizes of its dynamic extents: execute() runs the plan of the
     bindings' sizes, built by `build_at(sizes)` (symbol name -> size; returns a Plan of the graph
@@ -151,6 +178,7 @@ class DynamicPlan:
         self._build_at = build_at
         self._handles = tuple((t, t.name) for t in graph.tensors)
         self._plans = PerSize()  # tuple of sizes -> Plan taking this graph's handles and names
+        self._workspaces = SharedWorkspaces(lambda device: self.workspace_size(device))
         self.builds = 0  # plans built (host work; a size is built again only once PerSize dropped it)
 
     def plan_for(self, key: tuple, executing: bool = True):
@@ -167,6 +195,7 @@ class DynamicPlan:
                 raise
             raise ExecutionError(f"graph {self.graph_name!r} at {sizes}: {error}") from None
         self.builds += 1
+        plan.shared_workspace = self._workspaces
         return _taking_handles(plan, self._handles)
 
     def execute(self, bindings, workspace=None) -> None:

@@ -481,3 +481,16 @@ def test_set_stride_of_a_dynamic_tensor_keeps_it_dense():
         x.set_stride([16, 1])
     assert x.stride == (8, 1)
     assert x.set_stride([1, 16]).stride == (1, 16)  # column-major: dense at every size
+
+
+def test_sizes_of_a_dynamic_graph_share_one_workspace_per_stream():
+    """Each size's plan kept a workspace of its own per stream: up to PLANS_KEPT buffers for one
+    graph. Every size fits the workspace of the largest sizes, so they share one."""
+    g, y = _llama_layer(dg.dynamic("seq", 1, 16), heads=2, kv_heads=1, dim=8, hidden=8, io_type=dg.float32)
+    g.build()
+    for s in (5, 16, 9, 5):
+        _run_layer(g, y, s, "cpu", torch.float32, 1e-4)
+    buffers = {workspace.buffer.data_ptr() for key in g.plan.sizes_built
+               for workspace in g.plan.plan_for(key)._streams.values()}
+    assert len(buffers) == 1
+    assert next(iter(g.plan.plan_for((5,))._streams.values())).buffer.numel() == g.plan.workspace_size()
