@@ -494,3 +494,41 @@ def test_sizes_of_a_dynamic_graph_share_one_workspace_per_stream():
                for workspace in g.plan.plan_for(key)._streams.values()}
     assert len(buffers) == 1
     assert next(iter(g.plan.plan_for((5,))._streams.values())).buffer.numel() == g.plan.workspace_size()
+
+
+@pytest.mark.gpu
+def test_two_streams_and_threads_at_different_sizes_share_the_workspace_safely_gpu():
+    """Sizes share one workspace per stream: two threads on one stream and a third on its own
+    stream, each at sizes of its own, every result against the reference."""
+    import threading
+
+    rows = dg.dynamic("rows", 1, 2048)
+    g = dg.Graph(name="streams", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[rows, 1024])
+    w = g.tensor(name="w", dim=[1024, 256])
+    y = g.relu(g.matmul(x, w)).set_output(True)
+    total = g.reduction(y, "sum", axes=[0]).set_output(True)
+    g.build()
+    wt = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    failures, side = [], torch.cuda.Stream()
+
+    def run(sizes, stream):
+        with torch.cuda.stream(stream):
+            for m in sizes:
+                xt = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+                out = torch.full((m, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
+                summed = torch.full((1, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
+                g.execute({x: xt, w: wt, y: out, total: summed})
+                stream.synchronize()
+                ref = g.reference({x: xt, w: wt})
+                if rel_err(out, ref[y.name]) > 2e-2 or rel_err(summed, ref[total.name]) > 2e-2:
+                    failures.append(m)
+
+    default = torch.cuda.current_stream()
+    threads = [threading.Thread(target=run, args=(sizes, stream)) for sizes, stream in
+               (((7, 1500, 33), default), ((2048, 5, 700), default), ((1, 999, 2047), side))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
