@@ -532,3 +532,16 @@ def test_two_streams_and_threads_at_different_sizes_share_the_workspace_safely_g
     for thread in threads:
         thread.join()
     assert not failures
+
+
+def test_a_workspace_too_small_for_the_size_is_refused_and_writes_nothing():
+    g, y = _llama_layer(dg.dynamic("seq", 1, 16), heads=2, kv_heads=1, dim=8, hidden=8, io_type=dg.float32)
+    g.build()
+    small = torch.empty(g.plan.workspace_size(sizes=(3,)), dtype=torch.uint8)
+    assert small.numel() < g.plan.workspace_size(sizes=(16,))
+    inputs = {t.name: torch.randn(*[16 if isinstance(d, dg.Dynamic) else d for d in t.dynamic_dim])
+              for t in g.inputs()}
+    out = _poisoned_for(y, {"seq": 16})
+    with pytest.raises(dg.ExecutionError, match="workspace"):
+        g.execute({**inputs, y: out}, workspace=small)
+    assert torch.isnan(out).all()
