@@ -545,3 +545,60 @@ def test_a_workspace_too_small_for_the_size_is_refused_and_writes_nothing():
     with pytest.raises(dg.ExecutionError, match="workspace"):
         g.execute({**inputs, y: out}, workspace=small)
     assert torch.isnan(out).all()
+
+
+def _softmax_and_sum_along(s):
+    g = dg.Graph(name="along")
+    x = g.tensor(name="x", dim=[3, s])
+    g.softmax(x, axis=1).set_output(True)
+    g.reduction(g.exp(x), "max", [1]).set_output(True)
+    return g
+
+
+def _layernorm_over(s):
+    g = dg.Graph(name="layernorm")
+    x = g.tensor(name="x", dim=[3, s])
+    scale, bias = g.tensor(name="scale", dim=[1, s]), g.tensor(name="bias", dim=[1, s])
+    y, mean, inv_variance = g.layernorm(x, scale, bias)
+    for out in (y, mean, inv_variance):
+        out.set_output(True)
+    return g
+
+
+def _conv_pool_batch(s):
+    g = dg.Graph(name="conv")
+    x = g.tensor(name="x", dim=[s, 3, 7, 7])
+    w = g.tensor(name="w", dim=[4, 3, 3, 3])
+    y = g.relu(g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1]))
+    g.pooling(y, mode="avg_exclude_pad", window=[2, 2], stride=[2, 2], padding=[1, 1]).set_output(True)
+    return g
+
+
+def _matmul_dynamic_k(s):
+    g = dg.Graph(name="k")
+    a, b = g.tensor(name="a", dim=[5, s]), g.tensor(name="b", dim=[s, 7])
+    g.matmul(a, b).set_output(True)
+    return g
+
+
+def _transposed_and_broadcast(s):
+    g = dg.Graph(name="t")
+    x = g.tensor(name="x", dim=[s, 6])
+    row = g.tensor(name="row", dim=[1, 6])
+    g.transpose(g.mul(x, row), [1, 0]).set_output(True)  # [6, s]: the dynamic axis moved inner
+    return g
+
+
+@pytest.mark.parametrize("make", [_softmax_and_sum_along, _layernorm_over, _conv_pool_batch, _matmul_dynamic_k,
+                                  _transposed_and_broadcast])
+def test_each_family_at_the_min_odd_sizes_tile_multiples_and_the_max(make):
+    g = make(dg.dynamic("s", 1, 40))
+    g.build()
+    for size in (1, 17, 32, 40, 1):
+        inputs = {t.name: torch.randn(*[size if isinstance(d, dg.Dynamic) else d for d in t.dynamic_dim])
+                  for t in g.inputs()}
+        outs = {t.name: _poisoned_for(t, {"s": size}) for t in g.outputs()}
+        g.execute({**inputs, **outs})
+        ref = g.reference(inputs)
+        for name, out in outs.items():
+            assert rel_err(out, ref[name]) < TOL, (size, name)
