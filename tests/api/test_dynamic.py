@@ -602,3 +602,21 @@ def test_each_family_at_the_min_odd_sizes_tile_multiples_and_the_max(make):
         ref = g.reference(inputs)
         for name, out in outs.items():
             assert rel_err(out, ref[name]) < TOL, (size, name)
+
+
+@pytest.mark.gpu
+def test_one_workspace_of_workspace_size_serves_split_k_sizes_gpu():
+    rows = dg.dynamic("rows", 1, 3000)
+    g = dg.Graph(name="splitk", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[rows, 8192])
+    w = g.tensor(name="w", dim=[8192, 64])
+    y = g.relu(g.matmul(x, w)).set_output(True)
+    g.build()
+    workspace = torch.empty(g.plan.workspace_size(), dtype=torch.uint8, device="cuda")
+    wt = torch.randn(8192, 64, device="cuda", dtype=torch.bfloat16)
+    for size in (1, 700, 1024, 2048, 2100, 3000):
+        assert g.plan.workspace_size(sizes=(size,)) <= workspace.numel(), size
+        xt = torch.randn(size, 8192, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((size, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+        g.execute({x: xt, w: wt, y: out}, workspace=workspace)
+        assert rel_err(out, g.reference({x: xt, w: wt})[y.name]) < 2e-2, size
