@@ -115,18 +115,23 @@ def propagate(op: str, infer, inputs: list, attrs, specs: list) -> list:
     symbols = symbols_of(t for t in inputs if t is not None)
     found: list[list] = [[None] * len(spec.dim) if spec is not None else None for spec in specs]
     for symbol in symbols.values():
-        follows = [[set() if spec is not None else None for _ in (spec.dim if spec is not None else ())]
-                   for spec in specs]
+        # per output and axis: how it moved at each probe ("static", "follows")
+        follows = [None if spec is None else [set() for _ in spec.dim] for spec in specs]
         for size in symbol.probes:
             moved = _inferred_at(op, infer, inputs, attrs, symbol, size)
             for index, (spec, other) in enumerate(zip(specs, moved)):
-                for axis, (extent, moved_extent) in enumerate(zip(spec.dim, other.dim) if spec is not None else ()):
+                if spec is None:
+                    continue
+                for axis, (extent, moved_extent) in enumerate(zip(spec.dim, other.dim)):
                     follows[index][axis].add(_how_it_moves(op, index, axis, extent, moved_extent, symbol, size))
         for index, axes in enumerate(follows):
             for axis, ways in enumerate(axes or ()):
-                if len(ways) > 1 or ("follows" in ways and found[index][axis] is not None):
-                    raise UnsupportedError(f"{op}: output {index} axis {axis} ({specs[index].dim[axis]}) follows "
-                                           f"{symbol!r} at some sizes only; this cannot be dynamic yet")
+                what = f"{op}: output {index} axis {axis} ({specs[index].dim[axis]})"
+                if len(ways) > 1:
+                    raise UnsupportedError(f"{what} follows {symbol!r} at some sizes only; this cannot be dynamic yet")
+                if ways == {"follows"} and found[index][axis] is not None:
+                    raise UnsupportedError(f"{what} follows both {found[index][axis]!r} and {symbol!r}; this cannot "
+                                           f"be dynamic yet")
                 if ways == {"follows"}:
                     found[index][axis] = symbol
     return [None if axes is None or all(s is None for s in axes) else tuple(axes) for axes in found]
