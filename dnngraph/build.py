@@ -29,7 +29,7 @@ from .runtime.launch import check_grid, sample_tensors, time_candidate
 from .runtime.plan import Plan, target_for
 from .runtime.plan_cache import PLANS, plan_key
 from .runtime.workspace import WorkspaceBudget
-from .symbolic import check_dense
+from .symbolic import check_dense, symbols_of
 from .target import target_of
 
 def _check_outputs_dense(graph):
@@ -89,7 +89,8 @@ def build_dynamic_plan(graph, options: Optional[BuildOptions] = None) -> Dynamic
     each set of sizes it meets (Graph.specialised, then build_plan: the plan cache and Triton's
     cache share what sizes have in common). The plans at every symbol's min and at every
     symbol's max are built here, so that a shape rule or a kernel that fails at the ends of the
-    range fails the build, not an execute."""
+    range fails the build, not an execute. The workspace the largest sizes need bounds every
+    size's (see _within_largest), so one workspace of workspace_size() serves the whole range."""
     options = BuildOptions() if options is None else options
     for tensor in graph.outputs():
         if tensor.dynamic_dim_symbols:
@@ -97,14 +98,33 @@ def build_dynamic_plan(graph, options: Optional[BuildOptions] = None) -> Dynamic
 
     snapshot = graph._snapshot()  # later changes to the graph never reach sizes built later
 
-    def build_at(sizes: dict) -> "Plan":
+    def build_at(sizes: dict, sized_options: BuildOptions) -> "Plan":
         sized = snapshot.specialised(sizes)
         sized.validate()
-        return build_plan(sized, options)
+        return build_plan(sized, sized_options)
 
-    plan = DynamicPlan(graph, build_at)
+    largest = {symbol.name: symbol.max for symbol in symbols_of(graph.inputs()).values()}
+    at_largest = build_at(largest, options)
+    plan = DynamicPlan(graph, lambda sizes: at_largest if sizes == largest else
+                       _within_largest(build_at, sizes, options, at_largest))
     for end in ("min", "max"):
         plan.plan_for(tuple(getattr(s, end) for s in plan.extents.symbols), executing=False)
+    return plan
+
+
+def _within_largest(build_at, sizes: dict, options: BuildOptions, at_largest) -> "Plan":
+    """The plan at `sizes`, its workspace no larger than the plan at the largest sizes needs.
+    The values between kernels only grow with the sizes, but the optional scratch of a config
+    choice does not (fewer rows can mean more split-K partials): a plan over the bound is built
+    again with its scratch cut by the excess (smaller sizes keep the splits that fit), and,
+    where that still does not fit, with none."""
+    bound = at_largest.workspace_size()
+    plan = build_at(sizes, options)
+    excess = plan.workspace_size() - bound
+    if excess > 0:
+        plan = build_at(sizes, options.with_arguments(workspace_limit=max(plan._budget.spent - excess, 0)))
+    if plan.workspace_size() > bound:
+        plan = build_at(sizes, options.with_arguments(workspace_limit=0))
     return plan
 
 

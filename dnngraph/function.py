@@ -385,7 +385,7 @@ class DynamicFunction:
     (its plan and derivations built once per size; kernels shared by content)."""
 
     def __init__(self, graph, inputs=None, outputs=None, options=None):
-        from .runtime.dynamic_plan import DynamicExtents
+        from .runtime.dynamic_plan import DynamicExtents, PerSize
 
         graph.validate()
         self.graph, self.options = graph, options
@@ -401,8 +401,7 @@ class DynamicFunction:
         position = {t.uid: p for p, t in enumerate(self.inputs)}
         self.positions = tuple((position[t.uid], name, axis, index)
                                for t, name, axis, index in self.extents.sources)
-        self._functions: dict = {}  # tuple of sizes -> GraphFunction of the graph at those sizes
-        self._lock = threading.Lock()
+        self._functions = PerSize()  # tuple of sizes -> GraphFunction of the graph at those sizes
         # per output: (dims with each dynamic axis as the (input position, axis) giving its size,
         # its axes outermost first, torch dtype): what a traced call's outputs look like
         first = {}
@@ -427,10 +426,7 @@ class DynamicFunction:
             results = self._traced_op(list(args))
             return results[0] if len(results) == 1 else tuple(results)
         key = self.extents.key_of_values(args, self.positions, self.graph.name)
-        function = self._functions.get(key)
-        if function is None:
-            function = self._function_at(key)
-        return function(*args)
+        return self._functions.get(key, lambda: self._function_at(key))(*args)
 
     def _run_listed(self, args: list) -> list:
         results = self(*args)
@@ -450,14 +446,9 @@ class DynamicFunction:
         return made
 
     def _function_at(self, key: tuple) -> GraphFunction:
-        with self._lock:
-            function = self._functions.get(key)
-            if function is None:
-                sizes = dict(zip((s.name for s in self.extents.symbols), key))
-                try:
-                    sized = self.graph.specialised(sizes)
-                except ValidationError as error:
-                    raise ExecutionError(f"{self.graph.name} at {sizes}: {error}") from None
-                function = self._functions[key] = GraphFunction(
-                    sized, [t.name for t in self.inputs], [t.name for t in self.outputs], self.options)
-            return function
+        sizes = dict(zip((s.name for s in self.extents.symbols), key))
+        try:
+            sized = self.graph.specialised(sizes)
+        except ValidationError as error:
+            raise ExecutionError(f"{self.graph.name} at {sizes}: {error}") from None
+        return GraphFunction(sized, [t.name for t in self.inputs], [t.name for t in self.outputs], self.options)

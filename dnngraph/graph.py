@@ -293,7 +293,20 @@ class Graph:
         replayed through every shape rule; the tensors keep their names."""
         from .serialization import specialised
 
-        return specialised(self, sizes, Graph)
+        sized = specialised(self, sizes, Graph)
+        self._check_specialised(sized, sizes)
+        return sized
+
+    def _check_specialised(self, sized: "Graph", sizes: dict) -> None:
+        """Every tensor of `sized` has this graph's dims with each symbol at its size: the probes
+        of symbolic.propagate run the rules at a few sizes only, this holds it at every size run."""
+        for tensor in self._tensors.values():
+            symbols = tensor.dynamic_dim_symbols or (None,) * len(tensor.dim)
+            expected = tuple(d if s is None else sizes[s.name] for d, s in zip(tensor.dim, symbols))
+            got = sized.tensor_by_name(tensor.name).dim
+            if got != expected:
+                raise ValidationError(f"graph {self.name!r} at {sizes}: tensor {tensor.name!r} is {list(got)}, "
+                                      f"not {list(expected)} as its dims {list(tensor.dynamic_dim)} say")
 
     def tensor_like(self, like: torch.Tensor, name: Optional[str] = None) -> Tensor:
         """Declare an input with the dims, strides and data type of a torch tensor."""
@@ -979,11 +992,11 @@ class Graph:
     def build_plan_at_index(self, index: int, options=None) -> "Graph":
         """Build plan `index` (see plans()) and keep it for execute_plan_at_index; the graph's
         own plan (execute()) is left as it is."""
-        from .build import build_plan
+        from .build import build_dynamic_plan, build_plan
 
         chosen = _build_options(options, plan=index)
         self.validate()
-        self._plans_at[index] = build_plan(self, chosen)
+        self._plans_at[index] = build_dynamic_plan(self, chosen) if self.is_dynamic else build_plan(self, chosen)
         return self
 
     def execute_plan_at_index(self, bindings: dict, index: int, workspace=None) -> None:

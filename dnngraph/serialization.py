@@ -187,7 +187,7 @@ def _load(text, graph_type):
         raise SerializationError(f"inconsistent document: {error}") from None
 
 
-def _input_dims(record, where, symbols: dict, sizes):
+def _input_dims(record, where, symbols: dict, sizes, version: int):
     """(dims, strides) to declare input `record` with: a dynamic axis as its Dynamic, or with
     `sizes`, at its size (strides packed again in the record's axis order)."""
     dims = _field(record, "dim", list, where)
@@ -195,10 +195,15 @@ def _input_dims(record, where, symbols: dict, sizes):
     marks = record.get("dynamic")
     if marks is None:
         return dims, strides
+    _require(version >= DYNAMIC_SCHEMA_VERSION,
+             f"{where}.dynamic: dynamic extents need document version {DYNAMIC_SCHEMA_VERSION}, got {version}")
     _require(isinstance(marks, list) and len(marks) == len(dims)
              and all(m is None or (isinstance(m, str) and m in symbols) for m in marks),
              f"{where}.dynamic must name a symbol of the document (or null) per axis, got {marks!r}")
     axes = tuple(None if m is None else symbols[m] for m in marks)
+    for axis, (size, symbol) in enumerate(zip(dims, axes)):  # the writer records an axis at its max
+        if symbol is not None:
+            _require(size == symbol.max, f"{where}.dim[{axis}] is {size}, but {symbol!r} is recorded at its max")
     if sizes is not None:
         return list(resized(dims, strides, axes, sizes)[0]), list(resized(dims, strides, axes, sizes)[1])
     return [d if a is None else a for d, a in zip(dims, axes)], strides
@@ -207,6 +212,8 @@ def _input_dims(record, where, symbols: dict, sizes):
 def _symbols(document) -> dict:
     raw = document.get("symbols", {})
     _require(isinstance(raw, dict), "symbols must be an object of name -> [min, max]")
+    _require(not raw or document["version"] >= DYNAMIC_SCHEMA_VERSION,
+             f"symbols need document version {DYNAMIC_SCHEMA_VERSION}, got {document['version']}")
     symbols = {}
     for name, bounds in raw.items():
         _require(isinstance(bounds, list) and len(bounds) == 2 and all(type(b) is int for b in bounds),
@@ -247,7 +254,7 @@ def _fill(document, graph_type, sizes):
         if uid not in producer_of:
             where = f"tensor {uid}"
             _require(_is_output(record, where) is False, f"{where}: a graph input cannot be an output")
-            dims, strides = _input_dims(record, where, symbols, sizes)
+            dims, strides = _input_dims(record, where, symbols, sizes, document["version"])
             handles[uid] = graph.tensor(name=_field(record, "name", str, where), dim=dims, stride=strides,
                                         data_type=_data_type(record, where))
             by_value = record.get("is_pass_by_value", False)

@@ -4,9 +4,12 @@ dims, as the cuDNN frontend's dynamic-shape mode has a graph built once run many
 A graph holds every tensor at concrete dims: a dynamic axis at its symbol's largest size (the
 representative), so every shape rule runs as it does for a static graph. Which axes are dynamic
 is tracked beside the dims (`Tensor.dynamic_dim`): an op's output axis carries symbol `s` when
-the op's shape rule, run again with `s` at another size, moves that axis to exactly that size
-(`propagate`). Anything else (an axis that becomes 2 s, a reshape with literal sizes, two
-symbols forced equal) is refused with a typed error at the op call: it cannot be symbolic yet.
+the op's shape rule, run again with `s` at other sizes (one below the max, and the min, where a
+rule fails or broadcasts), moves that axis to exactly that size (`propagate`). Anything else (an
+axis that becomes 2 s, a reshape with literal sizes, two symbols forced equal, a rule that fails
+at the min) is refused with a typed error at the op call: it cannot be symbolic yet. A graph at
+given sizes is checked against these dims (Graph.specialised), so no size runs a graph the
+probes misjudged.
 
 Layer 1 (IR): imports only the base layer and tensor.py.
 """
@@ -41,9 +44,11 @@ class Dynamic:
                                   f"got min {self.min}, max {self.max}")
 
     @property
-    def probe(self) -> int:
-        """A second size in range, which shape propagation runs the rules at (see module doc)."""
-        return self.max - 1 if self.max - 1 >= max(self.min, 2) else self.min
+    def probes(self) -> tuple:
+        """The other sizes in range shape propagation runs the rules at (see module doc): the
+        one below the max (a generic size) and the min (where a rule clamps, or an axis of
+        extent 1 broadcasts)."""
+        return tuple(sorted({size for size in (self.max - 1, self.min) if self.min <= size < self.max}))
 
     def __repr__(self) -> str:
         return f"dynamic({self.name!r}, {self.min}, {self.max})"
@@ -90,12 +95,12 @@ def symbols_of(tensors) -> dict:
     return found
 
 
-def _moved(tensor, symbol: Dynamic):
-    """A copy of `tensor` (for a shape rule only) with `symbol`'s axes at its probe size."""
+def _moved(tensor, symbol: Dynamic, size: int):
+    """A copy of `tensor` (for a shape rule only) with `symbol`'s axes at `size`."""
     symbols = tensor.dynamic_dim_symbols
     if not symbols or all(s is None or s.name != symbol.name for s in symbols):
         return tensor
-    sizes = {s.name: (symbol.probe if s.name == symbol.name else s.max) for s in symbols if s is not None}
+    sizes = {s.name: (size if s.name == symbol.name else s.max) for s in symbols if s is not None}
     moved = copy.copy(tensor)
     moved._dim, moved._stride = resized(tensor.dim, tensor.stride, symbols, sizes)
     return moved
@@ -103,30 +108,52 @@ def _moved(tensor, symbol: Dynamic):
 
 def propagate(op: str, infer, inputs: list, attrs, specs: list) -> list:
     """Per output spec (None where absent) its symbols per axis, or None when it has no dynamic
-    axis: each symbol of the inputs moved alone to its probe size, the shape rule `infer` run
-    again; an axis that moves to exactly the probe size carries the symbol. UnsupportedError for
-    a result the rule refuses at the other size or an axis that moves any other way."""
+    axis: each symbol of the inputs moved alone to each of its probe sizes, the shape rule
+    `infer` run again; an axis that is the probe size at every probe carries the symbol, one that
+    stays put at every probe is static. UnsupportedError for a result the rule refuses at a
+    probe, or an axis that moves any other way (2 s, ceil(s / 2), min(s, 3))."""
     symbols = symbols_of(t for t in inputs if t is not None)
     found: list[list] = [[None] * len(spec.dim) if spec is not None else None for spec in specs]
     for symbol in symbols.values():
-        if symbol.probe == symbol.max:
-            continue  # one size only: nothing moves
-        try:
-            moved = infer([None if t is None else _moved(t, symbol) for t in inputs], attrs)
-        except ValidationError as error:
-            raise UnsupportedError(f"{op}: its shape rule holds at {symbol.name} = {symbol.max} only, not over "
-                                   f"the range of {symbol!r} ({error}); this cannot be dynamic yet") from None
-        for index, (spec, other) in enumerate(zip(specs, moved)):
-            if spec is None:
-                continue
-            for axis, (size, moved_size) in enumerate(zip(spec.dim, other.dim)):
-                if size == moved_size:
+        # per output and axis: how it moved at each probe ("static", "follows")
+        follows = [None if spec is None else [set() for _ in spec.dim] for spec in specs]
+        for size in symbol.probes:
+            moved = _inferred_at(op, infer, inputs, attrs, symbol, size)
+            for index, (spec, other) in enumerate(zip(specs, moved)):
+                if spec is None:
                     continue
-                if size != symbol.max or moved_size != symbol.probe or found[index][axis] is not None:
-                    raise UnsupportedError(f"{op}: output {index} axis {axis} ({size}) follows {symbol!r} in a way "
-                                           f"other than equal to it; this cannot be dynamic yet")
-                found[index][axis] = symbol
+                for axis, (extent, moved_extent) in enumerate(zip(spec.dim, other.dim)):
+                    follows[index][axis].add(_how_it_moves(op, index, axis, extent, moved_extent, symbol, size))
+        for index, axes in enumerate(follows):
+            for axis, ways in enumerate(axes or ()):
+                what = f"{op}: output {index} axis {axis} ({specs[index].dim[axis]})"
+                if len(ways) > 1:
+                    raise UnsupportedError(f"{what} follows {symbol!r} at some sizes only; this cannot be dynamic yet")
+                if ways == {"follows"} and found[index][axis] is not None:
+                    raise UnsupportedError(f"{what} follows both {found[index][axis]!r} and {symbol!r}; this cannot "
+                                           f"be dynamic yet")
+                if ways == {"follows"}:
+                    found[index][axis] = symbol
     return [None if axes is None or all(s is None for s in axes) else tuple(axes) for axes in found]
+
+
+def _inferred_at(op: str, infer, inputs: list, attrs, symbol: Dynamic, size: int) -> list:
+    """The output specs of the rule with `symbol` alone at `size`; UnsupportedError if it refuses."""
+    try:
+        return infer([None if t is None else _moved(t, symbol, size) for t in inputs], attrs)
+    except ValidationError as error:
+        raise UnsupportedError(f"{op}: its shape rule holds at {symbol.name} = {symbol.max} but not at {size}, "
+                               f"inside the range of {symbol!r} ({error}); this cannot be dynamic yet") from None
+
+
+def _how_it_moves(op: str, index: int, axis: int, extent: int, moved_extent: int, symbol: Dynamic, size: int) -> str:
+    """"static" (the axis stays put) or "follows" (it is the symbol's size, as at the max)."""
+    if extent == moved_extent:
+        return "static"
+    if extent == symbol.max and moved_extent == size:
+        return "follows"
+    raise UnsupportedError(f"{op}: output {index} axis {axis} ({extent}) follows {symbol!r} in a way other than "
+                           f"equal to it ({moved_extent} at {symbol.name} = {size}); this cannot be dynamic yet")
 
 
 def bucket_of(size: int, symbol: Dynamic) -> int:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import numpy
 
 from . import dtypes
-from .errors import ValidationError
+from .errors import UnsupportedError, ValidationError
 
 INT64_MAX = 2**63 - 1
 # Element counts, spans and strides stay far inside int64 (2**48) so that index math in the
@@ -326,6 +326,10 @@ class Tensor:
     def set_stride(self, stride) -> "Tensor":
         """Override the physical strides (logical dims stay)."""
         stride = check_strides(stride, self._dim, f"tensor {self._name!r}")
+        if self._dynamic is not None and stride != dense_strides(self._dim, stride_order(self._dim, stride)):
+            # every size is built densely packed in this axis order (symbolic.check_dense)
+            raise UnsupportedError(f"tensor {self._name!r} has dynamic dims: its strides must be densely packed "
+                                   f"(a permutation of dense strides), got {list(stride)} for dims {list(self._dim)}")
         if self._is_output and overlaps(self._dim, stride):
             raise ValidationError(f"output {self._name!r} of dims {list(self._dim)} cannot take "
                                   f"overlapping strides {list(stride)}: elements would share memory")

@@ -14,11 +14,62 @@ Layer 4 (runtime): the build hands in the function that builds the graph at give
 """
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Callable
 
+import torch
+
 from ..errors import ExecutionError, ValidationError
 from ..symbolic import bucket_of, symbols_of
+from .launch import persistent_buffer
+
+# plans (or functions) kept per dynamic graph, the least recently used size dropped first: a sweep
+# over every length of a range would otherwise hold one plan per length for the graph's lifetime
+PLANS_KEPT = 64
+
+
+class PerSize:
+    """What a dynamic graph made per set of sizes (a plan, a function), made on first use, the
+    last PLANS_KEPT used kept. A size seen before costs one short lock; a new size is made under
+    another lock, so threads with sizes seen before never wait on a build."""
+
+    def __init__(self):
+        self._made: collections.OrderedDict = collections.OrderedDict()  # key -> what make(key) gave
+        self._index_lock = threading.Lock()  # guards _made
+        self._make_lock = threading.Lock()  # one make at a time: a size wanted twice is made once
+
+    def get(self, key: tuple, make: Callable):
+        """What `make()` gave for `key`, made now unless kept."""
+        found = self._found(key)
+        if found is not None:
+            return found
+        with self._make_lock:
+            found = self._found(key)  # made by another thread while this one waited
+            if found is None:
+                found = make()
+                with self._index_lock:
+                    self._made[key] = found
+                    while len(self._made) > PLANS_KEPT:
+                        self._made.popitem(last=False)
+        return found
+
+    def _found(self, key: tuple):
+        with self._index_lock:
+            found = self._made.get(key)
+            if found is not None:
+                self._made.move_to_end(key)
+            return found
+
+    def items(self) -> list:
+        with self._index_lock:
+            return list(self._made.items())
+
+    def keys(self) -> list:
+        return [key for key, _ in self.items()]
+
+    def __len__(self) -> int:
+        return len(self._made)
 
 
 class DynamicExtents:
@@ -92,6 +143,30 @@ class DynamicExtents:
         return {self.handles.get(key, key): value for key, value in bindings.items()}
 
 
+class SharedWorkspaces:
+    """One workspace per (device, stream) for every size of a dynamic graph, with the lock that
+    keeps one execute's launches together over it (a plan per size with a workspace of its own
+    would hold one buffer per size kept). Sized at `bound` (the largest sizes' need, which bounds
+    every size's: build._within_largest); a plan that needs more, or one executing under a CUDA
+    graph capture (whose pool a buffer shared outside it must not come from), takes its own."""
+
+    def __init__(self, bound: Callable):
+        self._bound = bound  # device -> bytes
+        self._made: dict = {}  # (device type, index, raw stream) -> (buffer, lock)
+        self._lock = threading.Lock()
+
+    def __call__(self, device, stream, nbytes: int):
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        with self._lock:
+            key = (device.type, device.index, stream)
+            made = self._made.get(key)
+            if made is None:
+                made = self._made[key] = (persistent_buffer(max(nbytes, self._bound(device)), device),
+                                          threading.Lock())
+        return made if made[0].numel() >= nbytes else None
+
+
 class DynamicPlan:
     """A graph's plans by the sizes of its dynamic extents: execute() runs the plan of the
     bindings' sizes, built by `build_at(sizes)` (symbol name -> size; returns a Plan of the graph
@@ -102,21 +177,14 @@ class DynamicPlan:
         self.extents = DynamicExtents(graph)
         self._build_at = build_at
         self._handles = tuple((t, t.name) for t in graph.tensors)
-        self._plans: dict = {}  # tuple of sizes -> Plan taking this graph's handles and names
-        self._lock = threading.Lock()
-        self.builds = 0  # plans built (each a host-side build, never a rebuild for a size seen before)
+        self._plans = PerSize()  # tuple of sizes -> Plan taking this graph's handles and names
+        self._workspaces = SharedWorkspaces(lambda device: self.workspace_size(device))
+        self.builds = 0  # plans built (host work; a size is built again only once PerSize dropped it)
 
     def plan_for(self, key: tuple, executing: bool = True):
         """The plan at sizes `key` (symbols in name order), built on first use; a shape rule that
         refuses these sizes raises ExecutionError when `executing`, else its ValidationError."""
-        plan = self._plans.get(key)
-        if plan is not None:
-            return plan
-        with self._lock:
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plans[key] = self._built(key, executing)
-        return plan
+        return self._plans.get(key, lambda: self._built(key, executing))
 
     def _built(self, key: tuple, executing: bool):
         sizes = dict(zip((s.name for s in self.extents.symbols), key))
@@ -127,6 +195,7 @@ class DynamicPlan:
                 raise
             raise ExecutionError(f"graph {self.graph_name!r} at {sizes}: {error}") from None
         self.builds += 1
+        plan.shared_workspace = self._workspaces
         return _taking_handles(plan, self._handles)
 
     def execute(self, bindings, workspace=None) -> None:
@@ -135,7 +204,7 @@ class DynamicPlan:
     @property
     def sizes_built(self) -> list:
         """The size tuples (symbols in name order) a plan exists for."""
-        return list(self._plans)
+        return self._plans.keys()
 
     def bucket(self, key: tuple) -> tuple:
         """The bucket of each size of `key` (its upper bound)."""
@@ -144,7 +213,7 @@ class DynamicPlan:
     def kernels_by_bucket(self) -> dict:
         """bucket -> the names (content digests) of the kernels its sizes' plans launch."""
         found: dict = {}
-        for key, plan in list(self._plans.items()):
+        for key, plan in self._plans.items():
             names = found.setdefault(self.bucket(key), set())
             names.update(launch.kernel.__name__ for launch in plan.launches)
         return found
@@ -162,7 +231,7 @@ class DynamicPlan:
     def explain(self) -> str:
         symbols = ", ".join(repr(s) for s in self.extents.symbols)
         lines = [f"dynamic graph {self.graph_name!r}: {symbols}; one plan per size seen, kernels shared by content",
-                 f"sizes built: {sorted(self._plans)}"]
+                 f"sizes kept (the last {PLANS_KEPT} used): {sorted(self._plans.keys())}"]
         for bucket, names in sorted(self.kernels_by_bucket().items()):
             lines.append(f"bucket {list(bucket)}: {len(names)} kernel source(s)")
         lines.append("at the largest sizes:")

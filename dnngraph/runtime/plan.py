@@ -234,6 +234,9 @@ class Plan:
         self._by_device: dict = {}  # (device type, index) -> DeviceLaunches
         self._streams: dict = {}  # (device type, index, raw stream) -> StreamWorkspace
         self._ready: dict = {}  # the stamp of a binding set (see execute) -> ReadyBindings
+        # (device, raw stream, bytes) -> (buffer, lock) shared with other plans, or None: a plan
+        # of its own (the sizes of a dynamic graph share one: runtime/dynamic_plan.py)
+        self.shared_workspace: Optional[Callable] = None
         # (stamp, ReadyBindings) of the last binding set checked in full: a call that repeats it
         # compares its stamp with it (no hash); one tuple, so a thread reads a stamp with its own
         # set. Not moved on a lookup hit: sets used in turn cost no write per call.
@@ -349,6 +352,10 @@ class Plan:
         """The workspace of (device, stream), created once (launch.persistent_buffer: torch's
         caching allocator never hands its memory to another use while the stream's kernels read it)."""
         def make() -> StreamWorkspace:
+            shared = self.shared_workspace and self.shared_workspace(device, stream, built.workspace_bytes)
+            if shared is not None:
+                buffer, lock = shared
+                return StreamWorkspace(buffer, built.views(buffer), lock)
             buffer = persistent_buffer(built.workspace_bytes, device)
             return StreamWorkspace(buffer, built.views(buffer), threading.Lock())
 

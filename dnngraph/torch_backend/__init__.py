@@ -438,6 +438,7 @@ class PerShapeModule(torch.nn.Module):
         self.ops = sum(1 for n in sub.graph.nodes if n.op == "call_function")
         self.modules: collections.OrderedDict = collections.OrderedDict()  # signature -> module
         self.shapes: dict = {}  # signature -> its shapes as the log says them
+        self.in_torch: dict = {}  # signature -> why the partition runs in torch at it (explain() says)
         self.lock = threading.Lock()
 
     def forward(self, *args):
@@ -465,10 +466,12 @@ class PerShapeModule(torch.nn.Module):
             logger.info("torch.compile backend: a partition stays in torch at %s: %s: %s", described,
                         type(error).__name__, error)
             module = self.sub
+            self.in_torch[key] = f"{type(error).__name__}: {error}"
         self.modules[key] = module
         self.shapes[key] = described
         if len(self.modules) > SHAPE_LIMIT:
             dropped, _ = self.modules.popitem(last=False)
+            self.in_torch.pop(dropped, None)
             logger.info("torch.compile backend: a partition drops its least recently used shapes %s",
                         self.shapes.pop(dropped))
         return module
@@ -622,6 +625,8 @@ def explain() -> str:
         lines.append(f"aten graph {number}: {report.dnngraph_ops} ops in {report.graphs} dnngraph graph(s), "
                      f"{len(report.torch_ops)} in torch{shape}")
         lines += [f"  stays in torch: {target} ({reason})" for target, reason in report.torch_ops]
+        lines += [f"  a partition of {module.ops} ops stays in torch at the shapes {module.shapes.get(key, '?')} "
+                  f"({why})" for module in report.per_shape for key, why in list(module.in_torch.items())]
     return "\n".join(lines) if lines else "no aten graph compiled by the dnngraph backend yet"
 
 

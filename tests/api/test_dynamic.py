@@ -241,15 +241,14 @@ def test_what_cannot_be_symbolic_is_refused_at_the_op():
     assert [t.name for t in g.tensors] == ["x", "other"]  # refused calls added nothing
 
 
-def test_a_rule_that_fails_inside_the_range_fails_the_build():
+def test_a_rule_that_fails_inside_the_range_is_refused_at_the_op():
     tokens = dg.dynamic("tokens", 1, 64)
     g = dg.Graph()
     x = g.tensor(name="x", dim=[tokens, 8])
-    y = g.slice(x, [(0, 40), (0, 8)])  # needs at least 40 tokens: static 40 rows out
-    assert y.dynamic_dim == (40, 8)
-    g.relu(y).set_output(True)
-    with pytest.raises(dg.GraphError):
-        g.build()
+    with pytest.raises(dg.UnsupportedError, match="slice"):
+        g.slice(x, [(0, 40), (0, 8)])  # needs at least 40 tokens: the rule fails at the min
+    y = g.slice(g.tensor(name="long", dim=[dg.dynamic("long", 40, 64), 8]), [(0, 40), (0, 8)])
+    assert y.dynamic_dim == (40, 8)  # 40 rows at every size of 40..64
 
 
 def test_serialize_of_a_dynamic_graph_is_refused():
@@ -336,3 +335,288 @@ def test_as_function_traces_once_under_torch_compile_dynamic():
     x = torch.randn(4, 8, requires_grad=True)
     with pytest.raises(Exception, match="not differentiable under torch.compile"):
         torch.compile(lambda x, y: fn(x, y), fullgraph=True, dynamic=True)(x, torch.randn(8, 6))
+
+
+def _relu_graph(tokens):
+    g = dg.Graph(name="relu_rows")
+    x = g.tensor(name="x", dim=[tokens, 3])
+    y = g.relu(x).set_output(True)
+    return g, x, y
+
+
+def test_plans_kept_per_size_are_bounded_and_a_dropped_size_runs_again(monkeypatch):
+    """A sweep over many sizes keeps at most PLANS_KEPT plans (a user running every length of
+    8192 would otherwise hold 8192 plans forever); a size dropped is built again, correctly."""
+    from dnngraph.runtime import dynamic_plan
+
+    monkeypatch.setattr(dynamic_plan, "PLANS_KEPT", 3)
+    g, x, y = _relu_graph(dg.dynamic("tokens", 1, 8192))
+    g.build()
+    fn = g.as_function()
+    for tokens in (5, 6, 7, 8, 9, 5):
+        xt = torch.randn(tokens, 3)
+        out = _poisoned((tokens, 3))
+        g.execute({x: xt, y: out})
+        assert torch.equal(out, torch.relu(xt)), tokens
+        assert torch.equal(fn(xt), torch.relu(xt)), tokens
+        assert len(g.plan.sizes_built) <= 3 and len(fn._functions) <= 3
+    assert (5,) in g.plan.sizes_built  # the most recently used sizes stay
+
+
+def test_two_threads_executing_new_sizes_at_once():
+    import threading
+
+    g, x, y = _relu_graph(dg.dynamic("tokens", 1, 64))
+    g.build()
+    failures, barrier = [], threading.Barrier(4)
+
+    def run(tokens):
+        barrier.wait()
+        for _ in range(3):
+            xt = torch.randn(tokens, 3)
+            out = _poisoned((tokens, 3))
+            g.execute({x: xt, y: out})
+            if not torch.equal(out, torch.relu(xt)):
+                failures.append(tokens)
+
+    threads = [threading.Thread(target=run, args=(tokens,)) for tokens in (3, 17, 31, 17)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+    assert sorted(g.plan.sizes_built) == [(1,), (3,), (17,), (31,), (64,)]
+
+
+
+def test_workspace_size_bounds_every_size_of_the_range():
+    """The optional scratch a config choice adds (split-K partials) is not monotone in the size:
+    fewer rows can mean more splits. workspace_size() promises the most any size needs, so a
+    workspace of that size must serve every size: 2048 rows split K more than 3000 rows do."""
+    rows = dg.dynamic("rows", 1, 3000)
+    g = dg.Graph(name="splitk")
+    x = g.tensor(name="x", dim=[rows, 8192])
+    w = g.tensor(name="w", dim=[8192, 64])
+    g.relu(g.matmul(x, w)).set_output(True)
+    g.build()
+    bound = g.plan.workspace_size()
+    for size in (1, 700, 2048, 2100, 3000):
+        assert g.plan.workspace_size(sizes=(size,)) <= bound, size
+
+
+def test_sizes_under_the_workspace_bound_keep_their_split_k():
+    """The bound cuts scratch only where a size needs more than the largest: a single row with a
+    long K still splits K (as a static graph of that size does)."""
+    rows = dg.dynamic("rows", 1, 4096)
+    g = dg.Graph(name="decode")
+    x = g.tensor(name="x", dim=[rows, 8192])
+    w = g.tensor(name="w", dim=[8192, 64])
+    g.relu(g.matmul(x, w)).set_output(True)
+    g.build()
+    static = g.specialised({"rows": 1}).build()
+    assert g.plan.workspace_size(sizes=(1,)) == static.plan.workspace_size() > 0
+
+
+def test_json_refuses_symbols_its_version_or_dims_cannot_hold():
+    """A version-1 document has no symbols (a version-1 reader would run it at the max size), and
+    a dynamic axis is recorded at its symbol's max: a document saying otherwise is malformed."""
+    g, *_ = _norm_graph()
+    document = json.loads(g.to_json())
+    as_version_1 = {**document, "version": 1}
+    with pytest.raises(dg.SerializationError, match="version"):
+        dg.Graph.from_json(json.dumps(as_version_1))
+    without_symbols = {key: value for key, value in as_version_1.items() if key != "symbols"}
+    with pytest.raises(dg.SerializationError, match="version"):  # the marks alone are version 2 too
+        dg.Graph.from_json(json.dumps(without_symbols))
+    other_dims = json.loads(g.to_json())
+    record = next(r for r in other_dims["tensors"] if r["name"] == "x")
+    record["dim"], record["stride"] = [10, 24], [1, 10]  # tokens at 10, not its max 64
+    with pytest.raises(dg.SerializationError, match="tokens"):
+        dg.Graph.from_json(json.dumps(other_dims))
+
+
+def test_slices_whose_rows_do_not_follow_the_symbol_are_refused_at_the_op():
+    """The last 3 rows at 64 tokens (61:64, absolute once normalized) do not exist at 2 tokens;
+    every other row is ceil(tokens / 2) rows: neither static nor the symbol."""
+    tokens = dg.dynamic("tokens", 2, 64)
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[tokens, 8])
+    with pytest.raises(dg.UnsupportedError, match="slice"):
+        g.slice(x, [slice(-3, None), slice(0, 8)])
+    with pytest.raises(dg.UnsupportedError, match="slice"):
+        g.slice(x, [slice(0, None, 2), slice(0, 8)])  # ceil(tokens / 2) rows
+    assert [t.name for t in g.tensors] == ["x"]
+
+
+def test_a_graph_at_some_size_whose_dims_disagree_with_its_symbols_runs_nothing():
+    """The safety net behind the probes: a graph at given sizes whose tensors are not the
+    dynamic graph's dims with each symbol at its size is refused before anything runs."""
+    g, x, scale, y = _norm_graph()
+    sized = g.specialised({"tokens": 5})
+    assert sized.tensor_by_name(y.name).dim == (5, 24)
+    y._dynamic = (None, None)  # as if a rule had let a moving axis pass as static
+    with pytest.raises(dg.ValidationError, match="tokens"):
+        g.specialised({"tokens": 5})
+
+
+def test_plan_at_index_of_a_dynamic_graph_runs_every_size():
+    """build_plan_at_index / execute_plan_at_index (the frontend's plan list) over a dynamic
+    graph build per size as build() does, not one static plan at the largest sizes."""
+    g, x, scale, y = _norm_graph()
+    assert g.get_execution_plan_count() >= 1
+    g.build_plan_at_index(0)
+    for tokens in (1, 9):
+        xt, st = torch.randn(24, tokens).t(), torch.randn(1, 24)
+        out = _poisoned_for(y, {"tokens": tokens})
+        g.execute_plan_at_index({x: xt, scale: st, y: out}, 0)
+        assert rel_err(out, g.reference({x: xt, scale: st})[y.name]) < TOL, tokens
+
+
+def test_set_stride_of_a_dynamic_tensor_keeps_it_dense():
+    """A padded layout set after declaration was dropped silently (every size is built dense):
+    refused as at declaration; a dense permutation is taken."""
+    g = dg.Graph()
+    x = g.tensor(name="x", dim=[dg.dynamic("tokens", 1, 16), 8])
+    with pytest.raises(dg.UnsupportedError, match="dense"):
+        x.set_stride([16, 1])
+    assert x.stride == (8, 1)
+    assert x.set_stride([1, 16]).stride == (1, 16)  # column-major: dense at every size
+
+
+def test_sizes_of_a_dynamic_graph_share_one_workspace_per_stream():
+    """Each size's plan kept a workspace of its own per stream: up to PLANS_KEPT buffers for one
+    graph. Every size fits the workspace of the largest sizes, so they share one."""
+    g, y = _llama_layer(dg.dynamic("seq", 1, 16), heads=2, kv_heads=1, dim=8, hidden=8, io_type=dg.float32)
+    g.build()
+    for s in (5, 16, 9, 5):
+        _run_layer(g, y, s, "cpu", torch.float32, 1e-4)
+    buffers = {workspace.buffer.data_ptr() for key in g.plan.sizes_built
+               for workspace in g.plan.plan_for(key)._streams.values()}
+    assert len(buffers) == 1
+    assert next(iter(g.plan.plan_for((5,))._streams.values())).buffer.numel() == g.plan.workspace_size()
+
+
+@pytest.mark.gpu
+def test_two_streams_and_threads_at_different_sizes_share_the_workspace_safely_gpu():
+    """Sizes share one workspace per stream: two threads on one stream and a third on its own
+    stream, each at sizes of its own, every result against the reference."""
+    import threading
+
+    rows = dg.dynamic("rows", 1, 2048)
+    g = dg.Graph(name="streams", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[rows, 1024])
+    w = g.tensor(name="w", dim=[1024, 256])
+    y = g.relu(g.matmul(x, w)).set_output(True)
+    total = g.reduction(y, "sum", axes=[0]).set_output(True)
+    g.build()
+    wt = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16)
+    failures, side = [], torch.cuda.Stream()
+
+    def run(sizes, stream):
+        with torch.cuda.stream(stream):
+            for m in sizes:
+                xt = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+                out = torch.full((m, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
+                summed = torch.full((1, 256), float("nan"), device="cuda", dtype=torch.bfloat16)
+                g.execute({x: xt, w: wt, y: out, total: summed})
+                stream.synchronize()
+                ref = g.reference({x: xt, w: wt})
+                if rel_err(out, ref[y.name]) > 2e-2 or rel_err(summed, ref[total.name]) > 2e-2:
+                    failures.append(m)
+
+    default = torch.cuda.current_stream()
+    threads = [threading.Thread(target=run, args=(sizes, stream)) for sizes, stream in
+               (((7, 1500, 33), default), ((2048, 5, 700), default), ((1, 999, 2047), side))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not failures
+
+
+def test_a_workspace_too_small_for_the_size_is_refused_and_writes_nothing():
+    g, y = _llama_layer(dg.dynamic("seq", 1, 16), heads=2, kv_heads=1, dim=8, hidden=8, io_type=dg.float32)
+    g.build()
+    small = torch.empty(g.plan.workspace_size(sizes=(3,)), dtype=torch.uint8)
+    assert small.numel() < g.plan.workspace_size(sizes=(16,))
+    inputs = {t.name: torch.randn(*[16 if isinstance(d, dg.Dynamic) else d for d in t.dynamic_dim])
+              for t in g.inputs()}
+    out = _poisoned_for(y, {"seq": 16})
+    with pytest.raises(dg.ExecutionError, match="workspace"):
+        g.execute({**inputs, y: out}, workspace=small)
+    assert torch.isnan(out).all()
+
+
+def _softmax_and_sum_along(s):
+    g = dg.Graph(name="along")
+    x = g.tensor(name="x", dim=[3, s])
+    g.softmax(x, axis=1).set_output(True)
+    g.reduction(g.exp(x), "max", [1]).set_output(True)
+    return g
+
+
+def _layernorm_over(s):
+    g = dg.Graph(name="layernorm")
+    x = g.tensor(name="x", dim=[3, s])
+    scale, bias = g.tensor(name="scale", dim=[1, s]), g.tensor(name="bias", dim=[1, s])
+    y, mean, inv_variance = g.layernorm(x, scale, bias)
+    for out in (y, mean, inv_variance):
+        out.set_output(True)
+    return g
+
+
+def _conv_pool_batch(s):
+    g = dg.Graph(name="conv")
+    x = g.tensor(name="x", dim=[s, 3, 7, 7])
+    w = g.tensor(name="w", dim=[4, 3, 3, 3])
+    y = g.relu(g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1]))
+    g.pooling(y, mode="avg_exclude_pad", window=[2, 2], stride=[2, 2], padding=[1, 1]).set_output(True)
+    return g
+
+
+def _matmul_dynamic_k(s):
+    g = dg.Graph(name="k")
+    a, b = g.tensor(name="a", dim=[5, s]), g.tensor(name="b", dim=[s, 7])
+    g.matmul(a, b).set_output(True)
+    return g
+
+
+def _transposed_and_broadcast(s):
+    g = dg.Graph(name="t")
+    x = g.tensor(name="x", dim=[s, 6])
+    row = g.tensor(name="row", dim=[1, 6])
+    g.transpose(g.mul(x, row), [1, 0]).set_output(True)  # [6, s]: the dynamic axis moved inner
+    return g
+
+
+@pytest.mark.parametrize("make", [_softmax_and_sum_along, _layernorm_over, _conv_pool_batch, _matmul_dynamic_k,
+                                  _transposed_and_broadcast])
+def test_each_family_at_the_min_odd_sizes_tile_multiples_and_the_max(make):
+    g = make(dg.dynamic("s", 1, 40))
+    g.build()
+    for size in (1, 17, 32, 40, 1):
+        inputs = {t.name: torch.randn(*[size if isinstance(d, dg.Dynamic) else d for d in t.dynamic_dim])
+                  for t in g.inputs()}
+        outs = {t.name: _poisoned_for(t, {"s": size}) for t in g.outputs()}
+        g.execute({**inputs, **outs})
+        ref = g.reference(inputs)
+        for name, out in outs.items():
+            assert rel_err(out, ref[name]) < TOL, (size, name)
+
+
+@pytest.mark.gpu
+def test_one_workspace_of_workspace_size_serves_split_k_sizes_gpu():
+    rows = dg.dynamic("rows", 1, 3000)
+    g = dg.Graph(name="splitk", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[rows, 8192])
+    w = g.tensor(name="w", dim=[8192, 64])
+    y = g.relu(g.matmul(x, w)).set_output(True)
+    g.build()
+    workspace = torch.empty(g.plan.workspace_size(), dtype=torch.uint8, device="cuda")
+    wt = torch.randn(8192, 64, device="cuda", dtype=torch.bfloat16)
+    for size in (1, 700, 1024, 2048, 2100, 3000):
+        assert g.plan.workspace_size(sizes=(size,)) <= workspace.numel(), size
+        xt = torch.randn(size, 8192, device="cuda", dtype=torch.bfloat16)
+        out = torch.full((size, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
+        g.execute({x: xt, w: wt, y: out}, workspace=workspace)
+        assert rel_err(out, g.reference({x: xt, w: wt})[y.name]) < 2e-2, size

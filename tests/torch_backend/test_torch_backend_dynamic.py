@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import dnngraph as dg
 from dnngraph import torch_backend
 from helpers import rel_err
 
@@ -220,3 +221,30 @@ def test_llama_layer_dynamic_true_three_lengths():
 def test_llama_layer_dynamic_true_three_lengths_gpu():
     _llama_dynamic_steps("cuda", torch.bfloat16, hidden=1024, heads=8, kv_heads=2, inner=2816,
                          lengths=(257, 511, 1024), tolerance=3e-2)
+
+
+def test_a_shape_a_partition_does_not_convert_at_is_reported_not_hidden(monkeypatch):
+    """A partition judged convertible at the traced sizes that fails to convert at some other
+    shape runs that shape in torch: still correct, and said in explain() (it was only a log line:
+    the report claimed every op in dnngraph)."""
+    def pooled(x, w):
+        return torch.tanh(x[:, 0] @ w) + x.sum(1)
+
+    graph = make_fx(pooled, tracing_mode="symbolic")(torch.randn(2, 5, 4), torch.randn(4, 4))
+    torch_backend.REPORTS.clear()
+    compiled = torch_backend._compile(graph, [])
+    converting = torch_backend.DnngraphModule
+
+    def refusing_length_7(sub, options=None):
+        if any(node.op == "placeholder" and getattr(node.meta.get("val"), "shape", ())[1:2] == (7,)
+               for node in sub.graph.nodes):
+            raise dg.UnsupportedError("no kernel at length 7")
+        return converting(sub, options)
+
+    monkeypatch.setattr(torch_backend, "DnngraphModule", refusing_length_7)
+    for batch, length in ((2, 5), (3, 7)):
+        x, w = torch.randn(batch, length, 4), torch.randn(4, 4)
+        assert torch.allclose(compiled([x, w]), pooled(x, w), atol=1e-6)
+    text = torch_backend.explain()
+    assert "3x7x4" in text and "no kernel at length 7" in text, text
+    assert "2x5x4" not in text  # converted: nothing to say
