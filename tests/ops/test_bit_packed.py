@@ -226,6 +226,41 @@ def test_output_rows_wider_than_their_bits():
     _execute_and_check(g, {"a": torch.randn(5, 13)})
 
 
+@pytest.mark.parametrize("dims,stride", [([5, 1], [8, 1]), ([2, 5, 1], [96, 16, 1]), ([3, 1], [24, 1])])
+def test_output_packed_along_an_axis_of_one(dims, stride):
+    # the stride-1 axis has extent 1: each element is alone in its byte (bit 0), the bytes'
+    # other bits keep what they held
+    g = _graph()
+    a = g.tensor(name="a", dim=dims)
+    g.cmp_gt(a, 0.0).set_output(True).set_data_type(dg.bool_bit_packed).set_stride(stride)
+    _execute_and_check(g, {"a": torch.randn(dims)})
+
+
+def test_narrower_bit_packed_outputs_in_a_wider_kernel():
+    # masks of a per-row and a per-column value, stored and used over the whole domain in one
+    # kernel: the broadcast outputs are written once per element, along their own packed axis
+    g = _graph()
+    rows, cols = g.tensor(name="r", dim=[9, 1]), g.tensor(name="c", dim=[1, 21])
+    x = g.tensor(name="x", dim=[9, 21])
+    by_row = g.cmp_gt(rows, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
+    by_col = g.cmp_lt(cols, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
+    g.where(g.logical_and(by_row, by_col), x, g.neg(x)).set_output(True)
+    _execute_and_check(g, {"r": torch.randn(9, 1), "c": torch.randn(1, 21), "x": torch.randn(9, 21)})
+
+
+@pytest.mark.parametrize("stride", [[40, 1], [1, 8], [0, 1]])
+def test_strided_bit_packed_inputs_are_read_bit_by_bit(stride):
+    # a mask read out of a wider buffer, packed along the other axis, or one row for all: the
+    # selected values follow every bit (a wrong bit picks the other branch)
+    g = _graph()
+    m = g.tensor(name="m", dim=[5, 13], stride=stride, data_type=dg.bool_bit_packed)
+    a = g.tensor(name="a", dim=[5, 13])
+    g.where(m, a, g.neg(a)).set_output(True)
+    g.logical_not(m).set_output(True).set_data_type(dg.bool_bit_packed)
+    values = _mask([5, 13]) if stride[0] else _mask([1, 13]).expand(5, 13)
+    _execute_and_check(g, {"a": torch.rand(5, 13) + 0.5, "m": _storage(m, fill=values)})
+
+
 def test_mask_updated_in_place():
     # the output bound to the input's own storage: each program reads its bytes before it
     # writes them, the padding bits stay
