@@ -128,9 +128,11 @@ def _blend_factor(value, what: str, graph):
     if isinstance(value, Tensor):
         if value.graph is not graph or graph._tensors.get(value.uid) is not value:
             raise ValidationError(f"{what}: tensor {value.name!r} belongs to another graph")
-        if value.producer is not None or value.numel != 1 or not value.data_type.is_floating:
-            raise ValidationError(f"{what}: a tensor factor is a one-element floating graph input, got "
-                                  f"{value!r}")
+        # block-scale types (fp4, e8m0) are floating, but kernels see their bytes, not their values
+        if value.producer is not None or value.numel != 1 or not value.data_type.is_floating \
+                or value.data_type.is_block_scale_storage:
+            raise ValidationError(f"{what}: a tensor factor is a one-element graph input of float32, float16, "
+                                  f"bfloat16 or fp8, got {value!r}")
         return value
     if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Real):
         raise ValidationError(f"{what} must be a finite real number or a one-element tensor, got {value!r}")

@@ -317,7 +317,7 @@ def test_tensor_factors_round_trip_and_explain():
     torch.testing.assert_close(y, 3.0 * xt.exp() - prior)
 
 
-@pytest.mark.parametrize("make", ["other_graph", "op_output", "two_elements", "integer"])
+@pytest.mark.parametrize("make", ["other_graph", "op_output", "two_elements", "integer", "e8m0", "fp4"])
 def test_tensor_factor_refusals(make):
     g = _graph()
     x = g.tensor(name="x", dim=[4])
@@ -325,7 +325,10 @@ def test_tensor_factor_refusals(make):
     factor = {"other_graph": lambda: _graph().tensor(name="a", dim=[1]),
               "op_output": lambda: g.exp(g.tensor(name="a", dim=[1])),
               "two_elements": lambda: g.tensor(name="a", dim=[2]),
-              "integer": lambda: g.tensor(name="a", dim=[1], data_type=dg.int32)}[make]()
+              "integer": lambda: g.tensor(name="a", dim=[1], data_type=dg.int32),
+              # block-scale types are floating, but a kernel reads their bytes, not their values
+              "e8m0": lambda: g.tensor(name="a", dim=[1], data_type=dg.float8_e8m0),
+              "fp4": lambda: g.tensor(name="a", dim=[1], data_type=dg.float4_e2m1)}[make]()
     with pytest.raises(dg.ValidationError):
         y.set_blend(alpha=factor, beta=1.0)
     assert y.blend is None
