@@ -150,6 +150,12 @@ def plain_blend(blend) -> Optional[tuple]:
     return tuple(("tensor", f.uid) if isinstance(f, Tensor) else f for f in blend)
 
 
+def blend_factor_uids(tensors) -> set:
+    """uids of the one-element tensors the blended stores of `tensors` read alpha or beta from
+    (read by the kernel storing them, though no node takes them as an input)."""
+    return {f.uid for t in tensors for f in (t.blend or ()) if isinstance(f, Tensor)}
+
+
 def check_not_overlapping(tensor: "Tensor"):
     """Outputs are written: reject a layout whose elements share memory."""
     if overlaps(tensor.dim, tensor.stride):

@@ -264,6 +264,18 @@ def _conv_case():
     return g, {x: torch.randn(2, 3, 7, 6), w: torch.randn(5, 3, 3, 3)}, None
 
 
+def _conv_stats_case():
+    """Split-K conv with per-channel sums riding as a column exit: the combine kernel and the
+    exit's fold each store blended, once."""
+    g = _graph()
+    x, w = g.tensor(name="x", dim=[2, 6, 7, 5]), g.tensor(name="w", dim=[6, 3, 3, 3])
+    y = g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=2)
+    for stat in g.genstats(y):
+        stat.set_output(True)
+    return g, {x: torch.randn(2, 6, 7, 5), w: torch.randn(6, 3, 3, 3)}, dg.BuildOptions(
+        conv_config=mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=3))
+
+
 def _rows_case(mode):
     def case():
         g = _graph()
@@ -286,7 +298,7 @@ def _softmax_pooling_case():
 
 TENSOR_FACTOR_CASES = {"pointwise": _pointwise_case, "matmul": _matmul_case("tiled"),
                        "matmul_split_k": _matmul_case("split_k"), "matmul_exit": _matmul_exit_case,
-                       "conv": _conv_case, "rows_one_pass": _rows_case("one_pass"), "rows_split": _rows_case("split"),
+                       "conv": _conv_case, "conv_split_k_stats": _conv_stats_case, "rows_one_pass": _rows_case("one_pass"), "rows_split": _rows_case("split"),
                        "softmax_pooling": _softmax_pooling_case}
 
 
@@ -315,6 +327,27 @@ def test_tensor_factors_round_trip_and_explain():
     y = prior.clone()
     g2.execute({"x": xt, "y": y, "alpha": torch.tensor([3.0]), "beta": -1.0})
     torch.testing.assert_close(y, 3.0 * xt.exp() - prior)
+
+
+@pytest.mark.parametrize("reader", ["matmul", "pointwise", "same_kernel"])
+def test_output_over_a_factor_tensor_is_refused(reader):
+    """An output bound in place over the one-element input a blended store reads its alpha from
+    (after, or in, the kernel that overwrites it) has no safe order: refused, nothing written."""
+    g = _graph()
+    s = g.tensor(name="s", dim=[1])
+    y = g.neg(s).set_output(True).set_name("y")  # elementwise over s: in place, were s read by nothing else
+    dims = [1] if reader == "same_kernel" else [4, 6]
+    a, b = g.tensor(name="a", dim=dims), g.tensor(name="b", dim=[6, 5])
+    z = (g.matmul(a, b) if reader == "matmul" else g.exp(a)).set_output(True).set_name("z")
+    z.set_blend(alpha=s, beta=0.0)
+    g.build()
+    shared, z_t = torch.tensor([2.0]), torch.full(z.dim, math.nan)
+    with pytest.raises(dg.ExecutionError, match="overlaps"):
+        g.execute({s: shared, y: shared, a: torch.randn(dims), b: torch.randn(6, 5), z: z_t})
+    assert shared.item() == 2.0 and torch.isnan(z_t).all()
+    y_t = torch.empty(1)  # apart, the same plan runs
+    g.execute({s: shared, y: y_t, a: torch.ones(dims), b: torch.ones(6, 5), z: z_t})
+    assert y_t.item() == -2.0 and torch.allclose(z_t, torch.full(z.dim, 2.0 * (6.0 if reader == "matmul" else math.e)))
 
 
 @pytest.mark.parametrize("make", ["other_graph", "op_output", "two_elements", "integer", "e8m0", "fp4"])
