@@ -244,8 +244,10 @@ def test_narrower_bit_packed_outputs_in_a_wider_kernel():
     x = g.tensor(name="x", dim=[9, 21])
     by_row = g.cmp_gt(rows, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
     by_col = g.cmp_lt(cols, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
-    g.where(g.logical_and(by_row, by_col), x, g.neg(x)).set_output(True)
-    _execute_and_check(g, {"r": torch.randn(9, 1), "c": torch.randn(1, 21), "x": torch.randn(9, 21)})
+    one = g.cmp_ge(g.tensor(name="s", dim=[1, 1]), 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
+    g.where(g.logical_and(g.logical_and(by_row, by_col), one), x, g.neg(x)).set_output(True)
+    _execute_and_check(g, {"r": torch.randn(9, 1), "c": torch.randn(1, 21), "s": torch.ones(1, 1),
+                           "x": torch.randn(9, 21)})
 
 
 @pytest.mark.parametrize("stride", [[40, 1], [1, 8], [0, 1]])
