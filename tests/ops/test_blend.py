@@ -523,3 +523,29 @@ def test_tensor_factors_gpu(config, factors):
             ref = a_value * result + (b_value * priors[t].double() if b_value else 0.0)
             assert not torch.isnan(bound[t]).any()
             assert (bound[t].double() - ref).norm() / ref.norm() < 1.6e-2
+
+
+def test_factor_tensors_are_not_written_back_by_the_interpreter_process(monkeypatch):
+    """CPU tensors sent to the interpreter process (as on a GPU machine) are copied back only
+    where a kernel writes them: a factor tensor is read, never rewritten (another thread may be
+    setting the next value meanwhile)."""
+    from dnngraph.runtime import interpreter as runtime
+    from dnngraph.runtime import interpreter_client
+
+    g = _graph()
+    x = g.tensor(name="x", dim=[3, 5])
+    y = g.exp(x).set_output(True).set_name("y")
+    alpha = g.tensor(name="alpha", dim=[1])
+    y.set_blend(alpha=alpha, beta=0.0)
+    g.build()
+    written, copy_out = [], interpreter_client.copy_out
+    monkeypatch.setattr(interpreter_client, "copy_out",
+                        lambda arena, tensor, place: (written.append(tensor.data_ptr()), copy_out(arena, tensor, place)))
+    runtime.force_interpreter_worker(True)
+    try:
+        xt, yt, alpha_t = torch.randn(3, 5), torch.empty(3, 5), torch.tensor([2.0])
+        g.execute({x: xt, y: yt, alpha: alpha_t})
+    finally:
+        runtime.force_interpreter_worker(False)
+    torch.testing.assert_close(yt, 2.0 * xt.exp())
+    assert written == [yt.data_ptr()]
