@@ -236,18 +236,37 @@ def test_output_packed_along_an_axis_of_one(dims, stride):
     _execute_and_check(g, {"a": torch.randn(dims)})
 
 
-def test_narrower_bit_packed_outputs_in_a_wider_kernel():
-    # masks of a per-row and a per-column value, stored and used over the whole domain in one
-    # kernel: the broadcast outputs are written once per element, along their own packed axis
+def test_narrower_bit_packed_outputs_beside_a_wider_kernel():
+    # masks of a per-row, a per-column and a single value, stored and used over the whole
+    # domain: each stored by a kernel walking its own packed axis, the wide one walking x's rows
     g = _graph()
     rows, cols = g.tensor(name="r", dim=[9, 1]), g.tensor(name="c", dim=[1, 21])
     x = g.tensor(name="x", dim=[9, 21])
     by_row = g.cmp_gt(rows, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
     by_col = g.cmp_lt(cols, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
     one = g.cmp_ge(g.tensor(name="s", dim=[1, 1]), 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
-    g.where(g.logical_and(g.logical_and(by_row, by_col), one), x, g.neg(x)).set_output(True)
+    chosen = g.where(g.logical_and(g.logical_and(by_row, by_col), one), x, g.neg(x)).set_output(True)
     _execute_and_check(g, {"r": torch.randn(9, 1), "c": torch.randn(1, 21), "s": torch.ones(1, 1),
                            "x": torch.randn(9, 21)})
+    wide = [launch for launch in g.plan.launches if chosen.name in [t.name for t in launch.group.outputs]]
+    assert "space=[9, 21]" in wide[0].config_text
+
+
+def test_schedule_stores_a_narrower_packed_output_along_its_own_axis():
+    # were a kernel over a wider domain to store one (the partitioner keeps graph outputs apart):
+    # the output's broadcast axis goes outermost, its packed axis is the column axis
+    from dnngraph.backends.triton.heuristics.pointwise import schedule
+    from dnngraph.fusion.partition import FusionGroup
+    from dnngraph.target import target_of
+
+    g = _graph()
+    r, x = g.tensor(name="r", dim=[9, 1]), g.tensor(name="x", dim=[9, 21])
+    by_row = g.cmp_gt(r, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
+    chosen = g.where(by_row, x, 0.0).set_output(True)
+    group = FusionGroup("pointwise", None, [by_row.producer, chosen.producer], inputs=[r, x],
+                        outputs=[by_row, chosen])
+    planned = schedule(group, target_of())
+    assert planned.space.sizes == (21, 9) and planned.operands[2].strides == (0, 1)
 
 
 @pytest.mark.parametrize("stride", [[40, 1], [1, 8], [0, 1]])
@@ -485,6 +504,20 @@ def test_gpu_bits_race_free(dims):
     inputs = {"a": torch.randn(dims), "b": torch.randn(1, dims[1]), "m": dg.pack_bits(_mask(dims))}
     for _ in range(3):
         _execute_and_check(g, inputs, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [70001, 4099])
+def test_gpu_narrow_and_lone_bit_outputs(rows):
+    # many programs over a per-row mask stored from a wider kernel, and a column of bits each
+    # alone in its byte: every byte has one writer
+    g = _graph()
+    r, x = g.tensor(name="r", dim=[rows, 1]), g.tensor(name="x", dim=[rows, 37])
+    by_row = g.cmp_gt(r, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
+    g.where(by_row, x, g.neg(x)).set_output(True)
+    g.cmp_lt(r, 0.5).set_output(True).set_data_type(dg.bool_bit_packed).set_stride([8, 1])
+    for _ in range(3):
+        _execute_and_check(g, {"r": torch.randn(rows, 1), "x": torch.randn(rows, 37)}, device="cuda")
 
 
 @pytest.mark.gpu

@@ -329,6 +329,45 @@ def test_tensor_factors_round_trip_and_explain():
     torch.testing.assert_close(y, 3.0 * xt.exp() - prior)
 
 
+@pytest.mark.parametrize("bound", ["two_elements", "no_axis", "float64", "meta_device", "missing"])
+def test_wrong_factor_bindings_are_refused_before_any_write(bound):
+    g = _graph()
+    x = g.tensor(name="x", dim=[3, 5])
+    y = g.exp(x).set_output(True).set_name("y")
+    alpha = g.tensor(name="alpha", dim=[1])
+    y.set_blend(alpha=alpha, beta=1.0)
+    g.build()
+    wrong = {"two_elements": torch.tensor([1.0, 2.0]), "no_axis": torch.tensor(1.0),
+             "float64": torch.tensor([1.0], dtype=torch.float64),
+             "meta_device": torch.empty(1, device="meta")}
+    prior = torch.randn(3, 5)
+    y_t = prior.clone()
+    with pytest.raises(dg.ExecutionError):
+        g.execute({x: torch.randn(3, 5), y: y_t, **({alpha: wrong[bound]} if bound in wrong else {})})
+    assert torch.equal(y_t, prior)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("factors", ["device", "host"])
+def test_factor_on_the_wrong_device_is_refused_gpu(factors):
+    """A device factor bound on the CPU while the rest is on the GPU is refused, nothing written;
+    a host (pass-by-value) factor given as a CPU tensor is staged and read."""
+    g = _graph()
+    x = g.tensor(name="x", dim=[3, 5])
+    y = g.exp(x).set_output(True).set_name("y")
+    alpha = g.tensor(name="alpha", dim=[1], is_pass_by_value=factors == "host")
+    y.set_blend(alpha=alpha, beta=0.0)
+    g.build()
+    xt, y_t = torch.randn(3, 5, device="cuda"), torch.full((3, 5), math.nan, device="cuda")
+    if factors == "device":
+        with pytest.raises(dg.ExecutionError):
+            g.execute({x: xt, y: y_t, alpha: torch.tensor([2.0])})
+        assert torch.isnan(y_t).all()
+        return
+    g.execute({x: xt, y: y_t, alpha: torch.tensor([2.0])})
+    torch.testing.assert_close(y_t, 2.0 * xt.exp())
+
+
 @pytest.mark.parametrize("reader", ["matmul", "pointwise", "same_kernel"])
 def test_output_over_a_factor_tensor_is_refused(reader):
     """An output bound in place over the one-element input a blended store reads its alpha from
