@@ -128,11 +128,9 @@ def _blend_factor(value, what: str, graph):
     if isinstance(value, Tensor):
         if value.graph is not graph or graph._tensors.get(value.uid) is not value:
             raise ValidationError(f"{what}: tensor {value.name!r} belongs to another graph")
-        # block-scale types (fp4, e8m0) are floating, but kernels see their bytes, not their values
-        if value.producer is not None or value.numel != 1 or not value.data_type.is_floating \
-                or value.data_type.is_block_scale_storage:
-            raise ValidationError(f"{what}: a tensor factor is a one-element graph input of float32, float16, "
-                                  f"bfloat16 or fp8, got {value!r}")
+        problem = blend_factor_problem(value)
+        if problem is not None:
+            raise ValidationError(f"{what}: {problem}")
         return value
     if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Real):
         raise ValidationError(f"{what} must be a finite real number or a one-element tensor, got {value!r}")
@@ -140,6 +138,17 @@ def _blend_factor(value, what: str, graph):
     if not math.isfinite(value):
         raise ValidationError(f"{what} must be finite, got {value!r}")
     return value
+
+
+def blend_factor_problem(factor: "Tensor") -> Optional[str]:
+    """Why graph tensor `factor` cannot hold a blend factor (a phrase), or None: it must be a
+    one-element input of float32, float16, bfloat16 or fp8. Block-scale types (fp4, e8m0) are
+    floating, but kernels see their bytes, not their values. Checked by set_blend and again at
+    build (the type may change after)."""
+    if factor.producer is not None or factor.numel != 1 or not factor.data_type.is_floating \
+            or factor.data_type.is_block_scale_storage:
+        return f"a tensor factor is a one-element graph input of float32, float16, bfloat16 or fp8, got {factor!r}"
+    return None
 
 
 def plain_blend(blend) -> Optional[tuple]:

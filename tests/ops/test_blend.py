@@ -329,6 +329,19 @@ def test_tensor_factors_round_trip_and_explain():
     torch.testing.assert_close(y, 3.0 * xt.exp() - prior)
 
 
+@pytest.mark.parametrize("retyped", [dg.float8_e8m0, dg.int32, dg.bool_bit_packed])
+def test_factor_retyped_after_set_blend_is_refused_at_build(retyped):
+    """The factor's checks hold at build too: a type set after set_blend (bytes of e8m0, an
+    integer, bits) is refused there, not read as something else."""
+    g = _graph()
+    y = g.exp(g.tensor(name="x", dim=[3, 5])).set_output(True)
+    alpha = g.tensor(name="alpha", dim=[1])
+    y.set_blend(alpha=alpha, beta=0.0)
+    alpha.set_data_type(retyped)
+    with pytest.raises(dg.ValidationError, match="alpha"):
+        g.build()
+
+
 @pytest.mark.parametrize("bound", ["two_elements", "no_axis", "float64", "meta_device", "missing"])
 def test_wrong_factor_bindings_are_refused_before_any_write(bound):
     g = _graph()
