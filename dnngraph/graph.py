@@ -1187,6 +1187,8 @@ def _host_scalar(tensor: Tensor, value, device, error) -> torch.Tensor:
                     f"{type(value).__name__}")
     if not tensor.data_type.is_floating and value != int(value):
         raise error(f"{tensor.name!r} is passed by value as {tensor.data_type.name}: {value!r} is no integer")
+    if tensor.data_type.is_bit_packed:  # its one element is bit 0 of its byte: true for any nonzero number
+        value = int(value != 0)
     staged = torch.empty_strided(tensor.dim, tensor.stride, dtype=tensor.data_type.torch_dtype, device=device)
     return staged.fill_(value)
 

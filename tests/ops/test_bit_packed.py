@@ -329,6 +329,24 @@ def test_reference_takes_bools_or_storage():
     assert torch.equal(by_bools[g.outputs()[0].name], ~values)
 
 
+@pytest.mark.parametrize("value", [1, 2, -1, 0])
+def test_pass_by_value_bit_as_a_bool_is(value):
+    # a host number for a one-element mask: any nonzero number is true, as for dg.bool (not
+    # only those whose lowest bit is set)
+    results = {}
+    for data_type in (dg.bool, dg.bool_bit_packed):
+        g = _graph()
+        m = g.tensor(name="m", dim=[1, 1], data_type=data_type, is_pass_by_value=True)
+        x = g.tensor(name="x", dim=[3, 5])
+        y = g.where(m, x, 0.0).set_output(True)
+        g.build()
+        xt, yt = torch.randn(3, 5), torch.full((3, 5), float("nan"))
+        g.execute({m: value, x: xt, y: yt})
+        assert torch.equal(g.reference({m: value, x: xt})[y.name].float(), yt)
+        results[data_type.name] = torch.equal(yt, xt if value else torch.zeros(3, 5))
+    assert results == {"bool": True, "bool_bit_packed": True}
+
+
 def test_serialization_keeps_bits():
     g = _graph()
     m = g.tensor(name="m", dim=[3, 5], data_type=dg.bool_bit_packed)
