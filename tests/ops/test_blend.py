@@ -601,3 +601,16 @@ def test_factor_tensors_are_not_written_back_by_the_interpreter_process(monkeypa
         runtime.force_interpreter_worker(False)
     torch.testing.assert_close(yt, 2.0 * xt.exp())
     assert written == [yt.data_ptr()]
+
+
+def test_serialized_plan_with_a_factor_declared_after_its_output_loads():
+    g = _graph()
+    x = g.tensor(name="x", dim=[3, 5])
+    y = g.exp(x).set_output(True).set_name("y")
+    alpha = g.tensor(name="alpha", dim=[1], is_pass_by_value=True)  # made after y: a later uid
+    y.set_blend(alpha=alpha, beta=0.0)
+    g.build()
+    loaded = dg.Graph.deserialize(g.serialize())
+    xt, yt = torch.randn(3, 5), torch.full((3, 5), math.nan)
+    loaded.execute({"x": xt, "y": yt, "alpha": 2.0})
+    torch.testing.assert_close(yt, 2.0 * xt.exp())
