@@ -88,12 +88,20 @@ def refuse_elsewhere(graph, groups) -> None:
                                    f"attention written as ops (a where mask on the scores) unpack them")
 
 
-def packed_layouts_agree(nodes) -> bool:
-    """Whether one pointwise kernel can store every bit-packed tensor `nodes` make: all of one
-    layout (the kernel's column axis is their packed axis: heuristics/pointwise.py)."""
-    layouts = {(tuple(t.dim), tuple(t.stride)) for n in nodes for t in n.outputs
-               if t is not None and t.data_type.is_bit_packed}
-    return len(layouts) <= 1
+def packed_layouts_agree(nodes, domain=None) -> bool:
+    """Whether one pointwise kernel over `domain` should store every bit-packed tensor `nodes`
+    make: all of one layout (the kernel's column axis is their packed axis:
+    heuristics/pointwise.py), and no graph output among them narrower than the domain (the
+    kernel would walk its columns along that output's packed axis, across the rows of every
+    wider operand: uncoalesced; apart, both kernels walk their own rows)."""
+    packed = [t for n in nodes for t in n.outputs if t is not None and t.data_type.is_bit_packed]
+    if len({(tuple(t.dim), tuple(t.stride)) for t in packed}) > 1:
+        return False
+    return domain is None or all(_spans(t.dim, domain) for t in packed if t.is_output)
+
+
+def _spans(dim, domain) -> bool:
+    return (1,) * (len(domain) - len(dim)) + tuple(dim) == tuple(domain)
 
 
 def touches_bit_packed(node) -> bool:

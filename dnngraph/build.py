@@ -30,6 +30,7 @@ from .runtime.plan import Plan, target_for
 from .runtime.plan_cache import PLANS, plan_key
 from .runtime.workspace import WorkspaceBudget
 from .symbolic import check_dense, symbols_of
+from .tensor import Tensor, blend_factor_problem
 from .target import target_of
 
 def _check_outputs_dense(graph):
@@ -48,6 +49,10 @@ def _check_blends(graph):
         if tensor.blend is None:
             continue
         what = f"tensor {tensor.name!r} is blended (set_blend)"
+        for role, factor in zip(("alpha", "beta"), tensor.blend):
+            problem = blend_factor_problem(factor) if isinstance(factor, Tensor) else None
+            if problem is not None:
+                raise ValidationError(f"{what} with {role} {factor.name!r}: {problem}")
         if not tensor.is_output:
             raise ValidationError(f"{what} but is no graph output: only outputs are stored blended")
         if not tensor.data_type.is_floating:

@@ -1216,6 +1216,8 @@ def _host_scalar(tensor: Tensor, value, device, error) -> torch.Tensor:
                     f"{type(value).__name__}")
     if not tensor.data_type.is_floating and value != int(value):
         raise error(f"{tensor.name!r} is passed by value as {tensor.data_type.name}: {value!r} is no integer")
+    if tensor.data_type.is_bit_packed:  # its one element is bit 0 of its byte: true for any nonzero number
+        value = int(value != 0)
     if not tensor.data_type.is_floating and tensor.data_type is not dtypes.bool_:
         limits = torch.iinfo(tensor.data_type.torch_dtype)  # filling the staging tensor would raise
         if not limits.min <= value <= limits.max:

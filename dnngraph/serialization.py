@@ -249,20 +249,34 @@ def _fill(document, graph_type, sizes):
             if uid is not None:
                 _require(uid not in producer_of, f"{where}: tensor {uid} has two producers")
                 producer_of[uid] = index
-    handles = {}
-    for uid, record in records.items():
-        if uid not in producer_of:
-            where = f"tensor {uid}"
-            _require(_is_output(record, where) is False, f"{where}: a graph input cannot be an output")
-            dims, strides = _input_dims(record, where, symbols, sizes, document["version"])
-            handles[uid] = graph.tensor(name=_field(record, "name", str, where), dim=dims, stride=strides,
-                                        data_type=_data_type(record, where))
-            by_value = record.get("is_pass_by_value", False)
-            _require(isinstance(by_value, bool), f"{where}.is_pass_by_value must be true or false")
-            handles[uid].set_is_pass_by_value(by_value)
+    handles, blended = {}, []
+    # inputs are declared in creation (uid) order among the nodes, so that every tensor gets its
+    # uid again (a plan's groups are fingerprinted by uid: shipping.py); an input a node reads
+    # comes before it whatever its uid (a hand-written document)
+    pending = sorted(uid for uid in records if uid not in producer_of)
     for index in _node_order(nodes, producer_of):
-        _replay(graph, nodes[index], f"nodes[{index}]", handles, records, sizes is not None)
+        made = [uid for uid in nodes[index]["outputs"] if uid is not None]
+        read = {uid for uid in nodes[index]["inputs"] if uid is not None}
+        earlier = [uid for uid in pending if (made and uid < min(made)) or uid in read]
+        _declare_inputs(graph, earlier, records, handles, symbols, sizes, document["version"])
+        pending = [uid for uid in pending if uid not in earlier]
+        _replay(graph, nodes[index], f"nodes[{index}]", handles, records, sizes is not None, blended)
+    _declare_inputs(graph, pending, records, handles, symbols, sizes, document["version"])
+    for tensor, saved, saved_where in blended:  # factors may be inputs declared after their output
+        _set_blend(tensor, saved, saved_where, handles)
     return graph
+
+
+def _declare_inputs(graph, uids, records, handles, symbols, sizes, version) -> None:
+    for uid in uids:
+        record, where = records[uid], f"tensor {uid}"
+        _require(_is_output(record, where) is False, f"{where}: a graph input cannot be an output")
+        dims, strides = _input_dims(record, where, symbols, sizes, version)
+        handles[uid] = graph.tensor(name=_field(record, "name", str, where), dim=dims, stride=strides,
+                                    data_type=_data_type(record, where))
+        by_value = record.get("is_pass_by_value", False)
+        _require(isinstance(by_value, bool), f"{where}.is_pass_by_value must be true or false")
+        handles[uid].set_is_pass_by_value(by_value)
 
 
 def _graph_from_header(header, graph_type):
@@ -307,7 +321,17 @@ def _is_factor_tensor(factor, handles) -> bool:
             and factor["tensor"] in handles)
 
 
-def _replay(graph, record, where, handles, records, resizing: bool = False):
+def _set_blend(tensor, saved, saved_where, handles) -> None:
+    blend = _field(saved, "blend", list, saved_where)
+    _require(len(blend) == 2 and all(type(f) in (int, float) or _is_factor_tensor(f, handles) for f in blend),
+             f"{saved_where}: blend must be [alpha, beta], each a number or {{\"tensor\": uid}} of an "
+             f"input, got {blend!r}")
+    tensor.set_blend(*(handles[f["tensor"]] if isinstance(f, dict) else f for f in blend))
+
+
+def _replay(graph, record, where, handles, records, resizing: bool = False, blended=None):
+    """Add node `record` to `graph`; its outputs' blends (whose factors may not exist yet) are
+    appended to `blended` as (tensor, record, where) for the caller to set (_set_blend)."""
     opdef = REGISTRY.get(_field(record, "op", str, where))
     _require(opdef is not None, f"{where}: unknown op {record['op']!r}")
     attrs = _attrs(record, opdef, where)
@@ -342,9 +366,5 @@ def _replay(graph, record, where, handles, records, resizing: bool = False):
         if _is_output(saved, saved_where):
             tensor.set_output(True)
         if "blend" in saved:
-            blend = _field(saved, "blend", list, saved_where)
-            _require(len(blend) == 2 and all(type(f) in (int, float) or _is_factor_tensor(f, handles) for f in blend),
-                     f"{saved_where}: blend must be [alpha, beta], each a number or {{\"tensor\": uid}} of an "
-                     f"input, got {blend!r}")
-            tensor.set_blend(*(handles[f["tensor"]] if isinstance(f, dict) else f for f in blend))
+            blended.append((tensor, saved, saved_where))
         handles[uid] = tensor

@@ -295,6 +295,8 @@ def _loaded(document: dict, graph_type, rebuild: bool):
     shared = plan.for_graph(graph)
     shared.views.lend_strides(graph)
     graph._plan = shared
+    # as build() finds them: execute stages these inputs' host values (pass-by-value alpha, say)
+    graph._pass_by_value = tuple(t for t in graph.inputs() if t.is_pass_by_value)
     return graph
 
 

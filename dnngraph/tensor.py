@@ -128,9 +128,9 @@ def _blend_factor(value, what: str, graph):
     if isinstance(value, Tensor):
         if value.graph is not graph or graph._tensors.get(value.uid) is not value:
             raise ValidationError(f"{what}: tensor {value.name!r} belongs to another graph")
-        if value.producer is not None or value.numel != 1 or not value.data_type.is_floating:
-            raise ValidationError(f"{what}: a tensor factor is a one-element floating graph input, got "
-                                  f"{value!r}")
+        problem = blend_factor_problem(value)
+        if problem is not None:
+            raise ValidationError(f"{what}: {problem}")
         return value
     if isinstance(value, (bool, numpy.bool_)) or not isinstance(value, numbers.Real):
         raise ValidationError(f"{what} must be a finite real number or a one-element tensor, got {value!r}")
@@ -140,12 +140,29 @@ def _blend_factor(value, what: str, graph):
     return value
 
 
+def blend_factor_problem(factor: "Tensor") -> Optional[str]:
+    """Why graph tensor `factor` cannot hold a blend factor (a phrase), or None: it must be a
+    one-element input of float32, float16, bfloat16 or fp8. Block-scale types (fp4, e8m0) are
+    floating, but kernels see their bytes, not their values. Checked by set_blend and again at
+    build (the type may change after)."""
+    if factor.producer is not None or factor.numel != 1 or not factor.data_type.is_floating \
+            or factor.data_type.is_block_scale_storage:
+        return f"a tensor factor is a one-element graph input of float32, float16, bfloat16 or fp8, got {factor!r}"
+    return None
+
+
 def plain_blend(blend) -> Optional[tuple]:
     """(alpha, beta) with each tensor factor as ("tensor", uid): what problems and kernels carry
     (plain data, the same for every copy of the graph)."""
     if blend is None:
         return None
     return tuple(("tensor", f.uid) if isinstance(f, Tensor) else f for f in blend)
+
+
+def blend_factor_uids(tensors) -> set:
+    """uids of the one-element tensors the blended stores of `tensors` read alpha or beta from
+    (read by the kernel storing them, though no node takes them as an input)."""
+    return {f.uid for t in tensors for f in (t.blend or ()) if isinstance(f, Tensor)}
 
 
 def check_not_overlapping(tensor: "Tensor"):

@@ -396,7 +396,7 @@ class _Partitioner:
         except ValidationError:
             return False
         if not _counters_well_defined(members, domain) or not self.convex(members) \
-                or not packed_layouts_agree(members):
+                or not packed_layouts_agree(members, domain):
             return False
         target = groups[0]
         for other in groups[1:]:
@@ -434,7 +434,7 @@ class _Partitioner:
         except ValidationError:
             return False
         if not _counters_well_defined(members, domain) or not self.convex(members) \
-                or not packed_layouts_agree(members):
+                or not packed_layouts_agree(members, domain):
             return False
         target.nodes.extend(other.nodes)
         target.nodes.sort(key=self.position.__getitem__)

@@ -17,6 +17,8 @@ writer) has no safe order in the plan and execute() refuses the binding (runtime
 """
 from __future__ import annotations
 
+from ..tensor import blend_factor_uids
+
 # anchor op -> {output role: input role} of per-row values an anchor's row kernel loads and stores
 # in the same program (the recipe's row outputs)
 IN_PLACE_ROWS = {"batchnorm": {"next_running_mean": "in_running_mean", "next_running_var": "in_running_var"}}
@@ -30,6 +32,8 @@ def in_place_pairs(graph, groups) -> frozenset:
     for index, group in enumerate(order):
         for tensor in group.inputs:
             readers.setdefault(views.root_of(tensor.uid), []).append((index, tensor.uid))
+        for uid in blend_factor_uids(group.outputs):  # read by the stores, at no element's index
+            readers.setdefault(uid, []).append((index, None))
     pairs = set()
     for index, group in enumerate(order):
         for output, source in _one_to_one(group):

@@ -37,6 +37,7 @@ from ..errors import ExecutionError
 from ..log import logger
 from .interpreter_worker import KernelCall, Request
 from .shared_arena import arena_size, copy_in, copy_out, create_arena, lay_out
+from ..tensor import blend_factor_uids
 
 _BOOT = "from dnngraph.runtime.interpreter_worker import main; main()"
 _STOP_SECONDS = 5
@@ -154,8 +155,10 @@ class InterpreterProcess:
         if status != "ok":
             raise ExecutionError(f"CPU tensors: the interpreter failed ({text}); no output was written")
         self.loaded.update(sources)
-        read_only = ({t.uid for launch in launches for t in launch.group.inputs}
-                     - {t.uid for launch in launches for t in launch.group.outputs})
+        # inputs, and the one-element tensors blended stores read their factors from (no node's input)
+        read = {t.uid for launch in launches for t in launch.group.inputs}
+        read |= {uid for launch in launches for uid in blend_factor_uids(launch.group.outputs)}
+        read_only = read - {t.uid for launch in launches for t in launch.group.outputs}
         for uid in uids:
             if uid not in read_only:
                 copy_out(self.arena, tensors[uid], places[index[uid]])

@@ -21,6 +21,7 @@ import torch
 from .. import dtypes
 from ..errors import ExecutionError
 from ..target import Target, target_of
+from ..tensor import blend_factor_uids
 from .bindings import check_bindable, resolved_input
 from .interpreter import interpreting
 from .launch import (LaunchRefused, created_once, launch_on_device, persistent_buffer, run_launches,
@@ -74,7 +75,7 @@ def _binding_spec(tensor) -> BindingSpec:
 
 def _blend_factor_uids(groups) -> set:
     """uids of the one-element tensors the groups' blended outputs take alpha or beta from."""
-    return {f.uid for g in groups for t in g.outputs for f in (t.blend or ()) if not isinstance(f, (int, float))}
+    return {uid for g in groups for uid in blend_factor_uids(g.outputs)}
 
 
 def _as_bytes(tensors: dict) -> None:

@@ -226,6 +226,62 @@ def test_output_rows_wider_than_their_bits():
     _execute_and_check(g, {"a": torch.randn(5, 13)})
 
 
+@pytest.mark.parametrize("dims,stride", [([5, 1], [8, 1]), ([2, 5, 1], [96, 16, 1]), ([3, 1], [24, 1])])
+def test_output_packed_along_an_axis_of_one(dims, stride):
+    # the stride-1 axis has extent 1: each element is alone in its byte (bit 0), the bytes'
+    # other bits keep what they held
+    g = _graph()
+    a = g.tensor(name="a", dim=dims)
+    g.cmp_gt(a, 0.0).set_output(True).set_data_type(dg.bool_bit_packed).set_stride(stride)
+    _execute_and_check(g, {"a": torch.randn(dims)})
+
+
+def test_narrower_bit_packed_outputs_beside_a_wider_kernel():
+    # masks of a per-row, a per-column and a single value, stored and used over the whole
+    # domain: each stored by a kernel walking its own packed axis, the wide one walking x's rows
+    g = _graph()
+    rows, cols = g.tensor(name="r", dim=[9, 1]), g.tensor(name="c", dim=[1, 21])
+    x = g.tensor(name="x", dim=[9, 21])
+    by_row = g.cmp_gt(rows, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
+    by_col = g.cmp_lt(cols, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
+    one = g.cmp_ge(g.tensor(name="s", dim=[1, 1]), 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
+    chosen = g.where(g.logical_and(g.logical_and(by_row, by_col), one), x, g.neg(x)).set_output(True)
+    _execute_and_check(g, {"r": torch.randn(9, 1), "c": torch.randn(1, 21), "s": torch.ones(1, 1),
+                           "x": torch.randn(9, 21)})
+    wide = [launch for launch in g.plan.launches if chosen.name in [t.name for t in launch.group.outputs]]
+    assert "space=[9, 21]" in wide[0].config_text
+
+
+def test_schedule_stores_a_narrower_packed_output_along_its_own_axis():
+    # were a kernel over a wider domain to store one (the partitioner keeps graph outputs apart):
+    # the output's broadcast axis goes outermost, its packed axis is the column axis
+    from dnngraph.backends.triton.heuristics.pointwise import schedule
+    from dnngraph.fusion.partition import FusionGroup
+    from dnngraph.target import target_of
+
+    g = _graph()
+    r, x = g.tensor(name="r", dim=[9, 1]), g.tensor(name="x", dim=[9, 21])
+    by_row = g.cmp_gt(r, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
+    chosen = g.where(by_row, x, 0.0).set_output(True)
+    group = FusionGroup("pointwise", None, [by_row.producer, chosen.producer], inputs=[r, x],
+                        outputs=[by_row, chosen])
+    planned = schedule(group, target_of())
+    assert planned.space.sizes == (21, 9) and planned.operands[2].strides == (0, 1)
+
+
+@pytest.mark.parametrize("stride", [[40, 1], [1, 8], [0, 1]])
+def test_strided_bit_packed_inputs_are_read_bit_by_bit(stride):
+    # a mask read out of a wider buffer, packed along the other axis, or one row for all: the
+    # selected values follow every bit (a wrong bit picks the other branch)
+    g = _graph()
+    m = g.tensor(name="m", dim=[5, 13], stride=stride, data_type=dg.bool_bit_packed)
+    a = g.tensor(name="a", dim=[5, 13])
+    g.where(m, a, g.neg(a)).set_output(True)
+    g.logical_not(m).set_output(True).set_data_type(dg.bool_bit_packed)
+    values = _mask([5, 13]) if stride[0] else _mask([1, 13]).expand(5, 13)
+    _execute_and_check(g, {"a": torch.rand(5, 13) + 0.5, "m": _storage(m, fill=values)})
+
+
 def test_mask_updated_in_place():
     # the output bound to the input's own storage: each program reads its bytes before it
     # writes them, the padding bits stay
@@ -271,6 +327,24 @@ def test_reference_takes_bools_or_storage():
     by_bools = g.reference({"m": values})
     assert torch.equal(by_bits[g.outputs()[0].name], ~values)
     assert torch.equal(by_bools[g.outputs()[0].name], ~values)
+
+
+@pytest.mark.parametrize("value", [1, 2, -1, 0])
+def test_pass_by_value_bit_as_a_bool_is(value):
+    # a host number for a one-element mask: any nonzero number is true, as for dg.bool (not
+    # only those whose lowest bit is set)
+    results = {}
+    for data_type in (dg.bool, dg.bool_bit_packed):
+        g = _graph()
+        m = g.tensor(name="m", dim=[1, 1], data_type=data_type, is_pass_by_value=True)
+        x = g.tensor(name="x", dim=[3, 5])
+        y = g.where(m, x, 0.0).set_output(True)
+        g.build()
+        xt, yt = torch.randn(3, 5), torch.full((3, 5), float("nan"))
+        g.execute({m: value, x: xt, y: yt})
+        assert torch.equal(g.reference({m: value, x: xt})[y.name].float(), yt)
+        results[data_type.name] = torch.equal(yt, xt if value else torch.zeros(3, 5))
+    assert results == {"bool": True, "bool_bit_packed": True}
 
 
 def test_serialization_keeps_bits():
@@ -448,6 +522,20 @@ def test_gpu_bits_race_free(dims):
     inputs = {"a": torch.randn(dims), "b": torch.randn(1, dims[1]), "m": dg.pack_bits(_mask(dims))}
     for _ in range(3):
         _execute_and_check(g, inputs, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [70001, 4099])
+def test_gpu_narrow_and_lone_bit_outputs(rows):
+    # many programs over a per-row mask stored from a wider kernel, and a column of bits each
+    # alone in its byte: every byte has one writer
+    g = _graph()
+    r, x = g.tensor(name="r", dim=[rows, 1]), g.tensor(name="x", dim=[rows, 37])
+    by_row = g.cmp_gt(r, 0.0).set_output(True).set_data_type(dg.bool_bit_packed)
+    g.where(by_row, x, g.neg(x)).set_output(True)
+    g.cmp_lt(r, 0.5).set_output(True).set_data_type(dg.bool_bit_packed).set_stride([8, 1])
+    for _ in range(3):
+        _execute_and_check(g, {"r": torch.randn(rows, 1), "x": torch.randn(rows, 37)}, device="cuda")
 
 
 @pytest.mark.gpu

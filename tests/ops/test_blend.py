@@ -264,6 +264,18 @@ def _conv_case():
     return g, {x: torch.randn(2, 3, 7, 6), w: torch.randn(5, 3, 3, 3)}, None
 
 
+def _conv_stats_case():
+    """Split-K conv with per-channel sums riding as a column exit: the combine kernel and the
+    exit's fold each store blended, once."""
+    g = _graph()
+    x, w = g.tensor(name="x", dim=[2, 6, 7, 5]), g.tensor(name="w", dim=[6, 3, 3, 3])
+    y = g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=2)
+    for stat in g.genstats(y):
+        stat.set_output(True)
+    return g, {x: torch.randn(2, 6, 7, 5), w: torch.randn(6, 3, 3, 3)}, dg.BuildOptions(
+        conv_config=mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=3))
+
+
 def _rows_case(mode):
     def case():
         g = _graph()
@@ -286,7 +298,7 @@ def _softmax_pooling_case():
 
 TENSOR_FACTOR_CASES = {"pointwise": _pointwise_case, "matmul": _matmul_case("tiled"),
                        "matmul_split_k": _matmul_case("split_k"), "matmul_exit": _matmul_exit_case,
-                       "conv": _conv_case, "rows_one_pass": _rows_case("one_pass"), "rows_split": _rows_case("split"),
+                       "conv": _conv_case, "conv_split_k_stats": _conv_stats_case, "rows_one_pass": _rows_case("one_pass"), "rows_split": _rows_case("split"),
                        "softmax_pooling": _softmax_pooling_case}
 
 
@@ -317,7 +329,80 @@ def test_tensor_factors_round_trip_and_explain():
     torch.testing.assert_close(y, 3.0 * xt.exp() - prior)
 
 
-@pytest.mark.parametrize("make", ["other_graph", "op_output", "two_elements", "integer"])
+@pytest.mark.parametrize("retyped", [dg.float8_e8m0, dg.int32, dg.bool_bit_packed])
+def test_factor_retyped_after_set_blend_is_refused_at_build(retyped):
+    """The factor's checks hold at build too: a type set after set_blend (bytes of e8m0, an
+    integer, bits) is refused there, not read as something else."""
+    g = _graph()
+    y = g.exp(g.tensor(name="x", dim=[3, 5])).set_output(True)
+    alpha = g.tensor(name="alpha", dim=[1])
+    y.set_blend(alpha=alpha, beta=0.0)
+    alpha.set_data_type(retyped)
+    with pytest.raises(dg.ValidationError, match="alpha"):
+        g.build()
+
+
+@pytest.mark.parametrize("bound", ["two_elements", "no_axis", "float64", "meta_device", "missing"])
+def test_wrong_factor_bindings_are_refused_before_any_write(bound):
+    g = _graph()
+    x = g.tensor(name="x", dim=[3, 5])
+    y = g.exp(x).set_output(True).set_name("y")
+    alpha = g.tensor(name="alpha", dim=[1])
+    y.set_blend(alpha=alpha, beta=1.0)
+    g.build()
+    wrong = {"two_elements": torch.tensor([1.0, 2.0]), "no_axis": torch.tensor(1.0),
+             "float64": torch.tensor([1.0], dtype=torch.float64),
+             "meta_device": torch.empty(1, device="meta")}
+    prior = torch.randn(3, 5)
+    y_t = prior.clone()
+    with pytest.raises(dg.ExecutionError):
+        g.execute({x: torch.randn(3, 5), y: y_t, **({alpha: wrong[bound]} if bound in wrong else {})})
+    assert torch.equal(y_t, prior)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("factors", ["device", "host"])
+def test_factor_on_the_wrong_device_is_refused_gpu(factors):
+    """A device factor bound on the CPU while the rest is on the GPU is refused, nothing written;
+    a host (pass-by-value) factor given as a CPU tensor is staged and read."""
+    g = _graph()
+    x = g.tensor(name="x", dim=[3, 5])
+    y = g.exp(x).set_output(True).set_name("y")
+    alpha = g.tensor(name="alpha", dim=[1], is_pass_by_value=factors == "host")
+    y.set_blend(alpha=alpha, beta=0.0)
+    g.build()
+    xt, y_t = torch.randn(3, 5, device="cuda"), torch.full((3, 5), math.nan, device="cuda")
+    if factors == "device":
+        with pytest.raises(dg.ExecutionError):
+            g.execute({x: xt, y: y_t, alpha: torch.tensor([2.0])})
+        assert torch.isnan(y_t).all()
+        return
+    g.execute({x: xt, y: y_t, alpha: torch.tensor([2.0])})
+    torch.testing.assert_close(y_t, 2.0 * xt.exp())
+
+
+@pytest.mark.parametrize("reader", ["matmul", "pointwise", "same_kernel"])
+def test_output_over_a_factor_tensor_is_refused(reader):
+    """An output bound in place over the one-element input a blended store reads its alpha from
+    (after, or in, the kernel that overwrites it) has no safe order: refused, nothing written."""
+    g = _graph()
+    s = g.tensor(name="s", dim=[1])
+    y = g.neg(s).set_output(True).set_name("y")  # elementwise over s: in place, were s read by nothing else
+    dims = [1] if reader == "same_kernel" else [4, 6]
+    a, b = g.tensor(name="a", dim=dims), g.tensor(name="b", dim=[6, 5])
+    z = (g.matmul(a, b) if reader == "matmul" else g.exp(a)).set_output(True).set_name("z")
+    z.set_blend(alpha=s, beta=0.0)
+    g.build()
+    shared, z_t = torch.tensor([2.0]), torch.full(z.dim, math.nan)
+    with pytest.raises(dg.ExecutionError, match="overlaps"):
+        g.execute({s: shared, y: shared, a: torch.randn(dims), b: torch.randn(6, 5), z: z_t})
+    assert shared.item() == 2.0 and torch.isnan(z_t).all()
+    y_t = torch.empty(1)  # apart, the same plan runs
+    g.execute({s: shared, y: y_t, a: torch.ones(dims), b: torch.ones(6, 5), z: z_t})
+    assert y_t.item() == -2.0 and torch.allclose(z_t, torch.full(z.dim, 2.0 * (6.0 if reader == "matmul" else math.e)))
+
+
+@pytest.mark.parametrize("make", ["other_graph", "op_output", "two_elements", "integer", "e8m0", "fp4"])
 def test_tensor_factor_refusals(make):
     g = _graph()
     x = g.tensor(name="x", dim=[4])
@@ -325,7 +410,10 @@ def test_tensor_factor_refusals(make):
     factor = {"other_graph": lambda: _graph().tensor(name="a", dim=[1]),
               "op_output": lambda: g.exp(g.tensor(name="a", dim=[1])),
               "two_elements": lambda: g.tensor(name="a", dim=[2]),
-              "integer": lambda: g.tensor(name="a", dim=[1], data_type=dg.int32)}[make]()
+              "integer": lambda: g.tensor(name="a", dim=[1], data_type=dg.int32),
+              # block-scale types are floating, but a kernel reads their bytes, not their values
+              "e8m0": lambda: g.tensor(name="a", dim=[1], data_type=dg.float8_e8m0),
+              "fp4": lambda: g.tensor(name="a", dim=[1], data_type=dg.float4_e2m1)}[make]()
     with pytest.raises(dg.ValidationError):
         y.set_blend(alpha=factor, beta=1.0)
     assert y.blend is None
@@ -487,3 +575,42 @@ def test_tensor_factors_gpu(config, factors):
             ref = a_value * result + (b_value * priors[t].double() if b_value else 0.0)
             assert not torch.isnan(bound[t]).any()
             assert (bound[t].double() - ref).norm() / ref.norm() < 1.6e-2
+
+
+def test_factor_tensors_are_not_written_back_by_the_interpreter_process(monkeypatch):
+    """CPU tensors sent to the interpreter process (as on a GPU machine) are copied back only
+    where a kernel writes them: a factor tensor is read, never rewritten (another thread may be
+    setting the next value meanwhile)."""
+    from dnngraph.runtime import interpreter as runtime
+    from dnngraph.runtime import interpreter_client
+
+    g = _graph()
+    x = g.tensor(name="x", dim=[3, 5])
+    y = g.exp(x).set_output(True).set_name("y")
+    alpha = g.tensor(name="alpha", dim=[1])
+    y.set_blend(alpha=alpha, beta=0.0)
+    g.build()
+    written, copy_out = [], interpreter_client.copy_out
+    monkeypatch.setattr(interpreter_client, "copy_out",
+                        lambda arena, tensor, place: (written.append(tensor.data_ptr()), copy_out(arena, tensor, place)))
+    runtime.force_interpreter_worker(True)
+    try:
+        xt, yt, alpha_t = torch.randn(3, 5), torch.empty(3, 5), torch.tensor([2.0])
+        g.execute({x: xt, y: yt, alpha: alpha_t})
+    finally:
+        runtime.force_interpreter_worker(False)
+    torch.testing.assert_close(yt, 2.0 * xt.exp())
+    assert written == [yt.data_ptr()]
+
+
+def test_serialized_plan_with_a_factor_declared_after_its_output_loads():
+    g = _graph()
+    x = g.tensor(name="x", dim=[3, 5])
+    y = g.exp(x).set_output(True).set_name("y")
+    alpha = g.tensor(name="alpha", dim=[1], is_pass_by_value=True)  # made after y: a later uid
+    y.set_blend(alpha=alpha, beta=0.0)
+    g.build()
+    loaded = dg.Graph.deserialize(g.serialize())
+    xt, yt = torch.randn(3, 5), torch.full((3, 5), math.nan)
+    loaded.execute({"x": xt, "y": yt, "alpha": 2.0})
+    torch.testing.assert_close(yt, 2.0 * xt.exp())

@@ -148,3 +148,15 @@ def store_bits(base_ptr, offsets, values, mask, BLOCK_R: tl.constexpr, BLOCK_C: 
     partial = (covered != 0) & (covered != 255)
     prior = tl.load(pointer, mask=partial, other=0).to(tl.int32)
     tl.store(pointer, ((prior & (255 - covered)) | packed).to(tl.uint8), mask=covered != 0)
+
+
+@triton.jit
+def store_lone_bits(base_ptr, offsets, values, mask):
+    """Store the predicates `values` under `mask` at element `offsets` of a bit-packed tensor
+    whose stored elements each sit alone in their byte (column and row strides multiples of 8,
+    as a packed axis of extent 1 leaves them): each lane reads its byte, sets or clears its bit
+    and keeps the others (padding) in one read-modify-write; no other lane or program writes it."""
+    pointer = base_ptr + (offsets >> 3)
+    bit = 1 << (offsets & 7).to(tl.int32)
+    prior = tl.load(pointer, mask=mask, other=0).to(tl.int32)
+    tl.store(pointer, tl.where(values, prior | bit, prior & (255 - bit)).to(tl.uint8), mask=mask)

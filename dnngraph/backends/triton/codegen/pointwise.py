@@ -153,11 +153,14 @@ def _load_bits(op, ident: str, rank: int, lines: list) -> str:
 
 
 def _store_bits(op, ident: str, rank: int, sizes, lines: list, emitter: ExpressionEmitter) -> str:
-    """The store of a bit-packed output: the tile packed 8 columns to a byte (library.store_bits;
-    the schedule gave it stride 1 along the columns and column tiles of whole bytes)."""
+    """The store of a bit-packed output: the tile packed 8 columns to a byte where its columns
+    have stride 1 (library.store_bits; the schedule gave it column tiles of whole bytes), else
+    (columns whole bytes apart) each element's bit set in its own byte (library.store_lone_bits)."""
     offset, _ = _offset_tile(op, ident, rank, lines, full=True)
-    value = emitter.stored(op.uid, op.data_type)
-    return f"lib.store_bits({ident}_ptr, {offset}, {value}, {_store_mask(op, rank, sizes)}, BLOCK_R, BLOCK_C)"
+    value, mask = emitter.stored(op.uid, op.data_type), _store_mask(op, rank, sizes)
+    if op.strides[-1] == 1:
+        return f"lib.store_bits({ident}_ptr, {offset}, {value}, {mask}, BLOCK_R, BLOCK_C)"
+    return f"lib.store_lone_bits({ident}_ptr, {offset}, {value}, {mask})"
 
 
 def _loads(operands, idents, rank: int, emitter: ExpressionEmitter) -> list[str]:

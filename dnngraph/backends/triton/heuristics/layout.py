@@ -65,10 +65,18 @@ def row_major_index_strides(domain: tuple) -> tuple:
     return tuple(reversed(strides))
 
 
-def iteration_space(domain: tuple, operands: list, order_operand: int = 0) -> IterationSpace:
-    """Merge and order the domain axes for operands given as domain-aligned stride tuples."""
+def iteration_space(domain: tuple, operands: list, order_operand: int = 0,
+                    broadcast_outermost: bool = False) -> IterationSpace:
+    """Merge and order the domain axes for operands given as domain-aligned stride tuples.
+    `broadcast_outermost`: the axes the order operand broadcasts along (stride 0) go outermost
+    instead of innermost, so that its own innermost axis is the column axis (a bit-packed output
+    narrower than the domain packs along its own axis)."""
     key_strides = operands[order_operand]
-    axes = [a for a in sorted(range(len(domain)), key=lambda a: (-key_strides[a], a)) if domain[a] > 1]
+
+    def order(a):
+        return (key_strides[a] != 0 if broadcast_outermost else 0, -key_strides[a], a)
+
+    axes = [a for a in sorted(range(len(domain)), key=order) if domain[a] > 1]
     if not axes:
         return IterationSpace((1,), tuple((0,) for _ in operands), False)
     sizes = [domain[axes[0]]]

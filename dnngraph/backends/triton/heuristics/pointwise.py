@@ -121,14 +121,15 @@ def _order_operand(group) -> int:
 
 
 def _check_bit_packed_stores(group, tensors, space: IterationSpace) -> None:
-    """Each bit-packed output walks its bytes in whole runs: stride 1 along the columns and rows
-    that start on a byte (multiples of 8), so a tile of whole-byte columns owns its bytes. Two
-    bit-packed outputs of different packed axes in one kernel cannot both."""
+    """Each bit-packed output's rows start on a byte (row strides multiples of 8) and its columns
+    either walk its bytes in whole runs (stride 1: a tile of whole-byte columns owns its bytes)
+    or step by whole bytes (a multiple of 8: each element alone in its byte, as a packed axis of
+    extent 1 leaves it). Two bit-packed outputs of different packed axes in one kernel cannot both."""
     first_output = len(group.inputs)
     for tensor, strides in zip(tensors[first_output:], space.strides[first_output:]):
         if not tensor.data_type.is_bit_packed:
             continue
-        if (space.cols > 1 and strides[-1] != 1) or any(s % 8 for s in strides[:-1]):
+        if (space.cols > 1 and strides[-1] != 1 and strides[-1] % 8) or any(s % 8 for s in strides[:-1]):
             raise UnsupportedError(f"bit-packed output {tensor.name!r} (strides {list(tensor.stride)}) is not "
                                    f"packed along this kernel's column axis (strides {list(strides)} over "
                                    f"{list(space.sizes)}): store it from a kernel of its own layout")
@@ -142,7 +143,9 @@ def schedule(group, target: Target) -> PointwiseSchedule:
     counter_nodes = [n for n in group.nodes if n.op in COUNTER_OPS]
     if counter_nodes:  # the partitioner made the domain their shape: one index serves them all
         strides.append(row_major_index_strides(domain))
-    space = iteration_space(domain, strides, order_operand=_order_operand(group))
+    packs = any(t.data_type.is_bit_packed for t in group.outputs)
+    # a packed output narrower than the domain still packs along its columns: its broadcast axes outermost
+    space = iteration_space(domain, strides, order_operand=_order_operand(group), broadcast_outermost=packs)
     if len(space.sizes) == 1:  # the kernel always walks rows x columns
         space = IterationSpace((1,) + space.sizes, tuple((0,) + s for s in space.strides), space.index_64)
     _check_bit_packed_stores(group, tensors, space)
@@ -154,7 +157,6 @@ def schedule(group, target: Target) -> PointwiseSchedule:
         counter_64 = _counter_needs_int64(counter_nodes, domain, space)
     bytes_per_element = sum(t.data_type.itemsize for t in tensors if tuple(t.dim) == tuple(domain)
                             and not t.data_type.is_bit_packed) or 1
-    packs = any(t.data_type.is_bit_packed for t in group.outputs)
     ranked = rank(space, bytes_per_element, target, BIT_PACKED_MIN_COLS if packs else 1)
     best = ranked[0]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
