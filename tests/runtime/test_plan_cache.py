@@ -88,7 +88,7 @@ def test_identical_graph_is_a_hit_that_binds_its_own_handles():
 
 def test_hit_does_no_build_work():
     """Structure, not wall clock: a hit partitions, schedules, generates and loads nothing, and
-    makes a small fraction of a miss's Python calls."""
+    makes a few hundred Python calls."""
     def calls_of(build):
         called = []
 
@@ -107,7 +107,10 @@ def test_hit_does_no_build_work():
     hit = calls_of(second.build)
     for work in ("partition", "build_launches", "load_kernel", "_build_new"):
         assert work in miss and work not in hit, work
-    assert len(hit) * 10 < len(miss), (len(hit), len(miss))
+    # a bound of its own, not a ratio to the miss: with Triton's cache warm (earlier tests built the
+    # same kernels) a miss made 3109 calls, without 6296. A hit made 348 on 2026-11-28: the op
+    # checks build() runs again (types set after the op calls), the plan key, the lookup
+    assert len(hit) < 450, (len(hit), len(miss))
 
 
 def test_hit_gives_view_strides_like_a_build():
