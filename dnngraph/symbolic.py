@@ -236,3 +236,15 @@ def varies(graph, tensor, axis: int) -> bool:
     for a static graph.)"""
     bucket = getattr(graph, "bucket", None)
     return bucket is not None and bucket.varies(tensor, axis)
+
+
+def strides_vary(graph, tensor) -> bool:
+    """Do `tensor`'s strides take other values in the bucket `graph` was specialised at (a
+    varying axis inside another of its axes: a column-major matrix's pitch is its row count)?
+    Alignment a kernel's choice depends on (TMA pitches) then holds at some sizes only."""
+    bucket = getattr(graph, "bucket", None)
+    if bucket is None:
+        return False
+    dims, strides = bucket.top(tensor)
+    varying = [axis for axis in range(len(dims)) if bucket.varies(tensor, axis)]
+    return any(dims[outer] > 1 and strides[outer] > strides[axis] for axis in varying for outer in range(len(dims)))

@@ -620,3 +620,115 @@ def test_one_workspace_of_workspace_size_serves_split_k_sizes_gpu():
         out = torch.full((size, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
         g.execute({x: xt, w: wt, y: out}, workspace=workspace)
         assert rel_err(out, g.reference({x: xt, w: wt})[y.name]) < 2e-2, size
+
+
+# --- one compile per bucket on a GPU target: configs chosen at the bucket's top ----------------
+# Plans for the H200 are built here without one (nothing runs): the heuristics pick tiles,
+# split-K and kernel kinds from the sizes, so every size of a bucket must be planned as its top is,
+# while the kernels take the exact sizes as runtime arguments.
+
+def _compiled_as(launch) -> tuple:
+    """What Triton compiles a launch into, beyond the integers it specializes by value: the
+    kernel (named by its source's content), its constexprs, warps and stages."""
+    constexprs = tuple((a.name, a.value) for a in launch.arguments if a.kind == "constexpr")
+    return launch.kernel.__name__, constexprs, launch.num_warps, launch.num_stages
+
+
+def _compiles_by_bucket(g, buckets) -> dict:
+    """Per bucket (its sizes, one symbol), the distinct launch lists its sizes' plans compile;
+    one per bucket is the promise."""
+    found = {}
+    for sizes in buckets:
+        found[sizes] = {tuple(_compiled_as(launch) for launch in g.plan.plan_for((s,)).launches) for s in sizes}
+    return found
+
+
+def _one_compile_per_bucket(g, buckets):
+    found = _compiles_by_bucket(g, buckets)
+    for sizes, compiled in found.items():
+        assert len(compiled) == 1, (sizes, [sorted(set(a) ^ set(b)) for a in compiled for b in compiled if a != b][:1])
+    return {sizes: next(iter(compiled)) for sizes, compiled in found.items()}
+
+
+TOKEN_BUCKETS = ((3, 4), (5, 7, 8), (9, 13, 16), (17, 24, 31), (33, 48, 64), (65, 100, 128), (129, 200, 256),
+                 (257, 400, 512), (513, 777, 1000, 1024), (2049, 3000, 4095, 4096))
+
+
+def test_llama_like_layer_planned_for_the_h200_compiles_once_per_bucket():
+    """The GPU test's layer (rmsnorm, projections, causal GQA sdpa, a reduction over heads,
+    SwiGLU matmuls with epilogues): the H200's heuristics change tiles, kernel kinds (small-M,
+    split-K) and row configs with the token count, but every size of a bucket gets its top's."""
+    g, _ = _llama_layer(dg.dynamic("seq", 1, 4096), heads=8, kv_heads=2, dim=512, hidden=1024,
+                        io_type=dg.bfloat16)
+    g.build(options=dg.BuildOptions(target=dg.target.H200))
+    per_bucket = _one_compile_per_bucket(g, TOKEN_BUCKETS)
+    # the test has teeth: the choices do change between buckets, family by family
+    names = lambda launches: {name.split("_")[1] for name, *_ in launches}
+    assert {"norm", "matmul", "sdpa", "reduction"} <= names(per_bucket[(3, 4)])
+    assert len(set(per_bucket.values())) > 3
+
+
+def _matmul_graph(rows, n, k, epilogue=True):
+    g = dg.Graph(name="mm", io_data_type=dg.bfloat16)
+    a = g.tensor(name="a", dim=[rows, k])
+    b = g.tensor(name="b", dim=[k, n])
+    c = g.matmul(a, b)
+    if epilogue:
+        c = g.silu(g.add(c, g.tensor(name="bias", dim=[1, n])))
+    c.set_output(True).set_name("c")
+    return g
+
+
+@pytest.mark.parametrize("n, k", [(128, 16384), (11008, 4096), (4096, 4096)], ids=["split-k", "decode", "square"])
+def test_matmul_planned_for_the_h200_compiles_once_per_bucket(n, k):
+    """Split-K at a small M, the small-M kernel at a few rows, tiled or persistent ones at many:
+    the kernel kind changes across buckets, never inside one."""
+    g = _matmul_graph(dg.dynamic("rows", 1, 4096), n, k)
+    g.build(options=dg.BuildOptions(target=dg.target.H200))
+    per_bucket = _one_compile_per_bucket(g, ((1,), (2,)) + TOKEN_BUCKETS)
+    kinds = {g.plan.plan_for((sizes[0],)).launches[0].config_text.split()[0] for sizes in per_bucket}
+    assert len(kinds) > 1, kinds
+
+
+def test_pointwise_and_softmax_over_a_dynamic_axis_planned_for_the_h200_compile_once_per_bucket():
+    """A pointwise chain over [tokens, 4096], and a softmax along the dynamic axis (its row
+    length varies in a bucket: one tile per row only where the top's rows fit one)."""
+    tokens = dg.dynamic("tokens", 1, 8192)
+    g = dg.Graph(name="rows", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[tokens, 4096])
+    y = g.tensor(name="y", dim=[1, 4096])
+    g.gelu(g.mul(x, y)).set_output(True).set_name("pointwise")
+    scores = g.tensor(name="scores", dim=[16, tokens])
+    g.softmax(scores, axis=-1).set_output(True).set_name("softmax")
+    g.build(options=dg.BuildOptions(target=dg.target.H200))
+    _one_compile_per_bucket(g, TOKEN_BUCKETS + ((4097, 6000, 8192),))
+
+
+def test_configs_chosen_at_a_buckets_top_run_right_at_its_every_size():
+    """The interpreter's target plans as the H100: split-K chosen for 128 rows also runs 65
+    rows, the bucket's low end, right; a softmax whose row is one tile at the top runs shorter
+    rows; each against the float64 reference on poisoned outputs, with the bucket's one config."""
+    g = _matmul_graph(dg.dynamic("rows", 1, 128), 64, 2048, epilogue=False)
+    g.build()
+    texts = {s: [launch.config_text for launch in g.plan.plan_for((s,)).launches] for s in (65, 97, 128)}
+    assert texts[65][0].split()[0] == "split_k" and len({tuple(_compiled_as(launch) for launch in
+                                                         g.plan.plan_for((s,)).launches) for s in texts}) == 1
+    for s in (65, 97):
+        a, b = torch.randn(s, 2048).bfloat16(), torch.randn(2048, 64).bfloat16()
+        out = _poisoned((s, 64)).bfloat16()
+        g.execute({"a": a, "b": b, "c": out})
+        assert rel_err(out.float(), g.reference({"a": a, "b": b})["c"]) < 1e-2, s
+
+
+@pytest.mark.parametrize("layout", ["row", "column"])
+def test_matmul_of_a_dynamic_transposed_operand_planned_for_the_h200_compiles_once_per_bucket(layout):
+    """A column-major A of dynamic rows: its pitch is the row count, so descriptor (TMA)
+    legality and the contiguity hints along M hold at some sizes of a bucket only; neither may
+    split a bucket in two."""
+    rows = dg.dynamic("rows", 1, 4096)
+    g = dg.Graph(name="mm_t", io_data_type=dg.bfloat16)
+    a = g.tensor(name="a", dim=[rows, 1024], stride=[1, 4096] if layout == "column" else None)
+    b = g.tensor(name="b", dim=[1024, 2048])
+    g.matmul(a, b).set_output(True).set_name("c")
+    g.build(options=dg.BuildOptions(target=dg.target.H200))
+    _one_compile_per_bucket(g, TOKEN_BUCKETS)

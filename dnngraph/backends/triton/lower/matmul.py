@@ -17,7 +17,7 @@ from ..heuristics.layout import INT32_LIMIT, merged_stride, operand_strides
 from ..heuristics.matmul import K_MAJOR_DOTS, MatmulConfig, MatmulProblem, choose_dot, schedule
 from .gemm import TMA_ALIGNMENT, GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
 from ....runtime.launch import KernelLaunch, element_span, kernel_name
-from ....symbolic import top_dims, top_span, varies
+from ....symbolic import strides_vary, top_dims, top_span, varies
 
 
 def _dot_types(a, b, allow_tf32: bool):
@@ -139,9 +139,11 @@ class MatmulBuild(GemmLaunches):
         c_dims, a_dims = top_dims(graph, self.c), top_dims(graph, self.a)
         batch_axes = self.folded[0] if self.folded else self.batch_axes
         batch = _product(c_dims[i] for i in batch_axes)
+        # descriptors only where their pitches are legal at every size of the bucket
+        tma = self.problem.tma and not any(strides_vary(graph, t) for t in (self.a, self.b))
         if self.folded:
-            return replace(self.problem, m=c_dims[-2] * batch, n=c_dims[-1], k=a_dims[-1])
-        return replace(self.problem, batch=batch, m=c_dims[-2], n=c_dims[-1], k=a_dims[-1])
+            return replace(self.problem, m=c_dims[-2] * batch, n=c_dims[-1], k=a_dims[-1], tma=tma)
+        return replace(self.problem, batch=batch, m=c_dims[-2], n=c_dims[-1], k=a_dims[-1], tma=tma)
 
     def _varying_extents(self, graph) -> frozenset:
         """Which of "m", "n", "k" take other sizes in the bucket (none for a static graph)."""
