@@ -732,3 +732,68 @@ def test_matmul_of_a_dynamic_transposed_operand_planned_for_the_h200_compiles_on
     g.matmul(a, b).set_output(True).set_name("c")
     g.build(options=dg.BuildOptions(target=dg.target.H200))
     _one_compile_per_bucket(g, TOKEN_BUCKETS)
+
+
+def _conv_batch(n):
+    g = dg.Graph(name="conv", io_data_type=dg.bfloat16)
+    x, w = g.tensor(name="x", dim=[n, 64, 14, 14]), g.tensor(name="w", dim=[128, 64, 3, 3])
+    g.relu(g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1])).set_output(True)
+    return g
+
+
+def _pooling_batch(n):
+    g = dg.Graph(name="pool", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[n, 64, 28, 28])
+    g.pooling(x, mode="max", window=[2, 2], stride=[2, 2], padding=[0, 0]).set_output(True)
+    return g
+
+
+def _decode_sdpa(s):
+    g = dg.Graph(name="decode", io_data_type=dg.bfloat16)
+    q = g.tensor(name="q", dim=[2, 8, 1, 64])
+    k, v = (g.tensor(name=name, dim=[2, 2, s, 64]) for name in ("k", "v"))
+    g.sdpa(q, k, v, attn_scale=0.125)[0].set_output(True)
+    return g
+
+
+def _layernorm_training(s):
+    g = dg.Graph(name="ln", io_data_type=dg.bfloat16)
+    x, dy = g.tensor(name="x", dim=[s, 4096]), g.tensor(name="dy", dim=[s, 4096])
+    scale, bias = g.tensor(name="scale", dim=[1, 4096]), g.tensor(name="bias", dim=[1, 4096])
+    _, mean, inv_variance = g.layernorm(x, scale, bias)
+    for t in g.layernorm_backward(dy, x, scale, mean, inv_variance):
+        if t is not None:
+            t.set_output(True)
+    return g
+
+
+def _sdpa_training(s):
+    g = dg.Graph(name="attn", io_data_type=dg.bfloat16)
+    q, k, v, do = (g.tensor(name=name, dim=[1, 8, s, 64]) for name in ("q", "k", "v", "do"))
+    o, stats = g.sdpa(q, k, v, attn_scale=0.125, is_inference=False, use_causal_mask=True)
+    o.set_output(True)
+    for t in g.sdpa_backward(q, k, v, o, do, stats, attn_scale=0.125, use_causal_mask=True):
+        t.set_output(True)
+    return g
+
+
+# schedules that read a dynamic extent at the exact size still (not threaded through yet): what
+# splits their buckets is named; each flips to passing (strict) once its family chooses at the top
+NOT_YET = "its heuristics still choose at the exact size ({}): a bucket compiles more than once"
+
+
+@pytest.mark.parametrize("make, buckets", [
+    (_sdpa_training, TOKEN_BUCKETS[:-1]),
+    pytest.param(_conv_batch, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(
+        "conv tiles from the batch"))),
+    pytest.param(_pooling_batch, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(
+        "pooling blocks from the batch"))),
+    pytest.param(_decode_sdpa, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(
+        "decode key splits from the KV length"))),
+    pytest.param(_layernorm_training, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(
+        "the fused norm backward's programs from the rows"))),
+], ids=["sdpa training", "conv batch", "pooling batch", "sdpa decode kv", "layernorm training"])
+def test_other_families_planned_for_the_h200_compile_once_per_bucket(make, buckets):
+    g = make(dg.dynamic("s", 1, 1024))
+    g.build(options=dg.BuildOptions(target=dg.target.H200))
+    _one_compile_per_bucket(g, buckets)
