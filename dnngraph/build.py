@@ -29,7 +29,7 @@ from .runtime.launch import check_grid, sample_tensors, time_candidate
 from .runtime.plan import Plan, target_for
 from .runtime.plan_cache import PLANS, plan_key
 from .runtime.workspace import WorkspaceBudget
-from .symbolic import BucketExtents, bucket_of, check_dense, symbols_of
+from .symbolic import bucket_of, check_dense, symbols_of
 from .target import target_of
 
 def _check_outputs_dense(graph):
@@ -101,8 +101,7 @@ def build_dynamic_plan(graph, options: Optional[BuildOptions] = None) -> Dynamic
     def build_at(sizes: dict, sized_options: BuildOptions) -> "Plan":
         sized = snapshot.specialised(sizes)
         sized.validate()
-        sized.bucket = BucketExtents.of(snapshot, sizes)  # configs are chosen at the bucket's top
-        return build_plan(sized, sized_options)
+        return build_plan(sized, sized_options)  # configs chosen at the top of the bucket (sized.bucket)
 
     symbols = symbols_of(graph.inputs())
     largest = {symbol.name: symbol.max for symbol in symbols.values()}

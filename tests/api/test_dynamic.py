@@ -797,3 +797,18 @@ def test_other_families_planned_for_the_h200_compile_once_per_bucket(make, bucke
     g = make(dg.dynamic("s", 1, 1024))
     g.build(options=dg.BuildOptions(target=dg.target.H200))
     _one_compile_per_bucket(g, buckets)
+
+
+def test_every_specialised_graph_chooses_at_its_buckets_top():
+    """Graph.specialised (which as_function's per-size functions build from too, not only the
+    graph's own plans) carries the bucket: static builds of sizes of one bucket compile alike."""
+    from dnngraph.build import build_plan
+
+    g = _matmul_graph(dg.dynamic("rows", 1, 4096), 11008, 4096)
+    h200 = dg.BuildOptions(target=dg.target.H200)
+    compiled = {tuple(_compiled_as(launch) for launch in build_plan(g.specialised({"rows": rows}), h200).launches)
+                for rows in (9, 13, 16)}
+    assert len(compiled) == 1
+    assert g.specialised({"rows": 13}).bucket.top(g.tensor_by_name("a"))[0] == (16, 4096)
+    fn = g.as_function(options=h200)
+    assert fn._function_at((13,)).graph.bucket == g.specialised({"rows": 13}).bucket
