@@ -786,8 +786,7 @@ NOT_YET = "its heuristics still choose at the exact size ({}): a bucket compiles
     (_sdpa_training, TOKEN_BUCKETS[:-1]),
     pytest.param(_conv_batch, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(
         "conv tiles from the batch"))),
-    pytest.param(_pooling_batch, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(
-        "pooling blocks from the batch"))),
+    (_pooling_batch, TOKEN_BUCKETS[:-1]),
     pytest.param(_decode_sdpa, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(
         "decode key splits from the KV length"))),
     pytest.param(_layernorm_training, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(

@@ -135,7 +135,8 @@ class _AtTop:
         return getattr(self.tensor, name)
 
 
-def _at_top(graph, tensor) -> _AtTop:
+def at_bucket_top(graph, tensor) -> _AtTop:
+    """`tensor` as the top of the bucket `graph` was specialised at has it (see _AtTop)."""
     return _AtTop(tensor, top_dims(graph, tensor), top_strides(graph, tensor))
 
 
@@ -143,9 +144,9 @@ def _geometry_at_top(graph, anchor, tensors: list, stores: list, main: int):
     """The row geometry of `anchor` over `tensors` at the top of the bucket `graph` was
     specialised at."""
     at_top = SimpleNamespace(op=anchor.op, opdef=anchor.opdef, attrs=anchor.attrs,
-                             inputs=[None if t is None else _at_top(graph, t) for t in anchor.inputs])
+                             inputs=[None if t is None else at_bucket_top(graph, t) for t in anchor.inputs])
     problem = row_problem(at_top)
-    operands = [(t.uid, t.data_type, problem.strides(_at_top(graph, t)), t.uid in stores) for t in tensors]
+    operands = [(t.uid, t.data_type, problem.strides(at_bucket_top(graph, t)), t.uid in stores) for t in tensors]
     return row_geometry(problem.domain, problem.reduced_axes, operands, main)
 
 
