@@ -735,9 +735,20 @@ def test_matmul_of_a_dynamic_transposed_operand_planned_for_the_h200_compiles_on
 
 
 def _conv_batch(n):
+    """A 3x3 conv (implicit GEMM) and a 1x1 conv (posed as a matmul: hints along M) of NHWC x."""
     g = dg.Graph(name="conv", io_data_type=dg.bfloat16)
-    x, w = g.tensor(name="x", dim=[n, 64, 14, 14]), g.tensor(name="w", dim=[128, 64, 3, 3])
+    x = g.tensor(name="x", dim=[n, 64, 14, 14], stride=[14 * 14 * 64, 1, 14 * 64, 64])
+    w, w1 = g.tensor(name="w", dim=[128, 64, 3, 3]), g.tensor(name="w1", dim=[96, 64, 1, 1])
     g.relu(g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1])).set_output(True)
+    g.conv_fprop(x, w1, padding=[0, 0], stride=[1, 1], dilation=[1, 1]).set_output(True)
+    return g
+
+
+def _conv_wgrad_batch(n):
+    """wgrad of a dynamic batch: it reduces over N x pixels (split-K)."""
+    g = dg.Graph(name="conv_wgrad", io_data_type=dg.bfloat16)
+    dy, x = g.tensor(name="dy", dim=[n, 128, 14, 14]), g.tensor(name="x", dim=[n, 64, 14, 14])
+    g.conv_wgrad(dy, x, [128, 64, 3, 3], padding=[1, 1], stride=[1, 1], dilation=[1, 1]).set_output(True)
     return g
 
 
@@ -784,14 +795,14 @@ NOT_YET = "its heuristics still choose at the exact size ({}): a bucket compiles
 
 @pytest.mark.parametrize("make, buckets", [
     (_sdpa_training, TOKEN_BUCKETS[:-1]),
-    pytest.param(_conv_batch, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(
-        "conv tiles from the batch"))),
+    (_conv_batch, TOKEN_BUCKETS[:-1]),
+    (_conv_wgrad_batch, TOKEN_BUCKETS[:-1]),
     (_pooling_batch, TOKEN_BUCKETS[:-1]),
     pytest.param(_decode_sdpa, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(
         "decode key splits from the KV length"))),
     pytest.param(_layernorm_training, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(
         "the fused norm backward's programs from the rows"))),
-], ids=["sdpa training", "conv batch", "pooling batch", "sdpa decode kv", "layernorm training"])
+], ids=["sdpa training", "conv batch", "conv wgrad batch", "pooling batch", "sdpa decode kv", "layernorm training"])
 def test_other_families_planned_for_the_h200_compile_once_per_bucket(make, buckets):
     g = make(dg.dynamic("s", 1, 1024))
     g.build(options=dg.BuildOptions(target=dg.target.H200))
