@@ -140,13 +140,14 @@ def at_bucket_top(graph, tensor) -> _AtTop:
     return _AtTop(tensor, top_dims(graph, tensor), top_strides(graph, tensor))
 
 
-def _geometry_at_top(graph, anchor, tensors: list, stores: list, main: int):
-    """The row geometry of `anchor` over `tensors` at the top of the bucket `graph` was
-    specialised at."""
+def _geometry_at_top(graph, anchor, tensors: list, stores: list, main: int, static=()):
+    """The row geometry of `anchor` over `tensors` (and `static`: (uid, type, tensor, stored) of
+    operands whose dims never vary) at the top of the bucket `graph` was specialised at."""
     at_top = SimpleNamespace(op=anchor.op, opdef=anchor.opdef, attrs=anchor.attrs,
                              inputs=[None if t is None else at_bucket_top(graph, t) for t in anchor.inputs])
     problem = row_problem(at_top)
     operands = [(t.uid, t.data_type, problem.strides(at_bucket_top(graph, t)), t.uid in stores) for t in tensors]
+    operands += [(uid, data_type, problem.strides(tensor), stored) for uid, data_type, tensor, stored in static]
     return row_geometry(problem.domain, problem.reduced_axes, operands, main)
 
 
@@ -324,12 +325,17 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
     geo = row_geometry(problem.domain, problem.reduced_axes,
                        operands + [(column_uid, None, problem.strides(column), True)], main)
     bytes_main = sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in ("tile", "col"))
-    config = fused_norm_backward(geo, len(param_accumulators), bytes_main, context.target,
+    # chosen at the top of the bucket a dynamic graph was specialised at (programs past this
+    # size's rows find none and store zero partials); the kernels run this size's geometry
+    top_geo = geo if getattr(graph, "bucket", None) is None else _geometry_at_top(
+        graph, anchor, tensors, dx_stores, main, [(column_uid, None, column, True)])
+    config = fused_norm_backward(top_geo, len(param_accumulators), bytes_main, context.target,
                                  options.norm_backward_programs, options.norm_backward_max_reduced)
     if config is None:
         return None
-    partial_bytes = lambda c: len(param_accumulators) * c.splits * geo.reduced * 4
-    ranked = [c for c in row_heuristics.fused_candidates(config, geo.rows, context.target)
+    geo = _for_every_size(geo, top_geo)
+    partial_bytes = lambda c: len(param_accumulators) * c.splits * top_geo.reduced * 4
+    ranked = [c for c in row_heuristics.fused_candidates(config, top_geo.rows, context.target)
               if budget is None or budget.allows(partial_bytes(c))]
     if not ranked:
         return None
@@ -364,12 +370,12 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
 
     chosen = ranked[0]
     reason = (f"fused dx + dscale/dbias: {chosen.splits} programs of contiguous row blocks, "
-              f"{chosen.estimate_us:.1f} us by the model for K={geo.rows} rows x R={geo.reduced}")
+              f"{chosen.estimate_us:.1f} us by the model for K={top_geo.rows} rows x R={top_geo.reduced}")
     record = TuningRecord("model", _fused_text(chosen))
     if tuner is not None:
         device = context.device
         samples = sample_tensors(group, device)
-        signature = f"{anchor.op} fused K{geo.k_sizes} R{geo.r_sizes} {bytes_main}B" + _limit_text(budget)
+        signature = f"{anchor.op} fused K{top_geo.k_sizes} R{top_geo.r_sizes} {bytes_main}B" + _limit_text(budget)
         chosen, record = tuner.choose("rows", signature, ranked, RowConfig.to_record,
                                       row_heuristics.fused_from_record, _fused_text,
                                       lambda c: time_candidate(build(c, reason), samples, device))
