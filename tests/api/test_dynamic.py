@@ -788,18 +788,12 @@ def _sdpa_training(s):
     return g
 
 
-# schedules that read a dynamic extent at the exact size still (not threaded through yet): what
-# splits their buckets is named; each flips to passing (strict) once its family chooses at the top
-NOT_YET = "its heuristics still choose at the exact size ({}): a bucket compiles more than once"
-
-
 @pytest.mark.parametrize("make, buckets", [
     (_sdpa_training, TOKEN_BUCKETS[:-1]),
     (_conv_batch, TOKEN_BUCKETS[:-1]),
     (_conv_wgrad_batch, TOKEN_BUCKETS[:-1]),
     (_pooling_batch, TOKEN_BUCKETS[:-1]),
-    pytest.param(_decode_sdpa, TOKEN_BUCKETS[:-1], marks=pytest.mark.xfail(strict=True, reason=NOT_YET.format(
-        "decode key splits from the KV length"))),
+    (_decode_sdpa, TOKEN_BUCKETS[:-1]),
     (_layernorm_training, TOKEN_BUCKETS[:-1]),
 ], ids=["sdpa training", "conv batch", "conv wgrad batch", "pooling batch", "sdpa decode kv", "layernorm training"])
 def test_other_families_planned_for_the_h200_compile_once_per_bucket(make, buckets):
@@ -848,3 +842,21 @@ def test_fused_norm_backward_with_programs_chosen_at_a_buckets_top_runs_right_at
         g.execute({**inputs, **outputs})
         for name, got in outputs.items():
             assert rel_err(got, reference[name]) < TOL, (low, name)
+
+
+def test_decode_key_splits_chosen_at_a_buckets_top_run_right_at_its_low_end():
+    """Decode attention splits the keys by the top's length (SPLITS and CHUNK are constexprs):
+    at the bucket's low end the last splits see no key, and their empty partials weigh nothing
+    in the combine."""
+    g = dg.Graph(name="decode")
+    q = g.tensor(name="q", dim=[1, 4, 1, 32])
+    k, v = (g.tensor(name=name, dim=[1, 1, dg.dynamic("keys", 1, 512), 32]) for name in ("k", "v"))
+    g.sdpa(q, k, v, attn_scale=0.2)[0].set_output(True).set_name("o")
+    g.build()
+    for low, top in ((257, 512), (129, 256)):
+        compiled = [tuple(_compiled_as(launch) for launch in g.plan.plan_for((s,)).launches) for s in (low, top)]
+        assert compiled[0] == compiled[1] and len(compiled[0]) == 2  # the split kernel and its combine
+        inputs = {"q": torch.randn(1, 4, 1, 32), "k": torch.randn(1, 1, low, 32), "v": torch.randn(1, 1, low, 32)}
+        out = _poisoned((1, 4, 1, 32))
+        g.execute({**inputs, "o": out})
+        assert rel_err(out, g.reference(inputs)["o"]) < TOL, low
