@@ -29,7 +29,7 @@ from .runtime.launch import check_grid, sample_tensors, time_candidate
 from .runtime.plan import Plan, target_for
 from .runtime.plan_cache import PLANS, plan_key
 from .runtime.workspace import WorkspaceBudget
-from .symbolic import check_dense, symbols_of
+from .symbolic import bucket_of, check_dense, symbols_of
 from .tensor import Tensor, blend_factor_problem
 from .target import target_of
 
@@ -106,31 +106,44 @@ def build_dynamic_plan(graph, options: Optional[BuildOptions] = None) -> Dynamic
     def build_at(sizes: dict, sized_options: BuildOptions) -> "Plan":
         sized = snapshot.specialised(sizes)
         sized.validate()
-        return build_plan(sized, sized_options)
+        return build_plan(sized, sized_options)  # configs chosen at the top of the bucket (sized.bucket)
 
-    largest = {symbol.name: symbol.max for symbol in symbols_of(graph.inputs()).values()}
+    symbols = symbols_of(graph.inputs())
+    largest = {symbol.name: symbol.max for symbol in symbols.values()}
     at_largest = build_at(largest, options)
     plan = DynamicPlan(graph, lambda sizes: at_largest if sizes == largest else
-                       _within_largest(build_at, sizes, options, at_largest))
+                       _within_largest(build_at, sizes, options, at_largest, symbols))
     for end in ("min", "max"):
         plan.plan_for(tuple(getattr(s, end) for s in plan.extents.symbols), executing=False)
     return plan
 
 
-def _within_largest(build_at, sizes: dict, options: BuildOptions, at_largest) -> "Plan":
+def _within_largest(build_at, sizes: dict, options: BuildOptions, at_largest, symbols: dict) -> "Plan":
     """The plan at `sizes`, its workspace no larger than the plan at the largest sizes needs.
     The values between kernels only grow with the sizes, but the optional scratch of a config
-    choice does not (fewer rows can mean more split-K partials): a plan over the bound is built
-    again with its scratch cut by the excess (smaller sizes keep the splits that fit), and,
-    where that still does not fit, with none."""
+    choice does not (fewer rows can mean more split-K partials): where the plan at the top of
+    the bucket of `sizes` (where its configs are chosen) is over the bound, the bucket's sizes are
+    built with their scratch cut by the excess (the splits that fit are kept), and, where that
+    still does not fit, with none: one limit per bucket, so its sizes keep choosing alike."""
     bound = at_largest.workspace_size()
-    plan = build_at(sizes, options)
-    excess = plan.workspace_size() - bound
-    if excess > 0:
-        plan = build_at(sizes, options.with_arguments(workspace_limit=max(plan._budget.spent - excess, 0)))
-    if plan.workspace_size() > bound:
+    top = {name: bucket_of(size, symbols[name]) for name, size in sizes.items()}
+    plan = build_at(sizes, _bucket_options(build_at, top, options, bound))
+    if plan.workspace_size() > bound:  # never seen: a size needing more than its bucket's top
         plan = build_at(sizes, options.with_arguments(workspace_limit=0))
     return plan
+
+
+def _bucket_options(build_at, top: dict, options: BuildOptions, bound: int) -> BuildOptions:
+    """`options` with the workspace limit under which the plan at the bucket's top `top` needs
+    no more than `bound` bytes (options as they are where it fits already)."""
+    plan = build_at(top, options)
+    excess = plan.workspace_size() - bound
+    if excess <= 0:
+        return options
+    cut = options.with_arguments(workspace_limit=max(plan._budget.spent - excess, 0))
+    if build_at(top, cut).workspace_size() <= bound:
+        return cut
+    return options.with_arguments(workspace_limit=0)
 
 
 def _build_new(graph, device, options: BuildOptions) -> "Plan":

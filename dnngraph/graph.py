@@ -25,7 +25,7 @@ from .ops.sdpa import ragged_length, ragged_operands, ragged_slots, slot_length
 from .ops.shape import normalize_slices
 from .ops.base import boolean, integer, normalize_axes, per_axis, real
 from .options import BuildOptions
-from .symbolic import check_dense, propagate, split_dims, symbols_of
+from .symbolic import BucketExtents, check_dense, propagate, split_dims, symbols_of
 from .tensor import (Tensor, bit_packed_strides, check_dims, check_not_overlapping, check_strides, contiguous_strides,
                      dense_strides, span, stride_order)
 
@@ -127,6 +127,8 @@ def _spatial_rank(op: str, role: str, tensor: Tensor, extra: int = 2) -> int:
 
 class Graph:
     """A deep-learning operation graph: declare tensors and ops, mark outputs, build, execute."""
+
+    bucket = None  # a graph specialised at sizes of a dynamic one: its symbolic.BucketExtents
 
     def __init__(self, name: str = "graph", io_data_type=dtypes.float32,
                  intermediate_data_type=dtypes.float32, compute_data_type=dtypes.float32,
@@ -290,11 +292,14 @@ class Graph:
 
     def specialised(self, sizes: dict) -> "Graph":
         """A static copy of this graph with each dynamic extent at `sizes` (symbol name -> size),
-        replayed through every shape rule; the tensors keep their names."""
+        replayed through every shape rule; the tensors keep their names. Its `bucket`
+        (symbolic.BucketExtents) says what varies in the sizes' buckets: builds choose there."""
         from .serialization import specialised
 
         sized = specialised(self, sizes, Graph)
         self._check_specialised(sized, sizes)
+        # where a build chooses configs: at the top of the sizes' buckets (one compile per bucket)
+        sized.bucket = BucketExtents.of(self, sizes)
         return sized
 
     def _check_specialised(self, sized: "Graph", sizes: dict) -> None:

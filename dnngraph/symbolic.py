@@ -161,3 +161,90 @@ def bucket_of(size: int, symbol: Dynamic) -> int:
     the symbol's max. Sizes of one bucket share their kernels' sources (sizes are runtime
     arguments of the kernels); it is the unit compiles are counted in."""
     return min(1 << max(size - 1, 0).bit_length(), symbol.max)
+
+
+def bucket_range(size: int, symbol: Dynamic) -> tuple:
+    """(smallest, largest) size of the bucket `size` falls in (see bucket_of), within the range."""
+    top = bucket_of(size, symbol)
+    return max(symbol.min, (1 << max(size - 1, 0).bit_length()) // 2 + 1), top
+
+
+@dataclass(frozen=True)
+class BucketExtents:
+    """What a graph specialised at sizes of one bucket knows of the bucket (Graph.bucket): per
+    tensor whose dims vary in it, its dims and dense strides at the bucket's top, and the axes
+    that vary. Every config decision that reads a dynamic extent reads it at the top (so every
+    size of a bucket launches the same kernels with the same configs: one compile per bucket),
+    and a fact baked into a kernel's source (an alignment hint, a ragged-K mask) holds only
+    where it holds at every size of the bucket; the kernels run the exact sizes (runtime
+    arguments, masks and grids)."""
+
+    tensors: tuple  # (name, dims at the top, strides at the top, axes that vary), by name
+
+    @staticmethod
+    def of(graph, sizes: dict) -> "BucketExtents":
+        """The bucket of `sizes` (symbol name -> size) in dynamic `graph`."""
+        symbols = symbols_of(graph.inputs())
+        ranges = {name: bucket_range(size, symbols[name]) for name, size in sizes.items()}
+        found = []
+        for tensor in sorted(graph.tensors, key=lambda t: t.name):
+            axes = tensor.dynamic_dim_symbols or ()
+            varying = tuple(axis for axis, s in enumerate(axes) if s is not None and ranges[s.name][0] < ranges[s.name][1])
+            if varying:
+                tops = {s.name: ranges[s.name][1] for s in axes if s is not None}
+                dims, strides = resized(tensor.dim, tensor.stride, axes, tops)
+                found.append((tensor.name, tuple(dims), tuple(strides), varying))
+        return BucketExtents(tuple(found))
+
+    def _entry(self, tensor):
+        return next((entry for entry in self.tensors if entry[0] == tensor.name), None)
+
+    def top(self, tensor) -> tuple:
+        """(dims, strides) of `tensor` at the bucket's top."""
+        entry = self._entry(tensor)
+        return (tuple(tensor.dim), tuple(tensor.stride)) if entry is None else (entry[1], entry[2])
+
+    def varies(self, tensor, axis: int) -> bool:
+        """Does `tensor`'s `axis` take other sizes in the bucket?"""
+        entry = self._entry(tensor)
+        return entry is not None and axis % len(tensor.dim) in entry[3]
+
+
+def top_dims(graph, tensor) -> tuple:
+    """`tensor`'s dims as configs are chosen at: at its bucket's top where `graph` was
+    specialised at sizes of a bucket (Graph.bucket), else its own."""
+    bucket = getattr(graph, "bucket", None)
+    return tuple(tensor.dim) if bucket is None else bucket.top(tensor)[0]
+
+
+def top_strides(graph, tensor) -> tuple:
+    """`tensor`'s strides at its bucket's top (see top_dims)."""
+    bucket = getattr(graph, "bucket", None)
+    return tuple(tensor.stride) if bucket is None else bucket.top(tensor)[1]
+
+
+def top_span(graph, tensor) -> int:
+    """Elements from `tensor`'s first to its last at the bucket's top (its own for a static
+    graph): a kernel whose offsets need int64 there takes them at every size of the bucket."""
+    bucket = getattr(graph, "bucket", None)
+    dims, strides = (tuple(tensor.dim), tuple(tensor.stride)) if bucket is None else bucket.top(tensor)
+    return sum((size - 1) * stride for size, stride in zip(dims, strides)) + 1
+
+
+def varies(graph, tensor, axis: int) -> bool:
+    """Does `tensor`'s `axis` take other sizes in the bucket `graph` was specialised at? (False
+    for a static graph.)"""
+    bucket = getattr(graph, "bucket", None)
+    return bucket is not None and bucket.varies(tensor, axis)
+
+
+def strides_vary(graph, tensor) -> bool:
+    """Do `tensor`'s strides take other values in the bucket `graph` was specialised at (a
+    varying axis inside another of its axes: a column-major matrix's pitch is its row count)?
+    Alignment a kernel's choice depends on (TMA pitches) then holds at some sizes only."""
+    bucket = getattr(graph, "bucket", None)
+    if bucket is None:
+        return False
+    dims, strides = bucket.top(tensor)
+    varying = [axis for axis in range(len(dims)) if bucket.varies(tensor, axis)]
+    return any(dims[outer] > 1 and strides[outer] > strides[axis] for axis in varying for outer in range(len(dims)))

@@ -69,8 +69,9 @@ def plan_key(graph, options, device, target, backends: tuple) -> tuple:
     """Everything a build of `graph` under `options` (BuildOptions) for `device` and its
     `target` with the `backends` (each one's name, version and families: the registry's
     signature) reads, as one hashable value."""
-    return (_graph_signature(graph), options, tuple(backends), device.type, device.index, target,
-            interpreting(), _environment(), _tuning_state() if options.autotune else ())
+    # a graph specialised at sizes of a bucket chooses its configs at the bucket's top (symbolic.BucketExtents)
+    return (_graph_signature(graph), getattr(graph, "bucket", None), options, tuple(backends), device.type,
+            device.index, target, interpreting(), _environment(), _tuning_state() if options.autotune else ())
 
 
 class PlanCache:

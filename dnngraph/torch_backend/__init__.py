@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupport
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -371,7 +372,6 @@ def _at_sizes(gm: torch.fx.GraphModule, inputs: list) -> torch.fx.GraphModule:
     tensors of static shape or ints, one per placeholder) under a fake mode of static shapes;
     `gm`'s own nodes keep theirs."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     graph = torch.fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
@@ -379,7 +379,7 @@ def _at_sizes(gm: torch.fx.GraphModule, inputs: list) -> torch.fx.GraphModule:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = [mode.from_tensor(value, static_shapes=True) if isinstance(value, torch.Tensor) else value
              for value in inputs]
-    FakeTensorProp(twin, mode).propagate_dont_convert_inputs(*fakes)
+    _NumbersRecorded(twin, mode).propagate_dont_convert_inputs(*fakes)
     for node in twin.graph.nodes:
         node.meta.pop(_VERDICT, None)  # judged again at these sizes
         if node.op == "call_function":  # a size computed in the graph (s0 * 2) as the number it now is
@@ -387,6 +387,20 @@ def _at_sizes(gm: torch.fx.GraphModule, inputs: list) -> torch.fx.GraphModule:
     twin.graph.eliminate_dead_code()
     twin.recompile()
     return twin
+
+
+class _NumbersRecorded(FakeTensorProp):
+    """torch's FakeTensorProp that records every node's value in its meta ("val"), a number too:
+    a size argument (a SymInt placeholder, saved for the backward) and arithmetic on sizes
+    (s0 * 8) then hold the numbers they are at the sizes propagated, whatever torch's release:
+    torch 2.11's records only tensors and symbols, which left such a node with the symbol it was
+    traced with (a view to [s0 * 8, 12] was refused: "input mul_6 is not a tensor")."""
+
+    def run_node(self, node):
+        result = super().run_node(node)
+        if isinstance(result, (int, float, bool)):
+            node.meta["val"] = result
+        return result
 
 
 def _number_or_node(node):

@@ -620,3 +620,243 @@ def test_one_workspace_of_workspace_size_serves_split_k_sizes_gpu():
         out = torch.full((size, 64), float("nan"), device="cuda", dtype=torch.bfloat16)
         g.execute({x: xt, w: wt, y: out}, workspace=workspace)
         assert rel_err(out, g.reference({x: xt, w: wt})[y.name]) < 2e-2, size
+
+
+# --- one compile per bucket on a GPU target: configs chosen at the bucket's top ----------------
+# Plans for the H200 are built here without one (nothing runs): the heuristics pick tiles,
+# split-K and kernel kinds from the sizes, so every size of a bucket must be planned as its top is,
+# while the kernels take the exact sizes as runtime arguments.
+
+def _compiled_as(launch) -> tuple:
+    """What Triton compiles a launch into, beyond the integers it specializes by value: the
+    kernel (named by its source's content), its constexprs, warps and stages."""
+    constexprs = tuple((a.name, a.value) for a in launch.arguments if a.kind == "constexpr")
+    return launch.kernel.__name__, constexprs, launch.num_warps, launch.num_stages
+
+
+def _compiles_by_bucket(g, buckets) -> dict:
+    """Per bucket (its sizes, one symbol), the distinct launch lists its sizes' plans compile;
+    one per bucket is the promise."""
+    found = {}
+    for sizes in buckets:
+        found[sizes] = {tuple(_compiled_as(launch) for launch in g.plan.plan_for((s,)).launches) for s in sizes}
+    return found
+
+
+def _one_compile_per_bucket(g, buckets):
+    found = _compiles_by_bucket(g, buckets)
+    for sizes, compiled in found.items():
+        assert len(compiled) == 1, (sizes, [sorted(set(a) ^ set(b)) for a in compiled for b in compiled if a != b][:1])
+    return {sizes: next(iter(compiled)) for sizes, compiled in found.items()}
+
+
+TOKEN_BUCKETS = ((3, 4), (5, 7, 8), (9, 13, 16), (17, 24, 31), (33, 48, 64), (65, 100, 128), (129, 200, 256),
+                 (257, 400, 512), (513, 777, 1000, 1024), (2049, 3000, 4095, 4096))
+
+
+def test_llama_like_layer_planned_for_the_h200_compiles_once_per_bucket():
+    """The GPU test's layer (rmsnorm, projections, causal GQA sdpa, a reduction over heads,
+    SwiGLU matmuls with epilogues): the H200's heuristics change tiles, kernel kinds (small-M,
+    split-K) and row configs with the token count, but every size of a bucket gets its top's."""
+    g, _ = _llama_layer(dg.dynamic("seq", 1, 4096), heads=8, kv_heads=2, dim=512, hidden=1024,
+                        io_type=dg.bfloat16)
+    g.build(options=dg.BuildOptions(target=dg.target.H200))
+    per_bucket = _one_compile_per_bucket(g, TOKEN_BUCKETS)
+    # the test has teeth: the choices do change between buckets, family by family
+    names = lambda launches: {name.split("_")[1] for name, *_ in launches}
+    assert {"norm", "matmul", "sdpa", "reduction"} <= names(per_bucket[(3, 4)])
+    assert len(set(per_bucket.values())) > 3
+
+
+def _matmul_graph(rows, n, k, epilogue=True):
+    g = dg.Graph(name="mm", io_data_type=dg.bfloat16)
+    a = g.tensor(name="a", dim=[rows, k])
+    b = g.tensor(name="b", dim=[k, n])
+    c = g.matmul(a, b)
+    if epilogue:
+        c = g.silu(g.add(c, g.tensor(name="bias", dim=[1, n])))
+    c.set_output(True).set_name("c")
+    return g
+
+
+@pytest.mark.parametrize("n, k", [(128, 16384), (11008, 4096), (4096, 4096)], ids=["split-k", "decode", "square"])
+def test_matmul_planned_for_the_h200_compiles_once_per_bucket(n, k):
+    """Split-K at a small M, the small-M kernel at a few rows, tiled or persistent ones at many:
+    the kernel kind changes across buckets, never inside one."""
+    g = _matmul_graph(dg.dynamic("rows", 1, 4096), n, k)
+    g.build(options=dg.BuildOptions(target=dg.target.H200))
+    per_bucket = _one_compile_per_bucket(g, ((1,), (2,)) + TOKEN_BUCKETS)
+    kinds = {g.plan.plan_for((sizes[0],)).launches[0].config_text.split()[0] for sizes in per_bucket}
+    assert len(kinds) > 1, kinds
+
+
+def test_pointwise_and_softmax_over_a_dynamic_axis_planned_for_the_h200_compile_once_per_bucket():
+    """A pointwise chain over [tokens, 4096], and a softmax along the dynamic axis (its row
+    length varies in a bucket: one tile per row only where the top's rows fit one)."""
+    tokens = dg.dynamic("tokens", 1, 8192)
+    g = dg.Graph(name="rows", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[tokens, 4096])
+    y = g.tensor(name="y", dim=[1, 4096])
+    g.gelu(g.mul(x, y)).set_output(True).set_name("pointwise")
+    scores = g.tensor(name="scores", dim=[16, tokens])
+    g.softmax(scores, axis=-1).set_output(True).set_name("softmax")
+    g.build(options=dg.BuildOptions(target=dg.target.H200))
+    _one_compile_per_bucket(g, TOKEN_BUCKETS + ((4097, 6000, 8192),))
+
+
+def test_configs_chosen_at_a_buckets_top_run_right_at_its_every_size():
+    """The interpreter's target plans as the H100: split-K chosen for 128 rows also runs 65
+    rows, the bucket's low end, right; a softmax whose row is one tile at the top runs shorter
+    rows; each against the float64 reference on poisoned outputs, with the bucket's one config."""
+    g = _matmul_graph(dg.dynamic("rows", 1, 128), 64, 2048, epilogue=False)
+    g.build()
+    texts = {s: [launch.config_text for launch in g.plan.plan_for((s,)).launches] for s in (65, 97, 128)}
+    assert texts[65][0].split()[0] == "split_k" and len({tuple(_compiled_as(launch) for launch in
+                                                         g.plan.plan_for((s,)).launches) for s in texts}) == 1
+    for s in (65, 97):
+        a, b = torch.randn(s, 2048).bfloat16(), torch.randn(2048, 64).bfloat16()
+        out = _poisoned((s, 64)).bfloat16()
+        g.execute({"a": a, "b": b, "c": out})
+        assert rel_err(out.float(), g.reference({"a": a, "b": b})["c"]) < 1e-2, s
+
+
+@pytest.mark.parametrize("layout", ["row", "column"])
+def test_matmul_of_a_dynamic_transposed_operand_planned_for_the_h200_compiles_once_per_bucket(layout):
+    """A column-major A of dynamic rows: its pitch is the row count, so descriptor (TMA)
+    legality and the contiguity hints along M hold at some sizes of a bucket only; neither may
+    split a bucket in two."""
+    rows = dg.dynamic("rows", 1, 4096)
+    g = dg.Graph(name="mm_t", io_data_type=dg.bfloat16)
+    a = g.tensor(name="a", dim=[rows, 1024], stride=[1, 4096] if layout == "column" else None)
+    b = g.tensor(name="b", dim=[1024, 2048])
+    g.matmul(a, b).set_output(True).set_name("c")
+    g.build(options=dg.BuildOptions(target=dg.target.H200))
+    _one_compile_per_bucket(g, TOKEN_BUCKETS)
+
+
+def _conv_batch(n):
+    """A 3x3 conv (implicit GEMM) and a 1x1 conv (posed as a matmul: hints along M) of NHWC x."""
+    g = dg.Graph(name="conv", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[n, 64, 14, 14], stride=[14 * 14 * 64, 1, 14 * 64, 64])
+    w, w1 = g.tensor(name="w", dim=[128, 64, 3, 3]), g.tensor(name="w1", dim=[96, 64, 1, 1])
+    g.relu(g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1])).set_output(True)
+    g.conv_fprop(x, w1, padding=[0, 0], stride=[1, 1], dilation=[1, 1]).set_output(True)
+    return g
+
+
+def _conv_wgrad_batch(n):
+    """wgrad of a dynamic batch: it reduces over N x pixels (split-K)."""
+    g = dg.Graph(name="conv_wgrad", io_data_type=dg.bfloat16)
+    dy, x = g.tensor(name="dy", dim=[n, 128, 14, 14]), g.tensor(name="x", dim=[n, 64, 14, 14])
+    g.conv_wgrad(dy, x, [128, 64, 3, 3], padding=[1, 1], stride=[1, 1], dilation=[1, 1]).set_output(True)
+    return g
+
+
+def _pooling_batch(n):
+    g = dg.Graph(name="pool", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[n, 64, 28, 28])
+    g.pooling(x, mode="max", window=[2, 2], stride=[2, 2], padding=[0, 0]).set_output(True)
+    return g
+
+
+def _decode_sdpa(s):
+    g = dg.Graph(name="decode", io_data_type=dg.bfloat16)
+    q = g.tensor(name="q", dim=[2, 8, 1, 64])
+    k, v = (g.tensor(name=name, dim=[2, 2, s, 64]) for name in ("k", "v"))
+    g.sdpa(q, k, v, attn_scale=0.125)[0].set_output(True)
+    return g
+
+
+def _layernorm_training(s):
+    g = dg.Graph(name="ln", io_data_type=dg.bfloat16)
+    x, dy = g.tensor(name="x", dim=[s, 4096]), g.tensor(name="dy", dim=[s, 4096])
+    scale, bias = g.tensor(name="scale", dim=[1, 4096]), g.tensor(name="bias", dim=[1, 4096])
+    _, mean, inv_variance = g.layernorm(x, scale, bias)
+    for t in g.layernorm_backward(dy, x, scale, mean, inv_variance):
+        if t is not None:
+            t.set_output(True)
+    return g
+
+
+def _sdpa_training(s):
+    g = dg.Graph(name="attn", io_data_type=dg.bfloat16)
+    q, k, v, do = (g.tensor(name=name, dim=[1, 8, s, 64]) for name in ("q", "k", "v", "do"))
+    o, stats = g.sdpa(q, k, v, attn_scale=0.125, is_inference=False, use_causal_mask=True)
+    o.set_output(True)
+    for t in g.sdpa_backward(q, k, v, o, do, stats, attn_scale=0.125, use_causal_mask=True):
+        t.set_output(True)
+    return g
+
+
+@pytest.mark.parametrize("make, buckets", [
+    (_sdpa_training, TOKEN_BUCKETS[:-1]),
+    (_conv_batch, TOKEN_BUCKETS[:-1]),
+    (_conv_wgrad_batch, TOKEN_BUCKETS[:-1]),
+    (_pooling_batch, TOKEN_BUCKETS[:-1]),
+    (_decode_sdpa, TOKEN_BUCKETS[:-1]),
+    (_layernorm_training, TOKEN_BUCKETS[:-1]),
+], ids=["sdpa training", "conv batch", "conv wgrad batch", "pooling batch", "sdpa decode kv", "layernorm training"])
+def test_other_families_planned_for_the_h200_compile_once_per_bucket(make, buckets):
+    g = make(dg.dynamic("s", 1, 1024))
+    g.build(options=dg.BuildOptions(target=dg.target.H200))
+    _one_compile_per_bucket(g, buckets)
+
+
+def test_every_specialised_graph_chooses_at_its_buckets_top():
+    """Graph.specialised (which as_function's per-size functions build from too, not only the
+    graph's own plans) carries the bucket: static builds of sizes of one bucket compile alike."""
+    from dnngraph.build import build_plan
+
+    g = _matmul_graph(dg.dynamic("rows", 1, 4096), 11008, 4096)
+    h200 = dg.BuildOptions(target=dg.target.H200)
+    compiled = {tuple(_compiled_as(launch) for launch in build_plan(g.specialised({"rows": rows}), h200).launches)
+                for rows in (9, 13, 16)}
+    assert len(compiled) == 1
+    assert g.specialised({"rows": 13}).bucket.top(g.tensor_by_name("a"))[0] == (16, 4096)
+    fn = g.as_function(options=h200)
+    assert fn._function_at((13,)).graph.bucket == g.specialised({"rows": 13}).bucket
+
+
+def test_fused_norm_backward_with_programs_chosen_at_a_buckets_top_runs_right_at_its_low_end():
+    """The fused layernorm backward's program count is chosen for the top's rows: at the low
+    end of the bucket some programs find no rows and store zero partials, and dx, dscale and
+    dbias still match the reference (poisoned outputs)."""
+    g = dg.Graph(name="ln_train")
+    rows = dg.dynamic("rows", 1, 128)
+    x, dy = g.tensor(name="x", dim=[rows, 1024]), g.tensor(name="dy", dim=[rows, 1024])
+    scale, bias = g.tensor(name="scale", dim=[1, 1024]), g.tensor(name="bias", dim=[1, 1024])
+    _, mean, inv_variance = g.layernorm(x, scale, bias)
+    grads = [t for t in g.layernorm_backward(dy, x, scale, mean, inv_variance) if t is not None]
+    for index, grad in enumerate(grads):
+        grad.set_output(True).set_name(f"grad{index}")
+    g.build()
+    for low, top in ((65, 128), (5, 8)):
+        compiled = [tuple(_compiled_as(launch) for launch in g.plan.plan_for((s,)).launches) for s in (low, top)]
+        assert compiled[0] == compiled[1] and any(name.startswith("dnngraph_norm") and "SPLITS" in dict(c)
+                                                  for name, c, *_ in compiled[0])
+        assert "fused" in " ".join(launch.config_text for launch in g.plan.plan_for((low,)).launches)
+        inputs = {"x": torch.randn(low, 1024), "dy": torch.randn(low, 1024), "scale": torch.randn(1, 1024),
+                  "bias": torch.randn(1, 1024)}
+        reference = g.reference(inputs)
+        outputs = {grad.name: torch.full(tuple(reference[grad.name].shape), float("nan")) for grad in grads}
+        g.execute({**inputs, **outputs})
+        for name, got in outputs.items():
+            assert rel_err(got, reference[name]) < TOL, (low, name)
+
+
+def test_decode_key_splits_chosen_at_a_buckets_top_run_right_at_its_low_end():
+    """Decode attention splits the keys by the top's length (SPLITS and CHUNK are constexprs):
+    at the bucket's low end the last splits see no key, and their empty partials weigh nothing
+    in the combine."""
+    g = dg.Graph(name="decode")
+    q = g.tensor(name="q", dim=[1, 4, 1, 32])
+    k, v = (g.tensor(name=name, dim=[1, 1, dg.dynamic("keys", 1, 512), 32]) for name in ("k", "v"))
+    g.sdpa(q, k, v, attn_scale=0.2)[0].set_output(True).set_name("o")
+    g.build()
+    for low, top in ((257, 512), (129, 256)):
+        compiled = [tuple(_compiled_as(launch) for launch in g.plan.plan_for((s,)).launches) for s in (low, top)]
+        assert compiled[0] == compiled[1] and len(compiled[0]) == 2  # the split kernel and its combine
+        inputs = {"q": torch.randn(1, 4, 1, 32), "k": torch.randn(1, 1, low, 32), "v": torch.randn(1, 1, low, 32)}
+        out = _poisoned((1, 4, 1, 32))
+        g.execute({**inputs, "o": out})
+        assert rel_err(out, g.reference(inputs)["o"]) < TOL, low

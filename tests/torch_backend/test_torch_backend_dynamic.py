@@ -248,3 +248,60 @@ def test_a_shape_a_partition_does_not_convert_at_is_reported_not_hidden(monkeypa
     text = torch_backend.explain()
     assert "3x7x4" in text and "no kernel at length 7" in text, text
     assert "2x5x4" not in text  # converted: nothing to say
+
+
+@pytest.fixture(params=["numbers recorded", "numbers not recorded"])
+def propagation(request, monkeypatch):
+    """torch's FakeTensorProp as this torch has it, and as torch 2.11 (the GPU machine's) has it:
+    a node whose value is a number (a SymInt placeholder at a concrete size, s0 * 2) keeps the
+    meta "val" of its trace, the symbol."""
+    if request.param == "numbers not recorded":
+        from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+        recording = FakeTensorProp.run_node
+
+        def keeping_the_traced_symbol(self, node):
+            traced = node.meta.get("val")
+            result = recording(self, node)
+            if isinstance(result, (int, float, bool)):
+                node.meta["val"] = traced
+            return result
+
+        monkeypatch.setattr(FakeTensorProp, "run_node", keeping_the_traced_symbol)
+    return request.param
+
+
+def test_size_placeholders_and_size_arithmetic_read_as_numbers_at_each_shape(propagation):
+    """A graph with a SymInt placeholder (as AOTAutograd's backward saves sizes) and arithmetic on
+    it (n * 2) feeding a view: every size-valued node is the number it is at the shape converted,
+    so the view converts, whichever torch propagates the shapes."""
+    def viewed(x, n):
+        return torch.tanh(x.view(n * 2, -1)) * 2
+
+    graph = make_fx(viewed, tracing_mode="symbolic")(torch.randn(6, 4), 3)
+    assert any(node.op == "placeholder" and isinstance(node.meta["val"], torch.SymInt) for node in graph.graph.nodes)
+    twin = torch_backend._at_sizes(graph, [torch.randn(10, 4), 5])
+    for node in twin.graph.nodes:
+        assert not torch_backend._is_symbolic_value(node.meta.get("val")), node.name
+    view = next(node for node in twin.graph.nodes if node.target is torch.ops.aten.view.default)
+    assert list(view.args[1]) == [10, -1] and view.meta["val"].shape == (10, 4)
+    torch_backend.REPORTS.clear()
+    compiled = torch_backend._compile(graph, [])
+    for rows, n in ((6, 3), (10, 5), (4, 2)):
+        x = torch.randn(rows, 4)
+        assert torch.allclose(compiled([x, n]), viewed(x, n), atol=1e-6)
+    report = torch_backend.REPORTS[-1]
+    assert report.torch_ops == () and report.dnngraph_ops == 3, report.torch_ops
+    assert [len(shapes) for shapes in _converted_shapes(report)] == [3]
+
+
+@pytest.mark.parametrize("make_model", [_mlp, _Attention, _Pooler], ids=["mlp", "attention", "pooler"])
+def test_backward_graphs_saving_sizes_run_in_dnngraph_whichever_torch_propagates(make_model, propagation):
+    """The forms the GPU run (torch 2.11) left in torch: backward graphs whose views and
+    select_backward read sizes AOTAutograd saved as SymInt placeholders (primals_1) or computed
+    from them (mul_6)."""
+    torch.manual_seed(0)
+    _steps_match_eager(make_model(), lengths=SEQUENCE_LENGTHS[:2])
+    reports = list(torch_backend.REPORTS)
+    assert len(reports) == 4 and all(report.torch_ops == () for report in reports), [r.torch_ops for r in reports]
+    assert all(len(shapes) == 1 for report in reports[2:] for shapes in _converted_shapes(report))

@@ -150,6 +150,7 @@ class GemmKernelSpec:
     fold_batch: bool = False  # batch entries past grid axis y's limit: (tile, batch, split) from axis x
     extra_constexprs: tuple = field(default=())  # (name, value) the loaders read
     blends: tuple = ()  # ((uid, (alpha, beta)), ...): outputs stored blended (emitter.store_statement)
+    varying: frozenset = frozenset()  # "m" "n" "k" that take other sizes in the bucket (symbolic.BucketExtents)
 
     def side(self, side: str) -> list:
         return [op for op in self.operands if op.side == side]

@@ -44,15 +44,20 @@ class StridedLoader(Loader):
         # wraps inside the first tile (on the H100 an N=13 operand faulted with a misaligned
         # address), and a size that is no multiple of a 16-byte vector wraps mid-vector in the
         # last tile (an M-contiguous A of 37 rows faulted on the H200).
+        # An axis whose size varies in the bucket (a dynamic extent) takes no hints: they are
+        # baked into a source every size of the bucket shares, and no range of sizes is all
+        # multiples of a vector.
         if self.side == "a":
-            w(f"rows_a = {_wrapped_index('offs_m', 'M', 'BLOCK_M', self._hints_hold(spec, spec.problem.m, spec.config.block_m))}")
+            w(f"rows_a = {_wrapped_index('offs_m', 'M', 'BLOCK_M', self._hints_hold(spec, 'm', spec.config.block_m))}")
         else:
-            w(f"cols_b = {_wrapped_index('offs_n', 'N', 'BLOCK_N', self._hints_hold(spec, spec.problem.n, spec.config.block_n))}")
+            w(f"cols_b = {_wrapped_index('offs_n', 'N', 'BLOCK_N', self._hints_hold(spec, 'n', spec.config.block_n))}")
 
-    def _hints_hold(self, spec, size: int, block: int) -> bool:
-        """Are the contiguity hints true of every tile of an axis of `size` in blocks of `block`?"""
+    def _hints_hold(self, spec, axis: str, block: int) -> bool:
+        """Are the contiguity hints true of every tile of `axis` ("m" or "n") in blocks of
+        `block`, at every size the kernel runs?"""
+        size = getattr(spec.problem, axis)
         vector = VECTOR_BYTES // min(op.data_type.itemsize for op in spec.side(self.side))
-        return size >= block and size % vector == 0
+        return axis not in spec.varying and size >= block and size % vector == 0
 
     def step(self, spec, w):
         side = self.side

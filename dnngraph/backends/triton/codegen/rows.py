@@ -519,7 +519,8 @@ def _main_body(src, used):
     top = src.emitter()
     _k_prelude(src, used)
     _load_inputs(src, top, used, ("row", "scalar"))
-    one_tile = spec.schedule.config.block_r >= spec.schedule.geometry.reduced
+    geo = spec.schedule.geometry
+    one_tile = spec.schedule.config.block_r >= (geo.source_reduced or geo.reduced)
     stages = spec.recipe.stages_for("one_pass" if one_tile else mode)  # a looped config may fit one tile
     if one_tile:
         tile = _tile_scope(src, top, used, "0", "reduced")

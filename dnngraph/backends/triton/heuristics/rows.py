@@ -101,6 +101,9 @@ class RowGeometry:
     operands: tuple  # RowOperand
     index_64: bool
     r_contiguous: bool  # the main input's smallest stride is on R (rows are vectorized)
+    # the reduced length a kernel's source is written for: the longest it runs (the bucket's top
+    # where a dynamic graph was specialised at sizes of a bucket; None: this one's)
+    source_reduced: Optional[int] = None
 
     @property
     def rows(self) -> int:

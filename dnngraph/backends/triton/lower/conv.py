@@ -38,6 +38,7 @@ from .depthwise import build_depthwise, sums_exactly, takes_depthwise
 from .gemm import GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
 from ....runtime.launch import KernelLaunch, element_span, kernel_name, scratch
 from .matmul import layout_of, tma_ok
+from ....symbolic import top_dims, top_span, varies
 
 
 def _product(values) -> int:
@@ -134,7 +135,10 @@ class ConvBuild(GemmLaunches):
         self.matmul_path = self._is_matmul()
         self.operands = tuple(self._source_operands() + self._filter_operands() + self._output_operands())
         self.problem = self._problem(dot)
-        self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
+        # configs chosen at the bucket's top (a dynamic batch scales the output rows)
+        self.top_problem = replace(self.problem, m=self.problem.m // self.out.dim[0] * top_dims(graph, self.out)[0])
+        self.index_64 = any(max(element_span(t), top_span(graph, t)) > INT32_LIMIT
+                            for t in list(group.inputs) + list(group.outputs))
         self.name = kernel_name(group) + pose.suffix
 
     @staticmethod
@@ -266,7 +270,8 @@ class ConvBuild(GemmLaunches):
             c_uid=self.out.uid, operands=self.operands, k_walk=walk, loader_a=loader_a, loader_b=loader_b,
             epilogue=tuple(self.group.epilogue), exits=extra.pop("exits", ()), scale_uids=(),
             precision=self.precision, compute=self.graph.compute_data_type.triton_type, index_64=self.index_64,
-            description=self.group.summary(), row_sizes=self.row_sizes, extra_constexprs=constexprs, **extra)
+            description=self.group.summary(), row_sizes=self.row_sizes, extra_constexprs=constexprs,
+            varying=frozenset({"m"}) if varies(self.graph, self.out, 0) else frozenset(), **extra)
 
 
 class WgradBuild(GemmLaunches):
@@ -305,7 +310,10 @@ class WgradBuild(GemmLaunches):
         self.target = target
         self.operands = tuple(self._dy_operands() + self._x_operands() + self._output_operands())
         self.problem = self._problem(dot)
-        self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
+        # configs chosen at the bucket's top (a dynamic batch scales the reduced pixels)
+        self.top_problem = replace(self.problem, k=self.problem.k // dy.dim[0] * top_dims(graph, dy)[0])
+        self.index_64 = any(max(element_span(t), top_span(graph, t)) > INT32_LIMIT
+                            for t in list(group.inputs) + list(group.outputs))
         self.name = kernel_name(group) + ("_folded" if self.folded else "")
 
     def _pose(self, filters: tuple, fold_below: int):
@@ -375,7 +383,9 @@ class WgradBuild(GemmLaunches):
         return PixelGather(self.geometry, tuple(self.x.dim[2:]), self.tap_axes, self.dot_b)
 
     def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> GemmKernelSpec:
-        walk = PixelWalk(self.problem.k % config.block_k != 0, self.geometry.rank, self.pixel_sizes)
+        # a masked pixel walk wherever the batch (and so the pixel count) varies in the bucket
+        ragged = self.problem.k % config.block_k != 0 or varies(self.graph, self.dy, 0)
+        walk = PixelWalk(ragged, self.geometry.rank, self.pixel_sizes)
         loader_a = GradientLoader(self.dy.uid, self.dot_a, self.prologue)
         return GemmKernelSpec(
             name=self.name + suffix, config=config, problem=self.problem, batch_sizes=self.batch_sizes,

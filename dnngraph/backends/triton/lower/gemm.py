@@ -110,6 +110,15 @@ def epilogue_inputs(group) -> list:
 class GemmLaunches:
     """The launches of one config of a GEMM-shaped group (mixed into each family's build)."""
 
+    # the problem at the top of the bucket a dynamic graph was specialised at, where configs are
+    # chosen (a family's build sets it; None: self.problem, a static graph's)
+    top_problem = None
+
+    @property
+    def choosing_problem(self):
+        """The problem configs are chosen for: the bucket's top, else self.problem."""
+        return self.top_problem if self.top_problem is not None else self.problem
+
     def exit_plans(self, epilogue_block) -> list:
         """(ExitPlan, its partials' scratch) of the row exits (reductions over each output row):
         one partial per column tile of `epilogue_block`, folded in tile order. A family with
@@ -137,15 +146,19 @@ class GemmLaunches:
         pairs = self.exit_plans(epilogue_block)
         exits, exit_scratch = [plan for plan, _ in pairs], [partial for _, partial in pairs]
         common = dict(exits=tuple(exits), epilogue_block=epilogue_block, column_fold=COLUMN_FOLD_BLOCK)
-        # more batch entries (or splits) than grid axis y (z) takes: (tile, batch[, split]) on axis x
-        fold = not self.target.grid_fits((1, p.batch, config.split_k))
+        # more batch entries (or splits) than grid axis y (z) takes: (tile, batch[, split]) on axis
+        # x; decided at the bucket's top, as it changes the source
+        fold = not self.target.grid_fits((1, self.choosing_problem.batch, config.split_k))
         if fold:
             common["fold_batch"] = True
         grid = lambda *counts: laid_out(counts, fold)
         text = config.text
         launches = []
         if config.variant == "persistent":
-            programs = min(tiles * p.batch, self.target.sms)  # one program per SM
+            # one program per SM (a constexpr: counted at the bucket's top; a program past the
+            # tiles of a smaller size finds none)
+            top = self.choosing_problem
+            programs = min(-(-top.m // config.block_m) * -(-top.n // config.block_n) * top.batch, self.target.sms)
             # a blended output reads its prior in the store: a plain tl.store, not a descriptor's
             blended = {uid for uid, _ in blends_of(self.group.outputs)}
             stored = [op for op in self.operands if op.side == "c" and op.is_output and op.uid not in blended]
@@ -195,8 +208,9 @@ def build_gemm(build, family: str, schedule, context) -> list[KernelLaunch]:
     or the autotuned one with the context's tuner, recorded under `family` in the tuning cache;
     configs whose split-K partials do not fit the context's budget are left out."""
     tuner, budget = context.tuner, context.budget
-    sched = schedule(build.problem, build.target)
-    fits = lambda c: budget is None or budget.allows(split_partial_bytes(c, build.problem))
+    # chosen at the bucket's top (the same config for every size of it), within the budget there
+    sched = schedule(build.choosing_problem, build.target)
+    fits = lambda c: budget is None or budget.allows(split_partial_bytes(c, build.choosing_problem))
     ranked = [c for c in sched.ranked if fits(c)]
     skipped = sched.ranked.index(ranked[0])
     config, record = ranked[0], TuningRecord("model", ranked[0].text)
@@ -205,7 +219,7 @@ def build_gemm(build, family: str, schedule, context) -> list[KernelLaunch]:
         tensors = sample_tensors(build.group, device)
         limit = "" if budget is None or budget.limit is None else f" ws{budget.limit}"
         config, record = tuner.choose(
-            family, build.problem.signature() + limit, ranked, MatmulConfig.to_record,
+            family, build.choosing_problem.signature() + limit, ranked, MatmulConfig.to_record,
             MatmulConfig.from_record, lambda c: c.text,
             lambda c: time_candidate(build.launches(c, "autotune candidate"), tensors, device))
     nbytes = split_partial_bytes(config, build.problem)

@@ -6,7 +6,7 @@ heuristics; autotuning times whole launch lists of candidate configs on scratch 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .... import dtypes
 from ..codegen.block_scaled import BlockScaledLoader
@@ -17,6 +17,7 @@ from ..heuristics.layout import INT32_LIMIT, merged_stride, operand_strides
 from ..heuristics.matmul import K_MAJOR_DOTS, MatmulConfig, MatmulProblem, choose_dot, schedule
 from .gemm import TMA_ALIGNMENT, GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
 from ....runtime.launch import KernelLaunch, element_span, kernel_name
+from ....symbolic import strides_vary, top_dims, top_span, varies
 
 
 def _dot_types(a, b, allow_tf32: bool):
@@ -124,9 +125,32 @@ class MatmulBuild(GemmLaunches):
         self.problem = MatmulProblem(_product(self.batch_sizes), m, n, k, dot, a.data_type.itemsize if a_op else 4,
                                      b.data_type.itemsize if b_op else 4, out_bytes, tma,
                                      a_layout, b_layout, epilogue_text, store_bytes)
-        self.index_64 = any(element_span(t) > INT32_LIMIT for t in list(group.inputs) + list(group.outputs))
+        self.index_64 = any(max(element_span(t), top_span(graph, t)) > INT32_LIMIT
+                            for t in list(group.inputs) + list(group.outputs))
+        self.top_problem = self._at_bucket_top(graph)
+        self.varying = self._varying_extents(graph)
         self.target = target
         self.name = kernel_name(group)
+
+    def _at_bucket_top(self, graph) -> MatmulProblem:
+        """The problem with its extents at the top of the bucket the graph was specialised at
+        (symbolic.BucketExtents; the problem itself for a static graph): configs are chosen
+        there, the same for every size of the bucket."""
+        c_dims, a_dims = top_dims(graph, self.c), top_dims(graph, self.a)
+        batch_axes = self.folded[0] if self.folded else self.batch_axes
+        batch = _product(c_dims[i] for i in batch_axes)
+        # descriptors only where their pitches are legal at every size of the bucket
+        tma = self.problem.tma and not any(strides_vary(graph, t) for t in (self.a, self.b))
+        if self.folded:
+            return replace(self.problem, m=c_dims[-2] * batch, n=c_dims[-1], k=a_dims[-1], tma=tma)
+        return replace(self.problem, batch=batch, m=c_dims[-2], n=c_dims[-1], k=a_dims[-1], tma=tma)
+
+    def _varying_extents(self, graph) -> frozenset:
+        """Which of "m", "n", "k" take other sizes in the bucket (none for a static graph)."""
+        rows = [-2] + (list(self.folded[0]) if self.folded else [])
+        found = {"m": any(varies(graph, self.c, axis) for axis in rows), "n": varies(graph, self.c, -1),
+                 "k": varies(graph, self.a, -1)}
+        return frozenset(name for name, varying in found.items() if varying)
 
     def _dot_operand_types(self, a, b) -> tuple:
         """(A, B) as the dot sees their types: a dequantized side feeds it bfloat16 (exact)."""
@@ -182,11 +206,12 @@ class MatmulBuild(GemmLaunches):
         loader_a, loader_b = self._loaders(config)
         return GemmKernelSpec(
             name=self.name + suffix, config=config, problem=self.problem, batch_sizes=self.batch_sizes,
-            c_uid=self.c.uid, operands=self.operands, k_walk=LinearK(self.problem.k % config.block_k != 0),
+            c_uid=self.c.uid, operands=self.operands,
+            k_walk=LinearK(self.problem.k % config.block_k != 0 or "k" in self.varying),
             loader_a=loader_a, loader_b=loader_b, epilogue=tuple(self.group.epilogue),
             exits=extra.pop("exits", ()), scale_uids=tuple(s.uid for s in self.scales),
             precision=self.precision, compute=self.graph.compute_data_type.triton_type,
-            index_64=self.index_64, description=self.group.summary(), **extra)
+            index_64=self.index_64, description=self.group.summary(), varying=self.varying, **extra)
 
 @dataclass(frozen=True)
 class _AsType:

@@ -4,7 +4,8 @@ are not per-row sums of the dx kernel, or (layernorm, rmsnorm where the row fits
 them as column sums in the dx kernel and adds only a combine of their partials."""
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
 
 import torch
 
@@ -17,6 +18,7 @@ from ..heuristics.rows import (PackedDims, RowConfig, RowSchedule, RowTraits, co
                                geometry as row_geometry, is_column_split, row_problem,
                                schedule as schedule_rows)
 from ....runtime.launch import kernel_name, launch_of, sample_tensors, scratch, time_candidate
+from ....symbolic import top_dims, top_strides
 
 # The split combine kernel folds [SPLITS, BLOCK_K] partials: a few hundred values per program.
 COMBINE_WARPS = 4
@@ -78,17 +80,21 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, context, epilo
     operands = [(t.uid, t.data_type, problem.strides(t), t.uid in stores) for t in tensors]
     main = next((i for i, t in enumerate(group.inputs) if kinds[t.uid] == "tile"), 0)
     geo = row_geometry(problem.domain, problem.reduced_axes, operands, main)
+    # the config is chosen at the top of the bucket a dynamic graph was specialised at (the
+    # same for every size of it); the kernel runs this size's geometry
+    top_geo = _geometry_at_top(graph, group.anchor, tensors, stores, main) if getattr(graph, "bucket", None) else geo
     tile_stores = tuple(u for u in stores if kinds[u] in ("tile", "col"))
     row_stores = tuple(u for u in stores if u not in tile_stores)
     tile_inputs = sum(kinds[t.uid] in ("tile", "col") for t in group.inputs)
     traits = RowTraits(len(recipe.stages_for("looped")), bool(tile_stores), recipe.splittable,
                        recipe.live_tiles, tile_inputs)
     bytes_of = lambda wanted: sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in wanted)
-    sched = schedule_rows(geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
+    sched = schedule_rows(top_geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
                           context.target, options.row_mode, options.row_config, options.row_loop_tile,
                           options.row_split_min_reduced)
     scratch_of = lambda c: split_scratch_bytes(c, geo, recipe, tile_stores)
-    ranked = [c for c in sched.ranked if budget is None or budget.allows(scratch_of(c))]
+    fits = lambda c: budget is None or budget.allows(split_scratch_bytes(c, top_geo, recipe, tile_stores))
+    ranked = [c for c in sched.ranked if fits(c)]
     if not ranked:  # only where a test forced the split mode: every real ranking has unsplit configs
         raise UnsupportedError(f"node {group.anchor.name!r}: no row config fits the workspace limit")
     if ranked[0] is not sched.config:
@@ -96,6 +102,7 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, context, epilo
         sched = replace(sched, config=ranked[0], reason=f"model rank {skipped + 1} of {len(sched.ranked)}: the "
                                                         f"{skipped} ranked above need more workspace than the limit")
     record = TuningRecord("model", sched.config.text)
+    sched = replace(sched, geometry=_for_every_size(geo, top_geo))
     build = lambda chosen: _row_schedule_launches(graph, group, name, chosen, recipe, stores, kinds,
                                                   tile_stores, row_stores, options, epilogue)
     if tuner is not None:
@@ -113,6 +120,44 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, context, epilo
     for launch in launches:
         launch.tuning = record
     return launches
+
+
+@dataclass(frozen=True)
+class _AtTop:
+    """A tensor with its dims and strides at the bucket's top (symbolic.BucketExtents), for
+    choosing a config there; anything else is the tensor's own."""
+
+    tensor: object
+    dim: tuple
+    stride: tuple
+
+    def __getattr__(self, name):
+        return getattr(self.tensor, name)
+
+
+def at_bucket_top(graph, tensor) -> _AtTop:
+    """`tensor` as the top of the bucket `graph` was specialised at has it (see _AtTop)."""
+    return _AtTop(tensor, top_dims(graph, tensor), top_strides(graph, tensor))
+
+
+def _geometry_at_top(graph, anchor, tensors: list, stores: list, main: int, static=()):
+    """The row geometry of `anchor` over `tensors` (and `static`: (uid, type, tensor, stored) of
+    operands whose dims never vary) at the top of the bucket `graph` was specialised at."""
+    at_top = SimpleNamespace(op=anchor.op, opdef=anchor.opdef, attrs=anchor.attrs,
+                             inputs=[None if t is None else at_bucket_top(graph, t) for t in anchor.inputs])
+    problem = row_problem(at_top)
+    operands = [(t.uid, t.data_type, problem.strides(at_bucket_top(graph, t)), t.uid in stores) for t in tensors]
+    operands += [(uid, data_type, problem.strides(tensor), stored) for uid, data_type, tensor, stored in static]
+    return row_geometry(problem.domain, problem.reduced_axes, operands, main)
+
+
+def _for_every_size(geo, top_geo):
+    """`geo` (this size's) with what its kernel's source bakes in taken so that it holds at every
+    size of the bucket: int64 offsets where the top needs them, one tile per row only where
+    the top's rows fit one (its reduced length)."""
+    if top_geo is geo:
+        return geo
+    return replace(geo, index_64=geo.index_64 or top_geo.index_64, source_reduced=top_geo.reduced)
 
 
 def _partial_names(recipe) -> list:
@@ -280,12 +325,17 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
     geo = row_geometry(problem.domain, problem.reduced_axes,
                        operands + [(column_uid, None, problem.strides(column), True)], main)
     bytes_main = sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in ("tile", "col"))
-    config = fused_norm_backward(geo, len(param_accumulators), bytes_main, context.target,
+    # chosen at the top of the bucket a dynamic graph was specialised at (programs past this
+    # size's rows find none and store zero partials); the kernels run this size's geometry
+    top_geo = geo if getattr(graph, "bucket", None) is None else _geometry_at_top(
+        graph, anchor, tensors, dx_stores, main, [(column_uid, None, column, True)])
+    config = fused_norm_backward(top_geo, len(param_accumulators), bytes_main, context.target,
                                  options.norm_backward_programs, options.norm_backward_max_reduced)
     if config is None:
         return None
-    partial_bytes = lambda c: len(param_accumulators) * c.splits * geo.reduced * 4
-    ranked = [c for c in row_heuristics.fused_candidates(config, geo.rows, context.target)
+    geo = _for_every_size(geo, top_geo)
+    partial_bytes = lambda c: len(param_accumulators) * c.splits * top_geo.reduced * 4
+    ranked = [c for c in row_heuristics.fused_candidates(config, top_geo.rows, context.target)
               if budget is None or budget.allows(partial_bytes(c))]
     if not ranked:
         return None
@@ -320,12 +370,12 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
 
     chosen = ranked[0]
     reason = (f"fused dx + dscale/dbias: {chosen.splits} programs of contiguous row blocks, "
-              f"{chosen.estimate_us:.1f} us by the model for K={geo.rows} rows x R={geo.reduced}")
+              f"{chosen.estimate_us:.1f} us by the model for K={top_geo.rows} rows x R={top_geo.reduced}")
     record = TuningRecord("model", _fused_text(chosen))
     if tuner is not None:
         device = context.device
         samples = sample_tensors(group, device)
-        signature = f"{anchor.op} fused K{geo.k_sizes} R{geo.r_sizes} {bytes_main}B" + _limit_text(budget)
+        signature = f"{anchor.op} fused K{top_geo.k_sizes} R{top_geo.r_sizes} {bytes_main}B" + _limit_text(budget)
         chosen, record = tuner.choose("rows", signature, ranked, RowConfig.to_record,
                                       row_heuristics.fused_from_record, _fused_text,
                                       lambda c: time_candidate(build(c, reason), samples, device))

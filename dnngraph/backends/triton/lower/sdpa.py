@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from types import SimpleNamespace
 
 from ..codegen.sdpa import RAGGED_STEMS, AttentionSpec, ScoreModifier, output_strides, render, render_backward, render_combine
 from ....errors import UnsupportedError
@@ -20,6 +21,7 @@ from .... import ragged
 from ....ops.sdpa import BACKWARD_BLOCK_MASK, FORWARD_BLOCK_MASK, AttentionMask, block_mask_of, kv_length, ragged_slots, slot_length
 from ....tensor import span
 from ....runtime.launch import element_span, kernel_name, launch_of, scratch
+from .rows import at_bucket_top
 
 
 def _check_types(node):
@@ -112,6 +114,13 @@ def problem_of(node) -> AttentionProblem:
                             v.dim[1] if v.dim[1] != k.dim[1] else 0)
 
 
+def _node_at_top(graph, node):
+    """`node` with its operands at the top of the bucket `graph` was specialised at (what
+    problem_of reads)."""
+    return SimpleNamespace(inputs=[None if t is None else at_bucket_top(graph, t) for t in node.inputs],
+                           opdef=node.opdef, attrs=node.attrs)
+
+
 def build_sdpa(graph, group, context):
     """The flash-attention kernels of an sdpa or sdpa_backward group, for the context's target;
     the first carries the host checks of the group's ragged offsets (run before any launch)."""
@@ -156,8 +165,13 @@ def _build_sdpa(graph, group, context):
         # the sink and the keys' row max and sum are taken once a program has seen every key:
         # no key splits (whose combine would have to merge them); the combine writes o densely
         forced = dataclasses.replace(forced, splits=1)
-    sched = schedule(problem, context.target, None if budget is None or budget.limit is None
-                     else budget.limit - budget.spent, forced)
+    budget_bytes = None if budget is None or budget.limit is None else budget.limit - budget.spent
+    sched = schedule(problem, context.target, budget_bytes, forced)
+    if sched.packed and getattr(graph, "bucket", None) is not None:
+        # decode key splits counted at the bucket's top (SPLITS and CHUNK are constexprs): a
+        # split past this size's keys sees none, stores an empty partial the combine weighs 0
+        top = schedule(problem_of(_node_at_top(graph, node)), context.target, budget_bytes, forced)
+        sched = dataclasses.replace(top, problem=problem)
     if sched.packed and forced.splits == 1 and forced_attention(context.options).splits != 1:
         why = "a ragged operand is read and written through its offsets" if ragged else \
             "the sink token and the score outputs are taken once every key is seen"
