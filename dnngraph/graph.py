@@ -25,7 +25,7 @@ from .ops.sdpa import ragged_length, ragged_operands, ragged_slots, slot_length
 from .ops.shape import normalize_slices
 from .ops.base import boolean, integer, normalize_axes, per_axis, real
 from .options import BuildOptions
-from .symbolic import BucketExtents, check_dense, propagate, split_dims, symbols_of
+from .symbolic import BucketExtents, check_dense, check_sizes, propagate, split_dims, symbols_of
 from .tensor import (Tensor, bit_packed_strides, check_dims, check_not_overlapping, check_strides, contiguous_strides,
                      dense_strides, span, stride_order)
 
@@ -296,6 +296,7 @@ class Graph:
         (symbolic.BucketExtents) says what varies in the sizes' buckets: builds choose there."""
         from .serialization import specialised
 
+        check_sizes(self, sizes)
         sized = specialised(self, sizes, Graph)
         self._check_specialised(sized, sizes)
         # where a build chooses configs: at the top of the sizes' buckets (one compile per bucket)

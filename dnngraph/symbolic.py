@@ -95,6 +95,19 @@ def symbols_of(tensors) -> dict:
     return found
 
 
+def check_sizes(graph, sizes) -> None:
+    """`sizes` names each symbol of `graph` once, at an integer size in its range."""
+    symbols = symbols_of(graph.inputs())
+    if not isinstance(sizes, dict) or set(sizes) != set(symbols):
+        raise ValidationError(f"graph {graph.name!r}: sizes are a dict of every symbol ({sorted(symbols)}) to "
+                              f"its size, got {sizes!r}")
+    for name, size in sizes.items():
+        symbol = symbols[name]
+        if not isinstance(size, numbers.Integral) or isinstance(size, bool) or not symbol.min <= size <= symbol.max:
+            raise ValidationError(f"graph {graph.name!r}: symbol {name!r} takes an integer in "
+                                  f"[{symbol.min}, {symbol.max}], got {size!r}")
+
+
 def _moved(tensor, symbol: Dynamic, size: int):
     """A copy of `tensor` (for a shape rule only) with `symbol`'s axes at `size`."""
     symbols = tensor.dynamic_dim_symbols

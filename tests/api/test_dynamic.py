@@ -860,3 +860,15 @@ def test_decode_key_splits_chosen_at_a_buckets_top_run_right_at_its_low_end():
         out = _poisoned((1, 4, 1, 32))
         g.execute({**inputs, "o": out})
         assert rel_err(out, g.reference(inputs)["o"]) < TOL, low
+
+
+def test_specialised_refuses_sizes_that_are_not_each_symbol_at_an_integer_in_range():
+    tokens = dg.dynamic("tokens", 2, 64)
+    g = dg.Graph(name="sized")
+    x = g.tensor(name="x", dim=[tokens, 8])
+    g.relu(x).set_output(True)
+    assert g.specialised({"tokens": 17}).tensor_by_name("x").dim == (17, 8)
+    for bad in (x, [17], {}, {"tokens": 17, "batch": 2}, {"tokens": 1}, {"tokens": 65}, {"tokens": 2.0},
+                {"tokens": True}, {"other": 3}):
+        with pytest.raises(dg.ValidationError, match="sizes are|takes an integer"):
+            g.specialised(bad)
