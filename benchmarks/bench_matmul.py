@@ -19,7 +19,8 @@ on the same inputs (its own GELU flavour) before it is timed; errors past TOLERA
     python benchmarks/bench_matmul.py --quick                # 4096^3 and 8192^3 only
     python benchmarks/bench_matmul.py --shapes 4096x4096x4096,16x8192x8192 --epilogue relu
     python benchmarks/bench_matmul.py --check-cpu            # tiny fp32 shapes through dnngraph on CPU
-    python benchmarks/bench_matmul.py --table dtypes         # bf16, fp16, tf32, IEEE fp32, mixed pairs
+    python benchmarks/bench_matmul.py --table dtypes         # bf16, fp16, tf32, IEEE fp32, mixed pairs, int8
+    python benchmarks/bench_matmul.py --table dtypes --cases int8,bf16   # some of them (no MLP block)
                                                              # vs torch; the Llama MLP block ($OUT/dtypes.json)
 
 By default the dnngraph builds use a fresh DNNGRAPH_CACHE_DIR (a temporary folder), so the tuned
@@ -634,6 +635,15 @@ def _timed(fn, flops, rep_ms):
     return {"ms": ms, "tflops": flops / ms / 1e9}
 
 
+def dtype_cases(wanted: str) -> list:
+    """DTYPE_CASES whose label --cases names (comma-separated; empty: all)."""
+    labels = [label.strip() for label in wanted.split(",") if label.strip()]
+    unknown = sorted(set(labels) - {case[0] for case in DTYPE_CASES})
+    if unknown:
+        sys.exit(f"--cases: no dtype case {unknown}; the cases: {', '.join(c[0] for c in DTYPE_CASES)}")
+    return [case for case in DTYPE_CASES if not labels or case[0] in labels]
+
+
 def run_dtypes(args, cache_dir):
     """The dtypes table: dnngraph (model choice, autotuned) against torch per dot type."""
     rows = []
@@ -641,7 +651,7 @@ def run_dtypes(args, cache_dir):
     for shape in args.shapes or DTYPE_SHAPES:
         m, n, k = shape
         flops = 2.0 * m * n * k
-        for label, a_type, b_type, b_layout, tf32, out_dtype in DTYPE_CASES:
+        for label, a_type, b_type, b_layout, tf32, out_dtype in dtype_cases(args.cases):
             row = {"label": "x".join(map(str, shape)), "case": label}
             try:
                 a, b = _dtype_inputs(m, n, k, a_type, b_type, b_layout)
@@ -668,7 +678,7 @@ def run_dtypes(args, cache_dir):
                   f"{row['dg_tuned']['tflops']:.0f} TFLOP/s"), flush=True)
             write_json("dtypes.json", {"rows": rows})
             torch.cuda.empty_cache()
-    mlp_rows = run_mlp(args)
+    mlp_rows = [] if args.cases else run_mlp(args)  # the Llama MLP block with every case only
     report_dtypes(rows, mlp_rows)
     write_json("dtypes.json", {"rows": rows, "mlp": mlp_rows, "cache_dir": cache_dir})
     return rows, mlp_rows
@@ -814,6 +824,9 @@ def main(argv=None):
     parser.add_argument("--table", default="epilogue", choices=("epilogue", "dtypes"),
                         help="epilogue: matmul + bias + activation per shape (default); dtypes: every dot "
                              "type and mixed pair against torch, and the Llama MLP block")
+    parser.add_argument("--cases", default="",
+                        help="with --table dtypes: comma-separated case labels (default every one, and then "
+                             "the Llama MLP block too), e.g. int8,bf16")
     parser.add_argument("--check-cpu", action="store_true",
                         help="tiny fp32 shapes through dnngraph on CPU (interpreter), numbers only")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
