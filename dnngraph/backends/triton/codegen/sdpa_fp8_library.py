@@ -105,6 +105,16 @@ def _first_query(first_key, SQ, SKV, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr
 
 
 @triton.jit
+def _query_program(HEADS, GROUP, SQ, BLOCK_M: tl.constexpr):
+    """(batch as int64, head, its k/v head, query rows, rows inside SQ) of a program over grid
+    (query tiles, batch * heads)."""
+    pid_bh = tl.program_id(1)
+    head = pid_bh % HEADS
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return (pid_bh // HEADS).to(tl.int64), head, head // GROUP, rows, rows < SQ
+
+
+@triton.jit
 def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_s_ptr,
             scale_s_ptr, scale_o_ptr, amax_s_ptr, amax_o_ptr,
             q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, o_s0, o_s1, o_s2, o_s3,
@@ -113,13 +123,7 @@ def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr,
             VALUE_DIM: tl.constexpr, P_RULE: tl.constexpr, O_FP8: tl.constexpr, O_RULE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """o, stats, amax_s and amax_o of one query tile of one (batch, head)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // HEADS
-    head = pid_bh % HEADS
-    kv_head = head // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_in = rows < SQ
+    batch, head, kv_head, rows, row_in = _query_program(HEADS, GROUP, SQ, BLOCK_M)
     cols_d = tl.arange(0, BLOCK_D)
     cols_dv = tl.arange(0, BLOCK_DV)
     q_tile = tl.load(q_ptr + batch.to(tl.int64) * q_s0 + head * q_s1 + rows[:, None] * q_s2 + cols_d[None, :] * q_s3,
@@ -128,7 +132,7 @@ def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr,
     v_base = v_ptr + batch.to(tl.int64) * v_s0 + kv_head * v_s1
     qk_scale = tl.load(descale_q_ptr) * tl.load(descale_k_ptr) * (SCALE * LOG2E)
     scale_s = tl.load(scale_s_ptr)
-    key_end = _key_end(pid_m * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N)
+    key_end = _key_end(tl.program_id(0) * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -266,13 +270,7 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
                 P_RULE: tl.constexpr, DS_RULE: tl.constexpr, DQ_FP8: tl.constexpr, DQ_RULE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """dQ (and amax_dQ, amax_dP = max |dS|) of one query tile of one (batch, head)."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = (pid_bh // HEADS).to(tl.int64)
-    head = pid_bh % HEADS
-    kv_head = head // GROUP
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_in = rows < SQ
+    batch, head, kv_head, rows, row_in = _query_program(HEADS, GROUP, SQ, BLOCK_M)
     cols_d = tl.arange(0, BLOCK_D)
     cols_dv = tl.arange(0, BLOCK_DV)
     delta_scale = tl.load(descale_o_ptr) * tl.load(descale_do_ptr)
@@ -288,7 +286,7 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
     scale_dp = tl.load(scale_dp_ptr)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     amax_dp = tl.zeros([BLOCK_M], tl.int32)
-    for start_n in range(0, _key_end(pid_m * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N), BLOCK_N):
+    for start_n in range(0, _key_end(tl.program_id(0) * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N), BLOCK_N):
         keys = start_n + tl.arange(0, BLOCK_N)
         key_in = keys < SKV
         k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
