@@ -12,7 +12,8 @@ kernels cannot be planned on this machine: gluon); every launch is compiled, the
 took printed (`compile_seconds S LABEL: KERNEL`), and the count. Gluon kernels are compiled as
 Gluon sources, and a line `facts LABEL {json}` gives what their TTGIR and PTX hold (warp
 specialization, setmaxnreg, wgmma, TMA copies, shared memory).
-With SM90_SPILLS=1 a line `spills LABEL KERNEL: N` gives each Triton kernel's spill-store bytes.
+Each Triton kernel also gets a line `shared LABEL KERNEL: BYTES` (the shared memory its layout
+conversions and reductions take). With SM90_SPILLS=1 a line `spills LABEL KERNEL: N` gives each Triton kernel's spill-store bytes.
 """
 import importlib
 import json
@@ -131,6 +132,7 @@ def main(spec: str):
                 print(f"facts {label} {json.dumps(facts(compiled))}")
             else:  # which tensor-core instructions the kernel's dots became (int8: s32.s8.s8)
                 print(f"mma {label}: {' '.join(mma_instructions(compiled.asm['ptx'])) or '-'}")
+                print(f"shared {label} {launch.kernel.__name__}: {compiled.metadata.shared}")
             if os.environ.get("SM90_SPILLS") == "1" and not _is_gluon(launch.kernel):  # opt-in: a ptxas run each
                 print(f"spills {label} {launch.kernel.__name__}: {spill_bytes(compiled.asm['ptx'])}")
             count += 1

@@ -184,7 +184,7 @@ def test_bits_in_and_out_in_one_kernel():
     inputs["y1_ptr"] = _storage(n, fill=_mask(dims, 0.3))
     _execute_and_check(g, inputs)
     assert len(g.plan.launches) == 1
-    assert "store_bits" in g.plan.launches[0].source_path.read_text()
+    assert "store_bit_runs" in g.plan.launches[0].source_path.read_text()
 
 
 def test_broadcast_bits_and_broadcast_inputs():
@@ -553,3 +553,29 @@ def test_gpu_attention_with_a_bit_packed_mask():
     g, inputs, _ = _masked_attention(s_q=200, s_kv=333, d=64)
     _execute_and_check(g, inputs, device="cuda")
     assert [launch.group.kind for launch in g.plan.launches] == ["attention"]
+
+
+def sm90_bit_run_graphs():
+    """(label, graph) of pointwise kernels reading and writing bit-packed tensors along their
+    columns, planned for an H200 (tests/sm90_compile.py)."""
+    from dnngraph.target import H200
+    for rows, cols in ((16384, 8192), (5, 4096), (3, 1000)):
+        g = dg.Graph(name="mask", io_data_type=dg.bfloat16)
+        x, t = g.tensor(name="x", dim=[rows, cols]), g.tensor(name="t", dim=[1, cols])
+        m = g.tensor(name="m", dim=[rows, cols], data_type=dg.bool_bit_packed)
+        g.logical_and(g.cmp_gt(x, t), m).set_output(True).set_data_type(dg.bool_bit_packed)
+        g.cmp_gt(x, t).set_output(True).set_data_type(dg.bool_bit_packed)
+        yield f"mask {rows}x{cols}", g.build(options=dg.BuildOptions(target=H200))
+
+
+def test_bit_runs_pack_inside_threads_on_sm90():
+    """A byte of bits is packed and unpacked by the one thread holding its 8 columns: the
+    compiled kernels exchange nothing through shared memory (the first bit-packed kernels
+    reshaped their tiles, which went through shared memory and ran at a quarter of the byte
+    masks' bandwidth on an H200). Rows of 1000 columns and more, where a tile is one row; tiles
+    of several narrow rows still convert their row-broadcast operands."""
+    from helpers import compiled_for_sm90
+    output = compiled_for_sm90("test_bit_packed:sm90_bit_run_graphs", timeout=400)
+    shared = [line for line in output.splitlines() if line.startswith("shared ")]
+    assert len(shared) == 3, output[-2000:]
+    assert all(line.endswith(": 0") for line in shared), shared

@@ -129,22 +129,27 @@ def load_bits(base_ptr, offsets, mask):
 
 
 @triton.jit
-def store_bits(base_ptr, offsets, values, mask, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Store the [BLOCK_R, BLOCK_C] predicate tile `values` under `mask` at element `offsets`
-    of a bit-packed tensor: each run of 8 columns packs into one byte (the column axis has
-    stride 1, a run starts on a byte: the schedule and the layout rule see to it). The program
-    owns every byte it touches, so a byte of which the mask covers only some bits (a row's last
-    partial byte, bits past the tensor's extent) is read, and its other bits kept, in this one
-    read-modify-write: no other program writes that byte."""
-    weights = (1 << tl.arange(0, 8)).to(tl.int32)
-    mask = tl.broadcast_to(mask, (BLOCK_R, BLOCK_C))
-    values = tl.broadcast_to(values, (BLOCK_R, BLOCK_C)) & mask  # (a value of broadcast inputs only)
-    taken = tl.reshape(mask.to(tl.int32), (BLOCK_R, BLOCK_C // 8, 8))
-    bits = tl.reshape(values.to(tl.int32), (BLOCK_R, BLOCK_C // 8, 8))
-    first = tl.min(tl.reshape(offsets, (BLOCK_R, BLOCK_C // 8, 8)), axis=2)  # each run's first element
-    covered = tl.sum(taken * weights[None, None, :], axis=2)
-    packed = tl.sum(bits * weights[None, None, :], axis=2)
-    pointer = base_ptr + (first >> 3)
+def load_bit_runs(pointer, mask):
+    """The booleans of the bytes at `pointer` ([..., 1]: runs of 8 elements of a bit-packed
+    tensor, each a whole byte) as a [..., 8] tile: one byte load per run, its bits taken apart
+    by the thread that loaded it."""
+    byte = tl.load(pointer, mask=mask, other=0).to(tl.int32)
+    return ((byte >> tl.arange(0, 8)[None, None, :]) & 1) != 0
+
+
+@triton.jit
+def store_bit_runs(pointer, values, mask):
+    """Store the predicates `values` under `mask` (both [BLOCK_R, BLOCK_C // 8, 8] tiles, or
+    `values` broadcast to it) into the bytes at `pointer` ([BLOCK_R, BLOCK_C // 8, 1]: runs of 8
+    elements of a bit-packed tensor, each a whole byte: the column axis has stride 1 and a run
+    starts on a byte, as the schedule and the layout rule see to it): each
+    run packs into its byte inside the thread holding it. The program owns every byte it
+    touches, so a byte of which the mask covers only some bits (a row's last partial byte, bits
+    past the tensor's extent) is read, and its other bits kept, in this one read-modify-write:
+    no other program writes that byte."""
+    weights = 1 << tl.arange(0, 8)[None, None, :]
+    covered = tl.sum(mask.to(tl.int32) * weights, axis=2, keep_dims=True)
+    packed = tl.sum((values & mask).to(tl.int32) * weights, axis=2, keep_dims=True)
     partial = (covered != 0) & (covered != 255)
     prior = tl.load(pointer, mask=partial, other=0).to(tl.int32)
     tl.store(pointer, ((prior & (255 - covered)) | packed).to(tl.uint8), mask=covered != 0)

@@ -5,6 +5,11 @@ The kernel walks a rows x columns tile space: the column axis is the innermost m
 [1, BLOCK_C] or [BLOCK_R, 1] tile, or a scalar, instead of repeating reads. Groups with counter
 ops (dropout) also compute `counter`, each element's logical row-major index, from the strides
 of a virtual operand that the schedule merged with the real ones.
+
+Kernels with a bit-packed operand of column stride 1 hold their column tile as [BLOCK_C // 8, 8]
+(schedule.bit_runs): each run of 8 columns is one thread's, so a byte of bits is packed or
+unpacked inside that thread. Their row axis then expands as [:, None, None], the columns as
+[None, :, :].
 """
 from __future__ import annotations
 
@@ -21,8 +26,8 @@ from dnngraph.backends.triton.codegen import triton_math as tm
 '''
 
 # identifiers the pointwise kernel writes itself (plus idx_<k> and size_<k> per axis)
-FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest",
-               "rows", "cols", "BLOCK_R", "BLOCK_C")
+FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "runs_idx", "row_mask", "col_mask", "run_mask",
+               "mask", "rest", "rows", "cols", "BLOCK_R", "BLOCK_C")
 
 
 # device libraries a generated file may import beyond tm, by alias
@@ -72,14 +77,30 @@ class KernelArgument:
     value: object
 
 
+@dataclass(frozen=True)
+class TileAxes:
+    """How a row vector and a column tile broadcast to the kernel's whole tile."""
+
+    row: str
+    col: str
+
+
+PLAIN_AXES = TileAxes("[:, None]", "[None, :]")  # [BLOCK_R, BLOCK_C]
+RUN_AXES = TileAxes("[:, None, None]", "[None, :, :]")  # [BLOCK_R, BLOCK_C // 8, 8]
+
+
+def tile_axes(schedule) -> TileAxes:
+    return RUN_AXES if schedule.bit_runs else PLAIN_AXES
+
+
 def _offsets(operand, ident: str, rank: int):
     row_terms = [f"idx_{k} * {ident}_stride_{k}" for k in range(rank - 1) if operand.strides[k]]
     col = f"cols_idx * {ident}_stride_{rank - 1}" if operand.strides[rank - 1] else None
     return " + ".join(row_terms) or None, col
 
 
-def _offset_tile(operand, ident: str, rank: int, lines: list, full: bool):
-    """Offset expression and mask of an operand's tile; full=True forces [BLOCK_R, BLOCK_C]."""
+def _offset_tile(operand, ident: str, rank: int, lines: list, full: bool, axes: TileAxes = PLAIN_AXES):
+    """Offset expression and mask of an operand's tile; full=True forces the whole tile."""
     row, col = _offsets(operand, ident, rank)
     if full:
         row, col = row or "rows_idx * 0", col or "cols_idx * 0"
@@ -88,40 +109,46 @@ def _offset_tile(operand, ident: str, rank: int, lines: list, full: bool):
     if col:
         lines.append(f"{ident}_col = {col}")
     if row and col:
-        return f"{ident}_row[:, None] + {ident}_col[None, :]", "mask"
+        return f"{ident}_row{axes.row} + {ident}_col{axes.col}", "mask"
     if col:
-        return f"{ident}_col[None, :]", "col_mask[None, :]"
+        return f"{ident}_col{axes.col}", f"col_mask{axes.col}"
     if row:
-        return f"{ident}_row[:, None]", "row_mask[:, None]"
+        return f"{ident}_row{axes.row}", f"row_mask{axes.row}"
     return None, None
 
 
-def _pointer(operand, ident: str, rank: int, lines: list, full: bool):
-    """Pointer expression and mask for an operand; full=True forces a [BLOCK_R, BLOCK_C] tile."""
-    offset, mask = _offset_tile(operand, ident, rank, lines, full)
+def _pointer(operand, ident: str, rank: int, lines: list, full: bool, axes: TileAxes = PLAIN_AXES):
+    """Pointer expression and mask for an operand; full=True forces the whole tile."""
+    offset, mask = _offset_tile(operand, ident, rank, lines, full, axes)
     return (f"{ident}_ptr + {offset}" if offset else f"{ident}_ptr"), mask
 
 
-def _store_mask(operand, rank: int, sizes) -> str:
+def _store_mask(operand, rank: int, sizes, axes: TileAxes = PLAIN_AXES) -> str:
     """Outputs smaller than the space (broadcast axes) are written by the first index only."""
     row_terms = ["row_mask"] + [f"(idx_{k} == 0)" for k in range(rank - 1)
                                 if not operand.strides[k] and sizes[k] > 1]
     col_terms = ["col_mask"] + (["(cols_idx == 0)"] if not operand.strides[rank - 1] and sizes[-1] > 1 else [])
     if len(row_terms) == 1 and len(col_terms) == 1:
         return "mask"
-    return f"({' & '.join(row_terms)})[:, None] & ({' & '.join(col_terms)})[None, :]"
+    return f"({' & '.join(row_terms)}){axes.row} & ({' & '.join(col_terms)}){axes.col}"
 
 
-def _tile_indices(space) -> list[str]:
-    """Statements giving rows_idx, cols_idx, the masks and idx_k of every outer axis."""
+def _tile_indices(space, axes: TileAxes = PLAIN_AXES) -> list[str]:
+    """Statements giving rows_idx, cols_idx (with runs_idx, each run's first column, under
+    RUN_AXES), the masks and idx_k of every outer axis."""
     rank = len(space.sizes)
     body = ["pid = tl.program_id(0)" + (".to(tl.int64)" if space.index_64 else ""),
             "col_tiles = tl.cdiv(cols, BLOCK_C)",
-            "rows_idx = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)",
-            "cols_idx = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)",
-            "row_mask = rows_idx < rows",
-            "col_mask = cols_idx < cols",
-            "mask = row_mask[:, None] & col_mask[None, :]"]
+            "rows_idx = (pid // col_tiles) * BLOCK_R + tl.arange(0, BLOCK_R)"]
+    if axes is RUN_AXES:
+        body += ["runs_idx = (pid % col_tiles) * BLOCK_C + 8 * tl.arange(0, BLOCK_C // 8)",
+                 "cols_idx = runs_idx[:, None] + tl.arange(0, 8)[None, :]",
+                 "run_mask = runs_idx < cols"]
+    else:
+        body.append("cols_idx = (pid % col_tiles) * BLOCK_C + tl.arange(0, BLOCK_C)")
+    body += ["row_mask = rows_idx < rows",
+             "col_mask = cols_idx < cols",
+             f"mask = row_mask{axes.row} & col_mask{axes.col}"]
     if rank == 2:
         body.append("idx_0 = rows_idx")
     else:
@@ -135,7 +162,7 @@ def _tile_indices(space) -> list[str]:
 def _counter_tile(schedule, counter: str, rank: int) -> list[str]:
     """Statements giving `counter`, each element's logical row-major index, as a full tile."""
     lines = []
-    offset, _ = _offset_tile(schedule.counter, counter, rank, lines, full=True)
+    offset, _ = _offset_tile(schedule.counter, counter, rank, lines, full=True, axes=tile_axes(schedule))
     # below 2^31 elements the index math is int32; offset + index may still pass 2^31
     widen = ".to(tl.int64)" if schedule.counter_64 and not schedule.space.index_64 else ""
     return lines + [f"{counter} = ({offset}){widen}"]
@@ -145,51 +172,69 @@ def _counter_tile(schedule, counter: str, rank: int) -> list[str]:
 SCALAR_OFFSET, SCALAR_MASK = "tl.zeros((1, 1), dtype=tl.int32)", "tl.full((1, 1), 1, tl.int1)"
 
 
-def _load_bits(op, ident: str, rank: int, lines: list) -> str:
-    """The load of a bit-packed operand: each lane reads its element's byte and bit (any strides:
-    a load races with nothing)."""
-    offset, mask = _offset_tile(op, ident, rank, lines, full=False)
+def _run_bytes(op, ident: str, rank: int, lines: list, axes: TileAxes) -> str:
+    """The byte offset of each run of a byte_runs operand, [BLOCK_R, BLOCK_C // 8, 1]: its first
+    element's offset (a multiple of 8) shifted. The shift hides from the compiler that the bytes
+    of neighbouring runs are contiguous, which is what keeps it from widening the byte loads and
+    stores across runs: a layout of their own, a conversion through shared memory for the tile
+    (measured in the sm_90 compile of tests/ops/test_bit_packed.py)."""
+    row, _ = _offsets(op, ident, rank)
+    if not row:
+        return "(runs_idx >> 3)[None, :, None]"
+    lines.append(f"{ident}_row = {row}")
+    return f"(({ident}_row{axes.row} + runs_idx[None, :, None]) >> 3)"
+
+
+def _load_bits(op, ident: str, rank: int, lines: list, axes: TileAxes) -> str:
+    """The load of a bit-packed operand: a byte per run of 8 columns where the runs are its whole
+    bytes (op.byte_runs, library.load_bit_runs), else each lane its element's byte and bit (any
+    strides: a load races with nothing)."""
+    if op.byte_runs:
+        pointer = f"{ident}_ptr + {_run_bytes(op, ident, rank, lines, axes)}"
+        return f"lib.load_bit_runs({pointer}, row_mask[:, None, None] & run_mask[None, :, None])"
+    offset, mask = _offset_tile(op, ident, rank, lines, full=False, axes=axes)
     return f"lib.load_bits({ident}_ptr, {offset or SCALAR_OFFSET}, {mask or SCALAR_MASK})"
 
 
-def _store_bits(op, ident: str, rank: int, sizes, lines: list, emitter: ExpressionEmitter) -> str:
-    """The store of a bit-packed output: the tile packed 8 columns to a byte where its columns
-    have stride 1 (library.store_bits; the schedule gave it column tiles of whole bytes), else
-    (columns whole bytes apart) each element's bit set in its own byte (library.store_lone_bits)."""
-    offset, _ = _offset_tile(op, ident, rank, lines, full=True)
-    value, mask = emitter.stored(op.uid, op.data_type), _store_mask(op, rank, sizes)
-    if op.strides[-1] == 1:
-        return f"lib.store_bits({ident}_ptr, {offset}, {value}, {mask}, BLOCK_R, BLOCK_C)"
+def _store_bits(op, ident: str, rank: int, sizes, lines: list, emitter: ExpressionEmitter, axes: TileAxes) -> str:
+    """The store of a bit-packed output: each run of 8 columns packed into its byte by the thread
+    holding it where its columns have stride 1 (library.store_bit_runs; the schedule gave such
+    kernels run tiles and checked its rows start on bytes), else (columns whole bytes apart) each
+    element's bit set in its own byte (library.store_lone_bits)."""
+    value, mask = emitter.stored(op.uid, op.data_type), _store_mask(op, rank, sizes, axes)
+    if op.byte_runs:
+        return f"lib.store_bit_runs({ident}_ptr + {_run_bytes(op, ident, rank, lines, axes)}, {value}, {mask})"
+    offset, _ = _offset_tile(op, ident, rank, lines, full=True, axes=axes)
     return f"lib.store_lone_bits({ident}_ptr, {offset}, {value}, {mask})"
 
 
-def _loads(operands, idents, rank: int, emitter: ExpressionEmitter) -> list[str]:
+def _loads(operands, idents, rank: int, emitter: ExpressionEmitter, axes: TileAxes) -> list[str]:
     body = []
     for op, ident in zip(operands, idents):
         if op.is_output:
             continue
         if op.data_type.is_bit_packed:
-            load = _load_bits(op, ident, rank, body)
+            load = _load_bits(op, ident, rank, body, axes)
             body.append(f"{ident} = {load}")
             emitter.bind(op.uid, ident, "b")
             continue
-        pointer, mask = _pointer(op, ident, rank, body, full=False)
+        pointer, mask = _pointer(op, ident, rank, body, full=False, axes=axes)
         load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer}{SCALAR_AS_TILE})"
         body.append(f"{ident} = {emitter.loaded(load, op.data_type)}")
         emitter.bind(op.uid, ident, kind_of(op.data_type))
     return body
 
 
-def _stores(operands, idents, space, emitter: ExpressionEmitter) -> list[str]:
+def _stores(operands, idents, space, emitter: ExpressionEmitter, axes: TileAxes) -> list[str]:
     rank, body = len(space.sizes), []
     for op, ident in zip(operands, idents):
         if not op.is_output:
             continue
         if op.data_type.is_bit_packed:
-            body.append(_store_bits(op, ident, rank, space.sizes, body, emitter))
+            body.append(_store_bits(op, ident, rank, space.sizes, body, emitter, axes))
             continue
-        pointer, _ = _pointer(op, ident, rank, body, full=True)
-        body.append(emitter.store(pointer, op.uid, op.data_type, _store_mask(op, rank, space.sizes)))
+        pointer, _ = _pointer(op, ident, rank, body, full=True, axes=axes)
+        body.append(emitter.store(pointer, op.uid, op.data_type, _store_mask(op, rank, space.sizes, axes)))
     return body
 
 
@@ -225,12 +270,13 @@ def render(kernel_name: str, schedule, nodes, compute_type, description: str, bl
     idents = [names.prefix("y" if op.is_output else "x") for op in schedule.operands]
     counter = names.prefix("counter") if schedule.counter is not None else None
     emitter = ExpressionEmitter(compute_type.triton_type, counter=counter, names=names, blends=blends)
-    body = _tile_indices(space) + _loads(schedule.operands, idents, rank, emitter)
+    axes = tile_axes(schedule)
+    body = _tile_indices(space, axes) + _loads(schedule.operands, idents, rank, emitter, axes)
     if schedule.counter is not None:
         body += _counter_tile(schedule, counter, rank)
     for node in nodes:
         emitter.emit(node)
-    body += emitter.lines + _stores(schedule.operands, idents, space, emitter)
+    body += emitter.lines + _stores(schedule.operands, idents, space, emitter, axes)
     args = _arguments(schedule, idents, counter, emitter.scalars)
     args[len(schedule.operands):len(schedule.operands)] = blend_arguments([emitter])
 

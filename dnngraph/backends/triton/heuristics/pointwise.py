@@ -87,6 +87,9 @@ class OperandPlan:
     is_output: bool
     data_type: object  # DataType
     strides: tuple
+    # a bit-packed operand whose tile runs of 8 columns are whole bytes (column stride 1, row
+    # strides multiples of 8): read a byte per run (library.load_bit_runs)
+    byte_runs: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,9 @@ class PointwiseSchedule:
     reason: str
     counter: Optional[OperandPlan] = None  # logical row-major index, where counter ops need it
     counter_64: bool = False  # offset + index may pass 2^31: the counter in int64
+    # the column tile is [BLOCK_C // 8, 8], runs of 8 columns each held by one thread: a bit-packed
+    # operand of column stride 1 then packs or unpacks a byte per thread, no data crossing threads
+    bit_runs: bool = False
 
     @property
     def programs(self) -> int:
@@ -118,6 +124,11 @@ def _order_operand(group) -> int:
     becomes the column axis, so 8 neighbouring columns fill one byte), else the first output."""
     packed = [i for i, t in enumerate(group.outputs) if t.data_type.is_bit_packed]
     return len(group.inputs) + (packed[0] if packed else 0)
+
+
+def _byte_runs(tensor, strides) -> bool:
+    """Whether a bit-packed operand's runs of 8 tile columns are whole bytes of it."""
+    return tensor.data_type.is_bit_packed and strides[-1] == 1 and all(s % 8 == 0 for s in strides[:-1])
 
 
 def _check_bit_packed_stores(group, tensors, space: IterationSpace) -> None:
@@ -149,17 +160,18 @@ def schedule(group, target: Target) -> PointwiseSchedule:
     if len(space.sizes) == 1:  # the kernel always walks rows x columns
         space = IterationSpace((1,) + space.sizes, tuple((0,) + s for s in space.strides), space.index_64)
     _check_bit_packed_stores(group, tensors, space)
-    operands = tuple(OperandPlan(t.uid, i >= len(group.inputs), t.data_type, s)
+    operands = tuple(OperandPlan(t.uid, i >= len(group.inputs), t.data_type, s, _byte_runs(t, s))
                      for i, (t, s) in enumerate(zip(tensors, space.strides)))
+    bit_runs = any(t.data_type.is_bit_packed and s[-1] == 1 for t, s in zip(tensors, space.strides))
     counter, counter_64 = None, False
     if counter_nodes:
         counter = OperandPlan(None, False, None, space.strides[len(tensors)])
         counter_64 = _counter_needs_int64(counter_nodes, domain, space)
     bytes_per_element = sum(t.data_type.itemsize for t in tensors if tuple(t.dim) == tuple(domain)
                             and not t.data_type.is_bit_packed) or 1
-    ranked = rank(space, bytes_per_element, target, BIT_PACKED_MIN_COLS if packs else 1)
+    ranked = rank(space, bytes_per_element, target, BIT_PACKED_MIN_COLS if packs or bit_runs else 1)
     best = ranked[0]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
               f"{target.bandwidth / 1e12:.1f} TB/s for {bytes_per_element} B/element over "
               f"{space.rows}x{space.cols}")
-    return PointwiseSchedule(space, operands, best, len(ranked), reason, counter, counter_64)
+    return PointwiseSchedule(space, operands, best, len(ranked), reason, counter, counter_64, bit_runs)
