@@ -4,6 +4,7 @@ once, each output written once), with the device copy ceiling measured in the sa
 Goal: >= 80% of copy.
 
     python benchmarks/bench_lrn.py            # GPU table (bf16 and fp32, NCHW and NHWC)
+    python benchmarks/bench_lrn.py --dtypes bf16 --only alexnet   # a part of it
     python benchmarks/bench_lrn.py --cpu      # a small CPU check through Triton's interpreter
 """
 import argparse
@@ -108,6 +109,8 @@ def cases(quick: bool):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="check small cases on the CPU (interpreter) only")
+    parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated among bf16, fp32")
+    parser.add_argument("--only", default="", help="comma-separated words: cases whose name has one")
     args = parser.parse_args()
     if args.cpu or not torch.cuda.is_available():
         rows = [[op] + run_case(op, name, shape, size, attrs, torch.float32, layout, "cpu")
@@ -115,15 +118,19 @@ def main():
         print_table("LRN / divisive normalization, CPU check (rel. error vs float64 torch)",
                     ["op", "case", "dtype", "layout", "y err", "dx err"], rows)
         return
-    rows = []
-    for dtype in (torch.bfloat16, torch.float32):
+    rows, words = [], [w for w in args.only.split(",") if w]
+    dtypes = [{"bf16": torch.bfloat16, "fp32": torch.float32}[d] for d in args.dtypes.split(",")]
+    for dtype in dtypes:
         for op, name, shape, size, attrs in cases(False):
+            if words and not any(w in name for w in words):
+                continue
             numel = 1
             for d in shape:
                 numel *= d
             ceiling = copy_ceiling_tbs(numel, dtype)
             for layout in ("nchw", "nhwc"):
                 rows.append([op] + run_case(op, name, shape, size, attrs, dtype, layout, "cuda", ceiling))
+                print(" | ".join(rows[-1]), flush=True)  # a run cut short keeps its rows
     print(f"device: {torch.cuda.get_device_name()}")
     print_table("LRN and divisive normalization (TB/s over minimal bytes; ratios: torch time / dnngraph time)",
                 ["op", "case", "dtype", "layout", "fwd TB/s", "fwd % copy", "vs eager", "vs compile",
