@@ -412,7 +412,8 @@ class GluonBackend:
                       "CONSUMER_REGS": CONSUMER_REGS, "B_K_MAJOR": bool(k_major), "SCALE_A": scale_a is not None,
                       "SCALE_B": scale_b is not None, "PINGPONG": config.pingpong}
         stem = f"dnngraph_gluon_{group.kind}_{group.nodes[-1].op}"
-        source = codegen.render(stem, group.summary(), gemm, c, tuple(group.epilogue), tuple(out.dim), constexprs)
+        source = codegen.render(stem, group.summary(), gemm, c, tuple(group.epilogue), tuple(out.dim), constexprs,
+                                problem.fast_math)
         tiles = batch * -(-g.m // config.block_m) * -(-g.n // config.block_n)
         programs = max(1, min(tiles, target.sms))
         reason = (f"{config.text}: model {estimate * 1e6:.1f} us "
