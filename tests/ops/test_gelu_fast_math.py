@@ -230,3 +230,20 @@ def test_conv_with_16_bit_gelu_matches_the_reference(op):
     check(g, inputs, dtype=torch.bfloat16)
     assert f"tm.{op}_fast(" in g.plan.launches[-1].source_path.read_text()
     _check_within_an_ulp(g, inputs, y, torch.bfloat16)
+
+
+def test_depthwise_conv_with_16_bit_gelu_matches_the_reference():
+    # one channel per group: the direct depthwise kernel renders the epilogue, with the same decision
+    g = dg.Graph(name="depthwise", io_data_type=dg.bfloat16, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    x = g.tensor(name="x", dim=[2, 5, 9, 7])
+    w = g.tensor(name="w", dim=[5, 1, 3, 3])
+    bias = g.tensor(name="bias", dim=[1, 5, 1, 1])
+    y = g.gelu_tanh(g.add(g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=5), bias))
+    y.set_output(True)
+    inputs = {x: torch.randn(x.dim).to(torch.bfloat16), w: torch.randn(w.dim).to(torch.bfloat16),
+              bias: (torch.randn(bias.dim) * 6).to(torch.bfloat16)}
+    check(g, inputs, dtype=torch.bfloat16)
+    source = g.plan.launches[-1].source_path.read_text()
+    assert "depthwise" in g.explain() and "tm.gelu_tanh_fast(" in source
+    _check_within_an_ulp(g, inputs, y, torch.bfloat16)
