@@ -178,14 +178,15 @@ def _inputs(handles, tail_scale=4.0):
             bias: (torch.randn(bias.dim) * tail_scale).to(torch.bfloat16)}
 
 
-def _check_within_an_ulp(g, inputs, y, dtype):
+def _check_within_an_ulp(g, inputs, y, dtype, device="cpu"):
     """Each element within one ulp of the float64 reference rounded to `dtype` (both round
     once; a value near a rounding boundary may round either way), NaN where it is NaN. Below
     TAIL in magnitude the reference itself has cancelled (0.5 x (1 + erf) in float64: no digit
     left past x = -8), so there the output need only be as small."""
-    out = poisoned(y)
+    out = poisoned(y, device)
     g.execute({**inputs, y: out})
-    ref = g.reference(inputs)[y.name]
+    out = out.cpu()
+    ref = g.reference({k: v.cpu() for k, v in inputs.items()})[y.name]
     assert torch.equal(torch.isnan(out), torch.isnan(ref))
     finite = ~torch.isnan(ref)
     rounded = ref.to(dtype).double()
@@ -247,3 +248,25 @@ def test_depthwise_conv_with_16_bit_gelu_matches_the_reference():
     source = g.plan.launches[-1].source_path.read_text()
     assert "depthwise" in g.explain() and "tm.gelu_tanh_fast(" in source
     _check_within_an_ulp(g, inputs, y, torch.bfloat16)
+
+
+# -- on the GPU: ex2.approx and div.full where the interpreter computes exactly ----------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backends", [("triton",), ("gluon",)], ids=["triton", "gluon"])
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("out_type", [dg.bfloat16, dg.float16, dg.float32])
+def test_gemm_gelu_on_the_gpu_is_within_an_ulp(backends, op, out_type):
+    """M and N off the tiles (TMA-legal rows for gluon); the Gluon kernel where the GPU is sm_90."""
+    if "gluon" in backends and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("gluon kernels are built for sm_90a")
+    g, handles, y = _matmul_gelu(out_type, op, m=300, n=264, k=136)
+    inputs = {t: v.cuda() for t, v in _inputs(handles).items()}
+    g.build(options=dg.BuildOptions(backends=backends))
+    assert {launch.backend for launch in g.plan.launches} == {backends[0]}
+    source = g.plan.launches[0].source_path.read_text()
+    assert (f"{op}_fast(" in source) == (out_type != dg.float32)
+    if out_type == dg.float32:
+        check(g, inputs, dtype=torch.float32, device="cuda", tolerance=1e-5)
+    else:
+        _check_within_an_ulp(g, inputs, y, out_type.torch_dtype, device="cuda")
