@@ -48,6 +48,7 @@ class Problem:
     ops: tuple
     geometry: object
     node_names: tuple = ()
+    fast_math: frozenset = frozenset()  # uids of the outputs whose op may take 16-bit math (fast_math_outputs)
 
     @property
     def blended(self) -> bool:
@@ -96,7 +97,36 @@ def problem(graph, group, geometry) -> Problem:
                    anchor.op if anchor is not None else None, operands, outputs,
                    tuple(n.op for n in group.prologue), tuple(n.op for n in group.epilogue),
                    tuple(n.op for n in group.exits), tuple(n.op for n in group.nodes), geometry,
-                   tuple(n.name for n in group.nodes))
+                   tuple(n.name for n in group.nodes), fast_math_outputs(group))
+
+
+# The epilogue ops with a cheaper form for results stored in a 16-bit float type
+# (backends/triton/codegen/triton_math.py gelu_fast, gelu_tanh_fast: about 1e-5 relative error,
+# 0.003 of a bf16 or fp16 ulp, which rounding to 8 or 11 bits cannot show), the anchors whose
+# epilogues render them (the GEMM-shaped kernels of both backends), and the stored types.
+FAST_MATH_OPS = frozenset({"gelu", "gelu_tanh"})
+FAST_MATH_ANCHORS = frozenset({"matmul", "conv_fprop", "conv_dgrad", "conv_wgrad"})
+FAST_MATH_TYPES = frozenset({"bfloat16", "float16"})
+
+
+def fast_math_outputs(group) -> frozenset:
+    """The uids of the epilogue outputs that may be computed with the 16-bit math: those of a
+    FAST_MATH_OPS node of a GEMM-shaped group (FAST_MATH_ANCHORS) that the group stores in a
+    16-bit float type and no node of the group reads (a consumer inside the group would see the
+    fp32 value, and a subtraction could bring its error above the rounding's; one outside reads
+    the stored value). The one place this is decided: each backend renders what it says."""
+    anchor = getattr(group, "anchor", None)
+    if anchor is None or anchor.op not in FAST_MATH_ANCHORS:
+        return frozenset()
+    stored = {t.uid: t for t in group.outputs}
+    read = {t.uid for node in group.nodes for t in node.inputs if t is not None}
+    chosen = set()
+    for node in group.epilogue:
+        value = node.outputs[0]
+        if node.op in FAST_MATH_OPS and value.uid in stored and value.uid not in read and \
+                stored[value.uid].data_type.name in FAST_MATH_TYPES:
+            chosen.add(value.uid)
+    return frozenset(chosen)
 
 
 def as_tuple(value) -> tuple:

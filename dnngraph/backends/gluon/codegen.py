@@ -40,6 +40,8 @@ EPILOGUE = {
     "tanh": "lib.tanh({0})",
     "cast": None,  # to a float type: rounded to it, computed on in fp32 (cast_text)
 }
+# the forms of outputs stored in a 16-bit float type (problems/base.py fast_math_outputs decides which)
+FAST_MATH = {"gelu": "lib.gelu_fast({0})", "gelu_tanh": "lib.gelu_tanh_fast({0})"}
 BINARY = frozenset({"add", "sub", "mul", "div"})
 FLOAT_TYPES = {"float16": "gl.float16", "bfloat16": "gl.bfloat16", "float32": "gl.float32"}
 
@@ -144,8 +146,9 @@ def signature(names: NameAllocator, gemm: GemmArguments, epilogue_arguments: lis
 class EpilogueRenderer:
     """The epilogue function's lines for one group's epilogue nodes."""
 
-    def __init__(self, names: NameAllocator, anchor_output, out_dims: tuple, batched: bool):
+    def __init__(self, names: NameAllocator, anchor_output, out_dims: tuple, batched: bool, fast_math=frozenset()):
         self.names = names
+        self.fast_math = frozenset(fast_math)  # output uids whose op takes its FAST_MATH form
         self.out_dims = tuple(out_dims)
         self.batched = batched
         self.lines: list = []
@@ -213,6 +216,8 @@ class EpilogueRenderer:
                 raise UnsupportedError(f"cast to {node.attrs.data_type}: the Gluon epilogue casts to float types only")
         elif node.op == "relu" and relu_is_clipped(node.attrs):
             text = clipped_relu_text(operands[0], node.attrs)
+        elif node.op in FAST_MATH and node.outputs[0].uid in self.fast_math:
+            text = FAST_MATH[node.op].format(*operands)
         else:
             text = EPILOGUE[node.op].format(*operands)
         variable = self.names.fresh("v")
@@ -222,11 +227,12 @@ class EpilogueRenderer:
 
 
 def render(stem: str, description: str, gemm: GemmArguments, anchor_output, epilogue_nodes, out_dims: tuple,
-           constexprs: dict) -> KernelSource:
-    """The source of one matmul group's kernel, defined as `stem` (load_kernel names it)."""
+           constexprs: dict, fast_math=frozenset()) -> KernelSource:
+    """The source of one matmul group's kernel, defined as `stem` (load_kernel names it);
+    `fast_math`: the outputs whose op takes its 16-bit form (Problem.fast_math)."""
     names = NameAllocator(FIXED)
     names.reserve(stem)
-    renderer = EpilogueRenderer(names, anchor_output, out_dims, gemm.batch > 1)
+    renderer = EpilogueRenderer(names, anchor_output, out_dims, gemm.batch > 1, fast_math)
     result = "acc"
     for node in epilogue_nodes:
         result = renderer.emit(node)

@@ -523,3 +523,5 @@ sigmoid = tl.sigmoid  # what the Triton backend's expression table calls
 tanh = tm.tanh
 gelu = tm.gelu
 gelu_tanh = tm.gelu_tanh
+gelu_fast = tm.gelu_fast  # for outputs stored in 16 bits (codegen.FAST_MATH)
+gelu_tanh_fast = tm.gelu_tanh_fast

@@ -93,6 +93,7 @@ class DepthwiseSpec(FilterShape):
     partial_uid: int = 0  # wgrad: scratch [SPLITS, TAPS, K] fp32
     combine_block: int = 0  # wgrad's combine kernel: elements of dw per program
     fold_grid: bool = False  # wgrad: tap blocks or splits past grid axes y/z, every index from axis x
+    fast_math: frozenset = frozenset()  # epilogue outputs of 16-bit math (problems/base.py fast_math_outputs)
 
     def role(self, role: str) -> list:
         return [op for op in self.operands if op.role == role]
@@ -181,7 +182,7 @@ class _Writer:
         return name
 
     def emitter(self, hint: str) -> ExpressionEmitter:
-        emitter = ExpressionEmitter(self.spec.compute, hint=hint, names=self.names)
+        emitter = ExpressionEmitter(self.spec.compute, hint=hint, names=self.names, fast_math=self.spec.fast_math)
         self.emitters.append(emitter)
         return emitter
 

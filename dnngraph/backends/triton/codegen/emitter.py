@@ -20,7 +20,7 @@ from ....tensor import plain_blend
 from ....errors import UnsupportedError, ValidationError
 from .conversions import converted_to
 from ....ops.pointwise import integer_closed, relu_is_clipped
-from .expressions import (CLIPPED_RELU, CONVERT, EXPRESSIONS, INTEGER_TEMPLATES, INTEGER_TYPES, SCALAR_ROOTS,
+from .expressions import (CLIPPED_RELU, CONVERT, EXPRESSIONS, FAST_MATH, INTEGER_TEMPLATES, INTEGER_TYPES, SCALAR_ROOTS,
                           cast_expression, dropout_from_tensors)
 from .names import NameAllocator
 
@@ -161,8 +161,10 @@ class ExpressionEmitter:
     """
 
     def __init__(self, compute_type: str, counter: Optional[str] = None, hint: str = "v",
-                 names: Optional[NameAllocator] = None, blends=()):
+                 names: Optional[NameAllocator] = None, blends=(), fast_math=frozenset()):
         self.compute = compute_type
+        # uids of the outputs whose op takes its 16-bit form (problems/base.py fast_math_outputs)
+        self.fast_math = frozenset(fast_math)
         self.names = names if names is not None else NameAllocator()
         self.hint = hint  # value variables are hint, hint1, ...
         self.counter = counter
@@ -293,6 +295,8 @@ class ExpressionEmitter:
             return SCALAR_ROOTS[dict(node.attrs.constants)[1]]
         if node.op in CLIPPED_RELU and relu_is_clipped(node.attrs):
             return CLIPPED_RELU[node.op]
+        if node.op in FAST_MATH and node.outputs[0].uid in self.fast_math:
+            return FAST_MATH[node.op]
         if node.op != "cast":
             return EXPRESSIONS[node.op]
         have = self.values[node.inputs[0].uid][1]

@@ -121,6 +121,12 @@ EXPRESSIONS: dict[str, Expression] = {
         scalars=lambda attrs: {"seed": attrs.seed, "offset": attrs.offset}, counter=True),
 }
 
+# the forms of outputs stored in a 16-bit float type (problems/base.py fast_math_outputs decides which)
+FAST_MATH = {
+    "gelu": _unary("tm.gelu_fast({0})"),
+    "gelu_tanh": _unary("tm.gelu_tanh_fast({0})"),
+}
+
 # relu and relu_backward whose clip attributes are not torch's relu (ops/pointwise.py relu_is_clipped)
 CLIPPED_RELU = {
     "relu": Expression("tm.clipped_relu({0}, {relu_lower_clip}, {relu_upper_clip}, {relu_lower_clip_slope})",

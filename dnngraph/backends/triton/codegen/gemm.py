@@ -151,6 +151,7 @@ class GemmKernelSpec:
     extra_constexprs: tuple = field(default=())  # (name, value) the loaders read
     blends: tuple = ()  # ((uid, (alpha, beta)), ...): outputs stored blended (emitter.store_statement)
     varying: frozenset = frozenset()  # "m" "n" "k" that take other sizes in the bucket (symbolic.BucketExtents)
+    fast_math: frozenset = frozenset()  # epilogue outputs of 16-bit math (problems/base.py fast_math_outputs)
 
     def side(self, side: str) -> list:
         return [op for op in self.operands if op.side == side]
@@ -422,7 +423,8 @@ def _epilogue_body(spec, w: Writer, tma_outputs: frozenset):
     for uid in spec.scale_uids:
         op = next(o for o in spec.operands if o.uid == uid)
         w(f"acc = acc * tl.load({op.ident}_ptr).to(tl.float32)")
-    emitter = ExpressionEmitter(spec.compute, hint="e", names=spec.names, blends=spec.blends)
+    emitter = ExpressionEmitter(spec.compute, hint="e", names=spec.names, blends=spec.blends,
+                                fast_math=spec.fast_math)
     emitter.bind(spec.c_uid, "acc", accumulator_kind(spec))
     w("mask = mask_m[:, None] & mask_n[None, :]")
     rows, cols = output_rows(spec), output_cols(spec)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..codegen.depthwise import DepthwiseSpec, Operand, render
+from ....problems.base import fast_math_outputs
 from .... import dtypes
 from ....errors import UnsupportedError
 from ..heuristics import depthwise as depthwise_heuristics
@@ -177,7 +178,8 @@ class DepthwiseBuild:
             epilogue=tuple(self.group.epilogue), compute=self.graph.compute_data_type.triton_type,
             index_64=self.index_64, config=config, vector_axis=self.vector_axis,
             merged_axis=merged, row_axes=row_axes, partial_uid=partial_uid,
-            combine_block=depthwise_heuristics.COMBINE_BLOCK, fold_grid=fold_grid)
+            combine_block=depthwise_heuristics.COMBINE_BLOCK, fold_grid=fold_grid,
+            fast_math=fast_math_outputs(self.group))
 
     def _launch(self, spec, grid, warps, config_text, reason, scratch_buffers=()) -> KernelLaunch:
         return launch_of(self.group, render(spec), grid, warps, config_text, reason, scratch=scratch_buffers)

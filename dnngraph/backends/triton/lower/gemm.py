@@ -15,6 +15,7 @@ from ..codegen.emitter import blends_of
 from ..codegen.gemm import EXIT_FOLD_BLOCK, ExitPlan, render
 from ....runtime.autotune import TuningRecord
 from ..heuristics.matmul import COLUMN_FOLD_BLOCK, SPLIT_COMBINE_BLOCK, MatmulConfig, shared_bytes
+from ....problems.base import fast_math_outputs
 from ....target import laid_out
 from ....runtime.launch import KernelLaunch, launch_of, sample_tensors, scratch, time_candidate
 
@@ -131,7 +132,8 @@ class GemmLaunches:
         return pairs
 
     def _launch(self, spec, body, grid, warps, stages, config_text, reason, scratch_buffers=()):
-        spec = replace(spec, blends=blends_of(self.group.outputs))  # every kernel; its stores say which
+        # every kernel; its stores say which blend, its epilogue which outputs take 16-bit math
+        spec = replace(spec, blends=blends_of(self.group.outputs), fast_math=fast_math_outputs(self.group))
         return launch_of(self.group, render(spec, body), grid, warps, config_text, reason,
                          scratch=scratch_buffers, num_stages=stages)
 

@@ -1,0 +1,136 @@
+"""Gluon matmul epilogues under forced configs beside cuBLASLt's fused epilogue (issue 28), H200.
+
+    python dbg_gelu_bench.py                 # 4096^3 and 8192^3, bf16, under two minutes
+    python dbg_gelu_bench.py --precise       # the GELU rows again with the precise (fp32) math
+    python dbg_gelu_bench.py --shapes 4096x4096x4096
+
+y = act(a @ b + bias), bf16 in and out, fp32 accumulation, for act in none (bias), relu,
+gelu_tanh, gelu (erf), each under the configs 128x256 4 stages, 128x256 3 stages and 128x128
+6 stages (2 consumers each; the heavy-epilogue filter lifted). GELU of a bf16 output takes the
+16-bit math (problems/base.py fast_math_outputs); --precise also times the precise forms
+(FAST_MATH_TYPES emptied), in the same process. Anchors: cuBLASLt's fused epilogue
+(torch.addmm; torch._addmm_activation with use_gelu=False (relu) and True (tanh GELU, which
+also stands in for the erf rows: cuBLASLt's GELU epilogue is the tanh form). Every output is
+checked against a float32 torch reference before timing. TFLOP/s over 2*M*N*K; "vs Lt" is the
+anchor's time over the config's (above 1: dnngraph faster).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "benchmarks"), HERE]
+import dnngraph as dg  # noqa: E402
+import dnngraph.backends.gluon.backend as gluon_backend  # noqa: E402
+import dnngraph.problems.base as problems_base  # noqa: E402
+from bench_matmul import build_graph, make_inputs, parse_shapes  # noqa: E402
+from common import median_ms, rel_error  # noqa: E402
+from dnngraph.backends.gluon.backend import GluonConfig  # noqa: E402
+from dnngraph.runtime import plan_cache  # noqa: E402
+
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)]
+CONFIGS = {"128x256 s4": GluonConfig(128, 256, 64, 4, 2), "128x256 s3": GluonConfig(128, 256, 64, 3, 2),
+           "128x128 s6": GluonConfig(128, 128, 64, 6, 2)}
+EPILOGUES = ("none", "relu", "gelu_tanh", "gelu")
+MAX_ERROR = 1e-2
+WARMUP_MS, REP_MS = 10, 40
+
+
+def reference(a, b, bias, epilogue):
+    pre = a.float() @ b.float() + bias.float()
+    if epilogue == "gelu":
+        return F.gelu(pre)
+    if epilogue == "gelu_tanh":
+        return F.gelu(pre, approximate="tanh")
+    if epilogue == "relu":
+        return F.relu(pre)
+    return pre
+
+
+def anchor(a, b, bias, epilogue):
+    """cuBLASLt's fused epilogue for `epilogue` (the tanh GELU for both GELU rows)."""
+    if epilogue in ("gelu", "gelu_tanh"):
+        return lambda: torch._addmm_activation(bias, a, b, use_gelu=True)
+    if epilogue == "relu":
+        return lambda: torch._addmm_activation(bias, a, b, use_gelu=False)
+    return lambda: torch.addmm(bias, a, b)
+
+
+def forced(config: GluonConfig, m, n, k, epilogue, inputs, expected):
+    """(ms, config text, fast math?) of the gluon kernel under `config`, its output checked."""
+    a, b, bias = inputs
+    saved = gluon_backend.CONFIGS, gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS
+    gluon_backend.CONFIGS, gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS = (config,), 1 << 20
+    try:
+        plan_cache.clear()
+        graph, (ta, tb, tbias, ty) = build_graph(m, n, k, epilogue)
+        graph.build(options=dg.BuildOptions(backends=("gluon",)))
+    finally:
+        gluon_backend.CONFIGS, gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS = saved
+    y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    bindings = {ta: a, tb: b, tbias: bias.view(1, n), ty: y}
+    graph.execute(bindings)
+    error = rel_error(y, expected)
+    if not error < MAX_ERROR:
+        raise AssertionError(f"{config} {epilogue}: relative error {error:.2e}")
+    launch = graph.plan.launches[0]
+    fast = "_fast(" in open(launch.source_path).read()
+    return median_ms(lambda: graph.execute(bindings), warmup=WARMUP_MS, rep=REP_MS), launch.config_text, fast
+
+
+def tflops(m, n, k, ms):
+    return 2 * m * n * k / ms / 1e9
+
+
+def run(shapes, precise: bool):
+    variants = [(e, True) for e in EPILOGUES] + ([(e, False) for e in ("gelu_tanh", "gelu")] if precise else [])
+    print("| M x N x K | epilogue | math | cuBLASLt epi | " + " | ".join(CONFIGS) + " | best vs Lt |")
+    print("|---|---|---|---|" + "---|" * len(CONFIGS) + "---|")
+    for m, n, k in shapes:
+        a, b, bias = make_inputs(m, n, k, "cuda")
+        for epilogue, fast_math in variants:
+            expected = reference(a, b, bias, epilogue)
+            lt_ms = median_ms(anchor(a, b, bias, epilogue), warmup=WARMUP_MS, rep=REP_MS)
+            saved_types = problems_base.FAST_MATH_TYPES
+            if not fast_math:
+                problems_base.FAST_MATH_TYPES = frozenset()  # every output takes the precise math
+            cells, best, kinds = [], math.inf, set()
+            try:
+                for config in CONFIGS.values():
+                    try:
+                        ms, _, fast = forced(config, m, n, k, epilogue, (a, b, bias), expected)
+                        kinds.add("16-bit" if fast else "precise")
+                        best = min(best, ms)
+                        cells.append(f"{tflops(m, n, k, ms):.0f} ({lt_ms / ms:.2f})")
+                    except Exception as error:  # noqa: BLE001 - shown in the cell, the others go on
+                        cells.append(f"failed: {type(error).__name__}: {str(error)[:60]}")
+            finally:
+                problems_base.FAST_MATH_TYPES = saved_types
+            math_name = "/".join(sorted(kinds)) if epilogue.startswith("gelu") else "-"
+            print(f"| {m}x{n}x{k} | {epilogue} | {math_name} | {tflops(m, n, k, lt_ms):.0f} | " + " | ".join(cells)
+                  + f" | {lt_ms / best:.2f} |", flush=True)
+        del expected
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", type=parse_shapes, default=None, help="comma-separated MxNxK")
+    parser.add_argument("--precise", action="store_true", help="the GELU rows with the precise math too")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    started = time.perf_counter()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, dnngraph {dg.__version__}")
+    print("cells: TFLOP/s (cuBLASLt time / config time)\n")
+    run(args.shapes or SHAPES, args.precise)
+    print(f"\n{time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

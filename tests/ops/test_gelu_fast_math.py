@@ -1,0 +1,272 @@
+"""GELU's 16-bit epilogue math (triton_math.gelu_fast, gelu_tanh_fast) and where it is chosen.
+
+- accuracy: every 64th float32 in [2^-24, 64] (both signs) through the interpreter, against
+  float64 values of x * sigmoid(2u) and x * erfc(-x / sqrt 2) / 2 (forms without cancellation),
+  in units of the bf16 and fp16 spacing at the true value; special values as the precise forms;
+- the decision (problems/base.py fast_math_outputs): GELU of a GEMM-shaped group stored in bf16
+  or fp16 and read by no node of its group; fp32 outputs, values read inside the group and other
+  families keep the precise math; both backends render what it says;
+- matmul and conv epilogues with it against g.reference, outputs poisoned, odd sizes, a
+  transposed operand, the negative tail and NaN / inf inputs.
+"""
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import dnngraph as dg
+from dnngraph.backends.triton.codegen import triton_math as tm
+from dnngraph.fusion import partition
+from dnngraph.backends import registry
+from dnngraph.problems import problem_of
+from dnngraph.problems.base import fast_math_outputs
+from helpers import check, poisoned
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+# 0.003 of an ulp measured (both types, both forms): the bound leaves room for the GPU's ex2.approx
+# and div.full (2 ulp of float32 each, 2.4e-7 relative: 0.002 of an fp16 ulp) and nothing more
+MAX_ULPS = 0.01
+TAIL = 1e-9
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+
+
+@triton.jit
+def _apply(x_ptr, out_ptr, n, TANH: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offsets, mask=offsets < n)
+    if TANH:
+        y = tm.gelu_tanh_fast(x)
+    else:
+        y = tm.gelu_fast(x)
+    tl.store(out_ptr + offsets, y, mask=offsets < n)
+
+
+def _fast(x: torch.Tensor, tanh: bool) -> torch.Tensor:
+    out = torch.full_like(x, float("nan"))
+    block = 1 << 16
+    _apply[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), TANH=tanh, BLOCK=block)
+    return out
+
+
+def _sweep() -> torch.Tensor:
+    """Every 64th float32 bit pattern from 2^-24 to 64, with both signs."""
+    low = torch.tensor(2.0**-24).view(torch.int32).item()
+    high = torch.tensor(64.0).view(torch.int32).item()
+    positive = torch.arange(low, high, 64, dtype=torch.int32).view(torch.float32)
+    return torch.cat([positive, -positive])
+
+
+def _true(x: torch.Tensor, tanh: bool) -> torch.Tensor:
+    x = x.double()
+    if tanh:
+        return x * torch.sigmoid(2.0 * SQRT_2_OVER_PI * (x + 0.044715 * x**3))
+    return x * 0.5 * torch.special.erfc(-x / math.sqrt(2.0))
+
+
+def _spacing(value: torch.Tensor, dtype) -> torch.Tensor:
+    """The spacing of `dtype` at |value| (its subnormal spacing below the normal range)."""
+    magnitude = value.abs().clamp(min=torch.finfo(dtype).smallest_normal)
+    return torch.pow(2.0, torch.floor(torch.log2(magnitude)) - MANTISSA_BITS[dtype])
+
+
+@pytest.mark.parametrize("tanh", [True, False], ids=["gelu_tanh", "gelu"])
+def test_fast_gelu_is_within_a_hundredth_of_a_16_bit_ulp_everywhere(tanh):
+    x = _sweep()
+    got, true = _fast(x, tanh).double(), _true(x, tanh)
+    for dtype in (torch.bfloat16, torch.float16):
+        inside = true.abs() < torch.finfo(dtype).max
+        ulps = ((got - true).abs() / _spacing(true, dtype))[inside]
+        worst = ulps.argmax()
+        assert ulps.max().item() < MAX_ULPS, (dtype, x[inside][worst].item(), ulps.max().item())
+
+
+@pytest.mark.parametrize("tanh", [True, False], ids=["gelu_tanh", "gelu"])
+def test_fast_gelu_keeps_the_special_values_of_the_precise_form(tanh):
+    x = torch.tensor([float("inf"), -float("inf"), float("nan"), 0.0, -0.0, 1e30, -1e30, 3e38, -3e38])
+    got = _fast(x, tanh)
+    expected = torch.nn.functional.gelu(x.double(), approximate="tanh" if tanh else "none").float()
+    assert torch.equal(torch.isnan(got), torch.isnan(expected))
+    same = ~torch.isnan(expected)
+    assert torch.equal(got[same], expected[same])
+    assert torch.equal(torch.signbit(got[same]), torch.signbit(expected[same]))  # -0.0 stays -0.0
+
+
+# -- the decision ---------------------------------------------------------------------------------
+
+def _matmul_gelu(out_type, op="gelu", m=37, n=24, k=40, then=None, store_gelu=True, transposed_a=False):
+    """y = op(a @ b + bias) (then `then`(g, y), stored) in bf16 operands, y stored in out_type."""
+    g = dg.Graph(name="fast", io_data_type=dg.bfloat16, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    a = g.tensor(name="a", dim=[m, k], stride=[1, m] if transposed_a else None)
+    b = g.tensor(name="b", dim=[k, n])
+    bias = g.tensor(name="bias", dim=[1, n])
+    y = getattr(g, op)(g.add(g.matmul(a, b), bias))
+    if store_gelu:
+        y.set_output(True).set_data_type(out_type)
+    if then is not None:
+        then(g, y).set_output(True).set_data_type(out_type)
+    return g, (a, b, bias), y
+
+
+def _anchored_group(g):
+    (group,) = [x for x in partition(g, registry.families()) if x.anchor is not None]
+    return group
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("out_type,fast", [(dg.bfloat16, True), (dg.float16, True), (dg.float32, False)])
+def test_the_16_bit_math_is_chosen_for_16_bit_outputs_only(op, out_type, fast):
+    g, _, y = _matmul_gelu(out_type, op)
+    group = _anchored_group(g)
+    assert fast_math_outputs(group) == (frozenset({y.uid}) if fast else frozenset())
+    assert problem_of(g, group).fast_math == fast_math_outputs(group)  # the Problem carries it
+
+
+def test_a_gelu_read_inside_its_group_keeps_the_precise_math():
+    # stored in bf16, but also multiplied in the same epilogue: the product sees the fp32 value
+    g, _, y = _matmul_gelu(dg.bfloat16, then=lambda g, y: g.mul(y, y))
+    assert fast_math_outputs(_anchored_group(g)) == frozenset()
+    # not stored at all, only read by the next op
+    g, _, _ = _matmul_gelu(dg.bfloat16, then=lambda g, y: g.add(y, y), store_gelu=False)
+    assert fast_math_outputs(_anchored_group(g)) == frozenset()
+
+
+def test_a_pointwise_gelu_keeps_the_precise_math():
+    g = dg.Graph(name="pw", io_data_type=dg.bfloat16)
+    y = g.gelu(g.tensor(name="x", dim=[7, 9]))
+    y.set_output(True)
+    (group,) = partition(g, registry.families())
+    assert fast_math_outputs(group) == frozenset()
+    g.build()
+    assert "gelu_fast" not in g.plan.launches[0].source_path.read_text()
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("out_type", [dg.bfloat16, dg.float32])
+def test_the_triton_backend_renders_the_decision(op, out_type):
+    g, _, _ = _matmul_gelu(out_type, op)
+    g.build()
+    source = g.plan.launches[0].source_path.read_text()
+    fast = out_type != dg.float32
+    assert (f"tm.{op}_fast(" in source) == fast
+    assert (f"tm.{op}(" in source) == (not fast)
+
+
+@pytest.mark.parametrize("out_type", [dg.bfloat16, dg.float16, dg.float32])
+def test_the_gluon_backend_renders_the_decision(out_type):
+    from gluon_cases import lowered  # tests/backends: gluon launches lowered without a GPU
+    for op in ("gelu", "gelu_tanh"):
+        g, _, _ = _matmul_gelu(out_type, op, m=64, n=64, k=64)
+        (launch,) = lowered(g)
+        source = launch.source_path.read_text()
+        fast = out_type != dg.float32
+        assert (f"lib.{op}_fast(" in source) == fast
+        assert (f"lib.{op}(" in source) == (not fast)
+
+
+# -- kernels against the reference ----------------------------------------------------------------
+
+def _inputs(handles, tail_scale=4.0):
+    a, b, bias = handles
+    transposed = a.stride[0] == 1  # [m, k] as the transpose of a dense [k, m]
+    return {a: torch.randn(list(reversed(a.dim))).to(torch.bfloat16).t() if transposed else
+            torch.randn(a.dim).to(torch.bfloat16),
+            b: torch.randn(b.dim).to(torch.bfloat16),
+            # wide enough to reach far into the negative tail (pre-activations down to about -40)
+            bias: (torch.randn(bias.dim) * tail_scale).to(torch.bfloat16)}
+
+
+def _check_within_an_ulp(g, inputs, y, dtype, device="cpu"):
+    """Each element within one ulp of the float64 reference rounded to `dtype` (both round
+    once; a value near a rounding boundary may round either way), NaN where it is NaN. Below
+    TAIL in magnitude the reference itself has cancelled (0.5 x (1 + erf) in float64: no digit
+    left past x = -8), so there the output need only be as small."""
+    out = poisoned(y, device)
+    g.execute({**inputs, y: out})
+    out = out.cpu()
+    ref = g.reference({k: v.cpu() for k, v in inputs.items()})[y.name]
+    assert torch.equal(torch.isnan(out), torch.isnan(ref))
+    finite = ~torch.isnan(ref)
+    rounded = ref.to(dtype).double()
+    head = finite & (ref.abs() >= TAIL)
+    near = (out.double() == rounded) | ((out.double() - rounded).abs() <= _spacing(rounded, dtype))  # inf == inf
+    assert near[head].all()
+    assert (out.double().abs()[finite & ~head] <= 2 * TAIL).all()
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("out_type", [dg.bfloat16, dg.float16])
+@pytest.mark.parametrize("transposed_a", [False, True])
+def test_matmul_with_16_bit_gelu_matches_the_reference(op, out_type, transposed_a):
+    g, handles, y = _matmul_gelu(out_type, op, m=37, n=24, k=40, transposed_a=transposed_a)
+    inputs = _inputs(handles)
+    check(g, inputs, dtype=out_type.torch_dtype)
+    _check_within_an_ulp(g, inputs, y, out_type.torch_dtype)
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+def test_matmul_with_16_bit_gelu_passes_nan_and_inf_as_the_reference(op):
+    g, handles, y = _matmul_gelu(dg.bfloat16, op, m=5, n=8, k=8)
+    inputs = _inputs(handles)
+    bias = inputs[handles[2]]
+    bias[0, 0], bias[0, 1], bias[0, 2] = float("nan"), float("inf"), -float("inf")
+    g.build()
+    _check_within_an_ulp(g, inputs, y, torch.bfloat16)
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+def test_conv_with_16_bit_gelu_matches_the_reference(op):
+    g = dg.Graph(name="conv", io_data_type=dg.bfloat16, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    x = g.tensor(name="x", dim=[2, 6, 7, 5])
+    w = g.tensor(name="w", dim=[10, 6, 3, 3])
+    bias = g.tensor(name="bias", dim=[1, 10, 1, 1])
+    y = getattr(g, op)(g.add(g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1]), bias))
+    y.set_output(True)
+    assert fast_math_outputs(_anchored_group(g)) == frozenset({y.uid})
+    inputs = {x: torch.randn(x.dim).to(torch.bfloat16), w: torch.randn(w.dim).to(torch.bfloat16),
+              bias: (torch.randn(bias.dim) * 6).to(torch.bfloat16)}
+    check(g, inputs, dtype=torch.bfloat16)
+    assert f"tm.{op}_fast(" in g.plan.launches[-1].source_path.read_text()
+    _check_within_an_ulp(g, inputs, y, torch.bfloat16)
+
+
+def test_depthwise_conv_with_16_bit_gelu_matches_the_reference():
+    # one channel per group: the direct depthwise kernel renders the epilogue, with the same decision
+    g = dg.Graph(name="depthwise", io_data_type=dg.bfloat16, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    x = g.tensor(name="x", dim=[2, 5, 9, 7])
+    w = g.tensor(name="w", dim=[5, 1, 3, 3])
+    bias = g.tensor(name="bias", dim=[1, 5, 1, 1])
+    y = g.gelu_tanh(g.add(g.conv_fprop(x, w, padding=[1, 1], stride=[1, 1], dilation=[1, 1], groups=5), bias))
+    y.set_output(True)
+    inputs = {x: torch.randn(x.dim).to(torch.bfloat16), w: torch.randn(w.dim).to(torch.bfloat16),
+              bias: (torch.randn(bias.dim) * 6).to(torch.bfloat16)}
+    check(g, inputs, dtype=torch.bfloat16)
+    source = g.plan.launches[-1].source_path.read_text()
+    assert "depthwise" in g.explain() and "tm.gelu_tanh_fast(" in source
+    _check_within_an_ulp(g, inputs, y, torch.bfloat16)
+
+
+# -- on the GPU: ex2.approx and div.full where the interpreter computes exactly ----------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backends", [("triton",), ("gluon",)], ids=["triton", "gluon"])
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("out_type", [dg.bfloat16, dg.float16, dg.float32])
+def test_gemm_gelu_on_the_gpu_is_within_an_ulp(backends, op, out_type):
+    """M and N off the tiles (TMA-legal rows for gluon); the Gluon kernel where the GPU is sm_90."""
+    if "gluon" in backends and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("gluon kernels are built for sm_90a")
+    g, handles, y = _matmul_gelu(out_type, op, m=300, n=264, k=136)
+    inputs = {t: v.cuda() for t, v in _inputs(handles).items()}
+    g.build(options=dg.BuildOptions(backends=backends))
+    assert {launch.backend for launch in g.plan.launches} == {backends[0]}
+    source = g.plan.launches[0].source_path.read_text()
+    assert (f"{op}_fast(" in source) == (out_type != dg.float32)
+    if out_type == dg.float32:
+        check(g, inputs, dtype=torch.float32, device="cuda", tolerance=1e-5)
+    else:
+        _check_within_an_ulp(g, inputs, y, out_type.torch_dtype, device="cuda")
