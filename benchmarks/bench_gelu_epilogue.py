@@ -1,8 +1,8 @@
 """Gluon matmul epilogues under forced configs beside cuBLASLt's fused epilogue (issue 28), H200.
 
-    python dbg_gelu_bench.py                 # 4096^3 and 8192^3, bf16, under two minutes
-    python dbg_gelu_bench.py --precise       # the GELU rows again with the precise (fp32) math
-    python dbg_gelu_bench.py --shapes 4096x4096x4096
+    python benchmarks/bench_gelu_epilogue.py                 # 4096^3 and 8192^3, bf16, under two minutes
+    python benchmarks/bench_gelu_epilogue.py --precise       # the GELU rows again with the precise (fp32) math
+    python benchmarks/bench_gelu_epilogue.py --shapes 4096x4096x4096
 
 y = act(a @ b + bias), bf16 in and out, fp32 accumulation, for act in none (bias), relu,
 gelu_tanh, gelu (erf), each under the configs 128x256 4 stages, 128x256 3 stages and 128x128
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "benchmarks"), HERE]
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 import dnngraph as dg  # noqa: E402
 import dnngraph.backends.gluon.backend as gluon_backend  # noqa: E402
 import dnngraph.problems.base as problems_base  # noqa: E402
