@@ -407,10 +407,14 @@ class _KernelWriter:
         hoisted = self.hoist_loads(self.anchor.inputs[0], tile)
         if recompute:
             hoisted |= self.hoist_loads(self.x_tensor(), tile)
-        nest = self.cover_extents() + (self.window_extents() if recompute else [])
-        unrolled = unrolled_loops(nest)
+        # one covering window's body: its argmax's window of loads (recomputed) and one
+        # contribution per owned position; the unrolling budget counts both
+        window_loads = 1
+        for extent in self.window_extents():
+            window_loads *= extent if recompute else 1
+        cover_unrolled = unrolled_loops(self.cover_extents() + [window_loads + len(positions)])[:-1]
         covering = dict(tile)
-        for axis, unroll in zip(self.spatial, unrolled):
+        for axis, unroll in zip(self.spatial, cover_unrolled):
             name, upper = self.names[axis], self.names[axis].upper()
             self.open_loop(f"j{name}", f"COVER_{upper}", unroll)
             self.line(f"{name}_out = {name}_idx - j{name}")
@@ -423,7 +427,7 @@ class _KernelWriter:
             self.load(indices, covering)
             self.line(f"argmax = {self.emitter.value(indices.uid, 'l')}")
         elif recompute:
-            self.window_argmax(tile, hoisted, unrolled[len(self.spatial):])
+            self.window_argmax(tile, hoisted, unrolled_loops(self.window_extents()))
         if not is_max:
             self.line(f"share = grad / {self.divisor()}")
         for offsets in positions:
