@@ -1,5 +1,6 @@
 """Pooling family: forward and backward kernels on CPU (interpreter), fusion, validation; GPU bf16."""
 import json
+import math
 
 import pytest
 import torch
@@ -723,3 +724,84 @@ def test_gpu_bf16_ceil_mode_forward_and_backward(mode, divisor):
     dy_t = sample(tuple(pooled.shape), torch.bfloat16, "nhwc", "cuda")
     g, x, dy, y, dx = ceil_graphs(x_t, dy_t, mode, window, stride, padding, divisor)
     check(g, {x: x_t, dy: dy_t}, torch.bfloat16, device="cuda")
+
+
+# --- the owned-block backward over the geometries that shape it -----------------------------------
+# (shape, window, stride, padding, layout, dtype): strides 1 to 3 with every padding up to window // 2,
+# strides past the window (gaps), windows covering the whole input, windows larger than the input
+# with padding, 1x1 windows, 1D and 3D; layouts "nchw", "nhwc" and "sliced" (a non-contiguous view)
+OWNED_GEOMETRIES = [
+    ((3, 5, 13, 11), [3, 3], [1, 1], [0, 1], "nhwc", torch.float32),
+    ((3, 5, 13, 11), [3, 3], [2, 2], [0, 0], "nchw", torch.bfloat16),
+    ((3, 5, 13, 11), [3, 3], [2, 2], [1, 1], "sliced", torch.float32),
+    ((3, 5, 13, 11), [3, 3], [3, 3], [1, 0], "nhwc", torch.float16),
+    ((3, 5, 13, 11), [3, 2], [3, 2], [1, 1], "nchw", torch.float32),
+    ((2, 3, 11, 10), [2, 3], [3, 4], [1, 1], "nhwc", torch.float32),
+    ((2, 3, 7, 6), [1, 1], [2, 3], [0, 0], "sliced", torch.float16),
+    ((2, 3, 4, 5), [4, 5], [2, 3], [0, 0], "nchw", torch.float32),
+    ((1, 2, 2, 3), [5, 5], [2, 3], [2, 2], "nhwc", torch.float32),
+    ((1, 1, 1, 1), [1, 1], [2, 2], [0, 0], "nchw", torch.float32),
+    ((2, 4, 17), [5], [3], [2], "nhwc", torch.bfloat16),
+    ((2, 3, 7, 5, 6), [3, 3, 3], [2, 2, 2], [1, 0, 1], "nhwc", torch.float32),
+]
+
+
+def in_layout(value: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as NCHW, NHWC or a non-contiguous slice of a wider tensor."""
+    if layout == "nhwc":
+        return channels_last(value)
+    if layout == "sliced":
+        wide = torch.zeros(value.shape[:-1] + (2 * value.shape[-1],), dtype=value.dtype)
+        wide[..., 1::2] = torch.nan if value.is_floating_point() else -1  # poison between the elements
+        wide[..., ::2] = value
+        return wide[..., ::2]
+    return value
+
+
+def owned_inputs(geometry, mode, seed):
+    """x (ties, NaN, inf and -inf windows for max; random for averages), dy (integers for max,
+    so torch's sums are exact) and torch's indices, all in the geometry's layout and dtype."""
+    shape, window, stride, padding, layout, dtype = geometry
+    if mode.startswith("max") and min(shape) > 1 and len(shape) > 3:
+        x_t = adversarial(shape, dtype, "nchw", seed=seed)
+    else:
+        x_t = sample(shape, dtype)
+    dims = output_dims(shape, window, stride, padding)
+    dy_t = torch.randint(1, 5, dims).to(dtype) if mode.startswith("max") else sample(dims, dtype)
+    _, indices_t = torch_indices(x_t, window, stride, padding)
+    return tuple(in_layout(t, layout) for t in (x_t, dy_t, indices_t))
+
+
+@pytest.mark.parametrize("mode", ["max", "max indexed", "avg_include_pad", "avg_exclude_pad"])
+@pytest.mark.parametrize("geometry", OWNED_GEOMETRIES, ids=lambda g: f"{g[0]}-w{g[1]}-s{g[2]}-p{g[3]}-{g[4]}")
+def test_backward_of_every_stride_padding_and_layout(geometry, mode):
+    """Every backward (argmax recomputed, routed by indices, both averages) against the float64
+    reference on poisoned outputs; the max ones equal torch's gradient exactly (integer dy),
+    ties, NaN and infinities included. Strides above 1 own a block of dx per tile position."""
+    shape, window, stride, padding, _, dtype = geometry
+    x_t, dy_t, indices_t = owned_inputs(geometry, mode, seed=len(shape) + sum(stride))
+    g = dg.Graph(io_data_type=IO_TYPES[dtype])
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    inputs = {x: x_t, dy: dy_t}
+    indices = None
+    if mode == "max indexed":
+        indices = g.tensor_like(indices_t, "indices")
+        inputs[indices] = indices_t
+    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices).set_output(True)
+    got = check(g, inputs, dtype)[dx.name]
+    if mode.startswith("max"):
+        assert torch.equal(got.float(), torch_grad(x_t, dy_t, window, stride, padding))
+    owned = "x".join(map(str, stride))
+    assert (f"owned={owned}" in g.plan.launches[0].config_text) == (1 < math.prod(stride) <= 16)
+
+
+def test_owned_block_is_the_stride_within_the_accumulator_budget():
+    from dnngraph.backends.triton.heuristics.pooling import OWNED_POSITIONS_MAX, owned_block, owner_dims
+    assert owned_block((2, 2)) == (2, 2) and owned_block((2, 2, 2)) == (2, 2, 2) and owned_block((3,)) == (3,)
+    assert owned_block((1, 1)) == () and owned_block((5, 4)) == ()  # nothing to share; too many accumulators
+    assert math.prod(owned_block((4, 4))) == OWNED_POSITIONS_MAX
+    # blocks [o * s - p, (o + 1) * s - p) cover every position of the axis exactly once
+    for size, s, p in [(13, 2, 1), (13, 3, 0), (1, 2, 0), (11, 4, 1), (112, 2, 1)]:
+        (blocks,) = owner_dims((size,), (s,), (p,))
+        owned = [o * s - p + r for o in range(blocks) for r in range(s)]
+        assert sorted(h for h in owned if 0 <= h < size) == list(range(size))
