@@ -805,3 +805,45 @@ def test_owned_block_is_the_stride_within_the_accumulator_budget():
         (blocks,) = owner_dims((size,), (s,), (p,))
         owned = [o * s - p + r for o in range(blocks) for r in range(s)]
         assert sorted(h for h in owned if 0 <= h < size) == list(range(size))
+
+
+# --- GPU at the benchmark shapes (benchmarks/bench_memory_bound.py, benchmarks/sweep_pooling.py) -----
+BENCH_FORWARD, BENCH_BACKWARD = (32, 64, 112, 112), (64, 64, 112, 112)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+@pytest.mark.parametrize("mode", ["max", "avg_include_pad"])
+def test_gpu_bf16_forward_at_the_benchmark_shape(mode, layout):
+    x_t = sample(BENCH_FORWARD, torch.bfloat16, layout, "cuda")
+    g, x, y = forward_graph(x_t, mode, [3, 3], [2, 2], [1, 1])
+    check(g, {x: x_t}, torch.bfloat16, device="cuda", reference_device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+@pytest.mark.parametrize("mode", ["max", "max indexed", "avg_include_pad"])
+def test_gpu_bf16_backward_at_the_benchmark_shape(mode, layout):
+    """ResNet-50's stem pool backward, each path: the max ones equal torch's gradient exactly
+    (integer dy), the average against the float64 reference."""
+    window, stride, padding = [3, 3], [2, 2], [1, 1]
+    x_t = sample(BENCH_BACKWARD, torch.bfloat16, layout, "cuda")
+    _, indices_t = torch.nn.functional.max_pool2d(x_t, window, stride, padding, return_indices=True)
+    dims = tuple(indices_t.shape)
+    dy_t = torch.randint(1, 5, dims, device="cuda").to(torch.bfloat16) if mode.startswith("max") else \
+        sample(dims, torch.bfloat16, "nchw", "cuda")
+    dy_t, indices_t = (channels_last(t) if layout == "nhwc" else t.contiguous() for t in (dy_t, indices_t))
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    inputs = {x: x_t, dy: dy_t}
+    indices = None
+    if mode == "max indexed":
+        indices = g.tensor_like(indices_t, "indices")
+        inputs[indices] = indices_t
+    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices).set_output(True)
+    got = check(g, inputs, torch.bfloat16, device="cuda", reference_device="cuda")[dx.name]
+    if mode.startswith("max"):
+        leaf = x_t.float().requires_grad_(True)
+        torch.nn.functional.max_pool2d(leaf, window, stride, padding).backward(dy_t.float())
+        assert torch.equal(got.float(), leaf.grad)
+    assert "owned=2x2" in g.plan.launches[0].config_text
