@@ -8,6 +8,12 @@ the window's argmax is that element: recomputed from x (first maximum in window 
 torch), or read from the forward's indices where the graph gives them (one int64 load and
 compare per covering window instead of a window of x loads). A max forward asked for indices
 tracks that same argmax as torch's flat index in the input plane.
+With a stride above 1 (heuristics' owned_block), each tile position owns a stride-sized block of
+dx: the windows covering the block are visited once for all its positions, their dy, index,
+divisor or recomputed argmax (an int32 tap number within the window) shared by the block, one
+accumulator and one store per owned position. A gather per element visited each covering
+window once per element it covers (the recompute: 36 window loads and compares per dx element
+for 3x3 stride 2, 176 registers a thread on sm_90: the 3% of copy bandwidth it measured).
 Tile columns walk the schedule's vector axis; every other axis is a row coordinate.
 """
 from __future__ import annotations
@@ -30,8 +36,8 @@ INDENT = "    "
 # axis letter: h_idx, h_start, ...; in_h, out_h, WINDOW_H, ...)
 FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest",
                "rows", "cols", "batch", "channels", "acc", "value", "result", "grad", "best", "hit",
-               "better", "inside", "covered", "argmax", "here", "share", "tile_mask", "BLOCK_R", "BLOCK_C")
-FIXED_STEMS = ("in", "out", "own", "WINDOW", "STRIDE", "PAD", "COVER", "acc")
+               "better", "inside", "covered", "argmax", "here", "share", "tile_mask", "tap", "BLOCK_R", "BLOCK_C")
+FIXED_STEMS = ("in", "out", "own", "WINDOW", "STRIDE", "PAD", "COVER", "acc", "here")
 
 
 @dataclass(frozen=True)
@@ -407,6 +413,8 @@ class _KernelWriter:
         hoisted = self.hoist_loads(self.anchor.inputs[0], tile)
         if recompute:
             hoisted |= self.hoist_loads(self.x_tensor(), tile)
+        if indices is not None:
+            self.owned_plane_indices(tile)
         # one covering window's body: its argmax's window of loads (recomputed) and one
         # contribution per owned position; the unrolling budget counts both
         window_loads = 1
@@ -431,44 +439,64 @@ class _KernelWriter:
         if not is_max:
             self.line(f"share = grad / {self.divisor()}")
         for offsets in positions:
-            self.owned_contribution(offsets, is_max)
+            self.owned_contribution(offsets, is_max, indices is not None)
         self.close_loops(len(self.spatial))
 
-    def owned_contribution(self, offsets, is_max: bool):
+    def owned_contribution(self, offsets, is_max: bool, indexed: bool):
         """Emit the current covering window's addition to the owned position at `offsets`:
         its dy where its argmax is that position (max), its share of dy where the window
         covers the position (average)."""
         tag = _tag(offsets)
-        # the position's offset from the window's start is j * stride + r along each axis: one
-        # scalar for the whole tile (a where, not an &: the interpreter cannot and a 0-d bool
-        # with a 2-d one)
-        in_window = " & ".join(f"(j{self.names[axis]} * STRIDE_{self.names[axis].upper()} + {r} < "
-                               f"WINDOW_{self.names[axis].upper()})" for axis, r in zip(self.spatial, offsets))
+        # the position's offset from the window's start is j * stride + r along each axis:
+        # scalars for the whole tile, constants where the covering loops are unrolled (a where,
+        # not an &: the interpreter cannot and a 0-d bool with a 2-d one)
+        reach = [f"(j{self.names[axis]} * STRIDE_{self.names[axis].upper()} + {r})"
+                 for axis, r in zip(self.spatial, offsets)]
+        in_window = " & ".join(f"({term} < WINDOW_{self.names[axis].upper()})"
+                               for axis, term in zip(self.spatial, reach))
         hit = f"tl.where({in_window}, covered, False)"
-        if is_max:
-            here = [(axis, f"(({self.names[axis]}_idx * STRIDE_{self.names[axis].upper()} - "
-                           f"PAD_{self.names[axis].upper()} + {r}).to(tl.int64)"
-                           + "".join(f" * in_{self.names[later]}" for later in range(axis + 1, self.rank)) + ")")
-                    for axis, r in zip(self.spatial, offsets)]
-            hit += f" & (argmax == ({_outer(*self.by_side(here), joiner=' + ')}))"
-            self.line(f"acc{tag} += tl.where({hit}, grad, 0.0)")
+        if indexed:
+            self.line(f"acc{tag} += tl.where({hit} & (argmax == here{tag}), grad, 0.0)")
+        elif is_max:  # the window's tap at this position, in the order window_argmax numbers them
+            self.line(f"acc{tag} += tl.where({hit} & (tap == {self.tap_code(reach)}), grad, 0.0)")
         else:
             self.line(f"acc{tag} += tl.where({hit}, share, 0.0)")
 
+    def tap_code(self, offsets) -> str:
+        """The row-major number within the window of the element at per-axis `offsets` from
+        the window's start (expressions)."""
+        terms = []
+        for index, (axis, offset) in enumerate(zip(self.spatial, offsets)):
+            inner = "".join(f" * WINDOW_{self.names[later].upper()}" for later in list(self.spatial)[index + 1:])
+            terms.append(f"{offset}{inner}")
+        return "(" + " + ".join(terms) + ")"
+
+    def owned_plane_indices(self, tile: dict):
+        """Emit `here{tag}`: torch's flat in-plane index of each owned position (what a
+        forward's index names), once before the covering windows."""
+        for offsets in self.owned_positions():
+            terms = []
+            for axis, r in zip(self.spatial, offsets):
+                name, upper = self.names[axis], self.names[axis].upper()
+                inner = "".join(f" * in_{self.names[later]}" for later in range(axis + 1, self.rank))
+                terms.append((axis, f"({name}_idx * STRIDE_{upper} - PAD_{upper} + {r}).to(tl.int64){inner}"))
+            self.line(f"here{_tag(offsets)} = {_outer(*self.by_side(terms), joiner=' + ')}")
+
     def window_argmax(self, tile: dict, hoisted: set, unrolled):
-        """Emit `argmax`: torch's flat in-plane index of the first maximum of the window at
-        `{axis}_start` (as the forward's indices: it starts at the window's first in-range
-        element and moves on every strictly greater value or NaN)."""
-        for axis in self.spatial:
-            name = self.names[axis]
-            self.line(f"{name}_first = tl.maximum({name}_start, 0)")
+        """Emit `tap`: the number (tap_code) within the window at `{axis}_start` of its first
+        maximum, torch's rule as the forward's indices: it starts at the window's first
+        in-range element and moves on every strictly greater value or NaN. An int32 window
+        number, not an int64 plane index: its selects and compares are one instruction each."""
+        firsts = [(axis, f"(tl.maximum({self.names[axis]}_start, 0) - {self.names[axis]}_start)"
+                   + "".join(f" * WINDOW_{self.names[later].upper()}" for later in range(axis + 1, self.rank)))
+                  for axis in self.spatial]
         self.line(f"best = tl.full([BLOCK_R, BLOCK_C], float('-inf'), {self.compute})")
-        self.line(f"argmax = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int64) + {self.plane_index('first')}")
+        self.line(f"tap = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32) + ({_outer(*self.by_side(firsts), joiner=' + ')})")
         window = self.open_window(tile, unrolled)
         self.value_at(self.x_tensor(), window, "value", hoisted)
         self.line("better = inside & tl.where(value != value, True, value > best)")
         self.line("best = tl.where(better, value, best)")
-        self.line(f"argmax = tl.where(better, {self.plane_index('in')}, argmax)")
+        self.line(f"tap = tl.where(better, {self.tap_code([f'k{self.names[a]}' for a in self.spatial])}, tap)")
         self.close_loops(len(self.spatial))
 
     def owned_epilogues_and_stores(self, tile: dict):
