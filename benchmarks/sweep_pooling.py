@@ -6,8 +6,9 @@ be calibrated), against torch eager (and torch.compile with --compile).
 
 Cases: max and average pooling 3x3 stride 2 padding 1, bf16, forward at 32x64x112x112 and
 backward at ResNet-50's 64x64x112x112 (from the forward's int64 indices, by argmax recompute, and
-the average's), NHWC and NCHW. Each case times the model's ranked configs plus a grid of tiles
-(heuristics.pooling.rank is replaced in this process for the build of each config), each checked
+the average's), NHWC and NCHW, and the per-element gather that owned blocks replaced (the
+before). Each case times the model's ranked configs plus a grid of tiles (heuristics.pooling.rank
+is replaced in this process for the build of each config), each checked
 against torch's float32 result first. Every kernel is compiled first in parallel worker
 processes (Triton's disk cache keeps the binaries), then timed one by one. Prints one line per
 (case, config): model rank (- where the model would not list it), tile, model microseconds,
@@ -41,9 +42,13 @@ CASES = {  # label -> (mode, direction, layout); direction: forward, indexed (ba
     "avg fwd nhwc": ("avg_include_pad", "forward", "nhwc"),
     "max bwd indices nhwc": ("max", "indexed", "nhwc"),
     "max bwd recompute nhwc": ("max", "backward", "nhwc"),
+    # the gather per dx element the owned blocks replaced, at the model's config only: the before
+    "max bwd recompute nhwc per-element": ("max", "backward", "nhwc"),
+    "max bwd indices nhwc per-element": ("max", "indexed", "nhwc"),
     "max bwd recompute nchw": ("max", "backward", "nchw"),
     "avg bwd nhwc": ("avg_include_pad", "backward", "nhwc"),
 }
+OWNED_BLOCK = heuristics.owned_block
 # Extra tiles (elements, warps) timed besides the model's ranked ones, at its column width and at
 # half of it: whether larger tiles (more window reuse in L1) or more warps pay.
 GRID_TILES = ((2048, 4), (4096, 8), (8192, 8), (8192, 16))
@@ -70,7 +75,7 @@ def inputs_of(label, device):
 def graph_of(label, tensors):
     """(graph, bindings, output buffer) of one case."""
     mode, direction, _ = CASES[label]
-    g = dg.Graph(name="pool", io_data_type=dg.bfloat16)
+    g = dg.Graph(name="pool", io_data_type=dg.bfloat16)  # (a per-element case is the same graph)
     x = g.tensor_like(tensors["x"], name="x")
     bound = {x: tensors["x"]}
     if direction == "forward":
@@ -121,9 +126,16 @@ def traffic(label, tensors, out):
     return sum(tensors[k].numel() * tensors[k].element_size() for k in read) + out.numel() * out.element_size()
 
 
+def per_element(label) -> bool:
+    return label.endswith("per-element")
+
+
 @contextlib.contextmanager
-def forced(config):
-    """Builds in this block take `config` (None: the model's choice) for their pooling kernel."""
+def forced(config, label):
+    """Builds in this block take `config` (None: the model's choice) for their pooling kernel,
+    and a backward gathers per dx element where the case says so."""
+    if per_element(label):
+        heuristics.owned_block = lambda stride: ()
     if config is not None:
         heuristics.rank = lambda *args, **kwargs: [config] + [
             c for c in RANK_OF_MODEL(*args, **kwargs) if tile_of(c) != tile_of(config)]
@@ -132,6 +144,7 @@ def forced(config):
         yield
     finally:
         heuristics.rank = RANK_OF_MODEL
+        heuristics.owned_block = OWNED_BLOCK
         plan_cache.clear()
 
 
@@ -146,13 +159,15 @@ def model_and_grid(label, tensors):
 
     heuristics.rank = capture
     try:
-        with forced(None):
+        with forced(None, label):
             graph_of(label, tensors)[0].build()
     finally:
         heuristics.rank = RANK_OF_MODEL
     args, _, ranked = captured[-1]
     rows, cols, bytes_per_element, target = args[:4]
     configs = list(ranked)
+    if per_element(label):
+        return configs[:1], {tile_of(configs[0]): 1}
     seen = {tile_of(c) for c in configs}
     width = ranked[0].block_cols
     for block_cols in sorted({max(1, width // 2), width}):
@@ -173,7 +188,7 @@ def _compile(jobs):
     for label, config in jobs:
         try:
             tensors = inputs_of(label, "cuda")
-            with forced(config):
+            with forced(config, label):
                 graph_of(label, tensors)[0].build()
             done += 1
         except Exception as error:  # noqa: BLE001 - reported when timed
@@ -197,7 +212,7 @@ def check_cpu(labels) -> int:
         configs, ranks = model_and_grid(label, tensors)
         want = reference(label, tensors)
         for config in configs[:1] + configs[-2:]:
-            with forced(config):
+            with forced(config, label):
                 g, bound, out = graph_of(label, tensors)
                 out.fill_(float("nan"))
                 g.build()
@@ -206,7 +221,7 @@ def check_cpu(labels) -> int:
             ok = error < 2e-2 and g.plan.launches[0].config_text.startswith(
                 f"BLOCK_R={config.block_rows} BLOCK_C={config.block_cols} num_warps={config.num_warps}")
             failures += not ok
-            print(f"{label:24s} {tile_text(config):16s} rank {ranks.get(tile_of(config), '-')}: rel err {error:.2e} "
+            print(f"{label:36s} {tile_text(config):16s} rank {ranks.get(tile_of(config), '-')}: rel err {error:.2e} "
                   f"{'ok' if ok else 'FAILED'} [{g.plan.launches[0].config_text}]", flush=True)
     return failures
 
@@ -241,7 +256,7 @@ def main():
     print(f"device copy: {ceiling:.2f} TB/s (model bandwidth {target.bandwidth / 1e12:.2f} TB/s, {target.sms} SMs)",
           flush=True)
     records = []
-    print(f"{'case':24s} {'tile':16s} {'rank':>4s} {'model us':>9s} {'us':>9s} {'TB/s':>6s} {'copy':>5s} "
+    print(f"{'case':36s} {'tile':16s} {'rank':>4s} {'model us':>9s} {'us':>9s} {'TB/s':>6s} {'copy':>5s} "
           f"{'vs eager':>8s} {'rel err':>8s}")
     for label in labels:
         tensors = inputs_of(label, "cuda")
@@ -257,7 +272,7 @@ def main():
             if time.time() - start > args.budget:
                 print(f"budget of {args.budget:.0f} s spent: {label} stops here", flush=True)
                 break
-            with forced(config):
+            with forced(config, label):
                 g, bound, out = graph_of(label, tensors)
                 g.build()
             nbytes = traffic(label, tensors, out)
@@ -266,14 +281,14 @@ def main():
             ms = median_ms(lambda: g.execute(bound))
             tbs = nbytes / ms / 1e9
             rank = ranks.get(tile_of(config), "-")
-            print(f"{label:24s} {tile_text(config):16s} {rank!s:>4s} {config.estimate_us:9.1f} {ms * 1e3:9.1f} "
+            print(f"{label:36s} {tile_text(config):16s} {rank!s:>4s} {config.estimate_us:9.1f} {ms * 1e3:9.1f} "
                   f"{tbs:6.2f} {tbs / ceiling:5.0%} {anchors['torch eager'] / ms:7.2f}x {error:8.1e}", flush=True)
             records.append(dict(case=label, block_rows=config.block_rows, block_cols=config.block_cols,
                                 num_warps=config.num_warps, model_rank=rank, model_us=config.estimate_us,
                                 us=ms * 1e3, tbs=tbs, copy_share=tbs / ceiling, rel_err=error,
                                 config_text=g.plan.launches[0].config_text))
         if nbytes:
-            print(f"{label:24s} " + ", ".join(f"{name} {ms * 1e3:.1f} us ({nbytes / ms / 1e9:.2f} TB/s)"
+            print(f"{label:36s} " + ", ".join(f"{name} {ms * 1e3:.1f} us ({nbytes / ms / 1e9:.2f} TB/s)"
                                               for name, ms in anchors.items()), flush=True)
     path = write_json("pooling_sweep.json", dict(copy_tbs=ceiling, records=records))
     print(f"took {time.time() - start:.0f} s" + (f"; results: {path}" if path else ""))
