@@ -847,3 +847,24 @@ def test_gpu_bf16_backward_at_the_benchmark_shape(mode, layout):
         torch.nn.functional.max_pool2d(leaf, window, stride, padding).backward(dy_t.float())
         assert torch.equal(got.float(), leaf.grad)
     assert "owned=2x2" in g.plan.launches[0].config_text
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("mode", ["max", "avg_exclude_pad"])
+def test_owned_block_backward_with_broadcast_prologue_and_epilogue(mode, layout):
+    """dy scaled by a per-channel tensor at each covering window's load (hoisted out of the
+    loops), dx plus a per-channel broadcast tensor in the epilogue of every owned position, x
+    made by a pointwise kernel before: the backward and its chains are one kernel, against the
+    float64 reference."""
+    a_t = sample((2, 5, 11, 9), torch.float32, layout)
+    bias_t, scale_t = sample((1, 5, 1, 1), torch.float32), sample((1, 5, 1, 1), torch.float32)
+    dy_t = sample(output_dims(a_t.shape, [3, 3], [2, 2], [1, 1]), torch.float32, layout)
+    g = dg.Graph()
+    a, bias, scale, dy = (g.tensor_like(t, n) for t, n in ((a_t, "a"), (bias_t, "bias"), (scale_t, "scale"), (dy_t, "dy")))
+    x = g.relu(g.add(a, bias))
+    dx = g.pooling_backward(g.mul(dy, scale), x, mode, [3, 3], [2, 2], [1, 1])
+    g.add(dx, bias).set_output(True)
+    check(g, {a: a_t, bias: bias_t, scale: scale_t, dy: dy_t})
+    pooling = [launch for launch in g.plan.launches if launch.group.kind == "pooling"]
+    assert len(pooling) == 1 and "owned=2x2" in pooling[0].config_text
+    assert sorted(n.op for n in pooling[0].group.nodes) == ["add", "mul", "pooling_backward"]
