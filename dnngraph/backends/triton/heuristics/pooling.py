@@ -1,6 +1,7 @@
 """Configs for pooling kernels: a [BLOCK_R, BLOCK_C] tile ranked by a bandwidth + wave model.
 
-The tile covers the pooled output (forward) or dx (backward). Its columns walk the axis with
+The tile covers the pooled output (forward) or dx (backward; with a stride above 1, blocks of
+dx a stride in size: owned_block). Its columns walk the axis with
 the smallest stride in x (channels for NHWC, width for NCHW) so every window load is a run of
 contiguous elements; its rows decompose into the other logical axes, outermost first.
 """
