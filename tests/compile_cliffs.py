@@ -125,6 +125,10 @@ def sweep():
     yield _built("pool 3d 5x5x5 s1 avg backward",
                  pooling((1, 8, 7, 7, 7), [5] * 3, [1] * 3, [2] * 3, "avg_exclude_pad", "backward"))
     yield _built("pool 2d 15x15 s1 max backward", pooling((1, 8, 17, 17), [15] * 2, [1] * 2, [7] * 2, "max", "backward"))
+    yield _built("pool 2d 7x7 s4 max backward (16 owned dx a position)",
+                 pooling((1, 8, 23, 23), [7] * 2, [4] * 2, [3] * 2, "max", "backward"))
+    yield _built("pool 3d 5x5x5 s2 avg backward (8 owned dx a position)",
+                 pooling((1, 8, 9, 9, 9), [5] * 3, [2] * 3, [2] * 3, "avg_include_pad", "backward"))
     yield _built("lrn size 64 forward", windowed_normalization("lrn", (2, 96, 5, 5), 64, False))
     yield _built("div 2d 11x11 backward", windowed_normalization("div", (1, 8, 13, 13), 11, True))
     yield _built("div 2d 11x11 forward", windowed_normalization("div", (1, 8, 13, 13), 11, False))

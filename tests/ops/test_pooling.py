@@ -1,5 +1,6 @@
 """Pooling family: forward and backward kernels on CPU (interpreter), fusion, validation; GPU bf16."""
 import json
+import math
 
 import pytest
 import torch
@@ -349,8 +350,9 @@ def test_relu_backward_epilogue_fuses_into_the_indexed_backward(mask_from):
     assert len(pooling) == 1 and sorted(n.op for n in pooling[0].group.nodes) == sorted(fused)
     assert len(g.plan.launches) == 1
     source = pooling[0].source_path.read_text()
-    # the covering-window loop is unrolled by Triton: its loads appear once in the source
-    assert source.count("tl.load(") == 3, "the mask (or x for its compare), then dy and the indices in the loop"
+    # the covering-window loop is unrolled by Triton: its loads appear once in the source; each
+    # program position owns a 2x2 block of dx (stride 2), whose epilogue reads 4 mask elements
+    assert source.count("tl.load(") == 2 + 4, "dy and the indices in the loop, then the mask (or x) per owned dx"
     assert source.count("_ptr,\n") == 4, "dy, the indices, the mask (or x) and dx"
 
 
@@ -722,3 +724,147 @@ def test_gpu_bf16_ceil_mode_forward_and_backward(mode, divisor):
     dy_t = sample(tuple(pooled.shape), torch.bfloat16, "nhwc", "cuda")
     g, x, dy, y, dx = ceil_graphs(x_t, dy_t, mode, window, stride, padding, divisor)
     check(g, {x: x_t, dy: dy_t}, torch.bfloat16, device="cuda")
+
+
+# --- the owned-block backward over the geometries that shape it -----------------------------------
+# (shape, window, stride, padding, layout, dtype): strides 1 to 3 with every padding up to window // 2,
+# strides past the window (gaps), windows covering the whole input, windows larger than the input
+# with padding, 1x1 windows, 1D and 3D; layouts "nchw", "nhwc" and "sliced" (a non-contiguous view)
+OWNED_GEOMETRIES = [
+    ((3, 5, 13, 11), [3, 3], [1, 1], [0, 1], "nhwc", torch.float32),
+    ((3, 5, 13, 11), [3, 3], [2, 2], [0, 0], "nchw", torch.bfloat16),
+    ((3, 5, 13, 11), [3, 3], [2, 2], [1, 1], "sliced", torch.float32),
+    ((3, 5, 13, 11), [3, 3], [3, 3], [1, 0], "nhwc", torch.float16),
+    ((3, 5, 13, 11), [3, 2], [3, 2], [1, 1], "nchw", torch.float32),
+    ((2, 3, 11, 10), [2, 3], [3, 4], [1, 1], "nhwc", torch.float32),
+    ((2, 3, 7, 6), [1, 1], [2, 3], [0, 0], "sliced", torch.float16),
+    ((2, 3, 4, 5), [4, 5], [2, 3], [0, 0], "nchw", torch.float32),
+    ((1, 2, 2, 3), [5, 5], [2, 3], [2, 2], "nhwc", torch.float32),
+    ((1, 1, 1, 1), [1, 1], [2, 2], [0, 0], "nchw", torch.float32),
+    ((2, 4, 17), [5], [3], [2], "nhwc", torch.bfloat16),
+    ((2, 3, 7, 5, 6), [3, 3, 3], [2, 2, 2], [1, 0, 1], "nhwc", torch.float32),
+]
+
+
+def in_layout(value: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as NCHW, NHWC or a non-contiguous slice of a wider tensor."""
+    if layout == "nhwc":
+        return channels_last(value)
+    if layout == "sliced":
+        wide = torch.zeros(value.shape[:-1] + (2 * value.shape[-1],), dtype=value.dtype)
+        wide[..., 1::2] = torch.nan if value.is_floating_point() else -1  # poison between the elements
+        wide[..., ::2] = value
+        return wide[..., ::2]
+    return value
+
+
+def owned_inputs(geometry, mode, seed):
+    """x (ties, NaN, inf and -inf windows for max; random for averages), dy (integers for max,
+    so torch's sums are exact) and torch's indices, all in the geometry's layout and dtype."""
+    shape, window, stride, padding, layout, dtype = geometry
+    if mode.startswith("max") and min(shape) > 1 and len(shape) > 3:
+        x_t = adversarial(shape, dtype, "nchw", seed=seed)
+    else:
+        x_t = sample(shape, dtype)
+    dims = output_dims(shape, window, stride, padding)
+    dy_t = torch.randint(1, 5, dims).to(dtype) if mode.startswith("max") else sample(dims, dtype)
+    _, indices_t = torch_indices(x_t, window, stride, padding)
+    return tuple(in_layout(t, layout) for t in (x_t, dy_t, indices_t))
+
+
+@pytest.mark.parametrize("mode", ["max", "max indexed", "avg_include_pad", "avg_exclude_pad"])
+@pytest.mark.parametrize("geometry", OWNED_GEOMETRIES, ids=lambda g: f"{g[0]}-w{g[1]}-s{g[2]}-p{g[3]}-{g[4]}")
+def test_backward_of_every_stride_padding_and_layout(geometry, mode):
+    """Every backward (argmax recomputed, routed by indices, both averages) against the float64
+    reference on poisoned outputs; the max ones equal torch's gradient exactly (integer dy),
+    ties, NaN and infinities included. Strides above 1 own a block of dx per tile position."""
+    shape, window, stride, padding, _, dtype = geometry
+    x_t, dy_t, indices_t = owned_inputs(geometry, mode, seed=len(shape) + sum(stride))
+    g = dg.Graph(io_data_type=IO_TYPES[dtype])
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    inputs = {x: x_t, dy: dy_t}
+    indices = None
+    if mode == "max indexed":
+        indices = g.tensor_like(indices_t, "indices")
+        inputs[indices] = indices_t
+    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices).set_output(True)
+    got = check(g, inputs, dtype)[dx.name]
+    if mode.startswith("max"):
+        assert torch.equal(got.float(), torch_grad(x_t, dy_t, window, stride, padding))
+    owned = "x".join(map(str, stride))
+    assert (f"owned={owned}" in g.plan.launches[0].config_text) == (1 < math.prod(stride) <= 16)
+
+
+def test_owned_block_is_the_stride_within_the_accumulator_budget():
+    from dnngraph.backends.triton.heuristics.pooling import OWNED_POSITIONS_MAX, owned_block, owner_dims
+    assert owned_block((2, 2)) == (2, 2) and owned_block((2, 2, 2)) == (2, 2, 2) and owned_block((3,)) == (3,)
+    assert owned_block((1, 1)) == () and owned_block((5, 4)) == ()  # nothing to share; too many accumulators
+    assert math.prod(owned_block((4, 4))) == OWNED_POSITIONS_MAX
+    # blocks [o * s - p, (o + 1) * s - p) cover every position of the axis exactly once
+    for size, s, p in [(13, 2, 1), (13, 3, 0), (1, 2, 0), (11, 4, 1), (112, 2, 1)]:
+        (blocks,) = owner_dims((size,), (s,), (p,))
+        owned = [o * s - p + r for o in range(blocks) for r in range(s)]
+        assert sorted(h for h in owned if 0 <= h < size) == list(range(size))
+
+
+# --- GPU at the benchmark shapes (benchmarks/bench_memory_bound.py, benchmarks/sweep_pooling.py) -----
+BENCH_FORWARD, BENCH_BACKWARD = (32, 64, 112, 112), (64, 64, 112, 112)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+@pytest.mark.parametrize("mode", ["max", "avg_include_pad"])
+def test_gpu_bf16_forward_at_the_benchmark_shape(mode, layout):
+    x_t = sample(BENCH_FORWARD, torch.bfloat16, layout, "cuda")
+    g, x, y = forward_graph(x_t, mode, [3, 3], [2, 2], [1, 1])
+    check(g, {x: x_t}, torch.bfloat16, device="cuda", reference_device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+@pytest.mark.parametrize("mode", ["max", "max indexed", "avg_include_pad"])
+def test_gpu_bf16_backward_at_the_benchmark_shape(mode, layout):
+    """ResNet-50's stem pool backward, each path: the max ones equal torch's gradient exactly
+    (integer dy), the average against the float64 reference."""
+    window, stride, padding = [3, 3], [2, 2], [1, 1]
+    x_t = sample(BENCH_BACKWARD, torch.bfloat16, layout, "cuda")
+    _, indices_t = torch.nn.functional.max_pool2d(x_t, window, stride, padding, return_indices=True)
+    dims = tuple(indices_t.shape)
+    dy_t = torch.randint(1, 5, dims, device="cuda").to(torch.bfloat16) if mode.startswith("max") else \
+        sample(dims, torch.bfloat16, "nchw", "cuda")
+    dy_t, indices_t = (channels_last(t) if layout == "nhwc" else t.contiguous() for t in (dy_t, indices_t))
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    inputs = {x: x_t, dy: dy_t}
+    indices = None
+    if mode == "max indexed":
+        indices = g.tensor_like(indices_t, "indices")
+        inputs[indices] = indices_t
+    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices).set_output(True)
+    got = check(g, inputs, torch.bfloat16, device="cuda", reference_device="cuda")[dx.name]
+    if mode.startswith("max"):
+        leaf = x_t.float().requires_grad_(True)
+        torch.nn.functional.max_pool2d(leaf, window, stride, padding).backward(dy_t.float())
+        assert torch.equal(got.float(), leaf.grad)
+    assert "owned=2x2" in g.plan.launches[0].config_text
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("mode", ["max", "avg_exclude_pad"])
+def test_owned_block_backward_with_broadcast_prologue_and_epilogue(mode, layout):
+    """dy scaled by a per-channel tensor at each covering window's load (hoisted out of the
+    loops), dx plus a per-channel broadcast tensor in the epilogue of every owned position, x
+    made by a pointwise kernel before: the backward and its chains are one kernel, against the
+    float64 reference."""
+    a_t = sample((2, 5, 11, 9), torch.float32, layout)
+    bias_t, scale_t = sample((1, 5, 1, 1), torch.float32), sample((1, 5, 1, 1), torch.float32)
+    dy_t = sample(output_dims(a_t.shape, [3, 3], [2, 2], [1, 1]), torch.float32, layout)
+    g = dg.Graph()
+    a, bias, scale, dy = (g.tensor_like(t, n) for t, n in ((a_t, "a"), (bias_t, "bias"), (scale_t, "scale"), (dy_t, "dy")))
+    x = g.relu(g.add(a, bias))
+    dx = g.pooling_backward(g.mul(dy, scale), x, mode, [3, 3], [2, 2], [1, 1])
+    g.add(dx, bias).set_output(True)
+    check(g, {a: a_t, bias: bias_t, scale: scale_t, dy: dy_t})
+    pooling = [launch for launch in g.plan.launches if launch.group.kind == "pooling"]
+    assert len(pooling) == 1 and "owned=2x2" in pooling[0].config_text
+    assert sorted(n.op for n in pooling[0].group.nodes) == ["add", "mul", "pooling_backward"]

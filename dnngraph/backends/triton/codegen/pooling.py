@@ -8,6 +8,12 @@ the window's argmax is that element: recomputed from x (first maximum in window 
 torch), or read from the forward's indices where the graph gives them (one int64 load and
 compare per covering window instead of a window of x loads). A max forward asked for indices
 tracks that same argmax as torch's flat index in the input plane.
+With a stride above 1 (heuristics' owned_block), each tile position owns a stride-sized block of
+dx: the windows covering the block are visited once for all its positions, their dy, index,
+divisor or recomputed argmax (an int32 tap number within the window) shared by the block, one
+accumulator and one store per owned position. A gather per element visited each covering
+window once per element it covers (the recompute: 36 window loads and compares per dx element
+for 3x3 stride 2, 176 registers a thread on sm_90: the 3% of copy bandwidth it measured).
 Tile columns walk the schedule's vector axis; every other axis is a row coordinate.
 """
 from __future__ import annotations
@@ -30,8 +36,8 @@ INDENT = "    "
 # axis letter: h_idx, h_start, ...; in_h, out_h, WINDOW_H, ...)
 FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest",
                "rows", "cols", "batch", "channels", "acc", "value", "result", "grad", "best", "hit",
-               "better", "inside", "covered", "argmax", "here", "BLOCK_R", "BLOCK_C")
-FIXED_STEMS = ("in", "out", "WINDOW", "STRIDE", "PAD", "COVER")
+               "better", "inside", "covered", "argmax", "here", "share", "tile_mask", "tap", "BLOCK_R", "BLOCK_C")
+FIXED_STEMS = ("in", "out", "own", "WINDOW", "STRIDE", "PAD", "COVER", "acc", "here")
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,11 @@ class Coord:
 class Operand:
     identifier: str  # its name in generated source (from the kernel's allocator)
     strides: tuple  # over the logical axes; 0 where the operand broadcasts
+
+
+def _tag(offsets) -> str:
+    """The suffix naming the owned position at `offsets` (acc_0_1, h_pos_0_1, ...)."""
+    return "".join(f"_{r}" for r in offsets)
 
 
 def _outer(row_terms, col_terms, joiner: str = " & ") -> str:
@@ -156,6 +167,8 @@ class _KernelWriter:
     def tile_size_name(self, axis: int) -> str:
         if axis < 2:
             return ("batch", "channels")[axis]
+        if getattr(self.schedule, "owned", ()):
+            return f"own_{self.names[axis]}"
         return f"{'in' if self.schedule.backward else 'out'}_{self.names[axis]}"
 
     # --- operands --------------------------------------------------------------------------------
@@ -368,6 +381,133 @@ class _KernelWriter:
         self.close_loops(len(self.spatial))
         self.line("result = acc")
 
+    # --- the owned-block backward ------------------------------------------------------------------
+    def owned_positions(self) -> list:
+        """Offsets (one per spatial axis) of the dx positions each tile position owns, in order."""
+        offsets = [()]
+        for axis in self.spatial:
+            offsets = [o + (r,) for o in offsets for r in range(self.schedule.owned[axis - 2])]
+        return offsets
+
+    def owned_coords(self, tile: dict, offsets) -> dict:
+        """Emit the coordinates of the owned dx position at `offsets`; returns axis -> Coord."""
+        coords, tag = dict(tile), _tag(offsets)
+        for axis, r in zip(self.spatial, offsets):
+            name, upper = self.names[axis], self.names[axis].upper()
+            variable = f"{name}_pos{tag}"
+            self.line(f"{variable} = {name}_idx * STRIDE_{upper} - PAD_{upper} + {r}")
+            self.line(f"{name}_ok{tag} = ({variable} >= 0) & ({variable} < in_{name})")
+            coords[axis] = Coord(variable, self.side(axis), f"{name}_ok{tag}")
+        return coords
+
+    def owned_backward(self, tile: dict):
+        """dx of a block of prod(stride) positions per tile position: each covering window's
+        dy (and index, or recomputed argmax, or divisor) is found once and shared by every
+        position of the block it covers. Tile index `{axis}_idx` is the block, which is also
+        the last window starting at or before any of its positions."""
+        positions = self.owned_positions()
+        for offsets in positions:
+            self.line(f"acc{_tag(offsets)} = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
+        is_max, indices = self.schedule.mode == "max", self.anchor.inputs[2]
+        recompute = is_max and indices is None
+        hoisted = self.hoist_loads(self.anchor.inputs[0], tile)
+        if recompute:
+            hoisted |= self.hoist_loads(self.x_tensor(), tile)
+        if indices is not None:
+            self.owned_plane_indices(tile)
+        # one covering window's body: its argmax's window of loads (recomputed) and one
+        # contribution per owned position; the unrolling budget counts both
+        window_loads = 1
+        for extent in self.window_extents():
+            window_loads *= extent if recompute else 1
+        cover_unrolled = unrolled_loops(self.cover_extents() + [window_loads + len(positions)])[:-1]
+        covering = dict(tile)
+        for axis, unroll in zip(self.spatial, cover_unrolled):
+            name, upper = self.names[axis], self.names[axis].upper()
+            self.open_loop(f"j{name}", f"COVER_{upper}", unroll)
+            self.line(f"{name}_out = {name}_idx - j{name}")
+            self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
+            self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name})")
+            covering[axis] = Coord(f"{name}_out", self.side(axis), f"{name}_cov")
+        self.line(f"covered = {self.inside(covering)}")
+        self.value_at(self.anchor.inputs[0], covering, "grad", hoisted)
+        if indices is not None:
+            self.load(indices, covering)
+            self.line(f"argmax = {self.emitter.value(indices.uid, 'l')}")
+        elif recompute:
+            self.window_argmax(tile, hoisted, unrolled_loops(self.window_extents()))
+        if not is_max:
+            self.line(f"share = grad / {self.divisor()}")
+        for offsets in positions:
+            self.owned_contribution(offsets, is_max, indices is not None)
+        self.close_loops(len(self.spatial))
+
+    def owned_contribution(self, offsets, is_max: bool, indexed: bool):
+        """Emit the current covering window's addition to the owned position at `offsets`:
+        its dy where its argmax is that position (max), its share of dy where the window
+        covers the position (average)."""
+        tag = _tag(offsets)
+        # the position's offset from the window's start is j * stride + r along each axis:
+        # scalars for the whole tile, constants where the covering loops are unrolled (a where,
+        # not an &: the interpreter cannot and a 0-d bool with a 2-d one)
+        reach = [f"(j{self.names[axis]} * STRIDE_{self.names[axis].upper()} + {r})"
+                 for axis, r in zip(self.spatial, offsets)]
+        in_window = " & ".join(f"({term} < WINDOW_{self.names[axis].upper()})"
+                               for axis, term in zip(self.spatial, reach))
+        hit = f"tl.where({in_window}, covered, False)"
+        if indexed:
+            self.line(f"acc{tag} += tl.where({hit} & (argmax == here{tag}), grad, 0.0)")
+        elif is_max:  # the window's tap at this position, in the order window_argmax numbers them
+            self.line(f"acc{tag} += tl.where({hit} & (tap == {self.tap_code(reach)}), grad, 0.0)")
+        else:
+            self.line(f"acc{tag} += tl.where({hit}, share, 0.0)")
+
+    def tap_code(self, offsets) -> str:
+        """The row-major number within the window of the element at per-axis `offsets` from
+        the window's start (expressions)."""
+        terms = []
+        for index, (axis, offset) in enumerate(zip(self.spatial, offsets)):
+            inner = "".join(f" * WINDOW_{self.names[later].upper()}" for later in list(self.spatial)[index + 1:])
+            terms.append(f"{offset}{inner}")
+        return "(" + " + ".join(terms) + ")"
+
+    def owned_plane_indices(self, tile: dict):
+        """Emit `here{tag}`: torch's flat in-plane index of each owned position (what a
+        forward's index names), once before the covering windows."""
+        for offsets in self.owned_positions():
+            terms = []
+            for axis, r in zip(self.spatial, offsets):
+                name, upper = self.names[axis], self.names[axis].upper()
+                inner = "".join(f" * in_{self.names[later]}" for later in range(axis + 1, self.rank))
+                terms.append((axis, f"({name}_idx * STRIDE_{upper} - PAD_{upper} + {r}).to(tl.int64){inner}"))
+            self.line(f"here{_tag(offsets)} = {_outer(*self.by_side(terms), joiner=' + ')}")
+
+    def window_argmax(self, tile: dict, hoisted: set, unrolled):
+        """Emit `tap`: the number (tap_code) within the window at `{axis}_start` of its first
+        maximum, torch's rule as the forward's indices: it starts at the window's first
+        in-range element and moves on every strictly greater value or NaN. An int32 window
+        number, not an int64 plane index: its selects and compares are one instruction each."""
+        firsts = [(axis, f"(tl.maximum({self.names[axis]}_start, 0) - {self.names[axis]}_start)"
+                   + "".join(f" * WINDOW_{self.names[later].upper()}" for later in range(axis + 1, self.rank)))
+                  for axis in self.spatial]
+        self.line(f"best = tl.full([BLOCK_R, BLOCK_C], float('-inf'), {self.compute})")
+        self.line(f"tap = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32) + ({_outer(*self.by_side(firsts), joiner=' + ')})")
+        window = self.open_window(tile, unrolled)
+        self.value_at(self.x_tensor(), window, "value", hoisted)
+        self.line("better = inside & tl.where(value != value, True, value > best)")
+        self.line("best = tl.where(better, value, best)")
+        self.line(f"tap = tl.where(better, {self.tap_code([f'k{self.names[a]}' for a in self.spatial])}, tap)")
+        self.close_loops(len(self.spatial))
+
+    def owned_epilogues_and_stores(self, tile: dict):
+        """The epilogue and stores of every owned position, each masked to its position."""
+        self.line("tile_mask = mask")
+        for offsets in self.owned_positions():
+            coords = self.owned_coords(tile, offsets)
+            self.line(f"mask = tile_mask & {_outer(*self.by_side([(a, c.valid) for a, c in coords.items() if c.valid]))}")
+            self.line(f"result = acc{_tag(offsets)}")
+            self.epilogue_and_stores(coords)
+
     def argmax_is_here(self, tile: dict, hoisted: set, unrolled):
         """Emit `hit`: the window at `{axis}_start` has its first maximum at this element.
 
@@ -438,11 +578,15 @@ def render(kernel_name: str, schedule, group, compute_type, description: str, wr
     `schedule`; written by `writer_class` (a _KernelWriter subclass, as LRN's) where given."""
     writer = (writer_class or _KernelWriter)(kernel_name, schedule, group, compute_type)
     tile = writer.tile_coordinates()
-    if schedule.backward:
-        writer.backward(tile)
+    if getattr(schedule, "owned", ()):  # pooling's owned-block backward (LRN's schedules have none)
+        writer.owned_backward(tile)
+        writer.owned_epilogues_and_stores(tile)
     else:
-        writer.forward(tile)
-    writer.epilogue_and_stores(tile)
+        if schedule.backward:
+            writer.backward(tile)
+        else:
+            writer.forward(tile)
+        writer.epilogue_and_stores(tile)
     args = writer.arguments()
     return KernelSource(kernel_name, kernel_module(description, writer.emitter.globals, kernel_name, args,
                                                    "\n".join(writer.body) + "\n"), args)

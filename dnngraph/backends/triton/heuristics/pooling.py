@@ -1,6 +1,7 @@
 """Configs for pooling kernels: a [BLOCK_R, BLOCK_C] tile ranked by a bandwidth + wave model.
 
-The tile covers the pooled output (forward) or dx (backward). Its columns walk the axis with
+The tile covers the pooled output (forward) or dx (backward; with a stride above 1, blocks of
+dx a stride in size: owned_block). Its columns walk the axis with
 the smallest stride in x (channels for NHWC, width for NCHW) so every window load is a run of
 contiguous elements; its rows decompose into the other logical axes, outermost first.
 """
@@ -27,6 +28,10 @@ ELEMENTS_PER_THREAD = 16
 # all live at once; int64 values take two registers, so 8 values a thread keeps the indices near
 # 64 registers, as 16 bf16-widened values of 4 window loads would be.
 INDEXED_ELEMENTS_PER_THREAD = 8
+# Owned-block backward (see owned_block): dx positions one tile position owns, at most. Each is
+# one accumulator and, per covering window, one compare and select; 3x3x3 stride 2 (8) and 2D
+# stride 3 (9) stay within it, a stride past the window (mostly gaps) may not.
+OWNED_POSITIONS_MAX = 16
 MAX_WARPS = 8
 # Hopper keeps at most 32 resident blocks per SM, whatever their size.
 MAX_PROGRAMS_PER_SM = 32
@@ -97,14 +102,44 @@ class PoolingSchedule(TiledWindows):
     reason: str
     ceil_mode: bool = False  # windows may run past the padded input (averages count what is in it)
     divisor: Optional[int] = None  # an average's fixed divisor (torch's divisor_override)
+    # backward only: per spatial axis, the dx positions one tile position owns (the stride), or
+    # () where each tile position is one dx element (see owned_block)
+    owned: tuple = ()
 
     @property
     def tile_dims(self) -> tuple:
-        return self.x_dims if self.backward else self.y_dims
+        if not self.backward:
+            return self.y_dims
+        if self.owned:
+            return tuple(self.x_dims[:2]) + owner_dims(self.x_dims[2:], self.stride, self.padding)
+        return self.x_dims
 
     @property
     def config_text(self) -> str:
-        return self.tile_text() + (" argmax=indices" if self.indexed else "")
+        owned = f" owned={'x'.join(map(str, self.owned))}" if self.owned else ""
+        return self.tile_text() + (" argmax=indices" if self.indexed else "") + owned
+
+
+def owner_dims(spatial: tuple, stride: tuple, padding: tuple) -> tuple:
+    """Per spatial axis, the owned blocks of a backward: block o owns dx positions
+    [o * stride - padding, (o + 1) * stride - padding), so blocks 0 .. (size - 1 + padding) //
+    stride cover the axis (the first may start in the padding)."""
+    return tuple((size - 1 + p) // s + 1 for size, s, p in zip(spatial, stride, padding))
+
+
+def owned_block(stride: tuple) -> tuple:
+    """The owned block of a backward with these strides, or () to gather per dx element.
+
+    A gather per dx element visits each covering window once per element it covers: prod(window)
+    times over for a recomputed argmax, cover^d times for dy and indices (36 x loads and 4 dy
+    loads per dx element for 3x3 stride 2). A tile position owning a stride-sized block of dx
+    visits the same cover^d windows once for all prod(stride) positions of its block. Stride 1
+    owns one position (nothing to share); large strides would unroll too many accumulators.
+    """
+    positions = 1
+    for s in stride:
+        positions *= s
+    return tuple(stride) if 1 < positions <= OWNED_POSITIONS_MAX else ()
 
 
 def candidates(rows: int, cols: int, elements_per_thread: int = ELEMENTS_PER_THREAD) -> list[tuple[int, int, int]]:
@@ -199,7 +234,11 @@ def schedule(group, target: Target) -> PoolingSchedule:
     y_dims = tuple(anchor.inputs[0].dim) if backward else tuple(anchor.outputs[0].dim)
     attrs = anchor.attrs
     indexed = backward and anchor.inputs[2] is not None
-    tile_dims = tuple(x.dim) if backward else y_dims
+    owned = owned_block(tuple(attrs.stride)) if backward else ()
+    tile_dims = y_dims
+    if backward:
+        tile_dims = tuple(x.dim[:2]) + (owner_dims(tuple(x.dim[2:]), attrs.stride, attrs.padding) if owned
+                                        else tuple(x.dim[2:]))
     vector_axis, row_axes = tile_axes(tile_dims, tuple(x.stride))
     tensors = list(group.inputs) + list(group.outputs)
     index_64 = max(max(_span(t) for t in tensors), _numel(x.dim)) > INT32_LIMIT
@@ -210,15 +249,19 @@ def schedule(group, target: Target) -> PoolingSchedule:
     cols = tile_dims[vector_axis]
     rows = tile_elements // cols
     per_thread = INDEXED_ELEMENTS_PER_THREAD if indexed else ELEMENTS_PER_THREAD
+    if owned:  # each tile position holds one accumulator per owned dx position
+        per_thread = max(2, per_thread // _numel(owned))
     ranked = rank(rows, cols, traffic / max(tile_elements, 1), target, per_thread)
     best = ranked[0]
     names = AXIS_NAMES[len(tile_dims)]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
               f"{target.bandwidth / 1e12:.1f} TB/s for {traffic} bytes over {rows}x{cols} "
-              f"({'dx' if backward else 'y'} positions x {names[vector_axis]}); vector axis "
+              f"({'dx blocks' if owned else 'dx' if backward else 'y'} positions x {names[vector_axis]}); vector axis "
               f"{names[vector_axis]} has the smallest stride of x ({x.stride[vector_axis]})"
-              + ("; the forward's indices route dy (no argmax recompute)" if indexed else ""))
+              + ("; the forward's indices route dy (no argmax recompute)" if indexed else "")
+              + (f"; each position owns a {'x'.join(map(str, owned))} block of dx (covering windows visited once a block)"
+                 if owned else ""))
     return PoolingSchedule(backward, attrs.mode, tuple(attrs.window), tuple(attrs.stride),
                            tuple(attrs.padding), tuple(x.dim), y_dims, vector_axis, row_axes,
                            index_64, indexed, frozenset(t.uid for t in moved) & {t.uid for t in group.inputs}, best,
-                           len(ranked), reason, attrs.ceil_mode, attrs.divisor)
+                           len(ranked), reason, attrs.ceil_mode, attrs.divisor, owned)
