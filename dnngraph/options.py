@@ -70,7 +70,7 @@ class BuildOptions:
     Thresholds (default: the heuristics' own): row_loop_tile (the looped and split modes' tile),
     row_split_min_reduced (reduced length from which rows split), row_combine_values (partials a
     split combine folds per trip), norm_backward_max_reduced (longest row the fused norm
-    backward holds), column_prefetch_tiles and column_stream_apply (column splits' loads),
+    backward holds as one tile; wider rows walk chunks of at most that width), column_prefetch_tiles and column_stream_apply (column splits' loads),
     conv_fold_channels_below (channels per group below which conv taps fold into the GEMM)."""
 
     autotune: bool = False

@@ -625,19 +625,40 @@ def _part_column(src, side: str) -> str:
     return f"part_{side}" if src.spec.part_strides is not None else f"{side}_idx"
 
 
-def _fused_body(src, used):
-    """Fused norm backward: this program's contiguous block of rows, BLOCK_K rows a trip, each
-    whole row one tile; dx stored per trip, the parameter sums folded over the trips' rows into
-    [1, BLOCK_R] columns and stored once as this program's row of the partials."""
-    spec = src.spec
-    geo = spec.schedule.geometry
-    top = src.emitter()
+def _fused_rows(src):
+    """pid and this fused program's contiguous block of rows [row_begin, row_end)."""
+    geo = src.spec.schedule.geometry
     pid = "tl.program_id(0)" + (".to(tl.int64)" if geo.index_64 else "")
     src.line(f"pid = {pid}")
     src.line("n_reduced = reduced * 1.0")
     src.line("rows_per_program = tl.cdiv(tl.cdiv(rows, SPLITS), BLOCK_K) * BLOCK_K")
     src.line("row_begin = pid * rows_per_program")
     src.line("row_end = tl.minimum(row_begin + rows_per_program, rows)")
+
+
+def _fused_row_trip(src, used):
+    """The head of a fused program's trip over BLOCK_K rows: K indices, mask and offsets."""
+    geo = src.spec.schedule.geometry
+    src.line("for k_start in range(row_begin, row_end, BLOCK_K):")
+    src.depth += 1
+    src.line("k_idx = k_start + tl.arange(0, BLOCK_K)")
+    src.line("k_mask = k_idx < row_end")
+    _decompose(src, "k", "k_idx", geo.k_sizes)
+    _offsets(src, used, "k")
+
+
+def _fused_body(src, used):
+    """Fused norm backward: this program's contiguous block of rows, BLOCK_K rows a trip, each
+    whole row one tile; dx stored per trip, the parameter sums folded over the trips' rows into
+    [1, BLOCK_R] columns and stored once as this program's row of the partials. Rows wider
+    than BLOCK_R take the chunked form (_fused_chunked_body)."""
+    spec = src.spec
+    geo = spec.schedule.geometry
+    if spec.schedule.config.block_r < (geo.source_reduced or geo.reduced):
+        _fused_chunked_body(src, used)
+        return
+    top = src.emitter()
+    _fused_rows(src)
     src.line("r_idx = tl.arange(0, BLOCK_R)")
     src.line("r_mask = r_idx < reduced")
     _decompose(src, "r", "r_idx", geo.r_sizes)
@@ -647,12 +668,7 @@ def _fused_body(src, used):
     _load_inputs(src, top, used, ("col", "scalar"))
     for acc in spec.param_accumulators:
         src.line(f"{acc.name}_cols = tl.zeros([1, BLOCK_R], tl.float32)")
-    src.line("for k_start in range(row_begin, row_end, BLOCK_K):")
-    src.depth += 1
-    src.line("k_idx = k_start + tl.arange(0, BLOCK_K)")
-    src.line("k_mask = k_idx < row_end")
-    _decompose(src, "k", "k_idx", geo.k_sizes)
-    _offsets(src, used, "k")
+    _fused_row_trip(src, used)
     src.line("tile_mask = k_mask[:, None] & r_mask[None, :]")
     tile = src.emitter(top)
     _load_inputs(src, tile, used, ("row", "tile"))
@@ -668,6 +684,57 @@ def _fused_body(src, used):
     for acc in spec.param_accumulators:
         src.line(f"tl.store(part_{acc.name}_ptr + pid * reduced + part_r[None, :], {acc.name}_cols, "
                  f"mask=r_mask[None, :])")
+
+
+def _fused_chunked_body(src, used):
+    """Fused norm backward over rows wider than a tile: each trip of BLOCK_K rows walks the row
+    in BLOCK_R chunks twice, first folding the row sums, then storing dx from the same chunks
+    (re-read from L2, so dy and x leave HBM once) while each chunk's dscale/dbias column sums
+    grow in registers. The chunks are unrolled: a chunk's column sums are variables of their
+    own (`<sum>_cols_<chunk>`), held across the program's rows and stored once at the end."""
+    spec = src.spec
+    geo = spec.schedule.geometry
+    chunks = -(-(geo.source_reduced or geo.reduced) // spec.schedule.config.block_r)
+    (accumulators, finalize), = spec.recipe.stages_for("looped")
+    if any(acc.combine == "welford" for acc in accumulators):
+        raise UnsupportedError(f"{spec.description}: the chunked fused form folds plain row sums only")
+    top = src.emitter()
+    _fused_rows(src)
+    _load_inputs(src, top, used, ("scalar",))
+    for acc in spec.param_accumulators:
+        for chunk in range(chunks):
+            src.line(f"{acc.name}_cols_{chunk} = tl.zeros([1, BLOCK_R], tl.float32)")
+    _fused_row_trip(src, used)
+    rows = src.emitter(top)
+    _load_inputs(src, rows, used, ("row",))
+    for acc in accumulators:
+        src.line(f"{acc.name}_lanes = {_filled(acc, '[BLOCK_K, BLOCK_R]')}")
+    for chunk in range(chunks):  # the row sums, chunk by chunk (loads of every chunk in flight)
+        tile = _tile_scope(src, rows, used, f"{chunk} * BLOCK_R", "reduced")
+        roles = _roles(spec, tile)
+        for acc in accumulators:
+            masked = _masked(acc.element.format(**roles), _identity(acc))
+            src.line(f"{acc.name}_lanes = {COMBINE[acc.combine].format(acc.name + '_lanes', masked)}")
+    for acc in accumulators:
+        src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(acc.name + '_lanes')}")
+    _finalize(src, rows, finalize)
+    _row_outputs(src, rows, used)
+    for chunk in range(chunks):  # dx and the column sums from the same chunks
+        tile = _tile_scope(src, rows, used, f"{chunk} * BLOCK_R", "reduced")
+        _tile_outputs(src, tile, used)
+        roles = _roles(spec, tile)
+        for acc in spec.param_accumulators:
+            element = _masked(acc.element.format(**roles), "0.0")
+            src.line(f"{acc.name}_cols_{chunk} += tl.sum({element}, axis=0, keep_dims=True)")
+    src.depth -= 1
+    for chunk in range(chunks):
+        src.line(f"r_idx = {chunk} * BLOCK_R + tl.arange(0, BLOCK_R)")
+        src.line("r_mask = r_idx < reduced")
+        _decompose(src, "r", "r_idx", geo.r_sizes)
+        _part_offsets(src, "r")
+        for acc in spec.param_accumulators:
+            src.line(f"tl.store(part_{acc.name}_ptr + pid * reduced + part_r[None, :], {acc.name}_cols_{chunk}, "
+                     f"mask=r_mask[None, :])")
 
 
 BODIES = {"main": _main_body, "apply": _apply_body, "partial": _partial_body, "combine": _combine_body,

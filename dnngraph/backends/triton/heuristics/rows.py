@@ -392,27 +392,58 @@ FUSED_PROGRAMS_PER_SM = 2
 # combine) against 32 rows of dy, x and dx (32 x 3 x C x 2 B at bf16) adds 8% to the bytes moved;
 # 4096 rows therefore take 128 programs, 16384 rows 264 (two per SM).
 FUSED_MIN_ROWS_PER_PROGRAM = 32
+# Wider rows take the looped fused form: a trip of FUSED_LOOP_ROWS rows walks the row in
+# FUSED_LOOP_CHUNK-wide chunks twice (the row sums, then dx from the same chunks, re-read from
+# L2), the column sums of every chunk held in registers across the program's rows (the kernel
+# unrolls the chunks: registers cannot be indexed). dy and x still come from HBM once.
+# The column sums cost accumulators x row / threads registers per thread: 56 for a layernorm
+# row of 14336 at 16 warps. Past FUSED_COLUMN_VALUES per thread (or FUSED_MAX_CHUNKS chunks of
+# unrolled source) the separate dx and dscale/dbias kernels run instead. One program per SM: the
+# column sums fill half the register file (reasoned, not swept: benchmarks/sweep_rows.py
+# "norm_bwd_*" prints each constant's neighbours).
+FUSED_LOOP_CHUNK = 2048
+FUSED_LOOP_ROWS = 2
+FUSED_LOOP_WARPS = 16
+FUSED_LOOP_PROGRAMS_PER_SM = 1
+FUSED_COLUMN_VALUES = 64
+FUSED_MAX_CHUNKS = 16
+
+
+def _pow2_at_most(value: int) -> int:
+    return 1 << (max(1, value).bit_length() - 1)
+
+
 def fused_norm_backward(geo: RowGeometry, accumulators: int, bytes_main: int, target: Target,
                         programs: int | None = None,
                         max_reduced: int = FUSED_MAX_REDUCED) -> RowConfig | None:
     """The fused dx + dscale/dbias config on `target` of a feature-norm backward (mode "fused",
     `splits` holding the program count; `programs` forces it), or None where it does not
-    apply: switched off, rows not vectorized (K the contiguous side), or rows longer than
-    `max_reduced` (what a program holds)."""
+    apply: switched off, rows not vectorized (K the contiguous side), or rows whose column sums
+    do not fit a program's registers. Rows up to `max_reduced` (power of two) are one tile
+    (BLOCK_R covers the row); wider ones are walked in BLOCK_R chunks (the looped form)."""
     if not FUSE_NORM_BACKWARD:
         return None
     block_r = pow2_at_least(geo.reduced)
     # one column is vectorized along K as well: the tile loads walk rows, still coalesced
-    if not (geo.r_contiguous or geo.reduced == 1) or block_r > max_reduced:
+    if not (geo.r_contiguous or geo.reduced == 1):
         return None
-    block_k = max(1, min(pow2_at_least(geo.rows), FUSED_TILE // block_r))
+    if block_r <= max_reduced:
+        block_k = max(1, min(pow2_at_least(geo.rows), FUSED_TILE // block_r))
+        warps = _warps(block_k * block_r)
+        wanted = min(target.sms * FUSED_PROGRAMS_PER_SM, -(-geo.rows // FUSED_MIN_ROWS_PER_PROGRAM))
+        default_programs = max(target.sms, wanted)
+    else:
+        block_r = min(FUSED_LOOP_CHUNK, _pow2_at_most(max_reduced))
+        chunks = -(-geo.reduced // block_r)
+        warps = FUSED_LOOP_WARPS
+        if chunks > FUSED_MAX_CHUNKS or accumulators * chunks * block_r > FUSED_COLUMN_VALUES * warps * 32:
+            return None
+        block_k = min(pow2_at_least(geo.rows), FUSED_LOOP_ROWS)
+        default_programs = target.sms * FUSED_LOOP_PROGRAMS_PER_SM
     blocks = -(-geo.rows // block_k)
-    wanted = min(target.sms * FUSED_PROGRAMS_PER_SM, -(-geo.rows // FUSED_MIN_ROWS_PER_PROGRAM))
-    programs = programs or max(target.sms, wanted)
-    programs = max(1, min(blocks, programs))
+    programs = max(1, min(blocks, programs or default_programs))
     partial_bytes = 2 * accumulators * programs * geo.reduced * 4  # written, then read back
     seconds = (geo.rows * geo.reduced * bytes_main + partial_bytes) / target.bandwidth
-    warps = _warps(block_k * block_r)
     return RowConfig("fused", block_k, block_r, warps, programs, seconds * 1e6 + PROGRAM_OVERHEAD * 1e6)
 
 

@@ -1,7 +1,8 @@
 """Build the launches of a row group (reductions, softmax, norms): one kernel, or partial,
 combine and apply kernels in split mode; norm backward adds a dscale/dbias kernel where those
-are not per-row sums of the dx kernel, or (layernorm, rmsnorm where the row fits a program) takes
-them as column sums in the dx kernel and adds only a combine of their partials."""
+are not per-row sums of the dx kernel, or (layernorm, rmsnorm where the column sums of a row fit
+a program's registers: every width up to 16384 at two sums) takes them as column sums in the dx
+kernel and adds only a combine of their partials."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
