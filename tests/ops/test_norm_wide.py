@@ -1,6 +1,7 @@
 """Feature-norm backward (layernorm, rmsnorm) over rows wider than one tile: two kernels, the
 chunked fused dx + dscale/dbias kernel and the combine of its partials; the fused configs the
-heuristics give across row shapes; the GPU at the benchmark shapes."""
+heuristics give across row shapes; layernorm's forward statistics as one Welford reduction of
+the row (wide one-pass rows); the GPU at the benchmark shapes."""
 import re
 
 import pytest
@@ -11,7 +12,9 @@ from dnngraph import target as targets
 from dnngraph.backends.triton.heuristics import rows as row_heuristics
 from dnngraph.backends.triton.heuristics.pointwise import pow2_at_least
 from helpers import check, run
-from ops.test_norms import _fused_backward, _fused_launches, _to_cuda, shifted
+from ops.test_norms import _feature_graph, _fused_backward, _fused_launches, _to_cuda, shifted
+from ops.test_norms import check_non_finite_feature_norm
+from dnngraph.backends.triton.lower.rows import _single_reduction_min
 
 CUDA = "cuda"
 OPS = ["layernorm_backward", "rmsnorm_backward"]
@@ -172,6 +175,54 @@ def test_fused_configs_are_sane(target, accumulators):
     assert row_heuristics.fused_norm_backward(_geometry(16, too_wide), accumulators, 6, target) is None
 
 
+# --- layernorm forward: one Welford reduction of the row ---------------------------------------
+SINGLE = dg.BuildOptions(row_single_reduction_min=1)  # every one-pass row (small ones: the interpreter)
+
+
+def _single_reduction_source(graph) -> bool:
+    return "tr.welford_merge" in open(graph.plan.launches[0].source_path).read()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 100), (5, 257), (1, 77), (6, 1)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layernorm_forward_single_reduction(dtype, shape, bias):
+    g, inputs = _feature_graph("layernorm", dtype, shape, bias=bias)
+    check(g, inputs, dtype, options=SINGLE)
+    assert _single_reduction_source(g)
+
+
+def test_layernorm_forward_single_reduction_strides_and_precision():
+    """Batch dims stored transposed; a mean of 1e4 against a spread of 0.1 in fp32 (y is 3e-3
+    off in either form: the mean rounded to fp32; Welford merges not centred were 2e-2 off)."""
+    g = dg.Graph()
+    x_t = (1e4 + 0.1 * torch.randn(3, 7, 200)).transpose(0, 1)
+    x, s, b = g.tensor_like(x_t, "x"), g.tensor(name="scale", dim=[1, 1, 200]), g.tensor(name="bias", dim=[1, 1, 200])
+    for out in g.layernorm(x, s, b):
+        out.set_output(True)
+    check(g, {x: x_t, s: shifted(1, 1, 200), b: torch.randn(1, 1, 200)}, tolerance=1e-2, options=SINGLE)
+    assert _single_reduction_source(g)
+
+
+@pytest.mark.parametrize("phase", ["training", "inference"])
+def test_layernorm_forward_single_reduction_non_finite_rows(phase):
+    """NaN, -inf and +inf rows: an infinite mean and a NaN variance, as float64 has them."""
+    check_non_finite_feature_norm("layernorm", phase, "cpu", SINGLE)
+
+
+def test_single_reduction_threshold_by_device():
+    """GPUs take the single reduction from the heuristics' width; the interpreter only where the
+    options set a threshold of their own (its tree reduction with a custom combine is slow)."""
+    default = dg.BuildOptions()
+    assert _single_reduction_min(default, torch.device("cuda", 0)) == row_heuristics.SINGLE_REDUCTION_MIN_REDUCED
+    assert _single_reduction_min(default, torch.device("cpu")) is None
+    assert _single_reduction_min(SINGLE, torch.device("cpu")) == 1
+    one_pass = row_heuristics.RowConfig("one_pass", 1, 16384, 16, 1, 0.0)
+    assert row_heuristics.single_reduction(one_pass) and not row_heuristics.single_reduction(
+        row_heuristics.RowConfig("one_pass", 1, 8192, 16, 1, 0.0))
+    assert not row_heuristics.single_reduction(row_heuristics.RowConfig("looped", 1, 16384, 16, 1, 0.0))
+
+
 # --- GPU ---------------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("op", OPS)
@@ -187,3 +238,15 @@ def test_norm_backward_benchmark_shapes_gpu(op, shape):
         assert _fused_launches(g) == ["fused", "combine"]
     again = run(g, inputs, CUDA)
     assert all(torch.equal(first[name], again[name]) for name in first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 14336), (4096, 4096), (33, 16385)])
+def test_layernorm_forward_benchmark_shapes_gpu(shape):
+    """bf16 layernorm forward against float64 on the GPU; one-pass rows of 16384 lanes take
+    the single Welford reduction."""
+    g, inputs = _feature_graph("layernorm", torch.bfloat16, shape)
+    check(g, _to_cuda(inputs), torch.bfloat16, device=CUDA, reference_device=CUDA)
+    config = g.plan.launches[0].config_text
+    if "(one_pass)" in config and _block_r(g) >= row_heuristics.SINGLE_REDUCTION_MIN_REDUCED:
+        assert _single_reduction_source(g)

@@ -71,6 +71,11 @@ STREAM_APPLY = True
 COMBINE_VALUES = 2048
 COMBINE_BLOCK_K = 8
 MODES = ("one_pass", "looped", "split")
+# One-pass rows of at least this many lanes (BLOCK_R) take a recipe's single-stage form where it
+# has one: layernorm's statistics as one Welford reduction of the row, not a mean reduction and
+# then a dependent squared-deviation one. H100 2026-11-24 (BENCHMARKS.md "Rows"): layernorm
+# forward 4096x14336 bf16 ran at 68% of copy with the two, rmsnorm (one reduction) at 95%.
+SINGLE_REDUCTION_MIN_REDUCED = 16384
 # bounds a tuning-cache record must respect (wider than any candidate, far below nonsense)
 MAX_BLOCK = 1 << 17
 MAX_SPLITS = 1 << 16
@@ -288,6 +293,12 @@ def _column_rank(geo: RowGeometry, mode, block_k, block_r) -> int:
         if block_k * block_r == tile_k * tile_r and block_k == min(tile_k, pow2_at_least(geo.rows)):
             return index
     return len(COLUMN_TILES)
+
+
+def single_reduction(config: RowConfig, min_reduced: int = SINGLE_REDUCTION_MIN_REDUCED) -> bool:
+    """Whether a one-pass row kernel of `config` reduces its row once (the recipe's single-stage
+    form) rather than stage by stage: rows of `min_reduced` lanes and wider."""
+    return config.mode == "one_pass" and config.block_r >= min_reduced
 
 
 def combine_blocks(rows: int, splits: int, values: int = COMBINE_VALUES) -> tuple:
