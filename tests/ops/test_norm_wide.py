@@ -250,3 +250,32 @@ def test_layernorm_forward_benchmark_shapes_gpu(shape):
     config = g.plan.launches[0].config_text
     if "(one_pass)" in config and _block_r(g) >= row_heuristics.SINGLE_REDUCTION_MIN_REDUCED:
         assert _single_reduction_source(g)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_chunked_dynamic_rows_and_width(op):
+    """Rows and width dynamic: the chunks are unrolled for the bucket's top width; at sizes below
+    it the last chunks are masked and programs past the rows store zero partials."""
+    g = dg.Graph(name="norm_bwd_dynamic")
+    rows, cols = dg.dynamic("rows", 1, 16), dg.dynamic("cols", 65, 300)
+    x, dy = g.tensor(name="x", dim=[rows, cols]), g.tensor(name="dy", dim=[rows, cols])
+    scale = g.tensor(name="scale", dim=[1, cols])
+    stats = [g.tensor(name=n, dim=[rows, 1], data_type=dg.float32)
+             for n in (("mean", "inv") if op == "layernorm_backward" else ("inv",))]
+    extra = {} if op == "layernorm_backward" else {"has_dbias": True}
+    grads = getattr(g, op)(dy, x, scale, *stats, **extra)
+    for index, grad in enumerate(grads):
+        grad.set_output(True).set_name(f"grad{index}")
+    g.build(options=_chunked(64, 3))
+    for low_rows, low_cols in ((3, 70), (16, 300), (1, 129)):
+        inputs = {"x": shifted(low_rows, low_cols), "dy": torch.randn(low_rows, low_cols),
+                  "scale": shifted(1, low_cols), "inv": torch.rand(low_rows, 1) + 0.5}
+        if op == "layernorm_backward":
+            inputs["mean"] = torch.randn(low_rows, 1)
+        reference = g.reference(inputs)
+        outputs = {grad.name: torch.full(tuple(reference[grad.name].shape), float("nan")) for grad in grads}
+        g.execute({**inputs, **outputs})
+        for name, got in outputs.items():
+            assert (got.double() - reference[name]).norm() / reference[name].norm() < 5e-5, (low_rows, low_cols, name)
+        config = " ".join(launch.config_text for launch in g.plan.plan_for((low_cols, low_rows)).launches)  # symbols by name
+        assert "fused" in config and "BLOCK_R=64" in config
