@@ -183,10 +183,11 @@ def _single_reduction_source(graph) -> bool:
     return "tr.welford_merge" in open(graph.plan.launches[0].source_path).read()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(37, 100), (5, 257), (1, 77), (6, 1)])
-@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype,shape,bias", [
+    (torch.float32, (9, 100), True), (torch.float16, (9, 100), False), (torch.bfloat16, (9, 100), True),
+    (torch.float32, (3, 257), False), (torch.bfloat16, (1, 77), True), (torch.float32, (6, 1), True)])
 def test_layernorm_forward_single_reduction(dtype, shape, bias):
+    """The interpreter runs the Welford tree element by element: small shapes."""
     g, inputs = _feature_graph("layernorm", dtype, shape, bias=bias)
     check(g, inputs, dtype, options=SINGLE)
     assert _single_reduction_source(g)
@@ -279,3 +280,35 @@ def test_chunked_dynamic_rows_and_width(op):
             assert (got.double() - reference[name]).norm() / reference[name].norm() < 5e-5, (low_rows, low_cols, name)
         config = " ".join(launch.config_text for launch in g.plan.plan_for((low_cols, low_rows)).launches)  # symbols by name
         assert "fused" in config and "BLOCK_R=64" in config
+
+
+def sm90_graphs():
+    """The benchmark shapes' norm kernels planned for the H200 (bf16), for the sm_90 compile
+    check: the chunked backward of both norms, the one-tile backward, and layernorm's forward
+    with the single Welford reduction (the interpreter's default skips it: a threshold set)."""
+    h200 = {"target": targets.H200}
+    for op in OPS:
+        for rows, columns in ((4096, 14336), (4096, 8192)):
+            g = _graph_at(op, rows, columns)
+            g.build(options=dg.BuildOptions(**h200))
+            yield f"{op} {rows}x{columns}", g
+    for rows, columns in ((4096, 14336), (16384, 8192)):
+        g, _ = _feature_graph("layernorm", torch.bfloat16, (rows, columns))
+        g.build(options=dg.BuildOptions(row_single_reduction_min=8192, **h200))
+        yield f"layernorm {rows}x{columns}", g
+
+
+# spill-store bytes the chunked kernel may have (the column sums take half the registers:
+# layernorm's compiled with 28)
+CHUNKED_SPILL_BYTES = 64
+
+
+def test_kernels_compile_for_sm90_with_few_spills():
+    from helpers import compiled_for_sm90
+    out = compiled_for_sm90("test_norm_wide:sm90_graphs", env={"SM90_SPILLS": "1"})
+    assert "compiled 10 kernels for sm_90" in out
+    spills = [line for line in out.splitlines() if line.startswith("spills")]
+    assert len(spills) == 10
+    for line in spills:
+        limit = CHUNKED_SPILL_BYTES if "14336" in line and "_backward_combine" not in line and "backward" in line else 0
+        assert int(line.rsplit(" ", 1)[1]) <= limit, line

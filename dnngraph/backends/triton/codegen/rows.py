@@ -751,12 +751,15 @@ def _fused_chunked_body(src, used):
     _load_inputs(src, rows, used, ("row",))
     for acc in accumulators:
         src.line(f"{acc.name}_lanes = {_filled(acc, '[BLOCK_K, BLOCK_R]')}")
-    for chunk in range(chunks):  # the row sums, chunk by chunk (loads of every chunk in flight)
-        tile = _tile_scope(src, rows, used, f"{chunk} * BLOCK_R", "reduced")
-        roles = _roles(spec, tile)
-        for acc in accumulators:
-            masked = _masked(acc.element.format(**roles), _identity(acc))
-            src.line(f"{acc.name}_lanes = {COMBINE[acc.combine].format(acc.name + '_lanes', masked)}")
+    # the row sums in a loop: unrolled, the compiler hoisted every chunk's loads and spilled
+    src.line("for r_start in range(0, reduced, BLOCK_R):")
+    src.depth += 1
+    tile = _tile_scope(src, rows, used, "r_start", "reduced")
+    roles = _roles(spec, tile)
+    for acc in accumulators:
+        masked = _masked(acc.element.format(**roles), _identity(acc))
+        src.line(f"{acc.name}_lanes = {COMBINE[acc.combine].format(acc.name + '_lanes', masked)}")
+    src.depth -= 1
     for acc in accumulators:
         src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(acc.name + '_lanes')}")
     _finalize(src, rows, finalize)

@@ -410,10 +410,12 @@ FUSED_MIN_ROWS_PER_PROGRAM = 32
 # The column sums cost accumulators x row / threads registers per thread: 56 for a layernorm
 # row of 14336 at 16 warps. Past FUSED_COLUMN_VALUES per thread (or FUSED_MAX_CHUNKS chunks of
 # unrolled source) the separate dx and dscale/dbias kernels run instead. One program per SM: the
-# column sums fill half the register file (reasoned, not swept: benchmarks/sweep_rows.py
-# "norm_bwd_*" prints each constant's neighbours).
+# column sums fill half the register file. Spill stores compiled for sm_90 (4096x14336 bf16,
+# 16 warps, layernorm / rmsnorm+dbias bytes): chunk 2048 one row a trip 28 / 0, two rows 924+;
+# chunk 1024: 92 / 84; chunk 4096: 76 / 4. Times are not swept yet: benchmarks/sweep_rows.py
+# "norm_bwd_*" prints each constant's neighbours.
 FUSED_LOOP_CHUNK = 2048
-FUSED_LOOP_ROWS = 2
+FUSED_LOOP_ROWS = 1
 FUSED_LOOP_WARPS = 16
 FUSED_LOOP_PROGRAMS_PER_SM = 1
 FUSED_COLUMN_VALUES = 64
@@ -449,7 +451,8 @@ def fused_norm_backward(geo: RowGeometry, accumulators: int, bytes_main: int, ta
         warps = FUSED_LOOP_WARPS
         if chunks > FUSED_MAX_CHUNKS or accumulators * chunks * block_r > FUSED_COLUMN_VALUES * warps * 32:
             return None
-        block_k = min(pow2_at_least(geo.rows), FUSED_LOOP_ROWS)
+        # several rows a trip keep more loads in flight, unless there are too few rows to fill the SMs
+        block_k = FUSED_LOOP_ROWS if geo.rows >= target.sms * FUSED_LOOP_ROWS else 1
         default_programs = target.sms * FUSED_LOOP_PROGRAMS_PER_SM
     blocks = -(-geo.rows // block_k)
     programs = max(1, min(blocks, programs or default_programs))

@@ -383,7 +383,8 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
                 _row_launch(combine_spec, -(-param_geo.rows // combine_k), COMBINE_WARPS)]
 
     chosen = ranked[0]
-    reason = (f"fused dx + dscale/dbias: {chosen.splits} programs of contiguous row blocks, "
+    walk = "" if chosen.block_r >= top_geo.reduced else f" walking rows in chunks of {chosen.block_r}"
+    reason = (f"fused dx + dscale/dbias: {chosen.splits} programs of contiguous row blocks{walk}, "
               f"{chosen.estimate_us:.1f} us by the model for K={top_geo.rows} rows x R={top_geo.reduced}")
     record = TuningRecord("model", _fused_text(chosen))
     if tuner is not None:
