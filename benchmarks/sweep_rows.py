@@ -95,7 +95,7 @@ def _norm_backward(op, rows_, cols):
 
 # fused norm backward: (constants set on heuristics/rows.py, BuildOptions) per line; {} = the model
 CHUNKED = [({}, {})] + [({"FUSED_LOOP_CHUNK": chunk, "FUSED_LOOP_ROWS": rows_}, {})
-                        for chunk in (2048, 4096) for rows_ in (1, 2, 4)] + [
+                        for chunk in (2048, 4096) for rows_ in (1, 2)] + [
     ({"FUSED_LOOP_PROGRAMS_PER_SM": 2, "FUSED_LOOP_WARPS": 8}, {}),
     ({"FUSED_LOOP_CHUNK": 1024, "FUSED_LOOP_ROWS": 2}, {})]
 ONE_TILE_OR_CHUNKED = [({}, {}), ({}, {"norm_backward_max_reduced": 4096}), ({}, {"norm_backward_max_reduced": 2048}),
