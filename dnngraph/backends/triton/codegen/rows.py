@@ -395,7 +395,8 @@ def _welford_one_pass(src, tile, top, used, acc):
     centred = _masked(f"({acc.element.format(**_roles(src.spec, tile))}) - {shift}", "0.0")
     lanes = f"tile_mask.to(tl.float32), {centred}, tl.zeros([BLOCK_K, BLOCK_R], tl.float32)"
     src.line(f"{parts} = tl.reduce(({lanes}), 1, tr.welford_merge, keep_dims=True)")
-    src.line(f"{acc.name}_mean = {acc.name}_mean + {shift}")
+    # a row of no elements has a NaN mean (0 / 0), as the sums' form and torch give it
+    src.line(f"{acc.name}_mean = tl.where({acc.name}_count > 0, {acc.name}_mean + {shift}, float('nan'))")
 
 
 def _first_element(src, top, used, acc) -> str:
