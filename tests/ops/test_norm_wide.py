@@ -37,12 +37,11 @@ def _backward(op, rows, columns, dtype=torch.float32, has_dbias=True):
                            shifted(1, columns, dtype=dtype), dtype, has_dbias=has_dbias)
 
 
-@pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16])
+@pytest.mark.parametrize("op,dtype", [("layernorm_backward", torch.bfloat16)])
 def test_wide_rows_are_two_kernels_by_default(op, dtype):
     """5 x 14335 with the model's config: the chunked fused kernel (BLOCK_R below the row) and
-    the combine, against float64 with poisoned outputs (fp32 and fp16 run below, on narrower
-    chunks: the interpreter's time)."""
+    the combine, against float64 with poisoned outputs (rmsnorm, fp32 and fp16 run below on
+    narrower chunks: the interpreter's time, most of it the combine's 1792 programs)."""
     g, inputs = _backward(op, 5, 14335, dtype)
     check(g, inputs, dtype, tolerance=TOLERANCE[dtype])
     assert _fused_launches(g) == ["fused", "combine"]
@@ -50,7 +49,7 @@ def test_wide_rows_are_two_kernels_by_default(op, dtype):
 
 
 @pytest.mark.parametrize("op", OPS)
-@pytest.mark.parametrize("shape,max_reduced", [((21, 1000), 128), ((1, 700), 128), ((130, 129), 128),
+@pytest.mark.parametrize("shape,max_reduced", [((21, 1000), 128), ((1, 700), 128), ((20, 129), 128),
                                                ((16, 257), 64), ((3, 33), 16)])
 @pytest.mark.parametrize("programs", [None, 3])
 def test_chunked_odd_shapes(op, shape, max_reduced, programs):

@@ -403,10 +403,10 @@ FUSED_PROGRAMS_PER_SM = 2
 # combine) against 32 rows of dy, x and dx (32 x 3 x C x 2 B at bf16) adds 8% to the bytes moved;
 # 4096 rows therefore take 128 programs, 16384 rows 264 (two per SM).
 FUSED_MIN_ROWS_PER_PROGRAM = 32
-# Wider rows take the looped fused form: a trip of FUSED_LOOP_ROWS rows walks the row in
-# FUSED_LOOP_CHUNK-wide chunks twice (the row sums, then dx from the same chunks, re-read from
-# L2), the column sums of every chunk held in registers across the program's rows (the kernel
-# unrolls the chunks: registers cannot be indexed). dy and x still come from HBM once.
+# Wider rows take the chunked fused form: a trip of FUSED_LOOP_ROWS rows walks the row in
+# FUSED_LOOP_CHUNK-wide chunks twice (a loop folding the row sums, then dx from the same chunks,
+# re-read from L2), the column sums of every chunk held in registers across the program's rows
+# (the second walk is unrolled: registers cannot be indexed). dy and x come from HBM once.
 # The column sums cost accumulators x row / threads registers per thread: 56 for a layernorm
 # row of 14336 at 16 warps. Past FUSED_COLUMN_VALUES per thread (or FUSED_MAX_CHUNKS chunks of
 # unrolled source) the separate dx and dscale/dbias kernels run instead. One program per SM: the

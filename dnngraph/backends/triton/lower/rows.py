@@ -204,6 +204,9 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
                   loads=_row_loads(group, epilogue), compute=graph.compute_data_type.triton_type,
                   description=group.summary(), epilogue=epilogue)
     single = single_min is not None and row_heuristics.single_reduction(cfg, single_min)
+    if single:
+        common["schedule"] = replace(sched, reason=sched.reason + f"; statistics as one Welford reduction of the "
+                                                                  f"row (rows of {single_min} lanes and wider)")
     if cfg.mode != "split":
         spec = RowKernelSpec(name, "main", stores=tuple(stores), single_reduction=single, **common)
         return [_row_launch(spec, sched.programs, cfg.num_warps)]
