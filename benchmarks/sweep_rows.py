@@ -97,6 +97,7 @@ def _norm_backward(op, rows_, cols):
 CHUNKED = [({}, {})] + [({"FUSED_LOOP_CHUNK": chunk, "FUSED_LOOP_ROWS": rows_}, {})
                         for chunk in (2048, 4096) for rows_ in (1, 2)] + [
     ({"FUSED_LOOP_PROGRAMS_PER_SM": 2, "FUSED_LOOP_WARPS": 8}, {}),
+    ({"FUSED_LOOP_PREFETCH": 0}, {}), ({"FUSED_LOOP_PREFETCH": 1}, {}), ({"FUSED_LOOP_PREFETCH": 3}, {}),
     ({"FUSED_LOOP_CHUNK": 1024, "FUSED_LOOP_ROWS": 2}, {})]
 ONE_TILE_OR_CHUNKED = [({}, {}), ({}, {"norm_backward_max_reduced": 4096}), ({}, {"norm_backward_max_reduced": 2048}),
                        ({"FUSED_PROGRAMS_PER_SM": 1}, {}), ({"FUSED_MIN_ROWS_PER_PROGRAM": 16}, {})]

@@ -752,15 +752,16 @@ def _fused_chunked_body(src, used):
     _load_inputs(src, rows, used, ("row",))
     for acc in accumulators:
         src.line(f"{acc.name}_lanes = {_filled(acc, '[BLOCK_K, BLOCK_R]')}")
-    # the row sums in a loop: unrolled, the compiler hoisted every chunk's loads and spilled
-    src.line("for r_start in range(0, reduced, BLOCK_R):")
-    src.depth += 1
-    tile = _tile_scope(src, rows, used, "r_start", "reduced")
-    roles = _roles(spec, tile)
-    for acc in accumulators:
-        masked = _masked(acc.element.format(**roles), _identity(acc))
-        src.line(f"{acc.name}_lanes = {COMBINE[acc.combine].format(acc.name + '_lanes', masked)}")
-    src.depth -= 1
+
+    def fold(tile):
+        roles = _roles(spec, tile)
+        for acc in accumulators:
+            masked = _masked(acc.element.format(**roles), _identity(acc))
+            src.line(f"{acc.name}_lanes = {COMBINE[acc.combine].format(acc.name + '_lanes', masked)}")
+
+    # the row sums in a loop (`spec.prefetch` chunks' loads ahead): unrolled, the compiler
+    # hoisted every chunk's loads and spilled
+    _tile_loop(src, rows, used, "0", "reduced", fold)
     for acc in accumulators:
         src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(acc.name + '_lanes')}")
     _finalize(src, rows, finalize)

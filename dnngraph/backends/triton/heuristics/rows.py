@@ -411,8 +411,9 @@ FUSED_MIN_ROWS_PER_PROGRAM = 32
 # row of 14336 at 16 warps. Past FUSED_COLUMN_VALUES per thread (or FUSED_MAX_CHUNKS chunks of
 # unrolled source) the separate dx and dscale/dbias kernels run instead. One program per SM: the
 # column sums fill half the register file. Spill stores compiled for sm_90 (4096x14336 bf16,
-# 16 warps, layernorm / rmsnorm+dbias bytes): chunk 2048 one row a trip 28 / 0, two rows 924+;
-# chunk 1024: 92 / 84; chunk 4096: 76 / 4. Times are not swept yet: benchmarks/sweep_rows.py
+# 16 warps, layernorm / rmsnorm+dbias bytes, no prefetch): chunk 2048 one row a trip 28 / 0, two
+# rows 924+; chunk 1024: 92 / 84; chunk 4096: 76 / 4; chunk 2048 prefetching 1, 2, 3 chunks:
+# 48 / 0, 32 / 0, 32 / 0. Times are not swept yet: benchmarks/sweep_rows.py
 # "norm_bwd_*" prints each constant's neighbours.
 FUSED_LOOP_CHUNK = 2048
 FUSED_LOOP_ROWS = 1
@@ -420,6 +421,15 @@ FUSED_LOOP_WARPS = 16
 FUSED_LOOP_PROGRAMS_PER_SM = 1
 FUSED_COLUMN_VALUES = 64
 FUSED_MAX_CHUNKS = 16
+# Chunks whose loads the row-sum loop keeps in flight ahead of the one it folds (Triton pipelines
+# no plain loads): one program per SM moves 8 KB a chunk of dy and x at bf16, and HBM wants
+# about 25 KB in flight per SM (3.35 TB/s x ~1 us over 132 SMs), so two ahead.
+FUSED_LOOP_PREFETCH = 2
+
+
+def fused_prefetch(config: RowConfig, geo: RowGeometry) -> int:
+    """Chunks the chunked fused kernel's row-sum loop loads ahead (0 for a one-tile row)."""
+    return FUSED_LOOP_PREFETCH if config.block_r < (geo.source_reduced or geo.reduced) else 0
 
 
 def _pow2_at_most(value: int) -> int:

@@ -372,6 +372,7 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
                                    kinds=kinds, loads=tuple(t.uid for t in dx_reads), stores=tuple(dx_stores),
                                    epilogue=dx_epilogue, partials=part_uids,
                                    param_accumulators=tuple(param_accumulators),
+                                   prefetch=row_heuristics.fused_prefetch(chosen, geo),
                                    part_strides=geo.operand(column_uid).r_strides, **common)
         combine_k, split_tile = combine_blocks(param_geo.rows, chosen.splits, options.row_combine_values)
         combine_config = RowConfig("fused", combine_k, 1, COMBINE_WARPS, chosen.splits, 0.0)
