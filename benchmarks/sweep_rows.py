@@ -1,6 +1,12 @@
 """Time forced row-kernel configs on a few problems (how the heuristics constants were chosen).
 
     python benchmarks/sweep_rows.py     # GPU; prints one line per (problem, config)
+    python benchmarks/sweep_rows.py ln_fwd_4096x14336 norm_bwd_ln_4096x14336   # some problems
+
+The norm_bwd_* problems (fused layernorm/rmsnorm backward) set the heuristics' FUSED_*
+constants for each line (the model's choice otherwise) and print the kernels and their configs,
+so that each constant's neighbours can be compared; ln_fwd_* compares the single Welford
+reduction with the two dependent sums by warps.
 """
 import itertools
 import sys
@@ -10,6 +16,7 @@ import triton
 
 import dnngraph as dg
 from dnngraph.backends.triton.heuristics import rows
+from dnngraph.runtime import plan_cache
 
 BF16 = torch.bfloat16
 
@@ -69,8 +76,97 @@ PROBLEMS = {
 }
 
 
+def _norm_backward(op, rows_, cols):
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    dy, x = g.tensor(name="dy", dim=[rows_, cols]), g.tensor(name="x", dim=[rows_, cols])
+    s = g.tensor(name="s", dim=[1, cols])
+    x_t = torch.randn(rows_, cols, device="cuda", dtype=BF16)
+    feeds = {dy: torch.randn_like(x_t), x: x_t, s: torch.randn(1, cols, device="cuda", dtype=BF16)}
+    inv = g.tensor(name="inv", dim=[rows_, 1], data_type=dg.float32)
+    feeds[inv] = torch.rand(rows_, 1, device="cuda") + 0.5
+    if op == "ln":
+        mean = g.tensor(name="mean", dim=[rows_, 1], data_type=dg.float32)
+        feeds[mean] = torch.randn(rows_, 1, device="cuda") * 0.1
+        outs = g.layernorm_backward(dy, x, s, mean, inv)
+    else:
+        outs = g.rmsnorm_backward(dy, x, s, inv, has_dbias=False)
+    return g, outs, feeds
+
+
+# fused norm backward: (constants set on heuristics/rows.py, BuildOptions) per line; {} = the model
+CHUNKED = [({}, {})] + [({"FUSED_LOOP_CHUNK": chunk, "FUSED_LOOP_ROWS": rows_}, {})
+                        for chunk in (2048, 4096) for rows_ in (1, 2)] + [
+    ({"FUSED_LOOP_PROGRAMS_PER_SM": 2, "FUSED_LOOP_WARPS": 8}, {}),
+    ({"FUSED_LOOP_PREFETCH": 0}, {}), ({"FUSED_LOOP_PREFETCH": 1}, {}), ({"FUSED_LOOP_PREFETCH": 3}, {}),
+    ({"FUSED_LOOP_CHUNK": 1024, "FUSED_LOOP_ROWS": 2}, {})]
+ONE_TILE_OR_CHUNKED = [({}, {}), ({}, {"norm_backward_max_reduced": 4096}), ({}, {"norm_backward_max_reduced": 2048}),
+                       ({"FUSED_PROGRAMS_PER_SM": 1}, {}), ({"FUSED_MIN_ROWS_PER_PROGRAM": 16}, {})]
+
+
+def _norm_bwd_bytes(op, rows_, cols):
+    return 3 * rows_ * cols * 2 + (2 if op == "ln" else 1) * rows_ * 4 + cols * 2 * (3 if op == "ln" else 2)
+
+
+def _norm_bwd_problem(op, rows_, cols, configs):
+    return (lambda: _norm_backward(op, rows_, cols), _norm_bwd_bytes(op, rows_, cols), configs)
+
+
+NORM_BWD = {f"norm_bwd_{op}_{m}x{n}": _norm_bwd_problem(op, m, n, CHUNKED if n > 8192 else ONE_TILE_OR_CHUNKED)
+            for op in ("ln", "rms") for m, n in ((4096, 14336), (4096, 8192), (4096, 4096))}
+# layernorm forward at wide rows: the single Welford reduction (default from 16384 lanes) or the
+# two dependent sums, by warps (one-pass, one row per program)
+LN_FWD = {"ln_fwd_4096x14336": (lambda: _layernorm(4096, 14336), 235e6,
+                                [(None, {}), (None, {"row_single_reduction_min": 1 << 30})]
+                                + [(("one_pass", 1, 16384, w, 1), {"row_single_reduction_min": m})
+                                   for w in (4, 8, 16) for m in (16384, 1 << 30)])}
+
+
+def _time(name, make, nbytes, label, options):
+    plan_cache.clear()  # the heuristics' constants are not in the plan key
+    g, outs, feeds = make()
+    for out in outs:
+        if out is not None:
+            out.set_output(True)
+    try:
+        g.build(options=options)
+        feeds.update({t: torch.empty_strided(t.dim, t.stride, dtype=t.data_type.torch_dtype, device="cuda")
+                      for t in g.outputs()})
+        ms = triton.testing.do_bench(lambda: g.execute(feeds), warmup=5, rep=30)
+        kernels = " | ".join(launch.config_text for launch in g.plan.launches)
+        print(f"{name} {label}: {ms * 1e3:.1f} us {nbytes / ms / 1e9:.2f} TB/s "
+              f"{len(g.plan.launches)} kernels: {kernels}", flush=True)
+    except Exception as error:  # a config may not compile (registers, shared memory)
+        print(f"{name} {label}: failed {type(error).__name__}: {str(error)[:100]}", flush=True)
+
+
+def _norm_bwd(name):
+    make, nbytes, configs = NORM_BWD[name]
+    for constants, options in configs:
+        saved = {k: getattr(rows, k) for k in constants}
+        for key, value in constants.items():
+            setattr(rows, key, value)
+        try:
+            _time(name, make, nbytes, f"{constants or 'model'} {options or ''}".strip(), dg.BuildOptions(**options))
+        finally:
+            for key, value in saved.items():
+                setattr(rows, key, value)
+
+
+def _ln_fwd(name):
+    make, nbytes, configs = LN_FWD[name]
+    for config, options in configs:
+        forced = None if config is None else rows.RowConfig(*config, 0.0)
+        _time(name, make, nbytes, f"{config or 'model'} {options or ''}".strip(),
+              dg.BuildOptions(row_config=forced, **options))
+
+
 def main(names):
-    for name in names or PROBLEMS:
+    for name in names:
+        if name in NORM_BWD:
+            _norm_bwd(name)
+        elif name in LN_FWD:
+            _ln_fwd(name)
+    for name in [n for n in names if n in PROBLEMS] or ([] if names else PROBLEMS):
         make, nbytes, configs = PROBLEMS[name]
         for config in configs:
             options = dg.BuildOptions(row_config=None if config is None else rows.RowConfig(*config, 0.0))

@@ -87,6 +87,9 @@ class RowKernelSpec:
     param_accumulators: tuple = ()
     part_strides: Optional[tuple] = None
     split_tile: int = 0  # combine: partials folded per trip (heuristics/rows.py combine_blocks)
+    # one-pass main kernel: the recipe's single-stage form (one reduction of the row, where the
+    # plain form chains several; heuristics/rows.py single_reduction says where)
+    single_reduction: bool = False
 
     def epilogue_nodes(self) -> tuple:
         return tuple(self.group.epilogue) if self.epilogue is None else self.epilogue
@@ -366,13 +369,52 @@ def _finalize(src, emitter, finalize):
         src.line(text.format(**roles))
 
 
-def _stats_one_pass(src, tile, stages):
+def _stats_one_pass(src, tile, stages, top=None, used=()):
+    """Each stage's reductions of the tile, then its row statements; a Welford accumulator
+    (the single-stage form) merges one-element (count, mean, m2) lanes by one tree, centred on
+    each row's first element (read again by its own load, from `top`'s scope over `used`)."""
     for accumulators, finalize in stages:
         roles = _roles(src.spec, tile)
         for acc in accumulators:
+            if acc.combine == "welford":
+                _welford_one_pass(src, tile, top, used, acc)
+                continue
             element = _masked(acc.element.format(**roles), _identity(acc))
             src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(element)}")
         _finalize(src, tile, finalize)
+
+
+def _welford_one_pass(src, tile, top, used, acc):
+    """(count, mean, m2) of the row by one tree of Chan merges over the tile's elements minus a
+    shift, each row's first element: fp32 means rounded at the data's magnitude would lose a
+    small spread (mean 1e4, spread 1e-2: 20% off unshifted); an inf or NaN shift is taken as 0."""
+    shift = f"{acc.name}_shift"
+    src.line(f"{shift} = {_first_element(src, top, used, acc)}")
+    src.line(f"{shift} = tl.where(tl.abs({shift}) < float('inf'), {shift}, 0.0)")
+    parts = ", ".join(f"{acc.name}_{p}" for p in WELFORD_PARTS)
+    centred = _masked(f"({acc.element.format(**_roles(src.spec, tile))}) - {shift}", "0.0")
+    lanes = f"tile_mask.to(tl.float32), {centred}, tl.zeros([BLOCK_K, BLOCK_R], tl.float32)"
+    src.line(f"{parts} = tl.reduce(({lanes}), 1, tr.welford_merge, keep_dims=True)")
+    # a row of no elements has a NaN mean (0 / 0), as the sums' form and torch give it
+    src.line(f"{acc.name}_mean = tl.where({acc.name}_count > 0, {acc.name}_mean + {shift}, float('nan'))")
+
+
+def _first_element(src, top, used, acc) -> str:
+    """An accumulator's element at each row's first reduced index, [BLOCK_K, 1]: the tile
+    operands loaded there (masked where R is empty) and the prologue run on them."""
+    geo = src.spec.schedule.geometry
+    src.line("r_first_idx = tl.arange(0, 1)")
+    src.line("r_first_mask = r_first_idx < reduced")
+    src.line(f"{_tile_mask('_first')} = k_mask[:, None] & r_first_mask[None, :]")
+    _decompose(src, "r", "r_first_idx", geo.r_sizes, "_first")
+    _offsets(src, used, "r", "_first")
+    first = src.emitter(top)
+    for op in _tile_loads(src, used):
+        ident = src.ident[op.uid] + "_first"
+        src.line(f"{ident} = {first.loaded(_load_text(src, op, src.spec.kinds[op.uid], '_first'), op.data_type)}")
+        first.bind(op.uid, ident, kind_of(op.data_type))
+    _emit_nodes(src, first, src.spec.group.prologue)
+    return f"({acc.element.format(**_roles(src.spec, first))}) + tl.zeros([BLOCK_K, 1], tl.float32)"
 
 
 def _accumulate_loop(src, top, used, accumulators, start, stop):
@@ -521,10 +563,11 @@ def _main_body(src, used):
     _load_inputs(src, top, used, ("row", "scalar"))
     geo = spec.schedule.geometry
     one_tile = spec.schedule.config.block_r >= (geo.source_reduced or geo.reduced)
-    stages = spec.recipe.stages_for("one_pass" if one_tile else mode)  # a looped config may fit one tile
+    one_pass = "one_pass_single" if spec.single_reduction else "one_pass"
+    stages = spec.recipe.stages_for(one_pass if one_tile else mode)  # a looped config may fit one tile
     if one_tile:
         tile = _tile_scope(src, top, used, "0", "reduced")
-        _stats_one_pass(src, tile, stages)
+        _stats_one_pass(src, tile, stages, top, used)
         _row_outputs(src, tile, used)
         _tile_outputs(src, tile, used)
         return
@@ -625,19 +668,40 @@ def _part_column(src, side: str) -> str:
     return f"part_{side}" if src.spec.part_strides is not None else f"{side}_idx"
 
 
-def _fused_body(src, used):
-    """Fused norm backward: this program's contiguous block of rows, BLOCK_K rows a trip, each
-    whole row one tile; dx stored per trip, the parameter sums folded over the trips' rows into
-    [1, BLOCK_R] columns and stored once as this program's row of the partials."""
-    spec = src.spec
-    geo = spec.schedule.geometry
-    top = src.emitter()
+def _fused_rows(src):
+    """pid and this fused program's contiguous block of rows [row_begin, row_end)."""
+    geo = src.spec.schedule.geometry
     pid = "tl.program_id(0)" + (".to(tl.int64)" if geo.index_64 else "")
     src.line(f"pid = {pid}")
     src.line("n_reduced = reduced * 1.0")
     src.line("rows_per_program = tl.cdiv(tl.cdiv(rows, SPLITS), BLOCK_K) * BLOCK_K")
     src.line("row_begin = pid * rows_per_program")
     src.line("row_end = tl.minimum(row_begin + rows_per_program, rows)")
+
+
+def _fused_row_trip(src, used):
+    """The head of a fused program's trip over BLOCK_K rows: K indices, mask and offsets."""
+    geo = src.spec.schedule.geometry
+    src.line("for k_start in range(row_begin, row_end, BLOCK_K):")
+    src.depth += 1
+    src.line("k_idx = k_start + tl.arange(0, BLOCK_K)")
+    src.line("k_mask = k_idx < row_end")
+    _decompose(src, "k", "k_idx", geo.k_sizes)
+    _offsets(src, used, "k")
+
+
+def _fused_body(src, used):
+    """Fused norm backward: this program's contiguous block of rows, BLOCK_K rows a trip, each
+    whole row one tile; dx stored per trip, the parameter sums folded over the trips' rows into
+    [1, BLOCK_R] columns and stored once as this program's row of the partials. Rows wider
+    than BLOCK_R take the chunked form (_fused_chunked_body)."""
+    spec = src.spec
+    geo = spec.schedule.geometry
+    if spec.schedule.config.block_r < (geo.source_reduced or geo.reduced):
+        _fused_chunked_body(src, used)
+        return
+    top = src.emitter()
+    _fused_rows(src)
     src.line("r_idx = tl.arange(0, BLOCK_R)")
     src.line("r_mask = r_idx < reduced")
     _decompose(src, "r", "r_idx", geo.r_sizes)
@@ -647,12 +711,7 @@ def _fused_body(src, used):
     _load_inputs(src, top, used, ("col", "scalar"))
     for acc in spec.param_accumulators:
         src.line(f"{acc.name}_cols = tl.zeros([1, BLOCK_R], tl.float32)")
-    src.line("for k_start in range(row_begin, row_end, BLOCK_K):")
-    src.depth += 1
-    src.line("k_idx = k_start + tl.arange(0, BLOCK_K)")
-    src.line("k_mask = k_idx < row_end")
-    _decompose(src, "k", "k_idx", geo.k_sizes)
-    _offsets(src, used, "k")
+    _fused_row_trip(src, used)
     src.line("tile_mask = k_mask[:, None] & r_mask[None, :]")
     tile = src.emitter(top)
     _load_inputs(src, tile, used, ("row", "tile"))
@@ -668,6 +727,61 @@ def _fused_body(src, used):
     for acc in spec.param_accumulators:
         src.line(f"tl.store(part_{acc.name}_ptr + pid * reduced + part_r[None, :], {acc.name}_cols, "
                  f"mask=r_mask[None, :])")
+
+
+def _fused_chunked_body(src, used):
+    """Fused norm backward over rows wider than a tile: each trip of BLOCK_K rows walks the row
+    in BLOCK_R chunks twice, first folding the row sums, then storing dx from the same chunks
+    (re-read from L2, so dy and x leave HBM once) while each chunk's dscale/dbias column sums
+    grow in registers. The chunks are unrolled: a chunk's column sums are variables of their
+    own (`<sum>_cols_<chunk>`), held across the program's rows and stored once at the end."""
+    spec = src.spec
+    geo = spec.schedule.geometry
+    chunks = -(-(geo.source_reduced or geo.reduced) // spec.schedule.config.block_r)
+    (accumulators, finalize), = spec.recipe.stages_for("looped")
+    if any(acc.combine == "welford" for acc in accumulators):
+        raise UnsupportedError(f"{spec.description}: the chunked fused form folds plain row sums only")
+    top = src.emitter()
+    _fused_rows(src)
+    _load_inputs(src, top, used, ("scalar",))
+    for acc in spec.param_accumulators:
+        for chunk in range(chunks):
+            src.line(f"{acc.name}_cols_{chunk} = tl.zeros([1, BLOCK_R], tl.float32)")
+    _fused_row_trip(src, used)
+    rows = src.emitter(top)
+    _load_inputs(src, rows, used, ("row",))
+    for acc in accumulators:
+        src.line(f"{acc.name}_lanes = {_filled(acc, '[BLOCK_K, BLOCK_R]')}")
+
+    def fold(tile):
+        roles = _roles(spec, tile)
+        for acc in accumulators:
+            masked = _masked(acc.element.format(**roles), _identity(acc))
+            src.line(f"{acc.name}_lanes = {COMBINE[acc.combine].format(acc.name + '_lanes', masked)}")
+
+    # the row sums in a loop (`spec.prefetch` chunks' loads ahead): unrolled, the compiler
+    # hoisted every chunk's loads and spilled
+    _tile_loop(src, rows, used, "0", "reduced", fold)
+    for acc in accumulators:
+        src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(acc.name + '_lanes')}")
+    _finalize(src, rows, finalize)
+    _row_outputs(src, rows, used)
+    for chunk in range(chunks):  # dx and the column sums from the same chunks
+        tile = _tile_scope(src, rows, used, f"{chunk} * BLOCK_R", "reduced")
+        _tile_outputs(src, tile, used)
+        roles = _roles(spec, tile)
+        for acc in spec.param_accumulators:
+            element = _masked(acc.element.format(**roles), "0.0")
+            src.line(f"{acc.name}_cols_{chunk} += tl.sum({element}, axis=0, keep_dims=True)")
+    src.depth -= 1
+    for chunk in range(chunks):
+        src.line(f"r_idx = {chunk} * BLOCK_R + tl.arange(0, BLOCK_R)")
+        src.line("r_mask = r_idx < reduced")
+        _decompose(src, "r", "r_idx", geo.r_sizes)
+        _part_offsets(src, "r")
+        for acc in spec.param_accumulators:
+            src.line(f"tl.store(part_{acc.name}_ptr + pid * reduced + part_r[None, :], {acc.name}_cols_{chunk}, "
+                     f"mask=r_mask[None, :])")
 
 
 BODIES = {"main": _main_body, "apply": _apply_body, "partial": _partial_body, "combine": _combine_body,

@@ -71,6 +71,11 @@ STREAM_APPLY = True
 COMBINE_VALUES = 2048
 COMBINE_BLOCK_K = 8
 MODES = ("one_pass", "looped", "split")
+# One-pass rows of at least this many lanes (BLOCK_R) take a recipe's single-stage form where it
+# has one: layernorm's statistics as one Welford reduction of the row, not a mean reduction and
+# then a dependent squared-deviation one. H100 2026-11-24 (BENCHMARKS.md "Rows"): layernorm
+# forward 4096x14336 bf16 ran at 68% of copy with the two, rmsnorm (one reduction) at 95%.
+SINGLE_REDUCTION_MIN_REDUCED = 16384
 # bounds a tuning-cache record must respect (wider than any candidate, far below nonsense)
 MAX_BLOCK = 1 << 17
 MAX_SPLITS = 1 << 16
@@ -290,6 +295,12 @@ def _column_rank(geo: RowGeometry, mode, block_k, block_r) -> int:
     return len(COLUMN_TILES)
 
 
+def single_reduction(config: RowConfig, min_reduced: int = SINGLE_REDUCTION_MIN_REDUCED) -> bool:
+    """Whether a one-pass row kernel of `config` reduces its row once (the recipe's single-stage
+    form) rather than stage by stage: rows of `min_reduced` lanes and wider."""
+    return config.mode == "one_pass" and config.block_r >= min_reduced
+
+
 def combine_blocks(rows: int, splits: int, values: int = COMBINE_VALUES) -> tuple:
     """(BLOCK_K, SPLIT_TILE) of the split combine kernel: few rows per program, as many splits
     per trip as `values` partials allow."""
@@ -392,27 +403,71 @@ FUSED_PROGRAMS_PER_SM = 2
 # combine) against 32 rows of dy, x and dx (32 x 3 x C x 2 B at bf16) adds 8% to the bytes moved;
 # 4096 rows therefore take 128 programs, 16384 rows 264 (two per SM).
 FUSED_MIN_ROWS_PER_PROGRAM = 32
+# Wider rows take the chunked fused form: a trip of FUSED_LOOP_ROWS rows walks the row in
+# FUSED_LOOP_CHUNK-wide chunks twice (a loop folding the row sums, then dx from the same chunks,
+# re-read from L2), the column sums of every chunk held in registers across the program's rows
+# (the second walk is unrolled: registers cannot be indexed). dy and x come from HBM once.
+# The column sums cost accumulators x row / threads registers per thread: 56 for a layernorm
+# row of 14336 at 16 warps. Past FUSED_COLUMN_VALUES per thread (or FUSED_MAX_CHUNKS chunks of
+# unrolled source) the separate dx and dscale/dbias kernels run instead. One program per SM: the
+# column sums fill half the register file. Spill stores compiled for sm_90 (4096x14336 bf16,
+# 16 warps, layernorm / rmsnorm+dbias bytes, no prefetch): chunk 2048 one row a trip 28 / 0, two
+# rows 924+; chunk 1024: 92 / 84; chunk 4096: 76 / 4; chunk 2048 prefetching 1, 2, 3 chunks:
+# 48 / 0, 32 / 0, 32 / 0. Times are not swept yet: benchmarks/sweep_rows.py
+# "norm_bwd_*" prints each constant's neighbours.
+FUSED_LOOP_CHUNK = 2048
+FUSED_LOOP_ROWS = 1
+FUSED_LOOP_WARPS = 16
+FUSED_LOOP_PROGRAMS_PER_SM = 1
+FUSED_COLUMN_VALUES = 64
+FUSED_MAX_CHUNKS = 16
+# Chunks whose loads the row-sum loop keeps in flight ahead of the one it folds (Triton pipelines
+# no plain loads): one program per SM moves 8 KB a chunk of dy and x at bf16, and HBM wants
+# about 25 KB in flight per SM (3.35 TB/s x ~1 us over 132 SMs), so two ahead.
+FUSED_LOOP_PREFETCH = 2
+
+
+def fused_prefetch(config: RowConfig, geo: RowGeometry) -> int:
+    """Chunks the chunked fused kernel's row-sum loop loads ahead (0 for a one-tile row)."""
+    return FUSED_LOOP_PREFETCH if config.block_r < (geo.source_reduced or geo.reduced) else 0
+
+
+def _pow2_at_most(value: int) -> int:
+    return 1 << (max(1, value).bit_length() - 1)
+
+
 def fused_norm_backward(geo: RowGeometry, accumulators: int, bytes_main: int, target: Target,
                         programs: int | None = None,
                         max_reduced: int = FUSED_MAX_REDUCED) -> RowConfig | None:
     """The fused dx + dscale/dbias config on `target` of a feature-norm backward (mode "fused",
     `splits` holding the program count; `programs` forces it), or None where it does not
-    apply: switched off, rows not vectorized (K the contiguous side), or rows longer than
-    `max_reduced` (what a program holds)."""
+    apply: switched off, rows not vectorized (K the contiguous side), or rows whose column sums
+    do not fit a program's registers. Rows up to `max_reduced` (power of two) are one tile
+    (BLOCK_R covers the row); wider ones are walked in BLOCK_R chunks (the looped form)."""
     if not FUSE_NORM_BACKWARD:
         return None
     block_r = pow2_at_least(geo.reduced)
     # one column is vectorized along K as well: the tile loads walk rows, still coalesced
-    if not (geo.r_contiguous or geo.reduced == 1) or block_r > max_reduced:
+    if not (geo.r_contiguous or geo.reduced == 1):
         return None
-    block_k = max(1, min(pow2_at_least(geo.rows), FUSED_TILE // block_r))
+    if block_r <= max_reduced:
+        block_k = max(1, min(pow2_at_least(geo.rows), FUSED_TILE // block_r))
+        warps = _warps(block_k * block_r)
+        wanted = min(target.sms * FUSED_PROGRAMS_PER_SM, -(-geo.rows // FUSED_MIN_ROWS_PER_PROGRAM))
+        default_programs = max(target.sms, wanted)
+    else:
+        block_r = min(FUSED_LOOP_CHUNK, _pow2_at_most(max_reduced))
+        chunks = -(-geo.reduced // block_r)
+        warps = FUSED_LOOP_WARPS
+        if chunks > FUSED_MAX_CHUNKS or accumulators * chunks * block_r > FUSED_COLUMN_VALUES * warps * 32:
+            return None
+        # several rows a trip keep more loads in flight, unless there are too few rows to fill the SMs
+        block_k = FUSED_LOOP_ROWS if geo.rows >= target.sms * FUSED_LOOP_ROWS else 1
+        default_programs = target.sms * FUSED_LOOP_PROGRAMS_PER_SM
     blocks = -(-geo.rows // block_k)
-    wanted = min(target.sms * FUSED_PROGRAMS_PER_SM, -(-geo.rows // FUSED_MIN_ROWS_PER_PROGRAM))
-    programs = programs or max(target.sms, wanted)
-    programs = max(1, min(blocks, programs))
+    programs = max(1, min(blocks, programs or default_programs))
     partial_bytes = 2 * accumulators * programs * geo.reduced * 4  # written, then read back
     seconds = (geo.rows * geo.reduced * bytes_main + partial_bytes) / target.bandwidth
-    warps = _warps(block_k * block_r)
     return RowConfig("fused", block_k, block_r, warps, programs, seconds * 1e6 + PROGRAM_OVERHEAD * 1e6)
 
 

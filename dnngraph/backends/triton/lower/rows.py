@@ -1,7 +1,8 @@
 """Build the launches of a row group (reductions, softmax, norms): one kernel, or partial,
 combine and apply kernels in split mode; norm backward adds a dscale/dbias kernel where those
-are not per-row sums of the dx kernel, or (layernorm, rmsnorm where the row fits a program) takes
-them as column sums in the dx kernel and adds only a combine of their partials."""
+are not per-row sums of the dx kernel, or (layernorm, rmsnorm where the column sums of a row fit
+a program's registers: every width up to 16384 at two sums) takes them as column sums in the dx
+kernel and adds only a combine of their partials."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -103,8 +104,9 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, context, epilo
                                                         f"{skipped} ranked above need more workspace than the limit")
     record = TuningRecord("model", sched.config.text)
     sched = replace(sched, geometry=_for_every_size(geo, top_geo))
+    single_min = _single_reduction_min(options, context.device)
     build = lambda chosen: _row_schedule_launches(graph, group, name, chosen, recipe, stores, kinds,
-                                                  tile_stores, row_stores, options, epilogue)
+                                                  tile_stores, row_stores, options, epilogue, single_min)
     if tuner is not None:
         device = context.device
         tensors = sample_tensors(group, device)
@@ -184,14 +186,29 @@ def _limit_text(budget) -> str:
     return "" if budget is None or budget.limit is None else f" ws{budget.limit}"
 
 
+def _single_reduction_min(options, device):
+    """The one-pass row width from which a recipe's single-stage form runs (None: never). The
+    interpreter runs a tree reduction with a custom combine element by element (3 layernorm rows
+    of 14335: 131 s against about 1 for the two sums), so there only a threshold the options set
+    other than the default takes it."""
+    wanted = options.row_single_reduction_min
+    if device is not None and device.type == "cpu" and wanted == row_heuristics.SINGLE_REDUCTION_MIN_REDUCED:
+        return None
+    return wanted
+
+
 def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, tile_stores, row_stores, options,
-                           epilogue=None):
+                           epilogue=None, single_min=None):
     cfg, geo = sched.config, sched.geometry
     common = dict(schedule=sched, recipe=recipe, group=group, kinds=kinds,
                   loads=_row_loads(group, epilogue), compute=graph.compute_data_type.triton_type,
                   description=group.summary(), epilogue=epilogue)
+    single = single_min is not None and row_heuristics.single_reduction(cfg, single_min)
+    if single:
+        common["schedule"] = replace(sched, reason=sched.reason + f"; statistics as one Welford reduction of the "
+                                                                  f"row (rows of {single_min} lanes and wider)")
     if cfg.mode != "split":
-        spec = RowKernelSpec(name, "main", stores=tuple(stores), **common)
+        spec = RowKernelSpec(name, "main", stores=tuple(stores), single_reduction=single, **common)
         return [_row_launch(spec, sched.programs, cfg.num_warps)]
     partials = {n: scratch((cfg.splits, geo.rows), PARTIAL_TYPES[recipe.kind]) for n in _partial_names(recipe)}
     stash = {n: scratch((geo.rows,)) for n in recipe.stash} if tile_stores else {}
@@ -355,6 +372,7 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
                                    kinds=kinds, loads=tuple(t.uid for t in dx_reads), stores=tuple(dx_stores),
                                    epilogue=dx_epilogue, partials=part_uids,
                                    param_accumulators=tuple(param_accumulators),
+                                   prefetch=row_heuristics.fused_prefetch(chosen, geo),
                                    part_strides=geo.operand(column_uid).r_strides, **common)
         combine_k, split_tile = combine_blocks(param_geo.rows, chosen.splits, options.row_combine_values)
         combine_config = RowConfig("fused", combine_k, 1, COMBINE_WARPS, chosen.splits, 0.0)
@@ -369,7 +387,8 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
                 _row_launch(combine_spec, -(-param_geo.rows // combine_k), COMBINE_WARPS)]
 
     chosen = ranked[0]
-    reason = (f"fused dx + dscale/dbias: {chosen.splits} programs of contiguous row blocks, "
+    walk = "" if chosen.block_r >= top_geo.reduced else f" walking rows in chunks of {chosen.block_r}"
+    reason = (f"fused dx + dscale/dbias: {chosen.splits} programs of contiguous row blocks{walk}, "
               f"{chosen.estimate_us:.1f} us by the model for K={top_geo.rows} rows x R={top_geo.reduced}")
     record = TuningRecord("model", _fused_text(chosen))
     if tuner is not None:
