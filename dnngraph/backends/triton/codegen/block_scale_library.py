@@ -1,7 +1,10 @@
 """Device functions of the block-scale kernels (imported by the generated source as `bsq`).
 
-A tile is [BLOCK_G, BLOCK]: BLOCK_G quantization blocks of BLOCK elements each, in float32. The
-rules are ops/block_scale.py's, computed here on bits so that they are exact: the e8m0
+A tile is [BLOCK_G // RUN, RUN, BLOCK]: BLOCK_G quantization blocks of BLOCK elements each, in
+float32, a run of RUN consecutive blocks whole inside each thread (the layout the kernel's loads
+give it, see codegen/block_scale.py): a block's amax, its scaling and the fp4 pair packing stay
+in its thread, and a thread's RUN scales are neighbours in memory (one store). Memory is touched
+as [.., N // W, W] tiles of W-element vectors (`vector_lanes`, `as_vectors`). The rules are ops/block_scale.py's, computed here on bits so that they are exact: the e8m0
 exponent from the exponent and mantissa fields (no log2), the fp4 rounding by comparisons with
 the midpoints between its codes.
 """
@@ -20,8 +23,8 @@ SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)  # 2^-126, float32's
 def block_amax(x):
     """(amax, finite) per block: the largest finite |x| and whether every element is finite."""
     finite_element = tl.abs(x) < float("inf")  # False for +-inf and NaN
-    amax = tl.max(tl.where(finite_element, tl.abs(x), 0.0), axis=1)
-    finite = tl.min(finite_element.to(tl.int32), axis=1) > 0
+    amax = tl.max(tl.where(finite_element, tl.abs(x), 0.0), axis=2)
+    finite = tl.min(finite_element.to(tl.int32), axis=2) > 0
     return amax, finite
 
 
@@ -86,7 +89,7 @@ def normalized_e8m0(x, amax, VMAX: tl.constexpr, VMAX_EXPONENT: tl.constexpr, VM
     """(elements clamped to [-vmax, vmax] in float32, scale codes) of an e8m0-scaled tile."""
     k = e8m0_exponent(amax, VMAX_EXPONENT, VMAX_MANTISSA, ROUND_UP)
     inverse = power_of_two(-k)  # k in [-127, 126] for any finite float32 amax: 2^-k is normal
-    elements = x * inverse[:, None]
+    elements = x * inverse[:, :, None]
     elements = tl.minimum(tl.maximum(elements, -VMAX), VMAX)
     return elements, (k + 127).to(tl.uint8)
 
@@ -100,22 +103,44 @@ def normalized_e4m3(x, amax, VMAX: tl.constexpr):
     normal = scale >= SMALLEST_NORMAL
     inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(normal, scale, 1.0))
     inverse = tl.where(normal, inverse, 0.0)
-    elements = x * inverse[:, None]
+    elements = x * inverse[:, :, None]
     elements = tl.minimum(tl.maximum(elements, -VMAX), VMAX)
     return elements, scale
 
 
 @triton.jit
-def packed_pairs(codes, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr):
-    """[BLOCK_G, BLOCK // 2] bytes of fp4 codes [BLOCK_G, BLOCK]: the even element low."""
-    low, high = tl.split(tl.reshape(codes, [BLOCK_G, BLOCK // 2, 2]))
+def packed_pairs(codes):
+    """[RUNS, RUN, BLOCK // 2] bytes of fp4 codes [RUNS, RUN, BLOCK]: the even element low (a
+    pair is in one thread: the split takes no data movement)."""
+    low, high = tl.split(tl.reshape(codes, (codes.shape[0], codes.shape[1], codes.shape[2] // 2, 2)))
     return low | (high << 4)
 
 
 @triton.jit
-def unpacked_pairs(packed, BLOCK_G: tl.constexpr, BLOCK: tl.constexpr):
-    """fp4 codes [BLOCK_G, BLOCK] of bytes [BLOCK_G, BLOCK // 2]."""
-    return tl.reshape(tl.join(packed & 0xF, packed >> 4), [BLOCK_G, BLOCK])
+def unpacked_pairs(packed):
+    """fp4 codes [RUNS, RUN, BLOCK] of bytes [RUNS, RUN, BLOCK // 2]."""
+    pairs = tl.join(packed & 0xF, packed >> 4)
+    return tl.reshape(pairs, (packed.shape[0], packed.shape[1], packed.shape[2] * 2))
+
+
+@triton.jit
+def vector_lanes(N: tl.constexpr, W: tl.constexpr):
+    """[N // W, W] offsets 0..N-1 of a block's elements as vectors of W: the last axis is what
+    the compiler sees contiguous, so each thread's accesses are W wide, and the axes above it
+    stay whole in the thread (a wider [.., N] tile would be split across threads at 16 bytes)."""
+    return tl.arange(0, N // W)[:, None] * W + tl.arange(0, W)[None, :]
+
+
+@triton.jit
+def as_blocks(tile):
+    """[RUNS, RUN, N] of a [RUNS, RUN, N // W, W] tile (in-thread: no data movement)."""
+    return tl.reshape(tile, (tile.shape[0], tile.shape[1], tile.shape[2] * tile.shape[3]))
+
+
+@triton.jit
+def as_vectors(tile, W: tl.constexpr):
+    """[RUNS, RUN, N // W, W] of a [RUNS, RUN, N] tile (in-thread: no data movement)."""
+    return tl.reshape(tile, (tile.shape[0], tile.shape[1], tile.shape[2] // W, W))
 
 
 @triton.jit
