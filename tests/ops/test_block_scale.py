@@ -170,6 +170,20 @@ def test_every_fp4_midpoint_rounds_to_even():
     assert values[1:8].tolist() == evens and values[8:15].tolist() == [-e for e in evens]
 
 
+def test_fp4_codes_next_to_every_midpoint_and_code():
+    """The fp4 encoding (float32 rounding on the bits) against the reference at each midpoint
+    and code and the float32 neighbours of both, below 1 and above, a dense sweep of [0, 6],
+    tiny and subnormal magnitudes, both signs: blocks of 32 led by 6.0 (scale exactly 1)."""
+    points = torch.tensor(list(FP4_MAGNITUDES) + [(a + b) / 2 for a, b in zip(FP4_MAGNITUDES, FP4_MAGNITUDES[1:])])
+    near = torch.cat([points, torch.nextafter(points, torch.tensor(math.inf)),
+                      torch.nextafter(points, torch.tensor(-math.inf)).clamp(min=0)])
+    magnitudes = torch.cat([near, torch.linspace(0, 6, 1001), torch.tensor([1e-30, 1e-40, 2.0 ** -126])])
+    values = torch.cat([magnitudes, -magnitudes])
+    values = torch.cat([values, torch.zeros(-len(values) % 31)]).view(-1, 31)
+    x_t = torch.cat([torch.full((values.shape[0], 1), 6.0), values], dim=1)
+    assert_quantize_bit_exact(*quantize_graph(x_t, 32, dg.float4_e2m1, dg.float8_e8m0), x_t)
+
+
 @pytest.mark.parametrize("y_type,scale_type,block", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("out_type", [dg.float32, dg.bfloat16])
 def test_dequantize_every_code_bit_exact(y_type, scale_type, block, out_type):
