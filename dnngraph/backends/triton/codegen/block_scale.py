@@ -147,30 +147,35 @@ def _quantize_lines(x, y, scale, axis: int, block: int, x_lines: list, round_up:
     rank = len(x.dim)
     vmax = largest(y.data_type)
     lines = x_lines + ["amax, finite = bsq.block_amax(x_tile)"]
+    fp4 = y.data_type is dtypes.float4_e2m1
     if scale.data_type is dtypes.float8_e8m0:
         exponent, mantissa = _vmax_fields(vmax)
+        # fp4 codes saturate by themselves; scales rounded up keep every element within vmax
+        clamp = not fp4 and not round_up
         lines += [f"elements, scale_bits = bsq.normalized_e8m0(x_tile, amax, {vmax!r}, {exponent}, {mantissa}, "
-                  f"{round_up})",
+                  f"{round_up}, {clamp})",
                   "scale_bits = bsq.nan_scale_bits(finite, scale_bits, 255)"]
     else:
         rule = float8_rule(scale.data_type)
-        lines += [f"elements, scale_values = bsq.normalized_e4m3(x_tile, amax, {vmax!r})",
+        lines += [f"elements, scale_values = bsq.normalized_e4m3(x_tile, amax, {vmax!r}, {not fp4})",
                   f"scale_bits = bsq.e4m3_bits(scale_values, {rule.first_overflow!r}, {rule.overflow_bits}, "
                   f"{rule.infinity_bits}, {rule.nan_bits})",
                   f"scale_bits = bsq.nan_scale_bits(finite, scale_bits, {rule.nan_bits})"]
     lines.append(f"tl.store(scale_ptr + {_scale_at(scale)}, scale_bits.to(scale_ptr.dtype.element_ty, "
                  f"bitcast=True), mask=live)")
-    if y.data_type is dtypes.float4_e2m1:
+    # a block that is not finite stores zeros (one select per element, before any conversion)
+    lines.append("elements = tl.where(finite[:, :, None], elements, 0.0)")
+    if fp4:
         width = _width(y, block // 2)
-        lines += ["codes = bsq.fp4_codes(elements)", "codes = tl.where(finite[:, :, None], codes, 0).to(tl.uint8)",
-                  "pairs = bsq.packed_pairs(codes)",
+        lines += ["pairs = bsq.packed_pairs(bsq.fp4_codes(elements))",
                   f"tl.store(y_ptr + {_pairs_at('y', y, axis, block, width)}, bsq.as_vectors(pairs, {width}), "
                   f"mask={MASK})"]
     else:
         width = _width(y, block)
-        lines += [f"stored = {converted_to('elements', 'f', y.data_type)}",
-                  "stored = tl.where(finite[:, :, None], stored.to(tl.uint8, bitcast=True), 0)",
-                  f"stored = bsq.as_vectors(stored.to(tl.uint8).to(y_ptr.dtype.element_ty, bitcast=True), {width})",
+        # the elements are finite and within [-vmax, vmax] (clamped or scaled there): Triton's own
+        # conversion (nearest even) is torch's, without tm.to_float8's overflow and NaN rules
+        lines += [f"stored = elements.to({y.data_type.triton_type})",
+                  f"stored = bsq.as_vectors(stored.to(y_ptr.dtype.element_ty, bitcast=True), {width})",
                   f"tl.store(y_ptr + {_elements_at('y', y.dim, y.stride, axis, block, width)}, stored, mask={MASK})"]
     return lines
 

@@ -20,12 +20,18 @@ SMALLEST_NORMAL = tl.constexpr(1.1754943508222875e-38)  # 2^-126, float32's
 
 
 @triton.jit
+def nan_maximum(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def block_amax(x):
-    """(amax, finite) per block: the largest finite |x| and whether every element is finite."""
-    finite_element = tl.abs(x) < float("inf")  # False for +-inf and NaN
-    amax = tl.max(tl.where(finite_element, tl.abs(x), 0.0), axis=2)
-    finite = tl.min(finite_element.to(tl.int32), axis=2) > 0
-    return amax, finite
+    """(amax, finite) per block: the largest |x| and whether every element is finite, from one
+    NaN-propagating max per element. A block that is not finite stores the NaN scale code and
+    zeros whatever its amax: it gets amax 1, so that its scaling stays finite (no inf * 0)."""
+    amax = tl.reduce(tl.abs(x), 2, nan_maximum)
+    finite = amax < float("inf")  # False for +inf and NaN
+    return tl.where(finite, amax, 1.0), finite
 
 
 @triton.jit
@@ -52,21 +58,21 @@ def power_of_two(k):
 
 @triton.jit
 def fp4_codes(values):
-    """e2m1 codes (uint8, sign in bit 3) of float32 values in [-6, 6], nearest, ties to even, by
+    """e2m1 codes (int32, sign in bit 3) of float32 values (saturated to +-6), nearest, ties to even, by
     float32's own rounding (a handful of operations per element, where comparing with the seven
     midpoints took about twenty: NVFP4 quantization is close to compute-bound). Below 1 the code
     is 2|v| rounded to an integer (0, 0.5 and 1 are codes 0, 1, 2); from 1 on, |v| rounded to one
     mantissa bit, whose exponent and mantissa fields are the code's (1.0, 127 << 23, is code 2)."""
     bits = values.to(tl.uint32, bitcast=True)
-    magnitude_bits = bits & 0x7FFFFFFF
-    magnitude = magnitude_bits.to(tl.float32, bitcast=True)
+    magnitude = tl.minimum(tl.abs(values), 6.0)  # past 6 (a float32 scale's rounding): 6
+    magnitude_bits = magnitude.to(tl.uint32, bitcast=True)
     # 2|v| + 2^23 (exact before rounding) keeps 2|v| rounded to an integer in its low bits
     small = (magnitude * 2.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
     # to one mantissa bit (bit 22), ties to even: add just under half of it plus the kept bit
     rounded = magnitude_bits + 0x1FFFFF + ((magnitude_bits >> 22) & 1)
     large = (rounded >> 22) - 252
     code = tl.where(magnitude < 1.0, small, large)
-    return (code | ((bits >> 28) & 8)).to(tl.uint8)
+    return (code | ((bits >> 28) & 8)).to(tl.int32)
 
 
 @triton.jit
@@ -93,18 +99,20 @@ def e8m0_values(bits):
 
 @triton.jit
 def normalized_e8m0(x, amax, VMAX: tl.constexpr, VMAX_EXPONENT: tl.constexpr, VMAX_MANTISSA: tl.constexpr,
-                    ROUND_UP: tl.constexpr):
-    """(elements clamped to [-vmax, vmax] in float32, scale codes) of an e8m0-scaled tile."""
+                    ROUND_UP: tl.constexpr, CLAMP: tl.constexpr):
+    """(elements in float32, clamped to [-vmax, vmax] where CLAMP, scale codes) of an e8m0-scaled
+    tile. (Rounded up, 2^k * vmax >= amax: the clamp changes nothing.)"""
     k = e8m0_exponent(amax, VMAX_EXPONENT, VMAX_MANTISSA, ROUND_UP)
     inverse = power_of_two(-k)  # k in [-127, 126] for any finite float32 amax: 2^-k is normal
     elements = x * inverse[:, :, None]
-    elements = tl.minimum(tl.maximum(elements, -VMAX), VMAX)
+    if CLAMP:
+        elements = tl.minimum(tl.maximum(elements, -VMAX), VMAX)
     return elements, (k + 127).to(tl.uint8)
 
 
 @triton.jit
-def normalized_e4m3(x, amax, VMAX: tl.constexpr):
-    """(elements clamped to [-vmax, vmax] in float32, float32 scales) of an e4m3-scaled tile:
+def normalized_e4m3(x, amax, VMAX: tl.constexpr, CLAMP: tl.constexpr):
+    """(elements in float32, clamped to [-vmax, vmax] where CLAMP, float32 scales) of an e4m3-scaled tile:
     x * (1 / (amax / vmax)), the two divisions (one per block) correctly rounded; 0 * x where
     the scale is below float32's smallest normal (its reciprocal could overflow)."""
     scale = tl.math.div_rn(amax, tl.full(amax.shape, VMAX, tl.float32))
@@ -112,7 +120,8 @@ def normalized_e4m3(x, amax, VMAX: tl.constexpr):
     inverse = tl.math.div_rn(tl.full(scale.shape, 1.0, tl.float32), tl.where(normal, scale, 1.0))
     inverse = tl.where(normal, inverse, 0.0)
     elements = x * inverse[:, :, None]
-    elements = tl.minimum(tl.maximum(elements, -VMAX), VMAX)
+    if CLAMP:
+        elements = tl.minimum(tl.maximum(elements, -VMAX), VMAX)
     return elements, scale
 
 
@@ -121,7 +130,7 @@ def packed_pairs(codes):
     """[RUNS, RUN, BLOCK // 2] bytes of fp4 codes [RUNS, RUN, BLOCK]: the even element low (a
     pair is in one thread: the split takes no data movement)."""
     low, high = tl.split(tl.reshape(codes, (codes.shape[0], codes.shape[1], codes.shape[2] // 2, 2)))
-    return low | (high << 4)
+    return (low | (high << 4)).to(tl.uint8)
 
 
 @triton.jit
