@@ -56,21 +56,27 @@ def power_of_two(k):
     return ((k + 127).to(tl.uint32) << 23).to(tl.float32, bitcast=True)
 
 
+# taken from |v|'s bits from 1 on: 252 << 22 less just under half of mantissa bit 22 (to which
+# the bit itself is added: ties to even), so that bits >> 22 is the code (1.0, 254 << 22, is
+# code 2; below 1, where the subtraction wraps, the other branch is taken)
+LARGE_OFFSET = tl.constexpr((252 << 22) - 0x1FFFFF)
+
+
 @triton.jit
 def fp4_codes(values):
-    """e2m1 codes (int32, sign in bit 3) of float32 values (saturated to +-6), nearest, ties to even, by
+    """e2m1 codes (int32, sign in bit 3; only the low 4 bits are the code, as the pair packing's
+    conversion to uint8 keeps them) of float32 values (saturated to +-6), nearest, ties to even, by
     float32's own rounding (a handful of operations per element, where comparing with the seven
     midpoints took about twenty: NVFP4 quantization is close to compute-bound). Below 1 the code
     is 2|v| rounded to an integer (0, 0.5 and 1 are codes 0, 1, 2); from 1 on, |v| rounded to one
-    mantissa bit, whose exponent and mantissa fields are the code's (1.0, 127 << 23, is code 2)."""
+    mantissa bit, whose exponent and mantissa fields are the code's."""
     bits = values.to(tl.uint32, bitcast=True)
     magnitude = tl.minimum(tl.abs(values), 6.0)  # past 6 (a float32 scale's rounding): 6
     magnitude_bits = magnitude.to(tl.uint32, bitcast=True)
-    # 2|v| + 2^23 (exact before rounding) keeps 2|v| rounded to an integer in its low bits
-    small = (magnitude * 2.0 + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
-    # to one mantissa bit (bit 22), ties to even: add just under half of it plus the kept bit
-    rounded = magnitude_bits + 0x1FFFFF + ((magnitude_bits >> 22) & 1)
-    large = (rounded >> 22) - 252
+    # 2|v| + 2^23 (exact before rounding) holds 2|v| rounded to an integer in its low bits, the
+    # exponent of 2^23 (0x4B000000) above them: its low byte is the code alone
+    small = (magnitude * 2.0 + 8388608.0).to(tl.uint32, bitcast=True)
+    large = (magnitude_bits - LARGE_OFFSET + ((magnitude_bits >> 22) & 1)) >> 22
     code = tl.where(magnitude < 1.0, small, large)
     return (code | ((bits >> 28) & 8)).to(tl.int32)
 
