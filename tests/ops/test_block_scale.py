@@ -246,6 +246,20 @@ def test_runs_of_blocks_per_thread_bit_exact_with_a_partial_last_program(y_type,
     assert ((out_t.double() == ref) | (out_t.double().isnan() & ref.isnan())).all()
 
 
+def test_configs_fit_the_problem_and_hold_whole_runs():
+    """Every candidate holds RUN blocks per thread exactly (BLOCK_G = RUN * 32 * warps) on a
+    large problem; on a small one, programs no wider than the blocks there are, warps cut to
+    match; the model's pick for the benchmark on an H200 holds runs of 2 or more."""
+    from dnngraph.backends.triton.heuristics.block_scale import candidates, fitted, rank
+    from dnngraph.target import H200
+    for block in (16, 32):
+        for config in candidates(8192 * 14336 // block, block):
+            assert config.block_g == config.run * 32 * config.num_warps
+        assert rank(8192 * 14336 // block, block, 2.6, H200)[0].run >= 2
+    assert fitted(BlockScaleConfig(512, 4), 21) == BlockScaleConfig(32, 1)
+    assert fitted(BlockScaleConfig(512, 8), 100) == BlockScaleConfig(128, 4)
+
+
 def test_block_scale_config_is_validated():
     with pytest.raises(dg.ValidationError):
         BlockScaleConfig(96, 4)
