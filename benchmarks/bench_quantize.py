@@ -5,6 +5,8 @@ block-scaled matmul (dequantized in the operand loader) against cuBLAS on the bf
 
     python benchmarks/bench_quantize.py            # GPU tables
     python benchmarks/bench_quantize.py --cpu      # a small CPU check through Triton's interpreter
+    python benchmarks/bench_quantize.py --sweep    # every candidate config of the quantize kernel timed
+                                                   # (heuristics/block_scale.py), its bytes checked
 """
 import argparse
 import math
@@ -18,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dnngraph as dg  # noqa: E402
 from dnngraph import dtypes  # noqa: E402
+from dnngraph.backends.triton.heuristics.block_scale import candidates  # noqa: E402
 from dnngraph.ops.block_scale import pack_fp4  # noqa: E402
 from common import copy_ceiling_tbs, median_ms, print_table  # noqa: E402
 
@@ -26,16 +29,18 @@ FORMATS = {"mxfp8": (dg.float8_e4m3, dg.float8_e8m0, 32), "nvfp4": (dg.float4_e2
 SHAPES = [("llama-hidden", (16384, 4096)), ("llama-mlp", (8192, 14336)), ("square", (8192, 8192))]
 MATMUL_SHAPES = [("4096^3", (4096, 4096, 4096)), ("tokens x mlp", (8192, 14336, 4096))]
 FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+SWEEP_SHAPE = ("llama-mlp", (8192, 14336))
 
 
-def quantize_graph(x: torch.Tensor, fmt: str):
+def quantize_graph(x: torch.Tensor, fmt: str, config=None):
+    """The quantize graph of `x` into `fmt`, built (under `config`, a BlockScaleConfig, where given)."""
     y_type, scale_type, block = FORMATS[fmt]
     g = dg.Graph(name=f"quantize_{fmt}", io_data_type=dtypes.from_torch(x.dtype))
     gx = g.tensor_like(x, "x")
     y, scale = g.block_scale_quantize(gx, block_size=block)
     y.set_name("y").set_output(True).set_data_type(y_type)
     scale.set_name("scale").set_output(True).set_data_type(scale_type)
-    g.build()
+    g.build(options=dg.BuildOptions(block_scale_config=config))
     return g
 
 
@@ -142,6 +147,39 @@ def matmul_row(name, m, n, k, fmt, device="cuda"):
             g.plan.launches[0].config_text]
 
 
+def same_bytes(fmt: str, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether (y, scale) are the bytes the torch eager rules store (the anchor a CPU test holds
+    bit-exact with the float64 reference): a check at any size, on the device."""
+    eager_y, eager_scale = torch_quantize(x, fmt)
+    return (torch.equal(eager_y.reshape(y.shape).view(torch.uint8), y.view(torch.uint8))
+            and torch.equal(eager_scale.view(torch.uint8), scale.view(torch.uint8)))
+
+
+def sweep_rows(shape, device="cuda", ceiling=None, x_dtypes=(torch.bfloat16, torch.float32)):
+    """A row per (x dtype, format, candidate config at `shape`): each config's bytes checked
+    against the eager rules, then (on the GPU) timed; the model's pick marked."""
+    rows = []
+    for dtype in x_dtypes:
+        x = (torch.randn(shape, device=device) * 30).to(dtype)
+        for fmt, (_, _, block) in FORMATS.items():
+            model = quantize_graph(x, fmt).plan.launches[0].config_text
+            for config in candidates(x.numel() // block, block):
+                g = quantize_graph(x, fmt, config)
+                text = g.plan.launches[0].config_text
+                y, scale = storage(g, "y", device), storage(g, "scale", device)
+                quantize = lambda: g.execute({"x": x, "y": y, "scale": scale})
+                quantize()
+                row = [fmt, str(dtype).split(".")[-1], text, "model" if text == model else "",
+                       "bit-exact" if same_bytes(fmt, x, y, scale) else "MISMATCH"]
+                if device != "cpu":
+                    ms = median_ms(quantize)
+                    tbs = minimal_bytes(x, fmt) / ms / 1e9
+                    row += [f"{ms * 1e3:.1f}", f"{tbs:.2f}", f"{tbs / ceiling(dtype):.0%}"]
+                    print(" | ".join(row), flush=True)
+                rows.append(row)
+    return rows
+
+
 def cases(quick: bool):
     shapes = [("small", (6, 64)), ("rows", (33, 96))] if quick else SHAPES
     for name, shape in shapes:
@@ -152,7 +190,20 @@ def cases(quick: bool):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="check small cases on the CPU (interpreter) only")
+    parser.add_argument("--sweep", action="store_true",
+                        help=f"time every candidate config of the quantize kernel at {SWEEP_SHAPE[1]} (GPU)")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="x dtypes the sweep times (comma-separated)")
     args = parser.parse_args(argv)
+    if args.sweep and torch.cuda.is_available() and not args.cpu:
+        name, shape = SWEEP_SHAPE
+        ceilings = {dtype: copy_ceiling_tbs(math.prod(shape), dtype) for dtype in (torch.bfloat16, torch.float32)}
+        wanted = tuple(getattr(torch, name) for name in args.dtypes.split(","))
+        rows = sweep_rows(shape, "cuda", ceilings.get, wanted)
+        print(f"device: {torch.cuda.get_device_name()}")
+        print_table(f"Block-scale quantize config sweep, {name} {shape} (us; TB/s over minimal bytes; % of a "
+                    "device copy of x)", ["format", "x dtype", "config", "model", "check", "us", "TB/s", "% copy"],
+                    rows)
+        return
     if args.cpu or not torch.cuda.is_available():
         rows = [run_case(name, shape, fmt, torch.float32, "cpu") for name, shape, fmt in cases(True)]
         print_table("Block-scale quantize, CPU check (vs the float64 reference)", ["case", "format", "dtype", "check"],

@@ -20,6 +20,7 @@ from .backends.triton.heuristics import conv as conv_heuristics
 from .backends.triton.heuristics import rows as row_heuristics
 from .runtime.autotune import DEFAULT_TOP
 from .backends.triton.heuristics.depthwise import DepthwiseConfig
+from .backends.triton.heuristics.block_scale import BlockScaleConfig
 from .backends.triton.heuristics.matmul import MatmulConfig
 from .backends.triton.heuristics.moe import MoeConfig
 from .backends.triton.heuristics.rows import RowConfig
@@ -105,6 +106,8 @@ class BuildOptions:
     # kernel group's k-th ranked candidate (its first where it has fewer); a tuple, one index
     # per group in plan order. A chosen plan is built as chosen: never autotuned.
     plan: Optional[object] = None
+    # block-scale quantize/dequantize kernels: blocks per program and warps (fitted to the problem)
+    block_scale_config: Optional[BlockScaleConfig] = None
 
     def __post_init__(self):
         for name, check in _CHECKS.items():
@@ -246,5 +249,6 @@ _CHECKS = {
     "column_stream_apply": _flag,
     "conv_fold_channels_below": _count(0),
     "plan": _plan_choice,
+    "block_scale_config": _instance(BlockScaleConfig),
 }
 assert set(_CHECKS) == {f.name for f in fields(BuildOptions)}, "every option has its check"

@@ -35,3 +35,14 @@ def test_block_scaled_matmul_row_runs():
 
 def test_gpu_cases_are_the_documented_sizes():
     assert [name for name, _, _ in bench.cases(quick=False)][::2] == ["llama-hidden", "llama-mlp", "square"]
+
+
+def test_sweep_checks_every_candidate_config_on_the_cpu():
+    """The --sweep rows on the CPU: every candidate config of each format and x dtype runs
+    bit-exact (a small shape: the candidates fitted to it), the model's pick among them."""
+    rows = bench.sweep_rows((8, 2048), "cpu")
+    assert all(row[-1] == "bit-exact" for row in rows)
+    for fmt in bench.FORMATS:
+        for dtype in ("bfloat16", "float32"):
+            mine = [row for row in rows if row[:2] == [fmt, dtype]]
+            assert len(mine) >= 3 and sum(row[3] == "model" for row in mine) == 1, mine

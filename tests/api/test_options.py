@@ -38,6 +38,7 @@ BAD = [
     ("column_prefetch_tiles", -1), ("column_stream_apply", "no"), ("conv_fold_channels_below", 2.5),
     ("plan", -1), ("plan", (0, -2)), ("plan", ()), ("plan", 1.0),
 ]
+BAD.append(("block_scale_config", (256, 4)))
 
 
 @pytest.mark.parametrize("field, value", BAD, ids=lambda v: v if isinstance(v, str) else None)

@@ -23,6 +23,7 @@ import dnngraph.backends.triton.heuristics
 import dnngraph.runtime.plan as plan_module
 from dnngraph.runtime import interpreter as runtime
 from dnngraph.backends.triton.heuristics import depthwise, matmul as mm, moe, rows, sdpa
+from dnngraph.backends.triton.heuristics.block_scale import BlockScaleConfig
 from dnngraph.runtime import plan_cache as plan_cache
 from dnngraph.runtime import interpreter_client
 from helpers import check, poisoned, rel_err
@@ -299,6 +300,7 @@ OTHER_OPTIONS = dict(
     sdpa_dq_config=sdpa.AttentionConfig(16, 32, 1, 1), sdpa_splits=3, sdpa_head_group=0, sdpa_index_64=True,
     row_loop_tile=16, row_split_min_reduced=8, row_combine_values=16, norm_backward_max_reduced=64,
     column_prefetch_tiles=0, column_stream_apply=False, conv_fold_channels_below=0, plan=1)
+OTHER_OPTIONS["block_scale_config"] = BlockScaleConfig(256, 4)
 
 
 def test_other_options_cover_every_field():

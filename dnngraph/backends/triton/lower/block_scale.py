@@ -1,29 +1,13 @@
 """Build the launch of a block-scale group (block_scale_quantize, block_scale_dequantize)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import triton
-
 from .... import dtypes
 from ....errors import UnsupportedError
 from ....ops.block_scale import check_rounding, check_types
 from ....runtime.launch import element_span, kernel_name, launch_of
 from ..heuristics.layout import INT32_LIMIT
 from ..codegen.block_scale import render
-
-# elements a program takes: enough bytes in flight per program for a memory-bound kernel, few
-# programs for the interpreter
-TILE_ELEMENTS = 8192
-
-
-@dataclass(frozen=True)
-class BlockScaleConfig:
-    block_g: int  # quantization blocks per program
-    num_warps: int
-
-    def text(self) -> str:
-        return f"BLOCK_G={self.block_g} num_warps={self.num_warps}"
+from ..heuristics.block_scale import fitted, rank
 
 
 def _operands(node):
@@ -49,10 +33,23 @@ def _check(node):
                                f"(stride 1 there), got strides {list(quantized.stride)}")
 
 
-def schedule(blocks: int, block: int) -> BlockScaleConfig:
-    """TILE_ELEMENTS per program (fewer where there are fewer blocks), four warps."""
-    block_g = max(1, min(TILE_ELEMENTS // block, triton.next_power_of_2(blocks)))
-    return BlockScaleConfig(block_g, 4)
+def _bytes_per_element(node) -> float:
+    """Bytes moved per element of x: x read, the quantized elements and the scales written (or
+    the reverse for dequantize)."""
+    x, quantized, scale, _, _ = _operands(node)
+    block = node.attrs.block_size if node.op == "block_scale_quantize" else node.attrs.size
+    elements = lambda t: t.data_type.itemsize / t.data_type.elements_per_item
+    return elements(x) + elements(quantized) + scale.data_type.itemsize / block
+
+
+def schedule(node, blocks: int, block: int, context):
+    """(config, why): BuildOptions.block_scale_config where set (fitted to the problem), else
+    the model's first for the build's target."""
+    forced = context.options.block_scale_config
+    if forced is not None:
+        return fitted(forced, blocks), "config forced by BuildOptions.block_scale_config"
+    ranked = rank(blocks, block, _bytes_per_element(node), context.target)
+    return ranked[0], f"model's first of {len(ranked)} (heuristics/block_scale.py)"
 
 
 def build_block_scale(graph, group, context):
@@ -64,12 +61,13 @@ def build_block_scale(graph, group, context):
     blocks = 1
     for size in scale.dim:
         blocks *= size
-    config = schedule(blocks, block)
+    config, why = schedule(node, blocks, block, context)
     # offsets past int32 (or a block index whose elements are) take 64-bit index math
     index_64 = any(element_span(t) > INT32_LIMIT or t.numel > INT32_LIMIT
                    for t in list(group.inputs) + list(group.outputs))
     source = render(kernel_name(group), group, config, group.summary(), index_64)
     programs = max(1, -(-blocks // config.block_g))
     reason = (f"{blocks} blocks of {block} elements, {config.block_g} per program ({programs} programs): "
-              f"one pass over x, the block's amax in registers")
+              f"one pass over x, {config.run} whole blocks per thread (amax, scales and fp4 pairs in "
+              f"registers); {why}")
     return launch_of(group, source, programs, config.num_warps, config.text(), reason)
