@@ -15,15 +15,18 @@ from .pointwise import KernelArgument, kernel_module
 
 # role -> rank of its strides (stats [B, H, Sq, 1]: three); scales and amaxes are read or written
 # through their pointer alone
-STRIDED = {"q": 4, "k": 4, "v": 4, "o": 4, "do": 4, "stats": 3, "dq": 4, "dk": 4, "dv": 4}
+STRIDED = {"q": 4, "k": 4, "v": 4, "o": 4, "do": 4, "stats": 3, "dq": 4, "dk": 4, "dv": 4,
+           "v_t": 4, "k_t": 4, "q_t": 4, "do_t": 4}
+# the keys-minor copies ([B, H, D, S padded]) each kernel reads, made first by keys_minor_copy
+KEYS_MINOR = {"forward": ("v",), "dkdv": ("q", "do"), "dq": ("k",)}
 # the library function of each kernel and the roles it takes, in its parameter order
 KERNELS = {
-    "forward": ("forward", ("q", "k", "v", "o", "stats", "descale_q", "descale_k", "descale_v", "descale_s",
+    "forward": ("forward", ("q", "k", "v_t", "o", "stats", "descale_q", "descale_k", "descale_v", "descale_s",
                             "scale_s", "scale_o", "amax_s", "amax_o")),
-    "dkdv": ("backward_dkdv", ("q", "k", "v", "o", "do", "stats", "dk", "dv", "descale_q", "descale_k",
+    "dkdv": ("backward_dkdv", ("q", "k", "v", "o", "do", "stats", "q_t", "do_t", "dk", "dv", "descale_q", "descale_k",
                                "descale_v", "descale_o", "descale_do", "descale_s", "descale_dp", "scale_s",
                                "scale_dk", "scale_dv", "scale_dp", "amax_dk", "amax_dv")),
-    "dq": ("backward_dq", ("q", "k", "v", "o", "do", "stats", "dq", "descale_q", "descale_k", "descale_v",
+    "dq": ("backward_dq", ("q", "k", "v", "o", "do", "stats", "k_t", "dq", "descale_q", "descale_k", "descale_v",
                            "descale_o", "descale_do", "descale_dp", "scale_dq", "scale_dp", "amax_dq", "amax_dp")),
 }
 
@@ -31,7 +34,8 @@ KERNELS = {
 @dataclass(frozen=True)
 class Fp8AttentionSpec:
     """Plain data a kernel renders from: tensors by role, sizes, the score scale, the mask and
-    tiles (BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)."""
+    tiles (BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV). `tensors` holds the keys-minor copies too
+    (roles v_t, k_t, q_t, do_t)."""
 
     tensors: dict  # role -> graph Tensor
     heads: int
@@ -104,5 +108,19 @@ def render_zero(kernel_name: str, amax_uids: list, description: str) -> KernelSo
     names = ("first_ptr", "second_ptr", "third_ptr", "fourth_ptr")
     args = [KernelArgument("tensor", name, uid) for name, uid in zip(names, padded)]
     body = f"    fp8a.zero_amax({', '.join(names)}, COUNT={len(amax_uids)})\n"
+    return KernelSource(kernel_name, kernel_module(description, [], kernel_name, args, body, libraries=("fp8a",)),
+                        tuple(args))
+
+
+def render_keys_minor(kernel_name: str, source, copy, block: tuple, description: str) -> KernelSource:
+    """The kernel copying `source` ([B, H, S, D], a graph tensor) to `copy` (a contiguous
+    [B, H, D, S padded] buffer) with keys_minor_copy on tiles `block` (BLOCK_R, BLOCK_W)."""
+    args = [KernelArgument("tensor", "src_ptr", source.uid), KernelArgument("tensor", "dst_ptr", copy.uid)]
+    args += [KernelArgument("int", f"src_s{axis}", int(stride)) for axis, stride in enumerate(source.stride[:4])]
+    args += [KernelArgument("int", name, int(value))
+             for name, value in (("HEADS", source.dim[1]), ("ROWS", source.dim[2]), ("ROWS_PAD", copy.dim[3]))]
+    constexprs = {"WIDTH": int(source.dim[3]), "BLOCK_R": block[0], "BLOCK_W": block[1]}
+    call = [a.name for a in args] + [f"{name}={value!r}" for name, value in constexprs.items()]
+    body = "    fp8a.keys_minor_copy(" + ", ".join(call) + ")\n"
     return KernelSource(kernel_name, kernel_module(description, [], kernel_name, args, body, libraries=("fp8a",)),
                         tuple(args))

@@ -18,8 +18,14 @@ Amaxes: a non-negative float32's bits order like int32, so the tile's max is an 
 |x|'s bits and the atomic an int32 max on the output's bits (zeroed by a launch before): NaN,
 whose magnitude's bits exceed inf's, wins, as torch's amax propagates it.
 
-Operands of tl.dot are K-major where a load can make them so (the fp8 wgmma of sm_90 reads B
-K-major): k is loaded [D, keys], v [Dv, keys] and transposed in registers.
+Operands of tl.dot are K-major (the fp8 wgmma of sm_90 reads its shared-memory operands with the
+reduced axis contiguous). k is loaded [D, keys] straight from memory, D being contiguous. A dot
+that reduces over keys or query rows (P v, dS k, P^T dO, dS^T q) needs its operand with the keys
+or rows contiguous, which no row-major tensor gives: read from the tensor itself, the compiler
+loaded it synchronously into registers and wrote it to shared memory byte by byte every
+iteration (no cp.async pipelining). So the group first copies v (forward), k, q and dO
+(backward) to keys-minor buffers [B, H, D, S padded to 16] (`keys_minor_copy`), and those dots
+read them, pipelined like k.
 """
 from __future__ import annotations
 
@@ -40,6 +46,25 @@ def zero_amax(first_ptr, second_ptr, third_ptr, fourth_ptr, COUNT: tl.constexpr)
     if COUNT > 2:
         tl.store(third_ptr, 0.0)
         tl.store(fourth_ptr, 0.0)
+
+
+@triton.jit
+def keys_minor_copy(src_ptr, dst_ptr, src_s0, src_s1, src_s2, src_s3, HEADS, ROWS, ROWS_PAD,
+                    WIDTH: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+    """dst[b, h, w, r] = src[b, h, r, w] for one tile of rows of one (batch, head): dst is
+    contiguous [B, HEADS, WIDTH, ROWS_PAD], the rows contiguous (ROWS_PAD a multiple of 16, so
+    every line starts 16-byte aligned for cp.async); the padding is never read unmasked."""
+    pid_bh = tl.program_id(1)
+    batch = (pid_bh // HEADS).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_W)
+    in_rows = rows < ROWS
+    in_cols = cols < WIDTH
+    tile = tl.load(src_ptr + batch * src_s0 + (pid_bh % HEADS) * src_s1 + rows[:, None] * src_s2
+                   + cols[None, :] * src_s3, mask=in_rows[:, None] & in_cols[None, :], other=0.0)
+    dst_base = dst_ptr + pid_bh.to(tl.int64) * WIDTH * ROWS_PAD
+    tl.store(dst_base + cols[:, None] * ROWS_PAD + rows[None, :], tl.trans(tile),
+             mask=in_cols[:, None] & in_rows[None, :])
 
 
 @triton.jit
@@ -115,21 +140,22 @@ def _query_program(HEADS, GROUP, SQ, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_s_ptr,
+def forward(q_ptr, k_ptr, v_t_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_s_ptr,
             scale_s_ptr, scale_o_ptr, amax_s_ptr, amax_o_ptr,
-            q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, o_s0, o_s1, o_s2, o_s3,
-            stats_s0, stats_s1, stats_s2, HEADS, GROUP, SQ, SKV,
+            q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_t_s0, v_t_s1, v_t_s2, v_t_s3, o_s0, o_s1, o_s2,
+            o_s3, stats_s0, stats_s1, stats_s2, HEADS, GROUP, SQ, SKV,
             SCALE: tl.constexpr, CAUSAL: tl.constexpr, HAS_STATS: tl.constexpr, HEAD_DIM: tl.constexpr,
             VALUE_DIM: tl.constexpr, P_RULE: tl.constexpr, O_FP8: tl.constexpr, O_RULE: tl.constexpr,
             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """o, stats, amax_s and amax_o of one query tile of one (batch, head)."""
+    """o, stats, amax_s and amax_o of one query tile of one (batch, head); v_t is v keys-minor
+    ([B, Hkv, Dv, keys]: keys_minor_copy)."""
     batch, head, kv_head, rows, row_in = _query_program(HEADS, GROUP, SQ, BLOCK_M)
     cols_d = tl.arange(0, BLOCK_D)
     cols_dv = tl.arange(0, BLOCK_DV)
     q_tile = tl.load(q_ptr + batch.to(tl.int64) * q_s0 + head * q_s1 + rows[:, None] * q_s2 + cols_d[None, :] * q_s3,
                      mask=row_in[:, None] & (cols_d < HEAD_DIM)[None, :], other=0.0)
     k_base = k_ptr + batch.to(tl.int64) * k_s0 + kv_head * k_s1
-    v_base = v_ptr + batch.to(tl.int64) * v_s0 + kv_head * v_s1
+    v_t_base = v_t_ptr + batch.to(tl.int64) * v_t_s0 + kv_head * v_t_s1
     qk_scale = tl.load(descale_q_ptr) * tl.load(descale_k_ptr) * (SCALE * LOG2E)
     scale_s = tl.load(scale_s_ptr)
     key_end = _key_end(tl.program_id(0) * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N)
@@ -158,7 +184,7 @@ def forward(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_ptr,
         scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
         probs = tl.math.exp2(scores - lse[:, None])
         amax_s = tl.maximum(amax_s, tl.max(magnitude_bits(probs, visible & row_in[:, None]), 1))
-        v_cols = tl.load(v_base + keys[None, :] * v_s2 + cols_dv[:, None] * v_s3,
+        v_cols = tl.load(v_t_base + keys[None, :] * v_t_s3 + cols_dv[:, None] * v_t_s2,
                          mask=(keys < SKV)[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
         acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), tl.trans(v_cols))
     out = acc * (tl.load(descale_v_ptr) * tl.load(descale_s_ptr))
@@ -194,18 +220,19 @@ def _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, q_off, do_off, o_off, stats_off
 
 
 @triton.jit
-def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
+def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, q_t_ptr, do_t_ptr, dk_ptr, dv_ptr,
                   descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_o_ptr, descale_do_ptr, descale_s_ptr,
                   descale_dp_ptr, scale_s_ptr, scale_dk_ptr, scale_dv_ptr, scale_dp_ptr, amax_dk_ptr, amax_dv_ptr,
                   q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, o_s0, o_s1, o_s2, o_s3,
-                  do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, dk_s0, dk_s1, dk_s2, dk_s3,
-                  dv_s0, dv_s1, dv_s2, dv_s3, HEADS, GROUP, SQ, SKV,
+                  do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, q_t_s0, q_t_s1, q_t_s2, q_t_s3,
+                  do_t_s0, do_t_s1, do_t_s2, do_t_s3, dk_s0, dk_s1, dk_s2, dk_s3, dv_s0, dv_s1, dv_s2, dv_s3, HEADS, GROUP, SQ, SKV,
                   SCALE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                   P_RULE: tl.constexpr, DS_RULE: tl.constexpr, DK_FP8: tl.constexpr, DK_RULE: tl.constexpr,
                   DV_FP8: tl.constexpr, DV_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
     """dK, dV (and their amaxes) of one key block of one (batch, k/v head), the query heads of
-    its group summed in registers."""
+    its group summed in registers. q_t and do_t are q and dO keys-minor (keys_minor_copy): the
+    dots reducing over query rows read them."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = (pid_bh // (HEADS // GROUP)).to(tl.int64)
@@ -233,6 +260,8 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
         do_off = batch * do_s0 + head * do_s1
         o_off = batch * o_s0 + head * o_s1
         stats_off = batch * stats_s0 + head * stats_s1
+        q_t_base = q_t_ptr + batch * q_t_s0 + head * q_t_s1
+        do_t_base = do_t_ptr + batch * do_t_s0 + head * do_t_s1
         for start_m in range(first_row, SQ, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
             q_tile, do_tile, lse, delta = _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, q_off, do_off, o_off,
@@ -245,8 +274,13 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
                 visible = visible & (keys[:, None] <= rows[None, :])
             d_probs = tl.dot(v_tile, tl.trans(do_tile)) * dp_scale
             probs, d_scores = _gradient_terms(scores, lse[None, :], d_probs, delta[None, :], visible, SCALE)
-            dv_acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), do_tile)
-            dk_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), q_tile)
+            row_in = (rows < SQ)[None, :]
+            do_t_tile = tl.load(do_t_base + cols_dv[:, None] * do_t_s2 + rows[None, :] * do_t_s3,
+                                mask=row_in & (cols_dv < VALUE_DIM)[:, None], other=0.0)
+            dv_acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), tl.trans(do_t_tile))
+            q_t_tile = tl.load(q_t_base + cols_d[:, None] * q_t_s2 + rows[None, :] * q_t_s3,
+                               mask=row_in & (cols_d < HEAD_DIM)[:, None], other=0.0)
+            dk_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), tl.trans(q_t_tile))
     d_k = dk_acc * (tl.load(descale_q_ptr) * tl.load(descale_dp_ptr))
     d_v = dv_acc * (tl.load(descale_s_ptr) * tl.load(descale_do_ptr))
     dk_mask = key_in[:, None] & (cols_d < HEAD_DIM)[None, :]
@@ -260,16 +294,17 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
 
 
 @triton.jit
-def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
+def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, k_t_ptr, dq_ptr,
                 descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_o_ptr, descale_do_ptr, descale_dp_ptr,
                 scale_dq_ptr, scale_dp_ptr, amax_dq_ptr, amax_dp_ptr,
                 q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, o_s0, o_s1, o_s2, o_s3,
-                do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, dq_s0, dq_s1, dq_s2, dq_s3,
-                HEADS, GROUP, SQ, SKV,
+                do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, k_t_s0, k_t_s1, k_t_s2, k_t_s3,
+                dq_s0, dq_s1, dq_s2, dq_s3, HEADS, GROUP, SQ, SKV,
                 SCALE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                 P_RULE: tl.constexpr, DS_RULE: tl.constexpr, DQ_FP8: tl.constexpr, DQ_RULE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """dQ (and amax_dQ, amax_dP = max |dS|) of one query tile of one (batch, head)."""
+    """dQ (and amax_dQ, amax_dP = max |dS|) of one query tile of one (batch, head); k_t is k
+    keys-minor (keys_minor_copy), read by the dot reducing over keys."""
     batch, head, kv_head, rows, row_in = _query_program(HEADS, GROUP, SQ, BLOCK_M)
     cols_d = tl.arange(0, BLOCK_D)
     cols_dv = tl.arange(0, BLOCK_DV)
@@ -281,6 +316,7 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
                                               BLOCK_D, BLOCK_DV)
     k_base = k_ptr + batch * k_s0 + kv_head * k_s1
     v_base = v_ptr + batch * v_s0 + kv_head * v_s1
+    k_t_base = k_t_ptr + batch * k_t_s0 + kv_head * k_t_s1
     qk_scale = tl.load(descale_q_ptr) * tl.load(descale_k_ptr) * (SCALE * LOG2E)
     dp_scale = tl.load(descale_do_ptr) * tl.load(descale_v_ptr)
     scale_dp = tl.load(scale_dp_ptr)
@@ -298,7 +334,9 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, dq_ptr,
         probs, d_scores = _gradient_terms(scores, lse[:, None], d_probs, delta[:, None], visible, SCALE)
         # the frontend's amax_dP is of the value scale_dP scales: dS (its "dP")
         amax_dp = tl.maximum(amax_dp, tl.max(magnitude_bits(d_scores, visible & row_in[:, None]), 1))
-        dq_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), tl.trans(k_cols))
+        k_t_cols = tl.load(k_t_base + keys[None, :] * k_t_s3 + cols_d[:, None] * k_t_s2,
+                           mask=key_in[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
+        dq_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), tl.trans(k_t_cols))
     d_q = dq_acc * (tl.load(descale_k_ptr) * tl.load(descale_dp_ptr))
     dq_mask = row_in[:, None] & (cols_d < HEAD_DIM)[None, :]
     amax_into(amax_dq_ptr, magnitude_bits(d_q, dq_mask))

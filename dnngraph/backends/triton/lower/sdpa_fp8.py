@@ -15,7 +15,7 @@ from ....runtime.launch import kernel_name, launch_of, scratch
 from ....tensor import contiguous_strides
 from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import MAX_GPU_HEAD_DIM
-from ..codegen.sdpa_fp8 import Fp8AttentionSpec, render, render_zero
+from ..codegen.sdpa_fp8 import KEYS_MINOR, Fp8AttentionSpec, render, render_keys_minor, render_zero
 
 # fp8 tl.dot needs a reduction of at least 32 on sm_90 (and 16 on every other axis): every tile
 # axis is at least MIN_TILE but the dK/dV kernel's key tile, which no dot reduces over
@@ -89,6 +89,36 @@ def _roles(node, group) -> tuple:
     return roles, tuple(buffers)
 
 
+COPY_ROWS = 64  # rows a keys_minor_copy program transposes
+COPY_ALIGN = 16  # bytes: each line of a keys-minor copy starts where cp.async can read it
+
+
+def _keys_minor_copies(roles: dict, kernels: tuple) -> dict:
+    """role -> the keys-minor buffer ([B, H, D, S rounded up to COPY_ALIGN], contiguous) of each
+    operand the kernels read keys-minor (codegen KEYS_MINOR): v for the forward, q, dO and k for
+    the backward."""
+    copies = {}
+    for which in kernels:
+        for role in KEYS_MINOR[which]:
+            batch, heads, rows, width = roles[role].dim
+            padded = -(-rows // COPY_ALIGN) * COPY_ALIGN
+            buffer = scratch((batch, heads, width, padded), roles[role].data_type.torch_dtype)
+            copies[role] = (buffer, _Stored(buffer.uid, buffer.dim, contiguous_strides(buffer.dim),
+                                            roles[role].data_type))
+    return copies
+
+
+def _copy_launch(group, name: str, role: str, source, copy) -> object:
+    """The launch of keys_minor_copy from `source` to `copy` (one program per COPY_ROWS rows of
+    each (batch, head))."""
+    batch, heads, rows, width = source.dim
+    block = (COPY_ROWS, max(16, triton.next_power_of_2(width)))
+    programs = (-(-rows // COPY_ROWS), batch * heads)
+    text = render_keys_minor(f"{name}_{role}_t", source, copy, block, f"{role} keys-minor for {group.summary()}")
+    return launch_of(group, text, programs, 4, f"BLOCK_R={block[0]} grid={list(programs)}",
+                     f"{role} copied keys-minor: the fp8 dots reducing over its rows read it K-major, pipelined")
+
+
 def _check(node, roles: dict):
     for role in ("q", "k", "v", "o", "do", "stats", "dq", "dk", "dv"):
         tensor = roles.get(role)
@@ -125,10 +155,14 @@ def build_sdpa_fp8(graph, group, context) -> list:
     (_, heads, s_q, head_dim), (_, kv_heads, s_kv, _) = q.dim, k.dim
     name = kernel_name(group)
     amaxes = [role for role in roles if role.startswith("amax_")]
+    kernels = ("forward",) if node.op == "sdpa_fp8" else ("dkdv", "dq")
+    copies = _keys_minor_copies(roles, kernels)
+    buffers += tuple(buffer for buffer, _ in copies.values())
     launches = [launch_of(group, render_zero(name + "_zero", [roles[r].uid for r in amaxes], "amax zeroing of "
                                              + group.summary()), 1, 1, "one program",
                           "the amax outputs are atomic maxima: zeroed first", scratch=buffers)]
-    kernels = ("forward",) if node.op == "sdpa_fp8" else ("dkdv", "dq")
+    launches += [_copy_launch(group, name, role, roles[role], copy) for role, (_, copy) in copies.items()]
+    roles.update({f"{role}_t": copy for role, (_, copy) in copies.items()})
     for which in kernels:
         tiles = tiles_for(which, s_q, s_kv, on_cpu, width)
         block_d = max(MIN_TILE, triton.next_power_of_2(head_dim))
