@@ -747,11 +747,11 @@ def test_kernels_compile_for_sm90(monkeypatch):
     from helpers import compiled_for_sm90
     monkeypatch.setenv("SM90_LOOP_LOADS", "1")
     # per forward: zeroing, v's keys-minor copy, the kernel; per backward: zeroing, q's, dO's and
-    # k's copies, dK/dV, dQ
+    # k's copies, delta = rowsum(o dO), dK/dV, dQ
     output = compiled_for_sm90("test_sdpa_fp8:sm90_graphs", timeout=900)
-    assert "compiled 54 kernels for sm_90" in output
+    assert "compiled 58 kernels for sm_90" in output
     loop_loads = [line for line in output.splitlines() if line.startswith("loop_loads ")]
-    assert len(loop_loads) == 54 and all(line.endswith(": 0") for line in loop_loads), loop_loads
+    assert len(loop_loads) == 58 and all(line.endswith(": 0") for line in loop_loads), loop_loads
 
 
 
@@ -772,7 +772,44 @@ def test_wide_heads_compile_for_sm90_without_spills(monkeypatch):
     monkeypatch.setenv("SM90_SPILLS", "1")
     output = compiled_for_sm90("test_sdpa_fp8:sm90_wide_head_graphs", timeout=600)
     spills = [line for line in output.splitlines() if line.startswith("spills ")]
-    assert len(spills) == 9 and all(line.endswith(": 0") for line in spills), spills
+    assert len(spills) == 10 and all(line.endswith(": 0") for line in spills), spills
+
+
+def sm90_candidate_tiles():
+    """Each kernel lowered at each of its CANDIDATE_TILES (D = 128, causal, the backward GQA and
+    hybrid), only that kernel's launch, for tests/sm90_compile.py."""
+    from dnngraph.backends.triton.lower import sdpa_fp8 as lowering
+    from dnngraph.runtime import plan_cache
+    q = fp8_values((1, 4, 256, 128), E4M3, 0)
+    k = fp8_values((1, 2, 256, 128), E4M3, 1)
+    tensors = backward_tensors(E4M3, E5M2, 1, 4, 2, 256, 256, 128, True)
+    chosen = dict(lowering.GPU_TILES)
+    for which, candidates in lowering.CANDIDATE_TILES.items():
+        for tiles in candidates:
+            lowering.GPU_TILES = {**chosen, which: tiles}
+            plan_cache.clear()
+            graph = forward_graph(q, k, k, True)[0] if which == "forward" else backward_graph(tensors, True)
+            label, launches, dtypes = _gpu_lowered(f"{which} {tiles.text(())}", graph)
+            for launch in launches:  # the buffers are declared by the first launch
+                dtypes.update({buffer.uid: buffer.torch_dtype for buffer in launch.scratch})
+            yield label, [launch for launch in launches if f"_{which}_" in launch.kernel.__name__], dtypes
+    lowering.GPU_TILES = chosen
+
+
+def test_candidate_tiles_compile_for_sm90_without_spills(monkeypatch):
+    """Every tile candidate a GPU sweep times (CANDIDATE_TILES, plain data; the first of each
+    kernel is its GPU_TILES choice) compiles for sm_90a at D = 128 with no spill stores and no
+    unpipelined loop load: a sweep compares configs that are all sound."""
+    from helpers import compiled_for_sm90
+    from dnngraph.backends.triton.lower.sdpa_fp8 import CANDIDATE_TILES, GPU_TILES
+    assert all(CANDIDATE_TILES[which][0] == tiles for which, tiles in GPU_TILES.items())
+    monkeypatch.setenv("SM90_SPILLS", "1")
+    monkeypatch.setenv("SM90_LOOP_LOADS", "1")
+    output = compiled_for_sm90("test_sdpa_fp8:sm90_candidate_tiles", timeout=600)
+    count = sum(len(candidates) for candidates in CANDIDATE_TILES.values())
+    checked = [line for line in output.splitlines() if line.startswith(("spills ", "loop_loads "))]
+    assert f"compiled {count} kernels" in output
+    assert len(checked) == 2 * count and all(line.endswith(": 0") for line in checked), checked
 
 
 @pytest.mark.parametrize("dims", [(272, 64), (64, 320)], ids=["d_qk 272", "d_v 320"])

@@ -23,11 +23,11 @@ KEYS_MINOR = {"forward": ("v",), "dkdv": ("q", "do"), "dq": ("k",)}
 KERNELS = {
     "forward": ("forward", ("q", "k", "v_t", "o", "stats", "descale_q", "descale_k", "descale_v", "descale_s",
                             "scale_s", "scale_o", "amax_s", "amax_o")),
-    "dkdv": ("backward_dkdv", ("q", "k", "v", "o", "do", "stats", "q_t", "do_t", "dk", "dv", "descale_q", "descale_k",
-                               "descale_v", "descale_o", "descale_do", "descale_s", "descale_dp", "scale_s",
+    "dkdv": ("backward_dkdv", ("q", "k", "v", "delta", "do", "stats", "q_t", "do_t", "dk", "dv", "descale_q",
+                               "descale_k", "descale_v", "descale_do", "descale_s", "descale_dp", "scale_s",
                                "scale_dk", "scale_dv", "scale_dp", "amax_dk", "amax_dv")),
-    "dq": ("backward_dq", ("q", "k", "v", "o", "do", "stats", "k_t", "dq", "descale_q", "descale_k", "descale_v",
-                           "descale_o", "descale_do", "descale_dp", "scale_dq", "scale_dp", "amax_dq", "amax_dp")),
+    "dq": ("backward_dq", ("q", "k", "v", "delta", "do", "stats", "k_t", "dq", "descale_q", "descale_k",
+                           "descale_v", "descale_do", "descale_dp", "scale_dq", "scale_dp", "amax_dq", "amax_dp")),
 }
 
 
@@ -35,7 +35,7 @@ KERNELS = {
 class Fp8AttentionSpec:
     """Plain data a kernel renders from: tensors by role, sizes, the score scale, the mask and
     tiles (BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV). `tensors` holds the keys-minor copies too
-    (roles v_t, k_t, q_t, do_t)."""
+    (roles v_t, k_t, q_t, do_t) and, for the backward, row_deltas' buffer (delta)."""
 
     tensors: dict  # role -> graph Tensor
     heads: int
@@ -122,5 +122,21 @@ def render_keys_minor(kernel_name: str, source, copy, block: tuple, description:
     constexprs = {"WIDTH": int(source.dim[3]), "BLOCK_R": block[0], "BLOCK_W": block[1]}
     call = [a.name for a in args] + [f"{name}={value!r}" for name, value in constexprs.items()]
     body = "    fp8a.keys_minor_copy(" + ", ".join(call) + ")\n"
+    return KernelSource(kernel_name, kernel_module(description, [], kernel_name, args, body, libraries=("fp8a",)),
+                        tuple(args))
+
+
+def render_row_deltas(kernel_name: str, tensors: dict, value_dim: int, block: tuple, description: str) -> KernelSource:
+    """The kernel taking delta = rowsum(o dO) of a backward group into its buffer (role delta of
+    `tensors`, [B, H, Sq] float32) on tiles `block` (BLOCK_M, BLOCK_DV)."""
+    roles = ("o", "do", "delta", "descale_o", "descale_do")
+    args = [KernelArgument("tensor", f"{role}_ptr", tensors[role].uid) for role in roles]
+    args += [KernelArgument("int", f"{role}_s{axis}", int(stride))
+             for role in ("o", "do") for axis, stride in enumerate(tensors[role].stride[:4])]
+    _, heads, s_q = tensors["delta"].dim
+    args += [KernelArgument("int", "HEADS", heads), KernelArgument("int", "SQ", s_q)]
+    constexprs = {"VALUE_DIM": value_dim, "BLOCK_M": block[0], "BLOCK_DV": block[1]}
+    call = [a.name for a in args] + [f"{name}={value!r}" for name, value in constexprs.items()]
+    body = "    fp8a.row_deltas(" + ", ".join(call) + ")\n"
     return KernelSource(kernel_name, kernel_module(description, [], kernel_name, args, body, libraries=("fp8a",)),
                         tuple(args))

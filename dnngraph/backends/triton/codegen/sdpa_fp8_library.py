@@ -12,7 +12,17 @@ converts as torch does (tm.to_float8 with the encodings conversions.py reads fro
 * backward, as the bf16 kernels (codegen/sdpa.py): a dK/dV program per key block walks the
   query tiles of every query head of its group; a dQ program per query tile walks its keys
   (and takes amax_dP = max |dS|, each (query, key) pair being seen there once). delta =
-  rowsum(o dO) is taken in both, from o and dO. P is rounded to q's fp8 type, dS to dO's.
+  rowsum(o dO) is taken once by a launch before them (row_deltas) and read by both. P is
+  rounded to q's fp8 type, dS to dO's.
+
+Why two walks in the forward: the op rounds P at its normalized value (the frontend's graph and
+our reference: amax_s is max P, and P * scale_s is what reaches fp8). A one-walk kernel would
+round exp(s - running max) * scale_s, whose fp8 rounding depends on the tiling and on the
+running max, so its results would differ from the reference by P's rounding (~3% per element)
+rather than by accumulation order. The first walk is QK^T, a max and a sum only (no v, no PV
+dot): about a third of the forward's tensor-core work. Conversions to fp8 are the hardware's
+(cvt.rn.satfinite on sm_90) with torch's overflow, infinity and NaN encodings selected after
+(tm.to_float8): no software rounding.
 
 Amaxes: a non-negative float32's bits order like int32, so the tile's max is an integer max of
 |x|'s bits and the atomic an int32 max on the output's bits (zeroed by a launch before): NaN,
@@ -199,12 +209,32 @@ def forward(q_ptr, k_ptr, v_t_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_pt
 
 
 @triton.jit
-def _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, q_off, do_off, o_off, stats_off, rows, SQ,
-                q_s2, q_s3, do_s2, do_s3, o_s2, o_s3, stats_s2, delta_scale,
+def row_deltas(o_ptr, do_ptr, delta_ptr, descale_o_ptr, descale_do_ptr,
+               o_s0, o_s1, o_s2, o_s3, do_s0, do_s1, do_s2, do_s3, HEADS, SQ,
+               VALUE_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """delta = rowsum(o dO) (descaled) of one query tile of one (batch, head), into the
+    contiguous float32 [B, HEADS, SQ] at delta_ptr. Taken once here, the backward kernels read it:
+    the dK/dV program, which meets every query tile once per key block, no longer loads o and
+    reduces o dO each time."""
+    batch, head, _, rows, row_in = _query_program(HEADS, 1, SQ, BLOCK_M)
+    cols_dv = tl.arange(0, BLOCK_DV)
+    dv_in = row_in[:, None] & (cols_dv < VALUE_DIM)[None, :]
+    o_tile = tl.load(o_ptr + batch * o_s0 + head * o_s1 + rows[:, None] * o_s2 + cols_dv[None, :] * o_s3,
+                     mask=dv_in, other=0.0)
+    do_tile = tl.load(do_ptr + batch * do_s0 + head * do_s1 + rows[:, None] * do_s2 + cols_dv[None, :] * do_s3,
+                      mask=dv_in, other=0.0)
+    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1) * (tl.load(descale_o_ptr)
+                                                                          * tl.load(descale_do_ptr))
+    tl.store(delta_ptr + (batch * HEADS + head) * SQ + rows, delta, mask=row_in)
+
+
+@triton.jit
+def _query_rows(q_ptr, do_ptr, delta_ptr, stats_ptr, q_off, do_off, delta_off, stats_off, rows, SQ,
+                q_s2, q_s3, do_s2, do_s3, stats_s2,
                 HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
-    """(q, dO, base-2 lse, delta) of query rows `rows`; rows past SQ, and rows whose stats are
-    -inf (the forward's for a row that sees no key), get an lse of +inf, so their P is 0; a NaN
-    in stats stays NaN and reaches the row's P, as in the reference."""
+    """(q, dO, base-2 lse, delta) of query rows `rows` (delta from row_deltas' buffer); rows past
+    SQ, and rows whose stats are -inf (the forward's for a row that sees no key), get an lse of
+    +inf, so their P is 0; a NaN in stats stays NaN and reaches the row's P, as in the reference."""
     row_in = rows < SQ
     cols_d = tl.arange(0, BLOCK_D)
     cols_dv = tl.arange(0, BLOCK_DV)
@@ -212,18 +242,17 @@ def _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, q_off, do_off, o_off, stats_off
     dv_in = row_in[:, None] & (cols_dv < VALUE_DIM)[None, :]
     q_tile = tl.load(q_ptr + q_off + rows[:, None] * q_s2 + cols_d[None, :] * q_s3, mask=d_in, other=0.0)
     do_tile = tl.load(do_ptr + do_off + rows[:, None] * do_s2 + cols_dv[None, :] * do_s3, mask=dv_in, other=0.0)
-    o_tile = tl.load(o_ptr + o_off + rows[:, None] * o_s2 + cols_dv[None, :] * o_s3, mask=dv_in, other=0.0)
-    delta = tl.sum(o_tile.to(tl.float32) * do_tile.to(tl.float32), 1) * delta_scale
+    delta = tl.load(delta_ptr + delta_off + rows, mask=row_in, other=0.0)
     lse = tl.load(stats_ptr + stats_off + rows * stats_s2, mask=row_in, other=0.0)
     lse = tl.where(row_in & (lse != float("-inf")), lse * LOG2E, float("inf"))
     return q_tile, do_tile, lse, delta
 
 
 @triton.jit
-def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, q_t_ptr, do_t_ptr, dk_ptr, dv_ptr,
-                  descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_o_ptr, descale_do_ptr, descale_s_ptr,
+def backward_dkdv(q_ptr, k_ptr, v_ptr, delta_ptr, do_ptr, stats_ptr, q_t_ptr, do_t_ptr, dk_ptr, dv_ptr,
+                  descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_do_ptr, descale_s_ptr,
                   descale_dp_ptr, scale_s_ptr, scale_dk_ptr, scale_dv_ptr, scale_dp_ptr, amax_dk_ptr, amax_dv_ptr,
-                  q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, o_s0, o_s1, o_s2, o_s3,
+                  q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
                   do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, q_t_s0, q_t_s1, q_t_s2, q_t_s3,
                   do_t_s0, do_t_s1, do_t_s2, do_t_s3, dk_s0, dk_s1, dk_s2, dk_s3, dv_s0, dv_s1, dv_s2, dv_s3, HEADS, GROUP, SQ, SKV,
                   SCALE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
@@ -247,7 +276,6 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, q_t_ptr, do_t_p
                      mask=key_in[:, None] & (cols_dv < VALUE_DIM)[None, :], other=0.0)
     qk_scale = tl.load(descale_q_ptr) * tl.load(descale_k_ptr) * (SCALE * LOG2E)
     dp_scale = tl.load(descale_do_ptr) * tl.load(descale_v_ptr)
-    delta_scale = tl.load(descale_o_ptr) * tl.load(descale_do_ptr)
     scale_s = tl.load(scale_s_ptr)
     scale_dp = tl.load(scale_dp_ptr)
     dk_acc = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
@@ -258,15 +286,15 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, q_t_ptr, do_t_p
         head = kv_head * GROUP + member
         q_off = batch * q_s0 + head * q_s1
         do_off = batch * do_s0 + head * do_s1
-        o_off = batch * o_s0 + head * o_s1
+        delta_off = (batch * HEADS + head) * SQ
         stats_off = batch * stats_s0 + head * stats_s1
         q_t_base = q_t_ptr + batch * q_t_s0 + head * q_t_s1
         do_t_base = do_t_ptr + batch * do_t_s0 + head * do_t_s1
         for start_m in range(first_row, SQ, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
-            q_tile, do_tile, lse, delta = _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, q_off, do_off, o_off,
-                                                      stats_off, rows, SQ, q_s2, q_s3, do_s2, do_s3, o_s2, o_s3,
-                                                      stats_s2, delta_scale, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV)
+            q_tile, do_tile, lse, delta = _query_rows(q_ptr, do_ptr, delta_ptr, stats_ptr, q_off, do_off, delta_off,
+                                                      stats_off, rows, SQ, q_s2, q_s3, do_s2, do_s3, stats_s2,
+                                                      HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV)
             # [keys, rows]: the block's scores transposed
             scores = tl.dot(k_tile, tl.trans(q_tile)) * qk_scale
             visible = key_in[:, None] & (rows < SQ)[None, :]
@@ -294,10 +322,10 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, q_t_ptr, do_t_p
 
 
 @triton.jit
-def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, k_t_ptr, dq_ptr,
-                descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_o_ptr, descale_do_ptr, descale_dp_ptr,
+def backward_dq(q_ptr, k_ptr, v_ptr, delta_ptr, do_ptr, stats_ptr, k_t_ptr, dq_ptr,
+                descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_do_ptr, descale_dp_ptr,
                 scale_dq_ptr, scale_dp_ptr, amax_dq_ptr, amax_dp_ptr,
-                q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3, o_s0, o_s1, o_s2, o_s3,
+                q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
                 do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, k_t_s0, k_t_s1, k_t_s2, k_t_s3,
                 dq_s0, dq_s1, dq_s2, dq_s3, HEADS, GROUP, SQ, SKV,
                 SCALE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
@@ -308,12 +336,10 @@ def backward_dq(q_ptr, k_ptr, v_ptr, o_ptr, do_ptr, stats_ptr, k_t_ptr, dq_ptr,
     batch, head, kv_head, rows, row_in = _query_program(HEADS, GROUP, SQ, BLOCK_M)
     cols_d = tl.arange(0, BLOCK_D)
     cols_dv = tl.arange(0, BLOCK_DV)
-    delta_scale = tl.load(descale_o_ptr) * tl.load(descale_do_ptr)
-    q_tile, do_tile, lse, delta = _query_rows(q_ptr, do_ptr, o_ptr, stats_ptr, batch * q_s0 + head * q_s1,
-                                              batch * do_s0 + head * do_s1, batch * o_s0 + head * o_s1,
+    q_tile, do_tile, lse, delta = _query_rows(q_ptr, do_ptr, delta_ptr, stats_ptr, batch * q_s0 + head * q_s1,
+                                              batch * do_s0 + head * do_s1, (batch * HEADS + head) * SQ,
                                               batch * stats_s0 + head * stats_s1, rows, SQ, q_s2, q_s3, do_s2,
-                                              do_s3, o_s2, o_s3, stats_s2, delta_scale, HEAD_DIM, VALUE_DIM,
-                                              BLOCK_D, BLOCK_DV)
+                                              do_s3, stats_s2, HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV)
     k_base = k_ptr + batch * k_s0 + kv_head * k_s1
     v_base = v_ptr + batch * v_s0 + kv_head * v_s1
     k_t_base = k_t_ptr + batch * k_t_s0 + kv_head * k_t_s1
