@@ -8,7 +8,8 @@ converts as torch does (tm.to_float8 with the encodings conversions.py reads fro
 * forward, one program per (query tile, batch, head): a first walk over the keys takes each
   row's log-sum-exp; a second recomputes the scores, P = exp2(s - lse) is the softmax's true
   value (no running max: its rounding to fp8 depends on no tiling), and acc += fp8(P * scale_s)
-  v. amax_s and amax_o are max-reduced over the tile, then atomically into the output.
+  v. amax_s (per row: exp2(max score - lse)) and amax_o are max-reduced over the tile, then
+  atomically into the output.
 * backward, as the bf16 kernels (codegen/sdpa.py): a dK/dV program per key block walks the
   query tiles of every query head of its group; a dQ program per query tile walks its keys
   (and takes amax_dP = max |dS|, each (query, key) pair being seen there once). delta =
@@ -186,20 +187,21 @@ def forward(q_ptr, k_ptr, v_t_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_pt
     lse = m_i + tl.math.log2(l_i)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    amax_s = tl.zeros([BLOCK_M], tl.int32)  # per row: few registers
     for start_n in range(0, key_end, BLOCK_N):  # P, exactly normalized, rounded to fp8, times v
         keys = start_n + tl.arange(0, BLOCK_N)
         k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
                          mask=(keys < SKV)[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
-        scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
+        scores, _ = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
         probs = tl.math.exp2(scores - lse[:, None])
-        amax_s = tl.maximum(amax_s, tl.max(magnitude_bits(probs, visible & row_in[:, None]), 1))
         v_cols = tl.load(v_t_base + keys[None, :] * v_t_s3 + cols_dv[:, None] * v_t_s2,
                          mask=(keys < SKV)[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
         acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), tl.trans(v_cols))
     out = acc * (tl.load(descale_v_ptr) * tl.load(descale_s_ptr))
     o_mask = row_in[:, None] & (cols_dv < VALUE_DIM)[None, :]
-    amax_into(amax_s_ptr, amax_s)
+    # a row's largest P is exp2(m - lse), its max score being one of its visible scores (exp2 and
+    # the subtraction are monotone, so no element's P exceeds it): no per-element max. Every row
+    # inside SQ sees a key when SKV > 0; a NaN or all -inf row gives NaN here as in P.
+    amax_into(amax_s_ptr, magnitude_bits(tl.math.exp2(m_i - lse), row_in & (SKV > 0)))
     amax_into(amax_o_ptr, magnitude_bits(out, o_mask))
     store_as(o_ptr, batch.to(tl.int64) * o_s0 + head * o_s1 + rows[:, None] * o_s2 + cols_dv[None, :] * o_s3,
              out * tl.load(scale_o_ptr), o_mask, O_FP8, O_RULE)
