@@ -378,6 +378,38 @@ def test_fp8_outputs_past_their_range_convert_as_torch():
         assert_matches(outputs, g.reference(bindings))
 
 
+# scale_s around the bound where P * scale_s may overflow q's fp8 type (P = 1 on a causal graph's
+# first row): below it the kernels convert P with the hardware's instruction alone, at and above
+# it with torch's overflow encodings (quantize_probabilities); e4m3's first overflow is 464
+P_SCALES = [(E4M3, 460.0), (E4M3, 470.0), (E4M3, 4000.0), (E5M2, 57344.0), (E5M2, 1e6)]
+
+
+P_SCALE_IDS = [f"{d}-{s:g}".replace("torch.float8_", "") for d, s in P_SCALES]
+
+
+def probabilities_case(dtype, scale_s, device="cpu"):
+    """Forward and backward (P feeds dV) of a small causal graph at scale_s, against the reference."""
+    scales = {"scale_s": scale_s, "descale_s": 1.0 / scale_s}
+    q = fp8_values((1, 2, 21, 16), dtype, 60, device)
+    k = fp8_values((1, 1, 19, 16), dtype, 61, device)
+    g, bindings = forward_graph(q, k, k, causal=True, o_type=dg.float32)
+    bindings.update(scale_tensors({**forward_scales(dtype), **scales}, device))
+    assert_matches(execute(g, bindings, device), g.reference({n: t.cpu() for n, t in bindings.items()}), device)
+    tensors = backward_tensors(dtype, dtype, 1, 2, 1, 21, 19, 16, True, device)
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    bindings = {**tensors, **scale_tensors({**backward_scales(dtype), **scales}, device)}
+    assert_matches(execute(g, bindings, device), g.reference({n: t.cpu() for n, t in bindings.items()}), device)
+
+
+@pytest.mark.parametrize("dtype, scale_s", P_SCALES, ids=P_SCALE_IDS)
+def test_probabilities_near_and_past_the_fp8_range(dtype, scale_s):
+    """P * scale_s at, below and past the first overflow of q's type match the reference, which
+    converts as torch does (saturating, or overflowing to inf and then NaN through the dots). On
+    CPU the interpreter's conversion is torch's; the GPU test below is the one that tells the
+    hardware's satfinite conversion apart (e5m2: 57344 where torch gives inf)."""
+    probabilities_case(dtype, scale_s)
+
+
 def test_backward_hybrid_e5m2_gradient_and_float32_outputs():
     """dO in e5m2 against e4m3 q, k, v (the hybrid recipe), the gradients stored in float32."""
     outputs = backward_case(E4M3, E5M2, 1, 2, 1, 30, 41, 16, True, grad_type=dg.float32)
@@ -831,6 +863,14 @@ def test_heads_past_256_are_unsupported_on_the_gpu(dims):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gpu_forward_realistic(dtype, causal):
     forward_case(dtype, 2, 16, 16, 2048, 2048, 128, causal, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, scale_s", P_SCALES, ids=P_SCALE_IDS)
+def test_gpu_probabilities_near_and_past_the_fp8_range(dtype, scale_s):
+    """quantize_probabilities' two paths on the GPU: the hardware conversion alone below the
+    bound, torch's overflow encodings past it."""
+    probabilities_case(dtype, scale_s, device="cuda")
 
 
 @pytest.mark.gpu

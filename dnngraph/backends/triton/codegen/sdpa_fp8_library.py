@@ -98,6 +98,23 @@ def quantize(x, FP8: tl.constexpr, RULE: tl.constexpr):
     return tm.to_float8(x, FP8, RULE[0], RULE[1], RULE[2], RULE[3])
 
 
+# P <= 1 up to exp2's approximation (a few ulps), so |P * scale_s| <= |scale_s| * P_BOUND
+P_BOUND = tl.constexpr(1.0078125)
+
+
+@triton.jit
+def quantize_probabilities(scaled, scale_s, FP8: tl.constexpr, RULE: tl.constexpr):
+    """quantize(P * scale_s) for a dot operand: where |scale_s| * P_BOUND stays below the type's
+    first overflow (one uniform test per tile), no value can overflow, so the hardware conversion
+    alone is torch's (a NaN stays NaN; its sign, which only the encoding torch would give keeps,
+    reaches no output through a dot); otherwise the full correction (quantize)."""
+    if tl.abs(scale_s) * P_BOUND < RULE[0]:
+        rounded = scaled.to(FP8)
+    else:
+        rounded = quantize(scaled, FP8, RULE)
+    return rounded
+
+
 @triton.jit
 def store_as(ptr, offsets, values, mask, IS_FP8: tl.constexpr, RULE: tl.constexpr):
     """Store float32 `values` in the pointer's type as torch's `.to` would put them there."""
@@ -195,7 +212,8 @@ def forward(q_ptr, k_ptr, v_t_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_pt
         probs = tl.math.exp2(scores - lse[:, None])
         v_cols = tl.load(v_t_base + keys[None, :] * v_t_s3 + cols_dv[:, None] * v_t_s2,
                          mask=(keys < SKV)[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
-        acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), tl.trans(v_cols))
+        acc += tl.dot(quantize_probabilities(probs * scale_s, scale_s, q_ptr.dtype.element_ty, P_RULE),
+                      tl.trans(v_cols))
     out = acc * (tl.load(descale_v_ptr) * tl.load(descale_s_ptr))
     o_mask = row_in[:, None] & (cols_dv < VALUE_DIM)[None, :]
     # a row's largest P is exp2(m - lse), its max score being one of its visible scores (exp2 and
@@ -307,7 +325,8 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, delta_ptr, do_ptr, stats_ptr, q_t_ptr, do
             row_in = (rows < SQ)[None, :]
             do_t_tile = tl.load(do_t_base + cols_dv[:, None] * do_t_s2 + rows[None, :] * do_t_s3,
                                 mask=row_in & (cols_dv < VALUE_DIM)[:, None], other=0.0)
-            dv_acc += tl.dot(quantize(probs * scale_s, q_ptr.dtype.element_ty, P_RULE), tl.trans(do_t_tile))
+            dv_acc += tl.dot(quantize_probabilities(probs * scale_s, scale_s, q_ptr.dtype.element_ty, P_RULE),
+                             tl.trans(do_t_tile))
             q_t_tile = tl.load(q_t_base + cols_d[:, None] * q_t_s2 + rows[None, :] * q_t_s3,
                                mask=row_in & (cols_d < HEAD_DIM)[:, None], other=0.0)
             dk_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), tl.trans(q_t_tile))
