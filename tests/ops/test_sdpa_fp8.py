@@ -148,6 +148,17 @@ def test_forward_matches_reference(dtype, causal):
     forward_case(dtype, 2, 4, 2, 37, 45, 24, causal)  # GQA (2 query heads per k/v head), odd sizes
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_blocks_seen_whole_and_masked(causal):
+    """Sequences past one interpreter tile (64): the key blocks every row of a query tile sees
+    whole run without the mask, the rest (the diagonal, the keys' ragged end) with it; both walks
+    of the forward. o in fp8, compared code for code but a few neighbours: at these lengths some P
+    lands beside an fp8 rounding boundary, where float32 and float64 pick different codes (a
+    float32 o then moved 1.2e-4 of its norm, before and after the split alike)."""
+    forward_case(E4M3, 1, 2, 1, 150, 170, 16, causal)
+    forward_case(E5M2, 1, 1, 1, 131, 129, 16, causal)
+
+
 @pytest.mark.parametrize("o_type", [dg.float32, dg.bfloat16, dg.float8_e5m2], ids=["f32", "bf16", "e5m2"])
 def test_forward_output_types(o_type):
     """o stored in another type: float32 shows the quantized P times v to float32 accuracy."""
@@ -399,6 +410,25 @@ def probabilities_case(dtype, scale_s, device="cpu"):
     g = backward_graph(tensors, True, grad_type=dg.float32)
     bindings = {**tensors, **scale_tensors({**backward_scales(dtype), **scales}, device)}
     assert_matches(execute(g, bindings, device), g.reference({n: t.cpu() for n, t in bindings.items()}), device)
+
+
+def gradient_scores_case(do_dtype, device="cpu"):
+    """A backward whose dS * scale_dP passes dO's fp8 range on many pairs (e4m3 saturates to 448
+    in recent torch, e5m2 overflows to inf and the dots then give NaN), against the reference."""
+    tensors = backward_tensors(E4M3, do_dtype, 1, 2, 1, 23, 29, 16, False, device)
+    g = backward_graph(tensors, False, grad_type=dg.float32)
+    bindings = {**tensors, **scale_tensors({**backward_scales(E4M3), "scale_dP": 1e7, "descale_dP": 1e-7}, device)}
+    outputs = execute(g, bindings, device)
+    assert_matches(outputs, g.reference({n: t.cpu() for n, t in bindings.items()}), device)
+    return outputs
+
+
+@pytest.mark.parametrize("do_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gradient_scores_past_the_fp8_range(do_dtype):
+    """dS rounds to dO's type as torch converts, past its range too (quantize_operand: the
+    hardware conversion alone where torch saturates as satfinite does)."""
+    amax = gradient_scores_case(do_dtype)["sdpa_fp8_backward.amax_dP"]
+    assert amax.item() * 1e7 > torch.finfo(do_dtype).max  # the case does pass the range
 
 
 @pytest.mark.parametrize("dtype, scale_s", P_SCALES, ids=P_SCALE_IDS)
@@ -863,6 +893,12 @@ def test_heads_past_256_are_unsupported_on_the_gpu(dims):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gpu_forward_realistic(dtype, causal):
     forward_case(dtype, 2, 16, 16, 2048, 2048, 128, causal, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("do_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gpu_gradient_scores_past_the_fp8_range(do_dtype):
+    gradient_scores_case(do_dtype, device="cuda")
 
 
 @pytest.mark.gpu

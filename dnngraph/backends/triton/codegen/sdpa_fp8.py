@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from .conversions import float8_rule
 from ...contract import KernelSource
 from .pointwise import KernelArgument, kernel_module
@@ -50,12 +52,16 @@ class Fp8AttentionSpec:
 
 
 def rule_literal(data_type) -> tuple:
-    """The (first overflow, overflow, infinity, NaN encodings) tuple of an fp8 type, or a stand-in
-    for another type (never read: its IS_FP8 flag is False)."""
+    """The (first overflow, overflow, infinity, NaN encodings, saturates) tuple of an fp8 type, or
+    a stand-in for another type (never read: its IS_FP8 flag is False). `saturates`: torch
+    encodes overflow and infinity as the type's largest finite value, as the GPU's satfinite
+    conversion does (e4m3fn in recent torch), so a dot operand needs no correction but NaN's sign."""
     if data_type.itemsize != 1:
-        return (0.0, 0, 0, 0)
+        return (0.0, 0, 0, 0, False)
     rule = float8_rule(data_type)
-    return (rule.first_overflow, rule.overflow_bits, rule.infinity_bits, rule.nan_bits)
+    largest = torch.tensor([torch.finfo(data_type.torch_dtype).max]).to(data_type.torch_dtype).view(torch.uint8)
+    saturates = rule.overflow_bits == rule.infinity_bits == int(largest.item())
+    return (rule.first_overflow, rule.overflow_bits, rule.infinity_bits, rule.nan_bits, saturates)
 
 
 def _stored_flags(spec: Fp8AttentionSpec, which: str) -> dict:

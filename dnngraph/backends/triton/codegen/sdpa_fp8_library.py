@@ -9,7 +9,12 @@ converts as torch does (tm.to_float8 with the encodings conversions.py reads fro
   row's log-sum-exp; a second recomputes the scores, P = exp2(s - lse) is the softmax's true
   value (no running max: its rounding to fp8 depends on no tiling), and acc += fp8(P * scale_s)
   v. amax_s (per row: exp2(max score - lse)) and amax_o are max-reduced over the tile, then
-  atomically into the output.
+  atomically into the output. Each walk runs the key blocks every row sees whole without the
+  mask, then the rest (the causal diagonal, the keys' ragged end) with it.
+* P and dS feed dots only, so where torch's encodings of overflow and infinity are what the
+  hardware's satfinite conversion gives (e4m3fn in recent torch) or P * scale_s cannot reach the
+  range's end, they convert with that instruction alone (quantize_operand,
+  quantize_probabilities): a NaN's sign, the one difference, reaches no output through a dot.
 * backward, as the bf16 kernels (codegen/sdpa.py): a dK/dV program per key block walks the
   query tiles of every query head of its group; a dQ program per query tile walks its keys
   (and takes amax_dP = max |dS|, each (query, key) pair being seen there once). delta =
@@ -94,8 +99,20 @@ def amax_into(amax_ptr, bits):
 @triton.jit
 def quantize(x, FP8: tl.constexpr, RULE: tl.constexpr):
     """float32 x to fp8 type FP8 as torch converts; RULE = (first overflow, overflow, infinity,
-    NaN encodings) of that type (conversions.float8_rule)."""
+    NaN encodings, saturates) of that type (conversions.float8_rule, codegen rule_literal)."""
     return tm.to_float8(x, FP8, RULE[0], RULE[1], RULE[2], RULE[3])
+
+
+@triton.jit
+def quantize_operand(x, FP8: tl.constexpr, RULE: tl.constexpr):
+    """quantize(x) for a dot operand (dS): where torch saturates overflow and infinity (RULE[4]),
+    the hardware's satfinite conversion alone is torch's but for a NaN's sign, which no product
+    keeps; otherwise the full correction."""
+    if RULE[4]:
+        rounded = x.to(FP8)
+    else:
+        rounded = quantize(x, FP8, RULE)
+    return rounded
 
 
 # P <= 1 up to exp2's approximation (a few ulps), so |P * scale_s| <= |scale_s| * P_BOUND
@@ -104,11 +121,13 @@ P_BOUND = tl.constexpr(1.0078125)
 
 @triton.jit
 def quantize_probabilities(scaled, scale_s, FP8: tl.constexpr, RULE: tl.constexpr):
-    """quantize(P * scale_s) for a dot operand: where |scale_s| * P_BOUND stays below the type's
-    first overflow (one uniform test per tile), no value can overflow, so the hardware conversion
-    alone is torch's (a NaN stays NaN; its sign, which only the encoding torch would give keeps,
-    reaches no output through a dot); otherwise the full correction (quantize)."""
-    if tl.abs(scale_s) * P_BOUND < RULE[0]:
+    """quantize(P * scale_s) for a dot operand: quantize_operand's, and besides, where |scale_s| *
+    P_BOUND stays below the type's first overflow (one uniform test per tile), no value can
+    overflow, so the hardware conversion alone is torch's (a NaN stays NaN; its sign, which only
+    the encoding torch would give keeps, reaches no output through a dot)."""
+    if RULE[4]:
+        rounded = scaled.to(FP8)
+    elif tl.abs(scale_s) * P_BOUND < RULE[0]:
         rounded = scaled.to(FP8)
     else:
         rounded = quantize(scaled, FP8, RULE)
@@ -125,13 +144,16 @@ def store_as(ptr, offsets, values, mask, IS_FP8: tl.constexpr, RULE: tl.constexp
 
 
 @triton.jit
-def _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL: tl.constexpr):
-    """Base-2 scores of q_tile [M, D] against k_cols [D, N] (K-major), -inf where not visible."""
+def _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL: tl.constexpr, MASKED: tl.constexpr):
+    """Base-2 scores of q_tile [M, D] against k_cols [D, N] (K-major), -inf where not visible
+    (MASKED False: a block every row sees whole, whose mask the compiler then drops)."""
     scores = tl.dot(q_tile, k_cols) * qk_scale
     visible = (keys < SKV)[None, :] & (rows >= 0)[:, None]
     if CAUSAL:
         visible = visible & (keys[None, :] <= rows[:, None])
-    return tl.where(visible, scores, float("-inf")), visible
+    if MASKED:
+        scores = tl.where(visible, scores, float("-inf"))
+    return scores, visible
 
 
 @triton.jit
@@ -148,6 +170,52 @@ def _key_end(first_row, SQ, SKV, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BL
     kernels' rule, lib.key_range: causal is a right bound of 0, top-left)."""
     _, hi, _, _ = lib.key_range(first_row, first_row + BLOCK_M - 1, 0, SQ, SKV, 0, 0, False, CAUSAL, False, BLOCK_N)
     return hi
+
+
+@triton.jit
+def _full_key_end(first_row, SQ, SKV, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The end of the key blocks that every row of a query tile starting at first_row sees whole
+    (lib.key_range's full range, on a BLOCK_N edge): those blocks need no mask."""
+    _, _, _, full_hi = lib.key_range(first_row, first_row + BLOCK_M - 1, 0, SQ, SKV, 0, 0, False, CAUSAL, False,
+                                     BLOCK_N)
+    return full_hi // BLOCK_N * BLOCK_N
+
+
+@triton.jit
+def _row_statistics(m_i, l_i, q_tile, k_base, k_s2, k_s3, qk_scale, rows, start, end, SKV, CAUSAL: tl.constexpr,
+                    MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(running max, running sum of exp2(score - max)) of the rows over key blocks [start, end)."""
+    cols_d = tl.arange(0, BLOCK_D)
+    for start_n in range(start, end, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
+                         mask=(keys < SKV)[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
+        scores, _ = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL, MASKED)
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(scores - m_use[:, None]), 1)
+        m_i = m_new
+    return m_i, l_i
+
+
+@triton.jit
+def _probabilities_times_values(acc, q_tile, k_base, v_t_base, k_s2, k_s3, v_t_s2, v_t_s3, qk_scale, lse, scale_s,
+                                rows, start, end, SKV, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                                HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, P_RULE: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """acc + fp8(P * scale_s) v over key blocks [start, end), P exactly normalized (lse)."""
+    cols_d = tl.arange(0, BLOCK_D)
+    cols_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, end, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
+                         mask=(keys < SKV)[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
+        scores, _ = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL, MASKED)
+        probs = tl.math.exp2(scores - lse[:, None])
+        v_cols = tl.load(v_t_base + keys[None, :] * v_t_s3 + cols_dv[:, None] * v_t_s2,
+                         mask=(keys < SKV)[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
+        acc += tl.dot(quantize_probabilities(probs * scale_s, scale_s, q_tile.dtype, P_RULE), tl.trans(v_cols))
+    return acc
 
 
 @triton.jit
@@ -187,33 +255,26 @@ def forward(q_ptr, k_ptr, v_t_ptr, o_ptr, stats_ptr, descale_q_ptr, descale_k_pt
     qk_scale = tl.load(descale_q_ptr) * tl.load(descale_k_ptr) * (SCALE * LOG2E)
     scale_s = tl.load(scale_s_ptr)
     key_end = _key_end(tl.program_id(0) * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N)
+    # blocks before full_end are seen whole by every row: their loop runs without the mask
+    full_end = _full_key_end(tl.program_id(0) * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    for start_n in range(0, key_end, BLOCK_N):  # the rows' log-sum-exp
-        keys = start_n + tl.arange(0, BLOCK_N)
-        k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
-                         mask=(keys < SKV)[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
-        scores, _ = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.math.exp2(m_i - m_use) + tl.sum(tl.math.exp2(scores - m_use[:, None]), 1)
-        m_i = m_new
+    m_i, l_i = _row_statistics(m_i, l_i, q_tile, k_base, k_s2, k_s3, qk_scale, rows, 0, full_end, SKV, CAUSAL,
+                               False, HEAD_DIM, BLOCK_N, BLOCK_D)
+    m_i, l_i = _row_statistics(m_i, l_i, q_tile, k_base, k_s2, k_s3, qk_scale, rows, full_end, key_end, SKV, CAUSAL,
+                               True, HEAD_DIM, BLOCK_N, BLOCK_D)
     # every row inside SQ sees key 0 (top-left causal), so l_i == 0 means its scores are all -inf:
     # lse = -inf and P = exp2(-inf + inf) = NaN, as torch's softmax of such a row
     lse = m_i + tl.math.log2(l_i)
 
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for start_n in range(0, key_end, BLOCK_N):  # P, exactly normalized, rounded to fp8, times v
-        keys = start_n + tl.arange(0, BLOCK_N)
-        k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
-                         mask=(keys < SKV)[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
-        scores, _ = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
-        probs = tl.math.exp2(scores - lse[:, None])
-        v_cols = tl.load(v_t_base + keys[None, :] * v_t_s3 + cols_dv[:, None] * v_t_s2,
-                         mask=(keys < SKV)[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
-        acc += tl.dot(quantize_probabilities(probs * scale_s, scale_s, q_ptr.dtype.element_ty, P_RULE),
-                      tl.trans(v_cols))
+    acc = _probabilities_times_values(acc, q_tile, k_base, v_t_base, k_s2, k_s3, v_t_s2, v_t_s3, qk_scale, lse,
+                                      scale_s, rows, 0, full_end, SKV, CAUSAL, False, HEAD_DIM, VALUE_DIM, P_RULE,
+                                      BLOCK_N, BLOCK_D, BLOCK_DV)
+    acc = _probabilities_times_values(acc, q_tile, k_base, v_t_base, k_s2, k_s3, v_t_s2, v_t_s3, qk_scale, lse,
+                                      scale_s, rows, full_end, key_end, SKV, CAUSAL, True, HEAD_DIM, VALUE_DIM,
+                                      P_RULE, BLOCK_N, BLOCK_D, BLOCK_DV)
     out = acc * (tl.load(descale_v_ptr) * tl.load(descale_s_ptr))
     o_mask = row_in[:, None] & (cols_dv < VALUE_DIM)[None, :]
     # a row's largest P is exp2(m - lse), its max score being one of its visible scores (exp2 and
@@ -329,7 +390,8 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, delta_ptr, do_ptr, stats_ptr, q_t_ptr, do
                              tl.trans(do_t_tile))
             q_t_tile = tl.load(q_t_base + cols_d[:, None] * q_t_s2 + rows[None, :] * q_t_s3,
                                mask=row_in & (cols_d < HEAD_DIM)[:, None], other=0.0)
-            dk_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), tl.trans(q_t_tile))
+            dk_acc += tl.dot(quantize_operand(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE),
+                             tl.trans(q_t_tile))
     d_k = dk_acc * (tl.load(descale_q_ptr) * tl.load(descale_dp_ptr))
     d_v = dv_acc * (tl.load(descale_s_ptr) * tl.load(descale_do_ptr))
     dk_mask = key_in[:, None] & (cols_d < HEAD_DIM)[None, :]
@@ -376,14 +438,15 @@ def backward_dq(q_ptr, k_ptr, v_ptr, delta_ptr, do_ptr, stats_ptr, k_t_ptr, dq_p
                          mask=key_in[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
         v_cols = tl.load(v_base + keys[None, :] * v_s2 + cols_dv[:, None] * v_s3,
                          mask=key_in[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
-        scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL)
+        scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL, True)
         d_probs = tl.dot(do_tile, v_cols) * dp_scale
         probs, d_scores = _gradient_terms(scores, lse[:, None], d_probs, delta[:, None], visible, SCALE)
         # the frontend's amax_dP is of the value scale_dP scales: dS (its "dP")
         amax_dp = tl.maximum(amax_dp, tl.max(magnitude_bits(d_scores, visible & row_in[:, None]), 1))
         k_t_cols = tl.load(k_t_base + keys[None, :] * k_t_s3 + cols_d[:, None] * k_t_s2,
                            mask=key_in[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
-        dq_acc += tl.dot(quantize(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE), tl.trans(k_t_cols))
+        dq_acc += tl.dot(quantize_operand(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE),
+                         tl.trans(k_t_cols))
     d_q = dq_acc * (tl.load(descale_k_ptr) * tl.load(descale_dp_ptr))
     dq_mask = row_in[:, None] & (cols_d < HEAD_DIM)[None, :]
     amax_into(amax_dq_ptr, magnitude_bits(d_q, dq_mask))
