@@ -340,6 +340,14 @@ def test_backward_matches_reference(dtype, causal):
     backward_case(dtype, dtype, 2, 4, 2, 37, 45, 24, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_blocks_seen_whole_and_masked(causal):
+    """Sequences past one interpreter tile: the dQ kernel's key blocks every row sees whole run
+    without the mask (amax_dP too), the rest with it; fp8 gradients (see the forward's case)."""
+    backward_case(E4M3, E4M3, 1, 2, 1, 150, 170, 16, causal)
+    backward_case(E4M3, E5M2, 1, 2, 2, 131, 129, 16, causal)
+
+
 def test_backward_strided_bshd_and_sliced_inputs():
     """q, o, dO stored BSHD, k and v sliced out of wider buffers (row stride past D), stats
     strided: the gradients take q's, k's and v's layouts, every output poisoned first."""

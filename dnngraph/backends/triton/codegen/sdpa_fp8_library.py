@@ -9,8 +9,8 @@ converts as torch does (tm.to_float8 with the encodings conversions.py reads fro
   row's log-sum-exp; a second recomputes the scores, P = exp2(s - lse) is the softmax's true
   value (no running max: its rounding to fp8 depends on no tiling), and acc += fp8(P * scale_s)
   v. amax_s (per row: exp2(max score - lse)) and amax_o are max-reduced over the tile, then
-  atomically into the output. Each walk runs the key blocks every row sees whole without the
-  mask, then the rest (the causal diagonal, the keys' ragged end) with it.
+  atomically into the output. Each walk (and the dQ kernel's) runs the key blocks every row
+  sees whole without the mask, then the rest (the causal diagonal, the keys' ragged end) with it.
 * P and dS feed dots only, so where torch's encodings of overflow and infinity are what the
   hardware's satfinite conversion gives (e4m3fn in recent torch) or P * scale_s cannot reach the
   range's end, they convert with that instruction alone (quantize_operand,
@@ -157,11 +157,16 @@ def _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL: tl.constexpr, MAS
 
 
 @triton.jit
-def _gradient_terms(scores, lse, d_probs, delta, visible, SCALE: tl.constexpr):
+def _gradient_terms(scores, lse, d_probs, delta, visible, SCALE: tl.constexpr, MASKED: tl.constexpr):
     """(P, dS) of a block of base-2 scores, exactly 0 at the pairs the mask hides: a NaN in
-    stats, or in dO v^T at a hidden pair, stays out of them whatever the tiling."""
-    probs = tl.where(visible, tl.math.exp2(scores - lse), 0.0)
-    return probs, tl.where(visible, probs * (d_probs - delta) * SCALE, 0.0)
+    stats, or in dO v^T at a hidden pair, stays out of them whatever the tiling (MASKED False: a
+    block every row sees whole)."""
+    probs = tl.math.exp2(scores - lse)
+    d_scores = probs * (d_probs - delta) * SCALE
+    if MASKED:
+        probs = tl.where(visible, probs, 0.0)
+        d_scores = tl.where(visible, d_scores, 0.0)
+    return probs, d_scores
 
 
 @triton.jit
@@ -330,12 +335,45 @@ def _query_rows(q_ptr, do_ptr, delta_ptr, stats_ptr, q_off, do_off, delta_off, s
 
 
 @triton.jit
+def _dkdv_tiles(dk_acc, dv_acc, k_tile, v_tile, keys, key_in, q_ptr, do_ptr, delta_ptr, stats_ptr, q_t_base,
+                do_t_base, q_off, do_off, delta_off, stats_off, q_s2, q_s3, do_s2, do_s3, stats_s2, q_t_s2, q_t_s3,
+                do_t_s2, do_t_s3, qk_scale, dp_scale, scale_s, scale_dp, start, end, SQ, CAUSAL: tl.constexpr,
+                MASKED: tl.constexpr, SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+                P_RULE: tl.constexpr, DS_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr):
+    """(dk_acc + fp8(dS)^T q, dv_acc + fp8(P)^T dO) over the query tiles [start, end) of one head."""
+    cols_d = tl.arange(0, BLOCK_D)
+    cols_dv = tl.arange(0, BLOCK_DV)
+    for start_m in range(start, end, BLOCK_M):
+        rows = start_m + tl.arange(0, BLOCK_M)
+        q_tile, do_tile, lse, delta = _query_rows(q_ptr, do_ptr, delta_ptr, stats_ptr, q_off, do_off, delta_off,
+                                                  stats_off, rows, SQ, q_s2, q_s3, do_s2, do_s3, stats_s2,
+                                                  HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV)
+        # [keys, rows]: the block's scores transposed
+        scores = tl.dot(k_tile, tl.trans(q_tile)) * qk_scale
+        visible = key_in[:, None] & (rows < SQ)[None, :]
+        if CAUSAL:
+            visible = visible & (keys[:, None] <= rows[None, :])
+        d_probs = tl.dot(v_tile, tl.trans(do_tile)) * dp_scale
+        probs, d_scores = _gradient_terms(scores, lse[None, :], d_probs, delta[None, :], visible, SCALE, MASKED)
+        row_in = (rows < SQ)[None, :]
+        do_t_tile = tl.load(do_t_base + cols_dv[:, None] * do_t_s2 + rows[None, :] * do_t_s3,
+                            mask=row_in & (cols_dv < VALUE_DIM)[:, None], other=0.0)
+        dv_acc += tl.dot(quantize_probabilities(probs * scale_s, scale_s, q_tile.dtype, P_RULE), tl.trans(do_t_tile))
+        q_t_tile = tl.load(q_t_base + cols_d[:, None] * q_t_s2 + rows[None, :] * q_t_s3,
+                           mask=row_in & (cols_d < HEAD_DIM)[:, None], other=0.0)
+        dk_acc += tl.dot(quantize_operand(d_scores * scale_dp, do_tile.dtype, DS_RULE), tl.trans(q_t_tile))
+    return dk_acc, dv_acc
+
+
+@triton.jit
 def backward_dkdv(q_ptr, k_ptr, v_ptr, delta_ptr, do_ptr, stats_ptr, q_t_ptr, do_t_ptr, dk_ptr, dv_ptr,
                   descale_q_ptr, descale_k_ptr, descale_v_ptr, descale_do_ptr, descale_s_ptr,
                   descale_dp_ptr, scale_s_ptr, scale_dk_ptr, scale_dv_ptr, scale_dp_ptr, amax_dk_ptr, amax_dv_ptr,
                   q_s0, q_s1, q_s2, q_s3, k_s0, k_s1, k_s2, k_s3, v_s0, v_s1, v_s2, v_s3,
                   do_s0, do_s1, do_s2, do_s3, stats_s0, stats_s1, stats_s2, q_t_s0, q_t_s1, q_t_s2, q_t_s3,
-                  do_t_s0, do_t_s1, do_t_s2, do_t_s3, dk_s0, dk_s1, dk_s2, dk_s3, dv_s0, dv_s1, dv_s2, dv_s3, HEADS, GROUP, SQ, SKV,
+                  do_t_s0, do_t_s1, do_t_s2, do_t_s3, dk_s0, dk_s1, dk_s2, dk_s3, dv_s0, dv_s1, dv_s2, dv_s3,
+                  HEADS, GROUP, SQ, SKV,
                   SCALE: tl.constexpr, CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
                   P_RULE: tl.constexpr, DS_RULE: tl.constexpr, DK_FP8: tl.constexpr, DK_RULE: tl.constexpr,
                   DV_FP8: tl.constexpr, DV_RULE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -371,27 +409,13 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, delta_ptr, do_ptr, stats_ptr, q_t_ptr, do
         stats_off = batch * stats_s0 + head * stats_s1
         q_t_base = q_t_ptr + batch * q_t_s0 + head * q_t_s1
         do_t_base = do_t_ptr + batch * do_t_s0 + head * do_t_s1
-        for start_m in range(first_row, SQ, BLOCK_M):
-            rows = start_m + tl.arange(0, BLOCK_M)
-            q_tile, do_tile, lse, delta = _query_rows(q_ptr, do_ptr, delta_ptr, stats_ptr, q_off, do_off, delta_off,
-                                                      stats_off, rows, SQ, q_s2, q_s3, do_s2, do_s3, stats_s2,
-                                                      HEAD_DIM, VALUE_DIM, BLOCK_D, BLOCK_DV)
-            # [keys, rows]: the block's scores transposed
-            scores = tl.dot(k_tile, tl.trans(q_tile)) * qk_scale
-            visible = key_in[:, None] & (rows < SQ)[None, :]
-            if CAUSAL:
-                visible = visible & (keys[:, None] <= rows[None, :])
-            d_probs = tl.dot(v_tile, tl.trans(do_tile)) * dp_scale
-            probs, d_scores = _gradient_terms(scores, lse[None, :], d_probs, delta[None, :], visible, SCALE)
-            row_in = (rows < SQ)[None, :]
-            do_t_tile = tl.load(do_t_base + cols_dv[:, None] * do_t_s2 + rows[None, :] * do_t_s3,
-                                mask=row_in & (cols_dv < VALUE_DIM)[:, None], other=0.0)
-            dv_acc += tl.dot(quantize_probabilities(probs * scale_s, scale_s, q_ptr.dtype.element_ty, P_RULE),
-                             tl.trans(do_t_tile))
-            q_t_tile = tl.load(q_t_base + cols_d[:, None] * q_t_s2 + rows[None, :] * q_t_s3,
-                               mask=row_in & (cols_d < HEAD_DIM)[:, None], other=0.0)
-            dk_acc += tl.dot(quantize_operand(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE),
-                             tl.trans(q_t_tile))
+        # one masked loop: split at the tiles that see the block whole (as the forward and dQ do),
+        # three pipelined loops inside the group's loop spilled 24 to 64 bytes (ptxas, sm_90a)
+        dk_acc, dv_acc = _dkdv_tiles(dk_acc, dv_acc, k_tile, v_tile, keys, key_in, q_ptr, do_ptr, delta_ptr,
+                                     stats_ptr, q_t_base, do_t_base, q_off, do_off, delta_off, stats_off,
+                                     q_s2, q_s3, do_s2, do_s3, stats_s2, q_t_s2, q_t_s3, do_t_s2, do_t_s3,
+                                     qk_scale, dp_scale, scale_s, scale_dp, first_row, SQ, SQ, CAUSAL, True,
+                                     SCALE, HEAD_DIM, VALUE_DIM, P_RULE, DS_RULE, BLOCK_M, BLOCK_D, BLOCK_DV)
     d_k = dk_acc * (tl.load(descale_q_ptr) * tl.load(descale_dp_ptr))
     d_v = dv_acc * (tl.load(descale_s_ptr) * tl.load(descale_do_ptr))
     dk_mask = key_in[:, None] & (cols_d < HEAD_DIM)[None, :]
@@ -402,6 +426,36 @@ def backward_dkdv(q_ptr, k_ptr, v_ptr, delta_ptr, do_ptr, stats_ptr, q_t_ptr, do
              d_k * tl.load(scale_dk_ptr), dk_mask, DK_FP8, DK_RULE)
     store_as(dv_ptr, batch * dv_s0 + kv_head * dv_s1 + keys[:, None] * dv_s2 + cols_dv[None, :] * dv_s3,
              d_v * tl.load(scale_dv_ptr), dv_mask, DV_FP8, DV_RULE)
+
+
+@triton.jit
+def _dq_blocks(dq_acc, amax_dp, q_tile, do_tile, lse, delta, k_base, v_base, k_t_base, k_s2, k_s3, v_s2, v_s3,
+               k_t_s2, k_t_s3, qk_scale, dp_scale, scale_dp, rows, row_in, start, end, SKV, CAUSAL: tl.constexpr,
+               MASKED: tl.constexpr, SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, VALUE_DIM: tl.constexpr,
+               DS_RULE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """(dq_acc + fp8(dS * scale_dP) k, the rows' max |dS| bits) over key blocks [start, end)."""
+    cols_d = tl.arange(0, BLOCK_D)
+    cols_dv = tl.arange(0, BLOCK_DV)
+    for start_n in range(start, end, BLOCK_N):
+        keys = start_n + tl.arange(0, BLOCK_N)
+        key_in = keys < SKV
+        k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
+                         mask=key_in[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
+        v_cols = tl.load(v_base + keys[None, :] * v_s2 + cols_dv[:, None] * v_s3,
+                         mask=key_in[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
+        scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL, MASKED)
+        d_probs = tl.dot(do_tile, v_cols) * dp_scale
+        probs, d_scores = _gradient_terms(scores, lse[:, None], d_probs, delta[:, None], visible, SCALE, MASKED)
+        # the frontend's amax_dP is of the value scale_dP scales: dS (its "dP")
+        if MASKED:
+            counted = visible & row_in[:, None]
+        else:
+            counted = row_in[:, None]
+        amax_dp = tl.maximum(amax_dp, tl.max(magnitude_bits(d_scores, counted), 1))
+        k_t_cols = tl.load(k_t_base + keys[None, :] * k_t_s3 + cols_d[:, None] * k_t_s2,
+                           mask=key_in[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
+        dq_acc += tl.dot(quantize_operand(d_scores * scale_dp, do_tile.dtype, DS_RULE), tl.trans(k_t_cols))
+    return dq_acc, amax_dp
 
 
 @triton.jit
@@ -431,22 +485,17 @@ def backward_dq(q_ptr, k_ptr, v_ptr, delta_ptr, do_ptr, stats_ptr, k_t_ptr, dq_p
     scale_dp = tl.load(scale_dp_ptr)
     dq_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     amax_dp = tl.zeros([BLOCK_M], tl.int32)
-    for start_n in range(0, _key_end(tl.program_id(0) * BLOCK_M, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N), BLOCK_N):
-        keys = start_n + tl.arange(0, BLOCK_N)
-        key_in = keys < SKV
-        k_cols = tl.load(k_base + keys[None, :] * k_s2 + cols_d[:, None] * k_s3,
-                         mask=key_in[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
-        v_cols = tl.load(v_base + keys[None, :] * v_s2 + cols_dv[:, None] * v_s3,
-                         mask=key_in[None, :] & (cols_dv < VALUE_DIM)[:, None], other=0.0)
-        scores, visible = _scores(q_tile, k_cols, qk_scale, rows, keys, SKV, CAUSAL, True)
-        d_probs = tl.dot(do_tile, v_cols) * dp_scale
-        probs, d_scores = _gradient_terms(scores, lse[:, None], d_probs, delta[:, None], visible, SCALE)
-        # the frontend's amax_dP is of the value scale_dP scales: dS (its "dP")
-        amax_dp = tl.maximum(amax_dp, tl.max(magnitude_bits(d_scores, visible & row_in[:, None]), 1))
-        k_t_cols = tl.load(k_t_base + keys[None, :] * k_t_s3 + cols_d[:, None] * k_t_s2,
-                           mask=key_in[None, :] & (cols_d < HEAD_DIM)[:, None], other=0.0)
-        dq_acc += tl.dot(quantize_operand(d_scores * scale_dp, do_ptr.dtype.element_ty, DS_RULE),
-                         tl.trans(k_t_cols))
+    first_row = tl.program_id(0) * BLOCK_M
+    # blocks before full_end are seen whole by every row: their loop runs without the mask
+    full_end = _full_key_end(first_row, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N)
+    dq_acc, amax_dp = _dq_blocks(dq_acc, amax_dp, q_tile, do_tile, lse, delta, k_base, v_base, k_t_base,
+                                 k_s2, k_s3, v_s2, v_s3, k_t_s2, k_t_s3, qk_scale, dp_scale, scale_dp, rows, row_in,
+                                 0, full_end, SKV, CAUSAL, False, SCALE, HEAD_DIM, VALUE_DIM, DS_RULE,
+                                 BLOCK_N, BLOCK_D, BLOCK_DV)
+    dq_acc, amax_dp = _dq_blocks(dq_acc, amax_dp, q_tile, do_tile, lse, delta, k_base, v_base, k_t_base,
+                                 k_s2, k_s3, v_s2, v_s3, k_t_s2, k_t_s3, qk_scale, dp_scale, scale_dp, rows, row_in,
+                                 full_end, _key_end(first_row, SQ, SKV, CAUSAL, BLOCK_M, BLOCK_N), SKV, CAUSAL, True,
+                                 SCALE, HEAD_DIM, VALUE_DIM, DS_RULE, BLOCK_N, BLOCK_D, BLOCK_DV)
     d_q = dq_acc * (tl.load(descale_k_ptr) * tl.load(descale_dp_ptr))
     dq_mask = row_in[:, None] & (cols_d < HEAD_DIM)[None, :]
     amax_into(amax_dq_ptr, magnitude_bits(d_q, dq_mask))

@@ -49,14 +49,14 @@ GPU_TILES = {"forward": Fp8Tiles(128, 64, 8, 3), "dkdv": Fp8Tiles(32, 64, 8, 2),
 # up to WIDE_HEAD wide; each compiles for sm_90a (D = 128) with no spill stores (ptxas; a test
 # keeps it so) and the first is GPU_TILES' choice. Excluded for spilling (bytes, 2026-11-29):
 # dK/dV (32, 128, 8) 224, (64, 128, 8) 312, (32, 64, 4) 260, (64, 64, 4, 3) 16, (64, 64, 8) 36 to 76
-# (the hybrid e4m3/e5m2 GQA form); dQ (128, 128, 8) 20.
+# (the hybrid e4m3/e5m2 GQA form); dQ (128, 128, 8) 20, (64, 128, 8) 4 (with its masked and
+# unmasked key loops).
 CANDIDATE_TILES = {
     "forward": (Fp8Tiles(128, 64, 8, 3), Fp8Tiles(128, 128, 8, 2), Fp8Tiles(128, 128, 8, 3), Fp8Tiles(128, 64, 8, 2),
                 Fp8Tiles(64, 64, 4, 3), Fp8Tiles(64, 128, 4, 3)),
     "dkdv": (Fp8Tiles(32, 64, 8, 2), Fp8Tiles(32, 64, 8, 3), Fp8Tiles(32, 64, 8, 4), Fp8Tiles(32, 32, 4, 2),
              Fp8Tiles(32, 32, 4, 3)),
-    "dq": (Fp8Tiles(128, 64, 8, 3), Fp8Tiles(128, 32, 8, 3), Fp8Tiles(64, 64, 4, 3), Fp8Tiles(64, 64, 4, 4),
-           Fp8Tiles(64, 128, 8, 3)),
+    "dq": (Fp8Tiles(128, 64, 8, 3), Fp8Tiles(128, 32, 8, 3), Fp8Tiles(64, 64, 4, 3), Fp8Tiles(64, 64, 4, 4)),
 }
 # heads wider than 128 (to MAX_GPU_HEAD_DIM): the tiles above spilled at D = 256 (ptxas, sm_90a:
 # forward 424 bytes, dK/dV 616, dQ 548); these spill none (test_sdpa_fp8's wide-head compile)
