@@ -13,7 +13,10 @@ took printed (`compile_seconds S LABEL: KERNEL`), and the count. Gluon kernels a
 Gluon sources, and a line `facts LABEL {json}` gives what their TTGIR and PTX hold (warp
 specialization, setmaxnreg, wgmma, TMA copies, shared memory).
 Each Triton kernel also gets a line `shared LABEL KERNEL: BYTES` (the shared memory its layout
-conversions and reductions take). With SM90_SPILLS=1 a line `spills LABEL KERNEL: N` gives each Triton kernel's spill-store bytes.
+conversions and reductions take). With SM90_SPILLS=1 a line `spills LABEL KERNEL: N` gives each
+Triton kernel's spill-store bytes. With SM90_LOOP_LOADS=1 a line `loop_loads LABEL KERNEL: N`
+gives each Triton kernel's count of tile loads inside a loop that its TTGIR still runs
+synchronously (see loop_register_loads).
 """
 import importlib
 import json
@@ -87,6 +90,24 @@ def spill_bytes(ptx: str) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stdout + done.stderr))
 
 
+def loop_register_loads(ttgir: str) -> int:
+    """Tile loads (tt.load of a 2-D tensor of pointers) inside an scf.for of a kernel's TTGIR: the
+    software pipeliner turns a loop's loads into cp.async copies to shared memory, and one left
+    as tt.load is a load it could not pipeline (a tensor-core operand whose global layout does not
+    match the shared layout the dot needs goes through registers, every iteration)."""
+    count, loop_indents = 0, []
+    for line in ttgir.splitlines():
+        stripped = line.strip()
+        indent = len(line) - len(stripped)
+        if loop_indents and stripped.startswith("}") and indent == loop_indents[-1]:
+            loop_indents.pop()
+        elif " scf.for " in line and stripped.endswith("{"):
+            loop_indents.append(indent)
+        elif loop_indents and re.search(r"= tt\.load .*: tensor<\d+x\d+x!tt\.ptr", stripped):
+            count += 1
+    return count
+
+
 def facts(compiled) -> dict:
     """What a compiled kernel's TTGIR and PTX hold, for tests to assert on."""
     ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
@@ -135,6 +156,8 @@ def main(spec: str):
                 print(f"shared {label} {launch.kernel.__name__}: {compiled.metadata.shared}")
             if os.environ.get("SM90_SPILLS") == "1" and not _is_gluon(launch.kernel):  # opt-in: a ptxas run each
                 print(f"spills {label} {launch.kernel.__name__}: {spill_bytes(compiled.asm['ptx'])}")
+            if os.environ.get("SM90_LOOP_LOADS") == "1" and not _is_gluon(launch.kernel):
+                print(f"loop_loads {label} {launch.kernel.__name__}: {loop_register_loads(compiled.asm['ttgir'])}")
             count += 1
     print(f"compiled {count} kernels for sm_90")
 

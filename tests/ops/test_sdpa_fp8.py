@@ -148,6 +148,17 @@ def test_forward_matches_reference(dtype, causal):
     forward_case(dtype, 2, 4, 2, 37, 45, 24, causal)  # GQA (2 query heads per k/v head), odd sizes
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_blocks_seen_whole_and_masked(causal):
+    """Sequences past one interpreter tile (64): the key blocks every row of a query tile sees
+    whole run without the mask, the rest (the diagonal, the keys' ragged end) with it; both walks
+    of the forward. o in fp8, compared code for code but a few neighbours: at these lengths some P
+    lands beside an fp8 rounding boundary, where float32 and float64 pick different codes (a
+    float32 o then moved 1.2e-4 of its norm, before and after the split alike)."""
+    forward_case(E4M3, 1, 2, 1, 150, 170, 16, causal)
+    forward_case(E5M2, 1, 1, 1, 131, 129, 16, causal)
+
+
 @pytest.mark.parametrize("o_type", [dg.float32, dg.bfloat16, dg.float8_e5m2], ids=["f32", "bf16", "e5m2"])
 def test_forward_output_types(o_type):
     """o stored in another type: float32 shows the quantized P times v to float32 accuracy."""
@@ -329,6 +340,14 @@ def test_backward_matches_reference(dtype, causal):
     backward_case(dtype, dtype, 2, 4, 2, 37, 45, 24, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward_blocks_seen_whole_and_masked(causal):
+    """Sequences past one interpreter tile: the dQ kernel's key blocks every row sees whole run
+    without the mask (amax_dP too), the rest with it; fp8 gradients (see the forward's case)."""
+    backward_case(E4M3, E4M3, 1, 2, 1, 150, 170, 16, causal)
+    backward_case(E4M3, E5M2, 1, 2, 2, 131, 129, 16, causal)
+
+
 def test_backward_strided_bshd_and_sliced_inputs():
     """q, o, dO stored BSHD, k and v sliced out of wider buffers (row stride past D), stats
     strided: the gradients take q's, k's and v's layouts, every output poisoned first."""
@@ -376,6 +395,57 @@ def test_fp8_outputs_past_their_range_convert_as_torch():
         top = torch.finfo(dtype).max
         assert (o.abs() == (top if dtype is E4M3 else float("inf"))).float().mean() > 0.5
         assert_matches(outputs, g.reference(bindings))
+
+
+# scale_s around the bound where P * scale_s may overflow q's fp8 type (P = 1 on a causal graph's
+# first row): below it the kernels convert P with the hardware's instruction alone, at and above
+# it with torch's overflow encodings (quantize_probabilities); e4m3's first overflow is 464
+P_SCALES = [(E4M3, 460.0), (E4M3, 470.0), (E4M3, 4000.0), (E5M2, 57344.0), (E5M2, 1e6)]
+
+
+P_SCALE_IDS = [f"{d}-{s:g}".replace("torch.float8_", "") for d, s in P_SCALES]
+
+
+def probabilities_case(dtype, scale_s, device="cpu"):
+    """Forward and backward (P feeds dV) of a small causal graph at scale_s, against the reference."""
+    scales = {"scale_s": scale_s, "descale_s": 1.0 / scale_s}
+    q = fp8_values((1, 2, 21, 16), dtype, 60, device)
+    k = fp8_values((1, 1, 19, 16), dtype, 61, device)
+    g, bindings = forward_graph(q, k, k, causal=True, o_type=dg.float32)
+    bindings.update(scale_tensors({**forward_scales(dtype), **scales}, device))
+    assert_matches(execute(g, bindings, device), g.reference({n: t.cpu() for n, t in bindings.items()}), device)
+    tensors = backward_tensors(dtype, dtype, 1, 2, 1, 21, 19, 16, True, device)
+    g = backward_graph(tensors, True, grad_type=dg.float32)
+    bindings = {**tensors, **scale_tensors({**backward_scales(dtype), **scales}, device)}
+    assert_matches(execute(g, bindings, device), g.reference({n: t.cpu() for n, t in bindings.items()}), device)
+
+
+def gradient_scores_case(do_dtype, device="cpu"):
+    """A backward whose dS * scale_dP passes dO's fp8 range on many pairs (e4m3 saturates to 448
+    in recent torch, e5m2 overflows to inf and the dots then give NaN), against the reference."""
+    tensors = backward_tensors(E4M3, do_dtype, 1, 2, 1, 23, 29, 16, False, device)
+    g = backward_graph(tensors, False, grad_type=dg.float32)
+    bindings = {**tensors, **scale_tensors({**backward_scales(E4M3), "scale_dP": 1e7, "descale_dP": 1e-7}, device)}
+    outputs = execute(g, bindings, device)
+    assert_matches(outputs, g.reference({n: t.cpu() for n, t in bindings.items()}), device)
+    return outputs
+
+
+@pytest.mark.parametrize("do_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gradient_scores_past_the_fp8_range(do_dtype):
+    """dS rounds to dO's type as torch converts, past its range too (quantize_operand: the
+    hardware conversion alone where torch saturates as satfinite does)."""
+    amax = gradient_scores_case(do_dtype)["sdpa_fp8_backward.amax_dP"]
+    assert amax.item() * 1e7 > torch.finfo(do_dtype).max  # the case does pass the range
+
+
+@pytest.mark.parametrize("dtype, scale_s", P_SCALES, ids=P_SCALE_IDS)
+def test_probabilities_near_and_past_the_fp8_range(dtype, scale_s):
+    """P * scale_s at, below and past the first overflow of q's type match the reference, which
+    converts as torch does (saturating, or overflowing to inf and then NaN through the dots). On
+    CPU the interpreter's conversion is torch's; the GPU test below is the one that tells the
+    hardware's satfinite conversion apart (e5m2: 57344 where torch gives inf)."""
+    probabilities_case(dtype, scale_s)
 
 
 def test_backward_hybrid_e5m2_gradient_and_float32_outputs():
@@ -737,11 +807,21 @@ def sm90_graphs():
         yield _gpu_lowered(f"backward hybrid grads={grad_type}", backward_graph(tensors, True, grad_type))
 
 
-def test_kernels_compile_for_sm90():
+def test_kernels_compile_for_sm90(monkeypatch):
     """The interpreter skips Triton's type checks (fp8 dot operands, constexpr tuples): compile
-    every kernel form for sm_90 in a process without the interpreter."""
+    every kernel form for sm_90 in a process without the interpreter. Every tile load inside a
+    key or query loop is pipelined (no synchronous tt.load left in a loop: sm90_compile's
+    loop_register_loads): a dot operand read from a row-major tensor along its rows (v for P v,
+    k for dS k, q and dO for dK and dV) was loaded through registers every iteration, at a
+    fraction of the tensor cores' speed."""
     from helpers import compiled_for_sm90
-    assert "compiled 32 kernels for sm_90" in compiled_for_sm90("test_sdpa_fp8:sm90_graphs", timeout=900)
+    monkeypatch.setenv("SM90_LOOP_LOADS", "1")
+    # per forward: zeroing, v's keys-minor copy, the kernel; per backward: zeroing, q's, dO's and
+    # k's copies, delta = rowsum(o dO), dK/dV, dQ
+    output = compiled_for_sm90("test_sdpa_fp8:sm90_graphs", timeout=900)
+    assert "compiled 58 kernels for sm_90" in output
+    loop_loads = [line for line in output.splitlines() if line.startswith("loop_loads ")]
+    assert len(loop_loads) == 58 and all(line.endswith(": 0") for line in loop_loads), loop_loads
 
 
 
@@ -762,7 +842,44 @@ def test_wide_heads_compile_for_sm90_without_spills(monkeypatch):
     monkeypatch.setenv("SM90_SPILLS", "1")
     output = compiled_for_sm90("test_sdpa_fp8:sm90_wide_head_graphs", timeout=600)
     spills = [line for line in output.splitlines() if line.startswith("spills ")]
-    assert len(spills) == 5 and all(line.endswith(": 0") for line in spills), spills
+    assert len(spills) == 10 and all(line.endswith(": 0") for line in spills), spills
+
+
+def sm90_candidate_tiles():
+    """Each kernel lowered at each of its CANDIDATE_TILES (D = 128, causal, the backward GQA and
+    hybrid), only that kernel's launch, for tests/sm90_compile.py."""
+    from dnngraph.backends.triton.lower import sdpa_fp8 as lowering
+    from dnngraph.runtime import plan_cache
+    q = fp8_values((1, 4, 256, 128), E4M3, 0)
+    k = fp8_values((1, 2, 256, 128), E4M3, 1)
+    tensors = backward_tensors(E4M3, E5M2, 1, 4, 2, 256, 256, 128, True)
+    chosen = dict(lowering.GPU_TILES)
+    for which, candidates in lowering.CANDIDATE_TILES.items():
+        for tiles in candidates:
+            lowering.GPU_TILES = {**chosen, which: tiles}
+            plan_cache.clear()
+            graph = forward_graph(q, k, k, True)[0] if which == "forward" else backward_graph(tensors, True)
+            label, launches, dtypes = _gpu_lowered(f"{which} {tiles.text(())}", graph)
+            for launch in launches:  # the buffers are declared by the first launch
+                dtypes.update({buffer.uid: buffer.torch_dtype for buffer in launch.scratch})
+            yield label, [launch for launch in launches if f"_{which}_" in launch.kernel.__name__], dtypes
+    lowering.GPU_TILES = chosen
+
+
+def test_candidate_tiles_compile_for_sm90_without_spills(monkeypatch):
+    """Every tile candidate a GPU sweep times (CANDIDATE_TILES, plain data; the first of each
+    kernel is its GPU_TILES choice) compiles for sm_90a at D = 128 with no spill stores and no
+    unpipelined loop load: a sweep compares configs that are all sound."""
+    from helpers import compiled_for_sm90
+    from dnngraph.backends.triton.lower.sdpa_fp8 import CANDIDATE_TILES, GPU_TILES
+    assert all(CANDIDATE_TILES[which][0] == tiles for which, tiles in GPU_TILES.items())
+    monkeypatch.setenv("SM90_SPILLS", "1")
+    monkeypatch.setenv("SM90_LOOP_LOADS", "1")
+    output = compiled_for_sm90("test_sdpa_fp8:sm90_candidate_tiles", timeout=600)
+    count = sum(len(candidates) for candidates in CANDIDATE_TILES.values())
+    checked = [line for line in output.splitlines() if line.startswith(("spills ", "loop_loads "))]
+    assert f"compiled {count} kernels" in output
+    assert len(checked) == 2 * count and all(line.endswith(": 0") for line in checked), checked
 
 
 @pytest.mark.parametrize("dims", [(272, 64), (64, 320)], ids=["d_qk 272", "d_v 320"])
@@ -784,6 +901,20 @@ def test_heads_past_256_are_unsupported_on_the_gpu(dims):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gpu_forward_realistic(dtype, causal):
     forward_case(dtype, 2, 16, 16, 2048, 2048, 128, causal, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("do_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gpu_gradient_scores_past_the_fp8_range(do_dtype):
+    gradient_scores_case(do_dtype, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, scale_s", P_SCALES, ids=P_SCALE_IDS)
+def test_gpu_probabilities_near_and_past_the_fp8_range(dtype, scale_s):
+    """quantize_probabilities' two paths on the GPU: the hardware conversion alone below the
+    bound, torch's overflow encodings past it."""
+    probabilities_case(dtype, scale_s, device="cuda")
 
 
 @pytest.mark.gpu

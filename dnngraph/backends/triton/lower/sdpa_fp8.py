@@ -7,15 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import triton
 
+from .... import dtypes
 from ....errors import UnsupportedError
 from ....ops.sdpa_fp8 import check_types
 from ....runtime.launch import kernel_name, launch_of, scratch
 from ....tensor import contiguous_strides
 from ..heuristics.layout import INT32_LIMIT
 from ..heuristics.sdpa import MAX_GPU_HEAD_DIM
-from ..codegen.sdpa_fp8 import Fp8AttentionSpec, render, render_zero
+from ..codegen.sdpa_fp8 import (KEYS_MINOR, Fp8AttentionSpec, render, render_keys_minor, render_row_deltas,
+                                 render_zero)
 
 # fp8 tl.dot needs a reduction of at least 32 on sm_90 (and 16 on every other axis): every tile
 # axis is at least MIN_TILE but the dK/dV kernel's key tile, which no dot reduces over
@@ -42,6 +45,19 @@ class Fp8Tiles:
 # none at (32, 64, 8); for dQ none at (128, 64, 8), 300 at (64, 128, 8). Untimed: the bench's fp8 rows are
 # the measure
 GPU_TILES = {"forward": Fp8Tiles(128, 64, 8, 3), "dkdv": Fp8Tiles(32, 64, 8, 2), "dq": Fp8Tiles(128, 64, 8, 3)}
+# Candidates a GPU sweep times per kernel (dbg_fp8_sweep.py: GPU_TILES set to each in turn), heads
+# up to WIDE_HEAD wide; each compiles for sm_90a (D = 128) with no spill stores (ptxas; a test
+# keeps it so) and the first is GPU_TILES' choice. Excluded for spilling (bytes, 2026-11-29):
+# dK/dV (32, 128, 8) 224, (64, 128, 8) 312, (32, 64, 4) 260, (64, 64, 4, 3) 16, (64, 64, 8) 36 to 76
+# (the hybrid e4m3/e5m2 GQA form); dQ (128, 128, 8) 20, (64, 128, 8) 4 (with its masked and
+# unmasked key loops).
+CANDIDATE_TILES = {
+    "forward": (Fp8Tiles(128, 64, 8, 3), Fp8Tiles(128, 128, 8, 2), Fp8Tiles(128, 128, 8, 3), Fp8Tiles(128, 64, 8, 2),
+                Fp8Tiles(64, 64, 4, 3), Fp8Tiles(64, 128, 4, 3)),
+    "dkdv": (Fp8Tiles(32, 64, 8, 2), Fp8Tiles(32, 64, 8, 3), Fp8Tiles(32, 64, 8, 4), Fp8Tiles(32, 32, 4, 2),
+             Fp8Tiles(32, 32, 4, 3)),
+    "dq": (Fp8Tiles(128, 64, 8, 3), Fp8Tiles(128, 32, 8, 3), Fp8Tiles(64, 64, 4, 3), Fp8Tiles(64, 64, 4, 4)),
+}
 # heads wider than 128 (to MAX_GPU_HEAD_DIM): the tiles above spilled at D = 256 (ptxas, sm_90a:
 # forward 424 bytes, dK/dV 616, dQ 548); these spill none (test_sdpa_fp8's wide-head compile)
 WIDE_HEAD = 128
@@ -89,6 +105,53 @@ def _roles(node, group) -> tuple:
     return roles, tuple(buffers)
 
 
+COPY_ROWS = 64  # rows a keys_minor_copy program transposes
+COPY_ALIGN = 16  # bytes: each line of a keys-minor copy starts where cp.async can read it
+
+
+def _keys_minor_copies(roles: dict, kernels: tuple) -> dict:
+    """role -> the keys-minor buffer ([B, H, D, S rounded up to COPY_ALIGN], contiguous) of each
+    operand the kernels read keys-minor (codegen KEYS_MINOR): v for the forward, q, dO and k for
+    the backward."""
+    copies = {}
+    for which in kernels:
+        for role in KEYS_MINOR[which]:
+            batch, heads, rows, width = roles[role].dim
+            padded = -(-rows // COPY_ALIGN) * COPY_ALIGN
+            buffer = scratch((batch, heads, width, padded), roles[role].data_type.torch_dtype)
+            copies[role] = (buffer, _Stored(buffer.uid, buffer.dim, contiguous_strides(buffer.dim),
+                                            roles[role].data_type))
+    return copies
+
+
+def _copy_launch(group, name: str, role: str, source, copy) -> object:
+    """The launch of keys_minor_copy from `source` to `copy` (one program per COPY_ROWS rows of
+    each (batch, head))."""
+    batch, heads, rows, width = source.dim
+    block = (COPY_ROWS, max(16, triton.next_power_of_2(width)))
+    programs = (-(-rows // COPY_ROWS), batch * heads)
+    text = render_keys_minor(f"{name}_{role}_t", source, copy, block, f"{role} keys-minor for {group.summary()}")
+    return launch_of(group, text, programs, 4, f"BLOCK_R={block[0]} grid={list(programs)}",
+                     f"{role} copied keys-minor: the fp8 dots reducing over its rows read it K-major, pipelined")
+
+
+def _delta_buffer(roles: dict) -> tuple:
+    """(buffer, its _Stored) of a backward's delta = rowsum(o dO), float32 [B, H, Sq] contiguous."""
+    batch, heads, s_q, _ = roles["q"].dim
+    buffer = scratch((batch, heads, s_q), torch.float32)
+    return buffer, _Stored(buffer.uid, buffer.dim, contiguous_strides(buffer.dim), dtypes.float32)
+
+
+def _delta_launch(group, name: str, roles: dict, block_dv: int):
+    """The launch of row_deltas (one program per COPY_ROWS query rows of each (batch, head))."""
+    batch, heads, s_q = roles["delta"].dim
+    programs = (-(-s_q // COPY_ROWS), batch * heads)
+    text = render_row_deltas(f"{name}_delta", roles, roles["v"].dim[3], (COPY_ROWS, block_dv),
+                             f"rowsum(o dO) of {group.summary()}")
+    return launch_of(group, text, programs, 4, f"BLOCK_M={COPY_ROWS} grid={list(programs)}",
+                     "delta = rowsum(o dO) taken once: the dK/dV program meets each query tile once per key block")
+
+
 def _check(node, roles: dict):
     for role in ("q", "k", "v", "o", "do", "stats", "dq", "dk", "dv"):
         tensor = roles.get(role)
@@ -125,14 +188,23 @@ def build_sdpa_fp8(graph, group, context) -> list:
     (_, heads, s_q, head_dim), (_, kv_heads, s_kv, _) = q.dim, k.dim
     name = kernel_name(group)
     amaxes = [role for role in roles if role.startswith("amax_")]
+    kernels = ("forward",) if node.op == "sdpa_fp8" else ("dkdv", "dq")
+    copies = _keys_minor_copies(roles, kernels)
+    buffers += tuple(buffer for buffer, _ in copies.values())
+    if node.op != "sdpa_fp8":
+        delta, roles["delta"] = _delta_buffer(roles)
+        buffers += (delta,)
+    block_d = max(MIN_TILE, triton.next_power_of_2(head_dim))
+    block_dv = max(MIN_TILE, triton.next_power_of_2(v.dim[3]))
     launches = [launch_of(group, render_zero(name + "_zero", [roles[r].uid for r in amaxes], "amax zeroing of "
                                              + group.summary()), 1, 1, "one program",
                           "the amax outputs are atomic maxima: zeroed first", scratch=buffers)]
-    kernels = ("forward",) if node.op == "sdpa_fp8" else ("dkdv", "dq")
+    launches += [_copy_launch(group, name, role, roles[role], copy) for role, (_, copy) in copies.items()]
+    roles.update({f"{role}_t": copy for role, (_, copy) in copies.items()})
+    if "delta" in roles:
+        launches.append(_delta_launch(group, name, roles, block_dv))
     for which in kernels:
         tiles = tiles_for(which, s_q, s_kv, on_cpu, width)
-        block_d = max(MIN_TILE, triton.next_power_of_2(head_dim))
-        block_dv = max(MIN_TILE, triton.next_power_of_2(v.dim[3]))
         spec = Fp8AttentionSpec(roles, heads, heads // kv_heads, s_q, s_kv, head_dim, v.dim[3],
                                 node.attrs.scale(head_dim), node.attrs.use_causal_mask,
                                 (tiles.block_m, tiles.block_n, block_d, block_dv))
