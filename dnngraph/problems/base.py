@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..dtypes import DataType
+from ..dtypes import DataType, narrower_than_compute
 from ..tensor import plain_blend
 
 
@@ -100,33 +100,33 @@ def problem(graph, group, geometry) -> Problem:
                    tuple(n.name for n in group.nodes), fast_math_outputs(group))
 
 
-# The epilogue ops with a cheaper form for results stored in a 16-bit float type
-# (backends/triton/codegen/triton_math.py gelu_fast, gelu_tanh_fast: about 1e-5 relative error,
-# 0.003 of a bf16 or fp16 ulp, which rounding to 8 or 11 bits cannot show), the anchors whose
-# epilogues render them (the GEMM-shaped kernels of both backends), and the stored types.
+# The epilogue ops with a cheaper form for results only rounded to a float type narrower than
+# float32 (backends/triton/codegen/triton_math.py gelu_fast, gelu_tanh_fast: within 1e-6 of the
+# value for x >= -3, as the float32 forms, and 1e-5 in the tail where those keep no digit; a
+# hundredth of a bf16 or fp16 ulp and less of an fp8 one) and the anchors whose epilogues render
+# them (the GEMM-shaped kernels of both backends).
 FAST_MATH_OPS = frozenset({"gelu", "gelu_tanh"})
 FAST_MATH_ANCHORS = frozenset({"matmul", "conv_fprop", "conv_dgrad", "conv_wgrad"})
-FAST_MATH_TYPES = frozenset({"bfloat16", "float16"})
 
 
 def fast_math_outputs(group) -> frozenset:
     """The uids of the epilogue outputs that may be computed with the 16-bit math: those of a
     FAST_MATH_OPS node of a GEMM-shaped group (FAST_MATH_ANCHORS) that the group stores in a
-    16-bit float type and no node of the group reads (a consumer inside the group would see the
-    fp32 value, and a subtraction could bring its error above the rounding's; one outside reads
-    the stored value). The one place this is decided: each backend renders what it says."""
+    float type narrower than float32 (fp16, bf16, fp8; a blended store too: alpha * value +
+    beta * prior cancels the float32 forms' error as much) and no node of the group reads. Such
+    a reader sees the value as stored (emitter.as_stored_conversion), but one rounded to the
+    other side of a midpoint, which the cheaper math makes likelier, would reach that reader's own
+    (perhaps float32) output at full size. The one place this is decided: each backend renders
+    what it says."""
     anchor = getattr(group, "anchor", None)
     if anchor is None or anchor.op not in FAST_MATH_ANCHORS:
         return frozenset()
     stored = {t.uid: t for t in group.outputs}
     read = {t.uid for node in group.nodes for t in node.inputs if t is not None}
-    chosen = set()
-    for node in group.epilogue:
-        value = node.outputs[0]
-        if node.op in FAST_MATH_OPS and value.uid in stored and value.uid not in read and \
-                stored[value.uid].data_type.name in FAST_MATH_TYPES:
-            chosen.add(value.uid)
-    return frozenset(chosen)
+    return frozenset(node.outputs[0].uid for node in group.epilogue
+                     if node.op in FAST_MATH_OPS and node.outputs[0].uid in stored
+                     and node.outputs[0].uid not in read
+                     and narrower_than_compute(stored[node.outputs[0].uid].data_type))
 
 
 def as_tuple(value) -> tuple:

@@ -2,10 +2,15 @@
 
 - accuracy: every 64th float32 in [2^-24, 64] (both signs) through the interpreter, against
   float64 values of x * sigmoid(2u) and x * erfc(-x / sqrt 2) / 2 (forms without cancellation),
-  in units of the bf16 and fp16 spacing at the true value; special values as the precise forms;
-- the decision (problems/base.py fast_math_outputs): GELU of a GEMM-shaped group stored in bf16
-  or fp16 and read by no node of its group; fp32 outputs, values read inside the group and other
-  families keep the precise math; both backends render what it says;
+  in units of the bf16 and fp16 spacing at the true value; relative to the value over every
+  float32 magnitude (subnormals, the switch points, |x| up to 3e38), on the interpreter and on the
+  GPU, where ex2.approx.ftz flushes a factor below 2^-126 (the far tail reads -0.0 there);
+  special values as the precise forms;
+- the decision (problems/base.py fast_math_outputs): GELU of a GEMM-shaped group stored in a
+  float type narrower than float32 (bf16, fp16, fp8; blended too) and read by no node of its
+  group; fp32 and integer outputs, values read inside the group and other families keep the
+  precise math; both backends render what it says; it is derived at build (a JSON round trip and
+  a graph differing only in its output type decide alike and apart);
 - matmul and conv epilogues with it against g.reference, outputs poisoned, odd sizes, a
   transposed operand, the negative tail and NaN / inf inputs.
 """
@@ -29,7 +34,11 @@ SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 # and div.full (2 ulp of float32 each, 2.4e-7 relative: 0.002 of an fp16 ulp) and nothing more
 MAX_ULPS = 0.01
 TAIL = 1e-9
-MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+# relative to the value: float32 math's own size for x >= -3 (measured 8.5e-7 on the interpreter,
+# and ex2.approx and div.full add 2.4e-7 each on the GPU), the tail's growth with |t| below
+RELATIVE_HEAD, RELATIVE_TAIL, HEAD_FROM = 2.0**-19, 2.0**-16, -3.0
+SMALLEST_NORMAL = 2.0**-126  # below it ex2.approx.ftz returns 0 (the GPU's tl.exp2)
 
 
 @triton.jit
@@ -43,11 +52,12 @@ def _apply(x_ptr, out_ptr, n, TANH: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, y, mask=offsets < n)
 
 
-def _fast(x: torch.Tensor, tanh: bool) -> torch.Tensor:
+def _fast(x: torch.Tensor, tanh: bool, device="cpu") -> torch.Tensor:
+    x = x.to(device)
     out = torch.full_like(x, float("nan"))
     block = 1 << 16
     _apply[(triton.cdiv(x.numel(), block),)](x, out, x.numel(), TANH=tanh, BLOCK=block)
-    return out
+    return out.cpu()
 
 
 def _sweep() -> torch.Tensor:
@@ -80,6 +90,40 @@ def test_fast_gelu_is_within_a_hundredth_of_a_16_bit_ulp_everywhere(tanh):
         ulps = ((got - true).abs() / _spacing(true, dtype))[inside]
         worst = ulps.argmax()
         assert ulps.max().item() < MAX_ULPS, (dtype, x[inside][worst].item(), ulps.max().item())
+
+
+def _every_magnitude() -> torch.Tensor:
+    """Every 4096th float32 bit pattern from the smallest subnormal to the largest finite, both
+    signs, and the points where the forms switch or saturate: 0 (the branch on t or x), the
+    tail where 2^-|t| leaves float32's normal range (gelu_tanh near -10.1, gelu near -13.2),
+    exp's overflow (88, 89), and magnitudes whose square overflows."""
+    patterns = torch.arange(1, 0x7F7FFFFF, 4096, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    points = torch.tensor([2.0**-149, 1e-45, 1e-40, 2.0**-126, 1e-30, 1e-7, 0.5, 1.0, 3.0, 5.9, 10.0, 10.1,
+                           10.2, 13.1, 13.2, 13.3, 14.0, 88.0, 88.7, 89.0, 1e4, 1e19, 1.9e19, 1e20, 1e38, 3.4e38])
+    magnitudes = torch.cat([patterns, points])
+    return torch.cat([magnitudes, -magnitudes])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tanh", [True, False], ids=["gelu_tanh", "gelu"])
+def test_fast_gelu_is_as_close_as_float32_math_at_every_magnitude(tanh, device):
+    """Relative to the value: RELATIVE_HEAD for x >= -3 (where the float32 forms are as close),
+    RELATIVE_TAIL below (where they keep no digit), plus float32's subnormal spacing times
+    1 + |x| for a result (or a factor 2^-|t|, then multiplied by x) that rounds there. On the GPU ex2.approx.ftz makes a factor 2^-|t| (erfc's exp) below
+    2^-126 zero: a value below |x| 2^-126 (reachable in bf16 only) may read -0.0 there, as
+    torch's float32 GELU reads it from x = -5.9 on."""
+    x = _every_magnitude()
+    got, true = _fast(x, tanh, device).double(), _true(x, tanh)
+    xd = x.double()
+    bound = torch.where(xd >= HEAD_FROM, RELATIVE_HEAD, RELATIVE_TAIL) * true.abs() + (1 + xd.abs()) * 2.0**-149
+    close = (got - true).abs() <= bound
+    close |= (got == true)  # +inf
+    if device == "cuda":
+        close |= (true.abs() < xd.abs() * SMALLEST_NORMAL) & (got == 0) & torch.signbit(got)
+    finite = torch.isfinite(true)
+    worst = ((got - true).abs() / bound)[finite & ~close]
+    assert close[finite].all(), (x[finite & ~close][:8].tolist(), worst[:8].tolist())
+    assert torch.equal(torch.signbit(got[finite]), torch.signbit(true[finite]) | (got[finite] == 0) & (xd[finite] < 0))
 
 
 @pytest.mark.parametrize("tanh", [True, False], ids=["gelu_tanh", "gelu"])
@@ -116,8 +160,9 @@ def _anchored_group(g):
 
 
 @pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
-@pytest.mark.parametrize("out_type,fast", [(dg.bfloat16, True), (dg.float16, True), (dg.float32, False)])
-def test_the_16_bit_math_is_chosen_for_16_bit_outputs_only(op, out_type, fast):
+@pytest.mark.parametrize("out_type,fast", [(dg.bfloat16, True), (dg.float16, True), (dg.float8_e4m3, True),
+                                           (dg.float8_e5m2, True), (dg.float32, False), (dg.int32, False)])
+def test_the_16_bit_math_is_chosen_for_outputs_narrower_than_float32_only(op, out_type, fast):
     g, _, y = _matmul_gelu(out_type, op)
     group = _anchored_group(g)
     assert fast_math_outputs(group) == (frozenset({y.uid}) if fast else frozenset())
@@ -131,6 +176,32 @@ def test_a_gelu_read_inside_its_group_keeps_the_precise_math():
     # not stored at all, only read by the next op
     g, _, _ = _matmul_gelu(dg.bfloat16, then=lambda g, y: g.add(y, y), store_gelu=False)
     assert fast_math_outputs(_anchored_group(g)) == frozenset()
+
+
+def test_a_blended_16_bit_gelu_takes_the_16_bit_math():
+    # alpha * gelu + beta * prior may cancel, but the float32 forms' error cancels as much
+    # (test_a_cancelling_blend_stays_within_float32_math_of_the_reference checks the numbers)
+    g, _, y = _matmul_gelu(dg.bfloat16)
+    y.set_blend(alpha=1.0, beta=-1.0)
+    assert fast_math_outputs(_anchored_group(g)) == frozenset({y.uid})
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+def test_the_decision_is_made_at_build_from_the_graph_alone(op):
+    """Nothing carries it but the graph: a JSON round trip decides as the original, and two graphs
+    differing only in the output's type, built in one process (one kernel cache), get each its
+    own kernel, named by content."""
+    sources = {}
+    for out_type in (dg.bfloat16, dg.float32, dg.bfloat16):
+        g, _, _ = _matmul_gelu(out_type, op)
+        g = dg.Graph.from_json(g.to_json())
+        g.build()
+        (launch,) = g.plan.launches
+        source = launch.source_path.read_text()
+        assert (f"tm.{op}_fast(" in source) == (out_type != dg.float32)
+        sources.setdefault(out_type.name, set()).add((launch.source_path.name, source))
+    assert len(sources["bfloat16"]) == 1  # the same graph twice: one kernel
+    assert sources["bfloat16"].isdisjoint(sources["float32"])
 
 
 def test_a_pointwise_gelu_keeps_the_precise_math():
@@ -204,6 +275,37 @@ def test_matmul_with_16_bit_gelu_matches_the_reference(op, out_type, transposed_
     inputs = _inputs(handles)
     check(g, inputs, dtype=out_type.torch_dtype)
     _check_within_an_ulp(g, inputs, y, out_type.torch_dtype)
+
+
+@pytest.mark.parametrize("out_type", [dg.float8_e4m3, dg.float8_e5m2])
+def test_matmul_with_gelu_stored_in_fp8_matches_the_reference(out_type):
+    g, handles, y = _matmul_gelu(out_type, "gelu_tanh", m=37, n=24, k=40)
+    inputs = _inputs(handles, tail_scale=2.0)  # within e4m3's 448
+    g.build()
+    assert "tm.gelu_tanh_fast(" in g.plan.launches[0].source_path.read_text()
+    _check_within_an_ulp(g, inputs, y, out_type.torch_dtype)
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+def test_a_cancelling_blend_stays_within_float32_math_of_the_reference(op):
+    """y = gelu - prior with prior the fp16 rounding of the true gelu: the stored difference is
+    the rounding residue, so the whole error of the gelu shows. Integer operands make the matmul
+    exact, leaving the gelu's own error, which must stay within RELATIVE_HEAD of the gelu (what
+    the float32 forms achieve; pre-activations from -8 up) plus the result's fp16 rounding."""
+    g, (a, b, bias), y = _matmul_gelu(dg.float16, op, m=19, n=24, k=8)
+    y.set_blend(alpha=1.0, beta=-1.0)
+    integers = lambda t, low, high: torch.randint(low, high, t.dim).to(torch.bfloat16)
+    inputs = {a: integers(a, -2, 3), b: integers(b, -1, 2), bias: integers(bias, -4, 5)}
+    pre_activation = inputs[a].double() @ inputs[b].double() + inputs[bias].double()  # exact
+    exact = _true(pre_activation, tanh=op == "gelu_tanh")  # g.reference rounds an output as stored
+    prior = exact.to(torch.float16)
+    out = prior.clone()
+    g.build()
+    assert f"tm.{op}_fast(" in g.plan.launches[0].source_path.read_text()
+    g.execute({**inputs, y: out})
+    want = exact - prior.double()
+    bound = RELATIVE_HEAD * exact.abs() + _spacing(want, torch.float16)
+    assert ((out.double() - want).abs() <= bound).all()
 
 
 @pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
