@@ -111,22 +111,36 @@ FAST_MATH_ANCHORS = frozenset({"matmul", "conv_fprop", "conv_dgrad", "conv_wgrad
 
 def fast_math_outputs(group) -> frozenset:
     """The uids of the epilogue outputs that may be computed with the 16-bit math: those of a
-    FAST_MATH_OPS node of a GEMM-shaped group (FAST_MATH_ANCHORS) that the group stores in a
-    float type narrower than float32 (fp16, bf16, fp8; a blended store too: alpha * value +
-    beta * prior cancels the float32 forms' error as much) and no node of the group reads. Such
-    a reader sees the value as stored (emitter.as_stored_conversion), but one rounded to the
-    other side of a midpoint, which the cheaper math makes likelier, would reach that reader's own
-    (perhaps float32) output at full size. The one place this is decided: each backend renders
-    what it says."""
+    FAST_MATH_OPS node of a GEMM-shaped group (FAST_MATH_ANCHORS) whose value reaches nothing but
+    its rounding to a float type narrower than float32 (_only_rounded). The one place this is
+    decided: each backend renders what it says."""
     anchor = getattr(group, "anchor", None)
     if anchor is None or anchor.op not in FAST_MATH_ANCHORS:
         return frozenset()
     stored = {t.uid: t for t in group.outputs}
-    read = {t.uid for node in group.nodes for t in node.inputs if t is not None}
+    readers: dict = {}
+    for node in group.nodes:
+        for tensor in node.inputs:
+            if tensor is not None:
+                readers.setdefault(tensor.uid, []).append(node)
     return frozenset(node.outputs[0].uid for node in group.epilogue
-                     if node.op in FAST_MATH_OPS and node.outputs[0].uid in stored
-                     and node.outputs[0].uid not in read
-                     and narrower_than_compute(stored[node.outputs[0].uid].data_type))
+                     if node.op in FAST_MATH_OPS and _only_rounded(node.outputs[0], stored, readers))
+
+
+def _only_rounded(value, stored: dict, readers: dict) -> bool:
+    """Whether `value` reaches memory only rounded to a float type narrower than float32, and
+    nothing else: stored in such a type (a graph output, blended too: alpha * value + beta * prior
+    cancels the float32 forms' error as much; or an intermediate another group reads, stored in
+    a narrow intermediate_data_type) and read by no node of the group, or read only by casts to
+    such a type whose results are so in turn (an fp32 intermediate cast to bf16, the cast
+    stored). A node of the group that reads a stored value sees
+    it as stored (emitter.as_stored_conversion), but its own output may be float32, where the
+    cheaper math's error is no longer below a rounding: such a value keeps the float32 forms."""
+    uses = readers.get(value.uid, ())
+    if value.uid in stored:
+        return not uses and narrower_than_compute(stored[value.uid].data_type)
+    return bool(uses) and all(node.op == "cast" and narrower_than_compute(node.outputs[0].data_type)
+                              and _only_rounded(node.outputs[0], stored, readers) for node in uses)
 
 
 def as_tuple(value) -> tuple:

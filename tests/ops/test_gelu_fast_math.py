@@ -178,6 +178,42 @@ def test_a_gelu_read_inside_its_group_keeps_the_precise_math():
     assert fast_math_outputs(_anchored_group(g)) == frozenset()
 
 
+def _cast_to(data_type):
+    return lambda g, y: g.cast(y, data_type=data_type)
+
+
+@pytest.mark.parametrize("then,out_type,fast", [
+    (_cast_to(dg.bfloat16), dg.bfloat16, True),  # an fp32 intermediate rounded as it is stored
+    (lambda g, y: g.cast(g.cast(y, data_type=dg.bfloat16), data_type=dg.float16), dg.float16, True),
+    (_cast_to(dg.float8_e4m3), dg.float8_e4m3, True),
+    (_cast_to(dg.float32), dg.float32, False),  # no rounding at all
+    # a virtual bf16 value may be held wider (DESIGN: at least intermediate_data_type): only a store rounds
+    (lambda g, y: g.cast(g.cast(y, data_type=dg.bfloat16), data_type=dg.float32), dg.float32, False),
+    (lambda g, y: g.mul(g.cast(y, data_type=dg.bfloat16), y), dg.bfloat16, False),  # read past the cast too
+    (lambda g, y: g.add(g.cast(y, data_type=dg.bfloat16), y), dg.bfloat16, False),
+], ids=["cast_bf16", "cast_bf16_fp16", "cast_fp8", "cast_fp32", "cast_bf16_fp32", "cast_and_mul", "cast_and_add"])
+def test_a_virtual_gelu_only_cast_to_a_narrow_stored_type_takes_the_16_bit_math(then, out_type, fast):
+    g, _, y = _matmul_gelu(out_type, then=then, store_gelu=False)
+    assert y.data_type == dg.float32  # the intermediate type: the rounding is the cast's
+    assert fast_math_outputs(_anchored_group(g)) == (frozenset({y.uid}) if fast else frozenset())
+
+
+def test_a_stored_gelu_read_by_a_cast_keeps_the_precise_math():
+    # stored in bf16 and cast to fp16 for a second output: the cast reads the stored value
+    g, _, y = _matmul_gelu(dg.bfloat16, then=_cast_to(dg.float16))
+    assert fast_math_outputs(_anchored_group(g)) == frozenset()
+
+
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+def test_matmul_with_gelu_cast_to_bf16_matches_the_reference(op):
+    g, handles, _ = _matmul_gelu(dg.bfloat16, op, then=_cast_to(dg.bfloat16), store_gelu=False)
+    (stored,) = g.outputs()
+    inputs = _inputs(handles)
+    g.build()
+    assert f"tm.{op}_fast(" in g.plan.launches[0].source_path.read_text()
+    _check_within_an_ulp(g, inputs, stored, torch.bfloat16)
+
+
 def test_a_blended_16_bit_gelu_takes_the_16_bit_math():
     # alpha * gelu + beta * prior may cancel, but the float32 forms' error cancels as much
     # (test_a_cancelling_blend_stays_within_float32_math_of_the_reference checks the numbers)
@@ -225,11 +261,16 @@ def test_the_triton_backend_renders_the_decision(op, out_type):
     assert (f"tm.{op}(" in source) == (not fast)
 
 
-@pytest.mark.parametrize("out_type", [dg.bfloat16, dg.float16, dg.float32])
-def test_the_gluon_backend_renders_the_decision(out_type):
+@pytest.mark.parametrize("out_type,cast", [(dg.bfloat16, False), (dg.float16, False), (dg.float32, False),
+                                           (dg.bfloat16, True), (dg.float32, True)],
+                         ids=["bf16", "fp16", "fp32", "fp32_cast_to_bf16", "fp32_cast_to_fp32"])
+def test_the_gluon_backend_renders_the_decision(out_type, cast):
     from gluon_cases import lowered  # tests/backends: gluon launches lowered without a GPU
     for op in ("gelu", "gelu_tanh"):
-        g, _, _ = _matmul_gelu(out_type, op, m=64, n=64, k=64)
+        if cast:  # the GELU an fp32 intermediate, cast to out_type as it is stored
+            g, _, _ = _matmul_gelu(out_type, op, m=64, n=64, k=64, then=_cast_to(out_type), store_gelu=False)
+        else:
+            g, _, _ = _matmul_gelu(out_type, op, m=64, n=64, k=64)
         (launch,) = lowered(g)
         source = launch.source_path.read_text()
         fast = out_type != dg.float32
