@@ -413,3 +413,28 @@ def test_gemm_gelu_on_the_gpu_is_within_an_ulp(backends, op, out_type):
         check(g, inputs, dtype=torch.float32, device="cuda", tolerance=1e-5)
     else:
         _check_within_an_ulp(g, inputs, y, out_type.torch_dtype, device="cuda")
+
+
+# -- through torch.compile -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_torch_compile_of_a_bf16_linear_gelu_takes_the_16_bit_math(approximate, monkeypatch):
+    """nn.Linear + nn.GELU in bf16 through backend="dnngraph": one matmul kernel whose GELU takes
+    the cheaper math, within one bf16 ulp of the float64 value of the same math, and as close to
+    eager as eager's own rounding of the linear's output allows."""
+    from test_torch_backend import _built_groups, _compiled, _recorded_modules
+    from helpers import rel_err
+    modules = _recorded_modules(monkeypatch)
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(40, 24), torch.nn.GELU(approximate=approximate)).to(torch.bfloat16)
+    x = torch.randn(37, 40).to(torch.bfloat16) * 4
+    with torch.no_grad():
+        out = _compiled(model)(x)
+        eager = model(x)
+    (group,) = _built_groups(modules)
+    assert group.anchor.op == "matmul" and len(fast_math_outputs(group)) == 1
+    linear = model[0]
+    true = _true(x.double() @ linear.weight.double().t() + linear.bias.double(), tanh=approximate == "tanh")
+    rounded = true.to(torch.bfloat16).double()
+    assert ((out.double() - rounded).abs() <= _spacing(rounded, torch.bfloat16)).all()
+    assert rel_err(out, eager) < 1e-2
