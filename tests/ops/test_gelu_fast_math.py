@@ -318,6 +318,27 @@ def test_matmul_with_16_bit_gelu_matches_the_reference(op, out_type, transposed_
     _check_within_an_ulp(g, inputs, y, out_type.torch_dtype)
 
 
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+def test_a_split_k_plan_renders_the_decision_in_the_kernel_that_applies_the_epilogue(op):
+    """Partial products in one kernel, the combine and the epilogue in another: the decision
+    reaches every kernel of the plan, and the numbers stay within an ulp."""
+    from dnngraph.backends.triton.heuristics import matmul as mm
+    g, handles, y = _matmul_gelu(dg.bfloat16, op, m=37, n=24, k=40)
+    g.build(options=dg.BuildOptions(matmul_config=mm.MatmulConfig("split_k", 16, 16, 16, 4, 2, split_k=3)))
+    sources = [launch.source_path.read_text() for launch in g.plan.launches]
+    assert len(sources) == 2
+    assert [f"tm.{op}_fast(" in source for source in sources].count(True) == 1
+    assert not any(f"tm.{op}(" in source for source in sources)
+    _check_within_an_ulp(g, _inputs(handles), y, torch.bfloat16)
+
+
+def test_a_gelu_a_row_exit_reads_keeps_the_precise_math():
+    # stored in bf16 and summed along its rows in the same kernel: the sum reads the value
+    g, _, y = _matmul_gelu(dg.bfloat16, then=lambda g, y: g.reduction(y, mode="sum", axes=[1]))
+    group = _anchored_group(g)
+    assert group.exits and fast_math_outputs(group) == frozenset()
+
+
 @pytest.mark.parametrize("out_type", [dg.float8_e4m3, dg.float8_e5m2])
 def test_matmul_with_gelu_stored_in_fp8_matches_the_reference(out_type):
     g, handles, y = _matmul_gelu(out_type, "gelu_tanh", m=37, n=24, k=40)
