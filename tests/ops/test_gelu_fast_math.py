@@ -7,12 +7,14 @@
   GPU, where ex2.approx.ftz flushes a factor below 2^-126 (the far tail reads -0.0 there);
   special values as the precise forms;
 - the decision (problems/base.py fast_math_outputs): GELU of a GEMM-shaped group stored in a
-  float type narrower than float32 (bf16, fp16, fp8; blended too) and read by no node of its
-  group; fp32 and integer outputs, values read inside the group and other families keep the
-  precise math; both backends render what it says; it is derived at build (a JSON round trip and
-  a graph differing only in its output type decide alike and apart);
+  float type narrower than float32 (bf16, fp16, fp8; blended too), itself or through casts to
+  such types, and read by no other node of its group; fp32 and integer outputs, values read
+  inside the group (a row exit too) and other families keep the precise math; both backends
+  render what it says, in every kernel of a split-K plan; it is derived at build (a JSON round
+  trip and a graph differing only in its output type decide alike and apart);
 - matmul and conv epilogues with it against g.reference, outputs poisoned, odd sizes, a
-  transposed operand, the negative tail and NaN / inf inputs.
+  transposed operand, the negative tail and NaN / inf inputs, fp8 outputs, a cancelling blend
+  (within float32 math's error), and torch.compile of a bf16 Linear + GELU.
 """
 import math
 
