@@ -16,7 +16,12 @@
   transposed operand, the negative tail and NaN / inf inputs, fp8 outputs, a cancelling blend
   (within float32 math's error), and torch.compile of a bf16 Linear + GELU.
 """
+import json
 import math
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -126,6 +131,36 @@ def test_fast_gelu_is_as_close_as_float32_math_at_every_magnitude(tanh, device):
     worst = ((got - true).abs() / bound)[finite & ~close]
     assert close[finite].all(), (x[finite & ~close][:8].tolist(), worst[:8].tolist())
     assert torch.equal(torch.signbit(got[finite]), torch.signbit(true[finite]) | (got[finite] == 0) & (xd[finite] < 0))
+
+
+# compiled for sm_90 in a process without the interpreter; prints the f32 instructions of the PTX
+_PTX_PROGRAM = """
+import json, re, sys, triton
+from triton.compiler import ASTSource
+from sm90_compile import TARGET
+from test_gelu_fast_math import _apply
+signature = {"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "TANH": "constexpr", "BLOCK": "constexpr"}
+compiled = triton.compile(ASTSource(_apply, signature, {"TANH": sys.argv[1] == "1", "BLOCK": 128}),
+                          target=TARGET, options={"num_warps": 4})
+print(json.dumps(sorted(set(re.findall(r"\\b[a-z0-9]+(?:\\.[a-z0-9]+)*\\.f32\\b", compiled.asm["ptx"])))))
+"""
+
+
+@pytest.mark.parametrize("tanh", [True, False], ids=["gelu_tanh", "gelu"])
+def test_the_gpu_computes_what_the_accuracy_bounds_assume(tanh):
+    """Compiled for sm_90 here (no GPU needed): tl.exp2 is ex2.approx.ftz (2 ulp; the flush below
+    2^-126 the GPU sweep allows), each division div.full (2 ulp, subnormals kept), and nothing else
+    flushes subnormals or approximates: a Triton that compiled otherwise would move the bounds."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join([os.path.dirname(here), here, os.path.join(here, "ops"), os.environ.get("PYTHONPATH", "")])
+    result = subprocess.run([sys.executable, "-c", _PTX_PROGRAM, "1" if tanh else "0"], capture_output=True,
+                            text=True, timeout=300, env=dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    instructions = set(json.loads(result.stdout.splitlines()[-1]))
+    assert {i for i in instructions if i.startswith("ex2")} == {"ex2.approx.ftz.f32"}
+    assert {i for i in instructions if i.startswith(("div", "rcp"))} == {"div.full.f32"}
+    assert {i for i in instructions if ".ftz" in i or ".approx" in i} == {"ex2.approx.ftz.f32"}
+    assert not {i for i in instructions if i.startswith(("tanh", "lg2", "sqrt", "sin", "cos"))}
 
 
 @pytest.mark.parametrize("tanh", [True, False], ids=["gelu_tanh", "gelu"])
