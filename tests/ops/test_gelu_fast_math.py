@@ -434,6 +434,25 @@ def test_conv_with_16_bit_gelu_matches_the_reference(op):
     _check_within_an_ulp(g, inputs, y, torch.bfloat16)
 
 
+@pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
+def test_conv_dgrad_with_16_bit_gelu_in_channels_last_matches_the_reference(op):
+    # the data gradient's implicit GEMM, NHWC strides, a stride-2 forward: the same decision
+    g = dg.Graph(name="dgrad", io_data_type=dg.bfloat16, intermediate_data_type=dg.float32,
+                 compute_data_type=dg.float32)
+    dy = g.tensor(name="dy", dim=[2, 10, 4, 3], stride=[120, 1, 30, 10])
+    w = g.tensor(name="w", dim=[10, 6, 3, 3])
+    bias = g.tensor(name="bias", dim=[1, 6, 1, 1])
+    dx = g.conv_dgrad(dy, w, x_dim=[2, 6, 7, 5], padding=[1, 1], stride=[2, 2], dilation=[1, 1])
+    y = getattr(g, op)(g.add(dx, bias))
+    y.set_output(True)
+    assert fast_math_outputs(_anchored_group(g)) == frozenset({y.uid})
+    inputs = {dy: torch.randn(2, 4, 3, 10).to(torch.bfloat16).permute(0, 3, 1, 2),
+              w: torch.randn(w.dim).to(torch.bfloat16), bias: (torch.randn(bias.dim) * 6).to(torch.bfloat16)}
+    check(g, inputs, dtype=torch.bfloat16)
+    assert f"tm.{op}_fast(" in g.plan.launches[-1].source_path.read_text()
+    _check_within_an_ulp(g, inputs, y, torch.bfloat16)
+
+
 def test_depthwise_conv_with_16_bit_gelu_matches_the_reference():
     # one channel per group: the direct depthwise kernel renders the epilogue, with the same decision
     g = dg.Graph(name="depthwise", io_data_type=dg.bfloat16, intermediate_data_type=dg.float32,
