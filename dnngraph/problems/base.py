@@ -133,9 +133,10 @@ def _only_rounded(value, stored: dict, readers: dict) -> bool:
     cancels the float32 forms' error as much; or an intermediate another group reads, stored in
     a narrow intermediate_data_type) and read by no node of the group, or read only by casts to
     such a type whose results are so in turn (an fp32 intermediate cast to bf16, the cast
-    stored). A node of the group that reads a stored value sees
-    it as stored (emitter.as_stored_conversion), but its own output may be float32, where the
-    cheaper math's error is no longer below a rounding: such a value keeps the float32 forms."""
+    stored). A node of the group reading a stored value sees it as stored (rounded:
+    emitter.as_stored_conversion), but the cheaper math may round it to the other side of a
+    midpoint now and then, as the float32 forms may, and that node's own output may be float32:
+    such a value keeps the float32 forms, conservatively."""
     uses = readers.get(value.uid, ())
     if value.uid in stored:
         return not uses and narrower_than_compute(stored[value.uid].data_type)

@@ -116,9 +116,10 @@ def _every_magnitude() -> torch.Tensor:
 def test_fast_gelu_is_as_close_as_float32_math_at_every_magnitude(tanh, device):
     """Relative to the value: RELATIVE_HEAD for x >= -3 (where the float32 forms are as close),
     RELATIVE_TAIL below (where they keep no digit), plus float32's subnormal spacing times
-    1 + |x| for a result (or a factor 2^-|t|, then multiplied by x) that rounds there. On the GPU ex2.approx.ftz makes a factor 2^-|t| (erfc's exp) below
-    2^-126 zero: a value below |x| 2^-126 (reachable in bf16 only) may read -0.0 there, as
-    torch's float32 GELU reads it from x = -5.9 on."""
+    1 + |x| for a result (or a factor 2^-|t|, then multiplied by x) that rounds there. On the
+    GPU ex2.approx.ftz makes a factor 2^-|t| (erfc's exp) below 2^-126 zero: a value below
+    |x| 2^-126 (reachable in bf16 only) may read -0.0 there, as torch's float32 GELU reads it
+    from x = -5.9 on."""
     x = _every_magnitude()
     got, true = _fast(x, tanh, device).double(), _true(x, tanh)
     xd = x.double()

@@ -143,8 +143,9 @@ ERFC_P9 = tl.constexpr(0.17087277 * LOG2E)
 @triton.jit
 def gelu_tanh_fast(x):
     # 2^-|t| never overflows: where t > 0 (x < 0) the quotient is x 2^-t / (1 + 2^-t), so the
-    # tail keeps its digits down to float32's underflow (2^-126 of |x| on the GPU: see above). -inf gives NaN (-inf * 0) and +inf
-    # gives inf, NaN stays NaN, -0.0 stays -0.0: as gelu_tanh and torch.
+    # tail keeps its digits down to float32's underflow (to |x| 2^-126 on the GPU: see above).
+    # -inf gives NaN (-inf * 0) and +inf gives inf, NaN stays NaN, -0.0 stays -0.0: as
+    # gelu_tanh and torch.
     t = x * (GELU_EXP2_1 + GELU_EXP2_3 * x * x)
     e = tl.exp2(-tl.abs(t))
     return tl.where(t > 0, x * e, x) / (1.0 + e)
