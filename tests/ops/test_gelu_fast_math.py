@@ -242,6 +242,13 @@ def test_a_stored_gelu_read_by_a_cast_keeps_the_precise_math():
     assert fast_math_outputs(_anchored_group(g)) == frozenset()
 
 
+def test_a_gelu_also_stored_in_fp32_keeps_the_precise_math():
+    # a second output: the fp32 one shows the value unrounded, whatever its bf16 cast does
+    g, _, y = _matmul_gelu(dg.float32)
+    g.cast(y, data_type=dg.bfloat16).set_output(True)
+    assert fast_math_outputs(_anchored_group(g)) == frozenset()
+
+
 @pytest.mark.parametrize("op", ["gelu", "gelu_tanh"])
 def test_matmul_with_gelu_cast_to_bf16_matches_the_reference(op):
     g, handles, _ = _matmul_gelu(dg.bfloat16, op, then=_cast_to(dg.bfloat16), store_gelu=False)
