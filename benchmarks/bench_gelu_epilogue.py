@@ -8,7 +8,7 @@ y = act(a @ b + bias), bf16 in and out, fp32 accumulation, for act in none (bias
 gelu_tanh, gelu (erf), each under the configs 128x256 4 stages, 128x256 3 stages and 128x128
 6 stages (2 consumers each; the heavy-epilogue filter lifted). GELU of a bf16 output takes the
 16-bit math (problems/base.py fast_math_outputs); --precise also times the precise forms
-(FAST_MATH_TYPES emptied), in the same process. Anchors: cuBLASLt's fused epilogue
+(FAST_MATH_OPS emptied), in the same process. Anchors: cuBLASLt's fused epilogue
 (torch.addmm; torch._addmm_activation with use_gelu=False (relu) and True (tanh GELU, which
 also stands in for the erf rows: cuBLASLt's GELU epilogue is the tanh form). Every output is
 checked against a float32 torch reference before timing. TFLOP/s over 2*M*N*K; "vs Lt" is the
@@ -98,9 +98,9 @@ def run(shapes, precise: bool):
         for epilogue, fast_math in variants:
             expected = reference(a, b, bias, epilogue)
             lt_ms = median_ms(anchor(a, b, bias, epilogue), warmup=WARMUP_MS, rep=REP_MS)
-            saved_types = problems_base.FAST_MATH_TYPES
+            saved_ops = problems_base.FAST_MATH_OPS
             if not fast_math:
-                problems_base.FAST_MATH_TYPES = frozenset()  # every output takes the precise math
+                problems_base.FAST_MATH_OPS = frozenset()  # every output takes the precise math
             cells, best, kinds = [], math.inf, set()
             try:
                 for config in CONFIGS.values():
@@ -112,7 +112,7 @@ def run(shapes, precise: bool):
                     except Exception as error:  # noqa: BLE001 - shown in the cell, the others go on
                         cells.append(f"failed: {type(error).__name__}: {str(error)[:60]}")
             finally:
-                problems_base.FAST_MATH_TYPES = saved_types
+                problems_base.FAST_MATH_OPS = saved_ops
             math_name = "/".join(sorted(kinds)) if epilogue.startswith("gelu") else "-"
             print(f"| {m}x{n}x{k} | {epilogue} | {math_name} | {tflops(m, n, k, lt_ms):.0f} | " + " | ".join(cells)
                   + f" | {lt_ms / best:.2f} |", flush=True)

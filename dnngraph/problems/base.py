@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from ..dtypes import DataType
+from ..dtypes import DataType, narrower_than_compute
 from ..tensor import plain_blend
 
 
@@ -100,33 +100,48 @@ def problem(graph, group, geometry) -> Problem:
                    tuple(n.name for n in group.nodes), fast_math_outputs(group))
 
 
-# The epilogue ops with a cheaper form for results stored in a 16-bit float type
-# (backends/triton/codegen/triton_math.py gelu_fast, gelu_tanh_fast: about 1e-5 relative error,
-# 0.003 of a bf16 or fp16 ulp, which rounding to 8 or 11 bits cannot show), the anchors whose
-# epilogues render them (the GEMM-shaped kernels of both backends), and the stored types.
+# The epilogue ops with a cheaper form for results only rounded to a float type narrower than
+# float32 (backends/triton/codegen/triton_math.py gelu_fast, gelu_tanh_fast: within 1e-6 of the
+# value for x >= -3, as the float32 forms, and 1e-5 in the tail where those keep no digit; a
+# hundredth of a bf16 or fp16 ulp and less of an fp8 one) and the anchors whose epilogues render
+# them (the GEMM-shaped kernels of both backends).
 FAST_MATH_OPS = frozenset({"gelu", "gelu_tanh"})
 FAST_MATH_ANCHORS = frozenset({"matmul", "conv_fprop", "conv_dgrad", "conv_wgrad"})
-FAST_MATH_TYPES = frozenset({"bfloat16", "float16"})
 
 
 def fast_math_outputs(group) -> frozenset:
     """The uids of the epilogue outputs that may be computed with the 16-bit math: those of a
-    FAST_MATH_OPS node of a GEMM-shaped group (FAST_MATH_ANCHORS) that the group stores in a
-    16-bit float type and no node of the group reads (a consumer inside the group would see the
-    fp32 value, and a subtraction could bring its error above the rounding's; one outside reads
-    the stored value). The one place this is decided: each backend renders what it says."""
+    FAST_MATH_OPS node of a GEMM-shaped group (FAST_MATH_ANCHORS) whose value reaches nothing but
+    its rounding to a float type narrower than float32 (_only_rounded). The one place this is
+    decided: each backend renders what it says."""
     anchor = getattr(group, "anchor", None)
     if anchor is None or anchor.op not in FAST_MATH_ANCHORS:
         return frozenset()
     stored = {t.uid: t for t in group.outputs}
-    read = {t.uid for node in group.nodes for t in node.inputs if t is not None}
-    chosen = set()
-    for node in group.epilogue:
-        value = node.outputs[0]
-        if node.op in FAST_MATH_OPS and value.uid in stored and value.uid not in read and \
-                stored[value.uid].data_type.name in FAST_MATH_TYPES:
-            chosen.add(value.uid)
-    return frozenset(chosen)
+    readers: dict = {}
+    for node in group.nodes:
+        for tensor in node.inputs:
+            if tensor is not None:
+                readers.setdefault(tensor.uid, []).append(node)
+    return frozenset(node.outputs[0].uid for node in group.epilogue
+                     if node.op in FAST_MATH_OPS and _only_rounded(node.outputs[0], stored, readers))
+
+
+def _only_rounded(value, stored: dict, readers: dict) -> bool:
+    """Whether `value` reaches memory only rounded to a float type narrower than float32, and
+    nothing else: stored in such a type (a graph output, blended too: alpha * value + beta * prior
+    cancels the float32 forms' error as much; or an intermediate another group reads, stored in
+    a narrow intermediate_data_type) and read by no node of the group, or read only by casts to
+    such a type whose results are so in turn (an fp32 intermediate cast to bf16, the cast
+    stored). A node of the group reading a stored value sees it as stored (rounded:
+    emitter.as_stored_conversion), but the cheaper math may round it to the other side of a
+    midpoint now and then, as the float32 forms may, and that node's own output may be float32:
+    such a value keeps the float32 forms, conservatively."""
+    uses = readers.get(value.uid, ())
+    if value.uid in stored:
+        return not uses and narrower_than_compute(stored[value.uid].data_type)
+    return bool(uses) and all(node.op == "cast" and narrower_than_compute(node.outputs[0].data_type)
+                              and _only_rounded(node.outputs[0], stored, readers) for node in uses)
 
 
 def as_tuple(value) -> tuple:

@@ -110,11 +110,15 @@ def gelu_tanh(x):
     return 0.5 * x * (1.0 + tanh(SQRT_2_OVER_PI * (x + GELU_TANH_CUBIC * x * x * x)))
 
 
-# -- GELU for an epilogue whose result is stored in a 16-bit float type (problems/base.py
-# -- fast_math_outputs decides where): about 1e-5 relative error, 0.003 of a bf16 or fp16 ulp
-# -- over every float (tests/ops/test_gelu_fast_math.py sweeps them), half the instructions of
-# -- gelu / gelu_tanh above, and no cancellation in the negative tail (where those lose every
-# -- digit past x = -5). One exp2 and one division each: no series, no erf.
+# -- GELU for an epilogue whose result is stored in a float type narrower than float32
+# -- (problems/base.py fast_math_outputs decides where): within 1e-6 of the value for x >= -3,
+# -- as gelu / gelu_tanh above (2e-7 to 3e-5 measured there), and 1e-5 in the tail below, where
+# -- those keep no digit past x = -5 (1 + erf or 1 + tanh cancels); 0.003 of a bf16 or fp16 ulp
+# -- over every float (tests/ops/test_gelu_fast_math.py sweeps them), half the instructions.
+# -- One exp2 and one division each: no series, no erf. On the GPU tl.exp2 is ex2.approx.ftz
+# -- (2 ulp, and 0 below 2^-126) and the division div.full (2 ulp): a factor below 2^-126 (x past
+# -- -10.1 for gelu_tanh, -13.2 for gelu) leaves -0.0 where the interpreter keeps values under
+# -- |x| 2^-126 (reachable in bf16 only; torch's float32 GELU gives -0.0 from x = -5.9 on).
 LOG2E = 1.4426950408889634
 # gelu_tanh(x) = x * sigmoid(2u) = x / (1 + 2^t), t = -2 log2(e) u = x (GELU_EXP2_1 + GELU_EXP2_3 x^2)
 GELU_EXP2_1 = tl.constexpr(-2.0 * 0.7978845608028654 * LOG2E)
@@ -139,8 +143,9 @@ ERFC_P9 = tl.constexpr(0.17087277 * LOG2E)
 @triton.jit
 def gelu_tanh_fast(x):
     # 2^-|t| never overflows: where t > 0 (x < 0) the quotient is x 2^-t / (1 + 2^-t), so the
-    # tail keeps its digits down to float32's underflow. -inf gives NaN (-inf * 0) and +inf
-    # gives inf, NaN stays NaN, -0.0 stays -0.0: as gelu_tanh and torch.
+    # tail keeps its digits down to float32's underflow (to |x| 2^-126 on the GPU: see above).
+    # -inf gives NaN (-inf * 0) and +inf gives inf, NaN stays NaN, -0.0 stays -0.0: as
+    # gelu_tanh and torch.
     t = x * (GELU_EXP2_1 + GELU_EXP2_3 * x * x)
     e = tl.exp2(-tl.abs(t))
     return tl.where(t > 0, x * e, x) / (1.0 + e)
