@@ -868,3 +868,13 @@ def test_owned_block_backward_with_broadcast_prologue_and_epilogue(mode, layout)
     pooling = [launch for launch in g.plan.launches if launch.group.kind == "pooling"]
     assert len(pooling) == 1 and "owned=2x2" in pooling[0].config_text
     assert sorted(n.op for n in pooling[0].group.nodes) == ["add", "mul", "pooling_backward"]
+    # a per-channel operand is one load a program, not one per covering window or owned position
+    source = pooling[0].source_path.read_text()
+    for tensor in (bias, scale):
+        assert source.count(f"tl.load({pointer_name(pooling[0], tensor)}") == 1, tensor.name
+
+
+def pointer_name(launch, tensor) -> str:
+    """The kernel parameter through which `launch` reads or writes `tensor`."""
+    (name,) = [a.name for a in launch.arguments if a.kind == "tensor" and a.value == tensor.uid]
+    return name

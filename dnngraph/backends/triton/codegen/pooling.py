@@ -235,8 +235,12 @@ class _KernelWriter:
         """Load before the window loops the sources of `tensor` that do not vary over space
         (a per-channel bias), so the unrolled window does not reload them; returns their uids."""
         _, sources = self.chain_sources(tensor)
+        return self.load_invariant(sources, tile)
+
+    def load_invariant(self, tensors, tile: dict) -> set:
+        """Load at `tile` those of `tensors` that do not vary over space, once; returns their uids."""
         hoisted = set()
-        for source in sources:
+        for source in tensors:
             operand = self.operands.get(source.uid)
             if operand is not None and not any(operand.strides[a] for a in self.spatial):
                 self.load(source, tile)
@@ -500,13 +504,15 @@ class _KernelWriter:
         self.close_loops(len(self.spatial))
 
     def owned_epilogues_and_stores(self, tile: dict):
-        """The epilogue and stores of every owned position, each masked to its position."""
+        """The epilogue and stores of every owned position, each masked to its position; the
+        epilogue's operands that do not vary over space are loaded once for the block."""
+        hoisted = self.load_invariant(self.epilogue_inputs(), tile)
         self.line("tile_mask = mask")
         for offsets in self.owned_positions():
             coords = self.owned_coords(tile, offsets)
             self.line(f"mask = tile_mask & {_outer(*self.by_side([(a, c.valid) for a, c in coords.items() if c.valid]))}")
             self.line(f"result = acc{_tag(offsets)}")
-            self.epilogue_and_stores(coords)
+            self.epilogue_and_stores(coords, hoisted)
 
     def argmax_is_here(self, tile: dict, hoisted: set, unrolled):
         """Emit `hit`: the window at `{axis}_start` has its first maximum at this element.
@@ -527,15 +533,23 @@ class _KernelWriter:
         self.close_loops(len(self.spatial))
 
     # --- epilogue and stores ---------------------------------------------------------------------
-    def epilogue_and_stores(self, tile: dict):
+    def epilogue_inputs(self) -> list:
+        """The group inputs the epilogue reads (not the values it makes), each once, in order."""
+        made = {self.anchor.outputs[0].uid} | {t.uid for n in self.group.epilogue for t in n.output_tensors()}
+        inputs = {t.uid: t for n in self.group.epilogue for t in n.input_tensors() if t.uid not in made}
+        return list(inputs.values())
+
+    def epilogue_and_stores(self, tile: dict, hoisted=frozenset()):
+        """The epilogue at `tile` and the stores of the group's outputs; the inputs in `hoisted`
+        are loaded already."""
         self.emitter.bind(self.anchor.outputs[0].uid, "result", "f")
         if self.indices is not None:
             self.emitter.bind(self.indices.uid, "argmax", "l")
-        made = {self.anchor.outputs[0].uid} | {t.uid for n in self.group.epilogue for t in n.output_tensors()}
-        loaded = set()
+        needed = {t.uid for t in self.epilogue_inputs()}
+        loaded = set(hoisted)
         for node in self.group.epilogue:
             for tensor in node.input_tensors():
-                if tensor.uid not in made and tensor.uid not in loaded:
+                if tensor.uid in needed and tensor.uid not in loaded:
                     self.load(tensor, tile)  # at the output position, with its own strides
                     loaded.add(tensor.uid)
             self.emit(node)
