@@ -743,6 +743,8 @@ OWNED_GEOMETRIES = [
     ((1, 1, 1, 1), [1, 1], [2, 2], [0, 0], "nchw", torch.float32),
     ((2, 4, 17), [5], [3], [2], "nhwc", torch.bfloat16),
     ((2, 3, 7, 5, 6), [3, 3, 3], [2, 2, 2], [1, 0, 1], "nhwc", torch.float32),
+    ((1, 3, 13, 12), [7, 7], [4, 4], [3, 2], "nhwc", torch.float32),  # 16 owned: the window's rows roll
+    ((2, 3, 9, 8), [5, 3], [1, 2], [2, 1], "nchw", torch.float32),  # a stride-1 axis with padding
 ]
 
 
@@ -878,3 +880,71 @@ def pointer_name(launch, tensor) -> str:
     """The kernel parameter through which `launch` reads or writes `tensor`."""
     (name,) = [a.name for a in launch.arguments if a.kind == "tensor" and a.value == tensor.uid]
     return name
+
+
+# --- the unrolling budget of every pooling kernel, read from its source ----------------------------
+def unrolled_bodies(launch) -> int:
+    """The most loads and owned-position accumulations the launch's kernel source copies out by static
+    (unrolled) loops into one stretch of code without a runtime loop: each such line counts the
+    product of the static loop extents around it, up to its nearest runtime loop."""
+    import re
+    constants = {a.name: a.value for a in launch.arguments if a.kind == "constexpr"}
+    counted = re.compile(r"tl\.load\(|\bacc_[\d_]+ \+=")  # loads; an owned position's accumulation
+    loop = re.compile(r"for \w+ in tl\.(static_range|range)\((\w+)\):")
+    stack, stretches = [], {}  # stack: (indent, static extent or None for a runtime loop, line)
+    for number, text in enumerate(launch.source_path.read_text().splitlines()):
+        indent = len(text) - len(text.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        found = loop.search(text)
+        if found:
+            extent = constants.get(found.group(2), found.group(2))
+            stack.append((indent, int(extent) if found.group(1) == "static_range" else None, number))
+        elif stack and counted.search(text):
+            copies, stretch = 1, None
+            for _, extent, line in reversed(stack):
+                if extent is None:
+                    stretch = line
+                    break
+                copies *= extent
+            stretches[stretch] = stretches.get(stretch, 0) + copies
+    return max(stretches.values(), default=0)
+
+
+# (shape, window, stride, padding): windows and strides whose owned blocks, covering windows and
+# argmax windows together pass the budget one way or another (7x7 stride 4: 49 loads and 16 owned)
+BUDGET_GEOMETRIES = [
+    ((1, 2, 23, 23), [7, 7], [4, 4], [3, 3]),
+    ((1, 2, 23, 23), [8, 8], [4, 4], [4, 4]),
+    ((1, 2, 23, 23), [7, 7], [3, 3], [3, 3]),
+    ((1, 2, 23, 23), [7, 7], [2, 2], [3, 3]),
+    ((1, 2, 23, 23), [5, 5], [4, 4], [2, 2]),
+    ((1, 2, 23, 23), [3, 3], [2, 2], [1, 1]),
+    ((1, 2, 9, 9, 9), [3, 3, 3], [2, 2, 2], [1, 1, 1]),
+    ((1, 2, 9, 9, 9), [5, 5, 5], [2, 2, 2], [2, 2, 2]),
+    ((1, 2, 9, 9, 9), [4, 4, 4], [2, 2, 4], [2, 2, 2]),
+    ((1, 2, 40), [16], [4], [8]),
+]
+
+
+@pytest.mark.parametrize("direction", ["forward", "max", "max indexed", "avg_include_pad"])
+@pytest.mark.parametrize("geometry", BUDGET_GEOMETRIES, ids=lambda g: f"w{g[1]}-s{g[2]}")
+def test_every_pooling_kernel_unrolls_within_the_budget(geometry, direction):
+    """A kernel's source grows, and ptxas's time with it, with the loads and accumulations its
+    static loops copy out: none may pass UNROLLED_BODIES_MAX in one stretch of code, however
+    the owned blocks, covering windows and argmax windows nest (built only, not run)."""
+    from dnngraph.backends.triton.codegen.unrolling import UNROLLED_BODIES_MAX
+    shape, window, stride, padding = geometry
+    x_t = sample(shape, torch.float32, "nhwc")
+    if direction == "forward":
+        g = forward_graph(x_t, "max", window, stride, padding)[0]
+    else:
+        dy_t = sample(output_dims(shape, window, stride, padding), torch.float32, "nhwc")
+        g = dg.Graph()
+        x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+        indices = g.tensor(name="indices", dim=dy.dim, stride=dy.stride, data_type=dg.int64) \
+            if direction == "max indexed" else None
+        g.pooling_backward(dy, x, direction.split()[0], window, stride, padding, indices=indices).set_output(True)
+    g.build()
+    (launch,) = g.plan.launches
+    assert 0 < unrolled_bodies(launch) <= UNROLLED_BODIES_MAX, launch.config_text

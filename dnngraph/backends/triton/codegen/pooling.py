@@ -18,6 +18,7 @@ Tile columns walk the schedule's vector axis; every other axis is a row coordina
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,7 +30,7 @@ from .emitter import ExpressionEmitter, blends_of, kind_of
 from .names import NameAllocator
 from ...contract import KernelSource
 from .pointwise import KernelArgument, blend_arguments, kernel_module
-from .unrolling import loop_header, unrolled_loops
+from .unrolling import UNROLLED_BODIES_MAX, loop_header, unrolled_loops
 
 INDENT = "    "
 # identifiers the pooling kernel writes itself; the stems own every `stem_*` name too (each
@@ -419,12 +420,7 @@ class _KernelWriter:
             hoisted |= self.hoist_loads(self.x_tensor(), tile)
         if indices is not None:
             self.owned_plane_indices(tile)
-        # one covering window's body: its argmax's window of loads (recomputed) and one
-        # contribution per owned position; the unrolling budget counts both
-        window_loads = 1
-        for extent in self.window_extents():
-            window_loads *= extent if recompute else 1
-        cover_unrolled = unrolled_loops(self.cover_extents() + [window_loads + len(positions)])[:-1]
+        cover_unrolled, window_unrolled = self.owned_unrolling(recompute, indices is not None, len(positions))
         covering = dict(tile)
         for axis, unroll in zip(self.spatial, cover_unrolled):
             name, upper = self.names[axis], self.names[axis].upper()
@@ -439,12 +435,25 @@ class _KernelWriter:
             self.load(indices, covering)
             self.line(f"argmax = {self.emitter.value(indices.uid, 'l')}")
         elif recompute:
-            self.window_argmax(tile, hoisted, unrolled_loops(self.window_extents()))
+            self.window_argmax(tile, hoisted, window_unrolled)
         if not is_max:
             self.line(f"share = grad / {self.divisor()}")
         for offsets in positions:
             self.owned_contribution(offsets, is_max, indices is not None)
         self.close_loops(len(self.spatial))
+
+    def owned_unrolling(self, recompute: bool, indexed: bool, positions: int) -> tuple:
+        """(per covering loop, per window loop) whether to unroll it, within one budget: a
+        covering window's body is its loads (dy, the index), its window of argmax loads
+        (recomputed) and one contribution per owned position, so the window unrolls within what
+        the rest leaves it (7x7 stride 4: 49 loads beside 16 positions passed the budget and
+        took ptxas four times as long; its rows roll now), and the covering loops count it all."""
+        covering_loads = 2 if indexed else 1
+        extents = self.window_extents() if recompute else []
+        window_unrolled = unrolled_loops(extents, UNROLLED_BODIES_MAX - positions - covering_loads)
+        window_copies = math.prod(e for e, unrolled in zip(extents, window_unrolled) if unrolled) if extents else 0
+        body = covering_loads + window_copies + positions
+        return unrolled_loops(self.cover_extents() + [body])[:-1], window_unrolled
 
     def owned_contribution(self, offsets, is_max: bool, indexed: bool):
         """Emit the current covering window's addition to the owned position at `offsets`:
