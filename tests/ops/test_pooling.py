@@ -802,11 +802,13 @@ def test_owned_block_is_the_stride_within_the_accumulator_budget():
     assert owned_block((2, 2)) == (2, 2) and owned_block((2, 2, 2)) == (2, 2, 2) and owned_block((3,)) == (3,)
     assert owned_block((1, 1)) == () and owned_block((5, 4)) == ()  # nothing to share; too many accumulators
     assert math.prod(owned_block((4, 4))) == OWNED_POSITIONS_MAX
-    # blocks [o * s - p, (o + 1) * s - p) cover every position of the axis exactly once
-    for size, s, p in [(13, 2, 1), (13, 3, 0), (1, 2, 0), (11, 4, 1), (112, 2, 1)]:
+    # blocks [o * s - p % s, (o + 1) * s - p % s) cover every position of the axis exactly once,
+    # and each owns at least one of them (no program with nothing to write)
+    for size, s, p in [(13, 2, 1), (13, 3, 0), (1, 2, 0), (11, 4, 1), (112, 2, 1), (9, 1, 3), (7, 2, 3), (5, 4, 4)]:
         (blocks,) = owner_dims((size,), (s,), (p,))
-        owned = [o * s - p + r for o in range(blocks) for r in range(s)]
-        assert sorted(h for h in owned if 0 <= h < size) == list(range(size))
+        owned = [[o * s - p % s + r for r in range(s)] for o in range(blocks)]
+        assert sorted(h for block in owned for h in block if 0 <= h < size) == list(range(size))
+        assert all(any(0 <= h < size for h in block) for block in owned), (size, s, p)
 
 
 # --- GPU at the benchmark shapes (benchmarks/bench_memory_bound.py, benchmarks/sweep_pooling.py) -----

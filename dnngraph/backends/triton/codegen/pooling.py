@@ -400,7 +400,7 @@ class _KernelWriter:
         for axis, r in zip(self.spatial, offsets):
             name, upper = self.names[axis], self.names[axis].upper()
             variable = f"{name}_pos{tag}"
-            self.line(f"{variable} = {name}_idx * STRIDE_{upper} - PAD_{upper} + {r}")
+            self.line(f"{variable} = {name}_block * STRIDE_{upper} - PAD_{upper} + {r}")
             self.line(f"{name}_ok{tag} = ({variable} >= 0) & ({variable} < in_{name})")
             coords[axis] = Coord(variable, self.side(axis), f"{name}_ok{tag}")
         return coords
@@ -408,9 +408,13 @@ class _KernelWriter:
     def owned_backward(self, tile: dict):
         """dx of a block of prod(stride) positions per tile position: each covering window's
         dy (and index, or recomputed argmax, or divisor) is found once and shared by every
-        position of the block it covers. Tile index `{axis}_idx` is the block, which is also
-        the last window starting at or before any of its positions."""
+        position of the block it covers. `{axis}_block`, the last window starting at or before
+        any of the block's positions, names the block: tile index `{axis}_idx` counts blocks
+        from the first that reaches into the input (heuristics' owner_dims)."""
         positions = self.owned_positions()
+        for axis in self.spatial:
+            name, upper = self.names[axis], self.names[axis].upper()
+            self.line(f"{name}_block = {name}_idx + PAD_{upper} // STRIDE_{upper}")
         for offsets in positions:
             self.line(f"acc{_tag(offsets)} = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
         is_max, indices = self.schedule.mode == "max", self.anchor.inputs[2]
@@ -425,7 +429,7 @@ class _KernelWriter:
         for axis, unroll in zip(self.spatial, cover_unrolled):
             name, upper = self.names[axis], self.names[axis].upper()
             self.open_loop(f"j{name}", f"COVER_{upper}", unroll)
-            self.line(f"{name}_out = {name}_idx - j{name}")
+            self.line(f"{name}_out = {name}_block - j{name}")
             self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
             self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name})")
             covering[axis] = Coord(f"{name}_out", self.side(axis), f"{name}_cov")
@@ -492,7 +496,7 @@ class _KernelWriter:
             for axis, r in zip(self.spatial, offsets):
                 name, upper = self.names[axis], self.names[axis].upper()
                 inner = "".join(f" * in_{self.names[later]}" for later in range(axis + 1, self.rank))
-                terms.append((axis, f"({name}_idx * STRIDE_{upper} - PAD_{upper} + {r}).to(tl.int64){inner}"))
+                terms.append((axis, f"({name}_block * STRIDE_{upper} - PAD_{upper} + {r}).to(tl.int64){inner}"))
             self.line(f"here{_tag(offsets)} = {_outer(*self.by_side(terms), joiner=' + ')}")
 
     def window_argmax(self, tile: dict, hoisted: set, unrolled):

@@ -122,9 +122,11 @@ class PoolingSchedule(TiledWindows):
 
 def owner_dims(spatial: tuple, stride: tuple, padding: tuple) -> tuple:
     """Per spatial axis, the owned blocks of a backward: block o owns dx positions
-    [o * stride - padding, (o + 1) * stride - padding), so blocks 0 .. (size - 1 + padding) //
-    stride cover the axis (the first may start in the padding)."""
-    return tuple((size - 1 + p) // s + 1 for size, s, p in zip(spatial, stride, padding))
+    [o * stride - padding % stride, (o + 1) * stride - padding % stride), so blocks 0 ..
+    (size - 1 + padding % stride) // stride cover the axis, the first starting less than a
+    stride before it: no block lies wholly in the padding (a stride-1 axis padded by 3 would
+    add 3 rows of programs with nothing to write)."""
+    return tuple((size - 1 + p % s) // s + 1 for size, s, p in zip(spatial, stride, padding))
 
 
 def owned_block(stride: tuple) -> tuple:
