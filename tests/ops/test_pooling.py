@@ -950,3 +950,83 @@ def test_every_pooling_kernel_unrolls_within_the_budget(geometry, direction):
     g.build()
     (launch,) = g.plan.launches
     assert 0 < unrolled_bodies(launch) <= UNROLLED_BODIES_MAX, launch.config_text
+
+
+# --- random geometries: every backward path against torch ----------------------------------------
+def random_backward_case(seed: int):
+    """A seeded random backward: rank 1-3, window, stride (gaps and owned blocks of every size,
+    past OWNED_POSITIONS_MAX too), padding up to half the window, ceil mode, a divisor, layout,
+    and for max indices torch's forward made or arbitrary ones (outside their window, the
+    plane, negative)."""
+    import random
+    rng = random.Random(seed)
+    rank = rng.choice([1, 2, 2, 3])
+    window = [rng.randint(1, 6 if rank < 3 else 4) for _ in range(rank)]
+    stride = [rng.randint(1, 5) for _ in range(rank)]
+    padding = [rng.randint(0, w // 2) for w in window]
+    spatial = [max(w - 2 * p, 1) + rng.randint(0, 8 if rank < 3 else 3) for w, p in zip(window, padding)]
+    shape = [rng.randint(1, 3), rng.randint(1, 4)] + spatial
+    mode = ["max", "max indexed", "max arbitrary indices", "avg_include_pad", "avg_exclude_pad"][seed % 5]
+    divisor = rng.choice([None, 3, -2]) if mode.startswith("avg") else None
+    return shape, window, stride, padding, rng.random() < 0.4, mode, divisor, rng.choice(["nchw", "nhwc"])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_backward_geometries_against_torch(seed):
+    """dx written once at every position (poisoned first) for random geometries: the max ones
+    equal torch's gradient exactly (integer dy; ties, NaN and -inf in x), arbitrary indices
+    and averages the float64 reference."""
+    shape, window, stride, padding, ceil, mode, divisor, layout = random_backward_case(seed)
+    generator = torch.Generator().manual_seed(seed)
+    x_t = torch.randint(-2, 3, shape, generator=generator).float()
+    picks = torch.randperm(x_t.numel(), generator=generator)
+    x_t.view(-1)[picks[:2]], x_t.view(-1)[picks[2:4]] = float("nan"), float("-inf")
+    _, indices_t = MAX_POOLS[len(window) - 1](x_t, window, stride, padding, ceil_mode=ceil, return_indices=True)
+    if mode == "max arbitrary indices":
+        indices_t = torch.randint(-2, math.prod(shape[2:]) + 2, indices_t.shape, generator=generator)
+    dy_t = torch.randint(1, 5, indices_t.shape, generator=generator).float()
+    x_t, dy_t, indices_t = (in_layout(t, layout) for t in (x_t, dy_t, indices_t))
+    g = dg.Graph()
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    inputs = {x: x_t, dy: dy_t}
+    indices = None
+    if "indic" in mode:
+        indices = g.tensor_like(indices_t, "indices")
+        inputs[indices] = indices_t
+    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices, ceil_mode=ceil,
+                            divisor=divisor).set_output(True)
+    got = check(g, inputs)[dx.name]
+    if mode in ("max", "max indexed"):
+        leaf = x_t.clone().requires_grad_(True)
+        MAX_POOLS[len(window) - 1](leaf, window, stride, padding, ceil_mode=ceil).backward(dy_t)
+        assert torch.equal(got, leaf.grad)
+
+
+@pytest.mark.parametrize("mode", ["max", "avg_exclude_pad"])
+def test_owned_block_backward_blends_each_position_with_its_prior(mode):
+    """dx stored as alpha * dx + beta * prior (alpha a graph tensor): each owned position reads
+    and writes its own prior, none twice."""
+    x_t = sample((2, 5, 11, 9), torch.float32, "nhwc")
+    dy_t = sample(output_dims(x_t.shape, [3, 3], [2, 2], [1, 1]), torch.float32, "nhwc")
+    g = dg.Graph()
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    alpha = g.tensor(name="alpha", dim=[1], data_type=dg.float32)
+    dx = g.pooling_backward(dy, x, mode, [3, 3], [2, 2], [1, 1]).set_output(True).set_blend(alpha, 0.5)
+    g.build()
+    prior = sample(tuple(x_t.shape), torch.float32, "nhwc")
+    got, alpha_t = prior.clone(), torch.tensor([1.5])
+    g.execute({x: x_t, dy: dy_t, alpha: alpha_t, dx: got})
+    expected = 1.5 * g.reference({x: x_t, dy: dy_t, alpha: alpha_t})[dx.name] + 0.5 * prior.double()
+    assert rel_err(got, expected) < 1e-6
+    assert "owned=2x2" in g.plan.launches[0].config_text
+
+
+def test_owned_block_backward_past_two_to_the_31_uses_int64_indexing():
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[64, 64, 768, 768])  # 2.4e9 elements: built, never run
+    dy = g.tensor(name="dy", dim=[64, 64, 384, 384])
+    g.pooling_backward(dy, x, "max", [3, 3], [2, 2], [1, 1]).set_output(True)
+    g.build()
+    launch = g.plan.launches[0]
+    assert "int64-index" in launch.config_text and "owned=2x2" in launch.config_text
+    assert "tl.program_id(0).to(tl.int64)" in launch.source_path.read_text()
