@@ -1030,3 +1030,34 @@ def test_owned_block_backward_past_two_to_the_31_uses_int64_indexing():
     launch = g.plan.launches[0]
     assert "int64-index" in launch.config_text and "owned=2x2" in launch.config_text
     assert "tl.program_id(0).to(tl.int64)" in launch.source_path.read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["max", "max indexed", "avg_exclude_pad"])
+@pytest.mark.parametrize("geometry", [((8, 64, 57, 57), [7, 7], [4, 4], [3, 3]),  # the window's rows roll
+                                      ((8, 64, 56, 56), [5, 5], [2, 2], [2, 2]),  # no block wholly in padding
+                                      ((4, 32, 17, 19, 15), [3, 3, 3], [2, 2, 2], [1, 1, 1])],
+                         ids=["7x7s4", "5x5s2", "3x3x3s2"])
+def test_gpu_bf16_owned_backward_geometries(geometry, mode):
+    """The owned-block backwards whose unrolling or block count this branch changed, compiled
+    for the GPU: the max ones equal torch's gradient exactly (integer dy)."""
+    shape, window, stride, padding = geometry
+    x_t = sample(shape, torch.bfloat16, "nhwc", "cuda")
+    _, indices_t = MAX_POOLS[len(window) - 1](x_t, window, stride, padding, return_indices=True)
+    dy_t = torch.randint(1, 5, indices_t.shape, device="cuda").to(torch.bfloat16) if mode.startswith("max") else \
+        sample(tuple(indices_t.shape), torch.bfloat16, "nchw", "cuda")
+    dy_t, indices_t = channels_last(dy_t), channels_last(indices_t)
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    inputs = {x: x_t, dy: dy_t}
+    indices = None
+    if mode == "max indexed":
+        indices = g.tensor_like(indices_t, "indices")
+        inputs[indices] = indices_t
+    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices).set_output(True)
+    got = check(g, inputs, torch.bfloat16, device="cuda", reference_device="cuda")[dx.name]
+    if mode.startswith("max"):
+        leaf = x_t.float().requires_grad_(True)
+        MAX_POOLS[len(window) - 1](leaf, window, stride, padding).backward(dy_t.float())
+        assert torch.equal(got.float(), leaf.grad)
+    assert "owned=" in g.plan.launches[0].config_text

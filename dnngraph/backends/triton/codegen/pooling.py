@@ -425,15 +425,7 @@ class _KernelWriter:
         if indices is not None:
             self.owned_plane_indices(tile)
         cover_unrolled, window_unrolled = self.owned_unrolling(recompute, indices is not None, len(positions))
-        covering = dict(tile)
-        for axis, unroll in zip(self.spatial, cover_unrolled):
-            name, upper = self.names[axis], self.names[axis].upper()
-            self.open_loop(f"j{name}", f"COVER_{upper}", unroll)
-            self.line(f"{name}_out = {name}_block - j{name}")
-            self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
-            self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name})")
-            covering[axis] = Coord(f"{name}_out", self.side(axis), f"{name}_cov")
-        self.line(f"covered = {self.inside(covering)}")
+        covering = self.open_covering_windows(tile, cover_unrolled)
         self.value_at(self.anchor.inputs[0], covering, "grad", hoisted)
         if indices is not None:
             self.load(indices, covering)
@@ -445,6 +437,20 @@ class _KernelWriter:
         for offsets in positions:
             self.owned_contribution(offsets, is_max, indices is not None)
         self.close_loops(len(self.spatial))
+
+    def open_covering_windows(self, tile: dict, unrolled) -> dict:
+        """Open one loop per spatial axis over the windows covering the owned block, from the
+        block's own window back; returns the coordinates of the current window (its dy)."""
+        covering = dict(tile)
+        for axis, unroll in zip(self.spatial, unrolled):
+            name, upper = self.names[axis], self.names[axis].upper()
+            self.open_loop(f"j{name}", f"COVER_{upper}", unroll)
+            self.line(f"{name}_out = {name}_block - j{name}")
+            self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
+            self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name})")
+            covering[axis] = Coord(f"{name}_out", self.side(axis), f"{name}_cov")
+        self.line(f"covered = {self.inside(covering)}")
+        return covering
 
     def owned_unrolling(self, recompute: bool, indexed: bool, positions: int) -> tuple:
         """(per covering loop, per window loop) whether to unroll it, within one budget: a
