@@ -926,6 +926,8 @@ BUDGET_GEOMETRIES = [
     ((1, 2, 9, 9, 9), [5, 5, 5], [2, 2, 2], [2, 2, 2]),
     ((1, 2, 9, 9, 9), [4, 4, 4], [2, 2, 4], [2, 2, 2]),
     ((1, 2, 40), [16], [4], [8]),
+    ((1, 2, 23, 23), [7, 7], [5, 5], [3, 3]),  # 25 positions: the gather per dx element
+    ((1, 2, 9, 9, 9), [5, 5, 5], [1, 1, 1], [2, 2, 2]),
 ]
 
 
@@ -1061,3 +1063,26 @@ def test_gpu_bf16_owned_backward_geometries(geometry, mode):
         MAX_POOLS[len(window) - 1](leaf, window, stride, padding).backward(dy_t.float())
         assert torch.equal(got.float(), leaf.grad)
     assert "owned=" in g.plan.launches[0].config_text
+
+
+@pytest.mark.parametrize("mode", ["max indexed", "avg_include_pad"])
+def test_owned_backward_with_operands_in_different_layouts(mode):
+    """x NCHW, dy NHWC, the forward's indices NCHW, dx stored NHWC: every operand read and
+    written with its own strides; the index is the plane's, whatever the layout."""
+    window, stride, padding = [3, 3], [2, 2], [1, 1]
+    x_t = adversarial((2, 5, 11, 9), torch.float32, "nchw", seed=5)
+    _, indices_t = torch_indices(x_t, window, stride, padding)
+    dy_t = channels_last(torch.randint(1, 5, indices_t.shape).float())
+    g = dg.Graph()
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    inputs = {x: x_t, dy: dy_t}
+    indices = None
+    if mode == "max indexed":
+        indices = g.tensor_like(indices_t, "indices")
+        inputs[indices] = indices_t
+    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices)
+    dx.set_output(True).set_stride(list(channels_last(x_t).stride()))
+    got = check(g, inputs)[dx.name]
+    if mode == "max indexed":
+        assert torch.equal(got, torch_grad(x_t, dy_t, window, stride, padding))
+    assert "owned=2x2" in g.plan.launches[0].config_text
