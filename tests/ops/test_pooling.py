@@ -1086,3 +1086,15 @@ def test_owned_backward_with_operands_in_different_layouts(mode):
     if mode == "max indexed":
         assert torch.equal(got, torch_grad(x_t, dy_t, window, stride, padding))
     assert "owned=2x2" in g.plan.launches[0].config_text
+
+
+def test_windows_past_int32_tap_numbers_gather_per_element():
+    """An owned block numbers each window's taps in int32: a window of more than 2^31 elements
+    (a plane past 2^31, built never run) gathers per dx element, comparing coordinates."""
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[1, 1, 2048, 2048, 1025])
+    dy = g.tensor(name="dy", dim=[1, 1, 1, 1, 1])
+    g.pooling_backward(dy, x, "max", [2048, 2048, 1024], [2, 2, 2], [0, 0, 0]).set_output(True)
+    g.build()
+    launch = g.plan.launches[0]
+    assert "owned=" not in launch.config_text and "int64-index" in launch.config_text
