@@ -135,7 +135,7 @@ def forced(config, label):
     """Builds in this block take `config` (None: the model's choice) for their pooling kernel,
     and a backward gathers per dx element where the case says so."""
     if per_element(label):
-        heuristics.owned_block = lambda stride: ()
+        heuristics.owned_block = lambda *geometry: ()
     if config is not None:
         heuristics.rank = lambda *args, **kwargs: [config] + [
             c for c in RANK_OF_MODEL(*args, **kwargs) if tile_of(c) != tile_of(config)]

@@ -743,6 +743,8 @@ OWNED_GEOMETRIES = [
     ((1, 1, 1, 1), [1, 1], [2, 2], [0, 0], "nchw", torch.float32),
     ((2, 4, 17), [5], [3], [2], "nhwc", torch.bfloat16),
     ((2, 3, 7, 5, 6), [3, 3, 3], [2, 2, 2], [1, 0, 1], "nhwc", torch.float32),
+    ((1, 3, 13, 12), [7, 7], [4, 4], [3, 2], "nhwc", torch.float32),  # 16 owned: the window's rows roll
+    ((2, 3, 9, 8), [5, 3], [1, 2], [2, 1], "nchw", torch.float32),  # a stride-1 axis with padding
 ]
 
 
@@ -800,11 +802,13 @@ def test_owned_block_is_the_stride_within_the_accumulator_budget():
     assert owned_block((2, 2)) == (2, 2) and owned_block((2, 2, 2)) == (2, 2, 2) and owned_block((3,)) == (3,)
     assert owned_block((1, 1)) == () and owned_block((5, 4)) == ()  # nothing to share; too many accumulators
     assert math.prod(owned_block((4, 4))) == OWNED_POSITIONS_MAX
-    # blocks [o * s - p, (o + 1) * s - p) cover every position of the axis exactly once
-    for size, s, p in [(13, 2, 1), (13, 3, 0), (1, 2, 0), (11, 4, 1), (112, 2, 1)]:
+    # blocks [o * s - p % s, (o + 1) * s - p % s) cover every position of the axis exactly once,
+    # and each owns at least one of them (no program with nothing to write)
+    for size, s, p in [(13, 2, 1), (13, 3, 0), (1, 2, 0), (11, 4, 1), (112, 2, 1), (9, 1, 3), (7, 2, 3), (5, 4, 4)]:
         (blocks,) = owner_dims((size,), (s,), (p,))
-        owned = [o * s - p + r for o in range(blocks) for r in range(s)]
-        assert sorted(h for h in owned if 0 <= h < size) == list(range(size))
+        owned = [[o * s - p % s + r for r in range(s)] for o in range(blocks)]
+        assert sorted(h for block in owned for h in block if 0 <= h < size) == list(range(size))
+        assert all(any(0 <= h < size for h in block) for block in owned), (size, s, p)
 
 
 # --- GPU at the benchmark shapes (benchmarks/bench_memory_bound.py, benchmarks/sweep_pooling.py) -----
@@ -868,3 +872,229 @@ def test_owned_block_backward_with_broadcast_prologue_and_epilogue(mode, layout)
     pooling = [launch for launch in g.plan.launches if launch.group.kind == "pooling"]
     assert len(pooling) == 1 and "owned=2x2" in pooling[0].config_text
     assert sorted(n.op for n in pooling[0].group.nodes) == ["add", "mul", "pooling_backward"]
+    # a per-channel operand is one load a program, not one per covering window or owned position
+    source = pooling[0].source_path.read_text()
+    for tensor in (bias, scale):
+        assert source.count(f"tl.load({pointer_name(pooling[0], tensor)}") == 1, tensor.name
+
+
+def pointer_name(launch, tensor) -> str:
+    """The kernel parameter through which `launch` reads or writes `tensor`."""
+    (name,) = [a.name for a in launch.arguments if a.kind == "tensor" and a.value == tensor.uid]
+    return name
+
+
+# --- the unrolling budget of every pooling kernel, read from its source ----------------------------
+def unrolled_bodies(launch) -> int:
+    """The most loads and owned-position accumulations the launch's kernel source copies out by static
+    (unrolled) loops into one stretch of code without a runtime loop: each such line counts the
+    product of the static loop extents around it, up to its nearest runtime loop."""
+    import re
+    constants = {a.name: a.value for a in launch.arguments if a.kind == "constexpr"}
+    counted = re.compile(r"tl\.load\(|\bacc_[\d_]+ \+=")  # loads; an owned position's accumulation
+    loop = re.compile(r"for \w+ in tl\.(static_range|range)\((\w+)\):")
+    stack, stretches = [], {}  # stack: (indent, static extent or None for a runtime loop, line)
+    for number, text in enumerate(launch.source_path.read_text().splitlines()):
+        indent = len(text) - len(text.lstrip())
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        found = loop.search(text)
+        if found:
+            extent = constants.get(found.group(2), found.group(2))
+            stack.append((indent, int(extent) if found.group(1) == "static_range" else None, number))
+        elif stack and counted.search(text):
+            copies, stretch = 1, None
+            for _, extent, line in reversed(stack):
+                if extent is None:
+                    stretch = line
+                    break
+                copies *= extent
+            stretches[stretch] = stretches.get(stretch, 0) + copies
+    return max(stretches.values(), default=0)
+
+
+# (shape, window, stride, padding): windows and strides whose owned blocks, covering windows and
+# argmax windows together pass the budget one way or another (7x7 stride 4: 49 loads and 16 owned)
+BUDGET_GEOMETRIES = [
+    ((1, 2, 23, 23), [7, 7], [4, 4], [3, 3]),
+    ((1, 2, 23, 23), [8, 8], [4, 4], [4, 4]),
+    ((1, 2, 23, 23), [7, 7], [3, 3], [3, 3]),
+    ((1, 2, 23, 23), [7, 7], [2, 2], [3, 3]),
+    ((1, 2, 23, 23), [5, 5], [4, 4], [2, 2]),
+    ((1, 2, 23, 23), [3, 3], [2, 2], [1, 1]),
+    ((1, 2, 9, 9, 9), [3, 3, 3], [2, 2, 2], [1, 1, 1]),
+    ((1, 2, 9, 9, 9), [5, 5, 5], [2, 2, 2], [2, 2, 2]),
+    ((1, 2, 9, 9, 9), [4, 4, 4], [2, 2, 4], [2, 2, 2]),
+    ((1, 2, 40), [16], [4], [8]),
+    ((1, 2, 23, 23), [7, 7], [5, 5], [3, 3]),  # 25 positions: the gather per dx element
+    ((1, 2, 9, 9, 9), [5, 5, 5], [1, 1, 1], [2, 2, 2]),
+]
+
+
+@pytest.mark.parametrize("direction", ["forward", "max", "max indexed", "avg_include_pad"])
+@pytest.mark.parametrize("geometry", BUDGET_GEOMETRIES, ids=lambda g: f"w{g[1]}-s{g[2]}")
+def test_every_pooling_kernel_unrolls_within_the_budget(geometry, direction):
+    """A kernel's source grows, and ptxas's time with it, with the loads and accumulations its
+    static loops copy out: none may pass UNROLLED_BODIES_MAX in one stretch of code, however
+    the owned blocks, covering windows and argmax windows nest (built only, not run)."""
+    from dnngraph.backends.triton.codegen.unrolling import UNROLLED_BODIES_MAX
+    shape, window, stride, padding = geometry
+    x_t = sample(shape, torch.float32, "nhwc")
+    if direction == "forward":
+        g = forward_graph(x_t, "max", window, stride, padding)[0]
+    else:
+        dy_t = sample(output_dims(shape, window, stride, padding), torch.float32, "nhwc")
+        g = dg.Graph()
+        x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+        indices = g.tensor(name="indices", dim=dy.dim, stride=dy.stride, data_type=dg.int64) \
+            if direction == "max indexed" else None
+        g.pooling_backward(dy, x, direction.split()[0], window, stride, padding, indices=indices).set_output(True)
+    g.build()
+    (launch,) = g.plan.launches
+    assert 0 < unrolled_bodies(launch) <= UNROLLED_BODIES_MAX, launch.config_text
+
+
+# --- random geometries: every backward path against torch ----------------------------------------
+def random_backward_case(seed: int):
+    """A seeded random backward: rank 1-3, window, stride (gaps and owned blocks of every size,
+    past OWNED_POSITIONS_MAX too), padding up to half the window, ceil mode, a divisor, layout,
+    and for max indices torch's forward made or arbitrary ones (outside their window, the
+    plane, negative)."""
+    import random
+    rng = random.Random(seed)
+    rank = rng.choice([1, 2, 2, 3])
+    window = [rng.randint(1, 6 if rank < 3 else 4) for _ in range(rank)]
+    stride = [rng.randint(1, 5) for _ in range(rank)]
+    padding = [rng.randint(0, w // 2) for w in window]
+    spatial = [max(w - 2 * p, 1) + rng.randint(0, 8 if rank < 3 else 3) for w, p in zip(window, padding)]
+    shape = [rng.randint(1, 3), rng.randint(1, 4)] + spatial
+    mode = ["max", "max indexed", "max arbitrary indices", "avg_include_pad", "avg_exclude_pad"][seed % 5]
+    divisor = rng.choice([None, 3, -2]) if mode.startswith("avg") else None
+    return shape, window, stride, padding, rng.random() < 0.4, mode, divisor, rng.choice(["nchw", "nhwc"])
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_backward_geometries_against_torch(seed):
+    """dx written once at every position (poisoned first) for random geometries: the max ones
+    equal torch's gradient exactly (integer dy; ties, NaN and -inf in x), arbitrary indices
+    and averages the float64 reference."""
+    shape, window, stride, padding, ceil, mode, divisor, layout = random_backward_case(seed)
+    generator = torch.Generator().manual_seed(seed)
+    x_t = torch.randint(-2, 3, shape, generator=generator).float()
+    picks = torch.randperm(x_t.numel(), generator=generator)
+    x_t.view(-1)[picks[:2]], x_t.view(-1)[picks[2:4]] = float("nan"), float("-inf")
+    _, indices_t = MAX_POOLS[len(window) - 1](x_t, window, stride, padding, ceil_mode=ceil, return_indices=True)
+    if mode == "max arbitrary indices":
+        indices_t = torch.randint(-2, math.prod(shape[2:]) + 2, indices_t.shape, generator=generator)
+    dy_t = torch.randint(1, 5, indices_t.shape, generator=generator).float()
+    x_t, dy_t, indices_t = (in_layout(t, layout) for t in (x_t, dy_t, indices_t))
+    g = dg.Graph()
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    inputs = {x: x_t, dy: dy_t}
+    indices = None
+    if "indic" in mode:
+        indices = g.tensor_like(indices_t, "indices")
+        inputs[indices] = indices_t
+    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices, ceil_mode=ceil,
+                            divisor=divisor).set_output(True)
+    got = check(g, inputs)[dx.name]
+    if mode in ("max", "max indexed"):
+        leaf = x_t.clone().requires_grad_(True)
+        MAX_POOLS[len(window) - 1](leaf, window, stride, padding, ceil_mode=ceil).backward(dy_t)
+        assert torch.equal(got, leaf.grad)
+
+
+@pytest.mark.parametrize("mode", ["max", "avg_exclude_pad"])
+def test_owned_block_backward_blends_each_position_with_its_prior(mode):
+    """dx stored as alpha * dx + beta * prior (alpha a graph tensor): each owned position reads
+    and writes its own prior, none twice."""
+    x_t = sample((2, 5, 11, 9), torch.float32, "nhwc")
+    dy_t = sample(output_dims(x_t.shape, [3, 3], [2, 2], [1, 1]), torch.float32, "nhwc")
+    g = dg.Graph()
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    alpha = g.tensor(name="alpha", dim=[1], data_type=dg.float32)
+    dx = g.pooling_backward(dy, x, mode, [3, 3], [2, 2], [1, 1]).set_output(True).set_blend(alpha, 0.5)
+    g.build()
+    prior = sample(tuple(x_t.shape), torch.float32, "nhwc")
+    got, alpha_t = prior.clone(), torch.tensor([1.5])
+    g.execute({x: x_t, dy: dy_t, alpha: alpha_t, dx: got})
+    expected = 1.5 * g.reference({x: x_t, dy: dy_t, alpha: alpha_t})[dx.name] + 0.5 * prior.double()
+    assert rel_err(got, expected) < 1e-6
+    assert "owned=2x2" in g.plan.launches[0].config_text
+
+
+def test_owned_block_backward_past_two_to_the_31_uses_int64_indexing():
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[64, 64, 768, 768])  # 2.4e9 elements: built, never run
+    dy = g.tensor(name="dy", dim=[64, 64, 384, 384])
+    g.pooling_backward(dy, x, "max", [3, 3], [2, 2], [1, 1]).set_output(True)
+    g.build()
+    launch = g.plan.launches[0]
+    assert "int64-index" in launch.config_text and "owned=2x2" in launch.config_text
+    assert "tl.program_id(0).to(tl.int64)" in launch.source_path.read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["max", "max indexed", "avg_exclude_pad"])
+@pytest.mark.parametrize("geometry", [((8, 64, 57, 57), [7, 7], [4, 4], [3, 3]),  # the window's rows roll
+                                      ((8, 64, 56, 56), [5, 5], [2, 2], [2, 2]),  # no block wholly in padding
+                                      ((4, 32, 17, 19, 15), [3, 3, 3], [2, 2, 2], [1, 1, 1])],
+                         ids=["7x7s4", "5x5s2", "3x3x3s2"])
+def test_gpu_bf16_owned_backward_geometries(geometry, mode):
+    """The owned-block backwards whose unrolling or block count this branch changed, compiled
+    for the GPU: the max ones equal torch's gradient exactly (integer dy)."""
+    shape, window, stride, padding = geometry
+    x_t = sample(shape, torch.bfloat16, "nhwc", "cuda")
+    _, indices_t = MAX_POOLS[len(window) - 1](x_t, window, stride, padding, return_indices=True)
+    dy_t = torch.randint(1, 5, indices_t.shape, device="cuda").to(torch.bfloat16) if mode.startswith("max") else \
+        sample(tuple(indices_t.shape), torch.bfloat16, "nchw", "cuda")
+    dy_t, indices_t = channels_last(dy_t), channels_last(indices_t)
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    inputs = {x: x_t, dy: dy_t}
+    indices = None
+    if mode == "max indexed":
+        indices = g.tensor_like(indices_t, "indices")
+        inputs[indices] = indices_t
+    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices).set_output(True)
+    got = check(g, inputs, torch.bfloat16, device="cuda", reference_device="cuda")[dx.name]
+    if mode.startswith("max"):
+        leaf = x_t.float().requires_grad_(True)
+        MAX_POOLS[len(window) - 1](leaf, window, stride, padding).backward(dy_t.float())
+        assert torch.equal(got.float(), leaf.grad)
+    assert "owned=" in g.plan.launches[0].config_text
+
+
+@pytest.mark.parametrize("mode", ["max indexed", "avg_include_pad"])
+def test_owned_backward_with_operands_in_different_layouts(mode):
+    """x NCHW, dy NHWC, the forward's indices NCHW, dx stored NHWC: every operand read and
+    written with its own strides; the index is the plane's, whatever the layout."""
+    window, stride, padding = [3, 3], [2, 2], [1, 1]
+    x_t = adversarial((2, 5, 11, 9), torch.float32, "nchw", seed=5)
+    _, indices_t = torch_indices(x_t, window, stride, padding)
+    dy_t = channels_last(torch.randint(1, 5, indices_t.shape).float())
+    g = dg.Graph()
+    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
+    inputs = {x: x_t, dy: dy_t}
+    indices = None
+    if mode == "max indexed":
+        indices = g.tensor_like(indices_t, "indices")
+        inputs[indices] = indices_t
+    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices)
+    dx.set_output(True).set_stride(list(channels_last(x_t).stride()))
+    got = check(g, inputs)[dx.name]
+    if mode == "max indexed":
+        assert torch.equal(got, torch_grad(x_t, dy_t, window, stride, padding))
+    assert "owned=2x2" in g.plan.launches[0].config_text
+
+
+def test_windows_past_int32_tap_numbers_gather_per_element():
+    """An owned block numbers each window's taps in int32: a window of more than 2^31 elements
+    (a plane past 2^31, built never run) gathers per dx element, comparing coordinates."""
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[1, 1, 2048, 2048, 1025])
+    dy = g.tensor(name="dy", dim=[1, 1, 1, 1, 1])
+    g.pooling_backward(dy, x, "max", [2048, 2048, 1024], [2, 2, 2], [0, 0, 0]).set_output(True)
+    g.build()
+    launch = g.plan.launches[0]
+    assert "owned=" not in launch.config_text and "int64-index" in launch.config_text

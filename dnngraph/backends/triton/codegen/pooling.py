@@ -18,6 +18,7 @@ Tile columns walk the schedule's vector axis; every other axis is a row coordina
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,7 +30,7 @@ from .emitter import ExpressionEmitter, blends_of, kind_of
 from .names import NameAllocator
 from ...contract import KernelSource
 from .pointwise import KernelArgument, blend_arguments, kernel_module
-from .unrolling import loop_header, unrolled_loops
+from .unrolling import UNROLLED_BODIES_MAX, loop_header, unrolled_loops
 
 INDENT = "    "
 # identifiers the pooling kernel writes itself; the stems own every `stem_*` name too (each
@@ -235,8 +236,12 @@ class _KernelWriter:
         """Load before the window loops the sources of `tensor` that do not vary over space
         (a per-channel bias), so the unrolled window does not reload them; returns their uids."""
         _, sources = self.chain_sources(tensor)
+        return self.load_invariant(sources, tile)
+
+    def load_invariant(self, tensors, tile: dict) -> set:
+        """Load at `tile` those of `tensors` that do not vary over space, once; returns their uids."""
         hoisted = set()
-        for source in sources:
+        for source in tensors:
             operand = self.operands.get(source.uid)
             if operand is not None and not any(operand.strides[a] for a in self.spatial):
                 self.load(source, tile)
@@ -395,7 +400,7 @@ class _KernelWriter:
         for axis, r in zip(self.spatial, offsets):
             name, upper = self.names[axis], self.names[axis].upper()
             variable = f"{name}_pos{tag}"
-            self.line(f"{variable} = {name}_idx * STRIDE_{upper} - PAD_{upper} + {r}")
+            self.line(f"{variable} = {name}_block * STRIDE_{upper} - PAD_{upper} + {r}")
             self.line(f"{name}_ok{tag} = ({variable} >= 0) & ({variable} < in_{name})")
             coords[axis] = Coord(variable, self.side(axis), f"{name}_ok{tag}")
         return coords
@@ -403,9 +408,13 @@ class _KernelWriter:
     def owned_backward(self, tile: dict):
         """dx of a block of prod(stride) positions per tile position: each covering window's
         dy (and index, or recomputed argmax, or divisor) is found once and shared by every
-        position of the block it covers. Tile index `{axis}_idx` is the block, which is also
-        the last window starting at or before any of its positions."""
+        position of the block it covers. `{axis}_block`, the last window starting at or before
+        any of the block's positions, names the block: tile index `{axis}_idx` counts blocks
+        from the first that reaches into the input (heuristics' owner_dims)."""
         positions = self.owned_positions()
+        for axis in self.spatial:
+            name, upper = self.names[axis], self.names[axis].upper()
+            self.line(f"{name}_block = {name}_idx + PAD_{upper} // STRIDE_{upper}")
         for offsets in positions:
             self.line(f"acc{_tag(offsets)} = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
         is_max, indices = self.schedule.mode == "max", self.anchor.inputs[2]
@@ -415,32 +424,46 @@ class _KernelWriter:
             hoisted |= self.hoist_loads(self.x_tensor(), tile)
         if indices is not None:
             self.owned_plane_indices(tile)
-        # one covering window's body: its argmax's window of loads (recomputed) and one
-        # contribution per owned position; the unrolling budget counts both
-        window_loads = 1
-        for extent in self.window_extents():
-            window_loads *= extent if recompute else 1
-        cover_unrolled = unrolled_loops(self.cover_extents() + [window_loads + len(positions)])[:-1]
-        covering = dict(tile)
-        for axis, unroll in zip(self.spatial, cover_unrolled):
-            name, upper = self.names[axis], self.names[axis].upper()
-            self.open_loop(f"j{name}", f"COVER_{upper}", unroll)
-            self.line(f"{name}_out = {name}_idx - j{name}")
-            self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
-            self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name})")
-            covering[axis] = Coord(f"{name}_out", self.side(axis), f"{name}_cov")
-        self.line(f"covered = {self.inside(covering)}")
+        cover_unrolled, window_unrolled = self.owned_unrolling(recompute, indices is not None, len(positions))
+        covering = self.open_covering_windows(tile, cover_unrolled)
         self.value_at(self.anchor.inputs[0], covering, "grad", hoisted)
         if indices is not None:
             self.load(indices, covering)
             self.line(f"argmax = {self.emitter.value(indices.uid, 'l')}")
         elif recompute:
-            self.window_argmax(tile, hoisted, unrolled_loops(self.window_extents()))
+            self.window_argmax(tile, hoisted, window_unrolled)
         if not is_max:
             self.line(f"share = grad / {self.divisor()}")
         for offsets in positions:
             self.owned_contribution(offsets, is_max, indices is not None)
         self.close_loops(len(self.spatial))
+
+    def open_covering_windows(self, tile: dict, unrolled) -> dict:
+        """Open one loop per spatial axis over the windows covering the owned block, from the
+        block's own window back; returns the coordinates of the current window (its dy)."""
+        covering = dict(tile)
+        for axis, unroll in zip(self.spatial, unrolled):
+            name, upper = self.names[axis], self.names[axis].upper()
+            self.open_loop(f"j{name}", f"COVER_{upper}", unroll)
+            self.line(f"{name}_out = {name}_block - j{name}")
+            self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
+            self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name})")
+            covering[axis] = Coord(f"{name}_out", self.side(axis), f"{name}_cov")
+        self.line(f"covered = {self.inside(covering)}")
+        return covering
+
+    def owned_unrolling(self, recompute: bool, indexed: bool, positions: int) -> tuple:
+        """(per covering loop, per window loop) whether to unroll it, within one budget: a
+        covering window's body is its loads (dy, the index), its window of argmax loads
+        (recomputed) and one contribution per owned position, so the window unrolls within what
+        the rest leaves it (7x7 stride 4: 49 loads beside 16 positions passed the budget and
+        took ptxas four times as long; its rows roll now), and the covering loops count it all."""
+        covering_loads = 2 if indexed else 1
+        extents = self.window_extents() if recompute else []
+        window_unrolled = unrolled_loops(extents, UNROLLED_BODIES_MAX - positions - covering_loads)
+        window_copies = math.prod(e for e, unrolled in zip(extents, window_unrolled) if unrolled) if extents else 0
+        body = covering_loads + window_copies + positions
+        return unrolled_loops(self.cover_extents() + [body])[:-1], window_unrolled
 
     def owned_contribution(self, offsets, is_max: bool, indexed: bool):
         """Emit the current covering window's addition to the owned position at `offsets`:
@@ -479,7 +502,7 @@ class _KernelWriter:
             for axis, r in zip(self.spatial, offsets):
                 name, upper = self.names[axis], self.names[axis].upper()
                 inner = "".join(f" * in_{self.names[later]}" for later in range(axis + 1, self.rank))
-                terms.append((axis, f"({name}_idx * STRIDE_{upper} - PAD_{upper} + {r}).to(tl.int64){inner}"))
+                terms.append((axis, f"({name}_block * STRIDE_{upper} - PAD_{upper} + {r}).to(tl.int64){inner}"))
             self.line(f"here{_tag(offsets)} = {_outer(*self.by_side(terms), joiner=' + ')}")
 
     def window_argmax(self, tile: dict, hoisted: set, unrolled):
@@ -500,13 +523,15 @@ class _KernelWriter:
         self.close_loops(len(self.spatial))
 
     def owned_epilogues_and_stores(self, tile: dict):
-        """The epilogue and stores of every owned position, each masked to its position."""
+        """The epilogue and stores of every owned position, each masked to its position; the
+        epilogue's operands that do not vary over space are loaded once for the block."""
+        hoisted = self.load_invariant(self.epilogue_inputs(), tile)
         self.line("tile_mask = mask")
         for offsets in self.owned_positions():
             coords = self.owned_coords(tile, offsets)
             self.line(f"mask = tile_mask & {_outer(*self.by_side([(a, c.valid) for a, c in coords.items() if c.valid]))}")
             self.line(f"result = acc{_tag(offsets)}")
-            self.epilogue_and_stores(coords)
+            self.epilogue_and_stores(coords, hoisted)
 
     def argmax_is_here(self, tile: dict, hoisted: set, unrolled):
         """Emit `hit`: the window at `{axis}_start` has its first maximum at this element.
@@ -527,15 +552,23 @@ class _KernelWriter:
         self.close_loops(len(self.spatial))
 
     # --- epilogue and stores ---------------------------------------------------------------------
-    def epilogue_and_stores(self, tile: dict):
+    def epilogue_inputs(self) -> list:
+        """The group inputs the epilogue reads (not the values it makes), each once, in order."""
+        made = {self.anchor.outputs[0].uid} | {t.uid for n in self.group.epilogue for t in n.output_tensors()}
+        inputs = {t.uid: t for n in self.group.epilogue for t in n.input_tensors() if t.uid not in made}
+        return list(inputs.values())
+
+    def epilogue_and_stores(self, tile: dict, hoisted=frozenset()):
+        """The epilogue at `tile` and the stores of the group's outputs; the inputs in `hoisted`
+        are loaded already."""
         self.emitter.bind(self.anchor.outputs[0].uid, "result", "f")
         if self.indices is not None:
             self.emitter.bind(self.indices.uid, "argmax", "l")
-        made = {self.anchor.outputs[0].uid} | {t.uid for n in self.group.epilogue for t in n.output_tensors()}
-        loaded = set()
+        needed = {t.uid for t in self.epilogue_inputs()}
+        loaded = set(hoisted)
         for node in self.group.epilogue:
             for tensor in node.input_tensors():
-                if tensor.uid not in made and tensor.uid not in loaded:
+                if tensor.uid in needed and tensor.uid not in loaded:
                     self.load(tensor, tile)  # at the output position, with its own strides
                     loaded.add(tensor.uid)
             self.emit(node)

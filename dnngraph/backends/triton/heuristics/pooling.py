@@ -122,23 +122,29 @@ class PoolingSchedule(TiledWindows):
 
 def owner_dims(spatial: tuple, stride: tuple, padding: tuple) -> tuple:
     """Per spatial axis, the owned blocks of a backward: block o owns dx positions
-    [o * stride - padding, (o + 1) * stride - padding), so blocks 0 .. (size - 1 + padding) //
-    stride cover the axis (the first may start in the padding)."""
-    return tuple((size - 1 + p) // s + 1 for size, s, p in zip(spatial, stride, padding))
+    [o * stride - padding % stride, (o + 1) * stride - padding % stride), so blocks 0 ..
+    (size - 1 + padding % stride) // stride cover the axis, the first starting less than a
+    stride before it: no block lies wholly in the padding (a stride-1 axis padded by 3 would
+    add 3 rows of programs with nothing to write)."""
+    return tuple((size - 1 + p % s) // s + 1 for size, s, p in zip(spatial, stride, padding))
 
 
-def owned_block(stride: tuple) -> tuple:
+def owned_block(stride: tuple, window: tuple = ()) -> tuple:
     """The owned block of a backward with these strides, or () to gather per dx element.
 
     A gather per dx element visits each covering window once per element it covers: prod(window)
     times over for a recomputed argmax, cover^d times for dy and indices (36 x loads and 4 dy
     loads per dx element for 3x3 stride 2). A tile position owning a stride-sized block of dx
     visits the same cover^d windows once for all prod(stride) positions of its block. Stride 1
-    owns one position (nothing to share); large strides would unroll too many accumulators.
+    owns one position (nothing to share); large strides would unroll too many accumulators; a
+    window of more than 2^31 elements would overflow the owned blocks' int32 tap numbers (the
+    gather compares coordinates).
     """
     positions = 1
     for s in stride:
         positions *= s
+    if _numel(window) > INT32_LIMIT:
+        return ()
     return tuple(stride) if 1 < positions <= OWNED_POSITIONS_MAX else ()
 
 
@@ -234,7 +240,7 @@ def schedule(group, target: Target) -> PoolingSchedule:
     y_dims = tuple(anchor.inputs[0].dim) if backward else tuple(anchor.outputs[0].dim)
     attrs = anchor.attrs
     indexed = backward and anchor.inputs[2] is not None
-    owned = owned_block(tuple(attrs.stride)) if backward else ()
+    owned = owned_block(tuple(attrs.stride), tuple(attrs.window)) if backward else ()
     tile_dims = y_dims
     if backward:
         tile_dims = tuple(x.dim[:2]) + (owner_dims(tuple(x.dim[2:]), attrs.stride, attrs.padding) if owned
