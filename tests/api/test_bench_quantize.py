@@ -10,6 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bench_quantize as bench  # noqa: E402
+from test_block_scale import CudaScalarDivision, reciprocal_sensitive_blocks  # noqa: E402
 
 
 def test_cpu_cases_are_bit_exact():
@@ -26,6 +27,32 @@ def test_eager_anchor_stores_the_same_bytes():
         eager_y, eager_scale = bench.torch_quantize(x, fmt)
         assert torch.equal(eager_y.reshape(y.shape).view(torch.uint8), y.view(torch.uint8))
         assert torch.equal(eager_scale.view(torch.uint8), scale.view(torch.uint8))
+
+
+def test_eager_anchor_holds_under_cuda_division():
+    """The sweep's eager check computes NVFP4's amax / 6 correctly rounded on the GPU too: under
+    CUDA's division by a CPU scalar (as a product with fl(1/6)) it still stores the kernel's
+    bytes on blocks where that product takes other codes (on the H200 it reported every NVFP4
+    config as a mismatch)."""
+    x = reciprocal_sensitive_blocks(24).reshape(6, 64)
+    g = bench.quantize_graph(x, "nvfp4")
+    y, scale = bench.storage(g, "y", "cpu"), bench.storage(g, "scale", "cpu")
+    g.execute({"x": x, "y": y, "scale": scale})
+    assert bench.byte_mismatches("nvfp4", x, y, scale) == []
+    with CudaScalarDivision():
+        assert bench.byte_mismatches("nvfp4", x, y, scale) == []
+
+
+def test_a_mismatch_names_its_bytes_and_the_side_the_reference_takes():
+    x = torch.randn(5, 64) * 30
+    g = bench.quantize_graph(x, "nvfp4")
+    y, scale = bench.storage(g, "y", "cpu"), bench.storage(g, "scale", "cpu")
+    g.execute({"x": x, "y": y, "scale": scale})
+    right = int(y.view(torch.uint8)[3, 7])
+    y.view(torch.uint8)[3, 7] ^= 0x11  # both codes of a pair: another byte
+    assert bench.byte_mismatches("nvfp4", x, y, scale) == [
+        f"elements: 1 of 160 bytes differ, first at [3, 7]: kernel 0x{right ^ 0x11:02x}, eager 0x{right:02x}, "
+        f"float64 reference 0x{right:02x}"]
 
 
 def test_block_scaled_matmul_row_runs():

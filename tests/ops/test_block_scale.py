@@ -5,12 +5,13 @@ import math
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import dnngraph as dg
 from dnngraph import dtypes
 from dnngraph.backends.triton.heuristics.block_scale import BlockScaleConfig
 from dnngraph.fusion import partition
-from dnngraph.ops.block_scale import FP4_MAGNITUDES, pack_fp4, unpack_fp4
+from dnngraph.ops.block_scale import FP4_BOUNDARIES, FP4_MAGNITUDES, pack_fp4, round_fp4, unpack_fp4
 
 # (y type, scale type, block size): MXFP8 (both fp8 kinds), MXFP4, NVFP4, fp8 with e4m3 scales
 FORMATS = [(dg.float8_e4m3, dg.float8_e8m0, 32), (dg.float8_e5m2, dg.float8_e8m0, 32),
@@ -155,6 +156,69 @@ def test_reference_rules_by_hand():
     ref = g.reference({x: x_t})
     assert ref[scale.name].item() == 0.5  # 3 / 6
     assert ref[y.name][0, :3].tolist() == [6.0, 1.5, -0.5]  # -0.6 -> -0.5
+
+
+class CudaScalarDivision(TorchFunctionMode):
+    """torch's floating division as its CUDA kernels compute it, on the CPU: a tensor divided by a
+    CPU scalar (a Python number or a 0-dim CPU tensor) is multiplied by the scalar's reciprocal,
+    rounded to the tensor's type (ATen's div_true_kernel_cuda; float32 here). Rules written in
+    torch ops must give the same bytes under it as without it to hold on a GPU."""
+
+    DIVISIONS = (torch.div, torch.true_divide, torch.Tensor.div, torch.Tensor.true_divide, torch.Tensor.__truediv__)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.DIVISIONS and not kwargs and len(args) == 2 and self.is_cpu_scalar(args[1]) \
+                and isinstance(args[0], torch.Tensor) and args[0].dtype in (torch.float32, torch.float64):
+            numerator, divisor = args
+            reciprocal = 1.0 / torch.tensor(float(divisor), dtype=numerator.dtype)  # in the type's precision
+            return numerator * reciprocal
+        return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def is_cpu_scalar(value) -> bool:
+        if isinstance(value, torch.Tensor):
+            return value.dim() == 0 and value.device.type == "cpu"
+        return isinstance(value, (int, float))
+
+
+def reciprocal_sensitive_blocks(count: int, block: int = 16, seed: int = 0) -> torch.Tensor:
+    """[count, block] float32 blocks whose NVFP4 elements depend on how amax / 6 is rounded: amax
+    (element 0) is one where amax * fl(1/6) (CUDA's division by a scalar) is not the correctly
+    rounded fl(amax / 6), and element 1 is a float32 step or a few from an e2m1 midpoint times the
+    scale, where x * (1 / s) takes another code under the two scales; the rest random, below amax."""
+    generator = torch.Generator().manual_seed(seed)
+    amax = (1 + torch.rand(1 << 14, generator=generator)) * torch.exp2(torch.randint(-8, 8, (1 << 14,), generator=generator).float())
+    exact, product = amax / torch.full_like(amax, 6.0), amax * (1.0 / torch.tensor(6.0))
+    rounded_apart = exact != product
+    amax, exact, product = amax[rounded_apart], exact[rounded_apart], product[rounded_apart]
+    midpoints = torch.tensor([boundary for boundary, _ in FP4_BOUNDARIES])
+    steps = torch.arange(-4, 5, dtype=torch.int32)
+    near = (midpoints[None, :] * exact[:, None]).view(torch.int32)[:, :, None] + steps  # positive: steps in bits
+    x = near.view(torch.float32).flatten(1)  # [amaxes, midpoints * steps]
+    codes_apart = round_fp4(x * (1.0 / exact)[:, None]) != round_fp4(x * (1.0 / product)[:, None])
+    found = codes_apart.any(1).nonzero().flatten()[:count]
+    assert len(found) == count, "too few amax values whose quotients round apart"
+    blocks = (torch.rand(count, block, generator=generator) * 2 - 1) * amax[found, None] * 0.9
+    blocks[:, 0] = amax[found]
+    blocks[:, 1] = x[found, codes_apart[found].int().argmax(1)]
+    return blocks
+
+
+def test_nvfp4_rules_hold_under_cuda_division():
+    """The float64 reference's NVFP4 scale is amax / 6 correctly rounded on any device: under
+    CUDA's division by a CPU scalar (CudaScalarDivision) it still gives the kernel's bytes, on
+    blocks whose elements take other codes where the scale is amax * fl(1/6) (the sweep's eager
+    check on the H200 computed that, and reported every NVFP4 config as a mismatch)."""
+    x_t = reciprocal_sensitive_blocks(24).reshape(6, 64)
+    g, x, y, scale = quantize_graph(x_t, 16, dg.float4_e2m1, dg.float8_e4m3)
+    y_t, scale_t = run_quantize(g, x, y, scale, x_t)
+    blocks = x_t.view(24, 16)
+    under_cuda = blocks * (1.0 / (blocks[:, :1] * (1.0 / torch.tensor(6.0))))
+    assert (pack_fp4(round_fp4(under_cuda)).view(torch.uint8).view(6, 32) != y_t.view(torch.uint8)).any()
+    with CudaScalarDivision():
+        ref = g.reference({x: x_t})
+    assert torch.equal(y_t.view(torch.uint8), pack_fp4(ref[y.name]).view(torch.uint8))
+    assert torch.equal(scale_t.view(torch.uint8), ref[scale.name].to(torch.float8_e4m3fn).view(torch.uint8))
 
 
 def test_every_fp4_midpoint_rounds_to_even():
