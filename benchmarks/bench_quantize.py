@@ -7,6 +7,8 @@ block-scaled matmul (dequantized in the operand loader) against cuBLAS on the bf
     python benchmarks/bench_quantize.py --cpu      # a small CPU check through Triton's interpreter
     python benchmarks/bench_quantize.py --sweep    # every candidate config of the quantize kernel timed
                                                    # (heuristics/block_scale.py), its bytes checked
+                                                   # against the eager rules (a mismatch printed:
+                                                   # count, first byte, the reference's byte)
 """
 import argparse
 import math
