@@ -7,6 +7,8 @@ block-scaled matmul (dequantized in the operand loader) against cuBLAS on the bf
     python benchmarks/bench_quantize.py --cpu      # a small CPU check through Triton's interpreter
     python benchmarks/bench_quantize.py --sweep    # every candidate config of the quantize kernel timed
                                                    # (heuristics/block_scale.py), its bytes checked
+                                                   # against the eager rules (a mismatch printed:
+                                                   # count, first byte, the reference's byte)
 """
 import argparse
 import math
@@ -21,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dnngraph as dg  # noqa: E402
 from dnngraph import dtypes  # noqa: E402
 from dnngraph.backends.triton.heuristics.block_scale import candidates  # noqa: E402
-from dnngraph.ops.block_scale import pack_fp4  # noqa: E402
+from dnngraph.ops.block_scale import BlockScaleQuantizeAttrs, float32_quotient, pack_fp4, quantize_reference  # noqa: E402
 from common import copy_ceiling_tbs, median_ms, print_table  # noqa: E402
 
 # name -> (element type, scale type, block size)
@@ -51,7 +53,8 @@ def storage(g, name: str, device) -> torch.Tensor:
 
 
 def torch_quantize(x: torch.Tensor, fmt: str):
-    """The same rules in torch eager ops (float32 math): (elements, scales) as stored."""
+    """The same rules in torch eager ops (float32 math, correctly rounded on every device):
+    (elements, scales) as stored."""
     y_type, scale_type, block = FORMATS[fmt]
     blocks = x.float().view(*x.shape[:-1], x.shape[-1] // block, block)
     finite = torch.isfinite(blocks).all(-1, keepdim=True)
@@ -64,7 +67,7 @@ def torch_quantize(x: torch.Tensor, fmt: str):
         elements = scaled.clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
         scales = torch.where(finite, k + 127, 255).to(torch.uint8).view(torch.float8_e8m0fnu)
     else:
-        fp32_scale = amax / 6.0
+        fp32_scale = float32_quotient(amax, 6.0)  # not amax / 6.0: on CUDA, amax * fl(1 / 6)
         normal = fp32_scale >= 2.0 ** -126
         scaled = blocks * torch.where(normal, 1.0 / torch.where(normal, fp32_scale, 1.0), 0.0)
         scaled = torch.where(finite, scaled, 0.0)
@@ -147,12 +150,41 @@ def matmul_row(name, m, n, k, fmt, device="cuda"):
             g.plan.launches[0].config_text]
 
 
-def same_bytes(fmt: str, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether (y, scale) are the bytes the torch eager rules store (the anchor a CPU test holds
-    bit-exact with the float64 reference): a check at any size, on the device."""
+def reference_bytes(fmt: str, x: torch.Tensor):
+    """(elements, scales) as the float64 reference stores them for `x` (blocks along the last
+    axis), on the CPU: for the rows where the kernel and the eager rules disagree."""
+    y_type, scale_type, block = FORMATS[fmt]
+    attrs = BlockScaleQuantizeAttrs(block_size=block, axis=x.dim() - 1)
+    elements, scales = quantize_reference(x.cpu(), attrs, y_type, scale_type)
+    packed = pack_fp4(elements) if y_type is dg.float4_e2m1 else elements.to(y_type.torch_dtype)
+    return packed.view(torch.uint8), scales.to(scale_type.torch_dtype).view(torch.uint8)
+
+
+def first_difference(name: str, got: torch.Tensor, want: torch.Tensor, referee) -> str:
+    """'' where the byte tensors [rows, ...] are equal, else how many bytes differ and the first:
+    its index, both bytes, and the float64 reference's byte there (`referee(row)`: its bytes of
+    that row, this tensor's)."""
+    differ = got != want
+    count = int(differ.sum())
+    if not count:
+        return ""
+    flat = int(differ.flatten().nonzero()[0])
+    index = [int(i) for i in torch.unravel_index(torch.tensor(flat), got.shape)]
+    refereed = int(referee(index[0])[tuple(index[1:])])
+    return (f"{name}: {count} of {got.numel()} bytes differ, first at {index}: kernel 0x{int(got.flatten()[flat]):02x}, "
+            f"eager 0x{int(want.flatten()[flat]):02x}, float64 reference 0x{refereed:02x}")
+
+
+def byte_mismatches(fmt: str, x: torch.Tensor, y: torch.Tensor, scale: torch.Tensor) -> list:
+    """What differs between the kernel's (y, scale) of 2-D `x` and the bytes the torch eager rules
+    store (the anchor a CPU test holds bit-exact with the float64 reference): a check at any size,
+    on the device. One line per tensor that differs (elements, scales), each naming the first
+    differing byte and which side the float64 reference takes there; empty where none."""
     eager_y, eager_scale = torch_quantize(x, fmt)
-    return (torch.equal(eager_y.reshape(y.shape).view(torch.uint8), y.view(torch.uint8))
-            and torch.equal(eager_scale.view(torch.uint8), scale.view(torch.uint8)))
+    referee = lambda part: lambda row: reference_bytes(fmt, x[row:row + 1])[part][0]
+    found = [first_difference("elements", y.view(torch.uint8), eager_y.reshape(y.shape).view(torch.uint8), referee(0)),
+             first_difference("scales", scale.view(torch.uint8), eager_scale.view(torch.uint8), referee(1))]
+    return [line for line in found if line]
 
 
 def sweep_rows(shape, device="cuda", ceiling=None, x_dtypes=(torch.bfloat16, torch.float32)):
@@ -169,8 +201,11 @@ def sweep_rows(shape, device="cuda", ceiling=None, x_dtypes=(torch.bfloat16, tor
                 y, scale = storage(g, "y", device), storage(g, "scale", device)
                 quantize = lambda: g.execute({"x": x, "y": y, "scale": scale})
                 quantize()
+                mismatches = byte_mismatches(fmt, x, y, scale)
+                for line in mismatches:
+                    print(f"MISMATCH {fmt} {str(dtype).split('.')[-1]} {text}: {line}", flush=True)
                 row = [fmt, str(dtype).split(".")[-1], text, "model" if text == model else "",
-                       "bit-exact" if same_bytes(fmt, x, y, scale) else "MISMATCH"]
+                       "MISMATCH" if mismatches else "bit-exact"]
                 if device != "cpu":
                     ms = median_ms(quantize)
                     tbs = minimal_bytes(x, fmt) / ms / 1e9

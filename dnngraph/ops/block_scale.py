@@ -156,6 +156,14 @@ def check_rounding(op: str, attrs: BlockScaleQuantizeAttrs, scale_type):
 
 
 # --- the float64 reference (bit-exact with the kernels) -------------------------------------------
+def float32_quotient(numerator: torch.Tensor, denominator: float) -> torch.Tensor:
+    """float32 `numerator` / `denominator` correctly rounded on any device. (torch's CUDA division
+    by a CPU scalar, a Python number or a 0-dim CPU tensor, multiplies by the scalar's float32
+    reciprocal instead (ATen's div_true_kernel_cuda): one ulp off for some quotients, so the
+    rules computed on a GPU would disagree with the kernels' correctly rounded amax / vmax.)"""
+    return numerator / torch.full_like(numerator, denominator)
+
+
 def e8m0_exponents(amax: torch.Tensor, vmax: float, rounding: str = "up") -> torch.Tensor:
     """k per block, in [-127, 127] (exact: frexp): "up", the smallest 2^k with 2^k * vmax >=
     amax; "floor", floor(log2 amax) - floor(log2 vmax)."""
@@ -187,7 +195,7 @@ def quantized_blocks(blocks: torch.Tensor, y_type, scale_type, rounding: str = "
         scale = torch.pow(2.0, k.to(torch.float64))
         normalized = (blocks.to(torch.float64) * torch.pow(2.0, -k.to(torch.float64)).unsqueeze(-1)).to(torch.float32)
     else:
-        fp32_scale = amax / torch.tensor(vmax, dtype=torch.float32)
+        fp32_scale = float32_quotient(amax, vmax)
         scale = fp32_scale.to(scale_type.torch_dtype).to(torch.float64)
         normal = fp32_scale >= SMALLEST_NORMAL  # below it 1 / s may overflow: the block goes to zeros
         inverse = torch.where(normal, 1.0 / torch.where(normal, fp32_scale, 1.0), 0.0).to(torch.float32)

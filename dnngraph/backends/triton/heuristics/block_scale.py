@@ -6,7 +6,7 @@ BLOCK_G / (32 * num_warps), so a config fixes how many elements a thread has in 
 (RUN * BLOCK) and how many programs cover the tensor. The kernels are memory-bound: the model is
 the tensor's bytes at the target's bandwidth (padded to whole programs) plus a fixed cost per
 program over the waves of resident programs, so wider programs win where they still fill the
-machine; a thread's elements are capped where float32 registers would spill.
+machine; a thread's elements are capped at what the H200 measured best (MODEL_MAX_THREAD_ELEMENTS).
 """
 from __future__ import annotations
 
@@ -18,13 +18,16 @@ from .pointwise import PROGRAM_OVERHEAD, pow2_at_least
 
 THREADS_PER_WARP = 32
 WARPS = (4, 8)
-# Elements of x a thread holds (RUN * BLOCK): 64 is the tile measured on the H200 before runs
-# (8192 elements at 4 warps: 68% of copy for bf16 -> MXFP8, with the reshapes in shared memory);
-# 128 keeps 256 bytes of bf16 in flight per thread. Above 64 float32 values (and the codes
-# computed from them) a thread nears the register limit: the model ranks those configs last,
-# a sweep still times them (`candidates`).
-THREAD_ELEMENTS = (32, 64, 128)
-MODEL_MAX_THREAD_ELEMENTS = 64
+# Elements of x a thread holds (RUN * BLOCK), timed by `benchmarks/bench_quantize.py --sweep`.
+# The model takes at most 32: on the H200 (2026-11-29, (8192, 14336), BENCHMARKS.md) every
+# format and x dtype ran fastest there, and more per thread lost:
+# bf16 -> MXFP8 92-94 us at 32 (RUN=1) against 118 at 64 and 157-158 at 128; fp32 -> MXFP8
+# 169 against 179-180 and 217-219; bf16 -> NVFP4 105-109 at 32 (RUN=2) against 111-132 at 64
+# and 154-215 at 128; fp32 -> NVFP4 156.5-157 at 32 against 157-163 at 64 and 186-269 at 128.
+# (The bandwidth model alone prefers the widest programs: it sees no cost in a thread's serial
+# work per element.) 16 (NVFP4 at RUN=1) is a candidate the sweep times, not yet measured.
+THREAD_ELEMENTS = (16, 32, 64, 128)
+MODEL_MAX_THREAD_ELEMENTS = 32
 
 
 @dataclass(frozen=True)
