@@ -448,6 +448,90 @@ def test_probabilities_near_and_past_the_fp8_range(dtype, scale_s):
     probabilities_case(dtype, scale_s)
 
 
+def satfinite(values: torch.Tensor, fp8) -> torch.Tensor:
+    """float32 values converted as sm_90's cvt.rn.satfinite (Triton's x.to(fp8) on the GPU):
+    rounded to nearest even, every magnitude past the largest finite value (infinity too) the
+    largest finite value with the input's sign, NaN the positive NaN code 0x7F."""
+    top = torch.finfo(fp8).max
+    codes = values.clamp(-top, top).to(fp8).view(torch.uint8)
+    return torch.where(torch.isnan(values), torch.full_like(codes, 0x7F), codes).view(fp8)
+
+
+def test_satfinite_emulation():
+    """The emulation below matches the PTX ISA's satfinite: 500 and inf saturate in e4m3 (448),
+    70000 and inf in e5m2 (57344, where torch gives inf), ties round to even, NaN stays NaN."""
+    x = torch.tensor([500.0, float("inf"), -float("inf"), 464.0, 455.0, float("nan"), -1.0e-3])
+    assert satfinite(x, E4M3).float()[:5].tolist() == [448.0, 448.0, -448.0, 448.0, 448.0]
+    assert torch.isnan(satfinite(x, E4M3).float()[5]) and satfinite(x, E4M3).float()[6].item() < 0
+    y = torch.tensor([70000.0, float("inf"), 61440.0, 57344.0])
+    assert satfinite(y, E5M2).float().tolist() == [57344.0] * 4
+
+
+def overflow_to_nan_rule(data_type):
+    """e4m3fn's conversion rule in torch releases where magnitudes from 464 on became NaN (0x7F)
+    rather than 448 (conversions.py): the rule the GPU machine's torch may read."""
+    from dnngraph.backends.triton.codegen.conversions import Float8Rule, float8_rule
+    if data_type is not dg.float8_e4m3:
+        return float8_rule(data_type)
+    first = float(torch.nextafter(torch.tensor(464.0), torch.tensor(math.inf)))
+    return Float8Rule(first, 0x7F, 0x7F, 0x7F)
+
+
+@pytest.fixture(params=["running torch", "e4m3 overflow to NaN"])
+def gpu_conversions(request, monkeypatch):
+    """The interpreter converting float32 to fp8 as the GPU's instruction does (satfinite), under
+    torch's rule as read here and under the other rule torch has had (e4m3fn overflow to NaN):
+    the kernels' choice between the bare instruction and the full correction must give the
+    reference's codes under either."""
+    from dnngraph.backends.triton.codegen import sdpa_fp8 as codegen
+    from dnngraph.ops import sdpa_fp8 as op
+    from dnngraph.runtime import interpreter_casts, plan_cache
+    import triton.language as tl
+
+    original = interpreter_casts.torch_convert
+    fp8_types = {tl.float8e4nv: E4M3, tl.float8e5: E5M2}
+
+    def converted(data, source, target):
+        if source != tl.float32 or target not in fp8_types:
+            return original(data, source, target)
+        values = torch.from_numpy(data.copy()).reshape(-1)
+        return satfinite(values, fp8_types[target]).view(torch.uint8).numpy().reshape(data.shape)
+
+    monkeypatch.setattr(interpreter_casts, "torch_convert", converted)
+    if request.param != "running torch":
+        rounded = op.quantized
+
+        def quantized(value, data_type):  # the reference under that rule
+            out = rounded(value, data_type)
+            if data_type is dg.float8_e4m3:
+                out = out.masked_fill(value.to(torch.float32).abs() >= overflow_to_nan_rule(data_type).first_overflow,
+                                      math.nan)
+            return out
+
+        monkeypatch.setattr(codegen, "float8_rule", overflow_to_nan_rule)
+        monkeypatch.setattr(op, "quantized", quantized)
+    plan_cache.clear()
+    yield request.param
+    plan_cache.clear()
+
+
+@pytest.mark.parametrize("dtype, scale_s", P_SCALES, ids=P_SCALE_IDS)
+def test_probabilities_under_the_gpus_conversion(gpu_conversions, dtype, scale_s):
+    """P * scale_s near and past the range's end with the GPU's satfinite conversion emulated:
+    where the kernels take the bare instruction (|scale_s| * P_BOUND below the first overflow, or
+    a type whose torch rule saturates) it gives torch's codes, elsewhere the full correction does,
+    under both of torch's e4m3fn rules. (Taking the bare instruction at every scale fails here:
+    e5m2 1e6 gives 57344 where torch gives inf.)"""
+    probabilities_case(dtype, scale_s)
+
+
+@pytest.mark.parametrize("do_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gradient_scores_under_the_gpus_conversion(gpu_conversions, do_dtype):
+    """dS * scale_dP past dO's range with the GPU's conversion emulated (quantize_operand's
+    bare instruction only where torch's rule saturates), under both of torch's e4m3fn rules."""
+    gradient_scores_case(do_dtype)
+
+
 def test_backward_hybrid_e5m2_gradient_and_float32_outputs():
     """dO in e5m2 against e4m3 q, k, v (the hybrid recipe), the gradients stored in float32."""
     outputs = backward_case(E4M3, E5M2, 1, 2, 1, 30, 41, 16, True, grad_type=dg.float32)
