@@ -24,12 +24,24 @@ BACKWARD_SCALES = ("descale_q", "descale_k", "descale_v", "descale_o", "descale_
 # 14 to 22 of them between the MMA's partial sums), so GPU results differ from the float64
 # reference by accumulation noise: 5.8e-3 and 6.8e-3 of the norm measured on an H200 (2026-11-28).
 FLOAT_TOLERANCE = {"cpu": 1e-5, "cuda": 1.5e-2}
-FP8_FLIPS = {"cpu": 0.002, "cuda": 0.02}
-# On the GPU an fp8 output is judged by value: one fp8 step at the reference's magnitude (its
-# mantissa bits), plus that noise against the output's largest value (near zero a code step is
-# tiny, and a value that rounds to -0 instead of +0 is 128 codes away)
-FP8_RELATIVE_STEP = {E4M3: 2.0 ** -3, E5M2: 2.0 ** -2}
-GPU_NOISE = 1.5e-2
+FP8_FLIPS = {"cpu": 0.002}
+# On the GPU an fp8 output is judged by value (fp8_value_error), against the reference's own fp8
+# codes. Two sources move a GPU code off the reference's: a P or dS rounded to fp8 beside a
+# rounding boundary, which the GPU's shorter fp8 accumulation and approximate exp2 put on the
+# other side (each such flip moves o by P_ij v_j times one fp8 step of P, 2^-3 of it in e4m3),
+# and the output's own rounding of a value that noise moved across a boundary (one step, at most
+# 2^-3 of the value in e4m3, 2^-2 in e5m2). So:
+# * in norm, |got - want| / |want| <= FP8_NORM_BOUND (half the largest relative step): one-step
+#   flips of a tenth of o's codes measured 0.030 of the norm in e4m3 and 0.063 in e5m2, of every
+#   code 0.094 and 0.196 (B1 H2 S200 D64), so about two codes in five may flip; the float32
+#   outputs of the same kernels were 5.8e-3 and 6.8e-3 off on an H200, which flips far fewer. A
+#   dropped scale (0.5 at a factor of 2), a partly missing 1/l normalization or unwritten rows
+#   move the norm by tens of percent and fail (test_fp8_value_criterion_catches_broken_outputs);
+# * per element, |got - want| <= FP8_ELEMENT_STEPS fp8 steps at the largest |want|: a flipped P near
+#   1 moves o by about one step of the largest value and the output's rounding by one more. Near
+#   zero a code step is tiny (and -0 against +0 is 128 codes away), hence the largest, not each.
+FP8_NORM_BOUND = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
+FP8_ELEMENT_STEPS = 2
 
 
 def fp8_values(shape, dtype, seed: int, device="cpu", spread: float = 4.0):
@@ -99,20 +111,51 @@ def execute(g, bindings: dict, device="cpu") -> dict:
     return outputs
 
 
+def fp8_step(magnitude: float, fp8) -> float:
+    """The spacing of fp8 codes at `magnitude` (normal range; the subnormals' below it)."""
+    mantissa_bits = 3 if fp8 is E4M3 else 2
+    smallest_normal = torch.finfo(fp8).smallest_normal
+    return 2.0 ** (math.floor(math.log2(max(magnitude, smallest_normal))) - mantissa_bits)
+
+
+def fp8_value_error(out: torch.Tensor, ref: torch.Tensor) -> str:
+    """'' when fp8 output `out` is within FP8_NORM_BOUND of the float64 reference `ref` in norm
+    and FP8_ELEMENT_STEPS steps at the largest |ref| per element (NaN positions already checked
+    equal); else what broke it, the worst element's value, reference, bound and index."""
+    fp8 = out.dtype
+    got, want = out.double(), ref.to(fp8).double()  # the reference rounds its outputs already
+    finite = torch.isfinite(want)
+    if not bool((got[~finite & ~torch.isnan(want)] == want[~finite & ~torch.isnan(want)]).all()):
+        return "an infinity of the reference not matched"
+    got, want = torch.where(finite, got, 0.0), torch.where(finite, want, 0.0)
+    difference = (got - want).abs()
+    if not bool(torch.isfinite(difference).all()):
+        return "an infinity where the reference is finite"
+    norm_error = difference.norm().item() / (want.norm().item() or 1.0)
+    if norm_error > FP8_NORM_BOUND[fp8]:
+        return f"relative L2 error {norm_error:.4g} past {FP8_NORM_BOUND[fp8]:.4g}"
+    allowed = FP8_ELEMENT_STEPS * fp8_step(want.abs().max().item(), fp8)
+    worst = int(difference.argmax())
+    if difference.reshape(-1)[worst].item() > allowed:
+        index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), want.shape))
+        return (f"value {got.reshape(-1)[worst].item():.6g} against the reference's "
+                f"{want.reshape(-1)[worst].item():.6g} at {index}, allowed {allowed:.4g} "
+                f"({FP8_ELEMENT_STEPS} steps at the largest value); relative L2 error {norm_error:.4g}")
+    return ""
+
+
 def assert_matches(outputs: dict, refs: dict, device="cpu"):
     """Every output against the reference: NaN where it is NaN, float32 ones to FLOAT_TOLERANCE,
     fp8 ones code for code but a FP8_FLIPS share of neighbours on the CPU, by value on the GPU
-    (FP8_RELATIVE_STEP, GPU_NOISE); nothing left unwritten."""
+    (fp8_value_error); nothing left unwritten."""
     for name, out in outputs.items():
         ref = refs[name].cpu()
         out = out.cpu()
         assert torch.equal(torch.isnan(out.double()), torch.isnan(ref)), f"{name}: NaN where the reference has none"
         finite = ~torch.isnan(ref)
         if out.dtype in (E4M3, E5M2) and device != "cpu":
-            got, want = out.double()[finite], ref.to(out.dtype).double()[finite]
-            largest = want.abs().max().item() if want.numel() else 0.0
-            allowed = FP8_RELATIVE_STEP[out.dtype] * want.abs() + GPU_NOISE * largest
-            assert bool(((got - want).abs() <= allowed).all()), f"{name}: a value past one fp8 step and the noise"
+            problem = fp8_value_error(out, ref)
+            assert not problem, f"{name}: {problem}"
             continue
         if out.dtype in (E4M3, E5M2):
             codes = out.view(torch.uint8).long()
@@ -139,6 +182,37 @@ def forward_case(dtype, batch, heads, kv_heads, s_q, s_kv, dim, causal, o_type=N
     outputs = execute(g, bindings, device)
     assert_matches(outputs, g.reference({n: t.cpu() for n, t in bindings.items()}), device)
     return outputs
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_fp8_value_criterion_catches_broken_outputs(dtype):
+    """The GPU's criterion for fp8 outputs (fp8_value_error) passes the interpreter's o and o with
+    a tenth of its codes one step off (what accumulation noise does), and fails o as kernels with
+    a defect would give it: a scale dropped (o * scale_o at half scale_o), rows missing their 1/l
+    normalization in part (scaled by 1.2 to 2), a row unwritten (0), one element three steps off."""
+    o = forward_case(dtype, 1, 2, 2, 37, 45, 24, False)["sdpa_fp8.o"]
+    q, k, v = (fp8_values(shape, dtype, seed) for shape, seed in (((1, 2, 37, 24), 0), ((1, 2, 45, 24), 1),
+                                                                   ((1, 2, 45, 24), 2)))
+    g, bindings = forward_graph(q, k, v)
+    bindings.update(scale_tensors(forward_scales(dtype)))
+    ref = g.reference(bindings)["sdpa_fp8.o"]
+    assert fp8_value_error(o, ref) == ""
+    codes = o.view(torch.uint8).clone()
+    flipped = torch.rand(codes.shape, generator=torch.Generator().manual_seed(5)) < 0.1
+    nudged = torch.where((codes & 0x7F) > 1, codes.int() + torch.where(codes % 2 == 0, 1, -1), codes.int())
+    noisy = torch.where(flipped, nudged, codes.int()).to(torch.uint8).view(dtype)
+    assert fp8_value_error(noisy, ref) == ""
+    rows = 1.2 + 0.8 * torch.rand(o.shape[:3] + (1,), generator=torch.Generator().manual_seed(6))
+    unwritten = o.double().clone()
+    unwritten[0, 1, 7] = 0.0
+    broken = {"scale dropped": o.double() / 2, "1/l missing in part": o.double() * rows, "a row unwritten": unwritten}
+    for defect, value in broken.items():
+        assert "relative L2 error" in fp8_value_error(value.to(dtype), ref), defect
+    one_off = o.double().clone()
+    largest = ref.abs().max().item()
+    one_off[0, 0, 3, 5] = ref[0, 0, 3, 5] + 3 * fp8_step(largest, dtype)
+    problem = fp8_value_error(one_off.to(dtype), ref)
+    assert "at (0, 0, 3, 5)" in problem and "allowed" in problem, problem
 
 
 # --- forward ----------------------------------------------------------------------------------------------
@@ -406,15 +480,17 @@ P_SCALES = [(E4M3, 460.0), (E4M3, 470.0), (E4M3, 4000.0), (E5M2, 57344.0), (E5M2
 P_SCALE_IDS = [f"{d}-{s:g}".replace("torch.float8_", "") for d, s in P_SCALES]
 
 
-def probabilities_case(dtype, scale_s, device="cpu"):
-    """Forward and backward (P feeds dV) of a small causal graph at scale_s, against the reference."""
+def probabilities_case(dtype, scale_s, device="cpu", sizes=(21, 19, 16)):
+    """Forward and backward (P feeds dV) of a small causal graph at scale_s, against the
+    reference; sizes = (Sq, Skv, D)."""
+    s_q, s_kv, dim = sizes
     scales = {"scale_s": scale_s, "descale_s": 1.0 / scale_s}
-    q = fp8_values((1, 2, 21, 16), dtype, 60, device)
-    k = fp8_values((1, 1, 19, 16), dtype, 61, device)
+    q = fp8_values((1, 2, s_q, dim), dtype, 60, device)
+    k = fp8_values((1, 1, s_kv, dim), dtype, 61, device)
     g, bindings = forward_graph(q, k, k, causal=True, o_type=dg.float32)
     bindings.update(scale_tensors({**forward_scales(dtype), **scales}, device))
     assert_matches(execute(g, bindings, device), g.reference({n: t.cpu() for n, t in bindings.items()}), device)
-    tensors = backward_tensors(dtype, dtype, 1, 2, 1, 21, 19, 16, True, device)
+    tensors = backward_tensors(dtype, dtype, 1, 2, 1, s_q, s_kv, dim, True, device)
     g = backward_graph(tensors, True, grad_type=dg.float32)
     bindings = {**tensors, **scale_tensors({**backward_scales(dtype), **scales}, device)}
     assert_matches(execute(g, bindings, device), g.reference({n: t.cpu() for n, t in bindings.items()}), device)
@@ -446,6 +522,90 @@ def test_probabilities_near_and_past_the_fp8_range(dtype, scale_s):
     CPU the interpreter's conversion is torch's; the GPU test below is the one that tells the
     hardware's satfinite conversion apart (e5m2: 57344 where torch gives inf)."""
     probabilities_case(dtype, scale_s)
+
+
+def satfinite(values: torch.Tensor, fp8) -> torch.Tensor:
+    """float32 values converted as sm_90's cvt.rn.satfinite (Triton's x.to(fp8) on the GPU):
+    rounded to nearest even, every magnitude past the largest finite value (infinity too) the
+    largest finite value with the input's sign, NaN the positive NaN code 0x7F."""
+    top = torch.finfo(fp8).max
+    codes = values.clamp(-top, top).to(fp8).view(torch.uint8)
+    return torch.where(torch.isnan(values), torch.full_like(codes, 0x7F), codes).view(fp8)
+
+
+def test_satfinite_emulation():
+    """The emulation below matches the PTX ISA's satfinite: 500 and inf saturate in e4m3 (448),
+    70000 and inf in e5m2 (57344, where torch gives inf), ties round to even, NaN stays NaN."""
+    x = torch.tensor([500.0, float("inf"), -float("inf"), 464.0, 455.0, float("nan"), -1.0e-3])
+    assert satfinite(x, E4M3).float()[:5].tolist() == [448.0, 448.0, -448.0, 448.0, 448.0]
+    assert torch.isnan(satfinite(x, E4M3).float()[5]) and satfinite(x, E4M3).float()[6].item() < 0
+    y = torch.tensor([70000.0, float("inf"), 61440.0, 57344.0])
+    assert satfinite(y, E5M2).float().tolist() == [57344.0] * 4
+
+
+def overflow_to_nan_rule(data_type):
+    """e4m3fn's conversion rule in torch releases where magnitudes from 464 on became NaN (0x7F)
+    rather than 448 (conversions.py): the rule the GPU machine's torch may read."""
+    from dnngraph.backends.triton.codegen.conversions import Float8Rule, float8_rule
+    if data_type is not dg.float8_e4m3:
+        return float8_rule(data_type)
+    first = float(torch.nextafter(torch.tensor(464.0), torch.tensor(math.inf)))
+    return Float8Rule(first, 0x7F, 0x7F, 0x7F)
+
+
+@pytest.fixture(params=["running torch", "e4m3 overflow to NaN"])
+def gpu_conversions(request, monkeypatch):
+    """The interpreter converting float32 to fp8 as the GPU's instruction does (satfinite), under
+    torch's rule as read here and under the other rule torch has had (e4m3fn overflow to NaN):
+    the kernels' choice between the bare instruction and the full correction must give the
+    reference's codes under either."""
+    from dnngraph.backends.triton.codegen import sdpa_fp8 as codegen
+    from dnngraph.ops import sdpa_fp8 as op
+    from dnngraph.runtime import interpreter_casts, plan_cache
+    import triton.language as tl
+
+    original = interpreter_casts.torch_convert
+    fp8_types = {tl.float8e4nv: E4M3, tl.float8e5: E5M2}
+
+    def converted(data, source, target):
+        if source != tl.float32 or target not in fp8_types:
+            return original(data, source, target)
+        values = torch.from_numpy(data.copy()).reshape(-1)
+        return satfinite(values, fp8_types[target]).view(torch.uint8).numpy().reshape(data.shape)
+
+    monkeypatch.setattr(interpreter_casts, "torch_convert", converted)
+    if request.param != "running torch":
+        rounded = op.quantized
+
+        def quantized(value, data_type):  # the reference under that rule
+            out = rounded(value, data_type)
+            if data_type is dg.float8_e4m3:
+                out = out.masked_fill(value.to(torch.float32).abs() >= overflow_to_nan_rule(data_type).first_overflow,
+                                      math.nan)
+            return out
+
+        monkeypatch.setattr(codegen, "float8_rule", overflow_to_nan_rule)
+        monkeypatch.setattr(op, "quantized", quantized)
+    plan_cache.clear()
+    yield request.param
+    plan_cache.clear()
+
+
+@pytest.mark.parametrize("dtype, scale_s", P_SCALES, ids=P_SCALE_IDS)
+def test_probabilities_under_the_gpus_conversion(gpu_conversions, dtype, scale_s):
+    """P * scale_s near and past the range's end with the GPU's satfinite conversion emulated:
+    where the kernels take the bare instruction (|scale_s| * P_BOUND below the first overflow, or
+    a type whose torch rule saturates) it gives torch's codes, elsewhere the full correction does,
+    under both of torch's e4m3fn rules. (Taking the bare instruction at every scale fails here:
+    e5m2 1e6 gives 57344 where torch gives inf.)"""
+    probabilities_case(dtype, scale_s)
+
+
+@pytest.mark.parametrize("do_dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_gradient_scores_under_the_gpus_conversion(gpu_conversions, do_dtype):
+    """dS * scale_dP past dO's range with the GPU's conversion emulated (quantize_operand's
+    bare instruction only where torch's rule saturates), under both of torch's e4m3fn rules."""
+    gradient_scores_case(do_dtype)
 
 
 def test_backward_hybrid_e5m2_gradient_and_float32_outputs():
@@ -915,6 +1075,32 @@ def test_gpu_probabilities_near_and_past_the_fp8_range(dtype, scale_s):
     """quantize_probabilities' two paths on the GPU: the hardware conversion alone below the
     bound, torch's overflow encodings past it."""
     probabilities_case(dtype, scale_s, device="cuda")
+
+
+# The H200 run of 2026-11-29 failed the case above at e4m3 460 and 470 and e5m2 57344 (o 55-58%
+# off) and passed 4000 and 1e6. e5m2 1e6 gives only NaN and inf outputs, and so does e4m3 4000
+# where torch converts e4m3fn overflow to NaN (as its older releases did; 448 in the torch of this
+# checkout's CPU runs, where that case is not trivial). The interpreter with the
+# GPU's satfinite conversion emulated (test_probabilities_under_the_gpus_conversion) passes all
+# of them under both torch rules, so the conversion choice is not what differs. These cases tell
+# the scale apart from the shape: the small shape (tiles 32x32, D = 16 padded to 32) at scales
+# whose P * scale_s stays far from the range's end, and the near-range scales at a wider shape.
+# At 32-row tiles the sm_90 compile runs every dot as mma.sync on fp16 (the fp8 operands widened
+# by cvt.rn.f16x2.e4m3x2 / e5m2x2, no wgmma), a path no other GPU case with finite outputs takes.
+P_SCALES_SMALL_SHAPE = [(E4M3, 256.0), (E4M3, 64.0), (E5M2, 32768.0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, scale_s", P_SCALES_SMALL_SHAPE,
+                         ids=[f"{d}-{s:g}".replace("torch.float8_", "") for d, s in P_SCALES_SMALL_SHAPE])
+def test_gpu_small_shape_at_scales_inside_the_range(dtype, scale_s):
+    probabilities_case(dtype, scale_s, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, scale_s", P_SCALES[:2] + P_SCALES[3:4], ids=P_SCALE_IDS[:2] + P_SCALE_IDS[3:4])
+def test_gpu_probabilities_near_the_fp8_range_at_wider_heads(dtype, scale_s):
+    probabilities_case(dtype, scale_s, device="cuda", sizes=(200, 190, 64))
 
 
 @pytest.mark.gpu

@@ -39,24 +39,25 @@ class Fp8Tiles:
                 f"num_stages={self.num_stages} grid={list(programs)}")
 
 
-# per kernel on the GPU: (BLOCK_M, BLOCK_N, warps, stages). The dK/dV kernel holds two
-# [BLOCK_N, D] float32 accumulators, so its tiles are narrow: ptxas (sm_90a, D = 128) reported
-# spill stores for dK/dV at (32, 128, 8 warps) 368 bytes, (64, 64, 4) 748, (32, 64, 4) 408, and
-# none at (32, 64, 8); for dQ none at (128, 64, 8), 300 at (64, 128, 8). Untimed: the bench's fp8 rows are
-# the measure
-GPU_TILES = {"forward": Fp8Tiles(128, 64, 8, 3), "dkdv": Fp8Tiles(32, 64, 8, 2), "dq": Fp8Tiles(128, 64, 8, 3)}
-# Candidates a GPU sweep times per kernel (dbg_fp8_sweep.py: GPU_TILES set to each in turn), heads
-# up to WIDE_HEAD wide; each compiles for sm_90a (D = 128) with no spill stores (ptxas; a test
-# keeps it so) and the first is GPU_TILES' choice. Excluded for spilling (bytes, 2026-11-29):
-# dK/dV (32, 128, 8) 224, (64, 128, 8) 312, (32, 64, 4) 260, (64, 64, 4, 3) 16, (64, 64, 8) 36 to 76
-# (the hybrid e4m3/e5m2 GQA form); dQ (128, 128, 8) 20, (64, 128, 8) 4 (with its masked and
-# unmasked key loops).
+# per kernel on the GPU: (BLOCK_M, BLOCK_N, warps, stages), each the fastest of its CANDIDATE_TILES
+# on an H200 at B2 H16 S2048 D128 (benchmarks/sweep_sdpa_fp8.py, 2026-11-29): forward 193 us
+# (128x64 w8 s3 231; causal 152 vs 181), dK/dV 1079 us (s2 1194), dQ 1188 us (128x64 w8 s3 1199;
+# causal 704, s3 702). The dK/dV kernel holds two [BLOCK_N, D] float32 accumulators, so its tiles
+# are narrow: ptxas (sm_90a, D = 128) reported spill stores for dK/dV at (32, 128, 8 warps) 368
+# bytes, (64, 64, 4) 748, (32, 64, 4) 408, and none at (32, 64, 8)
+GPU_TILES = {"forward": Fp8Tiles(64, 128, 4, 3), "dkdv": Fp8Tiles(32, 64, 8, 3), "dq": Fp8Tiles(64, 64, 4, 4)}
+# Candidates a GPU sweep times per kernel (benchmarks/sweep_sdpa_fp8.py: GPU_TILES set to each in
+# turn), heads up to WIDE_HEAD wide; each compiles for sm_90a (D = 128) with no spill stores
+# (ptxas; a test keeps it so) and the first is GPU_TILES' choice. Excluded for spilling (bytes,
+# 2026-11-29): dK/dV (32, 128, 8) 224, (64, 128, 8) 312, (32, 64, 4) 260, (64, 64, 4, 3) 16,
+# (64, 64, 8) 36 to 76 (the hybrid e4m3/e5m2 GQA form); dQ (128, 128, 8) 20, (64, 128, 8) 4 (with
+# its masked and unmasked key loops).
 CANDIDATE_TILES = {
-    "forward": (Fp8Tiles(128, 64, 8, 3), Fp8Tiles(128, 128, 8, 2), Fp8Tiles(128, 128, 8, 3), Fp8Tiles(128, 64, 8, 2),
-                Fp8Tiles(64, 64, 4, 3), Fp8Tiles(64, 128, 4, 3)),
-    "dkdv": (Fp8Tiles(32, 64, 8, 2), Fp8Tiles(32, 64, 8, 3), Fp8Tiles(32, 64, 8, 4), Fp8Tiles(32, 32, 4, 2),
+    "forward": (Fp8Tiles(64, 128, 4, 3), Fp8Tiles(128, 64, 8, 3), Fp8Tiles(128, 128, 8, 2), Fp8Tiles(128, 128, 8, 3),
+                Fp8Tiles(128, 64, 8, 2), Fp8Tiles(64, 64, 4, 3)),
+    "dkdv": (Fp8Tiles(32, 64, 8, 3), Fp8Tiles(32, 64, 8, 2), Fp8Tiles(32, 64, 8, 4), Fp8Tiles(32, 32, 4, 2),
              Fp8Tiles(32, 32, 4, 3)),
-    "dq": (Fp8Tiles(128, 64, 8, 3), Fp8Tiles(128, 32, 8, 3), Fp8Tiles(64, 64, 4, 3), Fp8Tiles(64, 64, 4, 4)),
+    "dq": (Fp8Tiles(64, 64, 4, 4), Fp8Tiles(128, 64, 8, 3), Fp8Tiles(128, 32, 8, 3), Fp8Tiles(64, 64, 4, 3)),
 }
 # heads wider than 128 (to MAX_GPU_HEAD_DIM): the tiles above spilled at D = 256 (ptxas, sm_90a:
 # forward 424 bytes, dK/dV 616, dQ 548); these spill none (test_sdpa_fp8's wide-head compile)
