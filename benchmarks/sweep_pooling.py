@@ -95,14 +95,17 @@ def graph_of(label, tensors):
 
 
 def reference(label, tensors):
-    """torch's float32 result of one case."""
+    """torch's float32 result of one case, computed on NCHW copies: torch's channels-last CUDA
+    avg_pool2d backward with padding maps each dx element to the windows of its neighbour one
+    padding up and left (pytorch/pytorch#188344, as in torch 2.11), a relative error of 1.0
+    against a right gradient; its NCHW kernel is right, and so is every CPU kernel."""
     mode, direction, _ = CASES[label]
-    x = tensors["x"].float()
+    x = tensors["x"].float().contiguous()
     pool = (lambda v: F.max_pool2d(v, *GEOMETRY)) if mode == "max" else (lambda v: F.avg_pool2d(v, *GEOMETRY))
     if direction == "forward":
         return pool(x)
     leaf = x.clone().requires_grad_(True)
-    pool(leaf).backward(tensors["dy"].float())
+    pool(leaf).backward(tensors["dy"].float().contiguous())
     return leaf.grad
 
 

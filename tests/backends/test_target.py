@@ -122,7 +122,8 @@ H100_CONFIGS = {
         'BLOCK_M=64 BLOCK_N=32 BLOCK_D=128 BLOCK_DV=128 num_warps=4 num_stages=2 grid=[32, 64]',
     ],
     'pointwise 16384x8192': ['BLOCK_R=1 BLOCK_C=1024 num_warps=2 grid=131072 space=[16384, 8192]'],
-    'max pooling 3x3 s2 64@112 N32': ['BLOCK_R=64 BLOCK_C=64 num_warps=8 grid=1568 vector=c rows=nhw'],
+    # re-chosen from the H200's measured tiles (heuristics/pooling.py FORWARD_TILE_ELEMENTS)
+    'max pooling 3x3 s2 64@112 N32': ['BLOCK_R=8 BLOCK_C=64 num_warps=2 grid=12544 vector=c rows=nhw'],
 }
 
 

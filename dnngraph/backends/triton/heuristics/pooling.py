@@ -7,6 +7,7 @@ contiguous elements; its rows decompose into the other logical axes, outermost f
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,9 +23,11 @@ MAX_BLOCK_COLS = 128
 TILE_ELEMENTS = (512, 1024, 2048, 4096)
 # Values a thread holds per tile load, at most: the unrolled window keeps several tile loads
 # live at once (9 for 3x3), and more than 16 values each pushes registers past 128 a thread.
+# The cap where no tile was measured (LRN's windows, a backward gathering per dx element);
+# the measured kinds have theirs below.
 ELEMENTS_PER_THREAD = 16
-# The same cap for a max backward given the forward's indices. Model assumption, not yet
-# measured: each covering window (up to 4 for 3x3 stride 2) is one int64 and one dy tile load,
+# The same cap for a per-element max backward given the forward's indices. Model assumption,
+# not yet measured: each covering window (up to 4 for 3x3 stride 2) is one int64 and one dy tile load,
 # all live at once; int64 values take two registers, so 8 values a thread keeps the indices near
 # 64 registers, as 16 bf16-widened values of 4 window loads would be.
 INDEXED_ELEMENTS_PER_THREAD = 8
@@ -32,6 +35,25 @@ INDEXED_ELEMENTS_PER_THREAD = 8
 # one accumulator and, per covering window, one compare and select; 3x3x3 stride 2 (8) and 2D
 # stride 3 (9) stay within it, a stride past the window (mostly gaps) may not.
 OWNED_POSITIONS_MAX = 16
+# Measured tiles (H200, 2026-11-29, `cd benchmarks && python sweep_pooling.py --budget 95`, 3x3
+# stride 2 bf16 at ResNet's stem; BENCHMARKS.md "Pooling"). The wave model ranks these tiles
+# within a few percent of each other, and the measurement then tells them apart, by as much
+# as 2x: each kind of kernel gets the elements a thread holds per tile load and the tile size
+# that measured best, and the model's near-ties go to that tile.
+# Forward: 8x64 w2 70.8 us NCHW (64x64 w8: 146), 32.3 us NHWC (64x64 w8: 35.1; best 16x64 w4 32.2).
+FORWARD_ELEMENTS_PER_THREAD, FORWARD_TILE_ELEMENTS = 8, 512
+# Owned-block backward recomputing the argmax (each covering window's x loads in registers),
+# values shared by the owned positions' accumulators (4 each at 2x2):
+# 8x64 w4 613 us NCHW (16x64 w8: 1158), 302.8 us NHWC (16x64 w8: 303.9).
+RECOMPUTE_VALUES_PER_THREAD, RECOMPUTE_TILE_ELEMENTS = 16, 512
+# Owned-block backward of dy alone (averages, or routed by the forward's indices; 16 values
+# an accumulator at 2x2): one dy load per covering window, which neighbouring blocks of a
+# larger tile likely share through L1. 32x64 w4:
+# 105.3 us indexed NHWC (8x64 w8: 117.8), 37.2 us average NHWC (16x64 w8: 40.2, best 64x64 w8 36.4).
+GATHER_VALUES_PER_THREAD, GATHER_TILE_ELEMENTS = 64, 2048
+# Model estimates within this share of the fastest are ties (the model's wave term moves by a
+# wave's fixed cost between these tiles, which the sweep did not see).
+MODEL_TIE = 0.10
 MAX_WARPS = 8
 # Hopper keeps at most 32 resident blocks per SM, whatever their size.
 MAX_PROGRAMS_PER_SM = 32
@@ -189,13 +211,40 @@ def estimate(rows: int, cols: int, block_rows: int, block_cols: int, num_warps: 
 
 
 def rank(rows: int, cols: int, bytes_per_element: float, target: Target,
-         elements_per_thread: int = ELEMENTS_PER_THREAD) -> list[PoolingConfig]:
-    """Candidate configs, best model time first; ties go to the larger tile, whose neighbouring
-    windows share more of their loads through L1."""
+         elements_per_thread: int = ELEMENTS_PER_THREAD,
+         preferred_elements: Optional[int] = None) -> list[PoolingConfig]:
+    """Candidate configs, best first. Without `preferred_elements`: by model time, ties to the
+    larger tile, whose neighbouring windows share more of their loads through L1. With it: the
+    configs within MODEL_TIE of the fastest estimate first, the tile nearest that many elements
+    (a measured best), then the fewer warps (each thread holding the whole budget, as the
+    measured tiles did), then by model time."""
     configs = [PoolingConfig(r, c, w, 1e6 * estimate(rows, cols, r, c, w, bytes_per_element, target))
                for r, c, w in candidates(rows, cols, elements_per_thread)]
-    return sorted(configs, key=lambda cfg: (cfg.estimate_us, -cfg.block_rows * cfg.block_cols,
-                                            -cfg.num_warps))
+    if preferred_elements is None:
+        return sorted(configs, key=lambda cfg: (cfg.estimate_us, -cfg.block_rows * cfg.block_cols,
+                                                -cfg.num_warps))
+    fastest = min(cfg.estimate_us for cfg in configs)
+
+    def preference(cfg):
+        tied = cfg.estimate_us <= fastest * (1 + MODEL_TIE)
+        distance = abs(math.log2(cfg.block_rows * cfg.block_cols / preferred_elements))
+        return (not tied, distance if tied else 0.0, cfg.num_warps if tied else 0, cfg.estimate_us)
+
+    return sorted(configs, key=preference)
+
+
+def tile_budget(backward: bool, owned: tuple, mode: str, indexed: bool) -> tuple[int, Optional[int]]:
+    """(values a thread holds per tile load, at most; the measured best tile's elements, or None
+    where nothing was measured) of a pooling kernel. An owned-block backward holds one
+    accumulator per owned position: its budget per thread is shared among them."""
+    if not backward:
+        return FORWARD_ELEMENTS_PER_THREAD, FORWARD_TILE_ELEMENTS
+    if owned and mode == "max" and not indexed:
+        return max(2, RECOMPUTE_VALUES_PER_THREAD // _numel(owned)), RECOMPUTE_TILE_ELEMENTS
+    if owned:
+        return max(2, GATHER_VALUES_PER_THREAD // _numel(owned)), GATHER_TILE_ELEMENTS
+    # a gather per dx element: not measured since the owned blocks replaced it at stride 2
+    return (INDEXED_ELEMENTS_PER_THREAD if indexed else ELEMENTS_PER_THREAD), None
 
 
 def tile_axes(tile_dims: tuple, x_stride: tuple) -> tuple[int, tuple]:
@@ -254,10 +303,8 @@ def schedule(group, target: Target) -> PoolingSchedule:
     tile_elements = _numel(tile_dims)
     cols = tile_dims[vector_axis]
     rows = tile_elements // cols
-    per_thread = INDEXED_ELEMENTS_PER_THREAD if indexed else ELEMENTS_PER_THREAD
-    if owned:  # each tile position holds one accumulator per owned dx position
-        per_thread = max(2, per_thread // _numel(owned))
-    ranked = rank(rows, cols, traffic / max(tile_elements, 1), target, per_thread)
+    per_thread, preferred = tile_budget(backward, owned, attrs.mode, indexed)
+    ranked = rank(rows, cols, traffic / max(tile_elements, 1), target, per_thread, preferred)
     best = ranked[0]
     names = AXIS_NAMES[len(tile_dims)]
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at "
