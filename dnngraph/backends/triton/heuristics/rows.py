@@ -203,8 +203,9 @@ LIGHT_VALUES_PER_THREAD = 8
 # 4096x14336 bf16 on the H200 (2026-11-29, benchmarks/sweep_rows.py ln_fwd_4096x14336): 108.9 us
 # at 4 warps, 117.0 at 8, 115.7 at 16. Compiled for sm_90 its kernel takes 255 registers at 4
 # warps (128 spill bytes), so two programs share an SM, against 179 at 8 and 115 at 16: one
-# program, which leaves HBM idle while it waits on the row's two dependent reductions. (Rmsnorm
-# and softmax rows of 16384 take 64 registers at 16 warps: two programs per SM already.)
+# program per SM, whose loads likely stall while it waits on the row's two dependent
+# reductions. (Rmsnorm and softmax rows of 16384 take 64 registers at 16 warps: two programs
+# per SM already; benchmarks/sweep_rows.py rms_fwd_* and softmax_fwd_* time them by warps.)
 ONE_PASS_WARPS = {("layernorm", 16384): 4}
 
 
