@@ -5,8 +5,8 @@
 
 The norm_bwd_* problems (fused layernorm/rmsnorm backward) set the heuristics' FUSED_*
 constants for each line (the model's choice otherwise) and print the kernels and their configs,
-so that each constant's neighbours can be compared; ln_fwd_* compares the single Welford
-reduction with the two dependent sums by warps.
+so that each constant's neighbours can be compared; ln_fwd_*, rms_fwd_* and softmax_fwd_* time
+one-pass forward rows of 16384 lanes by warps (heuristics/rows.py ONE_PASS_WARPS).
 """
 import itertools
 import sys
@@ -94,11 +94,10 @@ def _norm_backward(op, rows_, cols):
 
 
 # fused norm backward: (constants set on heuristics/rows.py, BuildOptions) per line; {} = the model
-CHUNKED = [({}, {})] + [({"FUSED_LOOP_CHUNK": chunk, "FUSED_LOOP_ROWS": rows_}, {})
-                        for chunk in (2048, 4096) for rows_ in (1, 2)] + [
-    ({"FUSED_LOOP_PROGRAMS_PER_SM": 2, "FUSED_LOOP_WARPS": 8}, {}),
-    ({"FUSED_LOOP_PREFETCH": 0}, {}), ({"FUSED_LOOP_PREFETCH": 1}, {}), ({"FUSED_LOOP_PREFETCH": 3}, {}),
-    ({"FUSED_LOOP_CHUNK": 1024, "FUSED_LOOP_ROWS": 2}, {})]
+# (chunks of 4096, two prefetched); each chunk width by the chunks prefetched around the default
+CHUNKED = [({}, {})] + [({"FUSED_LOOP_CHUNK": chunk, "FUSED_LOOP_PREFETCH": ahead}, {})
+                        for chunk in (2048, 4096) for ahead in (1, 2, 3)] + [
+    ({"FUSED_LOOP_ROWS": 2}, {}), ({"FUSED_LOOP_PROGRAMS_PER_SM": 2, "FUSED_LOOP_WARPS": 8}, {})]
 ONE_TILE_OR_CHUNKED = [({}, {}), ({}, {"norm_backward_max_reduced": 4096}), ({}, {"norm_backward_max_reduced": 2048}),
                        ({"FUSED_PROGRAMS_PER_SM": 1}, {}), ({"FUSED_MIN_ROWS_PER_PROGRAM": 16}, {})]
 
@@ -113,12 +112,25 @@ def _norm_bwd_problem(op, rows_, cols, configs):
 
 NORM_BWD = {f"norm_bwd_{op}_{m}x{n}": _norm_bwd_problem(op, m, n, CHUNKED if n > 8192 else ONE_TILE_OR_CHUNKED)
             for op in ("ln", "rms") for m, n in ((4096, 14336), (4096, 8192), (4096, 4096))}
-# layernorm forward at wide rows: the single Welford reduction (default from 16384 lanes) or the
-# two dependent sums, by warps (one-pass, one row per program)
-LN_FWD = {"ln_fwd_4096x14336": (lambda: _layernorm(4096, 14336), 235e6,
-                                [(None, {}), (None, {"row_single_reduction_min": 1 << 30})]
-                                + [(("one_pass", 1, 16384, w, 1), {"row_single_reduction_min": m})
-                                   for w in (4, 8, 16) for m in (16384, 1 << 30)])}
+def _rmsnorm(rows_, cols):
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x, s = g.tensor(name="x", dim=[rows_, cols]), g.tensor(name="s", dim=[1, cols])
+    outs = g.rmsnorm(x, s)
+    return g, outs, {x: torch.randn(rows_, cols, device="cuda", dtype=BF16), s: torch.randn(1, cols, device="cuda", dtype=BF16)}
+
+
+def _softmax(rows_, cols):
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[rows_, cols])
+    return g, [g.softmax(x, axis=-1)], {x: torch.randn(rows_, cols, device="cuda", dtype=BF16)}
+
+
+# one-pass forward rows of 16384 lanes by warps (one row per program): layernorm's model takes
+# the measured 4 (heuristics/rows.py ONE_PASS_WARPS), rmsnorm's and softmax's the rule's 16
+ONE_PASS_BY_WARPS = [(None, {})] + [(("one_pass", 1, 16384, w, 1), {}) for w in (4, 8, 16)]
+ONE_PASS_FWD = {"ln_fwd_4096x14336": (lambda: _layernorm(4096, 14336), 235e6, ONE_PASS_BY_WARPS),
+          "rms_fwd_4096x14336": (lambda: _rmsnorm(4096, 14336), 235e6, ONE_PASS_BY_WARPS),
+          "softmax_fwd_4096x14336": (lambda: _softmax(4096, 14336), 235e6, ONE_PASS_BY_WARPS)}
 
 
 def _time(name, make, nbytes, label, options):
@@ -152,8 +164,8 @@ def _norm_bwd(name):
                 setattr(rows, key, value)
 
 
-def _ln_fwd(name):
-    make, nbytes, configs = LN_FWD[name]
+def _one_pass_fwd(name):
+    make, nbytes, configs = ONE_PASS_FWD[name]
     for config, options in configs:
         forced = None if config is None else rows.RowConfig(*config, 0.0)
         _time(name, make, nbytes, f"{config or 'model'} {options or ''}".strip(),
@@ -164,8 +176,8 @@ def main(names):
     for name in names:
         if name in NORM_BWD:
             _norm_bwd(name)
-        elif name in LN_FWD:
-            _ln_fwd(name)
+        elif name in ONE_PASS_FWD:
+            _one_pass_fwd(name)
     for name in [n for n in names if n in PROBLEMS] or ([] if names else PROBLEMS):
         make, nbytes, configs = PROBLEMS[name]
         for config in configs:

@@ -72,8 +72,7 @@ class BuildOptions:
     row_split_min_reduced (reduced length from which rows split), row_combine_values (partials a
     split combine folds per trip), norm_backward_max_reduced (longest row the fused norm
     backward holds as one tile; wider rows walk chunks of at most that width),
-    row_single_reduction_min (one-pass row width from which a layernorm's statistics are one
-    Welford reduction), column_prefetch_tiles and column_stream_apply (column splits' loads),
+    column_prefetch_tiles and column_stream_apply (column splits' loads),
     conv_fold_channels_below (channels per group below which conv taps fold into the GEMM)."""
 
     autotune: bool = False
@@ -98,7 +97,6 @@ class BuildOptions:
     row_split_min_reduced: int = row_heuristics.SPLIT_MIN_REDUCED
     row_combine_values: int = row_heuristics.COMBINE_VALUES
     norm_backward_max_reduced: int = row_heuristics.FUSED_MAX_REDUCED
-    row_single_reduction_min: int = row_heuristics.SINGLE_REDUCTION_MIN_REDUCED
     column_prefetch_tiles: int = row_heuristics.PREFETCH_COLUMN_TILES
     column_stream_apply: bool = row_heuristics.STREAM_APPLY
     conv_fold_channels_below: int = conv_heuristics.FOLD_CHANNELS_BELOW
@@ -244,7 +242,6 @@ _CHECKS = {
     "row_split_min_reduced": _count(1),
     "row_combine_values": _count(1, power_of_two=True),
     "norm_backward_max_reduced": _count(1),
-    "row_single_reduction_min": _count(1),
     "column_prefetch_tiles": _count(0),
     "column_stream_apply": _flag,
     "conv_fold_channels_below": _count(0),

@@ -34,7 +34,6 @@ BAD = [
     ("sdpa_dkdv_config", sdpa_heuristics.AttentionConfig(16, 16, 3, 1)), ("sdpa_dq_config", "16,16,1,1"),
     ("sdpa_splits", 0), ("sdpa_head_group", -1), ("sdpa_index_64", 0), ("row_loop_tile", 24), ("row_loop_tile", 1),
     ("row_split_min_reduced", 0), ("row_combine_values", 100), ("norm_backward_max_reduced", None),
-    ("row_single_reduction_min", 0),
     ("column_prefetch_tiles", -1), ("column_stream_apply", "no"), ("conv_fold_channels_below", 2.5),
     ("plan", -1), ("plan", (0, -2)), ("plan", ()), ("plan", 1.0),
 ]

@@ -74,10 +74,10 @@ H100_CONFIGS = {
         'fused (fused) BLOCK_K=1 BLOCK_R=4096 SPLITS=132 num_warps=16 grid=132 K=[4096] R=[4096]',
         'combine (fused) BLOCK_K=8 BLOCK_R=1 SPLITS=132 num_warps=4 grid=512 K=[4096] R=[4096]',
     ],
+    # the chunked fused backward (heuristics/rows.py FUSED_LOOP_CHUNK) since 2026-11-29
     'layernorm backward 4096x14336': [
-        'main (looped) BLOCK_K=1 BLOCK_R=2048 SPLITS=1 num_warps=8 grid=4096 K=[4096] R=[14336]',
-        'partial (split) BLOCK_K=64 BLOCK_R=32 SPLITS=3 num_warps=4 grid=672 K=[14336] R=[4096]',
-        'combine (split) BLOCK_K=8 BLOCK_R=32 SPLITS=3 num_warps=4 grid=1792 K=[14336] R=[4096]',
+        'fused (fused) BLOCK_K=1 BLOCK_R=4096 SPLITS=132 num_warps=16 grid=132 K=[4096] R=[14336]',
+        'combine (fused) BLOCK_K=8 BLOCK_R=1 SPLITS=132 num_warps=4 grid=1792 K=[14336] R=[4096]',
     ],
     'softmax 4096x32768': [
         'main (looped) BLOCK_K=1 BLOCK_R=2048 SPLITS=1 num_warps=8 grid=4096 K=[4096] R=[32768]',

@@ -1,7 +1,7 @@
 """Feature-norm backward (layernorm, rmsnorm) over rows wider than one tile: two kernels, the
 chunked fused dx + dscale/dbias kernel and the combine of its partials; the fused configs the
-heuristics give across row shapes; layernorm's forward statistics as one Welford reduction of
-the row (wide one-pass rows); the GPU at the benchmark shapes."""
+heuristics give across row shapes; layernorm's forward at wide one-pass rows (the two sums, at
+the warps measured for them); the GPU at the benchmark shapes."""
 import re
 
 import pytest
@@ -14,7 +14,6 @@ from dnngraph.backends.triton.heuristics.pointwise import pow2_at_least
 from helpers import check, run
 from ops.test_norms import _feature_graph, _fused_backward, _fused_launches, _to_cuda, shifted
 from ops.test_norms import check_non_finite_feature_norm
-from dnngraph.backends.triton.lower.rows import _single_reduction_min
 
 CUDA = "cuda"
 OPS = ["layernorm_backward", "rmsnorm_backward"]
@@ -174,53 +173,62 @@ def test_fused_configs_are_sane(target, accumulators):
     assert row_heuristics.fused_norm_backward(_geometry(16, too_wide), accumulators, 6, target) is None
 
 
-# --- layernorm forward: one Welford reduction of the row ---------------------------------------
-SINGLE = dg.BuildOptions(row_single_reduction_min=1)  # every one-pass row (small ones: the interpreter)
-
-
-def _single_reduction_source(graph) -> bool:
-    return "tr.welford_merge" in open(graph.plan.launches[0].source_path).read()
-
-
-@pytest.mark.parametrize("dtype,shape,bias", [
-    (torch.float32, (9, 100), True), (torch.float16, (9, 100), False), (torch.bfloat16, (9, 100), True),
-    (torch.float32, (3, 257), False), (torch.bfloat16, (1, 77), True), (torch.float32, (6, 1), True)])
-def test_layernorm_forward_single_reduction(dtype, shape, bias):
-    """The interpreter runs the Welford tree element by element: small shapes."""
-    g, inputs = _feature_graph("layernorm", dtype, shape, bias=bias)
-    check(g, inputs, dtype, options=SINGLE)
-    assert _single_reduction_source(g)
-
-
-def test_layernorm_forward_single_reduction_strides_and_precision():
+# --- layernorm forward at wide rows -------------------------------------------------------------
+def test_layernorm_forward_strides_and_precision():
     """Batch dims stored transposed; a mean of 1e4 against a spread of 0.1 in fp32 (y is 3e-3
-    off in either form: the mean rounded to fp32; Welford merges not centred were 2e-2 off)."""
+    off: the mean rounded to fp32; the second pass takes back the deviations it leaves)."""
     g = dg.Graph()
     x_t = (1e4 + 0.1 * torch.randn(3, 7, 200)).transpose(0, 1)
     x, s, b = g.tensor_like(x_t, "x"), g.tensor(name="scale", dim=[1, 1, 200]), g.tensor(name="bias", dim=[1, 1, 200])
     for out in g.layernorm(x, s, b):
         out.set_output(True)
-    check(g, {x: x_t, s: shifted(1, 1, 200), b: torch.randn(1, 1, 200)}, tolerance=1e-2, options=SINGLE)
-    assert _single_reduction_source(g)
+    check(g, {x: x_t, s: shifted(1, 1, 200), b: torch.randn(1, 1, 200)}, tolerance=1e-2)
+    assert "(one_pass)" in g.plan.launches[0].config_text
 
 
-@pytest.mark.parametrize("phase", ["training", "inference"])
-def test_layernorm_forward_single_reduction_non_finite_rows(phase):
-    """NaN, -inf and +inf rows: an infinite mean and a NaN variance, as float64 has them."""
-    check_non_finite_feature_norm("layernorm", phase, "cpu", SINGLE)
+def _one_pass_graph(op, rows, columns):
+    """A bf16 row graph of `op` (layernorm, rmsnorm or softmax over the last axis)."""
+    if op != "softmax":
+        return _feature_graph(op, torch.bfloat16, (rows, columns), bias=op == "layernorm")[0]
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    g.softmax(g.tensor(name="x", dim=[rows, columns]), axis=-1).set_output(True)
+    return g
 
 
-def test_single_reduction_threshold_by_device():
-    """GPUs take the single reduction from the heuristics' width; the interpreter only where the
-    options set a threshold of their own (its tree reduction with a custom combine is slow)."""
-    default = dg.BuildOptions()
-    assert _single_reduction_min(default, torch.device("cuda", 0)) == row_heuristics.SINGLE_REDUCTION_MIN_REDUCED
-    assert _single_reduction_min(default, torch.device("cpu")) is None
-    assert _single_reduction_min(SINGLE, torch.device("cpu")) == 1
-    one_pass = row_heuristics.RowConfig("one_pass", 1, 16384, 16, 1, 0.0)
-    assert row_heuristics.single_reduction(one_pass) and not row_heuristics.single_reduction(
-        row_heuristics.RowConfig("one_pass", 1, 8192, 16, 1, 0.0))
-    assert not row_heuristics.single_reduction(row_heuristics.RowConfig("looped", 1, 16384, 16, 1, 0.0))
+def _warps(graph) -> int:
+    return int(re.search(r"num_warps=(\d+)", graph.plan.launches[0].config_text).group(1))
+
+
+@pytest.mark.parametrize("target", [targets.H100, targets.H200], ids=["h100", "h200"])
+def test_one_pass_warps_where_measured(target):
+    """Layernorm forward rows of 16384 lanes take the warps measured for them (ONE_PASS_WARPS);
+    narrower layernorm rows and other ops at that width keep the values-per-thread rule, and
+    rows past one tile do not see the table (built, not run)."""
+    expected = {("layernorm", 4096, 14336): 4, ("layernorm", 4096, 16384): 4, ("layernorm", 4096, 8192): 8,
+                ("layernorm", 16384, 8192): 8, ("layernorm", 4096, 4096): 8, ("rmsnorm", 4096, 14336): 16,
+                ("softmax", 4096, 14336): 16, ("layernorm", 2, 9000): 8}
+    for (op, rows, columns), warps in expected.items():
+        g = _one_pass_graph(op, rows, columns)
+        g.build(options=dg.BuildOptions(target=target))
+        assert _warps(g) == warps, (op, rows, columns, g.plan.launches[0].config_text)
+    assert row_heuristics.ONE_PASS_WARPS[("layernorm", 16384)] == 4
+
+
+def test_one_pass_warps_table_is_legal():
+    """Every measured entry names a one-pass width (a power of two a tile holds) and a warp
+    count Triton takes."""
+    for (op, block_r), warps in row_heuristics.ONE_PASS_WARPS.items():
+        assert block_r == pow2_at_least(block_r) <= row_heuristics.ONE_PASS_MAX, (op, block_r)
+        assert warps in (1, 2, 4, 8, 16), (op, warps)
+
+
+@pytest.mark.parametrize("columns,mode,warps", [(16383, "one_pass", 4), (9000, "looped", 8)])
+def test_layernorm_forward_wide_rows(columns, mode, warps):
+    """Two rows as wide as the table's entry (one tile of 16384 at 4 warps, the last lane
+    masked) and a looped config, against float64: the warps change the layout, not the result."""
+    g, inputs = _feature_graph("layernorm", torch.bfloat16, (2, columns))
+    check(g, inputs, torch.bfloat16)
+    assert f"({mode})" in g.plan.launches[0].config_text and _warps(g) == warps
 
 
 # --- GPU ---------------------------------------------------------------------------------------
@@ -241,15 +249,17 @@ def test_norm_backward_benchmark_shapes_gpu(op, shape):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(4096, 14336), (4096, 4096), (33, 16385)])
+@pytest.mark.parametrize("shape", [(4096, 14336), (4096, 4096), (33, 16385), (4096, 16384)])
 def test_layernorm_forward_benchmark_shapes_gpu(shape):
-    """bf16 layernorm forward against float64 on the GPU; one-pass rows of 16384 lanes take
-    the single Welford reduction."""
+    """bf16 layernorm forward against float64 on the GPU (rows of 16384 lanes at 4 warps, their
+    kernel spilling a little) and bitwise the same on a second run."""
     g, inputs = _feature_graph("layernorm", torch.bfloat16, shape)
-    check(g, _to_cuda(inputs), torch.bfloat16, device=CUDA, reference_device=CUDA)
-    config = g.plan.launches[0].config_text
-    if "(one_pass)" in config and _block_r(g) >= row_heuristics.SINGLE_REDUCTION_MIN_REDUCED:
-        assert _single_reduction_source(g)
+    inputs = _to_cuda(inputs)
+    first = check(g, inputs, torch.bfloat16, device=CUDA, reference_device=CUDA)
+    if _block_r(g) == 16384 and "(one_pass)" in g.plan.launches[0].config_text:
+        assert _warps(g) == row_heuristics.ONE_PASS_WARPS[("layernorm", 16384)]
+    again = run(g, inputs, CUDA)
+    assert all(torch.equal(first[name], again[name]) for name in first)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -284,7 +294,7 @@ def test_chunked_dynamic_rows_and_width(op):
 def sm90_graphs():
     """The benchmark shapes' norm kernels planned for the H200 (bf16), for the sm_90 compile
     check: the chunked backward of both norms, the one-tile backward, and layernorm's forward
-    with the single Welford reduction (the interpreter's default skips it: a threshold set)."""
+    (4 warps at rows of 16384 lanes, 8 at 8192)."""
     h200 = {"target": targets.H200}
     for op in OPS:
         for rows, columns in ((4096, 14336), (4096, 8192)):
@@ -293,13 +303,23 @@ def sm90_graphs():
             yield f"{op} {rows}x{columns}", g
     for rows, columns in ((4096, 14336), (16384, 8192)):
         g, _ = _feature_graph("layernorm", torch.bfloat16, (rows, columns))
-        g.build(options=dg.BuildOptions(row_single_reduction_min=8192, **h200))
+        g.build(options=dg.BuildOptions(**h200))
         yield f"layernorm {rows}x{columns}", g
 
 
-# spill-store bytes the chunked kernel may have (the column sums take half the registers:
-# layernorm's compiled with 32)
-CHUNKED_SPILL_BYTES = 64
+# Spill-store bytes a kernel may have, by label and kernel (the rest: none). The chunked
+# backward's column sums take half the registers (chunks of 4096, two prefetched: layernorm's
+# compiled with 160, rmsnorm's with 60; the unrolled form spilled 924+); layernorm's forward at
+# 4 warps takes 255 registers and 128 bytes of spills (heuristics/rows.py ONE_PASS_WARPS).
+SPILL_BYTES = {("layernorm_backward 4096x14336", "layernorm_backward"): 160,
+               ("rmsnorm_backward 4096x14336", "rmsnorm_backward"): 64,
+               ("layernorm 4096x14336", "layernorm"): 128}
+
+
+def _spill_limit(line: str) -> int:
+    """The bound for a line `spills LABEL dnngraph_norm_<kernel>_<hash>: N`."""
+    label, kernel = re.match(r"spills (.+) dnngraph_norm_(\w+)_[0-9a-f]+:", line).groups()
+    return SPILL_BYTES.get((label, kernel), 0)
 
 
 def test_kernels_compile_for_sm90_with_few_spills():
@@ -308,6 +328,6 @@ def test_kernels_compile_for_sm90_with_few_spills():
     assert "compiled 10 kernels for sm_90" in out
     spills = [line for line in out.splitlines() if line.startswith("spills")]
     assert len(spills) == 10
+    assert sum(_spill_limit(line) > 0 for line in spills) == len(SPILL_BYTES)
     for line in spills:
-        limit = CHUNKED_SPILL_BYTES if "14336" in line and "_backward_combine" not in line and "backward" in line else 0
-        assert int(line.rsplit(" ", 1)[1]) <= limit, line
+        assert int(line.rsplit(" ", 1)[1]) <= _spill_limit(line), line

@@ -39,9 +39,8 @@ class Recipe:
     fp_fusion: bool = True
 
     def stages_for(self, mode: str) -> list:
-        """Statistics stages the kernel of `mode` runs ("one_pass_single": a one-pass kernel
-        that takes the single-stage form, one reduction of the row instead of several)."""
-        if mode in ("looped", "split", "one_pass_single") and self.single is not None:
+        """Statistics stages the kernel of `mode` runs."""
+        if mode in ("looped", "split") and self.single is not None:
             return [self.single]
         return self.stages
 
@@ -155,11 +154,8 @@ def centered_norm(node, kinds) -> Recipe:
     stages = [([Accumulator("row_sum", "sum", "{x}")], ["mean = row_sum / n_reduced"]),
               ([Accumulator("sq_dev", "sum", "({x} - mean) * ({x} - mean)"), Accumulator("dev", "sum", "{x} - mean")],
                ["var = tl.maximum(sq_dev - dev * dev / n_reduced, 0.0, propagate_nan=tl.PropagateNan.ALL) / n_reduced", inv])]
-    # an infinite or NaN mean makes the variance NaN, as torch's is: merged from one-element
-    # lanes (the one-pass form), an infinity leaves m2 infinite rather than NaN
     single = ([Accumulator("stats", "welford", "{x}")],
-              ["mean = stats_mean",
-               "var = tl.where(tl.abs(stats_mean) < float('inf'), stats_m2 / n_reduced, float('nan'))", inv])
+              ["mean = stats_mean", "var = stats_m2 / n_reduced", inv])
     y = _affine(roles, "({x} - mean) * inv")
     return Recipe(roles, stages, {outs["y"]: y}, _statistics_outputs(node, outs, eps), single,
                   live_tiles=2, stash=("mean", "inv"))

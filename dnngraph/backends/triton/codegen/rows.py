@@ -87,9 +87,6 @@ class RowKernelSpec:
     param_accumulators: tuple = ()
     part_strides: Optional[tuple] = None
     split_tile: int = 0  # combine: partials folded per trip (heuristics/rows.py combine_blocks)
-    # one-pass main kernel: the recipe's single-stage form (one reduction of the row, where the
-    # plain form chains several; heuristics/rows.py single_reduction says where)
-    single_reduction: bool = False
 
     def epilogue_nodes(self) -> tuple:
         return tuple(self.group.epilogue) if self.epilogue is None else self.epilogue
@@ -369,52 +366,13 @@ def _finalize(src, emitter, finalize):
         src.line(text.format(**roles))
 
 
-def _stats_one_pass(src, tile, stages, top=None, used=()):
-    """Each stage's reductions of the tile, then its row statements; a Welford accumulator
-    (the single-stage form) merges one-element (count, mean, m2) lanes by one tree, centred on
-    each row's first element (read again by its own load, from `top`'s scope over `used`)."""
+def _stats_one_pass(src, tile, stages):
     for accumulators, finalize in stages:
         roles = _roles(src.spec, tile)
         for acc in accumulators:
-            if acc.combine == "welford":
-                _welford_one_pass(src, tile, top, used, acc)
-                continue
             element = _masked(acc.element.format(**roles), _identity(acc))
             src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(element)}")
         _finalize(src, tile, finalize)
-
-
-def _welford_one_pass(src, tile, top, used, acc):
-    """(count, mean, m2) of the row by one tree of Chan merges over the tile's elements minus a
-    shift, each row's first element: fp32 means rounded at the data's magnitude would lose a
-    small spread (mean 1e4, spread 1e-2: 20% off unshifted); an inf or NaN shift is taken as 0."""
-    shift = f"{acc.name}_shift"
-    src.line(f"{shift} = {_first_element(src, top, used, acc)}")
-    src.line(f"{shift} = tl.where(tl.abs({shift}) < float('inf'), {shift}, 0.0)")
-    parts = ", ".join(f"{acc.name}_{p}" for p in WELFORD_PARTS)
-    centred = _masked(f"({acc.element.format(**_roles(src.spec, tile))}) - {shift}", "0.0")
-    lanes = f"tile_mask.to(tl.float32), {centred}, tl.zeros([BLOCK_K, BLOCK_R], tl.float32)"
-    src.line(f"{parts} = tl.reduce(({lanes}), 1, tr.welford_merge, keep_dims=True)")
-    # a row of no elements has a NaN mean (0 / 0), as the sums' form and torch give it
-    src.line(f"{acc.name}_mean = tl.where({acc.name}_count > 0, {acc.name}_mean + {shift}, float('nan'))")
-
-
-def _first_element(src, top, used, acc) -> str:
-    """An accumulator's element at each row's first reduced index, [BLOCK_K, 1]: the tile
-    operands loaded there (masked where R is empty) and the prologue run on them."""
-    geo = src.spec.schedule.geometry
-    src.line("r_first_idx = tl.arange(0, 1)")
-    src.line("r_first_mask = r_first_idx < reduced")
-    src.line(f"{_tile_mask('_first')} = k_mask[:, None] & r_first_mask[None, :]")
-    _decompose(src, "r", "r_first_idx", geo.r_sizes, "_first")
-    _offsets(src, used, "r", "_first")
-    first = src.emitter(top)
-    for op in _tile_loads(src, used):
-        ident = src.ident[op.uid] + "_first"
-        src.line(f"{ident} = {first.loaded(_load_text(src, op, src.spec.kinds[op.uid], '_first'), op.data_type)}")
-        first.bind(op.uid, ident, kind_of(op.data_type))
-    _emit_nodes(src, first, src.spec.group.prologue)
-    return f"({acc.element.format(**_roles(src.spec, first))}) + tl.zeros([BLOCK_K, 1], tl.float32)"
 
 
 def _accumulate_loop(src, top, used, accumulators, start, stop):
@@ -563,11 +521,10 @@ def _main_body(src, used):
     _load_inputs(src, top, used, ("row", "scalar"))
     geo = spec.schedule.geometry
     one_tile = spec.schedule.config.block_r >= (geo.source_reduced or geo.reduced)
-    one_pass = "one_pass_single" if spec.single_reduction else "one_pass"
-    stages = spec.recipe.stages_for(one_pass if one_tile else mode)  # a looped config may fit one tile
+    stages = spec.recipe.stages_for("one_pass" if one_tile else mode)  # a looped config may fit one tile
     if one_tile:
         tile = _tile_scope(src, top, used, "0", "reduced")
-        _stats_one_pass(src, tile, stages, top, used)
+        _stats_one_pass(src, tile, stages)
         _row_outputs(src, tile, used)
         _tile_outputs(src, tile, used)
         return

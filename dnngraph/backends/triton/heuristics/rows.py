@@ -11,7 +11,7 @@ COLUMN_TILES, a grid of one wave, loops that prefetch, and an apply pass that wa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from ....ops.norm import geometry as norm_geometry
 from ....tensor import contiguous_strides
@@ -71,11 +71,6 @@ STREAM_APPLY = True
 COMBINE_VALUES = 2048
 COMBINE_BLOCK_K = 8
 MODES = ("one_pass", "looped", "split")
-# One-pass rows of at least this many lanes (BLOCK_R) take a recipe's single-stage form where it
-# has one: layernorm's statistics as one Welford reduction of the row, not a mean reduction and
-# then a dependent squared-deviation one. H100 2026-11-24 (BENCHMARKS.md "Rows"): layernorm
-# forward 4096x14336 bf16 ran at 68% of copy with the two, rmsnorm (one reduction) at 95%.
-SINGLE_REDUCTION_MIN_REDUCED = 16384
 # bounds a tuning-cache record must respect (wider than any candidate, far below nonsense)
 MAX_BLOCK = 1 << 17
 MAX_SPLITS = 1 << 16
@@ -194,6 +189,8 @@ class RowTraits:
     can_split: bool
     live_tiles: int  # tile values alive at once in one-pass mode
     tile_inputs: int = 1  # inputs loaded per tile (they vary along R)
+    # the anchor op, for the measured tables (ONE_PASS_WARPS); a tuning key names it already
+    op: str = field(default="", repr=False)
 
 
 # Values per thread of a tile, by what the H100 sweep (benchmarks/sweep_rows.py) measured best:
@@ -202,6 +199,14 @@ class RowTraits:
 # 108 us at 8 warps, 126 at 4). Column splits take COLUMN_WARPS.
 DENSE_VALUES_PER_THREAD = 32
 LIGHT_VALUES_PER_THREAD = 8
+# One-pass rows whose warps were measured to beat that rule, by (op, BLOCK_R). Layernorm forward
+# 4096x14336 bf16 on the H200 (2026-11-29, benchmarks/sweep_rows.py ln_fwd_4096x14336): 108.9 us
+# at 4 warps, 117.0 at 8, 115.7 at 16. Compiled for sm_90 its kernel takes 255 registers at 4
+# warps (128 spill bytes), so two programs share an SM, against 179 at 8 and 115 at 16: one
+# program per SM, whose loads likely stall while it waits on the row's two dependent
+# reductions. (Rmsnorm and softmax rows of 16384 take 64 registers at 16 warps: two programs
+# per SM already; benchmarks/sweep_rows.py rms_fwd_* and softmax_fwd_* time them by warps.)
+ONE_PASS_WARPS = {("layernorm", 16384): 4}
 
 
 def _warps(elements: int, values_per_thread: int = LIGHT_VALUES_PER_THREAD) -> int:
@@ -216,6 +221,8 @@ def _values_per_thread(geo: RowGeometry, traits: RowTraits, mode: str) -> int:
 def _config_warps(geo: RowGeometry, traits: RowTraits, mode: str, block_k: int, block_r: int) -> int:
     if mode == "split" and not geo.r_contiguous:  # column split: at least 4 values per thread
         return max(1, min(COLUMN_WARPS, block_k * block_r // 128))
+    if mode == "one_pass" and geo.r_contiguous and (traits.op, block_r) in ONE_PASS_WARPS:
+        return ONE_PASS_WARPS[traits.op, block_r]
     return _warps(block_k * block_r, _values_per_thread(geo, traits, mode))
 
 
@@ -293,12 +300,6 @@ def _column_rank(geo: RowGeometry, mode, block_k, block_r) -> int:
         if block_k * block_r == tile_k * tile_r and block_k == min(tile_k, pow2_at_least(geo.rows)):
             return index
     return len(COLUMN_TILES)
-
-
-def single_reduction(config: RowConfig, min_reduced: int = SINGLE_REDUCTION_MIN_REDUCED) -> bool:
-    """Whether a one-pass row kernel of `config` reduces its row once (the recipe's single-stage
-    form) rather than stage by stage: rows of `min_reduced` lanes and wider."""
-    return config.mode == "one_pass" and config.block_r >= min_reduced
 
 
 def combine_blocks(rows: int, splits: int, values: int = COMBINE_VALUES) -> tuple:
@@ -407,23 +408,29 @@ FUSED_MIN_ROWS_PER_PROGRAM = 32
 # FUSED_LOOP_CHUNK-wide chunks twice (a loop folding the row sums, then dx from the same chunks,
 # re-read from L2), the column sums of every chunk held in registers across the program's rows
 # (the second walk is unrolled: registers cannot be indexed). dy and x come from HBM once.
-# The column sums cost accumulators x row / threads registers per thread: 56 for a layernorm
-# row of 14336 at 16 warps. Past FUSED_COLUMN_VALUES per thread (or FUSED_MAX_CHUNKS chunks of
-# unrolled source) the separate dx and dscale/dbias kernels run instead. One program per SM: the
-# column sums fill half the register file. Spill stores compiled for sm_90 (4096x14336 bf16,
-# 16 warps, layernorm / rmsnorm+dbias bytes, no prefetch): chunk 2048 one row a trip 28 / 0, two
-# rows 924+; chunk 1024: 92 / 84; chunk 4096: 76 / 4; chunk 2048 prefetching 1, 2, 3 chunks:
-# 48 / 0, 32 / 0, 32 / 0. Times are not swept yet: benchmarks/sweep_rows.py
-# "norm_bwd_*" prints each constant's neighbours.
-FUSED_LOOP_CHUNK = 2048
+# The column sums cost accumulators x (row in whole chunks) / threads registers per thread: 64
+# for a layernorm row of 14336 (four chunks of 4096) at 16 warps. Past FUSED_COLUMN_VALUES per
+# thread (or FUSED_MAX_CHUNKS chunks of unrolled source) the separate dx and dscale/dbias kernels
+# run instead. One program per SM: the column sums fill half the register file.
+# H200 2026-11-29, 4096x14336 bf16, layernorm / rmsnorm microseconds (benchmarks/sweep_rows.py
+# norm_bwd_*, two chunks prefetched): chunk 4096 208.4 / 170.2, chunk 2048 223.8 / 198.2; two
+# rows a trip 260.0 / 173.2 at chunk 4096, 952.1 / 607.8 at 2048 (spilled); two programs per SM
+# at 8 warps 232.0 / 209.7. Spill stores compiled for sm_90 (16 warps, 128 registers, layernorm /
+# rmsnorm with dbias, bytes) by chunks prefetched 0, 1, 2, 3: chunk 4096 76 / 4, 96 / 48,
+# 160 / 60, 304 / 204; chunk 2048 28 / 0, 48 / 0, 32 / 0, 32 / 0; chunk 1024 unprefetched
+# 92 / 84; two rows a trip at chunk 2048 924+.
+FUSED_LOOP_CHUNK = 4096
 FUSED_LOOP_ROWS = 1
 FUSED_LOOP_WARPS = 16
 FUSED_LOOP_PROGRAMS_PER_SM = 1
 FUSED_COLUMN_VALUES = 64
 FUSED_MAX_CHUNKS = 16
 # Chunks whose loads the row-sum loop keeps in flight ahead of the one it folds (Triton pipelines
-# no plain loads): one program per SM moves 8 KB a chunk of dy and x at bf16, and HBM wants
-# about 25 KB in flight per SM (3.35 TB/s x ~1 us over 132 SMs), so two ahead.
+# no plain loads). HBM wants about 25 KB in flight per SM (3.35 TB/s x ~1 us over 132 SMs; 36 KB
+# at the H200's 4.8 TB/s). H200 at chunk 2048 (8 KB of dy and x at bf16), layernorm / rmsnorm
+# microseconds by chunks ahead: 0 240.2 / 208.0, 1 222.9 / 205.7, 2 223.8 / 198.2, 3 212.1 /
+# 192.2. A chunk of 4096 holds 16 KB: two ahead (32 KB, the 208.4 / 170.2 above) keep more in
+# flight than three of 2048 did, while three (48 KB, not timed) double the spills.
 FUSED_LOOP_PREFETCH = 2
 
 

@@ -88,7 +88,7 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, context, epilo
     row_stores = tuple(u for u in stores if u not in tile_stores)
     tile_inputs = sum(kinds[t.uid] in ("tile", "col") for t in group.inputs)
     traits = RowTraits(len(recipe.stages_for("looped")), bool(tile_stores), recipe.splittable,
-                       recipe.live_tiles, tile_inputs)
+                       recipe.live_tiles, tile_inputs, group.anchor.op)
     bytes_of = lambda wanted: sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in wanted)
     sched = schedule_rows(top_geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
                           context.target, options.row_mode, options.row_config, options.row_loop_tile,
@@ -104,9 +104,8 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, context, epilo
                                                         f"{skipped} ranked above need more workspace than the limit")
     record = TuningRecord("model", sched.config.text)
     sched = replace(sched, geometry=_for_every_size(geo, top_geo))
-    single_min = _single_reduction_min(options, context.device)
     build = lambda chosen: _row_schedule_launches(graph, group, name, chosen, recipe, stores, kinds,
-                                                  tile_stores, row_stores, options, epilogue, single_min)
+                                                  tile_stores, row_stores, options, epilogue)
     if tuner is not None:
         device = context.device
         tensors = sample_tensors(group, device)
@@ -186,29 +185,14 @@ def _limit_text(budget) -> str:
     return "" if budget is None or budget.limit is None else f" ws{budget.limit}"
 
 
-def _single_reduction_min(options, device):
-    """The one-pass row width from which a recipe's single-stage form runs (None: never). The
-    interpreter runs a tree reduction with a custom combine element by element (3 layernorm rows
-    of 14335: 131 s against about 1 for the two sums), so there only a threshold the options set
-    other than the default takes it."""
-    wanted = options.row_single_reduction_min
-    if device is not None and device.type == "cpu" and wanted == row_heuristics.SINGLE_REDUCTION_MIN_REDUCED:
-        return None
-    return wanted
-
-
 def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, tile_stores, row_stores, options,
-                           epilogue=None, single_min=None):
+                           epilogue=None):
     cfg, geo = sched.config, sched.geometry
     common = dict(schedule=sched, recipe=recipe, group=group, kinds=kinds,
                   loads=_row_loads(group, epilogue), compute=graph.compute_data_type.triton_type,
                   description=group.summary(), epilogue=epilogue)
-    single = single_min is not None and row_heuristics.single_reduction(cfg, single_min)
-    if single:
-        common["schedule"] = replace(sched, reason=sched.reason + f"; statistics as one Welford reduction of the "
-                                                                  f"row (rows of {single_min} lanes and wider)")
     if cfg.mode != "split":
-        spec = RowKernelSpec(name, "main", stores=tuple(stores), single_reduction=single, **common)
+        spec = RowKernelSpec(name, "main", stores=tuple(stores), **common)
         return [_row_launch(spec, sched.programs, cfg.num_warps)]
     partials = {n: scratch((cfg.splits, geo.rows), PARTIAL_TYPES[recipe.kind]) for n in _partial_names(recipe)}
     stash = {n: scratch((geo.rows,)) for n in recipe.stash} if tile_stores else {}
