@@ -318,11 +318,11 @@ def test_configs_fit_the_problem_and_hold_whole_runs():
     """Every candidate holds RUN blocks per thread exactly (BLOCK_G = RUN * 32 * warps) on a
     large problem; on a small one, programs no wider than the blocks there are, warps cut to
     match; the model's pick at the sweep's shape on an H200 is the config the sweep measured
-    fastest (BENCHMARKS.md, 2026-11-29: MXFP8 RUN=1, NVFP4 RUN=2 at 4 warps, 32 elements per
-    thread; within 1.2% of the best for the x dtypes where another config won)."""
+    fastest (BENCHMARKS.md, 2026-11-29: one block per thread at 4 warps for both formats; within
+    1.3% of the best where another config won)."""
     from dnngraph.backends.triton.heuristics.block_scale import candidates, fitted, rank
     from dnngraph.target import H200
-    measured_best = {32: BlockScaleConfig(128, 4), 16: BlockScaleConfig(256, 4)}
+    measured_best = {32: BlockScaleConfig(128, 4), 16: BlockScaleConfig(128, 4)}
     for block in (16, 32):
         for config in candidates(8192 * 14336 // block, block):
             assert config.block_g == config.run * 32 * config.num_warps

@@ -6,7 +6,7 @@ BLOCK_G / (32 * num_warps), so a config fixes how many elements a thread has in 
 (RUN * BLOCK) and how many programs cover the tensor. The kernels are memory-bound: the model is
 the tensor's bytes at the target's bandwidth (padded to whole programs) plus a fixed cost per
 program over the waves of resident programs, so wider programs win where they still fill the
-machine; a thread's elements are capped at what the H200 measured best (MODEL_MAX_THREAD_ELEMENTS).
+machine; a thread's blocks are capped at what the H200 measured best (MODEL_MAX_RUN).
 """
 from __future__ import annotations
 
@@ -19,15 +19,14 @@ from .pointwise import PROGRAM_OVERHEAD, pow2_at_least
 THREADS_PER_WARP = 32
 WARPS = (4, 8)
 # Elements of x a thread holds (RUN * BLOCK), timed by `benchmarks/bench_quantize.py --sweep`.
-# The model takes at most 32: on the H200 (2026-11-29, (8192, 14336), BENCHMARKS.md) every
-# format and x dtype ran fastest there, and more per thread lost:
-# bf16 -> MXFP8 92-94 us at 32 (RUN=1) against 118 at 64 and 157-158 at 128; fp32 -> MXFP8
-# 169 against 179-180 and 217-219; bf16 -> NVFP4 105-109 at 32 (RUN=2) against 111-132 at 64
-# and 154-215 at 128; fp32 -> NVFP4 156.5-157 at 32 against 157-163 at 64 and 186-269 at 128.
-# (The bandwidth model alone prefers the widest programs: it sees no cost in a thread's serial
-# work per element.) 16 (NVFP4 at RUN=1) is a candidate the sweep times, not yet measured.
+# The model takes one block per thread (RUN = 1): on the H200 (2026-11-29, (8192, 14336),
+# BENCHMARKS.md) that ran fastest or within 1.3% of it for every format and x dtype, and more
+# per thread lost: bf16 -> MXFP8 92-93 us at RUN=1 against 117-118 at 2 and 157 at 4; fp32 ->
+# MXFP8 169-170 against 179-180 and 217-219; fp32 -> NVFP4 131 against 156 at 2 and 156-163 at 4;
+# bf16 -> NVFP4 106.7-107.3 against 105.3-108.1 at 2 and 111-132 at 4. (The bandwidth model alone
+# prefers the widest programs: it sees no cost in a thread's serial work per element.)
 THREAD_ELEMENTS = (16, 32, 64, 128)
-MODEL_MAX_THREAD_ELEMENTS = 32
+MODEL_MAX_RUN = 1
 
 
 @dataclass(frozen=True)
@@ -85,6 +84,6 @@ def rank(blocks: int, block: int, bytes_per_element: float, target: Target) -> l
     """The candidates, best first: within the register cap by model time (then fewer warps),
     the rest after."""
     def key(config):
-        spills = config.run * block > MODEL_MAX_THREAD_ELEMENTS
+        spills = config.run > MODEL_MAX_RUN
         return spills, round(estimate_us(config, blocks, block, bytes_per_element, target), 3), config.num_warps
     return sorted(candidates(blocks, block), key=key)
