@@ -182,18 +182,7 @@ def main(names):
         make, nbytes, configs = PROBLEMS[name]
         for config in configs:
             options = dg.BuildOptions(row_config=None if config is None else rows.RowConfig(*config, 0.0))
-            g, outs, feeds = make()
-            for out in outs:
-                if out is not None:
-                    out.set_output(True)
-            try:
-                g.build(options=options)
-                feeds.update({t: torch.empty_strided(t.dim, t.stride, dtype=t.data_type.torch_dtype, device="cuda")
-                              for t in g.outputs()})
-                ms = triton.testing.do_bench(lambda: g.execute(feeds), warmup=5, rep=30)
-                print(f"{name} {config or 'model'}: {ms * 1e3:.1f} us {nbytes / ms / 1e9:.2f} TB/s", flush=True)
-            except Exception as error:  # a config may not compile (registers, shared memory)
-                print(f"{name} {config}: failed {type(error).__name__}: {str(error)[:100]}", flush=True)
+            _time(name, make, nbytes, str(config or "model"), options)
 
 
 if __name__ == "__main__":

@@ -873,6 +873,15 @@ def test_gpu_bf16_backward_at_the_benchmark_shape(mode, layout):
     dy_t = torch.randint(1, 5, dims, device="cuda").to(torch.bfloat16) if mode.startswith("max") else \
         sample(dims, torch.bfloat16, "nchw", "cuda")
     dy_t, indices_t = (channels_last(t) if layout == "nhwc" else t.contiguous() for t in (dy_t, indices_t))
+    g = _gpu_backward_against_torch(x_t, dy_t, indices_t, mode, (window, stride, padding),
+                                    torch.nn.functional.max_pool2d)
+    assert "owned=2x2" in g.plan.launches[0].config_text
+
+
+def _gpu_backward_against_torch(x_t, dy_t, indices_t, mode: str, geometry, max_pool):
+    """The pooling backward of `mode` ("max", "max indexed", an average mode) on the GPU against
+    the float64 reference, and a max mode's gradient equal to torch's (`max_pool`); the graph."""
+    window, stride, padding = geometry
     g = dg.Graph(io_data_type=dg.bfloat16)
     x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
     inputs = {x: x_t, dy: dy_t}
@@ -884,9 +893,9 @@ def test_gpu_bf16_backward_at_the_benchmark_shape(mode, layout):
     got = check(g, inputs, torch.bfloat16, device="cuda", reference_device="cuda")[dx.name]
     if mode.startswith("max"):
         leaf = x_t.float().requires_grad_(True)
-        torch.nn.functional.max_pool2d(leaf, window, stride, padding).backward(dy_t.float())
+        max_pool(leaf, window, stride, padding).backward(dy_t.float())
         assert torch.equal(got.float(), leaf.grad)
-    assert "owned=2x2" in g.plan.launches[0].config_text
+    return g
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
@@ -1085,19 +1094,7 @@ def test_gpu_bf16_owned_backward_geometries(geometry, mode):
     dy_t = torch.randint(1, 5, indices_t.shape, device="cuda").to(torch.bfloat16) if mode.startswith("max") else \
         sample(tuple(indices_t.shape), torch.bfloat16, "nchw", "cuda")
     dy_t, indices_t = channels_last(dy_t), channels_last(indices_t)
-    g = dg.Graph(io_data_type=dg.bfloat16)
-    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
-    inputs = {x: x_t, dy: dy_t}
-    indices = None
-    if mode == "max indexed":
-        indices = g.tensor_like(indices_t, "indices")
-        inputs[indices] = indices_t
-    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices).set_output(True)
-    got = check(g, inputs, torch.bfloat16, device="cuda", reference_device="cuda")[dx.name]
-    if mode.startswith("max"):
-        leaf = x_t.float().requires_grad_(True)
-        MAX_POOLS[len(window) - 1](leaf, window, stride, padding).backward(dy_t.float())
-        assert torch.equal(got.float(), leaf.grad)
+    _gpu_backward_against_torch(x_t, dy_t, indices_t, mode, (window, stride, padding), MAX_POOLS[len(window) - 1])
     assert "owned=" in g.plan.launches[0].config_text
 
 
