@@ -178,13 +178,14 @@ def assert_matches(outputs: dict, refs: dict, device="cpu"):
         assert err <= FLOAT_TOLERANCE[device], f"{name}: relative error {err:.3g}"
 
 
-def forward_case(dtype, batch, heads, kv_heads, s_q, s_kv, dim, causal, o_type=None, device="cpu", seed=0):
+def forward_case(dtype, batch, heads, kv_heads, s_q, s_kv, dim, causal, o_type=None, device="cpu", seed=0,
+                 options=None):
     q = fp8_values((batch, heads, s_q, dim), dtype, seed, device)
     k = fp8_values((batch, kv_heads, s_kv, dim), dtype, seed + 1, device)
     v = fp8_values((batch, kv_heads, s_kv, dim), dtype, seed + 2, device)
     g, bindings = forward_graph(q, k, v, causal, o_type=o_type)
     bindings.update(scale_tensors(forward_scales(dtype), device))
-    outputs = execute(g, bindings, device)
+    outputs = execute(g, bindings, device, options)
     assert_matches(outputs, g.reference({n: t.cpu() for n, t in bindings.items()}), device)
     return outputs
 
@@ -404,11 +405,12 @@ def backward_tensors(dtype, do_dtype, batch, heads, kv_heads, s_q, s_kv, dim, ca
     return {name: t.to(device) for name, t in tensors.items()}
 
 
-def backward_case(dtype, do_dtype, batch, heads, kv_heads, s_q, s_kv, dim, causal, grad_type=None, device="cpu"):
+def backward_case(dtype, do_dtype, batch, heads, kv_heads, s_q, s_kv, dim, causal, grad_type=None, device="cpu",
+                  options=None):
     tensors = backward_tensors(dtype, do_dtype, batch, heads, kv_heads, s_q, s_kv, dim, causal, device)
     g = backward_graph(tensors, causal, grad_type)
     bindings = {**tensors, **scale_tensors(backward_scales(dtype), device)}
-    outputs = execute(g, bindings, device)
+    outputs = execute(g, bindings, device, options)
     assert_matches(outputs, g.reference({n: t.cpu() for n, t in bindings.items()}), device)
     return outputs
 
@@ -545,6 +547,22 @@ def test_gpu_tiles_at_small_shapes_interpreted(dtype, scale_s, sizes):
     probabilities_case(dtype, scale_s, sizes=sizes, options=dg.BuildOptions(target=dg.target.H200))
 
 
+# odd sequences past one GPU tile (forward 64x128, dQ 64x64, dK/dV 32x64): key blocks seen whole
+# (unmasked loops) and masked ones, more queries than keys and the reverse
+GPU_TILE_SHAPES = [(150, 130, 24), (130, 150, 24)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("sizes", GPU_TILE_SHAPES, ids=[f"{q}x{kv}x{d}" for q, kv, d in GPU_TILE_SHAPES])
+def test_gpu_tiles_across_whole_and_masked_blocks_interpreted(sizes, causal):
+    """Forward and the hybrid backward (GQA, float32 gradients) at the H200's tiles, interpreted
+    on a NaN workspace."""
+    s_q, s_kv, dim = sizes
+    h200 = dg.BuildOptions(target=dg.target.H200)
+    forward_case(E4M3, 1, 2, 1, s_q, s_kv, dim, causal, o_type=dg.float32, options=h200)
+    backward_case(E4M3, E5M2, 1, 2, 1, s_q, s_kv, dim, causal, grad_type=dg.float32, options=h200)
+
+
 def test_gpu_tiles_keep_the_dot_rows_of_the_table():
     """On the GPU, short sequences shrink only the tile axis that is not the rows (M) of the
     kernels' dots (DOT_ROWS_AXIS): query tiles stay 64 rows in the forward and dQ, key tiles 64
@@ -554,6 +572,11 @@ def test_gpu_tiles_keep_the_dot_rows_of_the_table():
     assert tiles_for("dq", 5, 40, False, 24) == Fp8Tiles(GPU_TILES["dq"].block_m, 64, 4, 4)
     assert tiles_for("dkdv", 40, 5, False, 24) == Fp8Tiles(32, GPU_TILES["dkdv"].block_n, 8, 3)
     assert tiles_for("forward", 21, 19, True, 16).block_m == 32
+    # the build's target picks them: an H200's for CPU tensors, run interpreted
+    q, k = fp8_values((1, 2, 21, 16), E4M3, 0), fp8_values((1, 1, 19, 16), E4M3, 1)
+    g = forward_graph(q, k, k, True)[0].build(options=dg.BuildOptions(target=dg.target.H200))
+    assert "BLOCK_M=64 BLOCK_N=32 num_warps=4" in g.explain()
+    assert "BLOCK_M=32 BLOCK_N=32" in forward_graph(q, k, k, True)[0].build().explain()
 
 
 def satfinite(values: torch.Tensor, fp8) -> torch.Tensor:
