@@ -16,7 +16,9 @@ Each Triton kernel also gets a line `shared LABEL KERNEL: BYTES` (the shared mem
 conversions and reductions take). With SM90_SPILLS=1 a line `spills LABEL KERNEL: N` gives each
 Triton kernel's spill-store bytes. With SM90_LOOP_LOADS=1 a line `loop_loads LABEL KERNEL: N`
 gives each Triton kernel's count of tile loads inside a loop that its TTGIR still runs
-synchronously (see loop_register_loads).
+synchronously (see loop_register_loads). With SM90_MMA_ROWS=1 a line `mma_replicated LABEL KERNEL:
+N` gives each Triton kernel's count of mma.sync dots whose warps cover more rows than the dot has
+(see replicated_mma_dots).
 """
 import importlib
 import json
@@ -108,6 +110,19 @@ def loop_register_loads(ttgir: str) -> int:
     return count
 
 
+def replicated_mma_dots(ttgir: str) -> int:
+    """Dots of a kernel's TTGIR on mma.sync (nvidia_mma version 2) whose warps along M cover more
+    rows than the dot has (16 rows per warp): the tile is then replicated across warps, a layout
+    the fp8 attention kernels gave NaN and dropped keys under on the H200 (a 32-row tile on
+    warpsPerCTA [4, 1], 2026-11-29)."""
+    warps_along_m = {name: int(warps) for name, warps in re.findall(
+        r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 2, [^}]*warpsPerCTA = \[(\d+), \d+\]", ttgir, re.M)}
+    count = 0
+    for rows, layout in re.findall(r"= tt\.dot .*-> tensor<(\d+)x\d+xf32, (#mma\d*)>", ttgir):
+        count += layout in warps_along_m and 16 * warps_along_m[layout] > int(rows)
+    return count
+
+
 def facts(compiled) -> dict:
     """What a compiled kernel's TTGIR and PTX hold, for tests to assert on."""
     ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
@@ -156,6 +171,8 @@ def main(spec: str):
                 print(f"shared {label} {launch.kernel.__name__}: {compiled.metadata.shared}")
             if os.environ.get("SM90_SPILLS") == "1" and not _is_gluon(launch.kernel):  # opt-in: a ptxas run each
                 print(f"spills {label} {launch.kernel.__name__}: {spill_bytes(compiled.asm['ptx'])}")
+            if os.environ.get("SM90_MMA_ROWS") == "1" and not _is_gluon(launch.kernel):
+                print(f"mma_replicated {label} {launch.kernel.__name__}: {replicated_mma_dots(compiled.asm['ttgir'])}")
             if os.environ.get("SM90_LOOP_LOADS") == "1" and not _is_gluon(launch.kernel):
                 print(f"loop_loads {label} {launch.kernel.__name__}: {loop_register_loads(compiled.asm['ttgir'])}")
             count += 1

@@ -95,7 +95,22 @@ def on_own_thread(make):
     return done["value"]
 
 
+# DNNGRAPH_POISON_WORKSPACE=1: every plan workspace starts as 0xFF bytes (NaN in every float type,
+# fp8 included), so a kernel that reads workspace bytes no launch of the plan wrote gives NaN on
+# any device, as uninitialised GPU memory may (on CPU a fresh buffer is often zeros, which hid
+# such reads). Read once, as the kernels' environment is.
+POISON_WORKSPACE = os.environ.get("DNNGRAPH_POISON_WORKSPACE", "0") not in ("", "0")
+
+
 def persistent_buffer(nbytes: int, device) -> torch.Tensor:
+    """persistent_buffer_of (below), filled with 0xFF under DNNGRAPH_POISON_WORKSPACE."""
+    buffer = persistent_buffer_of(nbytes, device)
+    if POISON_WORKSPACE:
+        buffer.fill_(0xFF)
+    return buffer
+
+
+def persistent_buffer_of(nbytes: int, device) -> torch.Tensor:
     """A uint8 buffer a plan keeps across executes on the current stream of `device`.
 
     On CUDA it comes from torch's general memory, never from a pool the calling thread's

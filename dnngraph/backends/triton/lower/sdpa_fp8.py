@@ -79,13 +79,29 @@ def _tile(extent: int, cap: int, floor: int = MIN_TILE) -> int:
     return max(floor, min(cap, triton.next_power_of_2(max(1, extent))))
 
 
-def tiles_for(which: str, s_q: int, s_kv: int, on_cpu: bool, width: int = 0) -> Fp8Tiles:
+# the tile axis that is the rows (M) of each kernel's dots: query rows in the forward and dQ, keys
+# in dK/dV. On the GPU it keeps the table's size whatever the sequence: a tile shrunk below the
+# rows its warps cover (16 per warp on mma.sync, the chained dots placing every warp along M)
+# ran the fp8 dots on mma.sync with warps replicated over the tile, which gave NaN and dropped
+# keys at Sq 21, Skv 19 on the H200 (2026-11-29); at the table's size they run on wgmma as at
+# every measured shape. The rows past the sequence are masked.
+DOT_ROWS_AXIS = {"forward": "block_m", "dq": "block_m", "dkdv": "block_n"}
+
+
+def tiles_for(which: str, s_q: int, s_kv: int, interpreted: bool, width: int = 0) -> Fp8Tiles:
     """The tiles of kernel `which` for heads `width` wide (max of D and Dv): the GPU's table
-    (shrunk for short sequences), or one interpreter tile size."""
+    (its other axis shrunk for short sequences, DOT_ROWS_AXIS never), or one interpreter tile size."""
     base = (WIDE_GPU_TILES if width > WIDE_HEAD else GPU_TILES)[which]
-    cap_m, cap_n = (INTERPRETER_TILE, INTERPRETER_TILE) if on_cpu else (base.block_m, base.block_n)
     key_floor = MIN_KEY_TILE_DKDV if which == "dkdv" else MIN_TILE
-    return Fp8Tiles(_tile(s_q, cap_m), _tile(s_kv, cap_n, key_floor), base.num_warps, base.num_stages)
+    if interpreted:
+        return Fp8Tiles(_tile(s_q, INTERPRETER_TILE), _tile(s_kv, INTERPRETER_TILE, key_floor), base.num_warps,
+                        base.num_stages)
+    block_m, block_n = _tile(s_q, base.block_m), _tile(s_kv, base.block_n, key_floor)
+    if DOT_ROWS_AXIS[which] == "block_m":
+        block_m = base.block_m
+    else:
+        block_n = base.block_n
+    return Fp8Tiles(block_m, block_n, base.num_warps, base.num_stages)
 
 
 def _roles(node, group) -> tuple:
@@ -168,10 +184,10 @@ def _check(node, roles: dict):
                                    f"2^31 elements (dims {list(tensor.dim)}, strides {list(tensor.stride)})")
 
 
-def _check_width(node, width: int, on_cpu: bool):
+def _check_width(node, width: int, interpreted: bool):
     """The GPU kernels hold [tile, D] float32 accumulators in registers: past MAX_GPU_HEAD_DIM (the
     frontend's limit, and the bf16 kernels') they would spill kilobytes."""
-    if not on_cpu and width > MAX_GPU_HEAD_DIM:
+    if not interpreted and width > MAX_GPU_HEAD_DIM:
         raise UnsupportedError(f"node {node.name!r} ({node.op}): head dims past {MAX_GPU_HEAD_DIM} (got "
                                f"{node.inputs[0].dim[3]} and {node.inputs[2].dim[3]}) have no GPU kernel")
 
@@ -180,9 +196,10 @@ def build_sdpa_fp8(graph, group, context) -> list:
     """The zeroing launch and the kernels of one sdpa_fp8(_backward) node."""
     node = group.anchor
     check_types(node)
-    on_cpu = context.device.type == "cpu"
+    # the target's tiles (BuildOptions.target may plan a GPU's for CPU tensors, run interpreted)
+    interpreted = context.target.interpreted
     width = max(node.inputs[0].dim[3], node.inputs[2].dim[3])
-    _check_width(node, width, on_cpu)
+    _check_width(node, width, interpreted)
     roles, buffers = _roles(node, group)
     _check(node, roles)
     q, k, v = roles["q"], roles["k"], roles["v"]
@@ -205,7 +222,7 @@ def build_sdpa_fp8(graph, group, context) -> list:
     if "delta" in roles:
         launches.append(_delta_launch(group, name, roles, block_dv))
     for which in kernels:
-        tiles = tiles_for(which, s_q, s_kv, on_cpu, width)
+        tiles = tiles_for(which, s_q, s_kv, interpreted, width)
         spec = Fp8AttentionSpec(roles, heads, heads // kv_heads, s_q, s_kv, head_dim, v.dim[3],
                                 node.attrs.scale(head_dim), node.attrs.use_causal_mask,
                                 (tiles.block_m, tiles.block_n, block_d, block_dv))
