@@ -41,9 +41,11 @@ BUILD_ENVIRONMENT = ("DNNGRAPH_CACHE_DIR", "HOME")
 # once at import; interpreting() is in the key), the default of BuildOptions.autotune_top (read
 # when the options are made; the options are in the key), and whether Triton's installation key
 # comes from the cache folder (runtime/triton_key.py: the same key either way); PYTHONPATH is
-# passed on to the process that compiles a shipped plan's binaries (runtime/kernel_binary.py).
+# passed on to the process that compiles a shipped plan's binaries (runtime/kernel_binary.py);
+# DNNGRAPH_POISON_WORKSPACE fills workspaces with NaN bytes when they are made (runtime/launch.py):
+# a test aid that changes memory contents, never a plan.
 IGNORED_ENVIRONMENT = ("DNNGRAPH_LOG", "DNNGRAPH_AUTOTUNE_QUIET", "TRITON_INTERPRET", "DNNGRAPH_INTERPRETER_WORKER",
-                       "DNNGRAPH_AUTOTUNE_TOP", "DNNGRAPH_TRITON_KEY_CACHE", "PYTHONPATH")
+                       "DNNGRAPH_AUTOTUNE_TOP", "DNNGRAPH_TRITON_KEY_CACHE", "PYTHONPATH", "DNNGRAPH_POISON_WORKSPACE")
 
 
 def _environment() -> tuple:
