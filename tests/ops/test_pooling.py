@@ -782,14 +782,7 @@ def test_backward_of_every_stride_padding_and_layout(geometry, mode):
     ties, NaN and infinities included. Strides above 1 own a block of dx per tile position."""
     shape, window, stride, padding, _, dtype = geometry
     x_t, dy_t, indices_t = owned_inputs(geometry, mode, seed=len(shape) + sum(stride))
-    g = dg.Graph(io_data_type=IO_TYPES[dtype])
-    x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
-    inputs = {x: x_t, dy: dy_t}
-    indices = None
-    if mode == "max indexed":
-        indices = g.tensor_like(indices_t, "indices")
-        inputs[indices] = indices_t
-    dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices).set_output(True)
+    g, inputs, dx = _backward_graph(x_t, dy_t, indices_t, mode, (window, stride, padding), IO_TYPES[dtype])
     got = check(g, inputs, dtype)[dx.name]
     if mode.startswith("max"):
         assert torch.equal(got.float(), torch_grad(x_t, dy_t, window, stride, padding))
@@ -878,11 +871,11 @@ def test_gpu_bf16_backward_at_the_benchmark_shape(mode, layout):
     assert "owned=2x2" in g.plan.launches[0].config_text
 
 
-def _gpu_backward_against_torch(x_t, dy_t, indices_t, mode: str, geometry, max_pool):
-    """The pooling backward of `mode` ("max", "max indexed", an average mode) on the GPU against
-    the float64 reference, and a max mode's gradient equal to torch's (`max_pool`); the graph."""
+def _backward_graph(x_t, dy_t, indices_t, mode: str, geometry, io_type):
+    """(graph, bindings, dx) of the pooling backward of `mode` ("max", "max indexed", an average
+    mode) over x_t and dy_t, routed by indices_t in the indexed mode."""
     window, stride, padding = geometry
-    g = dg.Graph(io_data_type=dg.bfloat16)
+    g = dg.Graph(io_data_type=io_type)
     x, dy = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy")
     inputs = {x: x_t, dy: dy_t}
     indices = None
@@ -890,6 +883,14 @@ def _gpu_backward_against_torch(x_t, dy_t, indices_t, mode: str, geometry, max_p
         indices = g.tensor_like(indices_t, "indices")
         inputs[indices] = indices_t
     dx = g.pooling_backward(dy, x, mode.split()[0], window, stride, padding, indices=indices).set_output(True)
+    return g, inputs, dx
+
+
+def _gpu_backward_against_torch(x_t, dy_t, indices_t, mode: str, geometry, max_pool):
+    """The pooling backward of `mode` ("max", "max indexed", an average mode) on the GPU against
+    the float64 reference, and a max mode's gradient equal to torch's (`max_pool`); the graph."""
+    window, stride, padding = geometry
+    g, inputs, dx = _backward_graph(x_t, dy_t, indices_t, mode, geometry, dg.bfloat16)
     got = check(g, inputs, torch.bfloat16, device="cuda", reference_device="cuda")[dx.name]
     if mode.startswith("max"):
         leaf = x_t.float().requires_grad_(True)
