@@ -243,6 +243,14 @@ def _emit_nodes(src: _Source, emitter, nodes):
         src.line(text)
 
 
+def _accumulate_columns(src, spec, tile, suffix: str) -> None:
+    """Add the tile's column sums of each parameter accumulator to `<name><suffix>`."""
+    roles = _roles(spec, tile)
+    for acc in spec.param_accumulators:
+        element = _masked(acc.element.format(**roles), "0.0")
+        src.line(f"{acc.name}{suffix} += tl.sum({element}, axis=0, keep_dims=True)")
+
+
 def _roles(spec, emitter) -> dict:
     """Role -> the value's text in the recipe's kind (an integer recipe reads int64)."""
     kind = spec.recipe.kind
@@ -676,10 +684,7 @@ def _fused_body(src, used):
     _stats_one_pass(src, tile, spec.recipe.stages_for("one_pass"))
     _row_outputs(src, tile, used)
     _tile_outputs(src, tile, used)
-    roles = _roles(spec, tile)
-    for acc in spec.param_accumulators:
-        element = _masked(acc.element.format(**roles), "0.0")
-        src.line(f"{acc.name}_cols += tl.sum({element}, axis=0, keep_dims=True)")
+    _accumulate_columns(src, spec, tile, "_cols")
     src.depth -= 1
     for acc in spec.param_accumulators:
         src.line(f"tl.store(part_{acc.name}_ptr + pid * reduced + part_r[None, :], {acc.name}_cols, "
@@ -726,10 +731,7 @@ def _fused_chunked_body(src, used):
     for chunk in range(chunks):  # dx and the column sums from the same chunks
         tile = _tile_scope(src, rows, used, f"{chunk} * BLOCK_R", "reduced")
         _tile_outputs(src, tile, used)
-        roles = _roles(spec, tile)
-        for acc in spec.param_accumulators:
-            element = _masked(acc.element.format(**roles), "0.0")
-            src.line(f"{acc.name}_cols_{chunk} += tl.sum({element}, axis=0, keep_dims=True)")
+        _accumulate_columns(src, spec, tile, f"_cols_{chunk}")
     src.depth -= 1
     for chunk in range(chunks):
         src.line(f"r_idx = {chunk} * BLOCK_R + tl.arange(0, BLOCK_R)")
