@@ -56,7 +56,9 @@ def _declared_block(x_shape=(2, 19, 23), n=13):
 
 def _inputs(g) -> dict:
     x, w, b = (g.tensor_by_name(name) for name in ("x", "w", "b"))
-    weight = torch.randn(w.dim[0], w.dim[2], w.dim[1]).transpose(1, 2)  # the declared strides
+    # scaled as layers initialise, so h stays O(1): exp(h) turns h's absolute rounding error
+    # into relative error, and at |h| ~ 50 no float32 kernel meets the float32 tolerance on s
+    weight = torch.randn(w.dim[0], w.dim[2], w.dim[1]).transpose(1, 2) / w.dim[1] ** 0.5  # the declared strides
     assert weight.stride() == tuple(w.stride)
     return {"x": torch.randn(x.dim), "w": weight, "b": torch.randn(b.dim)}
 

@@ -1095,7 +1095,7 @@ def test_gpu_bf16_owned_backward_geometries(geometry, mode):
     dy_t = torch.randint(1, 5, indices_t.shape, device="cuda").to(torch.bfloat16) if mode.startswith("max") else \
         sample(tuple(indices_t.shape), torch.bfloat16, "nchw", "cuda")
     dy_t, indices_t = channels_last(dy_t), channels_last(indices_t)
-    _gpu_backward_against_torch(x_t, dy_t, indices_t, mode, (window, stride, padding), MAX_POOLS[len(window) - 1])
+    g = _gpu_backward_against_torch(x_t, dy_t, indices_t, mode, (window, stride, padding), MAX_POOLS[len(window) - 1])
     assert "owned=" in g.plan.launches[0].config_text
 
 
