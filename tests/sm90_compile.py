@@ -118,7 +118,8 @@ def replicated_mma_dots(ttgir: str) -> int:
     warps_along_m = {name: int(warps) for name, warps in re.findall(
         r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 2, [^}]*warpsPerCTA = \[(\d+), \d+\]", ttgir, re.M)}
     count = 0
-    for rows, layout in re.findall(r"= tt\.dot .*-> tensor<(\d+)x\d+xf32, (#mma\d*)>", ttgir):
+    # float accumulators, and int8 dots' int32 ones
+    for rows, layout in re.findall(r"= tt\.dot .*-> tensor<(\d+)x\d+x(?:f32|f16|i32), (#mma\d*)>", ttgir):
         count += layout in warps_along_m and 16 * warps_along_m[layout] > int(rows)
     return count
 
