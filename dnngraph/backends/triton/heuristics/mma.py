@@ -1,7 +1,7 @@
 """How many warps a tensor-core dot tile can use without replicating them over rows it lacks.
 
 Triton 3.6 lays a tl.dot out on NVIDIA tensor cores in one of two ways:
-  wgmma (mma v3)   Hopper; a warpgroup (4 warps) owns 64 rows of the result. Chosen when the
+  wgmma (mma v3)   Hopper (sm_90) only; a warpgroup (4 warps) owns 64 rows of the result. Chosen when the
                    dot's rows are a multiple of 64 and the warps a multiple of 4 (and the
                    operand types and K qualify): then no warp ever sits on missing rows.
   mma.sync (v2)    otherwise; a warp owns a 16 x 8 block of the result. The warps are placed
@@ -27,8 +27,15 @@ WARPGROUP_WARPS = 4
 WARPGROUP_ROWS = 64
 
 
+def has_wgmma(capability) -> bool:
+    """Whether a device of compute `capability` ((major, minor); None: the interpreter) runs
+    dots on wgmma: Hopper alone (other GPUs lay every dot out on mma.sync or, Blackwell, on
+    instructions whose layouts this rule does not model, so it treats them as mma.sync)."""
+    return capability is not None and capability[0] == 9
+
+
 def on_wgmma(rows: int, num_warps: int) -> bool:
-    """Whether a dot of `rows` rows on `num_warps` can take wgmma's layout (Hopper, the
+    """Whether a dot of `rows` rows on `num_warps` can take wgmma's layout on Hopper (the
     operand types and K permitting), which never replicates warps over rows."""
     return rows % WARPGROUP_ROWS == 0 and num_warps % WARPGROUP_WARPS == 0
 
@@ -49,12 +56,13 @@ def lone_dot_warps(rows: int, cols: int, num_warps: int) -> tuple:
     return warps[0], warps[1]
 
 
-def replicates_rows(rows: int, cols: tuple, num_warps: int, chained: bool = False) -> bool:
+def replicates_rows(rows: int, cols: tuple, num_warps: int, chained: bool = False, wgmma: bool = True) -> bool:
     """Whether dot tiles of `rows` rows on `num_warps` put warps on rows they lack on mma.sync.
     `cols` holds the columns of each dot with those rows: lone dots (each laid out by itself),
     or, `chained`, dots sharing one layout through registers, which Triton takes from the first
-    one it lays out: every warp along M when that one has no more columns than rows."""
-    if on_wgmma(rows, num_warps):
+    one it lays out: every warp along M when that one has no more columns than rows. `wgmma`:
+    the device has it (has_wgmma), and tiles fit for it are laid out there."""
+    if wgmma and on_wgmma(rows, num_warps):
         return False
     if chained:
         along_m = num_warps if any(width <= rows for width in cols) else 1
@@ -63,9 +71,9 @@ def replicates_rows(rows: int, cols: tuple, num_warps: int, chained: bool = Fals
     return along_m * WARP_ROWS > rows
 
 
-def fitting_warps(rows: int, cols: tuple, num_warps: int, chained: bool = False) -> int:
+def fitting_warps(rows: int, cols: tuple, num_warps: int, chained: bool = False, wgmma: bool = True) -> int:
     """`num_warps`, halved until no warp of the dot tiles (see replicates_rows) sits on rows
     they lack: a tile's work spread over fewer warps, not repeated on idle ones."""
-    while num_warps > 1 and replicates_rows(rows, cols, num_warps, chained):
+    while num_warps > 1 and replicates_rows(rows, cols, num_warps, chained, wgmma):
         num_warps //= 2
     return num_warps

@@ -14,7 +14,7 @@ from typing import Optional
 
 from ....errors import UnsupportedError
 from ....target import CUDA_GRID_LIMITS, Target, laid_out
-from .mma import fitting_warps
+from .mma import fitting_warps, has_wgmma
 from .pointwise import pow2_at_least
 
 # (head dim at most, BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on a GPU, first
@@ -142,13 +142,16 @@ def forced_attention(options) -> "ForcedAttention":
 NOT_FORCED = ForcedAttention()
 
 
-def _warps_filled(config: AttentionConfig, problem: AttentionProblem, rows: int, cols: tuple) -> AttentionConfig:
-    """`config` on no more warps than its chained dots of `rows` rows fill (heuristics/mma.py):
-    a 32-row query tile on 4 warps laid every warp along the rows, 64 rows of warps for 32, on
-    mma.sync (the bf16 forward at Sq 21, Skv 19, D 16 with the H200's tiles)."""
+def _warps_filled(config: AttentionConfig, problem: AttentionProblem, rows: int, cols: tuple,
+                  target: Target) -> AttentionConfig:
+    """`config` on no more warps than its chained dots of `rows` rows fill on `target`
+    (heuristics/mma.py): a 32-row query tile on 4 warps laid every warp along the rows, 64 rows
+    of warps for 32, on mma.sync (the bf16 forward at Sq 21, Skv 19, D 16 with the H200's
+    tiles); without wgmma, so would a 64-row tile on 8 warps."""
     if problem.fma_dots:
         return config
-    return dataclasses.replace(config, num_warps=fitting_warps(rows, cols, config.num_warps, chained=True))
+    warps = fitting_warps(rows, cols, config.num_warps, chained=True, wgmma=has_wgmma(target.capability))
+    return dataclasses.replace(config, num_warps=warps)
 
 
 def _table_entry(problem: AttentionProblem, target: Target) -> AttentionConfig:
@@ -184,7 +187,8 @@ def _decode_schedule(problem: AttentionProblem, target: Target, budget_bytes,
     reason = (f"decode: {group} query heads x {problem.s_q} rows packed per K/V head, {programs} programs, "
               f"keys in {splits} split(s) of {chunk}")
     heads = head_group(programs, False, target)  # 0 within grid axis y
-    config = _warps_filled(AttentionConfig(block_m, block_n, warps, stages), problem, block_m, (block_n, block_dv))
+    config = _warps_filled(AttentionConfig(block_m, block_n, warps, stages), problem, block_m, (block_n, block_dv),
+                           target)
     return AttentionSchedule(problem, config, block_d, block_dv,
                              grid(splits, programs, heads), reason, True, splits, chunk, head_group=heads)
 
@@ -275,7 +279,7 @@ def schedule(problem: AttentionProblem, target: Target, budget_bytes=None,
     block_d, block_dv = (max(16, pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
     if forced.forward is None and not target.interpreted:
         config = _fit_shared_memory(config, problem, block_d, block_dv, target)
-    config = _warps_filled(config, problem, config.block_m, (config.block_n, block_dv))
+    config = _warps_filled(config, problem, config.block_m, (config.block_n, block_dv), target)
     tiles, heads = -(-problem.s_q // config.block_m), problem.batch * problem.heads
     group = head_group(heads, problem.causal, target, forced.head_group)
     origin = "BuildOptions.sdpa_config" if forced.forward else "table"
@@ -382,12 +386,12 @@ def _fit_backward(which: str, config: AttentionConfig, problem: AttentionProblem
 
 
 def _backward_warps_filled(which: str, config: AttentionConfig, problem: AttentionProblem, block_d: int,
-                           block_dv: int) -> AttentionConfig:
+                           block_dv: int, target: Target) -> AttentionConfig:
     """A backward kernel's config on the warps its dots fill: the dK/dV kernel's dots have the
     key tile's rows (k q^T, v dO^T, then P^T dO and dS^T q), the dQ kernel's the query tile's."""
     if which == "dkdv":
-        return _warps_filled(config, problem, config.block_n, (config.block_m, block_d, block_dv))
-    return _warps_filled(config, problem, config.block_m, (config.block_n, block_d, block_dv))
+        return _warps_filled(config, problem, config.block_n, (config.block_m, block_d, block_dv), target)
+    return _warps_filled(config, problem, config.block_m, (config.block_n, block_d, block_dv), target)
 
 
 def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tuple = (),
@@ -409,7 +413,7 @@ def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tupl
         configs = {which: _fit_backward(which, config, problem, block_d, block_dv, target)
                    for which, config in configs.items()}
     configs.update(forced.backward)
-    configs = {which: _backward_warps_filled(which, config, problem, block_d, block_dv)
+    configs = {which: _backward_warps_filled(which, config, problem, block_d, block_dv, target)
                for which, config in configs.items()}
     if bias_dims:
         configs["dbias"] = configs["dq"]
@@ -458,7 +462,7 @@ def chain_schedule(problem: AttentionProblem, target: Target, which: str = "forw
     if forced.forward is None and _chain_tiles(problem, target):
         block_m, block_n, warps, stages = GPU_CHAIN_TILES[which]
         config = AttentionConfig(min(block_m, config.block_m), block_n, warps, stages)
-        config = _warps_filled(config, problem, config.block_m, (block_n, sched.block_dv))
+        config = _warps_filled(config, problem, config.block_m, (block_n, sched.block_dv), target)
         reason = f"op-level chain: [{config.block_m} queries, {block_n} keys] {which} tiles"
     heads = problem.batch * problem.heads
     group = head_group(heads, False, target)
@@ -477,7 +481,7 @@ def chain_backward_schedule(problem: AttentionProblem, target: Target,
         return sched
     chain_tiles = {which: _backward_warps_filled(which, _fit_backward(which, AttentionConfig(*GPU_CHAIN_TILES[which]),
                                                                       problem, sched.block_d, sched.block_dv, target),
-                                                 problem, sched.block_d, sched.block_dv)
+                                                 problem, sched.block_d, sched.block_dv, target)
                    for which in ("dkdv", "dq")}
     configs = dict(sched.configs, **chain_tiles)
     return dataclasses.replace(sched, configs=configs, reason="op-level chain: " + sched.reason)
