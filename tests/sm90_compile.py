@@ -18,7 +18,8 @@ Triton kernel's spill-store bytes. With SM90_LOOP_LOADS=1 a line `loop_loads LAB
 gives each Triton kernel's count of tile loads inside a loop that its TTGIR still runs
 synchronously (see loop_register_loads). With SM90_MMA_ROWS=1 a line `mma_replicated LABEL KERNEL:
 N` gives each Triton kernel's count of mma.sync dots whose warps cover more rows than the dot has
-(see replicated_mma_dots).
+(see replicated_mma_dots), and a line `mma_layout LABEL KERNEL: [rows, cols, warps along M,
+warps along N, num_warps]` for each of its mma.sync dots (see mma_layouts).
 """
 import importlib
 import json
@@ -118,9 +119,20 @@ def replicated_mma_dots(ttgir: str) -> int:
     warps_along_m = {name: int(warps) for name, warps in re.findall(
         r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 2, [^}]*warpsPerCTA = \[(\d+), \d+\]", ttgir, re.M)}
     count = 0
-    for rows, layout in re.findall(r"= tt\.dot .*-> tensor<(\d+)x\d+xf32, (#mma\d*)>", ttgir):
+    # float accumulators, and int8 dots' int32 ones
+    for rows, layout in re.findall(r"= tt\.dot .*-> tensor<(\d+)x\d+x(?:f32|f16|i32), (#mma\d*)>", ttgir):
         count += layout in warps_along_m and 16 * warps_along_m[layout] > int(rows)
     return count
+
+
+def mma_layouts(ttgir: str) -> list:
+    """(rows, cols, warps along M, warps along N, num_warps) of each dot of a kernel's TTGIR on
+    mma.sync, for tests to hold heuristics/mma.py's model of Triton's placement against."""
+    placed = {name: (int(m), int(n)) for name, m, n in re.findall(
+        r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 2, [^}]*warpsPerCTA = \[(\d+), (\d+)\]", ttgir, re.M)}
+    num_warps = int(re.search(r'"ttg\.num-warps" = (\d+)', ttgir).group(1))
+    return [(int(rows), int(cols), *placed[layout], num_warps) for rows, cols, layout in re.findall(
+        r"= tt\.dot .*-> tensor<(\d+)x(\d+)x(?:f32|f16|i32), (#mma\d*)>", ttgir) if layout in placed]
 
 
 def facts(compiled) -> dict:
@@ -173,6 +185,8 @@ def main(spec: str):
                 print(f"spills {label} {launch.kernel.__name__}: {spill_bytes(compiled.asm['ptx'])}")
             if os.environ.get("SM90_MMA_ROWS") == "1" and not _is_gluon(launch.kernel):
                 print(f"mma_replicated {label} {launch.kernel.__name__}: {replicated_mma_dots(compiled.asm['ttgir'])}")
+                for layout in mma_layouts(compiled.asm["ttgir"]):
+                    print(f"mma_layout {label} {launch.kernel.__name__}: {json.dumps(layout)}")
             if os.environ.get("SM90_LOOP_LOADS") == "1" and not _is_gluon(launch.kernel):
                 print(f"loop_loads {label} {launch.kernel.__name__}: {loop_register_loads(compiled.asm['ttgir'])}")
             count += 1
