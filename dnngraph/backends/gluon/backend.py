@@ -71,6 +71,7 @@ class GluonConfig:
     tma_store: bool = True
     group_m: int = GROUP_M
     schedule: str = "cooperative"
+    epilogue_loop: bool = False  # the column subtiles in a loop (one copy of their code), else unrolled
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -370,7 +371,8 @@ class GluonBackend:
                     config.schedule) == (asked.block_m, asked.block_n, asked.stages, asked.consumers,
                                          asked.epilogue_n, asked.schedule) and config.block_k in (
                     asked.block_k, block_k_for(asked, in_bytes)):
-                return offer
+                # how the epilogue walks its subtiles changes neither the fit nor the model
+                return replace(offer, config=replace(config, epilogue_loop=asked.epilogue_loop))
         raise UnsupportedError(f"{problem.where}: gluon config {candidate.config.text} is not one this problem "
                                f"can run on {target.name} (its store path or shared memory)")
 
@@ -414,7 +416,8 @@ class GluonBackend:
                       "BATCHED_C": batch > 1, "TMA_STORE": config.tma_store, "EPILOGUE_N": config.epilogue_n,
                       "PRODUCER_REGS": PRODUCER_REGS,
                       "CONSUMER_REGS": CONSUMER_REGS, "B_K_MAJOR": bool(k_major), "SCALE_A": scale_a is not None,
-                      "SCALE_B": scale_b is not None, "PINGPONG": config.pingpong}
+                      "SCALE_B": scale_b is not None, "PINGPONG": config.pingpong,
+                      "EPILOGUE_LOOP": config.epilogue_loop}
         stem = f"dnngraph_gluon_{group.kind}_{group.nodes[-1].op}"
         source = codegen.render(stem, group.summary(), gemm, c, tuple(group.epilogue), tuple(out.dim), constexprs,
                                 problem.fast_math)
