@@ -95,9 +95,11 @@ def spill_bytes(ptx: str) -> int:
 
 
 def sass_facts(cubin: bytes) -> dict:
-    """The kernel's SASS size (instructions, and their bytes: 16 each on sm_90) and the registers
-    a thread the cubin declares (cuobjdump -res-usage; a warp-specialized kernel's partitions
-    then move registers with setmaxnreg)."""
+    """The kernel's SASS size (instructions, and their bytes: 16 each on sm_90), its MUFU
+    instructions (the special-function unit's: ex2, rcp, tanh... an epilogue's transcendentals, so
+    their count says how many copies of that code the kernel holds) and the registers a thread
+    the cubin declares (cuobjdump -res-usage; a warp-specialized kernel's partitions then move
+    registers with setmaxnreg)."""
     import subprocess
     import tempfile
     from triton.backends.nvidia.compiler import get_ptxas
@@ -110,7 +112,7 @@ def sass_facts(cubin: bytes) -> dict:
         usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
     instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/ ", sass, re.M))
     registers = re.search(r"REG:(\d+)", usage)
-    return {"instructions": instructions, "bytes": 16 * instructions,
+    return {"instructions": instructions, "bytes": 16 * instructions, "mufu": len(re.findall(r" MUFU\.", sass)),
             "registers": int(registers.group(1)) if registers else None}
 
 

@@ -182,7 +182,7 @@ CODE_SIZE_EPILOGUES = {"bias": _bias_act(None), "bias_relu": _bias_act("relu"),
 CODE_SIZE_CONFIGS = {"128x256s4": GluonConfig(128, 256, 64, 4, 2), "128x128s6": GluonConfig(128, 128, 64, 6, 2)}
 
 
-def code_size_cases(loops=(False, True)):
+def code_size_cases(loops=(False, True), epilogues=tuple(CODE_SIZE_EPILOGUES)):
     """(label, launches, dtypes) of bf16 4096^3 matmuls with CODE_SIZE_EPILOGUES (bf16 output: the
     16-bit GELU) under CODE_SIZE_CONFIGS, the heavy-epilogue filter lifted, the epilogue's
     subtiles unrolled and in a loop (GluonConfig.epilogue_loop); labels
@@ -191,7 +191,8 @@ def code_size_cases(loops=(False, True)):
     saved = gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS
     gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS = 1 << 20
     try:
-        for epilogue, build in CODE_SIZE_EPILOGUES.items():
+        for epilogue in epilogues:
+            build = CODE_SIZE_EPILOGUES[epilogue]
             g = dg.Graph(name="code_size", io_data_type=dg.bfloat16)
             a = g.tensor(name="a", dim=[4096, 4096])
             b = g.tensor(name="b", dim=[4096, 4096])
@@ -204,3 +205,8 @@ def code_size_cases(loops=(False, True)):
                     yield label, lowered(g, forced), dtypes
     finally:
         gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS = saved
+
+
+def code_size_test_cases():
+    """code_size_cases of bias alone (the kernel's own MUFU instructions) and the two GELUs."""
+    yield from code_size_cases(epilogues=("bias", "bias_gelu_tanh", "bias_gelu"))

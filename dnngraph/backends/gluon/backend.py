@@ -71,7 +71,10 @@ class GluonConfig:
     tma_store: bool = True
     group_m: int = GROUP_M
     schedule: str = "cooperative"
-    epilogue_loop: bool = False  # the column subtiles in a loop (one copy of their code), else unrolled
+    # the epilogue's column subtiles (epilogue_n wide) in a loop, their code in the kernel once
+    # (library.finish_tile), else unrolled; both compile without spills, the GPU timing of each is
+    # benchmarks/bench_gelu_epilogue.py --epilogue-walk both (issue 28)
+    epilogue_loop: bool = True
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -92,8 +95,9 @@ class GluonConfig:
     def text(self) -> str:
         store = "tma-store" if self.tma_store else "pointer-store"
         schedule = " schedule=pingpong" if self.pingpong else ""  # the cooperative text as it was
+        unrolled = "" if self.epilogue_loop else " epilogue-unrolled"  # the looped text as it was
         return (f"gluon warp-specialized {self.block_m}x{self.block_n}x{self.block_k} stages={self.stages} "
-                f"consumers={self.consumers} epilogue-n={self.epilogue_n} {store}{schedule}")
+                f"consumers={self.consumers} epilogue-n={self.epilogue_n}{unrolled} {store}{schedule}")
 
 
 # the configs offered, before the shared-memory fit (each consumer's accumulator is at most
@@ -227,7 +231,7 @@ class GluonBackend:
     """The contract over library.py and codegen.py, for matmul groups on sm_90."""
 
     name = "gluon"
-    version = f"dnngraph {__version__}, triton {triton.__version__}, gluon matmul 1, gluon attention 1"
+    version = f"dnngraph {__version__}, triton {triton.__version__}, gluon matmul 2, gluon attention 1"
     families = frozenset({"matmul", "sdpa"})  # sdpa: attention_backend.py (dispatched by family)
     interpretable = False
     prologue_stored_apart = frozenset()
