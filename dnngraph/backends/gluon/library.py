@@ -22,8 +22,10 @@ epilogue, and calls matmul() below with them.
 - Cooperative (the default schedule): CONSUMERS (1 or 2) 4-warp warpgroups each own
   BLOCK_M // CONSUMERS rows of every tile: they wait for a slot, issue an async wgmma (one in
   flight), release the previous slot, and run the epilogue: accumulator -> fused epilogue (the
-  generated function) -> cast -> store. The store goes through shared memory and TMA where the
-  output is dense and aligned (TMA_STORE), else through masked pointer stores.
+  generated function) -> cast -> store, in column subtiles of EPILOGUE_N walked by a loop (the
+  epilogue's code in the kernel once) or unrolled (EPILOGUE_LOOP; finish_tile). The store goes
+  through shared memory and TMA where the output is dense and aligned (TMA_STORE), else through
+  masked pointer stores.
 - Ping-pong (PINGPONG): two consumer warpgroups each own WHOLE tiles (all BLOCK_M rows):
   consumer 0 the program's even tiles (its 0th, 2nd, ...), consumer 1 the odd ones, so one
   consumer's epilogue runs while the other's mainloop keeps the tensor cores busy. The producer
