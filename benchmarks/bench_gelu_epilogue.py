@@ -18,6 +18,7 @@ checked against a float32 torch reference before timing. TFLOP/s over 2*M*N*K; "
 anchor's time over the config's (above 1: dnngraph faster). "cuBLAS mm" is torch.mm without a bias
 or activation: the GEMM alone, what an epilogue costs is the gap to it.
 
+--configs: the columns (default: the three above; also the ping-pong configs, "pp ...").
 --epilogue-walk: the configs' epilogues walk their column subtiles in a loop (the default build,
 "loop"), unrolled ("unrolled", the kernel before issue 28's loop), or both (each config twice,
 "/loop" and "/unrol" columns).
@@ -48,6 +49,9 @@ SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)]
 CONFIGS = {"128x256 s4": GluonConfig(128, 256, 64, 4, 2), "128x256 s3": GluonConfig(128, 256, 64, 3, 2),
            "128x128 s6": GluonConfig(128, 128, 64, 6, 2)}
 EPILOGUES = ("none", "relu", "gelu_tanh", "gelu")
+# more configs --configs may name: the ping-pong ones (PINGPONG_CONFIGS), offered by no default build
+EXTRA_CONFIGS = {"pp 128x128 s4": gluon_backend.PINGPONG_CONFIGS[0], "pp 64x256 s4": gluon_backend.PINGPONG_CONFIGS[1]}
+ALL_CONFIGS = {**CONFIGS, **EXTRA_CONFIGS}
 WALKS = {"loop": (True, ), "unrolled": (False, ), "both": (True, False)}
 MAX_ERROR = 1e-2
 WARMUP_MS, REP_MS = 10, 40
@@ -76,14 +80,20 @@ def anchor(a, b, bias, epilogue):
 def forced(config: GluonConfig, m, n, k, epilogue, inputs, expected):
     """(ms, config text, fast math?) of the gluon kernel under `config`, its output checked."""
     a, b, bias = inputs
-    saved = gluon_backend.CONFIGS, gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS
-    gluon_backend.CONFIGS, gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS = (config,), 1 << 20
+    names = ("CONFIGS", "PINGPONG_CONFIGS", "OFFER_PINGPONG", "HEAVY_EPILOGUE_ACCUMULATORS")
+    saved = {name: getattr(gluon_backend, name) for name in names}
+    offered = {"CONFIGS": () if config.pingpong else (config, ),
+               "PINGPONG_CONFIGS": (config, ) if config.pingpong else (), "OFFER_PINGPONG": config.pingpong,
+               "HEAVY_EPILOGUE_ACCUMULATORS": 1 << 20}
     try:
+        for name, value in offered.items():
+            setattr(gluon_backend, name, value)
         plan_cache.clear()
         graph, (ta, tb, tbias, ty) = build_graph(m, n, k, epilogue)
         graph.build(options=dg.BuildOptions(backends=("gluon",)))
     finally:
-        gluon_backend.CONFIGS, gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS = saved
+        for name, value in saved.items():
+            setattr(gluon_backend, name, value)
     y = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     bindings = {ta: a, tb: b, tbias: bias.view(1, n), ty: y}
     graph.execute(bindings)
@@ -91,6 +101,8 @@ def forced(config: GluonConfig, m, n, k, epilogue, inputs, expected):
     if not error < MAX_ERROR:
         raise AssertionError(f"{config} {epilogue}: relative error {error:.2e}")
     launch = graph.plan.launches[0]
+    if ("epilogue-unrolled" in launch.config_text) == config.epilogue_loop:
+        raise AssertionError(f"{config} ran as {launch.config_text}")
     fast = "_fast(" in open(launch.source_path).read()
     return median_ms(lambda: graph.execute(bindings), warmup=WARMUP_MS, rep=REP_MS), launch.config_text, fast
 
@@ -103,7 +115,7 @@ def walked_configs(walk: str, names=tuple(CONFIGS)) -> dict:
     """column name -> config: those of CONFIGS `names` gives, each with the epilogue walks `walk`
     names (WALKS)."""
     loops = WALKS[walk]
-    chosen = {name: CONFIGS[name] for name in names}
+    chosen = {name: ALL_CONFIGS[name] for name in names}
     if len(loops) == 1:
         return {name: replace(config, epilogue_loop=loops[0]) for name, config in chosen.items()}
     return {f"{name}/{'loop' if loop else 'unrol'}": replace(config, epilogue_loop=loop)
@@ -145,8 +157,8 @@ def run(shapes, precise: bool, epilogues=EPILOGUES, walk: str = "loop", config_n
 
 
 def config_list(text: str) -> tuple:
-    """CONFIGS names from "128x256s4,128x128s6" (spaces optional)."""
-    by_key = {name.replace(" ", ""): name for name in CONFIGS}
+    """ALL_CONFIGS names from "128x256s4,128x128s6,pp128x128s4" (spaces optional)."""
+    by_key = {name.replace(" ", ""): name for name in ALL_CONFIGS}
     keys = [key.replace(" ", "") for key in text.split(",") if key.strip()]
     if not keys or any(key not in by_key for key in keys):
         raise argparse.ArgumentTypeError(f"configs are of {', '.join(by_key)}, not {text!r}")
@@ -170,7 +182,8 @@ def main():
     parser.add_argument("--epilogue-walk", choices=sorted(WALKS), default="loop",
                         help="the subtiles of each config's epilogue in a loop, unrolled, or each config both ways")
     parser.add_argument("--configs", type=config_list, default=tuple(CONFIGS),
-                        help="comma-separated, of " + ",".join(name.replace(" ", "") for name in CONFIGS))
+                        help="comma-separated, of " + ",".join(name.replace(" ", "") for name in ALL_CONFIGS)
+                        + " (default: the first three; pp: ping-pong)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     started = time.perf_counter()
