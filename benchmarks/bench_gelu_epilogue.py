@@ -18,7 +18,8 @@ checked against a float32 torch reference before timing. TFLOP/s over 2*M*N*K; "
 anchor's time over the config's (above 1: dnngraph faster). "cuBLAS mm" is torch.mm without a bias
 or activation: the GEMM alone, what an epilogue costs is the gap to it.
 
---configs: the columns (default: the three above; also the ping-pong configs, "pp ...").
+--configs: the columns (default: the three above; also the ping-pong configs, "pp ..."), each
+under every subtile width --epilogue-n gives (a config's own where none is given).
 --epilogue-walk: the configs' epilogues walk their column subtiles in a loop (the default build,
 "loop"), unrolled ("unrolled", the kernel before issue 28's loop), or both (each config twice,
 "/loop" and "/unrol" columns).
@@ -111,21 +112,25 @@ def tflops(m, n, k, ms):
     return 2 * m * n * k / ms / 1e9
 
 
-def walked_configs(walk: str, names=tuple(CONFIGS)) -> dict:
-    """column name -> config: those of CONFIGS `names` gives, each with the epilogue walks `walk`
-    names (WALKS)."""
+def walked_configs(walk: str, names=tuple(CONFIGS), widths=()) -> dict:
+    """column name -> config: those of ALL_CONFIGS `names` gives, with each subtile width of
+    `widths` (none: each config's own; those that do not divide a config's BLOCK_N into 1, 2 or
+    4 subtiles are left out), each with the epilogue walks `walk` names (WALKS)."""
     loops = WALKS[walk]
     chosen = {name: ALL_CONFIGS[name] for name in names}
+    if widths:
+        chosen = {f"{name} e{width}": replace(config, epilogue_n=width) for name, config in chosen.items()
+                  for width in widths if config.block_n % width == 0 and config.block_n // width in (1, 2, 4)}
     if len(loops) == 1:
         return {name: replace(config, epilogue_loop=loops[0]) for name, config in chosen.items()}
     return {f"{name}/{'loop' if loop else 'unrol'}": replace(config, epilogue_loop=loop)
             for name, config in chosen.items() for loop in loops}
 
 
-def run(shapes, precise: bool, epilogues=EPILOGUES, walk: str = "loop", config_names=tuple(CONFIGS)):
+def run(shapes, precise: bool, epilogues=EPILOGUES, walk: str = "loop", config_names=tuple(CONFIGS), widths=()):
     variants = [(e, True) for e in epilogues] + ([(e, False) for e in ("gelu_tanh", "gelu") if e in epilogues]
                                                  if precise else [])
-    configs = walked_configs(walk, config_names)
+    configs = walked_configs(walk, config_names, widths)
     print("| M x N x K | epilogue | math | cuBLAS mm | cuBLASLt epi | " + " | ".join(configs) + " | best vs Lt |")
     print("|---|---|---|---|---|" + "---|" * len(configs) + "---|")
     for m, n, k in shapes:
@@ -184,12 +189,14 @@ def main():
     parser.add_argument("--configs", type=config_list, default=tuple(CONFIGS),
                         help="comma-separated, of " + ",".join(name.replace(" ", "") for name in ALL_CONFIGS)
                         + " (default: the first three; pp: ping-pong)")
+    parser.add_argument("--epilogue-n", type=lambda text: tuple(int(w) for w in text.split(",")), default=(),
+                        help="comma-separated subtile widths, each config under each (default: its own, 64)")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     started = time.perf_counter()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, dnngraph {dg.__version__}")
     print("cells: TFLOP/s (cuBLASLt time / config time)\n")
-    run(args.shapes or SHAPES, args.precise, args.epilogues, args.epilogue_walk, args.configs)
+    run(args.shapes or SHAPES, args.precise, args.epilogues, args.epilogue_walk, args.configs, args.epilogue_n)
     print(f"\n{time.perf_counter() - started:.0f} s")
 
 
