@@ -35,8 +35,8 @@ import dnngraph as dg
 from dnngraph.backends import registry
 from dnngraph.backends.contract import Backend
 from dnngraph.backends.gluon.backend import (CONFIGS, GLUON, HEAVY_EPILOGUE_ACCUMULATORS, LAUNCH_SECONDS,
-                                             PINGPONG_CONFIGS, GluonConfig, accumulators_per_thread, heavy_epilogue,
-                                             shared_bytes)
+                                             LOOPED_EPILOGUE_REGISTERS, PINGPONG_CONFIGS, GluonConfig,
+                                             accumulators_per_thread, heavy_epilogue, looped_epilogue, shared_bytes)
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200, INTERPRETER
 
@@ -81,7 +81,10 @@ def test_a_looped_epilogue_holds_its_code_once():
     of 64) and 128x128 (2)."""
     output = compiled_for_sm90("gluon_cases:code_size_test_cases", timeout=1200, env={"SM90_SASS": "1"})
     facts, sass = _facts(output), _facts(output, "sass")
-    assert len(sass) == 12 and set(sass) == set(facts)
+    assert len(sass) == 13 and set(sass) == set(facts)
+    # asked for a loop past its registers: unrolled, each accumulator's code once, as at e64 unrolled
+    wide = "code/bias_gelu_tanh/128x256s4/e128/loop"
+    assert sass[wide]["mufu"] == sass["code/bias_gelu_tanh/128x256s4/e64/unrolled"]["mufu"]
     assert all(found["spill_stores"] == 0 for found in facts.values()), facts
     for config in ("128x256s4", "128x128s6"):
         splits = {"128x256s4": 4, "128x128s6": 2}[config]
@@ -153,6 +156,26 @@ def test_the_epilogue_walk_is_plain_data_in_the_config():
             assert values["EPILOGUE_LOOP"] is loop and values["PINGPONG"] is config.pingpong
             assert values["EPILOGUE_N"] == config.epilogue_n
             assert ("epilogue-unrolled" in launch.config_text) is not loop
+
+
+def test_a_heavy_epilogue_loops_where_its_registers_allow(monkeypatch):
+    """Every config offered to a heavy epilogue, and every ping-pong one, keeps the looped walk;
+    one whose accumulators and two subtiles pass LOOPED_EPILOGUE_REGISTERS (128x256 in 128-column
+    subtiles) runs a heavy epilogue unrolled, a light one looped."""
+    import dnngraph.backends.gluon.backend as gluon_backend
+    heavy_graph = graph("bf16", "bias_row_gelu", "batched", 300, 520, 136)
+    _, problem = matmul_group(heavy_graph)
+    assert heavy_epilogue(problem)
+    for config in [c.config for c in GLUON.candidates(problem, H100)] + list(PINGPONG_CONFIGS):
+        assert looped_epilogue(config, heavy=True), config.text
+    wide = GluonConfig(128, 256, 64, 4, 2, epilogue_n=128)
+    assert accumulators_per_thread(wide) + 2 * 64 > LOOPED_EPILOGUE_REGISTERS
+    monkeypatch.setattr(gluon_backend, "CONFIGS", (wide, ))
+    monkeypatch.setattr(gluon_backend, "HEAVY_EPILOGUE_ACCUMULATORS", 1 << 20)
+    for g, loops in ((heavy_graph, False), (graph("bf16", "bias", "batched", 300, 520, 136), True)):
+        for launch in (lowered(g, wide)[0], lowered(g)[0]):  # from outside, and offered
+            assert _constexprs(launch)["EPILOGUE_LOOP"] is loops
+            assert ("epilogue-unrolled" in launch.config_text) is not loops
 
 
 def test_candidates_fit_shared_memory_and_carry_estimates():
