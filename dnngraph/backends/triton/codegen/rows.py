@@ -203,20 +203,23 @@ def _tile_mask(tag: str) -> str:
     return f"r{tag}_tile_mask" if tag else "tile_mask"
 
 
-def _pointer(src: _Source, op, kind: str, tag: str = ""):
+def _pointer(src: _Source, op, kind: str, tag: str = "", k_tag: str = ""):
+    """Pointer and mask of an operand's tile: `tag` names a second set of R indices (a
+    prefetched chunk), `k_tag` a second set of K indices (a prefetched row block)."""
     ident = src.ident[op.uid]
-    k = f"{ident}_k[:, None]" if any(op.k_strides) else None
+    k = f"{ident}_k{k_tag}[:, None]" if any(op.k_strides) else None
     r = f"{ident}_r{tag}[None, :]" if any(op.r_strides) else None
     terms = [t for t in (k, r) if t]
     pointer = " + ".join([f"{ident}_ptr"] + terms)
-    mask = {"tile": _tile_mask(tag), "row": "k_mask[:, None]", "col": f"r{tag}_mask[None, :]",
+    tile_mask = f"k{k_tag}_mask[:, None] & r_mask[None, :]" if k_tag else _tile_mask(tag)
+    mask = {"tile": tile_mask, "row": f"k{k_tag}_mask[:, None]", "col": f"r{tag}_mask[None, :]",
             "scalar": None}[kind]
     return pointer, mask
 
 
-def _load_text(src: _Source, op, kind: str, tag: str = "") -> str:
+def _load_text(src: _Source, op, kind: str, tag: str = "", k_tag: str = "") -> str:
     """The raw tl.load of an operand (evict-first in a streaming pass's tiles)."""
-    pointer, mask = _pointer(src, op, kind, tag)
+    pointer, mask = _pointer(src, op, kind, tag, k_tag)
     if not mask:
         return f"tl.load({pointer}{SCALAR_AS_TILE})"
     hint = ', eviction_policy="evict_first"' if src.spec.streaming and kind in TILE_KINDS else ""
@@ -646,19 +649,68 @@ def _fused_rows(src):
 
 def _fused_row_trip(src, used):
     """The head of a fused program's trip over BLOCK_K rows: K indices, mask and offsets."""
-    geo = src.spec.schedule.geometry
     src.line("for k_start in range(row_begin, row_end, BLOCK_K):")
     src.depth += 1
-    src.line("k_idx = k_start + tl.arange(0, BLOCK_K)")
-    src.line("k_mask = k_idx < row_end")
-    _decompose(src, "k", "k_idx", geo.k_sizes)
-    _offsets(src, used, "k")
+    _fused_row_indices(src, used, "k_start")
+
+
+def _fused_row_indices(src, used, start: str, tag: str = ""):
+    """K indices, mask and operand offsets of the row block at `start` (within this program's
+    rows); `tag` names a second set (a prefetched row block)."""
+    geo = src.spec.schedule.geometry
+    src.line(f"k{tag}_idx = {start} + tl.arange(0, BLOCK_K)")
+    src.line(f"k{tag}_mask = k{tag}_idx < row_end")
+    _decompose(src, "k", f"k{tag}_idx", geo.k_sizes, tag)
+    _offsets(src, used, "k", tag)
+
+
+def _row_slot(ident: str, ahead: int) -> str:
+    """The variable holding an operand's raw row block `ahead` trips past the current one."""
+    return f"{ident}_ahead{ahead}"
+
+
+def _prefetch_rows(src, loads, start: str, ahead: int):
+    """Issue the raw loads of the row block at `start` into the operands' slot `ahead` (rows
+    past this program's are masked: no memory traffic)."""
+    _fused_row_indices(src, loads, start, "_next")
+    for op in loads:
+        text = _load_text(src, op, src.spec.kinds[op.uid], k_tag="_next")
+        src.line(f"{_row_slot(src.ident[op.uid], ahead)} = {text}")
+
+
+def _fused_prefetched_trip(src, used, top):
+    """The head of a fused program's trip over BLOCK_K one-tile rows whose loads were issued
+    `spec.prefetch` trips earlier: the slots shift, the farthest block's loads are issued
+    before this block's reductions (Triton pipelines no plain loads: unprefetched, a program
+    with one row block in flight waits on every row), and the held values are bound; returns
+    the trip's emitter."""
+    spec = src.spec
+    loads = [op for op in used if op.uid in spec.loads and spec.kinds[op.uid] in ("row", "tile")]
+    for ahead in range(1, spec.prefetch + 1):
+        _prefetch_rows(src, loads, f"row_begin + {ahead - 1} * BLOCK_K", ahead)
+    src.line("for k_start in range(row_begin, row_end, BLOCK_K):")
+    src.depth += 1
+    for op in loads:
+        ident = src.ident[op.uid]
+        src.line(f"{ident}_held = {_row_slot(ident, 1)}")
+        for ahead in range(1, spec.prefetch):
+            src.line(f"{_row_slot(ident, ahead)} = {_row_slot(ident, ahead + 1)}")
+    _prefetch_rows(src, loads, f"k_start + {spec.prefetch} * BLOCK_K", spec.prefetch)
+    _fused_row_indices(src, used, "k_start")
+    src.line("tile_mask = k_mask[:, None] & r_mask[None, :]")
+    tile = src.emitter(top)
+    for op in loads:
+        ident = src.ident[op.uid]
+        src.line(f"{ident} = {tile.loaded(ident + '_held', op.data_type)}")
+        tile.bind(op.uid, ident, kind_of(op.data_type))
+    return tile
 
 
 def _fused_body(src, used):
     """Fused norm backward: this program's contiguous block of rows, BLOCK_K rows a trip, each
     whole row one tile; dx stored per trip, the parameter sums folded over the trips' rows into
-    [1, BLOCK_R] columns and stored once as this program's row of the partials. Rows wider
+    [1, BLOCK_R] columns and stored once as this program's row of the partials; with
+    `spec.prefetch`, the next row blocks' loads are in flight while a trip reduces. Rows wider
     than BLOCK_R take the chunked form (_fused_chunked_body)."""
     spec = src.spec
     geo = spec.schedule.geometry
@@ -676,10 +728,13 @@ def _fused_body(src, used):
     _load_inputs(src, top, used, ("col", "scalar"))
     for acc in spec.param_accumulators:
         src.line(f"{acc.name}_cols = tl.zeros([1, BLOCK_R], tl.float32)")
-    _fused_row_trip(src, used)
-    src.line("tile_mask = k_mask[:, None] & r_mask[None, :]")
-    tile = src.emitter(top)
-    _load_inputs(src, tile, used, ("row", "tile"))
+    if spec.prefetch:
+        tile = _fused_prefetched_trip(src, used, top)
+    else:
+        _fused_row_trip(src, used)
+        src.line("tile_mask = k_mask[:, None] & r_mask[None, :]")
+        tile = src.emitter(top)
+        _load_inputs(src, tile, used, ("row", "tile"))
     _emit_nodes(src, tile, spec.group.prologue)
     _stats_one_pass(src, tile, spec.recipe.stages_for("one_pass"))
     _row_outputs(src, tile, used)

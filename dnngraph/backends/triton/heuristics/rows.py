@@ -434,9 +434,28 @@ FUSED_MAX_CHUNKS = 16
 FUSED_LOOP_PREFETCH = 2
 
 
+# Values of dy (and of x) a one-tile fused program keeps loading ahead of the row block it
+# reduces, in whole blocks (at least one). Unprefetched, a program (one per SM at 16 warps: 80
+# registers compiled for sm_90) had one block of dy and x in flight and none while it reduced:
+# layernorm / rmsnorm 4096x4096 bf16 ran at 69 / 59 us (35% / 41% of copy, H200 2026-11-29,
+# BENCHMARKS.md). 8192 values (two blocks of 4096, 32 KB of dy and x) cover the ~36 KB per SM
+# HBM wants at 4.8 TB/s; compiled for sm_90 at 16 warps: 96 registers at 4096, 127 at 8192 (one
+# block ahead; two spilled 44 bytes). Reasoned, not yet timed: benchmarks/sweep_rows.py
+# norm_bwd_*_4096x4096 times 0 (off), 4096 and 16384.
+FUSED_ROW_PREFETCH_VALUES = 8192
+# ... and no more than two blocks: short rows' tiles of 2048 (rmsnorm 16x100 at 8 warps) took
+# 191 registers four blocks ahead.
+FUSED_ROW_PREFETCH_MAX = 2
+
+
 def fused_prefetch(config: RowConfig, geo: RowGeometry) -> int:
-    """Chunks the chunked fused kernel's row-sum loop loads ahead (0 for a one-tile row)."""
-    return FUSED_LOOP_PREFETCH if config.block_r < (geo.source_reduced or geo.reduced) else 0
+    """Loads the fused kernel keeps in flight ahead: chunks of the chunked form's row-sum loop,
+    row blocks of the one-tile form."""
+    if config.block_r < (geo.source_reduced or geo.reduced):
+        return FUSED_LOOP_PREFETCH
+    if not FUSED_ROW_PREFETCH_VALUES:
+        return 0
+    return min(FUSED_ROW_PREFETCH_MAX, max(1, FUSED_ROW_PREFETCH_VALUES // (config.block_k * config.block_r)))
 
 
 def _pow2_at_most(value: int) -> int:
