@@ -9,7 +9,9 @@ Kernel shapes, all over [BLOCK_K rows, BLOCK_R reduced] tiles:
   apply    split mode, pass 3: element outputs from the stashed statistics;
   fused    norm backward (layernorm, rmsnorm): each program walks a contiguous block of rows,
            stores dx per row and folds dscale/dbias into column sums held in registers, stored
-           as one row of [programs, C] partials that the combine shape sums in program order.
+           as one row of [programs, C] partials that the combine shape sums in program order;
+  persistent  one-pass rows walked as the fused shape walks them (the next blocks' loads in
+           flight, R-only operands loaded once per program), without column sums.
 Column splits (K contiguous) prefetch tiles in the partial and apply loops, and their apply
 walks programs and chunks last to first, so it starts on what the partial pass read last.
 Fused prologue nodes run wherever the tile is loaded, epilogue nodes before each store, both
@@ -724,8 +726,14 @@ def _fused_body(src, used):
     _decompose(src, "r", "r_idx", geo.r_sizes)
     _offsets(src, used, "r")
     _part_offsets(src, "r")
-    # loop invariants: the parameters (and anything constant along K) are read once per program
-    _load_inputs(src, top, used, ("col", "scalar"))
+    # loop invariants: what is constant along K is read once per program, the operands along R
+    # that the statistics read (a backward's scale) too; those only the element outputs read (a
+    # forward's scale and bias) are read per trip after the reductions (from L2): held across
+    # the loop, layernorm's two rows of 16384 at 16 warps took 64 registers and spilled
+    _load_inputs(src, top, used, ("scalar",))
+    columns = [op for op in used if op.uid in spec.loads and spec.kinds[op.uid] == "col"]
+    late = _read_after_statistics(spec, columns)
+    _load_inputs(src, top, [op for op in columns if op not in late], ("col",))
     for acc in spec.param_accumulators:
         src.line(f"{acc.name}_cols = tl.zeros([1, BLOCK_R], tl.float32)")
     if spec.prefetch:
@@ -738,12 +746,25 @@ def _fused_body(src, used):
     _emit_nodes(src, tile, spec.group.prologue)
     _stats_one_pass(src, tile, spec.recipe.stages_for("one_pass"))
     _row_outputs(src, tile, used)
+    _load_inputs(src, tile, late, ("col",))
     _tile_outputs(src, tile, used)
     _accumulate_columns(src, spec, tile, "_cols")
     src.depth -= 1
     for acc in spec.param_accumulators:
         src.line(f"tl.store(part_{acc.name}_ptr + pid * reduced + part_r[None, :], {acc.name}_cols, "
                  f"mask=r_mask[None, :])")
+
+
+def _read_after_statistics(spec, operands) -> list:
+    """The `operands` that neither the prologue nor the statistics read: loads that can wait
+    until the element outputs need them."""
+    early = {t.uid for node in spec.group.prologue for t in node.input_tensors()}
+    statements = [text for accumulators, finalize in spec.recipe.stages_for("one_pass")
+                  for text in [acc.element for acc in accumulators] + list(finalize)]
+    statements += list(spec.recipe.row_outputs.values())
+    early |= {uid for role, uid in spec.recipe.roles.items()
+              if any("{" + role + "}" in text for text in statements)}
+    return [op for op in operands if op.uid not in early]
 
 
 def _fused_chunked_body(src, used):
@@ -798,7 +819,18 @@ def _fused_chunked_body(src, used):
                      f"mask=r_mask[None, :])")
 
 
-BODIES = {"main": _main_body, "apply": _apply_body, "partial": _partial_body, "combine": _combine_body,
+def _persistent_body(src, used):
+    """Persistent one-pass rows: the fused walk (this program's contiguous block of rows, the
+    next blocks' loads in flight, the operands along R only loaded once) with no column sums."""
+    spec = src.spec
+    geo = spec.schedule.geometry
+    if spec.schedule.config.block_r < (geo.source_reduced or geo.reduced) or spec.param_accumulators:
+        raise UnsupportedError(f"{spec.description}: a persistent row kernel holds whole rows (BLOCK_R "
+                               f"{spec.schedule.config.block_r} < {geo.source_reduced or geo.reduced} reduced)")
+    _fused_body(src, used)
+
+
+BODIES = {"persistent": _persistent_body, "main": _main_body, "apply": _apply_body, "partial": _partial_body, "combine": _combine_body,
           "fused": _fused_body}
 
 
