@@ -98,7 +98,8 @@ def _norm_backward(op, rows_, cols):
 # (chunks of 4096, two prefetched); each chunk width by the chunks prefetched around the default
 CHUNKED = [({}, {})] + [({"FUSED_LOOP_CHUNK": chunk, "FUSED_LOOP_PREFETCH": ahead}, {})
                         for chunk in (2048, 4096) for ahead in (1, 2, 3)] + [
-    ({"FUSED_LOOP_ROWS": 2}, {}), ({"FUSED_LOOP_PROGRAMS_PER_SM": 2, "FUSED_LOOP_WARPS": 8}, {})]
+    ({"FUSED_LOOP_ROWS": 2}, {}), ({"FUSED_LOOP_PROGRAMS_PER_SM": 2, "FUSED_LOOP_WARPS": 8}, {}),
+    ({"FUSED_LOOP_PRIME_NEXT_ROWS": False}, {})]
 ONE_TILE_OR_CHUNKED = [({}, {}), ({}, {"norm_backward_max_reduced": 4096}), ({}, {"norm_backward_max_reduced": 2048}),
                        ({"FUSED_PROGRAMS_PER_SM": 1}, {}), ({"FUSED_MIN_ROWS_PER_PROGRAM": 16}, {})]
 # one-tile rows by the row blocks prefetched (FUSED_ROW_PREFETCH_VALUES: 0 off, else blocks of

@@ -62,7 +62,7 @@ def test_persistent_forward_large_mean():
     inputs = {x: x_t, s: shifted(1, 300), b: torch.randn(1, 300)}
     outputs = check(g, inputs, tolerance=1e-2, options=_persistent(300, 4))
     reference = g.reference(inputs)
-    for name, limit in ((mean.name, 1e-7), (inv.name, 1e-4)):
+    for name, limit in ((mean.name, 1e-6), (inv.name, 1e-4)):
         error = (outputs[name].double() - reference[name]).abs().max() / reference[name].abs().max()
         assert error < limit, (name, float(error))
 
@@ -172,3 +172,17 @@ def test_fused_backward_prefetch_by_width(target):
         g = _graph_at("layernorm_backward", 4096, columns)
         g.build(options=dg.BuildOptions(target=target))
         assert _prefetch_count(g) == ahead, columns
+
+
+@pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
+@pytest.mark.parametrize("prime", [False, True])
+def test_chunked_backward_next_rows_primed(monkeypatch, op, prime):
+    """The chunked form with and without the next row block's first chunks loaded during the
+    dx walk: the same numbers across trips, programs (some past the rows) and ragged chunks."""
+    monkeypatch.setattr(row_heuristics, "FUSED_LOOP_PRIME_NEXT_ROWS", prime)
+    plan_cache.clear()  # the heuristics' constants are not in the plan key
+    g, inputs = _fused_backward(op, shifted(23, 300), torch.randn(23, 300), shifted(1, 300), torch.float32)
+    check(g, inputs, tolerance=5e-5, options=dg.BuildOptions(norm_backward_max_reduced=64, norm_backward_programs=5))
+    source = kernel_source(g.plan.launches[0].kernel)
+    assert "BLOCK_R=64" in g.plan.launches[0].config_text
+    assert ("k_next_idx = k_start + BLOCK_K" in source) == prime

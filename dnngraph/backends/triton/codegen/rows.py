@@ -81,6 +81,8 @@ class RowKernelSpec:
     # anchor's element output (norm backward's dscale/dbias kernel) runs none of them
     epilogue: Optional[tuple] = None
     prefetch: int = 0  # tiles a loop keeps in flight ahead of the one it works on
+    # chunked fused backward: the next row block's first `prefetch` chunks load during the dx walk
+    prime_next_rows: bool = False
     reverse: bool = False  # apply: programs and their chunks walked last to first
     streaming: bool = False  # tile loads and stores carry evict-first hints
     # fused norm backward: the column sums the fused kernel folds over its rows (Accumulators),
@@ -188,15 +190,17 @@ def _k_prelude(src: _Source, used):
     _offsets(src, used, "k")
 
 
-def _r_prelude(src: _Source, used, start: str, stop: str, tag: str = "", lower: str | None = None):
+def _r_prelude(src: _Source, used, start: str, stop: str, tag: str = "", lower: str | None = None,
+               k_tag: str = ""):
     """R indices, masks and operand offsets of the tile at `start`; `tag` names a second set
-    (the prefetched next tile), `lower` adds a lower bound to the mask (a walk downwards)."""
+    (the prefetched next tile), `lower` adds a lower bound to the mask (a walk downwards),
+    `k_tag` the K indices its tile mask takes (default: this trip's)."""
     geo = src.spec.schedule.geometry
     index, mask = f"r{tag}_idx", f"r{tag}_mask"
     src.line(f"{index} = {start} + tl.arange(0, BLOCK_R)")
     bound = f"{index} < {stop}"
     src.line(f"{mask} = {bound}" if lower is None else f"{mask} = ({bound}) & ({index} >= {lower})")
-    src.line(f"{_tile_mask(tag)} = k_mask[:, None] & {mask}[None, :]")
+    src.line(f"{_tile_mask(tag)} = k{k_tag}_mask[:, None] & {mask}[None, :]")
     _decompose(src, "r", index, geo.r_sizes, tag)
     _offsets(src, used, "r", tag)
 
@@ -213,7 +217,7 @@ def _pointer(src: _Source, op, kind: str, tag: str = "", k_tag: str = ""):
     r = f"{ident}_r{tag}[None, :]" if any(op.r_strides) else None
     terms = [t for t in (k, r) if t]
     pointer = " + ".join([f"{ident}_ptr"] + terms)
-    tile_mask = f"k{k_tag}_mask[:, None] & r_mask[None, :]" if k_tag else _tile_mask(tag)
+    tile_mask = _tile_mask(tag) if tag else f"k{k_tag}_mask[:, None] & r_mask[None, :]" if k_tag else "tile_mask"
     mask = {"tile": tile_mask, "row": f"k{k_tag}_mask[:, None]", "col": f"r{tag}_mask[None, :]",
             "scalar": None}[kind]
     return pointer, mask
@@ -311,13 +315,14 @@ def _tiles_ahead(r_start: str, ahead: int, reverse: bool) -> str:
     return f"{r_start} {'-' if reverse else '+'} {ahead} * BLOCK_R" if ahead else r_start
 
 
-def _prefetch(src, used, start: str, lower: str, stop: str, ahead: int = 1):
+def _prefetch(src, used, start: str, lower: str, stop: str, ahead: int = 1, k_tag: str = ""):
     """Issue the raw loads of the tile at `start` into the operands' slot `ahead` (masked outside
-    [lower, stop): tiles past the last one cost no memory traffic)."""
+    [lower, stop): tiles past the last one cost no memory traffic), in the rows of the K indices
+    `k_tag` names (default: this trip's)."""
     tiles = _tile_loads(src, used)
-    _r_prelude(src, tiles, start, stop, tag="_next", lower=lower if src.spec.reverse else None)
+    _r_prelude(src, tiles, start, stop, tag="_next", lower=lower if src.spec.reverse else None, k_tag=k_tag)
     for op in tiles:
-        load = _load_text(src, op, src.spec.kinds[op.uid], "_next")
+        load = _load_text(src, op, src.spec.kinds[op.uid], "_next", k_tag)
         src.line(f"{_slot(src.ident[op.uid], ahead)} = {load}")
 
 
@@ -345,11 +350,12 @@ def _trip(src, top, used, r_start: str, start: str, stop: str):
     return emitter
 
 
-def _tile_loop(src, top, used, start: str, stop: str, body, first=None):
+def _tile_loop(src, top, used, start: str, stop: str, body, first=None, primed: bool = False):
     """Walk [start, stop) in BLOCK_R tiles, calling body(tile emitter) inside the loop;
     `first`, when given, is the body of the first tile, peeled out of the loop. A reverse spec
     walks from the last tile down; a prefetch spec keeps the next tiles' loads in flight while it
-    works on this one (Triton pipelines no plain loads: a program would wait on every tile)."""
+    works on this one (Triton pipelines no plain loads: a program would wait on every tile);
+    `primed`: the first tiles' loads were issued already (_prime_chunks)."""
     spec = src.spec
     if not (spec.prefetch or spec.reverse or first):
         src.line(f"for r_start in range({start}, {stop}, BLOCK_R):")
@@ -359,7 +365,7 @@ def _tile_loop(src, top, used, start: str, stop: str, body, first=None):
         return
     src.line(f"trips = tl.cdiv({stop} - {start}, BLOCK_R)")
     src.line(f"r_first = {start} + (trips - 1) * BLOCK_R" if spec.reverse else f"r_first = {start}")
-    for ahead in range(1, spec.prefetch + 1):
+    for ahead in range(1, 0 if primed else spec.prefetch + 1):
         _prefetch(src, used, _tiles_ahead("r_first", ahead - 1, spec.reverse), start, stop, ahead)
     if first is not None:
         first(_trip(src, top, used, "r_first", start, stop))
@@ -755,6 +761,15 @@ def _fused_body(src, used):
                  f"mask=r_mask[None, :])")
 
 
+def _prime_chunks(src, used, k_start: str):
+    """Issue the loads of the first `spec.prefetch` chunks of the row block at `k_start` into
+    the row-sum loop's slots (rows past this program's are masked: no memory traffic)."""
+    spec = src.spec
+    _fused_row_indices(src, _tile_loads(src, used), k_start, "_next")
+    for ahead in range(1, spec.prefetch + 1):
+        _prefetch(src, used, f"{ahead - 1} * BLOCK_R", "0", "reduced", ahead, k_tag="_next")
+
+
 def _read_after_statistics(spec, operands) -> list:
     """The `operands` that neither the prologue nor the statistics read: loads that can wait
     until the element outputs need them."""
@@ -785,6 +800,9 @@ def _fused_chunked_body(src, used):
     for acc in spec.param_accumulators:
         for chunk in range(chunks):
             src.line(f"{acc.name}_cols_{chunk} = tl.zeros([1, BLOCK_R], tl.float32)")
+    primed = bool(spec.prefetch) and spec.prime_next_rows
+    if primed:
+        _prime_chunks(src, used, "row_begin")
     _fused_row_trip(src, used)
     rows = src.emitter(top)
     _load_inputs(src, rows, used, ("row",))
@@ -799,7 +817,9 @@ def _fused_chunked_body(src, used):
 
     # the row sums in a loop (`spec.prefetch` chunks' loads ahead): unrolled, the compiler
     # hoisted every chunk's loads and spilled
-    _tile_loop(src, rows, used, "0", "reduced", fold)
+    _tile_loop(src, rows, used, "0", "reduced", fold, primed=primed)
+    if primed:  # the next row block's first chunks load while this one's dx walks its chunks from L2
+        _prime_chunks(src, used, "k_start + BLOCK_K")
     for acc in accumulators:
         src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(acc.name + '_lanes')}")
     _finalize(src, rows, finalize)

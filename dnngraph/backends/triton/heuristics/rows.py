@@ -472,6 +472,11 @@ FUSED_MAX_CHUNKS = 16
 # 192.2. A chunk of 4096 holds 16 KB: two ahead (32 KB, the 208.4 / 170.2 above) keep more in
 # flight than three of 2048 did, while three (48 KB, not timed) double the spills.
 FUSED_LOOP_PREFETCH = 2
+# The chunked form's next row block: its first FUSED_LOOP_PREFETCH chunks load while this block's
+# dx walks its chunks from L2 (else the row-sum loop of every trip starts with nothing in
+# flight). Compiled for sm_90, spill stores grow from 160 / 60 to 164 / 104 bytes (layernorm /
+# rmsnorm with dbias). Reasoned, not yet timed: benchmarks/sweep_rows.py norm_bwd_*_4096x14336.
+FUSED_LOOP_PRIME_NEXT_ROWS = True
 
 
 # Values of dy (and of x) a one-tile fused program keeps loading ahead of the row block it

@@ -362,6 +362,7 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
                                    epilogue=dx_epilogue, partials=part_uids,
                                    param_accumulators=tuple(param_accumulators),
                                    prefetch=row_heuristics.fused_prefetch(chosen, geo),
+                                   prime_next_rows=row_heuristics.FUSED_LOOP_PRIME_NEXT_ROWS,
                                    part_strides=geo.operand(column_uid).r_strides, **common)
         combine_k, split_tile = combine_blocks(param_geo.rows, chosen.splits, options.row_combine_values)
         combine_config = RowConfig("fused", combine_k, 1, COMBINE_WARPS, chosen.splits, 0.0)
