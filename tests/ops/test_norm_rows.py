@@ -14,7 +14,7 @@ from dnngraph.backends.triton.heuristics import rows as row_heuristics
 from dnngraph.backends.triton.heuristics.pointwise import pow2_at_least
 from dnngraph.runtime import plan_cache
 from dnngraph.runtime.kernel_files import kernel_source
-from helpers import check
+from helpers import check, run
 from ops.test_norms import _feature_graph, _fused_backward, _fused_launches, _poison_rows, shifted
 
 TOLERANCE = {torch.float32: 5e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
@@ -186,3 +186,35 @@ def test_chunked_backward_next_rows_primed(monkeypatch, op, prime):
     source = kernel_source(g.plan.launches[0].kernel)
     assert "BLOCK_R=64" in g.plan.launches[0].config_text
     assert ("k_next_idx = k_start + BLOCK_K" in source) == prime
+
+
+# --- GPU ----------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("op,shape,forced", [("layernorm", (4096, 14336), None), ("layernorm", (16384, 8192), None),
+                                             ("layernorm", (4096, 4097), None), ("layernorm", (700, 14337), 132),
+                                             ("rmsnorm", (4096, 14336), 132), ("rmsnorm", (300, 8192), 264)])
+def test_persistent_forward_gpu(op, shape, forced):
+    """bf16 persistent rows against float64 on the GPU (the model's config, or one forced with
+    that many programs at 16 warps), bitwise the same on a second run."""
+    from ops.test_norms import _to_cuda
+    g, inputs = _feature_graph(op, torch.bfloat16, shape, bias=op == "layernorm")
+    inputs = _to_cuda(inputs)
+    options = None if forced is None else _persistent(shape[-1], forced, warps=16)
+    first = check(g, inputs, torch.bfloat16, device="cuda", reference_device="cuda", options=options)
+    assert "(persistent)" in _config_text(g)
+    again = run(g, inputs, "cuda")
+    assert all(torch.equal(first[name], again[name]) for name in first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", ["layernorm_backward", "rmsnorm_backward"])
+def test_fused_backward_prefetch_strided_fp16_gpu(op):
+    """fp16 rows read through a transposed batch layout, 4096 lanes (two blocks ahead)."""
+    from ops.test_norms import _to_cuda
+    x_t = shifted(16, 300, 4096, dtype=torch.float16).transpose(0, 1)
+    g, inputs = _fused_backward(op, x_t, torch.randn(300, 16, 4096).half(), shifted(1, 1, 4096, dtype=torch.float16),
+                                torch.float16)
+    first = check(g, _to_cuda(inputs), torch.float16, device="cuda", reference_device="cuda", tolerance=5e-3)
+    assert _fused_launches(g) == ["fused", "combine"] and _prefetch_count(g) == 2
+    again = run(g, _to_cuda(inputs), "cuda")
+    assert all(torch.equal(first[name], again[name]) for name in first)
