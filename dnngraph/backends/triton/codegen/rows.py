@@ -217,7 +217,10 @@ def _pointer(src: _Source, op, kind: str, tag: str = "", k_tag: str = ""):
     r = f"{ident}_r{tag}[None, :]" if any(op.r_strides) else None
     terms = [t for t in (k, r) if t]
     pointer = " + ".join([f"{ident}_ptr"] + terms)
-    tile_mask = _tile_mask(tag) if tag else f"k{k_tag}_mask[:, None] & r_mask[None, :]" if k_tag else "tile_mask"
+    if tag or not k_tag:  # the R prelude of `tag` made the tile mask (for its own K indices)
+        tile_mask = _tile_mask(tag)
+    else:  # a prefetched row block of a one-tile row
+        tile_mask = f"k{k_tag}_mask[:, None] & r_mask[None, :]"
     mask = {"tile": tile_mask, "row": f"k{k_tag}_mask[:, None]", "col": f"r{tag}_mask[None, :]",
             "scalar": None}[kind]
     return pointer, mask
@@ -735,7 +738,8 @@ def _fused_body(src, used):
     # loop invariants: what is constant along K is read once per program, the operands along R
     # that the statistics read (a backward's scale) too; those only the element outputs read (a
     # forward's scale and bias) are read per trip after the reductions (from L2): held across
-    # the loop, layernorm's two rows of 16384 at 16 warps took 64 registers and spilled
+    # the loop, layernorm's scale and bias at rows of 16384 lanes (64 fp32 registers a thread at
+    # 16 warps) made the persistent forward spill
     _load_inputs(src, top, used, ("scalar",))
     columns = [op for op in used if op.uid in spec.loads and spec.kinds[op.uid] == "col"]
     late = _read_after_statistics(spec, columns)

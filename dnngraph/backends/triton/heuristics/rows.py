@@ -289,8 +289,8 @@ def candidates(geo: RowGeometry, traits: RowTraits, target: Target, loop_tile: i
 def persistent_rows(rows: int, r_pow2: int, target: Target) -> list[tuple]:
     """Persistent one-pass candidates (mode, block_k, block_r, programs): a tile of at least
     MIN_TILE values a trip, one or two programs per SM of `target` as their registers allow
-    (PERSISTENT_TWO_PER_SM_VALUES); none where
-    the rows would leave a program fewer than two trips (nothing to prefetch)."""
+    (PERSISTENT_TWO_PER_SM_VALUES); none where the rows would leave a program fewer than two
+    trips (nothing to prefetch)."""
     block_k = max(1, min(pow2_at_least(rows), MIN_TILE // r_pow2))
     programs = target.sms * (2 if block_k * r_pow2 <= PERSISTENT_TWO_PER_SM_VALUES else 1)
     if -(-rows // block_k) < 2 * programs:
