@@ -6,7 +6,8 @@
 The norm_bwd_* problems (fused layernorm/rmsnorm backward) set the heuristics' FUSED_*
 constants for each line (the model's choice otherwise) and print the kernels and their configs,
 so that each constant's neighbours can be compared; ln_fwd_*, rms_fwd_* and softmax_fwd_* time
-one-pass forward rows of 16384 lanes by warps (heuristics/rows.py ONE_PASS_WARPS).
+one-pass forward rows by warps (heuristics/rows.py ONE_PASS_WARPS) and persistent rows by warps
+and programs (PERSISTENT_*).
 """
 import itertools
 import sys
@@ -97,9 +98,14 @@ def _norm_backward(op, rows_, cols):
 # (chunks of 4096, two prefetched); each chunk width by the chunks prefetched around the default
 CHUNKED = [({}, {})] + [({"FUSED_LOOP_CHUNK": chunk, "FUSED_LOOP_PREFETCH": ahead}, {})
                         for chunk in (2048, 4096) for ahead in (1, 2, 3)] + [
-    ({"FUSED_LOOP_ROWS": 2}, {}), ({"FUSED_LOOP_PROGRAMS_PER_SM": 2, "FUSED_LOOP_WARPS": 8}, {})]
+    ({"FUSED_LOOP_ROWS": 2}, {}), ({"FUSED_LOOP_PROGRAMS_PER_SM": 2, "FUSED_LOOP_WARPS": 8}, {}),
+    ({"FUSED_LOOP_PRIME_NEXT_ROWS": False}, {})]
 ONE_TILE_OR_CHUNKED = [({}, {}), ({}, {"norm_backward_max_reduced": 4096}), ({}, {"norm_backward_max_reduced": 2048}),
                        ({"FUSED_PROGRAMS_PER_SM": 1}, {}), ({"FUSED_MIN_ROWS_PER_PROGRAM": 16}, {})]
+# one-tile rows by the row blocks prefetched (FUSED_ROW_PREFETCH_VALUES: 0 off, else blocks of
+# that many values ahead, at most FUSED_ROW_PREFETCH_MAX)
+ONE_TILE_OR_CHUNKED += [({"FUSED_ROW_PREFETCH_VALUES": 0}, {}), ({"FUSED_ROW_PREFETCH_VALUES": 4096}, {}),
+                        ({"FUSED_ROW_PREFETCH_VALUES": 16384, "FUSED_ROW_PREFETCH_MAX": 4}, {})]
 
 
 def _norm_bwd_bytes(op, rows_, cols):
@@ -125,11 +131,16 @@ def _softmax(rows_, cols):
     return g, [g.softmax(x, axis=-1)], {x: torch.randn(rows_, cols, device="cuda", dtype=BF16)}
 
 
-# one-pass forward rows of 16384 lanes by warps (one row per program): layernorm's model takes
-# the measured 4 (heuristics/rows.py ONE_PASS_WARPS), rmsnorm's and softmax's the rule's 16
+# one-pass forward rows of 16384 lanes by warps (one row per program: heuristics/rows.py
+# ONE_PASS_WARPS), then persistent rows (programs walking rows, the next one prefetched) by warps
+# and programs per SM (132 SMs); layernorm's model takes persistent at 16 warps, one per SM
 ONE_PASS_BY_WARPS = [(None, {})] + [(("one_pass", 1, 16384, w, 1), {}) for w in (4, 8, 16)]
-ONE_PASS_FWD = {"ln_fwd_4096x14336": (lambda: _layernorm(4096, 14336), 235e6, ONE_PASS_BY_WARPS),
-          "rms_fwd_4096x14336": (lambda: _rmsnorm(4096, 14336), 235e6, ONE_PASS_BY_WARPS),
+PERSISTENT_16384 = [(("persistent", 1, 16384, w, p), {}) for w, p in ((16, 132), (8, 132))]
+PERSISTENT_8192 = [(None, {})] + [(("one_pass", 1, 8192, w, 1), {}) for w in (8, 16)] + [
+    (("persistent", 1, 8192, w, p), {}) for w, p in ((16, 264), (16, 132), (8, 264))]
+ONE_PASS_FWD = {"ln_fwd_4096x14336": (lambda: _layernorm(4096, 14336), 235e6, ONE_PASS_BY_WARPS + PERSISTENT_16384),
+          "ln_fwd_16384x8192": (lambda: _layernorm(16384, 8192), 537e6, PERSISTENT_8192),
+          "rms_fwd_4096x14336": (lambda: _rmsnorm(4096, 14336), 235e6, ONE_PASS_BY_WARPS + PERSISTENT_16384),
           "softmax_fwd_4096x14336": (lambda: _softmax(4096, 14336), 235e6, ONE_PASS_BY_WARPS)}
 
 

@@ -61,7 +61,7 @@ class BuildOptions:
     Forced configs (None: the model's choice): matmul_config (matmuls, and 1x1 convs posed as
     one), conv_config (implicit-GEMM convs), depthwise_config, moe_config (the MoE grouped GEMMs'
     tiles), row_mode ("one_pass", "looped",
-    "split", or "fused" for a norm backward; any other mode switches the fused norm backward
+    "split", "persistent" where the model has such a candidate, or "fused" for a norm backward; any other mode switches the fused norm backward
     off), row_config (a whole row config), norm_backward_programs (the fused norm backward's
     program count), sdpa_config (the attention forward's tiles), sdpa_dkdv_config and
     sdpa_dq_config (the backward kernels'), sdpa_splits (decode key splits), sdpa_head_group

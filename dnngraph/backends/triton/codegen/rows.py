@@ -9,7 +9,9 @@ Kernel shapes, all over [BLOCK_K rows, BLOCK_R reduced] tiles:
   apply    split mode, pass 3: element outputs from the stashed statistics;
   fused    norm backward (layernorm, rmsnorm): each program walks a contiguous block of rows,
            stores dx per row and folds dscale/dbias into column sums held in registers, stored
-           as one row of [programs, C] partials that the combine shape sums in program order.
+           as one row of [programs, C] partials that the combine shape sums in program order;
+  persistent  one-pass rows walked as the fused shape walks them (the next blocks' loads in
+           flight, R-only operands loaded once per program), without column sums.
 Column splits (K contiguous) prefetch tiles in the partial and apply loops, and their apply
 walks programs and chunks last to first, so it starts on what the partial pass read last.
 Fused prologue nodes run wherever the tile is loaded, epilogue nodes before each store, both
@@ -79,6 +81,8 @@ class RowKernelSpec:
     # anchor's element output (norm backward's dscale/dbias kernel) runs none of them
     epilogue: Optional[tuple] = None
     prefetch: int = 0  # tiles a loop keeps in flight ahead of the one it works on
+    # chunked fused backward: the next row block's first `prefetch` chunks load during the dx walk
+    prime_next_rows: bool = False
     reverse: bool = False  # apply: programs and their chunks walked last to first
     streaming: bool = False  # tile loads and stores carry evict-first hints
     # fused norm backward: the column sums the fused kernel folds over its rows (Accumulators),
@@ -186,15 +190,17 @@ def _k_prelude(src: _Source, used):
     _offsets(src, used, "k")
 
 
-def _r_prelude(src: _Source, used, start: str, stop: str, tag: str = "", lower: str | None = None):
+def _r_prelude(src: _Source, used, start: str, stop: str, tag: str = "", lower: str | None = None,
+               k_tag: str = ""):
     """R indices, masks and operand offsets of the tile at `start`; `tag` names a second set
-    (the prefetched next tile), `lower` adds a lower bound to the mask (a walk downwards)."""
+    (the prefetched next tile), `lower` adds a lower bound to the mask (a walk downwards),
+    `k_tag` the K indices its tile mask takes (default: this trip's)."""
     geo = src.spec.schedule.geometry
     index, mask = f"r{tag}_idx", f"r{tag}_mask"
     src.line(f"{index} = {start} + tl.arange(0, BLOCK_R)")
     bound = f"{index} < {stop}"
     src.line(f"{mask} = {bound}" if lower is None else f"{mask} = ({bound}) & ({index} >= {lower})")
-    src.line(f"{_tile_mask(tag)} = k_mask[:, None] & {mask}[None, :]")
+    src.line(f"{_tile_mask(tag)} = k{k_tag}_mask[:, None] & {mask}[None, :]")
     _decompose(src, "r", index, geo.r_sizes, tag)
     _offsets(src, used, "r", tag)
 
@@ -203,20 +209,26 @@ def _tile_mask(tag: str) -> str:
     return f"r{tag}_tile_mask" if tag else "tile_mask"
 
 
-def _pointer(src: _Source, op, kind: str, tag: str = ""):
+def _pointer(src: _Source, op, kind: str, tag: str = "", k_tag: str = ""):
+    """Pointer and mask of an operand's tile: `tag` names a second set of R indices (a
+    prefetched chunk), `k_tag` a second set of K indices (a prefetched row block)."""
     ident = src.ident[op.uid]
-    k = f"{ident}_k[:, None]" if any(op.k_strides) else None
+    k = f"{ident}_k{k_tag}[:, None]" if any(op.k_strides) else None
     r = f"{ident}_r{tag}[None, :]" if any(op.r_strides) else None
     terms = [t for t in (k, r) if t]
     pointer = " + ".join([f"{ident}_ptr"] + terms)
-    mask = {"tile": _tile_mask(tag), "row": "k_mask[:, None]", "col": f"r{tag}_mask[None, :]",
+    if tag or not k_tag:  # the R prelude of `tag` made the tile mask (for its own K indices)
+        tile_mask = _tile_mask(tag)
+    else:  # a prefetched row block of a one-tile row
+        tile_mask = f"k{k_tag}_mask[:, None] & r_mask[None, :]"
+    mask = {"tile": tile_mask, "row": f"k{k_tag}_mask[:, None]", "col": f"r{tag}_mask[None, :]",
             "scalar": None}[kind]
     return pointer, mask
 
 
-def _load_text(src: _Source, op, kind: str, tag: str = "") -> str:
+def _load_text(src: _Source, op, kind: str, tag: str = "", k_tag: str = "") -> str:
     """The raw tl.load of an operand (evict-first in a streaming pass's tiles)."""
-    pointer, mask = _pointer(src, op, kind, tag)
+    pointer, mask = _pointer(src, op, kind, tag, k_tag)
     if not mask:
         return f"tl.load({pointer}{SCALAR_AS_TILE})"
     hint = ', eviction_policy="evict_first"' if src.spec.streaming and kind in TILE_KINDS else ""
@@ -306,13 +318,14 @@ def _tiles_ahead(r_start: str, ahead: int, reverse: bool) -> str:
     return f"{r_start} {'-' if reverse else '+'} {ahead} * BLOCK_R" if ahead else r_start
 
 
-def _prefetch(src, used, start: str, lower: str, stop: str, ahead: int = 1):
+def _prefetch(src, used, start: str, lower: str, stop: str, ahead: int = 1, k_tag: str = ""):
     """Issue the raw loads of the tile at `start` into the operands' slot `ahead` (masked outside
-    [lower, stop): tiles past the last one cost no memory traffic)."""
+    [lower, stop): tiles past the last one cost no memory traffic), in the rows of the K indices
+    `k_tag` names (default: this trip's)."""
     tiles = _tile_loads(src, used)
-    _r_prelude(src, tiles, start, stop, tag="_next", lower=lower if src.spec.reverse else None)
+    _r_prelude(src, tiles, start, stop, tag="_next", lower=lower if src.spec.reverse else None, k_tag=k_tag)
     for op in tiles:
-        load = _load_text(src, op, src.spec.kinds[op.uid], "_next")
+        load = _load_text(src, op, src.spec.kinds[op.uid], "_next", k_tag)
         src.line(f"{_slot(src.ident[op.uid], ahead)} = {load}")
 
 
@@ -340,11 +353,12 @@ def _trip(src, top, used, r_start: str, start: str, stop: str):
     return emitter
 
 
-def _tile_loop(src, top, used, start: str, stop: str, body, first=None):
+def _tile_loop(src, top, used, start: str, stop: str, body, first=None, primed: bool = False):
     """Walk [start, stop) in BLOCK_R tiles, calling body(tile emitter) inside the loop;
     `first`, when given, is the body of the first tile, peeled out of the loop. A reverse spec
     walks from the last tile down; a prefetch spec keeps the next tiles' loads in flight while it
-    works on this one (Triton pipelines no plain loads: a program would wait on every tile)."""
+    works on this one (Triton pipelines no plain loads: a program would wait on every tile);
+    `primed`: the first tiles' loads were issued already (_prime_chunks)."""
     spec = src.spec
     if not (spec.prefetch or spec.reverse or first):
         src.line(f"for r_start in range({start}, {stop}, BLOCK_R):")
@@ -354,7 +368,7 @@ def _tile_loop(src, top, used, start: str, stop: str, body, first=None):
         return
     src.line(f"trips = tl.cdiv({stop} - {start}, BLOCK_R)")
     src.line(f"r_first = {start} + (trips - 1) * BLOCK_R" if spec.reverse else f"r_first = {start}")
-    for ahead in range(1, spec.prefetch + 1):
+    for ahead in range(1, 0 if primed else spec.prefetch + 1):
         _prefetch(src, used, _tiles_ahead("r_first", ahead - 1, spec.reverse), start, stop, ahead)
     if first is not None:
         first(_trip(src, top, used, "r_first", start, stop))
@@ -646,19 +660,68 @@ def _fused_rows(src):
 
 def _fused_row_trip(src, used):
     """The head of a fused program's trip over BLOCK_K rows: K indices, mask and offsets."""
-    geo = src.spec.schedule.geometry
     src.line("for k_start in range(row_begin, row_end, BLOCK_K):")
     src.depth += 1
-    src.line("k_idx = k_start + tl.arange(0, BLOCK_K)")
-    src.line("k_mask = k_idx < row_end")
-    _decompose(src, "k", "k_idx", geo.k_sizes)
-    _offsets(src, used, "k")
+    _fused_row_indices(src, used, "k_start")
+
+
+def _fused_row_indices(src, used, start: str, tag: str = ""):
+    """K indices, mask and operand offsets of the row block at `start` (within this program's
+    rows); `tag` names a second set (a prefetched row block)."""
+    geo = src.spec.schedule.geometry
+    src.line(f"k{tag}_idx = {start} + tl.arange(0, BLOCK_K)")
+    src.line(f"k{tag}_mask = k{tag}_idx < row_end")
+    _decompose(src, "k", f"k{tag}_idx", geo.k_sizes, tag)
+    _offsets(src, used, "k", tag)
+
+
+def _row_slot(ident: str, ahead: int) -> str:
+    """The variable holding an operand's raw row block `ahead` trips past the current one."""
+    return f"{ident}_ahead{ahead}"
+
+
+def _prefetch_rows(src, loads, start: str, ahead: int):
+    """Issue the raw loads of the row block at `start` into the operands' slot `ahead` (rows
+    past this program's are masked: no memory traffic)."""
+    _fused_row_indices(src, loads, start, "_next")
+    for op in loads:
+        text = _load_text(src, op, src.spec.kinds[op.uid], k_tag="_next")
+        src.line(f"{_row_slot(src.ident[op.uid], ahead)} = {text}")
+
+
+def _fused_prefetched_trip(src, used, top):
+    """The head of a fused program's trip over BLOCK_K one-tile rows whose loads were issued
+    `spec.prefetch` trips earlier: the slots shift, the farthest block's loads are issued
+    before this block's reductions (Triton pipelines no plain loads: unprefetched, a program
+    with one row block in flight waits on every row), and the held values are bound; returns
+    the trip's emitter."""
+    spec = src.spec
+    loads = [op for op in used if op.uid in spec.loads and spec.kinds[op.uid] in ("row", "tile")]
+    for ahead in range(1, spec.prefetch + 1):
+        _prefetch_rows(src, loads, f"row_begin + {ahead - 1} * BLOCK_K", ahead)
+    src.line("for k_start in range(row_begin, row_end, BLOCK_K):")
+    src.depth += 1
+    for op in loads:
+        ident = src.ident[op.uid]
+        src.line(f"{ident}_held = {_row_slot(ident, 1)}")
+        for ahead in range(1, spec.prefetch):
+            src.line(f"{_row_slot(ident, ahead)} = {_row_slot(ident, ahead + 1)}")
+    _prefetch_rows(src, loads, f"k_start + {spec.prefetch} * BLOCK_K", spec.prefetch)
+    _fused_row_indices(src, used, "k_start")
+    src.line("tile_mask = k_mask[:, None] & r_mask[None, :]")
+    tile = src.emitter(top)
+    for op in loads:
+        ident = src.ident[op.uid]
+        src.line(f"{ident} = {tile.loaded(ident + '_held', op.data_type)}")
+        tile.bind(op.uid, ident, kind_of(op.data_type))
+    return tile
 
 
 def _fused_body(src, used):
     """Fused norm backward: this program's contiguous block of rows, BLOCK_K rows a trip, each
     whole row one tile; dx stored per trip, the parameter sums folded over the trips' rows into
-    [1, BLOCK_R] columns and stored once as this program's row of the partials. Rows wider
+    [1, BLOCK_R] columns and stored once as this program's row of the partials; with
+    `spec.prefetch`, the next row blocks' loads are in flight while a trip reduces. Rows wider
     than BLOCK_R take the chunked form (_fused_chunked_body)."""
     spec = src.spec
     geo = spec.schedule.geometry
@@ -672,23 +735,55 @@ def _fused_body(src, used):
     _decompose(src, "r", "r_idx", geo.r_sizes)
     _offsets(src, used, "r")
     _part_offsets(src, "r")
-    # loop invariants: the parameters (and anything constant along K) are read once per program
-    _load_inputs(src, top, used, ("col", "scalar"))
+    # loop invariants: what is constant along K is read once per program, the operands along R
+    # that the statistics read (a backward's scale) too; those only the element outputs read (a
+    # forward's scale and bias) are read per trip after the reductions (from L2): held across
+    # the loop, layernorm's scale and bias at rows of 16384 lanes (64 fp32 registers a thread at
+    # 16 warps) made the persistent forward spill
+    _load_inputs(src, top, used, ("scalar",))
+    columns = [op for op in used if op.uid in spec.loads and spec.kinds[op.uid] == "col"]
+    late = _read_after_statistics(spec, columns)
+    _load_inputs(src, top, [op for op in columns if op not in late], ("col",))
     for acc in spec.param_accumulators:
         src.line(f"{acc.name}_cols = tl.zeros([1, BLOCK_R], tl.float32)")
-    _fused_row_trip(src, used)
-    src.line("tile_mask = k_mask[:, None] & r_mask[None, :]")
-    tile = src.emitter(top)
-    _load_inputs(src, tile, used, ("row", "tile"))
+    if spec.prefetch:
+        tile = _fused_prefetched_trip(src, used, top)
+    else:
+        _fused_row_trip(src, used)
+        src.line("tile_mask = k_mask[:, None] & r_mask[None, :]")
+        tile = src.emitter(top)
+        _load_inputs(src, tile, used, ("row", "tile"))
     _emit_nodes(src, tile, spec.group.prologue)
     _stats_one_pass(src, tile, spec.recipe.stages_for("one_pass"))
     _row_outputs(src, tile, used)
+    _load_inputs(src, tile, late, ("col",))
     _tile_outputs(src, tile, used)
     _accumulate_columns(src, spec, tile, "_cols")
     src.depth -= 1
     for acc in spec.param_accumulators:
         src.line(f"tl.store(part_{acc.name}_ptr + pid * reduced + part_r[None, :], {acc.name}_cols, "
                  f"mask=r_mask[None, :])")
+
+
+def _prime_chunks(src, used, k_start: str):
+    """Issue the loads of the first `spec.prefetch` chunks of the row block at `k_start` into
+    the row-sum loop's slots (rows past this program's are masked: no memory traffic)."""
+    spec = src.spec
+    _fused_row_indices(src, _tile_loads(src, used), k_start, "_next")
+    for ahead in range(1, spec.prefetch + 1):
+        _prefetch(src, used, f"{ahead - 1} * BLOCK_R", "0", "reduced", ahead, k_tag="_next")
+
+
+def _read_after_statistics(spec, operands) -> list:
+    """The `operands` that neither the prologue nor the statistics read: loads that can wait
+    until the element outputs need them."""
+    early = {t.uid for node in spec.group.prologue for t in node.input_tensors()}
+    statements = [text for accumulators, finalize in spec.recipe.stages_for("one_pass")
+                  for text in [acc.element for acc in accumulators] + list(finalize)]
+    statements += list(spec.recipe.row_outputs.values())
+    early |= {uid for role, uid in spec.recipe.roles.items()
+              if any("{" + role + "}" in text for text in statements)}
+    return [op for op in operands if op.uid not in early]
 
 
 def _fused_chunked_body(src, used):
@@ -709,6 +804,9 @@ def _fused_chunked_body(src, used):
     for acc in spec.param_accumulators:
         for chunk in range(chunks):
             src.line(f"{acc.name}_cols_{chunk} = tl.zeros([1, BLOCK_R], tl.float32)")
+    primed = bool(spec.prefetch) and spec.prime_next_rows
+    if primed:
+        _prime_chunks(src, used, "row_begin")
     _fused_row_trip(src, used)
     rows = src.emitter(top)
     _load_inputs(src, rows, used, ("row",))
@@ -723,7 +821,9 @@ def _fused_chunked_body(src, used):
 
     # the row sums in a loop (`spec.prefetch` chunks' loads ahead): unrolled, the compiler
     # hoisted every chunk's loads and spilled
-    _tile_loop(src, rows, used, "0", "reduced", fold)
+    _tile_loop(src, rows, used, "0", "reduced", fold, primed=primed)
+    if primed:  # the next row block's first chunks load while this one's dx walks its chunks from L2
+        _prime_chunks(src, used, "k_start + BLOCK_K")
     for acc in accumulators:
         src.line(f"{acc.name} = {REDUCE_TILE[acc.combine].format(acc.name + '_lanes')}")
     _finalize(src, rows, finalize)
@@ -743,7 +843,18 @@ def _fused_chunked_body(src, used):
                      f"mask=r_mask[None, :])")
 
 
-BODIES = {"main": _main_body, "apply": _apply_body, "partial": _partial_body, "combine": _combine_body,
+def _persistent_body(src, used):
+    """Persistent one-pass rows: the fused walk (this program's contiguous block of rows, the
+    next blocks' loads in flight, the operands along R only loaded once) with no column sums."""
+    spec = src.spec
+    geo = spec.schedule.geometry
+    if spec.schedule.config.block_r < (geo.source_reduced or geo.reduced) or spec.param_accumulators:
+        raise UnsupportedError(f"{spec.description}: a persistent row kernel holds whole rows (BLOCK_R "
+                               f"{spec.schedule.config.block_r} < {geo.source_reduced or geo.reduced} reduced)")
+    _fused_body(src, used)
+
+
+BODIES = {"persistent": _persistent_body, "main": _main_body, "apply": _apply_body, "partial": _partial_body, "combine": _combine_body,
           "fused": _fused_body}
 
 

@@ -70,7 +70,26 @@ STREAM_APPLY = True
 # for 256 channels x 196 splits; four programs of three trips each took about 5).
 COMBINE_VALUES = 2048
 COMBINE_BLOCK_K = 8
-MODES = ("one_pass", "looped", "split")
+# Persistent one-pass rows: programs that each walk a contiguous block of rows, the next row
+# block's loads in flight while one reduces (the fused norm backward's walk and prefetch rule,
+# FUSED_ROW_PREFETCH_VALUES), operands along R that the statistics read (none in a forward norm)
+# loaded once per program, those only the element outputs read (scale, bias) after the
+# reductions. One row per program: layernorm 4096x14336 bf16 held x, scale and bias as fp32
+# (rmsnorm two tiles) and took 255 registers at 4 warps with 128 bytes spilled, 179 at 8 (sm_90):
+# at most two programs per SM, none loading while it reduced: 108 us, 53% of copy (H200
+# 2026-11-29). Persistent at 16 warps compiled for sm_90: 104 registers at rows of 16384 lanes
+# (one program per SM), 64 at 8192 (two fit: PERSISTENT_TWO_PER_SM_VALUES); holding scale and
+# bias across the loop took 128 and spilled. The model ranks it where the row re-reads of
+# R-only operands it saves are worth more than nothing (softmax and reductions tie and keep
+# one_pass). Reasoned, not yet timed: benchmarks/sweep_rows.py ln_fwd_* and rms_fwd_* time it
+# against one_pass.
+PERSISTENT_ROWS = True
+PERSISTENT_TWO_PER_SM_VALUES = 8192
+# Inputs along R (tile and R-only) from which rows go persistent: rmsnorm's (x, scale) fit two
+# programs per SM at 16 warps and 64 registers one row per program, and reached 95% of copy
+# (4096x14336 bf16, H100); persistent, one program per SM at 100 registers (not timed).
+PERSISTENT_MIN_TILE_INPUTS = 3
+MODES = ("one_pass", "looped", "split", "persistent")
 # bounds a tuning-cache record must respect (wider than any candidate, far below nonsense)
 MAX_BLOCK = 1 << 17
 MAX_SPLITS = 1 << 16
@@ -191,6 +210,8 @@ class RowTraits:
     tile_inputs: int = 1  # inputs loaded per tile (they vary along R)
     # the anchor op, for the measured tables (ONE_PASS_WARPS); a tuning key names it already
     op: str = field(default="", repr=False)
+    # bytes per reduced index of the inputs that vary along R only (a norm's scale and bias)
+    col_bytes: int = 0
 
 
 # Values per thread of a tile, by what the H100 sweep (benchmarks/sweep_rows.py) measured best:
@@ -240,6 +261,8 @@ def candidates(geo: RowGeometry, traits: RowTraits, target: Target, loop_tile: i
             for tile in (MIN_TILE, 2 * MIN_TILE, 4 * MIN_TILE):
                 block_k = max(1, min(k_pow2, tile // r_pow2))
                 result.append(("one_pass", block_k, r_pow2, 1))
+        if r_pow2 <= one_pass_budget and PERSISTENT_ROWS and traits.tile_inputs >= PERSISTENT_MIN_TILE_INPUTS:
+            result += persistent_rows(rows, r_pow2, target)
         for block_r in (loop_tile // 2, loop_tile, 2 * loop_tile):
             if block_r <= r_pow2:
                 result.append(("looped", 1, block_r, 1))
@@ -253,7 +276,7 @@ def candidates(geo: RowGeometry, traits: RowTraits, target: Target, loop_tile: i
         result += column_splits(geo, target, traits.tile_inputs, loop_tile)
     elif traits.can_split and reduced >= split_min_reduced:
         for mode, block_k, block_r, _ in list(result):
-            if mode == "one_pass" and block_k > 1 and geo.r_contiguous:
+            if mode == "persistent" or (mode == "one_pass" and block_k > 1 and geo.r_contiguous):
                 continue
             blocks = -(-rows // block_k)
             for waves in (1, 2, 4):
@@ -261,6 +284,18 @@ def candidates(geo: RowGeometry, traits: RowTraits, target: Target, loop_tile: i
                 if splits >= 2:
                     result.append(("split", block_k, block_r, splits))
     return sorted(set(result))
+
+
+def persistent_rows(rows: int, r_pow2: int, target: Target) -> list[tuple]:
+    """Persistent one-pass candidates (mode, block_k, block_r, programs): a tile of at least
+    MIN_TILE values a trip, one or two programs per SM of `target` as their registers allow
+    (PERSISTENT_TWO_PER_SM_VALUES); none where the rows would leave a program fewer than two
+    trips (nothing to prefetch)."""
+    block_k = max(1, min(pow2_at_least(rows), MIN_TILE // r_pow2))
+    programs = target.sms * (2 if block_k * r_pow2 <= PERSISTENT_TWO_PER_SM_VALUES else 1)
+    if -(-rows // block_k) < 2 * programs:
+        return []
+    return [("persistent", block_k, r_pow2, programs)]
 
 
 def column_splits(geo: RowGeometry, target: Target, tile_inputs: int = 1, loop_tile: int = LOOP_TILE) -> list[tuple]:
@@ -315,13 +350,16 @@ def estimate(geo: RowGeometry, traits: RowTraits, mode, block_k, block_r, splits
     rows_padded = -(-geo.rows // block_k) * block_k
     r_padded = -(-geo.reduced // block_r) * block_r
     tile_bytes = rows_padded * r_padded * bytes_main
+    if mode == "persistent":  # the R-only operands once per program, not once per row block
+        tile_bytes -= (rows_padded - splits * block_k) * r_padded * traits.col_bytes
     rereads = 0.0
     if mode == "looped":
         rereads = traits.stat_passes * tile_bytes * L2_REREAD_COST
     if mode == "split":
         # statistics pass reads the inputs, the apply pass reads them again (too big for L2)
         rereads = tile_bytes if traits.has_tile_outputs else 0.0
-    programs = -(-geo.rows // block_k) * splits
+    # a persistent program pays the per-program cost per trip all the same (its reductions)
+    programs = -(-geo.rows // block_k) * (1 if mode == "persistent" else splits)
     warps = _config_warps(geo, traits, mode, block_k, block_r)
     resident = target.sms * max(1, target.threads_per_sm // 32 // warps)
     waves = -(-programs // resident)
@@ -347,6 +385,8 @@ class RowSchedule:
 
     @property
     def programs(self) -> int:
+        if self.config.mode == "persistent":  # `splits` holds the program count
+            return self.config.splits
         return -(-self.geometry.rows // self.config.block_k) * self.config.splits
 
 
@@ -432,11 +472,35 @@ FUSED_MAX_CHUNKS = 16
 # 192.2. A chunk of 4096 holds 16 KB: two ahead (32 KB, the 208.4 / 170.2 above) keep more in
 # flight than three of 2048 did, while three (48 KB, not timed) double the spills.
 FUSED_LOOP_PREFETCH = 2
+# The chunked form's next row block: its first FUSED_LOOP_PREFETCH chunks load while this block's
+# dx walks its chunks from L2 (else the row-sum loop of every trip starts with nothing in
+# flight). Compiled for sm_90, spill stores grow from 160 / 60 to 164 / 104 bytes (layernorm /
+# rmsnorm with dbias). Reasoned, not yet timed: benchmarks/sweep_rows.py norm_bwd_*_4096x14336.
+FUSED_LOOP_PRIME_NEXT_ROWS = True
+
+
+# Values of dy (and of x) a one-tile fused program keeps loading ahead of the row block it
+# reduces, in whole blocks (at least one). Unprefetched, a program (one per SM at 16 warps: 80
+# registers compiled for sm_90) had one block of dy and x in flight and none while it reduced:
+# layernorm / rmsnorm 4096x4096 bf16 ran at 69 / 59 us (35% / 41% of copy, H200 2026-11-29,
+# BENCHMARKS.md). 8192 values (two blocks of 4096, 32 KB of dy and x) cover the ~36 KB per SM
+# HBM wants at 4.8 TB/s; compiled for sm_90 at 16 warps: 96 registers at 4096, 127 at 8192 (one
+# block ahead; two spilled 44 bytes). Reasoned, not yet timed: benchmarks/sweep_rows.py
+# norm_bwd_*_4096x4096 times 0 (off), 4096 and 16384.
+FUSED_ROW_PREFETCH_VALUES = 8192
+# ... and no more than two blocks: short rows' tiles of 2048 (rmsnorm 16x100 at 8 warps) took
+# 191 registers four blocks ahead.
+FUSED_ROW_PREFETCH_MAX = 2
 
 
 def fused_prefetch(config: RowConfig, geo: RowGeometry) -> int:
-    """Chunks the chunked fused kernel's row-sum loop loads ahead (0 for a one-tile row)."""
-    return FUSED_LOOP_PREFETCH if config.block_r < (geo.source_reduced or geo.reduced) else 0
+    """Loads the fused kernel keeps in flight ahead: chunks of the chunked form's row-sum loop,
+    row blocks of the one-tile form."""
+    if config.block_r < (geo.source_reduced or geo.reduced):
+        return FUSED_LOOP_PREFETCH
+    if not FUSED_ROW_PREFETCH_VALUES:
+        return 0
+    return min(FUSED_ROW_PREFETCH_MAX, max(1, FUSED_ROW_PREFETCH_VALUES // (config.block_k * config.block_r)))
 
 
 def _pow2_at_most(value: int) -> int:

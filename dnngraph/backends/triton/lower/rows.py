@@ -87,8 +87,9 @@ def _row_launches(graph, group, name, problem, recipe_of, stores, context, epilo
     tile_stores = tuple(u for u in stores if kinds[u] in ("tile", "col"))
     row_stores = tuple(u for u in stores if u not in tile_stores)
     tile_inputs = sum(kinds[t.uid] in ("tile", "col") for t in group.inputs)
+    col_bytes = sum(t.data_type.itemsize for t in group.inputs if kinds[t.uid] == "col")
     traits = RowTraits(len(recipe.stages_for("looped")), bool(tile_stores), recipe.splittable,
-                       recipe.live_tiles, tile_inputs, group.anchor.op)
+                       recipe.live_tiles, tile_inputs, group.anchor.op, col_bytes=col_bytes)
     bytes_of = lambda wanted: sum(t.data_type.itemsize for t in tensors if kinds[t.uid] in wanted)
     sched = schedule_rows(top_geo, traits, bytes_of(("tile", "col")) or 4, bytes_of(("row", "scalar")),
                           context.target, options.row_mode, options.row_config, options.row_loop_tile,
@@ -191,6 +192,10 @@ def _row_schedule_launches(graph, group, name, sched, recipe, stores, kinds, til
     common = dict(schedule=sched, recipe=recipe, group=group, kinds=kinds,
                   loads=_row_loads(group, epilogue), compute=graph.compute_data_type.triton_type,
                   description=group.summary(), epilogue=epilogue)
+    if cfg.mode == "persistent":  # programs walk row blocks, the next ones' loads in flight
+        spec = RowKernelSpec(name, "persistent", stores=tuple(stores),
+                             prefetch=row_heuristics.fused_prefetch(cfg, geo), **common)
+        return [_row_launch(spec, sched.programs, cfg.num_warps)]
     if cfg.mode != "split":
         spec = RowKernelSpec(name, "main", stores=tuple(stores), **common)
         return [_row_launch(spec, sched.programs, cfg.num_warps)]
@@ -357,6 +362,7 @@ def _fused_norm_backward(graph, group, name, problem, param_problem, dx_stores, 
                                    epilogue=dx_epilogue, partials=part_uids,
                                    param_accumulators=tuple(param_accumulators),
                                    prefetch=row_heuristics.fused_prefetch(chosen, geo),
+                                   prime_next_rows=row_heuristics.FUSED_LOOP_PRIME_NEXT_ROWS,
                                    part_strides=geo.operand(column_uid).r_strides, **common)
         combine_k, split_tile = combine_blocks(param_geo.rows, chosen.splits, options.row_combine_values)
         combine_config = RowConfig("fused", combine_k, 1, COMBINE_WARPS, chosen.splits, 0.0)
