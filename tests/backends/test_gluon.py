@@ -172,8 +172,10 @@ def test_a_heavy_epilogue_loops_where_its_registers_allow(monkeypatch):
     assert accumulators_per_thread(wide) + 2 * 64 > LOOPED_EPILOGUE_REGISTERS
     monkeypatch.setattr(gluon_backend, "CONFIGS", (wide, ))
     monkeypatch.setattr(gluon_backend, "HEAVY_EPILOGUE_ACCUMULATORS", 1 << 20)
-    for g, loops in ((heavy_graph, False), (graph("bf16", "bias", "batched", 300, 520, 136), True)):
-        for launch in (lowered(g, wide)[0], lowered(g)[0]):  # from outside, and offered
+    light_graph = graph("bf16", "bias", "batched", 300, 520, 136)
+    # (graph, walk from outside, walk offered): a light epilogue is offered unrolled (offered_walk)
+    for g, outside, offered in ((heavy_graph, False, False), (light_graph, True, False)):
+        for launch, loops in ((lowered(g, wide)[0], outside), (lowered(g)[0], offered)):
             assert _constexprs(launch)["EPILOGUE_LOOP"] is loops
             assert ("epilogue-unrolled" in launch.config_text) is not loops
 
@@ -240,14 +242,19 @@ def test_fp8_takes_k_major_b_scales_and_block_k_128():
         assert GLUON.estimate(problem, config, H100) == pytest.approx(seconds / efficiency + LAUNCH_SECONDS)
 
 
-def test_heavy_epilogues_are_offered_the_narrower_tiles():
+def test_heavy_epilogues_take_the_wider_tiles_only_looped_and_light_ones_unrolled():
+    """A heavy epilogue is offered a tile past HEAVY_EPILOGUE_ACCUMULATORS only with its subtiles
+    in a loop (offered_walk), and every config in a loop; a light one every config, unrolled."""
     for epilogue in ("bias_row_gelu", "residual_silu", "scale_gelu_tanh"):
         _, problem = matmul_group(graph("bf16", epilogue, "plain", 1024, 1024, 1024))
         assert heavy_epilogue(problem)
         offered = [c.config for c in GLUON.candidates(problem, H100)]
-        assert offered and all(accumulators_per_thread(c) <= HEAVY_EPILOGUE_ACCUMULATORS for c in offered)
+        assert any(accumulators_per_thread(c) > HEAVY_EPILOGUE_ACCUMULATORS for c in offered)
+        assert offered and all(c.epilogue_loop for c in offered)
     _, problem = matmul_group(graph("bf16", "bias", "plain", 1024, 1024, 1024))
-    assert not heavy_epilogue(problem) and len(GLUON.candidates(problem, H100)) == len(CONFIGS)
+    offered = [c.config for c in GLUON.candidates(problem, H100)]
+    assert not heavy_epilogue(problem) and len(offered) == len(CONFIGS)
+    assert not any(c.epilogue_loop for c in offered)
 
 
 def test_lower_gives_one_persistent_launch_with_an_unaligned_fallback():
