@@ -183,3 +183,40 @@ def test_as_function_on_the_prepared_path_gives_the_interpreter_paths_bits(monke
             calls.clear()
             assert torch.equal(fn(x), expected)
             assert [kind for kind, _ in calls] == ["launch"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", list(GRAPHS))
+def test_on_a_gpu_prepared_launches_take_the_c_entry_point_and_follow_rebinding(graph):
+    """On a real GPU every bound launch of these plans is called at Triton's C entry point (a
+    launcher of another shape would quietly fall back to its slower Python call), the numbers
+    match the reference on the current stream and on a side stream, and a tensor rebound between
+    executes (a new dict value, set_ in place) is read where it is now."""
+    g, inputs_of = GRAPHS[graph]()
+    inputs = {name: value.cuda() for name, value in inputs_of().items()}
+    outputs = {t.name: poisoned(t, "cuda") for t in g.outputs()}
+    bindings = {**inputs, **outputs}
+
+    def check_against_reference():
+        for value in outputs.values():
+            value.fill_(-7 if not value.is_floating_point() else float("nan"))
+        g.execute(bindings)
+        torch.cuda.synchronize()
+        reference = g.reference({name: bindings[name].cpu() for name in inputs})
+        for name, value in outputs.items():
+            assert rel_err(value.cpu(), reference[name]) < 1e-5, name
+
+    check_against_reference()
+    bound = [b for launch in g.plan._launches_for(torch.device("cuda", 0)).launches for b in launch._bound.values()]
+    assert bound and all(b.direct for b in bound), "the launcher's C entry point is not taken"
+    check_against_reference()  # the remembered set
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        check_against_reference()
+    torch.cuda.current_stream().wait_stream(side)
+    first = next(iter(inputs))
+    bindings[first] = inputs_of()[first].cuda()  # a new tensor under the same key
+    check_against_reference()
+    bindings[first].set_(inputs_of()[first].cuda())  # moved in place, the same object
+    check_against_reference()
