@@ -2,6 +2,7 @@
 recording launchers, torch's current CUDA device is a counter, and each launch records the
 device that was current when it ran."""
 import contextlib
+import time
 from types import SimpleNamespace
 
 import torch
@@ -113,11 +114,13 @@ class InterpretingLauncher:
 
     launch_cooperative_grid = launch_pdl = False
 
-    def __init__(self, kernel_launch, dtypes_of: dict, memory: LiveMemory, calls: list, profile_scratch_size: int):
+    def __init__(self, kernel_launch, dtypes_of: dict, memory: LiveMemory, calls: list, profile_scratch_size: int,
+                 pause_s: float = 0.0):
         self.kernel = kernel_launch.kernel
         self.pointers = {position: dtypes_of[uid] for position, uid in kernel_launch.slots}
         self.memory, self.calls = memory, calls
         self.profile_scratch_size = profile_scratch_size
+        self.pause_s = pause_s  # after each kernel, as a GPU's asynchronous launch lets other threads run
 
     def __call__(self, grid_x, grid_y, grid_z, stream, function, *rest):
         self.calls.append(("run", (grid_x, grid_y, grid_z, stream, function, *rest)))
@@ -140,21 +143,25 @@ class InterpretingLauncher:
             values[position] = self.memory.tensor_at(values[position], dtype)
         with INTERPRETER_LOCK:
             run_interpreted(self.kernel, grid, values)
+        if self.pause_s:
+            time.sleep(self.pause_s)
 
 
 @contextlib.contextmanager
-def interpreting_gpu(monkeypatch, memory: LiveMemory, calls: list, profile_scratch_size: int = 0):
+def interpreting_gpu(monkeypatch, memory: LiveMemory, calls: list, profile_scratch_size: int = 0,
+                     pause_s: float = 0.0):
     """Plans run CPU tensors as if they lived on cuda:0, through the prepared launch path (argument
     lists of addresses made once per binding set and stream), with launchers that compute through
     Triton's interpreter on the memory at those addresses. A launcher without profiling scratch is
     called at its C entry point `launch`, as on a GPU; `profile_scratch_size` > 0 takes the
-    launcher's own call instead."""
+    launcher's own call instead. `pause_s`: each launcher sleeps that long after its kernel, so
+    that threads executing at once take turns between kernels."""
     devices = PretendDevices()
     cpu_target = plan_module.target_of(torch.device("cpu"))
     made = plan_module.persistent_buffer
 
     def compile_interpreting(self, index, dtypes_of):
-        launcher = InterpretingLauncher(self, dtypes_of, memory, calls, profile_scratch_size)
+        launcher = InterpretingLauncher(self, dtypes_of, memory, calls, profile_scratch_size, pause_s)
         compiled = SimpleNamespace(_init_handles=lambda: None, run=launcher, function=7, packed_metadata=(4, 1, 0))
         return launch_module.BoundLaunch(compiled, self.grid, self.template, self.slots, None)
 

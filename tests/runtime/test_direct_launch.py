@@ -8,6 +8,8 @@ numbers they produce: the same bits as the interpreter path on the same inputs, 
 execute and on a repeated one, with the plan's workspace or the caller's, and whichever of the
 launcher's two entry points it takes. An address no live binding holds fails the launch: a tensor
 rebound, moved or replaced between executes must be launched where it is now (stale bindings)."""
+import threading
+
 import pytest
 import torch
 
@@ -22,14 +24,17 @@ def _randn(*dims):
     return torch.randn(*dims, generator=GEN)
 
 
-def _two_kernels():
-    """x + b then relu, then a column softmax: two kernels and a workspace tensor between them;
-    b a [1, 6] row read broadcast."""
+def _kernels_over_a_workspace():
+    """relu(x + b) times its column sums: reduction kernels, then a pointwise one reading the
+    sums from the workspace; b a [1, 6] row read broadcast."""
     g = dg.Graph(name="direct_two")
     x = g.tensor(name="x", dim=[5, 6])
     b = g.tensor(name="b", dim=[1, 6])
-    g.softmax(g.relu(g.add(x, b)), axis=0).set_output(True).set_name("y")
-    return g.build(), lambda: {"x": _randn(5, 6), "b": _randn(1, 6)}
+    activated = g.relu(g.add(x, b))
+    g.mul(activated, g.reduction(activated, "sum", [0])).set_output(True).set_name("y")
+    g.build()
+    assert len(g.plan.launches) >= 2 and g.plan.workspace_bytes > 0
+    return g, lambda: {"x": _randn(5, 6), "b": _randn(1, 6)}
 
 
 def _views():
@@ -60,7 +65,7 @@ def _integers():
     return g.build(), lambda: {"x": torch.randint(-50, 50, (9,), generator=GEN, dtype=torch.int32)}
 
 
-GRAPHS = {"two kernels, workspace": _two_kernels, "views at offsets": _views,
+GRAPHS = {"kernels over a workspace": _kernels_over_a_workspace, "views at offsets": _views,
           "transposed odd sizes": _transposed_odd, "int32": _integers}
 
 
@@ -123,7 +128,7 @@ def test_a_binding_changed_between_executes_is_launched_where_it_is_now(monkeypa
     the new inputs', and an output's old memory is left as it was."""
     memory, calls = LiveMemory(), []
     with interpreting_gpu(monkeypatch, memory, calls):
-        g, _ = _two_kernels()
+        g, _ = _kernels_over_a_workspace()
         bindings = {"x": _randn(5, 6), "b": _randn(1, 6), "y": torch.full((5, 6), float("nan"))}
         memory.bound = list(bindings.values())
         g.execute(bindings)
@@ -147,7 +152,7 @@ def test_a_binding_set_seen_before_is_launched_on_its_own_memory(monkeypatch):
     """Sets used in turn: each execute launches the lists of its own set, never the last one's."""
     memory, calls = LiveMemory(), []
     with interpreting_gpu(monkeypatch, memory, calls):
-        g, _ = _two_kernels()
+        g, _ = _kernels_over_a_workspace()
         sets = [{"x": _randn(5, 6), "b": _randn(1, 6), "y": torch.empty(5, 6)} for _ in range(3)]
         for _ in range(2):
             for bindings in sets:
@@ -220,3 +225,33 @@ def test_on_a_gpu_prepared_launches_take_the_c_entry_point_and_follow_rebinding(
     check_against_reference()
     bindings[first].set_(inputs_of()[first].cuda())  # moved in place, the same object
     check_against_reference()
+
+
+def test_threads_sharing_a_stream_keep_each_executes_launches_together(monkeypatch):
+    """Two threads executing one plan on one stream share its workspace: each execute's kernels
+    run under the stream workspace's lock (launch_on_device), so the other thread's first
+    kernel never overwrites the intermediate between this one's two kernels."""
+    memory, calls = LiveMemory(), []
+    with interpreting_gpu(monkeypatch, memory, calls, pause_s=0.002):
+        g, _ = _kernels_over_a_workspace()
+        sets = [{"x": _randn(5, 6), "b": _randn(1, 6), "y": torch.empty(5, 6)} for _ in range(2)]
+        memory.bound = [value for bindings in sets for value in bindings.values()]
+        errors = []
+
+        def run(bindings):
+            try:
+                for _ in range(3):
+                    bindings["y"].fill_(float("nan"))
+                    g.execute(bindings)
+                    expected = g.reference({"x": bindings["x"], "b": bindings["b"]})["y"]
+                    assert rel_err(bindings["y"], expected) < 2e-5
+            except BaseException as error:  # raised below, in the test's thread
+                errors.append(error)
+
+        threads = [threading.Thread(target=run, args=(bindings,)) for bindings in sets]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors[0]
+        assert len(g.plan._streams) == 1, "both threads used the one stream's workspace"
