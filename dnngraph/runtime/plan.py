@@ -22,6 +22,7 @@ from .. import dtypes
 from ..errors import ExecutionError
 from ..target import Target, target_of
 from ..tensor import blend_factor_uids
+from .binding_guard import guard_of, still_bound
 from .bindings import check_bindable, resolved_input
 from .interpreter import interpreting
 from .launch import (LaunchRefused, created_once, launch_on_device, persistent_buffer, run_launches,
@@ -192,6 +193,7 @@ class ReadyBindings:
     streams: Optional[dict]
     negated: frozenset = frozenset()  # uids of lazily negated inputs, resolved at each launch
     index: Optional[int] = None  # kernel_device.index, read once (a torch.device attribute costs a call)
+    quick: Optional[tuple] = None  # binding_guard.guard_of of the set (dicts without a workspace)
 
 
 @dataclass
@@ -413,21 +415,25 @@ class Plan:
         # still what was checked. The key's type is in it so that a key comparing equal to a graph
         # tensor without being one (an __eq__ that says yes to anything) never matches the last
         # set, which is compared without a hash. Built here, not in a function: a call less.
+        # First the quick check (runtime/binding_guard.py): the last set checked in full, again,
+        # its fields compared in one C call; then the stamp.
+        last, ready = self._last
         try:
-            if bindings.__class__ is dict:
-                parts = []
-                for key, value in bindings.items():
-                    parts += (key, key.__class__, value.__class__, value.data_ptr(), value.dtype, value.shape,
-                              value.stride(), value.device, value.is_neg())
-                if workspace is not None:
-                    parts += (workspace.__class__, workspace.data_ptr(), workspace.dtype, workspace.shape,
-                              workspace.stride(), workspace.device)
-                stamp = tuple(parts)
-            else:
-                stamp = None
-            last, ready = self._last
-            if stamp != last:  # the last set checked, again, is one comparison; another is a lookup
-                ready = self._ready.get(stamp)
+            if (ready is None or ready.quick is None or workspace is not None or bindings.__class__ is not dict
+                    or not still_bound(ready.quick, bindings)):
+                if bindings.__class__ is dict:
+                    parts = []
+                    for key, value in bindings.items():
+                        parts += (key, key.__class__, value.__class__, value.data_ptr(), value.dtype, value.shape,
+                                  value.stride(), value.device, value.is_neg())
+                    if workspace is not None:
+                        parts += (workspace.__class__, workspace.data_ptr(), workspace.dtype, workspace.shape,
+                                  workspace.stride(), workspace.device)
+                    stamp = tuple(parts)
+                else:
+                    stamp = None
+                if stamp != last:  # the last set checked, again, is one comparison; another is a lookup
+                    ready = self._ready.get(stamp)
         except Exception:  # a value that is no tensor, an unhashable key: the checks say which
             stamp = ready = None
         if ready is None:
@@ -498,6 +504,8 @@ class Plan:
         bound = kernel_device.type == "cuda" and aligned and not negated
         ready = ReadyBindings(uids, device, kernel_device, built, aligned, {} if bound else None, negated,
                               kernel_device.index)
+        if stamp is not None and workspace is None and not negated:
+            ready.quick = guard_of(tuple(bindings), tuple(bindings.values()))
         if stamp is not None:
             if len(self._ready) >= READY_BINDING_SETS:
                 self._ready.clear()
