@@ -401,7 +401,8 @@ class Plan:
         A binding set is checked once: an execute whose keys, tensor types, addresses, dtypes,
         shapes, strides, devices and negative bits (and workspace) all match an earlier one's
         reuses its checks and, on a GPU, its launches' argument lists with the addresses filled
-        in."""
+        in. The last set checked in full is recognised first by a quick check that reads the same
+        fields in one C call (runtime/binding_guard.py)."""
         # The stamp: what the checks read of a binding set, per binding the key (and its type) and
         # the value's type, address, dtype, shape, strides, device and negative bit (and the same of
         # the workspace). Contents are not in it: writing into a bound tensor keeps its binding
