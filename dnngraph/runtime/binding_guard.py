@@ -24,7 +24,6 @@ from typing import Optional
 import torch
 
 _data_ptr = operator.methodcaller("data_ptr")
-_is_neg = operator.methodcaller("is_neg")
 _USABLE: list = []  # [bool] once the self-test ran
 _USABLE_LOCK = threading.Lock()
 
@@ -83,8 +82,14 @@ def guard_of(keys: tuple, values: tuple) -> Optional[tuple]:
 def still_bound(quick: tuple, bindings: dict) -> bool:
     """Whether `bindings` holds the very keys of guard_of's set, in order, bound to tensors with
     its addresses and, per the guard, its types, dtypes, shapes, strides and devices, none
-    negated."""
+    negated. A plain loop: map() over operator.methodcaller costs more per tensor than the
+    method calls themselves. A value that is no tensor raises (the caller's full checks say so)."""
     keys, guard, addresses = quick
-    values = bindings.values()
-    return (len(bindings) == len(keys) and all(map(operator.is_, bindings, keys))
-            and tuple(map(_data_ptr, values)) == addresses and guard.check(*values) and not any(map(_is_neg, values)))
+    if len(bindings) != len(keys):
+        return False
+    index = 0
+    for key, value in bindings.items():
+        if key is not keys[index] or value.data_ptr() != addresses[index] or value.is_neg():
+            return False
+        index += 1
+    return guard.check(*bindings.values())
