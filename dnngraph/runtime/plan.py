@@ -193,7 +193,9 @@ class ReadyBindings:
     streams: Optional[dict]
     negated: frozenset = frozenset()  # uids of lazily negated inputs, resolved at each launch
     index: Optional[int] = None  # kernel_device.index, read once (a torch.device attribute costs a call)
-    quick: Optional[tuple] = None  # binding_guard.guard_of of the set (dicts without a workspace)
+    # binding_guard.guard_of of the set, made when it comes again right after its full check (a
+    # set bound once never pays for it); False: none (a caller workspace, a negated input, ...)
+    quick: Optional[tuple] = None
 
 
 @dataclass
@@ -420,7 +422,7 @@ class Plan:
         # its fields compared in one C call; then the stamp.
         last, ready = self._last
         try:
-            if (ready is None or ready.quick is None or workspace is not None or bindings.__class__ is not dict
+            if (ready is None or not ready.quick or workspace is not None or bindings.__class__ is not dict
                     or not still_bound(ready.quick, bindings)):
                 if bindings.__class__ is dict:
                     parts = []
@@ -435,6 +437,8 @@ class Plan:
                     stamp = None
                 if stamp != last:  # the last set checked, again, is one comparison; another is a lookup
                     ready = self._ready.get(stamp)
+                elif ready.quick is None:  # it came again: worth its quick check (made once, ~6 us)
+                    ready.quick = guard_of(tuple(bindings), tuple(bindings.values())) or False
         except Exception:  # a value that is no tensor, an unhashable key: the checks say which
             stamp = ready = None
         if ready is None:
@@ -505,8 +509,8 @@ class Plan:
         bound = kernel_device.type == "cuda" and aligned and not negated
         ready = ReadyBindings(uids, device, kernel_device, built, aligned, {} if bound else None, negated,
                               kernel_device.index)
-        if stamp is not None and workspace is None and not negated:
-            ready.quick = guard_of(tuple(bindings), tuple(bindings.values()))
+        if stamp is None or workspace is not None or negated:
+            ready.quick = False  # no quick check for it (made when the set comes again, else)
         if stamp is not None:
             if len(self._ready) >= READY_BINDING_SETS:
                 self._ready.clear()

@@ -47,13 +47,27 @@ def quick_hits(monkeypatch):
 
 
 def test_a_repeated_set_takes_the_quick_check(quick_hits):
+    """Checked in full on the first execute, its guard made on the second (a set bound once never
+    pays for one), the quick check from the third on."""
     assert binding_guard.usable(), "this torch's TensorGuards passes the self-test"
     g, bindings = _graph(), _bindings()
-    for _ in range(3):
+    for step in range(4):
         bindings["y"].fill_(float("nan"))
         g.execute(bindings)
         assert rel_err(bindings["y"], _expected(g, bindings)) < 1e-6
+        assert (g.plan._last[1].quick is None) == (step == 0)
     assert quick_hits == [True, True]
+
+
+def test_a_set_bound_once_makes_no_guard(monkeypatch):
+    made = []
+    real = plan_module.guard_of
+    monkeypatch.setattr(plan_module, "guard_of", lambda *args: made.append(1) or real(*args))
+    g, x = _graph(), torch.randn(5, 6, generator=GEN)
+    outputs = [torch.empty(5, 6) for _ in range(4)]  # held: every execute a new address
+    for y in outputs:
+        g.execute({"x": x, "b": torch.ones(1, 6), "y": y})
+    assert made == []
 
 
 def test_another_set_of_the_same_layout_is_not_taken_for_the_last(quick_hits):
@@ -62,15 +76,16 @@ def test_another_set_of_the_same_layout_is_not_taken_for_the_last(quick_hits):
     for bindings in (first, second, first):
         g.execute(bindings)
         assert rel_err(bindings["y"], _expected(g, bindings)) < 1e-6
-    assert quick_hits == [False, False]
+    assert quick_hits == []  # no set came again right after its full check: no guard was made
 
 
 def test_a_negative_bit_the_thread_excludes_is_still_seen(quick_hits):
     """The guard compares dispatch keys through the thread's exclude set: a negative bit given in
     place while the thread excludes that key would pass it; the quick check reads the bit."""
     g, bindings = _graph(), _bindings()
-    g.execute(bindings)
-    g.execute(bindings)
+    for _ in range(3):
+        g.execute(bindings)
+    assert quick_hits == [True]
     x = bindings["x"]
     x.data = x._neg_view()
     negative = torch._C.DispatchKeySet(torch._C.DispatchKey.Negative)
@@ -100,9 +115,9 @@ def test_without_the_quick_check_execute_is_the_same(monkeypatch, gpu):
     calls = []
     with (pretend_gpu(monkeypatch, calls) if gpu else _nothing()):
         g, bindings = _graph(), _bindings()
-        for _ in range(2):
+        for _ in range(3):
             g.execute(bindings)
-        assert g.plan._last[1].quick is None
+        assert g.plan._last[1].quick is False
         bindings["x"].set_(torch.randn(5, 6, generator=GEN))
         g.execute(bindings)
         if not gpu:
@@ -118,11 +133,14 @@ def test_a_subclass_or_a_caller_workspace_keeps_to_the_stamp():
 
     g, bindings = _graph(), _bindings()
     bindings["x"] = bindings["x"].as_subclass(Sub)
-    g.execute(bindings)
-    assert g.plan._last[1].quick is None
+    for _ in range(2):
+        g.execute(bindings)
+    assert g.plan._last[1].quick is False
     g, bindings = _graph(), _bindings()
-    g.execute(bindings, workspace=torch.empty(g.plan.workspace_size(), dtype=torch.uint8))
-    assert g.plan._last[1].quick is None
+    workspace = torch.empty(g.plan.workspace_size(), dtype=torch.uint8)
+    for _ in range(2):
+        g.execute(bindings, workspace=workspace)
+    assert g.plan._last[1].quick is False
 
 
 class _nothing:
