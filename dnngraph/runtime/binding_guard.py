@@ -7,9 +7,10 @@ torch.compile's guards run on tensors) compares a list of tensors with what it w
 one C call: the exact Python type, the dispatch keys, dtype, device, requires_grad, sizes and
 strides (given here as the tensors' own, so none is left dynamic). Addresses and negative bits are
 read beside it: the guard does not hold addresses, and it compares dispatch keys through the
-thread's local include and exclude sets, which could hide a negative bit that the thread excludes.
-A guard that refuses a set only costs the full stamp (a thread in inference mode computes other
-keys than the one that made it): it is a shortcut, never the only check.
+thread's local include and exclude sets, which could hide a negative bit the thread excludes or
+includes. So a set the quick check passes differs in no field the stamp reads; one it refuses
+only costs the full stamp (a thread in inference mode computes other keys than the one that made
+the guard, and so is refused).
 
 TensorGuards is torch's private API: it is used only after a self-test, once per process, shows
 that it refuses each change the binding checks care about, and not at all where torch lacks it or
