@@ -2,7 +2,7 @@
 op, a CUDA graph replay, the cuDNN frontend's execute and an as_function call; and build times:
 an identical graph rebuilt in the same process, a new graph whose kernels are on disk (warm
 process), the first build in a fresh process with everything on disk, and the cold build of the
-Llama MLP (nothing on disk).  python benchmarks/bench_latency.py [--cudnn-fe-path DIR]"""
+Llama MLP (nothing on disk).  python benchmarks/bench_latency.py [--cudnn-fe-path DIR] [--executes-only]"""
 import argparse
 import os
 import subprocess
@@ -137,10 +137,15 @@ def build_rows():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cudnn-fe-path", default=None)
+    parser.add_argument("--executes-only", action="store_true",
+                        help="only the host-time rows (seconds), not the build rows (fresh processes, a cold build)")
     args = parser.parse_args()
     executes = execute_rows(args.cudnn_fe_path)
     print_table(f"host us per call ({torch.cuda.get_device_name()})", ["what", "us"],
                 [(w, f"{v:.1f}" if isinstance(v, float) else v) for w, v in executes])
+    if args.executes_only:
+        write_json("latency.json", {"executes": executes})
+        return
     builds = build_rows()
     print_table("build times", ["what", "ms"], [(w, f"{v:.2f}" if v < 100 else f"{v:.0f}") for w, v in builds])
     write_json("latency.json", {"executes": executes, "builds": builds})

@@ -210,20 +210,25 @@ class GraphFunction:
 
     def _run_eager(self, args) -> list:
         """An eager call without gradients, its arguments checked by __call__ just before: no lock
-        once the plain graph is built, and each input's kind is not read twice."""
+        once the plain graph is built, and each input's kind is not read twice. Loops, not
+        comprehensions: each of those is a call of its own on every function call."""
         runner = self._plain_runner
         plan = runner.graph.plan if runner is not None else None
         if plan is None:
             self._plain_graph()
             runner = self._plain_runner
-        values = [runner.conformed(i, a, self._input_text, checked=True) for i, a in enumerate(args)]
-        if plan is None:
-            return runner(values, args[0].device if args else torch.device("cpu"))
-        # what _Runner.__call__ does, with the plan already in hand: one call less
         device = args[0].device if args else torch.device("cpu")
-        results = [torch.empty_strided(dim, stride, dtype=dtype, device=device)
-                   for dim, stride, dtype in runner.outputs]
-        plan.execute_conformed(runner.token, runner.keys, values + results)
+        values = []
+        conformed, what = runner.conformed, self._input_text
+        for position, arg in enumerate(args):
+            values.append(conformed(position, arg, what, True))
+        if plan is None:
+            return runner(values, device)
+        # what _Runner.__call__ does, with the plan already in hand: one call less
+        results = []
+        for dim, stride, dtype in runner.outputs:
+            results.append(torch.empty_strided(dim, stride, dtype=dtype, device=device))
+        plan.execute_conformed(runner.token, runner.keys, values + results, device)
         return results
 
     # --- with autograd ---------------------------------------------------------------------------

@@ -410,16 +410,23 @@ class LaunchRefused(Exception):
         self.position, self.given, self.error = position, given, error
 
 
-def launch_on_device(calls, device_index: int) -> None:
+def launch_on_device(calls, device_index: int, lock=None) -> None:
     """Run prepared (launcher, arguments) pairs with CUDA device `device_index` current, the
-    previous one restored after. Triton's launcher runs in the current device's context, so
-    kernels for tensors on another GPU than the current one need theirs made current; when it
-    already is, the exchange is a no-op. A launcher's TypeError becomes LaunchRefused, which
-    says which call it was."""
+    previous one restored after, holding `lock` while they run when one is given (a stream
+    workspace's: one execute's launches stay together on its stream). Triton's launcher runs in
+    the current device's context, so kernels for tensors on another GPU than the current one need
+    theirs made current; when it already is, the exchange is a no-op. A launcher's TypeError
+    becomes LaunchRefused, which says which call it was. The one loop every prepared launch
+    passes through: execute's per-call cost is mostly here and in the binding stamp."""
     previous = torch.cuda._exchange_device(device_index)
     try:
-        for launcher, args in calls:
-            launcher(*args)
+        if lock is None:
+            for launcher, args in calls:
+                launcher(*args)
+        else:
+            with lock:
+                for launcher, args in calls:
+                    launcher(*args)
     except TypeError as error:
         position = next(i for i, call in enumerate(calls) if call[1] is args)
         raise LaunchRefused(position, len(args), error) from error

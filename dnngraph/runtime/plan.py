@@ -22,6 +22,7 @@ from .. import dtypes
 from ..errors import ExecutionError
 from ..target import Target, target_of
 from ..tensor import blend_factor_uids
+from .binding_guard import guard_of, still_bound
 from .bindings import check_bindable, resolved_input
 from .interpreter import interpreting
 from .launch import (LaunchRefused, created_once, launch_on_device, persistent_buffer, run_launches,
@@ -192,6 +193,9 @@ class ReadyBindings:
     streams: Optional[dict]
     negated: frozenset = frozenset()  # uids of lazily negated inputs, resolved at each launch
     index: Optional[int] = None  # kernel_device.index, read once (a torch.device attribute costs a call)
+    # binding_guard.guard_of of the set, made when it comes again right after its full check (a
+    # set bound once never pays for it); False: none (a caller workspace, a negated input, ...)
+    quick: Optional[tuple] = None
 
 
 @dataclass
@@ -399,7 +403,8 @@ class Plan:
         A binding set is checked once: an execute whose keys, tensor types, addresses, dtypes,
         shapes, strides, devices and negative bits (and workspace) all match an earlier one's
         reuses its checks and, on a GPU, its launches' argument lists with the addresses filled
-        in."""
+        in. The last set checked in full is recognised first by a quick check that reads the same
+        fields in one C call (runtime/binding_guard.py)."""
         # The stamp: what the checks read of a binding set, per binding the key (and its type) and
         # the value's type, address, dtype, shape, strides, device and negative bit (and the same of
         # the workspace). Contents are not in it: writing into a bound tensor keeps its binding
@@ -413,21 +418,27 @@ class Plan:
         # still what was checked. The key's type is in it so that a key comparing equal to a graph
         # tensor without being one (an __eq__ that says yes to anything) never matches the last
         # set, which is compared without a hash. Built here, not in a function: a call less.
+        # First the quick check (runtime/binding_guard.py): the last set checked in full, again,
+        # its fields compared in one C call; then the stamp.
+        last, ready = self._last
         try:
-            if bindings.__class__ is dict:
-                parts = []
-                for key, value in bindings.items():
-                    parts += (key, key.__class__, value.__class__, value.data_ptr(), value.dtype, value.shape,
-                              value.stride(), value.device, value.is_neg())
-                if workspace is not None:
-                    parts += (workspace.__class__, workspace.data_ptr(), workspace.dtype, workspace.shape,
-                              workspace.stride(), workspace.device)
-                stamp = tuple(parts)
-            else:
-                stamp = None
-            last, ready = self._last
-            if stamp != last:  # the last set checked, again, is one comparison; another is a lookup
-                ready = self._ready.get(stamp)
+            if (ready is None or not ready.quick or workspace is not None or bindings.__class__ is not dict
+                    or not still_bound(ready.quick, bindings)):
+                if bindings.__class__ is dict:
+                    parts = []
+                    for key, value in bindings.items():
+                        parts += (key, key.__class__, value.__class__, value.data_ptr(), value.dtype, value.shape,
+                                  value.stride(), value.device, value.is_neg())
+                    if workspace is not None:
+                        parts += (workspace.__class__, workspace.data_ptr(), workspace.dtype, workspace.shape,
+                                  workspace.stride(), workspace.device)
+                    stamp = tuple(parts)
+                else:
+                    stamp = None
+                if stamp != last:  # the last set checked, again, is one comparison; another is a lookup
+                    ready = self._ready.get(stamp)
+                elif ready.quick is None:  # it came again: worth its quick check (made once, ~6 us)
+                    ready.quick = guard_of(tuple(bindings), tuple(bindings.values())) or False
         except Exception:  # a value that is no tensor, an unhashable key: the checks say which
             stamp = ready = None
         if ready is None:
@@ -436,17 +447,22 @@ class Plan:
         if streams is None:
             self._execute_tensors(ready, bindings.values(), workspace)
             return
+        # _launch_ready, inlined (a call less per execute)
         index = ready.index
         stream = torch._C._cuda_getCurrentRawStream(index)
         lock, calls = streams.get(stream) or self._bind_stream(ready, bindings.values(), workspace, stream)
-        self._launch_calls(ready, lock, calls, index)
+        try:
+            launch_on_device(calls, index, lock)
+        except LaunchRefused as refused:
+            raise self._refused(ready.built.launches[refused.position], refused) from refused.error
 
-    def execute_conformed(self, token, keys: tuple, values: list) -> None:
+    def execute_conformed(self, token, keys: tuple, values: list, device=None) -> None:
         """execute() for a caller that made every value itself in its key's declared dtype, shape
         and strides (GraphFunction: inputs conformed, outputs freshly allocated), passing the same
         `keys` under the same hashable `token` each call: a repeated call reads only the values'
-        addresses and device, a new set of addresses is checked in full once."""
-        stamp = (token, values[0].device, *map(_data_ptr, values))
+        addresses and device, a new set of addresses is checked in full once. `device`: the
+        values' device when the caller has it (else read from the first value)."""
+        stamp = (token, values[0].device if device is None else device, *map(_data_ptr, values))
         last, ready = self._last
         if stamp != last:
             ready = self._ready.get(stamp)
@@ -462,17 +478,8 @@ class Plan:
         index = ready.index
         stream = torch._C._cuda_getCurrentRawStream(index)
         lock, calls = ready.streams.get(stream) or self._bind_stream(ready, values, workspace, stream)
-        self._launch_calls(ready, lock, calls, index)
-
-    def _launch_calls(self, ready: "ReadyBindings", lock, calls, index: int) -> None:
-        """Run a checked set's prepared calls on CUDA device `index`, under the stream
-        workspace's lock when it uses one."""
         try:
-            if lock is None:
-                launch_on_device(calls, index)
-                return
-            with lock:
-                launch_on_device(calls, index)
+            launch_on_device(calls, index, lock)
         except LaunchRefused as refused:
             raise self._refused(ready.built.launches[refused.position], refused) from refused.error
 
@@ -502,6 +509,8 @@ class Plan:
         bound = kernel_device.type == "cuda" and aligned and not negated
         ready = ReadyBindings(uids, device, kernel_device, built, aligned, {} if bound else None, negated,
                               kernel_device.index)
+        if stamp is None or workspace is not None or negated:
+            ready.quick = False  # no quick check for it (made when the set comes again, else)
         if stamp is not None:
             if len(self._ready) >= READY_BINDING_SETS:
                 self._ready.clear()

@@ -74,8 +74,8 @@ def test_inputs_in_their_layout_pass_without_copies_and_addresses_are_checked_on
     seen = []
     real_execute = plan_module.Plan.execute_conformed
     monkeypatch.setattr(plan_module.Plan, "execute_conformed",
-                        lambda self, token, keys, values: (seen.append([v.data_ptr() for v in values]),
-                                                           real_execute(self, token, keys, values))[1])
+                        lambda self, token, keys, values, *device: (seen.append([v.data_ptr() for v in values]),
+                                                                    real_execute(self, token, keys, values, *device))[1])
     prepared = []
     real_prepare = plan_module.Plan._prepare
     monkeypatch.setattr(plan_module.Plan, "_prepare",
