@@ -38,7 +38,7 @@ INDENT = "    "
 FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest",
                "rows", "cols", "batch", "channels", "acc", "value", "result", "grad", "best", "hit",
                "better", "inside", "covered", "argmax", "here", "share", "tile_mask", "tap", "BLOCK_R", "BLOCK_C")
-FIXED_STEMS = ("in", "out", "own", "WINDOW", "STRIDE", "PAD", "COVER", "acc", "here")
+FIXED_STEMS = ("in", "out", "own", "WINDOW", "STRIDE", "PAD", "COVER", "acc", "here", "seg")
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Coord:
     """One logical axis's index vector at some point of the kernel."""
 
     variable: str
-    side: str  # "row": a [BLOCK_R] vector, "col": a [BLOCK_C] vector
+    side: str  # "row": a [BLOCK_R] vector, "col": a [BLOCK_C] vector, "seg": a row segment's columns
     valid: Optional[str]  # predicate on the same side; None where always in range
 
 
@@ -176,7 +176,9 @@ class _KernelWriter:
     def pointer(self, operand: Operand, coords: dict, full: bool = False):
         """Emit the operand's row and column offsets at `coords`; returns (pointer, mask or None).
         full=True gives a whole [BLOCK_R, BLOCK_C] tile even where it broadcasts (stores)."""
-        rows, cols, row_ok, col_ok = [], [], ["row_mask"], ["col_mask"]
+        # a row segment's columns run past the tile's own (col_mask's): its validity bounds them
+        segment = any(coord.side == "seg" for coord in coords.values())
+        rows, cols, row_ok, col_ok = [], [], ["row_mask"], [] if segment else ["col_mask"]
         for axis, coord in coords.items():
             if not operand.strides[axis]:
                 continue
@@ -266,11 +268,12 @@ class _KernelWriter:
         """Per spatial axis, the most windows that cover one element (the COVER_ constants)."""
         return [-(-self.schedule.window[axis - 2] // self.schedule.stride[axis - 2]) for axis in self.spatial]
 
-    def open_window(self, base: dict, unrolled) -> dict:
-        """Open one loop per spatial axis over the window starting at `{axis}_start` (unrolled
-        where `unrolled` says, per axis); returns the coordinates of the current window element."""
+    def open_window(self, base: dict, unrolled, axes=None) -> dict:
+        """Open one loop per spatial axis (of `axes`, all by default) over the window starting at
+        `{axis}_start` (unrolled where `unrolled` says, per axis); returns the coordinates of the
+        current window element."""
         window = dict(base)
-        for axis, unroll in zip(self.spatial, unrolled):
+        for axis, unroll in zip(self.spatial if axes is None else axes, unrolled):
             name, upper = self.names[axis], self.names[axis].upper()
             self.open_loop(f"k{name}", f"WINDOW_{upper}", unroll)
             self.line(f"{name}_in = {name}_start + k{name}")
@@ -325,8 +328,17 @@ class _KernelWriter:
         else:
             self.line(f"acc = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
         hoisted = self.hoist_loads(self.x_tensor(), tile)
-        window = self.open_window(tile, unrolled_loops(self.window_extents()))
-        self.value_at(self.x_tensor(), window, "value", hoisted)
+        if self.schedule.segment_stride:
+            self.segmented_window(tile, hoisted, is_max)
+        else:
+            window = self.open_window(tile, unrolled_loops(self.window_extents()))
+            self.value_at(self.x_tensor(), window, "value", hoisted)
+            self.accumulate(is_max)
+            self.close_loops(len(self.spatial))
+        self.line("result = acc" if is_max else f"result = acc / {self.divisor()}")
+
+    def accumulate(self, is_max: bool):
+        """Emit the forward's step over one window element: `value`, where `inside` holds."""
         if is_max:  # a NaN always takes over, as in torch's max_pool
             # NaN wins; tl.where keeps a hoisted (0-d) value's test from a bool 0-d | 2-d, which
             # the interpreter cannot do
@@ -336,8 +348,63 @@ class _KernelWriter:
                 self.line(f"argmax = tl.where(better, {self.plane_index('in')}, argmax)")
         else:
             self.line("acc += tl.where(inside, value, 0.0)")
-        self.close_loops(len(self.spatial))
-        self.line("result = acc" if is_max else f"result = acc / {self.divisor()}")
+
+    def segment_taps(self) -> list:
+        """[(q, [(r, k), ...]), ...]: the window's taps k along the vector axis grouped by the
+        row segment that holds them. Tap k of output column j reads x column
+        s * j - pad + k = s * (j + q) + r (q = (k - pad) // s, r its remainder): column j of
+        segment q's r-th split, segment q being the s * BLOCK_C columns from s * (first + q)."""
+        axis = self.schedule.vector_axis
+        window, pad = self.schedule.window[axis - 2], self.schedule.padding[axis - 2]
+        stride = self.schedule.segment_stride
+        groups: dict = {}
+        for k in range(window):
+            q, r = divmod(k - pad, stride)
+            groups.setdefault(q, []).append((r, k))
+        return sorted(groups.items())
+
+    def segmented_window(self, tile: dict, hoisted: set, is_max: bool):
+        """The forward's window where the vector axis is strided (NCHW's width, row_segment_stride):
+        the other axes' window loops as ever; inside them, each row segment is one contiguous
+        load (its prologue applied once an element) split into its taps in registers."""
+        axis, stride = self.schedule.vector_axis, self.schedule.segment_stride
+        name, upper = self.names[axis], self.names[axis].upper()
+        others = [a for a in self.spatial if a != axis]
+        window = self.open_window(tile, unrolled_loops([self.schedule.window[a - 2] for a in others]), others)
+        width = f"BLOCK_C * {stride}"
+        for q, taps in self.segment_taps():
+            self.line(f"seg_cols = (pid % col_tiles) * ({width}) + ({q * stride}) + tl.arange(0, {width})")
+            self.line(f"seg_ok = (seg_cols >= 0) & (seg_cols < in_{name})")
+            segment = dict(window)
+            segment[axis] = Coord("seg_cols", "seg", "seg_ok")
+            self.value_at(self.x_tensor(), segment, "seg_value", hoisted)
+            parts = self.split_segment("seg_value", stride)
+            for r, k in taps:
+                self.line(f"{name}_in = (cols_idx + ({q})) * STRIDE_{upper} + {r}")
+                self.line(f"{name}_ok = ({name}_in >= 0) & ({name}_in < in_{name})")
+                tap = dict(window)
+                tap[axis] = Coord(f"{name}_in", "col", f"{name}_ok")
+                self.line(f"inside = {self.inside(tap)}")
+                self.line(f"value = {parts[r]}")
+                self.accumulate(is_max)
+        self.close_loops(len(others))
+
+    def split_segment(self, segment: str, stride: int) -> list:
+        """Emit the split of a [BLOCK_R, BLOCK_C * stride] segment into its `stride` columns
+        phases; returns their names, phase r (segment column stride * j + r) at index r.
+        Each tl.split halves the lowest remaining bit of the phase."""
+        bits = stride.bit_length() - 1
+        shape = ", ".join(["BLOCK_R", "BLOCK_C"] + ["2"] * bits)
+        self.line(f"seg_bits = tl.reshape({segment}, [{shape}])")
+        pieces = {0: "seg_bits"}  # phase bits taken so far -> the tensor holding that phase
+        for level in range(bits):
+            split = {}
+            for phase, tensor in pieces.items():
+                low, high = f"seg_{level}_{phase}", f"seg_{level}_{phase | (1 << level)}"
+                self.line(f"{low}, {high} = tl.split({tensor})")
+                split[phase], split[phase | (1 << level)] = low, high
+            pieces = split
+        return [pieces[r] for r in range(stride)]
 
     def plane_index(self, suffix: str) -> str:
         """torch's int64 flat index within the input plane of the coordinates `{axis}_{suffix}`."""
