@@ -38,7 +38,8 @@ INDENT = "    "
 FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest",
                "rows", "cols", "batch", "channels", "acc", "value", "result", "grad", "best", "hit",
                "better", "inside", "covered", "argmax", "here", "share", "tile_mask", "tap", "BLOCK_R", "BLOCK_C")
-FIXED_STEMS = ("in", "out", "own", "WINDOW", "STRIDE", "PAD", "COVER", "acc", "here", "seg")
+FIXED_STEMS = ("in", "out", "own", "WINDOW", "STRIDE", "PAD", "COVER", "acc", "here", "seg", "tap", "best",
+               "lane", "halo", "gathered", "from")
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class _KernelWriter:
                                         operand_strides(schedule.x_dims, t.dim, t.stride))
                          for t, hint in roles}
         self.input_uids = {t.uid for t in read}
+        # a [BLOCK_R, BLOCK_C] predicate every load also needs, where set (shared_argmax's halo)
+        self.load_guard: Optional[str] = None
         self.body: list[str] = []
         self.depth = 1
 
@@ -205,7 +208,10 @@ class _KernelWriter:
             raise UnsupportedError(f"node {self.anchor.name!r} ({self.anchor.op}): fused value "
                                    f"{tensor.name!r} is needed where the kernel cannot compute it")
         operand = self.operands[tensor.uid]
-        pointer, mask = self.pointer(operand, coords)
+        guard = self.load_guard
+        pointer, mask = self.pointer(operand, coords, full=guard is not None)
+        if guard is not None:
+            mask = f"({mask}) & {guard}" if mask else guard
         load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer})"
         variable = f"{operand.identifier}_val"
         self.line(f"{variable} = {self.emitter.loaded(load, tensor.data_type)}")
@@ -491,6 +497,9 @@ class _KernelWriter:
             hoisted |= self.hoist_loads(self.x_tensor(), tile)
         if indices is not None:
             self.owned_plane_indices(tile)
+        if recompute and self.schedule.argmax_shift_axis >= 0:
+            self.shared_argmax_backward(tile, hoisted, positions)
+            return
         cover_unrolled, window_unrolled = self.owned_unrolling(recompute, indices is not None, len(positions))
         covering = self.open_covering_windows(tile, cover_unrolled)
         self.value_at(self.anchor.inputs[0], covering, "grad", hoisted)
@@ -505,19 +514,128 @@ class _KernelWriter:
             self.owned_contribution(offsets, is_max, indices is not None)
         self.close_loops(len(self.spatial))
 
+    def covering_backs(self) -> list:
+        """Every window covering a block, as per-spatial-axis counts of windows back from the
+        block's own, row-major."""
+        backs = [()]
+        for extent in self.cover_extents():
+            backs = [b + (j,) for b in backs for j in range(extent)]
+        return backs
+
+    def shared_argmax_backward(self, tile: dict, hoisted: set, positions: list):
+        """The owned-block max backward with each window's argmax found once a program
+        (heuristics' shared_argmax_axis): the windows of the tile positions first, then the
+        windows further back along the shift axis taken from the neighbouring tile position,
+        then dy routed to the owned positions as owned_backward does, every covering window
+        unrolled (the budget held by the heuristic)."""
+        taps = self.shared_window_taps(tile, hoisted)
+        for backs in self.covering_backs():
+            covering = dict(tile)
+            for axis, back in zip(self.spatial, backs):
+                covering[axis] = self.covering_coord(axis, str(back))
+            self.line(f"covered = {self.inside(covering)}")
+            self.value_at(self.anchor.inputs[0], covering, "grad", hoisted)
+            self.line(f"tap = {taps[backs]}")
+            for offsets in positions:
+                self.owned_contribution(offsets, True, False, [str(back) for back in backs])
+
+    def shared_window_taps(self, tile: dict, hoisted: set) -> dict:
+        """Emit the argmax (tap number, window_argmax's) of every window covering the block;
+        returns covering backs -> its variable. The windows zero back along the shift axis come
+        from one pass over their neighbourhood (each x element loaded once); the others are a
+        neighbour's along the shift axis (tl.gather), recomputed only where that neighbour is
+        outside the program (the halo: loads masked to it)."""
+        shift = self.schedule.argmax_shift_axis
+        spatial = list(self.spatial)
+        own = [backs for backs in self.covering_backs() if backs[spatial.index(shift)] == 0]
+        taps = {backs: f"tap{_tag(backs)}" for backs in self.covering_backs()}
+        self.neighbourhood_argmax(tile, hoisted, own, taps)
+        for backs in self.covering_backs():
+            if backs not in own:
+                self.neighbour_argmax(tile, hoisted, backs, taps)
+        return taps
+
+    def neighbourhood_argmax(self, tile: dict, hoisted: set, own: list, taps: dict):
+        """Emit `taps[backs]` of the windows `own` in one row-major pass over the x elements
+        they cover, each loaded once and compared into every window holding it (so each window
+        still sees its elements in its own row-major order: the first maximum wins)."""
+        spatial = list(self.spatial)
+        for backs in own:
+            tag = _tag(backs)
+            firsts = []
+            for axis, back in zip(spatial, backs):
+                name, upper = self.names[axis], self.names[axis].upper()
+                self.line(f"{name}_start{tag} = ({name}_block - {back}) * STRIDE_{upper} - PAD_{upper}")
+                inner = "".join(f" * WINDOW_{self.names[later].upper()}" for later in range(axis + 1, self.rank))
+                firsts.append((axis, f"(tl.maximum({name}_start{tag}, 0) - {name}_start{tag}){inner}"))
+            self.line(f"best{tag} = tl.full([BLOCK_R, BLOCK_C], float('-inf'), {self.compute})")
+            self.line(f"{taps[backs]} = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32) + "
+                      f"({_outer(*self.by_side(firsts), joiner=' + ')})")
+        # offsets from the block's own window start: back to the furthest window's start
+        reach = [range(-max(b[i] for b in own) * self.schedule.stride[axis - 2], self.schedule.window[axis - 2])
+                 for i, axis in enumerate(spatial)]
+        offsets_all = [()]
+        for span in reach:
+            offsets_all = [o + (d,) for o in offsets_all for d in span]
+        for offsets in offsets_all:
+            coords = dict(tile)
+            for axis, d in zip(spatial, offsets):
+                name, upper = self.names[axis], self.names[axis].upper()
+                self.line(f"{name}_in = {name}_block * STRIDE_{upper} - PAD_{upper} + ({d})")
+                self.line(f"{name}_ok = ({name}_in >= 0) & ({name}_in < in_{name})")
+                coords[axis] = Coord(f"{name}_in", self.side(axis), f"{name}_ok")
+            self.line(f"inside = {self.inside(coords)}")
+            self.value_at(self.x_tensor(), coords, "value", hoisted)
+            for backs in own:
+                within = [d + back * self.schedule.stride[axis - 2] for axis, d, back in zip(spatial, offsets, backs)]
+                if all(0 <= k < self.schedule.window[axis - 2] for axis, k in zip(spatial, within)):
+                    tag = _tag(backs)
+                    self.line(f"better = inside & tl.where(value != value, True, value > best{tag})")
+                    self.line(f"best{tag} = tl.where(better, value, best{tag})")
+                    self.line(f"{taps[backs]} = tl.where(better, {self.tap_code(within)}, {taps[backs]})")
+
+    def neighbour_argmax(self, tile: dict, hoisted: set, backs: tuple, taps: dict):
+        """Emit `taps[backs]`, a window further back along the shift axis: the argmax the tile
+        position that many back along it found for its own window, where that position is in
+        this program (same row or column line, inside the tile); recomputed elsewhere."""
+        shift = self.schedule.argmax_shift_axis
+        spatial = list(self.spatial)
+        back = backs[spatial.index(shift)]
+        source = tuple(0 if axis == shift else b for axis, b in zip(spatial, backs))
+        name = self.names[shift]
+        column = self.side(shift) == "col"
+        self.line(f"lane = tl.arange(0, {'BLOCK_C' if column else 'BLOCK_R'})")
+        self.line(f"from_tile = (lane >= {back}) & ({name}_idx >= {back})")
+        spread = "[None, :]" if column else "[:, None]"
+        self.line(f"gathered = tl.gather({taps[source]}, tl.broadcast_to(tl.maximum(lane - {back}, 0){spread}, "
+                  f"[BLOCK_R, BLOCK_C]), {1 if column else 0})")
+        covering = dict(tile)
+        for axis, b in zip(spatial, backs):
+            covering[axis] = self.covering_coord(axis, str(b))
+        self.line(f"halo = tl.where((from_tile){spread}, False, {self.inside(covering)})")
+        self.load_guard = "halo"
+        self.window_argmax(tile, hoisted, unrolled_loops(self.window_extents()))
+        self.load_guard = None
+        self.line(f"{taps[backs]} = tl.where((from_tile){spread}, gathered, tap)")
+
     def open_covering_windows(self, tile: dict, unrolled) -> dict:
         """Open one loop per spatial axis over the windows covering the owned block, from the
         block's own window back; returns the coordinates of the current window (its dy)."""
         covering = dict(tile)
         for axis, unroll in zip(self.spatial, unrolled):
-            name, upper = self.names[axis], self.names[axis].upper()
-            self.open_loop(f"j{name}", f"COVER_{upper}", unroll)
-            self.line(f"{name}_out = {name}_block - j{name}")
-            self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
-            self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name})")
-            covering[axis] = Coord(f"{name}_out", self.side(axis), f"{name}_cov")
+            self.open_loop(f"j{self.names[axis]}", f"COVER_{self.names[axis].upper()}", unroll)
+            covering[axis] = self.covering_coord(axis, f"j{self.names[axis]}")
         self.line(f"covered = {self.inside(covering)}")
         return covering
+
+    def covering_coord(self, axis: int, back: str) -> Coord:
+        """Emit the index, start and validity along `axis` of the window `back` (an expression)
+        windows before the block's own; returns its Coord."""
+        name, upper = self.names[axis], self.names[axis].upper()
+        self.line(f"{name}_out = {name}_block - {back}")
+        self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
+        self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name})")
+        return Coord(f"{name}_out", self.side(axis), f"{name}_cov")
 
     def owned_unrolling(self, recompute: bool, indexed: bool, positions: int) -> tuple:
         """(per covering loop, per window loop) whether to unroll it, within one budget: a
@@ -532,16 +650,18 @@ class _KernelWriter:
         body = covering_loads + window_copies + positions
         return unrolled_loops(self.cover_extents() + [body])[:-1], window_unrolled
 
-    def owned_contribution(self, offsets, is_max: bool, indexed: bool):
+    def owned_contribution(self, offsets, is_max: bool, indexed: bool, backs=None):
         """Emit the current covering window's addition to the owned position at `offsets`:
         its dy where its argmax is that position (max), its share of dy where the window
-        covers the position (average)."""
+        covers the position (average). `backs`: per spatial axis, how many windows before the
+        block's own the current one is (the covering loops' variables by default)."""
         tag = _tag(offsets)
+        backs = backs or [f"j{self.names[axis]}" for axis in self.spatial]
         # the position's offset from the window's start is j * stride + r along each axis:
         # scalars for the whole tile, constants where the covering loops are unrolled (a where,
         # not an &: the interpreter cannot and a 0-d bool with a 2-d one)
-        reach = [f"(j{self.names[axis]} * STRIDE_{self.names[axis].upper()} + {r})"
-                 for axis, r in zip(self.spatial, offsets)]
+        reach = [f"({back} * STRIDE_{self.names[axis].upper()} + {r})"
+                 for axis, back, r in zip(self.spatial, backs, offsets)]
         in_window = " & ".join(f"({term} < WINDOW_{self.names[axis].upper()})"
                                for axis, term in zip(self.spatial, reach))
         hit = f"tl.where({in_window}, covered, False)"

@@ -13,6 +13,7 @@ from typing import Optional
 
 from ....target import Target
 from .layout import INT32_LIMIT
+from ..codegen.unrolling import UNROLLED_BODIES_MAX
 from .pointwise import pow2_at_least
 
 # Columns per tile: 128 bf16 channels are 256 bytes, two 16-byte vectors per row segment.
@@ -133,6 +134,10 @@ class PoolingSchedule(TiledWindows):
     # forward only: the stride along the vector axis where each window row is read as contiguous
     # segments split into its taps (row_segment_stride), 0 where each tap is its own load
     segment_stride: int = 0
+    # owned-block backward recomputing the argmax: the spatial axis along which neighbouring tile
+    # positions' windows are exchanged in registers (shared_argmax_axis), -1 where each block
+    # recomputes every covering window
+    argmax_shift_axis: int = -1
 
     @property
     def tile_dims(self) -> tuple:
@@ -146,7 +151,9 @@ class PoolingSchedule(TiledWindows):
     def config_text(self) -> str:
         owned = f" owned={'x'.join(map(str, self.owned))}" if self.owned else ""
         segments = f" row-segments/{self.segment_stride}" if self.segment_stride else ""
-        return self.tile_text() + (" argmax=indices" if self.indexed else "") + owned + segments
+        shared = f" argmax=shared/{AXIS_NAMES[len(self.x_dims)][self.argmax_shift_axis]}" \
+            if self.argmax_shift_axis >= 0 else ""
+        return self.tile_text() + (" argmax=indices" if self.indexed else "") + owned + segments + shared
 
 
 def owner_dims(spatial: tuple, stride: tuple, padding: tuple) -> tuple:
@@ -193,6 +200,31 @@ def row_segment_stride(vector_axis: int, stride: tuple) -> int:
         return 0
     s = stride[vector_axis - 2]
     return s if 2 <= s <= MAX_SEGMENT_STRIDE and s & (s - 1) == 0 else 0
+
+
+def shared_argmax_axis(owned: tuple, window: tuple, stride: tuple, vector_axis: int, row_axes: tuple) -> int:
+    """The spatial axis along which an owned-block backward recomputing the argmax passes each
+    window's argmax to the neighbouring tile positions it also covers (-1: every block
+    recomputes each covering window, prod(cover) x prod(window) x loads a block).
+
+    The tile's neighbour along that axis is the next column (a spatial vector axis: NCHW's
+    width) or the next row (the innermost row axis: NHWC's width), so the argmax of the
+    block's own windows, computed once, reaches the blocks before it through a tl.gather;
+    along the other spatial axes the covering windows are found in one pass over their joint
+    neighbourhood, each x element loaded once a block. Tile positions whose neighbour lies
+    outside the program recompute theirs (their loads masked to them). The neighbourhood pass
+    unrolls, so it must fit the unroll budget (else -1).
+    """
+    if not owned:
+        return -1
+    axis = vector_axis if vector_axis >= 2 else row_axes[-1]
+    if axis < 2:
+        return -1
+    loads = 1
+    for a, (k, s) in enumerate(zip(window, stride)):
+        cover = -(-k // s)
+        loads *= k if a + 2 == axis else (cover - 1) * s + k
+    return axis if loads <= UNROLLED_BODIES_MAX else -1
 
 
 def candidates(rows: int, cols: int, elements_per_thread: int = ELEMENTS_PER_THREAD) -> list[tuple[int, int, int]]:
@@ -343,4 +375,6 @@ def schedule(group, target: Target) -> PoolingSchedule:
                            tuple(attrs.padding), tuple(x.dim), y_dims, vector_axis, row_axes,
                            index_64, indexed, frozenset(t.uid for t in moved) & {t.uid for t in group.inputs}, best,
                            len(ranked), reason, attrs.ceil_mode, attrs.divisor, owned,
-                           0 if backward else row_segment_stride(vector_axis, tuple(attrs.stride)))
+                           0 if backward else row_segment_stride(vector_axis, tuple(attrs.stride)),
+                           shared_argmax_axis(owned, tuple(attrs.window), tuple(attrs.stride), vector_axis, row_axes)
+                           if attrs.mode == "max" and not indexed else -1)
