@@ -549,16 +549,20 @@ class _KernelWriter:
         spatial = list(self.spatial)
         own = [backs for backs in self.covering_backs() if backs[spatial.index(shift)] == 0]
         taps = {backs: f"tap{_tag(backs)}" for backs in self.covering_backs()}
-        self.neighbourhood_argmax(tile, hoisted, own, taps)
-        for backs in self.covering_backs():
-            if backs not in own:
-                self.neighbour_argmax(tile, hoisted, backs, taps)
+        loads = self.neighbourhood_argmax(tile, hoisted, own, taps)
+        neighbours = [backs for backs in self.covering_backs() if backs not in own]
+        # the halo's windows unroll within what the neighbourhood left of the budget (their
+        # loads, masked to a few tile positions, cost little in memory but as much in code)
+        budget = max(1, (UNROLLED_BODIES_MAX - loads) // max(1, len(neighbours)))
+        for backs in neighbours:
+            self.neighbour_argmax(tile, hoisted, backs, taps, unrolled_loops(self.window_extents(), budget))
         return taps
 
-    def neighbourhood_argmax(self, tile: dict, hoisted: set, own: list, taps: dict):
+    def neighbourhood_argmax(self, tile: dict, hoisted: set, own: list, taps: dict) -> int:
         """Emit `taps[backs]` of the windows `own` in one row-major pass over the x elements
         they cover, each loaded once and compared into every window holding it (so each window
-        still sees its elements in its own row-major order: the first maximum wins)."""
+        still sees its elements in its own row-major order: the first maximum wins); returns
+        the number of elements (unrolled loads)."""
         spatial = list(self.spatial)
         for backs in own:
             tag = _tag(backs)
@@ -593,8 +597,9 @@ class _KernelWriter:
                     self.line(f"better = inside & tl.where(value != value, True, value > best{tag})")
                     self.line(f"best{tag} = tl.where(better, value, best{tag})")
                     self.line(f"{taps[backs]} = tl.where(better, {self.tap_code(within)}, {taps[backs]})")
+        return len(offsets_all)
 
-    def neighbour_argmax(self, tile: dict, hoisted: set, backs: tuple, taps: dict):
+    def neighbour_argmax(self, tile: dict, hoisted: set, backs: tuple, taps: dict, unrolled):
         """Emit `taps[backs]`, a window further back along the shift axis: the argmax the tile
         position that many back along it found for its own window, where that position is in
         this program (same row or column line, inside the tile); recomputed elsewhere."""
@@ -614,7 +619,7 @@ class _KernelWriter:
             covering[axis] = self.covering_coord(axis, str(b))
         self.line(f"halo = tl.where((from_tile){spread}, False, {self.inside(covering)})")
         self.load_guard = "halo"
-        self.window_argmax(tile, hoisted, unrolled_loops(self.window_extents()))
+        self.window_argmax(tile, hoisted, unrolled)
         self.load_guard = None
         self.line(f"{taps[backs]} = tl.where((from_tile){spread}, gathered, tap)")
 
