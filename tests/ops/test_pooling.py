@@ -1174,15 +1174,21 @@ def test_max_forward_of_row_segments_is_torchs_with_ties_nan_and_infinities(prob
     """A width strided by 2 or 4 is read as contiguous segments split into taps: values and
     indices equal torch's (first maximum wins, NaN propagates), at every tile, on a
     non-contiguous input too; other strides keep a load a tap."""
+    _row_segments_against_torch(problem, layout, "cpu")
+
+
+def _row_segments_against_torch(problem, layout: str, device: str):
+    """The max forward with indices of `problem` on `device` against torch's, values and
+    indices exactly; whether its kernel read row segments."""
     shape, window, stride, padding, dtype = problem
     x_t = in_layout(adversarial(shape, dtype, "nchw", seed=len(shape) + stride[-1]), layout)
     g, x, y, indices = indices_graph(x_t, window, stride, padding)
-    outputs = check(g, {x: x_t}, dtype)
+    outputs = check(g, {x: x_t.to(device)}, dtype, device=device)
     want_y, want_indices = torch_indices(x_t, window, stride, padding)
-    assert torch.equal(outputs[indices.name], want_indices)
-    assert torch.equal(outputs[y.name].float().nan_to_num(), want_y.nan_to_num())
+    assert torch.equal(outputs[indices.name].cpu(), want_indices)
+    assert torch.equal(outputs[y.name].cpu().float().nan_to_num(), want_y.nan_to_num())
     segmented = stride[-1] in (2, 4) and output_dims(shape, window, stride, padding)[-1] > 1
-    assert ("row-segments" in g.plan.launches[0].config_text) == segmented
+    assert ("row-segments" in g.plan.launches[0].config_text) == (segmented and layout != "nhwc")
 
 
 @pytest.mark.parametrize("tile", ["4x2"], indirect=True)
@@ -1231,6 +1237,12 @@ def test_shared_argmax_backward_is_torchs_with_ties_nan_and_infinities(problem, 
     """The recompute backward finding each window's argmax once a program (its neighbours'
     through a gather, the halo recomputed): dx equals torch's gradient exactly (integer dy,
     ties, NaN, inf, -inf windows) at every tile, and the float64 reference on poisoned outputs."""
+    _shared_argmax_against_torch(problem, layout, "cpu")
+
+
+def _shared_argmax_against_torch(problem, layout: str, device: str):
+    """The recompute max backward of `problem` on `device`: dx equal to torch's gradient (and
+    the float64 reference), its argmax shared."""
     shape, window, stride, padding, dtype = problem
     geometry = (shape, window, stride, padding, layout, dtype)
     x_t, dy_t, indices_t = owned_inputs(geometry, "max", seed=sum(stride) + len(shape))
@@ -1239,10 +1251,30 @@ def test_shared_argmax_backward_is_torchs_with_ties_nan_and_infinities(problem, 
         # element 0 of the plane (its NCDHW kernel to the first in-range element, as dnngraph):
         # the reference follows it, so these windows get a finite floor here
         x_t = torch.where(x_t == float("-inf"), torch.full_like(x_t, -5.0), x_t)
-    g, inputs, dx = _backward_graph(x_t, dy_t, indices_t, "max", (window, stride, padding), IO_TYPES[dtype])
-    got = check(g, inputs, dtype)[dx.name]
-    assert torch.equal(got.float(), torch_grad(x_t, dy_t, window, stride, padding))
+    g, inputs, dx = _backward_graph(x_t.to(device), dy_t.to(device), indices_t, "max", (window, stride, padding),
+                                    IO_TYPES[dtype])
+    got = check(g, inputs, dtype, device=device)[dx.name]
+    assert torch.equal(got.cpu().float(), torch_grad(x_t, dy_t, window, stride, padding))
     assert "argmax=shared" in g.plan.launches[0].config_text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,tile", [("nchw", "4x2"), ("nchw", "model"), ("nhwc", "model")], indirect=["tile"])
+@pytest.mark.parametrize("problem", SEGMENT_PROBLEMS, ids=_problem_id)
+def test_gpu_max_forward_of_row_segments_is_torchs(problem, layout, tile):
+    """The row segments' split compiled for the GPU (a layout change the interpreter never
+    makes): values and indices torch's, ties, NaN and infinities included."""
+    _row_segments_against_torch(problem, layout, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,tile", [("nchw", "4x2"), ("nhwc", "2x4"), ("nchw", "model"), ("nhwc", "model")],
+                         indirect=["tile"])
+@pytest.mark.parametrize("problem", SHARED_ARGMAX_PROBLEMS, ids=_problem_id)
+def test_gpu_shared_argmax_backward_is_torchs(problem, layout, tile):
+    """The shared argmax's tl.gather compiled for the GPU (shuffles or shared memory), its halo
+    at tiny tiles and none at the model's: dx torch's exactly."""
+    _shared_argmax_against_torch(problem, layout, "cuda")
 
 
 @pytest.mark.parametrize("tile", ["4x2"], indirect=True)
