@@ -15,6 +15,14 @@ accumulator and one store per owned position. A gather per element visited each 
 window once per element it covers (the recompute: 36 window loads and compares per dx element
 for 3x3 stride 2, 176 registers a thread on sm_90: the 3% of copy bandwidth it measured).
 Tile columns walk the schedule's vector axis; every other axis is a row coordinate.
+
+Where the vector axis is a strided spatial one (NCHW's width at stride 2, 4 or 8), a forward
+loads each window row as contiguous segments of stride x BLOCK_C elements and splits them into
+their taps in registers (segmented_window): vector loads instead of a lane-strided scalar load
+per tap. The recompute backward finds each window's argmax once a program where it can
+(shared_argmax_backward): the windows of the tile's own blocks in one pass over the x elements
+they cover, those further back along the shift axis from the neighbouring tile position
+(tl.gather), recomputed only where that neighbour is in another program.
 """
 from __future__ import annotations
 
