@@ -1300,3 +1300,19 @@ def test_shared_argmax_axis_is_the_tile_neighbour_within_the_unroll_budget():
     assert shared_argmax_axis((), (3, 3), (1, 1), 3, (0, 1, 2)) == -1  # no owned blocks
     assert shared_argmax_axis((2, 2), (3, 3), (2, 2), 1, (0, 3, 2)) == 2  # rows end in the height
     assert shared_argmax_axis((2, 2, 2), (3, 3, 3), (2, 2, 2), 4, (0, 1, 2, 3)) == -1  # 5x5x3 loads: past 64
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_row_segments_of_an_input_broadcast_along_the_width(direction):
+    """x of stride 0 along a strided width (and a plane of one element): the segment is one
+    value a row, broadcast before its split; against the float64 reference."""
+    for shape, window, stride, padding in [((2, 3, 7, 12), [3, 3], [2, 2], [1, 1]), ((1, 1, 1, 1), [1, 1], [2, 2], [0, 0])]:
+        x_t = torch.randn(shape[:-1] + (1,)).expand(shape)
+        if direction == "forward":
+            g, x, y = forward_graph(x_t, "max", window, stride, padding)
+            check(g, {x: x_t})
+            continue
+        dy_t = torch.randint(1, 5, output_dims(shape, window, stride, padding)).float()
+        g, x, dy, dx = backward_graph(x_t, dy_t, "max", window, stride, padding)
+        got = check(g, {x: x_t, dy: dy_t})[dx.name]
+        assert torch.equal(got, torch_grad(x_t.contiguous(), dy_t, window, stride, padding))

@@ -205,9 +205,10 @@ class _KernelWriter:
         if rows:
             self.line(f"{ident}_row = {' + '.join(rows)}")
             pointer += f" + {ident}_row[:, None]"
-        if cols:
-            self.line(f"{ident}_col = {' + '.join(cols)}")
-            pointer += f" + {ident}_col[None, :]"
+        if cols:  # a segment's columns named apart: a rolled loop may load both (one type a name)
+            column = f"{ident}_segcol" if segment else f"{ident}_col"
+            self.line(f"{column} = {' + '.join(cols)}")
+            pointer += f" + {column}[None, :]"
         return pointer, _outer(row_ok if rows else [], col_ok if cols else []) or None
 
     def load(self, tensor, coords: dict):
@@ -221,7 +222,8 @@ class _KernelWriter:
         if guard is not None:
             mask = f"({mask}) & {guard}" if mask else guard
         load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer})"
-        variable = f"{operand.identifier}_val"
+        segment = any(coord.side == "seg" for coord in coords.values())
+        variable = f"{operand.identifier}_{'segval' if segment else 'val'}"
         self.line(f"{variable} = {self.emitter.loaded(load, tensor.data_type)}")
         self.emitter.bind(tensor.uid, variable, kind_of(tensor.data_type))
 
@@ -363,44 +365,53 @@ class _KernelWriter:
         else:
             self.line("acc += tl.where(inside, value, 0.0)")
 
-    def segment_taps(self) -> list:
-        """[(q, [(r, k), ...]), ...]: the window's taps k along the vector axis grouped by the
-        row segment that holds them. Tap k of output column j reads x column
-        s * j - pad + k = s * (j + q) + r (q = (k - pad) // s, r its remainder): column j of
-        segment q's r-th split, segment q being the s * BLOCK_C columns from s * (first + q)."""
-        axis = self.schedule.vector_axis
-        window, pad = self.schedule.window[axis - 2], self.schedule.padding[axis - 2]
+    def segment_groups(self, shifts) -> list:
+        """[(q, [(r, item), ...]), ...] of (item, shift) pairs, an item reading x column
+        s * j + shift = s * (j + q) + r at tile column j (q = shift // s, r its remainder):
+        column j of segment q's r-th split, segment q being the s * BLOCK_C columns from
+        s * (first column + q). Items stay in order (shift grows with them)."""
         stride = self.schedule.segment_stride
         groups: dict = {}
-        for k in range(window):
-            q, r = divmod(k - pad, stride)
-            groups.setdefault(q, []).append((r, k))
+        for item, shift in shifts:
+            q, r = divmod(shift, stride)
+            groups.setdefault(q, []).append((r, item))
         return sorted(groups.items())
 
-    def segmented_window(self, tile: dict, hoisted: set, is_max: bool):
-        """The forward's window where the vector axis is strided (NCHW's width, row_segment_stride):
-        the other axes' window loops as ever; inside them, each row segment is one contiguous
-        load (its prologue applied once an element) split into its taps in registers."""
+    def segment_taps(self, window: dict, hoisted: set, shifts):
+        """Emit, per row segment of `shifts` (segment_groups), its contiguous load (its prologue
+        applied once an element) and its split into taps in registers; yields each item with
+        `value` and `inside` emitted at its tap (the other axes at `window`)."""
         axis, stride = self.schedule.vector_axis, self.schedule.segment_stride
         name, upper = self.names[axis], self.names[axis].upper()
-        others = [a for a in self.spatial if a != axis]
-        window = self.open_window(tile, unrolled_loops([self.schedule.window[a - 2] for a in others]), others)
         width = f"BLOCK_C * {stride}"
-        for q, taps in self.segment_taps():
+        for q, taps in self.segment_groups(shifts):
             self.line(f"seg_cols = (pid % col_tiles) * ({width}) + ({q * stride}) + tl.arange(0, {width})")
             self.line(f"seg_ok = (seg_cols >= 0) & (seg_cols < in_{name})")
             segment = dict(window)
             segment[axis] = Coord("seg_cols", "seg", "seg_ok")
             self.value_at(self.x_tensor(), segment, "seg_value", hoisted)
+            # an x constant along some axis (a size-1 or broadcast one, a hoisted load) is narrower
+            self.line(f"seg_value = tl.broadcast_to(seg_value, [BLOCK_R, {width}])")
             parts = self.split_segment("seg_value", stride)
-            for r, k in taps:
+            for r, item in taps:
                 self.line(f"{name}_in = (cols_idx + ({q})) * STRIDE_{upper} + {r}")
                 self.line(f"{name}_ok = ({name}_in >= 0) & ({name}_in < in_{name})")
                 tap = dict(window)
                 tap[axis] = Coord(f"{name}_in", "col", f"{name}_ok")
                 self.line(f"inside = {self.inside(tap)}")
                 self.line(f"value = {parts[r]}")
-                self.accumulate(is_max)
+                yield item
+
+    def segmented_window(self, tile: dict, hoisted: set, is_max: bool):
+        """The forward's window where the vector axis is strided (NCHW's width, row_segment_stride):
+        the other axes' window loops as ever; inside them, the taps along the vector axis come
+        from row segments (segment_taps): tap k of output column j reads s * j - pad + k."""
+        axis = self.schedule.vector_axis
+        others = [a for a in self.spatial if a != axis]
+        window = self.open_window(tile, unrolled_loops([self.schedule.window[a - 2] for a in others]), others)
+        pad = self.schedule.padding[axis - 2]
+        for _ in self.segment_taps(window, hoisted, [(k, k - pad) for k in range(self.schedule.window[axis - 2])]):
+            self.accumulate(is_max)
         self.close_loops(len(others))
 
     def split_segment(self, segment: str, stride: int) -> list:
@@ -586,26 +597,43 @@ class _KernelWriter:
         # offsets from the block's own window start: back to the furthest window's start
         reach = [range(-max(b[i] for b in own) * self.schedule.stride[axis - 2], self.schedule.window[axis - 2])
                  for i, axis in enumerate(spatial)]
+        # a strided width (NCHW's, the shift axis and the last one) is read as row segments
+        segmented = self.schedule.segment_stride and self.schedule.argmax_shift_axis == self.rank - 1
+        outer = spatial[:-1] if segmented else spatial
         offsets_all = [()]
-        for span in reach:
+        for span in reach[:len(outer)]:
             offsets_all = [o + (d,) for o in offsets_all for d in span]
         for offsets in offsets_all:
             coords = dict(tile)
-            for axis, d in zip(spatial, offsets):
+            for axis, d in zip(outer, offsets):
                 name, upper = self.names[axis], self.names[axis].upper()
                 self.line(f"{name}_in = {name}_block * STRIDE_{upper} - PAD_{upper} + ({d})")
                 self.line(f"{name}_ok = ({name}_in >= 0) & ({name}_in < in_{name})")
                 coords[axis] = Coord(f"{name}_in", self.side(axis), f"{name}_ok")
-            self.line(f"inside = {self.inside(coords)}")
-            self.value_at(self.x_tensor(), coords, "value", hoisted)
-            for backs in own:
-                within = [d + back * self.schedule.stride[axis - 2] for axis, d, back in zip(spatial, offsets, backs)]
-                if all(0 <= k < self.schedule.window[axis - 2] for axis, k in zip(spatial, within)):
-                    tag = _tag(backs)
-                    self.line(f"better = inside & tl.where(value != value, True, value > best{tag})")
-                    self.line(f"best{tag} = tl.where(better, value, best{tag})")
-                    self.line(f"{taps[backs]} = tl.where(better, {self.tap_code(within)}, {taps[backs]})")
-        return len(offsets_all)
+            if not segmented:
+                self.line(f"inside = {self.inside(coords)}")
+                self.value_at(self.x_tensor(), coords, "value", hoisted)
+                self.compare_into_windows(offsets, own, taps)
+                continue
+            last = spatial[-1]
+            stride, pad = self.schedule.stride[last - 2], self.schedule.padding[last - 2]
+            # element d of block b's own window: x column s * (b + pad // s) - pad + d
+            shifts = [(d, pad // stride * stride - pad + d) for d in reach[-1]]
+            for d in self.segment_taps(coords, hoisted, shifts):
+                self.compare_into_windows(offsets + (d,), own, taps)
+        return len(offsets_all) * len(reach[-1]) if segmented else len(offsets_all)
+
+    def compare_into_windows(self, offsets, own: list, taps: dict):
+        """Emit the compare of `value` (x at `offsets` from the block's own window start, where
+        `inside`) into every window of `own` holding it."""
+        spatial = list(self.spatial)
+        for backs in own:
+            within = [d + back * self.schedule.stride[axis - 2] for axis, d, back in zip(spatial, offsets, backs)]
+            if all(0 <= k < self.schedule.window[axis - 2] for axis, k in zip(spatial, within)):
+                tag = _tag(backs)
+                self.line(f"better = inside & tl.where(value != value, True, value > best{tag})")
+                self.line(f"best{tag} = tl.where(better, value, best{tag})")
+                self.line(f"{taps[backs]} = tl.where(better, {self.tap_code(within)}, {taps[backs]})")
 
     def neighbour_argmax(self, tile: dict, hoisted: set, backs: tuple, taps: dict, unrolled):
         """Emit `taps[backs]`, a window further back along the shift axis: the argmax the tile

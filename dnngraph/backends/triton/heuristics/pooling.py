@@ -131,8 +131,9 @@ class PoolingSchedule(TiledWindows):
     # backward only: per spatial axis, the dx positions one tile position owns (the stride), or
     # () where each tile position is one dx element (see owned_block)
     owned: tuple = ()
-    # forward only: the stride along the vector axis where each window row is read as contiguous
-    # segments split into its taps (row_segment_stride), 0 where each tap is its own load
+    # the stride along the vector axis where each window row is read as contiguous segments split
+    # into its taps (row_segment_stride: a forward, a shared-argmax backward's neighbourhood), 0
+    # where each tap is its own load
     segment_stride: int = 0
     # owned-block backward recomputing the argmax: the spatial axis along which neighbouring tile
     # positions' windows are exchanged in registers (shared_argmax_axis), -1 where each block
@@ -225,6 +226,19 @@ def shared_argmax_axis(owned: tuple, window: tuple, stride: tuple, vector_axis: 
         cover = -(-k // s)
         loads *= k if a + 2 == axis else (cover - 1) * s + k
     return axis if loads <= UNROLLED_BODIES_MAX else -1
+
+
+def segments_and_shared_argmax(backward: bool, attrs, indexed: bool, owned: tuple, vector_axis: int,
+                               row_axes: tuple) -> tuple[int, int]:
+    """(segment_stride, argmax_shift_axis) of a schedule: a forward reads row segments along a
+    strided vector axis; a max backward recomputing the argmax shares it along its shift axis,
+    and reads that axis as row segments where it is the vector axis (NCHW's width)."""
+    stride = tuple(attrs.stride)
+    if not backward:
+        return row_segment_stride(vector_axis, stride), -1
+    shift = shared_argmax_axis(owned, tuple(attrs.window), stride, vector_axis, row_axes) \
+        if attrs.mode == "max" and not indexed else -1
+    return (row_segment_stride(vector_axis, stride) if shift == vector_axis else 0), shift
 
 
 def candidates(rows: int, cols: int, elements_per_thread: int = ELEMENTS_PER_THREAD) -> list[tuple[int, int, int]]:
@@ -375,6 +389,4 @@ def schedule(group, target: Target) -> PoolingSchedule:
                            tuple(attrs.padding), tuple(x.dim), y_dims, vector_axis, row_axes,
                            index_64, indexed, frozenset(t.uid for t in moved) & {t.uid for t in group.inputs}, best,
                            len(ranked), reason, attrs.ceil_mode, attrs.divisor, owned,
-                           0 if backward else row_segment_stride(vector_axis, tuple(attrs.stride)),
-                           shared_argmax_axis(owned, tuple(attrs.window), tuple(attrs.stride), vector_axis, row_axes)
-                           if attrs.mode == "max" and not indexed else -1)
+                           *segments_and_shared_argmax(backward, attrs, indexed, owned, vector_axis, row_axes))
