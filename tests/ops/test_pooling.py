@@ -1316,3 +1316,19 @@ def test_row_segments_of_an_input_broadcast_along_the_width(direction):
         g, x, dy, dx = backward_graph(x_t, dy_t, "max", window, stride, padding)
         got = check(g, {x: x_t, dy: dy_t})[dx.name]
         assert torch.equal(got, torch_grad(x_t.contiguous(), dy_t, window, stride, padding))
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_padding_past_half_the_window_raises_at_the_op_call_and_changes_nothing(direction):
+    """torch's rule: a padding above half the window (here 2 for a window of 3) is refused by
+    the op call itself, naming the padding; the graph keeps what it had."""
+    g = dg.Graph(io_data_type=dg.float32)
+    x = g.tensor(name="x", dim=[2, 3, 9, 9])
+    dy = g.tensor(name="dy", dim=[2, 3, 5, 5])
+    before = g.to_json()
+    with pytest.raises(dg.ValidationError, match="padding"):
+        if direction == "forward":
+            g.pooling(x, "max", [3, 3], [2, 2], [1, 2])
+        else:
+            g.pooling_backward(dy, x, "max", [3, 3], [2, 2], [2, 1])
+    assert g.to_json() == before
