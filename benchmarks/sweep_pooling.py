@@ -47,8 +47,15 @@ CASES = {  # label -> (mode, direction, layout); direction: forward, indexed (ba
     "max bwd indices nhwc per-element": ("max", "indexed", "nhwc"),
     "max bwd recompute nchw": ("max", "backward", "nchw"),
     "avg bwd nhwc": ("avg_include_pad", "backward", "nhwc"),
+    "avg fwd nchw": ("avg_include_pad", "forward", "nchw"),
+    # issue 30's before, at the model's tiles: a load per tap along NCHW's strided width, and each
+    # block recomputing every covering window's argmax
+    "max fwd nchw before": ("max", "forward", "nchw"),
+    "max bwd recompute nhwc before": ("max", "backward", "nhwc"),
+    "max bwd recompute nchw before": ("max", "backward", "nchw"),
 }
 OWNED_BLOCK = heuristics.owned_block
+ROW_SEGMENT_STRIDE, SHARED_ARGMAX_AXIS = heuristics.row_segment_stride, heuristics.shared_argmax_axis
 # Extra tiles (elements, warps) timed besides the model's ranked ones, at its column width and at
 # half of it: whether larger tiles (more window reuse in L1) or more warps pay.
 GRID_TILES = ((2048, 4), (4096, 8), (8192, 8), (8192, 16))
@@ -133,12 +140,19 @@ def per_element(label) -> bool:
     return label.endswith("per-element")
 
 
+def before(label) -> bool:
+    return label.endswith("before")
+
+
 @contextlib.contextmanager
 def forced(config, label):
     """Builds in this block take `config` (None: the model's choice) for their pooling kernel,
     and a backward gathers per dx element where the case says so."""
     if per_element(label):
         heuristics.owned_block = lambda *geometry: ()
+    if before(label):
+        heuristics.row_segment_stride = lambda *layout: 0
+        heuristics.shared_argmax_axis = lambda *geometry: -1
     if config is not None:
         heuristics.rank = lambda *args, **kwargs: [config] + [
             c for c in RANK_OF_MODEL(*args, **kwargs) if tile_of(c) != tile_of(config)]
@@ -148,6 +162,7 @@ def forced(config, label):
     finally:
         heuristics.rank = RANK_OF_MODEL
         heuristics.owned_block = OWNED_BLOCK
+        heuristics.row_segment_stride, heuristics.shared_argmax_axis = ROW_SEGMENT_STRIDE, SHARED_ARGMAX_AXIS
         plan_cache.clear()
 
 
@@ -169,7 +184,7 @@ def model_and_grid(label, tensors):
     args, _, ranked = captured[-1]
     rows, cols, bytes_per_element, target = args[:4]
     configs = list(ranked)
-    if per_element(label):
+    if per_element(label) or before(label):
         return configs[:1], {tile_of(configs[0]): 1}
     seen = {tile_of(c) for c in configs}
     width = ranked[0].block_cols
@@ -197,6 +212,13 @@ def _compile(jobs):
         except Exception as error:  # noqa: BLE001 - reported when timed
             print(f"compile failed {label} {config}: {type(error).__name__}: {error}", flush=True)
     return done
+
+
+def kernel_flags(config_text: str) -> str:
+    """What a pooling kernel's config says beyond its tile (owned blocks, row segments, the
+    argmax's source), from its config text."""
+    return " ".join(word for word in config_text.split() if word.split("=")[0].split("/")[0] in (
+        "owned", "row-segments", "argmax", "int64-index"))
 
 
 def tile_of(config) -> tuple:
@@ -254,7 +276,8 @@ def time_config(label, config, ranks, state, ceiling, median_ms, rel_error) -> d
     tbs = state["nbytes"] / ms / 1e9
     rank = ranks.get(tile_of(config), "-")
     print(f"{label:36s} {tile_text(config):16s} {rank!s:>4s} {config.estimate_us:9.1f} {ms * 1e3:9.1f} "
-          f"{tbs:6.2f} {tbs / ceiling:5.0%} {state['anchors']['torch eager'] / ms:7.2f}x {error:8.1e}", flush=True)
+          f"{tbs:6.2f} {tbs / ceiling:5.0%} {state['anchors']['torch eager'] / ms:7.2f}x {error:8.1e} "
+          f"{kernel_flags(g.plan.launches[0].config_text)}", flush=True)
     return dict(case=label, block_rows=config.block_rows, block_cols=config.block_cols, num_warps=config.num_warps,
                 model_rank=rank, model_us=config.estimate_us, us=ms * 1e3, tbs=tbs, copy_share=tbs / ceiling,
                 rel_err=error, config_text=g.plan.launches[0].config_text)
@@ -290,7 +313,7 @@ def main():
     print(f"device copy: {ceiling:.2f} TB/s (model bandwidth {target.bandwidth / 1e12:.2f} TB/s, {target.sms} SMs)",
           flush=True)
     print(f"{'case':36s} {'tile':16s} {'rank':>4s} {'model us':>9s} {'us':>9s} {'TB/s':>6s} {'copy':>5s} "
-          f"{'vs eager':>8s} {'rel err':>8s}")
+          f"{'vs eager':>8s} {'rel err':>8s} kernel")
     cases = {label: case_state(label, args.compile) for label in labels}
     for label, state in cases.items():
         print(f"{label:36s} " + ", ".join(f"{name} {ms * 1e3:.1f} us ({state['nbytes'] / ms / 1e9:.2f} TB/s)"

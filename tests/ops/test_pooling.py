@@ -1132,3 +1132,203 @@ def test_windows_past_int32_tap_numbers_gather_per_element():
     g.build()
     launch = g.plan.launches[0]
     assert "owned=" not in launch.config_text and "int64-index" in launch.config_text
+
+
+# --- row segments (NCHW forward) and the shared argmax (recompute backward) -----------------------
+@pytest.fixture
+def tile(request, monkeypatch):
+    """Each pooling schedule at the model's tile, or forced to a tiny BLOCK_R x BLOCK_C one so a
+    small problem spans many programs: row segments cross tile edges, and the shared argmax's
+    neighbours fall outside the program (its halo) along every line."""
+    from dnngraph.backends.triton.heuristics import pooling as heuristics
+    from dnngraph.runtime import plan_cache
+    if request.param != "model":  # (indirect parametrization)
+        rows, cols = map(int, request.param.split("x"))
+        monkeypatch.setattr(heuristics, "rank", lambda *args, **kwargs: [heuristics.PoolingConfig(rows, cols, 1, 0.0)])
+    plan_cache.clear()
+    yield request.param
+    plan_cache.clear()
+
+
+# (shape, window, stride, padding, dtype): odd sizes, padding at half the window, strides 1 to 4
+# along the width (2 and 4 read row segments), window below, at and above the stride
+SEGMENT_PROBLEMS = [
+    ((2, 3, 9, 13), [3, 3], [2, 2], [1, 1], torch.bfloat16),
+    ((2, 2, 7, 17), [2, 4], [1, 2], [1, 2], torch.float16),
+    ((2, 2, 5, 19), [3, 5], [3, 4], [1, 2], torch.float32),
+    ((2, 2, 5, 16), [2, 1], [2, 4], [0, 0], torch.float32),  # gaps: window 1 at stride 4
+    ((2, 3, 6, 11), [2, 3], [2, 3], [1, 1], torch.bfloat16),  # stride 3: one load a tap
+    ((2, 3, 23), [3], [2], [1], torch.float32),
+    ((2, 2, 3, 5, 9), [2, 3, 3], [1, 2, 2], [1, 1, 1], torch.bfloat16),
+]
+
+
+def _problem_id(problem):
+    shape, window, stride, padding, dtype = problem
+    return f"{'x'.join(map(str, shape))}-w{window}-s{stride}-p{padding}-{str(dtype)[6:]}"
+
+
+@pytest.mark.parametrize("layout,tile", [("nchw", "4x2"), ("sliced", "model")], indirect=["tile"])
+@pytest.mark.parametrize("problem", SEGMENT_PROBLEMS, ids=_problem_id)
+def test_max_forward_of_row_segments_is_torchs_with_ties_nan_and_infinities(problem, layout, tile):
+    """A width strided by 2 or 4 is read as contiguous segments split into taps: values and
+    indices equal torch's (first maximum wins, NaN propagates), at every tile, on a
+    non-contiguous input too; other strides keep a load a tap."""
+    _row_segments_against_torch(problem, layout, "cpu")
+
+
+def _row_segments_against_torch(problem, layout: str, device: str):
+    """The max forward with indices of `problem` on `device` against torch's, values and
+    indices exactly; whether its kernel read row segments."""
+    shape, window, stride, padding, dtype = problem
+    x_t = in_layout(adversarial(shape, dtype, "nchw", seed=len(shape) + stride[-1]), layout)
+    g, x, y, indices = indices_graph(x_t, window, stride, padding)
+    outputs = check(g, {x: x_t.to(device)}, dtype, device=device)
+    want_y, want_indices = torch_indices(x_t, window, stride, padding)
+    assert torch.equal(outputs[indices.name].cpu(), want_indices)
+    assert torch.equal(outputs[y.name].cpu().float().nan_to_num(), want_y.nan_to_num())
+    segmented = stride[-1] in (2, 4) and output_dims(shape, window, stride, padding)[-1] > 1
+    assert ("row-segments" in g.plan.launches[0].config_text) == (segmented and layout != "nhwc")
+
+
+@pytest.mark.parametrize("tile", ["4x2"], indirect=True)
+@pytest.mark.parametrize("mode", ["avg_include_pad", "avg_exclude_pad"])
+@pytest.mark.parametrize("problem", SEGMENT_PROBLEMS[1:3], ids=_problem_id)
+def test_average_forward_of_row_segments_against_the_reference(problem, mode, tile):
+    shape, window, stride, padding, dtype = problem
+    x_t = sample(shape, dtype)
+    g, x, y = forward_graph(x_t, mode, window, stride, padding)
+    got = check(g, {x: x_t}, dtype)[y.name]
+    want = AVG_POOLS[len(window) - 1](x_t.float(), window, stride, padding, count_include_pad=mode == "avg_include_pad")
+    assert rel_err(got.float(), want) < 1e-2
+    assert "row-segments" in g.plan.launches[0].config_text
+
+
+def test_row_segments_apply_the_prologue_to_every_element_once():
+    """A prologue (x * scale + bias per channel, then a ReLU) is applied on the segment before
+    the split: the fused kernel equals the reference, padding never wins."""
+    x_t, scale_t, bias_t = sample((2, 3, 7, 15), torch.float32), sample((1, 3, 1, 1), torch.float32), \
+        sample((1, 3, 1, 1), torch.float32) - 2.0
+    g = dg.Graph(io_data_type=dg.float32)
+    x, scale, bias = g.tensor_like(x_t, "x"), g.tensor_like(scale_t, "scale"), g.tensor_like(bias_t, "bias")
+    y = g.pooling(g.relu(g.add(g.mul(x, scale), bias)), "max", [3, 3], [2, 2], [1, 1]).set_output(True)
+    check(g, {x: x_t, scale: scale_t, bias: bias_t})
+    assert len(g.plan.launches) == 1 and "row-segments/2" in g.plan.launches[0].config_text
+
+
+# (shape, window, stride, padding, dtype) of the max backward recomputing its argmax
+SHARED_ARGMAX_PROBLEMS = [
+    ((2, 3, 9, 13), [3, 3], [2, 2], [1, 1], torch.bfloat16),
+    ((2, 2, 11, 10), [5, 5], [2, 2], [2, 2], torch.float32),  # three windows cover an element
+    ((2, 2, 7, 9), [3, 3], [1, 2], [1, 1], torch.float16),  # stride 1 with padding: windows before the first block
+    ((2, 2, 9, 7), [3, 3], [2, 1], [1, 1], torch.float32),  # stride 1 along the shift axis
+    ((2, 3, 8, 8), [2, 2], [2, 2], [0, 0], torch.bfloat16),  # one window covers an element
+    ((2, 2, 10, 11), [4, 4], [3, 3], [2, 2], torch.float32),  # 3x3 owned
+    ((2, 3, 21), [3], [2], [1], torch.float32),
+    ((2, 2, 5, 6, 7), [2, 3, 3], [2, 2, 2], [1, 1, 1], torch.float32),
+]
+
+
+# the tiny tiles put the neighbour outside the program along the shift axis: a column (NCHW,
+# sliced: BLOCK_C 2) or a row (NHWC: BLOCK_R 2) away
+@pytest.mark.parametrize("layout,tile", [("nchw", "4x2"), ("nhwc", "2x4")], indirect=["tile"])
+@pytest.mark.parametrize("problem", SHARED_ARGMAX_PROBLEMS, ids=_problem_id)
+def test_shared_argmax_backward_is_torchs_with_ties_nan_and_infinities(problem, layout, tile):
+    """The recompute backward finding each window's argmax once a program (its neighbours'
+    through a gather, the halo recomputed): dx equals torch's gradient exactly (integer dy,
+    ties, NaN, inf, -inf windows) at every tile, and the float64 reference on poisoned outputs."""
+    _shared_argmax_against_torch(problem, layout, "cpu")
+
+
+def _shared_argmax_against_torch(problem, layout: str, device: str):
+    """The recompute max backward of `problem` on `device`: dx equal to torch's gradient (and
+    the float64 reference), its argmax shared."""
+    shape, window, stride, padding, dtype = problem
+    geometry = (shape, window, stride, padding, layout, dtype)
+    x_t, dy_t, indices_t = owned_inputs(geometry, "max", seed=sum(stride) + len(shape))
+    if len(shape) == 5 and layout == "nhwc":
+        # torch's channels-last CPU max_pool3d routes a window of -inf whose start is clamped to
+        # element 0 of the plane (its NCDHW kernel to the first in-range element, as dnngraph):
+        # the reference follows it, so these windows get a finite floor here
+        x_t = torch.where(x_t == float("-inf"), torch.full_like(x_t, -5.0), x_t)
+    g, inputs, dx = _backward_graph(x_t.to(device), dy_t.to(device), indices_t, "max", (window, stride, padding),
+                                    IO_TYPES[dtype])
+    got = check(g, inputs, dtype, device=device)[dx.name]
+    assert torch.equal(got.cpu().float(), torch_grad(x_t, dy_t, window, stride, padding))
+    assert "argmax=shared" in g.plan.launches[0].config_text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,tile", [("nchw", "4x2"), ("nchw", "model")], indirect=["tile"])
+@pytest.mark.parametrize("problem", SEGMENT_PROBLEMS, ids=_problem_id)
+def test_gpu_max_forward_of_row_segments_is_torchs(problem, layout, tile):
+    """The row segments' split compiled for the GPU (a layout change the interpreter never
+    makes): values and indices torch's, ties, NaN and infinities included."""
+    _row_segments_against_torch(problem, layout, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,tile", [("nchw", "4x2"), ("nhwc", "2x4"), ("nhwc", "model")], indirect=["tile"])
+@pytest.mark.parametrize("problem", SHARED_ARGMAX_PROBLEMS, ids=_problem_id)
+def test_gpu_shared_argmax_backward_is_torchs(problem, layout, tile):
+    """The shared argmax's tl.gather compiled for the GPU (shuffles or shared memory), its halo
+    at tiny tiles and none at the model's: dx torch's exactly."""
+    _shared_argmax_against_torch(problem, layout, "cuda")
+
+
+@pytest.mark.parametrize("tile", ["4x2"], indirect=True)
+def test_shared_argmax_backward_of_a_sliced_input_with_fusion(tile):
+    """A non-contiguous x and dy, dy scaled per channel at its loads and a ReLU backward mask
+    read from x in the epilogue: one kernel, against the float64 reference."""
+    shape, window, stride, padding = (2, 3, 9, 11), [3, 3], [2, 2], [1, 1]
+    x_t = in_layout(sample(shape, torch.float32), "sliced")
+    dy_t = in_layout(sample(output_dims(shape, window, stride, padding), torch.float32), "sliced")
+    scale_t = sample((1, 3, 1, 1), torch.float32)
+    g = dg.Graph(io_data_type=dg.float32)
+    x, dy, scale = g.tensor_like(x_t, "x"), g.tensor_like(dy_t, "dy"), g.tensor_like(scale_t, "scale")
+    dx = g.pooling_backward(g.mul(dy, scale), x, "max", window, stride, padding)
+    masked = g.where(g.cmp_le(x, 0.0), 0.0, dx).set_output(True)
+    check(g, {x: x_t, dy: dy_t, scale: scale_t})
+    assert len(g.plan.launches) == 1 and "argmax=shared" in g.plan.launches[0].config_text
+    assert masked.name in g.reference({x: x_t, dy: dy_t, scale: scale_t})
+
+
+def test_shared_argmax_axis_is_the_tile_neighbour_within_the_unroll_budget():
+    from dnngraph.backends.triton.heuristics.pooling import shared_argmax_axis
+    assert shared_argmax_axis((2, 2), (3, 3), (2, 2), 3, (0, 1, 2)) == 3  # NCHW: the width, a column
+    assert shared_argmax_axis((2, 2), (3, 3), (2, 2), 1, (0, 2, 3)) == 3  # NHWC: the width, the next row
+    assert shared_argmax_axis((), (3, 3), (1, 1), 3, (0, 1, 2)) == -1  # no owned blocks
+    assert shared_argmax_axis((2, 2), (3, 3), (2, 2), 1, (0, 3, 2)) == 2  # rows end in the height
+    assert shared_argmax_axis((2, 2, 2), (3, 3, 3), (2, 2, 2), 4, (0, 1, 2, 3)) == -1  # 5x5x3 loads: past 64
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_row_segments_of_an_input_broadcast_along_the_width(direction):
+    """x of stride 0 along a strided width (and a plane of one element): the segment is one
+    value a row, broadcast before its split; against the float64 reference."""
+    for shape, window, stride, padding in [((2, 3, 7, 12), [3, 3], [2, 2], [1, 1]), ((1, 1, 1, 1), [1, 1], [2, 2], [0, 0])]:
+        x_t = torch.randn(shape[:-1] + (1,)).expand(shape)
+        if direction == "forward":
+            g, x, y = forward_graph(x_t, "max", window, stride, padding)
+            check(g, {x: x_t})
+            continue
+        dy_t = torch.randint(1, 5, output_dims(shape, window, stride, padding)).float()
+        g, x, dy, dx = backward_graph(x_t, dy_t, "max", window, stride, padding)
+        got = check(g, {x: x_t, dy: dy_t})[dx.name]
+        assert torch.equal(got, torch_grad(x_t.contiguous(), dy_t, window, stride, padding))
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_padding_past_half_the_window_raises_at_the_op_call_and_changes_nothing(direction):
+    """torch's rule: a padding above half the window (here 2 for a window of 3) is refused by
+    the op call itself, naming the padding; the graph keeps what it had."""
+    g = dg.Graph(io_data_type=dg.float32)
+    x = g.tensor(name="x", dim=[2, 3, 9, 9])
+    dy = g.tensor(name="dy", dim=[2, 3, 5, 5])
+    before = g.to_json()
+    with pytest.raises(dg.ValidationError, match="padding"):
+        if direction == "forward":
+            g.pooling(x, "max", [3, 3], [2, 2], [1, 2])
+        else:
+            g.pooling_backward(dy, x, "max", [3, 3], [2, 2], [2, 1])
+    assert g.to_json() == before

@@ -15,6 +15,14 @@ accumulator and one store per owned position. A gather per element visited each 
 window once per element it covers (the recompute: 36 window loads and compares per dx element
 for 3x3 stride 2, 176 registers a thread on sm_90: the 3% of copy bandwidth it measured).
 Tile columns walk the schedule's vector axis; every other axis is a row coordinate.
+
+Where the vector axis is a strided spatial one (NCHW's width at stride 2, 4 or 8), a forward
+loads each window row as contiguous segments of stride x BLOCK_C elements and splits them into
+their taps in registers (segmented_window): vector loads instead of a lane-strided scalar load
+per tap. The recompute backward finds each window's argmax once a program where it can
+(shared_argmax_backward): the windows of the tile's own blocks in one pass over the x elements
+they cover, those further back along the shift axis from the neighbouring tile position
+(tl.gather), recomputed only where that neighbour is in another program.
 """
 from __future__ import annotations
 
@@ -38,7 +46,8 @@ INDENT = "    "
 FIXED_NAMES = ("pid", "col_tiles", "rows_idx", "cols_idx", "row_mask", "col_mask", "mask", "rest",
                "rows", "cols", "batch", "channels", "acc", "value", "result", "grad", "best", "hit",
                "better", "inside", "covered", "argmax", "here", "share", "tile_mask", "tap", "BLOCK_R", "BLOCK_C")
-FIXED_STEMS = ("in", "out", "own", "WINDOW", "STRIDE", "PAD", "COVER", "acc", "here")
+FIXED_STEMS = ("in", "out", "own", "WINDOW", "STRIDE", "PAD", "COVER", "acc", "here", "seg", "tap", "best",
+               "lane", "halo", "gathered", "from")
 
 
 @dataclass(frozen=True)
@@ -46,7 +55,7 @@ class Coord:
     """One logical axis's index vector at some point of the kernel."""
 
     variable: str
-    side: str  # "row": a [BLOCK_R] vector, "col": a [BLOCK_C] vector
+    side: str  # "row": a [BLOCK_R] vector, "col": a [BLOCK_C] vector, "seg": a row segment's columns
     valid: Optional[str]  # predicate on the same side; None where always in range
 
 
@@ -117,6 +126,8 @@ class _KernelWriter:
                                         operand_strides(schedule.x_dims, t.dim, t.stride))
                          for t, hint in roles}
         self.input_uids = {t.uid for t in read}
+        # a [BLOCK_R, BLOCK_C] predicate every load also needs, where set (shared_argmax's halo)
+        self.load_guard: Optional[str] = None
         self.body: list[str] = []
         self.depth = 1
 
@@ -176,7 +187,9 @@ class _KernelWriter:
     def pointer(self, operand: Operand, coords: dict, full: bool = False):
         """Emit the operand's row and column offsets at `coords`; returns (pointer, mask or None).
         full=True gives a whole [BLOCK_R, BLOCK_C] tile even where it broadcasts (stores)."""
-        rows, cols, row_ok, col_ok = [], [], ["row_mask"], ["col_mask"]
+        # a row segment's columns run past the tile's own (col_mask's): its validity bounds them
+        segment = any(coord.side == "seg" for coord in coords.values())
+        rows, cols, row_ok, col_ok = [], [], ["row_mask"], [] if segment else ["col_mask"]
         for axis, coord in coords.items():
             if not operand.strides[axis]:
                 continue
@@ -192,9 +205,10 @@ class _KernelWriter:
         if rows:
             self.line(f"{ident}_row = {' + '.join(rows)}")
             pointer += f" + {ident}_row[:, None]"
-        if cols:
-            self.line(f"{ident}_col = {' + '.join(cols)}")
-            pointer += f" + {ident}_col[None, :]"
+        if cols:  # a segment's columns named apart: a rolled loop may load both (one type a name)
+            column = f"{ident}_segcol" if segment else f"{ident}_col"
+            self.line(f"{column} = {' + '.join(cols)}")
+            pointer += f" + {column}[None, :]"
         return pointer, _outer(row_ok if rows else [], col_ok if cols else []) or None
 
     def load(self, tensor, coords: dict):
@@ -203,9 +217,13 @@ class _KernelWriter:
             raise UnsupportedError(f"node {self.anchor.name!r} ({self.anchor.op}): fused value "
                                    f"{tensor.name!r} is needed where the kernel cannot compute it")
         operand = self.operands[tensor.uid]
-        pointer, mask = self.pointer(operand, coords)
+        guard = self.load_guard
+        pointer, mask = self.pointer(operand, coords, full=guard is not None)
+        if guard is not None:
+            mask = f"({mask}) & {guard}" if mask else guard
         load = f"tl.load({pointer}, mask={mask})" if mask else f"tl.load({pointer})"
-        variable = f"{operand.identifier}_val"
+        segment = any(coord.side == "seg" for coord in coords.values())
+        variable = f"{operand.identifier}_{'segval' if segment else 'val'}"
         self.line(f"{variable} = {self.emitter.loaded(load, tensor.data_type)}")
         self.emitter.bind(tensor.uid, variable, kind_of(tensor.data_type))
 
@@ -266,11 +284,12 @@ class _KernelWriter:
         """Per spatial axis, the most windows that cover one element (the COVER_ constants)."""
         return [-(-self.schedule.window[axis - 2] // self.schedule.stride[axis - 2]) for axis in self.spatial]
 
-    def open_window(self, base: dict, unrolled) -> dict:
-        """Open one loop per spatial axis over the window starting at `{axis}_start` (unrolled
-        where `unrolled` says, per axis); returns the coordinates of the current window element."""
+    def open_window(self, base: dict, unrolled, axes=None) -> dict:
+        """Open one loop per spatial axis (of `axes`, all by default) over the window starting at
+        `{axis}_start` (unrolled where `unrolled` says, per axis); returns the coordinates of the
+        current window element."""
         window = dict(base)
-        for axis, unroll in zip(self.spatial, unrolled):
+        for axis, unroll in zip(self.spatial if axes is None else axes, unrolled):
             name, upper = self.names[axis], self.names[axis].upper()
             self.open_loop(f"k{name}", f"WINDOW_{upper}", unroll)
             self.line(f"{name}_in = {name}_start + k{name}")
@@ -325,8 +344,17 @@ class _KernelWriter:
         else:
             self.line(f"acc = tl.zeros([BLOCK_R, BLOCK_C], dtype={self.compute})")
         hoisted = self.hoist_loads(self.x_tensor(), tile)
-        window = self.open_window(tile, unrolled_loops(self.window_extents()))
-        self.value_at(self.x_tensor(), window, "value", hoisted)
+        if self.schedule.segment_stride:
+            self.segmented_window(tile, hoisted, is_max)
+        else:
+            window = self.open_window(tile, unrolled_loops(self.window_extents()))
+            self.value_at(self.x_tensor(), window, "value", hoisted)
+            self.accumulate(is_max)
+            self.close_loops(len(self.spatial))
+        self.line("result = acc" if is_max else f"result = acc / {self.divisor()}")
+
+    def accumulate(self, is_max: bool):
+        """Emit the forward's step over one window element: `value`, where `inside` holds."""
         if is_max:  # a NaN always takes over, as in torch's max_pool
             # NaN wins; tl.where keeps a hoisted (0-d) value's test from a bool 0-d | 2-d, which
             # the interpreter cannot do
@@ -336,8 +364,72 @@ class _KernelWriter:
                 self.line(f"argmax = tl.where(better, {self.plane_index('in')}, argmax)")
         else:
             self.line("acc += tl.where(inside, value, 0.0)")
-        self.close_loops(len(self.spatial))
-        self.line("result = acc" if is_max else f"result = acc / {self.divisor()}")
+
+    def segment_groups(self, shifts) -> list:
+        """[(q, [(r, item), ...]), ...] of (item, shift) pairs, an item reading x column
+        s * j + shift = s * (j + q) + r at tile column j (q = shift // s, r its remainder):
+        column j of segment q's r-th split, segment q being the s * BLOCK_C columns from
+        s * (first column + q). Items stay in order (shift grows with them)."""
+        stride = self.schedule.segment_stride
+        groups: dict = {}
+        for item, shift in shifts:
+            q, r = divmod(shift, stride)
+            groups.setdefault(q, []).append((r, item))
+        return sorted(groups.items())
+
+    def segment_taps(self, window: dict, hoisted: set, shifts):
+        """Emit, per row segment of `shifts` (segment_groups), its contiguous load (its prologue
+        applied once an element) and its split into taps in registers; yields each item with
+        `value` and `inside` emitted at its tap (the other axes at `window`)."""
+        axis, stride = self.schedule.vector_axis, self.schedule.segment_stride
+        name, upper = self.names[axis], self.names[axis].upper()
+        width = f"BLOCK_C * {stride}"
+        for q, taps in self.segment_groups(shifts):
+            self.line(f"seg_cols = (pid % col_tiles) * ({width}) + ({q * stride}) + tl.arange(0, {width})")
+            self.line(f"seg_ok = (seg_cols >= 0) & (seg_cols < in_{name})")
+            segment = dict(window)
+            segment[axis] = Coord("seg_cols", "seg", "seg_ok")
+            self.value_at(self.x_tensor(), segment, "seg_value", hoisted)
+            # an x constant along some axis (a size-1 or broadcast one, a hoisted load) is narrower
+            self.line(f"seg_value = tl.broadcast_to(seg_value, [BLOCK_R, {width}])")
+            parts = self.split_segment("seg_value", stride)
+            for r, item in taps:
+                self.line(f"{name}_in = (cols_idx + ({q})) * STRIDE_{upper} + {r}")
+                self.line(f"{name}_ok = ({name}_in >= 0) & ({name}_in < in_{name})")
+                tap = dict(window)
+                tap[axis] = Coord(f"{name}_in", "col", f"{name}_ok")
+                self.line(f"inside = {self.inside(tap)}")
+                self.line(f"value = {parts[r]}")
+                yield item
+
+    def segmented_window(self, tile: dict, hoisted: set, is_max: bool):
+        """The forward's window where the vector axis is strided (NCHW's width, row_segment_stride):
+        the other axes' window loops as ever; inside them, the taps along the vector axis come
+        from row segments (segment_taps): tap k of output column j reads s * j - pad + k."""
+        axis = self.schedule.vector_axis
+        others = [a for a in self.spatial if a != axis]
+        window = self.open_window(tile, unrolled_loops([self.schedule.window[a - 2] for a in others]), others)
+        pad = self.schedule.padding[axis - 2]
+        for _ in self.segment_taps(window, hoisted, [(k, k - pad) for k in range(self.schedule.window[axis - 2])]):
+            self.accumulate(is_max)
+        self.close_loops(len(others))
+
+    def split_segment(self, segment: str, stride: int) -> list:
+        """Emit the split of a [BLOCK_R, BLOCK_C * stride] segment into its `stride` columns
+        phases; returns their names, phase r (segment column stride * j + r) at index r.
+        Each tl.split halves the lowest remaining bit of the phase."""
+        bits = stride.bit_length() - 1
+        shape = ", ".join(["BLOCK_R", "BLOCK_C"] + ["2"] * bits)
+        self.line(f"seg_bits = tl.reshape({segment}, [{shape}])")
+        pieces = {0: "seg_bits"}  # phase bits taken so far -> the tensor holding that phase
+        for level in range(bits):
+            split = {}
+            for phase, tensor in pieces.items():
+                low, high = f"seg_{level}_{phase}", f"seg_{level}_{phase | (1 << level)}"
+                self.line(f"{low}, {high} = tl.split({tensor})")
+                split[phase], split[phase | (1 << level)] = low, high
+            pieces = split
+        return [pieces[r] for r in range(stride)]
 
     def plane_index(self, suffix: str) -> str:
         """torch's int64 flat index within the input plane of the coordinates `{axis}_{suffix}`."""
@@ -424,6 +516,9 @@ class _KernelWriter:
             hoisted |= self.hoist_loads(self.x_tensor(), tile)
         if indices is not None:
             self.owned_plane_indices(tile)
+        if recompute and self.schedule.argmax_shift_axis >= 0:
+            self.shared_argmax_backward(tile, hoisted, positions)
+            return
         cover_unrolled, window_unrolled = self.owned_unrolling(recompute, indices is not None, len(positions))
         covering = self.open_covering_windows(tile, cover_unrolled)
         self.value_at(self.anchor.inputs[0], covering, "grad", hoisted)
@@ -438,19 +533,150 @@ class _KernelWriter:
             self.owned_contribution(offsets, is_max, indices is not None)
         self.close_loops(len(self.spatial))
 
+    def covering_backs(self) -> list:
+        """Every window covering a block, as per-spatial-axis counts of windows back from the
+        block's own, row-major."""
+        backs = [()]
+        for extent in self.cover_extents():
+            backs = [b + (j,) for b in backs for j in range(extent)]
+        return backs
+
+    def shared_argmax_backward(self, tile: dict, hoisted: set, positions: list):
+        """The owned-block max backward with each window's argmax found once a program
+        (heuristics' shared_argmax_axis): the windows of the tile positions first, then the
+        windows further back along the shift axis taken from the neighbouring tile position,
+        then dy routed to the owned positions as owned_backward does, every covering window
+        unrolled (the budget held by the heuristic)."""
+        taps = self.shared_window_taps(tile, hoisted)
+        for backs in self.covering_backs():
+            covering = dict(tile)
+            for axis, back in zip(self.spatial, backs):
+                covering[axis] = self.covering_coord(axis, str(back))
+            self.line(f"covered = {self.inside(covering)}")
+            self.value_at(self.anchor.inputs[0], covering, "grad", hoisted)
+            self.line(f"tap = {taps[backs]}")
+            for offsets in positions:
+                self.owned_contribution(offsets, True, False, [str(back) for back in backs])
+
+    def shared_window_taps(self, tile: dict, hoisted: set) -> dict:
+        """Emit the argmax (tap number, window_argmax's) of every window covering the block;
+        returns covering backs -> its variable. The windows zero back along the shift axis come
+        from one pass over their neighbourhood (each x element loaded once); the others are a
+        neighbour's along the shift axis (tl.gather), recomputed only where that neighbour is
+        outside the program (the halo: loads masked to it)."""
+        shift = self.schedule.argmax_shift_axis
+        spatial = list(self.spatial)
+        own = [backs for backs in self.covering_backs() if backs[spatial.index(shift)] == 0]
+        taps = {backs: f"tap{_tag(backs)}" for backs in self.covering_backs()}
+        loads = self.neighbourhood_argmax(tile, hoisted, own, taps)
+        neighbours = [backs for backs in self.covering_backs() if backs not in own]
+        # the halo's windows unroll within what the neighbourhood left of the budget (their
+        # loads, masked to a few tile positions, cost little in memory but as much in code)
+        budget = max(1, (UNROLLED_BODIES_MAX - loads) // max(1, len(neighbours)))
+        for backs in neighbours:
+            self.neighbour_argmax(tile, hoisted, backs, taps, unrolled_loops(self.window_extents(), budget))
+        return taps
+
+    def neighbourhood_argmax(self, tile: dict, hoisted: set, own: list, taps: dict) -> int:
+        """Emit `taps[backs]` of the windows `own` in one row-major pass over the x elements
+        they cover, each loaded once and compared into every window holding it (so each window
+        still sees its elements in its own row-major order: the first maximum wins); returns
+        the number of elements (unrolled loads)."""
+        spatial = list(self.spatial)
+        for backs in own:
+            tag = _tag(backs)
+            firsts = []
+            for axis, back in zip(spatial, backs):
+                name, upper = self.names[axis], self.names[axis].upper()
+                self.line(f"{name}_start{tag} = ({name}_block - {back}) * STRIDE_{upper} - PAD_{upper}")
+                inner = "".join(f" * WINDOW_{self.names[later].upper()}" for later in range(axis + 1, self.rank))
+                firsts.append((axis, f"(tl.maximum({name}_start{tag}, 0) - {name}_start{tag}){inner}"))
+            self.line(f"best{tag} = tl.full([BLOCK_R, BLOCK_C], float('-inf'), {self.compute})")
+            self.line(f"{taps[backs]} = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.int32) + "
+                      f"({_outer(*self.by_side(firsts), joiner=' + ')})")
+        # offsets from the block's own window start: back to the furthest window's start
+        reach = [range(-max(b[i] for b in own) * self.schedule.stride[axis - 2], self.schedule.window[axis - 2])
+                 for i, axis in enumerate(spatial)]
+        # a strided width (NCHW's, the shift axis and the last one) is read as row segments
+        segmented = self.schedule.segment_stride and self.schedule.argmax_shift_axis == self.rank - 1
+        outer = spatial[:-1] if segmented else spatial
+        offsets_all = [()]
+        for span in reach[:len(outer)]:
+            offsets_all = [o + (d,) for o in offsets_all for d in span]
+        for offsets in offsets_all:
+            coords = dict(tile)
+            for axis, d in zip(outer, offsets):
+                name, upper = self.names[axis], self.names[axis].upper()
+                self.line(f"{name}_in = {name}_block * STRIDE_{upper} - PAD_{upper} + ({d})")
+                self.line(f"{name}_ok = ({name}_in >= 0) & ({name}_in < in_{name})")
+                coords[axis] = Coord(f"{name}_in", self.side(axis), f"{name}_ok")
+            if not segmented:
+                self.line(f"inside = {self.inside(coords)}")
+                self.value_at(self.x_tensor(), coords, "value", hoisted)
+                self.compare_into_windows(offsets, own, taps)
+                continue
+            last = spatial[-1]
+            stride, pad = self.schedule.stride[last - 2], self.schedule.padding[last - 2]
+            # element d of block b's own window: x column s * (b + pad // s) - pad + d
+            shifts = [(d, pad // stride * stride - pad + d) for d in reach[-1]]
+            for d in self.segment_taps(coords, hoisted, shifts):
+                self.compare_into_windows(offsets + (d,), own, taps)
+        return len(offsets_all) * len(reach[-1]) if segmented else len(offsets_all)
+
+    def compare_into_windows(self, offsets, own: list, taps: dict):
+        """Emit the compare of `value` (x at `offsets` from the block's own window start, where
+        `inside`) into every window of `own` holding it."""
+        spatial = list(self.spatial)
+        for backs in own:
+            within = [d + back * self.schedule.stride[axis - 2] for axis, d, back in zip(spatial, offsets, backs)]
+            if all(0 <= k < self.schedule.window[axis - 2] for axis, k in zip(spatial, within)):
+                tag = _tag(backs)
+                self.line(f"better = inside & tl.where(value != value, True, value > best{tag})")
+                self.line(f"best{tag} = tl.where(better, value, best{tag})")
+                self.line(f"{taps[backs]} = tl.where(better, {self.tap_code(within)}, {taps[backs]})")
+
+    def neighbour_argmax(self, tile: dict, hoisted: set, backs: tuple, taps: dict, unrolled):
+        """Emit `taps[backs]`, a window further back along the shift axis: the argmax the tile
+        position that many back along it found for its own window, where that position is in
+        this program (same row or column line, inside the tile); recomputed elsewhere."""
+        shift = self.schedule.argmax_shift_axis
+        spatial = list(self.spatial)
+        back = backs[spatial.index(shift)]
+        source = tuple(0 if axis == shift else b for axis, b in zip(spatial, backs))
+        name = self.names[shift]
+        column = self.side(shift) == "col"
+        self.line(f"lane = tl.arange(0, {'BLOCK_C' if column else 'BLOCK_R'})")
+        self.line(f"from_tile = (lane >= {back}) & ({name}_idx >= {back})")
+        spread = "[None, :]" if column else "[:, None]"
+        self.line(f"gathered = tl.gather({taps[source]}, tl.broadcast_to(tl.maximum(lane - {back}, 0){spread}, "
+                  f"[BLOCK_R, BLOCK_C]), {1 if column else 0})")
+        covering = dict(tile)
+        for axis, b in zip(spatial, backs):
+            covering[axis] = self.covering_coord(axis, str(b))
+        self.line(f"halo = tl.where((from_tile){spread}, False, {self.inside(covering)})")
+        self.load_guard = "halo"
+        self.window_argmax(tile, hoisted, unrolled)
+        self.load_guard = None
+        self.line(f"{taps[backs]} = tl.where((from_tile){spread}, gathered, tap)")
+
     def open_covering_windows(self, tile: dict, unrolled) -> dict:
         """Open one loop per spatial axis over the windows covering the owned block, from the
         block's own window back; returns the coordinates of the current window (its dy)."""
         covering = dict(tile)
         for axis, unroll in zip(self.spatial, unrolled):
-            name, upper = self.names[axis], self.names[axis].upper()
-            self.open_loop(f"j{name}", f"COVER_{upper}", unroll)
-            self.line(f"{name}_out = {name}_block - j{name}")
-            self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
-            self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name})")
-            covering[axis] = Coord(f"{name}_out", self.side(axis), f"{name}_cov")
+            self.open_loop(f"j{self.names[axis]}", f"COVER_{self.names[axis].upper()}", unroll)
+            covering[axis] = self.covering_coord(axis, f"j{self.names[axis]}")
         self.line(f"covered = {self.inside(covering)}")
         return covering
+
+    def covering_coord(self, axis: int, back: str) -> Coord:
+        """Emit the index, start and validity along `axis` of the window `back` (an expression)
+        windows before the block's own; returns its Coord."""
+        name, upper = self.names[axis], self.names[axis].upper()
+        self.line(f"{name}_out = {name}_block - {back}")
+        self.line(f"{name}_start = {name}_out * STRIDE_{upper} - PAD_{upper}")
+        self.line(f"{name}_cov = ({name}_out >= 0) & ({name}_out < out_{name})")
+        return Coord(f"{name}_out", self.side(axis), f"{name}_cov")
 
     def owned_unrolling(self, recompute: bool, indexed: bool, positions: int) -> tuple:
         """(per covering loop, per window loop) whether to unroll it, within one budget: a
@@ -465,16 +691,18 @@ class _KernelWriter:
         body = covering_loads + window_copies + positions
         return unrolled_loops(self.cover_extents() + [body])[:-1], window_unrolled
 
-    def owned_contribution(self, offsets, is_max: bool, indexed: bool):
+    def owned_contribution(self, offsets, is_max: bool, indexed: bool, backs=None):
         """Emit the current covering window's addition to the owned position at `offsets`:
         its dy where its argmax is that position (max), its share of dy where the window
-        covers the position (average)."""
+        covers the position (average). `backs`: per spatial axis, how many windows before the
+        block's own the current one is (the covering loops' variables by default)."""
         tag = _tag(offsets)
+        backs = backs or [f"j{self.names[axis]}" for axis in self.spatial]
         # the position's offset from the window's start is j * stride + r along each axis:
         # scalars for the whole tile, constants where the covering loops are unrolled (a where,
         # not an &: the interpreter cannot and a 0-d bool with a 2-d one)
-        reach = [f"(j{self.names[axis]} * STRIDE_{self.names[axis].upper()} + {r})"
-                 for axis, r in zip(self.spatial, offsets)]
+        reach = [f"({back} * STRIDE_{self.names[axis].upper()} + {r})"
+                 for axis, back, r in zip(self.spatial, backs, offsets)]
         in_window = " & ".join(f"({term} < WINDOW_{self.names[axis].upper()})"
                                for axis, term in zip(self.spatial, reach))
         hit = f"tl.where({in_window}, covered, False)"

@@ -13,6 +13,7 @@ from typing import Optional
 
 from ....target import Target
 from .layout import INT32_LIMIT
+from ..codegen.unrolling import UNROLLED_BODIES_MAX
 from .pointwise import pow2_at_least
 
 # Columns per tile: 128 bf16 channels are 256 bytes, two 16-byte vectors per row segment.
@@ -54,6 +55,9 @@ GATHER_VALUES_PER_THREAD, GATHER_TILE_ELEMENTS = 64, 2048
 # Model estimates within this share of the fastest are ties (the model's wave term moves by a
 # wave's fixed cost between these tiles, which the sweep did not see).
 MODEL_TIE = 0.10
+# Largest stride along the vector axis a forward reads as row segments (row_segment_stride): a
+# segment is stride x BLOCK_C elements a row, split in log2(stride) steps.
+MAX_SEGMENT_STRIDE = 8
 MAX_WARPS = 8
 # Hopper keeps at most 32 resident blocks per SM, whatever their size.
 MAX_PROGRAMS_PER_SM = 32
@@ -127,6 +131,14 @@ class PoolingSchedule(TiledWindows):
     # backward only: per spatial axis, the dx positions one tile position owns (the stride), or
     # () where each tile position is one dx element (see owned_block)
     owned: tuple = ()
+    # the stride along the vector axis where each window row is read as contiguous segments split
+    # into its taps (row_segment_stride: a forward, a shared-argmax backward's neighbourhood), 0
+    # where each tap is its own load
+    segment_stride: int = 0
+    # owned-block backward recomputing the argmax: the spatial axis along which neighbouring tile
+    # positions' windows are exchanged in registers (shared_argmax_axis), -1 where each block
+    # recomputes every covering window
+    argmax_shift_axis: int = -1
 
     @property
     def tile_dims(self) -> tuple:
@@ -139,7 +151,10 @@ class PoolingSchedule(TiledWindows):
     @property
     def config_text(self) -> str:
         owned = f" owned={'x'.join(map(str, self.owned))}" if self.owned else ""
-        return self.tile_text() + (" argmax=indices" if self.indexed else "") + owned
+        segments = f" row-segments/{self.segment_stride}" if self.segment_stride else ""
+        shared = f" argmax=shared/{AXIS_NAMES[len(self.x_dims)][self.argmax_shift_axis]}" \
+            if self.argmax_shift_axis >= 0 else ""
+        return self.tile_text() + (" argmax=indices" if self.indexed else "") + owned + segments + shared
 
 
 def owner_dims(spatial: tuple, stride: tuple, padding: tuple) -> tuple:
@@ -168,6 +183,62 @@ def owned_block(stride: tuple, window: tuple = ()) -> tuple:
     if _numel(window) > INT32_LIMIT:
         return ()
     return tuple(stride) if 1 < positions <= OWNED_POSITIONS_MAX else ()
+
+
+def row_segment_stride(vector_axis: int, stride: tuple) -> int:
+    """The stride s along the vector axis where a forward reads each window row as contiguous
+    segments of s * BLOCK_C elements, one per s-aligned group of taps, and splits each into its
+    s taps in registers (0: each tap its own load).
+
+    NCHW's vector axis is a spatial one (width): a tap load at stride s puts lanes s elements
+    apart, so no load is a vector and each window row costs a scalar load per tap and element
+    (11-22% of copy on the H200). A segment is a run of contiguous elements (vector loads), and
+    one segment serves the s taps that share its offset. The split needs s a power of two (tile
+    shapes are); stride 1 taps are contiguous already, and a channel vector axis (NHWC) is
+    contiguous whatever the stride.
+    """
+    if vector_axis < 2:
+        return 0
+    s = stride[vector_axis - 2]
+    return s if 2 <= s <= MAX_SEGMENT_STRIDE and s & (s - 1) == 0 else 0
+
+
+def shared_argmax_axis(owned: tuple, window: tuple, stride: tuple, vector_axis: int, row_axes: tuple) -> int:
+    """The spatial axis along which an owned-block backward recomputing the argmax passes each
+    window's argmax to the neighbouring tile positions it also covers (-1: every block
+    recomputes each covering window, prod(cover) x prod(window) x loads a block).
+
+    The tile's neighbour along that axis is the next column (a spatial vector axis: NCHW's
+    width) or the next row (the innermost row axis: NHWC's width), so the argmax of the
+    block's own windows, computed once, reaches the blocks before it through a tl.gather;
+    along the other spatial axes the covering windows are found in one pass over their joint
+    neighbourhood, each x element loaded once a block. Tile positions whose neighbour lies
+    outside the program recompute theirs (their loads masked to them). The neighbourhood pass
+    unrolls, so it must fit the unroll budget (else -1).
+    """
+    if not owned:
+        return -1
+    axis = vector_axis if vector_axis >= 2 else row_axes[-1]
+    if axis < 2:
+        return -1
+    loads = 1
+    for a, (k, s) in enumerate(zip(window, stride)):
+        cover = -(-k // s)
+        loads *= k if a + 2 == axis else (cover - 1) * s + k
+    return axis if loads <= UNROLLED_BODIES_MAX else -1
+
+
+def segments_and_shared_argmax(backward: bool, attrs, indexed: bool, owned: tuple, vector_axis: int,
+                               row_axes: tuple) -> tuple[int, int]:
+    """(segment_stride, argmax_shift_axis) of a schedule: a forward reads row segments along a
+    strided vector axis; a max backward recomputing the argmax shares it along its shift axis,
+    and reads that axis as row segments where it is the vector axis (NCHW's width)."""
+    stride = tuple(attrs.stride)
+    if not backward:
+        return row_segment_stride(vector_axis, stride), -1
+    shift = shared_argmax_axis(owned, tuple(attrs.window), stride, vector_axis, row_axes) \
+        if attrs.mode == "max" and not indexed else -1
+    return (row_segment_stride(vector_axis, stride) if shift == vector_axis else 0), shift
 
 
 def candidates(rows: int, cols: int, elements_per_thread: int = ELEMENTS_PER_THREAD) -> list[tuple[int, int, int]]:
@@ -317,4 +388,5 @@ def schedule(group, target: Target) -> PoolingSchedule:
     return PoolingSchedule(backward, attrs.mode, tuple(attrs.window), tuple(attrs.stride),
                            tuple(attrs.padding), tuple(x.dim), y_dims, vector_axis, row_axes,
                            index_64, indexed, frozenset(t.uid for t in moved) & {t.uid for t in group.inputs}, best,
-                           len(ranked), reason, attrs.ceil_mode, attrs.divisor, owned)
+                           len(ranked), reason, attrs.ceil_mode, attrs.divisor, owned,
+                           *segments_and_shared_argmax(backward, attrs, indexed, owned, vector_axis, row_axes))
