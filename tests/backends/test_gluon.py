@@ -593,6 +593,8 @@ def test_both_epilogue_walks_match_the_reference(case, loop, monkeypatch):
     monkeypatch.setattr(gluon_backend, "PINGPONG_CONFIGS", (config, ) if config.pingpong else ())
     monkeypatch.setattr(gluon_backend, "OFFER_PINGPONG", config.pingpong)
     monkeypatch.setattr(gluon_backend, "HEAVY_EPILOGUE_ACCUMULATORS", 1 << 20)
+    # the config's own walk offered, light epilogues too (offered_walk unrolls those)
+    monkeypatch.setattr(gluon_backend, "offered_walk", gluon_backend.looped_epilogue)
     PLANS.clear()  # the forced config's plan, not one cached under the other walk
     g = graph(type_name, epilogue, batch, m=m, n=n, k=k)
     inputs = _inputs(g)
