@@ -67,9 +67,8 @@ H100_CONFIGS = {
         'wgrad 16x8x64 warps=8 SPLITS=66 grid=4x2x66',
         'combine 66 splits in order',
     ],
-    # persistent rows (heuristics/rows.py PERSISTENT_ROWS) since 2026-11-29
     'layernorm 16384x8192': [
-        'persistent (persistent) BLOCK_K=1 BLOCK_R=8192 SPLITS=264 num_warps=16 grid=264 K=[16384] R=[8192]',
+        'main (one_pass) BLOCK_K=1 BLOCK_R=8192 SPLITS=1 num_warps=8 grid=16384 K=[16384] R=[8192]',
     ],
     'layernorm backward 4096x4096': [
         'fused (fused) BLOCK_K=1 BLOCK_R=4096 SPLITS=132 num_warps=16 grid=132 K=[4096] R=[4096]',

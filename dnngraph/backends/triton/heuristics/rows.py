@@ -81,14 +81,18 @@ COMBINE_BLOCK_K = 8
 # (one program per SM), 64 at 8192 (two fit: PERSISTENT_TWO_PER_SM_VALUES); holding scale and
 # bias across the loop took 128 and spilled. The model ranks it where the row re-reads of
 # R-only operands it saves are worth more than nothing (softmax and reductions tie and keep
-# one_pass). Reasoned, not yet timed: benchmarks/sweep_rows.py ln_fwd_* and rms_fwd_* time it
-# against one_pass.
+# one_pass). Timed: see PERSISTENT_MIN_ROW_VALUES.
 PERSISTENT_ROWS = True
 PERSISTENT_TWO_PER_SM_VALUES = 8192
 # Inputs along R (tile and R-only) from which rows go persistent: rmsnorm's (x, scale) fit two
 # programs per SM at 16 warps and 64 registers one row per program, and reached 95% of copy
 # (4096x14336 bf16, H100); persistent, one program per SM at 100 registers (not timed).
 PERSISTENT_MIN_TILE_INPUTS = 3
+# Rows (a power of two of lanes) from which rows go persistent. H200, 2026-11-29, layernorm fwd
+# bf16, persistent against one_pass: 4096x14336 79 us against 108, 16384x8192 154 against 153,
+# 4096x8192 44 against 44, 4096x4096 31 against 25 (bench_memory_bound.py): it pays where one row
+# per program fits only one program per SM.
+PERSISTENT_MIN_ROW_VALUES = 16384
 MODES = ("one_pass", "looped", "split", "persistent")
 # bounds a tuning-cache record must respect (wider than any candidate, far below nonsense)
 MAX_BLOCK = 1 << 17
@@ -261,7 +265,8 @@ def candidates(geo: RowGeometry, traits: RowTraits, target: Target, loop_tile: i
             for tile in (MIN_TILE, 2 * MIN_TILE, 4 * MIN_TILE):
                 block_k = max(1, min(k_pow2, tile // r_pow2))
                 result.append(("one_pass", block_k, r_pow2, 1))
-        if r_pow2 <= one_pass_budget and PERSISTENT_ROWS and traits.tile_inputs >= PERSISTENT_MIN_TILE_INPUTS:
+        if r_pow2 <= one_pass_budget and PERSISTENT_ROWS and traits.tile_inputs >= PERSISTENT_MIN_TILE_INPUTS \
+                and r_pow2 >= PERSISTENT_MIN_ROW_VALUES:
             result += persistent_rows(rows, r_pow2, target)
         for block_r in (loop_tile // 2, loop_tile, 2 * loop_tile):
             if block_r <= r_pow2:
