@@ -706,8 +706,8 @@ triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.i
 from gluon_cases import graph
 from helpers import check
 import dnngraph as dg
-# bias: the widest config (two consumers, four epilogue subtiles, two staging buffers each);
-# residual_silu (a heavy epilogue): 128x128 with two consumers, two subtiles each
+# bias: the widest config (two consumers, four epilogue subtiles, two staging buffers each),
+# its light epilogue unrolled; residual_silu (a heavy epilogue): its subtiles walked in a loop
 for batch, epilogue in (("plain", "bias"), ("batched", "residual_silu")):
     g = graph("bf16", epilogue, batch, m=160, n=136, k=200)
     inputs = {{t.name: (torch.randn(*t.dim, device="cuda") / 4).to(t.data_type.torch_dtype)
