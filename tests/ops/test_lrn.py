@@ -2,6 +2,7 @@
 against the float64 reference, the reference against torch, autograd, fusion, validation; GPU."""
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 import dnngraph as dg
 from dnngraph.fusion import partition
 from helpers import check, compiled_for_sm90, rel_err, run
+from dnngraph.backends.triton.heuristics.pointwise import pow2_at_least
 
 IO_TYPES = {torch.float32: dg.float32, torch.float16: dg.float16, torch.bfloat16: dg.bfloat16}
 GEN = torch.Generator().manual_seed(32)
@@ -163,37 +165,117 @@ def test_nan_and_infinity_spread_through_their_windows_as_in_torch(op, beta):
     check(*backward_graph(op, x_t, dy_t, 3, m_t, **attrs)[:2])
 
 
-# backward bodies past codegen/lrn.py's BODY_TERMS_MAX: runtime loops walk the covering centres
-# of the last windowed axes (LRN size 17: its channels; 5x5: the columns; 3x3x3: the last axis)
-ROLLED_CASES = [("lrn", (1, 19, 3, 3), 17), ("div", (1, 2, 6, 7), 5), ("div", (1, 2, 4, 3, 5), 3)]
+# wide windows, every rank: each program loads x and dy once over its halo tile and forms the
+# window sums by shifted copies in registers (tl.gather), however wide the window
+WIDE_CASES = [("lrn", (1, 19, 3, 3), 17), ("div", (1, 2, 6, 7), 5), ("div", (1, 2, 4, 3, 5), 3)]
+
+
+def launched_source(g) -> str:
+    return g.plan.launches[-1].source_path.read_text()
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-@pytest.mark.parametrize("op,shape,size", ROLLED_CASES)
-def test_backward_past_the_body_budget_loops_over_covering_centres(op, shape, size, layout):
-    """NaN and infinities in x and dy reach the same elements through the loops as through the
-    straight-line body; the forward stays straight-line."""
+@pytest.mark.parametrize("op,shape,size", WIDE_CASES)
+def test_wide_windows_load_each_operand_once(op, shape, size, layout):
+    """NaN and infinities in x and dy reach the same elements as in torch; the source holds
+    one load per operand (x, means, dy) whatever the window: no load per window offset."""
     x_t, dy_t = sample(shape, layout=layout), sample(shape, layout=layout)
     x_t[(0, 1) + (1,) * (len(shape) - 2)] = float("nan")
     x_t[(0, 0) + (2,) * (len(shape) - 2)] = float("inf")
     dy_t[(-1, -1) + (0,) * (len(shape) - 2)] = float("inf")
     m_t = sample((1, shape[1]) + (1,) * (len(shape) - 2)) if op == "div" else None
+    operands = 1 + (m_t is not None)
     g, inputs = forward_graph(op, x_t, size, m_t, **LRN_ATTRS)[:2]
     check(g, inputs)
-    assert "tl.range(" not in g.plan.launches[-1].source_path.read_text()
+    source = launched_source(g)
+    assert source.count("tl.load(") == operands and "tl.gather(" in source
     g, inputs = backward_graph(op, x_t, dy_t, size, m_t, **LRN_ATTRS)[:2]
     check(g, inputs)
-    assert "_roll in tl.range(" in g.plan.launches[-1].source_path.read_text()
+    assert launched_source(g).count("tl.load(") == operands + 1
 
 
-def test_rolled_backward_ignores_covering_positions_outside_x_where_their_scale_is_zero():
-    """k = 0 and zeros along a border: the loops' centres outside x (S = 0) add nothing."""
+def test_covering_positions_outside_x_add_nothing_where_their_scale_is_zero():
+    """k = 0 and zeros along a border: the 5x5 window's centres outside x (S = 0) add nothing."""
     x_t, dy_t = sample((1, 2, 6, 7)), sample((1, 2, 6, 7))
     x_t[:, :, :, :2] = 0.0
     g, inputs = backward_graph("div", x_t, dy_t, 5, alpha=1.0, beta=0.75, k=0.0)[:2]
     dx = next(iter(check(g, inputs).values()))
     assert torch.isfinite(dx[0, 0, 3, 0])
-    assert "_roll in tl.range(" in g.plan.launches[-1].source_path.read_text()
+
+
+# small tiles force several programs along every windowed axis: the seams between their halos.
+# (op, shape, size, most tile elements): C not a multiple of the owned chunk, C < size, even
+# and odd sizes, spatial extents that several tiles cover unevenly
+SEAM_CASES = [("lrn", (2, 37, 3, 2), 5, 32), ("lrn", (1, 23, 2, 3), 4, 16), ("lrn", (2, 3, 2, 2), 7, 16),
+              ("lrn", (1, 45, 3), 9, 32), ("div", (1, 2, 19, 13), 3, 64), ("div", (2, 3, 11, 10), 4, 128),
+              ("div", (1, 2, 13, 11), 5, 256), ("div", (1, 1, 5, 6, 7), 3, 512), ("div", (2, 2, 37), 6, 16)]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("op,shape,size,tile", SEAM_CASES)
+def test_halo_seams_between_programs(op, shape, size, tile, layout):
+    options = dg.BuildOptions(lrn_tile_elements=tile)
+    x_t, dy_t = sample(shape, layout=layout), sample(shape, layout=layout)
+    m_t = sample((1, shape[1]) + (1,) * (len(shape) - 2)) if op == "div" else None
+    for g, inputs in (forward_graph(op, x_t, size, m_t, **LRN_ATTRS)[:2],
+                      backward_graph(op, x_t, dy_t, size, m_t, **LRN_ATTRS)[:2]):
+        check(g, inputs, options=options)
+        tiles = re.search(r"tiles=([0-9x]+)", g.plan.launches[-1].config_text).group(1)
+        before, after = size // 2, (size - 1) // 2
+        halo = (2 if g.nodes[-1].op.endswith("_backward") else 1) * (before + after)
+        extents = [shape[1]] if op == "lrn" else shape[2:]
+        if math.prod(pow2_at_least(e + halo) for e in extents) > tile:  # no one tile holds the window axes
+            assert max(int(t) for t in tiles.split("x")) > 1, tiles
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("op", ["lrn", "div"])
+def test_large_dynamic_range_keeps_every_window_sum_accurate(op, layout):
+    """Squares of 1e3 beside squares of 1e-2: a window sum formed as a difference of running
+    sums would lose the small windows past the large values to fp32 cancellation (an absolute
+    error of eps * 1e7 against sums of 1e-4). With k tiny, y and dx depend on those sums
+    directly: each element far from the large values must match float64 (the forward to its
+    own magnitude; dx, a difference of two terms, to the magnitude of that region), not only
+    the whole tile's norm, which the large values dominate."""
+    shape = (1, 64, 3, 3) if op == "lrn" else (1, 2, 24, 24)
+    x_t = sample(shape) * 1e-2
+    big = (slice(None), slice(0, 10)) if op == "lrn" else (slice(None), slice(None), slice(0, 5))
+    x_t[big] *= 1e5
+    x_t, dy_t = (channels_last(x_t), sample(shape, layout=layout)) if layout == "nhwc" else (x_t, sample(shape))
+    far = (slice(None), slice(30, None)) if op == "lrn" else (slice(None), slice(None), slice(15, None))
+    attrs = dict(alpha=1.0, beta=0.75, k=1e-12)
+    for g, inputs in (forward_graph(op, x_t, 5, **attrs)[:2], backward_graph(op, x_t, dy_t, 5, **attrs)[:2]):
+        out = next(iter(check(g, inputs).values())).double()[far]
+        ref = next(iter(g.reference({k: v.double() for k, v in inputs.items()}).values()))[far]
+        scale = ref.abs() if g.nodes[-1].op in ("lrn", "divisive_normalization") else ref.abs().max()
+        assert ((out - ref).abs() / scale).max().item() < 1e-5
+
+
+def test_box_plans_sum_exactly_their_window():
+    """Every window offset range up to 70 wide: the plan's doublings and pieces add each
+    offset exactly once (integers, so any double count shows), with few shifts."""
+    from dnngraph.backends.triton.heuristics.lrn import box_plan
+    values = torch.randint(-1000, 1000, (200,), generator=GEN, dtype=torch.int64)
+    padded = torch.cat([torch.zeros(100, dtype=torch.int64), values, torch.zeros(100, dtype=torch.int64)])
+
+    def shift(tensor, offset):  # each lane reads the one `offset` after it, zero past the ends
+        out = torch.zeros_like(tensor)
+        if offset >= 0:
+            out[:len(tensor) - offset] = tensor[offset:]
+        else:
+            out[-offset:] = tensor[:offset]
+        return out
+
+    for size in range(1, 71):
+        for lo, hi in ((-(size // 2), (size - 1) // 2), (-((size - 1) // 2), size // 2), (-size + 1, 0)):
+            plan = box_plan(lo, hi)
+            powers = [padded]
+            for level, sign in enumerate(plan.doublings):
+                powers.append(powers[-1] + shift(powers[-1], sign * (1 << level)))
+            total = sum(shift(powers[e], s) for e, s in plan.pieces)
+            expected = sum(shift(padded, t) for t in range(lo, hi + 1))
+            assert torch.equal(total, expected), (lo, hi, plan)
+            assert plan.gathers <= 2 * size.bit_length(), (size, plan)
 
 
 def test_zero_k_and_zero_input_give_torchs_nan():
@@ -375,12 +457,14 @@ def test_bad_operands_raise():
         g.divisive_normalization(g.tensor(name="x1", dim=[1, 3, 4, 4]), 3, means=g.tensor(name="m1", dim=[2, 3, 4, 4]))
 
 
-def test_window_too_large_to_unroll_is_unsupported_at_build():
+def test_window_whose_halo_tile_is_too_large_is_unsupported_at_build():
     g = dg.Graph(io_data_type=dg.float32)
-    x, dy = g.tensor(name="x", dim=[1, 2, 9, 9]), g.tensor(name="dy", dim=[1, 2, 9, 9])
+    x, dy = g.tensor(name="x", dim=[1, 2, 9, 9, 9]), g.tensor(name="dy", dim=[1, 2, 9, 9, 9])
     g.divisive_normalization_backward(dy, x, 12).set_output(True)
-    with pytest.raises(dg.UnsupportedError, match="unrolled"):
+    before = g.to_json()
+    with pytest.raises(dg.UnsupportedError, match="too large"):
         g.build()
+    assert g.to_json() == before and g.plan is None
 
 
 # --- GPU -----------------------------------------------------------------------------------------
@@ -430,13 +514,10 @@ def test_gpu_lrn_autograd_and_torch_compile():
 @pytest.mark.parametrize("size,axes,backward", [(size, axes, backward) for size in range(1, 12)
                                                 for axes in ((1,), (2, 3), (2, 3, 4)) for backward in (False, True)])
 def test_schedules_take_power_of_two_warps_and_tiles(size, axes, backward):
-    """Every config the windowed kernel may take has power-of-two warps and tile sides (Triton
-    needs them), whatever the window's live values make of the per-thread cap."""
-    from dnngraph.backends.triton.heuristics.lrn import MAX_WINDOW_TERMS, schedule, window_terms
-    from dnngraph.fusion import partition
+    """Every config the windowed kernel may take has power-of-two warps and blocks (Triton
+    needs them), owns at least one position past its halo and fits the tile cap."""
+    from dnngraph.backends.triton.heuristics.lrn import MAX_TILE_ELEMENTS, schedule
     from dnngraph.target import H200
-    if window_terms(size, axes, backward) > MAX_WINDOW_TERMS:
-        return
     dims = [4, 96, 9, 9, 9][:2 + len(axes) if axes != (1,) else 4]
     g = dg.Graph(io_data_type=dg.bfloat16)
     x = g.tensor(name="x", dim=dims)
@@ -446,9 +527,15 @@ def test_schedules_take_power_of_two_warps_and_tiles(size, axes, backward):
     else:
         getattr(g, op)(x, size).set_output(True)
     (group,) = partition(g)
-    config = schedule(group, H200, axes).config
-    for value in (config.num_warps, config.block_rows, config.block_cols):
+    try:
+        sched = schedule(group, H200, axes)
+    except dg.UnsupportedError:
+        assert len(axes) == 3 and backward and size >= 9  # 3D halos of 16 a side pass 4096 elements
+        return
+    config = sched.config
+    for value in (config.num_warps, config.batch_block) + config.window_blocks:
         assert value & (value - 1) == 0, config
+    assert min(sched.owned) >= 1 and math.prod(config.window_blocks) * config.batch_block <= MAX_TILE_ELEMENTS
 
 
 def sm90_graphs():
@@ -478,14 +565,17 @@ def test_kernels_compile_for_sm90():
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_tile_walks_the_window_axis_innermost(layout):
-    """A tile's neighbouring rows (or its columns, NHWC) are neighbours along the channel window,
-    so the window's shifted loads fall on lines the tile itself loads."""
+@pytest.mark.parametrize("op", ["lrn", "div"])
+def test_tile_columns_hold_the_smallest_stride_axis(op, layout):
+    """The tile's columns are the side holding x's contiguous axis, so loads are contiguous
+    runs: NHWC LRN and NCHW divisive windows lie along it, the others batch along it."""
     from dnngraph.backends.triton.heuristics.lrn import schedule
     from dnngraph.target import H200
     g = dg.Graph(io_data_type=dg.bfloat16)
     x = g.tensor_like(sample((8, 96, 27, 27), torch.bfloat16, layout), "x")
-    g.lrn(x, 5).set_output(True)
+    (g.lrn(x, 5) if op == "lrn" else g.divisive_normalization(x, 5)).set_output(True)
     (group,) = partition(g)
-    sched = schedule(group, H200, (1,))
-    assert (sched.vector_axis, sched.row_axes) == ((3, (0, 2, 1)) if layout == "nchw" else (1, (0, 2, 3)))
+    sched = schedule(group, H200, (1,) if op == "lrn" else (2, 3))
+    assert sched.window_on_cols == ((op == "lrn") == (layout == "nhwc"))
+    innermost = (sched.axes if sched.window_on_cols else sched.batch_axes)[-1]
+    assert innermost == (1 if layout == "nhwc" else 3)

@@ -1,51 +1,100 @@
-"""Configs for windowed normalization kernels (LRN, divisive normalization): pooling's tiles.
+"""Configs for windowed normalization kernels (LRN, divisive normalization): halo tiles.
 
-The tile covers x (y or dx have its dims); its columns walk x's smallest-stride axis, as a
-pooling tile's do (pooling.tile_axes), its rows walk the windowed axes innermost, and configs
-are ranked by pooling's bandwidth + wave model. What differs is how many tile-sized values a thread keeps live: the kernel unrolls the
-window into one variable per offset (the backward keeps the union of the windows of every
-element covering the centre), so the per-thread cap shrinks as the window grows.
+Each program owns a box of positions along the windowed axes (LRN: a chunk of channels; divisive
+normalization: a block of H x W, or D x H x W) times a block of the other axes, and loads x (and
+dy, means) once over that box widened by the halo its window sums need: the window itself
+forward, twice the window backward (the scale of every centre whose window holds an owned
+element). The window side of the tile flattens the windowed axes' blocks; the batch side
+flattens the other axes. Whichever side holds x's smallest-stride axis becomes the tile's
+columns, so loads are runs of contiguous elements. The halo is re-read by the neighbouring
+program (an L2 hit), never re-loaded within one.
+
+Configs are plain data ranked by a model: bytes moved (widened by halo re-reads and short
+contiguous runs) over the target's bandwidth, against lanes computed (owned or not) times the
+window's shift operations. Model assumption, not measured: the lead's H200 run calibrates it.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from ....errors import UnsupportedError
 from ....target import Target
 from .layout import INT32_LIMIT
-from .pooling import AXIS_NAMES, PoolingConfig, TiledWindows, rank, tile_axes
+from .pointwise import pow2_at_least
+from .pooling import AXIS_NAMES
 
-# Additions of the window sums past which the unrolled kernel would be too long to compile
-# well: LRN up to size 64 in its backward, a 2D divisive window up to 11x11, a 3D one up to 5.
-MAX_WINDOW_TERMS = 4096
-# Tile values a thread may keep live across all the unrolled offsets (registers: about 128 fp32
-# values a thread, half of them left for addresses and masks). Model assumption, not measured.
-LIVE_VALUES_PER_THREAD = 64
+# Tile elements (window side x batch side) one program may hold: about eight tiles are live in a
+# backward (x, its square, two partial sums, S, S^-beta, dy, the covering term), so 4096
+# elements at 8 warps is 16 values a thread per tile, 128 registers in all.
+MAX_TILE_ELEMENTS = 4096
+# Smallest tile worth a program (fewer elements leave the SM idle between a program's loads).
+MIN_TILE_ELEMENTS = 256
+MAX_WARPS = 8
+# Elements a thread holds per tile (the warp count follows from the tile size).
+ELEMENTS_PER_THREAD = 8
+# DRAM moves whole 32-byte sectors: a contiguous run shorter than a sector wastes the rest.
+SECTOR_BYTES = 32
+# Model: lane operations an SM retires per second per clock-normalised SM (128 lanes at ~1.8 GHz),
+# and the operations one tile lane costs besides its shifts (loads, squares, exp2/log2, store).
+LANE_OPS_PER_SM_SECOND = 128 * 1.8e9
+BASE_OPS_PER_LANE = 12
+# A shift is a tl.gather along the window side: shuffles or a shared-memory round trip.
+OPS_PER_SHIFT = 4
 
 
 @dataclass(frozen=True)
-class LrnSchedule(TiledWindows):
-    """What codegen needs to write one kernel; the field names are those pooling's kernel writer reads."""
+class LrnConfig:
+    """Block per windowed axis (powers of two, halo included), batch-side block, warps."""
+
+    window_blocks: tuple
+    batch_block: int
+    num_warps: int
+    estimate_us: float
+
+
+@dataclass(frozen=True)
+class LrnSchedule:
+    """What codegen needs to write one kernel."""
 
     backward: bool
-    axes: tuple  # the windowed logical axes
-    offsets: tuple  # per windowed axis, (first, last) offset of the values loaded around a centre
+    axes: tuple  # the windowed logical axes, outermost (largest stride) first
+    batch_axes: tuple  # the other logical axes, outermost first
+    reach: tuple  # per windowed axis, (positions loaded before, after) an owned one
+    window_on_cols: bool  # the window side is the tile's columns (it holds x's smallest-stride axis)
     x_dims: tuple
-    vector_axis: int
-    row_axes: tuple
     index_64: bool
     read_uids: frozenset
-    config: PoolingConfig
+    config: LrnConfig
     candidates: int
     reason: str
 
     @property
-    def tile_dims(self) -> tuple:
-        return self.x_dims
+    def owned(self) -> tuple:
+        """Positions each program owns (stores) along each windowed axis."""
+        return tuple(block - before - after for block, (before, after) in zip(self.config.window_blocks, self.reach))
+
+    @property
+    def window_tiles(self) -> tuple:
+        return tuple(-(-self.x_dims[a] // own) for a, own in zip(self.axes, self.owned))
+
+    @property
+    def batch(self) -> int:
+        return _numel(self.x_dims[a] for a in self.batch_axes)
+
+    @property
+    def programs(self) -> int:
+        return _numel(self.window_tiles) * -(-self.batch // self.config.batch_block)
 
     @property
     def config_text(self) -> str:
-        return self.tile_text()
+        names = AXIS_NAMES[len(self.x_dims)]
+        blocks = "x".join(f"{names[a]}{b}" for a, b in zip(self.axes, self.config.window_blocks))
+        return (f"window={blocks} owned={'x'.join(map(str, self.owned))} "
+                f"tiles={'x'.join(map(str, self.window_tiles))} "
+                f"batch={''.join(names[a] for a in self.batch_axes)}{self.config.batch_block} "
+                f"cols={'window' if self.window_on_cols else 'batch'} num_warps={self.config.num_warps} "
+                f"grid={self.programs}" + (" int64-index" if self.index_64 else ""))
 
 
 def _numel(dims) -> int:
@@ -55,56 +104,158 @@ def _numel(dims) -> int:
     return count
 
 
-def loaded_offsets(attrs, axes, backward: bool) -> tuple:
-    """Per windowed axis, the (first, last) offset from a centre of the values the kernel loads:
-    the window (forward), or the windows of every element whose window holds the centre."""
-    before, after = attrs.size // 2, (attrs.size - 1) // 2
-    reach = (before + after, before + after) if backward else (before, after)
-    return tuple((-reach[0], reach[1]) for _ in axes)
+@dataclass(frozen=True)
+class BoxPlan:
+    """How to sum a tile over offsets lo..hi along one axis with shifted copies.
+
+    doublings: the sign (+1 or -1) of each doubling: power 2k = power k + power k shifted by
+    sign * k. pieces: (power exponent, shift) terms adding up to the box, each a shift of a power.
+    """
+
+    lo: int
+    hi: int
+    doublings: tuple
+    pieces: tuple
+
+    @property
+    def gathers(self) -> int:
+        return len(self.doublings) + sum(1 for _, shift in self.pieces if shift)
+
+    def intervals(self) -> list:
+        """The offsets [a, b] each power 2^i covers (unshifted)."""
+        spans = [(0, 0)]
+        for level, sign in enumerate(self.doublings):
+            a, b = spans[-1]
+            k = 1 << level
+            spans.append((a, b + k) if sign > 0 else (a - k, b))
+        return spans
 
 
-def window_terms(size: int, axes: tuple, backward: bool) -> int:
-    """Additions of the kernel's separable window sums (codegen/lrn.py partial_sum): the sum
-    along the j-th windowed axis is taken at every point the sums along the earlier axes need,
-    size terms each; a backward needs the sums of size^d covering centres, a forward of one."""
-    dims = len(axes)
-    if not backward:
-        return sum(size ** j for j in range(1, dims + 1))
-    return size * sum((2 * size - 1) ** j * size ** (dims - j) for j in range(dims))
+def _binary_pieces(start: int, length: int, spans) -> list:
+    """Pieces covering [start, start + length) with powers (largest first), as (exponent, shift)."""
+    pieces = []
+    for exponent in reversed(range(len(spans))):
+        if length & (1 << exponent):
+            pieces.append((exponent, start - spans[exponent][0]))
+            start += 1 << exponent
+    return pieces
 
 
-def schedule(group, target: Target, axes: tuple) -> LrnSchedule:
-    """Tile layout and the best-ranked config on `target` of a windowed normalization group."""
+def box_plan(lo: int, hi: int) -> BoxPlan:
+    """The plan with the fewest shifts summing offsets lo..hi (lo <= 0 <= hi... or any lo <= hi):
+    every doubling sign pattern is tried (log2 of the window levels, a few hundred at most)."""
+    length = hi - lo + 1
+    levels = length.bit_length() - 1
+    best = None
+    for signs in itertools.product((1, -1), repeat=levels):
+        plan = BoxPlan(lo, hi, signs, ())
+        spans = plan.intervals()
+        a, b = spans[-1]
+        if lo <= a and b <= hi:  # the largest power in place, the rest either side
+            pieces = [(levels, 0)] + _binary_pieces(lo, a - lo, spans) + _binary_pieces(b + 1, hi - b, spans)
+        else:
+            pieces = _binary_pieces(lo, length, spans)
+        plan = BoxPlan(lo, hi, signs, tuple(pieces))
+        if best is None or plan.gathers < best.gathers:
+            best = plan
+    return best
+
+
+def window_reach(size: int, backward: bool) -> tuple:
+    """(before, after): positions a program loads around the ones it owns along a windowed axis.
+    Forward: the window. Backward: the window of every centre whose window holds an owned
+    position (centres from `after` before to `before` after it), so twice the window."""
+    before, after = size // 2, (size - 1) // 2
+    return (before + after, before + after) if backward else (before, after)
+
+
+def shift_count(size: int) -> int:
+    """Shifts (gathers) of one axis's box sum: box_plan's doublings plus pieces."""
+    return box_plan(-(size // 2), (size - 1) // 2).gathers
+
+
+def _block_choices(extent: int, halo: int) -> list:
+    """Powers of two from the smallest that owns a position past the halo to the one holding
+    the whole extent with its halo."""
+    smallest, largest = pow2_at_least(halo + 1), pow2_at_least(extent + halo)
+    choices, block = [], smallest
+    while block <= max(smallest, largest):
+        choices.append(block)
+        block *= 2
+    return choices
+
+
+def _contiguous_run(window_on_cols: bool, blocks, owned, axes, batch_axes, x, batch_block) -> int:
+    """Elements a tile row reads contiguously along x's smallest-stride axis."""
+    if window_on_cols:
+        inner = axes[-1]
+        return min(owned[-1], x.dim[inner]) if blocks else 1
+    return min(batch_block, x.dim[batch_axes[-1]]) if batch_axes else 1
+
+
+def _estimate(traffic: float, lanes: int, shifts: int, run_bytes: int, target: Target) -> float:
+    """Model seconds: DRAM bytes (a run shorter than a sector moves the whole sector) against
+    lane operations over every SM, whichever is longer."""
+    efficiency = min(1.0, run_bytes / SECTOR_BYTES)
+    memory = traffic / efficiency / target.bandwidth
+    compute = lanes * (BASE_OPS_PER_LANE + OPS_PER_SHIFT * shifts) / (LANE_OPS_PER_SM_SECOND * target.sms)
+    return max(memory, compute)
+
+
+def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TILE_ELEMENTS) -> LrnSchedule:
+    """Tile layout and the best-ranked config on `target` of a windowed normalization group,
+    whose tiles hold at most `max_tile` elements (BuildOptions.lrn_tile_elements)."""
     anchor = group.anchor
     backward = anchor.op.endswith("_backward")
     x = anchor.inputs[1] if backward else anchor.inputs[0]
-    attrs = anchor.attrs
-    terms = window_terms(attrs.size, axes, backward)
-    if terms > MAX_WINDOW_TERMS:
-        raise UnsupportedError(f"node {anchor.name!r} ({anchor.op}): a window of size {attrs.size} over "
-                               f"{len(axes)} axes needs {terms} unrolled terms, more than the kernel's "
-                               f"{MAX_WINDOW_TERMS}")
-    offsets = loaded_offsets(attrs, axes, backward)
-    loaded = _numel(last - first + 1 for first, last in offsets)
-    live = loaded + (attrs.size ** len(axes) * 2 if backward else 1)  # + dy and a scale per covering centre
-    vector_axis, row_axes = tile_axes(tuple(x.dim), tuple(x.stride))
-    # windowed row axes innermost (NCHW LRN: rows walk channels, not heights), so a tile's rows
-    # are neighbours along the window and its shifted loads mostly hit lines the tile loads too
-    row_axes = tuple(a for a in row_axes if a not in axes) + tuple(a for a in row_axes if a in axes)
+    size, rank = anchor.attrs.size, len(x.dim)
+    by_stride = lambda axes: tuple(sorted(axes, key=lambda a: (-x.stride[a], a)))  # outermost first
+    axes = by_stride(window_axes_)
+    batch_axes = by_stride(a for a in range(rank) if a not in window_axes_)
+    sized = [a for a in range(rank) if x.dim[a] > 1] or [rank - 1]
+    window_on_cols = min(sized, key=lambda a: (x.stride[a], -a)) in axes
+    reach = tuple(window_reach(size, backward) for _ in axes)
+    halo = sum(reach[0])
     tensors = list(group.inputs) + list(group.outputs)
-    span = max(sum((d - 1) * s for d, s in zip(t.dim, t.stride)) + 1 for t in tensors)
-    index_64 = max(span, _numel(x.dim)) > INT32_LIMIT
     traffic = sum(_numel(t.dim) * t.data_type.itemsize for t in tensors)
+    itemsize = x.data_type.itemsize
+    shifts = shift_count(size) * len(axes) * (2 if backward else 1)
+    batch = _numel(x.dim[a] for a in batch_axes)
     elements = _numel(x.dim)
-    cols = x.dim[vector_axis]
-    rows = elements // max(cols, 1)
-    # a power of two, as pooling's caps are: the warp counts derived from it must be one too
-    per_thread = 1 << (max(1, LIVE_VALUES_PER_THREAD // live).bit_length() - 1)
-    ranked = rank(rows, cols, traffic / max(elements, 1), target, per_thread)
-    best = ranked[0]
-    names = AXIS_NAMES[len(x.dim)]
+    ranked = []
+    for blocks in itertools.product(*[_block_choices(x.dim[a], halo) for a in axes]):
+        window = _numel(blocks)
+        if window > max_tile:
+            continue
+        owned = tuple(b - halo for b in blocks)
+        window_lanes = _numel(-(-x.dim[a] // own) * b for a, own, b in zip(axes, owned, blocks))
+        # halo positions are read again by the neighbouring program (from L2: counted at half)
+        reread = 1 + 0.5 * (window_lanes / _numel(x.dim[a] for a in axes) - 1)
+        batch_block = 1
+        while True:
+            tile = window * batch_block
+            if tile > max_tile:
+                break
+            lanes = window_lanes * -(-batch // batch_block) * batch_block
+            run = _contiguous_run(window_on_cols, blocks, owned, axes, batch_axes, x, batch_block)
+            seconds = _estimate(traffic * reread, lanes, shifts, run * itemsize, target)
+            small = tile < MIN_TILE_ELEMENTS and batch_block < batch
+            warps = max(1, min(MAX_WARPS, pow2_at_least(tile // (32 * ELEMENTS_PER_THREAD) or 1)))
+            ranked.append(((small, seconds, -tile), LrnConfig(blocks, batch_block, warps, seconds * 1e6)))
+            if batch_block >= batch:
+                break
+            batch_block *= 2
+    names = AXIS_NAMES[rank]
+    if not ranked:
+        raise UnsupportedError(f"node {anchor.name!r} ({anchor.op}): a window of size {size} over "
+                               f"{''.join(names[a] for a in axes)} needs a tile of more than "
+                               f"{max_tile} elements with its halo of {halo} a side: too large")
+    ranked.sort(key=lambda item: item[0])
+    best = ranked[0][1]
+    span = max(sum((d - 1) * s for d, s in zip(t.dim, t.stride)) + 1 for t in tensors)
+    index_64 = max(span, elements) + max_tile > INT32_LIMIT
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at {target.bandwidth / 1e12:.1f} TB/s "
-              f"for {traffic} bytes over {rows}x{cols}; vector axis {names[vector_axis]} has the smallest "
-              f"stride of x ({x.stride[vector_axis]}); {loaded} unrolled loads around each element")
-    return LrnSchedule(backward, tuple(axes), offsets, tuple(x.dim), vector_axis, row_axes, index_64,
+              f"for {traffic} bytes; halo {halo} a side along {''.join(names[a] for a in axes)}, "
+              f"x loaded once per program")
+    return LrnSchedule(backward, axes, batch_axes, reach, window_on_cols, tuple(x.dim), index_64,
                        frozenset(t.uid for t in group.inputs), best, len(ranked), reason)
