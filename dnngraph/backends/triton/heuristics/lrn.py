@@ -185,6 +185,16 @@ def _block_choices(extent: int, halo: int) -> list:
     return choices
 
 
+def loaded_positions(extent: int, block: int, owned: int, before: int) -> int:
+    """Positions along one windowed axis that the programs load in all (halos overlap their
+    neighbours'; positions outside x are masked, so they move no bytes)."""
+    total = 0
+    for tile in range(-(-extent // owned)):
+        start = tile * owned - before
+        total += min(start + block, extent) - max(start, 0)
+    return total
+
+
 def _contiguous_run(window_on_cols: bool, blocks, owned, axes, batch_axes, x, batch_block) -> int:
     """Elements a tile row reads contiguously along x's smallest-stride axis."""
     if window_on_cols:
@@ -193,13 +203,14 @@ def _contiguous_run(window_on_cols: bool, blocks, owned, axes, batch_axes, x, ba
     return min(batch_block, x.dim[batch_axes[-1]]) if batch_axes else 1
 
 
-def _estimate(traffic: float, lanes: int, shifts: int, run_bytes: int, target: Target) -> float:
-    """Model seconds: DRAM bytes (a run shorter than a sector moves the whole sector) against
-    lane operations over every SM, whichever is longer."""
+def _estimate(traffic: float, lanes: int, shifts: int, run_bytes: int, target: Target) -> tuple:
+    """Model seconds (DRAM bytes, a run shorter than a sector moving the whole sector, against
+    lane operations over every SM, whichever is longer) and their sum, which breaks ties between
+    tiles equal on the longer one toward the one lighter on the other."""
     efficiency = min(1.0, run_bytes / SECTOR_BYTES)
     memory = traffic / efficiency / target.bandwidth
     compute = lanes * (BASE_OPS_PER_LANE + OPS_PER_SHIFT * shifts) / (LANE_OPS_PER_SM_SECOND * target.sms)
-    return max(memory, compute)
+    return max(memory, compute), memory + compute
 
 
 def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TILE_ELEMENTS) -> LrnSchedule:
@@ -217,7 +228,8 @@ def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TIL
     reach = tuple(window_reach(size, backward) for _ in axes)
     halo = sum(reach[0])
     tensors = list(group.inputs) + list(group.outputs)
-    traffic = sum(_numel(t.dim) * t.data_type.itemsize for t in tensors)
+    read = sum(_numel(t.dim) * t.data_type.itemsize for t in group.inputs)
+    traffic = read + sum(_numel(t.dim) * t.data_type.itemsize for t in group.outputs)
     itemsize = x.data_type.itemsize
     shifts = shift_count(size) * len(axes) * (2 if backward else 1)
     batch = _numel(x.dim[a] for a in batch_axes)
@@ -229,8 +241,9 @@ def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TIL
             continue
         owned = tuple(b - halo for b in blocks)
         window_lanes = _numel(-(-x.dim[a] // own) * b for a, own, b in zip(axes, owned, blocks))
-        # halo positions are read again by the neighbouring program (from L2: counted at half)
-        reread = 1 + 0.5 * (window_lanes / _numel(x.dim[a] for a in axes) - 1)
+        # halo positions inside x are read again by the neighbouring program
+        reread = _numel(loaded_positions(x.dim[a], b, own, before) / x.dim[a]
+                        for a, b, own, (before, _) in zip(axes, blocks, owned, reach))
         batch_block = 1
         while True:
             tile = window * batch_block
@@ -238,10 +251,10 @@ def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TIL
                 break
             lanes = window_lanes * -(-batch // batch_block) * batch_block
             run = _contiguous_run(window_on_cols, blocks, owned, axes, batch_axes, x, batch_block)
-            seconds = _estimate(traffic * reread, lanes, shifts, run * itemsize, target)
+            seconds = _estimate(traffic + read * (reread - 1), lanes, shifts, run * itemsize, target)
             small = tile < MIN_TILE_ELEMENTS and batch_block < batch
             warps = max(1, min(MAX_WARPS, pow2_at_least(tile // (32 * ELEMENTS_PER_THREAD) or 1)))
-            ranked.append(((small, seconds, -tile), LrnConfig(blocks, batch_block, warps, seconds * 1e6)))
+            ranked.append(((small,) + seconds + (-tile,), LrnConfig(blocks, batch_block, warps, seconds[0] * 1e6)))
             if batch_block >= batch:
                 break
             batch_block *= 2
