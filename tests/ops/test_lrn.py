@@ -251,6 +251,34 @@ def test_large_dynamic_range_keeps_every_window_sum_accurate(op, layout):
         assert ((out - ref).abs() / scale).max().item() < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", ["lrn", "div"])
+def test_narrow_types_across_seams_with_sliced_inputs(op, dtype):
+    """Narrow storage, x sliced (odd strides) and dy in the other layout, several tiles along
+    the window axes: every program converts at load and rounds once at its owned stores."""
+    shape, size = ((2, 21, 3, 4), 5) if op == "lrn" else ((1, 2, 13, 11), 3)
+    big = sample((shape[0], shape[1] * 2, shape[2], shape[3] + 2), dtype)
+    x_t = big[:, ::2, :, 1:-1]
+    dy_t = sample(shape, dtype, "nhwc")
+    assert not x_t.is_contiguous()
+    m_t = sample((1, shape[1], 1, 1), dtype) if op == "div" else None
+    options = dg.BuildOptions(lrn_tile_elements=64)
+    check(*forward_graph(op, x_t, size, m_t, **LRN_ATTRS)[:2], dtype=dtype, options=options)
+    check(*backward_graph(op, x_t, dy_t, size, m_t, **LRN_ATTRS)[:2], dtype=dtype, options=options)
+
+
+@pytest.mark.parametrize("op", ["lrn", "div"])
+def test_a_refused_binding_writes_nothing(op):
+    """dy bound with the wrong dtype: a typed ExecutionError before any launch, dx untouched."""
+    x_t, dy_t = sample((2, 6, 4, 5)), sample((2, 6, 4, 5))
+    g, inputs, dx = backward_graph(op, x_t, dy_t, 3, **LRN_ATTRS)
+    g.build()
+    out = torch.full((2, 6, 4, 5), float("nan"))
+    with pytest.raises(dg.ExecutionError):
+        g.execute({"x": x_t, "dy": dy_t.double(), dx: out})
+    assert torch.isnan(out).all()
+
+
 def test_box_plans_sum_exactly_their_window():
     """Every window offset range up to 70 wide: the plan's doublings and pieces add each
     offset exactly once (integers, so any double count shows), with few shifts."""
@@ -496,6 +524,25 @@ def test_gpu_divisive_and_lcn(dtype):
     x = g.tensor_like(x_t, "x")
     g.local_contrast_normalization(x, 3, **DIV_ATTRS).set_output(True)
     check(g, {x: x_t}, **on_gpu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_halo_tiles_at_model_sizes(dtype):
+    """The halo tiles' seams on the GPU compiler's layouts (gathers along rows and columns):
+    LRN even and odd windows over channels in both layouts, a 5x5 NCHW divisive window, x with
+    a large dynamic range (squares of 1e3 beside 1e-2 for fp32, where prefix sums would cancel)."""
+    on_gpu = dict(dtype=dtype, device="cuda", reference_device="cuda")
+    scale = 1e3 if dtype == torch.float32 else 1.0
+    for op, shape, size, layout in [("lrn", (16, 96, 27, 27), 5, "nchw"), ("lrn", (16, 200, 14, 14), 4, "nhwc"),
+                                    ("div", (8, 24, 37, 45), 5, "nchw"), ("div", (8, 40, 29, 31), 3, "nhwc")]:
+        x_t = sample(shape, torch.float32) * 1e-2
+        x_t[:, : shape[1] // 8] *= scale * 100
+        x_t = (channels_last(x_t) if layout == "nhwc" else x_t).to(dtype).cuda()
+        dy_t = sample(shape, dtype, layout).cuda()
+        attrs = dict(alpha=1.0, beta=0.75, k=1e-3)
+        check(*forward_graph(op, x_t, size, **attrs)[:2], **on_gpu)
+        check(*backward_graph(op, x_t, dy_t, size, **attrs)[:2], **on_gpu)
 
 
 @pytest.mark.gpu
