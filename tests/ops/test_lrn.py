@@ -279,6 +279,18 @@ def test_a_refused_binding_writes_nothing(op):
     assert torch.isnan(out).all()
 
 
+def test_loaded_positions_count_each_programs_clipped_halo():
+    """The model's halo re-reads against a count position by position."""
+    from dnngraph.backends.triton.heuristics.lrn import loaded_positions
+    for extent, block, before, after in itertools.product(range(1, 40), (4, 8, 16, 32), range(6), range(6)):
+        owned = block - before - after
+        if owned < 1:
+            continue
+        starts = [tile * owned - before for tile in range(-(-extent // owned))]
+        expected = sum(len(set(range(start, start + block)) & set(range(extent))) for start in starts)
+        assert loaded_positions(extent, block, owned, before) == expected, (extent, block, before, after)
+
+
 def test_box_plans_sum_exactly_their_window():
     """Every window offset range up to 70 wide: the plan's doublings and pieces add each
     offset exactly once (integers, so any double count shows), with few shifts."""

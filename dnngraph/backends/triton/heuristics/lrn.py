@@ -187,11 +187,17 @@ def _block_choices(extent: int, halo: int) -> list:
 
 def loaded_positions(extent: int, block: int, owned: int, before: int) -> int:
     """Positions along one windowed axis that the programs load in all (halos overlap their
-    neighbours'; positions outside x are masked, so they move no bytes)."""
-    total = 0
-    for tile in range(-(-extent // owned)):
-        start = tile * owned - before
-        total += min(start + block, extent) - max(start, 0)
+    neighbours'; positions outside x are masked, so they move no bytes). Only the tiles at
+    either end are clipped, so only they are visited."""
+    tiles = -(-extent // owned)
+    total, tile = tiles * block, 0
+    while tile < tiles and tile * owned - before < 0:  # clipped before position 0
+        total -= before - tile * owned
+        tile += 1
+    tile = tiles - 1
+    while tile >= 0 and tile * owned - before + block > extent:  # clipped past the end
+        total -= tile * owned - before + block - extent
+        tile -= 1
     return total
 
 
