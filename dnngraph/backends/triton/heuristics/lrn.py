@@ -219,27 +219,41 @@ def _estimate(traffic: float, lanes: int, shifts: int, run_bytes: int, target: T
     return max(memory, compute), memory + compute
 
 
-def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TILE_ELEMENTS) -> LrnSchedule:
-    """Tile layout and the best-ranked config on `target` of a windowed normalization group,
-    whose tiles hold at most `max_tile` elements (BuildOptions.lrn_tile_elements)."""
+@dataclass(frozen=True)
+class _Layout:
+    """What ranking needs of a group besides the target: x, the axes, the window's cost."""
+
+    x: object
+    axes: tuple
+    batch_axes: tuple
+    reach: tuple
+    window_on_cols: bool
+    read: int  # bytes of the group's inputs, each read once
+    traffic: int  # and of its outputs
+    shifts: int  # shifted copies a tile's window sums take
+
+
+def _layout(group, window_axes_: tuple) -> _Layout:
     anchor = group.anchor
     backward = anchor.op.endswith("_backward")
     x = anchor.inputs[1] if backward else anchor.inputs[0]
     size, rank = anchor.attrs.size, len(x.dim)
     by_stride = lambda axes: tuple(sorted(axes, key=lambda a: (-x.stride[a], a)))  # outermost first
     axes = by_stride(window_axes_)
-    batch_axes = by_stride(a for a in range(rank) if a not in window_axes_)
     sized = [a for a in range(rank) if x.dim[a] > 1] or [rank - 1]
-    window_on_cols = min(sized, key=lambda a: (x.stride[a], -a)) in axes
-    reach = tuple(window_reach(size, backward) for _ in axes)
-    halo = sum(reach[0])
-    tensors = list(group.inputs) + list(group.outputs)
     read = sum(_numel(t.dim) * t.data_type.itemsize for t in group.inputs)
-    traffic = read + sum(_numel(t.dim) * t.data_type.itemsize for t in group.outputs)
-    itemsize = x.data_type.itemsize
-    shifts = shift_count(size) * len(axes) * (2 if backward else 1)
-    batch = _numel(x.dim[a] for a in batch_axes)
-    elements = _numel(x.dim)
+    return _Layout(x, axes, by_stride(a for a in range(rank) if a not in window_axes_),
+                   tuple(window_reach(size, backward) for _ in axes),
+                   min(sized, key=lambda a: (x.stride[a], -a)) in axes, read,
+                   read + sum(_numel(t.dim) * t.data_type.itemsize for t in group.outputs),
+                   shift_count(size) * len(axes) * (2 if backward else 1))
+
+
+def _ranked(layout: _Layout, target: Target, max_tile: int) -> list:
+    """Every config within `max_tile` elements, best first by the model."""
+    x, axes, reach = layout.x, layout.axes, layout.reach
+    halo = sum(reach[0])
+    batch = _numel(x.dim[a] for a in layout.batch_axes)
     ranked = []
     for blocks in itertools.product(*[_block_choices(x.dim[a], halo) for a in axes]):
         window = _numel(blocks)
@@ -251,30 +265,40 @@ def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TIL
         reread = _numel(loaded_positions(x.dim[a], b, own, before) / x.dim[a]
                         for a, b, own, (before, _) in zip(axes, blocks, owned, reach))
         batch_block = 1
-        while True:
+        while window * batch_block <= max_tile:
             tile = window * batch_block
-            if tile > max_tile:
-                break
             lanes = window_lanes * -(-batch // batch_block) * batch_block
-            run = _contiguous_run(window_on_cols, blocks, owned, axes, batch_axes, x, batch_block)
-            seconds = _estimate(traffic + read * (reread - 1), lanes, shifts, run * itemsize, target)
+            run = _contiguous_run(layout.window_on_cols, blocks, owned, axes, layout.batch_axes, x, batch_block)
+            seconds = _estimate(layout.traffic + layout.read * (reread - 1), lanes, layout.shifts,
+                                run * x.data_type.itemsize, target)
             small = tile < MIN_TILE_ELEMENTS and batch_block < batch
             warps = max(1, min(MAX_WARPS, pow2_at_least(tile // (32 * ELEMENTS_PER_THREAD) or 1)))
             ranked.append(((small,) + seconds + (-tile,), LrnConfig(blocks, batch_block, warps, seconds[0] * 1e6)))
             if batch_block >= batch:
                 break
             batch_block *= 2
-    names = AXIS_NAMES[rank]
-    if not ranked:
-        raise UnsupportedError(f"node {anchor.name!r} ({anchor.op}): a window of size {size} over "
-                               f"{''.join(names[a] for a in axes)} needs a tile of more than "
-                               f"{max_tile} elements with its halo of {halo} a side: too large")
     ranked.sort(key=lambda item: item[0])
-    best = ranked[0][1]
+    return [config for _, config in ranked]
+
+
+def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TILE_ELEMENTS) -> LrnSchedule:
+    """Tile layout and the best-ranked config on `target` of a windowed normalization group,
+    whose tiles hold at most `max_tile` elements (BuildOptions.lrn_tile_elements)."""
+    anchor, layout = group.anchor, _layout(group, window_axes_)
+    x, axes, reach = layout.x, layout.axes, layout.reach
+    names = AXIS_NAMES[len(x.dim)]
+    ranked = _ranked(layout, target, max_tile)
+    if not ranked:
+        raise UnsupportedError(f"node {anchor.name!r} ({anchor.op}): a window of size {anchor.attrs.size} over "
+                               f"{''.join(names[a] for a in axes)} needs a tile of more than {max_tile} "
+                               f"elements with its halo of {sum(reach[0])} positions an axis: too large")
+    best = ranked[0]
+    tensors = list(group.inputs) + list(group.outputs)
     span = max(sum((d - 1) * s for d, s in zip(t.dim, t.stride)) + 1 for t in tensors)
-    index_64 = max(span, elements) + max_tile > INT32_LIMIT
+    index_64 = max(span, _numel(x.dim)) + max_tile > INT32_LIMIT
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at {target.bandwidth / 1e12:.1f} TB/s "
-              f"for {traffic} bytes; halo {halo} a side along {''.join(names[a] for a in axes)}, "
-              f"x loaded once per program")
-    return LrnSchedule(backward, axes, batch_axes, reach, window_on_cols, tuple(x.dim), index_64,
-                       frozenset(t.uid for t in group.inputs), best, len(ranked), reason)
+              f"for {layout.traffic} bytes; halo {reach[0][0]} before and {reach[0][1]} after the owned box "
+              f"along {''.join(names[a] for a in axes)}, x loaded once per program, {layout.shifts} shifted "
+              f"copies (tl.gather) for its window sums")
+    return LrnSchedule(anchor.op.endswith("_backward"), axes, layout.batch_axes, reach, layout.window_on_cols,
+                       tuple(x.dim), index_64, frozenset(t.uid for t in group.inputs), best, len(ranked), reason)
