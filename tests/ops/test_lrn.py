@@ -540,15 +540,15 @@ def test_gpu_divisive_and_lcn(dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_gpu_halo_tiles_at_model_sizes(dtype):
-    """The halo tiles' seams on the GPU compiler's layouts (gathers along rows and columns):
-    LRN even and odd windows over channels in both layouts, a 5x5 NCHW divisive window, x with
-    a large dynamic range (squares of 1e3 beside 1e-2 for fp32, where prefix sums would cancel)."""
+    """The halo tiles' seams on the GPU compiler's layouts (gathers along columns and rows):
+    an even LRN window over 200 NHWC channels (several chunks), a 5x5 NCHW divisive window,
+    x with a large dynamic range (squares of 1e3 beside 1e-2 for fp32, where prefix sums would
+    cancel). bf16 and the other layouts run in the tests above."""
     on_gpu = dict(dtype=dtype, device="cuda", reference_device="cuda")
     scale = 1e3 if dtype == torch.float32 else 1.0
-    for op, shape, size, layout in [("lrn", (16, 96, 27, 27), 5, "nchw"), ("lrn", (16, 200, 14, 14), 4, "nhwc"),
-                                    ("div", (8, 24, 37, 45), 5, "nchw"), ("div", (8, 40, 29, 31), 3, "nhwc")]:
+    for op, shape, size, layout in [("lrn", (16, 200, 14, 14), 4, "nhwc"), ("div", (8, 24, 37, 45), 5, "nchw")]:
         x_t = sample(shape, torch.float32) * 1e-2
         x_t[:, : shape[1] // 8] *= scale * 100
         x_t = (channels_last(x_t) if layout == "nhwc" else x_t).to(dtype).cuda()
