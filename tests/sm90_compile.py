@@ -18,7 +18,10 @@ Triton kernel's spill-store bytes. With SM90_LOOP_LOADS=1 a line `loop_loads LAB
 gives each Triton kernel's count of tile loads inside a loop that its TTGIR still runs
 synchronously (see loop_register_loads). With SM90_MMA_ROWS=1 a line `mma_replicated LABEL KERNEL:
 N` gives each Triton kernel's count of mma.sync dots whose warps cover more rows than the dot has
-(see replicated_mma_dots).
+(see replicated_mma_dots), and a line `mma_layout LABEL KERNEL: [rows, cols, warps along M,
+warps along N, num_warps]` for each of its mma.sync dots (see mma_layouts). With SM90_SASS=1 a line `sass LABEL KERNEL: {json}` gives each kernel's
+SASS size (instructions, bytes of its .text) and registers a thread (sass_facts: cuobjdump from
+Triton's wheel).
 """
 import importlib
 import json
@@ -92,6 +95,28 @@ def spill_bytes(ptx: str) -> int:
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", done.stdout + done.stderr))
 
 
+def sass_facts(cubin: bytes) -> dict:
+    """The kernel's SASS size (instructions, and their bytes: 16 each on sm_90), its MUFU
+    instructions (the special-function unit's: ex2, rcp, tanh... an epilogue's transcendentals, so
+    their count says how many copies of that code the kernel holds) and the registers a thread
+    the cubin declares (cuobjdump -res-usage; a warp-specialized kernel's partitions then move
+    registers with setmaxnreg)."""
+    import subprocess
+    import tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+    cuobjdump = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.cubin")
+        with open(path, "wb") as handle:
+            handle.write(cubin)
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    instructions = len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/ ", sass, re.M))
+    registers = re.search(r"REG:(\d+)", usage)
+    return {"instructions": instructions, "bytes": 16 * instructions, "mufu": len(re.findall(r" MUFU\.", sass)),
+            "registers": int(registers.group(1)) if registers else None}
+
+
 def loop_register_loads(ttgir: str) -> int:
     """Tile loads (tt.load of a 2-D tensor of pointers) inside an scf.for of a kernel's TTGIR: the
     software pipeliner turns a loop's loads into cp.async copies to shared memory, and one left
@@ -118,9 +143,20 @@ def replicated_mma_dots(ttgir: str) -> int:
     warps_along_m = {name: int(warps) for name, warps in re.findall(
         r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 2, [^}]*warpsPerCTA = \[(\d+), \d+\]", ttgir, re.M)}
     count = 0
-    for rows, layout in re.findall(r"= tt\.dot .*-> tensor<(\d+)x\d+xf32, (#mma\d*)>", ttgir):
+    # float accumulators, and int8 dots' int32 ones
+    for rows, layout in re.findall(r"= tt\.dot .*-> tensor<(\d+)x\d+x(?:f32|f16|i32), (#mma\d*)>", ttgir):
         count += layout in warps_along_m and 16 * warps_along_m[layout] > int(rows)
     return count
+
+
+def mma_layouts(ttgir: str) -> list:
+    """(rows, cols, warps along M, warps along N, num_warps) of each dot of a kernel's TTGIR on
+    mma.sync, for tests to hold heuristics/mma.py's model of Triton's placement against."""
+    placed = {name: (int(m), int(n)) for name, m, n in re.findall(
+        r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 2, [^}]*warpsPerCTA = \[(\d+), (\d+)\]", ttgir, re.M)}
+    num_warps = int(re.search(r'"ttg\.num-warps" = (\d+)', ttgir).group(1))
+    return [(int(rows), int(cols), *placed[layout], num_warps) for rows, cols, layout in re.findall(
+        r"= tt\.dot .*-> tensor<(\d+)x(\d+)x(?:f32|f16|i32), (#mma\d*)>", ttgir) if layout in placed]
 
 
 def facts(compiled) -> dict:
@@ -171,8 +207,12 @@ def main(spec: str):
                 print(f"shared {label} {launch.kernel.__name__}: {compiled.metadata.shared}")
             if os.environ.get("SM90_SPILLS") == "1" and not _is_gluon(launch.kernel):  # opt-in: a ptxas run each
                 print(f"spills {label} {launch.kernel.__name__}: {spill_bytes(compiled.asm['ptx'])}")
+            if os.environ.get("SM90_SASS") == "1":
+                print(f"sass {label} {launch.kernel.__name__}: {json.dumps(sass_facts(compiled.asm['cubin']))}")
             if os.environ.get("SM90_MMA_ROWS") == "1" and not _is_gluon(launch.kernel):
                 print(f"mma_replicated {label} {launch.kernel.__name__}: {replicated_mma_dots(compiled.asm['ttgir'])}")
+                for layout in mma_layouts(compiled.asm["ttgir"]):
+                    print(f"mma_layout {label} {launch.kernel.__name__}: {json.dumps(layout)}")
             if os.environ.get("SM90_LOOP_LOADS") == "1" and not _is_gluon(launch.kernel):
                 print(f"loop_loads {label} {launch.kernel.__name__}: {loop_register_loads(compiled.asm['ttgir'])}")
             count += 1

@@ -4,6 +4,8 @@ and batched (B shared by every batch, and B batched); then K-major B (16-bit, an
 per-tensor scales) over a few epilogues."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import dnngraph as dg
@@ -164,3 +166,53 @@ def quick_cases():
     for label, launches, dtypes in compile_cases():
         if "/none/" in label or "residual" in label:
             yield label, launches, dtypes
+
+
+# -- the epilogue's code size (issue 28): bias with each activation, at the GEMM's big tiles ------
+
+def _bias_act(activation):
+    def build(g, c, dims, t):
+        biased = g.add(c, g.tensor(name="bias", dim=[dims[-1]], data_type=t))
+        return getattr(g, activation)(biased) if activation else biased
+    return build
+
+
+CODE_SIZE_EPILOGUES = {"bias": _bias_act(None), "bias_relu": _bias_act("relu"),
+                       "bias_gelu_tanh": _bias_act("gelu_tanh"), "bias_gelu": _bias_act("gelu")}
+CODE_SIZE_CONFIGS = {"128x256s4": GluonConfig(128, 256, 64, 4, 2), "128x128s6": GluonConfig(128, 128, 64, 6, 2)}
+
+
+def code_size_cases(loops=(False, True), epilogues=tuple(CODE_SIZE_EPILOGUES), configs=None):
+    """(label, launches, dtypes) of bf16 4096^3 matmuls with CODE_SIZE_EPILOGUES (bf16 output: the
+    16-bit GELU) under CODE_SIZE_CONFIGS, the heavy-epilogue filter lifted, the epilogue's
+    subtiles unrolled and in a loop (GluonConfig.epilogue_loop); labels
+    "code/EPILOGUE/CONFIG/e{EPILOGUE_N}/{unrolled|loop}". Compile with SM90_SASS=1 for the SASS size."""
+    import dnngraph.backends.gluon.backend as gluon_backend
+    configs = configs or CODE_SIZE_CONFIGS
+    saved = gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS, gluon_backend.CONFIGS
+    gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS = 1 << 20
+    gluon_backend.CONFIGS = gluon_backend.CONFIGS + tuple(configs.values())  # taken from outside
+    try:
+        for epilogue in epilogues:
+            build = CODE_SIZE_EPILOGUES[epilogue]
+            g = dg.Graph(name="code_size", io_data_type=dg.bfloat16)
+            a = g.tensor(name="a", dim=[4096, 4096])
+            b = g.tensor(name="b", dim=[4096, 4096])
+            build(g, g.matmul(a, b), [4096, 4096], dg.bfloat16).set_output(True)
+            dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
+            for name, config in configs.items():
+                for loop in loops:
+                    forced = dataclasses.replace(config, epilogue_loop=loop)
+                    label = f"code/{epilogue}/{name}/e{config.epilogue_n}/{'loop' if loop else 'unrolled'}"
+                    yield label, lowered(g, forced), dtypes
+    finally:
+        gluon_backend.HEAVY_EPILOGUE_ACCUMULATORS, gluon_backend.CONFIGS = saved
+
+
+def code_size_test_cases():
+    """code_size_cases of bias alone (the kernel's own MUFU instructions) and the two GELUs; and a
+    GELU asking for a loop over 128-column subtiles at 128x256, past the looped epilogue's
+    registers (backend.LOOPED_EPILOGUE_REGISTERS: it would spill), so lowered unrolled."""
+    yield from code_size_cases(epilogues=("bias", "bias_gelu_tanh", "bias_gelu"))
+    wide = {"128x256s4": GluonConfig(128, 256, 64, 4, 2, epilogue_n=128)}
+    yield from code_size_cases(loops=(True, ), epilogues=("bias_gelu_tanh", ), configs=wide)

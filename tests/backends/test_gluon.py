@@ -11,6 +11,11 @@ The ping-pong schedule (PINGPONG_CONFIGS, given from outside: candidates() does 
 yet) compiles over a subset of those cases (its own test, beside the long one above) and, on a
 GPU, matches the reference over epilogues, batch forms, K-major B and fp8, and programs of 1, 2
 and odd numbers of tiles.
+
+The epilogue walks its column subtiles in a loop (the default) or unrolled (GluonConfig.
+epilogue_loop): the loop holds the epilogue's code once per consumer (its SASS MUFU count, on
+CPU), and both walks match the reference on a GPU over 4, 2 and 1 subtiles, pointer stores and
+ping-pong.
 """
 from __future__ import annotations
 
@@ -30,8 +35,8 @@ import dnngraph as dg
 from dnngraph.backends import registry
 from dnngraph.backends.contract import Backend
 from dnngraph.backends.gluon.backend import (CONFIGS, GLUON, HEAVY_EPILOGUE_ACCUMULATORS, LAUNCH_SECONDS,
-                                             PINGPONG_CONFIGS, GluonConfig, accumulators_per_thread, heavy_epilogue,
-                                             shared_bytes)
+                                             LOOPED_EPILOGUE_REGISTERS, PINGPONG_CONFIGS, GluonConfig,
+                                             accumulators_per_thread, heavy_epilogue, looped_epilogue, shared_bytes)
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200, INTERPRETER
 
@@ -62,9 +67,35 @@ def test_every_variant_compiles_for_sm90a_with_warp_specialization():
         assert any(label.startswith(prefix) for label in facts), prefix
 
 
-def _facts(output: str) -> dict:
-    return {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
-            for line in output.splitlines() if line.startswith("facts ")}
+def _facts(output: str, kind: str = "facts") -> dict:
+    """label -> the json of each `kind LABEL ...{json}` line sm90_compile printed (facts, sass)."""
+    return {line.split(" ", 2)[1]: json.loads(line[line.index("{"):])
+            for line in output.splitlines() if line.startswith(kind + " ")}
+
+
+def test_a_looped_epilogue_holds_its_code_once():
+    """The epilogue's column subtiles in a loop (GluonConfig.epilogue_loop) put its code in the
+    kernel once per consumer, unrolled once per subtile: the GELUs' transcendentals (SASS MUFU,
+    beside the bias kernel's own) are SPLITS times fewer, the kernel smaller, no spills either
+    way (the loop keeps the whole accumulator live through it). bf16 4096^3, 128x256 (4 subtiles
+    of 64) and 128x128 (2)."""
+    output = compiled_for_sm90("gluon_cases:code_size_test_cases", timeout=1200, env={"SM90_SASS": "1"})
+    facts, sass = _facts(output), _facts(output, "sass")
+    assert len(sass) == 13 and set(sass) == set(facts)
+    # asked for a loop past its registers: unrolled, each accumulator's code once, as at e64 unrolled
+    wide = "code/bias_gelu_tanh/128x256s4/e128/loop"
+    assert sass[wide]["mufu"] == sass["code/bias_gelu_tanh/128x256s4/e64/unrolled"]["mufu"]
+    assert all(found["spill_stores"] == 0 for found in facts.values()), facts
+    for config in ("128x256s4", "128x128s6"):
+        splits = {"128x256s4": 4, "128x128s6": 2}[config]
+        for epilogue in ("bias_gelu_tanh", "bias_gelu"):
+            def code(walk, epilogue=epilogue, config=config):
+                label = f"code/{epilogue}/{config}/e64/{walk}"
+                return sass[label]["mufu"] - sass[f"code/bias/{config}/e64/{walk}"]["mufu"], sass[label]
+            looped, looped_sass = code("loop")
+            unrolled, unrolled_sass = code("unrolled")
+            assert looped > 0 and unrolled == splits * looped, (epilogue, config, looped, unrolled)
+            assert looped_sass["instructions"] < unrolled_sass["instructions"], (epilogue, config)
 
 
 def test_pingpong_variants_compile_for_sm90a_without_spills():
@@ -108,6 +139,43 @@ def test_pingpong_configs_are_taken_from_outside_but_not_offered_yet(monkeypatch
         GluonConfig(128, 128, 64, 4, 1, schedule="pingpong")
     with pytest.raises(ValueError, match="schedule"):
         GluonConfig(128, 128, 64, 4, 2, schedule="stream-k")
+
+
+def test_the_epilogue_walk_is_plain_data_in_the_config():
+    """GluonConfig.epilogue_loop reaches the kernel as EPILOGUE_LOOP, from candidates() (the loop)
+    and from outside (either walk, cooperative and ping-pong); config_text names the unrolled walk."""
+    g = graph("bf16", "bias_row_gelu", "batched", 300, 264, 136)
+    _, problem = matmul_group(g)
+    assert all(c.config.epilogue_loop for c in GLUON.candidates(problem, H100))
+    (launch,) = lowered(g)
+    assert _constexprs(launch)["EPILOGUE_LOOP"] is True and "unrolled" not in launch.config_text
+    for config in (CONFIGS[2], PINGPONG_CONFIGS[0]):
+        for loop in (True, False):
+            (launch,) = lowered(g, dataclasses.replace(config, epilogue_loop=loop))
+            values = _constexprs(launch)
+            assert values["EPILOGUE_LOOP"] is loop and values["PINGPONG"] is config.pingpong
+            assert values["EPILOGUE_N"] == config.epilogue_n
+            assert ("epilogue-unrolled" in launch.config_text) is not loop
+
+
+def test_a_heavy_epilogue_loops_where_its_registers_allow(monkeypatch):
+    """Every config offered to a heavy epilogue, and every ping-pong one, keeps the looped walk;
+    one whose accumulators and two subtiles pass LOOPED_EPILOGUE_REGISTERS (128x256 in 128-column
+    subtiles) runs a heavy epilogue unrolled, a light one looped."""
+    import dnngraph.backends.gluon.backend as gluon_backend
+    heavy_graph = graph("bf16", "bias_row_gelu", "batched", 300, 520, 136)
+    _, problem = matmul_group(heavy_graph)
+    assert heavy_epilogue(problem)
+    for config in [c.config for c in GLUON.candidates(problem, H100)] + list(PINGPONG_CONFIGS):
+        assert looped_epilogue(config, heavy=True), config.text
+    wide = GluonConfig(128, 256, 64, 4, 2, epilogue_n=128)
+    assert accumulators_per_thread(wide) + 2 * 64 > LOOPED_EPILOGUE_REGISTERS
+    monkeypatch.setattr(gluon_backend, "CONFIGS", (wide, ))
+    monkeypatch.setattr(gluon_backend, "HEAVY_EPILOGUE_ACCUMULATORS", 1 << 20)
+    for g, loops in ((heavy_graph, False), (graph("bf16", "bias", "batched", 300, 520, 136), True)):
+        for launch in (lowered(g, wide)[0], lowered(g)[0]):  # from outside, and offered
+            assert _constexprs(launch)["EPILOGUE_LOOP"] is loops
+            assert ("epilogue-unrolled" in launch.config_text) is not loops
 
 
 def test_candidates_fit_shared_memory_and_carry_estimates():
@@ -486,6 +554,53 @@ def test_the_pointer_store_path_with_two_consumers(monkeypatch):
     check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", tolerance=1e-2,
           options=BuildOptions(backends=GLUON_FIRST, target=_few_sms()))
     assert "pointer-store" in g.plan.launches[0].config_text
+
+
+# (id, config, type, epilogue, batch, m, n, k) of the epilogue-walk cases: 4, 2 and 1 column
+# subtiles, a whole-tile operand loaded per subtile, the pointer stores (an fp32 output at
+# 128x256) and a ping-pong consumer's; N off the tiles, so a last tile's subtiles are partly and
+# wholly out of bounds; heavy epilogues at 128x256 (the heavy-epilogue filter lifted)
+WALK_CASES = (
+    ("128x256_gelu", GluonConfig(128, 256, 64, 4, 2), "bf16", "bias_row_gelu", "batched", 300, 520, 264),
+    ("128x256_gelu_tanh", GluonConfig(128, 256, 64, 3, 2), "fp16", "scale_gelu_tanh", "plain", 257, 776, 136),
+    ("128x128_residual", GluonConfig(128, 128, 64, 6, 2), "bf16", "residual_silu", "batched", 300, 328, 200),
+    ("128x128_one_subtile", GluonConfig(128, 128, 64, 4, 2, epilogue_n=128), "bf16", "bias_row_gelu", "plain",
+     300, 328, 200),
+    ("128x256_pointer_store", GluonConfig(128, 256, 64, 4, 2), "bf16", "relu_cast", "batched", 300, 520, 264),
+    ("pingpong_gelu", PINGPONG_CONFIGS[0], "bf16", "bias_row_gelu", "batched", 301, 264, 392),
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loop", [True, False], ids=["loop", "unrolled"])
+@pytest.mark.parametrize("case", WALK_CASES, ids=[case[0] for case in WALK_CASES])
+def test_both_epilogue_walks_match_the_reference(case, loop, monkeypatch):
+    """The epilogue's column subtiles in a loop (GluonConfig.epilogue_loop, the default) and
+    unrolled: results against the reference, 3 SMs (each program's staging buffers reused across
+    tiles), a NaN in a row of `a` carried through its output row."""
+    import dnngraph.backends.gluon.backend as gluon_backend
+    from dnngraph.runtime.plan_cache import PLANS
+    _, config, type_name, epilogue, batch, m, n, k = case
+    config = dataclasses.replace(config, epilogue_loop=loop)
+    monkeypatch.setattr(gluon_backend, "CONFIGS", () if config.pingpong else (config, ))
+    monkeypatch.setattr(gluon_backend, "PINGPONG_CONFIGS", (config, ) if config.pingpong else ())
+    monkeypatch.setattr(gluon_backend, "OFFER_PINGPONG", config.pingpong)
+    monkeypatch.setattr(gluon_backend, "HEAVY_EPILOGUE_ACCUMULATORS", 1 << 20)
+    PLANS.clear()  # the forced config's plan, not one cached under the other walk
+    g = graph(type_name, epilogue, batch, m=m, n=n, k=k)
+    inputs = _inputs(g)
+    inputs["a"].view(-1, k)[1, 0] = float("nan")
+    tolerance = {torch.float32: 1e-2}.get(g.outputs()[0].data_type.torch_dtype)
+    outputs = check(g, inputs, dtype=TYPES[type_name].torch_dtype, device="cuda", tolerance=tolerance,
+                    options=BuildOptions(backends=("gluon", ), target=_few_sms()))
+    (launch,) = g.plan.launches
+    values = _constexprs(launch)
+    assert launch.backend == "gluon" and values["EPILOGUE_LOOP"] is loop
+    assert (values["BLOCK_N"], values["EPILOGUE_N"], values["PINGPONG"]) == (config.block_n, config.epilogue_n,
+                                                                             config.pingpong)
+    assert ("pointer-store" in launch.config_text) == (epilogue == "relu_cast")
+    (output, ) = outputs.values()
+    assert torch.isnan(output.reshape(-1, n)[1]).all()  # row 1 of the first batch
 
 
 @pytest.mark.gpu

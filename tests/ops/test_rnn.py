@@ -138,8 +138,8 @@ def test_a_launch_per_step_for_wide_layers(monkeypatch):
     """The GPU schedule of a layer wider than one tile: an initial-state launch, then one launch
     per step over (batch block, hidden block) programs; outputs and gradients as before."""
     real_schedule = rnn_lowering.schedule_rnn
-    monkeypatch.setattr(rnn_lowering, "schedule_rnn", lambda geometry, interpreted, size: real_schedule(
-        geometry, False, size))
+    monkeypatch.setattr(rnn_lowering, "schedule_rnn", lambda geometry, interpreted, *rest: real_schedule(
+        geometry, False, *rest))
     for mode in ("lstm", "gru", "rnn_tanh"):
         case = Case(mode, steps=3, batch=2, input_size=2, hidden=70, lengths=torch.tensor([3, 1]),
                     bidirectional=mode == "lstm")
@@ -386,7 +386,7 @@ def sm90_graphs():
     """Forward and backward recurrences under the GPU schedule (resident and streamed weights,
     projection, lengths, bf16 and fp32) for the sm_90 compile check."""
     real_schedule = rnn_lowering.schedule_rnn
-    rnn_lowering.schedule_rnn = lambda geometry, interpreted, size: real_schedule(geometry, False, size)
+    rnn_lowering.schedule_rnn = lambda geometry, interpreted, *rest: real_schedule(geometry, False, *rest)
     try:
         for mode, hidden, proj, dtype, lengths in (("lstm", 48, 0, dg.bfloat16, True), ("gru", 40, 0, dg.float32, False),
                                                    ("rnn_relu", 24, 0, dg.bfloat16, True),

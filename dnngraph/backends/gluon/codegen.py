@@ -50,10 +50,10 @@ FIXED = ("gl", "gluon", "lib", "epilogue", "acc", "rows", "cols", "batch", "args
          "M", "N", "K", "batch_count", "a_stride_batch", "a_stride_row", "b_stride_batch", "b_stride_row",
          "c_stride_batch", "c_stride_row", "c_stride_col", "BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M",
          "CONSUMERS", "BATCHED_A", "BATCHED_B", "BATCHED_C", "TMA_STORE", "EPILOGUE_N", "PRODUCER_REGS", "CONSUMER_REGS",
-         "scale_a_ptr", "scale_b_ptr", "B_K_MAJOR", "SCALE_A", "SCALE_B", "PINGPONG")
+         "scale_a_ptr", "scale_b_ptr", "B_K_MAJOR", "SCALE_A", "SCALE_B", "PINGPONG", "EPILOGUE_LOOP")
 CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M", "CONSUMERS", "BATCHED_A", "BATCHED_B",
               "BATCHED_C", "TMA_STORE", "EPILOGUE_N", "PRODUCER_REGS", "CONSUMER_REGS", "B_K_MAJOR", "SCALE_A", "SCALE_B",
-              "PINGPONG")
+              "PINGPONG", "EPILOGUE_LOOP")
 
 
 def broadcast_form(dims: tuple, out_dims: tuple) -> Optional[str]:
@@ -260,6 +260,7 @@ def {stem}({parameters}):
     lib.matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row,
                c_stride_batch, c_stride_row, c_stride_col, epilogue, {args_tuple},
                BLOCK_M, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CONSUMERS, BATCHED_A, BATCHED_B, BATCHED_C, TMA_STORE,
-               EPILOGUE_N, PRODUCER_REGS, CONSUMER_REGS, {scale_a}, {scale_b}, B_K_MAJOR, SCALE_A, SCALE_B, PINGPONG)
+               EPILOGUE_N, PRODUCER_REGS, CONSUMER_REGS, {scale_a}, {scale_b}, B_K_MAJOR, SCALE_A, SCALE_B, PINGPONG,
+               EPILOGUE_LOOP)
 '''
     return KernelSource(stem, text, list(arguments))

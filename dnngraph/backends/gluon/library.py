@@ -22,8 +22,10 @@ epilogue, and calls matmul() below with them.
 - Cooperative (the default schedule): CONSUMERS (1 or 2) 4-warp warpgroups each own
   BLOCK_M // CONSUMERS rows of every tile: they wait for a slot, issue an async wgmma (one in
   flight), release the previous slot, and run the epilogue: accumulator -> fused epilogue (the
-  generated function) -> cast -> store. The store goes through shared memory and TMA where the
-  output is dense and aligned (TMA_STORE), else through masked pointer stores.
+  generated function) -> cast -> store, in column subtiles of EPILOGUE_N walked by a loop (the
+  epilogue's code in the kernel once) or unrolled (EPILOGUE_LOOP; finish_tile). The store goes
+  through shared memory and TMA where the output is dense and aligned (TMA_STORE), else through
+  masked pointer stores.
 - Ping-pong (PINGPONG): two consumer warpgroups each own WHOLE tiles (all BLOCK_M rows):
   consumer 0 the program's even tiles (its 0th, 2nd, ...), consumer 1 the odd ones, so one
   consumer's epilogue runs while the other's mainloop keeps the tensor cores busy. The producer
@@ -235,12 +237,47 @@ def split_columns(tile):
 
 
 @gluon.jit
-def finish_subtile(part, j: gl.constexpr, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch,
-                   c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args, HALF: gl.constexpr,
-                   STAGING: gl.constexpr, TMA_STORE: gl.constexpr, BATCHED_C: gl.constexpr):
+def column_subtiles(acc, SPLITS: gl.constexpr):
+    """The SPLITS (1, 2 or 4) column subtiles of a consumer's accumulator, left to right, as a
+    tuple (split_columns: no data moves)."""
+    if SPLITS == 1:
+        return (acc, )
+    elif SPLITS == 2:
+        return split_columns(acc)
+    else:
+        gl.static_assert(SPLITS == 4)
+        left, right = split_columns(acc)
+        first, second = split_columns(left)
+        third, fourth = split_columns(right)
+        return (first, second, third, fourth)
+
+
+@gluon.jit
+def subtile_at(parts, j):
+    """parts[j] for a runtime (warp-uniform) j: a branch per subtile, each moving one subtile's
+    registers into the loop's, where selects would touch every subtile's."""
+    part = parts[0]
+    if len(parts) == 2:
+        if j == 1:
+            part = parts[1]
+    elif len(parts) == 4:
+        if j == 1:
+            part = parts[1]
+        elif j == 2:
+            part = parts[2]
+        elif j == 3:
+            part = parts[3]
+    return part
+
+
+@gluon.jit
+def finish_subtile(part, j, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
+                   c_stride_col, epilogue: gl.constexpr, epilogue_args, HALF: gl.constexpr, STAGING: gl.constexpr,
+                   TMA_STORE: gl.constexpr, BATCHED_C: gl.constexpr):
     """The epilogue of subtile j (columns [col0 + j * EPILOGUE_N, ...)) of a consumer's rows:
     the generated `epilogue(acc, rows, cols, batch, M, N, epilogue_args)`, the cast to the
-    output's type and the store. Subtile j stages through the consumer's buffer j % STAGING."""
+    output's type and the store. Subtile j stages through the consumer's buffer j % STAGING
+    (j a constant where the subtiles are unrolled, a loop counter where they loop)."""
     layout: gl.constexpr = part.type.layout
     SUB_M: gl.constexpr = part.type.shape[0]
     EPILOGUE_N: gl.constexpr = part.type.shape[1]
@@ -259,33 +296,27 @@ def finish_subtile(part, j: gl.constexpr, c_desc, c_buffers, c_ptr, batch, row0,
 @gluon.jit
 def finish_tile(acc, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row, c_stride_col,
                 epilogue: gl.constexpr, epilogue_args, HALF: gl.constexpr, SPLITS: gl.constexpr,
-                TMA_STORE: gl.constexpr, BATCHED_C: gl.constexpr):
+                TMA_STORE: gl.constexpr, BATCHED_C: gl.constexpr, LOOP: gl.constexpr):
     """The epilogue of a consumer's accumulator in SPLITS (1, 2 or 4) column subtiles, one
     after another: a subtile's temporaries die before the next one's, so the epilogue needs
-    registers for a subtile beside the accumulator, not a second accumulator."""
+    registers for a subtile beside the accumulator, not a second accumulator. The TMA store of
+    a subtile runs while the next one is computed (two staging buffers alternate).
+
+    LOOP: the subtiles in a loop, so the epilogue's code (a GELU: ~15 instructions an element)
+    is in the kernel once, not SPLITS times: fewer instruction-cache misses in a consumer's
+    epilogue, at the price of the whole accumulator live through the loop and a subtile's
+    registers moved per step. Else unrolled (each subtile's registers free once it is stored)."""
     STAGING: gl.constexpr = staging_buffers(SPLITS)
-    if SPLITS == 1:
-        finish_subtile(acc, 0, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
-                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
-    elif SPLITS == 2:
-        left, right = split_columns(acc)
-        finish_subtile(left, 0, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
-                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
-        finish_subtile(right, 1, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
-                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
+    parts = column_subtiles(acc, SPLITS)
+    if LOOP:
+        for j in range(SPLITS):
+            finish_subtile(subtile_at(parts, j), j, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N,
+                           c_stride_batch, c_stride_row, c_stride_col, epilogue, epilogue_args, HALF, STAGING,
+                           TMA_STORE, BATCHED_C)
     else:
-        gl.static_assert(SPLITS == 4)
-        left, right = split_columns(acc)
-        first, second = split_columns(left)
-        finish_subtile(first, 0, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
-                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
-        finish_subtile(second, 1, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
-                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
-        third, fourth = split_columns(right)
-        finish_subtile(third, 2, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
-                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
-        finish_subtile(fourth, 3, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch, c_stride_row,
-                       c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
+        for j in gl.static_range(SPLITS):
+            finish_subtile(parts[j], j, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride_batch,
+                           c_stride_row, c_stride_col, epilogue, epilogue_args, HALF, STAGING, TMA_STORE, BATCHED_C)
 
 
 @gluon.jit
@@ -294,7 +325,7 @@ def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch
                   HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                   GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, TMA_STORE: gl.constexpr,
                   BATCHED_C: gl.constexpr, EPILOGUE_N: gl.constexpr, scale_a_ptr, scale_b_ptr,
-                  B_K_MAJOR: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+                  B_K_MAJOR: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, EPILOGUE_LOOP: gl.constexpr):
     """One consumer warpgroup: rows [HALF * SUB_M, (HALF + 1) * SUB_M) of every tile of the
     program. Async wgmma over the ring (one in flight; the slot before it is released), then
     the epilogue in column subtiles of EPILOGUE_N (finish_tile)."""
@@ -330,7 +361,8 @@ def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch
         row0 = pid_m * BLOCK_M + HALF * SUB_M
         acc = scaled(acc, scale_a, scale_b, SCALE_A, SCALE_B)
         finish_tile(acc, c_desc, c_buffers, c_ptr, batch, row0, pid_n * BLOCK_N, M, N, c_stride_batch, c_stride_row,
-                    c_stride_col, epilogue, epilogue_args, HALF, BLOCK_N // EPILOGUE_N, TMA_STORE, BATCHED_C)
+                    c_stride_col, epilogue, epilogue_args, HALF, BLOCK_N // EPILOGUE_N, TMA_STORE, BATCHED_C,
+                    EPILOGUE_LOOP)
     if TMA_STORE:
         tma.store_wait(pendings=0)
 
@@ -372,7 +404,7 @@ def pingpong_partition(a_ring, b_ring, ready, empty, order, c_buffers, c_ptr, M,
                        HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                        GROUP_M: gl.constexpr, TMA_STORE: gl.constexpr, BATCHED_C: gl.constexpr,
                        EPILOGUE_N: gl.constexpr, scale_a_ptr, scale_b_ptr, B_K_MAJOR: gl.constexpr,
-                       SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+                       SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, EPILOGUE_LOOP: gl.constexpr):
     """Ping-pong consumer HALF (0 or 1): the program's tiles t = HALF, HALF + 2, ... (t counts
     the program's tiles from 0), whole: mainloop, then the epilogue in column subtiles through
     this consumer's own staging buffers (finish_tile's HALF).
@@ -409,7 +441,7 @@ def pingpong_partition(a_ring, b_ring, ready, empty, order, c_buffers, c_ptr, M,
         acc = scaled(acc, scale_a, scale_b, SCALE_A, SCALE_B)
         finish_tile(acc, c_desc, c_buffers, c_ptr, batch, pid_m * BLOCK_M, pid_n * BLOCK_N, M, N, c_stride_batch,
                     c_stride_row, c_stride_col, epilogue, epilogue_args, HALF, BLOCK_N // EPILOGUE_N, TMA_STORE,
-                    BATCHED_C)
+                    BATCHED_C, EPILOGUE_LOOP)
         t += 2
     if TMA_STORE:
         tma.store_wait(pendings=0)
@@ -422,7 +454,8 @@ def pingpong(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr,
              BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr, BATCHED_C: gl.constexpr, TMA_STORE: gl.constexpr,
              EPILOGUE_N: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, scale_a_ptr,
-             scale_b_ptr, B_K_MAJOR: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+             scale_b_ptr, B_K_MAJOR: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
+             EPILOGUE_LOOP: gl.constexpr):
     """The ping-pong partitions over the ring: the two consumers (the default partition is
     consumer 0) and the producer, with the consumers' order barriers (one arrival a phase)."""
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -432,11 +465,11 @@ def pingpong(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride
         (pingpong_partition, (a_ring, b_ring, ready, empty, order, c_buffers, c_ptr, M, N, K, batch_count,
                               c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
                               gl.constexpr(0), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_STORE, BATCHED_C, EPILOGUE_N,
-                              scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)),
+                              scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B, EPILOGUE_LOOP)),
         (pingpong_partition, (a_ring, b_ring, ready, empty, order, c_buffers, c_ptr, M, N, K, batch_count,
                               c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
                               gl.constexpr(1), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, TMA_STORE, BATCHED_C, EPILOGUE_N,
-                              scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)),
+                              scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B, EPILOGUE_LOOP)),
         (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
                           b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                           gl.constexpr(1), BATCHED_A, BATCHED_B, B_K_MAJOR)),
@@ -452,7 +485,7 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
            GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, BATCHED_A: gl.constexpr, BATCHED_B: gl.constexpr,
            BATCHED_C: gl.constexpr, TMA_STORE: gl.constexpr, EPILOGUE_N: gl.constexpr, PRODUCER_REGS: gl.constexpr,
            CONSUMER_REGS: gl.constexpr, scale_a_ptr, scale_b_ptr, B_K_MAJOR: gl.constexpr, SCALE_A: gl.constexpr,
-           SCALE_B: gl.constexpr, PINGPONG: gl.constexpr = False):
+           SCALE_B: gl.constexpr, PINGPONG: gl.constexpr = False, EPILOGUE_LOOP: gl.constexpr = False):
     """The whole kernel body: the ring and its barriers, the partitions (each makes the
     descriptors it copies through). PINGPONG: the ping-pong schedule (two consumers of whole
     tiles), else the cooperative one."""
@@ -487,17 +520,20 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
         pingpong(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row,
                  c_stride_batch, c_stride_row, c_stride_col, epilogue, epilogue_args, a_ring, b_ring, ready, empty,
                  c_buffers, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, BATCHED_A, BATCHED_B, BATCHED_C, TMA_STORE,
-                 EPILOGUE_N, PRODUCER_REGS, CONSUMER_REGS, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)
+                 EPILOGUE_N, PRODUCER_REGS, CONSUMER_REGS, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B,
+                 EPILOGUE_LOOP)
     elif CONSUMERS == 2:
         gl.warp_specialize([
             (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
                              gl.constexpr(0), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
-                             BATCHED_C, EPILOGUE_N, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)),
+                             BATCHED_C, EPILOGUE_N, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B,
+                             EPILOGUE_LOOP)),
             (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
                              gl.constexpr(1), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
-                             BATCHED_C, EPILOGUE_N, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)),
+                             BATCHED_C, EPILOGUE_N, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B,
+                             EPILOGUE_LOOP)),
             (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
                               b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                               CONSUMERS, BATCHED_A, BATCHED_B, B_K_MAJOR)),
@@ -507,7 +543,8 @@ def matmul(a_ptr, b_ptr, c_ptr, M, N, K, batch_count, a_stride_batch, a_stride_r
             (mma_partition, (a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,
                              c_stride_batch, c_stride_row, c_stride_col, held(epilogue), epilogue_args,
                              gl.constexpr(0), BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, TMA_STORE,
-                             BATCHED_C, EPILOGUE_N, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B)),
+                             BATCHED_C, EPILOGUE_N, scale_a_ptr, scale_b_ptr, B_K_MAJOR, SCALE_A, SCALE_B,
+                             EPILOGUE_LOOP)),
             (load_partition, (a_ptr, b_ptr, a_stride_batch, a_stride_row, b_stride_batch, b_stride_row, a_ring,
                               b_ring, ready, empty, M, N, K, batch_count, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                               CONSUMERS, BATCHED_A, BATCHED_B, B_K_MAJOR)),

@@ -30,6 +30,8 @@ from .matmul import MatmulConfig, MatmulProblem, MatmulSchedule, candidates as m
 # (256@14: 25.8 us against 31.4; 512@7: 31.3 against 38.7 split-K; 256@28/2: 25.6 against 29.9):
 # several one-warpgroup programs per SM hide the masked loads' latency better.
 GATHER_EFFICIENCY = {4: 0.85, 8: 0.65}
+# tiles too small for 4 warps' dots run on fewer (heuristics/mma.py): charged as one warpgroup
+GATHER_EFFICIENCY.update({1: GATHER_EFFICIENCY[4], 2: GATHER_EFFICIENCY[4]})
 # ... but not a 128x128 accumulator on one warpgroup: with the gather's addresses and masks it ran
 # 30.1 us against 25.0 for 64x128 (256@14) and 35.1 against 28.9 (128@28) in the same sweep.
 GATHER_WIDE_ONE_WARPGROUP = 0.8

@@ -22,6 +22,7 @@ from typing import Optional
 from ....errors import UnsupportedError
 from ....target import Target
 from ....runtime.tuning_cache import WARPS, record_choice, record_field, record_int
+from .mma import fitting_warps
 
 # The tensor-core (and FMA) rate per dot type is the target's (target.py: measured on the H100).
 # A tile of BM x BN does BM*BN*2 flops per (BM + BN) loaded values each k step; wgmma keeps the
@@ -299,7 +300,9 @@ def _scaled_k(block_k: int, problem: MatmulProblem) -> int:
 
 
 def _shrink(config_tile, problem: MatmulProblem):
-    """Clamp tiles to the problem (no 256-row tile for 100 rows) keeping powers of two >= 16."""
+    """Clamp tiles to the problem (no 256-row tile for 100 rows) keeping powers of two >= 16,
+    and the warps to what the shrunk tile's dot fills (heuristics/mma.py: a 16x16 tile on 4
+    warps would repeat its rows on two of them); IEEE fp32 runs on the FMA units, no mma."""
     bm, bn, bk, warps, stages = config_tile
     bk = _scaled_k(bk, problem)
     while bm > 16 and bm // 2 >= problem.m:
@@ -308,6 +311,8 @@ def _shrink(config_tile, problem: MatmulProblem):
         bn //= 2
     while bk > min_block_k(problem.dot) and bk // 2 >= problem.k:
         bk //= 2
+    if problem.dot != "fp32":
+        warps = fitting_warps(bm, (bn,), warps)
     return bm, bn, bk, warps, stages
 
 

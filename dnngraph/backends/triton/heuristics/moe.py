@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ....runtime.tuning_cache import record_int
+from .mma import fitting_warps
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,9 @@ def _power_of_two_at_least(value: int, low: int, high: int) -> int:
 
 
 def schedule(op: str, rows: int, k: int, n: int, experts: int, interpreted: bool,
-             forced: Optional[MoeConfig] = None) -> MoeConfig:
+             forced: Optional[MoeConfig] = None, fma_dots: bool = False) -> MoeConfig:
     """The config of one grouped GEMM kernel (`forced` where BuildOptions.moe_config sets one).
-    tl.dot needs 16 or more along each tile axis."""
+    tl.dot needs 16 or more along each tile axis; `fma_dots`: IEEE fp32 dots (no tensor cores)."""
     if forced is not None:
         return forced
     if op == "moe_grouped_matmul":
@@ -62,4 +63,6 @@ def schedule(op: str, rows: int, k: int, n: int, experts: int, interpreted: bool
         block_n = _power_of_two_at_least(n, 16, 64 if interpreted else 128)
         block_k = _power_of_two_at_least(k, 16, 64 if interpreted else 128)
     warps = 8 if block_m * block_n >= 128 * 128 or block_k * block_n >= 128 * 128 else 4
+    if not fma_dots:  # no more warps than the dot fills (heuristics/mma.py); wgrad's dot rows are K
+        warps = fitting_warps(block_m if op == "moe_grouped_matmul" else block_k, (block_n,), warps)
     return MoeConfig(block_m, block_n, block_k, warps, 3)

@@ -14,6 +14,7 @@ from typing import Optional
 
 from ....errors import UnsupportedError
 from ....target import CUDA_GRID_LIMITS, Target, laid_out
+from .mma import fitting_warps, has_wgmma
 from .pointwise import pow2_at_least
 
 # (head dim at most, BLOCK_M, BLOCK_N, num_warps, num_stages) for 16-bit inputs on a GPU, first
@@ -85,6 +86,7 @@ class AttentionProblem:
     side_bytes: int = 0  # bytes per score element read beside q/k/v (a bias, a chain's masks)
     causal: bool = False  # a right bound and no left one: later query rows see more keys
     v_heads: int = 0  # v's head count where it differs from k's (0: the same): no packed decode
+    fma_dots: bool = False  # IEEE fp32 dots: the FMA units, no mma layout whose warps could repeat rows
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,18 @@ def forced_attention(options) -> "ForcedAttention":
 NOT_FORCED = ForcedAttention()
 
 
+def _warps_filled(config: AttentionConfig, problem: AttentionProblem, rows: int, cols: tuple,
+                  target: Target) -> AttentionConfig:
+    """`config` on no more warps than its chained dots of `rows` rows fill on `target`
+    (heuristics/mma.py): a 32-row query tile on 4 warps laid every warp along the rows, 64 rows
+    of warps for 32, on mma.sync (the bf16 forward at Sq 21, Skv 19, D 16 with the H200's
+    tiles); without wgmma, so would a 64-row tile on 8 warps."""
+    if problem.fma_dots:
+        return config
+    warps = fitting_warps(rows, cols, config.num_warps, chained=True, wgmma=has_wgmma(target.capability))
+    return dataclasses.replace(config, num_warps=warps)
+
+
 def _table_entry(problem: AttentionProblem, target: Target) -> AttentionConfig:
     if target.interpreted:
         return AttentionConfig(*INTERPRETER_TILE)
@@ -173,7 +187,9 @@ def _decode_schedule(problem: AttentionProblem, target: Target, budget_bytes,
     reason = (f"decode: {group} query heads x {problem.s_q} rows packed per K/V head, {programs} programs, "
               f"keys in {splits} split(s) of {chunk}")
     heads = head_group(programs, False, target)  # 0 within grid axis y
-    return AttentionSchedule(problem, AttentionConfig(block_m, block_n, warps, stages), block_d, block_dv,
+    config = _warps_filled(AttentionConfig(block_m, block_n, warps, stages), problem, block_m, (block_n, block_dv),
+                           target)
+    return AttentionSchedule(problem, config, block_d, block_dv,
                              grid(splits, programs, heads), reason, True, splits, chunk, head_group=heads)
 
 
@@ -263,6 +279,7 @@ def schedule(problem: AttentionProblem, target: Target, budget_bytes=None,
     block_d, block_dv = (max(16, pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
     if forced.forward is None and not target.interpreted:
         config = _fit_shared_memory(config, problem, block_d, block_dv, target)
+    config = _warps_filled(config, problem, config.block_m, (config.block_n, block_dv), target)
     tiles, heads = -(-problem.s_q // config.block_m), problem.batch * problem.heads
     group = head_group(heads, problem.causal, target, forced.head_group)
     origin = "BuildOptions.sdpa_config" if forced.forward else "table"
@@ -368,6 +385,15 @@ def _fit_backward(which: str, config: AttentionConfig, problem: AttentionProblem
     return config
 
 
+def _backward_warps_filled(which: str, config: AttentionConfig, problem: AttentionProblem, block_d: int,
+                           block_dv: int, target: Target) -> AttentionConfig:
+    """A backward kernel's config on the warps its dots fill: the dK/dV kernel's dots have the
+    key tile's rows (k q^T, v dO^T, then P^T dO and dS^T q), the dQ kernel's the query tile's."""
+    if which == "dkdv":
+        return _warps_filled(config, problem, config.block_n, (config.block_m, block_d, block_dv), target)
+    return _warps_filled(config, problem, config.block_m, (config.block_n, block_d, block_dv), target)
+
+
 def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tuple = (),
                       forced: ForcedAttention = NOT_FORCED) -> BackwardSchedule:
     """Tiles of the backward kernels for `problem` on `target` (and of the dbias kernel, which
@@ -387,6 +413,8 @@ def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tupl
         configs = {which: _fit_backward(which, config, problem, block_d, block_dv, target)
                    for which, config in configs.items()}
     configs.update(forced.backward)
+    configs = {which: _backward_warps_filled(which, config, problem, block_d, block_dv, target)
+               for which, config in configs.items()}
     if bias_dims:
         configs["dbias"] = configs["dq"]
     rows = INTERPRETER_TILE[0] if target.interpreted else DELTA_ROWS
@@ -434,6 +462,7 @@ def chain_schedule(problem: AttentionProblem, target: Target, which: str = "forw
     if forced.forward is None and _chain_tiles(problem, target):
         block_m, block_n, warps, stages = GPU_CHAIN_TILES[which]
         config = AttentionConfig(min(block_m, config.block_m), block_n, warps, stages)
+        config = _warps_filled(config, problem, config.block_m, (block_n, sched.block_dv), target)
         reason = f"op-level chain: [{config.block_m} queries, {block_n} keys] {which} tiles"
     heads = problem.batch * problem.heads
     group = head_group(heads, False, target)
@@ -450,7 +479,9 @@ def chain_backward_schedule(problem: AttentionProblem, target: Target,
                                 head_groups={which: group for which, group in groups.items() if group})
     if forced.backward or not _chain_tiles(problem, target):
         return sched
-    chain_tiles = {which: _fit_backward(which, AttentionConfig(*GPU_CHAIN_TILES[which]), problem, sched.block_d,
-                                        sched.block_dv, target) for which in ("dkdv", "dq")}
+    chain_tiles = {which: _backward_warps_filled(which, _fit_backward(which, AttentionConfig(*GPU_CHAIN_TILES[which]),
+                                                                      problem, sched.block_d, sched.block_dv, target),
+                                                 problem, sched.block_d, sched.block_dv, target)
+                   for which in ("dkdv", "dq")}
     configs = dict(sched.configs, **chain_tiles)
     return dataclasses.replace(sched, configs=configs, reason="op-level chain: " + sched.reason)

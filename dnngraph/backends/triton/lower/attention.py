@@ -45,7 +45,8 @@ def build_attention_backward(graph, group, context) -> list:
     tensors, strides = _operands(roles, rank)
     target, forced = context.target, forced_attention(context.options)
     problem = AttentionProblem(batch, heads, heads, s_q, s_kv, head_dim, value_dim,
-                               roles.q.data_type.torch_dtype.itemsize, False, 0)
+                               roles.q.data_type.torch_dtype.itemsize, False, 0,
+                               fma_dots=dot_precision(graph, roles.q.data_type) == "ieee")
     lse = scratch((batch, heads, s_q))
     uids = {stem: t.uid for stem, t in tensors.items()}
     uids["stats"], strides["stats"] = lse.uid, (heads * s_q, s_q, 1)

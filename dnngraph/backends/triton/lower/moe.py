@@ -20,9 +20,10 @@ def build_moe(graph, group, context):
                                f"{first.data_type.name} and {second.data_type.name}")
     dot = choose_dot(first.data_type.name, second.data_type.name, first.data_type.triton_type,
                      second.data_type.triton_type, geometry.allow_tf32)
-    interpreted = context.device.type == "cpu"
+    interpreted = context.target.interpreted  # the build's target picks the tiles (an H200's for CPU tensors too)
     forced = context.options.moe_config
-    config = schedule(geometry.op, geometry.rows, geometry.k, geometry.n, geometry.experts, interpreted, forced)
+    config = schedule(geometry.op, geometry.rows, geometry.k, geometry.n, geometry.experts, interpreted, forced,
+                      fma_dots=dot.dot == "fp32")
     name = kernel_name(group)
     source = render_moe(name, config, group, geometry, graph.compute_data_type, dot, group.summary())
     columns = geometry.n // 2 if geometry.paired else geometry.n  # a pair's tile covers both halves

@@ -9,6 +9,7 @@ from ....ops.rnn import sequence_lengths
 from ....problems.rnn import rnn_problem
 from ..codegen.rnn import render as render_rnn
 from ..heuristics.matmul import choose_dot
+from ..heuristics.mma import fitting_warps
 from ....runtime.launch import kernel_name, launch_of
 
 MIN_DOT = 16  # tl.dot's smallest extent on every axis
@@ -39,8 +40,9 @@ def _tile(extent: int, cap: int) -> int:
     return min(cap, max(MIN_DOT, 1 << (max(1, extent) - 1).bit_length()))
 
 
-def schedule_rnn(geometry, interpreted: bool, weight_bytes: int = 2) -> RnnSchedule:
-    """Tiles of one recurrence; `weight_bytes` the recurrent weight's element size."""
+def schedule_rnn(geometry, interpreted: bool, weight_bytes: int = 2, fma_dots: bool = False) -> RnnSchedule:
+    """Tiles of one recurrence; `weight_bytes` the recurrent weight's element size, `fma_dots`
+    whether its dots are IEEE fp32 (the FMA units, no tensor cores)."""
     cap = CPU_BLOCK if interpreted else GPU_BLOCK
     block_b = _tile(geometry.batch, MAX_BLOCK_B if interpreted else 16)
     block_h = _tile(max(geometry.hidden, geometry.state), cap)
@@ -49,7 +51,13 @@ def schedule_rnn(geometry, interpreted: bool, weight_bytes: int = 2) -> RnnSched
     forward = geometry.op == "rnn_recurrence"
     resident = forward and geometry.hidden <= block_h and geometry.state <= block_k and fits
     steps = not interpreted and geometry.hidden > block_h and geometry.state == geometry.hidden
-    return RnnSchedule(block_b, block_h, block_k, resident, NUM_WARPS, steps)
+    # every dot of a step has the batch tile's rows; the gates' dots stand alone, the
+    # projection's may chain to them through registers: no more warps than either layout of
+    # those rows fills (heuristics/mma.py)
+    warps = NUM_WARPS
+    if not fma_dots:
+        warps = min(fitting_warps(block_b, (block_h, block_k), warps, chained=chained) for chained in (False, True))
+    return RnnSchedule(block_b, block_h, block_k, resident, warps, steps)
 
 
 def build_rnn(graph, group, context):
@@ -62,7 +70,8 @@ def build_rnn(graph, group, context):
     floating = [t for t in node.input_tensors() if t.data_type.is_floating]
     dot = choose_dot(floating[0].data_type.name, w_hh.data_type.name, floating[0].data_type.triton_type,
                      w_hh.data_type.triton_type, geometry.allow_tf32)
-    schedule = schedule_rnn(geometry, context.device.type == "cpu", w_hh.data_type.itemsize)
+    # the build's target picks the tiles (an H200's for CPU tensors too, run interpreted)
+    schedule = schedule_rnn(geometry, context.target.interpreted, w_hh.data_type.itemsize, dot.precision == "ieee")
     name = kernel_name(group)
     source = render_rnn(name, schedule, node, geometry, dot, group.summary())
     programs = -(-geometry.batch // schedule.block_b)

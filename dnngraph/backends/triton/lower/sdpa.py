@@ -100,8 +100,9 @@ def kernel_mask(node, s_q: int, s_kv: int) -> AttentionMask:
     return AttentionMask(kept(mask.left), kept(mask.right), mask.bottom_right)
 
 
-def problem_of(node) -> AttentionProblem:
-    """The plain-number problem of an sdpa node (the heuristics' input)."""
+def problem_of(node, fma_dots: bool = False) -> AttentionProblem:
+    """The plain-number problem of an sdpa node (the heuristics' input); `fma_dots` where its
+    dots are IEEE fp32 (dot_precision)."""
     q, k, v = node.inputs[:3]
     k_table = node.inputs[node.opdef.input_names.index("paged_attention_k_table")]
     bias = node.inputs[node.opdef.input_names.index("bias")]
@@ -111,7 +112,7 @@ def problem_of(node) -> AttentionProblem:
                             q.data_type.torch_dtype.itemsize, mask.banded,
                             bias.data_type.torch_dtype.itemsize if bias is not None else 0,
                             mask.right is not None and mask.left is None,
-                            v.dim[1] if v.dim[1] != k.dim[1] else 0)
+                            v.dim[1] if v.dim[1] != k.dim[1] else 0, fma_dots)
 
 
 def _node_at_top(graph, node):
@@ -156,7 +157,8 @@ def _build_sdpa(graph, group, context):
     _check_types(node)
     if node.op == "sdpa_backward":
         return _build_backward(graph, group, context)
-    problem = problem_of(node)
+    fma_dots = dot_precision(graph, node.inputs[0].data_type) == "ieee"
+    problem = problem_of(node, fma_dots)
     forced = forced_attention(context.options)
     o, stats, score_max, score_sum = node.outputs
     sink = node.inputs[node.opdef.input_names.index("sink_token")]
@@ -170,7 +172,7 @@ def _build_sdpa(graph, group, context):
     if sched.packed and getattr(graph, "bucket", None) is not None:
         # decode key splits counted at the bucket's top (SPLITS and CHUNK are constexprs): a
         # split past this size's keys sees none, stores an empty partial the combine weighs 0
-        top = schedule(problem_of(_node_at_top(graph, node)), context.target, budget_bytes, forced)
+        top = schedule(problem_of(_node_at_top(graph, node), fma_dots), context.target, budget_bytes, forced)
         sched = dataclasses.replace(top, problem=problem)
     if sched.packed and forced.splits == 1 and forced_attention(context.options).splits != 1:
         why = "a ragged operand is read and written through its offsets" if ragged else \
@@ -280,7 +282,8 @@ def _backward_spec(graph, node, sched, which: str, delta, index_64: bool) -> Att
 def _build_backward(graph, group, context) -> list:
     node, budget = group.anchor, context.budget
     bias, dbias = node.inputs[6], node.outputs[3]
-    sched = backward_schedule(problem_of(node), context.target, tuple(bias.dim) if dbias is not None else (),
+    fma_dots = dot_precision(graph, node.inputs[0].data_type) == "ieee"
+    sched = backward_schedule(problem_of(node, fma_dots), context.target, tuple(bias.dim) if dbias is not None else (),
                               forced_attention(context.options))
     problem = sched.problem
     delta_bytes = problem.batch * problem.heads * problem.s_q * 4
@@ -343,7 +346,8 @@ def build_attention(graph, group, context):
     modifier = ScoreModifier(first.outputs[0].uid, score_ops(group.nodes))
     dropout = chain_dropout(group.nodes)
     side_bytes = sum(t.data_type.torch_dtype.itemsize for t in modifier.sides)
-    problem = AttentionProblem(ob, oh, oh, s_q, s_kv, d, dv, q.data_type.torch_dtype.itemsize, False, side_bytes)
+    problem = AttentionProblem(ob, oh, oh, s_q, s_kv, d, dv, q.data_type.torch_dtype.itemsize, False, side_bytes,
+                               fma_dots=dot_precision(graph, q.data_type) == "ieee")
     sched = chain_schedule(problem, context.target, forced=forced_attention(context.options))  # one query head per K/V head: no packing
     dims = {"HEADS": oh, "GROUP": 1, "SQ": s_q, "SKV": s_kv, "HEAD_DIM": d, "VALUE_DIM": dv}
     # k^T [.., D, Skv]: the kernel's k strides are (batch, head, key, dim)
