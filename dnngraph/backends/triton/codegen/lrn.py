@@ -32,7 +32,7 @@ from ..heuristics.lrn import box_plan
 # (mv), shifted lane indices and their validity (nb, nbok), window-side coordinates (loc) and
 # the program's tile along each windowed axis (tile).
 VALUE_STEMS = ("cv", "sq", "bx", "sc", "gn", "dv", "uv", "mv", "nb", "nbok", "loc", "tile", "owned")
-NAMES = ("win", "batch_tile", "win_tile", "store_mask")
+NAMES = ("win", "batch_tile", "win_tile", "store_mask", "inner_batch")
 
 
 class _WindowWriter(_KernelWriter):
@@ -84,8 +84,10 @@ class _WindowWriter(_KernelWriter):
         self.line("pid = tl.program_id(0)" + (".to(tl.int64)" if sched.index_64 else ""))
         self.line(f"win_tile = pid % {_numel(sched.window_tiles)}")
         self.line(f"batch_tile = pid // {_numel(sched.window_tiles)}")
-        self.line(f"{batch_vector} = batch_tile * {batch_block} + tl.arange(0, {batch_block})")
-        self.line(f"{batch_mask} = {batch_vector} < batch")
+        # the block tiles the merged inner batch axes alone: an arange from a multiple of the
+        # block, contiguous as Triton sees it; the outer batch axes are one position a program
+        self.line(f"{batch_vector} = (batch_tile % {sched.inner_tiles}) * {batch_block} + tl.arange(0, {batch_block})")
+        self.line(f"{batch_mask} = {batch_vector} < inner_batch")
         self.line(f"win = tl.arange(0, {window_block})")
         self.line(f"{'cols_idx' if sched.window_on_cols else 'rows_idx'} = win")
         self.line(f"{win_mask} = win < {window_block}")
@@ -102,15 +104,25 @@ class _WindowWriter(_KernelWriter):
             self.line(f"{name}_idx = tile_{name} * {sched.owned[index]} - {before} + loc_{name}")
             self.line(f"{name}_ok = ({name}_idx >= 0) & ({name}_idx < in_{name})")
             coords[axis] = Coord(f"{name}_idx", self.window_side, f"{name}_ok")
-        self.line(f"rest = {batch_vector}")
-        for position, axis in enumerate(reversed(sched.batch_axes)):
+        inner, outer = sched.inner_axes, [a for a in sched.batch_axes if a not in sched.inner_axes]
+        # every operand walks the inner axes as their innermost one of more than one position
+        # (inner_batch_axes: the merged stride is that axis's), which carries the merged index
+        sized = [a for a in inner if sched.x_dims[a] > 1] or inner
+        for axis in inner:
+            value = batch_vector if axis == sized[-1] else f"{batch_vector} * 0"
+            self.line(f"{self.names[axis]}_idx = {value}")
+        # a vector of one value, so an operand that varies along the outer axes alone still gets
+        # a batch-side vector of offsets
+        self.line(f"rest = batch_tile // {sched.inner_tiles} + {batch_vector} * 0")
+        for position, axis in enumerate(reversed(outer)):
             name = self.names[axis]
-            if position == len(sched.batch_axes) - 1:
+            if position == len(outer) - 1:
                 self.line(f"{name}_idx = rest")
             else:
                 self.line(f"{name}_idx = rest % in_{name}")
                 self.line(f"rest = rest // in_{name}")
-            coords[axis] = Coord(f"{name}_idx", self.side(axis), None)
+        for axis in sched.batch_axes:
+            coords[axis] = Coord(f"{self.names[axis]}_idx", self.side(axis), None)
         return coords
 
     def store_mask(self) -> str:
@@ -227,8 +239,9 @@ class _WindowWriter(_KernelWriter):
     def arguments(self) -> list:
         sched = self.schedule
         args = [KernelArgument("tensor", f"{op.identifier}_ptr", uid) for uid, op in self.operands.items()]
-        sizes = {"batch": sched.batch}
-        for axis in sorted(set(sched.batch_axes[1:]) | set(sched.axes)):
+        sizes = {"inner_batch": sched.inner}
+        outer = [a for a in sched.batch_axes if a not in sched.inner_axes]
+        for axis in sorted(set(outer[1:]) | set(sched.axes)):
             sizes[self.tile_size_name(axis)] = sched.x_dims[axis]
         args += [KernelArgument("int", name, value) for name, value in sizes.items()]
         for op in self.operands.values():

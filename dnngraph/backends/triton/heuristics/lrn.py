@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from ....errors import UnsupportedError
 from ....target import Target
-from .layout import INT32_LIMIT
+from .layout import INT32_LIMIT, merged_stride, operand_strides
 from .pointwise import pow2_at_least
 from .pooling import AXIS_NAMES
 
@@ -39,8 +39,15 @@ SECTOR_BYTES = 32
 # and the operations one tile lane costs besides its shifts (loads, squares, exp2/log2, store).
 LANE_OPS_PER_SM_SECOND = 128 * 1.8e9
 BASE_OPS_PER_LANE = 12
-# A shift is a tl.gather along the window side: shuffles or a shared-memory round trip.
+# A shift is a tl.gather along the window side, which Triton 3.6 keeps within a warp (its
+# "efficient" layout puts the 32 lanes along the window side, the warps along the batch side) and
+# lowers to one shuffle and select per source register a thread holds along that side for every
+# value: window lanes / 32 shuffles a value (sm_90 PTX of a 64x64 window side: 65536 shuffles, 255
+# registers and spills; 128 lanes: 4 a value), so the model charges a shift per 32 window lanes.
 OPS_PER_SHIFT = 4
+LANES_PER_WARP = 32
+# Values of one tile a thread may hold: past this, the eight live tiles of a backward spill.
+MAX_ELEMENTS_PER_THREAD = 2 * ELEMENTS_PER_THREAD
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class LrnSchedule:
     backward: bool
     axes: tuple  # the windowed logical axes, outermost (largest stride) first
     batch_axes: tuple  # the other logical axes, outermost first
+    inner_axes: tuple  # the trailing batch axes every operand walks as one axis (batch_runs)
     reach: tuple  # per windowed axis, (positions loaded before, after) an owned one
     window_on_cols: bool  # the window side is the tile's columns (it holds x's smallest-stride axis)
     x_dims: tuple
@@ -83,8 +91,17 @@ class LrnSchedule:
         return _numel(self.x_dims[a] for a in self.batch_axes)
 
     @property
+    def inner(self) -> int:
+        """Positions of the merged inner batch axis, which a program's batch block tiles."""
+        return _numel(self.x_dims[a] for a in self.inner_axes)
+
+    @property
+    def inner_tiles(self) -> int:
+        return -(-self.inner // self.config.batch_block)
+
+    @property
     def programs(self) -> int:
-        return _numel(self.window_tiles) * -(-self.batch // self.config.batch_block)
+        return _numel(self.window_tiles) * (self.batch // self.inner) * self.inner_tiles
 
     @property
     def config_text(self) -> str:
@@ -92,7 +109,8 @@ class LrnSchedule:
         blocks = "x".join(f"{names[a]}{b}" for a, b in zip(self.axes, self.config.window_blocks))
         return (f"window={blocks} owned={'x'.join(map(str, self.owned))} "
                 f"tiles={'x'.join(map(str, self.window_tiles))} "
-                f"batch={''.join(names[a] for a in self.batch_axes)}{self.config.batch_block} "
+                f"batch={''.join(names[a] for a in self.batch_axes if a not in self.inner_axes)}"
+                f"[{''.join(names[a] for a in self.inner_axes)}]{self.config.batch_block} "
                 f"cols={'window' if self.window_on_cols else 'batch'} num_warps={self.config.num_warps} "
                 f"grid={self.programs}" + (" int64-index" if self.index_64 else ""))
 
@@ -201,21 +219,35 @@ def loaded_positions(extent: int, block: int, owned: int, before: int) -> int:
     return total
 
 
-def _contiguous_run(window_on_cols: bool, blocks, owned, axes, batch_axes, x, batch_block) -> int:
-    """Elements a tile row reads contiguously along x's smallest-stride axis."""
+def _contiguous_run(window_on_cols: bool, owned, axes, inner: int, x, batch_block) -> int:
+    """Elements a tile row reads contiguously along x's smallest-stride axis (on the batch side,
+    the merged inner batch axes, `inner` positions)."""
     if window_on_cols:
-        inner = axes[-1]
-        return min(owned[-1], x.dim[inner]) if blocks else 1
-    return min(batch_block, x.dim[batch_axes[-1]]) if batch_axes else 1
+        return min(owned[-1], x.dim[axes[-1]])
+    return min(batch_block, inner)
 
 
-def _estimate(traffic: float, lanes: int, shifts: int, run_bytes: int, target: Target) -> tuple:
+def shuffles_per_shift(window: int) -> int:
+    """Shuffles a warp-local tl.gather along a window side of `window` lanes takes per value."""
+    return max(1, window // LANES_PER_WARP)
+
+
+def tile_warps(window: int, batch_block: int) -> int:
+    """Warps of a tile: about ELEMENTS_PER_THREAD values a thread, and no more warps than the
+    batch side can hold once the gather's layout puts a warp's lanes along the window side
+    (a warp past them would hold a replica of the tile)."""
+    wanted = pow2_at_least(window * batch_block // (LANES_PER_WARP * ELEMENTS_PER_THREAD) or 1)
+    room = max(1, batch_block * min(window, LANES_PER_WARP) // LANES_PER_WARP)
+    return max(1, min(MAX_WARPS, wanted, room))
+
+
+def _estimate(traffic: float, lanes: int, shift_ops: int, run_bytes: int, target: Target) -> tuple:
     """Model seconds (DRAM bytes, a run shorter than a sector moving the whole sector, against
     lane operations over every SM, whichever is longer) and their sum, which breaks ties between
     tiles equal on the longer one toward the one lighter on the other."""
     efficiency = min(1.0, run_bytes / SECTOR_BYTES)
     memory = traffic / efficiency / target.bandwidth
-    compute = lanes * (BASE_OPS_PER_LANE + OPS_PER_SHIFT * shifts) / (LANE_OPS_PER_SM_SECOND * target.sms)
+    compute = lanes * (BASE_OPS_PER_LANE + OPS_PER_SHIFT * shift_ops) / (LANE_OPS_PER_SM_SECOND * target.sms)
     return max(memory, compute), memory + compute
 
 
@@ -226,11 +258,27 @@ class _Layout:
     x: object
     axes: tuple
     batch_axes: tuple
+    inner_axes: tuple
     reach: tuple
     window_on_cols: bool
     read: int  # bytes of the group's inputs, each read once
     traffic: int  # and of its outputs
     shifts: int  # shifted copies a tile's window sums take
+
+
+def inner_batch_axes(tensors, x_dims: tuple, batch_axes: tuple) -> tuple:
+    """The longest run of trailing batch axes that every tensor walks as one axis (merged_stride).
+    A program's batch block tiles that run alone, so its index is an arange from a multiple of
+    the block, whose contiguity Triton can prove (a flat index split by div and mod over axes
+    whose extents are no multiple of 16 loses it: scalar loads down a column, 7% of copy for NCHW
+    LRN on the H200), and the rest of the batch axes are one value per program."""
+    for start in range(len(batch_axes)):
+        run = batch_axes[start:]
+        sizes = tuple(x_dims[a] for a in run)
+        strides = [operand_strides(x_dims, t.dim, t.stride) for t in tensors]
+        if all(merged_stride(sizes, tuple(s[a] for a in run)) is not None for s in strides):
+            return run
+    return ()
 
 
 def _layout(group, window_axes_: tuple) -> _Layout:
@@ -240,9 +288,11 @@ def _layout(group, window_axes_: tuple) -> _Layout:
     size, rank = anchor.attrs.size, len(x.dim)
     by_stride = lambda axes: tuple(sorted(axes, key=lambda a: (-x.stride[a], a)))  # outermost first
     axes = by_stride(window_axes_)
+    batch_axes = by_stride(a for a in range(rank) if a not in window_axes_)
     sized = [a for a in range(rank) if x.dim[a] > 1] or [rank - 1]
     read = sum(_numel(t.dim) * t.data_type.itemsize for t in group.inputs)
-    return _Layout(x, axes, by_stride(a for a in range(rank) if a not in window_axes_),
+    tensors = list(group.inputs) + list(group.outputs)
+    return _Layout(x, axes, batch_axes, inner_batch_axes(tensors, tuple(x.dim), batch_axes),
                    tuple(window_reach(size, backward) for _ in axes),
                    min(sized, key=lambda a: (x.stride[a], -a)) in axes, read,
                    read + sum(_numel(t.dim) * t.data_type.itemsize for t in group.outputs),
@@ -250,10 +300,12 @@ def _layout(group, window_axes_: tuple) -> _Layout:
 
 
 def _ranked(layout: _Layout, target: Target, max_tile: int) -> list:
-    """Every config within `max_tile` elements, best first by the model."""
+    """Every config within `max_tile` elements, best first by the model: those whose tiles a
+    thread holds without spilling first."""
     x, axes, reach = layout.x, layout.axes, layout.reach
     halo = sum(reach[0])
-    batch = _numel(x.dim[a] for a in layout.batch_axes)
+    inner = _numel(x.dim[a] for a in layout.inner_axes)
+    outer = _numel(x.dim[a] for a in layout.batch_axes) // inner
     ranked = []
     for blocks in itertools.product(*[_block_choices(x.dim[a], halo) for a in axes]):
         window = _numel(blocks)
@@ -264,17 +316,20 @@ def _ranked(layout: _Layout, target: Target, max_tile: int) -> list:
         # halo positions inside x are read again by the neighbouring program
         reread = _numel(loaded_positions(x.dim[a], b, own, before) / x.dim[a]
                         for a, b, own, (before, _) in zip(axes, blocks, owned, reach))
+        shift_ops = layout.shifts * shuffles_per_shift(window)
         batch_block = 1
         while window * batch_block <= max_tile:
             tile = window * batch_block
-            lanes = window_lanes * -(-batch // batch_block) * batch_block
-            run = _contiguous_run(layout.window_on_cols, blocks, owned, axes, layout.batch_axes, x, batch_block)
-            seconds = _estimate(layout.traffic + layout.read * (reread - 1), lanes, layout.shifts,
+            warps = tile_warps(window, batch_block)
+            # a last resort only (a 3-D 5x5x5 backward's smallest halo tile is 16^3 lanes)
+            spills = tile > max(MIN_TILE_ELEMENTS, LANES_PER_WARP * warps * MAX_ELEMENTS_PER_THREAD)
+            lanes = window_lanes * outer * -(-inner // batch_block) * batch_block
+            run = _contiguous_run(layout.window_on_cols, owned, axes, inner, x, batch_block)
+            seconds = _estimate(layout.traffic + layout.read * (reread - 1), lanes, shift_ops,
                                 run * x.data_type.itemsize, target)
-            small = tile < MIN_TILE_ELEMENTS and batch_block < batch
-            warps = max(1, min(MAX_WARPS, pow2_at_least(tile // (32 * ELEMENTS_PER_THREAD) or 1)))
-            ranked.append(((small,) + seconds + (-tile,), LrnConfig(blocks, batch_block, warps, seconds[0] * 1e6)))
-            if batch_block >= batch:
+            small = tile < MIN_TILE_ELEMENTS and batch_block < inner
+            ranked.append(((spills, small) + seconds + (-tile,), LrnConfig(blocks, batch_block, warps, seconds[0] * 1e6)))
+            if batch_block >= inner:
                 break
             batch_block *= 2
     ranked.sort(key=lambda item: item[0])
@@ -300,5 +355,6 @@ def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TIL
               f"for {layout.traffic} bytes; halo {reach[0][0]} before and {reach[0][1]} after the owned box "
               f"along {''.join(names[a] for a in axes)}, x loaded once per program, {layout.shifts} shifted "
               f"copies (tl.gather) for its window sums")
-    return LrnSchedule(anchor.op.endswith("_backward"), axes, layout.batch_axes, reach, layout.window_on_cols,
+    return LrnSchedule(anchor.op.endswith("_backward"), axes, layout.batch_axes, layout.inner_axes, reach,
+                       layout.window_on_cols,
                        tuple(x.dim), index_64, frozenset(t.uid for t in group.inputs), best, len(ranked), reason)
