@@ -43,8 +43,10 @@ BASE_OPS_PER_LANE = 12
 # "efficient" layout puts the 32 lanes along the window side, the warps along the batch side) and
 # lowers to one shuffle and select per source register a thread holds along that side for every
 # value: window lanes / 32 shuffles a value (sm_90 PTX of a 64x64 window side: 65536 shuffles, 255
-# registers and spills; 128 lanes: 4 a value), so the model charges a shift per 32 window lanes.
-OPS_PER_SHIFT = 4
+# registers and spills; 128 lanes: 4 a value), so the model charges a shift per 32 window lanes:
+# a shuffle and a select each (the H200's LCN 3x3 NHWC forward, 8 shuffles a shift, ran at 51 us,
+# which bounds the cost at about 2.5 operations a shuffle).
+OPS_PER_SHIFT = 2
 LANES_PER_WARP = 32
 # Values of one tile a thread may hold: past this, the eight live tiles of a backward spill.
 MAX_ELEMENTS_PER_THREAD = 2 * ELEMENTS_PER_THREAD
