@@ -639,3 +639,98 @@ def test_tile_columns_hold_the_smallest_stride_axis(op, layout):
     assert sched.window_on_cols == ((op == "lrn") == (layout == "nhwc"))
     innermost = (sched.axes if sched.window_on_cols else sched.batch_axes)[-1]
     assert innermost == (1 if layout == "nhwc" else 3)
+
+
+# --- batch-side tiling and the gather's cost (issue 32: 7% NCHW LRN, 0.01 TB/s LCN 3x3 NCHW) ---
+def _schedule_of(g, axes):
+    from dnngraph.backends.triton.heuristics.lrn import schedule
+    from dnngraph.target import H200
+    (group,) = partition(g)
+    return schedule(group, H200, axes)
+
+
+@pytest.mark.parametrize("layout,inner", [("nchw", "hw"), ("nhwc", "nhw")])
+def test_batch_block_tiles_the_axes_every_operand_merges(layout, inner):
+    """The batch block tiles the trailing batch axes every operand walks as one axis: NCHW LRN's
+    H x W (N apart: C lies between), NHWC's N x H x W; a dy sliced along W keeps only what both
+    merge (W alone), and the kernel stays exact across the tiles' seams either way."""
+    from dnngraph.backends.triton.codegen.pooling import AXIS_NAMES
+    shape, options = (3, 7, 5, 9), dg.BuildOptions(lrn_tile_elements=64)
+    x_t = sample(shape, layout=layout)
+    sliced = sample(shape[:3] + (12,))[..., 2:11]  # H's stride is 12 W positions, not 9
+    for dy_t, expected in ((sample(shape, layout=layout), inner), (sliced, "w")):
+        g, inputs, _ = backward_graph("lrn", x_t, dy_t, 3, **LRN_ATTRS)
+        sched = _schedule_of(g, (1,))
+        assert "".join(AXIS_NAMES[4][a] for a in sched.inner_axes) == expected
+        check(g, inputs, options=options)
+        assert f"[{expected}]" in g.plan.launches[-1].config_text
+
+
+def test_batch_tiles_of_a_size_one_inner_axis_walk_the_axis_that_has_positions():
+    """N x C merges with C of one position innermost: the merged index walks N's stride."""
+    x_t, dy_t = sample((5, 1, 4, 6)), sample((5, 1, 4, 6))
+    g, inputs, _ = backward_graph("div", x_t, dy_t, 3, **DIV_ATTRS)
+    assert _schedule_of(g, (2, 3)).inner_axes == (0, 1)
+    check(g, inputs, options=dg.BuildOptions(lrn_tile_elements=128))
+
+
+# the bench's model sizes (benchmarks/bench_lrn.py): op, shape, size, layout
+MODEL_FORMS = [("lrn", (128, 96, 55, 55), 5, "nchw"), ("lrn", (128, 96, 55, 55), 5, "nhwc"),
+               ("lrn", (64, 128, 56, 56), 4, "nchw"), ("div", (64, 64, 56, 56), 3, "nchw"),
+               ("div", (64, 64, 56, 56), 3, "nhwc"), ("div", (32, 32, 64, 64), 5, "nchw"),
+               ("div", (32, 32, 64, 64), 5, "nhwc")]
+
+
+def _model_graph(op, shape, size, layout, backward):
+    """A built bf16 graph over the dims and strides of a model-size x (no values are made)."""
+    x_t = torch.empty(shape, dtype=torch.bfloat16)
+    if layout == "nhwc":
+        x_t = x_t.contiguous(memory_format=torch.channels_last)
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    name = ("lrn" if op == "lrn" else "divisive_normalization") + ("_backward" if backward else "")
+    operands = [g.tensor_like(x_t, "dy")] if backward else []
+    getattr(g, name)(*operands, g.tensor_like(x_t, "x"), size=size, alpha=1e-4, beta=0.75, k=2.0).set_output(True)
+    return g
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("op,shape,size,layout", MODEL_FORMS)
+def test_model_size_tiles_keep_the_gather_within_registers(op, shape, size, layout, backward):
+    """Triton 3.6 keeps a tl.gather within a warp (lanes along the window side, warps along the
+    batch side) at a shuffle per register a thread holds along the window side: a tile whose
+    warps outnumber its batch side replicates (the LCN 3x3 NCHW 64x64 x 1 tile: 255 registers,
+    spills, 65536 shuffles), and a window side past 32 lanes multiplies the shuffles. At model
+    sizes the chosen tile's warps fit its batch side, a thread holds at most
+    MAX_ELEMENTS_PER_THREAD values of it, and the NCHW batch side walks H x W as one axis."""
+    from dnngraph.backends.triton.heuristics.lrn import LANES_PER_WARP, MAX_ELEMENTS_PER_THREAD
+    g = _model_graph(op, shape, size, layout, backward)
+    sched = _schedule_of(g, (1,) if op == "lrn" else (2, 3))
+    config = sched.config
+    window = math.prod(config.window_blocks)
+    assert config.num_warps <= max(1, config.batch_block * min(window, LANES_PER_WARP) // LANES_PER_WARP), config
+    assert window * config.batch_block <= LANES_PER_WARP * config.num_warps * MAX_ELEMENTS_PER_THREAD, config
+    assert window <= 8 * LANES_PER_WARP, config  # at most 8 shuffles a value a shift
+    if op == "lrn" and layout == "nchw":
+        assert sched.inner_axes == (2, 3), sched.config_text
+
+
+def sm90_model_graphs():
+    """Built graphs of the bench's model sizes, forward and backward, for the sm_90 compile check."""
+    for op, shape, size, layout in MODEL_FORMS:
+        for backward in (False, True):
+            label = f"{op} {'backward' if backward else 'forward'} {shape} size {size} {layout}"
+            g = _model_graph(op, shape, size, layout, backward)
+            g.build()
+            yield label, g
+
+
+def test_model_size_kernels_compile_fast_for_sm90_without_spills():
+    """At the bench's sizes every kernel compiles for sm_90 in seconds (the 5x5 LCN backward did
+    not finish in the lead's 110 s run) and spills nothing (the LCN 3x3 NCHW backward spilled 12 KB
+    and ran at 0.01 TB/s)."""
+    output = compiled_for_sm90("test_lrn:sm90_model_graphs", timeout=600, env={"SM90_SPILLS": "1"})
+    assert f"compiled {2 * len(MODEL_FORMS)} kernels for sm_90" in output
+    spills = re.findall(r"^spills (.+): (\d+)$", output, re.M)
+    assert len(spills) == 2 * len(MODEL_FORMS) and all(int(n) == 0 for _, n in spills), spills
+    seconds = re.findall(r"^compile_seconds ([\d.]+) (.+)$", output, re.M)
+    assert seconds and all(float(s) < 10 for s, _ in seconds), seconds
