@@ -53,6 +53,7 @@ class _WindowWriter(_KernelWriter):
         self.window_side = "col" if schedule.window_on_cols else "row"
         self.gather_axis = 1 if schedule.window_on_cols else 0
         self.shift_indices: dict = {}  # (axis, shift) -> (index variable, validity variable)
+        self.offsets_made: set = set()  # (axis, offset) whose moved coordinates are emitted
         self.serial = itertools.count()
 
     # --- tile layout -----------------------------------------------------------------------------
@@ -182,6 +183,43 @@ class _WindowWriter(_KernelWriter):
             source = self.box_sum(source, index, lo, hi)
         return source
 
+    # --- window sums by a load per offset (heuristics' LOADS_MAX_POINTS) -------------------------
+    def offset_coordinates(self, tile: dict, offsets) -> dict:
+        """The tile's coordinates moved by `offsets` along the windowed axes (emitted once each)."""
+        coords = dict(tile)
+        for axis, offset in zip(self.schedule.axes, offsets):
+            if offset == 0:
+                continue
+            name = self.names[axis]
+            tag = f"{'m' if offset < 0 else 'p'}{abs(offset)}"
+            if (axis, offset) not in self.offsets_made:
+                self.offsets_made.add((axis, offset))
+                self.line(f"{name}_at_{tag} = {name}_idx + {offset}")
+                self.line(f"{name}_ok_{tag} = ({name}_at_{tag} >= 0) & ({name}_at_{tag} < in_{name})")
+            coords[axis] = Coord(f"{name}_at_{tag}", self.window_side, f"{name}_ok_{tag}")
+        return coords
+
+    def loaded_window_sum(self, tile: dict) -> str:
+        """The sum of squares over each lane's window, x loaded (with its prologue and means) at
+        every window offset: neighbours' loads of the same lines hit L1. The tile owns every lane."""
+        before, after = self.attrs.size // 2, (self.attrs.size - 1) // 2
+        total = f"bx_{next(self.serial)}"
+        offsets_all = itertools.product(range(-before, after + 1), repeat=len(self.schedule.axes))
+        for position, offsets in enumerate(offsets_all):
+            term = "sq_x"
+            if any(offsets):
+                coords = self.offset_coordinates(tile, offsets)
+                self.value_at(self.x, coords, "value")
+                centred = "value"
+                if self.means is not None:
+                    self.value_at(self.means, coords, "mv_x")
+                    centred = "value - mv_x"
+                term = f"sq_{next(self.serial)}"
+                self.line(f"{term} = tl.where({self.inside(coords)}, {centred}, 0.0)")
+                self.line(f"{term} = {term} * {term}")
+            self.line(f"{total} = {term}" if position == 0 else f"{total} += {term}")
+        return total
+
     # --- the two directions ----------------------------------------------------------------------
     def literal(self, value) -> str:
         return self.emitter.literal(float(value))
@@ -196,9 +234,12 @@ class _WindowWriter(_KernelWriter):
         self.line(f"cv_x = tl.where({self.inside(tile)}, {centred}, 0.0)")
         self.line("sq_x = cv_x * cv_x")
 
-    def scale(self):
+    def scale(self, tile: dict):
         """`sc_x` and `gn_x`: S and S^-beta at every lane whose window the tile holds."""
-        total = self.window_sum("sq_x", reversed_window=False)
+        if self.schedule.config.window_by == "loads":
+            total = self.loaded_window_sum(tile)
+        else:
+            total = self.window_sum("sq_x", reversed_window=False)
         a = self.literal(self.attrs.alpha / self.count)
         self.line(f"sc_x = {self.literal(self.attrs.k)} + {a} * {total}")
         if self.attrs.beta == 0.0:  # S^0 is 1, even where S is 0 or inf
@@ -208,7 +249,7 @@ class _WindowWriter(_KernelWriter):
 
     def forward(self, tile: dict):
         self.centred(tile)
-        self.scale()
+        self.scale(tile)
         self.line("result = cv_x * gn_x")
 
     def backward(self, tile: dict):
@@ -221,7 +262,7 @@ class _WindowWriter(_KernelWriter):
             # c through dS/dc = 2 alpha / count * c: dx = dy + 0 * c, NaN where c is not finite
             self.line("result = grad + 0.0 * cv_x")
             return
-        self.scale()
+        self.scale(tile)
         inside = self.inside(tile)
         self.line(f"dv_x = tl.where({inside}, grad, 0.0)")
         # masked: a centre outside x adds nothing, whatever its S (0 / 0 where k is 0)

@@ -50,16 +50,26 @@ OPS_PER_SHIFT = 2
 LANES_PER_WARP = 32
 # Values of one tile a thread may hold: past this, the eight live tiles of a backward spill.
 MAX_ELEMENTS_PER_THREAD = 2 * ELEMENTS_PER_THREAD
+# A forward window of at most this many positions may instead load x once per window offset
+# (neighbours' lanes: L1 and L2 hits), owning its whole tile (no halo lanes, no shuffles). The
+# H200 (2026-11-29) ran LRN's size 4 and 5 forwards so at 16-40% of copy against 22-32% for the
+# halo tiles (which lost lanes to halos of a 32-128 channel block), and the 3x3 LCN's nine loads
+# at 28% against its halo tile's 34%: the model's operation counts do not separate those, so
+# the window's size does. An L1 hit costs about a load and an add.
+LOADS_MAX_POINTS = 8
+OPS_PER_LOAD = 2
 
 
 @dataclass(frozen=True)
 class LrnConfig:
-    """Block per windowed axis (powers of two, halo included), batch-side block, warps."""
+    """Block per windowed axis (powers of two, halo included), batch-side block, warps, and how
+    the window sums are made."""
 
     window_blocks: tuple
     batch_block: int
     num_warps: int
     estimate_us: float
+    window_by: str = "gather"  # "gather": shifted register copies of a halo tile; "loads": a load per offset
 
 
 @dataclass(frozen=True)
@@ -113,7 +123,8 @@ class LrnSchedule:
                 f"tiles={'x'.join(map(str, self.window_tiles))} "
                 f"batch={''.join(names[a] for a in self.batch_axes if a not in self.inner_axes)}"
                 f"[{''.join(names[a] for a in self.inner_axes)}]{self.config.batch_block} "
-                f"cols={'window' if self.window_on_cols else 'batch'} num_warps={self.config.num_warps} "
+                f"cols={'window' if self.window_on_cols else 'batch'} sums={self.config.window_by} "
+                f"num_warps={self.config.num_warps} "
                 f"grid={self.programs}" + (" int64-index" if self.index_64 else ""))
 
 
@@ -243,13 +254,13 @@ def tile_warps(window: int, batch_block: int) -> int:
     return max(1, min(MAX_WARPS, wanted, room))
 
 
-def _estimate(traffic: float, lanes: int, shift_ops: int, run_bytes: int, target: Target) -> tuple:
+def _estimate(traffic: float, lanes: int, window_ops: int, run_bytes: int, target: Target) -> tuple:
     """Model seconds (DRAM bytes, a run shorter than a sector moving the whole sector, against
     lane operations over every SM, whichever is longer) and their sum, which breaks ties between
     tiles equal on the longer one toward the one lighter on the other."""
     efficiency = min(1.0, run_bytes / SECTOR_BYTES)
     memory = traffic / efficiency / target.bandwidth
-    compute = lanes * (BASE_OPS_PER_LANE + OPS_PER_SHIFT * shift_ops) / (LANE_OPS_PER_SM_SECOND * target.sms)
+    compute = lanes * (BASE_OPS_PER_LANE + window_ops) / (LANE_OPS_PER_SM_SECOND * target.sms)
     return max(memory, compute), memory + compute
 
 
@@ -263,6 +274,7 @@ class _Layout:
     inner_axes: tuple
     reach: tuple
     window_on_cols: bool
+    backward: bool
     read: int  # bytes of the group's inputs, each read once
     traffic: int  # and of its outputs
     shifts: int  # shifted copies a tile's window sums take
@@ -296,44 +308,58 @@ def _layout(group, window_axes_: tuple) -> _Layout:
     tensors = list(group.inputs) + list(group.outputs)
     return _Layout(x, axes, batch_axes, inner_batch_axes(tensors, tuple(x.dim), batch_axes),
                    tuple(window_reach(size, backward) for _ in axes),
-                   min(sized, key=lambda a: (x.stride[a], -a)) in axes, read,
+                   min(sized, key=lambda a: (x.stride[a], -a)) in axes, backward, read,
                    read + sum(_numel(t.dim) * t.data_type.itemsize for t in group.outputs),
                    shift_count(size) * len(axes) * (2 if backward else 1))
+
+
+def _candidates(layout: _Layout) -> list:
+    """(how the window sums are made, reach per windowed axis, window operations per lane) of
+    each way the group may take: shifted register copies over a halo tile, and for a forward
+    window of at most LOADS_MAX_POINTS positions a load of x per window offset (no halo)."""
+    window_ops = OPS_PER_SHIFT * layout.shifts
+    found = [("gather", layout.reach, window_ops)]
+    points = _numel(sum(r) + 1 for r in layout.reach)
+    if not layout.backward and points <= LOADS_MAX_POINTS:
+        found.append(("loads", tuple((0, 0) for _ in layout.reach), OPS_PER_LOAD * points))
+    return found
 
 
 def _ranked(layout: _Layout, target: Target, max_tile: int) -> list:
     """Every config within `max_tile` elements, best first by the model: those whose tiles a
     thread holds without spilling first."""
-    x, axes, reach = layout.x, layout.axes, layout.reach
-    halo = sum(reach[0])
+    x, axes = layout.x, layout.axes
     inner = _numel(x.dim[a] for a in layout.inner_axes)
     outer = _numel(x.dim[a] for a in layout.batch_axes) // inner
     ranked = []
-    for blocks in itertools.product(*[_block_choices(x.dim[a], halo) for a in axes]):
-        window = _numel(blocks)
-        if window > max_tile:
-            continue
-        owned = tuple(b - halo for b in blocks)
-        window_lanes = _numel(-(-x.dim[a] // own) * b for a, own, b in zip(axes, owned, blocks))
-        # halo positions inside x are read again by the neighbouring program
-        reread = _numel(loaded_positions(x.dim[a], b, own, before) / x.dim[a]
-                        for a, b, own, (before, _) in zip(axes, blocks, owned, reach))
-        shift_ops = layout.shifts * shuffles_per_shift(window)
-        batch_block = 1
-        while window * batch_block <= max_tile:
-            tile = window * batch_block
-            warps = tile_warps(window, batch_block)
-            # a last resort only (a 3-D 5x5x5 backward's smallest halo tile is 16^3 lanes)
-            spills = tile > max(MIN_TILE_ELEMENTS, LANES_PER_WARP * warps * MAX_ELEMENTS_PER_THREAD)
-            lanes = window_lanes * outer * -(-inner // batch_block) * batch_block
-            run = _contiguous_run(layout.window_on_cols, owned, axes, inner, x, batch_block)
-            seconds = _estimate(layout.traffic + layout.read * (reread - 1), lanes, shift_ops,
-                                run * x.data_type.itemsize, target)
-            small = tile < MIN_TILE_ELEMENTS and batch_block < inner
-            ranked.append(((spills, small) + seconds + (-tile,), LrnConfig(blocks, batch_block, warps, seconds[0] * 1e6)))
-            if batch_block >= inner:
-                break
-            batch_block *= 2
+    for window_by, reach, window_ops in _candidates(layout):
+        halo = sum(reach[0])
+        for blocks in itertools.product(*[_block_choices(x.dim[a], halo) for a in axes]):
+            window = _numel(blocks)
+            if window > max_tile:
+                continue
+            owned = tuple(b - halo for b in blocks)
+            window_lanes = _numel(-(-x.dim[a] // own) * b for a, own, b in zip(axes, owned, blocks))
+            # halo positions inside x are read again by the neighbouring program
+            reread = _numel(loaded_positions(x.dim[a], b, own, before) / x.dim[a]
+                            for a, b, own, (before, _) in zip(axes, blocks, owned, reach))
+            lane_ops = window_ops * (shuffles_per_shift(window) if window_by == "gather" else 1)
+            batch_block = 1
+            while window * batch_block <= max_tile:
+                tile = window * batch_block
+                warps = tile_warps(window, batch_block)
+                # a last resort only (a 3-D 5x5x5 backward's smallest halo tile is 16^3 lanes)
+                spills = tile > max(MIN_TILE_ELEMENTS, LANES_PER_WARP * warps * MAX_ELEMENTS_PER_THREAD)
+                lanes = window_lanes * outer * -(-inner // batch_block) * batch_block
+                run = _contiguous_run(layout.window_on_cols, owned, axes, inner, x, batch_block)
+                seconds = _estimate(layout.traffic + layout.read * (reread - 1), lanes, lane_ops,
+                                    run * x.data_type.itemsize, target)
+                small = tile < MIN_TILE_ELEMENTS and batch_block < inner
+                config = LrnConfig(blocks, batch_block, warps, seconds[0] * 1e6, window_by)
+                ranked.append(((spills, small) + seconds + (-tile,), config))
+                if batch_block >= inner:
+                    break
+                batch_block *= 2
     ranked.sort(key=lambda item: item[0])
     return [config for _, config in ranked]
 
@@ -350,13 +376,15 @@ def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TIL
                                f"{''.join(names[a] for a in axes)} needs a tile of more than {max_tile} "
                                f"elements with its halo of {sum(reach[0])} positions an axis: too large")
     best = ranked[0]
+    reach = dict((by, r) for by, r, _ in _candidates(layout))[best.window_by]
     tensors = list(group.inputs) + list(group.outputs)
     span = max(sum((d - 1) * s for d, s in zip(t.dim, t.stride)) + 1 for t in tensors)
     index_64 = max(span, _numel(x.dim)) + max_tile > INT32_LIMIT
     reason = (f"model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us at {target.bandwidth / 1e12:.1f} TB/s "
               f"for {layout.traffic} bytes; halo {reach[0][0]} before and {reach[0][1]} after the owned box "
-              f"along {''.join(names[a] for a in axes)}, x loaded once per program, {layout.shifts} shifted "
-              f"copies (tl.gather) for its window sums")
+              f"along {''.join(names[a] for a in axes)}, " +
+              (f"x loaded once per program, {layout.shifts} shifted copies (tl.gather) for its window sums"
+               if best.window_by == "gather" else "x loaded once per window offset for its window sums"))
     return LrnSchedule(anchor.op.endswith("_backward"), axes, layout.batch_axes, layout.inner_axes, reach,
                        layout.window_on_cols,
                        tuple(x.dim), index_64, frozenset(t.uid for t in group.inputs), best, len(ranked), reason)
