@@ -734,3 +734,37 @@ def test_model_size_kernels_compile_fast_for_sm90_without_spills():
     assert len(spills) == 2 * len(MODEL_FORMS) and all(int(n) == 0 for _, n in spills), spills
     seconds = re.findall(r"^compile_seconds ([\d.]+) (.+)$", output, re.M)
     assert seconds and all(float(s) < 10 for s, _ in seconds), seconds
+
+
+# (op, shape, size, means dims or None, most tile elements): seams along C and W, means that vary
+# along the window, a prologue-free 1-D divisive window, NaN and infinities set below
+BOTH_WAYS_CASES = [("lrn", (2, 37, 3, 5), 5, None, 32), ("lrn", (1, 23, 2, 3), 4, None, 16),
+                   ("div", (2, 3, 29), 5, (1, 3, 29), 32), ("div", (1, 2, 9), 3, (1, 2, 1), 16)]
+
+
+@pytest.mark.parametrize("window_by", ["gather", "loads"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("op,shape,size,means_dims,tile", BOTH_WAYS_CASES)
+def test_forward_window_sums_both_ways(op, shape, size, means_dims, tile, layout, window_by, monkeypatch, request):
+    """A small forward window may take a load per offset (no halo) instead of shifted copies of
+    a halo tile: each way alone (the other taken from the model's candidates) gives the
+    reference across seams, with NaN and infinities where torch has them."""
+    from dnngraph.backends.triton.heuristics import lrn as heuristics
+    from dnngraph.runtime import plan_cache
+    candidates = heuristics._candidates
+    monkeypatch.setattr(heuristics, "_candidates",
+                        lambda layout: [c for c in candidates(layout) if c[0] == window_by])
+    plan_cache.clear()  # a plan of the same graph built under the other way must not answer,
+    request.addfinalizer(plan_cache.clear)  # nor one built here answer a later test
+    x_t = sample(shape, layout=layout)
+    x_t[(0, 1) + (1,) * (len(shape) - 2)] = float("nan")
+    x_t[(-1, -1) + (0,) * (len(shape) - 2)] = float("inf")
+    m_t = sample(means_dims) if means_dims else None
+    g, inputs = forward_graph(op, x_t, size, m_t, **LRN_ATTRS)[:2]
+    check(g, inputs, options=dg.BuildOptions(lrn_tile_elements=tile))
+    config = g.plan.launches[-1].config_text
+    assert f"sums={window_by}" in config and int(re.search(r"tiles=(\d+)", config).group(1)) > 1, config
+    source = launched_source(g)
+    if window_by == "loads":  # one load of x per offset, its means with it, no shifted copies
+        assert source.count("tl.load(") == size * (1 + (m_t is not None)) and "tl.gather(" not in source
+        assert re.search(r"owned=(\d+)", config).group(1) == re.search(r"window=\w(\d+)", config).group(1)
