@@ -356,7 +356,8 @@ def _ranked(layout: _Layout, target: Target, max_tile: int) -> list:
                                     run * x.data_type.itemsize, target)
                 small = tile < MIN_TILE_ELEMENTS and batch_block < inner
                 config = LrnConfig(blocks, batch_block, warps, seconds[0] * 1e6, window_by)
-                ranked.append(((spills, small) + seconds + (-tile,), config))
+                # ties go to longer contiguous runs (whole lines), then to larger tiles
+                ranked.append(((spills, small) + seconds + (-run, -tile), config))
                 if batch_block >= inner:
                     break
                 batch_block *= 2
