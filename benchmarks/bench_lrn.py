@@ -98,7 +98,7 @@ def run_case(op, name, shape, size, attrs, dtype, layout, device, ceiling=None, 
     return [name, str(dtype).split(".")[-1], layout, f"{tbs(t_fwd, 2):.2f}", f"{tbs(t_fwd, 2) / ceiling:.0%}",
             f"{t_eager / t_fwd:.2f}x", vs_compile, f"{tbs(t_bwd, 3):.2f}",
             f"{tbs(t_bwd, 3) / ceiling:.0%}", f"{t_eager_bwd / t_bwd:.2f}x",
-            forward.plan.launches[0].config_text]
+            forward.plan.launches[0].config_text, backward.plan.launches[0].config_text]
 
 
 def cases(quick: bool):
@@ -140,7 +140,7 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}")
     print_table("LRN and divisive normalization (TB/s over minimal bytes; ratios: torch time / dnngraph time)",
                 ["op", "case", "dtype", "layout", "fwd TB/s", "fwd % copy", "vs eager", "vs compile",
-                 "bwd TB/s", "bwd % copy", "bwd vs eager", "config"], rows)
+                 "bwd TB/s", "bwd % copy", "bwd vs eager", "fwd config", "bwd config"], rows)
 
 
 if __name__ == "__main__":
