@@ -6,7 +6,8 @@ flattens the windowed axes' blocks and whose batch side flattens the other axes.
 never reload memory: a box sum along one axis adds shifted copies of the tile made by
 `tl.gather` along the window side, built by doubling (a sum over 2k positions is the sum over k
 plus its copy shifted by k), so a window of `size` costs about log2(size) + popcount(size)
-shifts instead of `size` loads. Box windows are separable: the sum over H x W is the sum along
+shifts instead of `size` loads (a small forward window may instead load x at each offset over a
+tile without halo, `window_by="loads"`: heuristics/lrn.py LOADS_MAX_POINTS). Box windows are separable: the sum over H x W is the sum along
 W of the sums along H. Every term is a square, so no difference of prefix sums can cancel: the
 window sums keep fp32's relative accuracy whatever the dynamic range of x.
 
