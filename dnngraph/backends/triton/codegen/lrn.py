@@ -8,8 +8,9 @@ never reload memory: a box sum along one axis adds shifted copies of the tile ma
 plus its copy shifted by k), so a window of `size` costs about log2(size) + popcount(size)
 shifts instead of `size` loads. (A small forward window may instead load x at each offset over
 a tile without halo, `window_by="loads"`: heuristics/lrn.py LOADS_MAX_POINTS.) Box windows are
-separable: the sum over H x W is the sum along W of the sums along H. Every term is a square, so no difference of prefix sums can cancel: the
-window sums keep fp32's relative accuracy whatever the dynamic range of x.
+separable: the sum over H x W is the sum along W of the sums along H. Every term is a square,
+so no difference of prefix sums can cancel: the window sums keep fp32's relative accuracy
+whatever the dynamic range of x.
 
 The backward is the transpose: dx_m = dy_m S_m^-beta - 2 beta alpha / count * c_m * U_m, where
 U is the box sum, over the reversed window (the centres whose window holds m), of
