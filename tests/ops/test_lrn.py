@@ -696,20 +696,23 @@ def _model_graph(op, shape, size, layout, backward):
 @pytest.mark.parametrize("backward", [False, True])
 @pytest.mark.parametrize("op,shape,size,layout", MODEL_FORMS)
 def test_model_size_tiles_keep_the_gather_within_registers(op, shape, size, layout, backward):
-    """Triton 3.6 keeps a tl.gather within a warp (lanes along the window side, warps along the
-    batch side) at a shuffle per register a thread holds along the window side: a tile whose
-    warps outnumber its batch side replicates (the LCN 3x3 NCHW 64x64 x 1 tile: 255 registers,
-    spills, 65536 shuffles), and a window side past 32 lanes multiplies the shuffles. At model
-    sizes the chosen tile's warps fit its batch side, a thread holds at most
+    """Triton 3.6 keeps a tl.gather within a warp (lanes along the gathered axis, warps along the
+    others) at a shuffle per register a thread holds along that axis: a tile whose warps
+    outnumber the lanes off that axis replicates (the LCN 3x3 NCHW tile gathered along its
+    flattened 64x64 window side on one batch row: 255 registers, spills, 65536 shuffles), and an
+    axis past 32 lanes multiplies the shuffles. At model sizes the chosen tile's warps fit
+    beside every windowed axis (codegen gathers along one at a time), a thread holds at most
     MAX_ELEMENTS_PER_THREAD values of it, and the NCHW batch side walks H x W as one axis."""
     from dnngraph.backends.triton.heuristics.lrn import LANES_PER_WARP, MAX_ELEMENTS_PER_THREAD
     g = _model_graph(op, shape, size, layout, backward)
     sched = _schedule_of(g, (1,) if op == "lrn" else (2, 3))
     config = sched.config
-    window = math.prod(config.window_blocks)
-    assert config.num_warps <= max(1, config.batch_block * min(window, LANES_PER_WARP) // LANES_PER_WARP), config
-    assert window * config.batch_block <= LANES_PER_WARP * config.num_warps * MAX_ELEMENTS_PER_THREAD, config
-    assert window <= 8 * LANES_PER_WARP, config  # at most 8 shuffles a value a shift
+    tile = math.prod(config.window_blocks) * config.batch_block
+    if config.window_by == "gather":
+        for block in config.window_blocks:
+            assert config.num_warps <= max(1, tile // block * min(block, LANES_PER_WARP) // LANES_PER_WARP), config
+            assert block <= 8 * LANES_PER_WARP, config  # at most 8 shuffles a value a shift
+    assert tile <= LANES_PER_WARP * config.num_warps * MAX_ELEMENTS_PER_THREAD, config
     if op == "lrn" and layout == "nchw":
         assert sched.inner_axes == (2, 3), sched.config_text
 

@@ -33,7 +33,7 @@ from ..heuristics.lrn import box_plan
 # the scale S (sc), the gain S^-beta (gn), dy (dv), the covering term (uv), the loaded means
 # (mv), shifted lane indices and their validity (nb, nbok), window-side coordinates (loc) and
 # the program's tile along each windowed axis (tile).
-VALUE_STEMS = ("cv", "sq", "bx", "sc", "gn", "dv", "uv", "mv", "nb", "nbok", "loc", "tile", "owned")
+VALUE_STEMS = ("cv", "sq", "bx", "sc", "gn", "dv", "uv", "mv", "nb", "nbok", "nbax", "loc", "tile", "owned")
 NAMES = ("win", "batch_tile", "win_tile", "store_mask", "inner_batch")
 
 
@@ -156,8 +156,32 @@ class _WindowWriter(_KernelWriter):
         if shift == 0:
             return source
         lanes, valid = self.shift_index(index, shift)
-        full = f"tl.broadcast_to({self.window_vector(lanes)}, [BLOCK_R, BLOCK_C])"
-        return f"tl.where({self.window_vector(valid)}, tl.gather({source}, {full}, {self.gather_axis}), 0.0)"
+        if len(self.schedule.axes) == 1:
+            full = f"tl.broadcast_to({self.window_vector(lanes)}, [BLOCK_R, BLOCK_C])"
+            return f"tl.where({self.window_vector(valid)}, tl.gather({source}, {full}, {self.gather_axis}), 0.0)"
+        return f"tl.where({self.window_vector(valid)}, {self.gathered_along_axis(source, index, shift)}, 0.0)"
+
+    def gathered_along_axis(self, source: str, index: int, shift: int) -> str:
+        """`source` shifted along the index-th of several windowed axes, gathered on a view whose
+        window side is split into one axis per windowed axis: Triton keeps a gather within a
+        warp at a shuffle per register a thread holds along the gathered axis, so the cost is
+        that axis's block / 32 (one), not the flattened window side's (16^3 lanes: 128)."""
+        blocks = list(self.schedule.config.window_blocks)
+        shape = ["BLOCK_R"] + blocks if self.schedule.window_on_cols else blocks + ["BLOCK_C"]
+        position = index + 1 if self.schedule.window_on_cols else index
+        name = self.names[self.schedule.axes[index]]
+        tag = f"{name}_{'m' if shift < 0 else 'p'}{abs(shift)}"
+        if ("axis", index, shift) not in self.shift_indices:
+            block = blocks[index]
+            self.line(f"nbax_{tag} = tl.arange(0, {block})")
+            self.line(f"nbax_{tag} = tl.where((nbax_{tag} + {shift} >= 0) & (nbax_{tag} + {shift} < {block}), "
+                      f"nbax_{tag} + {shift}, nbax_{tag})")
+            self.shift_indices[("axis", index, shift)] = f"nbax_{tag}"
+        spread = ", ".join(":" if p == position else "None" for p in range(len(shape)))
+        view = f"[{', '.join(map(str, shape))}]"
+        lanes = f"tl.broadcast_to(nbax_{tag}[{spread}], {view})"
+        gathered = f"tl.gather(tl.reshape({source}, {view}), {lanes}, {position})"
+        return f"tl.reshape({gathered}, [BLOCK_R, BLOCK_C])"
 
     def box_sum(self, source: str, index: int, lo: int, hi: int) -> str:
         """A variable holding, at each lane, the sum of `source` over offsets lo..hi along the

@@ -39,13 +39,14 @@ SECTOR_BYTES = 32
 # and the operations one tile lane costs besides its shifts (loads, squares, exp2/log2, store).
 LANE_OPS_PER_SM_SECOND = 128 * 1.8e9
 BASE_OPS_PER_LANE = 12
-# A shift is a tl.gather along the window side, which Triton 3.6 keeps within a warp (its
-# "efficient" layout puts the 32 lanes along the window side, the warps along the batch side) and
-# lowers to one shuffle and select per source register a thread holds along that side for every
-# value: window lanes / 32 shuffles a value (sm_90 PTX of a 64x64 window side: 65536 shuffles, 255
-# registers and spills; 128 lanes: 4 a value), so the model charges a shift per 32 window lanes:
-# a shuffle and a select each (the H200's LCN 3x3 NHWC forward, 8 shuffles a shift, ran at 51 us,
-# which bounds the cost at about 2.5 operations a shuffle).
+# A shift is a tl.gather along one windowed axis (codegen gathers a view of the tile with an axis
+# per windowed axis), which Triton 3.6 keeps within a warp (its "efficient" layout puts the 32
+# lanes along the gathered axis, the warps along the others) and lowers to one shuffle and select
+# per source register a thread holds along that axis for every value: block / 32 shuffles a
+# value (sm_90 PTX of a gather along a flattened 64x64 window side: 65536 shuffles, 255 registers
+# and spills; 128 lanes: 4 a value), so the model charges a shift per 32 lanes of its axis: a
+# shuffle and a select each (the H200's LCN 3x3 NHWC forward, 8 shuffles a shift then, ran at
+# 51 us, which bounds the cost at about 2.5 operations a shuffle).
 OPS_PER_SHIFT = 2
 LANES_PER_WARP = 32
 # Values of one tile a thread may hold: past this, the eight live tiles of a backward spill.
@@ -240,18 +241,26 @@ def _contiguous_run(window_on_cols: bool, owned, axes, inner: int, x, batch_bloc
     return min(batch_block, inner)
 
 
-def shuffles_per_shift(window: int) -> int:
-    """Shuffles a warp-local tl.gather along a window side of `window` lanes takes per value."""
-    return max(1, window // LANES_PER_WARP)
+def shuffles_per_shift(block: int) -> int:
+    """Shuffles a warp-local tl.gather along an axis of `block` lanes takes per value."""
+    return max(1, block // LANES_PER_WARP)
 
 
-def tile_warps(window: int, batch_block: int) -> int:
-    """Warps of a tile: about ELEMENTS_PER_THREAD values a thread, and no more warps than the
-    batch side can hold once the gather's layout puts a warp's lanes along the window side
-    (a warp past them would hold a replica of the tile)."""
-    wanted = pow2_at_least(window * batch_block // (LANES_PER_WARP * ELEMENTS_PER_THREAD) or 1)
-    room = max(1, batch_block * min(window, LANES_PER_WARP) // LANES_PER_WARP)
+def tile_warps(blocks: tuple, batch_block: int) -> int:
+    """Warps of a tile: about ELEMENTS_PER_THREAD values a thread, and no more than each
+    gather's layout can place once it puts a warp's lanes along the gathered windowed axis
+    (codegen gathers a view with an axis per windowed axis): a warp past them would hold a
+    replica of the tile."""
+    tile = _numel(blocks) * batch_block
+    wanted = pow2_at_least(tile // (LANES_PER_WARP * ELEMENTS_PER_THREAD) or 1)
+    room = min(max(1, tile // block * min(block, LANES_PER_WARP) // LANES_PER_WARP) for block in blocks)
     return max(1, min(MAX_WARPS, wanted, room))
+
+
+def gather_operations(blocks: tuple, shifts_per_axis: int) -> int:
+    """Lane operations of a tile's shifted copies per value: each windowed axis's shifts, a
+    shuffle and a select per register a thread holds along that axis."""
+    return sum(OPS_PER_SHIFT * shifts_per_axis * shuffles_per_shift(block) for block in blocks)
 
 
 def _estimate(traffic: float, lanes: int, window_ops: int, run_bytes: int, target: Target) -> tuple:
@@ -277,7 +286,7 @@ class _Layout:
     backward: bool
     read: int  # bytes of the group's inputs, each read once
     traffic: int  # and of its outputs
-    shifts: int  # shifted copies a tile's window sums take
+    shifts: int  # shifted copies a tile's window sums take (as many along each windowed axis)
 
 
 def inner_batch_axes(tensors, x_dims: tuple, batch_axes: tuple) -> tuple:
@@ -314,11 +323,11 @@ def _layout(group, window_axes_: tuple) -> _Layout:
 
 
 def _candidates(layout: _Layout) -> list:
-    """(how the window sums are made, reach per windowed axis, window operations per lane) of
+    """(how the window sums are made, reach per windowed axis, window operations per lane, None
+    where they follow the blocks) of
     each way the group may take: shifted register copies over a halo tile, and for a forward
     window of at most LOADS_MAX_POINTS positions a load of x per window offset (no halo)."""
-    window_ops = OPS_PER_SHIFT * layout.shifts
-    found = [("gather", layout.reach, window_ops)]
+    found = [("gather", layout.reach, None)]  # gather_operations, per block
     points = _numel(sum(r) + 1 for r in layout.reach)
     if not layout.backward and points <= LOADS_MAX_POINTS:
         found.append(("loads", tuple((0, 0) for _ in layout.reach), OPS_PER_LOAD * points))
@@ -343,11 +352,11 @@ def _ranked(layout: _Layout, target: Target, max_tile: int) -> list:
             # halo positions inside x are read again by the neighbouring program
             reread = _numel(loaded_positions(x.dim[a], b, own, before) / x.dim[a]
                             for a, b, own, (before, _) in zip(axes, blocks, owned, reach))
-            lane_ops = window_ops * (shuffles_per_shift(window) if window_by == "gather" else 1)
+            lane_ops = window_ops if window_ops is not None else gather_operations(blocks, layout.shifts // len(axes))
             batch_block = 1
             while window * batch_block <= max_tile:
                 tile = window * batch_block
-                warps = tile_warps(window, batch_block)
+                warps = tile_warps(blocks, batch_block)
                 # a last resort only (a 3-D 5x5x5 backward's smallest halo tile is 16^3 lanes)
                 spills = tile > max(MIN_TILE_ELEMENTS, LANES_PER_WARP * warps * MAX_ELEMENTS_PER_THREAD)
                 lanes = window_lanes * outer * -(-inner // batch_block) * batch_block
