@@ -146,7 +146,8 @@ class _WindowWriter(_KernelWriter):
             tag = f"{name}_{'m' if shift < 0 else 'p'}{abs(shift)}"
             block = self.schedule.config.window_blocks[index]
             self.line(f"nbok_{tag} = (loc_{name} + {shift} >= 0) & (loc_{name} + {shift} < {block})")
-            self.line(f"nb_{tag} = tl.where(nbok_{tag}, win + {shift * self.inner_lanes(index)}, win)")
+            if len(self.schedule.axes) == 1:  # several axes gather a view (gathered_along_axis)
+                self.line(f"nb_{tag} = tl.where(nbok_{tag}, win + {shift * self.inner_lanes(index)}, win)")
             self.shift_indices[key] = (f"nb_{tag}", f"nbok_{tag}")
         return self.shift_indices[key]
 
