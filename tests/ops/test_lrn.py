@@ -771,3 +771,25 @@ def test_forward_window_sums_both_ways(op, shape, size, means_dims, tile, layout
     if window_by == "loads":  # one load of x per offset, its means with it, no shifted copies
         assert source.count("tl.load(") == size * (1 + (m_t is not None)) and "tl.gather(" not in source
         assert re.search(r"owned=(\d+)", config).group(1) == re.search(r"window=\w(\d+)", config).group(1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window_by", ["gather", "loads"])
+def test_gpu_per_axis_gathers_and_both_forward_ways(window_by, monkeypatch, request):
+    """On the GPU compiler's layouts: windows over several axes gathered one axis at a time on a
+    reshaped view (2-D NCHW at the LCN bench's tile, 2-D NHWC, 3-D 5x5x5), and an LRN forward
+    over 55 x 55 NCHW (H x W merged into the batch block) each way."""
+    from dnngraph.backends.triton.heuristics import lrn as heuristics
+    from dnngraph.runtime import plan_cache
+    candidates = heuristics._candidates
+    monkeypatch.setattr(heuristics, "_candidates",
+                        lambda layout: [c for c in candidates(layout) if c[0] == window_by] or candidates(layout))
+    plan_cache.clear()
+    request.addfinalizer(plan_cache.clear)
+    forms = [("lrn", (8, 96, 55, 55), 5, "nchw", torch.bfloat16), ("div", (8, 16, 56, 56), 3, "nchw", torch.bfloat16),
+             ("div", (4, 32, 64, 64), 5, "nhwc", torch.bfloat16), ("div", (2, 8, 7, 9, 11), 5, "nchw", torch.float32)]
+    for op, shape, size, layout, dtype in forms:
+        x_t, dy_t = sample(shape, dtype, layout).cuda(), sample(shape, dtype, layout).cuda()
+        on_gpu = dict(dtype=dtype, device="cuda", reference_device="cuda")
+        check(*forward_graph(op, x_t, size, **LRN_ATTRS)[:2], **on_gpu)
+        check(*backward_graph(op, x_t, dy_t, size, **LRN_ATTRS)[:2], **on_gpu)
