@@ -18,6 +18,7 @@ from .backends import registry
 from .errors import ValidationError
 from .backends.triton.heuristics import conv as conv_heuristics
 from .backends.triton.heuristics import rows as row_heuristics
+from .backends.triton.heuristics import lrn as lrn_heuristics
 from .runtime.autotune import DEFAULT_TOP
 from .backends.triton.heuristics.depthwise import DepthwiseConfig
 from .backends.triton.heuristics.block_scale import BlockScaleConfig
@@ -106,6 +107,9 @@ class BuildOptions:
     plan: Optional[object] = None
     # block-scale quantize/dequantize kernels: blocks per program and warps (fitted to the problem)
     block_scale_config: Optional[BlockScaleConfig] = None
+    # windowed normalization (LRN, divisive): the most elements one program's halo tile holds
+    # (smaller forces several tiles along the window axes: how tests reach the halo seams)
+    lrn_tile_elements: int = lrn_heuristics.MAX_TILE_ELEMENTS
 
     def __post_init__(self):
         for name, check in _CHECKS.items():
@@ -247,5 +251,6 @@ _CHECKS = {
     "conv_fold_channels_below": _count(0),
     "plan": _plan_choice,
     "block_scale_config": _instance(BlockScaleConfig),
+    "lrn_tile_elements": _count(16, power_of_two=True),
 }
 assert set(_CHECKS) == {f.name for f in fields(BuildOptions)}, "every option has its check"

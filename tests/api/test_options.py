@@ -38,6 +38,7 @@ BAD = [
     ("plan", -1), ("plan", (0, -2)), ("plan", ()), ("plan", 1.0),
 ]
 BAD.append(("block_scale_config", (256, 4)))
+BAD += [("lrn_tile_elements", 24), ("lrn_tile_elements", 8)]
 
 
 @pytest.mark.parametrize("field, value", BAD, ids=lambda v: v if isinstance(v, str) else None)

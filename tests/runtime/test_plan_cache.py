@@ -301,6 +301,7 @@ OTHER_OPTIONS = dict(
     row_loop_tile=16, row_split_min_reduced=8, row_combine_values=16, norm_backward_max_reduced=64,
     column_prefetch_tiles=0, column_stream_apply=False, conv_fold_channels_below=0, plan=1)
 OTHER_OPTIONS["block_scale_config"] = BlockScaleConfig(256, 4)
+OTHER_OPTIONS["lrn_tile_elements"] = 256
 
 
 def test_other_options_cover_every_field():
