@@ -46,7 +46,11 @@ def test_fitting_warps_halves_until_the_rows_are_filled():
     assert fitting_warps(16, (64,), 4) == 4
     assert fitting_warps(32, (64, 16), 4, chained=True) == 2  # the bf16 sdpa forward at 21x19x16
     assert fitting_warps(16, (64, 64), 4, chained=True) == 4  # decode: every warp along the keys
-    assert fitting_warps(64, (64, 128), 8, chained=True) == 8  # wgmma: a warpgroup per 64 rows
+    assert fitting_warps(64, (256,), 8) == 8  # wgmma, a lone dot: [4, 2] warpgroups
+    # wgmma, a chain's head dot (q k^T feeding P v): every warp along M, 128 rows of warps on 64
+    assert fitting_warps(64, (64, 128), 8, chained=True) == 4
+    assert fitting_warps(128, (64, 128), 8, chained=True) == 8
+    assert fitting_warps(64, (64, 128), 8, chained=True, wgmma_head_copies=True) == 8  # the backward's choice
     assert fitting_warps(64, (64, 128), 8, chained=True, wgmma=False) == 4  # mma.sync: 16 rows a warp
     assert has_wgmma((9, 0)) and not has_wgmma((8, 0)) and not has_wgmma(None)
     assert not replicates_rows(128, (16,), 4)
@@ -74,7 +78,8 @@ def test_matmul_and_conv_candidates_fill_their_warps(target):
 
 
 def _attention_problems():
-    for s_q in SMALL:
+    # 64 and 100 query rows: a 128-row table tile shrunk to 64 (a wgmma head dot's rows)
+    for s_q in SMALL + (64, 100):
         for s_kv in SMALL:
             for d, dv in ((16, 16), (64, 64), (32, 64), (128, 128), (256, 256)):
                 for heads, kv_heads in ((2, 2), (4, 1)):
@@ -99,8 +104,10 @@ def test_attention_configs_fill_their_warps(target):
         backward = attention.backward_schedule(problem, target)
         widths = (backward.block_d, backward.block_dv)
         dkdv, dq = backward.configs["dkdv"], backward.configs["dq"]
-        assert not replicates_rows(dkdv.block_n, (dkdv.block_m,) + widths, dkdv.num_warps, **chained), problem
-        assert not replicates_rows(dq.block_m, (dq.block_n,) + widths, dq.num_warps, **chained), problem
+        # the backward keeps a wgmma head dot's copies (sdpa._backward_warps_filled says why)
+        copies = dict(chained, wgmma_head_copies=True)
+        assert not replicates_rows(dkdv.block_n, (dkdv.block_m,) + widths, dkdv.num_warps, **copies), problem
+        assert not replicates_rows(dq.block_m, (dq.block_n,) + widths, dq.num_warps, **copies), problem
 
 
 def test_moe_and_rnn_configs_fill_their_warps():
@@ -233,6 +240,8 @@ CASES = {
     "sdpa fp16 backward 21x19x16 *": (lambda: _sdpa(21, 19, 16, 16, 2, 2, dg.float16, backward=True), 1e-2),
     "sdpa tf32 backward 21x19x16": (lambda: _sdpa(21, 19, 16, 16, 2, 2, dg.float32, True, True), 1e-2),
     "sdpa bf16 GQA d_qk 32 d_v 64 backward 33x5": (lambda: _sdpa(33, 5, 32, 64, 4, 2, backward=True), 3e-2),
+    # a 128-row table tile shrunk to 64 query rows on 8 warps: wgmma laid its q k^T dot on [8, 1]
+    "sdpa bf16 causal 64x64x128 *": (lambda: _sdpa(64, 64, 128, 128, 1, 1), BF16_TOLERANCE),
     "sdpa bf16 decode GQA 1x40x64": (lambda: _sdpa(1, 40, 64, 64, 4, 1), BF16_TOLERANCE),
     "sdpa bf16 paged decode": (_paged_decode, BF16_TOLERANCE),
     "attention ops bf16 21x19x16": (_attention_ops, BF16_TOLERANCE),
@@ -288,6 +297,20 @@ def test_small_shapes_compile_without_replicated_mma():
     layouts = [line for line in lines if line.startswith("mma_layout ")]
     assert any(line.startswith(f"mma_layout {CONTROL} ") for line in layouts)
     _check_layouts(layouts)
+
+
+def test_replicated_count_reads_wgmma_dots():
+    """The compile count sees wgmma (version 3, ttng.warp_group_dot) layouts as well as mma.sync's:
+    the TTGIR lines of the sdpa forward at 64 query rows on 8 warps before the rule, and on 4."""
+    from sm90_compile import replicated_mma_dots
+    def ttgir(warps_along_m):
+        return (f"#mma = #ttg.nvidia_mma<{{versionMajor = 3, versionMinor = 0, warpsPerCTA = [{warps_along_m}, 1], "
+                "instrShape = [16, 32, 16]}>\n"
+                "    %s = ttng.warp_group_dot %q, %k, %cst {inputPrecision = 0 : i32, isAsync = true} : "
+                "!ttg.memdesc<64x64xbf16, #shared, #smem> * !ttg.memdesc<64x64xbf16, #shared1, #smem, mutable> "
+                "-> tensor<64x64xf32, #mma> loc(#loc1)\n")
+    assert replicated_mma_dots(ttgir(8)) == 1
+    assert replicated_mma_dots(ttgir(4)) == 0
 
 
 # --- GPU: the same graphs against float64 -------------------------------------------------------------

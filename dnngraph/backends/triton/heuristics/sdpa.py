@@ -143,14 +143,18 @@ NOT_FORCED = ForcedAttention()
 
 
 def _warps_filled(config: AttentionConfig, problem: AttentionProblem, rows: int, cols: tuple,
-                  target: Target) -> AttentionConfig:
+                  target: Target, wgmma_head_copies: bool = False) -> AttentionConfig:
     """`config` on no more warps than its chained dots of `rows` rows fill on `target`
     (heuristics/mma.py): a 32-row query tile on 4 warps laid every warp along the rows, 64 rows
     of warps for 32, on mma.sync (the bf16 forward at Sq 21, Skv 19, D 16 with the H200's
-    tiles); without wgmma, so would a 64-row tile on 8 warps."""
+    tiles); without wgmma, so would a 64-row tile on 8 warps, and with it too where the tile's
+    head dot (q k^T) feeds another: Triton puts every warp along its rows (a 128-row table tile
+    shrunk to 64 query rows kept 8 warps, its scores computed twice). `wgmma_head_copies`: see
+    mma.replicates_rows."""
     if problem.fma_dots:
         return config
-    warps = fitting_warps(rows, cols, config.num_warps, chained=True, wgmma=has_wgmma(target.capability))
+    warps = fitting_warps(rows, cols, config.num_warps, chained=True, wgmma=has_wgmma(target.capability),
+                          wgmma_head_copies=wgmma_head_copies)
     return dataclasses.replace(config, num_warps=warps)
 
 
@@ -388,10 +392,13 @@ def _fit_backward(which: str, config: AttentionConfig, problem: AttentionProblem
 def _backward_warps_filled(which: str, config: AttentionConfig, problem: AttentionProblem, block_d: int,
                            block_dv: int, target: Target) -> AttentionConfig:
     """A backward kernel's config on the warps its dots fill: the dK/dV kernel's dots have the
-    key tile's rows (k q^T, v dO^T, then P^T dO and dS^T q), the dQ kernel's the query tile's."""
+    key tile's rows (k q^T, v dO^T, then P^T dO and dS^T q), the dQ kernel's the query tile's.
+    On wgmma the head dots' copies are accepted: the accumulating dots they feed (dK and dV, or
+    dQ, as wide as the head dim) spread over every warp, and the D256 tables' 8 warps on 64 rows
+    halved would double each thread's accumulator registers (D128's 4 warps already spill)."""
     if which == "dkdv":
-        return _warps_filled(config, problem, config.block_n, (config.block_m, block_d, block_dv), target)
-    return _warps_filled(config, problem, config.block_m, (config.block_n, block_d, block_dv), target)
+        return _warps_filled(config, problem, config.block_n, (config.block_m, block_d, block_dv), target, True)
+    return _warps_filled(config, problem, config.block_m, (config.block_n, block_d, block_dv), target, True)
 
 
 def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tuple = (),
