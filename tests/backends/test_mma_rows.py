@@ -110,6 +110,22 @@ def test_attention_configs_fill_their_warps(target):
         assert not replicates_rows(dq.block_m, (dq.block_n,) + widths, dq.num_warps, **copies), problem
 
 
+def test_forced_attention_configs_run_as_given():
+    """BuildOptions' sdpa configs keep their warps (as forced matmul configs do: a forced config
+    is what a sweep measures), but for a forward tile the short query rows cut, which the rule
+    then fits."""
+    config = attention.AttentionConfig
+    problem = lambda s_q, d: attention.AttentionProblem(1, 2, 2, s_q, s_q, d, d, 2, False)
+    forced = attention.ForcedAttention(forward=config(64, 64, 8, 3), dq=config(32, 16, 4, 1))
+    assert attention.schedule(problem(64, 64), dg.target.H200, forced=forced).config == config(64, 64, 8, 3)
+    assert attention.backward_schedule(problem(64, 16), dg.target.H200, forced=forced).configs["dq"] == \
+        config(32, 16, 4, 1)
+    cut = attention.ForcedAttention(forward=config(64, 16, 4, 3))
+    assert attention.schedule(problem(21, 16), dg.target.H200, forced=cut).config == config(32, 16, 2, 3)
+    # not forced, the same tiles fill their warps
+    assert attention.schedule(problem(64, 64), dg.target.H200).config.num_warps == 4
+
+
 def test_moe_and_rnn_configs_fill_their_warps():
     from types import SimpleNamespace
     for rows in SMALL:

@@ -278,12 +278,14 @@ def schedule(problem: AttentionProblem, target: Target, budget_bytes=None,
     config = forced.forward or _table_entry(problem, target)
     # short query sequences: no wider tile than the rows (16 at least, for tl.dot)
     block_m = min(config.block_m, max(MIN_BLOCK_M, pow2_at_least(problem.s_q)))
+    as_forced = forced.forward is not None and block_m == config.block_m
     if block_m != config.block_m:
         config = AttentionConfig(block_m, config.block_n, config.num_warps, config.num_stages)
     block_d, block_dv = (max(16, pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
     if forced.forward is None and not target.interpreted:
         config = _fit_shared_memory(config, problem, block_d, block_dv, target)
-    config = _warps_filled(config, problem, config.block_m, (config.block_n, block_dv), target)
+    if not as_forced:  # a forced config runs as given (as matmul's do) unless its rows were cut
+        config = _warps_filled(config, problem, config.block_m, (config.block_n, block_dv), target)
     tiles, heads = -(-problem.s_q // config.block_m), problem.batch * problem.heads
     group = head_group(heads, problem.causal, target, forced.head_group)
     origin = "BuildOptions.sdpa_config" if forced.forward else "table"
@@ -419,9 +421,9 @@ def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tupl
         configs = {"dkdv": AttentionConfig(*dkdv), "dq": AttentionConfig(*dq)}
         configs = {which: _fit_backward(which, config, problem, block_d, block_dv, target)
                    for which, config in configs.items()}
-    configs.update(forced.backward)
     configs = {which: _backward_warps_filled(which, config, problem, block_d, block_dv, target)
                for which, config in configs.items()}
+    configs.update(forced.backward)  # as given, as matmul's forced configs
     if bias_dims:
         configs["dbias"] = configs["dq"]
     rows = INTERPRETER_TILE[0] if target.interpreted else DELTA_ROWS
