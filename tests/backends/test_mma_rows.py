@@ -1,6 +1,7 @@
 """No tensor-core dot of any family runs with warps replicated over rows its tile lacks.
 
-Triton lays a dot tile on mma.sync with 16 rows per warp along M; a tile with fewer rows than
+Triton lays a dot tile on mma.sync with 16 rows per warp along M, and on Hopper's wgmma a
+chain's head dot (q k^T) with every warp along M too (4 per 64 rows); a tile with fewer rows than
 its warps cover is computed several times over, and the fp8 attention gave NaN rows on the H200
 that way (2026-11-29). heuristics/mma.py holds the one rule every family's config obeys; here:
   - the rule's model of Triton's layouts and the configs of every family at small and odd
