@@ -299,7 +299,7 @@ def _check_layouts(lines: list):
 
 
 def test_small_shapes_compile_without_replicated_mma():
-    """Every kernel of every case compiles for sm_90 with no mma.sync dot replicated over rows,
+    """Every kernel of every case compiles for sm_90 with no mma.sync or wgmma dot replicated over rows,
     its dots laid out as the rule's model says; the control's forced 16x16 tile on 4 warps is
     counted (the count can fail)."""
     output = compiled_for_sm90("test_mma_rows:sm90_graphs", timeout=900, env={"SM90_MMA_ROWS": "1"})
@@ -311,6 +311,10 @@ def test_small_shapes_compile_without_replicated_mma():
     assert labels == set(CASES), set(CASES) - labels
     replicated = [line for line in counts if line not in control and not line.endswith(": 0")]
     assert not replicated, replicated
+    # nor on wgmma: the forward's head dot (q k^T) on every warp of a tile shrunk to 64 rows
+    on_wgmma = [line for line in lines if line.startswith("wgmma_replicated ")]
+    assert any(line.startswith("wgmma_replicated sdpa bf16 causal 64x64x128") for line in on_wgmma)
+    assert not [line for line in on_wgmma if not line.endswith(": 0")]
     layouts = [line for line in lines if line.startswith("mma_layout ")]
     assert any(line.startswith(f"mma_layout {CONTROL} ") for line in layouts)
     _check_layouts(layouts)
@@ -318,7 +322,8 @@ def test_small_shapes_compile_without_replicated_mma():
 
 def test_replicated_count_reads_wgmma_dots():
     """The compile count sees wgmma (version 3, ttng.warp_group_dot) layouts as well as mma.sync's:
-    the TTGIR lines of the sdpa forward at 64 query rows on 8 warps before the rule, and on 4."""
+    the TTGIR lines of the sdpa forward at 64 query rows on 8 warps before the rule, and on 4,
+    counted apart from mma.sync's."""
     from sm90_compile import replicated_mma_dots
     def ttgir(warps_along_m):
         return (f"#mma = #ttg.nvidia_mma<{{versionMajor = 3, versionMinor = 0, warpsPerCTA = [{warps_along_m}, 1], "
@@ -326,8 +331,9 @@ def test_replicated_count_reads_wgmma_dots():
                 "    %s = ttng.warp_group_dot %q, %k, %cst {inputPrecision = 0 : i32, isAsync = true} : "
                 "!ttg.memdesc<64x64xbf16, #shared, #smem> * !ttg.memdesc<64x64xbf16, #shared1, #smem, mutable> "
                 "-> tensor<64x64xf32, #mma> loc(#loc1)\n")
-    assert replicated_mma_dots(ttgir(8)) == 1
-    assert replicated_mma_dots(ttgir(4)) == 0
+    assert replicated_mma_dots(ttgir(8), version=3) == 1
+    assert replicated_mma_dots(ttgir(4), version=3) == 0
+    assert replicated_mma_dots(ttgir(8)) == 0  # mma.sync's count: no version 2 layout here
 
 
 # --- GPU: the same graphs against float64 -------------------------------------------------------------
