@@ -94,21 +94,35 @@ def test_attention_configs_fill_their_warps(target):
     """Forward (table, decode, op-level chain) and backward (dK/dV rows are keys, dQ rows
     queries) configs at short odd sequences: their chained dots fill every warp's rows (without
     wgmma, 64-row tiles too)."""
-    chained = dict(chained=True, wgmma=has_wgmma(target.capability))
+    wgmma = has_wgmma(target.capability)
+
+    def fills(rows, cols, num_warps, accumulators):
+        """No warp replicated, but for a wgmma head dot's copies where halving would crowd the
+        registers with the accumulators (sdpa._accumulators_crowd)."""
+        copies = attention._accumulators_crowd(rows, accumulators, num_warps)
+        return not replicates_rows(rows, cols, num_warps, True, wgmma, wgmma_head_copies=copies)
     for problem in _attention_problems():
         forward = attention.schedule(problem, target)
-        c = forward.config
-        assert not replicates_rows(c.block_m, (c.block_n, forward.block_dv), c.num_warps, **chained), \
-            (problem, forward.config_text)
+        c, dv = forward.config, (forward.block_dv,)
+        assert fills(c.block_m, (c.block_n,) + dv, c.num_warps, dv), (problem, forward.config_text)
         chain = attention.chain_schedule(problem, target).config
-        assert not replicates_rows(chain.block_m, (chain.block_n, forward.block_dv), chain.num_warps, **chained)
+        assert fills(chain.block_m, (chain.block_n,) + dv, chain.num_warps, dv), problem
         backward = attention.backward_schedule(problem, target)
         widths = (backward.block_d, backward.block_dv)
         dkdv, dq = backward.configs["dkdv"], backward.configs["dq"]
-        # the backward keeps a wgmma head dot's copies (sdpa._backward_warps_filled says why)
-        copies = dict(chained, wgmma_head_copies=True)
-        assert not replicates_rows(dkdv.block_n, (dkdv.block_m,) + widths, dkdv.num_warps, **copies), problem
-        assert not replicates_rows(dq.block_m, (dq.block_n,) + widths, dq.num_warps, **copies), problem
+        assert fills(dkdv.block_n, (dkdv.block_m,) + widths, dkdv.num_warps, widths), problem
+        assert fills(dq.block_m, (dq.block_n,) + widths, dq.num_warps, widths[:1]), problem
+
+
+def test_wgmma_head_copies_only_where_halving_crowds_registers():
+    """At 64 query rows on the H200 a 128-row table tile on 8 warps halves to 4 (its q k^T dot
+    no longer computed twice) up to D 128; at D 256 a [64, 256] fp32 accumulator on 4 warps
+    spilled (ptxas), so the 8 warps and the head dot's copies stay (mma.sync's copies, which
+    gave NaN, are never kept: test_attention_configs_fill_their_warps on sm80)."""
+    problem = lambda d: attention.AttentionProblem(1, 2, 2, 64, 256, d, d, 2, False)
+    for d, warps in ((64, 4), (128, 4), (256, 8)):
+        assert attention.schedule(problem(d), dg.target.H200).config.num_warps == warps, d
+    assert attention.backward_schedule(problem(256), dg.target.H200).configs["dkdv"].num_warps == 8
 
 
 def test_forced_attention_configs_run_as_given():
