@@ -17,7 +17,7 @@ conversions and reductions take). With SM90_SPILLS=1 a line `spills LABEL KERNEL
 Triton kernel's spill-store bytes. With SM90_LOOP_LOADS=1 a line `loop_loads LABEL KERNEL: N`
 gives each Triton kernel's count of tile loads inside a loop that its TTGIR still runs
 synchronously (see loop_register_loads). With SM90_MMA_ROWS=1 a line `mma_replicated LABEL KERNEL:
-N` gives each Triton kernel's count of mma.sync dots whose warps cover more rows than the dot has
+N` gives each Triton kernel's count of mma.sync dots whose warps cover more rows than the dot has (`wgmma_replicated LABEL KERNEL: N` the same of its wgmma dots)
 (see replicated_mma_dots), and a line `mma_layout LABEL KERNEL: [rows, cols, warps along M,
 warps along N, num_warps]` for each of its mma.sync dots (see mma_layouts). With SM90_SASS=1 a line `sass LABEL KERNEL: {json}` gives each kernel's
 SASS size (instructions, bytes of its .text) and registers a thread (sass_facts: cuobjdump from
@@ -135,16 +135,21 @@ def loop_register_loads(ttgir: str) -> int:
     return count
 
 
-def replicated_mma_dots(ttgir: str) -> int:
-    """Dots of a kernel's TTGIR on mma.sync (nvidia_mma version 2) whose warps along M cover more
-    rows than the dot has (16 rows per warp): the tile is then replicated across warps, a layout
-    the fp8 attention kernels gave NaN and dropped keys under on the H200 (a 32-row tile on
-    warpsPerCTA [4, 1], 2026-11-29)."""
+def replicated_mma_dots(ttgir: str, version: int = 2) -> int:
+    """Dots of a kernel's TTGIR on tensor-core layout `version` (nvidia_mma 2: mma.sync, as
+    tt.dot; 3: wgmma, as ttng.warp_group_dot) whose warps along M cover more rows than the dot has
+    (16 rows per warp, 64 per warpgroup): the tile is then replicated across warps. On mma.sync
+    the fp8 attention kernels gave NaN and dropped keys that way on the H200 (a 32-row tile on
+    warpsPerCTA [4, 1], 2026-11-29); on wgmma a chain's head dot is computed twice over (a 64-row
+    query tile on [8, 1]: work, not a wrong result; the attention backward kernels accept it,
+    heuristics/sdpa.py's _backward_warps_filled says why)."""
     warps_along_m = {name: int(warps) for name, warps in re.findall(
-        r"^(#mma\d*) = #ttg\.nvidia_mma<\{versionMajor = 2, [^}]*warpsPerCTA = \[(\d+), \d+\]", ttgir, re.M)}
+        rf"^(#mma\d*) = #ttg\.nvidia_mma<\{{versionMajor = {version}, [^}}]*warpsPerCTA = \[(\d+), \d+\]",
+        ttgir, re.M)}
     count = 0
     # float accumulators, and int8 dots' int32 ones
-    for rows, layout in re.findall(r"= tt\.dot .*-> tensor<(\d+)x\d+x(?:f32|f16|i32), (#mma\d*)>", ttgir):
+    for rows, layout in re.findall(r"= (?:tt\.dot|ttng\.warp_group_dot) .*-> tensor<(\d+)x\d+x(?:f32|f16|i32), "
+                                   r"(#mma\d*)>", ttgir):
         count += layout in warps_along_m and 16 * warps_along_m[layout] > int(rows)
     return count
 
@@ -211,6 +216,8 @@ def main(spec: str):
                 print(f"sass {label} {launch.kernel.__name__}: {json.dumps(sass_facts(compiled.asm['cubin']))}")
             if os.environ.get("SM90_MMA_ROWS") == "1" and not _is_gluon(launch.kernel):
                 print(f"mma_replicated {label} {launch.kernel.__name__}: {replicated_mma_dots(compiled.asm['ttgir'])}")
+                print(f"wgmma_replicated {label} {launch.kernel.__name__}: "
+                      f"{replicated_mma_dots(compiled.asm['ttgir'], version=3)}")
                 for layout in mma_layouts(compiled.asm["ttgir"]):
                     print(f"mma_layout {label} {launch.kernel.__name__}: {json.dumps(layout)}")
             if os.environ.get("SM90_LOOP_LOADS") == "1" and not _is_gluon(launch.kernel):

@@ -1,6 +1,7 @@
 """No tensor-core dot of any family runs with warps replicated over rows its tile lacks.
 
-Triton lays a dot tile on mma.sync with 16 rows per warp along M; a tile with fewer rows than
+Triton lays a dot tile on mma.sync with 16 rows per warp along M, and on Hopper's wgmma a
+chain's head dot (q k^T) with every warp along M too (4 per 64 rows); a tile with fewer rows than
 its warps cover is computed several times over, and the fp8 attention gave NaN rows on the H200
 that way (2026-11-29). heuristics/mma.py holds the one rule every family's config obeys; here:
   - the rule's model of Triton's layouts and the configs of every family at small and odd
@@ -46,7 +47,11 @@ def test_fitting_warps_halves_until_the_rows_are_filled():
     assert fitting_warps(16, (64,), 4) == 4
     assert fitting_warps(32, (64, 16), 4, chained=True) == 2  # the bf16 sdpa forward at 21x19x16
     assert fitting_warps(16, (64, 64), 4, chained=True) == 4  # decode: every warp along the keys
-    assert fitting_warps(64, (64, 128), 8, chained=True) == 8  # wgmma: a warpgroup per 64 rows
+    assert fitting_warps(64, (256,), 8) == 8  # wgmma, a lone dot: [4, 2] warpgroups
+    # wgmma, a chain's head dot (q k^T feeding P v): every warp along M, 128 rows of warps on 64
+    assert fitting_warps(64, (64, 128), 8, chained=True) == 4
+    assert fitting_warps(128, (64, 128), 8, chained=True) == 8
+    assert fitting_warps(64, (64, 128), 8, chained=True, wgmma_head_copies=True) == 8  # the backward's choice
     assert fitting_warps(64, (64, 128), 8, chained=True, wgmma=False) == 4  # mma.sync: 16 rows a warp
     assert has_wgmma((9, 0)) and not has_wgmma((8, 0)) and not has_wgmma(None)
     assert not replicates_rows(128, (16,), 4)
@@ -74,7 +79,8 @@ def test_matmul_and_conv_candidates_fill_their_warps(target):
 
 
 def _attention_problems():
-    for s_q in SMALL:
+    # 64 and 100 query rows: a 128-row table tile shrunk to 64 (a wgmma head dot's rows)
+    for s_q in SMALL + (64, 100):
         for s_kv in SMALL:
             for d, dv in ((16, 16), (64, 64), (32, 64), (128, 128), (256, 256)):
                 for heads, kv_heads in ((2, 2), (4, 1)):
@@ -88,19 +94,51 @@ def test_attention_configs_fill_their_warps(target):
     """Forward (table, decode, op-level chain) and backward (dK/dV rows are keys, dQ rows
     queries) configs at short odd sequences: their chained dots fill every warp's rows (without
     wgmma, 64-row tiles too)."""
-    chained = dict(chained=True, wgmma=has_wgmma(target.capability))
+    wgmma = has_wgmma(target.capability)
+
+    def fills(rows, cols, num_warps, accumulators):
+        """No warp replicated, but for a wgmma head dot's copies where halving would crowd the
+        registers with the accumulators (sdpa._accumulators_crowd)."""
+        copies = attention._accumulators_crowd(rows, accumulators, num_warps)
+        return not replicates_rows(rows, cols, num_warps, True, wgmma, wgmma_head_copies=copies)
     for problem in _attention_problems():
         forward = attention.schedule(problem, target)
-        c = forward.config
-        assert not replicates_rows(c.block_m, (c.block_n, forward.block_dv), c.num_warps, **chained), \
-            (problem, forward.config_text)
+        c, dv = forward.config, (forward.block_dv,)
+        assert fills(c.block_m, (c.block_n,) + dv, c.num_warps, dv), (problem, forward.config_text)
         chain = attention.chain_schedule(problem, target).config
-        assert not replicates_rows(chain.block_m, (chain.block_n, forward.block_dv), chain.num_warps, **chained)
+        assert fills(chain.block_m, (chain.block_n,) + dv, chain.num_warps, dv), problem
         backward = attention.backward_schedule(problem, target)
         widths = (backward.block_d, backward.block_dv)
         dkdv, dq = backward.configs["dkdv"], backward.configs["dq"]
-        assert not replicates_rows(dkdv.block_n, (dkdv.block_m,) + widths, dkdv.num_warps, **chained), problem
-        assert not replicates_rows(dq.block_m, (dq.block_n,) + widths, dq.num_warps, **chained), problem
+        assert fills(dkdv.block_n, (dkdv.block_m,) + widths, dkdv.num_warps, widths), problem
+        assert fills(dq.block_m, (dq.block_n,) + widths, dq.num_warps, widths[:1]), problem
+
+
+def test_wgmma_head_copies_only_where_halving_crowds_registers():
+    """At 64 query rows on the H200 a 128-row table tile on 8 warps halves to 4 (its q k^T dot
+    no longer computed twice) up to D 128; at D 256 a [64, 256] fp32 accumulator on 4 warps
+    spilled (ptxas), so the 8 warps and the head dot's copies stay (mma.sync's copies, which
+    gave NaN, are never kept: test_attention_configs_fill_their_warps on sm80)."""
+    problem = lambda d: attention.AttentionProblem(1, 2, 2, 64, 256, d, d, 2, False)
+    for d, warps in ((64, 4), (128, 4), (256, 8)):
+        assert attention.schedule(problem(d), dg.target.H200).config.num_warps == warps, d
+    assert attention.backward_schedule(problem(256), dg.target.H200).configs["dkdv"].num_warps == 8
+
+
+def test_forced_attention_configs_run_as_given():
+    """BuildOptions' sdpa configs keep their warps (as forced matmul configs do: a forced config
+    is what a sweep measures), but for a forward tile the short query rows cut, which the rule
+    then fits."""
+    config = attention.AttentionConfig
+    problem = lambda s_q, d: attention.AttentionProblem(1, 2, 2, s_q, s_q, d, d, 2, False)
+    forced = attention.ForcedAttention(forward=config(64, 64, 8, 3), dq=config(32, 16, 4, 1))
+    assert attention.schedule(problem(64, 64), dg.target.H200, forced=forced).config == config(64, 64, 8, 3)
+    assert attention.backward_schedule(problem(64, 16), dg.target.H200, forced=forced).configs["dq"] == \
+        config(32, 16, 4, 1)
+    cut = attention.ForcedAttention(forward=config(64, 16, 4, 3))
+    assert attention.schedule(problem(21, 16), dg.target.H200, forced=cut).config == config(32, 16, 2, 3)
+    # not forced, the same tiles fill their warps
+    assert attention.schedule(problem(64, 64), dg.target.H200).config.num_warps == 4
 
 
 def test_moe_and_rnn_configs_fill_their_warps():
@@ -233,6 +271,8 @@ CASES = {
     "sdpa fp16 backward 21x19x16 *": (lambda: _sdpa(21, 19, 16, 16, 2, 2, dg.float16, backward=True), 1e-2),
     "sdpa tf32 backward 21x19x16": (lambda: _sdpa(21, 19, 16, 16, 2, 2, dg.float32, True, True), 1e-2),
     "sdpa bf16 GQA d_qk 32 d_v 64 backward 33x5": (lambda: _sdpa(33, 5, 32, 64, 4, 2, backward=True), 3e-2),
+    # a 128-row table tile shrunk to 64 query rows on 8 warps: wgmma laid its q k^T dot on [8, 1]
+    "sdpa bf16 causal 64x64x128 *": (lambda: _sdpa(64, 64, 128, 128, 1, 1), BF16_TOLERANCE),
     "sdpa bf16 decode GQA 1x40x64": (lambda: _sdpa(1, 40, 64, 64, 4, 1), BF16_TOLERANCE),
     "sdpa bf16 paged decode": (_paged_decode, BF16_TOLERANCE),
     "attention ops bf16 21x19x16": (_attention_ops, BF16_TOLERANCE),
@@ -273,7 +313,7 @@ def _check_layouts(lines: list):
 
 
 def test_small_shapes_compile_without_replicated_mma():
-    """Every kernel of every case compiles for sm_90 with no mma.sync dot replicated over rows,
+    """Every kernel of every case compiles for sm_90 with no mma.sync or wgmma dot replicated over rows,
     its dots laid out as the rule's model says; the control's forced 16x16 tile on 4 warps is
     counted (the count can fail)."""
     output = compiled_for_sm90("test_mma_rows:sm90_graphs", timeout=900, env={"SM90_MMA_ROWS": "1"})
@@ -285,9 +325,29 @@ def test_small_shapes_compile_without_replicated_mma():
     assert labels == set(CASES), set(CASES) - labels
     replicated = [line for line in counts if line not in control and not line.endswith(": 0")]
     assert not replicated, replicated
+    # nor on wgmma: the forward's head dot (q k^T) on every warp of a tile shrunk to 64 rows
+    on_wgmma = [line for line in lines if line.startswith("wgmma_replicated ")]
+    assert any(line.startswith("wgmma_replicated sdpa bf16 causal 64x64x128") for line in on_wgmma)
+    assert not [line for line in on_wgmma if not line.endswith(": 0")]
     layouts = [line for line in lines if line.startswith("mma_layout ")]
     assert any(line.startswith(f"mma_layout {CONTROL} ") for line in layouts)
     _check_layouts(layouts)
+
+
+def test_replicated_count_reads_wgmma_dots():
+    """The compile count sees wgmma (version 3, ttng.warp_group_dot) layouts as well as mma.sync's:
+    the TTGIR lines of the sdpa forward at 64 query rows on 8 warps before the rule, and on 4,
+    counted apart from mma.sync's."""
+    from sm90_compile import replicated_mma_dots
+    def ttgir(warps_along_m):
+        return (f"#mma = #ttg.nvidia_mma<{{versionMajor = 3, versionMinor = 0, warpsPerCTA = [{warps_along_m}, 1], "
+                "instrShape = [16, 32, 16]}>\n"
+                "    %s = ttng.warp_group_dot %q, %k, %cst {inputPrecision = 0 : i32, isAsync = true} : "
+                "!ttg.memdesc<64x64xbf16, #shared, #smem> * !ttg.memdesc<64x64xbf16, #shared1, #smem, mutable> "
+                "-> tensor<64x64xf32, #mma> loc(#loc1)\n")
+    assert replicated_mma_dots(ttgir(8), version=3) == 1
+    assert replicated_mma_dots(ttgir(4), version=3) == 0
+    assert replicated_mma_dots(ttgir(8)) == 0  # mma.sync's count: no version 2 layout here
 
 
 # --- GPU: the same graphs against float64 -------------------------------------------------------------

@@ -3,7 +3,13 @@
 Triton 3.6 lays a tl.dot out on NVIDIA tensor cores in one of two ways:
   wgmma (mma v3)   Hopper (sm_90) only; a warpgroup (4 warps) owns 64 rows of the result. Chosen when the
                    dot's rows are a multiple of 64 and the warps a multiple of 4 (and the
-                   operand types and K qualify): then no warp ever sits on missing rows.
+                   operand types and K qualify). warpsPerTileV3 lays a lone dot out from
+                   [4, 1], doubling M while the rows exceed the warps' and N after: no warp
+                   sits on missing rows. A dot whose result feeds another dot (the head of a
+                   chain: attention's q k^T) takes every warp along M instead, whatever its
+                   rows: 8 warps on a 64-row query tile compute its scores twice (sm_90
+                   TTGIR, warpsPerCTA [8, 1] on tensor<64x64xf32>, 2026-11-29); the dot it
+                   feeds is laid out as a lone one.
   mma.sync (v2)    otherwise; a warp owns a 16 x 8 block of the result. The warps are placed
                    on a [warps along M, warps along N] grid by warpsPerTileV2 (AccelerateMatmul):
                    a lone dot halves its rows and columns in turn, rows first on a tie, and
@@ -56,14 +62,18 @@ def lone_dot_warps(rows: int, cols: int, num_warps: int) -> tuple:
     return warps[0], warps[1]
 
 
-def replicates_rows(rows: int, cols: tuple, num_warps: int, chained: bool = False, wgmma: bool = True) -> bool:
-    """Whether dot tiles of `rows` rows on `num_warps` put warps on rows they lack on mma.sync.
-    `cols` holds the columns of each dot with those rows: lone dots (each laid out by itself),
-    or, `chained`, dots sharing one layout through registers, which Triton takes from the first
-    one it lays out: every warp along M when that one has no more columns than rows. `wgmma`:
-    the device has it (has_wgmma), and tiles fit for it are laid out there."""
+def replicates_rows(rows: int, cols: tuple, num_warps: int, chained: bool = False, wgmma: bool = True,
+                    wgmma_head_copies: bool = False) -> bool:
+    """Whether dot tiles of `rows` rows on `num_warps` put warps on rows they lack. `cols` holds
+    the columns of each dot with those rows: lone dots (each laid out by itself), or, `chained`,
+    dots sharing one layout through registers, which Triton takes from the first one it lays
+    out: on mma.sync every warp along M when that one has no more columns than rows. `wgmma`:
+    the device has it (has_wgmma), and tiles fit for it are laid out there: a lone dot never
+    replicates, a chain's head dot has every warp along M. `wgmma_head_copies`: accept those
+    copies (a caller whose dots fed by the head hold accumulators that fewer warps would spill:
+    the copies cost score work, halving would double every thread's accumulator registers)."""
     if wgmma and on_wgmma(rows, num_warps):
-        return False
+        return chained and not wgmma_head_copies and num_warps * WARP_ROWS > rows
     if chained:
         along_m = num_warps if any(width <= rows for width in cols) else 1
     else:
@@ -71,9 +81,10 @@ def replicates_rows(rows: int, cols: tuple, num_warps: int, chained: bool = Fals
     return along_m * WARP_ROWS > rows
 
 
-def fitting_warps(rows: int, cols: tuple, num_warps: int, chained: bool = False, wgmma: bool = True) -> int:
+def fitting_warps(rows: int, cols: tuple, num_warps: int, chained: bool = False, wgmma: bool = True,
+                  wgmma_head_copies: bool = False) -> int:
     """`num_warps`, halved until no warp of the dot tiles (see replicates_rows) sits on rows
     they lack: a tile's work spread over fewer warps, not repeated on idle ones."""
-    while num_warps > 1 and replicates_rows(rows, cols, num_warps, chained, wgmma):
+    while num_warps > 1 and replicates_rows(rows, cols, num_warps, chained, wgmma, wgmma_head_copies):
         num_warps //= 2
     return num_warps

@@ -142,15 +142,35 @@ def forced_attention(options) -> "ForcedAttention":
 NOT_FORCED = ForcedAttention()
 
 
+# fp32 accumulator registers a thread may hold at most on halved warps before a wgmma head dot's
+# copies are the cheaper cost: ptxas (sm_90a) spilled at 128 (the bf16 forward at 64 query rows,
+# D 256, on 4 warps: 12 bytes, the fp8 one 892) and not at 64 (D 128); 8 warps, the head dot
+# computed twice, spilled none (2026-11-29)
+CROWDED_ACCUMULATOR_REGISTERS = 128
+
+
+def _accumulators_crowd(rows: int, widths: tuple, num_warps: int) -> bool:
+    """Whether fp32 accumulators of `rows` rows and `widths` columns each would crowd a thread's
+    registers on half of `num_warps` (see CROWDED_ACCUMULATOR_REGISTERS)."""
+    threads = 32 * max(1, num_warps // 2)
+    return sum(rows * width for width in widths) // threads >= CROWDED_ACCUMULATOR_REGISTERS
+
+
 def _warps_filled(config: AttentionConfig, problem: AttentionProblem, rows: int, cols: tuple,
-                  target: Target) -> AttentionConfig:
+                  target: Target, accumulators: tuple) -> AttentionConfig:
     """`config` on no more warps than its chained dots of `rows` rows fill on `target`
     (heuristics/mma.py): a 32-row query tile on 4 warps laid every warp along the rows, 64 rows
     of warps for 32, on mma.sync (the bf16 forward at Sq 21, Skv 19, D 16 with the H200's
-    tiles); without wgmma, so would a 64-row tile on 8 warps."""
+    tiles); without wgmma, so would a 64-row tile on 8 warps, and with it too where the tile's
+    head dot (q k^T) feeds another: Triton puts every warp along its rows (a 128-row table tile
+    shrunk to 64 query rows kept 8 warps, its scores computed twice). Those copies are kept where
+    halving would crowd the registers with the kernel's accumulators (`accumulators`: the widths of
+    its [rows, width] fp32 accumulators; the dots filling them are laid out over every warp)."""
     if problem.fma_dots:
         return config
-    warps = fitting_warps(rows, cols, config.num_warps, chained=True, wgmma=has_wgmma(target.capability))
+    copies = _accumulators_crowd(rows, accumulators, config.num_warps)
+    warps = fitting_warps(rows, cols, config.num_warps, chained=True, wgmma=has_wgmma(target.capability),
+                          wgmma_head_copies=copies)
     return dataclasses.replace(config, num_warps=warps)
 
 
@@ -188,7 +208,7 @@ def _decode_schedule(problem: AttentionProblem, target: Target, budget_bytes,
               f"keys in {splits} split(s) of {chunk}")
     heads = head_group(programs, False, target)  # 0 within grid axis y
     config = _warps_filled(AttentionConfig(block_m, block_n, warps, stages), problem, block_m, (block_n, block_dv),
-                           target)
+                           target, (block_dv,))
     return AttentionSchedule(problem, config, block_d, block_dv,
                              grid(splits, programs, heads), reason, True, splits, chunk, head_group=heads)
 
@@ -274,12 +294,14 @@ def schedule(problem: AttentionProblem, target: Target, budget_bytes=None,
     config = forced.forward or _table_entry(problem, target)
     # short query sequences: no wider tile than the rows (16 at least, for tl.dot)
     block_m = min(config.block_m, max(MIN_BLOCK_M, pow2_at_least(problem.s_q)))
+    as_forced = forced.forward is not None and block_m == config.block_m
     if block_m != config.block_m:
         config = AttentionConfig(block_m, config.block_n, config.num_warps, config.num_stages)
     block_d, block_dv = (max(16, pow2_at_least(d)) for d in (problem.head_dim, problem.value_dim))
     if forced.forward is None and not target.interpreted:
         config = _fit_shared_memory(config, problem, block_d, block_dv, target)
-    config = _warps_filled(config, problem, config.block_m, (config.block_n, block_dv), target)
+    if not as_forced:  # a forced config runs as given (as matmul's do) unless its rows were cut
+        config = _warps_filled(config, problem, config.block_m, (config.block_n, block_dv), target, (block_dv,))
     tiles, heads = -(-problem.s_q // config.block_m), problem.batch * problem.heads
     group = head_group(heads, problem.causal, target, forced.head_group)
     origin = "BuildOptions.sdpa_config" if forced.forward else "table"
@@ -388,10 +410,13 @@ def _fit_backward(which: str, config: AttentionConfig, problem: AttentionProblem
 def _backward_warps_filled(which: str, config: AttentionConfig, problem: AttentionProblem, block_d: int,
                            block_dv: int, target: Target) -> AttentionConfig:
     """A backward kernel's config on the warps its dots fill: the dK/dV kernel's dots have the
-    key tile's rows (k q^T, v dO^T, then P^T dO and dS^T q), the dQ kernel's the query tile's."""
+    key tile's rows (k q^T, v dO^T, then P^T dO and dS^T q), the dQ kernel's the query tile's.
+    Their accumulators: dK and dV, or dQ (the D256 tables' 8 warps on 64 rows keep their head
+    dots' copies: halved, two [64, 256] accumulators would take 256 registers a thread)."""
     if which == "dkdv":
-        return _warps_filled(config, problem, config.block_n, (config.block_m, block_d, block_dv), target)
-    return _warps_filled(config, problem, config.block_m, (config.block_n, block_d, block_dv), target)
+        return _warps_filled(config, problem, config.block_n, (config.block_m, block_d, block_dv), target,
+                             (block_d, block_dv))
+    return _warps_filled(config, problem, config.block_m, (config.block_n, block_d, block_dv), target, (block_d,))
 
 
 def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tuple = (),
@@ -412,9 +437,9 @@ def backward_schedule(problem: AttentionProblem, target: Target, bias_dims: tupl
         configs = {"dkdv": AttentionConfig(*dkdv), "dq": AttentionConfig(*dq)}
         configs = {which: _fit_backward(which, config, problem, block_d, block_dv, target)
                    for which, config in configs.items()}
-    configs.update(forced.backward)
     configs = {which: _backward_warps_filled(which, config, problem, block_d, block_dv, target)
                for which, config in configs.items()}
+    configs.update(forced.backward)  # as given, as matmul's forced configs
     if bias_dims:
         configs["dbias"] = configs["dq"]
     rows = INTERPRETER_TILE[0] if target.interpreted else DELTA_ROWS
@@ -462,7 +487,8 @@ def chain_schedule(problem: AttentionProblem, target: Target, which: str = "forw
     if forced.forward is None and _chain_tiles(problem, target):
         block_m, block_n, warps, stages = GPU_CHAIN_TILES[which]
         config = AttentionConfig(min(block_m, config.block_m), block_n, warps, stages)
-        config = _warps_filled(config, problem, config.block_m, (block_n, sched.block_dv), target)
+        config = _warps_filled(config, problem, config.block_m, (block_n, sched.block_dv), target,
+                               (sched.block_dv,))
         reason = f"op-level chain: [{config.block_m} queries, {block_n} keys] {which} tiles"
     heads = problem.batch * problem.heads
     group = head_group(heads, False, target)
