@@ -149,7 +149,8 @@ def compile_seconds(spec: str, timeout: int = 1800) -> list:
     binary would time nothing)."""
     from helpers import compiled_for_sm90
     with tempfile.TemporaryDirectory() as cache:
-        output = compiled_for_sm90(spec, timeout=timeout, env={"TRITON_CACHE_DIR": cache})
+        # one kernel at a time (SM90_JOBS=1): a kernel's seconds then carry no sibling's load
+        output = compiled_for_sm90(spec, timeout=timeout, env={"TRITON_CACHE_DIR": cache, "SM90_JOBS": "1"})
     return [(float(seconds), what) for seconds, what in COMPILE_LINE.findall(output)]
 
 
