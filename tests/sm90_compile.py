@@ -24,7 +24,9 @@ SASS size (instructions, bytes of its .text) and registers a thread (sass_facts:
 Triton's wheel). SM90_JOBS (default 2, the CI machine's cores) kernels compile at a time, in
 forked workers; the lines come out in the order the launches were yielded.
 """
+import contextlib
 import importlib
+import io
 import json
 import os
 import re
@@ -160,10 +162,11 @@ def mma_layouts(ttgir: str) -> list:
         r"= tt\.dot .*-> tensor<(\d+)x(\d+)x(?:f32|f16|i32), (#mma\d*)>", ttgir) if layout in placed]
 
 
-def facts(compiled) -> dict:
-    """What a compiled kernel's TTGIR and PTX hold, for tests to assert on."""
+def facts(compiled, spills=None) -> dict:
+    """What a compiled kernel's TTGIR and PTX hold, for tests to assert on (`spills`: its spill-store
+    bytes where known, else ptxas is run for them)."""
     ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-    return {"spill_stores": spill_bytes(ptx),"warp_specialize": "ttg.warp_specialize" in ttgir, "setmaxnreg": ptx.count("setmaxnreg"),
+    return {"spill_stores": spill_bytes(ptx) if spills is None else spills,"warp_specialize": "ttg.warp_specialize" in ttgir, "setmaxnreg": ptx.count("setmaxnreg"),
             "wgmma": ptx.count("wgmma.mma_async"), "tma_load": ptx.count("cp.async.bulk.tensor"),
             "tensormap": ptx.count("tensormap"), "shared": compiled.metadata.shared,
             "global_scratch": getattr(compiled.metadata, "global_scratch_size", 0)}
@@ -182,21 +185,37 @@ def _items(found):
         yield label, graph.plan.launches, dtypes
 
 
+def compiled_with_spills(launch, dtypes: dict) -> tuple:
+    """(compile_launch's kernel, its spill-store bytes from the compiler's own ptxas run, or None
+    where the kernel came from Triton's cache, which runs no ptxas): saves a second ptxas run,
+    as long as the kernel's own compile."""
+    log = io.StringIO()
+    saved, triton.knobs.nvidia.dump_ptxas_log = triton.knobs.nvidia.dump_ptxas_log, True
+    try:
+        with contextlib.redirect_stdout(log):  # Triton prints ptxas's -v log
+            compiled = compile_launch(launch, dtypes)
+    finally:
+        triton.knobs.nvidia.dump_ptxas_log = saved
+    spills = re.findall(r"(\d+) bytes spill stores", log.getvalue())
+    return compiled, sum(int(n) for n in spills) if spills else None
+
+
 def _report(label: str, launch, dtypes: dict) -> str:
     """The lines main prints for one launch: its compile seconds, then what its kernel holds."""
     started = time.perf_counter()
     try:
-        compiled = compile_launch(launch, dtypes)
+        compiled, spills = compiled_with_spills(launch, dtypes)
     except Exception as error:
         raise CompileFailure(f"{label}: {launch.kernel.__name__} does not compile for sm_90: {error}") from None
     lines = [f"compile_seconds {time.perf_counter() - started:.2f} {label}: {launch.kernel.__name__}"]
     if _is_gluon(launch.kernel):
-        lines.append(f"facts {label} {json.dumps(facts(compiled))}")
+        lines.append(f"facts {label} {json.dumps(facts(compiled, spills))}")
     else:  # which tensor-core instructions the kernel's dots became (int8: s32.s8.s8)
         lines.append(f"mma {label}: {' '.join(mma_instructions(compiled.asm['ptx'])) or '-'}")
         lines.append(f"shared {label} {launch.kernel.__name__}: {compiled.metadata.shared}")
     if os.environ.get("SM90_SPILLS") == "1" and not _is_gluon(launch.kernel):  # opt-in: a ptxas run each
-        lines.append(f"spills {label} {launch.kernel.__name__}: {spill_bytes(compiled.asm['ptx'])}")
+        known = spill_bytes(compiled.asm["ptx"]) if spills is None else spills
+        lines.append(f"spills {label} {launch.kernel.__name__}: {known}")
     if os.environ.get("SM90_SASS") == "1":
         lines.append(f"sass {label} {launch.kernel.__name__}: {json.dumps(sass_facts(compiled.asm['cubin']))}")
     if os.environ.get("SM90_MMA_ROWS") == "1" and not _is_gluon(launch.kernel):
