@@ -21,9 +21,12 @@ N` gives each Triton kernel's count of mma.sync dots whose warps cover more rows
 (see replicated_mma_dots), and a line `mma_layout LABEL KERNEL: [rows, cols, warps along M,
 warps along N, num_warps]` for each of its mma.sync dots (see mma_layouts). With SM90_SASS=1 a line `sass LABEL KERNEL: {json}` gives each kernel's
 SASS size (instructions, bytes of its .text) and registers a thread (sass_facts: cuobjdump from
-Triton's wheel).
+Triton's wheel). SM90_JOBS (default 2, the CI machine's cores) kernels compile at a time, in
+forked workers; the lines come out in the order the launches were yielded.
 """
+import contextlib
 import importlib
+import io
 import json
 import os
 import re
@@ -164,10 +167,11 @@ def mma_layouts(ttgir: str) -> list:
         r"= tt\.dot .*-> tensor<(\d+)x(\d+)x(?:f32|f16|i32), (#mma\d*)>", ttgir) if layout in placed]
 
 
-def facts(compiled) -> dict:
-    """What a compiled kernel's TTGIR and PTX hold, for tests to assert on."""
+def facts(compiled, spills=None) -> dict:
+    """What a compiled kernel's TTGIR and PTX hold, for tests to assert on (`spills`: its spill-store
+    bytes where known, else ptxas is run for them)."""
     ttgir, ptx = compiled.asm["ttgir"], compiled.asm["ptx"]
-    return {"spill_stores": spill_bytes(ptx),"warp_specialize": "ttg.warp_specialize" in ttgir, "setmaxnreg": ptx.count("setmaxnreg"),
+    return {"spill_stores": spill_bytes(ptx) if spills is None else spills,"warp_specialize": "ttg.warp_specialize" in ttgir, "setmaxnreg": ptx.count("setmaxnreg"),
             "wgmma": ptx.count("wgmma.mma_async"), "tma_load": ptx.count("cp.async.bulk.tensor"),
             "tensormap": ptx.count("tensormap"), "shared": compiled.metadata.shared,
             "global_scratch": getattr(compiled.metadata, "global_scratch_size", 0)}
@@ -186,6 +190,83 @@ def _items(found):
         yield label, graph.plan.launches, dtypes
 
 
+def compiled_with_spills(launch, dtypes: dict) -> tuple:
+    """(compile_launch's kernel, its spill-store bytes from the compiler's own ptxas run, or None
+    where the kernel came from Triton's cache, which runs no ptxas): saves a second ptxas run,
+    as long as the kernel's own compile."""
+    log = io.StringIO()
+    saved, triton.knobs.nvidia.dump_ptxas_log = triton.knobs.nvidia.dump_ptxas_log, True
+    try:
+        with contextlib.redirect_stdout(log):  # Triton prints ptxas's -v log
+            compiled = compile_launch(launch, dtypes)
+    finally:
+        triton.knobs.nvidia.dump_ptxas_log = saved
+    spills = re.findall(r"(\d+) bytes spill stores", log.getvalue())
+    return compiled, sum(int(n) for n in spills) if spills else None
+
+
+def _report(label: str, launch, dtypes: dict) -> str:
+    """The lines main prints for one launch: its compile seconds, then what its kernel holds."""
+    started = time.perf_counter()
+    try:
+        compiled, spills = compiled_with_spills(launch, dtypes)
+    except Exception as error:
+        raise CompileFailure(f"{label}: {launch.kernel.__name__} does not compile for sm_90: {error}") from None
+    lines = [f"compile_seconds {time.perf_counter() - started:.2f} {label}: {launch.kernel.__name__}"]
+    if _is_gluon(launch.kernel):
+        lines.append(f"facts {label} {json.dumps(facts(compiled, spills))}")
+    else:  # which tensor-core instructions the kernel's dots became (int8: s32.s8.s8)
+        lines.append(f"mma {label}: {' '.join(mma_instructions(compiled.asm['ptx'])) or '-'}")
+        lines.append(f"shared {label} {launch.kernel.__name__}: {compiled.metadata.shared}")
+    if os.environ.get("SM90_SPILLS") == "1" and not _is_gluon(launch.kernel):  # opt-in: a ptxas run each
+        known = spill_bytes(compiled.asm["ptx"]) if spills is None else spills
+        lines.append(f"spills {label} {launch.kernel.__name__}: {known}")
+    if os.environ.get("SM90_SASS") == "1":
+        lines.append(f"sass {label} {launch.kernel.__name__}: {json.dumps(sass_facts(compiled.asm['cubin']))}")
+    if os.environ.get("SM90_MMA_ROWS") == "1" and not _is_gluon(launch.kernel):
+        lines.append(f"mma_replicated {label} {launch.kernel.__name__}: {replicated_mma_dots(compiled.asm['ttgir'])}")
+        lines.append(f"wgmma_replicated {label} {launch.kernel.__name__}: "
+                     f"{replicated_mma_dots(compiled.asm['ttgir'], version=3)}")
+        for layout in mma_layouts(compiled.asm["ttgir"]):
+            lines.append(f"mma_layout {label} {launch.kernel.__name__}: {json.dumps(layout)}")
+    if os.environ.get("SM90_LOOP_LOADS") == "1" and not _is_gluon(launch.kernel):
+        lines.append(f"loop_loads {label} {launch.kernel.__name__}: {loop_register_loads(compiled.asm['ttgir'])}")
+    return "\n".join(lines)
+
+
+class CompileFailure(Exception):
+    """A launch the compiler rejected (the message names the label and kernel)."""
+
+
+# the (label, launch, dtypes) of every launch, set before the pool forks: its workers take them
+# by index (launches hold jitted kernels, which do not pickle)
+_LAUNCHES: list = []
+
+
+def _report_of(index: int) -> tuple:
+    """(lines, None) of _LAUNCHES[index], or (None, the failure's message)."""
+    try:
+        return _report(*_LAUNCHES[index]), None
+    except CompileFailure as failure:
+        return None, str(failure)
+
+
+def _reports(jobs: int):
+    """(lines, failure) of each of _LAUNCHES in order, compiled `jobs` at a time: the compiler and
+    ptxas are single-threaded, so a CPU machine's cores each take a kernel (forked workers: they
+    inherit the launches, and this process never compiled, so holds no compiler threads)."""
+    if jobs <= 1:
+        yield from map(_report_of, range(len(_LAUNCHES)))
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("fork"))
+    try:
+        yield from pool.map(_report_of, range(len(_LAUNCHES)))
+    finally:  # a failure stops the run: the kernels not started are dropped
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 def main(spec: str):
     module_name, function = spec.split(":")
     # the helper modules sit in tests/, the test modules in one folder per layer below it (and
@@ -194,35 +275,18 @@ def main(spec: str):
     sys.path[:0] = [here] + sorted(os.path.join(here, name) for name in os.listdir(here)
                                    if name not in ("models", "__pycache__") and os.path.isdir(os.path.join(here, name)))
     graphs = getattr(importlib.import_module(module_name), function)
-    count = 0
     for label, launches, dtypes in _items(graphs()):
         for launch in launches:
             dtypes.update({s.uid: s.torch_dtype for s in launch.scratch})
-            started = time.perf_counter()
-            try:
-                compiled = compile_launch(launch, dtypes)
-            except Exception as error:
-                print(f"{label}: {launch.kernel.__name__} does not compile for sm_90: {error}")
-                raise SystemExit(1)
-            print(f"compile_seconds {time.perf_counter() - started:.2f} {label}: {launch.kernel.__name__}", flush=True)
-            if _is_gluon(launch.kernel):
-                print(f"facts {label} {json.dumps(facts(compiled))}")
-            else:  # which tensor-core instructions the kernel's dots became (int8: s32.s8.s8)
-                print(f"mma {label}: {' '.join(mma_instructions(compiled.asm['ptx'])) or '-'}")
-                print(f"shared {label} {launch.kernel.__name__}: {compiled.metadata.shared}")
-            if os.environ.get("SM90_SPILLS") == "1" and not _is_gluon(launch.kernel):  # opt-in: a ptxas run each
-                print(f"spills {label} {launch.kernel.__name__}: {spill_bytes(compiled.asm['ptx'])}")
-            if os.environ.get("SM90_SASS") == "1":
-                print(f"sass {label} {launch.kernel.__name__}: {json.dumps(sass_facts(compiled.asm['cubin']))}")
-            if os.environ.get("SM90_MMA_ROWS") == "1" and not _is_gluon(launch.kernel):
-                print(f"mma_replicated {label} {launch.kernel.__name__}: {replicated_mma_dots(compiled.asm['ttgir'])}")
-                print(f"wgmma_replicated {label} {launch.kernel.__name__}: "
-                      f"{replicated_mma_dots(compiled.asm['ttgir'], version=3)}")
-                for layout in mma_layouts(compiled.asm["ttgir"]):
-                    print(f"mma_layout {label} {launch.kernel.__name__}: {json.dumps(layout)}")
-            if os.environ.get("SM90_LOOP_LOADS") == "1" and not _is_gluon(launch.kernel):
-                print(f"loop_loads {label} {launch.kernel.__name__}: {loop_register_loads(compiled.asm['ttgir'])}")
-            count += 1
+            _LAUNCHES.append((label, launch, dtypes))
+    count, reports = 0, _reports(int(os.environ.get("SM90_JOBS", "2")))
+    for lines, failure in reports:
+        if failure:
+            print(failure)
+            reports.close()  # the pool's shutdown: no kernel compiles after a failure
+            raise SystemExit(1)
+        print(lines, flush=True)
+        count += 1
     print(f"compiled {count} kernels for sm_90")
 
 

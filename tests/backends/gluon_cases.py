@@ -119,13 +119,24 @@ def _cases_of(g, prefix: str):
 
 
 def compile_cases():
-    """(label, launches, dtypes) of every config x epilogue x type x batch case, then of every
-    config of the K-major variants (labels "kmajor/...")."""
-    for type_name in TYPES:
-        for epilogue in EPILOGUES:
-            for batch in BATCHES:
-                yield from _cases_of(graph(type_name, epilogue, batch), f"{type_name}/{epilogue}/{batch}")
+    """(label, launches, dtypes) of every config x epilogue x batch case, then of every config of
+    the K-major variants (labels "kmajor/...")."""
+    for type_name, epilogue, batch in compile_variants():
+        yield from _cases_of(graph(type_name, epilogue, batch), f"{type_name}/{epilogue}/{batch}")
     yield from kmajor_cases()
+
+
+def compile_variants():
+    """(type, epilogue, batch) of the row-major B compile cases: every epilogue x batch form (each
+    compiled at every config _cases_of offers), the 16-bit type alternating over them. What a
+    config x epilogue x batch form does to a kernel (its registers, spills, tiles, descriptors)
+    is compiled whole; bf16 and fp16 differ only in the element type of the same wgmma and
+    conversions, so each type meets every config, every epilogue and every batch form (all
+    pairs) without compiling the product twice (half the kernels)."""
+    types = sorted(TYPES)
+    for epilogue_index, epilogue in enumerate(EPILOGUES):
+        for batch_index, batch in enumerate(BATCHES):
+            yield types[(epilogue_index + batch_index) % len(types)], epilogue, batch
 
 
 def kmajor_cases():

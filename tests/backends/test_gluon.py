@@ -67,6 +67,18 @@ def test_every_variant_compiles_for_sm90a_with_warp_specialization():
         assert any(label.startswith(prefix) for label in facts), prefix
 
 
+def test_the_compile_cases_meet_every_pair_of_type_config_epilogue_and_batch():
+    """compile_cases compiles each epilogue x batch form (at every config offered) in one 16-bit
+    type: each type must still meet every config, epilogue and batch form, or a failure of one
+    type could hide behind the other's cases."""
+    cases = [label.split("/") for label, _, _ in compile_cases() if not label.startswith("kmajor/")]
+    assert {(epilogue, batch) for _, epilogue, batch, _, _ in cases} == {(e, b) for e in EPILOGUES for b in BATCHES}
+    configs = {config for *_, config, _ in cases}
+    for position, values in ((1, EPILOGUES), (2, BATCHES), (3, configs)):
+        pairs = {(case[0], case[position]) for case in cases}
+        assert pairs == {(t, value) for t in TYPES for value in values}, (position, sorted(pairs))
+
+
 def _facts(output: str, kind: str = "facts") -> dict:
     """label -> the json of each `kind LABEL ...{json}` line sm90_compile printed (facts, sass)."""
     return {line.split(" ", 2)[1]: json.loads(line[line.index("{"):])

@@ -16,7 +16,8 @@ import sys
 
 import pytest
 import torch
-from gluon_attention_cases import HEADS, MASKS, TYPES, compile_cases, graph, lowered, sdpa_group
+from gluon_attention_cases import (HEAD_DIMS, HEADS, MASKS, TYPES, compile_cases, graph, lowered, sdpa_group,
+                                   variants)
 from helpers import check, compiled_for_sm90
 
 import dnngraph as dg
@@ -45,8 +46,18 @@ def test_every_attention_variant_compiles_for_sm90a_with_warp_specialization():
         assert found["shared"] <= H100.shared_memory, label
         assert found["global_scratch"] > 0, label  # device-side descriptors
         assert found["spill_stores"] == 0, label
-    for prefix in ("bf16/d64/none/mha", "fp16/d128/causal/gqa/stats", "bf16/d128/causal_bottom_right/mqa"):
+    for prefix in ("bf16/d64/none/mha", "fp16/d128/causal/gqa/stats", "fp16/d128/causal_bottom_right/mqa"):
         assert any(label.startswith(prefix) for label in facts), prefix
+
+
+def test_the_compile_variants_meet_every_pair_of_type_and_shape():
+    """variants() compiles each head dim x mask x grouping in one 16-bit type: each type must
+    still meet every head dim, mask and grouping, or a failure of one type could hide behind
+    the other's cases."""
+    cases = list(variants())
+    assert {case[1:4] for case in cases} == {(d, m, h) for d in HEAD_DIMS for m in MASKS for h in ("mha", "gqa", "mqa")}
+    for position, values in ((1, HEAD_DIMS), (2, MASKS), (3, ("mha", "gqa", "mqa"))):
+        assert {(case[0], case[position]) for case in cases} == {(t, v) for t in TYPES for v in values}, position
 
 
 # -- what it takes and what it refuses -------------------------------------------------------------

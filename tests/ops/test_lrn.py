@@ -731,7 +731,8 @@ def test_model_size_kernels_compile_fast_for_sm90_without_spills():
     """At the bench's sizes every kernel compiles for sm_90 in seconds (the 5x5 LCN backward did
     not finish in the lead's 110 s run) and spills nothing (the LCN 3x3 NCHW backward spilled 12 KB
     and ran at 0.01 TB/s)."""
-    output = compiled_for_sm90("test_lrn:sm90_model_graphs", timeout=600, env={"SM90_SPILLS": "1"})
+    # one kernel at a time (SM90_JOBS=1): a kernel's seconds then carry no sibling's load
+    output = compiled_for_sm90("test_lrn:sm90_model_graphs", timeout=600, env={"SM90_SPILLS": "1", "SM90_JOBS": "1"})
     assert f"compiled {2 * len(MODEL_FORMS)} kernels for sm_90" in output
     spills = re.findall(r"^spills (.+): (\d+)$", output, re.M)
     assert len(spills) == 2 * len(MODEL_FORMS) and all(int(n) == 0 for _, n in spills), spills
