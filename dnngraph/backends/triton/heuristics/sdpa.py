@@ -145,7 +145,8 @@ NOT_FORCED = ForcedAttention()
 # fp32 accumulator registers a thread may hold at most on halved warps before a wgmma head dot's
 # copies are the cheaper cost: ptxas (sm_90a) spilled at 128 (the bf16 forward at 64 query rows,
 # D 256, on 4 warps: 12 bytes, the fp8 one 892) and not at 64 (D 128); 8 warps, the head dot
-# computed twice, spilled none (2026-11-29)
+# computed twice, spilled none (2026-11-29). Timed on the H200, 64 query rows on 4 warps instead of
+# 8 ran 1.07-1.32x faster at D 64/128 (benchmarks/sweep_short_queries.py, BENCHMARKS.md)
 CROWDED_ACCUMULATOR_REGISTERS = 128
 
 
