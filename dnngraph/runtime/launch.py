@@ -98,15 +98,20 @@ def on_own_thread(make):
 # DNNGRAPH_POISON_WORKSPACE=1: every plan workspace starts as 0xFF bytes (NaN in every float type,
 # fp8 included), so a kernel that reads workspace bytes no launch of the plan wrote gives NaN on
 # any device, as uninitialised GPU memory may (on CPU a fresh buffer is often zeros, which hid
-# such reads). Read once, as the kernels' environment is.
-POISON_WORKSPACE = os.environ.get("DNNGRAPH_POISON_WORKSPACE", "0") not in ("", "0")
+# such reads). =each: also before every execute (the plan's own workspace and a caller's), so a
+# kernel relying on what an earlier execute left there is caught too. Read once, as the kernels'
+# environment is.
+_POISON_MODE = os.environ.get("DNNGRAPH_POISON_WORKSPACE", "0")
+POISON_WORKSPACE = _POISON_MODE not in ("", "0")
+POISON_EACH_EXECUTE = _POISON_MODE == "each"
+POISON_BYTE = 0xFF
 
 
 def persistent_buffer(nbytes: int, device) -> torch.Tensor:
     """persistent_buffer_of (below), filled with 0xFF under DNNGRAPH_POISON_WORKSPACE."""
     buffer = persistent_buffer_of(nbytes, device)
     if POISON_WORKSPACE:
-        buffer.fill_(0xFF)
+        buffer.fill_(POISON_BYTE)
     return buffer
 
 

@@ -25,6 +25,7 @@ from ..tensor import blend_factor_uids
 from .binding_guard import guard_of, still_bound
 from .bindings import check_bindable, resolved_input
 from .interpreter import interpreting
+from . import launch as launch_module
 from .launch import (LaunchRefused, created_once, launch_on_device, persistent_buffer, run_launches,
                      time_launches)
 from .in_place import in_place_pairs
@@ -443,6 +444,8 @@ class Plan:
             stamp = ready = None
         if ready is None:
             ready = self._prepare(bindings, workspace, stamp)
+        if launch_module.POISON_EACH_EXECUTE:
+            self._poison_workspace(ready, workspace)
         streams = ready.streams
         if streams is None:
             self._execute_tensors(ready, bindings.values(), workspace)
@@ -468,7 +471,25 @@ class Plan:
             ready = self._ready.get(stamp)
             if ready is None:
                 ready = self._prepare(dict(zip(keys, values)), None, stamp)
+        if launch_module.POISON_EACH_EXECUTE:
+            self._poison_workspace(ready, None)
         self._launch_ready(ready, values, None)
+
+    def _poison_workspace(self, ready: "ReadyBindings", workspace) -> None:
+        """DNNGRAPH_POISON_WORKSPACE=each (runtime/launch.py): the workspace this execute will use
+        (the caller's, or the plan's own on the current stream) filled with the poison byte, on
+        that stream, before its launches: contents are undefined between executes by contract."""
+        built = ready.built
+        if not built.workspace_tensors:
+            return
+        if workspace is not None:
+            workspace.view(-1)[:built.workspace_bytes].fill_(launch_module.POISON_BYTE)
+            return
+        kernel_device = ready.kernel_device
+        stream = torch._C._cuda_getCurrentRawStream(kernel_device.index) if kernel_device.type == "cuda" else None
+        shared = self._stream_workspace(built, ready.device, stream)
+        with shared.lock:
+            shared.buffer.fill_(launch_module.POISON_BYTE)
 
     def _launch_ready(self, ready: "ReadyBindings", values, workspace) -> None:
         """Run the launches of a checked binding set on the current stream of its device."""

@@ -1,7 +1,8 @@
 """Multi-kernel plans of every family that keeps values between kernels run on poisoned
-workspaces (DNNGRAPH_POISON_WORKSPACE=1, runtime/launch.py): workspace contents are undefined, so
-a kernel that reads bytes no earlier launch wrote (split-K partials, a combine reading past them,
-padding of an intermediate, scratch assumed zero) gives NaN here and fails its test's reference
+workspaces (DNNGRAPH_POISON_WORKSPACE=each, runtime/launch.py: poisoned when made and before
+every execute): workspace contents are undefined, so a kernel that reads bytes no earlier launch of
+the same execute wrote (split-K partials, a combine reading past them, padding of an intermediate,
+scratch assumed zero, what an earlier execute left) gives NaN here and fails its test's reference
 check. The variable is read once at import, so the cases run in a pytest subprocess; the plugin
 tests/poison_plugin.py clears the plan cache per case and fails a case that made no workspace."""
 import os
@@ -30,7 +31,7 @@ CASES = (
 
 def poisoned_environment() -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_")}
-    env["DNNGRAPH_POISON_WORKSPACE"] = "1"
+    env["DNNGRAPH_POISON_WORKSPACE"] = "each"
     env["PYTHONPATH"] = os.pathsep.join([ROOT, TESTS, env.get("PYTHONPATH", "")])
     return env
 
