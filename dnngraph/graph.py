@@ -946,7 +946,7 @@ class Graph:
                     raise ValidationError(f"ragged tensor {tensor.name!r} is used by {node.op} {node.name!r}, "
                                           f"which reads it densely: only sdpa operands may be ragged")
 
-    def build(self, autotune=None, workspace_limit=None, *, options=None, plan=None) -> "Graph":
+    def build(self, autotune=None, workspace_limit=None, *, options=None, plan=None, sizes=None) -> "Graph":
         """Validate, fuse, pick configs and generate kernels; execute() then runs the plan.
         `options`: a BuildOptions (None: the defaults). `autotune` and `workspace_limit` are
         shorthand for the options of those names (given, they replace the options' values):
@@ -954,15 +954,20 @@ class Graph:
         scratch the chosen configs may use together (split-K and split-row partials): None
         prefers the fastest, 0 uses none (cuDNN's strategies). `plan`: the plan to build among
         plans() (BuildOptions.plan: an index k, every group's k-th candidate or its first where
-        it has fewer, or a tuple of one index per group)."""
+        it has fewer, or a tuple of one index per group). `sizes` (a graph with dynamic extents
+        only): a list of dicts of symbol name -> size whose plans are built now, ahead of time,
+        besides the range's min and max (serialize() then ships them)."""
         from .build import build_plan  # the plan is the last pipeline stage
 
         options = _build_options(options, autotune, workspace_limit, plan)
         self.validate()
+        if sizes is not None and (not self.is_dynamic or not isinstance(sizes, (list, tuple))):
+            raise ValidationError(f"build of graph {self.name!r}: sizes (a list of dicts of symbol name -> size) "
+                                  f"are for a graph with dynamic extents, got {sizes!r}")
         if self.is_dynamic:  # one plan per size seen, each built from the graph at that size
             from .build import build_dynamic_plan
 
-            self._plan = build_dynamic_plan(self, options)
+            self._plan = build_dynamic_plan(self, options, sizes=sizes or ())
             self._pass_by_value = tuple(t for t in self.inputs() if t.is_pass_by_value)
             return self
         # a build works on a snapshot of the graph: a failed one leaves the tensors as they were
@@ -1018,21 +1023,24 @@ class Graph:
 
     def serialize(self) -> bytes:
         """The built plan as bytes (the cuDNN frontend's name): Graph.deserialize(blob) runs it in
-        another process without lowering or compiling (shipping.py says what a blob holds)."""
-        from .shipping import serialize_plan
+        another process without lowering or compiling (shipping.py says what a blob holds). A
+        graph with dynamic extents ships every plan it holds, one per size (build(sizes=...)
+        makes the ones a server needs ahead of time)."""
+        from .shipping import serialize_dynamic, serialize_plan
 
         if self._plan is None:
             raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build() before serialize()")
         if self.is_dynamic:
-            raise UnsupportedError(f"graph {self.name!r} has dynamic extents: its plans are made per size at execute "
-                                   f"and do not ship yet; ship the graph as to_json() (which keeps its symbols)")
+            return serialize_dynamic(self, self._plan)
         return serialize_plan(self._plan)
 
     @classmethod
     def deserialize(cls, blob: bytes, rebuild: bool = False) -> "Graph":
         """A built graph from a blob of serialize(), nothing lowered or compiled. A blob of
         another dnngraph or Triton, or for another target than this machine's (another GPU
-        model), raises SerializationError; with `rebuild` the graph is built afresh instead."""
+        model), raises SerializationError; with `rebuild` the graph is built afresh instead. A
+        graph with dynamic extents runs the sizes the blob holds as loaded, and builds any other
+        size of its range on first use, as a built dynamic graph does."""
         from .shipping import deserialize_plan
 
         return deserialize_plan(blob, cls, rebuild=boolean("Graph.deserialize", "rebuild", rebuild))
