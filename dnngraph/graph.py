@@ -25,7 +25,7 @@ from .ops.sdpa import ragged_length, ragged_operands, ragged_slots, slot_length
 from .ops.shape import normalize_slices
 from .ops.base import boolean, integer, normalize_axes, per_axis, real
 from .options import BuildOptions
-from .symbolic import BucketExtents, check_dense, check_sizes, propagate, split_dims, symbols_of
+from .symbolic import BucketExtents, Dynamic, check_dense, check_sizes, propagate, split_dims, symbols_of
 from .tensor import (Tensor, bit_packed_strides, check_dims, check_not_overlapping, check_strides, contiguous_strides,
                      dense_strides, span, stride_order)
 
@@ -43,6 +43,30 @@ def _dropout_tensors(dropout) -> tuple:
 def _attrs_of(op: str, *args, **kwargs):
     """The validated attributes of `op`, built by the class its catalog entry names."""
     return lookup(op).attrs_type(*args, **kwargs)
+
+
+def _symbolic_reshape(x, dim) -> tuple:
+    """(dims, from_input) of reshape attributes for `dim`, whose dg.Dynamic entries name a dynamic
+    axis of `x` kept whole: the entry stands at the symbol's max in dims, and from_input ties the
+    output axis to x's axis of that symbol."""
+    if not isinstance(dim, (list, tuple)) or not any(isinstance(d, Dynamic) for d in dim):
+        return dim, ()
+    axis_of = {}
+    for axis, symbol in enumerate(x.dynamic_dim_symbols or ()):
+        if symbol is not None:
+            axis_of.setdefault(symbol, axis)
+    pairs = []
+    for out, entry in enumerate(dim):
+        if isinstance(entry, Dynamic):
+            if entry not in axis_of:
+                raise ValidationError(f"reshape of {x.name!r}: {entry!r} in dim is no dynamic axis of it (its "
+                                      f"dims are {list(x.dynamic_dim)})")
+            pairs.append((out, axis_of[entry]))
+    return [d.max if isinstance(d, Dynamic) else d for d in dim], tuple(pairs)
+
+
+def _symbol_names(x) -> str:
+    return "/".join(sorted({s.name for s in x.dynamic_dim_symbols if s is not None}))
 
 
 def _fp8_type_of(q) -> str:
@@ -868,8 +892,19 @@ class Graph:
 
     # --- ops: layout ----------------------------------------------------------------------------
     def reshape(self, x, dim, name=None) -> Tensor:
-        """The same elements in row-major order with new dims."""
-        return self._add_op("reshape", [x], _attrs_of("reshape", dim), name)[0]
+        """The same elements in row-major order with new dims. A dynamic axis of `x` kept whole
+        is named by its symbol in `dim` (`[batch, seq, heads, head_dim]` with `seq` the
+        dg.dynamic of x's axis): the output axis is as long as that axis at every size."""
+        x = self._check_input("reshape", "x", x)
+        dim, from_input = _symbolic_reshape(x, dim)
+        try:
+            return self._add_op("reshape", [x], _attrs_of("reshape", dim, from_input), name)[0]
+        except UnsupportedError as error:
+            if not x.dynamic_dim_symbols:
+                raise
+            raise UnsupportedError(f"{error}. A reshape of a tensor with dynamic axes keeps each dynamic axis "
+                                   f"whole, named by its symbol in dim (an axis k * {_symbol_names(x)} merged "
+                                   f"with other axes, or one split, cannot be dynamic yet)") from None
 
     def transpose(self, x, permutation, name=None) -> Tensor:
         """Permute the logical axes."""
@@ -887,7 +922,15 @@ class Graph:
         tensors = list(tensors)
         rank = len(self._check_input("concatenate", "tensors[0]", tensors[0]).dim)
         (axis,) = normalize_axes("concatenate", integer("concatenate", "axis", axis), rank)
-        return self._add_op("concatenate", tensors, _attrs_of("concatenate", axis), name)[0]
+        try:
+            return self._add_op("concatenate", tensors, _attrs_of("concatenate", axis), name)[0]
+        except UnsupportedError as error:
+            dynamic = [t for t in tensors if isinstance(t, Tensor) and t.dynamic_dim_symbols]
+            if not dynamic:
+                raise
+            raise UnsupportedError(f"{error}. Joined along axis {axis}, a dynamic axis's extents add up (S + S, "
+                                   f"S + 4), and an extent that is a sum is no one symbol: concatenate beside "
+                                   f"the dynamic axes (along a static axis) only") from None
 
     # --- pipeline -------------------------------------------------------------------------------
     def validate(self) -> "Graph":

@@ -251,13 +251,6 @@ def test_a_rule_that_fails_inside_the_range_is_refused_at_the_op():
     assert y.dynamic_dim == (40, 8)  # 40 rows at every size of 40..64
 
 
-def test_serialize_of_a_dynamic_graph_is_refused():
-    g, *_ = _norm_graph()
-    g.build()
-    with pytest.raises(dg.UnsupportedError, match="to_json"):
-        g.serialize()
-
-
 def _llama_layer(seq, heads, kv_heads, dim, hidden, io_type):
     """A Llama-like layer over one sequence of `seq` tokens, x [1, 1, seq, dim]: rmsnorm, per-head
     q/k/v projections ([1, heads, dim, head] weights), causal GQA attention, per-head output
