@@ -156,3 +156,26 @@ def test_a_blob_of_the_heads_graph_runs_its_sizes():
     for seq in (1, 5, 12):
         _run(loaded, _heads_inputs(seq), {"seq": seq})
     assert loaded.plan.builds == 0
+
+
+def test_torch_compile_dynamic_true_runs_head_reshapes_and_a_cat_along_the_length_in_dnngraph():
+    """The torch backend converts a symbolic graph per shape (torch_backend's module doc): a
+    reshape to heads and back and a cat along the symbolic length run in dnngraph, no op left
+    to torch, one dynamo compile for every length."""
+    from torch._dynamo.utils import counters
+    from dnngraph import torch_backend
+
+    def heads_then_cat(x, y):
+        batch, length, _ = x.shape
+        h = x.reshape(batch, length, 4, 6).transpose(1, 2).softmax(-1).transpose(1, 2).reshape(batch, length, 24)
+        return torch.cat([h, y], dim=1).relu()
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch_backend.REPORTS.clear()
+    compiled = torch.compile(heads_then_cat, backend="dnngraph", dynamic=True)
+    for length in (3, 7, 10):
+        x, y = torch.randn(2, length, 24), torch.randn(2, 5, 24)
+        assert rel_err(compiled(x, y), heads_then_cat(x.double(), y.double())) < TOL, length
+    assert counters["stats"]["unique_graphs"] == 1
+    assert torch_backend.REPORTS and all(r.torch_ops == () and r.dnngraph_ops > 0 for r in torch_backend.REPORTS)
