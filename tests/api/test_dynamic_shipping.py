@@ -72,25 +72,27 @@ def test_blob_holds_the_graph_and_a_plan_per_size(built):
     assert json.loads(document["graph"])["symbols"] == {"tokens": list(RANGE)}
 
 
-def test_held_sizes_run_in_a_fresh_process_without_lowering_or_compiling(built, tmp_path):
-    """Every size the blob holds (the min, an odd size built ahead of time, the max) runs from
-    the blob in a process where every build and compile path raises; a size it does not hold
-    reaches a build there (and so raises), which is how it is made on first use."""
-    held = {n: _inputs(n) for n in (RANGE[0], AHEAD, RANGE[1])}
-    torch.save({"blob": built.serialize(), "inputs": held}, tmp_path / "shipped.pt")
+def _run_in_fresh_process(tmp_path, blob: bytes, held: dict) -> dict:
+    """Per tokens of `held` (tokens -> inputs, on one device), the outputs of the blob's graph in
+    a new process where every build and compile path raises (test_shipping.NOTHING_BUILT); under
+    "unheld", what executing a size the blob does not hold did there."""
+    torch.save({"blob": blob, "inputs": held}, tmp_path / "shipped.pt")
     script = NOTHING_BUILT + textwrap.dedent(f"""
         import torch
         data = torch.load({str(tmp_path / 'shipped.pt')!r})
         g = dg.Graph.deserialize(data["blob"])
         results = {{}}
         for tokens, inputs in data["inputs"].items():
-            outputs = {{"y": torch.full((tokens, 13), float("nan")), "s": torch.full((tokens, 1), float("nan"))}}
+            device = inputs["x"].device
+            outputs = {{"y": torch.full((tokens, 13), float("nan"), device=device),
+                        "s": torch.full((tokens, 1), float("nan"), device=device)}}
             g.execute({{**inputs, **outputs}})
-            results[tokens] = outputs
+            results[tokens] = {{name: value.cpu() for name, value in outputs.items()}}
         assert g.plan.builds == 0
         try:
-            g.execute({{"x": torch.randn(5, 24), "w": torch.randn(24, 13), "b": torch.randn(1, 13),
-                        "y": torch.empty(5, 13), "s": torch.empty(5, 1)}})
+            g.execute({{"x": torch.randn(5, 24, device=device), "w": torch.randn(24, 13, device=device),
+                        "b": torch.randn(1, 13, device=device), "y": torch.empty(5, 13, device=device),
+                        "s": torch.empty(5, 1, device=device)}})
             results["unheld"] = "ran"
         except AssertionError as error:
             results["unheld"] = str(error)
@@ -101,13 +103,39 @@ def test_held_sizes_run_in_a_fresh_process_without_lowering_or_compiling(built, 
     done = subprocess.run([sys.executable, "-c", script], env=environment, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    results = torch.load(tmp_path / "outputs.pt")
+    return torch.load(tmp_path / "outputs.pt")
+
+
+def _check_fresh_process_run(g, tmp_path, device):
+    """Every size the blob of `g` holds (the min, an odd size built ahead of time, the max) runs
+    from the blob without building, as in `g` (the same kernels on the same inputs); a size it
+    does not hold reaches a build there (and so raises), which is how it is made on first use."""
+    held = {n: {k: v.to(device) for k, v in _inputs(n).items()} for n in (RANGE[0], AHEAD, RANGE[1])}
+    results = _run_in_fresh_process(tmp_path, g.serialize(), held)
     assert "lowered or compiled" in results.pop("unheld")
     for tokens, inputs in held.items():
-        here = _executed(built, inputs)
-        for name in here:  # the same kernels on the same inputs
-            assert torch.equal(here[name], results[tokens][name]), (tokens, name)
-        _check(built, inputs, results[tokens])
+        here = {name: value.to(device) for name, value in _outputs(tokens).items()}
+        g.execute({**inputs, **here})
+        for name in here:
+            assert torch.equal(here[name].cpu(), results[tokens][name]), (tokens, name)
+        _check(g, {k: v.cpu() for k, v in inputs.items()}, results[tokens])
+
+
+def test_held_sizes_run_in_a_fresh_process_without_lowering_or_compiling(built, tmp_path):
+    _check_fresh_process_run(built, tmp_path, "cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_dynamic_blob_runs_its_binaries_in_a_fresh_process_without_compiling(tmp_path):
+    g = _dynamic_block().build(sizes=[{"tokens": AHEAD}])
+    for tokens in (RANGE[0], AHEAD, RANGE[1]):  # bound (compiled) on the GPU before shipping
+        inputs = {k: v.cuda() for k, v in _inputs(tokens).items()}
+        g.execute({**inputs, **{k: v.cuda() for k, v in _outputs(tokens).items()}})
+    document = _document(g.serialize())
+    capability = torch.cuda.get_device_capability()
+    assert all(shipping.KernelBinary.from_record(launch["binary"]).arch == capability[0] * 10 + capability[1]
+               for plan in document["plans"] for launch in plan["launches"])
+    _check_fresh_process_run(g, tmp_path, "cuda")
 
 
 def test_a_size_the_blob_does_not_hold_is_built_on_first_use(built):
