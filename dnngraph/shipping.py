@@ -47,6 +47,7 @@ from .runtime.kernel_files import kernel_source, load_kernel, rendered_source, s
 from .runtime.launch import KernelLaunch, Scratch
 from .runtime.plan import Plan, target_for
 from .runtime.workspace import WorkspaceBudget
+from .symbolic import symbols_of
 from .target import ModelFacts, Target, target_of
 from .versions import __version__
 
@@ -358,7 +359,10 @@ def _loaded_dynamic(document: dict, graph_type, rebuild: bool):
         if rebuild:
             return graph.build(options=options)
         raise SerializationError(f"{why} (deserialize(..., rebuild=True) builds afresh)")
-    graph.validate()
+    try:
+        graph.validate()
+    except GraphError as error:
+        raise SerializationError(f"a blob of dynamic plans of a graph that does not build: {error}") from None
     snapshot = graph._snapshot()
     held = {}
     for record in records:
@@ -367,9 +371,21 @@ def _loaded_dynamic(document: dict, graph_type, rebuild: bool):
         if key in held:
             raise SerializationError(f"a blob of dynamic plans holds two plans at sizes {record['sizes']}")
         held[key] = _plan_of(record, sized, device, rebuild)
+    _check_ends_held(graph, held)
     graph._plan = build_dynamic_plan(graph, options, held=held)
     graph._pass_by_value = tuple(t for t in graph.inputs() if t.is_pass_by_value)
     return graph
+
+
+def _check_ends_held(graph, held: dict) -> None:
+    """A blob holds the plans at every symbol's min and max (serialize_dynamic writes them): a
+    dynamic plan builds those at once, so a blob without them would build while loading."""
+    symbols = [symbol for _, symbol in sorted(symbols_of(graph.inputs()).items())]
+    for end in ("min", "max"):
+        key = tuple(getattr(symbol, end) for symbol in symbols)
+        if key not in held:
+            raise SerializationError(f"a blob of dynamic plans without the plan at the range's {end} "
+                                     f"({dict(zip((s.name for s in symbols), key))})")
 
 
 def _sized_graph(snapshot, sizes):

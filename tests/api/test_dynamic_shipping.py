@@ -203,6 +203,12 @@ def test_damaged_blobs_are_refused(built):
         g.relu(g.tensor(name="x", dim=[3, 4])).set_output(True)
         document["graph"] = g.to_json()
 
+    def no_outputs(document):  # a graph that reads as JSON but does not validate
+        graph = json.loads(document["graph"])
+        for tensor in graph["tensors"]:
+            tensor["is_output"] = False
+        document["graph"] = json.dumps(graph)
+
     broken = [
         (lambda d: d.pop("plans"), "malformed"), (plans(lambda p: p.clear()), "list of plans"),
         (lambda d: d.__setitem__("plans", {"tokens": 1}), "list of plans"),
@@ -213,6 +219,8 @@ def test_damaged_blobs_are_refused(built):
         (plans(lambda p: p[0]["groups"][0][1].append("an op of another partition")), "groups"),
         (plans(lambda p: p[0].pop("launches")), "malformed"),
         (plans(edited_kernel), "hash"), (static_graph, "no dynamic extents"),
+        (plans(lambda p: p.pop(0)), "range's min"), (plans(lambda p: p.pop()), "range's max"),
+        (no_outputs, "does not build"),
         (lambda d: d.__setitem__("version", shipping.DYNAMIC_BLOB_VERSION + 1), "version"),
     ]
     for change, message in broken:
