@@ -179,3 +179,27 @@ def test_torch_compile_dynamic_true_runs_head_reshapes_and_a_cat_along_the_lengt
         assert rel_err(compiled(x, y), heads_then_cat(x.double(), y.double())) < TOL, length
     assert counters["stats"]["unique_graphs"] == 1
     assert torch_backend.REPORTS and all(r.torch_ops == () and r.dnngraph_ops > 0 for r in torch_backend.REPORTS)
+
+
+def test_integers_and_special_values_pass_through_exactly():
+    """int32 values reshaped and joined beside a dynamic axis stay exact; NaN and inf in a float
+    input come out where the reference has them."""
+    seq = dg.dynamic("seq", 1, 9)
+    g = dg.Graph(name="exact")
+    ints = g.tensor(name="ints", dim=[seq, 6], data_type=dg.int32)
+    g.concatenate([g.reshape(ints, [seq, 2, 3]), g.tensor(name="more", dim=[seq, 2, 3], data_type=dg.int32)],
+                  axis=1).set_output(True).set_name("joined")
+    floats = g.tensor(name="floats", dim=[seq, 4], data_type=dg.float32)
+    g.neg(g.reshape(floats, [seq, 2, 2])).set_output(True).set_name("negated")
+    g.build()
+    for n in (1, 4, 9):
+        values = torch.randn(n, 4)
+        values[0, 0], values[-1, -1], values[0, 1] = float("nan"), float("inf"), float("-inf")
+        inputs = {"ints": torch.randint(-2 ** 30, 2 ** 30, (n, 6), dtype=torch.int32),
+                  "more": torch.randint(-2 ** 30, 2 ** 30, (n, 2, 3), dtype=torch.int32), "floats": values}
+        outputs = {"joined": torch.full((n, 4, 3), -7, dtype=torch.int32),
+                   "negated": torch.full((n, 2, 2), 123.0)}
+        g.execute({**inputs, **outputs})
+        reference = g.reference(inputs)
+        assert torch.equal(outputs["joined"], reference["joined"]), n
+        assert torch.allclose(outputs["negated"].double(), reference["negated"], rtol=0, atol=0, equal_nan=True), n
