@@ -236,3 +236,21 @@ def test_blob_of_another_dnngraph_is_refused_or_rebuilt(built):
     assert rebuilt.is_dynamic and rebuilt.plan.adopted == ()
     inputs = _inputs(11)
     _check(rebuilt, inputs, _executed(rebuilt, inputs))
+
+
+def test_two_symbols_ship_with_their_sizes_by_name():
+    """Sizes are keyed by symbol name, whatever order the symbols were declared in: a blob of a
+    graph over (seq, batch) runs each held pair as loaded, and a pair it does not hold is built."""
+    seq, batch = dg.dynamic("seq", 2, 9), dg.dynamic("batch", 1, 3)
+    g = dg.Graph(name="pairs")
+    x = g.tensor(name="x", dim=[seq, batch, 5])
+    g.softmax(g.exp(x), axis=-1).set_output(True).set_name("y")
+    g.build(sizes=[{"seq": 7, "batch": 2}])
+    loaded = dg.Graph.deserialize(g.serialize())
+    assert sorted(loaded.plan.adopted) == [(1, 2), (2, 7), (3, 9)]  # (batch, seq)
+    for s, b in ((7, 2), (2, 1), (9, 3), (4, 3)):
+        inputs = {"x": torch.randn(s, b, 5)}
+        outputs = {"y": torch.full((s, b, 5), float("nan"))}
+        loaded.execute({**inputs, **outputs})
+        assert rel_err(outputs["y"], loaded.reference(inputs)["y"]) < TOLERANCE[torch.float32], (s, b)
+    assert loaded.plan.builds == 1  # (4, 3) only
