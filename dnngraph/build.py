@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -23,13 +23,13 @@ from .ops.block_scale import refuse_elsewhere as refuse_block_scale_types
 from .options import BuildOptions
 from .problems import problem_of
 from .runtime.autotune import Tuner
-from .runtime.dynamic_plan import DynamicPlan
+from .runtime.dynamic_plan import PLANS_KEPT, DynamicPlan
 from .runtime.interpreter import interpreting
 from .runtime.launch import check_grid, sample_tensors, time_candidate
 from .runtime.plan import Plan, target_for
 from .runtime.plan_cache import PLANS, plan_key
 from .runtime.workspace import WorkspaceBudget
-from .symbolic import bucket_of, check_dense, symbols_of
+from .symbolic import bucket_of, check_dense, check_sizes, symbols_of
 from .tensor import Tensor, blend_factor_problem
 from .target import target_of
 
@@ -89,14 +89,19 @@ def build_plan(graph, options: Optional[BuildOptions] = None) -> "Plan":
     return plan
 
 
-def build_dynamic_plan(graph, options: Optional[BuildOptions] = None) -> DynamicPlan:
+def build_dynamic_plan(graph, options: Optional[BuildOptions] = None, held: Optional[dict] = None,
+                       sizes: Sequence = ()) -> DynamicPlan:
     """The plan of a validated graph with dynamic extents: a DynamicPlan that builds the graph at
     each set of sizes it meets (Graph.specialised, then build_plan: the plan cache and Triton's
     cache share what sizes have in common). The plans at every symbol's min and at every
     symbol's max are built here, so that a shape rule or a kernel that fails at the ends of the
-    range fails the build, not an execute. The workspace the largest sizes need bounds every
-    size's (see _within_largest), so one workspace of workspace_size() serves the whole range."""
+    range fails the build, not an execute; so is the plan at each of `sizes` (dicts of symbol
+    name -> size: ahead of time, for a blob to ship them). The workspace the largest sizes need
+    bounds every size's (see _within_largest), so one workspace of workspace_size() serves the
+    whole range. `held`: plans made already (loaded from a blob), by their sizes (a tuple in
+    symbol name order), taken as they are: none of them is built again."""
     options = BuildOptions() if options is None else options
+    held = {} if held is None else held
     for tensor in graph.outputs():
         if tensor.dynamic_dim_symbols:
             check_dense(tensor.dim, tensor.own_stride, f"output {tensor.name!r}")
@@ -110,12 +115,26 @@ def build_dynamic_plan(graph, options: Optional[BuildOptions] = None) -> Dynamic
 
     symbols = symbols_of(graph.inputs())
     largest = {symbol.name: symbol.max for symbol in symbols.values()}
-    at_largest = build_at(largest, options)
+    largest_key = tuple(largest[name] for name in sorted(largest))
+    at_largest = held[largest_key] if largest_key in held else build_at(largest, options)
     plan = DynamicPlan(graph, lambda sizes: at_largest if sizes == largest else
-                       _within_largest(build_at, sizes, options, at_largest, symbols))
-    for end in ("min", "max"):
-        plan.plan_for(tuple(getattr(s, end) for s in plan.extents.symbols), executing=False)
+                       _within_largest(build_at, sizes, options, at_largest, symbols), options)
+    for key, made in held.items():
+        plan.adopt(key, made)
+    wanted = [tuple(getattr(s, end) for s in plan.extents.symbols) for end in ("min", "max")]
+    wanted += [_key_of(graph, chosen, plan.extents.symbols) for chosen in sizes]
+    if len(set(wanted)) > PLANS_KEPT:
+        raise ValidationError(f"graph {graph.name!r}: {len(set(wanted))} sizes to build ahead of time (with the "
+                              f"min and max); a dynamic plan keeps {PLANS_KEPT}")
+    for key in wanted:
+        plan.plan_for(key, executing=False)
     return plan
+
+
+def _key_of(graph, sizes, symbols) -> tuple:
+    """`sizes` (symbol name -> size, checked against `graph`'s symbols) as a DynamicPlan key."""
+    check_sizes(graph, sizes)
+    return tuple(sizes[symbol.name] for symbol in symbols)
 
 
 def _within_largest(build_at, sizes: dict, options: BuildOptions, at_largest, symbols: dict) -> "Plan":

@@ -16,7 +16,7 @@ import torch
 
 from . import dtypes
 from .autodiff import derive, replay
-from .errors import ExecutionError, UnsupportedError, ValidationError
+from .errors import ExecutionError, ValidationError
 from .runtime.bindings import check_bindable, resolved_input, unbindable
 from .tensor import overlaps, stride_order
 
@@ -387,7 +387,10 @@ class DynamicFunction:
     """as_function of a graph with dynamic extents: per set of sizes the arguments have (read
     from the inputs' dynamic axes, checked against the declared ranges and against each other),
     a GraphFunction of the graph at those sizes, made on first use and then found by one lookup
-    (its plan and derivations built once per size; kernels shared by content)."""
+    (its plan and derivations built once per size; kernels shared by content). Traced by
+    torch.compile it is one custom op whatever the sizes, differentiable through a second op
+    that runs the derivation's forward and backward graphs of the arguments' sizes (the
+    forward runs twice: the values its backward reads have per-size shapes no fake could give)."""
 
     def __init__(self, graph, inputs=None, outputs=None, options=None):
         from .runtime.dynamic_plan import DynamicExtents, PerSize
@@ -420,14 +423,18 @@ class DynamicFunction:
         self._traced_op = torch.library.custom_op(self.op_name, self._run_listed, mutates_args=(),
                                                   schema="(Tensor[] inputs) -> Tensor[]")
         self._traced_op.register_fake(self._traced_outputs)
+        # traced with gradients: the backward is a second op, which runs the forward of the size
+        # again under autograd (its saved values have per-size shapes no fake output could give)
+        self._traced_backward = torch.library.custom_op(self.op_name + "_backward", self._recomputed_gradients,
+                                                        mutates_args=(),
+                                                        schema="(Tensor[] inputs, Tensor[] grads, bool[] wanted) -> Tensor[]")
+        self._traced_backward.register_fake(self._traced_gradients)
+        self._traced_op.register_autograd(self._traced_gradient, setup_context=self._traced_saved)
 
     def __call__(self, *args):
         if len(args) != len(self.inputs):
             raise ExecutionError(f"{self.graph.name}: takes {len(self.inputs)} tensors, got {len(args)}")
         if torch.compiler.is_compiling():  # one custom op whose outputs take their sizes from the inputs
-            if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-                raise UnsupportedError(f"{self.graph.name}: a function of a graph with dynamic extents is not "
-                                       f"differentiable under torch.compile yet (it is in eager calls)")
             results = self._traced_op(list(args))
             return results[0] if len(results) == 1 else tuple(results)
         key = self.extents.key_of_values(args, self.positions, self.graph.name)
@@ -449,6 +456,34 @@ class DynamicFunction:
                 running = running * sizes[axis]
             made.append(args[0].new_empty_strided(sizes, strides, dtype=dtype))
         return made
+
+    def _traced_saved(self, ctx, inputs, output) -> None:
+        (args,) = inputs
+        ctx.wanted = [isinstance(a, torch.Tensor) and a.requires_grad and t.data_type.is_floating
+                      for a, t in zip(args, self.inputs)]
+        ctx.save_for_backward(*args)
+
+    def _traced_gradient(self, ctx, grads):
+        args = list(ctx.saved_tensors)
+        grads = [g if g is not None else torch.zeros_like(out) for g, out in zip(grads, self._traced_outputs(args))]
+        computed = iter(self._traced_backward(args, list(grads), ctx.wanted))
+        return [next(computed) if want else None for want in ctx.wanted]
+
+    def _recomputed_gradients(self, args: list, grads: list, wanted: list) -> list:
+        """The gradients of the wanted inputs: the forward graph of the derivation at the
+        arguments' sizes run again (for the values its backward reads), then the backward graph."""
+        key = self.extents.key_of_values(args, self.positions, self.graph.name)
+        function = self._functions.get(key, lambda: self._function_at(key))
+        mask = tuple(wanted)
+        derivation, reads = function.derivation(mask)
+        produced = function.run_forward(mask, args)
+        saved = [produced[i] for i in _saved_positions(derivation)]
+        computed = function.run_backward(mask, [args[i] for i in reads], saved, grads)
+        return [grad.contiguous() for grad in computed]  # the layout _traced_gradients gives
+
+    @staticmethod
+    def _traced_gradients(args: list, grads: list, wanted: list) -> list:
+        return [a.new_empty(a.shape) for a, want in zip(args, wanted) if want]
 
     def _function_at(self, key: tuple) -> GraphFunction:
         sizes = dict(zip((s.name for s in self.extents.symbols), key))

@@ -25,7 +25,7 @@ from .ops.sdpa import ragged_length, ragged_operands, ragged_slots, slot_length
 from .ops.shape import normalize_slices
 from .ops.base import boolean, integer, normalize_axes, per_axis, real
 from .options import BuildOptions
-from .symbolic import BucketExtents, check_dense, check_sizes, propagate, split_dims, symbols_of
+from .symbolic import BucketExtents, Dynamic, check_dense, check_sizes, propagate, split_dims, symbols_of
 from .tensor import (Tensor, bit_packed_strides, check_dims, check_not_overlapping, check_strides, contiguous_strides,
                      dense_strides, span, stride_order)
 
@@ -43,6 +43,30 @@ def _dropout_tensors(dropout) -> tuple:
 def _attrs_of(op: str, *args, **kwargs):
     """The validated attributes of `op`, built by the class its catalog entry names."""
     return lookup(op).attrs_type(*args, **kwargs)
+
+
+def _symbolic_reshape(x, dim) -> tuple:
+    """(dims, from_input) of reshape attributes for `dim`, whose dg.Dynamic entries name a dynamic
+    axis of `x` kept whole: the entry stands at the symbol's max in dims, and from_input ties the
+    output axis to x's axis of that symbol."""
+    if not isinstance(dim, (list, tuple)) or not any(isinstance(d, Dynamic) for d in dim):
+        return dim, ()
+    axis_of = {}
+    for axis, symbol in enumerate(x.dynamic_dim_symbols or ()):
+        if symbol is not None:
+            axis_of.setdefault(symbol, axis)
+    pairs = []
+    for out, entry in enumerate(dim):
+        if isinstance(entry, Dynamic):
+            if entry not in axis_of:
+                raise ValidationError(f"reshape of {x.name!r}: {entry!r} in dim is no dynamic axis of it (its "
+                                      f"dims are {list(x.dynamic_dim)})")
+            pairs.append((out, axis_of[entry]))
+    return [d.max if isinstance(d, Dynamic) else d for d in dim], tuple(pairs)
+
+
+def _symbol_names(x) -> str:
+    return "/".join(sorted({s.name for s in x.dynamic_dim_symbols if s is not None}))
 
 
 def _fp8_type_of(q) -> str:
@@ -868,8 +892,19 @@ class Graph:
 
     # --- ops: layout ----------------------------------------------------------------------------
     def reshape(self, x, dim, name=None) -> Tensor:
-        """The same elements in row-major order with new dims."""
-        return self._add_op("reshape", [x], _attrs_of("reshape", dim), name)[0]
+        """The same elements in row-major order with new dims. A dynamic axis of `x` kept whole
+        is named by its symbol in `dim` (`[batch, seq, heads, head_dim]` with `seq` the
+        dg.dynamic of x's axis): the output axis is as long as that axis at every size."""
+        x = self._check_input("reshape", "x", x)
+        dim, from_input = _symbolic_reshape(x, dim)
+        try:
+            return self._add_op("reshape", [x], _attrs_of("reshape", dim, from_input), name)[0]
+        except UnsupportedError as error:
+            if not x.dynamic_dim_symbols:
+                raise
+            raise UnsupportedError(f"{error}. A reshape of a tensor with dynamic axes keeps each dynamic axis "
+                                   f"whole, named by its symbol in dim (an axis k * {_symbol_names(x)} merged "
+                                   f"with other axes, or one split, cannot be dynamic yet)") from None
 
     def transpose(self, x, permutation, name=None) -> Tensor:
         """Permute the logical axes."""
@@ -887,7 +922,15 @@ class Graph:
         tensors = list(tensors)
         rank = len(self._check_input("concatenate", "tensors[0]", tensors[0]).dim)
         (axis,) = normalize_axes("concatenate", integer("concatenate", "axis", axis), rank)
-        return self._add_op("concatenate", tensors, _attrs_of("concatenate", axis), name)[0]
+        try:
+            return self._add_op("concatenate", tensors, _attrs_of("concatenate", axis), name)[0]
+        except UnsupportedError as error:
+            dynamic = [t for t in tensors if isinstance(t, Tensor) and t.dynamic_dim_symbols]
+            if not dynamic:
+                raise
+            raise UnsupportedError(f"{error}. Joined along axis {axis}, a dynamic axis's extents add up (S + S, "
+                                   f"S + 4), and an extent that is a sum is no one symbol: concatenate beside "
+                                   f"the dynamic axes (along a static axis) only") from None
 
     # --- pipeline -------------------------------------------------------------------------------
     def validate(self) -> "Graph":
@@ -946,7 +989,7 @@ class Graph:
                     raise ValidationError(f"ragged tensor {tensor.name!r} is used by {node.op} {node.name!r}, "
                                           f"which reads it densely: only sdpa operands may be ragged")
 
-    def build(self, autotune=None, workspace_limit=None, *, options=None, plan=None) -> "Graph":
+    def build(self, autotune=None, workspace_limit=None, *, options=None, plan=None, sizes=None) -> "Graph":
         """Validate, fuse, pick configs and generate kernels; execute() then runs the plan.
         `options`: a BuildOptions (None: the defaults). `autotune` and `workspace_limit` are
         shorthand for the options of those names (given, they replace the options' values):
@@ -954,15 +997,20 @@ class Graph:
         scratch the chosen configs may use together (split-K and split-row partials): None
         prefers the fastest, 0 uses none (cuDNN's strategies). `plan`: the plan to build among
         plans() (BuildOptions.plan: an index k, every group's k-th candidate or its first where
-        it has fewer, or a tuple of one index per group)."""
+        it has fewer, or a tuple of one index per group). `sizes` (a graph with dynamic extents
+        only): a list of dicts of symbol name -> size whose plans are built now, ahead of time,
+        besides the range's min and max (serialize() then ships them)."""
         from .build import build_plan  # the plan is the last pipeline stage
 
         options = _build_options(options, autotune, workspace_limit, plan)
         self.validate()
+        if sizes is not None and (not self.is_dynamic or not isinstance(sizes, (list, tuple))):
+            raise ValidationError(f"build of graph {self.name!r}: sizes (a list of dicts of symbol name -> size) "
+                                  f"are for a graph with dynamic extents, got {sizes!r}")
         if self.is_dynamic:  # one plan per size seen, each built from the graph at that size
             from .build import build_dynamic_plan
 
-            self._plan = build_dynamic_plan(self, options)
+            self._plan = build_dynamic_plan(self, options, sizes=sizes or ())
             self._pass_by_value = tuple(t for t in self.inputs() if t.is_pass_by_value)
             return self
         # a build works on a snapshot of the graph: a failed one leaves the tensors as they were
@@ -1018,21 +1066,24 @@ class Graph:
 
     def serialize(self) -> bytes:
         """The built plan as bytes (the cuDNN frontend's name): Graph.deserialize(blob) runs it in
-        another process without lowering or compiling (shipping.py says what a blob holds)."""
-        from .shipping import serialize_plan
+        another process without lowering or compiling (shipping.py says what a blob holds). A
+        graph with dynamic extents ships every plan it holds, one per size (build(sizes=...)
+        makes the ones a server needs ahead of time)."""
+        from .shipping import serialize_dynamic, serialize_plan
 
         if self._plan is None:
             raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build() before serialize()")
         if self.is_dynamic:
-            raise UnsupportedError(f"graph {self.name!r} has dynamic extents: its plans are made per size at execute "
-                                   f"and do not ship yet; ship the graph as to_json() (which keeps its symbols)")
+            return serialize_dynamic(self, self._plan)
         return serialize_plan(self._plan)
 
     @classmethod
     def deserialize(cls, blob: bytes, rebuild: bool = False) -> "Graph":
         """A built graph from a blob of serialize(), nothing lowered or compiled. A blob of
         another dnngraph or Triton, or for another target than this machine's (another GPU
-        model), raises SerializationError; with `rebuild` the graph is built afresh instead."""
+        model), raises SerializationError; with `rebuild` the graph is built afresh instead. A
+        graph with dynamic extents runs the sizes the blob holds as loaded, and builds any other
+        size of its range on first use, as a built dynamic graph does."""
         from .shipping import deserialize_plan
 
         return deserialize_plan(blob, cls, rebuild=boolean("Graph.deserialize", "rebuild", rebuild))

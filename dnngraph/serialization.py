@@ -60,7 +60,7 @@ def graph_document(graph) -> dict:
         })
     nodes = []
     for node in graph.nodes:
-        attrs = {name: _jsonable(getattr(node.attrs, name)) for name in _field_names(type(node.attrs))}
+        attrs = {name: _jsonable(getattr(node.attrs, name)) for name in _written_fields(node.attrs)}
         nodes.append({"op": node.op, "name": node.name,
                       "inputs": [None if t is None else t.uid for t in _written_inputs(node)],
                       "outputs": [None if t is None else t.uid for t in node.outputs],
@@ -98,6 +98,16 @@ def _written_inputs(node) -> list:
     while len(inputs) > first_added and inputs[-1] is None:
         inputs.pop()
     return inputs
+
+
+def _written_fields(attrs) -> tuple:
+    """The attribute fields a document holds: every field, except one an attrs class lists in
+    `written_when_set` while it has its default (an attribute added later: a document that does
+    not use it reads in a dnngraph from before it)."""
+    optional = getattr(type(attrs), "written_when_set", ())
+    defaults = {f.name: f.default for f in dataclasses.fields(attrs)}
+    return tuple(name for name in _field_names(type(attrs))
+                 if name not in optional or getattr(attrs, name) != defaults[name])
 
 
 @functools.lru_cache(maxsize=None)

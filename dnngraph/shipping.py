@@ -37,7 +37,7 @@ from .backends.triton.heuristics.rows import RowConfig
 from .backends.triton.heuristics.sdpa import AttentionConfig
 from .backends.triton.lower import ctc as ctc_lowering
 from .backends.triton.lower import moe as moe_lowering
-from .build import _build_device, build_launches
+from .build import _build_device, build_dynamic_plan, build_launches
 from .errors import ExecutionError, GraphError, SerializationError, UnsupportedError
 from .fusion import partition
 from .options import BuildOptions
@@ -47,11 +47,15 @@ from .runtime.kernel_files import kernel_source, load_kernel, rendered_source, s
 from .runtime.launch import KernelLaunch, Scratch
 from .runtime.plan import Plan, target_for
 from .runtime.workspace import WorkspaceBudget
+from .symbolic import symbols_of
 from .target import ModelFacts, Target, target_of
 from .versions import __version__
 
 MAGIC = b"dnngraph-plan\n"
 BLOB_VERSION = 1
+# a blob of a graph with dynamic extents (serialize_dynamic): its graph and one plan per size it
+# holds; a static graph's blob stays version 1, as before
+DYNAMIC_BLOB_VERSION = 2
 # The dataclasses an options record may hold, by name (nothing else is ever made from a blob).
 OPTION_TYPES = {cls.__name__: cls for cls in (Target, ModelFacts, MatmulConfig, DepthwiseConfig, MoeConfig,
                                                RowConfig, AttentionConfig)}
@@ -190,22 +194,46 @@ def _binaries(plan) -> list:
 
 # --- the blob -----------------------------------------------------------------------------------
 
-def serialize_plan(plan) -> bytes:
-    """The blob of a built plan (see the module's docstring)."""
-    graph = plan._graph
+def _plan_record(plan) -> dict:
+    """What a blob holds of one built plan besides its graph: options, target, kernel groups,
+    launches and workspace layout."""
     groups = {id(group): index for index, group in enumerate(plan.groups)}
     binaries = _binaries(plan)
-    document = {
-        "version": BLOB_VERSION, "dnngraph": dnngraph_identity(), "triton": triton.__version__,
-        "graph": graph.to_json(), "options": options_record(plan.options), "target": _encoded(plan.target),
+    return {
+        "options": options_record(plan.options), "target": _encoded(plan.target),
         "groups": group_fingerprints(plan.groups),
         "launches": [_launch_record(launch, groups, binary) for launch, binary in zip(plan.launches, binaries)],
         "workspace": {"bytes": plan.workspace_bytes,
                       "tensors": [[uid, list(dim), None if stride is None else list(stride), str(dtype), nbytes, offset]
                                   for uid, dim, stride, dtype, nbytes, offset in plan.workspace_tensors]},
     }
+
+
+def _header(version: int) -> dict:
+    return {"version": version, "dnngraph": dnngraph_identity(), "triton": triton.__version__}
+
+
+def _packed(document: dict) -> bytes:
     payload = json.dumps(document, sort_keys=True).encode()
     return MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + zlib.compress(payload)
+
+
+def serialize_plan(plan) -> bytes:
+    """The blob of a built plan (see the module's docstring)."""
+    return _packed({**_header(BLOB_VERSION), "graph": plan._graph.to_json(), **_plan_record(plan)})
+
+
+def serialize_dynamic(graph, plan) -> bytes:
+    """The blob of a built graph with dynamic extents (`plan`: its DynamicPlan): the graph with its
+    symbols, the options it was built with, and each plan it holds, by its sizes. The plans at
+    every symbol's min and max are always in it (made again here if dropped since): they bound
+    the workspace of every size, so a loaded blob never builds to size its workspace."""
+    names = [symbol.name for symbol in plan.extents.symbols]
+    for end in ("min", "max"):
+        plan.plan_for(tuple(getattr(s, end) for s in plan.extents.symbols), executing=False)
+    sized = [{"sizes": dict(zip(names, key)), **_plan_record(held)} for key, held in sorted(plan.held())]
+    return _packed({**_header(DYNAMIC_BLOB_VERSION), "graph": graph.to_json(),
+                    "options": options_record(plan.options), "plans": sized})
 
 
 def _document(blob) -> dict:
@@ -227,8 +255,9 @@ def _document(blob) -> dict:
         raise SerializationError(f"damaged plan blob: {error}") from None
     if not isinstance(document, dict) or not {"version", "triton", "dnngraph"} <= set(document):
         raise SerializationError("not a dnngraph plan blob (its header is missing)")
-    if document.get("version") != BLOB_VERSION:
-        raise SerializationError(f"plan blob version {document.get('version')!r}; this dnngraph reads {BLOB_VERSION}")
+    if document.get("version") not in (BLOB_VERSION, DYNAMIC_BLOB_VERSION):
+        raise SerializationError(f"plan blob version {document.get('version')!r}; this dnngraph reads "
+                                 f"{BLOB_VERSION} and {DYNAMIC_BLOB_VERSION}")
     if document["triton"] != triton.__version__:
         raise SerializationError(f"plan blob written with triton {document['triton']}; triton {triton.__version__} "
                                  f"is installed (deserialize(..., rebuild=True) builds afresh)")
@@ -271,33 +300,104 @@ def deserialize_plan(blob, graph_type, rebuild: bool = False):
 
 def _loaded(document: dict, graph_type, rebuild: bool):
     """deserialize_plan of a blob whose header was checked."""
+    if document["version"] == DYNAMIC_BLOB_VERSION:
+        return _loaded_dynamic(document, graph_type, rebuild)
     graph = graph_type.from_json(document["graph"])
-    options = options_of(document["options"])
-    stored = _decoded(document["target"])
     device = _build_device()
-    why = _refused_target(stored, device) or (
-        "" if target_for(device, options) == stored else
-        f"the blob's plan is for {stored.name}; this machine plans for {target_for(device, options).name}")
+    why = _target_refusal(document, device)
     if why:
         if rebuild:
-            return graph.build(options=options)
+            return graph.build(options=options_of(document["options"]))
         raise SerializationError(f"{why} (deserialize(..., rebuild=True) builds afresh)")
+    graph._plan = _plan_of(document, graph, device, rebuild)
+    # as build() finds them: execute stages these inputs' host values (pass-by-value alpha, say)
+    graph._pass_by_value = tuple(t for t in graph.inputs() if t.is_pass_by_value)
+    return graph
+
+
+def _target_refusal(record: dict, device) -> str:
+    """Why this machine cannot run the plan `record` holds ("" when it can)."""
+    options, stored = options_of(record["options"]), _decoded(record["target"])
+    return _refused_target(stored, device) or (
+        "" if target_for(device, options) == stored else
+        f"the blob's plan is for {stored.name}; this machine plans for {target_for(device, options).name}")
+
+
+def _plan_of(record: dict, graph, device, rebuild: bool):
+    """The plan `record` holds (see _plan_record) for `graph`, whose partition must give the
+    record's groups: its kernels loaded from their text, nothing lowered or compiled."""
+    options = options_of(record["options"])
     snapshot = graph._snapshot()
     groups = partition(snapshot, registry.families(options.backends))
-    if group_fingerprints(groups) != document["groups"]:
+    if group_fingerprints(groups) != record["groups"]:
         raise SerializationError("the blob's kernel groups differ from this dnngraph's partition of its graph")
-    launches = [_launch_of(record, groups, snapshot) for record in document["launches"]]
+    launches = [_launch_of(launch, groups, snapshot) for launch in record["launches"]]
     plan = Plan(snapshot, groups, launches, device, options, build_launches if rebuild else _refuse_rebuild,
                 WorkspaceBudget(options.workspace_limit))
-    _check_workspace(plan, document["workspace"], device)
+    _check_workspace(plan, record["workspace"], device)
     plan.origin = "loaded from a serialized plan: nothing lowered or compiled" + (
         "; binaries as shipped" if any(launch.binary is not None for launch in launches) else "")
     shared = plan.for_graph(graph)
     shared.views.lend_strides(graph)
-    graph._plan = shared
-    # as build() finds them: execute stages these inputs' host values (pass-by-value alpha, say)
+    return shared
+
+
+def _loaded_dynamic(document: dict, graph_type, rebuild: bool):
+    """deserialize_plan of a blob of serialize_dynamic: the graph with dynamic extents, its plan
+    holding the blob's plan per size (loaded, nothing lowered or compiled); a size the blob does
+    not hold is built on first use, as in any dynamic graph."""
+    graph = graph_type.from_json(document["graph"])
+    if not graph.is_dynamic:
+        raise SerializationError("a blob of dynamic plans whose graph has no dynamic extents")
+    options = options_of(document["options"])
+    records = document["plans"]
+    if not isinstance(records, list) or not records:
+        raise SerializationError("a blob of dynamic plans holds a list of plans, one per size")
+    device = _build_device()
+    why = next((reason for reason in (_target_refusal(record, device) for record in records) if reason), "")
+    if why:
+        if rebuild:
+            return graph.build(options=options)
+        raise SerializationError(f"{why} (deserialize(..., rebuild=True) builds afresh)")
+    try:
+        graph.validate()
+    except GraphError as error:
+        raise SerializationError(f"a blob of dynamic plans of a graph that does not build: {error}") from None
+    snapshot = graph._snapshot()
+    held = {}
+    for record in records:
+        sized = _sized_graph(snapshot, record["sizes"])
+        key = tuple(record["sizes"][name] for name in sorted(record["sizes"]))
+        if key in held:
+            raise SerializationError(f"a blob of dynamic plans holds two plans at sizes {record['sizes']}")
+        held[key] = _plan_of(record, sized, device, rebuild)
+    _check_ends_held(graph, held)
+    graph._plan = build_dynamic_plan(graph, options, held=held)
     graph._pass_by_value = tuple(t for t in graph.inputs() if t.is_pass_by_value)
     return graph
+
+
+def _check_ends_held(graph, held: dict) -> None:
+    """A blob holds the plans at every symbol's min and max (serialize_dynamic writes them): a
+    dynamic plan builds those at once, so a blob without them would build while loading."""
+    symbols = [symbol for _, symbol in sorted(symbols_of(graph.inputs()).items())]
+    for end in ("min", "max"):
+        key = tuple(getattr(symbol, end) for symbol in symbols)
+        if key not in held:
+            raise SerializationError(f"a blob of dynamic plans without the plan at the range's {end} "
+                                     f"({dict(zip((s.name for s in symbols), key))})")
+
+
+def _sized_graph(snapshot, sizes):
+    """`snapshot` (a dynamic graph) at the sizes a blob's plan was built at, as the build made it."""
+    if not isinstance(sizes, dict):
+        raise SerializationError(f"a plan's sizes are an object of symbol name -> size, got {sizes!r}")
+    try:
+        sized = snapshot.specialised(sizes)
+        sized.validate()
+    except GraphError as error:
+        raise SerializationError(f"a plan at sizes {sizes} the graph does not run: {error}") from None
+    return sized
 
 
 def _check_workspace(plan, stored: dict, device) -> None:

@@ -14,9 +14,30 @@ from .base import (OpDef, OutputSpec, backward_rule, canonical_axes, fail, freez
 @dataclass(frozen=True)
 class ReshapeAttrs:
     dim: tuple
+    # (output axis, input axis) pairs: the output axis is as long as that input axis at every size
+    # (a dynamic axis kept whole; `dim` holds it at the symbol's max). Empty for a static reshape.
+    from_input: tuple = ()
+    written_when_set = ("from_input",)  # a document of a static reshape reads as before
 
     def __post_init__(self):
-        freeze(self, dim=int_tuple("reshape", "dim", self.dim, minimum=1, maximum=MAX_EXTENT))
+        dim = int_tuple("reshape", "dim", self.dim, minimum=1, maximum=MAX_EXTENT)
+        pairs = tuple(int_tuple("reshape", f"from_input[{index}]", pair, 2, minimum=0, maximum=MAX_RANK)
+                      for index, pair in enumerate(sequence("reshape", "from_input", self.from_input)))
+        outputs = [out for out, _ in pairs]
+        if len(set(outputs)) != len(outputs) or any(out >= len(dim) for out in outputs):
+            fail("reshape", f"from_input names each output axis of {list(dim)} at most once, got {list(pairs)}")
+        freeze(self, dim=dim, from_input=pairs)
+
+
+def reshape_target(attrs, x_dims) -> tuple:
+    """The output dims of reshape `attrs` of an input of dims `x_dims`: `attrs.dim`, each axis of
+    `from_input` as long as its input axis."""
+    dim = list(attrs.dim)
+    for out, source in attrs.from_input:
+        if source >= len(x_dims):
+            fail("reshape", f"from_input takes axis {source} of an input of rank {len(x_dims)}")
+        dim[out] = int(x_dims[source])
+    return tuple(dim)
 
 
 @dataclass(frozen=True)
@@ -57,7 +78,7 @@ def _numel(dim):
 
 def infer_reshape(inputs, attrs):
     (x,) = inputs
-    dim = int_tuple("reshape", "dim", attrs.dim, minimum=1)
+    dim = reshape_target(attrs, x.dim)
     if _numel(dim) != _numel(x.dim):
         fail("reshape", f"cannot reshape {x.name!r} {list(x.dim)} ({_numel(x.dim)} elements) to {list(dim)}")
     return [OutputSpec(dim, type_source=(0,))]
@@ -112,8 +133,9 @@ def view_of(node, dims, strides, offset: int):
         return (node.outputs[0].dim, tuple(stride * step for (_, _, step), stride in zip(attrs.slices, strides)),
                 offset)
     if node.op == "reshape":
-        new_strides = reshape_strides(dims, strides, tuple(attrs.dim))
-        return None if new_strides is None else (tuple(attrs.dim), new_strides, offset)
+        new_dims = tuple(node.outputs[0].dim)
+        new_strides = reshape_strides(dims, strides, new_dims)
+        return None if new_strides is None else (new_dims, new_strides, offset)
     raise ValueError(f"{node.op} is not a view")
 
 
@@ -179,7 +201,7 @@ def _normalize_slice(axis: int, item, size: int) -> tuple:
 
 
 register(OpDef("reshape", "layout", "opaque", ReshapeAttrs, ("x",), ("y",), infer_reshape,
-               lambda values, attrs: [values[0].reshape(attrs.dim)]))
+               lambda values, attrs: [values[0].reshape(reshape_target(attrs, values[0].shape))]))
 register(OpDef("transpose", "layout", "opaque", TransposeAttrs, ("x",), ("y",), infer_transpose,
                lambda values, attrs: [values[0].permute(attrs.permutation)]))
 register(OpDef("slice", "layout", "opaque", SliceAttrs, ("x",), ("y",), infer_slice,

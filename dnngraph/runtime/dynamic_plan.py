@@ -172,14 +172,16 @@ class DynamicPlan:
     bindings' sizes, built by `build_at(sizes)` (symbol name -> size; returns a Plan of the graph
     at those sizes) on first use."""
 
-    def __init__(self, graph, build_at: Callable):
+    def __init__(self, graph, build_at: Callable, options=None):
         self.graph_name = graph.name
+        self.options = options  # the BuildOptions every size is built with (a blob ships them)
         self.extents = DynamicExtents(graph)
         self._build_at = build_at
         self._handles = tuple((t, t.name) for t in graph.tensors)
         self._plans = PerSize()  # tuple of sizes -> Plan taking this graph's handles and names
         self._workspaces = SharedWorkspaces(lambda device: self.workspace_size(device))
         self.builds = 0  # plans built (host work; a size is built again only once PerSize dropped it)
+        self.adopted = ()  # the sizes whose plans were made elsewhere (loaded from a blob)
 
     def plan_for(self, key: tuple, executing: bool = True):
         """The plan at sizes `key` (symbols in name order), built on first use; a shape rule that
@@ -197,6 +199,17 @@ class DynamicPlan:
         self.builds += 1
         plan.shared_workspace = self._workspaces
         return _taking_handles(plan, self._handles)
+
+    def adopt(self, key: tuple, plan) -> None:
+        """Hold `plan` (of the graph at sizes `key`, made elsewhere: loaded from a blob) as the
+        plan of those sizes; nothing is built."""
+        plan.shared_workspace = self._workspaces
+        self._plans.get(key, lambda: _taking_handles(plan, self._handles))
+        self.adopted += (key,)
+
+    def held(self) -> list:
+        """(sizes, plan) of each plan held now (the last PLANS_KEPT used)."""
+        return self._plans.items()
 
     def execute(self, bindings, workspace=None) -> None:
         self.plan_for(self.extents.key(bindings)).execute(bindings, workspace)
@@ -232,6 +245,8 @@ class DynamicPlan:
         symbols = ", ".join(repr(s) for s in self.extents.symbols)
         lines = [f"dynamic graph {self.graph_name!r}: {symbols}; one plan per size seen, kernels shared by content",
                  f"sizes kept (the last {PLANS_KEPT} used): {sorted(self._plans.keys())}"]
+        if self.adopted:
+            lines.append(f"sizes loaded from a serialized blob (nothing lowered or compiled): {sorted(self.adopted)}")
         for bucket, names in sorted(self.kernels_by_bucket().items()):
             lines.append(f"bucket {list(bucket)}: {len(names)} kernel source(s)")
         lines.append("at the largest sizes:")

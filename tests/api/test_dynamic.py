@@ -251,13 +251,6 @@ def test_a_rule_that_fails_inside_the_range_is_refused_at_the_op():
     assert y.dynamic_dim == (40, 8)  # 40 rows at every size of 40..64
 
 
-def test_serialize_of_a_dynamic_graph_is_refused():
-    g, *_ = _norm_graph()
-    g.build()
-    with pytest.raises(dg.UnsupportedError, match="to_json"):
-        g.serialize()
-
-
 def _llama_layer(seq, heads, kv_heads, dim, hidden, io_type):
     """A Llama-like layer over one sequence of `seq` tokens, x [1, 1, seq, dim]: rmsnorm, per-head
     q/k/v projections ([1, heads, dim, head] weights), causal GQA attention, per-head output
@@ -332,9 +325,45 @@ def test_as_function_traces_once_under_torch_compile_dynamic():
     assert counters["stats"]["unique_graphs"] == 1
     with pytest.raises(dg.ExecutionError, match="rows"):  # the range is checked when the op runs
         compiled(torch.randn(65, 8), torch.randn(8, 6))
-    x = torch.randn(4, 8, requires_grad=True)
-    with pytest.raises(Exception, match="not differentiable under torch.compile"):
-        torch.compile(lambda x, y: fn(x, y), fullgraph=True, dynamic=True)(x, torch.randn(8, 6))
+
+
+
+def test_as_function_differentiates_under_torch_compile_dynamic():
+    """With gradients the traced call is differentiable: its backward op runs the derivation of
+    the arguments' sizes; one dynamo graph (AOTAutograd's one symbolic trace) for every size,
+    an input that wants no gradient gets none, and integer inputs never do."""
+    from torch._dynamo.utils import counters
+
+    rows = dg.dynamic("rows", 1, 64)
+    g = dg.Graph(name="traced_grad")
+    a = g.tensor(name="a", dim=[rows, 8], stride=[1, 64])  # column-major at every size
+    w = g.tensor(name="w", dim=[8, 6])
+    g.tanh(g.matmul(a, w)).set_output(True)
+    g.reduction(a, "sum", [1]).set_output(True)
+    fn = g.as_function()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda x, y: fn(x, y), fullgraph=True, dynamic=True, backend="aot_eager")
+
+    def check(m, weight_grad):
+        x = torch.randn(8, m).t().requires_grad_()
+        wt = (torch.randn(8, 6) / 3).requires_grad_(weight_grad)
+        product, total = compiled(x, wt)
+        seed_product, seed_total = torch.randn(m, 6), torch.randn(m, 1)
+        ((product * seed_product).sum() + (total * seed_total).sum()).backward()
+        ref_x, ref_w = x.detach().double().requires_grad_(), wt.detach().double().requires_grad_()
+        ((torch.tanh(ref_x @ ref_w) * seed_product.double()).sum()
+         + (ref_x.sum(1, keepdim=True) * seed_total.double()).sum()).backward()
+        assert rel_err(x.grad, ref_x.grad) < TOL, m
+        assert (wt.grad is not None) == weight_grad
+        if weight_grad:
+            assert rel_err(wt.grad, ref_w.grad) < TOL, m
+
+    for m in (3, 64):
+        check(m, True)
+    assert counters["stats"]["unique_graphs"] == 1
+    check(1, True)  # dynamo specializes a size of 1: a graph of its own
+    check(9, False)  # and guards requires_grad: a graph whose backward skips w
 
 
 def _relu_graph(tokens):

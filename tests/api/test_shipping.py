@@ -149,7 +149,7 @@ def _repacked(blob: bytes, change) -> bytes:
     return shipping.MAGIC + hashlib.sha256(payload).hexdigest().encode() + b"\n" + zlib.compress(payload)
 
 
-@pytest.mark.parametrize("field,value", [("dnngraph", "0" * 64), ("triton", "3.6.1"), ("version", 2)])
+@pytest.mark.parametrize("field,value", [("dnngraph", "0" * 64), ("triton", "3.6.1"), ("version", 3)])
 def test_blob_of_another_dnngraph_or_triton_is_refused_or_rebuilt(field, value):
     g = _declared_block().build()
     blob = _repacked(g.serialize(), lambda document: document.__setitem__(field, value))
