@@ -239,14 +239,14 @@ def estimate(problem: Problem, config: ConvConfig, target: Target) -> Optional[f
     return max(compute, moved / target.bandwidth) / efficiency + LAUNCH_SECONDS
 
 
-def candidates(backend_name: str, problem: Problem, target: Target, configs: tuple = CONFIGS) -> list:
-    """The configs of `configs` that fit the target's shared memory, BLOCK_K fitted to C and the
+def candidates(backend_name: str, problem: Problem, target: Target, configs: Optional[tuple] = None) -> list:
+    """The configs of `configs` (None: CONFIGS) that fit the target's shared memory, BLOCK_K fitted to C and the
     epilogue walk chosen (looped), best first by estimate (ties: the order given)."""
     in_bytes = problem.operand("x").data_type.itemsize
     out_bytes = problem.outputs[0].data_type.itemsize
     heavy = any(op in HEAVY_OPS for op in problem.epilogue)
     found = []
-    for config in configs:
+    for config in CONFIGS if configs is None else configs:
         config = replace(config, block_k=block_k_for(problem.geometry.c))
         config = replace(config, epilogue_loop=looped(config, heavy))
         if shared_bytes(config, in_bytes, out_bytes) > target.shared_memory:

@@ -20,8 +20,8 @@ output pixels, its columns output channels, its reduction R*S*C (tap-major, C in
 - The box's bytes in shared memory are those of a [BLOCK_M, BLOCK_K] tile in the same swizzled
   layout (the swizzle runs over the flattened rows alike): the ring holds [BLOCK_M, BLOCK_K]
   tiles, and the TMA copy writes them through a rank-4 view of the same buffer (`_reinterpret`).
-- B: a rank-4 descriptor over w as [R, S, K, C] (its own strides), box [1, 1, BLOCK_N,
-  BLOCK_K] at (r, s, k0, c0), read by wgmma K-major (library.b_operand). Channels past C are
+- B: a rank-4 descriptor over w as [K, R, S, C] (its own strides), box [BLOCK_N, 1, 1,
+  BLOCK_K] at (k0, r, s, c0), read by wgmma K-major (library.b_operand). Channels past C are
   zeros in both operands, so a partial channel block adds nothing. FLIP (mode="convolution")
   reads the filter back to front.
 - The epilogue runs in column subtiles (library.column_subtiles) and stores each through a
@@ -47,11 +47,11 @@ def pixel_box(buffer, BOX_H: gl.constexpr, BOX_W: gl.constexpr):
 
 @gluon.jit
 def filter_box(buffer):
-    """A [BLOCK_N, BLOCK_K] shared tile viewed as the box [1, 1, BLOCK_N, BLOCK_K] of the rank-4
-    [R, S, K, C] filter descriptor (the same bytes)."""
+    """A [BLOCK_N, BLOCK_K] shared tile viewed as the box [BLOCK_N, 1, 1, BLOCK_K] of the rank-4
+    [K, R, S, C] filter descriptor (the same bytes)."""
     R: gl.constexpr = buffer.type.shape[0]
     C: gl.constexpr = buffer.type.shape[1]
-    return buffer._reinterpret(buffer.dtype, [1, 1, R, C], shared_layout([1, 1, R, C], buffer.dtype))
+    return buffer._reinterpret(buffer.dtype, [R, 1, 1, C], shared_layout([R, 1, 1, C], buffer.dtype))
 
 
 @gluon.jit
@@ -71,6 +71,7 @@ def pixel_tile(tile, images, out_h, out_w, filters, BLOCK_H: gl.constexpr, BLOCK
 
 @gluon.jit
 def tile_count(images, out_h, out_w, filters, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_N: gl.constexpr):
+    """The tiles of the convolution: pixel rectangles of every image by channel blocks."""
     return images * gl.cdiv(out_h, BLOCK_H) * gl.cdiv(out_w, BLOCK_W) * gl.cdiv(filters, BLOCK_N)
 
 
@@ -90,8 +91,8 @@ def conv_load_partition(x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_ro
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     x_desc = tma.make_tensor_descriptor(x_ptr, [images, x_rows, x_cols, channels], [x_stride_n, x_stride_h, x_stride_w, 1],
                                         [1, SUB_H, BLOCK_W, BLOCK_K], shared_layout([1, SUB_H, BLOCK_W, BLOCK_K], dtype))
-    w_desc = tma.make_tensor_descriptor(w_ptr, [taps_h, taps_w, filters, channels], [w_stride_r, w_stride_s, w_stride_k, 1],
-                                        [1, 1, BLOCK_N, BLOCK_K], shared_layout([1, 1, BLOCK_N, BLOCK_K], dtype))
+    w_desc = tma.make_tensor_descriptor(w_ptr, [filters, taps_h, taps_w, channels], [w_stride_k, w_stride_r, w_stride_s, 1],
+                                        [BLOCK_N, 1, 1, BLOCK_K], shared_layout([BLOCK_N, 1, 1, BLOCK_K], dtype))
     channel_steps = gl.cdiv(channels, BLOCK_K)
     k_steps = taps_h * taps_w * channel_steps
     step = 0
@@ -116,7 +117,7 @@ def conv_load_partition(x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_ro
             if FLIP:  # mode="convolution": the filter back to front
                 r = taps_h - 1 - r
                 s = taps_w - 1 - s
-            tma.async_copy_global_to_shared(w_desc, [r, s, pid_n * BLOCK_N, c0], barrier, filter_box(b_ring.index(slot)))
+            tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, r, s, c0], barrier, filter_box(b_ring.index(slot)))
             step += 1
 
 
