@@ -2,7 +2,8 @@
 matmul's warp-specialized mainloop, A per filter tap by rank-4 TMA boxes over NHWC x.
 
 CPU (here): every config offered, over both 16-bit types, every epilogue form and geometry
-(stride 1 with padding and dilation, the strided 1x1 view, thin channels, a flipped filter),
+(stride 1 with padding and dilation, stride 2 through phase views, the strided 1x1, thin channels,
+a flipped filter),
 compiles for sm_90a with warp specialization, wgmma, TMA and no spills; supports() names why it
 refuses each case it refuses; the tile choice (the pixel rectangle by its waste) and the
 launch's arguments as plain data; explain() names a refusing gluon's reason.
@@ -27,7 +28,8 @@ from helpers import check, compiled_for_sm90
 import dnngraph as dg
 from dnngraph.backends import registry
 from dnngraph.backends.gluon.backend import GLUON
-from dnngraph.backends.gluon.conv_backend import LAUNCH_SECONDS, ConvConfig, block_k_for, estimate, shared_bytes
+from dnngraph.backends.gluon.conv_backend import (LAUNCH_SECONDS, ConvConfig, block_k_for, estimate, shared_bytes,
+                                                  tap_phases)
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200
 
@@ -82,7 +84,7 @@ def _graph(t=dg.bfloat16, x_dim=(2, 64, 9, 9), w_dim=(64, 64, 3, 3), x_stride=No
     return g, x, w, conv
 
 
-def test_supports_the_stride_1_and_strided_1x1_convolutions():
+def test_supports_strides_1_and_2_and_the_strided_1x1_convolutions():
     for geometry in GEOMETRIES.values():
         n, c, h, w, k, f, s, p, d = geometry
         for type_name in TYPES:
@@ -98,13 +100,17 @@ def test_supports_names_why_it_refuses():
     g.conv_fprop(x, w, **conv).set_output(True)
     assert "capability" in _refusal(g, dataclasses.replace(H100, capability=(10, 0)))
 
-    g, x, w, conv = _graph()  # 3x3 / 2: a TMA box steps one pixel
-    g.conv_fprop(x, w, **dict(conv, stride=[2, 2])).set_output(True)
-    assert "stride [2, 2]" in _refusal(g) and "1x1" in _refusal(g)
+    g, x, w, conv = _graph()  # 3x3 / 3: taps in three phases
+    g.conv_fprop(x, w, **dict(conv, stride=[1, 3])).set_output(True)
+    assert "stride past 2" in _refusal(g) and "stride [1, 3]" in _refusal(g)
 
-    g, x, w, conv = _graph(w_dim=(64, 64, 1, 1))  # 1x1 / 2 with padding
-    g.conv_fprop(x, w, **dict(conv, stride=[2, 2])).set_output(True)
+    g, x, w, conv = _graph(w_dim=(64, 64, 1, 1))  # 1x1 / 3 with padding: taps in phase 2
+    g.conv_fprop(x, w, **dict(conv, stride=[3, 3])).set_output(True)
     assert "padding [1, 1]" in _refusal(g)
+
+    g, x, w, conv = _graph(x_dim=(2, 64, 1, 9))  # one row: no phase-1 view of it
+    g.conv_fprop(x, w, **dict(conv, stride=[2, 2])).set_output(True)
+    assert "H of at least the stride 2, not 1" in _refusal(g)
 
     g, x, w, conv = _graph(w_dim=(64, 32, 3, 3))
     g.conv_fprop(x, w, **dict(conv, groups=2)).set_output(True)
@@ -210,7 +216,15 @@ def _values(launch, kind) -> dict:
     return {a.name: a.value for a in launch.arguments if a.kind == kind}
 
 
-def test_the_launch_reads_x_as_itself_or_through_its_strided_view():
+def test_the_phase_views_a_stride_takes():
+    """Phase of each tap's offset r*dil - pad mod the stride: both parities at 3x3/2 p1, none but
+    0 at 1x1/2 p0 (any stride), only 1 at 1x1/2 p1."""
+    assert tap_phases(3, 2, 1, 1) == {0, 1} and tap_phases(7, 2, 3, 1) == {0, 1}
+    assert tap_phases(1, 2, 0, 1) == {0} and tap_phases(1, 4, 0, 1) == {0} and tap_phases(1, 2, 1, 1) == {1}
+    assert tap_phases(3, 1, 1, 2) == {0} and tap_phases(3, 2, 2, 2) == {0}  # even offsets: phase 0 only
+
+
+def test_the_launch_reads_x_with_its_own_sizes_and_strides():
     n, c, h, w, k = 2, 64, 13, 11, 128
     (plain,) = lowered(conv_graph("bf16", "bias_relu", n, c, h, w, k, 3, padding=1, dilation=1))
     ints = _values(plain, "int")
@@ -218,12 +232,18 @@ def test_the_launch_reads_x_as_itself_or_through_its_strided_view():
     assert (ints["pad_h"], ints["pad_w"], ints["taps_h"], ints["out_h"], ints["out_w"]) == (1, 1, 3, h, w)
     assert (ints["w_stride_k"], ints["w_stride_r"], ints["w_stride_s"]) == (9 * c, 3 * c, c)
     assert (ints["y_stride_n"], ints["y_stride_h"], ints["y_stride_w"]) == (h * w * k, w * k, k)
+    values = _values(plain, "constexpr")
+    assert (values["STRIDE_H"], values["STRIDE_W"], values["PHASED_H"], values["PHASED_W"]) == (1, 1, False, False)
     (strided,) = lowered(conv_graph("bf16", "bias_relu", n, c, h, w, k, 1, stride=2))
-    ints = _values(strided, "int")
-    # view row p is x row 2p: ceil(13 / 2) = 7 rows, ceil(11 / 2) = 6 columns, twice the strides
-    assert (ints["x_rows"], ints["x_cols"], ints["x_stride_h"], ints["x_stride_w"]) == (7, 6, 2 * w * c, 2 * c)
+    ints, values = _values(strided, "int"), _values(strided, "constexpr")
+    assert (ints["x_rows"], ints["x_cols"], ints["x_stride_h"], ints["x_stride_w"]) == (h, w, w * c, c)
     assert (ints["out_h"], ints["out_w"], ints["pad_h"]) == (7, 6, 0)
-    assert "strided 1x1 view" in strided.reason
+    assert (values["STRIDE_H"], values["PHASED_H"], values["PHASED_W"]) == (2, False, False)
+    assert "stride [2, 2] through 1 phase view of x" in strided.reason
+    (phased,) = lowered(conv_graph("bf16", "bias_relu", n, c, h, w, k, 3, stride=2, padding=1))
+    values = _values(phased, "constexpr")
+    assert (values["STRIDE_H"], values["STRIDE_W"], values["PHASED_H"], values["PHASED_W"]) == (2, 2, True, True)
+    assert "through 4 phase views" in phased.reason
     (flipped,) = lowered(conv_graph("bf16", "none", n, c, h, w, k, 3, padding=1, mode="convolution"))
     assert _values(flipped, "constexpr")["FLIP"] is True and _values(plain, "constexpr")["FLIP"] is False
 
@@ -255,12 +275,12 @@ def test_default_options_never_choose_gluon_and_opting_in_ranks_it():
     assert registry.choose(problem, H100, BuildOptions(backends=("gluon",)), interpreted=False).name == "gluon"
 
 
-def test_refusals_name_gluons_reason_for_a_strided_3x3():
+def test_refusals_name_gluons_reason_for_a_stride_3():
     g, x, w, conv = _graph()
-    g.conv_fprop(x, w, **dict(conv, stride=[2, 2])).set_output(True)
+    g.conv_fprop(x, w, **dict(conv, stride=[3, 3])).set_output(True)
     problem = conv_group(g)[1]
     text = registry.refusals(problem, H100, BuildOptions(backends=GLUON_FIRST, target=H100))
-    assert text.startswith("gluon: gluon's implicit GEMM takes stride [2, 2]")
+    assert text.startswith("gluon: gluon's implicit GEMM reads a stride past 2")
     assert registry.refusals(problem, H100, BuildOptions(backends=("triton",), target=H100)) == ""
 
 
@@ -299,7 +319,8 @@ def _check_gluon(g, type_name, target=None, tolerance=None):
 
 
 # (id, n, c, h, w, k, filter, stride, padding, dilation): 1x1/1, 1x1/2 (odd sizes: the view's
-# last row and column), 3x3/1 p1, 5x5/1 p2 and dilated, 7x7 p3; odd N, H, W; C and K from 16 to 264
+# last row and column), 3x3/1 p1, 5x5/1 p2 and dilated, 7x7 p3, 3x3/2 and 7x7/2 (four phase views;
+# odd and even H, W); odd N, H, W; C and K from 8 to 264
 GPU_GEOMETRIES = (
     ("1x1s1", 3, 264, 13, 11, 136, 1, 1, 0, 1),
     ("1x1s2", 3, 64, 13, 11, 264, 1, 2, 0, 1),
@@ -308,6 +329,10 @@ GPU_GEOMETRIES = (
     ("5x5s1p2", 3, 16, 13, 11, 40, 5, 1, 2, 1),
     ("5x5d2p4", 2, 32, 12, 10, 24, 5, 1, 4, 2),
     ("7x7s1p3", 1, 24, 15, 9, 264, 7, 1, 3, 1),
+    ("3x3s2p1", 3, 64, 13, 12, 136, 3, 2, 1, 1),
+    ("3x3s2p1d2", 2, 32, 17, 11, 64, 3, 2, 1, 2),
+    ("7x7s2p3", 2, 8, 23, 18, 64, 7, 2, 3, 1),
+    ("1x1s2p1", 2, 64, 9, 10, 64, 1, 2, 1, 1),
 )
 
 
@@ -324,23 +349,25 @@ def test_gluon_conv_matches_the_reference(type_name, epilogue, geometry):
 @pytest.mark.parametrize("index", range(len(CONFIGS)), ids=lambda i: CONFIGS[i].text.replace(" ", "_"))
 def test_every_config_matches_the_reference(index, monkeypatch):
     """Every config forced in turn, over a 3x3 layer whose rectangles and channel blocks are
-    partly past P, Q, C and K, and a strided 1x1; a NaN in one input pixel reaches exactly the
-    output pixels whose windows hold it."""
+    partly past P, Q, C and K, at stride 1 and 2 (four phase views), and a strided 1x1; a NaN in
+    input pixel (4, 5) of image 1 reaches exactly the output pixels whose windows hold it."""
     import dnngraph.backends.gluon.conv_backend as conv_backend
     from dnngraph.runtime.plan_cache import PLANS
     monkeypatch.setattr(conv_backend, "CONFIGS", (CONFIGS[index], ))
     PLANS.clear()
-    g = conv_graph("bf16", "bias_relu", 3, 72, 19, 21, 264, 3, padding=1)
-    inputs = _inputs(g)
-    inputs["x"][1, :, 4, 5] = float("nan")
-    outputs = check(g, inputs, dtype=torch.bfloat16, device="cuda",
-                    options=BuildOptions(backends=("gluon", ), target=_few_sms()))
-    (output, ) = outputs.values()
-    nan_pixels = torch.isnan(output).any(dim=1).nonzero().tolist()
-    assert sorted(nan_pixels) == [[1, p, q] for p in (3, 4, 5) for q in (4, 5, 6)]
     config = CONFIGS[index]
-    assert f"conv {config.block_h}x{config.block_w}x{config.block_n}x64 stages={config.stages}" in (
-        g.plan.launches[0].config_text)
+    # stride 1: rows 3..5, columns 4..6; stride 2: output p reads rows 2p - 1 .. 2p + 1
+    for stride, rows, cols in ((1, (3, 4, 5), (4, 5, 6)), (2, (2, ), (2, 3))):
+        g = conv_graph("bf16", "bias_relu", 3, 72, 19, 21, 264, 3, stride=stride, padding=1)
+        inputs = _inputs(g)
+        inputs["x"][1, :, 4, 5] = float("nan")
+        outputs = check(g, inputs, dtype=torch.bfloat16, device="cuda",
+                        options=BuildOptions(backends=("gluon", ), target=_few_sms()))
+        (output, ) = outputs.values()
+        nan_pixels = torch.isnan(output).any(dim=1).nonzero().tolist()
+        assert sorted(nan_pixels) == [[1, p, q] for p in rows for q in cols], stride
+        assert f"conv {config.block_h}x{config.block_w}x{config.block_n}x64 stages={config.stages}" in (
+            g.plan.launches[0].config_text)
     _check_gluon(conv_graph("fp16", "bias_silu", 2, 64, 15, 13, 136, 1, stride=2), "fp16")
 
 
@@ -368,10 +395,10 @@ def test_explain_names_the_gluon_kernel_and_a_refusal():
     text = g.explain()
     assert "  backend: gluon" in text and "gluon warp-specialized conv" in text
     assert "dnngraph_gluon_conv_conv_fprop" in text
-    strided = conv_graph("bf16", "bias_relu", 2, 64, 13, 11, 64, 3, stride=2, padding=1)
+    strided = conv_graph("bf16", "bias_relu", 2, 64, 13, 11, 64, 3, stride=3, padding=1)
     check(strided, _inputs(strided), dtype=torch.bfloat16, device="cuda", options=BuildOptions(backends=GLUON_FIRST))
     text = strided.explain()
-    assert "  backend: triton" in text and "  refused: gluon: gluon's implicit GEMM takes stride [2, 2]" in text
+    assert "  backend: triton" in text and "  refused: gluon: gluon's implicit GEMM reads a stride past 2" in text
 
 
 CONSAN = """
@@ -385,9 +412,9 @@ from helpers import check
 import dnngraph as dg
 target = dataclasses.replace(dg.target.from_properties(torch.cuda.get_device_properties(0)), sms=2)
 # two consumers (3x3, padded) and one (the 8x8 rectangles of a 7x7 output), each program over
-# several tiles; a strided 1x1
+# several tiles; a strided 1x1; a 3x3 / 2 through four phase views
 for args, kwargs in (((3, 64, 13, 11, 136, 3), dict(padding=1)), ((2, 64, 7, 7, 64, 3), dict(padding=1)),
-                     ((2, 64, 13, 11, 128, 1), dict(stride=2))):
+                     ((2, 64, 13, 11, 128, 1), dict(stride=2)), ((2, 64, 15, 13, 64, 3), dict(stride=2, padding=1))):
     g = conv_graph("bf16", "bias_relu", *args, **kwargs)
     inputs = {{t.name: torch.empty_strided(tuple(t.dim), tuple(t.stride), dtype=t.data_type.torch_dtype,
                                           device="cuda").copy_(torch.randn(*t.dim, device="cuda") / 4)

@@ -4,13 +4,13 @@ and the launch of one group.
 
 Taken: conv_fprop of fp16 or bf16 x and w (one type), 2D, groups 1, x NHWC (channels_last: C
 contiguous) and w KRSC (C contiguous), y NHWC (K contiguous), C and K multiples of 16 bytes and
-every other stride too (TMA reads and writes them); stride 1 with any padding and dilation, and
-1x1 convolutions with stride > 1 and no leading padding (the ResNet downsample: read through the
-strided view of x); either mode (cross-correlation, or convolution: the filter back to front);
+every other stride too (TMA reads and writes them); strides 1 and 2 with any padding and dilation
+(a stride-2 axis through x's phase views: conv_library.py), and any stride whose taps all lie in
+phase 0 (a 1x1 filter without padding: the ResNet downsample); either mode (cross-correlation, or convolution: the filter back to front);
 the matmul's epilogue ops on scalars and per-channel vectors ([1, K, 1, 1], a bias), stored in
 float16, bfloat16 or float32. Refused, each with a reason starting "gluon": dgrad, wgrad,
-groups, 1D / 3D, other strided convolutions (3x3/2, 7x7/2: a TMA box steps one pixel; the Triton
-backend runs them), other layouts and types, prologues (a batchnorm applied at load), exits
+groups, 1D / 3D, strides past 2 with taps in other phases, inputs narrower than a phased stride,
+other layouts and types, prologues (a batchnorm applied at load), exits
 (genstats), epilogue operands of other shapes (a residual).
 
 Configs (ConvConfig): an output tile is a BLOCK_H x BLOCK_W pixel rectangle of one image by
@@ -149,11 +149,31 @@ def _layout_why(name: str, dims: tuple, strides: tuple, itemsize: int, channels_
     return None
 
 
-def strided_view(problem: Problem) -> bool:
-    """Whether x is read through its strided view: a 1x1 convolution with a stride past 1 and no
-    leading padding (each output pixel reads one input pixel, sh and sw apart)."""
+def tap_phases(taps: int, stride: int, padding: int, dilation: int) -> frozenset:
+    """The phases (offset mod stride) of one axis's taps, offsets tap*dilation - padding: each
+    phase is a view of x the kernel reads (conv_library.phase_view)."""
+    return frozenset((tap * dilation - padding) % stride for tap in range(taps))
+
+
+def phased_axes(problem: Problem) -> tuple:
+    """(PHASED_H, PHASED_W): whether an axis's taps read a phase other than 0 (a stride-2 axis
+    whose offsets take both parities, or odd ones); one view of x along it otherwise."""
     g = problem.geometry
-    return any(s > 1 for s in g.stride) and g.filter == (1, 1) and g.padding == (0, 0)
+    return tuple(tap_phases(*axis) != frozenset({0}) for axis in zip(g.filter, g.stride, g.padding, g.dilation))
+
+
+def _stride_why(problem: Problem) -> Optional[str]:
+    """Why the phase views cannot read this convolution's strides, or None."""
+    g = problem.geometry
+    for name, extent, axis, phased in zip("HW", g.input_spatial, zip(g.filter, g.stride, g.padding, g.dilation),
+                                          phased_axes(problem)):
+        taps, stride, padding, dilation = axis
+        if phased and stride > 2:
+            return (f"gluon's implicit GEMM reads a stride past 2 only where every tap lies in phase 0 (a 1x1 filter "
+                    f"without padding); stride {list(g.stride)}, filter {list(g.filter)}, padding {list(g.padding)}")
+        if phased and extent < stride:
+            return f"gluon's phase views need {name} of at least the stride {stride}, not {extent}"
+    return None
 
 
 # -- the contract's answers -------------------------------------------------------------------------
@@ -166,9 +186,9 @@ def supports(problem: Problem) -> Union[bool, str]:
         return f"gluon's convolution takes groups 1, not {g.groups}"
     if len(g.filter) != 2:
         return f"gluon's convolution takes 2D convolutions, not {len(g.filter)}D"
-    if any(s > 1 for s in g.stride) and not strided_view(problem):
-        return (f"gluon's implicit GEMM takes stride {list(g.stride)} only for a 1x1 filter without padding (a TMA "
-                f"box steps one pixel); the filter is {list(g.filter)}, padding {list(g.padding)}")
+    why = _stride_why(problem)
+    if why is not None:
+        return why
     if problem.prologue:
         return f"gluon fuses no prologue (the group has {', '.join(problem.prologue)})"
     if problem.exits:
@@ -284,10 +304,8 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
     _, (w_k, w_r, w_s) = nhwc_strides(tuple(w.dim), tuple(w.stride))
     _, (y_n, y_h, y_w) = nhwc_strides(tuple(out.dim), tuple(out.stride))
     rows, cols = g.input_spatial
-    (stride_h, stride_w), (pad_h, pad_w), (dil_h, dil_w) = g.stride, g.padding, g.dilation
-    if strided_view(problem):  # x as [N, ceil(H/sh), ceil(W/sw), C]: one input pixel an output pixel
-        rows, cols, x_h, x_w = -(-rows // stride_h), -(-cols // stride_w), x_h * stride_h, x_w * stride_w
-        dil_h = dil_w = 1
+    (pad_h, pad_w), (dil_h, dil_w) = g.padding, g.dilation
+    phased = phased_axes(problem)
     p, q = g.output_spatial
     sizes = {"images": g.n, "x_rows": rows, "x_cols": cols, "channels": g.c, "x_stride_n": x_n, "x_stride_h": x_h,
              "x_stride_w": x_w, "filters": g.k, "taps_h": g.filter[0], "taps_w": g.filter[1], "w_stride_k": w_k,
@@ -297,19 +315,28 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
                   "BLOCK_K": config.block_k, "STAGES": config.stages, "GROUP_M": config.group_m,
                   "CONSUMERS": config.consumers, "EPILOGUE_N": config.epilogue_n, "PRODUCER_REGS": PRODUCER_REGS,
                   "CONSUMER_REGS": CONSUMER_REGS, "FLIP": node.attrs.mode == "convolution",
-                  "EPILOGUE_LOOP": config.epilogue_loop}
+                  "EPILOGUE_LOOP": config.epilogue_loop, "STRIDE_H": g.stride[0], "STRIDE_W": g.stride[1],
+                  "PHASED_H": phased[0], "PHASED_W": phased[1]}
     stem = f"dnngraph_gluon_{group.kind}_{node.op}"
     source = conv_codegen.render(stem, group.summary(), (x.uid, w.uid, out.uid), sizes, node.outputs[0],
                                  tuple(group.epilogue), tuple(out.dim), constexprs, problem.fast_math)
     tiles = tile_count(problem, config)
     programs = max(1, min(tiles, target.sms))
     reason = (f"{config.text}: model {chosen.estimate * 1e6:.1f} us ({tiles} tiles on {programs} persistent "
-              f"programs{', strided 1x1 view' if strided_view(problem) else ''})")
+              f"programs{_views_text(g.stride, phased)})")
     launch = launch_of(group, source, (programs,), WARPS, config.text + f" grid={programs}", reason)
     launch.alternative = _unaligned_fallback(graph, group, problem, context)
     if launch.alternative is None:  # an unaligned call would run the TMA kernel: let Triton take it
         raise UnsupportedError(f"{problem.where}: no pointer-load fallback for unaligned calls")
     return [launch]
+
+
+def _views_text(stride: tuple, phased: tuple) -> str:
+    """How x is read, for the launch's reason: "" at stride 1, else the stride and phase views."""
+    if all(s == 1 for s in stride):
+        return ""
+    views = (2 if phased[0] else 1) * (2 if phased[1] else 1)
+    return f", stride {list(stride)} through {views} phase view{'s' if views > 1 else ''} of x"
 
 
 def _unaligned_fallback(graph, group, problem, context) -> Optional[KernelLaunch]:

@@ -22,7 +22,7 @@ SIZES = ("images", "x_rows", "x_cols", "channels", "x_stride_n", "x_stride_h", "
          "taps_w", "w_stride_k", "w_stride_r", "w_stride_s", "out_h", "out_w", "y_stride_n", "y_stride_h",
          "y_stride_w", "pad_h", "pad_w", "dil_h", "dil_w")
 CONSTEXPRS = ("BLOCK_H", "BLOCK_W", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M", "CONSUMERS", "EPILOGUE_N",
-              "PRODUCER_REGS", "CONSUMER_REGS", "FLIP", "EPILOGUE_LOOP")
+              "PRODUCER_REGS", "CONSUMER_REGS", "FLIP", "EPILOGUE_LOOP", "STRIDE_H", "STRIDE_W", "PHASED_H", "PHASED_W")
 CONV_FIXED = FIXED + ("conv_lib", "x_ptr", "w_ptr", "y_ptr") + SIZES + CONSTEXPRS
 
 
@@ -127,6 +127,6 @@ def epilogue(acc, rows, cols, batch, M, N, args):
 def {stem}({parameters}):
     conv_lib.conv_fprop(x_ptr, w_ptr, y_ptr, {size_text}, epilogue, {args_tuple},
                         BLOCK_H, BLOCK_W, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CONSUMERS, EPILOGUE_N, PRODUCER_REGS,
-                        CONSUMER_REGS, FLIP, EPILOGUE_LOOP)
+                        CONSUMER_REGS, FLIP, EPILOGUE_LOOP, STRIDE_H, STRIDE_W, PHASED_H, PHASED_W)
 '''
     return KernelSource(stem, text, list(arguments))

@@ -14,9 +14,13 @@ output pixels, its columns output channels, its reduction R*S*C (tap-major, C in
   cooperative_mainloop) loads each step's A block with ONE TMA copy of the box [1, BLOCK_H,
   BLOCK_W, BLOCK_K] of a rank-4 descriptor over x [N, H, W, C] at (n, p0 + r*dil - pad,
   q0 + s*dil - pad, c0): out-of-bounds rows, columns and channels are zeros, which is the
-  padding (and the channel tail past C). Stride-1 convolutions read x as it is; a 1x1 convolution
-  with stride > 1 and no leading padding reads the strided view [N, ceil(H/sh), ceil(W/sw), C]
-  (strides sh*W*C, sw*C) through the same code (the host gives the view's sizes and strides).
+  padding (and the channel tail past C). A stride s reads phase views of x: view (a, b) is
+  [N, ceil((H - a) / sh), ceil((W - b) / sw), C] from x[:, a, b, :] with strides (sh*W*C, sw*C),
+  whose row v is x's row v*sh + a; tap offset o = r*dil - pad (and its column's) lands in phase
+  o mod sh at view row p + floor(o / sh), so each tap's box is one TMA copy from one view. Stride
+  1 has the one view x itself; a stride-2 axis two phases (PHASED_H / PHASED_W), where its taps'
+  offsets take both parities; a stride whose taps all lie in phase 0 (a 1x1 filter without
+  leading padding: the ResNet downsample, any stride) one view.
 - The box's bytes in shared memory are those of a [BLOCK_M, BLOCK_K] tile in the same swizzled
   layout (the swizzle runs over the flattened rows alike): the ring holds [BLOCK_M, BLOCK_K]
   tiles, and the TMA copy writes them through a rank-4 view of the same buffer (`_reinterpret`).
@@ -76,11 +80,57 @@ def tile_count(images, out_h, out_w, filters, BLOCK_H: gl.constexpr, BLOCK_W: gl
 
 
 @gluon.jit
+def phase_view(x_ptr, phase_h, phase_w, images, x_rows, x_cols, channels, x_stride_n, x_stride_h, x_stride_w,
+               STRIDE_H: gl.constexpr, STRIDE_W: gl.constexpr, BOX_H: gl.constexpr, BOX_W: gl.constexpr,
+               BLOCK_K: gl.constexpr):
+    """The rank-4 descriptor of phase view (phase_h, phase_w) of NHWC x (the module docstring):
+    its row v, column u is x's row v*STRIDE_H + phase_h, column u*STRIDE_W + phase_w; rows and
+    columns past x's read zeros. (Stride 1, phase 0: x itself.)"""
+    dtype: gl.constexpr = x_ptr.dtype.element_ty
+    base = x_ptr + phase_h * x_stride_h + phase_w * x_stride_w
+    return tma.make_tensor_descriptor(base, [images, gl.cdiv(x_rows - phase_h, STRIDE_H),
+                                             gl.cdiv(x_cols - phase_w, STRIDE_W), channels],
+                                      [x_stride_n, STRIDE_H * x_stride_h, STRIDE_W * x_stride_w, 1],
+                                      [1, BOX_H, BOX_W, BLOCK_K], shared_layout([1, BOX_H, BOX_W, BLOCK_K], dtype))
+
+
+@gluon.jit
+def tap_offset(tap, dilation, padding, STRIDE: gl.constexpr):
+    """(phase, view offset) of a tap along one axis: its input offset tap*dilation - padding is
+    phase + STRIDE * view offset, phase in [0, STRIDE) (the offset lifted to >= 0 first: integer
+    division and remainder round toward zero)."""
+    lift = gl.cdiv(padding, STRIDE)
+    lifted = tap * dilation - padding + lift * STRIDE
+    return lifted % STRIDE, lifted // STRIDE - lift
+
+
+@gluon.jit
+def copy_pixels(views, phase_h, phase_w, coordinates, barrier, buffer, PHASED: gl.constexpr):
+    """TMA copy of the box at `coordinates` of view (phase_h, phase_w) of `views` (x's phase
+    views: (0, 0), (0, 1), (1, 0), (1, 1)) into `buffer`; PHASED False: view (0, 0), the only one."""
+    if PHASED:
+        if phase_h == 0:
+            if phase_w == 0:
+                tma.async_copy_global_to_shared(views[0], coordinates, barrier, buffer)
+            else:
+                tma.async_copy_global_to_shared(views[1], coordinates, barrier, buffer)
+        else:
+            if phase_w == 0:
+                tma.async_copy_global_to_shared(views[2], coordinates, barrier, buffer)
+            else:
+                tma.async_copy_global_to_shared(views[3], coordinates, barrier, buffer)
+    else:
+        tma.async_copy_global_to_shared(views[0], coordinates, barrier, buffer)
+
+
+@gluon.jit
 def conv_load_partition(x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_rows, x_cols, channels,
                         x_stride_n, x_stride_h, x_stride_w, filters, taps_h, taps_w, w_stride_k, w_stride_r,
                         w_stride_s, out_h, out_w, pad_h, pad_w, dil_h, dil_w,  #
                         BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_N: gl.constexpr,
-                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, A_PARTS: gl.constexpr, FLIP: gl.constexpr):
+                        BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, A_PARTS: gl.constexpr, FLIP: gl.constexpr,
+                        STRIDE_H: gl.constexpr, STRIDE_W: gl.constexpr, PHASED_H: gl.constexpr,
+                        PHASED_W: gl.constexpr):
     """The producer (one warp): for each of the program's tiles and each (tap, channel block)
     step, wait for the slot to be empty, then load the tap's shifted pixel boxes (A_PARTS of
     BLOCK_H // A_PARTS rows each: one per consumer) and the filter block into it. It makes the
@@ -89,8 +139,22 @@ def conv_load_partition(x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_ro
     STAGES: gl.constexpr = b_ring.type.shape[0]
     SUB_H: gl.constexpr = BLOCK_H // A_PARTS
     dtype: gl.constexpr = x_ptr.dtype.element_ty
-    x_desc = tma.make_tensor_descriptor(x_ptr, [images, x_rows, x_cols, channels], [x_stride_n, x_stride_h, x_stride_w, 1],
-                                        [1, SUB_H, BLOCK_W, BLOCK_K], shared_layout([1, SUB_H, BLOCK_W, BLOCK_K], dtype))
+    # x's phase views (0, 0), (0, 1), (1, 0), (1, 1); those of no phased axis stand in as (0, 0)
+    view00 = phase_view(x_ptr, 0, 0, images, x_rows, x_cols, channels, x_stride_n, x_stride_h, x_stride_w, STRIDE_H,
+                        STRIDE_W, SUB_H, BLOCK_W, BLOCK_K)
+    view01 = view00
+    view10 = view00
+    view11 = view00
+    if PHASED_W:
+        view01 = phase_view(x_ptr, 0, 1, images, x_rows, x_cols, channels, x_stride_n, x_stride_h, x_stride_w,
+                            STRIDE_H, STRIDE_W, SUB_H, BLOCK_W, BLOCK_K)
+    if PHASED_H:
+        view10 = phase_view(x_ptr, 1, 0, images, x_rows, x_cols, channels, x_stride_n, x_stride_h, x_stride_w,
+                            STRIDE_H, STRIDE_W, SUB_H, BLOCK_W, BLOCK_K)
+        if PHASED_W:
+            view11 = phase_view(x_ptr, 1, 1, images, x_rows, x_cols, channels, x_stride_n, x_stride_h, x_stride_w,
+                                STRIDE_H, STRIDE_W, SUB_H, BLOCK_W, BLOCK_K)
+    views = (view00, view01, view10, view11)
     w_desc = tma.make_tensor_descriptor(w_ptr, [filters, taps_h, taps_w, channels], [w_stride_k, w_stride_r, w_stride_s, 1],
                                         [BLOCK_N, 1, 1, BLOCK_K], shared_layout([BLOCK_N, 1, 1, BLOCK_K], dtype))
     channel_steps = gl.cdiv(channels, BLOCK_K)
@@ -108,12 +172,13 @@ def conv_load_partition(x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_ro
             # a fresh barrier counts as having completed the phase before its first
             mbarrier.wait(empty.index(slot), ((step // STAGES) & 1) ^ 1)
             barrier = ready.index(slot)
-            mbarrier.expect(barrier, A_PARTS * x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+            mbarrier.expect(barrier, A_PARTS * view00.block_type.nbytes + w_desc.block_type.nbytes)
+            phase_h, shift_h = tap_offset(r, dil_h, pad_h, STRIDE_H)
+            phase_w, shift_w = tap_offset(s, dil_w, pad_w, STRIDE_W)
             for part in gl.static_range(A_PARTS):
                 # negative and past-the-end coordinates read zeros: the padding
-                tma.async_copy_global_to_shared(
-                    x_desc, [image, p0 + part * SUB_H + r * dil_h - pad_h, q0 + s * dil_w - pad_w, c0], barrier,
-                    pixel_box(a_ring.index(slot * A_PARTS + part), SUB_H, BLOCK_W))
+                copy_pixels(views, phase_h, phase_w, [image, p0 + part * SUB_H + shift_h, q0 + shift_w, c0], barrier,
+                            pixel_box(a_ring.index(slot * A_PARTS + part), SUB_H, BLOCK_W), PHASED_H or PHASED_W)
             if FLIP:  # mode="convolution": the filter back to front
                 r = taps_h - 1 - r
                 s = taps_w - 1 - s
@@ -186,7 +251,8 @@ def conv_fprop(x_ptr, w_ptr, y_ptr, images, x_rows, x_cols, channels, x_stride_n
                BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_N: gl.constexpr,
                PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, FLIP: gl.constexpr,
-               EPILOGUE_LOOP: gl.constexpr):
+               EPILOGUE_LOOP: gl.constexpr, STRIDE_H: gl.constexpr, STRIDE_W: gl.constexpr, PHASED_H: gl.constexpr,
+               PHASED_W: gl.constexpr):
     """The whole kernel body: the ring of [SUB_M, BLOCK_K] pixel tiles (one per consumer a
     slot) and [BLOCK_N, BLOCK_K] filter tiles, its barriers, the staging buffers, and the
     partitions: CONSUMERS warpgroups (the first the default partition) and the producer."""
@@ -223,7 +289,8 @@ def conv_fprop(x_ptr, w_ptr, y_ptr, images, x_rows, x_cols, channels, x_stride_n
             (conv_load_partition, (x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_rows, x_cols, channels,
                                    x_stride_n, x_stride_h, x_stride_w, filters, taps_h, taps_w, w_stride_k,
                                    w_stride_r, w_stride_s, out_h, out_w, pad_h, pad_w, dil_h, dil_w, BLOCK_H,
-                                   BLOCK_W, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, FLIP)),
+                                   BLOCK_W, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, FLIP, STRIDE_H, STRIDE_W,
+                                   PHASED_H, PHASED_W)),
         ], [WARPGROUP_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
@@ -234,7 +301,8 @@ def conv_fprop(x_ptr, w_ptr, y_ptr, images, x_rows, x_cols, channels, x_stride_n
             (conv_load_partition, (x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_rows, x_cols, channels,
                                    x_stride_n, x_stride_h, x_stride_w, filters, taps_h, taps_w, w_stride_k,
                                    w_stride_r, w_stride_s, out_h, out_w, pad_h, pad_w, dil_h, dil_w, BLOCK_H,
-                                   BLOCK_W, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, FLIP)),
+                                   BLOCK_W, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, FLIP, STRIDE_H, STRIDE_W,
+                                   PHASED_H, PHASED_W)),
         ], [1], [PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
