@@ -336,12 +336,25 @@ GPU_GEOMETRIES = (
 )
 
 
+def gpu_cases() -> list:
+    """(type, epilogue, geometry) of the reference tests: every geometry x epilogue once, the
+    16-bit type alternating over them, so each type meets every geometry and every epilogue."""
+    types = sorted(TYPES)
+    return [(types[(i + j) % len(types)], epilogue, geometry)
+            for i, geometry in enumerate(GPU_GEOMETRIES) for j, epilogue in enumerate(sorted(EPILOGUES))]
+
+
+def test_the_gpu_cases_meet_every_pair_of_type_epilogue_and_geometry():
+    cases = gpu_cases()
+    assert {(e, g[0]) for _, e, g in cases} == {(e, g[0]) for e in EPILOGUES for g in GPU_GEOMETRIES}
+    assert {(t, e) for t, e, _ in cases} == {(t, e) for t in TYPES for e in EPILOGUES}
+    assert {(t, g[0]) for t, _, g in cases} == {(t, g[0]) for t in TYPES for g in GPU_GEOMETRIES}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("type_name", sorted(TYPES))
-@pytest.mark.parametrize("epilogue", sorted(EPILOGUES))
-@pytest.mark.parametrize("geometry", GPU_GEOMETRIES, ids=[case[0] for case in GPU_GEOMETRIES])
-def test_gluon_conv_matches_the_reference(type_name, epilogue, geometry):
-    _, n, c, h, w, k, f, s, p, d = geometry
+@pytest.mark.parametrize("case", gpu_cases(), ids=lambda case: f"{case[0]}-{case[1]}-{case[2][0]}")
+def test_gluon_conv_matches_the_reference(case):
+    type_name, epilogue, (_, n, c, h, w, k, f, s, p, d) = case
     _check_gluon(conv_graph(type_name, epilogue, n, c, h, w, k, f, s, p, d), type_name)
 
 
@@ -434,3 +447,21 @@ def test_a_small_run_is_clean_under_the_concurrency_sanitizer(tmp_path):
     script = CONSAN.format(paths=[here, tests])
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0 and "consan clean" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_each_partition_makes_the_descriptors_it_copies_through():
+    """A device-side descriptor is acquired only by the warps that make it: the producer makes
+    x's phase views and w's, each consumer y's, the kernel body none."""
+    import ast
+    import inspect
+
+    from dnngraph.backends.gluon import conv_library
+
+    tree = ast.parse(inspect.getsource(conv_library))
+    makers = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+              for call in ast.walk(node) if isinstance(call, ast.Call)
+              and getattr(call.func, "attr", None) == "make_tensor_descriptor"}
+    assert makers == {"phase_view", "conv_load_partition", "conv_mma_partition"}, makers
+    callers = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+               for call in ast.walk(node) if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "phase_view"}
+    assert callers == {"conv_load_partition"}, callers
