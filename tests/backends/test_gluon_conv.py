@@ -465,3 +465,60 @@ def test_each_partition_makes_the_descriptors_it_copies_through():
     callers = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
                for call in ast.walk(node) if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "phase_view"}
     assert callers == {"conv_load_partition"}, callers
+
+
+def _emulated(launch, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y [N, K, P, Q] as the kernel reads its operands from the launch's arguments alone (no
+    GPU): each tap's box from phase view (phase_h, phase_w) of x's storage (conv_library.
+    phase_view: x_ptr + phase * stride, rows STRIDE apart, zeros outside the view), at view rows
+    p + shift where the tap's offset r*dil - pad = phase + STRIDE * shift, times the filter tap
+    (back to front where FLIP)."""
+    ints, values = _values(launch, "int"), _values(launch, "constexpr")
+    n, c, k = ints["images"], ints["channels"], ints["filters"]
+    p_out, q_out = ints["out_h"], ints["out_w"]
+    stride = (values["STRIDE_H"], values["STRIDE_W"])
+    y = torch.zeros(n, k, p_out, q_out, dtype=torch.float64)
+    storage = x.as_strided((x.untyped_storage().nbytes() // x.element_size(), ), (1, ))
+    for r in range(ints["taps_h"]):
+        for s in range(ints["taps_w"]):
+            offsets = (r * ints["dil_h"] - ints["pad_h"], s * ints["dil_w"] - ints["pad_w"])
+            phases = tuple(o % st for o, st in zip(offsets, stride))
+            shifts = tuple((o - ph) // st for o, ph, st in zip(offsets, phases, stride))
+            for phased, phase in zip((values["PHASED_H"], values["PHASED_W"]), phases):
+                assert phased or phase == 0  # an unphased axis has only view 0
+            rows = -(-(ints["x_rows"] - phases[0]) // stride[0])
+            cols = -(-(ints["x_cols"] - phases[1]) // stride[1])
+            view = storage.as_strided((n, rows, cols, c), (ints["x_stride_n"], stride[0] * ints["x_stride_h"],
+                                                            stride[1] * ints["x_stride_w"], 1),
+                                      phases[0] * ints["x_stride_h"] + phases[1] * ints["x_stride_w"])
+            box = torch.zeros(n, p_out, q_out, c, dtype=torch.float64)  # TMA's zero fill
+            for p in range(p_out):
+                for q in range(q_out):
+                    v, u = p + shifts[0], q + shifts[1]
+                    if 0 <= v < rows and 0 <= u < cols:
+                        box[:, p, q] = view[:, v, u].double()
+            tap = (ints["taps_h"] - 1 - r, ints["taps_w"] - 1 - s) if values["FLIP"] else (r, s)
+            y += torch.einsum("npqc,kc->nkpq", box, w[:, :, tap[0], tap[1]].double())
+    return y
+
+
+@pytest.mark.parametrize("case", [
+    ("3x3s1p1", dict(filter_size=3, padding=1)), ("5x5d2", dict(filter_size=5, padding=4, dilation=2)),
+    ("1x1s2", dict(filter_size=1, stride=2)), ("3x3s2p1", dict(filter_size=3, stride=2, padding=1)),
+    ("7x7s2p3", dict(filter_size=7, stride=2, padding=3)), ("1x1s2p1", dict(filter_size=1, stride=2, padding=1)),
+    ("3x3s2d2", dict(filter_size=3, stride=2, padding=2, dilation=2)),
+    ("flip", dict(filter_size=3, stride=2, padding=1, mode="convolution"))], ids=lambda case: case[0])
+def test_the_launch_arguments_read_the_convolution(case):
+    """The sizes, strides and phase constexprs lower() gives, read as the kernel reads them
+    (_emulated), compute the convolution torch computes: x a channels_last slice (8 of 16
+    channels), odd H and W."""
+    _, geometry = case
+    n, c, h, w, k = 2, 8, 11, 9, 16
+    g = conv_graph("bf16", "none", n, c, h, w, k, x_stride=[h * w * 16, 1, w * 16, 16], **geometry)
+    (launch,) = lowered(g)
+    whole = torch.randn(n, 16, h, w).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    x = whole[:, :8]
+    weights = torch.randn(k, c, geometry["filter_size"], geometry["filter_size"]).to(torch.bfloat16)
+    expected = g.reference({"x": x, "w": weights})
+    (out,) = expected.values()
+    assert torch.allclose(_emulated(launch, x, weights), out.double(), rtol=1e-2, atol=1e-2)
