@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from gluon_conv_cases import (CONFIGS, EPILOGUES, GEOMETRIES, TYPES, compile_cases, compile_variants, conv_graph,
+from gluon_conv_cases import (CONFIGS, EPILOGUES, GEOMETRIES, TYPES, compile_variants, conv_graph,
                               conv_group, lowered, nhwc)
 from helpers import check, compiled_for_sm90
 
