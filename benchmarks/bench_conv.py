@@ -39,6 +39,8 @@ wgrad geomean >= 0.9x the faster cuDNN (torch or FE) per layer; depthwise >= 1.0
     python benchmarks/bench_conv.py --quick                  # a few layers per row
     python benchmarks/bench_conv.py --rows fprop,stats --autotune --only layer3
     python benchmarks/bench_conv.py --cudnn-fe-path /tmp/fe  # a pip --target folder holding `cudnn`
+    python benchmarks/bench_conv.py --rows fprop --gluon --cudnn-fe-path /tmp/fe --no-compile
+                                                             # + "dg gluon": backends=("gluon", "triton")
     python benchmarks/bench_conv.py --list-shapes            # the layers of each row, no device needed
     python benchmarks/bench_conv.py --check-cpu              # tiny fp32 shapes through dnngraph on CPU
 
@@ -259,7 +261,9 @@ TITLES = {
     "other": {"torch": "eager", "compile": "compile"},
     "int8": {"torch": "cuDNN bf16+sep", "cudnn_fe": "cuDNN FE int8"},
 }
-DG_PROVIDERS = {"dg": "dg", "dg_tuned": "dg tuned"}
+DG_PROVIDERS = {"dg": "dg", "dg_tuned": "dg tuned", "dg_gluon": "dg gluon"}
+# --gluon: builds that may take the Gluon backend (opt-in, Hopper), ranked with Triton by the models
+GLUON_FIRST = ("gluon", "triton")
 
 
 def row_shapes(key, args, resnet) -> list:
@@ -564,14 +568,17 @@ def plan_summary(plan) -> dict:
     launches = list(getattr(plan, "launches", None) or [])
     sources = [getattr(getattr(l, "tuning", None), "source", None) for l in launches]
     return {"launches": len(launches), "configs": [getattr(l, "config_text", "") for l in launches],
-            "tuning": [s for s in sources if s]}
+            "tuning": [s for s in sources if s], "backends": [getattr(l, "backend", None) or "?" for l in launches]}
 
 
-def dg_provider(op, shape: ConvShape, inputs, io_type, autotune: bool) -> Callable:
+def dg_provider(op, shape: ConvShape, inputs, io_type, autotune: bool, backends=None) -> Callable:
+    """A dnngraph build of the row's graph (`backends`: BuildOptions.backends, None the default)."""
     def factory():
-        g, bindings, outputs = dg_graph(op, shape, inputs, io_type, name="conv_tuned" if autotune else "conv")
+        name = "conv_gluon" if backends else "conv_tuned" if autotune else "conv"
+        g, bindings, outputs = dg_graph(op, shape, inputs, io_type, name=name)
         start = time.perf_counter()
-        g.build(autotune=autotune)
+        options = dg.BuildOptions(backends=backends) if backends else None
+        g.build(autotune=autotune, options=options)
         extra = {"build_s": time.perf_counter() - start, "plan": plan_summary(g.plan)}
         device = inputs["x"].device
         buffers = [poisoned(t.dim, t.stride, t.data_type.torch_dtype, device) for t in outputs]
@@ -646,6 +653,8 @@ def run_case(row: RowSpec, shape: ConvShape, ctx: Context) -> dict:
     factories["dg"] = dg_provider(row.op, shape, inputs, io_type, autotune=False)
     if ctx.args.autotune:
         factories["dg_tuned"] = dg_provider(row.op, shape, inputs, io_type, autotune=True)
+    if getattr(ctx.args, "gluon", False):
+        factories["dg_gluon"] = dg_provider(row.op, shape, inputs, io_type, autotune=False, backends=GLUON_FIRST)
     case = {"label": shape.label, "shape": shape.describe(), "gflop": shape.flops / 1e9}
     for name, factory in factories.items():
         case[name] = measure(factory, refs, shape, ctx)
@@ -695,13 +704,16 @@ def report_row(row: RowSpec, cases: list) -> list:
                 [[c["label"], c["shape"], f"{c['gflop']:.3g}"] + [_cell(c.get(p)) for p in providers]
                  for c in cases])
     ratio_columns = [(a, o) for o in ours for a in row.anchors]
+    if "dg" in ours and "dg_gluon" in ours:  # what opting in to the Gluon backend gains
+        ratio_columns.append(("dg", "dg_gluon"))
     print_table(f"{row.title}: anchor time / dnngraph time (> 1: dnngraph faster); relative errors",
-                ["layer"] + [f"{titles[a]} / {DG_PROVIDERS[o]}" for a, o in ratio_columns]
+                ["layer"] + [f"{titles.get(a, DG_PROVIDERS.get(a))} / {DG_PROVIDERS[o]}" for a, o in ratio_columns]
                 + [f"err {titles.get(p, DG_PROVIDERS.get(p))}" for p in providers]
-                + [f"{DG_PROVIDERS[o]} kernels" for o in ours],
+                + [f"{DG_PROVIDERS[o]} kernels" for o in ours] + ["dg gluon backend"] * ("dg_gluon" in ours),
                 [[c["label"]] + [_fmt_ratio(_ratio(c.get(a), c.get(o))) for a, o in ratio_columns]
                  + [f"{c[p]['rel_error']:.0e}" if (c.get(p) or {}).get("status") == "ok" else "-" for p in providers]
                  + [str((c[o].get("plan") or {}).get("launches", "-")) for o in ours]
+                 + ["+".join(sorted(set((c["dg_gluon"].get("plan") or {}).get("backends", ["-"]))))] * ("dg_gluon" in ours)
                  for c in cases])
     return [line for o in ours for line in goal_lines(row, cases, o)]
 
@@ -776,6 +788,9 @@ def parse_args(argv):
     """The command line."""
     parser = family_parser(__doc__.splitlines()[0], ROWS, "a few layers per row", "layers")
     parser.add_argument("--autotune", action="store_true", help="also time g.build(autotune=True)")
+    parser.add_argument("--gluon", action="store_true",
+                        help="also time a build with BuildOptions(backends=('gluon', 'triton')): the Gluon "
+                             "implicit-GEMM conv where it takes the layer and its model ranks it first")
     return parser.parse_args(argv)
 
 

@@ -213,11 +213,14 @@ def build_launches(graph, groups, device: torch.device, options: BuildOptions, b
             backend, built, why = lower_chosen(graph, group, problem, context, position, interpreted)
         else:
             backend, built, why = lower_ranked(graph, group, problem, context, interpreted)
+        # the other backends' reasons, where the build names several (one: nothing to say)
+        refused = registry.refusals(problem, target, options, interpreted) if len(options.backends) > 1 else ""
         for launch in built:
             for chosen in (launch, launch.alternative):
                 if chosen is not None:
                     chosen.backend = backend.name
                     chosen.backend_reason = why
+                    chosen.backend_refusals = refused
         launches.extend(built)
     for launch in launches:
         for chosen in (launch, launch.alternative):

@@ -86,6 +86,20 @@ def supporting(problem, target, options, interpreted: bool = False) -> list:
     return found
 
 
+def refusals(problem, target, options, interpreted: bool = False) -> str:
+    """Why each backend of options.backends that does not take `problem` refuses it ("name: why"
+    joined by "; "), "" where all take it: explain() shows it beside the backend that did."""
+    refused = []
+    for name in options.backends:
+        backend = BACKENDS.get(name)
+        if backend is None or (interpreted and not backend.interpretable):
+            continue  # supporting() names these where nothing takes the group
+        ok, why = supported(backend, problem, target)
+        if not ok:
+            refused.append(f"{name}: {why}")
+    return "; ".join(refused)
+
+
 def ranked(problem, target, options, interpreted: bool = False, backends=None) -> list:
     """(backend, Candidate) pairs of every supporting backend (`backends`: those of supporting(),
     when already known), best first by the rule of this module's docstring."""

@@ -294,6 +294,7 @@ class KernelLaunch:
         self.alternative = alternative  # for pointers below 16-byte alignment (TMA needs it)
         self.backend: Optional[str] = None  # the name of the backend that lowered it (set by the build)
         self.backend_reason = ""  # why that backend, where several supported the group (set by the build)
+        self.backend_refusals = ""  # why the build's other backends did not take the group (set by the build)
         self.tuning: Optional[TuningRecord] = None
         self.slots = tuple((i, a.value) for i, a in enumerate(arguments) if a.kind == "tensor")
         self.template = [None if a.kind == "tensor" else a.value for a in arguments]

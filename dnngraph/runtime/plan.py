@@ -626,6 +626,8 @@ class Plan:
             lines.append(f"  backend: {launch.backend or '?'}")
             if getattr(launch, "backend_reason", ""):
                 lines.append(f"  ranked: {launch.backend_reason}")
+            if getattr(launch, "backend_refusals", ""):
+                lines.append(f"  refused: {launch.backend_refusals}")
             lines.append(f"  ops:    {', '.join(f'{n.op}({n.name})' for n in group.nodes)}")
             lines.append(f"  reads:  {', '.join(self._describe(t) for t in group.inputs)}")
             lines.append(f"  writes: {', '.join(self._describe(t) for t in group.outputs)}")

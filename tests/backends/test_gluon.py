@@ -410,7 +410,7 @@ def test_the_registry_skips_gluon_on_interpreted_builds_and_other_targets():
 
 
 def test_default_options_never_choose_gluon():
-    assert isinstance(GLUON, Backend) and not GLUON.interpretable and GLUON.families == {"matmul", "sdpa"}
+    assert isinstance(GLUON, Backend) and not GLUON.interpretable and GLUON.families == {"matmul", "sdpa", "conv"}
     assert "gluon" in registry.names() and not GLUON.verified and registry.BACKENDS["gluon"] is GLUON
     assert BuildOptions().backends == ("triton",) == registry.verified()
     problem = _problem()

@@ -7,7 +7,9 @@ problems it takes (supports), which configs it offers and what the model says of
 (candidates, estimate), and the launch of the chosen one (lower).
 
 sdpa groups (the attention forward) are answered by attention_backend.py (its kernel:
-attention_library.py and attention_codegen.py); each method below hands them on by family.
+attention_library.py and attention_codegen.py), conv groups (the convolution forward as an
+implicit GEMM on the matmul's mainloop) by conv_backend.py (conv_library.py, conv_codegen.py);
+each method below hands them on by family.
 
 verified = False: its GPU tests pass on an H200 (cooperative and ping-pong matmuls, the attention
 forward; runs of each under the concurrency sanitizer), but the whole GPU suite has not run with it
@@ -38,7 +40,7 @@ from ...runtime.launch import KernelLaunch, launch_of
 from ...target import Target
 from ...versions import __version__
 from ..contract import Candidate
-from . import attention_backend, codegen
+from . import attention_backend, codegen, conv_backend
 
 TMA_ALIGNMENT = 16  # bytes: TMA global strides and base addresses
 IN_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3": "fp8", "float8_e5m2": "fp8"}
@@ -269,8 +271,9 @@ class GluonBackend:
     """The contract over library.py and codegen.py, for matmul groups on sm_90."""
 
     name = "gluon"
-    version = f"dnngraph {__version__}, triton {triton.__version__}, gluon matmul 2, gluon attention 1"
-    families = frozenset({"matmul", "sdpa"})  # sdpa: attention_backend.py (dispatched by family)
+    version = f"dnngraph {__version__}, triton {triton.__version__}, gluon matmul 2, gluon attention 1, gluon conv 1"
+    # sdpa: attention_backend.py, conv: conv_backend.py (dispatched by family)
+    families = frozenset({"matmul", "sdpa", "conv"})
     interpretable = False
     prologue_stored_apart = frozenset()
     verified = False  # opt-in (the module docstring says why): not among the default BuildOptions.backends
@@ -290,6 +293,8 @@ class GluonBackend:
             return "gluon's epilogues store no blended output (Tensor.set_blend)"
         if problem.family == "sdpa":
             return attention_backend.supports(problem)
+        if problem.family == "conv":
+            return conv_backend.supports(problem)
         if problem.family != "matmul":
             return f"gluon has no {problem.family} kernel"
         g = problem.geometry
@@ -360,6 +365,8 @@ class GluonBackend:
     def estimate(self, problem: Problem, config: GluonConfig, target: Target) -> Optional[float]:
         if problem.family == "sdpa":
             return attention_backend.estimate(problem, config, target)
+        if problem.family == "conv":
+            return conv_backend.estimate(problem, config, target)
         if not isinstance(config, GluonConfig):
             return None
         batch, m, n, k, in_bytes, out_bytes = self._sizes(problem)
@@ -382,6 +389,8 @@ class GluonBackend:
             return []
         if problem.family == "sdpa":
             return attention_backend.candidates(self.name, problem, target)
+        if problem.family == "conv":
+            return conv_backend.candidates(self.name, problem, target)
         _, _, _, _, in_bytes, out_bytes = self._sizes(problem)
         store = self._tma_store_ok(problem)
         heavy = heavy_epilogue(problem)
@@ -432,6 +441,8 @@ class GluonBackend:
         offered = self.candidates(problem, target, context.options)
         if problem.family == "sdpa":
             return attention_backend.lower(graph, group, problem, context, offered, candidate)
+        if problem.family == "conv":
+            return conv_backend.lower(graph, group, problem, context, offered, candidate)
         if candidate is not None and isinstance(candidate.config, GluonConfig):
             # a config from outside may be any this backend knows, offered or not yet
             known = self._fitted(problem, target, CONFIGS + PINGPONG_CONFIGS)

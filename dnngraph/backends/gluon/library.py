@@ -320,6 +320,31 @@ def finish_tile(acc, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride
 
 
 @gluon.jit
+def cooperative_mainloop(a_ring, b_ring, ready, empty, step, k_steps, layout: gl.constexpr, HALF: gl.constexpr,
+                         CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr):
+    """(accumulator, next ring step) of one tile's rows of consumer HALF: ring steps step, ...,
+    step + k_steps - 1, each reading A block slot * CONSUMERS + HALF of the slot. Async wgmma
+    (one in flight), each slot released to the producer once the wgmma reading it has completed.
+    Whatever the producer loaded (matmul blocks, convolution taps) the consumer reads alike."""
+    STAGES: gl.constexpr = b_ring.type.shape[0]
+    SUB_M: gl.constexpr = a_ring.type.shape[1]
+    BLOCK_N: gl.constexpr = b_ring.type.shape[1] if B_K_MAJOR else b_ring.type.shape[2]
+    acc = gl.zeros((SUB_M, BLOCK_N), dtype=gl.float32, layout=layout)
+    for kk in range(k_steps):
+        slot = step % STAGES
+        mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
+        acc = warpgroup_mma(a_ring.index(slot * CONSUMERS + HALF), b_operand(b_ring, slot, B_K_MAJOR), acc,
+                            use_acc=kk > 0, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        # the wgmma of the step before has completed: its slot goes back to the producer
+        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
+        step += 1
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+    return acc, step
+
+
+@gluon.jit
 def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch_count,  #
                   c_stride_batch, c_stride_row, c_stride_col, epilogue: gl.constexpr, epilogue_args,  #
                   HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
@@ -329,7 +354,6 @@ def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch
     """One consumer warpgroup: rows [HALF * SUB_M, (HALF + 1) * SUB_M) of every tile of the
     program. Async wgmma over the ring (one in flight; the slot before it is released), then
     the epilogue in column subtiles of EPILOGUE_N (finish_tile)."""
-    STAGES: gl.constexpr = b_ring.type.shape[0]
     SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
     layout: gl.constexpr = accumulator_layout(SUB_M, BLOCK_N, a_ring.dtype)
     if TMA_STORE:  # made by the warps that store through it (as the producer makes its own)
@@ -346,18 +370,8 @@ def mma_partition(a_ring, b_ring, ready, empty, c_buffers, c_ptr, M, N, K, batch
     step = 0
     for tile in range(gl.program_id(0), tiles, gl.num_programs(0)):
         batch, pid_m, pid_n = tile_coordinates(tile, tiles_m, tiles_n, GROUP_M)
-        acc = gl.zeros((SUB_M, BLOCK_N), dtype=gl.float32, layout=layout)
-        for kk in range(k_steps):
-            slot = step % STAGES
-            mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-            acc = warpgroup_mma(a_ring.index(slot * CONSUMERS + HALF), b_operand(b_ring, slot, B_K_MAJOR), acc,
-                                use_acc=kk > 0, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
-            # the wgmma of the step before has completed: its slot goes back to the producer
-            mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
-            step += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
-        mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1)
+        acc, step = cooperative_mainloop(a_ring, b_ring, ready, empty, step, k_steps, layout, HALF, CONSUMERS,
+                                         B_K_MAJOR)
         row0 = pid_m * BLOCK_M + HALF * SUB_M
         acc = scaled(acc, scale_a, scale_b, SCALE_A, SCALE_B)
         finish_tile(acc, c_desc, c_buffers, c_ptr, batch, row0, pid_n * BLOCK_N, M, N, c_stride_batch, c_stride_row,

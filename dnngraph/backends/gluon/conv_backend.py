@@ -1,0 +1,355 @@
+"""The Gluon backend's answers for conv groups (backend.py dispatches here by family): which
+convolution forwards the implicit-GEMM kernel of conv_library.py takes, its configs and model,
+and the launch of one group.
+
+Taken: conv_fprop of fp16 or bf16 x and w (one type), 2D, groups 1, x NHWC (channels_last: C
+contiguous) and w KRSC (C contiguous), y NHWC (K contiguous), C and K multiples of 16 bytes and
+every other stride too (TMA reads and writes them); strides 1 and 2 with any padding and dilation
+(a stride-2 axis through x's phase views: conv_library.py), and any stride whose taps all lie in
+phase 0 (a 1x1 filter without padding: the ResNet downsample); either mode (cross-correlation, or convolution: the filter back to front);
+the matmul's epilogue ops on scalars and per-channel vectors ([1, K, 1, 1], a bias), stored in
+float16, bfloat16 or float32. Refused, each with a reason starting "gluon": dgrad, wgrad,
+groups, 1D / 3D, strides past 2 with taps in other phases, inputs narrower than a phased stride,
+other layouts and types, prologues (a batchnorm applied at load), exits
+(genstats), epilogue operands of other shapes (a residual).
+
+Configs (ConvConfig): an output tile is a BLOCK_H x BLOCK_W pixel rectangle of one image by
+BLOCK_N channels. The model (estimate) is the matmul's over the implicit GEMM (rows N*P*Q,
+columns K, reduction R*S*C) with the tiles' waste: a rectangle's pixels past P or Q, channels
+past K, and the channel block's past C, all computed and thrown away:
+    time = max(2 * N*P*Q * K * R*S*C / peak / (tile_use * channel_use), bytes / bandwidth) / wave_efficiency
+           + LAUNCH_SECONDS
+tile_use = N*P*Q*K / (tiles * BLOCK_M * BLOCK_N), channel_use = C / (ceil(C / BLOCK_K) * BLOCK_K),
+wave_efficiency = tiles / (waves * SMs) as the matmul's. So a 7x7 layer takes 8x8 rectangles
+(49 of 64 pixels used) over 8x16 ones (49 of 128), a 56x56 layer 8x16.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Union
+
+from ...errors import UnsupportedError
+from ...problems import Problem
+from ...runtime.launch import KernelLaunch, launch_of
+from ...target import Target
+from ..contract import Candidate
+from . import codegen, conv_codegen
+
+# the matmul's (backend.py, which imports this module)
+TMA_ALIGNMENT = 16
+IN_TYPES = {"float16": "fp16", "bfloat16": "bf16"}
+OUT_TYPES = frozenset({"float16", "bfloat16", "float32"})
+GROUP_M = 8
+PRODUCER_REGS = 40
+CONSUMER_REGS = 232
+LAUNCH_SECONDS = 3e-6
+BARRIER_BYTES = 1024
+WARPS = 4  # the kernel's num_warps: the first consumer (the default partition); the rest are workers
+
+
+@dataclass(frozen=True)
+class ConvConfig:
+    """BLOCK_H x BLOCK_W output pixels (of one image) by BLOCK_N channels a tile, BLOCK_K
+    channels a reduction step (one filter tap), a STAGES-deep ring, CONSUMERS 4-warp warpgroups
+    (each BLOCK_H / CONSUMERS rows of the rectangle), the epilogue in subtiles of EPILOGUE_N
+    channels, walked in a loop (epilogue_loop) or unrolled."""
+
+    block_h: int
+    block_w: int
+    block_n: int
+    block_k: int
+    stages: int
+    consumers: int
+    epilogue_n: int = 64
+    epilogue_loop: bool = False
+    group_m: int = GROUP_M
+
+    @property
+    def block_m(self) -> int:
+        return self.block_h * self.block_w
+
+    @property
+    def consumer_rows(self) -> int:
+        return self.block_m // self.consumers
+
+    @property
+    def text(self) -> str:
+        walk = " epilogue-loop" if self.epilogue_loop else ""
+        return (f"gluon warp-specialized conv {self.block_h}x{self.block_w}x{self.block_n}x{self.block_k} "
+                f"stages={self.stages} consumers={self.consumers} epilogue-n={self.epilogue_n}{walk} tma-store")
+
+
+# the configs offered before the fit: 128-pixel rectangles (8x16, 16x8) on two consumers of 64
+# rows, 64-pixel ones (8x8: the 7x7 and 14x14 layers' least waste) on one; 64 to 256 channels.
+# Each consumer holds at most 64 x 256 fp32 accumulators (128 registers a thread), as the matmul's.
+CONFIGS = (ConvConfig(8, 16, 128, 64, 4, 2), ConvConfig(16, 8, 128, 64, 4, 2), ConvConfig(8, 16, 256, 64, 3, 2),
+           ConvConfig(16, 8, 256, 64, 3, 2), ConvConfig(8, 8, 128, 64, 6, 1), ConvConfig(8, 8, 256, 64, 4, 1),
+           ConvConfig(8, 16, 64, 64, 6, 2))
+LOOPED_EPILOGUE_REGISTERS = 192  # backend.py's: accumulators and two subtiles' values a thread
+HEAVY_OPS = frozenset({"gelu", "gelu_tanh"})
+
+
+def block_k_for(channels: int) -> int:
+    """BLOCK_K: 64 channels (a 128-byte swizzled row of 16-bit values), or the least of 32 and
+    16 that covers C (a thin layer reads fewer zeros; 16 is wgmma's K)."""
+    for block_k in (16, 32):
+        if channels <= block_k:
+            return block_k
+    return 64
+
+
+def shared_bytes(config: ConvConfig, in_bytes: int, out_bytes: int) -> int:
+    """The ring (a slot: the rectangle's pixels and the filter block), the consumers' staging
+    buffers (two each where the epilogue has subtiles), the barriers."""
+    ring = config.stages * (config.block_m + config.block_n) * config.block_k * in_bytes
+    staging = (2 if config.block_n > config.epilogue_n else 1) * config.block_m * config.epilogue_n * out_bytes
+    return ring + staging + BARRIER_BYTES
+
+
+def looped(config: ConvConfig, heavy: bool) -> bool:
+    """The epilogue walk offered: a loop for a heavy epilogue (its code once) where the
+    accumulators and two subtiles fit LOOPED_EPILOGUE_REGISTERS, else unrolled (as backend.py
+    offered_walk)."""
+    accumulators = config.consumer_rows * config.block_n // 128
+    subtile = config.consumer_rows * config.epilogue_n // 128
+    return heavy and config.block_n > config.epilogue_n and accumulators + 2 * subtile <= LOOPED_EPILOGUE_REGISTERS
+
+
+# -- layouts ---------------------------------------------------------------------------------------
+
+def _dense(size: int, stride: int, dense: int) -> int:
+    """A size-1 axis's stride means nothing: the dense one stands in for it."""
+    return stride if size > 1 else dense
+
+
+def nhwc_strides(dims: tuple, strides: tuple) -> tuple:
+    """(channel stride, (N, H, W) strides) of a logical [N, C, H, W] tensor read as NHWC (the
+    W stride made dense past C where W is 1, and so on outwards)."""
+    n, c, h, w = dims
+    channel = _dense(c, strides[1], 1)
+    along_w = _dense(w, strides[3], c)
+    along_h = _dense(h, strides[2], w * along_w)
+    along_n = _dense(n, strides[0], h * along_h)
+    return channel, (along_n, along_h, along_w)
+
+
+def _layout_why(name: str, dims: tuple, strides: tuple, itemsize: int, channels_name: str) -> Optional[str]:
+    """Why a [.., C, H, W] operand cannot be read or written through rank-4 TMA as NHWC, or None."""
+    channel, outer = nhwc_strides(tuple(dims), tuple(strides))
+    if channel != 1:
+        return (f"gluon reads and writes convolution tensors channels_last ({channels_name} contiguous), but {name} "
+                f"has strides {list(strides)}")
+    if dims[1] * itemsize % TMA_ALIGNMENT:
+        return (f"gluon's TMA boxes need {channels_name} * itemsize a multiple of {TMA_ALIGNMENT} bytes, but {name} "
+                f"has {channels_name} = {dims[1]}")
+    for axis, stride in zip("NHW", outer):
+        if stride * itemsize % TMA_ALIGNMENT:
+            return (f"gluon reads {name} through TMA, but its {axis} stride ({stride} elements) is not a multiple "
+                    f"of {TMA_ALIGNMENT} bytes")
+    return None
+
+
+def tap_phases(taps: int, stride: int, padding: int, dilation: int) -> frozenset:
+    """The phases (offset mod stride) of one axis's taps, offsets tap*dilation - padding: each
+    phase is a view of x the kernel reads (conv_library.phase_view)."""
+    return frozenset((tap * dilation - padding) % stride for tap in range(taps))
+
+
+def phased_axes(problem: Problem) -> tuple:
+    """(PHASED_H, PHASED_W): whether an axis's taps read a phase other than 0 (a stride-2 axis
+    whose offsets take both parities, or odd ones); one view of x along it otherwise."""
+    g = problem.geometry
+    return tuple(tap_phases(*axis) != frozenset({0}) for axis in zip(g.filter, g.stride, g.padding, g.dilation))
+
+
+def _stride_why(problem: Problem) -> Optional[str]:
+    """Why the phase views cannot read this convolution's strides, or None."""
+    g = problem.geometry
+    for name, extent, axis, phased in zip("HW", g.input_spatial, zip(g.filter, g.stride, g.padding, g.dilation),
+                                          phased_axes(problem)):
+        taps, stride, padding, dilation = axis
+        if phased and stride > 2:
+            return (f"gluon's implicit GEMM reads a stride past 2 only where every tap lies in phase 0 (a 1x1 filter "
+                    f"without padding); stride {list(g.stride)}, filter {list(g.filter)}, padding {list(g.padding)}")
+        if phased and extent < stride:
+            return f"gluon's phase views need {name} of at least the stride {stride}, not {extent}"
+    return None
+
+
+# -- the contract's answers -------------------------------------------------------------------------
+
+def supports(problem: Problem) -> Union[bool, str]:
+    g = problem.geometry
+    if g.direction != "fprop":
+        return f"gluon runs the convolution forward only, not {g.direction}"
+    if g.groups != 1:
+        return f"gluon's convolution takes groups 1, not {g.groups}"
+    if len(g.filter) != 2:
+        return f"gluon's convolution takes 2D convolutions, not {len(g.filter)}D"
+    why = _stride_why(problem)
+    if why is not None:
+        return why
+    if problem.prologue:
+        return f"gluon fuses no prologue (the group has {', '.join(problem.prologue)})"
+    if problem.exits:
+        return f"gluon fuses no exits (the group has {', '.join(problem.exits)})"
+    for op in problem.epilogue:
+        if op not in codegen.EPILOGUE:
+            return f"gluon has no epilogue expression for op {op}"
+    x, w = problem.operand("x"), problem.operand("w")
+    if x is None or w is None:
+        return "gluon needs both convolution operands"
+    for operand in (x, w):
+        if operand.data_type.name not in ("float16", "bfloat16"):
+            return f"gluon's convolution takes float16 or bfloat16 operands, not {operand.data_type.name}"
+    if x.data_type is not w.data_type:
+        return f"gluon takes operands of one type, not {x.data_type.name} x {w.data_type.name}"
+    itemsize = x.data_type.itemsize
+    for name, operand in (("x", x), ("w", w)):
+        why = _layout_why(name, operand.dims, operand.strides, itemsize, "C")
+        if why is not None:
+            return why
+    if len(problem.outputs) != 1:
+        return f"gluon stores one output, the group has {len(problem.outputs)}"
+    out = problem.outputs[0]
+    if out.data_type.name not in OUT_TYPES:
+        return f"gluon stores float16, bfloat16 or float32, not {out.data_type.name}"
+    out_dims = (g.n, g.k) + tuple(g.output_spatial)
+    if tuple(out.dims) != out_dims:
+        return f"gluon stores the convolution's shape {list(out_dims)}, not {list(out.dims)}"
+    why = _layout_why("y", out.dims, out.strides, out.data_type.itemsize, "K")
+    if why is not None:
+        return why
+    for operand in problem.operands:
+        if operand.role not in ("x", "w") and conv_codegen.operand_form(operand.dims, out_dims) is None:
+            return (f"gluon's conv epilogue reads scalars and per-channel vectors, not an operand of shape "
+                    f"{list(operand.dims)}")
+    return True
+
+
+def _sizes(problem: Problem) -> tuple:
+    g = problem.geometry
+    pixels = g.n
+    for size in g.output_spatial:
+        pixels *= size
+    taps = 1
+    for size in g.filter:
+        taps *= size
+    return pixels, g.k, g.c, taps
+
+
+def tile_count(problem: Problem, config: ConvConfig) -> int:
+    g = problem.geometry
+    p, q = g.output_spatial
+    return g.n * -(-p // config.block_h) * -(-q // config.block_w) * -(-g.k // config.block_n)
+
+
+def estimate(problem: Problem, config: ConvConfig, target: Target) -> Optional[float]:
+    if not isinstance(config, ConvConfig):
+        return None
+    pixels, filters, channels, taps = _sizes(problem)
+    peak = target.peak(IN_TYPES[problem.operand("x").data_type.name])
+    moved = sum(o.numel * o.data_type.itemsize for o in problem.operands + problem.outputs)
+    tiles = tile_count(problem, config)
+    tile_use = pixels * filters / (tiles * config.block_m * config.block_n)
+    channel_use = channels / (-(-channels // config.block_k) * config.block_k)
+    waves = -(-tiles // target.sms)
+    efficiency = tiles / (waves * target.sms)
+    compute = 2.0 * pixels * filters * taps * channels / peak / (tile_use * channel_use)
+    return max(compute, moved / target.bandwidth) / efficiency + LAUNCH_SECONDS
+
+
+def candidates(backend_name: str, problem: Problem, target: Target, configs: Optional[tuple] = None) -> list:
+    """The configs of `configs` (None: CONFIGS) that fit the target's shared memory, BLOCK_K fitted to C and the
+    epilogue walk chosen (looped), best first by estimate (ties: the order given)."""
+    in_bytes = problem.operand("x").data_type.itemsize
+    out_bytes = problem.outputs[0].data_type.itemsize
+    heavy = any(op in HEAVY_OPS for op in problem.epilogue)
+    found = []
+    for config in CONFIGS if configs is None else configs:
+        config = replace(config, block_k=block_k_for(problem.geometry.c))
+        config = replace(config, epilogue_loop=looped(config, heavy))
+        if shared_bytes(config, in_bytes, out_bytes) > target.shared_memory:
+            continue
+        found.append(Candidate(backend_name, config, estimate(problem, config, target)))
+    order = {id(c): i for i, c in enumerate(found)}
+    return sorted(found, key=lambda c: (c.estimate, order[id(c)]))
+
+
+def _chosen(problem: Problem, target: Target, offered: list, candidate: Optional[Candidate]) -> Candidate:
+    """The candidate to lower: the given one's config (any of CONFIGS' shapes or another that
+    fits; BLOCK_K as given), else the first offered."""
+    if candidate is None or not isinstance(candidate.config, ConvConfig):
+        if not offered:
+            raise UnsupportedError(f"{problem.where}: no gluon conv config fits {target.name}'s shared memory")
+        return offered[0]
+    config = candidate.config
+    in_bytes = problem.operand("x").data_type.itemsize
+    out_bytes = problem.outputs[0].data_type.itemsize
+    if shared_bytes(config, in_bytes, out_bytes) > target.shared_memory or config.block_h % config.consumers:
+        raise UnsupportedError(f"{problem.where}: gluon config {config.text} is not one this problem can run on "
+                               f"{target.name} (its shared memory or its rows)")
+    return Candidate(candidate.backend, config, estimate(problem, config, target))
+
+
+def lower(graph, group, problem: Problem, context, offered: list, candidate: Optional[Candidate]) -> list:
+    """One persistent launch (grid = min(tiles, SMs)) of the chosen config."""
+    target = context.target
+    chosen = _chosen(problem, target, offered, candidate)
+    config, g = chosen.config, problem.geometry
+    node = group.anchor
+    x, w = node.inputs[:2]
+    out = group.outputs[0]
+    _, (x_n, x_h, x_w) = nhwc_strides(tuple(x.dim), tuple(x.stride))
+    _, (w_k, w_r, w_s) = nhwc_strides(tuple(w.dim), tuple(w.stride))
+    _, (y_n, y_h, y_w) = nhwc_strides(tuple(out.dim), tuple(out.stride))
+    rows, cols = g.input_spatial
+    (pad_h, pad_w), (dil_h, dil_w) = g.padding, g.dilation
+    phased = phased_axes(problem)
+    p, q = g.output_spatial
+    sizes = {"images": g.n, "x_rows": rows, "x_cols": cols, "channels": g.c, "x_stride_n": x_n, "x_stride_h": x_h,
+             "x_stride_w": x_w, "filters": g.k, "taps_h": g.filter[0], "taps_w": g.filter[1], "w_stride_k": w_k,
+             "w_stride_r": w_r, "w_stride_s": w_s, "out_h": p, "out_w": q, "y_stride_n": y_n, "y_stride_h": y_h,
+             "y_stride_w": y_w, "pad_h": pad_h, "pad_w": pad_w, "dil_h": dil_h, "dil_w": dil_w}
+    constexprs = {"BLOCK_H": config.block_h, "BLOCK_W": config.block_w, "BLOCK_N": config.block_n,
+                  "BLOCK_K": config.block_k, "STAGES": config.stages, "GROUP_M": config.group_m,
+                  "CONSUMERS": config.consumers, "EPILOGUE_N": config.epilogue_n, "PRODUCER_REGS": PRODUCER_REGS,
+                  "CONSUMER_REGS": CONSUMER_REGS, "FLIP": node.attrs.mode == "convolution",
+                  "EPILOGUE_LOOP": config.epilogue_loop, "STRIDE_H": g.stride[0], "STRIDE_W": g.stride[1],
+                  "PHASED_H": phased[0], "PHASED_W": phased[1]}
+    stem = f"dnngraph_gluon_{group.kind}_{node.op}"
+    source = conv_codegen.render(stem, group.summary(), (x.uid, w.uid, out.uid), sizes, node.outputs[0],
+                                 tuple(group.epilogue), tuple(out.dim), constexprs, problem.fast_math)
+    tiles = tile_count(problem, config)
+    programs = max(1, min(tiles, target.sms))
+    reason = (f"{config.text}: model {chosen.estimate * 1e6:.1f} us ({tiles} tiles on {programs} persistent "
+              f"programs{_views_text(g.stride, phased)})")
+    launch = launch_of(group, source, (programs,), WARPS, config.text + f" grid={programs}", reason)
+    launch.alternative = _unaligned_fallback(graph, group, problem, context)
+    if launch.alternative is None:  # an unaligned call would run the TMA kernel: let Triton take it
+        raise UnsupportedError(f"{problem.where}: no pointer-load fallback for unaligned calls")
+    return [launch]
+
+
+def _views_text(stride: tuple, phased: tuple) -> str:
+    """How x is read, for the launch's reason: "" at stride 1, else the stride and phase views."""
+    if all(s == 1 for s in stride):
+        return ""
+    views = (2 if phased[0] else 1) * (2 if phased[1] else 1)
+    return f", stride {list(stride)} through {views} phase view{'s' if views > 1 else ''} of x"
+
+
+def _unaligned_fallback(graph, group, problem, context) -> Optional[KernelLaunch]:
+    """The launch that runs where a pointer is below 16-byte alignment (no TMA descriptor can
+    take it): the Triton backend's tiled implicit GEMM of the same group (no split-K: one
+    launch), or None where it lowers to anything but one launch without scratch."""
+    from ..triton.backend import TRITON
+    from ..triton.heuristics.matmul import MatmulConfig
+
+    tiled = MatmulConfig("tiled", 64, 64, 32, 4, 3)  # 1x1 convs are posed as matmuls
+    options = replace(context.options, conv_config=tiled, matmul_config=tiled, autotune=False)
+    try:
+        built = TRITON.lower(graph, group, problem, replace(context, options=options, tuner=None))
+    except UnsupportedError:
+        return None
+    return built[0] if len(built) == 1 and not built[0].scratch else None

@@ -1,0 +1,132 @@
+"""Render the Gluon convolution-forward kernel of one group: only what fusion changes (the
+epilogue, through codegen.py's EpilogueRenderer and expression table, and the signature); the
+fixed structure is conv_library.py's.
+
+The implicit GEMM's output is [pixels, K]: the epilogue sees a channel vector ([1, K, 1, 1] or
+any shape that broadcasts as one) as a row vector over the GEMM's columns, read with the
+vector's own stride along K, and a one-element operand as a scalar.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from ...errors import UnsupportedError
+from ..contract import KernelSource
+from ..triton.codegen.names import NameAllocator, comment_text
+from ..triton.codegen.pointwise import KernelArgument
+from .codegen import FIXED, EpilogueRenderer
+
+# the kernel's own parameters (conv_library.conv_fprop's), written literally
+SIZES = ("images", "x_rows", "x_cols", "channels", "x_stride_n", "x_stride_h", "x_stride_w", "filters", "taps_h",
+         "taps_w", "w_stride_k", "w_stride_r", "w_stride_s", "out_h", "out_w", "y_stride_n", "y_stride_h",
+         "y_stride_w", "pad_h", "pad_w", "dil_h", "dil_w")
+CONSTEXPRS = ("BLOCK_H", "BLOCK_W", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M", "CONSUMERS", "EPILOGUE_N",
+              "PRODUCER_REGS", "CONSUMER_REGS", "FLIP", "EPILOGUE_LOOP", "STRIDE_H", "STRIDE_W", "PHASED_H", "PHASED_W")
+CONV_FIXED = FIXED + ("conv_lib", "x_ptr", "w_ptr", "y_ptr") + SIZES + CONSTEXPRS
+
+
+def channel_axis(dims: tuple, out_dims: tuple) -> Optional[int]:
+    """The axis of `dims` that runs over the output's channels (out_dims[1]) where `dims`
+    broadcasts to the output as a per-channel vector (right-aligned: [1, K, 1, 1], [K, 1, 1]),
+    else None."""
+    dims, out_dims = tuple(dims), tuple(out_dims)
+    offset = len(out_dims) - len(dims)
+    if offset < 0 or offset > 1:
+        return None
+    aligned = (1, ) * offset + dims
+    if aligned[1] != out_dims[1] or any(size != 1 for axis, size in enumerate(aligned) if axis != 1):
+        return None
+    return 1 - offset
+
+
+def operand_form(dims: tuple, out_dims: tuple) -> Optional[str]:
+    """"scalar" (one element), "channel" (a per-channel vector) or None: what the conv epilogue reads."""
+    count = 1
+    for size in dims:
+        count *= size
+    if count == 1:
+        return "scalar"
+    return "channel" if channel_axis(dims, out_dims) is not None else None
+
+
+@dataclass(frozen=True)
+class _AsRow:
+    """A per-channel epilogue operand as the matmul renderer reads a row vector: [K] with the
+    operand's stride along K."""
+
+    uid: int
+    dim: tuple
+    stride: tuple
+
+
+class ConvEpilogueRenderer(EpilogueRenderer):
+    """codegen.EpilogueRenderer over the implicit GEMM's [pixels, K] output."""
+
+    def __init__(self, names: NameAllocator, anchor_output, conv_out_dims: tuple, fast_math=frozenset()):
+        pixels = conv_out_dims[0] * conv_out_dims[2] * conv_out_dims[3]
+        super().__init__(names, anchor_output, (pixels, conv_out_dims[1]), False, fast_math)
+        self.conv_out_dims = tuple(conv_out_dims)
+
+    def _operand(self, tensor):
+        if tensor.uid in self.values or tensor.uid in self.loaded:
+            return super()._operand(tensor)
+        form = operand_form(tuple(tensor.dim), self.conv_out_dims)
+        if form is None:
+            raise UnsupportedError(f"a gluon conv epilogue operand of shape {list(tensor.dim)} is not a scalar or a "
+                                   f"per-channel vector")
+        if form == "scalar":
+            return super()._operand(_AsRow(tensor.uid, (1, ), (1, )))
+        axis = channel_axis(tuple(tensor.dim), self.conv_out_dims)
+        return super()._operand(_AsRow(tensor.uid, (self.conv_out_dims[1], ), (int(tensor.stride[axis]), )))
+
+
+def signature(names: NameAllocator, tensors: tuple, sizes: dict, epilogue_arguments: list, constexprs: dict) -> tuple:
+    """(def-line parameter text, [KernelArgument]): x, w, y (uids in `tensors`), the epilogue
+    operands, the SIZES, the CONSTEXPRS, in that order."""
+    arguments = [KernelArgument("tensor", name, uid) for name, uid in zip(("x_ptr", "w_ptr", "y_ptr"), tensors)]
+    arguments += epilogue_arguments
+    arguments += [KernelArgument("int", name, int(sizes[name])) for name in SIZES]
+    arguments += [KernelArgument("constexpr", name, constexprs[name]) for name in CONSTEXPRS]
+    for argument in arguments:
+        if not names.owns(argument.name):
+            raise UnsupportedError(f"internal error: kernel parameter {argument.name!r} has no allocated name")
+    text = ", ".join(a.name + (": gl.constexpr" if a.kind == "constexpr" else "") for a in arguments)
+    return text, arguments
+
+
+def render(stem: str, description: str, tensors: tuple, sizes: dict, anchor_output, epilogue_nodes,
+           conv_out_dims: tuple, constexprs: dict, fast_math=frozenset()) -> KernelSource:
+    """The source of one conv fprop group's kernel, defined as `stem`. tensors: the uids of x, w
+    and the stored output; sizes: the SIZES (elements); conv_out_dims: y's logical [N, K, P, Q]."""
+    names = NameAllocator(CONV_FIXED)
+    names.reserve(stem)
+    renderer = ConvEpilogueRenderer(names, anchor_output, conv_out_dims, fast_math)
+    result = "acc"
+    for node in epilogue_nodes:
+        result = renderer.emit(node)
+    parameters, arguments = signature(names, tensors, sizes, renderer.arguments, constexprs)
+    operand_names = [a.name for a in renderer.arguments]
+    args_tuple = "(" + "".join(f"{name}, " for name in operand_names) + ")" if operand_names else "(0, )"
+    body = "\n".join("    " + line for line in renderer.lines + [f"return {result}"])
+    size_text = ", ".join(SIZES)
+    text = f'''"""{comment_text(description)}"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from dnngraph.backends.gluon import conv_library as conv_lib
+from dnngraph.backends.gluon import library as lib
+
+
+@gluon.jit
+def epilogue(acc, rows, cols, batch, M, N, args):
+{body}
+
+
+@gluon.jit
+def {stem}({parameters}):
+    conv_lib.conv_fprop(x_ptr, w_ptr, y_ptr, {size_text}, epilogue, {args_tuple},
+                        BLOCK_H, BLOCK_W, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CONSUMERS, EPILOGUE_N, PRODUCER_REGS,
+                        CONSUMER_REGS, FLIP, EPILOGUE_LOOP, STRIDE_H, STRIDE_W, PHASED_H, PHASED_W)
+'''
+    return KernelSource(stem, text, list(arguments))

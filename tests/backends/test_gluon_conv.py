@@ -1,0 +1,524 @@
+"""The Gluon backend's convolution forward (backends/gluon/conv_*.py): an implicit GEMM on the
+matmul's warp-specialized mainloop, A per filter tap by rank-4 TMA boxes over NHWC x.
+
+CPU (here): every config offered, over both 16-bit types, every epilogue form and geometry
+(stride 1 with padding and dilation, stride 2 through phase views, the strided 1x1, thin channels,
+a flipped filter),
+compiles for sm_90a with warp specialization, wgmma, TMA and no spills; supports() names why it
+refuses each case it refuses; the tile choice (the pixel rectangle by its waste) and the
+launch's arguments as plain data; explain() names a refusing gluon's reason.
+GPU (@pytest.mark.gpu, an H100 or H200): results against the float64 reference over
+geometries, types, epilogues, strides and forced configs; explain() naming gluon; a run under
+Triton's concurrency sanitizer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from gluon_conv_cases import (CONFIGS, EPILOGUES, GEOMETRIES, TYPES, compile_variants, conv_graph,
+                              conv_group, lowered, nhwc)
+from helpers import check, compiled_for_sm90
+
+import dnngraph as dg
+from dnngraph.backends import registry
+from dnngraph.backends.gluon.backend import GLUON
+from dnngraph.backends.gluon.conv_backend import (LAUNCH_SECONDS, ConvConfig, block_k_for, estimate, shared_bytes,
+                                                  tap_phases)
+from dnngraph.options import BuildOptions
+from dnngraph.target import H100, H200
+
+GLUON_FIRST = ("gluon", "triton")
+
+
+# -- (a) every variant compiles for sm_90a ---------------------------------------------------------
+
+def test_every_conv_variant_compiles_for_sm90a_with_warp_specialization():
+    expected = sum(1 for _ in compile_variants())
+    output = compiled_for_sm90("gluon_conv_cases:compile_cases", timeout=1200)
+    assert f"compiled {expected} kernels for sm_90" in output
+    facts = {line.split(" ", 2)[1]: json.loads(line.split(" ", 2)[2])
+             for line in output.splitlines() if line.startswith("facts ")}
+    assert len(facts) == expected
+    for label, found in facts.items():
+        assert found["warp_specialize"] and found["setmaxnreg"] > 0, label
+        assert found["wgmma"] > 0 and found["tma_load"] > 0 and found["global_scratch"] > 0, label
+        assert found["shared"] <= H100.shared_memory, label
+        assert found["spill_stores"] == 0, label
+
+
+def test_the_compile_cases_meet_every_config_in_each_type():
+    """Pairwise coverage: each config in both types, each type with every epilogue and geometry,
+    and the flipped filter."""
+    variants = list(compile_variants())
+    forced = {(type_name, config) for _, type_name, _, _, config, _ in variants if config is not None}
+    assert forced == {(t, c) for t in TYPES for c in CONFIGS}
+    for position, values in ((2, EPILOGUES), (3, GEOMETRIES)):
+        assert {v[position] for v in variants} == set(values)
+    assert any(mode == "convolution" for *_, mode in variants)
+
+
+# -- (b) what it takes and refuses ------------------------------------------------------------------
+
+def _answer(g, target=H100):
+    return GLUON.supports(conv_group(g)[1], target)
+
+
+def _refusal(g, target=H100) -> str:
+    answer = _answer(g, target)
+    assert isinstance(answer, str) and answer.startswith("gluon"), answer
+    return answer
+
+
+def _graph(t=dg.bfloat16, x_dim=(2, 64, 9, 9), w_dim=(64, 64, 3, 3), x_stride=None, w_stride=None, **attrs):
+    g = dg.Graph(name="refused", io_data_type=t)
+    x = g.tensor(name="x", dim=list(x_dim), stride=x_stride or nhwc(x_dim), data_type=t)
+    w = g.tensor(name="w", dim=list(w_dim), stride=w_stride or nhwc(w_dim), data_type=t)
+    conv = dict(padding=[1, 1], stride=[1, 1], dilation=[1, 1])
+    conv.update(attrs)
+    return g, x, w, conv
+
+
+def test_supports_strides_1_and_2_and_the_strided_1x1_convolutions():
+    for geometry in GEOMETRIES.values():
+        n, c, h, w, k, f, s, p, d = geometry
+        for type_name in TYPES:
+            assert _answer(conv_graph(type_name, "bias_relu", n, c, h, w, k, f, s, p, d)) is True, geometry
+    assert _answer(conv_graph("bf16", "none", 1, 64, 9, 9, 64, 3, mode="convolution", padding=1)) is True
+    # a channels_last slice: W and H strides of the whole tensor (128 channels), 64 read
+    sliced = conv_graph("bf16", "bias_relu", 2, 64, 9, 9, 64, 3, padding=1, x_stride=[9 * 9 * 128, 1, 9 * 128, 128])
+    assert _answer(sliced) is True and _answer(sliced, H200) is True
+
+
+def test_supports_names_why_it_refuses():
+    g, x, w, conv = _graph()
+    g.conv_fprop(x, w, **conv).set_output(True)
+    assert "capability" in _refusal(g, dataclasses.replace(H100, capability=(10, 0)))
+
+    g, x, w, conv = _graph()  # 3x3 / 3: taps in three phases
+    g.conv_fprop(x, w, **dict(conv, stride=[1, 3])).set_output(True)
+    assert "stride past 2" in _refusal(g) and "stride [1, 3]" in _refusal(g)
+
+    g, x, w, conv = _graph(w_dim=(64, 64, 1, 1))  # 1x1 / 3 with padding: taps in phase 2
+    g.conv_fprop(x, w, **dict(conv, stride=[3, 3])).set_output(True)
+    assert "padding [1, 1]" in _refusal(g)
+
+    g, x, w, conv = _graph(x_dim=(2, 64, 1, 9))  # one row: no phase-1 view of it
+    g.conv_fprop(x, w, **dict(conv, stride=[2, 2])).set_output(True)
+    assert "H of at least the stride 2, not 1" in _refusal(g)
+
+    g, x, w, conv = _graph(w_dim=(64, 32, 3, 3))
+    g.conv_fprop(x, w, **dict(conv, groups=2)).set_output(True)
+    assert "groups 1, not 2" in _refusal(g)
+
+    g = dg.Graph(name="conv1d", io_data_type=dg.bfloat16)
+    x = g.tensor(name="x", dim=[2, 64, 9], stride=[9 * 64, 1, 64], data_type=dg.bfloat16)
+    w = g.tensor(name="w", dim=[64, 64, 3], stride=[3 * 64, 1, 64], data_type=dg.bfloat16)
+    g.conv_fprop(x, w, padding=[1], stride=[1], dilation=[1]).set_output(True)
+    assert "2D convolutions, not 1D" in _refusal(g)
+
+    g, x, w, conv = _graph(x_stride=[64 * 81, 81, 9, 1])  # NCHW x
+    g.conv_fprop(x, w, **conv).set_output(True)
+    assert "channels_last" in _refusal(g) and "x has strides" in _refusal(g)
+
+    g, x, w, conv = _graph(w_stride=[64 * 9, 9, 3, 1])  # KCRS w
+    g.conv_fprop(x, w, **conv).set_output(True)
+    assert "w has strides" in _refusal(g)
+
+    g, x, w, conv = _graph(x_dim=(2, 20, 9, 9), w_dim=(64, 20, 3, 3))  # 40-byte pixels
+    g.conv_fprop(x, w, **conv).set_output(True)
+    assert "C = 20" in _refusal(g)
+
+    g, x, w, conv = _graph(w_dim=(36, 64, 3, 3))  # 72-byte output pixels
+    g.conv_fprop(x, w, **conv).set_output(True)
+    assert "K = 36" in _refusal(g)
+
+    g, x, w, conv = _graph(t=dg.float32)
+    g.conv_fprop(x, w, **conv).set_output(True)
+    assert "float16 or bfloat16 operands, not float32" in _refusal(g)
+
+    g, x, w, conv = _graph()
+    g.conv_fprop(g.relu(x), w, **conv).set_output(True)
+    assert "prologue" in _refusal(g)
+
+    g, x, w, conv = _graph()
+    g.exp(g.conv_fprop(x, w, **conv)).set_output(True)
+    assert "op exp" in _refusal(g)
+
+    g, x, w, conv = _graph()  # a residual: an operand of the output's shape
+    y = g.conv_fprop(x, w, **conv)
+    g.add(y, g.tensor(name="r", dim=[2, 64, 9, 9], stride=nhwc((2, 64, 9, 9)))).set_output(True)
+    assert "scalars and per-channel vectors" in _refusal(g)
+
+    g, x, w, conv = _graph()
+    y = g.conv_fprop(x, w, **conv)
+    y.set_output(True)
+    g.relu(y).set_output(True)
+    assert "one output" in _refusal(g)
+
+    g, x, w, conv = _graph()
+    g.conv_fprop(x, w, **conv).set_output(True).set_stride(nhwc((2, 64, 9, 9))[:1] + [81, 9, 1])  # NCHW y
+    assert "y has strides" in _refusal(g)
+
+
+def test_dgrad_and_wgrad_are_refused_by_name():
+    g, x, w, conv = _graph()
+    dy = g.tensor(name="dy", dim=[2, 64, 9, 9], stride=nhwc((2, 64, 9, 9)))
+    g.conv_dgrad(dy, w, x_dim=[2, 64, 9, 9], **conv).set_output(True)
+    assert "forward only, not dgrad" in _refusal(g)
+
+
+# -- (c) the tile choice and the launch as plain data ----------------------------------------------
+
+def _offered(g, target=H100) -> list:
+    return GLUON.candidates(conv_group(g)[1], target)
+
+
+def test_candidates_fit_shared_memory_and_rank_by_the_model():
+    g = conv_graph("bf16", "bias_relu", 8, 64, 56, 56, 64, 3, padding=1)
+    offered = _offered(g)
+    assert offered and all(c.backend == "gluon" and c.estimate > 0 for c in offered)
+    assert [c.estimate for c in offered] == sorted(c.estimate for c in offered)
+    problem = conv_group(g)[1]
+    for candidate in offered:
+        assert shared_bytes(candidate.config, 2, 2) <= H100.shared_memory
+        assert estimate(problem, candidate.config, H100) == candidate.estimate
+
+
+def test_the_pixel_rectangle_is_chosen_by_its_waste():
+    """A 7x7 layer wastes 15 of every 64 pixels in 8x8 rectangles and 79 of 128 in 8x16 ones;
+    a 56x56 layer none in either, where the wider tiles win."""
+    small = conv_graph("bf16", "bias_relu", 32, 512, 7, 7, 512, 3, padding=1)
+    best = _offered(small)[0].config
+    assert (best.block_h, best.block_w) == (8, 8)
+    large = conv_graph("bf16", "bias_relu", 32, 64, 56, 56, 64, 3, padding=1)
+    best = _offered(large)[0].config
+    assert best.block_m == 128
+    # one rectangle an image either way (as many tiles): the wider one computes twice the rows
+    problem = conv_group(small)[1]
+    square, wide = ConvConfig(8, 8, 128, 64, 6, 1), ConvConfig(8, 16, 128, 64, 4, 2)
+    assert estimate(problem, wide, H100) == pytest.approx(
+        2 * (estimate(problem, square, H100) - LAUNCH_SECONDS) + LAUNCH_SECONDS)
+
+
+def test_block_k_fits_thin_channels():
+    assert [block_k_for(c) for c in (8, 16, 24, 32, 40, 64, 264)] == [16, 16, 32, 32, 64, 64, 64]
+    offered = _offered(conv_graph("fp16", "none", 3, 16, 13, 11, 40, 5, padding=4, dilation=2))
+    assert offered and all(c.config.block_k == 16 for c in offered)
+
+
+def _values(launch, kind) -> dict:
+    return {a.name: a.value for a in launch.arguments if a.kind == kind}
+
+
+def test_the_phase_views_a_stride_takes():
+    """Phase of each tap's offset r*dil - pad mod the stride: both parities at 3x3/2 p1, none but
+    0 at 1x1/2 p0 (any stride), only 1 at 1x1/2 p1."""
+    assert tap_phases(3, 2, 1, 1) == {0, 1} and tap_phases(7, 2, 3, 1) == {0, 1}
+    assert tap_phases(1, 2, 0, 1) == {0} and tap_phases(1, 4, 0, 1) == {0} and tap_phases(1, 2, 1, 1) == {1}
+    assert tap_phases(3, 1, 1, 2) == {0} and tap_phases(3, 2, 2, 2) == {0}  # even offsets: phase 0 only
+
+
+def test_the_launch_reads_x_with_its_own_sizes_and_strides():
+    n, c, h, w, k = 2, 64, 13, 11, 128
+    (plain,) = lowered(conv_graph("bf16", "bias_relu", n, c, h, w, k, 3, padding=1, dilation=1))
+    ints = _values(plain, "int")
+    assert (ints["x_rows"], ints["x_cols"], ints["x_stride_h"], ints["x_stride_w"]) == (h, w, w * c, c)
+    assert (ints["pad_h"], ints["pad_w"], ints["taps_h"], ints["out_h"], ints["out_w"]) == (1, 1, 3, h, w)
+    assert (ints["w_stride_k"], ints["w_stride_r"], ints["w_stride_s"]) == (9 * c, 3 * c, c)
+    assert (ints["y_stride_n"], ints["y_stride_h"], ints["y_stride_w"]) == (h * w * k, w * k, k)
+    values = _values(plain, "constexpr")
+    assert (values["STRIDE_H"], values["STRIDE_W"], values["PHASED_H"], values["PHASED_W"]) == (1, 1, False, False)
+    (strided,) = lowered(conv_graph("bf16", "bias_relu", n, c, h, w, k, 1, stride=2))
+    ints, values = _values(strided, "int"), _values(strided, "constexpr")
+    assert (ints["x_rows"], ints["x_cols"], ints["x_stride_h"], ints["x_stride_w"]) == (h, w, w * c, c)
+    assert (ints["out_h"], ints["out_w"], ints["pad_h"]) == (7, 6, 0)
+    assert (values["STRIDE_H"], values["PHASED_H"], values["PHASED_W"]) == (2, False, False)
+    assert "stride [2, 2] through 1 phase view of x" in strided.reason
+    (phased,) = lowered(conv_graph("bf16", "bias_relu", n, c, h, w, k, 3, stride=2, padding=1))
+    values = _values(phased, "constexpr")
+    assert (values["STRIDE_H"], values["STRIDE_W"], values["PHASED_H"], values["PHASED_W"]) == (2, 2, True, True)
+    assert "through 4 phase views" in phased.reason
+    (flipped,) = lowered(conv_graph("bf16", "none", n, c, h, w, k, 3, padding=1, mode="convolution"))
+    assert _values(flipped, "constexpr")["FLIP"] is True and _values(plain, "constexpr")["FLIP"] is False
+
+
+def test_lower_gives_one_persistent_launch_with_an_unaligned_fallback():
+    g = conv_graph("bf16", "bias_relu", 3, 64, 13, 11, 136, 3, padding=1)
+    (launch,) = lowered(g)
+    config = _offered(g)[0].config
+    tiles = 3 * -(-13 // config.block_h) * -(-11 // config.block_w) * -(-136 // config.block_n)
+    assert launch.grid == (min(tiles, H100.sms), 1, 1) and launch.num_warps == 4
+    assert "gluon warp-specialized conv" in launch.config_text and " us " in launch.reason
+    assert launch.alternative is not None and launch.alternative.scratch == ()
+    source = open(launch.source_path).read()
+    assert "conv_lib.conv_fprop(" in source and "bias" not in source.split('"""', 2)[2]  # no user names in code
+    forced = ConvConfig(16, 8, 256, 64, 3, 2)
+    (launch,) = lowered(g, forced)
+    assert "16x8x256x64 stages=3 consumers=2" in launch.config_text
+    with pytest.raises(dg.UnsupportedError, match="is not one this problem can run"):
+        lowered(g, ConvConfig(16, 16, 256, 64, 8, 2))  # its ring does not fit
+
+
+def test_default_options_never_choose_gluon_and_opting_in_ranks_it():
+    problem = conv_group(conv_graph("bf16", "bias_relu", 8, 64, 28, 28, 128, 3, padding=1))[1]
+    assert "conv" in GLUON.families
+    for target in (H100, H200):
+        assert registry.choose(problem, target, BuildOptions(target=target), interpreted=False).name == "triton"
+    pairs = registry.ranked(problem, H100, BuildOptions(backends=GLUON_FIRST, target=H100), interpreted=False)
+    assert {b.name for b, _ in pairs} == {"gluon", "triton"}
+    assert registry.choose(problem, H100, BuildOptions(backends=("gluon",)), interpreted=False).name == "gluon"
+
+
+def test_refusals_name_gluons_reason_for_a_stride_3():
+    g, x, w, conv = _graph()
+    g.conv_fprop(x, w, **dict(conv, stride=[3, 3])).set_output(True)
+    problem = conv_group(g)[1]
+    text = registry.refusals(problem, H100, BuildOptions(backends=GLUON_FIRST, target=H100))
+    assert text.startswith("gluon: gluon's implicit GEMM reads a stride past 2")
+    assert registry.refusals(problem, H100, BuildOptions(backends=("triton",), target=H100)) == ""
+
+
+def test_a_cpu_build_with_gluon_first_runs_triton_in_the_interpreter():
+    g = conv_graph("bf16", "bias_relu", 1, 16, 5, 6, 16, 3, padding=1)
+    inputs = _inputs(g, "cpu")
+    check(g, inputs, dtype=torch.bfloat16, options=BuildOptions(backends=GLUON_FIRST))
+    assert {launch.backend for launch in g.plan.launches} == {"triton"}
+
+
+# -- (d) on a GPU (H100 / H200) --------------------------------------------------------------------
+
+def _inputs(g, device="cuda") -> dict:
+    """Random inputs of `g` with its strides (x and w scaled so sums stay near 1)."""
+    found = {}
+    for t in g.tensors:
+        if t.producer is None:
+            value = torch.randn(*t.dim, device=device) * (0.25 if t.name in ("x", "w") else 1.0)
+            found[t.name] = torch.empty_strided(tuple(t.dim), tuple(t.stride), dtype=t.data_type.torch_dtype,
+                                                device=device).copy_(value.to(t.data_type.torch_dtype))
+    return found
+
+
+def _few_sms(device="cuda"):
+    """The device's target with 3 SMs: programs loop over many tiles (the ring wraps across them)."""
+    return dataclasses.replace(dg.target.from_properties(torch.cuda.get_device_properties(device)), sms=3)
+
+
+def _check_gluon(g, type_name, target=None, tolerance=None):
+    out_type = g.outputs()[0].data_type.torch_dtype
+    tolerance = tolerance or {torch.float32: 1e-2}.get(out_type)
+    outputs = check(g, _inputs(g), dtype=TYPES[type_name].torch_dtype, device="cuda", tolerance=tolerance,
+                    options=BuildOptions(backends=("gluon", ), target=target or _few_sms()))
+    assert {launch.backend for launch in g.plan.launches} == {"gluon"}
+    return outputs
+
+
+# (id, n, c, h, w, k, filter, stride, padding, dilation): 1x1/1, 1x1/2 (odd sizes: the view's
+# last row and column), 3x3/1 p1, 5x5/1 p2 and dilated, 7x7 p3, 3x3/2 and 7x7/2 (four phase views;
+# odd and even H, W); odd N, H, W; C and K from 8 to 264
+GPU_GEOMETRIES = (
+    ("1x1s1", 3, 264, 13, 11, 136, 1, 1, 0, 1),
+    ("1x1s2", 3, 64, 13, 11, 264, 1, 2, 0, 1),
+    ("3x3s1p1", 3, 64, 13, 11, 136, 3, 1, 1, 1),
+    ("3x3s1p0", 2, 72, 9, 17, 64, 3, 1, 0, 1),
+    ("5x5s1p2", 3, 16, 13, 11, 40, 5, 1, 2, 1),
+    ("5x5d2p4", 2, 32, 12, 10, 24, 5, 1, 4, 2),
+    ("7x7s1p3", 1, 24, 15, 9, 264, 7, 1, 3, 1),
+    ("3x3s2p1", 3, 64, 13, 12, 136, 3, 2, 1, 1),
+    ("3x3s2p1d2", 2, 32, 17, 11, 64, 3, 2, 1, 2),
+    ("7x7s2p3", 2, 8, 23, 18, 64, 7, 2, 3, 1),
+    ("1x1s2p1", 2, 64, 9, 10, 64, 1, 2, 1, 1),
+)
+
+
+def gpu_cases() -> list:
+    """(type, epilogue, geometry) of the reference tests: every geometry x epilogue once, the
+    16-bit type alternating over them, so each type meets every geometry and every epilogue."""
+    types = sorted(TYPES)
+    return [(types[(i + j) % len(types)], epilogue, geometry)
+            for i, geometry in enumerate(GPU_GEOMETRIES) for j, epilogue in enumerate(sorted(EPILOGUES))]
+
+
+def test_the_gpu_cases_meet_every_pair_of_type_epilogue_and_geometry():
+    cases = gpu_cases()
+    assert {(e, g[0]) for _, e, g in cases} == {(e, g[0]) for e in EPILOGUES for g in GPU_GEOMETRIES}
+    assert {(t, e) for t, e, _ in cases} == {(t, e) for t in TYPES for e in EPILOGUES}
+    assert {(t, g[0]) for t, _, g in cases} == {(t, g[0]) for t in TYPES for g in GPU_GEOMETRIES}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", gpu_cases(), ids=lambda case: f"{case[0]}-{case[1]}-{case[2][0]}")
+def test_gluon_conv_matches_the_reference(case):
+    type_name, epilogue, (_, n, c, h, w, k, f, s, p, d) = case
+    _check_gluon(conv_graph(type_name, epilogue, n, c, h, w, k, f, s, p, d), type_name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(CONFIGS)), ids=lambda i: CONFIGS[i].text.replace(" ", "_"))
+def test_every_config_matches_the_reference(index, monkeypatch):
+    """Every config forced in turn, over a 3x3 layer whose rectangles and channel blocks are
+    partly past P, Q, C and K, at stride 1 and 2 (four phase views), and a strided 1x1; a NaN in
+    input pixel (4, 5) of image 1 reaches exactly the output pixels whose windows hold it."""
+    import dnngraph.backends.gluon.conv_backend as conv_backend
+    from dnngraph.runtime.plan_cache import PLANS
+    monkeypatch.setattr(conv_backend, "CONFIGS", (CONFIGS[index], ))
+    PLANS.clear()
+    config = CONFIGS[index]
+    # stride 1: rows 3..5, columns 4..6; stride 2: output p reads rows 2p - 1 .. 2p + 1
+    for stride, rows, cols in ((1, (3, 4, 5), (4, 5, 6)), (2, (2, ), (2, 3))):
+        g = conv_graph("bf16", "bias_relu", 3, 72, 19, 21, 264, 3, stride=stride, padding=1)
+        inputs = _inputs(g)
+        inputs["x"][1, :, 4, 5] = float("nan")
+        outputs = check(g, inputs, dtype=torch.bfloat16, device="cuda",
+                        options=BuildOptions(backends=("gluon", ), target=_few_sms()))
+        (output, ) = outputs.values()
+        nan_pixels = torch.isnan(output).any(dim=1).nonzero().tolist()
+        assert sorted(nan_pixels) == [[1, p, q] for p in rows for q in cols], stride
+        assert f"conv {config.block_h}x{config.block_w}x{config.block_n}x64 stages={config.stages}" in (
+            g.plan.launches[0].config_text)
+    _check_gluon(conv_graph("fp16", "bias_silu", 2, 64, 15, 13, 136, 1, stride=2), "fp16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("type_name", sorted(TYPES))
+def test_a_channels_last_slice_and_a_flipped_filter(type_name):
+    """x a channels_last slice (64 of 128 channels: H and W strides of the whole), and
+    mode="convolution" (the filter back to front)."""
+    sliced = conv_graph(type_name, "bias_relu", 3, 64, 13, 11, 72, 3, padding=1,
+                        x_stride=[13 * 11 * 128, 1, 11 * 128, 128])
+    _check_gluon(sliced, type_name)
+    _check_gluon(conv_graph(type_name, "scale_gelu_tanh", 2, 40, 9, 10, 64, 3, padding=1, mode="convolution"), type_name)
+
+
+@pytest.mark.gpu
+def test_a_resnet_sized_layer_on_every_sm():
+    g = conv_graph("bf16", "bias_relu", 8, 256, 14, 14, 256, 3, padding=1)
+    _check_gluon(g, "bf16", target=dg.target.from_properties(torch.cuda.get_device_properties("cuda")))
+
+
+@pytest.mark.gpu
+def test_explain_names_the_gluon_kernel_and_a_refusal():
+    g = conv_graph("bf16", "bias_relu", 2, 64, 13, 11, 64, 3, padding=1)
+    check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", options=BuildOptions(backends=("gluon", )))
+    text = g.explain()
+    assert "  backend: gluon" in text and "gluon warp-specialized conv" in text
+    assert "dnngraph_gluon_conv_conv_fprop" in text
+    strided = conv_graph("bf16", "bias_relu", 2, 64, 13, 11, 64, 3, stride=3, padding=1)
+    check(strided, _inputs(strided), dtype=torch.bfloat16, device="cuda", options=BuildOptions(backends=GLUON_FIRST))
+    text = strided.explain()
+    assert "  backend: triton" in text and "  refused: gluon: gluon's implicit GEMM reads a stride past 2" in text
+
+
+CONSAN = """
+import dataclasses, sys
+import torch, triton
+sys.path[:0] = {paths!r}
+# consan's instrumentation keeps its state in scratch that Triton allocates through this
+triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+from gluon_conv_cases import conv_graph
+from helpers import check
+import dnngraph as dg
+target = dataclasses.replace(dg.target.from_properties(torch.cuda.get_device_properties(0)), sms=2)
+# two consumers (3x3, padded) and one (the 8x8 rectangles of a 7x7 output), each program over
+# several tiles; a strided 1x1; a 3x3 / 2 through four phase views
+for args, kwargs in (((3, 64, 13, 11, 136, 3), dict(padding=1)), ((2, 64, 7, 7, 64, 3), dict(padding=1)),
+                     ((2, 64, 13, 11, 128, 1), dict(stride=2)), ((2, 64, 15, 13, 64, 3), dict(stride=2, padding=1))):
+    g = conv_graph("bf16", "bias_relu", *args, **kwargs)
+    inputs = {{t.name: torch.empty_strided(tuple(t.dim), tuple(t.stride), dtype=t.data_type.torch_dtype,
+                                          device="cuda").copy_(torch.randn(*t.dim, device="cuda") / 4)
+              for t in g.tensors if t.producer is None}}
+    check(g, inputs, dtype=torch.bfloat16, device="cuda", options=dg.BuildOptions(backends=("gluon",), target=target))
+    assert g.plan.launches[0].backend == "gluon"
+print("consan clean")
+"""
+
+
+@pytest.mark.gpu
+def test_a_small_run_is_clean_under_the_concurrency_sanitizer(tmp_path):
+    here = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(here)
+    env = dict(os.environ, TRITON_INSTRUMENTATION_MODE="consan", DNNGRAPH_CACHE_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
+    script = CONSAN.format(paths=[here, tests])
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and "consan clean" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_each_partition_makes_the_descriptors_it_copies_through():
+    """A device-side descriptor is acquired only by the warps that make it: the producer makes
+    x's phase views and w's, each consumer y's, the kernel body none."""
+    import ast
+    import inspect
+
+    from dnngraph.backends.gluon import conv_library
+
+    tree = ast.parse(inspect.getsource(conv_library))
+    makers = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+              for call in ast.walk(node) if isinstance(call, ast.Call)
+              and getattr(call.func, "attr", None) == "make_tensor_descriptor"}
+    assert makers == {"phase_view", "conv_load_partition", "conv_mma_partition"}, makers
+    callers = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+               for call in ast.walk(node) if isinstance(call, ast.Call) and getattr(call.func, "id", None) == "phase_view"}
+    assert callers == {"conv_load_partition"}, callers
+
+
+def _emulated(launch, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """y [N, K, P, Q] as the kernel reads its operands from the launch's arguments alone (no
+    GPU): each tap's box from phase view (phase_h, phase_w) of x's storage (conv_library.
+    phase_view: x_ptr + phase * stride, rows STRIDE apart, zeros outside the view), at view rows
+    p + shift where the tap's offset r*dil - pad = phase + STRIDE * shift, times the filter tap
+    (back to front where FLIP)."""
+    ints, values = _values(launch, "int"), _values(launch, "constexpr")
+    n, c, k = ints["images"], ints["channels"], ints["filters"]
+    p_out, q_out = ints["out_h"], ints["out_w"]
+    stride = (values["STRIDE_H"], values["STRIDE_W"])
+    y = torch.zeros(n, k, p_out, q_out, dtype=torch.float64)
+    storage = x.as_strided((x.untyped_storage().nbytes() // x.element_size(), ), (1, ))
+    for r in range(ints["taps_h"]):
+        for s in range(ints["taps_w"]):
+            offsets = (r * ints["dil_h"] - ints["pad_h"], s * ints["dil_w"] - ints["pad_w"])
+            phases = tuple(o % st for o, st in zip(offsets, stride))
+            shifts = tuple((o - ph) // st for o, ph, st in zip(offsets, phases, stride))
+            for phased, phase in zip((values["PHASED_H"], values["PHASED_W"]), phases):
+                assert phased or phase == 0  # an unphased axis has only view 0
+            rows = -(-(ints["x_rows"] - phases[0]) // stride[0])
+            cols = -(-(ints["x_cols"] - phases[1]) // stride[1])
+            view = storage.as_strided((n, rows, cols, c), (ints["x_stride_n"], stride[0] * ints["x_stride_h"],
+                                                            stride[1] * ints["x_stride_w"], 1),
+                                      phases[0] * ints["x_stride_h"] + phases[1] * ints["x_stride_w"])
+            box = torch.zeros(n, p_out, q_out, c, dtype=torch.float64)  # TMA's zero fill
+            for p in range(p_out):
+                for q in range(q_out):
+                    v, u = p + shifts[0], q + shifts[1]
+                    if 0 <= v < rows and 0 <= u < cols:
+                        box[:, p, q] = view[:, v, u].double()
+            tap = (ints["taps_h"] - 1 - r, ints["taps_w"] - 1 - s) if values["FLIP"] else (r, s)
+            y += torch.einsum("npqc,kc->nkpq", box, w[:, :, tap[0], tap[1]].double())
+    return y
+
+
+@pytest.mark.parametrize("case", [
+    ("3x3s1p1", dict(filter_size=3, padding=1)), ("5x5d2", dict(filter_size=5, padding=4, dilation=2)),
+    ("1x1s2", dict(filter_size=1, stride=2)), ("3x3s2p1", dict(filter_size=3, stride=2, padding=1)),
+    ("7x7s2p3", dict(filter_size=7, stride=2, padding=3)), ("1x1s2p1", dict(filter_size=1, stride=2, padding=1)),
+    ("3x3s2d2", dict(filter_size=3, stride=2, padding=2, dilation=2)),
+    ("flip", dict(filter_size=3, stride=2, padding=1, mode="convolution"))], ids=lambda case: case[0])
+def test_the_launch_arguments_read_the_convolution(case):
+    """The sizes, strides and phase constexprs lower() gives, read as the kernel reads them
+    (_emulated), compute the convolution torch computes: x a channels_last slice (8 of 16
+    channels), odd H and W."""
+    _, geometry = case
+    n, c, h, w, k = 2, 8, 11, 9, 16
+    g = conv_graph("bf16", "none", n, c, h, w, k, x_stride=[h * w * 16, 1, w * 16, 16], **geometry)
+    (launch,) = lowered(g)
+    whole = torch.randn(n, 16, h, w).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
+    x = whole[:, :8]
+    weights = torch.randn(k, c, geometry["filter_size"], geometry["filter_size"]).to(torch.bfloat16)
+    expected = g.reference({"x": x, "w": weights})
+    (out,) = expected.values()
+    assert torch.allclose(_emulated(launch, x, weights), out.double(), rtol=1e-2, atol=1e-2)
