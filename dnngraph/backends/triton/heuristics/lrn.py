@@ -16,7 +16,7 @@ window's shift operations. Model assumption, not measured: the lead's H200 run c
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ....errors import UnsupportedError
 from ....target import Target
@@ -59,6 +59,29 @@ MAX_ELEMENTS_PER_THREAD = 2 * ELEMENTS_PER_THREAD
 # the window's size does. An L1 hit costs about a load and an add.
 LOADS_MAX_POINTS = 8
 OPS_PER_LOAD = 2
+# Schedules. "tile": one program a tile, which loads its tile and then computes with nothing in
+# flight; the next loads wait for another resident program (the H200's 23-56% of copy forward,
+# 14-29% backward). "persistent": a grid of the programs the SMs hold at once, each walking tiles
+# pid, pid + grid, ... in a tl.range loop of PERSISTENT_STAGES stages: Triton 3.6's pipeliner
+# turns the loop's loads into cp.async copies to shared memory issued a tile ahead (sm_90a PTX of
+# the persistent kernels: cp.async for every tile operand, no tt.load left synchronous in the loop;
+# a register prefetch (the next tile's tl.load before this tile's math, the values carried across
+# the iteration) holds a second copy of every loaded tile in registers instead, which the
+# backward's eight live tiles cannot spare). Model assumption until the H200 run calibrates it:
+# persistence pays once every program walks PERSISTENT_MIN_TILES tiles (the pipeline's fill, one
+# tile's loads exposed, amortized over them, and the last wave's imbalance at most one tile in
+# that many); fewer tiles keep one tile a program.
+PERSISTENT_STAGES = 2
+PERSISTENT_MIN_TILES = 4
+# Live tiles a thread holds (registers per value of its share of a tile) and the registers
+# besides (indices, masks, addresses): the model of a program's registers that bounds how many
+# programs an SM holds at once (forward: x, its square, a partial sum, S, S^-beta; backward three
+# more: dy, the covering term, its partial sum).
+LIVE_TILES = {False: 5, True: 8}
+BASE_REGISTERS = 40
+MAX_REGISTERS = 255
+MAX_PROGRAMS_PER_SM = 8
+SCHEDULES = ("tile", "persistent")
 
 
 @dataclass(frozen=True)
@@ -89,6 +112,9 @@ class LrnSchedule:
     config: LrnConfig
     candidates: int
     reason: str
+    persistent: bool = False  # programs walk tiles in a pipelined loop (PERSISTENT_STAGES)
+    grid: int = 0  # programs launched in the persistent form (0: one a tile)
+    stages: int = 1
 
     @property
     def owned(self) -> tuple:
@@ -113,8 +139,13 @@ class LrnSchedule:
         return -(-self.inner // self.config.batch_block)
 
     @property
-    def programs(self) -> int:
+    def tiles(self) -> int:
         return _numel(self.window_tiles) * (self.batch // self.inner) * self.inner_tiles
+
+    @property
+    def programs(self) -> int:
+        """Programs launched: one a tile, or the persistent grid."""
+        return self.grid if self.persistent else self.tiles
 
     @property
     def config_text(self) -> str:
@@ -126,7 +157,9 @@ class LrnSchedule:
                 f"[{''.join(names[a] for a in self.inner_axes)}]{self.config.batch_block} "
                 f"cols={'window' if self.window_on_cols else 'batch'} sums={self.config.window_by} "
                 f"num_warps={self.config.num_warps} "
-                f"grid={self.programs}" + (" int64-index" if self.index_64 else ""))
+                f"grid={self.programs}" + (f" persistent={self.tiles}/{self.grid} stages={self.stages}"
+                                           if self.persistent else " schedule=tile") +
+                (" int64-index" if self.index_64 else ""))
 
 
 def _numel(dims) -> int:
@@ -374,9 +407,60 @@ def _ranked(layout: _Layout, target: Target, max_tile: int) -> list:
     return [config for _, config in ranked]
 
 
-def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TILE_ELEMENTS) -> LrnSchedule:
+def program_registers(config: LrnConfig, backward: bool) -> int:
+    """Model registers a thread of one program takes (allocated 8 at a time): its share of each
+    live tile, and the indices and masks besides."""
+    per_thread = -(-_numel(config.window_blocks) * config.batch_block // (LANES_PER_WARP * config.num_warps))
+    return min(MAX_REGISTERS, -(-(BASE_REGISTERS + LIVE_TILES[backward] * per_thread) // 8) * 8)
+
+
+def pipeline_shared_bytes(config: LrnConfig, operand_bytes: int) -> int:
+    """Shared memory a persistent program's pipelined loads take: a tile buffer per loaded
+    operand for each stage ahead (Triton 3.6 allocates stages - 1 of them per load)."""
+    return (PERSISTENT_STAGES - 1) * _numel(config.window_blocks) * config.batch_block * operand_bytes
+
+
+def resident_programs(config: LrnConfig, backward: bool, operand_bytes: int, target: Target) -> int:
+    """Programs one SM of `target` holds at once: by threads, by the model's registers and by
+    the pipeline's shared memory."""
+    threads = LANES_PER_WARP * config.num_warps
+    by_threads = target.threads_per_sm // threads
+    by_registers = target.registers // (program_registers(config, backward) * threads)
+    by_shared = target.shared_memory // max(1, pipeline_shared_bytes(config, operand_bytes))
+    return max(1, min(MAX_PROGRAMS_PER_SM, by_threads, by_registers, by_shared))
+
+
+@dataclass(frozen=True)
+class FormChoice:
+    """The schedule's form: persistent or not, its grid, and why."""
+
+    persistent: bool
+    grid: int
+    reason: str
+
+
+def choose_form(tiles: int, resident: int, target: Target, form=None, programs=None) -> FormChoice:
+    """One tile a program, or a persistent grid of every program the SMs hold at once, by the
+    model (PERSISTENT_MIN_TILES tiles a program) unless `form` ("tile" | "persistent") or a
+    grid of `programs` is forced (BuildOptions.lrn_schedule, lrn_programs)."""
+    slots = target.sms * resident
+    grid = min(tiles, programs or slots)
+    if form == "tile" or (form is None and programs is None and tiles < PERSISTENT_MIN_TILES * slots):
+        why = ("forced" if form == "tile" else
+               f"{tiles} tiles are fewer than {PERSISTENT_MIN_TILES} a program over {slots} resident "
+               f"({resident} an SM): a loop's pipeline would not fill")
+        return FormChoice(False, 0, f"one tile a program ({why})")
+    why = "forced" if form or programs else f"{tiles} tiles, at least {PERSISTENT_MIN_TILES} a program"
+    return FormChoice(True, grid, f"persistent: {grid} programs ({resident} an SM) walk {tiles} tiles in a "
+                                  f"{PERSISTENT_STAGES}-stage tl.range, the next tile's loads in flight "
+                                  f"during this one's math ({why})")
+
+
+def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TILE_ELEMENTS, form=None,
+             programs=None) -> LrnSchedule:
     """Tile layout and the best-ranked config on `target` of a windowed normalization group,
-    whose tiles hold at most `max_tile` elements (BuildOptions.lrn_tile_elements)."""
+    whose tiles hold at most `max_tile` elements (BuildOptions.lrn_tile_elements), in the form
+    choose_form picks (`form` and `programs` force it: BuildOptions.lrn_schedule, lrn_programs)."""
     anchor, layout = group.anchor, _layout(group, window_axes_)
     x, axes, reach = layout.x, layout.axes, layout.reach
     names = AXIS_NAMES[len(x.dim)]
@@ -395,6 +479,13 @@ def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TIL
               f"along {''.join(names[a] for a in axes)}, " +
               (f"x loaded once per program, {layout.shifts} shifted copies (tl.gather) for its window sums"
                if best.window_by == "gather" else "x loaded once per window offset for its window sums"))
-    return LrnSchedule(anchor.op.endswith("_backward"), axes, layout.batch_axes, layout.inner_axes, reach,
-                       layout.window_on_cols,
-                       tuple(x.dim), index_64, frozenset(t.uid for t in group.inputs), best, len(ranked), reason)
+    tiled = LrnSchedule(anchor.op.endswith("_backward"), axes, layout.batch_axes, layout.inner_axes, reach,
+                        layout.window_on_cols,
+                        tuple(x.dim), index_64, frozenset(t.uid for t in group.inputs), best, len(ranked), reason)
+    # a load per window offset stages each offset's tile
+    loads = _numel(sum(r) + 1 for r in reach) if best.window_by == "loads" else 1
+    operand_bytes = loads * sum(t.data_type.itemsize for t in group.inputs)
+    resident = resident_programs(best, layout.backward, operand_bytes, target)
+    choice = choose_form(tiled.tiles, resident, target, form, programs)
+    return replace(tiled, persistent=choice.persistent, grid=choice.grid,
+                   stages=PERSISTENT_STAGES if choice.persistent else 1, reason=f"{reason}; {choice.reason}")
