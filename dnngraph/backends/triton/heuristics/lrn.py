@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from ....errors import UnsupportedError
 from ....target import Target
 from .layout import INT32_LIMIT, merged_stride, operand_strides
+from .matmul import LOAD_LATENCY
 from .pointwise import pow2_at_least
 from .pooling import AXIS_NAMES
 
@@ -62,23 +63,37 @@ OPS_PER_LOAD = 2
 # Schedules. "tile": one program a tile, which loads its tile and then computes with nothing in
 # flight; the next loads wait for another resident program (the H200's 23-56% of copy forward,
 # 14-29% backward). "persistent": a grid of the programs the SMs hold at once, each walking tiles
-# pid, pid + grid, ... in a tl.range loop of PERSISTENT_STAGES stages: Triton 3.6's pipeliner
-# turns the loop's loads into cp.async copies to shared memory issued a tile ahead (sm_90a PTX of
-# the persistent kernels: cp.async for every tile operand, no tt.load left synchronous in the loop;
-# a register prefetch (the next tile's tl.load before this tile's math, the values carried across
-# the iteration) holds a second copy of every loaded tile in registers instead, which the
-# backward's eight live tiles cannot spare). Model assumption until the H200 run calibrates it:
+# pid, pid + grid, ... in a pipelined tl.range loop: Triton 3.6's pipeliner
+# turns the loop's loads into cp.async copies to shared memory issued stages - 1 tiles ahead
+# (sm_90a TTGIR of the bench's persistent kernels, bf16 and fp32: no tt.load left synchronous in
+# the loop, no spills, 46-230 registers). A register prefetch (the next tile's tl.load before this
+# tile's math, carried across the iteration) was not built: it would hold one more copy of every
+# loaded tile in registers, which the backward's live tiles cannot spare at 4096-lane tiles. Model assumption until the H200 run calibrates it:
 # persistence pays once every program walks PERSISTENT_MIN_TILES tiles (the pipeline's fill, one
 # tile's loads exposed, amortized over them, and the last wave's imbalance at most one tile in
 # that many); fewer tiles keep one tile a program.
-PERSISTENT_STAGES = 2
 PERSISTENT_MIN_TILES = 4
+# Stages: at least two (one tile ahead), more while the resident programs' loads in flight fall
+# short of an SM's share of DRAM bandwidth times the load latency (Little's law: 4.8 TB/s / 132
+# SMs x 1 us, about 36 KB an SM), as far as shared memory holds their buffers.
+MIN_STAGES, MAX_STAGES = 2, 4
+# cp.async copies 4, 8 or 16 bytes a thread from an address aligned to that size: a bf16 tile
+# whose runs the compiler cannot prove start on an even element stays a synchronous tt.load in the
+# loop (sm_90a TTGIR: NCHW LRN over 55 x 55, channel stride 3025; the 3x3 LCN over 56 x 56, H
+# stride 56 and an owned box of 30 after a halo of 1), and a loop without its loads in flight only
+# costs occupancy (the 3x3 NCHW LCN forward: 209 registers against the tile form's 78). Triton's
+# launcher marks an int argument divisible by 16 when it is; any other stride is unknown.
+ASYNC_COPY_BYTES = 4
+KNOWN_DIVISIBILITY = 16
 # Live tiles a thread holds (registers per value of its share of a tile) and the registers
 # besides (indices, masks, addresses): the model of a program's registers that bounds how many
-# programs an SM holds at once (forward: x, its square, a partial sum, S, S^-beta; backward three
-# more: dy, the covering term, its partial sum).
-LIVE_TILES = {False: 5, True: 8}
-BASE_REGISTERS = 40
+# programs an SM holds at once (forward: x, its square, a partial sum, S, S^-beta; backward: dy
+# and the covering term besides, the partial sums dead by then). sm_90a SASS of the persistent
+# kernels at the bench's bf16 sizes, 4096-lane tiles on 8 warps: forward 46-106 registers (the
+# model: 112), backward 64-147 (the model: 128). A model above the compiler's count halves the
+# grid; one below only queues a program behind another on its SM.
+LIVE_TILES = {False: 5, True: 6}
+BASE_REGISTERS = 32
 MAX_REGISTERS = 255
 MAX_PROGRAMS_PER_SM = 8
 SCHEDULES = ("tile", "persistent")
@@ -112,7 +127,7 @@ class LrnSchedule:
     config: LrnConfig
     candidates: int
     reason: str
-    persistent: bool = False  # programs walk tiles in a pipelined loop (PERSISTENT_STAGES)
+    persistent: bool = False  # programs walk tiles in a pipelined loop of `stages`
     grid: int = 0  # programs launched in the persistent form (0: one a tile)
     stages: int = 1
 
@@ -320,6 +335,7 @@ class _Layout:
     read: int  # bytes of the group's inputs, each read once
     traffic: int  # and of its outputs
     shifts: int  # shifted copies a tile's window sums take (as many along each windowed axis)
+    size: int = 1  # the window's positions along each windowed axis
 
 
 def inner_batch_axes(tensors, x_dims: tuple, batch_axes: tuple) -> tuple:
@@ -345,14 +361,13 @@ def _layout(group, window_axes_: tuple) -> _Layout:
     by_stride = lambda axes: tuple(sorted(axes, key=lambda a: (-x.stride[a], a)))  # outermost first
     axes = by_stride(window_axes_)
     batch_axes = by_stride(a for a in range(rank) if a not in window_axes_)
-    sized = [a for a in range(rank) if x.dim[a] > 1] or [rank - 1]
     read = sum(_numel(t.dim) * t.data_type.itemsize for t in group.inputs)
     tensors = list(group.inputs) + list(group.outputs)
     return _Layout(x, axes, batch_axes, inner_batch_axes(tensors, tuple(x.dim), batch_axes),
                    tuple(window_reach(size, backward) for _ in axes),
-                   min(sized, key=lambda a: (x.stride[a], -a)) in axes, backward, read,
+                   column_axis(x) in axes, backward, read,
                    read + sum(_numel(t.dim) * t.data_type.itemsize for t in group.outputs),
-                   shift_count(size) * len(axes) * (2 if backward else 1))
+                   shift_count(size) * len(axes) * (2 if backward else 1), size)
 
 
 def _candidates(layout: _Layout) -> list:
@@ -414,20 +429,61 @@ def program_registers(config: LrnConfig, backward: bool) -> int:
     return min(MAX_REGISTERS, -(-(BASE_REGISTERS + LIVE_TILES[backward] * per_thread) // 8) * 8)
 
 
-def pipeline_shared_bytes(config: LrnConfig, operand_bytes: int) -> int:
+def pipeline_shared_bytes(config: LrnConfig, operand_bytes: int, stages: int) -> int:
     """Shared memory a persistent program's pipelined loads take: a tile buffer per loaded
     operand for each stage ahead (Triton 3.6 allocates stages - 1 of them per load)."""
-    return (PERSISTENT_STAGES - 1) * _numel(config.window_blocks) * config.batch_block * operand_bytes
+    return (stages - 1) * _numel(config.window_blocks) * config.batch_block * operand_bytes
 
 
-def resident_programs(config: LrnConfig, backward: bool, operand_bytes: int, target: Target) -> int:
-    """Programs one SM of `target` holds at once: by threads, by the model's registers and by
-    the pipeline's shared memory."""
+def pipeline_depth(config: LrnConfig, backward: bool, operand_bytes: int, target: Target) -> tuple:
+    """(stages, programs one SM of `target` holds at once): residents by threads, the model's
+    registers and the stages' shared memory; the fewest stages whose loads in flight cover the
+    SM's bandwidth-latency product, or the deepest that shared memory holds."""
     threads = LANES_PER_WARP * config.num_warps
     by_threads = target.threads_per_sm // threads
     by_registers = target.registers // (program_registers(config, backward) * threads)
-    by_shared = target.shared_memory // max(1, pipeline_shared_bytes(config, operand_bytes))
-    return max(1, min(MAX_PROGRAMS_PER_SM, by_threads, by_registers, by_shared))
+    fits = max(1, min(MAX_PROGRAMS_PER_SM, by_threads, by_registers))
+    wanted = target.bandwidth / target.sms * LOAD_LATENCY
+    best = (MIN_STAGES, 1)
+    for stages in range(MIN_STAGES, MAX_STAGES + 1):
+        per_program = pipeline_shared_bytes(config, operand_bytes, stages)
+        resident = min(fits, target.shared_memory // per_program)
+        if resident < 1:
+            break
+        best = (stages, resident)
+        if resident * per_program >= wanted:
+            break
+    return best
+
+
+def column_axis(x) -> int:
+    """x's smallest-stride axis of more than one position (the tile's columns hold it)."""
+    sized = [a for a in range(len(x.dim)) if x.dim[a] > 1] or [len(x.dim) - 1]
+    return min(sized, key=lambda a: (x.stride[a], -a))
+
+
+def async_copyable(group, layout: "_Layout", config: LrnConfig, reach: tuple) -> bool:
+    """Whether every tile load can become a cp.async copy: each operand's runs along the
+    columns contiguous and starting on an ASYNC_COPY_BYTES boundary the compiler can prove
+    (every other axis's stride a known multiple of 16, the column index's start a multiple)."""
+    x, column = layout.x, column_axis(layout.x)
+    merged_away = set(layout.inner_axes) - {([a for a in layout.inner_axes if x.dim[a] > 1] or layout.inner_axes)[-1]}
+    if layout.window_on_cols:  # the innermost windowed axis: tile * owned - before + lane (+ offsets)
+        before = reach[-1][0]
+        starts = [config.window_blocks[-1] - before - reach[-1][1], before]
+        if config.window_by == "loads":
+            starts += range(-(layout.size // 2), (layout.size - 1) // 2 + 1)
+    else:  # a block of the merged inner batch axes
+        starts = [config.batch_block]
+    for tensor in group.inputs:
+        need = max(1, ASYNC_COPY_BYTES // tensor.data_type.itemsize)
+        if need == 1:
+            continue
+        strides = operand_strides(tuple(x.dim), tensor.dim, tensor.stride)
+        others = [s for a, s in enumerate(strides) if a != column and a not in merged_away and s]
+        if strides[column] != 1 or any(s % KNOWN_DIVISIBILITY for s in others) or any(v % need for v in starts):
+            return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -439,21 +495,25 @@ class FormChoice:
     reason: str
 
 
-def choose_form(tiles: int, resident: int, target: Target, form=None, programs=None) -> FormChoice:
-    """One tile a program, or a persistent grid of every program the SMs hold at once, by the
-    model (PERSISTENT_MIN_TILES tiles a program) unless `form` ("tile" | "persistent") or a
-    grid of `programs` is forced (BuildOptions.lrn_schedule, lrn_programs)."""
+def choose_form(tiles: int, depth: tuple, copyable: bool, target: Target, form=None, programs=None) -> FormChoice:
+    """One tile a program, or a persistent grid of every program the SMs hold at once
+    (`depth`: stages, programs an SM), by the model (loads that become cp.async copies, and
+    PERSISTENT_MIN_TILES tiles a program) unless `form` ("tile" | "persistent") or a grid of
+    `programs` is forced (BuildOptions.lrn_schedule, lrn_programs)."""
+    stages, resident = depth
     slots = target.sms * resident
     grid = min(tiles, programs or slots)
-    if form == "tile" or (form is None and programs is None and tiles < PERSISTENT_MIN_TILES * slots):
-        why = ("forced" if form == "tile" else
+    forced = form is not None or programs is not None
+    if form == "tile" or (not forced and (not copyable or tiles < PERSISTENT_MIN_TILES * slots)):
+        why = ("forced" if forced else "loads the compiler cannot prove aligned for cp.async: nothing would be "
+               "in flight" if not copyable else
                f"{tiles} tiles are fewer than {PERSISTENT_MIN_TILES} a program over {slots} resident "
                f"({resident} an SM): a loop's pipeline would not fill")
         return FormChoice(False, 0, f"one tile a program ({why})")
-    why = "forced" if form or programs else f"{tiles} tiles, at least {PERSISTENT_MIN_TILES} a program"
+    why = "forced" if forced else f"{tiles} tiles, at least {PERSISTENT_MIN_TILES} a program, loads cp.async-aligned"
     return FormChoice(True, grid, f"persistent: {grid} programs ({resident} an SM) walk {tiles} tiles in a "
-                                  f"{PERSISTENT_STAGES}-stage tl.range, the next tile's loads in flight "
-                                  f"during this one's math ({why})")
+                                  f"{stages}-stage tl.range, the next tiles' loads in flight during this one's "
+                                  f"math ({why})")
 
 
 def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TILE_ELEMENTS, form=None,
@@ -485,7 +545,7 @@ def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TIL
     # a load per window offset stages each offset's tile
     loads = _numel(sum(r) + 1 for r in reach) if best.window_by == "loads" else 1
     operand_bytes = loads * sum(t.data_type.itemsize for t in group.inputs)
-    resident = resident_programs(best, layout.backward, operand_bytes, target)
-    choice = choose_form(tiled.tiles, resident, target, form, programs)
+    depth = pipeline_depth(best, layout.backward, operand_bytes, target)
+    choice = choose_form(tiled.tiles, depth, async_copyable(group, layout, best, reach), target, form, programs)
     return replace(tiled, persistent=choice.persistent, grid=choice.grid,
-                   stages=PERSISTENT_STAGES if choice.persistent else 1, reason=f"{reason}; {choice.reason}")
+                   stages=depth[0] if choice.persistent else 1, reason=f"{reason}; {choice.reason}")
