@@ -18,6 +18,10 @@ u_i = dy_i c_i S_i^-beta / S_i. Positions outside x are zeros (torch's padding, 
 prologue) and contribute no u. Shifted lanes that leave the tile read zeros; they only reach
 halo lanes, which are never stored. The formulas are those of ops/lrn.py; S^-beta is
 exp2(-beta * log2(S)).
+
+In the persistent schedule (heuristics/lrn.py choose_form) the same body runs inside a
+`tl.range` loop over the tiles pid, pid + grid, ... whose stages the compiler pipelines, so the
+next tiles' loads are in flight while this tile computes (`open_tiles`).
 """
 from __future__ import annotations
 
