@@ -909,18 +909,27 @@ def sm90_persistent_graphs():
             getattr(g, name)(*operands, g.tensor_like(x_t, "x"), size=size, beta=0.75, k=2.0).set_output(True)
             g.build()
             yield f"fp32 {op} {'backward' if backward else 'forward'} {shape} size {size} {layout}", g
+    # past int32 offsets (2^31 elements, never allocated): the loop's tile index widens to int64
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    dy, x = (g.tensor(name=name, dim=[32, 64, 1024, 1024], stride=[2**26, 1, 2**16, 64]) for name in ("dy", "x"))
+    g.lrn_backward(dy, x, size=5).set_output(True)
+    g.build()
+    config = g.plan.launches[-1].config_text
+    assert "persistent=" in config and "int64-index" in config, config
+    yield "bf16 lrn backward int64 nhwc", g
 
 
 def test_persistent_kernels_keep_every_load_in_flight_on_sm90():
     """Where the model walks tiles, Triton's pipeliner must turn every tile load of the loop into
     a cp.async copy (a tt.load left in the loop: nothing in flight, the grid's occupancy lost for
-    nothing), without spills: fp32 here, bf16 in the model-size test above."""
+    nothing), without spills: fp32 here (and a bf16 LRN past int32 offsets), bf16 in the model-size
+    test above."""
     output = compiled_for_sm90("test_lrn:sm90_persistent_graphs", timeout=600,
                                env={"SM90_SPILLS": "1", "SM90_LOOP_LOADS": "1"})
-    assert f"compiled {2 * len(MODEL_FORMS)} kernels for sm_90" in output
+    assert f"compiled {2 * len(MODEL_FORMS) + 1} kernels for sm_90" in output
     loop_loads = re.findall(r"^loop_loads (.+): (\d+)$", output, re.M)
     spills = re.findall(r"^spills (.+): (\d+)$", output, re.M)
-    assert len(loop_loads) == len(spills) == 2 * len(MODEL_FORMS)
+    assert len(loop_loads) == len(spills) == 2 * len(MODEL_FORMS) + 1
     assert all(int(n) == 0 for _, n in loop_loads + spills), (loop_loads, spills)
 
 
@@ -941,3 +950,21 @@ def test_gpu_persistent_and_tile_schedules_at_model_sizes(schedule, dtype):
                               backward_graph(op, x_t, dy_t, size, **LRN_ATTRS)[:2]):
                 check(g, inputs, **on_gpu)
                 assert ("persistent=" in g.plan.launches[-1].config_text) == (schedule == "persistent")
+
+
+@pytest.mark.parametrize("schedule", ["tile", "persistent"])
+def test_int64_indexing_in_both_schedules(schedule, monkeypatch, request):
+    """Tensors past int32 offsets index in int64 (forced here by a limit of 0): the persistent
+    loop's tile index widens too, in the interpreter (whose loop variable is a Python int) and
+    on sm_90 (the model-size compile tests)."""
+    from dnngraph.backends.triton.heuristics import lrn as heuristics
+    from dnngraph.runtime import plan_cache
+    monkeypatch.setattr(heuristics, "INT32_LIMIT", 0)
+    plan_cache.clear()
+    request.addfinalizer(plan_cache.clear)
+    options = dg.BuildOptions(lrn_schedule=schedule, lrn_programs=2, lrn_tile_elements=32)
+    x_t, dy_t = sample((2, 9, 3, 5), layout="nhwc"), sample((2, 9, 3, 5))
+    for g, inputs in (forward_graph("lrn", x_t, 3, **LRN_ATTRS)[:2], backward_graph("lrn", x_t, dy_t, 3, **LRN_ATTRS)[:2]):
+        check(g, inputs, options=options)
+        config = g.plan.launches[-1].config_text
+        assert "int64-index" in config and ("persistent=" in config) == (schedule == "persistent"), config

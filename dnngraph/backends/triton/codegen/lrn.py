@@ -136,13 +136,13 @@ class _WindowWriter(_KernelWriter):
         each of the tiles pid, pid + grid, ... walked by a loop whose stages the compiler
         pipelines (the next tile's loads issued as cp.async copies before this tile's math)."""
         sched = self.schedule
-        wide = ".to(tl.int64)" if sched.index_64 else ""
         if not sched.persistent:
-            self.line(f"tile_index = tl.program_id(0){wide}")
+            self.line("tile_index = tl.program_id(0)" + (".to(tl.int64)" if sched.index_64 else ""))
             return
         self.line(f"for walk in tl.range(tl.program_id(0), {sched.tiles}, {sched.grid}, num_stages={sched.stages}):")
         self.depth += 1
-        self.line(f"tile_index = walk{wide}")
+        # widened by promotion: the interpreter's loop variable is a Python int, which has no .to
+        self.line("tile_index = walk" + (" + tl.zeros([], tl.int64)" if sched.index_64 else ""))
 
     def store_mask(self) -> str:
         """Lanes this program owns: inside x and past the halo along every windowed axis."""
