@@ -71,8 +71,8 @@ OPS_PER_LOAD = 2
 # generated kernels and compiled alike, one tile ahead at most): backward registers 64 -> 143,
 # 111 -> 176, 128 -> 164, 147 -> 178 bf16 and 219 -> 255 fp32, forward within -29..+8, SASS
 # instructions within 10% either way, no spills in either; the pipelined loop keeps the registers
-# and may run more than one tile ahead, for 24-82 KB of shared memory a program. Model assumption until the H200 run calibrates it:
-# persistence pays once every program walks PERSISTENT_MIN_TILES tiles (the pipeline's fill, one
+# and may run more than one tile ahead, for 24-82 KB of shared memory a program. Model
+# assumption until the H200 run calibrates it: persistence pays once every program walks PERSISTENT_MIN_TILES tiles (the pipeline's fill, one
 # tile's loads exposed, amortized over them, and the last wave's imbalance at most one tile in
 # that many); fewer tiles keep one tile a program.
 PERSISTENT_MIN_TILES = 4
@@ -507,12 +507,15 @@ def choose_form(tiles: int, depth: tuple, copyable: bool, target: Target, form=N
     slots = target.sms * resident
     grid = min(tiles, programs or slots)
     forced = form is not None or programs is not None
-    if form == "tile" or (not forced and (not copyable or tiles < PERSISTENT_MIN_TILES * slots)):
-        why = ("forced" if forced else "loads the compiler cannot prove aligned for cp.async: nothing would be "
-               "in flight" if not copyable else
-               f"{tiles} tiles are fewer than {PERSISTENT_MIN_TILES} a program over {slots} resident "
-               f"({resident} an SM): a loop's pipeline would not fill")
-        return FormChoice(False, 0, f"one tile a program ({why})")
+    if form == "tile":
+        return FormChoice(False, 0, "one tile a program (forced)")
+    if not forced and not copyable:
+        return FormChoice(False, 0, "one tile a program (loads the compiler cannot prove aligned for cp.async: "
+                                    "nothing would be in flight)")
+    if not forced and tiles < PERSISTENT_MIN_TILES * slots:
+        return FormChoice(False, 0, f"one tile a program ({tiles} tiles are fewer than {PERSISTENT_MIN_TILES} a "
+                                    f"program over {slots} resident, {resident} an SM: a loop's pipeline would "
+                                    f"not fill)")
     why = "forced" if forced else f"{tiles} tiles, at least {PERSISTENT_MIN_TILES} a program, loads cp.async-aligned"
     return FormChoice(True, grid, f"persistent: {grid} programs ({resident} an SM) walk {tiles} tiles in a "
                                   f"{stages}-stage tl.range, the next tiles' loads in flight during this one's "
@@ -546,7 +549,7 @@ def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TIL
                         layout.window_on_cols,
                         tuple(x.dim), index_64, frozenset(t.uid for t in group.inputs), best, len(ranked), reason)
     # a load per window offset stages each offset's tile
-    loads = _numel(sum(r) + 1 for r in reach) if best.window_by == "loads" else 1
+    loads = layout.size ** len(axes) if best.window_by == "loads" else 1
     operand_bytes = loads * sum(t.data_type.itemsize for t in group.inputs)
     depth = pipeline_depth(best, layout.backward, operand_bytes, target)
     choice = choose_form(tiled.tiles, depth, async_copyable(group, layout, best, reach), target, form, programs)
