@@ -198,7 +198,8 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}; {time.perf_counter() - started:.0f} s")
     print_table("LRN and divisive normalization (TB/s over minimal bytes; ratios: torch time / dnngraph time; "
                 "model fwd/bwd: the schedule the heuristics pick)",
-                ["op", "case", "dtype", "layout", "schedule", "model fwd/bwd", "fwd TB/s", "fwd % copy", "vs eager", "vs compile",
+                ["op", "case", "dtype", "layout", "schedule", "model fwd/bwd", "fwd TB/s", "fwd % copy", "vs eager",
+                 "vs compile",
                  "bwd TB/s", "bwd % copy", "bwd vs eager", "fwd config", "bwd config"], rows)
 
 

@@ -964,7 +964,8 @@ def test_int64_indexing_in_both_schedules(schedule, monkeypatch, request):
     request.addfinalizer(plan_cache.clear)
     options = dg.BuildOptions(lrn_schedule=schedule, lrn_programs=2, lrn_tile_elements=32)
     x_t, dy_t = sample((2, 9, 3, 5), layout="nhwc"), sample((2, 9, 3, 5))
-    for g, inputs in (forward_graph("lrn", x_t, 3, **LRN_ATTRS)[:2], backward_graph("lrn", x_t, dy_t, 3, **LRN_ATTRS)[:2]):
+    for g, inputs in (forward_graph("lrn", x_t, 3, **LRN_ATTRS)[:2],
+                      backward_graph("lrn", x_t, dy_t, 3, **LRN_ATTRS)[:2]):
         check(g, inputs, options=options)
         config = g.plan.launches[-1].config_text
         assert "int64-index" in config and ("persistent=" in config) == (schedule == "persistent"), config

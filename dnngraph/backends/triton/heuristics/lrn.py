@@ -72,9 +72,9 @@ OPS_PER_LOAD = 2
 # 111 -> 176, 128 -> 164, 147 -> 178 bf16 and 219 -> 255 fp32, forward within -29..+8, SASS
 # instructions within 10% either way, no spills in either; the pipelined loop keeps the registers
 # and may run more than one tile ahead, for 24-82 KB of shared memory a program. Model
-# assumption until the H200 run calibrates it: persistence pays once every program walks PERSISTENT_MIN_TILES tiles (the pipeline's fill, one
-# tile's loads exposed, amortized over them, and the last wave's imbalance at most one tile in
-# that many); fewer tiles keep one tile a program.
+# assumption until the H200 run calibrates it: persistence pays once every program walks
+# PERSISTENT_MIN_TILES tiles (the pipeline's fill, one tile's loads exposed, amortized over them,
+# and the last wave's imbalance at most one tile in that many); fewer tiles keep one tile a program.
 PERSISTENT_MIN_TILES = 4
 # Stages: at least two (one tile ahead), more while the resident programs' loads in flight fall
 # short of an SM's share of DRAM bandwidth times the load latency (Little's law: 4.8 TB/s / 132
