@@ -12,6 +12,10 @@ program (an L2 hit), never re-loaded within one.
 Configs are plain data ranked by a model: bytes moved (widened by halo re-reads and short
 contiguous runs) over the target's bandwidth, against lanes computed (owned or not) times the
 window's shift operations. Model assumption, not measured: the lead's H200 run calibrates it.
+
+The tiles then run one a program, or persistent (`choose_form`): a grid the SMs hold at once
+walks them in a loop whose loads Triton pipelines as cp.async copies, where those copies are
+possible (`async_copyable`) and each program has tiles enough to fill the pipeline.
 """
 from __future__ import annotations
 
