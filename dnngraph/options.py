@@ -112,7 +112,7 @@ class BuildOptions:
     lrn_tile_elements: int = lrn_heuristics.MAX_TILE_ELEMENTS
     # windowed normalization's schedule: None, the model's; "tile", one tile a program;
     # "persistent", programs walking tiles in a pipelined loop, `lrn_programs` of them (None: as
-    # many as the SMs hold at once)
+    # many as the SMs hold at once; set with the schedule None, it forces the persistent form)
     lrn_schedule: Optional[str] = None
     lrn_programs: Optional[int] = None
 
