@@ -969,3 +969,22 @@ def test_int64_indexing_in_both_schedules(schedule, monkeypatch, request):
         check(g, inputs, options=options)
         config = g.plan.launches[-1].config_text
         assert "int64-index" in config and ("persistent=" in config) == (schedule == "persistent"), config
+
+
+def test_persistent_loop_runs_fused_prologues_epilogues_and_extra_outputs():
+    """Inside the loop: a producer chain, a consumer with a broadcast operand, a prologue value
+    that is also a graph output (stored once a tile, only where owned), the LCN's mean."""
+    options = dg.BuildOptions(lrn_programs=3, lrn_tile_elements=64)
+    x_t, b_t, dy_t = sample((2, 7, 3, 5), layout="nhwc"), sample((1, 7, 1, 1)), sample((2, 7, 3, 5))
+    g = dg.Graph(io_data_type=dg.float32)
+    x, b, dy = g.tensor_like(x_t, "x"), g.tensor_like(b_t, "b"), g.tensor_like(dy_t, "dy")
+    h = g.exp(g.scale(x, 0.5)).set_output(True)
+    g.add(g.lrn(h, 5, **LRN_ATTRS), b).set_output(True)
+    g.lrn_backward(g.neg(dy), h, 3, **LRN_ATTRS).set_output(True)
+    check(g, {x: x_t, b: b_t, dy: dy_t}, options=options)
+    windowed = [launch.config_text for launch in g.plan.launches if launch.group.kind == "lrn"]
+    assert len(windowed) == 2 and all("persistent=" in config for config in windowed), windowed
+    g = dg.Graph(io_data_type=dg.float32)
+    x = g.tensor_like(x_t, "x")
+    g.local_contrast_normalization(x, 3, **DIV_ATTRS).set_output(True)
+    check(g, {x: x_t}, options=options)
