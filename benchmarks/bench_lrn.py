@@ -7,10 +7,14 @@ Goal: >= 80% of copy.
     python benchmarks/bench_lrn.py --dtypes bf16 --only alexnet   # a part of it
     python benchmarks/bench_lrn.py --cpu      # a small CPU check through Triton's interpreter
     python benchmarks/bench_lrn.py --no-compile-anchor   # both dtypes in under two minutes
+    python benchmarks/bench_lrn.py --schedule tile        # one form only (tile|persistent|both|model);
+                                                          # the default, both, times each side by side
 """
 import argparse
+import concurrent.futures
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +33,9 @@ DIVISIVE_SHAPES = [("lcn-3x3", (64, 64, 56, 56), 3), ("lcn-5x5", (32, 32, 64, 64
 LRN = dict(alpha=1e-4, beta=0.75, k=2.0)
 DIVISIVE = dict(alpha=1.0, beta=0.5, k=1e-2)
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 3e-3, torch.float32: 1e-4}
+# do_bench's budget a timing (ms): 100 keeps both dtypes, both schedules inside two minutes, and
+# still averages hundreds of runs of these 50-500 us kernels
+TIMING = dict(warmup=10, rep=100)
 
 
 def layout_of(value: torch.Tensor, layout: str) -> torch.Tensor:
@@ -63,42 +70,77 @@ def torch_function(op, size, attrs):
     return lambda x: divisive_torch(x, size, **attrs)
 
 
-def run_case(op, name, shape, size, attrs, dtype, layout, device, ceiling=None, compile_anchor=True):
-    """One table row (GPU) or one checked case (CPU)."""
+# --schedule: the forms each case is built in (BuildOptions.lrn_schedule; None: the model's)
+FORMS = {"tile": ("tile",), "persistent": ("persistent",), "both": ("tile", "persistent"), "model": (None,)}
+
+
+def prepared_case(op, name, shape, size, attrs, dtype, layout, device, forms):
+    """x, dy, the float64 torch results, and per form its built (forward, backward, y, dx)."""
     x = layout_of(torch.randn(shape, device=device, dtype=torch.float32).to(dtype), layout)
     dy = layout_of(torch.randn(shape, device=device, dtype=torch.float32).to(dtype), layout)
-    forward, backward = lrn_graphs(x, op, size, attrs)
-    forward.build()
-    backward.build()
-    y, dx = torch.empty_like(x), torch.empty_like(x)
-    run_forward = lambda: forward.execute({"x": x, "y": y})
-    run_backward = lambda: backward.execute({"x": x, "dy": dy, "dx": dx})
-    run_forward()
-    run_backward()
     fn = torch_function(op, size, attrs)
     leaf = x.double().requires_grad_(True)
     want = fn(leaf)
     (want_dx,) = torch.autograd.grad(want, leaf, dy.double())
-    errors = (rel_error(y, want), rel_error(dx, want_dx))
-    assert max(errors) < TOLERANCE[dtype], (name, errors)
-    if device == "cpu":
-        return [name, str(dtype).split(".")[-1], layout, f"{errors[0]:.1e}", f"{errors[1]:.1e}"]
-    eager_leaf = x.detach().clone().requires_grad_(True)
+    built = {}
+    for form in forms:
+        forward, backward = lrn_graphs(x, op, size, attrs)
+        options = dg.BuildOptions(lrn_schedule=form)
+        forward.build(options=options)
+        backward.build(options=options)
+        built[form] = (forward, backward, torch.empty_like(x), torch.empty_like(x))
+    picked = []  # the model's form forward and backward, planned only (kernels compile at first execute)
+    for model in lrn_graphs(x, op, size, attrs):
+        model.build()
+        picked.append("persistent" if "persistent=" in model.plan.launches[0].config_text else "tile")
+    return dict(op=op, name=name, size=size, attrs=attrs, dtype=dtype, layout=layout, x=x, dy=dy, fn=fn,
+                want=want.detach(), want_dx=want_dx, built=built, picked=picked)
+
+
+def first_runs(case):
+    """Execute every form once: its kernels compile (checked() then compares the outputs)."""
+    x, dy = case["x"], case["dy"]
+    for form, (forward, backward, y, dx) in case["built"].items():
+        forward.execute({"x": x, "y": y})
+        backward.execute({"x": x, "dy": dy, "dx": dx})
+    if x.is_cuda:
+        torch.cuda.synchronize()
+
+
+def checked(case) -> dict:
+    """form -> (y error, dx error) against float64 torch; each within the dtype's tolerance."""
+    errors = {}
+    for form, (forward, backward, y, dx) in case["built"].items():
+        errors[form] = (rel_error(y, case["want"]), rel_error(dx, case["want_dx"]))
+        assert max(errors[form]) < TOLERANCE[case["dtype"]], (case["name"], form, errors[form])
+    return errors
+
+
+def measured_rows(case, ceiling, compile_anchor):
+    """One table row per form: TB/s and % of copy forward and backward, ratios to torch."""
+    x, dy, fn = case["x"], case["dy"], case["fn"]
     nbytes = x.numel() * x.element_size()
-    t_fwd, t_bwd = median_ms(run_forward), median_ms(run_backward)
-    t_eager = median_ms(lambda: fn(x))
-    vs_compile = "-"
+    tbs = lambda ms, tensors: tensors * nbytes / ms / 1e9
+    t_eager = median_ms(lambda: fn(x), **TIMING)
+    eager_leaf = x.detach().clone().requires_grad_(True)
+    eager_out = fn(eager_leaf)
+    t_eager_bwd = median_ms(lambda: torch.autograd.grad(eager_out, eager_leaf, dy, retain_graph=True), **TIMING)
+    t_compiled = None
     if compile_anchor:  # torch.compile takes seconds a case: most of the script's time
         compiled = torch.compile(fn)
         compiled(x)
-        vs_compile = f"{median_ms(lambda: compiled(x)) / t_fwd:.2f}x"
-    eager_out = fn(eager_leaf)
-    t_eager_bwd = median_ms(lambda: torch.autograd.grad(eager_out, eager_leaf, dy, retain_graph=True))
-    tbs = lambda ms, tensors: tensors * nbytes / ms / 1e9
-    return [name, str(dtype).split(".")[-1], layout, f"{tbs(t_fwd, 2):.2f}", f"{tbs(t_fwd, 2) / ceiling:.0%}",
-            f"{t_eager / t_fwd:.2f}x", vs_compile, f"{tbs(t_bwd, 3):.2f}",
-            f"{tbs(t_bwd, 3) / ceiling:.0%}", f"{t_eager_bwd / t_bwd:.2f}x",
-            forward.plan.launches[0].config_text, backward.plan.launches[0].config_text]
+        t_compiled = median_ms(lambda: compiled(x), **TIMING)
+    rows = []
+    for form, (forward, backward, y, dx) in case["built"].items():
+        t_fwd = median_ms(lambda: forward.execute({"x": x, "y": y}), **TIMING)
+        t_bwd = median_ms(lambda: backward.execute({"x": x, "dy": dy, "dx": dx}), **TIMING)
+        rows.append([case["op"], case["name"], str(case["dtype"]).split(".")[-1], case["layout"], form or "model",
+                     "/".join(case["picked"]),
+                     f"{tbs(t_fwd, 2):.2f}", f"{tbs(t_fwd, 2) / ceiling:.0%}", f"{t_eager / t_fwd:.2f}x",
+                     f"{t_compiled / t_fwd:.2f}x" if t_compiled else "-", f"{tbs(t_bwd, 3):.2f}",
+                     f"{tbs(t_bwd, 3) / ceiling:.0%}", f"{t_eager_bwd / t_bwd:.2f}x",
+                     forward.plan.launches[0].config_text, backward.plan.launches[0].config_text])
+    return rows
 
 
 def cases(quick: bool):
@@ -116,30 +158,48 @@ def main():
     parser.add_argument("--dtypes", default="bf16,fp32", help="comma-separated among bf16, fp32")
     parser.add_argument("--only", default="", help="comma-separated words: cases whose name has one")
     parser.add_argument("--no-compile-anchor", action="store_true", help="leave out the torch.compile anchor")
+    parser.add_argument("--schedule", default="both", choices=sorted(FORMS),
+                        help="tile: one tile a program; persistent: programs walk tiles; both (default): "
+                             "each, side by side; model: the heuristics' choice")
     args = parser.parse_args()
+    forms = FORMS[args.schedule]
     if args.cpu or not torch.cuda.is_available():
-        rows = [[op] + run_case(op, name, shape, size, attrs, torch.float32, layout, "cpu")
-                for op, name, shape, size, attrs in cases(True) for layout in ("nchw", "nhwc")]
-        print_table("LRN / divisive normalization, CPU check (rel. error vs float64 torch)",
-                    ["op", "case", "dtype", "layout", "y err", "dx err"], rows)
-        return
-    rows, words = [], [w for w in args.only.split(",") if w]
-    dtypes = [{"bf16": torch.bfloat16, "fp32": torch.float32}[d] for d in args.dtypes.split(",")]
-    for dtype in dtypes:
-        for op, name, shape, size, attrs in cases(False):
-            if words and not any(w in name for w in words):
-                continue
-            numel = 1
-            for d in shape:
-                numel *= d
-            ceiling = copy_ceiling_tbs(numel, dtype)
+        rows = []
+        for op, name, shape, size, attrs in cases(True):
             for layout in ("nchw", "nhwc"):
-                rows.append([op] + run_case(op, name, shape, size, attrs, dtype, layout, "cuda", ceiling,
-                                            compile_anchor=not args.no_compile_anchor))
-                print(" | ".join(rows[-1]), flush=True)  # a run cut short keeps its rows
-    print(f"device: {torch.cuda.get_device_name()}")
-    print_table("LRN and divisive normalization (TB/s over minimal bytes; ratios: torch time / dnngraph time)",
-                ["op", "case", "dtype", "layout", "fwd TB/s", "fwd % copy", "vs eager", "vs compile",
+                case = prepared_case(op, name, shape, size, attrs, torch.float32, layout, "cpu", forms)
+                first_runs(case)
+                for form, (y_err, dx_err) in checked(case).items():
+                    rows.append([op, name, "float32", layout, form or "model", "/".join(case["picked"]),
+                                 f"{y_err:.1e}", f"{dx_err:.1e}"])
+        print_table("LRN / divisive normalization, CPU check (rel. error vs float64 torch)",
+                    ["op", "case", "dtype", "layout", "schedule", "model fwd/bwd", "y err", "dx err"], rows)
+        return
+    started = time.perf_counter()
+    words = [w for w in args.only.split(",") if w]
+    dtypes = [{"bf16": torch.bfloat16, "fp32": torch.float32}[d] for d in args.dtypes.split(",")]
+    prepared = [prepared_case(op, name, shape, size, attrs, dtype, layout, "cuda", forms)
+                for dtype in dtypes for op, name, shape, size, attrs in cases(False)
+                if not words or any(w in name for w in words) for layout in ("nchw", "nhwc")]
+    # every kernel compiles before anything is timed, many at once (Triton's compiler leaves the
+    # GIL), so the run's minutes go to measuring
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        list(pool.map(first_runs, prepared))
+    ceilings, rows = {}, []
+    for case in prepared:
+        checked(case)
+        key = (case["x"].numel(), case["dtype"])
+        if key not in ceilings:
+            ceilings[key] = copy_ceiling_tbs(*key)
+        for row in measured_rows(case, ceilings[key], compile_anchor=not args.no_compile_anchor):
+            rows.append(row)
+            print(" | ".join(row), flush=True)  # a run cut short keeps its rows
+        case["built"].clear()  # its tensors' memory back before the next case is timed
+    print(f"device: {torch.cuda.get_device_name()}; {time.perf_counter() - started:.0f} s")
+    print_table("LRN and divisive normalization (TB/s over minimal bytes; ratios: torch time / dnngraph time; "
+                "model fwd/bwd: the schedule the heuristics pick)",
+                ["op", "case", "dtype", "layout", "schedule", "model fwd/bwd", "fwd TB/s", "fwd % copy", "vs eager",
+                 "vs compile",
                  "bwd TB/s", "bwd % copy", "bwd vs eager", "fwd config", "bwd config"], rows)
 
 

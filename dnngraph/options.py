@@ -110,6 +110,11 @@ class BuildOptions:
     # windowed normalization (LRN, divisive): the most elements one program's halo tile holds
     # (smaller forces several tiles along the window axes: how tests reach the halo seams)
     lrn_tile_elements: int = lrn_heuristics.MAX_TILE_ELEMENTS
+    # windowed normalization's schedule: None, the model's; "tile", one tile a program;
+    # "persistent", programs walking tiles in a pipelined loop, `lrn_programs` of them (None: as
+    # many as the SMs hold at once; set with the schedule None, it forces the persistent form)
+    lrn_schedule: Optional[str] = None
+    lrn_programs: Optional[int] = None
 
     def __post_init__(self):
         for name, check in _CHECKS.items():
@@ -214,6 +219,12 @@ def _row_mode(name, value):
     return value
 
 
+def _lrn_schedule(name, value):
+    if value is not None and value not in lrn_heuristics.SCHEDULES:
+        _fail(name, f"None or one of {list(lrn_heuristics.SCHEDULES)}", value)
+    return value
+
+
 def _plan_choice(name, value):
     if isinstance(value, list):
         value = tuple(value)
@@ -252,5 +263,7 @@ _CHECKS = {
     "plan": _plan_choice,
     "block_scale_config": _instance(BlockScaleConfig),
     "lrn_tile_elements": _count(16, power_of_two=True),
+    "lrn_schedule": _lrn_schedule,
+    "lrn_programs": _count(1, optional=True),
 }
 assert set(_CHECKS) == {f.name for f in fields(BuildOptions)}, "every option has its check"

@@ -39,6 +39,7 @@ BAD = [
 ]
 BAD.append(("block_scale_config", (256, 4)))
 BAD += [("lrn_tile_elements", 24), ("lrn_tile_elements", 8)]
+BAD += [("lrn_schedule", "loop"), ("lrn_schedule", 1), ("lrn_programs", 0), ("lrn_programs", 2.0)]
 
 
 @pytest.mark.parametrize("field, value", BAD, ids=lambda v: v if isinstance(v, str) else None)

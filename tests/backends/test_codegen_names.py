@@ -296,3 +296,15 @@ def test_failed_load_leaves_nothing_and_raises_typed(tmp_path, monkeypatch):
     assert kernel() == 3 and path.exists()
     g, inputs = _build("softmax", "plain")  # the next build works
     check(g, inputs)
+
+
+def test_lrn_persistent_schedule_with_kernel_names():
+    """The persistent loop's names (walk, tile_index) are the kernel's: user names equal to them
+    change nothing."""
+    options = dg.BuildOptions(lrn_schedule="persistent", lrn_programs=2, lrn_tile_elements=32)
+    plain, _ = _build("lrn", "plain", options=options)
+    words = sorted(set().union(*map(_identifiers, _sources(plain))))
+    assert {"walk", "tile_index"} <= set(words)
+    g, inputs = _build("lrn", "kernel", extra=words, options=options)
+    assert _sources(g) == _sources(plain) and all("persistent=" in l.config_text for l in g.plan.launches)
+    check(g, inputs)

@@ -732,10 +732,14 @@ def test_model_size_kernels_compile_fast_for_sm90_without_spills():
     not finish in the lead's 110 s run) and spills nothing (the LCN 3x3 NCHW backward spilled 12 KB
     and ran at 0.01 TB/s)."""
     # one kernel at a time (SM90_JOBS=1): a kernel's seconds then carry no sibling's load
-    output = compiled_for_sm90("test_lrn:sm90_model_graphs", timeout=600, env={"SM90_SPILLS": "1", "SM90_JOBS": "1"})
+    output = compiled_for_sm90("test_lrn:sm90_model_graphs", timeout=600,
+                               env={"SM90_SPILLS": "1", "SM90_JOBS": "1", "SM90_LOOP_LOADS": "1"})
     assert f"compiled {2 * len(MODEL_FORMS)} kernels for sm_90" in output
     spills = re.findall(r"^spills (.+): (\d+)$", output, re.M)
     assert len(spills) == 2 * len(MODEL_FORMS) and all(int(n) == 0 for _, n in spills), spills
+    # the persistent kernels among them (the model's choice) keep every tile load in flight
+    loop_loads = re.findall(r"^loop_loads (.+): (\d+)$", output, re.M)
+    assert len(loop_loads) == 2 * len(MODEL_FORMS) and all(int(n) == 0 for _, n in loop_loads), loop_loads
     seconds = re.findall(r"^compile_seconds ([\d.]+) (.+)$", output, re.M)
     assert seconds and all(float(s) < 10 for s, _ in seconds), seconds
 
@@ -794,3 +798,193 @@ def test_gpu_per_axis_gathers_and_both_forward_ways(window_by, monkeypatch, requ
         on_gpu = dict(dtype=dtype, device="cuda", reference_device="cuda")
         check(*forward_graph(op, x_t, size, **LRN_ATTRS)[:2], **on_gpu)
         check(*backward_graph(op, x_t, dy_t, size, **LRN_ATTRS)[:2], **on_gpu)
+
+
+# --- the persistent schedule (issue 32: programs walk tiles in a pipelined loop) ----------------
+# (op, shape, size, means dims or None, most tile elements, programs, dtype): tile counts no
+# multiple of the grid, a grid past the tiles (one tile: one program), size-1 axes (N, C, H),
+# means that vary along the window, bf16 storage, a prologue-free 3-D window
+PERSISTENT_CASES = [("lrn", (2, 37, 3, 5), 5, None, 32, 3, torch.float32),
+                    ("lrn", (3, 11, 1, 5), 4, None, 16, 5, torch.bfloat16),
+                    ("lrn", (1, 1, 3, 3), 3, None, 4096, 7, torch.float32),
+                    ("div", (1, 3, 13, 11), 3, (1, 3, 13, 11), 64, 4, torch.float32),
+                    ("div", (2, 1, 9, 7), 5, (1, 1, 1, 1), 256, 3, torch.bfloat16),
+                    ("div", (1, 2, 5, 6, 7), 3, None, 512, 2, torch.float32)]
+
+
+def _tiles_and_grid(g) -> tuple:
+    config = g.plan.launches[-1].config_text
+    found = re.search(r"persistent=(\d+)/(\d+)", config)
+    assert found and f"grid={found.group(2)} " in config, config
+    return int(found.group(1)), int(found.group(2))
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+@pytest.mark.parametrize("op,shape,size,means_dims,tile,programs,dtype", PERSISTENT_CASES)
+def test_persistent_programs_walk_every_tile_once(op, shape, size, means_dims, tile, programs, dtype, layout):
+    """Forced persistent grids at odd sizes against float64: every tile stored (outputs
+    poisoned with NaN first), none twice, NaN and infinities where torch has them, the loop in
+    the source; a grid larger than the tile count launches one program a tile."""
+    x_t, dy_t = sample(shape, layout=layout), sample(shape, layout=layout)
+    x_t[(0, 0) + tuple(min(1, d - 1) for d in shape[2:])] = float("nan")
+    dy_t[(-1, -1) + (0,) * (len(shape) - 2)] = float("inf")
+    x_t, dy_t = x_t.to(dtype), dy_t.to(dtype)
+    m_t = sample(means_dims, dtype) if means_dims else None
+    options = dg.BuildOptions(lrn_tile_elements=tile, lrn_programs=programs)
+    for g, inputs in (forward_graph(op, x_t, size, m_t, **LRN_ATTRS)[:2],
+                      backward_graph(op, x_t, dy_t, size, m_t, **LRN_ATTRS)[:2]):
+        check(g, inputs, dtype, options=options)
+        tiles, grid = _tiles_and_grid(g)
+        assert grid == min(tiles, programs) and "tl.range(" in launched_source(g)
+
+
+@pytest.mark.parametrize("op", ["lrn", "div"])
+def test_persistent_programs_over_strided_and_broadcast_inputs(op):
+    """Sliced x (odd strides), dy broadcast along H (stride 0), means as [1, C, 1, 1], a grid
+    of 3 over more tiles; the same kernels the model's grid on the interpreter target runs."""
+    x_t = sample((2, 10, 5, 7))[:, 1::2, :, 1:6]
+    dy_t = sample((2, 5, 1, 5)).expand(2, 5, 5, 5)
+    m_t = sample((1, 5, 1, 1)) if op == "div" else None
+    for options in (dg.BuildOptions(lrn_tile_elements=64, lrn_programs=3),
+                    dg.BuildOptions(lrn_tile_elements=64, lrn_schedule="persistent")):
+        for g, inputs in (forward_graph(op, x_t, 3, m_t, **LRN_ATTRS)[:2],
+                          backward_graph(op, x_t, dy_t, 3, m_t, **LRN_ATTRS)[:2]):
+            check(g, inputs, options=options)
+            tiles, grid = _tiles_and_grid(g)
+            assert tiles > 1 and (grid == min(tiles, 3) if options.lrn_programs else grid == tiles)
+
+
+def test_forced_tile_schedule_and_bad_schedule_options():
+    x_t = sample((2, 9, 3, 4))
+    g, inputs = forward_graph("lrn", x_t, 5, **LRN_ATTRS)[:2]
+    check(g, inputs, options=dg.BuildOptions(lrn_schedule="tile", lrn_programs=2, lrn_tile_elements=32))
+    config = g.plan.launches[-1].config_text
+    assert "schedule=tile" in config and "tl.range(" not in launched_source(g)
+    for bad in (dict(lrn_schedule="loop"), dict(lrn_programs=0), dict(lrn_programs=2.0)):
+        with pytest.raises(dg.ValidationError):
+            dg.BuildOptions(**bad)
+
+
+def _form_of(op, shape, size, layout, backward, dtype):
+    x_t = torch.empty(shape, dtype=dtype)
+    if layout == "nhwc":
+        x_t = x_t.contiguous(memory_format=torch.channels_last)
+    g = dg.Graph(io_data_type=IO_TYPES[dtype])
+    name = ("lrn" if op == "lrn" else "divisive_normalization") + ("_backward" if backward else "")
+    operands = [g.tensor_like(x_t, "dy")] if backward else []
+    getattr(g, name)(*operands, g.tensor_like(x_t, "x"), size=size).set_output(True)
+    return _schedule_of(g, (1,) if op == "lrn" else (2, 3))
+
+
+def test_model_keeps_one_tile_a_program_where_persistence_cannot_help():
+    """Few tiles (fewer than PERSISTENT_MIN_TILES a resident program), and bf16 loads whose
+    4-byte alignment the compiler cannot prove (cp.async impossible: nothing would be in flight;
+    NCHW LRN over 55 x 55, channel stride 3025; LCN 3x3 over 56 x 56, H stride 56), keep the
+    tile form; aligned bf16 and every fp32 model size walk tiles, with a grid of whole SMs."""
+    from dnngraph.target import H200
+    small = _form_of("lrn", (2, 16, 7, 7), 5, "nhwc", True, torch.bfloat16)
+    assert not small.persistent and "fewer than" in small.reason
+    for op, shape, size, layout in [("lrn", (128, 96, 55, 55), 5, "nchw"), ("div", (64, 64, 56, 56), 3, "nchw")]:
+        for backward in (False, True):
+            sched = _form_of(op, shape, size, layout, backward, torch.bfloat16)
+            assert not sched.persistent and "cp.async" in sched.reason, sched.reason
+            assert _form_of(op, shape, size, layout, backward, torch.float32).persistent
+    for op, shape, size, layout in [("lrn", (128, 96, 55, 55), 5, "nhwc"), ("div", (32, 32, 64, 64), 5, "nchw")]:
+        sched = _form_of(op, shape, size, layout, True, torch.bfloat16)
+        assert sched.persistent and sched.grid % H200.sms == 0 and sched.tiles >= 4 * sched.grid, sched.config_text
+        assert 2 <= sched.stages <= 4
+
+
+def sm90_persistent_graphs():
+    """The bench's model sizes in fp32 (the bf16 ones: sm90_model_graphs), as the model
+    schedules them: most walk tiles."""
+    for op, shape, size, layout in MODEL_FORMS:
+        for backward in (False, True):
+            x_t = torch.empty(shape)
+            if layout == "nhwc":
+                x_t = x_t.contiguous(memory_format=torch.channels_last)
+            g = dg.Graph(io_data_type=dg.float32)
+            name = ("lrn" if op == "lrn" else "divisive_normalization") + ("_backward" if backward else "")
+            operands = [g.tensor_like(x_t, "dy")] if backward else []
+            getattr(g, name)(*operands, g.tensor_like(x_t, "x"), size=size, beta=0.75, k=2.0).set_output(True)
+            g.build()
+            yield f"fp32 {op} {'backward' if backward else 'forward'} {shape} size {size} {layout}", g
+    # past int32 offsets (2^31 elements, never allocated): the loop's tile index widens to int64
+    g = dg.Graph(io_data_type=dg.bfloat16)
+    dy, x = (g.tensor(name=name, dim=[32, 64, 1024, 1024], stride=[2**26, 1, 2**16, 64]) for name in ("dy", "x"))
+    g.lrn_backward(dy, x, size=5).set_output(True)
+    g.build()
+    config = g.plan.launches[-1].config_text
+    assert "persistent=" in config and "int64-index" in config, config
+    yield "bf16 lrn backward int64 nhwc", g
+
+
+def test_persistent_kernels_keep_every_load_in_flight_on_sm90():
+    """Where the model walks tiles, Triton's pipeliner must turn every tile load of the loop into
+    a cp.async copy (a tt.load left in the loop: nothing in flight, the grid's occupancy lost for
+    nothing), without spills: fp32 here (and a bf16 LRN past int32 offsets), bf16 in the model-size
+    test above."""
+    output = compiled_for_sm90("test_lrn:sm90_persistent_graphs", timeout=600,
+                               env={"SM90_SPILLS": "1", "SM90_LOOP_LOADS": "1"})
+    assert f"compiled {2 * len(MODEL_FORMS) + 1} kernels for sm_90" in output
+    loop_loads = re.findall(r"^loop_loads (.+): (\d+)$", output, re.M)
+    spills = re.findall(r"^spills (.+): (\d+)$", output, re.M)
+    assert len(loop_loads) == len(spills) == 2 * len(MODEL_FORMS) + 1
+    assert all(int(n) == 0 for _, n in loop_loads + spills), (loop_loads, spills)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("schedule", ["tile", "persistent"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_persistent_and_tile_schedules_at_model_sizes(schedule, dtype):
+    """Both schedules forced on the GPU compiler's pipelined loops: LRN NCHW and NHWC, LCN 5x5
+    NCHW and 3x3 NHWC, forward and backward, against float64; a grid of 7 programs too."""
+    forms = [("lrn", (8, 96, 27, 27), 5, "nchw"), ("lrn", (8, 64, 28, 28), 4, "nhwc"),
+             ("div", (4, 16, 64, 64), 5, "nchw"), ("div", (4, 32, 30, 30), 3, "nhwc")]
+    for programs in (None, 7):
+        options = dg.BuildOptions(lrn_schedule=schedule, lrn_programs=programs)
+        for op, shape, size, layout in forms:
+            x_t, dy_t = sample(shape, dtype, layout).cuda(), sample(shape, dtype, layout).cuda()
+            on_gpu = dict(dtype=dtype, device="cuda", reference_device="cuda", options=options)
+            for g, inputs in (forward_graph(op, x_t, size, **LRN_ATTRS)[:2],
+                              backward_graph(op, x_t, dy_t, size, **LRN_ATTRS)[:2]):
+                check(g, inputs, **on_gpu)
+                assert ("persistent=" in g.plan.launches[-1].config_text) == (schedule == "persistent")
+
+
+@pytest.mark.parametrize("schedule", ["tile", "persistent"])
+def test_int64_indexing_in_both_schedules(schedule, monkeypatch, request):
+    """Tensors past int32 offsets index in int64 (forced here by a limit of 0): the persistent
+    loop's tile index widens too, in the interpreter (whose loop variable is a Python int) and
+    on sm_90 (the model-size compile tests)."""
+    from dnngraph.backends.triton.heuristics import lrn as heuristics
+    from dnngraph.runtime import plan_cache
+    monkeypatch.setattr(heuristics, "INT32_LIMIT", 0)
+    plan_cache.clear()
+    request.addfinalizer(plan_cache.clear)
+    options = dg.BuildOptions(lrn_schedule=schedule, lrn_programs=2, lrn_tile_elements=32)
+    x_t, dy_t = sample((2, 9, 3, 5), layout="nhwc"), sample((2, 9, 3, 5))
+    for g, inputs in (forward_graph("lrn", x_t, 3, **LRN_ATTRS)[:2],
+                      backward_graph("lrn", x_t, dy_t, 3, **LRN_ATTRS)[:2]):
+        check(g, inputs, options=options)
+        config = g.plan.launches[-1].config_text
+        assert "int64-index" in config and ("persistent=" in config) == (schedule == "persistent"), config
+
+
+def test_persistent_loop_runs_fused_prologues_epilogues_and_extra_outputs():
+    """Inside the loop: a producer chain, a consumer with a broadcast operand, a prologue value
+    that is also a graph output (stored once a tile, only where owned), the LCN's mean."""
+    options = dg.BuildOptions(lrn_programs=3, lrn_tile_elements=64)
+    x_t, b_t, dy_t = sample((2, 7, 3, 5), layout="nhwc"), sample((1, 7, 1, 1)), sample((2, 7, 3, 5))
+    g = dg.Graph(io_data_type=dg.float32)
+    x, b, dy = g.tensor_like(x_t, "x"), g.tensor_like(b_t, "b"), g.tensor_like(dy_t, "dy")
+    h = g.exp(g.scale(x, 0.5)).set_output(True)
+    g.add(g.lrn(h, 5, **LRN_ATTRS), b).set_output(True)
+    g.lrn_backward(g.neg(dy), h, 3, **LRN_ATTRS).set_output(True)
+    check(g, {x: x_t, b: b_t, dy: dy_t}, options=options)
+    windowed = [launch.config_text for launch in g.plan.launches if launch.group.kind == "lrn"]
+    assert len(windowed) == 2 and all("persistent=" in config for config in windowed), windowed
+    g = dg.Graph(io_data_type=dg.float32)
+    x = g.tensor_like(x_t, "x")
+    g.local_contrast_normalization(x, 3, **DIV_ATTRS).set_output(True)
+    check(g, {x: x_t}, options=options)

@@ -302,6 +302,8 @@ OTHER_OPTIONS = dict(
     column_prefetch_tiles=0, column_stream_apply=False, conv_fold_channels_below=0, plan=1)
 OTHER_OPTIONS["block_scale_config"] = BlockScaleConfig(256, 4)
 OTHER_OPTIONS["lrn_tile_elements"] = 256
+OTHER_OPTIONS["lrn_schedule"] = "persistent"
+OTHER_OPTIONS["lrn_programs"] = 3
 
 
 def test_other_options_cover_every_field():

@@ -18,6 +18,10 @@ u_i = dy_i c_i S_i^-beta / S_i. Positions outside x are zeros (torch's padding, 
 prologue) and contribute no u. Shifted lanes that leave the tile read zeros; they only reach
 halo lanes, which are never stored. The formulas are those of ops/lrn.py; S^-beta is
 exp2(-beta * log2(S)).
+
+In the persistent schedule (heuristics/lrn.py choose_form) the same body runs inside a
+`tl.range` loop over the tiles pid, pid + grid, ... whose stages the compiler pipelines, so the
+next tiles' loads are in flight while this tile computes (`open_tiles`).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from ..heuristics.lrn import box_plan
 # (mv), shifted lane indices and their validity (nb, nbok), window-side coordinates (loc) and
 # the program's tile along each windowed axis (tile).
 VALUE_STEMS = ("cv", "sq", "bx", "sc", "gn", "dv", "uv", "mv", "nb", "nbok", "nbax", "loc", "tile", "owned")
-NAMES = ("win", "batch_tile", "win_tile", "store_mask", "inner_batch")
+NAMES = ("win", "batch_tile", "win_tile", "store_mask", "inner_batch", "tile_index", "walk")
 
 
 class _WindowWriter(_KernelWriter):
@@ -84,9 +88,8 @@ class _WindowWriter(_KernelWriter):
         window_block, batch_block = ("BLOCK_C", "BLOCK_R") if sched.window_on_cols else ("BLOCK_R", "BLOCK_C")
         batch_vector, batch_mask = ("rows_idx", "row_mask") if sched.window_on_cols else ("cols_idx", "col_mask")
         win_mask = "col_mask" if sched.window_on_cols else "row_mask"
-        self.line("pid = tl.program_id(0)" + (".to(tl.int64)" if sched.index_64 else ""))
-        self.line(f"win_tile = pid % {_numel(sched.window_tiles)}")
-        self.line(f"batch_tile = pid // {_numel(sched.window_tiles)}")
+        self.line(f"win_tile = tile_index % {_numel(sched.window_tiles)}")
+        self.line(f"batch_tile = tile_index // {_numel(sched.window_tiles)}")
         # the block tiles the merged inner batch axes alone: an arange from a multiple of the
         # block, contiguous as Triton sees it; the outer batch axes are one position a program
         self.line(f"{batch_vector} = (batch_tile % {sched.inner_tiles}) * {batch_block} + tl.arange(0, {batch_block})")
@@ -127,6 +130,19 @@ class _WindowWriter(_KernelWriter):
         for axis in sched.batch_axes:
             coords[axis] = Coord(f"{self.names[axis]}_idx", self.side(axis), None)
         return coords
+
+    def open_tiles(self):
+        """`tile_index`, the tile this program works on: its program id, or in the persistent form
+        each of the tiles pid, pid + grid, ... walked by a loop whose stages the compiler
+        pipelines (the next tile's loads issued as cp.async copies before this tile's math)."""
+        sched = self.schedule
+        if not sched.persistent:
+            self.line("tile_index = tl.program_id(0)" + (".to(tl.int64)" if sched.index_64 else ""))
+            return
+        self.line(f"for walk in tl.range(tl.program_id(0), {sched.tiles}, {sched.grid}, num_stages={sched.stages}):")
+        self.depth += 1
+        # widened by promotion: the interpreter's loop variable is a Python int, which has no .to
+        self.line("tile_index = walk" + (" + tl.zeros([], tl.int64)" if sched.index_64 else ""))
 
     def store_mask(self) -> str:
         """Lanes this program owns: inside x and past the halo along every windowed axis."""
@@ -331,6 +347,7 @@ def _numel(dims) -> int:
 def render(kernel_name: str, schedule, group, compute_type, description: str) -> KernelSource:
     """The KernelSource of the kernel running a windowed normalization group under `schedule`."""
     writer = _WindowWriter(kernel_name, schedule, group, compute_type)
+    writer.open_tiles()
     tile = writer.tile_coordinates()
     if schedule.backward:
         writer.backward(tile)

@@ -12,15 +12,20 @@ program (an L2 hit), never re-loaded within one.
 Configs are plain data ranked by a model: bytes moved (widened by halo re-reads and short
 contiguous runs) over the target's bandwidth, against lanes computed (owned or not) times the
 window's shift operations. Model assumption, not measured: the lead's H200 run calibrates it.
+
+The tiles then run one a program, or persistent (`choose_form`): a grid the SMs hold at once
+walks them in a loop whose loads Triton pipelines as cp.async copies, where those copies are
+possible (`async_copyable`) and each program has tiles enough to fill the pipeline.
 """
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ....errors import UnsupportedError
 from ....target import Target
 from .layout import INT32_LIMIT, merged_stride, operand_strides
+from .matmul import LOAD_LATENCY
 from .pointwise import pow2_at_least
 from .pooling import AXIS_NAMES
 
@@ -59,6 +64,46 @@ MAX_ELEMENTS_PER_THREAD = 2 * ELEMENTS_PER_THREAD
 # the window's size does. An L1 hit costs about a load and an add.
 LOADS_MAX_POINTS = 8
 OPS_PER_LOAD = 2
+# Schedules. "tile": one program a tile, which loads its tile and then computes with nothing in
+# flight; the next loads wait for another resident program (the H200's 23-56% of copy forward,
+# 14-29% backward). "persistent": a grid of the programs the SMs hold at once, each walking tiles
+# pid, pid + grid, ... in a pipelined tl.range loop: Triton 3.6's pipeliner
+# turns the loop's loads into cp.async copies to shared memory issued stages - 1 tiles ahead
+# (sm_90a TTGIR of the bench's persistent kernels, bf16 and fp32: no tt.load left synchronous in
+# the loop, no spills, 46-230 registers). Against a register prefetch (the next tile's tl.load
+# issued before this tile's math and carried across the iteration, derived by hand from the same
+# generated kernels and compiled alike, one tile ahead at most): backward registers 64 -> 143,
+# 111 -> 176, 128 -> 164, 147 -> 178 bf16 and 219 -> 255 fp32, forward within -29..+8, SASS
+# instructions within 10% either way, no spills in either; the pipelined loop keeps the registers
+# and may run more than one tile ahead, for 24-82 KB of shared memory a program. Model
+# assumption until the H200 run calibrates it: persistence pays once every program walks
+# PERSISTENT_MIN_TILES tiles (the pipeline's fill, one tile's loads exposed, amortized over them,
+# and the last wave's imbalance at most one tile in that many); fewer tiles keep one tile a program.
+PERSISTENT_MIN_TILES = 4
+# Stages: at least two (one tile ahead), more while the resident programs' loads in flight fall
+# short of an SM's share of DRAM bandwidth times the load latency (Little's law: 4.8 TB/s / 132
+# SMs x 1 us, about 36 KB an SM), as far as shared memory holds their buffers.
+MIN_STAGES, MAX_STAGES = 2, 4
+# cp.async copies 4, 8 or 16 bytes a thread from an address aligned to that size: a bf16 tile
+# whose runs the compiler cannot prove start on an even element stays a synchronous tt.load in the
+# loop (sm_90a TTGIR: NCHW LRN over 55 x 55, channel stride 3025; the 3x3 LCN over 56 x 56, H
+# stride 56 and an owned box of 30 after a halo of 1), and a loop without its loads in flight only
+# costs occupancy (the 3x3 NCHW LCN forward: 209 registers against the tile form's 78). Triton's
+# launcher marks an int argument divisible by 16 when it is; any other stride is unknown.
+ASYNC_COPY_BYTES = 4
+KNOWN_DIVISIBILITY = 16
+# Live tiles a thread holds (registers per value of its share of a tile) and the registers
+# besides (indices, masks, addresses): the model of a program's registers that bounds how many
+# programs an SM holds at once (forward: x, its square, a partial sum, S, S^-beta; backward: dy
+# and the covering term besides, the partial sums dead by then). sm_90a SASS of the persistent
+# kernels at the bench's bf16 sizes, 4096-lane tiles on 8 warps: forward 46-106 registers (the
+# model: 112), backward 64-147 (the model: 128). A model above the compiler's count halves the
+# grid; one below only queues a program behind another on its SM.
+LIVE_TILES = {False: 5, True: 6}
+BASE_REGISTERS = 32
+MAX_REGISTERS = 255
+MAX_PROGRAMS_PER_SM = 8
+SCHEDULES = ("tile", "persistent")
 
 
 @dataclass(frozen=True)
@@ -89,6 +134,9 @@ class LrnSchedule:
     config: LrnConfig
     candidates: int
     reason: str
+    persistent: bool = False  # programs walk tiles in a pipelined loop of `stages`
+    grid: int = 0  # programs launched in the persistent form (0: one a tile)
+    stages: int = 1
 
     @property
     def owned(self) -> tuple:
@@ -113,8 +161,13 @@ class LrnSchedule:
         return -(-self.inner // self.config.batch_block)
 
     @property
-    def programs(self) -> int:
+    def tiles(self) -> int:
         return _numel(self.window_tiles) * (self.batch // self.inner) * self.inner_tiles
+
+    @property
+    def programs(self) -> int:
+        """Programs launched: one a tile, or the persistent grid."""
+        return self.grid if self.persistent else self.tiles
 
     @property
     def config_text(self) -> str:
@@ -126,7 +179,9 @@ class LrnSchedule:
                 f"[{''.join(names[a] for a in self.inner_axes)}]{self.config.batch_block} "
                 f"cols={'window' if self.window_on_cols else 'batch'} sums={self.config.window_by} "
                 f"num_warps={self.config.num_warps} "
-                f"grid={self.programs}" + (" int64-index" if self.index_64 else ""))
+                f"grid={self.programs}" + (f" persistent={self.tiles}/{self.grid} stages={self.stages}"
+                                           if self.persistent else " schedule=tile") +
+                (" int64-index" if self.index_64 else ""))
 
 
 def _numel(dims) -> int:
@@ -287,6 +342,7 @@ class _Layout:
     read: int  # bytes of the group's inputs, each read once
     traffic: int  # and of its outputs
     shifts: int  # shifted copies a tile's window sums take (as many along each windowed axis)
+    size: int = 1  # the window's positions along each windowed axis
 
 
 def inner_batch_axes(tensors, x_dims: tuple, batch_axes: tuple) -> tuple:
@@ -312,14 +368,13 @@ def _layout(group, window_axes_: tuple) -> _Layout:
     by_stride = lambda axes: tuple(sorted(axes, key=lambda a: (-x.stride[a], a)))  # outermost first
     axes = by_stride(window_axes_)
     batch_axes = by_stride(a for a in range(rank) if a not in window_axes_)
-    sized = [a for a in range(rank) if x.dim[a] > 1] or [rank - 1]
     read = sum(_numel(t.dim) * t.data_type.itemsize for t in group.inputs)
     tensors = list(group.inputs) + list(group.outputs)
     return _Layout(x, axes, batch_axes, inner_batch_axes(tensors, tuple(x.dim), batch_axes),
                    tuple(window_reach(size, backward) for _ in axes),
-                   min(sized, key=lambda a: (x.stride[a], -a)) in axes, backward, read,
+                   column_axis(x) in axes, backward, read,
                    read + sum(_numel(t.dim) * t.data_type.itemsize for t in group.outputs),
-                   shift_count(size) * len(axes) * (2 if backward else 1))
+                   shift_count(size) * len(axes) * (2 if backward else 1), size)
 
 
 def _candidates(layout: _Layout) -> list:
@@ -374,9 +429,108 @@ def _ranked(layout: _Layout, target: Target, max_tile: int) -> list:
     return [config for _, config in ranked]
 
 
-def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TILE_ELEMENTS) -> LrnSchedule:
+def program_registers(config: LrnConfig, backward: bool) -> int:
+    """Model registers a thread of one program takes (allocated 8 at a time): its share of each
+    live tile, and the indices and masks besides."""
+    per_thread = -(-_numel(config.window_blocks) * config.batch_block // (LANES_PER_WARP * config.num_warps))
+    return min(MAX_REGISTERS, -(-(BASE_REGISTERS + LIVE_TILES[backward] * per_thread) // 8) * 8)
+
+
+def pipeline_shared_bytes(config: LrnConfig, operand_bytes: int, stages: int) -> int:
+    """Shared memory a persistent program's pipelined loads take: a tile buffer per loaded
+    operand for each stage ahead (Triton 3.6 allocates stages - 1 of them per load)."""
+    return (stages - 1) * _numel(config.window_blocks) * config.batch_block * operand_bytes
+
+
+def pipeline_depth(config: LrnConfig, backward: bool, operand_bytes: int, target: Target) -> tuple:
+    """(stages, programs one SM of `target` holds at once): residents by threads, the model's
+    registers and the stages' shared memory; the fewest stages whose loads in flight cover the
+    SM's bandwidth-latency product, or the deepest that shared memory holds."""
+    threads = LANES_PER_WARP * config.num_warps
+    by_threads = target.threads_per_sm // threads
+    by_registers = target.registers // (program_registers(config, backward) * threads)
+    fits = max(1, min(MAX_PROGRAMS_PER_SM, by_threads, by_registers))
+    wanted = target.bandwidth / target.sms * LOAD_LATENCY
+    best = (MIN_STAGES, 1)
+    for stages in range(MIN_STAGES, MAX_STAGES + 1):
+        per_program = pipeline_shared_bytes(config, operand_bytes, stages)
+        resident = min(fits, target.shared_memory // per_program)
+        if resident < 1:
+            break
+        best = (stages, resident)
+        if resident * per_program >= wanted:
+            break
+    return best
+
+
+def column_axis(x) -> int:
+    """x's smallest-stride axis of more than one position (the tile's columns hold it)."""
+    sized = [a for a in range(len(x.dim)) if x.dim[a] > 1] or [len(x.dim) - 1]
+    return min(sized, key=lambda a: (x.stride[a], -a))
+
+
+def async_copyable(group, layout: "_Layout", config: LrnConfig, reach: tuple) -> bool:
+    """Whether every tile load can become a cp.async copy: each operand's runs along the
+    columns contiguous and starting on an ASYNC_COPY_BYTES boundary the compiler can prove
+    (every other axis's stride a known multiple of 16, the column index's start a multiple)."""
+    x, column = layout.x, column_axis(layout.x)
+    merged_away = set(layout.inner_axes) - {([a for a in layout.inner_axes if x.dim[a] > 1] or layout.inner_axes)[-1]}
+    if layout.window_on_cols:  # the innermost windowed axis: tile * owned - before + lane (+ offsets)
+        before = reach[-1][0]
+        starts = [config.window_blocks[-1] - before - reach[-1][1], before]
+        if config.window_by == "loads":
+            starts += range(-(layout.size // 2), (layout.size - 1) // 2 + 1)
+    else:  # a block of the merged inner batch axes
+        starts = [config.batch_block]
+    for tensor in group.inputs:
+        need = max(1, ASYNC_COPY_BYTES // tensor.data_type.itemsize)
+        if need == 1:
+            continue
+        strides = operand_strides(tuple(x.dim), tensor.dim, tensor.stride)
+        others = [s for a, s in enumerate(strides) if a != column and a not in merged_away and s]
+        if strides[column] != 1 or any(s % KNOWN_DIVISIBILITY for s in others) or any(v % need for v in starts):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class FormChoice:
+    """The schedule's form: persistent or not, its grid, and why."""
+
+    persistent: bool
+    grid: int
+    reason: str
+
+
+def choose_form(tiles: int, depth: tuple, copyable: bool, target: Target, form=None, programs=None) -> FormChoice:
+    """One tile a program, or a persistent grid of every program the SMs hold at once
+    (`depth`: stages, programs an SM), by the model (loads that become cp.async copies, and
+    PERSISTENT_MIN_TILES tiles a program) unless `form` ("tile" | "persistent") or a grid of
+    `programs` is forced (BuildOptions.lrn_schedule, lrn_programs)."""
+    stages, resident = depth
+    slots = target.sms * resident
+    grid = min(tiles, programs or slots)
+    forced = form is not None or programs is not None
+    if form == "tile":
+        return FormChoice(False, 0, "one tile a program (forced)")
+    if not forced and not copyable:
+        return FormChoice(False, 0, "one tile a program (loads the compiler cannot prove aligned for cp.async: "
+                                    "nothing would be in flight)")
+    if not forced and tiles < PERSISTENT_MIN_TILES * slots:
+        return FormChoice(False, 0, f"one tile a program ({tiles} tiles are fewer than {PERSISTENT_MIN_TILES} a "
+                                    f"program over {slots} resident, {resident} an SM: a loop's pipeline would "
+                                    f"not fill)")
+    why = "forced" if forced else f"{tiles} tiles, at least {PERSISTENT_MIN_TILES} a program, loads cp.async-aligned"
+    return FormChoice(True, grid, f"persistent: {grid} programs ({resident} an SM) walk {tiles} tiles in a "
+                                  f"{stages}-stage tl.range, the next tiles' loads in flight during this one's "
+                                  f"math ({why})")
+
+
+def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TILE_ELEMENTS, form=None,
+             programs=None) -> LrnSchedule:
     """Tile layout and the best-ranked config on `target` of a windowed normalization group,
-    whose tiles hold at most `max_tile` elements (BuildOptions.lrn_tile_elements)."""
+    whose tiles hold at most `max_tile` elements (BuildOptions.lrn_tile_elements), in the form
+    choose_form picks (`form` and `programs` force it: BuildOptions.lrn_schedule, lrn_programs)."""
     anchor, layout = group.anchor, _layout(group, window_axes_)
     x, axes, reach = layout.x, layout.axes, layout.reach
     names = AXIS_NAMES[len(x.dim)]
@@ -395,6 +549,13 @@ def schedule(group, target: Target, window_axes_: tuple, max_tile: int = MAX_TIL
               f"along {''.join(names[a] for a in axes)}, " +
               (f"x loaded once per program, {layout.shifts} shifted copies (tl.gather) for its window sums"
                if best.window_by == "gather" else "x loaded once per window offset for its window sums"))
-    return LrnSchedule(anchor.op.endswith("_backward"), axes, layout.batch_axes, layout.inner_axes, reach,
-                       layout.window_on_cols,
-                       tuple(x.dim), index_64, frozenset(t.uid for t in group.inputs), best, len(ranked), reason)
+    tiled = LrnSchedule(anchor.op.endswith("_backward"), axes, layout.batch_axes, layout.inner_axes, reach,
+                        layout.window_on_cols,
+                        tuple(x.dim), index_64, frozenset(t.uid for t in group.inputs), best, len(ranked), reason)
+    # a load per window offset stages each offset's tile
+    loads = layout.size ** len(axes) if best.window_by == "loads" else 1
+    operand_bytes = loads * sum(t.data_type.itemsize for t in group.inputs)
+    depth = pipeline_depth(best, layout.backward, operand_bytes, target)
+    choice = choose_form(tiled.tiles, depth, async_copyable(group, layout, best, reach), target, form, programs)
+    return replace(tiled, persistent=choice.persistent, grid=choice.grid,
+                   stages=depth[0] if choice.persistent else 1, reason=f"{reason}; {choice.reason}")

@@ -13,7 +13,9 @@ def build_lrn(graph, group, context):
     anchor = group.anchor
     require_floating_inputs(anchor)
     x = anchor.inputs[1] if anchor.op.endswith("_backward") else anchor.inputs[0]
-    sched = schedule_lrn(group, context.target, window_axes(anchor.op, len(x.dim)),
-                         context.options.lrn_tile_elements)
+    options = context.options
+    sched = schedule_lrn(group, context.target, window_axes(anchor.op, len(x.dim)), options.lrn_tile_elements,
+                         options.lrn_schedule, options.lrn_programs)
     source = render_lrn(kernel_name(group), sched, group, graph.compute_data_type, group.summary())
-    return launch_of(group, source, sched.programs, sched.config.num_warps, sched.config_text, sched.reason)
+    return launch_of(group, source, sched.programs, sched.config.num_warps, sched.config_text, sched.reason,
+                     num_stages=sched.stages if sched.persistent else None)
