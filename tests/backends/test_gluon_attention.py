@@ -22,7 +22,10 @@ from helpers import check, compiled_for_sm90
 
 import dnngraph as dg
 from dnngraph.backends import registry
+from dnngraph import build
+from dnngraph.backends.contract import BuildContext
 from dnngraph.backends.gluon import attention_backend
+from dnngraph.backends.triton.heuristics import sdpa as sdpa_heuristics
 from dnngraph.backends.gluon.backend import GLUON
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200
@@ -74,8 +77,15 @@ def test_candidates_fit_shared_memory_and_carry_estimates():
         assert [c.config for c in offered] == list(attention_backend.CONFIGS[head_dim])
         assert [c.config.pingpong for c in offered] == [False, True]
         for candidate in offered:
-            assert candidate.backend == "gluon" and candidate.estimate > attention_backend.LAUNCH_SECONDS
+            # S 200 was never measured: no estimate
+            assert candidate.backend == "gluon" and candidate.estimate is None
             assert attention_backend.shared_bytes(candidate.config, head_dim, 2) <= H100.shared_memory
+            assert GLUON.estimate(problem, candidate.config, H100) is None
+        measured_mask = "causal" if head_dim == 128 else "none"  # D64 was measured unmasked only
+        problem = _problem(type_name="bf16", head_dim=head_dim, mask=measured_mask, heads="gqa", stats=True, batch=1,
+                           s_q=4096, s_kv=4096)
+        for candidate in GLUON.candidates(problem, H100):
+            assert candidate.estimate > sdpa_heuristics.LAUNCH_SECONDS
             assert GLUON.estimate(problem, candidate.config, H100) == candidate.estimate
 
 
@@ -235,12 +245,98 @@ def test_supports_refuses_the_backward_and_paged_k_v():
     assert _refused(g)
 
 
-def test_default_options_never_choose_gluon_for_sdpa():
+def test_default_options_take_gluon_for_sdpa_only():
     assert "sdpa" in GLUON.families and registry.BACKENDS["gluon"] is GLUON and "sdpa" in registry.families()
-    problem = _problem(type_name="bf16", head_dim=128, mask="none", heads="mha")
+    assert BuildOptions().backends == ("triton", "gluon:sdpa")
+    problem = _problem(type_name="bf16", head_dim=128, mask="none", heads="mha", batch=1, s_q=4096, s_kv=4096)
     for target in (H100, H200):
-        assert registry.choose(problem, target, BuildOptions(target=target), interpreted=False).name == "triton"
-        assert [b.name for b in registry.supporting(problem, target, BuildOptions(target=target))] == ["triton"]
+        assert [b.name for b in registry.supporting(problem, target, BuildOptions(target=target))] == ["triton", "gluon"]
+        # never on interpreted builds, nor on another target
+        assert registry.choose(problem, target, BuildOptions(target=target), interpreted=True).name == "triton"
+        other = dataclasses.replace(target, capability=(10, 0))
+        assert [b.name for b in registry.supporting(problem, other, BuildOptions(target=other))] == ["triton"]
+
+
+# -- the ranking of the two attention forwards (plain data: a named GPU's Target, no GPU) ----------
+
+# BENCHMARKS.md "Gluon attention forward" rows: (type, head dim, mask, heads, batch, S), the backend
+# measured faster (plain schedule against the Triton kernel, one H200 process)
+MEASURED_ROWS = [
+    (("bf16", 128, "none", "mha", 4, 4096), "gluon"),  # 566 vs 473 TFLOP/s, 1.20x
+    (("bf16", 128, "causal", "mha", 4, 4096), "gluon"),  # 506 vs 429, 1.18x
+    (("bf16", 128, "causal", "single", 1, 16384), "gluon"),  # B1 H16 S16384 causal: 605 vs 472, 1.28x
+    (("bf16", 128, "causal", "gqa", 4, 4096), "gluon"),  # GQA 32:8 causal: 502 vs 432, 1.16x
+    (("bf16", 64, "none", "mha", 8, 2048), "triton"),  # B8 H16 S2048 D64: 370 vs 413, 0.89x
+]
+
+
+@pytest.mark.parametrize("target", [H100, H200], ids=["h100", "h200"])
+@pytest.mark.parametrize("row,faster", MEASURED_ROWS, ids=[f"d{r[1]}-{r[2]}-{r[3]}-s{r[5]}" for r, _ in MEASURED_ROWS])
+@pytest.mark.parametrize("stats", [False, True])
+def test_default_ranking_takes_the_backend_measured_faster(target, row, faster, stats):
+    type_name, head_dim, mask, heads, batch, s = row
+    problem = _problem(type_name=type_name, head_dim=head_dim, mask=mask, heads=heads, stats=stats, batch=batch,
+                       s_q=s, s_kv=s)
+    options = BuildOptions(target=target)
+    pairs = registry.ranked(problem, target, options, interpreted=False)
+    firsts = {}
+    for backend, candidate in pairs:
+        firsts.setdefault(backend.name, candidate.estimate)
+    assert set(firsts) == {"gluon", "triton"} and None not in firsts.values()
+    assert pairs[0][0].name == faster == registry.choose(problem, target, options, interpreted=False).name
+    assert registry.ranking_reason(pairs).startswith(f"backend {faster} ranked over")
+    assert "by the model" in registry.ranking_reason(pairs)
+    # the estimates' ratio is the measured one, within the wave and launch terms
+    measured = attention_backend.MEASURED_TFLOPS[(head_dim, mask)][0] / \
+        sdpa_heuristics.MEASURED_FORWARD_TFLOPS[(head_dim, mask)]
+    assert firsts["triton"] / firsts["gluon"] == pytest.approx(measured, rel=0.03)
+    # fp16 runs the same dots: the same choice
+    assert registry.choose(_problem(type_name="fp16", head_dim=head_dim, mask=mask, heads=heads, batch=batch, s_q=s,
+                                    s_kv=s), target, options, interpreted=False).name == faster
+
+
+UNMEASURED = [dict(type_name="bf16", head_dim=128, mask="causal", heads="mha", batch=4, s_q=2048, s_kv=2048),
+              dict(type_name="bf16", head_dim=128, mask="none", heads="mha", batch=4, s_q=4096, s_kv=1024),
+              dict(type_name="bf16", head_dim=64, mask="causal", heads="mha", batch=8, s_q=4096, s_kv=4096),
+              dict(type_name="fp16", head_dim=128, mask="causal_bottom_right", heads="gqa", batch=2, s_q=4096,
+                   s_kv=8192),
+              dict(type_name="bf16", head_dim=128, mask="none", heads="mqa", batch=2, s_q=200, s_kv=200)]
+
+
+@pytest.mark.parametrize("kwargs", UNMEASURED, ids=["short-causal", "short-keys", "d64-causal", "bottom-right",
+                                                    "small"])
+def test_gluon_has_no_estimate_where_it_was_never_measured_so_triton_leads(kwargs):
+    problem = _problem(**kwargs)
+    for target in (H100, H200):
+        assert all(c.estimate is None for c in GLUON.candidates(problem, target))
+        pairs = registry.ranked(problem, target, BuildOptions(target=target), interpreted=False)
+        assert pairs[0][0].name == "triton" and "preference order" in registry.ranking_reason(pairs)
+        # a build that prefers gluon still takes it there
+        assert registry.choose(problem, target, BuildOptions(backends=GLUON_FIRST, target=target),
+                               interpreted=False).name == "gluon"
+
+
+def test_a_default_build_lowers_d128_with_gluon_and_d64_with_triton():
+    """The build's own choice (build.lower_ranked) for an H200 target without a GPU: the group's
+    launches, the backend, and the reason explain() prints under "ranked:"."""
+    cases = {128: (dict(batch=1, s_q=4096, s_kv=4096), "gluon"), 64: (dict(batch=2, s_q=2048, s_kv=2048), "triton")}
+    for head_dim, (sizes, expected) in cases.items():
+        g = graph("bf16", head_dim, "causal" if head_dim == 128 else "none", "gqa", stats=True, **sizes)
+        group, problem = sdpa_group(g)
+        context = BuildContext(torch.device("cuda"), H200, BuildOptions(target=H200))
+        backend, launches, why = build.lower_ranked(g, group, problem, context, interpreted=False)
+        assert backend.name == expected and why.startswith(f"backend {expected} ranked over") and "by the model" in why
+        assert launches[0].config_text.startswith("gluon") == (expected == "gluon")
+
+
+def test_backend_entries_are_validated():
+    assert BuildOptions(backends=["triton", "gluon:sdpa"]).backends == ("triton", "gluon:sdpa")
+    assert BuildOptions(backends=("gluon:matmul,sdpa",)).backends == ("gluon:matmul,sdpa",)
+    for bad in (("gluon:conv",), ("gluon:",), ("gluon", "gluon:sdpa"), ("nothing:sdpa",), (3,)):
+        with pytest.raises(dg.ValidationError):
+            BuildOptions(backends=bad)
+    assert registry.families(("gluon:sdpa",)) == {"sdpa"}
+    assert registry.signature(("gluon:sdpa",)) != registry.signature(("gluon",))
 
 
 def test_opting_in_ranks_gluon_for_sdpa_on_sm90():
@@ -346,7 +442,10 @@ from gluon_attention_cases import graph
 from helpers import check
 import dnngraph as dg
 # three key blocks through the two-slot ring (its phases wrap), the causal diagonal, the stats
+from dnngraph import build
+from dnngraph.backends.contract import BuildContext
 from dnngraph.backends.gluon import attention_backend
+from dnngraph.backends.triton.heuristics import sdpa as sdpa_heuristics
 from dnngraph.runtime import plan_cache
 every_config = attention_backend.CONFIGS
 for head_dim, mask, pingpong in ((128, "causal", False), (64, "none", False), (128, "causal", True),
