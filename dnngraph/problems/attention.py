@@ -78,17 +78,23 @@ def _bhsd(dims) -> tuple:
     return (1,) * (4 - len(dims)) + tuple(int(d) for d in dims)
 
 
-def _mask(attrs, s_q: int, s_kv: int) -> tuple:
-    """(kind, causal) of the node's mask, as its kernels see it: a bound of Sq + Skv or more
-    masks nothing and is dropped; causal: a right bound and no left one (a sliding window, with
-    both, is a band)."""
+def mask_bounds(attrs, s_q: int, s_kv: int) -> tuple:
+    """(left, right) bounds of the node's mask as its kernels see them (None: no bound): a bound
+    of Sq + Skv or more masks nothing and is dropped."""
     mask, reach = attrs.mask, s_q + s_kv
     left = mask.left if mask.left is not None and mask.left < reach else None
     right = mask.right if mask.right is not None and mask.right < reach else None
+    return left, right
+
+
+def _mask(attrs, s_q: int, s_kv: int) -> tuple:
+    """(kind, causal) of the node's mask, as its kernels see it (mask_bounds); causal: a right
+    bound and no left one (a sliding window, with both, is a band)."""
+    left, right = mask_bounds(attrs, s_q, s_kv)
     if left is None and right is None:
         return "none", False
     if left is None and right == 0:
-        return ("causal_bottom_right" if mask.bottom_right else "causal"), True
+        return ("causal_bottom_right" if attrs.mask.bottom_right else "causal"), True
     return "band", left is None
 
 

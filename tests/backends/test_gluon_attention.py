@@ -16,8 +16,8 @@ import sys
 
 import pytest
 import torch
-from gluon_attention_cases import (HEAD_DIMS, HEADS, MASKS, TYPES, compile_cases, graph, lowered, sdpa_group,
-                                   variants)
+from gluon_attention_cases import (BANDS, HEAD_DIMS, HEADS, MASKS, TYPES, compile_cases, graph, lowered,
+                                   sdpa_group, variants)
 from helpers import check, compiled_for_sm90
 
 import dnngraph as dg
@@ -143,7 +143,6 @@ def test_supports_names_why_it_refuses():
     assert "same head dim" in _refused(_sdpa_graph(d=64, dv=128))
     assert "float16 or bfloat16" in _refused(_sdpa_graph(t=dg.float32))
     assert "dropout" in _refused(_sdpa_graph(dropout=(0.1, 1, 0)))
-    assert "band" in _refused(_sdpa_graph(diagonal_band_left_bound=16, diagonal_band_right_bound=0))
     # a bias, padding lengths
     g = dg.Graph(name="bias", io_data_type=dg.bfloat16)
     q, k, v = _tensors(g)
@@ -168,6 +167,69 @@ def test_supports_names_why_it_refuses():
     o, _ = g.sdpa(q, k, v)
     o.set_output(True)
     assert "through TMA" in _refused(g)
+
+
+@pytest.mark.parametrize("mask", sorted(BANDS))
+def test_band_masks_are_taken_and_lowered_with_their_shifts(mask):
+    """Key j visible to query i when j <= i + shift (a right bound) and j >= i + window_shift
+    (a left bound), the alignment's offset Skv - Sq bottom right (ops/sdpa.py's rule)."""
+    left, right, bottom_right = BANDS[mask]
+    g = graph("bf16", 128, mask, "gqa", stats=True, s_q=300, s_kv=700)
+    assert GLUON.supports(sdpa_group(g)[1], H100) is True
+    (launch,) = lowered(g)
+    values = {a.name: a.value for a in launch.arguments}
+    aligned = 400 if bottom_right else 0
+    assert values["CAUSAL"] == (right is not None) and values["WINDOW"]
+    assert values["shift"] == aligned + (right or 0) and values["window_shift"] == aligned - left + 1
+    # a bound past Sq + Skv masks nothing: no mask arithmetic for it
+    g = _sdpa_graph(diagonal_band_left_bound=400, diagonal_band_right_bound=0)
+    (launch,) = GLUON.lower(g, *sdpa_group(g), BuildContext(torch.device("cuda"), H100, BuildOptions(target=H100)))
+    values = {a.name: a.value for a in launch.arguments}
+    assert values["CAUSAL"] and not values["WINDOW"] and values["shift"] == 0
+
+
+def _visible(rows, cols, shift, window_shift, causal, window, s_kv):
+    """ops/sdpa.py's rule on the kernel's shifts, as a [rows, cols] bool grid."""
+    seen = (cols[None, :] < s_kv).expand(len(rows), -1)
+    if causal:
+        seen = seen & (cols[None, :] <= rows[:, None] + shift)
+    if window:
+        seen = seen & (cols[None, :] >= rows[:, None] + window_shift)
+    return seen
+
+
+@pytest.mark.parametrize("s_q,s_kv", [(77, 1031), (1031, 77), (300, 300), (1, 5), (513, 700)])
+@pytest.mark.parametrize("bounds", [(None, 0), (64, 0), (100, 20), (150, None), (1, 0), (None, None), (5000, None)])
+@pytest.mark.parametrize("bottom_right", [False, True])
+def test_key_blocks_visit_every_seen_key_and_skip_mask_arithmetic_only_where_every_row_sees_all(s_q, s_kv, bounds,
+                                                                                              bottom_right):
+    """The kernel's own key_blocks and needs_mask (their Python bodies, run on ints): per
+    program, no key a real row sees lies outside the visited blocks [lo, hi), no visited block
+    is one no row sees, and a block that takes no mask arithmetic is seen whole by every row."""
+    from dnngraph.backends.gluon import attention_library as alib
+
+    left, right = bounds
+    aligned = s_kv - s_q if bottom_right else 0
+    shift = aligned + (right or 0)
+    window_shift = aligned - left + 1 if left is not None else 0
+    causal, window = right is not None, left is not None
+    block_m = block_n = 128
+    cols = torch.arange(-(-s_kv // block_n) * block_n + block_n)
+    for first_row in range(0, s_q, block_m):
+        lo, full_lo, full_hi, hi = alib.key_blocks.fn(first_row, s_kv, shift, window_shift, block_m, block_n, causal,
+                                                      window)
+        rows = torch.arange(first_row, min(first_row + block_m, s_q))
+        seen = _visible(rows, cols, shift, window_shift, causal, window, s_kv)
+        seen_blocks = seen.view(len(rows), -1, block_n).any(dim=2).any(dim=0)
+        whole_blocks = seen.view(len(rows), -1, block_n).all(dim=2).all(dim=0)
+        visited = torch.zeros_like(seen_blocks)
+        visited[lo:max(hi, lo)] = True
+        assert lo <= hi and not (seen_blocks & ~visited).any(), (first_row, lo, hi)
+        if window or causal:  # the padding rows past Sq may see a block no real row does
+            assert visited.sum() <= seen_blocks.sum() + 1, (first_row, lo, hi)
+        for block in range(lo, hi):
+            if not alib.needs_mask.fn(block, full_lo, full_hi):
+                assert whole_blocks[block], (first_row, block, full_lo, full_hi)
 
 
 def test_supports_refuses_the_softmax_extras():

@@ -4,10 +4,11 @@ launch of one group.
 
 Taken: the sdpa forward of fp16 or bf16 q, k, v (one type) in [B, H, S, D] with the last axis
 contiguous and every other stride a multiple of 16 bytes (TMA reads them), head dims 64 and 128
-(D_qk == D_v), no mask, or a causal one aligned top left or bottom right; grouped-query heads (H
+(D_qk == D_v), no mask, a causal one or diagonal band bounds (a sliding window), aligned top left
+or bottom right (the kernel skips the key blocks outside them); grouped-query heads (H
 a multiple of H_kv); a positive attention scale (refused at lowering otherwise); o in q's type (TMA-stored) and, where the group stores
 them, the float32 log-sum-exp stats (natural log, as the Triton backend stores them). Refused,
-each with a reason starting "gluon": dropout, bias, padding lengths, paged K/V, diagonal bands,
+each with a reason starting "gluon": dropout, bias, padding lengths, paged K/V,
 other head dims, other types, a fused epilogue on o, the backward.
 
 The model (estimate): the flops of S = Q K^T and O = P V over the visible pairs at the rate the
@@ -28,7 +29,7 @@ from typing import Optional, Union
 
 from ...errors import UnsupportedError
 from ...problems import Problem
-from ...problems.attention import forward_shape_class, visible_pairs
+from ...problems.attention import forward_shape_class, mask_bounds, visible_pairs
 from ...runtime.launch import KernelLaunch, launch_of
 from ...target import Target
 from ..contract import Candidate
@@ -38,7 +39,7 @@ from . import attention_codegen
 TMA_ALIGNMENT = 16
 IN_TYPES = {"float16": "fp16", "bfloat16": "bf16"}
 HEAD_DIMS = (64, 128)
-MASKS = ("none", "causal", "causal_bottom_right")
+MASKS = ("none", "causal", "causal_bottom_right", "band")
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 BARRIER_BYTES = 1024
@@ -137,8 +138,8 @@ def supports(problem: Problem) -> Union[bool, str]:
     if g.paged:
         return "gluon's attention reads no paged K/V"
     if g.mask not in MASKS:
-        return (f"gluon's attention takes no mask, or a causal one (top left or bottom right), not a "
-                f"{g.mask} mask")
+        return (f"gluon's attention takes no mask, a causal one or diagonal band bounds (top left or bottom "
+                f"right), not a {g.mask} mask")
     q, k, v = problem.operand("q"), problem.operand("k"), problem.operand("v")
     if q is None or k is None or v is None:
         return "gluon's attention needs q, k and v"
@@ -224,14 +225,19 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
                if t is not None and stem != "stats"}
     if stored_stats:
         strides["stats"] = tuple(int(s) for s in stats.stride[:3])
-    shift = g.s_kv - g.s_q if g.mask == "causal_bottom_right" else 0
+    left, right = mask_bounds(node.attrs, g.s_q, g.s_kv)
+    aligned = g.s_kv - g.s_q if node.attrs.mask.bottom_right else 0  # query i sits at row i + aligned
+    # key j visible to query i: j <= i + shift (a right bound), j >= i + window_shift (a left one)
+    shift = aligned + (right if right is not None else 0)
+    window_shift = aligned - left + 1 if left is not None else 0
     arguments = attention_codegen.AttentionArguments(uids, strides, g.s_q, g.s_kv, g.heads, g.heads // g.kv_heads,
-                                                     shift)
+                                                     shift, window_shift)
     scale = node.attrs.attn_scale if node.attrs.attn_scale is not None else 1.0 / math.sqrt(g.head_dim)
     if not float(scale) > 0:  # the kernel scales the row max, not each score (attention_library.py)
         raise UnsupportedError(f"{problem.where}: gluon's attention takes a positive attention scale, not {scale}")
     constexprs = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HEAD_DIM": g.head_dim,
-                  "STAGES": config.stages, "CAUSAL": g.mask != "none", "STATS": stored_stats,
+                  "STAGES": config.stages, "CAUSAL": right is not None, "WINDOW": left is not None,
+                  "STATS": stored_stats,
                   "QK_SCALE": float(scale) * LOG2E, "PRODUCER_REGS": PRODUCER_REGS,
                   "CONSUMER_REGS": CONSUMER_REGS, "PINGPONG": config.pingpong}
     stem = f"dnngraph_gluon_{group.kind}_{node.op}"
