@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 from gluon_attention_cases import (BANDS, HEAD_DIMS, HEADS, MASKS, TYPES, compile_cases, graph, lowered,
-                                   sdpa_group, variants)
+                                   mask_arguments, sdpa_group, variants)
 from helpers import check, compiled_for_sm90
 
 import dnngraph as dg
@@ -435,7 +435,7 @@ def test_gluon_attention_matches_the_reference(type_name, head_dim, mask, heads)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("s_q,s_kv", [(1, 1), (1, 1000), (127, 127), (200, 127), (127, 1000), (1000, 200),
-                                      (1000, 1000), (129, 257)])
+                                      (1000, 1000), (129, 257), (77, 1031)])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("schedule", ["plain", "pingpong"])
 def test_odd_sequence_lengths(s_q, s_kv, mask, schedule, monkeypatch):
@@ -465,6 +465,65 @@ def test_the_pingpong_schedule_matches_the_reference(head_dim, mask, monkeypatch
     g = graph("fp16", head_dim, mask, "mqa", stats=True, batch=3, s_q=700, s_kv=1100, attn_scale=0.09)
     check(g, _inputs(g), dtype=torch.float16, device="cuda", options=BuildOptions(backends=("gluon",)))
     assert "schedule=pingpong" in g.plan.launches[0].config_text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", sorted(BANDS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("s_q,s_kv", [(77, 1031), (1031, 77), (700, 700), (1, 1000)])
+@pytest.mark.parametrize("schedule", ["plain", "pingpong"])
+def test_band_masks_match_the_reference(mask, head_dim, s_q, s_kv, schedule, monkeypatch):
+    """Sliding windows and bands, both alignments, GQA, odd lengths both ways (rows that see no
+    key: o zero, stats -inf), each schedule; o and the stats against float64."""
+    _force_schedule(monkeypatch, schedule)
+    scale = 0.08 if schedule == "plain" else 0.081
+    type_name = "bf16" if head_dim == 128 else "fp16"
+    g = graph(type_name, head_dim, mask, "gqa", stats=True, batch=2, s_q=s_q, s_kv=s_kv, attn_scale=scale)
+    check(g, _inputs(g), dtype=TYPES[type_name].torch_dtype, device="cuda", options=BuildOptions(backends=("gluon",)))
+    assert {launch.backend for launch in g.plan.launches} == {"gluon"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,mask", [(64, "causal"), (128, "none"), (128, "causal_bottom_right"), (128, "window"),
+                                           (64, "band_bottom_right")])
+def test_a_backward_built_on_gluon_stats_matches_the_reference(head_dim, mask):
+    """A training forward (o and the stats by the Gluon kernel) and the Triton backward reading
+    those stats, in one graph: stats in other units or layout than the Triton forward's would
+    show in dq, dk and dv (and in the stats themselves)."""
+    t = dg.bfloat16
+    g = dg.Graph(name="gluon_training", io_data_type=t)
+    b, h, h_kv, s_q, s_kv = 2, 4, 2, 77, 1031
+    q = g.tensor(name="q", dim=[b, h, s_q, head_dim], data_type=t)
+    k = g.tensor(name="k", dim=[b, h_kv, s_kv, head_dim], data_type=t)
+    v = g.tensor(name="v", dim=[b, h_kv, s_kv, head_dim], data_type=t)
+    d_o = g.tensor(name="do", dim=[b, h, s_q, head_dim], data_type=t)
+    arguments = mask_arguments(mask)
+    o, stats = g.sdpa(q, k, v, is_inference=False, name="attn", **arguments)
+    o.set_output(True)
+    stats.set_output(True)
+    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, name="attn_backward", **arguments)[:3]:
+        grad.set_output(True)
+    check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", options=BuildOptions(backends=("gluon", "triton")))
+    forward, *backward = g.plan.launches  # the forward group first, then the backward's kernels
+    assert forward.backend == "gluon" and forward.config_text.startswith("gluon")
+    assert backward and {launch.backend for launch in backward} == {"triton"}
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the default takes gluon on sm_90 (H100, H200) only")
+def test_a_default_build_runs_d128_on_gluon_and_d64_on_triton():
+    """No options: the models rank Gluon's forward first at D128 (measured faster) and the
+    Triton kernel at D64 (measured slower); explain() says which ran and why."""
+    for head_dim, mask, s, expected in ((128, "causal", 4096, "gluon"), (128, "none", 4096, "gluon"),
+                                        (64, "none", 2048, "triton"), (128, "causal", 1024, "triton")):
+        g = graph("bf16", head_dim, mask, "gqa", stats=True, batch=1, s_q=s, s_kv=s)
+        check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", reference_device="cuda")
+        assert {launch.backend for launch in g.plan.launches} == {expected}, (head_dim, mask, s)
+        assert f"ranked: backend {expected} ranked over" in g.explain()
 
 
 @pytest.mark.gpu
@@ -511,7 +570,8 @@ from dnngraph.backends.triton.heuristics import sdpa as sdpa_heuristics
 from dnngraph.runtime import plan_cache
 every_config = attention_backend.CONFIGS
 for head_dim, mask, pingpong in ((128, "causal", False), (64, "none", False), (128, "causal", True),
-                                 (64, "causal_bottom_right", True)):
+                                 (64, "causal_bottom_right", True), (128, "window", False),
+                                 (64, "band_bottom_right", True)):
     attention_backend.CONFIGS = {{d: tuple(c for c in configs if c.pingpong == pingpong)
                                  for d, configs in every_config.items()}}
     assert all(attention_backend.CONFIGS.values()), (pingpong, attention_backend.CONFIGS)
