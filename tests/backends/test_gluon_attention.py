@@ -2,9 +2,11 @@
 
 CPU (here): every type x head dim x mask x head grouping variant renders and compiles for sm_90a
 (tests/sm90_compile.py) with warp specialization, setmaxnreg, wgmma and no spills; supports()
-names why it refuses what it does not take; default builds never choose gluon for sdpa, and
-opting in ranks it. GPU (@pytest.mark.gpu, an H100 or H200): results against the float64
-reference (o and the stats), and a small run under Triton's concurrency sanitizer.
+names why it refuses what it does not take; the kernel's key-block bounds against the mask rule;
+default builds rank gluon against Triton by the measured models (gluon first exactly where it
+measured faster), opting in prefers it elsewhere. GPU (@pytest.mark.gpu, an H100 or H200):
+results against the float64 reference (o and the stats, every mask and band), a Triton backward
+on the Gluon stats, a default build's choice, and small runs under Triton's concurrency sanitizer.
 """
 from __future__ import annotations
 
