@@ -729,7 +729,8 @@ def run_case(row: RowSpec, shape: AttnShape, ctx: Context) -> dict:
     io_type = dg.bfloat16 if ctx.dtype == BF16 else dg.float32
     if ctx.args.gluon:  # a Triton-only build beside the Gluon-first one, as an anchor (the default
         # build takes gluon for the attention forwards its model ranks first)
-        factories["dg_triton"] = dg_provider(shape, inputs, io_type, row.backward, dg.BuildOptions(backends=("triton",)))
+        triton_only = dg.BuildOptions(backends=("triton",))
+        factories["dg_triton"] = dg_provider(shape, inputs, io_type, row.backward, triton_only)
     factories["dg"] = dg_provider(shape, inputs, io_type, row.backward)
     case = {"label": shape.label, "shape": shape.describe(), "work": work,
             "visible": shape.visible_pairs() / (shape.s_q * shape.s_kv)}

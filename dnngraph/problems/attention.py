@@ -50,6 +50,14 @@ def visible_pairs(geometry: AttentionGeometry):
     return _clamped_ramp(g.s_q, shift + 1, g.s_kv)  # row i sees keys j <= i + shift
 
 
+def forward_work(problem) -> tuple:
+    """(flops, bytes) of a plain forward (forward_shape_class): 4 * B * H * D a visible pair (the
+    two matrix products), and every operand and output moved once."""
+    g = problem.geometry
+    moved = sum(o.numel * o.data_type.itemsize for o in problem.operands + problem.outputs)
+    return 4.0 * g.batch * g.heads * g.head_dim * visible_pairs(g), moved
+
+
 PLAIN_FORWARD_ROLES = frozenset({"q", "k", "v", "o", "stats"})
 PLAIN_FORWARD_TYPES = frozenset({"float16", "bfloat16"})
 

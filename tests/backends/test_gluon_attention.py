@@ -314,7 +314,8 @@ def test_default_options_take_gluon_for_sdpa_only():
     assert BuildOptions().backends == ("triton", "gluon:sdpa")
     problem = _problem(type_name="bf16", head_dim=128, mask="none", heads="mha", batch=1, s_q=4096, s_kv=4096)
     for target in (H100, H200):
-        assert [b.name for b in registry.supporting(problem, target, BuildOptions(target=target))] == ["triton", "gluon"]
+        supporting = registry.supporting(problem, target, BuildOptions(target=target))
+        assert [b.name for b in supporting] == ["triton", "gluon"]
         # never on interpreted builds, nor on another target
         assert registry.choose(problem, target, BuildOptions(target=target), interpreted=True).name == "triton"
         other = dataclasses.replace(target, capability=(10, 0))

@@ -29,7 +29,7 @@ from typing import Optional, Union
 
 from ...errors import UnsupportedError
 from ...problems import Problem
-from ...problems.attention import forward_shape_class, mask_bounds, visible_pairs
+from ...problems.attention import forward_shape_class, forward_work, mask_bounds
 from ...runtime.launch import KernelLaunch, launch_of
 from ...target import Target
 from ..contract import Candidate
@@ -185,11 +185,10 @@ def estimate(problem: Problem, config: AttentionConfig, target: Target) -> Optio
     g = problem.geometry
     if measured is None or min(g.s_q, g.s_kv) < measured[1]:
         return None
-    flops = 4.0 * g.batch * g.heads * g.head_dim * visible_pairs(g)
-    moved = sum(o.numel * o.data_type.itemsize for o in problem.operands + problem.outputs)
+    flops, moved = forward_work(problem)
     programs = g.batch * g.heads * -(-g.s_q // config.block_m)
-    return sdpa_heuristics.forward_seconds(measured[0], flops, moved, programs, IN_TYPES[problem.operand("q").data_type.name],
-                                           target)
+    dot = IN_TYPES[problem.operand("q").data_type.name]
+    return sdpa_heuristics.forward_seconds(measured[0], flops, moved, programs, dot, target)
 
 
 def candidates(backend_name: str, problem: Problem, target: Target) -> list:

@@ -18,7 +18,7 @@ import triton
 
 from ...dtypes import DataType
 from ...problems import Problem
-from ...problems.attention import forward_shape_class, visible_pairs
+from ...problems.attention import forward_shape_class, forward_work
 from ...target import Target
 from ...versions import __version__
 from ..contract import Candidate
@@ -152,9 +152,7 @@ class TritonBackend:
         shape_class = forward_shape_class(problem)
         if shape_class is None or not isinstance(sched, sdpa_heuristics.AttentionSchedule):
             return None
-        g = problem.geometry
-        flops = 4.0 * g.batch * g.heads * g.head_dim * visible_pairs(g)
-        moved = sum(o.numel * o.data_type.itemsize for o in problem.operands + problem.outputs)
+        flops, moved = forward_work(problem)
         dot = "bf16" if problem.operand("q").data_type.name == "bfloat16" else "fp16"
         return sdpa_heuristics.forward_estimate(shape_class, flops, moved, sched, dot, target)
 
