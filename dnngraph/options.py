@@ -29,8 +29,9 @@ from .backends.triton.heuristics.sdpa import AttentionConfig
 from .runtime.tuning_cache import WARPS
 from .target import Target
 
-# The kernel languages a build prefers by default: the registry's verified ones, in its order
-# (a backend no GPU run has checked yet, such as gluon, is chosen only when named).
+# The kernel languages a build prefers by default: the registry's verified ones, in its order,
+# each for the families verified of it ("gluon:sdpa": its attention forward, not its matmuls,
+# which are chosen only when "gluon" is named alone).
 BACKENDS = registry.verified()
 ROW_MODES = row_heuristics.MODES + ("fused",)
 
@@ -56,7 +57,8 @@ class BuildOptions:
     are timed against each other where several support a group. workspace_limit: bytes of optional
     scratch the chosen configs may use together (split-K and split-row partials): None prefers
     the fastest, 0 uses none. backends: the kernel languages to use, preferred first (the order
-    ranks them where their model estimates do not: backends/registry.py). target:
+    ranks them where their model estimates do not: backends/registry.py), each by name (all its
+    families) or as "name:family,..." (those only; the default takes gluon for "sdpa"). target:
     the device model to plan for (None: the target of the device each execute runs on).
 
     Forced configs (None: the model's choice): matmul_config (matmuls, and 1x1 convs posed as
@@ -170,10 +172,14 @@ def _backends(name, value):
         value = tuple(value)
     if not isinstance(value, tuple) or not value:
         _fail(name, f"a non-empty tuple of backend names from {known}", value)
-    for backend in value:
-        if backend not in known:
-            _fail(name, f"backend names from {known}", backend)
-    if len(set(value)) != len(value):
+    for entry in value:
+        if not isinstance(entry, str) or registry.parse(entry)[0] not in known:
+            _fail(name, f"backend names from {known} (each alone, or as 'name:family,...')", entry)
+        backend, taken = registry.parse(entry)
+        families = registry.BACKENDS[backend].families
+        if taken is not None and (not taken or not taken <= families):
+            _fail(name, f"families of backend {backend} after its name ({', '.join(sorted(families))})", entry)
+    if len({registry.parse(entry)[0] for entry in value}) != len(value):
         _fail(name, "each backend once", value)
     return value
 

@@ -63,7 +63,12 @@ class Backend(Protocol):
     """name: the backend's name in BuildOptions.backends. version: a text that changes when its
     kernels may (part of the plan key). families: the group kinds it can lower at all.
     interpretable: its kernels run in Triton's interpreter on CPU tensors. prologue_stored_apart:
-    families whose prologue values that are outputs a pointwise kernel stores first."""
+    families whose prologue values that are outputs a pointwise kernel stores first.
+
+    Optional: verified (True where absent: a GPU run has checked every family's kernels) and
+    verified_families (a frozenset: the families checked, where not all are). The default
+    BuildOptions.backends (registry.verified()) names a backend verified for all its families,
+    takes one verified for some as "name:family,..." (those families only), leaves out the rest."""
 
     name: str
     version: str

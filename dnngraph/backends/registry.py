@@ -1,10 +1,13 @@
 """The backends a build can choose from, by name: one registry line per backend.
 
 ranked() ranks the (backend, Candidate) pairs of every backend of the build's preference order
-(BuildOptions.backends) that supports a problem, together. The rule:
+(BuildOptions.backends) that supports a problem, together. An entry of options.backends is a
+backend's name (every family it has) or `name:family,family` (only those families: the default
+names a backend whose `verified_families` are some of its families so, e.g. "gluon:sdpa"). The rule:
 
 - every backend of options.backends that supports the problem on the target (on interpreted
-  builds, only those whose kernels run in Triton's interpreter) contributes its candidates
+  builds, only those whose kernels run in Triton's interpreter; only for the families its entry
+  takes) contributes its candidates
   (backend.candidates(problem, target, options)), best first by its own model (none offered:
   one candidate without config or estimate, the backend's own choice);
 - where every pair has an estimate, pairs are ordered by it (seconds, lower first): estimates
@@ -25,10 +28,11 @@ from .contract import Candidate, supported
 from .gluon.backend import GLUON
 from .triton.backend import TRITON
 
-# One line per backend. A backend whose `verified` is False (no GPU run has checked its kernels)
-# is registered, so BuildOptions(backends=(...)) may name it, but is left out of the default
-# preference order (verified()).
+# One line per backend. A backend verified for none of its families (no GPU run has checked its
+# kernels) is registered, so BuildOptions(backends=(...)) may name it, but is left out of the
+# default preference order (verified()); one verified for some families enters it for those.
 BACKENDS = {TRITON.name: TRITON, GLUON.name: GLUON}
+FAMILY_SEPARATOR = ":"
 
 
 def names() -> tuple:
@@ -36,28 +40,67 @@ def names() -> tuple:
     return tuple(BACKENDS)
 
 
+def verified_families(backend) -> frozenset:
+    """The families of `backend` a default build takes from it: its `verified_families` where
+    it has them, else all of its families where `verified` (True where absent), else none."""
+    declared = getattr(backend, "verified_families", None)
+    if declared is not None:
+        return frozenset(declared) & frozenset(backend.families)
+    return frozenset(backend.families) if getattr(backend, "verified", True) else frozenset()
+
+
+def entry(name: str, taken=None) -> str:
+    """The options.backends entry of backend `name` taking the families `taken` (None: all)."""
+    return name if taken is None else name + FAMILY_SEPARATOR + ",".join(sorted(taken))
+
+
+def parse(entry_: str) -> tuple:
+    """(name, families taken: a frozenset, or None for every family) of an options.backends entry."""
+    name, separator, listed = entry_.partition(FAMILY_SEPARATOR)
+    return name, (frozenset(f for f in listed.split(",") if f) if separator else None)
+
+
 def verified() -> tuple:
-    """The registered backends marked verified (a `verified` attribute, True where absent), in
-    registry order: the default BuildOptions.backends."""
-    return tuple(name for name, backend in BACKENDS.items() if getattr(backend, "verified", True))
+    """The default BuildOptions.backends, in registry order: each backend verified for all its
+    families by name, one verified for some as `name:family,...` (only those), the rest left out."""
+    found = []
+    for name, backend in BACKENDS.items():
+        taken = verified_families(backend)
+        if taken == frozenset(backend.families):
+            found.append(name)
+        elif taken:
+            found.append(entry(name, taken))
+    return tuple(found)
+
+
+def taken_families(entry_: str) -> frozenset:
+    """The families the options.backends entry `entry_` takes from its (registered) backend."""
+    name, taken = parse(entry_)
+    families_ = frozenset(BACKENDS[name].families)
+    return families_ if taken is None else families_ & taken
 
 
 def families(names_=None) -> frozenset:
-    """The group kinds any backend of `names_` (None: every registered one) supports."""
-    chosen = BACKENDS.values() if names_ is None else [BACKENDS[n] for n in names_ if n in BACKENDS]
+    """The group kinds any backend of `names_` (options.backends entries; None: every registered
+    backend) supports, as far as each entry takes them."""
+    chosen = names() if names_ is None else [n for n in names_ if parse(n)[0] in BACKENDS]
     found = frozenset()
-    for backend in chosen:
-        found |= frozenset(backend.families)
+    for entry_ in chosen:
+        found |= taken_families(entry_)
     return found
 
 
 def signature(names_) -> tuple:
     """What a plan built with the backends `names_` depends on of them, one entry per name in
-    order: the backend object itself (another instance registered under the name misses the
-    cache) and its cache_key() (name, version, families and the code that lowers each: a
-    builder swapped in place misses it too); an unregistered name as itself (choose() refuses it)."""
-    return tuple((name, id(BACKENDS[name]), BACKENDS[name].cache_key()) if name in BACKENDS else (name,)
-                 for name in names_)
+    order: the entry (with the families it takes), the backend object itself (another instance
+    registered under the name misses the cache) and its cache_key() (name, version, families and
+    the code that lowers each: a builder swapped in place misses it too); an unregistered name as
+    itself (choose() refuses it)."""
+    found = []
+    for entry_ in names_:
+        backend = BACKENDS.get(parse(entry_)[0])
+        found.append((entry_, id(backend), backend.cache_key()) if backend is not None else (entry_,))
+    return tuple(found)
 
 
 def supporting(problem, target, options, interpreted: bool = False) -> list:
@@ -65,10 +108,15 @@ def supporting(problem, target, options, interpreted: bool = False) -> list:
     (when the kernels run in the interpreter, only those whose kernels can); UnsupportedError
     naming the node and the backends tried when none does."""
     found, tried = [], []
-    for name in options.backends:
+    for entry_ in options.backends:
+        name, taken = parse(entry_)
         backend = BACKENDS.get(name)
         if backend is None:
             tried.append(f"{name}: not registered")
+            continue
+        if taken is not None and problem.family not in taken:
+            tried.append(f"{name}: taken for {', '.join(sorted(taken))} only (options.backends entry {entry_!r}; "
+                         f"name {name!r} alone to take its {problem.family} kernels too)")
             continue
         if interpreted and not backend.interpretable:
             tried.append(f"{name}: its kernels cannot run in Triton's interpreter")

@@ -30,22 +30,79 @@ class AttentionGeometry:
     alibi: bool = False  # use_alibi_mask: position-dependent slopes added to the scores
 
 
+def _clamped_ramp(rows: int, first: int, cap: int) -> int:
+    """sum over i < rows of min(cap, max(0, first + i)): keys seen by rows whose reach grows by one."""
+    start = min(rows, max(0, -first))  # rows before it see no key
+    stop = min(rows, max(start, cap - first))  # rows from it see all cap keys
+    return (stop - start) * (2 * first + start + stop - 1) // 2 + (rows - stop) * cap
+
+
+def visible_pairs(geometry: AttentionGeometry):
+    """The (query, key) pairs a forward's mask keeps, counted exactly (what a TFLOP/s figure of
+    BENCHMARKS.md counts: 4 * B * H * D flops a pair), for no mask or a causal one (either
+    alignment); None for other masks, whose bounds the geometry does not hold."""
+    g = geometry
+    if g.mask == "none":
+        return g.s_q * g.s_kv
+    if g.mask not in ("causal", "causal_bottom_right"):
+        return None
+    shift = g.s_kv - g.s_q if g.mask == "causal_bottom_right" else 0
+    return _clamped_ramp(g.s_q, shift + 1, g.s_kv)  # row i sees keys j <= i + shift
+
+
+def forward_work(problem) -> tuple:
+    """(flops, bytes) of a plain forward (forward_shape_class): 4 * B * H * D a visible pair (the
+    two matrix products), and every operand and output moved once."""
+    g = problem.geometry
+    moved = sum(o.numel * o.data_type.itemsize for o in problem.operands + problem.outputs)
+    return 4.0 * g.batch * g.heads * g.head_dim * visible_pairs(g), moved
+
+
+PLAIN_FORWARD_ROLES = frozenset({"q", "k", "v", "o", "stats"})
+PLAIN_FORWARD_TYPES = frozenset({"float16", "bfloat16"})
+
+
+def forward_shape_class(problem):
+    """(head dim, mask) of a plain sdpa forward: q, k, v and o of one 16-bit type, D == Dv, no
+    mask or a causal one, no bias, dropout, ALiBi, paging, other operand or fused op (stats may
+    be stored). What BENCHMARKS.md measures each backend's attention forward on, so the classes
+    its models hold measured rates for; None for any other problem."""
+    g = problem.geometry
+    if problem.family != "sdpa" or g.direction != "forward" or problem.prologue or problem.epilogue or problem.exits:
+        return None
+    if g.dropout or g.bias or g.alibi or g.paged or g.head_dim != g.value_dim or visible_pairs(g) is None:
+        return None
+    present = problem.operands + problem.outputs
+    if any(o.role not in PLAIN_FORWARD_ROLES for o in present):
+        return None
+    types = {o.data_type.name for o in present if o.role != "stats"}
+    if len(types) != 1 or not types <= PLAIN_FORWARD_TYPES:
+        return None
+    return g.head_dim, g.mask
+
+
 def _bhsd(dims) -> tuple:
     """A rank-3 or rank-4 [B, H, rows, cols] as four sizes (H = 1 for rank 3)."""
     return (1,) * (4 - len(dims)) + tuple(int(d) for d in dims)
 
 
-def _mask(attrs, s_q: int, s_kv: int) -> tuple:
-    """(kind, causal) of the node's mask, as its kernels see it: a bound of Sq + Skv or more
-    masks nothing and is dropped; causal: a right bound and no left one (a sliding window, with
-    both, is a band)."""
+def mask_bounds(attrs, s_q: int, s_kv: int) -> tuple:
+    """(left, right) bounds of the node's mask as its kernels see them (None: no bound): a bound
+    of Sq + Skv or more masks nothing and is dropped."""
     mask, reach = attrs.mask, s_q + s_kv
     left = mask.left if mask.left is not None and mask.left < reach else None
     right = mask.right if mask.right is not None and mask.right < reach else None
+    return left, right
+
+
+def _mask(attrs, s_q: int, s_kv: int) -> tuple:
+    """(kind, causal) of the node's mask, as its kernels see it (mask_bounds); causal: a right
+    bound and no left one (a sliding window, with both, is a band)."""
+    left, right = mask_bounds(attrs, s_q, s_kv)
     if left is None and right is None:
         return "none", False
     if left is None and right == 0:
-        return ("causal_bottom_right" if mask.bottom_right else "causal"), True
+        return ("causal_bottom_right" if attrs.mask.bottom_right else "causal"), True
     return "band", left is None
 
 

@@ -17,6 +17,9 @@ from dnngraph.target import H100
 TYPES = {"bf16": dg.bfloat16, "fp16": dg.float16}
 HEAD_DIMS = (64, 128)
 MASKS = ("none", "causal", "causal_bottom_right")
+# diagonal band bounds: name -> (left bound, right bound, bottom right); "window" is a causal
+# sliding window, "band" bounds both sides, "left_only" bounds the left alone
+BANDS = {"window": (64, 0, False), "band_bottom_right": (100, 20, True), "left_only": (150, None, False)}
 HEADS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1), "single": (1, 1)}  # (H, H_kv)
 
 
@@ -29,12 +32,20 @@ def graph(type_name: str, head_dim: int, mask: str, heads: str, stats: bool = Fa
     q = g.tensor(name="q", dim=[batch, h, s_q, head_dim], data_type=t)
     k = g.tensor(name="k", dim=[batch, h_kv, s_kv, head_dim], data_type=t)
     v = g.tensor(name="v", dim=[batch, h_kv, s_kv, head_dim], data_type=t)
-    o, lse = g.sdpa(q, k, v, attn_scale=attn_scale, is_inference=not stats, use_causal_mask=mask == "causal",
-                    use_causal_mask_bottom_right=mask == "causal_bottom_right", name="attn")
+    o, lse = g.sdpa(q, k, v, attn_scale=attn_scale, is_inference=not stats, **mask_arguments(mask), name="attn")
     o.set_output(True)
     if stats:
         lse.set_output(True)
     return g
+
+
+def mask_arguments(mask: str) -> dict:
+    """sdpa's keyword arguments of a mask of MASKS or BANDS."""
+    if mask in BANDS:
+        left, right, bottom_right = BANDS[mask]
+        return dict(diagonal_alignment="bottom_right" if bottom_right else "top_left",
+                    diagonal_band_left_bound=left, diagonal_band_right_bound=right)
+    return dict(use_causal_mask=mask == "causal", use_causal_mask_bottom_right=mask == "causal_bottom_right")
 
 
 def sdpa_group(g):
@@ -71,6 +82,24 @@ def variants():
 EDGES = {"one": dict(batch=1, s_q=1, s_kv=1), "one_query": dict(batch=1, s_q=1, s_kv=1000)}
 
 
+# the band variants compiled: each band, head dim and type met once, beside the variants above
+# (the bounds add two runtime shifts and a compare to the same masked block, and a start block)
+BAND_VARIANTS = (("bf16", 64, "window", "gqa", True), ("fp16", 128, "band_bottom_right", "mha", False),
+                 ("bf16", 128, "left_only", "mqa", True))
+
+
+def band_cases():
+    """(label, launches, dtypes) of the band variants, and the ping-pong schedule under one."""
+    for type_name, head_dim, mask, heads, stats in BAND_VARIANTS:
+        g = graph(type_name, head_dim, mask, heads, stats)
+        dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
+        yield f"{type_name}/d{head_dim}/{mask}/{heads}{'/stats' if stats else ''}", lowered(g), dtypes
+    g = graph("fp16", 64, "band_bottom_right", "gqa", True)
+    pingpong = next(c for c in CONFIGS[64] if c.pingpong)
+    yield "pingpong/d64/band_bottom_right", lowered(g, config=pingpong), {t.uid: t.data_type.torch_dtype
+                                                                         for t in g.tensors}
+
+
 def compile_cases():
     """(label, launches, dtypes) of every variant."""
     for type_name, head_dim, mask, heads, stats in variants():
@@ -89,6 +118,7 @@ def compile_cases():
             g = graph("bf16", head_dim, mask, "gqa", True)
             dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
             yield f"pingpong/d{head_dim}/{mask}", lowered(g, config=pingpong), dtypes
+    yield from band_cases()
 
 
 def quick_cases():

@@ -409,13 +409,19 @@ def test_the_registry_skips_gluon_on_interpreted_builds_and_other_targets():
         registry.supporting(problem, H100, BuildOptions(backends=("gluon",)), interpreted=True)
 
 
-def test_default_options_never_choose_gluon():
+def test_default_options_never_choose_gluon_for_matmul():
+    """gluon is verified for sdpa only: the default takes it as "gluon:sdpa", so matmuls go to
+    Triton unless a build names gluon alone."""
     assert isinstance(GLUON, Backend) and not GLUON.interpretable and GLUON.families == {"matmul", "sdpa", "conv"}
     assert "gluon" in registry.names() and not GLUON.verified and registry.BACKENDS["gluon"] is GLUON
-    assert BuildOptions().backends == ("triton",) == registry.verified()
+    assert registry.verified_families(GLUON) == {"sdpa"}
+    assert BuildOptions().backends == ("triton", "gluon:sdpa") == registry.verified()
     problem = _problem()
     for target in (H100, H200):
         assert registry.choose(problem, target, BuildOptions(target=target), interpreted=False).name == "triton"
+        assert [b.name for b in registry.supporting(problem, target, BuildOptions(target=target))] == ["triton"]
+    with pytest.raises(dg.UnsupportedError, match="gluon: taken for sdpa only"):
+        registry.supporting(problem, H100, BuildOptions(backends=("gluon:sdpa",), target=H100))
 
 
 def test_opting_in_ranks_gluon_where_it_supports_the_problem():

@@ -2,9 +2,11 @@
 
 CPU (here): every type x head dim x mask x head grouping variant renders and compiles for sm_90a
 (tests/sm90_compile.py) with warp specialization, setmaxnreg, wgmma and no spills; supports()
-names why it refuses what it does not take; default builds never choose gluon for sdpa, and
-opting in ranks it. GPU (@pytest.mark.gpu, an H100 or H200): results against the float64
-reference (o and the stats), and a small run under Triton's concurrency sanitizer.
+names why it refuses what it does not take; the kernel's key-block bounds against the mask rule;
+default builds rank gluon against Triton by the measured models (gluon first exactly where it
+measured faster), opting in prefers it elsewhere. GPU (@pytest.mark.gpu, an H100 or H200):
+results against the float64 reference (o and the stats, every mask and band), a Triton backward
+on the Gluon stats, a default build's choice, and small runs under Triton's concurrency sanitizer.
 """
 from __future__ import annotations
 
@@ -16,13 +18,16 @@ import sys
 
 import pytest
 import torch
-from gluon_attention_cases import (HEAD_DIMS, HEADS, MASKS, TYPES, compile_cases, graph, lowered, sdpa_group,
-                                   variants)
+from gluon_attention_cases import (BANDS, HEAD_DIMS, HEADS, MASKS, TYPES, compile_cases, graph, lowered,
+                                   mask_arguments, sdpa_group, variants)
 from helpers import check, compiled_for_sm90
 
 import dnngraph as dg
 from dnngraph.backends import registry
+from dnngraph import build
+from dnngraph.backends.contract import BuildContext
 from dnngraph.backends.gluon import attention_backend
+from dnngraph.backends.triton.heuristics import sdpa as sdpa_heuristics
 from dnngraph.backends.gluon.backend import GLUON
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200
@@ -74,8 +79,15 @@ def test_candidates_fit_shared_memory_and_carry_estimates():
         assert [c.config for c in offered] == list(attention_backend.CONFIGS[head_dim])
         assert [c.config.pingpong for c in offered] == [False, True]
         for candidate in offered:
-            assert candidate.backend == "gluon" and candidate.estimate > attention_backend.LAUNCH_SECONDS
+            # S 200 was never measured: no estimate
+            assert candidate.backend == "gluon" and candidate.estimate is None
             assert attention_backend.shared_bytes(candidate.config, head_dim, 2) <= H100.shared_memory
+            assert GLUON.estimate(problem, candidate.config, H100) is None
+        measured_mask = "causal" if head_dim == 128 else "none"  # D64 was measured unmasked only
+        problem = _problem(type_name="bf16", head_dim=head_dim, mask=measured_mask, heads="gqa", stats=True, batch=1,
+                           s_q=4096, s_kv=4096)
+        for candidate in GLUON.candidates(problem, H100):
+            assert candidate.estimate > sdpa_heuristics.LAUNCH_SECONDS
             assert GLUON.estimate(problem, candidate.config, H100) == candidate.estimate
 
 
@@ -133,7 +145,6 @@ def test_supports_names_why_it_refuses():
     assert "same head dim" in _refused(_sdpa_graph(d=64, dv=128))
     assert "float16 or bfloat16" in _refused(_sdpa_graph(t=dg.float32))
     assert "dropout" in _refused(_sdpa_graph(dropout=(0.1, 1, 0)))
-    assert "band" in _refused(_sdpa_graph(diagonal_band_left_bound=16, diagonal_band_right_bound=0))
     # a bias, padding lengths
     g = dg.Graph(name="bias", io_data_type=dg.bfloat16)
     q, k, v = _tensors(g)
@@ -158,6 +169,69 @@ def test_supports_names_why_it_refuses():
     o, _ = g.sdpa(q, k, v)
     o.set_output(True)
     assert "through TMA" in _refused(g)
+
+
+@pytest.mark.parametrize("mask", sorted(BANDS))
+def test_band_masks_are_taken_and_lowered_with_their_shifts(mask):
+    """Key j visible to query i when j <= i + shift (a right bound) and j >= i + window_shift
+    (a left bound), the alignment's offset Skv - Sq bottom right (ops/sdpa.py's rule)."""
+    left, right, bottom_right = BANDS[mask]
+    g = graph("bf16", 128, mask, "gqa", stats=True, s_q=300, s_kv=700)
+    assert GLUON.supports(sdpa_group(g)[1], H100) is True
+    (launch,) = lowered(g)
+    values = {a.name: a.value for a in launch.arguments}
+    aligned = 400 if bottom_right else 0
+    assert values["CAUSAL"] == (right is not None) and values["WINDOW"]
+    assert values["shift"] == aligned + (right or 0) and values["window_shift"] == aligned - left + 1
+    # a bound past Sq + Skv masks nothing: no mask arithmetic for it
+    g = _sdpa_graph(diagonal_band_left_bound=400, diagonal_band_right_bound=0)
+    (launch,) = GLUON.lower(g, *sdpa_group(g), BuildContext(torch.device("cuda"), H100, BuildOptions(target=H100)))
+    values = {a.name: a.value for a in launch.arguments}
+    assert values["CAUSAL"] and not values["WINDOW"] and values["shift"] == 0
+
+
+def _visible(rows, cols, shift, window_shift, causal, window, s_kv):
+    """ops/sdpa.py's rule on the kernel's shifts, as a [rows, cols] bool grid."""
+    seen = (cols[None, :] < s_kv).expand(len(rows), -1)
+    if causal:
+        seen = seen & (cols[None, :] <= rows[:, None] + shift)
+    if window:
+        seen = seen & (cols[None, :] >= rows[:, None] + window_shift)
+    return seen
+
+
+@pytest.mark.parametrize("s_q,s_kv", [(77, 1031), (1031, 77), (300, 300), (1, 5), (513, 700)])
+@pytest.mark.parametrize("bounds", [(None, 0), (64, 0), (100, 20), (150, None), (1, 0), (None, None), (5000, None)])
+@pytest.mark.parametrize("bottom_right", [False, True])
+def test_key_blocks_visit_every_seen_key_and_skip_mask_arithmetic_only_where_every_row_sees_all(s_q, s_kv, bounds,
+                                                                                              bottom_right):
+    """The kernel's own key_blocks and needs_mask (their Python bodies, run on ints): per
+    program, no key a real row sees lies outside the visited blocks [lo, hi), no visited block
+    is one no row sees, and a block that takes no mask arithmetic is seen whole by every row."""
+    from dnngraph.backends.gluon import attention_library as alib
+
+    left, right = bounds
+    aligned = s_kv - s_q if bottom_right else 0
+    shift = aligned + (right or 0)
+    window_shift = aligned - left + 1 if left is not None else 0
+    causal, window = right is not None, left is not None
+    block_m = block_n = 128
+    cols = torch.arange(-(-s_kv // block_n) * block_n + block_n)
+    for first_row in range(0, s_q, block_m):
+        lo, full_lo, full_hi, hi = alib.key_blocks.fn(first_row, s_kv, shift, window_shift, block_m, block_n, causal,
+                                                      window)
+        rows = torch.arange(first_row, min(first_row + block_m, s_q))
+        seen = _visible(rows, cols, shift, window_shift, causal, window, s_kv)
+        seen_blocks = seen.view(len(rows), -1, block_n).any(dim=2).any(dim=0)
+        whole_blocks = seen.view(len(rows), -1, block_n).all(dim=2).all(dim=0)
+        visited = torch.zeros_like(seen_blocks)
+        visited[lo:max(hi, lo)] = True
+        assert lo <= hi and not (seen_blocks & ~visited).any(), (first_row, lo, hi)
+        if window or causal:  # the padding rows past Sq may see a block no real row does
+            assert visited.sum() <= seen_blocks.sum() + 1, (first_row, lo, hi)
+        for block in range(lo, hi):
+            if not alib.needs_mask.fn(block, full_lo, full_hi):
+                assert whole_blocks[block], (first_row, block, full_lo, full_hi)
 
 
 def test_supports_refuses_the_softmax_extras():
@@ -235,12 +309,99 @@ def test_supports_refuses_the_backward_and_paged_k_v():
     assert _refused(g)
 
 
-def test_default_options_never_choose_gluon_for_sdpa():
+def test_default_options_take_gluon_for_sdpa_only():
     assert "sdpa" in GLUON.families and registry.BACKENDS["gluon"] is GLUON and "sdpa" in registry.families()
-    problem = _problem(type_name="bf16", head_dim=128, mask="none", heads="mha")
+    assert BuildOptions().backends == ("triton", "gluon:sdpa")
+    problem = _problem(type_name="bf16", head_dim=128, mask="none", heads="mha", batch=1, s_q=4096, s_kv=4096)
     for target in (H100, H200):
-        assert registry.choose(problem, target, BuildOptions(target=target), interpreted=False).name == "triton"
-        assert [b.name for b in registry.supporting(problem, target, BuildOptions(target=target))] == ["triton"]
+        supporting = registry.supporting(problem, target, BuildOptions(target=target))
+        assert [b.name for b in supporting] == ["triton", "gluon"]
+        # never on interpreted builds, nor on another target
+        assert registry.choose(problem, target, BuildOptions(target=target), interpreted=True).name == "triton"
+        other = dataclasses.replace(target, capability=(10, 0))
+        assert [b.name for b in registry.supporting(problem, other, BuildOptions(target=other))] == ["triton"]
+
+
+# -- the ranking of the two attention forwards (plain data: a named GPU's Target, no GPU) ----------
+
+# BENCHMARKS.md "Gluon attention forward" rows: (type, head dim, mask, heads, batch, S), the backend
+# measured faster (plain schedule against the Triton kernel, one H200 process)
+MEASURED_ROWS = [
+    (("bf16", 128, "none", "mha", 4, 4096), "gluon"),  # 566 vs 473 TFLOP/s, 1.20x
+    (("bf16", 128, "causal", "mha", 4, 4096), "gluon"),  # 506 vs 429, 1.18x
+    (("bf16", 128, "causal", "single", 1, 16384), "gluon"),  # B1 H16 S16384 causal: 605 vs 472, 1.28x
+    (("bf16", 128, "causal", "gqa", 4, 4096), "gluon"),  # GQA 32:8 causal: 502 vs 432, 1.16x
+    (("bf16", 64, "none", "mha", 8, 2048), "triton"),  # B8 H16 S2048 D64: 370 vs 413, 0.89x
+]
+
+
+@pytest.mark.parametrize("target", [H100, H200], ids=["h100", "h200"])
+@pytest.mark.parametrize("row,faster", MEASURED_ROWS, ids=[f"d{r[1]}-{r[2]}-{r[3]}-s{r[5]}" for r, _ in MEASURED_ROWS])
+@pytest.mark.parametrize("stats", [False, True])
+def test_default_ranking_takes_the_backend_measured_faster(target, row, faster, stats):
+    type_name, head_dim, mask, heads, batch, s = row
+    problem = _problem(type_name=type_name, head_dim=head_dim, mask=mask, heads=heads, stats=stats, batch=batch,
+                       s_q=s, s_kv=s)
+    options = BuildOptions(target=target)
+    pairs = registry.ranked(problem, target, options, interpreted=False)
+    firsts = {}
+    for backend, candidate in pairs:
+        firsts.setdefault(backend.name, candidate.estimate)
+    assert set(firsts) == {"gluon", "triton"} and None not in firsts.values()
+    assert pairs[0][0].name == faster == registry.choose(problem, target, options, interpreted=False).name
+    assert registry.ranking_reason(pairs).startswith(f"backend {faster} ranked over")
+    assert "by the model" in registry.ranking_reason(pairs)
+    # the estimates' ratio is the measured one, within the wave and launch terms
+    measured = attention_backend.MEASURED_TFLOPS[(head_dim, mask)][0] / \
+        sdpa_heuristics.MEASURED_FORWARD_TFLOPS[(head_dim, mask)]
+    assert firsts["triton"] / firsts["gluon"] == pytest.approx(measured, rel=0.03)
+    # fp16 runs the same dots: the same choice
+    assert registry.choose(_problem(type_name="fp16", head_dim=head_dim, mask=mask, heads=heads, batch=batch, s_q=s,
+                                    s_kv=s), target, options, interpreted=False).name == faster
+
+
+UNMEASURED = [dict(type_name="bf16", head_dim=128, mask="causal", heads="mha", batch=4, s_q=2048, s_kv=2048),
+              dict(type_name="bf16", head_dim=128, mask="none", heads="mha", batch=4, s_q=4096, s_kv=1024),
+              dict(type_name="bf16", head_dim=64, mask="causal", heads="mha", batch=8, s_q=4096, s_kv=4096),
+              dict(type_name="fp16", head_dim=128, mask="causal_bottom_right", heads="gqa", batch=2, s_q=4096,
+                   s_kv=8192),
+              dict(type_name="bf16", head_dim=128, mask="none", heads="mqa", batch=2, s_q=200, s_kv=200)]
+
+
+@pytest.mark.parametrize("kwargs", UNMEASURED, ids=["short-causal", "short-keys", "d64-causal", "bottom-right",
+                                                    "small"])
+def test_gluon_has_no_estimate_where_it_was_never_measured_so_triton_leads(kwargs):
+    problem = _problem(**kwargs)
+    for target in (H100, H200):
+        assert all(c.estimate is None for c in GLUON.candidates(problem, target))
+        pairs = registry.ranked(problem, target, BuildOptions(target=target), interpreted=False)
+        assert pairs[0][0].name == "triton" and "preference order" in registry.ranking_reason(pairs)
+        # a build that prefers gluon still takes it there
+        assert registry.choose(problem, target, BuildOptions(backends=GLUON_FIRST, target=target),
+                               interpreted=False).name == "gluon"
+
+
+def test_a_default_build_lowers_d128_with_gluon_and_d64_with_triton():
+    """The build's own choice (build.lower_ranked) for an H200 target without a GPU: the group's
+    launches, the backend, and the reason explain() prints under "ranked:"."""
+    cases = {128: (dict(batch=1, s_q=4096, s_kv=4096), "gluon"), 64: (dict(batch=2, s_q=2048, s_kv=2048), "triton")}
+    for head_dim, (sizes, expected) in cases.items():
+        g = graph("bf16", head_dim, "causal" if head_dim == 128 else "none", "gqa", stats=True, **sizes)
+        group, problem = sdpa_group(g)
+        context = BuildContext(torch.device("cuda"), H200, BuildOptions(target=H200))
+        backend, launches, why = build.lower_ranked(g, group, problem, context, interpreted=False)
+        assert backend.name == expected and why.startswith(f"backend {expected} ranked over") and "by the model" in why
+        assert launches[0].config_text.startswith("gluon") == (expected == "gluon")
+
+
+def test_backend_entries_are_validated():
+    assert BuildOptions(backends=["triton", "gluon:sdpa"]).backends == ("triton", "gluon:sdpa")
+    assert BuildOptions(backends=("gluon:matmul,sdpa",)).backends == ("gluon:matmul,sdpa",)
+    for bad in (("gluon:conv",), ("gluon:",), ("gluon", "gluon:sdpa"), ("nothing:sdpa",), (3,)):
+        with pytest.raises(dg.ValidationError):
+            BuildOptions(backends=bad)
+    assert registry.families(("gluon:sdpa",)) == {"sdpa"}
+    assert registry.signature(("gluon:sdpa",)) != registry.signature(("gluon",))
 
 
 def test_opting_in_ranks_gluon_for_sdpa_on_sm90():
@@ -277,7 +438,7 @@ def test_gluon_attention_matches_the_reference(type_name, head_dim, mask, heads)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("s_q,s_kv", [(1, 1), (1, 1000), (127, 127), (200, 127), (127, 1000), (1000, 200),
-                                      (1000, 1000), (129, 257)])
+                                      (1000, 1000), (129, 257), (77, 1031)])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("schedule", ["plain", "pingpong"])
 def test_odd_sequence_lengths(s_q, s_kv, mask, schedule, monkeypatch):
@@ -307,6 +468,65 @@ def test_the_pingpong_schedule_matches_the_reference(head_dim, mask, monkeypatch
     g = graph("fp16", head_dim, mask, "mqa", stats=True, batch=3, s_q=700, s_kv=1100, attn_scale=0.09)
     check(g, _inputs(g), dtype=torch.float16, device="cuda", options=BuildOptions(backends=("gluon",)))
     assert "schedule=pingpong" in g.plan.launches[0].config_text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask", sorted(BANDS))
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("s_q,s_kv", [(77, 1031), (1031, 77), (700, 700), (1, 1000)])
+@pytest.mark.parametrize("schedule", ["plain", "pingpong"])
+def test_band_masks_match_the_reference(mask, head_dim, s_q, s_kv, schedule, monkeypatch):
+    """Sliding windows and bands, both alignments, GQA, odd lengths both ways (rows that see no
+    key: o zero, stats -inf), each schedule; o and the stats against float64."""
+    _force_schedule(monkeypatch, schedule)
+    scale = 0.08 if schedule == "plain" else 0.081
+    type_name = "bf16" if head_dim == 128 else "fp16"
+    g = graph(type_name, head_dim, mask, "gqa", stats=True, batch=2, s_q=s_q, s_kv=s_kv, attn_scale=scale)
+    check(g, _inputs(g), dtype=TYPES[type_name].torch_dtype, device="cuda", options=BuildOptions(backends=("gluon",)))
+    assert {launch.backend for launch in g.plan.launches} == {"gluon"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim,mask", [(64, "causal"), (128, "none"), (128, "causal_bottom_right"), (128, "window"),
+                                           (64, "band_bottom_right")])
+def test_a_backward_built_on_gluon_stats_matches_the_reference(head_dim, mask):
+    """A training forward (o and the stats by the Gluon kernel) and the Triton backward reading
+    those stats, in one graph: stats in other units or layout than the Triton forward's would
+    show in dq, dk and dv (and in the stats themselves)."""
+    t = dg.bfloat16
+    g = dg.Graph(name="gluon_training", io_data_type=t)
+    b, h, h_kv, s_q, s_kv = 2, 4, 2, 77, 1031
+    q = g.tensor(name="q", dim=[b, h, s_q, head_dim], data_type=t)
+    k = g.tensor(name="k", dim=[b, h_kv, s_kv, head_dim], data_type=t)
+    v = g.tensor(name="v", dim=[b, h_kv, s_kv, head_dim], data_type=t)
+    d_o = g.tensor(name="do", dim=[b, h, s_q, head_dim], data_type=t)
+    arguments = mask_arguments(mask)
+    o, stats = g.sdpa(q, k, v, is_inference=False, name="attn", **arguments)
+    o.set_output(True)
+    stats.set_output(True)
+    for grad in g.sdpa_backward(q, k, v, o, d_o, stats, name="attn_backward", **arguments)[:3]:
+        grad.set_output(True)
+    check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", options=BuildOptions(backends=("gluon", "triton")))
+    forward, *backward = g.plan.launches  # the forward group first, then the backward's kernels
+    assert forward.backend == "gluon" and forward.config_text.startswith("gluon")
+    assert backward and {launch.backend for launch in backward} == {"triton"}
+
+
+def _sm90() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _sm90(), reason="the default takes gluon on sm_90 (H100, H200) only")
+def test_a_default_build_runs_d128_on_gluon_and_d64_on_triton():
+    """No options: the models rank Gluon's forward first at D128 (measured faster) and the
+    Triton kernel at D64 (measured slower); explain() says which ran and why."""
+    for head_dim, mask, s, expected in ((128, "causal", 4096, "gluon"), (128, "none", 4096, "gluon"),
+                                        (64, "none", 2048, "triton"), (128, "causal", 1024, "triton")):
+        g = graph("bf16", head_dim, mask, "gqa", stats=True, batch=1, s_q=s, s_kv=s)
+        check(g, _inputs(g), dtype=torch.bfloat16, device="cuda", reference_device="cuda")
+        assert {launch.backend for launch in g.plan.launches} == {expected}, (head_dim, mask, s)
+        assert f"ranked: backend {expected} ranked over" in g.explain()
 
 
 @pytest.mark.gpu
@@ -346,11 +566,15 @@ from gluon_attention_cases import graph
 from helpers import check
 import dnngraph as dg
 # three key blocks through the two-slot ring (its phases wrap), the causal diagonal, the stats
+from dnngraph import build
+from dnngraph.backends.contract import BuildContext
 from dnngraph.backends.gluon import attention_backend
+from dnngraph.backends.triton.heuristics import sdpa as sdpa_heuristics
 from dnngraph.runtime import plan_cache
 every_config = attention_backend.CONFIGS
 for head_dim, mask, pingpong in ((128, "causal", False), (64, "none", False), (128, "causal", True),
-                                 (64, "causal_bottom_right", True)):
+                                 (64, "causal_bottom_right", True), (128, "window", False),
+                                 (64, "band_bottom_right", True)):
     attention_backend.CONFIGS = {{d: tuple(c for c in configs if c.pingpong == pingpong)
                                  for d, configs in every_config.items()}}
     assert all(attention_backend.CONFIGS.values()), (pingpong, attention_backend.CONFIGS)

@@ -4,16 +4,22 @@ launch of one group.
 
 Taken: the sdpa forward of fp16 or bf16 q, k, v (one type) in [B, H, S, D] with the last axis
 contiguous and every other stride a multiple of 16 bytes (TMA reads them), head dims 64 and 128
-(D_qk == D_v), no mask, or a causal one aligned top left or bottom right; grouped-query heads (H
+(D_qk == D_v), no mask, a causal one or diagonal band bounds (a sliding window), aligned top left
+or bottom right (the kernel skips the key blocks outside them); grouped-query heads (H
 a multiple of H_kv); a positive attention scale (refused at lowering otherwise); o in q's type (TMA-stored) and, where the group stores
 them, the float32 log-sum-exp stats (natural log, as the Triton backend stores them). Refused,
-each with a reason starting "gluon": dropout, bias, padding lengths, paged K/V, diagonal bands,
+each with a reason starting "gluon": dropout, bias, padding lengths, paged K/V,
 other head dims, other types, a fused epilogue on o, the backward.
 
-The model (estimate): the multiply-adds of S = Q K^T and O = P V (causal: the visited blocks)
-at the target's dense 16-bit peak, or the bytes of q, k, v, o moved once at its bandwidth,
-whichever is longer, over the wave efficiency of the B * H * cdiv(Sq, 128) programs on the SMs:
-    time = max(4 * B * H * Sq * Skv_seen * D / peak, bytes / bandwidth) / wave_efficiency + LAUNCH_SECONDS
+The model (estimate): the flops of S = Q K^T and O = P V over the visible pairs at the rate the
+kernel was measured at for the problem's shape class (MEASURED_TFLOPS: head dim and mask, as
+the Triton backend's model keys its own, heuristics/sdpa.py; scaled to the target by its peak),
+or the bytes of q, k, v, o moved once at its bandwidth, whichever is longer, over the wave
+efficiency of the B * H * cdiv(Sq, 128) programs on the SMs:
+    time = max(4 * B * H * D * visible_pairs / measured_rate, bytes / bandwidth) / wave_efficiency + LAUNCH
+A problem of a class, or shorter than the sequences, never measured has no estimate (None): the
+registry then ranks by preference order, where the default puts Triton first. So a default
+build takes Gluon exactly where both models hold measurements and Gluon's rate is the higher.
 """
 from __future__ import annotations
 
@@ -23,18 +29,19 @@ from typing import Optional, Union
 
 from ...errors import UnsupportedError
 from ...problems import Problem
+from ...problems.attention import forward_shape_class, forward_work, mask_bounds
 from ...runtime.launch import KernelLaunch, launch_of
 from ...target import Target
 from ..contract import Candidate
+from ..triton.heuristics import sdpa as sdpa_heuristics
 from . import attention_codegen
 
 TMA_ALIGNMENT = 16
 IN_TYPES = {"float16": "fp16", "bfloat16": "bf16"}
 HEAD_DIMS = (64, 128)
-MASKS = ("none", "causal", "causal_bottom_right")
+MASKS = ("none", "causal", "causal_bottom_right", "band")
 PRODUCER_REGS = 40
 CONSUMER_REGS = 232
-LAUNCH_SECONDS = 3e-6
 BARRIER_BYTES = 1024
 LOG2E = 1.4426950408889634
 # operands the kernel does not read: present, the group is refused
@@ -45,6 +52,16 @@ UNTAKEN = {"bias": "an additive bias", "seq_len_q": "padding lengths (seq_len_q)
            "score_max": "score_max output", "score_sum_exp": "score_sum_exp output",
            **{f"{stem}_ragged_offset": "ragged (THD) operands" for stem in ("q", "k", "v", "o")},
            "block_mask": "block-sparse mask"}
+
+
+# Rates of the plain schedule on an H200 (BENCHMARKS.md "Gluon attention forward", bf16; fp16
+# runs the same dots), TFLOP/s over the visible pairs, by (head dim, mask): (rate, the shortest
+# sequence measured, Sq and Skv; shorter ones have no estimate).
+MEASURED_TFLOPS = {
+    (64, "none"): (370, 2048),  # B8 H16 S2048 D64: 0.89x the Triton kernel's 413 (second run)
+    (128, "none"): (566, 4096),  # B4 H32 S4096 D128: 1.20x Triton's 473 (first run, before the one-FMA scores)
+    (128, "causal"): (506, 4096),  # B4 H32 S4096 causal: 1.18x Triton's 429 (GQA 32:8 502, 1.16x; S16384 605, 1.28x)
+}
 
 
 @dataclass(frozen=True)
@@ -121,8 +138,8 @@ def supports(problem: Problem) -> Union[bool, str]:
     if g.paged:
         return "gluon's attention reads no paged K/V"
     if g.mask not in MASKS:
-        return (f"gluon's attention takes no mask, or a causal one (top left or bottom right), not a "
-                f"{g.mask} mask")
+        return (f"gluon's attention takes no mask, a causal one or diagonal band bounds (top left or bottom "
+                f"right), not a {g.mask} mask")
     q, k, v = problem.operand("q"), problem.operand("k"), problem.operand("v")
     if q is None or k is None or v is None:
         return "gluon's attention needs q, k and v"
@@ -159,29 +176,19 @@ def supports(problem: Problem) -> Union[bool, str]:
     return True
 
 
-def _visited_keys(g, block_m: int) -> float:
-    """Keys visited per query row, averaged (causal: the blocks up to each program's diagonal)."""
-    if g.mask == "none":
-        return float(g.s_kv)
-    shift = 0 if g.mask == "causal" else g.s_kv - g.s_q
-    blocks = -(-g.s_q // block_m)
-    total = 0
-    for m in range(blocks):
-        total += min(g.s_kv, max((m + 1) * block_m + shift, 0))
-    return total / blocks
-
-
 def estimate(problem: Problem, config: AttentionConfig, target: Target) -> Optional[float]:
+    """The model's seconds (the module docstring), None where the shape was never measured."""
     if not isinstance(config, AttentionConfig):
         return None
+    shape_class = forward_shape_class(problem)
+    measured = MEASURED_TFLOPS.get(shape_class)
     g = problem.geometry
-    peak = target.peak(IN_TYPES[problem.operand("q").data_type.name])
-    flops = 4.0 * g.batch * g.heads * g.s_q * _visited_keys(g, config.block_m) * g.head_dim
-    moved = sum(o.numel * o.data_type.itemsize for o in problem.operands + problem.outputs)
+    if measured is None or min(g.s_q, g.s_kv) < measured[1]:
+        return None
+    flops, moved = forward_work(problem)
     programs = g.batch * g.heads * -(-g.s_q // config.block_m)
-    waves = -(-programs // target.sms)
-    efficiency = programs / (waves * target.sms)
-    return max(flops / peak, moved / target.bandwidth) / efficiency + LAUNCH_SECONDS
+    dot = IN_TYPES[problem.operand("q").data_type.name]
+    return sdpa_heuristics.forward_seconds(measured[0], flops, moved, programs, dot, target)
 
 
 def candidates(backend_name: str, problem: Problem, target: Target) -> list:
@@ -217,14 +224,19 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
                if t is not None and stem != "stats"}
     if stored_stats:
         strides["stats"] = tuple(int(s) for s in stats.stride[:3])
-    shift = g.s_kv - g.s_q if g.mask == "causal_bottom_right" else 0
+    left, right = mask_bounds(node.attrs, g.s_q, g.s_kv)
+    aligned = g.s_kv - g.s_q if node.attrs.mask.bottom_right else 0  # query i sits at row i + aligned
+    # key j visible to query i: j <= i + shift (a right bound), j >= i + window_shift (a left one)
+    shift = aligned + (right if right is not None else 0)
+    window_shift = aligned - left + 1 if left is not None else 0
     arguments = attention_codegen.AttentionArguments(uids, strides, g.s_q, g.s_kv, g.heads, g.heads // g.kv_heads,
-                                                     shift)
+                                                     shift, window_shift)
     scale = node.attrs.attn_scale if node.attrs.attn_scale is not None else 1.0 / math.sqrt(g.head_dim)
     if not float(scale) > 0:  # the kernel scales the row max, not each score (attention_library.py)
         raise UnsupportedError(f"{problem.where}: gluon's attention takes a positive attention scale, not {scale}")
     constexprs = {"BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HEAD_DIM": g.head_dim,
-                  "STAGES": config.stages, "CAUSAL": g.mask != "none", "STATS": stored_stats,
+                  "STAGES": config.stages, "CAUSAL": right is not None, "WINDOW": left is not None,
+                  "STATS": stored_stats,
                   "QK_SCALE": float(scale) * LOG2E, "PRODUCER_REGS": PRODUCER_REGS,
                   "CONSUMER_REGS": CONSUMER_REGS, "PINGPONG": config.pingpong}
     stem = f"dnngraph_gluon_{group.kind}_{node.op}"
@@ -234,7 +246,8 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
         raise UnsupportedError(f"{problem.where}: gluon attention's grid {list(grid)} exceeds {target.name}'s "
                                f"grid limits (batch x heads = {g.batch * g.heads})")
     estimate_seconds = chosen.estimate if chosen.estimate is not None else estimate(problem, config, target)
-    reason = (f"{config.text}: model {estimate_seconds * 1e6:.1f} us ({grid[0] * grid[1]} programs, "
+    model = "no model (shape never measured)" if estimate_seconds is None else f"model {estimate_seconds * 1e6:.1f} us"
+    reason = (f"{config.text}: {model} ({grid[0] * grid[1]} programs, "
               f"mask {g.mask}{', stats' if stored_stats else ''})")
     launch = launch_of(group, source, grid, WARPS, config.text + f" grid={list(grid)}", reason)
     launch.alternative = _unaligned_fallback(graph, group, problem, context)

@@ -17,8 +17,8 @@ STEMS = ("q", "k", "v", "o", "stats")
 AXES = ("batch", "head", "row")
 # the names every kernel writes literally (its parameters and the module's)
 CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "HEAD_DIM", "STAGES", "CAUSAL", "STATS", "QK_SCALE", "PRODUCER_REGS",
-              "CONSUMER_REGS", "PINGPONG")
-SIZES = ("s_q", "s_kv", "heads", "group", "shift")
+              "CONSUMER_REGS", "PINGPONG", "WINDOW")
+SIZES = ("s_q", "s_kv", "heads", "group", "shift", "window_shift")
 FIXED = (("gl", "gluon", "alib") + tuple(f"{stem}_ptr" for stem in STEMS) +
          tuple(f"{stem}_stride_{axis}" for stem in STEMS for axis in AXES) + SIZES + CONSTEXPRS)
 
@@ -34,7 +34,8 @@ class AttentionArguments:
     s_kv: int
     heads: int
     group: int  # query heads per key/value head
-    shift: int  # key j visible to query i (causal) when j <= i + shift
+    shift: int  # key j visible to query i (a right bound, CAUSAL) when j <= i + shift
+    window_shift: int = 0  # and (a left bound, WINDOW) when j >= i + window_shift
 
 
 def signature(names: NameAllocator, attention: AttentionArguments, constexprs: dict) -> tuple:
@@ -79,8 +80,8 @@ from dnngraph.backends.gluon import attention_library as alib
 @gluon.jit
 def {stem}({parameters}):
     alib.attention(q_ptr, k_ptr, v_ptr, o_ptr, {"stats_ptr" if stats else "0"}, {strides},
-                   s_q, s_kv, heads, group, shift, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, STATS, QK_SCALE,
-                   PRODUCER_REGS, CONSUMER_REGS, PINGPONG)
+                   s_q, s_kv, heads, group, shift, window_shift, BLOCK_M, BLOCK_N, HEAD_DIM, STAGES, CAUSAL, WINDOW,
+                   STATS, QK_SCALE, PRODUCER_REGS, CONSUMER_REGS, PINGPONG)
 '''
     return KernelSource(stem, text, list(arguments))
 

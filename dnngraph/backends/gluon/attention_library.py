@@ -32,11 +32,15 @@ multiples); D is 64 or 128 (the same for q, k and v); q, k, v and o share one 16
   the other's issue i - 1 before its issue i, consumer 1 for consumer 0's issue i, at parity
   i & 1 of the barrier. That phase is never aliased: the arrival after it needs the issue this
   wait guards.
-- Masks: the key blocks a program visits stop at its last row's diagonal (causal: blocks above
-  it are never loaded); blocks before `full` (every row of the program sees every key) take no
-  mask arithmetic; the others mask keys past Skv and, causal, keys right of the diagonal
-  (key j visible to query i when j <= i + SHIFT: SHIFT 0 aligns the diagonal top left,
-  Skv - Sq bottom right). A row that sees no key has m = -inf and l = 0: its o is 0, its stats -inf.
+- Masks: key j is visible to query i when j <= i + shift (CAUSAL: a right bound; shift is the
+  bound plus 0 top left or Skv - Sq bottom right) and j >= i + window_shift (WINDOW: a left
+  bound, a sliding window or band; window_shift = the alignment's offset - left bound + 1). A
+  program visits only the key blocks [lo, hi) some row of it sees (`key_blocks`: blocks past
+  its last row's right bound or before its first row's left bound are never loaded); blocks
+  every row sees whole, [full_lo, full_hi), take no mask arithmetic; the others (the diagonal
+  blocks and the last, partial one) mask keys past Skv and outside the bounds. The ring counts
+  the program's blocks from lo. A row that sees no key has m = -inf and l = 0: its o is 0, its
+  stats -inf.
 - The end: o = acc / l cast to the input type, staged in the consumer's own Q buffer (its last
   reader, the final S wgmma, has completed) and stored by TMA; the stats by masked pointer
   stores of rows < Sq.
@@ -64,16 +68,36 @@ def head_descriptor(base, batch, head, batch_stride, head_stride, rows, row_stri
 
 
 @gluon.jit
-def key_blocks(first_row, s_kv, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """(full, count): the program (query rows [first_row, first_row + BLOCK_M)) visits key
-    blocks [0, count); every row of it sees every key of blocks [0, full)."""
+def key_blocks(first_row, s_kv, shift, window_shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """(lo, full_lo, full_hi, hi): the program (query rows [first_row, first_row + BLOCK_M))
+    visits key blocks [lo, hi); every row of it sees every key of blocks [full_lo, full_hi).
+    Row i sees keys j <= i + shift (CAUSAL: a right bound) and j >= i + window_shift (WINDOW: a
+    left bound), j < Skv."""
+    last_row = first_row + BLOCK_M - 1
     if CAUSAL:
-        seen = min(s_kv, max(first_row + BLOCK_M + shift, 0))  # keys [0, seen): some row sees them
-        whole = min(s_kv, max(first_row + 1 + shift, 0))  # keys [0, whole): the first row sees them
+        seen_end = min(s_kv, max(last_row + 1 + shift, 0))  # keys below it: the last row sees some
+        whole_end = min(s_kv, max(first_row + 1 + shift, 0))  # keys below it: the first row sees all
     else:
-        seen = s_kv
-        whole = s_kv
-    return whole // BLOCK_N, (seen + BLOCK_N - 1) // BLOCK_N
+        seen_end = s_kv
+        whole_end = s_kv
+    if WINDOW:
+        seen_start = min(s_kv, max(first_row + window_shift, 0))  # keys from it: the first row sees some
+        whole_start = min(s_kv, max(last_row + window_shift, 0))  # keys from it: the last row sees all
+    else:
+        seen_start = 0
+        whole_start = 0
+    lo = seen_start // BLOCK_N
+    hi = max((seen_end + BLOCK_N - 1) // BLOCK_N, lo)  # no block where no row sees a key
+    full_lo = (whole_start + BLOCK_N - 1) // BLOCK_N
+    full_hi = max(whole_end // BLOCK_N, full_lo)
+    return lo, full_lo, full_hi, hi
+
+
+@gluon.jit
+def needs_mask(block, full_lo, full_hi):
+    """Whether key block `block` holds a key some row of the program does not see."""
+    return (block < full_lo) | (block >= full_hi)
 
 
 @gluon.jit
@@ -87,9 +111,9 @@ def program_head(HEADS_ARG, group):
 
 @gluon.jit
 def attention_load_partition(q_ptr, k_ptr, v_ptr, q_strides, k_strides, v_strides, q_ring, k_ring, v_ring, q_ready,
-                             k_ready, v_ready, k_empty, v_empty, s_q, s_kv, heads, group, shift,
+                             k_ready, v_ready, k_empty, v_empty, s_q, s_kv, heads, group, shift, window_shift,
                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                             CAUSAL: gl.constexpr):
+                             CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
     """The producer (one warp): Q's two halves once, then K and V block by block into the ring."""
     STAGES: gl.constexpr = k_ring.type.shape[0]
     SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
@@ -103,28 +127,30 @@ def attention_load_partition(q_ptr, k_ptr, v_ptr, q_strides, k_strides, v_stride
     mbarrier.expect(q_ready.index(0), CONSUMERS * q_desc.block_type.nbytes)
     for half in gl.static_range(CONSUMERS):
         tma.async_copy_global_to_shared(q_desc, [first_row + half * SUB_M, 0], q_ready.index(0), q_ring.index(half))
-    _, count = key_blocks(first_row, s_kv, shift, BLOCK_M, BLOCK_N, CAUSAL)
-    for j in range(count):
+    lo, _, _, hi = key_blocks(first_row, s_kv, shift, window_shift, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    for j in range(hi - lo):  # the program's j-th block, key block lo + j, takes slot j % STAGES
         slot = j % STAGES
         phase = ((j // STAGES) & 1) ^ 1  # the first pass through the ring does not wait
         mbarrier.wait(k_empty.index(slot), phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(slot), k_ring.index(slot))
+        tma.async_copy_global_to_shared(k_desc, [(lo + j) * BLOCK_N, 0], k_ready.index(slot), k_ring.index(slot))
         mbarrier.wait(v_empty.index(slot), phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(slot), v_ring.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [(lo + j) * BLOCK_N, 0], v_ready.index(slot), v_ring.index(slot))
 
 
 @gluon.jit
-def block_scores(qk, rows, start, masked, s_kv, shift, CAUSAL: gl.constexpr):
-    """The block's raw scores q . k; where `masked`, keys past Skv and (causal) right of the
-    diagonal are -inf (the scale, positive, keeps them -inf)."""
+def block_scores(qk, rows, start, masked, s_kv, shift, window_shift, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """The block's raw scores q . k; where `masked`, keys past Skv, (CAUSAL) right of the right
+    bound and (WINDOW) left of the left bound are -inf (the scale, positive, keeps them -inf)."""
     if masked:
         BLOCK_N: gl.constexpr = qk.type.shape[1]
         cols = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk.type.layout))
         visible = gl.expand_dims(cols < s_kv, 0)
         if CAUSAL:
             visible = visible & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + shift, 1))
+        if WINDOW:
+            visible = visible & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows + window_shift, 1))
         qk = gl.where(visible, qk, float("-inf"))
     return qk
 
@@ -164,10 +190,10 @@ def pass_turn(order, HALF: gl.constexpr, PINGPONG: gl.constexpr):
 
 @gluon.jit
 def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k_empty, v_empty, order, o_ptr,
-                            stats_ptr, o_strides, stats_strides, s_q, s_kv, heads, group, shift, HALF: gl.constexpr,
-                            BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                            CAUSAL: gl.constexpr, STATS: gl.constexpr, QK_SCALE: gl.constexpr,
-                            PINGPONG: gl.constexpr):
+                            stats_ptr, o_strides, stats_strides, s_q, s_kv, heads, group, shift, window_shift,
+                            HALF: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                            HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                            STATS: gl.constexpr, QK_SCALE: gl.constexpr, PINGPONG: gl.constexpr):
     """One consumer warpgroup: query rows [HALF * 64, HALF * 64 + 64) of the program's block."""
     STAGES: gl.constexpr = k_ring.type.shape[0]
     SUB_M: gl.constexpr = BLOCK_M // CONSUMERS
@@ -180,7 +206,8 @@ def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k
     first_row = gl.program_id(0) * BLOCK_M
     row0 = first_row + HALF * SUB_M
     rows = row0 + gl.arange(0, SUB_M, layout=row_layout)
-    full, count = key_blocks(first_row, s_kv, shift, BLOCK_M, BLOCK_N, CAUSAL)
+    lo, full_lo, full_hi, hi = key_blocks(first_row, s_kv, shift, window_shift, BLOCK_M, BLOCK_N, CAUSAL, WINDOW)
+    count = hi - lo  # the program's block j is key block lo + j, in ring slot j % STAGES
     q = q_ring.index(HALF)
     zero = gl.zeros((SUB_M, BLOCK_N), dtype=gl.float32, layout=s_layout)
     acc = gl.zeros((SUB_M, HEAD_DIM), dtype=gl.float32, layout=o_layout)
@@ -195,7 +222,8 @@ def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k
         pass_turn(order, HALF, PINGPONG)
         qk = warpgroup_mma_wait(num_outstanding=0, deps=(qk, ))
         mbarrier.arrive(k_empty.index(0), count=1)
-        scores = block_scores(qk, rows, 0, 0 >= full, s_kv, shift, CAUSAL)
+        scores = block_scores(qk, rows, lo * BLOCK_N, needs_mask(lo, full_lo, full_hi), s_kv, shift, window_shift,
+                              CAUSAL, WINDOW)
         p, alpha, m_i, l_i = online_softmax(scores, m_i, l_i, QK_SCALE)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, count):
@@ -210,7 +238,8 @@ def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k
             pass_turn(order, HALF, PINGPONG)
             qk = warpgroup_mma_wait(num_outstanding=1, deps=(qk, ))  # S_j done; P_{j-1} V_{j-1} may run on
             mbarrier.arrive(k_empty.index(slot), count=1)
-            scores = block_scores(qk, rows, j * BLOCK_N, j >= full, s_kv, shift, CAUSAL)
+            scores = block_scores(qk, rows, (lo + j) * BLOCK_N, needs_mask(lo + j, full_lo, full_hi), s_kv, shift,
+                                  window_shift, CAUSAL, WINDOW)
             p, alpha, m_i, l_i = online_softmax(scores, m_i, l_i, QK_SCALE)
             p16 = gl.convert_layout(p.to(dtype), p_layout)
             # the wgmma reads P_{j-1} from registers until it completes: it stays a dependency
@@ -240,9 +269,10 @@ def attention_mma_partition(q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k
 
 @gluon.jit
 def attention(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, q_strides, k_strides, v_strides, o_strides, stats_strides, s_q,
-              s_kv, heads, group, shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-              STAGES: gl.constexpr, CAUSAL: gl.constexpr, STATS: gl.constexpr, QK_SCALE: gl.constexpr,
-              PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, PINGPONG: gl.constexpr):
+              s_kv, heads, group, shift, window_shift, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+              STATS: gl.constexpr, QK_SCALE: gl.constexpr, PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+              PINGPONG: gl.constexpr):
     """The whole kernel body: Q's buffers, the K/V ring and the barriers, then the partitions.
     The strides are (batch, head, row) tuples in elements."""
     gl.static_assert(STAGES >= 2)
@@ -270,15 +300,15 @@ def attention(q_ptr, k_ptr, v_ptr, o_ptr, stats_ptr, q_strides, k_strides, v_str
     gl.warp_specialize([
         (attention_mma_partition, (q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k_empty, v_empty, order,
                                    o_ptr, stats_ptr, o_strides, stats_strides, s_q, s_kv, heads, group, shift,
-                                   gl.constexpr(0), BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STATS, QK_SCALE,
-                                   PINGPONG)),
+                                   window_shift, gl.constexpr(0), BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, WINDOW,
+                                   STATS, QK_SCALE, PINGPONG)),
         (attention_mma_partition, (q_ring, k_ring, v_ring, q_ready, k_ready, v_ready, k_empty, v_empty, order,
                                    o_ptr, stats_ptr, o_strides, stats_strides, s_q, s_kv, heads, group, shift,
-                                   gl.constexpr(1), BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, STATS, QK_SCALE,
-                                   PINGPONG)),
+                                   window_shift, gl.constexpr(1), BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, WINDOW,
+                                   STATS, QK_SCALE, PINGPONG)),
         (attention_load_partition, (q_ptr, k_ptr, v_ptr, q_strides, k_strides, v_strides, q_ring, k_ring, v_ring,
                                     q_ready, k_ready, v_ready, k_empty, v_empty, s_q, s_kv, heads, group, shift,
-                                    BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL)),
+                                    window_shift, BLOCK_M, BLOCK_N, HEAD_DIM, CAUSAL, WINDOW)),
     ], [WARPGROUP_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     mbarrier.invalidate(q_ready.index(0))
     for i in gl.static_range(CONSUMERS):

@@ -18,6 +18,7 @@ import triton
 
 from ...dtypes import DataType
 from ...problems import Problem
+from ...problems.attention import forward_shape_class, forward_work
 from ...target import Target
 from ...versions import __version__
 from ..contract import Candidate
@@ -145,6 +146,16 @@ class TritonBackend:
                                                 g.value_dim, q.data_type.itemsize, g.mask != "none",
                                                 bias.data_type.itemsize if bias is not None else 0, g.causal)
 
+    def _attention_estimate(self, problem: Problem, sched, target: Target) -> Optional[float]:
+        """The forward model's seconds of `sched` (heuristics/sdpa.py forward_estimate), None
+        where its shape class was never measured."""
+        shape_class = forward_shape_class(problem)
+        if shape_class is None or not isinstance(sched, sdpa_heuristics.AttentionSchedule):
+            return None
+        flops, moved = forward_work(problem)
+        dot = "bf16" if problem.operand("q").data_type.name == "bfloat16" else "fp16"
+        return sdpa_heuristics.forward_estimate(shape_class, flops, moved, sched, dot, target)
+
     def candidates(self, problem: Problem, target: Target, options=None) -> list:
         """The heuristics' ranked configs where the family has a model for the neutral problem,
         else one candidate: the builder's own choice (config None)."""
@@ -175,7 +186,8 @@ class TritonBackend:
             posed = self._attention_problem(problem)
             if posed is not None:
                 forced = sdpa_heuristics.NOT_FORCED if options is None else _forced_attention(options)
-                ranked = [Candidate(self.name, sdpa_heuristics.schedule(posed, target, forced=forced), None)]
+                sched = sdpa_heuristics.schedule(posed, target, forced=forced)
+                ranked = [Candidate(self.name, sched, self._attention_estimate(problem, sched, target))]
         return ranked or [Candidate(self.name, None, None)]
 
     def estimate(self, problem: Problem, config, target: Target) -> Optional[float]:
@@ -190,6 +202,8 @@ class TritonBackend:
             width = sum(o.data_type.itemsize for o in problem.outputs + problem.operands)
             return pointwise_heuristics.estimate(space, config.block_rows, config.block_cols, config.num_warps,
                                                  width, target)
+        if problem.family == "sdpa":
+            return self._attention_estimate(problem, config, target)
         return getattr(config, "estimate_us", None) and config.estimate_us * 1e-6
 
     def forces(self, problem: Problem, candidate: Candidate) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ....errors import UnsupportedError
-from ....target import CUDA_GRID_LIMITS, Target, laid_out
+from ....target import CUDA_GRID_LIMITS, H200, Target, laid_out
 from .mma import fitting_warps, has_wgmma
 from .pointwise import pow2_at_least
 
@@ -60,6 +60,48 @@ DECODE_PROGRAMS_PER_SM = 2
 MIN_BLOCKS_PER_SPLIT = 4
 MAX_SPLITS = 64
 COMBINE_ROWS = 16  # query rows per program of the split combine
+
+
+# The forward's model: the rate each shape class (problems/attention.py forward_shape_class: head
+# dim, mask) ran at, TFLOP/s over the visible pairs, bf16 on an H200 (MEASURED_ON; fp16 runs the
+# same dots), BENCHMARKS.md "Gluon attention forward" (the dnngraph Triton column, 2026-11-28).
+# Another class has no estimate; another target scales the rate by its peak (measured_seconds).
+MEASURED_ON = H200
+MEASURED_FORWARD_TFLOPS = {
+    (64, "none"): 413,  # B8 H16 S2048 D64
+    (128, "none"): 473,  # B4 H32 S4096 D128
+    (128, "causal"): 429,  # B4 H32 S4096 D128 causal (GQA 32:8 432, B1 H16 S16384 472)
+}
+LAUNCH_SECONDS = 3e-6
+
+
+def measured_seconds(flops: float, tflops: float, dot: str, target: Target) -> float:
+    """Seconds of `flops` at a rate measured as `tflops` on MEASURED_ON, on `target` at the same
+    fraction of its dense `dot` peak."""
+    return flops * MEASURED_ON.peak(dot) / (tflops * 1e12 * target.peak(dot))
+
+
+def wave_efficiency(programs: int, target: Target) -> float:
+    """The fraction of the SMs' time `programs` equal programs keep busy (the last wave partly empty)."""
+    waves = -(-programs // target.sms)
+    return programs / (waves * target.sms)
+
+
+def forward_seconds(tflops: float, flops: float, moved_bytes: int, programs: int, dot: str, target: Target) -> float:
+    """The forward's model: its flops at a measured rate or its bytes at the bandwidth, whichever
+    is longer, over the wave efficiency of its programs, plus a launch."""
+    busy = max(measured_seconds(flops, tflops, dot, target), moved_bytes / target.bandwidth)
+    return busy / wave_efficiency(programs, target) + LAUNCH_SECONDS
+
+
+def forward_estimate(shape_class, flops: float, moved_bytes: int, sched: "AttentionSchedule", dot: str,
+                     target: Target) -> Optional[float]:
+    """Model seconds of the forward schedule `sched` where its shape class was measured
+    (MEASURED_FORWARD_TFLOPS; not a decode schedule), else None."""
+    tflops = MEASURED_FORWARD_TFLOPS.get(shape_class)
+    if tflops is None or sched.packed or target.interpreted:
+        return None
+    return forward_seconds(tflops, flops, moved_bytes, sched.programs[0] * sched.programs[1], dot, target)
 
 
 @dataclass(frozen=True)
