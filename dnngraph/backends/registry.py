@@ -138,10 +138,13 @@ def refusals(problem, target, options, interpreted: bool = False) -> str:
     """Why each backend of options.backends that does not take `problem` refuses it ("name: why"
     joined by "; "), "" where all take it: explain() shows it beside the backend that did."""
     refused = []
-    for name in options.backends:
+    for entry_ in options.backends:
+        name, taken = parse(entry_)
         backend = BACKENDS.get(name)
         if backend is None or (interpreted and not backend.interpretable):
             continue  # supporting() names these where nothing takes the group
+        if taken is not None and problem.family not in taken:
+            continue  # an entry for other families (the default's "gluon:sdpa"): not a refusal
         ok, why = supported(backend, problem, target)
         if not ok:
             refused.append(f"{name}: {why}")

@@ -522,3 +522,14 @@ def test_the_launch_arguments_read_the_convolution(case):
     expected = g.reference({"x": x, "w": weights})
     (out,) = expected.values()
     assert torch.allclose(_emulated(launch, x, weights), out.double(), rtol=1e-2, atol=1e-2)
+
+
+def test_refusals_skip_entries_for_other_families():
+    """The default entry "gluon:sdpa" takes no conv: it is no refusal to report for a conv group,
+    while an entry that takes convs reports gluon's reason."""
+    g, x, w, conv = _graph()
+    g.conv_fprop(x, w, **dict(conv, stride=[3, 3])).set_output(True)
+    problem = conv_group(g)[1]
+    assert registry.refusals(problem, H100, BuildOptions(target=H100)) == ""
+    assert registry.refusals(problem, H100, BuildOptions(backends=("triton", "gluon:conv"), target=H100)) \
+        .startswith("gluon: gluon's implicit GEMM reads a stride past 2")
