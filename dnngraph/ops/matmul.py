@@ -9,6 +9,8 @@ import math
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
 
 from .. import dtypes
@@ -67,16 +69,18 @@ def infer(inputs, attrs: MatmulAttrs):
     return [OutputSpec(dim, dtypes.int32 if integer else None, stride=contiguous_strides(dim))]
 
 
-def check_int8_operands(op: str, a, b, reduction: int) -> bool:
-    """Whether `op` multiplies int8 by int8 (its result is then the exact int32 sum); an int8
-    operand with a float one, or a reduction that could overflow int32, is a ValidationError."""
+def check_int8_operands(op: str, a, b, reduction: Optional[int]) -> bool:
+    """Whether `op` multiplies int8 by int8 (its result is then the int32 sum); an int8 operand
+    with a float one, or a reduction of `reduction` products that could overflow int32, is a
+    ValidationError. `reduction` None: no bound is checked, the sum wraps modulo 2^32 (wgrad,
+    whose reduction over N x pixels is long; see conv.py)."""
     int8 = [t.data_type is dtypes.int8 for t in (a, b)]
     if not any(int8):
         return False
     if not all(int8):
         fail(op, f"int8 multiplies only int8 (int32 accumulation): {a.name!r} is {a.data_type.name}, "
                  f"{b.name!r} is {b.data_type.name}; cast the other operand to int8 (quantize) or both to a float")
-    if reduction > INT8_MAX_K:
+    if reduction is not None and reduction > INT8_MAX_K:
         fail(op, f"int8 reduction of {reduction} products could overflow the int32 accumulator "
                  f"(at most {INT8_MAX_K}: 2^31 / 128^2)")
     return True
@@ -87,6 +91,12 @@ def exact_integer_product(operation, *operands) -> torch.Tensor:
     integer sum (every partial sum is an integer below 2^53, so float64 adds it exactly in any
     order), as int64."""
     return torch.round(operation(*(t.to(torch.float64) for t in operands))).to(torch.int64)
+
+
+def wrapped_to_int32(values: torch.Tensor) -> torch.Tensor:
+    """int64 `values` as an int32 accumulator holds them: modulo 2^32, in [-2^31, 2^31) (two's
+    complement wrap-around, what the tensor cores' and the interpreter's int32 adds do)."""
+    return torch.remainder(values + 2**31, 2**32) - 2**31
 
 
 def reference(values, attrs: MatmulAttrs):
