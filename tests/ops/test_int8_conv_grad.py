@@ -212,13 +212,18 @@ def test_int8_wgrad_past_int32_wraps_modulo_2_32_as_the_reference(pixels, wraps)
     x = torch.full((1, 1, 1, pixels), -128, dtype=torch.int8)
     g, tdy, tx, dw = grad_graph("conv_wgrad", dy, x, [2, 1, 1, 1], padding=[0, 0], stride=[1, 1], dilation=[1, 1])
     dw.set_output(True)
-    g.mul(dw, 2.0 ** -20).set_output(True)  # a dequantizing epilogue reads the wrapped sum
     options = dg.BuildOptions(conv_config=mm.MatmulConfig("split_k", 16, 16, 512, 4, 2, split_k=2))
     out = exact(g, {tdy: dy, tx: x}, options)[dw.name]
     true_sum = pixels * 2**14
     assert (true_sum > 2**31 - 1) is wraps
     assert out[0].item() == wrapped_to_int32(torch.tensor(true_sum)).item() == true_sum - wraps * 2**32
     assert out[1].item() == (dy[0, 1].long() * -128).sum().item()
+    # a dequantizing epilogue of a virtual dw reads the wrapped accumulator too (exact in float32:
+    # multiples of 2^14, and sums below 2^24)
+    g, tdy, tx, dw = grad_graph("conv_wgrad", dy, x, [2, 1, 1, 1], padding=[0, 0], stride=[1, 1], dilation=[1, 1])
+    dequantized = g.mul(dw, 2.0 ** -20).set_output(True)
+    out = exact(g, {tdy: dy, tx: x}, options)[dequantized.name]
+    assert out[0].item() == (true_sum - wraps * 2**32) * 2.0 ** -20
 
 
 def test_wrapped_to_int32_is_twos_complement():
