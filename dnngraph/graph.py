@@ -1234,9 +1234,9 @@ def _host_scalar(tensor: Tensor, value, device, error) -> torch.Tensor:
 
 
 def _widened(value: torch.Tensor) -> torch.Tensor:
-    """An op's reference input: int8 values as int32, as kernels hold them (codegen kind_of),
-    so integer math on them is exact instead of wrapping in int8."""
-    return value.to(torch.int32) if value.dtype == torch.int8 else value
+    """An op's reference input: int8 and uint8 values as int32, as kernels hold them (codegen
+    kind_of), so integer math on them is exact instead of wrapping in 8 bits."""
+    return value.to(torch.int32) if value.dtype in (torch.int8, torch.uint8) else value
 
 
 def _unpacked_bits(tensor: Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -1263,8 +1263,8 @@ def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tenso
         return result.to(float_dtype)
     if data_type.is_boolean:  # bit-packed ones too: the reference holds booleans unpacked
         return result if result.dtype == torch.bool else result != 0
-    if data_type is dtypes.int8:
-        return dtypes.to_int8(result)
+    if dtypes.is_saturating(data_type):
+        return dtypes.to_saturated(result, data_type)
     if not data_type.is_floating:
         if result.is_floating_point():
             result = torch.trunc(result)
