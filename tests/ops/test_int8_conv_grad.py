@@ -296,6 +296,39 @@ def test_int8_gradient_size_one_axes_and_broadcast_dy_are_exact():
     exact(g, {tdy: dy, tw: w})
 
 
+# --- sm_90 compiles (no GPU needed) -------------------------------------------------------------------
+def sm90_graphs():
+    """int8 gradient kernels planned for the H100: an NHWC strided dgrad (stride phases) with a
+    dequantizing per-channel epilogue to bf16, and an NHWC wgrad split-K (int32 partials and their
+    combine) with a per-tensor scale."""
+    h100 = dg.target.H100
+    g = dg.Graph(name="dgrad8", io_data_type=dg.bfloat16)
+    dy = g.tensor(name="dy", dim=[8, 64, 14, 14], stride=[12544, 1, 896, 64], data_type=dg.int8)
+    w = g.tensor(name="w", dim=[64, 32, 3, 3], stride=[288, 1, 96, 32], data_type=dg.int8)
+    scale = g.tensor(name="scale", dim=[1, 32, 1, 1], data_type=dg.float32)
+    dx = g.conv_dgrad(dy, w, [8, 32, 28, 28], padding=[1, 1], stride=[2, 2], dilation=[1, 1])
+    g.mul(dx, scale).set_output(True)
+    yield "dgrad NHWC stride 2", g.build(options=dg.BuildOptions(target=h100))
+    g = dg.Graph(name="wgrad8", io_data_type=dg.bfloat16)
+    dy = g.tensor(name="dy", dim=[8, 64, 28, 28], stride=[50176, 1, 1792, 64], data_type=dg.int8)
+    x = g.tensor(name="x", dim=[8, 64, 28, 28], stride=[50176, 1, 1792, 64], data_type=dg.int8)
+    dw = g.conv_wgrad(dy, x, [64, 64, 3, 3], padding=[1, 1], stride=[1, 1], dilation=[1, 1])
+    g.mul(dw, 1e-6).set_output(True)
+    split = mm.MatmulConfig("split_k", 64, 64, 128, 4, 3, split_k=4)
+    yield "wgrad split-K", g.build(options=dg.BuildOptions(target=h100, conv_config=split))
+
+
+def test_int8_gradient_kernels_compile_for_sm90_on_the_int8_tensor_cores():
+    from helpers import compiled_for_sm90
+    output = compiled_for_sm90("test_int8_conv_grad:sm90_graphs", timeout=500)
+    mma = [line for line in output.splitlines() if line.startswith("mma ")]
+    # every GEMM kernel's dot multiplies s8 by s8 into s32 on wgmma; split-K's combine has no dot
+    dotless = [line for line in mma if line.endswith(": -")]
+    assert dotless == ["mma wgrad split-K: -"], mma
+    dots = [line for line in mma if line not in dotless]
+    assert len(dots) >= 2 and all("wgmma" in line and ".s32.s8.s8" in line for line in dots), mma
+
+
 # --- GPU, at ResNet-50 layer shapes -----------------------------------------------------------------
 RESNET_LAYERS = {
     "res2-3x3": dict(x=[32, 64, 56, 56], w=[64, 64, 3, 3], padding=[1, 1], stride=[1, 1]),
