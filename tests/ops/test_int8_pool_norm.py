@@ -95,3 +95,25 @@ def test_wider_integer_inputs_are_still_refused(wide):
         with pytest.raises(dg.UnsupportedError, match="cast the input"):
             g.build()
         assert g.plan is None
+
+
+# --- GPU, at real sizes ---------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", sorted(EIGHT_BIT))
+def test_gpu_resnet_stem_max_pool_and_layernorm_of_8_bit_inputs(kind):
+    """ResNet-50's stem max pool (3x3/2 over [32, 64, 112, 112] NHWC) exact in the input's type,
+    and a transformer row layernorm of [4096, 4096] 8-bit inputs to bf16."""
+    torch.manual_seed(44)
+    x = quantized([32, 64, 112, 112], kind, "nhwc").cuda()
+    g = dg.Graph(name="gpu_pool8", io_data_type=dg.float32)
+    tx = g.tensor_like(x, name="x")
+    y = g.pooling(tx, mode="max", window=[3, 3], stride=[2, 2], padding=[1, 1]).set_output(True)
+    y.set_data_type(tx.data_type)
+    out = run(g, {tx: x}, device="cuda")[y.name]
+    assert torch.equal(out, torch.nn.functional.max_pool2d(x.float(), 3, 2, 1).to(x.dtype))
+    rows = quantized([4096, 4096], kind).cuda()
+    scale, bias = torch.randn(1, 4096, device="cuda"), torch.randn(1, 4096, device="cuda")
+    g = dg.Graph(name="gpu_ln8", io_data_type=dg.bfloat16)
+    tr, ts, tb = g.tensor_like(rows, name="x"), g.tensor_like(scale, name="s"), g.tensor_like(bias, name="b")
+    g.layernorm(tr, ts, tb, norm_forward_phase="inference")[0].set_output(True)
+    check(g, {tr: rows, ts: scale, tb: bias}, dtype=torch.bfloat16, device="cuda", reference_device="cuda")

@@ -242,3 +242,23 @@ def test_uint8_graph_round_trips_through_json():
     g2 = dg.Graph.from_json(g.to_json())
     assert [t.data_type for t in g2.outputs()] == [dg.uint8]
     exact(g2, {"x": x})
+
+
+@pytest.mark.gpu
+def test_gpu_uint8_image_batch_normalized_and_requantized():
+    """A uint8 image batch ([64, 3, 224, 224] NHWC) to float ((x - mean) * inv_std), requantized
+    to uint8 (saturating, ties to even) and summed per channel in int32, on the GPU, against the
+    reference bit for bit (the scale is a power of two, exact in float32 and float64)."""
+    torch.manual_seed(34)
+    x = image_bytes([64, 3, 224, 224]).to(memory_format=torch.channels_last).cuda()
+    g = dg.Graph(name="gpu_u8", io_data_type=dg.float32)
+    tx = g.tensor_like(x, name="x")
+    centred = g.mul(g.sub(tx, 127.5), 0.25).set_output(True)
+    requantized = g.add(g.mul(centred, 2.0), 128.0).set_output(True).set_data_type(dg.uint8)
+    g.reduction(tx, mode="sum", axes=[0, 2, 3]).set_output(True).set_data_type(dg.int32)
+    out = run(g, {tx: x}, device="cuda")
+    refs = g.reference({tx: x})
+    for name, value in out.items():
+        ref = refs[name]
+        assert torch.equal(value.double() if ref.dtype == torch.float64 else value, ref), name
+    assert out[requantized.name].dtype == torch.uint8
