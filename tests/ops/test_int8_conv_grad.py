@@ -296,6 +296,35 @@ def test_int8_gradient_size_one_axes_and_broadcast_dy_are_exact():
     exact(g, {tdy: dy, tw: w})
 
 
+def test_int8_wgrad_accumulates_into_a_float_gradient_and_refuses_an_int32_blend():
+    """dW += scale * conv_wgrad(dy8, x8): the dequantized float32 gradient blended into its prior
+    in the kernel's store (alpha 1, beta 1), within float32's rounding; an int32 output blended is a
+    ValidationError at build (blending is float math), genstats of an int32 result an
+    UnsupportedError (its kernel would round integers), neither building a plan."""
+    torch.manual_seed(28)
+    conv = dict(padding=[1, 1], stride=[1, 1], dilation=[1, 1])
+    dy, x, shape = grad_operands("conv_wgrad", [2, 3, 5, 6], [4, 3, 3, 3], conv, "nhwc")
+    g, tdy, tx, dw = grad_graph("conv_wgrad", dy, x, shape, **conv)
+    accumulated = g.mul(dw, 1e-3).set_output(True).set_blend(1.0, 1.0)
+    g.build()
+    prior = poisoned(accumulated).copy_(torch.randn(shape))  # in the output's (NHWC) layout
+    out = prior.clone()
+    g.execute({tdy: dy, tx: x, accumulated: out})
+    ref = g.reference({tdy: dy, tx: x})[accumulated.name] + prior.double()  # the reference is unblended
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+    g, tdy, tx, dw = grad_graph("conv_wgrad", dy, x, shape, **conv)
+    dw.set_output(True).set_blend(1.0, 1.0)
+    with pytest.raises(dg.ValidationError, match="floating"):
+        g.build()
+    assert g.plan is None
+    g, tdy, tx, dw = grad_graph("conv_wgrad", dy, x, shape, **conv)
+    for statistic in g.genstats(dw):
+        statistic.set_output(True)
+    with pytest.raises(dg.UnsupportedError, match="int32"):
+        g.build()
+    assert g.plan is None
+
+
 # --- sm_90 compiles (no GPU needed) -------------------------------------------------------------------
 def sm90_graphs():
     """int8 gradient kernels planned for the H100: an NHWC strided dgrad (stride phases) with a
