@@ -218,12 +218,14 @@ def test_int8_wgrad_past_int32_wraps_modulo_2_32_as_the_reference(pixels, wraps)
     assert (true_sum > 2**31 - 1) is wraps
     assert out[0].item() == wrapped_to_int32(torch.tensor(true_sum)).item() == true_sum - wraps * 2**32
     assert out[1].item() == (dy[0, 1].long() * -128).sum().item()
+    if not wraps:
+        return
     # a dequantizing epilogue of a virtual dw reads the wrapped accumulator too (exact in float32:
     # multiples of 2^14, and sums below 2^24)
     g, tdy, tx, dw = grad_graph("conv_wgrad", dy, x, [2, 1, 1, 1], padding=[0, 0], stride=[1, 1], dilation=[1, 1])
     dequantized = g.mul(dw, 2.0 ** -20).set_output(True)
     out = exact(g, {tdy: dy, tx: x}, options)[dequantized.name]
-    assert out[0].item() == (true_sum - wraps * 2**32) * 2.0 ** -20
+    assert out[0].item() == (true_sum - 2**32) * 2.0 ** -20
 
 
 def test_wrapped_to_int32_is_twos_complement():
