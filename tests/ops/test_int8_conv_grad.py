@@ -228,6 +228,29 @@ def test_int8_wgrad_past_int32_wraps_modulo_2_32_as_the_reference(pixels, wraps)
     assert out[0].item() == (true_sum - 2**32) * 2.0 ** -20
 
 
+def test_int8_depthwise_dgrad_runs_the_direct_kernels_while_float32_sums_exactly():
+    """A depthwise dgrad sums channel multiplier x taps products per dx element: up to 1024
+    (INT8_EXACT_TAPS: |sum| <= 2^24) the direct kernels' float32 sums hold them exactly and they
+    run it, past it the int32 GEMM kernels do (built only: the interpreter takes minutes over
+    hundreds of taps); extremes (-128 x -128, one odd product) exact on the direct kernels."""
+    for taps, direct in ((256, True), (257, False)):  # x multiplier 4: 1024 and 1028 products
+        g = dg.Graph(name="dw_dgrad8", io_data_type=dg.float32)
+        dy = g.tensor(name="dy", dim=[1, 8, 300 - taps + 1], data_type=dg.int8)
+        w = g.tensor(name="w", dim=[8, 1, taps], data_type=dg.int8)
+        g.conv_dgrad(dy, w, [1, 2, 300], padding=[0], stride=[1], dilation=[1], groups=2).set_output(True)
+        g.build()
+        assert ("depthwise" in g.explain()) is direct, taps
+    dy = torch.full((1, 4, 3, 5), -128, dtype=torch.int8)
+    w = torch.full((4, 1, 3, 3), -128, dtype=torch.int8)
+    dy[0, 1, 1, 2], w[1, 0, 1, 1] = -127, -127  # both meet at dx[0, 0, 2, 3]
+    g, tdy, tw, dx = grad_graph("conv_dgrad", dy, w, [1, 2, 5, 7], padding=[0, 0], stride=[1, 1], dilation=[1, 1],
+                                groups=2)
+    dx.set_output(True)
+    out = exact(g, {tdy: dy, tw: w})[dx.name]
+    assert "depthwise" in g.explain()
+    assert out[0, 0, 2, 3].item() == 17 * 2**14 + 127 * 127  # 2 filters x 9 taps
+
+
 def test_wrapped_to_int32_is_twos_complement():
     values = torch.tensor([0, 2**31 - 1, 2**31, 2**32 + 5, -2**31, -2**31 - 1, -2**33 + 7])
     assert wrapped_to_int32(values).tolist() == torch.tensor(values.tolist()).to(torch.int32).tolist()
