@@ -23,6 +23,11 @@ One process, providers side by side per layer. Rows (one table each):
              of INT8 tensors computing in INT32, then scale, bias and relu; layers cuDNN's int8
              engines refuse, as C not a multiple of 4, print n/a) and, as the reference point,
              cuDNN's bf16 conv of the same layer through torch (+ scale, bias, relu as eager ops)
+  int8_dgrad dx = conv_dgrad(dy8, w8) * scale: int8 NHWC dy and w, int32 accumulation, a per-tensor
+             float scale (dequantization), bf16 dx (ResNet-50 layers). Anchors: cuDNN's bf16 dgrad
+             of the same layer (torch.nn.grad.conv2d_input, aten bwd), the path a user has today
+  int8_wgrad dw = conv_wgrad(dy8, x8) * scale, as int8_dgrad; anchors torch.nn.grad.conv2d_weight
+             and aten bwd in bf16
 
 dnngraph providers: "dg" is g.build() (the heuristics' first choice); "dg tuned" is
 g.build(autotune=True), with --autotune. Throughput is TFLOP/s over 2*N*K*prod(output spatial)*
@@ -187,6 +192,9 @@ CPU_SHAPES = {  # tiny odd sizes for --check-cpu
     "depthwise": [conv_shape("cpu dw 3x3", 2, 6, 6, 7, 3, 1, 1, groups=6)],
     "int8": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1), conv_shape("cpu 1x1", 3, 8, 4, 5, 1),
              conv_shape("cpu grouped 3x3", 2, 8, 6, 6, 3, 1, 1, groups=2)],
+    "int8_dgrad": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1), conv_shape("cpu 1x1", 3, 8, 4, 5, 1)],
+    "int8_wgrad": [conv_shape("cpu 3x3/2", 2, 5, 6, (9, 7), 3, 2, 1),
+                   conv_shape("cpu stem 7x7/2", 2, 3, 6, (13, 11), 7, 2, 3)],
     "other": [conv_shape("cpu 3d", 1, 3, 4, (4, 5, 6), 3, 1, 1, spatial=3),
               conv_shape("cpu 1d", 2, 5, 4, 11, 3, 1, 1, spatial=1)],
 }
@@ -251,6 +259,10 @@ ROWS = {
     "other": RowSpec("other", "fprop", "3D and 1D fprop + bias + relu", ("torch", "compile"), ("torch",)),
     "int8": RowSpec("int8", "int8", "ResNet-50 int8 fprop (int32 accumulate) * channel scale + bias, relu -> bf16",
                     ("torch", "cudnn_fe"), ("cudnn_fe",)),
+    "int8_dgrad": RowSpec("int8_dgrad", "int8_dgrad", "ResNet-50 int8 dgrad (int32 accumulate) * scale -> bf16",
+                          ("torch", "autograd"), ("torch", "autograd")),
+    "int8_wgrad": RowSpec("int8_wgrad", "int8_wgrad", "ResNet-50 int8 wgrad (int32 accumulate) * scale -> bf16",
+                          ("torch", "autograd"), ("torch", "autograd")),
 }
 TITLES = {
     "fprop": {"torch": "cuDNN+sep", "compile": "compile", "cudnn_fe": "cuDNN FE"},
@@ -260,7 +272,11 @@ TITLES = {
     "depthwise": {"torch": "eager", "compile": "compile"},
     "other": {"torch": "eager", "compile": "compile"},
     "int8": {"torch": "cuDNN bf16+sep", "cudnn_fe": "cuDNN FE int8"},
+    "int8_dgrad": {"torch": "conv2d_input bf16", "autograd": "aten bwd bf16"},
+    "int8_wgrad": {"torch": "conv2d_weight bf16", "autograd": "aten bwd bf16"},
 }
+# the int8 gradient rows: the bf16 op their anchors run
+INT8_GRADIENTS = {"int8_dgrad": "dgrad", "int8_wgrad": "wgrad"}
 DG_PROVIDERS = {"dg": "dg", "dg_tuned": "dg tuned", "dg_gluon": "dg gluon"}
 # --gluon: builds that may take the Gluon backend (opt-in, Hopper), ranked with Triton by the models
 GLUON_FIRST = ("gluon", "triton")
@@ -316,8 +332,26 @@ def int8_inputs(shape: ConvShape, device, seed=1) -> dict:
     quantized = lambda dim: channels_last(torch.randint(-128, 128, dim, generator=gen, device=device,
                                                         dtype=torch.int8))
     spread = 0.5 + torch.rand((1, shape.k) + (1,) * shape.spatial, generator=gen, device=device)
-    return {"x8": quantized(shape.x_dim), "w8": quantized(shape.w_dim),
-            "scale": spread / (5476.0 * math.sqrt(fan_in))}
+    # the gradients' per-tensor scales: dgrad sums K/groups x taps products, wgrad N x pixels
+    per_tensor = lambda fan: torch.full((1,) * (shape.spatial + 2), 1 / (5476.0 * math.sqrt(fan)), device=device)
+    return {"x8": quantized(shape.x_dim), "w8": quantized(shape.w_dim), "dy8": quantized(shape.y_dim),
+            "scale": spread / (5476.0 * math.sqrt(fan_in)),
+            "dgrad_scale": per_tensor(shape.k // shape.groups * math.prod(shape.kernel)),
+            "wgrad_scale": per_tensor(shape.n * math.prod(shape.out_size))}
+
+
+def int8_gradient_references(op: str, shape: ConvShape, inputs, dtype) -> dict:
+    """The int8 gradient row's output (the integer gradient exact in float64, times the scale) and,
+    as flavour "<dx|dw>_bf16", the same gradient of the bf16 tensors the anchors read."""
+    dy8, dy = inputs["dy8"].double(), inputs["dy"].double()
+    if op == "int8_dgrad":
+        grad = lambda dy, w: CONV_INPUT[shape.spatial](shape.x_dim, w, dy, **shape.geometry())
+        exact, bf16 = grad(dy8, inputs["w8"].double()), grad(dy, inputs["w"].double())
+    else:
+        grad = lambda dy, x: CONV_WEIGHT[shape.spatial](x, shape.w_dim, dy, **shape.geometry())
+        exact, bf16 = grad(dy8, inputs["x8"].double()), grad(dy, inputs["x"].double())
+    name = FLAVOUR[op]
+    return {name: ((exact * inputs[op[5:] + "_scale"].double()).to(dtype),), name + "_bf16": (bf16.to(dtype),)}
 
 
 def int8_references(shape: ConvShape, inputs, dtype) -> dict:
@@ -338,6 +372,8 @@ def references(op, shape: ConvShape, inputs, dtype) -> dict:
     """flavour -> tuple of reference outputs in `dtype` (one flavour per output set a provider makes)."""
     if op == "int8":
         return int8_references(shape, inputs, dtype)
+    if op in INT8_GRADIENTS:
+        return int8_gradient_references(op, shape, inputs, dtype)
     x, w = inputs["x"].to(dtype), inputs["w"].to(dtype)
     conv = CONV[shape.spatial]
     if op == "fprop":
@@ -381,6 +417,9 @@ class Skipped(Exception):
 def torch_provider(row: RowSpec, shape: ConvShape, inputs) -> Callable:
     """factory() -> (run, outputs, flavour, extra) of the eager cuDNN anchor of `row`."""
     x, w, dy, bias, geo = inputs["x"], inputs["w"], inputs["dy"], inputs["bias"], geometry_args(shape)
+    if row.op in INT8_GRADIENTS:  # the bf16 gradient a user runs today, checked against its own reference
+        run, outputs, flavour, extra = torch_provider(replace(row, op=INT8_GRADIENTS[row.op]), shape, inputs)()
+        return lambda: (run, outputs, flavour + "_bf16", extra)
     if row.op == "dgrad":
         fn = CONV_INPUT[shape.spatial]
         return lambda: ((lambda: fn(shape.x_dim, w, dy, *geo)), None, "dx", {})
@@ -417,11 +456,13 @@ def autograd_provider(row: RowSpec, shape: ConvShape, inputs) -> Callable:
     """aten.convolution_backward on the real NHWC x and w, one gradient asked for: what autograd runs
     in training. (torch.nn.grad.conv2d_input passes x as an expanded stride-0 tensor, which can steer
     cuDNN to another layout.)"""
-    x, w, dy, wanted = inputs["x"], inputs["w"], inputs["dy"], int(row.op == "wgrad")
+    op = INT8_GRADIENTS.get(row.op, row.op)  # an int8 row's anchor: the bf16 gradient
+    x, w, dy, wanted = inputs["x"], inputs["w"], inputs["dy"], int(op == "wgrad")
     args = (list(shape.stride), list(shape.padding), list(shape.dilation), False, [0] * shape.spatial, shape.groups,
             [wanted == 0, wanted == 1, False])
     backward = torch.ops.aten.convolution_backward
-    return lambda: ((lambda: backward(dy, x, w, None, *args)[wanted]), None, FLAVOUR[row.op], {})
+    flavour = FLAVOUR[op] + ("_bf16" if row.op in INT8_GRADIENTS else "")
+    return lambda: ((lambda: backward(dy, x, w, None, *args)[wanted]), None, flavour, {})
 
 
 def sums_provider(shape: ConvShape, inputs) -> Callable:
@@ -537,9 +578,12 @@ def cudnn_provider(row: RowSpec, shape: ConvShape, inputs, frontend: Optional[Cu
 
 
 # --- dnngraph ------------------------------------------------------------------------------------
-OUTPUT_NAMES = {"fprop": ("y",), "dgrad": ("dx",), "wgrad": ("dw",), "stats": ("y", "sum", "sq_sum"), "int8": ("y",)}
-FLAVOUR = {"fprop": "y", "dgrad": "dx", "wgrad": "dw", "stats": "stats", "int8": "y"}
-GRAPH_INPUTS = {"dgrad": ("dy", "w"), "wgrad": ("dy", "x"), "stats": ("x", "w"), "int8": ("x8", "w8", "scale", "bias")}
+OUTPUT_NAMES = {"fprop": ("y",), "dgrad": ("dx",), "wgrad": ("dw",), "stats": ("y", "sum", "sq_sum"), "int8": ("y",),
+                "int8_dgrad": ("dx",), "int8_wgrad": ("dw",)}
+FLAVOUR = {"fprop": "y", "dgrad": "dx", "wgrad": "dw", "stats": "stats", "int8": "y", "int8_dgrad": "dx",
+           "int8_wgrad": "dw"}
+GRAPH_INPUTS = {"dgrad": ("dy", "w"), "wgrad": ("dy", "x"), "stats": ("x", "w"), "int8": ("x8", "w8", "scale", "bias"),
+                "int8_dgrad": ("dy8", "w8", "dgrad_scale"), "int8_wgrad": ("dy8", "x8", "wgrad_scale")}
 
 
 def dg_graph(op, shape: ConvShape, inputs, io_type, name="conv"):
@@ -556,6 +600,12 @@ def dg_graph(op, shape: ConvShape, inputs, io_type, name="conv"):
     elif op == "int8":  # int32 accumulator -> float32 epilogue: per-channel scale, bias, relu
         y = g.conv_fprop(bound["x8"], bound["w8"], **geometry)
         outputs = [g.relu(g.add(g.mul(y, bound["scale"]), bound["bias"]))]
+    elif op == "int8_dgrad":  # int32 accumulator -> float32 dequantizing scale -> io type
+        dx = g.conv_dgrad(bound["dy8"], bound["w8"], x_dim=list(shape.x_dim), **geometry)
+        outputs = [g.mul(dx, bound["dgrad_scale"])]
+    elif op == "int8_wgrad":
+        dw = g.conv_wgrad(bound["dy8"], bound["x8"], w_dim=list(shape.w_dim), **geometry)
+        outputs = [g.mul(dw, bound["wgrad_scale"])]
     else:
         y = g.conv_fprop(bound["x"], bound["w"], **geometry)
         outputs = [y, *g.genstats(y)] if op == "stats" else [g.relu(g.add(y, bound["bias"]))]
@@ -640,7 +690,7 @@ def run_case(row: RowSpec, shape: ConvShape, ctx: Context) -> dict:
     """Every provider of `row` on one layer: anchors first (a faulting dnngraph kernel then leaves
     them measured), then the heuristics build before the tuned one (which may cache a winner)."""
     inputs = make_inputs(shape, ctx.device, ctx.dtype)
-    if row.op == "int8":
+    if row.op.startswith("int8"):
         inputs.update(int8_inputs(shape, ctx.device))
     refs = references(row.op, shape, inputs, ctx.ref_dtype)
     anchors = {"torch": lambda: torch_provider(row, shape, inputs),

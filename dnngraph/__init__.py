@@ -29,3 +29,5 @@ __all__ = [
 ]
 __all__ += ["int8"]
 __all__ += ["bool_bit_packed", "pack_bits", "unpack_bits", "bit_packed_strides"]
+from .dtypes import uint8
+__all__ += ["uint8"]

@@ -55,6 +55,11 @@ int32 = DataType("int32", torch.int32, "tl.int32", False)
 # outputs. A conversion to int8 saturates to [-128, 127] and rounds floats to nearest even (NaN
 # becomes 0), as cuDNN's int8 outputs do, not torch's truncating, wrapping `.to` (to_int8).
 int8 = DataType("int8", torch.int8, "tl.int8", False)
+# uint8: quantized activations and image bytes, by the same rule as int8: math on it runs in int32
+# (exact; a uint8 value meeting an int8 one promotes to int32, never wraps), and a conversion to
+# it saturates to [0, 255], floats rounded to nearest even, NaN and negative values to 0
+# (to_uint8). Not a matmul or conv operand: Triton 3.6's tl.dot multiplies int8 by int8 only.
+uint8 = DataType("uint8", torch.uint8, "tl.uint8", False)
 int64 = DataType("int64", torch.int64, "tl.int64", False)
 bool_ = DataType("bool", torch.bool, "tl.int1", False)
 # Block-scale quantization types (OCP MX / NVFP4). Kernels address them as bytes: fp4 e2m1 packs
@@ -75,24 +80,43 @@ def narrower_than_compute(data_type: DataType) -> bool:
 
 
 ALL_TYPES = (float32, float16, bfloat16, float8_e4m3, float8_e5m2, int32, int64, bool_, float4_e2m1, float8_e8m0,
-             int8, bool_bit_packed)
+             int8, bool_bit_packed, uint8)
 _BY_NAME = {t.name: t for t in ALL_TYPES}
-# a uint8 torch tensor is no packed boolean by itself: tensor_like of one is refused
+# a uint8 torch tensor is no packed boolean by itself: tensor_like of one is a uint8 tensor
 _BY_TORCH = {t.torch_dtype: t for t in ALL_TYPES if not t.is_bit_packed}
 
 
 INT8_RANGE = (-128, 127)
+# the 8-bit integer types, each with the range a conversion to it saturates to
+SATURATING_RANGES = {"int8": INT8_RANGE, "uint8": (0, 255)}
+
+
+def is_saturating(data_type: DataType) -> bool:
+    """An 8-bit integer type (int8, uint8): held widened to int32, stored saturated."""
+    return data_type.name in SATURATING_RANGES
+
+
+def to_saturated(value: torch.Tensor, data_type: DataType) -> torch.Tensor:
+    """`value` converted to the 8-bit integer `data_type` as kernels store it: saturated to its
+    range, floats rounded to nearest even first (torch.round), NaN to 0."""
+    low, high = SATURATING_RANGES[data_type.name]
+    if value.is_floating_point():
+        value = torch.round(torch.nan_to_num(value.to(torch.float64), nan=0.0).clamp(low, high))
+    elif value.dtype != torch.bool:
+        value = value.clamp(low, high)
+    return value.to(data_type.torch_dtype)
 
 
 def to_int8(value: torch.Tensor) -> torch.Tensor:
     """`value` converted to int8 as kernels store it: saturated to [-128, 127], floats rounded to
     nearest even first (torch.round), NaN to 0."""
-    low, high = INT8_RANGE
-    if value.is_floating_point():
-        value = torch.round(torch.nan_to_num(value.to(torch.float64), nan=0.0).clamp(low, high))
-    elif value.dtype != torch.bool:
-        value = value.clamp(low, high)
-    return value.to(torch.int8)
+    return to_saturated(value, int8)
+
+
+def to_uint8(value: torch.Tensor) -> torch.Tensor:
+    """`value` converted to uint8 as kernels store it: saturated to [0, 255] (negative values and
+    -inf to 0, inf to 255), floats rounded to nearest even first, NaN to 0."""
+    return to_saturated(value, uint8)
 
 
 def by_name(name: str) -> DataType:

@@ -1185,7 +1185,8 @@ class Graph:
                     value = self._ragged_reference(bindings, tensor, value)
                 values[tensor.uid] = value.to(dtype) if value.is_floating_point() else value
         for node in self._nodes:
-            inputs = [None if t is None else _widened(values[t.uid]) for t in node.inputs]
+            floating = node.opdef.family in FLOATING_FAMILIES
+            inputs = [None if t is None else _widened(values[t.uid], floating, dtype) for t in node.inputs]
             typed = ([None if t is None else t.data_type for t in node.outputs],) if node.opdef.typed_reference else ()
             results = node.opdef.reference(inputs, node.attrs, *typed)
             for tensor, result in zip(node.outputs, results):
@@ -1284,10 +1285,18 @@ def _host_scalar(tensor: Tensor, value, device, error) -> torch.Tensor:
     return staged.fill_(value)
 
 
-def _widened(value: torch.Tensor) -> torch.Tensor:
-    """An op's reference input: int8 values as int32, as kernels hold them (codegen kind_of),
-    so integer math on them is exact instead of wrapping in int8."""
-    return value.to(torch.int32) if value.dtype == torch.int8 else value
+# families whose kernels compute on 8-bit integer inputs as floats (lower/rows.py
+# require_floating_inputs: norms, softmax, pooling; the windowed norms refuse integers at the op)
+FLOATING_FAMILIES = frozenset({"norm", "softmax", "pooling"})
+
+
+def _widened(value: torch.Tensor, floating: bool, float_dtype) -> torch.Tensor:
+    """An op's reference input: int8 and uint8 values as int32, as kernels hold them (codegen
+    kind_of), so integer math on them is exact instead of wrapping in 8 bits; as `float_dtype`
+    for an op that computes in floating point (`floating`), exact either way."""
+    if value.dtype not in (torch.int8, torch.uint8):
+        return value
+    return value.to(float_dtype if floating else torch.int32)
 
 
 def _unpacked_bits(tensor: Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -1314,8 +1323,8 @@ def _as_stored(result: torch.Tensor, tensor: Tensor, float_dtype) -> torch.Tenso
         return result.to(float_dtype)
     if data_type.is_boolean:  # bit-packed ones too: the reference holds booleans unpacked
         return result if result.dtype == torch.bool else result != 0
-    if data_type is dtypes.int8:
-        return dtypes.to_int8(result)
+    if dtypes.is_saturating(data_type):
+        return dtypes.to_saturated(result, data_type)
     if not data_type.is_floating:
         if result.is_floating_point():
             result = torch.trunc(result)

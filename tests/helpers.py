@@ -24,7 +24,7 @@ def poisoned(tensor_handle, device="cpu") -> torch.Tensor:
     elif t.dtype == torch.bool:
         t.copy_(torch.randint(0, 2, t.shape, device=device).bool())
     else:
-        t.fill_(-77 if t.dtype == torch.int8 else -12345)  # int8: a value that fits
+        t.fill_({torch.int8: -77, torch.uint8: 177}.get(t.dtype, -12345))  # 8-bit types: a value that fits
     return t
 
 

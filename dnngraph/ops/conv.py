@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .. import dtypes
 from ..tensor import MAX_EXTENT
-from .matmul import check_int8_operands, exact_integer_product
+from .matmul import check_int8_operands, exact_integer_product, wrapped_to_int32
 from .base import AnchorRule, OpDef, OutputSpec, backward_rule, choice, fail, freeze, int_tuple, integer, register
 
 MODES = ("cross_correlation", "convolution")
@@ -89,29 +89,30 @@ def infer_fprop(inputs, attrs):
     return [OutputSpec(dim, dtypes.int32 if integer else None, layout_source=0)]
 
 
-def _refuse_int8(op: str, inputs):
-    """int8 is an inference type here: conv_fprop takes it, the gradients do not."""
-    for tensor in inputs:
-        if tensor.data_type is dtypes.int8:
-            fail(op, f"{tensor.name!r} is int8; int8 operands are taken by conv_fprop (inference) only")
-
-
+# int8 gradients (quantized training, as cuDNN's int8 dgrad/wgrad): int8 x int8 products summed
+# in int32, the result int32 unless the user sets another output type (a dequantizing epilogue).
+# dgrad sums filters-per-group x taps products per element, a short reduction held to
+# INT8_MAX_K as fprop's is (refused, never wrapped). wgrad sums N x output pixels products, a
+# reduction a realistic batch takes past INT8_MAX_K (ResNet-50's 56x56 layers at batch 64 sum
+# 200704 products) while real gradients stay far below 2^31: as in cuDNN, the int32 accumulator
+# wraps modulo 2^32 where a sum exceeds it (the user's problem), and the reference wraps alike.
 def infer_dgrad(inputs, attrs):
     dy, w = inputs
-    _refuse_int8("conv_dgrad", inputs)
     expected = output_dims("conv_dgrad", attrs.shape, w.dim, attrs)
     if tuple(dy.dim) != expected:
         fail("conv_dgrad", f"dy must be {list(expected)} for x_dim {list(attrs.shape)}, got {list(dy.dim)}")
-    return [OutputSpec(tuple(attrs.shape), layout_source=0)]
+    # each dx element sums (filters per group) x taps products at most
+    integer = check_int8_operands("conv_dgrad", dy, w, (w.dim[0] // attrs.groups) * math.prod(w.dim[2:]))
+    return [OutputSpec(tuple(attrs.shape), dtypes.int32 if integer else None, layout_source=0)]
 
 
 def infer_wgrad(inputs, attrs):
     dy, x = inputs
-    _refuse_int8("conv_wgrad", inputs)
     expected = output_dims("conv_wgrad", x.dim, attrs.shape, attrs)
     if tuple(dy.dim) != expected:
         fail("conv_wgrad", f"dy must be {list(expected)} for w_dim {list(attrs.shape)}, got {list(dy.dim)}")
-    return [OutputSpec(tuple(attrs.shape), layout_source=1)]
+    integer = check_int8_operands("conv_wgrad", dy, x, None)  # wraps past int32 (see above)
+    return [OutputSpec(tuple(attrs.shape), dtypes.int32 if integer else None, layout_source=1)]
 
 
 def _flip(w, attrs):
@@ -154,7 +155,9 @@ def reference_dgrad(values, attrs):
     dy, w = values
     fn = (torch.nn.grad.conv1d_input, torch.nn.grad.conv2d_input,
           torch.nn.grad.conv3d_input)[len(attrs.padding) - 1]
-    dx = fn(_padded_dims(attrs.shape, attrs), _flip(w, attrs), dy, **_args(attrs))
+    grad = lambda dy, w: fn(_padded_dims(attrs.shape, attrs), _flip(w, attrs), dy, **_args(attrs))
+    # int8 x int8: the exact int32 sum (its reduction is bounded by infer_dgrad)
+    dx = grad(dy, w) if dy.is_floating_point() else exact_integer_product(grad, dy, w)
     if is_asymmetric(attrs):  # the gradient of the padded x, cropped to x
         dx = dx[(slice(None), slice(None)) + tuple(slice(pre, pre + size) for pre, size
                                                     in zip(attrs.padding, attrs.shape[2:]))]
@@ -165,7 +168,11 @@ def reference_wgrad(values, attrs):
     dy, x = values
     fn = (torch.nn.grad.conv1d_weight, torch.nn.grad.conv2d_weight,
           torch.nn.grad.conv3d_weight)[len(attrs.padding) - 1]
-    return [_flip(fn(_padded(x, attrs), list(attrs.shape), dy, **_args(attrs)), attrs)]
+    grad = lambda dy, x: _flip(fn(_padded(x, attrs), list(attrs.shape), dy, **_args(attrs)), attrs)
+    if dy.is_floating_point():
+        return [grad(dy, x)]
+    # int8 x int8: the exact sum (below 2^53: float64 adds it exactly), wrapped as int32 holds it
+    return [wrapped_to_int32(exact_integer_product(grad, dy, x))]
 
 
 register(OpDef("conv_fprop", "conv", "anchor", ConvAttrs, ("x", "w"), ("y",), infer_fprop, reference_fprop,

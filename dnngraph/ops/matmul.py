@@ -9,6 +9,8 @@ import math
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 import torch
 
 from .. import dtypes
@@ -51,6 +53,7 @@ def infer(inputs, attrs: MatmulAttrs):
         fail("matmul", f"operands need rank >= 2: a {list(a.dim)}, b {list(b.dim)}")
     if a.dim[-1] != b.dim[-2]:
         fail("matmul", f"inner dims differ: a {list(a.dim)} (K={a.dim[-1]}) @ b {list(b.dim)} (K={b.dim[-2]})")
+    integer = check_int8_operands("matmul", a, b, a.dim[-1])
     for role, operand in (("a", a), ("b", b)):
         if operand.producer is None and operand.data_type not in MATMUL_TYPES:
             fail("matmul", f"{role} {operand.name!r} is {operand.data_type.name}; matmul takes "
@@ -60,26 +63,38 @@ def infer(inputs, attrs: MatmulAttrs):
     batch = broadcast_dims("matmul", [("a batch", a.dim[:-2]), ("b batch", b.dim[:-2])]) \
         if len(a.dim) > 2 or len(b.dim) > 2 else ()
     dim = tuple(batch) + (a.dim[-2], b.dim[-1])
-    integer = check_int8_operands("matmul", a, b, a.dim[-1])
     if integer and (scale_a is not None or scale_b is not None):
         fail("matmul", "int8 operands take no scale_a / scale_b: scale the int32 result with mul nodes "
                        "(per tensor or per channel), which fuse into the epilogue")
     return [OutputSpec(dim, dtypes.int32 if integer else None, stride=contiguous_strides(dim))]
 
 
-def check_int8_operands(op: str, a, b, reduction: int) -> bool:
-    """Whether `op` multiplies int8 by int8 (its result is then the exact int32 sum); an int8
-    operand with a float one, or a reduction that could overflow int32, is a ValidationError."""
+def check_int8_operands(op: str, a, b, reduction: Optional[int]) -> bool:
+    """Whether `op` multiplies int8 by int8 (its result is then the int32 sum); an int8 operand
+    with a float one, or a reduction of `reduction` products that could overflow int32, is a
+    ValidationError. `reduction` None: no bound is checked, the sum wraps modulo 2^32 (wgrad,
+    whose reduction over N x pixels is long; see conv.py). A uint8 operand is an UnsupportedError."""
+    _refuse_uint8(op, a, b)
     int8 = [t.data_type is dtypes.int8 for t in (a, b)]
     if not any(int8):
         return False
     if not all(int8):
         fail(op, f"int8 multiplies only int8 (int32 accumulation): {a.name!r} is {a.data_type.name}, "
                  f"{b.name!r} is {b.data_type.name}; cast the other operand to int8 (quantize) or both to a float")
-    if reduction > INT8_MAX_K:
+    if reduction is not None and reduction > INT8_MAX_K:
         fail(op, f"int8 reduction of {reduction} products could overflow the int32 accumulator "
                  f"(at most {INT8_MAX_K}: 2^31 / 128^2)")
     return True
+
+
+def _refuse_uint8(op: str, a, b):
+    """uint8 operands are valid quantized data, but no tensor-core kernel takes them: Triton
+    3.6's tl.dot multiplies integers only as int8 x int8 (no u8 x u8, no u8 x s8)."""
+    for operand in (a, b):
+        if operand.data_type is dtypes.uint8:
+            raise UnsupportedError(f"{op}: {operand.name!r} is uint8, which no kernel multiplies (Triton 3.6's tl.dot "
+                                   f"takes int8 x int8 only); shift it to int8 (x - 128, an int8 zero point) and "
+                                   f"add the zero point's term back in the epilogue, or cast both operands to a float")
 
 
 def exact_integer_product(operation, *operands) -> torch.Tensor:
@@ -87,6 +102,12 @@ def exact_integer_product(operation, *operands) -> torch.Tensor:
     integer sum (every partial sum is an integer below 2^53, so float64 adds it exactly in any
     order), as int64."""
     return torch.round(operation(*(t.to(torch.float64) for t in operands))).to(torch.int64)
+
+
+def wrapped_to_int32(values: torch.Tensor) -> torch.Tensor:
+    """int64 `values` as an int32 accumulator holds them: modulo 2^32, in [-2^31, 2^31) (two's
+    complement wrap-around, what the tensor cores' and the interpreter's int32 adds do)."""
+    return torch.remainder(values + 2**31, 2**32) - 2**31
 
 
 def reference(values, attrs: MatmulAttrs):

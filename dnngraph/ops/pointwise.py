@@ -140,8 +140,8 @@ def _cast(x, attrs):
     target = dtypes.by_name(attrs.data_type)
     if target.is_boolean:
         return as_bool(x)
-    if target is dtypes.int8:  # saturating, floats rounded to nearest even (cuDNN's int8 outputs)
-        return dtypes.to_int8(x)
+    if dtypes.is_saturating(target):  # saturating, floats rounded to nearest even (cuDNN's int8 outputs)
+        return dtypes.to_saturated(x, target)
     if not target.is_floating:  # as torch converts: floats truncate toward zero, integers wrap
         return x.to(target.torch_dtype)
     x = as_float(x)  # rounded to the target, held in float64 (or x's own float type)
@@ -324,7 +324,7 @@ def integer_closed(op_name: str, attrs) -> bool:
 INTEGER_RANGES = {"int32": (-2**31, 2**31 - 1), "int64": (-2**63, 2**63 - 1)}
 # the integer type an operand's math runs in: int8 widens to int32 (kernels at load, the reference
 # before each op), so a constant meeting int8 operands must fit int32
-COMPUTES_AS = {"int8": "int32"}
+COMPUTES_AS = {"int8": "int32", "uint8": "int32"}
 
 
 def _integral(value) -> bool:

@@ -127,8 +127,8 @@ def test_declared_layouts():
         g.tensor(name="dense", dim=[3, 13], stride=[13, 1], data_type=dg.bool_bit_packed)
     with pytest.raises(dg.ValidationError, match="stride 1"):
         g.tensor(name="gapped", dim=[3, 13], stride=[32, 2], data_type=dg.bool_bit_packed)
-    with pytest.raises(dg.ValidationError):
-        g.tensor_like(torch.zeros(3, 2, dtype=torch.uint8))  # uint8 alone says nothing of bits
+    # uint8 alone says nothing of bits: tensor_like of one is a uint8 tensor, never packed booleans
+    assert g.tensor_like(torch.zeros(3, 2, dtype=torch.uint8), name="bytes").data_type is dg.uint8
     assert "dense" not in [t.name for t in g.tensors]
 
 

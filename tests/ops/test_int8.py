@@ -3,7 +3,7 @@ tensor cores, int32 outputs bit-exact with the float64 reference (which sums the
 exactly), float epilogues (per-tensor and per-channel scales, bias, activation) to bf16/fp32
 within the output type's rounding, requantization to int8 (round to nearest even, saturation to
 [-128, 127]), and the bad inputs: int8 with a float operand, a K that could overflow int32, fp8
-scales on int8, int8 gradients. CPU (interpreter) at odd sizes with every kernel variant; GPU
+scales on int8 (int8 gradients: test_int8_conv_grad.py). CPU (interpreter) at odd sizes with every kernel variant; GPU
 (marked gpu) at real sizes against torch._int_mm."""
 import math
 
@@ -497,19 +497,6 @@ def test_int8_conv_per_channel_dequant_bias_relu_to_bf16_and_requant(layout):
     # q reads y as stored (bf16) in kernel and reference alike; the float32 product by 64 is exact
     assert torch.equal(outputs[q.name], refs[q.name])
     assert (outputs[q.name] == 127).any()
-
-
-@pytest.mark.parametrize("op", ["conv_dgrad", "conv_wgrad"])
-def test_int8_conv_gradients_are_refused(op):
-    g = dg.Graph(name="grad8", io_data_type=dg.float32)
-    dy = g.tensor(name="dy", dim=[1, 4, 5, 5], data_type=dg.int8)
-    other = g.tensor(name="other", dim=[4, 3, 3, 3] if op == "conv_dgrad" else [1, 3, 5, 5], data_type=dg.int8)
-    common = dict(padding=[1, 1], stride=[1, 1], dilation=[1, 1])
-    with pytest.raises(dg.ValidationError, match="int8"):
-        if op == "conv_dgrad":
-            g.conv_dgrad(dy, other, [1, 3, 5, 5], **common)
-        else:
-            g.conv_wgrad(dy, other, [4, 3, 3, 3], **common)
 
 
 def test_int8_conv_with_a_float_filter_and_an_overflowing_reduction_are_refused():

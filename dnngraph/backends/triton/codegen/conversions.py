@@ -58,11 +58,14 @@ def float8_rule(data_type) -> Float8Rule:
 def converted_to(text: str, kind: str, data_type) -> str:
     """Source converting `text`, a value of kind "f" (compute float), "b", "i" or "l", to
     `data_type` as torch's `.to` does (floats to integers truncate toward zero), but int8 as
-    cuDNN's int8 outputs (saturated, floats rounded to nearest even: dtypes.to_int8)."""
+    cuDNN's int8 outputs (saturated, floats rounded to nearest even: dtypes.to_saturated), uint8
+    alike."""
     if data_type.is_boolean:  # a bit-packed store packs the predicate itself (library.store_bit_runs, store_lone_bits)
         return f"({text}).to(tl.int1)" if kind == "b" else f"(({text}) != 0)"
     if data_type is dtypes.int8:  # saturating, floats rounded to nearest even (dtypes.to_int8)
         return {"f": f"tm.float_to_int8({text})", "b": f"({text}).to(tl.int8)"}.get(kind, f"tm.saturate_int8({text})")
+    if data_type is dtypes.uint8:  # as int8, to [0, 255] (dtypes.to_uint8)
+        return {"f": f"tm.float_to_uint8({text})", "b": f"({text}).to(tl.uint8)"}.get(kind, f"tm.saturate_uint8({text})")
     if not data_type.is_floating:
         return f"({text}).to({data_type.triton_type})"
     if kind in ("i", "l") and data_type is dtypes.bfloat16:

@@ -40,19 +40,22 @@ SCALAR_AS_TILE = " + tl.zeros((1, 1), dtype=tl.int32)"
 
 
 def kind_of(data_type) -> str:
-    """The kind a value of `data_type` is held in once loaded: integers stay integers (int8
-    widened to int32, so that math on it is exact as in torch's int32 promotion, never int8's wrap)."""
+    """The kind a value of `data_type` is held in once loaded: integers stay integers (int8 and
+    uint8 widened to int32, so that math on them is exact as in torch's int32 promotion, never an
+    8-bit wrap)."""
     if data_type.is_boolean:  # one byte or one bit each: held as a predicate
         return "b"
-    return {dtypes.int32: "i", dtypes.int64: "l", dtypes.int8: "i"}.get(data_type, "f")
+    if dtypes.is_saturating(data_type):
+        return "i"
+    return {dtypes.int32: "i", dtypes.int64: "l"}.get(data_type, "f")
 
 
 def load_conversion(data_type, compute: str) -> str:
     """The conversion appended to a load of `data_type` to hold it in its kind (kind_of): floats
-    to the compute type, int8 widened to int32, other types as loaded."""
+    to the compute type, int8 and uint8 widened to int32, other types as loaded."""
     if kind_of(data_type) == "f":
         return f".to({compute})"
-    return ".to(tl.int32)" if data_type is dtypes.int8 else ""
+    return ".to(tl.int32)" if dtypes.is_saturating(data_type) else ""
 
 
 def element_load(pointer: str, offset: str, mask: str, data_type) -> str:
@@ -130,7 +133,7 @@ def as_stored_conversion(tensor, variable: str, have: str, compute: str):
     output of a float type is rounded to it through the same conversion its store makes."""
     data_type = tensor.data_type
     want = kind_of(data_type)
-    if data_type is dtypes.int8:  # held widened to int32, the value saturated as stored
+    if dtypes.is_saturating(data_type):  # held widened to int32, the value saturated as stored
         return f"{converted_to(variable, have, data_type)}.to(tl.int32)", "i"
     if want != "f":
         if have == want:

@@ -347,3 +347,17 @@ def float_to_int8(x):
 def saturate_int8(x):
     # an integer to int8 saturates as cuDNN's int8 outputs do (Triton's conversion would wrap)
     return tl.minimum(tl.maximum(x, -128), 127).to(tl.int8)
+
+
+@triton.jit
+def float_to_uint8(x):
+    # float_to_int8's rounding to [0, 255] (dtypes.to_uint8): negative values and -inf to 0
+    x = x.to(tl.float32)
+    clamped = tl.minimum(tl.maximum(tl.where(x == x, x, 0.0), 0.0), 255.0)
+    return ((clamped + ROUNDING_SHIFT) - ROUNDING_SHIFT).to(tl.uint8)
+
+
+@triton.jit
+def saturate_uint8(x):
+    # an integer to uint8 saturates to [0, 255] (Triton's conversion would wrap)
+    return tl.minimum(tl.maximum(x, 0), 255).to(tl.uint8)

@@ -50,14 +50,25 @@ def _channels_and_filters(node) -> tuple:
 INT8_EXACT_TAPS = 2**24 // (128 * 128)
 
 
+def _int8_products_summed(node) -> int:
+    """The most int8 products a direct kernel sums into one result of `node`: fprop's filter
+    taps, dgrad's taps of every filter reading the channel (the channel multiplier), wgrad's N x
+    output pixels (treated as unbounded: its sums take the int32 GEMM kernels)."""
+    taps = _product(node.inputs[1].dim[2:])
+    if node.op == "conv_fprop":
+        return taps
+    if node.op == "conv_dgrad":
+        return taps * (node.inputs[1].dim[0] // node.attrs.groups)
+    return INT8_EXACT_TAPS + 1
+
+
 def sums_exactly(node) -> bool:
     """Do the direct kernels' float32 sums give `node`'s result exactly (float operands, or int8
-    ones over at most INT8_EXACT_TAPS taps)?"""
+    ones over at most INT8_EXACT_TAPS products)?"""
     types = [t.data_type for t in node.input_tensors()]
     if all(t.is_floating for t in types):
         return True
-    taps = _product(node.inputs[1].dim[2:]) if node.op == "conv_fprop" else INT8_EXACT_TAPS + 1
-    return all(t is dtypes.int8 for t in types) and taps <= INT8_EXACT_TAPS
+    return all(t is dtypes.int8 for t in types) and _int8_products_summed(node) <= INT8_EXACT_TAPS
 
 
 def takes_depthwise(group) -> bool:

@@ -12,6 +12,7 @@ import torch
 
 from ..codegen.recipes import RECIPES, norm_parameter_grads
 from ..codegen.rows import RowKernelSpec, WELFORD_PARTS, render as render_rows
+from .... import dtypes
 from ....errors import UnsupportedError
 from ....runtime.autotune import TuningRecord
 from ..heuristics import rows as row_heuristics
@@ -238,10 +239,11 @@ PARTIAL_TYPES = {"f": torch.float32, "l": torch.int64}
 
 
 def require_floating_inputs(anchor, tensors=None):
-    """Row and pooling kernels accumulate in floating point: integer inputs would be rounded.
-    `tensors`: the anchor inputs that are accumulated (default: all of them)."""
+    """Row and pooling kernels accumulate in floating point: integer inputs would be rounded, but
+    8-bit ones (int8, uint8: quantized activations), which float32 holds exactly, are computed on
+    as their float values are. `tensors`: the anchor inputs that are accumulated (default: all)."""
     for tensor in anchor.input_tensors() if tensors is None else tensors:
-        if not tensor.data_type.is_floating:
+        if not tensor.data_type.is_floating and not dtypes.is_saturating(tensor.data_type):
             raise UnsupportedError(
                 f"node {anchor.name!r} ({anchor.op}) reads {tensor.name!r} of type {tensor.data_type.name}: "
                 f"its kernel computes in floating point and would round integers; cast the input to a "
