@@ -45,7 +45,7 @@ wgrad geomean >= 0.9x the faster cuDNN (torch or FE) per layer; depthwise >= 1.0
     python benchmarks/bench_conv.py --rows fprop,stats --autotune --only layer3
     python benchmarks/bench_conv.py --cudnn-fe-path /tmp/fe  # a pip --target folder holding `cudnn`
     python benchmarks/bench_conv.py --rows fprop --gluon --cudnn-fe-path /tmp/fe --no-compile
-                                                             # + "dg gluon": backends=("gluon", "triton")
+                                                             # "dg": Triton alone, "dg gluon": the default
     python benchmarks/bench_conv.py --list-shapes            # the layers of each row, no device needed
     python benchmarks/bench_conv.py --check-cpu              # tiny fp32 shapes through dnngraph on CPU
 
@@ -278,8 +278,9 @@ TITLES = {
 # the int8 gradient rows: the bf16 op their anchors run
 INT8_GRADIENTS = {"int8_dgrad": "dgrad", "int8_wgrad": "wgrad"}
 DG_PROVIDERS = {"dg": "dg", "dg_tuned": "dg tuned", "dg_gluon": "dg gluon"}
-# --gluon: builds that may take the Gluon backend (opt-in, Hopper), ranked with Triton by the models
-GLUON_FIRST = ("gluon", "triton")
+# --gluon: "dg" built by the Triton backend alone, beside the default build ("dg gluon"), which
+# ranks Gluon's conv forward (Hopper) with Triton's by the models
+TRITON_ONLY = ("triton",)
 
 
 def row_shapes(key, args, resnet) -> list:
@@ -700,11 +701,15 @@ def run_case(row: RowSpec, shape: ConvShape, ctx: Context) -> dict:
                "torch_sums": lambda: sums_provider(shape, inputs)}
     factories = {name: anchors[name]() for name in row.anchors} if ctx.timed else {}
     io_type = dg.bfloat16 if ctx.dtype == BF16 else dg.float32
-    factories["dg"] = dg_provider(row.op, shape, inputs, io_type, autotune=False)
+    gluon = getattr(ctx.args, "gluon", False)
+    # with --gluon, "dg" is the Triton backend alone and "dg gluon" the default build (Gluon's conv
+    # forward where the models rank it first); without, "dg" is the default build
+    factories["dg"] = dg_provider(row.op, shape, inputs, io_type, autotune=False,
+                                  backends=TRITON_ONLY if gluon else None)
     if ctx.args.autotune:
         factories["dg_tuned"] = dg_provider(row.op, shape, inputs, io_type, autotune=True)
-    if getattr(ctx.args, "gluon", False):
-        factories["dg_gluon"] = dg_provider(row.op, shape, inputs, io_type, autotune=False, backends=GLUON_FIRST)
+    if gluon:
+        factories["dg_gluon"] = dg_provider(row.op, shape, inputs, io_type, autotune=False)
     case = {"label": shape.label, "shape": shape.describe(), "gflop": shape.flops / 1e9}
     for name, factory in factories.items():
         case[name] = measure(factory, refs, shape, ctx)
@@ -839,8 +844,9 @@ def parse_args(argv):
     parser = family_parser(__doc__.splitlines()[0], ROWS, "a few layers per row", "layers")
     parser.add_argument("--autotune", action="store_true", help="also time g.build(autotune=True)")
     parser.add_argument("--gluon", action="store_true",
-                        help="also time a build with BuildOptions(backends=('gluon', 'triton')): the Gluon "
-                             "implicit-GEMM conv where it takes the layer and its model ranks it first")
+                        help="time 'dg' as a Triton-only build (BuildOptions(backends=('triton',))) beside "
+                             "'dg gluon', the default build: the Gluon implicit-GEMM conv where it takes the "
+                             "layer and its model ranks it first")
     return parser.parse_args(argv)
 
 

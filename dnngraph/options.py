@@ -30,7 +30,7 @@ from .runtime.tuning_cache import WARPS
 from .target import Target
 
 # The kernel languages a build prefers by default: the registry's verified ones, in its order,
-# each for the families verified of it ("gluon:sdpa": its attention forward, not its matmuls,
+# each for the families verified of it ("gluon:conv,sdpa": its attention and conv forwards, not its matmuls,
 # which are chosen only when "gluon" is named alone).
 BACKENDS = registry.verified()
 ROW_MODES = row_heuristics.MODES + ("fused",)

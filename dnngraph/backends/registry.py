@@ -144,7 +144,7 @@ def refusals(problem, target, options, interpreted: bool = False) -> str:
         if backend is None or (interpreted and not backend.interpretable):
             continue  # supporting() names these where nothing takes the group
         if taken is not None and problem.family not in taken:
-            continue  # an entry for other families (the default's "gluon:sdpa"): not a refusal
+            continue  # an entry for other families (e.g. "gluon:sdpa" for a conv): not a refusal
         ok, why = supported(backend, problem, target)
         if not ok:
             refused.append(f"{name}: {why}")

@@ -410,12 +410,12 @@ def test_the_registry_skips_gluon_on_interpreted_builds_and_other_targets():
 
 
 def test_default_options_never_choose_gluon_for_matmul():
-    """gluon is verified for sdpa only: the default takes it as "gluon:sdpa", so matmuls go to
+    """gluon is verified for sdpa and conv only: the default takes it as "gluon:conv,sdpa", so matmuls go to
     Triton unless a build names gluon alone."""
     assert isinstance(GLUON, Backend) and not GLUON.interpretable and GLUON.families == {"matmul", "sdpa", "conv"}
     assert "gluon" in registry.names() and not GLUON.verified and registry.BACKENDS["gluon"] is GLUON
-    assert registry.verified_families(GLUON) == {"sdpa"}
-    assert BuildOptions().backends == ("triton", "gluon:sdpa") == registry.verified()
+    assert registry.verified_families(GLUON) == {"conv", "sdpa"}
+    assert BuildOptions().backends == ("triton", "gluon:conv,sdpa") == registry.verified()
     problem = _problem()
     for target in (H100, H200):
         assert registry.choose(problem, target, BuildOptions(target=target), interpreted=False).name == "triton"

@@ -311,7 +311,7 @@ def test_supports_refuses_the_backward_and_paged_k_v():
 
 def test_default_options_take_gluon_for_sdpa_only():
     assert "sdpa" in GLUON.families and registry.BACKENDS["gluon"] is GLUON and "sdpa" in registry.families()
-    assert BuildOptions().backends == ("triton", "gluon:sdpa")
+    assert BuildOptions().backends == ("triton", "gluon:conv,sdpa")
     problem = _problem(type_name="bf16", head_dim=128, mask="none", heads="mha", batch=1, s_q=4096, s_kv=4096)
     for target in (H100, H200):
         supporting = registry.supporting(problem, target, BuildOptions(target=target))
@@ -397,7 +397,7 @@ def test_a_default_build_lowers_d128_with_gluon_and_d64_with_triton():
 def test_backend_entries_are_validated():
     assert BuildOptions(backends=["triton", "gluon:sdpa"]).backends == ("triton", "gluon:sdpa")
     assert BuildOptions(backends=("gluon:matmul,sdpa",)).backends == ("gluon:matmul,sdpa",)
-    for bad in (("gluon:conv",), ("gluon:",), ("gluon", "gluon:sdpa"), ("nothing:sdpa",), (3,)):
+    for bad in (("gluon:pooling",), ("gluon:",), ("gluon", "gluon:sdpa"), ("nothing:sdpa",), (3,)):
         with pytest.raises(dg.ValidationError):
             BuildOptions(backends=bad)
     assert registry.families(("gluon:sdpa",)) == {"sdpa"}

@@ -11,12 +11,13 @@ attention_library.py and attention_codegen.py), conv groups (the convolution for
 implicit GEMM on the matmul's mainloop) by conv_backend.py (conv_library.py, conv_codegen.py);
 each method below hands them on by family.
 
-verified = False, verified_families = {"sdpa"}: its GPU tests pass on an H200 (cooperative and
-ping-pong matmuls, the attention forward; runs of each under the concurrency sanitizer). Its
-matmuls are on average no faster than the Triton backend's (BENCHMARKS.md, Gluon matmul), so the
-default BuildOptions.backends (options.py: registry.verified()) takes gluon for sdpa groups only
-("gluon:sdpa", where the attention models of both backends rank it: attention_backend.py), and a
-build asks for its matmuls with BuildOptions(backends=("gluon", "triton")).
+verified = False, verified_families = {"conv", "sdpa"}: its GPU tests pass on an H200 (cooperative
+and ping-pong matmuls, the attention and convolution forwards; runs of each under the concurrency
+sanitizer). Its matmuls are on average no faster than the Triton backend's (BENCHMARKS.md, Gluon
+matmul), so the default BuildOptions.backends (options.py: registry.verified()) takes gluon for
+conv and sdpa groups only ("gluon:conv,sdpa", where the models of both backends rank it:
+attention_backend.py, conv_backend.py), and a build asks for its matmuls with
+BuildOptions(backends=("gluon", "triton")).
 
 The model (estimate): a tile config runs B*M*N*K multiply-adds at the target's dense peak of the
 operand type (facts.bf16 / facts.fp16 / facts.fp8) and moves the operands and outputs once at its bandwidth:
@@ -278,9 +279,10 @@ class GluonBackend:
     prologue_stored_apart = frozenset()
     verified = False  # not every family: its matmuls are opt-in (the module docstring says why)
     # the attention forward's GPU tests pass on an H200 and it runs 1.18-1.28x the Triton kernel
-    # at D128 (BENCHMARKS.md, Gluon attention forward): a default build ranks it beside Triton's
-    # for sdpa groups, and the two models' estimates decide (attention_backend.py)
-    verified_families = frozenset({"sdpa"})
+    # at D128 (BENCHMARKS.md, Gluon attention forward); the convolution forward's pass too and it
+    # runs 1.10x the Triton conv over ResNet-50's fprop layers (BENCHMARKS.md, Gluon convolution
+    # forward): a default build ranks them beside Triton's, and the models' estimates decide
+    verified_families = frozenset({"conv", "sdpa"})
 
     def cache_key(self) -> tuple:
         return (self.name, self.version, self.interpretable, self.verified, tuple(sorted(self.verified_families)),
