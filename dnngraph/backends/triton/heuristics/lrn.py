@@ -80,6 +80,13 @@ OPS_PER_LOAD = 2
 # PERSISTENT_MIN_TILES tiles (the pipeline's fill, one tile's loads exposed, amortized over them,
 # and the last wave's imbalance at most one tile in that many); fewer tiles keep one tile a program.
 PERSISTENT_MIN_TILES = 4
+# Measured on the H200 (2026-11-29, `cd benchmarks && python bench_lrn.py --dtypes bf16
+# --no-compile-anchor`, both forms side by side): the persistent loop ran slower than one tile a
+# program on 17 of the 20 bf16 kernels (e.g. LRN NCHW wide forward 43% of copy against 55%, the 3x3
+# LCN NHWC forward 20% against 35%) and gained 2-4 points on the other 3; so the model keeps one
+# tile a program, and the persistent form runs only where a build forces it (lrn_schedule,
+# lrn_programs) until its loop is made to pay.
+PERSISTENT_BY_MODEL = False
 # Stages: at least two (one tile ahead), more while the resident programs' loads in flight fall
 # short of an SM's share of DRAM bandwidth times the load latency (Little's law: 4.8 TB/s / 132
 # SMs x 1 us, about 36 KB an SM), as far as shared memory holds their buffers.
@@ -513,6 +520,9 @@ def choose_form(tiles: int, depth: tuple, copyable: bool, target: Target, form=N
     forced = form is not None or programs is not None
     if form == "tile":
         return FormChoice(False, 0, "one tile a program (forced)")
+    if not forced and not PERSISTENT_BY_MODEL:
+        return FormChoice(False, 0, "one tile a program (the persistent loop measured slower on the H200: "
+                                    "heuristics/lrn.py PERSISTENT_BY_MODEL)")
     if not forced and not copyable:
         return FormChoice(False, 0, "one tile a program (loads the compiler cannot prove aligned for cp.async: "
                                     "nothing would be in flight)")
