@@ -1,6 +1,7 @@
-"""Render the Gluon convolution-forward kernel of one group: only what fusion changes (the
-epilogue, through codegen.py's EpilogueRenderer and expression table, and the signature); the
-fixed structure is conv_library.py's.
+"""Render the Gluon convolution kernel (forward, or dgrad: conv_library.py says how one kernel
+runs both) of one group: only what fusion changes (the epilogue, through codegen.py's
+EpilogueRenderer and expression table, and the signature); the fixed structure is
+conv_library.py's.
 
 The implicit GEMM's output is [pixels, K]: the epilogue sees a channel vector ([1, K, 1, 1] or
 any shape that broadcasts as one) as a row vector over the GEMM's columns, read with the
@@ -17,12 +18,13 @@ from ..triton.codegen.names import NameAllocator, comment_text
 from ..triton.codegen.pointwise import KernelArgument
 from .codegen import FIXED, EpilogueRenderer
 
-# the kernel's own parameters (conv_library.conv_fprop's), written literally
+# the kernel's own parameters (conv_library.implicit_gemm's), written literally
 SIZES = ("images", "x_rows", "x_cols", "channels", "x_stride_n", "x_stride_h", "x_stride_w", "filters", "taps_h",
          "taps_w", "w_stride_k", "w_stride_r", "w_stride_s", "out_h", "out_w", "y_stride_n", "y_stride_h",
          "y_stride_w", "pad_h", "pad_w", "dil_h", "dil_w")
 CONSTEXPRS = ("BLOCK_H", "BLOCK_W", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M", "CONSUMERS", "EPILOGUE_N",
-              "PRODUCER_REGS", "CONSUMER_REGS", "FLIP", "EPILOGUE_LOOP", "STRIDE_H", "STRIDE_W", "PHASED_H", "PHASED_W")
+              "PRODUCER_REGS", "CONSUMER_REGS", "FLIP", "EPILOGUE_LOOP", "STRIDE_H", "STRIDE_W", "PHASED_H", "PHASED_W",
+              "B_K_MAJOR")
 CONV_FIXED = FIXED + ("conv_lib", "x_ptr", "w_ptr", "y_ptr") + SIZES + CONSTEXPRS
 
 
@@ -97,8 +99,9 @@ def signature(names: NameAllocator, tensors: tuple, sizes: dict, epilogue_argume
 
 def render(stem: str, description: str, tensors: tuple, sizes: dict, anchor_output, epilogue_nodes,
            conv_out_dims: tuple, constexprs: dict, fast_math=frozenset()) -> KernelSource:
-    """The source of one conv fprop group's kernel, defined as `stem`. tensors: the uids of x, w
-    and the stored output; sizes: the SIZES (elements); conv_out_dims: y's logical [N, K, P, Q]."""
+    """The source of one conv group's kernel, defined as `stem`. tensors: the uids of the kernel's
+    x (fprop's x, dgrad's dy), w and the stored output; sizes: the SIZES (elements);
+    conv_out_dims: the output's logical dims (fprop's y [N, K, P, Q], dgrad's dx [N, C, H, W])."""
     names = NameAllocator(CONV_FIXED)
     names.reserve(stem)
     renderer = ConvEpilogueRenderer(names, anchor_output, conv_out_dims, fast_math)
@@ -125,8 +128,8 @@ def epilogue(acc, rows, cols, batch, M, N, args):
 
 @gluon.jit
 def {stem}({parameters}):
-    conv_lib.conv_fprop(x_ptr, w_ptr, y_ptr, {size_text}, epilogue, {args_tuple},
-                        BLOCK_H, BLOCK_W, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CONSUMERS, EPILOGUE_N, PRODUCER_REGS,
-                        CONSUMER_REGS, FLIP, EPILOGUE_LOOP, STRIDE_H, STRIDE_W, PHASED_H, PHASED_W)
+    conv_lib.implicit_gemm(x_ptr, w_ptr, y_ptr, {size_text}, epilogue, {args_tuple},
+                           BLOCK_H, BLOCK_W, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CONSUMERS, EPILOGUE_N, PRODUCER_REGS,
+                           CONSUMER_REGS, FLIP, EPILOGUE_LOOP, STRIDE_H, STRIDE_W, PHASED_H, PHASED_W, B_K_MAJOR)
 '''
     return KernelSource(stem, text, list(arguments))
