@@ -17,8 +17,9 @@ Refused, each with a reason starting "gluon": a strided dgrad (dx is a sum over 
 or, for a strided 1x1, zeros between the pixels it reads: the Triton backend's phase GEMMs run
 it), wgrad, groups, 1D / 3D, strides past 2 with taps in other phases, inputs narrower than a
 phased stride, other layouts and types, prologues (a batchnorm applied at load; dgrad's drelu on
-dy), exits (genstats), epilogue operands of other shapes (a residual; dgrad's relu_backward on dx,
-which reads x at every pixel: the epilogue sees rectangle positions, not pixel indices).
+dy), exits (genstats), epilogue operands of other shapes (a residual, a mask over dx: the epilogue sees
+positions in the pixel rectangle, not pixel indices) and ops with no gluon expression (dgrad's
+relu_backward on dx, which would also read x at every pixel).
 
 For dgrad the GEMM below has rows N*H*W (dx's pixels), columns C, reduction R*S*K.
 Configs (ConvConfig): an output tile is a BLOCK_H x BLOCK_W pixel rectangle of one image by
