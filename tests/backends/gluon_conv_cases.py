@@ -11,6 +11,7 @@ from dnngraph.backends import registry
 from dnngraph.backends.contract import BuildContext, Candidate
 from dnngraph.backends.gluon.backend import GLUON
 from dnngraph.backends.gluon.conv_backend import CONFIGS, ConvConfig, block_k_for
+from dnngraph.backends.gluon.conv_wgrad import CONFIGS as WGRAD_CONFIGS
 from dnngraph.fusion import partition
 from dnngraph.problems import problem_of
 from dnngraph.target import H100
@@ -76,6 +77,25 @@ def dgrad_graph(type_name: str, epilogue: str, n: int, c: int, h: int, w: int, k
                       stride=[stride] * 2, dilation=[dilation] * 2, mode=mode)
     out = EPILOGUES[epilogue](g, dx, c, t) if EPILOGUES[epilogue] else dx
     out.set_output(True)
+    return g
+
+
+def wgrad_graph(type_name: str, epilogue: str, n: int, c: int, h: int, w: int, k: int, filter_size: int,
+                stride: int = 1, padding: int = 0, dilation: int = 1, x_stride=None, mode="cross_correlation",
+                dw_stride=None):
+    """out = epilogue(conv_wgrad(dy, x)): dw [k, c, f, f] (KRSC, or `dw_stride`) of the forward
+    x [n, c, h, w] (NHWC, or `x_stride`) -> dy [n, k, p, q] (NHWC); the epilogue's vectors over C."""
+    t = TYPES[type_name]
+    g = dg.Graph(name="gluon_wgrad_case", io_data_type=t)
+    p, q = ((size + 2 * padding - dilation * (filter_size - 1) - 1) // stride + 1 for size in (h, w))
+    dy = g.tensor(name="dy", dim=[n, k, p, q], stride=nhwc([n, k, p, q]), data_type=t)
+    x = g.tensor(name="x", dim=[n, c, h, w], stride=x_stride or nhwc([n, c, h, w]), data_type=t)
+    dw = g.conv_wgrad(dy, x, w_dim=[k, c, filter_size, filter_size], padding=[padding] * 2, stride=[stride] * 2,
+                      dilation=[dilation] * 2, mode=mode)
+    out = EPILOGUES[epilogue](g, dw, c, t) if EPILOGUES[epilogue] else dw
+    out.set_output(True)
+    if dw_stride is not None:
+        out.set_stride(dw_stride)
     return g
 
 
@@ -150,6 +170,31 @@ def dgrad_compile_variants():
     yield "dgrad/fp16/bias_relu/3x3s1p1/flip", "fp16", "bias_relu", "3x3s1p1", None, "convolution"
 
 
+# the wgrad's compile geometries (n, c, h, w, k, filter, stride, padding, dilation): stride 1 and
+# the phase views of stride 2, a strided 1x1, dilation, thin channels (C 16, K 40: partial blocks)
+WGRAD_GEOMETRIES = {
+    "3x3s1p1": (2, 128, 14, 14, 64, 3, 1, 1, 1),
+    "3x3s2p1": (2, 64, 13, 11, 128, 3, 2, 1, 1),
+    "1x1s2": (2, 64, 13, 11, 256, 1, 2, 0, 1),
+    "5x5d2c16": (3, 16, 13, 11, 40, 5, 1, 4, 2),
+}
+
+
+def wgrad_compile_variants():
+    """(label, type, epilogue, geometry name, config, mode) of the wgrad: every config once per
+    type, epilogues and geometries alternating, plus mode="convolution"."""
+    epilogues = sorted(EPILOGUES)
+    geometries = sorted(WGRAD_GEOMETRIES)
+    index = 0
+    for config in WGRAD_CONFIGS:
+        for type_name in sorted(TYPES):
+            epilogue, geometry = epilogues[index % len(epilogues)], geometries[index % len(geometries)]
+            index += 1
+            yield (f"wgrad/{type_name}/{epilogue}/{geometry}/{config.block_m}x{config.block_n}", type_name, epilogue,
+                   geometry, config, "cross_correlation")
+    yield "wgrad/bf16/none/3x3s2p1/flip", "bf16", "none", "3x3s2p1", None, "convolution"
+
+
 def _compiled(g, config, reduction: int):
     """(launches, dtypes) of `g` for the compile test; a forced config with BLOCK_K fitted to the
     reduction's channels, as candidates() fits it."""
@@ -159,10 +204,17 @@ def _compiled(g, config, reduction: int):
 
 
 def compile_cases():
-    """(label, launches, dtypes) of every compile variant: the forward's, then the dgrad's."""
+    """(label, launches, dtypes) of every compile variant: the forward's, the dgrad's, the wgrad's."""
     for label, type_name, epilogue, geometry, config, mode in compile_variants():
         n, c, h, w, k, f, s, p, d = GEOMETRIES[geometry]
         yield (label, ) + _compiled(conv_graph(type_name, epilogue, n, c, h, w, k, f, s, p, d, mode=mode), config, c)
     for label, type_name, epilogue, geometry, config, mode in dgrad_compile_variants():
         n, c, h, w, k, f, s, p, d = DGRAD_GEOMETRIES[geometry]
         yield (label, ) + _compiled(dgrad_graph(type_name, epilogue, n, c, h, w, k, f, s, p, d, mode=mode), config, k)
+    for label, type_name, epilogue, geometry, config, mode in wgrad_compile_variants():
+        n, c, h, w, k, f, s, p, d = WGRAD_GEOMETRIES[geometry]
+        g = wgrad_graph(type_name, epilogue, n, c, h, w, k, f, s, p, d, mode=mode)
+        launches = lowered(g, config)
+        dtypes = {t.uid: t.data_type.torch_dtype for t in g.tensors}
+        dtypes.update({s.uid: s.torch_dtype for launch in launches for s in launch.scratch})  # the partials
+        yield label, launches, dtypes
