@@ -43,6 +43,7 @@ wgrad geomean >= 0.9x the faster cuDNN (torch or FE) per layer; depthwise >= 1.0
                                                              # + "dg gluon": backends=("gluon", "triton")
     python benchmarks/bench_conv.py --rows dgrad --gluon --cudnn-fe-path /tmp/fe --no-compile
                                                              # the same for the dgrad (Gluon: stride 1)
+    python benchmarks/bench_conv.py --rows wgrad --gluon --cudnn-fe-path /tmp/fe --no-compile
     python benchmarks/bench_conv.py --list-shapes            # the layers of each row, no device needed
     python benchmarks/bench_conv.py --check-cpu              # tiny fp32 shapes through dnngraph on CPU
 
@@ -792,7 +793,7 @@ def parse_args(argv):
     parser.add_argument("--autotune", action="store_true", help="also time g.build(autotune=True)")
     parser.add_argument("--gluon", action="store_true",
                         help="also time a build with BuildOptions(backends=('gluon', 'triton')): the Gluon "
-                             "implicit-GEMM conv (fprop, stride-1 dgrad) where it takes the layer and its model "
+                             "implicit-GEMM conv (fprop, stride-1 dgrad, wgrad) where it takes the layer and its model "
                              "ranks it first")
     return parser.parse_args(argv)
 
