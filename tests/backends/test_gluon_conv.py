@@ -22,7 +22,7 @@ import sys
 
 import pytest
 import torch
-from gluon_conv_cases import (CONFIGS, DGRAD_GEOMETRIES, EPILOGUES, GEOMETRIES, TYPES, compile_variants,
+from gluon_conv_cases import (CONFIGS, DGRAD_GEOMETRIES, EPILOGUES, GEOMETRIES, TYPES, compile_cases, compile_variants,
                               conv_graph, conv_group, dgrad_compile_variants, dgrad_graph, lowered, nhwc,
                               wgrad_compile_variants)
 from helpers import check, compiled_for_sm90
@@ -45,8 +45,10 @@ def test_every_conv_variant_compiles_for_sm90a_with_warp_specialization():
     specialized, with wgmma and TMA; wgrad's combine after it (plain loads and stores)."""
     labels = [v[0] for v in compile_variants()] + [v[0] for v in dgrad_compile_variants()]
     wgrad_labels = [v[0] for v in wgrad_compile_variants()]
+    kernels = sum(len(launches) for _, launches, _ in compile_cases())  # a strided 1x1 dgrad's Triton zero phases too
+    assert kernels > len(labels) + 2 * len(wgrad_labels)
     output = compiled_for_sm90("gluon_conv_cases:compile_cases", timeout=1200)
-    assert f"compiled {len(labels) + 2 * len(wgrad_labels)} kernels for sm_90" in output
+    assert f"compiled {kernels} kernels for sm_90" in output
     facts = {}
     for line in output.splitlines():
         if line.startswith("facts "):
@@ -205,12 +207,22 @@ def _dgrad(dy_dim=(2, 64, 9, 9), w_dim=(64, 64, 3, 3), x_dim=(2, 64, 9, 9), dy_s
 def test_supports_names_why_it_refuses_a_dgrad():
     g, dy, w, conv = _dgrad(dy_dim=(2, 64, 5, 5), x_dim=(2, 64, 9, 9), stride=[2, 2])
     g.conv_dgrad(dy, w, **conv).set_output(True)
-    assert "dgrad takes stride 1, not [2, 2]" in _refusal(g)
+    assert "dgrad takes stride 1, or a strided 1x1 without padding, not stride [2, 2]" in _refusal(g)
 
-    g, dy, w, conv = _dgrad(dy_dim=(2, 64, 5, 5), w_dim=(64, 64, 1, 1), x_dim=(2, 64, 9, 9), stride=[2, 2],
-                            padding=[0, 0])  # the strided 1x1: zeros between the pixels it reads
+    g, dy, w, conv = _dgrad(dy_dim=(2, 64, 3, 3), w_dim=(64, 64, 1, 1), x_dim=(2, 64, 9, 9), stride=[3, 3],
+                            padding=[0, 0])  # a strided 1x1 past stride 2
     g.conv_dgrad(dy, w, **conv).set_output(True)
-    assert "dgrad takes stride 1" in _refusal(g)
+    assert "phase views of strides up to 2, not [3, 3]" in _refusal(g)
+
+    g, dy, w, conv = _dgrad(dy_dim=(2, 64, 6, 6), w_dim=(64, 64, 1, 1), x_dim=(2, 64, 9, 9), stride=[2, 2],
+                            padding=[1, 1])  # a padded strided 1x1: the taps in phase 1
+    g.conv_dgrad(dy, w, **conv).set_output(True)
+    assert "or a strided 1x1 without padding, not stride [2, 2] with filter [1, 1] and padding [1, 1]" in _refusal(g)
+
+    g, dy, w, conv = _dgrad(dy_dim=(2, 64, 1, 5), w_dim=(64, 64, 1, 1), x_dim=(2, 64, 1, 9), stride=[2, 2],
+                            padding=[0, 0])  # one row of dx: no phase-1 view of it
+    g.conv_dgrad(dy, w, **conv).set_output(True)
+    assert "dx need H of at least the stride 2, not 1" in _refusal(g)
 
     g, dy, w, conv = _dgrad(dy_stride=[64 * 81, 81, 9, 1])  # NCHW dy
     g.conv_dgrad(dy, w, **conv).set_output(True)
@@ -507,6 +519,7 @@ DGRAD_GPU_GEOMETRIES = (
     ("5x5d2p4", 2, 24, 12, 10, 32, 5, 1, 4, 2),
     ("7x7p3", 1, 264, 15, 9, 24, 7, 1, 3, 1),
     ("1x1p1", 3, 64, 9, 11, 40, 1, 1, 1, 1),
+    ("1x1s2", 3, 136, 13, 12, 264, 1, 2, 0, 1),  # gluon writes dx's phase (0, 0), Triton the zeros
 )
 
 
@@ -555,6 +568,7 @@ def test_every_config_runs_the_dgrad(index, monkeypatch):
     assert f"conv {config.block_h}x{config.block_w}x{config.block_n}x64 stages={config.stages}" in (
         g.plan.launches[0].config_text)
     _check_gluon(dgrad_graph("fp16", "bias_silu", 2, 40, 15, 13, 24, 3, padding=2, dilation=2), "fp16")
+    _check_gluon(dgrad_graph("bf16", "bias_relu", 2, 72, 15, 14, 136, 1, stride=2), "bf16")  # relu(bias) between
 
 
 @pytest.mark.gpu
@@ -609,9 +623,9 @@ for args, kwargs in (((3, 64, 13, 11, 136, 3), dict(padding=1)), ((2, 64, 7, 7, 
               for t in g.tensors if t.producer is None}}
     check(g, inputs, dtype=torch.bfloat16, device="cuda", options=dg.BuildOptions(backends=("gluon",), target=target))
     assert g.plan.launches[0].backend == "gluon"
-# the dgrad: w a row-major B, two consumers and one; padding past (R-1)*dil (1x1 p1)
+# the dgrad: w a row-major B, two consumers and one; padding past (R-1)*dil (1x1 p1); a strided 1x1
 for args, kwargs in (((3, 136, 13, 11, 64, 3), dict(padding=1)), ((2, 64, 7, 7, 64, 3), dict(padding=1)),
-                     ((2, 64, 9, 11, 32, 1), dict(padding=1))):
+                     ((2, 64, 9, 11, 32, 1), dict(padding=1)), ((2, 64, 13, 11, 128, 1), dict(stride=2))):
     g = dgrad_graph("bf16", "bias_relu", *args, **kwargs)
     inputs = {{t.name: torch.empty_strided(tuple(t.dim), tuple(t.stride), dtype=t.data_type.torch_dtype,
                                           device="cuda").copy_(torch.randn(*t.dim, device="cuda") / 4)
@@ -645,9 +659,10 @@ def test_each_partition_makes_the_descriptors_it_copies_through():
     makers = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
               for call in ast.walk(node) if isinstance(call, ast.Call)
               and getattr(call.func, "attr", None) == "make_tensor_descriptor"}
-    assert makers == {"phase_view", "filter_descriptor", "conv_mma_partition", "wgrad_load_partition"}, makers
-    # x's views and w's: the producers' own (the wgrad's consumers store their partials by pointer)
-    for helper, producers in (("phase_view", {"conv_load_partition", "wgrad_load_partition"}),
+    assert makers == {"phase_view", "filter_descriptor", "wgrad_load_partition"}, makers
+    # x's views and w's: the producers' own; y's (phase) views the consumers' (the wgrad's
+    # consumers store their partials by pointer)
+    for helper, producers in (("phase_view", {"conv_load_partition", "wgrad_load_partition", "conv_mma_partition"}),
                               ("filter_descriptor", {"conv_load_partition"})):
         callers = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
                    for call in ast.walk(node) if isinstance(call, ast.Call) and getattr(call.func, "id", None) == helper}
@@ -707,7 +722,20 @@ def _emulated(launch, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                         box[:, p, q] = view[:, v, u].double()
             tap = (ints["taps_h"] - 1 - r, ints["taps_w"] - 1 - s) if values["FLIP"] else (r, s)
             y += torch.einsum("npqc,kc->nkpq", box, taps[tap[0], tap[1]])
-    return y
+    return _placed(launch, y)
+
+
+def _placed(launch, y: torch.Tensor) -> torch.Tensor:
+    """The whole output [N, filters, y_rows, y_cols] the kernel writes: the GEMM's pixels into
+    phase (0, 0), OUT_STRIDE apart (all of it at stride 1), and the epilogue of zeros (zeros: no
+    epilogue here) into the other phases (conv_library.store_zero_phases)."""
+    ints, values = _values(launch, "int"), _values(launch, "constexpr")
+    strides = (values["OUT_STRIDE_H"], values["OUT_STRIDE_W"])
+    assert (ints["out_h"], ints["out_w"]) == tuple(-(-ints[f"y_{axis}"] // st) for axis, st in zip(("rows", "cols"),
+                                                                                                    strides))
+    whole = torch.zeros(y.shape[0], y.shape[1], ints["y_rows"], ints["y_cols"], dtype=y.dtype)
+    whole[:, :, ::strides[0], ::strides[1]] = y
+    return whole
 
 
 @pytest.mark.parametrize("case", [
@@ -738,23 +766,49 @@ def test_the_launch_arguments_read_the_convolution(case):
     ("5x5d2p4", dict(filter_size=5, padding=4, dilation=2)), ("5x5p2", dict(filter_size=5, padding=2)),
     ("1x1", dict(filter_size=1)), ("1x1p1", dict(filter_size=1, padding=1)),
     ("3x3p3", dict(filter_size=3, padding=3)), ("3x3p2post0", dict(filter_size=3, padding=2, post_padding=0)),
-    ("flip", dict(filter_size=3, padding=1, mode="convolution"))], ids=lambda case: case[0])
+    ("flip", dict(filter_size=3, padding=1, mode="convolution")), ("1x1s2", dict(filter_size=1, stride=2)),
+    ("1x1s2post1", dict(filter_size=1, stride=2, post_padding=1))], ids=lambda case: case[0])
 def test_the_dgrad_launch_arguments_read_the_data_gradient(case):
     """The dgrad's launch arguments, read as the kernel reads them (_emulated: dy through its
     boxes, w as a row-major B), compute the data gradient g.reference computes: dy a channels_last
     slice (24 of 40 channels) at a storage offset, odd H and W, C 16, padding past (R-1)*dil (the
-    taps start inside dy) and asymmetric padding."""
+    taps start inside dy), asymmetric padding, and the strided 1x1 (dx's phase (0, 0) written,
+    the others zeros; odd and even extents)."""
     _, geometry = case
-    n, c, h, w, k = 2, 16, 11, 9, 24
+    n, c, h, w, k = 2, 16, 11, 8, 24
     filter_size, padding, dilation = geometry["filter_size"], geometry.get("padding", 0), geometry.get("dilation", 1)
-    post = geometry.get("post_padding", padding)
-    p, q = (size + padding + post - dilation * (filter_size - 1) for size in (h, w))
+    post, stride = geometry.get("post_padding", padding), geometry.get("stride", 1)
+    p, q = ((size + padding + post - dilation * (filter_size - 1) - 1) // stride + 1 for size in (h, w))
     g = dgrad_graph("bf16", "none", n, c, h, w, k, dy_stride=[p * q * 40, 1, q * 40, 40], **geometry)
-    (launch,) = lowered(g)
+    (launch, *zero_phases) = lowered(g)
     whole = torch.randn(n, 40, p, q).to(torch.bfloat16).contiguous(memory_format=torch.channels_last)
     dy = whole[:, 8:32]
     weights = torch.randn(k, c, filter_size, filter_size).to(torch.bfloat16).contiguous(
         memory_format=torch.channels_last)
     (out,) = g.reference({"dy": dy, "w": weights}).values()
     assert out.shape == (n, c, h, w)
-    assert torch.allclose(_emulated(launch, dy, weights), out.double(), rtol=1e-2, atol=1e-2)
+    emulated = _emulated(launch, dy, weights)
+    assert len(zero_phases) == (3 if stride == 2 else 0)
+    if zero_phases:  # the Triton launches of dx's other phases, run here in the interpreter
+        dx = _run_zero_phases(g, launch, zero_phases, emulated, {"dy": dy, "w": weights})
+        assert not torch.isnan(dx).any()  # every pixel of dx written by one launch or another
+        emulated = dx
+    assert torch.allclose(emulated, out.double(), rtol=1e-2, atol=1e-2)
+
+
+def _run_zero_phases(g, gluon_launch, launches, phase_zero: torch.Tensor, inputs: dict) -> torch.Tensor:
+    """dx (float64): `phase_zero` (the gluon kernel's part, emulated) at its phase (0, 0) pixels
+    (OUT_STRIDE apart), the other pixels as the zero-phase launches (Triton kernels, run in the
+    interpreter) write them into a NaN-poisoned dx."""
+    out = g.outputs()[0]
+    dx = torch.full_like(phase_zero, float("nan")).to(out.data_type.torch_dtype).contiguous(
+        memory_format=torch.channels_last)
+    tensors = {t.uid: inputs[t.name] for t in g.tensors if t.name in inputs}
+    tensors[out.uid] = dx
+    for launch in launches:
+        launch.interpret(tensors)
+    result = dx.double()
+    values = _values(gluon_launch, "constexpr")
+    written = torch.zeros_like(result, dtype=torch.bool)
+    written[:, :, ::values["OUT_STRIDE_H"], ::values["OUT_STRIDE_W"]] = True
+    return torch.where(written, phase_zero, result)

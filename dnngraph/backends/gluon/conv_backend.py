@@ -11,11 +11,14 @@ convolution: the filter back to front); the matmul's epilogue ops on scalars and
 vectors ([1, K, 1, 1], a bias), stored in float16, bfloat16 or float32.
 conv_dgrad at stride 1 (any filter, padding, dilation, either mode) of dy NHWC and w KRSC to dx
 NHWC, with the same epilogues (vectors over dx's C): the forward over dy with the filter flipped
-(implicit_gemm), w read as a row-major B.
+(implicit_gemm), w read as a row-major B. A strided 1x1 dgrad without padding (strides up to 2:
+the ResNet downsample's) is the 1x1 over dy stored into dx's phase (0, 0) through a strided view,
+followed by the Triton backend's launches of dx's other phases (the epilogue of zeros: no dy
+pixel reaches them; _with_zero_phases), which also make the unaligned fallback whole.
+(conv_wgrad.py answers for the wgrad.)
 
-Refused, each with a reason starting "gluon": a strided dgrad (dx is a sum over stride phases,
-or, for a strided 1x1, zeros between the pixels it reads: the Triton backend's phase GEMMs run
-it), wgrad, groups, 1D / 3D, strides past 2 with taps in other phases, inputs narrower than a
+Refused, each with a reason starting "gluon": other strided dgrads (dx is a sum over stride
+phases: the Triton backend's phase GEMMs run it), groups, 1D / 3D, strides past 2 with taps in other phases, inputs narrower than a
 phased stride, other layouts and types, prologues (a batchnorm applied at load; dgrad's drelu on
 dy), exits (genstats), epilogue operands of other shapes (a residual, a mask over dx: the epilogue sees
 positions in the pixel rectangle, not pixel indices) and ops with no gluon expression (dgrad's
@@ -176,17 +179,34 @@ class ImplicitGemm:
     filters: int
     padding: tuple
     b_k_major: bool
+    stride: tuple = (1, 1)  # the taps' stride over A's pixels (fprop's; a dgrad reads dy densely)
+    out_stride: tuple = (1, 1)  # the output's pixels the GEMM writes: every out_stride-th (the rest the epilogue of 0)
+
+
+def strided_pointwise_dgrad(geometry) -> bool:
+    """Whether a dgrad is a strided 1x1 without leading padding (the ResNet downsample's): dx at
+    (s*p, s*q) is dy[p, q] @ w, every other pixel of dx zero."""
+    g = geometry
+    return (g.direction == "dgrad" and any(s > 1 for s in g.stride) and all(r == 1 for r in g.filter)
+            and all(p == 0 for p in g.padding))
 
 
 def implicit_gemm(geometry) -> ImplicitGemm:
     """The GEMM a fprop or dgrad geometry poses. dgrad (stride 1) is the forward over dy with the
     filter flipped and padding (R-1)*dil - pad: dx[i] = sum over r of dy[i + pad - r*dil] w[r]
-    is, with tap t = R-1-r, dy[i + t*dil - ((R-1)*dil - pad)] w[R-1-t]."""
+    is, with tap t = R-1-r, dy[i + t*dil - ((R-1)*dil - pad)] w[R-1-t]. A strided 1x1 dgrad
+    without padding is the 1x1 over dy's first ceil(H/s) x ceil(W/s) pixels (the ones a dx pixel of
+    phase 0 reads) into dx's phase (0, 0), out_stride apart."""
     g = geometry
+    if strided_pointwise_dgrad(g):
+        written = tuple(-(-size // stride) for size, stride in zip(g.input_spatial, g.stride))
+        return ImplicitGemm("dy", "dx", "K", "C", g.output_spatial, written, g.k, g.c, (0, ) * len(g.stride), False,
+                            out_stride=tuple(g.stride))
     if g.direction == "dgrad":
         padding = tuple((taps - 1) * dilation - pad for taps, dilation, pad in zip(g.filter, g.dilation, g.padding))
         return ImplicitGemm("dy", "dx", "K", "C", g.output_spatial, g.input_spatial, g.k, g.c, padding, False)
-    return ImplicitGemm("x", "y", "C", "K", g.input_spatial, g.output_spatial, g.c, g.k, g.padding, True)
+    return ImplicitGemm("x", "y", "C", "K", g.input_spatial, g.output_spatial, g.c, g.k, g.padding, True,
+                        tuple(g.stride))
 
 
 def tap_phases(taps: int, stride: int, padding: int, dilation: int) -> frozenset:
@@ -199,18 +219,15 @@ def phased_axes(problem: Problem) -> tuple:
     """(PHASED_H, PHASED_W): whether an axis's taps read a phase other than 0 (a stride-2 axis
     whose offsets take both parities, or odd ones); one view of x along it otherwise."""
     g = problem.geometry
-    padding = implicit_gemm(g).padding
-    return tuple(tap_phases(*axis) != frozenset({0}) for axis in zip(g.filter, g.stride, padding, g.dilation))
+    view = implicit_gemm(g)
+    return tuple(tap_phases(*axis) != frozenset({0}) for axis in zip(g.filter, view.stride, view.padding, g.dilation))
 
 
 def _stride_why(problem: Problem) -> Optional[str]:
     """Why the phase views cannot read this convolution's strides, or None."""
     g = problem.geometry
     if g.direction == "dgrad" and any(stride != 1 for stride in g.stride):
-        # dx of a strided conv is a sum over stride phases (the Triton backend's dgrad_phases),
-        # or zeros between the pixels a strided 1x1 reads: neither is this kernel's dense store
-        return (f"gluon's dgrad takes stride 1, not {list(g.stride)} (a strided dgrad writes dx by stride phases: "
-                f"the Triton backend's)")
+        return _strided_dgrad_why(g)
     for name, extent, axis, phased in zip("HW", g.input_spatial, zip(g.filter, g.stride, g.padding, g.dilation),
                                           phased_axes(problem)):
         taps, stride, padding, dilation = axis
@@ -219,6 +236,21 @@ def _stride_why(problem: Problem) -> Optional[str]:
                     f"without padding); stride {list(g.stride)}, filter {list(g.filter)}, padding {list(g.padding)}")
         if phased and extent < stride:
             return f"gluon's phase views need {name} of at least the stride {stride}, not {extent}"
+    return None
+
+
+def _strided_dgrad_why(g) -> Optional[str]:
+    """Why a strided dgrad is not one the kernel runs (a 1x1 without leading padding, strides up
+    to 2, dx at least the stride along each axis: its phase views), or None."""
+    if not strided_pointwise_dgrad(g):
+        # dx of a strided conv is a sum over stride phases (the Triton backend's dgrad_phases)
+        return (f"gluon's dgrad takes stride 1, or a strided 1x1 without padding, not stride {list(g.stride)} with "
+                f"filter {list(g.filter)} and padding {list(g.padding)} (dx by stride phases: the Triton backend's)")
+    if any(stride > 2 for stride in g.stride):
+        return f"gluon's strided 1x1 dgrad writes dx through phase views of strides up to 2, not {list(g.stride)}"
+    for name, extent, stride in zip("HW", g.input_spatial, g.stride):
+        if extent < stride:
+            return f"gluon's phase views of dx need {name} of at least the stride {stride}, not {extent}"
     return None
 
 
@@ -273,7 +305,9 @@ def _output_why(problem: Problem, view: ImplicitGemm) -> Optional[str]:
     out = problem.outputs[0]
     if out.data_type.name not in OUT_TYPES:
         return f"gluon stores float16, bfloat16 or float32, not {out.data_type.name}"
-    out_dims = (problem.geometry.n, view.filters) + tuple(view.out_spatial)
+    g = problem.geometry
+    # the whole output (dx's every pixel where the GEMM writes only its phase (0, 0))
+    out_dims = (g.n, view.filters) + tuple(g.input_spatial if g.direction == "dgrad" else g.output_spatial)
     if tuple(out.dims) != out_dims:
         return f"gluon stores the convolution's shape {list(out_dims)}, not {list(out.dims)}"
     why = _layout_why(view.output, out.dims, out.strides, out.data_type.itemsize, view.filters_name)
@@ -380,20 +414,44 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
                   "BLOCK_K": config.block_k, "STAGES": config.stages, "GROUP_M": config.group_m,
                   "CONSUMERS": config.consumers, "EPILOGUE_N": config.epilogue_n, "PRODUCER_REGS": PRODUCER_REGS,
                   "CONSUMER_REGS": CONSUMER_REGS, "FLIP": flip,
-                  "EPILOGUE_LOOP": config.epilogue_loop, "STRIDE_H": g.stride[0], "STRIDE_W": g.stride[1],
-                  "PHASED_H": phased[0], "PHASED_W": phased[1], "B_K_MAJOR": view.b_k_major}
+                  "EPILOGUE_LOOP": config.epilogue_loop, "STRIDE_H": view.stride[0], "STRIDE_W": view.stride[1],
+                  "PHASED_H": phased[0], "PHASED_W": phased[1], "B_K_MAJOR": view.b_k_major,
+                  "OUT_STRIDE_H": view.out_stride[0], "OUT_STRIDE_W": view.out_stride[1]}
     stem = f"dnngraph_gluon_{group.kind}_{node.op}"
     source_text = conv_codegen.render(stem, group.summary(), (source.uid, w.uid, out.uid), sizes, node.outputs[0],
                                       tuple(group.epilogue), tuple(out.dim), constexprs, problem.fast_math)
     tiles = tile_count(problem, config)
     programs = max(1, min(tiles, target.sms))
     reason = (f"{config.text}: model {chosen.estimate * 1e6:.1f} us ({tiles} tiles on {programs} persistent "
-              f"programs{_views_text(g.stride, phased)}{_dgrad_text(g)})")
+              f"programs{_views_text(view.stride, phased)}{_dgrad_text(g)})")
     launch = launch_of(group, source_text, (programs,), WARPS, config.text + f" grid={programs}", reason)
+    if view.out_stride != (1, 1):
+        return _with_zero_phases(launch, graph, group, problem, context)
     launch.alternative = _unaligned_fallback(graph, group, problem, context)
     if launch.alternative is None:  # an unaligned call would run the TMA kernel: let Triton take it
         raise UnsupportedError(f"{problem.where}: no pointer-load fallback for unaligned calls")
     return [launch]
+
+
+def _with_zero_phases(launch, graph, group, problem: Problem, context) -> list:
+    """A strided 1x1 dgrad's launches: the gluon kernel (dx's phase (0, 0)), then the Triton
+    backend's launches of dx's other stride phases, which no tap reaches (the epilogue of zeros:
+    pointer stores, any alignment). An unaligned call runs the Triton launch of phase (0, 0) in
+    the gluon kernel's place, so the list is the Triton backend's dgrad whole."""
+    from ..triton.heuristics.conv import dgrad_phases
+
+    triton = _triton_launches(graph, group, problem, context)
+    g = problem.geometry
+    phases = dgrad_phases(g.input_spatial, g.filter, g.stride, g.padding, g.dilation, False)
+    # the Triton backend's order: phase (0, 0) (the one tap) first, then the phases no tap reaches
+    zero_phases = all(0 in phase.taps for phase in phases[1:]) and phases[0].phase == (0, 0)
+    if triton is None or len(triton) != len(phases) or not zero_phases:
+        raise UnsupportedError(f"{problem.where}: the Triton backend poses this dgrad in {len(triton or ())} "
+                               f"launches, not one per stride phase ({len(phases)}) with phase (0, 0) first")
+    launch.alternative = triton[0]
+    for zero in triton[1:]:
+        zero.reason = "dx's stride phase no tap reaches (the epilogue of zeros), by the Triton backend's kernel"
+    return [launch] + triton[1:]
 
 
 def _launch_sizes(view: ImplicitGemm, g, source, w, out) -> dict:
@@ -408,15 +466,18 @@ def _launch_sizes(view: ImplicitGemm, g, source, w, out) -> dict:
             "x_stride_h": x_h, "x_stride_w": x_w, "filters": view.filters, "taps_h": g.filter[0],
             "taps_w": g.filter[1], "w_stride_k": w_k, "w_stride_r": w_r, "w_stride_s": w_s, "out_h": p, "out_w": q,
             "y_stride_n": y_n, "y_stride_h": y_h, "y_stride_w": y_w, "pad_h": pad_h, "pad_w": pad_w,
-            "dil_h": dil_h, "dil_w": dil_w}
+            "dil_h": dil_h, "dil_w": dil_w, "y_rows": int(out.dim[2]), "y_cols": int(out.dim[3])}
 
 
 def _dgrad_text(g) -> str:
     """How a dgrad is run, for the launch's reason ("" for the forward)."""
     if g.direction != "dgrad":
         return ""
-    padding = list(implicit_gemm(g).padding)
-    return f", dgrad as the forward over dy with the filter flipped and padding {padding}"
+    view = implicit_gemm(g)
+    if view.out_stride != (1, 1):
+        return (f", dgrad as the 1x1 over dy into dx's pixels {list(view.out_stride)} apart, the epilogue of zeros "
+                f"into the others")
+    return f", dgrad as the forward over dy with the filter flipped and padding {list(view.padding)}"
 
 
 def _views_text(stride: tuple, phased: tuple) -> str:
@@ -431,13 +492,19 @@ def _unaligned_fallback(graph, group, problem, context) -> Optional[KernelLaunch
     """The launch that runs where a pointer is below 16-byte alignment (no TMA descriptor can
     take it): the Triton backend's tiled implicit GEMM of the same group (no split-K: one
     launch), or None where it lowers to anything but one launch without scratch."""
+    built = _triton_launches(graph, group, problem, context)
+    return built[0] if built is not None and len(built) == 1 and not built[0].scratch else None
+
+
+def _triton_launches(graph, group, problem, context) -> Optional[list]:
+    """The Triton backend's launches of the group at its tiled config (1x1 convs are posed as
+    matmuls: that config too), or None where it does not lower it."""
     from ..triton.backend import TRITON
     from ..triton.heuristics.matmul import MatmulConfig
 
-    tiled = MatmulConfig("tiled", 64, 64, 32, 4, 3)  # 1x1 convs are posed as matmuls
+    tiled = MatmulConfig("tiled", 64, 64, 32, 4, 3)
     options = replace(context.options, conv_config=tiled, matmul_config=tiled, autotune=False)
     try:
-        built = TRITON.lower(graph, group, problem, replace(context, options=options, tuner=None))
+        return TRITON.lower(graph, group, problem, replace(context, options=options, tuner=None))
     except UnsupportedError:
         return None
-    return built[0] if len(built) == 1 and not built[0].scratch else None

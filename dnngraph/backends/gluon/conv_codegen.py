@@ -21,10 +21,10 @@ from .codegen import FIXED, EpilogueRenderer
 # the kernel's own parameters (conv_library.implicit_gemm's), written literally
 SIZES = ("images", "x_rows", "x_cols", "channels", "x_stride_n", "x_stride_h", "x_stride_w", "filters", "taps_h",
          "taps_w", "w_stride_k", "w_stride_r", "w_stride_s", "out_h", "out_w", "y_stride_n", "y_stride_h",
-         "y_stride_w", "pad_h", "pad_w", "dil_h", "dil_w")
+         "y_stride_w", "pad_h", "pad_w", "dil_h", "dil_w", "y_rows", "y_cols")
 CONSTEXPRS = ("BLOCK_H", "BLOCK_W", "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M", "CONSUMERS", "EPILOGUE_N",
               "PRODUCER_REGS", "CONSUMER_REGS", "FLIP", "EPILOGUE_LOOP", "STRIDE_H", "STRIDE_W", "PHASED_H", "PHASED_W",
-              "B_K_MAJOR")
+              "B_K_MAJOR", "OUT_STRIDE_H", "OUT_STRIDE_W")
 CONV_FIXED = FIXED + ("conv_lib", "x_ptr", "w_ptr", "y_ptr") + SIZES + CONSTEXPRS
 
 
@@ -130,7 +130,8 @@ def epilogue(acc, rows, cols, batch, M, N, args):
 def {stem}({parameters}):
     conv_lib.implicit_gemm(x_ptr, w_ptr, y_ptr, {size_text}, epilogue, {args_tuple},
                            BLOCK_H, BLOCK_W, BLOCK_N, BLOCK_K, STAGES, GROUP_M, CONSUMERS, EPILOGUE_N, PRODUCER_REGS,
-                           CONSUMER_REGS, FLIP, EPILOGUE_LOOP, STRIDE_H, STRIDE_W, PHASED_H, PHASED_W, B_K_MAJOR)
+                           CONSUMER_REGS, FLIP, EPILOGUE_LOOP, STRIDE_H, STRIDE_W, PHASED_H, PHASED_W, B_K_MAJOR,
+                           OUT_STRIDE_H, OUT_STRIDE_W)
 '''
     return KernelSource(stem, text, list(arguments))
 

@@ -35,6 +35,10 @@ output pixels, its columns output channels, its reduction R*S*C (tap-major, C in
   its axis 0: a row-major B, box [BLOCK_K, 1, 1, BLOCK_N] at (k0, r, s, c0), C contiguous, read
   by wgmma as it is. The filter runs back to front in cross-correlation (FLIP True), front to
   back in mode="convolution".
+- A strided 1x1 dgrad without padding (OUT_STRIDE_H / OUT_STRIDE_W 2) is the 1x1 over dy's
+  first ceil(H/s) x ceil(W/s) pixels stored into phase view (0, 0) of dx (its pixels (s*p, s*q));
+  dx's other phases, which no dy pixel reaches, hold the epilogue of zeros, written by the
+  Triton backend's phase launches that follow this one (conv_backend.lower).
 - The epilogue runs in column subtiles (library.column_subtiles) and stores each through a
   staging buffer and a rank-4 TMA store, box [1, SUB_H, BLOCK_W, EPILOGUE_N] over y [N, P, Q,
   K]: pixels past P or Q and channels past K are clipped by the descriptor.
@@ -240,21 +244,23 @@ def conv_finish_subtile(part, j, y_desc, c_buffers, image, p0, q0, col0, pixels,
 
 @gluon.jit
 def conv_mma_partition(a_ring, b_ring, ready, empty, c_buffers, y_ptr, images, out_h, out_w, filters, k_steps,
-                       y_stride_n, y_stride_h, y_stride_w, epilogue: gl.constexpr, epilogue_args,  #
+                       y_rows, y_cols, y_stride_n, y_stride_h, y_stride_w, epilogue: gl.constexpr, epilogue_args,  #
                        HALF: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_N: gl.constexpr,
                        GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_N: gl.constexpr,
-                       EPILOGUE_LOOP: gl.constexpr, B_K_MAJOR: gl.constexpr):
+                       EPILOGUE_LOOP: gl.constexpr, B_K_MAJOR: gl.constexpr, OUT_STRIDE_H: gl.constexpr,
+                       OUT_STRIDE_W: gl.constexpr):
     """Consumer HALF: rows [HALF * SUB_H, (HALF + 1) * SUB_H) of every pixel rectangle of the
-    program, through library.cooperative_mainloop, then the epilogue in column subtiles."""
+    program, through library.cooperative_mainloop, then the epilogue in column subtiles, stored
+    into phase (0, 0) of y [N, y_rows, y_cols, filters]: y itself where OUT_STRIDE is 1 (out_h,
+    out_w are y_rows, y_cols), else every OUT_STRIDE-th pixel (a strided 1x1 dgrad's: out_h =
+    ceil(y_rows / OUT_STRIDE_H), ...; the other phases are another launch's)."""
     SUB_H: gl.constexpr = BLOCK_H // CONSUMERS
     SUB_M: gl.constexpr = SUB_H * BLOCK_W
     SPLITS: gl.constexpr = BLOCK_N // EPILOGUE_N
     STAGING: gl.constexpr = staging_buffers(SPLITS)
     layout: gl.constexpr = accumulator_layout(SUB_M, BLOCK_N, a_ring.dtype)
-    out_dtype: gl.constexpr = y_ptr.dtype.element_ty
-    y_desc = tma.make_tensor_descriptor(y_ptr, [images, out_h, out_w, filters], [y_stride_n, y_stride_h, y_stride_w, 1],
-                                        [1, SUB_H, BLOCK_W, EPILOGUE_N],
-                                        shared_layout([1, SUB_H, BLOCK_W, EPILOGUE_N], out_dtype))
+    y_desc = phase_view(y_ptr, 0, 0, images, y_rows, y_cols, filters, y_stride_n, y_stride_h, y_stride_w, OUT_STRIDE_H,
+                        OUT_STRIDE_W, SUB_H, BLOCK_W, EPILOGUE_N)
     pixels = images * out_h * out_w
     step = 0
     for tile in range(gl.program_id(0), tile_count(images, out_h, out_w, filters, BLOCK_H, BLOCK_W, BLOCK_N),
@@ -278,15 +284,17 @@ def conv_mma_partition(a_ring, b_ring, ready, empty, c_buffers, y_ptr, images, o
 @gluon.jit
 def implicit_gemm(x_ptr, w_ptr, y_ptr, images, x_rows, x_cols, channels, x_stride_n, x_stride_h, x_stride_w, filters,
                taps_h, taps_w, w_stride_k, w_stride_r, w_stride_s, out_h, out_w, y_stride_n, y_stride_h, y_stride_w,
-               pad_h, pad_w, dil_h, dil_w, epilogue: gl.constexpr, epilogue_args,  #
+               pad_h, pad_w, dil_h, dil_w, y_rows, y_cols, epilogue: gl.constexpr, epilogue_args,  #
                BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_N: gl.constexpr,
                PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, FLIP: gl.constexpr,
                EPILOGUE_LOOP: gl.constexpr, STRIDE_H: gl.constexpr, STRIDE_W: gl.constexpr, PHASED_H: gl.constexpr,
-               PHASED_W: gl.constexpr, B_K_MAJOR: gl.constexpr):
+               PHASED_W: gl.constexpr, B_K_MAJOR: gl.constexpr, OUT_STRIDE_H: gl.constexpr,
+               OUT_STRIDE_W: gl.constexpr):
     """The whole kernel body: the ring of [SUB_M, BLOCK_K] pixel tiles (one per consumer a
-    slot) and filter tiles ([BLOCK_N, BLOCK_K] K-major, [BLOCK_K, BLOCK_N] row-major), its barriers, the staging buffers, and the
-    partitions: CONSUMERS warpgroups (the first the default partition) and the producer."""
+    slot) and filter tiles ([BLOCK_N, BLOCK_K] K-major, [BLOCK_K, BLOCK_N] row-major), its
+    barriers, the staging buffers, and the partitions: CONSUMERS warpgroups (the first the
+    default partition) and the producer."""
     gl.static_assert(STAGES >= 2)
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     gl.static_assert(gl.num_warps() == WARPGROUP_WARPS)
@@ -313,13 +321,15 @@ def implicit_gemm(x_ptr, w_ptr, y_ptr, images, x_rows, x_cols, channels, x_strid
     if CONSUMERS == 2:
         gl.warp_specialize([
             (conv_mma_partition, (a_ring, b_ring, ready, empty, c_buffers, y_ptr, images, out_h, out_w, filters,
-                                  k_steps, y_stride_n, y_stride_h, y_stride_w, held(epilogue), epilogue_args,
+                                  k_steps, y_rows, y_cols, y_stride_n, y_stride_h, y_stride_w, held(epilogue),
+                                  epilogue_args,
                                   gl.constexpr(0), BLOCK_H, BLOCK_W, BLOCK_N, GROUP_M, CONSUMERS, EPILOGUE_N,
-                                  EPILOGUE_LOOP, B_K_MAJOR)),
+                                  EPILOGUE_LOOP, B_K_MAJOR, OUT_STRIDE_H, OUT_STRIDE_W)),
             (conv_mma_partition, (a_ring, b_ring, ready, empty, c_buffers, y_ptr, images, out_h, out_w, filters,
-                                  k_steps, y_stride_n, y_stride_h, y_stride_w, held(epilogue), epilogue_args,
+                                  k_steps, y_rows, y_cols, y_stride_n, y_stride_h, y_stride_w, held(epilogue),
+                                  epilogue_args,
                                   gl.constexpr(1), BLOCK_H, BLOCK_W, BLOCK_N, GROUP_M, CONSUMERS, EPILOGUE_N,
-                                  EPILOGUE_LOOP, B_K_MAJOR)),
+                                  EPILOGUE_LOOP, B_K_MAJOR, OUT_STRIDE_H, OUT_STRIDE_W)),
             (conv_load_partition, (x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_rows, x_cols, channels,
                                    x_stride_n, x_stride_h, x_stride_w, filters, taps_h, taps_w, w_stride_k,
                                    w_stride_r, w_stride_s, out_h, out_w, pad_h, pad_w, dil_h, dil_w, BLOCK_H,
@@ -329,9 +339,10 @@ def implicit_gemm(x_ptr, w_ptr, y_ptr, images, x_rows, x_cols, channels, x_strid
     else:
         gl.warp_specialize([
             (conv_mma_partition, (a_ring, b_ring, ready, empty, c_buffers, y_ptr, images, out_h, out_w, filters,
-                                  k_steps, y_stride_n, y_stride_h, y_stride_w, held(epilogue), epilogue_args,
+                                  k_steps, y_rows, y_cols, y_stride_n, y_stride_h, y_stride_w, held(epilogue),
+                                  epilogue_args,
                                   gl.constexpr(0), BLOCK_H, BLOCK_W, BLOCK_N, GROUP_M, CONSUMERS, EPILOGUE_N,
-                                  EPILOGUE_LOOP, B_K_MAJOR)),
+                                  EPILOGUE_LOOP, B_K_MAJOR, OUT_STRIDE_H, OUT_STRIDE_W)),
             (conv_load_partition, (x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_rows, x_cols, channels,
                                    x_stride_n, x_stride_h, x_stride_w, filters, taps_h, taps_w, w_stride_k,
                                    w_stride_r, w_stride_s, out_h, out_w, pad_h, pad_w, dil_h, dil_w, BLOCK_H,
