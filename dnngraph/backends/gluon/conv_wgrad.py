@@ -199,16 +199,14 @@ def _chosen(problem: Problem, target: Target, offered: list, candidate: Optional
 
 
 def _budgeted_split(problem: Problem, config: WgradConfig, context) -> tuple:
-    """(splits, rectangles a split) within the context's workspace budget, which it spends."""
+    """(splits, rectangles a split) within the context's workspace budget (lower spends it once
+    the launches are made)."""
     budget = context.budget
     limit = None if budget is None or budget.limit is None else budget.limit - budget.spent
     splits, per_split = split_of(problem, config, context.target, limit)
     nbytes = partial_bytes(problem, splits)
-    if budget is not None:
-        if not budget.allows(nbytes):
-            raise UnsupportedError(f"{problem.where}: gluon's wgrad partials ({nbytes} bytes) exceed the workspace "
-                                   f"limit")
-        budget.spend(nbytes)
+    if budget is not None and not budget.allows(nbytes):
+        raise UnsupportedError(f"{problem.where}: gluon's wgrad partials ({nbytes} bytes) exceed the workspace limit")
     return splits, per_split
 
 
@@ -253,6 +251,8 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
     first.alternative = second.alternative = _unaligned_fallback(graph, group, problem, context)
     if first.alternative is None:
         raise UnsupportedError(f"{problem.where}: no pointer-load fallback for unaligned calls")
+    if context.budget is not None:
+        context.budget.spend(partials.nbytes)
     return [first, second]
 
 
