@@ -649,23 +649,23 @@ def test_a_small_run_is_clean_under_the_concurrency_sanitizer(tmp_path):
 
 def test_each_partition_makes_the_descriptors_it_copies_through():
     """A device-side descriptor is acquired only by the warps that make it: the producer makes
-    x's phase views and w's (dy's in wgrad), each consumer y's, the kernel body none."""
+    x's phase views and w's (dy's in wgrad), each consumer y's, the kernel bodies none."""
     import ast
     import inspect
 
-    from dnngraph.backends.gluon import conv_library
+    from dnngraph.backends.gluon import conv_library, conv_wgrad_library
 
-    tree = ast.parse(inspect.getsource(conv_library))
-    makers = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
-              for call in ast.walk(node) if isinstance(call, ast.Call)
+    functions = [node for module in (conv_library, conv_wgrad_library)
+                 for node in ast.walk(ast.parse(inspect.getsource(module))) if isinstance(node, ast.FunctionDef)]
+    makers = {node.name for node in functions for call in ast.walk(node) if isinstance(call, ast.Call)
               and getattr(call.func, "attr", None) == "make_tensor_descriptor"}
     assert makers == {"phase_view", "filter_descriptor", "wgrad_load_partition"}, makers
     # x's views and w's: the producers' own; y's (phase) views the consumers' (the wgrad's
     # consumers store their partials by pointer)
     for helper, producers in (("phase_view", {"conv_load_partition", "wgrad_load_partition", "conv_mma_partition"}),
                               ("filter_descriptor", {"conv_load_partition"})):
-        callers = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
-                   for call in ast.walk(node) if isinstance(call, ast.Call) and getattr(call.func, "id", None) == helper}
+        callers = {node.name for node in functions for call in ast.walk(node)
+                   if isinstance(call, ast.Call) and getattr(call.func, "id", None) == helper}
         assert callers == producers, (helper, callers)
 
 

@@ -1,4 +1,4 @@
-"""The Gluon backend's convolution wgrad (backends/gluon/conv_wgrad.py, conv_library.wgrad_*):
+"""The Gluon backend's convolution wgrad (backends/gluon/conv_wgrad.py, conv_wgrad_library.py):
 per tap a GEMM over dy's pixel rectangles (dy an M-major A, x's phase views a row-major B), split
 over the pixels, the fp32 partials added in split order by a combine kernel with the epilogue.
 
@@ -143,7 +143,7 @@ def test_lower_gives_the_partials_then_the_combine_within_the_budget():
     assert "conv wgrad" in partials.config_text and "deterministic" in combine.reason
     assert partials.alternative is not None and partials.alternative is combine.alternative
     assert "dnngraph_gluon_conv_conv_wgrad" in open(partials.source_path).read()
-    assert "conv_lib.wgrad_combine(" in open(combine.source_path).read()
+    assert "wgrad_lib.wgrad_combine(" in open(combine.source_path).read()
     # a limit of one split's partials: one split; below it, refused (Triton runs the wgrad)
     (tight, _) = _lowered(g, budget=WorkspaceBudget(workspace.nbytes // splits))
     assert _values(tight, "int")["splits"] == 1

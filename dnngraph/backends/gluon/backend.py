@@ -10,7 +10,7 @@ sdpa groups (the attention forward) are answered by attention_backend.py (its ke
 attention_library.py and attention_codegen.py), conv groups (the convolution forward as an
 implicit GEMM on the matmul's mainloop, and the stride-1 dgrad) by conv_backend.py
 (conv_library.py, conv_codegen.py), conv_wgrad groups by conv_wgrad.py (a split over pixels and
-a combine, in conv_library.py too); each method below hands them on by family.
+a combine: conv_wgrad_library.py); each method below hands them on by family.
 
 verified = False: its GPU tests pass on an H200 (cooperative and ping-pong matmuls, the attention
 forward; runs of each under the concurrency sanitizer), but the whole GPU suite has not run with it

@@ -136,7 +136,7 @@ def {stem}({parameters}):
     return KernelSource(stem, text, list(arguments))
 
 
-# -- wgrad: two kernels (conv_library.wgrad_partials, then wgrad_combine with the epilogue) ---------
+# -- wgrad: two kernels (conv_wgrad_library.wgrad_partials, then wgrad_combine with the epilogue) ---
 WGRAD_SIZES = ("images", "x_rows", "x_cols", "channels", "x_stride_n", "x_stride_h", "x_stride_w", "filters",
                "dy_stride_n", "dy_stride_h", "dy_stride_w", "taps_h", "taps_w", "out_h", "out_w", "pad_h", "pad_w",
                "dil_h", "dil_w", "splits", "per_split")
@@ -145,7 +145,7 @@ WGRAD_CONSTEXPRS = ("BLOCK_H", "BLOCK_W", "BLOCK_M", "BLOCK_N", "STAGES", "CONSU
 COMBINE_SIZES = ("filters", "channels", "taps_h", "taps_w", "splits", "dw_stride_k", "dw_stride_c", "dw_stride_r",
                  "dw_stride_s")
 COMBINE_CONSTEXPRS = ("BLOCK_M", "BLOCK_N", "FLIP")
-WGRAD_FIXED = (FIXED + ("conv_lib", "dy_ptr", "x_ptr", "partial_ptr", "dw_ptr") + WGRAD_SIZES + WGRAD_CONSTEXPRS
+WGRAD_FIXED = (FIXED + ("wgrad_lib", "dy_ptr", "x_ptr", "partial_ptr", "dw_ptr") + WGRAD_SIZES + WGRAD_CONSTEXPRS
                + COMBINE_SIZES + COMBINE_CONSTEXPRS)
 
 
@@ -166,7 +166,7 @@ def _fixed_arguments(pointers: tuple, names: tuple, values: dict, constexpr_name
 
 def render_wgrad_partials(stem: str, description: str, tensors: tuple, sizes: dict, constexprs: dict) -> KernelSource:
     """The wgrad's partials kernel, defined as `stem` (nothing of it is fused: a signature over
-    conv_library.wgrad_partials). tensors: the uids of dy, x and the fp32 workspace of partials."""
+    conv_wgrad_library.wgrad_partials). tensors: the uids of dy, x and the fp32 workspace of partials."""
     names = NameAllocator(WGRAD_FIXED)
     names.reserve(stem)
     arguments = _fixed_arguments(tuple(zip(("dy_ptr", "x_ptr", "partial_ptr"), tensors)), WGRAD_SIZES,
@@ -175,21 +175,21 @@ def render_wgrad_partials(stem: str, description: str, tensors: tuple, sizes: di
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from dnngraph.backends.gluon import conv_library as conv_lib
+from dnngraph.backends.gluon import conv_wgrad_library as wgrad_lib
 
 
 @gluon.jit
 def {stem}({_parameters(names, arguments)}):
-    conv_lib.wgrad_partials(dy_ptr, x_ptr, partial_ptr, {", ".join(WGRAD_SIZES)},
-                            {", ".join(WGRAD_CONSTEXPRS)})
+    wgrad_lib.wgrad_partials(dy_ptr, x_ptr, partial_ptr, {", ".join(WGRAD_SIZES)},
+                             {", ".join(WGRAD_CONSTEXPRS)})
 '''
     return KernelSource(stem, text, arguments)
 
 
 def render_wgrad_combine(stem: str, description: str, tensors: tuple, sizes: dict, anchor_output, epilogue_nodes,
                          dw_dims: tuple, constexprs: dict, fast_math=frozenset()) -> KernelSource:
-    """The wgrad's combine kernel, defined as `stem`: the splits' partials added, the fused
-    epilogue (rendered here: scalars and vectors over dw's C), dw stored. tensors: the uids of the
+    """The wgrad's combine kernel (conv_wgrad_library.wgrad_combine), defined as `stem`: the
+    splits' partials added, the fused epilogue (rendered here: scalars and vectors over dw's C), dw stored. tensors: the uids of the
     workspace and the stored output; dw_dims: its logical [K, C, R, S]."""
     names = NameAllocator(WGRAD_FIXED)
     names.reserve(stem)
@@ -207,7 +207,7 @@ def render_wgrad_combine(stem: str, description: str, tensors: tuple, sizes: dic
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from dnngraph.backends.gluon import conv_library as conv_lib
+from dnngraph.backends.gluon import conv_wgrad_library as wgrad_lib
 from dnngraph.backends.gluon import library as lib
 
 
@@ -218,7 +218,7 @@ def epilogue(acc, rows, cols, batch, M, N, args):
 
 @gluon.jit
 def {stem}({_parameters(names, arguments)}):
-    conv_lib.wgrad_combine(partial_ptr, dw_ptr, {", ".join(COMBINE_SIZES)}, epilogue, {args_tuple},
-                           {", ".join(COMBINE_CONSTEXPRS)})
+    wgrad_lib.wgrad_combine(partial_ptr, dw_ptr, {", ".join(COMBINE_SIZES)}, epilogue, {args_tuple},
+                            {", ".join(COMBINE_CONSTEXPRS)})
 '''
     return KernelSource(stem, text, arguments)

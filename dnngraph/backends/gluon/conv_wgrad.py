@@ -1,5 +1,5 @@
 """The Gluon backend's answers for conv_wgrad groups (backend.py dispatches here by direction):
-what the two kernels of conv_library.py (wgrad_partials, wgrad_combine) take, their configs and
+what the two kernels of conv_wgrad_library.py (wgrad_partials, wgrad_combine) take, their configs and
 model, and the launches of one group.
 
     dw[k, r, s, c] = epilogue(sum over (n, p, q) of dy[n, p, q, k] * x[n, p*st + r*dil - pad, q*st + s*dil - pad, c])
