@@ -249,6 +249,17 @@ def test_the_wgrad_launch_arguments_read_the_weight_gradient(case):
     assert torch.allclose(emulated, out.double(), rtol=1e-2, atol=5e-2)
 
 
+def test_a_cpu_build_with_gluon_first_runs_triton_in_the_interpreter():
+    """On CPU tensors (the interpreter) gluon takes no part: a wgrad and a strided 1x1 dgrad built
+    with gluon first run the Triton backend's kernels, against the reference."""
+    from gluon_conv_cases import dgrad_graph
+
+    for g in (wgrad_graph("bf16", "bias_relu", 1, 16, 5, 6, 16, 3, padding=1),
+              dgrad_graph("bf16", "bias_relu", 1, 16, 5, 6, 16, 1, stride=2)):
+        check(g, _inputs(g, "cpu"), dtype=torch.bfloat16, options=BuildOptions(backends=("gluon", "triton")))
+        assert {launch.backend for launch in g.plan.launches} == {"triton"}
+
+
 # -- on a GPU (H100 / H200) -------------------------------------------------------------------------
 
 # (id, n, c, h, w, k, filter, stride, padding, dilation): 1x1/1 and /2, 3x3/1 p1 and /2, 5x5 p2 and
