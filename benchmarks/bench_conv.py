@@ -45,7 +45,10 @@ wgrad geomean >= 0.9x the faster cuDNN (torch or FE) per layer; depthwise >= 1.0
     python benchmarks/bench_conv.py --rows fprop,stats --autotune --only layer3
     python benchmarks/bench_conv.py --cudnn-fe-path /tmp/fe  # a pip --target folder holding `cudnn`
     python benchmarks/bench_conv.py --rows fprop --gluon --cudnn-fe-path /tmp/fe --no-compile
-                                                             # "dg": Triton alone, "dg gluon": the default
+                                                             # "dg": Triton alone; "dg gluon": backends=("gluon", "triton")
+    python benchmarks/bench_conv.py --rows dgrad --gluon --cudnn-fe-path /tmp/fe --no-compile
+                                                             # the same for the dgrad (Gluon: stride 1)
+    python benchmarks/bench_conv.py --rows wgrad --gluon --cudnn-fe-path /tmp/fe --no-compile
     python benchmarks/bench_conv.py --list-shapes            # the layers of each row, no device needed
     python benchmarks/bench_conv.py --check-cpu              # tiny fp32 shapes through dnngraph on CPU
 
@@ -278,9 +281,9 @@ TITLES = {
 # the int8 gradient rows: the bf16 op their anchors run
 INT8_GRADIENTS = {"int8_dgrad": "dgrad", "int8_wgrad": "wgrad"}
 DG_PROVIDERS = {"dg": "dg", "dg_tuned": "dg tuned", "dg_gluon": "dg gluon"}
-# --gluon: "dg" built by the Triton backend alone, beside the default build ("dg gluon"), which
-# ranks Gluon's conv forward (Hopper) with Triton's by the models
+# --gluon: "dg" built by the Triton backend alone, beside "dg gluon", a build preferring Gluon (Hopper)
 TRITON_ONLY = ("triton",)
+GLUON_FIRST = ("gluon", "triton")
 
 
 def row_shapes(key, args, resnet) -> list:
@@ -702,14 +705,15 @@ def run_case(row: RowSpec, shape: ConvShape, ctx: Context) -> dict:
     factories = {name: anchors[name]() for name in row.anchors} if ctx.timed else {}
     io_type = dg.bfloat16 if ctx.dtype == BF16 else dg.float32
     gluon = getattr(ctx.args, "gluon", False)
-    # with --gluon, "dg" is the Triton backend alone and "dg gluon" the default build (Gluon's conv
-    # forward where the models rank it first); without, "dg" is the default build
+    # with --gluon, "dg" is the Triton backend alone and "dg gluon" a build that prefers Gluon
+    # (GLUON_FIRST: the models rank the two where both estimate, Gluon first where its model gives
+    # none, as for its dgrad and wgrad until measured); without, "dg" is the default build
     factories["dg"] = dg_provider(row.op, shape, inputs, io_type, autotune=False,
                                   backends=TRITON_ONLY if gluon else None)
     if ctx.args.autotune:
         factories["dg_tuned"] = dg_provider(row.op, shape, inputs, io_type, autotune=True)
     if gluon:
-        factories["dg_gluon"] = dg_provider(row.op, shape, inputs, io_type, autotune=False)
+        factories["dg_gluon"] = dg_provider(row.op, shape, inputs, io_type, autotune=False, backends=GLUON_FIRST)
     case = {"label": shape.label, "shape": shape.describe(), "gflop": shape.flops / 1e9}
     for name, factory in factories.items():
         case[name] = measure(factory, refs, shape, ctx)
@@ -845,8 +849,9 @@ def parse_args(argv):
     parser.add_argument("--autotune", action="store_true", help="also time g.build(autotune=True)")
     parser.add_argument("--gluon", action="store_true",
                         help="time 'dg' as a Triton-only build (BuildOptions(backends=('triton',))) beside "
-                             "'dg gluon', the default build: the Gluon implicit-GEMM conv where it takes the "
-                             "layer and its model ranks it first")
+                             "'dg gluon', a build with BuildOptions(backends=('gluon', 'triton')): the Gluon "
+                             "implicit-GEMM conv (fprop, stride-1 dgrad, wgrad) where it takes the layer, Gluon "
+                             "first where its model gives no estimate")
     return parser.parse_args(argv)
 
 

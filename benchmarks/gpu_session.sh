@@ -36,7 +36,7 @@ case "$STAGE" in
     grep -E "^seed|FUZZ|graphs," "$OUT/fuzz.txt" | cut -c1-300 | tail -20 ;;
   gluon)
     limited python3 -m pytest tests/backends/test_gluon.py tests/backends/test_gluon_attention.py \
-      tests/backends/test_gluon_conv.py -m gpu -v -n 8 -rf \
+      tests/backends/test_gluon_conv.py tests/backends/test_gluon_wgrad.py -m gpu -v -n 8 -rf \
       --tb=short -p no:cacheprovider --durations=5 \
       -W ignore > "$OUT/gluon.txt" 2>&1
     failures "$OUT/gluon.txt" ;;

@@ -8,8 +8,9 @@ problems it takes (supports), which configs it offers and what the model says of
 
 sdpa groups (the attention forward) are answered by attention_backend.py (its kernel:
 attention_library.py and attention_codegen.py), conv groups (the convolution forward as an
-implicit GEMM on the matmul's mainloop) by conv_backend.py (conv_library.py, conv_codegen.py);
-each method below hands them on by family.
+implicit GEMM on the matmul's mainloop, and the stride-1 dgrad) by conv_backend.py
+(conv_library.py, conv_codegen.py), conv_wgrad groups by conv_wgrad.py (a split over pixels and
+a combine: conv_wgrad_library.py); each method below hands them on by family.
 
 verified = False, verified_families = {"conv", "sdpa"}: its GPU tests pass on an H200 (cooperative
 and ping-pong matmuls, the attention and convolution forwards; runs of each under the concurrency
@@ -41,7 +42,7 @@ from ...runtime.launch import KernelLaunch, launch_of
 from ...target import Target
 from ...versions import __version__
 from ..contract import Candidate
-from . import attention_backend, codegen, conv_backend
+from . import attention_backend, codegen, conv_backend, conv_wgrad
 
 TMA_ALIGNMENT = 16  # bytes: TMA global strides and base addresses
 IN_TYPES = {"float16": "fp16", "bfloat16": "bf16", "float8_e4m3": "fp8", "float8_e5m2": "fp8"}
@@ -268,11 +269,17 @@ def _tma_legal(dims, strides, itemsize: int) -> Optional[str]:
     return None
 
 
+def _conv_module(problem: Problem):
+    """The module answering for a conv group: conv_wgrad.py for a wgrad (two kernels over a
+    workspace), conv_backend.py for the forward and the dgrad (one implicit GEMM)."""
+    return conv_wgrad if problem.geometry.direction == "wgrad" else conv_backend
+
+
 class GluonBackend:
     """The contract over library.py and codegen.py, for matmul groups on sm_90."""
 
     name = "gluon"
-    version = f"dnngraph {__version__}, triton {triton.__version__}, gluon matmul 2, gluon attention 1, gluon conv 1"
+    version = f"dnngraph {__version__}, triton {triton.__version__}, gluon matmul 2, gluon attention 1, gluon conv 2"
     # sdpa: attention_backend.py, conv: conv_backend.py (dispatched by family)
     families = frozenset({"matmul", "sdpa", "conv"})
     interpretable = False
@@ -300,7 +307,7 @@ class GluonBackend:
         if problem.family == "sdpa":
             return attention_backend.supports(problem)
         if problem.family == "conv":
-            return conv_backend.supports(problem)
+            return _conv_module(problem).supports(problem)
         if problem.family != "matmul":
             return f"gluon has no {problem.family} kernel"
         g = problem.geometry
@@ -372,7 +379,7 @@ class GluonBackend:
         if problem.family == "sdpa":
             return attention_backend.estimate(problem, config, target)
         if problem.family == "conv":
-            return conv_backend.estimate(problem, config, target)
+            return _conv_module(problem).estimate(problem, config, target)
         if not isinstance(config, GluonConfig):
             return None
         batch, m, n, k, in_bytes, out_bytes = self._sizes(problem)
@@ -396,7 +403,7 @@ class GluonBackend:
         if problem.family == "sdpa":
             return attention_backend.candidates(self.name, problem, target)
         if problem.family == "conv":
-            return conv_backend.candidates(self.name, problem, target)
+            return _conv_module(problem).candidates(self.name, problem, target)
         _, _, _, _, in_bytes, out_bytes = self._sizes(problem)
         store = self._tma_store_ok(problem)
         heavy = heavy_epilogue(problem)
@@ -448,7 +455,7 @@ class GluonBackend:
         if problem.family == "sdpa":
             return attention_backend.lower(graph, group, problem, context, offered, candidate)
         if problem.family == "conv":
-            return conv_backend.lower(graph, group, problem, context, offered, candidate)
+            return _conv_module(problem).lower(graph, group, problem, context, offered, candidate)
         if candidate is not None and isinstance(candidate.config, GluonConfig):
             # a config from outside may be any this backend knows, offered or not yet
             known = self._fitted(problem, target, CONFIGS + PINGPONG_CONFIGS)

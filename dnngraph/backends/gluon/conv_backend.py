@@ -1,18 +1,30 @@
 """The Gluon backend's answers for conv groups (backend.py dispatches here by family): which
-convolution forwards the implicit-GEMM kernel of conv_library.py takes, its configs and model,
-and the launch of one group.
+convolution forwards and dgrads the implicit-GEMM kernel of conv_library.py takes, its configs and
+model, and the launch of one group.
 
 Taken: conv_fprop of fp16 or bf16 x and w (one type), 2D, groups 1, x NHWC (channels_last: C
 contiguous) and w KRSC (C contiguous), y NHWC (K contiguous), C and K multiples of 16 bytes and
 every other stride too (TMA reads and writes them); strides 1 and 2 with any padding and dilation
 (a stride-2 axis through x's phase views: conv_library.py), and any stride whose taps all lie in
-phase 0 (a 1x1 filter without padding: the ResNet downsample); either mode (cross-correlation, or convolution: the filter back to front);
-the matmul's epilogue ops on scalars and per-channel vectors ([1, K, 1, 1], a bias), stored in
-float16, bfloat16 or float32. Refused, each with a reason starting "gluon": dgrad, wgrad,
-groups, 1D / 3D, strides past 2 with taps in other phases, inputs narrower than a phased stride,
-other layouts and types, prologues (a batchnorm applied at load), exits
-(genstats), epilogue operands of other shapes (a residual).
+phase 0 (a 1x1 filter without padding: the ResNet downsample); either mode (cross-correlation, or
+convolution: the filter back to front); the matmul's epilogue ops on scalars and per-channel
+vectors ([1, K, 1, 1], a bias), stored in float16, bfloat16 or float32.
+conv_dgrad at stride 1 (any filter, padding, dilation, either mode) of dy NHWC and w KRSC to dx
+NHWC, with the same epilogues (vectors over dx's C): the forward over dy with the filter flipped
+(implicit_gemm), w read as a row-major B. A strided 1x1 dgrad without padding (strides up to 2:
+the ResNet downsample's) is the 1x1 over dy stored into dx's phase (0, 0) through a strided view,
+followed by the Triton backend's launches of dx's other phases (the epilogue of zeros: no dy
+pixel reaches them; _with_zero_phases), which also make the unaligned fallback whole.
+(conv_wgrad.py answers for the wgrad.)
 
+Refused, each with a reason starting "gluon": other strided dgrads (dx is a sum over stride
+phases: the Triton backend's phase GEMMs run it), groups, 1D / 3D, strides past 2 with taps in other phases, inputs narrower than a
+phased stride, other layouts and types, prologues (a batchnorm applied at load; dgrad's drelu on
+dy), exits (genstats), epilogue operands of other shapes (a residual, a mask over dx: the epilogue sees
+positions in the pixel rectangle, not pixel indices) and ops with no gluon expression (dgrad's
+relu_backward on dx, which would also read x at every pixel).
+
+For dgrad the GEMM below has rows N*H*W (dx's pixels), columns C, reduction R*S*K.
 Configs (ConvConfig): an output tile is a BLOCK_H x BLOCK_W pixel rectangle of one image by
 BLOCK_N channels. The model (estimate) is the matmul's over the implicit GEMM (rows N*P*Q,
 columns K, reduction R*S*C) with the tiles' waste: a rectangle's pixels past P or Q, channels
@@ -149,6 +161,54 @@ def _layout_why(name: str, dims: tuple, strides: tuple, itemsize: int, channels_
     return None
 
 
+@dataclass(frozen=True)
+class ImplicitGemm:
+    """A convolution as the kernel runs it (conv_library.py): A is `source` (x in fprop, dy in
+    dgrad), NHWC [N, *source_spatial, channels]; the output (y, dx) NHWC [N, *out_spatial,
+    filters]; the taps read A at offset tap*dilation - padding (per axis) from each output pixel
+    times the stride; w [K, R, S, C] is K-major B (fprop: C the reduction) or row-major B (dgrad:
+    K the reduction, C the columns)."""
+
+    source: str
+    output: str
+    channels_name: str  # the reduction's name (C in fprop, K in dgrad) and the columns'
+    filters_name: str
+    source_spatial: tuple
+    out_spatial: tuple
+    channels: int
+    filters: int
+    padding: tuple
+    b_k_major: bool
+    stride: tuple = (1, 1)  # the taps' stride over A's pixels (fprop's; a dgrad reads dy densely)
+    out_stride: tuple = (1, 1)  # the output's pixels the GEMM writes: every out_stride-th (the rest the epilogue of 0)
+
+
+def strided_pointwise_dgrad(geometry) -> bool:
+    """Whether a dgrad is a strided 1x1 without leading padding (the ResNet downsample's): dx at
+    (s*p, s*q) is dy[p, q] @ w, every other pixel of dx zero."""
+    g = geometry
+    return (g.direction == "dgrad" and any(s > 1 for s in g.stride) and all(r == 1 for r in g.filter)
+            and all(p == 0 for p in g.padding))
+
+
+def implicit_gemm(geometry) -> ImplicitGemm:
+    """The GEMM a fprop or dgrad geometry poses. dgrad (stride 1) is the forward over dy with the
+    filter flipped and padding (R-1)*dil - pad: dx[i] = sum over r of dy[i + pad - r*dil] w[r]
+    is, with tap t = R-1-r, dy[i + t*dil - ((R-1)*dil - pad)] w[R-1-t]. A strided 1x1 dgrad
+    without padding is the 1x1 over dy's first ceil(H/s) x ceil(W/s) pixels (the ones a dx pixel of
+    phase 0 reads) into dx's phase (0, 0), out_stride apart."""
+    g = geometry
+    if strided_pointwise_dgrad(g):
+        written = tuple(-(-size // stride) for size, stride in zip(g.input_spatial, g.stride))
+        return ImplicitGemm("dy", "dx", "K", "C", g.output_spatial, written, g.k, g.c, (0, ) * len(g.stride), False,
+                            out_stride=tuple(g.stride))
+    if g.direction == "dgrad":
+        padding = tuple((taps - 1) * dilation - pad for taps, dilation, pad in zip(g.filter, g.dilation, g.padding))
+        return ImplicitGemm("dy", "dx", "K", "C", g.output_spatial, g.input_spatial, g.k, g.c, padding, False)
+    return ImplicitGemm("x", "y", "C", "K", g.input_spatial, g.output_spatial, g.c, g.k, g.padding, True,
+                        tuple(g.stride))
+
+
 def tap_phases(taps: int, stride: int, padding: int, dilation: int) -> frozenset:
     """The phases (offset mod stride) of one axis's taps, offsets tap*dilation - padding: each
     phase is a view of x the kernel reads (conv_library.phase_view)."""
@@ -159,12 +219,15 @@ def phased_axes(problem: Problem) -> tuple:
     """(PHASED_H, PHASED_W): whether an axis's taps read a phase other than 0 (a stride-2 axis
     whose offsets take both parities, or odd ones); one view of x along it otherwise."""
     g = problem.geometry
-    return tuple(tap_phases(*axis) != frozenset({0}) for axis in zip(g.filter, g.stride, g.padding, g.dilation))
+    view = implicit_gemm(g)
+    return tuple(tap_phases(*axis) != frozenset({0}) for axis in zip(g.filter, view.stride, view.padding, g.dilation))
 
 
 def _stride_why(problem: Problem) -> Optional[str]:
     """Why the phase views cannot read this convolution's strides, or None."""
     g = problem.geometry
+    if g.direction == "dgrad" and any(stride != 1 for stride in g.stride):
+        return _strided_dgrad_why(g)
     for name, extent, axis, phased in zip("HW", g.input_spatial, zip(g.filter, g.stride, g.padding, g.dilation),
                                           phased_axes(problem)):
         taps, stride, padding, dilation = axis
@@ -176,19 +239,37 @@ def _stride_why(problem: Problem) -> Optional[str]:
     return None
 
 
+def _strided_dgrad_why(g) -> Optional[str]:
+    """Why a strided dgrad is not one the kernel runs (a 1x1 without leading padding, strides up
+    to 2, dx at least the stride along each axis: its phase views), or None."""
+    if not strided_pointwise_dgrad(g):
+        # dx of a strided conv is a sum over stride phases (the Triton backend's dgrad_phases)
+        return (f"gluon's dgrad takes stride 1, or a strided 1x1 without padding, not stride {list(g.stride)} with "
+                f"filter {list(g.filter)} and padding {list(g.padding)} (dx by stride phases: the Triton backend's)")
+    if any(stride > 2 for stride in g.stride):
+        return f"gluon's strided 1x1 dgrad writes dx through phase views of strides up to 2, not {list(g.stride)}"
+    for name, extent, stride in zip("HW", g.input_spatial, g.stride):
+        if extent < stride:
+            return f"gluon's phase views of dx need {name} of at least the stride {stride}, not {extent}"
+    return None
+
+
 # -- the contract's answers -------------------------------------------------------------------------
 
-def supports(problem: Problem) -> Union[bool, str]:
+def _geometry_why(problem: Problem) -> Optional[str]:
+    """Why the kernel cannot run this convolution's direction, groups, rank or strides, or None."""
     g = problem.geometry
-    if g.direction != "fprop":
-        return f"gluon runs the convolution forward only, not {g.direction}"
+    if g.direction not in ("fprop", "dgrad"):
+        return f"gluon runs the convolution forward and dgrad, not {g.direction}"
     if g.groups != 1:
         return f"gluon's convolution takes groups 1, not {g.groups}"
     if len(g.filter) != 2:
         return f"gluon's convolution takes 2D convolutions, not {len(g.filter)}D"
-    why = _stride_why(problem)
-    if why is not None:
-        return why
+    return _stride_why(problem)
+
+
+def _chains_why(problem: Problem) -> Optional[str]:
+    """Why the group's fused chains are not the kernel's (an epilogue of its expressions), or None."""
     if problem.prologue:
         return f"gluon fuses no prologue (the group has {', '.join(problem.prologue)})"
     if problem.exits:
@@ -196,59 +277,81 @@ def supports(problem: Problem) -> Union[bool, str]:
     for op in problem.epilogue:
         if op not in codegen.EPILOGUE:
             return f"gluon has no epilogue expression for op {op}"
-    x, w = problem.operand("x"), problem.operand("w")
-    if x is None or w is None:
+    return None
+
+
+def _operands_why(problem: Problem, view: ImplicitGemm) -> Optional[str]:
+    """Why the GEMM's operands (A and w) are not two NHWC / KRSC tensors of one 16-bit type, or None."""
+    source, w = problem.operand(view.source), problem.operand("w")
+    if source is None or w is None:
         return "gluon needs both convolution operands"
-    for operand in (x, w):
+    for operand in (source, w):
         if operand.data_type.name not in ("float16", "bfloat16"):
             return f"gluon's convolution takes float16 or bfloat16 operands, not {operand.data_type.name}"
-    if x.data_type is not w.data_type:
-        return f"gluon takes operands of one type, not {x.data_type.name} x {w.data_type.name}"
-    itemsize = x.data_type.itemsize
-    for name, operand in (("x", x), ("w", w)):
-        why = _layout_why(name, operand.dims, operand.strides, itemsize, "C")
+    if source.data_type is not w.data_type:
+        return f"gluon takes operands of one type, not {source.data_type.name} x {w.data_type.name}"
+    itemsize = source.data_type.itemsize
+    for name, operand, channels in ((view.source, source, view.channels_name), ("w", w, "C")):
+        why = _layout_why(name, operand.dims, operand.strides, itemsize, channels)
         if why is not None:
             return why
+    return None
+
+
+def _output_why(problem: Problem, view: ImplicitGemm) -> Optional[str]:
+    """Why the one output and the epilogue operands are not what the kernel stores and reads, or None."""
     if len(problem.outputs) != 1:
         return f"gluon stores one output, the group has {len(problem.outputs)}"
     out = problem.outputs[0]
     if out.data_type.name not in OUT_TYPES:
         return f"gluon stores float16, bfloat16 or float32, not {out.data_type.name}"
-    out_dims = (g.n, g.k) + tuple(g.output_spatial)
+    g = problem.geometry
+    # the whole output (dx's every pixel where the GEMM writes only its phase (0, 0))
+    out_dims = (g.n, view.filters) + tuple(g.input_spatial if g.direction == "dgrad" else g.output_spatial)
     if tuple(out.dims) != out_dims:
         return f"gluon stores the convolution's shape {list(out_dims)}, not {list(out.dims)}"
-    why = _layout_why("y", out.dims, out.strides, out.data_type.itemsize, "K")
+    why = _layout_why(view.output, out.dims, out.strides, out.data_type.itemsize, view.filters_name)
     if why is not None:
         return why
     for operand in problem.operands:
-        if operand.role not in ("x", "w") and conv_codegen.operand_form(operand.dims, out_dims) is None:
+        if operand.role not in (view.source, "w") and conv_codegen.operand_form(operand.dims, out_dims) is None:
             return (f"gluon's conv epilogue reads scalars and per-channel vectors, not an operand of shape "
                     f"{list(operand.dims)}")
-    return True
+    return None
+
+
+def supports(problem: Problem) -> Union[bool, str]:
+    why = _geometry_why(problem) or _chains_why(problem)
+    if why is None:
+        view = implicit_gemm(problem.geometry)
+        why = _operands_why(problem, view) or _output_why(problem, view)
+    return True if why is None else why
 
 
 def _sizes(problem: Problem) -> tuple:
+    """(GEMM rows: output pixels, columns, reduction channels a tap, taps)."""
     g = problem.geometry
+    view = implicit_gemm(g)
     pixels = g.n
-    for size in g.output_spatial:
+    for size in view.out_spatial:
         pixels *= size
     taps = 1
     for size in g.filter:
         taps *= size
-    return pixels, g.k, g.c, taps
+    return pixels, view.filters, view.channels, taps
 
 
 def tile_count(problem: Problem, config: ConvConfig) -> int:
-    g = problem.geometry
-    p, q = g.output_spatial
-    return g.n * -(-p // config.block_h) * -(-q // config.block_w) * -(-g.k // config.block_n)
+    view = implicit_gemm(problem.geometry)
+    p, q = view.out_spatial
+    return problem.geometry.n * -(-p // config.block_h) * -(-q // config.block_w) * -(-view.filters // config.block_n)
 
 
 def estimate(problem: Problem, config: ConvConfig, target: Target) -> Optional[float]:
     if not isinstance(config, ConvConfig):
         return None
     pixels, filters, channels, taps = _sizes(problem)
-    peak = target.peak(IN_TYPES[problem.operand("x").data_type.name])
+    peak = target.peak(IN_TYPES[problem.operand("w").data_type.name])
     moved = sum(o.numel * o.data_type.itemsize for o in problem.operands + problem.outputs)
     tiles = tile_count(problem, config)
     tile_use = pixels * filters / (tiles * config.block_m * config.block_n)
@@ -259,21 +362,39 @@ def estimate(problem: Problem, config: ConvConfig, target: Target) -> Optional[f
     return max(compute, moved / target.bandwidth) / efficiency + LAUNCH_SECONDS
 
 
+# The directions whose estimates the registry ranks against Triton's: the forward, measured 1.10x
+# the Triton conv over ResNet-50's layers on the H200 (BENCHMARKS.md, Gluon convolution forward).
+# The dgrad and wgrad are not yet measured: their candidates carry no estimate (their model still
+# orders the configs), so a build ranks them by preference order: Triton first in the default
+# ("triton", "gluon:conv,sdpa"), Gluon first where a build names it first.
+MEASURED_DIRECTIONS = frozenset({"fprop"})
+
+
+def unmeasured_without_estimates(problem: Problem, ranked: list) -> list:
+    """`ranked` (best first by the model) as the registry should see them: without estimates for a
+    direction not in MEASURED_DIRECTIONS."""
+    if problem.geometry.direction in MEASURED_DIRECTIONS:
+        return ranked
+    return [replace(candidate, estimate=None) for candidate in ranked]
+
+
 def candidates(backend_name: str, problem: Problem, target: Target, configs: Optional[tuple] = None) -> list:
-    """The configs of `configs` (None: CONFIGS) that fit the target's shared memory, BLOCK_K fitted to C and the
-    epilogue walk chosen (looped), best first by estimate (ties: the order given)."""
-    in_bytes = problem.operand("x").data_type.itemsize
+    """The configs of `configs` (None: CONFIGS) that fit the target's shared memory, BLOCK_K fitted to the
+    reduction's channels (C in fprop, K in dgrad) and the epilogue walk chosen (looped), best first by
+    estimate (ties: the order given); no estimates for the directions not measured (MEASURED_DIRECTIONS)."""
+    in_bytes = problem.operand("w").data_type.itemsize
     out_bytes = problem.outputs[0].data_type.itemsize
     heavy = any(op in HEAVY_OPS for op in problem.epilogue)
+    reduction = implicit_gemm(problem.geometry).channels
     found = []
     for config in CONFIGS if configs is None else configs:
-        config = replace(config, block_k=block_k_for(problem.geometry.c))
+        config = replace(config, block_k=block_k_for(reduction))
         config = replace(config, epilogue_loop=looped(config, heavy))
         if shared_bytes(config, in_bytes, out_bytes) > target.shared_memory:
             continue
         found.append(Candidate(backend_name, config, estimate(problem, config, target)))
     order = {id(c): i for i, c in enumerate(found)}
-    return sorted(found, key=lambda c: (c.estimate, order[id(c)]))
+    return unmeasured_without_estimates(problem, sorted(found, key=lambda c: (c.estimate, order[id(c)])))
 
 
 def _chosen(problem: Problem, target: Target, offered: list, candidate: Optional[Candidate]) -> Candidate:
@@ -284,7 +405,7 @@ def _chosen(problem: Problem, target: Target, offered: list, candidate: Optional
             raise UnsupportedError(f"{problem.where}: no gluon conv config fits {target.name}'s shared memory")
         return offered[0]
     config = candidate.config
-    in_bytes = problem.operand("x").data_type.itemsize
+    in_bytes = problem.operand("w").data_type.itemsize
     out_bytes = problem.outputs[0].data_type.itemsize
     if shared_bytes(config, in_bytes, out_bytes) > target.shared_memory or config.block_h % config.consumers:
         raise UnsupportedError(f"{problem.where}: gluon config {config.text} is not one this problem can run on "
@@ -297,38 +418,83 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
     target = context.target
     chosen = _chosen(problem, target, offered, candidate)
     config, g = chosen.config, problem.geometry
+    view = implicit_gemm(g)
     node = group.anchor
-    x, w = node.inputs[:2]
+    source, w = node.inputs[:2]  # fprop (x, w), dgrad (dy, w)
     out = group.outputs[0]
-    _, (x_n, x_h, x_w) = nhwc_strides(tuple(x.dim), tuple(x.stride))
-    _, (w_k, w_r, w_s) = nhwc_strides(tuple(w.dim), tuple(w.stride))
-    _, (y_n, y_h, y_w) = nhwc_strides(tuple(out.dim), tuple(out.stride))
-    rows, cols = g.input_spatial
-    (pad_h, pad_w), (dil_h, dil_w) = g.padding, g.dilation
+    sizes = _launch_sizes(view, g, source, w, out)
     phased = phased_axes(problem)
-    p, q = g.output_spatial
-    sizes = {"images": g.n, "x_rows": rows, "x_cols": cols, "channels": g.c, "x_stride_n": x_n, "x_stride_h": x_h,
-             "x_stride_w": x_w, "filters": g.k, "taps_h": g.filter[0], "taps_w": g.filter[1], "w_stride_k": w_k,
-             "w_stride_r": w_r, "w_stride_s": w_s, "out_h": p, "out_w": q, "y_stride_n": y_n, "y_stride_h": y_h,
-             "y_stride_w": y_w, "pad_h": pad_h, "pad_w": pad_w, "dil_h": dil_h, "dil_w": dil_w}
+    # dgrad reads the filter flipped (implicit_gemm): back to front in cross-correlation
+    flip = (node.attrs.mode == "convolution") != (g.direction == "dgrad")
     constexprs = {"BLOCK_H": config.block_h, "BLOCK_W": config.block_w, "BLOCK_N": config.block_n,
                   "BLOCK_K": config.block_k, "STAGES": config.stages, "GROUP_M": config.group_m,
                   "CONSUMERS": config.consumers, "EPILOGUE_N": config.epilogue_n, "PRODUCER_REGS": PRODUCER_REGS,
-                  "CONSUMER_REGS": CONSUMER_REGS, "FLIP": node.attrs.mode == "convolution",
-                  "EPILOGUE_LOOP": config.epilogue_loop, "STRIDE_H": g.stride[0], "STRIDE_W": g.stride[1],
-                  "PHASED_H": phased[0], "PHASED_W": phased[1]}
+                  "CONSUMER_REGS": CONSUMER_REGS, "FLIP": flip,
+                  "EPILOGUE_LOOP": config.epilogue_loop, "STRIDE_H": view.stride[0], "STRIDE_W": view.stride[1],
+                  "PHASED_H": phased[0], "PHASED_W": phased[1], "B_K_MAJOR": view.b_k_major,
+                  "OUT_STRIDE_H": view.out_stride[0], "OUT_STRIDE_W": view.out_stride[1]}
     stem = f"dnngraph_gluon_{group.kind}_{node.op}"
-    source = conv_codegen.render(stem, group.summary(), (x.uid, w.uid, out.uid), sizes, node.outputs[0],
-                                 tuple(group.epilogue), tuple(out.dim), constexprs, problem.fast_math)
+    source_text = conv_codegen.render(stem, group.summary(), (source.uid, w.uid, out.uid), sizes, node.outputs[0],
+                                      tuple(group.epilogue), tuple(out.dim), constexprs, problem.fast_math)
     tiles = tile_count(problem, config)
     programs = max(1, min(tiles, target.sms))
-    reason = (f"{config.text}: model {chosen.estimate * 1e6:.1f} us ({tiles} tiles on {programs} persistent "
-              f"programs{_views_text(g.stride, phased)})")
-    launch = launch_of(group, source, (programs,), WARPS, config.text + f" grid={programs}", reason)
+    modeled = estimate(problem, config, target)  # the model's, whether or not the registry ranks by it
+    reason = (f"{config.text}: model {modeled * 1e6:.1f} us ({tiles} tiles on {programs} persistent "
+              f"programs{_views_text(view.stride, phased)}{_dgrad_text(g)})")
+    launch = launch_of(group, source_text, (programs,), WARPS, config.text + f" grid={programs}", reason)
+    if view.out_stride != (1, 1):
+        return _with_zero_phases(launch, graph, group, problem, context)
     launch.alternative = _unaligned_fallback(graph, group, problem, context)
     if launch.alternative is None:  # an unaligned call would run the TMA kernel: let Triton take it
         raise UnsupportedError(f"{problem.where}: no pointer-load fallback for unaligned calls")
     return [launch]
+
+
+def _with_zero_phases(launch, graph, group, problem: Problem, context) -> list:
+    """A strided 1x1 dgrad's launches: the gluon kernel (dx's phase (0, 0)), then the Triton
+    backend's launches of dx's other stride phases, which no tap reaches (the epilogue of zeros:
+    pointer stores, any alignment). An unaligned call runs the Triton launch of phase (0, 0) in
+    the gluon kernel's place, so the list is the Triton backend's dgrad whole."""
+    from ..triton.heuristics.conv import dgrad_phases
+
+    triton = _triton_launches(graph, group, problem, context)
+    g = problem.geometry
+    phases = dgrad_phases(g.input_spatial, g.filter, g.stride, g.padding, g.dilation, False)
+    # the Triton backend's order: phase (0, 0) (the one tap) first, then the phases no tap reaches
+    zero_phases = all(0 in phase.taps for phase in phases[1:]) and phases[0].phase == (0, 0)
+    if triton is None or len(triton) != len(phases) or not zero_phases:
+        raise UnsupportedError(f"{problem.where}: the Triton backend poses this dgrad in {len(triton or ())} "
+                               f"launches, not one per stride phase ({len(phases)}) with phase (0, 0) first")
+    launch.alternative = triton[0]
+    for zero in triton[1:]:
+        zero.reason = "dx's stride phase no tap reaches (the epilogue of zeros), by the Triton backend's kernel"
+    return [launch] + triton[1:]
+
+
+def _launch_sizes(view: ImplicitGemm, g, source, w, out) -> dict:
+    """The kernel's SIZES (conv_codegen.SIZES): A's (x's or dy's) and the output's extents and
+    NHWC strides, w's strides along its own axes, the taps' padding and dilation."""
+    _, (x_n, x_h, x_w) = nhwc_strides(tuple(source.dim), tuple(source.stride))
+    _, (w_k, w_r, w_s) = nhwc_strides(tuple(w.dim), tuple(w.stride))
+    _, (y_n, y_h, y_w) = nhwc_strides(tuple(out.dim), tuple(out.stride))
+    (rows, cols), (p, q) = view.source_spatial, view.out_spatial
+    (pad_h, pad_w), (dil_h, dil_w) = view.padding, g.dilation
+    return {"images": g.n, "x_rows": rows, "x_cols": cols, "channels": view.channels, "x_stride_n": x_n,
+            "x_stride_h": x_h, "x_stride_w": x_w, "filters": view.filters, "taps_h": g.filter[0],
+            "taps_w": g.filter[1], "w_stride_k": w_k, "w_stride_r": w_r, "w_stride_s": w_s, "out_h": p, "out_w": q,
+            "y_stride_n": y_n, "y_stride_h": y_h, "y_stride_w": y_w, "pad_h": pad_h, "pad_w": pad_w,
+            "dil_h": dil_h, "dil_w": dil_w, "y_rows": int(out.dim[2]), "y_cols": int(out.dim[3])}
+
+
+def _dgrad_text(g) -> str:
+    """How a dgrad is run, for the launch's reason ("" for the forward)."""
+    if g.direction != "dgrad":
+        return ""
+    view = implicit_gemm(g)
+    if view.out_stride != (1, 1):
+        return (f", dgrad as the 1x1 over dy into dx's pixels {list(view.out_stride)} apart, the epilogue of zeros "
+                f"into the others")
+    return f", dgrad as the forward over dy with the filter flipped and padding {list(view.padding)}"
 
 
 def _views_text(stride: tuple, phased: tuple) -> str:
@@ -343,13 +509,19 @@ def _unaligned_fallback(graph, group, problem, context) -> Optional[KernelLaunch
     """The launch that runs where a pointer is below 16-byte alignment (no TMA descriptor can
     take it): the Triton backend's tiled implicit GEMM of the same group (no split-K: one
     launch), or None where it lowers to anything but one launch without scratch."""
+    built = _triton_launches(graph, group, problem, context)
+    return built[0] if built is not None and len(built) == 1 and not built[0].scratch else None
+
+
+def _triton_launches(graph, group, problem, context) -> Optional[list]:
+    """The Triton backend's launches of the group at its tiled config (1x1 convs are posed as
+    matmuls: that config too), or None where it does not lower it."""
     from ..triton.backend import TRITON
     from ..triton.heuristics.matmul import MatmulConfig
 
-    tiled = MatmulConfig("tiled", 64, 64, 32, 4, 3)  # 1x1 convs are posed as matmuls
+    tiled = MatmulConfig("tiled", 64, 64, 32, 4, 3)
     options = replace(context.options, conv_config=tiled, matmul_config=tiled, autotune=False)
     try:
-        built = TRITON.lower(graph, group, problem, replace(context, options=options, tuner=None))
+        return TRITON.lower(graph, group, problem, replace(context, options=options, tuner=None))
     except UnsupportedError:
         return None
-    return built[0] if len(built) == 1 and not built[0].scratch else None

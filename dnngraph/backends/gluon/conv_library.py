@@ -1,6 +1,6 @@
-"""The fixed structure of the Gluon backend's convolution forward (Hopper, sm_90a): an implicit
-GEMM on the matmul's mainloop (library.py). A generated kernel (conv_codegen.py) renders only its
-signature and fused epilogue, and calls conv_fprop() below with them.
+"""The fixed structure of the Gluon backend's convolutions (Hopper, sm_90a): an implicit GEMM on
+the matmul's mainloop (library.py). A generated kernel (conv_codegen.py) renders only its
+signature and fused epilogue, and calls implicit_gemm() below with them.
 
     y[n, p, q, k] = epilogue(sum over r, s, c of x[n, p + r*dil - pad, q + s*dil - pad, c] * w[k, r, s, c])
 
@@ -28,6 +28,17 @@ output pixels, its columns output channels, its reduction R*S*C (tap-major, C in
   BLOCK_K] at (k0, r, s, c0), read by wgmma K-major (library.b_operand). Channels past C are
   zeros in both operands, so a partial channel block adds nothing. FLIP (mode="convolution")
   reads the filter back to front.
+- dgrad at stride 1 is the same kernel (B_K_MAJOR False): dx = conv(dy, w flipped) with padding
+  (R-1)*dil - pad (negative where pad is larger: every tap then starts inside dy), so the
+  kernel's x is dy [N, P, Q, K] (its `channels`, the reduction, are K), its y is dx [N, H, W, C]
+  (its `filters`, the GEMM's columns, are C), and w [K, R, S, C] is read with the reduction on
+  its axis 0: a row-major B, box [BLOCK_K, 1, 1, BLOCK_N] at (k0, r, s, c0), C contiguous, read
+  by wgmma as it is. The filter runs back to front in cross-correlation (FLIP True), front to
+  back in mode="convolution".
+- A strided 1x1 dgrad without padding (OUT_STRIDE_H / OUT_STRIDE_W 2) is the 1x1 over dy's
+  first ceil(H/s) x ceil(W/s) pixels stored into phase view (0, 0) of dx (its pixels (s*p, s*q));
+  dx's other phases, which no dy pixel reaches, hold the epilogue of zeros, written by the
+  Triton backend's phase launches that follow this one (conv_backend.lower).
 - The epilogue runs in column subtiles (library.column_subtiles) and stores each through a
   staging buffer and a rank-4 TMA store, box [1, SUB_H, BLOCK_W, EPILOGUE_N] over y [N, P, Q,
   K]: pixels past P or Q and channels past K are clipped by the descriptor.
@@ -51,8 +62,8 @@ def pixel_box(buffer, BOX_H: gl.constexpr, BOX_W: gl.constexpr):
 
 @gluon.jit
 def filter_box(buffer):
-    """A [BLOCK_N, BLOCK_K] shared tile viewed as the box [BLOCK_N, 1, 1, BLOCK_K] of the rank-4
-    [K, R, S, C] filter descriptor (the same bytes)."""
+    """A [R, C] shared tile ([BLOCK_N, BLOCK_K] K-major, [BLOCK_K, BLOCK_N] row-major) viewed as
+    the box [R, 1, 1, C] of the rank-4 filter descriptor (the same bytes)."""
     R: gl.constexpr = buffer.type.shape[0]
     C: gl.constexpr = buffer.type.shape[1]
     return buffer._reinterpret(buffer.dtype, [R, 1, 1, C], shared_layout([R, 1, 1, C], buffer.dtype))
@@ -124,13 +135,31 @@ def copy_pixels(views, phase_h, phase_w, coordinates, barrier, buffer, PHASED: g
 
 
 @gluon.jit
+def filter_descriptor(w_ptr, filters, taps_h, taps_w, channels, w_stride_k, w_stride_r, w_stride_s,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, B_K_MAJOR: gl.constexpr):
+    """The rank-4 descriptor of w over its own axes [axis 0, R, S, axis 3 (contiguous)]: K-major
+    (fprop: axis 0 the GEMM's columns, `filters`; axis 3 the reduction, `channels`), box
+    [BLOCK_N, 1, 1, BLOCK_K]; else row-major (dgrad: axis 0 the reduction, axis 3 the columns),
+    box [BLOCK_K, 1, 1, BLOCK_N]."""
+    dtype: gl.constexpr = w_ptr.dtype.element_ty
+    if B_K_MAJOR:
+        return tma.make_tensor_descriptor(w_ptr, [filters, taps_h, taps_w, channels],
+                                          [w_stride_k, w_stride_r, w_stride_s, 1], [BLOCK_N, 1, 1, BLOCK_K],
+                                          shared_layout([BLOCK_N, 1, 1, BLOCK_K], dtype))
+    else:
+        return tma.make_tensor_descriptor(w_ptr, [channels, taps_h, taps_w, filters],
+                                          [w_stride_k, w_stride_r, w_stride_s, 1], [BLOCK_K, 1, 1, BLOCK_N],
+                                          shared_layout([BLOCK_K, 1, 1, BLOCK_N], dtype))
+
+
+@gluon.jit
 def conv_load_partition(x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_rows, x_cols, channels,
                         x_stride_n, x_stride_h, x_stride_w, filters, taps_h, taps_w, w_stride_k, w_stride_r,
                         w_stride_s, out_h, out_w, pad_h, pad_w, dil_h, dil_w,  #
                         BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_N: gl.constexpr,
                         BLOCK_K: gl.constexpr, GROUP_M: gl.constexpr, A_PARTS: gl.constexpr, FLIP: gl.constexpr,
                         STRIDE_H: gl.constexpr, STRIDE_W: gl.constexpr, PHASED_H: gl.constexpr,
-                        PHASED_W: gl.constexpr):
+                        PHASED_W: gl.constexpr, B_K_MAJOR: gl.constexpr):
     """The producer (one warp): for each of the program's tiles and each (tap, channel block)
     step, wait for the slot to be empty, then load the tap's shifted pixel boxes (A_PARTS of
     BLOCK_H // A_PARTS rows each: one per consumer) and the filter block into it. It makes the
@@ -155,8 +184,8 @@ def conv_load_partition(x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_ro
             view11 = phase_view(x_ptr, 1, 1, images, x_rows, x_cols, channels, x_stride_n, x_stride_h, x_stride_w,
                                 STRIDE_H, STRIDE_W, SUB_H, BLOCK_W, BLOCK_K)
     views = (view00, view01, view10, view11)
-    w_desc = tma.make_tensor_descriptor(w_ptr, [filters, taps_h, taps_w, channels], [w_stride_k, w_stride_r, w_stride_s, 1],
-                                        [BLOCK_N, 1, 1, BLOCK_K], shared_layout([BLOCK_N, 1, 1, BLOCK_K], dtype))
+    w_desc = filter_descriptor(w_ptr, filters, taps_h, taps_w, channels, w_stride_k, w_stride_r, w_stride_s, BLOCK_N,
+                               BLOCK_K, B_K_MAJOR)
     channel_steps = gl.cdiv(channels, BLOCK_K)
     k_steps = taps_h * taps_w * channel_steps
     step = 0
@@ -182,7 +211,12 @@ def conv_load_partition(x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_ro
             if FLIP:  # mode="convolution": the filter back to front
                 r = taps_h - 1 - r
                 s = taps_w - 1 - s
-            tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, r, s, c0], barrier, filter_box(b_ring.index(slot)))
+            if B_K_MAJOR:  # fprop: [filters, R, S, channels]
+                tma.async_copy_global_to_shared(w_desc, [pid_n * BLOCK_N, r, s, c0], barrier,
+                                                filter_box(b_ring.index(slot)))
+            else:  # dgrad: [channels (w's K), R, S, filters (w's C)]
+                tma.async_copy_global_to_shared(w_desc, [c0, r, s, pid_n * BLOCK_N], barrier,
+                                                filter_box(b_ring.index(slot)))
             step += 1
 
 
@@ -210,27 +244,30 @@ def conv_finish_subtile(part, j, y_desc, c_buffers, image, p0, q0, col0, pixels,
 
 @gluon.jit
 def conv_mma_partition(a_ring, b_ring, ready, empty, c_buffers, y_ptr, images, out_h, out_w, filters, k_steps,
-                       y_stride_n, y_stride_h, y_stride_w, epilogue: gl.constexpr, epilogue_args,  #
+                       y_rows, y_cols, y_stride_n, y_stride_h, y_stride_w, epilogue: gl.constexpr, epilogue_args,  #
                        HALF: gl.constexpr, BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_N: gl.constexpr,
                        GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_N: gl.constexpr,
-                       EPILOGUE_LOOP: gl.constexpr):
+                       EPILOGUE_LOOP: gl.constexpr, B_K_MAJOR: gl.constexpr, OUT_STRIDE_H: gl.constexpr,
+                       OUT_STRIDE_W: gl.constexpr):
     """Consumer HALF: rows [HALF * SUB_H, (HALF + 1) * SUB_H) of every pixel rectangle of the
-    program, through library.cooperative_mainloop, then the epilogue in column subtiles."""
+    program, through library.cooperative_mainloop, then the epilogue in column subtiles, stored
+    into phase (0, 0) of y [N, y_rows, y_cols, filters]: y itself where OUT_STRIDE is 1 (out_h,
+    out_w are y_rows, y_cols), else every OUT_STRIDE-th pixel (a strided 1x1 dgrad's: out_h =
+    ceil(y_rows / OUT_STRIDE_H), ...; the other phases are another launch's)."""
     SUB_H: gl.constexpr = BLOCK_H // CONSUMERS
     SUB_M: gl.constexpr = SUB_H * BLOCK_W
     SPLITS: gl.constexpr = BLOCK_N // EPILOGUE_N
     STAGING: gl.constexpr = staging_buffers(SPLITS)
     layout: gl.constexpr = accumulator_layout(SUB_M, BLOCK_N, a_ring.dtype)
-    out_dtype: gl.constexpr = y_ptr.dtype.element_ty
-    y_desc = tma.make_tensor_descriptor(y_ptr, [images, out_h, out_w, filters], [y_stride_n, y_stride_h, y_stride_w, 1],
-                                        [1, SUB_H, BLOCK_W, EPILOGUE_N],
-                                        shared_layout([1, SUB_H, BLOCK_W, EPILOGUE_N], out_dtype))
+    y_desc = phase_view(y_ptr, 0, 0, images, y_rows, y_cols, filters, y_stride_n, y_stride_h, y_stride_w, OUT_STRIDE_H,
+                        OUT_STRIDE_W, SUB_H, BLOCK_W, EPILOGUE_N)
     pixels = images * out_h * out_w
     step = 0
     for tile in range(gl.program_id(0), tile_count(images, out_h, out_w, filters, BLOCK_H, BLOCK_W, BLOCK_N),
                       gl.num_programs(0)):
         image, p0, q0, pid_n = pixel_tile(tile, images, out_h, out_w, filters, BLOCK_H, BLOCK_W, BLOCK_N, GROUP_M)
-        acc, step = cooperative_mainloop(a_ring, b_ring, ready, empty, step, k_steps, layout, HALF, CONSUMERS, True)
+        acc, step = cooperative_mainloop(a_ring, b_ring, ready, empty, step, k_steps, layout, HALF, CONSUMERS,
+                                         B_K_MAJOR)
         parts = column_subtiles(acc, SPLITS)
         row0 = p0 + HALF * SUB_H
         if EPILOGUE_LOOP:
@@ -245,17 +282,19 @@ def conv_mma_partition(a_ring, b_ring, ready, empty, c_buffers, y_ptr, images, o
 
 
 @gluon.jit
-def conv_fprop(x_ptr, w_ptr, y_ptr, images, x_rows, x_cols, channels, x_stride_n, x_stride_h, x_stride_w, filters,
+def implicit_gemm(x_ptr, w_ptr, y_ptr, images, x_rows, x_cols, channels, x_stride_n, x_stride_h, x_stride_w, filters,
                taps_h, taps_w, w_stride_k, w_stride_r, w_stride_s, out_h, out_w, y_stride_n, y_stride_h, y_stride_w,
-               pad_h, pad_w, dil_h, dil_w, epilogue: gl.constexpr, epilogue_args,  #
+               pad_h, pad_w, dil_h, dil_w, y_rows, y_cols, epilogue: gl.constexpr, epilogue_args,  #
                BLOCK_H: gl.constexpr, BLOCK_W: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                STAGES: gl.constexpr, GROUP_M: gl.constexpr, CONSUMERS: gl.constexpr, EPILOGUE_N: gl.constexpr,
                PRODUCER_REGS: gl.constexpr, CONSUMER_REGS: gl.constexpr, FLIP: gl.constexpr,
                EPILOGUE_LOOP: gl.constexpr, STRIDE_H: gl.constexpr, STRIDE_W: gl.constexpr, PHASED_H: gl.constexpr,
-               PHASED_W: gl.constexpr):
+               PHASED_W: gl.constexpr, B_K_MAJOR: gl.constexpr, OUT_STRIDE_H: gl.constexpr,
+               OUT_STRIDE_W: gl.constexpr):
     """The whole kernel body: the ring of [SUB_M, BLOCK_K] pixel tiles (one per consumer a
-    slot) and [BLOCK_N, BLOCK_K] filter tiles, its barriers, the staging buffers, and the
-    partitions: CONSUMERS warpgroups (the first the default partition) and the producer."""
+    slot) and filter tiles ([BLOCK_N, BLOCK_K] K-major, [BLOCK_K, BLOCK_N] row-major), its
+    barriers, the staging buffers, and the partitions: CONSUMERS warpgroups (the first the
+    default partition) and the producer."""
     gl.static_assert(STAGES >= 2)
     gl.static_assert(CONSUMERS == 1 or CONSUMERS == 2)
     gl.static_assert(gl.num_warps() == WARPGROUP_WARPS)
@@ -264,7 +303,10 @@ def conv_fprop(x_ptr, w_ptr, y_ptr, images, x_rows, x_cols, channels, x_stride_n
     SUB_M: gl.constexpr = BLOCK_H // CONSUMERS * BLOCK_W
     dtype: gl.constexpr = x_ptr.dtype.element_ty
     a_ring = gl.allocate_shared_memory(dtype, [STAGES * CONSUMERS, SUB_M, BLOCK_K], shared_layout([SUB_M, BLOCK_K], dtype))
-    b_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], shared_layout([BLOCK_N, BLOCK_K], dtype))
+    if B_K_MAJOR:
+        b_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], shared_layout([BLOCK_N, BLOCK_K], dtype))
+    else:
+        b_ring = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_K, BLOCK_N], shared_layout([BLOCK_K, BLOCK_N], dtype))
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -279,31 +321,35 @@ def conv_fprop(x_ptr, w_ptr, y_ptr, images, x_rows, x_cols, channels, x_stride_n
     if CONSUMERS == 2:
         gl.warp_specialize([
             (conv_mma_partition, (a_ring, b_ring, ready, empty, c_buffers, y_ptr, images, out_h, out_w, filters,
-                                  k_steps, y_stride_n, y_stride_h, y_stride_w, held(epilogue), epilogue_args,
+                                  k_steps, y_rows, y_cols, y_stride_n, y_stride_h, y_stride_w, held(epilogue),
+                                  epilogue_args,
                                   gl.constexpr(0), BLOCK_H, BLOCK_W, BLOCK_N, GROUP_M, CONSUMERS, EPILOGUE_N,
-                                  EPILOGUE_LOOP)),
+                                  EPILOGUE_LOOP, B_K_MAJOR, OUT_STRIDE_H, OUT_STRIDE_W)),
             (conv_mma_partition, (a_ring, b_ring, ready, empty, c_buffers, y_ptr, images, out_h, out_w, filters,
-                                  k_steps, y_stride_n, y_stride_h, y_stride_w, held(epilogue), epilogue_args,
+                                  k_steps, y_rows, y_cols, y_stride_n, y_stride_h, y_stride_w, held(epilogue),
+                                  epilogue_args,
                                   gl.constexpr(1), BLOCK_H, BLOCK_W, BLOCK_N, GROUP_M, CONSUMERS, EPILOGUE_N,
-                                  EPILOGUE_LOOP)),
+                                  EPILOGUE_LOOP, B_K_MAJOR, OUT_STRIDE_H, OUT_STRIDE_W)),
             (conv_load_partition, (x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_rows, x_cols, channels,
                                    x_stride_n, x_stride_h, x_stride_w, filters, taps_h, taps_w, w_stride_k,
                                    w_stride_r, w_stride_s, out_h, out_w, pad_h, pad_w, dil_h, dil_w, BLOCK_H,
                                    BLOCK_W, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, FLIP, STRIDE_H, STRIDE_W,
-                                   PHASED_H, PHASED_W)),
+                                   PHASED_H, PHASED_W, B_K_MAJOR)),
         ], [WARPGROUP_WARPS, 1], [CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (conv_mma_partition, (a_ring, b_ring, ready, empty, c_buffers, y_ptr, images, out_h, out_w, filters,
-                                  k_steps, y_stride_n, y_stride_h, y_stride_w, held(epilogue), epilogue_args,
+                                  k_steps, y_rows, y_cols, y_stride_n, y_stride_h, y_stride_w, held(epilogue),
+                                  epilogue_args,
                                   gl.constexpr(0), BLOCK_H, BLOCK_W, BLOCK_N, GROUP_M, CONSUMERS, EPILOGUE_N,
-                                  EPILOGUE_LOOP)),
+                                  EPILOGUE_LOOP, B_K_MAJOR, OUT_STRIDE_H, OUT_STRIDE_W)),
             (conv_load_partition, (x_ptr, w_ptr, a_ring, b_ring, ready, empty, images, x_rows, x_cols, channels,
                                    x_stride_n, x_stride_h, x_stride_w, filters, taps_h, taps_w, w_stride_k,
                                    w_stride_r, w_stride_s, out_h, out_w, pad_h, pad_w, dil_h, dil_w, BLOCK_H,
                                    BLOCK_W, BLOCK_N, BLOCK_K, GROUP_M, CONSUMERS, FLIP, STRIDE_H, STRIDE_W,
-                                   PHASED_H, PHASED_W)),
+                                   PHASED_H, PHASED_W, B_K_MAJOR)),
         ], [1], [PRODUCER_REGS])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+

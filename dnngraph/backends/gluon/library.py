@@ -320,21 +320,33 @@ def finish_tile(acc, c_desc, c_buffers, c_ptr, batch, row0, col0, M, N, c_stride
 
 
 @gluon.jit
+def a_operand(a_ring, index, A_M_MAJOR: gl.constexpr):
+    """A block `index` of the ring as wgmma takes it, [SUB_M, BLOCK_K]: an M-major block
+    ([BLOCK_K, SUB_M] in shared memory, M contiguous: a convolution wgrad's dy) through its
+    transposed view (16-bit types only: wgmma reads fp8 A K-major)."""
+    if A_M_MAJOR:
+        return a_ring.index(index).permute((1, 0))
+    else:
+        return a_ring.index(index)
+
+
+@gluon.jit
 def cooperative_mainloop(a_ring, b_ring, ready, empty, step, k_steps, layout: gl.constexpr, HALF: gl.constexpr,
-                         CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr):
+                         CONSUMERS: gl.constexpr, B_K_MAJOR: gl.constexpr, A_M_MAJOR: gl.constexpr = False):
     """(accumulator, next ring step) of one tile's rows of consumer HALF: ring steps step, ...,
-    step + k_steps - 1, each reading A block slot * CONSUMERS + HALF of the slot. Async wgmma
-    (one in flight), each slot released to the producer once the wgmma reading it has completed.
-    Whatever the producer loaded (matmul blocks, convolution taps) the consumer reads alike."""
+    step + k_steps - 1 (k_steps >= 1), each reading A block slot * CONSUMERS + HALF of the slot.
+    Async wgmma (one in flight), each slot released to the producer once the wgmma reading it has
+    completed. Whatever the producer loaded (matmul blocks, convolution taps, wgrad's pixels) the
+    consumer reads alike."""
     STAGES: gl.constexpr = b_ring.type.shape[0]
-    SUB_M: gl.constexpr = a_ring.type.shape[1]
+    SUB_M: gl.constexpr = a_ring.type.shape[2] if A_M_MAJOR else a_ring.type.shape[1]
     BLOCK_N: gl.constexpr = b_ring.type.shape[1] if B_K_MAJOR else b_ring.type.shape[2]
     acc = gl.zeros((SUB_M, BLOCK_N), dtype=gl.float32, layout=layout)
     for kk in range(k_steps):
         slot = step % STAGES
         mbarrier.wait(ready.index(slot), (step // STAGES) & 1)
-        acc = warpgroup_mma(a_ring.index(slot * CONSUMERS + HALF), b_operand(b_ring, slot, B_K_MAJOR), acc,
-                            use_acc=kk > 0, is_async=True)
+        acc = warpgroup_mma(a_operand(a_ring, slot * CONSUMERS + HALF, A_M_MAJOR), b_operand(b_ring, slot, B_K_MAJOR),
+                            acc, use_acc=kk > 0, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
         # the wgmma of the step before has completed: its slot goes back to the producer
         mbarrier.arrive(empty.index((step + STAGES - 1) % STAGES), count=1, pred=kk > 0)
