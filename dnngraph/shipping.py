@@ -315,10 +315,24 @@ def _loaded(document: dict, graph_type, rebuild: bool):
     return graph
 
 
+def _refused_interpreter(record: dict, device) -> str:
+    """Why `device`'s kernels (CPU tensors: Triton's interpreter) cannot run the launches of the
+    plan `record` holds ("" when they can): a plan built on a GPU for a named target may hold
+    kernels of a backend the interpreter cannot run (gluon), however equal the targets."""
+    if device.type == "cuda":
+        return ""
+    backends = {launch["backend"] for launch in record["launches"]}
+    compiled_only = sorted(name for name in backends if not getattr(registry.BACKENDS.get(name), "interpretable", True))
+    if not compiled_only:
+        return ""
+    return (f"the blob's plan runs {', '.join(compiled_only)} kernels, which cannot run in Triton's interpreter "
+            f"(CPU tensors)")
+
+
 def _target_refusal(record: dict, device) -> str:
     """Why this machine cannot run the plan `record` holds ("" when it can)."""
     options, stored = options_of(record["options"]), _decoded(record["target"])
-    return _refused_target(stored, device) or (
+    return _refused_target(stored, device) or _refused_interpreter(record, device) or (
         "" if target_for(device, options) == stored else
         f"the blob's plan is for {stored.name}; this machine plans for {target_for(device, options).name}")
 
