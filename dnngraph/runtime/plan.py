@@ -287,7 +287,8 @@ class Plan:
             found = self._by_device.get((device.type, device.index))
             if found is not None:
                 return found
-            found = self._by_target.get(launch_set_key(device, self.options))
+            found = next((self._by_target[key] for key in launch_set_keys(device, self.options)
+                          if key in self._by_target), None)
             if found is None:
                 return self._derive(device)
             if device.type == "cuda":
@@ -665,11 +666,19 @@ def _kernel_device(device: torch.device) -> torch.device:
 
 
 def launch_set_key(device: torch.device, options) -> tuple:
-    """What a plan's launches for `device` are shared by: the target they are planned for and
-    whether they run in Triton's interpreter. A named target (BuildOptions.target) is the same
-    for a GPU and for CPU tensors, but the launches are not: a GPU build may choose a backend
-    whose kernels cannot be interpreted (gluon), so CPU tensors get launches of their own."""
+    """What a plan's launches built for `device` are kept under: the target they are planned
+    for and whether they run in Triton's interpreter. A named target (BuildOptions.target) is
+    the same for a GPU and for CPU tensors, but the launches are not: a GPU build may choose a
+    backend whose kernels cannot be interpreted (gluon)."""
     return target_for(device, options), device.type == "cpu"
+
+
+def launch_set_keys(device: torch.device, options) -> tuple:
+    """The keys (launch_set_key) of the launches `device` may run, first preferred: CPU tensors
+    only interpreted ones; a GPU its own, else interpreted ones of its target (a plan built
+    where only the interpreter runs, for this GPU's model by name: Triton's, which compile)."""
+    target = target_for(device, options)
+    return ((target, True),) if device.type == "cpu" else ((target, False), (target, True))
 
 
 def target_for(device: torch.device, options):
