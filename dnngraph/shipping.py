@@ -139,6 +139,7 @@ def _launch_record(launch, groups: dict, binary) -> dict:
             "fp_fusion": launch.fp_fusion, "config_text": launch.config_text, "reason": launch.reason,
             "host_checks": bool(launch.host_checks),
             "backend": launch.backend, "backend_reason": launch.backend_reason,
+            "backend_refusals": launch.backend_refusals,
             "scratch": [[s.uid, list(s.dim), str(s.torch_dtype).split(".")[-1]] for s in launch.scratch],
             "alternative": None if launch.alternative is None else _launch_record(launch.alternative, groups, None),
             "binary": None if binary is None else binary.to_record()}
@@ -172,6 +173,7 @@ def _launch_of(record: dict, groups, graph) -> KernelLaunch:
                           num_stages=record["num_stages"], alternative=alternative, fp_fusion=record["fp_fusion"],
                           host_checks=checks)
     launch.backend, launch.backend_reason = record["backend"], record["backend_reason"]
+    launch.backend_refusals = record["backend_refusals"]
     if record["binary"] is not None:
         launch.binary = KernelBinary.from_record(record["binary"])
     return launch

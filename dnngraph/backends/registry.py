@@ -158,11 +158,16 @@ def refusals(problem, target, options, interpreted: bool = False) -> str:
     for entry_ in options.backends:
         name, taken = parse(entry_)
         backend = BACKENDS.get(name)
-        if backend is None or (interpreted and not backend.interpretable):
+        if backend is None:
             continue  # supporting() names these where nothing takes the group
         if taken is not None and problem.family not in taken:
             continue  # an entry for other families (e.g. "gluon:sdpa" for a conv): not a refusal
         ok, why = supported(backend, problem, target)
+        if interpreted and not backend.interpretable:
+            if ok and not target.interpreted:  # built here for a GPU by name: its build there may differ
+                refused.append(f"{name}: its kernels cannot run in Triton's interpreter, where this plan was built "
+                               f"(a build on the {target.name} itself may take them)")
+            continue
         if ok:
             taking.append(backend)
         else:

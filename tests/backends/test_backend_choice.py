@@ -181,3 +181,23 @@ def test_a_blob_with_kernels_the_interpreter_cannot_run_is_refused_on_cpu():
         document["options"]["target"] = document["target"] = shipping._encoded(H100)
 
     assert dg.Graph.deserialize(_repacked(blob, for_h100)).plan.launches[0].backend == "triton"
+
+
+def test_a_plan_built_in_the_interpreter_for_a_named_gpu_says_why_gluon_was_left_out():
+    """Built where only the interpreter runs (ahead of time, for an H100 by name), a conv gluon
+    would take on the GPU runs Triton's kernel: explain() says so, and a loaded blob still does."""
+    g = conv_graph("bf16", "bias_relu", 1, 16, 5, 7, 16, 3, padding=1)
+    g.build(options=BuildOptions(target=H100))
+    (launch,) = g.plan.launches
+    assert launch.backend == "triton"
+    assert launch.backend_refusals.startswith("gluon: its kernels cannot run in Triton's interpreter")
+    assert "refused: gluon: its kernels cannot run" in g.explain()
+    plain = conv_graph("bf16", "bias_relu", 1, 16, 5, 7, 16, 3, padding=1).build()  # for the interpreter: no GPU
+    assert plain.plan.launches[0].backend_refusals == ""
+
+    def refused_on_the_gpu(document):
+        document["launches"][0]["backend_refusals"] = "gluon: a reason given where it was built"
+
+    loaded = dg.Graph.deserialize(_repacked(plain.serialize(), refused_on_the_gpu))
+    assert loaded.plan.launches[0].backend_refusals == "gluon: a reason given where it was built"
+    assert "refused: gluon: a reason given where it was built" in loaded.explain()
