@@ -63,6 +63,14 @@ def parse(entry_: str) -> tuple:
     return name, (frozenset(f for f in listed.split(",") if f) if separator else None)
 
 
+def canonical(entry_: str) -> str:
+    """The one spelling of an options.backends entry (of a registered backend): families sorted
+    and once, the name alone where they are all of its families. Equal choices are equal options,
+    so they share a plan (runtime/plan_cache.py) whichever way they were written."""
+    name, taken = parse(entry_)
+    return entry(name, None if taken is None or taken >= frozenset(BACKENDS[name].families) else taken)
+
+
 def verified() -> tuple:
     """The default BuildOptions.backends, in registry order: each backend verified for all its
     families by name, one verified for some as `name:family,...` (only those), the rest left out."""

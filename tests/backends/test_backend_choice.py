@@ -201,3 +201,18 @@ def test_a_plan_built_in_the_interpreter_for_a_named_gpu_says_why_gluon_was_left
     loaded = dg.Graph.deserialize(_repacked(plain.serialize(), refused_on_the_gpu))
     assert loaded.plan.launches[0].backend_refusals == "gluon: a reason given where it was built"
     assert "refused: gluon: a reason given where it was built" in loaded.explain()
+
+
+def test_equal_backend_choices_are_equal_options_and_share_a_plan():
+    """Families in any order, repeated, or all of a backend's: one spelling, one plan key."""
+    assert BuildOptions(backends=("triton", "gluon:sdpa,conv")) == BuildOptions()
+    assert BuildOptions(backends=["triton", "gluon:conv,sdpa,conv"]).backends == registry.verified()
+    assert BuildOptions(backends=("triton", "gluon:conv,matmul,sdpa")).backends == ("triton", "gluon")
+    assert BuildOptions(backends=("gluon:sdpa", "triton")).backends == ("gluon:sdpa", "triton")
+    for wrong in (("triton", "gluon:"), ("triton", "gluon:conv,"), ("triton", "gluon:pooling"), ("triton", "triton:conv", "triton")):
+        with pytest.raises(dg.ValidationError, match="BuildOptions.backends"):
+            BuildOptions(backends=wrong)
+    g = conv_graph("bf16", "bias_relu", 1, 16, 5, 7, 16, 3, padding=1)
+    first = g.build(options=BuildOptions(backends=("triton", "gluon:sdpa,conv"))).plan
+    again = g.build().plan
+    assert again.launches is first.launches  # the plan cache's, not a second build
