@@ -216,3 +216,69 @@ def test_equal_backend_choices_are_equal_options_and_share_a_plan():
     first = g.build(options=BuildOptions(backends=("triton", "gluon:sdpa,conv"))).plan
     again = g.build().plan
     assert again.launches is first.launches  # the plan cache's, not a second build
+
+
+# -- on a GPU (an H100 or H200: the default takes gluon there) -----------------------------------
+
+def _hopper_target():
+    from dnngraph.target import target_of
+
+    target = target_of(torch.device("cuda", 0))
+    if target.capability != (9, 0):
+        pytest.skip(f"{target.name} is not a Hopper GPU: the default build takes no gluon kernel")
+    return target
+
+
+def _gpu_conv():
+    """A conv + bias + relu the default build lowers to gluon on Hopper, and its CUDA inputs."""
+    g = conv_graph("bf16", "bias_relu", 1, 32, 7, 6, 48, 3, padding=1)
+    inputs = {name: value.cuda() for name, value in _conv_inputs(g).items()}
+    return g, inputs
+
+
+def _checked(g, inputs) -> torch.Tensor:
+    name = g.outputs()[0].name
+    device = next(iter(inputs.values())).device
+    out = poisoned(g.tensor_by_name(name), device)
+    g.execute({**inputs, name: out})
+    reference = g.reference({k: v.cpu() for k, v in inputs.items()})[name]
+    assert rel_err(out.cpu(), reference) < TOLERANCE[torch.bfloat16]
+    return out
+
+
+@pytest.mark.gpu
+def test_gpu_default_conv_plan_ships_its_gluon_kernel(tmp_path):
+    """serialize() of a default build whose conv is gluon's, run in a fresh process that may not
+    lower or compile: the gluon binary loads (and its Triton fallback ships beside it)."""
+    from test_shipping import _in_fresh_process
+
+    _hopper_target()
+    g, inputs = _gpu_conv()
+    g.build()
+    assert [launch.backend for launch in g.plan.launches] == ["gluon"]
+    here = _checked(g, inputs)
+    there = _in_fresh_process(tmp_path, g.serialize(), inputs)
+    assert torch.equal(here, there[g.outputs()[0].name])
+
+
+@pytest.mark.gpu
+def test_gpu_plan_for_a_named_target_runs_cpu_tensors_interpreted():
+    """Built on the GPU for its model by name (gluon taken), executed on CUDA tensors and then
+    on CPU tensors: the CPU execute runs Triton's kernels through the interpreter."""
+    target = _hopper_target()
+    g, inputs = _gpu_conv()
+    g.build(options=BuildOptions(target=target))
+    assert [launch.backend for launch in g.plan.launches] == ["gluon"]
+    _checked(g, inputs)
+    _checked(g, {name: value.cpu() for name, value in inputs.items()})
+    assert {launch.backend for launch in g.plan._launches_for(torch.device("cpu")).launches} == {"triton"}
+
+
+@pytest.mark.gpu
+def test_gpu_forced_conv_config_runs_triton():
+    _hopper_target()
+    g, inputs = _gpu_conv()
+    g.build(options=BuildOptions(conv_config=FORCING_VALUES["conv_config"]))
+    assert [launch.backend for launch in g.plan.launches] == ["triton"]
+    assert "BuildOptions.conv_config forces triton's kernel" in g.explain()
+    _checked(g, inputs)
