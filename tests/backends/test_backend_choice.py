@@ -218,6 +218,24 @@ def test_equal_backend_choices_are_equal_options_and_share_a_plan():
     assert again.launches is first.launches  # the plan cache's, not a second build
 
 
+
+def test_a_gluon_kernel_compiles_and_loads_as_a_shipped_binary():
+    """The shipping path's compiler (a process of its own) and loader take a gluon kernel as
+    Gluon source: a plan holding one compiles ahead of time and loads its binary."""
+    from dnngraph.dtypes import kernel_torch_dtype
+    from dnngraph.runtime.kernel_binary import KernelBinary, compile_for, compile_request
+    from gluon_conv_cases import lowered
+
+    g = conv_graph("bf16", "bias_relu", 1, 32, 7, 6, 48, 3, padding=1)
+    g.validate()
+    (launch,) = lowered(g)
+    dtypes = {t.uid: kernel_torch_dtype(t.data_type) for t in g.tensors}
+    (binary,) = compile_for([compile_request(launch, dtypes)], (9, 0))
+    assert binary.arch == 90 and "wgmma.mma_async" in binary.asm["ptx"]
+    compiled = KernelBinary.from_record(binary.to_record()).load(launch.kernel)
+    assert type(compiled.src).__name__ == "GluonASTSource"
+    assert list(compiled.src.signature) == [argument.name for argument in launch.arguments]
+
 # -- on a GPU (an H100 or H200: the default takes gluon there) -----------------------------------
 
 def _hopper_target():
