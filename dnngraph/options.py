@@ -177,11 +177,12 @@ def _backends(name, value):
             _fail(name, f"backend names from {known} (each alone, or as 'name:family,...')", entry)
         backend, taken = registry.parse(entry)
         families = registry.BACKENDS[backend].families
-        if taken is not None and (not taken or not taken <= families):
+        listed = entry.partition(registry.FAMILY_SEPARATOR)[2].split(",")  # an empty name is a typo
+        if taken is not None and (not taken or not taken <= families or "" in listed):
             _fail(name, f"families of backend {backend} after its name ({', '.join(sorted(families))})", entry)
     if len({registry.parse(entry)[0] for entry in value}) != len(value):
         _fail(name, "each backend once", value)
-    return value
+    return tuple(registry.canonical(entry) for entry in value)
 
 
 def _instance(kind: type):

@@ -139,6 +139,7 @@ def _launch_record(launch, groups: dict, binary) -> dict:
             "fp_fusion": launch.fp_fusion, "config_text": launch.config_text, "reason": launch.reason,
             "host_checks": bool(launch.host_checks),
             "backend": launch.backend, "backend_reason": launch.backend_reason,
+            "backend_refusals": launch.backend_refusals,
             "scratch": [[s.uid, list(s.dim), str(s.torch_dtype).split(".")[-1]] for s in launch.scratch],
             "alternative": None if launch.alternative is None else _launch_record(launch.alternative, groups, None),
             "binary": None if binary is None else binary.to_record()}
@@ -172,6 +173,7 @@ def _launch_of(record: dict, groups, graph) -> KernelLaunch:
                           num_stages=record["num_stages"], alternative=alternative, fp_fusion=record["fp_fusion"],
                           host_checks=checks)
     launch.backend, launch.backend_reason = record["backend"], record["backend_reason"]
+    launch.backend_refusals = record["backend_refusals"]
     if record["binary"] is not None:
         launch.binary = KernelBinary.from_record(record["binary"])
     return launch
@@ -315,10 +317,24 @@ def _loaded(document: dict, graph_type, rebuild: bool):
     return graph
 
 
+def _refused_interpreter(record: dict, device) -> str:
+    """Why `device`'s kernels (CPU tensors: Triton's interpreter) cannot run the launches of the
+    plan `record` holds ("" when they can): a plan built on a GPU for a named target may hold
+    kernels of a backend the interpreter cannot run (gluon), however equal the targets."""
+    if device.type == "cuda":
+        return ""
+    backends = {launch["backend"] for launch in record["launches"]}
+    compiled_only = sorted(name for name in backends if not getattr(registry.BACKENDS.get(name), "interpretable", True))
+    if not compiled_only:
+        return ""
+    return (f"the blob's plan runs {', '.join(compiled_only)} kernels, which cannot run in Triton's interpreter "
+            f"(CPU tensors)")
+
+
 def _target_refusal(record: dict, device) -> str:
     """Why this machine cannot run the plan `record` holds ("" when it can)."""
     options, stored = options_of(record["options"]), _decoded(record["target"])
-    return _refused_target(stored, device) or (
+    return _refused_target(stored, device) or _refused_interpreter(record, device) or (
         "" if target_for(device, options) == stored else
         f"the blob's plan is for {stored.name}; this machine plans for {target_for(device, options).name}")
 

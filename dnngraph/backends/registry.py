@@ -15,7 +15,10 @@ names a backend whose `verified_families` are some of its families so, e.g. "glu
   model (the build's Target);
 - where any pair has none, pairs are ordered by preference (options.backends order) alone: a
   backend that gives no estimate is ranked by preference only;
-- ties are broken by preference order, then by the backend's own order of its candidates.
+- ties are broken by preference order, then by the backend's own order of its candidates;
+- where options force a backend's config for the problem (its forced_options: conv_config for
+  Triton's conv kernels, say), only the backends forced take part: a forced config runs, never
+  silently replaced by another backend's kernel that its model ranks first.
 
 choose() is the backend of the first ranked pair (without asking for candidates where only one
 backend supports the problem); families() is every group kind some backend lowers (what the
@@ -58,6 +61,14 @@ def parse(entry_: str) -> tuple:
     """(name, families taken: a frozenset, or None for every family) of an options.backends entry."""
     name, separator, listed = entry_.partition(FAMILY_SEPARATOR)
     return name, (frozenset(f for f in listed.split(",") if f) if separator else None)
+
+
+def canonical(entry_: str) -> str:
+    """The one spelling of an options.backends entry (of a registered backend): families sorted
+    and once, the name alone where they are all of its families. Equal choices are equal options,
+    so they share a plan (runtime/plan_cache.py) whichever way they were written."""
+    name, taken = parse(entry_)
+    return entry(name, None if taken is None or taken >= frozenset(BACKENDS[name].families) else taken)
 
 
 def verified() -> tuple:
@@ -103,10 +114,23 @@ def signature(names_) -> tuple:
     return tuple(found)
 
 
+def forced_options(backend, problem, options) -> tuple:
+    """The options fields that force `backend`'s kernel for `problem` (its forced_options();
+    none for a backend without the method)."""
+    method = getattr(backend, "forced_options", None)
+    return tuple(method(problem, options)) if method is not None else ()
+
+
+def _forcing(backends: list, problem, options) -> list:
+    """Those of `backends` whose kernel the options force for `problem` (see the module's rule)."""
+    return [backend for backend in backends if forced_options(backend, problem, options)]
+
+
 def supporting(problem, target, options, interpreted: bool = False) -> list:
     """The backends of options.backends that support `problem` on `target`, in preference order
-    (when the kernels run in the interpreter, only those whose kernels can); UnsupportedError
-    naming the node and the backends tried when none does."""
+    (when the kernels run in the interpreter, only those whose kernels can; where the options
+    force some backends' configs, those only); UnsupportedError naming the node and the backends
+    tried when none does."""
     found, tried = [], []
     for entry_ in options.backends:
         name, taken = parse(entry_)
@@ -131,23 +155,35 @@ def supporting(problem, target, options, interpreted: bool = False) -> list:
             f"{problem.where}: no {problem.family} kernel exists yet in the backends tried "
             f"({'; '.join(tried)}), so the group [{', '.join(problem.node_names)}] cannot run; "
             f"graph.reference() computes it")
-    return found
+    return _forcing(found, problem, options) or found
 
 
 def refusals(problem, target, options, interpreted: bool = False) -> str:
-    """Why each backend of options.backends that does not take `problem` refuses it ("name: why"
-    joined by "; "), "" where all take it: explain() shows it beside the backend that did."""
-    refused = []
+    """Why each backend of options.backends that does not take `problem` refuses it, or is left
+    out because the options force another's kernel ("name: why" joined by "; "), "" where all
+    take it: explain() shows it beside the backend that did."""
+    refused, taking = [], []
     for entry_ in options.backends:
         name, taken = parse(entry_)
         backend = BACKENDS.get(name)
-        if backend is None or (interpreted and not backend.interpretable):
+        if backend is None:
             continue  # supporting() names these where nothing takes the group
         if taken is not None and problem.family not in taken:
             continue  # an entry for other families (e.g. "gluon:sdpa" for a conv): not a refusal
         ok, why = supported(backend, problem, target)
-        if not ok:
+        if interpreted and not backend.interpretable:
+            if ok and not target.interpreted:  # built here for a GPU by name: its build there may differ
+                refused.append(f"{name}: its kernels cannot run in Triton's interpreter, where this plan was built "
+                               f"(a build on the {target.name} itself may take them)")
+            continue
+        if ok:
+            taking.append(backend)
+        else:
             refused.append(f"{name}: {why}")
+    forcing = _forcing(taking, problem, options)
+    forced = ", ".join(f"BuildOptions.{option} forces {backend.name}'s kernel"
+                       for backend in forcing for option in forced_options(backend, problem, options))
+    refused += [f"{backend.name}: {forced}" for backend in taking if forcing and backend not in forcing]
     return "; ".join(refused)
 
 

@@ -110,15 +110,26 @@ class KernelBinary:
         """Triton's CompiledKernel of this binary for `kernel` (the JITFunction of the source it
         was compiled from), without compiling: the files are written to the kernel cache and
         read back by CompiledKernel. Its handles are made by the caller, on its device."""
-        from triton.compiler import ASTSource, CompiledKernel
+        from triton.compiler import CompiledKernel
 
         folder = _binary_dir() / self.hash
         folder.mkdir(parents=True, exist_ok=True)
         group = {f"{self.name}.json": _written(folder / f"{self.name}.json", self.metadata)}
         for level, data in self.asm.items():
             group[f"{self.name}.{level}"] = _written(folder / f"{self.name}.{level}", data)
-        source = ASTSource(kernel, dict(self.signature), dict(self.constants), dict(self.attrs))
+        source = source_of(kernel, dict(self.signature), dict(self.constants), dict(self.attrs))
         return CompiledKernel(source, group, self.hash)
+
+
+def source_of(kernel, signature: dict, constants: dict, attrs: dict):
+    """Triton's compile source of `kernel` specialized as given: a GluonASTSource for a Gluon
+    kernel (its language is not triton.language: an ASTSource fails to parse it), else an
+    ASTSource. Compiling and loading a shipped binary both make theirs here."""
+    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+
+    kind = GluonASTSource if isinstance(kernel, GluonJITFunction) else ASTSource
+    return kind(kernel, signature, constants, attrs)
 
 
 def _safe_name(text: str) -> bool:
@@ -219,7 +230,6 @@ def _compile_one(request: dict, arch: int) -> dict:
     """In the compile process: the request's kernel loaded from its checked source, compiled."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from .kernel_files import load_kernel, rendered_source, stem_of
 
@@ -230,7 +240,7 @@ def _compile_one(request: dict, arch: int) -> dict:
     constants = {tuple(path): plain_of(value) for path, value in request["constants"]}
     attrs = {tuple(path): specs for path, specs in request["attrs"]}
     signature = {name: kind for name, kind in request["signature"]}
-    compiled = triton.compile(ASTSource(kernel, signature, constants, attrs),
+    compiled = triton.compile(source_of(kernel, signature, constants, attrs),
                               target=GPUTarget("cuda", arch, 32), options=request["options"])
     return of_compiled(compiled).to_record()
 

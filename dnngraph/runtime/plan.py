@@ -236,7 +236,7 @@ class Plan:
         self._budget = budget if budget is not None else WorkspaceBudget()
         self._graph_dtypes = {t.uid: dtypes.kernel_torch_dtype(t.data_type) for t in graph.tensors}
         self._lock = threading.Lock()  # guards the three dicts below when they grow
-        self._by_target: dict = {}  # Target -> DeviceLaunches
+        self._by_target: dict = {}  # launch_set_key (target, interpreted) -> DeviceLaunches
         self._by_device: dict = {}  # (device type, index) -> DeviceLaunches
         self._streams: dict = {}  # (device type, index, raw stream) -> StreamWorkspace
         self._ready: dict = {}  # the stamp of a binding set (see execute) -> ReadyBindings
@@ -274,7 +274,7 @@ class Plan:
         if device.type == "cuda":
             built.bind(device.index)
             built.layout(self.groups)
-        self._by_target[target] = built
+        self._by_target[launch_set_key(device, self.options)] = built
         self._by_device[(device.type, device.index)] = built
         return built
 
@@ -287,7 +287,8 @@ class Plan:
             found = self._by_device.get((device.type, device.index))
             if found is not None:
                 return found
-            found = self._by_target.get(target_for(device, self.options))
+            found = next((self._by_target[key] for key in launch_set_keys(device, self.options)
+                          if key in self._by_target), None)
             if found is None:
                 return self._derive(device)
             if device.type == "cuda":
@@ -662,6 +663,22 @@ def _kernel_device(device: torch.device) -> torch.device:
     if interpreting() or device.type == "cpu":
         return torch.device("cpu")
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
+def launch_set_key(device: torch.device, options) -> tuple:
+    """What a plan's launches built for `device` are kept under: the target they are planned
+    for and whether they run in Triton's interpreter. A named target (BuildOptions.target) is
+    the same for a GPU and for CPU tensors, but the launches are not: a GPU build may choose a
+    backend whose kernels cannot be interpreted (gluon)."""
+    return target_for(device, options), device.type == "cpu"
+
+
+def launch_set_keys(device: torch.device, options) -> tuple:
+    """The keys (launch_set_key) of the launches `device` may run, first preferred: CPU tensors
+    only interpreted ones; a GPU its own, else interpreted ones of its target (a plan built
+    where only the interpreter runs, for this GPU's model by name: Triton's, which compile)."""
+    target = target_for(device, options)
+    return ((target, True),) if device.type == "cpu" else ((target, False), (target, True))
 
 
 def target_for(device: torch.device, options):

@@ -86,6 +86,13 @@ class TritonBackend:
     def __init__(self, builders: Optional[dict] = None):
         self.builders = dict(BUILDERS if builders is None else builders)
 
+    def forced_options(self, problem: Problem, options) -> tuple:
+        """The BuildOptions fields set for `problem`'s family that force this backend's kernel
+        (FORCED_OPTIONS): a build told to run one of its configs gets it, whatever another
+        backend's model says (registry.supporting)."""
+        return tuple(name for name in FORCED_OPTIONS.get(problem.family, ())
+                     if getattr(options, name) is not None and getattr(options, name) is not False)
+
     @property
     def families(self) -> frozenset:
         return frozenset(self.builders)
@@ -229,6 +236,19 @@ class TritonBackend:
         built = self.builders[group.kind](graph, group, context)
         launches.extend(built if isinstance(built, list) else [built])
         return launches
+
+
+# The options that force this backend's config or schedule, by the families other backends lower
+# too (gluon: matmul, conv, sdpa; tests/backends/test_backend_choice.py holds every other
+# backend's families to this table). Unset is None, or False for sdpa_index_64 (0 is set:
+# sdpa_head_group=0 forces the plain grid). A conv may run
+# as a matmul (1x1) or a depthwise kernel, so it reads all three of its configs.
+FORCED_OPTIONS = {
+    "matmul": ("matmul_config",),
+    "conv": ("conv_config", "matmul_config", "depthwise_config"),
+    "sdpa": ("sdpa_config", "sdpa_dkdv_config", "sdpa_dq_config", "sdpa_splits", "sdpa_head_group",
+             "sdpa_index_64"),
+}
 
 
 def _forced_attention(options) -> "sdpa_heuristics.ForcedAttention":
