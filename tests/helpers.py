@@ -74,3 +74,17 @@ def compiled_for_sm90(spec: str, timeout: int = 600, env=None) -> str:
                             env=env, capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
+
+
+def clean_under_consan(script_template: str, test_file: str, cache_dir) -> None:
+    """Run `script_template` (formatted with paths=[the test's folder, tests/]) in a fresh process
+    under Triton's concurrency sanitizer (TRITON_INSTRUMENTATION_MODE=consan, a kernel cache of its
+    own in `cache_dir`) and assert it ends by printing "consan clean": a race or a barrier misuse in
+    a warp-specialized kernel aborts it."""
+    here = os.path.dirname(os.path.abspath(test_file))
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, TRITON_INSTRUMENTATION_MODE="consan", DNNGRAPH_CACHE_DIR=str(cache_dir),
+               PYTHONPATH=os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
+    script = script_template.format(paths=[here, tests])
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0 and "consan clean" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]

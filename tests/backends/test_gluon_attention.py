@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from gluon_attention_cases import (BANDS, HEAD_DIMS, HEADS, MASKS, TYPES, compile_cases, graph, lowered,
                                    mask_arguments, sdpa_group, variants)
-from helpers import check, compiled_for_sm90
+from helpers import check, clean_under_consan, compiled_for_sm90
 
 import dnngraph as dg
 from dnngraph.backends import registry
@@ -589,10 +586,4 @@ print("consan clean")
 
 @pytest.mark.gpu
 def test_a_small_attention_run_is_clean_under_the_concurrency_sanitizer(tmp_path):
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)
-    env = dict(os.environ, TRITON_INSTRUMENTATION_MODE="consan", DNNGRAPH_CACHE_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
-    script = CONSAN.format(paths=[here, tests])
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0 and "consan clean" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    clean_under_consan(CONSAN, __file__, tmp_path)

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
 import sys
 
 import pytest
@@ -25,7 +23,7 @@ import torch
 from gluon_conv_cases import (CONFIGS, DGRAD_GEOMETRIES, EPILOGUES, GEOMETRIES, TYPES, compile_cases, compile_variants,
                               conv_graph, conv_group, dgrad_compile_variants, dgrad_graph, lowered, nhwc,
                               wgrad_compile_variants)
-from helpers import check, compiled_for_sm90
+from helpers import check, clean_under_consan, compiled_for_sm90
 
 import dnngraph as dg
 from dnngraph.backends import registry
@@ -641,13 +639,7 @@ print("consan clean")
 
 @pytest.mark.gpu
 def test_a_small_run_is_clean_under_the_concurrency_sanitizer(tmp_path):
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)
-    env = dict(os.environ, TRITON_INSTRUMENTATION_MODE="consan", DNNGRAPH_CACHE_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
-    script = CONSAN.format(paths=[here, tests])
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0 and "consan clean" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    clean_under_consan(CONSAN, __file__, tmp_path)
 
 
 def test_each_partition_makes_the_descriptors_it_copies_through():

@@ -11,15 +11,12 @@ types, epilogues, forced configs and splits; a run under the concurrency sanitiz
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from gluon_conv_cases import (EPILOGUES, TYPES, WGRAD_GEOMETRIES, conv_group, nhwc, wgrad_compile_variants,
                               wgrad_graph)
-from helpers import check
+from helpers import check, clean_under_consan
 from test_gluon_conv import _check_gluon, _few_sms, _flat, _inputs, _values
 
 import dnngraph as dg
@@ -368,10 +365,4 @@ print("consan clean")
 
 @pytest.mark.gpu
 def test_a_small_wgrad_is_clean_under_the_concurrency_sanitizer(tmp_path):
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)
-    env = dict(os.environ, TRITON_INSTRUMENTATION_MODE="consan", DNNGRAPH_CACHE_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join([os.path.dirname(tests), os.environ.get("PYTHONPATH", "")]))
-    script = CONSAN.format(paths=[here, tests])
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0 and "consan clean" in result.stdout, result.stdout[-3000:] + result.stderr[-3000:]
+    clean_under_consan(CONSAN, __file__, tmp_path)
