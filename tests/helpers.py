@@ -76,6 +76,16 @@ def compiled_for_sm90(spec: str, timeout: int = 600, env=None) -> str:
     return result.stdout
 
 
+# The opening of every script clean_under_consan runs: the test folders on the path (its
+# {paths!r} is formatted in) and the allocator consan's instrumentation takes its scratch from.
+CONSAN_HEAD = """
+import dataclasses, sys
+import torch, triton
+sys.path[:0] = {paths!r}
+triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+"""
+
+
 def clean_under_consan(script_template: str, test_file: str, cache_dir) -> None:
     """Run `script_template` (formatted with paths=[the test's folder, tests/]) in a fresh process
     under Triton's concurrency sanitizer (TRITON_INSTRUMENTATION_MODE=consan, a kernel cache of its

@@ -27,7 +27,7 @@ import pytest
 import torch
 from gluon_cases import (BATCHES, EPILOGUES, FP8_TYPES, KMAJOR_EPILOGUES, PINGPONG_VARIANTS, TYPES, compile_cases,
                          graph, lowered, matmul_group, pingpong_cases)
-from helpers import check, clean_under_consan, compiled_for_sm90
+from helpers import CONSAN_HEAD, check, clean_under_consan, compiled_for_sm90
 
 import dnngraph as dg
 from dnngraph.backends import registry
@@ -713,13 +713,7 @@ def test_pingpong_on_a_larger_problem_with_every_config(monkeypatch):
         assert "schedule=pingpong" in g.plan.launches[0].config_text
 
 
-CONSAN = """
-import dataclasses, sys
-import torch, triton
-sys.path[:0] = {paths!r}
-# consan's instrumentation keeps its state in scratch that Triton allocates through this
-triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-from gluon_cases import graph
+CONSAN = CONSAN_HEAD + """from gluon_cases import graph
 from helpers import check
 import dnngraph as dg
 # bias: the widest config (two consumers, four epilogue subtiles, two staging buffers each),

@@ -17,7 +17,7 @@ import pytest
 import torch
 from gluon_attention_cases import (BANDS, HEAD_DIMS, HEADS, MASKS, TYPES, compile_cases, graph, lowered,
                                    mask_arguments, sdpa_group, variants)
-from helpers import check, clean_under_consan, compiled_for_sm90
+from helpers import CONSAN_HEAD, check, clean_under_consan, compiled_for_sm90
 
 import dnngraph as dg
 from dnngraph.backends import registry
@@ -553,13 +553,7 @@ def test_an_unaligned_q_takes_the_triton_fallback():
     check(g, inputs, dtype=torch.bfloat16, device="cuda", options=BuildOptions(backends=("gluon",)))
 
 
-CONSAN = """
-import sys
-import torch, triton
-sys.path[:0] = {paths!r}
-# consan's instrumentation keeps its state in scratch that Triton allocates through this
-triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-from gluon_attention_cases import graph
+CONSAN = CONSAN_HEAD + """from gluon_attention_cases import graph
 from helpers import check
 import dnngraph as dg
 # three key blocks through the two-slot ring (its phases wrap), the causal diagonal, the stats

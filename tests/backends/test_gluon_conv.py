@@ -23,7 +23,7 @@ import torch
 from gluon_conv_cases import (CONFIGS, DGRAD_GEOMETRIES, EPILOGUES, GEOMETRIES, TYPES, compile_cases, compile_variants,
                               conv_graph, conv_group, dgrad_compile_variants, dgrad_graph, lowered, nhwc,
                               wgrad_compile_variants)
-from helpers import check, clean_under_consan, compiled_for_sm90
+from helpers import CONSAN_HEAD, check, clean_under_consan, compiled_for_sm90
 
 import dnngraph as dg
 from dnngraph.backends import registry
@@ -604,13 +604,7 @@ def test_explain_names_the_gluon_kernel_and_a_refusal():
     assert "  backend: triton" in text and "  refused: gluon: gluon's implicit GEMM reads a stride past 2" in text
 
 
-CONSAN = """
-import dataclasses, sys
-import torch, triton
-sys.path[:0] = {paths!r}
-# consan's instrumentation keeps its state in scratch that Triton allocates through this
-triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-from gluon_conv_cases import conv_graph, dgrad_graph
+CONSAN = CONSAN_HEAD + """from gluon_conv_cases import conv_graph, dgrad_graph
 from helpers import check
 import dnngraph as dg
 target = dataclasses.replace(dg.target.from_properties(torch.cuda.get_device_properties(0)), sms=2)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from gluon_conv_cases import (EPILOGUES, TYPES, WGRAD_GEOMETRIES, conv_group, nhwc, wgrad_compile_variants,
                               wgrad_graph)
-from helpers import check, clean_under_consan
+from helpers import CONSAN_HEAD, check, clean_under_consan
 from test_gluon_conv import _check_gluon, _few_sms, _flat, _inputs, _values
 
 import dnngraph as dg
@@ -339,12 +339,7 @@ def test_a_resnet_sized_wgrad_on_every_sm():
     assert "dnngraph_gluon_conv_conv_wgrad" in text and "wgrad combine" in text
 
 
-CONSAN = """
-import dataclasses, sys
-import torch, triton
-sys.path[:0] = {paths!r}
-triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-from gluon_conv_cases import wgrad_graph
+CONSAN = CONSAN_HEAD + """from gluon_conv_cases import wgrad_graph
 from helpers import check
 import dnngraph as dg
 target = dataclasses.replace(dg.target.from_properties(torch.cuda.get_device_properties(0)), sms=2)
