@@ -26,7 +26,9 @@ relu_backward on dx, which would also read x at every pixel).
 
 For dgrad the GEMM below has rows N*H*W (dx's pixels), columns C, reduction R*S*K.
 Configs (ConvConfig): an output tile is a BLOCK_H x BLOCK_W pixel rectangle of one image by
-BLOCK_N channels. The model (estimate) is the matmul's over the implicit GEMM (rows N*P*Q,
+BLOCK_N channels. The config model (modeled_seconds: it orders the configs; estimate(), what the
+registry compares with Triton's, is the forward's measured rate per shape class instead:
+heuristics/conv_measured.py) is the matmul's over the implicit GEMM (rows N*P*Q,
 columns K, reduction R*S*C) with the tiles' waste: a rectangle's pixels past P or Q, channels
 past K, and the channel block's past C, all computed and thrown away:
     time = max(2 * N*P*Q * K * R*S*C / peak / (tile_use * channel_use), bytes / bandwidth) / wave_efficiency
@@ -397,7 +399,8 @@ def estimate(problem: Problem, config: ConvConfig, target: Target) -> Optional[f
 
 
 # The directions whose estimates the registry ranks against Triton's: the forward, measured 1.10x
-# the Triton conv over ResNet-50's layers on the H200 (BENCHMARKS.md, Gluon convolution forward).
+# the Triton conv over ResNet-50's layers on the H200 (BENCHMARKS.md, Gluon convolution forward),
+# and only inside its measured shape classes and sizes (estimate()).
 # The dgrad and wgrad are not yet measured: their candidates carry no estimate (their model still
 # orders the configs), so a build ranks them by preference order: Triton first in the default
 # ("triton", "gluon:conv,sdpa"), Gluon first where a build names it first.

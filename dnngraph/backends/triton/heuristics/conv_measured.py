@@ -6,9 +6,10 @@ Each backend's config model (heuristics/conv.py conv_estimate, gluon/conv_backen
 modeled_seconds) orders its own configs well enough, but the two are not comparable: on
 ResNet-50's layers on the H200 the Gluon model predicted 1.23-2.43x the Triton model's speed while
 the GPU measured 0.90-1.36x (the Gluon model runs its tiles at the dense peak; the Triton model's
-1x1 pose is not the matmul kernel the lowering runs). Fitted with two or three terms each (per-tile
-rounds, fixed cost, bytes), the two models still erred by -25%..+25% per layer, more than the
-backends differ on most layers (median 1.08x), and mis-ranked 5 or 6 of the 22 layers.
+1x1 pose is not the matmul kernel the lowering runs). Refitted with three terms each (a rate per
+tile round of the config that ran, a cost per round, a fixed cost), they came within 0.86-1.12x
+(Gluon) and 0.79-1.25x (Triton) of the measured times, still more than the backends differ on
+most layers (median 1.08x), and mis-ranked 6 of the 22 layers.
 
 So the rule is measured efficiency per shape class (problems/conv.py forward_shape_class:
 "narrow", fewer than 128 filters, or "wide"), inside the envelope of the measured layers
@@ -17,12 +18,13 @@ not hide the epilogue's stores behind the mainloop),
     seconds = (2*N*P*Q*K*C*R*S / peak + bytes moved / bandwidth) / efficiency + LAUNCH_SECONDS,
 with efficiency the geometric mean over the class's measured layers of that work over the
 measured time (FORWARD_LAYERS, one line a layer). Within a class the backend of the higher
-efficiency always leads; the estimate of a layer is within 0.72-1.57x of its measured time.
+efficiency always leads; the estimate of a layer is within 0.72-1.56x of its measured time.
 On the 22 measured layers it agrees with the faster backend on 20: it misses layer1.0.conv1
 (Triton ranked, Gluon 21.6 us against 22.1) and layer4.0.conv1 (Gluon ranked, 23.6 us against
-Triton's 23.3), 0.8 us of 587 in all; "Gluon wherever it runs" missed 3 (layer1.1.conv1: 3.7 us,
-layer1.0.conv2, layer4.0.conv1), 4.4 us. A shape outside a class or the envelope has no estimate
-(None): the registry then ranks by preference order (Triton first by default).
+Triton's 23.3), 0.8 us in all (the faster backend's times add to 560 us); "Gluon wherever it
+runs" missed 3 (layer1.1.conv1: 3.7 us, layer1.0.conv2, layer4.0.conv1), 4.4 us. A shape outside
+a class or the envelope has no estimate (None): the registry then ranks by preference order
+(Triton first by default).
 """
 from __future__ import annotations
 
