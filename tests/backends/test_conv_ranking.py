@@ -202,3 +202,14 @@ def test_an_interpreted_target_has_no_measured_estimate():
     from dnngraph.target import INTERPRETER
     assert conv_measured.forward_seconds("triton", problem, INTERPRETER) is None
     assert conv_measured.forward_seconds("gluon", problem, INTERPRETER) is None
+
+
+@pytest.mark.parametrize("args, epilogue", [((32, 64, 7, 7, 128, 1), "bias_relu"), ((32, 256, 28, 28, 512, 1), "none")],
+                         ids=["test_backend_choice._gpu_conv", "test_conv.test_pointwise_conv_runs_on_tma"])
+def test_the_gpu_tests_default_convs_rank_gluon(args, epilogue):
+    """The convs GPU tests expect a default build on Hopper to lower to Gluon are inside a measured
+    class and the envelope."""
+    problem = conv_group(conv_graph("bf16", epilogue, *args))[1]
+    assert conv_measured.measured_class(problem) == "wide"
+    for target in (H100, H200):
+        assert _chosen(problem, target) == "gluon"
