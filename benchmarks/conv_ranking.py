@@ -10,26 +10,36 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "backends"))
-
-from gluon_conv_cases import conv_graph, conv_group  # noqa: E402
-
-from dnngraph.backends import registry  # noqa: E402
-from dnngraph.backends.gluon.backend import GLUON  # noqa: E402
-from dnngraph.backends.triton.heuristics.conv_measured import FORWARD_LAYERS, MeasuredLayer  # noqa: E402
-from dnngraph.options import BuildOptions  # noqa: E402
-from dnngraph.target import H200  # noqa: E402
+import dnngraph as dg
+from dnngraph.backends import registry
+from dnngraph.backends.gluon.backend import GLUON
+from dnngraph.backends.triton.heuristics.conv_measured import FORWARD_LAYERS, MeasuredLayer
+from dnngraph.fusion import partition
+from dnngraph.options import BuildOptions
+from dnngraph.problems import problem_of
+from dnngraph.target import H200
 
 SHAPE = re.compile(r"N(\d+) C(\d+) K(\d+) (\d+)x(\d+) (\d+)x(\d+)/(\d+) p(\d+)")
 
 
+def _nhwc(dims) -> list:
+    n, c, h, w = dims
+    return [h * w * c, 1, w * c, c]
+
+
 def _problem(layer: MeasuredLayer):
-    return conv_group(conv_graph("bf16", "bias_relu", layer.n, layer.c, layer.size, layer.size, layer.k, layer.filter,
-                                 stride=layer.stride, padding=layer.padding))[1]
+    """The conv group of bench_conv.py's fprop row: bf16 NHWC x, KRSC w, relu(conv + bias)."""
+    g = dg.Graph(name="conv_ranking", io_data_type=dg.bfloat16)
+    x_dims, w_dims = [layer.n, layer.c, layer.size, layer.size], [layer.k, layer.c, layer.filter, layer.filter]
+    x = g.tensor(name="x", dim=x_dims, stride=_nhwc(x_dims))
+    w = g.tensor(name="w", dim=w_dims, stride=_nhwc(w_dims))
+    y = g.conv_fprop(x, w, padding=[layer.padding] * 2, stride=[layer.stride] * 2, dilation=[1, 1])
+    g.relu(g.add(y, g.tensor(name="bias", dim=[1, layer.k, 1, 1]))).set_output(True)
+    (group,) = [found for found in partition(g, registry.families()) if found.kind == "conv"]
+    return problem_of(g, group)
 
 
 def measured_layers(path: str) -> list:
