@@ -422,13 +422,7 @@ def candidates(backend_name: str, problem: Problem, target: Target, configs: Opt
     fitting = _fitting(problem, target, configs)
     modeled = [modeled_seconds(problem, config, target) for config in fitting]
     order = sorted(range(len(fitting)), key=lambda i: (modeled[i], i))
-    measured = (conv_measured.forward_seconds(MEASURED_AS, problem, target)
-                if problem.geometry.direction == "fprop" else None)
-    found = []
-    for i in order:
-        seconds = modeled[i] if problem.geometry.direction != "fprop" else \
-            conv_measured.calibrated(modeled[i], modeled[order[0]], measured)
-        found.append(Candidate(backend_name, fitting[i], seconds))
+    found = [Candidate(backend_name, fitting[i], estimate(problem, fitting[i], target)) for i in order]
     return unmeasured_without_estimates(problem, found)
 
 
