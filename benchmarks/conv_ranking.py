@@ -42,12 +42,22 @@ def _problem(layer: MeasuredLayer):
     return problem_of(g, group)
 
 
+def _ran(provider: dict) -> list:
+    return (provider.get("plan") or {}).get("backends", [])
+
+
 def measured_layers(path: str) -> list:
-    """The square-filter layers of a bench_conv.py JSON with both backends timed, where Gluon runs."""
+    """The square-filter layers of a bench_conv.py JSON with both backends timed, where Gluon runs
+    and its column ran Gluon's kernel (a plan that names its backends: "dg gluon" is a build
+    preferring Gluon, which the rule may rank to Triton; such a row measures no Gluon time)."""
     found = []
     for row in json.load(open(path))["results"]["fprop"]:
         match, triton, gluon = SHAPE.fullmatch(row["shape"]), row.get("dg", {}), row.get("dg_gluon", {})
         if match is None or "ms" not in triton or "ms" not in gluon:
+            continue
+        if set(_ran(triton)) - {"triton"} or set(_ran(gluon)) - {"gluon"}:
+            print(f"{row['label']}: left out, its columns ran {_ran(triton)} and {_ran(gluon)}, not Triton and "
+                  f"Gluon alone (build its dg gluon with BuildOptions(backends=('gluon',)) to time Gluon)")
             continue
         n, c, k, h, w, r, s, stride, padding = (int(v) for v in match.groups())
         if h != w or r != s:

@@ -27,11 +27,14 @@ def test_a_bench_conv_run_gives_its_layer_lines(tmp_path, capsys):
     rows = [_row("stem", "N32 C3 K64 224x224 7x7/2 p3", 0.169, 0.1694),  # no TMA box: not Gluon's
             _row("wide", "N32 C128 K128 28x28 3x3/1 p1", 0.0251, 0.0301),  # Gluon measured slower here
             _row("narrow", "N32 C256 K64 56x56 1x1/1 p0", 0.0325, 0.0362),
-            {"label": "failed", "shape": "N32 C64 K64 56x56 1x1/1 p0", "dg": {"status": "error"}, "dg_gluon": {}}]
+            {"label": "failed", "shape": "N32 C64 K64 56x56 1x1/1 p0", "dg": {"status": "error"}, "dg_gluon": {}},
+            dict(_row("ranked to triton", "N32 C64 K64 56x56 1x1/1 p0", 0.0221, 0.0221),
+                 dg_gluon={"ms": 0.0221, "plan": {"backends": ["triton"]}})]
     path = tmp_path / "conv.json"
     path.write_text(json.dumps({"results": {"fprop": rows}}))
     layers = bench.measured_layers(str(path))
     assert [layer.label for layer in layers] == ["wide", "narrow"]
+    assert "ranked to triton: left out, its columns ran [] and ['triton']" in capsys.readouterr().out
     assert layers[0].us == {"triton": 25.1, "gluon": 30.1}
     assert bench.main([str(path)]) == 0
     text = capsys.readouterr().out
