@@ -28,8 +28,9 @@ from helpers import CONSAN_HEAD, check, clean_under_consan, compiled_for_sm90
 import dnngraph as dg
 from dnngraph.backends import registry
 from dnngraph.backends.gluon.backend import GLUON
-from dnngraph.backends.gluon.conv_backend import (LAUNCH_SECONDS, ConvConfig, block_k_for, estimate, shared_bytes,
-                                                  tap_phases)
+from dnngraph.backends.gluon.conv_backend import (LAUNCH_SECONDS, ConvConfig, block_k_for, estimate, modeled_seconds,
+                                                  shared_bytes, tap_phases)
+from dnngraph.backends.triton.heuristics import conv_measured
 from dnngraph.options import BuildOptions
 from dnngraph.target import H100, H200
 
@@ -265,14 +266,20 @@ def _offered(g, target=H100) -> list:
 
 
 def test_candidates_fit_shared_memory_and_rank_by_the_model():
-    g = conv_graph("bf16", "bias_relu", 8, 64, 56, 56, 64, 3, padding=1)
+    """Ordered by the config model; a measured layer's (ResNet-50's layer1.0.conv2) estimates
+    are the measured rate's seconds for the first, the others in the model's ratio to it."""
+    g = conv_graph("bf16", "bias_relu", 32, 64, 56, 56, 64, 3, padding=1)
     offered = _offered(g)
     assert offered and all(c.backend == "gluon" and c.estimate > 0 for c in offered)
     assert [c.estimate for c in offered] == sorted(c.estimate for c in offered)
     problem = conv_group(g)[1]
-    for candidate in offered:
+    modeled = [modeled_seconds(problem, c.config, H100) for c in offered]
+    assert modeled == sorted(modeled)
+    assert offered[0].estimate == pytest.approx(conv_measured.forward_seconds("gluon", problem, H100))
+    for candidate, seconds in zip(offered, modeled):
         assert shared_bytes(candidate.config, 2, 2) <= H100.shared_memory
-        assert estimate(problem, candidate.config, H100) == candidate.estimate
+        assert estimate(problem, candidate.config, H100) == pytest.approx(candidate.estimate)
+        assert candidate.estimate == pytest.approx(offered[0].estimate * seconds / modeled[0])
 
 
 def test_the_pixel_rectangle_is_chosen_by_its_waste():
@@ -287,8 +294,8 @@ def test_the_pixel_rectangle_is_chosen_by_its_waste():
     # one rectangle an image either way (as many tiles): the wider one computes twice the rows
     problem = conv_group(small)[1]
     square, wide = ConvConfig(8, 8, 128, 64, 6, 1), ConvConfig(8, 16, 128, 64, 4, 2)
-    assert estimate(problem, wide, H100) == pytest.approx(
-        2 * (estimate(problem, square, H100) - LAUNCH_SECONDS) + LAUNCH_SECONDS)
+    assert modeled_seconds(problem, wide, H100) == pytest.approx(
+        2 * (modeled_seconds(problem, square, H100) - LAUNCH_SECONDS) + LAUNCH_SECONDS)
 
 
 def test_block_k_fits_thin_channels():
@@ -372,9 +379,10 @@ def test_a_dgrad_lowers_to_one_launch_over_dy_with_the_filter_row_major():
 
 
 def test_default_options_rank_gluon_for_convs_by_the_models():
-    """gluon is verified for conv: a default build ranks it with Triton by the two models (gluon
-    first for a layer both take, as measured: BENCHMARKS.md), never on interpreted builds."""
-    problem = conv_group(conv_graph("bf16", "bias_relu", 8, 64, 28, 28, 128, 3, padding=1))[1]
+    """gluon is verified for conv: a default build ranks it with Triton by the two backends'
+    measured rates (gluon first for a measured layer it was faster on, ResNet-50's layer2.1.conv2:
+    BENCHMARKS.md), never on interpreted builds."""
+    problem = conv_group(conv_graph("bf16", "bias_relu", 32, 128, 28, 28, 128, 3, padding=1))[1]
     assert "conv" in GLUON.families and "conv" in registry.verified_families(GLUON)
     for target in (H100, H200):
         assert registry.choose(problem, target, BuildOptions(target=target), interpreted=False).name == "gluon"
@@ -817,7 +825,7 @@ def _run_zero_phases(g, gluon_launch, launches, phase_zero: torch.Tensor, inputs
 def test_unmeasured_directions_stay_on_triton_by_default_and_take_gluon_when_asked():
     """The dgrad and wgrad are not yet measured on a GPU (conv_backend.MEASURED_DIRECTIONS): their
     candidates carry no estimate, so the default build ("triton" first) runs Triton's, a build
-    naming gluon first runs Gluon's; the forward is ranked by the two models."""
+    naming gluon first runs Gluon's; a measured forward is ranked by the two backends' measured rates."""
     from gluon_conv_cases import wgrad_graph
     graphs = {"dgrad": dgrad_graph("bf16", "none", 8, 64, 28, 28, 128, 3, padding=1),
               "wgrad": wgrad_graph("bf16", "none", 8, 64, 28, 28, 128, 3, padding=1)}
@@ -829,5 +837,5 @@ def test_unmeasured_directions_stay_on_triton_by_default_and_take_gluon_when_ask
             assert registry.choose(problem, target, BuildOptions(target=target), interpreted=False).name == "triton"
             assert registry.choose(problem, target, BuildOptions(backends=GLUON_FIRST, target=target),
                                    interpreted=False).name == "gluon"
-    fprop = conv_group(conv_graph("bf16", "none", 8, 64, 28, 28, 128, 3, padding=1))[1]
+    fprop = conv_group(conv_graph("bf16", "none", 32, 128, 28, 28, 128, 3, padding=1))[1]  # a measured layer
     assert all(c.estimate is not None for c in GLUON.candidates(fprop, H100, BuildOptions(target=H100)))

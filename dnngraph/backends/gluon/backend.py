@@ -288,7 +288,8 @@ class GluonBackend:
     # the attention forward's GPU tests pass on an H200 and it runs 1.18-1.28x the Triton kernel
     # at D128 (BENCHMARKS.md, Gluon attention forward); the convolution forward's pass too and it
     # runs 1.10x the Triton conv over ResNet-50's fprop layers (BENCHMARKS.md, Gluon convolution
-    # forward): a default build ranks them beside Triton's, and the models' estimates decide
+    # forward): a default build ranks them beside Triton's, and the models' estimates decide (the
+    # conv forward's: measured rates per shape class, backends/triton/heuristics/conv_measured.py)
     verified_families = frozenset({"conv", "sdpa"})
 
     def cache_key(self) -> tuple:

@@ -26,7 +26,9 @@ relu_backward on dx, which would also read x at every pixel).
 
 For dgrad the GEMM below has rows N*H*W (dx's pixels), columns C, reduction R*S*K.
 Configs (ConvConfig): an output tile is a BLOCK_H x BLOCK_W pixel rectangle of one image by
-BLOCK_N channels. The model (estimate) is the matmul's over the implicit GEMM (rows N*P*Q,
+BLOCK_N channels. The config model (modeled_seconds: it orders the configs; estimate(), what the
+registry compares with Triton's, is the forward's measured rate per shape class instead:
+heuristics/conv_measured.py) is the matmul's over the implicit GEMM (rows N*P*Q,
 columns K, reduction R*S*C) with the tiles' waste: a rectangle's pixels past P or Q, channels
 past K, and the channel block's past C, all computed and thrown away:
     time = max(2 * N*P*Q * K * R*S*C / peak / (tile_use * channel_use), bytes / bandwidth) / wave_efficiency
@@ -45,6 +47,7 @@ from ...problems import Problem
 from ...runtime.launch import KernelLaunch, launch_of
 from ...target import Target
 from ..contract import Candidate
+from ..triton.heuristics import conv_measured
 from . import codegen, conv_codegen
 
 # the matmul's (backend.py, which imports this module)
@@ -56,6 +59,7 @@ PRODUCER_REGS = 40
 CONSUMER_REGS = 232
 LAUNCH_SECONDS = 3e-6
 BARRIER_BYTES = 1024
+MEASURED_AS = "gluon"  # this kernel's column of heuristics/conv_measured.py
 WARPS = 4  # the kernel's num_warps: the first consumer (the default partition); the rest are workers
 
 
@@ -347,9 +351,8 @@ def tile_count(problem: Problem, config: ConvConfig) -> int:
     return problem.geometry.n * -(-p // config.block_h) * -(-q // config.block_w) * -(-view.filters // config.block_n)
 
 
-def estimate(problem: Problem, config: ConvConfig, target: Target) -> Optional[float]:
-    if not isinstance(config, ConvConfig):
-        return None
+def modeled_seconds(problem: Problem, config: ConvConfig, target: Target) -> float:
+    """The config model's seconds (the module docstring's formula): what orders the configs."""
     pixels, filters, channels, taps = _sizes(problem)
     peak = target.peak(IN_TYPES[problem.operand("w").data_type.name])
     moved = sum(o.numel * o.data_type.itemsize for o in problem.operands + problem.outputs)
@@ -362,8 +365,42 @@ def estimate(problem: Problem, config: ConvConfig, target: Target) -> Optional[f
     return max(compute, moved / target.bandwidth) / efficiency + LAUNCH_SECONDS
 
 
+def _fitting(problem: Problem, target: Target, configs: Optional[tuple] = None) -> list:
+    """The configs of `configs` (None: CONFIGS) that fit the target's shared memory, BLOCK_K fitted to the
+    reduction's channels (C in fprop, K in dgrad) and the epilogue walk chosen (looped), in that order."""
+    in_bytes = problem.operand("w").data_type.itemsize
+    out_bytes = problem.outputs[0].data_type.itemsize
+    heavy = any(op in HEAVY_OPS for op in problem.epilogue)
+    reduction = implicit_gemm(problem.geometry).channels
+    found = []
+    for config in CONFIGS if configs is None else configs:
+        config = replace(config, block_k=block_k_for(reduction))
+        config = replace(config, epilogue_loop=looped(config, heavy))
+        if shared_bytes(config, in_bytes, out_bytes) <= target.shared_memory:
+            found.append(config)
+    return found
+
+
+def estimate(problem: Problem, config: ConvConfig, target: Target) -> Optional[float]:
+    """Seconds the registry compares with other backends'. The forward: the measured rate of its
+    shape class (heuristics/conv_measured.py) for the best config, the others in their model's
+    ratio to it; None outside the measured classes and sizes (the registry then ranks by
+    preference). The dgrad: the model's seconds (candidates() withholds them: MEASURED_DIRECTIONS)."""
+    if not isinstance(config, ConvConfig):
+        return None
+    modeled = modeled_seconds(problem, config, target)
+    if problem.geometry.direction != "fprop":
+        return modeled
+    measured = conv_measured.forward_seconds(MEASURED_AS, problem, target)
+    if measured is None:
+        return None
+    best = min([modeled_seconds(problem, fitting, target) for fitting in _fitting(problem, target)], default=modeled)
+    return conv_measured.calibrated(modeled, min(best, modeled), measured)
+
+
 # The directions whose estimates the registry ranks against Triton's: the forward, measured 1.10x
-# the Triton conv over ResNet-50's layers on the H200 (BENCHMARKS.md, Gluon convolution forward).
+# the Triton conv over ResNet-50's layers on the H200 (BENCHMARKS.md, Gluon convolution forward),
+# and only inside its measured shape classes and sizes (estimate()).
 # The dgrad and wgrad are not yet measured: their candidates carry no estimate (their model still
 # orders the configs), so a build ranks them by preference order: Triton first in the default
 # ("triton", "gluon:conv,sdpa"), Gluon first where a build names it first.
@@ -379,22 +416,14 @@ def unmeasured_without_estimates(problem: Problem, ranked: list) -> list:
 
 
 def candidates(backend_name: str, problem: Problem, target: Target, configs: Optional[tuple] = None) -> list:
-    """The configs of `configs` (None: CONFIGS) that fit the target's shared memory, BLOCK_K fitted to the
-    reduction's channels (C in fprop, K in dgrad) and the epilogue walk chosen (looped), best first by
-    estimate (ties: the order given); no estimates for the directions not measured (MEASURED_DIRECTIONS)."""
-    in_bytes = problem.operand("w").data_type.itemsize
-    out_bytes = problem.outputs[0].data_type.itemsize
-    heavy = any(op in HEAVY_OPS for op in problem.epilogue)
-    reduction = implicit_gemm(problem.geometry).channels
-    found = []
-    for config in CONFIGS if configs is None else configs:
-        config = replace(config, block_k=block_k_for(reduction))
-        config = replace(config, epilogue_loop=looped(config, heavy))
-        if shared_bytes(config, in_bytes, out_bytes) > target.shared_memory:
-            continue
-        found.append(Candidate(backend_name, config, estimate(problem, config, target)))
-    order = {id(c): i for i, c in enumerate(found)}
-    return unmeasured_without_estimates(problem, sorted(found, key=lambda c: (c.estimate, order[id(c)])))
+    """The configs of `configs` (None: CONFIGS) that fit (_fitting), best first by the config model
+    (ties: the order given), each with its estimate(): none for the directions not measured
+    (MEASURED_DIRECTIONS) nor for a forward outside the measured shape classes and sizes."""
+    fitting = _fitting(problem, target, configs)
+    modeled = [modeled_seconds(problem, config, target) for config in fitting]
+    order = sorted(range(len(fitting)), key=lambda i: (modeled[i], i))
+    found = [Candidate(backend_name, fitting[i], estimate(problem, fitting[i], target)) for i in order]
+    return unmeasured_without_estimates(problem, found)
 
 
 def _chosen(problem: Problem, target: Target, offered: list, candidate: Optional[Candidate]) -> Candidate:
@@ -438,8 +467,10 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
                                       tuple(group.epilogue), tuple(out.dim), constexprs, problem.fast_math)
     tiles = tile_count(problem, config)
     programs = max(1, min(tiles, target.sms))
-    modeled = estimate(problem, config, target)  # the model's, whether or not the registry ranks by it
-    reason = (f"{config.text}: model {modeled * 1e6:.1f} us ({tiles} tiles on {programs} persistent "
+    modeled = modeled_seconds(problem, config, target)  # the config model's, whether or not the registry ranks by it
+    ranked = estimate(problem, config, target) if g.direction == "fprop" else None
+    measured = f", {ranked * 1e6:.1f} us at the measured rate" if ranked is not None else ""
+    reason = (f"{config.text}: model {modeled * 1e6:.1f} us{measured} ({tiles} tiles on {programs} persistent "
               f"programs{_views_text(view.stride, phased)}{_dgrad_text(g)})")
     launch = launch_of(group, source_text, (programs,), WARPS, config.text + f" grid={programs}", reason)
     if view.out_stride != (1, 1):

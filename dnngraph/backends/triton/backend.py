@@ -24,6 +24,7 @@ from ...versions import __version__
 from ..contract import Candidate
 from .codegen.pooling import prologue_values_to_store
 from .heuristics import conv as conv_heuristics
+from .heuristics import conv_measured
 from .heuristics import matmul as matmul_heuristics
 from .heuristics import pointwise as pointwise_heuristics
 from .heuristics import pooling as pooling_heuristics
@@ -137,6 +138,27 @@ class TritonBackend:
         return conv_heuristics.ConvProblem(g.groups, pixels, g.k // g.groups, g.c // g.groups, taps, dot,
                                            x.data_type.itemsize, w.data_type.itemsize, _output_bytes(problem), "")
 
+    def _conv_candidates(self, problem: Problem, posed, target: Target) -> list:
+        """The conv model's ranked configs; where the forward's shape class was measured
+        (heuristics/conv_measured.py), each estimate set to the measured rate's seconds times its
+        model time over the first's (the level the registry compares with other backends')."""
+        ranked = conv_heuristics.rank(posed, target)
+        measured = conv_measured.forward_seconds(self.name, problem, target)
+        if measured is None or not ranked:
+            return [Candidate(self.name, c, c.estimate_us * 1e-6) for c in ranked]
+        best = ranked[0].estimate_us
+        return [Candidate(self.name, c, conv_measured.calibrated(c.estimate_us, best, measured)) for c in ranked]
+
+    def _conv_seconds(self, problem: Problem, posed, config, target: Target) -> float:
+        """A conv config's estimate as _conv_candidates gives it (the model's seconds outside a
+        measured class)."""
+        modeled = conv_heuristics.conv_estimate(config, posed, target)
+        measured = conv_measured.forward_seconds(self.name, problem, target)
+        if measured is None:
+            return modeled
+        best = conv_heuristics.rank(posed, target)[0].estimate_us * 1e-6
+        return conv_measured.calibrated(modeled, best, measured)
+
     def _pointwise_space(self, problem: Problem):
         domain = problem.geometry.dims
         operands = [operand_strides(domain, o.dims, o.strides) for o in problem.outputs + problem.operands]
@@ -174,8 +196,7 @@ class TritonBackend:
                                 for c in matmul_heuristics.rank(posed, target)]
         elif family == "conv":
             posed = self._conv_problem(problem)
-            ranked = posed and [Candidate(self.name, c, c.estimate_us * 1e-6)
-                                for c in conv_heuristics.rank(posed, target)]
+            ranked = posed and self._conv_candidates(problem, posed, target)
         elif family in ("pointwise", "copy"):
             space = self._pointwise_space(problem)
             width = sum(o.data_type.itemsize for o in problem.outputs + problem.operands)
@@ -204,7 +225,7 @@ class TritonBackend:
         if problem.family == "matmul" and (posed := self._matmul_problem(problem)) is not None:
             return matmul_heuristics.estimate(config, posed, target)
         if problem.family == "conv" and (posed := self._conv_problem(problem)) is not None:
-            return conv_heuristics.conv_estimate(config, posed, target)
+            return self._conv_seconds(problem, posed, config, target)
         if problem.family in ("pointwise", "copy") and (space := self._pointwise_space(problem)) is not None:
             width = sum(o.data_type.itemsize for o in problem.outputs + problem.operands)
             return pointwise_heuristics.estimate(space, config.block_rows, config.block_cols, config.num_warps,

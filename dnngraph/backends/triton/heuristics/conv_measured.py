@@ -1,0 +1,190 @@
+"""The convolution forward's measured rates, per backend and shape class: what the registry
+compares the Triton and Gluon conv forwards by (as heuristics/sdpa.py and gluon/attention_backend.py
+do for attention).
+
+Each backend's config model (heuristics/conv.py conv_estimate, gluon/conv_backend.py
+modeled_seconds) orders its own configs well enough, but the two are not comparable: on
+ResNet-50's layers on the H200 the Gluon model predicted 1.23-2.43x the Triton model's speed while
+the GPU measured 0.90-1.36x (the Gluon model runs its tiles at the dense peak; the Triton model's
+1x1 pose is not the matmul kernel the lowering runs). Refitted with three terms each (a rate per
+tile round of the config that ran, a cost per round, a fixed cost), they came within 0.86-1.12x
+(Gluon) and 0.79-1.25x (Triton) of the measured times, still more than the backends differ on
+most layers (median 1.08x), and mis-ranked 6 of the 22 layers.
+
+So the rule is measured efficiency per shape class (problems/conv.py forward_shape_class:
+"narrow", fewer than 128 filters, or "wide"), inside the envelope of the measured layers
+(measured_envelope): the same work for both backends, a serial roofline (a short reduction does
+not hide the epilogue's stores behind the mainloop),
+    seconds = (2*N*P*Q*K*C*R*S / peak + bytes moved / bandwidth) / efficiency + LAUNCH_SECONDS,
+with efficiency the geometric mean over the class's measured layers of that work over the
+measured time (FORWARD_LAYERS, one line a layer). Within a class the backend of the higher
+efficiency always leads; the estimate of a layer is within 0.72-1.56x of its measured time.
+On the 22 measured layers it agrees with the faster backend on 20: it misses layer1.0.conv1
+(Triton ranked, Gluon 21.6 us against 22.1) and layer4.0.conv1 (Gluon ranked, 23.6 us against
+Triton's 23.3), 0.8 us in all (the faster backend's times add to 560 us); "Gluon wherever it
+runs" missed 3 (layer1.1.conv1: 3.7 us, layer1.0.conv2, layer4.0.conv1), 4.4 us. A shape outside
+a class or the envelope has no estimate (None): the registry then ranks by preference order
+(Triton first by default).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ....problems.conv import NARROW_FILTERS_BELOW, forward_shape_class, forward_work
+from ....target import H200, Target
+
+MEASURED_ON = H200
+LAUNCH_SECONDS = 3e-6
+# A batch within this factor of the measured one (32) is inside the envelope, its GEMM rows inside
+# theirs too: each class's rates held over a 64x span of rows (1568..100352), but a batch of 1 or
+# 8 runs fewer tiles per layer than any measured one (a wave or less), so its rate is unknown.
+BATCH_FACTOR = 2
+
+
+@dataclass(frozen=True)
+class MeasuredLayer:
+    """One layer of BENCHMARKS.md "Gluon convolution forward": bf16 NHWC fprop + bias + relu,
+    square filter, microseconds per backend in one process."""
+
+    label: str
+    n: int
+    c: int
+    k: int
+    size: int  # H = W
+    filter: int
+    stride: int
+    padding: int
+    us: dict  # backend name -> measured microseconds
+
+    @property
+    def out_size(self) -> int:
+        return (self.size + 2 * self.padding - self.filter) // self.stride + 1
+
+    def work(self, dot: str, target: Target) -> float:
+        """The serial roofline's seconds (flops at peak, then bytes at the bandwidth), x, w, y
+        and the bias in bf16."""
+        p = self.out_size
+        flops = 2.0 * self.n * p * p * self.k * self.c * self.filter ** 2
+        moved = 2 * (self.n * self.size ** 2 * self.c + self.k * self.c * self.filter ** 2 + self.n * p * p * self.k
+                     + self.k)
+        return flops / target.peak(dot) + moved / target.bandwidth
+
+
+def _layer(label, n, c, k, size, filter_, stride, padding, triton_us, gluon_us) -> MeasuredLayer:
+    return MeasuredLayer(label, n, c, k, size, filter_, stride, padding, {"triton": triton_us, "gluon": gluon_us})
+
+
+# H200, torch 2.11, triton 3.6.0, one process (BENCHMARKS.md "Gluon convolution forward", bench_conv.py
+# --gluon): label, N, C, K, H=W, filter, stride, padding, Triton us, Gluon us. The stems (C = 3:
+# no TMA box) run Triton under both and are left out.
+FORWARD_LAYERS = (
+    _layer("layer1.0.conv1", 32, 64, 64, 56, 1, 1, 0, 22.1, 21.6),  # 37.1 / 38.1 TFLOP/s
+    _layer("layer1.0.conv2", 32, 64, 64, 56, 3, 1, 1, 32.1, 32.5),  # 231 / 228
+    _layer("layer1.0.conv3", 32, 64, 256, 56, 1, 1, 0, 47.8, 37.6),  # 68.8 / 87.4
+    _layer("layer1.1.conv1", 32, 256, 64, 56, 1, 1, 0, 32.5, 36.2),  # 101 / 90.8
+    _layer("layer2.0.conv1", 32, 256, 128, 56, 1, 1, 0, 42.8, 31.5),  # 154 / 209
+    _layer("layer2.0.conv2", 32, 128, 128, 56, 3, 2, 1, 31.0, 29.2),  # 238 / 254
+    _layer("layer2.0.conv3", 32, 128, 512, 28, 1, 1, 0, 29.0, 24.6),  # 114 / 133
+    _layer("layer2.0.downsample.0", 32, 256, 512, 56, 1, 2, 0, 35.5, 29.6),  # 185 / 222
+    _layer("layer2.1.conv1", 32, 512, 128, 28, 1, 1, 0, 22.2, 20.5),  # 148 / 160
+    _layer("layer2.1.conv2", 32, 128, 128, 28, 3, 1, 1, 30.1, 25.1),  # 246 / 295
+    _layer("layer3.0.conv1", 32, 512, 256, 28, 1, 1, 0, 30.4, 27.3),  # 217 / 241
+    _layer("layer3.0.conv2", 32, 256, 256, 28, 3, 2, 1, 26.9, 25.9),  # 275 / 285
+    _layer("layer3.0.conv3", 32, 256, 1024, 14, 1, 1, 0, 21.6, 19.7),  # 152 / 167
+    _layer("layer3.0.downsample.0", 32, 512, 1024, 28, 1, 2, 0, 32.9, 25.0),  # 200 / 263
+    _layer("layer3.1.conv1", 32, 1024, 256, 14, 1, 1, 0, 16.8, 16.2),  # 195 / 203
+    _layer("layer3.1.conv2", 32, 256, 256, 14, 3, 1, 1, 25.9, 22.8),  # 286 / 325
+    _layer("layer4.0.conv1", 32, 1024, 512, 14, 1, 1, 0, 23.3, 23.6),  # 282 / 278
+    _layer("layer4.0.conv2", 32, 512, 512, 14, 3, 2, 1, 35.1, 28.5),  # 211 / 260
+    _layer("layer4.0.conv3", 32, 512, 2048, 7, 1, 1, 0, 18.9, 18.7),  # 174 / 176
+    _layer("layer4.0.downsample.0", 32, 1024, 2048, 14, 1, 2, 0, 26.5, 25.0),  # 248 / 263
+    _layer("layer4.1.conv1", 32, 2048, 512, 7, 1, 1, 0, 19.3, 16.5),  # 170 / 200
+    _layer("layer4.1.conv2", 32, 512, 512, 7, 3, 1, 1, 34.8, 26.7),  # 213 / 277
+)
+
+
+def layer_class(layer: MeasuredLayer) -> str:
+    """The shape class of a measured layer (forward_shape_class's, from its filters)."""
+    return "narrow" if layer.k < NARROW_FILTERS_BELOW else "wide"
+
+
+def _efficiencies(backend: str) -> dict:
+    """Shape class -> the geometric mean over its measured layers of work over measured time."""
+    logs = {}
+    for layer in FORWARD_LAYERS:
+        seconds = layer.us[backend] * 1e-6 - LAUNCH_SECONDS
+        logs.setdefault(layer_class(layer), []).append(math.log(layer.work("bf16", MEASURED_ON) / seconds))
+    return {shape_class: math.exp(sum(values) / len(values)) for shape_class, values in logs.items()}
+
+
+# backend -> shape class -> efficiency (about 0.5-0.6 of the serial roofline; see the docstring)
+FORWARD_EFFICIENCY = {backend: _efficiencies(backend) for backend in ("triton", "gluon")}
+
+
+def _span(values) -> tuple:
+    values = tuple(values)
+    return min(values), max(values)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """The sizes the measured layers span (inclusive): batch (BATCH_FACTOR around the measured),
+    input and output channels, output height and width, GEMM rows N*P*Q."""
+
+    batch: tuple
+    channels: tuple
+    filters: tuple
+    out_size: tuple
+    rows: tuple
+
+    def holds(self, n: int, c: int, k: int, out_spatial: tuple) -> bool:
+        rows = n
+        for size in out_spatial:
+            rows *= size
+        inside = lambda value, span: span[0] <= value <= span[1]
+        return (inside(n, self.batch) and inside(c, self.channels) and inside(k, self.filters)
+                and all(inside(size, self.out_size) for size in out_spatial) and inside(rows, self.rows))
+
+
+def measured_envelope() -> Envelope:
+    """The Envelope of FORWARD_LAYERS: channels 64..2048, outputs 7..56 a side, rows 1568..100352,
+    batch 16..64."""
+    batches = _span(layer.n for layer in FORWARD_LAYERS)
+    return Envelope((batches[0] // BATCH_FACTOR, batches[1] * BATCH_FACTOR), _span(layer.c for layer in FORWARD_LAYERS),
+                    _span(layer.k for layer in FORWARD_LAYERS), _span(layer.out_size for layer in FORWARD_LAYERS),
+                    _span(layer.n * layer.out_size ** 2 for layer in FORWARD_LAYERS))
+
+
+ENVELOPE = measured_envelope()
+
+
+def measured_class(problem) -> Optional[str]:
+    """The problem's shape class where it lies inside the measured envelope, else None."""
+    shape_class = forward_shape_class(problem)
+    g = problem.geometry
+    if shape_class is None or not ENVELOPE.holds(g.n, g.c, g.k, tuple(g.output_spatial)):
+        return None
+    return shape_class
+
+
+def forward_seconds(backend: str, problem, target: Target) -> Optional[float]:
+    """The measured-rate seconds of `backend`'s conv forward of `problem` on `target` (the same
+    fraction of its peak and bandwidth as measured on MEASURED_ON), None outside a measured class
+    and envelope or on an interpreted target."""
+    shape_class = measured_class(problem)
+    efficiency = FORWARD_EFFICIENCY.get(backend, {}).get(shape_class)
+    if efficiency is None or target.interpreted:
+        return None
+    flops, moved, dot = forward_work(problem)
+    return (flops / target.peak(dot) + moved / target.bandwidth) / efficiency + LAUNCH_SECONDS
+
+
+def calibrated(modeled: float, best_modeled: float, seconds: Optional[float]) -> Optional[float]:
+    """A config's estimate where its backend's best config runs in `seconds` (the measured
+    rate): the same ratio to it as its own model's `modeled` to `best_modeled` (the config
+    model orders a backend's configs; the measured rate sets the level); None without `seconds`."""
+    if seconds is None:
+        return None
+    return seconds * modeled / best_modeled
