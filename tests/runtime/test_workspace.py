@@ -212,7 +212,7 @@ def test_a_device_of_another_model_gets_launches_of_its_own(monkeypatch):
     g.plan._by_device.clear()  # as if the tensors' device had never been seen
     inputs = {a: torch.randn(3, 45, 24), b: torch.randn(3, 24, 40)}
     check(g, inputs)
-    derived = g.plan._by_target[small]
+    derived = g.plan._by_target[(small, True)]  # launch_set_key: (target, interpreted)
     assert derived.launches[0].grid[0] == 5 and derived.launches is not g.plan.launches
     assert g.plan.launches[0] is first  # the build's launches are kept for their target
 
