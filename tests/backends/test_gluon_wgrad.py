@@ -344,10 +344,11 @@ from helpers import check
 import dnngraph as dg
 target = dataclasses.replace(dg.target.from_properties(torch.cuda.get_device_properties(0)), sms=2)
 # two consumers and one, several splits and units a program; stride 2 through four phase views
+import dnngraph.backends.gluon.conv_wgrad as conv_wgrad
+every_config = conv_wgrad.CONFIGS
 for config_index, args, kwargs in ((0, (3, 64, 13, 11, 136, 3), dict(padding=1)),
                                    (3, (2, 64, 15, 13, 64, 3), dict(stride=2, padding=1))):
-    import dnngraph.backends.gluon.conv_wgrad as conv_wgrad
-    conv_wgrad.CONFIGS = (conv_wgrad.CONFIGS[config_index], )
+    conv_wgrad.CONFIGS = (every_config[config_index], )
     g = wgrad_graph("bf16", "bias_relu", *args, **kwargs)
     inputs = {{t.name: torch.empty_strided(tuple(t.dim), tuple(t.stride), dtype=t.data_type.torch_dtype,
                                           device="cuda").copy_(torch.randn(*t.dim, device="cuda") / 4)
