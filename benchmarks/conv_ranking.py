@@ -1,10 +1,10 @@
-"""The conv forward's ranking rule (dnngraph/backends/triton/heuristics/conv_measured.py) against
-measurements: per layer the faster backend measured, the one the registry ranks first on an H200
-target, and the cost of each mis-rank; and the FORWARD_LAYERS lines of a new bench_conv.py run, to
-paste in when the rule is measured again. No device: the ranking is plain data.
+"""The convolutions' ranking rule (dnngraph/backends/triton/heuristics/conv_measured.py) against
+measurements, per direction: per layer the faster backend measured, the one the registry ranks
+first on an H200 target, and the cost of each mis-rank; and the MEASURED_LAYERS lines of a new
+bench_conv.py run, to paste in when the rule is measured again. No device: the ranking is plain data.
 
-    python benchmarks/conv_ranking.py                 # the measurements FORWARD_LAYERS holds
-    python benchmarks/conv_ranking.py /tmp/out/conv.json   # bench_conv.py --rows fprop --gluon's results
+    python benchmarks/conv_ranking.py                 # the measurements MEASURED_LAYERS holds
+    python benchmarks/conv_ranking.py /tmp/out/conv.json   # bench_conv.py --rows fprop,dgrad,wgrad --gluon's results
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 import dnngraph as dg
 from dnngraph.backends import registry
 from dnngraph.backends.gluon.backend import GLUON
-from dnngraph.backends.triton.heuristics.conv_measured import FORWARD_LAYERS, MeasuredLayer
+from dnngraph.backends.triton.heuristics.conv_measured import MEASURED_LAYERS, MeasuredLayer
 from dnngraph.fusion import partition
 from dnngraph.options import BuildOptions
 from dnngraph.problems import problem_of
@@ -31,13 +31,23 @@ def _nhwc(dims) -> list:
 
 
 def _problem(layer: MeasuredLayer):
-    """The conv group of bench_conv.py's fprop row: bf16 NHWC x, KRSC w, relu(conv + bias)."""
+    """The conv group of bench_conv.py's row of the layer's direction: bf16 NHWC x, dy and KRSC w;
+    relu(conv + bias) for the forward, dx or dw alone for the gradients."""
     g = dg.Graph(name="conv_ranking", io_data_type=dg.bfloat16)
-    x_dims, w_dims = [layer.n, layer.c, layer.size, layer.size], [layer.k, layer.c, layer.filter, layer.filter]
-    x = g.tensor(name="x", dim=x_dims, stride=_nhwc(x_dims))
+    p = layer.out_size
+    x_dims, w_dims, y_dims = ([layer.n, layer.c, layer.size, layer.size], [layer.k, layer.c, layer.filter, layer.filter],
+                              [layer.n, layer.k, p, p])
+    geometry = dict(padding=[layer.padding] * 2, stride=[layer.stride] * 2, dilation=[1, 1])
     w = g.tensor(name="w", dim=w_dims, stride=_nhwc(w_dims))
-    y = g.conv_fprop(x, w, padding=[layer.padding] * 2, stride=[layer.stride] * 2, dilation=[1, 1])
-    g.relu(g.add(y, g.tensor(name="bias", dim=[1, layer.k, 1, 1]))).set_output(True)
+    x = g.tensor(name="x", dim=x_dims, stride=_nhwc(x_dims))
+    dy = g.tensor(name="dy", dim=y_dims, stride=_nhwc(y_dims))
+    if layer.direction == "fprop":
+        y = g.conv_fprop(x, w, **geometry)
+        g.relu(g.add(y, g.tensor(name="bias", dim=[1, layer.k, 1, 1]))).set_output(True)
+    elif layer.direction == "dgrad":
+        g.conv_dgrad(dy, w, x_dim=x_dims, **geometry).set_output(True)
+    else:
+        g.conv_wgrad(dy, x, w_dim=w_dims, **geometry).set_output(True)
     (group,) = [found for found in partition(g, registry.families()) if found.kind == "conv"]
     return problem_of(g, group)
 
@@ -51,7 +61,8 @@ def measured_layers(path: str) -> list:
     and its column ran Gluon's kernel (a plan that names its backends: "dg gluon" is a build
     preferring Gluon, which the rule may rank to Triton; such a row measures no Gluon time)."""
     found = []
-    for row in json.load(open(path))["results"]["fprop"]:
+    results = json.load(open(path))["results"]
+    for direction, row in ((d, row) for d in MEASURED_LAYERS for row in results.get(d, [])):
         match, triton, gluon = SHAPE.fullmatch(row["shape"]), row.get("dg", {}), row.get("dg_gluon", {})
         if match is None or "ms" not in triton or "ms" not in gluon:
             continue
@@ -63,7 +74,8 @@ def measured_layers(path: str) -> list:
         if h != w or r != s:
             continue
         layer = MeasuredLayer(row["label"], n, c, k, h, r, stride, padding,
-                              {"triton": round(triton["ms"] * 1e3, 1), "gluon": round(gluon["ms"] * 1e3, 1)})
+                              {"triton": round(triton["ms"] * 1e3, 1), "gluon": round(gluon["ms"] * 1e3, 1)},
+                              direction)
         if GLUON.supports(_problem(layer), H200) is True:
             found.append(layer)
     return found
@@ -80,20 +92,16 @@ def confusion(layers) -> list:
     return rows
 
 
+LINE_MAKERS = {"fprop": "_layer", "dgrad": "_dgrad", "wgrad": "_wgrad"}
+
+
 def layer_line(layer: MeasuredLayer) -> str:
-    """The FORWARD_LAYERS line of `layer` (conv_measured.py's format)."""
-    return (f'    _layer("{layer.label}", {layer.n}, {layer.c}, {layer.k}, {layer.size}, {layer.filter}, '
+    """The MEASURED_LAYERS line of `layer` (conv_measured.py's format)."""
+    return (f'    {LINE_MAKERS[layer.direction]}("{layer.label}", {layer.n}, {layer.c}, {layer.k}, {layer.size}, {layer.filter}, '
             f'{layer.stride}, {layer.padding}, {layer.us["triton"]}, {layer.us["gluon"]}),')
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", nargs="?", help="bench_conv.py's JSON (default: FORWARD_LAYERS' measurements)")
-    args = parser.parse_args(argv)
-    layers = measured_layers(args.results) if args.results else list(FORWARD_LAYERS)
-    if args.results:
-        print("FORWARD_LAYERS lines of this run:")
-        print("\n".join(layer_line(layer) for layer in layers))
+def print_confusion(layers) -> None:
     print("| layer | Triton us | Gluon us | faster | ranked | mis-rank cost us |")
     print("|---|---|---|---|---|---|")
     rows = confusion(layers)
@@ -103,6 +111,22 @@ def main(argv=None) -> int:
     print(f"agree on {len(rows) - len(missed)} of {len(rows)}; mis-ranked: "
           f"{', '.join(f'{label} ({cost:.1f} us)' for label, cost in missed) or 'none'}; "
           f"{sum(cost for _, cost in missed):.1f} us in all")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("results", nargs="?", help="bench_conv.py's JSON (default: MEASURED_LAYERS' measurements)")
+    args = parser.parse_args(argv)
+    layers = measured_layers(args.results) if args.results else [l for ls in MEASURED_LAYERS.values() for l in ls]
+    for direction in MEASURED_LAYERS:
+        chosen = [layer for layer in layers if layer.direction == direction]
+        if not chosen:
+            continue
+        print(f"\n{direction}:")
+        if args.results:
+            print("MEASURED_LAYERS lines of this run:")
+            print("\n".join(layer_line(layer) for layer in chosen))
+        print_confusion(chosen)
     return 0
 
 

@@ -1,5 +1,6 @@
-"""benchmarks/conv_ranking.py (the conv forward's ranking against measurements) runs without a
-GPU: the confusion of FORWARD_LAYERS, and a bench_conv.py JSON turned into FORWARD_LAYERS lines."""
+"""benchmarks/conv_ranking.py (the convolutions' ranking against measurements) runs without a
+GPU: the confusion of MEASURED_LAYERS per direction, and a bench_conv.py JSON turned into
+MEASURED_LAYERS lines."""
 import json
 import os
 import sys
@@ -13,10 +14,13 @@ import conv_ranking as bench  # noqa: E402
 def test_the_measured_layers_confusion(capsys):
     assert bench.main([]) == 0
     text = capsys.readouterr().out
-    assert sum(line.startswith("| layer") for line in text.splitlines()) == 1 + 22  # the header and each layer
+    # each direction's header and layers
+    assert sum(line.startswith("| layer") for line in text.splitlines()) == 3 + 22 + 19 + 22
     assert "| layer1.1.conv1 | 32.5 | 36.2 | triton | triton | 0.0 |" in text
     assert ("agree on 20 of 22; mis-ranked: layer1.0.conv1 (0.5 us), layer4.0.conv1 (0.3 us); 0.8 us in all"
             in text)
+    assert "agree on 17 of 19; mis-ranked: layer1.0.conv3 (1.1 us), layer4.1.conv1 (0.6 us); 1.7 us in all" in text
+    assert "| layer1.0.conv1 | 47.4 | 218.5 | triton | triton | 0.0 |" in text  # the wgrad's
 
 
 def _row(label, shape, triton_ms, gluon_ms):
@@ -31,9 +35,11 @@ def test_a_bench_conv_run_gives_its_layer_lines(tmp_path, capsys):
             dict(_row("ranked to triton", "N32 C64 K64 56x56 1x1/1 p0", 0.0221, 0.0221),
                  dg_gluon={"ms": 0.0221, "plan": {"backends": ["triton"]}})]
     path = tmp_path / "conv.json"
-    path.write_text(json.dumps({"results": {"fprop": rows}}))
+    gradient = [_row("wgrad 3x3", "N32 C64 K64 56x56 3x3/1 p1", 0.150, 0.0629)]
+    path.write_text(json.dumps({"results": {"fprop": rows, "wgrad": gradient}}))
     layers = bench.measured_layers(str(path))
-    assert [layer.label for layer in layers] == ["wide", "narrow"]
+    assert [layer.label for layer in layers] == ["wide", "narrow", "wgrad 3x3"]
+    assert [layer.direction for layer in layers] == ["fprop", "fprop", "wgrad"]
     assert "ranked to triton: left out, its columns ran [] and ['triton']" in capsys.readouterr().out
     assert layers[0].us == {"triton": 25.1, "gluon": 30.1}
     assert bench.main([str(path)]) == 0
@@ -41,3 +47,5 @@ def test_a_bench_conv_run_gives_its_layer_lines(tmp_path, capsys):
     assert '    _layer("wide", 32, 128, 128, 28, 3, 1, 1, 25.1, 30.1),' in text
     assert "| wide | 25.1 | 30.1 | triton | gluon | 5.0 |" in text
     assert "agree on 1 of 2; mis-ranked: wide (5.0 us); 5.0 us in all" in text
+    assert '    _wgrad("wgrad 3x3", 32, 64, 64, 56, 3, 1, 1, 150.0, 62.9),' in text
+    assert "| wgrad 3x3 | 150.0 | 62.9 | gluon | gluon | 0.0 |" in text

@@ -27,7 +27,7 @@ relu_backward on dx, which would also read x at every pixel).
 For dgrad the GEMM below has rows N*H*W (dx's pixels), columns C, reduction R*S*K.
 Configs (ConvConfig): an output tile is a BLOCK_H x BLOCK_W pixel rectangle of one image by
 BLOCK_N channels. The config model (modeled_seconds: it orders the configs; estimate(), what the
-registry compares with Triton's, is the forward's measured rate per shape class instead:
+registry compares with Triton's, is the measured rate of the direction and shape class instead:
 heuristics/conv_measured.py) is the matmul's over the implicit GEMM (rows N*P*Q,
 columns K, reduction R*S*C) with the tiles' waste: a rectangle's pixels past P or Q, channels
 past K, and the channel block's past C, all computed and thrown away:
@@ -382,48 +382,28 @@ def _fitting(problem: Problem, target: Target, configs: Optional[tuple] = None) 
 
 
 def estimate(problem: Problem, config: ConvConfig, target: Target) -> Optional[float]:
-    """Seconds the registry compares with other backends'. The forward: the measured rate of its
-    shape class (heuristics/conv_measured.py) for the best config, the others in their model's
-    ratio to it; None outside the measured classes and sizes (the registry then ranks by
-    preference). The dgrad: the model's seconds (candidates() withholds them: MEASURED_DIRECTIONS)."""
+    """Seconds the registry compares with other backends': the measured rate of the problem's
+    direction and shape class (heuristics/conv_measured.py) for the best config, the others in
+    their model's ratio to it; None outside the measured classes and sizes (the registry then
+    ranks by preference)."""
     if not isinstance(config, ConvConfig):
         return None
-    modeled = modeled_seconds(problem, config, target)
-    if problem.geometry.direction != "fprop":
-        return modeled
-    measured = conv_measured.forward_seconds(MEASURED_AS, problem, target)
+    measured = conv_measured.measured_seconds(MEASURED_AS, problem, target)
     if measured is None:
         return None
+    modeled = modeled_seconds(problem, config, target)
     best = min([modeled_seconds(problem, fitting, target) for fitting in _fitting(problem, target)], default=modeled)
     return conv_measured.calibrated(modeled, min(best, modeled), measured)
 
 
-# The directions whose estimates the registry ranks against Triton's: the forward, measured 1.10x
-# the Triton conv over ResNet-50's layers on the H200 (BENCHMARKS.md, Gluon convolution forward),
-# and only inside its measured shape classes and sizes (estimate()).
-# The dgrad and wgrad are not yet measured: their candidates carry no estimate (their model still
-# orders the configs), so a build ranks them by preference order: Triton first in the default
-# ("triton", "gluon:conv,sdpa"), Gluon first where a build names it first.
-MEASURED_DIRECTIONS = frozenset({"fprop"})
-
-
-def unmeasured_without_estimates(problem: Problem, ranked: list) -> list:
-    """`ranked` (best first by the model) as the registry should see them: without estimates for a
-    direction not in MEASURED_DIRECTIONS."""
-    if problem.geometry.direction in MEASURED_DIRECTIONS:
-        return ranked
-    return [replace(candidate, estimate=None) for candidate in ranked]
-
-
 def candidates(backend_name: str, problem: Problem, target: Target, configs: Optional[tuple] = None) -> list:
     """The configs of `configs` (None: CONFIGS) that fit (_fitting), best first by the config model
-    (ties: the order given), each with its estimate(): none for the directions not measured
-    (MEASURED_DIRECTIONS) nor for a forward outside the measured shape classes and sizes."""
+    (ties: the order given), each with its estimate(): none outside the measured shape classes and
+    sizes."""
     fitting = _fitting(problem, target, configs)
     modeled = [modeled_seconds(problem, config, target) for config in fitting]
     order = sorted(range(len(fitting)), key=lambda i: (modeled[i], i))
-    found = [Candidate(backend_name, fitting[i], estimate(problem, fitting[i], target)) for i in order]
-    return unmeasured_without_estimates(problem, found)
+    return [Candidate(backend_name, fitting[i], estimate(problem, fitting[i], target)) for i in order]
 
 
 def _chosen(problem: Problem, target: Target, offered: list, candidate: Optional[Candidate]) -> Candidate:

@@ -21,7 +21,9 @@ Non-finite x values at pixels that only dy's rectangles past P or Q reach (dy re
 would give 0 * inf = NaN where the reference adds nothing: x is read whole per rectangle. Finite
 x is exact.
 
-Model (estimate): the matmul's over taps x [K, C] x N*P*Q with the tiles' waste (filter and
+Model (modeled_seconds: it orders the configs; estimate(), what the registry compares with
+Triton's, is the measured wgrad rate of the shape class: heuristics/conv_measured.py): the
+matmul's over taps x [K, C] x N*P*Q with the tiles' waste (filter and
 channel blocks past K and C, rectangle pixels past P and Q), the tensor cores' rate scaled down for
 narrow units (FULL_RATE_INTENSITY), the waves of units over the SMs, plus the combine's traffic
 (the partials written and read once) and two launches.
@@ -36,6 +38,7 @@ from ...problems import Problem
 from ...runtime.launch import launch_of, scratch
 from ...target import Target
 from ..contract import Candidate
+from ..triton.heuristics import conv_measured
 from . import conv_backend, conv_codegen
 from .conv_backend import (BARRIER_BYTES, CONSUMER_REGS, IN_TYPES, LAUNCH_SECONDS, OUT_TYPES, PRODUCER_REGS, WARPS,
                            _chains_why, _layout_why, _stride_why, _unaligned_fallback, _views_text, nhwc_strides,
@@ -155,7 +158,8 @@ def partial_bytes(problem: Problem, splits: int) -> int:
     return splits * g.filter[0] * g.filter[1] * g.k * g.c * 4
 
 
-def estimate(problem: Problem, config: WgradConfig, target: Target) -> Optional[float]:
+def modeled_seconds(problem: Problem, config: WgradConfig, target: Target) -> Optional[float]:
+    """The config model's seconds (module docstring): it orders the configs."""
     if not isinstance(config, WgradConfig):
         return None
     g = problem.geometry
@@ -173,15 +177,30 @@ def estimate(problem: Problem, config: WgradConfig, target: Target) -> Optional[
     return max(compute, reads / target.bandwidth) / efficiency + combine + 2 * LAUNCH_SECONDS
 
 
+def _fitting(problem: Problem, target: Target, configs: Optional[tuple] = None) -> list:
+    in_bytes = problem.operand("dy").data_type.itemsize
+    return [c for c in (CONFIGS if configs is None else configs) if shared_bytes(c, in_bytes) <= target.shared_memory]
+
+
+def estimate(problem: Problem, config: WgradConfig, target: Target) -> Optional[float]:
+    """Seconds the registry compares with Triton's: the measured wgrad rate of the problem's shape
+    class (heuristics/conv_measured.py) for the model's best config, the others in their model's
+    ratio to it; None outside the measured classes and sizes."""
+    measured = conv_measured.measured_seconds(conv_backend.MEASURED_AS, problem, target)
+    modeled = modeled_seconds(problem, config, target)
+    if measured is None or modeled is None:
+        return None
+    best = min([modeled_seconds(problem, c, target) for c in _fitting(problem, target)], default=modeled)
+    return conv_measured.calibrated(modeled, min(best, modeled), measured)
+
+
 def candidates(backend_name: str, problem: Problem, target: Target, configs: Optional[tuple] = None) -> list:
     """The configs of `configs` (None: CONFIGS) that fit the target's shared memory, best first by
-    estimate (ties: the order given); the registry sees no estimates until the wgrad is measured
-    (conv_backend.MEASURED_DIRECTIONS)."""
-    in_bytes = problem.operand("dy").data_type.itemsize
-    found = [Candidate(backend_name, c, estimate(problem, c, target))
-             for c in (CONFIGS if configs is None else configs) if shared_bytes(c, in_bytes) <= target.shared_memory]
-    order = {id(c): i for i, c in enumerate(found)}
-    return conv_backend.unmeasured_without_estimates(problem, sorted(found, key=lambda c: (c.estimate, order[id(c)])))
+    the model (ties: the order given), each with its estimate()."""
+    fitting = _fitting(problem, target, configs)
+    modeled = [modeled_seconds(problem, c, target) for c in fitting]
+    order = sorted(range(len(fitting)), key=lambda i: (modeled[i], i))
+    return [Candidate(backend_name, fitting[i], estimate(problem, fitting[i], target)) for i in order]
 
 
 # -- the launches --------------------------------------------------------------------------------------
@@ -241,7 +260,7 @@ def lower(graph, group, problem: Problem, context, offered: list, candidate: Opt
     programs = max(1, min(units, target.sms))
     source = conv_codegen.render_wgrad_partials(stem, group.summary(), (dy.uid, x.uid, partials.uid), sizes,
                                                 constexprs)
-    reason = (f"{config.text}: model {estimate(problem, config, target) * 1e6:.1f} us ({units} units: {splits} "
+    reason = (f"{config.text}: model {modeled_seconds(problem, config, target) * 1e6:.1f} us ({units} units: {splits} "
               f"pixel splits of {per_split} rectangles, on {programs} persistent programs"
               f"{_views_text(g.stride, phased)})")
     first = launch_of(group, source, (programs,), WARPS, config.text + f" splits={splits} grid={programs}", reason,

@@ -143,17 +143,24 @@ class TritonBackend:
         (heuristics/conv_measured.py), each estimate set to the measured rate's seconds times its
         model time over the first's (the level the registry compares with other backends')."""
         ranked = conv_heuristics.rank(posed, target)
-        measured = conv_measured.forward_seconds(self.name, problem, target)
+        measured = conv_measured.measured_seconds(self.name, problem, target)
         if measured is None or not ranked:
             return [Candidate(self.name, c, c.estimate_us * 1e-6) for c in ranked]
         best = ranked[0].estimate_us
         return [Candidate(self.name, c, conv_measured.calibrated(c.estimate_us, best, measured)) for c in ranked]
 
+    def _gradient_candidates(self, problem: Problem, target: Target) -> Optional[list]:
+        """A conv the config model does not pose (dgrad, wgrad, depthwise): the builder's own
+        choice, with the measured rate's seconds where the direction and shape class were measured
+        (heuristics/conv_measured.py), else None (the default candidate)."""
+        seconds = conv_measured.measured_seconds(self.name, problem, target)
+        return None if seconds is None else [Candidate(self.name, None, seconds)]
+
     def _conv_seconds(self, problem: Problem, posed, config, target: Target) -> float:
         """A conv config's estimate as _conv_candidates gives it (the model's seconds outside a
         measured class)."""
         modeled = conv_heuristics.conv_estimate(config, posed, target)
-        measured = conv_measured.forward_seconds(self.name, problem, target)
+        measured = conv_measured.measured_seconds(self.name, problem, target)
         if measured is None:
             return modeled
         best = conv_heuristics.rank(posed, target)[0].estimate_us * 1e-6
@@ -196,7 +203,7 @@ class TritonBackend:
                                 for c in matmul_heuristics.rank(posed, target)]
         elif family == "conv":
             posed = self._conv_problem(problem)
-            ranked = posed and self._conv_candidates(problem, posed, target)
+            ranked = self._conv_candidates(problem, posed, target) if posed else self._gradient_candidates(problem, target)
         elif family in ("pointwise", "copy"):
             space = self._pointwise_space(problem)
             width = sum(o.data_type.itemsize for o in problem.outputs + problem.operands)

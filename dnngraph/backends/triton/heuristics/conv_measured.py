@@ -1,6 +1,6 @@
-"""The convolution forward's measured rates, per backend and shape class: what the registry
-compares the Triton and Gluon conv forwards by (as heuristics/sdpa.py and gluon/attention_backend.py
-do for attention).
+"""The convolutions' measured rates, per backend, direction and shape class: what the registry
+compares the Triton and Gluon convs by (as heuristics/sdpa.py and gluon/attention_backend.py do
+for attention).
 
 Each backend's config model (heuristics/conv.py conv_estimate, gluon/conv_backend.py
 modeled_seconds) orders its own configs well enough, but the two are not comparable: on
@@ -11,20 +11,27 @@ tile round of the config that ran, a cost per round, a fixed cost), they came wi
 (Gluon) and 0.79-1.25x (Triton) of the measured times, still more than the backends differ on
 most layers (median 1.08x), and mis-ranked 6 of the 22 layers.
 
-So the rule is measured efficiency per shape class (problems/conv.py forward_shape_class:
-"narrow", fewer than 128 filters, or "wide"), inside the envelope of the measured layers
-(measured_envelope): the same work for both backends, a serial roofline (a short reduction does
-not hide the epilogue's stores behind the mainloop),
+So the rule is measured efficiency per direction and shape class (problems/conv.py
+measured_shape_class: the forward "narrow", fewer than 128 filters, or "wide"; the dgrad
+"unit-stride" or "strided"; the wgrad "pointwise", 1x1, or "spatial"), inside the envelope of the
+measured layers (measured_envelope): the same work for both backends, a serial roofline (a short
+reduction does not hide the epilogue's stores behind the mainloop),
     seconds = (2*N*P*Q*K*C*R*S / peak + bytes moved / bandwidth) / efficiency + LAUNCH_SECONDS,
 with efficiency the geometric mean over the class's measured layers of that work over the
-measured time (FORWARD_LAYERS, one line a layer). Within a class the backend of the higher
-efficiency always leads; the estimate of a layer is within 0.72-1.56x of its measured time.
-On the 22 measured layers it agrees with the faster backend on 20: it misses layer1.0.conv1
-(Triton ranked, Gluon 21.6 us against 22.1) and layer4.0.conv1 (Gluon ranked, 23.6 us against
-Triton's 23.3), 0.8 us in all (the faster backend's times add to 560 us); "Gluon wherever it
-runs" missed 3 (layer1.1.conv1: 3.7 us, layer1.0.conv2, layer4.0.conv1), 4.4 us. A shape outside
-a class or the envelope has no estimate (None): the registry then ranks by preference order
-(Triton first by default).
+measured time (MEASURED_LAYERS, one line a layer). Within a class the backend of the higher
+efficiency always leads.
+- Forward: on the 22 measured layers the rule agrees with the faster backend on 20: it misses
+  layer1.0.conv1 (Triton ranked, Gluon 21.6 us against 22.1) and layer4.0.conv1 (Gluon ranked,
+  23.6 us against Triton's 23.3), 0.8 us in all (the faster backend's times add to 560 us);
+  "Gluon wherever it runs" missed 3 (layer1.1.conv1: 3.7 us, layer1.0.conv2, layer4.0.conv1), 4.4 us.
+- dgrad: Gluon leads both classes; of the 19 layers Gluon runs it is slower on 2 and ties on 1
+  (1.7 us in all; ranked by the rule, the 19 take 484 us against Triton's 561). The strided 3x3
+  dgrad has no Gluon kernel (Triton alone runs it, so it is not in the table).
+- wgrad: Gluon leads "spatial" (1.09-2.39x Triton on all 7: 164 us saved), Triton "pointwise"
+  (Gluon is faster on 3 of the 15 by 15.7 us in all; slower on the other 12 by 282 us, 171 of
+  them on layer1.0.conv1).
+A shape outside a class or the envelope has no estimate (None): the registry then ranks by
+preference order (Triton first by default).
 """
 from __future__ import annotations
 
@@ -32,7 +39,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from ....problems.conv import NARROW_FILTERS_BELOW, forward_shape_class, forward_work
+from ....problems.conv import measured_shape_class, plain_work, shape_class_of
 from ....target import H200, Target
 
 MEASURED_ON = H200
@@ -45,8 +52,8 @@ BATCH_FACTOR = 2
 
 @dataclass(frozen=True)
 class MeasuredLayer:
-    """One layer of BENCHMARKS.md "Gluon convolution forward": bf16 NHWC fprop + bias + relu,
-    square filter, microseconds per backend in one process."""
+    """One layer of BENCHMARKS.md's Gluon convolution tables: bf16 NHWC, the forward with bias +
+    relu, the gradients bare, square filter, microseconds per backend in one process."""
 
     label: str
     n: int
@@ -57,23 +64,37 @@ class MeasuredLayer:
     stride: int
     padding: int
     us: dict  # backend name -> measured microseconds
+    direction: str = "fprop"
 
     @property
     def out_size(self) -> int:
         return (self.size + 2 * self.padding - self.filter) // self.stride + 1
 
+    @property
+    def shape_class(self) -> str:
+        return shape_class_of(self.direction, self.k, (self.filter, self.filter), (self.stride, self.stride))
+
     def work(self, dot: str, target: Target) -> float:
         """The serial roofline's seconds (flops at peak, then bytes at the bandwidth), x, w, y
-        and the bias in bf16."""
+        and the forward's bias in bf16."""
         p = self.out_size
         flops = 2.0 * self.n * p * p * self.k * self.c * self.filter ** 2
         moved = 2 * (self.n * self.size ** 2 * self.c + self.k * self.c * self.filter ** 2 + self.n * p * p * self.k
-                     + self.k)
+                     + self.k * (self.direction == "fprop"))
         return flops / target.peak(dot) + moved / target.bandwidth
 
 
-def _layer(label, n, c, k, size, filter_, stride, padding, triton_us, gluon_us) -> MeasuredLayer:
-    return MeasuredLayer(label, n, c, k, size, filter_, stride, padding, {"triton": triton_us, "gluon": gluon_us})
+def _layer(label, n, c, k, size, filter_, stride, padding, triton_us, gluon_us, direction="fprop") -> MeasuredLayer:
+    return MeasuredLayer(label, n, c, k, size, filter_, stride, padding, {"triton": triton_us, "gluon": gluon_us},
+                         direction)
+
+
+def _dgrad(*args) -> MeasuredLayer:
+    return _layer(*args, direction="dgrad")
+
+
+def _wgrad(*args) -> MeasuredLayer:
+    return _layer(*args, direction="wgrad")
 
 
 # H200, torch 2.11, triton 3.6.0, one process (BENCHMARKS.md "Gluon convolution forward", bench_conv.py
@@ -105,22 +126,70 @@ FORWARD_LAYERS = (
 )
 
 
-def layer_class(layer: MeasuredLayer) -> str:
-    """The shape class of a measured layer (forward_shape_class's, from its filters)."""
-    return "narrow" if layer.k < NARROW_FILTERS_BELOW else "wide"
+# H200, torch 2.11, triton 3.6.0, one process (BENCHMARKS.md "Gluon convolution dgrad and wgrad",
+# bench_conv.py --rows dgrad,wgrad --gluon), as FORWARD_LAYERS, the layers the Gluon column ran
+# Gluon on: dx and dw alone (no epilogue). The strided 3x3 dgrads run Triton under both.
+DGRAD_LAYERS = (
+    _dgrad("layer1.0.conv1", 32, 64, 64, 56, 1, 1, 0, 19.6, 19.2),  # 42 / 43 TFLOP/s
+    _dgrad("layer1.0.conv2", 32, 64, 64, 56, 3, 1, 1, 31.2, 30.5),  # 237 / 243
+    _dgrad("layer1.0.conv3", 32, 64, 256, 56, 1, 1, 0, 31.3, 32.4),  # 105 / 102
+    _dgrad("layer1.1.conv1", 32, 256, 64, 56, 1, 1, 0, 42.2, 30.0),  # 78 / 109
+    _dgrad("layer2.0.conv1", 32, 256, 128, 56, 1, 1, 0, 48.7, 33.1),  # 135 / 199
+    _dgrad("layer2.0.conv3", 32, 128, 512, 28, 1, 1, 0, 19.7, 18.8),  # 167 / 175
+    _dgrad("layer2.0.downsample.0", 32, 256, 512, 56, 1, 2, 0, 50.1, 43.6),  # 131 / 151
+    _dgrad("layer2.1.conv1", 32, 512, 128, 28, 1, 1, 0, 26.8, 21.5),  # 123 / 153
+    _dgrad("layer2.1.conv2", 32, 128, 128, 28, 3, 1, 1, 28.6, 24.2),  # 259 / 306
+    _dgrad("layer3.0.conv1", 32, 512, 256, 28, 1, 1, 0, 30.8, 27.7),  # 213 / 238
+    _dgrad("layer3.0.conv3", 32, 256, 1024, 14, 1, 1, 0, 15.5, 15.5),  # 212 / 212
+    _dgrad("layer3.0.downsample.0", 32, 512, 1024, 28, 1, 2, 0, 39.1, 35.9),  # 168 / 183
+    _dgrad("layer3.1.conv1", 32, 1024, 256, 14, 1, 1, 0, 20.1, 17.6),  # 164 / 187
+    _dgrad("layer3.1.conv2", 32, 256, 256, 14, 3, 1, 1, 27.7, 21.2),  # 267 / 349
+    _dgrad("layer4.0.conv1", 32, 1024, 512, 14, 1, 1, 0, 24.4, 23.7),  # 270 / 278
+    _dgrad("layer4.0.conv3", 32, 512, 2048, 7, 1, 1, 0, 17.7, 14.5),  # 186 / 227
+    _dgrad("layer4.0.downsample.0", 32, 1024, 2048, 14, 1, 2, 0, 35.6, 32.9),  # 185 / 200
+    _dgrad("layer4.1.conv1", 32, 2048, 512, 7, 1, 1, 0, 16.3, 16.9),  # 202 / 195
+    _dgrad("layer4.1.conv2", 32, 512, 512, 7, 3, 1, 1, 35.6, 24.7),  # 208 / 299
+)
+WGRAD_LAYERS = (
+    _wgrad("layer1.0.conv1", 32, 64, 64, 56, 1, 1, 0, 47.4, 218.5),  # 17 / 4 TFLOP/s
+    _wgrad("layer1.0.conv2", 32, 64, 64, 56, 3, 1, 1, 150.0, 62.9),  # 49 / 118
+    _wgrad("layer1.0.conv3", 32, 64, 256, 56, 1, 1, 0, 57.8, 89.6),  # 57 / 37
+    _wgrad("layer1.1.conv1", 32, 256, 64, 56, 1, 1, 0, 71.1, 89.7),  # 46 / 37
+    _wgrad("layer2.0.conv1", 32, 256, 128, 56, 1, 1, 0, 71.9, 70.0),  # 92 / 94
+    _wgrad("layer2.0.conv2", 32, 128, 128, 56, 3, 2, 1, 60.9, 55.6),  # 121 / 133
+    _wgrad("layer2.0.conv3", 32, 128, 512, 28, 1, 1, 0, 50.7, 51.3),  # 65 / 64
+    _wgrad("layer2.0.downsample.0", 32, 256, 512, 56, 1, 2, 0, 44.2, 58.8),  # 149 / 112
+    _wgrad("layer2.1.conv1", 32, 512, 128, 28, 1, 1, 0, 50.6, 52.1),  # 65 / 63
+    _wgrad("layer2.1.conv2", 32, 128, 128, 28, 3, 1, 1, 61.0, 51.3),  # 121 / 144
+    _wgrad("layer3.0.conv1", 32, 512, 256, 28, 1, 1, 0, 45.4, 62.0),  # 145 / 106
+    _wgrad("layer3.0.conv2", 32, 256, 256, 28, 3, 2, 1, 57.4, 42.8),  # 129 / 173
+    _wgrad("layer3.0.conv3", 32, 256, 1024, 14, 1, 1, 0, 28.8, 35.2),  # 114 / 93
+    _wgrad("layer3.0.downsample.0", 32, 512, 1024, 28, 1, 2, 0, 35.4, 39.8),  # 186 / 165
+    _wgrad("layer3.1.conv1", 32, 1024, 256, 14, 1, 1, 0, 28.9, 36.9),  # 114 / 89
+    _wgrad("layer3.1.conv2", 32, 256, 256, 14, 3, 1, 1, 57.4, 40.8),  # 129 / 181
+    _wgrad("layer4.0.conv1", 32, 1024, 512, 14, 1, 1, 0, 35.9, 40.0),  # 183 / 165
+    _wgrad("layer4.0.conv2", 32, 512, 512, 14, 3, 2, 1, 53.4, 39.0),  # 139 / 190
+    _wgrad("layer4.0.conv3", 32, 512, 2048, 7, 1, 1, 0, 32.2, 24.9),  # 102 / 132
+    _wgrad("layer4.0.downsample.0", 32, 1024, 2048, 14, 1, 2, 0, 29.4, 33.4),  # 224 / 197
+    _wgrad("layer4.1.conv1", 32, 2048, 512, 7, 1, 1, 0, 31.6, 25.1),  # 104 / 131
+    _wgrad("layer4.1.conv2", 32, 512, 512, 7, 3, 1, 1, 53.5, 37.3),  # 138 / 198
+)
+MEASURED_LAYERS = {"fprop": FORWARD_LAYERS, "dgrad": DGRAD_LAYERS, "wgrad": WGRAD_LAYERS}
 
 
-def _efficiencies(backend: str) -> dict:
+def _efficiencies(layers, backend: str) -> dict:
     """Shape class -> the geometric mean over its measured layers of work over measured time."""
     logs = {}
-    for layer in FORWARD_LAYERS:
+    for layer in layers:
         seconds = layer.us[backend] * 1e-6 - LAUNCH_SECONDS
-        logs.setdefault(layer_class(layer), []).append(math.log(layer.work("bf16", MEASURED_ON) / seconds))
+        logs.setdefault(layer.shape_class, []).append(math.log(layer.work("bf16", MEASURED_ON) / seconds))
     return {shape_class: math.exp(sum(values) / len(values)) for shape_class, values in logs.items()}
 
 
-# backend -> shape class -> efficiency (about 0.5-0.6 of the serial roofline; see the docstring)
-FORWARD_EFFICIENCY = {backend: _efficiencies(backend) for backend in ("triton", "gluon")}
+# direction -> backend -> shape class -> efficiency (about 0.5-0.6 of the serial roofline for the
+# forward; see the docstring)
+EFFICIENCY = {direction: {backend: _efficiencies(layers, backend) for backend in ("triton", "gluon")}
+              for direction, layers in MEASURED_LAYERS.items()}
 
 
 def _span(values) -> tuple:
@@ -148,36 +217,36 @@ class Envelope:
                 and all(inside(size, self.out_size) for size in out_spatial) and inside(rows, self.rows))
 
 
-def measured_envelope() -> Envelope:
-    """The Envelope of FORWARD_LAYERS: channels 64..2048, outputs 7..56 a side, rows 1568..100352,
-    batch 16..64."""
-    batches = _span(layer.n for layer in FORWARD_LAYERS)
-    return Envelope((batches[0] // BATCH_FACTOR, batches[1] * BATCH_FACTOR), _span(layer.c for layer in FORWARD_LAYERS),
-                    _span(layer.k for layer in FORWARD_LAYERS), _span(layer.out_size for layer in FORWARD_LAYERS),
-                    _span(layer.n * layer.out_size ** 2 for layer in FORWARD_LAYERS))
+def measured_envelope(layers=FORWARD_LAYERS) -> Envelope:
+    """The Envelope of `layers` (ResNet-50's at N32, for each direction: channels 64..2048,
+    outputs 7..56 a side, rows 1568..100352, batch 16..64)."""
+    batches = _span(layer.n for layer in layers)
+    return Envelope((batches[0] // BATCH_FACTOR, batches[1] * BATCH_FACTOR), _span(layer.c for layer in layers),
+                    _span(layer.k for layer in layers), _span(layer.out_size for layer in layers),
+                    _span(layer.n * layer.out_size ** 2 for layer in layers))
 
 
-ENVELOPE = measured_envelope()
+ENVELOPES = {direction: measured_envelope(layers) for direction, layers in MEASURED_LAYERS.items()}
 
 
 def measured_class(problem) -> Optional[str]:
-    """The problem's shape class where it lies inside the measured envelope, else None."""
-    shape_class = forward_shape_class(problem)
+    """The problem's shape class where it lies inside its direction's measured envelope, else None."""
+    shape_class = measured_shape_class(problem)
     g = problem.geometry
-    if shape_class is None or not ENVELOPE.holds(g.n, g.c, g.k, tuple(g.output_spatial)):
+    if shape_class is None or not ENVELOPES[g.direction].holds(g.n, g.c, g.k, tuple(g.output_spatial)):
         return None
     return shape_class
 
 
-def forward_seconds(backend: str, problem, target: Target) -> Optional[float]:
-    """The measured-rate seconds of `backend`'s conv forward of `problem` on `target` (the same
-    fraction of its peak and bandwidth as measured on MEASURED_ON), None outside a measured class
-    and envelope or on an interpreted target."""
+def measured_seconds(backend: str, problem, target: Target) -> Optional[float]:
+    """The measured-rate seconds of `backend`'s conv of `problem` on `target` (the same fraction
+    of its peak and bandwidth as measured on MEASURED_ON for the direction and class), None
+    outside a measured class and envelope or on an interpreted target."""
     shape_class = measured_class(problem)
-    efficiency = FORWARD_EFFICIENCY.get(backend, {}).get(shape_class)
+    efficiency = EFFICIENCY[problem.geometry.direction].get(backend, {}).get(shape_class)
     if efficiency is None or target.interpreted:
         return None
-    flops, moved, dot = forward_work(problem)
+    flops, moved, dot = plain_work(problem)
     return (flops / target.peak(dot) + moved / target.bandwidth) / efficiency + LAUNCH_SECONDS
 
 
