@@ -867,6 +867,7 @@ def parse_args(argv):
     """The command line."""
     parser = family_parser(__doc__.splitlines()[0], ROWS, "a few layers per row", "layers")
     parser.add_argument("--autotune", action="store_true", help="also time g.build(autotune=True)")
+    parser.add_argument("--batch", type=int, default=BATCH, help=f"ResNet-50's batch (default {BATCH})")
     parser.add_argument("--gluon", action="store_true",
                         help="time 'dg' as a Triton-only build (BuildOptions(backends=('triton',))) beside "
                              "'dg gluon': the Gluon implicit-GEMM conv (fprop, stride-1 dgrad, wgrad) wherever it "
@@ -881,7 +882,7 @@ def main(argv=None):
 
 
 def list_shapes(args):
-    resnet, source = resnet50_layers()
+    resnet, source = resnet50_layers(args.batch)
     print(f"ResNet-50 layers: {source}")
     for key in args.rows:
         shapes = row_shapes(key, args, resnet)
@@ -902,7 +903,7 @@ def run_gpu(args, cache_dir):
     torch.empty(1, device="cuda")  # torch's CUDA context before cuDNN's
     frontend, fe_note = frontend_from_args(args, CudnnConv)
     print(f"cuDNN frontend: {fe_note}", flush=True)
-    resnet, resnet_source = resnet50_layers()
+    resnet, resnet_source = resnet50_layers(args.batch)
     ctx = Context(args, "cuda", BF16, F32, TOLERANCE, True, frontend, fe_note,
                   started + args.compile_budget_s, {})
     header = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,

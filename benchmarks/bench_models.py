@@ -52,7 +52,18 @@ def _row(label, step, make_variants, work_flops=None):
 DECODE_KV = 8192  # the decode row's cache length
 
 
-MODE = {"mode": "default"}  # the torch.compile mode of both compiled variants (--mode)
+MODE = {"mode": "default", "backends": None}  # the torch.compile mode of both compiled variants (--mode)
+
+
+def dnngraph_compile_kwargs(mode: str, backends) -> dict:
+    """torch.compile's keywords for the dnngraph variant: the mode, or where --backends names the
+    backends, options (torch.compile takes a mode or options, not both) replaying CUDA graphs as
+    the mode would and building every graph with BuildOptions(backends=...)."""
+    if not backends:
+        return {"mode": mode}
+    import dnngraph
+    return {"options": {"cudagraphs": mode == "reduce-overhead",
+                        "build_options": dnngraph.BuildOptions(backends=tuple(backends))}}
 
 
 def _variants(model_fn, inductor: bool):
@@ -61,7 +72,8 @@ def _variants(model_fn, inductor: bool):
     def make():
         made = {"eager": model_fn}
         torch._dynamo.reset()
-        made["dnngraph"] = torch.compile(model_fn, backend="dnngraph", dynamic=False, mode=MODE["mode"])
+        made["dnngraph"] = torch.compile(model_fn, backend="dnngraph", dynamic=False,
+                                         **dnngraph_compile_kwargs(MODE["mode"], MODE["backends"]))
         if inductor:
             made["inductor"] = torch.compile(model_fn, dynamic=False, mode=MODE["mode"])
         return made
@@ -195,10 +207,14 @@ def main():
     parser.add_argument("--no-inductor", action="store_true")
     parser.add_argument("--match", default="", help="only the rows whose label contains this")
     parser.add_argument("--mode", default="default", choices=["default", "reduce-overhead"])
+    parser.add_argument("--backends", default="",
+                        help="comma-separated BuildOptions.backends entries for dnngraph (default: the defaults), "
+                             "e.g. gluon,triton")
     parser.add_argument("--dynamic", action="store_true",
                         help="add the Llama prefill compiled once with dynamic=True at three sequence lengths")
     args = parser.parse_args()
     MODE["mode"] = args.mode
+    MODE["backends"] = [entry.strip() for entry in args.backends.split(",") if entry.strip()] or None
     rows = [_row(label, step, variants) for label, step, variants in cases(args.rows, args.seq, not args.no_inductor)
             if args.match in label]
     if args.dynamic:
