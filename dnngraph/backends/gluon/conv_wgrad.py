@@ -26,7 +26,7 @@ Triton's, is the measured wgrad rate of the shape class: heuristics/conv_measure
 matmul's over taps x [K, C] x N*P*Q with the tiles' waste (filter and
 channel blocks past K and C, rectangle pixels past P and Q), the tensor cores' rate scaled down for
 narrow units (FULL_RATE_INTENSITY), the waves of units over the SMs, plus the combine's traffic
-(the partials written and read once) and two launches.
+(the partials written and read once), its rounds of loads (COMBINE_ROUND_SECONDS) and two launches.
 """
 from __future__ import annotations
 
@@ -46,6 +46,13 @@ from .conv_backend import (BARRIER_BYTES, CONSUMER_REGS, IN_TYPES, LAUNCH_SECOND
 
 COMBINE_BLOCK = (64, 64)  # the combine's tile: filters x channels
 MIN_RECTANGLES_PER_SPLIT = 4  # a split shorter than this spends its time filling the ring
+# The combine adds a program's splits one after another, COMBINE_IN_FLIGHT loads at a time, each
+# round a load's latency: with one split a round, 262 splits took 218 us on the H200 (0.83 us a
+# round; ResNet-50's layer1.0.conv1 wgrad, one 64x64 dw, BENCHMARKS.md). So the splits stop at
+# MAX_SPLITS: 16 rounds, about 13 us.
+COMBINE_IN_FLIGHT = 4
+COMBINE_ROUND_SECONDS = 0.83e-6
+MAX_SPLITS = 64
 UNITS_PER_SM = 2  # units wanted a SM: the last wave's imbalance halved
 # flops a byte of the ring's blocks feeds (BM * BN / (BM + BN)) where the tensor cores keep their
 # peak: a 128x128 unit's; a 64x64 one (32) is taken at half of it. Not measured yet: it stands for
@@ -141,11 +148,12 @@ def _blocks(problem: Problem, config: WgradConfig) -> tuple:
 
 def split_of(problem: Problem, config: WgradConfig, target: Target, max_bytes: Optional[int] = None) -> tuple:
     """(splits, rectangles a split): enough units for UNITS_PER_SM a SM, each split at least
-    MIN_RECTANGLES_PER_SPLIT long, the partials within `max_bytes` (None: no limit); every split
+    MIN_RECTANGLES_PER_SPLIT long, MAX_SPLITS at most, the partials within `max_bytes` (None: no
+    limit); every split
     holds one rectangle at least (its count is recomputed from the run length)."""
     taps, tiles_m, tiles_n, rectangles = _blocks(problem, config)
     units = taps * tiles_m * tiles_n
-    wanted = max(1, min(-(-UNITS_PER_SM * target.sms // units), rectangles // MIN_RECTANGLES_PER_SPLIT))
+    wanted = max(1, min(-(-UNITS_PER_SM * target.sms // units), rectangles // MIN_RECTANGLES_PER_SPLIT, MAX_SPLITS))
     if max_bytes is not None:
         wanted = max(1, min(wanted, max_bytes // max(1, partial_bytes(problem, 1))))
     per_split = -(-rectangles // wanted)
@@ -173,7 +181,8 @@ def modeled_seconds(problem: Problem, config: WgradConfig, target: Target) -> Op
     peak = target.peak(IN_TYPES[problem.operand("dy").data_type.name]) * rate
     compute = 2.0 * taps * g.k * g.c * pixels / peak / use
     reads = (problem.operand("dy").numel + problem.operand("x").numel) * problem.operand("dy").data_type.itemsize
-    combine = (2 * partial_bytes(problem, splits) + problem.outputs[0].numel * 4) / target.bandwidth
+    combine = ((2 * partial_bytes(problem, splits) + problem.outputs[0].numel * 4) / target.bandwidth
+               + -(-splits // COMBINE_IN_FLIGHT) * COMBINE_ROUND_SECONDS)
     return max(compute, reads / target.bandwidth) / efficiency + combine + 2 * LAUNCH_SECONDS
 
 
