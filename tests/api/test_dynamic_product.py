@@ -2,8 +2,9 @@
 transformer block does with a dynamic sequence length ([B, seq, H] -> [B * seq, H] for a matmul,
 and back) keep the axis dynamic. Each graph is built once and run at the range's min, an odd size
 and its max on poisoned outputs against g.reference in float64 (and torch in float64); products
-through reductions, softmax, transpose, slice and concatenate, JSON and a shipped blob, and
-as_function; what no multiple of one symbol expresses is refused at the op call with a typed
+through reductions, softmax, transpose, slice and concatenate, JSON and a shipped blob,
+as_function, and a batched attention block (rows merged for its matmuls, planned for the H200 at
+one compile per bucket); what no multiple of one symbol expresses is refused at the op call with a typed
 error and adds nothing; sizes out of range, or an output axis no multiple of its coefficient,
 write nothing."""
 import json
@@ -297,3 +298,56 @@ def test_probes_tell_a_constant_multiple_from_other_motions():
                 propagate(name, infer, [x], None, infer([x], None))
         else:
             assert propagate(name, infer, [x], None, infer([x], None)) == [(expected, None)], name
+
+
+# --- a transformer block written with the reshapes every Llama/GPT block does --------------------
+def _batched_attention_block(seq, batch, heads, head, io_type):
+    """x [batch, seq, dim] -> rmsnorm -> [batch * seq, dim] @ wq/wk/wv -> [batch, seq, heads, head]
+    -> [batch, heads, seq, head] -> causal sdpa -> [batch, seq, heads, head] -> [batch * seq, dim]
+    @ wo -> [batch, seq, dim] + x: one dynamic graph, the sequence length a symbol throughout."""
+    dim = heads * head
+    g = dg.Graph(name="block", io_data_type=io_type)
+    x = g.tensor(name="x", dim=[batch, seq, dim])
+    weights = {name: g.tensor(name=name, dim=[dim, dim]) for name in ("wq", "wk", "wv", "wo")}
+    h, _ = g.rmsnorm(x, g.tensor(name="norm", dim=[1, 1, dim]), norm_forward_phase="inference")
+    rows = g.reshape(h, [batch * seq, dim])
+    q, k, v = (g.transpose(g.reshape(g.matmul(rows, weights[name]), [batch, seq, heads, head]), [0, 2, 1, 3])
+               for name in ("wq", "wk", "wv"))
+    o, _ = g.sdpa(q, k, v, attn_scale=head ** -0.5, use_causal_mask=True)
+    merged = g.reshape(g.transpose(o, [0, 2, 1, 3]), [batch * seq, dim])
+    y = g.add(x, g.reshape(g.matmul(merged, weights["wo"]), [batch, seq, dim])).set_output(True)
+    return g, rows, y
+
+
+def test_batched_attention_block_with_merged_rows_runs_every_size():
+    g, rows, y = _batched_attention_block(SEQ, batch=2, heads=2, head=8, io_type=dg.float32)
+    assert rows.dynamic_dim == (2 * SEQ, 16) and y.dynamic_dim == (2, SEQ, 16)
+    g.build()
+    for seq in SIZES:
+        inputs = {t.name: torch.randn(*_dims_at(t, {"seq": seq})) * 0.3 for t in g.inputs()}
+        out = _poisoned_for(y, {"seq": seq})
+        g.execute({**inputs, y: out})
+        assert rel_err(out, g.reference(inputs)[y.name]) < 1e-4, seq
+
+
+def _compiled_as(launch) -> tuple:
+    """What Triton compiles a launch into, beyond the integers it specializes by value (as in
+    test_dynamic.py): the kernel (named by its source's content), its constexprs, warps, stages."""
+    constexprs = tuple((a.name, a.value) for a in launch.arguments if a.kind == "constexpr")
+    return launch.kernel.__name__, constexprs, launch.num_warps, launch.num_stages
+
+
+PRODUCT_BUCKETS = ((3, 4), (5, 7, 8), (17, 24, 31), (65, 100, 128), (513, 777, 1000, 1024), (2049, 3000, 4096))
+
+
+def test_batched_attention_block_planned_for_the_h200_compiles_once_per_bucket():
+    """Axes of 2 * seq vary with seq: the matmuls' rows are planned at twice the bucket's top,
+    and every size of a bucket compiles what its top does."""
+    g, _, _ = _batched_attention_block(dg.dynamic("seq", 1, 4096), batch=2, heads=8, head=64, io_type=dg.bfloat16)
+    g.build(options=dg.BuildOptions(target=dg.target.H200))
+    per_bucket = {}
+    for sizes in PRODUCT_BUCKETS:
+        compiled = {tuple(_compiled_as(launch) for launch in g.plan.plan_for((s,)).launches) for s in sizes}
+        assert len(compiled) == 1, sizes
+        per_bucket[sizes] = compiled.pop()
+    assert len(set(per_bucket.values())) > 2  # the choices do change between buckets
