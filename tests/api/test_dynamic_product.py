@@ -174,6 +174,12 @@ def test_as_function_sizes_a_product_output_from_its_inputs():
         assert got.shape == (2 * seq, 4)
         assert rel_err(got, torch.tanh(xt.double().reshape(2 * seq, 6) @ wt.double())) < TOL
     assert y.dynamic_dim[0] == 2 * SEQ
+    for seq in (1, 11):  # differentiable at each size: the gradients of x [2, seq, 6] and w
+        xt, wt = torch.randn(2, seq, 6, requires_grad=True), torch.randn(6, 4, requires_grad=True)
+        fn(xt, wt).sum().backward()
+        ref_x, ref_w = (t.detach().double().requires_grad_() for t in (xt, wt))
+        torch.tanh(ref_x.reshape(2 * seq, 6) @ ref_w).sum().backward()
+        assert rel_err(xt.grad, ref_x.grad) < TOL and rel_err(wt.grad, ref_w.grad) < TOL, seq
 
 
 # --- every shape op: a product axis flows through with the right extent, or is refused --------
@@ -351,3 +357,24 @@ def test_batched_attention_block_planned_for_the_h200_compiles_once_per_bucket()
         assert len(compiled) == 1, sizes
         per_bucket[sizes] = compiled.pop()
     assert len(set(per_bucket.values())) > 2  # the choices do change between buckets
+
+
+def test_as_function_with_a_product_output_traces_once_under_torch_compile_dynamic():
+    """The traced op's fake output of [2 * seq, 4] is twice the input's symbolic seq: one dynamo
+    graph serves every size, and a reshape after it in torch sees the right extent."""
+    from torch._dynamo.utils import counters
+
+    g = _graph("traced")
+    x = g.tensor(name="x", dim=[2, SEQ, 6])
+    w = g.tensor(name="w", dim=[6, 4])
+    g.tanh(g.matmul(g.reshape(x, [2 * SEQ, 6]), w)).set_output(True)
+    fn = g.as_function()
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(lambda a, b: fn(a, b).reshape(2, -1, 4) * 2, fullgraph=True, dynamic=True)
+    for seq in (3, 7, 9):
+        xt, wt = torch.randn(2, seq, 6), torch.randn(6, 4)
+        got = compiled(xt, wt)
+        assert got.shape == (2, seq, 4)
+        assert rel_err(got, torch.tanh(xt.double() @ wt.double()) * 2) < TOL, seq
+    assert counters["stats"]["unique_graphs"] == 1
