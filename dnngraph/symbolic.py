@@ -67,7 +67,7 @@ class Dynamic:
         return size
 
     def __mul__(self, factor):
-        return scaled(self, factor) if _is_count(factor) else NotImplemented
+        return scaled(self, _factor(self, factor))
 
     __rmul__ = __mul__
 
@@ -77,6 +77,16 @@ class Dynamic:
 
 def _is_count(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+
+
+def _factor(extent, factor) -> int:
+    """`factor` checked as what a dynamic extent may be multiplied by: an integer >= 1."""
+    if isinstance(factor, (Dynamic, Multiple)):
+        raise UnsupportedError(f"{extent!r} * {factor!r}: a product of two symbols cannot be dynamic yet (an "
+                               f"extent is a constant multiple of one symbol)")
+    if not _is_count(factor):
+        raise ValidationError(f"{extent!r} * {factor!r}: a dynamic extent is multiplied by an integer >= 1")
+    return int(factor)
 
 
 @dataclass(frozen=True)
@@ -104,7 +114,7 @@ class Multiple:
         return self.coefficient * size
 
     def __mul__(self, factor):
-        return scaled(self.symbol, self.coefficient * factor) if _is_count(factor) else NotImplemented
+        return scaled(self.symbol, self.coefficient * _factor(self, factor))
 
     __rmul__ = __mul__
 

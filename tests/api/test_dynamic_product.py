@@ -278,6 +278,13 @@ def test_multiples_and_what_cannot_be_one_are_typed_errors_that_add_nothing():
     for coefficient in (0, -2, True, 2.0):
         with pytest.raises(dg.ValidationError):
             Multiple(SEQ, coefficient)
+        with pytest.raises(dg.ValidationError, match="integer"):
+            SEQ * coefficient
+    with pytest.raises(dg.UnsupportedError, match="two symbols"):
+        batch * SEQ
+    with pytest.raises(dg.UnsupportedError, match="two symbols"):
+        2 * SEQ * (3 * batch)
+    assert 3 * (2 * SEQ) == SEQ * 6 == Multiple(SEQ, 6) and 1 * SEQ == SEQ
     with pytest.raises(dg.ValidationError, match="2\\*\\*48"):
         dg.dynamic("huge", 1, 2 ** 47) * 4
     assert [t.name for t in g.tensors] == names + ["both"]
