@@ -343,6 +343,18 @@ def test_batched_attention_block_with_merged_rows_runs_every_size():
         assert rel_err(out, g.reference(inputs)[y.name]) < 1e-4, seq
 
 
+@pytest.mark.gpu
+def test_batched_attention_block_three_sequence_lengths_one_build_gpu():
+    g, _, y = _batched_attention_block(dg.dynamic("seq", 1, 4096), batch=2, heads=8, head=64, io_type=dg.bfloat16)
+    g.build()
+    for seq in (1000, 777, 4095):  # 1000 and 777 share the bucket of 1024 (2 * seq rows: 2048's)
+        inputs = {t.name: (torch.randn(*_dims_at(t, {"seq": seq})) * 0.3).to("cuda", torch.bfloat16)
+                  for t in g.inputs()}
+        out = _poisoned_for(y, {"seq": seq}).to("cuda", torch.bfloat16)
+        g.execute({**inputs, y: out})
+        assert rel_err(out, g.reference(inputs)[y.name]) < 2e-2, seq
+
+
 def _compiled_as(launch) -> tuple:
     """What Triton compiles a launch into, beyond the integers it specializes by value (as in
     test_dynamic.py): the kernel (named by its source's content), its constexprs, warps, stages."""
