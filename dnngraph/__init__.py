@@ -16,7 +16,7 @@ from .options import BuildOptions
 from .target import Target
 from .tensor import Tensor
 from .graph_cache import jit
-from .symbolic import Dynamic, dynamic
+from .symbolic import Dynamic, Multiple, dynamic
 from .dtypes import bool_bit_packed
 from .bitpack import pack_bits, unpack_bits
 from .tensor import bit_packed_strides
@@ -25,7 +25,7 @@ __all__ = [
     "Graph", "Node", "Tensor", "DataType", "float32", "float16", "bfloat16", "float8_e4m3",
     "float8_e5m2", "int32", "int64", "bool", "float4_e2m1", "float8_e8m0", "GraphError", "ValidationError", "UnsupportedError",
     "ExecutionError", "SerializationError", "BuildOptions", "Target", "jit",
-    "Dynamic", "dynamic",
+    "Dynamic", "Multiple", "dynamic",
 ]
 __all__ += ["int8"]
 __all__ += ["bool_bit_packed", "pack_bits", "unpack_bits", "bit_packed_strides"]

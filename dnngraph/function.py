@@ -402,21 +402,23 @@ class DynamicFunction:
         self.extents = DynamicExtents(graph, self.inputs)
         given = {s.name for s in self.extents.symbols}
         for tensor in self.outputs:
-            unknown = [s.name for s in tensor.dynamic_dim_symbols or () if s is not None and s.name not in given]
+            unknown = [s.symbol.name for s in tensor.dynamic_dim_symbols or ()
+                       if s is not None and s.symbol.name not in given]
             if unknown:
                 raise ValidationError(f"as_function: output {tensor.name!r} has dynamic extent(s) {unknown} that no "
                                       f"input carries: the function could not size it")
         position = {t.uid: p for p, t in enumerate(self.inputs)}
-        self.positions = tuple((position[t.uid], name, axis, index)
-                               for t, name, axis, index in self.extents.sources)
+        self.positions = tuple((position[t.uid], name, axis, index, coefficient)
+                               for t, name, axis, index, coefficient in self.extents.sources)
         self._functions = PerSize()  # tuple of sizes -> GraphFunction of the graph at those sizes
-        # per output: (dims with each dynamic axis as the (input position, axis) giving its size,
+        # per output: (dims with each dynamic axis as (input position, axis, coefficient): that
+        # input axis (an input's dynamic axis is one symbol) times the output axis's coefficient,
         # its axes outermost first, torch dtype): what a traced call's outputs look like
         first = {}
-        for at, _, axis, index in self.positions:
+        for at, _, axis, index, _ in self.positions:
             first.setdefault(index, (at, axis))
         names = [s.name for s in self.extents.symbols]
-        self._layouts = [(tuple(d if s is None else first[names.index(s.name)]
+        self._layouts = [(tuple(d if s is None else (*first[names.index(s.symbol.name)], s.coefficient)
                                 for d, s in zip(t.dim, t.dynamic_dim_symbols or (None,) * len(t.dim))),
                           stride_order(t.dim, t.stride), t.data_type.torch_dtype) for t in self.outputs]
         self.op_name = f"dnngraph::dynamic_function{next(_NUMBER)}"
@@ -449,7 +451,7 @@ class DynamicFunction:
         axis as long as the input axis that gives it, densely packed in its own axis order."""
         made = []
         for dims, order, dtype in self._layouts:
-            sizes = [args[d[0]].shape[d[1]] if isinstance(d, tuple) else d for d in dims]
+            sizes = [args[d[0]].shape[d[1]] * d[2] if isinstance(d, tuple) else d for d in dims]
             strides, running = [0] * len(sizes), 1
             for axis in reversed(order):
                 strides[axis] = running

@@ -25,7 +25,7 @@ from .ops.sdpa import ragged_length, ragged_operands, ragged_slots, slot_length
 from .ops.shape import normalize_slices
 from .ops.base import boolean, integer, normalize_axes, per_axis, real
 from .options import BuildOptions
-from .symbolic import BucketExtents, Dynamic, check_dense, check_sizes, propagate, split_dims, symbols_of
+from .symbolic import BucketExtents, check_dense, check_sizes, extent_at, is_extent, propagate, split_dims, symbols_of
 from .tensor import (Tensor, bit_packed_strides, check_dims, check_not_overlapping, check_strides, contiguous_strides,
                      dense_strides, span, stride_order)
 
@@ -46,27 +46,33 @@ def _attrs_of(op: str, *args, **kwargs):
 
 
 def _symbolic_reshape(x, dim) -> tuple:
-    """(dims, from_input) of reshape attributes for `dim`, whose dg.Dynamic entries name a dynamic
-    axis of `x` kept whole: the entry stands at the symbol's max in dims, and from_input ties the
-    output axis to x's axis of that symbol."""
-    if not isinstance(dim, (list, tuple)) or not any(isinstance(d, Dynamic) for d in dim):
+    """(dims, from_input) of reshape attributes for `dim`, whose dynamic entries (a dg.dynamic
+    symbol, or a multiple of one: `2 * seq`) name an extent in terms of a symbol of a dynamic axis
+    of `x`: the entry stands at its extent at the symbol's max in dims, and from_input ties the
+    output axis to x's first axis of that symbol, scaled by the ratio of the two coefficients
+    ([B, seq, H] -> [2 * seq, H] takes x's axis 1 times 2; [2 * seq, H] -> [2, seq, H] takes
+    x's axis 0 over 2)."""
+    if not isinstance(dim, (list, tuple)) or not any(is_extent(d) for d in dim):
         return dim, ()
     axis_of = {}
-    for axis, symbol in enumerate(x.dynamic_dim_symbols or ()):
-        if symbol is not None:
-            axis_of.setdefault(symbol, axis)
+    for axis, entry in enumerate(x.dynamic_dim_symbols or ()):
+        if entry is not None:
+            axis_of.setdefault(entry.symbol, (axis, entry.coefficient))
     pairs = []
     for out, entry in enumerate(dim):
-        if isinstance(entry, Dynamic):
-            if entry not in axis_of:
-                raise ValidationError(f"reshape of {x.name!r}: {entry!r} in dim is no dynamic axis of it (its "
-                                      f"dims are {list(x.dynamic_dim)})")
-            pairs.append((out, axis_of[entry]))
-    return [d.max if isinstance(d, Dynamic) else d for d in dim], tuple(pairs)
+        if is_extent(entry):
+            if entry.symbol not in axis_of:
+                raise ValidationError(f"reshape of {x.name!r}: {entry!r} in dim is no multiple of a dynamic axis's "
+                                      f"symbol of it (its dims are {list(x.dynamic_dim)})")
+            source, coefficient = axis_of[entry.symbol]
+            common = math.gcd(entry.coefficient, coefficient)
+            multiplier, divisor = entry.coefficient // common, coefficient // common
+            pairs.append((out, source) if multiplier == divisor == 1 else (out, source, multiplier, divisor))
+    return [d.extent(d.symbol.max) if is_extent(d) else d for d in dim], tuple(pairs)
 
 
 def _symbol_names(x) -> str:
-    return "/".join(sorted({s.name for s in x.dynamic_dim_symbols if s is not None}))
+    return "/".join(sorted({s.symbol.name for s in x.dynamic_dim_symbols if s is not None}))
 
 
 def _fp8_type_of(q) -> str:
@@ -332,7 +338,7 @@ class Graph:
         of symbolic.propagate run the rules at a few sizes only, this holds it at every size run."""
         for tensor in self._tensors.values():
             symbols = tensor.dynamic_dim_symbols or (None,) * len(tensor.dim)
-            expected = tuple(d if s is None else sizes[s.name] for d, s in zip(tensor.dim, symbols))
+            expected = tuple(d if s is None else extent_at(s, sizes) for d, s in zip(tensor.dim, symbols))
             got = sized.tensor_by_name(tensor.name).dim
             if got != expected:
                 raise ValidationError(f"graph {self.name!r} at {sizes}: tensor {tensor.name!r} is {list(got)}, "
@@ -892,9 +898,11 @@ class Graph:
 
     # --- ops: layout ----------------------------------------------------------------------------
     def reshape(self, x, dim, name=None) -> Tensor:
-        """The same elements in row-major order with new dims. A dynamic axis of `x` kept whole
-        is named by its symbol in `dim` (`[batch, seq, heads, head_dim]` with `seq` the
-        dg.dynamic of x's axis): the output axis is as long as that axis at every size."""
+        """The same elements in row-major order with new dims. A dynamic axis of the output is
+        named in `dim` by the symbol of a dynamic axis of `x`, or a constant multiple of it:
+        kept whole, `[batch, seq, heads, head_dim]` with `seq` the dg.dynamic of x's axis;
+        merged with static axes, `[2 * seq, hidden]` of x `[2, seq, hidden]`; split back,
+        `[2, seq, hidden]` of x `[2 * seq, hidden]`. The output axis is that extent at every size."""
         x = self._check_input("reshape", "x", x)
         dim, from_input = _symbolic_reshape(x, dim)
         try:
@@ -902,9 +910,11 @@ class Graph:
         except UnsupportedError as error:
             if not x.dynamic_dim_symbols:
                 raise
-            raise UnsupportedError(f"{error}. A reshape of a tensor with dynamic axes keeps each dynamic axis "
-                                   f"whole, named by its symbol in dim (an axis k * {_symbol_names(x)} merged "
-                                   f"with other axes, or one split, cannot be dynamic yet)") from None
+            raise UnsupportedError(f"{error}. A reshape of a tensor with dynamic axes names each dynamic axis of "
+                                   f"its output by a constant multiple of a symbol ({_symbol_names(x)}) in dim, "
+                                   f"such as k * symbol: an extent any other function of a symbol (split "
+                                   f"into two axes that both vary, a product of two symbols) cannot be "
+                                   f"dynamic yet") from None
 
     def transpose(self, x, permutation, name=None) -> Tensor:
         """Permute the logical axes."""
@@ -928,9 +938,10 @@ class Graph:
             dynamic = [t for t in tensors if isinstance(t, Tensor) and t.dynamic_dim_symbols]
             if not dynamic:
                 raise
-            raise UnsupportedError(f"{error}. Joined along axis {axis}, a dynamic axis's extents add up (S + S, "
-                                   f"S + 4), and an extent that is a sum is no one symbol: concatenate beside "
-                                   f"the dynamic axes (along a static axis) only") from None
+            raise UnsupportedError(f"{error}. Joined along axis {axis}, a dynamic axis's extents add up, and an "
+                                   f"extent that is a sum with a constant (S + 4) or of two symbols is no constant "
+                                   f"multiple of one symbol: concatenate beside the dynamic axes, or parts of "
+                                   f"one symbol along it (S + S = 2 * S), only") from None
 
     # --- pipeline -------------------------------------------------------------------------------
     def validate(self) -> "Graph":

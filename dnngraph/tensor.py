@@ -194,7 +194,7 @@ class Tensor:
         self._ragged_offset: Optional["Tensor"] = None  # sdpa's packed (THD) sequences: dnngraph/ragged.py
         self._blend: Optional[tuple] = None  # (alpha, beta): stored as alpha * result + beta * prior
         self._is_pass_by_value = False  # a host scalar bound at execute (Graph.execute stages it)
-        self._dynamic: Optional[tuple] = None  # per axis its symbolic.Dynamic or None (dnngraph/symbolic.py)
+        self._dynamic: Optional[tuple] = None  # per axis its symbolic.Dynamic or Multiple, or None (symbolic.py)
 
     # --- queries -------------------------------------------------------------------------------
     @property
@@ -250,12 +250,14 @@ class Tensor:
 
     @property
     def dynamic_dim_symbols(self) -> Optional[tuple]:
-        """Per axis the symbol (dg.dynamic) of a dynamic extent or None; None for a static tensor."""
+        """Per axis its dynamic extent (a dg.dynamic symbol, or a dg.Multiple of one: `2 * seq`) or
+        None; None for a static tensor."""
         return self._dynamic
 
     @property
     def dynamic_dim(self) -> tuple:
-        """The dims with each dynamic extent as its symbol (the dims hold its largest size)."""
+        """The dims with each dynamic extent as its symbol or multiple of one (the dims hold its
+        largest size)."""
         if self._dynamic is None:
             return self._dim
         return tuple(d if s is None else s for d, s in zip(self._dim, self._dynamic))

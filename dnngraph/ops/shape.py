@@ -14,29 +14,50 @@ from .base import (OpDef, OutputSpec, backward_rule, canonical_axes, fail, freez
 @dataclass(frozen=True)
 class ReshapeAttrs:
     dim: tuple
-    # (output axis, input axis) pairs: the output axis is as long as that input axis at every size
-    # (a dynamic axis kept whole; `dim` holds it at the symbol's max). Empty for a static reshape.
+    # (output axis, input axis[, multiplier, divisor]) per output axis of a dynamic extent: the
+    # output axis is as long as that input axis times multiplier / divisor at every size (a
+    # dynamic axis kept whole: (out, in); merged with static axes, [B, s, H] -> [B * s, H]:
+    # (0, 1, B, 1); split from such a product: (1, 0, 1, B)). `dim` holds it at the max. Empty
+    # for a static reshape.
     from_input: tuple = ()
     written_when_set = ("from_input",)  # a document of a static reshape reads as before
 
     def __post_init__(self):
         dim = int_tuple("reshape", "dim", self.dim, minimum=1, maximum=MAX_EXTENT)
-        pairs = tuple(int_tuple("reshape", f"from_input[{index}]", pair, 2, minimum=0, maximum=MAX_RANK)
-                      for index, pair in enumerate(sequence("reshape", "from_input", self.from_input)))
-        outputs = [out for out, _ in pairs]
+        pairs = tuple(_from_input_entry(index, entry)
+                      for index, entry in enumerate(sequence("reshape", "from_input", self.from_input)))
+        outputs = [entry[0] for entry in pairs]
         if len(set(outputs)) != len(outputs) or any(out >= len(dim) for out in outputs):
             fail("reshape", f"from_input names each output axis of {list(dim)} at most once, got {list(pairs)}")
         freeze(self, dim=dim, from_input=pairs)
 
 
+def _from_input_entry(index: int, entry) -> tuple:
+    """One from_input entry checked: (out, in), or (out, in, multiplier, divisor) with both >= 1
+    and not both 1 (that is the pair)."""
+    what = f"from_input[{index}]"
+    if isinstance(entry, (list, tuple)) and len(entry) == 4:
+        out, source, multiplier, divisor = int_tuple("reshape", what, entry, 4, minimum=0, maximum=MAX_EXTENT)
+        if out > MAX_RANK or source > MAX_RANK or multiplier < 1 or divisor < 1 or multiplier == divisor == 1:
+            fail("reshape", f"{what} is (output axis, input axis, multiplier >= 1, divisor >= 1), not both 1, "
+                            f"got {list(entry)}")
+        return out, source, multiplier, divisor
+    return int_tuple("reshape", what, entry, 2, minimum=0, maximum=MAX_RANK)
+
+
 def reshape_target(attrs, x_dims) -> tuple:
     """The output dims of reshape `attrs` of an input of dims `x_dims`: `attrs.dim`, each axis of
-    `from_input` as long as its input axis."""
+    `from_input` as long as its input axis (times its multiplier, over its divisor)."""
     dim = list(attrs.dim)
-    for out, source in attrs.from_input:
+    for out, source, *ratio in attrs.from_input:
         if source >= len(x_dims):
             fail("reshape", f"from_input takes axis {source} of an input of rank {len(x_dims)}")
-        dim[out] = int(x_dims[source])
+        multiplier, divisor = ratio or (1, 1)
+        extent, remainder = divmod(int(x_dims[source]) * multiplier, divisor)
+        if remainder or extent < 1:
+            fail("reshape", f"output axis {out} is input axis {source} ({x_dims[source]}) times {multiplier} over "
+                            f"{divisor}, which is no whole extent")
+        dim[out] = extent
     return tuple(dim)
 
 

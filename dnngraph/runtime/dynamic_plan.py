@@ -80,8 +80,9 @@ class DynamicExtents:
         tensors = list(graph.inputs()) + list(graph.outputs()) if tensors is None else list(tensors)
         self.symbols = tuple(sorted(symbols_of(tensors).values(), key=lambda s: s.name))
         index = {s.name: i for i, s in enumerate(self.symbols)}
-        # (handle, name, axis, symbol index) of each dynamic axis, inputs first
-        self.sources = tuple((t, t.name, axis, index[s.name]) for t in tensors
+        # (handle, name, axis, symbol index, coefficient) of each dynamic axis, inputs first: the
+        # axis is coefficient times the symbol's size (a graph output of axis 2 * seq)
+        self.sources = tuple((t, t.name, axis, index[s.symbol.name], s.coefficient) for t in tensors
                              for axis, s in enumerate(t.dynamic_dim_symbols or ()) if s is not None)
         self.handles = {t: t.name for t in graph.tensors}
 
@@ -91,31 +92,36 @@ class DynamicExtents:
             raise ExecutionError(f"{what}: bindings must be a dict of Tensor or name -> torch.Tensor, "
                                  f"got {type(bindings).__name__}")
         found = [None] * len(self.symbols)
-        for handle, name, axis, index in self.sources:
+        for handle, name, axis, index, coefficient in self.sources:
             value = bindings.get(handle)
             if value is None:
                 value = bindings.get(name)
             if value is None:
                 continue  # the plan reports a missing binding
-            self._take(found, index, self._size(value, name, axis, what), name, axis, what)
+            self._take(found, index, self._size(value, name, axis, coefficient, what), name, axis, what)
         return self._checked(found, what)
 
     def key_of_values(self, values: list, positions: tuple, what: str) -> tuple:
         """key() for values by position (a function's arguments): `positions` holds (position,
-        name, axis, symbol index)."""
+        name, axis, symbol index, coefficient)."""
         found = [None] * len(self.symbols)
-        for position, name, axis, index in positions:
-            self._take(found, index, self._size(values[position], name, axis, what), name, axis, what)
+        for position, name, axis, index, coefficient in positions:
+            self._take(found, index, self._size(values[position], name, axis, coefficient, what), name, axis, what)
         return self._checked(found, what)
 
     @staticmethod
-    def _size(value, name: str, axis: int, what: str) -> int:
+    def _size(value, name: str, axis: int, coefficient: int, what: str) -> int:
+        """The symbol's size `value`'s dynamic `axis` says: its extent over the axis's coefficient."""
         shape = getattr(value, "shape", None)
         if shape is None:
             raise ExecutionError(f"{what}: {name!r} must be a torch.Tensor, got {type(value).__name__}")
         if axis >= len(shape):
             raise ExecutionError(f"{what}: {name!r} has dynamic axis {axis}, got a tensor of shape {list(shape)}")
-        return shape[axis]
+        size, remainder = divmod(shape[axis], coefficient)
+        if remainder:
+            raise ExecutionError(f"{what}: {name!r} axis {axis} is {coefficient} times a symbol's size, got "
+                                 f"{shape[axis]} in a tensor of shape {list(shape)}")
+        return size
 
     def _take(self, found: list, index: int, size: int, name: str, axis: int, what: str) -> None:
         if found[index] is None:

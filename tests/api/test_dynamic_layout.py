@@ -2,8 +2,9 @@
 (named by its dg.dynamic symbol in dim: [B, S, H*D] <-> [B, S, H, D], one or two dynamic axes,
 size-1 axes merged away) and a concatenate beside a dynamic axis, each against g.reference in
 float64 at the range's ends and odd sizes on poisoned outputs, through execute, as_function
-(gradients too) and a shipped blob; forms no one symbol can express (k * S, S + S) are refused
-at the op call with a typed error that says so, and add nothing."""
+(gradients too) and a shipped blob; forms no multiple of one symbol expresses (literal sizes,
+S + 4, S + R) are refused at the op call with a typed error that says so, and add nothing.
+Products of a symbol and constants (k * S): tests/api/test_dynamic_product.py."""
 import json
 
 import pytest
@@ -101,19 +102,20 @@ def test_forms_no_symbol_expresses_are_refused_at_the_op():
     seq = dg.dynamic("seq", 1, 12)
     g = dg.Graph(name="refused")
     x = g.tensor(name="x", dim=[2, seq, 6])
-    with pytest.raises(dg.UnsupportedError, match="whole"):
-        g.reshape(x, [24, 6])  # 2 * seq merged: k * S is no one symbol
-    with pytest.raises(dg.UnsupportedError, match="whole"):
+    with pytest.raises(dg.UnsupportedError, match="constant multiple of a symbol"):
+        g.reshape(x, [24, 6])  # 2 * seq merged, written as a literal (dg: [2 * seq, 6])
+    with pytest.raises(dg.UnsupportedError, match="constant multiple of a symbol"):
         g.reshape(x, [2, 12, 6])  # the dynamic axis written as a literal
     with pytest.raises(dg.ValidationError, match="cannot reshape"):
         g.reshape(x, [seq, 6])  # half the elements at every size
-    with pytest.raises(dg.ValidationError, match="no dynamic axis"):
+    with pytest.raises(dg.ValidationError, match="no multiple of a dynamic axis"):
         g.reshape(x, [2, dg.dynamic("other", 1, 12), 6])
+    rows = g.tensor(name="rows", dim=[2, dg.dynamic("rows", 1, 12), 6])
     with pytest.raises(dg.UnsupportedError, match="sum"):
-        g.concatenate([x, x], axis=1)  # seq + seq
+        g.concatenate([x, rows], axis=1)  # seq + rows
     with pytest.raises(dg.UnsupportedError, match="sum"):
         g.concatenate([x, g.tensor(name="four", dim=[2, 4, 6])], axis=1)  # seq + 4
-    assert [t.name for t in g.tensors] == ["x", "four"]  # refused calls added nothing
+    assert [t.name for t in g.tensors] == ["x", "rows", "four"]  # refused calls added nothing
 
 
 def test_reshape_symbols_survive_to_json_and_static_documents_read_as_before():
