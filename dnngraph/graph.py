@@ -996,14 +996,16 @@ class Graph:
         autotune times the model's top candidates; workspace_limit bounds the bytes of optional
         scratch the chosen configs may use together (split-K and split-row partials): None
         prefers the fastest, 0 uses none (cuDNN's strategies). `plan`: the plan to build among
-        plans() (BuildOptions.plan: an index k, every group's k-th candidate or its first where
-        it has fewer, or a tuple of one index per group). `sizes` (a graph with dynamic extents
+        plans() (BuildOptions.plan: an index k below get_execution_plan_count(), every group's
+        k-th candidate or its first where it has fewer, or a tuple of one index per group). `sizes` (a graph with dynamic extents
         only): a list of dicts of symbol name -> size whose plans are built now, ahead of time,
         besides the range's min and max (serialize() then ships them)."""
         from .build import build_plan  # the plan is the last pipeline stage
 
         options = _build_options(options, autotune, workspace_limit, plan)
         self.validate()
+        if plan is not None:
+            self._check_plan_index(options)
         if sizes is not None and (not self.is_dynamic or not isinstance(sizes, (list, tuple))):
             raise ValidationError(f"build of graph {self.name!r}: sizes (a list of dicts of symbol name -> size) "
                                   f"are for a graph with dynamic extents, got {sizes!r}")
@@ -1050,8 +1052,20 @@ class Graph:
 
         chosen = _build_options(options, plan=index)
         self.validate()
+        self._check_plan_index(chosen)
         self._plans_at[index] = build_dynamic_plan(self, chosen) if self.is_dynamic else build_plan(self, chosen)
         return self
+
+    def _check_plan_index(self, options) -> None:
+        """ValidationError for a plan index (an int) past the last plan plans() offers, as the
+        frontend's build_plan_at_index refuses it. BuildOptions.plan handed on by as_function
+        and dg.jit to forward and backward graphs alike is not checked: there a group with
+        fewer candidates takes its first."""
+        if isinstance(options.plan, int):
+            count = self.get_execution_plan_count(options)
+            if options.plan >= count:
+                raise ValidationError(f"graph {self.name!r}: plan {options.plan} asked, the graph has {count} plans "
+                                      f"(get_execution_plan_count(); plans() lists them)")
 
     def execute_plan_at_index(self, bindings: dict, index: int, workspace=None) -> None:
         """execute() with the plan build_plan_at_index(index) built."""

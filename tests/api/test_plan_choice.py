@@ -65,6 +65,24 @@ def test_plan_per_group_and_bad_choices():
             dg.BuildOptions(plan=bad)
 
 
+def test_an_index_past_the_plan_count_is_refused():
+    """As the frontend's build_plan_at_index: plan k exists for k < get_execution_plan_count();
+    an index past the last plan raises instead of building plan 0 under another number, and the
+    graph keeps the plan it had."""
+    g = _declared()
+    count = g.get_execution_plan_count()
+    g.build(plan=count - 1)
+    built = g.plan
+    for bad in (count, count + 7):
+        with pytest.raises(dg.ValidationError, match=f"plan {bad}.*{count} plans"):
+            g.build(plan=bad)
+        with pytest.raises(dg.ValidationError, match=f"plan {bad}.*{count} plans"):
+            g.build_plan_at_index(bad)
+        with pytest.raises(dg.ExecutionError, match="build_plan_at_index"):
+            g.execute_plan_at_index({**_inputs(), "y": poisoned(g.tensor_by_name("y"))}, bad)
+    assert g.plan is built
+
+
 def test_execute_plan_at_index():
     g = _declared()
     inputs = _inputs()
