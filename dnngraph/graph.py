@@ -1056,6 +1056,22 @@ class Graph:
         self._plans_at[index] = build_dynamic_plan(self, chosen) if self.is_dynamic else build_plan(self, chosen)
         return self
 
+    def get_workspace_size(self, device=None) -> int:
+        """Bytes of workspace execute(bindings, workspace) needs on `device` (default: the one the
+        plan was built for), the frontend's name for plan.workspace_size()."""
+        if self._plan is None:
+            raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build()")
+        return self._plan.workspace_size(device)
+
+    def get_workspace_size_plan_at_index(self, index: int, device=None) -> int:
+        """Bytes of workspace execute_plan_at_index(bindings, index, workspace) needs; 0 for a plan
+        build_plan_at_index has not built, as the frontend answers."""
+        try:
+            plan = self._plans_at.get(index)
+        except TypeError:  # an unhashable index names no plan built
+            plan = None
+        return 0 if plan is None else plan.workspace_size(device)
+
     def _check_plan_index(self, options) -> None:
         """ValidationError for a plan index (an int) past the last plan plans() offers, as the
         frontend's build_plan_at_index refuses it. BuildOptions.plan handed on by as_function
