@@ -713,16 +713,21 @@ class Graph:
 
     # --- ops: block-scale quantization (MXFP8, MXFP4, NVFP4; ops/block_scale.py) ---------------
     def block_scale_quantize(self, x=None, block_size=32, axis=-1, transpose=False, name=None, input=None,
-                             scale_rounding="up"):
-        """(y, scale): x quantized in blocks of `block_size` elements along `axis`, one scale per
-        block (the cuDNN frontend's op; `input=` is taken for x). The formats are y's and
-        scale's data types (set_data_type): 32 -> float8_e4m3 with float8_e8m0 scales (MXFP8),
-        16 -> float4_e2m1 with float8_e4m3 scales (NVFP4) by default. e8m0 scales round up (the
-        frontend's rule) or, with scale_rounding="floor", as the OCP MX spec says. Rounding,
-        saturation and NaN rules: ops/block_scale.py."""
+                             scale_rounding="up", compute_data_type=None):
+        """(y, scale): x quantized in blocks of `block_size` elements along `axis` (None: the
+        last, as the frontend's unset axis), one scale per block (the cuDNN frontend's op;
+        `input=` is taken for x; compute_data_type is float32, the only type kernels compute
+        in). The formats are y's and scale's data types (set_data_type): 32 -> float8_e4m3 with
+        float8_e8m0 scales (MXFP8), 16 -> float4_e2m1 with float8_e4m3 scales (NVFP4) by
+        default. e8m0 scales round up (the frontend's rule) or, with scale_rounding="floor", as
+        the OCP MX spec says. Rounding, saturation and NaN rules: ops/block_scale.py."""
         x = _one_of("block_scale_quantize", "x", x, "input", input)
         x = self._check_input("block_scale_quantize", "x", x)
+        if compute_data_type is not None and dtypes.resolve(compute_data_type) is not dtypes.float32:
+            raise ValidationError("block_scale_quantize: compute_data_type must be float32")
         rank = len(x.dim)
+        if axis is None:
+            axis = rank - 1
         if isinstance(axis, int) and not isinstance(axis, bool) and -rank <= axis < rank:
             axis %= rank
         attrs = _attrs_of("block_scale_quantize", block_size, axis, transpose, scale_rounding)

@@ -607,6 +607,14 @@ def test_frontend_keyword_names_port():
     y, scale = g.block_scale_quantize(input=x, block_size=32, axis=1, transpose=False, name="quantize")
     back = g.block_scale_dequantize(input=y, descale=scale, block_size=[1, 32], compute_data_type=dg.float32)
     assert back.dim == (4, 32) and scale.dim == (4, 1)
+    # the frontend's defaults and keywords: axis=None is the last axis, compute_data_type float32
+    x3 = g.tensor(name="x3", dim=[2, 16, 32])
+    y3, scale3 = g.block_scale_quantize(input=x3, block_size=32, axis=None, compute_data_type=dg.float32)
+    assert scale3.dim == (2, 16, 1) and y3.producer.attrs.axis == 2
+    before = len(g.nodes)
+    with pytest.raises(dg.ValidationError, match="compute_data_type"):
+        g.block_scale_quantize(input=x3, block_size=32, compute_data_type=dg.float16)
+    assert len(g.nodes) == before
 
 
 def sm90_graphs():
