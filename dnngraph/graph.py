@@ -1089,7 +1089,11 @@ class Graph:
                                       f"(get_execution_plan_count(); plans() lists them)")
 
     def execute_plan_at_index(self, bindings: dict, index: int, workspace=None) -> None:
-        """execute() with the plan build_plan_at_index(index) built."""
+        """execute() with the plan build_plan_at_index(index) built. The frontend's positional
+        order, (bindings, workspace, index), is taken too: a workspace tensor where the index
+        goes and an int after it."""
+        if isinstance(index, torch.Tensor) and isinstance(workspace, int) and not isinstance(workspace, bool):
+            index, workspace = workspace, index
         try:
             plan = self._plans_at.get(index)
         except TypeError:  # an unhashable index (a list) names no plan built

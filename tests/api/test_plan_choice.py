@@ -129,6 +129,12 @@ def test_workspace_sizes_by_the_frontends_names():
     out = poisoned(y)
     g.execute_plan_at_index({**inputs, "y": out}, 1, workspace=torch.empty(size_at, dtype=torch.uint8))
     assert rel_err(out, reference) < 2e-5
+    # the frontend's positional order, (variant pack, workspace, index), runs the same plan
+    out = poisoned(y)
+    g.execute_plan_at_index({**inputs, "y": out}, torch.empty(size_at, dtype=torch.uint8), 1)
+    assert rel_err(out, reference) < 2e-5
+    with pytest.raises(dg.ExecutionError, match="build_plan_at_index"):
+        g.execute_plan_at_index({**inputs, "y": poisoned(y)}, torch.empty(size_at, dtype=torch.uint8), 2)
 
 
 @pytest.mark.gpu
