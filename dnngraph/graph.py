@@ -730,8 +730,14 @@ class Graph:
             axis = rank - 1
         if isinstance(axis, int) and not isinstance(axis, bool) and -rank <= axis < rank:
             axis %= rank
-        attrs = _attrs_of("block_scale_quantize", block_size, axis, transpose, scale_rounding)
-        return self._add_op("block_scale_quantize", [x], attrs, name)
+        transposed = boolean("block_scale_quantize", "transpose", transpose)
+        attrs = _attrs_of("block_scale_quantize", block_size, axis, False, scale_rounding)
+        y, scale = self._add_op("block_scale_quantize", [x], attrs, name)
+        if transposed:  # a layout, which dnngraph states as strides
+            order = _block_axis_innermost(x, axis)
+            y.set_stride(dense_strides(y.dim, order))
+            scale.set_stride(dense_strides(scale.dim, order))
+        return y, scale
 
     def block_scale_dequantize(self, x=None, scale=None, block_size=None, compute_data_type=None, name=None,
                                input=None, descale=None) -> Tensor:
@@ -1381,6 +1387,14 @@ _PARAM_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "beta": 1.0, "threshold
                    "relu_lower_clip_slope": 0.0, "swish_beta": 1.0}
 # parameters the cuDNN frontend declares Optional: None stands for the default
 _NONE_IS_DEFAULT = frozenset({"swish_beta", "relu_lower_clip", "relu_upper_clip", "relu_lower_clip_slope"})
+
+
+def _block_axis_innermost(x, axis) -> tuple:
+    """block_scale_quantize(transpose=True)'s axis order, outermost first: x's, rotated (as the
+    frontend rotates it) until the block axis is the innermost."""
+    inner_first = list(reversed(stride_order(x.dim, x.stride)))
+    at = inner_first.index(axis)
+    return tuple(reversed(inner_first[at:] + inner_first[:at]))
 
 
 def _ragged_of(value):
