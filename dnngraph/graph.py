@@ -719,20 +719,31 @@ class Graph:
 
     # --- ops: block-scale quantization (MXFP8, MXFP4, NVFP4; ops/block_scale.py) ---------------
     def block_scale_quantize(self, x=None, block_size=32, axis=-1, transpose=False, name=None, input=None,
-                             scale_rounding="up"):
-        """(y, scale): x quantized in blocks of `block_size` elements along `axis`, one scale per
-        block (the cuDNN frontend's op; `input=` is taken for x). The formats are y's and
-        scale's data types (set_data_type): 32 -> float8_e4m3 with float8_e8m0 scales (MXFP8),
-        16 -> float4_e2m1 with float8_e4m3 scales (NVFP4) by default. e8m0 scales round up (the
-        frontend's rule) or, with scale_rounding="floor", as the OCP MX spec says. Rounding,
-        saturation and NaN rules: ops/block_scale.py."""
+                             scale_rounding="up", compute_data_type=None):
+        """(y, scale): x quantized in blocks of `block_size` elements along `axis` (None: the
+        last, as the frontend's unset axis), one scale per block (the cuDNN frontend's op;
+        `input=` is taken for x; compute_data_type is float32, the only type kernels compute
+        in). The formats are y's and scale's data types (set_data_type): 32 -> float8_e4m3 with
+        float8_e8m0 scales (MXFP8), 16 -> float4_e2m1 with float8_e4m3 scales (NVFP4) by
+        default. e8m0 scales round up (the frontend's rule) or, with scale_rounding="floor", as
+        the OCP MX spec says. Rounding, saturation and NaN rules: ops/block_scale.py."""
         x = _one_of("block_scale_quantize", "x", x, "input", input)
         x = self._check_input("block_scale_quantize", "x", x)
+        if compute_data_type is not None and dtypes.resolve(compute_data_type) is not dtypes.float32:
+            raise ValidationError("block_scale_quantize: compute_data_type must be float32")
         rank = len(x.dim)
+        if axis is None:
+            axis = rank - 1
         if isinstance(axis, int) and not isinstance(axis, bool) and -rank <= axis < rank:
             axis %= rank
-        attrs = _attrs_of("block_scale_quantize", block_size, axis, transpose, scale_rounding)
-        return self._add_op("block_scale_quantize", [x], attrs, name)
+        transposed = boolean("block_scale_quantize", "transpose", transpose)
+        attrs = _attrs_of("block_scale_quantize", block_size, axis, False, scale_rounding)
+        y, scale = self._add_op("block_scale_quantize", [x], attrs, name)
+        if transposed:  # a layout, which dnngraph states as strides
+            order = _block_axis_innermost(x, axis)
+            y.set_stride(dense_strides(y.dim, order))
+            scale.set_stride(dense_strides(scale.dim, order))
+        return y, scale
 
     def block_scale_dequantize(self, x=None, scale=None, block_size=None, compute_data_type=None, name=None,
                                input=None, descale=None) -> Tensor:
@@ -1007,14 +1018,16 @@ class Graph:
         autotune times the model's top candidates; workspace_limit bounds the bytes of optional
         scratch the chosen configs may use together (split-K and split-row partials): None
         prefers the fastest, 0 uses none (cuDNN's strategies). `plan`: the plan to build among
-        plans() (BuildOptions.plan: an index k, every group's k-th candidate or its first where
-        it has fewer, or a tuple of one index per group). `sizes` (a graph with dynamic extents
+        plans() (BuildOptions.plan: an index k below get_execution_plan_count(), every group's
+        k-th candidate or its first where it has fewer, or a tuple of one index per group). `sizes` (a graph with dynamic extents
         only): a list of dicts of symbol name -> size whose plans are built now, ahead of time,
         besides the range's min and max (serialize() then ships them)."""
         from .build import build_plan  # the plan is the last pipeline stage
 
         options = _build_options(options, autotune, workspace_limit, plan)
         self.validate()
+        if plan is not None:
+            self._check_plan_index(options)
         if sizes is not None and (not self.is_dynamic or not isinstance(sizes, (list, tuple))):
             raise ValidationError(f"build of graph {self.name!r}: sizes (a list of dicts of symbol name -> size) "
                                   f"are for a graph with dynamic extents, got {sizes!r}")
@@ -1061,11 +1074,43 @@ class Graph:
 
         chosen = _build_options(options, plan=index)
         self.validate()
+        self._check_plan_index(chosen)
         self._plans_at[index] = build_dynamic_plan(self, chosen) if self.is_dynamic else build_plan(self, chosen)
         return self
 
+    def get_workspace_size(self, device=None) -> int:
+        """Bytes of workspace execute(bindings, workspace) needs on `device` (default: the one the
+        plan was built for), the frontend's name for plan.workspace_size()."""
+        if self._plan is None:
+            raise ExecutionError(f"graph {self.name!r} is not built (or changed since): call build()")
+        return self._plan.workspace_size(device)
+
+    def get_workspace_size_plan_at_index(self, index: int, device=None) -> int:
+        """Bytes of workspace execute_plan_at_index(bindings, index, workspace) needs; 0 for a plan
+        build_plan_at_index has not built, as the frontend answers."""
+        try:
+            plan = self._plans_at.get(index)
+        except TypeError:  # an unhashable index names no plan built
+            plan = None
+        return 0 if plan is None else plan.workspace_size(device)
+
+    def _check_plan_index(self, options) -> None:
+        """ValidationError for a plan index (an int) past the last plan plans() offers, as the
+        frontend's build_plan_at_index refuses it. BuildOptions.plan handed on by as_function
+        and dg.jit to forward and backward graphs alike is not checked: there a group with
+        fewer candidates takes its first."""
+        if isinstance(options.plan, int):
+            count = self.get_execution_plan_count(options)
+            if options.plan >= count:
+                raise ValidationError(f"graph {self.name!r}: plan {options.plan} asked, the graph has {count} plans "
+                                      f"(get_execution_plan_count(); plans() lists them)")
+
     def execute_plan_at_index(self, bindings: dict, index: int, workspace=None) -> None:
-        """execute() with the plan build_plan_at_index(index) built."""
+        """execute() with the plan build_plan_at_index(index) built. The frontend's positional
+        order, (bindings, workspace, index), is taken too: a workspace tensor where the index
+        goes and an int after it."""
+        if isinstance(index, torch.Tensor) and isinstance(workspace, int) and not isinstance(workspace, bool):
+            index, workspace = workspace, index
         try:
             plan = self._plans_at.get(index)
         except TypeError:  # an unhashable index (a list) names no plan built
@@ -1353,6 +1398,14 @@ _PARAM_DEFAULTS = {"negative_slope": 0.01, "alpha": 1.0, "beta": 1.0, "threshold
                    "relu_lower_clip_slope": 0.0, "swish_beta": 1.0}
 # parameters the cuDNN frontend declares Optional: None stands for the default
 _NONE_IS_DEFAULT = frozenset({"swish_beta", "relu_lower_clip", "relu_upper_clip", "relu_lower_clip_slope"})
+
+
+def _block_axis_innermost(x, axis) -> tuple:
+    """block_scale_quantize(transpose=True)'s axis order, outermost first: x's, rotated (as the
+    frontend rotates it) until the block axis is the innermost."""
+    inner_first = list(reversed(stride_order(x.dim, x.stride)))
+    at = inner_first.index(axis)
+    return tuple(reversed(inner_first[at:] + inner_first[:at]))
 
 
 def _ragged_of(value):

@@ -60,6 +60,11 @@ class FusionGroup:
         return f"[{self.kind}] {ops} | reads {reads} | writes {writes}"
 
 
+# anchor op -> {output role: input role} of per-row values an anchor's row kernel loads and stores
+# in the same program (the recipe's row outputs): the only anchor outputs that may be bound over an
+# input (runtime/in_place.py)
+IN_PLACE_ROWS = {"batchnorm": {"next_running_mean": "in_running_mean", "next_running_var": "in_running_var"}}
+
 _NO_EXITS = AnchorRule((), None)  # a side output's epilogue: pointwise nodes only
 # Anchors whose kernels store every output they have, read or not (sdpa_backward's dq, dk, dv:
 # an unread one, a gradient nobody wants, still needs memory to be written to)
@@ -515,9 +520,27 @@ def _may_overwrite_shared_inputs(groups, views) -> set:
     for index, group in enumerate(groups):
         shared = [t for t in group.inputs if t.is_input and readers.get(t.uid, 0) > 1]
         if any(out.is_output and tuple(out.dim) == tuple(t.dim) and out.data_type is t.data_type
-               for out in group.outputs for t in shared):
+               for out, t in _in_place_candidates(group, shared)):
             late.add(index)
     return late
+
+
+def _in_place_candidates(group, sources) -> list:
+    """(output, input) pairs of `group`, its inputs among `sources`, that it could write in place:
+    any of a pointwise group's; of an anchor's, only the row pairs it declares (IN_PLACE_ROWS). An
+    anchor reading a value across programs (a matmul, a norm's rows) never overwrites it, whatever
+    its output's dims, so it is no reason to run that anchor late."""
+    if group.kind == "pointwise":
+        return [(out, src) for out in group.outputs for src in sources]
+    anchor = group.anchor
+    declared = IN_PLACE_ROWS.get(getattr(anchor, "op", None), {})
+    if not declared:
+        return []
+    outputs = dict(zip(anchor.opdef.output_names, anchor.outputs))
+    inputs = dict(zip(anchor.opdef.input_names, anchor.inputs))
+    source_uids = {t.uid for t in sources}
+    return [(outputs[o], inputs[i]) for o, i in declared.items()
+            if outputs.get(o) is not None and inputs.get(i) is not None and inputs[i].uid in source_uids]
 
 
 class Partition(list):

@@ -83,8 +83,9 @@ class BlockScaleQuantizeAttrs:
                transpose=boolean(op, "transpose", self.transpose),
                scale_rounding=choice(op, "scale_rounding", self.scale_rounding, SCALE_ROUNDINGS))
         if self.transpose:
-            # dnngraph expresses layouts by strides: y.set_stride gives any order
-            fail(op, "transpose=True is not taken: give y the transposed layout with set_stride")
+            # a layout, which dnngraph states as strides: Graph.block_scale_quantize(transpose=True)
+            # sets y's and scale's strides and records transpose=False
+            fail(op, "transpose=True is a layout: Graph.block_scale_quantize sets it as y's and scale's strides")
 
 
 @dataclass(frozen=True)

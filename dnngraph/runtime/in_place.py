@@ -17,11 +17,8 @@ writer) has no safe order in the plan and execute() refuses the binding (runtime
 """
 from __future__ import annotations
 
+from ..fusion.partition import IN_PLACE_ROWS
 from ..tensor import blend_factor_uids
-
-# anchor op -> {output role: input role} of per-row values an anchor's row kernel loads and stores
-# in the same program (the recipe's row outputs)
-IN_PLACE_ROWS = {"batchnorm": {"next_running_mean": "in_running_mean", "next_running_var": "in_running_var"}}
 
 
 def in_place_pairs(graph, groups) -> frozenset:

@@ -65,6 +65,24 @@ def test_plan_per_group_and_bad_choices():
             dg.BuildOptions(plan=bad)
 
 
+def test_an_index_past_the_plan_count_is_refused():
+    """As the frontend's build_plan_at_index: plan k exists for k < get_execution_plan_count();
+    an index past the last plan raises instead of building plan 0 under another number, and the
+    graph keeps the plan it had."""
+    g = _declared()
+    count = g.get_execution_plan_count()
+    g.build(plan=count - 1)
+    built = g.plan
+    for bad in (count, count + 7):
+        with pytest.raises(dg.ValidationError, match=f"plan {bad}.*{count} plans"):
+            g.build(plan=bad)
+        with pytest.raises(dg.ValidationError, match=f"plan {bad}.*{count} plans"):
+            g.build_plan_at_index(bad)
+        with pytest.raises(dg.ExecutionError, match="build_plan_at_index"):
+            g.execute_plan_at_index({**_inputs(), "y": poisoned(g.tensor_by_name("y"))}, bad)
+    assert g.plan is built
+
+
 def test_execute_plan_at_index():
     g = _declared()
     inputs = _inputs()
@@ -82,6 +100,41 @@ def test_execute_plan_at_index():
     g.tensor_by_name("y").set_name("z")  # a changed graph forgets its plans
     with pytest.raises(dg.ExecutionError, match="build_plan_at_index"):
         g.execute_plan_at_index({**inputs, "z": poisoned(g.tensor_by_name("z"))}, 1)
+
+
+def test_workspace_sizes_by_the_frontends_names():
+    """get_workspace_size() and get_workspace_size_plan_at_index(i) (0 for a plan not built, as
+    the frontend answers) size the caller's workspace of execute and execute_plan_at_index."""
+    g = dg.Graph(name="split")
+    x, w = g.tensor(name="x", dim=[3, 2500]), g.tensor(name="w", dim=[2500, 5])
+    y = g.matmul(x, w).set_output(True).set_name("y")
+    with pytest.raises(dg.ExecutionError, match="build"):
+        g.get_workspace_size()
+    g.build(workspace_limit=1 << 20)
+    inputs = {"x": torch.randn(3, 2500), "w": torch.randn(2500, 5)}
+    reference = g.reference(inputs)["y"]
+    size = g.get_workspace_size()
+    assert size == g.plan.workspace_size() > 0  # split-K partials
+    with pytest.raises(dg.ExecutionError, match="bytes"):
+        g.execute({**inputs, "y": poisoned(y)}, torch.empty(size - 1, dtype=torch.uint8))
+    out = poisoned(y)
+    g.execute({**inputs, "y": out}, torch.empty(size, dtype=torch.uint8))
+    assert rel_err(out, reference) < 2e-5
+    assert g.get_workspace_size_plan_at_index(1) == 0
+    g.build_plan_at_index(1)
+    size_at = g.get_workspace_size_plan_at_index(1)
+    assert size_at > 0
+    with pytest.raises(dg.ExecutionError, match="bytes"):
+        g.execute_plan_at_index({**inputs, "y": poisoned(y)}, 1, workspace=torch.empty(size_at - 1, dtype=torch.uint8))
+    out = poisoned(y)
+    g.execute_plan_at_index({**inputs, "y": out}, 1, workspace=torch.empty(size_at, dtype=torch.uint8))
+    assert rel_err(out, reference) < 2e-5
+    # the frontend's positional order, (variant pack, workspace, index), runs the same plan
+    out = poisoned(y)
+    g.execute_plan_at_index({**inputs, "y": out}, torch.empty(size_at, dtype=torch.uint8), 1)
+    assert rel_err(out, reference) < 2e-5
+    with pytest.raises(dg.ExecutionError, match="build_plan_at_index"):
+        g.execute_plan_at_index({**inputs, "y": poisoned(y)}, torch.empty(size_at, dtype=torch.uint8), 2)
 
 
 @pytest.mark.gpu

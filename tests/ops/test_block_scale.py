@@ -114,6 +114,29 @@ def test_quantize_non_contiguous_input_and_blocks_along_a_middle_axis(y_type, sc
     assert_quantize_bit_exact(g, x, y, scale, x_t)
 
 
+@pytest.mark.parametrize("y_type,scale_type,block", FORMATS, ids=FORMAT_IDS)
+def test_transpose_lays_y_and_scale_out_with_the_block_axis_innermost(y_type, scale_type, block):
+    """transpose=True (the frontend's): y and scale take x's stride order rotated so the block
+    axis is the stride-1 one (column-wise quantization of a row-major x), bit-exact with the
+    reference; the layout is plain strides, which set_stride may still override."""
+    # row-major [3, 2 * block, 5], the special blocks along axis 1
+    x_t = special_blocks(3 * 5, 2 * block, block, seed=6).view(3, 5, 2 * block).transpose(1, 2).contiguous()
+    g = dg.Graph()
+    x = g.tensor_like(x_t, "x")
+    y, scale = g.block_scale_quantize(x, block_size=block, axis=1, transpose=True)
+    y.set_output(True).set_data_type(y_type)
+    scale.set_output(True).set_data_type(scale_type)
+    # x's order innermost first: 2, 1, 0; rotated to start at axis 1: 1, 0, 2
+    assert y.stride == (2 * block, 1, 3 * 2 * block) and scale.stride == (2, 1, 3 * 2)
+    assert_quantize_bit_exact(g, x, y, scale, x_t)
+    plain = dg.Graph()
+    x2 = plain.tensor_like(x_t, "x")
+    y2, scale2 = plain.block_scale_quantize(x2, block_size=block, axis=1)
+    assert y2.stride == tuple(x_t.stride())  # without transpose: x's layout
+    untouched = dg.Graph.from_json(g.to_json())
+    assert untouched.tensor_by_name(y.name).stride == y.stride
+
+
 @pytest.mark.parametrize("shape,expanded", [((1, 64), (5, 64)), ((3, 1, 32), (3, 4, 32)), ((1, 1, 32), None)])
 def test_broadcast_and_size_one_axes(shape, expanded):
     """(dnngraph has no size-0 axes: dims are positive)"""
@@ -499,7 +522,6 @@ def test_data_types_and_their_storage():
     lambda g, x: g.block_scale_quantize(x, block_size=24),
     lambda g, x: g.block_scale_quantize(x, block_size=32, axis=0),  # 6 rows: a partial block
     lambda g, x: g.block_scale_quantize(x, block_size=32, axis=5),
-    lambda g, x: g.block_scale_quantize(x, block_size=32, transpose=True),
     lambda g, x: g.block_scale_quantize(g.tensor(name="i", dim=[2, 32], data_type=dg.int32), block_size=32),
     lambda g, x: g.block_scale_dequantize(x, g.tensor(name="s", dim=[6, 2], data_type=dg.float8_e8m0), block_size=[1, 32]),
     lambda g, x: g.block_scale_dequantize(g.tensor(name="q", dim=[6, 64], data_type=dg.float8_e4m3),
@@ -607,6 +629,14 @@ def test_frontend_keyword_names_port():
     y, scale = g.block_scale_quantize(input=x, block_size=32, axis=1, transpose=False, name="quantize")
     back = g.block_scale_dequantize(input=y, descale=scale, block_size=[1, 32], compute_data_type=dg.float32)
     assert back.dim == (4, 32) and scale.dim == (4, 1)
+    # the frontend's defaults and keywords: axis=None is the last axis, compute_data_type float32
+    x3 = g.tensor(name="x3", dim=[2, 16, 32])
+    y3, scale3 = g.block_scale_quantize(input=x3, block_size=32, axis=None, compute_data_type=dg.float32)
+    assert scale3.dim == (2, 16, 1) and y3.producer.attrs.axis == 2
+    before = len(g.nodes)
+    with pytest.raises(dg.ValidationError, match="compute_data_type"):
+        g.block_scale_quantize(input=x3, block_size=32, compute_data_type=dg.float16)
+    assert len(g.nodes) == before
 
 
 def sm90_graphs():

@@ -185,6 +185,30 @@ def test_readers_in_other_kernels_run_before_the_writer():
         assert rel_err(value, expected[name]) < 2e-5, name
 
 
+@pytest.mark.parametrize("reader", ["matmul", "layernorm"])
+def test_a_reader_whose_output_has_the_inputs_dims_runs_before_the_writer(reader):
+    """x overwritten by a pointwise kernel declared first, and read by an anchor whose own output
+    has x's dims and type (a square matmul, a layernorm): that output is no in-place candidate
+    (the anchor's kernel reads x across programs), so the anchor runs first and the binding runs."""
+    g = _graph()
+    x = g.tensor(name="x", dim=[9, 9])
+    y = g.exp(x).set_output(True)
+    if reader == "matmul":
+        w = g.tensor(name="w", dim=[9, 9])
+        z = g.matmul(x, w).set_output(True)
+        extra = {w: torch.randn(9, 9)}
+    else:
+        s, b = g.tensor(name="s", dim=[1, 9]), g.tensor(name="b", dim=[1, 9])
+        z = g.layernorm(x, s, b, norm_forward_phase="inference")[0].set_output(True)
+        extra = {s: torch.randn(1, 9), b: torch.randn(1, 9)}
+    g.build()
+    xt = torch.randn(9, 9)
+    expected = g.reference({x: xt.clone(), **extra})
+    out_z = torch.full((9, 9), float("nan"))
+    g.execute({x: xt, y: xt, z: out_z, **extra})
+    assert rel_err(xt, expected[y.name]) < 2e-5 and rel_err(out_z, expected[z.name]) < 2e-5
+
+
 @pytest.mark.parametrize("declared_first", ["writer", "reader"])
 def test_a_reader_through_a_view_runs_before_the_writer(declared_first):
     """x read through a transposed view (its copy or its consumer is another kernel) and
