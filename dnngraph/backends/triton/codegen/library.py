@@ -165,3 +165,25 @@ def store_lone_bits(base_ptr, offsets, values, mask):
     bit = 1 << (offsets & 7).to(tl.int32)
     prior = tl.load(pointer, mask=mask, other=0).to(tl.int32)
     tl.store(pointer, tl.where(values, prior | bit, prior & (255 - bit)).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def reduction_major_copy(src_ptr, dst_ptr, REDUCED, COLUMNS, LINES, src_reduced, src_column, src_tap_0, src_tap_1,
+                         src_tap_2, tap_size_1, tap_size_2, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dst[line * REDUCED + r] = src at (reduced r, column c, taps t_0, t_1, t_2) for a filter
+    staged reduction-major: line = ((t_0 * tap_size_1 + t_1) * tap_size_2 + t_2) * COLUMNS + c
+    of LINES = COLUMNS x taps, the reduced axis contiguous in dst. One program copies a
+    [BLOCK_L, BLOCK_R] tile (lines along axis 0 of the grid, reduced values along axis 1): read
+    along the source's own layout, written along the reduced axis (Triton converts the tile's
+    layout between the two through shared memory)."""
+    lines = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    reduced = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    column = lines % COLUMNS
+    tap = lines // COLUMNS
+    tap_2 = tap % tap_size_2
+    tap = tap // tap_size_2
+    line_offsets = column * src_column + (tap // tap_size_1) * src_tap_0 + (tap % tap_size_1) * src_tap_1 \
+        + tap_2 * src_tap_2
+    mask = (lines < LINES)[:, None] & (reduced < REDUCED)[None, :]
+    tile = tl.load(src_ptr + line_offsets[:, None] + reduced[None, :] * src_reduced, mask=mask)
+    tl.store(dst_ptr + lines[:, None] * REDUCED + reduced[None, :], tile, mask=mask)
