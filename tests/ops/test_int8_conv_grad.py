@@ -156,11 +156,60 @@ def test_int8_filter_read_through_a_reduction_major_copy_is_exact(op, layout, ca
         source = laid_out(quantized(x_dim), layout)
         tsource = g.tensor_like(source, name="x")
         g.conv_fprop(tsource, tw, **conv).set_output(True)
-    exact(g, {tsource: source, tw: w}, dg.BuildOptions(conv_fold_channels_below=0))
+    # planned for the H100 (run here interpreted): the interpreter's own plans copy nothing
+    exact(g, {tsource: source, tw: w}, dg.BuildOptions(conv_fold_channels_below=0, target=dg.target.H100))
     reduced_axis = 0 if op == "conv_dgrad" else 1
     staged = w.stride(reduced_axis) != 1  # an NHWC filter's channels (and a 1x1 NCHW one's) are contiguous
     copies = [source for source in kernel_sources(g) if "lib.reduction_major_copy(" in source]
     assert len(copies) == staged, g.explain()
+    g.build(options=dg.BuildOptions(conv_fold_channels_below=0))
+    assert not any("lib.reduction_major_copy(" in source for source in kernel_sources(g))
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "strided"])
+@pytest.mark.parametrize("case", sorted(STAGED_CASES) + ["flipped"])
+def test_int8_wgrad_reads_pixel_major_copies_exactly(layout, case):
+    """wgrad reduces over pixels, contiguous in neither dy nor x: with 8-bit operands planned for a
+    GPU (the H100 here, run interpreted) dy is copied [filters, pixels] and x gathered [taps,
+    channels, pixels] (zero in the padding) first, and the GEMM reads both K-major (lower/conv.py
+    wgrad_stages); exact over groups, strides, a 3D filter, mode="convolution" (the taps read back
+    to front) and split-K. A workspace limit that does not hold the copies keeps the gathering
+    kernel, as exact."""
+    torch.manual_seed(30)
+    conv = dict(STAGED_CASES["grouped-s2" if case == "flipped" else case])
+    if case == "flipped":
+        conv["mode"] = "convolution"
+    x_dim, w_dim = conv.pop("x"), conv.pop("w")
+    dy, x, shape = grad_operands("conv_wgrad", x_dim, w_dim, {k: v for k, v in conv.items() if k != "mode"}, layout)
+    for limit, gathers in ((None, 2), (0, 0)):
+        g, tdy, tx, dw = grad_graph("conv_wgrad", dy, x, shape, **conv)
+        dw.set_output(True)
+        options = dg.BuildOptions(conv_fold_channels_below=0, workspace_limit=limit, target=dg.target.H100,
+                                  conv_config=GRAD_CONFIGS["split_k"] if case == "grouped-s2" else None)
+        exact(g, {tdy: dy, tx: x}, options)
+        staged = [source for source in kernel_sources(g) if "lib.pixel_major_gather(" in source]
+        assert len(staged) == gathers, g.explain()
+
+
+@pytest.mark.parametrize("op", ["conv_dgrad", "conv_wgrad"])
+def test_fp8_gradients_share_the_staged_operands(op):
+    """fp8 operands take the same staging (wgmma reads them K-major only, as int8): e4m3 dy and
+    filter or activation, NHWC, planned for the H100 and run interpreted, within float32's
+    rounding of the float64 reference."""
+    torch.manual_seed(31)
+    x_dim, w_dim = [2, 40, 7, 5], [36, 40, 3, 3]
+    conv = dict(padding=[1, 1], stride=[1, 1], dilation=[1, 1])
+    fp8 = lambda dim: torch.randn(dim).to(torch.float8_e4m3fn).to(memory_format=torch.channels_last)
+    dy, other = fp8(fprop_dims(x_dim, w_dim, **conv)), fp8(w_dim if op == "conv_dgrad" else x_dim)
+    g = dg.Graph(name=op, io_data_type=dg.float32)
+    tdy, tother = g.tensor_like(dy, name="dy"), g.tensor_like(other, name="other")
+    result = getattr(g, op)(tdy, tother, x_dim if op == "conv_dgrad" else w_dim, **conv)
+    result.set_output(True).set_data_type(dg.float32)
+    out = run(g, {tdy: dy, tother: other}, options=dg.BuildOptions(target=dg.target.H100))[result.name]
+    ref = g.reference({tdy: dy, tother: other})[result.name]
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+    copy = "lib.reduction_major_copy(" if op == "conv_dgrad" else "lib.pixel_major_gather("
+    assert sum(copy in source for source in kernel_sources(g)) == (1 if op == "conv_dgrad" else 2)
 
 
 GRAD_CONFIGS = {
@@ -458,19 +507,21 @@ def sm90_graphs():
 
 
 def test_int8_gradient_kernels_compile_for_sm90_on_the_int8_tensor_cores():
+    """Every GEMM kernel's dot multiplies s8 by s8 into s32 on wgmma, and reads both operands
+    K-major through cp.async: no tile loaded into registers per k step (the transposing slow path
+    Triton takes for an 8-bit operand whose reduction is not contiguous). The dotless kernels
+    are dgrad's filter copy, wgrad's two pixel-major gathers and split-K's combine."""
     from helpers import compiled_for_sm90
     output = compiled_for_sm90("test_int8_conv_grad:sm90_graphs", timeout=500, env={"SM90_LOOP_LOADS": "1"})
-    mma = [line for line in output.splitlines() if line.startswith("mma ")]
-    # every GEMM kernel's dot multiplies s8 by s8 into s32 on wgmma; split-K's combine and dgrad's
-    # filter copy (reduction-major, lower/conv.py stage_filter) have no dot
+    lines = output.splitlines()
+    mma = [line for line in lines if line.startswith("mma ")]
     dotless = [line for line in mma if line.endswith(": -")]
-    assert sorted(dotless) == ["mma dgrad NHWC stride 2: -", "mma wgrad split-K: -"], mma
+    assert sorted(dotless) == ["mma dgrad NHWC stride 2: -"] + ["mma wgrad split-K: -"] * 3, mma
     dots = [line for line in mma if line not in dotless]
     assert len(dots) >= 2 and all("wgmma" in line and ".s32.s8.s8" in line for line in dots), mma
-    # dgrad's filter reaches wgmma K-major through cp.async: no tile loaded into registers per k step
-    loads = [line for line in output.splitlines() if line.startswith("loop_loads dgrad")]
-    assert len(loads) == len([line for line in mma if line.startswith("mma dgrad")]), output
-    assert all(line.endswith(": 0") for line in loads), loads
+    loads = [line for line in lines if line.startswith("loop_loads ")]  # one a launch, in mma's order
+    assert len(loads) == len(mma)
+    assert all(load.endswith(": 0") for load, dot in zip(loads, mma) if dot in dots), loads
 
 
 # --- GPU, at ResNet-50 layer shapes -----------------------------------------------------------------

@@ -187,10 +187,10 @@ def folded_axes(rank: int, gathered_strides: tuple) -> tuple:
 
 
 def wgrad_schedule(problem: MatmulProblem, target: Target, folded: bool = False,
-                   forced: Optional[MatmulConfig] = None) -> MatmulSchedule:
+                   forced: Optional[MatmulConfig] = None, staged: bool = False) -> MatmulSchedule:
     """wgrad's config: matmul candidates (splits up to 32, 64 `folded`) ranked by the matmul
     model on `target`, a grid below one wave charged for its idle SMs; `forced` runs whatever
-    the model says."""
+    the model says; `staged`: the operands are pixel-major copies (the reason says so)."""
     ranked = []
     for config in matmul_candidates(problem, target, WGRAD_FOLDED_SPLITS if folded else WGRAD_SPLITS):
         programs = _tiles(config, problem) * config.split_k
@@ -198,6 +198,7 @@ def wgrad_schedule(problem: MatmulProblem, target: Target, folded: bool = False,
         ranked.append(replace(config, estimate_us=seconds * 1e6))
     ranked.sort(key=lambda c: (round(c.estimate_us, 3), -c.block_m * c.block_n, c.split_k))
     pose = "filter taps folded into N" if folded else "one GEMM per filter tap"
+    pose += " over pixel-major copies of dy and x" if staged else ""
     best = ranked[0]
     reason = (f"wgrad model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us for {problem.batch} x "
               f"{problem.m}x{problem.n}x{problem.k} {problem.dot} ({pose}; split-K over N x pixels)")
