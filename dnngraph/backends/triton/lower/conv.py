@@ -479,7 +479,9 @@ def build_conv(graph, group, context) -> list[KernelLaunch]:
 # 273 for cuDNN's bf16 (the int8 fprop, whose NHWC filter is K-major, runs 1.5-5x cuDNN's bf16).
 # A copy of the filter with the reduced axis contiguous (a kernel over the filter's bytes, a few
 # microseconds at ResNet sizes) lets the mainloop pipeline both operands with cp.async (and a
-# 1x1 pose take the persistent TMA matmul).
+# 1x1 pose take the persistent TMA matmul). H200, bench_conv.py --rows int8_dgrad --quick
+# (2026-11-29): 159, 113, 62.7, 63.6 TFLOP/s before, 307, 161, 153, 329 after (layer1.0.conv2,
+# layer2.0.conv2, layer3.1.conv1, layer4.1.conv2; cuDNN's bf16 dgrad 284, 271, 143, 371 there).
 STAGED_DOTS = ("int8", "fp8")
 
 
@@ -541,7 +543,9 @@ def stage_filter(graph, group, poses: list, target):
 # zero), each pixel line 16-byte aligned (padded_pixels), and the wgrad is a batched GEMM of
 # K-major operands: the bytes of x once per tap more in the workspace (58 MB at layer1.0.conv2,
 # N=32), spent from the workspace budget (a limit that does not hold them keeps the gathered
-# kernel).
+# kernel). H200, --rows int8_wgrad --quick (2026-11-29): 35.1, 62.6, 61.0, 74.1 TFLOP/s before,
+# 85.0, 151, 106, 245 after (cuDNN's bf16 wgrad 181-333). At layer1.0.conv2 the GEMM alone took
+# 46-48 us of the 87 (autotune's timings): the two copies take the rest, the next thing to speed up.
 @dataclass
 class StagedGather:
     buffer: object  # the workspace buffer [taps, channels, line] (runtime/launch.py scratch)
