@@ -4,6 +4,8 @@ with the float64 reference, the dequantizing float epilogues (per-tensor and per
 and requantization to int8; dgrad's reduction bounded as fprop's (refused past INT8_MAX_K), wgrad's
 wrapping modulo 2^32 past int32 as cuDNN's int32 accumulator does. CPU (interpreter) at odd sizes,
 every layout and kernel pose; GPU (marked gpu) at ResNet-50 layer shapes."""
+import re
+
 import pytest
 import torch
 
@@ -125,6 +127,91 @@ def test_int8_conv_gradients_in_1d_3d_convolution_mode_and_asymmetric_padding_ar
         exact(h, {tdy: dy, tother: other})
 
 
+STAGED_CASES = {  # per-tap poses (conv_fold_channels_below=0) over odd sizes
+    "grouped-s2": dict(x=[2, 6, 9, 7], w=[10, 3, 3, 2], padding=[1, 0], stride=[2, 2], dilation=[1, 1], groups=2),
+    "3d": dict(x=[1, 5, 4, 5, 3], w=[6, 5, 2, 3, 1], padding=[1, 1, 0], stride=[1, 2, 1], dilation=[1, 1, 1]),
+    "1x1": dict(x=[3, 7, 5, 3], w=[9, 7, 1, 1], padding=[0, 0], stride=[1, 1], dilation=[1, 1]),
+}
+
+
+@pytest.mark.parametrize("op", ["conv_fprop", "conv_dgrad"])
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "strided"])
+@pytest.mark.parametrize("case", sorted(STAGED_CASES))
+def test_int8_filter_read_through_a_reduction_major_copy_is_exact(op, layout, case):
+    """wgmma reads int8 operands K-major only, so a filter whose reduced axis is not contiguous
+    (dgrad's filters in every layout; fprop's channels unless the filter is NHWC) is first copied
+    reduction-major by a kernel of its own (lower/conv.py stage_filter); the GEMMs read the copy:
+    exact over groups, a strided dgrad's phases, a 3D filter and a 1x1 (matmul) pose."""
+    torch.manual_seed(29)
+    conv = dict(STAGED_CASES[case])
+    x_dim, w_dim = conv.pop("x"), conv.pop("w")
+    w = laid_out(quantized(w_dim), layout)
+    g = dg.Graph(name=op, io_data_type=dg.float32)
+    tw = g.tensor_like(w, name="w")
+    if op == "conv_dgrad":
+        source = laid_out(quantized(fprop_dims(x_dim, w_dim, **conv)), layout)
+        tsource = g.tensor_like(source, name="dy")
+        g.conv_dgrad(tsource, tw, x_dim, **conv).set_output(True)
+    else:
+        source = laid_out(quantized(x_dim), layout)
+        tsource = g.tensor_like(source, name="x")
+        g.conv_fprop(tsource, tw, **conv).set_output(True)
+    # planned for the H100 (run here interpreted): the interpreter's own plans copy nothing
+    exact(g, {tsource: source, tw: w}, dg.BuildOptions(conv_fold_channels_below=0, target=dg.target.H100))
+    reduced_axis = 0 if op == "conv_dgrad" else 1
+    staged = w.stride(reduced_axis) != 1  # an NHWC filter's channels (and a 1x1 NCHW one's) are contiguous
+    copies = [source for source in kernel_sources(g) if "lib.reduction_major_copy(" in source]
+    assert len(copies) == staged, g.explain()
+    g.build(options=dg.BuildOptions(conv_fold_channels_below=0))
+    assert not any("lib.reduction_major_copy(" in source for source in kernel_sources(g))
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "strided"])
+@pytest.mark.parametrize("case", sorted(STAGED_CASES) + ["flipped"])
+def test_int8_wgrad_reads_pixel_major_copies_exactly(layout, case):
+    """wgrad reduces over pixels, contiguous in neither dy nor x: with 8-bit operands planned for a
+    GPU (the H100 here, run interpreted) dy is copied [filters, pixels] and x gathered [taps,
+    channels, pixels] (zero in the padding) first, and the GEMM reads both K-major (lower/conv.py
+    wgrad_stages); exact over groups, strides, a 3D filter, mode="convolution" (the taps read back
+    to front) and split-K. A workspace limit that does not hold the copies keeps the gathering
+    kernel, as exact."""
+    torch.manual_seed(30)
+    conv = dict(STAGED_CASES["grouped-s2" if case == "flipped" else case])
+    if case == "flipped":
+        conv["mode"] = "convolution"
+    x_dim, w_dim = conv.pop("x"), conv.pop("w")
+    dy, x, shape = grad_operands("conv_wgrad", x_dim, w_dim, {k: v for k, v in conv.items() if k != "mode"}, layout)
+    for limit, gathers in ((None, 2), (0, 0)):
+        g, tdy, tx, dw = grad_graph("conv_wgrad", dy, x, shape, **conv)
+        dw.set_output(True)
+        options = dg.BuildOptions(conv_fold_channels_below=0, workspace_limit=limit, target=dg.target.H100,
+                                  conv_config=GRAD_CONFIGS["split_k"] if case == "grouped-s2" else None)
+        exact(g, {tdy: dy, tx: x}, options)
+        staged = [source for source in kernel_sources(g) if "lib.pixel_major_gather(" in source]
+        assert len(staged) == gathers, g.explain()
+
+
+@pytest.mark.parametrize("op", ["conv_dgrad", "conv_wgrad"])
+def test_fp8_gradients_share_the_staged_operands(op):
+    """fp8 operands take the same staging (wgmma reads them K-major only, as int8): e4m3 dy and
+    filter or activation, NHWC, planned for the H100 and run interpreted, within float32's
+    rounding of the float64 reference."""
+    torch.manual_seed(31)
+    x_dim, w_dim = [2, 40, 7, 5], [36, 40, 3, 3]
+    conv = dict(padding=[1, 1], stride=[1, 1], dilation=[1, 1])
+    fp8 = lambda dim: torch.randn(dim).to(torch.float8_e4m3fn).to(memory_format=torch.channels_last)
+    dy, other = fp8(fprop_dims(x_dim, w_dim, **conv)), fp8(w_dim if op == "conv_dgrad" else x_dim)
+    g = dg.Graph(name=op, io_data_type=dg.float32)
+    tdy, tother = g.tensor_like(dy, name="dy"), g.tensor_like(other, name="other")
+    result = getattr(g, op)(tdy, tother, x_dim if op == "conv_dgrad" else w_dim, **conv)
+    result.set_output(True).set_data_type(dg.float32)
+    out = run(g, {tdy: dy, tother: other}, options=dg.BuildOptions(target=dg.target.H100))[result.name]
+    ref = g.reference({tdy: dy, tother: other})[result.name]
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-6
+    copy = "lib.reduction_major_copy(" if op == "conv_dgrad" else "lib.pixel_major_gather("
+    assert sum(copy in source for source in kernel_sources(g)) == (1 if op == "conv_dgrad" else 2)
+
+
 GRAD_CONFIGS = {
     "tiled": mm.MatmulConfig("tiled", 32, 32, 32, 4, 2),
     "small_m": mm.MatmulConfig("small_m", 16, 32, 64, 4, 2),
@@ -147,8 +234,10 @@ def test_int8_conv_gradient_every_kernel_pose_is_exact(op, config, fold):
     result.set_output(True)
     options = dg.BuildOptions(conv_config=GRAD_CONFIGS[config], conv_fold_channels_below=fold)
     exact(g, {tdy: dy, tother: other}, options)
-    for source in kernel_sources(g):  # the products on the tensor cores' int8 dot, summed in int32
-        assert "out_dtype=tl.int32" in source or "_combine" in source
+    sources = kernel_sources(g)
+    for source in sources:  # the products on the tensor cores' int8 dot, summed in int32
+        assert "out_dtype=tl.int32" in source or "_combine" in source or "lib.reduction_major_copy(" in source
+    assert any("out_dtype=tl.int32" in source for source in sources)
 
 
 @pytest.mark.parametrize("op", ["conv_dgrad", "conv_wgrad"])
@@ -350,6 +439,51 @@ def test_int8_wgrad_accumulates_into_a_float_gradient_and_refuses_an_int32_blend
     assert g.plan is None
 
 
+# --- the H200 plans of ResNet-50's layers (no GPU needed) ----------------------------------------------
+PLANNED_LAYERS = {  # bench_conv.py's int8_dgrad row
+    "layer1.0.conv2": dict(x=[32, 64, 56, 56], w=[64, 64, 3, 3], padding=[1, 1], stride=[1, 1]),
+    "layer2.0.conv2": dict(x=[32, 128, 56, 56], w=[128, 128, 3, 3], padding=[1, 1], stride=[2, 2]),
+    "layer3.1.conv1": dict(x=[32, 1024, 14, 14], w=[256, 1024, 1, 1], padding=[0, 0], stride=[1, 1]),
+    "layer4.1.conv2": dict(x=[32, 512, 7, 7], w=[512, 512, 3, 3], padding=[1, 1], stride=[1, 1]),
+}
+
+
+def planned_dgrad(layer: str, data_type):
+    """The launches of an NHWC conv_dgrad of `layer` planned for the H200 (Triton backend)."""
+    conv = dict(PLANNED_LAYERS[layer], dilation=[1, 1])
+    x_dim, w_dim = conv.pop("x"), conv.pop("w")
+    g = dg.Graph(name="dgrad", io_data_type=dg.bfloat16)
+    nhwc = lambda dim: [dim[1] * dim[2] * dim[3], 1, dim[3] * dim[1], dim[1]]
+    dy_dim = fprop_dims(x_dim, w_dim, **conv)
+    dy = g.tensor(name="dy", dim=dy_dim, stride=nhwc(dy_dim), data_type=data_type)
+    w = g.tensor(name="w", dim=w_dim, stride=nhwc(w_dim), data_type=data_type)
+    dx = g.conv_dgrad(dy, w, x_dim, **conv)
+    (g.mul(dx, 0.5) if data_type is dg.int8 else dx).set_output(True)
+    g.build(options=dg.BuildOptions(target=dg.target.H200, backends=("triton",)))
+    return g.plan.launches
+
+
+def _block_k(launch) -> int:
+    return int(re.search(r" \d+x\d+x(\d+) ", launch.config_text).group(1))
+
+
+@pytest.mark.parametrize("layer", sorted(PLANNED_LAYERS))
+def test_int8_dgrad_steps_as_many_bytes_as_bf16_and_reads_a_k_major_filter(layer):
+    """The H200 plan of an int8 dgrad at a ResNet-50 layer: its GEMMs step at least the bytes of K
+    bf16's do, or a tap's whole run of filters (BLOCK_K in bytes, not elements: 32 int8 values a
+    step over layer1's 64 filters took twice bf16's steps), after one copy of the filter
+    filters-contiguous (wgmma reads int8 K-major only)."""
+    int8, bf16 = planned_dgrad(layer, dg.int8), planned_dgrad(layer, dg.bfloat16)
+    copies = [launch for launch in int8 if "reduction_major_copy" in open(launch.source_path).read()]
+    assert len(copies) == 1 and int8[0] is copies[0], [launch.config_text for launch in int8]
+    gemms = [launch for launch in int8 if launch not in copies and "combine" not in launch.config_text]
+    bf16_gemms = [launch for launch in bf16 if "combine" not in launch.config_text]
+    assert len(gemms) == len(bf16_gemms) >= 1
+    filters = PLANNED_LAYERS[layer]["w"][0]  # dgrad's reduction per tap
+    for ours, theirs in zip(gemms, bf16_gemms):
+        assert _block_k(ours) * 1 >= min(_block_k(theirs) * 2, filters), (ours.config_text, theirs.config_text)
+
+
 # --- sm_90 compiles (no GPU needed) -------------------------------------------------------------------
 def sm90_graphs():
     """int8 gradient kernels planned for the H100: an NHWC strided dgrad (stride phases) with a
@@ -373,14 +507,21 @@ def sm90_graphs():
 
 
 def test_int8_gradient_kernels_compile_for_sm90_on_the_int8_tensor_cores():
+    """Every GEMM kernel's dot multiplies s8 by s8 into s32 on wgmma, and reads both operands
+    K-major through cp.async: no tile loaded into registers per k step (the transposing slow path
+    Triton takes for an 8-bit operand whose reduction is not contiguous). The dotless kernels
+    are dgrad's filter copy, wgrad's two pixel-major gathers and split-K's combine."""
     from helpers import compiled_for_sm90
-    output = compiled_for_sm90("test_int8_conv_grad:sm90_graphs", timeout=500)
-    mma = [line for line in output.splitlines() if line.startswith("mma ")]
-    # every GEMM kernel's dot multiplies s8 by s8 into s32 on wgmma; split-K's combine has no dot
+    output = compiled_for_sm90("test_int8_conv_grad:sm90_graphs", timeout=500, env={"SM90_LOOP_LOADS": "1"})
+    lines = output.splitlines()
+    mma = [line for line in lines if line.startswith("mma ")]
     dotless = [line for line in mma if line.endswith(": -")]
-    assert dotless == ["mma wgrad split-K: -"], mma
+    assert sorted(dotless) == ["mma dgrad NHWC stride 2: -"] + ["mma wgrad split-K: -"] * 3, mma
     dots = [line for line in mma if line not in dotless]
     assert len(dots) >= 2 and all("wgmma" in line and ".s32.s8.s8" in line for line in dots), mma
+    loads = [line for line in lines if line.startswith("loop_loads ")]  # one a launch, in mma's order
+    assert len(loads) == len(mma)
+    assert all(load.endswith(": 0") for load, dot in zip(loads, mma) if dot in dots), loads
 
 
 # --- GPU, at ResNet-50 layer shapes -----------------------------------------------------------------

@@ -38,7 +38,8 @@ from dataclasses import dataclass
 from .emitter import SCALAR_AS_TILE, load_conversion
 from .gemm import (LinearK, Loader, batch_offset, col_lines, converted, decompose_lines, prologue_tile, row_lines,
                    stride_name)
-from .pointwise import KernelArgument
+from ...contract import KernelSource
+from .pointwise import KernelArgument, kernel_module
 
 
 class FilterShape:
@@ -421,3 +422,81 @@ class FoldedTapGather(Loader):
 
     def arguments(self, spec) -> list:
         return _input_sizes(self.input_sizes)
+
+
+# --- a filter staged reduction-major (8-bit dots: wgmma reads both operands K-major) ------------
+STAGE_BLOCK = (64, 64)  # (lines, reduced values) a reduction_major_copy program moves
+STAGE_TAP_AXES = 3  # filter taps the copy decomposes (1D to 3D convs)
+
+
+def staged_filter_strides(dim: tuple, reduce_axis: int) -> tuple:
+    """The strides of a filter [filters, channels, taps...] copied reduction-major: the reduced
+    axis (`reduce_axis`: 1 the channels, fprop; 0 the filters, dgrad) contiguous, then the other of
+    the two, then the taps, outer first."""
+    reduced, columns = dim[reduce_axis], dim[1 - reduce_axis]
+    tap_strides, unit = [], reduced * columns
+    for size in reversed(dim[2:]):
+        tap_strides.insert(0, unit)
+        unit *= size
+    pair = (1, reduced) if reduce_axis == 0 else (reduced, 1)
+    return pair + tuple(tap_strides)
+
+
+def render_reduction_major(kernel_name: str, source, reduce_axis: int, copy_uid: int, description: str) -> tuple:
+    """(KernelSource, grid) of the kernel copying the filter `source` (a graph tensor) to the
+    contiguous buffer `copy_uid` in staged_filter_strides' order, with lib.reduction_major_copy."""
+    dim, stride = tuple(source.dim), tuple(source.stride)
+    taps = dim[2:]
+    pad = STAGE_TAP_AXES - len(taps)
+    tap_sizes, tap_strides = (1,) * pad + taps, (0,) * pad + stride[2:]
+    reduced, columns = dim[reduce_axis], dim[1 - reduce_axis]
+    lines = columns * math.prod(taps)
+    args = [KernelArgument("tensor", "src_ptr", source.uid), KernelArgument("tensor", "dst_ptr", copy_uid)]
+    values = (("REDUCED", reduced), ("COLUMNS", columns), ("LINES", lines), ("src_reduced", stride[reduce_axis]),
+              ("src_column", stride[1 - reduce_axis]), ("src_tap_0", tap_strides[0]), ("src_tap_1", tap_strides[1]),
+              ("src_tap_2", tap_strides[2]), ("tap_size_1", tap_sizes[1]), ("tap_size_2", tap_sizes[2]))
+    args += [KernelArgument("int", name, int(value)) for name, value in values]
+    call = [a.name for a in args] + [f"BLOCK_L={STAGE_BLOCK[0]}", f"BLOCK_R={STAGE_BLOCK[1]}"]
+    body = "    lib.reduction_major_copy(" + ", ".join(call) + ")\n"
+    text = kernel_module(description, [], kernel_name, args, body, libraries=("lib",))
+    grid = (-(-lines // STAGE_BLOCK[0]), -(-reduced // STAGE_BLOCK[1]))
+    return KernelSource(kernel_name, text, tuple(args)), grid
+
+
+# --- wgrad's operands staged pixel-major (8-bit dots) ----------------------------------------------
+GATHER_BLOCK = (64, 64)  # (channels, pixels) a pixel_major_gather program moves
+PIXEL_ALIGN = 16  # elements: each staged line starts 16-byte aligned for cp.async (8-bit types)
+
+
+def padded_pixels(pixels: int) -> int:
+    """The length of a staged line of `pixels` values (PIXEL_ALIGN-aligned; the tail is never read)."""
+    return -(-pixels // PIXEL_ALIGN) * PIXEL_ALIGN
+
+
+def render_pixel_major(kernel_name: str, source, geometry: ConvGeometry, out_sizes: tuple, copy_uid: int,
+                       description: str) -> tuple:
+    """(KernelSource, grid) of the kernel gathering `source` ([N, C, *in], a graph tensor) into the
+    contiguous buffer `copy_uid` ([taps, C, padded_pixels(N x out)]) with lib.pixel_major_gather:
+    at every filter tap of `geometry` (one tap, stride 1 and no padding copies dy as it is)."""
+    dim, stride = tuple(source.dim), tuple(source.stride)
+    pad = STAGE_TAP_AXES - geometry.rank
+    front = lambda values, fill: (fill,) * pad + tuple(values)
+    pixels = dim[0] * math.prod(out_sizes)
+    outs, ins, taps = front(out_sizes, 1), front(dim[2:], 1), front(geometry.filter_sizes, 1)
+    spatial = front(stride[2:], 0)
+    args = [KernelArgument("tensor", "src_ptr", source.uid), KernelArgument("tensor", "dst_ptr", copy_uid)]
+    values = [("CHANNELS", dim[1]), ("PIXELS", pixels), ("PIXELS_PAD", padded_pixels(pixels)), ("src_n", stride[0]),
+              ("src_c", stride[1])] + [(f"src_s{a}", spatial[a]) for a in range(STAGE_TAP_AXES)]
+    values += [(f"out_{a}", outs[a]) for a in range(STAGE_TAP_AXES)] + [(f"in_{a}", ins[a]) for a in range(STAGE_TAP_AXES)]
+    values += [("taps_1", taps[1]), ("taps_2", taps[2])]
+    args += [KernelArgument("int", name, int(value)) for name, value in values]
+    constexprs = []
+    for name, field, fill in (("STRIDE", geometry.stride, 1), ("PADDING", geometry.padding, 0),
+                              ("DILATION", geometry.dilation, 1), ("FILTER_BASE", geometry.filter_base, 0),
+                              ("FILTER_STEP", geometry.filter_step, 1)):
+        constexprs += [f"{name}_{a}={int(v)}" for a, v in enumerate(front(field, fill))]
+    constexprs += [f"BLOCK_C={GATHER_BLOCK[0]}", f"BLOCK_P={GATHER_BLOCK[1]}"]
+    body = "    lib.pixel_major_gather(" + ", ".join([a.name for a in args] + constexprs) + ")\n"
+    text = kernel_module(description, [], kernel_name, args, body, libraries=("lib",))
+    grid = (-(-pixels // GATHER_BLOCK[1]), -(-dim[1] // GATHER_BLOCK[0]), math.prod(geometry.filter_sizes))
+    return KernelSource(kernel_name, text, tuple(args)), grid

@@ -165,3 +165,74 @@ def store_lone_bits(base_ptr, offsets, values, mask):
     bit = 1 << (offsets & 7).to(tl.int32)
     prior = tl.load(pointer, mask=mask, other=0).to(tl.int32)
     tl.store(pointer, tl.where(values, prior | bit, prior & (255 - bit)).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def reduction_major_copy(src_ptr, dst_ptr, REDUCED, COLUMNS, LINES, src_reduced, src_column, src_tap_0, src_tap_1,
+                         src_tap_2, tap_size_1, tap_size_2, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr):
+    """dst[line * REDUCED + r] = src at (reduced r, column c, taps t_0, t_1, t_2) for a filter
+    staged reduction-major: line = ((t_0 * tap_size_1 + t_1) * tap_size_2 + t_2) * COLUMNS + c
+    of LINES = COLUMNS x taps, the reduced axis contiguous in dst. One program copies a
+    [BLOCK_L, BLOCK_R] tile (lines along axis 0 of the grid, reduced values along axis 1): read
+    along the source's own layout, written along the reduced axis (Triton converts the tile's
+    layout between the two through shared memory)."""
+    lines = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    reduced = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    column = lines % COLUMNS
+    tap = lines // COLUMNS
+    tap_2 = tap % tap_size_2
+    tap = tap // tap_size_2
+    line_offsets = column * src_column + (tap // tap_size_1) * src_tap_0 + (tap % tap_size_1) * src_tap_1 \
+        + tap_2 * src_tap_2
+    mask = (lines < LINES)[:, None] & (reduced < REDUCED)[None, :]
+    tile = tl.load(src_ptr + line_offsets[:, None] + reduced[None, :] * src_reduced, mask=mask)
+    tl.store(dst_ptr + lines[:, None] * REDUCED + reduced[None, :], tile, mask=mask)
+
+
+
+@triton.jit
+def _input_coordinate(pixel_axis, tap, STRIDE: tl.constexpr, PADDING: tl.constexpr, DILATION: tl.constexpr,
+                      FILTER_BASE: tl.constexpr, FILTER_STEP: tl.constexpr):
+    """Where output pixel `pixel_axis` reads its input along one axis at filter tap `tap`."""
+    return pixel_axis * STRIDE - PADDING + (FILTER_BASE + FILTER_STEP * tap) * DILATION
+
+
+@triton.jit
+def pixel_major_gather(src_ptr, dst_ptr, CHANNELS, PIXELS, PIXELS_PAD, src_n, src_c, src_s0, src_s1, src_s2,
+                       out_0, out_1, out_2, in_0, in_1, in_2, taps_1, taps_2,
+                       STRIDE_0: tl.constexpr, STRIDE_1: tl.constexpr, STRIDE_2: tl.constexpr,
+                       PADDING_0: tl.constexpr, PADDING_1: tl.constexpr, PADDING_2: tl.constexpr,
+                       DILATION_0: tl.constexpr, DILATION_1: tl.constexpr, DILATION_2: tl.constexpr,
+                       FILTER_BASE_0: tl.constexpr, FILTER_BASE_1: tl.constexpr, FILTER_BASE_2: tl.constexpr,
+                       FILTER_STEP_0: tl.constexpr, FILTER_STEP_1: tl.constexpr, FILTER_STEP_2: tl.constexpr,
+                       BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    """dst[(tap * CHANNELS + c) * PIXELS_PAD + p] = src[n, c, input of pixel p at the tap] (0 where
+    the tap lands in the padding): an operand of a convolution's wgrad gathered pixel-major, the
+    reduction contiguous. Pixel p < PIXELS = N x out_0 x out_1 x out_2 decomposes as (n, o_0, o_1,
+    o_2), the tap (program axis 2) as (t_0, t_1, t_2) over (., taps_1, taps_2); a rank below 3
+    pads the spatial axes in front with size 1 and stride 0. One program moves [BLOCK_C, BLOCK_P]:
+    read along the source's layout, written along the pixels (Triton converts the layout)."""
+    tap = tl.program_id(2)
+    tap_2 = tap % taps_2
+    tap_1 = (tap // taps_2) % taps_1
+    tap_0 = tap // (taps_2 * taps_1)
+    pixels = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    o_2 = pixels % out_2
+    rest = pixels // out_2
+    o_1 = rest % out_1
+    rest = rest // out_1
+    o_0 = rest % out_0
+    n = rest // out_0
+    i_0 = _input_coordinate(o_0, tap_0, STRIDE_0, PADDING_0, DILATION_0, FILTER_BASE_0, FILTER_STEP_0)
+    i_1 = _input_coordinate(o_1, tap_1, STRIDE_1, PADDING_1, DILATION_1, FILTER_BASE_1, FILTER_STEP_1)
+    i_2 = _input_coordinate(o_2, tap_2, STRIDE_2, PADDING_2, DILATION_2, FILTER_BASE_2, FILTER_STEP_2)
+    inside = (i_0 >= 0) & (i_0 < in_0) & (i_1 >= 0) & (i_1 < in_1) & (i_2 >= 0) & (i_2 < in_2)
+    in_pixels = pixels < PIXELS
+    in_channels = channels < CHANNELS
+    pixel_offsets = n * src_n + i_0 * src_s0 + i_1 * src_s1 + i_2 * src_s2
+    tile = tl.load(src_ptr + channels[:, None] * src_c + pixel_offsets[None, :],
+                   mask=in_channels[:, None] & (in_pixels & inside)[None, :], other=0.0)
+    lines = tap * CHANNELS + channels
+    tl.store(dst_ptr + lines[:, None] * PIXELS_PAD + pixels[None, :], tile,
+             mask=in_channels[:, None] & in_pixels[None, :])

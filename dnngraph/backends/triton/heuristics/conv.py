@@ -21,7 +21,8 @@ from typing import Optional
 
 from ....errors import UnsupportedError
 from ....target import Target
-from .matmul import MatmulConfig, MatmulProblem, MatmulSchedule, candidates as matmul_candidates, estimate, min_block_k
+from .matmul import (MatmulConfig, MatmulProblem, MatmulSchedule, candidates as matmul_candidates, dot_bytes, estimate,
+                     min_block_k)
 
 # The activation gather computes a pixel's coordinates and padding mask per tap and loads
 # through masked pointers (no TMA): the model charges it against the matmul kernels' rate, per
@@ -35,7 +36,11 @@ GATHER_EFFICIENCY.update({1: GATHER_EFFICIENCY[4], 2: GATHER_EFFICIENCY[4]})
 # ... but not a 128x128 accumulator on one warpgroup: with the gather's addresses and masks it ran
 # 30.1 us against 25.0 for 64x128 (256@14) and 35.1 against 28.9 (128@28) in the same sweep.
 GATHER_WIDE_ONE_WARPGROUP = 0.8
-NARROW_K = (16, 32)  # extra BLOCK_K choices where the group's channels are few
+# extra BLOCK_K choices where the group's channels are few, for 16-bit operands; a narrower type
+# takes as many bytes per step (narrow_block_ks): an int8 step of 32 holds 32 bytes of a row, half
+# a bf16 step of 32, and the 64 channels of ResNet's layer1 then ran in steps of 32 (int8 dgrad,
+# H200 plan), twice the steps and barriers of bf16's 64
+NARROW_K = (16, 32)
 FORCED_BY = "BuildOptions.conv_config"  # what a forced config's reason names
 
 
@@ -90,12 +95,19 @@ def candidates(problem: ConvProblem, target: Target) -> list[MatmulConfig]:
     for config in matmul_candidates(problem.padded(1), target):
         if config.variant == "persistent":
             continue
-        block_ks = {config.block_k} | {k for k in NARROW_K if min_block_k(problem.dot) <= k < config.block_k
+        block_ks = {config.block_k} | {k for k in narrow_block_ks(problem.dot)
+                                       if min_block_k(problem.dot) <= k < config.block_k
                                        and _pads_less(problem, k, config.block_k)}
         for block_k in sorted(block_ks):
             narrowed = replace(config, block_k=block_k)
             found.setdefault(narrowed.key(), narrowed)
     return list(found.values())
+
+
+def narrow_block_ks(dot: str) -> tuple:
+    """The narrow BLOCK_K choices of a dot type: NARROW_K's bytes per row for types narrower than
+    16 bits (32 and 64 for int8 and fp8), NARROW_K itself otherwise."""
+    return tuple(k * max(1, 2 // dot_bytes(dot)) for k in NARROW_K)
 
 
 def _pads_less(problem: ConvProblem, narrow: int, block_k: int) -> bool:
@@ -175,10 +187,10 @@ def folded_axes(rank: int, gathered_strides: tuple) -> tuple:
 
 
 def wgrad_schedule(problem: MatmulProblem, target: Target, folded: bool = False,
-                   forced: Optional[MatmulConfig] = None) -> MatmulSchedule:
+                   forced: Optional[MatmulConfig] = None, staged: bool = False) -> MatmulSchedule:
     """wgrad's config: matmul candidates (splits up to 32, 64 `folded`) ranked by the matmul
     model on `target`, a grid below one wave charged for its idle SMs; `forced` runs whatever
-    the model says."""
+    the model says; `staged`: the operands are pixel-major copies (the reason says so)."""
     ranked = []
     for config in matmul_candidates(problem, target, WGRAD_FOLDED_SPLITS if folded else WGRAD_SPLITS):
         programs = _tiles(config, problem) * config.split_k
@@ -186,6 +198,7 @@ def wgrad_schedule(problem: MatmulProblem, target: Target, folded: bool = False,
         ranked.append(replace(config, estimate_us=seconds * 1e6))
     ranked.sort(key=lambda c: (round(c.estimate_us, 3), -c.block_m * c.block_n, c.split_k))
     pose = "filter taps folded into N" if folded else "one GEMM per filter tap"
+    pose += " over pixel-major copies of dy and x" if staged else ""
     best = ranked[0]
     reason = (f"wgrad model rank 1 of {len(ranked)}: {best.estimate_us:.1f} us for {problem.batch} x "
               f"{problem.m}x{problem.n}x{problem.k} {problem.dot} ({pose}; split-K over N x pixels)")

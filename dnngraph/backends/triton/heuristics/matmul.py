@@ -278,8 +278,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+DOT_BYTES = {"fp8": 1, "int8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}
+
+
+def dot_bytes(dot: str) -> int:
+    """The bytes of one operand element a dot type multiplies."""
+    return DOT_BYTES[dot]
+
+
 def _dot_bytes(problem: MatmulProblem) -> int:
-    return {"fp8": 1, "int8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}[problem.dot]
+    return dot_bytes(problem.dot)
 
 
 # Dot types whose wgmma reads both operands K-major from shared memory (A [M, K] rows, B as

@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ..codegen.conv import (ActivationGather, ConvGeometry, FilterLoader, FoldedTapGather, FoldedTapWalk,
-                           GradientLoader, PixelGather, PixelWalk, TapWalk)
+                           GradientLoader, PixelGather, PixelWalk, TapWalk, padded_pixels, render_pixel_major,
+                           render_reduction_major, staged_filter_strides)
 from ..codegen.gemm import ExitPlan, GemmKernelSpec, GemmOperand, LinearK
 from ..codegen.matmul import DescriptorLoader, StridedLoader
 from .... import dtypes
@@ -36,7 +37,7 @@ from ..heuristics.layout import INT32_LIMIT, operand_strides
 from ..heuristics.matmul import K_MAJOR_DOTS, MatmulConfig, MatmulProblem, choose_dot
 from .depthwise import build_depthwise, sums_exactly, takes_depthwise
 from .gemm import GemmLaunches, build_gemm, chain, epilogue_inputs, leaves
-from ....runtime.launch import KernelLaunch, element_span, kernel_name, scratch
+from ....runtime.launch import KernelLaunch, element_span, kernel_name, launch_of, scratch
 from .matmul import layout_of, tma_ok
 from ....symbolic import top_dims, top_span, varies
 
@@ -117,10 +118,12 @@ POSES = {"conv_fprop": lambda node, fold_below: [_fprop_pose(node, fold_below)],
 class ConvBuild(GemmLaunches):
     """Everything about one pose of a conv group that does not depend on the config."""
 
-    def __init__(self, graph, group, pose: ConvPose, target):
+    def __init__(self, graph, group, pose: ConvPose, target, staged=None):
         self.graph, self.group, self.pose = graph, group, pose
         node = self.node = group.anchor
-        self.w, self.out = node.inputs[1], node.outputs[0]
+        # the filter as the kernels read it: the graph's, or its reduction-major copy (StagedFilter)
+        self.w, self.out = staged.view if staged is not None else node.inputs[1], node.outputs[0]
+        self.read_scratch = (staged.buffer,) if staged is not None else ()
         self.groups = node.attrs.groups
         self.batch_sizes = (self.groups,) if self.groups > 1 else ()
         prologue = set(group.prologue)
@@ -286,7 +289,7 @@ class WgradBuild(GemmLaunches):
     The reduction over N x pixels is long, so split-K (partials added in order by the combine
     kernel: deterministic) fills the machine."""
 
-    def __init__(self, graph, group, target, fold_below: int = conv_heuristics.FOLD_CHANNELS_BELOW):
+    def __init__(self, graph, group, target, fold_below: int = conv_heuristics.FOLD_CHANNELS_BELOW, budget=None):
         self.graph, self.group = graph, group
         node = self.node = group.anchor
         dy, x = node.inputs
@@ -308,6 +311,8 @@ class WgradBuild(GemmLaunches):
         self.pixel_sizes = (dy.dim[0],) + tuple(dy.dim[2:])
         self.dot_a, self.dot_b, dot, self.precision = ConvBuild._dot(dy, x, graph.allow_tf32)
         self.target = target
+        self.staged = self._staged_operands(dot, budget)
+        self.read_scratch = tuple(view.buffer for view in self.staged) if self.staged else ()
         self.operands = tuple(self._dy_operands() + self._x_operands() + self._output_operands())
         self.problem = self._problem(dot)
         # configs chosen at the bucket's top (a dynamic batch scales the reduced pixels)
@@ -334,21 +339,44 @@ class WgradBuild(GemmLaunches):
         out_bytes = max(1, sum(t.data_type.itemsize for t in self.stored))
         g = self.geometry  # folded, the gather's cost depends on where the taps land
         pose = (f"folded taps{list(g.filter_sizes)} s{list(g.stride)} d{list(g.dilation)} "
-                f"x{','.join(map(str, self.x.stride))} " if self.folded else "")
+                f"x{','.join(map(str, self.x.stride))} " if self.folded else "staged " if self.staged else "")
+        layouts = ("row", "col") if self.staged else ("strided", "strided")  # staged: both K-major
         return MatmulProblem(_product(self.batch_sizes), self.filters, columns, _product(self.pixel_sizes), dot,
-                             self.dy.data_type.itemsize, self.x.data_type.itemsize, out_bytes, False, "strided",
-                             "strided", f"conv_wgrad {pose}" + ",".join(n.op for n in self.group.epilogue))
+                             self.dy.data_type.itemsize, self.x.data_type.itemsize, out_bytes, False, *layouts,
+                             f"conv_wgrad {pose}" + ",".join(n.op for n in self.group.epilogue))
 
     def schedule(self, problem: MatmulProblem, target, forced=None) -> object:
         """The wgrad schedule of this pose on `target` (heuristics/conv.py); `forced` runs
         whatever the model says."""
-        return conv_heuristics.wgrad_schedule(problem, target, self.folded, forced)
+        return conv_heuristics.wgrad_schedule(problem, target, self.folded, forced, bool(self.staged))
 
     def _batch(self, group_stride: int, tap_strides: tuple) -> tuple:
         full = (group_stride,) + tap_strides
         return tuple(full[i] for i in self.batch_axes)
 
+    def _staged_operands(self, dot: str, budget):
+        """(dy's StagedGather, x's) where wgrad_stages says so (and the workspace budget allows
+        their bytes, which it spends), else ()."""
+        if not wgrad_stages(self, dot):
+            return ()
+        identity = ConvGeometry((1,) * self.geometry.rank, (1,) * self.geometry.rank, (0,) * self.geometry.rank,
+                                (1,) * self.geometry.rank, (0,) * self.geometry.rank, (1,) * self.geometry.rank)
+        out_sizes = tuple(self.dy.dim[2:])
+        line = padded_pixels(_product(self.pixel_sizes))
+        nbytes = (self.dy.dim[1] + self.x.dim[1] * self.geometry.taps) * line * self.dy.data_type.itemsize
+        if budget is not None:
+            if not budget.allows(nbytes):
+                return ()
+            budget.spend(nbytes)
+        name = kernel_name(self.group)
+        return (stage_pixel_major(self.group, name + "_dy_pixel_major", self.dy, identity, out_sizes, "dy"),
+                stage_pixel_major(self.group, name + "_x_pixel_major", self.x, self.geometry, out_sizes, "x"))
+
     def _dy_operands(self) -> list:
+        if self.staged:  # [filters, pixels] rows of the copy, pixels contiguous
+            view, no_taps = self.staged[0], (0,) * self.geometry.rank
+            return [GemmOperand(view.buffer.uid, self.dy.data_type, "a", self._batch(self.filters * view.line, no_taps),
+                                (view.line,), (1,))]
         operands = []
         for leaf in self.dy_leaves:
             s = operand_strides(tuple(self.dy.dim), tuple(leaf.dim), tuple(leaf.stride))
@@ -358,6 +386,12 @@ class WgradBuild(GemmLaunches):
         return operands
 
     def _x_operands(self) -> list:
+        if self.staged:  # [taps, channels, pixels] of the copy: per tap [pixels, channels], pixels contiguous
+            view, taps = self.staged[1], self.geometry.filter_sizes
+            unit = self.x.dim[1] * view.line
+            tap_strides = tuple(unit * _product(taps[axis + 1:]) for axis in range(len(taps)))
+            return [GemmOperand(view.buffer.uid, self.x.data_type, "b", self._batch(self.channels * view.line, tap_strides),
+                                (1,), (view.line,))]
         s = operand_strides(tuple(self.x.dim), tuple(self.x.dim), tuple(self.x.stride))
         no_taps = (0,) * self.geometry.rank
         return [GemmOperand(self.x.uid, self.x.data_type, "b", self._batch(self.channels * s[1], no_taps),
@@ -385,15 +419,19 @@ class WgradBuild(GemmLaunches):
     def spec(self, config: MatmulConfig, suffix: str = "", **extra) -> GemmKernelSpec:
         # a masked pixel walk wherever the batch (and so the pixel count) varies in the bucket
         ragged = self.problem.k % config.block_k != 0 or varies(self.graph, self.dy, 0)
-        walk = PixelWalk(ragged, self.geometry.rank, self.pixel_sizes)
-        loader_a = GradientLoader(self.dy.uid, self.dot_a, self.prologue)
+        if self.staged:  # a batched GEMM over the copies: pixels a plain k axis, both operands K-major
+            walk, constexprs = LinearK(ragged), ()
+            loader_a, loader_b = (StridedLoader(side, view.buffer.uid, dot) for side, view, dot
+                                  in zip("ab", self.staged, (self.dot_a, self.dot_b)))
+        else:
+            walk, constexprs = PixelWalk(ragged, self.geometry.rank, self.pixel_sizes), self.geometry.constexprs()
+            loader_a, loader_b = GradientLoader(self.dy.uid, self.dot_a, self.prologue), self._gather()
         return GemmKernelSpec(
             name=self.name + suffix, config=config, problem=self.problem, batch_sizes=self.batch_sizes,
-            c_uid=self.out.uid, operands=self.operands, k_walk=walk, loader_a=loader_a, loader_b=self._gather(),
+            c_uid=self.out.uid, operands=self.operands, k_walk=walk, loader_a=loader_a, loader_b=loader_b,
             epilogue=tuple(self.group.epilogue), exits=extra.pop("exits", ()), scale_uids=(),
             precision=self.precision, compute=self.graph.compute_data_type.triton_type, index_64=self.index_64,
-            description=self.group.summary(), col_sizes=self.col_sizes,
-            extra_constexprs=self.geometry.constexprs(), **extra)
+            description=self.group.summary(), col_sizes=self.col_sizes, extra_constexprs=constexprs, **extra)
 
 
 def build_conv(graph, group, context) -> list[KernelLaunch]:
@@ -411,17 +449,128 @@ def build_conv(graph, group, context) -> list[KernelLaunch]:
             return launches  # else wgrad's partials exceed the workspace limit: the GEMM kernels run
     forced_conv = lambda schedule: lambda problem, target: schedule(problem, target, options.conv_config)
     if node.op == "conv_wgrad":
-        build = WgradBuild(graph, group, context.target, options.conv_fold_channels_below)
-        return build_gemm(build, "conv", forced_conv(build.schedule), context)
+        build = WgradBuild(graph, group, context.target, options.conv_fold_channels_below, context.budget)
+        staging = [view.launch for view in build.staged]
+        return staging + build_gemm(build, "conv", forced_conv(build.schedule), context)
     if node.op not in POSES:
         raise UnsupportedError(f"node {node.name!r} ({node.op}): no kernel for {node.op} exists yet; "
                                f"graph.reference() computes it")
-    launches = []
-    for pose in POSES[node.op](node, options.conv_fold_channels_below):
-        build = ConvBuild(graph, group, pose, context.target)
+    poses = POSES[node.op](node, options.conv_fold_channels_below)
+    staged = stage_filter(graph, group, poses, context.target)
+    launches = [staged.launch] if staged is not None else []
+    for pose in poses:
+        build = ConvBuild(graph, group, pose, context.target, staged)
         if build.matmul_path:
             launches += build_gemm(build, "matmul", lambda problem, target: matmul_heuristics.schedule(
                 problem, target, options.matmul_config), context)
         else:
             launches += build_gemm(build, "conv", forced_conv(conv_heuristics.schedule), context)
     return launches
+
+
+# --- 8-bit filters staged reduction-major ---------------------------------------------------------
+# wgmma reads 8-bit operands (int8, fp8) K-major from shared memory only: it transposes 16-bit
+# types alone (PTX ISA, wgmma.mma_async). A filter tile whose reduced axis is not contiguous (the
+# filters, for dgrad of any layout; the channels, for fprop of an NCHW filter) cannot be copied
+# to shared memory as wgmma reads it, so Triton loads it into registers every k step, stores it
+# transposed to a single shared buffer and waits on each dot: the int8 dgrad of ResNet-50's
+# layer1.0.conv2 (sm_90 build of the H200 plan) kept one unpipelined tile load in its loop, 33
+# ld.global, 24 st.shared and a wgmma wait of 0 pending per step, and ran 159 TFLOP/s against
+# 273 for cuDNN's bf16 (the int8 fprop, whose NHWC filter is K-major, runs 1.5-5x cuDNN's bf16).
+# A copy of the filter with the reduced axis contiguous (a kernel over the filter's bytes, a few
+# microseconds at ResNet sizes) lets the mainloop pipeline both operands with cp.async (and a
+# 1x1 pose take the persistent TMA matmul). H200, bench_conv.py --rows int8_dgrad --quick
+# (2026-11-29): 159, 113, 62.7, 63.6 TFLOP/s before, 307, 161, 153, 329 after (layer1.0.conv2,
+# layer2.0.conv2, layer3.1.conv1, layer4.1.conv2; cuDNN's bf16 dgrad 284, 271, 143, 371 there).
+STAGED_DOTS = ("int8", "fp8")
+
+
+@dataclass(frozen=True)
+class StagedView:
+    """The copy as the conv kernels see the filter: the graph filter's dims, the copy's strides."""
+
+    uid: int
+    dim: tuple
+    stride: tuple
+    data_type: object
+
+
+@dataclass
+class StagedFilter:
+    buffer: object  # the workspace buffer (runtime/launch.py scratch) holding the copy
+    view: StagedView
+    launch: KernelLaunch  # the copy, run before the group's GEMM kernels
+
+
+def stages_filter(graph, node, poses: list, target) -> bool:
+    """Whether the group's 8-bit filter is read through a reduction-major copy: planned for a
+    GPU (the interpreter has no shared memory to feed: the copy would only cost it time), a pose
+    walks the filter tap by tap (a folded pose reads (tap, channel) runs of k, not one axis) and
+    the axis it reduces over is not already contiguous; static dims within 32-bit offsets."""
+    if target.interpreted:
+        return False
+    source, w = poses[0].source, node.inputs[1]
+    dot = ConvBuild._dot(source, w, graph.allow_tf32)[2]
+    reduce_axis = poses[0].filter_reduce_axis
+    return (dot in STAGED_DOTS and w.stride[reduce_axis] != 1 and w.dim[reduce_axis] > 1
+            and any(not pose.k_axes for pose in poses) and element_span(w) <= INT32_LIMIT
+            and not any(varies(graph, w, axis) for axis in range(len(w.dim))))
+
+
+def stage_filter(graph, group, poses: list, target):
+    """The StagedFilter of the group's conv on `target` (stages_filter says when), else None."""
+    node = group.anchor
+    if not stages_filter(graph, node, poses, target):
+        return None
+    w, reduce_axis = node.inputs[1], poses[0].filter_reduce_axis
+    buffer = scratch(tuple(w.dim), w.data_type.torch_dtype)
+    view = StagedView(buffer.uid, tuple(w.dim), staged_filter_strides(tuple(w.dim), reduce_axis), w.data_type)
+    axis = "filters" if reduce_axis == 0 else "channels"
+    source, grid = render_reduction_major(kernel_name(group) + "_filter_k_major", w, reduce_axis, buffer.uid,
+                                          f"filter copied {axis}-contiguous for {group.summary()}")
+    launch = launch_of(group, source, grid, 4, f"copy {'x'.join(map(str, w.dim))} grid={list(grid)}",
+                       f"8-bit filter copied {axis}-contiguous: wgmma reads int8/fp8 operands K-major only, "
+                       f"so the mainloop pipelines it", scratch=[buffer])
+    return StagedFilter(buffer, view, launch)
+
+
+# wgrad reduces over N x output pixels, an axis contiguous in neither dy ([filters, pixels]: the
+# filters are, in NHWC) nor x (the channels are): with 8-bit operands Triton moved both tiles
+# through registers every k step (ResNet-50 layer4.1.conv2's int8 wgrad, sm_90 build of the H200
+# plan: two unpipelined tile loads in the loop, 132 st.shared; layer1.0.conv2's small_m tiles on
+# mma.sync: 388 ld.shared and 288 byte permutes), 35-74 TFLOP/s against 178-310 for cuDNN's bf16.
+# Staged, dy is copied [filters, pixels] and x gathered [taps, channels, pixels] (the padding
+# zero), each pixel line 16-byte aligned (padded_pixels), and the wgrad is a batched GEMM of
+# K-major operands: the bytes of x once per tap more in the workspace (58 MB at layer1.0.conv2,
+# N=32), spent from the workspace budget (a limit that does not hold them keeps the gathered
+# kernel). H200, --rows int8_wgrad --quick (2026-11-29): 35.1, 62.6, 61.0, 74.1 TFLOP/s before,
+# 85.0, 151, 106, 245 after (cuDNN's bf16 wgrad 181-333). At layer1.0.conv2 the GEMM alone took
+# 46-48 us of the 87 (autotune's timings): the two copies take the rest, the next thing to speed up.
+@dataclass
+class StagedGather:
+    buffer: object  # the workspace buffer [taps, channels, line] (runtime/launch.py scratch)
+    line: int  # elements per staged line (padded_pixels)
+    launch: KernelLaunch  # the gather, run before the GEMM
+
+
+def wgrad_stages(build, dot: str) -> bool:
+    """Whether a wgrad reads its 8-bit operands through pixel-major copies: planned for a GPU
+    (as stages_filter), the per-tap pose (a folded one gathers per column), no prologue on dy,
+    static dims, 32-bit offsets."""
+    line = padded_pixels(_product(build.pixel_sizes))
+    return (dot in STAGED_DOTS and not build.target.interpreted and not build.folded and not build.prologue
+            and max(build.dy.dim[1], build.x.dim[1] * build.geometry.taps) * line <= INT32_LIMIT
+            and all(element_span(t) <= INT32_LIMIT for t in (build.dy, build.x))
+            and not any(varies(build.graph, t, axis) for t in (build.dy, build.x) for axis in range(len(t.dim))))
+
+
+def stage_pixel_major(group, name: str, source, geometry: ConvGeometry, out_sizes: tuple, role: str) -> StagedGather:
+    """The StagedGather of `source` (dy or x) at the taps of `geometry` for the output pixels."""
+    line = padded_pixels(source.dim[0] * _product(out_sizes))
+    buffer = scratch((geometry.taps, source.dim[1], line), source.data_type.torch_dtype)
+    text, grid = render_pixel_major(name, source, geometry, out_sizes, buffer.uid,
+                                    f"{role} gathered pixel-major for {group.summary()}")
+    launch = launch_of(group, text, grid, 4, f"gather {'x'.join(map(str, buffer.dim))} grid={list(grid)}",
+                       f"8-bit {role} gathered pixel-major: wgmma reads int8/fp8 operands K-major only, so the "
+                       f"wgrad GEMM pipelines it", scratch=[buffer])
+    return StagedGather(buffer, line, launch)

@@ -114,6 +114,9 @@ class GemmLaunches:
     # the problem at the top of the bucket a dynamic graph was specialised at, where configs are
     # chosen (a family's build sets it; None: self.problem, a static graph's)
     top_problem = None
+    # workspace buffers an earlier launch of the group fills and these kernels read (a staged
+    # filter): autotuning allocates them, as timing does not depend on their values
+    read_scratch = ()
 
     @property
     def choosing_problem(self):
@@ -219,6 +222,7 @@ def build_gemm(build, family: str, schedule, context) -> list[KernelLaunch]:
     if tuner is not None:
         device = context.device
         tensors = sample_tensors(build.group, device)
+        tensors.update({b.uid: torch.empty(b.dim, dtype=b.torch_dtype, device=device) for b in build.read_scratch})
         limit = "" if budget is None or budget.limit is None else f" ws{budget.limit}"
         config, record = tuner.choose(
             family, build.choosing_problem.signature() + limit, ranked, MatmulConfig.to_record,
