@@ -65,12 +65,16 @@ def shape_class_of(direction: str, k: int, filter_: tuple, stride: tuple) -> str
     """The measured class of a plain conv of `direction` (measured_shape_class):
     fprop: "narrow" (fewer than NARROW_FILTERS_BELOW filters) or "wide";
     dgrad: "unit-stride" or "strided" (a strided dgrad writes dx in phases);
-    wgrad: "pointwise" (1x1 filter: one tap, a plain GEMM over pixels) or "spatial"."""
+    wgrad: "pointwise" (1x1 filter at stride 1: one tap, a plain GEMM over pixels),
+    "pointwise-strided" (a 1x1 filter reading every other pixel: Gluon's through phase views) or
+    "spatial"."""
     if direction == "fprop":
         return "narrow" if k < NARROW_FILTERS_BELOW else "wide"
     if direction == "dgrad":
         return "unit-stride" if all(s == 1 for s in stride) else "strided"
-    return "pointwise" if all(f == 1 for f in filter_) else "spatial"
+    if any(f != 1 for f in filter_):
+        return "spatial"
+    return "pointwise" if all(s == 1 for s in stride) else "pointwise-strided"
 
 
 def _plain(problem) -> bool:

@@ -826,7 +826,7 @@ def test_unmeasured_gradients_stay_on_triton_by_default_and_take_gluon_when_aske
     """A dgrad and a wgrad outside their measured envelopes (batch 8: the measured layers ran 32,
     heuristics/conv_measured.py) carry no estimate, so the default build ("triton" first) runs
     Triton's, a build naming gluon first runs Gluon's; the same layers at batch 32 are ranked by
-    the two backends' measured rates (dgrad and 3x3 wgrad: Gluon; 1x1 wgrad: Triton)."""
+    the two backends' measured rates (dgrad and 3x3 wgrad: Gluon; strided 1x1 wgrad: Triton)."""
     from gluon_conv_cases import wgrad_graph
     for n, expected in ((8, None), (32, "gluon")):
         graphs = {"dgrad": dgrad_graph("bf16", "none", n, 64, 28, 28, 128, 3, padding=1),
@@ -841,7 +841,7 @@ def test_unmeasured_gradients_stay_on_triton_by_default_and_take_gluon_when_aske
                 assert chosen == (expected or "triton"), (n, direction)
                 assert registry.choose(problem, target, BuildOptions(backends=GLUON_FIRST, target=target),
                                        interpreted=False).name == "gluon"
-    pointwise_wgrad = conv_group(wgrad_graph("bf16", "none", 32, 256, 28, 28, 512, 1))[1]
-    assert registry.choose(pointwise_wgrad, H200, BuildOptions(target=H200), interpreted=False).name == "triton"
+    strided_pointwise_wgrad = conv_group(wgrad_graph("bf16", "none", 32, 256, 56, 56, 512, 1, stride=2))[1]
+    assert registry.choose(strided_pointwise_wgrad, H200, BuildOptions(target=H200), interpreted=False).name == "triton"
     fprop = conv_group(conv_graph("bf16", "none", 32, 128, 28, 28, 128, 3, padding=1))[1]  # a measured layer
     assert all(c.estimate is not None for c in GLUON.candidates(fprop, H100, BuildOptions(target=H100)))

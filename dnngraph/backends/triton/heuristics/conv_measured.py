@@ -13,7 +13,7 @@ most layers (median 1.08x), and mis-ranked 6 of the 22 layers.
 
 So the rule is measured efficiency per direction and shape class (problems/conv.py
 measured_shape_class: the forward "narrow", fewer than 128 filters, or "wide"; the dgrad
-"unit-stride" or "strided"; the wgrad "pointwise", 1x1, or "spatial"), inside the envelope of the
+"unit-stride" or "strided"; the wgrad "pointwise", 1x1, "pointwise-strided" or "spatial"), inside the envelope of the
 measured layers (measured_envelope): the same work for both backends, a serial roofline (a short
 reduction does not hide the epilogue's stores behind the mainloop),
     seconds = (2*N*P*Q*K*C*R*S / peak + bytes moved / bandwidth) / efficiency + LAUNCH_SECONDS,
@@ -27,9 +27,11 @@ efficiency always leads.
 - dgrad: Gluon leads both classes; of the 19 layers Gluon runs it is slower on 2 and ties on 1
   (1.7 us in all; ranked by the rule, the 19 take 484 us against Triton's 561). The strided 3x3
   dgrad has no Gluon kernel (Triton alone runs it, so it is not in the table).
-- wgrad: Gluon leads "spatial" (1.09-2.39x Triton on all 7: 164 us saved), Triton "pointwise"
-  (Gluon is faster on 3 of the 15 by 15.7 us in all; slower on the other 12 by 282 us, 171 of
-  them on layer1.0.conv1).
+- wgrad (measured after the combine's splits were capped and loaded four at a time): Gluon leads
+  "spatial" (1.09-2.45x Triton on all 7) and "pointwise" (the 1x1 at stride 1: faster on 6 of
+  12), Triton "pointwise-strided" (the three downsample layers, which Gluon reads through phase
+  views). The 6 pointwise layers Triton runs faster cost 28.9 us; the 22 layers take 978 us ranked,
+  990 on Gluon alone, 1168 on Triton alone.
 A shape outside a class or the envelope has no estimate (None): the registry then ranks by
 preference order (Triton first by default).
 """
@@ -128,7 +130,9 @@ FORWARD_LAYERS = (
 
 # H200, torch 2.11, triton 3.6.0, one process (BENCHMARKS.md "Gluon convolution dgrad and wgrad",
 # bench_conv.py --rows dgrad,wgrad --gluon), as FORWARD_LAYERS, the layers the Gluon column ran
-# Gluon on: dx and dw alone (no epilogue). The strided 3x3 dgrads run Triton under both.
+# Gluon on: dx and dw alone (no epilogue). The strided 3x3 dgrads run Triton under both. The
+# wgrad's lines are from a later run of the same session (bench_conv.py --rows wgrad --gluon
+# --no-cudnn), after the Gluon combine's change.
 DGRAD_LAYERS = (
     _dgrad("layer1.0.conv1", 32, 64, 64, 56, 1, 1, 0, 19.6, 19.2),  # 42 / 43 TFLOP/s
     _dgrad("layer1.0.conv2", 32, 64, 64, 56, 3, 1, 1, 31.2, 30.5),  # 237 / 243
@@ -151,28 +155,28 @@ DGRAD_LAYERS = (
     _dgrad("layer4.1.conv2", 32, 512, 512, 7, 3, 1, 1, 35.6, 24.7),  # 208 / 299
 )
 WGRAD_LAYERS = (
-    _wgrad("layer1.0.conv1", 32, 64, 64, 56, 1, 1, 0, 47.4, 218.5),  # 17 / 4 TFLOP/s
-    _wgrad("layer1.0.conv2", 32, 64, 64, 56, 3, 1, 1, 150.0, 62.9),  # 49 / 118
-    _wgrad("layer1.0.conv3", 32, 64, 256, 56, 1, 1, 0, 57.8, 89.6),  # 57 / 37
-    _wgrad("layer1.1.conv1", 32, 256, 64, 56, 1, 1, 0, 71.1, 89.7),  # 46 / 37
-    _wgrad("layer2.0.conv1", 32, 256, 128, 56, 1, 1, 0, 71.9, 70.0),  # 92 / 94
-    _wgrad("layer2.0.conv2", 32, 128, 128, 56, 3, 2, 1, 60.9, 55.6),  # 121 / 133
-    _wgrad("layer2.0.conv3", 32, 128, 512, 28, 1, 1, 0, 50.7, 51.3),  # 65 / 64
-    _wgrad("layer2.0.downsample.0", 32, 256, 512, 56, 1, 2, 0, 44.2, 58.8),  # 149 / 112
-    _wgrad("layer2.1.conv1", 32, 512, 128, 28, 1, 1, 0, 50.6, 52.1),  # 65 / 63
-    _wgrad("layer2.1.conv2", 32, 128, 128, 28, 3, 1, 1, 61.0, 51.3),  # 121 / 144
-    _wgrad("layer3.0.conv1", 32, 512, 256, 28, 1, 1, 0, 45.4, 62.0),  # 145 / 106
-    _wgrad("layer3.0.conv2", 32, 256, 256, 28, 3, 2, 1, 57.4, 42.8),  # 129 / 173
-    _wgrad("layer3.0.conv3", 32, 256, 1024, 14, 1, 1, 0, 28.8, 35.2),  # 114 / 93
-    _wgrad("layer3.0.downsample.0", 32, 512, 1024, 28, 1, 2, 0, 35.4, 39.8),  # 186 / 165
-    _wgrad("layer3.1.conv1", 32, 1024, 256, 14, 1, 1, 0, 28.9, 36.9),  # 114 / 89
-    _wgrad("layer3.1.conv2", 32, 256, 256, 14, 3, 1, 1, 57.4, 40.8),  # 129 / 181
-    _wgrad("layer4.0.conv1", 32, 1024, 512, 14, 1, 1, 0, 35.9, 40.0),  # 183 / 165
-    _wgrad("layer4.0.conv2", 32, 512, 512, 14, 3, 2, 1, 53.4, 39.0),  # 139 / 190
-    _wgrad("layer4.0.conv3", 32, 512, 2048, 7, 1, 1, 0, 32.2, 24.9),  # 102 / 132
-    _wgrad("layer4.0.downsample.0", 32, 1024, 2048, 14, 1, 2, 0, 29.4, 33.4),  # 224 / 197
-    _wgrad("layer4.1.conv1", 32, 2048, 512, 7, 1, 1, 0, 31.6, 25.1),  # 104 / 131
-    _wgrad("layer4.1.conv2", 32, 512, 512, 7, 3, 1, 1, 53.5, 37.3),  # 138 / 198
+    _wgrad("layer1.0.conv1", 32, 64, 64, 56, 1, 1, 0, 47.6, 55.0),  # 17 / 15 TFLOP/s
+    _wgrad("layer1.0.conv2", 32, 64, 64, 56, 3, 1, 1, 151.2, 61.8),  # 49 / 120
+    _wgrad("layer1.0.conv3", 32, 64, 256, 56, 1, 1, 0, 58.8, 65.9),  # 56 / 50
+    _wgrad("layer1.1.conv1", 32, 256, 64, 56, 1, 1, 0, 71.8, 68.7),  # 46 / 48
+    _wgrad("layer2.0.conv1", 32, 256, 128, 56, 1, 1, 0, 73.2, 61.1),  # 90 / 108
+    _wgrad("layer2.0.conv2", 32, 128, 128, 56, 3, 2, 1, 61.5, 55.6),  # 120 / 133
+    _wgrad("layer2.0.conv3", 32, 128, 512, 28, 1, 1, 0, 51.3, 41.5),  # 64 / 79
+    _wgrad("layer2.0.downsample.0", 32, 256, 512, 56, 1, 2, 0, 45.3, 50.7),  # 145 / 130
+    _wgrad("layer2.1.conv1", 32, 512, 128, 28, 1, 1, 0, 50.4, 42.9),  # 65 / 77
+    _wgrad("layer2.1.conv2", 32, 128, 128, 28, 3, 1, 1, 61.4, 50.8),  # 121 / 146
+    _wgrad("layer3.0.conv1", 32, 512, 256, 28, 1, 1, 0, 45.0, 52.4),  # 146 / 126
+    _wgrad("layer3.0.conv2", 32, 256, 256, 28, 3, 2, 1, 58.1, 42.9),  # 127 / 173
+    _wgrad("layer3.0.conv3", 32, 256, 1024, 14, 1, 1, 0, 29.2, 31.6),  # 113 / 104
+    _wgrad("layer3.0.downsample.0", 32, 512, 1024, 28, 1, 2, 0, 36.4, 38.0),  # 181 / 173
+    _wgrad("layer3.1.conv1", 32, 1024, 256, 14, 1, 1, 0, 29.4, 32.4),  # 112 / 102
+    _wgrad("layer3.1.conv2", 32, 256, 256, 14, 3, 1, 1, 58.2, 40.7),  # 127 / 182
+    _wgrad("layer4.0.conv1", 32, 1024, 512, 14, 1, 1, 0, 36.4, 38.0),  # 180 / 173
+    _wgrad("layer4.0.conv2", 32, 512, 512, 14, 3, 2, 1, 54.0, 39.6),  # 137 / 187
+    _wgrad("layer4.0.conv3", 32, 512, 2048, 7, 1, 1, 0, 32.6, 24.4),  # 101 / 135
+    _wgrad("layer4.0.downsample.0", 32, 1024, 2048, 14, 1, 2, 0, 29.0, 33.7),  # 227 / 195
+    _wgrad("layer4.1.conv1", 32, 2048, 512, 7, 1, 1, 0, 32.4, 24.5),  # 101 / 134
+    _wgrad("layer4.1.conv2", 32, 512, 512, 7, 3, 1, 1, 54.5, 37.8),  # 136 / 196
 )
 MEASURED_LAYERS = {"fprop": FORWARD_LAYERS, "dgrad": DGRAD_LAYERS, "wgrad": WGRAD_LAYERS}
 
