@@ -532,15 +532,20 @@ def _in_place_candidates(group, sources) -> list:
     its output's dims, so it is no reason to run that anchor late."""
     if group.kind == "pointwise":
         return [(out, src) for out in group.outputs for src in sources]
-    anchor = group.anchor
+    source_uids = {t.uid for t in sources}
+    return [(out, src) for out, src in declared_row_pairs(group.anchor) if src.uid in source_uids]
+
+
+def declared_row_pairs(anchor) -> list:
+    """The (output, input) tensor pairs `anchor` declares it reads and writes row for row
+    (IN_PLACE_ROWS: batchnorm's running statistics), those of them the node has."""
     declared = IN_PLACE_ROWS.get(getattr(anchor, "op", None), {})
     if not declared:
         return []
     outputs = dict(zip(anchor.opdef.output_names, anchor.outputs))
     inputs = dict(zip(anchor.opdef.input_names, anchor.inputs))
-    source_uids = {t.uid for t in sources}
     return [(outputs[o], inputs[i]) for o, i in declared.items()
-            if outputs.get(o) is not None and inputs.get(i) is not None and inputs[i].uid in source_uids]
+            if outputs.get(o) is not None and inputs.get(i) is not None]
 
 
 class Partition(list):

@@ -17,7 +17,7 @@ writer) has no safe order in the plan and execute() refuses the binding (runtime
 """
 from __future__ import annotations
 
-from ..fusion.partition import IN_PLACE_ROWS
+from ..fusion.partition import declared_row_pairs
 from ..tensor import blend_factor_uids
 
 
@@ -48,15 +48,8 @@ def _one_to_one(group):
         spanning = lambda t: tuple(t.dim) == domain
         return [(out, src) for out in group.outputs if spanning(out)
                 for src in group.inputs if spanning(src) and src.data_type is out.data_type]
-    anchor = group.anchor
-    declared = IN_PLACE_ROWS.get(getattr(anchor, "op", None), {})
-    if not declared:
-        return []
-    outputs = dict(zip(anchor.opdef.output_names, anchor.outputs))
-    inputs = dict(zip(anchor.opdef.input_names, anchor.inputs))
-    return [(outputs[o], inputs[i]) for o, i in declared.items()
-            if outputs.get(o) is not None and inputs.get(i) is not None and outputs[o] in group.outputs
-            and _read_once(group, inputs[i])]
+    return [(out, src) for out, src in declared_row_pairs(group.anchor)
+            if out in group.outputs and _read_once(group, src)]
 
 
 def _read_once(group, tensor) -> bool:
