@@ -34,8 +34,7 @@ _UNARY_OPS = ("neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", 
 _ACTIVATION_BACKWARD_OPS = ("relu_backward", "leaky_relu_backward", "elu_backward", "gelu_backward",
                             "gelu_tanh_backward", "silu_backward", "softplus_backward", "sigmoid_backward",
                             "tanh_backward", "swish_backward")
-_SAME_NAMES = ("add", "sub", "mul", "div", "add_square", "logical_and", "logical_or", "sdpa", "sdpa_backward",
-               "sdpa_fp8", "sdpa_fp8_backward")
+_SAME_NAMES = ("add", "sub", "mul", "div", "add_square", "logical_and", "logical_or", "sdpa", "sdpa_backward")
 
 FRONTEND_KEYWORDS: dict[str, dict[str, str]] = {
     **{op: _UNARY for op in _UNARY_OPS},
