@@ -52,7 +52,7 @@ FRONTEND_KEYWORDS: dict[str, dict[str, str]] = {
                              "instancenorm", "genstats")},
     **{op: _NORM_BACKWARD for op in ("layernorm_backward", "adalayernorm_backward", "rmsnorm_backward",
                                      "batchnorm_backward", "instancenorm_backward")},
-    **{op: _UNARY for op in ("reshape", "transpose", "slice", "identity")},
+    **{op: _UNARY for op in ("reshape", "transpose", "slice", "identity", "gen_index")},
     "concatenate": {"inputs": "tensors"},
     "tensor_like": {"input": "like"},
 }
@@ -71,8 +71,11 @@ FRONTEND_METHODS: dict[str, tuple[str, tuple, tuple]] = {
 
 
 def _compute_type(op: str, value):
-    """The frontend's compute_data_type: kernels compute in float32 only, so float32 or unset."""
+    """The frontend's compute_data_type: kernels compute in float32 only, so float32 or unset
+    (gen_index's integer types too: its indices are exact in float32 below 2^24)."""
     if value is None:  # data_type.NOT_SET
+        return
+    if op == "gen_index" and dtypes.resolve(value) in (dtypes.int32, dtypes.int64):
         return
     if dtypes.resolve(value) is not dtypes.float32:
         raise ValidationError(f"{op}: compute_data_type must be float32 (or unset), the type kernels "

@@ -113,6 +113,8 @@ def _pointwise_arguments(graph, op):
         args["condition"] = _t(graph, [2, 3], cudnn.bool)
     if op in ("leaky_relu", "leaky_relu_backward"):
         args["negative_slope"] = 0.1
+    if op == "gen_index":
+        args["axis"] = 1
     return args
 
 
@@ -324,3 +326,56 @@ def test_check_support_raises_what_build_would():
     with pytest.raises(cudnn.ValidationError) as by_steps:
         graph.build_operation_graph()
     assert str(by_steps.value) == str(by_build.value)
+
+
+# --- gen_index: the index along an axis -------------------------------------------------------------
+@pytest.mark.parametrize("axis", [0, 1, 2, 3])
+def test_gen_index_gives_each_elements_index_along_its_axis(axis):
+    x = torch.randn(3, 7, 9, 5).permute(0, 3, 1, 2)  # [3, 5, 7, 9], channels-last storage
+    graph = cudnn.pygraph()
+    X = graph.tensor_like(x)
+    index = graph.gen_index(input=X, axis=axis, compute_data_type=cudnn.data_type.INT32)
+    index.set_output(True).set_data_type(cudnn.data_type.INT32)
+    as_float = graph.gen_index(X, axis)
+    as_float.set_output(True)
+    _built_the_frontend_way(graph)
+    out_int = torch.empty_strided(index.dim, index.stride, dtype=torch.int32).fill_(-1)
+    out_float = poisoned(as_float)
+    graph.execute({X: x, index: out_int, as_float: out_float})
+    shape = [1, 1, 1, 1]
+    shape[axis] = x.shape[axis]
+    expected = torch.arange(x.shape[axis]).reshape(shape).expand(x.shape)
+    assert torch.equal(out_int, expected.int())
+    assert torch.equal(out_float, expected.float())
+    assert torch.equal(graph.reference({X: x})[index.name], expected.double())
+
+
+def test_gen_index_masks_a_matmul_output_as_the_frontends_flexible_attention_does():
+    """A lower-triangular mask from two gen_index ops over a matmul's output (the anchor does not
+    absorb them: only the pointwise kernel knows each element's index)."""
+    a, b = torch.randn(2, 11, 6), torch.randn(2, 6, 13)
+    graph = cudnn.pygraph()
+    A, B = graph.tensor_like(a), graph.tensor_like(b)
+    scores = graph.matmul(A=A, B=B)
+    row, col = graph.gen_index(input=scores, axis=1), graph.gen_index(input=scores, axis=2)
+    Y = graph.binary_select(input0=scores, input1=0.0, mask=graph.cmp_ge(input=row, comparison=col))
+    Y.set_output(True)
+    _built_the_frontend_way(graph)
+    out = poisoned(Y)
+    graph.execute({A: a, B: b, Y: out})
+    expected = torch.tril(a.double() @ b.double())
+    assert rel_err(out, expected) < TOLERANCE[torch.float32]
+    assert rel_err(out, graph.reference({A: a, B: b})[Y.name]) < TOLERANCE[torch.float32]
+
+
+def test_gen_index_refuses_an_axis_past_the_last_and_adds_nothing():
+    graph = cudnn.pygraph()
+    x = _t(graph, [2, 3])
+    before = graph.to_json()
+    with pytest.raises(cudnn.ValidationError, match="gen_index: axis 2 is past the last axis"):
+        graph.gen_index(input=x, axis=2)
+    with pytest.raises(cudnn.ValidationError, match="axis"):
+        graph.gen_index(input=x, axis=-1)
+    with pytest.raises(cudnn.ValidationError, match="compute_data_type must be float32"):
+        graph.gen_index(input=x, axis=0, compute_data_type=cudnn.data_type.HALF)
+    assert graph.to_json() == before
