@@ -5,7 +5,8 @@ One table, FRONTEND_KEYWORDS, holds per op method the frontend's keyword names a
 keyword each stands for; `frontend_keywords` wraps a method so that it takes them besides its own
 (a call naming both spellings of one argument, or a keyword neither spelling has, is a
 ValidationError naming the accepted names). Every wrapped method also takes the frontend's
-`compute_data_type` (float32 or unset: the one type kernels compute in) and its default name "".
+`compute_data_type` (float32 or unset: the one type kernels compute in); names stay dnngraph's
+(non-empty strings, or None for a generated one).
 FRONTEND_METHODS names the frontend's methods dnngraph spells otherwise, each as the dnngraph
 method it calls and how its arguments map. The enum namespaces (`data_type`, `heur_mode`, ...)
 hold dnngraph's own values under the frontend's names.
@@ -106,8 +107,6 @@ def _renamed(op: str, aliases: dict, signature: inspect.Signature, args: tuple, 
             raise ValidationError(f"{op}: {own} given twice (as {own!r} and as the frontend's "
                                   f"{keyword if keyword != own else _alias_of(aliases, own)!r}); give one")
         renamed[own] = value
-    if renamed.get("name") == "":  # the frontend's default name: none
-        renamed["name"] = None
     return renamed
 
 
@@ -145,7 +144,7 @@ def frontend_method(name: str, target: str, parameters: tuple, own: tuple):
         arguments = bound.arguments
         _compute_type(name, arguments.get("compute_data_type"))
         call = {mine: arguments[theirs] for theirs, mine in zip(parameters, own) if theirs in arguments}
-        return getattr(arguments["self"], target)(**call, name=arguments.get("name") or None)
+        return getattr(arguments["self"], target)(**call, name=arguments.get("name"))
 
     method.__name__ = name
     method.__signature__ = signature

@@ -224,7 +224,7 @@ def test_unknown_keywords_are_refused_naming_the_accepted_ones(op):
 
 
 @pytest.mark.parametrize("op", sorted(set(FRONTEND_KEYWORDS) - {"tensor_like"}))
-def test_compute_data_type_and_the_frontends_empty_name(op):
+def test_compute_data_type_float32_or_unset(op):
     """float32 (or unset) is taken; another type is a typed error that adds nothing."""
     graph = cudnn.Graph(name="g")
     arguments = _arguments(graph, op)
@@ -232,7 +232,7 @@ def test_compute_data_type_and_the_frontends_empty_name(op):
     with pytest.raises(cudnn.ValidationError, match="compute_data_type must be float32"):
         getattr(graph, op)(**arguments, compute_data_type=cudnn.data_type.HALF)
     assert graph.to_json() == before
-    getattr(graph, op)(**arguments, compute_data_type=cudnn.data_type.FLOAT, name="")
+    getattr(graph, op)(**arguments, compute_data_type=cudnn.data_type.FLOAT, name="named")
     getattr(graph, op)(**_arguments(graph, op), compute_data_type=cudnn.data_type.NOT_SET)
 
 
