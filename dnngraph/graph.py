@@ -1030,9 +1030,13 @@ class Graph:
         plans() (BuildOptions.plan: an index k below get_execution_plan_count(), every group's
         k-th candidate or its first where it has fewer, or a tuple of one index per group). `sizes` (a graph with dynamic extents
         only): a list of dicts of symbol name -> size whose plans are built now, ahead of time,
-        besides the range's min and max (serialize() then ships them)."""
+        besides the range's min and max (serialize() then ships them). A list of
+        dnngraph.heur_mode members in autotune's place is the frontend's build(heur_modes)."""
         from .build import build_plan  # the plan is the last pipeline stage
 
+        if isinstance(autotune, (list, tuple)):  # the frontend's build(heur_modes): every mode ranks alike
+            frontend.heur_modes("build", autotune)
+            autotune = None
         options = _build_options(options, autotune, workspace_limit, plan)
         self.validate()
         if plan is not None:

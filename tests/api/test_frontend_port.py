@@ -307,6 +307,16 @@ def test_build_steps_are_repeatable_and_build_plans_all_builds_every_index():
         assert [part.split(":")[0] for part in parts] == [group.kind for group in graph.plans()]
 
 
+def test_build_takes_the_frontends_heur_modes():
+    graph, x, y = _small_graph()
+    graph.build([cudnn.heur_mode.A])
+    xt, out = torch.randn(3, 5), poisoned(y)
+    graph.execute({x: xt, y: out})
+    assert torch.equal(out, torch.relu(xt))
+    with pytest.raises(cudnn.ValidationError, match="heur_modes"):
+        graph.build(["A"])
+
+
 def test_build_steps_refuse_bad_arguments_with_typed_errors():
     graph, _, _ = _small_graph()
     with pytest.raises(cudnn.ValidationError, match="heur_modes"):
