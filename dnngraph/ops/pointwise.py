@@ -460,7 +460,7 @@ def _activation_backward(d, node, grads):
     return [d.graph._add_op(node.op + "_backward", [dy, x], node.attrs)[0]]
 
 
-@backward_rule("floor", "ceil")
+@backward_rule("floor", "ceil", "gen_index")  # gen_index reads no value of its input
 def _piecewise_constant(d, node, grads):
     return [None]
 

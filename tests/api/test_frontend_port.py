@@ -378,6 +378,16 @@ def test_gen_index_masks_a_matmul_output_as_the_frontends_flexible_attention_doe
     assert rel_err(out, graph.reference({A: a, B: b})[Y.name]) < TOLERANCE[torch.float32]
 
 
+def test_gen_index_takes_no_gradient():
+    """d(x * index)/dx is the index: gen_index itself passes no gradient to x."""
+    graph = cudnn.pygraph()
+    X = _t(graph, [4, 6])
+    graph.mul(X, graph.gen_index(input=X, axis=1)).set_output(True)
+    x = torch.randn(4, 6, requires_grad=True)
+    graph.as_function()(x).sum().backward()
+    assert torch.equal(x.grad, torch.arange(6.0).expand(4, 6))
+
+
 def test_gen_index_refuses_an_axis_past_the_last_and_adds_nothing():
     graph = cudnn.pygraph()
     x = _t(graph, [2, 3])
