@@ -56,6 +56,8 @@ FRONTEND_KEYWORDS: dict[str, dict[str, str]] = {
     **{op: _UNARY for op in ("reshape", "transpose", "slice", "identity", "gen_index")},
     "concatenate": {"inputs": "tensors"},
     "tensor_like": {"input": "like"},
+    "block_scale_quantize": {"input": "x"},
+    "block_scale_dequantize": {"input": "x", "descale": "scale"},
 }
 
 # --- methods the frontend names otherwise: name -> (dnngraph method, its parameters, ours) -------

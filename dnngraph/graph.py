@@ -725,7 +725,7 @@ class Graph:
                              scale_rounding="up", compute_data_type=None):
         """(y, scale): x quantized in blocks of `block_size` elements along `axis` (None: the
         last, as the frontend's unset axis), one scale per block (the cuDNN frontend's op;
-        `input=` is taken for x; compute_data_type is float32, the only type kernels compute
+        `input=` is taken for x, through frontend.FRONTEND_KEYWORDS; compute_data_type is float32, the only type kernels compute
         in). The formats are y's and scale's data types (set_data_type): 32 -> float8_e4m3 with
         float8_e8m0 scales (MXFP8), 16 -> float4_e2m1 with float8_e4m3 scales (NVFP4) by
         default. e8m0 scales round up (the frontend's rule) or, with scale_rounding="floor", as
@@ -751,8 +751,9 @@ class Graph:
     def block_scale_dequantize(self, x=None, scale=None, block_size=None, compute_data_type=None, name=None,
                                input=None, descale=None) -> Tensor:
         """y = x * scale, each scale over its block (the cuDNN frontend's op; `input=` and
-        `descale=` are taken for x and scale): block_size gives the elements per scale along each
-        axis of x ([1, 32]: rows of 32), an int the last axis's. compute_data_type is float32,
+        `descale=` are taken for x and scale, through frontend.FRONTEND_KEYWORDS): block_size gives
+        the elements per scale along each axis of x ([1, 32]: rows of 32), an int the last axis's.
+        compute_data_type is float32,
         the only type kernels compute in."""
         x = self._check_input("block_scale_dequantize", "x", _one_of("block_scale_dequantize", "x", x, "input", input))
         scale = _one_of("block_scale_dequantize", "scale", scale, "descale", descale)
