@@ -1069,21 +1069,26 @@ class Graph:
         return self
 
     def check_support(self) -> "Graph":
-        """The frontend's third step: the UnsupportedError a build would raise, where no backend
-        runs a kernel group (the plans ranked by create_execution_plans, or ranked now)."""
+        """The frontend's third step: the UnsupportedError a build would raise. A kernel group no
+        backend ranks is refused at once; a backend refuses the rest only as it lowers, so the
+        graph's plan is built here (build_plans keeps it) and a refusal raised as build() would."""
         ranked = self._ranked if self._ranked is not None else self.plans()
         for group in ranked:
             if not group.candidates:
                 raise UnsupportedError(f"graph {self.name!r}: no backend runs the {group.kind} group of "
                                        f"{', '.join(group.ops)}")
         self._ranked = ranked
+        if self._plan is None:
+            self.build()
         return self
 
     def build_plans(self, policy=frontend.build_plan_policy.HEURISTICS_CHOICE) -> "Graph":
-        """The frontend's last step: compile. HEURISTICS_CHOICE builds the graph's plan (execute());
-        ALL also builds every plan index for execute_plan_at_index."""
+        """The frontend's last step: compile. HEURISTICS_CHOICE builds the graph's plan (execute()),
+        unless check_support or build() has; ALL also builds every plan index for
+        execute_plan_at_index."""
         policy = frontend.plan_policy("build_plans", policy)
-        self.build()
+        if self._plan is None:
+            self.build()
         if policy is frontend.build_plan_policy.ALL:
             for index in range(self.get_execution_plan_count()):
                 self.build_plan_at_index(index)

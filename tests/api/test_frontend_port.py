@@ -330,6 +330,25 @@ def test_build_steps_refuse_bad_arguments_with_typed_errors():
         graph.get_plan_name_at_index(graph.get_engine_count())
 
 
+def test_check_support_raises_the_unsupported_error_build_raises():
+    """A convolution of int32 operands: ranked, but refused as it lowers."""
+    def int32_conv():
+        graph = cudnn.pygraph()
+        x = graph.tensor(name="x", dim=[1, 3, 5, 5], data_type=cudnn.data_type.INT32)
+        w = graph.tensor(name="w", dim=[2, 3, 3, 3])
+        graph.conv_fprop(image=x, weight=w, padding=[1, 1]).set_output(True)
+        return graph
+
+    with pytest.raises(cudnn.UnsupportedError) as by_build:
+        int32_conv().build()
+    graph = int32_conv()
+    graph.build_operation_graph().create_execution_plans()
+    with pytest.raises(cudnn.UnsupportedError) as by_check:
+        graph.check_support()
+    assert str(by_check.value) == str(by_build.value)
+    assert graph.plan is None
+
+
 def test_check_support_raises_what_build_would():
     """A graph with no ops fails the steps as build() does."""
     graph = cudnn.pygraph()
