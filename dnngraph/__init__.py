@@ -31,3 +31,9 @@ __all__ += ["int8"]
 __all__ += ["bool_bit_packed", "pack_bits", "unpack_bits", "bit_packed_strides"]
 from .dtypes import uint8
 __all__ += ["uint8"]
+# the cuDNN frontend's names (frontend.py): `import dnngraph as cudnn` ports frontend code
+from .frontend import (build_plan_policy, convolution_mode, data_type, diagonal_alignment, heur_mode,
+                       norm_forward_phase, reduction_mode)
+pygraph = Graph  # the frontend's graph class name
+__all__ += ["data_type", "norm_forward_phase", "reduction_mode", "convolution_mode", "diagonal_alignment",
+            "heur_mode", "build_plan_policy", "pygraph"]

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 from . import dtypes
 from .errors import ExecutionError, UnsupportedError, ValidationError
+from . import frontend
 from .ops import REGISTRY, lookup
 from .ops.pointwise import POINTWISE_OPS
 from .ops.sdpa import ragged_length, ragged_operands, ragged_slots, slot_length
@@ -159,6 +160,7 @@ class Graph:
     """A deep-learning operation graph: declare tensors and ops, mark outputs, build, execute."""
 
     bucket = None  # a graph specialised at sizes of a dynamic one: its symbolic.BucketExtents
+    _ranked = None  # create_execution_plans' GroupPlans (build.GroupPlans), until the graph changes
 
     def __init__(self, name: str = "graph", io_data_type=dtypes.float32,
                  intermediate_data_type=dtypes.float32, compute_data_type=dtypes.float32,
@@ -211,6 +213,7 @@ class Graph:
     def _invalidate(self):
         self._plan = None
         self._plans_at = {}
+        self._ranked = None
 
     def _fresh_name(self, base: str) -> str:
         name, counter = base, itertools.count(1)
@@ -722,7 +725,7 @@ class Graph:
                              scale_rounding="up", compute_data_type=None):
         """(y, scale): x quantized in blocks of `block_size` elements along `axis` (None: the
         last, as the frontend's unset axis), one scale per block (the cuDNN frontend's op;
-        `input=` is taken for x; compute_data_type is float32, the only type kernels compute
+        `input=` is taken for x, through frontend.FRONTEND_KEYWORDS; compute_data_type is float32, the only type kernels compute
         in). The formats are y's and scale's data types (set_data_type): 32 -> float8_e4m3 with
         float8_e8m0 scales (MXFP8), 16 -> float4_e2m1 with float8_e4m3 scales (NVFP4) by
         default. e8m0 scales round up (the frontend's rule) or, with scale_rounding="floor", as
@@ -748,8 +751,9 @@ class Graph:
     def block_scale_dequantize(self, x=None, scale=None, block_size=None, compute_data_type=None, name=None,
                                input=None, descale=None) -> Tensor:
         """y = x * scale, each scale over its block (the cuDNN frontend's op; `input=` and
-        `descale=` are taken for x and scale): block_size gives the elements per scale along each
-        axis of x ([1, 32]: rows of 32), an int the last axis's. compute_data_type is float32,
+        `descale=` are taken for x and scale, through frontend.FRONTEND_KEYWORDS): block_size gives
+        the elements per scale along each axis of x ([1, 32]: rows of 32), an int the last axis's.
+        compute_data_type is float32,
         the only type kernels compute in."""
         x = self._check_input("block_scale_dequantize", "x", _one_of("block_scale_dequantize", "x", x, "input", input))
         scale = _one_of("block_scale_dequantize", "scale", scale, "descale", descale)
@@ -927,6 +931,12 @@ class Graph:
                                    f"into two axes that both vary, a product of two symbols) cannot be "
                                    f"dynamic yet") from None
 
+    def identity(self, x, name=None) -> Tensor:
+        """y = x (the cuDNN frontend's identity): a cast to x's own type; y's data type, set
+        otherwise, converts it as any output's does."""
+        x = self._check_input("identity", "x", x)
+        return self.cast(x, data_type=x.data_type, name=name)
+
     def transpose(self, x, permutation, name=None) -> Tensor:
         """Permute the logical axes."""
         return self._add_op("transpose", [x], _attrs_of("transpose", permutation), name)[0]
@@ -1021,9 +1031,13 @@ class Graph:
         plans() (BuildOptions.plan: an index k below get_execution_plan_count(), every group's
         k-th candidate or its first where it has fewer, or a tuple of one index per group). `sizes` (a graph with dynamic extents
         only): a list of dicts of symbol name -> size whose plans are built now, ahead of time,
-        besides the range's min and max (serialize() then ships them)."""
+        besides the range's min and max (serialize() then ships them). A list of
+        dnngraph.heur_mode members in autotune's place is the frontend's build(heur_modes)."""
         from .build import build_plan  # the plan is the last pipeline stage
 
+        if isinstance(autotune, (list, tuple)):  # the frontend's build(heur_modes): every mode ranks alike
+            frontend.heur_modes("build", autotune)
+            autotune = None
         options = _build_options(options, autotune, workspace_limit, plan)
         self.validate()
         if plan is not None:
@@ -1041,6 +1055,56 @@ class Graph:
         self._plan = build_plan(self, options)
         self._pass_by_value = tuple(t for t in self.inputs() if t.is_pass_by_value)
         return self
+
+    # --- the cuDNN frontend's build steps: build() split in its order, each repeatable ----------
+    def build_operation_graph(self) -> "Graph":
+        """The frontend's first build step: the graph-level checks (validate())."""
+        return self.validate()
+
+    def create_execution_plans(self, heur_modes=None) -> "Graph":
+        """The frontend's second step: rank each kernel group's candidates (plans()). Every
+        heur_mode ranks them by the backends' cost models; the modes are checked, not told apart."""
+        frontend.heur_modes("create_execution_plans", heur_modes)
+        self._ranked = self.plans()
+        return self
+
+    def check_support(self) -> "Graph":
+        """The frontend's third step: the UnsupportedError a build would raise. A kernel group no
+        backend ranks is refused at once; a backend refuses the rest only as it lowers, so the
+        graph's plan is built here (build_plans keeps it) and a refusal raised as build() would."""
+        ranked = self._ranked if self._ranked is not None else self.plans()
+        for group in ranked:
+            if not group.candidates:
+                raise UnsupportedError(f"graph {self.name!r}: no backend runs the {group.kind} group of "
+                                       f"{', '.join(group.ops)}")
+        self._ranked = ranked
+        if self._plan is None:
+            self.build()
+        return self
+
+    def build_plans(self, policy=frontend.build_plan_policy.HEURISTICS_CHOICE) -> "Graph":
+        """The frontend's last step: compile. HEURISTICS_CHOICE builds the graph's plan (execute()),
+        unless check_support or build() has; ALL also builds every plan index for
+        execute_plan_at_index."""
+        policy = frontend.plan_policy("build_plans", policy)
+        if self._plan is None:
+            self.build()
+        if policy is frontend.build_plan_policy.ALL:
+            for index in range(self.get_execution_plan_count()):
+                self.build_plan_at_index(index)
+        return self
+
+    def get_engine_count(self) -> int:
+        """The frontend's engine count: the plans plans() offers (get_execution_plan_count())."""
+        return self.get_execution_plan_count()
+
+    def get_plan_name_at_index(self, index: int) -> str:
+        """A name for plan `index`: each kernel group's backend and config, '; ' between groups."""
+        count = self.get_execution_plan_count()
+        if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < count:
+            raise ValidationError(f"graph {self.name!r}: plan index {index!r} asked, the graph has {count} plans")
+        return "; ".join(_candidate_name(group, group.candidates[index if index < len(group.candidates) else 0])
+                         for group in self.plans())
 
     def _restore_strides(self):
         """Undo the view strides a partition lent virtual tensors (explain and to_dot of an
@@ -1475,6 +1539,20 @@ def _relu_backward(self, dy, x, negative_slope=None, lower_clip=None, upper_clip
 _relu.__name__, _relu.__doc__ = "relu", "Pointwise relu of x: " + _RELU_DOC
 _relu_backward.__name__, _relu_backward.__doc__ = "relu_backward", "dy * relu'(x), relu as in relu(): " + _RELU_DOC
 Graph.relu, Graph.relu_backward = _relu, _relu_backward
+
+
+def _candidate_name(group, candidate) -> str:
+    """One kernel group's part of a plan name: its kind, backend and config."""
+    config = getattr(candidate.config, "text", None) or ("default" if candidate.config is None
+                                                         else repr(candidate.config))
+    return f"{group.kind}:{candidate.backend}:{config}"
+
+
+# the cuDNN frontend's spellings (frontend.py): its keyword names on the op methods, its method names
+for _op_name, _aliases in frontend.FRONTEND_KEYWORDS.items():
+    setattr(Graph, _op_name, frontend.frontend_keywords(getattr(Graph, _op_name), _op_name, _aliases))
+for _name, (_target, _theirs, _ours) in frontend.FRONTEND_METHODS.items():
+    setattr(Graph, _name, frontend.frontend_method(_name, _target, _theirs, _ours))
 
 
 def _build_options(options, autotune=None, workspace_limit=None, plan=None) -> BuildOptions:

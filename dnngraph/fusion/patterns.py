@@ -21,7 +21,7 @@ def anchor_rule(op: str) -> Optional[AnchorRule]:
 # Pointwise ops whose value depends on the element's logical row-major index (the Philox counter
 # of dropout is offset + that index). Only the pointwise kernel computes that index, so these
 # never ride in an anchor's prologue or epilogue, and their group's domain is their own shape.
-COUNTER_OPS = frozenset({"dropout"})
+COUNTER_OPS = frozenset({"dropout", "gen_index"})  # gen_index: the index along an axis
 
 # Attention written as ops: matmul(q, k^T) -> pointwise (scale, bias, mask) -> softmax over the
 # last axis -> (dropout) -> matmul(probabilities, v). The whole chain becomes one flash-attention

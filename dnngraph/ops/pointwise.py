@@ -39,6 +39,7 @@ class PointwiseAttrs:
     relu_upper_clip: float = math.inf
     relu_lower_clip_slope: float = 0.0
     swish_beta: float = 1.0  # swish: x * sigmoid(swish_beta * x)
+    axis: int = 0  # gen_index: the axis whose index each element takes
 
     def __post_init__(self):
         if self.data_type is not None and not isinstance(self.data_type, str):
@@ -59,7 +60,8 @@ class PointwiseAttrs:
             fail("softplus", "beta must be non-zero")
         if params["min_val"] > params["max_val"]:  # torch refuses such a hardtanh too
             fail("hardtanh", f"min_val {params['min_val']} is greater than max_val {params['max_val']}")
-        freeze(self, constants=_checked_constants(self.constants), **params)
+        freeze(self, constants=_checked_constants(self.constants), axis=integer("gen_index", "axis", self.axis, minimum=0),
+               **params)
 
 
 def _checked_constants(constants) -> tuple:
@@ -134,6 +136,14 @@ def _swish(x, attrs):
     if attrs.swish_beta == 1.0:
         return F.silu(x)  # torch's own activation and its backward rule
     return x * torch.sigmoid(attrs.swish_beta * x)
+
+
+def _index_along(x, axis: int) -> torch.Tensor:
+    """gen_index (the cuDNN frontend's GEN_INDEX): each element's index along `axis` of x, whose
+    values it does not read."""
+    shape = [1] * x.dim()
+    shape[axis] = x.shape[axis]
+    return torch.arange(x.shape[axis], dtype=torch.float64, device=x.device).reshape(shape).expand(x.shape)
 
 
 def _cast(x, attrs):
@@ -298,6 +308,8 @@ POINTWISE_OPS["where"] = PointwiseOp(
     3, "float",
     lambda args, attrs: torch.where(as_bool(args[0]), as_float(args[1]), as_float(args[2])),
     (), ("condition", "a", "b"))
+POINTWISE_OPS["gen_index"] = PointwiseOp(1, "float", lambda args, attrs: _index_along(args[0], attrs.axis), ("axis",),
+                                         ("x",))
 POINTWISE_OPS["cast"] = PointwiseOp(1, "cast", lambda args, attrs: _cast(args[0], attrs),
                                     ("data_type",), ("x",))
 
@@ -369,6 +381,8 @@ def _infer(op_name: str):
         if not tensors:
             fail(op_name, "needs at least one tensor operand")
         dim = broadcast_dims(op_name, tensors)
+        if op_name == "gen_index" and attrs.axis >= len(dim):
+            fail(op_name, f"axis {attrs.axis} is past the last axis of {list(dim)}")
         fixed = None
         if entry.result == "bool":
             fixed = dtypes.bool_
@@ -446,7 +460,7 @@ def _activation_backward(d, node, grads):
     return [d.graph._add_op(node.op + "_backward", [dy, x], node.attrs)[0]]
 
 
-@backward_rule("floor", "ceil")
+@backward_rule("floor", "ceil", "gen_index")  # gen_index reads no value of its input
 def _piecewise_constant(d, node, grads):
     return [None]
 

@@ -27,6 +27,7 @@ import pathlib
 import re
 
 from dnngraph.ops.pointwise import POINTWISE_OPS
+from dnngraph.frontend import FRONTEND_METHODS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "dnngraph"
@@ -214,7 +215,7 @@ def stale_name(token: str) -> str | None:
 
 # Members that exist without a definition of their own in the class body: Graph's pointwise
 # methods, generated per POINTWISE_OPS entry by graph.py's _pointwise_method.
-GENERATED = {f"Graph.{name}" for name in POINTWISE_OPS}
+GENERATED = {f"Graph.{name}" for name in POINTWISE_OPS} | {f"Graph.{name}" for name in FRONTEND_METHODS}
 
 
 def test_docs_name_only_what_exists():

@@ -61,6 +61,7 @@ LAYERS = {
     # 8 the user-facing Graph: build, execute, explain, to_json/from_json, as_function all
     #   delegate downward
     "dnngraph.graph": 8,
+    "dnngraph.frontend": 8,  # the cuDNN frontend's spellings, which graph.py applies to Graph
     # 9 entry points on top of Graph: the public package, torch.compile's backend, the CLI
     "dnngraph": 9, "dnngraph.torch_backend": 9, "dnngraph.__main__": 9,
     "dnngraph.graph_cache": 9,  # dnngraph.jit: graphs declared by a function, built once per key

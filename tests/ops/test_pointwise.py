@@ -9,6 +9,7 @@ from dnngraph.ops.pointwise import DIFFERENTIABLE, EXPLICIT_BACKWARD, FORWARD_UN
 from helpers import check, run
 
 POSITIVE_ONLY = {"log", "sqrt", "rsqrt"}
+REQUIRED_ATTRIBUTES = {"gen_index": {"axis": 1}}  # ops with an attribute that has no default
 DTYPES = [torch.float32, torch.float16]
 
 
@@ -42,7 +43,7 @@ def test_every_op_against_float64_reference(op, dtype):
         handle = g.tensor(name=f"in{position}", dim=list(shape), data_type=io)
         handles.append(handle)
         inputs[handle] = value
-    y = getattr(g, op)(*handles)
+    y = getattr(g, op)(*handles, **REQUIRED_ATTRIBUTES.get(op, {}))
     y.set_output(True)
     check(g, inputs, dtype)
 

@@ -5,7 +5,7 @@ import torch
 import dnngraph as dg
 from dnngraph.ops.pointwise import POINTWISE_OPS
 from helpers import check, run
-from test_pointwise import operand_shapes, sample
+from test_pointwise import REQUIRED_ATTRIBUTES, operand_shapes, sample
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
@@ -20,7 +20,7 @@ def test_every_op_bf16_on_gpu(op):
         handle = g.tensor(name=f"in{position}", dim=list(shape))
         handles.append(handle)
         inputs[handle] = sample(shape, torch.bfloat16, op, position).to(CUDA)
-    getattr(g, op)(*handles).set_output(True)
+    getattr(g, op)(*handles, **REQUIRED_ATTRIBUTES.get(op, {})).set_output(True)
     check(g, inputs, torch.bfloat16, device=CUDA)
 
 

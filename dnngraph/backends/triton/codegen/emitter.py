@@ -21,7 +21,7 @@ from ....errors import UnsupportedError, ValidationError
 from .conversions import converted_to
 from ....ops.pointwise import integer_closed, relu_is_clipped
 from .expressions import (CLIPPED_RELU, CONVERT, EXPRESSIONS, FAST_MATH, INTEGER_TEMPLATES, INTEGER_TYPES, SCALAR_ROOTS,
-                          cast_expression, dropout_from_tensors)
+                          cast_expression, dropout_from_tensors, index_along_expression)
 from .names import NameAllocator
 
 # -0.0 as a kernel literal: Triton builds every scalar equal to 0 as a null (+0.0) constant,
@@ -294,6 +294,8 @@ class ExpressionEmitter:
     def _expression(self, node):
         if node.op == "dropout" and any(t is not None for t in node.inputs[1:]):
             return dropout_from_tensors(node)
+        if node.op == "gen_index":
+            return index_along_expression(node.outputs[0].dim, node.attrs.axis)
         if node.op == "pow" and dict(node.attrs.constants).get(1) in SCALAR_ROOTS:
             return SCALAR_ROOTS[dict(node.attrs.constants)[1]]
         if node.op in CLIPPED_RELU and relu_is_clipped(node.attrs):

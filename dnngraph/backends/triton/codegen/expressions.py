@@ -9,6 +9,7 @@ row-major index, which only the pointwise kernel provides.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -135,6 +136,14 @@ CLIPPED_RELU = {
         "tm.clipped_relu_backward({0}, {1}, {relu_lower_clip}, {relu_upper_clip}, {relu_lower_clip_slope})",
         "ff", "f", _relu_clip_fields),
 }
+
+
+def index_along_expression(dims, axis: int) -> Expression:
+    """gen_index over a tensor of `dims`: the element's row-major index {counter} divided by the
+    elements of the axes after `axis`, modulo its extent (x is not read)."""
+    inner = math.prod(dims[axis + 1:])
+    return Expression("(({counter} // {inner}) % {extent}).to(tl.float32)", "-", "f",
+                      fields=lambda attrs: {"inner": inner, "extent": dims[axis]}, counter=True)
 
 
 def dropout_from_tensors(node) -> Expression:

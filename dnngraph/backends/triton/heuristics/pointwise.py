@@ -115,7 +115,7 @@ def _counter_needs_int64(counter_nodes, domain, space: IterationSpace) -> bool:
     for size in domain:
         numel *= size
     # an offset held in a tensor is an int64 value: offset + counter is int64 whatever the counter
-    last_counter = max(n.attrs.offset or 0 for n in counter_nodes) + numel - 1
+    last_counter = max(getattr(n.attrs, "offset", 0) or 0 for n in counter_nodes) + numel - 1  # gen_index: none
     return space.index_64 or last_counter > INT32_LIMIT
 
 
