@@ -421,3 +421,29 @@ def test_gen_index_refuses_an_axis_past_the_last_and_adds_nothing():
     with pytest.raises(cudnn.ValidationError, match="compute_data_type must be float32"):
         graph.gen_index(input=x, axis=0, compute_data_type=cudnn.data_type.HALF)
     assert graph.to_json() == before
+
+
+def gen_index_graphs():
+    """(label, built graph) for tests/sm90_compile.py: gen_index's counters in a standalone
+    pointwise kernel (int32 output, and a causal mask applied to a matmul's bf16 output), planned
+    for an H100."""
+    h100 = cudnn.BuildOptions(target=cudnn.target.H100)
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT)
+    x = g.tensor(name="x", dim=[3, 37, 21])
+    g.gen_index(input=x, axis=1, compute_data_type=cudnn.data_type.INT32).set_output(True).set_data_type(
+        cudnn.data_type.INT32)
+    yield "gen_index int32", g.build(options=h100)
+    g = cudnn.pygraph(io_data_type=cudnn.data_type.BFLOAT16, intermediate_data_type=cudnn.data_type.FLOAT,
+                      compute_data_type=cudnn.data_type.FLOAT)
+    a, b = g.tensor(name="a", dim=[2, 129, 64]), g.tensor(name="b", dim=[2, 64, 129])
+    scores = g.matmul(A=a, B=b)
+    row, col = g.gen_index(input=scores, axis=1), g.gen_index(input=scores, axis=2)
+    g.binary_select(scores, g.mul(scores, 0.0), g.cmp_ge(row, col)).set_output(True)
+    yield "gen_index causal mask", g.build(options=h100)
+
+
+def test_gen_index_compiles_for_sm90():
+    """gen_index's kernels pass the GPU compiler (on this machine, for sm_90)."""
+    from helpers import compiled_for_sm90
+    assert "compiled 3 kernels for sm_90" in compiled_for_sm90("test_frontend_port:gen_index_graphs")
