@@ -144,9 +144,25 @@ def _index_from_one_element():
     interpreter._patch_lang_tensor = patch_lang_tensor
 
 
+def _no_dead_overflow_checks():
+    """Triton 3.6's interpreter builds with sanitize_overflow on and debug off: every integer add,
+    sub and mul a kernel makes is redone in int64 and compared with its type's range, and then the
+    assert that reads the comparison is dropped (device_assert does nothing without debug). That
+    dead work took half of an interpreted pooling kernel's time; it is turned off while debug is
+    off, as a GPU compile without debug checks nothing either."""
+    import dataclasses
+
+    from triton.runtime import interpreter
+
+    options = interpreter.interpreter_builder.options
+    if options.sanitize_overflow and not options.debug:
+        interpreter.interpreter_builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 if interpreting():
     from .interpreter_casts import install as _install_exact_conversions
 
     _install_exact_conversions()
     _widen_bfloat16_dots()
     _index_from_one_element()
+    _no_dead_overflow_checks()

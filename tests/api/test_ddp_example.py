@@ -49,10 +49,20 @@ def _torchrun(processes: int) -> list:
     return [runner] if runner else [sys.executable, "-m", "torch.distributed.run"]
 
 
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU tensors even where a GPU exists
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(tmp_path_factory):
+    """The one-process curve on the global batch, the same for DDP and FSDP2: run once a module."""
+    return _run([sys.executable, str(SCRIPT), *TINY, "--shards", "2"], tmp_path_factory.mktemp("single") / "single.json",
+                CPU_ONLY)
+
+
 @pytest.mark.parametrize("sharding", [[], ["--fsdp"]], ids=["ddp", "fsdp2"])
-def test_two_cpu_ranks_match_one_process_on_the_global_batch(tmp_path, sharding):
-    env = {"CUDA_VISIBLE_DEVICES": ""}  # gloo on CPU tensors even where a GPU exists
-    single = _run([sys.executable, str(SCRIPT), *TINY, "--shards", "2"], tmp_path / "single.json", env)
+def test_two_cpu_ranks_match_one_process_on_the_global_batch(tmp_path, sharding, single_process_losses):
+    env = CPU_ONLY
+    single = single_process_losses
     port = "29531" if not sharding else "29533"
     ranks = _run(_torchrun(2) + ["--nproc_per_node=2", f"--master_port={port}", str(SCRIPT), *TINY, *sharding],
                  tmp_path / "ranks.json", env)
