@@ -136,7 +136,12 @@ def _clip(size, device):
         vision_config=dict(image_size=image, patch_size=patch, **vision, **_no_dropout()),
         projection_dim=_pick(size, 16, 512))
     model = transformers.CLIPModel(config).to(device)
-    inputs = {"input_ids": _ids(batch, seq, vocab, device),
+    # tokenized text ends in its EOS token, where CLIP pools the text tower; without one it pools
+    # position 0, which attends to itself alone under the causal mask: q's and k's gradients are
+    # then zero in exact arithmetic, and any fp32 rounding is an unbounded relative error
+    ids = _ids(batch, seq, vocab, device).clamp(min=2)
+    ids[:, -1] = config.text_config.eos_token_id
+    inputs = {"input_ids": ids,
               "pixel_values": torch.randn(batch + 1, 3, image, image, device=device)}
     return model, inputs, lambda result: result.logits_per_image
 

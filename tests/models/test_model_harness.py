@@ -9,11 +9,12 @@ import sys
 import threading
 
 import pytest
+import torch
 
 import model_runs
 from model_results import check, misses
 from model_runs import HERE, RESULT_PREFIX, ROOT, Run, SharedRuns, environment
-from model_worker import relative_error
+from model_worker import ZERO_GRADIENT_FRACTION, gradient_floors, relative_error
 
 BROKEN = "raise RuntimeError('operator torchvision::nms does not exist')\n"
 
@@ -104,3 +105,21 @@ def test_the_worker_imports_no_dnngraph_before_the_compile():
                    and "dnngraph" in line]
         assert imports == (["        import dnngraph  # noqa: F401"] if name == "model_worker.py" else []), imports
     assert sys.modules.get("model_worker") is not None
+
+
+def test_a_gradient_zero_in_exact_math_is_judged_against_the_steps_scale():
+    """An attention key bias's gradient is zero in exact math (softmax ignores a constant added to
+    a whole row): float64 leaves 1e-16 of noise, fp32 1e-6. Relative to its own norm that noise is
+    an error of 1e9 for every implementation; against the step's largest gradient, a few ulps."""
+    truth = [("output", torch.ones(3, dtype=torch.float64)), ("grad w", torch.full((4,), 50.0, dtype=torch.float64)),
+             ("grad small", torch.full((4,), 1e-3, dtype=torch.float64)),
+             ("grad k_bias", torch.full((4,), 1e-16, dtype=torch.float64))]
+    floors = gradient_floors(truth)
+    assert floors == [0.0, 0.0, 0.0, 100.0] and 1e-16 * 2 < ZERO_GRADIENT_FRACTION * 100.0
+    noise = torch.full((4,), 3e-6)
+    assert relative_error(noise, truth[3][1]) > 1e9
+    assert relative_error(noise, truth[3][1], floors[3]) < 1e-7
+    # a small gradient that is not zero keeps its own scale: an error there is still one
+    assert relative_error(torch.full((4,), 1.1e-3), truth[2][1], floors[2]) == pytest.approx(0.1)
+    # a zero gradient that is not noise (a defect writing a real value) fails against the floor too
+    assert relative_error(torch.full((4,), 0.5), truth[3][1], floors[3]) > 1e-3
