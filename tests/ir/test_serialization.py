@@ -103,6 +103,8 @@ def catalog_graphs(draw):
         kwargs = {"data_type": draw(st.sampled_from([dg.float16, dg.int32, dg.bool]))} if op == "cast" else {}
         if "negative_slope" in entry.params:
             kwargs["negative_slope"] = draw(st.floats(0, 1))
+        if "axis" in entry.params:  # gen_index: the index along one of its operand's axes
+            kwargs["axis"] = draw(st.integers(0, len(operands[0].dim) - 1 if isinstance(operands[0], dg.Tensor) else 0))
         values.append(getattr(g, op)(*operands, **kwargs))
     for t in g.tensors:
         if t.producer is not None and draw(st.booleans()):
